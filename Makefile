@@ -1,0 +1,17 @@
+# The two commands of the README, plus regenerating the protos.
+.PHONY: run test protos venv bench
+
+venv:
+	./scripts/setup-venv.sh
+
+run: venv
+	.venv/bin/shardserve up --ranks 2 --demo
+
+test: venv
+	.venv/bin/python -m pytest -q
+
+protos: venv
+	.venv/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/shardserve.proto
+
+bench: venv
+	.venv/bin/python -m benchmarks

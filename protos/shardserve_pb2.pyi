@@ -1,0 +1,372 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT8: _ClassVar[DType]
+    INT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+    COMPLEX64: _ClassVar[DType]
+    COMPLEX128: _ClassVar[DType]
+
+class OovPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OOV_ERROR: _ClassVar[OovPolicy]
+    OOV_ZERO: _ClassVar[OovPolicy]
+    OOV_DEFAULT: _ClassVar[OovPolicy]
+
+class TensorState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TENSOR_STATE_UNSPECIFIED: _ClassVar[TensorState]
+    PENDING: _ClassVar[TensorState]
+    READY: _ClassVar[TensorState]
+
+class InitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INIT_NONE: _ClassVar[InitKind]
+    INIT_ZEROS: _ClassVar[InitKind]
+    INIT_ONES: _ClassVar[InitKind]
+    INIT_NORMAL: _ClassVar[InitKind]
+    INIT_ARANGE: _ClassVar[InitKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT8: DType
+INT16: DType
+INT32: DType
+INT64: DType
+UINT8: DType
+BOOL: DType
+COMPLEX64: DType
+COMPLEX128: DType
+OOV_ERROR: OovPolicy
+OOV_ZERO: OovPolicy
+OOV_DEFAULT: OovPolicy
+TENSOR_STATE_UNSPECIFIED: TensorState
+PENDING: TensorState
+READY: TensorState
+INIT_NONE: InitKind
+INIT_ZEROS: InitKind
+INIT_ONES: InitKind
+INIT_NORMAL: InitKind
+INIT_ARANGE: InitKind
+
+class TensorProperties(_message.Message):
+    __slots__ = ("dtype", "requires_grad", "layout", "memory_format", "pin_memory")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    REQUIRES_GRAD_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PIN_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    requires_grad: bool
+    layout: str
+    memory_format: str
+    pin_memory: bool
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., requires_grad: _Optional[bool] = ..., layout: _Optional[str] = ..., memory_format: _Optional[str] = ..., pin_memory: _Optional[bool] = ...) -> None: ...
+
+class ShardMetadata(_message.Message):
+    __slots__ = ("shard_offsets", "shard_sizes", "placement")
+    SHARD_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_SIZES_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    shard_offsets: _containers.RepeatedScalarFieldContainer[int]
+    shard_sizes: _containers.RepeatedScalarFieldContainer[int]
+    placement: str
+    def __init__(self, shard_offsets: _Optional[_Iterable[int]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
+
+class ShardedTensorMetadata(_message.Message):
+    __slots__ = ("shards_metadata", "size", "tensor_properties")
+    SHARDS_METADATA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PROPERTIES_FIELD_NUMBER: _ClassVar[int]
+    shards_metadata: _containers.RepeatedCompositeFieldContainer[ShardMetadata]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    tensor_properties: TensorProperties
+    def __init__(self, shards_metadata: _Optional[_Iterable[_Union[ShardMetadata, _Mapping]]] = ..., size: _Optional[_Iterable[int]] = ..., tensor_properties: _Optional[_Union[TensorProperties, _Mapping]] = ...) -> None: ...
+
+class TensorOptions(_message.Message):
+    __slots__ = ("oov", "default_row")
+    OOV_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_ROW_FIELD_NUMBER: _ClassVar[int]
+    oov: OovPolicy
+    default_row: bytes
+    def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ...) -> None: ...
+
+class RankInfo(_message.Message):
+    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    address: str
+    device: str
+    hostname: str
+    memory_limit_bytes: int
+    memory_used_bytes: int
+    alive: bool
+    last_heartbeat_unix: float
+    world_size: int
+    pid: int
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    options: TensorOptions
+    state: TensorState
+    nbytes: int
+    created_unix: float
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RegisterRankRequest(_message.Message):
+    __slots__ = ("rank", "held")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    rank: RankInfo
+    held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...
+
+class HeldVersion(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class RegisterRankResponse(_message.Message):
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank", "memory_used_bytes")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    memory_used_bytes: int
+    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRanksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRanksResponse(_message.Message):
+    __slots__ = ("ranks",)
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+
+class CreateTensorRequest(_message.Message):
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    metadata: ShardedTensorMetadata
+    init: InitKind
+    seed: int
+    options: TensorOptions
+    overwrite: bool
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+
+class CommitTensorRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AbortTensorRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AbortTensorResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetTensorRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListTensorsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListTensorsResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteTensorRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeleteTensorResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AllocateShardsRequest(_message.Message):
+    __slots__ = ("name", "version", "metadata", "init", "seed", "options")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    init: InitKind
+    seed: int
+    options: TensorOptions
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ...) -> None: ...
+
+class AllocateShardsResponse(_message.Message):
+    __slots__ = ("allocated_bytes",)
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocated_bytes: int
+    def __init__(self, allocated_bytes: _Optional[int] = ...) -> None: ...
+
+class PromoteVersionRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PromoteVersionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DropVersionRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DropVersionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WriteShardRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WriteShardHeader
+    chunk: TensorChunk
+    def __init__(self, header: _Optional[_Union[WriteShardHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
+
+class WriteShardHeader(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "dtype", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    dtype: DType
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class WriteShardResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
+class ReadRegionRequest(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "offsets", "sizes", "chunk_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("rank", "memory_used_bytes", "memory_limit_bytes", "held")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    memory_used_bytes: int
+    memory_limit_bytes: int
+    held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
+    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...

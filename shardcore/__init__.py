@@ -1,0 +1,13 @@
+"""shardcore: pure layout logic for sharded tensors (no network, no threads).
+
+Metadata value types with PyTorch's names, sharding specs, validation, region
+math and routing, the reshard planner and its in-memory executor, and
+conversions to and from torch, DCP, DTensor and the wire protocol.
+"""
+from shardcore.dtypes import (SUPPORTED_DTYPES, UnsupportedDTypeError, dtype_from_name,
+                              dtype_from_wire, dtype_name, dtype_to_wire, itemsize)
+from shardcore.metadata import (Box, RemoteDevice, ShardedTensorMetadata, ShardMetadata,
+                                TensorProperties, make_metadata)
+from shardcore.planner import Bucket, ReshardPlan, Transfer
+from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local_view,
+                               relative_box, shards_for_box)

@@ -1,0 +1,228 @@
+"""Layout value types with PyTorch's names and semantics.
+
+`TensorProperties`, `ShardMetadata` and `ShardedTensorMetadata` mirror
+`torch.distributed._shard.sharded_tensor.metadata` / `..._shard.metadata`, but
+are frozen, hashable and hold plain tuples so they are cheap to compare and
+send. Placements are parsed like torch's `_remote_device` ("rank:N/cpu",
+"rank:N/cuda:K").
+"""
+from __future__ import annotations
+
+import math
+import operator
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from shardcore.dtypes import dtype_to_wire, itemsize
+
+_PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$")
+
+
+class RemoteDevice:
+    """A placement "rank:N/<device>", with torch `_remote_device`'s accessors."""
+
+    __slots__ = ("_rank", "_device")
+
+    def __init__(self, spec: "str | RemoteDevice | tuple[int, str]") -> None:
+        if isinstance(spec, RemoteDevice):
+            self._rank, self._device = spec._rank, spec._device
+            return
+        if isinstance(spec, tuple):
+            rank, device = spec
+            spec = f"rank:{int(rank)}/{device}"
+        if not isinstance(spec, str):
+            spec = str(spec)  # torch's _remote_device prints as "rank:N/device"
+        match = _PLACEMENT_RE.match(spec.strip())
+        if not match:
+            raise ValueError(
+                f"placement {spec!r} is not of the form 'rank:N/cpu' or 'rank:N/cuda:K'")
+        self._rank = int(match.group(1))
+        device = match.group(2)
+        self._device = torch.device("cuda:0" if device == "cuda" else device)
+
+    def rank(self) -> int:
+        return self._rank
+
+    def device(self) -> torch.device:
+        return self._device
+
+    def worker_name(self) -> None:
+        return None
+
+    def __str__(self) -> str:
+        return f"rank:{self._rank}/{self._device}"
+
+    def __repr__(self) -> str:
+        return f"RemoteDevice({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, str):
+            try:
+                other = RemoteDevice(other)
+            except ValueError:
+                return False
+        return isinstance(other, RemoteDevice) and (self._rank, self._device) == (other._rank, other._device)
+
+    def __hash__(self) -> int:
+        return hash((self._rank, str(self._device)))
+
+
+def as_placement(value: "str | RemoteDevice | int | None") -> RemoteDevice | None:
+    """Coerce "rank:N/dev", a RemoteDevice, torch's _remote_device or a bare rank int."""
+    if value is None or isinstance(value, RemoteDevice):
+        return value
+    if isinstance(value, int):
+        return RemoteDevice(f"rank:{value}/cpu")
+    return RemoteDevice(str(value))
+
+
+@dataclass(frozen=True)
+class TensorProperties:
+    """torch's TensorProperties: what a tensor is, apart from its size."""
+
+    dtype: torch.dtype = torch.float32
+    layout: torch.layout = torch.strided
+    requires_grad: bool = False
+    memory_format: torch.memory_format = torch.contiguous_format
+    pin_memory: bool = False
+
+    def __post_init__(self) -> None:
+        dtype_to_wire(self.dtype)
+        if self.layout != torch.strided:
+            raise ValueError(f"tensor_properties.layout {self.layout} is not supported; only torch.strided")
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+
+def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
+    values = tuple(values)
+    if any(isinstance(v, bool) for v in values):
+        raise TypeError(f"{what} must hold integers, got {values!r}")
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(f"{what} must hold integers, got {values!r}") from None
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned region of a tensor: `offsets` and `sizes` per dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", _int_tuple(self.offsets, "offsets"))
+        object.__setattr__(self, "sizes", _int_tuple(self.sizes, "sizes"))
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(
+                f"offsets has {len(self.offsets)} dims but sizes has {len(self.sizes)}")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def is_empty(self) -> bool:
+        return any(s == 0 for s in self.sizes)
+
+    def contains(self, other: "Box") -> bool:
+        return all(o1 <= o2 and o2 + s2 <= o1 + s1
+                   for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """One shard: a box of the global tensor and the rank/device that holds it."""
+
+    shard_offsets: tuple[int, ...]
+    shard_sizes: tuple[int, ...]
+    placement: RemoteDevice | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shard_offsets", _int_tuple(self.shard_offsets, "shard_offsets"))
+        object.__setattr__(self, "shard_sizes", _int_tuple(self.shard_sizes, "shard_sizes"))
+        object.__setattr__(self, "placement", as_placement(self.placement))
+        if len(self.shard_offsets) != len(self.shard_sizes):
+            raise ValueError(
+                f"shard_offsets has {len(self.shard_offsets)} dims but shard_sizes has "
+                f"{len(self.shard_sizes)}")
+
+    @property
+    def box(self) -> Box:
+        return Box(self.shard_offsets, self.shard_sizes)
+
+    @property
+    def rank(self) -> int:
+        if self.placement is None:
+            raise ValueError("shard has no placement")
+        return self.placement.rank()
+
+    @property
+    def device(self) -> torch.device:
+        if self.placement is None:
+            raise ValueError("shard has no placement")
+        return self.placement.device()
+
+    def numel(self) -> int:
+        return math.prod(self.shard_sizes)
+
+
+@dataclass(frozen=True)
+class ShardedTensorMetadata:
+    """The global view of a sharded tensor: its shards, size and properties."""
+
+    shards_metadata: tuple[ShardMetadata, ...] = ()
+    size: tuple[int, ...] = ()
+    tensor_properties: TensorProperties = field(default_factory=TensorProperties)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards_metadata", tuple(self.shards_metadata))
+        object.__setattr__(self, "size", _int_tuple(self.size, "size"))
+        for i, shard in enumerate(self.shards_metadata):
+            if not isinstance(shard, ShardMetadata):
+                raise TypeError(f"shards_metadata[{i}] is a {type(shard).__name__}, not ShardMetadata")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor_properties.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.size)
+
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel() * self.tensor_properties.itemsize
+
+    def ranks(self) -> tuple[int, ...]:
+        """Sorted distinct ranks that hold at least one shard."""
+        return tuple(sorted({s.rank for s in self.shards_metadata}))
+
+    def shards_on(self, rank: int) -> list[int]:
+        """Indices (into shards_metadata) of the shards placed on `rank`, in order."""
+        return [i for i, s in enumerate(self.shards_metadata) if s.rank == rank]
+
+    def shard_nbytes(self, index: int) -> int:
+        return self.shards_metadata[index].numel() * self.tensor_properties.itemsize
+
+
+def make_metadata(size: Sequence[int], shards: Sequence[tuple[Sequence[int], Sequence[int], str | int]],
+                  dtype: torch.dtype = torch.float32) -> ShardedTensorMetadata:
+    """Shorthand: metadata from (offsets, sizes, placement) triples."""
+    return ShardedTensorMetadata(
+        tuple(ShardMetadata(o, s, p) for o, s, p in shards), tuple(size), TensorProperties(dtype=dtype))

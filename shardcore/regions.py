@@ -1,0 +1,88 @@
+"""Region math: box intersection, which shards hold a box, boxes as views of local shards."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from shardcore.metadata import Box, ShardedTensorMetadata
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they do not overlap (or either is empty)."""
+    if a.ndim != b.ndim:
+        raise ValueError(f"cannot intersect a {a.ndim}-D box with a {b.ndim}-D box")
+    offsets, sizes = [], []
+    for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes):
+        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def check_box(size: Sequence[int], box: Box) -> None:
+    """Raise ValueError naming `offsets`/`sizes` when `box` is not inside a tensor of `size`."""
+    if box.ndim != len(size):
+        raise ValueError(f"offsets/sizes have {box.ndim} dims but the tensor has {len(size)}")
+    for d, (o, s, n) in enumerate(zip(box.offsets, box.sizes, size)):
+        if o < 0:
+            raise ValueError(f"offsets[{d}]={o} is negative")
+        if s < 0:
+            raise ValueError(f"sizes[{d}]={s} is negative")
+        if o + s > n:
+            raise ValueError(f"offsets[{d}]+sizes[{d}]={o + s} exceeds the tensor's size {n} in dim {d}")
+
+
+def shards_for_box(meta: ShardedTensorMetadata, box: Box,
+                   prefer_rank: int | None = None) -> list[tuple[int, Box]]:
+    """Shards to read to assemble `box`: (shard index, part of box it supplies).
+
+    Replicas (shards with identical boxes) are read once: the copy on
+    `prefer_rank` if there is one, else the first listed. Parts never overlap.
+    """
+    chosen: dict[Box, int] = {}
+    for index, shard in enumerate(meta.shards_metadata):
+        part = intersect(shard.box, box)
+        if part is None:
+            continue
+        key = shard.box
+        if key not in chosen or (prefer_rank is not None and shard.rank == prefer_rank
+                                 and meta.shards_metadata[chosen[key]].rank != prefer_rank):
+            chosen[key] = index
+    return [(index, intersect(meta.shards_metadata[index].box, box)) for index in sorted(chosen.values())]
+
+
+def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:
+    """The global `box` (inside `shard_box`) as a view of the local shard tensor."""
+    if not shard_box.contains(box):
+        raise ValueError(f"box {box} is not inside shard {shard_box}")
+    view = local
+    for d, (o, s, so) in enumerate(zip(box.offsets, box.sizes, shard_box.offsets)):
+        view = view.narrow(d, o - so, s)
+    return view
+
+
+def relative_box(outer: Box, inner: Box) -> Box:
+    """`inner` (global coordinates) in coordinates relative to `outer`'s origin."""
+    return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets)), inner.sizes)
+
+
+def cut_tensor(tensor: torch.Tensor, meta: ShardedTensorMetadata) -> list[torch.Tensor]:
+    """Each shard of `meta` as a view of the full `tensor`, in shards_metadata order."""
+    if tuple(tensor.shape) != meta.size:
+        raise ValueError(f"tensor shape {tuple(tensor.shape)} does not match metadata size {meta.size}")
+    full = Box((0,) * tensor.dim(), tuple(tensor.shape))
+    return [local_view(tensor, full, shard.box) for shard in meta.shards_metadata]
+
+
+def assemble(meta: ShardedTensorMetadata, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from its local shards (replicas are simply written twice)."""
+    if len(shards) != len(meta.shards_metadata):
+        raise ValueError(f"got {len(shards)} shard tensors for {len(meta.shards_metadata)} shards")
+    out = torch.empty(meta.size, dtype=meta.dtype)
+    full = Box((0,) * meta.ndim, meta.size)
+    for shard, local in zip(meta.shards_metadata, shards):
+        local_view(out, full, shard.box).copy_(local)
+    return out
