@@ -8,6 +8,7 @@ from shardcore.dtypes import (SUPPORTED_DTYPES, UnsupportedDTypeError, dtype_fro
                               dtype_from_wire, dtype_name, dtype_to_wire, itemsize)
 from shardcore.metadata import (Box, RemoteDevice, ShardedTensorMetadata, ShardMetadata,
                                 TensorProperties, make_metadata)
-from shardcore.planner import Bucket, ReshardPlan, Transfer
+from shardcore.planner import Bucket, RankPlan, ReshardPlan, Transfer, plan_reshard, split_box
+from shardcore.executor import apply_plan, copy_box, pack_bucket, unpack_bucket
 from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local_view,
                                relative_box, shards_for_box)

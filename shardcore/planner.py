@@ -3,12 +3,23 @@
 Planning apart from execution, as in torch.distributed.tensor._redistribute:
 the plan is a pure value; server/ executes it with collectives and
 shardcore.executor.apply_plan executes it in memory.
+
+The planner is not quadratic in the number of shards: source boxes are indexed
+per dim by their distinct intervals (sorted, with bisect), and each
+destination shard only tests the source boxes of its most selective dim.
 """
 from __future__ import annotations
 
+import itertools
+import math
+import operator
+from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from shardcore.metadata import Box, ShardedTensorMetadata
+
+DEFAULT_BUCKET_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -22,14 +33,30 @@ class Transfer:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     nbytes: int
+    src_shard_offsets: tuple[int, ...] | None = None
+    dst_shard_offsets: tuple[int, ...] | None = None
 
     @property
     def box(self) -> Box:
         return Box(self.offsets, self.sizes)
 
+    def src_local_offsets(self) -> tuple[int, ...]:
+        """Where the box starts inside the source shard's local tensor."""
+        return _relative(self.offsets, self.src_shard_offsets, "src_shard_offsets")
+
+    def dst_local_offsets(self) -> tuple[int, ...]:
+        """Where the box starts inside the destination shard's local tensor."""
+        return _relative(self.offsets, self.dst_shard_offsets, "dst_shard_offsets")
+
     @property
     def is_local(self) -> bool:
         return self.src_rank == self.dst_rank
+
+
+def _relative(offsets: tuple[int, ...], origin: tuple[int, ...] | None, name: str) -> tuple[int, ...]:
+    if origin is None:
+        raise ValueError(f"transfer has no {name}; build transfers with plan_reshard")
+    return tuple(o - b for o, b in zip(offsets, origin))
 
 
 @dataclass(frozen=True)
@@ -43,9 +70,275 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a plan: its local copies, the buckets it sends and receives."""
+
+    rank: int
+    local: tuple[Transfer, ...]
+    sends: tuple[Bucket, ...]
+    recvs: tuple[Bucket, ...]
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        """Sorted ranks this rank exchanges buckets with."""
+        return tuple(sorted({b.dst_rank for b in self.sends} | {b.src_rank for b in self.recvs}))
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.local or self.sends or self.recvs)
+
+
+@dataclass(frozen=True)
 class ReshardPlan:
+    """Transfers (local copies first, then peer pairs in sorted order) and the peer buckets.
+
+    Local transfers (src_rank == dst_rank) are not bucketed: they need no
+    communication. `buckets` hold every remote transfer exactly once, in
+    transfer order.
+    """
+
     src: ShardedTensorMetadata
     dst: ShardedTensorMetadata
     transfers: tuple[Transfer, ...]
     buckets: tuple[Bucket, ...]
     bucket_bytes: int
+
+    @property
+    def nbytes_local(self) -> int:
+        """Bytes copied inside a rank."""
+        return sum(t.nbytes for t in self.transfers if t.is_local)
+
+    @property
+    def nbytes_remote(self) -> int:
+        """Bytes sent between ranks."""
+        return sum(t.nbytes for t in self.transfers if not t.is_local)
+
+    @property
+    def local_transfers(self) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.transfers if t.is_local)
+
+    @property
+    def remote_transfers(self) -> tuple[Transfer, ...]:
+        return tuple(t for t in self.transfers if not t.is_local)
+
+    def ranks(self) -> tuple[int, ...]:
+        """Sorted ranks that take part in the plan (send, receive or copy)."""
+        return tuple(sorted({t.src_rank for t in self.transfers} | {t.dst_rank for t in self.transfers}))
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """What `rank` copies locally, sends and receives, each in global plan order."""
+        rank = operator.index(rank)
+        return RankPlan(
+            rank=rank,
+            local=tuple(t for t in self.transfers if t.is_local and t.dst_rank == rank),
+            sends=tuple(b for b in self.buckets if b.src_rank == rank),
+            recvs=tuple(b for b in self.buckets if b.dst_rank == rank),
+        )
+
+
+_BoxKey = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _IntervalIndex:
+    """The distinct intervals of one dim, sorted by start, each with the boxes spanning it."""
+
+    def __init__(self, intervals: dict[tuple[int, int], list[int]]) -> None:
+        items = sorted(intervals.items())
+        self.starts = [lo for (lo, _), _ in items]
+        self.ends = [hi for (_, hi), _ in items]
+        self.members = [ids for _, ids in items]
+        self.max_len = max((hi - lo for hi, lo in zip(self.ends, self.starts)), default=0)
+
+    def overlapping(self, lo: int, hi: int) -> list[int]:
+        """Positions of the intervals that overlap [lo, hi)."""
+        first = bisect_left(self.starts, lo - self.max_len + 1)
+        last = bisect_left(self.starts, hi)
+        ends = self.ends
+        return [i for i in range(first, last) if ends[i] > lo]
+
+
+class _SourceIndex:
+    """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index."""
+
+    def __init__(self, src: ShardedTensorMetadata) -> None:
+        groups: dict[_BoxKey, list[tuple[int, int]]] = {}
+        for index, shard in enumerate(src.shards_metadata):
+            if 0 in shard.shard_sizes:
+                continue
+            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(
+                (index, _rank_of(src, index, "src")))
+        self.boxes = list(groups)
+        self.holders = list(groups.values())
+        self.ndim = len(src.size)
+        self.dims: list[_IntervalIndex] = []
+        for d in range(self.ndim):
+            intervals: dict[tuple[int, int], list[int]] = {}
+            for g, (offsets, sizes) in enumerate(self.boxes):
+                intervals.setdefault((offsets[d], offsets[d] + sizes[d]), []).append(g)
+            self.dims.append(_IntervalIndex(intervals))
+
+    def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[int]:
+        """Source groups that may overlap the box: those of its most selective dim."""
+        if self.ndim == 0:
+            return iter(range(len(self.boxes)))
+        best: tuple[int, _IntervalIndex, list[int]] | None = None
+        for d, index in enumerate(self.dims):
+            hits = index.overlapping(offsets[d], offsets[d] + sizes[d])
+            count = sum(len(index.members[i]) for i in hits)
+            if best is None or count < best[0]:
+                best = (count, index, hits)
+                if count == 0:
+                    break
+        _, index, hits = best
+        return itertools.chain.from_iterable(index.members[i] for i in hits)
+
+
+def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
+    placement = meta.shards_metadata[index].placement
+    if placement is None:
+        raise ValueError(f"{which}.shards_metadata[{index}].placement is missing")
+    return placement.rank()
+
+
+def _intersection(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...],
+                  b_size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        lo = ao if ao > bo else bo
+        hi = min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
+def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> None:
+    for name, meta in (("src", src), ("dst", dst)):
+        if not isinstance(meta, ShardedTensorMetadata):
+            raise TypeError(f"{name} must be a ShardedTensorMetadata, got {type(meta).__name__}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+        raise TypeError(f"bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    if src.size != dst.size:
+        raise ValueError(f"size differs: src.size={src.size} but dst.size={dst.size}")
+    if src.dtype != dst.dtype:
+        raise ValueError(f"tensor_properties.dtype differs: src has {src.dtype} but dst has {dst.dtype}")
+    for name, meta in (("src", src), ("dst", dst)):
+        for i, shard in enumerate(meta.shards_metadata):
+            where = f"{name}.shards_metadata[{i}]"
+            if len(shard.shard_offsets) != meta.ndim:
+                raise ValueError(f"{where}.shard_offsets has {len(shard.shard_offsets)} dims "
+                                 f"but the tensor has {meta.ndim}")
+            for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
+                if o < 0 or s < 0 or o + s > n:
+                    raise ValueError(f"{where} is outside the tensor in dim {d}: "
+                                     f"offset {o}, size {s}, tensor size {n}")
+            _rank_of(meta, i, name)
+
+
+def split_box(offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
+              limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Cut a box into C-order pieces of at most `limit` bytes each.
+
+    Cuts the outermost dim whose inner slices fit into `limit`; the dims
+    before it are taken one index at a time. Only a box with a single element
+    larger than `limit` yields a piece over the limit.
+    """
+    if math.prod(sizes) * itemsize <= limit:
+        return [(offsets, sizes)]
+    ndim = len(sizes)
+    inner = [itemsize] * (ndim + 1)
+    for d in range(ndim - 1, -1, -1):
+        inner[d] = inner[d + 1] * sizes[d]
+    cut = next((d for d in range(ndim) if inner[d + 1] <= limit), ndim - 1)
+    step = max(1, limit // inner[cut + 1])
+    pieces = []
+    for outer in itertools.product(*(range(s) for s in sizes[:cut])):
+        head_off = tuple(o + i for o, i in zip(offsets, outer))
+        for start in range(0, sizes[cut], step):
+            length = min(step, sizes[cut] - start)
+            pieces.append((head_off + (offsets[cut] + start,) + offsets[cut + 1:],
+                           (1,) * cut + (length,) + sizes[cut + 1:]))
+    return pieces
+
+
+def _choose_holder(holders: list[tuple[int, int]], dst_rank: int, load: dict[int, int]) -> tuple[int, int]:
+    """The holder on dst_rank if any, else the least-loaded source rank (first listed on ties)."""
+    for holder in holders:
+        if holder[1] == dst_rank:
+            return holder
+    if len(holders) == 1:
+        return holders[0]
+    return min(holders, key=lambda h: load.get(h[1], 0))
+
+
+def _order_key(t: Transfer) -> tuple:
+    """Local copies first (by rank), then peer pairs in sorted order; inside a pair by box."""
+    return (not t.is_local, t.src_rank, t.dst_rank, t.dst_shard, t.src_shard, t.offsets)
+
+
+def _bucketize(transfers: Sequence[Transfer], bucket_bytes: int) -> tuple[Bucket, ...]:
+    buckets: list[Bucket] = []
+    for (src_rank, dst_rank), group in itertools.groupby(
+            (t for t in transfers if not t.is_local), key=lambda t: (t.src_rank, t.dst_rank)):
+        current: list[Transfer] = []
+        size = 0
+        for t in group:
+            if current and size + t.nbytes > bucket_bytes:
+                buckets.append(Bucket(src_rank, dst_rank, tuple(current), size))
+                current, size = [], 0
+            current.append(t)
+            size += t.nbytes
+        if current:
+            buckets.append(Bucket(src_rank, dst_rank, tuple(current), size))
+    return tuple(buckets)
+
+
+def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
+    """The transfers that turn layout `src` into layout `dst`, grouped per peer pair and bucketed.
+
+    Every non-empty destination shard is covered exactly once by its
+    transfers. A destination rank that holds the source box itself copies
+    locally; otherwise remote reads are spread over the source replicas by
+    bytes already assigned to each source rank. Remote transfers larger than
+    `bucket_bytes` are cut (see `split_box`) so that no bucket exceeds it,
+    unless a single element does. `src` must be a valid layout (shards
+    disjoint apart from exact replicas); a src that leaves part of a
+    destination shard uncovered raises ValueError.
+    """
+    _check_inputs(src, dst, bucket_bytes)
+    itemsize = src.tensor_properties.itemsize
+    index = _SourceIndex(src)
+    load: dict[int, int] = {}
+    transfers: list[Transfer] = []
+    for j, shard in enumerate(dst.shards_metadata):
+        d_off, d_size = shard.shard_offsets, shard.shard_sizes
+        if 0 in d_size:
+            continue
+        dst_rank = _rank_of(dst, j, "dst")
+        covered = 0
+        for g in index.candidates(d_off, d_size):
+            s_off, s_size = index.boxes[g]
+            common = _intersection(s_off, s_size, d_off, d_size)
+            if common is None:
+                continue
+            src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)
+            numel = math.prod(common[1])
+            covered += numel
+            if src_rank == dst_rank:
+                pieces = [common]
+            else:
+                load[src_rank] = load.get(src_rank, 0) + numel * itemsize
+                pieces = split_box(common[0], common[1], itemsize, bucket_bytes)
+            for offsets, sizes in pieces:
+                transfers.append(Transfer(src_shard, j, src_rank, dst_rank, offsets, sizes,
+                                          math.prod(sizes) * itemsize, s_off, d_off))
+        if covered != math.prod(d_size):
+            raise ValueError(
+                f"src shards do not cover dst.shards_metadata[{j}] (offsets {d_off}, sizes {d_size}) "
+                f"exactly once: {covered} of {math.prod(d_size)} elements found; src has gaps or overlaps")
+    transfers.sort(key=_order_key)
+    return ReshardPlan(src, dst, tuple(transfers), _bucketize(transfers, bucket_bytes), bucket_bytes)
