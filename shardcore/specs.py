@@ -42,11 +42,15 @@ def _properties(tensor_properties: TensorProperties | None) -> TensorProperties:
     return tensor_properties
 
 
+def chunk_bound(dim_size: int, chunks: int, index: int) -> tuple[int, int]:
+    """(offset, size) of piece `index` of `chunks` torch.chunk-style pieces of `dim_size`, offset clamped."""
+    split = -(-dim_size // chunks)
+    return min(split * index, dim_size), max(min(dim_size, split * (index + 1)) - split * index, 0)
+
+
 def chunk_bounds(dim_size: int, chunks: int) -> list[tuple[int, int]]:
     """(offset, size) of each of `chunks` torch.chunk-style pieces of `dim_size`, offsets clamped."""
-    split = -(-dim_size // chunks)
-    return [(min(split * i, dim_size), max(min(dim_size, split * (i + 1)) - split * i, 0))
-            for i in range(chunks)]
+    return [chunk_bound(dim_size, chunks, i) for i in range(chunks)]
 
 
 @dataclass(frozen=True)
