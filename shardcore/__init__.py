@@ -10,5 +10,6 @@ from shardcore.metadata import (Box, RemoteDevice, ShardedTensorMetadata, ShardM
                                 TensorProperties, make_metadata)
 from shardcore.planner import Bucket, RankPlan, ReshardPlan, Transfer, plan_reshard, split_box
 from shardcore.executor import apply_plan, copy_box, pack_bucket, unpack_bucket
+from shardcore.routing import RowIndex, RowRoute, route_rows, unique_ids
 from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local_view,
                                relative_box, shards_for_box)

@@ -1,0 +1,181 @@
+"""Vectorized routing of row ids (dim 0) to the shards that hold them, for embedding tables.
+
+Row boundaries of all shards cut dim 0 into segments; `torch.searchsorted`
+puts every id into its segment and one stable sort groups the ids per
+segment, so routing is a handful of torch ops whatever the number of ids.
+A shard receives the ids of the segments its rows span; column-split shards
+of the same rows each receive them, with their column range, and the caller
+concatenates the pieces. Replicas (identical boxes) are routed once.
+
+Ids out of range, or whose rows no shard holds, are invalid: `invalid="raise"`
+raises IndexError naming the first one; `invalid="skip"` leaves them out of
+every route, and `RowIndex.invalid_mask` finds them, so callers can implement
+their own policy (error, zero row, default row).
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from shardcore.metadata import ShardedTensorMetadata
+
+_INVALID_POLICIES = ("raise", "skip")
+
+
+@dataclass(frozen=True, eq=False)
+class RowRoute:
+    """The ids one shard serves: their positions in `ids` and their rows inside the shard."""
+
+    shard: int
+    rank: int
+    positions: torch.Tensor
+    local_rows: torch.Tensor
+    inner_offsets: tuple[int, ...]
+    inner_sizes: tuple[int, ...]
+
+    @property
+    def columns(self) -> slice:
+        """The global column range (dim 1) the shard holds; whole rows for a 1-D tensor."""
+        if not self.inner_offsets:
+            return slice(0, 1)
+        return slice(self.inner_offsets[0], self.inner_offsets[0] + self.inner_sizes[0])
+
+    def __len__(self) -> int:
+        return int(self.positions.numel())
+
+
+@dataclass(frozen=True)
+class _RoutedBox:
+    shard: int
+    rank: int
+    row_start: int
+    first_segment: int
+    end_segment: int
+    inner_offsets: tuple[int, ...]
+    inner_sizes: tuple[int, ...]
+
+
+class RowIndex:
+    """Row boundaries of a layout, built once and reused to route many id batches."""
+
+    def __init__(self, meta: ShardedTensorMetadata, prefer_rank: int | None = None) -> None:
+        if not isinstance(meta, ShardedTensorMetadata):
+            raise TypeError(f"meta must be a ShardedTensorMetadata, got {type(meta).__name__}")
+        if meta.ndim < 1:
+            raise ValueError("meta.size must have at least one dim (rows are dim 0)")
+        self.meta = meta
+        self.num_rows = meta.size[0]
+        chosen = _one_replica_per_box(meta, prefer_rank)
+        bounds = sorted({0, self.num_rows}
+                        | {meta.shards_metadata[i].shard_offsets[0] for i in chosen}
+                        | {meta.shards_metadata[i].shard_offsets[0] + meta.shards_metadata[i].shard_sizes[0]
+                           for i in chosen})
+        self.boxes = tuple(self._routed_box(i, bounds) for i in chosen)
+        self._bounds = torch.tensor(bounds, dtype=torch.int64)
+        self._segment_ok = self._covered_segments(len(bounds) - 1)
+
+    def _routed_box(self, index: int, bounds: list[int]) -> _RoutedBox:
+        shard = self.meta.shards_metadata[index]
+        start, size = shard.shard_offsets[0], shard.shard_sizes[0]
+        return _RoutedBox(index, shard.rank, start, bisect_left(bounds, start),
+                          bisect_left(bounds, start + size), shard.shard_offsets[1:], shard.shard_sizes[1:])
+
+    def _covered_segments(self, segments: int) -> torch.Tensor:
+        """Per segment: do the chosen boxes hold the whole of its rows (every column)?"""
+        delta = [0] * (segments + 1)
+        for box in self.boxes:
+            volume = math.prod(box.inner_sizes)
+            delta[box.first_segment] += volume
+            delta[box.end_segment] -= volume
+        covered = torch.tensor(delta[:-1], dtype=torch.int64).cumsum(0)
+        # one extra segment for ids past the end, and one (index -1 after shift) before 0
+        ok = torch.zeros(segments + 2, dtype=torch.bool)
+        ok[1:-1] = covered == math.prod(self.meta.size[1:])
+        return ok
+
+    def segments(self, ids: torch.Tensor) -> torch.Tensor:
+        """Segment of each id shifted by one: 0 for ids < 0, S+1 for ids past the last row."""
+        return torch.searchsorted(self._bounds.to(ids.device), ids, right=True)
+
+    def invalid_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """True where an id is out of range or its row is held by no shard."""
+        ids = _check_ids(ids)
+        return ~self._segment_ok.to(ids.device)[self.segments(ids)]
+
+    def route(self, ids: torch.Tensor, invalid: str = "raise") -> list[RowRoute]:
+        """Group `ids` by the shards that hold their rows; see the module docstring for `invalid`."""
+        ids = _check_ids(ids)
+        if invalid not in _INVALID_POLICIES:
+            raise ValueError(f"invalid must be one of {_INVALID_POLICIES}, got {invalid!r}")
+        shifted = self.segments(ids)
+        bad = ~self._segment_ok.to(ids.device)[shifted]
+        if bool(bad.any()):
+            if invalid == "raise":
+                raise IndexError(self._describe_bad(ids, bad))
+            shifted = shifted.masked_fill(bad, 0)  # segment 0 (ids < 0) belongs to no shard
+        segment_count = self._segment_ok.numel()
+        order = torch.sort(shifted, stable=True).indices
+        counts = torch.bincount(shifted, minlength=segment_count)
+        starts = [0] + torch.cumsum(counts, 0).tolist()
+        routes = []
+        for box in self.boxes:
+            lo, hi = starts[box.first_segment + 1], starts[box.end_segment + 1]
+            if hi == lo:
+                continue
+            positions = order[lo:hi]
+            routes.append(RowRoute(box.shard, box.rank, positions, ids[positions] - box.row_start,
+                                   box.inner_offsets, box.inner_sizes))
+        return routes
+
+    def _describe_bad(self, ids: torch.Tensor, bad: torch.Tensor) -> str:
+        position = int(bad.nonzero()[0, 0])
+        value = int(ids[position])
+        count = int(bad.sum())
+        if 0 <= value < self.num_rows:
+            reason = f"row {value} is held by no shard"
+        else:
+            reason = f"out of range for {self.num_rows} rows"
+        return f"ids[{position}]={value}: {reason} ({count} invalid id(s) in all)"
+
+
+def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None) -> list[int]:
+    """Indices of the non-empty shards to route to: one per distinct box, prefer_rank's if any."""
+    chosen: dict[tuple, int] = {}
+    for index, shard in enumerate(meta.shards_metadata):
+        if len(shard.shard_offsets) != meta.ndim:
+            raise ValueError(f"meta.shards_metadata[{index}] has {len(shard.shard_offsets)} dims "
+                             f"but the tensor has {meta.ndim}")
+        if 0 in shard.shard_sizes:
+            continue
+        if shard.placement is None:
+            raise ValueError(f"meta.shards_metadata[{index}].placement is missing")
+        key = (shard.shard_offsets, shard.shard_sizes)
+        if key not in chosen or (prefer_rank is not None and shard.rank == prefer_rank
+                                 and meta.shards_metadata[chosen[key]].rank != prefer_rank):
+            chosen[key] = index
+    return sorted(chosen.values())
+
+
+def _check_ids(ids: torch.Tensor) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids must be a torch.Tensor of integers, got {type(ids).__name__}")
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"ids must hold integers, got dtype {ids.dtype}")
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    return ids.to(torch.int64)
+
+
+def route_rows(meta: ShardedTensorMetadata, ids: torch.Tensor, *, invalid: str = "raise",
+               prefer_rank: int | None = None) -> list[RowRoute]:
+    """Group row ids by the shards holding their rows (one route per shard, in shard order)."""
+    return RowIndex(meta, prefer_rank).route(ids, invalid)
+
+
+def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted distinct ids and, per id, its index in them (ids == unique[inverse])."""
+    ids = _check_ids(ids)
+    return torch.unique(ids, sorted=True, return_inverse=True)
