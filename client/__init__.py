@@ -1,0 +1,14 @@
+"""shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
+from client.cluster import Cluster, connect
+from client.errors import (AuthenticationError, DeadlineExceededError, InvalidArgumentError,
+                           RankUnavailableError, ResourceExhaustedError, ShardServeError,
+                           StaleVersionError, TensorExistsError, TensorNotFoundError)
+from client.info import RankStatus, TensorSummary
+from client.remote_tensor import RemoteShard, RemoteShardedTensor
+
+__all__ = [
+    "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",
+    "ShardServeError", "TensorNotFoundError", "InvalidArgumentError", "TensorExistsError",
+    "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
+    "DeadlineExceededError",
+]

@@ -1,0 +1,217 @@
+"""connect() and Cluster: the client's handle on a shardserve cluster (coordinator + ranks).
+
+Cluster creates, puts, lists and deletes tensors through the coordinator and
+hands out RemoteShardedTensor proxies for reading. A put is all-or-nothing: the
+tensor is created PENDING, every shard streamed to its owner, then committed;
+any failure aborts the pending version so no half tensor is ever visible.
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+
+from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from client.info import RankStatus, TensorSummary
+from client.remote_tensor import RemoteShardedTensor
+from client.transport import CHUNK_BYTES, Credentials, Transport, check_address
+from protos import shardserve_pb2 as pb
+from shardcore.dtypes import dtype_from_name, dtype_to_wire
+from shardcore.metadata import ShardedTensorMetadata, TensorProperties
+from shardcore.regions import cut_tensor
+from shardcore.specs import ChunkShardingSpec
+from shardcore.validation import validate_metadata
+from shardcore.wire import metadata_to_proto, tensor_bytes
+
+INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NORMAL, "arange": pb.INIT_ARANGE}
+
+
+def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
+            tls_cert: str | None = None, tls_key: str | None = None) -> "Cluster":
+    """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token."""
+    check_address(address)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)))
+    try:
+        cluster._refresh_ranks()
+    except BaseException:
+        cluster.close()
+        raise
+    return cluster
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise InvalidArgumentError(f"name must be a non-empty string, got {name!r}")
+    return name
+
+
+def _resolve_spec(spec: Any) -> Any:
+    """A shardcore spec (build_metadata) from a shardcore spec or torch's ChunkShardingSpec / EnumerableShardingSpec."""
+    if isinstance(spec, ShardedTensorMetadata) or (
+            type(spec).__module__.startswith("shardcore.") and hasattr(spec, "build_metadata")):
+        return spec
+    from shardcore.interop import as_spec  # torch's specs: converted by shardcore's interop
+    try:
+        return as_spec(spec)
+    except (TypeError, ValueError) as err:
+        raise InvalidArgumentError(f"spec: {err}") from None
+
+
+class Cluster:
+    """A connection to one shardserve cluster; use as a context manager or call close()."""
+
+    def __init__(self, address: str, transport: Transport) -> None:
+        self.address = address
+        self._transport = transport
+        self._coordinator = transport.coordinator(address)
+        self._ranks: dict[int, RankStatus] = {}
+        self._ranks_lock = threading.Lock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close every channel and the read pool."""
+        self._transport.close()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Cluster(address={self.address!r}, ranks={sorted(self._ranks)})"
+
+    # ------------------------------------------------------------ coordinator calls
+
+    def _call(self, method: str, request: Any) -> Any:
+        return self._transport.unary(getattr(self._coordinator, method), request, f"coordinator at {self.address}")
+
+    def _refresh_ranks(self) -> list[RankStatus]:
+        ranks = [RankStatus.from_proto(r) for r in self._call("ListRanks", pb.ListRanksRequest()).ranks]
+        with self._ranks_lock:
+            self._ranks = {r.rank: r for r in ranks}
+        return ranks
+
+    def _address_of(self, rank: int) -> str:
+        status = self._ranks.get(rank)
+        if status is None or not status.address:
+            status = {r.rank: r for r in self._refresh_ranks()}.get(rank)
+        if status is None or not status.address:
+            raise RankUnavailableError(f"rank {rank} is not registered with the coordinator at {self.address}")
+        return status.address
+
+    def _get_summary(self, name: str) -> TensorSummary:
+        return TensorSummary.from_proto(self._call("GetTensor", pb.GetTensorRequest(name=_check_name(name))))
+
+    def ranks(self) -> list[RankStatus]:
+        """Every registered rank (address, device, alive, memory), sorted by rank."""
+        return sorted(self._refresh_ranks(), key=lambda r: r.rank)
+
+    def list(self, include_pending: bool = False) -> list[TensorSummary]:
+        """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
+        tensors = [TensorSummary.from_proto(t) for t in self._call("ListTensors", pb.ListTensorsRequest()).tensors]
+        return sorted((t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name)
+
+    def tensor(self, name: str) -> RemoteShardedTensor:
+        """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
+        return RemoteShardedTensor(self, self._get_summary(name))
+
+    def __getitem__(self, name: str) -> RemoteShardedTensor:
+        return self.tensor(name)
+
+    def __contains__(self, name: str) -> bool:
+        return any(t.name == name for t in self.list())
+
+    def delete(self, name: str) -> None:
+        """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
+        self._call("DeleteTensor", pb.DeleteTensorRequest(name=_check_name(name)))
+
+    # ------------------------------------------------------------ creating tensors
+
+    def _metadata(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
+        """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank)."""
+        if spec is None:
+            live = [r for r in self.ranks() if r.alive]
+            if not live:
+                raise RankUnavailableError(f"no live rank is registered with the coordinator at {self.address}")
+            spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in live])
+        spec = _resolve_spec(spec)
+        try:
+            if isinstance(spec, ShardedTensorMetadata):
+                meta = spec
+                if meta.size != tuple(shape) or meta.dtype != dtype:
+                    raise ValueError(f"spec metadata is for a {meta.dtype} tensor of size {meta.size}, "
+                                     f"not {dtype} of size {tuple(shape)}")
+            else:
+                meta = spec.build_metadata(tuple(shape), TensorProperties(dtype=dtype))
+            validate_metadata(meta)
+        except ValueError as err:
+            raise InvalidArgumentError(f"spec: {err}") from None
+        return meta
+
+    def create(self, name: str, shape: Sequence[int], dtype: torch.dtype | str = torch.float32, spec: Any = None,
+               init: str = "zeros", seed: int = 0, overwrite: bool = False) -> RemoteShardedTensor:
+        """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange")."""
+        _check_name(name)
+        if init not in INIT_KINDS:
+            raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
+        try:
+            dtype = dtype_from_name(dtype)
+            shape = tuple(shape)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(f"dtype/shape: {err}") from None
+        meta = self._metadata(shape, dtype, spec)
+        info = self._call("CreateTensor", pb.CreateTensorRequest(
+            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite))
+        return RemoteShardedTensor(self, TensorSummary.from_proto(info))
+
+    def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
+            chunk_bytes: int = CHUNK_BYTES) -> RemoteShardedTensor:
+        """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure."""
+        _check_name(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise InvalidArgumentError(f"tensor has layout {tensor.layout}; only dense (strided) tensors are served")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise InvalidArgumentError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        try:
+            dtype_to_wire(tensor.dtype)
+        except ValueError as err:
+            raise InvalidArgumentError(f"tensor dtype: {err}") from None
+        meta = self._metadata(tuple(tensor.shape), tensor.dtype, spec)
+        source = tensor.detach().cpu()
+        shards = cut_tensor(source, meta)
+        info = self._call("CreateTensor", pb.CreateTensorRequest(
+            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite))
+        try:
+            jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
+                    for index, shard in enumerate(shards)]
+            self._transport.run_all(jobs)
+            committed = self._call("CommitTensor", pb.CommitTensorRequest(name=name, version=info.version))
+        except BaseException:
+            self._abort(name, info.version)
+            raise
+        return RemoteShardedTensor(self, TensorSummary.from_proto(committed))
+
+    def _write_shard(self, name: str, version: int, index: int, shard: torch.Tensor,
+                     meta: ShardedTensorMetadata, chunk_bytes: int) -> int:
+        data = tensor_bytes(shard)
+        header = pb.WriteShardHeader(name=name, version=version, shard_index=index,
+                                     dtype=dtype_to_wire(meta.dtype), nbytes=len(data))
+        address = self._address_of(meta.shards_metadata[index].rank)
+        return self._transport.write_shard(address, header, data, chunk_bytes)
+
+    def _abort(self, name: str, version: int) -> None:
+        """Best-effort AbortTensor of a pending version (the coordinator also times pending ones out)."""
+        try:
+            self._call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
+        except ShardServeError:
+            pass

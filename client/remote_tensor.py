@@ -1,0 +1,214 @@
+"""RemoteShardedTensor: a ShardedTensor-like proxy of a tensor held by the cluster's ranks.
+
+It caches the tensor's metadata at one version. A read asks every shard it
+touches in parallel, each part landing in a preallocated output; when a rank no
+longer serves that version, the proxy refreshes its metadata once and retries
+the whole read, so a result never mixes two versions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from client.errors import (InvalidArgumentError, RankUnavailableError, StaleVersionError,
+                           TensorNotFoundError)
+from client.indexing import parse_index
+from client.info import TensorSummary
+from protos import shardserve_pb2 as pb
+from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata
+from shardcore.regions import check_box, local_view, shards_for_box
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.wire import byte_view
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
+
+# Errors after which a read refreshes the metadata (and rank addresses) once and retries.
+_RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
+
+
+@dataclass(frozen=True)
+class RemoteShard:
+    """One shard of a remote tensor at one version: its metadata and a way to fetch it."""
+
+    tensor: "RemoteShardedTensor"
+    index: int
+    summary: TensorSummary
+
+    @property
+    def metadata(self) -> ShardMetadata:
+        return self.summary.metadata.shards_metadata[self.index]
+
+    @property
+    def version(self) -> int:
+        return self.summary.version
+
+    @property
+    def rank(self) -> int:
+        return self.metadata.rank
+
+    def fetch(self) -> torch.Tensor:
+        """The whole shard, read from its own rank (raises StaleVersionError once the version is gone)."""
+        box = self.metadata.box
+        out = torch.empty(box.sizes, dtype=self.tensor.dtype)
+        self.tensor._read_parts(self.summary, [(self.index, box)], box, out)
+        return out
+
+
+class RemoteShardedTensor:
+    """A sharded tensor held by the cluster, read by offset, slice or whole."""
+
+    def __init__(self, cluster: "Cluster", summary: TensorSummary) -> None:
+        self._cluster = cluster
+        self._summary = summary
+
+    # ------------------------------------------------------------ description
+
+    @property
+    def name(self) -> str:
+        return self._summary.name
+
+    @property
+    def version(self) -> int:
+        return self._summary.version
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._summary.metadata.size)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        """Like torch.Tensor.size()."""
+        return self.shape if dim is None else self.shape[dim]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._summary.metadata.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._summary.metadata.ndim
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return self._summary.metadata.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self._summary.metadata.nbytes
+
+    def metadata(self) -> ShardedTensorMetadata:
+        """The shardcore ShardedTensorMetadata of the cached version."""
+        return self._summary.metadata
+
+    def sharding_spec(self) -> ChunkShardingSpec | EnumerableShardingSpec:
+        """A spec that builds this layout: a ChunkShardingSpec when one does, else an EnumerableShardingSpec."""
+        meta = self.metadata()
+        placements = [s.placement for s in meta.shards_metadata]
+        for dim in range(meta.ndim):
+            spec = ChunkShardingSpec(dim, placements)
+            if spec.build_metadata(meta.size, meta.tensor_properties) == meta:
+                return spec
+        return EnumerableShardingSpec(meta.shards_metadata)
+
+    def remote_shards(self) -> dict[int, list[RemoteShard]]:
+        """{rank: [RemoteShard]} of the cached version, like ShardedTensor.remote_shards without RRefs."""
+        summary = self._summary
+        shards: dict[int, list[RemoteShard]] = {}
+        for index, shard in enumerate(summary.metadata.shards_metadata):
+            shards.setdefault(shard.rank, []).append(RemoteShard(self, index, summary))
+        return shards
+
+    def refresh(self) -> "RemoteShardedTensor":
+        """Reload the metadata (a newer version if the tensor was overwritten); returns self."""
+        self._summary = self._cluster._get_summary(self.name)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"RemoteShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"version={self.version}, shards={len(self._summary.metadata.shards_metadata)})")
+
+    def __len__(self) -> int:
+        if not self.ndim:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    # ------------------------------------------------------------ reads
+
+    def fetch(self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """The global box at `offsets` of `sizes`, into `out` (any strides, any device) or a new tensor."""
+        try:
+            box = Box(tuple(offsets), tuple(sizes))
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(f"offsets/sizes: {err}") from None
+        return self._read_box(box, out)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        """`t[i, a:b, ...]` with ints and step-1 slices (negative ones too); ints drop their dim like torch."""
+        box, dropped = parse_index(index, tuple(self.shape))
+        result = self._read_box(box, None)
+        if dropped:
+            result = result.reshape([n for d, n in enumerate(box.sizes) if d not in dropped])
+        return result
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor as one local CPU tensor."""
+        return self._read_box(Box((0,) * self.ndim, tuple(self.shape)), None)
+
+    def _check_request(self, box: Box, out: torch.Tensor | None) -> None:
+        try:
+            check_box(self._summary.metadata.size, box)
+        except ValueError as err:
+            raise InvalidArgumentError(f"{err} (tensor {self.name!r} has shape {tuple(self.shape)})") from None
+        if out is None:
+            return
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        if tuple(out.shape) != box.sizes:
+            raise InvalidArgumentError(f"out has shape {tuple(out.shape)} but sizes are {box.sizes}")
+        if out.dtype != self.dtype:
+            raise InvalidArgumentError(f"out has dtype {out.dtype} but tensor {self.name!r} is {self.dtype}")
+
+    def _read_box(self, box: Box, out: torch.Tensor | None) -> torch.Tensor:
+        """Read `box` at the cached version; on a stale version refresh once and retry the whole read."""
+        for attempt in (0, 1):
+            self._check_request(box, out)
+            summary = self._summary
+            target = out if out is not None and out.device.type == "cpu" else torch.empty(box.sizes, dtype=self.dtype)
+            try:
+                self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
+            except _RETRYABLE:
+                if attempt:
+                    raise
+                self._cluster._refresh_ranks()
+                self.refresh()
+                continue
+            if out is not None and target is not out:
+                out.copy_(target)
+                return out
+            return target
+        raise AssertionError("unreachable")
+
+    def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
+                    out: torch.Tensor) -> None:
+        """Fetch each (shard index, global part) of `box` into its region of `out` (a CPU tensor of box's shape)."""
+        if box.is_empty():
+            return
+        jobs = [partial(self._read_part, summary, index, part, box, out) for index, part in parts]
+        self._cluster._transport.run_all(jobs)
+
+    def _read_part(self, summary: TensorSummary, index: int, part: Box, box: Box, out: torch.Tensor) -> None:
+        """One shard's part: straight into `out` when its region there is contiguous, else via one buffer."""
+        region = local_view(out, box, part)
+        direct = region.is_contiguous()
+        buffer = region if direct else torch.empty(part.sizes, dtype=out.dtype)
+        request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
+                                       offsets=part.offsets, sizes=part.sizes)
+        address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
+        self._cluster._transport.read_region(address, request, byte_view(buffer))
+        if not direct:
+            region.copy_(buffer)
