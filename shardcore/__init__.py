@@ -16,4 +16,9 @@ from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local
 from shardcore.validation import LayoutError, LayoutReport, validate_metadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec, chunk_bound, chunk_bounds
 from shardcore.placements import Replicate, Shard, metadata_from_placements, parse_mesh, placement_string
-from shardcore.interop import (as_spec, boxes_from_dcp_storage_metadata, dtensor_layout, from_dcp_storage_metadata, metadata_from_dtensor, metadata_from_torch, metadata_to_torch, placements_from_torch, placements_to_torch, properties_from_torch, properties_to_torch, shard_metadata_from_torch, shard_metadata_to_torch, spec_from_torch, spec_to_torch, to_dcp_storage_metadata)
+from shardcore.interop import (as_spec, boxes_from_dcp_storage_metadata, dtensor_layout,
+                               from_dcp_storage_metadata, metadata_from_dtensor, metadata_from_torch,
+                               metadata_to_torch, placements_from_torch, placements_to_torch,
+                               properties_from_torch, properties_to_torch, shard_metadata_from_torch,
+                               shard_metadata_to_torch, spec_from_torch, spec_to_torch,
+                               to_dcp_storage_metadata)
