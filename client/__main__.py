@@ -1,0 +1,6 @@
+"""`python -m client ...` is the `shardserve` command."""
+import sys
+
+from client.cli import main
+
+sys.exit(main())

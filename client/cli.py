@@ -1,0 +1,188 @@
+"""The `shardserve` command: start a cluster (up, coordinator) and inspect or use one.
+
+`up` and `coordinator` hand over to `python -m server` (os.execv), so the
+client never imports the server. Every other subcommand talks to a running
+coordinator given by --coordinator or SHARDSERVE_COORDINATOR. Expected errors
+print one line on stderr and exit non-zero, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+_SERVER_COMMANDS = {
+    "up": "run a coordinator and N shard servers on this host (foreground; Ctrl-C stops all). "
+          "Options go to `python -m server up`; see `shardserve up --help`.",
+    "coordinator": "run only the coordinator (ranks join it with `torchrun ... -m server --coordinator HOST:PORT`). "
+                   "See `shardserve coordinator --help`.",
+}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """Parse "4,5" into (4, 5) for argparse."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip() != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 4,5, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardserve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve sharded PyTorch tensors over gRPC: start a cluster, inspect it, create, fetch "
+                    "and delete tensors.",
+        epilog="example:\n  shardserve up --ranks 2 --demo          # prints: coordinator: HOST:PORT\n"
+               "  export SHARDSERVE_COORDINATOR=HOST:PORT  # in another shell\n"
+               "  shardserve status\n  shardserve fetch demo --offsets 0,0 --sizes 2,4")
+    parser.add_argument("--coordinator", default=os.environ.get("SHARDSERVE_COORDINATOR"), metavar="HOST:PORT",
+                        help="coordinator address (default: $SHARDSERVE_COORDINATOR)")
+    parser.add_argument("--token", default=os.environ.get("SHARDSERVE_TOKEN"),
+                        help="bearer token of the cluster (default: $SHARDSERVE_TOKEN)")
+    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
+    parser.add_argument("--tls-ca", help="CA certificate (PEM) to verify the servers with; enables TLS")
+    parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, text in _SERVER_COMMANDS.items():
+        sub.add_parser(name, help=text, description=text, add_help=False)
+    sub.add_parser("status", help="table of ranks (address, device, alive, memory) and tensors",
+                   description="Show every rank (address, device, alive, memory) and every tensor "
+                               "(version, shape, dtype, layout, bytes).")
+    sub.add_parser("list", help="print the READY tensors, one per line",
+                   description="Print the READY tensors, one per line: name, version, shape, dtype.")
+    create = sub.add_parser("create", help="create a tensor filled on the ranks",
+                            description="Create a tensor chunked along --dim over every live rank, "
+                                        "filled on the ranks by --init.")
+    create.add_argument("name", help="tensor name")
+    create.add_argument("--shape", type=_ints, required=True, help="global shape, e.g. 1000,64")
+    create.add_argument("--dtype", default="float32", help="dtype name, e.g. float32, bfloat16, int64 (default float32)")
+    create.add_argument("--dim", type=int, default=0, help="dim to chunk over the ranks (default 0)")
+    create.add_argument("--init", default="zeros", choices=["zeros", "ones", "normal", "arange"],
+                        help="fill (default zeros; normal uses --seed)")
+    create.add_argument("--seed", type=int, default=0, help="seed of --init normal (default 0)")
+    create.add_argument("--overwrite", action="store_true", help="replace an existing tensor of that name")
+    fetch = sub.add_parser("fetch", help="read a box of a tensor; print it or save it with torch.save",
+                           description="Read the box at --offsets of --sizes (default: the whole tensor). "
+                                       "Prints it, or saves it with torch.save when -o is given.")
+    fetch.add_argument("name", help="tensor name")
+    fetch.add_argument("--offsets", type=_ints, help="global offsets of the box, e.g. 0,0 (default: zeros)")
+    fetch.add_argument("--sizes", type=_ints, help="sizes of the box, e.g. 2,3 (default: to the end)")
+    fetch.add_argument("-o", "--output", metavar="FILE", help="save the tensor to FILE (torch.save) instead of printing")
+    delete = sub.add_parser("delete", help="delete a tensor and free its shards",
+                            description="Delete a tensor from the catalog and free its shards on every rank.")
+    delete.add_argument("name", help="tensor name")
+    return parser
+
+
+def _exec_server(command: str, args: Sequence[str]) -> None:
+    """Replace this process with `python -m server COMMAND ARGS...` (same interpreter)."""
+    argv = [sys.executable, "-m", "server", command, *args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _status(cluster) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from client.info import layout_summary
+    from shardcore.dtypes import dtype_name
+
+    ranks = Table(title=f"ranks of {cluster.address}")
+    for column in ("rank", "address", "device", "host", "pid", "alive", "memory used", "memory limit"):
+        ranks.add_column(column)
+    for r in cluster.ranks():
+        ranks.add_row(str(r.rank), r.address, r.device, r.hostname, str(r.pid),
+                      "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
+                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-")
+    tensors = Table(title="tensors")
+    for column in ("name", "version", "state", "shape", "dtype", "layout", "bytes"):
+        tensors.add_column(column)
+    for t in cluster.list(include_pending=True):
+        tensors.add_row(t.name, str(t.version), t.state, "x".join(map(str, t.shape)) or "()", dtype_name(t.dtype),
+                        layout_summary(t.metadata), _human_bytes(t.nbytes))
+    console = Console()
+    console.print(ranks)
+    console.print(tensors)
+
+
+def _fetch(cluster, args: argparse.Namespace) -> None:
+    import torch
+
+    remote = cluster.tensor(args.name)
+    offsets = args.offsets if args.offsets is not None else (0,) * remote.ndim
+    sizes = args.sizes if args.sizes is not None else tuple(n - o for n, o in zip(remote.shape, offsets))
+    result = remote.fetch(offsets, sizes)
+    if args.output:
+        torch.save(result, args.output)
+        print(f"saved {args.name}[offsets={tuple(offsets)}, sizes={tuple(result.shape)}] "
+              f"({result.dtype}, version {remote.version}) to {args.output}")
+    else:
+        torch.set_printoptions(threshold=1000)
+        print(result)
+
+
+def _run(args: argparse.Namespace) -> None:
+    from client.cluster import connect
+
+    if not args.coordinator:
+        raise ValueError("no coordinator given: pass --coordinator HOST:PORT or set SHARDSERVE_COORDINATOR")
+    with connect(args.coordinator, token=args.token, timeout=args.timeout, tls_ca=args.tls_ca,
+                 tls_cert=args.tls_cert, tls_key=args.tls_key) as cluster:
+        if args.command == "status":
+            _status(cluster)
+        elif args.command == "list":
+            for t in cluster.list():
+                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}")
+        elif args.command == "create":
+            from client.info import layout_summary
+            from shardcore.specs import ChunkShardingSpec
+
+            live = [r for r in cluster.ranks() if r.alive]
+            spec = ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live]) if live else None
+            t = cluster.create(args.name, args.shape, dtype=args.dtype, spec=spec, init=args.init, seed=args.seed,
+                               overwrite=args.overwrite)
+            print(f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}")
+        elif args.command == "fetch":
+            _fetch(cluster, args)
+        elif args.command == "delete":
+            cluster.delete(args.name)
+            print(f"deleted {args.name}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `shardserve` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _SERVER_COMMANDS:
+        _exec_server(argv[0], argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.command in _SERVER_COMMANDS:  # global options came first: pass the rest through
+        _exec_server(args.command, argv[argv.index(args.command) + 1:])
+    from client.errors import ShardServeError
+
+    try:
+        _run(args)
+    except (ShardServeError, ValueError, TypeError, KeyError, OSError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        print(f"shardserve {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Client logic that needs no cluster: status -> exception mapping, index parsing, CLI parsing."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client import errors
+from client.cli import _ints, build_parser
+from client.indexing import parse_index
+from client.info import layout_summary
+from client.transport import Credentials, check_address
+from shardcore.metadata import make_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _FakeRpcError(grpc.RpcError):
+    """A failed call as grpc reports it: code() and details()."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@pytest.mark.parametrize("code, cls, builtin", [
+    (grpc.StatusCode.NOT_FOUND, errors.TensorNotFoundError, KeyError),
+    (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError, ValueError),
+    (grpc.StatusCode.ALREADY_EXISTS, errors.TensorExistsError, ValueError),
+    (grpc.StatusCode.FAILED_PRECONDITION, errors.StaleVersionError, errors.ShardServeError),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError, errors.ShardServeError),
+    (grpc.StatusCode.UNAUTHENTICATED, errors.AuthenticationError, PermissionError),
+    (grpc.StatusCode.UNAVAILABLE, errors.RankUnavailableError, ConnectionError),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError, TimeoutError),
+    (grpc.StatusCode.INTERNAL, errors.ShardServeError, Exception),
+])
+def test_status_maps_to_exception_keeping_message(code, cls, builtin):
+    err = errors.error_from_rpc(_FakeRpcError(code, "tensor 'x' version 3: offsets[1]=9 is bad"))
+    assert type(err) is cls
+    assert isinstance(err, builtin) and isinstance(err, errors.ShardServeError)
+    assert str(err).endswith("tensor 'x' version 3: offsets[1]=9 is bad")
+    assert err.code == code
+
+
+def test_not_found_prints_plain_message_not_repr():
+    err = errors.error_from_rpc(_FakeRpcError(grpc.StatusCode.NOT_FOUND, "tensor 'w' not found"))
+    assert str(err) == "tensor 'w' not found"
+
+
+def test_unavailable_names_the_peer():
+    err = errors.error_from_rpc(_FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"), "rank at h:1")
+    assert str(err) == "rank at h:1: connection refused"
+
+
+_index_item = st.one_of(
+    st.integers(-6, 5),
+    st.builds(slice, st.one_of(st.none(), st.integers(-8, 8)), st.one_of(st.none(), st.integers(-8, 8))),
+    st.builds(slice, st.one_of(st.none(), st.integers(-8, 8)), st.one_of(st.none(), st.integers(-8, 8)),
+              st.just(1)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(st.integers(0, 6), min_size=1, max_size=3), data=st.data())
+def test_parse_index_reads_what_torch_indexing_reads(shape, data):
+    source = torch.arange(max(1, torch.Size(shape).numel()))[:torch.Size(shape).numel()].reshape(shape)
+    items = tuple(data.draw(st.lists(_index_item, max_size=len(shape))))
+    index = items[0] if len(items) == 1 and data.draw(st.booleans()) else items
+    try:
+        expected = source[index]
+    except IndexError:
+        with pytest.raises(IndexError):
+            parse_index(index, shape)
+        return
+    box, dropped = parse_index(index, shape)
+    view = source
+    for d, (o, s) in enumerate(zip(box.offsets, box.sizes)):
+        view = view.narrow(d, o, s)
+    got = view.reshape([n for d, n in enumerate(box.sizes) if d not in dropped])
+    assert torch.equal(got, expected)
+
+
+def test_parse_index_ellipsis_and_negative():
+    box, dropped = parse_index((Ellipsis, -1), (4, 5, 6))
+    assert (box.offsets, box.sizes, dropped) == ((0, 0, 5), (4, 5, 1), (2,))
+
+
+@pytest.mark.parametrize("index, exc", [
+    (slice(0, 4, 2), ValueError), ((0, slice(None, None, -1)), ValueError), ([0, 1], ValueError),
+    (None, ValueError), (True, ValueError), (1.5, ValueError), (torch.tensor([0, 1]), ValueError),
+    ((0, 0, 0), IndexError), (7, IndexError), (-8, IndexError), ((..., ...), ValueError),
+    (slice("a", None), ValueError),
+])
+def test_parse_index_rejects_unsupported(index, exc):
+    with pytest.raises(exc):
+        parse_index(index, (7, 3))
+
+
+def test_layout_summary():
+    rows = make_metadata((6, 4), [((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1)])
+    assert layout_summary(rows) == "2 shards on ranks 0,1, split dim 0"
+    grid = make_metadata((4, 4), [((0, 0), (2, 2), 0), ((0, 2), (2, 2), 1), ((2, 0), (2, 2), 2),
+                                  ((2, 2), (2, 2), 0)])
+    assert layout_summary(grid) == "4 shards on ranks 0,1,2, split dims 0,1"
+    assert layout_summary(make_metadata((4,), [((0,), (4,), 0), ((0,), (4,), 1)])) == \
+        "2 shards on ranks 0,1, replicated"
+
+
+@pytest.mark.parametrize("address", ["localhost", ":80", "h:0", "h:70000", "h:x", ""])
+def test_check_address_rejects(address):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        check_address(address)
+
+
+def test_credentials_need_cert_and_key_together():
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        Credentials(tls_cert="c.pem")
+    assert Credentials(token="t").metadata() == (("authorization", "Bearer t"),)
+    assert Credentials().metadata() == ()
+
+
+def test_connect_rejects_bad_arguments_before_any_network():
+    from client import connect
+    with pytest.raises(ValueError, match="address"):
+        connect("nohostport")
+    with pytest.raises(ValueError, match="timeout"):
+        connect("127.0.0.1:1", timeout=0)
+    with pytest.raises(ValueError, match="tls_ca: cannot read"):
+        connect("127.0.0.1:1", tls_ca="/nonexistent/ca.pem", timeout=1)
+
+
+def test_connect_to_nothing_is_rank_unavailable():
+    from client import RankUnavailableError, connect
+    with pytest.raises(RankUnavailableError, match="coordinator at 127.0.0.1:1"):
+        connect("127.0.0.1:1", timeout=5)
+
+
+def test_cli_parsing():
+    assert _ints("4,5") == (4, 5)
+    args = build_parser().parse_args(["--coordinator", "h:1", "fetch", "t", "--offsets", "1,2", "--sizes", "3,4"])
+    assert (args.coordinator, args.name, args.offsets, args.sizes) == ("h:1", "t", (1, 2), (3, 4))
+
+
+def test_cli_expected_errors_are_one_line_without_traceback():
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "client", "status"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("shardserve status: error: no coordinator given: pass --coordinator "
+                                   "HOST:PORT or set SHARDSERVE_COORDINATOR")
+    done = subprocess.run([sys.executable, "-m", "client", "create", "x", "--shape", "4,a"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--shape" in done.stderr and "Traceback" not in done.stderr
