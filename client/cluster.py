@@ -19,6 +19,7 @@ from client.remote_tensor import RemoteShardedTensor
 from client.transport import CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
+from shardcore.interop import as_spec
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties
 from shardcore.regions import cut_tensor
 from shardcore.specs import ChunkShardingSpec
@@ -50,14 +51,14 @@ def _check_name(name: Any) -> str:
 
 
 def _resolve_spec(spec: Any) -> Any:
-    """A shardcore spec (build_metadata) from a shardcore spec or torch's ChunkShardingSpec / EnumerableShardingSpec."""
-    if isinstance(spec, ShardedTensorMetadata) or (
-            type(spec).__module__.startswith("shardcore.") and hasattr(spec, "build_metadata")):
+    """A shardcore spec from ours or torch's ChunkShardingSpec / EnumerableShardingSpec (metadata passes as is)."""
+    if isinstance(spec, ShardedTensorMetadata):
         return spec
-    from shardcore.interop import as_spec  # torch's specs: converted by shardcore's interop
     try:
         return as_spec(spec)
-    except (TypeError, ValueError) as err:
+    except TypeError as err:
+        raise TypeError(f"spec: {err}") from None
+    except ValueError as err:
         raise InvalidArgumentError(f"spec: {err}") from None
 
 
