@@ -246,8 +246,10 @@ class GetTensorRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListTensorsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_pending",)
+    INCLUDE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    include_pending: bool
+    def __init__(self, include_pending: _Optional[bool] = ...) -> None: ...
 
 class ListTensorsResponse(_message.Message):
     __slots__ = ("tensors",)
