@@ -246,7 +246,7 @@ def split_box(offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
     before it are taken one index at a time. Only a box with a single element
     larger than `limit` yields a piece over the limit.
     """
-    if math.prod(sizes) * itemsize <= limit:
+    if math.prod(sizes) * itemsize <= limit or not sizes:
         return [(offsets, sizes)]
     ndim = len(sizes)
     inner = [itemsize] * (ndim + 1)
