@@ -115,7 +115,8 @@ class Cluster:
 
     def list(self, include_pending: bool = False) -> list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
-        tensors = [TensorSummary.from_proto(t) for t in self._call("ListTensors", pb.ListTensorsRequest()).tensors]
+        reply = self._call("ListTensors", pb.ListTensorsRequest(include_pending=include_pending))
+        tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
         return sorted((t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name)
 
     def tensor(self, name: str) -> RemoteShardedTensor:

@@ -1,0 +1,213 @@
+"""Bad input through the client against a real cluster (token, memory and request limits set).
+
+Every case asserts the exception type (and the field its message names), and
+the cluster keeps answering afterwards. Server answers are reached both through
+the public API and by raw requests that skip the client's own checks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import client.transport
+from client import (AuthenticationError, InvalidArgumentError, RankUnavailableError, ResourceExhaustedError,
+                    ShardServeError, StaleVersionError, TensorNotFoundError, connect)
+from protos import shardserve_pb2 as pb
+from shardcore.metadata import ShardMetadata, make_metadata
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = "s3cret-token"
+MEMORY_LIMIT = 32 << 20
+MAX_REQUEST = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def guarded(make_cluster):
+    """A 2-rank cluster with a token, a per-rank memory limit and a request byte limit."""
+    return make_cluster(ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST)
+
+
+@pytest.fixture(scope="module")
+def cl(guarded):
+    with connect(guarded.address, token=TOKEN, timeout=60) as c:
+        c.put("base", torch.arange(40.0).reshape(8, 5), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def cluster_still_answers(cl):
+    """After every bad request the cluster still serves reads."""
+    yield
+    assert all(r.alive for r in cl.ranks())
+    assert torch.equal(cl.tensor("base")[2:6], torch.arange(40.0).reshape(8, 5)[2:6])
+
+
+def test_missing_or_wrong_token_is_authentication_error(guarded):
+    with pytest.raises(AuthenticationError):
+        connect(guarded.address, timeout=10)
+    with pytest.raises(PermissionError):
+        connect(guarded.address, token="wrong", timeout=10)
+
+
+def test_rank_rejects_calls_without_token(cl):
+    address = cl.ranks()[0].address
+    stub = client.transport.Transport(client.transport.Credentials(), timeout=10)
+    try:
+        with pytest.raises(AuthenticationError):
+            stub.read_region(address, pb.ReadRegionRequest(name="base", version=cl.tensor("base").version,
+                                                           shard_index=0, offsets=[0, 0], sizes=[1, 1]),
+                             torch.empty(4, dtype=torch.uint8))
+    finally:
+        stub.close()
+
+
+def test_unknown_tensor_is_key_error(cl):
+    with pytest.raises(TensorNotFoundError, match="nope"):
+        cl.tensor("nope")
+    with pytest.raises(KeyError):
+        cl.delete("nope")
+    with pytest.raises(KeyError):
+        cl["nope"]
+
+
+@pytest.mark.parametrize("offsets, sizes, field", [
+    ((0, 0), (9, 5), "sizes"), ((8, 0), (1, 1), "offsets"), ((-1, 0), (1, 1), "offsets"),
+    ((0, 0), (1, -1), "sizes"), ((0,), (1,), "dims"), ((0, 0, 0), (1, 1, 1), "dims"),
+    ((0, 0.5), (1, 1), "offsets"), ((0, 0), (1,), "offsets"),
+])
+def test_bad_boxes_are_value_errors_naming_the_field(cl, offsets, sizes, field):
+    with pytest.raises(InvalidArgumentError, match=field):
+        cl.tensor("base").fetch(offsets, sizes)
+
+
+@pytest.mark.parametrize("index, exc", [
+    (slice(0, 8, 2), ValueError), (None, ValueError), ([0, 1], ValueError), ((0, 0, 0), IndexError),
+    (8, IndexError), (-9, IndexError), ((0, 5), IndexError), (torch.tensor([1]), ValueError),
+])
+def test_bad_indices(cl, index, exc):
+    with pytest.raises(exc):
+        cl.tensor("base")[index]
+
+
+def test_bad_out_buffers(cl):
+    remote = cl.tensor("base")
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        remote.fetch((0, 0), (2, 2), out=torch.empty(2, 3))
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        remote.fetch((0, 0), (2, 2), out=torch.empty(2, 2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="out"):
+        remote.fetch((0, 0), (2, 2), out=[[0, 0], [0, 0]])
+
+
+def test_bad_puts_are_refused_before_sending(cl):
+    with pytest.raises(TypeError, match="tensor"):
+        cl.put("x", [1, 2, 3])
+    with pytest.raises(InvalidArgumentError, match="layout"):
+        cl.put("x", torch.eye(3).to_sparse())
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        cl.put("x", torch.zeros(4, dtype=torch.uint16))
+    with pytest.raises(InvalidArgumentError, match="name"):
+        cl.put("", torch.zeros(4))
+    with pytest.raises(TypeError, match="spec"):
+        cl.put("x", torch.zeros(4), spec="row-wise")
+    with pytest.raises(InvalidArgumentError, match="dim"):
+        cl.put("x", torch.zeros(4, 4), spec=ChunkShardingSpec(2, ["rank:0/cpu"]))
+    gap = EnumerableShardingSpec([ShardMetadata((0, 0), (2, 4), "rank:0/cpu")])
+    with pytest.raises(InvalidArgumentError, match="spec"):
+        cl.put("x", torch.zeros(4, 4), spec=gap)
+    with pytest.raises(InvalidArgumentError, match="size"):
+        cl.put("x", torch.zeros(4, 4), spec=make_metadata((4, 5), [((0, 0), (4, 5), 0)]))
+    assert "x" not in [t.name for t in cl.list(include_pending=True)]
+
+
+def test_placement_on_unknown_rank_is_refused_by_the_coordinator(cl):
+    with pytest.raises(InvalidArgumentError, match="rank"):
+        cl.put("x", torch.zeros(4, 4), spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:7/cpu"]))
+    assert "x" not in [t.name for t in cl.list(include_pending=True)]
+
+
+def test_bad_create_arguments(cl):
+    with pytest.raises(InvalidArgumentError, match="init"):
+        cl.create("x", (4,), init="random")
+    with pytest.raises(InvalidArgumentError, match="dtype"):
+        cl.create("x", (4,), dtype="float8")
+    with pytest.raises(InvalidArgumentError, match="size"):
+        cl.create("x", (4, -1))
+    with pytest.raises(InvalidArgumentError, match="seed"):
+        cl.create("x", (4,), seed="0")
+
+
+def test_put_over_memory_limit_is_resource_exhausted_and_invisible(cl):
+    with pytest.raises(ResourceExhaustedError):
+        cl.put("huge", torch.zeros(2 * MEMORY_LIMIT // 4 + 16, dtype=torch.float32))
+    assert "huge" not in [t.name for t in cl.list(include_pending=True)]
+
+
+def test_read_over_request_limit_is_resource_exhausted(cl):
+    source = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB, 2 MiB per shard
+    remote = cl.put("wide", source)
+    assert torch.equal(remote[100:200], source[100:200])
+    with pytest.raises(ResourceExhaustedError):
+        remote.full_tensor()
+    cl.delete("wide")
+
+
+def test_put_failing_half_way_leaves_nothing_visible(cl, monkeypatch):
+    first = torch.arange(8.0)
+    cl.put("half", first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    real_write = client.transport.Transport.write_shard
+
+    def write_then_fail(self, address, header, data, chunk_bytes=client.transport.CHUNK_BYTES):
+        if header.shard_index == 1:
+            raise RankUnavailableError("rank went away mid-put (injected)")
+        return real_write(self, address, header, data, chunk_bytes)
+
+    monkeypatch.setattr(client.transport.Transport, "write_shard", write_then_fail)
+    with pytest.raises(RankUnavailableError, match="injected"):
+        cl.put("half", -first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]), overwrite=True)
+    with pytest.raises(RankUnavailableError):
+        cl.put("half-new", torch.ones(8), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    monkeypatch.setattr(client.transport.Transport, "write_shard", real_write)
+    names = [(t.name, t.state) for t in cl.list(include_pending=True)]
+    assert ("half", "READY") in names and all(n != "half-new" for n, _ in names)
+    assert [n for n, _ in names].count("half") == 1
+    assert torch.equal(cl.tensor("half").full_tensor(), first)
+    cl.delete("half")
+
+
+def test_raw_requests_get_the_server_answers(cl):
+    """Requests that skip the client's checks: the server's status codes become the client's exceptions."""
+    remote = cl.tensor("base")
+    shard = remote.remote_shards()[1][0]
+    address = cl._address_of(1)
+
+    def read(**fields):
+        request = dict(name="base", version=remote.version, shard_index=shard.index, offsets=[4, 0], sizes=[1, 5])
+        request.update(fields)
+        cl._transport.read_region(address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8))
+
+    read()
+    with pytest.raises(TensorNotFoundError):
+        read(name="nope")
+    with pytest.raises(StaleVersionError):
+        read(version=remote.version + 1000)
+    with pytest.raises(InvalidArgumentError, match="shard_index"):
+        read(shard_index=9)
+    with pytest.raises(InvalidArgumentError, match="offsets"):
+        read(offsets=[0, 0])  # row 0 lives on rank 0, not inside this shard
+    with pytest.raises(InvalidArgumentError, match="sizes"):
+        read(sizes=[1, -5])
+    with pytest.raises(InvalidArgumentError):
+        read(offsets=[4], sizes=[1])
+    with pytest.raises(ShardServeError):
+        read(sizes=[2, 5])  # more bytes than the client's buffer: refused by the client or the server
+
+
+def test_raw_write_with_wrong_header_is_refused(cl):
+    address = cl._address_of(0)
+    version = cl.tensor("base").version
+    header = pb.WriteShardHeader(name="base", version=version, shard_index=0, dtype=pb.FLOAT64, nbytes=80)
+    with pytest.raises(InvalidArgumentError):
+        cl._transport.write_shard(address, header, memoryview(bytes(80)))

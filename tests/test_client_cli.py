@@ -1,0 +1,123 @@
+"""`shardserve up` as a real subprocess, used through `shardserve status/create/fetch/delete`, stopped by SIGTERM."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def shardserve(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """`shardserve up --ranks 2` in the foreground of a subprocess; yields (process, coordinator address)."""
+    state = tmp_path_factory.mktemp("state")
+    proc = subprocess.Popen([sys.executable, "-m", "client", "up", "--ranks", "2", "--port", str(free_port()),
+                             "--state-dir", str(state)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        address = None
+        while address is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()  # the launcher prints this line once every rank registered
+            if not line:
+                break
+            if line.startswith("coordinator: "):
+                address = line.split(":", 1)[1].strip()
+        assert address, f"no 'coordinator:' line; exit {proc.poll()}"
+        yield proc, address
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def test_create_status_fetch_delete(up, tmp_path):
+    _, address = up
+    env = {"SHARDSERVE_COORDINATOR": address}
+    created = shardserve("create", "cli-t", "--shape", "6,4", "--init", "arange", "--dim", "1", env=env)
+    assert "created cli-t" in created.stdout
+    status = shardserve("status", env=env).stdout
+    assert "cli-t" in status and "6x4" in status and "float32" in status and "split dim 1" in status
+    assert status.count("127.0.0.1:") >= 3 and "yes" in status
+    expected = torch.arange(24.0).reshape(6, 4)
+    printed = shardserve("--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2").stdout
+    assert printed.split() == str(expected[1:3, 1:3]).split()
+    out = tmp_path / "box.pt"
+    shardserve("fetch", "cli-t", "--offsets", "2,0", "--sizes", "3,4", "-o", str(out), env=env)
+    assert torch.equal(torch.load(out), expected[2:5])
+    listed = shardserve("list", env=env).stdout
+    assert listed.startswith("cli-t\t")
+    assert shardserve("delete", "cli-t", env=env).stdout.strip() == "deleted cli-t"
+
+
+def test_expected_errors_are_one_line(up):
+    _, address = up
+    env = {"SHARDSERVE_COORDINATOR": address}
+    missing = shardserve("fetch", "nope", env=env, check=False)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.count("\n") == 1 and "nope" in missing.stderr and "not found" in missing.stderr
+    shardserve("create", "small", "--shape", "3,3", env=env)
+    outside = shardserve("fetch", "small", "--offsets", "2,2", "--sizes", "2,2", env=env, check=False)
+    assert outside.returncode == 1 and "Traceback" not in outside.stderr and "sizes" in outside.stderr
+
+
+def test_sigterm_stops_every_child(up):
+    proc, _ = up
+    children = descendants(proc.pid)
+    assert len(children) >= 2  # at least the two rank processes
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) is not None
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if alive(p)]
