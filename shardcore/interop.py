@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence, Union
 import torch
 
 from shardcore.metadata import Box, RemoteDevice, ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.placements import (Placement, Replicate, Shard, _local_box, as_mesh_placement,
+from shardcore.placements import (Placement, Replicate, Shard, as_mesh_placement, local_box,
                                   metadata_from_placements, parse_mesh)
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
@@ -231,7 +231,7 @@ def _mesh_shapes(count: int, mesh_ndims: Sequence[int]) -> list[tuple[int, ...]]
 
 def _reproduces(meta: ShardedTensorMetadata, shape: tuple[int, ...], rules: tuple[int | None, ...]) -> bool:
     for shard, coordinate in zip(meta.shards_metadata, itertools.product(*(range(n) for n in shape))):
-        offsets, sizes = _local_box(meta.size, shape, coordinate, rules, {})
+        offsets, sizes = local_box(meta.size, shape, coordinate, rules, {})
         if (offsets, sizes) != (shard.shard_offsets, shard.shard_sizes):
             return False
     return True

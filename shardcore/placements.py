@@ -117,7 +117,7 @@ def metadata_from_placements(size: Sequence[int], mesh: Any, placements: Sequenc
     explicit = _checked_sharding_shapes(sharding_shapes, shape, rules, size)
     shards = []
     for rank, coordinate in zip(ranks, itertools.product(*(range(n) for n in shape))):
-        offsets, sizes = _local_box(size, shape, coordinate, rules, explicit)
+        offsets, sizes = local_box(size, shape, coordinate, rules, explicit)
         shards.append(ShardMetadata(offsets, sizes, placement_string(rank, device, devices_per_host)))
     return ShardedTensorMetadata(tuple(shards), size, TensorProperties(dtype=dtype))
 
@@ -192,10 +192,14 @@ def _chunk_length(where: str, entry: SizeEntry, tensor_dim: int, sharded: set[in
     return entry
 
 
-def _local_box(size: tuple[int, ...], shape: tuple[int, ...], coordinate: tuple[int, ...],
-               rules: tuple[int | None, ...],
-               explicit: dict[int, tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """DTensor's left-to-right rule: each Shard splits what the earlier mesh dims left."""
+def local_box(size: tuple[int, ...], shape: tuple[int, ...], coordinate: tuple[int, ...],
+              rules: tuple[int | None, ...],
+              explicit: dict[int, tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) at one mesh coordinate by DTensor's left-to-right rule.
+
+    `rules[m]` is the tensor dim mesh dim m shards (None: Replicate);
+    `explicit[m]` optional chunk lengths replacing the chunk rule on mesh dim m.
+    """
     offsets, sizes = [0] * len(size), list(size)
     for mesh_dim, tensor_dim in enumerate(rules):
         if tensor_dim is None:
