@@ -1,0 +1,1 @@
+"""shardserve servers: the per-rank ShardServer, the Coordinator, the catalog and the launcher."""

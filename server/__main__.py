@@ -1,0 +1,19 @@
+"""`python -m server up ...` (local cluster), `... coordinator ...`, else one rank (torchrun-compatible)."""
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "up":
+        from server.launcher import main_up
+        return main_up(argv[1:])
+    if argv and argv[0] == "coordinator":
+        from server.launcher import main_coordinator
+        return main_coordinator(argv[1:])
+    from server.rank import main as rank_main
+    return rank_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

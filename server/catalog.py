@@ -1,0 +1,167 @@
+"""The coordinator's tensor catalog: a small interface and its SQLite implementation.
+
+Rows are (name, version) with a state (PENDING or READY) and the TensorInfo
+as serialized protobuf bytes (never pickle). Versions come from one counter
+over the whole catalog that only grows. Keeping the catalog behind `Catalog`
+lets a networked store replace SQLite for a highly available coordinator.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import sqlite3
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from protos import shardserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class Catalog(abc.ABC):
+    """Where the coordinator keeps tensors, versions and their metadata."""
+
+    @abc.abstractmethod
+    def next_version(self) -> int:
+        """A version number never handed out before (the counter survives restarts)."""
+
+    @abc.abstractmethod
+    def add(self, info: pb.TensorInfo) -> None:
+        """Record a new (name, version) row in the state `info.state`."""
+
+    @abc.abstractmethod
+    def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
+        """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed)."""
+
+    @abc.abstractmethod
+    def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
+        """Remove one version (0 = every version) of `name`; return the removed rows."""
+
+    @abc.abstractmethod
+    def get(self, name: str, version: int) -> pb.TensorInfo | None:
+        """The row (name, version) in any state, or None."""
+
+    @abc.abstractmethod
+    def versions(self, name: str) -> list[pb.TensorInfo]:
+        """Every row of `name`, oldest version first."""
+
+    @abc.abstractmethod
+    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
+        """READY rows (and PENDING ones when asked), by name then version."""
+
+    def ready(self, name: str) -> pb.TensorInfo | None:
+        """The READY version of `name`, or None."""
+        ready = [info for info in self.versions(name) if info.state == pb.READY]
+        return ready[-1] if ready else None
+
+    def close(self) -> None:
+        """Release resources."""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tensors (
+    name TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    info BLOB NOT NULL,
+    PRIMARY KEY (name, version)
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0);
+"""
+
+
+class SQLiteCatalog(Catalog):
+    """The embedded default: one SQLite file under the state dir, WAL mode, one transaction per change."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False,
+                                   timeout=10.0)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def next_version(self) -> int:
+        with self._transaction() as db:
+            db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
+            return int(db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0])
+
+    def add(self, info: pb.TensorInfo) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
+                       (info.name, info.version, info.state, info.SerializeToString()))
+
+    def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
+        with self._transaction() as db:
+            row = db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?",
+                             (name, version)).fetchone()
+            if row is None:
+                raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
+            info = _parse(row[0])
+            info.state = pb.READY
+            older = [_parse(r[0]) for r in db.execute(
+                "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?",
+                (name, version, pb.READY))]
+            db.execute("DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?",
+                       (name, version, pb.READY))
+            db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
+                       (pb.READY, info.SerializeToString(), name, version))
+        return info, older
+
+    def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
+        where, args = ("name = ?", (name,)) if version == 0 else ("name = ? AND version = ?", (name, version))
+        with self._transaction() as db:
+            removed = [_parse(r[0]) for r in db.execute(f"SELECT info FROM tensors WHERE {where}", args)]
+            db.execute(f"DELETE FROM tensors WHERE {where}", args)
+        return removed
+
+    def get(self, name: str, version: int) -> pb.TensorInfo | None:
+        with self._lock:
+            row = self._db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?",
+                                   (name, version)).fetchone()
+        return _parse(row[0]) if row else None
+
+    def versions(self, name: str) -> list[pb.TensorInfo]:
+        with self._lock:
+            rows = self._db.execute("SELECT info FROM tensors WHERE name = ? ORDER BY version",
+                                    (name,)).fetchall()
+        return [_parse(r[0]) for r in rows]
+
+    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
+        query = "SELECT info FROM tensors"
+        args: tuple[int, ...] = ()
+        if not include_pending:
+            query, args = query + " WHERE state = ?", (pb.READY,)
+        with self._lock:
+            rows = self._db.execute(query + " ORDER BY name, version", args).fetchall()
+        return [_parse(r[0]) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _parse(blob: bytes) -> pb.TensorInfo:
+    info = pb.TensorInfo()
+    info.ParseFromString(blob)
+    return info

@@ -1,0 +1,451 @@
+"""The coordinator: rank registry with heartbeats, the tensor catalog, and create/commit/abort/delete.
+
+`Coordinator` holds the logic and talks to the ranks' ShardServers (every call
+with a deadline, fanned out in parallel); `CoordinatorServicer` is the thin
+gRPC layer over it. Operations on one tensor name are serialized by a
+per-name lock; different names proceed in parallel. A tensor becomes visible
+only when every rank has promoted its shards and the catalog row turns READY
+in one transaction.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.auth import Security, make_channel
+from server.catalog import Catalog
+from server.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
+                           Unavailable, rpc_errors)
+from server.requests import check_name, check_version, parse_metadata
+from server.store import check_init
+from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
+from shardcore.wire import metadata_to_proto
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class RankEntry:
+    """A registered rank: what it told us, when it last spoke, and a stub to call it."""
+
+    info: pb.RankInfo
+    last_heartbeat: float  # time.monotonic()
+    channel: grpc.Channel
+    stub: pb_grpc.ShardServerStub
+    exited: bool = False
+    reported_dead: bool = False
+
+
+class Coordinator:
+    """Registry, catalog and the tensor lifecycle, talking to ranks over gRPC."""
+
+    def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
+                 dead_after: float | None = None, rpc_timeout: float = 60.0,
+                 pending_timeout: float = 600.0) -> None:
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+        self.catalog = catalog
+        self.security = security
+        self.heartbeat_interval = heartbeat_interval
+        self.dead_after = dead_after if dead_after is not None else 3 * heartbeat_interval
+        self.rpc_timeout = rpc_timeout
+        self.pending_timeout = pending_timeout
+        self._ranks: dict[int, RankEntry] = {}
+        self._ranks_changed = threading.Condition()
+        self._name_locks: dict[str, threading.Lock] = {}
+        self._name_locks_guard = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------ registry
+
+    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> float:
+        """Add (or replace) a rank; reconcile what it holds with the catalog; return the heartbeat interval."""
+        _check_rank_info(info)
+        channel = make_channel(info.address, self.security)
+        entry = RankEntry(pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
+        entry.info.CopyFrom(info)
+        with self._ranks_changed:
+            old = self._ranks.get(info.rank)
+            self._ranks[info.rank] = entry
+            self._ranks_changed.notify_all()
+        if old is not None:
+            old.channel.close()
+        log.info("rank %d registered: %s device %s pid %d on %s", info.rank, info.address, info.device,
+                 info.pid, info.hostname)
+        held_pairs = {(h.name, h.version) for h in held}
+        self._pool.submit(self._reconcile, info.rank, held_pairs)
+        return self.heartbeat_interval
+
+    def heartbeat(self, rank: int, memory_used: int) -> None:
+        """Record that `rank` is alive; NotFound tells an unknown rank to register again."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is None or entry.exited:
+                raise NotFound(f"rank {rank} is not registered; register again")
+            entry.last_heartbeat = time.monotonic()
+            entry.info.memory_used_bytes = memory_used
+            entry.info.last_heartbeat_unix = time.time()
+            if entry.reported_dead:
+                entry.reported_dead = False
+                log.info("rank %d is alive again", rank)
+
+    def mark_exited(self, rank: int, reason: str) -> None:
+        """Mark a rank dead at once (its process is known to have ended)."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is None or entry.exited:
+                return
+            entry.exited = entry.reported_dead = True
+        log.error("rank %d is dead: %s", rank, reason)
+
+    def is_alive(self, entry: RankEntry) -> bool:
+        return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
+
+    def ranks(self) -> list[pb.RankInfo]:
+        """Every registered rank with its liveness, by rank."""
+        with self._ranks_changed:
+            entries = sorted(self._ranks.values(), key=lambda e: e.info.rank)
+            out = []
+            for entry in entries:
+                info = pb.RankInfo()
+                info.CopyFrom(entry.info)
+                info.alive = self.is_alive(entry)
+                out.append(info)
+        return out
+
+    def wait_for_ranks(self, count: int, timeout: float) -> bool:
+        """Block until `count` live ranks are registered, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._ranks_changed:
+            while sum(self.is_alive(e) for e in self._ranks.values()) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ranks_changed.wait(min(left, 0.2))
+        return True
+
+    def _entry(self, rank: int) -> RankEntry:
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+        if entry is None:
+            raise Unavailable(f"rank {rank} is not registered")
+        return entry
+
+    # ------------------------------------------------------------ tensor lifecycle
+
+    def create(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """Validate, record PENDING, allocate on every holding rank; with an init, commit too."""
+        name = check_name(request.name)
+        meta = parse_metadata(request.metadata)
+        check_init(request.init, meta.dtype)
+        _check_options(request.options, meta)
+        self._check_placements(meta)
+        with self._name_lock(name):
+            self._make_room(name, request.overwrite)
+            info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
+                                 metadata=metadata_to_proto(meta), options=request.options, state=pb.PENDING,
+                                 nbytes=meta.nbytes, created_unix=time.time())
+            self.catalog.add(info)
+            allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
+                                                init=request.init, seed=request.seed, options=request.options)
+            try:
+                self._fan_out(meta.ranks(), lambda stub: stub.AllocateShards(allocate, timeout=self.rpc_timeout),
+                              f"allocate {name!r} version {info.version}")
+            except ServiceError:
+                self._discard(info)
+                raise
+            log.info("created %r version %d (%d bytes on ranks %s)", name, info.version, meta.nbytes,
+                     list(meta.ranks()))
+            if request.init == pb.INIT_NONE:
+                return info
+            return self._commit_locked(name, info.version)
+
+    def commit(self, name: str, version: int) -> pb.TensorInfo:
+        """Promote (name, version) on every holding rank, then mark it READY and drop older versions."""
+        check_name(name)
+        check_version(version)
+        with self._name_lock(name):
+            return self._commit_locked(name, version)
+
+    def abort(self, name: str, version: int) -> None:
+        """Forget a PENDING version and drop its shards on the ranks."""
+        check_name(name)
+        check_version(version)
+        with self._name_lock(name):
+            info = self.catalog.get(name, version)
+            if info is None:
+                raise NotFound(f"tensor {name!r} version {version} not found")
+            if info.state == pb.READY:
+                raise FailedPrecondition(f"tensor {name!r} version {version} is committed; "
+                                         f"use DeleteTensor to remove it")
+            self._discard(info)
+            log.info("aborted %r version %d", name, version)
+
+    def get(self, name: str) -> pb.TensorInfo:
+        """The READY version of `name`."""
+        check_name(name)
+        info = self.catalog.ready(name)
+        if info is None:
+            raise NotFound(f"tensor {name!r} not found")
+        return info
+
+    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
+        return self.catalog.list(include_pending)
+
+    def delete(self, name: str) -> None:
+        """Remove every version of `name` from the catalog, then free them on the ranks."""
+        check_name(name)
+        with self._name_lock(name):
+            if self.catalog.ready(name) is None:
+                raise NotFound(f"tensor {name!r} not found")
+            removed = self.catalog.remove(name)
+            ranks = sorted({r for info in removed for r in _ranks_of(info)})
+            self._drop_quietly(name, 0, ranks)
+        log.info("deleted %r (versions %s)", name, [i.version for i in removed])
+
+    # ------------------------------------------------------------ helpers
+
+    def _commit_locked(self, name: str, version: int) -> pb.TensorInfo:
+        info = self.catalog.get(name, version)
+        if info is None:
+            raise NotFound(f"tensor {name!r} version {version} not found (never created, aborted or replaced)")
+        if info.state == pb.READY:
+            return info
+        promote = pb.PromoteVersionRequest(name=name, version=version)
+        self._fan_out(_ranks_of(info), lambda stub: stub.PromoteVersion(promote, timeout=self.rpc_timeout),
+                      f"commit {name!r} version {version}")
+        ready, older = self.catalog.commit(name, version)
+        for old in older:
+            self._drop_quietly(name, old.version, _ranks_of(old))
+        log.info("committed %r version %d%s", name, version,
+                 f", replacing versions {[o.version for o in older]}" if older else "")
+        return ready
+
+    def _make_room(self, name: str, overwrite: bool) -> None:
+        """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending."""
+        rows = self.catalog.versions(name)
+        ready = [r.version for r in rows if r.state == pb.READY]
+        pending = [r for r in rows if r.state != pb.READY]
+        if ready and not overwrite:
+            raise AlreadyExists(f"tensor {name!r} already exists (version {ready[-1]}); "
+                                f"pass overwrite=True to replace it")
+        if pending and not overwrite:
+            raise AlreadyExists(f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
+                                f"pass overwrite=True to abort it")
+        for info in pending:
+            self._discard(info)
+
+    def _discard(self, info: pb.TensorInfo) -> None:
+        self.catalog.remove(info.name, info.version)
+        self._drop_quietly(info.name, info.version, _ranks_of(info))
+
+    def _check_placements(self, meta: ShardedTensorMetadata) -> None:
+        with self._ranks_changed:
+            entries = dict(self._ranks)
+        for i, shard in enumerate(meta.shards_metadata):
+            entry = entries.get(shard.rank)
+            field = f"metadata.shards_metadata[{i}].placement"
+            if entry is None:
+                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank} is not a registered rank "
+                                      f"(registered: {sorted(entries)})")
+            if not self.is_alive(entry):
+                raise Unavailable(f"{field} {shard.placement}: rank {shard.rank} is not alive")
+            if shard.device != RemoteDevice(f"rank:{shard.rank}/{entry.info.device}").device():
+                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank}'s device is "
+                                      f"{entry.info.device}")
+
+    def _name_lock(self, name: str) -> threading.Lock:
+        with self._name_locks_guard:
+            return self._name_locks.setdefault(name, threading.Lock())
+
+    def _fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
+        """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
+        entries = {r: self._entry(r) for r in ranks}
+        jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items()}
+        results, failures = {}, []
+        for rank, job in jobs.items():
+            try:
+                results[rank] = job.result()
+            except grpc.RpcError as err:
+                failures.append(_rank_error(rank, entries[rank].info.address, err))
+        if failures:
+            log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
+            raise failures[0]
+        return results
+
+    def _drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
+        """DropVersion on `ranks`, logging (not raising) failures: the catalog is already right."""
+        request = pb.DropVersionRequest(name=name, version=version)
+        try:
+            self._fan_out(ranks, lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
+                          f"drop {name!r} version {version}")
+        except ServiceError as err:
+            log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
+
+    def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
+        """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know."""
+        try:
+            known = set()
+            for info in self.catalog.list(include_pending=True):
+                if rank not in _ranks_of(info):
+                    continue
+                known.add((info.name, info.version))
+                if (info.name, info.version) in held:
+                    if info.state == pb.READY:
+                        self._fan_out([rank], lambda s, i=info: s.PromoteVersion(
+                            pb.PromoteVersionRequest(name=i.name, version=i.version), timeout=self.rpc_timeout),
+                            f"re-promote {info.name!r}")
+                elif info.state == pb.READY:
+                    log.warning("rank %d lost tensor %r version %d (restarted?); removing it from the catalog",
+                                rank, info.name, info.version)
+                    with self._name_lock(info.name):
+                        self._discard(info)
+            for name, version in held - known:
+                self._drop_quietly(name, version, [rank])
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reconciling rank %d failed", rank)
+
+    def _monitor_loop(self) -> None:
+        """Log ranks that stop heartbeating; abort puts left PENDING past the timeout."""
+        last_reap = time.monotonic()
+        while not self._stop.wait(min(self.heartbeat_interval, 1.0)):
+            with self._ranks_changed:
+                for entry in self._ranks.values():
+                    if not entry.reported_dead and not self.is_alive(entry):
+                        entry.reported_dead = True
+                        log.error("rank %d (%s) missed heartbeats for %.1fs: marked dead", entry.info.rank,
+                                  entry.info.address, time.monotonic() - entry.last_heartbeat)
+            if time.monotonic() - last_reap >= min(5.0, self.pending_timeout):
+                last_reap = time.monotonic()
+                self._reap_pending()
+
+    def _reap_pending(self) -> None:
+        cutoff = time.time() - self.pending_timeout
+        for info in self.catalog.list(include_pending=True):
+            if info.state != pb.READY and info.created_unix < cutoff:
+                log.warning("aborting %r version %d: pending for more than %.0fs", info.name, info.version,
+                            self.pending_timeout)
+                try:
+                    self.abort(info.name, info.version)
+                except ServiceError as err:
+                    log.info("reaping %r version %d: %s", info.name, info.version, err.message)
+
+    def stop_monitor(self) -> None:
+        """Stop watching heartbeats (the cluster is shutting down on purpose)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop the monitor, the fan-out pool and the rank channels; close the catalog."""
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._ranks_changed:
+            for entry in self._ranks.values():
+                entry.channel.close()
+        self.catalog.close()
+
+
+def _ranks_of(info: pb.TensorInfo) -> list[int]:
+    """Distinct ranks holding shards of a catalog row."""
+    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
+
+
+def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"rank {rank} ({address}) is unavailable: {details}")
+    return ServiceError(f"rank {rank}: {details}", code)
+
+
+def _check_rank_info(info: pb.RankInfo) -> None:
+    if info.rank < 0:
+        raise InvalidArgument(f"rank.rank {info.rank} is negative")
+    if info.world_size <= 0 or info.rank >= info.world_size:
+        raise InvalidArgument(f"rank.world_size {info.world_size} must be > rank.rank {info.rank}")
+    if not info.address or ":" not in info.address:
+        raise InvalidArgument(f"rank.address {info.address!r} is not HOST:PORT")
+    try:
+        RemoteDevice(f"rank:{info.rank}/{info.device}")
+    except ValueError:
+        raise InvalidArgument(f"rank.device {info.device!r} is not 'cpu' or 'cuda:K'") from None
+    if info.memory_limit_bytes < 0:
+        raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")
+
+
+def _check_options(options: pb.TensorOptions, meta: ShardedTensorMetadata) -> None:
+    if options.oov not in pb.OovPolicy.values():
+        raise InvalidArgument(f"options.oov {options.oov} is not a known OovPolicy")
+    if options.oov == pb.OOV_DEFAULT:
+        if meta.ndim != 2:
+            raise InvalidArgument("options.oov OOV_DEFAULT needs a 2-D table")
+        row_bytes = meta.size[1] * meta.tensor_properties.itemsize
+        if len(options.default_row) != row_bytes:
+            raise InvalidArgument(f"options.default_row has {len(options.default_row)} bytes; one row of "
+                                  f"this table is {row_bytes} bytes")
+    elif options.default_row:
+        raise InvalidArgument("options.default_row is set but options.oov is not OOV_DEFAULT")
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """The Coordinator gRPC service: a thin layer over `Coordinator`."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+
+    @rpc_errors
+    def RegisterRank(self, request: pb.RegisterRankRequest,
+                     context: grpc.ServicerContext) -> pb.RegisterRankResponse:
+        interval = self.coordinator.register(request.rank, request.held)
+        return pb.RegisterRankResponse(heartbeat_interval_s=interval)
+
+    @rpc_errors
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        self.coordinator.heartbeat(request.rank, request.memory_used_bytes)
+        return pb.HeartbeatResponse()
+
+    @rpc_errors
+    def ListRanks(self, request: pb.ListRanksRequest, context: grpc.ServicerContext) -> pb.ListRanksResponse:
+        return pb.ListRanksResponse(ranks=self.coordinator.ranks())
+
+    @rpc_errors
+    def CreateTensor(self, request: pb.CreateTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:
+        return self.coordinator.create(request)
+
+    @rpc_errors
+    def CommitTensor(self, request: pb.CommitTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:
+        return self.coordinator.commit(request.name, request.version)
+
+    @rpc_errors
+    def AbortTensor(self, request: pb.AbortTensorRequest,
+                    context: grpc.ServicerContext) -> pb.AbortTensorResponse:
+        self.coordinator.abort(request.name, request.version)
+        return pb.AbortTensorResponse()
+
+    @rpc_errors
+    def GetTensor(self, request: pb.GetTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:
+        return self.coordinator.get(request.name)
+
+    @rpc_errors
+    def ListTensors(self, request: pb.ListTensorsRequest,
+                    context: grpc.ServicerContext) -> pb.ListTensorsResponse:
+        return pb.ListTensorsResponse(tensors=self.coordinator.list(request.include_pending))
+
+    @rpc_errors
+    def DeleteTensor(self, request: pb.DeleteTensorRequest,
+                     context: grpc.ServicerContext) -> pb.DeleteTensorResponse:
+        self.coordinator.delete(request.name)
+        return pb.DeleteTensorResponse()

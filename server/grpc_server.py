@@ -1,0 +1,68 @@
+"""Starting a gRPC server the way both servers need it: thread pool, auth, TLS, health, reflection."""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from server.auth import CHANNEL_OPTIONS, Security, TokenAuthInterceptor, server_credentials
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunningServer:
+    """A started gRPC server, the port it bound and its health servicer."""
+
+    server: grpc.Server
+    host: str
+    port: int
+    health: health.HealthServicer
+    services: tuple[str, ...]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self, grace: float = 2.0) -> None:
+        """Mark every service NOT_SERVING, then stop, letting calls in flight finish within `grace`."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait(grace + 1.0)
+
+
+def split_address(listen: str) -> tuple[str, int]:
+    """("host", port) from "host:port" (IPv6 hosts in brackets); ValueError names `listen`."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"listen address {listen!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.Server], list[str]],
+                 max_workers: int = 16) -> RunningServer:
+    """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection."""
+    host, _ = split_address(listen)
+    interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                         interceptors=interceptors, options=CHANNEL_OPTIONS)
+    names = tuple(add_servicers(server))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(names + (health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    if security.tls is not None:
+        port = server.add_secure_port(listen, server_credentials(security.tls))
+    else:
+        port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"could not bind {listen}")
+    server.start()
+    for name in ("",) + names:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d%s%s", ", ".join(names), host, port,
+             " with TLS" if security.tls else "", " with token auth" if security.token else "")
+    return RunningServer(server, host, port, health_servicer, names)

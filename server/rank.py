@@ -1,0 +1,209 @@
+"""One rank: join the torch.distributed world, serve its ShardServer, register and heartbeat.
+
+Started by the local launcher or by torchrun (`torchrun ... -m server
+--coordinator HOST:PORT`); it reads RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT like any torchrun worker. SIGTERM or SIGINT stops it
+cleanly; under the launcher it also exits when the launcher dies.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable, Sequence
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.auth import Security, make_channel
+from server.cli_args import add_security_args, configure_logging, security_from_args
+from server.grpc_server import RunningServer, start_server
+from server.shard_server import ShardServerServicer
+from server.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m server", description="Run one shard-server rank (torchrun-compatible: reads RANK, "
+        "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).")
+    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT this rank's ShardServer binds "
+                        "(port 0 = any free port; default %(default)s)")
+    parser.add_argument("--advertise", default=None, help="HOST:PORT clients should dial (default: the "
+                        "bound address, with this host's name when listening on 0.0.0.0)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda (= cuda:LOCAL_RANK) or cuda:K")
+    parser.add_argument("--memory-limit", type=int, default=0, help="bytes of shards this rank may hold "
+                        "(0 = unlimited)")
+    parser.add_argument("--max-request-bytes", type=int, default=0, help="largest box one ReadRegion may "
+                        "ask for, in bytes (0 = unlimited)")
+    parser.add_argument("--dist-timeout", type=float, default=120.0, help="seconds to wait for the "
+                        "torch.distributed world to form (default %(default)s)")
+    parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
+                        "register with the coordinator (default %(default)s)")
+    add_security_args(parser)
+    return parser.parse_args(argv)
+
+
+def resolve_device(device: str, local_rank: int) -> str:
+    """"cuda" means this rank's local GPU; anything else must be cpu or cuda:K."""
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+    if device != "cpu" and not device.startswith("cuda:"):
+        raise ValueError(f"--device {device!r} is not cpu, cuda or cuda:K")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    return device
+
+
+def init_world(rank: int, world_size: int, timeout: float) -> None:
+    """Join the torch.distributed world: gloo for CPU tensors, NCCL for CUDA ones when available."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout))
+    log.info("rank %d joined the torch.distributed world of %d (%s)", rank, world_size, backend)
+
+
+def watch_parent(stop: threading.Event) -> None:
+    """Under the launcher: stop when the launcher process is gone (checked every 0.5 s)."""
+    parent = int(os.environ.get(PARENT_PID_ENV, "0") or 0)
+    if not parent:
+        return
+
+    def watch() -> None:
+        while not stop.wait(0.5):
+            if os.getppid() != parent:
+                log.error("the launcher (pid %d) is gone; stopping", parent)
+                stop.set()
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class CoordinatorLink:
+    """Registers this rank with the coordinator and keeps it alive with heartbeats."""
+
+    def __init__(self, address: str, security: Security, info: pb.RankInfo, store: ShardStore) -> None:
+        self.info = info
+        self.store = store
+        self.interval = 1.0
+        self._channel = make_channel(address, security)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+
+    def register(self, timeout: float) -> None:
+        """Register, retrying while the coordinator is unreachable, for at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            try:
+                self._register_once()
+                return
+            except grpc.RpcError as err:
+                if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() + delay > deadline:
+                    raise
+                log.info("coordinator not reachable yet (%s); retrying", err.details())
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _register_once(self) -> None:
+        self.info.memory_used_bytes = self.store.memory_used
+        held = [pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()]
+        response = self._stub.RegisterRank(pb.RegisterRankRequest(rank=self.info, held=held), timeout=10.0)
+        self.interval = response.heartbeat_interval_s or 1.0
+        log.info("rank %d registered with the coordinator (heartbeat every %.2fs)", self.info.rank,
+                 self.interval)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _heartbeat_loop(self) -> None:
+        unreachable = False
+        while not self._stop.wait(self.interval):
+            request = pb.HeartbeatRequest(rank=self.info.rank, memory_used_bytes=self.store.memory_used)
+            try:
+                self._stub.Heartbeat(request, timeout=max(2.0, 2 * self.interval))
+                if unreachable:
+                    log.info("coordinator reachable again")
+                unreachable = False
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("coordinator does not know rank %d; registering again", self.info.rank)
+                    self._try(self._register_once)
+                elif not unreachable:
+                    unreachable = True
+                    log.warning("heartbeat failed: %s %s", err.code().name, err.details())
+
+    def _try(self, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except grpc.RpcError as err:
+            log.warning("registering again failed: %s %s", err.code().name, err.details())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._channel.close()
+
+
+def advertised_address(running: RunningServer, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    host = socket.gethostname() if running.host in ("0.0.0.0", "[::]") else running.host
+    return f"{host}:{running.port}"
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run one rank until SIGTERM/SIGINT (or the launcher's death)."""
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    watch_parent(stop)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+    security = security_from_args(args)
+    init_world(rank, world_size, args.dist_timeout)
+    store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes)
+    running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
+    info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
+                       hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
+                       world_size=world_size, pid=os.getpid())
+    link = CoordinatorLink(args.coordinator, security, info, store)
+    try:
+        link.register(args.register_timeout)
+        link.start()
+        stop.wait()
+        log.info("rank %d stopping", rank)
+    finally:
+        _shutdown(link, running)
+    return 0
+
+
+def _add_shard_server(server: grpc.Server, store: ShardStore) -> list[str]:
+    pb_grpc.add_ShardServerServicer_to_server(ShardServerServicer(store), server)
+    return [pb.DESCRIPTOR.services_by_name["ShardServer"].full_name]
+
+
+def _shutdown(link: CoordinatorLink, running: RunningServer) -> None:
+    """Stop heartbeats, the gRPC server and the process group, within a hard 10 s bound."""
+    deadline = threading.Timer(10.0, lambda: os._exit(1))
+    deadline.daemon = True
+    deadline.start()
+    link.stop()
+    running.stop(grace=1.0)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,505 @@
+"""Rank-side execution of one rank's part of a ReshardPlan over torch.distributed.
+
+Two pieces:
+
+- `CollectiveExecutor`: one dedicated thread per rank on which every collective
+  job runs, in the sequence numbers the coordinator assigns. Job N+1 starts only
+  after job N finished or failed, so every rank enters its collectives in the
+  same order whatever order the RPCs arrive in.
+- `run_reshard`: local copies first, then peer-to-peer `batch_isend_irecv` of
+  flat buckets, unpacked into newly allocated destination shards.
+
+Deadlock-free ordering. The buckets of one (src_rank, dst_rank) pair keep the
+plan's order; bucket k of every pair belongs to *round* k. Both ends of a
+bucket compute the same round from the same plan. A rank walks its rounds in
+increasing order and, per round, posts every send and receive of that round in
+one `batch_isend_irecv` (one NCCL group), using the round as the gloo tag. It
+keeps at most `max_in_flight` rounds posted: before posting round k it waits
+for round k - max_in_flight. By induction on k every op of round k is posted by
+both ends (posting never blocks, waiting only ever targets earlier rounds whose
+ops are posted), so no cycle of waits can form. Only the two ends of a bucket
+take part in it: ranks outside the plan run nothing, and there is no barrier or
+all-ranks collective.
+
+Memory. Besides the new shards, a rank holds staging buffers only for the
+buckets in flight: at most `max_in_flight` (default 2) per peer and direction.
+A bucket made of one box that is contiguous in its shard is sent from, or
+received into, the shard itself without a staging buffer. `ReshardStats`
+reports the peak staging bytes measured while running.
+
+Bounded failure. Every wait is bounded by the call's deadline (`timeout_s`
+from the start of the call). Waits run on small waiter threads so the first
+failing peer is the one reported: a peer that died fails its pending ops at
+once (gloo sees the closed connection), a hung one is named when the deadline
+passes. Either way `run_reshard` raises `ReshardError` naming the peer ranks
+and the caller's store is untouched: the new shards exist only in the returned
+dict. After a ReshardError the process group may hold abandoned operations with
+those peers; the caller must re-form it before the next reshard with them.
+
+CUDA. Buckets whose both ends are CUDA shards travel as CUDA tensors, so the
+"cpu:gloo,cuda:nccl" group moves them with NCCL without host staging; a bucket
+with a CPU end travels through host memory with gloo. A CUDA wait is bounded by
+polling an event recorded after the NCCL work; the GPU side of a hung NCCL
+operation is left to the process group's own timeout/watchdog.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import heapq
+import itertools
+import math
+import operator
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from shardcore.executor import copy_box, pack_bucket, unpack_bucket
+from shardcore.planner import Bucket, ReshardPlan
+
+T = TypeVar("T")
+
+DEFAULT_MAX_IN_FLIGHT = 2
+_CUDA_POLL_S = 0.0005
+
+
+class ReshardError(RuntimeError):
+    """A reshard failed on this rank; `peers` are the ranks that failed or did not answer in time."""
+
+    def __init__(self, message: str, peers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.peers = tuple(peers)
+
+
+class SequenceTimeoutError(TimeoutError):
+    """A job waited too long for the jobs before it in the sequence to arrive."""
+
+
+@dataclass
+class ReshardStats:
+    """What one run_reshard call moved, and the staging memory it held at its peak."""
+
+    local_bytes: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    buckets_sent: int = 0
+    buckets_received: int = 0
+    zero_copy_buckets: int = 0
+    rounds: int = 0
+    new_shard_bytes: int = 0
+    staging_bytes: int = 0
+    peak_staging_bytes: int = 0
+
+    def _stage(self, nbytes: int) -> None:
+        self.staging_bytes += nbytes
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+
+    def _unstage(self, nbytes: int) -> None:
+        self.staging_bytes -= nbytes
+
+
+def process_group_backend() -> str:
+    """The backend string for a shard server world: gloo for CPU shards, NCCL for CUDA ones."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+# ---------------------------------------------------------------------------------------------
+# The dedicated collective thread
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(order=True)
+class _Job:
+    seq: int
+    deadline: float = field(compare=False)
+    fn: Callable[[], Any] = field(compare=False)
+    future: cf.Future = field(compare=False)
+
+
+class CollectiveExecutor:
+    """Runs this rank's collective jobs one at a time on one thread, in sequence-number order.
+
+    `submit(seq, fn)` queues a job; the thread runs jobs strictly in order
+    first_seq, first_seq+1, ... A job whose predecessors have not all arrived
+    (or been `skip`ped) within `wait_timeout_s` fails with SequenceTimeoutError
+    and its number is skipped, so the sequence can continue past it.
+    """
+
+    def __init__(self, first_seq: int = 0, *, name: str = "shardserve-collectives") -> None:
+        self._next_seq = _non_negative_int(first_seq, "first_seq")
+        self._queue: list[_Job] = []
+        self._known: set[int] = set()
+        self._skipped: set[int] = set()
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the thread runs (or waits for) next."""
+        with self._cond:
+            return self._next_seq
+
+    def submit(self, seq: int, fn: Callable[[], T], *, wait_timeout_s: float) -> "cf.Future[T]":
+        """Queue `fn` as job `seq`; its future holds fn's result or exception."""
+        seq = _non_negative_int(seq, "seq")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        wait_timeout_s = _positive_seconds(wait_timeout_s, "wait_timeout_s")
+        future: cf.Future = cf.Future()
+        with self._cond:
+            self._check_new_seq(seq)
+            self._known.add(seq)
+            heapq.heappush(self._queue, _Job(seq, time.monotonic() + wait_timeout_s, fn, future))
+            self._cond.notify_all()
+        return future
+
+    def skip(self, seq: int) -> None:
+        """Declare that job `seq` will never be submitted here (e.g. aborted before it arrived)."""
+        seq = _non_negative_int(seq, "seq")
+        with self._cond:
+            self._check_new_seq(seq)
+            self._known.add(seq)
+            self._skipped.add(seq)
+            self._cond.notify_all()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread after the running job; queued jobs fail with RuntimeError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> "CollectiveExecutor":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_new_seq(self, seq: int) -> None:
+        if self._closed:
+            raise RuntimeError("the collective executor is closed")
+        if seq < self._next_seq or seq in self._known:
+            raise ValueError(f"seq {seq} was already used (next expected seq is {self._next_seq})")
+
+    def _loop(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            if job.future.set_running_or_notify_cancel():
+                try:
+                    job.future.set_result(job.fn())
+                except BaseException as exc:  # the job's failure belongs to its caller
+                    job.future.set_exception(exc)
+            with self._cond:
+                self._next_seq = job.seq + 1
+
+    def _next_job(self) -> _Job | None:
+        """Block until the job numbered next_seq is queued; expire jobs that waited too long."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    for job in self._queue:
+                        job.future.set_exception(RuntimeError("the collective executor closed"))
+                    self._queue.clear()
+                    return None
+                while self._next_seq in self._skipped:
+                    self._skipped.discard(self._next_seq)
+                    self._next_seq += 1
+                if self._queue and self._queue[0].seq == self._next_seq:
+                    return heapq.heappop(self._queue)
+                self._expire_waiting()
+                timeout = min((job.deadline for job in self._queue), default=None)
+                self._cond.wait(None if timeout is None else max(0.0, timeout - time.monotonic()))
+
+    def _expire_waiting(self) -> None:
+        now = time.monotonic()
+        expired = [job for job in self._queue if job.deadline <= now]
+        if not expired:
+            return
+        self._queue = [job for job in self._queue if job.deadline > now]
+        heapq.heapify(self._queue)
+        for job in expired:
+            self._skipped.add(job.seq)
+            job.future.set_exception(SequenceTimeoutError(
+                f"job {job.seq} timed out waiting for job {self._next_seq} to arrive"))
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's part of a reshard
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Posted:
+    """One round's posted operations: (future of the wait, peer, what to do once it is done)."""
+
+    round: int
+    waits: list[tuple[cf.Future, int, str]]
+    receives: list[tuple[Bucket, torch.Tensor | None]]
+    staged: int
+
+
+def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Tensor], timeout_s: float,
+                *, group: dist.ProcessGroup | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                stats: ReshardStats | None = None) -> dict[int, torch.Tensor]:
+    """Run `rank`'s part of `plan`: the new shards on this rank, by dst shard index.
+
+    `src_shards` maps the source shard indices held by this rank
+    (plan.src.shards_metadata order) to their tensors. Raises ReshardError naming
+    the peers when a peer fails or does not answer within `timeout_s`.
+    """
+    if not isinstance(plan, ReshardPlan):
+        raise TypeError(f"plan must be a ReshardPlan, got {type(plan).__name__}")
+    rank = _non_negative_int(rank, "rank")
+    timeout_s = _positive_seconds(timeout_s, "timeout_s")
+    max_in_flight = _non_negative_int(max_in_flight, "max_in_flight")
+    if max_in_flight < 1:
+        raise ValueError("max_in_flight must be >= 1")
+    stats = stats if stats is not None else ReshardStats()
+    deadline = time.monotonic() + timeout_s
+    part = plan.for_rank(rank)
+    _check_src_shards(plan, part, src_shards)
+    out = _allocate_destination(plan, rank, stats)
+    src_boxes = [s.box for s in plan.src.shards_metadata]
+    dst_boxes = [s.box for s in plan.dst.shards_metadata]
+    for t in part.local:
+        copy_box(src_shards[t.src_shard], src_boxes[t.src_shard], out[t.dst_shard], dst_boxes[t.dst_shard], t.box)
+        stats.local_bytes += t.nbytes
+    rounds = _rounds(rank, part.sends, part.recvs)
+    stats.rounds = len(rounds)
+    if rounds:
+        if not dist.is_initialized():
+            raise ReshardError("the plan moves data between ranks but torch.distributed is not initialized")
+        _exchange(plan, rounds, src_shards, out, group, max_in_flight, deadline, stats)
+    return out
+
+
+def _check_src_shards(plan: ReshardPlan, part: Any, src_shards: Mapping[int, torch.Tensor]) -> None:
+    if not isinstance(src_shards, Mapping):
+        raise TypeError(f"src_shards must be a mapping of shard index to tensor, got {type(src_shards).__name__}")
+    needed = {t.src_shard for t in part.local}
+    needed.update(t.src_shard for b in part.sends for t in b.transfers)
+    for index in sorted(needed):
+        tensor = src_shards.get(index)
+        if tensor is None:
+            raise ValueError(f"src_shards has no tensor for source shard {index}, which this rank must send")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"src_shards[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
+        expected = plan.src.shards_metadata[index].shard_sizes
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"src_shards[{index}] has shape {tuple(tensor.shape)} but shard {index} "
+                             f"has sizes {expected}")
+        if tensor.dtype != plan.src.dtype:
+            raise ValueError(f"src_shards[{index}] has dtype {tensor.dtype} but the tensor's dtype is "
+                             f"{plan.src.dtype}")
+
+
+def _allocate_destination(plan: ReshardPlan, rank: int, stats: ReshardStats) -> dict[int, torch.Tensor]:
+    """Empty tensors for this rank's destination shards, each on its shard's device."""
+    out = {}
+    for index in plan.dst.shards_on(rank):
+        shard = plan.dst.shards_metadata[index]
+        device = shard.device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"dst.shards_metadata[{index}] is placed on {device} but CUDA is not available")
+        out[index] = torch.empty(shard.shard_sizes, dtype=plan.dst.dtype, device=device)
+        stats.new_shard_bytes += out[index].numel() * out[index].element_size()
+    return out
+
+
+def _rounds(rank: int, sends: tuple[Bucket, ...],
+            recvs: tuple[Bucket, ...]) -> list[list[tuple[str, Bucket]]]:
+    """Round k holds the k-th bucket of every peer pair this rank is an end of."""
+    per_pair: dict[tuple[int, int], list[Bucket]] = {}
+    for bucket in itertools.chain(sends, recvs):
+        per_pair.setdefault((bucket.src_rank, bucket.dst_rank), []).append(bucket)
+    rounds: list[list[tuple[str, Bucket]]] = []
+    for _, buckets in sorted(per_pair.items()):
+        for k, bucket in enumerate(buckets):
+            while len(rounds) <= k:
+                rounds.append([])
+            rounds[k].append(("send" if bucket.src_rank == rank else "recv", bucket))
+    return rounds
+
+
+def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_shards: Mapping[int, torch.Tensor],
+              out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, max_in_flight: int,
+              deadline: float, stats: ReshardStats) -> None:
+    """Post the rounds with at most max_in_flight outstanding; unpack each round once it is done."""
+    ops_per_round = max(len(r) for r in rounds)
+    waiters = cf.ThreadPoolExecutor(max_workers=max(1, ops_per_round * max_in_flight),
+                                    thread_name_prefix="shardserve-reshard-wait")
+    posted: deque[_Posted] = deque()
+    try:
+        for k, round_ in enumerate(rounds):
+            if len(posted) == max_in_flight:
+                _finish(posted.popleft(), posted, out, deadline, stats)
+            posted.append(_post(plan, k, round_, src_shards, out, group, waiters, deadline, stats))
+        while posted:
+            _finish(posted.popleft(), posted, out, deadline, stats)
+    finally:
+        waiters.shutdown(wait=False, cancel_futures=True)
+
+
+def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
+          out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, waiters: cf.ThreadPoolExecutor,
+          deadline: float, stats: ReshardStats) -> _Posted:
+    """Pack this round's send buckets, post all its sends and receives, start bounded waits on them."""
+    ops: list[tuple[dist.P2POp, int, str]] = []
+    receives: list[tuple[Bucket, torch.Tensor | None]] = []
+    staged = 0
+    for kind, bucket in round_:
+        if kind == "send":
+            wire, copied = _send_buffer(plan, bucket, src_shards)
+            peer = bucket.dst_rank
+            ops.append((dist.P2POp(dist.isend, wire, peer, group, k), peer, "send to"))
+            stats.sent_bytes += bucket.nbytes
+            stats.buckets_sent += 1
+        else:
+            direct = _direct_view(plan, bucket, out, "dst")
+            copied = direct is None
+            wire = _wire_buffer(plan, bucket) if copied else direct
+            peer = bucket.src_rank
+            ops.append((dist.P2POp(dist.irecv, wire, peer, group, k), peer, "receive from"))
+            receives.append((bucket, wire if copied else None))
+            stats.received_bytes += bucket.nbytes
+            stats.buckets_received += 1
+        if copied:
+            staged += bucket.nbytes
+            stats._stage(bucket.nbytes)
+        else:
+            stats.zero_copy_buckets += 1
+    waits = []
+    for device_type in ("cpu", "cuda"):
+        batch = [item for item in ops if item[0].tensor.device.type == device_type]
+        if not batch:
+            continue
+        try:
+            works = dist.batch_isend_irecv([op for op, _, _ in batch])
+        except Exception as exc:
+            peers = tuple(sorted({peer for _, peer, _ in batch}))
+            raise ReshardError(f"posting round {k} with ranks {list(peers)} failed: {exc}", peers) from exc
+        for work, (op, peer, what) in zip(works, batch):
+            waits.append((waiters.submit(_wait_work, work, op.tensor.device, deadline), peer, what))
+    return _Posted(k, waits, receives, staged)
+
+
+def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], deadline: float,
+            stats: ReshardStats) -> None:
+    """Wait for one round (failing fast on any failed op of any posted round), then unpack it."""
+    mine = {future for future, _, _ in done.waits}
+    watched = {future: (peer, what) for future, peer, what in done.waits}
+    for posted in later:
+        watched.update({future: (peer, what) for future, peer, what in posted.waits})
+    pending = set(watched)
+    while mine & pending:
+        finished, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
+                                    return_when=cf.FIRST_COMPLETED)
+        for future in finished:
+            if future.exception() is not None:
+                peer, what = watched[future]
+                raise ReshardError(f"reshard failed to {what} rank {peer}: {future.exception()}",
+                                   (peer,)) from future.exception()
+        if not finished:
+            late = sorted({watched[f][0] for f in mine & pending})
+            raise ReshardError(f"reshard timed out waiting for rank(s) {late} in round {done.round}",
+                               tuple(late))
+    for bucket, wire in done.receives:
+        if wire is not None:
+            unpack_bucket(bucket, wire, out)
+    stats._unstage(done.staged)
+
+
+def _wait_work(work: dist.Work, device: torch.device, deadline: float) -> None:
+    """Block until `work` is done or the deadline passes (TimeoutError)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("deadline passed before the operation was waited for")
+    if device.type != "cuda":
+        if not work.wait(timedelta(seconds=remaining)):
+            raise TimeoutError(f"operation did not complete within {remaining:.1f}s")
+        return
+    work.wait()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    while not event.query():
+        if time.monotonic() > deadline:
+            raise TimeoutError("CUDA operation did not complete before the deadline")
+        time.sleep(_CUDA_POLL_S)
+
+
+def _wire_device(plan: ReshardPlan, bucket: Bucket) -> str:
+    """"cuda" when both ends of every transfer in the bucket are CUDA shards, else "cpu"."""
+    src, dst = plan.src.shards_metadata, plan.dst.shards_metadata
+    both_cuda = all(src[t.src_shard].device.type == "cuda" and dst[t.dst_shard].device.type == "cuda"
+                    for t in bucket.transfers)
+    return "cuda" if both_cuda else "cpu"
+
+
+def _local_device(plan: ReshardPlan, bucket: Bucket, side: str) -> torch.device:
+    """The device this end of a bucket stages it on: its first shard's device, or the CPU."""
+    if _wire_device(plan, bucket) == "cpu":
+        return torch.device("cpu")
+    first = bucket.transfers[0]
+    if side == "src":
+        return plan.src.shards_metadata[first.src_shard].device
+    return plan.dst.shards_metadata[first.dst_shard].device
+
+
+def _wire_buffer(plan: ReshardPlan, bucket: Bucket) -> torch.Tensor:
+    return torch.empty(bucket.nbytes, dtype=torch.uint8, device=_local_device(plan, bucket, "dst"))
+
+
+def _send_buffer(plan: ReshardPlan, bucket: Bucket,
+                 src_shards: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """The bytes to send for a bucket, and whether they were copied into a staging buffer."""
+    direct = _direct_view(plan, bucket, src_shards, "src")
+    if direct is not None:
+        return direct, False
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=_local_device(plan, bucket, "src"))
+    return pack_bucket(bucket, src_shards, out=buffer), True
+
+
+def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.Tensor],
+                 side: str) -> torch.Tensor | None:
+    """The bucket's bytes as a flat view of a shard: one box, contiguous, on the wire's device type."""
+    if len(bucket.transfers) != 1:
+        return None
+    t = bucket.transfers[0]
+    index = t.src_shard if side == "src" else t.dst_shard
+    tensor = tensors[index]
+    offsets = t.src_local_offsets() if side == "src" else t.dst_local_offsets()
+    view = tensor
+    for d, (o, s) in enumerate(zip(offsets, t.sizes)):
+        view = view.narrow(d, o, s)
+    if not view.is_contiguous() or view.device.type != _wire_device(plan, bucket):
+        return None
+    return view.reshape(-1).view(torch.uint8)
+
+
+def _non_negative_int(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _positive_seconds(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
+    return float(value)

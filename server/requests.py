@@ -1,0 +1,55 @@
+"""Checks of request fields shared by both servicers; each error names its field."""
+from __future__ import annotations
+
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.errors import InvalidArgument
+from shardcore.dtypes import dtype_from_wire
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.validation import validate_metadata
+from shardcore.wire import metadata_from_proto
+
+MAX_NAME_LENGTH = 256
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """A tensor name: 1..256 printable characters."""
+    if not name:
+        raise InvalidArgument(f"{field} is empty")
+    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}")
+    if not name.isprintable():
+        raise InvalidArgument(f"{field} {name!r} contains non-printable characters")
+    return name
+
+
+def check_version(version: int, field: str = "version", allow_zero: bool = False) -> int:
+    """A version number: > 0 (or 0 when the RPC gives 0 a meaning)."""
+    if version == 0 and not allow_zero:
+        raise InvalidArgument(f"{field} must be > 0")
+    return version
+
+
+def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> ShardedTensorMetadata:
+    """Wire metadata as a validated shardcore layout; InvalidArgument names the bad part."""
+    try:
+        meta = metadata_from_proto(msg)
+        if not meta.shards_metadata:
+            raise ValueError("shards_metadata is empty")
+        for i, shard in enumerate(meta.shards_metadata):
+            if shard.placement is None:
+                raise ValueError(f"shards_metadata[{i}].placement is empty")
+        validate_metadata(meta)
+    except (ValueError, TypeError) as err:
+        raise InvalidArgument(f"{field}: {err}") from None
+    return meta
+
+
+def parse_dtype(number: int, field: str) -> torch.dtype:
+    """Torch dtype of a wire DType value."""
+    try:
+        return dtype_from_wire(number)
+    except ValueError as err:
+        raise InvalidArgument(f"{field}: {err}") from None
+

@@ -1,0 +1,93 @@
+"""The ShardServer gRPC servicer: a thin layer over one rank's ShardStore."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Iterator
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.errors import InvalidArgument, rpc_errors
+from server.requests import check_name, check_version, parse_dtype, parse_metadata
+from server.store import ShardStore
+from shardcore.wire import tensor_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 16 << 20
+
+
+class ShardServerServicer(pb_grpc.ShardServerServicer):
+    """Allocates, fills, promotes, drops and streams the shards of one rank."""
+
+    def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+
+    @rpc_errors
+    def AllocateShards(self, request: pb.AllocateShardsRequest,
+                       context: grpc.ServicerContext) -> pb.AllocateShardsResponse:
+        name = check_name(request.name)
+        version = check_version(request.version)
+        meta = parse_metadata(request.metadata)
+        nbytes = self.store.allocate(name, version, meta, request.init, request.seed, request.options)
+        return pb.AllocateShardsResponse(allocated_bytes=nbytes)
+
+    @rpc_errors
+    def PromoteVersion(self, request: pb.PromoteVersionRequest,
+                       context: grpc.ServicerContext) -> pb.PromoteVersionResponse:
+        self.store.promote(check_name(request.name), check_version(request.version))
+        return pb.PromoteVersionResponse()
+
+    @rpc_errors
+    def DropVersion(self, request: pb.DropVersionRequest,
+                    context: grpc.ServicerContext) -> pb.DropVersionResponse:
+        self.store.drop(check_name(request.name), check_version(request.version, allow_zero=True))
+        return pb.DropVersionResponse()
+
+    @rpc_errors
+    def WriteShard(self, request_iterator: Iterable[pb.WriteShardRequest],
+                   context: grpc.ServicerContext) -> pb.WriteShardResponse:
+        requests = iter(request_iterator)
+        first = next(requests, None)
+        if first is None or not first.HasField("header"):
+            raise InvalidArgument("header: the first WriteShard message must carry the header")
+        header = first.header
+        name = check_name(header.name, "header.name")
+        version = check_version(header.version, "header.version")
+        dtype = parse_dtype(header.dtype, "header.dtype")
+        with self.store.write(name, version, header.shard_index, dtype, header.nbytes) as writer:
+            for message in requests:
+                part = message.WhichOneof("part")
+                if part == "chunk":
+                    writer.write(message.chunk.offset, message.chunk.data)
+                elif part == "header":
+                    raise InvalidArgument("header: only the first WriteShard message may carry a header")
+                else:
+                    raise InvalidArgument("part: a WriteShard message carries neither header nor chunk")
+        return pb.WriteShardResponse(bytes_written=writer.written)
+
+    @rpc_errors
+    def ReadRegion(self, request: pb.ReadRegionRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        name = check_name(request.name)
+        chunk_bytes = self._chunk_bytes(request.chunk_bytes)
+        with self.store.read(name, check_version(request.version, allow_zero=True), request.shard_index,
+                             tuple(request.offsets), tuple(request.sizes)) as box:
+            data = tensor_bytes(box)  # zero-copy when the box is contiguous in the shard
+            for offset in range(0, len(data), chunk_bytes):
+                yield pb.TensorChunk(offset=offset, data=bytes(data[offset:offset + chunk_bytes]))
+
+    def _chunk_bytes(self, requested: int) -> int:
+        if requested < 0:
+            raise InvalidArgument(f"chunk_bytes {requested} is negative")
+        return min(requested or self.chunk_bytes, MAX_CHUNK_BYTES)
+
+    @rpc_errors
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+        return pb.GetStatsResponse(
+            rank=self.store.rank, memory_used_bytes=self.store.memory_used,
+            memory_limit_bytes=self.store.memory_limit,
+            held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()])

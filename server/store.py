@@ -1,0 +1,347 @@
+"""ShardStore: the shards one rank holds, keyed by (name, version) and shard index.
+
+A version is PENDING from allocation until every local shard is written and
+it is promoted, then SERVED. Memory is accounted against a limit when
+allocated and released when a version is dropped and no read or write still
+holds a lease on it (a small reference count per version), so a dropped
+version stays whole for the reads already in flight. No network, no threads
+of its own: the servicer calls in from gRPC worker threads, so every method is
+thread-safe.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from shardcore.dtypes import dtype_name
+from shardcore.metadata import Box, ShardedTensorMetadata
+from shardcore.regions import local_view
+from shardcore.wire import byte_view
+
+log = logging.getLogger(__name__)
+
+
+class VersionState(enum.Enum):
+    PENDING = "pending"
+    SERVED = "served"
+
+
+@dataclass
+class StoredVersion:
+    """One (name, version) on this rank: its local shards and bookkeeping."""
+
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    options: pb.TensorOptions
+    nbytes: int
+    shards: dict[int, torch.Tensor] = field(default_factory=dict)
+    complete: set[int] = field(default_factory=set)
+    state: VersionState = VersionState.PENDING
+    leases: int = 0
+    dropped: bool = False
+
+
+def check_init(init: int, dtype: torch.dtype) -> None:
+    """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
+    if init not in pb.InitKind.values():
+        raise InvalidArgument(f"init {init} is not a known InitKind")
+    if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}")
+
+
+def _row_major_strides(size: tuple[int, ...]) -> list[int]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return strides[::-1]
+
+
+def arange_box(size: tuple[int, ...], box: Box, dtype: torch.dtype) -> torch.Tensor:
+    """The global row-major linear index of every element of `box`, cast to `dtype`."""
+    index = torch.zeros(box.sizes, dtype=torch.int64)
+    for d, (offset, length, stride) in enumerate(zip(box.offsets, box.sizes, _row_major_strides(size))):
+        shape = [1] * len(box.sizes)
+        shape[d] = length
+        index += (torch.arange(offset, offset + length, dtype=torch.int64) * stride).view(shape)
+    return index.to(dtype)
+
+
+def _normal_seed_index(meta: ShardedTensorMetadata, index: int) -> int:
+    """Index of the first shard with the same box, so replicas draw the same numbers."""
+    box = meta.shards_metadata[index].box
+    return next(i for i, s in enumerate(meta.shards_metadata) if s.box == box)
+
+
+def make_shard(meta: ShardedTensorMetadata, index: int, init: int, seed: int,
+               device: torch.device) -> torch.Tensor:
+    """A new C-contiguous tensor for shard `index`, filled as `init` says."""
+    shard = meta.shards_metadata[index]
+    dtype, sizes = meta.dtype, shard.shard_sizes
+    if init == pb.INIT_ZEROS:
+        return torch.zeros(sizes, dtype=dtype, device=device)
+    if init == pb.INIT_ONES:
+        return torch.ones(sizes, dtype=dtype, device=device)
+    if init == pb.INIT_NORMAL:
+        generator = torch.Generator().manual_seed(seed + _normal_seed_index(meta, index))
+        return torch.randn(sizes, dtype=dtype, generator=generator).to(device)
+    if init == pb.INIT_ARANGE:
+        return arange_box(meta.size, shard.box, dtype).to(device)
+    return torch.empty(sizes, dtype=dtype, device=device)
+
+
+class ShardStore:
+    """The shards of one rank under (name, version), with memory accounting and read leases."""
+
+    def __init__(self, rank: int, device: str = "cpu", memory_limit: int = 0,
+                 max_request_bytes: int = 0) -> None:
+        if memory_limit < 0:
+            raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {memory_limit}")
+        if max_request_bytes < 0:
+            raise ValueError(f"max_request_bytes must be >= 0 (0 = unlimited), got {max_request_bytes}")
+        self.rank = rank
+        self.device = torch.device(device)
+        self.memory_limit = memory_limit
+        self.max_request_bytes = max_request_bytes
+        self._lock = threading.Lock()
+        self._versions: dict[tuple[str, int], StoredVersion] = {}
+        self._memory_used = 0
+
+    @property
+    def memory_used(self) -> int:
+        return self._memory_used
+
+    # ------------------------------------------------------------ lifecycle
+
+    def allocate(self, name: str, version: int, meta: ShardedTensorMetadata, init: int = pb.INIT_NONE,
+                 seed: int = 0, options: pb.TensorOptions | None = None) -> int:
+        """Allocate (and fill, for init != INIT_NONE) the shards of `meta` placed on this rank."""
+        check_init(init, meta.dtype)
+        local = meta.shards_on(self.rank)
+        for i in local:
+            if meta.shards_metadata[i].device != self.device:
+                raise InvalidArgument(
+                    f"shards_metadata[{i}].placement {meta.shards_metadata[i].placement} does not match "
+                    f"rank {self.rank}'s device {self.device}")
+        nbytes = sum(meta.shard_nbytes(i) for i in local)
+        entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), nbytes)
+        self._reserve(entry)
+        try:
+            for i in local:
+                entry.shards[i] = make_shard(meta, i, init, seed, self.device)
+        except (RuntimeError, MemoryError) as err:
+            self._forget(entry)
+            raise ResourceExhausted(f"rank {self.rank} could not allocate {nbytes} bytes: {err}") from None
+        if init != pb.INIT_NONE:
+            entry.complete.update(local)
+        log.info("rank %d allocated %r version %d: %d shards, %d bytes", self.rank, name, version,
+                 len(local), nbytes)
+        return nbytes
+
+    def _reserve(self, entry: StoredVersion) -> None:
+        with self._lock:
+            key = (entry.name, entry.version)
+            if key in self._versions:
+                raise FailedPrecondition(f"tensor {entry.name!r} version {entry.version} is already "
+                                         f"allocated on rank {self.rank}")
+            if self.memory_limit and self._memory_used + entry.nbytes > self.memory_limit:
+                raise ResourceExhausted(
+                    f"rank {self.rank} memory limit: {entry.nbytes} bytes requested, "
+                    f"{self.memory_limit - self._memory_used} of {self.memory_limit} free")
+            self._versions[key] = entry
+            self._memory_used += entry.nbytes
+
+    def _forget(self, entry: StoredVersion) -> None:
+        with self._lock:
+            if self._versions.get((entry.name, entry.version)) is entry:
+                del self._versions[(entry.name, entry.version)]
+                self._memory_used -= entry.nbytes
+
+    def promote(self, name: str, version: int) -> None:
+        """Serve (name, version) once every local shard is fully written."""
+        with self._lock:
+            entry = self._get(name, version)
+            missing = sorted(set(entry.shards) - entry.complete)
+            if missing:
+                raise FailedPrecondition(
+                    f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
+                    f"are not fully written")
+            entry.state = VersionState.SERVED
+        log.info("rank %d serves %r version %d", self.rank, name, version)
+
+    def drop(self, name: str, version: int = 0) -> int:
+        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent."""
+        with self._lock:
+            keys = [k for k in self._versions if k[0] == name and (version == 0 or k[1] == version)]
+            for key in keys:
+                entry = self._versions[key]
+                entry.dropped = True
+                if entry.leases == 0:
+                    self._free_locked(entry)
+        if keys:
+            log.info("rank %d dropped %r versions %s", self.rank, name, [k[1] for k in keys])
+        return len(keys)
+
+    def _free_locked(self, entry: StoredVersion) -> None:
+        del self._versions[(entry.name, entry.version)]
+        self._memory_used -= entry.nbytes
+        entry.shards.clear()
+
+    # ------------------------------------------------------------ lookups and leases
+
+    def _get(self, name: str, version: int) -> StoredVersion:
+        entry = self._versions.get((name, version))
+        if entry is not None and not entry.dropped:
+            return entry
+        if not any(k[0] == name and not e.dropped for k, e in self._versions.items()):
+            raise NotFound(f"tensor {name!r} not found on rank {self.rank}")
+        raise FailedPrecondition(f"tensor {name!r} version {version} is not held on rank {self.rank}; "
+                                 f"{self._served_phrase(name)}")
+
+    def _served_phrase(self, name: str) -> str:
+        served = [k[1] for k, e in self._versions.items()
+                  if k[0] == name and e.state is VersionState.SERVED and not e.dropped]
+        return f"served version is {max(served)}" if served else "no version is served yet"
+
+    def _served(self, name: str, version: int) -> StoredVersion:
+        if version == 0:
+            served = [e for k, e in self._versions.items()
+                      if k[0] == name and e.state is VersionState.SERVED and not e.dropped]
+            if served:
+                return max(served, key=lambda e: e.version)
+        entry = self._get(name, version)
+        if entry.state is not VersionState.SERVED:
+            raise FailedPrecondition(f"tensor {name!r} version {version} is not served here; "
+                                     f"{self._served_phrase(name)}")
+        return entry
+
+    @contextmanager
+    def _lease(self, entry: StoredVersion) -> Iterator[StoredVersion]:
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.leases -= 1
+                if entry.dropped and entry.leases == 0 and (entry.name, entry.version) in self._versions:
+                    self._free_locked(entry)
+
+    def _local_shard(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
+        count = len(entry.metadata.shards_metadata)
+        if not 0 <= shard_index < count:
+            raise InvalidArgument(f"shard_index {shard_index} is out of range: tensor {entry.name!r} "
+                                  f"has {count} shards")
+        if shard_index not in entry.shards:
+            raise InvalidArgument(f"shard_index {shard_index} of tensor {entry.name!r} is not held by "
+                                  f"rank {self.rank} (local shards: {sorted(entry.shards)})")
+        return entry.shards[shard_index]
+
+    @contextmanager
+    def read(self, name: str, version: int, shard_index: int, offsets: tuple[int, ...],
+             sizes: tuple[int, ...]) -> Iterator[torch.Tensor]:
+        """Lease a served version and yield the global box as a view of its local shard."""
+        with self._lock:
+            entry = self._served(name, version)
+            entry.leases += 1
+        with self._lease(entry):
+            shard_tensor = self._local_shard(entry, shard_index)
+            box = _checked_box(entry.metadata.shards_metadata[shard_index].box, offsets, sizes)
+            nbytes = box.numel() * entry.metadata.tensor_properties.itemsize
+            if self.max_request_bytes and nbytes > self.max_request_bytes:
+                raise ResourceExhausted(f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
+                                        f"max_request_bytes {self.max_request_bytes}")
+            yield local_view(shard_tensor, entry.metadata.shards_metadata[shard_index].box, box)
+
+    @contextmanager
+    def write(self, name: str, version: int, shard_index: int, dtype: torch.dtype,
+              nbytes: int) -> Iterator["ShardWriter"]:
+        """Lease a pending version and yield a writer that fills shard `shard_index` in order."""
+        with self._lock:
+            entry = self._get(name, version)
+            if entry.state is VersionState.SERVED:
+                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
+                                         f"create a new version to change it")
+            entry.leases += 1
+        with self._lease(entry):
+            shard_tensor = self._local_shard(entry, shard_index)
+            if dtype != entry.metadata.dtype:
+                raise InvalidArgument(f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
+                                      f"dtype {dtype_name(entry.metadata.dtype)}")
+            expected = entry.metadata.shard_nbytes(shard_index)
+            if nbytes != expected:
+                raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
+                                      f"of {expected} bytes")
+            entry.complete.discard(shard_index)
+            writer = ShardWriter(shard_tensor, expected)
+            yield writer
+            if writer.written != expected:
+                raise InvalidArgument(f"the stream ended after {writer.written} of {expected} bytes of "
+                                      f"shard {shard_index}")
+            entry.complete.add(shard_index)
+
+    # ------------------------------------------------------------ introspection
+
+    def held(self) -> list[tuple[str, int, VersionState]]:
+        """(name, version, state) of every version not dropped."""
+        with self._lock:
+            return sorted((e.name, e.version, e.state) for e in self._versions.values() if not e.dropped)
+
+    def local_tensor(self, name: str, version: int, shard_index: int) -> torch.Tensor:
+        """The local tensor of one shard (for in-process extensions and tests)."""
+        with self._lock:
+            return self._local_shard(self._get(name, version), shard_index)
+
+
+def _checked_box(shard_box: Box, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+    """The requested box, or InvalidArgument naming offsets/sizes when it is not inside the shard."""
+    if len(offsets) != shard_box.ndim:
+        raise InvalidArgument(f"offsets has {len(offsets)} dims but the tensor has {shard_box.ndim}")
+    if len(sizes) != shard_box.ndim:
+        raise InvalidArgument(f"sizes has {len(sizes)} dims but the tensor has {shard_box.ndim}")
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        if o < 0:
+            raise InvalidArgument(f"offsets[{d}]={o} is negative")
+        if s < 0:
+            raise InvalidArgument(f"sizes[{d}]={s} is negative")
+    box = Box(offsets, sizes)
+    if not shard_box.contains(box):
+        raise InvalidArgument(f"offsets/sizes: box offsets={list(offsets)} sizes={list(sizes)} is not inside "
+                              f"the shard (offsets={list(shard_box.offsets)} sizes={list(shard_box.sizes)})")
+    return box
+
+
+class ShardWriter:
+    """Writes received chunks, in order, straight into a preallocated shard tensor."""
+
+    def __init__(self, shard: torch.Tensor, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.written = 0
+        self._bytes = byte_view(shard)
+        self._host = shard.device.type == "cpu"
+        self._view = memoryview(self._bytes.numpy()) if self._host and nbytes else None
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Copy one chunk to its offset; chunks must arrive in order without gaps or overlap."""
+        if offset != self.written:
+            raise InvalidArgument(f"chunk.offset {offset} is not where the stream is: expected {self.written} "
+                                  f"(chunks must arrive in order)")
+        end = offset + len(data)
+        if end > self.nbytes:
+            raise InvalidArgument(f"chunk.offset+len(chunk.data)={end} is past the end of the shard "
+                                  f"({self.nbytes} bytes)")
+        if not data:
+            return
+        if self._view is not None:
+            self._view[offset:end] = data
+        else:
+            self._bytes[offset:end].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        self.written = end
+
