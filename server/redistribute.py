@@ -410,12 +410,16 @@ def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], 
                                    (peer,)) from future.exception()
         if not finished:
             late = sorted({watched[f][0] for f in mine & pending})
-            raise ReshardError(f"reshard timed out waiting for rank(s) {late} in round {done.round}",
+            raise ReshardError(f"reshard timed out waiting for {_ranks_text(late)} in round {done.round}",
                                tuple(late))
     for bucket, wire in done.receives:
         if wire is not None:
             unpack_bucket(bucket, wire, out)
     stats._unstage(done.staged)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _wait_work(work: dist.Work, device: torch.device, deadline: float) -> None:
