@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -145,53 +145,63 @@ class RemoteShardedTensor:
             box = Box(tuple(offsets), tuple(sizes))
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"offsets/sizes: {err}") from None
-        return self._read_box(box, out)
+        return self._read(lambda shape: box, out)
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """`t[i, a:b, ...]` with ints and step-1 slices (negative ones too); ints drop their dim like torch."""
-        box, dropped = parse_index(index, tuple(self.shape))
-        result = self._read_box(box, None)
+        parsed: list[tuple[Box, tuple[int, ...]]] = []
+
+        def resolve(shape: tuple[int, ...]) -> Box:  # re-resolved if a refresh changed the shape
+            parsed.append(parse_index(index, shape))
+            return parsed[-1][0]
+
+        result = self._read(resolve, None)
+        box, dropped = parsed[-1]
         if dropped:
             result = result.reshape([n for d, n in enumerate(box.sizes) if d not in dropped])
         return result
 
     def full_tensor(self) -> torch.Tensor:
         """The whole tensor as one local CPU tensor."""
-        return self._read_box(Box((0,) * self.ndim, tuple(self.shape)), None)
+        return self._read(lambda shape: Box((0,) * len(shape), shape), None)
 
-    def _check_request(self, box: Box, out: torch.Tensor | None) -> None:
+    def _check_request(self, summary: TensorSummary, box: Box, out: torch.Tensor | None) -> None:
+        """InvalidArgumentError unless `box` lies inside the tensor and `out` fits it."""
         try:
-            check_box(self._summary.metadata.size, box)
+            check_box(summary.metadata.size, box)
         except ValueError as err:
-            raise InvalidArgumentError(f"{err} (tensor {self.name!r} has shape {tuple(self.shape)})") from None
+            raise InvalidArgumentError(f"{err} (tensor {self.name!r} has shape {summary.metadata.size})") from None
         if out is None:
             return
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != box.sizes:
             raise InvalidArgumentError(f"out has shape {tuple(out.shape)} but sizes are {box.sizes}")
-        if out.dtype != self.dtype:
-            raise InvalidArgumentError(f"out has dtype {out.dtype} but tensor {self.name!r} is {self.dtype}")
+        if out.dtype != summary.metadata.dtype:
+            raise InvalidArgumentError(
+                f"out has dtype {out.dtype} but tensor {self.name!r} is {summary.metadata.dtype}")
 
-    def _read_box(self, box: Box, out: torch.Tensor | None) -> torch.Tensor:
-        """Read `box` at the cached version; on a stale version refresh once and retry the whole read."""
-        for attempt in (0, 1):
-            self._check_request(box, out)
-            summary = self._summary
-            target = out if out is not None and out.device.type == "cpu" else torch.empty(box.sizes, dtype=self.dtype)
-            try:
-                self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
-            except _RETRYABLE:
-                if attempt:
-                    raise
-                self._cluster._refresh_ranks()
-                self.refresh()
-                continue
-            if out is not None and target is not out:
-                out.copy_(target)
-                return out
-            return target
-        raise AssertionError("unreachable")
+    def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
+        """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh once and
+        retry the whole read (the box is resolved again against the new shape)."""
+        try:
+            return self._read_once(resolve, out)
+        except _RETRYABLE:
+            self._cluster._refresh_ranks()
+            self.refresh()
+        return self._read_once(resolve, out)
+
+    def _read_once(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
+        summary = self._summary
+        box = resolve(summary.metadata.size)
+        self._check_request(summary, box, out)
+        on_cpu = out is not None and out.device.type == "cpu"
+        target = out if on_cpu else torch.empty(box.sizes, dtype=summary.metadata.dtype)
+        self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
+        if out is not None and not on_cpu:
+            out.copy_(target)
+            return out
+        return target
 
     def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
                     out: torch.Tensor) -> None:
