@@ -9,12 +9,13 @@ thousands of shards validate in milliseconds (no all-pairs comparison).
 from __future__ import annotations
 
 import math
+import heapq
 import sys
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardcore.metadata import Box, ShardedTensorMetadata
+from shardcore.metadata import ShardedTensorMetadata
 
 _MAX_LISTED = 8
 
@@ -46,11 +47,11 @@ def validate_metadata(meta: ShardedTensorMetadata, *, require_coverage: bool = T
     groups = _group_identical_boxes(meta)
     boxes = list(groups)
     _check_no_overlap(boxes, groups)
-    covered = sum(box.numel() for box in boxes)
+    covered = sum(math.prod(sizes) for _, sizes in boxes)
     if require_coverage and covered != meta.numel():
         _raise_gap(meta.size, boxes)
     replica_groups = tuple(tuple(ix) for ix in groups.values() if len(ix) > 1)
-    empty = tuple(i for i, s in enumerate(meta.shards_metadata) if s.box.is_empty())
+    empty = tuple(i for i, s in enumerate(meta.shards_metadata) if 0 in s.shard_sizes)
     return LayoutReport(replica_groups, empty, len(boxes), covered)
 
 
@@ -84,8 +85,8 @@ def _check_each_shard(meta: ShardedTensorMetadata) -> None:
         (i, f"shards_metadata[{i}] {_field_below_zero(s.shard_offsets, s.shard_sizes)}")
         for i, s in enumerate(shards) if _field_below_zero(s.shard_offsets, s.shard_sizes)])
     _raise_for("out of bounds", [
-        (i, f"shards_metadata[{i}] {_field_past_end(s.box, meta.size)}")
-        for i, s in enumerate(shards) if _field_past_end(s.box, meta.size)])
+        (i, f"shards_metadata[{i}] {_field_past_end(s.shard_offsets, s.shard_sizes, meta.size)}")
+        for i, s in enumerate(shards) if _field_past_end(s.shard_offsets, s.shard_sizes, meta.size)])
 
 
 def _field_below_zero(offsets: Sequence[int], sizes: Sequence[int]) -> str:
@@ -97,58 +98,71 @@ def _field_below_zero(offsets: Sequence[int], sizes: Sequence[int]) -> str:
     return ""
 
 
-def _field_past_end(box: Box, size: Sequence[int]) -> str:
-    for d, (o, s, n) in enumerate(zip(box.offsets, box.sizes, size)):
+def _field_past_end(offsets: Sequence[int], sizes: Sequence[int], size: Sequence[int]) -> str:
+    for d, (o, s, n) in enumerate(zip(offsets, sizes, size)):
         if o + s > n:
             return f"shard_offsets[{d}]+shard_sizes[{d}]={o}+{s}={o + s} exceeds size[{d}]={n}"
     return ""
 
 
-def _group_identical_boxes(meta: ShardedTensorMetadata) -> dict[Box, list[int]]:
+Extent = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes): a box without Box's checks
+
+
+def _group_identical_boxes(meta: ShardedTensorMetadata) -> dict[Extent, list[int]]:
     """Non-empty boxes, each with the indices of the shards that hold exactly it."""
-    groups: dict[Box, list[int]] = {}
+    groups: dict[Extent, list[int]] = {}
     for i, shard in enumerate(meta.shards_metadata):
-        box = shard.box
-        if not box.is_empty():
-            groups.setdefault(box, []).append(i)
+        if 0 not in shard.shard_sizes:
+            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(i)
     return groups
 
 
-def _overlaps(a: Box, b: Box) -> bool:
-    return all(oa < ob + sb and ob < oa + sa
-               for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+def _overlaps(a: Extent, b: Extent) -> bool:
+    return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
 
 
-def _check_no_overlap(boxes: list[Box], groups: dict[Box, list[int]]) -> None:
-    """Sweep along the dim with the most distinct offsets; compare only with live boxes."""
-    if len(boxes) < 2 or boxes[0].ndim == 0:
+def _check_no_overlap(boxes: list[Extent], groups: dict[Extent, list[int]]) -> None:
+    """Sweep along the dim with the most distinct offsets, look up live boxes by a second dim.
+
+    Live boxes all cross the sweep position, so in a valid layout their
+    cross-sections are disjoint: only those whose start in the second dim lies
+    within (start - longest extent, end) of the new box can overlap it.
+    """
+    if len(boxes) < 2 or not boxes[0][0]:
         return
-    ndim = boxes[0].ndim
-    sweep = max(range(ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
-    live: list[tuple[int, int]] = []  # (end along sweep dim, position in `boxes`)
-    for pos in sorted(range(len(boxes)), key=lambda k: boxes[k].offsets[sweep]):
-        box = boxes[pos]
-        start = box.offsets[sweep]
-        del live[:bisect_right(live, (start, sys.maxsize))]
-        for _, other in live:
-            if _overlaps(box, boxes[other]):
-                _raise_overlap(boxes[other], box, groups)
-        insort(live, (start + box.sizes[sweep], pos))
+    ndim = len(boxes[0][0])
+    by_spread = sorted(range(ndim), key=lambda d: -len({b[0][d] for b in boxes}))
+    sweep, second = by_spread[0], by_spread[1 % ndim]
+    longest = max(b[1][second] for b in boxes)
+    expiry: list[tuple[int, int, int]] = []  # heap of (end along sweep, start along second, position)
+    live: list[tuple[int, int]] = []  # sorted (start along second, position)
+    for pos in sorted(range(len(boxes)), key=lambda k: boxes[k][0][sweep]):
+        offsets, sizes = boxes[pos]
+        while expiry and expiry[0][0] <= offsets[sweep]:
+            _, key, gone = heapq.heappop(expiry)
+            del live[bisect_left(live, (key, gone))]
+        lo = bisect_right(live, (offsets[second] - longest, sys.maxsize))
+        hi = bisect_left(live, (offsets[second] + sizes[second], -1))
+        for _, other in live[lo:hi]:
+            if _overlaps(boxes[pos], boxes[other]):
+                _raise_overlap(boxes[other], boxes[pos], groups)
+        insort(live, (offsets[second], pos))
+        heapq.heappush(expiry, (offsets[sweep] + sizes[sweep], offsets[second], pos))
 
 
-def _raise_overlap(a: Box, b: Box, groups: dict[Box, list[int]]) -> None:
+def _raise_overlap(a: Extent, b: Extent, groups: dict[Extent, list[int]]) -> None:
     i, j = sorted((groups[a][0], groups[b][0]))
     first, second = (a, b) if groups[a][0] == i else (b, a)
-    common_lo = tuple(max(x, y) for x, y in zip(first.offsets, second.offsets))
-    common_hi = tuple(min(x, y) for x, y in zip(first.ends, second.ends))
+    common_lo = tuple(max(x, y) for x, y in zip(first[0], second[0]))
+    common_hi = tuple(min(o1 + s1, o2 + s2) for o1, s1, o2, s2 in zip(first[0], first[1], second[0], second[1]))
     common = tuple(h - lo for lo, h in zip(common_lo, common_hi))
     raise LayoutError(
-        f"overlap in shards [{i}, {j}]: shards_metadata[{i}] (offsets {first.offsets}, sizes "
-        f"{first.sizes}) and shards_metadata[{j}] (offsets {second.offsets}, sizes {second.sizes}) "
+        f"overlap in shards [{i}, {j}]: shards_metadata[{i}] (offsets {first[0]}, sizes "
+        f"{first[1]}) and shards_metadata[{j}] (offsets {second[0]}, sizes {second[1]}) "
         f"share the region offsets {common_lo}, sizes {common}")
 
 
-def _raise_gap(size: tuple[int, ...], boxes: list[Box]) -> None:
+def _raise_gap(size: tuple[int, ...], boxes: list[Extent]) -> None:
     """Find one uncovered box (slab by slab, dim by dim) and raise naming it."""
     lo, hi = _uncovered_region(size, boxes)
     raise LayoutError(
@@ -156,17 +170,17 @@ def _raise_gap(size: tuple[int, ...], boxes: list[Box]) -> None:
         f"sizes {tuple(h - o for o, h in zip(lo, hi))} is held by no shard")
 
 
-def _uncovered_region(size: tuple[int, ...], boxes: list[Box]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _uncovered_region(size: tuple[int, ...], boxes: list[Extent]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per dim, the first slab whose covered cross-section falls short; assumes no overlap."""
     lo: list[int] = []
     hi: list[int] = []
     for d, n in enumerate(size):
         cross_section = math.prod(size[d + 1:])
         events: dict[int, int] = {0: 0, n: 0}
-        for box in boxes:
-            area = math.prod(box.sizes[d + 1:])
-            events[box.offsets[d]] = events.get(box.offsets[d], 0) + area
-            events[box.ends[d]] = events.get(box.ends[d], 0) - area
+        for offsets, sizes in boxes:
+            area = math.prod(sizes[d + 1:])
+            events[offsets[d]] = events.get(offsets[d], 0) + area
+            events[offsets[d] + sizes[d]] = events.get(offsets[d] + sizes[d], 0) - area
         cuts = sorted(events)
         covered = 0
         for start, end in zip(cuts, cuts[1:]):
@@ -175,5 +189,5 @@ def _uncovered_region(size: tuple[int, ...], boxes: list[Box]) -> tuple[tuple[in
                 break
         lo.append(start)
         hi.append(end)
-        boxes = [b for b in boxes if b.offsets[d] <= start and end <= b.ends[d]]
+        boxes = [(o, s) for o, s in boxes if o[d] <= start and end <= o[d] + s[d]]
     return tuple(lo), tuple(hi)

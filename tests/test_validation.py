@@ -221,3 +221,21 @@ def test_agrees_with_torch_on_random_distinct_boxes(case):
     except LayoutError:
         ours_ok = False
     assert ours_ok == torch_ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 3).flatmap(lambda nd: st.lists(
+    st.tuples(st.lists(st.integers(0, 5), min_size=nd, max_size=nd),
+              st.lists(st.integers(0, 4), min_size=nd, max_size=nd)), min_size=1, max_size=12)))
+def test_overlap_found_exactly_when_some_pair_overlaps(boxes):
+    ndim = len(boxes[0][0])
+    meta = make_metadata((9,) * ndim, [(o, s, i) for i, (o, s) in enumerate(boxes)])
+    distinct = list(dict.fromkeys(s.box for s in meta.shards_metadata if not s.box.is_empty()))
+    expected = any(intersect(a, b) is not None for k, a in enumerate(distinct) for b in distinct[k + 1:])
+    try:
+        validate_metadata(meta, require_coverage=False)
+        found = False
+    except LayoutError as err:
+        assert str(err).startswith("overlap in shards")
+        found = True
+    assert found == expected
