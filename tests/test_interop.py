@@ -230,3 +230,14 @@ def test_interop_output_validates():
                                .build_metadata(torch.Size([4]), TorchProperties()))
     assert validate_metadata(meta).distinct_boxes == 2
     assert meta.shards_metadata[1].box == Box((2,), (2,))
+
+
+def test_metadata_from_dtensor_on_a_cuda_mesh_names_local_devices():
+    from types import SimpleNamespace
+    mesh = SimpleNamespace(device_type="cuda", mesh=torch.tensor([[0, 1], [2, 3]]))
+    spec = SimpleNamespace(mesh=mesh, placements=(TorchShard(0), TorchShard(1)),
+                           tensor_meta=TensorMeta(torch.Size([4, 4]), (4, 1), torch.float16))
+    meta = metadata_from_dtensor(spec, devices_per_host=2)
+    assert [str(s.placement) for s in meta.shards_metadata] == ["rank:0/cuda:0", "rank:1/cuda:1",
+                                                                "rank:2/cuda:0", "rank:3/cuda:1"]
+    assert meta.dtype == torch.float16
