@@ -1,0 +1,119 @@
+"""Raw-gRPC helpers for the server tests: stubs, put by WriteShard, read by ReadRegion."""
+from __future__ import annotations
+
+import grpc
+import torch
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from shardcore.dtypes import dtype_to_wire
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.regions import cut_tensor
+from shardcore.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+
+TIMEOUT = 30.0
+OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class Stubs:
+    """A coordinator stub and one ShardServer stub per rank, with optional call metadata."""
+
+    def __init__(self, address: str, metadata: tuple = (), credentials: grpc.ChannelCredentials | None = None):
+        self.metadata = metadata
+        self._credentials = credentials
+        self._channels = [self._channel(address)]
+        self.coord = pb_grpc.CoordinatorStub(self._channels[0])
+        self.ranks: dict[int, pb_grpc.ShardServerStub] = {}
+        for info in self.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT, metadata=metadata).ranks:
+            self._channels.append(self._channel(info.address))
+            self.ranks[info.rank] = pb_grpc.ShardServerStub(self._channels[-1])
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if self._credentials is not None:
+            return grpc.secure_channel(address, self._credentials, options=OPTIONS)
+        return grpc.insecure_channel(address, options=OPTIONS)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+
+def write_requests(name: str, version: int, index: int, data: torch.Tensor, chunk: int = 1 << 20,
+                   dtype: int | None = None, nbytes: int | None = None):
+    """Header then in-order chunks of one shard's bytes."""
+    raw = tensor_bytes(data)
+    yield pb.WriteShardRequest(header=pb.WriteShardHeader(
+        name=name, version=version, shard_index=index,
+        dtype=dtype if dtype is not None else dtype_to_wire(data.dtype),
+        nbytes=nbytes if nbytes is not None else len(raw)))
+    for offset in range(0, len(raw), chunk):
+        yield pb.WriteShardRequest(chunk=pb.TensorChunk(offset=offset, data=bytes(raw[offset:offset + chunk])))
+
+
+def create(stubs: Stubs, name: str, meta: ShardedTensorMetadata, init: int = pb.INIT_NONE, seed: int = 0,
+           overwrite: bool = False) -> pb.TensorInfo:
+    return stubs.coord.CreateTensor(pb.CreateTensorRequest(
+        name=name, metadata=metadata_to_proto(meta), init=init, seed=seed, overwrite=overwrite),
+        timeout=TIMEOUT, metadata=stubs.metadata)
+
+
+def write_shards(stubs: Stubs, info: pb.TensorInfo, tensor: torch.Tensor, only: list[int] | None = None,
+                 chunk: int = 1 << 20) -> None:
+    meta = metadata_from_proto(info.metadata)
+    for index, part in enumerate(cut_tensor(tensor, meta)):
+        if only is not None and index not in only:
+            continue
+        rank = meta.shards_metadata[index].rank
+        stubs.ranks[rank].WriteShard(write_requests(info.name, info.version, index, part, chunk),
+                                     timeout=TIMEOUT, metadata=stubs.metadata)
+
+
+def put(stubs: Stubs, name: str, tensor: torch.Tensor, meta: ShardedTensorMetadata, overwrite: bool = False,
+        chunk: int = 1 << 20) -> pb.TensorInfo:
+    """Create PENDING, write every shard to its owner, commit."""
+    info = create(stubs, name, meta, overwrite=overwrite)
+    write_shards(stubs, info, tensor, chunk=chunk)
+    return stubs.coord.CommitTensor(pb.CommitTensorRequest(name=name, version=info.version),
+                                    timeout=TIMEOUT, metadata=stubs.metadata)
+
+
+def read_region(stubs: Stubs, rank: int, name: str, version: int, shard_index: int, offsets, sizes,
+                dtype: torch.dtype, chunk_bytes: int = 0) -> torch.Tensor:
+    """One ReadRegion call, assembled into a tensor of `sizes`."""
+    out = torch.empty(tuple(sizes), dtype=dtype)
+    flat = out.view(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+    received = 0
+    for chunk in stubs.ranks[rank].ReadRegion(pb.ReadRegionRequest(
+            name=name, version=version, shard_index=shard_index, offsets=offsets, sizes=sizes,
+            chunk_bytes=chunk_bytes), timeout=TIMEOUT, metadata=stubs.metadata):
+        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(bytearray(chunk.data),
+                                                                             dtype=torch.uint8)
+        received += len(chunk.data)
+    assert received == flat.numel()
+    return out
+
+
+def read_full(stubs: Stubs, info: pb.TensorInfo) -> torch.Tensor:
+    """The whole tensor, shard by shard."""
+    meta = metadata_from_proto(info.metadata)
+    out = torch.empty(meta.size, dtype=meta.dtype)
+    for index, shard in enumerate(meta.shards_metadata):
+        part = read_region(stubs, shard.rank, info.name, info.version, index, shard.shard_offsets,
+                           shard.shard_sizes, meta.dtype)
+        view = out
+        for d, (o, s) in enumerate(zip(shard.shard_offsets, shard.shard_sizes)):
+            view = view.narrow(d, o, s)
+        view.copy_(part)
+    return out
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    """The RpcError a call raises (fails the test if it succeeds); consumes streaming answers."""
+    try:
+        result = call(*args, **kwargs)
+        if hasattr(result, "__iter__") and not isinstance(result, pb.TensorInfo):
+            for _ in result:
+                pass
+    except grpc.RpcError as err:
+        return err
+    raise AssertionError(f"{call} succeeded; expected an error")
