@@ -9,7 +9,7 @@ from shardcore.metadata import Box
 
 def _as_int(value: Any) -> int | None:
     """`value` as an int when it is one (numpy/torch integer scalars too), else None."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or getattr(value, "ndim", 0):  # a 1-element tensor is advanced indexing
         return None
     try:
         return operator.index(value)

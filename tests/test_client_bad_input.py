@@ -15,6 +15,7 @@ from client import (AuthenticationError, InvalidArgumentError, RankUnavailableEr
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import ShardMetadata, make_metadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.wire import metadata_to_proto
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -205,9 +206,23 @@ def test_raw_requests_get_the_server_answers(cl):
         read(sizes=[2, 5])  # more bytes than the client's buffer: refused by the client or the server
 
 
-def test_raw_write_with_wrong_header_is_refused(cl):
+def test_raw_writes_with_wrong_headers_are_refused(cl):
     address = cl._address_of(0)
-    version = cl.tensor("base").version
-    header = pb.WriteShardHeader(name="base", version=version, shard_index=0, dtype=pb.FLOAT64, nbytes=80)
-    with pytest.raises(InvalidArgumentError):
+    committed = cl.tensor("base").version
+    header = pb.WriteShardHeader(name="base", version=committed, shard_index=0, dtype=pb.FLOAT32, nbytes=80)
+    with pytest.raises(StaleVersionError):  # a committed version never changes
         cl._transport.write_shard(address, header, memoryview(bytes(80)))
+    meta = make_metadata((4, 5), [((0, 0), (4, 5), 0)])
+    pending = cl._call("CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta)))
+    try:
+        for fields, field in [({"dtype": pb.FLOAT64}, "dtype"), ({"nbytes": 79}, "nbytes"),
+                              ({"shard_index": 3}, "shard_index")]:
+            header = pb.WriteShardHeader(**{"name": "raw", "version": pending.version, "shard_index": 0,
+                                            "dtype": pb.FLOAT32, "nbytes": 80, **fields})
+            with pytest.raises(InvalidArgumentError, match=field):
+                cl._transport.write_shard(address, header, memoryview(bytes(header.nbytes)))
+        with pytest.raises(StaleVersionError):  # nothing written: the commit is refused
+            cl._call("CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version))
+    finally:
+        cl._abort("raw", pending.version)
+    assert "raw" not in [t.name for t in cl.list(include_pending=True)]
