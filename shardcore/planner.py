@@ -15,7 +15,7 @@ import math
 import operator
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Sequence
 
 from shardcore.metadata import Box, ShardedTensorMetadata
 
@@ -158,39 +158,57 @@ class _IntervalIndex:
 
 
 class _SourceIndex:
-    """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index."""
+    """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index.
 
-    def __init__(self, src: ShardedTensorMetadata) -> None:
+    Each box is also keyed by the positions of its intervals in the per-dim
+    indexes, so a grid-like source answers a query by enumerating the product
+    of the overlapping intervals, and any other source by the members of the
+    most selective dim, whichever is fewer.
+    """
+
+    def __init__(self, src: ShardedTensorMetadata, ranks: Sequence[int]) -> None:
         groups: dict[_BoxKey, list[tuple[int, int]]] = {}
         for index, shard in enumerate(src.shards_metadata):
             if 0 in shard.shard_sizes:
                 continue
-            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(
-                (index, _rank_of(src, index, "src")))
+            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append((index, ranks[index]))
         self.boxes = list(groups)
         self.holders = list(groups.values())
         self.ndim = len(src.size)
         self.dims: list[_IntervalIndex] = []
+        keys: list[list[int]] = [[] for _ in self.boxes]
         for d in range(self.ndim):
             intervals: dict[tuple[int, int], list[int]] = {}
             for g, (offsets, sizes) in enumerate(self.boxes):
                 intervals.setdefault((offsets[d], offsets[d] + sizes[d]), []).append(g)
-            self.dims.append(_IntervalIndex(intervals))
+            index = _IntervalIndex(intervals)
+            for position, members in enumerate(index.members):
+                for g in members:
+                    keys[g].append(position)
+            self.dims.append(index)
+        self.by_key = {tuple(key): g for g, key in enumerate(keys)}
 
-    def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterator[int]:
-        """Source groups that may overlap the box: those of its most selective dim."""
+    def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:
+        """Source groups that may overlap the box (a superset; exact for grid-like sources)."""
         if self.ndim == 0:
-            return iter(range(len(self.boxes)))
-        best: tuple[int, _IntervalIndex, list[int]] | None = None
+            return range(len(self.boxes))
+        hits_per_dim = []
+        product = 1
+        best_count, best_dim = -1, 0
         for d, index in enumerate(self.dims):
             hits = index.overlapping(offsets[d], offsets[d] + sizes[d])
+            if not hits:
+                return ()
+            hits_per_dim.append(hits)
+            product *= len(hits)
             count = sum(len(index.members[i]) for i in hits)
-            if best is None or count < best[0]:
-                best = (count, index, hits)
-                if count == 0:
-                    break
-        _, index, hits = best
-        return itertools.chain.from_iterable(index.members[i] for i in hits)
+            if best_count < 0 or count < best_count:
+                best_count, best_dim = count, d
+        if product <= best_count:
+            lookup = self.by_key
+            return [g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None]
+        members = self.dims[best_dim].members
+        return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
 
 
 def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
@@ -213,7 +231,9 @@ def _intersection(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[
     return tuple(offsets), tuple(sizes)
 
 
-def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> None:
+def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
+                  bucket_bytes: int) -> tuple[list[int], list[int]]:
+    """Validate the arguments; the rank of every src and dst shard."""
     for name, meta in (("src", src), ("dst", dst)):
         if not isinstance(meta, ShardedTensorMetadata):
             raise TypeError(f"{name} must be a ShardedTensorMetadata, got {type(meta).__name__}")
@@ -225,6 +245,7 @@ def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket
         raise ValueError(f"size differs: src.size={src.size} but dst.size={dst.size}")
     if src.dtype != dst.dtype:
         raise ValueError(f"tensor_properties.dtype differs: src has {src.dtype} but dst has {dst.dtype}")
+    ranks: dict[str, list[int]] = {"src": [], "dst": []}
     for name, meta in (("src", src), ("dst", dst)):
         for i, shard in enumerate(meta.shards_metadata):
             where = f"{name}.shards_metadata[{i}]"
@@ -235,7 +256,8 @@ def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket
                 if o < 0 or s < 0 or o + s > n:
                     raise ValueError(f"{where} is outside the tensor in dim {d}: "
                                      f"offset {o}, size {s}, tensor size {n}")
-            _rank_of(meta, i, name)
+            ranks[name].append(_rank_of(meta, i, name))
+    return ranks["src"], ranks["dst"]
 
 
 def split_box(offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
@@ -309,16 +331,16 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
     disjoint apart from exact replicas); a src that leaves part of a
     destination shard uncovered raises ValueError.
     """
-    _check_inputs(src, dst, bucket_bytes)
+    src_ranks, dst_ranks = _check_inputs(src, dst, bucket_bytes)
     itemsize = src.tensor_properties.itemsize
-    index = _SourceIndex(src)
+    index = _SourceIndex(src, src_ranks)
     load: dict[int, int] = {}
     transfers: list[Transfer] = []
     for j, shard in enumerate(dst.shards_metadata):
         d_off, d_size = shard.shard_offsets, shard.shard_sizes
         if 0 in d_size:
             continue
-        dst_rank = _rank_of(dst, j, "dst")
+        dst_rank = dst_ranks[j]
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]

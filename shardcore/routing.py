@@ -1,8 +1,10 @@
 """Vectorized routing of row ids (dim 0) to the shards that hold them, for embedding tables.
 
-Row boundaries of all shards cut dim 0 into segments; `torch.searchsorted`
-puts every id into its segment and one stable sort groups the ids per
-segment, so routing is a handful of torch ops whatever the number of ids.
+Row boundaries of all shards cut dim 0 into segments. One stable sort of the
+ids (skipped when they are already sorted, as after `unique_ids`) and one
+`torch.searchsorted` of the few boundaries into the sorted ids give every
+segment's ids as a slice, so routing is a handful of torch ops whatever the
+number of ids; each route's ids come in ascending row order.
 A shard receives the ids of the segments its rows span; column-split shards
 of the same rows each receive them, with their column range, and the caller
 concatenates the pieces. Replicas (identical boxes) are routed once.
@@ -14,6 +16,7 @@ their own policy (error, zero row, default row).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
@@ -56,6 +59,7 @@ class _RoutedBox:
     end_segment: int
     inner_offsets: tuple[int, ...]
     inner_sizes: tuple[int, ...]
+    valid_runs: tuple[tuple[int, int], ...] = ()
 
 
 class RowIndex:
@@ -76,6 +80,9 @@ class RowIndex:
         self.boxes = tuple(self._routed_box(i, bounds) for i in chosen)
         self._bounds = torch.tensor(bounds, dtype=torch.int64)
         self._segment_ok = self._covered_segments(len(bounds) - 1)
+        ok = self._segment_ok[1:-1].tolist()
+        self.boxes = tuple(_with_valid_runs(box, ok) for box in self.boxes)
+        self._bad_segments = [k for k, good in enumerate(ok) if not good]
 
     def _routed_box(self, index: int, bounds: list[int]) -> _RoutedBox:
         shard = self.meta.shards_metadata[index]
@@ -96,38 +103,40 @@ class RowIndex:
         ok[1:-1] = covered == math.prod(self.meta.size[1:])
         return ok
 
-    def segments(self, ids: torch.Tensor) -> torch.Tensor:
+    def _segments(self, ids: torch.Tensor) -> torch.Tensor:
         """Segment of each id shifted by one: 0 for ids < 0, S+1 for ids past the last row."""
         return torch.searchsorted(self._bounds.to(ids.device), ids, right=True)
 
     def invalid_mask(self, ids: torch.Tensor) -> torch.Tensor:
         """True where an id is out of range or its row is held by no shard."""
         ids = _check_ids(ids)
-        return ~self._segment_ok.to(ids.device)[self.segments(ids)]
+        return ~self._segment_ok.to(ids.device)[self._segments(ids)]
 
     def route(self, ids: torch.Tensor, invalid: str = "raise") -> list[RowRoute]:
         """Group `ids` by the shards that hold their rows; see the module docstring for `invalid`."""
         ids = _check_ids(ids)
         if invalid not in _INVALID_POLICIES:
             raise ValueError(f"invalid must be one of {_INVALID_POLICIES}, got {invalid!r}")
-        shifted = self.segments(ids)
-        bad = ~self._segment_ok.to(ids.device)[shifted]
-        if bool(bad.any()):
-            if invalid == "raise":
-                raise IndexError(self._describe_bad(ids, bad))
-            shifted = shifted.masked_fill(bad, 0)  # segment 0 (ids < 0) belongs to no shard
-        segment_count = self._segment_ok.numel()
-        order = torch.sort(shifted, stable=True).indices
-        counts = torch.bincount(shifted, minlength=segment_count)
-        starts = [0] + torch.cumsum(counts, 0).tolist()
+        total = ids.numel()
+        if total == 0:
+            return []
+        if bool((ids[1:] >= ids[:-1]).all()):
+            sorted_ids, order = ids, None
+        else:
+            sorted_ids, order = torch.sort(ids, stable=True)
+        # cuts[k]: first sorted position with id >= bounds[k]; segment k is cuts[k]:cuts[k+1]
+        cuts = torch.searchsorted(sorted_ids, self._bounds.to(ids.device)).tolist()
+        if invalid == "raise" and (cuts[0] > 0 or cuts[-1] < total
+                                   or any(cuts[k + 1] > cuts[k] for k in self._bad_segments)):
+            raise IndexError(self._describe_bad(ids, self.invalid_mask(ids)))
         routes = []
         for box in self.boxes:
-            lo, hi = starts[box.first_segment + 1], starts[box.end_segment + 1]
-            if hi == lo:
+            slices = [(cuts[a], cuts[b]) for a, b in box.valid_runs if cuts[b] > cuts[a]]
+            if not slices:
                 continue
-            positions = order[lo:hi]
-            routes.append(RowRoute(box.shard, box.rank, positions, ids[positions] - box.row_start,
-                                   box.inner_offsets, box.inner_sizes))
+            positions = torch.cat([_positions(order, lo, hi, ids.device) for lo, hi in slices])
+            rows = torch.cat([sorted_ids[lo:hi] for lo, hi in slices]) - box.row_start
+            routes.append(RowRoute(box.shard, box.rank, positions, rows, box.inner_offsets, box.inner_sizes))
         return routes
 
     def _describe_bad(self, ids: torch.Tensor, bad: torch.Tensor) -> str:
@@ -139,6 +148,27 @@ class RowIndex:
         else:
             reason = f"out of range for {self.num_rows} rows"
         return f"ids[{position}]={value}: {reason} ({count} invalid id(s) in all)"
+
+
+def _with_valid_runs(box: _RoutedBox, segment_ok: list[bool]) -> _RoutedBox:
+    """The box with the runs of its segments whose rows the layout holds whole."""
+    runs, start = [], None
+    for k in range(box.first_segment, box.end_segment):
+        if segment_ok[k] and start is None:
+            start = k
+        elif not segment_ok[k] and start is not None:
+            runs.append((start, k))
+            start = None
+    if start is not None:
+        runs.append((start, box.end_segment))
+    return dataclasses.replace(box, valid_runs=tuple(runs))
+
+
+def _positions(order: torch.Tensor | None, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    """Positions in `ids` of the sorted ids lo:hi (order is None when ids were already sorted)."""
+    if order is None:
+        return torch.arange(lo, hi, dtype=torch.int64, device=device)
+    return order[lo:hi]
 
 
 def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None) -> list[int]:

@@ -79,6 +79,7 @@ def test_routes_deliver_every_valid_id_exactly_once(meta, data):
         assert r.rank == s.rank and r.inner_offsets == s.shard_offsets[1:]
         assert bool(((r.local_rows >= 0) & (r.local_rows < s.shard_sizes[0])).all())
         assert not bool(expected_bad[r.positions].any())
+        assert torch.equal(ids[r.positions] - s.shard_offsets[0], r.local_rows)
     got = gather(meta, routes, ids, table)
     valid = ~expected_bad
     assert torch.equal(got[valid], table[ids[valid]])
@@ -96,7 +97,7 @@ def test_row_sharded_table_routes_each_id_to_one_shard():
     ids = torch.tensor([9, 0, 4, 3, 4, 8])
     routes = route_rows(meta, ids)
     assert [(r.shard, r.rank, r.positions.tolist(), r.local_rows.tolist()) for r in routes] == [
-        (0, 0, [1, 3], [0, 3]), (1, 1, [2, 4], [0, 0]), (2, 2, [0, 5], [1, 0])]
+        (0, 0, [1, 3], [0, 3]), (1, 1, [2, 4], [0, 0]), (2, 2, [5, 0], [0, 1])]  # ascending rows
     assert all(r.columns == slice(0, 3) for r in routes)
 
 
@@ -105,7 +106,7 @@ def test_column_sharded_table_sends_ids_to_every_column_piece():
     ids = torch.tensor([4, 1])
     routes = route_rows(meta, ids)
     assert [(r.shard, r.positions.tolist(), r.local_rows.tolist(), r.columns) for r in routes] == [
-        (0, [0, 1], [4, 1], slice(0, 3)), (1, [0, 1], [4, 1], slice(3, 6))]
+        (0, [1, 0], [1, 4], slice(0, 3)), (1, [1, 0], [1, 4], slice(3, 6))]
 
 
 def test_replicas_are_routed_once_preferring_a_rank():
@@ -154,7 +155,16 @@ def test_many_ids_across_many_shards_match_plain_indexing():
 def test_int32_ids_are_accepted():
     meta = make_metadata((4, 1), [((0, 0), (4, 1), 0)])
     (route,) = route_rows(meta, torch.tensor([2, 1], dtype=torch.int32))
-    assert route.local_rows.dtype == torch.int64 and route.local_rows.tolist() == [2, 1]
+    assert route.local_rows.dtype == torch.int64 and route.local_rows.tolist() == [1, 2]
+    assert route.positions.tolist() == [1, 0]
+
+
+def test_sorted_ids_skip_the_sort_and_keep_their_positions():
+    meta = make_metadata((10, 1), [((0, 0), (5, 1), 0), ((5, 0), (5, 1), 1)])
+    ids = torch.tensor([0, 2, 2, 6, 9])
+    routes = route_rows(meta, ids)
+    assert [(r.positions.tolist(), r.local_rows.tolist()) for r in routes] == [([0, 1, 2], [0, 2, 2]),
+                                                                               ([3, 4], [1, 4])]
 
 
 def test_empty_ids_give_no_routes():
