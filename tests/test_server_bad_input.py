@@ -1,0 +1,216 @@
+"""Every RPC answers malformed and hostile requests with the right status code naming the field, and keeps serving."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardcore.specs import ChunkShardingSpec
+from shardcore.wire import metadata_to_proto
+from server_helpers import TIMEOUT, Stubs, put, read_full, rpc_error, write_requests
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+META = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]).build_metadata(
+    (9, 5), TensorProperties(dtype=torch.float32))
+TENSOR = torch.arange(45, dtype=torch.float32).view(9, 5)
+
+
+@pytest.fixture(scope="module")
+def stubs(cluster3):
+    s = Stubs(cluster3.address)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def served(stubs):
+    return put(stubs, "good", TENSOR, META)
+
+
+@pytest.fixture(autouse=True)
+def still_serving(stubs, served):
+    """After every bad request, both the coordinator and every rank still answer a good one."""
+    yield
+    info = stubs.coord.GetTensor(pb.GetTensorRequest(name="good"), timeout=TIMEOUT)
+    assert torch.equal(read_full(stubs, info), TENSOR)
+
+
+def read(stubs, served, **fields):
+    request = dict(name="good", version=served.version, shard_index=0, offsets=[0, 0], sizes=[1, 1])
+    request.update(fields)
+    return rpc_error(stubs.ranks[0].ReadRegion, pb.ReadRegionRequest(**request), timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("fields,code,needle", [
+    (dict(name="nope"), grpc.StatusCode.NOT_FOUND, "'nope' not found on rank 0"),
+    (dict(name=""), INVALID, "name is empty"),
+    (dict(name="x" * 300), INVALID, "name is 300 characters"),
+    (dict(shard_index=7), INVALID, "shard_index 7 is out of range"),
+    (dict(shard_index=-1), INVALID, "shard_index -1"),
+    (dict(shard_index=1), INVALID, "shard_index 1 of tensor 'good' is not held by rank 0"),
+    (dict(offsets=[-1, 0]), INVALID, "offsets[0]=-1 is negative"),
+    (dict(sizes=[1, -2]), INVALID, "sizes[1]=-2 is negative"),
+    (dict(offsets=[0]), INVALID, "offsets has 1 dims"),
+    (dict(sizes=[1, 1, 1]), INVALID, "sizes has 3 dims"),
+    (dict(offsets=[2, 0], sizes=[2, 5]), INVALID, "offsets/sizes"),  # shard 0 holds rows 0..2
+    (dict(offsets=[0, 0], sizes=[1, 6]), INVALID, "offsets/sizes"),
+    (dict(offsets=[2**62, 0], sizes=[2**62, 1]), INVALID, "offsets/sizes"),
+    (dict(chunk_bytes=-5), INVALID, "chunk_bytes -5 is negative"),
+    (dict(version=10**9), grpc.StatusCode.FAILED_PRECONDITION, "version 1000000000 is not held"),
+])
+def test_read_region_bad_input(stubs, served, fields, code, needle):
+    err = read(stubs, served, **fields)
+    assert err.code() == code
+    assert needle in err.details()
+
+
+def write(stubs, messages, rank=0):
+    return rpc_error(stubs.ranks[rank].WriteShard, iter(messages), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def pending(stubs):
+    return stubs.coord.CreateTensor(pb.CreateTensorRequest(name="pend", metadata=metadata_to_proto(META)),
+                                    timeout=TIMEOUT)
+
+
+def header(version, **fields):
+    values = dict(name="pend", version=version, shard_index=0, dtype=pb.FLOAT32, nbytes=3 * 5 * 4)
+    values.update(fields)
+    return pb.WriteShardRequest(header=pb.WriteShardHeader(**values))
+
+
+def chunk(offset, data):
+    return pb.WriteShardRequest(chunk=pb.TensorChunk(offset=offset, data=data))
+
+
+@pytest.mark.parametrize("case,code,needle", [
+    ("no messages", INVALID, "header"),
+    ("chunk first", INVALID, "first WriteShard message must carry the header"),
+    ("wrong dtype", INVALID, "header.dtype float16 does not match"),
+    ("unknown dtype", INVALID, "header.dtype"),
+    ("wrong nbytes", INVALID, "header.nbytes 59"),
+    ("past the end", INVALID, "past the end of the shard (60 bytes)"),
+    ("out of order", INVALID, "chunk.offset 8 is not where the stream is"),
+    ("second header", INVALID, "only the first WriteShard message may carry a header"),
+    ("empty message", INVALID, "neither header nor chunk"),
+    ("short stream", INVALID, "ended after 4 of 60 bytes"),
+    ("unknown name", grpc.StatusCode.NOT_FOUND, "'ghost' not found on rank 0"),
+    ("served version", grpc.StatusCode.FAILED_PRECONDITION, "already committed"),
+    ("not local", INVALID, "shard_index 2 of tensor 'pend' is not held by rank 0"),
+])
+def test_write_shard_bad_input(stubs, pending, served, case, code, needle):
+    v = pending.version
+    messages = {
+        "no messages": [],
+        "chunk first": [chunk(0, b"1234")],
+        "wrong dtype": [header(v, dtype=pb.FLOAT16)],
+        "unknown dtype": [header(v, dtype=99)],
+        "wrong nbytes": [header(v, nbytes=59)],
+        "past the end": [header(v), chunk(0, b"x" * 56), chunk(56, b"x" * 8)],
+        "out of order": [header(v), chunk(8, b"x" * 4)],
+        "second header": [header(v), chunk(0, b"x" * 4), header(v)],
+        "empty message": [header(v), pb.WriteShardRequest()],
+        "short stream": [header(v), chunk(0, b"x" * 4)],
+        "unknown name": [header(v, name="ghost")],
+        "served version": [header(served.version, name="good")],
+        "not local": [header(v, shard_index=2)],
+    }[case]
+    err = write(stubs, messages)
+    assert err.code() == code
+    assert needle in err.details()
+
+
+def create_error(stubs, meta=None, **fields):
+    request = pb.CreateTensorRequest(name=fields.pop("name", "bad"),
+                                     metadata=meta if meta is not None else metadata_to_proto(META), **fields)
+    return rpc_error(stubs.coord.CreateTensor, request, timeout=TIMEOUT)
+
+
+def meta_with(shards, size=(9, 5), dtype=torch.float32):
+    return metadata_to_proto(ShardedTensorMetadata(tuple(shards), size, TensorProperties(dtype=dtype)))
+
+
+@pytest.mark.parametrize("build,code,needle", [
+    (lambda: dict(name=""), INVALID, "name is empty"),
+    (lambda: dict(name="bad\x00name"), INVALID, "non-printable"),
+    (lambda: dict(name="good"), grpc.StatusCode.ALREADY_EXISTS, "already exists"),
+    (lambda: dict(meta=meta_with([])), INVALID, "shards_metadata is empty"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (9, 5), "rank:7/cpu")])), INVALID,
+     "rank 7 is not a registered rank"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (9, 5), "rank:1/cuda:0")])), INVALID,
+     "rank 1's device is cpu"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (5, 5), "rank:0/cpu"),
+                                  ShardMetadata((4, 0), (5, 5), "rank:1/cpu")])), INVALID, "metadata:"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (5, 5), "rank:0/cpu")])), INVALID, "metadata:"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (9, 6), "rank:0/cpu")])), INVALID, "metadata:"),
+    (lambda: dict(meta=meta_with([ShardMetadata((0, 0), (9, 5), "rank:0/cpu")], dtype=torch.int64),
+                  init=pb.INIT_NORMAL), INVALID, "INIT_NORMAL needs a floating"),
+    (lambda: dict(init=42), INVALID, "init 42"),
+    (lambda: dict(meta=pb.ShardedTensorMetadata(
+        shards_metadata=[pb.ShardMetadata(shard_offsets=[0, 0], shard_sizes=[9, 5], placement="rank:0/cpu")],
+        size=[9, 5])), INVALID, "tensor_properties.dtype"),
+    (lambda: dict(meta=pb.ShardedTensorMetadata(
+        shards_metadata=[pb.ShardMetadata(shard_offsets=[0, 0], shard_sizes=[9, 5], placement="node7")],
+        size=[9, 5], tensor_properties=pb.TensorProperties(dtype=pb.FLOAT32))), INVALID, "placement"),
+    (lambda: dict(options=pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=b"123")), INVALID,
+     "options.default_row has 3 bytes"),
+])
+def test_create_tensor_bad_input(stubs, build, code, needle):
+    err = create_error(stubs, **build())
+    assert err.code() == code
+    assert needle in err.details()
+
+
+@pytest.mark.parametrize("call,request_,code,needle", [
+    ("GetTensor", pb.GetTensorRequest(name="nope"), grpc.StatusCode.NOT_FOUND, "'nope' not found"),
+    ("DeleteTensor", pb.DeleteTensorRequest(name="nope"), grpc.StatusCode.NOT_FOUND, "'nope' not found"),
+    ("CommitTensor", pb.CommitTensorRequest(name="good", version=0), INVALID, "version must be > 0"),
+    ("CommitTensor", pb.CommitTensorRequest(name="nope", version=3), grpc.StatusCode.NOT_FOUND, "version 3"),
+    ("AbortTensor", pb.AbortTensorRequest(name="nope", version=3), grpc.StatusCode.NOT_FOUND, "version 3"),
+    ("Heartbeat", pb.HeartbeatRequest(rank=99), grpc.StatusCode.NOT_FOUND, "rank 99 is not registered"),
+    ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=-1, world_size=3, address="h:1",
+                                                             device="cpu")), INVALID, "rank.rank -1"),
+    ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=5, world_size=3, address="h:1",
+                                                             device="cpu")), INVALID, "rank.world_size"),
+    ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=1, world_size=3, address="",
+                                                             device="cpu")), INVALID, "rank.address"),
+    ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=1, world_size=3, address="h:1",
+                                                             device="tpu")), INVALID, "rank.device"),
+])
+def test_coordinator_bad_input(stubs, call, request_, code, needle):
+    err = rpc_error(getattr(stubs.coord, call), request_, timeout=TIMEOUT)
+    assert err.code() == code
+    assert needle in err.details()
+
+
+def test_abort_of_a_committed_version_is_refused(stubs, served):
+    err = rpc_error(stubs.coord.AbortTensor, pb.AbortTensorRequest(name="good", version=served.version),
+                    timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "use DeleteTensor" in err.details()
+
+
+@pytest.mark.parametrize("rpc,request_,needle", [
+    ("AllocateShards", pb.AllocateShardsRequest(name="a", version=0), "version must be > 0"),
+    ("AllocateShards", pb.AllocateShardsRequest(name="a", version=1), "metadata:"),
+    ("PromoteVersion", pb.PromoteVersionRequest(name="", version=1), "name is empty"),
+    ("DropVersion", pb.DropVersionRequest(name=""), "name is empty"),
+])
+def test_rank_control_bad_input(stubs, rpc, request_, needle):
+    err = rpc_error(getattr(stubs.ranks[1], rpc), request_, timeout=TIMEOUT)
+    assert err.code() == INVALID and needle in err.details()
+
+
+def test_allocating_a_held_version_twice_is_refused(stubs, served):
+    request = pb.AllocateShardsRequest(name="good", version=served.version, metadata=metadata_to_proto(META))
+    err = rpc_error(stubs.ranks[0].AllocateShards, request, timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "already allocated" in err.details()
+
+
+def test_write_requests_helper_round_trips(stubs, pending):
+    """Control for the write cases above: the same stream shape, done right, is accepted."""
+    part = TENSOR[0:3]
+    reply = stubs.ranks[0].WriteShard(write_requests("pend", pending.version, 0, part, chunk=7), timeout=TIMEOUT)
+    assert reply.bytes_written == part.numel() * 4
