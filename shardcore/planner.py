@@ -10,12 +10,14 @@ destination shard only tests the source boxes of its most selective dim.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import math
 import operator
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from shardcore.metadata import Box, ShardedTensorMetadata
 
@@ -318,6 +320,18 @@ def _bucketize(transfers: Sequence[Transfer], bucket_bytes: int) -> tuple[Bucket
     return tuple(buckets)
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Hold off the cyclic GC while building many small objects (it would rescan the heap)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
     """The transfers that turn layout `src` into layout `dst`, grouped per peer pair and bucketed.
@@ -332,6 +346,13 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
     destination shard uncovered raises ValueError.
     """
     src_ranks, dst_ranks = _check_inputs(src, dst, bucket_bytes)
+    with _gc_paused():
+        return _plan(src, dst, bucket_bytes, src_ranks, dst_ranks)
+
+
+def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
+          src_ranks: list[int], dst_ranks: list[int]) -> ReshardPlan:
+    """plan_reshard after validation."""
     itemsize = src.tensor_properties.itemsize
     index = _SourceIndex(src, src_ranks)
     load: dict[int, int] = {}
