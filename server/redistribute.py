@@ -6,8 +6,10 @@ Two pieces:
   job runs, in the sequence numbers the coordinator assigns. Job N+1 starts only
   after job N finished or failed, so every rank enters its collectives in the
   same order whatever order the RPCs arrive in.
-- `run_reshard`: local copies first, then peer-to-peer `batch_isend_irecv` of
-  flat buckets, unpacked into newly allocated destination shards.
+- `run_reshard`: peer-to-peer `batch_isend_irecv` of flat buckets and local
+  copies, into newly allocated destination shards. The local copies need no
+  peer, so they run right after the first rounds are posted, overlapping the
+  wire (the order in which collectives are entered is unchanged by this).
 
 Deadlock-free ordering. The buckets of one (src_rank, dst_rank) pair keep the
 plan's order; bucket k of every pair belongs to *round* k. Both ends of a
@@ -270,15 +272,21 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
     out = _allocate_destination(plan, rank, stats)
     src_boxes = [s.box for s in plan.src.shards_metadata]
     dst_boxes = [s.box for s in plan.dst.shards_metadata]
-    for t in part.local:
-        copy_box(src_shards[t.src_shard], src_boxes[t.src_shard], out[t.dst_shard], dst_boxes[t.dst_shard], t.box)
-        stats.local_bytes += t.nbytes
+
+    def copy_local() -> None:
+        for t in part.local:
+            copy_box(src_shards[t.src_shard], src_boxes[t.src_shard], out[t.dst_shard], dst_boxes[t.dst_shard],
+                     t.box)
+            stats.local_bytes += t.nbytes
+
     rounds = _rounds(rank, part.sends, part.recvs)
     stats.rounds = len(rounds)
-    if rounds:
-        if not dist.is_initialized():
-            raise ReshardError("the plan moves data between ranks but torch.distributed is not initialized")
-        _exchange(plan, rounds, src_shards, out, group, max_in_flight, deadline, stats)
+    if not rounds:
+        copy_local()
+        return out
+    if not dist.is_initialized():
+        raise ReshardError("the plan moves data between ranks but torch.distributed is not initialized")
+    _exchange(plan, rounds, src_shards, out, group, max_in_flight, deadline, stats, copy_local)
     return out
 
 
@@ -332,8 +340,11 @@ def _rounds(rank: int, sends: tuple[Bucket, ...],
 
 def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_shards: Mapping[int, torch.Tensor],
               out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, max_in_flight: int,
-              deadline: float, stats: ReshardStats) -> None:
-    """Post the rounds with at most max_in_flight outstanding; unpack each round once it is done."""
+              deadline: float, stats: ReshardStats, copy_local: Callable[[], None]) -> None:
+    """Post the rounds with at most max_in_flight outstanding; unpack each round once it is done.
+
+    The local copies run once the first rounds are posted, while their bytes are on the wire.
+    """
     ops_per_round = max(len(r) for r in rounds)
     waiters = cf.ThreadPoolExecutor(max_workers=max(1, ops_per_round * max_in_flight),
                                     thread_name_prefix="shardserve-reshard-wait")
@@ -341,8 +352,12 @@ def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_sha
     try:
         for k, round_ in enumerate(rounds):
             if len(posted) == max_in_flight:
+                if k == max_in_flight:
+                    copy_local()
                 _finish(posted.popleft(), posted, out, deadline, stats)
             posted.append(_post(plan, k, round_, src_shards, out, group, waiters, deadline, stats))
+        if len(rounds) <= max_in_flight:
+            copy_local()
         while posted:
             _finish(posted.popleft(), posted, out, deadline, stats)
     finally:

@@ -1,0 +1,257 @@
+"""Reshard across dims (Shard(0) -> Shard(1)) of a float32 tensor on 2 and 4 gloo ranks (127.0.0.1).
+
+Methods, all run in the same worlds on the same data:
+
+- bare transfer: `all_to_all_single` of flat buffers holding the same bytes
+  (the baseline; falls back to `batch_isend_irecv` of flat buffers if gloo
+  refuses all_to_all_single, and the table says which ran),
+- shardserve: `plan_reshard` + `server.redistribute.run_reshard` on the
+  collective thread (planning included in the time),
+- `DTensor.redistribute(Shard(0) -> Shard(1))`,
+- torch `ShardedTensor.reshard` to a ChunkShardingSpec on dim 1, where it runs.
+
+Times are the slowest rank's, median over --repeats after one warm-up.
+
+    python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 64] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+BARE = "bare transfer"
+OURS = "shardserve run_reshard"
+DTENSOR = "DTensor.redistribute"
+SHARDED = "ShardedTensor.reshard"
+PATTERN_MOD = 65521
+
+
+def square_side(size_mib: float) -> int:
+    """Side of the square float32 tensor of about size_mib MiB, a multiple of 4."""
+    side = int(math.sqrt(size_mib * (1 << 20) / 4))
+    return max(4, side - side % 4)
+
+
+def pattern(rows: slice, cols: slice, n: int) -> torch.Tensor:
+    """The benchmark tensor's block [rows, cols]: ((i * n + j) mod 65521) as float32."""
+    i = torch.arange(rows.start, rows.stop, dtype=torch.int64).unsqueeze(1)
+    j = torch.arange(cols.start, cols.stop, dtype=torch.int64).unsqueeze(0)
+    return ((i * n + j) % PATTERN_MOD).to(torch.float32)
+
+
+def timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median over `repeats` (after one warm-up) of the slowest rank's time for fn()."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], object]]:
+    """A flat exchange of the same bytes: all_to_all_single, or batch_isend_irecv if gloo refuses it."""
+    flat_in = local.reshape(-1).clone()
+    flat_out = torch.empty_like(flat_in)
+    try:
+        dist.all_to_all_single(flat_out, flat_in)
+        return "all_to_all_single", lambda: dist.all_to_all_single(flat_out, flat_in)
+    except RuntimeError:
+        pass
+    rank, chunk = dist.get_rank(), flat_in.numel() // world
+    pieces_in, pieces_out = flat_in.split(chunk), flat_out.split(chunk)
+
+    def p2p() -> None:
+        pieces_out[rank].copy_(pieces_in[rank])
+        ops = [dist.P2POp(dist.isend, pieces_in[p], p) for p in range(world) if p != rank]
+        ops += [dist.P2POp(dist.irecv, pieces_out[p], p) for p in range(world) if p != rank]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return "batch_isend_irecv", p2p
+
+
+def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: int, executor, seqs):
+    """plan_reshard + run_reshard of Shard(0) -> Shard(1) on the collective thread."""
+    from server.redistribute import run_reshard
+    from shardcore.metadata import TensorProperties
+    from shardcore.planner import plan_reshard
+    from shardcore.specs import ChunkShardingSpec
+
+    rank = dist.get_rank()
+    placements = [f"rank:{r}/cpu" for r in range(world)]
+    src = ChunkShardingSpec(0, placements).build_metadata((n, n), TensorProperties())
+    dst = ChunkShardingSpec(1, placements).build_metadata((n, n), TensorProperties())
+    result = {}
+
+    def run() -> None:
+        plan = plan_reshard(src, dst, bucket_bytes)
+        seq = next(seqs)
+        future = executor.submit(seq, lambda: run_reshard(plan, rank, {rank: local}, 600.0), wait_timeout_s=600)
+        result.update(future.result())
+    return run, result
+
+
+def dtensor_redistribute(local: torch.Tensor, world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+    result = {}
+
+    def run() -> None:
+        out = dt.redistribute(mesh, [Shard(1)]).to_local()
+        result["out"] = out.wait() if hasattr(out, "wait") else out
+    return run, result
+
+
+def sharded_tensor_reshard(local: torch.Tensor, n: int, world: int):
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as StShard
+    from torch.distributed._shard.sharded_tensor import init_from_local_shards
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    rank = dist.get_rank()
+    rows = n // world
+    meta = ShardMetadata([rank * rows, 0], [rows, n], f"rank:{rank}/cpu")
+    spec = ChunkShardingSpec(dim=1, placements=[f"rank:{r}/cpu" for r in range(world)])
+    result = {}
+
+    def run() -> None:
+        st = init_from_local_shards([StShard(local, meta)], [n, n])
+        result["out"] = st.reshard(spec).local_shards()[0].tensor
+    return run, result
+
+
+def check_columns(out: torch.Tensor, n: int, world: int) -> bool:
+    """Whether this rank's Shard(1) result holds exactly its columns of the benchmark tensor."""
+    rank, cols = dist.get_rank(), n // world
+    expected = pattern(slice(0, n), slice(rank * cols, (rank + 1) * cols), n)
+    return out.shape == expected.shape and bool(torch.equal(out.contiguous(), expected))
+
+
+def worker(rank: int, world: int, port: int, args: dict, results) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    from server.redistribute import CollectiveExecutor
+
+    n = square_side(args["size_mib"])
+    rows = n // world
+    local = pattern(slice(rank * rows, (rank + 1) * rows), slice(0, n), n)
+    rows_out = []
+    executor = CollectiveExecutor()
+    seqs = iter(range(1 << 30))
+    try:
+        note, bare = bare_transfer(local, world)
+        rows_out.append({"method": BARE, "note": note, "seconds": timed(bare, args["repeats"]), "ok": True})
+        del bare
+        for name, make in ((OURS, lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
+                           (DTENSOR, lambda: dtensor_redistribute(local, world)),
+                           (SHARDED, lambda: sharded_tensor_reshard(local, n, world))):
+            rows_out.append(run_method(name, make, n, world, args["repeats"]))
+    finally:
+        executor.close()
+    if rank == 0:
+        results.put({"world": world, "n": n, "rows": rows_out})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_method(name: str, make, n: int, world: int, repeats: int) -> dict:
+    """Time one method and check its result; a method torch refuses is reported, not fatal."""
+    try:
+        run, result = make()
+        seconds = timed(run, repeats)
+    except Exception as exc:
+        return {"method": name, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
+                "seconds": None, "ok": False, "trace": traceback.format_exc(limit=3)}
+    out = result.get("out", result.get(dist.get_rank()))
+    ok = torch.tensor([1 if out is not None and check_columns(out, n, world) else 0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    result.clear()
+    return {"method": name, "note": "", "seconds": seconds, "ok": bool(ok.item())}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, args: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=args["timeout"])
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def table(runs: list[dict], size_mib: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1")
+    for column in ("ranks", "tensor", "method", "seconds", "GB/s", "x bare", "correct", "note"):
+        out.add_column(column, justify="right" if column in ("seconds", "GB/s", "x bare") else "left")
+    for run in runs:
+        bare = next(r["seconds"] for r in run["rows"] if r["method"] == BARE)
+        nbytes = run["n"] * run["n"] * 4
+        for r in run["rows"]:
+            s = r["seconds"]
+            out.add_row(str(run["world"]), f"{run['n']}x{run['n']} ({nbytes / (1 << 20):.0f} MiB)", r["method"],
+                        "-" if s is None else f"{s:.3f}", "-" if s is None else f"{nbytes / s / 1e9:.2f}",
+                        "-" if s is None else f"{s / bare:.2f}", "yes" if r["ok"] else "no", r["note"])
+    Console().print(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=float, default=256.0, help="tensor size in MiB (square float32)")
+    parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
+    parser.add_argument("--bucket-mib", type=float, default=64.0, help="shardserve bucket size in MiB")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ns = parser.parse_args(argv)
+    args = {"size_mib": ns.size_mib, "bucket_bytes": int(ns.bucket_mib * (1 << 20)), "repeats": ns.repeats,
+            "timeout": ns.timeout}
+    runs = []
+    for world in (int(w) for w in ns.ranks.split(",")):
+        if square_side(ns.size_mib) % world:
+            parser.error(f"--ranks {world} does not divide the tensor side {square_side(ns.size_mib)}")
+        runs.append(run_world(world, args))
+    table(runs, ns.size_mib)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"args": args, "runs": runs}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
