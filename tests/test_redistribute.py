@@ -22,7 +22,7 @@ import torch.multiprocessing as mp
 from server.redistribute import (CollectiveExecutor, ReshardError, ReshardStats, SequenceTimeoutError,
                                  run_reshard)
 from shardcore.executor import apply_plan
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
+from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties, make_metadata
 from shardcore.planner import plan_reshard
 from shardcore.regions import cut_tensor
 from shardcore.specs import ChunkShardingSpec, chunk_bounds
@@ -120,10 +120,12 @@ def full_tensor(size, dtype, seed):
 
 # --- the worker processes ----------------------------------------------------------------------
 
-def _worker(rank: int, world: int, port: int, commands, results) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, commands, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if "nccl" in backend:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     executor = CollectiveExecutor()
     while True:
@@ -145,11 +147,12 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
         return {"absent": True}
     dtype = DTYPES[command["dtype"]]
     size = command["size"]
-    src = LAYOUTS[command["src"]](size, dtype)
-    dst = LAYOUTS[command["dst"]](size, dtype)
+    src = on_cuda(LAYOUTS[command["src"]](size, dtype), command.get("cuda", False))
+    dst = on_cuda(LAYOUTS[command["dst"]](size, dtype), command.get("cuda", False))
     full = full_tensor(size, dtype, command["seed"])
     plan = plan_reshard(src, dst, command["bucket_bytes"])
-    src_shards = {i: t.clone() for i, t in enumerate(cut_tensor(full, src)) if src.shards_metadata[i].rank == rank}
+    src_shards = {i: t.to(src.shards_metadata[i].device, copy=True) for i, t in enumerate(cut_tensor(full, src))
+                  if src.shards_metadata[i].rank == rank}
     if role == "die":
         _exit_on_second_post()
     stats = ReshardStats()
@@ -166,14 +169,24 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
     return {
         "keys": sorted(out),
         "expected_keys": dst.shards_on(rank),
-        "equal": {i: bool(torch.equal(t, expected[i])) and t.dtype == dtype for i, t in out.items()},
-        "equal_apply_plan": {i: bool(torch.equal(t, reference[i])) for i, t in out.items()},
+        "equal": {i: bool(torch.equal(t.cpu(), expected[i])) and t.dtype == dtype for i, t in out.items()},
+        "equal_apply_plan": {i: bool(torch.equal(t.cpu(), reference[i])) for i, t in out.items()},
+        "devices": {i: str(t.device) for i, t in out.items()},
         "stats": vars(stats),
         "plan_sent": sum(b.nbytes for b in part.sends),
         "plan_received": sum(b.nbytes for b in part.recvs),
         "peer_directions": len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs}),
         "max_bucket": max((b.nbytes for b in part.sends + part.recvs), default=0),
     }
+
+
+def on_cuda(meta: ShardedTensorMetadata, cuda: bool) -> ShardedTensorMetadata:
+    """The same layout with every shard on its rank's GPU (cuda:rank) when `cuda`."""
+    if not cuda:
+        return meta
+    shards = tuple(ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.rank}/cuda:{s.rank}")
+                   for s in meta.shards_metadata)
+    return ShardedTensorMetadata(shards, meta.size, meta.tensor_properties)
 
 
 def _exit_on_second_post() -> None:
@@ -193,13 +206,13 @@ def _exit_on_second_post() -> None:
 class World:
     """Worker processes of one gloo world, fed commands through per-rank queues."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, backend: str = "gloo") -> None:
         ctx = mp.get_context("spawn")
         self.size = size
         self.port = _free_port()
         self.commands = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, size, self.port, self.commands[r], self.results),
+        self.procs = [ctx.Process(target=_worker, args=(r, size, self.port, backend, self.commands[r], self.results),
                                   daemon=True) for r in range(size)]
         for p in self.procs:
             p.start()
@@ -454,12 +467,29 @@ def test_remote_plan_without_process_group_is_a_reshard_error():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_local_plan_allocates_on_the_destination_device():
-    src_meta = ShardedTensorMetadata(
-        tuple(make_metadata(M2, [((0, 0), (13, 21), "rank:0/cuda:0")]).shards_metadata), M2,
-        TensorProperties(dtype=torch.float32))
-    dst_meta = make_metadata(M2, [((0, 0), (13, 10), "rank:0/cuda:0"), ((0, 10), (13, 11), "rank:0/cpu")])
-    plan = plan_reshard(src_meta, dst_meta, 64)
+    src = make_metadata(M2, [((0, 0), (13, 21), "rank:0/cuda:0")])
+    dst = make_metadata(M2, [((0, 0), (13, 10), "rank:0/cuda:0"), ((0, 10), (13, 11), "rank:0/cpu")])
+    plan = plan_reshard(src, dst, 64)
     full = full_tensor(M2, torch.float32, 2)
     out = run_reshard(plan, 0, {0: full.cuda()}, 10.0)
     assert out[0].device.type == "cuda" and out[1].device.type == "cpu"
     assert torch.equal(out[0].cpu(), full[:, :10]) and torch.equal(out[1], full[:, 10:])
+
+
+LAYOUTS["rows_cuda_pair"] = lambda s, d: chunk(s, 0, [0, 1], d)
+LAYOUTS["cols_cuda_pair"] = lambda s, d: chunk(s, 1, [1, 0, 1], d)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("bucket_bytes", [24, 1 << 20], ids=["tiny_buckets", "1MiB_buckets"])
+def test_cuda_shards_move_over_nccl(bucket_bytes):
+    w = World(2, backend="cpu:gloo,cuda:nccl")
+    try:
+        for dtype in DTYPES:
+            answers = w.run(size=M2, src="rows_cuda_pair", dst="cols_cuda_pair", dtype=dtype,
+                            bucket_bytes=bucket_bytes, cuda=True)
+            check_answers(answers, bucket_bytes)
+            assert all(d.startswith("cuda") for a in answers.values() for d in a["devices"].values())
+    finally:
+        w.kill()
