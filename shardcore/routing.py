@@ -130,13 +130,15 @@ class RowIndex:
                                    or any(cuts[k + 1] > cuts[k] for k in self._bad_segments)):
             raise IndexError(self._describe_bad(ids, self.invalid_mask(ids)))
         routes = []
+        pieces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # column shards of a row band share them
         for box in self.boxes:
-            slices = [(cuts[a], cuts[b]) for a, b in box.valid_runs if cuts[b] > cuts[a]]
-            if not slices:
-                continue
-            positions = torch.cat([_positions(order, lo, hi, ids.device) for lo, hi in slices])
-            rows = torch.cat([sorted_ids[lo:hi] for lo, hi in slices]) - box.row_start
-            routes.append(RowRoute(box.shard, box.rank, positions, rows, box.inner_offsets, box.inner_sizes))
+            key = (box.valid_runs, box.row_start)
+            if key not in pieces:
+                slices = [(cuts[a], cuts[b]) for a, b in box.valid_runs if cuts[b] > cuts[a]]
+                pieces[key] = _gather_slices(slices, sorted_ids, order, box.row_start)
+            positions, rows = pieces[key]
+            if positions.numel():
+                routes.append(RowRoute(box.shard, box.rank, positions, rows, box.inner_offsets, box.inner_sizes))
         return routes
 
     def _describe_bad(self, ids: torch.Tensor, bad: torch.Tensor) -> str:
@@ -164,11 +166,23 @@ def _with_valid_runs(box: _RoutedBox, segment_ok: list[bool]) -> _RoutedBox:
     return dataclasses.replace(box, valid_runs=tuple(runs))
 
 
-def _positions(order: torch.Tensor | None, lo: int, hi: int, device: torch.device) -> torch.Tensor:
-    """Positions in `ids` of the sorted ids lo:hi (order is None when ids were already sorted)."""
+def _gather_slices(slices: list[tuple[int, int]], sorted_ids: torch.Tensor, order: torch.Tensor | None,
+                   row_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions in `ids` and shard-local rows of the sorted ids in `slices`.
+
+    `order` is None when the ids were already sorted (positions are then ranges).
+    """
+    if not slices:
+        empty = sorted_ids[:0]
+        return empty, empty
     if order is None:
-        return torch.arange(lo, hi, dtype=torch.int64, device=device)
-    return order[lo:hi]
+        positions = [torch.arange(lo, hi, dtype=torch.int64, device=sorted_ids.device) for lo, hi in slices]
+    else:
+        positions = [order[lo:hi] for lo, hi in slices]
+    rows = [sorted_ids[lo:hi] for lo, hi in slices]
+    if len(slices) == 1:
+        return positions[0], rows[0] - row_start
+    return torch.cat(positions), torch.cat(rows) - row_start
 
 
 def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None) -> list[int]:

@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): each module prints a table and, with --json FILE, JSON."""
