@@ -1,0 +1,173 @@
+"""Launching: `python -m server up` as a process, signals, dead ranks, `coordinator` + torchrun, restarts."""
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.launcher import free_port
+from shardcore.metadata import TensorProperties
+from shardcore.specs import ChunkShardingSpec
+from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
+
+ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 180.0
+
+
+def spawn(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "server", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    lines: "queue.Queue[str]" = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    return proc, lines
+
+
+def coordinator_line(proc: subprocess.Popen, lines: "queue.Queue[str]") -> str:
+    try:
+        line = lines.get(timeout=START_TIMEOUT)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError("no 'coordinator: HOST:PORT' line in time") from None
+    match = re.fullmatch(r"coordinator: (127\.0\.0\.1:\d+)\n", line)
+    assert match, line
+    return match.group(1)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not _holds(predicate):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _holds(predicate) -> bool:
+    try:
+        return bool(predicate())
+    except grpc.RpcError:  # a server restarting in the meantime
+        return False
+
+
+def rank_pids(address: str) -> list[int]:
+    with grpc.insecure_channel(address) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+    return [r.pid for r in ranks if r.alive]
+
+
+def test_up_prints_the_address_and_sigterm_stops_every_child(tmp_path):
+    proc, lines = spawn(["up", "--ranks", "2", "--state-dir", str(tmp_path / "state")], tmp_path)
+    try:
+        address = coordinator_line(proc, lines)
+        pids = rank_pids(address)
+        assert len(pids) == 2 and all(not gone(p) for p in pids)
+        assert (tmp_path / "state" / "catalog.sqlite").exists()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        wait_until(lambda: all(gone(p) for p in pids), 10, "rank processes to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
+    proc, lines = spawn(["up", "--ranks", "1", "--state-dir", str(tmp_path / "state")], tmp_path)
+    try:
+        pids = rank_pids(coordinator_line(proc, lines))
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_until(lambda: all(gone(p) for p in pids), 20, "orphaned ranks to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def meta_on(ranks, size=(6, 4)):
+    return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
+        size, TensorProperties(dtype=torch.float32))
+
+
+def alive(stubs: Stubs) -> dict[int, bool]:
+    return {r.rank: r.alive for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks}
+
+
+def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(make_cluster):
+    cluster = make_cluster(ranks=2, heartbeat_interval=0.3)
+    stubs = Stubs(cluster.address)
+    try:
+        tensor = torch.randn(6, 4)
+        info = put(stubs, "on0", tensor, meta_on([0]))
+        cluster.kill_rank(1, signal.SIGSTOP)  # alive as a process, silent as a rank
+        try:
+            wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "rank 1 to be marked dead")
+            err = rpc_error(create, stubs, "on1", meta_on([1]))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and "rank 1 is not alive" in err.details()
+        finally:
+            cluster.kill_rank(1, signal.SIGCONT)
+        wait_until(lambda: alive(stubs) == {0: True, 1: True}, 15, "rank 1 to be alive again")
+        cluster.kill_rank(1, signal.SIGKILL)
+        wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "killed rank 1 to be marked dead")
+        assert torch.equal(read_full(stubs, info), tensor)
+    finally:
+        stubs.close()
+
+
+def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(tmp_path):
+    port = free_port()
+    state = str(tmp_path / "state")
+    coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", state,
+                        "--heartbeat-interval", "0.3"]
+    coord, lines = spawn(coordinator_args, tmp_path)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                "-m", "server", "--coordinator", f"127.0.0.1:{port}"]
+    rank = subprocess.Popen(torchrun, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
+    stubs = None
+    try:
+        address = coordinator_line(coord, lines)
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            wait_until(lambda: len(stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks) == 1,
+                       START_TIMEOUT, "the torchrun rank to register")
+        stubs = Stubs(address)
+        tensor = torch.randn(6, 4)
+        put(stubs, "kept", tensor, meta_on([0]))
+        coord.send_signal(signal.SIGTERM)
+        assert coord.wait(timeout=30) == 0
+        coord, lines = spawn(coordinator_args, tmp_path)  # same port, same catalog
+        assert coordinator_line(coord, lines) == address
+        wait_until(lambda: alive(stubs) == {0: True}, 30, "the rank to register again")
+        info = stubs.coord.GetTensor(pb.GetTensorRequest(name="kept"), timeout=TIMEOUT)
+        assert torch.equal(read_full(stubs, info), tensor)
+    finally:
+        if stubs is not None:
+            stubs.close()
+        for proc in (rank, coord):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (rank, coord):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
