@@ -41,9 +41,9 @@ class RowRoute:
 
     @property
     def columns(self) -> slice:
-        """The global column range (dim 1) the shard holds; whole rows for a 1-D tensor."""
+        """The global column range (dim 1) the shard holds; slice(None) (the whole row) for a 1-D tensor."""
         if not self.inner_offsets:
-            return slice(0, 1)
+            return slice(None)
         return slice(self.inner_offsets[0], self.inner_offsets[0] + self.inner_sizes[0])
 
     def __len__(self) -> int:

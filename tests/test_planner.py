@@ -333,6 +333,17 @@ def test_apply_plan_checks_shard_tensors():
         apply_plan(plan, [torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 4)])
 
 
+def test_apply_plan_writes_into_given_tensors():
+    src, dst = rows(6, [0, 1]), rows(6, [1, 2, 3])
+    x = torch.arange(24.).reshape(6, 4)
+    out = [torch.full(s.shard_sizes, -1.) for s in dst.shards_metadata]
+    result = apply_plan(plan_reshard(src, dst), cut_tensor(x, src), out=out)
+    assert all(a is b for a, b in zip(result, out))
+    assert all(torch.equal(a, b) for a, b in zip(out, cut_tensor(x, dst)))
+    with pytest.raises(ValueError, match=r"out\[0\] has shape \(3, 4\)"):
+        apply_plan(plan_reshard(src, dst), cut_tensor(x, src), out=[torch.zeros(3, 4)] * 3)
+
+
 def test_pack_and_unpack_check_buffers():
     plan = plan_reshard(rows(4, [0, 1]), rows(4, [1]))
     bucket = plan.buckets[0]

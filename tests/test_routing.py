@@ -167,6 +167,13 @@ def test_sorted_ids_skip_the_sort_and_keep_their_positions():
                                                                                ([3, 4], [1, 4])]
 
 
+def test_one_dim_table_routes_whole_rows():
+    meta = make_metadata((6,), [((0,), (3,), 0), ((3,), (3,), 1)])
+    routes = route_rows(meta, torch.tensor([5, 1]))
+    assert [(r.shard, r.local_rows.tolist(), r.columns) for r in routes] == [(0, [1], slice(None)),
+                                                                            (1, [2], slice(None))]
+
+
 def test_empty_ids_give_no_routes():
     meta = make_metadata((4, 1), [((0, 0), (4, 1), 0)])
     assert route_rows(meta, torch.tensor([], dtype=torch.int64)) == []
