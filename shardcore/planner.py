@@ -11,11 +11,13 @@ destination shard only tests the source boxes of its most selective dim.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import math
 import operator
 from bisect import bisect_left
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
@@ -130,12 +132,25 @@ class ReshardPlan:
     def for_rank(self, rank: int) -> RankPlan:
         """What `rank` copies locally, sends and receives, each in global plan order."""
         rank = operator.index(rank)
-        return RankPlan(
-            rank=rank,
-            local=tuple(t for t in self.transfers if t.is_local and t.dst_rank == rank),
-            sends=tuple(b for b in self.buckets if b.src_rank == rank),
-            recvs=tuple(b for b in self.buckets if b.dst_rank == rank),
-        )
+        return self._by_rank.get(rank) or RankPlan(rank, (), (), ())
+
+    def rank_plans(self) -> dict[int, RankPlan]:
+        """for_rank of every rank taking part, computed in one pass over the plan."""
+        return dict(self._by_rank)
+
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, RankPlan]:
+        local: dict[int, list[Transfer]] = defaultdict(list)
+        sends: dict[int, list[Bucket]] = defaultdict(list)
+        recvs: dict[int, list[Bucket]] = defaultdict(list)
+        for t in self.transfers:
+            if t.is_local:
+                local[t.dst_rank].append(t)
+        for b in self.buckets:
+            sends[b.src_rank].append(b)
+            recvs[b.dst_rank].append(b)
+        return {r: RankPlan(r, tuple(local[r]), tuple(sends[r]), tuple(recvs[r]))
+                for r in sorted(set(local) | set(sends) | set(recvs))}
 
 
 _BoxKey = tuple[tuple[int, ...], tuple[int, ...]]

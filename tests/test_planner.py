@@ -260,6 +260,7 @@ def test_for_rank_partitions_the_plan():
     assert parts[3].local == () and parts[3].recvs == () and parts[3].sends
     assert parts[4].peers == (1, 3)  # dst columns 4:6 live on ranks 1 (rows 0:3) and 3 (rows 3:6)
     assert plan.for_rank(7).is_empty
+    assert plan.rank_plans() == {r: parts[r] for r in (0, 1, 2, 3, 4)}
 
 
 def test_zero_dim_tensor():
