@@ -114,7 +114,7 @@ def _status(cluster) -> None:
     for t in cluster.list(include_pending=True):
         tensors.add_row(t.name, str(t.version), t.state, "x".join(map(str, t.shape)) or "()", dtype_name(t.dtype),
                         layout_summary(t.metadata), _human_bytes(t.nbytes))
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
     console.print(tensors)
 
