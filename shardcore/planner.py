@@ -5,8 +5,13 @@ the plan is a pure value; server/ executes it with collectives and
 shardcore.executor.apply_plan executes it in memory.
 
 The planner is not quadratic in the number of shards: source boxes are indexed
-per dim by their distinct intervals (sorted, with bisect), and each
-destination shard only tests the source boxes of its most selective dim.
+per dim by their distinct intervals (sorted, with bisect). A destination shard
+tests either the source boxes of its most selective dim or, for grid-like
+sources, only the product of the overlapping intervals, whichever is fewer;
+so the work follows the number of transfers produced (n + m for chunks on
+the same dim, not n * m). Limits: one very long interval in a dim widens the
+bisect window of that dim; layouts that truly intersect pairwise (rows
+against columns) produce n * m transfers by nature.
 """
 from __future__ import annotations
 

@@ -282,6 +282,30 @@ def test_many_shards_plan_matches_expected_transfer_count():
     assert sum(t.nbytes for t in plan.transfers) == src.nbytes
 
 
+@pytest.mark.parametrize("layout", ["rows", "grid"])
+def test_planner_tests_few_pairs_not_all_pairs(monkeypatch, layout):
+    import shardcore.planner as planner
+
+    calls = 0
+    real = planner._intersection
+
+    def counting(*args):
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(planner, "_intersection", counting)
+    if layout == "rows":
+        src, dst = rows(100_000, list(range(1000)), cols=2), rows(100_000, list(range(999)), cols=2)
+    else:
+        src = metadata_from_placements((1000, 1000), [list(range(r * 40, r * 40 + 40)) for r in range(25)],
+                                       [Shard(0), Shard(1)])
+        dst = metadata_from_placements((1000, 1000), [list(range(r * 25, r * 25 + 25)) for r in range(40)],
+                                       [Shard(0), Shard(1)])
+    plan = plan_reshard(src, dst)
+    assert calls <= 2 * len(plan.transfers) < len(src.shards_metadata) * len(dst.shards_metadata) // 100
+
+
 # ---------------------------------------------------------------- errors
 
 def test_mismatched_size_is_named():
