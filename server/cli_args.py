@@ -8,6 +8,7 @@ import os
 from server.auth import Security, TlsFiles
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
+PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit when it is gone
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:

@@ -20,14 +20,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from typing import TYPE_CHECKING
+
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, TlsFiles
-from server.catalog import SQLiteCatalog
-from server.cli_args import TOKEN_ENV, add_security_args, configure_logging, security_from_args
-from server.coordinator import Coordinator, CoordinatorServicer
+from server.cli_args import PARENT_PID_ENV, TOKEN_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
-from server.rank import PARENT_PID_ENV
+
+if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
+    from server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_coordinator(listen: str, state_dir: str | Path, security: Security, heartbeat_interval: float = 1.0,
                       rpc_timeout: float = 60.0, pending_timeout: float = 600.0
-                      ) -> tuple[Coordinator, RunningServer]:
+                      ) -> "tuple[Coordinator, RunningServer]":
     """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`."""
+    from server.catalog import SQLiteCatalog
+    from server.coordinator import Coordinator, CoordinatorServicer
+
     coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
                               pending_timeout=pending_timeout)
@@ -80,7 +85,7 @@ class LocalCluster:
         self.host, self.port, self.device = host, port, device
         self.rpc_timeout, self.pending_timeout = rpc_timeout, pending_timeout
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
-        self.coordinator: Coordinator | None = None
+        self.coordinator: "Coordinator | None" = None
         self._server: RunningServer | None = None
         self._procs: list[subprocess.Popen] = []
         self._stopping = threading.Event()
@@ -89,12 +94,17 @@ class LocalCluster:
     # ------------------------------------------------------------ lifecycle
 
     def start(self, timeout: float = 60.0) -> "LocalCluster":
-        """Start the coordinator and every rank in parallel; return once all ranks have registered."""
+        """Start the ranks, then the coordinator they register with; return once all have registered.
+
+        The ranks are spawned first (with the coordinator's port chosen up front) so that their torch
+        imports overlap this process's; they retry registering until the coordinator answers.
+        """
         try:
+            port = self.port or free_port(self.host)
+            self._spawn_ranks(f"{self._dial_host()}:{port}")
             self.coordinator, self._server = start_coordinator(
-                f"{self.host}:{self.port}", self.state_dir, self.security, self.heartbeat_interval,
+                f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
                 self.rpc_timeout, self.pending_timeout)
-            self._spawn_ranks()
             threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True).start()
             self._wait_ready(timeout)
         except BaseException:
@@ -107,8 +117,10 @@ class LocalCluster:
     def address(self) -> str:
         if self._server is None:
             raise RuntimeError("the cluster is not started")
-        host = "127.0.0.1" if self._server.host in ("0.0.0.0", "[::]") else self._server.host
-        return f"{host}:{self._server.port}"
+        return f"{self._dial_host()}:{self._server.port}"
+
+    def _dial_host(self) -> str:
+        return "127.0.0.1" if self.host in ("0.0.0.0", "[::]", "") else self.host
 
     @property
     def rank_pids(self) -> list[int]:
@@ -149,15 +161,16 @@ class LocalCluster:
 
     # ------------------------------------------------------------ ranks
 
-    def _spawn_ranks(self) -> None:
+    def _spawn_ranks(self, coordinator: str) -> None:
         master_port = free_port()
         for rank in range(self.ranks):
-            self._procs.append(subprocess.Popen(self._rank_command(), env=self._rank_env(rank, master_port),
+            self._procs.append(subprocess.Popen(self._rank_command(coordinator),
+                                                env=self._rank_env(rank, master_port),
                                                 stdin=subprocess.DEVNULL))
         log.info("started ranks %s", self.rank_pids)
 
-    def _rank_command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "server", "--coordinator", self.address, "--listen", f"{self.host}:0",
+    def _rank_command(self, coordinator: str) -> list[str]:
+        cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{self.host}:0",
                "--device", self.device, "--memory-limit", str(self.memory_limit),
                "--max-request-bytes", str(self.max_request_bytes), "--log-level", self.log_level]
         tls = self.security.tls

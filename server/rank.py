@@ -24,15 +24,12 @@ import torch.distributed as dist
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
-from server.cli_args import add_security_args, configure_logging, security_from_args
+from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
 from server.shard_server import ShardServerServicer
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
-
-PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"
-
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -113,9 +110,9 @@ class CoordinatorLink:
                 if err.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
                         or time.monotonic() + delay > deadline:
                     raise
-                log.info("coordinator not reachable yet (%s); retrying", err.details())
+                log.debug("coordinator not reachable yet (%s); retrying", err.details())
                 time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                delay = min(delay * 2, 0.5)
 
     def _register_once(self) -> None:
         self.info.memory_used_bytes = self.store.memory_used
