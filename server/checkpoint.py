@@ -216,6 +216,7 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
                                [shards[key][i] for i in _non_empty(shards[key], meta)],
                                _device_of(shards[key]))
              for key, meta in layouts.items()}
+    _require_checkpoint_on_every_rank(directory, sorted(layouts), process_group)
     planner = _CheckedLoadPlanner(problems, layouts, str(directory))
     _run_dcp(f"loading {sorted(layouts)} from {directory}", process_group,
              lambda group, no_dist: dcp.load(state, storage_reader=dcp.FileSystemReader(directory),
@@ -223,12 +224,34 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     return shards
 
 
+def _single_process(process_group: dist.ProcessGroup | None) -> bool:
+    """True when torch.distributed is not initialized: DCP then runs in this process alone."""
+    single = not (dist.is_available() and dist.is_initialized())
+    if single and process_group is not None:
+        raise ValueError("process_group was given but torch.distributed is not initialized")
+    return single
+
+
+def _require_checkpoint_on_every_rank(directory: str, keys: list[str],
+                                      process_group: dist.ProcessGroup | None) -> None:
+    """Raise on every rank, naming the ranks, unless every rank sees the checkpoint's `.metadata`."""
+    missing = not os.path.isfile(os.path.join(directory, ".metadata"))
+    if _single_process(process_group):
+        flags = [missing]
+    else:
+        flags = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(flags, missing, group=process_group)
+    ranks = [rank for rank, flag in enumerate(flags) if flag]
+    if ranks:
+        reason = FileNotFoundError(f"path {directory} is not a DCP checkpoint (no .metadata file)")
+        raise CheckpointError(f"loading {keys} from {directory} failed on ranks {ranks}: "
+                              f"{_describe(reason)}", {rank: reason for rank in ranks})
+
+
 def _run_dcp(what: str, process_group: dist.ProcessGroup | None,
              call: Callable[[dist.ProcessGroup | None, bool], None]) -> None:
     """Run a DCP call on `process_group` (single-process when torch.distributed is not initialized)."""
-    no_dist = not (dist.is_available() and dist.is_initialized())
-    if no_dist and process_group is not None:
-        raise ValueError("process_group was given but torch.distributed is not initialized")
+    no_dist = _single_process(process_group)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to.*single process.*")

@@ -229,7 +229,7 @@ def _wait_for_signal() -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     while True:
-        time.sleep(3600)
+        time.sleep(0.2)  # short sleeps: a signal landing on a non-main thread is handled promptly
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:

@@ -183,7 +183,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         link.register(args.register_timeout)
         link.start()
-        stop.wait()
+        while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
+            pass
         log.info("rank %d stopping", rank)
     finally:
         _shutdown(link, running)
