@@ -80,6 +80,9 @@ def _serve(rank: int, world_size: int, port: int, commands: Any, results: Any) -
                 results.put((rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
+        results.close()
+        results.join_thread()
+        os._exit(0)  # skip the interpreter's slow teardown of torch; every answer is flushed above
 
 
 class World:
@@ -169,6 +172,11 @@ def _load_expecting_error(rank: int, path: str, key: str, meta: ShardedTensorMet
     except CheckpointError as exc:
         return type(exc.reason).__name__, str(exc)
     return "no error", ""
+
+
+def _load_seeing_path(rank: int, paths: dict[int, str], key: str, meta: ShardedTensorMetadata) -> tuple[str, str]:
+    """Like _load_expecting_error, but each rank sees its own path (a filesystem that is not shared)."""
+    return _load_expecting_error(rank, paths[rank], key, meta)
 
 
 def _save_expecting_error(rank: int, path: str, tables, spoil_rank: int) -> tuple[str, str]:
@@ -285,7 +293,12 @@ def test_failed_loads_and_saves_raise_on_every_rank_without_hanging(world3, tmp_
         assert kind == "ValueError" and "'emb' is (51, 12) in checkpoint" in message and "(51, 13)" in message
 
     for kind, message in world3.run(_load_expecting_error, str(tmp_path / "nowhere"), "emb", GRID).values():
-        assert kind != "no error" and "failed on ranks [0, 1, 2]" in message
+        assert kind == "FileNotFoundError" and "failed on ranks [0, 1, 2]" in message
+        assert "nowhere is not a DCP checkpoint" in message
+
+    paths = {0: path, 1: str(tmp_path / "not_shared"), 2: path}
+    for kind, message in world3.run(_load_seeing_path, paths, "emb", GRID).values():
+        assert kind == "FileNotFoundError" and "failed on ranks [1]" in message
 
     answers = world3.run(_save_expecting_error, str(tmp_path / "spoilt"), {"emb": (GRID, 8, torch.float32)}, 1)
     for kind, message in answers.values():
