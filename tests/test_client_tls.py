@@ -1,0 +1,51 @@
+"""connect() over mutual TLS plus a token, against a real 1-rank cluster started with certificates."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from client import AuthenticationError, RankUnavailableError, connect
+from server.auth import TlsFiles
+
+pytestmark = pytest.mark.timeout(300)
+TOKEN = "tls-token"
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory) -> TlsFiles:
+    """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed")
+    d = tmp_path_factory.mktemp("client-tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(make_cluster, tls_files):
+    return make_cluster(ranks=1, tls=tls_files, token=TOKEN)
+
+
+def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):
+    source = torch.randn(300, 700)  # ~840 KB: several chunks each way
+    with connect(tls_cluster.address, token=TOKEN, tls_ca=tls_files.ca, tls_cert=tls_files.cert,
+                 tls_key=tls_files.key, timeout=30) as cluster:
+        remote = cluster.put("secret", source)
+        assert torch.equal(remote.full_tensor(), source)
+        assert torch.equal(remote[-5:, 3], source[-5:, 3])
+
+
+def test_tls_without_client_certificate_or_token_is_refused(tls_cluster, tls_files):
+    with pytest.raises(RankUnavailableError):  # the handshake fails: mTLS wants a client certificate
+        connect(tls_cluster.address, token=TOKEN, tls_ca=tls_files.ca, timeout=10)
+    with pytest.raises(RankUnavailableError):  # plaintext to a TLS port
+        connect(tls_cluster.address, token=TOKEN, timeout=10)
+    with pytest.raises(AuthenticationError):
+        connect(tls_cluster.address, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key,
+                timeout=10)
