@@ -11,6 +11,9 @@ from shardcore.metadata import (Box, RemoteDevice, ShardedTensorMetadata, ShardM
 from shardcore.planner import Bucket, RankPlan, ReshardPlan, Transfer, plan_reshard, split_box
 from shardcore.executor import apply_plan, copy_box, pack_bucket, unpack_bucket
 from shardcore.routing import RowIndex, RowRoute, route_rows, unique_ids
+from shardcore.embedding import (OOV_POLICIES, POOLING_MODES, PartialBags, accumulation_dtype, bag_of_ids,
+                                 bag_subset, combine_partials, dedup_ids, lookup_rows, partial_pool,
+                                 pool_bags, restore_order, validate_ids)
 from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local_view,
                                relative_box, shards_for_box)
 from shardcore.validation import LayoutError, LayoutReport, validate_metadata
