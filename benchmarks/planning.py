@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import time
 from bisect import bisect_right
 from typing import Callable
