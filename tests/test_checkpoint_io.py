@@ -325,3 +325,15 @@ def test_single_process_round_trip_and_argument_errors(tmp_path):
         save_shards(tmp_path / "dtype", "emb", meta, {0: torch.zeros(20, 12, dtype=torch.float64)})
     with pytest.raises(CheckpointError, match=r"local_shards\[7\] of 'emb': index is not a shard"):
         save_shards(tmp_path / "index", "emb", meta, {7: torch.zeros(1)})
+
+
+def test_single_process_replicas_on_one_rank_subset_of_keys_and_nested_checkpoints(tmp_path):
+    """A layout holding one box twice on a rank fills both; a nested state dict's keys are its DCP FQNs."""
+    full, other = make_table(10), make_table(11, (4, 3))
+    dcp.save({"model": {"emb.weight": full, "other": other}}, checkpoint_id=str(tmp_path), no_dist=True)
+    assert checkpoint_tensors(tmp_path) == {"model.emb.weight": (SIZE, torch.float32),
+                                            "model.other": ((4, 3), torch.float32)}
+    twice = layout(SIZE, [(0, 51, 0, 6, 0), (0, 51, 0, 6, 0), (0, 51, 6, 6, 0)])
+    loaded = load_shards(tmp_path, "model.emb.weight", twice, 0)
+    assert_same_shards(loaded, expected_shards(full, twice, 0))
+    assert loaded[0].data_ptr() != loaded[1].data_ptr()
