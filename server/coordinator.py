@@ -65,6 +65,8 @@ class Coordinator:
         self._name_locks: dict[str, threading.Lock] = {}
         self._name_locks_guard = threading.Lock()
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
+        # background work that takes name locks gets its own pool, so it never starves the fan-out
+        self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
         self._monitor.start()
@@ -86,7 +88,7 @@ class Coordinator:
         log.info("rank %d registered: %s device %s pid %d on %s", info.rank, info.address, info.device,
                  info.pid, info.hostname)
         held_pairs = {(h.name, h.version) for h in held}
-        self._pool.submit(self._reconcile, info.rank, held_pairs)
+        self._background.submit(self._reconcile, info.rank, held_pairs)
         return self.heartbeat_interval
 
     def heartbeat(self, rank: int, memory_used: int) -> None:
@@ -351,6 +353,7 @@ class Coordinator:
         """Stop the monitor, the fan-out pool and the rank channels; close the catalog."""
         self._stop.set()
         self._monitor.join(timeout=5)
+        self._background.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._ranks_changed:
             for entry in self._ranks.values():
