@@ -16,7 +16,7 @@ import torch
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.info import RankStatus, TensorSummary
 from client.remote_tensor import RemoteShardedTensor
-from client.transport import CHUNK_BYTES, Credentials, Transport, check_address
+from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
 from shardcore.interop import as_spec
@@ -182,8 +182,8 @@ class Cluster:
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
             raise InvalidArgumentError(f"tensor has layout {tensor.layout}; only dense (strided) tensors are served")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-            raise InvalidArgumentError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgumentError(f"chunk_bytes must be an int in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         try:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:

@@ -16,14 +16,17 @@ import grpc
 import numpy as np
 import torch
 
+from client.chunk_codec import decode_chunk, encode_write_chunk
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fields
 # Data calls get the control deadline plus time for their bytes at this pessimistic rate.
 _SLOWEST_BYTES_PER_S = 20e6
+_SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -139,19 +142,19 @@ class Transport:
         """Stream one ReadRegion into `dest`, a flat uint8 tensor exactly the part's size."""
         expected = dest.numel()
         target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
-        call = self.shard_server(address).ReadRegion(
-            request, timeout=self.data_timeout(expected), metadata=self._metadata)
+        read = self.channel(address).unary_stream(
+            f"{_SHARD_SERVICE}/ReadRegion", request_serializer=pb.ReadRegionRequest.SerializeToString,
+            response_deserializer=decode_chunk)  # chunks as memoryviews of the received messages
+        call = read(request, timeout=self.data_timeout(expected), metadata=self._metadata)
         received = 0
         try:
-            for chunk in call:
-                data = chunk.data
-                end = chunk.offset + len(data)
-                if chunk.offset < 0 or end > expected:
+            for offset, data in call:
+                end = offset + len(data)
+                if offset < 0 or end > expected:
                     raise ShardServeError(
-                        f"rank at {address} sent a chunk at bytes [{chunk.offset}, {end}) of a "
-                        f"{expected}-byte region")
-                if data:
-                    target[chunk.offset:end] = np.frombuffer(data, dtype=np.uint8)
+                        f"rank at {address} sent a chunk at bytes [{offset}, {end}) of a {expected}-byte region")
+                if len(data):
+                    target[offset:end] = np.frombuffer(data, dtype=np.uint8)
                 received += len(data)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"rank at {address}") from None
@@ -163,14 +166,15 @@ class Transport:
     def write_shard(self, address: str, header: pb.WriteShardHeader, data: memoryview,
                     chunk_bytes: int = CHUNK_BYTES) -> int:
         """Stream one whole shard (`data`, its C-contiguous bytes) to its owner; returns bytes written."""
-        def requests() -> Iterator[pb.WriteShardRequest]:
-            yield pb.WriteShardRequest(header=header)
+        def requests() -> Iterator[bytes]:
+            yield pb.WriteShardRequest(header=header).SerializeToString()
             for start in range(0, len(data), chunk_bytes):
-                piece = data[start:start + chunk_bytes]
-                yield pb.WriteShardRequest(chunk=pb.TensorChunk(offset=start, data=piece.tobytes()))
+                yield encode_write_chunk(start, data[start:start + chunk_bytes])
 
-        reply = self.unary(self.shard_server(address).WriteShard, requests(), f"rank at {address}",
-                           timeout=self.data_timeout(len(data)))
+        write = self.channel(address).stream_unary(
+            f"{_SHARD_SERVICE}/WriteShard", request_serializer=None,  # requests come serialized
+            response_deserializer=pb.WriteShardResponse.FromString)
+        reply = self.unary(write, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
         return reply.bytes_written
 
     def run_all(self, jobs: Sequence) -> list:

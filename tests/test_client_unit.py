@@ -162,3 +162,29 @@ def test_cli_expected_errors_are_one_line_without_traceback():
     done = subprocess.run([sys.executable, "-m", "client", "create", "x", "--shape", "4,a"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--shape" in done.stderr and "Traceback" not in done.stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(offset=st.one_of(st.integers(-2**63, 2**63 - 1), st.integers(0, 2**20)), data=st.binary(max_size=600))
+def test_chunk_codec_agrees_with_protobuf(offset, data):
+    from client.chunk_codec import decode_chunk, encode_write_chunk
+    from protos import shardserve_pb2 as pb
+    encoded = encode_write_chunk(offset, memoryview(data))
+    assert encoded == pb.WriteShardRequest(chunk=pb.TensorChunk(offset=offset, data=data)).SerializeToString()
+    decoded = decode_chunk(pb.TensorChunk(offset=offset, data=data).SerializeToString())
+    assert decoded.offset == offset and bytes(decoded.data) == data
+
+
+def test_chunk_decoder_skips_unknown_fields_and_rejects_truncation():
+    from client.chunk_codec import decode_chunk
+    from protos import shardserve_pb2 as pb
+    message = pb.TensorChunk(offset=7, data=b"abc").SerializeToString()
+    unknown = bytes([(9 << 3) | 0, 5, (10 << 3) | 2, 2, 1, 2, (11 << 3) | 5, 0, 0, 0, 0, (12 << 3) | 1]) + bytes(8)
+    decoded = decode_chunk(unknown + message)
+    assert decoded.offset == 7 and bytes(decoded.data) == b"abc"
+    for cut in range(1, len(message)):
+        try:
+            partial = decode_chunk(message[:cut])
+        except ValueError:
+            continue
+        assert bytes(partial.data) != b"abc"
