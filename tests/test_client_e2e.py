@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.distributed._shard import sharding_spec as torch_specs
 
-from client import (InvalidArgumentError, RemoteShardedTensor, StaleVersionError, TensorExistsError,
+from client import (RemoteShardedTensor, StaleVersionError, TensorExistsError,
                     TensorNotFoundError, connect)
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
