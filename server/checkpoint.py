@@ -208,9 +208,10 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     """
     directory = _checkpoint_dir(path, must_exist=False)
     _check_layouts(layouts, require_coverage=False)
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
     problems: list[str] = []
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        problems.append(f"rank must be a non-negative int, got {rank!r}")
+        rank = -1  # holds no shards; the problem is raised on every rank inside DCP's planning step
     shards = {key: _allocate(key, meta, rank, problems) for key, meta in layouts.items()}
     state = {key: _LocalShards(meta, [meta.shards_metadata[i].box for i in _non_empty(shards[key], meta)],
                                [shards[key][i] for i in _non_empty(shards[key], meta)],

@@ -315,7 +315,7 @@ def test_single_process_round_trip_and_argument_errors(tmp_path):
     assert_same_shards(load_shards(tmp_path, "emb", GRID, 0), expected_shards(full, GRID, 0))
     with pytest.raises(FileNotFoundError, match="is not a DCP checkpoint"):
         checkpoint_tensors(tmp_path / "nowhere")
-    with pytest.raises(ValueError, match="rank must be a non-negative int"):
+    with pytest.raises(CheckpointError, match="rank must be a non-negative int"):
         load_shards(tmp_path, "emb", GRID, -1)
     with pytest.raises(TypeError, match="layout of 'emb' must be a ShardedTensorMetadata"):
         load_shards(tmp_path, "emb", "rows", 0)
