@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch.distributed._shard import sharding_spec as torch_specs
 
-from client import (RemoteShardedTensor, StaleVersionError, TensorExistsError,
+from client import (RankUnavailableError, RemoteShardedTensor, StaleVersionError, TensorExistsError,
                     TensorNotFoundError, connect)
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
@@ -244,3 +247,35 @@ def test_256_mib_round_trip(cl):
     assert remote.nbytes == 256 << 20
     assert_same(remote.full_tensor(), source)
     cl.delete("big")
+
+
+def test_reads_from_many_threads_at_once(layouts):
+    source, remote = layouts["grid-2d"]
+    rng = random.Random(5)
+    boxes = [random_box(source.shape, rng) for _ in range(64)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda box: remote.fetch(*box), boxes))
+    for (offsets, sizes), got in zip(boxes, results):
+        assert_same(got, source[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))])
+
+
+def test_proxy_of_a_deleted_tensor_raises_key_error(cl):
+    remote = cl.put("gone", torch.ones(6, 2))
+    cl.delete("gone")
+    with pytest.raises(TensorNotFoundError, match="gone"):
+        remote.full_tensor()
+
+
+def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, layouts):
+    """Last test of the module: it kills rank 2 of the shared cluster."""
+    source, remote = layouts["chunk-dim0-uneven"]  # rows 0-3 on rank 0, 4-7 on rank 1, 8-9 on rank 2
+    cluster3.kill_rank(2, signal.SIGKILL)
+    with pytest.raises(RankUnavailableError, match="rank"):
+        remote[8:10]
+    with pytest.raises(ConnectionError):
+        remote.full_tensor()
+    assert_same(remote[0:8], source[0:8])
+    deadline = time.monotonic() + 30
+    while cl.ranks()[2].alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [r.alive for r in cl.ranks()] == [True, True, False]
