@@ -7,7 +7,7 @@ the whole read, so a result never mixes two versions.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -34,9 +34,9 @@ _RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
 class RemoteShard:
     """One shard of a remote tensor at one version: its metadata and a way to fetch it."""
 
-    tensor: "RemoteShardedTensor"
+    tensor: "RemoteShardedTensor" = field(repr=False)
     index: int
-    summary: TensorSummary
+    summary: TensorSummary = field(repr=False)
 
     @property
     def metadata(self) -> ShardMetadata:
@@ -50,10 +50,15 @@ class RemoteShard:
     def rank(self) -> int:
         return self.metadata.rank
 
+    def __repr__(self) -> str:
+        return (f"RemoteShard(name={self.summary.name!r}, version={self.version}, index={self.index}, "
+                f"offsets={self.metadata.shard_offsets}, sizes={self.metadata.shard_sizes}, "
+                f"placement='{self.metadata.placement}')")
+
     def fetch(self) -> torch.Tensor:
         """The whole shard, read from its own rank (raises StaleVersionError once the version is gone)."""
         box = self.metadata.box
-        out = torch.empty(box.sizes, dtype=self.tensor.dtype)
+        out = torch.empty(box.sizes, dtype=self.summary.metadata.dtype)
         self.tensor._read_parts(self.summary, [(self.index, box)], box, out)
         return out
 
