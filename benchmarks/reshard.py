@@ -150,6 +150,7 @@ def check_columns(out: torch.Tensor, n: int, world: int) -> bool:
 def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(intra_op_threads(world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
     from server.redistribute import CollectiveExecutor
@@ -174,6 +175,11 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
         results.put({"world": world, "n": n, "rows": rows_out})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def intra_op_threads(world: int) -> int:
+    """Cores per rank: ranks sharing a host must not oversubscribe it with intra-op threads."""
+    return max(1, (os.cpu_count() or 1) // world)
 
 
 def run_method(name: str, make, n: int, world: int, repeats: int) -> dict:
@@ -213,11 +219,12 @@ def run_world(world: int, args: dict) -> dict:
                 p.kill()
 
 
-def table(runs: list[dict], size_mib: float) -> None:
+def table(runs: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1")
+    out = Table(title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1, {os.cpu_count()} cores, "
+                      f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     for column in ("ranks", "tensor", "method", "seconds", "GB/s", "x bare", "correct", "note"):
         out.add_column(column, justify="right" if column in ("seconds", "GB/s", "x bare") else "left")
     for run in runs:
@@ -228,7 +235,7 @@ def table(runs: list[dict], size_mib: float) -> None:
             out.add_row(str(run["world"]), f"{run['n']}x{run['n']} ({nbytes / (1 << 20):.0f} MiB)", r["method"],
                         "-" if s is None else f"{s:.3f}", "-" if s is None else f"{nbytes / s / 1e9:.2f}",
                         "-" if s is None else f"{s / bare:.2f}", "yes" if r["ok"] else "no", r["note"])
-    Console().print(out)
+    Console(width=160).print(out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -247,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         if square_side(ns.size_mib) % world:
             parser.error(f"--ranks {world} does not divide the tensor side {square_side(ns.size_mib)}")
         runs.append(run_world(world, args))
-    table(runs, ns.size_mib)
+    table(runs)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": args, "runs": runs}, f, indent=2)

@@ -97,12 +97,35 @@ class ReshardStats:
     staging_bytes: int = 0
     peak_staging_bytes: int = 0
 
-    def _stage(self, nbytes: int) -> None:
-        self.staging_bytes += nbytes
-        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
 
-    def _unstage(self, nbytes: int) -> None:
-        self.staging_bytes -= nbytes
+
+class _StagingPool:
+    """Staging buffers of one capacity, reused round after round so no round faults in fresh pages."""
+
+    def __init__(self, capacity: int, stats: ReshardStats) -> None:
+        self._capacity = capacity
+        self._stats = stats
+        self._free: dict[torch.device, list[torch.Tensor]] = {}
+
+    def take(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pooled buffer, its first nbytes as the bucket's flat buffer)."""
+        free = self._free.setdefault(device, [])
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(self._capacity, dtype=torch.uint8, device=device)
+            self._stats.staging_bytes += self._capacity
+            self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self._stats.staging_bytes)
+        return buffer, buffer[:nbytes]
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        for buffer in buffers:
+            self._free[buffer.device].append(buffer)
+
+    def close(self) -> None:
+        """Drop every pooled buffer: run_reshard holds no staging memory once it returns."""
+        self._stats.staging_bytes = 0
+        self._free.clear()
 
 
 def process_group_backend() -> str:
@@ -246,7 +269,7 @@ class _Posted:
     round: int
     waits: list[tuple[cf.Future, int, str]]
     receives: list[tuple[Bucket, torch.Tensor | None]]
-    staged: int
+    staged: list[torch.Tensor]
 
 
 def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Tensor], timeout_s: float,
@@ -349,48 +372,54 @@ def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_sha
     waiters = cf.ThreadPoolExecutor(max_workers=max(1, ops_per_round * max_in_flight),
                                     thread_name_prefix="shardserve-reshard-wait")
     posted: deque[_Posted] = deque()
+    pool = _StagingPool(max(bucket.nbytes for round_ in rounds for _, bucket in round_), stats)
     try:
         for k, round_ in enumerate(rounds):
             if len(posted) == max_in_flight:
                 if k == max_in_flight:
                     copy_local()
-                _finish(posted.popleft(), posted, out, deadline, stats)
-            posted.append(_post(plan, k, round_, src_shards, out, group, waiters, deadline, stats))
+                _finish(posted.popleft(), posted, out, deadline, pool)
+            posted.append(_post(plan, k, round_, src_shards, out, group, waiters, deadline, stats, pool))
         if len(rounds) <= max_in_flight:
             copy_local()
         while posted:
-            _finish(posted.popleft(), posted, out, deadline, stats)
+            _finish(posted.popleft(), posted, out, deadline, pool)
     finally:
         waiters.shutdown(wait=False, cancel_futures=True)
+        pool.close()
 
 
 def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
           out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, waiters: cf.ThreadPoolExecutor,
-          deadline: float, stats: ReshardStats) -> _Posted:
+          deadline: float, stats: ReshardStats, pool: _StagingPool) -> _Posted:
     """Pack this round's send buckets, post all its sends and receives, start bounded waits on them."""
     ops: list[tuple[dist.P2POp, int, str]] = []
     receives: list[tuple[Bucket, torch.Tensor | None]] = []
-    staged = 0
+    staged: list[torch.Tensor] = []
     for kind, bucket in round_:
         if kind == "send":
-            wire, copied = _send_buffer(plan, bucket, src_shards)
+            wire = _direct_view(plan, bucket, src_shards, "src")
+            copied = wire is None
+            if copied:
+                buffer, wire = pool.take(bucket.nbytes, _local_device(plan, bucket, "src"))
+                staged.append(buffer)
+                pack_bucket(bucket, src_shards, out=wire)
             peer = bucket.dst_rank
             ops.append((dist.P2POp(dist.isend, wire, peer, group, k), peer, "send to"))
             stats.sent_bytes += bucket.nbytes
             stats.buckets_sent += 1
         else:
-            direct = _direct_view(plan, bucket, out, "dst")
-            copied = direct is None
-            wire = _wire_buffer(plan, bucket) if copied else direct
+            wire = _direct_view(plan, bucket, out, "dst")
+            copied = wire is None
+            if copied:
+                buffer, wire = pool.take(bucket.nbytes, _local_device(plan, bucket, "dst"))
+                staged.append(buffer)
             peer = bucket.src_rank
             ops.append((dist.P2POp(dist.irecv, wire, peer, group, k), peer, "receive from"))
             receives.append((bucket, wire if copied else None))
             stats.received_bytes += bucket.nbytes
             stats.buckets_received += 1
-        if copied:
-            staged += bucket.nbytes
-            stats._stage(bucket.nbytes)
-        else:
+        if not copied:
             stats.zero_copy_buckets += 1
     waits = []
     for device_type in ("cpu", "cuda"):
@@ -408,7 +437,7 @@ def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shard
 
 
 def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], deadline: float,
-            stats: ReshardStats) -> None:
+            pool: _StagingPool) -> None:
     """Wait for one round (failing fast on any failed op of any posted round), then unpack it."""
     mine = {future for future, _, _ in done.waits}
     watched = {future: (peer, what) for future, peer, what in done.waits}
@@ -430,7 +459,7 @@ def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], 
     for bucket, wire in done.receives:
         if wire is not None:
             unpack_bucket(bucket, wire, out)
-    stats._unstage(done.staged)
+    pool.give_back(done.staged)
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -471,20 +500,6 @@ def _local_device(plan: ReshardPlan, bucket: Bucket, side: str) -> torch.device:
     if side == "src":
         return plan.src.shards_metadata[first.src_shard].device
     return plan.dst.shards_metadata[first.dst_shard].device
-
-
-def _wire_buffer(plan: ReshardPlan, bucket: Bucket) -> torch.Tensor:
-    return torch.empty(bucket.nbytes, dtype=torch.uint8, device=_local_device(plan, bucket, "dst"))
-
-
-def _send_buffer(plan: ReshardPlan, bucket: Bucket,
-                 src_shards: Mapping[int, torch.Tensor]) -> tuple[torch.Tensor, bool]:
-    """The bytes to send for a bucket, and whether they were copied into a staging buffer."""
-    direct = _direct_view(plan, bucket, src_shards, "src")
-    if direct is not None:
-        return direct, False
-    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=_local_device(plan, bucket, "src"))
-    return pack_bucket(bucket, src_shards, out=buffer), True
 
 
 def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.Tensor],
