@@ -176,13 +176,15 @@ def partial_pool(rows: torch.Tensor, offsets: torch.Tensor | Sequence[int],
 
 
 def combine_partials(partials: Sequence[PartialBags], mode: str = "mean",
-                     dtype: torch.dtype | None = None) -> torch.Tensor:
+                     dtype: torch.dtype | None = None,
+                     expected_counts: torch.Tensor | None = None) -> torch.Tensor:
     """Pooled bags from the shards' partials: sums added per column range, ranges concatenated.
 
     Every column range must be covered by partials whose counts add up to the
-    same per-bag totals (each id pooled exactly once per column range);
-    "mean" divides by that total, empty bags give zeros. `dtype` is the
-    table's dtype (default: the partials').
+    same per-bag totals (each id pooled exactly once per column range), and
+    to `expected_counts` (the request's bag sizes) when given, which catches
+    a missing shard answer; "mean" divides by that total, empty bags give
+    zeros. `dtype` is the table's dtype (default: the partials').
     """
     _check_mode(mode, None)
     if not partials:
@@ -203,10 +205,23 @@ def combine_partials(partials: Sequence[PartialBags], mode: str = "mean",
                              f"counts than the first column range: each id must be pooled once per range")
         counts = group_counts
         blocks.append(total)
+    if expected_counts is not None:
+        _check_counts(counts, _as_index_tensor(expected_counts, "expected_counts"))
     pooled = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)).to(dtype)
     if mode == "mean":
         pooled = pooled / counts.clamp(min=1).to(dtype).unsqueeze(1)
     return pooled
+
+
+def _check_counts(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Raise unless the partials pooled exactly the request's number of ids into every bag."""
+    if expected.shape != counts.shape:
+        raise ValueError(f"expected_counts has {expected.numel()} bags but the partials have {counts.numel()}")
+    wrong = (counts != expected).nonzero()
+    if wrong.numel():
+        bag = int(wrong[0, 0])
+        raise ValueError(f"partials pooled {int(counts[bag])} ids into bag {bag} but expected_counts says "
+                         f"{int(expected[bag])}: a shard's partial is missing or repeated")
 
 
 def _column_groups(partials: Sequence[PartialBags]) -> list[tuple[int, list[PartialBags]]]:

@@ -246,7 +246,8 @@ def pool_on_shards(table: torch.Tensor, meta, ids: torch.Tensor, offsets: torch.
         for c0, width in sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in meta.shards_metadata
                                  if s.shard_sizes[1]}):
             partials.append(partial_pool(table.new_empty(0, width), torch.zeros_like(offsets), col_offset=c0))
-    return combine_partials(partials, mode, table.dtype)
+    bag_sizes = torch.diff(offsets, append=torch.tensor([ids.numel()]))
+    return combine_partials(partials, mode, table.dtype, expected_counts=bag_sizes)
 
 
 def error_bound(table, ids, offsets, weights, mode) -> torch.Tensor:
@@ -351,3 +352,7 @@ def test_combine_partials_errors():
         combine_partials([(torch.zeros(2, 3), torch.tensor([1, 1]))], "sum")
     with pytest.raises(ValueError, match="mode must be one of"):
         combine_partials([a], "max")
+    with pytest.raises(ValueError, match="pooled 1 ids into bag 1 but expected_counts says 3: a shard's partial"):
+        combine_partials([a], "sum", expected_counts=torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="expected_counts has 3 bags but the partials have 2"):
+        combine_partials([a], "sum", expected_counts=torch.tensor([1, 1, 1]))
