@@ -26,7 +26,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
 from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
-from server.shard_server import ShardServerServicer
+from server.shard_server import ShardServerServicer, add_shard_server
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -192,8 +192,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _add_shard_server(server: grpc.Server, store: ShardStore) -> list[str]:
-    pb_grpc.add_ShardServerServicer_to_server(ShardServerServicer(store), server)
-    return [pb.DESCRIPTOR.services_by_name["ShardServer"].full_name]
+    return [add_shard_server(server, ShardServerServicer(store))]
 
 
 def _shutdown(link: CoordinatorLink, running: RunningServer) -> None:

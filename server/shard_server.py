@@ -8,6 +8,7 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
+from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
 from server.requests import check_name, check_version, parse_dtype, parse_metadata
 from server.store import ShardStore
@@ -71,14 +72,14 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
 
     @rpc_errors
     def ReadRegion(self, request: pb.ReadRegionRequest,
-                   context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+                   context: grpc.ServicerContext) -> Iterator[RawChunk]:
         name = check_name(request.name)
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
         with self.store.read(name, check_version(request.version, allow_zero=True), request.shard_index,
                              tuple(request.offsets), tuple(request.sizes)) as box:
             data = tensor_bytes(box)  # zero-copy when the box is contiguous in the shard
             for offset in range(0, len(data), chunk_bytes):
-                yield pb.TensorChunk(offset=offset, data=bytes(data[offset:offset + chunk_bytes]))
+                yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
 
     def _chunk_bytes(self, requested: int) -> int:
         if requested < 0:
@@ -91,3 +92,30 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             rank=self.store.rank, memory_used_bytes=self.store.memory_used,
             memory_limit_bytes=self.store.memory_limit,
             held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()])
+
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
+
+
+def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
+    """Register the ShardServer service, with the bulk messages going through chunk_codec; return its name."""
+    def unary(method, request_type, response_type):  # type: ignore[no-untyped-def]
+        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request_type.FromString,
+                                                   response_serializer=response_type.SerializeToString)
+    handlers = {
+        "AllocateShards": unary(servicer.AllocateShards, pb.AllocateShardsRequest, pb.AllocateShardsResponse),
+        "PromoteVersion": unary(servicer.PromoteVersion, pb.PromoteVersionRequest, pb.PromoteVersionResponse),
+        "DropVersion": unary(servicer.DropVersion, pb.DropVersionRequest, pb.DropVersionResponse),
+        "GetStats": unary(servicer.GetStats, pb.GetStatsRequest, pb.GetStatsResponse),
+        "WriteShard": grpc.stream_unary_rpc_method_handler(
+            servicer.WriteShard, request_deserializer=decode_write_request,
+            response_serializer=pb.WriteShardResponse.SerializeToString),
+        "ReadRegion": grpc.unary_stream_rpc_method_handler(
+            servicer.ReadRegion, request_deserializer=pb.ReadRegionRequest.FromString,
+            response_serializer=encode_chunk),
+    }
+    missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
+    if missing:
+        raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return SERVICE_NAME
