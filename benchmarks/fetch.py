@@ -1,26 +1,73 @@
-"""Fetch throughput of a 64 MiB box over gRPC from a local 2-rank cluster.
+"""Scenario "fetch": RemoteShardedTensor.fetch of 1, 64 and 256 MiB boxes from a 2-rank LocalCluster.
 
-Prints a table and one JSON line: GB/s of RemoteShardedTensor.fetch for a box
-inside one shard and a box split across both ranks, as a ratio to an
-in-process memcpy of the same bytes (the baseline, measured in this process).
+Per box size, in the same run and on the same values: shardserve's fetch of
+a box inside one shard and of a box straddling both ranks, for every
+transport path `client.connect(..., transport=...)` offers (only gRPC until
+it grows that parameter), against three baselines (benchmarks.baselines): a
+raw TCP socket into a preallocated tensor (the reference of `ratio`),
+torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
+memcpy. Every method's result is checked against the source (`ok`), and each
+row reports the peak RSS of the server processes it used.
 
-    .venv/bin/python -m benchmarks.fetch [--ranks 2] [--mib 64] [--repeat 5]
+    python -m benchmarks.fetch [--quick] [--json FILE]   (same as python -m benchmarks --only fetch)
 """
 from __future__ import annotations
 
-import argparse
-import json
+import inspect
+import os
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from typing import Callable
 
 import torch
 
-from client import connect
-from server.launcher import LocalCluster
+from benchmarks.baselines import RpcServer, SocketServer, memcpy, source_tensor
+from benchmarks.harness import Context, Row, scenario
 
+GROUP = "fetch"
 COLUMNS = 4096  # float32 columns: one row is 16 KiB
+SIZES_MIB = (1, 64, 256)
+QUICK_SIZES_MIB = (1,)
+RANKS = 2
+START_TIMEOUT_S = 180.0
+CALL_TIMEOUT_S = 120.0
+SOCKET = "raw TCP socket"
+RPC = "torch.distributed.rpc"
+MEMCPY = "memcpy"
+
+
+def transport_paths() -> tuple[str, ...]:
+    """The transport paths `client.connect` can be asked for: just gRPC until it takes `transport=`."""
+    from client import connect
+
+    if "transport" in inspect.signature(connect).parameters:
+        return ("grpc", "shm")
+    return ("grpc",)
+
+
+def connect_to(address: str, path: str):
+    """A client connection forced onto `path` (plain `connect` when the client has no transport choice)."""
+    from client import connect
+
+    if "transport" in inspect.signature(connect).parameters:
+        return connect(address, timeout=CALL_TIMEOUT_S, transport=path)
+    if path != "grpc":
+        raise ValueError(f"connect() has no transport parameter; cannot use path {path!r}")
+    return connect(address, timeout=CALL_TIMEOUT_S)
+
+
+def path_that_ran(remote: object, requested: str) -> str:
+    """The path the client reports for its last read (`last_transport`), else the one requested."""
+    return getattr(remote, "last_transport", None) or requested
+
+
+def repeats_for(nbytes: int, quick: bool) -> int:
+    """Timed calls per method: more for small boxes, at least 3."""
+    count = max(3, min(30, (512 << 20) // max(nbytes, 1)))
+    return min(count, 3) if quick else count
 
 
 def median_seconds(run: Callable[[], object], repeat: int) -> float:
@@ -34,42 +81,83 @@ def median_seconds(run: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, default=2, help="shard servers (default 2)")
-    parser.add_argument("--mib", type=int, default=64, help="box size in MiB (default 64)")
-    parser.add_argument("--repeat", type=int, default=5, help="timed fetches per case (default 5)")
-    args = parser.parse_args()
-    box_rows = (args.mib << 20) // (COLUMNS * 4)
-    rows = box_rows * args.ranks  # each rank holds one box worth of rows
-    source = torch.randn(rows, COLUMNS)
-    nbytes = box_rows * COLUMNS * 4
-    with tempfile.TemporaryDirectory() as state:
-        cluster = LocalCluster(ranks=args.ranks, state_dir=state)
-        cluster.start(timeout=120)
-        try:
-            with connect(cluster.address, timeout=120) as cl:
-                remote = cl.put("bench", source)
-                out = torch.empty(box_rows, COLUMNS)
-                half = box_rows // 2
-                cases = {
-                    "memcpy (baseline)": lambda: out.copy_(source[:box_rows]),
-                    "fetch, one shard": lambda: remote.fetch((0, 0), (box_rows, COLUMNS), out=out),
-                    "fetch, two shards": lambda: remote.fetch((half, 0), (box_rows, COLUMNS), out=out),
-                }
-                seconds = {name: median_seconds(run, args.repeat) for name, run in cases.items()}
-                assert torch.equal(remote.fetch((half, 0), (box_rows, COLUMNS)), source[half:half + box_rows])
-        finally:
-            cluster.stop()
-    baseline = nbytes / seconds["memcpy (baseline)"]
-    print(f"{'case':<20} {'MiB':>6} {'seconds':>9} {'GB/s':>8} {'vs memcpy':>10}")
-    results = {}
-    for name, s in seconds.items():
-        rate = nbytes / s
-        results[name] = {"mib": args.mib, "seconds": s, "gb_per_s": rate / 1e9, "ratio": rate / baseline}
-        print(f"{name:<20} {args.mib:>6} {s:>9.4f} {rate / 1e9:>8.3f} {rate / baseline:>10.4f}")
-    print(json.dumps({"benchmark": "fetch", "ranks": args.ranks, "repeat": args.repeat, "results": results}))
+def measure(ctx: Context, pids: list[int], run: Callable[[], torch.Tensor], expected: torch.Tensor,
+            repeat: int) -> tuple[float, dict[str, int], bool]:
+    """(median seconds, peak RSS of `pids` meanwhile, whether the result equals `expected`)."""
+    with ctx.rss(pids) as peaks:
+        seconds = median_seconds(run, repeat)
+    return seconds, peaks, bool(torch.equal(run(), expected))
+
+
+def box_rows(mib: int) -> int:
+    return max(1, (mib << 20) // (COLUMNS * 4))
+
+
+@scenario("fetch", help="fetch of 1/64/256 MiB boxes from a 2-rank cluster vs raw socket, torch rpc, memcpy")
+def fetch_scenario(ctx: Context) -> list[Row]:
+    """Fetch boxes per transport path and per size, with the three baselines in the same run."""
+    from server.launcher import LocalCluster, free_port
+
+    sizes = QUICK_SIZES_MIB if ctx.quick else SIZES_MIB
+    shard_rows = box_rows(max(sizes))
+    source = source_tensor(RANKS * shard_rows, COLUMNS)
+    rows: list[Row] = []
+    with ExitStack() as stack:
+        sock = SocketServer(shard_rows, COLUMNS)
+        stack.callback(sock.close)
+        rpc = RpcServer(shard_rows, COLUMNS, free_port())
+        stack.callback(rpc.close)
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
+        cluster = LocalCluster(ranks=RANKS, state_dir=state, log_level="WARNING")
+        stack.callback(cluster.stop)
+        cluster.start(timeout=START_TIMEOUT_S)
+        for rank, pid in enumerate(cluster.rank_pids):
+            ctx.sampler.label(pid, f"rank {rank} server")
+        ctx.sampler.label(sock.pid, "socket server")
+        ctx.sampler.label(rpc.pid, "rpc server")
+        sock.connect()
+        rpc.connect()
+        remotes = {}
+        for path in transport_paths():
+            client = stack.enter_context(connect_to(cluster.address, path))
+            remotes[path] = client.tensor("bench") if remotes else client.put("bench", source)
+        for mib in sizes:
+            rows += fetch_rows(ctx, mib, source, shard_rows, remotes, cluster.rank_pids, sock, rpc)
+    return rows
+
+
+def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, remotes: dict, rank_pids: list[int],
+               sock: SocketServer, rpc: RpcServer) -> list[Row]:
+    """All methods for one box size; the box starts at row 0 (one shard) or straddles the two ranks."""
+    n = box_rows(mib)
+    nbytes = n * COLUMNS * 4
+    case = f"{mib} MiB"
+    repeat = repeats_for(nbytes, ctx.quick)
+    out = torch.empty(n, COLUMNS)
+    leading = source[:n]
+    straddle = shard_rows - n // 2
+    rows = []
+    for path, remote in remotes.items():
+        for name, first in (("shardserve fetch, 1 shard", 0), ("shardserve fetch, 2 shards", straddle)):
+            seconds, peaks, ok = measure(
+                ctx, rank_pids, lambda: remote.fetch((first, 0), (n, COLUMNS), out=out), source[first:first + n],
+                repeat)
+            rows.append(Row(GROUP, case, name, seconds, path=path_that_ran(remote, path), nbytes=nbytes,
+                            baseline=SOCKET, peak_rss=peaks, ok=ok, extra={"repeat": repeat}))
+    for name, path, pids, run in ((SOCKET, "tcp", [sock.pid], lambda: sock.fetch(out)),
+                                  (RPC, "tensorpipe", [rpc.pid], lambda: rpc.fetch(out)),
+                                  (MEMCPY, "in-process", [os.getpid()], lambda: memcpy(out, leading))):
+        seconds, peaks, ok = measure(ctx, pids, run, leading, repeat)
+        rows.append(Row(GROUP, case, name, seconds, path=path, role="baseline", nbytes=nbytes, peak_rss=peaks,
+                        ok=ok, extra={"repeat": repeat}))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.__main__ import main as suite_main
+
+    return suite_main(["--only", "fetch", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""`python -m benchmarks [--quick] [--json FILE] [--plots DIR] [--only NAME...]`: the whole benchmark suite.
+
+Runs every registered scenario (see benchmarks.harness) with its baselines in
+the same run, prints machine info and a table of absolute figures and ratios
+per group, and optionally writes the JSON document and PNG plots. Exits 1 if
+a scenario failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from benchmarks.harness import document, load_scenarios, run_scenarios
+from benchmarks.machine import machine_info
+from benchmarks.report import print_report
+
+
+def parse_args(argv: list[str], names: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke test)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
+    parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario group into DIR")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=names,
+                        help=f"run only these scenarios (of: {', '.join(names)})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    registry = load_scenarios()
+    args = parse_args(argv, list(registry))
+    selected = args.only or list(registry)
+    machine = machine_info()
+    rows, reports = run_scenarios(selected, args.quick)
+    machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print_report(rows, reports, machine)
+    doc = document(rows, reports, args.quick, " ".join(["python -m benchmarks", *argv]), machine)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.plots:
+        from benchmarks.plots import write_plots
+
+        for path in write_plots(doc, Path(args.plots)):
+            print(f"wrote {path}")
+    return 0 if all(r["status"] == "ok" for r in reports) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Baselines for fetching bytes across processes: a raw TCP socket, torch.distributed.rpc, and memcpy.
+
+Each remote baseline runs its server in a spawned process holding
+`source_tensor(rows, cols)` (the same values the shardserve scenario serves),
+and its client here, in the caller's process:
+
+- `SocketServer`: the server `sendall`s the first N bytes of the tensor's
+  memoryview; `SocketServer.fetch(out)` `recv_into`s a preallocated tensor.
+- `RpcServer`: torch.distributed.rpc (TensorPipe, 127.0.0.1) with the tensor
+  held behind an RRef on the server, fetched as a slice the way torch's
+  ShardedTensor.remote_shards users did: `rpc_sync(owner, slice of rref)`.
+- `memcpy`: `out.copy_(src)` of the same bytes in this process.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import struct
+
+import torch
+
+REQUEST = struct.Struct("<q")  # bytes wanted; 0 ends the session
+START_TIMEOUT_S = 120.0
+IO_TIMEOUT_S = 120.0
+SERVER_NAME = "server"
+CLIENT_NAME = "client"
+
+
+def source_tensor(rows: int, cols: int) -> torch.Tensor:
+    """The benchmark tensor: float32 arange, cheap to make and the same in every process."""
+    return torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a C-contiguous CPU tensor as a writable memoryview (no copy)."""
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be C-contiguous")
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def memcpy(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """The in-process baseline: copy the same bytes."""
+    return out.copy_(src)
+
+
+def _loopback_env() -> None:
+    """Keep gloo and TensorPipe on the loopback interface."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["TP_SOCKET_IFNAME"] = "lo"
+
+
+# ---------------------------------------------------------------- raw TCP socket
+
+def _socket_server_main(rows: int, cols: int, ready: "mp.connection.Connection") -> None:
+    """Serve `source_tensor(rows, cols)`'s leading bytes to one client until it asks for 0 bytes."""
+    view = byte_view(source_tensor(rows, cols))
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(START_TIMEOUT_S)
+        ready.send(listener.getsockname()[1])
+        conn, _ = listener.accept()
+    with conn:
+        conn.settimeout(IO_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            header = _recv_exactly(conn, REQUEST.size)
+            (nbytes,) = REQUEST.unpack(header)
+            if nbytes <= 0:
+                return
+            conn.sendall(view[:nbytes])
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    data = bytearray(n)
+    _recv_into_all(conn, memoryview(data))
+    return bytes(data)
+
+
+def _recv_into_all(conn: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed after {got} of {len(view)} bytes")
+        got += n
+
+
+class SocketServer:
+    """A spawned raw-socket server of `source_tensor(rows, cols)` and this process's connection to it."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_socket_server_main, args=(rows, cols, child), daemon=True,
+                                   name="socket-baseline")
+        self.process.start()
+        child.close()
+        self._ready = parent
+        self._conn: socket.socket | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def connect(self) -> None:
+        """Wait for the server's port and connect (call after the server had time to start)."""
+        if not self._ready.poll(START_TIMEOUT_S):
+            raise TimeoutError(f"socket baseline server did not start within {START_TIMEOUT_S}s")
+        port = self._ready.recv()
+        self._conn = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT_S)
+        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def fetch(self, out: torch.Tensor) -> torch.Tensor:
+        """Receive the tensor's first out.nbytes bytes straight into `out`."""
+        if self._conn is None:
+            raise RuntimeError("connect() first")
+        view = byte_view(out)
+        self._conn.sendall(REQUEST.pack(len(view)))
+        _recv_into_all(self._conn, view)
+        return out
+
+    def close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.sendall(REQUEST.pack(0))
+            except OSError:
+                pass
+            self._conn.close()
+            self._conn = None
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)
+
+
+# ---------------------------------------------------------------- torch.distributed.rpc
+
+def _rpc_options(port: int) -> "torch.distributed.rpc.TensorPipeRpcBackendOptions":
+    from torch.distributed import rpc
+
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=IO_TIMEOUT_S,
+                                           num_worker_threads=4)
+
+
+def _hold_source(rows: int, cols: int) -> torch.Tensor:
+    """Runs on the server: the tensor an RRef will own."""
+    return source_tensor(rows, cols)
+
+
+def _leading_rows(holder: "torch.distributed.rpc.RRef", nrows: int) -> torch.Tensor:
+    """Runs on the server: a copy of the first `nrows` rows of the RRef's tensor (a view would ship it all)."""
+    return holder.local_value().narrow(0, 0, nrows).clone()
+
+
+def _rpc_server_main(port: int) -> None:
+    """Join the RPC world as the server and serve until the client shuts it down."""
+    from torch.distributed import rpc
+
+    _loopback_env()
+    rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=_rpc_options(port))
+    rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
+
+
+class RpcServer:
+    """A spawned torch.distributed.rpc server; this process joins as the client and owns an RRef to the tensor."""
+
+    def __init__(self, rows: int, cols: int, port: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.rows, self.cols, self.port = rows, cols, port
+        self.process = ctx.Process(target=_rpc_server_main, args=(port,), daemon=True, name="rpc-baseline")
+        self.process.start()
+        self._holder = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def connect(self) -> None:
+        """init_rpc as the client (blocks until the server joins) and create the remote tensor."""
+        from torch.distributed import rpc
+
+        _loopback_env()
+        rpc.init_rpc(CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=_rpc_options(self.port))
+        self._holder = rpc.remote(SERVER_NAME, _hold_source, args=(self.rows, self.cols),
+                                  timeout=IO_TIMEOUT_S)
+        self._holder.to_here(timeout=IO_TIMEOUT_S).numel()
+
+    def fetch(self, out: torch.Tensor) -> torch.Tensor:
+        """The first out.shape[0] rows of the remote tensor, as a new tensor (RPC cannot receive into `out`)."""
+        from torch.distributed import rpc
+
+        if self._holder is None:
+            raise RuntimeError("connect() first")
+        return rpc.rpc_sync(SERVER_NAME, _leading_rows, args=(self._holder, out.shape[0]), timeout=IO_TIMEOUT_S)
+
+    def close(self) -> None:
+        from torch.distributed import rpc
+
+        if self._holder is not None:
+            self._holder = None
+            rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=10)

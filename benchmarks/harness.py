@@ -1,0 +1,180 @@
+"""The benchmark suite's machinery: the scenario registry, result rows, ratios, and the JSON document.
+
+A scenario is one function that takes a `Context` and returns `Row`s; it is
+registered with the `@scenario` decorator in a module listed in
+SCENARIO_MODULES. Adding one is a one-function affair:
+
+    from benchmarks.harness import Context, Row, scenario
+
+    @scenario("lookups", help="embedding lookups vs nn.EmbeddingBag")
+    def lookups(ctx: Context) -> list[Row]:
+        with ctx.rss(server_pids) as peaks:          # peak RSS of those processes meanwhile
+            seconds = ...                            # time the thing (ctx.quick: make it small)
+        return [Row("lookups", case="1M ids", name="shardserve", path="grpc", seconds=seconds,
+                    baseline="nn.EmbeddingBag", peak_rss=peaks),
+                Row("lookups", case="1M ids", name="nn.EmbeddingBag", role="baseline", seconds=...)]
+
+Rows of one (group, case) are compared with each other: every row gets
+`ratio` = baseline seconds / its seconds (> 1 means faster than the baseline)
+against the row its `baseline` names (default: the first row of the case with
+role "baseline"), and `ratios` against every baseline row of the case.
+Name processes with `ctx.sampler.label(pid, "rank 0 server")` so that the
+peak-RSS report says whose memory it is.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+from benchmarks.machine import machine_info
+from benchmarks.rss import RssSampler
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios")
+ROLES = ("subject", "baseline")
+
+
+@dataclass
+class Row:
+    """One measured method in one case of a scenario group; `seconds` None means it did not run (see note)."""
+
+    group: str
+    case: str
+    name: str
+    seconds: float | None
+    path: str | None = None
+    role: str = "subject"
+    nbytes: int | None = None
+    baseline: str | None = None
+    peak_rss: dict[str, int] = field(default_factory=dict)
+    ok: bool | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+    scenario: str = ""
+    ratio: float | None = None
+    ratios: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        for name in ("group", "case", "name"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        if self.seconds is not None and not self.seconds > 0:
+            raise ValueError(f"seconds must be > 0 or None, got {self.seconds!r}")
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """Bytes moved per second, in GB/s (10^9), when the row moves bytes."""
+        if self.seconds is None or not self.nbytes:
+            return None
+        return self.nbytes / self.seconds / 1e9
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["gb_per_s"] = self.gb_per_s
+        out["peak_rss_max_bytes"] = max(self.peak_rss.values(), default=None)
+        return out
+
+
+@dataclass
+class Context:
+    """What a scenario gets: the quick flag and the RSS sampler."""
+
+    quick: bool
+    sampler: RssSampler
+
+    def rss(self, pids: Iterable[int] | None = None):
+        """Context manager yielding {label: peak RSS bytes} of `pids` (default all processes) while it is open."""
+        return self.sampler.window(pids)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    run: Callable[[Context], list[Row]]
+    help: str
+
+
+REGISTRY: dict[str, Scenario] = {}
+
+
+def scenario(name: str, help: str = "") -> Callable[[Callable[[Context], list[Row]]], Callable[[Context], list[Row]]]:
+    """Register `fn(ctx) -> list[Row]` as the scenario `name`."""
+    if not isinstance(name, str) or not name or " " in name:
+        raise ValueError(f"scenario name must be a non-empty word, got {name!r}")
+
+    def register(fn: Callable[[Context], list[Row]]) -> Callable[[Context], list[Row]]:
+        if name in REGISTRY and REGISTRY[name].run is not fn:
+            raise ValueError(f"scenario {name!r} is registered twice")
+        REGISTRY[name] = Scenario(name, fn, help or (fn.__doc__ or "").strip().splitlines()[0])
+        return fn
+    return register
+
+
+def load_scenarios() -> dict[str, Scenario]:
+    """Import every scenario module (they register themselves) and return the registry."""
+    for module in SCENARIO_MODULES:
+        importlib.import_module(module)
+    return REGISTRY
+
+
+def fill_ratios(rows: list[Row]) -> None:
+    """Set `ratio` and `ratios` of every row against the baselines of its (group, case)."""
+    cases: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        cases.setdefault((row.group, row.case), []).append(row)
+    for members in cases.values():
+        baselines = {r.name: r for r in members if r.role == "baseline"}
+        default = next(iter(baselines), None)
+        for row in members:
+            row.baseline = row.baseline or default
+            row.ratios = {name: base.seconds / row.seconds for name, base in baselines.items()
+                          if base is not row and base.seconds and row.seconds}
+            reference = baselines.get(row.baseline) if row.baseline else None
+            if reference is not None and reference.seconds and row.seconds:
+                row.ratio = reference.seconds / row.seconds
+
+
+def run_scenarios(names: Iterable[str], quick: bool) -> tuple[list[Row], list[dict]]:
+    """Run the named scenarios one after another; a failing scenario is reported, not fatal."""
+    rows: list[Row] = []
+    reports: list[dict] = []
+    with RssSampler() as sampler:
+        ctx = Context(quick=quick, sampler=sampler)
+        for name in names:
+            entry = REGISTRY[name]
+            start = time.perf_counter()
+            report = {"name": name, "help": entry.help, "status": "ok", "error": None}
+            try:
+                produced = entry.run(ctx)
+            except Exception as exc:
+                log.error("scenario %s failed:\n%s", name, traceback.format_exc())
+                produced = []
+                report.update(status="failed", error=f"{type(exc).__name__}: {exc}")
+            for row in produced:
+                row.scenario = name
+            rows += produced
+            report["wall_seconds"] = time.perf_counter() - start
+            report["rows"] = len(produced)
+            reports.append(report)
+    fill_ratios(rows)
+    return rows, reports
+
+
+def document(rows: list[Row], reports: list[dict], quick: bool, command: str, machine: dict | None = None) -> dict:
+    """The JSON document of one suite run."""
+    return {
+        "schema": SCHEMA_VERSION,
+        "command": command,
+        "quick": quick,
+        "machine": machine if machine is not None else machine_info(),
+        "scenarios": reports,
+        "rows": [row.to_json() for row in rows],
+    }

@@ -1,0 +1,91 @@
+"""Scenarios that wrap the standalone benchmark modules (planning, reshard) for the suite.
+
+Each adapter calls the module's own `main(argv)` with `--json FILE` (its
+printed table is captured, not shown), reads that JSON back and turns it into
+harness Rows; the modules' logic is not repeated here. Add an adapter for a new
+module (lookups, checkpoint) the same way: one function with `@scenario`.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from contextlib import redirect_stdout
+from pathlib import Path
+from typing import Callable
+
+from benchmarks.harness import Context, Row, scenario
+
+
+def run_module_main(main: Callable[[list[str]], object], argv: list[str]) -> dict:
+    """Call a benchmark module's main(argv + ["--json", FILE]) quietly and return the JSON it wrote."""
+    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as tmp:
+        path = Path(tmp) / "result.json"
+        printed = io.StringIO()
+        try:
+            with redirect_stdout(printed):
+                main([*argv, "--json", str(path)])
+        except SystemExit as exc:
+            raise RuntimeError(f"{main.__module__}.main exited with {exc.code}: {printed.getvalue()[-2000:]}") from None
+        return json.loads(path.read_text())
+
+
+@scenario("planning", help="plan_reshard vs DCP's read planner and all-pairs; row routing vs a Python loop")
+def planning_scenario(ctx: Context) -> list[Row]:
+    """benchmarks.planning, as rows: planning time per layout, routing time per id batch."""
+    from benchmarks import planning
+
+    with ctx.rss([os.getpid()]) as peaks:
+        result = run_module_main(planning.main, ["--quick"] if ctx.quick else [])
+    return planning_rows(result["planning"], peaks) + routing_rows(result["routing"], peaks)
+
+
+def planning_rows(results: list[dict], peaks: dict[str, int]) -> list[Row]:
+    rows = []
+    for r in results:
+        case = f"{r['layout']} {r['src_shards']}->{r['dst_shards']}"
+        extra = {"transfers": r["transfers"], "buckets": r["buckets"]}
+        rows.append(Row("planning", case, "plan_reshard", r["plan_ms"] / 1e3, path="in-process",
+                        baseline="DCP read planner", peak_rss=peaks, extra=extra))
+        rows.append(Row("planning", case, "DCP read planner", r["dcp_ms"] / 1e3, path="in-process", role="baseline",
+                        peak_rss=peaks))
+        if r["all_pairs_ms"] is not None:
+            rows.append(Row("planning", case, "all-pairs loop", r["all_pairs_ms"] / 1e3, path="in-process",
+                            role="baseline", peak_rss=peaks))
+    return rows
+
+
+def routing_rows(results: list[dict], peaks: dict[str, int]) -> list[Row]:
+    rows = []
+    for r in results:
+        case, count = f"{r['layout']}: {r['ids']}", r["count"]
+        methods = (("RowIndex.route", r["route_ids_per_s"], "subject", ""),
+                   ("route_rows (+index build)", r["route_rows_ids_per_s"], "subject", ""),
+                   ("Python loop (bisect)", r["python_loop_ids_per_s"], "baseline", "extrapolated from a subset"))
+        for name, per_s, role, note in methods:
+            if per_s:
+                rows.append(Row("routing", case, name, count / per_s, path="in-process", role=role, peak_rss=peaks,
+                                note=note, extra={"ids": count, "ids_per_s": per_s}))
+    return rows
+
+
+@scenario("reshard", help="Shard(0)->Shard(1) on gloo ranks: shardserve vs bare all_to_all, DTensor, ShardedTensor")
+def reshard_scenario(ctx: Context) -> list[Row]:
+    """benchmarks.reshard, as rows: one case per world size, peak RSS of every process of the worlds."""
+    from benchmarks import reshard
+
+    argv = ["--size-mib", "4", "--ranks", "2", "--repeats", "1", "--timeout", "120"] if ctx.quick else \
+        ["--timeout", "900"]
+    with ctx.rss() as peaks:
+        result = run_module_main(reshard.main, argv)
+    rows = []
+    for run in result["runs"]:
+        nbytes = run["n"] * run["n"] * 4
+        case = f"{run['world']} ranks, {nbytes >> 20} MiB"
+        for r in run["rows"]:
+            ours = r["method"] == reshard.OURS
+            rows.append(Row("reshard", case, r["method"], r["seconds"], path="gloo",
+                            role="subject" if ours else "baseline", nbytes=nbytes,
+                            baseline=reshard.BARE, peak_rss=peaks, ok=r["ok"], note=r.get("note", "")))
+    return rows
