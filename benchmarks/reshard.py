@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 BARE = "bare transfer"
+BARE_FRESH = "bare transfer + allocation"
 OURS = "shardserve run_reshard"
 DTENSOR = "DTensor.redistribute"
 SHARDED = "ShardedTensor.reshard"
@@ -67,7 +68,10 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], object]]:
-    """A flat exchange of the same bytes: all_to_all_single, or batch_isend_irecv if gloo refuses it."""
+    """A flat exchange of the same bytes: all_to_all_single, or batch_isend_irecv if gloo refuses it.
+
+    The output buffer is allocated once, outside the timed call.
+    """
     flat_in = local.reshape(-1).clone()
     flat_out = torch.empty_like(flat_in)
     try:
@@ -89,7 +93,7 @@ def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], ob
 
 def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: int, executor, seqs):
     """plan_reshard + run_reshard of Shard(0) -> Shard(1) on the collective thread."""
-    from server.redistribute import run_reshard
+    from server.redistribute import ReshardStats, run_reshard
     from shardcore.metadata import TensorProperties
     from shardcore.planner import plan_reshard
     from shardcore.specs import ChunkShardingSpec
@@ -102,9 +106,11 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
 
     def run() -> None:
         plan = plan_reshard(src, dst, bucket_bytes)
-        seq = next(seqs)
-        future = executor.submit(seq, lambda: run_reshard(plan, rank, {rank: local}, 600.0), wait_timeout_s=600)
-        result.update(future.result())
+        stats = ReshardStats()
+        future = executor.submit(next(seqs), lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats),
+                                 wait_timeout_s=600)
+        result["out"] = future.result()[rank]
+        result["extra_bytes"] = stats.new_shard_bytes + stats.peak_staging_bytes
     return run, result
 
 
@@ -163,8 +169,13 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     seqs = iter(range(1 << 30))
     try:
         note, bare = bare_transfer(local, world)
-        rows_out.append({"method": BARE, "note": note, "seconds": timed(bare, args["repeats"]), "ok": True})
+        rows_out.append({"method": BARE, "note": f"{note}, output preallocated",
+                         "seconds": timed(bare, args["repeats"]), "ok": True})
         del bare
+        rows_out.append({"method": BARE_FRESH, "note": "all_to_all_single into a new output each call",
+                         "seconds": timed(lambda: dist.all_to_all_single(torch.empty_like(local).reshape(-1),
+                                                                         local.reshape(-1)), args["repeats"]),
+                         "ok": True})
         for name, make in ((OURS, lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
                            (DTENSOR, lambda: dtensor_redistribute(local, world)),
                            (SHARDED, lambda: sharded_tensor_reshard(local, n, world))):
@@ -190,11 +201,17 @@ def run_method(name: str, make, n: int, world: int, repeats: int) -> dict:
     except Exception as exc:
         return {"method": name, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
                 "seconds": None, "ok": False, "trace": traceback.format_exc(limit=3)}
-    out = result.get("out", result.get(dist.get_rank()))
+    out = result.get("out")
     ok = torch.tensor([1 if out is not None and check_columns(out, n, world) else 0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    extra = torch.tensor([result.get("extra_bytes", -1)], dtype=torch.int64)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
     result.clear()
-    return {"method": name, "note": "", "seconds": seconds, "ok": bool(ok.item())}
+    row = {"method": name, "note": "", "seconds": seconds, "ok": bool(ok.item())}
+    if extra.item() >= 0:
+        row["extra_bytes_per_rank"] = extra.item()
+        row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shard + staging)"
+    return row
 
 
 def free_port() -> int:
