@@ -24,10 +24,12 @@ take part in it: ranks outside the plan run nothing, and there is no barrier or
 all-ranks collective.
 
 Memory. Besides the new shards, a rank holds staging buffers only for the
-buckets in flight: at most `max_in_flight` (default 2) per peer and direction.
-A bucket made of one box that is contiguous in its shard is sent from, or
-received into, the shard itself without a staging buffer. `ReshardStats`
-reports the peak staging bytes measured while running.
+buckets in flight: at most `max_in_flight` (default 2) per peer and direction,
+each the size of the rank's largest bucket (<= bucket_bytes), taken from a
+pool and reused round after round (no fresh pages per round), all dropped when
+the call returns. A bucket made of one box that is contiguous in its shard is
+sent from, or received into, the shard itself without a staging buffer.
+`ReshardStats` counts the bytes of the new shards and the peak staging bytes.
 
 Bounded failure. Every wait is bounded by the call's deadline (`timeout_s`
 from the start of the call). Waits run on small waiter threads so the first
@@ -264,7 +266,7 @@ class CollectiveExecutor:
 
 @dataclass
 class _Posted:
-    """One round's posted operations: (future of the wait, peer, what to do once it is done)."""
+    """One posted round: its waits (future, peer, verb), the receives to unpack, the staging to give back."""
 
     round: int
     waits: list[tuple[cf.Future, int, str]]

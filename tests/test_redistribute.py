@@ -7,7 +7,6 @@ that dies mid-reshard, since those leave its process group unusable.
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import threading
 import time
