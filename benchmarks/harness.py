@@ -113,7 +113,7 @@ def scenario(name: str, help: str = "") -> Callable[[Callable[[Context], list[Ro
     def register(fn: Callable[[Context], list[Row]]) -> Callable[[Context], list[Row]]:
         if name in REGISTRY and REGISTRY[name].run is not fn:
             raise ValueError(f"scenario {name!r} is registered twice")
-        REGISTRY[name] = Scenario(name, fn, help or (fn.__doc__ or "").strip().splitlines()[0])
+        REGISTRY[name] = Scenario(name, fn, help or next(iter((fn.__doc__ or "").strip().splitlines()), ""))
         return fn
     return register
 

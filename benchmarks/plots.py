@@ -32,21 +32,25 @@ def plot_group(group: str, rows: list[dict], path: Path) -> Path:
     methods = list(dict.fromkeys((r["name"], r["path"]) for r in rows))
     baselines = sorted({r["baseline"] for r in rows if r["baseline"]})
     width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(cases) * len(methods) + 2), 4.0), dpi=80)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.3 * len(cases) * len(methods) + 2)), 4.0), dpi=80)
     for i, (name, method_path) in enumerate(methods):
-        xs, ys = [], []
+        xs, ys, rates = [], [], []
         for j, case in enumerate(cases):
             match = [r for r in rows if r["case"] == case and r["name"] == name and r["path"] == method_path]
             if match and match[0]["ratio"]:
                 xs.append(j - 0.4 + width * (i + 0.5))
                 ys.append(match[0]["ratio"])
-        ax.bar(xs, ys, width, label=f"{name} [{method_path}]" if method_path else name)
+                rates.append(match[0]["gb_per_s"])
+        bars = ax.bar(xs, ys, width, label=f"{name} [{method_path}]" if method_path else name)
+        if any(rate is not None for rate in rates):
+            ax.bar_label(bars, ["" if r is None else f"{r:.2f}" for r in rates], fontsize=6)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_xticks(range(len(cases)), cases, rotation=30 if len(cases) > 4 else 0, ha="right" if len(cases) > 4 else "center",
                   fontsize=8)
     ax.set_ylabel(f"x baseline ({', '.join(baselines)})\n= baseline s / s, log scale", fontsize=8)
-    ax.set_title(f"{group}: speed relative to baseline (> 1 is faster)", fontsize=10)
+    gbs = " (labels: GB/s)" if any(r["gb_per_s"] is not None for r in rows) else ""
+    ax.set_title(f"{group}: speed relative to baseline (> 1 is faster){gbs}", fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path)

@@ -1,0 +1,147 @@
+"""The benchmark suite as a smoke test: `python -m benchmarks --quick` runs and writes JSON of the agreed shape.
+
+Never asserts a timing: only that every scenario ran, that rows carry the
+fields the README and plots rely on, that the figures are consistent with each
+other (GB/s = bytes / seconds, ratio = baseline seconds / seconds) and that
+every method's result matched its source.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
+from benchmarks.rss import RssSampler
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SUITE_TIMEOUT_S = 55
+ROW_FIELDS = {"scenario", "group", "case", "name", "path", "role", "nbytes", "seconds", "gb_per_s", "baseline",
+              "ratio", "ratios", "peak_rss", "peak_rss_max_bytes", "ok", "note"}
+MACHINE_FIELDS = {"cpu_count", "cpu_model", "memory_bytes", "torch", "grpc", "python", "load_average"}
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory) -> tuple[dict, Path]:
+    """One quick run of the whole suite, with JSON and plots."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, plots = out / "bench.json", out / "plots"
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(json_path),
+                               "--plots", str(plots)], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=SUITE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"python -m benchmarks --quick took over {SUITE_TIMEOUT_S}s; output:\n{exc.stdout}\n{exc.stderr}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "fetch: ratio" in proc.stdout
+    return json.loads(json_path.read_text()), plots
+
+
+def test_machine_info(suite) -> None:
+    doc, _ = suite
+    assert MACHINE_FIELDS <= set(doc["machine"])
+    assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
+    assert doc["quick"] is True and doc["command"].startswith("python -m benchmarks --quick")
+
+
+def test_every_scenario_ran_and_has_rows(suite) -> None:
+    doc, _ = suite
+    registered = set(load_scenarios())
+    assert {"fetch", "planning", "reshard"} <= registered
+    reports = {r["name"]: r for r in doc["scenarios"]}
+    assert set(reports) == registered
+    for name, report in reports.items():
+        assert report["status"] == "ok", report
+        assert any(row["scenario"] == name for row in doc["rows"]), f"no rows from scenario {name}"
+
+
+def test_rows_have_the_fields_and_consistent_figures(suite) -> None:
+    doc, _ = suite
+    by_case: dict[tuple[str, str], dict[str, dict]] = {}
+    for row in doc["rows"]:
+        assert ROW_FIELDS <= set(row), row
+        by_case.setdefault((row["group"], row["case"]), {})[row["name"]] = row
+    for (group, case), rows in by_case.items():
+        for row in rows.values():
+            if row["nbytes"] and row["seconds"]:
+                assert math.isclose(row["gb_per_s"], row["nbytes"] / row["seconds"] / 1e9, rel_tol=1e-9)
+            base = rows.get(row["baseline"])
+            if row["ratio"] is not None:
+                assert base is not None and base["role"] == "baseline", (group, case, row["name"])
+                assert math.isclose(row["ratio"], base["seconds"] / row["seconds"], rel_tol=1e-9)
+            assert row["ok"] is not False, f"{group} {case} {row['name']}: result differs from the source"
+            assert all(isinstance(v, int) and v > 0 for v in row["peak_rss"].values()), row["peak_rss"]
+
+
+def test_fetch_rows_compare_shardserve_with_three_baselines(suite) -> None:
+    doc, _ = suite
+    fetch = [r for r in doc["rows"] if r["scenario"] == "fetch"]
+    cases = {r["case"] for r in fetch}
+    assert cases
+    for case in cases:
+        rows = {r["name"]: r for r in fetch if r["case"] == case}
+        assert {"raw TCP socket", "torch.distributed.rpc", "memcpy"} <= set(rows)
+        ours = [r for r in fetch if r["case"] == case and r["role"] == "subject"]
+        assert ours and all(r["path"] == "grpc" for r in ours)
+        for row in ours:
+            assert row["ok"] is True and row["nbytes"] == 1 << 20
+            assert row["baseline"] == "raw TCP socket" and row["ratio"] > 0
+            assert set(row["ratios"]) == {"raw TCP socket", "torch.distributed.rpc", "memcpy"}
+            assert {"rank 0 server", "rank 1 server"} <= set(row["peak_rss"])
+        assert set(rows["raw TCP socket"]["peak_rss"]) == {"socket server"}
+        assert set(rows["torch.distributed.rpc"]["peak_rss"]) == {"rpc server"}
+
+
+def test_plots_are_pngs_per_group(suite) -> None:
+    doc, plots = suite
+    groups = {r["group"] for r in doc["rows"]}
+    for group in groups:
+        png = plots / f"{group}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+
+
+def test_fill_ratios_against_named_and_default_baselines() -> None:
+    rows = [Row("g", "c", "ours", 2.0, baseline="slow"), Row("g", "c", "fast", 1.0, role="baseline"),
+            Row("g", "c", "slow", 8.0, role="baseline"), Row("g", "other", "alone", 1.0)]
+    fill_ratios(rows)
+    ours, fast, slow, alone = rows
+    assert ours.ratio == 4.0 and ours.ratios == {"fast": 0.5, "slow": 4.0}
+    assert fast.baseline == "fast" and fast.ratio == 1.0 and fast.ratios == {"slow": 8.0}
+    assert slow.baseline == "fast" and slow.ratio == 0.125 and slow.ratios == {"fast": 0.125}
+    assert alone.baseline is None and alone.ratio is None and alone.ratios == {}
+
+
+def test_row_and_registry_reject_bad_input() -> None:
+    with pytest.raises(ValueError, match="role"):
+        Row("g", "c", "x", 1.0, role="winner")
+    with pytest.raises(ValueError, match="seconds"):
+        Row("g", "c", "x", 0.0)
+    with pytest.raises(ValueError, match="case"):
+        Row("g", "", "x", 1.0)
+    with pytest.raises(ValueError, match="scenario name"):
+        scenario("two words")
+    load_scenarios()
+    with pytest.raises(ValueError, match="registered twice"):
+        scenario("fetch")(lambda ctx: [])
+
+
+def test_rss_sampler_sees_a_child_allocate() -> None:
+    script = "import sys, time; b = bytearray(200 << 20); b[::4096] = b'x' * len(b[::4096]); " \
+             "print('ready', flush=True); time.sleep(30)"
+    with RssSampler(interval_s=0.01) as sampler:
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            sampler.label(child.pid, "allocator")
+            with sampler.window([child.pid]) as peaks:
+                assert child.stdout.readline().strip() == "ready"
+                time.sleep(0.5)
+        finally:
+            child.kill()
+            child.wait(timeout=10)
+    assert set(peaks) == {"allocator"}
+    assert peaks["allocator"] >= 200 << 20
