@@ -42,6 +42,7 @@ class InitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INIT_ONES: _ClassVar[InitKind]
     INIT_NORMAL: _ClassVar[InitKind]
     INIT_ARANGE: _ClassVar[InitKind]
+    INIT_COPY: _ClassVar[InitKind]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -66,6 +67,7 @@ INIT_ZEROS: InitKind
 INIT_ONES: InitKind
 INIT_NORMAL: InitKind
 INIT_ARANGE: InitKind
+INIT_COPY: InitKind
 
 class TensorProperties(_message.Message):
     __slots__ = ("dtype", "requires_grad", "layout", "memory_format", "pin_memory")
@@ -204,20 +206,22 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
-    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite")
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: ShardedTensorMetadata
     init: InitKind
     seed: int
     options: TensorOptions
     overwrite: bool
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    source_version: int
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ...) -> None: ...
 
 class CommitTensorRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -268,20 +272,22 @@ class DeleteTensorResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AllocateShardsRequest(_message.Message):
-    __slots__ = ("name", "version", "metadata", "init", "seed", "options")
+    __slots__ = ("name", "version", "metadata", "init", "seed", "options", "source_version")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
     init: InitKind
     seed: int
     options: TensorOptions
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ...) -> None: ...
+    source_version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., source_version: _Optional[int] = ...) -> None: ...
 
 class AllocateShardsResponse(_message.Message):
     __slots__ = ("allocated_bytes",)
@@ -372,3 +378,67 @@ class GetStatsResponse(_message.Message):
     memory_limit_bytes: int
     held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
     def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...
+
+class LookupItem(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "ids", "pooled", "offsets", "per_sample_weights")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    PER_SAMPLE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    ids: bytes
+    pooled: bool
+    offsets: bytes
+    per_sample_weights: bytes
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., ids: _Optional[bytes] = ..., pooled: _Optional[bool] = ..., offsets: _Optional[bytes] = ..., per_sample_weights: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("items", "chunk_bytes")
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[LookupItem]
+    chunk_bytes: int
+    def __init__(self, items: _Optional[_Iterable[_Union[LookupItem, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class LookupChunk(_message.Message):
+    __slots__ = ("item", "version", "dtype", "nbytes", "counts", "offset", "data")
+    ITEM_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    item: int
+    version: int
+    dtype: DType
+    nbytes: int
+    counts: bytes
+    offset: int
+    data: bytes
+    def __init__(self, item: _Optional[int] = ..., version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteRowsRequest(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "ids", "values")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    ids: bytes
+    values: bytes
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
+
+class WriteRowsResponse(_message.Message):
+    __slots__ = ("rows_written",)
+    ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    rows_written: int
+    def __init__(self, rows_written: _Optional[int] = ...) -> None: ...

@@ -493,6 +493,16 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_stream(
+                '/shardserve.v1.ShardServer/Lookup',
+                request_serializer=protos_dot_shardserve__pb2.LookupRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.LookupChunk.FromString,
+                _registered_method=True)
+        self.WriteRows = channel.unary_unary(
+                '/shardserve.v1.ShardServer/WriteRows',
+                request_serializer=protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -538,6 +548,21 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """Embedding serving (issue 5). Lookup answers several (tensor, version,
+        shard) items in one call: rows of raw int64 ids, or per-bag pooled partial
+        sums; WriteRows overwrites rows of a PENDING version (update_rows).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -570,6 +595,16 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=protos_dot_shardserve__pb2.GetStatsRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_stream_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=protos_dot_shardserve__pb2.LookupRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.LookupChunk.SerializeToString,
+            ),
+            'WriteRows': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteRows,
+                    request_deserializer=protos_dot_shardserve__pb2.WriteRowsRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.WriteRowsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -736,6 +771,60 @@ class ShardServer:
             '/shardserve.v1.ShardServer/GetStats',
             protos_dot_shardserve__pb2.GetStatsRequest.SerializeToString,
             protos_dot_shardserve__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/Lookup',
+            protos_dot_shardserve__pb2.LookupRequest.SerializeToString,
+            protos_dot_shardserve__pb2.LookupChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteRows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/WriteRows',
+            protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
+            protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
             options,
             channel_credentials,
             insecure,

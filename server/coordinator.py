@@ -156,13 +156,16 @@ class Coordinator:
         _check_options(request.options, meta)
         self._check_placements(meta)
         with self._name_lock(name):
+            options = self._copy_source(name, meta, request).options if request.init == pb.INIT_COPY \
+                else request.options
             self._make_room(name, request.overwrite)
             info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
-                                 metadata=metadata_to_proto(meta), options=request.options, state=pb.PENDING,
+                                 metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
                                  nbytes=meta.nbytes, created_unix=time.time())
             self.catalog.add(info)
             allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
-                                                init=request.init, seed=request.seed, options=request.options)
+                                                init=request.init, seed=request.seed, options=options,
+                                                source_version=request.source_version)
             try:
                 self._fan_out(meta.ranks(), lambda stub: stub.AllocateShards(allocate, timeout=self.rpc_timeout),
                               f"allocate {name!r} version {info.version}")
@@ -171,7 +174,7 @@ class Coordinator:
                 raise
             log.info("created %r version %d (%d bytes on ranks %s)", name, info.version, meta.nbytes,
                      list(meta.ranks()))
-            if request.init == pb.INIT_NONE:
+            if request.init in (pb.INIT_NONE, pb.INIT_COPY):
                 return info
             return self._commit_locked(name, info.version)
 
@@ -235,6 +238,22 @@ class Coordinator:
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
         return ready
+
+    def _copy_source(self, name: str, meta: ShardedTensorMetadata,
+                     request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """INIT_COPY: the READY version `source_version` of `name`, checked to have the same layout."""
+        source = self.catalog.ready(name)
+        if source is None:
+            raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
+        if request.source_version != source.version:
+            raise FailedPrecondition(f"source_version {request.source_version} of {name!r} is not the READY "
+                                     f"version; the READY version is {source.version}")
+        if parse_metadata(source.metadata) != meta:
+            raise InvalidArgument(f"metadata differs from the layout of {name!r} version {source.version}; "
+                                  f"INIT_COPY keeps the layout")
+        if not request.overwrite:
+            raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY version)")
+        return source
 
     def _make_room(self, name: str, overwrite: bool) -> None:
         """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending."""

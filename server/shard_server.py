@@ -10,6 +10,7 @@ from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
+from server.lookup_service import LookupService
 from server.requests import check_name, check_version, parse_dtype, parse_metadata
 from server.store import ShardStore
 from shardcore.wire import tensor_bytes
@@ -26,6 +27,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.lookups = LookupService(store)
 
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
@@ -33,6 +35,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         name = check_name(request.name)
         version = check_version(request.version)
         meta = parse_metadata(request.metadata)
+        if request.init == pb.INIT_COPY:
+            return pb.AllocateShardsResponse(allocated_bytes=self.store.allocate_copy(
+                name, version, meta, check_version(request.source_version, "source_version"), request.options))
         nbytes = self.store.allocate(name, version, meta, request.init, request.seed, request.options)
         return pb.AllocateShardsResponse(allocated_bytes=nbytes)
 
@@ -87,6 +92,14 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return min(requested or self.chunk_bytes, MAX_CHUNK_BYTES)
 
     @rpc_errors
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> Iterator[pb.LookupChunk]:
+        yield from self.lookups.lookup(request)
+
+    @rpc_errors
+    def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.ServicerContext) -> pb.WriteRowsResponse:
+        return pb.WriteRowsResponse(rows_written=self.lookups.write_rows(request))
+
+    @rpc_errors
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
         return pb.GetStatsResponse(
             rank=self.store.rank, memory_used_bytes=self.store.memory_used,
@@ -113,6 +126,10 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
         "ReadRegion": grpc.unary_stream_rpc_method_handler(
             servicer.ReadRegion, request_deserializer=pb.ReadRegionRequest.FromString,
             response_serializer=encode_chunk),
+        "WriteRows": unary(servicer.WriteRows, pb.WriteRowsRequest, pb.WriteRowsResponse),
+        "Lookup": grpc.unary_stream_rpc_method_handler(
+            servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=pb.LookupChunk.SerializeToString),
     }
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:

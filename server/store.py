@@ -287,6 +287,41 @@ class ShardStore:
                                       f"shard {shard_index}")
             entry.complete.add(shard_index)
 
+    @contextmanager
+    def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
+        """Lease (name, version), served (or, with served=False, pending), for in-process extensions."""
+        with self._lock:
+            entry = self._served(name, version) if served else self._get(name, version)
+            if not served and entry.state is VersionState.SERVED:
+                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
+                                         f"create a new version to change it")
+            entry.leases += 1
+        with self._lease(entry):
+            yield entry
+
+    def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
+        """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""
+        return self._local_shard(entry, shard_index)
+
+    def allocate_copy(self, name: str, version: int, meta: ShardedTensorMetadata, source_version: int,
+                      options: pb.TensorOptions | None = None) -> int:
+        """Allocate (name, version) as a clone of the local shards of served version `source_version`."""
+        with self.lease(name, source_version) as source:
+            if source.metadata != meta:
+                raise InvalidArgument(f"source_version {source_version} of {name!r} has another layout "
+                                      f"than the new version's metadata")
+            entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), source.nbytes)
+            self._reserve(entry)
+            try:
+                for i, shard in source.shards.items():
+                    entry.shards[i] = shard.clone()
+            except (RuntimeError, MemoryError) as err:
+                self._forget(entry)
+                raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None
+        entry.complete.update(entry.shards)
+        log.info("rank %d copied %r version %d to version %d", self.rank, name, source_version, version)
+        return entry.nbytes
+
     # ------------------------------------------------------------ introspection
 
     def held(self) -> list[tuple[str, int, VersionState]]:

@@ -1,0 +1,159 @@
+"""Embedding lookups and row writes on one rank: the work behind ShardServer.Lookup and WriteRows.
+
+A Lookup request holds several items, each (tensor, version, shard, ids). For
+every item the rank leases the served version, checks the ids (raw int64, every
+one a row of that shard) and answers either the rows (the shard's columns) or,
+for pooled items, per-bag partial sums and counts (shardcore.embedding), so only
+pooled rows travel. Answers stream item by item in chunks of about 1 MiB; the
+first chunk of an item says the version it was served at. WriteRows overwrites
+rows of a PENDING version, which is how update_rows builds a new version.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.errors import InvalidArgument, ResourceExhausted
+from server.requests import check_name, check_version
+from server.store import ShardStore, StoredVersion
+from shardcore.dtypes import dtype_to_wire
+from shardcore.embedding import partial_pool
+from shardcore.wire import tensor_bytes
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 16 << 20
+_ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ItemAnswer:
+    """One item's answer before chunking: its data and, for pooled items, the per-bag counts."""
+
+    version: int
+    data: torch.Tensor
+    counts: torch.Tensor | None
+
+
+def parse_ids(raw: bytes, field: str) -> torch.Tensor:
+    """Raw little-endian int64 bytes as a 1-D int64 tensor (a copy, so the request can be freed)."""
+    if len(raw) % _ID_BYTES:
+        raise InvalidArgument(f"{field} has {len(raw)} bytes, not a multiple of 8 (ids are raw int64)")
+    if not raw:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(raw), dtype=torch.int64)
+
+
+def _parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    expected = shape[0] * shape[1] * itemsize
+    if len(raw) != expected:
+        raise InvalidArgument(f"{field} has {len(raw)} bytes; {shape[0]} x {shape[1]} {dtype} values are "
+                              f"{expected} bytes")
+    if not expected:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
+
+
+def _local_rows(entry: StoredVersion, shard_index: int, ids: torch.Tensor, field: str) -> torch.Tensor:
+    """Shard-local row numbers of global `ids`; InvalidArgument naming the first id the shard does not hold."""
+    meta = entry.metadata
+    if meta.ndim != 2:
+        raise InvalidArgument(f"tensor {entry.name!r} is {meta.ndim}-D; lookups need a 2-D table")
+    shard = meta.shards_metadata[shard_index]
+    start, rows = shard.shard_offsets[0], shard.shard_sizes[0]
+    local = ids - start
+    bad = (local < 0) | (local >= rows)
+    if bool(bad.any()):
+        position = int(bad.nonzero()[0, 0])
+        value = int(ids[position])
+        where = (f"out of range for a table of {meta.size[0]} rows" if not 0 <= value < meta.size[0]
+                 else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})")
+        raise InvalidArgument(f"{field}[{position}]={value} is {where}")
+    return local
+
+
+class LookupService:
+    """Answers Lookup and WriteRows against one rank's ShardStore."""
+
+    def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.store = store
+        self.chunk_bytes = chunk_bytes
+
+    def lookup(self, request: pb.LookupRequest) -> Iterator[pb.LookupChunk]:
+        """Check the whole request first (nothing streams for a bad one), then answer item by item."""
+        if request.chunk_bytes < 0:
+            raise InvalidArgument(f"chunk_bytes {request.chunk_bytes} is negative")
+        chunk_bytes = min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
+        self._check_request_size(request)
+        answers = [self._answer(i, item) for i, item in enumerate(request.items)]
+        for index, answer in enumerate(answers):
+            yield from _chunks(index, answer, chunk_bytes)
+
+    def _check_request_size(self, request: pb.LookupRequest) -> None:
+        limit = self.store.max_request_bytes
+        if not limit:
+            return
+        ids = sum(len(item.ids) for item in request.items)
+        if ids > limit:
+            raise ResourceExhausted(f"items[].ids: {ids} bytes of ids, over this rank's max_request_bytes {limit}")
+
+    def _answer(self, index: int, item: pb.LookupItem) -> ItemAnswer:
+        field = f"items[{index}]"
+        name = check_name(item.name, f"{field}.name")
+        version = check_version(item.version, f"{field}.version")
+        ids = parse_ids(item.ids, f"{field}.ids")
+        with self.store.lease(name, version) as entry:
+            shard = self.store.shard_of(entry, item.shard_index)
+            local = _local_rows(entry, item.shard_index, ids, f"{field}.ids")
+            out_bytes = (len(item.offsets) // _ID_BYTES if item.pooled else ids.numel()) \
+                * shard.shape[1] * shard.element_size()
+            limit = self.store.max_request_bytes
+            if limit and out_bytes > limit:
+                raise ResourceExhausted(f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
+                                        f"max_request_bytes {limit}")
+            rows = shard.index_select(0, local)
+            if not item.pooled:
+                if item.offsets or item.per_sample_weights:
+                    raise InvalidArgument(f"{field}.offsets/per_sample_weights are only for pooled items")
+                return ItemAnswer(entry.version, rows.cpu(), None)
+            return ItemAnswer(entry.version, *self._pool(rows, item, field))
+
+    def _pool(self, rows: torch.Tensor, item: pb.LookupItem, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = parse_ids(item.offsets, f"{field}.offsets")
+        weights = None
+        if item.per_sample_weights:
+            weights = _parse_rows(item.per_sample_weights, rows.dtype, (rows.shape[0], 1),
+                                  f"{field}.per_sample_weights").view(-1).to(rows.device)
+        try:
+            partial = partial_pool(rows, offsets.to(rows.device), weights)
+        except (ValueError, TypeError) as err:
+            raise InvalidArgument(f"{field}: {err}") from None
+        return partial.sums.cpu(), partial.counts.cpu()
+
+    def write_rows(self, request: pb.WriteRowsRequest) -> int:
+        """Overwrite rows of one local shard of a PENDING version; returns the number of rows written."""
+        name = check_name(request.name)
+        version = check_version(request.version)
+        ids = parse_ids(request.ids, "ids")
+        with self.store.lease(name, version, served=False) as entry:
+            shard = self.store.shard_of(entry, request.shard_index)
+            local = _local_rows(entry, request.shard_index, ids, "ids")
+            if local.numel() and torch.unique(local).numel() != local.numel():
+                raise InvalidArgument("ids holds duplicates; send each row once")
+            values = _parse_rows(request.values, shard.dtype, (ids.numel(), shard.shape[1]), "values")
+            shard.index_copy_(0, local.to(shard.device), values.to(shard.device))
+        return int(ids.numel())
+
+
+def _chunks(index: int, answer: ItemAnswer, chunk_bytes: int) -> Iterator[pb.LookupChunk]:
+    data = tensor_bytes(answer.data.contiguous())
+    counts = tensor_bytes(answer.counts) if answer.counts is not None else b""
+    first = pb.LookupChunk(item=index, version=answer.version, dtype=dtype_to_wire(answer.data.dtype),
+                           nbytes=len(data), counts=bytes(counts), offset=0,
+                           data=bytes(data[:chunk_bytes]))
+    yield first
+    for offset in range(chunk_bytes, len(data), chunk_bytes):
+        yield pb.LookupChunk(item=index, offset=offset, data=bytes(data[offset:offset + chunk_bytes]))
