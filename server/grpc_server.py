@@ -49,7 +49,8 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
     host, _ = split_address(listen)
     interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                         interceptors=interceptors, options=CHANNEL_OPTIONS)
+                         interceptors=interceptors,
+                         options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])  # a port in use is an error
     names = tuple(add_servicers(server))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

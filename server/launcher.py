@@ -275,6 +275,9 @@ def main_up(argv: Sequence[str]) -> int:
         _wait_for_signal()
     except _Stop as stop:
         log.info("%s received; stopping the cluster", stop)
+    except (OSError, RuntimeError, TimeoutError) as err:
+        log.error("the cluster could not start: %s", err)
+        return 1
     finally:
         cluster.stop()
     return 0
@@ -312,7 +315,11 @@ def main_coordinator(argv: Sequence[str]) -> int:
         parser.error(str(err))
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
-    coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval)
+    try:
+        coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval)
+    except (OSError, RuntimeError, ValueError) as err:
+        log.error("the coordinator could not start: %s", err)
+        return 1
     try:
         print(f"coordinator: {running.address}", flush=True)
         _wait_for_signal()

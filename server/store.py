@@ -147,6 +147,33 @@ class ShardStore:
                  len(local), nbytes)
         return nbytes
 
+    def reserve(self, name: str, version: int, meta: ShardedTensorMetadata,
+                options: pb.TensorOptions | None = None) -> int:
+        """Account (name, version) against the memory limit, allocating nothing: `install` fills it later."""
+        local = meta.shards_on(self.rank)
+        for i in local:
+            if meta.shards_metadata[i].device != self.device:
+                raise InvalidArgument(
+                    f"shards_metadata[{i}].placement {meta.shards_metadata[i].placement} does not match "
+                    f"rank {self.rank}'s device {self.device}")
+        nbytes = sum(meta.shard_nbytes(i) for i in local)
+        self._reserve(StoredVersion(name, version, meta, options or pb.TensorOptions(), nbytes))
+        log.info("rank %d reserved %d bytes for %r version %d", self.rank, nbytes, name, version)
+        return nbytes
+
+    def install(self, name: str, version: int, shards: dict[int, torch.Tensor]) -> None:
+        """Put the finished local shards of a reserved pending version in place (every local shard at once)."""
+        with self._lock:
+            entry = self._get(name, version)
+            if entry.state is VersionState.SERVED:
+                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed")
+            expected = set(entry.metadata.shards_on(self.rank))
+            if set(shards) != expected:
+                raise InvalidArgument(f"install of {name!r} version {version}: shards {sorted(shards)} given, "
+                                      f"rank {self.rank} holds {sorted(expected)}")
+            entry.shards = dict(shards)
+            entry.complete = set(shards)
+
     def _reserve(self, entry: StoredVersion) -> None:
         with self._lock:
             key = (entry.name, entry.version)
@@ -170,7 +197,7 @@ class ShardStore:
         """Serve (name, version) once every local shard is fully written."""
         with self._lock:
             entry = self._get(name, version)
-            missing = sorted(set(entry.shards) - entry.complete)
+            missing = sorted(set(entry.metadata.shards_on(self.rank)) - entry.complete)
             if missing:
                 raise FailedPrecondition(
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "

@@ -111,8 +111,31 @@ def alive(stubs: Stubs) -> dict[int, bool]:
     return {r.rank: r.alive for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks}
 
 
-def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(make_cluster):
-    cluster = make_cluster(ranks=2, heartbeat_interval=0.3)
+@pytest.fixture(scope="module")
+def watched(make_cluster):
+    return make_cluster(ranks=2, heartbeat_interval=0.3, pending_timeout=1.0)
+
+
+def test_a_put_left_pending_is_aborted_after_the_timeout(watched):
+    stubs = Stubs(watched.address)
+    try:
+        info = create(stubs, "forgotten", meta_on([0]))
+        assert info.state == pb.PENDING
+
+        def listed():
+            return stubs.coord.ListTensors(pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT).tensors
+        assert "forgotten" in [t.name for t in listed()]
+        wait_until(lambda: "forgotten" not in [t.name for t in listed()], 20, "the pending put to be reaped")
+
+        def held():  # the catalog row goes first, then the rank drops the shards
+            return {(h.name, h.version) for h in stubs.ranks[0].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held}
+        wait_until(lambda: ("forgotten", info.version) not in held(), 10, "rank 0 to drop the pending shards")
+    finally:
+        stubs.close()
+
+
+def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(watched):
+    cluster = watched
     stubs = Stubs(cluster.address)
     try:
         tensor = torch.randn(6, 4)
