@@ -174,6 +174,24 @@ class ShardStore:
             entry.shards = dict(shards)
             entry.complete = set(shards)
 
+    def install(self, name: str, version: int, meta: ShardedTensorMetadata, shards: dict[int, torch.Tensor],
+                options: pb.TensorOptions | None = None) -> int:
+        """Add a PENDING version from shards built elsewhere (a reshard, a checkpoint load), all written."""
+        local = set(meta.shards_on(self.rank))
+        if set(shards) != local:
+            raise InvalidArgument(f"shards {sorted(shards)} given for tensor {name!r} version {version}, but "
+                                  f"rank {self.rank} holds shards {sorted(local)}")
+        for i, tensor in shards.items():
+            shard = meta.shards_metadata[i]
+            if (tuple(tensor.shape) != shard.shard_sizes or tensor.dtype != meta.dtype
+                    or tensor.device != self.device or not tensor.is_contiguous()):
+                raise InvalidArgument(f"shard {i} of tensor {name!r}: expected a contiguous {shard.shard_sizes} "
+                                      f"{dtype_name(meta.dtype)} tensor on {self.device}")
+        entry = StoredVersion(name, version, meta, options or pb.TensorOptions(),
+                              sum(meta.shard_nbytes(i) for i in local), dict(shards), set(local))
+        self._reserve(entry)
+        return entry.nbytes
+
     def _reserve(self, entry: StoredVersion) -> None:
         with self._lock:
             key = (entry.name, entry.version)
@@ -355,6 +373,11 @@ class ShardStore:
         """(name, version, state) of every version not dropped."""
         with self._lock:
             return sorted((e.name, e.version, e.state) for e in self._versions.values() if not e.dropped)
+
+    def local_shards(self, name: str, version: int) -> dict[int, torch.Tensor]:
+        """Every local shard of a held version, by shard index (the source of a reshard or a save)."""
+        with self._lock:
+            return dict(self._get(name, version).shards)
 
     def local_tensor(self, name: str, version: int, shard_index: int) -> torch.Tensor:
         """The local tensor of one shard (for in-process extensions and tests)."""

@@ -1,0 +1,95 @@
+"""ShardStore alone (no network): versions, promotion, leases, memory accounting, install of built shards."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.store import ShardStore
+from shardcore.metadata import make_metadata
+
+META = make_metadata((6, 4), [((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((0, 0), (3, 4), 1)])  # shard 2: replica
+
+
+def test_allocate_counts_only_local_shards_and_frees_on_drop():
+    store = ShardStore(rank=1)
+    assert store.allocate("t", 1, META, pb.INIT_ARANGE) == 2 * 3 * 4 * 4
+    assert store.memory_used == 96 and sorted(store.local_shards("t", 1)) == [1, 2]
+    assert torch.equal(store.local_tensor("t", 1, 1), torch.arange(12, 24, dtype=torch.float32).view(3, 4))
+    assert store.drop("t", 1) == 1 and store.memory_used == 0
+    assert store.drop("t", 1) == 0  # idempotent
+
+
+def test_normal_replicas_hold_the_same_numbers():
+    store = ShardStore(rank=1)
+    store.allocate("n", 1, META, pb.INIT_NORMAL, seed=3)
+    replica = store.local_tensor("n", 1, 2)
+    assert torch.equal(replica, torch.randn((3, 4), generator=torch.Generator().manual_seed(3)))
+
+
+def test_read_needs_a_promoted_version_and_a_lease_delays_freeing():
+    store = ShardStore(rank=0, max_request_bytes=48)
+    store.allocate("t", 1, META, pb.INIT_ONES)
+    with pytest.raises(FailedPrecondition, match="not served here; no version is served yet"):
+        with store.read("t", 1, 0, (0, 0), (1, 1)):
+            pass
+    store.promote("t", 1)
+    with store.read("t", 0, 0, (1, 0), (2, 4)) as view:  # version 0: the newest served
+        assert store.drop("t") == 1
+        assert store.memory_used == 48  # still leased
+        assert torch.equal(view, torch.ones(2, 4))
+    assert store.memory_used == 0
+    with pytest.raises(NotFound, match="'t' not found on rank 0"):
+        with store.read("t", 1, 0, (0, 0), (1, 1)):
+            pass
+
+
+def test_read_over_max_request_bytes_is_refused():
+    store = ShardStore(rank=0, max_request_bytes=16)
+    store.allocate("t", 1, META, pb.INIT_ONES)
+    store.promote("t", 1)
+    with pytest.raises(ResourceExhausted, match="max_request_bytes 16"):
+        with store.read("t", 1, 0, (0, 0), (2, 4)):
+            pass
+
+
+def test_memory_limit_counts_pending_versions():
+    store = ShardStore(rank=0, memory_limit=60)
+    store.allocate("a", 1, META)
+    with pytest.raises(ResourceExhausted, match="memory limit: 48 bytes requested, 12 of 60 free"):
+        store.allocate("b", 2, META)
+    store.drop("a")
+    store.allocate("b", 2, META)
+
+
+def test_write_in_order_then_promote():
+    store = ShardStore(rank=0)
+    store.allocate("w", 1, META)
+    with pytest.raises(FailedPrecondition, match="not fully written"):
+        store.promote("w", 1)
+    data = torch.arange(12, dtype=torch.float32).view(3, 4)
+    raw = data.numpy().tobytes()
+    with store.write("w", 1, 0, torch.float32, 48) as writer:
+        writer.write(0, raw[:20])
+        with pytest.raises(InvalidArgument, match="chunk.offset 0 is not where the stream is: expected 20"):
+            writer.write(0, raw[:4])
+        writer.write(20, memoryview(raw)[20:])
+    store.promote("w", 1)
+    assert torch.equal(store.local_tensor("w", 1, 0), data)
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        with store.write("w", 1, 0, torch.float32, 48):
+            pass
+
+
+def test_install_adds_a_complete_pending_version_checked_against_the_layout():
+    store = ShardStore(rank=1)
+    shards = {1: torch.full((3, 4), 2.0), 2: torch.full((3, 4), 3.0)}
+    with pytest.raises(InvalidArgument, match=r"shards \[1\] given"):
+        store.install("i", 5, META, {1: shards[1]})
+    with pytest.raises(InvalidArgument, match="shard 2 of tensor 'i'"):
+        store.install("i", 5, META, {1: shards[1], 2: torch.zeros(3, 4, dtype=torch.float64)})
+    assert store.install("i", 5, META, shards) == 96
+    store.promote("i", 5)
+    with store.read("i", 5, 2, (1, 1), (2, 2)) as view:
+        assert torch.equal(view, torch.full((2, 2), 3.0))
