@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -99,6 +100,16 @@ def make_shard(meta: ShardedTensorMetadata, index: int, init: int, seed: int,
     return torch.empty(sizes, dtype=dtype, device=device)
 
 
+def device_capacity(device: torch.device) -> int:
+    """Total memory of the device (physical RAM for cpu): no allocation may exceed it, limit or not."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 class ShardStore:
     """The shards of one rank under (name, version), with memory accounting and read leases."""
 
@@ -111,6 +122,7 @@ class ShardStore:
         self.rank = rank
         self.device = torch.device(device)
         self.memory_limit = memory_limit
+        self._capacity = device_capacity(self.device)
         self.max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
         self._versions: dict[tuple[str, int], StoredVersion] = {}
@@ -202,6 +214,10 @@ class ShardStore:
                 raise ResourceExhausted(
                     f"rank {self.rank} memory limit: {entry.nbytes} bytes requested, "
                     f"{self.memory_limit - self._memory_used} of {self.memory_limit} free")
+            if self._memory_used + entry.nbytes > self._capacity:
+                raise ResourceExhausted(
+                    f"rank {self.rank} memory: {entry.nbytes} bytes requested, more than the "
+                    f"{self._capacity - self._memory_used} bytes left of {self.device}'s {self._capacity}")
             self._versions[key] = entry
             self._memory_used += entry.nbytes
 

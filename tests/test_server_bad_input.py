@@ -186,6 +186,15 @@ def test_coordinator_bad_input(stubs, call, request_, code, needle):
     assert needle in err.details()
 
 
+def test_a_tensor_larger_than_the_host_is_refused(stubs):
+    huge = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (2**40, 2**20), TensorProperties(dtype=torch.float32))
+    err = create_error(stubs, metadata_to_proto(huge), name="huge", init=pb.INIT_ZEROS)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes requested" in err.details()
+    listed = stubs.coord.ListTensors(pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT).tensors
+    assert "huge" not in [t.name for t in listed]
+
+
 def test_abort_of_a_committed_version_is_refused(stubs, served):
     err = rpc_error(stubs.coord.AbortTensor, pb.AbortTensorRequest(name="good", version=served.version),
                     timeout=TIMEOUT)
