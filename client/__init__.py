@@ -1,5 +1,6 @@
 """shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
 from client.cluster import Cluster, connect
+from client.embedding import RemoteEmbedding, RemoteEmbeddingBag
 from client.errors import (AuthenticationError, DeadlineExceededError, InvalidArgumentError,
                            RankUnavailableError, ResourceExhaustedError, ShardServeError,
                            StaleVersionError, TensorExistsError, TensorNotFoundError)
@@ -10,5 +11,5 @@ __all__ = [
     "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",
     "ShardServeError", "TensorNotFoundError", "InvalidArgumentError", "TensorExistsError",
     "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
-    "DeadlineExceededError",
+    "DeadlineExceededError", "RemoteEmbedding", "RemoteEmbeddingBag",
 ]

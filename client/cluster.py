@@ -15,6 +15,9 @@ import torch
 
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.info import RankStatus, TensorSummary
+from client.lookup import Lookups, table_options
+from client.row_cache import CacheStats, RowCache
+from client.row_updates import update_rows
 from client.remote_tensor import RemoteShardedTensor
 from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
@@ -30,12 +33,16 @@ INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NO
 
 
 def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
-            tls_cert: str | None = None, tls_key: str | None = None) -> "Cluster":
-    """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token."""
+            tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0) -> "Cluster":
+    """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
+
+    `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache).
+    """
     check_address(address)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)))
+    cache = RowCache(row_cache_bytes) if row_cache_bytes else None
+    cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)), cache)
     try:
         cluster._refresh_ranks()
     except BaseException:
@@ -65,12 +72,13 @@ def _resolve_spec(spec: Any) -> Any:
 class Cluster:
     """A connection to one shardserve cluster; use as a context manager or call close()."""
 
-    def __init__(self, address: str, transport: Transport) -> None:
+    def __init__(self, address: str, transport: Transport, row_cache: RowCache | None = None) -> None:
         self.address = address
         self._transport = transport
         self._coordinator = transport.coordinator(address)
         self._ranks: dict[int, RankStatus] = {}
         self._ranks_lock = threading.Lock()
+        self._lookups = Lookups(self, row_cache)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -157,8 +165,12 @@ class Cluster:
         return meta
 
     def create(self, name: str, shape: Sequence[int], dtype: torch.dtype | str = torch.float32, spec: Any = None,
-               init: str = "zeros", seed: int = 0, overwrite: bool = False) -> RemoteShardedTensor:
-        """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange")."""
+               init: str = "zeros", seed: int = 0, overwrite: bool = False, oov: str = "error",
+               default_row: torch.Tensor | None = None) -> RemoteShardedTensor:
+        """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange").
+
+        `oov` says how embedding lookups answer ids out of range: "error", "zero" or "default" (`default_row`).
+        """
         _check_name(name)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
@@ -170,12 +182,15 @@ class Cluster:
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype/shape: {err}") from None
         meta = self._metadata(shape, dtype, spec)
+        options = table_options(oov, default_row, shape, dtype)
         info = self._call("CreateTensor", pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite))
+            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite,
+            options=options))
         return RemoteShardedTensor(self, TensorSummary.from_proto(info))
 
     def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
-            chunk_bytes: int = CHUNK_BYTES) -> RemoteShardedTensor:
+            chunk_bytes: int = CHUNK_BYTES, oov: str = "error",
+            default_row: torch.Tensor | None = None) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure."""
         _check_name(name)
         if not isinstance(tensor, torch.Tensor):
@@ -189,10 +204,11 @@ class Cluster:
         except ValueError as err:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
         meta = self._metadata(tuple(tensor.shape), tensor.dtype, spec)
+        options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
         info = self._call("CreateTensor", pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite))
+            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite, options=options))
         try:
             jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
                     for index, shard in enumerate(shards)]
@@ -217,3 +233,22 @@ class Cluster:
             self._call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
         except ShardServeError:
             pass
+
+    # ------------------------------------------------------------ embedding serving (client.lookup)
+
+    def lookup(self, requests: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Rows of several 2-D tables, {name: ids} -> {name: Tensor[len(ids), dim]}, one round trip per rank."""
+        if not isinstance(requests, dict):
+            raise TypeError(f"requests must be a dict of table name -> ids, got {type(requests).__name__}")
+        for name in requests:
+            _check_name(name)
+        return self._lookups.lookup(requests, dtype)
+
+    def update_rows(self, name: str, ids: Any, values: torch.Tensor) -> int:
+        """Replace rows of a 2-D table in a new version, atomically (see client.row_updates); returns it."""
+        return update_rows(self, _check_name(name), ids, values)
+
+    def row_cache_stats(self) -> CacheStats | None:
+        """Hits, misses and size of the row cache (None when connect() got no row_cache_bytes)."""
+        cache = self._lookups.cache
+        return cache.stats() if cache is not None else None

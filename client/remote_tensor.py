@@ -133,6 +133,23 @@ class RemoteShardedTensor:
         self._summary = self._cluster._get_summary(self.name)
         return self
 
+    # ------------------------------------------------------------ embedding lookups (client.lookup)
+
+    def lookup(self, ids: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows of this 2-D table for `ids` (1-D ints), like F.embedding: Tensor[len(ids), dim]."""
+        return self._cluster._lookups.lookup({self.name: ids}, dtype)[self.name]
+
+    def lookup_bag(self, ids: Any, offsets: Any, mode: str = "mean", per_sample_weights: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None, pooling: str = "auto") -> torch.Tensor:
+        """Pooled bags like F.embedding_bag(ids, table, offsets, mode=..., per_sample_weights=...)."""
+        return self._cluster._lookups.lookup_bag(self.name, ids, offsets, mode, per_sample_weights, dtype, pooling)
+
+    def update_rows(self, ids: Any, values: torch.Tensor) -> int:
+        """Replace rows in a new version, atomically; the proxy then follows it. Returns the new version."""
+        version = self._cluster.update_rows(self.name, ids, values)
+        self.refresh()
+        return version
+
     def __repr__(self) -> str:
         return (f"RemoteShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"version={self.version}, shards={len(self._summary.metadata.shards_metadata)})")

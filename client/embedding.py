@@ -1,0 +1,80 @@
+"""Drop-in nn.Modules for inference: RemoteEmbedding (nn.Embedding) and RemoteEmbeddingBag (nn.EmbeddingBag).
+
+Their forward gives what nn.Embedding / nn.EmbeddingBag holding the cluster's
+table would give (the same input forms: any-shape ids for Embedding; 2-D ids,
+or 1-D ids with offsets, for EmbeddingBag), so inference code swaps one line.
+No parameters, no gradients: the weights stay on the cluster.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from client.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
+
+
+class RemoteEmbedding(nn.Module):
+    """nn.Embedding over a 2-D table served by the cluster: forward(ids) -> ids.shape + (dim,)."""
+
+    def __init__(self, cluster: "Cluster", name: str, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.name = name
+        self.dtype = dtype
+        view = cluster._lookups.view(name)
+        self.num_embeddings, self.embedding_dim = view.summary.metadata.size
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
+        rows = self.cluster._lookups.lookup({self.name: input.reshape(-1)}, self.dtype)[self.name]
+        return rows.view(*input.shape, rows.shape[1]).to(input.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}"
+
+
+class RemoteEmbeddingBag(nn.Module):
+    """nn.EmbeddingBag (include_last_offset=False) over a 2-D table served by the cluster."""
+
+    def __init__(self, cluster: "Cluster", name: str, mode: str = "mean", dtype: torch.dtype | None = None,
+                 pooling: str = "auto") -> None:
+        super().__init__()
+        if mode not in ("sum", "mean"):
+            raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        self.cluster = cluster
+        self.name = name
+        self.mode = mode
+        self.dtype = dtype
+        self.pooling = pooling
+        view = cluster._lookups.view(name)
+        self.num_embeddings, self.embedding_dim = view.summary.metadata.size
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
+        if input.dim() == 2:
+            if offsets is not None:
+                raise InvalidArgumentError("offsets has to be None if input is 2-D")
+            bags, length = input.shape
+            offsets = torch.arange(bags, dtype=torch.int64) * length
+            input = input.reshape(-1)
+            if per_sample_weights is not None:
+                per_sample_weights = per_sample_weights.reshape(-1)
+        elif input.dim() == 1:
+            if offsets is None:
+                raise InvalidArgumentError("offsets has to be a 1-D tensor when input is 1-D")
+        else:
+            raise InvalidArgumentError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
+        pooled = self.cluster._lookups.lookup_bag(self.name, input, offsets, self.mode, per_sample_weights,
+                                                  self.dtype, self.pooling)
+        return pooled.to(input.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"

@@ -1,0 +1,423 @@
+"""Embedding lookups from the client: dedup, route to shards, one Lookup call per rank, caller's order back.
+
+`TableView` is what a lookup needs of a table at one version: its layout, a
+`RowIndex` for vectorized routing, and its out-of-range policy. `Lookups`
+holds one view per table (refreshed once when a rank no longer serves its
+version, so an answer never mixes versions) and runs:
+
+- rows: distinct ids are looked up once (from the optional row cache first),
+  routed to one replica of each row band (every column shard of it), asked of
+  all ranks in parallel with one Lookup call per rank carrying every table's
+  items, and put back in the caller's order.
+- bags: each shard pools the ids it owns into per-bag partial sums and counts
+  on the server (only pooled rows travel); the client adds them up
+  (shardcore.embedding.combine_partials). A bag whose ids all live on one
+  shard is bit for bit `F.embedding_bag`; a bag spread over shards is summed
+  in another order (within a few ulps). `pooling="client"` fetches the rows
+  and pools them locally instead, bit for bit in every case; the client does
+  that by itself for tables answering out-of-range ids with zero/default rows
+  and when a row cache is on.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import grpc
+import torch
+
+from client.errors import (InvalidArgumentError, RankUnavailableError, ShardServeError, StaleVersionError,
+                           TensorNotFoundError, error_from_rpc)
+from client.info import TensorSummary
+from protos import shardserve_pb2 as pb
+from shardcore.dtypes import dtype_from_wire
+from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags, restore_order,
+                                 validate_ids)
+from shardcore.routing import RowIndex, RowRoute, unique_ids
+from shardcore.wire import tensor_bytes
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
+    from client.row_cache import RowCache
+
+_RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
+_OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
+POOLINGS = ("auto", "server", "client")
+
+
+@dataclass(frozen=True, eq=False)
+class TableView:
+    """A 2-D table at one version: layout, routing index, out-of-range policy and default row."""
+
+    summary: TensorSummary
+    oov: str
+    default_row: torch.Tensor | None
+    index: RowIndex = field(repr=False)
+
+    @classmethod
+    def from_info(cls, info: pb.TensorInfo) -> "TableView":
+        summary = TensorSummary.from_proto(info)
+        meta = summary.metadata
+        if meta.ndim != 2:
+            raise InvalidArgumentError(f"tensor {info.name!r} has shape {meta.size}; lookups need a 2-D table")
+        oov = _OOV_NAMES.get(info.options.oov, "error")
+        default = None
+        if oov == "default":
+            default = torch.frombuffer(bytearray(info.options.default_row), dtype=meta.dtype).clone()
+        return cls(summary, oov, default, RowIndex(meta))
+
+    @property
+    def name(self) -> str:
+        return self.summary.name
+
+    @property
+    def version(self) -> int:
+        return self.summary.version
+
+    @property
+    def dim(self) -> int:
+        return self.summary.metadata.size[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.summary.metadata.dtype
+
+    def fill_row(self) -> torch.Tensor:
+        """What an out-of-range id looks up under this table's policy (zero or default)."""
+        return self.default_row if self.default_row is not None else torch.zeros(self.dim, dtype=self.dtype)
+
+
+@dataclass
+class _Item:
+    """One LookupItem and where its answer goes."""
+
+    view: TableView
+    route: RowRoute
+    message: pb.LookupItem
+    answer: Any = None  # rows tensor, or PartialBags for pooled items
+
+
+@dataclass
+class BagRequest:
+    """A lookup_bag request of one table, checked."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    mode: str
+    weights: torch.Tensor | None
+
+
+def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
+    """1-D int64 CPU ids from a tensor or a sequence of ints; InvalidArgumentError/TypeError name the field."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
+        if ids.dim() != 1:
+            raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
+        return ids.detach().to("cpu", torch.int64).contiguous()
+    try:
+        values = torch.as_tensor(list(ids), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{field_name} must be a tensor or a sequence of ints: {err}") from None
+    if values.dim() != 1:
+        raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(values.shape)}")
+    return values
+
+
+def _bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> InvalidArgumentError:
+    position = int(bad.nonzero()[0, 0])
+    rows = view.summary.metadata.size[0]
+    return InvalidArgumentError(
+        f"ids[{position}]={int(ids[position])} is out of range for table {view.name!r} of {rows} rows "
+        f"({int(bad.sum())} bad id(s) in all; the table's oov policy is 'error')", grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class Lookups:
+    """Table views of one cluster and the lookup calls over them."""
+
+    def __init__(self, cluster: "Cluster", cache: "RowCache | None" = None) -> None:
+        self._cluster = cluster
+        self.cache = cache
+        self._views: dict[str, TableView] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ views
+
+    def view(self, name: str, refresh: bool = False) -> TableView:
+        """The cached view of `name` (fetched from the coordinator when missing or when asked)."""
+        with self._lock:
+            view = self._views.get(name)
+        if view is None or refresh:
+            info = self._cluster._call("GetTensor", pb.GetTensorRequest(name=name))
+            view = TableView.from_info(info)
+            with self._lock:
+                old = self._views.get(name)
+                if old is None or old.version <= view.version:
+                    self._views[name] = view
+                view = self._views[name]
+            if self.cache is not None:
+                self.cache.invalidate_older(name, view.version)
+        return view
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._views.pop(name, None)
+
+    def _with_retry(self, names: Sequence[str], run):  # type: ignore[no-untyped-def]
+        """run(views) at the cached versions; on a stale version refresh every table once and retry."""
+        try:
+            return run({name: self.view(name) for name in names})
+        except _RETRYABLE:
+            self._cluster._refresh_ranks()
+            return run({name: self.view(name, refresh=True) for name in names})
+
+    # ------------------------------------------------------------ rows
+
+    def lookup(self, requests: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Rows [len(ids), dim] of several tables, one Lookup call per rank."""
+        ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
+        _check_dtype(dtype)
+        return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
+
+    def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
+                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        plans, items = {}, []
+        for name, table_ids in ids.items():
+            view = views[name]
+            unique, inverse = unique_ids(table_ids)
+            bad = view.index.invalid_mask(unique)
+            if view.oov == "error" and bool(bad.any()):
+                raise _bad_id_error(view, table_ids, bad[inverse])
+            out = torch.empty((unique.numel(), view.dim), dtype=view.dtype)
+            wanted = self._from_cache(view, unique, bad, out)
+            for route in view.index.route(unique[wanted], invalid="skip"):
+                message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard,
+                                        ids=bytes(tensor_bytes(unique[wanted][route.positions])))
+                items.append(_Item(view, _Remapped(route, wanted), message))
+            if bool(bad.any()):
+                out[bad] = view.fill_row()
+            plans[name] = (view, unique, wanted, inverse, out)
+        self._call_ranks(items)
+        for item in items:
+            positions = item.route.positions
+            plans[item.view.name][4][positions, item.route.columns] = item.answer
+        results = {}
+        for name, (view, unique, wanted, inverse, out) in plans.items():
+            if self.cache is not None and wanted.numel():
+                self.cache.put_many(name, view.version, unique[wanted].tolist(), out[wanted])
+            rows = restore_order(out, inverse)
+            results[name] = rows if dtype is None else rows.to(dtype)
+        return results
+
+    def _from_cache(self, view: TableView, unique: torch.Tensor, bad: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` with cached rows; return the positions (in `unique`) still to fetch."""
+        todo = (~bad).nonzero().view(-1)
+        if self.cache is None or not todo.numel():
+            return todo
+        keys = unique[todo].tolist()
+        found = self.cache.get_many(view.name, view.version, keys)
+        if not found:
+            return todo
+        hit = torch.tensor([k in found for k in keys], dtype=torch.bool)
+        out[todo[hit]] = torch.stack([found[k] for k in keys if k in found])
+        return todo[~hit]
+
+    # ------------------------------------------------------------ bags
+
+    def lookup_bag(self, name: str, ids: Any, offsets: Any, mode: str = "mean",
+                   per_sample_weights: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                   pooling: str = "auto") -> torch.Tensor:
+        """Pooled bags [len(offsets), dim] with nn.EmbeddingBag semantics (include_last_offset=False)."""
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        _check_dtype(dtype)
+        request = _bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
+        pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
+        return pooled if dtype is None else pooled.to(dtype)
+
+    def _bag_once(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
+        weights = request.weights
+        if weights is not None and weights.dtype != view.dtype:
+            raise InvalidArgumentError(f"per_sample_weights has dtype {weights.dtype} but table {view.name!r} "
+                                       f"is {view.dtype}; torch's embedding_bag needs the same dtype")
+        bad = view.index.invalid_mask(request.ids)
+        if view.oov == "error" and bool(bad.any()):
+            raise _bad_id_error(view, request.ids, bad)
+        if pooling == "client" or (pooling == "auto" and (bool(bad.any()) or self.cache is not None)):
+            rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
+            return pool_bags(rows, request.offsets, request.mode, weights)
+        num_bags = request.offsets.numel()
+        routes = view.index.route(request.ids, invalid="skip")
+        if not routes:
+            return torch.zeros((num_bags, view.dim), dtype=view.dtype)
+        items = []
+        for route in routes:
+            order, sub_offsets = bag_subset(request.offsets, route.positions, request.ids.numel())
+            positions = route.positions[order]
+            message = pb.LookupItem(name=view.name, version=view.version, shard_index=route.shard,
+                                    ids=bytes(tensor_bytes(request.ids[positions])), pooled=True,
+                                    offsets=bytes(tensor_bytes(sub_offsets)))
+            if weights is not None:
+                message.per_sample_weights = bytes(tensor_bytes(weights[positions].contiguous()))
+            items.append(_Item(view, route, message))
+        self._call_ranks(items)
+        sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
+        try:
+            return combine_partials([item.answer for item in items], request.mode, view.dtype, sizes)
+        except ValueError as err:
+            raise ShardServeError(f"ranks answered inconsistent partial bags for {view.name!r}: {err}") from None
+
+    # ------------------------------------------------------------ the calls
+
+    def _call_ranks(self, items: list[_Item]) -> None:
+        """One Lookup call per rank, all in parallel; each item gets its answer."""
+        by_rank: dict[int, list[_Item]] = defaultdict(list)
+        for item in items:
+            by_rank[item.route.rank].append(item)
+        jobs = [partial(self._call_rank, rank, group) for rank, group in sorted(by_rank.items())]
+        if jobs:
+            self._cluster._transport.run_all(jobs)
+
+    def _call_rank(self, rank: int, items: list[_Item]) -> None:
+        address = self._cluster._address_of(rank)
+        transport = self._cluster._transport
+        request = pb.LookupRequest(items=[item.message for item in items])
+        expected = sum(_answer_bytes(item) for item in items)
+        stub = transport.shard_server(address)
+        where = f"rank {rank} at {address}"
+        try:
+            call = stub.Lookup(request, timeout=transport.data_timeout(expected), metadata=transport._metadata)
+            buffers = _Receiver(items, where)
+            for chunk in call:
+                buffers.add(chunk)
+            buffers.finish()
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, where) from None
+
+
+class _Remapped:
+    """A route over the fetched subset of distinct ids, with positions mapped back into all distinct ids."""
+
+    def __init__(self, route: RowRoute, wanted: torch.Tensor) -> None:
+        self.shard = route.shard
+        self.rank = route.rank
+        self.columns = route.columns
+        self.positions = wanted[route.positions]
+
+
+def _answer_bytes(item: _Item) -> int:
+    width = item.view.dim if item.route.columns == slice(None) else \
+        item.route.columns.stop - item.route.columns.start
+    rows = len(item.message.offsets) // 8 if item.message.pooled else len(item.message.ids) // 8
+    return rows * width * 8
+
+
+class _Receiver:
+    """Collects the streamed chunks of every item into preallocated tensors and checks versions."""
+
+    def __init__(self, items: list[_Item], where: str) -> None:
+        self.items = items
+        self.where = where
+        self.buffers: list[bytearray | None] = [None] * len(items)
+        self.received = [0] * len(items)
+        self.headers: list[pb.LookupChunk | None] = [None] * len(items)
+
+    def add(self, chunk: pb.LookupChunk) -> None:
+        index = chunk.item
+        if not 0 <= index < len(self.items):
+            raise ShardServeError(f"{self.where} answered item {index} of a {len(self.items)}-item lookup")
+        if chunk.offset == 0 and self.headers[index] is None:
+            item = self.items[index]
+            if chunk.version != item.message.version:
+                raise StaleVersionError(f"{self.where} served {item.message.name!r} at version {chunk.version}, "
+                                        f"not {item.message.version}", grpc.StatusCode.FAILED_PRECONDITION)
+            self.headers[index] = chunk
+            self.buffers[index] = bytearray(chunk.nbytes)
+        buffer = self.buffers[index]
+        end = chunk.offset + len(chunk.data)
+        if buffer is None or chunk.offset != self.received[index] or end > len(buffer):
+            raise ShardServeError(f"{self.where} sent a misplaced chunk for item {index}")
+        buffer[chunk.offset:end] = chunk.data
+        self.received[index] = end
+
+    def finish(self) -> None:
+        for index, item in enumerate(self.items):
+            header, buffer = self.headers[index], self.buffers[index]
+            if header is None or buffer is None or self.received[index] != len(buffer):
+                raise ShardServeError(f"{self.where} did not answer item {index} ({item.message.name!r}) whole")
+            dtype = dtype_from_wire(header.dtype)
+            width = item.view.dim if item.route.columns == slice(None) else \
+                item.route.columns.stop - item.route.columns.start
+            data = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
+            data = data.view(-1, width)
+            if item.message.pooled:
+                counts = torch.frombuffer(bytearray(header.counts), dtype=torch.int64) if header.counts \
+                    else torch.empty(0, dtype=torch.int64)
+                start = item.route.columns.start or 0
+                item.answer = PartialBags(data, counts, start)
+            else:
+                item.answer = data
+
+
+def _check_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and dtype != torch.float32 and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+
+
+def _bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
+                 weights: torch.Tensor | None) -> BagRequest:
+    """Check bag arguments the way nn.EmbeddingBag does; errors name the argument."""
+    if mode not in ("sum", "mean"):
+        raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+    if offsets.numel():
+        if int(offsets[0]) != 0:
+            raise InvalidArgumentError(f"offsets[0] has to be 0, got {int(offsets[0])}")
+        if bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > ids.numel():
+            raise InvalidArgumentError(f"offsets must be non-decreasing and at most len(ids)={ids.numel()}")
+    if weights is not None:
+        if mode != "sum":
+            raise InvalidArgumentError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+        if not isinstance(weights, torch.Tensor) or weights.shape != (ids.numel(),):
+            shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+            raise InvalidArgumentError(f"per_sample_weights must have shape ({ids.numel()},), got {shape}")
+        weights = weights.detach().cpu().contiguous()
+    return BagRequest(ids, offsets, mode, weights)
+
+
+def validate_update(view: TableView, ids: Any, values: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct ids and their rows for update_rows: duplicates keep the LAST value given (as assignment)."""
+    ids = as_ids(ids)
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if values.shape != (ids.numel(), view.dim):
+        raise InvalidArgumentError(f"values has shape {tuple(values.shape)}; expected ({ids.numel()}, {view.dim})")
+    try:
+        validate_ids(ids, view.summary.metadata.size[0], "error")
+    except ValueError as err:
+        raise InvalidArgumentError(f"ids: {err}") from None
+    unique, inverse = unique_ids(ids)
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, inverse, torch.arange(ids.numel(), dtype=torch.int64), reduce="amax")
+    return unique, values.detach().cpu().to(view.dtype)[last].contiguous()
+
+
+def table_options(oov: str, default_row: Any, shape: Sequence[int], dtype: torch.dtype) -> pb.TensorOptions:
+    """TensorOptions for create/put: oov "error" (default), "zero" or "default" (needs default_row)."""
+    policies = {name: number for number, name in _OOV_NAMES.items()}
+    if oov not in policies:
+        raise InvalidArgumentError(f"oov must be one of {sorted(policies)}, got {oov!r}")
+    if oov != "default":
+        if default_row is not None:
+            raise InvalidArgumentError(f"default_row is only used with oov='default', got oov={oov!r}")
+        return pb.TensorOptions(oov=policies[oov])
+    if len(shape) != 2:
+        raise InvalidArgumentError(f"oov='default' needs a 2-D table, got shape {tuple(shape)}")
+    if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
+        got = tuple(default_row.shape) if isinstance(default_row, torch.Tensor) else type(default_row).__name__
+        raise InvalidArgumentError(f"default_row must be a tensor of shape ({shape[1]},), got {got}")
+    row = default_row.detach().cpu().to(dtype).contiguous()
+    return pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=bytes(tensor_bytes(row)))

@@ -1,0 +1,86 @@
+"""update_rows: publish a new version of a 2-D table with some rows replaced, atomically.
+
+The coordinator creates version v+1 as a copy of the READY version v on every
+rank (CreateTensor init=INIT_COPY, still PENDING and invisible), the client
+writes the new rows to every shard holding them (replicas too) with
+ShardServer.WriteRows, and CommitTensor promotes v+1 everywhere before the
+catalog flips to it; readers at v keep reading v until it is dropped, then
+refresh. A reader therefore sees all old or all new rows. Any failure aborts
+v+1. Duplicate ids: the last value given wins, as in a sequence of assignments.
+Concurrent update_rows of one table: a later one aborts a pending earlier one
+(which then raises); updates from one client are serialized per table.
+"""
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from client.errors import ShardServeError
+from client.lookup import TableView, validate_update
+from protos import shardserve_pb2 as pb
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.wire import metadata_to_proto, tensor_bytes
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
+
+WRITE_BATCH_BYTES = 4 << 20
+_locks: dict[tuple[int, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _table_lock(cluster: "Cluster", name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((id(cluster), name), threading.Lock())
+
+
+def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
+    """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version."""
+    with _table_lock(cluster, name):
+        view = cluster._lookups.view(name, refresh=True)
+        unique, rows = validate_update(view, ids, values)
+        meta = view.summary.metadata
+        info = cluster._call("CreateTensor", pb.CreateTensorRequest(
+            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_COPY, overwrite=True,
+            source_version=view.version))
+        try:
+            jobs = [partial(_write_batch, cluster, meta, name, info.version, index, batch_ids, batch_rows)
+                    for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
+            cluster._transport.run_all(jobs)
+            committed = cluster._call("CommitTensor", pb.CommitTensorRequest(name=name, version=info.version))
+        except BaseException:
+            cluster._abort(name, info.version)
+            raise
+        cluster._lookups.view(name, refresh=True)
+        return int(committed.version)
+
+
+def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor):  # type: ignore[no-untyped-def]
+    """(shard index, ids, rows of its columns) for every shard holding some of `ids`, in batches."""
+    for index, shard in enumerate(view.summary.metadata.shards_metadata):
+        start, count = shard.shard_offsets[0], shard.shard_sizes[0]
+        if 0 in shard.shard_sizes:
+            continue
+        mask = (ids >= start) & (ids < start + count)
+        if not bool(mask.any()):
+            continue
+        col, width = shard.shard_offsets[1], shard.shard_sizes[1]
+        shard_ids = ids[mask]
+        shard_rows = rows[mask][:, col:col + width].contiguous()
+        per_batch = max(1, WRITE_BATCH_BYTES // max(1, width * shard_rows.element_size()))
+        for lo in range(0, shard_ids.numel(), per_batch):
+            yield index, shard_ids[lo:lo + per_batch], shard_rows[lo:lo + per_batch]
+
+
+def _write_batch(cluster: "Cluster", meta: ShardedTensorMetadata, name: str, version: int, index: int,
+                 ids: torch.Tensor, rows: torch.Tensor) -> None:
+    address = cluster._address_of(meta.shards_metadata[index].rank)
+    request = pb.WriteRowsRequest(name=name, version=version, shard_index=index, ids=bytes(tensor_bytes(ids)),
+                                  values=bytes(tensor_bytes(rows.contiguous())))
+    reply = cluster._transport.unary(cluster._transport.shard_server(address).WriteRows, request,
+                                     f"rank at {address}", timeout=cluster._transport.data_timeout(len(request.values)))
+    if reply.rows_written != ids.numel():
+        raise ShardServeError(f"rank at {address} wrote {reply.rows_written} of {ids.numel()} rows")
