@@ -43,6 +43,14 @@ class InitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INIT_NORMAL: _ClassVar[InitKind]
     INIT_ARANGE: _ClassVar[InitKind]
     INIT_COPY: _ClassVar[InitKind]
+
+class ReshardPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RESHARD_PHASE_UNSPECIFIED: _ClassVar[ReshardPhase]
+    RESHARD_PREPARING: _ClassVar[ReshardPhase]
+    RESHARD_MOVING: _ClassVar[ReshardPhase]
+    RESHARD_COMMITTING: _ClassVar[ReshardPhase]
+    RESHARD_DONE: _ClassVar[ReshardPhase]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -68,6 +76,11 @@ INIT_ONES: InitKind
 INIT_NORMAL: InitKind
 INIT_ARANGE: InitKind
 INIT_COPY: InitKind
+RESHARD_PHASE_UNSPECIFIED: ReshardPhase
+RESHARD_PREPARING: ReshardPhase
+RESHARD_MOVING: ReshardPhase
+RESHARD_COMMITTING: ReshardPhase
+RESHARD_DONE: ReshardPhase
 
 class TensorProperties(_message.Message):
     __slots__ = ("dtype", "requires_grad", "layout", "memory_format", "pin_memory")
@@ -136,7 +149,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +157,7 @@ class TensorInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    PROMOTING_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -151,7 +165,8 @@ class TensorInfo(_message.Message):
     state: TensorState
     nbytes: int
     created_unix: float
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    promoting: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -200,10 +215,12 @@ class ListRanksRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListRanksResponse(_message.Message):
-    __slots__ = ("ranks",)
+    __slots__ = ("ranks", "collectives_error")
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_ERROR_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...) -> None: ...
+    collectives_error: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
     __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version")
@@ -271,8 +288,38 @@ class DeleteTensorResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReshardRequest(_message.Message):
+    __slots__ = ("name", "metadata", "bucket_bytes", "timeout_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    metadata: ShardedTensorMetadata
+    bucket_bytes: int
+    timeout_s: float
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class ReshardProgress(_message.Message):
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "tensor", "max_new_shard_bytes", "max_staging_bytes")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    phase: ReshardPhase
+    bytes_done: int
+    bytes_total: int
+    version: int
+    tensor: TensorInfo
+    max_new_shard_bytes: int
+    max_staging_bytes: int
+    def __init__(self, phase: _Optional[_Union[ReshardPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[int] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., max_new_shard_bytes: _Optional[int] = ..., max_staging_bytes: _Optional[int] = ...) -> None: ...
+
 class AllocateShardsRequest(_message.Message):
-    __slots__ = ("name", "version", "metadata", "init", "seed", "options", "source_version")
+    __slots__ = ("name", "version", "metadata", "init", "seed", "options", "source_version", "reserve_only")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +327,7 @@ class AllocateShardsRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_ONLY_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -287,7 +335,8 @@ class AllocateShardsRequest(_message.Message):
     seed: int
     options: TensorOptions
     source_version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., source_version: _Optional[int] = ...) -> None: ...
+    reserve_only: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., source_version: _Optional[int] = ..., reserve_only: _Optional[bool] = ...) -> None: ...
 
 class AllocateShardsResponse(_message.Message):
     __slots__ = ("allocated_bytes",)
@@ -442,3 +491,61 @@ class WriteRowsResponse(_message.Message):
     ROWS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     rows_written: int
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
+
+class CollectiveJob(_message.Message):
+    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "reshard")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    after_seq: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    timeout_s: float
+    reshard: ReshardJob
+    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ...) -> None: ...
+
+class ReshardJob(_message.Message):
+    __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SRC_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    src_version: int
+    src: ShardedTensorMetadata
+    dst_version: int
+    dst: ShardedTensorMetadata
+    bucket_bytes: int
+    def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class CollectiveProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEERS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    done: bool
+    error: str
+    failed_peers: _containers.RepeatedScalarFieldContainer[int]
+    new_shard_bytes: int
+    peak_staging_bytes: int
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ...) -> None: ...
+
+class CancelCollectiveRequest(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class CancelCollectiveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_shardserve__pb2.DeleteTensorRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.DeleteTensorResponse.FromString,
                 _registered_method=True)
+        self.Reshard = channel.unary_stream(
+                '/shardserve.v1.Coordinator/Reshard',
+                request_serializer=protos_dot_shardserve__pb2.ReshardRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.ReshardProgress.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -147,6 +152,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reshard(self, request, context):
+        """Coordinated resharding (issue 4): two-phase, see server/reshard_driver.py.
+        Streams progress; the last message has phase RESHARD_DONE and the new TensorInfo.
+        A second reshard of a name while one runs is refused (FAILED_PRECONDITION), not queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +208,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.DeleteTensor,
                     request_deserializer=protos_dot_shardserve__pb2.DeleteTensorRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.DeleteTensorResponse.SerializeToString,
+            ),
+            'Reshard': grpc.unary_stream_rpc_method_handler(
+                    servicer.Reshard,
+                    request_deserializer=protos_dot_shardserve__pb2.ReshardRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.ReshardProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -441,6 +460,33 @@ class Coordinator:
             '/shardserve.v1.Coordinator/DeleteTensor',
             protos_dot_shardserve__pb2.DeleteTensorRequest.SerializeToString,
             protos_dot_shardserve__pb2.DeleteTensorResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reshard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/Reshard',
+            protos_dot_shardserve__pb2.ReshardRequest.SerializeToString,
+            protos_dot_shardserve__pb2.ReshardProgress.FromString,
             options,
             channel_credentials,
             insecure,

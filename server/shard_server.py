@@ -8,6 +8,8 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
+from server.collective_jobs import CollectiveJobs
+from server.collective_jobs import handlers as collective_handlers
 from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
@@ -28,6 +30,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
+        self.collectives = CollectiveJobs(store)
 
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
@@ -38,6 +41,8 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         if request.init == pb.INIT_COPY:
             return pb.AllocateShardsResponse(allocated_bytes=self.store.allocate_copy(
                 name, version, meta, check_version(request.source_version, "source_version"), request.options))
+        if request.reserve_only:  # a collective job (reshard) installs the shards later
+            return pb.AllocateShardsResponse(allocated_bytes=self.store.reserve(name, version, meta, request.options))
         nbytes = self.store.allocate(name, version, meta, request.init, request.seed, request.options)
         return pb.AllocateShardsResponse(allocated_bytes=nbytes)
 
@@ -131,6 +136,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
             servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
             response_serializer=pb.LookupChunk.SerializeToString),
     }
+    handlers.update(collective_handlers(servicer.collectives))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:
         raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")
