@@ -51,6 +51,10 @@ class Catalog(abc.ABC):
     def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
         """READY rows (and PENDING ones when asked), by name then version."""
 
+    @abc.abstractmethod
+    def update(self, info: pb.TensorInfo) -> None:
+        """Replace the stored TensorInfo of the existing row (info.name, info.version), state included."""
+
     def ready(self, name: str) -> pb.TensorInfo | None:
         """The READY version of `name`, or None."""
         ready = [info for info in self.versions(name) if info.state == pb.READY]
@@ -127,6 +131,13 @@ class SQLiteCatalog(Catalog):
             db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
                        (pb.READY, info.SerializeToString(), name, version))
         return info, older
+
+    def update(self, info: pb.TensorInfo) -> None:
+        with self._transaction() as db:
+            cursor = db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
+                                (info.state, info.SerializeToString(), info.name, info.version))
+            if cursor.rowcount != 1:
+                raise KeyError(f"tensor {info.name!r} version {info.version} is not in the catalog")
 
     def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
         where, args = ("name = ?", (name,)) if version == 0 else ("name = ? AND version = ?", (name, version))
