@@ -297,11 +297,15 @@ class Coordinator:
         entries = {r: self._entry(r) for r in ranks}
         jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items()}
         results, failures = {}, []
+        deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
         for rank, job in jobs.items():
             try:
-                results[rank] = job.result()
+                results[rank] = job.result(timeout=max(0.0, deadline - time.monotonic()))
             except grpc.RpcError as err:
                 failures.append(_rank_error(rank, entries[rank].info.address, err))
+            except futures.TimeoutError:
+                failures.append(Unavailable(f"rank {rank} ({entries[rank].info.address}) did not answer "
+                                            f"within {self.rpc_timeout:.0f}s"))
         if failures:
             log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
             raise failures[0]
