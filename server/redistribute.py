@@ -49,10 +49,13 @@ operation is left to the process group's own timeout/watchdog.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
+import functools
 import heapq
 import itertools
 import math
 import operator
+import sys
 import threading
 import time
 from collections import deque
@@ -70,6 +73,8 @@ T = TypeVar("T")
 
 DEFAULT_MAX_IN_FLIGHT = 2
 _CUDA_POLL_S = 0.0005
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
 
 
 class ReshardError(RuntimeError):
@@ -115,7 +120,7 @@ class _StagingPool:
         if free:
             buffer = free.pop()
         else:
-            buffer = torch.empty(self._capacity, dtype=torch.uint8, device=device)
+            buffer = fresh_empty((self._capacity,), torch.uint8, device)
             self._stats.staging_bytes += self._capacity
             self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self._stats.staging_bytes)
         return buffer, buffer[:nbytes]
@@ -343,9 +348,42 @@ def _allocate_destination(plan: ReshardPlan, rank: int, stats: ReshardStats) -> 
         device = shard.device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"dst.shards_metadata[{index}] is placed on {device} but CUDA is not available")
-        out[index] = torch.empty(shard.shard_sizes, dtype=plan.dst.dtype, device=device)
+        out[index] = fresh_empty(shard.shard_sizes, plan.dst.dtype, device)
         stats.new_shard_bytes += out[index].numel() * out[index].element_size()
     return out
+
+
+def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.empty, with a large CPU tensor backed by transparent huge pages before its first touch.
+
+    A reshard writes every byte of its new shards once; with 4 KiB pages the
+    page faults cost more than the copy itself (3-4x on 128 MiB), with 2 MiB
+    pages they almost vanish. Linux only, and only where THP is "madvise" or
+    "always"; elsewhere this is plain torch.empty.
+    """
+    tensor = torch.empty(shape, dtype=dtype, device=device)
+    nbytes = tensor.numel() * tensor.element_size()
+    madvise = _libc_madvise()
+    if madvise is not None and tensor.device.type == "cpu" and nbytes >= 2 * _HUGE_PAGE:
+        start = (tensor.data_ptr() + _HUGE_PAGE - 1) & ~(_HUGE_PAGE - 1)
+        end = (tensor.data_ptr() + nbytes) & ~(_HUGE_PAGE - 1)
+        if end > start:
+            madvise(start, end - start, _MADV_HUGEPAGE)
+    return tensor
+
+
+@functools.lru_cache(maxsize=1)
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise on Linux, else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
 
 
 def _rounds(rank: int, sends: tuple[Bucket, ...],
