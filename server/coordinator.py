@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import grpc
 
@@ -24,6 +24,7 @@ from server.auth import Security, make_channel
 from server.catalog import Catalog
 from server.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
                            Unavailable, rpc_errors)
+from server.reshard_driver import ReshardDriver
 from server.requests import check_name, check_version, parse_metadata
 from server.store import check_init
 from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
@@ -68,6 +69,7 @@ class Coordinator:
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
         self._stop = threading.Event()
+        self.reshards = ReshardDriver(self)
         self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
         self._monitor.start()
 
@@ -89,6 +91,7 @@ class Coordinator:
                  info.pid, info.hostname)
         held_pairs = {(h.name, h.version) for h in held}
         self._background.submit(self._reconcile, info.rank, held_pairs)
+        self._background.submit(self.reshards.finish_promotions)
         return self.heartbeat_interval
 
     def heartbeat(self, rank: int, memory_used: int) -> None:
@@ -102,7 +105,8 @@ class Coordinator:
             entry.info.last_heartbeat_unix = time.time()
             if entry.reported_dead:
                 entry.reported_dead = False
-                log.info("rank %d is alive again", rank)
+                log.info("rank %d is alive again; reconciling what it holds", rank)
+                self._background.submit(self._reconcile_from_stats, rank)
 
     def mark_exited(self, rank: int, reason: str) -> None:
         """Mark a rank dead at once (its process is known to have ended)."""
@@ -295,8 +299,11 @@ class Coordinator:
     def _fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
         """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
         entries = {r: self._entry(r) for r in ranks}
-        jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items()}
         results, failures = {}, []
+        for rank, entry in entries.items():
+            if not self.is_alive(entry):  # fail fast: a stopped rank would hold the call until its deadline
+                failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
+        jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items() if self.is_alive(e)}
         deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
         for rank, job in jobs.items():
             try:
@@ -319,6 +326,15 @@ class Coordinator:
                           f"drop {name!r} version {version}")
         except ServiceError as err:
             log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
+
+    def _reconcile_from_stats(self, rank: int) -> None:
+        """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped."""
+        try:
+            stats = self._entry(rank).stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
+        except (grpc.RpcError, ServiceError) as err:
+            log.warning("could not reconcile rank %d: %s", rank, err)
+            return
+        self._reconcile(rank, {(h.name, h.version) for h in stats.held})
 
     def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
         """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know."""
@@ -445,7 +461,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @rpc_errors
     def ListRanks(self, request: pb.ListRanksRequest, context: grpc.ServicerContext) -> pb.ListRanksResponse:
-        return pb.ListRanksResponse(ranks=self.coordinator.ranks())
+        return pb.ListRanksResponse(ranks=self.coordinator.ranks(),
+                                    collectives_error=self.coordinator.reshards.collectives_error)
 
     @rpc_errors
     def CreateTensor(self, request: pb.CreateTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:
@@ -469,6 +486,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ListTensors(self, request: pb.ListTensorsRequest,
                     context: grpc.ServicerContext) -> pb.ListTensorsResponse:
         return pb.ListTensorsResponse(tensors=self.coordinator.list(request.include_pending))
+
+    @rpc_errors
+    def Reshard(self, request: pb.ReshardRequest, context: grpc.ServicerContext) -> Iterator[pb.ReshardProgress]:
+        yield from self.coordinator.reshards.reshard(request)
 
     @rpc_errors
     def DeleteTensor(self, request: pb.DeleteTensorRequest,

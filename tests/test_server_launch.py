@@ -140,14 +140,20 @@ def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(watched)
     try:
         tensor = torch.randn(6, 4)
         info = put(stubs, "on0", tensor, meta_on([0]))
+        spread = put(stubs, "spread", tensor, meta_on([0, 1]))
         cluster.kill_rank(1, signal.SIGSTOP)  # alive as a process, silent as a rank
         try:
             wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "rank 1 to be marked dead")
             err = rpc_error(create, stubs, "on1", meta_on([1]))
             assert err.code() == grpc.StatusCode.UNAVAILABLE and "rank 1 is not alive" in err.details()
+            stubs.coord.DeleteTensor(pb.DeleteTensorRequest(name="spread"), timeout=5)  # rank 1 is skipped
         finally:
             cluster.kill_rank(1, signal.SIGCONT)
         wait_until(lambda: alive(stubs) == {0: True, 1: True}, 15, "rank 1 to be alive again")
+
+        def held_by_1():
+            return {(h.name, h.version) for h in stubs.ranks[1].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held}
+        wait_until(lambda: ("spread", spread.version) not in held_by_1(), 15, "rank 1 to drop the deleted tensor")
         cluster.kill_rank(1, signal.SIGKILL)
         wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "killed rank 1 to be marked dead")
         assert torch.equal(read_full(stubs, info), tensor)
