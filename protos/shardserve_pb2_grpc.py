@@ -549,6 +549,16 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
                 _registered_method=True)
+        self.RunCollective = channel.unary_stream(
+                '/shardserve.v1.ShardServer/RunCollective',
+                request_serializer=protos_dot_shardserve__pb2.CollectiveJob.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.CollectiveProgress.FromString,
+                _registered_method=True)
+        self.CancelCollective = channel.unary_unary(
+                '/shardserve.v1.ShardServer/CancelCollective',
+                request_serializer=protos_dot_shardserve__pb2.CancelCollectiveRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.CancelCollectiveResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -609,6 +619,21 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunCollective(self, request, context):
+        """Collective jobs (issue 4; see server/collective_jobs.py): run on the rank's one
+        collective thread after job `after_seq`; progress streams until a message with done=true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelCollective(self, request, context):
+        """Forget a job that has not started (it fails with "cancelled"); running jobs are unaffected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -651,6 +676,16 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.WriteRows,
                     request_deserializer=protos_dot_shardserve__pb2.WriteRowsRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.WriteRowsResponse.SerializeToString,
+            ),
+            'RunCollective': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunCollective,
+                    request_deserializer=protos_dot_shardserve__pb2.CollectiveJob.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.CollectiveProgress.SerializeToString,
+            ),
+            'CancelCollective': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelCollective,
+                    request_deserializer=protos_dot_shardserve__pb2.CancelCollectiveRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.CancelCollectiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -871,6 +906,60 @@ class ShardServer:
             '/shardserve.v1.ShardServer/WriteRows',
             protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
             protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunCollective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/RunCollective',
+            protos_dot_shardserve__pb2.CollectiveJob.SerializeToString,
+            protos_dot_shardserve__pb2.CollectiveProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelCollective(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/CancelCollective',
+            protos_dot_shardserve__pb2.CancelCollectiveRequest.SerializeToString,
+            protos_dot_shardserve__pb2.CancelCollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

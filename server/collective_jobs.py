@@ -297,7 +297,7 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     else:
         out = run_reshard(plan, rank, {}, ctx.time_left(), stats=stats)
     if dst.shards_on(rank):
-        ctx.store.install(name, dst_version, out)
+        ctx.store.fill_reserved(name, dst_version, out)
     ctx.progress.new_shard_bytes = stats.new_shard_bytes
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
     log.info("rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes",

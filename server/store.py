@@ -161,7 +161,7 @@ class ShardStore:
 
     def reserve(self, name: str, version: int, meta: ShardedTensorMetadata,
                 options: pb.TensorOptions | None = None) -> int:
-        """Account (name, version) against the memory limit, allocating nothing: `install` fills it later."""
+        """Account (name, version) against the memory limit, allocating nothing: `fill_reserved` fills it later."""
         local = meta.shards_on(self.rank)
         for i in local:
             if meta.shards_metadata[i].device != self.device:
@@ -173,8 +173,8 @@ class ShardStore:
         log.info("rank %d reserved %d bytes for %r version %d", self.rank, nbytes, name, version)
         return nbytes
 
-    def install(self, name: str, version: int, shards: dict[int, torch.Tensor]) -> None:
-        """Put the finished local shards of a reserved pending version in place (every local shard at once)."""
+    def fill_reserved(self, name: str, version: int, shards: dict[int, torch.Tensor]) -> None:
+        """Put the finished local shards of a `reserve`d pending version in place (every local shard at once)."""
         with self._lock:
             entry = self._get(name, version)
             if entry.state is VersionState.SERVED:

@@ -1,0 +1,410 @@
+"""Coordinated resharding on the coordinator: job numbering, the collective fan-out, PREPARE/COMMIT/ABORT.
+
+Collective jobs (generic; issue 5's DCP load/save uses the same path): the
+`JobSequencer` gives each job a `seq` from the catalog's growing counter and,
+per participant, `after_seq` (that rank's previous job), and `CollectiveRunner`
+sends RunCollective to every participant in parallel, sums their progress and
+fails the job as soon as one rank fails (after a short grace to hear the
+others), naming the rank that is down or hung. See server/collective_jobs.py
+for the rank side.
+
+Reshard(name, new metadata):
+1. PREPARE: validate (same size and dtype, placements on live ranks: a dead one
+   is FAILED_PRECONDITION naming it), take the name (a second reshard of the
+   same name while one runs is refused, not queued), record the new version
+   PENDING with the `promoting` marker, reserve its memory on the destination
+   ranks (AllocateShards reserve_only), then run a "reshard" collective job:
+   each rank builds the same plan, moves the data and stages the new version
+   beside the old one. Reads stay on the old version throughout.
+2. COMMIT: the catalog turns the new version READY (old READY rows removed) in
+   one transaction, the marker still set; the ranks promote it, the old
+   version is dropped (freed once reads in flight end), the marker cleared. A
+   coordinator restarted in between finishes this when the ranks re-register
+   (`finish_promotions`), and aborts reshards that never reached COMMIT.
+3. ABORT on any failure, timeout or client cancel: the job is cancelled and
+   the new version dropped on every participant; the old one stays whole.
+
+A job that fails with a dead or hung peer leaves the torch.distributed world
+unusable for collectives (see collective_jobs); the coordinator then refuses
+reshards with a message saying what the operator must do, also shown by
+ListRanks (`shardserve status`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from server.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from server.requests import check_name, parse_metadata
+from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
+from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard
+from shardcore.wire import metadata_from_proto, metadata_to_proto
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+# Test hook: the coordinator process exits right after a reshard's catalog commit.
+EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
+EXIT_AFTER_COMMIT_CODE = 17
+_FAILURE_GRACE_S = 2.0   # after one rank failed, how long to hear the others before naming the culprit
+_RPC_SLACK_S = 15.0      # RunCollective deadline beyond the job's own timeout
+_CONTROL_TIMEOUT_S = 10.0
+
+
+class CollectiveJobError(ServiceError):
+    """A collective job failed; `culprits` are the ranks that are down or hung (empty: a plain failure)."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, culprits: Sequence[int] = ()) -> None:
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE if culprits else None)
+        self.culprits = tuple(culprits)
+
+
+class JobSequencer:
+    """Numbers collective jobs and remembers each rank's last job, so ranks chain them in one order."""
+
+    def __init__(self, next_number: Callable[[], int]) -> None:
+        self._next_number = next_number
+        self._last: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def assign(self, ranks: Sequence[int]) -> tuple[int, dict[int, int]]:
+        """(seq of a new job over `ranks`, {rank: after_seq})."""
+        with self._lock:
+            seq = self._next_number()
+            after = {r: self._last.get(r, 0) for r in ranks}
+            self._last.update({r: seq for r in ranks})
+        return seq, after
+
+
+class CollectiveRunner:
+    """Runs one collective job on its participants and reports their summed progress."""
+
+    def __init__(self, coordinator: "Coordinator") -> None:
+        self.coordinator = coordinator
+        self.sequencer = JobSequencer(coordinator.catalog.next_version)
+        self.broken: str | None = None
+
+    def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
+            ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
+        """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
+
+        Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
+        is set here; on failure the job is cancelled on every participant.
+        """
+        ranks = sorted(set(ranks))
+        if self.broken is not None:
+            raise FailedPrecondition(self.broken)
+        entries = {r: self.coordinator._entry(r) for r in ranks}
+        seq, after = self.sequencer.assign(ranks)
+        job.seq = seq
+        del job.ranks[:]
+        job.ranks.extend(ranks)
+        events: "queue.Queue[tuple[int, object]]" = queue.Queue()
+        calls = {}
+        for rank, entry in entries.items():
+            request = pb.CollectiveJob()
+            request.CopyFrom(job)
+            request.after_seq = after[rank]
+            calls[rank] = entry.stub.RunCollective(request, timeout=job.timeout_s + _RPC_SLACK_S)
+            threading.Thread(target=_pump, args=(rank, calls[rank], events), daemon=True,
+                             name=f"collective-{seq}-rank-{rank}").start()
+        latest = {r: pb.CollectiveProgress() for r in ranks}
+        finals: dict[int, pb.CollectiveProgress] = {}
+        failures: dict[int, object] = {}
+        deadline = time.monotonic() + job.timeout_s + _RPC_SLACK_S
+        give_up = deadline
+        try:
+            while len(finals) + len(failures) < len(ranks):
+                try:
+                    rank, item = events.get(timeout=max(0.0, give_up - time.monotonic()))
+                except queue.Empty:
+                    break
+                if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
+                    latest[rank] = item
+                    if item.done:
+                        finals[rank] = item
+                    yield sum(p.bytes_done for p in latest.values()), sum(p.bytes_total for p in latest.values())
+                    continue
+                failures[rank] = item
+                give_up = min(give_up, time.monotonic() + _FAILURE_GRACE_S)
+        finally:
+            for call in calls.values():
+                call.cancel()
+        missing = [r for r in ranks if r not in finals and r not in failures]
+        if failures or missing:
+            self._cancel(seq, ranks)
+            raise self._failure(what, failures, missing)
+        return finals
+
+    def _cancel(self, seq: int, ranks: Sequence[int]) -> None:
+        request = pb.CancelCollectiveRequest(seq=seq)
+        for rank in ranks:
+            try:
+                self.coordinator._entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
+            except (grpc.RpcError, ServiceError):
+                pass  # a dead rank runs nothing
+
+    def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
+        """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
+        down = {r for r, f in failures.items() if isinstance(f, grpc.RpcError)}
+        down |= {r for r in set(failures) | set(missing) if not self._alive(r)}
+        reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
+        named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
+        culprits = down | (named - reporters)
+        if not culprits and (named or missing):
+            culprits = named | set(missing)
+        details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(failures.items()))
+        if not culprits:
+            return CollectiveJobError(f"{what} failed: {details}")
+        parts = [f"rank {r} is down" if r in down or not self._alive(r) else
+                 f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
+        first = min(culprits)
+        self.broken = (f"rank {first} is down or hung; resharding onto/from it is impossible until the cluster "
+                       f"is restarted (the torch.distributed world is not re-formed in place: stop and start "
+                       f"`shardserve up`, or restart every torchrun worker). Reads and writes keep working "
+                       f"on the live ranks.")
+        log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
+        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
+                                  f"{self.broken} Details: {details or 'no answer'}", sorted(culprits))
+
+    def _alive(self, rank: int) -> bool:
+        try:
+            return self.coordinator.is_alive(self.coordinator._entry(rank))
+        except ServiceError:
+            return False
+
+
+def _pump(rank: int, call: grpc.Call, events: "queue.Queue[tuple[int, object]]") -> None:
+    """Forward one rank's progress stream (or its RPC failure) into the runner's queue."""
+    try:
+        for message in call:
+            events.put((rank, message))
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.CANCELLED:
+            events.put((rank, err))
+
+
+def _describe(failure: object) -> str:
+    if isinstance(failure, grpc.RpcError):
+        return f"{failure.code().name}: {failure.details()}"
+    assert isinstance(failure, pb.CollectiveProgress)
+    return failure.error
+
+
+class ReshardDriver:
+    """The Reshard RPC's logic; one per coordinator."""
+
+    def __init__(self, coordinator: "Coordinator", default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.coordinator = coordinator
+        self.catalog = coordinator.catalog
+        self.jobs = CollectiveRunner(coordinator)
+        self.default_timeout_s = default_timeout_s
+        self._running: set[str] = set()
+        self._old_versions: dict[str, pb.TensorInfo] = {}  # committed, to drop once the new one is promoted
+        self._running_lock = threading.Lock()
+
+    @property
+    def collectives_error(self) -> str:
+        return self.jobs.broken or ""
+
+    @contextmanager
+    def _claim(self, name: str) -> Iterator[None]:
+        with self._running_lock:
+            if name in self._running:
+                raise FailedPrecondition(f"reshard of {name!r} already in progress (a second reshard is refused, "
+                                         f"not queued: retry once it has finished)")
+            self._running.add(name)
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running.discard(name)
+
+    def reshard(self, request: pb.ReshardRequest) -> Iterator[pb.ReshardProgress]:
+        """Run one reshard, streaming its progress; the last message carries the new READY TensorInfo."""
+        name = check_name(request.name)
+        dst = parse_metadata(request.metadata)
+        bucket_bytes = _bucket_bytes(request.bucket_bytes)
+        timeout_s = _timeout(request.timeout_s, self.default_timeout_s)
+        if self.jobs.broken is not None:
+            raise FailedPrecondition(self.jobs.broken)
+        with self._claim(name), self.coordinator._name_lock(name):
+            info = self.catalog.ready(name)
+            if info is None:
+                raise NotFound(f"tensor {name!r} not found")
+            src = metadata_from_proto(info.metadata)
+            plan = _plan(src, dst, bucket_bytes)
+            self._check_ranks(sorted(set(src.ranks()) | set(dst.ranks())))
+            self.coordinator._check_placements(dst)
+            new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
+                                options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
+                                created_unix=time.time(), promoting=True)
+            total = sum(dst.shard_nbytes(i) for i in range(len(dst.shards_metadata)))
+            yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
+            self.catalog.add(new)
+            participants = sorted(set(dst.ranks()) | {t.src_rank for t in plan.transfers})
+            try:
+                finals = yield from self._prepare(info, new, src, dst, plan, participants, timeout_s, total)
+            except BaseException:
+                self._abort(new, participants)
+                raise
+            ready = self._commit(new, info)
+            yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
+                                     version=new.version)
+            self._promote(ready)
+            yield pb.ReshardProgress(
+                phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
+                max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
+                max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
+
+    def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, src: ShardedTensorMetadata,
+                 dst: ShardedTensorMetadata, plan: ReshardPlan, participants: list[int], timeout_s: float,
+                 total: int) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
+        """Reserve the new version's memory, then run the reshard job on every participant."""
+        reserve = pb.AllocateShardsRequest(name=new.name, version=new.version, metadata=new.metadata,
+                                           options=new.options, reserve_only=True)
+        self.coordinator._fan_out(dst.ranks(), lambda stub: stub.AllocateShards(
+            reserve, timeout=self.coordinator.rpc_timeout), f"reserve {new.name!r} version {new.version}")
+        job = pb.CollectiveJob(timeout_s=timeout_s, reshard=pb.ReshardJob(
+            name=new.name, src_version=old.version, src=old.metadata, dst_version=new.version, dst=new.metadata,
+            bucket_bytes=plan.bucket_bytes))
+        what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
+        log.info("%s: %d bytes over ranks %s, buckets of %d bytes", what, total, participants, plan.bucket_bytes)
+        runner = self.jobs.run(job, participants, what)
+        try:
+            while True:
+                done, _ = next(runner)
+                yield pb.ReshardProgress(phase=pb.RESHARD_MOVING, bytes_done=min(done, total), bytes_total=total,
+                                         version=new.version)
+        except StopIteration as stop:
+            return stop.value
+
+    def _abort(self, new: pb.TensorInfo, participants: list[int]) -> None:
+        """Forget the new version: catalog row removed, staged shards dropped on every participant."""
+        self.catalog.remove(new.name, new.version)
+        request = pb.DropVersionRequest(name=new.name, version=new.version)
+        for rank in participants:
+            try:
+                self.coordinator._entry(rank).stub.DropVersion(request, timeout=_CONTROL_TIMEOUT_S)
+            except (grpc.RpcError, ServiceError) as err:
+                log.warning("abort: could not drop %r version %d on rank %d: %s", new.name, new.version, rank, err)
+        log.warning("reshard of %r aborted; version %d dropped", new.name, new.version)
+
+    def _commit(self, new: pb.TensorInfo, old: pb.TensorInfo) -> pb.TensorInfo:
+        """The catalog's one transaction: the new version READY (marker still set), older READY rows gone."""
+        ready, _ = self.catalog.commit(new.name, new.version)
+        log.info("reshard of %r committed in the catalog: version %d replaces %d", new.name, new.version, old.version)
+        if os.environ.get(EXIT_AFTER_COMMIT_ENV):
+            log.error("%s is set: exiting after the catalog commit", EXIT_AFTER_COMMIT_ENV)
+            logging.shutdown()
+            os._exit(EXIT_AFTER_COMMIT_CODE)
+        self._old_versions[new.name] = old
+        return ready
+
+    def _promote(self, ready: pb.TensorInfo) -> bool:
+        """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
+        ranks = _ranks_of(ready)
+        promote = pb.PromoteVersionRequest(name=ready.name, version=ready.version)
+        try:
+            self.coordinator._fan_out(ranks, lambda stub: stub.PromoteVersion(
+                promote, timeout=self.coordinator.rpc_timeout), f"promote {ready.name!r} version {ready.version}")
+        except ServiceError as err:
+            log.error("promotion of %r version %d is unfinished (%s); it completes when the ranks re-register",
+                      ready.name, ready.version, err.message)
+            return False
+        old = self._old_versions.pop(ready.name, None)
+        if old is not None:
+            self.coordinator._drop_quietly(ready.name, old.version, _ranks_of(old))
+        ready.promoting = False
+        self.catalog.update(ready)
+        log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
+        return True
+
+    def finish_promotions(self) -> None:
+        """After a coordinator restart: promote committed reshards, abort ones that never committed."""
+        try:
+            for info in self.catalog.list(include_pending=True):
+                if not info.promoting or info.name in self._running:
+                    continue
+                lock = self.coordinator._name_lock(info.name)
+                if not lock.acquire(timeout=0.1):
+                    continue
+                try:
+                    self._finish_one(info)
+                finally:
+                    lock.release()
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("finishing reshard promotions failed")
+
+    def _finish_one(self, info: pb.TensorInfo) -> None:
+        current = self.catalog.get(info.name, info.version)
+        if current is None or not current.promoting:
+            return
+        if current.state != pb.READY:
+            log.warning("reshard of %r to version %d never committed (coordinator restarted); aborting it",
+                        current.name, current.version)
+            self.catalog.remove(current.name, current.version)
+            self.coordinator._drop_quietly(current.name, current.version,
+                                           [r for r in _ranks_of(current) if self._registered(r)])
+            return
+        if all(self._registered(r) for r in _ranks_of(current)) and self._promote(current):
+            log.info("finished the promotion of %r version %d after a coordinator restart",
+                     current.name, current.version)
+
+    def _registered(self, rank: int) -> bool:
+        try:
+            return self.coordinator.is_alive(self.coordinator._entry(rank))
+        except ServiceError:
+            return False
+
+    def _check_ranks(self, ranks: list[int]) -> None:
+        """FAILED_PRECONDITION naming the first rank of the reshard that is not alive."""
+        for rank in ranks:
+            try:
+                entry = self.coordinator._entry(rank)
+            except Unavailable:
+                raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
+            if not self.coordinator.is_alive(entry):
+                raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
+                                         f"is back (restart the cluster if it died)")
+
+
+def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> ReshardPlan:
+    if src.size != dst.size:
+        raise InvalidArgument(f"metadata.size {dst.size} differs from the tensor's size {src.size}")
+    if src.dtype != dst.dtype:
+        raise InvalidArgument(f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
+                              f"dtype {src.dtype}")
+    try:
+        return plan_reshard(src, dst, bucket_bytes)
+    except ValueError as err:
+        raise InvalidArgument(f"metadata: {err}") from None
+
+
+def _bucket_bytes(value: int) -> int:
+    if value < 0:
+        raise InvalidArgument(f"bucket_bytes {value} is negative (0 = default)")
+    return value or DEFAULT_BUCKET_BYTES
+
+
+def _timeout(value: float, default: float) -> float:
+    if value != value or value < 0 or value == float("inf"):
+        raise InvalidArgument(f"timeout_s {value} must be a finite number >= 0 (0 = default)")
+    return value or default
+
+
+def _ranks_of(info: pb.TensorInfo) -> list[int]:
+    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
