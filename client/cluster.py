@@ -33,16 +33,22 @@ INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NO
 
 
 def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
-            tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0) -> "Cluster":
+            tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0,
+            row_cache_max_age: float = 1.0) -> "Cluster":
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
-    `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache).
+    `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache);
+    cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
     """
     check_address(address)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     cache = RowCache(row_cache_bytes) if row_cache_bytes else None
+    if isinstance(row_cache_max_age, bool) or not isinstance(row_cache_max_age, (int, float)) \
+            or row_cache_max_age < 0:
+        raise ValueError(f"row_cache_max_age must be a number of seconds >= 0, got {row_cache_max_age!r}")
     cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)), cache)
+    cluster._lookups.cache_max_age = float(row_cache_max_age)
     try:
         cluster._refresh_ranks()
     except BaseException:

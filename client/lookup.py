@@ -21,6 +21,7 @@ version, so an answer never mixes versions) and runs:
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
@@ -138,18 +139,26 @@ def _bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> Inva
 class Lookups:
     """Table views of one cluster and the lookup calls over them."""
 
-    def __init__(self, cluster: "Cluster", cache: "RowCache | None" = None) -> None:
+    def __init__(self, cluster: "Cluster", cache: "RowCache | None" = None, cache_max_age: float = 1.0) -> None:
         self._cluster = cluster
         self.cache = cache
+        self.cache_max_age = cache_max_age
         self._views: dict[str, TableView] = {}
+        self._fetched: dict[str, float] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ views
 
     def view(self, name: str, refresh: bool = False) -> TableView:
-        """The cached view of `name` (fetched from the coordinator when missing or when asked)."""
+        """The cached view of `name` (fetched from the coordinator when missing or when asked).
+
+        With a row cache, lookups answered from it alone never reach a rank that would say the version
+        is stale, so the view is also refreshed when older than `cache_max_age` seconds.
+        """
         with self._lock:
             view = self._views.get(name)
+            if self.cache is not None and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age:
+                refresh = True
         if view is None or refresh:
             info = self._cluster._call("GetTensor", pb.GetTensorRequest(name=name))
             view = TableView.from_info(info)
@@ -158,6 +167,7 @@ class Lookups:
                 if old is None or old.version <= view.version:
                     self._views[name] = view
                 view = self._views[name]
+                self._fetched[name] = time.monotonic()
             if self.cache is not None:
                 self.cache.invalidate_older(name, view.version)
         return view
@@ -267,7 +277,7 @@ class Lookups:
         self._call_ranks(items)
         sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
         try:
-            return combine_partials([item.answer for item in items], request.mode, view.dtype, sizes)
+            return combine_partials(_split_columns([item.answer for item in items]), request.mode, view.dtype, sizes)
         except ValueError as err:
             raise ShardServeError(f"ranks answered inconsistent partial bags for {view.name!r}: {err}") from None
 
@@ -307,6 +317,21 @@ class _Remapped:
         self.rank = route.rank
         self.columns = route.columns
         self.positions = wanted[route.positions]
+
+
+def _split_columns(partials: list[PartialBags]) -> list[PartialBags]:
+    """Partials cut at every column boundary of any of them, so row bands split by other columns combine."""
+    cuts = sorted({p.col_offset for p in partials} | {p.col_offset + p.width for p in partials})
+    if all(p.col_offset in cuts and cuts[cuts.index(p.col_offset) + 1] == p.col_offset + p.width
+           for p in partials):
+        return partials
+    pieces = []
+    for part in partials:
+        inner = [c for c in cuts if part.col_offset <= c <= part.col_offset + part.width]
+        for lo, hi in zip(inner, inner[1:]):
+            start = lo - part.col_offset
+            pieces.append(PartialBags(part.sums[:, start:start + hi - lo], part.counts, lo))
+    return pieces
 
 
 def _answer_bytes(item: _Item) -> int:

@@ -1,0 +1,346 @@
+"""Embedding serving end to end on a real 3-rank cluster: lookups, bags, modules, OOV, hostile requests, updates."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from client import (Cluster, InvalidArgumentError, RemoteEmbedding, RemoteEmbeddingBag, ResourceExhaustedError,
+                    connect)
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.launcher import LocalCluster
+from shardcore.metadata import ShardMetadata
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+
+ROWS, DIM = 50, 12
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _spec(boxes: list[tuple[tuple[int, int], tuple[int, int], int]]) -> EnumerableShardingSpec:
+    return EnumerableShardingSpec([ShardMetadata(o, s, f"rank:{r}/cpu") for o, s, r in boxes])
+
+
+LAYOUTS = {
+    "rows-uneven": _spec([((0, 0), (7, DIM), 0), ((7, 0), (23, DIM), 1), ((30, 0), (20, DIM), 2)]),
+    "columns": ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
+    "grid": _spec([((0, 0), (20, 5), 0), ((0, 5), (20, 7), 1), ((20, 0), (30, 8), 2), ((20, 8), (30, 4), 0)]),
+    "table-wise": _spec([((0, 0), (ROWS, DIM), 1)]),
+}
+
+
+@pytest.fixture(scope="module")
+def cl(cluster3: LocalCluster) -> Iterator[Cluster]:
+    with connect(cluster3.address) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def tables(cl: Cluster) -> dict[tuple[str, torch.dtype], torch.Tensor]:
+    """Every layout in every dtype, put on the cluster as '<layout>-<dtype>'; the local copies."""
+    generator = torch.Generator().manual_seed(5)
+    out = {}
+    for layout, spec in LAYOUTS.items():
+        for dtype in DTYPES:
+            table = torch.randn(ROWS, DIM, generator=generator).to(dtype)
+            cl.put(_name(layout, dtype), table, spec=spec)
+            out[(layout, dtype)] = table
+    return out
+
+
+def _name(layout: str, dtype: torch.dtype) -> str:
+    return f"{layout}-{str(dtype).removeprefix('torch.')}"
+
+
+IDS = torch.tensor([3, 49, 3, 0, 17, 29, 30, 20, 19, 3, 44, 7, 6])
+OFFSETS = torch.tensor([0, 3, 3, 7, 12, 13])  # an empty bag in the middle and at the end
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lookup_is_f_embedding(cl: Cluster, tables: dict, layout: str, dtype: torch.dtype) -> None:
+    table = tables[(layout, dtype)]
+    remote = cl.tensor(_name(layout, dtype))
+    assert torch.equal(remote.lookup(IDS), F.embedding(IDS, table))
+    as_float = remote.lookup(IDS.tolist(), dtype=torch.float32)
+    assert as_float.dtype == torch.float32 and torch.equal(as_float, F.embedding(IDS, table).float())
+    assert remote.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_lookup_bag_is_f_embedding_bag(cl: Cluster, tables: dict, layout: str, dtype: torch.dtype,
+                                       mode: str) -> None:
+    table = tables[(layout, dtype)]
+    remote = cl.tensor(_name(layout, dtype))
+    expected = F.embedding_bag(IDS, table, OFFSETS, mode=mode)
+    pooled = remote.lookup_bag(IDS, OFFSETS, mode=mode)
+    assert pooled.dtype == dtype and pooled.shape == (OFFSETS.numel(), DIM)
+    torch.testing.assert_close(pooled, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    assert torch.equal(pooled[1], torch.zeros(DIM, dtype=dtype)) and torch.equal(pooled[-1], pooled[1])
+    assert torch.equal(remote.lookup_bag(IDS, OFFSETS, mode=mode, pooling="client"), expected)
+    if layout == "table-wise" and dtype != torch.bfloat16:  # one shard pools every bag: torch's own kernel
+        assert torch.equal(pooled, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["rows-uneven", "grid"])
+def test_per_sample_weights(cl: Cluster, tables: dict, layout: str, dtype: torch.dtype) -> None:
+    table = tables[(layout, dtype)]
+    weights = torch.linspace(-1, 2, IDS.numel()).to(dtype)
+    remote = cl.tensor(_name(layout, dtype))
+    expected = F.embedding_bag(IDS, table, OFFSETS, mode="sum", per_sample_weights=weights)
+    torch.testing.assert_close(remote.lookup_bag(IDS, OFFSETS, "sum", weights), expected,
+                               atol=4 * TOLERANCE[dtype], rtol=4 * TOLERANCE[dtype])
+    assert torch.equal(remote.lookup_bag(IDS, OFFSETS, "sum", weights, pooling="client"), expected)
+
+
+def test_bags_within_one_shard_are_bit_for_bit(cl: Cluster, tables: dict) -> None:
+    table = tables[("rows-uneven", torch.float32)]
+    ids, offsets = torch.tensor([1, 6, 1, 8, 29, 10, 31, 49, 49]), torch.tensor([0, 3, 6])
+    remote = cl.tensor(_name("rows-uneven", torch.float32))
+    for mode in ("sum", "mean"):
+        assert torch.equal(remote.lookup_bag(ids, offsets, mode), F.embedding_bag(ids, table, offsets, mode=mode))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_modules_are_drop_in(cl: Cluster, tables: dict, layout: str) -> None:
+    table = tables[(layout, torch.float32)]
+    name = _name(layout, torch.float32)
+    ids2d = IDS[:12].view(3, 4)
+    assert torch.equal(RemoteEmbedding(cl, name)(ids2d), nn.Embedding.from_pretrained(table)(ids2d))
+    for mode in ("sum", "mean"):
+        local = nn.EmbeddingBag.from_pretrained(table, mode=mode)
+        remote = RemoteEmbeddingBag(cl, name, mode=mode, pooling="client")
+        assert torch.equal(remote(IDS, OFFSETS), local(IDS, OFFSETS))
+        assert torch.equal(remote(ids2d), local(ids2d))
+        torch.testing.assert_close(RemoteEmbeddingBag(cl, name, mode=mode)(ids2d), local(ids2d))
+    weights = torch.rand(12).view(3, 4)
+    local = nn.EmbeddingBag.from_pretrained(table, mode="sum")
+    torch.testing.assert_close(RemoteEmbeddingBag(cl, name, mode="sum")(ids2d, per_sample_weights=weights),
+                               local(ids2d, per_sample_weights=weights))
+
+
+def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
+    bag = RemoteEmbeddingBag(cl, _name("grid", torch.float32))
+    with pytest.raises(ValueError, match="offsets"):
+        bag(IDS)
+    with pytest.raises(ValueError, match="offsets"):
+        bag(IDS.view(1, -1), OFFSETS)
+    with pytest.raises(ValueError, match="offsets\\[0\\]"):
+        bag(IDS, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="per_sample_weights"):
+        bag(IDS, OFFSETS, torch.ones(IDS.numel()))  # mode mean
+
+
+def test_cluster_lookup_several_tables(cl: Cluster, tables: dict) -> None:
+    names = {layout: _name(layout, torch.float16) for layout in LAYOUTS}
+    answers = cl.lookup({name: IDS[i:] for i, name in enumerate(names.values())}, dtype=torch.float32)
+    for i, (layout, name) in enumerate(names.items()):
+        assert torch.equal(answers[name], F.embedding(IDS[i:], tables[(layout, torch.float16)]).float())
+
+
+def test_out_of_range_ids_name_the_first_bad_id(cl: Cluster, tables: dict) -> None:
+    remote = cl.tensor(_name("grid", torch.float32))
+    with pytest.raises(InvalidArgumentError, match=r"ids\[2\]=50 is out of range") as info:
+        remote.lookup([1, 2, 50, -1])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidArgumentError, match=r"ids\[1\]=-3"):
+        remote.lookup_bag([1, -3, 99], [0])
+    assert torch.equal(remote.lookup([0]), tables[("grid", torch.float32)][:1])  # still serving
+
+
+@pytest.mark.parametrize("oov", ["zero", "default"])
+def test_oov_policies(cl: Cluster, oov: str) -> None:
+    table = torch.randn(20, 6)
+    default = torch.arange(6, dtype=torch.float32) if oov == "default" else None
+    name = f"oov-{oov}"
+    remote = cl.put(name, table, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]), oov=oov,
+                    default_row=default)
+    fill = default if default is not None else torch.zeros(6)
+    ids = torch.tensor([3, 20, -1, 19, 3, 1000])
+    padded = torch.cat([table, fill.view(1, -1)])
+    mapped = torch.where((ids < 0) | (ids >= 20), torch.tensor(20), ids)
+    assert torch.equal(remote.lookup(ids), F.embedding(mapped, padded))
+    offsets = torch.tensor([0, 2, 4])
+    for mode in ("sum", "mean"):
+        assert torch.equal(remote.lookup_bag(ids, offsets, mode), F.embedding_bag(mapped, padded, offsets, mode=mode))
+    assert torch.equal(RemoteEmbedding(cl, name)(ids), F.embedding(mapped, padded))
+
+
+def test_bad_oov_arguments(cl: Cluster) -> None:
+    with pytest.raises(InvalidArgumentError, match="oov"):
+        cl.put("bad-oov", torch.zeros(4, 2), oov="nearest")
+    with pytest.raises(InvalidArgumentError, match="default_row"):
+        cl.put("bad-oov", torch.zeros(4, 2), oov="default")
+    with pytest.raises(InvalidArgumentError, match="default_row"):
+        cl.create("bad-oov", (4, 2), oov="default", default_row=torch.zeros(3))
+    assert "bad-oov" not in cl
+
+
+# ---------------------------------------------------------------- hostile requests straight to a rank
+
+
+def _rank_stub(cluster: LocalCluster, cl: Cluster, rank: int) -> pb_grpc.ShardServerStub:
+    address = next(r.address for r in cl.ranks() if r.rank == rank)
+    return pb_grpc.ShardServerStub(grpc.insecure_channel(address))
+
+
+def _lookup_code(stub: pb_grpc.ShardServerStub, *items: pb.LookupItem) -> grpc.StatusCode:
+    try:
+        list(stub.Lookup(pb.LookupRequest(items=list(items)), timeout=10))
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+def test_hostile_lookups_get_status_codes(cluster3: LocalCluster, cl: Cluster, tables: dict) -> None:
+    remote = cl.tensor(_name("rows-uneven", torch.float32))
+    stub = _rank_stub(cluster3, cl, 1)  # shard 1: rows 7..29
+    item = dict(name=remote.name, version=remote.version, shard_index=1)
+    ok = pb.LookupItem(ids=torch.tensor([7, 29]).numpy().tobytes(), **item)
+    assert _lookup_code(stub, ok)[0] == grpc.StatusCode.OK
+    code, details = _lookup_code(stub, ok, pb.LookupItem(ids=b"\x01" * 7, **item))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "items[1].ids has 7 bytes" in details
+    code, details = _lookup_code(stub, pb.LookupItem(ids=torch.tensor([8, 30]).numpy().tobytes(), **item))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "items[0].ids[1]=30 is not held by shard 1" in details
+    code, details = _lookup_code(stub, pb.LookupItem(ids=torch.tensor([-5]).numpy().tobytes(), **item))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "ids[0]=-5 is out of range" in details
+    code, _ = _lookup_code(stub, pb.LookupItem(ids=b"", **{**item, "shard_index": 0}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT  # shard 0 lives on rank 0
+    code, _ = _lookup_code(stub, pb.LookupItem(ids=b"", **{**item, "version": remote.version + 1000}))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    code, _ = _lookup_code(stub, pb.LookupItem(name="no-such-table", version=1, shard_index=0, ids=b""))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, details = _lookup_code(stub, pb.LookupItem(ids=b"", pooled=True, offsets=b"\x00" * 5, **item))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "offsets" in details
+    vector = cl.put("vector-1d", torch.arange(9.0), spec=ChunkShardingSpec(0, ["rank:1/cpu"]))
+    code, details = _lookup_code(stub, pb.LookupItem(name="vector-1d", version=vector.version, shard_index=0,
+                                                     ids=torch.tensor([1]).numpy().tobytes()))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "2-D" in details
+    with pytest.raises(InvalidArgumentError, match="2-D"):
+        vector.lookup([1])
+    assert torch.equal(remote.lookup([7, 29]), tables[("rows-uneven", torch.float32)][[7, 29]])  # still serving
+
+
+def test_hostile_write_rows(cluster3: LocalCluster, cl: Cluster, tables: dict) -> None:
+    remote = cl.tensor(_name("rows-uneven", torch.float32))
+    stub = _rank_stub(cluster3, cl, 1)
+    request = pb.WriteRowsRequest(name=remote.name, version=remote.version, shard_index=1,
+                                  ids=torch.tensor([7]).numpy().tobytes(), values=torch.zeros(DIM).numpy().tobytes())
+    with pytest.raises(grpc.RpcError) as info:
+        stub.WriteRows(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # committed versions are immutable
+    assert torch.equal(remote.lookup([7]), tables[("rows-uneven", torch.float32)][[7]])
+
+
+def test_request_over_the_limit_is_resource_exhausted(make_cluster: Callable[..., LocalCluster]) -> None:
+    small = make_cluster(ranks=2, max_request_bytes=4096)
+    with connect(small.address) as cluster:
+        table = torch.randn(1000, 4)
+        remote = cluster.put("limited", table)
+        with pytest.raises(ResourceExhaustedError, match="max_request_bytes"):
+            remote.lookup(torch.arange(1000))
+        with pytest.raises(ResourceExhaustedError, match="max_request_bytes"):
+            remote.lookup_bag(torch.arange(1000), torch.arange(0, 1000, 2))
+        assert torch.equal(remote.lookup([0, 999]), table[[0, 999]])
+
+
+# ---------------------------------------------------------------- updates, versions and the row cache
+
+
+def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
+    table = torch.randn(30, 4)
+    remote = cl.put("updated", table, spec=LAYOUTS["grid"].__class__(
+        [ShardMetadata((0, 0), (10, 4), "rank:0/cpu"), ShardMetadata((10, 0), (20, 4), "rank:1/cpu"),
+         ShardMetadata((10, 0), (20, 4), "rank:2/cpu")]))  # rows 10..29 replicated on ranks 1 and 2
+    before = remote.version
+    ids = torch.tensor([3, 15, 3, 29])
+    values = torch.arange(16, dtype=torch.float32).view(4, 4)
+    version = remote.update_rows(ids, values)
+    assert version > before and remote.version == version
+    expected = table.clone()
+    expected[15], expected[3], expected[29] = values[1], values[2], values[3]
+    assert torch.equal(remote[:], expected)  # every replica was written
+    assert torch.equal(remote.lookup(torch.arange(30)), expected)
+    with pytest.raises(InvalidArgumentError, match=r"ids\[0\]=30"):
+        remote.update_rows([30], torch.zeros(1, 4))
+    with pytest.raises(InvalidArgumentError, match="values has shape"):
+        remote.update_rows([1], torch.zeros(2, 4))
+    assert cl.tensor("updated").version == version
+
+
+def test_stale_client_refreshes_once(cluster3: LocalCluster, cl: Cluster) -> None:
+    cl.put("stale", torch.zeros(12, 3), spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]))
+    with connect(cluster3.address) as reader:
+        assert torch.equal(reader.lookup({"stale": [1, 11]})["stale"], torch.zeros(2, 3))
+        cl.update_rows("stale", torch.arange(12), torch.ones(12, 3))
+        assert torch.equal(reader.lookup({"stale": [1, 11]})["stale"], torch.ones(2, 3))
+        assert torch.equal(reader.tensor("stale").lookup_bag([1, 11], [0], "sum"), torch.full((1, 3), 2.0))
+
+
+def test_concurrent_updates_and_lookups_never_mix_versions(cluster3: LocalCluster, cl: Cluster) -> None:
+    rows = 60
+    spec = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
+    cl.put("versions", torch.zeros(rows, 4), spec=spec)
+    ids = torch.arange(rows).flip(0)
+    errors: list[str] = []
+    seen: set[float] = set()
+    stop = threading.Event()
+
+    def reader() -> None:
+        with connect(cluster3.address) as client:
+            while not stop.is_set():
+                try:
+                    answer = client.lookup({"versions": ids})["versions"]
+                    bag = client.tensor("versions").lookup_bag(ids, [0, 30], "sum")
+                except Exception as err:  # noqa: BLE001 - collected and failed below
+                    errors.append(repr(err))
+                    return
+                if not bool((answer == answer[0, 0]).all()):
+                    errors.append(f"rows of several versions in one answer: {answer[:, 0].unique().tolist()}")
+                if not bool((bag == bag[0, 0]).all()):
+                    errors.append(f"bags of several versions in one answer: {bag[:, 0].tolist()}")
+                seen.add(float(answer[0, 0]))
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        for k in range(1, 7):
+            cl.update_rows("versions", torch.arange(rows), torch.full((rows, 4), float(k)))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert not errors, errors[:3]
+    assert seen <= {float(k) for k in range(7)} and len(seen) >= 2
+    assert torch.equal(cl.lookup({"versions": ids})["versions"], torch.full((rows, 4), 6.0))
+
+
+def test_row_cache_hits_and_invalidation(cluster3: LocalCluster, cl: Cluster) -> None:
+    table = torch.randn(40, 8)
+    cl.put("cached", table, spec=ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))
+    with connect(cluster3.address, row_cache_bytes=10 * 8 * 4, row_cache_max_age=0) as client:
+        ids = torch.tensor([1, 2, 3, 1])
+        assert torch.equal(client.lookup({"cached": ids})["cached"], table[ids])
+        stats = client.row_cache_stats()
+        assert (stats.hits, stats.misses, stats.rows) == (0, 3, 3)
+        assert torch.equal(client.lookup({"cached": ids})["cached"], table[ids])
+        assert client.row_cache_stats().hits == 3
+        assert torch.equal(client.tensor("cached").lookup_bag(ids, [0, 2], "mean"),
+                           F.embedding_bag(ids, table, torch.tensor([0, 2]), mode="mean"))
+        client.lookup({"cached": torch.arange(40)})
+        stats = client.row_cache_stats()
+        assert stats.rows == 10 and stats.bytes == 10 * 8 * 4  # bounded: LRU evicted the rest
+        cl.update_rows("cached", [39], torch.zeros(1, 8))
+        assert torch.equal(client.lookup({"cached": [39]})["cached"], torch.zeros(1, 8))  # refreshed, not stale
+    with pytest.raises(ValueError, match="row_cache_bytes"):
+        connect(cluster3.address, row_cache_bytes=-1)
