@@ -22,6 +22,7 @@ import math
 import os
 import socket
 import statistics
+import threading
 import time
 import traceback
 import warnings
@@ -168,6 +169,7 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     executor = CollectiveExecutor()
     seqs = iter(range(1 << 30))
     try:
+        rss_growth = peak_rss_growth(shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)[0])
         note, bare = bare_transfer(local, world)
         rows_out.append({"method": BARE, "note": f"{note}, output preallocated",
                          "seconds": timed(bare, args["repeats"]), "ok": True})
@@ -182,10 +184,36 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
             rows_out.append(run_method(name, make, n, world, args["repeats"]))
     finally:
         executor.close()
+    growth = torch.tensor([rss_growth], dtype=torch.int64)
+    dist.all_reduce(growth, op=dist.ReduceOp.MAX)
     if rank == 0:
-        results.put({"world": world, "n": n, "rows": rows_out})
+        results.put({"world": world, "n": n, "rows": rows_out, "shardserve_peak_rss_growth_bytes": growth.item()})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def peak_rss_growth(fn: Callable[[], object], period_s: float = 0.0005) -> int:
+    """Peak resident-set growth (bytes) of this process while fn() runs, sampled from /proc."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    base, peak, done = rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(period_s)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return max(peak[0], rss()) - base
 
 
 def intra_op_threads(world: int) -> int:
@@ -272,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--ranks {world} does not divide the tensor side {square_side(ns.size_mib)}")
         runs.append(run_world(world, args))
     table(runs)
+    for run in runs:
+        print(f"{run['world']} ranks: shardserve peak RSS growth during one reshard (max over ranks, sampled): "
+              f"{run['shardserve_peak_rss_growth_bytes'] / (1 << 20):.0f} MiB")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": args, "runs": runs}, f, indent=2)
