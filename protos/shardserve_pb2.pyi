@@ -493,18 +493,22 @@ class WriteRowsResponse(_message.Message):
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
 
 class CollectiveJob(_message.Message):
-    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "reshard")
+    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "reshard", "checkpoint_load", "checkpoint_save")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     RESHARD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_LOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SAVE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     after_seq: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
     reshard: ReshardJob
-    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ...) -> None: ...
+    checkpoint_load: CheckpointJob
+    checkpoint_save: CheckpointJob
+    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ..., checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ..., checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...) -> None: ...
 
 class ReshardJob(_message.Message):
     __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes")
@@ -549,3 +553,77 @@ class CancelCollectiveRequest(_message.Message):
 class CancelCollectiveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CheckpointTensor(_message.Message):
+    __slots__ = ("name", "version", "metadata")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
+
+class CheckpointJob(_message.Message):
+    __slots__ = ("path", "tensors")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    tensors: _containers.RepeatedCompositeFieldContainer[CheckpointTensor]
+    def __init__(self, path: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ...) -> None: ...
+
+class InspectCheckpointRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CheckpointEntry(_message.Message):
+    __slots__ = ("name", "size", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class InspectCheckpointResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[CheckpointEntry]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[CheckpointEntry, _Mapping]]] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("path", "tensors", "overwrite", "timeout_s")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    tensors: _containers.RepeatedCompositeFieldContainer[CheckpointTensor]
+    overwrite: bool
+    timeout_s: float
+    def __init__(self, path: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ..., overwrite: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("path", "names", "timeout_s")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    timeout_s: float
+    def __init__(self, path: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CheckpointProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total", "done", "tensors")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    done: bool
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...

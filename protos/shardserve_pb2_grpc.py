@@ -86,6 +86,21 @@ class CoordinatorStub:
                 request_serializer=protos_dot_shardserve__pb2.ReshardRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.ReshardProgress.FromString,
                 _registered_method=True)
+        self.InspectCheckpoint = channel.unary_unary(
+                '/shardserve.v1.Coordinator/InspectCheckpoint',
+                request_serializer=protos_dot_shardserve__pb2.InspectCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.InspectCheckpointResponse.FromString,
+                _registered_method=True)
+        self.LoadCheckpoint = channel.unary_stream(
+                '/shardserve.v1.Coordinator/LoadCheckpoint',
+                request_serializer=protos_dot_shardserve__pb2.LoadCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.CheckpointProgress.FromString,
+                _registered_method=True)
+        self.SaveCheckpoint = channel.unary_stream(
+                '/shardserve.v1.Coordinator/SaveCheckpoint',
+                request_serializer=protos_dot_shardserve__pb2.SaveCheckpointRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.CheckpointProgress.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -161,6 +176,26 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InspectCheckpoint(self, request, context):
+        """DCP checkpoints (issue 5). Every rank reads/writes its own shards straight from/to the
+        directory (a filesystem all ranks and the coordinator see), as a collective job.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SaveCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +248,21 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Reshard,
                     request_deserializer=protos_dot_shardserve__pb2.ReshardRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.ReshardProgress.SerializeToString,
+            ),
+            'InspectCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectCheckpoint,
+                    request_deserializer=protos_dot_shardserve__pb2.InspectCheckpointRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.InspectCheckpointResponse.SerializeToString,
+            ),
+            'LoadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.LoadCheckpoint,
+                    request_deserializer=protos_dot_shardserve__pb2.LoadCheckpointRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.CheckpointProgress.SerializeToString,
+            ),
+            'SaveCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.SaveCheckpoint,
+                    request_deserializer=protos_dot_shardserve__pb2.SaveCheckpointRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.CheckpointProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -487,6 +537,87 @@ class Coordinator:
             '/shardserve.v1.Coordinator/Reshard',
             protos_dot_shardserve__pb2.ReshardRequest.SerializeToString,
             protos_dot_shardserve__pb2.ReshardProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/InspectCheckpoint',
+            protos_dot_shardserve__pb2.InspectCheckpointRequest.SerializeToString,
+            protos_dot_shardserve__pb2.InspectCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/LoadCheckpoint',
+            protos_dot_shardserve__pb2.LoadCheckpointRequest.SerializeToString,
+            protos_dot_shardserve__pb2.CheckpointProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SaveCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/SaveCheckpoint',
+            protos_dot_shardserve__pb2.SaveCheckpointRequest.SerializeToString,
+            protos_dot_shardserve__pb2.CheckpointProgress.FromString,
             options,
             channel_credentials,
             insecure,
