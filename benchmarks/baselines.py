@@ -17,6 +17,8 @@ import multiprocessing as mp
 import os
 import socket
 import struct
+import threading
+import time
 
 import torch
 
@@ -50,10 +52,22 @@ def _loopback_env() -> None:
     os.environ["TP_SOCKET_IFNAME"] = "lo"
 
 
+def _exit_with_parent() -> None:
+    """In a server process: end it when the benchmark process that spawned it is gone (even if SIGKILLed)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 # ---------------------------------------------------------------- raw TCP socket
 
 def _socket_server_main(rows: int, cols: int, ready: "mp.connection.Connection") -> None:
     """Serve `source_tensor(rows, cols)`'s leading bytes to one client until it asks for 0 bytes."""
+    _exit_with_parent()
     view = byte_view(source_tensor(rows, cols))
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(START_TIMEOUT_S)
@@ -156,6 +170,7 @@ def _rpc_server_main(port: int) -> None:
     """Join the RPC world as the server and serve until the client shuts it down."""
     from torch.distributed import rpc
 
+    _exit_with_parent()
     _loopback_env()
     rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=_rpc_options(port))
     rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
