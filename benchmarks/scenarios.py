@@ -85,7 +85,8 @@ def reshard_scenario(ctx: Context) -> list[Row]:
         case = f"{run['world']} ranks, {nbytes >> 20} MiB"
         for r in run["rows"]:
             ours = r["method"] == reshard.OURS
+            extra = {k: v for k, v in r.items() if k not in ("method", "seconds", "ok", "note", "trace")}
             rows.append(Row("reshard", case, r["method"], r["seconds"], path="gloo",
-                            role="subject" if ours else "baseline", nbytes=nbytes,
-                            baseline=reshard.BARE, peak_rss=peaks, ok=r["ok"], note=r.get("note", "")))
+                            role="subject" if ours else "baseline", nbytes=nbytes, baseline=reshard.BARE,
+                            peak_rss=peaks, ok=r["ok"], note=r.get("note", ""), extra=extra))
     return rows
