@@ -72,6 +72,21 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--offsets", type=_ints, help="global offsets of the box, e.g. 0,0 (default: zeros)")
     fetch.add_argument("--sizes", type=_ints, help="sizes of the box, e.g. 2,3 (default: to the end)")
     fetch.add_argument("-o", "--output", metavar="FILE", help="save the tensor to FILE (torch.save) instead of printing")
+    reshard = sub.add_parser(
+        "reshard", help="move a tensor into another layout (new version), with a progress bar",
+        description="Move a tensor into another layout with the ranks' collectives; reads keep the old version "
+                    "until the new one is committed. Layout: --dim D (chunks along D, the default 0), --grid RxC "
+                    "(2-D mesh, tensor dims --grid-dims, default 0,1) or --replicate, over --ranks (default: "
+                    "every live rank).")
+    reshard.add_argument("name", help="tensor name")
+    reshard.add_argument("--dim", type=int, help="chunk along this dim (ChunkShardingSpec)")
+    reshard.add_argument("--grid", help="2-D mesh of ranks, e.g. 2x2 (Shard, Shard)")
+    reshard.add_argument("--grid-dims", type=_ints, help="tensor dims the grid's two mesh dims split (default 0,1)")
+    reshard.add_argument("--replicate", action="store_true", help="a whole copy on every rank of --ranks")
+    reshard.add_argument("--ranks", type=_ints, help="ranks of the new layout, e.g. 0,2 (default: all live)")
+    reshard.add_argument("--bucket-bytes", type=int, help="largest bucket one collective moves (default 64 MiB)")
+    reshard.add_argument("--reshard-timeout", type=float, help="bound on the data movement in seconds "
+                         "(default 300); a dead or hung rank fails the reshard within it")
     delete = sub.add_parser("delete", help="delete a tensor and free its shards",
                             description="Delete a tensor from the catalog and free its shards on every rank.")
     delete.add_argument("name", help="tensor name")
@@ -116,7 +131,17 @@ def _status(cluster) -> None:
                         layout_summary(t.metadata), _human_bytes(t.nbytes))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
+    _print_collectives_error(cluster, console)
     console.print(tensors)
+
+
+def _print_collectives_error(cluster, console) -> None:
+    """After a reshard lost a rank: the coordinator's word on what the operator must do."""
+    from protos import shardserve_pb2 as pb
+
+    error = cluster._call("ListRanks", pb.ListRanksRequest()).collectives_error
+    if error:
+        console.print(f"[red]collectives: {error}[/red]")
 
 
 def _fetch(cluster, args: argparse.Namespace) -> None:
@@ -133,6 +158,28 @@ def _fetch(cluster, args: argparse.Namespace) -> None:
     else:
         torch.set_printoptions(threshold=1000)
         print(result)
+
+
+def _reshard(cluster, args: argparse.Namespace) -> None:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
+    from client.info import layout_summary
+    from client.reshard import layout_from_options
+
+    remote = cluster.tensor(args.name)
+    devices = {r.rank: r.device for r in cluster.ranks() if r.alive}
+    meta = layout_from_options(tuple(remote.shape), remote.dtype, devices, dim=args.dim, ranks=args.ranks,
+                               grid=args.grid, grid_dims=args.grid_dims, replicate=args.replicate)
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, transient=not sys.stdout.isatty()) as bar:
+        task = bar.add_task(f"reshard {args.name}", total=None)
+
+        def show(report) -> None:
+            bar.update(task, description=f"reshard {args.name} ({report.phase})", completed=report.bytes_done,
+                       total=report.bytes_total or None)
+        new = remote.reshard(meta, bucket_bytes=args.bucket_bytes, timeout=args.reshard_timeout, progress=show)
+    print(f"resharded {args.name}: version {remote.version} -> {new.version}, {layout_summary(new.metadata())}")
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -158,6 +205,8 @@ def _run(args: argparse.Namespace) -> None:
             print(f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}")
         elif args.command == "fetch":
             _fetch(cluster, args)
+        elif args.command == "reshard":
+            _reshard(cluster, args)
         elif args.command == "delete":
             cluster.delete(args.name)
             print(f"deleted {args.name}")

@@ -133,6 +133,16 @@ class RemoteShardedTensor:
         self._summary = self._cluster._get_summary(self.name)
         return self
 
+    def reshard(self, spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
+                progress: Any = None) -> "RemoteShardedTensor":
+        """Move the tensor into layout `spec` (any spec `put` takes, over any ranks): a proxy of the new version.
+
+        Two-phase on the cluster (see client.reshard): reads keep the old version until the new one is
+        committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved.
+        """
+        from client.reshard import reshard
+        return reshard(self, spec, bucket_bytes, timeout, progress)
+
     # ------------------------------------------------------------ embedding lookups (client.lookup)
 
     def lookup(self, ids: Any, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Client side of coordinated resharding: the streaming Reshard call and the CLI's layout syntax.
+
+`reshard(tensor, spec, ...)` asks the coordinator to move a tensor into the
+layout `spec` (anything `Cluster.put` accepts) and follows the progress
+stream; the result is a proxy of the new version. `layout_from_options`
+turns the CLI's small syntax (`--dim D [--ranks 0,2]`, `--grid 2x2
+[--grid-dims 0,1]`, `--replicate [--ranks ...]`) into shard metadata.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import grpc
+
+from client.errors import InvalidArgumentError, ShardServeError, error_from_rpc
+from client.info import TensorSummary
+from protos import shardserve_pb2 as pb
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.placements import Replicate, Shard, metadata_from_placements
+from shardcore.specs import ChunkShardingSpec
+from shardcore.wire import metadata_to_proto
+
+if TYPE_CHECKING:
+    from client.remote_tensor import RemoteShardedTensor
+
+DEFAULT_TIMEOUT_S = 300.0
+_STREAM_SLACK_S = 60.0  # the stream's deadline beyond the data-movement bound (reserve, commit, promote)
+PHASES = {pb.RESHARD_PREPARING: "preparing", pb.RESHARD_MOVING: "moving", pb.RESHARD_COMMITTING: "committing",
+          pb.RESHARD_DONE: "done"}
+
+
+class ReshardRefusedError(ShardServeError, RuntimeError):
+    """The coordinator refused or could not finish a reshard (FAILED_PRECONDITION): one is running, a rank is down."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class ReshardProgress:
+    """One progress report: phase ("preparing", "moving", "committing", "done"), bytes moved of the total."""
+
+    phase: str
+    bytes_done: int
+    bytes_total: int
+    version: int
+    max_new_shard_bytes: int = 0
+    max_staging_bytes: int = 0
+
+
+def _positive(value: Any, field: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidArgumentError(f"{field} must be a positive number, got {value!r}")
+
+
+def reshard(tensor: "RemoteShardedTensor", spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
+            progress: Callable[[ReshardProgress], None] | None = None) -> "RemoteShardedTensor":
+    """Move `tensor` into the layout `spec` (new version); `progress` is called with every report."""
+    from client.remote_tensor import RemoteShardedTensor
+
+    _positive(bucket_bytes, "bucket_bytes")
+    _positive(timeout, "timeout")
+    if bucket_bytes is not None and not isinstance(bucket_bytes, int):
+        raise InvalidArgumentError(f"bucket_bytes must be an int, got {bucket_bytes!r}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+    cluster = tensor._cluster
+    meta = cluster._metadata(tuple(tensor.shape), tensor.dtype, spec)
+    request = pb.ReshardRequest(name=tensor.name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
+                                timeout_s=float(timeout or 0))
+    transport = cluster._transport
+    call = cluster._coordinator.Reshard(request, timeout=(timeout or DEFAULT_TIMEOUT_S) + _STREAM_SLACK_S,
+                                        metadata=transport.credentials.metadata())
+    done: pb.ReshardProgress | None = None
+    try:
+        for message in call:
+            report = ReshardProgress(PHASES.get(message.phase, "unknown"), message.bytes_done, message.bytes_total,
+                                     message.version, message.max_new_shard_bytes, message.max_staging_bytes)
+            if progress is not None:
+                progress(report)
+            if message.phase == pb.RESHARD_DONE:
+                done = message
+    except grpc.RpcError as err:
+        if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            raise ReshardRefusedError(err.details() or "reshard refused", err.code()) from None
+        raise error_from_rpc(err, f"coordinator at {cluster.address}") from None
+    finally:
+        call.cancel()  # Ctrl-C in a progress callback aborts the reshard on the coordinator
+    if done is None:
+        raise ShardServeError(f"the reshard of {tensor.name!r} ended without a result")
+    return RemoteShardedTensor(cluster, TensorSummary.from_proto(done.tensor))
+
+
+def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str], dim: int | None = None,
+                        ranks: Sequence[int] | None = None, grid: str | None = None,
+                        grid_dims: Sequence[int] | None = None, replicate: bool = False) -> ShardedTensorMetadata:
+    """Metadata from the CLI's layout options over `devices` ({rank: device} of the live ranks)."""
+    ranks = list(ranks) if ranks else sorted(devices)
+    unknown = [r for r in ranks if r not in devices]
+    if unknown:
+        raise InvalidArgumentError(f"--ranks: ranks {unknown} are not live (live: {sorted(devices)})")
+    chosen = sum(bool(x) for x in (dim is not None, grid is not None, replicate))
+    if chosen > 1:
+        raise InvalidArgumentError("give one of --dim, --grid or --replicate")
+    if grid is not None:
+        mesh_shape = _grid(grid)
+        if mesh_shape[0] * mesh_shape[1] != len(ranks):
+            raise InvalidArgumentError(f"--grid {grid} needs {mesh_shape[0] * mesh_shape[1]} ranks, "
+                                       f"got {len(ranks)} ({ranks})")
+        dims = tuple(grid_dims) if grid_dims else (0, 1)
+        if len(dims) != 2:
+            raise InvalidArgumentError(f"--grid-dims must name two tensor dims, got {dims}")
+        mesh = [ranks[i * mesh_shape[1]:(i + 1) * mesh_shape[1]] for i in range(mesh_shape[0])]
+        meta = _build(lambda: metadata_from_placements(shape, mesh, [Shard(dims[0]), Shard(dims[1])], dtype))
+    elif replicate:
+        meta = _build(lambda: metadata_from_placements(shape, ranks, [Replicate()], dtype))
+    else:
+        placements = [f"rank:{r}/{devices[r]}" for r in ranks]
+        from shardcore.metadata import TensorProperties
+        return _build(lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
+            tuple(shape), TensorProperties(dtype=dtype)))
+    shards = tuple(dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}") for s in meta.shards_metadata)
+    return dataclasses.replace(meta, shards_metadata=shards)
+
+
+def _build(make: Callable[[], ShardedTensorMetadata]) -> ShardedTensorMetadata:
+    try:
+        return make()
+    except (TypeError, ValueError) as err:
+        raise InvalidArgumentError(f"layout: {err}") from None
+
+
+def _grid(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise InvalidArgumentError(f"--grid must look like 2x2, got {text!r}")
+    return int(parts[0]), int(parts[1])
