@@ -74,3 +74,38 @@ def print_report(rows: list[Row], reports: list[dict], machine: dict) -> None:
     for report in reports:
         status = "ok" if report["status"] == "ok" else f"FAILED: {report['error']}"
         out.print(f"scenario {report['name']}: {report['rows']} rows in {report['wall_seconds']:.1f}s, {status}")
+
+
+def markdown_table(doc: dict, group: str) -> str:
+    """One group of a suite's JSON document as a Markdown table (for the README)."""
+    lines = ["| case | method | path | seconds | GB/s | x baseline (which) | x each baseline | peak RSS MiB |",
+             "|---|---|---|--:|--:|--:|---|--:|"]
+    for r in (r for r in doc["rows"] if r["group"] == group):
+        each = ", ".join(f"{name} {fmt_ratio(x)}" for name, x in r["ratios"].items()) or "-"
+        gbs = "-" if r["gb_per_s"] is None else f"{r['gb_per_s']:.2f}"
+        lines.append(f"| {r['case']} | {r['name']} | {r['path'] or '-'} | {fmt_seconds(r['seconds'])} | {gbs} | "
+                     f"{fmt_ratio(r['ratio'])} ({r['baseline'] or '-'}) | {each} | "
+                     f"{fmt_mib(r['peak_rss_max_bytes'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.report RESULTS.json [GROUP...]`: Markdown tables of a saved run."""
+    import json
+    from pathlib import Path
+
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("usage: python -m benchmarks.report RESULTS.json [GROUP...]", file=sys.stderr)
+        return 2
+    doc = json.loads(Path(argv[0]).read_text())
+    groups = argv[1:] or list(dict.fromkeys(r["group"] for r in doc["rows"]))
+    for line in machine_lines(doc["machine"]):
+        print(line + "  ")
+    for group in groups:
+        print(f"\n**{group}**\n\n{markdown_table(doc, group)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
