@@ -111,11 +111,16 @@ def scenario(name: str, help: str = "") -> Callable[[Callable[[Context], list[Ro
         raise ValueError(f"scenario name must be a non-empty word, got {name!r}")
 
     def register(fn: Callable[[Context], list[Row]]) -> Callable[[Context], list[Row]]:
-        if name in REGISTRY and REGISTRY[name].run is not fn:
+        if name in REGISTRY and not _same_function(REGISTRY[name].run, fn):
             raise ValueError(f"scenario {name!r} is registered twice")
         REGISTRY[name] = Scenario(name, fn, help or next(iter((fn.__doc__ or "").strip().splitlines()), ""))
         return fn
     return register
+
+
+def _same_function(a: Callable, b: Callable) -> bool:
+    """Whether a and b are one source function (a module run as __main__ and imported again gives two)."""
+    return a is b or (a.__qualname__ == b.__qualname__ and a.__code__.co_filename == b.__code__.co_filename)
 
 
 def load_scenarios() -> dict[str, Scenario]:
