@@ -47,7 +47,7 @@ from shardcore.planner import DEFAULT_BUCKET_BYTES, plan_reshard
 
 log = logging.getLogger(__name__)
 
-# Test hook: "RANK:SECONDS:NAME" makes RANK sleep SECONDS before moving data in a reshard of NAME.
+# Test hook: "RANK:SECONDS:NAME[,...]" makes RANK sleep SECONDS before moving data in a reshard of NAME.
 STALL_ENV = "SHARDSERVE_DEBUG_RESHARD_STALL"
 _POLL_S = 0.2
 _NEVER_S = 10 * 365 * 86400.0
@@ -307,13 +307,11 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
 
 def _debug_stall(rank: int, name: str) -> None:
     """Sleep when STALL_ENV names this rank and tensor (tests make a reshard window to kill a rank in)."""
-    value = os.environ.get(STALL_ENV, "")
-    if not value:
-        return
-    stall_rank, seconds, stall_name = value.split(":", 2)
-    if int(stall_rank) == rank and stall_name == name:
-        log.warning("rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV)
-        time.sleep(float(seconds))
+    for entry in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+        stall_rank, seconds, stall_name = entry.split(":", 2)
+        if int(stall_rank) == rank and stall_name == name:
+            log.warning("rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV)
+            time.sleep(float(seconds))
 
 
 register_job_kind("reshard", run_reshard_job)
