@@ -73,6 +73,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_IN_FLIGHT = 2
 _CUDA_POLL_S = 0.0005
+_MAX_WAITERS = 256
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 
@@ -408,9 +409,7 @@ def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_sha
 
     The local copies run once the first rounds are posted, while their bytes are on the wire.
     """
-    ops_per_round = max(len(r) for r in rounds)
-    waiters = cf.ThreadPoolExecutor(max_workers=max(1, ops_per_round * max_in_flight),
-                                    thread_name_prefix="shardserve-reshard-wait")
+    waiters = _waiter_threads()
     posted: deque[_Posted] = deque()
     pool = _StagingPool(max(bucket.nbytes for round_ in rounds for _, bucket in round_), stats)
     try:
@@ -425,8 +424,20 @@ def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_sha
         while posted:
             _finish(posted.popleft(), posted, out, deadline, pool)
     finally:
-        waiters.shutdown(wait=False, cancel_futures=True)
+        for left in posted:
+            for future, _, _ in left.waits:
+                future.cancel()
         pool.close()
+
+
+@functools.lru_cache(maxsize=1)
+def _waiter_threads() -> cf.ThreadPoolExecutor:
+    """Threads that block in Work.wait, shared by all reshards of this process and reused.
+
+    Each wait ends by its call's deadline at the latest, so waits abandoned by
+    a failed reshard free their thread in bounded time.
+    """
+    return cf.ThreadPoolExecutor(max_workers=_MAX_WAITERS, thread_name_prefix="shardserve-reshard-wait")
 
 
 def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
