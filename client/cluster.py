@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import threading
 from functools import partial
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from client import checkpoints
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.info import RankStatus, TensorSummary
 from client.lookup import Lookups, table_options
@@ -258,3 +259,25 @@ class Cluster:
         """Hits, misses and size of the row cache (None when connect() got no row_cache_bytes)."""
         cache = self._lookups.cache
         return cache.stats() if cache is not None else None
+
+    # ------------------------------------------------------------ DCP checkpoints (client.checkpoints)
+
+    def load_checkpoint(self, path: str, names: Sequence[str] | str | None = None, spec: Any = None,
+                        dtype: torch.dtype | str | None = None, overwrite: bool = False,
+                        progress: Callable[[int, int], None] | None = None,
+                        timeout: float = 600.0) -> dict[str, RemoteShardedTensor]:
+        """Load tensors of the DCP checkpoint at `path` (every rank reads its own shards); all appear or none.
+
+        `spec` (one for all, or {name: spec}) lays them out (default: row-wise over every live rank);
+        `progress(bytes_done, bytes_total)` is called as the ranks report.
+        """
+        return checkpoints.load_checkpoint(self, path, names, spec, dtype, overwrite, progress, timeout)
+
+    def save_checkpoint(self, path: str, names: Sequence[str] | str | None = None,
+                        progress: Callable[[int, int], None] | None = None, timeout: float = 600.0) -> list[str]:
+        """Write READY tensors (all by default) as one DCP checkpoint at `path`; torch's dcp.load reads it."""
+        return checkpoints.save_checkpoint(self, path, names, progress, timeout)
+
+    def inspect_checkpoint(self, path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """{name: (size, dtype)} of the tensors of the DCP checkpoint at `path`."""
+        return checkpoints.inspect_checkpoint(self, path)

@@ -24,6 +24,7 @@ from server.auth import Security, make_channel
 from server.catalog import Catalog
 from server.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
                            Unavailable, rpc_errors)
+from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
 from server.reshard_driver import ReshardDriver
 from server.requests import check_name, check_version, parse_metadata
 from server.store import check_init
@@ -70,6 +71,7 @@ class Coordinator:
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
         self._stop = threading.Event()
         self.reshards = ReshardDriver(self)
+        self.checkpoints = CheckpointDriver(self)
         self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
         self._monitor.start()
 
@@ -100,10 +102,11 @@ class Coordinator:
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
                 raise NotFound(f"rank {rank} is not registered; register again")
+            was_dead = entry.reported_dead or not self.is_alive(entry)
             entry.last_heartbeat = time.monotonic()
             entry.info.memory_used_bytes = memory_used
             entry.info.last_heartbeat_unix = time.time()
-            if entry.reported_dead:
+            if was_dead:
                 entry.reported_dead = False
                 log.info("rank %d is alive again; reconciling what it holds", rank)
                 self._background.submit(self._reconcile_from_stats, rank)
@@ -490,6 +493,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @rpc_errors
     def Reshard(self, request: pb.ReshardRequest, context: grpc.ServicerContext) -> Iterator[pb.ReshardProgress]:
         yield from self.coordinator.reshards.reshard(request)
+
+    @rpc_errors
+    def InspectCheckpoint(self, request: pb.InspectCheckpointRequest,
+                          context: grpc.ServicerContext) -> pb.InspectCheckpointResponse:
+        return inspect_checkpoint(request.path)
+
+    @rpc_errors
+    def LoadCheckpoint(self, request: pb.LoadCheckpointRequest,
+                       context: grpc.ServicerContext) -> Iterator[pb.CheckpointProgress]:
+        yield from self.coordinator.checkpoints.load(request)
+
+    @rpc_errors
+    def SaveCheckpoint(self, request: pb.SaveCheckpointRequest,
+                       context: grpc.ServicerContext) -> Iterator[pb.CheckpointProgress]:
+        yield from self.coordinator.checkpoints.save(request)
 
     @rpc_errors
     def DeleteTensor(self, request: pb.DeleteTensorRequest,

@@ -1,0 +1,114 @@
+"""Cluster.load_checkpoint / save_checkpoint: DCP checkpoints read and written by the ranks themselves.
+
+The client only names things: it asks the coordinator what the checkpoint
+holds (InspectCheckpoint), builds each tensor's layout from `spec` (default:
+row-wise over every live rank), and streams LoadCheckpoint / SaveCheckpoint
+progress. The data never passes through the client: every rank reads or
+writes its own shards in the checkpoint directory, which must be on a
+filesystem the ranks and the coordinator see (paths are made absolute here).
+A load is all or nothing: either every tensor appears READY, or none does.
+"""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import grpc
+import torch
+
+from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError, error_from_rpc
+from client.info import TensorSummary
+from client.remote_tensor import RemoteShardedTensor
+from protos import shardserve_pb2 as pb
+from shardcore.dtypes import dtype_from_name, dtype_from_wire
+from shardcore.wire import metadata_to_proto
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
+
+Progress = Callable[[int, int], None]
+_DEFAULT_TIMEOUT_S = 600.0
+
+
+def _path(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise InvalidArgumentError(f"path must be a non-empty path, got {path!r}")
+    return os.path.abspath(os.fspath(path))
+
+
+def inspect_checkpoint(cluster: "Cluster", path: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{tensor name: (size, dtype)} of the DCP checkpoint at `path`, as the coordinator reads it."""
+    reply = cluster._call("InspectCheckpoint", pb.InspectCheckpointRequest(path=_path(path)))
+    return {t.name: (tuple(t.size), dtype_from_wire(t.dtype)) for t in reply.tensors}
+
+
+def _names(names: Sequence[str] | str | None, available: Sequence[str], path: str) -> list[str]:
+    if names is None:
+        return sorted(available)
+    if isinstance(names, str):
+        names = [names]
+    names = list(names)
+    if not names:
+        raise InvalidArgumentError("names is empty: give None to load every tensor of the checkpoint")
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise TensorNotFoundError(f"names {unknown} are not in checkpoint {path} (it holds {sorted(available)})",
+                                  grpc.StatusCode.NOT_FOUND)
+    return names
+
+
+def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | None = None, spec: Any = None,
+                    dtype: torch.dtype | str | None = None, overwrite: bool = False,
+                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S
+                    ) -> dict[str, RemoteShardedTensor]:
+    """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear."""
+    path = _path(path)
+    saved = inspect_checkpoint(cluster, path)
+    chosen = _names(names, list(saved), path)
+    tensors = []
+    for name in chosen:
+        size, saved_dtype = saved[name]
+        layout_spec = spec.get(name) if isinstance(spec, Mapping) else spec
+        try:
+            want = saved_dtype if dtype is None else dtype_from_name(dtype)
+        except (TypeError, ValueError) as err:
+            raise InvalidArgumentError(f"dtype: {err}") from None
+        meta = cluster._metadata(size, want, layout_spec)
+        tensors.append(pb.CheckpointTensor(name=name, metadata=metadata_to_proto(meta)))
+    request = pb.LoadCheckpointRequest(path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout)
+    final = _stream(cluster, "LoadCheckpoint", request, progress, timeout)
+    for info in final.tensors:
+        cluster._lookups.forget(info.name)
+    return {info.name: RemoteShardedTensor(cluster, TensorSummary.from_proto(info)) for info in final.tensors}
+
+
+def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | None = None,
+                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[str]:
+    """Write READY tensors (every one by default) as one DCP checkpoint at `path`; returns their names."""
+    if isinstance(names, str):
+        names = [names]
+    request = pb.SaveCheckpointRequest(path=_path(path), names=list(names or []), timeout_s=timeout)
+    final = _stream(cluster, "SaveCheckpoint", request, progress, timeout)
+    return [info.name for info in final.tensors]
+
+
+def _stream(cluster: "Cluster", method: str, request: Any, progress: Progress | None,
+            timeout: float) -> pb.CheckpointProgress:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    transport = cluster._transport
+    call = getattr(cluster._coordinator, method)(request, timeout=timeout + 60.0, metadata=transport._metadata)
+    final = None
+    try:
+        for message in call:
+            if progress is not None:
+                progress(message.bytes_done, message.bytes_total)
+            if message.done:
+                final = message
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, f"coordinator at {cluster.address}") from None
+    finally:
+        call.cancel()
+    if final is None:
+        raise ShardServeError(f"the coordinator at {cluster.address} ended the stream without a result")
+    return final

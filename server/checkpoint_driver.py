@@ -1,0 +1,217 @@
+"""DCP checkpoint loads and saves, driven by the coordinator as collective jobs over the whole world.
+
+Load(path, [(name, layout)]): the coordinator checks the checkpoint's
+`.metadata` (every name a tensor of it, same size), takes the names' locks,
+records every new version PENDING (invisible), reserves its memory on the
+ranks, and runs one "checkpoint_load" job on every rank of the world (DCP's
+collectives run on the default process group): each rank reads its own shards
+straight from the files. Only when every rank succeeded are the versions
+promoted on the ranks and then committed in the catalog, all of them; on any
+failure every new version is dropped, so a failed load leaves nothing visible.
+
+Save(path, names): with the names' locks held (no update can replace a
+version while it is written), one "checkpoint_save" job on every rank writes
+the READY versions as one DCP checkpoint that torch.distributed.checkpoint.load
+reads into plain tensors, DTensors or ShardedTensors of any layout.
+
+Jobs are numbered by the reshard driver's CollectiveRunner, so checkpoint jobs
+and reshards enter collectives in one order on every rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Iterator
+
+from protos import shardserve_pb2 as pb
+from server.checkpoint import checkpoint_tensors
+from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from server.requests import check_name, parse_metadata
+from shardcore.dtypes import dtype_to_wire
+from shardcore.metadata import RemoteDevice
+from shardcore.wire import metadata_to_proto
+
+if TYPE_CHECKING:
+    from server.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def _check_path(path: str) -> str:
+    if not path:
+        raise InvalidArgument("path is empty")
+    if not os.path.isabs(path):
+        raise InvalidArgument(f"path {path!r} must be absolute (the ranks resolve it, not the client)")
+    return path
+
+
+def inspect(path: str) -> pb.InspectCheckpointResponse:
+    """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
+    try:
+        entries = checkpoint_tensors(_check_path(path))
+    except FileNotFoundError as err:
+        raise NotFound(f"path: {err}") from None
+    except (OSError, ValueError) as err:
+        raise InvalidArgument(f"path {path!r}: {err}") from None
+    return pb.InspectCheckpointResponse(tensors=[
+        pb.CheckpointEntry(name=key, size=size, dtype=dtype_to_wire(dtype))
+        for key, (size, dtype) in sorted(entries.items())])
+
+
+class CheckpointDriver:
+    """LoadCheckpoint / SaveCheckpoint on the coordinator."""
+
+    def __init__(self, coordinator: "Coordinator", default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.coordinator = coordinator
+        self.catalog = coordinator.catalog
+        self.default_timeout_s = default_timeout_s
+
+    def _runner(self):  # type: ignore[no-untyped-def]
+        return self.coordinator.reshards.jobs
+
+    def _world(self) -> list[int]:
+        """Every rank of the torch.distributed world, all of which must be registered and alive."""
+        ranks = self.coordinator.ranks()
+        if not ranks:
+            raise FailedPrecondition("no rank is registered")
+        world = ranks[0].world_size
+        alive = {r.rank for r in ranks if r.alive}
+        missing = sorted(set(range(world)) - alive)
+        if missing:
+            raise FailedPrecondition(f"checkpoints need every rank of the world ({world}); ranks {missing} are "
+                                     f"not registered or not alive")
+        return list(range(world))
+
+    def _timeout(self, value: float) -> float:
+        if value < 0 or value != value:
+            raise InvalidArgument(f"timeout_s must be >= 0, got {value}")
+        return value or self.default_timeout_s
+
+    def load(self, request: pb.LoadCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
+        """Load tensors as new versions: all READY at the end, or none visible after a failure."""
+        path = _check_path(request.path)
+        timeout_s = self._timeout(request.timeout_s)
+        if not request.tensors:
+            raise InvalidArgument("tensors is empty: name at least one tensor to load")
+        saved = {t.name: t for t in inspect(path).tensors}
+        layouts = {}
+        for i, tensor in enumerate(request.tensors):
+            name = check_name(tensor.name, f"tensors[{i}].name")
+            if name in layouts:
+                raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
+            meta = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
+            if name not in saved:
+                raise NotFound(f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
+                               f"(it holds {sorted(saved)})")
+            if tuple(saved[name].size) != meta.size:
+                raise InvalidArgument(f"tensors[{i}].metadata: size {meta.size} but {name!r} is "
+                                      f"{tuple(saved[name].size)} in the checkpoint")
+            self.coordinator._check_placements(meta)
+            layouts[name] = meta
+        world = self._world()
+        with ExitStack() as locks:
+            for name in sorted(layouts):
+                locks.enter_context(self.coordinator._name_lock(name))
+            for name in layouts:
+                if self.catalog.ready(name) is not None and not request.overwrite:
+                    raise AlreadyExists(f"tensor {name!r} already exists; pass overwrite=True to replace it")
+            for name in layouts:
+                self.coordinator._make_room(name, request.overwrite)
+            new = self._record(layouts)
+            try:
+                yield from self._run_load(path, new, world, timeout_s)
+                for info in new:
+                    self.coordinator._fan_out(_ranks_of(info), lambda stub, i=info: stub.PromoteVersion(
+                        pb.PromoteVersionRequest(name=i.name, version=i.version),
+                        timeout=self.coordinator.rpc_timeout), f"promote {info.name!r} version {info.version}")
+            except BaseException:
+                for info in new:
+                    self.coordinator._discard(info)
+                log.warning("checkpoint load from %s failed; versions %s dropped", path,
+                            [(i.name, i.version) for i in new])
+                raise
+            ready = []
+            for info in new:
+                committed, older = self.catalog.commit(info.name, info.version)
+                ready.append(committed)
+                for old in older:
+                    self.coordinator._drop_quietly(old.name, old.version, _ranks_of(old))
+        log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
+        total = sum(i.nbytes for i in ready)
+        yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
+
+    def _record(self, layouts: dict) -> list[pb.TensorInfo]:
+        """Catalog rows (PENDING) and reserved memory on the ranks for every new version."""
+        new = []
+        try:
+            for name, meta in layouts.items():
+                info = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(meta),
+                                     state=pb.PENDING, nbytes=meta.nbytes, created_unix=time.time())
+                self.catalog.add(info)
+                new.append(info)
+                reserve = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
+                                                   reserve_only=True)
+                self.coordinator._fan_out(meta.ranks(), lambda stub, r=reserve: stub.AllocateShards(
+                    r, timeout=self.coordinator.rpc_timeout), f"reserve {name!r} version {info.version}")
+        except BaseException:
+            for info in new:
+                self.coordinator._discard(info)
+            raise
+        return new
+
+    def _run_load(self, path: str, new: list[pb.TensorInfo], world: list[int],
+                  timeout_s: float) -> Iterator[pb.CheckpointProgress]:
+        job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_load=pb.CheckpointJob(path=path, tensors=[
+            pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in new]))
+        yield from _progress(self._runner().run(job, world, f"checkpoint load from {path}"))
+
+    def save(self, request: pb.SaveCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
+        """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
+        path = _check_path(request.path)
+        timeout_s = self._timeout(request.timeout_s)
+        names = list(request.names) or [info.name for info in self.catalog.list()]
+        if not names:
+            raise FailedPrecondition("there is no tensor to save")
+        if len(set(names)) != len(names):
+            raise InvalidArgument("names holds duplicates")
+        for i, name in enumerate(names):
+            check_name(name, f"names[{i}]")
+        world = self._world()
+        with ExitStack() as locks:
+            for name in sorted(names):
+                locks.enter_context(self.coordinator._name_lock(name))
+            infos = []
+            for name in names:
+                info = self.catalog.ready(name)
+                if info is None:
+                    raise NotFound(f"tensor {name!r} not found")
+                infos.append(info)
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError as err:
+                raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
+            job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=path, tensors=[
+                pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in infos]))
+            yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"))
+        log.info("saved %s to %s", [(i.name, i.version) for i in infos], path)
+        total = sum(i.nbytes for i in infos)
+        yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=infos)
+
+
+def _progress(runner) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
+    """Progress messages from a CollectiveRunner.run generator (its return value is dropped)."""
+    try:
+        while True:
+            done, total = next(runner)
+            yield pb.CheckpointProgress(bytes_done=done, bytes_total=total)
+    except StopIteration:
+        return
+
+
+def _ranks_of(info: pb.TensorInfo) -> list[int]:
+    """Distinct ranks holding shards of a catalog row."""
+    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})

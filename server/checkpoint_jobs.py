@@ -1,0 +1,82 @@
+"""The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/collective_jobs.py).
+
+Both run on the rank's collective thread, in the coordinator's job order, over
+the whole torch.distributed world (DCP's default process group), and go
+through server/checkpoint.py, so each rank reads or writes only its own
+shards, straight from or to the checkpoint directory:
+
+- "checkpoint_load": read this rank's shards of every listed tensor (DCP
+  reshards from whatever layout was saved) and put them into the versions the
+  coordinator reserved (AllocateShards reserve_only); they stay PENDING until
+  the coordinator promotes them all.
+- "checkpoint_save": lease the served versions (so they stay whole while
+  DCP writes) and save every listed tensor as one checkpoint; replicas are
+  written once.
+Every rank gets the same job, so checks that fail, fail on every rank alike.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import ExitStack
+
+from protos import shardserve_pb2 as pb
+from server.checkpoint import load_tensors, save_tensors
+from server.collective_jobs import JobContext, register_job_kind
+from server.errors import InvalidArgument
+from server.requests import check_name, check_version, parse_metadata
+from shardcore.metadata import ShardedTensorMetadata
+
+log = logging.getLogger(__name__)
+
+
+def _job_tensors(spec: pb.CheckpointJob, kind: str) -> list[tuple[str, int, ShardedTensorMetadata]]:
+    if not spec.path:
+        raise InvalidArgument(f"{kind}.path is empty")
+    if not spec.tensors:
+        raise InvalidArgument(f"{kind}.tensors is empty")
+    out = []
+    for i, tensor in enumerate(spec.tensors):
+        field = f"{kind}.tensors[{i}]"
+        out.append((check_name(tensor.name, f"{field}.name"), check_version(tensor.version, f"{field}.version"),
+                    parse_metadata(tensor.metadata, f"{field}.metadata")))
+    return out
+
+
+def _local_bytes(tensors: list[tuple[str, int, ShardedTensorMetadata]], rank: int) -> int:
+    return sum(meta.shard_nbytes(i) for _, _, meta in tensors for i in meta.shards_on(rank))
+
+
+def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
+    """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
+    tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
+    ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
+    shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank)
+    for name, version, meta in tensors:
+        if meta.shards_on(ctx.rank):
+            ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})
+    ctx.progress.bytes_done = ctx.progress.bytes_total
+    log.info("rank %d loaded %s from %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
+             job.checkpoint_load.path, ctx.progress.bytes_total)
+
+
+def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
+    """Write this rank's shards of the job's served versions into one DCP checkpoint."""
+    tensors = _job_tensors(job.checkpoint_save, "checkpoint_save")
+    ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
+    with ExitStack() as leases:
+        state = {}
+        for name, version, meta in tensors:
+            local = meta.shards_on(ctx.rank)
+            if local:
+                entry = leases.enter_context(ctx.store.lease(name, version))
+                state[name] = (meta, {i: ctx.store.shard_of(entry, i) for i in local})
+            else:
+                state[name] = (meta, {})
+        save_tensors(job.checkpoint_save.path, state)
+    ctx.progress.bytes_done = ctx.progress.bytes_total
+    log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
+             job.checkpoint_save.path, ctx.progress.bytes_total)
+
+
+register_job_kind("checkpoint_load", run_checkpoint_load)
+register_job_kind("checkpoint_save", run_checkpoint_save)
