@@ -12,7 +12,7 @@ Methods, all run in the same worlds on the same data:
 
 Times are the slowest rank's, median over --repeats after one warm-up.
 
-    python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 64] [--json FILE]
+    python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 16] [--json FILE]
 """
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=float, default=256.0, help="tensor size in MiB (square float32)")
     parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
-    parser.add_argument("--bucket-mib", type=float, default=64.0, help="shardserve bucket size in MiB")
+    parser.add_argument("--bucket-mib", type=float, default=16.0, help="shardserve bucket size in MiB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")

@@ -162,10 +162,13 @@ class CollectiveExecutor:
     first_seq, first_seq+1, ... A job whose predecessors have not all arrived
     (or been `skip`ped) within `wait_timeout_s` fails with SequenceTimeoutError
     and its number is skipped, so the sequence can continue past it.
+    `cuda_device` is made the thread's current device (the rank's GPU for NCCL).
     """
 
-    def __init__(self, first_seq: int = 0, *, name: str = "shardserve-collectives") -> None:
+    def __init__(self, first_seq: int = 0, *, name: str = "shardserve-collectives",
+                 cuda_device: torch.device | int | None = None) -> None:
         self._next_seq = _non_negative_int(first_seq, "first_seq")
+        self._cuda_device = cuda_device
         self._queue: list[_Job] = []
         self._known: set[int] = set()
         self._skipped: set[int] = set()
@@ -223,6 +226,8 @@ class CollectiveExecutor:
             raise ValueError(f"seq {seq} was already used (next expected seq is {self._next_seq})")
 
     def _loop(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)  # NCCL ops of this thread use the rank's GPU
         while True:
             job = self._next_job()
             if job is None:
