@@ -6,6 +6,7 @@ that dies mid-reshard, since those leave its process group unusable.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -68,6 +69,27 @@ def uneven_rows(size, dtype):
 
 def replicated(size, ranks, dtype):
     return make_metadata(size, [((0,) * len(size), size, r) for r in ranks], dtype)
+
+
+def random_grid(size, seed, dtype):
+    """A grid with 1-3 random cuts per dim, each block on a random rank (some ranks hold several, some none)."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = []
+    for n in size:
+        cuts = sorted({int(c) for c in torch.randint(1, n, (int(torch.randint(1, 4, (1,), generator=gen)),),
+                                                     generator=gen)} if n > 1 else set())
+        edges = [0, *cuts, n]
+        bounds.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+    blocks = itertools.product(*bounds)
+    return make_metadata(size, [(tuple(o for o, _ in block), tuple(n for _, n in block),
+                                 int(torch.randint(0, WORLD, (1,), generator=gen))) for block in blocks], dtype)
+
+
+def layout(name, size, dtype):
+    """A layout by name; "random:<seed>" is a random grid."""
+    if name.startswith("random:"):
+        return random_grid(size, int(name.split(":")[1]), dtype)
+    return LAYOUTS[name](size, dtype)
 
 
 M2, M3 = (13, 21), (7, 5, 3)
@@ -146,8 +168,8 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
         return {"absent": True}
     dtype = DTYPES[command["dtype"]]
     size = command["size"]
-    src = on_cuda(LAYOUTS[command["src"]](size, dtype), command.get("cuda", False))
-    dst = on_cuda(LAYOUTS[command["dst"]](size, dtype), command.get("cuda", False))
+    src = on_cuda(layout(command["src"], size, dtype), command.get("cuda", False))
+    dst = on_cuda(layout(command["dst"], size, dtype), command.get("cuda", False))
     full = full_tensor(size, dtype, command["seed"])
     plan = plan_reshard(src, dst, command["bucket_bytes"])
     src_shards = {i: t.to(src.shards_metadata[i].device, copy=True) for i, t in enumerate(cut_tensor(full, src))
@@ -308,6 +330,15 @@ def test_every_dtype_across_dims_with_many_buckets(world, dtype):
     check_answers(answers, 8)
     assert max(a["stats"]["rounds"] for a in answers.values()) >= 2
     assert sum(a["stats"]["buckets_sent"] for a in answers.values()) > WORLD * (WORLD - 1)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_grids(world, seed):
+    size = M2 if seed % 2 else M3
+    dtype = list(DTYPES)[seed % len(DTYPES)]
+    answers = world.run(size=size, src=f"random:{2 * seed}", dst=f"random:{2 * seed + 1}", dtype=dtype,
+                        bucket_bytes=16 << seed)
+    check_answers(answers, 16 << seed)
 
 
 def test_zero_copy_when_boxes_are_contiguous(world):
