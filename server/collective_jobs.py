@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import grpc
+import torch
 
 from protos import shardserve_pb2 as pb
 from server.errors import InvalidArgument, rpc_errors
@@ -285,6 +286,8 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
         raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
     plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)
     rank = ctx.rank
+    if ctx.store.device.type == "cuda":
+        torch.cuda.set_device(ctx.store.device)  # the current device is per thread; NCCL work goes to ours
     stats = ReshardStats()
     ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
     ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
