@@ -1,0 +1,78 @@
+"""JobChain: jobs run in (seq, after_seq) chain order on one thread, whatever order they arrive in."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from server.collective_jobs import JobCancelled, JobChain, register_job_kind
+from server.reshard_driver import JobSequencer
+
+
+@pytest.fixture
+def chain():
+    c = JobChain()
+    yield c
+    c.close()
+
+
+def test_jobs_arriving_out_of_order_run_in_chain_order(chain):
+    ran, release = [], threading.Event()
+    third = chain.submit(30, 20, lambda: ran.append(30), timeout_s=10)
+    second = chain.submit(20, 10, lambda: ran.append(20), timeout_s=10)
+    first = chain.submit(10, 0, lambda: (release.wait(10), ran.append(10)), timeout_s=10)
+    release.set()
+    for future in (first, second, third):
+        future.result(10)
+    assert ran == [10, 20, 30]
+
+
+def test_a_job_outside_the_chain_is_not_blocked_by_a_parked_one(chain):
+    parked = chain.submit(50, 40, lambda: "late", timeout_s=10)  # 40 has not arrived
+    assert chain.submit(60, 0, lambda: "free", timeout_s=10).result(10) == "free"
+    assert not parked.done()
+    chain.submit(40, 0, lambda: "pred", timeout_s=10).result(10)
+    assert parked.result(10) == "late"
+
+
+def test_cancel_of_a_never_arriving_predecessor_releases_its_successor(chain):
+    successor = chain.submit(8, 7, lambda: "ran", timeout_s=10)
+    chain.cancel(7)
+    assert successor.result(10) == "ran"
+    with pytest.raises(JobCancelled):
+        chain.submit(7, 0, lambda: "too late", timeout_s=10).result(10)
+
+
+def test_a_job_whose_predecessor_never_comes_times_out_and_releases_the_next(chain):
+    stuck = chain.submit(3, 2, lambda: "never", timeout_s=0.3)
+    after = chain.submit(4, 3, lambda: "next", timeout_s=10)
+    with pytest.raises(JobCancelled, match="timed out waiting for job 2"):
+        stuck.result(10)
+    assert after.result(10) == "next"
+
+
+def test_a_cancelled_queued_job_does_not_run(chain):
+    gate, ran = threading.Event(), []
+    busy = chain.submit(1, 0, lambda: gate.wait(10), timeout_s=10)
+    queued = chain.submit(2, 1, lambda: ran.append(2), timeout_s=10)
+    chain.cancel(2)
+    gate.set()
+    busy.result(10)
+    with pytest.raises(JobCancelled):
+        queued.result(10)
+    assert ran == []
+
+
+def test_sequencer_gives_each_rank_its_previous_job():
+    numbers = iter(range(100, 200))
+    seq = JobSequencer(lambda: next(numbers))
+    assert seq.assign([0, 1]) == (100, {0: 0, 1: 0})
+    assert seq.assign([1, 2]) == (101, {1: 100, 2: 0})
+    assert seq.assign([0, 2]) == (102, {0: 100, 2: 101})
+
+
+def test_register_job_kind_checks_the_kind_is_in_the_proto():
+    with pytest.raises(ValueError, match="not a field"):
+        register_job_kind("no_such_kind", lambda job, ctx: None)
+    with pytest.raises(TypeError):
+        register_job_kind("reshard", "not callable")  # type: ignore[arg-type]
