@@ -1,0 +1,149 @@
+"""DCP checkpoints through a real 3-rank cluster: load what torch saved, save what torch loads, all bit for bit."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed._shard import sharded_tensor
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
+
+from client import Cluster, InvalidArgumentError, TensorExistsError, TensorNotFoundError, connect
+from server.launcher import LocalCluster
+from shardcore.metadata import ShardMetadata
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from test_checkpoint_io import World
+
+SIZE = (61, 10)
+GRID = EnumerableShardingSpec([ShardMetadata((0, 0), (30, 4), "rank:0/cpu"), ShardMetadata((0, 4), (30, 6), "rank:1/cpu"),
+                               ShardMetadata((30, 0), (31, 10), "rank:2/cpu")])
+
+
+def make_table(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def cl(cluster3: LocalCluster) -> Iterator[Cluster]:
+    with connect(cluster3.address) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    world = World(2)
+    yield world
+    world.close()
+
+
+def _dcp_save_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
+
+
+def _row_spec(world: int) -> TorchChunkSpec:
+    return TorchChunkSpec(dim=0, placements=[f"rank:{r}/cpu" for r in range(world)])
+
+
+def save_sharded_tensor(rank: int, path: str, seed: int) -> None:
+    """On a 2-rank world: a row-wise torch ShardedTensor of make_table(seed), saved with dcp.save."""
+    table = make_table(seed)
+    st = sharded_tensor.empty(_row_spec(2), *SIZE)
+    for shard in st.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        shard.tensor.copy_(table[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]])
+    dcp.save({"trained": st}, checkpoint_id=path)
+
+
+def load_into_sharded_tensor(rank: int, path: str, name: str, seed: int, dtype: torch.dtype) -> bool:
+    """On a 2-rank world: dcp.load into a row-wise ShardedTensor; True when every local shard is bit for bit."""
+    table = make_table(seed, dtype)
+    st = sharded_tensor.zeros(_row_spec(2), *SIZE, dtype=dtype)
+    dcp.load({name: st}, checkpoint_id=path)
+    for shard in st.local_shards():
+        offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        if not torch.equal(shard.tensor, table[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]):
+            return False
+    return True
+
+
+def test_plain_dcp_checkpoint_loads_with_another_layout(cl: Cluster, tmp_path: Path) -> None:
+    table, vector = make_table(1), torch.arange(7, dtype=torch.float64)
+    _dcp_save_plain(tmp_path / "plain", {"plain-table": table, "plain-vector": vector})
+    assert cl.inspect_checkpoint(tmp_path / "plain") == {"plain-table": (SIZE, torch.float32),
+                                                         "plain-vector": ((7,), torch.float64)}
+    seen = []
+    loaded = cl.load_checkpoint(tmp_path / "plain", spec={"plain-table": GRID, "plain-vector": None},
+                                progress=lambda done, total: seen.append((done, total)))
+    assert sorted(loaded) == ["plain-table", "plain-vector"] and seen[-1][0] == seen[-1][1] > 0
+    assert torch.equal(cl["plain-table"][:], table) and torch.equal(cl["plain-vector"][:], vector)
+    assert len(cl["plain-table"].metadata().shards_metadata) == 3
+    ids = torch.tensor([60, 0, 31, 29, 0])
+    assert torch.equal(cl["plain-table"].lookup(ids), F.embedding(ids, table))
+
+
+def test_sharded_tensor_saved_on_two_ranks_loads_into_three(cl: Cluster, world2: World, tmp_path: Path) -> None:
+    path = str(tmp_path / "st")
+    world2.run(save_sharded_tensor, path, 2)
+    loaded = cl.load_checkpoint(path, names="trained", spec=ChunkShardingSpec(1, ["rank:2/cpu", "rank:0/cpu",
+                                                                                   "rank:1/cpu"]))
+    assert loaded["trained"].sharding_spec().dim == 1
+    assert torch.equal(cl["trained"][:], make_table(2))
+    with pytest.raises(TensorExistsError):
+        cl.load_checkpoint(path, names="trained")
+    table = cl.load_checkpoint(path, names="trained", overwrite=True, dtype=torch.bfloat16)["trained"]
+    assert table.dtype == torch.bfloat16 and torch.equal(table[:], make_table(2).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_save_checkpoint_loads_with_torch(cl: Cluster, world2: World, tmp_path: Path, dtype: torch.dtype) -> None:
+    name = f"to-save-{str(dtype)[6:]}"
+    cl.put(name, make_table(3, dtype), spec=GRID)
+    cl.put(f"{name}-also", torch.ones(4))
+    path = tmp_path / "saved"
+    assert cl.save_checkpoint(path, names=[name]) == [name]
+    plain = {name: torch.zeros(SIZE, dtype=dtype)}
+    dcp.load(plain, checkpoint_id=str(path), no_dist=True)
+    assert torch.equal(plain[name], make_table(3, dtype))
+    assert world2.run(load_into_sharded_tensor, str(path), name, 3, dtype) == {0: True, 1: True}
+    assert set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata) == {name}  # only names saved
+
+
+def test_save_everything_round_trips_through_the_cluster(cl: Cluster, tmp_path: Path) -> None:
+    cl.put("round-trip", make_table(4), spec=ChunkShardingSpec(0, ["rank:1/cpu", "rank:2/cpu"]))
+    saved = cl.save_checkpoint(tmp_path / "all")
+    assert "round-trip" in saved and set(saved) == {t.name for t in cl.list()}
+    cl.delete("round-trip")
+    cl.load_checkpoint(tmp_path / "all", names=["round-trip"])
+    assert torch.equal(cl["round-trip"][:], make_table(4))
+
+
+def test_a_failed_load_leaves_nothing_visible(cl: Cluster, tmp_path: Path) -> None:
+    path = tmp_path / "broken"
+    _dcp_save_plain(path, {"broken-a": make_table(5), "broken-b": make_table(6)})
+    for data_file in path.glob("*.distcp"):
+        data_file.write_bytes(data_file.read_bytes()[:100])  # truncated: reading fails on the ranks
+    before = {t.name for t in cl.list(include_pending=True)}
+    with pytest.raises(Exception) as info:
+        cl.load_checkpoint(path)
+    assert "checkpoint load" in str(info.value)
+    assert {t.name for t in cl.list(include_pending=True)} == before
+    cl.put("after-failure", torch.ones(3, 3))  # the cluster keeps working, collectives included
+    _dcp_save_plain(tmp_path / "good", {"after-ok": make_table(7)})
+    assert torch.equal(cl.load_checkpoint(tmp_path / "good")["after-ok"][:], make_table(7))
+
+
+def test_bad_checkpoint_requests(cl: Cluster, tmp_path: Path) -> None:
+    _dcp_save_plain(tmp_path / "ck", {"only": make_table(8)})
+    with pytest.raises(TensorNotFoundError, match="not a DCP checkpoint"):
+        cl.load_checkpoint(tmp_path / "missing")
+    with pytest.raises(TensorNotFoundError, match="nope"):
+        cl.load_checkpoint(tmp_path / "ck", names=["nope"])
+    with pytest.raises(InvalidArgumentError, match="rank 7 is not a registered rank"):
+        cl.load_checkpoint(tmp_path / "ck", spec=ChunkShardingSpec(0, ["rank:7/cpu"]))
+    with pytest.raises(TensorNotFoundError, match="no-such-tensor"):
+        cl.save_checkpoint(tmp_path / "out", names=["no-such-tensor"])
+    assert "only" not in cl and not os.path.exists(tmp_path / "out" / ".metadata")
