@@ -14,8 +14,9 @@ Two pieces:
 Deadlock-free ordering. The buckets of one (src_rank, dst_rank) pair keep the
 plan's order; bucket k of every pair belongs to *round* k. Both ends of a
 bucket compute the same round from the same plan. A rank walks its rounds in
-increasing order and, per round, posts every send and receive of that round in
-one `batch_isend_irecv` (one NCCL group), using the round as the gloo tag. It
+increasing order and, per round, posts every send and receive of that round
+(receives first; CUDA buckets in one `batch_isend_irecv`, i.e. one NCCL group;
+gloo buckets each as soon as it is packed), using the round as the tag. It
 keeps at most `max_in_flight` rounds posted: before posting round k it waits
 for round k - max_in_flight. By induction on k every op of round k is posted by
 both ends (posting never blocks, waiting only ever targets earlier rounds whose
@@ -32,8 +33,8 @@ sent from, or received into, the shard itself without a staging buffer.
 `ReshardStats` counts the bytes of the new shards and the peak staging bytes.
 
 Bounded failure. Every wait is bounded by the call's deadline (`timeout_s`
-from the start of the call). Waits run on small waiter threads so the first
-failing peer is the one reported: a peer that died fails its pending ops at
+from the start of the call). Waits run on a shared pool of waiter threads, all
+at once, so the first failing peer is the one reported: a peer that died fails its pending ops at
 once (gloo sees the closed connection), a hung one is named when the deadline
 passes. Either way `run_reshard` raises `ReshardError` naming the peer ranks
 and the caller's store is untouched: the new shards exist only in the returned
@@ -44,7 +45,10 @@ CUDA. Buckets whose both ends are CUDA shards travel as CUDA tensors, so the
 "cpu:gloo,cuda:nccl" group moves them with NCCL without host staging; a bucket
 with a CPU end travels through host memory with gloo. A CUDA wait is bounded by
 polling an event recorded after the NCCL work; the GPU side of a hung NCCL
-operation is left to the process group's own timeout/watchdog.
+operation is left to the process group's own timeout/watchdog. As torch
+documents for batch_isend_irecv, the first NCCL operation of a group must
+involve all its ranks: the server should run one all-ranks CUDA collective
+(e.g. a barrier) at start-up, before any reshard of CUDA shards.
 """
 from __future__ import annotations
 
@@ -281,7 +285,7 @@ class _Posted:
 
     round: int
     waits: list[tuple[cf.Future, int, str]]
-    receives: list[tuple[Bucket, torch.Tensor | None]]
+    receives: list[tuple[Bucket, torch.Tensor]]
     staged: list[torch.Tensor]
 
 
@@ -448,48 +452,57 @@ def _waiter_threads() -> cf.ThreadPoolExecutor:
 def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
           out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, waiters: cf.ThreadPoolExecutor,
           deadline: float, stats: ReshardStats, pool: _StagingPool) -> _Posted:
-    """Pack this round's send buckets, post all its sends and receives, start bounded waits on them."""
-    ops: list[tuple[dist.P2POp, int, str]] = []
-    receives: list[tuple[Bucket, torch.Tensor | None]] = []
-    staged: list[torch.Tensor] = []
-    for kind, bucket in round_:
-        if kind == "send":
-            wire = _direct_view(plan, bucket, src_shards, "src")
-            copied = wire is None
-            if copied:
-                buffer, wire = pool.take(bucket.nbytes, _local_device(plan, bucket, "src"))
-                staged.append(buffer)
+    """Post this round's receives, then pack and post its sends; start bounded waits on them all.
+
+    Over gloo (host buffers) every operation is posted as soon as it is ready,
+    so a packed bucket goes on the wire while the next one is packed. CUDA
+    buckets go in one batch_isend_irecv (one NCCL group) after the packing:
+    separate NCCL sends and receives between the same ranks could deadlock.
+    """
+    posted = _Posted(k, [], [], [])
+    cuda_batch: list[tuple[dist.P2POp, int, str]] = []
+
+    def submit(op: dist.P2POp, peer: int, what: str) -> None:
+        if op.tensor.device.type == "cuda":
+            cuda_batch.append((op, peer, what))
+        else:
+            _post_batch(k, [(op, peer, what)], waiters, deadline, posted)
+
+    for kind, bucket in sorted(round_, key=lambda item: item[0] == "send"):
+        side = "src" if kind == "send" else "dst"
+        wire = _direct_view(plan, bucket, src_shards if kind == "send" else out, side)
+        if wire is None:
+            buffer, wire = pool.take(bucket.nbytes, _local_device(plan, bucket, side))
+            posted.staged.append(buffer)
+            if kind == "send":
                 pack_bucket(bucket, src_shards, out=wire)
-            peer = bucket.dst_rank
-            ops.append((dist.P2POp(dist.isend, wire, peer, group, k), peer, "send to"))
+            else:
+                posted.receives.append((bucket, wire))
+        else:
+            stats.zero_copy_buckets += 1
+        if kind == "send":
+            submit(dist.P2POp(dist.isend, wire, bucket.dst_rank, group, k), bucket.dst_rank, "send to")
             stats.sent_bytes += bucket.nbytes
             stats.buckets_sent += 1
         else:
-            wire = _direct_view(plan, bucket, out, "dst")
-            copied = wire is None
-            if copied:
-                buffer, wire = pool.take(bucket.nbytes, _local_device(plan, bucket, "dst"))
-                staged.append(buffer)
-            peer = bucket.src_rank
-            ops.append((dist.P2POp(dist.irecv, wire, peer, group, k), peer, "receive from"))
-            receives.append((bucket, wire if copied else None))
+            submit(dist.P2POp(dist.irecv, wire, bucket.src_rank, group, k), bucket.src_rank, "receive from")
             stats.received_bytes += bucket.nbytes
             stats.buckets_received += 1
-        if not copied:
-            stats.zero_copy_buckets += 1
-    waits = []
-    for device_type in ("cpu", "cuda"):
-        batch = [item for item in ops if item[0].tensor.device.type == device_type]
-        if not batch:
-            continue
-        try:
-            works = dist.batch_isend_irecv([op for op, _, _ in batch])
-        except Exception as exc:
-            peers = tuple(sorted({peer for _, peer, _ in batch}))
-            raise ReshardError(f"posting round {k} with ranks {list(peers)} failed: {exc}", peers) from exc
-        for work, (op, peer, what) in zip(works, batch):
-            waits.append((waiters.submit(_wait_work, work, op.tensor.device, deadline), peer, what))
-    return _Posted(k, waits, receives, staged)
+    if cuda_batch:
+        _post_batch(k, cuda_batch, waiters, deadline, posted)
+    return posted
+
+
+def _post_batch(k: int, batch: list[tuple[dist.P2POp, int, str]], waiters: cf.ThreadPoolExecutor,
+                deadline: float, posted: _Posted) -> None:
+    """batch_isend_irecv the operations and start a bounded wait on each."""
+    try:
+        works = dist.batch_isend_irecv([op for op, _, _ in batch])
+    except Exception as exc:
+        peers = tuple(sorted({peer for _, peer, _ in batch}))
+        raise ReshardError(f"posting round {k} with {_ranks_text(list(peers))} failed: {exc}", peers) from exc
+    for work, (op, peer, what) in zip(works, batch):
+        posted.waits.append((waiters.submit(_wait_work, work, op.tensor.device, deadline), peer, what))
 
 
 def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], deadline: float,
@@ -513,8 +526,7 @@ def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], 
             raise ReshardError(f"reshard timed out waiting for {_ranks_text(late)} in round {done.round}",
                                tuple(late))
     for bucket, wire in done.receives:
-        if wire is not None:
-            unpack_bucket(bucket, wire, out)
+        unpack_bucket(bucket, wire, out)
     pool.give_back(done.staged)
 
 
