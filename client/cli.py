@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Sequence
 
+from client.cli_checkpoints import add_checkpoint_commands, run_checkpoint_command
+
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 _SERVER_COMMANDS = {
@@ -90,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     delete = sub.add_parser("delete", help="delete a tensor and free its shards",
                             description="Delete a tensor from the catalog and free its shards on every rank.")
     delete.add_argument("name", help="tensor name")
+    add_checkpoint_commands(sub)
     return parser
 
 
@@ -210,6 +213,8 @@ def _run(args: argparse.Namespace) -> None:
         elif args.command == "delete":
             cluster.delete(args.name)
             print(f"deleted {args.name}")
+        else:
+            run_checkpoint_command(cluster, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

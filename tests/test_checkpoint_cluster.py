@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -147,3 +149,23 @@ def test_bad_checkpoint_requests(cl: Cluster, tmp_path: Path) -> None:
     with pytest.raises(TensorNotFoundError, match="no-such-tensor"):
         cl.save_checkpoint(tmp_path / "out", names=["no-such-tensor"])
     assert "only" not in cl and not os.path.exists(tmp_path / "out" / ".metadata")
+
+
+def _cli(address: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "client", "--coordinator", address, *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_load_and_save(cluster3: LocalCluster, cl: Cluster, tmp_path: Path) -> None:
+    _dcp_save_plain(tmp_path / "cli", {"cli-table": make_table(9)})
+    done = _cli(cluster3.address, "load", str(tmp_path / "cli"), "--dim", "1", "--dtype", "float16")
+    assert done.returncode == 0, done.stderr
+    assert "loaded cli-table version" in done.stdout
+    assert torch.equal(cl["cli-table"][:], make_table(9).half()) and cl["cli-table"].sharding_spec().dim == 1
+    done = _cli(cluster3.address, "save", str(tmp_path / "cli-out"), "--names", "cli-table")
+    assert done.returncode == 0 and "saved cli-table" in done.stdout, done.stderr
+    back = {"cli-table": torch.zeros(SIZE, dtype=torch.float16)}
+    dcp.load(back, checkpoint_id=str(tmp_path / "cli-out"), no_dist=True)
+    assert torch.equal(back["cli-table"], make_table(9).half())
+    failed = _cli(cluster3.address, "load", str(tmp_path / "nowhere"))
+    assert failed.returncode == 1 and "not a DCP checkpoint" in failed.stderr
