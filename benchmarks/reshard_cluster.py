@@ -1,0 +1,88 @@
+"""End-to-end reshard through a running cluster (Coordinator.Reshard) against the bare transfer.
+
+For each world size: a LocalCluster of that many ranks, a square float32
+tensor created row-wise (Shard(0)), then `RemoteShardedTensor.reshard` to
+column-wise (Shard(1)) and back, timed from the client (validation, memory
+reservation, the collective job, catalog commit, promotion and drop
+included). In the same run, `benchmarks.reshard.run_world` measures the bare
+gloo transfer of the same bytes and `run_reshard` alone in a plain world.
+
+    python -m benchmarks.reshard_cluster [--size-mib 64] [--ranks 2] [--bucket-mib 16] [--repeats 3] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from benchmarks import reshard as raw
+
+
+def cluster_times(world: int, n: int, bucket_bytes: int, repeats: int) -> dict:
+    """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report."""
+    from client import connect
+    from server.launcher import LocalCluster
+    from shardcore.specs import ChunkShardingSpec
+
+    placements = [f"rank:{r}/cpu" for r in range(world)]
+    specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]
+    with LocalCluster(world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-")) as cluster, \
+            connect(cluster.address, timeout=600) as client:
+        tensor = client.create("bench", (n, n), spec=ChunkShardingSpec(0, placements), init="arange")
+        reports: list = []
+        times = []
+        for i in range(repeats + 1):  # the first one warms up
+            start = time.perf_counter()
+            tensor = tensor.reshard(specs[i % 2], bucket_bytes=bucket_bytes, timeout=600, progress=reports.append)
+            if i:
+                times.append(time.perf_counter() - start)
+        done = reports[-1]
+        return {"seconds": statistics.median(times), "max_new_shard_bytes": done.max_new_shard_bytes,
+                "max_staging_bytes": done.max_staging_bytes}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=float, default=64.0)
+    parser.add_argument("--ranks", default="2", help="comma-separated world sizes")
+    parser.add_argument("--bucket-mib", type=float, default=16.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE")
+    ns = parser.parse_args(argv)
+    bucket = int(ns.bucket_mib * (1 << 20))
+    args = {"size_mib": ns.size_mib, "bucket_bytes": bucket, "repeats": ns.repeats, "timeout": 1800.0}
+    rows = []
+    for world in (int(w) for w in ns.ranks.split(",")):
+        n = raw.square_side(ns.size_mib)
+        plain = raw.run_world(world, args)
+        seconds = {r["method"]: r["seconds"] for r in plain["rows"]}
+        e2e = cluster_times(world, n, bucket, ns.repeats)
+        rows.append({"world": world, "n": n, "bare_s": seconds[raw.BARE], "run_reshard_s": seconds[raw.OURS],
+                     "dtensor_s": seconds.get(raw.DTENSOR), "cluster_reshard_s": e2e["seconds"],
+                     "max_new_shard_bytes": e2e["max_new_shard_bytes"], "max_staging_bytes": e2e["max_staging_bytes"]})
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=f"Reshard Shard(0) <-> Shard(1) float32 through the cluster, gloo on 127.0.0.1, "
+                      f"{os.cpu_count()} cores, buckets {ns.bucket_mib:g} MiB")
+    for column in ("ranks", "tensor", "bare s", "run_reshard s", "DTensor s", "cluster reshard s", "x bare",
+                   "x run_reshard", "new shard MiB/rank", "staging MiB/rank"):
+        out.add_column(column, justify="right")
+    for r in rows:
+        mib = r["n"] * r["n"] * 4 / (1 << 20)
+        out.add_row(str(r["world"]), f"{r['n']}x{r['n']} ({mib:.0f} MiB)", f"{r['bare_s']:.3f}",
+                    f"{r['run_reshard_s']:.3f}", "-" if r["dtensor_s"] is None else f"{r['dtensor_s']:.3f}",
+                    f"{r['cluster_reshard_s']:.3f}", f"{r['cluster_reshard_s'] / r['bare_s']:.2f}",
+                    f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}", f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
+                    f"{r['max_staging_bytes'] / (1 << 20):.1f}")
+    Console(width=180).print(out)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"args": vars(ns), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
