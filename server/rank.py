@@ -50,7 +50,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
     add_security_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for flag in ("memory_limit", "max_request_bytes"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0 (0 = unlimited)")
+    return args
 
 
 def resolve_device(device: str, local_rank: int) -> str:
@@ -60,6 +64,9 @@ def resolve_device(device: str, local_rank: int) -> str:
     if device != "cpu" and not device.startswith("cuda:"):
         raise ValueError(f"--device {device!r} is not cpu, cuda or cuda:K")
     if device.startswith("cuda"):
+        index = int(device.split(":", 1)[1])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA devices")
         torch.cuda.set_device(torch.device(device))
     return device
 
@@ -171,8 +178,12 @@ def main(argv: Sequence[str]) -> int:
     watch_parent(stop)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    security = security_from_args(args)
+    try:
+        device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
+        security = security_from_args(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
     init_world(rank, world_size, args.dist_timeout)
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes)
     running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
