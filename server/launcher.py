@@ -252,10 +252,18 @@ def main_up(argv: Sequence[str]) -> int:
     parser.add_argument("--max-request-bytes", type=int, default=0, help="largest ReadRegion box in bytes "
                         "(0 = unlimited)")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks")
-    parser.add_argument("--demo", action="store_true", help="create the demo tensor 'demo' "
-                        "(float32 1,000,000 x 64, normal, seed 0, row-wise over all ranks)")
+    parser.add_argument("--demo", action="store_true", help="serve the demo table 'demo' (float32 1,000,000 x 64, "
+                        "normal, seed 0, row-wise over all ranks), loaded from a DCP checkpoint written once "
+                        "under the state dir")
     _add_common_args(parser)
     args = parser.parse_args(argv)
+    if args.ranks < 1:
+        parser.error("--ranks must be >= 1")
+    for flag in ("memory_limit", "max_request_bytes", "port"):
+        if getattr(args, flag) < 0:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.heartbeat_interval <= 0:
+        parser.error("--heartbeat-interval must be > 0")
     configure_logging(args.log_level)
     try:
         security = security_from_args(args)
@@ -284,21 +292,11 @@ def main_up(argv: Sequence[str]) -> int:
 
 
 def create_demo(cluster: LocalCluster) -> pb.TensorInfo:
-    """The demo table: float32 1,000,000 x 64, INIT_NORMAL seed 0, ChunkShardingSpec(dim=0) over all ranks."""
-    import torch
-
-    from shardcore.metadata import TensorProperties
-    from shardcore.specs import ChunkShardingSpec
-    from shardcore.wire import metadata_to_proto
+    """The demo table "demo" (float32 1,000,000 x 64), loaded from a DCP checkpoint it writes once: server.demo."""
+    from server.demo import load_demo
 
     assert cluster.coordinator is not None
-    devices = {r.rank: r.device for r in cluster.coordinator.ranks()}
-    spec = ChunkShardingSpec(0, [f"rank:{r}/{devices[r]}" for r in range(cluster.ranks)])
-    meta = spec.build_metadata((1_000_000, 64), TensorProperties(dtype=torch.float32))
-    info = cluster.coordinator.create(pb.CreateTensorRequest(
-        name="demo", metadata=metadata_to_proto(meta), init=pb.INIT_NORMAL, seed=0, overwrite=True))
-    log.info("demo tensor 'demo' version %d ready", info.version)
-    return info
+    return load_demo(cluster.coordinator, cluster.state_dir)
 
 
 def main_coordinator(argv: Sequence[str]) -> int:

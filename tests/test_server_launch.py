@@ -200,3 +200,16 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["up", "--ranks", "0"], "--ranks must be >= 1"),
+    (["up", "--memory-limit", "-1"], "--memory-limit must be >= 0"),
+    (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
+    (["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"], "tls cert file 'missing.pem' does not exist"),
+])
+def test_bad_flags_are_usage_errors(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "server", *args], cwd=tmp_path, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
