@@ -258,12 +258,12 @@ class ReshardDriver:
             participants = sorted(set(dst.ranks()) | {t.src_rank for t in plan.transfers})
             try:
                 finals = yield from self._prepare(info, new, src, dst, plan, participants, timeout_s, total)
-            except BaseException:
+                yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
+                                         version=new.version)
+            except BaseException:  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
                 self._abort(new, participants)
                 raise
-            ready = self._commit(new, info)
-            yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
-                                     version=new.version)
+            ready = self._commit(new, info)  # no yield from here to the promotion: a cancel cannot cut it
             self._promote(ready)
             yield pb.ReshardProgress(
                 phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
