@@ -11,8 +11,10 @@ The protocol (issue 4; issue 5's DCP load/save reuses it):
   collectives of two jobs in the same relative order, and a rank never waits
   for a job it is not part of. A job whose predecessor never arrives (lost or
   aborted) waits at most its `timeout_s`, then fails and releases its
-  successors; CancelCollective(seq) (or the caller cancelling the stream)
-  does the same for a job that has not started.
+  successors; CancelCollective(seq) does the same for a job that has not
+  started. A caller that cancels the stream does not cancel the job (its
+  peers may already be in its collectives): the coordinator sends
+  CancelCollective only once the job failed with a lost peer.
 - `ShardServer.RunCollective(CollectiveJob)` streams CollectiveProgress
   (bytes_done/bytes_total) until a message with done=true; `error` empty means
   success, `failed_peers` names the ranks that failed or did not answer.
@@ -214,19 +216,17 @@ class CollectiveJobs:
             ctx.deadline = time.monotonic() + job.timeout_s
             _KINDS[kind](job, ctx)
 
+        # A caller that stops listening does not cancel the job: its peers may already be in its
+        # collectives, and they would hang until their deadline. Only CancelCollective cancels.
         future = self.chain.submit(job.seq, job.after_seq, execute, job.timeout_s)
-        try:
-            while True:
-                try:
-                    future.result(timeout=_POLL_S)
-                    break
-                except cf.TimeoutError:
-                    yield ctx.snapshot()
-                except Exception:  # noqa: BLE001 - reported in the final message below
-                    break
-        finally:
-            if not future.done():
-                self.chain.cancel(job.seq)
+        while True:
+            try:
+                future.result(timeout=_POLL_S)
+                break
+            except cf.TimeoutError:
+                yield ctx.snapshot()
+            except Exception:  # noqa: BLE001 - reported in the final message below
+                break
         yield self._final(job, ctx, future)
 
     def _final(self, job: pb.CollectiveJob, ctx: JobContext, future: cf.Future) -> pb.CollectiveProgress:
