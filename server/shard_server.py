@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
+MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
 
 
 class ShardServerServicer(pb_grpc.ShardServerServicer):
@@ -95,7 +96,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def _chunk_bytes(self, requested: int) -> int:
         if requested < 0:
             raise InvalidArgument(f"chunk_bytes {requested} is negative")
-        return min(requested or self.chunk_bytes, MAX_CHUNK_BYTES)
+        return max(MIN_CHUNK_BYTES, min(requested or self.chunk_bytes, MAX_CHUNK_BYTES))
 
     @rpc_errors
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> Iterator[pb.LookupChunk]:

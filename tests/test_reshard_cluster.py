@@ -240,9 +240,9 @@ def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
 
 @pytest.fixture(scope="module")
 def stalling_cluster(make_cluster):
-    """3 ranks; rank 1 stalls 4 s in reshards of 'slow' and 120 s in reshards of 'victim'."""
+    """3 ranks; rank 1 stalls 4 s in reshards of 'slow', 3 s in 'cancelme' and 120 s in 'victim'."""
     previous = os.environ.get(STALL_ENV)
-    os.environ[STALL_ENV] = "1:4:slow,1:120:victim"
+    os.environ[STALL_ENV] = "1:4:slow,1:3:cancelme,1:120:victim"
     try:
         return make_cluster(ranks=3)
     finally:
@@ -270,6 +270,32 @@ def test_a_second_reshard_of_the_same_tensor_is_refused_not_queued(stalling_clus
         thread.join(60)
         assert result["new"].version == proxy.version + 1
         assert torch.equal(result["new"].full_tensor(), tensor)
+
+
+class _StopReshard(Exception):
+    pass
+
+
+def _stop_when_moving(report) -> None:
+    if report.phase == "moving":
+        raise _StopReshard()
+
+
+def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(stalling_cluster):
+    tensor = source((13, 21), torch.int16, seed=14)
+    with connect(stalling_cluster.address) as client:
+        proxy = client.put("cancelme", tensor, spec=chunk(0, range(3)))
+        with pytest.raises(_StopReshard):
+            proxy.reshard(chunk(1, range(3)), progress=_stop_when_moving)
+
+        def aborted() -> bool:
+            rows = client._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            return [t.version for t in rows if t.name == "cancelme"] == [proxy.version]
+        _wait(aborted, 20, "the reshard to be aborted")
+        assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
+        time.sleep(4)  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
+        new = client.tensor("cancelme").reshard(chunk(1, (0, 2)), timeout=60)  # the world was not broken
+        assert torch.equal(new.full_tensor(), tensor)
 
 
 def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_cluster):
