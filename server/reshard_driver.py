@@ -159,7 +159,8 @@ class CollectiveRunner:
 
     def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
-        down = {r for r, f in failures.items() if isinstance(f, grpc.RpcError)}
+        down = {r for r, f in failures.items()
+                if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE}
         down |= {r for r in set(failures) | set(missing) if not self._alive(r)}
         reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
         named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
