@@ -36,7 +36,7 @@ from benchmarks.rss import RssSampler
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios")
+SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding")
 ROLES = ("subject", "baseline")
 
 

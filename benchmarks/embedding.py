@@ -1,0 +1,304 @@
+"""Scenarios "lookups" and "checkpoint" (issue 5): embedding lookups and DCP checkpoint load/save.
+
+lookups: a 1,000,000 x 64 float32 table row-wise over a 2-rank LocalCluster;
+lookups of 1, 512 and 4096 ids (uniform, and Zipf with exponent 1.05 over the
+rows): p50 and p99 latency of one client, and rows/s with 8 concurrent client
+threads. Baselines in the same run: torch.distributed.rpc serving the same
+table from two server processes holding one half each (the way torch's
+ShardedTensor reached remote shards: route ids by owner, `rpc_async` the
+owners, stitch), measured by a spawned client process so it has its own rpc
+agent; and a local `index_select` (the limit).
+
+checkpoint: the same table as a DCP checkpoint on local disk;
+`Cluster.load_checkpoint` (each rank reads its half) against
+`torch.distributed.checkpoint.load` into a local tensor in this process, and
+`Cluster.save_checkpoint` against `dcp.save` of a local tensor.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from contextlib import ExitStack
+from typing import Callable
+
+import torch
+
+from benchmarks.harness import Context, Row, scenario
+
+ROWS, DIM, RANKS = 1_000_000, 64, 2
+QUICK_ROWS = 100_000
+BATCHES = (1, 512, 4096)
+ZIPF_S = 1.05
+CLIENT_THREADS = 8
+START_TIMEOUT_S = 180.0
+SHARDSERVE, RPC, LOCAL = "shardserve lookup", "torch.distributed.rpc", "local index_select"
+
+
+def table(rows: int) -> torch.Tensor:
+    """The benchmark table: the same numbers in every process (cheap to make)."""
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(0))
+
+
+def id_batches(rows: int, size: int, dist: str, count: int, seed: int = 1) -> list[torch.Tensor]:
+    """`count` batches of `size` ids, uniform or Zipf(1.05) over the rows (hot rows scattered by a permutation)."""
+    generator = torch.Generator().manual_seed(seed)
+    if dist == "uniform":
+        return [torch.randint(0, rows, (size,), generator=generator) for _ in range(count)]
+    weights = torch.arange(1, rows + 1, dtype=torch.float64).pow(-ZIPF_S)
+    permutation = torch.randperm(rows, generator=generator)
+    ranks = torch.multinomial(weights, size * count, replacement=True, generator=generator)
+    return list(permutation[ranks].view(count, size))
+
+
+def repeats(size: int, quick: bool) -> int:
+    return (20 if quick else 200) if size <= 512 else (10 if quick else 60)
+
+
+def latencies(run: Callable[[torch.Tensor], object], batches: list[torch.Tensor]) -> list[float]:
+    """Seconds of each call, after two warm-up calls."""
+    for ids in batches[:2]:
+        run(ids)
+    out = []
+    for ids in batches:
+        start = time.perf_counter()
+        run(ids)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def throughput(make_runner: Callable[[], Callable[[torch.Tensor], object]], batches: list[torch.Tensor],
+               threads: int) -> float:
+    """Seconds per call with `threads` concurrent callers, each going through `batches` once."""
+    runners = [make_runner() for _ in range(threads)]
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+
+    def work(runner: Callable[[torch.Tensor], object]) -> None:
+        barrier.wait()
+        try:
+            for ids in batches:
+                runner(ids)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            errors.append(err)
+
+    workers = [threading.Thread(target=work, args=(r,)) for r in runners]
+    for worker in workers:
+        worker.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return elapsed / (threads * len(batches))
+
+
+def p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+# ---------------------------------------------------------------- torch.distributed.rpc baseline
+
+def _rpc_options(port: int):  # type: ignore[no-untyped-def]
+    from torch.distributed import rpc
+
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=120,
+                                           num_worker_threads=16)
+
+
+_HALF: torch.Tensor | None = None
+
+
+def _rows_of_half(local_ids: torch.Tensor) -> torch.Tensor:
+    """Runs on an rpc server: rows of its half of the table."""
+    assert _HALF is not None
+    return _HALF.index_select(0, local_ids)
+
+
+def _rpc_server(rank: int, rows: int, port: int) -> None:
+    global _HALF
+    from torch.distributed import rpc
+
+    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    half = rows // RANKS
+    _HALF = table(rows)[(rank - 1) * half: rank * half].clone()
+    rpc.init_rpc(f"server{rank}", rank=rank, world_size=RANKS + 1, rpc_backend_options=_rpc_options(port))
+    rpc.shutdown(graceful=True, timeout=600)
+
+
+def _rpc_lookup(ids: torch.Tensor, half: int) -> torch.Tensor:
+    """The client side: unique ids, route by owner, rpc_async both halves, stitch in the caller's order."""
+    from torch.distributed import rpc
+
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    owner = unique // half
+    out = torch.empty(unique.numel(), DIM)
+    futures = []
+    for r in range(RANKS):
+        mask = owner == r
+        if bool(mask.any()):
+            futures.append((mask, rpc.rpc_async(f"server{r + 1}", _rows_of_half, args=(unique[mask] - r * half,))))
+    for mask, future in futures:
+        out[mask] = future.wait()
+    return out[inverse]
+
+
+def _rpc_client(rows: int, port: int, cases: list[tuple[int, str, int]], quick: bool, conn) -> None:  # type: ignore[no-untyped-def]
+    from torch.distributed import rpc
+
+    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    rpc.init_rpc("client", rank=0, world_size=RANKS + 1, rpc_backend_options=_rpc_options(port))
+    try:
+        half = rows // RANKS
+        results = {}
+        local = table(rows)
+        for size, dist, count in cases:
+            batches = id_batches(rows, size, dist, count)
+            run = lambda ids: _rpc_lookup(ids, half)  # noqa: E731
+            ok = torch.equal(run(batches[0]), local[batches[0]])
+            lat = latencies(run, batches)
+            per_call = throughput(lambda: run, batches[: max(4, count // 4)], CLIENT_THREADS)
+            results[(size, dist)] = (lat, per_call, ok)
+        conn.send(results)
+    finally:
+        rpc.shutdown(graceful=True, timeout=600)
+
+
+def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], quick: bool) -> tuple[dict, list[int]]:
+    """Start two rpc servers and a client process; return the client's measurements and the servers' pids."""
+    from server.launcher import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    servers = [ctx.Process(target=_rpc_server, args=(r, rows, port), daemon=True) for r in range(1, RANKS + 1)]
+    parent, child = ctx.Pipe()
+    client = ctx.Process(target=_rpc_client, args=(rows, port, cases, quick, child), daemon=True)
+    for process in (*servers, client):
+        process.start()
+    try:
+        if not parent.poll(1800):
+            raise TimeoutError("the rpc baseline did not answer within 30 minutes")
+        return parent.recv(), [s.pid for s in servers]
+    finally:
+        for process in (client, *servers):
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+
+# ---------------------------------------------------------------- scenarios
+
+@scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
+def lookups_scenario(ctx: Context) -> list[Row]:
+    from client import connect
+    from server.launcher import LocalCluster
+
+    rows_n = QUICK_ROWS if ctx.quick else ROWS
+    source = table(rows_n)
+    cases = [(size, dist, repeats(size, ctx.quick)) for size in BATCHES for dist in ("uniform", "zipf")]
+    rows: list[Row] = []
+    with ExitStack() as stack:
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
+        cluster = LocalCluster(ranks=RANKS, state_dir=state, log_level="WARNING")
+        stack.callback(cluster.stop)
+        cluster.start(timeout=START_TIMEOUT_S)
+        for rank, pid in enumerate(cluster.rank_pids):
+            ctx.sampler.label(pid, f"rank {rank} server")
+        client = stack.enter_context(connect(cluster.address))
+        remote = client.put("bench", source)
+        clients = [stack.enter_context(connect(cluster.address)) for _ in range(CLIENT_THREADS)]
+        ours = {}
+        with ctx.rss(cluster.rank_pids) as peaks:
+            for size, dist, count in cases:
+                batches = id_batches(rows_n, size, dist, count)
+                ok = torch.equal(remote.lookup(batches[0]), source[batches[0]])
+                lat = latencies(remote.lookup, batches)
+                pool = iter(clients)
+                per_call = throughput(lambda: next(pool).tensor("bench").lookup, batches[: max(4, count // 4)],
+                                      CLIENT_THREADS)
+                local = latencies(lambda ids: source.index_select(0, ids), batches)
+                ours[(size, dist)] = (lat, per_call, ok, local)
+    theirs, rpc_pids = run_rpc_baseline(rows_n, cases, ctx.quick)
+    for size, dist, _ in cases:
+        lat, per_call, ok, local = ours[(size, dist)]
+        rpc_lat, rpc_call, rpc_ok = theirs[(size, dist)]
+        for stat, q in (("p50", 0.5), ("p99", 0.99)):
+            case = f"{size} ids {dist} {stat}"
+            rows.append(Row("lookups", case, SHARDSERVE, p(lat, q), path="grpc", baseline=RPC, peak_rss=peaks, ok=ok))
+            rows.append(Row("lookups", case, RPC, p(rpc_lat, q), path="tensorpipe", role="baseline", ok=rpc_ok))
+            rows.append(Row("lookups", case, LOCAL, p(local, q), path="in-process", role="baseline"))
+        case = f"{size} ids {dist} {CLIENT_THREADS} clients"
+        rows.append(Row("lookups", case, SHARDSERVE, per_call, path="grpc", baseline=RPC, ok=ok,
+                        extra={"rows_per_s": size / per_call}))
+        rows.append(Row("lookups", case, RPC, rpc_call, path="tensorpipe", role="baseline", ok=rpc_ok,
+                        extra={"rows_per_s": size / rpc_call}))
+    return rows
+
+
+@scenario("checkpoint", help="Cluster.load_checkpoint/save_checkpoint of a 1M x 64 table vs dcp.load/dcp.save")
+def checkpoint_scenario(ctx: Context) -> list[Row]:
+    import torch.distributed.checkpoint as dcp
+
+    from client import connect
+    from server.launcher import LocalCluster
+
+    rows_n = QUICK_ROWS if ctx.quick else ROWS
+    source = table(rows_n)
+    nbytes = source.numel() * 4
+    repeat = 2 if ctx.quick else 5
+    rows: list[Row] = []
+    with ExitStack() as stack:
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
+        path = os.path.join(state, "table")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            dcp.save({"bench": source}, checkpoint_id=path, no_dist=True)
+            cluster = LocalCluster(ranks=RANKS, state_dir=os.path.join(state, "state"), log_level="WARNING")
+            stack.callback(cluster.stop)
+            cluster.start(timeout=START_TIMEOUT_S)
+            client = stack.enter_context(connect(cluster.address))
+            load_times, dcp_times, save_times, dcp_save_times = [], [], [], []
+            with ctx.rss(cluster.rank_pids) as peaks:
+                for i in range(repeat):
+                    start = time.perf_counter()
+                    client.load_checkpoint(path, overwrite=True)
+                    load_times.append(time.perf_counter() - start)
+                    out = {"bench": torch.empty(rows_n, DIM)}
+                    start = time.perf_counter()
+                    dcp.load(out, checkpoint_id=path, no_dist=True)
+                    dcp_times.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    client.save_checkpoint(os.path.join(state, f"saved{i}"), names=["bench"])
+                    save_times.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    dcp.save({"bench": source}, checkpoint_id=os.path.join(state, f"dcp{i}"), no_dist=True)
+                    dcp_save_times.append(time.perf_counter() - start)
+            ok = torch.equal(client["bench"][:], source) and torch.equal(out["bench"], source)
+    case = f"{rows_n} x {DIM} float32"
+    rows.append(Row("checkpoint", f"load {case}", "shardserve load_checkpoint", statistics.median(load_times),
+                    path="dcp on ranks", nbytes=nbytes, baseline="dcp.load", peak_rss=peaks, ok=ok))
+    rows.append(Row("checkpoint", f"load {case}", "dcp.load", statistics.median(dcp_times), path="in-process",
+                    role="baseline", nbytes=nbytes, ok=ok))
+    rows.append(Row("checkpoint", f"save {case}", "shardserve save_checkpoint", statistics.median(save_times),
+                    path="dcp on ranks", nbytes=nbytes, baseline="dcp.save", peak_rss=peaks))
+    rows.append(Row("checkpoint", f"save {case}", "dcp.save", statistics.median(dcp_save_times), path="in-process",
+                    role="baseline", nbytes=nbytes))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.__main__ import main as suite_main
+
+    return suite_main(["--only", "lookups", "checkpoint", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
