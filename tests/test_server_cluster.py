@@ -225,3 +225,14 @@ def test_health_and_reflection_on_both_servers(stubs, cluster3):
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT)
             names = {s.name for a in answers for s in a.list_services_response.service}
             assert {service, "grpc.health.v1.Health"} <= names
+
+
+def test_chunk_size_is_clamped_to_at_least_4_kib(stubs):
+    meta = chunk_meta((10, 1000), 0, torch.uint8, ranks=(1,))
+    info = create(stubs, "chunky", meta, init=pb.INIT_ARANGE)
+    for requested, sizes in [(1, [4096, 4096, 1808]), (0, [10000]), (5000, [5000, 5000])]:
+        chunks = list(stubs.ranks[1].ReadRegion(pb.ReadRegionRequest(
+            name="chunky", version=info.version, shard_index=0, offsets=[0, 0], sizes=[10, 1000],
+            chunk_bytes=requested), timeout=TIMEOUT))
+        assert [len(c.data) for c in chunks] == sizes
+        assert [c.offset for c in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]
