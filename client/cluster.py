@@ -20,6 +20,7 @@ from client.lookup import Lookups, table_options
 from client.row_cache import CacheStats, RowCache
 from client.row_updates import update_rows
 from client.remote_tensor import RemoteShardedTensor
+from client.shm_transport import DataPlane, SharedMemoryReader, check_transport
 from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
@@ -35,13 +36,16 @@ INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NO
 
 def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
             tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0,
-            row_cache_max_age: float = 1.0) -> "Cluster":
+            row_cache_max_age: float = 1.0, transport: str = "auto") -> "Cluster":
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
+    `transport` picks the data path of reads (client.shm_transport): "auto" (shared memory for ranks on this
+    host when it works, else gRPC), "grpc", or "shm" (an error when a rank cannot be read that way).
     """
     check_address(address)
+    check_transport(transport)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     cache = RowCache(row_cache_bytes) if row_cache_bytes else None
@@ -50,6 +54,7 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
         raise ValueError(f"row_cache_max_age must be a number of seconds >= 0, got {row_cache_max_age!r}")
     cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)), cache)
     cluster._lookups.cache_max_age = float(row_cache_max_age)
+    cluster._data_plane = DataPlane(transport, cluster._data_plane.reader)
     try:
         cluster._refresh_ranks()
     except BaseException:
@@ -86,6 +91,8 @@ class Cluster:
         self._ranks: dict[int, RankStatus] = {}
         self._ranks_lock = threading.Lock()
         self._lookups = Lookups(self, row_cache)
+        self._data_plane = DataPlane("auto", SharedMemoryReader(
+            transport.shard_server, transport.credentials.metadata(), transport.timeout, transport.submit))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -120,6 +127,11 @@ class Cluster:
         if status is None or not status.address:
             raise RankUnavailableError(f"rank {rank} is not registered with the coordinator at {self.address}")
         return status.address
+
+    def _rank_status(self, rank: int) -> RankStatus:
+        """The registered status of `rank` (address, host, shared memory), refreshed once if unknown."""
+        self._address_of(rank)
+        return self._ranks[rank]
 
     def _get_summary(self, name: str) -> TensorSummary:
         return TensorSummary.from_proto(self._call("GetTensor", pb.GetTensorRequest(name=_check_name(name))))

@@ -24,13 +24,16 @@ class RankStatus:
     memory_limit_bytes: int
     pid: int
     last_heartbeat_unix: float
+    host_id: str = ""            # the rank's boot id: same hostname and host_id = same host (data plane)
+    shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
 
     @classmethod
     def from_proto(cls, msg: pb.RankInfo) -> "RankStatus":
         return cls(rank=msg.rank, address=msg.address, device=msg.device or "cpu", hostname=msg.hostname,
                    alive=msg.alive, memory_used_bytes=msg.memory_used_bytes,
                    memory_limit_bytes=msg.memory_limit_bytes, pid=msg.pid,
-                   last_heartbeat_unix=msg.last_heartbeat_unix)
+                   last_heartbeat_unix=msg.last_heartbeat_unix, host_id=msg.host_id,
+                   shared_memory=msg.shared_memory)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class RemoteShardedTensor:
     def __init__(self, cluster: "Cluster", summary: TensorSummary) -> None:
         self._cluster = cluster
         self._summary = summary
+        self.last_transport: str | None = None  # "shm" or "grpc": the path of the latest part read
 
     # ------------------------------------------------------------ description
 
@@ -244,8 +245,14 @@ class RemoteShardedTensor:
         self._cluster._transport.run_all(jobs)
 
     def _read_part(self, summary: TensorSummary, index: int, part: Box, box: Box, out: torch.Tensor) -> None:
-        """One shard's part: straight into `out` when its region there is contiguous, else via one buffer."""
+        """One shard's part into its region of `out`, by the path the data plane picks (client.shm_transport)."""
         region = local_view(out, box, part)
+        rank = self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
+        self.last_transport = self._cluster._data_plane.read_part(
+            rank, summary, index, part, region, partial(self._read_part_grpc, summary, index, part, region))
+
+    def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
+        """One shard's part over ReadRegion: straight into `region` when contiguous, else via one buffer."""
         direct = region.is_contiguous()
         buffer = region if direct else torch.empty(part.sizes, dtype=out.dtype)
         request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,

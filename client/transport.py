@@ -177,6 +177,10 @@ class Transport:
         reply = self.unary(write, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
         return reply.bytes_written
 
+    def submit(self, job) -> Future:  # type: ignore[no-untyped-def]
+        """Run `job` on the client's pool without waiting (e.g. releasing a shared-memory lease)."""
+        return self._pool.submit(job)
+
     def run_all(self, jobs: Sequence) -> list:
         """Run the callables in `jobs` on the pool, wait for all, raise the first failure in job order."""
         if len(jobs) == 1:

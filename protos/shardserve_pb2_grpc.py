@@ -690,6 +690,16 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.CancelCollectiveRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.CancelCollectiveResponse.FromString,
                 _registered_method=True)
+        self.OpenShard = channel.unary_unary(
+                '/shardserve.v1.ShardServer/OpenShard',
+                request_serializer=protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.OpenShardResponse.FromString,
+                _registered_method=True)
+        self.ReleaseShard = channel.unary_unary(
+                '/shardserve.v1.ShardServer/ReleaseShard',
+                request_serializer=protos_dot_shardserve__pb2.ReleaseShardRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.ReleaseShardResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -765,6 +775,21 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenShard(self, request, context):
+        """Same-host data plane (issue 6; server/shared_memory.py, client/shm_transport.py): hand a served
+        shard over by reference (a memfd the client opens as /proc/PID/fd/FD, or a CUDA IPC handle)
+        under a time-bounded lease that keeps the version's memory from being freed; no bytes move.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -817,6 +842,16 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.CancelCollective,
                     request_deserializer=protos_dot_shardserve__pb2.CancelCollectiveRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.CancelCollectiveResponse.SerializeToString,
+            ),
+            'OpenShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenShard,
+                    request_deserializer=protos_dot_shardserve__pb2.OpenShardRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.OpenShardResponse.SerializeToString,
+            ),
+            'ReleaseShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseShard,
+                    request_deserializer=protos_dot_shardserve__pb2.ReleaseShardRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.ReleaseShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1091,6 +1126,60 @@ class ShardServer:
             '/shardserve.v1.ShardServer/CancelCollective',
             protos_dot_shardserve__pb2.CancelCollectiveRequest.SerializeToString,
             protos_dot_shardserve__pb2.CancelCollectiveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/OpenShard',
+            protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
+            protos_dot_shardserve__pb2.OpenShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/ReleaseShard',
+            protos_dot_shardserve__pb2.ReleaseShardRequest.SerializeToString,
+            protos_dot_shardserve__pb2.ReleaseShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

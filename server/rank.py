@@ -27,6 +27,7 @@ from server.auth import Security, make_channel
 from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
 from server.shard_server import ShardServerServicer, add_shard_server
+from server.shared_memory import host_id
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,8 @@ def main(argv: Sequence[str]) -> int:
     running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
-                       world_size=world_size, pid=os.getpid())
+                       world_size=world_size, pid=os.getpid(), host_id=host_id(),
+                       shared_memory=store.shared.enabled)
     link = CoordinatorLink(args.coordinator, security, info, store)
     try:
         link.register(args.register_timeout)

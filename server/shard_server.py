@@ -14,6 +14,8 @@ from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers
 from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
+from server.shm_service import SharedMemoryService
+from server.shm_service import handlers as shared_memory_handlers
 from server.requests import check_name, check_version, parse_dtype, parse_metadata
 from server.store import ShardStore
 from shardcore.wire import tensor_bytes
@@ -33,6 +35,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
         self.collectives = CollectiveJobs(store)
+        self.shared_memory = SharedMemoryService(store)
 
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
@@ -139,6 +142,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
             response_serializer=pb.LookupChunk.SerializeToString),
     }
     handlers.update(collective_handlers(servicer.collectives))
+    handlers.update(shared_memory_handlers(servicer.shared_memory))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:
         raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")

@@ -16,12 +16,13 @@ import os
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.shared_memory import Segment, SharedMemory, enabled_by_env
 from shardcore.dtypes import dtype_name
 from shardcore.metadata import Box, ShardedTensorMetadata
 from shardcore.regions import local_view
@@ -84,10 +85,15 @@ def _normal_seed_index(meta: ShardedTensorMetadata, index: int) -> int:
 
 
 def make_shard(meta: ShardedTensorMetadata, index: int, init: int, seed: int,
-               device: torch.device) -> torch.Tensor:
-    """A new C-contiguous tensor for shard `index`, filled as `init` says."""
+               device: torch.device, empty: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+    """A new C-contiguous tensor for shard `index`, filled as `init` says (in `empty(sizes, dtype)` if given)."""
     shard = meta.shards_metadata[index]
     dtype, sizes = meta.dtype, shard.shard_sizes
+    if empty is not None:
+        tensor = empty(sizes, dtype)
+        if init != pb.INIT_NONE and init != pb.INIT_ZEROS:  # `empty` zero-fills
+            tensor.copy_(make_shard(meta, index, init, seed, device))
+        return tensor
     if init == pb.INIT_ZEROS:
         return torch.zeros(sizes, dtype=dtype, device=device)
     if init == pb.INIT_ONES:
@@ -114,7 +120,7 @@ class ShardStore:
     """The shards of one rank under (name, version), with memory accounting and read leases."""
 
     def __init__(self, rank: int, device: str = "cpu", memory_limit: int = 0,
-                 max_request_bytes: int = 0) -> None:
+                 max_request_bytes: int = 0, shared_memory: bool | None = None) -> None:
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {memory_limit}")
         if max_request_bytes < 0:
@@ -127,6 +133,15 @@ class ShardStore:
         self._lock = threading.Lock()
         self._versions: dict[tuple[str, int], StoredVersion] = {}
         self._memory_used = 0
+        # CPU shards live in shared memory (same-host data plane) unless turned off; see server/shared_memory.py
+        use_shared = enabled_by_env() if shared_memory is None else shared_memory
+        self.shared = SharedMemory(enabled=use_shared and self.device.type == "cpu")
+
+    def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The one allocation of shard memory: zero-filled, in shared memory for CPU shards when enabled."""
+        if self.device.type == "cpu":
+            return self.shared.empty(tuple(sizes), dtype)
+        return torch.zeros(sizes, dtype=dtype, device=self.device)
 
     @property
     def memory_used(self) -> int:
@@ -149,7 +164,7 @@ class ShardStore:
         self._reserve(entry)
         try:
             for i in local:
-                entry.shards[i] = make_shard(meta, i, init, seed, self.device)
+                entry.shards[i] = make_shard(meta, i, init, seed, self.device, self.empty_shard)
         except (RuntimeError, MemoryError) as err:
             self._forget(entry)
             raise ResourceExhausted(f"rank {self.rank} could not allocate {nbytes} bytes: {err}") from None
@@ -375,13 +390,27 @@ class ShardStore:
             self._reserve(entry)
             try:
                 for i, shard in source.shards.items():
-                    entry.shards[i] = shard.clone()
+                    entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype).copy_(shard)
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
                 raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None
         entry.complete.update(entry.shards)
         log.info("rank %d copied %r version %d to version %d", self.rank, name, source_version, version)
         return entry.nbytes
+
+    def shared_segment(self, entry: StoredVersion, shard_index: int) -> Segment | None:
+        """The shared-memory Segment of a leased served shard, moving the shard into shared memory first
+        when it was built elsewhere (a reshard, a checkpoint load); None when shared memory is off."""
+        shard = self._local_shard(entry, shard_index)
+        segment = self.shared.segment_of(shard)
+        if segment is not None or not self.shared.enabled or shard.device.type != "cpu":
+            return segment
+        copy = self.shared.export(shard)  # same bytes; the served version is immutable
+        with self._lock:
+            if entry.shards.get(shard_index) is shard:
+                entry.shards[shard_index] = copy
+            current = entry.shards.get(shard_index)
+        return self.shared.segment_of(current) if current is not None else None
 
     # ------------------------------------------------------------ introspection
 

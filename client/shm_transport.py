@@ -1,0 +1,252 @@
+"""The client's data-plane choice per read: same-host shared memory when it works, else gRPC.
+
+Same host = the rank's hostname and boot id (RankInfo.host_id) equal ours and
+the rank offers shared memory. Then a part is read by ShardServer.OpenShard
+(a leased reference, no bulk bytes), mapping /proc/<pid>/fd/<fd> read-only
+(checked by inode and device, so a stale fd number cannot show other data),
+and one copy of the box into the output. Mappings stay cached (bounded): a
+served version never changes, and a mapping keeps its pages even after the
+rank frees them. A CUDA shard comes as a CUDA IPC handle when this process has
+CUDA. With transport="auto" a failure of the fast path is logged once per rank
+and that rank is read over gRPC from then on (retried after a cool-down);
+transport="shm" raises SharedMemoryError instead.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+import torch
+
+from client.errors import ShardServeError, error_from_rpc
+from client.info import RankStatus, TensorSummary
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from shardcore.dtypes import dtype_from_wire
+from shardcore.metadata import Box
+from shardcore.regions import local_view
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "grpc", "shm")
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
+CACHE_ENTRIES = 256
+RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read over gRPC this long
+
+
+class SharedMemoryError(ShardServeError):
+    """The same-host path cannot serve this read (not the same host, shared memory off, mapping refused)."""
+
+
+def check_transport(transport: object) -> str:
+    """`transport` if it is one of TRANSPORTS, else ValueError naming the parameter."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+    return transport  # type: ignore[return-value]
+
+
+def local_host() -> tuple[str, str]:
+    """(hostname, boot id) of this process's host."""
+    try:
+        with open(BOOT_ID_FILE) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return socket.gethostname(), boot_id
+
+
+def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
+    """Why `rank` cannot be read through shared memory from `host`, or "" when it can be tried."""
+    if not rank.shared_memory:
+        return f"rank {rank.rank} does not offer shared memory"
+    if not rank.host_id or not host[1]:
+        return f"rank {rank.rank} or this client has no host id"
+    if (rank.hostname, rank.host_id) != host:
+        return f"rank {rank.rank} runs on host {rank.hostname!r}, not this one"
+    return ""
+
+
+@dataclass
+class _Mapping:
+    pid: int
+    inode: int
+    device_id: int
+    flat: torch.Tensor  # uint8 over the whole segment (CPU), or the shard's storage as uint8 (CUDA)
+
+
+class SharedMemoryReader:
+    """Reads parts of shards from same-host ranks through mapped shared memory."""
+
+    def __init__(self, stub_for: Callable[[str], pb_grpc.ShardServerStub], metadata: tuple, timeout: float,
+                 release: Callable[[Callable[[], object]], object]) -> None:
+        self._stub_for = stub_for
+        self._metadata = metadata
+        self._timeout = timeout
+        self._release_async = release
+        self._cache: OrderedDict[tuple, _Mapping] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()
+
+    def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
+        """Copy global box `part` of shard `index` into `region` (its place in the output)."""
+        key = (address, summary.name, summary.version, index)
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+        want_cuda = torch.cuda.is_available()
+        request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
+                                      cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
+        reply = self._open(address, request)
+        try:
+            shard_meta = summary.metadata.shards_metadata[index]
+            _check_reply(reply, summary, index)
+            if reply.nbytes == 0:
+                return
+            if cached is not None and (cached.pid, cached.inode, cached.device_id) == (
+                    reply.pid, reply.inode, reply.device_id) and not reply.HasField("cuda"):
+                flat = cached.flat
+            else:
+                flat = _map_cuda(reply) if reply.HasField("cuda") else _map_segment(reply)
+                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat))
+        finally:
+            if reply.lease_id:
+                self._release(address, reply.lease_id)
+        shard = flat[:reply.nbytes].view(summary.metadata.dtype).view(shard_meta.shard_sizes)
+        region.copy_(local_view(shard, shard_meta.box, part))
+
+    def clear(self) -> None:
+        """Forget every cached mapping (unmapped once no tensor uses it)."""
+        with self._lock:
+            self._cache.clear()
+            self._cached_bytes = 0
+
+    def _open(self, address: str, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
+        try:
+            return self._stub_for(address).OpenShard(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL):
+                raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
+            raise error_from_rpc(err, f"rank at {address}") from None
+
+    def _release(self, address: str, lease_id: int) -> None:
+        stub = self._stub_for(address)
+        request = pb.ReleaseShardRequest(lease_ids=[lease_id])
+        self._release_async(lambda: stub.ReleaseShard(request, timeout=self._timeout, metadata=self._metadata))
+
+    def _remember(self, key: tuple, mapping: _Mapping) -> None:
+        size = mapping.flat.numel()
+        with self._lock:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= old.flat.numel()
+            self._cache[key] = mapping
+            self._cached_bytes += size
+            while self._cache and (self._cached_bytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES):
+                _, evicted = self._cache.popitem(last=False)
+                self._cached_bytes -= evicted.flat.numel()
+
+
+def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int) -> None:
+    """SharedMemoryError unless the rank describes exactly the shard the client's metadata expects."""
+    shard = summary.metadata.shards_metadata[index]
+    expected = shard.box.numel() * summary.metadata.tensor_properties.itemsize
+    if (reply.version != summary.version or tuple(reply.shard_sizes) != shard.shard_sizes
+            or reply.nbytes != expected or dtype_from_wire(reply.dtype) != summary.metadata.dtype):
+        raise SharedMemoryError(f"rank described shard {index} of {summary.name!r} as version {reply.version}, "
+                                f"sizes {tuple(reply.shard_sizes)}, {reply.nbytes} bytes; expected version "
+                                f"{summary.version}, sizes {shard.shard_sizes}, {expected} bytes")
+
+
+def _map_segment(reply: pb.OpenShardResponse) -> torch.Tensor:
+    """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described."""
+    path = f"/proc/{reply.pid}/fd/{reply.fd}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise SharedMemoryError(f"cannot open the shard's shared memory {path}: {err.strerror}") from None
+    try:
+        stat = os.fstat(fd)
+        if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < reply.nbytes:
+            raise SharedMemoryError(f"{path} is not the segment the rank described (another process or "
+                                    f"another pid namespace)")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, reply.nbytes, flags=flags, prot=mmap.PROT_READ)
+    except OSError as err:
+        raise SharedMemoryError(f"cannot map {path}: {err}") from None
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def _map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
+    """Open the CUDA IPC handle of a CUDA shard: the shard's bytes as a uint8 CUDA tensor (no copy)."""
+    h = reply.cuda
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
+            h.ref_counter_offset, h.event_handle or None, h.event_sync_required)
+    except (RuntimeError, AttributeError) as err:
+        raise SharedMemoryError(f"cannot open the CUDA IPC handle of the shard: {err}") from None
+    dtype = dtype_from_wire(reply.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
+    flat.set_(storage, h.tensor_offset * itemsize, (reply.nbytes,), (1,))
+    return flat
+
+
+class DataPlane:
+    """Picks the path of each part read (transport="auto"|"grpc"|"shm") and falls back when the fast one fails."""
+
+    def __init__(self, transport: str, reader: SharedMemoryReader) -> None:
+        self.transport = check_transport(transport)
+        self.reader = reader
+        self.host = local_host()
+        self._grpc_until: dict[str, float] = {}  # address -> monotonic time before which auto skips shm
+        self._lock = threading.Lock()
+
+    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                  grpc_read: Callable[[], None]) -> str:
+        """Read one part into `region` by the best path; returns the path that ran ("shm" or "grpc")."""
+        if self.transport == "grpc":
+            grpc_read()
+            return "grpc"
+        reason = same_host_reason(rank, self.host)
+        if not reason and self.transport == "auto":
+            with self._lock:
+                if self._grpc_until.get(rank.address, 0.0) > time.monotonic():
+                    reason = "an earlier shared-memory read of this rank failed"
+        if reason:
+            if self.transport == "shm":
+                raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
+            log.debug("read %r shard %d from rank %d over grpc: %s", summary.name, index, rank.rank, reason)
+            grpc_read()
+            return "grpc"
+        try:
+            self.reader.read_part(rank.address, summary, index, part, region)
+        except SharedMemoryError as err:
+            if self.transport == "shm":
+                raise
+            self._fall_back(rank, err)
+            grpc_read()
+            return "grpc"
+        log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
+        return "shm"
+
+    def _fall_back(self, rank: RankStatus, err: Exception) -> None:
+        with self._lock:
+            self._grpc_until[rank.address] = time.monotonic() + RETRY_AFTER_S
+        log.warning("shared-memory read from rank %d failed, reading over gRPC for %.0f s: %s",
+                    rank.rank, RETRY_AFTER_S, err)

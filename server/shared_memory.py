@@ -1,0 +1,169 @@
+"""Shared-memory shards for the same-host data plane: memfd-backed tensors and time-bounded leases.
+
+A CPU shard lives in an anonymous memfd mapped into the rank (`SharedMemory.empty`);
+a client on the same host opens it read-only as /proc/<pid>/fd/<fd> and maps it,
+so no byte crosses gRPC. The memfd has no name in any filesystem: it is freed
+when the rank's tensor and every client mapping are gone, so a crashed rank
+leaks nothing. Safety: served versions are immutable (the store writes only to
+pending ones); while a lease is held the version (hence its tensor, mapping and
+fd) stays alive, so the fd number cannot be reused for other data; the client
+checks inode and device after opening, so a stale fd number fails cleanly; a
+mapping keeps its pages after the rank frees the version. Leases expire.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a rank
+DEFAULT_LEASE_S = 30.0
+MAX_LEASE_S = 300.0
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+
+
+def host_id() -> str:
+    """This kernel's boot id: equal hostnames and boot ids mean one host (one /proc, one page cache)."""
+    try:
+        with open(BOOT_ID_FILE) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def enabled_by_env() -> bool:
+    """Whether this process may serve shards through shared memory (SHARDSERVE_SHARED_MEMORY != 0)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where a client finds a shard's memory: /proc/<pid>/fd/<fd>, checked by (inode, device)."""
+
+    pid: int
+    fd: int
+    inode: int
+    device_id: int
+    nbytes: int
+
+
+class SharedMemory:
+    """Allocates CPU shard tensors in memfds and remembers each tensor's Segment."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled and hasattr(os, "memfd_create")
+        self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty`
+        self._lock = threading.Lock()
+
+    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A C-contiguous, zero-filled CPU tensor; in a memfd when enabled (else plain memory)."""
+        nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        if not self.enabled or nbytes == 0:
+            return torch.zeros(sizes, dtype=dtype)
+        try:
+            flat, segment = _memfd_bytes(nbytes)
+        except OSError as err:
+            log.warning("shared memory allocation of %d bytes failed (%s); using private memory", nbytes, err)
+            return torch.zeros(sizes, dtype=dtype)
+        tensor = flat.view(dtype).view(sizes)
+        key = id(tensor)
+        with self._lock:
+            self._segments[key] = segment
+        weakref.finalize(tensor, self._forget, key, segment.fd)  # the fd lives exactly as long as the tensor
+        return tensor
+
+    def _forget(self, key: int, fd: int) -> None:
+        with self._lock:
+            self._segments.pop(key, None)
+        os.close(fd)
+
+    def segment_of(self, tensor: torch.Tensor) -> Segment | None:
+        """The Segment of a tensor made by `empty` (None for any other tensor)."""
+        with self._lock:
+            return self._segments.get(id(tensor))
+
+    def export(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A shared-memory copy of `tensor` (for shards built elsewhere, e.g. by a reshard)."""
+        copy = self.empty(tuple(tensor.shape), tensor.dtype)
+        copy.copy_(tensor)
+        return copy
+
+
+def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
+    """A flat uint8 tensor over a new memfd of `nbytes` (pages reserved up front: ENOSPC, not SIGBUS),
+    and its Segment; the caller closes the fd when the tensor goes."""
+    fd = os.memfd_create("shardserve-shard", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        stat = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    segment = Segment(os.getpid(), fd, stat.st_ino, stat.st_dev, nbytes)
+    return torch.frombuffer(mapped, dtype=torch.uint8), segment
+
+
+class Leases:
+    """Time-bounded holds on store versions, taken by OpenShard and ended by ReleaseShard or expiry."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._held: dict[int, tuple[AbstractContextManager, float]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._reaper: threading.Thread | None = None
+
+    def hold(self, lease: AbstractContextManager, seconds: float) -> int:
+        """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
+        with self._lock:
+            lease_id = next(self._ids)
+            self._held[lease_id] = (lease, self._clock() + seconds)
+            if self._reaper is None:
+                self._reaper = threading.Thread(target=self._reap_forever, name="shm-lease-reaper", daemon=True)
+                self._reaper.start()
+        return lease_id
+
+    def release(self, lease_ids: list[int]) -> int:
+        """End the given leases (unknown or expired ids are ignored); returns how many ended."""
+        with self._lock:
+            ended = [self._held.pop(i)[0] for i in lease_ids if i in self._held]
+        for lease in ended:
+            lease.__exit__(None, None, None)
+        return len(ended)
+
+    def expire(self) -> int:
+        """End every lease past its time (a client that died or forgot); returns how many."""
+        now = self._clock()
+        with self._lock:
+            late = [i for i, (_, until) in self._held.items() if until <= now]
+        if late:
+            log.info("expiring %d shared-memory leases", len(late))
+        return self.release(late)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def _reap_forever(self) -> None:
+        while True:
+            time.sleep(1.0)
+            self.expire()
+
+
+def lease_seconds(requested: float) -> float:
+    """The lease a request gets: the default for 0, capped at MAX_LEASE_S."""
+    if requested < 0:
+        raise ValueError(f"lease_s {requested} is negative")
+    return min(requested or DEFAULT_LEASE_S, MAX_LEASE_S)

@@ -1,0 +1,108 @@
+"""ShardServer.OpenShard / ReleaseShard: hand a served shard to a same-host client by reference.
+
+OpenShard leases the (name, version) in the store for a bounded time and answers
+where the shard's memory is (server/shared_memory.py): a memfd the client opens
+as /proc/<pid>/fd/<fd>, or, for a CUDA shard and a client that asks, a CUDA IPC
+handle. The lease keeps the version (its tensor, mapping and fd) alive until
+ReleaseShard or expiry, so the fd cannot name other data meanwhile.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import grpc
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.errors import InvalidArgument, ServiceError, rpc_errors
+from server.requests import check_name, check_version
+from server.shared_memory import Leases, lease_seconds
+from server.store import ShardStore
+from shardcore.dtypes import dtype_to_wire
+
+log = logging.getLogger(__name__)
+
+
+class SharedMemoryUnavailable(ServiceError):
+    """This rank cannot hand that shard over by reference (shared memory off, or a CUDA shard without IPC)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class SharedMemoryService:
+    """The same-host data plane RPCs of one rank."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self.leases = Leases()
+
+    @rpc_errors
+    def OpenShard(self, request: pb.OpenShardRequest, context: grpc.ServicerContext) -> pb.OpenShardResponse:
+        name = check_name(request.name)
+        version = check_version(request.version)
+        try:
+            seconds = lease_seconds(request.lease_s)
+        except ValueError as err:
+            raise InvalidArgument(str(err)) from None
+        self.leases.expire()
+        lease = self.store.lease(name, version)
+        entry = lease.__enter__()
+        try:
+            reply = self._describe(entry, request)
+        except BaseException:
+            lease.__exit__(None, None, None)
+            raise
+        if reply.inode and reply.inode == request.cached_inode:
+            lease.__exit__(None, None, None)  # the client already maps it: nothing to keep alive
+        else:
+            reply.lease_id = self.leases.hold(lease, seconds)
+            reply.lease_expires_s = seconds
+        return reply
+
+    def _describe(self, entry, request: pb.OpenShardRequest) -> pb.OpenShardResponse:  # type: ignore[no-untyped-def]
+        shard = self.store.shard_of(entry, request.shard_index)
+        reply = pb.OpenShardResponse(nbytes=shard.numel() * shard.element_size(), dtype=dtype_to_wire(shard.dtype),
+                                     shard_sizes=list(shard.shape), version=entry.version)
+        if shard.device.type == "cuda":
+            if not request.cuda_ipc:
+                raise SharedMemoryUnavailable(f"shard_index {request.shard_index} of {entry.name!r} is on "
+                                              f"{shard.device}; ask with cuda_ipc or read it over ReadRegion")
+            reply.cuda.CopyFrom(cuda_ipc_handle(shard))
+            return reply
+        segment = self.store.shared_segment(entry, request.shard_index)
+        if segment is None:
+            if reply.nbytes == 0:
+                return reply
+            raise SharedMemoryUnavailable(f"rank {self.store.rank} does not serve shards through shared memory")
+        reply.pid, reply.fd, reply.inode, reply.device_id = segment.pid, segment.fd, segment.inode, segment.device_id
+        return reply
+
+    @rpc_errors
+    def ReleaseShard(self, request: pb.ReleaseShardRequest,
+                     context: grpc.ServicerContext) -> pb.ReleaseShardResponse:
+        return pb.ReleaseShardResponse(released=self.leases.release(list(request.lease_ids)))
+
+
+def cuda_ipc_handle(shard: torch.Tensor) -> pb.CudaIpcHandle:
+    """The CUDA IPC description of a shard's storage (torch.multiprocessing's reduction, without pickle)."""
+    with contextlib.suppress(RuntimeError):
+        torch.cuda.current_stream(shard.device).synchronize()  # writes into the shard are complete
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
+     event_sync) = shard.untyped_storage()._share_cuda_()
+    return pb.CudaIpcHandle(device=device, handle=handle, storage_size_bytes=size_bytes,
+                            storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
+                            ref_counter_offset=ref_offset, event_handle=event_handle or b"",
+                            event_sync_required=bool(event_sync), tensor_offset=shard.storage_offset())
+
+
+def handlers(service: SharedMemoryService) -> dict[str, grpc.RpcMethodHandler]:
+    """The ShardServer method handlers of the same-host data plane RPCs."""
+    return {
+        "OpenShard": grpc.unary_unary_rpc_method_handler(
+            service.OpenShard, request_deserializer=pb.OpenShardRequest.FromString,
+            response_serializer=pb.OpenShardResponse.SerializeToString),
+        "ReleaseShard": grpc.unary_unary_rpc_method_handler(
+            service.ReleaseShard, request_deserializer=pb.ReleaseShardRequest.FromString,
+            response_serializer=pb.ReleaseShardResponse.SerializeToString),
+    }
