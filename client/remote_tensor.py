@@ -254,7 +254,7 @@ class RemoteShardedTensor:
     def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """One shard's part over ReadRegion: straight into `region` when contiguous, else via one buffer."""
         direct = region.is_contiguous()
-        buffer = region if direct else torch.empty(part.sizes, dtype=out.dtype)
+        buffer = region if direct else torch.empty(part.sizes, dtype=region.dtype)
         request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
                                        offsets=part.offsets, sizes=part.sizes)
         address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
