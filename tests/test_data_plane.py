@@ -1,0 +1,317 @@
+"""Data plane (issue 6): same-host shared memory and gRPC reads bit for bit, path choice, fallback, safety.
+
+Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with it off by
+SHARDSERVE_SHARED_MEMORY=0); store and lease logic checked in-process.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import client.shm_transport as shm_transport
+from client import connect
+from client.errors import StaleVersionError, TensorNotFoundError
+from client.shm_transport import SharedMemoryError
+from protos import shardserve_pb2 as pb
+from server.errors import FailedPrecondition
+from server.shared_memory import ENV_SWITCH, Leases
+from server.shm_service import SharedMemoryService
+from server.store import ShardStore
+from shardcore.metadata import TensorProperties
+from shardcore.specs import ChunkShardingSpec
+
+SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
+          torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+@contextmanager
+def env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster):
+    return make_cluster(ranks=2)
+
+
+@pytest.fixture(scope="module")
+def no_shm_cluster(make_cluster):
+    with env(ENV_SWITCH, "0"):
+        return make_cluster(ranks=2)
+
+
+@pytest.fixture(scope="module")
+def tables(cluster):
+    """One odd-shaped tensor per dtype, put once; {dtype: (source, name)}."""
+    out = {}
+    with connect(cluster.address, transport="grpc") as c:
+        for i, dtype in enumerate(DTYPES):
+            source = random_tensor((7, 5, 3), dtype, seed=i)
+            name = f"dp-{str(dtype).removeprefix('torch.')}"
+            c.put(name, source, SPEC)
+            out[dtype] = (source, name)
+    return out
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_every_path_bit_for_bit(cluster, tables, transport, dtype):
+    source, name = tables[dtype]
+    with connect(cluster.address, transport=transport) as c:
+        remote = c.tensor(name)
+        assert torch.equal(remote.full_tensor(), source)
+        assert remote.last_transport == ("grpc" if transport == "grpc" else "shm")
+        assert torch.equal(remote.fetch((2, 1, 0), (4, 3, 2)), source[2:6, 1:4, 0:2])  # crosses both shards
+        assert torch.equal(remote[3:5, :, 1], source[3:5, :, 1])
+        out = torch.empty(3, 5, 7, dtype=dtype).transpose(0, 2)  # a non-contiguous output
+        remote.fetch((0, 0, 0), (7, 5, 3), out=out)
+        assert torch.equal(out, source)
+        for shards in remote.remote_shards().values():
+            for shard in shards:
+                box = shard.metadata.box
+                expected = source[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+                assert torch.equal(shard.fetch(), expected)
+
+
+def test_larger_tensor_through_shared_memory(cluster):
+    source = random_tensor((1023, 257), torch.float32, seed=99)
+    with connect(cluster.address, transport="shm") as c:
+        remote = c.put("dp-large", source, SPEC)
+        for _ in range(2):  # the second read reuses the cached mapping (no lease)
+            assert torch.equal(remote.fetch((100, 3), (900, 250)), source[100:1000, 3:253])
+            assert remote.last_transport == "shm"
+
+
+def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
+    source, name = tables[torch.float32]
+    with caplog.at_level(logging.DEBUG, logger="client.shm_transport"), connect(cluster.address) as c:
+        remote = c.tensor(name)
+        assert torch.equal(remote.full_tensor(), source)
+    assert remote.last_transport == "shm"
+    assert "through shared memory" in caplog.text
+
+
+def test_bad_transport_is_refused(cluster):
+    with pytest.raises(ValueError, match="transport must be one of"):
+        connect(cluster.address, transport="rdma")
+
+
+def test_rank_without_shared_memory_uses_grpc(no_shm_cluster):
+    source = random_tensor((9, 4), torch.bfloat16, seed=5)
+    with connect(no_shm_cluster.address) as c:
+        remote = c.put("plain", source, SPEC)
+        assert not any(r.shared_memory for r in c.ranks())
+        assert torch.equal(remote.full_tensor(), source)
+        assert remote.last_transport == "grpc"
+    with connect(no_shm_cluster.address, transport="shm") as c:
+        with pytest.raises(SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"):
+            c.tensor("plain").full_tensor()
+
+
+def test_another_host_uses_grpc(cluster, tables, monkeypatch):
+    source, name = tables[torch.int64]
+    with connect(cluster.address) as c:
+        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+        remote = c.tensor(name)
+        assert torch.equal(remote.full_tensor(), source)
+        assert remote.last_transport == "grpc"
+
+
+def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatch, caplog):
+    source, name = tables[torch.complex64]
+    real_open = os.open
+    calls = []
+
+    def refuse_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/") and "/fd/" in str(path):
+            calls.append(path)
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
+    with caplog.at_level(logging.WARNING, logger="client.shm_transport"), connect(cluster.address) as c:
+        remote = c.tensor(name)
+        assert torch.equal(remote.full_tensor(), source)
+        assert remote.last_transport == "grpc"
+        tried = len(calls)
+        assert tried >= 1
+        assert torch.equal(remote.full_tensor(), source)  # later reads go straight to gRPC
+        assert len(calls) == tried
+    assert "reading over gRPC" in caplog.text and "Permission denied" in caplog.text
+    with connect(cluster.address, transport="shm") as c:
+        with pytest.raises(SharedMemoryError, match="Permission denied"):
+            c.tensor(name).full_tensor()
+
+
+def test_deleted_tensor_is_not_found_on_shm(cluster):
+    with connect(cluster.address, transport="shm") as c:
+        remote = c.put("dp-gone", torch.arange(20.0).reshape(10, 2), SPEC)
+        remote.full_tensor()
+        c.delete("dp-gone")
+        with pytest.raises(TensorNotFoundError):
+            remote.full_tensor()
+
+
+def _versions_of(base: torch.Tensor, count: int) -> dict[float, torch.Tensor]:
+    return {float(k): base + 1000 * k for k in range(count)}
+
+
+def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster):
+    """Readers hammer shared-memory reads while the tensor is overwritten, resharded and deleted."""
+    base = torch.arange(64 * 48, dtype=torch.float64).reshape(64, 48)
+    versions = _versions_of(base, 6)
+    errors: list[BaseException] = []
+    seen = {"data": 0, "gone": 0}
+    stop = threading.Event()
+
+    def reader() -> None:
+        with connect(cluster.address, transport="shm") as c:
+            while not stop.is_set():
+                try:
+                    got = c.tensor("hot").fetch((5, 3), (50, 40))
+                except (TensorNotFoundError, StaleVersionError):
+                    seen["gone"] += 1
+                    continue
+                except BaseException as err:  # noqa: BLE001 - reported by the main thread
+                    errors.append(err)
+                    return
+                k = float(got[0, 0] - base[5, 3]) / 1000
+                if k not in versions or not torch.equal(got, versions[k][5:55, 3:43]):
+                    errors.append(AssertionError(f"read mixed or wrong data (first element says version {k})"))
+                    return
+                seen["data"] += 1
+
+    with connect(cluster.address, transport="grpc") as writer:
+        writer.put("hot", versions[0.0], SPEC)
+        threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            for k in range(1, 6):
+                remote = writer.put("hot", versions[float(k)], SPEC, overwrite=True)
+                if k % 2 == 0:
+                    remote.reshard(ChunkShardingSpec(1, ["rank:1/cpu", "rank:0/cpu"]))
+                time.sleep(0.1)
+                if k == 3:
+                    writer.delete("hot")
+                    time.sleep(0.1)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+    assert not errors, errors[0]
+    assert seen["data"] > 0
+
+
+# ---------------------------------------------------------------- store and leases, in-process
+
+
+def _served_store(dtype: torch.dtype = torch.float32) -> ShardStore:
+    store = ShardStore(0, shared_memory=True)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((6, 4), TensorProperties(dtype=dtype))
+    store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    return store
+
+
+def test_open_shard_lease_keeps_a_dropped_version_until_released():
+    store = _served_store()
+    service = SharedMemoryService(store)
+    reply = service.OpenShard(pb.OpenShardRequest(name="t", version=1, shard_index=0), None)
+    assert reply.lease_id and reply.nbytes == 6 * 4 * 4 and reply.pid == os.getpid()
+    path = f"/proc/{reply.pid}/fd/{reply.fd}"
+    assert os.stat(path).st_ino == reply.inode
+    store.drop("t", 1)
+    assert store.memory_used == reply.nbytes  # held by the lease
+    assert os.stat(path).st_ino == reply.inode  # the fd still names the segment
+    assert service.ReleaseShard(pb.ReleaseShardRequest(lease_ids=[reply.lease_id]), None).released == 1
+    assert store.memory_used == 0
+
+
+def test_open_shard_without_lease_when_client_maps_it():
+    store = _served_store()
+    service = SharedMemoryService(store)
+    first = service.OpenShard(pb.OpenShardRequest(name="t", version=1, shard_index=0), None)
+    again = service.OpenShard(pb.OpenShardRequest(name="t", version=1, shard_index=0, cached_inode=first.inode),
+                              None)
+    assert again.lease_id == 0 and again.inode == first.inode
+    assert len(service.leases) == 1
+
+
+def test_leases_expire():
+    now = [0.0]
+    leases = Leases(clock=lambda: now[0])
+    store = _served_store()
+    lease = store.lease("t", 1)
+    lease.__enter__()
+    leases.hold(lease, 5.0)
+    store.drop("t", 1)
+    assert leases.expire() == 0 and store.memory_used > 0
+    now[0] = 6.0
+    assert leases.expire() == 1 and store.memory_used == 0
+
+
+def test_served_versions_are_immutable():
+    store = _served_store()
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        with store.write("t", 1, 0, torch.float32, 6 * 4 * 4):
+            pass
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        with store.lease("t", 1, served=False):
+            pass
+
+
+def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
+    store = ShardStore(0, shared_memory=True)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((3, 2), TensorProperties(dtype=torch.bfloat16))
+    built = random_tensor((3, 2), torch.bfloat16, seed=3)
+    store.install("t", 1, meta, {0: built.clone()})
+    store.promote("t", 1)
+    with store.lease("t", 1) as entry:
+        segment = store.shared_segment(entry, 0)
+        assert segment is not None
+        assert torch.equal(store.shard_of(entry, 0), built)
+        assert store.shared.segment_of(store.shard_of(entry, 0)) == segment
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_shards_through_ipc_and_grpc(make_cluster):
+    gpu = make_cluster(ranks=1, device="cuda")
+    spec = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:0/cuda:0"])
+    source = random_tensor((33, 17), torch.bfloat16, seed=11)
+    with connect(gpu.address, transport="grpc") as c:
+        c.put("gpu", source, spec)
+        assert torch.equal(c.tensor("gpu").fetch((3, 2), (25, 10)), source[3:28, 2:12])
+    with connect(gpu.address, transport="shm") as c:
+        remote = c.tensor("gpu")
+        assert torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12])
+        assert remote.last_transport == "shm"
+        out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
+        remote.fetch((0, 0), (33, 17), out=out)
+        assert torch.equal(out.cpu(), source)
