@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from client.row_cache import RowCache
 
 _RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
+SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
 
@@ -144,6 +145,7 @@ class Lookups:
         self.cache = cache
         self.cache_max_age = cache_max_age
         self._views: dict[str, TableView] = {}
+        self._stubs: dict[str, Any] = {}
         self._fetched: dict[str, float] = {}
         self._lock = threading.Lock()
 
@@ -297,16 +299,27 @@ class Lookups:
         transport = self._cluster._transport
         request = pb.LookupRequest(items=[item.message for item in items])
         expected = sum(_answer_bytes(item) for item in items)
-        stub = transport.shard_server(address)
+        stub = self._stub(address)
         where = f"rank {rank} at {address}"
+        timeout = transport.data_timeout(expected)
         try:
-            call = stub.Lookup(request, timeout=transport.data_timeout(expected), metadata=transport._metadata)
             buffers = _Receiver(items, where)
-            for chunk in call:
+            if expected <= SMALL_ANSWER_BYTES:
+                chunks = stub.LookupSmall(request, timeout=timeout, metadata=transport._metadata).items
+            else:
+                chunks = stub.Lookup(request, timeout=timeout, metadata=transport._metadata)
+            for chunk in chunks:
                 buffers.add(chunk)
             buffers.finish()
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
+
+    def _stub(self, address: str) -> Any:
+        """The ShardServer stub of `address`, made once (a stub per call costs as much as a small lookup)."""
+        stub = self._stubs.get(address)
+        if stub is None:
+            stub = self._stubs[address] = self._cluster._transport.shard_server(address)
+        return stub
 
 
 class _Remapped:

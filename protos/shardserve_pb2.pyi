@@ -476,6 +476,12 @@ class LookupChunk(_message.Message):
     data: bytes
     def __init__(self, item: _Optional[int] = ..., version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class LookupReply(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[LookupChunk]
+    def __init__(self, items: _Optional[_Iterable[_Union[LookupChunk, _Mapping]]] = ...) -> None: ...
+
 class WriteRowsRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "ids", "values")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -25,6 +25,7 @@ from shardcore.wire import tensor_bytes
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
+SMALL_REPLY_BYTES = 4 << 20  # LookupSmall answers at most this many data bytes in its one message
 _ID_BYTES = 8
 
 
@@ -91,6 +92,19 @@ class LookupService:
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         for index, answer in enumerate(answers):
             yield from _chunks(index, answer, chunk_bytes)
+
+    def lookup_small(self, request: pb.LookupRequest) -> pb.LookupReply:
+        """The whole answer in one message; RESOURCE_EXHAUSTED past SMALL_REPLY_BYTES (use the stream)."""
+        self._check_request_size(request)
+        answers = [self._answer(i, item) for i, item in enumerate(request.items)]
+        total = sum(a.data.numel() * a.data.element_size() for a in answers)
+        if total > SMALL_REPLY_BYTES:
+            raise ResourceExhausted(f"items: the answer is {total} bytes, over LookupSmall's {SMALL_REPLY_BYTES}; "
+                                    f"use the streaming Lookup")
+        reply = pb.LookupReply()
+        for index, answer in enumerate(answers):
+            reply.items.append(next(_chunks(index, answer, max(SMALL_REPLY_BYTES, 1))))
+        return reply
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
         limit = self.store.max_request_bytes

@@ -106,6 +106,10 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         yield from self.lookups.lookup(request)
 
     @rpc_errors
+    def LookupSmall(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+        return self.lookups.lookup_small(request)
+
+    @rpc_errors
     def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.ServicerContext) -> pb.WriteRowsResponse:
         return pb.WriteRowsResponse(rows_written=self.lookups.write_rows(request))
 
@@ -137,6 +141,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
             servicer.ReadRegion, request_deserializer=pb.ReadRegionRequest.FromString,
             response_serializer=encode_chunk),
         "WriteRows": unary(servicer.WriteRows, pb.WriteRowsRequest, pb.WriteRowsResponse),
+        "LookupSmall": unary(servicer.LookupSmall, pb.LookupRequest, pb.LookupReply),
         "Lookup": grpc.unary_stream_rpc_method_handler(
             servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
             response_serializer=pb.LookupChunk.SerializeToString),
