@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from client.grpc_streams import bands, read_bands
 from client.errors import (InvalidArgumentError, RankUnavailableError, StaleVersionError,
                            TensorNotFoundError)
 from client.indexing import parse_index
@@ -252,12 +253,19 @@ class RemoteShardedTensor:
             rank, summary, index, part, region, partial(self._read_part_grpc, summary, index, part, region))
 
     def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
-        """One shard's part over ReadRegion: straight into `region` when contiguous, else via one buffer."""
-        direct = region.is_contiguous()
-        buffer = region if direct else torch.empty(part.sizes, dtype=region.dtype)
-        request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
-                                       offsets=part.offsets, sizes=part.sizes)
+        """One shard's part over ReadRegion: straight into `region` when contiguous (a large part as parallel
+        row bands, client.grpc_streams), else via one buffer."""
         address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
-        self._cluster._transport.read_region(address, request, byte_view(buffer))
-        if not direct:
-            region.copy_(buffer)
+
+        def read_band(band: Box, into: torch.Tensor) -> None:
+            request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
+                                           offsets=band.offsets, sizes=band.sizes)
+            self._cluster._transport.read_region(address, request, byte_view(into))
+
+        if region.is_contiguous():
+            read_bands(lambda band: read_band(band, local_view(region, part, band)),
+                       bands(part, region.element_size()))
+            return
+        buffer = torch.empty(part.sizes, dtype=region.dtype)
+        read_band(part, buffer)
+        region.copy_(buffer)

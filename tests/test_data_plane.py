@@ -16,6 +16,7 @@ import torch
 
 import client.shm_transport as shm_transport
 from client import connect
+from client.grpc_streams import bands
 from client.errors import StaleVersionError, TensorNotFoundError
 from client.shm_transport import SharedMemoryError
 from protos import shardserve_pb2 as pb
@@ -23,7 +24,7 @@ from server.errors import FailedPrecondition
 from server.shared_memory import ENV_SWITCH, Leases
 from server.shm_service import SharedMemoryService
 from server.store import ShardStore
-from shardcore.metadata import TensorProperties
+from shardcore.metadata import Box, TensorProperties
 from shardcore.specs import ChunkShardingSpec
 
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
@@ -105,6 +106,25 @@ def test_larger_tensor_through_shared_memory(cluster):
         for _ in range(2):  # the second read reuses the cached mapping (no lease)
             assert torch.equal(remote.fetch((100, 3), (900, 250)), source[100:1000, 3:253])
             assert remote.last_transport == "shm"
+
+
+def test_large_parts_over_grpc_in_parallel_bands(cluster):
+    source = random_tensor((4096, 1024), torch.float32, seed=7)  # 8 MiB per shard: two bands each
+    assert len(bands(Box((0, 0), (2048, 1024)), 4)) == 2
+    with connect(cluster.address, transport="grpc") as c:
+        remote = c.put("dp-bands", source, SPEC)
+        assert torch.equal(remote.fetch((1, 0), (4090, 1024)), source[1:4091])
+        assert remote.last_transport == "grpc"
+        c.delete("dp-bands")
+
+
+def test_bands_cover_the_part_exactly():
+    part = Box((3, 1), (513, 4096))
+    cut = bands(part, 4, streams=2, min_bytes=4 << 20)
+    assert [b.sizes for b in cut] == [(257, 4096), (256, 4096)]
+    assert cut[0].offsets == (3, 1) and cut[1].offsets == (260, 1)
+    assert bands(Box((0, 0), (1, 1 << 24)), 4) == [Box((0, 0), (1, 1 << 24))]
+    assert bands(Box((0, 0), (10, 10)), 4) == [Box((0, 0), (10, 10))]
 
 
 def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
