@@ -14,11 +14,11 @@ from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers
 from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
+from server.cuda_staging import host_bytes
 from server.shm_service import SharedMemoryService
 from server.shm_service import handlers as shared_memory_handlers
 from server.requests import check_name, check_version, parse_dtype, parse_metadata
 from server.store import ShardStore
-from shardcore.wire import tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
         with self.store.read(name, check_version(request.version, allow_zero=True), request.shard_index,
                              tuple(request.offsets), tuple(request.sizes)) as box:
-            data = tensor_bytes(box)  # zero-copy when the box is contiguous in the shard
+            data = host_bytes(box)  # zero-copy when the box is contiguous in the shard; CUDA via pinned memory
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
 
