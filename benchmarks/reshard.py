@@ -10,7 +10,9 @@ Methods, all run in the same worlds on the same data:
 - `DTensor.redistribute(Shard(0) -> Shard(1))`,
 - torch `ShardedTensor.reshard` to a ChunkShardingSpec on dim 1, where it runs.
 
-Times are the slowest rank's, median over --repeats after one warm-up.
+Times are the slowest rank's per call; the methods take turns, repeat after
+repeat (after one warm-up each), so load from elsewhere hits them alike; the
+table shows the median and the best, "x bare" is median over median.
 
     python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 16] [--json FILE]
 """
@@ -54,18 +56,14 @@ def pattern(rows: slice, cols: slice, n: int) -> torch.Tensor:
     return ((i * n + j) % PATTERN_MOD).to(torch.float32)
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    """Median over `repeats` (after one warm-up) of the slowest rank's time for fn()."""
+def timed_once(fn: Callable[[], object]) -> float:
+    """The slowest rank's wall time for one fn() call, started together after a barrier."""
+    dist.barrier()
+    start = time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return statistics.median(times)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
 
 
 def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], object]]:
@@ -165,23 +163,11 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     n = square_side(args["size_mib"])
     rows = n // world
     local = pattern(slice(rank * rows, (rank + 1) * rows), slice(0, n), n)
-    rows_out = []
     executor = CollectiveExecutor()
     seqs = iter(range(1 << 30))
     try:
         rss_growth = peak_rss_growth(shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)[0])
-        note, bare = bare_transfer(local, world)
-        rows_out.append({"method": BARE, "note": f"{note}, output preallocated",
-                         "seconds": timed(bare, args["repeats"]), "ok": True})
-        del bare
-        rows_out.append({"method": BARE_FRESH, "note": "all_to_all_single into a new output each call",
-                         "seconds": timed(lambda: dist.all_to_all_single(torch.empty_like(local).reshape(-1),
-                                                                         local.reshape(-1)), args["repeats"]),
-                         "ok": True})
-        for name, make in ((OURS, lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
-                           (DTENSOR, lambda: dtensor_redistribute(local, world)),
-                           (SHARDED, lambda: sharded_tensor_reshard(local, n, world))):
-            rows_out.append(run_method(name, make, n, world, args["repeats"]))
+        rows_out = run_methods(local, n, world, args, executor, seqs)
     finally:
         executor.close()
     growth = torch.tensor([rss_growth], dtype=torch.int64)
@@ -221,25 +207,50 @@ def intra_op_threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def run_method(name: str, make, n: int, world: int, repeats: int) -> dict:
-    """Time one method and check its result; a method torch refuses is reported, not fatal."""
-    try:
-        run, result = make()
-        seconds = timed(run, repeats)
-    except Exception as exc:
-        return {"method": name, "note": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
-                "seconds": None, "ok": False, "trace": traceback.format_exc(limit=3)}
-    out = result.get("out")
-    ok = torch.tensor([1 if out is not None and check_columns(out, n, world) else 0])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    extra = torch.tensor([result.get("extra_bytes", -1)], dtype=torch.int64)
-    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
-    result.clear()
-    row = {"method": name, "note": "", "seconds": seconds, "ok": bool(ok.item())}
-    if extra.item() >= 0:
-        row["extra_bytes_per_rank"] = extra.item()
-        row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shard + staging)"
-    return row
+def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, seqs) -> list[dict]:
+    """Time every method, interleaved repeat by repeat so load from elsewhere hits them alike."""
+    flat_out = torch.empty_like(local).reshape(-1)
+    note, bare = bare_transfer(local, world)
+    methods = [(BARE, f"{note}, output preallocated", lambda: (bare, {})),
+               (BARE_FRESH, "all_to_all_single into a new output each call",
+                lambda: (lambda: dist.all_to_all_single(torch.empty_like(flat_out), local.reshape(-1)), {})),
+               (OURS, "", lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
+               (DTENSOR, "", lambda: dtensor_redistribute(local, world)),
+               (SHARDED, "", lambda: sharded_tensor_reshard(local, n, world))]
+    rows, runs = [], []
+    for name, note, make in methods:
+        row = {"method": name, "note": note, "times": [], "ok": True}
+        try:
+            run, result = make()
+            run()  # warm-up, and the result checked below
+        except Exception as exc:
+            row.update(ok=False, note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
+                       trace=traceback.format_exc(limit=3))
+            run, result = None, {}
+        if "out" in result:
+            row["ok"] = all_ranks(check_columns(result.pop("out"), n, world))
+        if "extra_bytes" in result:
+            extra = torch.tensor([result["extra_bytes"]], dtype=torch.int64)
+            dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+            row["extra_bytes_per_rank"] = extra.item()
+            row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shard + staging)"
+        rows.append(row)
+        runs.append((run, result))
+    for _ in range(args["repeats"]):
+        for row, (run, result) in zip(rows, runs):
+            if run is not None:
+                row["times"].append(timed_once(run))
+                result.clear()
+    for row in rows:
+        row["seconds"] = statistics.median(row["times"]) if row["times"] else None
+        row["best"] = min(row["times"]) if row["times"] else None
+    return rows
+
+
+def all_ranks(flag: bool) -> bool:
+    value = torch.tensor([1 if flag else 0])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
 
 
 def free_port() -> int:
@@ -270,15 +281,17 @@ def table(runs: list[dict]) -> None:
 
     out = Table(title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1, {os.cpu_count()} cores, "
                       f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
-    for column in ("ranks", "tensor", "method", "seconds", "GB/s", "x bare", "correct", "note"):
-        out.add_column(column, justify="right" if column in ("seconds", "GB/s", "x bare") else "left")
+    numeric = ("median s", "best s", "GB/s", "x bare")
+    for column in ("ranks", "tensor", "method", *numeric, "correct", "note"):
+        out.add_column(column, justify="right" if column in numeric else "left")
     for run in runs:
         bare = next(r["seconds"] for r in run["rows"] if r["method"] == BARE)
         nbytes = run["n"] * run["n"] * 4
         for r in run["rows"]:
             s = r["seconds"]
             out.add_row(str(run["world"]), f"{run['n']}x{run['n']} ({nbytes / (1 << 20):.0f} MiB)", r["method"],
-                        "-" if s is None else f"{s:.3f}", "-" if s is None else f"{nbytes / s / 1e9:.2f}",
+                        "-" if s is None else f"{s:.3f}", "-" if s is None else f"{r['best']:.3f}",
+                        "-" if s is None else f"{nbytes / s / 1e9:.2f}",
                         "-" if s is None else f"{s / bare:.2f}", "yes" if r["ok"] else "no", r["note"])
     Console(width=160).print(out)
 
