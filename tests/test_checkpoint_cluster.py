@@ -72,6 +72,18 @@ def load_into_sharded_tensor(rank: int, path: str, name: str, seed: int, dtype: 
     return True
 
 
+def load_into_dtensor(rank: int, path: str, name: str, seed: int, dtype: torch.dtype) -> bool:
+    """On a 2-rank world: dcp.load into a DTensor sharded by columns; True when its local part is bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    dt = distribute_tensor(torch.zeros(SIZE, dtype=dtype), mesh, [Shard(1)])
+    dcp.load({name: dt}, checkpoint_id=path)
+    expected = make_table(seed, dtype).chunk(2, dim=1)[rank]
+    return torch.equal(dt.to_local(), expected)
+
+
 def test_plain_dcp_checkpoint_loads_with_another_layout(cl: Cluster, tmp_path: Path) -> None:
     table, vector = make_table(1), torch.arange(7, dtype=torch.float64)
     _dcp_save_plain(tmp_path / "plain", {"plain-table": table, "plain-vector": vector})
@@ -111,6 +123,7 @@ def test_save_checkpoint_loads_with_torch(cl: Cluster, world2: World, tmp_path: 
     dcp.load(plain, checkpoint_id=str(path), no_dist=True)
     assert torch.equal(plain[name], make_table(3, dtype))
     assert world2.run(load_into_sharded_tensor, str(path), name, 3, dtype) == {0: True, 1: True}
+    assert world2.run(load_into_dtensor, str(path), name, 3, dtype) == {0: True, 1: True}
     assert set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata) == {name}  # only names saved
 
 
