@@ -15,8 +15,8 @@ version, so an answer never mixes versions) and runs:
   shard is bit for bit `F.embedding_bag`; a bag spread over shards is summed
   in another order (within a few ulps). `pooling="client"` fetches the rows
   and pools them locally instead, bit for bit in every case; the client does
-  that by itself for tables answering out-of-range ids with zero/default rows
-  and when a row cache is on.
+  that by itself when a request holds out-of-range ids answered with
+  zero/default rows, and (with pooling="auto") when a row cache is on.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 _RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
 SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
+SHM_ANSWER_BYTES = 256 << 10  # row answers from this size come from a same-host rank's shared memory (issue 6)
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
 
@@ -259,7 +260,7 @@ class Lookups:
         bad = view.index.invalid_mask(request.ids)
         if view.oov == "error" and bool(bad.any()):
             raise _bad_id_error(view, request.ids, bad)
-        if pooling == "client" or (pooling == "auto" and (bool(bad.any()) or self.cache is not None)):
+        if pooling == "client" or bool(bad.any()) or (pooling == "auto" and self.cache is not None):
             rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
             return pool_bags(rows, request.offsets, request.mode, weights)
         num_bags = request.offsets.numel()
@@ -295,6 +296,9 @@ class Lookups:
             self._cluster._transport.run_all(jobs)
 
     def _call_rank(self, rank: int, items: list[_Item]) -> None:
+        items = self._answer_through_shared_memory(rank, items)
+        if not items:
+            return
         address = self._cluster._address_of(rank)
         transport = self._cluster._transport
         request = pb.LookupRequest(items=[item.message for item in items])
@@ -313,6 +317,23 @@ class Lookups:
             buffers.finish()
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
+
+    def _answer_through_shared_memory(self, rank: int, items: list[_Item]) -> list[_Item]:
+        """Answer large row items of a same-host rank from its mapped shards (client.shm_transport); the rest."""
+        big = [item for item in items if not item.message.pooled and _answer_bytes(item) >= SHM_ANSWER_BYTES]
+        if not big:
+            return items
+        status, plane, rest = self._cluster._rank_status(rank), self._cluster._data_plane, []
+        for item in items:
+            rows = None
+            if any(item is b for b in big):
+                ids = torch.frombuffer(bytearray(item.message.ids), dtype=torch.int64)
+                rows = plane.lookup_rows(status, item.view.summary, item.message.shard_index, ids)
+            if rows is None:
+                rest.append(item)
+            else:
+                item.answer = rows
+        return rest
 
     def _stub(self, address: str) -> Any:
         """The ShardServer stub of `address`, made once (a stub per call costs as much as a small lookup)."""
@@ -402,7 +423,7 @@ class _Receiver:
 
 
 def _check_dtype(dtype: torch.dtype | None) -> None:
-    if dtype is not None and dtype != torch.float32 and not isinstance(dtype, torch.dtype):
+    if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
 
 
