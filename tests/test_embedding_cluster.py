@@ -344,3 +344,20 @@ def test_row_cache_hits_and_invalidation(cluster3: LocalCluster, cl: Cluster) ->
         assert torch.equal(client.lookup({"cached": [39]})["cached"], torch.zeros(1, 8))  # refreshed, not stale
     with pytest.raises(ValueError, match="row_cache_bytes"):
         connect(cluster3.address, row_cache_bytes=-1)
+
+
+def test_large_answers_stream_in_chunks(cluster3: LocalCluster, cl: Cluster, tables: dict) -> None:
+    remote = cl.tensor(_name("rows-uneven", torch.float32))
+    table = tables[("rows-uneven", torch.float32)]
+    stub = _rank_stub(cluster3, cl, 1)
+    ids = torch.randint(7, 30, (100_000,))  # 4.8 MB of rows, all held by shard 1
+    request = pb.LookupRequest(items=[pb.LookupItem(name=remote.name, version=remote.version, shard_index=1,
+                                                    ids=ids.numpy().tobytes())])
+    with pytest.raises(grpc.RpcError) as info:
+        stub.LookupSmall(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "streaming Lookup" in info.value.details()
+    chunks = list(stub.Lookup(request, timeout=30))
+    assert len(chunks) == 5 and chunks[0].version == remote.version and chunks[0].nbytes == 100_000 * DIM * 4
+    data = b"".join(c.data for c in chunks)
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, DIM), table[ids])
+    assert torch.equal(remote.lookup(ids), table[ids])  # the client streams it too
