@@ -101,6 +101,12 @@ class SharedMemoryReader:
 
     def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """Copy global box `part` of shard `index` into `region` (its place in the output)."""
+        shard = self.shard(address, summary, index)
+        if shard is not None:
+            copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
+
+    def shard(self, address: str, summary: TensorSummary, index: int) -> torch.Tensor | None:
+        """Shard `index` at the summary's version as a read-only tensor over the rank's memory (None if empty)."""
         key = (address, summary.name, summary.version, index)
         with self._lock:
             cached = self._cache.get(key)
@@ -111,10 +117,9 @@ class SharedMemoryReader:
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
         reply = self._open(address, request)
         try:
-            shard_meta = summary.metadata.shards_metadata[index]
             _check_reply(reply, summary, index)
             if reply.nbytes == 0:
-                return
+                return None
             if cached is not None and (cached.pid, cached.inode, cached.device_id) == (
                     reply.pid, reply.inode, reply.device_id) and not reply.HasField("cuda"):
                 flat = cached.flat
@@ -124,8 +129,8 @@ class SharedMemoryReader:
         finally:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
-        shard = flat[:reply.nbytes].view(summary.metadata.dtype).view(shard_meta.shard_sizes)
-        copy_box(region, local_view(shard, shard_meta.box, part))
+        sizes = summary.metadata.shards_metadata[index].shard_sizes
+        return flat[:reply.nbytes].view(summary.metadata.dtype).view(sizes)
 
     def clear(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it)."""
@@ -256,6 +261,37 @@ class DataPlane:
             return "grpc"
         log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
         return "shm"
+
+    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
+        [len(ids), shard columns]; None when the lookup should go over gRPC (same rules and fallback as reads)."""
+        if self.transport == "grpc" or not self._shm_usable(rank):
+            return None
+        try:
+            shard = self.reader.shard(rank.address, summary, index)
+        except SharedMemoryError as err:
+            if self.transport == "shm":
+                raise
+            self._fall_back(rank, err)
+            return None
+        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
+        if shard is None:
+            return torch.empty((ids.numel(), summary.metadata.shards_metadata[index].shard_sizes[1]),
+                               dtype=summary.metadata.dtype)
+        log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
+                  index, rank.rank)
+        return shard.index_select(0, (ids - first_row).to(shard.device)).cpu()
+
+    def _shm_usable(self, rank: RankStatus) -> bool:
+        """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
+        reason = same_host_reason(rank, self.host)
+        if not reason and self.transport == "auto":
+            with self._lock:
+                if self._grpc_until.get(rank.address, 0.0) > time.monotonic():
+                    reason = "an earlier shared-memory read of this rank failed"
+        if reason and self.transport == "shm":
+            raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
+        return not reason
 
     def _fall_back(self, rank: RankStatus, err: Exception) -> None:
         with self._lock:

@@ -136,6 +136,19 @@ def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
     assert "through shared memory" in caplog.text
 
 
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_large_lookups_through_shared_memory(cluster, transport, caplog):
+    table = random_tensor((5000, 64), torch.bfloat16, seed=21)
+    ids = torch.randint(0, 5000, (6000,), generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.DEBUG, logger="client.shm_transport"), connect(cluster.address,
+                                                                                 transport=transport) as c:
+        remote = c.put(f"dp-table-{transport}", table, SPEC)
+        assert torch.equal(remote.lookup(ids), torch.nn.functional.embedding(ids, table))
+        assert torch.equal(remote.lookup(ids[:5]), table[ids[:5]])  # small: over gRPC either way
+        c.delete(f"dp-table-{transport}")
+    assert ("rows of 'dp-table-auto' shard" in caplog.text) == (transport == "auto")
+
+
 def test_bad_transport_is_refused(cluster):
     with pytest.raises(ValueError, match="transport must be one of"):
         connect(cluster.address, transport="rdma")
