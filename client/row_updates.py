@@ -7,8 +7,10 @@ ShardServer.WriteRows, and CommitTensor promotes v+1 everywhere before the
 catalog flips to it; readers at v keep reading v until it is dropped, then
 refresh. A reader therefore sees all old or all new rows. Any failure aborts
 v+1. Duplicate ids: the last value given wins, as in a sequence of assignments.
-Concurrent update_rows of one table: a later one aborts a pending earlier one
-(which then raises); updates from one client are serialized per table.
+Concurrent update_rows of one table: updates from one client are serialized
+per table; across clients, a later one aborts a pending earlier one (which
+then raises), and one that finds the READY version replaced before it started
+copies the new one instead (each update then lands whole, the last one wins).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client.errors import ShardServeError
+from client.errors import ShardServeError, StaleVersionError
 from client.lookup import TableView, validate_update
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import ShardedTensorMetadata
@@ -40,12 +42,9 @@ def _table_lock(cluster: "Cluster", name: str) -> threading.Lock:
 def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
     """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version."""
     with _table_lock(cluster, name):
-        view = cluster._lookups.view(name, refresh=True)
+        view, info = _copy_of_ready_version(cluster, name)
         unique, rows = validate_update(view, ids, values)
         meta = view.summary.metadata
-        info = cluster._call("CreateTensor", pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_COPY, overwrite=True,
-            source_version=view.version))
         try:
             jobs = [partial(_write_batch, cluster, meta, name, info.version, index, batch_ids, batch_rows)
                     for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
@@ -56,6 +55,21 @@ def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
             raise
         cluster._lookups.view(name, refresh=True)
         return int(committed.version)
+
+
+def _copy_of_ready_version(cluster: "Cluster", name: str) -> tuple[TableView, pb.TensorInfo]:
+    """CreateTensor(INIT_COPY) of the READY version; if another client committed in between, once more."""
+    try:
+        return _create_copy(cluster, name)
+    except StaleVersionError:
+        return _create_copy(cluster, name)
+
+
+def _create_copy(cluster: "Cluster", name: str) -> tuple[TableView, pb.TensorInfo]:
+    view = cluster._lookups.view(name, refresh=True)
+    request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
+                                     init=pb.INIT_COPY, overwrite=True, source_version=view.version)
+    return view, cluster._call("CreateTensor", request)
 
 
 def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor):  # type: ignore[no-untyped-def]
