@@ -63,6 +63,8 @@ class SharedMemory:
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled and hasattr(os, "memfd_create")
+        if self.enabled:
+            _raise_fd_limit()  # two fds per shard (ours and the mapping's); running out falls back to private memory
         self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty`
         self._lock = threading.Lock()
 
@@ -98,6 +100,18 @@ class SharedMemory:
         copy = self.empty(tuple(tensor.shape), tensor.dtype)
         copy.copy_(tensor)
         return copy
+
+
+def _raise_fd_limit() -> None:
+    """Lift this process's soft limit of open files to its hard limit."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
