@@ -196,6 +196,20 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], quick: bool) 
 
 # ---------------------------------------------------------------- scenarios
 
+TRANSPORTS = ("grpc", "auto")
+
+
+def lookup_path(transport: str, ids: torch.Tensor, rows: int) -> str:
+    """The path(s) a lookup of `ids` took: a rank answers through shm when its distinct rows are large enough
+    (client.lookup.SHM_ANSWER_BYTES; the table is row-wise over RANKS ranks), else over gRPC."""
+    from client.lookup import SHM_ANSWER_BYTES
+
+    if transport == "grpc":
+        return "grpc"
+    per_rank = torch.bincount(ids.unique() // -(-rows // RANKS), minlength=RANKS) * DIM * 4
+    return "+".join(sorted({"shm" if n >= SHM_ANSWER_BYTES else "grpc" for n in per_rank.tolist() if n}))
+
+
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
 def lookups_scenario(ctx: Context) -> list[Row]:
     from client import connect
@@ -212,32 +226,42 @@ def lookups_scenario(ctx: Context) -> list[Row]:
         cluster.start(timeout=START_TIMEOUT_S)
         for rank, pid in enumerate(cluster.rank_pids):
             ctx.sampler.label(pid, f"rank {rank} server")
-        client = stack.enter_context(connect(cluster.address))
-        remote = client.put("bench", source)
-        clients = [stack.enter_context(connect(cluster.address)) for _ in range(CLIENT_THREADS)]
+        remote = stack.enter_context(connect(cluster.address, transport="grpc")).put("bench", source)
         ours = {}
         with ctx.rss(cluster.rank_pids) as peaks:
+            for transport in TRANSPORTS:  # issue 6: every data path, labelled with the one that answered
+                remote = stack.enter_context(connect(cluster.address, transport=transport)).tensor("bench")
+                clients = [stack.enter_context(connect(cluster.address, transport=transport))
+                           for _ in range(CLIENT_THREADS)]
+                for size, dist, count in cases:
+                    batches = id_batches(rows_n, size, dist, count)
+                    ok = torch.equal(remote.lookup(batches[0]), source[batches[0]])
+                    lat = latencies(remote.lookup, batches)
+                    pool = iter(clients)
+                    per_call = throughput(lambda: next(pool).tensor("bench").lookup, batches[: max(4, count // 4)],
+                                          CLIENT_THREADS)
+                    ours[(transport, size, dist)] = (lat, per_call, ok, lookup_path(transport, batches[0], rows_n))
             for size, dist, count in cases:
-                batches = id_batches(rows_n, size, dist, count)
-                ok = torch.equal(remote.lookup(batches[0]), source[batches[0]])
-                lat = latencies(remote.lookup, batches)
-                pool = iter(clients)
-                per_call = throughput(lambda: next(pool).tensor("bench").lookup, batches[: max(4, count // 4)],
-                                      CLIENT_THREADS)
-                local = latencies(lambda ids: source.index_select(0, ids), batches)
-                ours[(size, dist)] = (lat, per_call, ok, local)
+                ours[(size, dist)] = latencies(lambda ids: source.index_select(0, ids), id_batches(rows_n, size,
+                                                                                                   dist, count))
     theirs, rpc_pids = run_rpc_baseline(rows_n, cases, ctx.quick)
     for size, dist, _ in cases:
-        lat, per_call, ok, local = ours[(size, dist)]
+        local = ours[(size, dist)]
         rpc_lat, rpc_call, rpc_ok = theirs[(size, dist)]
         for stat, q in (("p50", 0.5), ("p99", 0.99)):
             case = f"{size} ids {dist} {stat}"
-            rows.append(Row("lookups", case, SHARDSERVE, p(lat, q), path="grpc", baseline=RPC, peak_rss=peaks, ok=ok))
+            for transport in TRANSPORTS:
+                lat, _, ok, path = ours[(transport, size, dist)]
+                rows.append(Row("lookups", case, f"{SHARDSERVE} ({transport})", p(lat, q),
+                                path=path, baseline=RPC, peak_rss=peaks, ok=ok))
             rows.append(Row("lookups", case, RPC, p(rpc_lat, q), path="tensorpipe", role="baseline", ok=rpc_ok))
             rows.append(Row("lookups", case, LOCAL, p(local, q), path="in-process", role="baseline"))
         case = f"{size} ids {dist} {CLIENT_THREADS} clients"
-        rows.append(Row("lookups", case, SHARDSERVE, per_call, path="grpc", baseline=RPC, ok=ok,
-                        extra={"rows_per_s": size / per_call}))
+        for transport in TRANSPORTS:
+            _, per_call, ok, path = ours[(transport, size, dist)]
+            rows.append(Row("lookups", case, f"{SHARDSERVE} ({transport})", per_call,
+                            path=path, baseline=RPC, ok=ok,
+                            extra={"rows_per_s": size / per_call}))
         rows.append(Row("lookups", case, RPC, rpc_call, path="tensorpipe", role="baseline", ok=rpc_ok,
                         extra={"rows_per_s": size / rpc_call}))
     return rows
