@@ -65,15 +65,16 @@ def _local_rows(entry: StoredVersion, shard_index: int, ids: torch.Tensor, field
         raise InvalidArgument(f"tensor {entry.name!r} is {meta.ndim}-D; lookups need a 2-D table")
     shard = meta.shards_metadata[shard_index]
     start, rows = shard.shard_offsets[0], shard.shard_sizes[0]
-    local = ids - start
-    bad = (local < 0) | (local >= rows)
-    if bool(bad.any()):
-        position = int(bad.nonzero()[0, 0])
-        value = int(ids[position])
-        where = (f"out of range for a table of {meta.size[0]} rows" if not 0 <= value < meta.size[0]
-                 else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})")
-        raise InvalidArgument(f"{field}[{position}]={value} is {where}")
-    return local
+    if not ids.numel():
+        return ids
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if start <= low and high < start + rows:
+        return ids - start
+    position = int(((ids < start) | (ids >= start + rows)).nonzero()[0, 0])
+    value = int(ids[position])
+    where = (f"out of range for a table of {meta.size[0]} rows" if not 0 <= value < meta.size[0]
+             else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})")
+    raise InvalidArgument(f"{field}[{position}]={value} is {where}")
 
 
 class LookupService:
