@@ -20,6 +20,7 @@ version, so an answer never mixes versions) and runs:
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -35,7 +36,7 @@ from client.errors import (InvalidArgumentError, RankUnavailableError, ShardServ
 from client.info import TensorSummary
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
-from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags, restore_order,
+from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
                                  validate_ids)
 from shardcore.routing import RowIndex, RowRoute, unique_ids
 from shardcore.wire import tensor_bytes
@@ -87,6 +88,21 @@ class TableView:
     @property
     def dtype(self) -> torch.dtype:
         return self.summary.metadata.dtype
+
+    @functools.cached_property
+    def complete(self) -> bool:
+        """Whether every row 0..rows-1 is held whole by the layout (then only the range needs checking)."""
+        rows = self.summary.metadata.size[0]
+        return not bool(self.index.invalid_mask(torch.arange(rows)).any())
+
+    def invalid(self, sorted_ids: torch.Tensor) -> torch.Tensor | None:
+        """Mask of the ids no shard holds (out of range or in a hole), or None when there is none."""
+        if not sorted_ids.numel():
+            return None
+        if self.complete and int(sorted_ids[0]) >= 0 and int(sorted_ids[-1]) < self.summary.metadata.size[0]:
+            return None
+        bad = self.index.invalid_mask(sorted_ids)
+        return bad if bool(bad.any()) else None
 
     def fill_row(self) -> torch.Tensor:
         """What an out-of-range id looks up under this table's policy (zero or default)."""
@@ -164,7 +180,9 @@ class Lookups:
                 refresh = True
         if view is None or refresh:
             info = self._cluster._call("GetTensor", pb.GetTensorRequest(name=name))
-            view = TableView.from_info(info)
+            with self._lock:
+                old = self._views.get(name)
+            view = old if old is not None and old.version == info.version else TableView.from_info(info)
             with self._lock:
                 old = self._views.get(name)
                 if old is None or old.version <= view.version:
@@ -201,8 +219,8 @@ class Lookups:
         for name, table_ids in ids.items():
             view = views[name]
             unique, inverse = unique_ids(table_ids)
-            bad = view.index.invalid_mask(unique)
-            if view.oov == "error" and bool(bad.any()):
+            bad = view.invalid(unique)
+            if bad is not None and view.oov == "error":
                 raise _bad_id_error(view, table_ids, bad[inverse])
             out = torch.empty((unique.numel(), view.dim), dtype=view.dtype)
             wanted = self._from_cache(view, unique, bad, out)
@@ -210,7 +228,7 @@ class Lookups:
                 message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard,
                                         ids=bytes(tensor_bytes(unique[wanted][route.positions])))
                 items.append(_Item(view, _Remapped(route, wanted), message))
-            if bool(bad.any()):
+            if bad is not None:
                 out[bad] = view.fill_row()
             plans[name] = (view, unique, wanted, inverse, out)
         self._call_ranks(items)
@@ -221,14 +239,14 @@ class Lookups:
         for name, (view, unique, wanted, inverse, out) in plans.items():
             if self.cache is not None and wanted.numel():
                 self.cache.put_many(name, view.version, unique[wanted].tolist(), out[wanted])
-            rows = restore_order(out, inverse)
+            rows = out.index_select(0, inverse)  # inverse comes from torch.unique: in range by construction
             results[name] = rows if dtype is None else rows.to(dtype)
         return results
 
-    def _from_cache(self, view: TableView, unique: torch.Tensor, bad: torch.Tensor,
+    def _from_cache(self, view: TableView, unique: torch.Tensor, bad: torch.Tensor | None,
                     out: torch.Tensor) -> torch.Tensor:
         """Fill `out` with cached rows; return the positions (in `unique`) still to fetch."""
-        todo = (~bad).nonzero().view(-1)
+        todo = torch.arange(unique.numel()) if bad is None else (~bad).nonzero().view(-1)
         if self.cache is None or not todo.numel():
             return todo
         keys = unique[todo].tolist()
