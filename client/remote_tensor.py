@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from client.grpc_streams import bands, read_bands
+from client.grpc_streams import bands, read_bands, read_region
 from client.errors import (InvalidArgumentError, RankUnavailableError, StaleVersionError,
                            TensorNotFoundError)
 from client.indexing import parse_index
@@ -260,7 +260,7 @@ class RemoteShardedTensor:
         def read_band(band: Box, into: torch.Tensor) -> None:
             request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
                                            offsets=band.offsets, sizes=band.sizes)
-            self._cluster._transport.read_region(address, request, byte_view(into))
+            read_region(self._cluster._transport, address, request, byte_view(into))
 
         if region.is_contiguous():
             read_bands(lambda band: read_band(band, local_view(region, part, band)),

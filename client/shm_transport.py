@@ -237,18 +237,8 @@ class DataPlane:
     def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                   grpc_read: Callable[[], None]) -> str:
         """Read one part into `region` by the best path; returns the path that ran ("shm" or "grpc")."""
-        if self.transport == "grpc":
-            grpc_read()
-            return "grpc"
-        reason = same_host_reason(rank, self.host)
-        if not reason and self.transport == "auto":
-            with self._lock:
-                if self._grpc_until.get(rank.address, 0.0) > time.monotonic():
-                    reason = "an earlier shared-memory read of this rank failed"
-        if reason:
-            if self.transport == "shm":
-                raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
-            log.debug("read %r shard %d from rank %d over grpc: %s", summary.name, index, rank.rank, reason)
+        if self.transport == "grpc" or not self._shm_usable(rank):
+            log.debug("read %r shard %d from rank %d over grpc", summary.name, index, rank.rank)
             grpc_read()
             return "grpc"
         try:
@@ -291,6 +281,8 @@ class DataPlane:
                     reason = "an earlier shared-memory read of this rank failed"
         if reason and self.transport == "shm":
             raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
+        if reason:
+            log.debug("rank %d over grpc: %s", rank.rank, reason)
         return not reason
 
     def _fall_back(self, rank: RankStatus, err: Exception) -> None:

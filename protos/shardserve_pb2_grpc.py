@@ -705,6 +705,11 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.ReleaseShardRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.ReleaseShardResponse.FromString,
                 _registered_method=True)
+        self.ReadRegionSmall = channel.unary_unary(
+                '/shardserve.v1.ShardServer/ReadRegionSmall',
+                request_serializer=protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -803,6 +808,14 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRegionSmall(self, request, context):
+        """ReadRegion of a box of at most 1 MiB as one unary reply (one TensorChunk at offset 0): about half
+        a stream's per-call cost (issue 6; server/small_reads.py). Larger boxes: RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -870,6 +883,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.ReleaseShard,
                     request_deserializer=protos_dot_shardserve__pb2.ReleaseShardRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.ReleaseShardResponse.SerializeToString,
+            ),
+            'ReadRegionSmall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRegionSmall,
+                    request_deserializer=protos_dot_shardserve__pb2.ReadRegionRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1225,6 +1243,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/ReleaseShard',
             protos_dot_shardserve__pb2.ReleaseShardRequest.SerializeToString,
             protos_dot_shardserve__pb2.ReleaseShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRegionSmall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/ReadRegionSmall',
+            protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
+            protos_dot_shardserve__pb2.TensorChunk.FromString,
             options,
             channel_credentials,
             insecure,

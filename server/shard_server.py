@@ -17,6 +17,8 @@ from server.lookup_service import LookupService
 from server.cuda_staging import host_bytes
 from server.shm_service import SharedMemoryService
 from server.shm_service import handlers as shared_memory_handlers
+from server.small_reads import SmallReads
+from server.small_reads import handlers as small_read_handlers
 from server.requests import check_name, check_version, parse_dtype, parse_metadata
 from server.store import ShardStore
 
@@ -36,6 +38,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.lookups = LookupService(store)
         self.collectives = CollectiveJobs(store)
         self.shared_memory = SharedMemoryService(store)
+        self.small_reads = SmallReads(store)
 
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
@@ -148,6 +151,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     }
     handlers.update(collective_handlers(servicer.collectives))
     handlers.update(shared_memory_handlers(servicer.shared_memory))
+    handlers.update(small_read_handlers(servicer.small_reads))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:
         raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")

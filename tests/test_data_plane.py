@@ -118,6 +118,22 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
         c.delete("dp-bands")
 
 
+def test_read_region_small_refuses_large_boxes(cluster):
+    import grpc
+
+    source = random_tensor((600, 1024), torch.float32, seed=8)  # 1.2 MiB per shard
+    with connect(cluster.address, transport="grpc") as c:
+        remote = c.put("dp-small-limit", source, SPEC)
+        stub = c._transport.shard_server(c._address_of(0))
+        request = pb.ReadRegionRequest(name="dp-small-limit", version=remote.version, shard_index=0,
+                                       offsets=(0, 0), sizes=(300, 1024))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ReadRegionSmall(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "offsets/sizes" in err.value.details()
+        assert torch.equal(remote.fetch((0, 0), (600, 1024)), source)  # streamed, not small
+        c.delete("dp-small-limit")
+
+
 def test_bands_cover_the_part_exactly():
     part = Box((3, 1), (513, 4096))
     cut = bands(part, 4, streams=2, min_bytes=4 << 20)

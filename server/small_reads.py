@@ -1,0 +1,41 @@
+"""ShardServer.ReadRegionSmall: a box of at most SMALL_READ_BYTES answered as one unary TensorChunk.
+
+A server-streaming call costs about twice a unary one in Python gRPC; for
+small boxes that per-call cost is most of the read (1 MiB: ~3.5 ms streamed
+against ~1.6 ms for torch.distributed.rpc on the loaded 2-core host).
+"""
+from __future__ import annotations
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from server.chunk_codec import RawChunk, encode_chunk
+from server.cuda_staging import host_bytes
+from server.errors import ResourceExhausted, rpc_errors
+from server.requests import check_name, check_version
+from server.store import ShardStore
+
+SMALL_READ_BYTES = 1 << 20
+
+
+class SmallReads:
+    """ReadRegionSmall of one rank."""
+
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+
+    @rpc_errors
+    def ReadRegionSmall(self, request: pb.ReadRegionRequest, context: grpc.ServicerContext) -> bytes:
+        with self.store.read(check_name(request.name), check_version(request.version, allow_zero=True),
+                             request.shard_index, tuple(request.offsets), tuple(request.sizes)) as box:
+            nbytes = box.numel() * box.element_size()
+            if nbytes > SMALL_READ_BYTES:
+                raise ResourceExhausted(f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
+                                        f"most {SMALL_READ_BYTES} (use ReadRegion)")
+            return encode_chunk(RawChunk(0, host_bytes(box)))  # serialized (one copy) while the lease is held
+
+
+def handlers(reads: SmallReads) -> dict[str, grpc.RpcMethodHandler]:
+    """The ShardServer method handler of ReadRegionSmall (the reply comes serialized by server.chunk_codec)."""
+    return {"ReadRegionSmall": grpc.unary_unary_rpc_method_handler(
+        reads.ReadRegionSmall, request_deserializer=pb.ReadRegionRequest.FromString, response_serializer=None)}
