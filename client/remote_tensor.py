@@ -250,11 +250,13 @@ class RemoteShardedTensor:
         region = local_view(out, box, part)
         rank = self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
         self.last_transport = self._cluster._data_plane.read_part(
-            rank, summary, index, part, region, partial(self._read_part_grpc, summary, index, part, region))
+            rank, summary, index, part, region, partial(self._read_part_grpc, summary, index, part, region,
+                                                        part == box))
 
-    def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
-        """One shard's part over ReadRegion: straight into `region` when contiguous (a large part as parallel
-        row bands, client.grpc_streams), else via one buffer."""
+    def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                        only_part: bool = False) -> None:
+        """One shard's part over ReadRegion: straight into `region` when contiguous (a large part that is the
+        read's only one as parallel row bands, client.grpc_streams), else via one buffer."""
         address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
 
         def read_band(band: Box, into: torch.Tensor) -> None:
@@ -264,7 +266,7 @@ class RemoteShardedTensor:
 
         if region.is_contiguous():
             read_bands(lambda band: read_band(band, local_view(region, part, band)),
-                       bands(part, region.element_size()))
+                       bands(part, region.element_size()) if only_part else [part])
             return
         buffer = torch.empty(part.sizes, dtype=region.dtype)
         read_band(part, buffer)

@@ -113,7 +113,8 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
     assert len(bands(Box((0, 0), (2048, 1024)), 4)) == 2
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-bands", source, SPEC)
-        assert torch.equal(remote.fetch((1, 0), (4090, 1024)), source[1:4091])
+        assert torch.equal(remote.fetch((1, 0), (2040, 1024)), source[1:2041])  # one part: two bands
+        assert torch.equal(remote.fetch((1, 0), (4090, 1024)), source[1:4091])  # two parts: one stream each
         assert remote.last_transport == "grpc"
         c.delete("dp-bands")
 
