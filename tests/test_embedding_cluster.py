@@ -361,3 +361,16 @@ def test_large_answers_stream_in_chunks(cluster3: LocalCluster, cl: Cluster, tab
     data = b"".join(c.data for c in chunks)
     assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, DIM), table[ids])
     assert torch.equal(remote.lookup(ids), table[ids])  # the client streams it too
+
+
+def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:
+    remote = cl.tensor(_name("columns", torch.float32))
+    with pytest.raises(TypeError, match="integers"):
+        remote.lookup(torch.tensor([1.0, 2.0]))
+    with pytest.raises(TypeError, match="integers"):
+        remote.lookup_bag(torch.tensor([True]), [0])
+    with pytest.raises(InvalidArgumentError, match="1-D"):
+        remote.lookup(torch.zeros(2, 2, dtype=torch.int64))
+    with pytest.raises(TypeError):
+        cl.lookup([(remote.name, [1])])
+    assert torch.equal(remote.lookup(torch.tensor([4], dtype=torch.int32)), tables[("columns", torch.float32)][[4]])
