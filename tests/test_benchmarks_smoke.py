@@ -1,4 +1,4 @@
-"""The benchmark suite as a smoke test: `python -m benchmarks --quick` runs and writes JSON of the agreed shape.
+"""The benchmark suite as a smoke test: `python -m benchmarks --quick --only NAME` per scenario writes JSON of the agreed shape.
 
 Never asserts a timing: only that every scenario ran, that rows carry the
 fields the README and plots rely on, that the figures are consistent with each
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -22,53 +23,65 @@ from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
 from benchmarks.rss import RssSampler
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SUITE_TIMEOUT_S = 58  # the brief: under a minute; ~25 s on an idle 2-core machine, ~50 s at load 9
+RUN_TIMEOUT_S = 58  # hard limit per `--quick --only NAME` run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
+SCENARIOS = sorted(load_scenarios())
 ROW_FIELDS = {"scenario", "group", "case", "name", "path", "role", "nbytes", "seconds", "gb_per_s", "baseline",
               "ratio", "ratios", "peak_rss", "peak_rss_max_bytes", "ok", "note"}
 MACHINE_FIELDS = {"cpu_count", "cpu_model", "memory_bytes", "torch", "grpc", "python", "load_average"}
 
 
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory) -> tuple[dict, Path]:
-    """One quick run of the whole suite, with JSON and plots."""
-    out = tmp_path_factory.mktemp("bench")
+def run_quick(name: str, out: Path) -> tuple[dict, Path, str]:
+    """`python -m benchmarks --quick --only NAME --json F --plots D` under a hard timeout: (JSON, plots dir, stdout)."""
     json_path, plots = out / "bench.json", out / "plots"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--json", str(json_path),
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--only", name, "--json", str(json_path),
                              "--plots", str(plots)], cwd=PROJECT_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=SUITE_TIMEOUT_S)
+        stdout, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the suite's own session: its ranks and baseline servers too
+        os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its ranks and baseline servers too
         stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"python -m benchmarks --quick took over {SUITE_TIMEOUT_S}s; output:\n{stdout}\n{stderr}")
+        pytest.fail(f"python -m benchmarks --quick --only {name} took over {RUN_TIMEOUT_S}s; output:\n"
+                    f"{stdout[-3000:]}\n{stderr[-3000:]}")
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
-    assert "fetch: ratio" in stdout
-    return json.loads(json_path.read_text()), plots
+    return json.loads(json_path.read_text()), plots, stdout
 
 
-def test_machine_info(suite) -> None:
-    doc, _ = suite
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Callable[[str], tuple[dict, Path, str]]:
+    """Each scenario's quick run, made on first use and shared by the tests of this module."""
+    cache: dict[str, tuple[dict, Path, str]] = {}
+
+    def get(name: str) -> tuple[dict, Path, str]:
+        if name not in cache:
+            cache[name] = run_quick(name, tmp_path_factory.mktemp(f"bench-{name}"))
+        return cache[name]
+    return get
+
+
+def test_the_suite_has_the_issue_scenarios() -> None:
+    assert {"fetch", "planning", "reshard"} <= set(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_runs_quick_with_machine_info_and_rows(runs, name: str) -> None:
+    doc, plots, stdout = runs(name)
     assert MACHINE_FIELDS <= set(doc["machine"])
     assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
-    assert doc["quick"] is True and doc["command"].startswith("python -m benchmarks --quick")
+    assert doc["quick"] is True and doc["command"].startswith(f"python -m benchmarks --quick --only {name}")
+    assert [(r["name"], r["status"]) for r in doc["scenarios"]] == [(name, "ok")], doc["scenarios"]
+    assert doc["rows"] and all(row["scenario"] == name for row in doc["rows"])
+    check_rows(doc["rows"])
+    for group in {r["group"] for r in doc["rows"]}:
+        assert f"{group}: ratio" in stdout
+        png = plots / f"{group}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
-def test_every_scenario_ran_and_has_rows(suite) -> None:
-    doc, _ = suite
-    registered = set(load_scenarios())
-    assert {"fetch", "planning", "reshard"} <= registered
-    reports = {r["name"]: r for r in doc["scenarios"]}
-    assert set(reports) == registered
-    for name, report in reports.items():
-        assert report["status"] == "ok", report
-        assert any(row["scenario"] == name for row in doc["rows"]), f"no rows from scenario {name}"
-
-
-def test_rows_have_the_fields_and_consistent_figures(suite) -> None:
-    doc, _ = suite
+def check_rows(rows: list[dict]) -> None:
+    """Fields present; GB/s = bytes / seconds; ratio = its baseline's seconds / seconds; results matched."""
     by_case: dict[tuple[str, str], dict[str, dict]] = {}
-    for row in doc["rows"]:
+    for row in rows:
         assert ROW_FIELDS <= set(row), row
         by_case.setdefault((row["group"], row["case"]), {})[row["name"]] = row
     for (group, case), rows in by_case.items():
@@ -83,8 +96,8 @@ def test_rows_have_the_fields_and_consistent_figures(suite) -> None:
             assert all(isinstance(v, int) and v > 0 for v in row["peak_rss"].values()), row["peak_rss"]
 
 
-def test_fetch_rows_compare_shardserve_with_three_baselines(suite) -> None:
-    doc, _ = suite
+def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
+    doc, _, _ = runs("fetch")
     fetch = [r for r in doc["rows"] if r["scenario"] == "fetch"]
     cases = {r["case"] for r in fetch}
     assert cases
@@ -100,14 +113,6 @@ def test_fetch_rows_compare_shardserve_with_three_baselines(suite) -> None:
             assert {"rank 0 server", "rank 1 server"} <= set(row["peak_rss"])
         assert set(rows["raw TCP socket"]["peak_rss"]) == {"socket server"}
         assert set(rows["torch.distributed.rpc"]["peak_rss"]) == {"rpc server"}
-
-
-def test_plots_are_pngs_per_group(suite) -> None:
-    doc, plots = suite
-    groups = {r["group"] for r in doc["rows"]}
-    for group in groups:
-        png = plots / f"{group}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 
 
 def test_fill_ratios_against_named_and_default_baselines() -> None:
