@@ -164,10 +164,15 @@ class SharedMemoryReader:
                 self._cached_bytes -= evicted.flat.numel()
 
 
+PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
+
+
 def copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors (torch's copy_ wakes
-    its thread pool, which on a loaded 2-core host cost milliseconds per small read), else copy_."""
-    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
+    """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors below
+    PARALLEL_COPY_BYTES (torch's copy_ wakes its thread pool, which on a loaded 2-core host cost milliseconds
+    per small read), else torch's copy_ (multi-threaded, any strides and devices)."""
+    small = dst.numel() * dst.element_size() < PARALLEL_COPY_BYTES
+    if small and dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
         if dst.numel():
             np.copyto(byte_view(dst).numpy(), byte_view(src).numpy())
         return
