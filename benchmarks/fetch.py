@@ -6,8 +6,9 @@ transport path `client.connect(..., transport=...)` offers (only gRPC until
 it grows that parameter), against three baselines (benchmarks.baselines): a
 raw TCP socket into a preallocated tensor (the reference of `ratio`),
 torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
-memcpy. Every method's result is checked against the source (`ok`), and each
-row reports the peak RSS of the server processes it used.
+memcpy. The methods take turns call by call (median of each), every method's
+result is checked against the source (`ok`), and each row reports the peak
+RSS of its own server processes during the timed block.
 
     python -m benchmarks.fetch [--quick] [--json FILE]   (same as python -m benchmarks --only fetch)
 """
@@ -70,23 +71,18 @@ def repeats_for(nbytes: int, quick: bool) -> int:
     return min(count, 3) if quick else count
 
 
-def median_seconds(run: Callable[[], object], repeat: int) -> float:
-    """Median wall time of `run` over `repeat` calls, after one warm-up call."""
-    run()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
+def interleaved_medians(runs: list[Callable[[], object]], repeat: int) -> list[float]:
+    """Median wall time of each run over `repeat` rounds, after one warm-up each; the methods take turns
+    call by call, so noise from the shared machine falls on all of them alike."""
+    for run in runs:
         run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure(ctx: Context, pids: list[int], run: Callable[[], torch.Tensor], expected: torch.Tensor,
-            repeat: int) -> tuple[float, dict[str, int], bool]:
-    """(median seconds, peak RSS of `pids` meanwhile, whether the result equals `expected`)."""
-    with ctx.rss(pids) as peaks:
-        seconds = median_seconds(run, repeat)
-    return seconds, peaks, bool(torch.equal(run(), expected))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeat):
+        for run, spent in zip(runs, times):
+            start = time.perf_counter()
+            run()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]
 
 
 def box_rows(mib: int) -> int:
@@ -128,7 +124,9 @@ def fetch_scenario(ctx: Context) -> list[Row]:
 
 def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, remotes: dict, rank_pids: list[int],
                sock: SocketServer, rpc: RpcServer) -> list[Row]:
-    """All methods for one box size; the box starts at row 0 (one shard) or straddles the two ranks."""
+    """All methods for one box size, timed in turns; the box starts at row 0 (one shard) or straddles the ranks.
+
+    Each row's peak RSS is that of its own server processes over the whole timed block."""
     n = box_rows(mib)
     nbytes = n * COLUMNS * 4
     case = f"{mib} MiB"
@@ -136,20 +134,25 @@ def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, re
     out = torch.empty(n, COLUMNS)
     leading = source[:n]
     straddle = shard_rows - n // 2
-    rows = []
+    methods = []  # (row name, path, role, pids, run, expected)
     for path, remote in remotes.items():
         for name, first in (("shardserve fetch, 1 shard", 0), ("shardserve fetch, 2 shards", straddle)):
-            seconds, peaks, ok = measure(
-                ctx, rank_pids, lambda: remote.fetch((first, 0), (n, COLUMNS), out=out), source[first:first + n],
-                repeat)
-            rows.append(Row(GROUP, case, name, seconds, path=path_that_ran(remote, path), nbytes=nbytes,
-                            baseline=SOCKET, peak_rss=peaks, ok=ok, extra={"repeat": repeat}))
-    for name, path, pids, run in ((SOCKET, "tcp", [sock.pid], lambda: sock.fetch(out)),
-                                  (RPC, "tensorpipe", [rpc.pid], lambda: rpc.fetch(out)),
-                                  (MEMCPY, "in-process", [os.getpid()], lambda: memcpy(out, leading))):
-        seconds, peaks, ok = measure(ctx, pids, run, leading, repeat)
-        rows.append(Row(GROUP, case, name, seconds, path=path, role="baseline", nbytes=nbytes, peak_rss=peaks,
-                        ok=ok, extra={"repeat": repeat}))
+            methods.append((name, path, "subject", rank_pids,
+                            lambda remote=remote, first=first: remote.fetch((first, 0), (n, COLUMNS), out=out),
+                            source[first:first + n]))
+    methods += [(SOCKET, "tcp", "baseline", [sock.pid], lambda: sock.fetch(out), leading),
+                (RPC, "tensorpipe", "baseline", [rpc.pid], lambda: rpc.fetch(out), leading),
+                (MEMCPY, "in-process", "baseline", [os.getpid()], lambda: memcpy(out, leading), leading)]
+    with ctx.rss() as peaks:
+        seconds = interleaved_medians([m[4] for m in methods], repeat)
+    rows = []
+    for (name, path, role, pids, run, expected), spent in zip(methods, seconds):
+        labels = {ctx.sampler.label_of(pid) for pid in pids}
+        ran = path_that_ran(remotes[path], path) if role == "subject" else path
+        rows.append(Row(GROUP, case, name, spent, path=ran, role=role, nbytes=nbytes,
+                        baseline=SOCKET if role == "subject" else None,
+                        peak_rss={k: v for k, v in peaks.items() if k in labels},
+                        ok=bool(torch.equal(run(), expected)), extra={"repeat": repeat}))
     return rows
 
 
