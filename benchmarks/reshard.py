@@ -3,10 +3,14 @@
 Methods, all run in the same worlds on the same data:
 
 - bare transfer: `all_to_all_single` of flat buffers holding the same bytes
-  (the baseline; falls back to `batch_isend_irecv` of flat buffers if gloo
-  refuses all_to_all_single, and the table says which ran),
+  into a preallocated output (the baseline; falls back to `batch_isend_irecv`
+  of flat buffers if gloo refuses all_to_all_single, and the table says which),
+- bare transfer + allocation: the same into a new output each call (what a
+  reshard pays for its new shards: on Linux mostly page faults),
 - shardserve: `plan_reshard` + `server.redistribute.run_reshard` on the
-  collective thread (planning included in the time),
+  collective thread (planning included in the time), new shards allocated,
+- shardserve, out= recycled: the same writing into buffers allocated once,
+  as the bare transfer does (a server reusing a dropped version's memory),
 - `DTensor.redistribute(Shard(0) -> Shard(1))`,
 - torch `ShardedTensor.reshard` to a ChunkShardingSpec on dim 1, where it runs.
 
@@ -14,7 +18,8 @@ Times are the slowest rank's per call; the methods take turns, repeat after
 repeat (after one warm-up each), so load from elsewhere hits them alike; the
 table shows the median and the best, "x bare" is median over median.
 
-    python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 16] [--json FILE]
+    python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 16] [--repeats 3]
+                                 [--methods bare,fresh,shardserve,recycled,dtensor,sharded] [--json FILE]
 """
 from __future__ import annotations
 
@@ -38,9 +43,12 @@ import torch.multiprocessing as mp
 BARE = "bare transfer"
 BARE_FRESH = "bare transfer + allocation"
 OURS = "shardserve run_reshard"
+OURS_RECYCLED = "shardserve, out= recycled"
 DTENSOR = "DTensor.redistribute"
 SHARDED = "ShardedTensor.reshard"
 PATTERN_MOD = 65521
+METHOD_KEYS = {BARE: "bare", BARE_FRESH: "fresh", OURS: "shardserve", OURS_RECYCLED: "recycled",
+               DTENSOR: "dtensor", SHARDED: "sharded"}
 
 
 def square_side(size_mib: float) -> int:
@@ -90,8 +98,14 @@ def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], ob
     return "batch_isend_irecv", p2p
 
 
-def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: int, executor, seqs):
-    """plan_reshard + run_reshard of Shard(0) -> Shard(1) on the collective thread."""
+def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: int, executor, seqs,
+                       recycle: bool = False):
+    """plan_reshard + run_reshard of Shard(0) -> Shard(1) on the collective thread.
+
+    With `recycle`, the new shard is written into one buffer allocated up front
+    (as a server reusing a dropped version's memory would), like the bare
+    transfer's preallocated output.
+    """
     from server.redistribute import ReshardStats, run_reshard
     from shardcore.metadata import TensorProperties
     from shardcore.planner import plan_reshard
@@ -102,12 +116,13 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
     src = ChunkShardingSpec(0, placements).build_metadata((n, n), TensorProperties())
     dst = ChunkShardingSpec(1, placements).build_metadata((n, n), TensorProperties())
     result = {}
+    given = {rank: torch.empty(n, n // world)} if recycle else None
 
     def run() -> None:
         plan = plan_reshard(src, dst, bucket_bytes)
         stats = ReshardStats()
-        future = executor.submit(next(seqs), lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats),
-                                 wait_timeout_s=600)
+        future = executor.submit(next(seqs), lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats,
+                                                                 out=given), wait_timeout_s=600)
         result["out"] = future.result()[rank]
         result["extra_bytes"] = stats.new_shard_bytes + stats.peak_staging_bytes
     return run, result
@@ -215,8 +230,11 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
                (BARE_FRESH, "all_to_all_single into a new output each call",
                 lambda: (lambda: dist.all_to_all_single(torch.empty_like(flat_out), local.reshape(-1)), {})),
                (OURS, "", lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
+               (OURS_RECYCLED, "", lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs,
+                                                              recycle=True)),
                (DTENSOR, "", lambda: dtensor_redistribute(local, world)),
                (SHARDED, "", lambda: sharded_tensor_reshard(local, n, world))]
+    methods = [m for m in methods if METHOD_KEYS[m[0]] in args["methods"]]
     rows, runs = [], []
     for name, note, make in methods:
         row = {"method": name, "note": note, "times": [], "ok": True}
@@ -233,7 +251,7 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
             extra = torch.tensor([result["extra_bytes"]], dtype=torch.int64)
             dist.all_reduce(extra, op=dist.ReduceOp.MAX)
             row["extra_bytes_per_rank"] = extra.item()
-            row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shard + staging)"
+            row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shards + staging)"
         rows.append(row)
         runs.append((run, result))
     for _ in range(args["repeats"]):
@@ -304,9 +322,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--methods", default=",".join(METHOD_KEYS.values()),
+                        help="comma-separated subset of: " + ", ".join(METHOD_KEYS.values()) + " (bare always runs)")
     ns = parser.parse_args(argv)
     args = {"size_mib": ns.size_mib, "bucket_bytes": int(ns.bucket_mib * (1 << 20)), "repeats": ns.repeats,
-            "timeout": ns.timeout}
+            "timeout": ns.timeout, "methods": sorted({"bare", *ns.methods.split(",")})}
+    unknown = set(args["methods"]) - set(METHOD_KEYS.values())
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}")
     runs = []
     for world in (int(w) for w in ns.ranks.split(",")):
         if square_side(ns.size_mib) % world:

@@ -291,12 +291,16 @@ class _Posted:
 
 def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Tensor], timeout_s: float,
                 *, group: dist.ProcessGroup | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                stats: ReshardStats | None = None) -> dict[int, torch.Tensor]:
+                stats: ReshardStats | None = None,
+                out: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Run `rank`'s part of `plan`: the new shards on this rank, by dst shard index.
 
     `src_shards` maps the source shard indices held by this rank
     (plan.src.shards_metadata order) to their tensors. Raises ReshardError naming
-    the peers when a peer fails or does not answer within `timeout_s`.
+    the peers when a peer fails or does not answer within `timeout_s`. The new
+    shards are allocated, except those given in `out` (by dst shard index), which
+    are written in place: recycled buffers no reader can see (a failed reshard
+    leaves them partly written) that share no memory with the source shards.
     """
     if not isinstance(plan, ReshardPlan):
         raise TypeError(f"plan must be a ReshardPlan, got {type(plan).__name__}")
@@ -309,7 +313,7 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
     deadline = time.monotonic() + timeout_s
     part = plan.for_rank(rank)
     _check_src_shards(plan, part, src_shards)
-    out = _allocate_destination(plan, rank, stats)
+    out = _destination(plan, rank, stats, out, src_shards)
     src_boxes = [s.box for s in plan.src.shards_metadata]
     dst_boxes = [s.box for s in plan.dst.shards_metadata]
 
@@ -350,17 +354,42 @@ def _check_src_shards(plan: ReshardPlan, part: Any, src_shards: Mapping[int, tor
                              f"{plan.src.dtype}")
 
 
-def _allocate_destination(plan: ReshardPlan, rank: int, stats: ReshardStats) -> dict[int, torch.Tensor]:
-    """Empty tensors for this rank's destination shards, each on its shard's device."""
+def _destination(plan: ReshardPlan, rank: int, stats: ReshardStats, given: Mapping[int, torch.Tensor] | None,
+                 src_shards: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """This rank's destination shard tensors: the given ones (checked), the others newly allocated."""
+    if given is not None and not isinstance(given, Mapping):
+        raise TypeError(f"out must be a mapping of shard index to tensor, got {type(given).__name__}")
+    given = given or {}
+    mine = plan.dst.shards_on(rank)
+    stray = sorted(set(given) - set(mine))
+    if stray:
+        raise ValueError(f"out has tensors for shards {stray}, which are not destination shards of rank {rank}")
+    source_storage = {t.untyped_storage().data_ptr() for t in src_shards.values() if isinstance(t, torch.Tensor)}
     out = {}
-    for index in plan.dst.shards_on(rank):
+    for index in mine:
         shard = plan.dst.shards_metadata[index]
         device = shard.device
+        if index in given:
+            out[index] = _checked_out(index, given[index], shard.shard_sizes, plan.dst.dtype, device, source_storage)
+            continue
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"dst.shards_metadata[{index}] is placed on {device} but CUDA is not available")
         out[index] = fresh_empty(shard.shard_sizes, plan.dst.dtype, device)
         stats.new_shard_bytes += out[index].numel() * out[index].element_size()
     return out
+
+
+def _checked_out(index: int, tensor: Any, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 source_storage: set[int]) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"out[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
+    if tuple(tensor.shape) != sizes or tensor.dtype != dtype:
+        raise ValueError(f"out[{index}] is {tuple(tensor.shape)} {tensor.dtype} but shard {index} is {sizes} {dtype}")
+    if tensor.device != device:
+        raise ValueError(f"out[{index}] is on {tensor.device} but shard {index} is placed on {device}")
+    if tensor.untyped_storage().data_ptr() in source_storage:
+        raise ValueError(f"out[{index}] shares memory with a source shard")
+    return tensor
 
 
 def fresh_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -489,6 +489,31 @@ def test_bad_inputs_are_named():
         run_reshard(plan, 0, [good[0], good[1]], 5.0)
 
 
+def test_given_out_tensors_are_written_in_place():
+    src, dst, plan = _single_rank_plan()
+    full = full_tensor(M2, torch.float32, 3)
+    given = {1: torch.full((13, 11), -1.0)}
+    stats = ReshardStats()
+    out = run_reshard(plan, 0, dict(enumerate(cut_tensor(full, src))), 5.0, stats=stats, out=given)
+    assert out[1] is given[1] and torch.equal(given[1], full[:, 10:])
+    assert torch.equal(out[0], full[:, :10])
+    assert stats.new_shard_bytes == 13 * 10 * 4
+
+
+def test_bad_out_tensors_are_named():
+    src, dst, plan = _single_rank_plan()
+    shards = dict(enumerate(cut_tensor(full_tensor(M2, torch.float32, 3), src)))
+    with pytest.raises(ValueError, match=r"out\[1\] is \(13, 10\) torch.float32 but shard 1 is \(13, 11\)"):
+        run_reshard(plan, 0, shards, 5.0, out={1: torch.empty(13, 10)})
+    with pytest.raises(ValueError, match="out has tensors for shards \\[5\\]"):
+        run_reshard(plan, 0, shards, 5.0, out={5: torch.empty(13, 11)})
+    whole = torch.empty(13, 21)
+    with pytest.raises(ValueError, match=r"out\[0\] shares memory with a source shard"):
+        run_reshard(plan, 0, {0: whole[:6], 1: whole[6:]}, 5.0, out={0: whole[:, :10]})
+    with pytest.raises(TypeError, match="out must be a mapping"):
+        run_reshard(plan, 0, shards, 5.0, out=[torch.empty(13, 10)])
+
+
 def test_remote_plan_without_process_group_is_a_reshard_error():
     src = make_metadata(M2, [((0, 0), (13, 21), 0)], torch.float32)
     dst = make_metadata(M2, [((0, 0), (13, 21), 1)], torch.float32)
