@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.errors import ShardServeError, error_from_rpc
+from client.errors import ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
@@ -40,6 +40,9 @@ from shardcore.wire import byte_view
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "grpc", "shm")
+# The segment header the rank keeps (server/shared_memory.py; OpenShardResponse.data_offset).
+HEADER_MAGIC = 0x5348415244535256
+STATE_SERVED, STATE_DROPPED = 1, 2
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
 CACHE_ENTRIES = 256
@@ -83,7 +86,8 @@ class _Mapping:
     pid: int
     inode: int
     device_id: int
-    flat: torch.Tensor  # uint8 over the whole segment (CPU), or the shard's storage as uint8 (CUDA)
+    flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
+    state: torch.Tensor | None = None  # the segment's int64 header words (magic, state), CPU segments only
 
 
 class SharedMemoryReader:
@@ -112,6 +116,14 @@ class SharedMemoryReader:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
+        if cached is not None and cached.state is not None:  # the rank keeps the header's state current
+            state = int(cached.state[1])
+            if state == STATE_SERVED and _alive(cached.pid):
+                return _as_shard(cached.flat, summary, index)
+            if state == STATE_DROPPED:
+                self._forget(key)
+                raise StaleVersionError(f"tensor {summary.name!r} version {summary.version} is no longer served "
+                                        f"by the rank at {address}", grpc.StatusCode.FAILED_PRECONDITION)
         want_cuda = torch.cuda.is_available()
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
@@ -123,14 +135,22 @@ class SharedMemoryReader:
             if cached is not None and (cached.pid, cached.inode, cached.device_id) == (
                     reply.pid, reply.inode, reply.device_id) and not reply.HasField("cuda"):
                 flat = cached.flat
-            else:
-                flat = _map_cuda(reply) if reply.HasField("cuda") else _map_segment(reply)
+            elif reply.HasField("cuda"):
+                flat = _map_cuda(reply)
                 self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat))
+            else:
+                flat, header = _map_segment(reply)
+                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, header))
         finally:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
-        sizes = summary.metadata.shards_metadata[index].shard_sizes
-        return flat[:reply.nbytes].view(summary.metadata.dtype).view(sizes)
+        return _as_shard(flat, summary, index)
+
+    def _forget(self, key: tuple) -> None:
+        with self._lock:
+            old = self._cache.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= old.flat.numel()
 
     def clear(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it)."""
@@ -190,8 +210,25 @@ def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int
                                 f"{summary.version}, sizes {shard.shard_sizes}, {expected} bytes")
 
 
-def _map_segment(reply: pb.OpenShardResponse) -> torch.Tensor:
-    """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described."""
+def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.Tensor:
+    """The shard's bytes `flat` as a tensor of its dtype and sizes."""
+    return flat.view(summary.metadata.dtype).view(summary.metadata.shards_metadata[index].shard_sizes)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still exists (a killed rank's last header would still say served)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
+    (the shard's bytes, the header's int64 words or None when the segment has no header)."""
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -199,18 +236,25 @@ def _map_segment(reply: pb.OpenShardResponse) -> torch.Tensor:
         raise SharedMemoryError(f"cannot open the shard's shared memory {path}: {err.strerror}") from None
     try:
         stat = os.fstat(fd)
-        if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < reply.nbytes:
+        size = reply.data_offset + reply.nbytes
+        if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < size:
             raise SharedMemoryError(f"{path} is not the segment the rank described (another process or "
                                     f"another pid namespace)")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, reply.nbytes, flags=flags, prot=mmap.PROT_READ)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     except OSError as err:
         raise SharedMemoryError(f"cannot map {path}: {err}") from None
     finally:
         os.close(fd)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+        whole = torch.frombuffer(mapped, dtype=torch.uint8)
+    if reply.data_offset < 16:
+        return whole[reply.data_offset:], None
+    header = whole[:16].view(torch.int64)
+    if int(header[0]) != HEADER_MAGIC:
+        raise SharedMemoryError(f"{path} does not start with a shardserve segment header")
+    return whole[reply.data_offset:], header
 
 
 def _map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:

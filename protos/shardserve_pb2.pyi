@@ -677,7 +677,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class OpenShardResponse(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda")
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -689,6 +689,7 @@ class OpenShardResponse(_message.Message):
     LEASE_EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -700,7 +701,8 @@ class OpenShardResponse(_message.Message):
     lease_expires_s: float
     version: int
     cuda: CudaIpcHandle
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+    data_offset: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -28,6 +28,12 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a rank
+# Each segment starts with a header page: int64 HEADER_MAGIC, int64 state; the shard's bytes follow it.
+# The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a client
+# holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer makes it).
+HEADER_BYTES = 4096
+HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
+STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
 DEFAULT_LEASE_S = 30.0
 MAX_LEASE_S = 300.0
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
@@ -56,6 +62,7 @@ class Segment:
     inode: int
     device_id: int
     nbytes: int
+    data_offset: int = HEADER_BYTES
 
 
 class SharedMemory:
@@ -66,6 +73,7 @@ class SharedMemory:
         if self.enabled:
             _raise_fd_limit()  # two fds per shard (ours and the mapping's); running out falls back to private memory
         self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty`
+        self._headers: dict[int, torch.Tensor] = {}  # the int64 header words of those segments
         self._lock = threading.Lock()
 
     def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -74,21 +82,34 @@ class SharedMemory:
         if not self.enabled or nbytes == 0:
             return torch.zeros(sizes, dtype=dtype)
         try:
-            flat, segment = _memfd_bytes(nbytes)
+            flat, segment = _memfd_bytes(HEADER_BYTES + nbytes)
         except OSError as err:
             log.warning("shared memory allocation of %d bytes failed (%s); using private memory", nbytes, err)
             return torch.zeros(sizes, dtype=dtype)
-        tensor = flat.view(dtype).view(sizes)
+        header = flat[:16].view(torch.int64)
+        header[0] = HEADER_MAGIC
+        tensor = flat[HEADER_BYTES:].view(dtype).view(sizes)
+        segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, nbytes)
         key = id(tensor)
         with self._lock:
             self._segments[key] = segment
+            self._headers[key] = header
         weakref.finalize(tensor, self._forget, key, segment.fd)  # the fd lives exactly as long as the tensor
         return tensor
 
     def _forget(self, key: int, fd: int) -> None:
         with self._lock:
             self._segments.pop(key, None)
+            self._headers.pop(key, None)
         os.close(fd)
+
+    def mark(self, tensors, served: bool) -> None:  # type: ignore[no-untyped-def]
+        """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
+        with self._lock:
+            for tensor in tensors:
+                header = self._headers.get(id(tensor))
+                if header is not None:
+                    header[1] = STATE_SERVED if served else STATE_DROPPED
 
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""

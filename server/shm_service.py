@@ -76,6 +76,7 @@ class SharedMemoryService:
                 return reply
             raise SharedMemoryUnavailable(f"rank {self.store.rank} does not serve shards through shared memory")
         reply.pid, reply.fd, reply.inode, reply.device_id = segment.pid, segment.fd, segment.inode, segment.device_id
+        reply.data_offset = segment.data_offset
         return reply
 
     @rpc_errors

@@ -252,6 +252,7 @@ class ShardStore:
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
                     f"are not fully written")
             entry.state = VersionState.SERVED
+            self.shared.mark(entry.shards.values(), served=True)
         log.info("rank %d serves %r version %d", self.rank, name, version)
 
     def drop(self, name: str, version: int = 0) -> int:
@@ -261,6 +262,7 @@ class ShardStore:
             for key in keys:
                 entry = self._versions[key]
                 entry.dropped = True
+                self.shared.mark(entry.shards.values(), served=False)
                 if entry.leases == 0:
                     self._free_locked(entry)
         if keys:
@@ -406,6 +408,7 @@ class ShardStore:
         if segment is not None or not self.shared.enabled or shard.device.type != "cpu":
             return segment
         copy = self.shared.export(shard)  # same bytes; the served version is immutable
+        self.shared.mark([copy], served=True)
         with self._lock:
             if entry.shards.get(shard_index) is shard:
                 entry.shards[shard_index] = copy

@@ -227,6 +227,36 @@ def test_deleted_tensor_is_not_found_on_shm(cluster):
             remote.full_tensor()
 
 
+def test_overwrite_seen_through_a_cached_mapping(cluster):
+    """A mapping cached by an earlier read sees its version dropped (segment header) and the read refreshes."""
+    first, second = torch.arange(40.0).reshape(20, 2), -torch.arange(40.0).reshape(20, 2)
+    with connect(cluster.address, transport="shm") as c:
+        remote = c.put("dp-over", first, SPEC)
+        assert torch.equal(remote.full_tensor(), first) and torch.equal(remote.full_tensor(), first)
+        c.put("dp-over", second, SPEC, overwrite=True)
+        assert torch.equal(remote.full_tensor(), second)
+        assert remote.last_transport == "shm" and remote.version > 1
+        c.delete("dp-over")
+
+
+def test_segment_header_follows_promote_and_drop():
+    from server.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+
+    store = _served_store()
+    with store.lease("t", 1) as entry:
+        segment = store.shared_segment(entry, 0)
+    assert segment.data_offset == HEADER_BYTES
+
+    def header() -> list[int]:
+        with open(f"/proc/{segment.pid}/fd/{segment.fd}", "rb") as f:
+            return torch.frombuffer(bytearray(f.read(16)), dtype=torch.int64).tolist()
+
+    assert header() == [HEADER_MAGIC, STATE_SERVED]
+    with store.lease("t", 1):
+        store.drop("t", 1)
+        assert header() == [HEADER_MAGIC, STATE_DROPPED]
+
+
 def _versions_of(base: torch.Tensor, count: int) -> dict[float, torch.Tensor]:
     return {float(k): base + 1000 * k for k in range(count)}
 
