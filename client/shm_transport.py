@@ -88,6 +88,7 @@ class _Mapping:
     device_id: int
     flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
     state: torch.Tensor | None = None  # the segment's int64 header words (magic, state), CPU segments only
+    fd: int = -1
 
 
 class SharedMemoryReader:
@@ -118,7 +119,7 @@ class SharedMemoryReader:
                 self._cache.move_to_end(key)
         if cached is not None and cached.state is not None:  # the rank keeps the header's state current
             state = int(cached.state[1])
-            if state == STATE_SERVED and _alive(cached.pid):
+            if state == STATE_SERVED and _still_held(cached):
                 return _as_shard(cached.flat, summary, index)
             if state == STATE_DROPPED:
                 self._forget(key)
@@ -140,7 +141,7 @@ class SharedMemoryReader:
                 self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat))
             else:
                 flat, header = _map_segment(reply)
-                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, header))
+                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd))
         finally:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
@@ -215,15 +216,13 @@ def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.T
     return flat.view(summary.metadata.dtype).view(summary.metadata.shards_metadata[index].shard_sizes)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` still exists (a killed rank's last header would still say served)."""
+def _still_held(mapping: _Mapping) -> bool:
+    """Whether the rank still holds the segment open (a killed rank's last header would still say served)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = os.stat(f"/proc/{mapping.pid}/fd/{mapping.fd}")
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    return True
+    return (stat.st_ino, stat.st_dev) == (mapping.inode, mapping.device_id)
 
 
 def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,6 +9,7 @@ sends SIGTERM, then SIGKILL after a grace period.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -127,8 +128,12 @@ class LocalCluster:
         return [p.pid for p in self._procs]
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to one rank's process (tests use it to simulate failures)."""
+        """Send `sig` to one rank's process (tests use it to simulate failures); SIGKILL waits until it is gone
+        (its fds closed: a same-host client's shared-memory mapping then sees the rank dead too)."""
         os.kill(self._procs[rank].pid, sig)
+        if sig == signal.SIGKILL:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._procs[rank].wait(timeout=30)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every rank, SIGKILL those still alive after `grace`, then stop the coordinator. Idempotent."""
