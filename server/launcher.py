@@ -189,6 +189,8 @@ class LocalCluster:
                    LOCAL_WORLD_SIZE=str(self.ranks), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(master_port))
         env[PARENT_PID_ENV] = str(os.getpid())
+        # As torchrun does: ranks sharing a host split its cores instead of each taking all of them.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.ranks)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.pop(TOKEN_ENV, None)
         if self.security.token:

@@ -72,11 +72,15 @@ def resolve_device(device: str, local_rank: int) -> str:
     return device
 
 
-def init_world(rank: int, world_size: int, timeout: float) -> None:
+def init_world(rank: int, world_size: int, timeout: float, device: str = "cpu") -> None:
     """Join the torch.distributed world: gloo for CPU tensors, NCCL for CUDA ones when available."""
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
+    if device.startswith("cuda"):
+        # NCCL wants the first operation of a communicator to include every rank; later
+        # reshards are point-to-point among their participants only.
+        dist.all_reduce(torch.zeros(1, device=device))
     log.info("rank %d joined the torch.distributed world of %d (%s)", rank, world_size, backend)
 
 
@@ -185,7 +189,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    init_world(rank, world_size, args.dist_timeout)
+    init_world(rank, world_size, args.dist_timeout, device)
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes)
     running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
