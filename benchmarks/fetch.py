@@ -2,8 +2,8 @@
 
 Per box size, in the same run and on the same values: shardserve's fetch of
 a box inside one shard and of a box straddling both ranks, for every
-transport path `client.connect(..., transport=...)` offers (only gRPC until
-it grows that parameter), against three baselines (benchmarks.baselines): a
+transport path `client.connect(..., transport=...)` offers (grpc and shm;
+the row's path is the one the client reports in `last_transport`), against three baselines (benchmarks.baselines): a
 raw TCP socket into a preallocated tensor (the reference of `ratio`),
 torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
 memcpy. The methods take turns call by call (median of each), every method's

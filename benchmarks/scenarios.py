@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.harness import Context, Row, scenario
+from benchmarks.rss import SELF_LABEL
 
 
 def run_module_main(main: Callable[[list[str]], object], argv: list[str]) -> dict:
@@ -72,13 +73,14 @@ def routing_rows(results: list[dict], peaks: dict[str, int]) -> list[Row]:
 
 @scenario("reshard", help="Shard(0)->Shard(1) on gloo ranks: shardserve vs bare all_to_all, DTensor, ShardedTensor")
 def reshard_scenario(ctx: Context) -> list[Row]:
-    """benchmarks.reshard, as rows: one case per world size, peak RSS of every process of the worlds."""
+    """benchmarks.reshard, as rows: one case per world size, peak RSS of every rank process of the worlds."""
     from benchmarks import reshard
 
     argv = ["--size-mib", "4", "--ranks", "2", "--repeats", "1", "--timeout", "120"] if ctx.quick else \
         ["--timeout", "900"]
-    with ctx.rss() as peaks:
+    with ctx.rss() as seen:
         result = run_module_main(reshard.main, argv)
+    peaks = {label: rss for label, rss in seen.items() if label != SELF_LABEL}  # the world's ranks only
     rows = []
     for run in result["runs"]:
         nbytes = run["n"] * run["n"] * 4
