@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.errors import ShardServeError, StaleVersionError, error_from_rpc
+from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
@@ -103,10 +103,16 @@ class SharedMemoryReader:
         self._cache: OrderedDict[tuple, _Mapping] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
+        self._limits: dict[str, int] = {}  # address -> the rank's max_request_bytes (from OpenShard)
 
     def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """Copy global box `part` of shard `index` into `region` (its place in the output)."""
         shard = self.shard(address, summary, index)
+        limit = self._limits.get(address, 0)
+        nbytes = part.numel() * region.element_size()
+        if limit and nbytes > limit:
+            raise ResourceExhaustedError(f"offsets/sizes: the box is {nbytes} bytes, over the max_request_bytes "
+                                         f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
         if shard is not None:
             copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
 
@@ -129,6 +135,7 @@ class SharedMemoryReader:
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
         reply = self._open(address, request)
+        self._limits[address] = reply.max_request_bytes
         try:
             _check_reply(reply, summary, index)
             if reply.nbytes == 0:

@@ -677,7 +677,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class OpenShardResponse(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset")
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +690,7 @@ class OpenShardResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -702,7 +703,8 @@ class OpenShardResponse(_message.Message):
     version: int
     cuda: CudaIpcHandle
     data_offset: int
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)

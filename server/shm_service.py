@@ -63,7 +63,8 @@ class SharedMemoryService:
     def _describe(self, entry, request: pb.OpenShardRequest) -> pb.OpenShardResponse:  # type: ignore[no-untyped-def]
         shard = self.store.shard_of(entry, request.shard_index)
         reply = pb.OpenShardResponse(nbytes=shard.numel() * shard.element_size(), dtype=dtype_to_wire(shard.dtype),
-                                     shard_sizes=list(shard.shape), version=entry.version)
+                                     shard_sizes=list(shard.shape), version=entry.version,
+                                     max_request_bytes=self.store.max_request_bytes)
         if shard.device.type == "cuda":
             if not request.cuda_ipc:
                 raise SharedMemoryUnavailable(f"shard_index {request.shard_index} of {entry.name!r} is on "
