@@ -408,10 +408,10 @@ class ShardStore:
         if segment is not None or not self.shared.enabled or shard.device.type != "cpu":
             return segment
         copy = self.shared.export(shard)  # same bytes; the served version is immutable
-        self.shared.mark([copy], served=True)
         with self._lock:
             if entry.shards.get(shard_index) is shard:
                 entry.shards[shard_index] = copy
+                self.shared.mark([copy], served=not entry.dropped)
             current = entry.shards.get(shard_index)
         return self.shared.segment_of(current) if current is not None else None
 
