@@ -2,7 +2,7 @@
 
 `TableView` is what a lookup needs of a table at one version: its layout, a
 `RowIndex` for vectorized routing, and its out-of-range policy. `Lookups`
-holds one view per table (refreshed once when a rank no longer serves its
+holds one view per table (refreshed when a rank no longer serves its
 version, so an answer never mixes versions) and runs:
 
 - rows: distinct ids are looked up once (from the optional row cache first),
@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import grpc
 import torch
 
-from client.errors import (InvalidArgumentError, RankUnavailableError, ShardServeError, StaleVersionError,
-                           TensorNotFoundError, error_from_rpc)
+from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
+                           error_from_rpc)
 from client.info import TensorSummary
+from client.retry import read_with_refresh
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
 from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from client.cluster import Cluster
     from client.row_cache import RowCache
 
-_RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
 SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
 SHM_ANSWER_BYTES = 256 << 10  # row answers from this size come from a same-host rank's shared memory (issue 6)
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
@@ -198,12 +198,12 @@ class Lookups:
             self._views.pop(name, None)
 
     def _with_retry(self, names: Sequence[str], run):  # type: ignore[no-untyped-def]
-        """run(views) at the cached versions; on a stale version refresh every table once and retry."""
-        try:
-            return run({name: self.view(name) for name in names})
-        except _RETRYABLE:
+        """run(views) at the cached versions; on a stale version refresh every table and retry."""
+        def refresh() -> tuple[int, ...]:
             self._cluster._refresh_ranks()
-            return run({name: self.view(name, refresh=True) for name in names})
+            return tuple(self.view(name, refresh=True).version for name in names)
+
+        return read_with_refresh(lambda: run({name: self.view(name) for name in names}), refresh)
 
     # ------------------------------------------------------------ rows
 

@@ -2,7 +2,7 @@
 
 It caches the tensor's metadata at one version. A read asks every shard it
 touches in parallel, each part landing in a preallocated output; when a rank no
-longer serves that version, the proxy refreshes its metadata once and retries
+longer serves that version, the proxy refreshes its metadata and retries
 the whole read, so a result never mixes two versions.
 """
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from client.grpc_streams import bands, read_bands, read_region
-from client.errors import (InvalidArgumentError, RankUnavailableError, StaleVersionError,
-                           TensorNotFoundError)
+from client.errors import InvalidArgumentError
 from client.indexing import parse_index
+from client.retry import read_with_refresh
 from client.info import TensorSummary
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata
@@ -27,8 +27,6 @@ from shardcore.wire import byte_view
 if TYPE_CHECKING:
     from client.cluster import Cluster
 
-# Errors after which a read refreshes the metadata (and rank addresses) once and retries.
-_RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
 
 
 @dataclass(frozen=True)
@@ -216,14 +214,13 @@ class RemoteShardedTensor:
                 f"out has dtype {out.dtype} but tensor {self.name!r} is {summary.metadata.dtype}")
 
     def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
-        """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh once and
+        """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
-        try:
-            return self._read_once(resolve, out)
-        except _RETRYABLE:
-            self._cluster._refresh_ranks()
-            self.refresh()
-        return self._read_once(resolve, out)
+        return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry)
+
+    def _refresh_for_retry(self) -> int:
+        self._cluster._refresh_ranks()
+        return self.refresh().version
 
     def _read_once(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
         summary = self._summary
