@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.chunk_codec import decode_chunk
+from protos.chunk_codec import decode_chunk
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box

@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.chunk_codec import decode_chunk, encode_write_chunk
+from protos.chunk_codec import decode_chunk, encode_write_chunk
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc

@@ -11,7 +11,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.collective_jobs import CollectiveJobs
 from server.collective_jobs import handlers as collective_handlers
 from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
-from server.chunk_codec import RawChunk, decode_write_request, encode_chunk
+from protos.chunk_codec import RawChunk, decode_write_request, encode_chunk
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
 from server.cuda_staging import host_bytes

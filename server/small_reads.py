@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.chunk_codec import RawChunk, encode_chunk
+from protos.chunk_codec import RawChunk, encode_chunk
 from server.cuda_staging import host_bytes
 from server.errors import ResourceExhausted, rpc_errors
 from server.requests import check_name, check_version
@@ -36,6 +36,6 @@ class SmallReads:
 
 
 def handlers(reads: SmallReads) -> dict[str, grpc.RpcMethodHandler]:
-    """The ShardServer method handler of ReadRegionSmall (the reply comes serialized by server.chunk_codec)."""
+    """The ShardServer method handler of ReadRegionSmall (the reply comes serialized by protos.chunk_codec)."""
     return {"ReadRegionSmall": grpc.unary_unary_rpc_method_handler(
         reads.ReadRegionSmall, request_deserializer=pb.ReadRegionRequest.FromString, response_serializer=None)}

@@ -167,7 +167,7 @@ def test_cli_expected_errors_are_one_line_without_traceback():
 @settings(max_examples=200, deadline=None)
 @given(offset=st.one_of(st.integers(-2**63, 2**63 - 1), st.integers(0, 2**20)), data=st.binary(max_size=600))
 def test_chunk_codec_agrees_with_protobuf(offset, data):
-    from client.chunk_codec import decode_chunk, encode_write_chunk
+    from protos.chunk_codec import decode_chunk, encode_write_chunk
     from protos import shardserve_pb2 as pb
     encoded = encode_write_chunk(offset, memoryview(data))
     assert encoded == pb.WriteShardRequest(chunk=pb.TensorChunk(offset=offset, data=data)).SerializeToString()
@@ -176,7 +176,7 @@ def test_chunk_codec_agrees_with_protobuf(offset, data):
 
 
 def test_chunk_decoder_skips_unknown_fields_and_rejects_truncation():
-    from client.chunk_codec import decode_chunk
+    from protos.chunk_codec import decode_chunk
     from protos import shardserve_pb2 as pb
     message = pb.TensorChunk(offset=7, data=b"abc").SerializeToString()
     unknown = bytes([(9 << 3) | 0, 5, (10 << 3) | 2, 2, 1, 2, (11 << 3) | 5, 0, 0, 0, 0, (12 << 3) | 1]) + bytes(8)

@@ -1,4 +1,4 @@
-"""server.chunk_codec agrees with protobuf on every shape it handles, and hands the rest to protobuf."""
+"""protos.chunk_codec agrees with protobuf on every shape it handles, and hands the rest to protobuf."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protos import shardserve_pb2 as pb
-from server.chunk_codec import RawChunk, RawWriteRequest, decode_write_request, encode_chunk
+from protos.chunk_codec import RawChunk, RawWriteRequest, decode_write_request, encode_chunk
 
 
 @given(st.integers(0, 2**63 - 1), st.binary(max_size=300))
