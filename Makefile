@@ -1,11 +1,13 @@
 # The two commands of the README, plus regenerating the protos.
 .PHONY: run test protos venv bench
 
+PORT ?= 50051
+
 venv:
 	./scripts/setup-venv.sh
 
 run: venv
-	.venv/bin/shardserve up --ranks 2 --demo
+	.venv/bin/shardserve up --ranks 2 --port $(PORT) --demo
 
 test: venv
 	.venv/bin/python -m pytest -q
