@@ -1,10 +1,13 @@
 """Shared fixtures: real local clusters (coordinator in-process, ranks as processes), always torn down."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 from typing import Callable, Iterator
 
 import pytest
 
+from server.auth import TlsFiles
 from server.launcher import LocalCluster
 
 CLUSTER_START_TIMEOUT = 180.0
@@ -30,3 +33,16 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 def cluster3(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """A 3-rank CPU cluster without a token, shared by a test module."""
     return make_cluster(ranks=3)
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))

@@ -1,30 +1,14 @@
 """connect() over mutual TLS plus a token, against a real 1-rank cluster started with certificates."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from client import AuthenticationError, RankUnavailableError, connect
-from server.auth import TlsFiles
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "tls-token"
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory) -> TlsFiles:
-    """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed")
-    d = tmp_path_factory.mktemp("client-tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))
 
 
 @pytest.fixture(scope="module")

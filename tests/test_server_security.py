@@ -1,8 +1,6 @@
 """Bearer token on every service but health, mTLS from openssl-made files, and the configured byte limits."""
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import grpc
 import pytest
@@ -12,7 +10,6 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.auth import TlsFiles
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, read_region, rpc_error, write_requests
@@ -105,18 +102,6 @@ def test_max_request_bytes(stubs):
     err = rpc_error(read_region, stubs, 0, "wide", info.version, 0, [0, 0], [3, 2048], torch.uint8)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "offsets/sizes" in err.details() and "max_request_bytes 4096" in err.details()
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))
 
 
 @pytest.fixture(scope="module")
