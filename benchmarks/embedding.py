@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from contextlib import ExitStack
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -199,15 +199,9 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], quick: bool) 
 TRANSPORTS = ("grpc", "auto")
 
 
-def lookup_path(transport: str, ids: torch.Tensor, rows: int) -> str:
-    """The path(s) a lookup of `ids` took: a rank answers through shm when its distinct rows are large enough
-    (client.lookup.SHM_ANSWER_BYTES; the table is row-wise over RANKS ranks), else over gRPC."""
-    from client.lookup import SHM_ANSWER_BYTES
-
-    if transport == "grpc":
-        return "grpc"
-    per_rank = torch.bincount(ids.unique() // -(-rows // RANKS), minlength=RANKS) * DIM * 4
-    return "+".join(sorted({"shm" if n >= SHM_ANSWER_BYTES else "grpc" for n in per_rank.tolist() if n}))
+def lookup_path(cluster: Any) -> str:
+    """The path(s) the ranks' latest lookup answers took (client.lookup.Lookups.last_paths)."""
+    return "+".join(sorted(set(cluster._lookups.last_paths.values()))) or "none"
 
 
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
@@ -230,7 +224,8 @@ def lookups_scenario(ctx: Context) -> list[Row]:
         ours = {}
         with ctx.rss(cluster.rank_pids) as peaks:
             for transport in TRANSPORTS:  # issue 6: every data path, labelled with the one that answered
-                remote = stack.enter_context(connect(cluster.address, transport=transport)).tensor("bench")
+                reader = stack.enter_context(connect(cluster.address, transport=transport))
+                remote = reader.tensor("bench")
                 clients = [stack.enter_context(connect(cluster.address, transport=transport))
                            for _ in range(CLIENT_THREADS)]
                 for size, dist, count in cases:
@@ -240,7 +235,7 @@ def lookups_scenario(ctx: Context) -> list[Row]:
                     pool = iter(clients)
                     per_call = throughput(lambda: next(pool).tensor("bench").lookup, batches[: max(4, count // 4)],
                                           CLIENT_THREADS)
-                    ours[(transport, size, dist)] = (lat, per_call, ok, lookup_path(transport, batches[0], rows_n))
+                    ours[(transport, size, dist)] = (lat, per_call, ok, lookup_path(reader))
             for size, dist, count in cases:
                 ours[(size, dist)] = latencies(lambda ids: source.index_select(0, ids), id_batches(rows_n, size,
                                                                                                    dist, count))

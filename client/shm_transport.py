@@ -108,13 +108,16 @@ class SharedMemoryReader:
     def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """Copy global box `part` of shard `index` into `region` (its place in the output)."""
         shard = self.shard(address, summary, index)
-        limit = self._limits.get(address, 0)
-        nbytes = part.numel() * region.element_size()
-        if limit and nbytes > limit:
-            raise ResourceExhaustedError(f"offsets/sizes: the box is {nbytes} bytes, over the max_request_bytes "
-                                         f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
+        self.check_limit(address, part.numel() * region.element_size(), "offsets/sizes: the box")
         if shard is not None:
             copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
+
+    def check_limit(self, address: str, nbytes: int, what: str) -> None:
+        """The rank's max_request_bytes holds for mapped reads too, as it does over gRPC."""
+        limit = self._limits.get(address, 0)
+        if limit and nbytes > limit:
+            raise ResourceExhaustedError(f"{what} is {nbytes} bytes, over the max_request_bytes "
+                                         f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def shard(self, address: str, summary: TensorSummary, index: int) -> torch.Tensor | None:
         """Shard `index` at the summary's version as a read-only tensor over the rank's memory (None if empty)."""
@@ -319,10 +322,12 @@ class DataPlane:
                 raise
             self._fall_back(rank, err)
             return None
-        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
+        first_row, (_, columns) = (summary.metadata.shards_metadata[index].shard_offsets[0],
+                                   summary.metadata.shards_metadata[index].shard_sizes)
+        self.reader.check_limit(rank.address, ids.numel() * columns * summary.metadata.tensor_properties.itemsize,
+                                "the answer of ids")
         if shard is None:
-            return torch.empty((ids.numel(), summary.metadata.shards_metadata[index].shard_sizes[1]),
-                               dtype=summary.metadata.dtype)
+            return torch.empty((ids.numel(), columns), dtype=summary.metadata.dtype)
         log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
                   index, rank.rank)
         return shard.index_select(0, (ids - first_row).to(shard.device)).cpu()
