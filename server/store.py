@@ -153,14 +153,8 @@ class ShardStore:
                  seed: int = 0, options: pb.TensorOptions | None = None) -> int:
         """Allocate (and fill, for init != INIT_NONE) the shards of `meta` placed on this rank."""
         check_init(init, meta.dtype)
-        local = meta.shards_on(self.rank)
-        for i in local:
-            if meta.shards_metadata[i].device != self.device:
-                raise InvalidArgument(
-                    f"shards_metadata[{i}].placement {meta.shards_metadata[i].placement} does not match "
-                    f"rank {self.rank}'s device {self.device}")
-        nbytes = sum(meta.shard_nbytes(i) for i in local)
-        entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), nbytes)
+        local, entry = self._local_entry(name, version, meta, options)
+        nbytes = entry.nbytes
         self._reserve(entry)
         try:
             for i in local:
@@ -177,6 +171,14 @@ class ShardStore:
     def reserve(self, name: str, version: int, meta: ShardedTensorMetadata,
                 options: pb.TensorOptions | None = None) -> int:
         """Account (name, version) against the memory limit, allocating nothing: `fill_reserved` fills it later."""
+        _, entry = self._local_entry(name, version, meta, options)
+        self._reserve(entry)
+        log.info("rank %d reserved %d bytes for %r version %d", self.rank, entry.nbytes, name, version)
+        return entry.nbytes
+
+    def _local_entry(self, name: str, version: int, meta: ShardedTensorMetadata,
+                     options: pb.TensorOptions | None) -> tuple[list[int], StoredVersion]:
+        """The shards of `meta` placed on this rank (checked against its device) and their empty entry."""
         local = meta.shards_on(self.rank)
         for i in local:
             if meta.shards_metadata[i].device != self.device:
@@ -184,9 +186,7 @@ class ShardStore:
                     f"shards_metadata[{i}].placement {meta.shards_metadata[i].placement} does not match "
                     f"rank {self.rank}'s device {self.device}")
         nbytes = sum(meta.shard_nbytes(i) for i in local)
-        self._reserve(StoredVersion(name, version, meta, options or pb.TensorOptions(), nbytes))
-        log.info("rank %d reserved %d bytes for %r version %d", self.rank, nbytes, name, version)
-        return nbytes
+        return local, StoredVersion(name, version, meta, options or pb.TensorOptions(), nbytes)
 
     def fill_reserved(self, name: str, version: int, shards: dict[int, torch.Tensor]) -> None:
         """Put the finished local shards of a `reserve`d pending version in place (every local shard at once)."""
