@@ -36,7 +36,6 @@ QUICK_ROWS = 100_000
 BATCHES = (1, 512, 4096)
 ZIPF_S = 1.05
 CLIENT_THREADS = 8
-START_TIMEOUT_S = 180.0
 SHARDSERVE, RPC, LOCAL = "shardserve lookup", "torch.distributed.rpc", "local index_select"
 
 
@@ -207,19 +206,13 @@ def lookup_path(cluster: Any) -> str:
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
 def lookups_scenario(ctx: Context) -> list[Row]:
     from client import connect
-    from server.launcher import LocalCluster
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
     cases = [(size, dist, repeats(size, ctx.quick)) for size in BATCHES for dist in ("uniform", "zipf")]
     rows: list[Row] = []
     with ExitStack() as stack:
-        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
-        cluster = LocalCluster(ranks=RANKS, state_dir=state, log_level="WARNING")
-        stack.callback(cluster.stop)
-        cluster.start(timeout=START_TIMEOUT_S)
-        for rank, pid in enumerate(cluster.rank_pids):
-            ctx.sampler.label(pid, f"rank {rank} server")
+        cluster = ctx.start_cluster(stack, RANKS)
         remote = stack.enter_context(connect(cluster.address, transport="grpc")).put("bench", source)
         ours = {}
         with ctx.rss(cluster.rank_pids) as peaks:
@@ -267,7 +260,6 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
     import torch.distributed.checkpoint as dcp
 
     from client import connect
-    from server.launcher import LocalCluster
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
@@ -280,9 +272,7 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.save({"bench": source}, checkpoint_id=path, no_dist=True)
-            cluster = LocalCluster(ranks=RANKS, state_dir=os.path.join(state, "state"), log_level="WARNING")
-            stack.callback(cluster.stop)
-            cluster.start(timeout=START_TIMEOUT_S)
+            cluster = ctx.start_cluster(stack, RANKS)
             client = stack.enter_context(connect(cluster.address))
             load_times, dcp_times, save_times, dcp_save_times = [], [], [], []
             with ctx.rss(cluster.rank_pids) as peaks:

@@ -18,7 +18,6 @@ import inspect
 import os
 import statistics
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from typing import Callable
@@ -33,7 +32,6 @@ COLUMNS = 4096  # float32 columns: one row is 16 KiB
 SIZES_MIB = (1, 64, 256)
 QUICK_SIZES_MIB = (1,)
 RANKS = 2
-START_TIMEOUT_S = 180.0
 CALL_TIMEOUT_S = 120.0
 SOCKET = "raw TCP socket"
 RPC = "torch.distributed.rpc"
@@ -92,7 +90,7 @@ def box_rows(mib: int) -> int:
 @scenario("fetch", help="fetch of 1/64/256 MiB boxes from a 2-rank cluster vs raw socket, torch rpc, memcpy")
 def fetch_scenario(ctx: Context) -> list[Row]:
     """Fetch boxes per transport path and per size, with the three baselines in the same run."""
-    from server.launcher import LocalCluster, free_port
+    from server.launcher import free_port
 
     sizes = QUICK_SIZES_MIB if ctx.quick else SIZES_MIB
     shard_rows = box_rows(max(sizes))
@@ -103,12 +101,7 @@ def fetch_scenario(ctx: Context) -> list[Row]:
         stack.callback(sock.close)
         rpc = RpcServer(shard_rows, COLUMNS, free_port())
         stack.callback(rpc.close)
-        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
-        cluster = LocalCluster(ranks=RANKS, state_dir=state, log_level="WARNING")
-        stack.callback(cluster.stop)
-        cluster.start(timeout=START_TIMEOUT_S)
-        for rank, pid in enumerate(cluster.rank_pids):
-            ctx.sampler.label(pid, f"rank {rank} server")
+        cluster = ctx.start_cluster(stack, RANKS)
         ctx.sampler.label(sock.pid, "socket server")
         ctx.sampler.label(rpc.pid, "rpc server")
         sock.connect()

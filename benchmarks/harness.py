@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import tempfile
 import time
 import traceback
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 
@@ -36,6 +38,7 @@ from benchmarks.rss import RssSampler
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+CLUSTER_START_TIMEOUT_S = 180.0
 SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding")
 ROLES = ("subject", "baseline")
 
@@ -93,6 +96,19 @@ class Context:
     def rss(self, pids: Iterable[int] | None = None):
         """Context manager yielding {label: peak RSS bytes} of `pids` (default all processes) while it is open."""
         return self.sampler.window(pids)
+
+    def start_cluster(self, stack: ExitStack, ranks: int, timeout: float = CLUSTER_START_TIMEOUT_S):
+        """A LocalCluster of `ranks` in a temporary state dir, stopped when `stack` closes, its ranks labelled
+        for the RSS sampler."""
+        from server.launcher import LocalCluster  # the harness itself stays free of torch and gRPC
+
+        state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
+        cluster = LocalCluster(ranks=ranks, state_dir=state, log_level="WARNING")
+        stack.callback(cluster.stop)
+        cluster.start(timeout=timeout)
+        for rank, pid in enumerate(cluster.rank_pids):
+            self.sampler.label(pid, f"rank {rank} server")
+        return cluster
 
 
 @dataclass(frozen=True)
