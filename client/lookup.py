@@ -314,13 +314,11 @@ class Lookups:
             self._cluster._transport.run_all(jobs)
 
     def _call_rank(self, rank: int, items: list[_Item]) -> None:
-        count = len(items)
-        items = self._answer_through_shared_memory(rank, items)
-        self.last_paths[rank] = "grpc" if items else "shm"
-        if len(items) not in (0, count):
-            self.last_paths[rank] = "shm+grpc"
-        if not items:
+        rest = self._answer_through_shared_memory(rank, items)
+        self.last_paths[rank] = "shm" if not rest else "grpc" if len(rest) == len(items) else "shm+grpc"
+        if not rest:
             return
+        items = rest
         address = self._cluster._address_of(rank)
         transport = self._cluster._transport
         request = pb.LookupRequest(items=[item.message for item in items])
