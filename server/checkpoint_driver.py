@@ -26,7 +26,6 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Iterator
 
 from protos import shardserve_pb2 as pb
-from server.checkpoint import checkpoint_tensors
 from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from server.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
@@ -51,6 +50,8 @@ def _check_path(path: str) -> str:
 
 def inspect(path: str) -> pb.InspectCheckpointResponse:
     """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
+    from server.checkpoint import checkpoint_tensors  # DCP is imported on first use, not at start-up
+
     try:
         entries = checkpoint_tensors(_check_path(path))
     except FileNotFoundError as err:
