@@ -226,17 +226,15 @@ class RemoteShardedTensor:
         summary = self._summary
         box = resolve(summary.metadata.size)
         self._check_request(summary, box, out)
-        on_cpu = out is not None and out.device.type == "cpu"
-        target = out if on_cpu else torch.empty(box.sizes, dtype=summary.metadata.dtype)
+        target = out if out is not None else torch.empty(box.sizes, dtype=summary.metadata.dtype)
         self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
-        if out is not None and not on_cpu:
-            out.copy_(target)
-            return out
+        if target.device.type == "cuda":
+            torch.cuda.current_stream(target.device).synchronize()  # the parts' copies are done when we return
         return target
 
     def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
                     out: torch.Tensor) -> None:
-        """Fetch each (shard index, global part) of `box` into its region of `out` (a CPU tensor of box's shape)."""
+        """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device)."""
         if box.is_empty():
             return
         jobs = [partial(self._read_part, summary, index, part, box, out) for index, part in parts]
@@ -261,10 +259,12 @@ class RemoteShardedTensor:
                                            offsets=band.offsets, sizes=band.sizes)
             read_region(self._cluster._transport, address, request, byte_view(into))
 
-        if region.is_contiguous():
+        if region.is_contiguous() and region.device.type == "cpu":
             read_bands(lambda band: read_band(band, local_view(region, part, band)),
                        bands(part, region.element_size()) if only_part else [part])
             return
-        buffer = torch.empty(part.sizes, dtype=region.dtype)
-        read_band(part, buffer)
-        region.copy_(buffer)
+        on_gpu = region.device.type == "cuda"  # the bytes land in pinned memory: one DMA up to the GPU
+        buffer = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
+        read_bands(lambda band: read_band(band, local_view(buffer, part, band)),
+                   bands(part, region.element_size()) if only_part else [part])
+        region.copy_(buffer, non_blocking=on_gpu)

@@ -89,6 +89,7 @@ class _Mapping:
     flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
     state: torch.Tensor | None = None  # the segment's int64 header words (magic, state), CPU segments only
     fd: int = -1
+    cuda_handle: tuple[bytes, int] | None = None  # (IPC handle, storage offset) of a CUDA shard's mapping
 
 
 class SharedMemoryReader:
@@ -143,12 +144,11 @@ class SharedMemoryReader:
             _check_reply(reply, summary, index)
             if reply.nbytes == 0:
                 return None
-            if cached is not None and (cached.pid, cached.inode, cached.device_id) == (
-                    reply.pid, reply.inode, reply.device_id) and not reply.HasField("cuda"):
+            if reply.HasField("cuda"):
+                flat = self._cuda_mapping(key, cached, reply)
+            elif cached is not None and (cached.pid, cached.inode, cached.device_id) == (
+                    reply.pid, reply.inode, reply.device_id):
                 flat = cached.flat
-            elif reply.HasField("cuda"):
-                flat = _map_cuda(reply)
-                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat))
             else:
                 flat, header = _map_segment(reply)
                 self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd))
@@ -156,6 +156,19 @@ class SharedMemoryReader:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
         return _as_shard(flat, summary, index)
+
+    def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse) -> torch.Tensor:
+        """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
+        whole allocation, milliseconds per call), else a newly opened one."""
+        h = reply.cuda
+        if cached is not None and cached.cuda_handle == (h.handle, h.storage_offset_bytes):
+            # the rank counted one more user of its memory for this reply; we already hold one
+            torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
+            return cached.flat
+        flat = _map_cuda(reply)
+        self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat,
+                                     cuda_handle=(h.handle, h.storage_offset_bytes)))
+        return flat
 
     def _forget(self, key: tuple) -> None:
         with self._lock:
@@ -270,6 +283,7 @@ def _map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
     """Open the CUDA IPC handle of a CUDA shard: the shard's bytes as a uint8 CUDA tensor (no copy)."""
     h = reply.cuda
     try:
+        torch.cuda.init()  # opening a handle needs this process's CUDA context
         storage = torch.UntypedStorage._new_shared_cuda(
             h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
             h.ref_counter_offset, h.event_handle or None, h.event_sync_required)

@@ -195,7 +195,7 @@ def main(argv: Sequence[str]) -> int:
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),
-                       shared_memory=store.shared.enabled)
+                       shared_memory=store.hands_over_by_reference)
     link = CoordinatorLink(args.coordinator, security, info, store)
     try:
         link.register(args.register_timeout)

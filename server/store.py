@@ -136,6 +136,8 @@ class ShardStore:
         # CPU shards live in shared memory (same-host data plane) unless turned off; see server/shared_memory.py
         use_shared = enabled_by_env() if shared_memory is None else shared_memory
         self.shared = SharedMemory(enabled=use_shared and self.device.type == "cpu")
+        # CUDA shards are handed over as CUDA IPC handles instead (server/shm_service.py), under the same switch
+        self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled, in shared memory for CPU shards when enabled."""
