@@ -16,7 +16,12 @@ version, so an answer never mixes versions) and runs:
   in another order (within a few ulps). `pooling="client"` fetches the rows
   and pools them locally instead, bit for bit in every case; the client does
   that by itself when a request holds out-of-range ids answered with
-  zero/default rows, and (with pooling="auto") when a row cache is on.
+  zero/default rows, and (with pooling="auto") when a row cache is on or
+  every rank of the table is read through shared memory (same host: the rows
+  cost no transfer, so pooling here is both exact and cheapest).
+
+Same-host ranks answer from their mapped shards in the calling thread; only
+the ranks left over are called over gRPC, in parallel.
 """
 from __future__ import annotations
 
@@ -110,12 +115,19 @@ class TableView:
 
 @dataclass
 class _Item:
-    """One LookupItem and where its answer goes."""
+    """One LookupItem and where its answer goes; the ids go into the message only when it is sent."""
 
     view: TableView
     route: RowRoute
     message: pb.LookupItem
+    ids: torch.Tensor
     answer: Any = None  # rows tensor, or PartialBags for pooled items
+
+    def wire_message(self) -> pb.LookupItem:
+        """The message with its ids as raw int64 bytes (filled on first use)."""
+        if not self.message.ids and self.ids.numel():
+            self.message.ids = bytes(tensor_bytes(self.ids))
+        return self.message
 
 
 @dataclass
@@ -225,9 +237,8 @@ class Lookups:
             out = torch.empty((unique.numel(), view.dim), dtype=view.dtype)
             wanted = self._from_cache(view, unique, bad, out)
             for route in view.index.route(unique[wanted], invalid="skip"):
-                message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard,
-                                        ids=bytes(tensor_bytes(unique[wanted][route.positions])))
-                items.append(_Item(view, _Remapped(route, wanted), message))
+                message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard)
+                items.append(_Item(view, _Remapped(route, wanted), message, unique[wanted][route.positions]))
             if bad is not None:
                 out[bad] = view.fill_row()
             plans[name] = (view, unique, wanted, inverse, out)
@@ -278,7 +289,8 @@ class Lookups:
         bad = view.index.invalid_mask(request.ids)
         if view.oov == "error" and bool(bad.any()):
             raise _bad_id_error(view, request.ids, bad)
-        if pooling == "client" or bool(bad.any()) or (pooling == "auto" and self.cache is not None):
+        if pooling == "client" or bool(bad.any()) or (pooling == "auto" and (self.cache is not None
+                                                                              or self._all_mapped(view))):
             rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
             return pool_bags(rows, request.offsets, request.mode, weights)
         num_bags = request.offsets.numel()
@@ -289,12 +301,11 @@ class Lookups:
         for route in routes:
             order, sub_offsets = bag_subset(request.offsets, route.positions, request.ids.numel())
             positions = route.positions[order]
-            message = pb.LookupItem(name=view.name, version=view.version, shard_index=route.shard,
-                                    ids=bytes(tensor_bytes(request.ids[positions])), pooled=True,
+            message = pb.LookupItem(name=view.name, version=view.version, shard_index=route.shard, pooled=True,
                                     offsets=bytes(tensor_bytes(sub_offsets)))
             if weights is not None:
                 message.per_sample_weights = bytes(tensor_bytes(weights[positions].contiguous()))
-            items.append(_Item(view, route, message))
+            items.append(_Item(view, route, message, request.ids[positions]))
         self._call_ranks(items)
         sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
         try:
@@ -304,24 +315,32 @@ class Lookups:
 
     # ------------------------------------------------------------ the calls
 
+    def _all_mapped(self, view: TableView) -> bool:
+        """Whether every rank holding `view` is read through shared memory now (then pooling on this side costs
+        no transfer and is bit for bit F.embedding_bag)."""
+        plane = self._cluster._data_plane
+        ranks = {shard.rank for shard in view.summary.metadata.shards_metadata}
+        return all(plane.maps(self._cluster._rank_status(rank)) for rank in ranks)
+
     def _call_ranks(self, items: list[_Item]) -> None:
-        """One Lookup call per rank, all in parallel; each item gets its answer."""
+        """Answer what mapped shards can in this thread, then one Lookup call per remaining rank, in parallel."""
         by_rank: dict[int, list[_Item]] = defaultdict(list)
         for item in items:
             by_rank[item.route.rank].append(item)
-        jobs = [partial(self._call_rank, rank, group) for rank, group in sorted(by_rank.items())]
+        jobs = []
+        for rank, group in sorted(by_rank.items()):
+            rest = self._answer_through_shared_memory(rank, group)
+            self.last_paths[rank] = "shm" if not rest else "grpc" if len(rest) == len(group) else "shm+grpc"
+            if rest:
+                jobs.append(partial(self._call_rank, rank, rest))
         if jobs:
             self._cluster._transport.run_all(jobs)
 
     def _call_rank(self, rank: int, items: list[_Item]) -> None:
-        rest = self._answer_through_shared_memory(rank, items)
-        self.last_paths[rank] = "shm" if not rest else "grpc" if len(rest) == len(items) else "shm+grpc"
-        if not rest:
-            return
-        items = rest
+        """One Lookup (or LookupSmall) call to `rank` with `items`; each item gets its answer."""
         address = self._cluster._address_of(rank)
         transport = self._cluster._transport
-        request = pb.LookupRequest(items=[item.message for item in items])
+        request = pb.LookupRequest(items=[item.wire_message() for item in items])
         expected = sum(_answer_bytes(item) for item in items)
         stub = self._stub(address)
         where = f"rank {rank} at {address}"
@@ -348,8 +367,7 @@ class Lookups:
         for item in items:
             rows = None
             if not item.message.pooled:
-                ids = torch.frombuffer(bytearray(item.message.ids), dtype=torch.int64)
-                rows = plane.lookup_rows(status, item.view.summary, item.message.shard_index, ids)
+                rows = plane.lookup_rows(status, item.view.summary, item.message.shard_index, item.ids)
             if rows is None:
                 rest.append(item)
             else:
@@ -392,7 +410,7 @@ def _split_columns(partials: list[PartialBags]) -> list[PartialBags]:
 def _answer_bytes(item: _Item) -> int:
     width = item.view.dim if item.route.columns == slice(None) else \
         item.route.columns.stop - item.route.columns.start
-    rows = len(item.message.offsets) // 8 if item.message.pooled else len(item.message.ids) // 8
+    rows = len(item.message.offsets) // 8 if item.message.pooled else item.ids.numel()
     return rows * width * 8
 
 

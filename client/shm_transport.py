@@ -346,6 +346,13 @@ class DataPlane:
                   index, rank.rank)
         return shard.index_select(0, (ids - first_row).to(shard.device)).cpu()
 
+    def maps(self, rank: RankStatus) -> bool:
+        """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""
+        if self.transport == "grpc" or same_host_reason(rank, self.host):
+            return False
+        with self._lock:
+            return self._grpc_until.get(rank.address, 0.0) <= time.monotonic()
+
     def _shm_usable(self, rank: RankStatus) -> bool:
         """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
         reason = same_host_reason(rank, self.host)
