@@ -73,8 +73,11 @@ def latencies(run: Callable[[torch.Tensor], object], batches: list[torch.Tensor]
 
 def throughput(make_runner: Callable[[], Callable[[torch.Tensor], object]], batches: list[torch.Tensor],
                threads: int) -> float:
-    """Seconds per call with `threads` concurrent callers, each going through `batches` once."""
+    """Seconds per call with `threads` concurrent callers, each going through `batches` once after one
+    untimed warm-up call (a caller's first call sets up connections and mappings: steady state is measured)."""
     runners = [make_runner() for _ in range(threads)]
+    for runner in runners:
+        runner(batches[0])
     barrier = threading.Barrier(threads + 1)
     errors: list[BaseException] = []
 
