@@ -129,7 +129,7 @@ class LookupService:
             if limit and out_bytes > limit:
                 raise ResourceExhausted(f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
                                         f"max_request_bytes {limit}")
-            rows = shard.index_select(0, local)
+            rows = shard.index_select(0, local.to(shard.device))  # ids come as CPU bytes; a shard may be CUDA
             if not item.pooled:
                 if item.offsets or item.per_sample_weights:
                     raise InvalidArgument(f"{field}.offsets/per_sample_weights are only for pooled items")
