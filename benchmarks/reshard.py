@@ -108,7 +108,7 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
     """
     from server.redistribute import ReshardStats, run_reshard
     from shardcore.metadata import TensorProperties
-    from shardcore.planner import plan_reshard
+    from shardcore.planner import plan_reshard_per_round
     from shardcore.specs import ChunkShardingSpec
 
     rank = dist.get_rank()
@@ -119,7 +119,7 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
     given = {rank: torch.empty(n, n // world)} if recycle else None
 
     def run() -> None:
-        plan = plan_reshard(src, dst, bucket_bytes)
+        plan = plan_reshard_per_round(src, dst, bucket_bytes)  # as the cluster plans: staging <= 2 buckets
         stats = ReshardStats()
         future = executor.submit(next(seqs), lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats,
                                                                  out=given), wait_timeout_s=600)

@@ -284,7 +284,7 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     dst = parse_metadata(spec.dst, "reshard.dst")
     if spec.bucket_bytes < 0:
         raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
-    plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)
+    plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)  # the per-pair size the coordinator chose
     rank = ctx.rank
     if ctx.store.device.type == "cuda":
         torch.cuda.set_device(ctx.store.device)  # the current device is per thread; NCCL work goes to ours

@@ -45,7 +45,7 @@ from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
 from server.requests import check_name, parse_metadata
 from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
-from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard
+from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 if TYPE_CHECKING:
@@ -390,7 +390,7 @@ def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: 
         raise InvalidArgument(f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
                               f"dtype {src.dtype}")
     try:
-        return plan_reshard(src, dst, bucket_bytes)
+        return plan_reshard_per_round(src, dst, bucket_bytes)
     except ValueError as err:
         raise InvalidArgument(f"metadata: {err}") from None
 

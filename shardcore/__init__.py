@@ -8,7 +8,8 @@ from shardcore.dtypes import (SUPPORTED_DTYPES, UnsupportedDTypeError, dtype_fro
                               dtype_from_wire, dtype_name, dtype_to_wire, itemsize)
 from shardcore.metadata import (Box, RemoteDevice, ShardedTensorMetadata, ShardMetadata,
                                 TensorProperties, make_metadata)
-from shardcore.planner import Bucket, RankPlan, ReshardPlan, Transfer, plan_reshard, split_box
+from shardcore.planner import (Bucket, RankPlan, ReshardPlan, Transfer, plan_reshard, plan_reshard_per_round,
+                               split_box)
 from shardcore.executor import apply_plan, copy_box, pack_bucket, unpack_bucket
 from shardcore.routing import RowIndex, RowRoute, route_rows, unique_ids
 from shardcore.embedding import (OOV_POLICIES, POOLING_MODES, PartialBags, accumulation_dtype, bag_of_ids,

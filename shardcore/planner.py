@@ -370,6 +370,22 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
         return _plan(src, dst, bucket_bytes, src_ranks, dst_ranks)
 
 
+def plan_reshard_per_round(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
+                           round_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
+    """plan_reshard with buckets cut so that one round (one bucket per peer and direction) stays within
+    `round_bytes` on every rank: the busiest rank's (peer, direction) pairs share it.
+
+    An executor that keeps two rounds in flight then stages at most two times `round_bytes` per rank,
+    however many peers a rank has. Every rank computes the same plan from the same inputs.
+    """
+    plan = plan_reshard(src, dst, round_bytes)
+    pairs = max((len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
+                 for part in plan.rank_plans().values()), default=1)
+    if pairs <= 1:
+        return plan
+    return plan_reshard(src, dst, max(1, round_bytes // pairs))
+
+
 def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
           src_ranks: list[int], dst_ranks: list[int]) -> ReshardPlan:
     """plan_reshard after validation."""

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from shardcore import (ChunkShardingSpec, Replicate, Shard, ShardedTensorMetadata, ShardMetadata,
                        TensorProperties, apply_plan, copy_box, cut_tensor, make_metadata,
-                       metadata_from_placements, pack_bucket, plan_reshard, split_box, unpack_bucket)
+                       metadata_from_placements, pack_bucket, plan_reshard, plan_reshard_per_round, split_box,
+                       unpack_bucket)
 from shardcore.metadata import Box
 
 DTYPES = (torch.float32, torch.int64, torch.float16, torch.bool, torch.complex64, torch.uint8)
@@ -389,3 +390,28 @@ def test_copy_box_copies_a_global_box_between_local_shards():
     expected = torch.zeros(3, 3)
     expected[0:2, 1:3] = src[2:4, 2:4]
     assert torch.equal(dst, expected)
+
+
+def test_plan_per_round_shares_the_round_budget_among_a_ranks_peers():
+    size = (64, 48)  # float32: 12 KiB; row-wise over 4 ranks -> column-wise: every rank sends to and hears from 3
+    src = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(4)]).build_metadata(size)
+    dst = ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in range(4)]).build_metadata(size)
+    round_bytes = 1536
+    plan = plan_reshard_per_round(src, dst, round_bytes)
+    assert plan.bucket_bytes == round_bytes // 6
+    for part in plan.rank_plans().values():
+        per_pair = defaultdict(list)
+        for bucket in part.sends + part.recvs:
+            per_pair[(bucket.src_rank, bucket.dst_rank)].append(bucket.nbytes)
+        assert len(per_pair) == 6
+        assert sum(sizes[0] for sizes in per_pair.values()) <= round_bytes
+    full = torch.arange(64 * 48.).view(size)
+    out = apply_plan(plan, cut_tensor(full, src))
+    assert all(torch.equal(got, want) for got, want in zip(out, cut_tensor(full, dst), strict=True))
+
+
+def test_plan_per_round_keeps_the_bucket_when_a_rank_has_one_peer():
+    size = (8, 6)
+    src = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(size)
+    dst = ChunkShardingSpec(0, ["rank:1/cpu"]).build_metadata(size)
+    assert plan_reshard_per_round(src, dst, 40).bucket_bytes == 40
