@@ -42,10 +42,13 @@ def main() -> None:
         ids = torch.randint(0, 1_000_000, (args.batch * args.bag,))
         offsets = torch.arange(0, ids.numel(), args.bag)
         with torch.no_grad():
-            start = time.perf_counter()
-            logits = model(ids, offsets)
-            elapsed = time.perf_counter() - start
-        print(f"{args.batch} bags of {args.bag} ids -> logits {tuple(logits.shape)} in {elapsed * 1e3:.1f} ms")
+            times = []
+            for _ in range(2):  # the first call also opens connections (and maps shards on this host)
+                start = time.perf_counter()
+                logits = model(ids, offsets)
+                times.append(time.perf_counter() - start)
+        print(f"{args.batch} bags of {args.bag} ids -> logits {tuple(logits.shape)} in {times[1] * 1e3:.1f} ms "
+              f"(first call {times[0] * 1e3:.1f} ms)")
         print("predicted classes of the first 8 bags:", logits.argmax(dim=1)[:8].tolist())
 
 
