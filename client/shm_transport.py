@@ -166,7 +166,8 @@ class SharedMemoryReader:
             torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
             return cached.flat
         flat = _map_cuda(reply)
-        self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat,
+        state = _map_state_header(reply) if reply.fd else None  # later reads check it instead of calling OpenShard
+        self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, state, reply.fd,
                                      cuda_handle=(h.handle, h.storage_offset_bytes)))
         return flat
 
@@ -251,6 +252,26 @@ def _still_held(mapping: _Mapping) -> bool:
 def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
     (the shard's bytes, the header's int64 words or None when the segment has no header)."""
+    whole = _map_file(reply, reply.data_offset + reply.nbytes)
+    if reply.data_offset < 16:
+        return whole[reply.data_offset:], None
+    return whole[reply.data_offset:], _header_words(whole, reply)
+
+
+def _map_state_header(reply: pb.OpenShardResponse) -> torch.Tensor:
+    """The int64 header words (magic, state) of a CUDA shard's header-only segment."""
+    return _header_words(_map_file(reply, 16), reply)
+
+
+def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Tensor:
+    header = whole[:16].view(torch.int64)
+    if int(header[0]) != HEADER_MAGIC:
+        raise SharedMemoryError(f"/proc/{reply.pid}/fd/{reply.fd} does not start with a shardserve segment header")
+    return header
+
+
+def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
+    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8."""
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -258,7 +279,6 @@ def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tenso
         raise SharedMemoryError(f"cannot open the shard's shared memory {path}: {err.strerror}") from None
     try:
         stat = os.fstat(fd)
-        size = reply.data_offset + reply.nbytes
         if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < size:
             raise SharedMemoryError(f"{path} is not the segment the rank described (another process or "
                                     f"another pid namespace)")
@@ -270,13 +290,7 @@ def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tenso
         os.close(fd)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
-        whole = torch.frombuffer(mapped, dtype=torch.uint8)
-    if reply.data_offset < 16:
-        return whole[reply.data_offset:], None
-    header = whole[:16].view(torch.int64)
-    if int(header[0]) != HEADER_MAGIC:
-        raise SharedMemoryError(f"{path} does not start with a shardserve segment header")
-    return whole[reply.data_offset:], header
+        return torch.frombuffer(mapped, dtype=torch.uint8)
 
 
 def _map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:

@@ -97,6 +97,25 @@ class SharedMemory:
         weakref.finalize(tensor, self._forget, key, segment.fd)  # the fd lives exactly as long as the tensor
         return tensor
 
+    def attach_header(self, tensor: torch.Tensor, served: bool) -> Segment:
+        """A header-only segment (the state word, no data) for a tensor whose bytes live elsewhere (a CUDA
+        shard handed over as a CUDA IPC handle), so a client's cached mapping checks the version's state
+        without an RPC. One per tensor; `mark` keeps it current; it is closed when the tensor goes."""
+        key = id(tensor)
+        with self._lock:
+            known = self._segments.get(key)
+            if known is not None:
+                return known
+            flat, segment = _memfd_bytes(HEADER_BYTES)
+            header = flat[:16].view(torch.int64)
+            header[0] = HEADER_MAGIC
+            header[1] = STATE_SERVED if served else STATE_DROPPED
+            segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0)
+            self._segments[key] = segment
+            self._headers[key] = header
+        weakref.finalize(tensor, self._forget, key, segment.fd)
+        return segment
+
     def _forget(self, key: int, fd: int) -> None:
         with self._lock:
             self._segments.pop(key, None)

@@ -417,6 +417,13 @@ class ShardStore:
             current = entry.shards.get(shard_index)
         return self.shared.segment_of(current) if current is not None else None
 
+    def state_header(self, entry: StoredVersion, shard_index: int) -> Segment:
+        """The header-only segment whose state word tells same-host clients whether a leased served CUDA
+        shard is still served (server/shared_memory.py SharedMemory.attach_header)."""
+        shard = self._local_shard(entry, shard_index)
+        with self._lock:
+            return self.shared.attach_header(shard, served=not entry.dropped)
+
     # ------------------------------------------------------------ introspection
 
     def held(self) -> list[tuple[str, int, VersionState]]:

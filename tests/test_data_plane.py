@@ -395,3 +395,11 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
+        reader, opened = c._data_plane.reader, []
+        open_shard = reader._open
+        reader._open = lambda address, request: opened.append(request.shard_index) or open_shard(address, request)
+        assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
+        assert opened == []  # cached IPC mappings: the header page says "served", no OpenShard
+        newer = source.flip(0).contiguous()
+        c.put("gpu", newer, spec, overwrite=True)  # drops the mapped version: its header says so
+        assert torch.equal(remote.fetch((0, 0), (33, 17)), newer) and opened
