@@ -99,6 +99,11 @@ class TableView:
         return self.summary.metadata.dtype
 
     @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks holding shards of the table (sorted)."""
+        return tuple(sorted({shard.rank for shard in self.summary.metadata.shards_metadata}))
+
+    @functools.cached_property
     def complete(self) -> bool:
         """Whether every row 0..rows-1 is held whole by the layout (then only the range needs checking)."""
         rows = self.summary.metadata.size[0]
@@ -332,8 +337,7 @@ class Lookups:
         """Whether every rank holding `view` is read through shared memory now (then pooling on this side costs
         no transfer and is bit for bit F.embedding_bag)."""
         plane = self._cluster._data_plane
-        ranks = {shard.rank for shard in view.summary.metadata.shards_metadata}
-        return all(plane.maps(self._cluster._rank_status(rank)) for rank in ranks)
+        return all(plane.maps(self._cluster._rank_status(rank)) for rank in view.ranks)
 
     def _call_ranks(self, items: list[_Item]) -> None:
         """Answer what mapped shards can in this thread, then one Lookup call per remaining rank, in parallel."""

@@ -259,12 +259,10 @@ class RemoteShardedTensor:
                                            offsets=band.offsets, sizes=band.sizes)
             read_region(self._cluster._transport, address, request, byte_view(into))
 
-        if region.is_contiguous() and region.device.type == "cpu":
-            read_bands(lambda band: read_band(band, local_view(region, part, band)),
-                       bands(part, region.element_size()) if only_part else [part])
-            return
+        direct = region.is_contiguous() and region.device.type == "cpu"
         on_gpu = region.device.type == "cuda"  # the bytes land in pinned memory: one DMA up to the GPU
-        buffer = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
-        read_bands(lambda band: read_band(band, local_view(buffer, part, band)),
+        target = region if direct else torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
+        read_bands(lambda band: read_band(band, local_view(target, part, band)),
                    bands(part, region.element_size()) if only_part else [part])
-        region.copy_(buffer, non_blocking=on_gpu)
+        if not direct:
+            region.copy_(target, non_blocking=on_gpu)

@@ -87,7 +87,7 @@ class _Mapping:
     inode: int
     device_id: int
     flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
-    state: torch.Tensor | None = None  # the segment's int64 header words (magic, state), CPU segments only
+    state: torch.Tensor | None = None  # the int64 header words (magic, state) of the segment or CUDA header
     fd: int = -1
     cuda_handle: tuple[bytes, int] | None = None  # (IPC handle, storage offset) of a CUDA shard's mapping
 
@@ -362,18 +362,21 @@ class DataPlane:
 
     def maps(self, rank: RankStatus) -> bool:
         """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""
-        if self.transport == "grpc" or same_host_reason(rank, self.host):
-            return False
-        with self._lock:
-            return self._grpc_until.get(rank.address, 0.0) <= time.monotonic()
+        return self.transport != "grpc" and not self._unmapped_reason(rank)
 
-    def _shm_usable(self, rank: RankStatus) -> bool:
-        """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
+    def _unmapped_reason(self, rank: RankStatus) -> str:
+        """Why `rank` is not read through shared memory now (not on this host, or backing off after a failure
+        with transport="auto"), or "" when it is."""
         reason = same_host_reason(rank, self.host)
         if not reason and self.transport == "auto":
             with self._lock:
                 if self._grpc_until.get(rank.address, 0.0) > time.monotonic():
                     reason = "an earlier shared-memory read of this rank failed"
+        return reason
+
+    def _shm_usable(self, rank: RankStatus) -> bool:
+        """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
+        reason = self._unmapped_reason(rank)
         if reason and self.transport == "shm":
             raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
         if reason:

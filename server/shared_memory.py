@@ -72,9 +72,11 @@ class SharedMemory:
         self.enabled = enabled and hasattr(os, "memfd_create")
         if self.enabled:
             _raise_fd_limit()  # two fds per shard (ours and the mapping's); running out falls back to private memory
-        self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty`
+        self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty` or given a header
         self._headers: dict[int, torch.Tensor] = {}  # the int64 header words of those segments
-        self._lock = threading.Lock()
+        # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
+        # whenever a collection happens, also inside a hold in this thread
+        self._lock = threading.RLock()
 
     def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A C-contiguous, zero-filled CPU tensor; in a memfd when enabled (else plain memory)."""
@@ -86,35 +88,31 @@ class SharedMemory:
         except OSError as err:
             log.warning("shared memory allocation of %d bytes failed (%s); using private memory", nbytes, err)
             return torch.zeros(sizes, dtype=dtype)
-        header = flat[:16].view(torch.int64)
-        header[0] = HEADER_MAGIC
         tensor = flat[HEADER_BYTES:].view(dtype).view(sizes)
         segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, nbytes)
-        key = id(tensor)
-        with self._lock:
-            self._segments[key] = segment
-            self._headers[key] = header
-        weakref.finalize(tensor, self._forget, key, segment.fd)  # the fd lives exactly as long as the tensor
+        self._track(tensor, segment, _new_header(flat, STATE_PENDING))
         return tensor
 
     def attach_header(self, tensor: torch.Tensor, served: bool) -> Segment:
         """A header-only segment (the state word, no data) for a tensor whose bytes live elsewhere (a CUDA
         shard handed over as a CUDA IPC handle), so a client's cached mapping checks the version's state
         without an RPC. One per tensor; `mark` keeps it current; it is closed when the tensor goes."""
-        key = id(tensor)
-        with self._lock:
-            known = self._segments.get(key)
+        with self._lock:  # checked and made under one hold: two readers of a new shard make one header
+            known = self._segments.get(id(tensor))
             if known is not None:
                 return known
             flat, segment = _memfd_bytes(HEADER_BYTES)
-            header = flat[:16].view(torch.int64)
-            header[0] = HEADER_MAGIC
-            header[1] = STATE_SERVED if served else STATE_DROPPED
             segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0)
+            self._track(tensor, segment, _new_header(flat, STATE_SERVED if served else STATE_DROPPED))
+        return segment
+
+    def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
+        """Remember the segment and header words of `tensor`; the fd lives exactly as long as the tensor."""
+        key = id(tensor)
+        with self._lock:
             self._segments[key] = segment
             self._headers[key] = header
         weakref.finalize(tensor, self._forget, key, segment.fd)
-        return segment
 
     def _forget(self, key: int, fd: int) -> None:
         with self._lock:
@@ -152,6 +150,14 @@ def _raise_fd_limit() -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ImportError, ValueError, OSError):
         pass
+
+
+def _new_header(flat: torch.Tensor, state: int) -> torch.Tensor:
+    """Write the header (magic, state) at the start of a segment's bytes; returns its two int64 words."""
+    header = flat[:16].view(torch.int64)
+    header[0] = HEADER_MAGIC
+    header[1] = state
+    return header
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:

@@ -70,10 +70,9 @@ class SharedMemoryService:
                 raise SharedMemoryUnavailable(f"shard_index {request.shard_index} of {entry.name!r} is on "
                                               f"{shard.device}; ask with cuda_ipc or read it over ReadRegion")
             reply.cuda.CopyFrom(cuda_ipc_handle(shard))
-            header = self.store.state_header(entry, request.shard_index)
-            reply.pid, reply.fd, reply.inode, reply.device_id = header.pid, header.fd, header.inode, header.device_id
-            return reply
-        segment = self.store.shared_segment(entry, request.shard_index)
+            segment = self.store.state_header(entry, request.shard_index)  # the state word alone, no data
+        else:
+            segment = self.store.shared_segment(entry, request.shard_index)
         if segment is None:
             if reply.nbytes == 0:
                 return reply
