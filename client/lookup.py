@@ -40,6 +40,7 @@ import torch
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
                            error_from_rpc)
 from client.info import TensorSummary
+from client.mapped_rows import MappedRows
 from client.retry import read_with_refresh
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
@@ -186,6 +187,7 @@ class Lookups:
         self._stubs: dict[str, Any] = {}
         self.last_paths: dict[int, str] = {}  # rank -> "shm", "grpc" or both: the path of its latest answer
         self._fetched: dict[str, float] = {}
+        self._mapped: dict[str, tuple[TableView, MappedRows | None]] = {}  # name -> the fast path of its view
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ views
@@ -244,6 +246,33 @@ class Lookups:
 
     def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
                      dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """Each table from its mapped shards when it can (client.mapped_rows), the rest by routed Lookup calls."""
+        results, rest = {}, {}
+        for name, table_ids in ids.items():
+            mapped = self._mapped_rows(views[name])
+            rows = mapped.rows(table_ids) if mapped is not None else None
+            if rows is None:
+                rest[name] = table_ids
+                continue
+            results[name] = rows if dtype is None else rows.to(dtype)
+            self.last_paths.update((rank, "shm") for rank in views[name].ranks)
+        if rest:
+            results.update(self._lookup_routed(views, rest, dtype))
+        return {name: results[name] for name in ids}
+
+    def _mapped_rows(self, view: TableView) -> MappedRows | None:
+        """The mapped fast path of `view` (built once per version; retried while ranks are not all mapped)."""
+        if self.cache is not None:
+            return None  # the row cache counts hits and misses per row: the general path keeps it exact
+        known = self._mapped.get(view.name)
+        if known is not None and known[0] is view and (known[1] is not None or not self._all_mapped(view)):
+            return known[1]
+        built = MappedRows.build(view, self._cluster) if self._all_mapped(view) else None
+        self._mapped[view.name] = (view, built)
+        return built
+
+    def _lookup_routed(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
+                       dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         plans, items = {}, []
         for name, table_ids in ids.items():
             view = views[name]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -92,6 +93,23 @@ class _Mapping:
     cuda_handle: tuple[bytes, int] | None = None  # (IPC handle, storage offset) of a CUDA shard's mapping
 
 
+class HostMapping:
+    """A mapped host shard and the questions a reader asks before each read of it."""
+
+    def __init__(self, mapping: _Mapping) -> None:
+        self._mapping = mapping
+        self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
+        self._state = mapping.state.numpy()  # type: ignore[union-attr]
+
+    def state(self) -> int:
+        """STATE_SERVED, or STATE_DROPPED once the rank no longer serves this version (the bytes stay valid)."""
+        return int(self._state[1])
+
+    def held(self) -> bool:
+        """Whether the rank process that serves it is still alive."""
+        return _still_held(self._mapping)
+
+
 class SharedMemoryReader:
     """Reads parts of shards from same-host ranks through mapped shared memory."""
 
@@ -113,9 +131,13 @@ class SharedMemoryReader:
         if shard is not None:
             copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
 
+    def limit(self, address: str) -> int:
+        """The rank's max_request_bytes as its latest OpenShard said (0: no limit or not known yet)."""
+        return self._limits.get(address, 0)
+
     def check_limit(self, address: str, nbytes: int, what: str) -> None:
         """The rank's max_request_bytes holds for mapped reads too, as it does over gRPC."""
-        limit = self._limits.get(address, 0)
+        limit = self.limit(address)
         if limit and nbytes > limit:
             raise ResourceExhaustedError(f"{what} is {nbytes} bytes, over the max_request_bytes "
                                          f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -156,6 +178,18 @@ class SharedMemoryReader:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
         return _as_shard(flat, summary, index)
+
+    def host_mapping(self, address: str, summary: TensorSummary, index: int) -> "HostMapping | None":
+        """Shard `index` mapped from host shared memory with its header state, for callers that check the state
+        themselves on every read (client.mapped_rows); None for CUDA shards, empty shards and header-less
+        segments."""
+        if self.shard(address, summary, index) is None:
+            return None
+        with self._lock:
+            cached = self._cache.get((address, summary.name, summary.version, index))
+        if cached is None or cached.state is None or cached.cuda_handle is not None:
+            return None
+        return HostMapping(cached)
 
     def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse) -> torch.Tensor:
         """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
@@ -241,12 +275,49 @@ def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.T
 
 
 def _still_held(mapping: _Mapping) -> bool:
-    """Whether the rank still holds the segment open (a killed rank's last header would still say served)."""
+    """Whether the rank still holds the segment (a killed rank's last header would still say served).
+
+    A rank marks a segment dropped before closing it, so while the header says served the segment is held
+    exactly as long as the rank's process lives; a pidfd answers that in one poll (no /proc path walk)."""
+    alive = _RANK_PROCESSES.alive(mapping.pid)
+    if alive is not None:
+        return alive
     try:
         stat = os.stat(f"/proc/{mapping.pid}/fd/{mapping.fd}")
     except OSError:
         return False
     return (stat.st_ino, stat.st_dev) == (mapping.inode, mapping.device_id)
+
+
+class _ProcessWatch:
+    """One pidfd per rank process seen (Linux 5.3+): readable once the process has exited, whatever pid reuse
+    follows."""
+
+    def __init__(self) -> None:
+        self._pidfds: dict[int, int | None] = {}
+        self._lock = threading.Lock()
+
+    def alive(self, pid: int) -> bool | None:
+        """Whether process `pid` is running; None where pidfds are unavailable."""
+        with self._lock:
+            if pid not in self._pidfds:
+                self._pidfds[pid] = _pidfd(pid)
+            pidfd = self._pidfds[pid]
+        if pidfd is None:
+            return None
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        return not poller.poll(0)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+_RANK_PROCESSES = _ProcessWatch()
 
 
 def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:

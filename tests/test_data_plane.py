@@ -157,13 +157,29 @@ def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
 def test_large_lookups_through_shared_memory(cluster, transport, caplog):
     table = random_tensor((5000, 64), torch.bfloat16, seed=21)
     ids = torch.randint(0, 5000, (6000,), generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.DEBUG, logger="client.shm_transport"), connect(cluster.address,
-                                                                                 transport=transport) as c:
+    with caplog.at_level(logging.DEBUG, logger="client.mapped_rows"), connect(cluster.address,
+                                                                               transport=transport) as c:
         remote = c.put(f"dp-table-{transport}", table, SPEC)
-        assert torch.equal(remote.lookup(ids), torch.nn.functional.embedding(ids, table))
-        assert torch.equal(remote.lookup(ids[:5]), table[ids[:5]])  # small: over gRPC either way
+        for batch in (ids, ids[:5], ids[:1]):
+            assert torch.equal(remote.lookup(batch), torch.nn.functional.embedding(batch, table))
+            assert set(c._lookups.last_paths.values()) == {"shm" if transport == "auto" else "grpc"}
         c.delete(f"dp-table-{transport}")
-    assert ("rows of 'dp-table-auto' shard" in caplog.text) == (transport == "auto")
+    assert ("rows of 'dp-table-auto' from mapped shards" in caplog.text) == (transport == "auto")
+
+
+def test_process_watch_sees_a_rank_process_exit():
+    """Cached mapped reads ask a pidfd whether the rank still lives (a killed rank's header still says served)."""
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = shm_transport._ProcessWatch()
+    try:
+        assert watch.alive(process.pid) is True
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    assert watch.alive(process.pid) is False
 
 
 def test_bad_transport_is_refused(cluster):

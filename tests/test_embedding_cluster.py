@@ -73,6 +73,25 @@ def test_lookup_is_f_embedding(cl: Cluster, tables: dict, layout: str, dtype: to
     assert remote.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.mapped_rows) with
+    no Lookup call, bit for bit, for one id, one band, every band and duplicates; column-split ones are routed."""
+    name, table = _name(layout, torch.bfloat16), tables[(layout, torch.bfloat16)]
+    remote = cl.tensor(name)
+    whole_rows = layout in ("rows-uneven", "table-wise")
+    if whole_rows:
+        monkeypatch.setattr(cl._lookups, "_call_rank", lambda rank, items: pytest.fail(f"Lookup call to {rank}"))
+    generator = torch.Generator().manual_seed(9)
+    for ids in (torch.tensor([49]), torch.tensor([8, 29, 8, 7]), torch.randint(0, ROWS, (500,), generator=generator)):
+        assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
+    assert (cl._lookups._mapped[name][1] is not None) == whole_rows
+    assert set(cl._lookups.last_paths.values()) == {"shm"}
+    with pytest.raises(InvalidArgumentError, match=r"ids\[1\]=50"):
+        remote.lookup([0, ROWS])  # out of range: the general path answers with its error
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
