@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -169,9 +171,6 @@ def test_large_lookups_through_shared_memory(cluster, transport, caplog):
 
 def test_process_watch_sees_a_rank_process_exit():
     """Cached mapped reads ask a pidfd whether the rank still lives (a killed rank's header still says served)."""
-    import subprocess
-    import sys
-
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     watch = shm_transport._ProcessWatch()
     try:
