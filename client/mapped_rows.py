@@ -5,10 +5,11 @@ shared memory (client.shm_transport) and the layout holds every row whole
 (row-wise, table-wise, uneven), a batch of ids is gathered with a few numpy
 calls over the mapped bytes: no dedup (a duplicate costs one row copy either
 way), no route objects, no torch dispatch per step (each torch call hands the
-GIL around, which is what made 8 concurrent callers slow). Before each read
-every shard's header must say served (else StaleVersionError, so the caller
-refreshes its view) and its rank must be alive; the bytes of a served version
-never change, so a read that races a drop still returns exactly that version.
+GIL around, which is what made 8 concurrent callers slow). Before and after
+each read every shard's header must say served at the generation it was
+mapped at (else StaleVersionError, so the caller refreshes its view: the rank
+dropped the version, or recycled its memory for another one), and its rank
+must be alive before it.
 Anything else (out-of-range ids, column-split layouts, CUDA shards, a dead
 rank, an answer over a rank's max_request_bytes) gets None and the general
 path answers with its own errors.
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from client.errors import StaleVersionError
-from client.shm_transport import STATE_DROPPED, STATE_SERVED, HostMapping, SharedMemoryError
+from client.shm_transport import HostMapping, SharedMemoryError
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
@@ -92,6 +93,8 @@ class MappedRows:
             out = band.rows.take(values - band.start, axis=0)
         else:
             out = self._gather_bands(values)
+        if not all(band.mapping.serves() for band in self._bands):
+            raise self._stale()  # a segment was recycled during the read: its rows may be another version's
         log.debug("looked up %d rows of %r from mapped shards", count, self.view.name)
         return torch.from_numpy(out).view(self.view.dtype)
 
@@ -105,12 +108,14 @@ class MappedRows:
         return out
 
     def _usable(self) -> bool:
-        """Every shard still served (StaleVersionError once one is dropped) and its rank alive."""
+        """Every shard still served (StaleVersionError once one is dropped or recycled) and its rank alive."""
         for band in self._bands:
-            state = band.mapping.state()
-            if state == STATE_DROPPED:
-                raise StaleVersionError(f"tensor {self.view.name!r} version {self.view.version} is no longer "
-                                        f"served", grpc.StatusCode.FAILED_PRECONDITION)
-            if state != STATE_SERVED or not band.mapping.held():
+            if not band.mapping.serves():
+                raise self._stale()
+            if not band.mapping.held():
                 return False
         return True
+
+    def _stale(self) -> StaleVersionError:
+        return StaleVersionError(f"tensor {self.view.name!r} version {self.view.version} is no longer served",
+                                 grpc.StatusCode.FAILED_PRECONDITION)

@@ -44,6 +44,7 @@ TRANSPORTS = ("auto", "grpc", "shm")
 # The segment header the rank keeps (server/shared_memory.py; OpenShardResponse.data_offset).
 HEADER_MAGIC = 0x5348415244535256
 STATE_SERVED, STATE_DROPPED = 1, 2
+HEADER_WORDS_BYTES = 24  # magic, state, generation
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
 CACHE_ENTRIES = 256
@@ -88,9 +89,14 @@ class _Mapping:
     inode: int
     device_id: int
     flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
-    state: torch.Tensor | None = None  # the int64 header words (magic, state) of the segment or CUDA header
+    state: torch.Tensor | None = None  # int64 header words (magic, state, generation) of the segment/CUDA header
     fd: int = -1
     cuda_handle: tuple[bytes, int] | None = None  # (IPC handle, storage offset) of a CUDA shard's mapping
+    generation: int = 0  # the header's generation when mapped (a recycled segment has a higher one)
+
+    def serves(self) -> bool:
+        """Whether the segment still holds the version it was mapped for: served, and not recycled since."""
+        return self.state is None or (int(self.state[1]) == STATE_SERVED and int(self.state[2]) == self.generation)
 
 
 class HostMapping:
@@ -99,11 +105,12 @@ class HostMapping:
     def __init__(self, mapping: _Mapping) -> None:
         self._mapping = mapping
         self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
-        self._state = mapping.state.numpy()  # type: ignore[union-attr]
+        self._words = mapping.state.numpy()  # type: ignore[union-attr]
+        self._generation = mapping.generation
 
-    def state(self) -> int:
-        """STATE_SERVED, or STATE_DROPPED once the rank no longer serves this version (the bytes stay valid)."""
-        return int(self._state[1])
+    def serves(self) -> bool:
+        """Whether the segment still holds this version (served, not recycled): ask before and after a read."""
+        return int(self._words[1]) == STATE_SERVED and int(self._words[2]) == self._generation
 
     def held(self) -> bool:
         """Whether the rank process that serves it is still alive."""
@@ -126,10 +133,23 @@ class SharedMemoryReader:
 
     def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """Copy global box `part` of shard `index` into `region` (its place in the output)."""
-        shard = self.shard(address, summary, index)
+        mapping, shard = self._open(address, summary, index)
         self.check_limit(address, part.numel() * region.element_size(), "offsets/sizes: the box")
         if shard is not None:
             copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
+            _confirm(mapping, summary, address)
+
+    def read_rows(self, address: str, summary: TensorSummary, index: int, local_rows: torch.Tensor) -> torch.Tensor:
+        """Rows `local_rows` of shard `index` of a 2-D table, as a CPU tensor [len(local_rows), shard columns]."""
+        mapping, shard = self._open(address, summary, index)
+        columns = summary.metadata.shards_metadata[index].shard_sizes[1]
+        self.check_limit(address, local_rows.numel() * columns * summary.metadata.tensor_properties.itemsize,
+                         "the answer of ids")
+        if shard is None:
+            return torch.empty((local_rows.numel(), columns), dtype=summary.metadata.dtype)
+        rows = shard.index_select(0, local_rows.to(shard.device)).cpu()
+        _confirm(mapping, summary, address)
+        return rows
 
     def limit(self, address: str) -> int:
         """The rank's max_request_bytes as its latest OpenShard said (0: no limit or not known yet)."""
@@ -143,67 +163,71 @@ class SharedMemoryReader:
                                          f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def shard(self, address: str, summary: TensorSummary, index: int) -> torch.Tensor | None:
-        """Shard `index` at the summary's version as a read-only tensor over the rank's memory (None if empty)."""
+        """Shard `index` at the summary's version as a read-only tensor over the rank's memory (None if empty).
+        A caller that reads it later must check that it still serves (as read_part and read_rows do)."""
+        return self._open(address, summary, index)[1]
+
+    def _open(self, address: str, summary: TensorSummary, index: int) -> tuple[_Mapping | None, torch.Tensor | None]:
+        """(the cached mapping, the shard over it): checked by its header, else opened by OpenShard."""
         key = (address, summary.name, summary.version, index)
         with self._lock:
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-        if cached is not None and cached.state is not None:  # the rank keeps the header's state current
-            state = int(cached.state[1])
-            if state == STATE_SERVED and _still_held(cached):
-                return _as_shard(cached.flat, summary, index)
-            if state == STATE_DROPPED:
+        if cached is not None and cached.state is not None:  # the rank keeps the header's words current
+            if cached.serves() and _still_held(cached):
+                return cached, _as_shard(cached.flat, summary, index)
+            if not cached.serves():
                 self._forget(key)
-                raise StaleVersionError(f"tensor {summary.name!r} version {summary.version} is no longer served "
-                                        f"by the rank at {address}", grpc.StatusCode.FAILED_PRECONDITION)
+                raise _stale(summary, address)
         want_cuda = torch.cuda.is_available()
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
-        reply = self._open(address, request)
+        reply = self._open_shard(address, request)
         self._limits[address] = reply.max_request_bytes
-        try:
+        try:  # the lease holds the version (and its segment's generation) until released below
             _check_reply(reply, summary, index)
             if reply.nbytes == 0:
-                return None
+                return None, None
             if reply.HasField("cuda"):
-                flat = self._cuda_mapping(key, cached, reply)
+                mapping = self._cuda_mapping(key, cached, reply)
             elif cached is not None and (cached.pid, cached.inode, cached.device_id) == (
-                    reply.pid, reply.inode, reply.device_id):
-                flat = cached.flat
+                    reply.pid, reply.inode, reply.device_id) and cached.serves():
+                mapping = cached
             else:
                 flat, header = _map_segment(reply)
-                self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd))
+                mapping = _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd,
+                                   generation=int(header[2]) if header is not None else 0)
+                self._remember(key, mapping)
         finally:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
-        return _as_shard(flat, summary, index)
+        return mapping, _as_shard(mapping.flat, summary, index)
 
     def host_mapping(self, address: str, summary: TensorSummary, index: int) -> "HostMapping | None":
         """Shard `index` mapped from host shared memory with its header state, for callers that check the state
         themselves on every read (client.mapped_rows); None for CUDA shards, empty shards and header-less
         segments."""
-        if self.shard(address, summary, index) is None:
+        mapping, shard = self._open(address, summary, index)
+        if shard is None or mapping is None or mapping.state is None or mapping.cuda_handle is not None:
             return None
-        with self._lock:
-            cached = self._cache.get((address, summary.name, summary.version, index))
-        if cached is None or cached.state is None or cached.cuda_handle is not None:
-            return None
-        return HostMapping(cached)
+        return HostMapping(mapping)
 
-    def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse) -> torch.Tensor:
+    def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse) -> _Mapping:
         """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
         whole allocation, milliseconds per call), else a newly opened one."""
         h = reply.cuda
         if cached is not None and cached.cuda_handle == (h.handle, h.storage_offset_bytes):
             # the rank counted one more user of its memory for this reply; we already hold one
             torch.UntypedStorage._release_ipc_counter(h.ref_counter_handle, h.ref_counter_offset, device=h.device)
-            return cached.flat
+            return cached
         flat = _map_cuda(reply)
         state = _map_state_header(reply) if reply.fd else None  # later reads check it instead of calling OpenShard
-        self._remember(key, _Mapping(reply.pid, reply.inode, reply.device_id, flat, state, reply.fd,
-                                     cuda_handle=(h.handle, h.storage_offset_bytes)))
-        return flat
+        mapping = _Mapping(reply.pid, reply.inode, reply.device_id, flat, state, reply.fd,
+                           cuda_handle=(h.handle, h.storage_offset_bytes),
+                           generation=int(state[2]) if state is not None else 0)
+        self._remember(key, mapping)
+        return mapping
 
     def _forget(self, key: tuple) -> None:
         with self._lock:
@@ -217,7 +241,7 @@ class SharedMemoryReader:
             self._cache.clear()
             self._cached_bytes = 0
 
-    def _open(self, address: str, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
+    def _open_shard(self, address: str, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
         try:
             return self._stub_for(address).OpenShard(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as err:
@@ -274,6 +298,18 @@ def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.T
     return flat.view(summary.metadata.dtype).view(summary.metadata.shards_metadata[index].shard_sizes)
 
 
+def _confirm(mapping: _Mapping | None, summary: TensorSummary, address: str) -> None:
+    """After a read: StaleVersionError if the segment was recycled for another version meanwhile (the read may
+    have seen its new bytes; the caller refreshes and reads again)."""
+    if mapping is not None and not mapping.serves():
+        raise _stale(summary, address)
+
+
+def _stale(summary: TensorSummary, address: str) -> StaleVersionError:
+    return StaleVersionError(f"tensor {summary.name!r} version {summary.version} is no longer served by the rank "
+                             f"at {address}", grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def _still_held(mapping: _Mapping) -> bool:
     """Whether the rank still holds the segment (a killed rank's last header would still say served).
 
@@ -324,18 +360,18 @@ def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tenso
     """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
     (the shard's bytes, the header's int64 words or None when the segment has no header)."""
     whole = _map_file(reply, reply.data_offset + reply.nbytes)
-    if reply.data_offset < 16:
+    if reply.data_offset < HEADER_WORDS_BYTES:
         return whole[reply.data_offset:], None
     return whole[reply.data_offset:], _header_words(whole, reply)
 
 
 def _map_state_header(reply: pb.OpenShardResponse) -> torch.Tensor:
-    """The int64 header words (magic, state) of a CUDA shard's header-only segment."""
-    return _header_words(_map_file(reply, 16), reply)
+    """The int64 header words (magic, state, generation) of a CUDA shard's header-only segment."""
+    return _header_words(_map_file(reply, HEADER_WORDS_BYTES), reply)
 
 
 def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Tensor:
-    header = whole[:16].view(torch.int64)
+    header = whole[:HEADER_WORDS_BYTES].view(torch.int64)
     if int(header[0]) != HEADER_MAGIC:
         raise SharedMemoryError(f"/proc/{reply.pid}/fd/{reply.fd} does not start with a shardserve segment header")
     return header
@@ -414,22 +450,17 @@ class DataPlane:
         [len(ids), shard columns]; None when the lookup should go over gRPC (same rules and fallback as reads)."""
         if self.transport == "grpc" or not self._shm_usable(rank):
             return None
+        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
         try:
-            shard = self.reader.shard(rank.address, summary, index)
+            rows = self.reader.read_rows(rank.address, summary, index, ids - first_row)
         except SharedMemoryError as err:
             if self.transport == "shm":
                 raise
             self._fall_back(rank, err)
             return None
-        first_row, (_, columns) = (summary.metadata.shards_metadata[index].shard_offsets[0],
-                                   summary.metadata.shards_metadata[index].shard_sizes)
-        self.reader.check_limit(rank.address, ids.numel() * columns * summary.metadata.tensor_properties.itemsize,
-                                "the answer of ids")
-        if shard is None:
-            return torch.empty((ids.numel(), columns), dtype=summary.metadata.dtype)
         log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
                   index, rank.rank)
-        return shard.index_select(0, (ids - first_row).to(shard.device)).cpu()
+        return rows
 
     def maps(self, rank: RankStatus) -> bool:
         """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""

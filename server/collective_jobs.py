@@ -292,20 +292,25 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
     ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
     _debug_stall(rank, name)
+    # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
+    # since a failed exchange may leave receives posted into them
+    recycled = ctx.store.recycled_shards(dst)
     src_local = src.shards_on(rank)
     if src_local:
         with ctx.store.lease(name, src_version) as entry:
             shards = {i: ctx.store.shard_of(entry, i) for i in src_local}
-            out = run_reshard(plan, rank, shards, ctx.time_left(), stats=stats)
+            out = run_reshard(plan, rank, shards, ctx.time_left(), stats=stats, out=recycled)
     else:
-        out = run_reshard(plan, rank, {}, ctx.time_left(), stats=stats)
+        out = run_reshard(plan, rank, {}, ctx.time_left(), stats=stats, out=recycled)
     if dst.shards_on(rank):
         ctx.store.fill_reserved(name, dst_version, out)
-    ctx.progress.new_shard_bytes = stats.new_shard_bytes
+    recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
+    ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
-    log.info("rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes",
-             rank, name, dst_version, stats.local_bytes, stats.received_bytes, stats.sent_bytes,
-             stats.peak_staging_bytes)
+    log.info("rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes, "
+             "%d of %d new-shard bytes in recycled buffers", rank, name, dst_version, stats.local_bytes,
+             stats.received_bytes, stats.sent_bytes, stats.peak_staging_bytes, recycled_bytes,
+             ctx.progress.new_shard_bytes)
 
 
 def _debug_stall(rank: int, name: str) -> None:

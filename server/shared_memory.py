@@ -9,6 +9,8 @@ pending ones); while a lease is held the version (hence its tensor, mapping and
 fd) stays alive, so the fd number cannot be reused for other data; the client
 checks inode and device after opening, so a stale fd number fails cleanly; a
 mapping keeps its pages after the rank frees the version. Leases expire.
+The memfd is closed when its memory goes (the last view of it), not when the
+first tensor made over it does, so a recycled segment keeps its fd.
 """
 from __future__ import annotations
 
@@ -25,12 +27,17 @@ from typing import Callable
 
 import torch
 
+from server.recycling import Buffer, RecycledBuffers
+from shardcore.wire import byte_view
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a rank
-# Each segment starts with a header page: int64 HEADER_MAGIC, int64 state; the shard's bytes follow it.
-# The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a client
-# holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer makes it).
+# Each segment starts with a header page: int64 HEADER_MAGIC, int64 state, int64 generation; the shard's bytes
+# follow it. The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a
+# client holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer
+# makes it). The generation grows each time a freed segment is taken for another version (server/recycling.py),
+# before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
@@ -68,8 +75,9 @@ class Segment:
 class SharedMemory:
     """Allocates CPU shard tensors in memfds and remembers each tensor's Segment."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, recycled: RecycledBuffers | None = None) -> None:
         self.enabled = enabled and hasattr(os, "memfd_create")
+        self.recycled = recycled if recycled is not None else RecycledBuffers()
         if self.enabled:
             _raise_fd_limit()  # two fds per shard (ours and the mapping's); running out falls back to private memory
         self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty` or given a header
@@ -78,11 +86,15 @@ class SharedMemory:
         # whenever a collection happens, also inside a hold in this thread
         self._lock = threading.RLock()
 
-    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A C-contiguous, zero-filled CPU tensor; in a memfd when enabled (else plain memory)."""
+    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
+        """A C-contiguous CPU tensor, in a memfd when enabled (else plain memory): zero-filled, unless the
+        caller will `overwrite` every byte (then a recycled segment is handed over as it is)."""
         nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
         if not self.enabled or nbytes == 0:
             return torch.zeros(sizes, dtype=dtype)
+        tensor = self._reuse(sizes, dtype, nbytes, shared=True)
+        if tensor is not None:
+            return tensor if overwrite else tensor.zero_()
         try:
             flat, segment = _memfd_bytes(HEADER_BYTES + nbytes)
         except OSError as err:
@@ -91,6 +103,39 @@ class SharedMemory:
         tensor = flat[HEADER_BYTES:].view(dtype).view(sizes)
         segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, nbytes)
         self._track(tensor, segment, _new_header(flat, STATE_PENDING))
+        return tensor
+
+    def recycled_empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A recycled buffer of the right size as a tensor whose every byte the caller will overwrite (shared
+        memory or private), or None when none is kept."""
+        nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        return self._reuse(sizes, dtype, nbytes, shared=None) if nbytes else None
+
+    def recycle(self, tensors) -> None:  # type: ignore[no-untyped-def]
+        """Keep the buffers of a freed version's CPU shards for reuse; the caller guarantees nothing in this
+        process uses them any more (no lease on their version)."""
+        for tensor in tensors:
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                continue
+            with self._lock:
+                segment, header = self._segments.get(id(tensor)), self._headers.get(id(tensor))
+            if segment is not None and segment.data_offset == HEADER_BYTES and header is not None:
+                header[1] = STATE_DROPPED
+                self.recycled.keep(Buffer(byte_view(tensor), header, segment))
+            elif segment is None and _owns_storage(tensor):
+                self.recycled.keep(Buffer(byte_view(tensor)))
+
+    def _reuse(self, sizes: tuple[int, ...], dtype: torch.dtype, nbytes: int,
+               shared: bool | None) -> torch.Tensor | None:
+        """A kept buffer as a tensor of `sizes`; a segment gets a new generation before anything is written."""
+        buffer = self.recycled.take(nbytes, shared)
+        if buffer is None:
+            return None
+        tensor = buffer.flat.view(dtype).view(sizes)
+        if buffer.header is not None:
+            buffer.header[1] = STATE_PENDING
+            buffer.header[2] += 1
+            self._track(tensor, buffer.segment, buffer.header)
         return tensor
 
     def attach_header(self, tensor: torch.Tensor, served: bool) -> Segment:
@@ -107,18 +152,17 @@ class SharedMemory:
         return segment
 
     def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
-        """Remember the segment and header words of `tensor`; the fd lives exactly as long as the tensor."""
+        """Remember the segment and header words of `tensor` while that tensor lives."""
         key = id(tensor)
         with self._lock:
             self._segments[key] = segment
             self._headers[key] = header
-        weakref.finalize(tensor, self._forget, key, segment.fd)
+        weakref.finalize(tensor, self._forget, key)
 
-    def _forget(self, key: int, fd: int) -> None:
+    def _forget(self, key: int) -> None:
         with self._lock:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
-        os.close(fd)
 
     def mark(self, tensors, served: bool) -> None:  # type: ignore[no-untyped-def]
         """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
@@ -153,16 +197,23 @@ def _raise_fd_limit() -> None:
 
 
 def _new_header(flat: torch.Tensor, state: int) -> torch.Tensor:
-    """Write the header (magic, state) at the start of a segment's bytes; returns its two int64 words."""
-    header = flat[:16].view(torch.int64)
+    """Write the header (magic, state, generation 0) at the start of a segment's bytes; returns its int64
+    words."""
+    header = flat[:24].view(torch.int64)
     header[0] = HEADER_MAGIC
     header[1] = state
+    header[2] = 0
     return header
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is the whole of its storage (a buffer of its own, not a view into something bigger)."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
     """A flat uint8 tensor over a new memfd of `nbytes` (pages reserved up front: ENOSPC, not SIGBUS),
-    and its Segment; the caller closes the fd when the tensor goes."""
+    and its Segment; the fd is closed when the mapping goes."""
     fd = os.memfd_create("shardserve-shard", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
@@ -173,6 +224,7 @@ def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
         os.close(fd)
         raise
     segment = Segment(os.getpid(), fd, stat.st_ino, stat.st_dev, nbytes)
+    weakref.finalize(mapped, os.close, fd)  # the fd lives exactly as long as the memory (any view of it)
     return torch.frombuffer(mapped, dtype=torch.uint8), segment
 
 

@@ -139,11 +139,24 @@ class ShardStore:
         # CUDA shards are handed over as CUDA IPC handles instead (server/shm_service.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
 
-    def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The one allocation of shard memory: zero-filled, in shared memory for CPU shards when enabled."""
+    def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
+        """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
+        shared memory for CPU shards when enabled, from a freed version's buffer when one fits."""
         if self.device.type == "cpu":
-            return self.shared.empty(tuple(sizes), dtype)
+            return self.shared.empty(tuple(sizes), dtype, overwrite=overwrite)
         return torch.zeros(sizes, dtype=dtype, device=self.device)
+
+    def recycled_shards(self, meta: ShardedTensorMetadata) -> dict[int, torch.Tensor]:
+        """Freed buffers for the local shards of `meta` that a caller will overwrite whole (a reshard's
+        destination): one per shard for which a buffer of its size is kept; the others are left out."""
+        if self.device.type != "cpu":
+            return {}
+        out = {}
+        for i in meta.shards_on(self.rank):
+            tensor = self.shared.recycled_empty(meta.shards_metadata[i].shard_sizes, meta.dtype)
+            if tensor is not None:
+                out[i] = tensor
+        return out
 
     @property
     def memory_used(self) -> int:
@@ -227,6 +240,7 @@ class ShardStore:
             if key in self._versions:
                 raise FailedPrecondition(f"tensor {entry.name!r} version {entry.version} is already "
                                          f"allocated on rank {self.rank}")
+            self._make_room(entry.nbytes)
             if self.memory_limit and self._memory_used + entry.nbytes > self.memory_limit:
                 raise ResourceExhausted(
                     f"rank {self.rank} memory limit: {entry.nbytes} bytes requested, "
@@ -237,6 +251,14 @@ class ShardStore:
                     f"{self._capacity - self._memory_used} bytes left of {self.device}'s {self._capacity}")
             self._versions[key] = entry
             self._memory_used += entry.nbytes
+
+    def _make_room(self, nbytes: int) -> None:
+        """Let go of recycled buffers that a reservation of `nbytes` needs room for (limit or device capacity)."""
+        room = self._capacity - self._memory_used - nbytes
+        if self.memory_limit:
+            room = min(room, self.memory_limit - self._memory_used - nbytes)
+        if self.shared.recycled.nbytes > room:
+            self.shared.recycled.trim(room)
 
     def _forget(self, entry: StoredVersion) -> None:
         with self._lock:
@@ -272,8 +294,10 @@ class ShardStore:
         return len(keys)
 
     def _free_locked(self, entry: StoredVersion) -> None:
+        """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/recycling.py)."""
         del self._versions[(entry.name, entry.version)]
         self._memory_used -= entry.nbytes
+        self.shared.recycle(list(entry.shards.values()))
         entry.shards.clear()
 
     # ------------------------------------------------------------ lookups and leases
@@ -394,7 +418,7 @@ class ShardStore:
             self._reserve(entry)
             try:
                 for i, shard in source.shards.items():
-                    entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype).copy_(shard)
+                    entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype, overwrite=True).copy_(shard)
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
                 raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None

@@ -254,6 +254,26 @@ def test_overwrite_seen_through_a_cached_mapping(cluster):
         c.delete("dp-over")
 
 
+def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(cluster):
+    """update_rows copies each new version into the segments of the version dropped before (server/recycling.py):
+    a client still holding mappings of that old version sees the header's generation change and refreshes."""
+    table = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+    ids = torch.tensor([0, 63, 31, 32, 5])
+    with connect(cluster.address) as writer, connect(cluster.address) as reader:
+        writer.put("dp-recycle", table, SPEC)
+        remote = reader.tensor("dp-recycle")
+        assert torch.equal(remote.lookup(ids), table[ids]) and torch.equal(remote[:], table)
+        mappings = [m for k, m in reader._data_plane.reader._cache.items() if k[1] == "dp-recycle"]
+        assert mappings and all(m.generation == 0 for m in mappings)
+        for k in (1, 2):  # version 2 copies version 1; version 3 is copied into version 1's segments
+            writer.update_rows("dp-recycle", torch.arange(64), torch.full((64, 16), float(k)))
+        assert all(int(m.state[2]) == 1 for m in mappings)  # the rank recycled what this client still maps
+        assert torch.equal(remote.lookup(ids), torch.full((5, 16), 2.0))  # stale, refreshed: the new rows
+        assert reader._lookups.view("dp-recycle").version == 3  # not version 3's rows taken for version 1's
+        assert torch.equal(reader.tensor("dp-recycle")[:], torch.full((64, 16), 2.0))
+        writer.delete("dp-recycle")
+
+
 def test_segment_header_follows_promote_and_drop():
     from server.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
 
@@ -264,12 +284,12 @@ def test_segment_header_follows_promote_and_drop():
 
     def header() -> list[int]:
         with open(f"/proc/{segment.pid}/fd/{segment.fd}", "rb") as f:
-            return torch.frombuffer(bytearray(f.read(16)), dtype=torch.int64).tolist()
+            return torch.frombuffer(bytearray(f.read(24)), dtype=torch.int64).tolist()
 
-    assert header() == [HEADER_MAGIC, STATE_SERVED]
+    assert header() == [HEADER_MAGIC, STATE_SERVED, 0]
     with store.lease("t", 1):
         store.drop("t", 1)
-        assert header() == [HEADER_MAGIC, STATE_DROPPED]
+        assert header() == [HEADER_MAGIC, STATE_DROPPED, 0]
 
 
 def _versions_of(base: torch.Tensor, count: int) -> dict[float, torch.Tensor]:
@@ -411,8 +431,8 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
         reader, opened = c._data_plane.reader, []
-        open_shard = reader._open
-        reader._open = lambda address, request: opened.append(request.shard_index) or open_shard(address, request)
+        open_shard = reader._open_shard
+        reader._open_shard = lambda address, request: opened.append(request.shard_index) or open_shard(address, request)
         assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
         assert opened == []  # cached IPC mappings: the header page says "served", no OpenShard
         newer = source.flip(0).contiguous()

@@ -1,0 +1,108 @@
+"""Memory of freed versions kept for the next allocation of the same size.
+
+A reshard or an update writes every byte of its new shards, and on Linux
+first-touching fresh pages costs several times the copy itself (128 MiB:
+~20-30 ms into fresh THP memory, ~100 ms into a fresh memfd, 16 ms into memory
+touched before). So when the store frees a dropped version, its shard buffers
+come here instead of back to the OS, and the next allocation of the same byte
+size takes one. Bounded in bytes and in age; the store trims it whenever it
+needs the memory for a reservation.
+
+Safety is the caller's: a buffer is kept only once no lease holds its version
+(no read, write or reshard in this process uses it). Same-host clients that
+mapped a shared-memory buffer are handled by server/shared_memory.py: taking
+such a buffer bumps the generation word of its header before any byte changes,
+and clients check that word before and after each read.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_MAX_BYTES = 1 << 30
+DEFAULT_MAX_AGE_S = 60.0
+
+
+@dataclass(eq=False)
+class Buffer:
+    """One kept buffer: its bytes, and (for a shared-memory segment) the segment and its header words."""
+
+    flat: torch.Tensor  # uint8, 1-D, the whole buffer
+    header: torch.Tensor | None = None
+    segment: Any = None
+    since: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel()
+
+
+class RecycledBuffers:
+    """Buffers of freed versions, oldest first, at most `max_bytes` in all and `max_age_s` old."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 (0 keeps nothing), got {max_bytes}")
+        if max_age_s <= 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._buffers: list[Buffer] = []
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again, for logs and tests
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept now."""
+        return self._bytes
+
+    def keep(self, buffer: Buffer) -> None:
+        """Keep `buffer` (dropping the oldest ones past the bounds)."""
+        if buffer.nbytes == 0 or buffer.nbytes > self.max_bytes:
+            return
+        buffer.since = self._clock()
+        with self._lock:
+            self._buffers.append(buffer)
+            self._bytes += buffer.nbytes
+            self._trim_locked(self.max_bytes)
+
+    def take(self, nbytes: int, shared: bool | None = None) -> Buffer | None:
+        """A kept buffer of exactly `nbytes` (shared-memory ones first when `shared` is None; only those, or only
+        private ones, when True or False), or None."""
+        with self._lock:
+            self._trim_locked(self.max_bytes)
+            fits = [b for b in self._buffers if b.nbytes == nbytes
+                    and (shared is None or (b.segment is not None) == shared)]
+            if not fits:
+                return None
+            chosen = max(fits, key=lambda b: (b.segment is not None, b.since))
+            self._buffers.remove(chosen)
+            self._bytes -= chosen.nbytes
+            self.reused += 1
+            return chosen
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Let go of the oldest buffers until at most `keep_bytes` are kept (and none is too old); bytes freed."""
+        with self._lock:
+            return self._trim_locked(max(0, keep_bytes))
+
+    def _trim_locked(self, keep_bytes: int) -> int:
+        too_old = self._clock() - self.max_age_s
+        kept, freed = [], 0
+        total = self._bytes
+        for buffer in self._buffers:  # oldest first
+            if buffer.since < too_old or total > keep_bytes:
+                total -= buffer.nbytes
+                freed += buffer.nbytes
+            else:
+                kept.append(buffer)
+        self._buffers, self._bytes = kept, total
+        return freed

@@ -1,0 +1,144 @@
+"""Recycling of freed versions' memory (server/recycling.py): the pool's bounds, shared-memory segments handed
+over with a new generation, and the store keeping only what no lease holds. In-process, no cluster."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.recycling import Buffer, RecycledBuffers
+from server.shared_memory import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED, SharedMemory
+from server.store import ShardStore
+from shardcore.metadata import TensorProperties
+from shardcore.specs import ChunkShardingSpec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _bytes(n: int) -> Buffer:
+    return Buffer(torch.zeros(n, dtype=torch.uint8))
+
+
+def test_take_gives_a_kept_buffer_of_exactly_the_size_once():
+    pool = RecycledBuffers(max_bytes=1000)
+    kept = _bytes(100)
+    pool.keep(kept)
+    assert pool.take(99) is None and pool.take(101) is None
+    assert pool.take(100) is kept and pool.take(100) is None
+    assert pool.nbytes == 0 and pool.reused == 1
+
+
+def test_bounds_drop_the_oldest_and_the_too_old():
+    clock = Clock()
+    pool = RecycledBuffers(max_bytes=250, max_age_s=10, clock=clock)
+    first, second, third = _bytes(100), _bytes(100), _bytes(100)
+    for buffer in (first, second, third):
+        pool.keep(buffer)
+        clock.now += 1
+    assert pool.nbytes == 200  # the oldest went
+    pool.keep(_bytes(300))  # bigger than the whole pool: not kept
+    assert pool.nbytes == 200
+    assert pool.trim(100) == 100 and pool.take(100) is third
+    pool.keep(first)
+    clock.now += 11
+    assert pool.take(100) is None and pool.nbytes == 0
+
+
+def test_shared_buffers_are_preferred_and_can_be_asked_for():
+    pool = RecycledBuffers()
+    private, shared = _bytes(64), Buffer(torch.zeros(64, dtype=torch.uint8), segment=object())
+    pool.keep(private)
+    pool.keep(shared)
+    assert pool.take(64, shared=False) is private
+    pool.keep(private)
+    assert pool.take(64) is shared and pool.take(64, shared=True) is None
+
+
+@pytest.mark.parametrize("bad", [{"max_bytes": -1}, {"max_age_s": 0}])
+def test_bad_bounds_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        RecycledBuffers(**bad)
+
+
+def _header(segment) -> list[int]:
+    with open(f"/proc/{segment.pid}/fd/{segment.fd}", "rb") as f:
+        return torch.frombuffer(bytearray(f.read(24)), dtype=torch.int64).tolist()
+
+
+def test_a_recycled_segment_gets_a_new_generation_and_keeps_its_fd():
+    shared = SharedMemory()
+    old = shared.empty((32, 8), torch.float32)
+    old.fill_(7)
+    segment = shared.segment_of(old)
+    shared.mark([old], served=True)
+    assert _header(segment) == [HEADER_MAGIC, STATE_SERVED, 0]
+    shared.recycle([old])
+    del old
+    assert _header(segment) == [HEADER_MAGIC, STATE_DROPPED, 0]  # the fd outlives the first tensor over it
+    kept = shared.empty((16, 16), torch.float32, overwrite=True)
+    assert shared.segment_of(kept) == segment and bool((kept == 7).all())  # not zeroed: the caller overwrites
+    assert _header(segment) == [HEADER_MAGIC, STATE_PENDING, 1]
+    shared.recycle([kept])
+    zeroed = shared.empty((256,), torch.int32)
+    assert shared.segment_of(zeroed) == segment and not zeroed.any()
+    assert _header(segment)[2] == 2
+
+
+def test_views_and_plain_tensors():
+    shared = SharedMemory(enabled=False)
+    whole = torch.ones(100)
+    shared.recycle([whole[:50], whole.view(10, 10).t()])  # a part of a bigger buffer, a non-contiguous one
+    assert shared.recycled.nbytes == 0
+    shared.recycle([whole])
+    reused = shared.recycled_empty((50,), torch.float64)
+    assert reused is not None and reused.data_ptr() == whole.data_ptr()
+
+
+def _meta(rows: int, cols: int = 8):
+    return ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((rows, cols), TensorProperties())
+
+
+def test_store_recycles_a_dropped_version_once_no_lease_holds_it():
+    store = ShardStore(0, shared_memory=True)
+    store.allocate("t", 1, _meta(64), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    with store.lease("t", 1) as entry:
+        shard = store.shard_of(entry, 0)
+        store.drop("t", 1)
+        assert store.shared.recycled.nbytes == 0  # a reader still holds it
+        assert torch.equal(shard[3], torch.arange(24.0, 32.0))
+    assert store.shared.recycled.nbytes == 64 * 8 * 4
+    assert set(store.recycled_shards(_meta(32, 16))) == {0}  # same bytes, other shape
+    assert store.recycled_shards(_meta(64)) == {} and store.shared.recycled.reused == 1
+
+
+def test_store_lets_recycled_memory_go_when_a_reservation_needs_it():
+    store = ShardStore(0, shared_memory=True, memory_limit=64 * 8 * 4 + 100)
+    store.allocate("t", 1, _meta(64), init=pb.INIT_ONES)
+    store.promote("t", 1)
+    store.drop("t", 1)
+    assert store.shared.recycled.nbytes == 64 * 8 * 4
+    store.allocate("u", 1, _meta(60))  # fits the limit only without the kept buffer
+    assert store.shared.recycled.nbytes == 0 and store.memory_used == 60 * 8 * 4
+    assert not store.local_tensor("u", 1, 0).any()
+
+
+def test_update_copies_reuse_the_dropped_version():
+    store = ShardStore(0, shared_memory=True)
+    store.allocate("t", 1, _meta(64), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    for version in (2, 3):
+        store.allocate_copy("t", version, _meta(64), version - 1)
+        store.promote("t", version)
+        store.drop("t", version - 1)
+    assert store.shared.recycled.reused == 1  # version 3 was copied into version 1's segment
+    assert torch.equal(store.local_tensor("t", 3, 0), torch.arange(64 * 8, dtype=torch.float32).view(64, 8))
+    assert os.path.exists(f"/proc/self/fd/{store.shared.segment_of(store.local_tensor('t', 3, 0)).fd}")
