@@ -74,13 +74,15 @@ class LocalCluster:
                  tls: TlsFiles | None = None, memory_limit: int | None = None,
                  max_request_bytes: int | None = None, heartbeat_interval: float = 1.0,
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0, log_level: str | None = None) -> None:
+                 pending_timeout: float = 600.0, log_level: str | None = None,
+                 recycle_bytes: int | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
         self.security = Security(token=token or None, tls=tls)
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit or 0
+        self.recycle_bytes = recycle_bytes  # None: the rank's default
         self.max_request_bytes = max_request_bytes or 0
         self.heartbeat_interval = heartbeat_interval
         self.host, self.port, self.device = host, port, device
@@ -178,6 +180,8 @@ class LocalCluster:
         cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{self.host}:0",
                "--device", self.device, "--memory-limit", str(self.memory_limit),
                "--max-request-bytes", str(self.max_request_bytes), "--log-level", self.log_level]
+        if self.recycle_bytes is not None:
+            cmd += ["--recycle-bytes", str(self.recycle_bytes)]
         tls = self.security.tls
         if tls is not None:
             cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
@@ -258,6 +262,8 @@ def main_up(argv: Sequence[str]) -> int:
     parser.add_argument("--memory-limit", type=int, default=0, help="bytes of shards per rank (0 = unlimited)")
     parser.add_argument("--max-request-bytes", type=int, default=0, help="largest ReadRegion box in bytes "
                         "(0 = unlimited)")
+    parser.add_argument("--recycle-bytes", type=int, default=None, help="bytes of freed versions' memory each "
+                        "rank keeps for reuse (0 = off; default: the rank's, 1 GiB)")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks")
     parser.add_argument("--demo", action="store_true", help="serve the demo table 'demo' (float32 1,000,000 x 64, "
                         "normal, seed 0, row-wise over all ranks), loaded from a DCP checkpoint written once "
@@ -266,8 +272,8 @@ def main_up(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
-    for flag in ("memory_limit", "max_request_bytes", "port"):
-        if getattr(args, flag) < 0:
+    for flag in ("memory_limit", "max_request_bytes", "port", "recycle_bytes"):
+        if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.heartbeat_interval <= 0:
         parser.error("--heartbeat-interval must be > 0")
@@ -279,7 +285,7 @@ def main_up(argv: Sequence[str]) -> int:
     cluster = LocalCluster(args.ranks, token=security.token, state_dir=args.state_dir, tls=security.tls,
                            memory_limit=args.memory_limit, max_request_bytes=args.max_request_bytes,
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
-                           device=args.device, log_level=args.log_level)
+                           device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     try:

@@ -26,6 +26,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
 from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
+from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.shard_server import ShardServerServicer, add_shard_server
 from server.shared_memory import host_id
 from server.store import ShardStore
@@ -46,15 +47,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "(0 = unlimited)")
     parser.add_argument("--max-request-bytes", type=int, default=0, help="largest box one ReadRegion may "
                         "ask for, in bytes (0 = unlimited)")
+    parser.add_argument("--recycle-bytes", type=int, default=DEFAULT_RECYCLE_BYTES, help="bytes of freed "
+                        "versions' memory kept for the next reshard, update or put of the same size (0 = off; "
+                        "default %(default)s)")
     parser.add_argument("--dist-timeout", type=float, default=120.0, help="seconds to wait for the "
                         "torch.distributed world to form (default %(default)s)")
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
     add_security_args(parser)
     args = parser.parse_args(argv)
-    for flag in ("memory_limit", "max_request_bytes"):
+    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes"):
         if getattr(args, flag) < 0:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 0 (0 = unlimited)")
+            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
 
 
@@ -190,7 +194,7 @@ def main(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 2
     init_world(rank, world_size, args.dist_timeout, device)
-    store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes)
+    store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
     running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,

@@ -22,6 +22,8 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
+from server.recycling import RecycledBuffers
 from server.shared_memory import Segment, SharedMemory, enabled_by_env
 from shardcore.dtypes import dtype_name
 from shardcore.metadata import Box, ShardedTensorMetadata
@@ -120,7 +122,8 @@ class ShardStore:
     """The shards of one rank under (name, version), with memory accounting and read leases."""
 
     def __init__(self, rank: int, device: str = "cpu", memory_limit: int = 0,
-                 max_request_bytes: int = 0, shared_memory: bool | None = None) -> None:
+                 max_request_bytes: int = 0, shared_memory: bool | None = None,
+                 recycle_bytes: int = DEFAULT_RECYCLE_BYTES) -> None:
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {memory_limit}")
         if max_request_bytes < 0:
@@ -135,7 +138,8 @@ class ShardStore:
         self._memory_used = 0
         # CPU shards live in shared memory (same-host data plane) unless turned off; see server/shared_memory.py
         use_shared = enabled_by_env() if shared_memory is None else shared_memory
-        self.shared = SharedMemory(enabled=use_shared and self.device.type == "cpu")
+        self.shared = SharedMemory(enabled=use_shared and self.device.type == "cpu",
+                                   recycled=RecycledBuffers(recycle_bytes))
         # CUDA shards are handed over as CUDA IPC handles instead (server/shm_service.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
 
