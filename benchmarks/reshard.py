@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import queue
 import socket
 import statistics
 import threading
@@ -285,7 +286,15 @@ def run_world(world: int, args: dict) -> dict:
     for p in procs:
         p.start()
     try:
-        return results.get(timeout=args["timeout"])
+        deadline = time.monotonic() + args["timeout"]
+        while True:  # a worker that died (an exception, a kill) ends the wait at once, not at the timeout
+            try:
+                return results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {world}-rank benchmark world failed (exit codes {failed}) "
+                                       f"or took over {args['timeout']:.0f} s") from None
     finally:
         for p in procs:
             p.join(timeout=60)

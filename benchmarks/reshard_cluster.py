@@ -4,8 +4,11 @@ For each world size: a LocalCluster of that many ranks, a square float32
 tensor created row-wise (Shard(0)), then `RemoteShardedTensor.reshard` to
 column-wise (Shard(1)) and back, timed from the client (validation, memory
 reservation, the collective job, catalog commit, promotion and drop
-included). In the same run, `benchmarks.reshard.run_world` measures the bare
-gloo transfer of the same bytes and `run_reshard` alone in a plain world.
+included), once with the ranks' default --recycle-bytes (each reshard writes
+into the buffers of the version dropped before it) and once with recycling
+off (fresh memory each time). In the same run, `benchmarks.reshard.run_world`
+measures the bare gloo transfer of the same bytes and `run_reshard` alone in a
+plain world.
 
     python -m benchmarks.reshard_cluster [--size-mib 64] [--ranks 2] [--bucket-mib 16] [--repeats 3] [--json FILE]
 """
@@ -21,15 +24,17 @@ import time
 from benchmarks import reshard as raw
 
 
-def cluster_times(world: int, n: int, bucket_bytes: int, repeats: int) -> dict:
-    """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report."""
+def cluster_times(world: int, n: int, bucket_bytes: int, repeats: int, recycle_bytes: int | None = None) -> dict:
+    """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report;
+    `recycle_bytes` as the ranks' --recycle-bytes (None: their default, 0: recycling off)."""
     from client import connect
     from server.launcher import LocalCluster
     from shardcore.specs import ChunkShardingSpec
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
     specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]
-    with LocalCluster(world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-")) as cluster, \
+    with LocalCluster(world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
+                      recycle_bytes=recycle_bytes) as cluster, \
             connect(cluster.address, timeout=600) as client:
         tensor = client.create("bench", (n, n), spec=ChunkShardingSpec(0, placements), init="arange")
         reports: list = []
@@ -53,15 +58,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="FILE")
     ns = parser.parse_args(argv)
     bucket = int(ns.bucket_mib * (1 << 20))
-    args = {"size_mib": ns.size_mib, "bucket_bytes": bucket, "repeats": ns.repeats, "timeout": 1800.0}
+    args = {"size_mib": ns.size_mib, "bucket_bytes": bucket, "repeats": ns.repeats, "timeout": 1800.0,
+            "methods": ["bare", "dtensor", "shardserve"]}
     rows = []
     for world in (int(w) for w in ns.ranks.split(",")):
         n = raw.square_side(ns.size_mib)
         plain = raw.run_world(world, args)
         seconds = {r["method"]: r["seconds"] for r in plain["rows"]}
         e2e = cluster_times(world, n, bucket, ns.repeats)
+        fresh = cluster_times(world, n, bucket, ns.repeats, recycle_bytes=0)
         rows.append({"world": world, "n": n, "bare_s": seconds[raw.BARE], "run_reshard_s": seconds[raw.OURS],
                      "dtensor_s": seconds.get(raw.DTENSOR), "cluster_reshard_s": e2e["seconds"],
+                     "cluster_reshard_no_recycling_s": fresh["seconds"],
                      "max_new_shard_bytes": e2e["max_new_shard_bytes"], "max_staging_bytes": e2e["max_staging_bytes"]})
     from rich.console import Console
     from rich.table import Table
@@ -69,14 +77,15 @@ def main(argv: list[str] | None = None) -> None:
     out = Table(title=f"Reshard Shard(0) <-> Shard(1) float32 through the cluster, gloo on 127.0.0.1, "
                       f"{os.cpu_count()} cores, buckets {ns.bucket_mib:g} MiB")
     for column in ("ranks", "tensor", "bare s", "run_reshard s", "DTensor s", "cluster reshard s", "x bare",
-                   "x run_reshard", "new shard MiB/rank", "staging MiB/rank"):
+                   "x run_reshard", "recycling off s", "x bare (off)", "new shard MiB/rank", "staging MiB/rank"):
         out.add_column(column, justify="right")
     for r in rows:
         mib = r["n"] * r["n"] * 4 / (1 << 20)
         out.add_row(str(r["world"]), f"{r['n']}x{r['n']} ({mib:.0f} MiB)", f"{r['bare_s']:.3f}",
                     f"{r['run_reshard_s']:.3f}", "-" if r["dtensor_s"] is None else f"{r['dtensor_s']:.3f}",
                     f"{r['cluster_reshard_s']:.3f}", f"{r['cluster_reshard_s'] / r['bare_s']:.2f}",
-                    f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}", f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
+                    f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}", f"{r['cluster_reshard_no_recycling_s']:.3f}",
+                    f"{r['cluster_reshard_no_recycling_s'] / r['bare_s']:.2f}", f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
                     f"{r['max_staging_bytes'] / (1 << 20):.1f}")
     Console(width=180).print(out)
     if ns.json:

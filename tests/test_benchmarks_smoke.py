@@ -155,3 +155,16 @@ def test_rss_sampler_sees_a_child_allocate() -> None:
             child.wait(timeout=10)
     assert set(peaks) == {"allocator"}
     assert peaks["allocator"] >= 200 << 20
+
+
+def test_cluster_reshard_benchmark_runs_small(tmp_path) -> None:
+    """benchmarks.reshard_cluster (not a suite scenario) at 1 MiB: both cluster runs and the plain world report."""
+    json_path = tmp_path / "reshard_cluster.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.reshard_cluster", "--size-mib", "1", "--ranks", "2",
+                             "--repeats", "1", "--json", str(json_path)], cwd=PROJECT_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads(json_path.read_text())["rows"]
+    for key in ("bare_s", "run_reshard_s", "cluster_reshard_s", "cluster_reshard_no_recycling_s"):
+        assert row[key] > 0, key
+    assert row["world"] == 2 and row["max_new_shard_bytes"] == 512 * 256 * 4
