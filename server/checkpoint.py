@@ -196,7 +196,8 @@ def load_shards(path: str | os.PathLike, key: str, meta: ShardedTensorMetadata, 
 
 
 def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
-                 process_group: dist.ProcessGroup | None = None) -> dict[str, dict[int, torch.Tensor]]:
+                 process_group: dist.ProcessGroup | None = None,
+                 into: Mapping[str, Mapping[int, torch.Tensor]] | None = None) -> dict[str, dict[int, torch.Tensor]]:
     """Read this rank's shards of several tensors (key -> destination layout) from a DCP checkpoint.
 
     The layouts may differ from the saved ones (DCP reshards on load); each
@@ -204,7 +205,8 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     allocated on their placement's device in the layout's dtype (DCP casts
     if the checkpoint holds another dtype). A collective of the group: every
     rank calls it with the same layouts. Nothing is returned unless every
-    rank succeeded.
+    rank succeeded. `into` gives buffers for some shards (key -> shard index -> tensor of the shard's sizes and
+    dtype, e.g. recycled ones): a load writes every byte of them; the others are allocated.
     """
     directory = _checkpoint_dir(path, must_exist=False)
     _check_layouts(layouts, require_coverage=False)
@@ -212,7 +214,7 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         problems.append(f"rank must be a non-negative int, got {rank!r}")
         rank = -1  # holds no shards; the problem is raised on every rank inside DCP's planning step
-    shards = {key: _allocate(key, meta, rank, problems) for key, meta in layouts.items()}
+    shards = {key: _allocate(key, meta, rank, problems, (into or {}).get(key, {})) for key, meta in layouts.items()}
     state = {key: _LocalShards(meta, [meta.shards_metadata[i].box for i in _non_empty(shards[key], meta)],
                                [shards[key][i] for i in _non_empty(shards[key], meta)],
                                _device_of(shards[key]))
@@ -323,11 +325,18 @@ def _shards_for_save(key: str, meta: ShardedTensorMetadata, local_shards: LocalS
     return _LocalShards(meta, list(boxes), list(boxes.values()), _device_of(boxes))
 
 
-def _allocate(key: str, meta: ShardedTensorMetadata, rank: int, problems: list[str]) -> dict[int, torch.Tensor]:
-    """Empty tensors for the shards of `meta` placed on `rank`, on their placement's device."""
+def _allocate(key: str, meta: ShardedTensorMetadata, rank: int, problems: list[str],
+              given: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Tensors for the shards of `meta` placed on `rank`: the given ones that fit, else new empty ones on their
+    placement's device."""
     shards = {}
     for index in meta.shards_on(rank):
         shard = meta.shards_metadata[index]
+        buffer = given.get(index)
+        if (isinstance(buffer, torch.Tensor) and tuple(buffer.shape) == shard.shard_sizes
+                and buffer.dtype == meta.dtype and buffer.device == shard.device):
+            shards[index] = buffer
+            continue
         try:
             shards[index] = torch.empty(shard.shard_sizes, dtype=meta.dtype, device=shard.device)
         except (RuntimeError, AssertionError) as exc:

@@ -51,7 +51,10 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
-    shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank)
+    # freed versions' buffers of the right sizes first (a load writes every byte; no first-touch page faults)
+    recycled = {name: ctx.store.recycled_shards(meta) for name, _, meta in tensors}
+    shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
+                          into=recycled)
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
             ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})

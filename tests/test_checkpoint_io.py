@@ -19,6 +19,7 @@ from server.checkpoint import (CheckpointError, checkpoint_tensors, load_shards,
                                save_tensors)
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
 from shardcore.regions import cut_tensor
+from shardcore.specs import ChunkShardingSpec
 
 SIZE = (51, 12)
 PG_TIMEOUT_S = 120
@@ -337,3 +338,14 @@ def test_single_process_replicas_on_one_rank_subset_of_keys_and_nested_checkpoin
     loaded = load_shards(tmp_path, "model.emb.weight", twice, 0)
     assert_same_shards(loaded, expected_shards(full, twice, 0))
     assert loaded[0].data_ptr() != loaded[1].data_ptr()
+
+
+def test_load_writes_into_given_buffers_in_one_process(tmp_path):
+    """`into` (a rank's recycled buffers) is filled in place; shards without a fitting buffer are allocated."""
+    full = torch.randn(12, 5, generator=torch.Generator().manual_seed(3))
+    dcp.save({"emb": full}, checkpoint_id=str(tmp_path), no_dist=True)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:0/cpu"]).build_metadata((12, 5), TensorProperties())
+    given = torch.full((6, 5), float("nan"))
+    shards = load_tensors(tmp_path, {"emb": meta}, 0, into={"emb": {0: given, 1: torch.empty(5, 6)}})["emb"]
+    assert shards[0] is given and torch.equal(given, full[:6])
+    assert shards[1].shape == (6, 5) and torch.equal(shards[1], full[6:])
