@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from server.recycling import Buffer, RecycledBuffers
+from shardcore.dtypes import itemsize
 from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
@@ -89,10 +90,10 @@ class SharedMemory:
     def empty(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """A C-contiguous CPU tensor, in a memfd when enabled (else plain memory): zero-filled, unless the
         caller will `overwrite` every byte (then a recycled segment is handed over as it is)."""
-        nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = _nbytes(sizes, dtype)
         if not self.enabled or nbytes == 0:
             return torch.zeros(sizes, dtype=dtype)
-        tensor = self._reuse(sizes, dtype, nbytes, shared=True)
+        tensor = self._reuse(sizes, dtype, shared=True)
         if tensor is not None:
             return tensor if overwrite else tensor.zero_()
         try:
@@ -108,8 +109,7 @@ class SharedMemory:
     def recycled_empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A recycled buffer of the right size as a tensor whose every byte the caller will overwrite (shared
         memory or private), or None when none is kept."""
-        nbytes = torch.Size(sizes).numel() * torch.empty((), dtype=dtype).element_size()
-        return self._reuse(sizes, dtype, nbytes, shared=None) if nbytes else None
+        return self._reuse(sizes, dtype, shared=None)
 
     def recycle(self, tensors) -> None:  # type: ignore[no-untyped-def]
         """Keep the buffers of a freed version's CPU shards for reuse; the caller guarantees nothing in this
@@ -125,10 +125,9 @@ class SharedMemory:
             elif segment is None and _owns_storage(tensor):
                 self.recycled.keep(Buffer(byte_view(tensor)))
 
-    def _reuse(self, sizes: tuple[int, ...], dtype: torch.dtype, nbytes: int,
-               shared: bool | None) -> torch.Tensor | None:
+    def _reuse(self, sizes: tuple[int, ...], dtype: torch.dtype, shared: bool | None) -> torch.Tensor | None:
         """A kept buffer as a tensor of `sizes`; a segment gets a new generation before anything is written."""
-        buffer = self.recycled.take(nbytes, shared)
+        buffer = self.recycled.take(_nbytes(sizes, dtype), shared)
         if buffer is None:
             return None
         tensor = buffer.flat.view(dtype).view(sizes)
@@ -204,6 +203,10 @@ def _new_header(flat: torch.Tensor, state: int) -> torch.Tensor:
     header[1] = state
     header[2] = 0
     return header
+
+
+def _nbytes(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(sizes).numel() * itemsize(dtype)
 
 
 def _owns_storage(tensor: torch.Tensor) -> bool:
