@@ -11,7 +11,9 @@ agent; and a local `index_select` (the limit).
 
 checkpoint: the same table as a DCP checkpoint on local disk;
 `Cluster.load_checkpoint` (each rank reads its half) against
-`torch.distributed.checkpoint.load` into a local tensor in this process, and
+`torch.distributed.checkpoint.load` into a local tensor in this process (and,
+to tell the reader's share from the ranks' parallelism, `dcp.load` in this
+process through server/checkpoint_reader.py's RegionReader), and
 `Cluster.save_checkpoint` against `dcp.save` of a local tensor.
 """
 from __future__ import annotations
@@ -209,6 +211,7 @@ def lookup_path(cluster: Any) -> str:
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
 def lookups_scenario(ctx: Context) -> list[Row]:
     from client import connect
+    from server.checkpoint_reader import RegionReader
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
@@ -263,6 +266,7 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
     import torch.distributed.checkpoint as dcp
 
     from client import connect
+    from server.checkpoint_reader import RegionReader
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
@@ -277,7 +281,7 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
             dcp.save({"bench": source}, checkpoint_id=path, no_dist=True)
             cluster = ctx.start_cluster(stack, RANKS)
             client = stack.enter_context(connect(cluster.address))
-            load_times, dcp_times, save_times, dcp_save_times = [], [], [], []
+            load_times, dcp_times, direct_times, save_times, dcp_save_times = [], [], [], [], []
             with ctx.rss(cluster.rank_pids) as peaks:
                 for i in range(repeat):
                     start = time.perf_counter()
@@ -287,16 +291,23 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
                     start = time.perf_counter()
                     dcp.load(out, checkpoint_id=path, no_dist=True)
                     dcp_times.append(time.perf_counter() - start)
+                    out_direct = {"bench": torch.empty(rows_n, DIM)}
+                    start = time.perf_counter()
+                    dcp.load(out_direct, storage_reader=RegionReader(path), no_dist=True)
+                    direct_times.append(time.perf_counter() - start)
                     start = time.perf_counter()
                     client.save_checkpoint(os.path.join(state, f"saved{i}"), names=["bench"])
                     save_times.append(time.perf_counter() - start)
                     start = time.perf_counter()
                     dcp.save({"bench": source}, checkpoint_id=os.path.join(state, f"dcp{i}"), no_dist=True)
                     dcp_save_times.append(time.perf_counter() - start)
-            ok = torch.equal(client["bench"][:], source) and torch.equal(out["bench"], source)
+            ok = (torch.equal(client["bench"][:], source) and torch.equal(out["bench"], source)
+                  and torch.equal(out_direct["bench"], source))
     case = f"{rows_n} x {DIM} float32"
     rows.append(Row("checkpoint", f"load {case}", "shardserve load_checkpoint", statistics.median(load_times),
                     path="dcp on ranks", nbytes=nbytes, baseline="dcp.load", peak_rss=peaks, ok=ok))
+    rows.append(Row("checkpoint", f"load {case}", "dcp.load with RegionReader", statistics.median(direct_times),
+                    path="in-process", nbytes=nbytes, baseline="dcp.load", ok=ok))
     rows.append(Row("checkpoint", f"load {case}", "dcp.load", statistics.median(dcp_times), path="in-process",
                     role="baseline", nbytes=nbytes, ok=ok))
     rows.append(Row("checkpoint", f"save {case}", "shardserve save_checkpoint", statistics.median(save_times),

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from server.checkpoint_reader import RegionReader
 from shardcore.metadata import Box, ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 
@@ -222,7 +223,7 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     _require_checkpoint_on_every_rank(directory, sorted(layouts), process_group)
     planner = _CheckedLoadPlanner(problems, layouts, str(directory))
     _run_dcp(f"loading {sorted(layouts)} from {directory}", process_group,
-             lambda group, no_dist: dcp.load(state, storage_reader=dcp.FileSystemReader(directory),
+             lambda group, no_dist: dcp.load(state, storage_reader=RegionReader(directory),
                                              planner=planner, process_group=group, no_dist=no_dist))
     return shards
 
