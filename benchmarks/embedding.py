@@ -211,7 +211,6 @@ def lookup_path(cluster: Any) -> str:
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
 def lookups_scenario(ctx: Context) -> list[Row]:
     from client import connect
-    from server.checkpoint_reader import RegionReader
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
