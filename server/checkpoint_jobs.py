@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 
+import torch
+
 from protos import shardserve_pb2 as pb
 from server.collective_jobs import JobContext, register_job_kind
 from server.errors import InvalidArgument
@@ -45,16 +47,27 @@ def _local_bytes(tensors: list[tuple[str, int, ShardedTensorMetadata]], rank: in
     return sum(meta.shard_nbytes(i) for _, _, meta in tensors for i in meta.shards_on(rank))
 
 
+def _destinations(ctx: JobContext, meta: ShardedTensorMetadata) -> dict[int, torch.Tensor]:
+    """Buffers for this rank's shards of `meta`, each written whole by the load: freed versions' buffers of the
+    right sizes first (no first-touch page faults), then new shard memory from the store, which for CPU shards
+    is shared memory, so a same-host reader maps the loaded shard as it is rather than a copy made on its
+    first read."""
+    buffers = ctx.store.recycled_shards(meta)
+    for i in meta.shards_on(ctx.rank):
+        shard = meta.shards_metadata[i]
+        if i not in buffers and shard.device == ctx.store.device:
+            buffers[i] = ctx.store.empty_shard(shard.shard_sizes, meta.dtype, overwrite=True)
+    return buffers
+
+
 def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
     from server.checkpoint import load_tensors  # DCP costs ~0.8 s to import: only ranks that load pay it
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
-    # freed versions' buffers of the right sizes first (a load writes every byte; no first-touch page faults)
-    recycled = {name: ctx.store.recycled_shards(meta) for name, _, meta in tensors}
     shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
-                          into=recycled)
+                          into={name: _destinations(ctx, meta) for name, _, meta in tensors})
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
             ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})

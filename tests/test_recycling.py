@@ -142,3 +142,30 @@ def test_update_copies_reuse_the_dropped_version():
     assert store.shared.recycled.reused == 1  # version 3 was copied into version 1's segment
     assert torch.equal(store.local_tensor("t", 3, 0), torch.arange(64 * 8, dtype=torch.float32).view(64, 8))
     assert os.path.exists(f"/proc/self/fd/{store.shared.segment_of(store.local_tensor('t', 3, 0)).fd}")
+
+
+def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(tmp_path):
+    """A load writes straight into segments (a same-host reader maps them as they are, no copy on first read),
+    and into a dropped version's buffers when one is kept."""
+    import time
+
+    from server.checkpoint import save_tensors
+    from server.checkpoint_jobs import run_checkpoint_load
+    from server.collective_jobs import JobContext
+    from shardcore.wire import metadata_to_proto
+
+    meta = _meta(64)
+    table = torch.randn(64, 8)
+    save_tensors(str(tmp_path / "ckpt"), {"t": (meta, {0: table})})
+    store = ShardStore(0, shared_memory=True)
+    for version in (1, 2, 3):
+        store.reserve("t", version, meta)
+        job = pb.CollectiveJob(checkpoint_load=pb.CheckpointJob(path=str(tmp_path / "ckpt"), tensors=[
+            pb.CheckpointTensor(name="t", version=version, metadata=metadata_to_proto(meta))]))
+        run_checkpoint_load(job, JobContext(store, 0, job, time.monotonic() + 60))
+        store.promote("t", version)
+        if version > 1:
+            store.drop("t", version - 1)
+        loaded = store.local_tensor("t", version, 0)
+        assert torch.equal(loaded, table) and store.shared.segment_of(loaded) is not None
+    assert store.shared.recycled.reused == 1  # version 3 went into version 1's segment (1 was served during 2)
