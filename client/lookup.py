@@ -35,6 +35,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
@@ -282,21 +283,23 @@ class Lookups:
                 raise _bad_id_error(view, table_ids, bad[inverse])
             out = torch.empty((unique.numel(), view.dim), dtype=view.dtype)
             wanted = self._from_cache(view, unique, bad, out)
-            for route in view.index.route(unique[wanted], invalid="skip"):
+            fetch = unique if wanted.numel() == unique.numel() else _take(unique, wanted)
+            for route in view.index.route(fetch, invalid="skip"):
                 message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard)
-                items.append(_Item(view, _Remapped(route, wanted), message, unique[wanted][route.positions]))
+                items.append(_Item(view, _Remapped(route, wanted), message, _take(fetch, route.positions)))
             if bad is not None:
                 out[bad] = view.fill_row()
             plans[name] = (view, unique, wanted, inverse, out)
         self._call_ranks(items)
         for item in items:
-            positions = item.route.positions
-            plans[item.view.name][4][positions, item.route.columns] = item.answer
+            out = plans[item.view.name][4]
+            target = out if item.route.columns == slice(None) else out[:, item.route.columns]
+            _byte_rows(target)[item.route.positions.numpy()] = _byte_rows(item.answer.to(out.dtype).contiguous())
         results = {}
         for name, (view, unique, wanted, inverse, out) in plans.items():
             if self.cache is not None and wanted.numel():
                 self.cache.put_many(name, view.version, unique[wanted].tolist(), out[wanted])
-            rows = out.index_select(0, inverse)  # inverse comes from torch.unique: in range by construction
+            rows = _gather_rows(out, inverse)  # inverse comes from torch.unique: in range by construction
             results[name] = rows if dtype is None else rows.to(dtype)
         return results
 
@@ -435,7 +438,7 @@ class _Remapped:
         self.shard = route.shard
         self.rank = route.rank
         self.columns = route.columns
-        self.positions = wanted[route.positions]
+        self.positions = _take(wanted, route.positions)
 
 
 def _split_columns(partials: list[PartialBags]) -> list[PartialBags]:
@@ -451,6 +454,29 @@ def _split_columns(partials: list[PartialBags]) -> list[PartialBags]:
             start = lo - part.col_offset
             pieces.append(PartialBags(part.sums[:, start:start + hi - lo], part.counts, lo))
     return pieces
+
+
+def _byte_rows(rows: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view [rows, row bytes] of a 2-D CPU tensor whose rows are contiguous.
+
+    The routed path scatters and gathers rows with numpy, on this thread: torch's index kernels over a few
+    hundred rows run as OpenMP regions whose idle threads then spin for a while, taking the other core from
+    the gRPC threads and the ranks (512 ids over gRPC: 2.3-2.6 -> 1.9-2.3 ms, client CPU 3.1 -> 1.4 ms).
+    """
+    return rows.view(torch.uint8).numpy()
+
+
+def _gather_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """rows[order] for a 2-D CPU tensor, with numpy (see _byte_rows)."""
+    if not order.numel() or not rows.shape[1]:
+        return rows.new_empty((order.numel(), rows.shape[1]))
+    return torch.from_numpy(_byte_rows(rows).take(order.numpy(), axis=0)).view(rows.dtype)
+
+
+def _take(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """values[positions] for 1-D CPU tensors, with numpy (see _byte_rows: torch's index kernel of a few thousand
+    ids is an OpenMP region too)."""
+    return torch.from_numpy(values.numpy()[positions.numpy()])
 
 
 def _answer_bytes(item: _Item) -> int:
