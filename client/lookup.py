@@ -293,8 +293,8 @@ class Lookups:
         self._call_ranks(items)
         for item in items:
             out = plans[item.view.name][4]
-            target = out if item.route.columns == slice(None) else out[:, item.route.columns]
-            _byte_rows(target)[item.route.positions.numpy()] = _byte_rows(item.answer.to(out.dtype).contiguous())
+            rows = _byte_rows(out[:, item.route.columns])
+            rows[item.route.positions.numpy()] = _byte_rows(item.answer.to(out.dtype).contiguous())
         results = {}
         for name, (view, unique, wanted, inverse, out) in plans.items():
             if self.cache is not None and wanted.numel():

@@ -25,6 +25,7 @@ from typing import IO
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -56,8 +57,9 @@ class RegionReader(FileSystemReader):
                 others.append(item)
         for relative_path, items in by_file.items():
             with open(self.fs.concat_path(self.path, relative_path), "rb", buffering=0) as file:
+                chunks: dict[MetadataIndex, StoredChunk | None] = {}  # several requests may read one chunk
                 for item in items:
-                    if not self._read_region(file, item, planner):
+                    if not self._read_region(file, item, planner, chunks):
                         others.append(item)
         if others:
             return super().read_data(dataclasses.replace(plan, items=others), planner)
@@ -65,14 +67,18 @@ class RegionReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_region(self, file: IO[bytes], item: ReadItem, planner: LoadPlanner) -> bool:
-        """Read one request's region into its destination and commit it; False when it needs the general path."""
+    def _read_region(self, file: IO[bytes], item: ReadItem, planner: LoadPlanner,
+                     chunks: dict[MetadataIndex, StoredChunk | None]) -> bool:
+        """Read one request's region into its destination and commit it; False when it needs the general path.
+        `chunks` holds the chunks of this file already looked at."""
         info = self.storage_data[item.storage_index]
         where = f"{item.storage_index.fqn!r} at {tuple(item.storage_index.offset or ())} in {info.relative_path}"
-        try:
-            chunk = stored_chunk(FileSlice(file, info.offset, info.length), info.offset, info.length)
-        except (zipfile.BadZipFile, RuntimeError, TypeError, pickle.UnpicklingError) as exc:
-            raise ValueError(f"checkpoint chunk {where} is damaged or not a torch.save archive: {exc}") from None
+        if item.storage_index not in chunks:
+            try:
+                chunks[item.storage_index] = stored_chunk(file, info.offset, info.length)
+            except (zipfile.BadZipFile, RuntimeError, TypeError, pickle.UnpicklingError) as exc:
+                raise ValueError(f"checkpoint chunk {where} is damaged or not a torch.save archive: {exc}") from None
+        chunk = chunks[item.storage_index]
         if chunk is None:
             return False
         region = chunk.layout
@@ -126,10 +132,11 @@ class FileSlice(io.RawIOBase):
         return got
 
 
-def stored_chunk(view: IO[bytes], item_offset: int, item_length: int) -> StoredChunk | None:
-    """The layout and data position of the torch.save archive in `view` (one item of a .distcp file that
-    starts at `item_offset`); None when its bytes cannot be read as they lie (another byte order, or a torch
-    that does not report record offsets)."""
+def stored_chunk(file: IO[bytes], item_offset: int, item_length: int) -> StoredChunk | None:
+    """The layout and data position of the torch.save archive stored in `file` at bytes [item_offset,
+    item_offset + item_length) (one item of a .distcp file); None when its bytes cannot be read as they lie
+    (another byte order, or a torch that does not report record offsets)."""
+    view = FileSlice(file, item_offset, item_length)
     if _byte_order(view) not in (None, sys.byteorder):
         return None
     view.seek(0)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 
 from server.checkpoint import CheckpointError, load_tensors, save_tensors
-from server.checkpoint_reader import FileSlice, element_span, stored_chunk
+from server.checkpoint_reader import element_span, stored_chunk
 from shardcore.metadata import ShardedTensorMetadata, make_metadata
 from shardcore.regions import cut_tensor
 
@@ -89,7 +89,7 @@ def test_row_band_reads_only_its_own_bytes(tmp_path):
     (info,) = reader.storage_data.values()
     file_path = os.path.join(path, info.relative_path)
     with open(file_path, "rb") as file:
-        chunk = stored_chunk(FileSlice(file, info.offset, info.length), info.offset, info.length)
+        chunk = stored_chunk(file, info.offset, info.length)
     row_bytes = 16 * 4
     with open(file_path, "r+b") as file:
         file.seek(chunk.data_start)
