@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import grpc
 import numpy as np
@@ -44,16 +44,18 @@ from client.info import TensorSummary
 from client.mapped_rows import MappedRows
 from client.retry import read_with_refresh
 from protos import shardserve_pb2 as pb
+from protos.chunk_codec import RawLookupChunk, decode_lookup_chunk, decode_lookup_reply
 from shardcore.dtypes import dtype_from_wire
 from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
                                  validate_ids)
-from shardcore.routing import RowIndex, RowRoute, unique_ids
+from shardcore.routing import RowIndex, unique_ids
 from shardcore.wire import tensor_bytes
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
     from client.row_cache import RowCache
 
+_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
@@ -109,15 +111,15 @@ class TableView:
     def complete(self) -> bool:
         """Whether every row 0..rows-1 is held whole by the layout (then only the range needs checking)."""
         rows = self.summary.metadata.size[0]
-        return not bool(self.index.invalid_mask(torch.arange(rows)).any())
+        return not bool(self.index.invalid_array(np.arange(rows, dtype=np.int64)).any())
 
-    def invalid(self, sorted_ids: torch.Tensor) -> torch.Tensor | None:
+    def invalid(self, sorted_ids: np.ndarray) -> np.ndarray | None:
         """Mask of the ids no shard holds (out of range or in a hole), or None when there is none."""
-        if not sorted_ids.numel():
+        if not sorted_ids.size:
             return None
-        if self.complete and int(sorted_ids[0]) >= 0 and int(sorted_ids[-1]) < self.summary.metadata.size[0]:
+        if self.complete and sorted_ids[0] >= 0 and sorted_ids[-1] < self.summary.metadata.size[0]:
             return None
-        bad = self.index.invalid_mask(sorted_ids)
+        bad = self.index.invalid_array(sorted_ids)
         return bad if bool(bad.any()) else None
 
     def fill_row(self) -> torch.Tensor:
@@ -130,10 +132,16 @@ class _Item:
     """One LookupItem and where its answer goes; the ids go into the message only when it is sent."""
 
     view: TableView
-    route: RowRoute
+    rank: int
+    columns: slice  # the table columns the shard holds (slice(None): all)
     message: pb.LookupItem
     ids: torch.Tensor
+    positions: np.ndarray | None = None  # row items: the answer's rows' places among the plan's distinct ids
     answer: Any = None  # rows tensor, or PartialBags for pooled items
+
+    @property
+    def width(self) -> int:
+        return self.view.dim if self.columns == slice(None) else self.columns.stop - self.columns.start
 
     def wire_message(self) -> pb.LookupItem:
         """The message with its ids as raw int64 bytes (filled on first use)."""
@@ -185,7 +193,7 @@ class Lookups:
         self.cache = cache
         self.cache_max_age = cache_max_age
         self._views: dict[str, TableView] = {}
-        self._stubs: dict[str, Any] = {}
+        self._rank_methods: dict[str, Any] = {}
         self.last_paths: dict[int, str] = {}  # rank -> "shm", "grpc" or both: the path of its latest answer
         self._fetched: dict[str, float] = {}
         self._mapped: dict[str, tuple[TableView, MappedRows | None]] = {}  # name -> the fast path of its view
@@ -274,47 +282,41 @@ class Lookups:
 
     def _lookup_routed(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
                        dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        plans, items = {}, []
+        plans: dict[str, _RowPlan] = {}
+        items: list[_Item] = []
         for name, table_ids in ids.items():
-            view = views[name]
-            unique, inverse = unique_ids(table_ids)
-            bad = view.invalid(unique)
-            if bad is not None and view.oov == "error":
-                raise _bad_id_error(view, table_ids, bad[inverse])
-            out = torch.empty((unique.numel(), view.dim), dtype=view.dtype)
-            wanted = self._from_cache(view, unique, bad, out)
-            fetch = unique if wanted.numel() == unique.numel() else _take(unique, wanted)
-            for route in view.index.route(fetch, invalid="skip"):
-                message = pb.LookupItem(name=name, version=view.version, shard_index=route.shard)
-                items.append(_Item(view, _Remapped(route, wanted), message, _take(fetch, route.positions)))
-            if bad is not None:
-                out[bad] = view.fill_row()
-            plans[name] = (view, unique, wanted, inverse, out)
+            plan = plans[name] = _RowPlan.of(views[name], table_ids)
+            if plan.bad is not None and plan.view.oov == "error":
+                raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
+            plan.wanted = self._from_cache(plan)
+            items.extend(plan.items())
         self._call_ranks(items)
-        for item in items:
-            out = plans[item.view.name][4]
-            rows = _byte_rows(out[:, item.route.columns])
-            rows[item.route.positions.numpy()] = _byte_rows(item.answer.to(out.dtype).contiguous())
         results = {}
-        for name, (view, unique, wanted, inverse, out) in plans.items():
-            if self.cache is not None and wanted.numel():
-                self.cache.put_many(name, view.version, unique[wanted].tolist(), out[wanted])
-            rows = _gather_rows(out, inverse)  # inverse comes from torch.unique: in range by construction
+        for name, plan in plans.items():
+            rows = plan.distinct_rows([item for item in items if item.view is plan.view])
+            if self.cache is not None and plan.wanted.size:
+                self.cache.put_many(name, plan.view.version, plan.unique[plan.wanted].tolist(),
+                                    rows[torch.from_numpy(plan.wanted)])
+            rows = plan.in_callers_order(rows)
             results[name] = rows if dtype is None else rows.to(dtype)
         return results
 
-    def _from_cache(self, view: TableView, unique: torch.Tensor, bad: torch.Tensor | None,
-                    out: torch.Tensor) -> torch.Tensor:
-        """Fill `out` with cached rows; return the positions (in `unique`) still to fetch."""
-        todo = torch.arange(unique.numel()) if bad is None else (~bad).nonzero().view(-1)
-        if self.cache is None or not todo.numel():
+    def _from_cache(self, plan: "_RowPlan") -> np.ndarray | None:
+        """Fill the plan's rows from the row cache; return the positions (in plan.unique) still to fetch, or
+        None for all of them."""
+        todo = None if plan.bad is None else np.flatnonzero(~plan.bad)
+        if self.cache is None:
             return todo
-        keys = unique[todo].tolist()
-        found = self.cache.get_many(view.name, view.version, keys)
+        if todo is None:
+            todo = np.arange(plan.unique.size)
+        if not todo.size:
+            return todo
+        keys = plan.unique[todo].tolist()
+        found = self.cache.get_many(plan.view.name, plan.view.version, keys)
         if not found:
             return todo
-        hit = torch.tensor([k in found for k in keys], dtype=torch.bool)
-        out[todo[hit]] = torch.stack([found[k] for k in keys if k in found])
+        hit = np.fromiter((k in found for k in keys), dtype=bool, count=len(keys))
+        plan.rows()[torch.from_numpy(todo[hit])] = torch.stack([found[k] for k in keys if k in found])
         return todo[~hit]
 
     # ------------------------------------------------------------ bags
@@ -355,7 +357,7 @@ class Lookups:
                                     offsets=bytes(tensor_bytes(sub_offsets)))
             if weights is not None:
                 message.per_sample_weights = bytes(tensor_bytes(weights[positions].contiguous()))
-            items.append(_Item(view, route, message, request.ids[positions]))
+            items.append(_Item(view, route.rank, route.columns, message, request.ids[positions]))
         self._call_ranks(items)
         sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
         try:
@@ -375,34 +377,35 @@ class Lookups:
         """Answer what mapped shards can in this thread, then one Lookup call per remaining rank, in parallel."""
         by_rank: dict[int, list[_Item]] = defaultdict(list)
         for item in items:
-            by_rank[item.route.rank].append(item)
-        jobs = []
+            by_rank[item.rank].append(item)
+        calls = []
         for rank, group in sorted(by_rank.items()):
             rest = self._answer_through_shared_memory(rank, group)
             self.last_paths[rank] = "shm" if not rest else "grpc" if len(rest) == len(group) else "shm+grpc"
             if rest:
-                jobs.append(partial(self._call_rank, rank, rest))
-        if jobs:
-            self._cluster._transport.run_all(jobs)
+                calls.append((rank, rest))
+        if calls:
+            self._cluster._transport.run_all([partial(self._call_rank, rank, rest) for rank, rest in calls])
 
     def _call_rank(self, rank: int, items: list[_Item]) -> None:
-        """One Lookup (or LookupSmall) call to `rank` with `items`; each item gets its answer."""
+        """One Lookup call to `rank` with `items`, giving each item its answer: an answer up to
+        SMALL_ANSWER_BYTES comes in one LookupSmall message, a larger one streams."""
         address = self._cluster._address_of(rank)
         transport = self._cluster._transport
         request = pb.LookupRequest(items=[item.wire_message() for item in items])
         expected = sum(_answer_bytes(item) for item in items)
-        stub = self._stub(address)
+        methods = self._methods(address)
         where = f"rank {rank} at {address}"
         timeout = transport.data_timeout(expected)
         try:
-            buffers = _Receiver(items, where)
+            receiver = _Receiver(items, where)
             if expected <= SMALL_ANSWER_BYTES:
-                chunks = stub.LookupSmall(request, timeout=timeout, metadata=transport._metadata).items
+                chunks = methods.small(request, timeout=timeout, metadata=transport._metadata)
             else:
-                chunks = stub.Lookup(request, timeout=timeout, metadata=transport._metadata)
+                chunks = methods.stream(request, timeout=timeout, metadata=transport._metadata)
             for chunk in chunks:
-                buffers.add(chunk)
-            buffers.finish()
+                receiver.add(chunk)
+            receiver.finish()
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
 
@@ -423,22 +426,89 @@ class Lookups:
                 item.answer = rows
         return rest
 
-    def _stub(self, address: str) -> Any:
-        """The ShardServer stub of `address`, made once (a stub per call costs as much as a small lookup)."""
-        stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs[address] = self._cluster._transport.shard_server(address)
-        return stub
+    def _methods(self, address: str) -> "_LookupMethods":
+        """The lookup calls of `address`, made once (making them per call costs as much as a small lookup).
+
+        Answers are decoded by protos.chunk_codec: rows stay views into the received message until they are
+        copied into place, where protobuf would copy them twice first."""
+        methods = self._rank_methods.get(address)
+        if methods is None:
+            channel = self._cluster._transport.channel(address)
+            methods = self._rank_methods[address] = _LookupMethods(
+                channel.unary_unary(f"{_SERVICE}/LookupSmall", request_serializer=pb.LookupRequest.SerializeToString,
+                                    response_deserializer=decode_lookup_reply),
+                channel.unary_stream(f"{_SERVICE}/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                                     response_deserializer=decode_lookup_chunk))
+        return methods
 
 
-class _Remapped:
-    """A route over the fetched subset of distinct ids, with positions mapped back into all distinct ids."""
+class _LookupMethods(NamedTuple):
+    small: Any  # LookupSmall -> list[RawLookupChunk]
+    stream: Any  # Lookup -> iterator of RawLookupChunk
 
-    def __init__(self, route: RowRoute, wanted: torch.Tensor) -> None:
-        self.shard = route.shard
-        self.rank = route.rank
-        self.columns = route.columns
-        self.positions = _take(wanted, route.positions)
+
+@dataclass
+class _RowPlan:
+    """One table's rows in a lookup: its distinct ids, those no shard holds, which are fetched, and the rows.
+
+    Ids are handled with numpy on the calling thread: a lookup takes a dozen small array steps, ~1 us each
+    this way against ~5-10 us per torch call (which made a one-id lookup's client side ~4x the gRPC call's
+    own cost), and torch's index kernels run OpenMP regions whose idle threads spin (see _byte_rows)."""
+
+    view: TableView
+    unique: np.ndarray  # sorted distinct ids
+    inverse: np.ndarray | None  # per id asked, its place in unique; None when the ids were sorted and distinct
+    bad: np.ndarray | None  # over unique: ids no shard holds (None: none)
+    wanted: np.ndarray | None = None  # the places in unique to fetch (None: all)
+    out: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, view: TableView, ids: torch.Tensor) -> "_RowPlan":
+        values = ids.numpy()
+        if values.size > 1 and not bool((values[1:] > values[:-1]).all()):
+            unique, inverse = np.unique(values, return_inverse=True)
+            return cls(view, unique, inverse.reshape(-1), view.invalid(unique))
+        return cls(view, values, None, view.invalid(values))
+
+    def bad_per_id(self) -> torch.Tensor:
+        assert self.bad is not None
+        return torch.from_numpy(self.bad if self.inverse is None else self.bad[self.inverse])
+
+    def rows(self) -> torch.Tensor:
+        """The rows of the distinct ids, allocated on first use."""
+        if self.out is None:
+            self.out = torch.empty((self.unique.size, self.view.dim), dtype=self.view.dtype)
+        return self.out
+
+    def items(self) -> list[_Item]:
+        """One item per shard holding wanted ids (every column shard of their row band)."""
+        fetch = self.unique if self.wanted is None else self.unique[self.wanted]
+        items = []
+        for route in self.view.index.route(fetch, invalid="skip"):
+            positions = route.positions.numpy()
+            message = pb.LookupItem(name=self.view.name, version=self.view.version, shard_index=route.shard)
+            items.append(_Item(self.view, route.rank, route.columns, message, torch.from_numpy(fetch[positions]),
+                               positions if self.wanted is None else self.wanted[positions]))
+        return items
+
+    def distinct_rows(self, items: list[_Item]) -> torch.Tensor:
+        """The rows of the distinct ids from the answered items, the cache and the out-of-range policy.
+
+        One answer holding every row whole (all distinct ids on one shard of full width) is used as is."""
+        if (self.out is None and self.bad is None and len(items) == 1 and items[0].width == self.view.dim
+                and items[0].positions.size == self.unique.size and items[0].answer.dtype == self.view.dtype):
+            return items[0].answer  # positions are 0..n-1: a route of sorted ids keeps their order
+        out = self.rows()
+        for item in items:
+            rows = _byte_rows(out[:, item.columns])
+            rows[item.positions] = _byte_rows(item.answer.to(out.dtype).contiguous())
+        if self.bad is not None:
+            out[torch.from_numpy(self.bad)] = self.view.fill_row()
+        return out
+
+    def in_callers_order(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of the distinct ids put in the order (and with the repeats) of the ids asked."""
+        return rows if self.inverse is None else _gather_rows(rows, self.inverse)
 
 
 def _split_columns(partials: list[PartialBags]) -> list[PartialBags]:
@@ -466,24 +536,16 @@ def _byte_rows(rows: torch.Tensor) -> np.ndarray:
     return rows.view(torch.uint8).numpy()
 
 
-def _gather_rows(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """rows[order] for a 2-D CPU tensor, with numpy (see _byte_rows)."""
-    if not order.numel() or not rows.shape[1]:
-        return rows.new_empty((order.numel(), rows.shape[1]))
-    return torch.from_numpy(_byte_rows(rows).take(order.numpy(), axis=0)).view(rows.dtype)
-
-
-def _take(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """values[positions] for 1-D CPU tensors, with numpy (see _byte_rows: torch's index kernel of a few thousand
-    ids is an OpenMP region too)."""
-    return torch.from_numpy(values.numpy()[positions.numpy()])
+def _gather_rows(rows: torch.Tensor, order: np.ndarray) -> torch.Tensor:
+    """rows[order] for a 2-D CPU tensor, with numpy (see _byte_rows); `order` is in range by construction."""
+    if not order.size or not rows.shape[1]:
+        return rows.new_empty((order.size, rows.shape[1]))
+    return torch.from_numpy(_byte_rows(rows).take(order, axis=0)).view(rows.dtype)
 
 
 def _answer_bytes(item: _Item) -> int:
-    width = item.view.dim if item.route.columns == slice(None) else \
-        item.route.columns.stop - item.route.columns.start
     rows = len(item.message.offsets) // 8 if item.message.pooled else item.ids.numel()
-    return rows * width * 8
+    return rows * item.width * 8
 
 
 class _Receiver:
@@ -494,9 +556,9 @@ class _Receiver:
         self.where = where
         self.buffers: list[bytearray | None] = [None] * len(items)
         self.received = [0] * len(items)
-        self.headers: list[pb.LookupChunk | None] = [None] * len(items)
+        self.headers: list[RawLookupChunk | None] = [None] * len(items)
 
-    def add(self, chunk: pb.LookupChunk) -> None:
+    def add(self, chunk: RawLookupChunk) -> None:
         index = chunk.item
         if not 0 <= index < len(self.items):
             raise ShardServeError(f"{self.where} answered item {index} of a {len(self.items)}-item lookup")
@@ -520,14 +582,12 @@ class _Receiver:
             if header is None or buffer is None or self.received[index] != len(buffer):
                 raise ShardServeError(f"{self.where} did not answer item {index} ({item.message.name!r}) whole")
             dtype = dtype_from_wire(header.dtype)
-            width = item.view.dim if item.route.columns == slice(None) else \
-                item.route.columns.stop - item.route.columns.start
             data = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
-            data = data.view(-1, width)
+            data = data.view(-1, item.width)
             if item.message.pooled:
                 counts = torch.frombuffer(bytearray(header.counts), dtype=torch.int64) if header.counts \
                     else torch.empty(0, dtype=torch.int64)
-                start = item.route.columns.start or 0
+                start = item.columns.start or 0
                 item.answer = PartialBags(data, counts, start)
             else:
                 item.answer = data

@@ -5,12 +5,14 @@ as a fresh copy. On the bulk path that is one needless copy of every chunk each
 way, so this module writes and reads the proto3 wire format of `TensorChunk`
 and `WriteShardRequest{chunk}` directly: an encoder joins a small prefix with a
 memoryview slice of the tensor (one copy, into the message gRPC sends), a
-decoder returns a memoryview into the received message. Client and server both
+decoder returns a memoryview into the received message. `LookupChunk` and
+`LookupReply` (embedding lookup answers) are handled the same way: their small
+fields go through protobuf, the row bytes around it. Client and server both
 use it; the tests hold it against protobuf.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from protos import shardserve_pb2 as pb
 
@@ -18,6 +20,8 @@ _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
 _TAG_OFFSET = (1 << 3) | _WIRE_VARINT       # TensorChunk.offset = 1 (int64)
 _TAG_DATA = (2 << 3) | _WIRE_LEN            # TensorChunk.data = 2 (bytes)
 _TAG_CHUNK = (2 << 3) | _WIRE_LEN           # WriteShardRequest.chunk = 2 (TensorChunk)
+_TAG_LOOKUP_DATA = (7 << 3) | _WIRE_LEN     # LookupChunk.data = 7 (bytes), its last field
+_TAG_REPLY_ITEM = (1 << 3) | _WIRE_LEN      # LookupReply.items = 1 (repeated LookupChunk)
 
 
 class RawChunk(NamedTuple):
@@ -78,7 +82,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     value, shift = 0, 0
     while True:
         if pos >= len(buf):
-            raise ValueError("truncated varint in TensorChunk")
+            raise ValueError("truncated varint")
         byte = buf[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
@@ -86,33 +90,110 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             return value, pos
         shift += 7
         if shift > 63:
-            raise ValueError("varint longer than 10 bytes in TensorChunk")
+            raise ValueError("varint longer than 10 bytes")
 
 
-def decode_chunk(message: "bytes | memoryview") -> RawChunk:
-    """A serialized TensorChunk as (offset, memoryview of data), skipping unknown fields like protobuf."""
-    buf = memoryview(message)
-    pos, offset, data = 0, 0, buf[0:0]
+def _fields(buf: memoryview, what: str) -> Iterator[tuple[int, "int | memoryview"]]:
+    """(field number, value) of a serialized message: varints as unsigned ints, length-delimited fields as
+    views into `buf`; fixed-width fields (none in the messages read here) are skipped, like unknown ones."""
+    pos = 0
     while pos < len(buf):
         tag, pos = _read_varint(buf, pos)
         field, wire = tag >> 3, tag & 7
         if wire == _WIRE_VARINT:
             value, pos = _read_varint(buf, pos)
-            if field == 1:
-                offset = value - (1 << 64) if value >= 1 << 63 else value
+            yield field, value
         elif wire == _WIRE_LEN:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
-                raise ValueError("truncated length-delimited field in TensorChunk")
-            if field == 2:
-                data = buf[pos:pos + length]
+                raise ValueError(f"truncated length-delimited field in {what}")
+            yield field, buf[pos:pos + length]
             pos += length
         elif wire in (_WIRE_I64, _WIRE_I32):
             pos += 8 if wire == _WIRE_I64 else 4
         else:
-            raise ValueError(f"unsupported wire type {wire} in TensorChunk")
+            raise ValueError(f"unsupported wire type {wire} in {what}")
     if pos != len(buf):
-        raise ValueError("truncated fixed-width field in TensorChunk")
+        raise ValueError(f"truncated fixed-width field in {what}")
+
+
+def _signed(value: int, bits: int = 64) -> int:
+    """A varint read as unsigned, back to the signed int32/int64 protobuf wrote (two's complement)."""
+    value &= (1 << 64) - 1
+    if bits == 32:
+        value &= (1 << 32) - 1
+    return value - (1 << bits) if value >= 1 << (bits - 1) else value
+
+
+class RawLookupChunk(NamedTuple):
+    """A LookupChunk with `counts` and `data` as memoryviews into the received message."""
+
+    item: int = 0
+    version: int = 0
+    dtype: int = 0
+    nbytes: int = 0
+    counts: memoryview = memoryview(b"")
+    offset: int = 0
+    data: memoryview = memoryview(b"")
+
+
+class LookupPart(NamedTuple):
+    """A LookupChunk to send: its small fields in `header` (data unset) and its data as a view."""
+
+    header: pb.LookupChunk
+    data: memoryview
+
+
+def _lookup_chunk_parts(part: LookupPart) -> list[bytes | memoryview]:
+    head = part.header.SerializeToString()
+    if not len(part.data):
+        return [head]
+    return [head, bytes((_TAG_LOOKUP_DATA,)), _varint(len(part.data)), part.data]  # data (7) is the last field
+
+
+def encode_lookup_chunk(part: LookupPart) -> bytes:
+    """Serialized LookupChunk, its data copied once (into the message)."""
+    return b"".join(_lookup_chunk_parts(part))
+
+
+def encode_lookup_reply(parts: list[LookupPart]) -> bytes:
+    """Serialized LookupReply of whole items, each item's data copied once."""
+    out: list[bytes | memoryview] = []
+    for part in parts:
+        chunk = _lookup_chunk_parts(part)
+        out += [bytes((_TAG_REPLY_ITEM,)), _varint(sum(len(p) for p in chunk)), *chunk]
+    return b"".join(out)
+
+
+def decode_lookup_chunk(message: "bytes | memoryview") -> RawLookupChunk:
+    """A serialized LookupChunk, its byte fields as views into `message`."""
+    values: dict[int, int | memoryview] = {}
+    for field, value in _fields(memoryview(message), "LookupChunk"):
+        values[field] = value
+    ints = {name: values[number] for number, name in ((1, "item"), (2, "version"), (3, "dtype"), (4, "nbytes"),
+                                                       (6, "offset")) if isinstance(values.get(number), int)}
+    for name, bits in (("item", 32), ("dtype", 32), ("nbytes", 64), ("offset", 64)):
+        if name in ints:
+            ints[name] = _signed(ints[name], bits)
+    views = {name: values[number] for number, name in ((5, "counts"), (7, "data"))
+             if isinstance(values.get(number), memoryview)}
+    return RawLookupChunk(**ints, **views)
+
+
+def decode_lookup_reply(message: bytes) -> list[RawLookupChunk]:
+    """A serialized LookupReply as its items, their byte fields as views into `message`."""
+    return [decode_lookup_chunk(value) for field, value in _fields(memoryview(message), "LookupReply")
+            if field == 1 and isinstance(value, memoryview)]
+
+
+def decode_chunk(message: "bytes | memoryview") -> RawChunk:
+    """A serialized TensorChunk as (offset, memoryview of data), skipping unknown fields like protobuf."""
+    offset, data = 0, memoryview(b"")
+    for field, value in _fields(memoryview(message), "TensorChunk"):
+        if field == 1 and isinstance(value, int):
+            offset = _signed(value)
+        elif field == 2 and isinstance(value, memoryview):
+            data = value
     return RawChunk(offset, data)
 
 

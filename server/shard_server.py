@@ -11,7 +11,8 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.collective_jobs import CollectiveJobs
 from server.collective_jobs import handlers as collective_handlers
 from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
-from protos.chunk_codec import RawChunk, decode_write_request, encode_chunk
+from protos.chunk_codec import (LookupPart, RawChunk, decode_write_request, encode_chunk, encode_lookup_chunk,
+                                encode_lookup_reply)
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
 from server.cuda_staging import host_bytes
@@ -105,11 +106,11 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return max(MIN_CHUNK_BYTES, min(requested or self.chunk_bytes, MAX_CHUNK_BYTES))
 
     @rpc_errors
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> Iterator[pb.LookupChunk]:
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> Iterator[LookupPart]:
         yield from self.lookups.lookup(request)
 
     @rpc_errors
-    def LookupSmall(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupReply:
+    def LookupSmall(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> list[LookupPart]:
         return self.lookups.lookup_small(request)
 
     @rpc_errors
@@ -144,10 +145,12 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
             servicer.ReadRegion, request_deserializer=pb.ReadRegionRequest.FromString,
             response_serializer=encode_chunk),
         "WriteRows": unary(servicer.WriteRows, pb.WriteRowsRequest, pb.WriteRowsResponse),
-        "LookupSmall": unary(servicer.LookupSmall, pb.LookupRequest, pb.LookupReply),
+        "LookupSmall": grpc.unary_unary_rpc_method_handler(
+            servicer.LookupSmall, request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=encode_lookup_reply),
         "Lookup": grpc.unary_stream_rpc_method_handler(
             servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=pb.LookupChunk.SerializeToString),
+            response_serializer=encode_lookup_chunk),
     }
     handlers.update(collective_handlers(servicer.collectives))
     handlers.update(shared_memory_handlers(servicer.shared_memory))

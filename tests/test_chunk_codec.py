@@ -6,7 +6,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protos import shardserve_pb2 as pb
-from protos.chunk_codec import RawChunk, RawWriteRequest, decode_write_request, encode_chunk
+from protos.chunk_codec import (LookupPart, RawChunk, RawWriteRequest, decode_lookup_chunk, decode_lookup_reply,
+                                decode_write_request, encode_chunk, encode_lookup_chunk, encode_lookup_reply)
 
 
 @given(st.integers(0, 2**63 - 1), st.binary(max_size=300))
@@ -41,3 +42,51 @@ def test_unknown_fields_and_truncation_fall_back_to_protobuf():
     assert isinstance(decoded, pb.WriteShardRequest) and decoded.chunk.data == b"abc"
     with pytest.raises(Exception):
         decode_write_request(good[:-1])
+
+
+lookup_chunks = st.builds(
+    lambda item, version, dtype, nbytes, counts, offset, data: (
+        pb.LookupChunk(item=item, version=version, dtype=dtype, nbytes=nbytes, counts=counts, offset=offset), data),
+    st.integers(-2**31, 2**31 - 1), st.integers(0, 2**64 - 1), st.integers(0, 20), st.integers(-2**63, 2**63 - 1),
+    st.binary(max_size=40), st.integers(-2**63, 2**63 - 1), st.binary(max_size=300))
+
+
+def _with_data(header: pb.LookupChunk, data: bytes) -> pb.LookupChunk:
+    full = pb.LookupChunk()
+    full.CopyFrom(header)
+    full.data = data
+    return full
+
+
+@given(lookup_chunks)
+def test_lookup_chunks_encode_and_decode_like_protobuf(chunk):
+    header, data = chunk
+    reference = _with_data(header, data)
+    encoded = encode_lookup_chunk(LookupPart(header, memoryview(data)))
+    assert encoded == reference.SerializeToString()
+    decoded = decode_lookup_chunk(encoded)
+    assert (decoded.item, decoded.version, decoded.dtype, decoded.nbytes, decoded.offset) == \
+        (reference.item, reference.version, reference.dtype, reference.nbytes, reference.offset)
+    assert bytes(decoded.counts) == reference.counts and bytes(decoded.data) == data
+    assert isinstance(decoded.data, memoryview)
+
+
+@given(st.lists(lookup_chunks, max_size=4))
+def test_lookup_replies_encode_and_decode_like_protobuf(chunks):
+    reference = pb.LookupReply(items=[_with_data(header, data) for header, data in chunks])
+    encoded = encode_lookup_reply([LookupPart(header, memoryview(data)) for header, data in chunks])
+    assert encoded == reference.SerializeToString()
+    decoded = decode_lookup_reply(encoded)
+    assert [(d.item, d.version, bytes(d.counts), bytes(d.data)) for d in decoded] == \
+        [(r.item, r.version, r.counts, r.data) for r in reference.items]
+
+
+def test_lookup_decoder_skips_unknown_fields_and_rejects_truncation():
+    message = pb.LookupChunk(item=2, version=9, data=b"rows").SerializeToString()
+    unknown = bytes([(12 << 3) | 0, 5, (13 << 3) | 2, 2, 1, 2])
+    decoded = decode_lookup_chunk(unknown + message)
+    assert (decoded.item, decoded.version, bytes(decoded.data)) == (2, 9, b"rows")
+    with pytest.raises(ValueError, match="truncated"):
+        decode_lookup_chunk(message[:-1])
+    with pytest.raises(ValueError, match="truncated"):
+        decode_lookup_reply(pb.LookupReply(items=[pb.LookupChunk(data=b"rows")]).SerializeToString()[:-2])

@@ -73,6 +73,29 @@ def test_lookup_is_f_embedding(cl: Cluster, tables: dict, layout: str, dtype: to
     assert remote.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
 
 
+@pytest.fixture(scope="module")
+def grpc_cl(cluster3: LocalCluster) -> Iterator[Cluster]:
+    with connect(cluster3.address, transport="grpc") as cluster:
+        yield cluster
+
+
+ID_SETS = {"repeats": IDS, "sorted-distinct": torch.tensor([0, 6, 7, 19, 20, 29, 30, 49]),
+           "one": torch.tensor([33]), "every-row-reversed": torch.arange(ROWS).flip(0)}
+
+
+@pytest.mark.parametrize("ids", ID_SETS.values(), ids=ID_SETS.keys())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_routed_lookups_over_grpc_are_bit_for_bit(grpc_cl: Cluster, tables: dict, layout: str,
+                                                  dtype: torch.dtype, ids: torch.Tensor) -> None:
+    """The routed path (numpy plan, raw-decoded answers, one answer used whole when it holds every row)."""
+    remote, expected = grpc_cl.tensor(_name(layout, dtype)), tables[(layout, dtype)][ids]
+    got = remote.lookup(ids)
+    assert torch.equal(got, expected) and set(grpc_cl._lookups.last_paths.values()) == {"grpc"}
+    got.zero_()  # the caller's own tensor: writable, shared with nothing the next call reads
+    assert torch.equal(remote.lookup(ids), expected)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
