@@ -59,10 +59,11 @@ _SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
-# Lookups answered entirely from mapped shards are CPU work under the GIL: threads running them at once only
-# hand the GIL back and forth at every torch call (8 threads were 3.5x slower per call than one), so they take
-# turns on this process-wide lock instead.
-_MAPPED_WORK = threading.RLock()
+# A lookup's own CPU work (a mapped lookup whole; a routed one's planning, answer decoding and assembly, but
+# never its waits on the network) runs under the GIL: threads doing it at once only hand the GIL back and forth
+# at every call into torch, numpy or protobuf (8 threads were 3.5x slower per mapped lookup than one; 8 routed
+# 512-id lookups over gRPC took 2.1 ms each, 1.6 ms with turns), so they take turns on this process-wide lock.
+_CPU_TURN = threading.RLock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,9 +249,9 @@ class Lookups:
             return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
 
     def _turn_if_mapped(self, names: Sequence[str]) -> contextlib.AbstractContextManager:
-        """The process-wide turn for lookups that no rank answers over the network (see _MAPPED_WORK)."""
+        """The process-wide turn for lookups that no rank answers over the network (see _CPU_TURN)."""
         if all(self._all_mapped(self.view(name)) for name in names):
-            return _MAPPED_WORK
+            return _CPU_TURN
         return contextlib.nullcontext()
 
     def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
@@ -284,22 +285,26 @@ class Lookups:
                        dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         plans: dict[str, _RowPlan] = {}
         items: list[_Item] = []
-        for name, table_ids in ids.items():
-            plan = plans[name] = _RowPlan.of(views[name], table_ids)
-            if plan.bad is not None and plan.view.oov == "error":
-                raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
-            plan.wanted = self._from_cache(plan)
-            items.extend(plan.items())
+        with _CPU_TURN:
+            for name, table_ids in ids.items():
+                plan = plans[name] = _RowPlan.of(views[name], table_ids)
+                if plan.bad is not None and plan.view.oov == "error":
+                    raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
+                plan.wanted = self._from_cache(plan)
+                items.extend(plan.items())
         self._call_ranks(items)
-        results = {}
-        for name, plan in plans.items():
-            rows = plan.distinct_rows([item for item in items if item.view is plan.view])
-            if self.cache is not None and plan.wanted.size:
-                self.cache.put_many(name, plan.view.version, plan.unique[plan.wanted].tolist(),
-                                    rows[torch.from_numpy(plan.wanted)])
-            rows = plan.in_callers_order(rows)
-            results[name] = rows if dtype is None else rows.to(dtype)
-        return results
+        with _CPU_TURN:
+            return {name: self._rows_of(plan, [item for item in items if item.view is plan.view], dtype)
+                    for name, plan in plans.items()}
+
+    def _rows_of(self, plan: "_RowPlan", items: list[_Item], dtype: torch.dtype | None) -> torch.Tensor:
+        """The rows asked of one table, in the caller's order, from its answered items (and into the cache)."""
+        rows = plan.distinct_rows(items)
+        if self.cache is not None and plan.wanted.size:
+            self.cache.put_many(plan.view.name, plan.view.version, plan.unique[plan.wanted].tolist(),
+                                rows[torch.from_numpy(plan.wanted)])
+        rows = plan.in_callers_order(rows)
+        return rows if dtype is None else rows.to(dtype)
 
     def _from_cache(self, plan: "_RowPlan") -> np.ndarray | None:
         """Fill the plan's rows from the row cache; return the positions (in plan.unique) still to fetch, or
@@ -403,9 +408,11 @@ class Lookups:
                 chunks = methods.small(request, timeout=timeout, metadata=transport._metadata)
             else:
                 chunks = methods.stream(request, timeout=timeout, metadata=transport._metadata)
-            for chunk in chunks:
-                receiver.add(chunk)
-            receiver.finish()
+            for chunk in chunks:  # a streamed answer waits for its next chunk outside the turn
+                with _CPU_TURN:
+                    receiver.add(chunk)
+            with _CPU_TURN:
+                receiver.finish()
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
 
