@@ -48,7 +48,7 @@ from protos.chunk_codec import RawLookupChunk, decode_lookup_chunk, decode_looku
 from shardcore.dtypes import dtype_from_wire
 from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
                                  validate_ids)
-from shardcore.routing import RowIndex, unique_ids
+from shardcore.routing import LARGE_SORT, RowIndex, unique_ids
 from shardcore.wire import tensor_bytes
 
 if TYPE_CHECKING:
@@ -472,10 +472,13 @@ class _RowPlan:
     @classmethod
     def of(cls, view: TableView, ids: torch.Tensor) -> "_RowPlan":
         values = ids.numpy()
-        if values.size > 1 and not bool((values[1:] > values[:-1]).all()):
+        if values.size <= 1 or bool((values[1:] > values[:-1]).all()):
+            return cls(view, values, None, view.invalid(values))
+        if values.size < LARGE_SORT:
             unique, inverse = np.unique(values, return_inverse=True)
-            return cls(view, unique, inverse.reshape(-1), view.invalid(unique))
-        return cls(view, values, None, view.invalid(values))
+        else:
+            unique, inverse = (t.numpy() for t in unique_ids(ids))
+        return cls(view, unique, inverse.reshape(-1), view.invalid(unique))
 
     def bad_per_id(self) -> torch.Tensor:
         assert self.bad is not None
