@@ -152,6 +152,17 @@ def test_many_ids_across_many_shards_match_plain_indexing():
     assert torch.equal(gather(meta, routes, ids, table), table[ids])
 
 
+def test_large_batches_sort_with_torch_and_route_exactly_as_numpy_does(monkeypatch):
+    from shardcore import routing
+    meta = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(5)]).build_metadata(
+        (1000, 3), TensorProperties(dtype=torch.int64))
+    ids = torch.randint(0, 1000, (routing.LARGE_SORT + 17,), generator=torch.Generator().manual_seed(3))
+    index = RowIndex(meta)
+    by_torch = [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)]
+    monkeypatch.setattr(routing, "LARGE_SORT", 1 << 62)
+    assert [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)] == by_torch
+
+
 def test_int32_ids_are_accepted():
     meta = make_metadata((4, 1), [((0, 0), (4, 1), 0)])
     (route,) = route_rows(meta, torch.tensor([2, 1], dtype=torch.int32))
