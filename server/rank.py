@@ -26,6 +26,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
 from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
 from server.grpc_server import RunningServer, start_server
+from server.malloc_tuning import tune_malloc
 from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.shard_server import ShardServerServicer, add_shard_server
 from server.shared_memory import host_id
@@ -193,6 +194,7 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
+    log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
     init_world(rank, world_size, args.dist_timeout, device)
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
     running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
