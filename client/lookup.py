@@ -43,19 +43,19 @@ from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionEr
 from client.info import TensorSummary
 from client.mapped_rows import MappedRows
 from client.retry import read_with_refresh
+from client.transport import SHARD_SERVICE
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawLookupChunk, decode_lookup_chunk, decode_lookup_reply
 from shardcore.dtypes import dtype_from_wire
 from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
                                  validate_ids)
-from shardcore.routing import LARGE_SORT, RowIndex, unique_ids
+from shardcore.routing import RowIndex, distinct_ids, unique_ids
 from shardcore.wire import tensor_bytes
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
     from client.row_cache import RowCache
 
-_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
@@ -443,9 +443,9 @@ class Lookups:
         if methods is None:
             channel = self._cluster._transport.channel(address)
             methods = self._rank_methods[address] = _LookupMethods(
-                channel.unary_unary(f"{_SERVICE}/LookupSmall", request_serializer=pb.LookupRequest.SerializeToString,
+                channel.unary_unary(f"{SHARD_SERVICE}/LookupSmall", request_serializer=pb.LookupRequest.SerializeToString,
                                     response_deserializer=decode_lookup_reply),
-                channel.unary_stream(f"{_SERVICE}/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
+                channel.unary_stream(f"{SHARD_SERVICE}/Lookup", request_serializer=pb.LookupRequest.SerializeToString,
                                      response_deserializer=decode_lookup_chunk))
         return methods
 
@@ -478,11 +478,8 @@ class _RowPlan:
         values = ids.numpy()
         if values.size <= 1 or bool((values[1:] > values[:-1]).all()):
             return cls(view, values, None, view.invalid(values))
-        if values.size < LARGE_SORT:
-            unique, inverse = np.unique(values, return_inverse=True)
-        else:
-            unique, inverse = (t.numpy() for t in unique_ids(ids))
-        return cls(view, unique, inverse.reshape(-1), view.invalid(unique))
+        unique, inverse = distinct_ids(values)
+        return cls(view, unique, inverse, view.invalid(unique))
 
     def bad_per_id(self) -> torch.Tensor:
         """The invalid-id mask over the ids as asked (for the error naming the first one)."""

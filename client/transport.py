@@ -26,7 +26,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fields
 # Data calls get the control deadline plus time for their bytes at this pessimistic rate.
 _SLOWEST_BYTES_PER_S = 20e6
-_SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
+SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -143,7 +143,7 @@ class Transport:
         expected = dest.numel()
         target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
         read = self.channel(address).unary_stream(
-            f"{_SHARD_SERVICE}/ReadRegion", request_serializer=pb.ReadRegionRequest.SerializeToString,
+            f"{SHARD_SERVICE}/ReadRegion", request_serializer=pb.ReadRegionRequest.SerializeToString,
             response_deserializer=decode_chunk)  # chunks as memoryviews of the received messages
         call = read(request, timeout=self.data_timeout(expected), metadata=self._metadata)
         received = 0
@@ -172,7 +172,7 @@ class Transport:
                 yield encode_write_chunk(start, data[start:start + chunk_bytes])
 
         write = self.channel(address).stream_unary(
-            f"{_SHARD_SERVICE}/WriteShard", request_serializer=None,  # requests come serialized
+            f"{SHARD_SERVICE}/WriteShard", request_serializer=None,  # requests come serialized
             response_deserializer=pb.WriteShardResponse.FromString)
         reply = self.unary(write, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
         return reply.bytes_written

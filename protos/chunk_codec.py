@@ -57,11 +57,16 @@ def _varint(value: int) -> bytes:
     return bytes(out)
 
 
+def _length_prefix(tag: int, size: int) -> bytes:
+    """The tag and length that come before a length-delimited field's `size` bytes."""
+    return bytes((tag,)) + _varint(size)
+
+
 def _chunk_head(offset: int, size: int) -> bytes:
     """Everything of a serialized TensorChunk before its payload (proto3 leaves defaults out)."""
     head = bytes((_TAG_OFFSET,)) + _varint(offset) if offset else b""
     if size:
-        head += bytes((_TAG_DATA,)) + _varint(size)
+        head += _length_prefix(_TAG_DATA, size)
     return head
 
 
@@ -75,7 +80,7 @@ def encode_chunk(chunk: "pb.TensorChunk | RawChunk") -> bytes:
 def encode_write_chunk(offset: int, data: memoryview) -> bytes:
     """Serialized `WriteShardRequest(chunk=TensorChunk(offset=offset, data=data))`, copying `data` once."""
     head = _chunk_head(offset, len(data))
-    return b"".join((bytes((_TAG_CHUNK,)), _varint(len(head) + len(data)), head, data))
+    return b"".join((_length_prefix(_TAG_CHUNK, len(head) + len(data)), head, data))
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -148,7 +153,7 @@ def _lookup_chunk_parts(part: LookupPart) -> list[bytes | memoryview]:
     head = part.header.SerializeToString()
     if not len(part.data):
         return [head]
-    return [head, bytes((_TAG_LOOKUP_DATA,)), _varint(len(part.data)), part.data]  # data (7) is the last field
+    return [head, _length_prefix(_TAG_LOOKUP_DATA, len(part.data)), part.data]  # data (7) is the last field
 
 
 def encode_lookup_chunk(part: LookupPart) -> bytes:
@@ -161,23 +166,25 @@ def encode_lookup_reply(parts: list[LookupPart]) -> bytes:
     out: list[bytes | memoryview] = []
     for part in parts:
         chunk = _lookup_chunk_parts(part)
-        out += [bytes((_TAG_REPLY_ITEM,)), _varint(sum(len(p) for p in chunk)), *chunk]
+        out += [_length_prefix(_TAG_REPLY_ITEM, sum(len(p) for p in chunk)), *chunk]
     return b"".join(out)
 
 
+# LookupChunk's fields by number: varints (name, signed width; 0 for uint64) and bytes (name)
+_LOOKUP_INTS = {1: ("item", 32), 2: ("version", 0), 3: ("dtype", 32), 4: ("nbytes", 64), 6: ("offset", 64)}
+_LOOKUP_BYTES = {5: "counts", 7: "data"}
+
+
 def decode_lookup_chunk(message: "bytes | memoryview") -> RawLookupChunk:
-    """A serialized LookupChunk, its byte fields as views into `message`."""
-    values: dict[int, int | memoryview] = {}
+    """A serialized LookupChunk, its byte fields as views into `message` (the last value of a field wins)."""
+    values: dict[str, int | memoryview] = {}
     for field, value in _fields(memoryview(message), "LookupChunk"):
-        values[field] = value
-    ints = {name: values[number] for number, name in ((1, "item"), (2, "version"), (3, "dtype"), (4, "nbytes"),
-                                                       (6, "offset")) if isinstance(values.get(number), int)}
-    for name, bits in (("item", 32), ("dtype", 32), ("nbytes", 64), ("offset", 64)):
-        if name in ints:
-            ints[name] = _signed(ints[name], bits)
-    views = {name: values[number] for number, name in ((5, "counts"), (7, "data"))
-             if isinstance(values.get(number), memoryview)}
-    return RawLookupChunk(**ints, **views)
+        if isinstance(value, int) and field in _LOOKUP_INTS:
+            name, bits = _LOOKUP_INTS[field]
+            values[name] = _signed(value, bits) if bits else value
+        elif isinstance(value, memoryview) and field in _LOOKUP_BYTES:
+            values[_LOOKUP_BYTES[field]] = value
+    return RawLookupChunk(**values)
 
 
 def decode_lookup_reply(message: bytes) -> list[RawLookupChunk]:

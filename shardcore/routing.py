@@ -246,6 +246,16 @@ def stable_sort(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sorted_ids.numpy(), order.numpy()
 
 
+def distinct_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted distinct values, per value its index in them): numpy for small arrays, torch.unique from
+    LARGE_SORT ids on, as stable_sort."""
+    if values.size < LARGE_SORT:
+        unique, inverse = np.unique(values, return_inverse=True)
+        return unique, inverse.reshape(-1)
+    unique, inverse = torch.unique(torch.from_numpy(values), sorted=True, return_inverse=True)
+    return unique.numpy(), inverse.numpy()
+
+
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted distinct ids and, per id, its index in them (ids == unique[inverse])."""
     ids = _check_ids(ids)

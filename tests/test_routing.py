@@ -163,6 +163,16 @@ def test_large_batches_sort_with_torch_and_route_exactly_as_numpy_does(monkeypat
     assert [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)] == by_torch
 
 
+def test_distinct_ids_agree_below_and_past_large_sort(monkeypatch):
+    from shardcore import routing
+    values = torch.randint(0, 500, (routing.LARGE_SORT + 9,), generator=torch.Generator().manual_seed(4)).numpy()
+    unique, inverse = routing.distinct_ids(values)  # torch.unique
+    assert (unique[inverse] == values).all() and (unique[1:] > unique[:-1]).all()
+    monkeypatch.setattr(routing, "LARGE_SORT", 1 << 62)
+    small_unique, small_inverse = routing.distinct_ids(values)  # numpy
+    assert (small_unique == unique).all() and (small_inverse == inverse).all()
+
+
 def test_int32_ids_are_accepted():
     meta = make_metadata((4, 1), [((0, 0), (4, 1), 0)])
     (route,) = route_rows(meta, torch.tensor([2, 1], dtype=torch.int32))
