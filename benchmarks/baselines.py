@@ -2,13 +2,15 @@
 
 Each remote baseline runs its server in a spawned process holding
 `source_tensor(rows, cols)` (the same values the shardserve scenario serves),
-and its client here, in the caller's process:
+and its client here, in the caller's process (rpc's excepted):
 
 - `SocketServer`: the server `sendall`s the first N bytes of the tensor's
   memoryview; `SocketServer.fetch(out)` `recv_into`s a preallocated tensor.
-- `RpcServer`: torch.distributed.rpc (TensorPipe, 127.0.0.1) with the tensor
-  held behind an RRef on the server, fetched as a slice the way torch's
-  ShardedTensor.remote_shards users did: `rpc_sync(owner, slice of rref)`.
+- `RpcFetchBaseline`: torch.distributed.rpc (TensorPipe, 127.0.0.1) with the
+  tensor held behind an RRef on the server, fetched as a slice the way torch's
+  ShardedTensor.remote_shards users did: `rpc_sync(owner, slice of rref)`. Its
+  client is a spawned process too, alive only while it is timed: TensorPipe's
+  same-host transport keeps a core busy in every process of the rpc world.
 - `memcpy`: `out.copy_(src)` of the same bytes in this process.
 """
 from __future__ import annotations
@@ -16,9 +18,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import struct
 import threading
 import time
+from functools import partial
+from typing import Callable
 
 import torch
 
@@ -149,11 +154,22 @@ class SocketServer:
 
 # ---------------------------------------------------------------- torch.distributed.rpc
 
-def _rpc_options(port: int) -> "torch.distributed.rpc.TensorPipeRpcBackendOptions":
+# TensorPipe's transports between processes of one host. "shm" is the one it picks by default there; its reactor
+# busy-polls a core in every process of the rpc world for as long as the agent lives. "uv" is plain TCP. Each is
+# measured with both sides limited to it, in processes of their own that exist only while it is timed, so the
+# spinning neither slows the other methods nor outlives the measurement; the faster one is the baseline.
+RPC_TRANSPORTS = ("shm", "uv")
+
+
+def rpc_backend_options(port: int, transport: str,
+                        workers: int = 4) -> "torch.distributed.rpc.TensorPipeRpcBackendOptions":
+    """TensorPipe options on 127.0.0.1:`port` limited to `transport` (one of RPC_TRANSPORTS)."""
     from torch.distributed import rpc
 
+    if transport not in RPC_TRANSPORTS:
+        raise ValueError(f"transport must be one of {RPC_TRANSPORTS}, got {transport!r}")
     return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=IO_TIMEOUT_S,
-                                           num_worker_threads=4)
+                                           num_worker_threads=workers, _transports=[transport])
 
 
 def _hold_source(rows: int, cols: int) -> torch.Tensor:
@@ -166,55 +182,83 @@ def _leading_rows(holder: "torch.distributed.rpc.RRef", nrows: int) -> torch.Ten
     return holder.local_value().narrow(0, 0, nrows).clone()
 
 
-def _rpc_server_main(port: int) -> None:
+def _rpc_server_main(port: int, transport: str) -> None:
     """Join the RPC world as the server and serve until the client shuts it down."""
     from torch.distributed import rpc
 
     _exit_with_parent()
     _loopback_env()
-    rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=_rpc_options(port))
+    rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
     rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
 
 
-class RpcServer:
-    """A spawned torch.distributed.rpc server; this process joins as the client and owns an RRef to the tensor."""
+def median_seconds(run: Callable[[], object], repeat: int) -> float:
+    """Median wall time of `repeat` calls of `run`, after one warm-up call."""
+    run()
+    spent = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        run()
+        spent.append(time.perf_counter() - start)
+    return statistics.median(spent)
 
-    def __init__(self, rows: int, cols: int, port: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.rows, self.cols, self.port = rows, cols, port
-        self.process = ctx.Process(target=_rpc_server_main, args=(port,), daemon=True, name="rpc-baseline")
-        self.process.start()
-        self._holder = None
+
+def _rpc_client_main(port: int, transport: str, rows: int, cols: int, plan: list[tuple[int, int]],
+                     conn: "mp.connection.Connection") -> None:
+    """Join as the client, hold the source behind an RRef on the server, then per (nrows, repeat) of `plan` send
+    (median seconds of `rpc_sync` fetching the leading nrows, whether they equal the source)."""
+    from torch.distributed import rpc
+
+    _exit_with_parent()
+    _loopback_env()
+    rpc.init_rpc(CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
+    try:
+        holder = rpc.remote(SERVER_NAME, _hold_source, args=(rows, cols), timeout=IO_TIMEOUT_S)
+        source = source_tensor(rows, cols)
+        results = []
+        for nrows, repeat in plan:
+            fetch = partial(rpc.rpc_sync, SERVER_NAME, _leading_rows, args=(holder, nrows), timeout=IO_TIMEOUT_S)
+            results.append((median_seconds(fetch, repeat), bool(torch.equal(fetch(), source[:nrows]))))
+        conn.send(results)
+    finally:
+        rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
+
+
+class RpcFetchBaseline:
+    """torch.distributed.rpc over one TensorPipe transport: a spawned server holding `source_tensor(rows, cols)`
+    and a spawned client that times `rpc_sync` fetches of its leading rows (RPC cannot receive into a given
+    tensor, so the client keeps what it fetched)."""
+
+    def __init__(self, rows: int, cols: int, transport: str, port: int) -> None:
+        rpc_backend_options(port, transport)  # validates `transport` before any process starts
+        self.rows, self.cols, self.transport, self.port = rows, cols, transport, port
+        self._spawn = mp.get_context("spawn")
+        self.server = self._spawn.Process(target=_rpc_server_main, args=(port, transport), daemon=True,
+                                          name="rpc-baseline-server")
+        self.server.start()
+        self._client: mp.Process | None = None
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        """The server's pid (whose RSS the report shows)."""
+        return self.server.pid
 
-    def connect(self) -> None:
-        """init_rpc as the client (blocks until the server joins) and create the remote tensor."""
-        from torch.distributed import rpc
-
-        _loopback_env()
-        rpc.init_rpc(CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=_rpc_options(self.port))
-        self._holder = rpc.remote(SERVER_NAME, _hold_source, args=(self.rows, self.cols),
-                                  timeout=IO_TIMEOUT_S)
-        self._holder.to_here(timeout=IO_TIMEOUT_S).numel()
-
-    def fetch(self, out: torch.Tensor) -> torch.Tensor:
-        """The first out.shape[0] rows of the remote tensor, as a new tensor (RPC cannot receive into `out`)."""
-        from torch.distributed import rpc
-
-        if self._holder is None:
-            raise RuntimeError("connect() first")
-        return rpc.rpc_sync(SERVER_NAME, _leading_rows, args=(self._holder, out.shape[0]), timeout=IO_TIMEOUT_S)
+    def measure(self, plan: list[tuple[int, int]], timeout: float = 1800.0) -> list[tuple[float, bool]]:
+        """(median seconds, matched the source) per (nrows, repeat) of `plan`; the rpc world ends afterwards."""
+        parent, child = self._spawn.Pipe(duplex=False)
+        self._client = self._spawn.Process(target=_rpc_client_main, daemon=True, name="rpc-baseline-client",
+                                           args=(self.port, self.transport, self.rows, self.cols, plan, child))
+        self._client.start()
+        child.close()
+        if not parent.poll(timeout):
+            raise TimeoutError(f"the rpc fetch baseline ({self.transport}) did not answer within {timeout:.0f}s")
+        return parent.recv()
 
     def close(self) -> None:
-        from torch.distributed import rpc
-
-        if self._holder is not None:
-            self._holder = None
-            rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
-        self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=10)
+        for process in (self._client, self.server):
+            if process is None:
+                continue
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)

@@ -6,9 +6,13 @@ transport path `client.connect(..., transport=...)` offers (grpc and shm;
 the row's path is the one the client reports in `last_transport`), against three baselines (benchmarks.baselines): a
 raw TCP socket into a preallocated tensor (the reference of `ratio`),
 torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
-memcpy. The methods take turns call by call (median of each), every method's
-result is checked against the source (`ok`), and each row reports the peak
-RSS of its own server processes during the timed block.
+memcpy. shardserve, the socket and memcpy take turns call by call (median of
+each). torch rpc is timed first, in a phase of its own per TensorPipe
+transport (shm and uv, the faster one is the row; the row's path says which):
+its same-host transport busy-polls a core in each of its processes, which on
+a small machine would slow whatever ran beside it. Every method's result is
+checked against the source (`ok`), and each row reports the peak RSS of its
+own server processes during its timed block.
 
     python -m benchmarks.fetch [--quick] [--json FILE]   (same as python -m benchmarks --only fetch)
 """
@@ -24,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.baselines import RpcServer, SocketServer, memcpy, source_tensor
+from benchmarks.baselines import RPC_TRANSPORTS, RpcFetchBaseline, SocketServer, memcpy, source_tensor
 from benchmarks.harness import Context, Row, scenario
 
 GROUP = "fetch"
@@ -90,36 +94,59 @@ def box_rows(mib: int) -> int:
 @scenario("fetch", help="fetch of 1/64/256 MiB boxes from a 2-rank cluster vs raw socket, torch rpc, memcpy")
 def fetch_scenario(ctx: Context) -> list[Row]:
     """Fetch boxes per transport path and per size, with the three baselines in the same run."""
-    from server.launcher import free_port
-
     sizes = QUICK_SIZES_MIB if ctx.quick else SIZES_MIB
     shard_rows = box_rows(max(sizes))
     source = source_tensor(RANKS * shard_rows, COLUMNS)
+    rpc_rows = rpc_fetch_rows(ctx, sizes, shard_rows)
     rows: list[Row] = []
     with ExitStack() as stack:
         sock = SocketServer(shard_rows, COLUMNS)
         stack.callback(sock.close)
-        rpc = RpcServer(shard_rows, COLUMNS, free_port())
-        stack.callback(rpc.close)
         cluster = ctx.start_cluster(stack, RANKS)
         ctx.sampler.label(sock.pid, "socket server")
-        ctx.sampler.label(rpc.pid, "rpc server")
         sock.connect()
-        rpc.connect()
         remotes = {}
         for path in transport_paths():
             client = stack.enter_context(connect_to(cluster.address, path))
             remotes[path] = client.tensor("bench") if remotes else client.put("bench", source)
         for mib in sizes:
-            rows += fetch_rows(ctx, mib, source, shard_rows, remotes, cluster.rank_pids, sock, rpc)
+            rows += fetch_rows(ctx, mib, source, shard_rows, remotes, cluster.rank_pids, sock)
+            rows.append(rpc_rows[mib])
+    return rows
+
+
+def rpc_fetch_rows(ctx: Context, sizes: tuple[int, ...], shard_rows: int) -> dict[int, Row]:
+    """The torch rpc row per box size: each TensorPipe transport timed in its own phase, the faster one kept
+    (the row's extra gives both)."""
+    from server.launcher import free_port
+
+    measured: dict[str, tuple[list[tuple[float, bool]], dict[str, int]]] = {}
+    plan = [(box_rows(mib), repeats_for(box_rows(mib) * COLUMNS * 4, ctx.quick)) for mib in sizes]
+    for transport in RPC_TRANSPORTS:
+        rpc = RpcFetchBaseline(shard_rows, COLUMNS, transport, free_port())
+        try:
+            ctx.sampler.label(rpc.pid, "rpc server")
+            with ctx.rss([rpc.pid]) as peaks:
+                results = rpc.measure(plan)
+        finally:
+            rpc.close()
+        measured[transport] = (results, peaks)
+    rows = {}
+    for i, mib in enumerate(sizes):
+        fastest = min(RPC_TRANSPORTS, key=lambda t: measured[t][0][i][0])
+        (seconds, ok), peaks = measured[fastest][0][i], measured[fastest][1]
+        rows[mib] = Row(GROUP, f"{mib} MiB", RPC, seconds, path=f"tensorpipe {fastest}", role="baseline",
+                        nbytes=plan[i][0] * COLUMNS * 4, peak_rss=dict(peaks), ok=ok and all(
+                            measured[t][0][i][1] for t in RPC_TRANSPORTS),
+                        extra={"repeat": plan[i][1],
+                               "seconds_by_transport": {t: measured[t][0][i][0] for t in RPC_TRANSPORTS}})
     return rows
 
 
 def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, remotes: dict, rank_pids: list[int],
-               sock: SocketServer, rpc: RpcServer) -> list[Row]:
-    """All methods for one box size, timed in turns; the box starts at row 0 (one shard) or straddles the ranks.
-
-    Each row's peak RSS is that of its own server processes over the whole timed block."""
+               sock: SocketServer) -> list[Row]:
+    """shardserve, the socket and memcpy for one box size, timed in turns; the box starts at row 0 (one shard)
+    or straddles the ranks. Each row's peak RSS is that of its own server processes over the whole timed block."""
     n = box_rows(mib)
     nbytes = n * COLUMNS * 4
     case = f"{mib} MiB"
@@ -134,7 +161,6 @@ def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, re
                             lambda remote=remote, first=first: remote.fetch((first, 0), (n, COLUMNS), out=out),
                             source[first:first + n]))
     methods += [(SOCKET, "tcp", "baseline", [sock.pid], lambda: sock.fetch(out), leading),
-                (RPC, "tensorpipe", "baseline", [rpc.pid], lambda: rpc.fetch(out), leading),
                 (MEMCPY, "in-process", "baseline", [os.getpid()], lambda: memcpy(out, leading), leading)]
     with ctx.rss() as peaks:
         seconds = interleaved_medians([m[4] for m in methods], repeat)

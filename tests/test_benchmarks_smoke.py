@@ -113,6 +113,24 @@ def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
             assert {"rank 0 server", "rank 1 server"} <= set(row["peak_rss"])
         assert set(rows["raw TCP socket"]["peak_rss"]) == {"socket server"}
         assert set(rows["torch.distributed.rpc"]["peak_rss"]) == {"rpc server"}
+        check_rpc_row_is_the_faster_transport(rows["torch.distributed.rpc"])
+
+
+def check_rpc_row_is_the_faster_transport(row: dict) -> None:
+    """An rpc baseline row holds each TensorPipe transport's figure and is the faster one, named in its path."""
+    by_transport = row["extra"]["seconds_by_transport"]
+    assert set(by_transport) == {"shm", "uv"}
+    fastest = min(by_transport, key=by_transport.get)
+    assert row["path"] == f"tensorpipe {fastest}" and row["seconds"] == by_transport[fastest]
+    assert row["role"] == "baseline" and row["ok"] is True
+
+
+def test_lookup_rows_take_the_faster_rpc_transport(runs) -> None:
+    doc, _, _ = runs("lookups")
+    rpc_rows = [r for r in doc["rows"] if r["name"] == "torch.distributed.rpc"]
+    assert len(rpc_rows) == len({r["case"] for r in doc["rows"]}) > 0  # one per case
+    for row in rpc_rows:
+        check_rpc_row_is_the_faster_transport(row)
 
 
 def test_fill_ratios_against_named_and_default_baselines() -> None:
@@ -138,6 +156,14 @@ def test_row_and_registry_reject_bad_input() -> None:
     load_scenarios()
     with pytest.raises(ValueError, match="registered twice"):
         scenario("fetch")(lambda ctx: [])
+
+
+def test_rpc_baseline_names_a_tensorpipe_transport() -> None:
+    from benchmarks.baselines import rpc_backend_options
+
+    assert rpc_backend_options(12345, "uv").init_method == "tcp://127.0.0.1:12345"
+    with pytest.raises(ValueError, match="transport"):
+        rpc_backend_options(12345, "ibv")
 
 
 def test_rss_sampler_sees_a_child_allocate() -> None:
