@@ -156,8 +156,8 @@ class SocketServer:
 
 # TensorPipe's transports between processes of one host. "shm" is the one it picks by default there; its reactor
 # busy-polls a core in every process of the rpc world for as long as the agent lives. "uv" is plain TCP. Each is
-# measured with both sides limited to it, in processes of their own that exist only while it is timed, so the
-# spinning neither slows the other methods nor outlives the measurement; the faster one is the baseline.
+# measured with both sides limited to it, in processes of their own that exist only while it is timed (nothing of
+# rpc runs beside the other methods); the faster one is the baseline: which one wins depends on the case.
 RPC_TRANSPORTS = ("shm", "uv")
 
 
