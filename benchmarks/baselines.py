@@ -172,6 +172,11 @@ def rpc_backend_options(port: int, transport: str,
                                            num_worker_threads=workers, _transports=[transport])
 
 
+def fastest_transport(seconds_by_transport: dict[str, float]) -> str:
+    """The transport whose figure is the baseline: the fastest (a stricter baseline than TensorPipe's default)."""
+    return min(seconds_by_transport, key=seconds_by_transport.__getitem__)
+
+
 def _hold_source(rows: int, cols: int) -> torch.Tensor:
     """Runs on the server: the tensor an RRef will own."""
     return source_tensor(rows, cols)

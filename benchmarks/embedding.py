@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.baselines import RPC_TRANSPORTS, rpc_backend_options
+from benchmarks.baselines import RPC_TRANSPORTS, fastest_transport, rpc_backend_options
 from benchmarks.harness import Context, Row, scenario
 
 ROWS, DIM, RANKS = 1_000_000, 64, 2
@@ -203,7 +203,7 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], transport: st
 
 def rpc_row(case: str, seconds_by_transport: dict[str, float], ok: bool) -> Row:
     """The torch rpc baseline of one case: the faster TensorPipe transport's figure, both kept in extra."""
-    fastest = min(seconds_by_transport, key=seconds_by_transport.__getitem__)
+    fastest = fastest_transport(seconds_by_transport)
     return Row("lookups", case, RPC, seconds_by_transport[fastest], path=f"tensorpipe {fastest}", role="baseline",
                ok=ok, extra={"seconds_by_transport": dict(seconds_by_transport)})
 

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from benchmarks.baselines import RPC_TRANSPORTS, RpcFetchBaseline, SocketServer, memcpy, source_tensor
+from benchmarks.baselines import (RPC_TRANSPORTS, RpcFetchBaseline, SocketServer, fastest_transport, memcpy,
+                                  source_tensor)
 from benchmarks.harness import Context, Row, scenario
 
 GROUP = "fetch"
@@ -133,13 +134,12 @@ def rpc_fetch_rows(ctx: Context, sizes: tuple[int, ...], shard_rows: int) -> dic
         measured[transport] = (results, peaks)
     rows = {}
     for i, mib in enumerate(sizes):
-        fastest = min(RPC_TRANSPORTS, key=lambda t: measured[t][0][i][0])
-        (seconds, ok), peaks = measured[fastest][0][i], measured[fastest][1]
-        rows[mib] = Row(GROUP, f"{mib} MiB", RPC, seconds, path=f"tensorpipe {fastest}", role="baseline",
-                        nbytes=plan[i][0] * COLUMNS * 4, peak_rss=dict(peaks), ok=ok and all(
-                            measured[t][0][i][1] for t in RPC_TRANSPORTS),
-                        extra={"repeat": plan[i][1],
-                               "seconds_by_transport": {t: measured[t][0][i][0] for t in RPC_TRANSPORTS}})
+        by_transport = {t: measured[t][0][i][0] for t in RPC_TRANSPORTS}
+        fastest = fastest_transport(by_transport)
+        rows[mib] = Row(GROUP, f"{mib} MiB", RPC, by_transport[fastest], path=f"tensorpipe {fastest}",
+                        role="baseline", nbytes=plan[i][0] * COLUMNS * 4, peak_rss=dict(measured[fastest][1]),
+                        ok=all(measured[t][0][i][1] for t in RPC_TRANSPORTS),
+                        extra={"repeat": plan[i][1], "seconds_by_transport": by_transport})
     return rows
 
 
