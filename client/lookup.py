@@ -556,8 +556,10 @@ def _gather_rows(rows: torch.Tensor, order: np.ndarray) -> torch.Tensor:
 
 
 def _answer_bytes(item: _Item) -> int:
-    rows = len(item.message.offsets) // 8 if item.message.pooled else item.ids.numel()
-    return rows * item.width * 8
+    """An upper bound of the bytes of an item's answer: its rows, or a pooled item's bags as float64 sums."""
+    if item.message.pooled:
+        return len(item.message.offsets) // 8 * item.width * 8
+    return item.ids.numel() * item.width * item.view.dtype.itemsize
 
 
 class _Receiver:

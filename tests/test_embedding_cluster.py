@@ -96,6 +96,30 @@ def test_routed_lookups_over_grpc_are_bit_for_bit(grpc_cl: Cluster, tables: dict
     assert torch.equal(remote.lookup(ids), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dtype: torch.dtype,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer of up to SMALL_ANSWER_BYTES, counted in the table's own element size, comes as one LookupSmall
+    message; one byte more and it streams (Lookup); both bit for bit."""
+    import client.lookup as lookup_module
+
+    remote, table = grpc_cl.tensor(_name("table-wise", dtype)), tables[("table-wise", dtype)]
+    ids = torch.arange(ROWS)  # every row, from the one shard: one call
+    used: list[str] = []
+    methods = grpc_cl._lookups._methods
+
+    def spy(address: str):  # type: ignore[no-untyped-def]
+        real = methods(address)
+        return type(real)(lambda *a, **k: used.append("small") or real.small(*a, **k),
+                          lambda *a, **k: used.append("stream") or real.stream(*a, **k))
+    monkeypatch.setattr(grpc_cl._lookups, "_methods", spy)
+    answer_bytes = ROWS * DIM * dtype.itemsize
+    for limit, method in ((answer_bytes, "small"), (answer_bytes - 1, "stream")):
+        monkeypatch.setattr(lookup_module, "SMALL_ANSWER_BYTES", limit)
+        used.clear()
+        assert torch.equal(remote.lookup(ids), table[ids]) and used == [method]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
