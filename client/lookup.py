@@ -56,7 +56,9 @@ if TYPE_CHECKING:
     from client.cluster import Cluster
     from client.row_cache import RowCache
 
-SMALL_ANSWER_BYTES = 1 << 20  # answers up to this size come in one message (LookupSmall), larger ones stream
+# Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
+# one message beat the stream at 512 KiB and at 2 MiB per rank (a stream costs about twice a unary call).
+SMALL_ANSWER_BYTES = 4 << 20
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
 # A lookup's own CPU work (a mapped lookup whole; a routed one's planning, answer decoding and assembly, but
