@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
-from typing import Callable
 
 import torch
 
+from benchmarks.baselines import median_seconds
+
 COLUMNS = 4096
-
-
-def median_seconds(run: Callable[[], object], repeat: int) -> float:
-    run()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
