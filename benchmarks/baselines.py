@@ -51,7 +51,7 @@ def memcpy(out: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return out.copy_(src)
 
 
-def _loopback_env() -> None:
+def loopback_env() -> None:
     """Keep gloo and TensorPipe on the loopback interface."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     os.environ["TP_SOCKET_IFNAME"] = "lo"
@@ -192,7 +192,7 @@ def _rpc_server_main(port: int, transport: str) -> None:
     from torch.distributed import rpc
 
     _exit_with_parent()
-    _loopback_env()
+    loopback_env()
     rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
     rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
 
@@ -215,7 +215,7 @@ def _rpc_client_main(port: int, transport: str, rows: int, cols: int, plan: list
     from torch.distributed import rpc
 
     _exit_with_parent()
-    _loopback_env()
+    loopback_env()
     rpc.init_rpc(CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
     try:
         holder = rpc.remote(SERVER_NAME, _hold_source, args=(rows, cols), timeout=IO_TIMEOUT_S)

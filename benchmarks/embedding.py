@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.baselines import RPC_TRANSPORTS, fastest_transport, rpc_backend_options
+from benchmarks.baselines import RPC_TRANSPORTS, fastest_transport, loopback_env, rpc_backend_options
 from benchmarks.harness import Context, Row, scenario
 
 ROWS, DIM, RANKS = 1_000_000, 64, 2
@@ -130,7 +130,7 @@ def _rpc_server(rank: int, rows: int, port: int, transport: str) -> None:
     global _HALF
     from torch.distributed import rpc
 
-    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    loopback_env()
     half = rows // RANKS
     _HALF = table(rows)[(rank - 1) * half: rank * half].clone()
     rpc.init_rpc(f"server{rank}", rank=rank, world_size=RANKS + 1,
@@ -158,7 +158,7 @@ def _rpc_lookup(ids: torch.Tensor, half: int) -> torch.Tensor:
 def _rpc_client(rows: int, port: int, transport: str, cases: list[tuple[int, str, int]], conn) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed import rpc
 
-    os.environ["TP_SOCKET_IFNAME"] = os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    loopback_env()
     rpc.init_rpc("client", rank=0, world_size=RANKS + 1,
                  rpc_backend_options=rpc_backend_options(port, transport, RPC_WORKERS))
     try:
