@@ -2,7 +2,7 @@
 
 Per box size, in the same run and on the same values: shardserve's fetch of
 a box inside one shard and of a box straddling both ranks, for every
-transport path `client.connect(..., transport=...)` offers (grpc and shm;
+transport path `client.connect(..., transport=...)` offers (grpc, shm and tcp;
 the row's path is the one the client reports in `last_transport`), against three baselines (benchmarks.baselines): a
 raw TCP socket into a preallocated tensor (the reference of `ratio`),
 torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
@@ -44,12 +44,17 @@ MEMCPY = "memcpy"
 
 
 def transport_paths() -> tuple[str, ...]:
-    """The transport paths `client.connect` can be asked for: just gRPC until it takes `transport=`."""
+    """The transport paths `client.connect` can be asked for (each forced): just gRPC until it takes
+    `transport=`, grpc and shm until it has the bulk TCP path (client.data_plane)."""
     from client import connect
 
-    if "transport" in inspect.signature(connect).parameters:
+    if "transport" not in inspect.signature(connect).parameters:
+        return ("grpc",)
+    try:
+        from client.data_plane import TRANSPORTS
+    except ImportError:
         return ("grpc", "shm")
-    return ("grpc",)
+    return tuple(path for path in TRANSPORTS if path != "auto")
 
 
 def connect_to(address: str, path: str):

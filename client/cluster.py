@@ -20,7 +20,9 @@ from client.lookup import Lookups, table_options
 from client.row_cache import CacheStats, RowCache
 from client.row_updates import update_rows
 from client.remote_tensor import RemoteShardedTensor
-from client.shm_transport import DataPlane, SharedMemoryReader, check_transport
+from client.data_plane import DataPlane, check_transport
+from client.shm_transport import SharedMemoryReader
+from client.tcp_reads import BulkConnections
 from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
@@ -41,8 +43,9 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
 
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
-    `transport` picks the data path of reads (client.shm_transport): "auto" (shared memory for ranks on this
-    host when it works, else gRPC), "grpc", or "shm" (an error when a rank cannot be read that way).
+    `transport` picks the data path of reads (client.data_plane): "auto" (shared memory for ranks on this
+    host, else the ranks' bulk TCP port for parts over 1 MiB without TLS, else gRPC; each falling back to the
+    next when it fails), or one path forced: "grpc", "shm" or "tcp" (an error when a rank cannot be read that way).
     """
     check_address(address)
     check_transport(transport)
@@ -54,7 +57,7 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
         raise ValueError(f"row_cache_max_age must be a number of seconds >= 0, got {row_cache_max_age!r}")
     cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)), cache)
     cluster._lookups.cache_max_age = float(row_cache_max_age)
-    cluster._data_plane = DataPlane(transport, cluster._data_plane.reader)
+    cluster._data_plane = DataPlane(transport, cluster._data_plane.reader, cluster._transport.credentials.uses_tls)
     try:
         cluster._refresh_ranks()
     except BaseException:
@@ -91,13 +94,16 @@ class Cluster:
         self._ranks: dict[int, RankStatus] = {}
         self._ranks_lock = threading.Lock()
         self._lookups = Lookups(self, row_cache)
+        self._bulk = BulkConnections(transport)
         self._data_plane = DataPlane("auto", SharedMemoryReader(
-            transport.shard_server, transport.credentials.metadata(), transport.timeout, transport.submit))
+            transport.shard_server, transport.credentials.metadata(), transport.timeout, transport.submit),
+            transport.credentials.uses_tls)
 
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close every channel and the read pool."""
+        """Close every channel, bulk connection and the read pool."""
+        self._bulk.close()
         self._transport.close()
 
     def __enter__(self) -> "Cluster":

@@ -68,7 +68,7 @@ class RemoteShardedTensor:
     def __init__(self, cluster: "Cluster", summary: TensorSummary) -> None:
         self._cluster = cluster
         self._summary = summary
-        self.last_transport: str | None = None  # "shm" or "grpc": the path of the latest part read
+        self.last_transport: str | None = None  # "shm", "tcp" or "grpc": the path of the latest part read
 
     # ------------------------------------------------------------ description
 
@@ -245,19 +245,21 @@ class RemoteShardedTensor:
         region = local_view(out, box, part)
         rank = self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
         self.last_transport = self._cluster._data_plane.read_part(
-            rank, summary, index, part, region, partial(self._read_part_grpc, summary, index, part, region,
+            rank, summary, index, part, region, partial(self._read_part_over, summary, index, part, region,
                                                         part == box))
 
-    def _read_part_grpc(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                        only_part: bool = False) -> None:
-        """One shard's part over ReadRegion: straight into `region` when contiguous (a large part that is the
-        read's only one as parallel row bands, client.grpc_streams), else via one buffer."""
+    def _read_part_over(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                        only_part: bool, path: str) -> None:
+        """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
+        (a large part that is the read's only one as parallel row bands, client.grpc_streams), else via one
+        buffer."""
         address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
+        read_box = self._cluster._bulk.read_region if path == "tcp" else partial(read_region, self._cluster._transport)
 
         def read_band(band: Box, into: torch.Tensor) -> None:
             request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
                                            offsets=band.offsets, sizes=band.sizes)
-            read_region(self._cluster._transport, address, request, byte_view(into))
+            read_box(address, request, byte_view(into))
 
         direct = region.is_contiguous() and region.device.type == "cpu"
         on_gpu = region.device.type == "cuda"  # the bytes land in pinned memory: one DMA up to the GPU

@@ -1,4 +1,4 @@
-"""The client's data-plane choice per read: same-host shared memory when it works, else gRPC.
+"""The same-host data path: reading a rank's shards through shared memory (client.data_plane picks it).
 
 Same host = the rank's hostname and boot id (RankInfo.host_id) equal ours and
 the rank offers shared memory. Then a part is read by ShardServer.OpenShard
@@ -7,9 +7,8 @@ the rank offers shared memory. Then a part is read by ShardServer.OpenShard
 and one copy of the box into the output. Mappings stay cached (bounded): a
 served version never changes, and a mapping keeps its pages even after the
 rank frees them. A CUDA shard comes as a CUDA IPC handle when this process has
-CUDA. With transport="auto" a failure of the fast path is logged once per rank
-and that rank is read over gRPC from then on (retried after a cool-down);
-transport="shm" raises SharedMemoryError instead.
+CUDA. A read this path cannot serve raises SharedMemoryError; client.data_plane
+then falls back (transport="auto") or passes it on (transport="shm").
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import os
 import select
 import socket
 import threading
-import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,7 +38,6 @@ from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "grpc", "shm")
 # The segment header the rank keeps (server/shared_memory.py; OpenShardResponse.data_offset).
 HEADER_MAGIC = 0x5348415244535256
 STATE_SERVED, STATE_DROPPED = 1, 2
@@ -48,18 +45,10 @@ HEADER_WORDS_BYTES = 24  # magic, state, generation
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
 CACHE_ENTRIES = 256
-RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read over gRPC this long
 
 
 class SharedMemoryError(ShardServeError):
     """The same-host path cannot serve this read (not the same host, shared memory off, mapping refused)."""
-
-
-def check_transport(transport: object) -> str:
-    """`transport` if it is one of TRANSPORTS, else ValueError naming the parameter."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
-    return transport  # type: ignore[return-value]
 
 
 def local_host() -> tuple[str, str]:
@@ -416,78 +405,3 @@ def _map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
     flat.set_(storage, h.tensor_offset * itemsize, (reply.nbytes,), (1,))
     return flat
-
-
-class DataPlane:
-    """Picks the path of each part read (transport="auto"|"grpc"|"shm") and falls back when the fast one fails."""
-
-    def __init__(self, transport: str, reader: SharedMemoryReader) -> None:
-        self.transport = check_transport(transport)
-        self.reader = reader
-        self.host = local_host()
-        self._grpc_until: dict[str, float] = {}  # address -> monotonic time before which auto skips shm
-        self._lock = threading.Lock()
-
-    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                  grpc_read: Callable[[], None]) -> str:
-        """Read one part into `region` by the best path; returns the path that ran ("shm" or "grpc")."""
-        if self.transport == "grpc" or not self._shm_usable(rank):
-            log.debug("read %r shard %d from rank %d over grpc", summary.name, index, rank.rank)
-            grpc_read()
-            return "grpc"
-        try:
-            self.reader.read_part(rank.address, summary, index, part, region)
-        except SharedMemoryError as err:
-            if self.transport == "shm":
-                raise
-            self._fall_back(rank, err)
-            grpc_read()
-            return "grpc"
-        log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
-        return "shm"
-
-    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
-        """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
-        [len(ids), shard columns]; None when the lookup should go over gRPC (same rules and fallback as reads)."""
-        if self.transport == "grpc" or not self._shm_usable(rank):
-            return None
-        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
-        try:
-            rows = self.reader.read_rows(rank.address, summary, index, ids - first_row)
-        except SharedMemoryError as err:
-            if self.transport == "shm":
-                raise
-            self._fall_back(rank, err)
-            return None
-        log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
-                  index, rank.rank)
-        return rows
-
-    def maps(self, rank: RankStatus) -> bool:
-        """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""
-        return self.transport != "grpc" and not self._unmapped_reason(rank)
-
-    def _unmapped_reason(self, rank: RankStatus) -> str:
-        """Why `rank` is not read through shared memory now (not on this host, or backing off after a failure
-        with transport="auto"), or "" when it is."""
-        reason = same_host_reason(rank, self.host)
-        if not reason and self.transport == "auto":
-            with self._lock:
-                if self._grpc_until.get(rank.address, 0.0) > time.monotonic():
-                    reason = "an earlier shared-memory read of this rank failed"
-        return reason
-
-    def _shm_usable(self, rank: RankStatus) -> bool:
-        """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
-        reason = self._unmapped_reason(rank)
-        if reason and self.transport == "shm":
-            raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
-        if reason:
-            log.debug("rank %d over grpc: %s", rank.rank, reason)
-        return not reason
-
-    def _fall_back(self, rank: RankStatus, err: Exception) -> None:
-        with self._lock:
-            self._grpc_until[rank.address] = time.monotonic() + RETRY_AFTER_S
-        log.warning("shared-memory read from rank %d failed, reading over gRPC for %.0f s: %s",
-                    rank.rank, RETRY_AFTER_S, err)

@@ -706,6 +706,20 @@ class OpenShardResponse(_message.Message):
     max_request_bytes: int
     def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
+class BulkSessionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BulkSession(_message.Message):
+    __slots__ = ("port", "ticket", "expires_s")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    ticket: bytes
+    expires_s: float
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ...) -> None: ...
+
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -710,6 +710,11 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.OpenBulkSession = channel.unary_unary(
+                '/shardserve.v1.ShardServer/OpenBulkSession',
+                request_serializer=protos_dot_shardserve__pb2.BulkSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.BulkSession.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -816,6 +821,16 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenBulkSession(self, request, context):
+        """Cross-host bulk path (issue 6; server/bulk_reads.py, client/tcp_reads.py): answer a one-time ticket
+        that opens one plain TCP connection to the rank's bulk port, on which the client then asks for boxes
+        and receives their bytes without protobuf framing. UNIMPLEMENTED when the rank serves no bulk port
+        (turned off, or TLS on: the bulk port does not encrypt).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -888,6 +903,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.ReadRegionSmall,
                     request_deserializer=protos_dot_shardserve__pb2.ReadRegionRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.TensorChunk.SerializeToString,
+            ),
+            'OpenBulkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenBulkSession,
+                    request_deserializer=protos_dot_shardserve__pb2.BulkSessionRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.BulkSession.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1270,6 +1290,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/ReadRegionSmall',
             protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
             protos_dot_shardserve__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenBulkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/OpenBulkSession',
+            protos_dot_shardserve__pb2.BulkSessionRequest.SerializeToString,
+            protos_dot_shardserve__pb2.BulkSession.FromString,
             options,
             channel_credentials,
             insecure,

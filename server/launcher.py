@@ -75,7 +75,7 @@ class LocalCluster:
                  max_request_bytes: int | None = None, heartbeat_interval: float = 1.0,
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
                  pending_timeout: float = 600.0, log_level: str | None = None,
-                 recycle_bytes: int | None = None) -> None:
+                 recycle_bytes: int | None = None, bulk_reads: bool = True) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
@@ -84,6 +84,7 @@ class LocalCluster:
         self.memory_limit = memory_limit or 0
         self.recycle_bytes = recycle_bytes  # None: the rank's default
         self.max_request_bytes = max_request_bytes or 0
+        self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/bulk_reads.py)
         self.heartbeat_interval = heartbeat_interval
         self.host, self.port, self.device = host, port, device
         self.rpc_timeout, self.pending_timeout = rpc_timeout, pending_timeout
@@ -182,6 +183,8 @@ class LocalCluster:
                "--max-request-bytes", str(self.max_request_bytes), "--log-level", self.log_level]
         if self.recycle_bytes is not None:
             cmd += ["--recycle-bytes", str(self.recycle_bytes)]
+        if not self.bulk_reads:
+            cmd.append("--no-bulk-reads")
         tls = self.security.tls
         if tls is not None:
             cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
@@ -264,6 +267,8 @@ def main_up(argv: Sequence[str]) -> int:
                         "(0 = unlimited)")
     parser.add_argument("--recycle-bytes", type=int, default=None, help="bytes of freed versions' memory each "
                         "rank keeps for reuse (0 = off; default: the rank's, 1 GiB)")
+    parser.add_argument("--no-bulk-reads", action="store_true", help="ranks serve no bulk TCP port; remote "
+                        "clients read over gRPC only (always so with TLS)")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks")
     parser.add_argument("--demo", action="store_true", help="serve the demo table 'demo' (float32 1,000,000 x 64, "
                         "normal, seed 0, row-wise over all ranks), loaded from a DCP checkpoint written once "
@@ -285,7 +290,8 @@ def main_up(argv: Sequence[str]) -> int:
     cluster = LocalCluster(args.ranks, token=security.token, state_dir=args.state_dir, tls=security.tls,
                            memory_limit=args.memory_limit, max_request_bytes=args.max_request_bytes,
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
-                           device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes)
+                           device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
+                           bulk_reads=not args.no_bulk_reads)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     try:

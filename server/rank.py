@@ -25,7 +25,8 @@ from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
 from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
-from server.grpc_server import RunningServer, start_server
+from server.bulk_reads import BulkReads
+from server.grpc_server import RunningServer, split_address, start_server
 from server.malloc_tuning import tune_malloc
 from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.shard_server import ShardServerServicer, add_shard_server
@@ -43,6 +44,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "(port 0 = any free port; default %(default)s)")
     parser.add_argument("--advertise", default=None, help="HOST:PORT clients should dial (default: the "
                         "bound address, with this host's name when listening on 0.0.0.0)")
+    parser.add_argument("--bulk-port", type=int, default=0, help="TCP port of this rank's bulk reads, on the "
+                        "--listen host (0 = any free port; default %(default)s; see server/bulk_reads.py)")
+    parser.add_argument("--no-bulk-reads", action="store_true", help="serve no bulk port: remote clients "
+                        "read over gRPC only (always so with TLS: the bulk port does not encrypt)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda (= cuda:LOCAL_RANK) or cuda:K")
     parser.add_argument("--memory-limit", type=int, default=0, help="bytes of shards this rank may hold "
                         "(0 = unlimited)")
@@ -57,7 +62,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "register with the coordinator (default %(default)s)")
     add_security_args(parser)
     args = parser.parse_args(argv)
-    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes"):
+    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     return args
@@ -197,7 +202,13 @@ def main(argv: Sequence[str]) -> int:
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
     init_world(rank, world_size, args.dist_timeout, device)
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
-    running = start_server(args.listen, security, lambda server: _add_shard_server(server, store))
+    try:
+        bulk_reads = open_bulk_reads(args, security, store)
+    except OSError as err:
+        log.error("--bulk-port %d: cannot listen: %s", args.bulk_port, err)
+        return 2
+    running = start_server(args.listen, security,
+                           lambda server: [add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads))])
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),
@@ -210,20 +221,28 @@ def main(argv: Sequence[str]) -> int:
             pass
         log.info("rank %d stopping", rank)
     finally:
-        _shutdown(link, running)
+        _shutdown(link, running, bulk_reads)
     return 0
 
 
-def _add_shard_server(server: grpc.Server, store: ShardStore) -> list[str]:
-    return [add_shard_server(server, ShardServerServicer(store))]
+def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:
+    """The rank's bulk port on its --listen host, or none (with the reason) when turned off or under TLS."""
+    if args.no_bulk_reads:
+        return BulkReads(store, None, off_reason="turned off (--no-bulk-reads)")
+    if security.tls is not None:
+        return BulkReads(store, None, off_reason="TLS is on and the bulk port does not encrypt")
+    reads = BulkReads(store, split_address(args.listen)[0], args.bulk_port)
+    log.info("bulk reads on port %d", reads.port)
+    return reads
 
 
-def _shutdown(link: CoordinatorLink, running: RunningServer) -> None:
-    """Stop heartbeats, the gRPC server and the process group, within a hard 10 s bound."""
+def _shutdown(link: CoordinatorLink, running: RunningServer, bulk_reads: BulkReads) -> None:
+    """Stop heartbeats, the gRPC server, the bulk port and the process group, within a hard 10 s bound."""
     deadline = threading.Timer(10.0, lambda: os._exit(1))
     deadline.daemon = True
     deadline.start()
     link.stop()
     running.stop(grace=1.0)
+    bulk_reads.close()
     if dist.is_initialized():
         dist.destroy_process_group()

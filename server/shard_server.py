@@ -13,6 +13,8 @@ from server.collective_jobs import handlers as collective_handlers
 from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
 from protos.chunk_codec import (LookupPart, RawChunk, decode_write_request, encode_chunk, encode_lookup_chunk,
                                 encode_lookup_reply)
+from server.bulk_reads import BulkReads
+from server.bulk_reads import handlers as bulk_read_handlers
 from server.errors import InvalidArgument, rpc_errors
 from server.lookup_service import LookupService
 from server.cuda_staging import host_bytes
@@ -33,13 +35,15 @@ MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one re
 class ShardServerServicer(pb_grpc.ShardServerServicer):
     """Allocates, fills, promotes, drops and streams the shards of one rank."""
 
-    def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 bulk_reads: BulkReads | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
         self.collectives = CollectiveJobs(store)
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
+        self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")
 
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
@@ -155,6 +159,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     handlers.update(collective_handlers(servicer.collectives))
     handlers.update(shared_memory_handlers(servicer.shared_memory))
     handlers.update(small_read_handlers(servicer.small_reads))
+    handlers.update(bulk_read_handlers(servicer.bulk_reads))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:
         raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")

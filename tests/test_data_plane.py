@@ -148,7 +148,7 @@ def test_bands_cover_the_part_exactly():
 
 def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
     source, name = tables[torch.float32]
-    with caplog.at_level(logging.DEBUG, logger="client.shm_transport"), connect(cluster.address) as c:
+    with caplog.at_level(logging.DEBUG, logger="client.data_plane"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
     assert remote.last_transport == "shm"
@@ -219,7 +219,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
-    with caplog.at_level(logging.WARNING, logger="client.shm_transport"), connect(cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
@@ -227,7 +227,8 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
         assert tried >= 1
         assert torch.equal(remote.full_tensor(), source)  # later reads go straight to gRPC
         assert len(calls) == tried
-    assert "reading over gRPC" in caplog.text and "Permission denied" in caplog.text
+    assert "reading it over the bulk port (parts over 1 MiB) or gRPC" in caplog.text
+    assert "Permission denied" in caplog.text
     with connect(cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="Permission denied"):
             c.tensor(name).full_tensor()

@@ -1,0 +1,137 @@
+"""The client's choice of data path per part read: shared memory, the bulk TCP port, or gRPC.
+
+transport="auto" tries, in order, what works for the rank: shared memory when
+it runs on this host (client.shm_transport), the rank's bulk TCP port for a
+part of more than TCP_MIN_BYTES when the client does not use TLS
+(client.tcp_reads), else gRPC streams (client.grpc_streams). A failure of a
+fast path is logged once per rank and path; that rank is then read by the next
+path for RETRY_AFTER_S. "grpc", "shm" and "tcp" force one path; a forced fast
+path that cannot serve a read raises instead of falling back.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from client.info import RankStatus, TensorSummary
+from client.shm_transport import SharedMemoryError, SharedMemoryReader, local_host, same_host_reason
+from client.tcp_reads import BulkReadError
+from shardcore.metadata import Box
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "grpc", "shm", "tcp")
+RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
+TCP_MIN_BYTES = 1 << 20    # auto: parts up to this size go over one unary gRPC call (ReadRegionSmall)
+
+
+def check_transport(transport: object) -> str:
+    """`transport` if it is one of TRANSPORTS, else ValueError naming the parameter."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+    return transport  # type: ignore[return-value]
+
+
+class DataPlane:
+    """Picks the path of each part read (transport="auto"|"grpc"|"shm"|"tcp") and falls back when a fast one fails."""
+
+    def __init__(self, transport: str, reader: SharedMemoryReader, uses_tls: bool = False) -> None:
+        self.transport = check_transport(transport)
+        self.reader = reader
+        self.uses_tls = uses_tls
+        self.host = local_host()
+        self._backoff: dict[tuple[str, str], float] = {}  # (path, address) -> monotonic time it is retried
+        self._lock = threading.Lock()
+
+    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                  network_read: Callable[[str], None]) -> str:
+        """Read one part into `region` by the best path; returns the path that ran ("shm", "tcp" or "grpc").
+
+        `network_read(path)` reads the part over "tcp" or "grpc" (raising BulkReadError when tcp cannot).
+        """
+        if self._shm_usable(rank):
+            try:
+                self.reader.read_part(rank.address, summary, index, part, region)
+                log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
+                return "shm"
+            except SharedMemoryError as err:
+                if self.transport == "shm":
+                    raise
+                self._fall_back("shm", rank, err)
+        if self._tcp_usable(rank, part.numel() * region.element_size()):
+            try:
+                network_read("tcp")
+                log.debug("read %r shard %d from rank %d over the bulk port", summary.name, index, rank.rank)
+                return "tcp"
+            except BulkReadError as err:
+                if self.transport == "tcp":
+                    raise
+                self._fall_back("tcp", rank, err)
+        log.debug("read %r shard %d from rank %d over grpc", summary.name, index, rank.rank)
+        network_read("grpc")
+        return "grpc"
+
+    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
+        [len(ids), shard columns]; None when the lookup should go over gRPC (same rules and fallback as reads)."""
+        if not self._shm_usable(rank):
+            return None
+        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
+        try:
+            rows = self.reader.read_rows(rank.address, summary, index, ids - first_row)
+        except SharedMemoryError as err:
+            if self.transport == "shm":
+                raise
+            self._fall_back("shm", rank, err)
+            return None
+        log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
+                  index, rank.rank)
+        return rows
+
+    def maps(self, rank: RankStatus) -> bool:
+        """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""
+        return self.transport in ("auto", "shm") and not self._unmapped_reason(rank)
+
+    def _backing_off(self, path: str, rank: RankStatus) -> bool:
+        with self._lock:
+            return self._backoff.get((path, rank.address), 0.0) > time.monotonic()
+
+    def _unmapped_reason(self, rank: RankStatus) -> str:
+        """Why `rank` is not read through shared memory now (not on this host, or backing off after a failure
+        with transport="auto"), or "" when it is."""
+        reason = same_host_reason(rank, self.host)
+        if not reason and self.transport == "auto" and self._backing_off("shm", rank):
+            reason = "an earlier shared-memory read of this rank failed"
+        return reason
+
+    def _shm_usable(self, rank: RankStatus) -> bool:
+        """Whether `rank` may be tried through shared memory now (raises for transport="shm" when impossible)."""
+        if self.transport not in ("auto", "shm"):
+            return False
+        reason = self._unmapped_reason(rank)
+        if reason and self.transport == "shm":
+            raise SharedMemoryError(f"transport='shm' is impossible: {reason}")
+        if reason:
+            log.debug("rank %d not through shared memory: %s", rank.rank, reason)
+        return not reason
+
+    def _tcp_usable(self, rank: RankStatus, nbytes: int) -> bool:
+        """Whether a part of `nbytes` from `rank` goes to the bulk port (raises for transport="tcp" under TLS)."""
+        if self.transport == "tcp":
+            if self.uses_tls:
+                raise BulkReadError("transport='tcp' is impossible with TLS: the bulk port does not encrypt")
+            return True
+        return (self.transport == "auto" and not self.uses_tls and nbytes > TCP_MIN_BYTES
+                and not self._backing_off("tcp", rank))
+
+    def _fall_back(self, path: str, rank: RankStatus, err: Exception) -> None:
+        with self._lock:
+            self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
+        what = "shared-memory" if path == "shm" else "bulk TCP"
+        instead = "over gRPC" if path == "tcp" or self.uses_tls else "over the bulk port (parts over 1 MiB) or gRPC"
+        log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
+                    what, rank.rank, instead, RETRY_AFTER_S, err)

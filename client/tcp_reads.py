@@ -1,0 +1,187 @@
+"""The client side of the bulk TCP path (server/bulk_reads.py): boxes' bytes straight into their output.
+
+A connection to a rank's bulk port is opened with a ticket from
+OpenBulkSession, which goes over gRPC (token, TLS, deadline), and kept for
+later reads (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
+sends one length-prefixed ReadRegionRequest, reads the 16-byte header and
+`recv_into`s the bytes into the preallocated output: no protobuf around the
+data, no intermediate buffer. Failures of the path itself (no bulk port,
+ticket refused, connection broken) raise BulkReadError so client.data_plane can
+fall back to gRPC; errors about the request (stale version, bad box) are the
+exceptions a gRPC read raises, and leave the connection usable.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections import defaultdict, deque
+from typing import TYPE_CHECKING
+
+import grpc
+import torch
+
+from client.errors import ShardServeError, error_from_status
+from protos import shardserve_pb2 as pb
+
+if TYPE_CHECKING:
+    from client.transport import Transport
+
+HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
+FRAME_LENGTH = struct.Struct("<I")
+MAX_ERROR_BYTES = 64 << 10
+IDLE_KEPT = 8         # idle connections kept per rank
+IDLE_KEEP_S = 60.0    # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
+_STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+# Codes that say the path cannot serve us (not that the request is wrong): the data plane falls back to gRPC.
+_PATH_FAILURES = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE)
+
+
+class BulkReadError(ShardServeError):
+    """The bulk TCP path cannot serve this read (no bulk port, ticket refused, connection broken)."""
+
+
+class _Connection:
+    """One open connection to a rank's bulk port."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.idle_since = time.monotonic()
+
+
+class BulkConnections:
+    """Connections to the ranks' bulk ports, opened on demand and kept for reuse."""
+
+    def __init__(self, transport: "Transport") -> None:
+        self.transport = transport
+        self._idle: dict[str, deque[_Connection]] = defaultdict(deque)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def read_region(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port.
+
+        A kept connection that the rank closed meanwhile is replaced once, transparently."""
+        frame = request.SerializeToString()
+        connection = self._take(address)
+        if connection is not None:
+            try:
+                self._exchange(connection, address, frame, dest)
+                return
+            except _NothingReceived:
+                connection.sock.close()
+        connection = self._open(address)
+        try:
+            self._exchange(connection, address, frame, dest)
+        except _NothingReceived as err:
+            connection.sock.close()
+            raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+
+    def close(self) -> None:
+        """Close every kept connection."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, defaultdict(deque)
+        for connections in idle.values():
+            for connection in connections:
+                connection.sock.close()
+
+    def _take(self, address: str) -> _Connection | None:
+        with self._lock:
+            connections = self._idle[address]
+            while connections:
+                connection = connections.pop()
+                if time.monotonic() - connection.idle_since < IDLE_KEEP_S:
+                    return connection
+                connection.sock.close()
+        return None
+
+    def _give_back(self, address: str, connection: _Connection) -> None:
+        connection.idle_since = time.monotonic()
+        with self._lock:
+            if not self._closed and len(self._idle[address]) < IDLE_KEPT:
+                self._idle[address].append(connection)
+                return
+        connection.sock.close()
+
+    def _open(self, address: str) -> _Connection:
+        """A new connection to the bulk port of the rank at `address`, its ticket sent."""
+        where = f"rank at {address}"
+        try:
+            session = self.transport.unary(self.transport.shard_server(address).OpenBulkSession,
+                                           pb.BulkSessionRequest(), where)
+        except ShardServeError as err:
+            if err.code == grpc.StatusCode.UNIMPLEMENTED:
+                raise BulkReadError(f"{where}: {err.message}", err.code) from None
+            raise
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            sock = socket.create_connection((host, session.port), timeout=self.transport.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(session.ticket)
+        except OSError as err:
+            raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
+        return _Connection(sock)
+
+    def _exchange(self, connection: _Connection, address: str, frame: bytes, dest: torch.Tensor) -> None:
+        """Ask for one box on `connection` and receive it into `dest`; the connection is kept if still in step."""
+        where = f"rank at {address}"
+        deadline = time.monotonic() + self.transport.data_timeout(dest.numel())
+        sock = connection.sock
+        header = bytearray(HEADER.size)
+        try:
+            sock.settimeout(self.transport.timeout)
+            sock.sendall(FRAME_LENGTH.pack(len(frame)) + frame)
+            if not sock.recv_into(header, HEADER.size, socket.MSG_PEEK):
+                raise ConnectionError("the rank closed the connection")
+        except OSError as err:
+            raise _NothingReceived(str(err)) from None
+        try:
+            _recv_all(sock, memoryview(header), deadline)
+            status, _, length = HEADER.unpack(header)
+            if status:
+                self._raise_status(connection, address, status, length, deadline)
+            if length != dest.numel():
+                raise ShardServeError(f"{where} sends {length} bytes for a {dest.numel()}-byte region")
+            if length:
+                _recv_all(sock, memoryview(dest.numpy()), deadline)
+        except OSError as err:
+            sock.close()
+            raise BulkReadError(f"{where}, bulk port: {err}") from None
+        except ShardServeError as err:
+            if isinstance(err, BulkReadError) or err.code is None:
+                sock.close()
+            raise
+        self._give_back(address, connection)
+
+    def _raise_status(self, connection: _Connection, address: str, status: int, length: int,
+                      deadline: float) -> None:
+        """Read the error message that follows a non-OK header and raise it (the connection stays usable
+        after an error about the request)."""
+        where = f"rank at {address}"
+        message = bytearray(min(length, MAX_ERROR_BYTES))
+        _recv_all(connection.sock, memoryview(message), deadline)
+        code = _STATUS_BY_VALUE.get(status, grpc.StatusCode.UNKNOWN)
+        error = error_from_status(code, message.decode("utf-8", "replace"), where)
+        if code in _PATH_FAILURES or length > MAX_ERROR_BYTES:
+            raise BulkReadError(f"{where}: {error.message}", code)
+        self._give_back(address, connection)
+        raise error
+
+
+class _NothingReceived(Exception):
+    """The connection failed before this read got any byte back (a kept one may have been closed by the rank
+    meanwhile): retried once on a new connection."""
+
+
+def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill `view` from `sock`; ConnectionError if the peer closes early, TimeoutError past `deadline`."""
+    received = 0
+    while received < len(view):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bulk read timed out after {received} of {len(view)} bytes")
+        count = sock.recv_into(view[received:])
+        if not count:
+            raise ConnectionError(f"the rank closed the connection after {received} of {len(view)} bytes")
+        received += count

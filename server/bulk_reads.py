@@ -1,0 +1,253 @@
+"""The cross-host bulk path: boxes' bytes over plain TCP connections, each opened by a ticket.
+
+Python gRPC moves about 1.1-1.4 GB/s on the 2-core host; `sendall` from the
+shard's memory moves about 4 GB/s. So gRPC stays the control plane:
+OpenBulkSession (authenticated like every call) answers a one-time ticket (16
+random bytes, bound to the asking peer's IP, expiring) that opens one
+connection to the bulk port. On it the client asks for boxes, each a
+length-prefixed ReadRegionRequest checked as ReadRegion checks it, and
+receives a status header and the bytes (protocol in protos/shardserve.proto,
+BulkSession). The version stays leased while its bytes are sent (store.read).
+The port does not encrypt, so a rank with TLS serves none.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from protos import shardserve_pb2 as pb
+from server.cuda_staging import host_bytes
+from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
+from server.requests import check_name, check_version
+from server.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+TICKET_BYTES = 16
+HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
+FRAME_LENGTH = struct.Struct("<I")  # before each request
+MAX_REQUEST_BYTES = 64 << 10
+TICKET_TTL_S = 30.0
+MAX_TICKETS = 4096            # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
+IDLE_TIMEOUT_S = 300.0        # a connection idle (or a peer stalled mid-transfer) this long is closed
+MAX_CONNECTIONS = 64          # open at once, each on its own thread; more are refused UNAVAILABLE (the client
+                              # then reads over gRPC)
+
+
+class BulkReadsOff(ServiceError):
+    """This rank serves no bulk port (turned off, or TLS on)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+@dataclass(frozen=True)
+class _Ticket:
+    peer: ipaddress.IPv4Address | ipaddress.IPv6Address | None
+    deadline: float
+
+
+def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5") or a socket address; None if not IP."""
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer.split(":", 1)[1].rpartition(":")[0]
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class Tickets:
+    """One-time tickets: issued by OpenBulkSession, each redeemed by one connection to the bulk port."""
+
+    def __init__(self, ttl_s: float = TICKET_TTL_S, capacity: int = MAX_TICKETS) -> None:
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._lock = threading.Lock()
+
+    def issue(self, peer: str) -> bytes:
+        """A fresh ticket, valid once from `peer`'s IP for ttl_s seconds."""
+        now = time.monotonic()
+        with self._lock:
+            for key in [k for k, t in self._tickets.items() if t.deadline <= now]:
+                del self._tickets[key]
+            if len(self._tickets) >= self.capacity:
+                raise ResourceExhausted(f"this rank holds {self.capacity} unredeemed bulk-read tickets; "
+                                        f"retry later or read over ReadRegion")
+            ticket = secrets.token_bytes(TICKET_BYTES)
+            self._tickets[ticket] = _Ticket(peer_ip(peer), now + self.ttl_s)
+        return ticket
+
+    def redeem(self, ticket: bytes, peer: str) -> None:
+        """Use up `ticket`; PERMISSION_DENIED if it is unknown, used, expired or presented from another IP."""
+        with self._lock:
+            entry = self._tickets.pop(ticket, None)
+        if entry is None or entry.deadline <= time.monotonic():
+            raise ServiceError("ticket: unknown, already used or expired", grpc.StatusCode.PERMISSION_DENIED)
+        if entry.peer is not None and entry.peer != peer_ip(peer):
+            raise ServiceError(f"ticket: issued to {entry.peer}, presented from {peer}",
+                               grpc.StatusCode.PERMISSION_DENIED)
+
+
+class BulkReads:
+    """OpenBulkSession and the bulk TCP port of one rank (host None = no port: OpenBulkSession is UNIMPLEMENTED)."""
+
+    def __init__(self, store: ShardStore, host: str | None, port: int = 0, off_reason: str = "") -> None:
+        self.store = store
+        self.tickets = Tickets()
+        self.off_reason = off_reason or "bulk reads are turned off (--no-bulk-reads)"
+        self._listener: socket.socket | None = None
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._open: set[socket.socket] = set()  # connections being served, shut down by close()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        if host is not None:
+            family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+            self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+            self._port = self._listener.getsockname()[1]
+            self._start_thread(self._accept_loop, (self._listener,), "bulk-accept")
+
+    @property
+    def port(self) -> int | None:
+        return self._port if self._listener is not None else None
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop accepting, break off open connections and wait (bounded) for their threads: a thread still
+        blocked in a socket call while the interpreter exits aborts the process."""
+        with self._lock:
+            listener, self._listener = self._listener, None
+            socks = list(self._open)
+        for sock in ([listener] if listener is not None else []) + socks:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept, recv or send
+        if listener is not None:
+            listener.close()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _start_thread(self, target, args: tuple, name: str) -> None:  # type: ignore[no-untyped-def]
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    @rpc_errors
+    def OpenBulkSession(self, request: pb.BulkSessionRequest, context: grpc.ServicerContext) -> pb.BulkSession:
+        port = self.port
+        if port is None:
+            raise BulkReadsOff(f"rank {self.store.rank} serves no bulk port: {self.off_reason}")
+        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer()), expires_s=self.tickets.ttl_s)
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, address = listener.accept()
+            except OSError:
+                return  # closed
+            if not self._connections.acquire(blocking=False):
+                _send_error(conn, address[0], Unavailable(
+                    f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"))
+                conn.close()
+                continue
+            with self._lock:
+                if self._listener is None:  # closing
+                    conn.close()
+                    self._connections.release()
+                    return
+                self._open.add(conn)
+            self._start_thread(self._serve, (conn, address[0]), "bulk-conn")
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        """One connection: the ticket, then boxes asked for until the peer closes or idles out."""
+        try:
+            with conn:
+                conn.settimeout(IDLE_TIMEOUT_S)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                try:
+                    self.tickets.redeem(_recv_exactly(conn, TICKET_BYTES), peer)
+                except ServiceError as err:
+                    _send_error(conn, peer, err)
+                    return
+                while (request := _read_request(conn, peer)) is not None:
+                    self._answer(conn, peer, request)
+        except OSError as err:
+            log.debug("bulk connection from %s ended: %s", peer, err)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            self._connections.release()
+
+    def _answer(self, conn: socket.socket, peer: str, request: pb.ReadRegionRequest) -> None:
+        """Send the box of `request`, or its error (the connection stays usable after an error)."""
+        try:
+            with self.store.read(check_name(request.name), check_version(request.version, allow_zero=True),
+                                 request.shard_index, tuple(request.offsets), tuple(request.sizes)) as box:
+                data = host_bytes(box)
+                conn.sendall(HEADER.pack(0, 0, len(data)))
+                conn.sendall(data)
+        except OSError:
+            raise
+        except Exception as err:  # noqa: BLE001 - answered to the peer, as rpc_errors does for gRPC
+            _send_error(conn, peer, err)
+
+
+def _read_request(conn: socket.socket, peer: str) -> pb.ReadRegionRequest | None:
+    """The next request frame, or None when the peer closed between frames; a malformed frame is answered
+    with INVALID_ARGUMENT and ends the connection (ConnectionAbortedError)."""
+    first = conn.recv(FRAME_LENGTH.size)
+    if not first:
+        return None
+    (length,) = FRAME_LENGTH.unpack(first + _recv_exactly(conn, FRAME_LENGTH.size - len(first)))
+    if length > MAX_REQUEST_BYTES:
+        _send_error(conn, peer, InvalidArgument(f"request: a frame of {length} bytes is over the bulk port's "
+                                                f"{MAX_REQUEST_BYTES}-byte limit"))
+        raise ConnectionAbortedError("oversized request frame")
+    try:
+        return pb.ReadRegionRequest.FromString(_recv_exactly(conn, length))
+    except DecodeError:
+        _send_error(conn, peer, InvalidArgument("request: not a serialized ReadRegionRequest"))
+        raise ConnectionAbortedError("undecodable request frame") from None
+
+
+def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
+    """Answer `err` as a status header and message (what rpc_errors does for a gRPC call)."""
+    code, message = status_of(err)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("bulk read for %s failed: %s", peer, message, exc_info=err)
+    else:
+        log.info("bulk read for %s -> %s: %s", peer, code.name, message)
+    body = message.encode("utf-8", "replace")
+    with contextlib.suppress(OSError):
+        conn.sendall(HEADER.pack(code.value[0], 0, len(body)) + body)
+
+
+def _recv_exactly(conn: socket.socket, nbytes: int) -> bytes:
+    data = b""
+    while len(data) < nbytes:
+        part = conn.recv(nbytes - len(data))
+        if not part:
+            raise ConnectionError(f"peer closed after {len(data)} of {nbytes} bytes")
+        data += part
+    return data
+
+
+def handlers(reads: BulkReads) -> dict[str, grpc.RpcMethodHandler]:
+    """The ShardServer method handler of OpenBulkSession."""
+    return {"OpenBulkSession": grpc.unary_unary_rpc_method_handler(
+        reads.OpenBulkSession, request_deserializer=pb.BulkSessionRequest.FromString,
+        response_serializer=pb.BulkSession.SerializeToString)}
