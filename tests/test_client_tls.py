@@ -1,11 +1,13 @@
 """connect() over mutual TLS plus a token, against a real 1-rank cluster started with certificates."""
 from __future__ import annotations
 
-
+import grpc
 import pytest
 import torch
 
 from client import AuthenticationError, RankUnavailableError, connect
+from client.tcp_reads import BulkReadError
+from protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "tls-token"
@@ -23,6 +25,24 @@ def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):
         remote = cluster.put("secret", source)
         assert torch.equal(remote.full_tensor(), source)
         assert torch.equal(remote[-5:, 3], source[-5:, 3])
+
+
+def test_no_bulk_port_under_tls(tls_cluster, tls_files, monkeypatch):
+    """The bulk port does not encrypt: a TLS rank serves none, auto reads large parts over gRPC, tcp is refused."""
+    source = torch.randn(600, 700)  # 1.6 MiB: over auto's bulk threshold
+    credentials = dict(token=TOKEN, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key, timeout=30)
+    with connect(tls_cluster.address, **credentials) as cluster:
+        remote = cluster.put("secret-large", source)
+        monkeypatch.setattr(cluster._data_plane, "host", ("elsewhere", "another-boot-id"))  # no shared memory
+        assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "grpc"
+        stub = cluster._transport.shard_server(cluster._address_of(0))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TLS is on" in err.value.details()
+    with connect(tls_cluster.address, transport="tcp", **credentials) as cluster:
+        with pytest.raises(BulkReadError, match="impossible with TLS"):
+            cluster.tensor("secret-large").full_tensor()
+        cluster.delete("secret-large")
 
 
 def test_tls_without_client_certificate_or_token_is_refused(tls_cluster, tls_files):

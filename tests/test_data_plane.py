@@ -1,7 +1,8 @@
-"""Data plane (issue 6): same-host shared memory and gRPC reads bit for bit, path choice, fallback, safety.
+"""Data plane (issue 6): shared-memory, bulk TCP and gRPC reads bit for bit, path choice, fallback, safety.
 
-Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with it off by
-SHARDSERVE_SHARED_MEMORY=0); store and lease logic checked in-process.
+Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with shared
+memory off by SHARDSERVE_SHARED_MEMORY=0 and no bulk port); store and lease
+logic checked in-process. The bulk port's own protocol: tests/test_bulk_reads.py.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import grpc
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from client import connect
 from client.grpc_streams import bands
 from client.errors import StaleVersionError, TensorNotFoundError
 from client.shm_transport import SharedMemoryError
+from client.tcp_reads import BulkReadError
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition
 from server.shared_memory import ENV_SWITCH, Leases
@@ -65,7 +68,7 @@ def cluster(make_cluster):
 @pytest.fixture(scope="module")
 def no_shm_cluster(make_cluster):
     with env(ENV_SWITCH, "0"):
-        return make_cluster(ranks=2)
+        return make_cluster(ranks=2, bulk_reads=False)
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +84,14 @@ def tables(cluster):
     return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc", "auto"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "tcp", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_every_path_bit_for_bit(cluster, tables, transport, dtype):
     source, name = tables[dtype]
     with connect(cluster.address, transport=transport) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == ("grpc" if transport == "grpc" else "shm")
+        assert remote.last_transport == ("shm" if transport == "auto" else transport)
         assert torch.equal(remote.fetch((2, 1, 0), (4, 3, 2)), source[2:6, 1:4, 0:2])  # crosses both shards
         assert torch.equal(remote[3:5, :, 1], source[3:5, :, 1])
         out = torch.empty(3, 5, 7, dtype=dtype).transpose(0, 2)  # a non-contiguous output
@@ -122,8 +125,6 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
 
 
 def test_read_region_small_refuses_large_boxes(cluster):
-    import grpc
-
     source = random_tensor((600, 1024), torch.float32, seed=8)  # 1.2 MiB per shard
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-small-limit", source, SPEC)
@@ -186,25 +187,40 @@ def test_bad_transport_is_refused(cluster):
         connect(cluster.address, transport="rdma")
 
 
-def test_rank_without_shared_memory_uses_grpc(no_shm_cluster):
-    source = random_tensor((9, 4), torch.bfloat16, seed=5)
-    with connect(no_shm_cluster.address) as c:
+def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplog):
+    source = random_tensor((900, 1024), torch.bfloat16, seed=5)  # 0.9 MiB per shard
+    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(no_shm_cluster.address) as c:
         remote = c.put("plain", source, SPEC)
         assert not any(r.shared_memory for r in c.ranks())
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
+        big = c.put("plain-big", torch.cat([source] * 4), SPEC)  # 3.5 MiB per shard: auto tries the bulk port
+        assert torch.equal(big.full_tensor(), torch.cat([source] * 4))
+        assert big.last_transport == "grpc"
+    assert "serves no bulk port: turned off (--no-bulk-reads)" in caplog.text
     with connect(no_shm_cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"):
             c.tensor("plain").full_tensor()
+    with connect(no_shm_cluster.address, transport="tcp") as c:
+        with pytest.raises(BulkReadError, match="serves no bulk port: turned off") as err:
+            c.tensor("plain").full_tensor()
+        assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_another_host_uses_grpc(cluster, tables, monkeypatch):
+def test_another_host_reads_small_parts_over_grpc_and_large_ones_over_tcp(cluster, tables, monkeypatch):
     source, name = tables[torch.int64]
+    large = random_tensor((1100, 512), torch.float32, seed=12)  # 1.07 MiB per shard
     with connect(cluster.address) as c:
         monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
+        remote = c.put("dp-remote-large", large, SPEC)
+        assert torch.equal(remote.full_tensor(), large)
+        assert remote.last_transport == "tcp"
+        assert torch.equal(remote.fetch((0, 0), (512, 512)), large[:512])  # 1 MiB: one unary gRPC call
+        assert remote.last_transport == "grpc"
+        c.delete("dp-remote-large")
 
 
 def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatch, caplog):
@@ -232,6 +248,51 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
     with connect(cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="Permission denied"):
             c.tensor(name).full_tensor()
+
+
+def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeypatch, caplog):
+    import client.tcp_reads as tcp_reads
+
+    large = random_tensor((2200, 512), torch.float32, seed=13)  # 2.1 MiB per shard
+    dialed = []
+
+    def refuse(address, *args, **kwargs):
+        dialed.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    with connect(cluster.address, transport="grpc") as c:
+        c.put("dp-firewalled", large, SPEC)
+    monkeypatch.setattr(tcp_reads.socket, "create_connection", refuse)
+    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+        remote = c.tensor("dp-firewalled")
+        assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
+        tried = len(dialed)
+        assert tried == 2  # once per rank
+        assert torch.equal(remote.full_tensor(), large) and len(dialed) == tried  # not tried again meanwhile
+    assert "bulk TCP read from rank 0 failed; reading it over gRPC for 30 s" in caplog.text
+    assert "Connection refused" in caplog.text
+    with connect(cluster.address, transport="tcp") as c:
+        with pytest.raises(BulkReadError, match="Connection refused"):
+            c.tensor("dp-firewalled").full_tensor()
+        c.delete("dp-firewalled")
+
+
+def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
+    import socket
+
+    source, name = tables[torch.int32]
+    with connect(cluster.address, transport="tcp") as c:
+        remote = c.tensor(name)
+        assert torch.equal(remote.full_tensor(), source)
+        kept = [conn for conns in c._bulk._idle.values() for conn in conns]
+        assert len(kept) == 2  # one per rank, kept for the next read
+        for conn in kept:
+            conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
+        assert torch.equal(remote.full_tensor(), source)
+        assert remote.last_transport == "tcp"
+        assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
+        assert len([conn for conns in c._bulk._idle.values() for conn in conns]) == 2
 
 
 def test_deleted_tensor_is_not_found_on_shm(cluster):
@@ -299,8 +360,9 @@ def _versions_of(base: torch.Tensor, count: int) -> dict[float, torch.Tensor]:
     return {float(k): base + 1000 * k for k in range(count)}
 
 
-def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster):
-    """Readers hammer shared-memory reads while the tensor is overwritten, resharded and deleted."""
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster, transport):
+    """Readers hammer same-host (or bulk TCP) reads while the tensor is overwritten, resharded and deleted."""
     base = torch.arange(64 * 48, dtype=torch.float64).reshape(64, 48)
     versions = _versions_of(base, 6)
     errors: list[BaseException] = []
@@ -308,10 +370,10 @@ def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster):
     stop = threading.Event()
 
     def reader() -> None:
-        with connect(cluster.address, transport="shm") as c:
+        with connect(cluster.address, transport=transport) as c:
             while not stop.is_set():
                 try:
-                    got = c.tensor("hot").fetch((5, 3), (50, 40))
+                    got = c.tensor(f"hot-{transport}").fetch((5, 3), (50, 40))
                 except (TensorNotFoundError, StaleVersionError):
                     seen["gone"] += 1
                     continue
@@ -325,18 +387,18 @@ def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster):
                 seen["data"] += 1
 
     with connect(cluster.address, transport="grpc") as writer:
-        writer.put("hot", versions[0.0], SPEC)
+        writer.put(f"hot-{transport}", versions[0.0], SPEC)
         threads = [threading.Thread(target=reader, daemon=True) for _ in range(2)]
         for t in threads:
             t.start()
         try:
             for k in range(1, 6):
-                remote = writer.put("hot", versions[float(k)], SPEC, overwrite=True)
+                remote = writer.put(f"hot-{transport}", versions[float(k)], SPEC, overwrite=True)
                 if k % 2 == 0:
                     remote.reshard(ChunkShardingSpec(1, ["rank:1/cpu", "rank:0/cpu"]))
                 time.sleep(0.1)
                 if k == 3:
-                    writer.delete("hot")
+                    writer.delete(f"hot-{transport}")
                     time.sleep(0.1)
         finally:
             stop.set()
@@ -426,6 +488,12 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
     with connect(gpu.address, transport="grpc") as c:
         c.put("gpu", source, spec)
         assert torch.equal(c.tensor("gpu").fetch((3, 2), (25, 10)), source[3:28, 2:12])
+    with connect(gpu.address, transport="tcp") as c:  # staged through pinned memory on the rank
+        remote = c.tensor("gpu")
+        assert torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12]) and remote.last_transport == "tcp"
+        out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
+        remote.fetch((0, 0), (33, 17), out=out)
+        assert torch.equal(out.cpu(), source)
     with connect(gpu.address, transport="shm") as c:
         remote = c.tensor("gpu")
         assert torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12])

@@ -207,6 +207,7 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     (["up", "--memory-limit", "-1"], "--memory-limit must be >= 0"),
     (["up", "--recycle-bytes", "-1"], "--recycle-bytes must be >= 0"),
     (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
+    (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
     (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
     (["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"], "tls cert file 'missing.pem' does not exist"),
 ])

@@ -8,6 +8,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from client import AuthenticationError, ResourceExhaustedError, connect
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from shardcore.metadata import TensorProperties
@@ -52,6 +53,7 @@ def rank_calls(stubs, served):
                                         timeout=TIMEOUT, metadata=md)),
         lambda md: stub.WriteShard(write_requests("t", info.version, 0, torch.zeros(8, 4)), timeout=TIMEOUT,
                                    metadata=md),
+        lambda md: stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=TIMEOUT, metadata=md),
         lambda md: stub.DropVersion(pb.DropVersionRequest(name="t"), timeout=TIMEOUT, metadata=md),
         lambda md: stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT, metadata=md),
         lambda md: stubs.coord.DeleteTensor(pb.DeleteTensorRequest(name="t"), timeout=TIMEOUT, metadata=md),
@@ -102,6 +104,19 @@ def test_max_request_bytes(stubs):
     err = rpc_error(read_region, stubs, 0, "wide", info.version, 0, [0, 0], [3, 2048], torch.uint8)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "offsets/sizes" in err.details() and "max_request_bytes 4096" in err.details()
+
+
+def test_bulk_port_reads_with_the_token_and_keeps_the_limits(guarded):
+    expected = (torch.arange(4 * 2048) % 251).to(torch.uint8).view(4, 2048)
+    with connect(guarded.address, token=TOKEN, transport="tcp") as c:
+        remote = c.put("wide-bulk", expected, ChunkShardingSpec(0, ["rank:0/cpu"]))
+        assert torch.equal(remote[:2], expected[:2]) and remote.last_transport == "tcp"
+        with pytest.raises(ResourceExhaustedError, match="max_request_bytes 4096"):
+            remote[:3]
+        assert torch.equal(remote[2:4], expected[2:4])  # the kept connection still serves
+        c.delete("wide-bulk")
+    with pytest.raises(AuthenticationError):
+        connect(guarded.address, token="nope", transport="tcp")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,194 @@
+"""The bulk TCP port (issue 6; server/bulk_reads.py): tickets and the port's protocol, in-process.
+
+A real ShardStore and a real listening port on 127.0.0.1, spoken to with plain
+sockets: boxes bit for bit, request errors that keep the connection, refused
+tickets, malformed frames, the connection cap and close(). The client's use of
+the port (path choice, fallback, reads during reshards) is in
+tests/test_data_plane.py; token and TLS in tests/test_server_security.py and
+tests/test_client_tls.py.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import grpc
+import pytest
+import torch
+
+import server.bulk_reads as bulk_reads
+from protos import shardserve_pb2 as pb
+from server.bulk_reads import HEADER, BulkReads, Tickets, peer_ip
+from server.errors import ServiceError
+from server.store import ShardStore
+from shardcore.metadata import TensorProperties
+from shardcore.specs import ChunkShardingSpec
+
+TIMEOUT_S = 10.0
+SOURCE = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # what INIT_ARANGE fills
+
+
+@pytest.fixture
+def port():
+    store = ShardStore(0)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((6, 4), TensorProperties(dtype=torch.float32))
+    store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    reads = BulkReads(store, "127.0.0.1")
+    yield reads
+    reads.close()
+
+
+def open_connection(reads: BulkReads, ticket: bytes | None = None, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", reads.port), timeout=TIMEOUT_S, source_address=(source, 0))
+    sock.sendall(reads.tickets.issue("ipv4:127.0.0.1:4242") if ticket is None else ticket)
+    return sock
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        assert part, f"connection closed after {len(data)} of {n} bytes"
+        data += part
+    return data
+
+
+def answer(sock: socket.socket) -> tuple[int, bytes]:
+    status, reserved, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
+    assert reserved == 0
+    return status, recv_exactly(sock, length)
+
+
+def ask(sock: socket.socket, frame: bytes) -> tuple[int, bytes]:
+    sock.sendall(struct.pack("<I", len(frame)) + frame)
+    return answer(sock)
+
+
+def request(name: str = "t", version: int = 1, offsets=(0, 0), sizes=(6, 4)) -> bytes:
+    return pb.ReadRegionRequest(name=name, version=version, shard_index=0, offsets=offsets,
+                                sizes=sizes).SerializeToString()
+
+
+def closed(sock: socket.socket) -> bool:
+    return sock.recv(1) == b""
+
+
+def code(status: int) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == status)
+
+
+def test_boxes_bit_for_bit_on_one_kept_connection(port):
+    with open_connection(port) as sock:
+        for offsets, sizes in (((0, 0), (6, 4)), ((2, 1), (3, 2)), ((5, 3), (1, 1)), ((0, 0), (0, 4))):
+            status, body = ask(sock, request(offsets=offsets, sizes=sizes))
+            expected = SOURCE[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+            assert status == 0
+            assert torch.equal(torch.frombuffer(bytearray(body), dtype=torch.float32).reshape(sizes)
+                               if body else torch.empty(sizes), expected)
+
+
+@pytest.mark.parametrize("frame,expected,field", [
+    (request(name="nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+    (request(version=7), grpc.StatusCode.FAILED_PRECONDITION, "version"),
+    (request(offsets=(4, 0), sizes=(3, 4)), grpc.StatusCode.INVALID_ARGUMENT, "sizes"),
+    (request(name=""), grpc.StatusCode.INVALID_ARGUMENT, "name"),
+    (pb.ReadRegionRequest(name="t", version=1, shard_index=5, offsets=(0, 0), sizes=(1, 1)).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT, "shard_index"),
+])
+def test_request_errors_are_answered_and_keep_the_connection(port, frame, expected, field):
+    with open_connection(port) as sock:
+        status, message = ask(sock, frame)
+        assert code(status) == expected and field in message.decode()
+        status, body = ask(sock, request())
+        assert status == 0 and torch.equal(torch.frombuffer(bytearray(body), dtype=torch.float32), SOURCE.flatten())
+
+
+def test_unknown_used_and_foreign_tickets_are_refused(port):
+    ticket = port.tickets.issue("ipv4:127.0.0.1:1")
+    for bad in (b"\0" * 16, None):
+        with open_connection(port, bad) as sock:  # None: a fresh ticket, used once here ...
+            if bad is None:
+                assert ask(sock, request())[0] == 0
+                continue
+            status, message = answer(sock)
+            assert code(status) == grpc.StatusCode.PERMISSION_DENIED and b"ticket" in message
+            assert closed(sock)
+    with open_connection(port, ticket) as sock:
+        assert ask(sock, request())[0] == 0
+    with open_connection(port, ticket) as sock:  # ... and refused the second time
+        assert code(answer(sock)[0]) == grpc.StatusCode.PERMISSION_DENIED
+    with open_connection(port, port.tickets.issue("ipv4:127.0.0.1:1"), source="127.0.0.2") as sock:
+        status, message = answer(sock)
+        assert code(status) == grpc.StatusCode.PERMISSION_DENIED and b"issued to 127.0.0.1" in message
+
+
+def test_malformed_frames_are_refused_and_close_the_connection(port):
+    with open_connection(port) as sock:
+        sock.sendall(struct.pack("<I", 1 << 30))
+        status, message = answer(sock)
+        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"request" in message
+        assert closed(sock)
+    with open_connection(port) as sock:
+        status, message = ask(sock, b"\x0a\xff\xff\xff\xff\x0f")  # a field claiming 4 GiB
+        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"ReadRegionRequest" in message
+        assert closed(sock)
+    with open_connection(port) as sock:  # still serving
+        assert ask(sock, request())[0] == 0
+
+
+def test_a_peer_that_goes_silent_mid_ticket_does_not_block_others(port):
+    with socket.create_connection(("127.0.0.1", port.port), timeout=TIMEOUT_S) as silent:
+        silent.sendall(b"\1\2\3")
+        with open_connection(port) as sock:
+            assert ask(sock, request())[0] == 0
+
+
+def test_connections_over_the_cap_are_unavailable(monkeypatch):
+    monkeypatch.setattr(bulk_reads, "MAX_CONNECTIONS", 1)
+    reads = BulkReads(ShardStore(0), "127.0.0.1")
+    try:
+        with open_connection(reads) as first, open_connection(reads) as second:
+            status, message = answer(second)
+            assert code(status) == grpc.StatusCode.UNAVAILABLE and b"1 bulk connections" in message
+            first.sendall(struct.pack("<I", 0))  # an empty request: the first connection still answers
+            assert code(answer(first)[0]) == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        reads.close()
+
+
+def test_close_breaks_off_open_connections_and_waits_for_their_threads(port):
+    sock = open_connection(port)
+    assert ask(sock, request())[0] == 0
+    start = time.monotonic()
+    port.close()
+    assert time.monotonic() - start < 5.0
+    assert closed(sock)
+    assert not any(t.is_alive() for t in port._threads)
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port._port), timeout=TIMEOUT_S)
+    sock.close()
+
+
+def test_tickets_expire_and_are_bounded():
+    tickets = Tickets(ttl_s=0.05, capacity=2)
+    first = tickets.issue("ipv4:127.0.0.1:1")
+    tickets.issue("ipv4:127.0.0.1:1")
+    with pytest.raises(ServiceError) as err:
+        tickets.issue("ipv4:127.0.0.1:1")
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    time.sleep(0.1)
+    with pytest.raises(ServiceError, match="expired") as err:
+        tickets.redeem(first, "127.0.0.1")
+    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    tickets.issue("ipv4:127.0.0.1:1")  # the expired ones made room
+
+
+@pytest.mark.parametrize("peer,expected", [
+    ("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"), ("::ffff:10.1.2.3", "10.1.2.3"),
+    ("10.0.0.7", "10.0.0.7"), ("unix:/tmp/sock", None), ("", None),
+])
+def test_peer_ip(peer, expected):
+    ip = peer_ip(peer)
+    assert (str(ip) if ip is not None else None) == expected
