@@ -1,19 +1,19 @@
-"""The client's choice of data path per part read: shared memory, the bulk TCP port, or gRPC.
+"""The client's choice of data path per read or lookup: shared memory, the bulk TCP port, or gRPC.
 
 transport="auto" tries, in order, what works for the rank: shared memory when
-it runs on this host (client.shm_transport), the rank's bulk TCP port for a
-part of more than TCP_MIN_BYTES when the client does not use TLS
-(client.tcp_reads), else gRPC streams (client.grpc_streams). A failure of a
-fast path is logged once per rank and path; that rank is then read by the next
-path for RETRY_AFTER_S. "grpc", "shm" and "tcp" force one path; a forced fast
-path that cannot serve a read raises instead of falling back.
+it runs on this host (client.shm_transport), the rank's bulk TCP port when the
+client does not use TLS (client.tcp_reads: 2-3x faster than a gRPC call at any
+size once its connection is open), else gRPC (client.grpc_streams). A failure
+of a fast path is logged once per rank and path; that rank is then served by
+the next path for RETRY_AFTER_S. "grpc", "shm" and "tcp" force one path; a
+forced fast path that cannot serve raises instead of falling back.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
@@ -23,10 +23,10 @@ from client.tcp_reads import BulkReadError
 from shardcore.metadata import Box
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
-TCP_MIN_BYTES = 1 << 20    # auto: parts up to this size go over one unary gRPC call (ReadRegionSmall)
 
 
 def check_transport(transport: object) -> str:
@@ -62,18 +62,21 @@ class DataPlane:
                 if self.transport == "shm":
                     raise
                 self._fall_back("shm", rank, err)
-        if self._tcp_usable(rank, part.numel() * region.element_size()):
+        path = self.over_network(rank, network_read)[1]
+        log.debug("read %r shard %d from rank %d over %s", summary.name, index, rank.rank, path)
+        return path
+
+    def over_network(self, rank: RankStatus, run: Callable[[str], T]) -> tuple[T, str]:
+        """`run("tcp")` when the bulk port may serve `rank`, falling back to `run("grpc")` when it fails (unless
+        forced); returns run's result and the path that gave it."""
+        if self._tcp_usable(rank):
             try:
-                network_read("tcp")
-                log.debug("read %r shard %d from rank %d over the bulk port", summary.name, index, rank.rank)
-                return "tcp"
+                return run("tcp"), "tcp"
             except BulkReadError as err:
                 if self.transport == "tcp":
                     raise
                 self._fall_back("tcp", rank, err)
-        log.debug("read %r shard %d from rank %d over grpc", summary.name, index, rank.rank)
-        network_read("grpc")
-        return "grpc"
+        return run("grpc"), "grpc"
 
     def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
@@ -119,19 +122,18 @@ class DataPlane:
             log.debug("rank %d not through shared memory: %s", rank.rank, reason)
         return not reason
 
-    def _tcp_usable(self, rank: RankStatus, nbytes: int) -> bool:
-        """Whether a part of `nbytes` from `rank` goes to the bulk port (raises for transport="tcp" under TLS)."""
+    def _tcp_usable(self, rank: RankStatus) -> bool:
+        """Whether `rank` may be tried over its bulk port now (raises for transport="tcp" under TLS)."""
         if self.transport == "tcp":
             if self.uses_tls:
                 raise BulkReadError("transport='tcp' is impossible with TLS: the bulk port does not encrypt")
             return True
-        return (self.transport == "auto" and not self.uses_tls and nbytes > TCP_MIN_BYTES
-                and not self._backing_off("tcp", rank))
+        return self.transport == "auto" and not self.uses_tls and not self._backing_off("tcp", rank)
 
     def _fall_back(self, path: str, rank: RankStatus, err: Exception) -> None:
         with self._lock:
             self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
         what = "shared-memory" if path == "shm" else "bulk TCP"
-        instead = "over gRPC" if path == "tcp" or self.uses_tls else "over the bulk port (parts over 1 MiB) or gRPC"
+        instead = "over gRPC" if path == "tcp" or self.uses_tls else "over the bulk port or gRPC"
         log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
                     what, rank.rank, instead, RETRY_AFTER_S, err)

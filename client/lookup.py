@@ -198,7 +198,7 @@ class Lookups:
         self.cache_max_age = cache_max_age
         self._views: dict[str, TableView] = {}
         self._rank_methods: dict[str, Any] = {}
-        self.last_paths: dict[int, str] = {}  # rank -> "shm", "grpc" or both: the path of its latest answer
+        self.last_paths: dict[int, str] = {}  # rank -> "shm", "tcp", "grpc" or "shm+tcp"...: its latest answer's path
         self._fetched: dict[str, float] = {}
         self._mapped: dict[str, tuple[TableView, MappedRows | None]] = {}  # name -> the fast path of its view
         self._lock = threading.Lock()
@@ -386,27 +386,51 @@ class Lookups:
         by_rank: dict[int, list[_Item]] = defaultdict(list)
         for item in items:
             by_rank[item.rank].append(item)
-        calls = []
+        calls, mapped = [], set()
         for rank, group in sorted(by_rank.items()):
             rest = self._answer_through_shared_memory(rank, group)
-            self.last_paths[rank] = "shm" if not rest else "grpc" if len(rest) == len(group) else "shm+grpc"
+            if len(rest) < len(group):
+                mapped.add(rank)
             if rest:
                 calls.append((rank, rest))
+            else:
+                self.last_paths[rank] = "shm"
         if calls:
-            self._cluster._transport.run_all([partial(self._call_rank, rank, rest) for rank, rest in calls])
+            paths = self._cluster._transport.run_all([partial(self._call_rank, rank, rest) for rank, rest in calls])
+            for (rank, _), path in zip(calls, paths):
+                self.last_paths[rank] = f"shm+{path}" if rank in mapped else path
 
-    def _call_rank(self, rank: int, items: list[_Item]) -> None:
-        """One Lookup call to `rank` with `items`, giving each item its answer: an answer up to
-        SMALL_ANSWER_BYTES comes in one LookupSmall message, a larger one streams."""
+    def _call_rank(self, rank: int, items: list[_Item]) -> str:
+        """One lookup call to `rank` with `items`, giving each item its answer; returns the path ("tcp" or
+        "grpc"). Over the bulk port or gRPC, an answer up to SMALL_ANSWER_BYTES comes in one message; over
+        gRPC a larger one streams (and so does not take the bulk port)."""
         address = self._cluster._address_of(rank)
-        transport = self._cluster._transport
         request = pb.LookupRequest(items=[item.wire_message() for item in items])
         expected = sum(_answer_bytes(item) for item in items)
-        methods = self._methods(address)
         where = f"rank {rank} at {address}"
+        if expected > SMALL_ANSWER_BYTES:
+            self._call_grpc(address, request, expected, _Receiver(items, where))
+            return "grpc"
+
+        def call(path: str) -> None:
+            receiver = _Receiver(items, where)
+            if path == "grpc":
+                self._call_grpc(address, request, expected, receiver)
+                return
+            reply = self._cluster._bulk.lookup(address, request, expected)
+            with _CPU_TURN:
+                for chunk in decode_lookup_reply(reply):
+                    receiver.add(chunk)
+                receiver.finish()
+
+        return self._cluster._data_plane.over_network(self._cluster._rank_status(rank), call)[1]
+
+    def _call_grpc(self, address: str, request: pb.LookupRequest, expected: int, receiver: "_Receiver") -> None:
+        """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream, into `receiver`."""
+        transport = self._cluster._transport
+        methods = self._methods(address)
         timeout = transport.data_timeout(expected)
         try:
-            receiver = _Receiver(items, where)
             if expected <= SMALL_ANSWER_BYTES:
                 chunks = methods.small(request, timeout=timeout, metadata=transport._metadata)
             else:
@@ -417,7 +441,7 @@ class Lookups:
             with _CPU_TURN:
                 receiver.finish()
         except grpc.RpcError as err:
-            raise error_from_rpc(err, where) from None
+            raise error_from_rpc(err, receiver.where) from None
 
     def _answer_through_shared_memory(self, rank: int, items: list[_Item]) -> list[_Item]:
         """Answer row items of a same-host rank from its mapped shards (client.shm_transport); return the rest.

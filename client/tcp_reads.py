@@ -2,10 +2,11 @@
 
 A connection to a rank's bulk port is opened with a ticket from
 OpenBulkSession, which goes over gRPC (token, TLS, deadline), and kept for
-later reads (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
-sends one length-prefixed ReadRegionRequest, reads the 16-byte header and
-`recv_into`s the bytes into the preallocated output: no protobuf around the
-data, no intermediate buffer. Failures of the path itself (no bulk port,
+later calls (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
+sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
+the bytes into the preallocated output: no protobuf around the data, no
+intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
+answer. Failures of the path itself (no bulk port,
 ticket refused, connection broken) raise BulkReadError so client.data_plane can
 fall back to gRPC; errors about the request (stale version, bad box) are the
 exceptions a gRPC read raises, and leave the connection usable.
@@ -17,7 +18,7 @@ import struct
 import threading
 import time
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import grpc
 import torch
@@ -29,10 +30,14 @@ if TYPE_CHECKING:
     from client.transport import Transport
 
 HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
-FRAME_LENGTH = struct.Struct("<I")
+FRAME = struct.Struct("<II")  # kind, length
+KIND_READ, KIND_LOOKUP = 1, 2
+MAX_REQUEST_BYTES = 8 << 20   # the rank's limit on one request frame
+MAX_LOOKUP_REPLY_BYTES = 4 << 20  # the ranks' LookupSmall limit (SMALL_REPLY_BYTES)
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank
 IDLE_KEEP_S = 60.0    # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
+T = TypeVar("T")
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 # Codes that say the path cannot serve us (not that the request is wrong): the data plane falls back to gRPC.
 _PATH_FAILURES = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE)
@@ -60,20 +65,42 @@ class BulkConnections:
         self._closed = False
 
     def read_region(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
-        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port.
+        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port."""
+        def into_dest(sock: socket.socket, length: int, deadline: float) -> None:
+            if length != dest.numel():
+                raise ShardServeError(f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region")
+            if length:
+                _recv_all(sock, memoryview(dest.numpy()), deadline)
 
-        A kept connection that the rank closed meanwhile is replaced once, transparently."""
-        frame = request.SerializeToString()
+        self._call(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
+
+    def lookup(self, address: str, request: pb.LookupRequest, expected: int) -> bytearray:
+        """The serialized LookupReply of `request` (at most MAX_LOOKUP_REPLY_BYTES; `expected` bounds its size)."""
+        def into_buffer(sock: socket.socket, length: int, deadline: float) -> bytearray:
+            if length > MAX_LOOKUP_REPLY_BYTES:
+                raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer")
+            reply = bytearray(length)
+            _recv_all(sock, memoryview(reply), deadline)
+            return reply
+
+        return self._call(address, KIND_LOOKUP, request.SerializeToString(), expected, into_buffer)
+
+    def _call(self, address: str, kind: int, message: bytes, nbytes: int, receive: Callable[..., T]) -> T:
+        """One request on a kept connection (replaced once, transparently, if the rank closed it meanwhile)
+        or a new one; `receive(sock, length, deadline)` takes an OK answer's bytes."""
+        if len(message) > MAX_REQUEST_BYTES:
+            raise BulkReadError(f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}")
+        frame = FRAME.pack(kind, len(message)) + message
+        deadline = time.monotonic() + self.transport.data_timeout(nbytes)
         connection = self._take(address)
         if connection is not None:
             try:
-                self._exchange(connection, address, frame, dest)
-                return
+                return self._exchange(connection, address, frame, receive, deadline)
             except _NothingReceived:
                 connection.sock.close()
         connection = self._open(address)
         try:
-            self._exchange(connection, address, frame, dest)
+            return self._exchange(connection, address, frame, receive, deadline)
         except _NothingReceived as err:
             connection.sock.close()
             raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
@@ -124,15 +151,15 @@ class BulkConnections:
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
 
-    def _exchange(self, connection: _Connection, address: str, frame: bytes, dest: torch.Tensor) -> None:
-        """Ask for one box on `connection` and receive it into `dest`; the connection is kept if still in step."""
+    def _exchange(self, connection: _Connection, address: str, frame: bytes, receive: Callable[..., T],
+                  deadline: float) -> T:
+        """Send `frame` on `connection` and take its answer; the connection is kept if still in step."""
         where = f"rank at {address}"
-        deadline = time.monotonic() + self.transport.data_timeout(dest.numel())
         sock = connection.sock
         header = bytearray(HEADER.size)
         try:
             sock.settimeout(self.transport.timeout)
-            sock.sendall(FRAME_LENGTH.pack(len(frame)) + frame)
+            sock.sendall(frame)
             if not sock.recv_into(header, HEADER.size, socket.MSG_PEEK):
                 raise ConnectionError("the rank closed the connection")
         except OSError as err:
@@ -142,10 +169,7 @@ class BulkConnections:
             status, _, length = HEADER.unpack(header)
             if status:
                 self._raise_status(connection, address, status, length, deadline)
-            if length != dest.numel():
-                raise ShardServeError(f"{where} sends {length} bytes for a {dest.numel()}-byte region")
-            if length:
-                _recv_all(sock, memoryview(dest.numpy()), deadline)
+            result = receive(sock, length, deadline)
         except OSError as err:
             sock.close()
             raise BulkReadError(f"{where}, bulk port: {err}") from None
@@ -154,6 +178,7 @@ class BulkConnections:
                 sock.close()
             raise
         self._give_back(address, connection)
+        return result
 
     def _raise_status(self, connection: _Connection, address: str, status: int, length: int,
                       deadline: float) -> None:

@@ -824,7 +824,7 @@ class ShardServerServicer:
     def OpenBulkSession(self, request, context):
         """Cross-host bulk path (issue 6; server/bulk_reads.py, client/tcp_reads.py): answer a one-time ticket
         that opens one plain TCP connection to the rank's bulk port, on which the client then asks for boxes
-        and receives their bytes without protobuf framing. UNIMPLEMENTED when the rank serves no bulk port
+        (receiving their bytes without protobuf framing) and lookups. UNIMPLEMENTED when the rank serves no bulk port
         (turned off, or TLS on: the bulk port does not encrypt).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

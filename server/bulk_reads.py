@@ -5,9 +5,9 @@ shard's memory moves about 4 GB/s. So gRPC stays the control plane:
 OpenBulkSession (authenticated like every call) answers a one-time ticket (16
 random bytes, bound to the asking peer's IP, expiring) that opens one
 connection to the bulk port. On it the client asks for boxes, each a
-length-prefixed ReadRegionRequest checked as ReadRegion checks it, and
-receives a status header and the bytes (protocol in protos/shardserve.proto,
-BulkSession). The version stays leased while its bytes are sent (store.read).
+ReadRegionRequest or LookupRequest checked as ReadRegion and LookupSmall check
+them, and receives a status header and the box's bytes or the serialized
+LookupReply (protocol in protos/shardserve.proto, BulkSession). The version stays leased while its bytes are sent (store.read).
 The port does not encrypt, so a rank with TLS serves none.
 """
 from __future__ import annotations
@@ -26,8 +26,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import shardserve_pb2 as pb
+from protos.chunk_codec import encode_lookup_reply
 from server.cuda_staging import host_bytes
 from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
+from server.lookup_service import LookupService
 from server.requests import check_name, check_version
 from server.store import ShardStore
 
@@ -35,8 +37,9 @@ log = logging.getLogger(__name__)
 
 TICKET_BYTES = 16
 HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
-FRAME_LENGTH = struct.Struct("<I")  # before each request
-MAX_REQUEST_BYTES = 64 << 10
+FRAME = struct.Struct("<II")  # before each request: its kind and length
+KIND_READ, KIND_LOOKUP = 1, 2  # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
+MAX_REQUEST_BYTES = 8 << 20  # one request frame (a lookup of ~1M ids)
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096            # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
 IDLE_TIMEOUT_S = 300.0        # a connection idle (or a peer stalled mid-transfer) this long is closed
@@ -108,6 +111,7 @@ class BulkReads:
 
     def __init__(self, store: ShardStore, host: str | None, port: int = 0, off_reason: str = "") -> None:
         self.store = store
+        self.lookups = LookupService(store)
         self.tickets = Tickets()
         self.off_reason = off_reason or "bulk reads are turned off (--no-bulk-reads)"
         self._listener: socket.socket | None = None
@@ -184,7 +188,7 @@ class BulkReads:
                     _send_error(conn, peer, err)
                     return
                 while (request := _read_request(conn, peer)) is not None:
-                    self._answer(conn, peer, request)
+                    self._answer(conn, peer, *request)
         except OSError as err:
             log.debug("bulk connection from %s ended: %s", peer, err)
         finally:
@@ -192,9 +196,14 @@ class BulkReads:
                 self._open.discard(conn)
             self._connections.release()
 
-    def _answer(self, conn: socket.socket, peer: str, request: pb.ReadRegionRequest) -> None:
-        """Send the box of `request`, or its error (the connection stays usable after an error)."""
+    def _answer(self, conn: socket.socket, peer: str, kind: int, message: bytes) -> None:
+        """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
+            if kind == KIND_LOOKUP:
+                reply = encode_lookup_reply(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
+                conn.sendall(HEADER.pack(0, 0, len(reply)) + reply)
+                return
+            request = _parse(pb.ReadRegionRequest, message)
             with self.store.read(check_name(request.name), check_version(request.version, allow_zero=True),
                                  request.shard_index, tuple(request.offsets), tuple(request.sizes)) as box:
                 data = host_bytes(box)
@@ -206,22 +215,28 @@ class BulkReads:
             _send_error(conn, peer, err)
 
 
-def _read_request(conn: socket.socket, peer: str) -> pb.ReadRegionRequest | None:
-    """The next request frame, or None when the peer closed between frames; a malformed frame is answered
-    with INVALID_ARGUMENT and ends the connection (ConnectionAbortedError)."""
-    first = conn.recv(FRAME_LENGTH.size)
+def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
+    """The next request frame as (kind, message bytes), or None when the peer closed between frames; a frame
+    of unknown kind or over MAX_REQUEST_BYTES is answered INVALID_ARGUMENT and ends the connection
+    (ConnectionAbortedError: the stream cannot be trusted to be in step any more)."""
+    first = conn.recv(FRAME.size)
     if not first:
         return None
-    (length,) = FRAME_LENGTH.unpack(first + _recv_exactly(conn, FRAME_LENGTH.size - len(first)))
-    if length > MAX_REQUEST_BYTES:
-        _send_error(conn, peer, InvalidArgument(f"request: a frame of {length} bytes is over the bulk port's "
-                                                f"{MAX_REQUEST_BYTES}-byte limit"))
-        raise ConnectionAbortedError("oversized request frame")
+    kind, length = FRAME.unpack(first + _recv_exactly(conn, FRAME.size - len(first)))
+    if kind not in (KIND_READ, KIND_LOOKUP) or length > MAX_REQUEST_BYTES:
+        what = f"kind {kind} is neither {KIND_READ} (read) nor {KIND_LOOKUP} (lookup)" if length <= MAX_REQUEST_BYTES \
+            else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
+        _send_error(conn, peer, InvalidArgument(f"request: {what}"))
+        raise ConnectionAbortedError(what)
+    return kind, _recv_exactly(conn, length)
+
+
+def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
+    """`data` parsed as `message_type`; INVALID_ARGUMENT naming the type when it is not one."""
     try:
-        return pb.ReadRegionRequest.FromString(_recv_exactly(conn, length))
+        return message_type.FromString(data)
     except DecodeError:
-        _send_error(conn, peer, InvalidArgument("request: not a serialized ReadRegionRequest"))
-        raise ConnectionAbortedError("undecodable request frame") from None
+        raise InvalidArgument(f"request: not a serialized {message_type.DESCRIPTOR.name}") from None
 
 
 def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:

@@ -1,8 +1,8 @@
 """The bulk TCP port (issue 6; server/bulk_reads.py): tickets and the port's protocol, in-process.
 
 A real ShardStore and a real listening port on 127.0.0.1, spoken to with plain
-sockets: boxes bit for bit, request errors that keep the connection, refused
-tickets, malformed frames, the connection cap and close(). The client's use of
+sockets: boxes and lookups bit for bit, request errors that keep the
+connection, refused tickets, malformed frames, the connection cap and close(). The client's use of
 the port (path choice, fallback, reads during reshards) is in
 tests/test_data_plane.py; token and TLS in tests/test_server_security.py and
 tests/test_client_tls.py.
@@ -19,7 +19,8 @@ import torch
 
 import server.bulk_reads as bulk_reads
 from protos import shardserve_pb2 as pb
-from server.bulk_reads import HEADER, BulkReads, Tickets, peer_ip
+from protos.chunk_codec import decode_lookup_reply
+from server.bulk_reads import HEADER, KIND_LOOKUP, KIND_READ, BulkReads, Tickets, peer_ip
 from server.errors import ServiceError
 from server.store import ShardStore
 from shardcore.metadata import TensorProperties
@@ -61,8 +62,8 @@ def answer(sock: socket.socket) -> tuple[int, bytes]:
     return status, recv_exactly(sock, length)
 
 
-def ask(sock: socket.socket, frame: bytes) -> tuple[int, bytes]:
-    sock.sendall(struct.pack("<I", len(frame)) + frame)
+def ask(sock: socket.socket, frame: bytes, kind: int = KIND_READ) -> tuple[int, bytes]:
+    sock.sendall(struct.pack("<II", kind, len(frame)) + frame)
     return answer(sock)
 
 
@@ -87,6 +88,21 @@ def test_boxes_bit_for_bit_on_one_kept_connection(port):
             assert status == 0
             assert torch.equal(torch.frombuffer(bytearray(body), dtype=torch.float32).reshape(sizes)
                                if body else torch.empty(sizes), expected)
+
+
+def test_lookups_bit_for_bit(port):
+    ids = torch.tensor([5, 0, 3, 3])
+    lookup = pb.LookupRequest(items=[pb.LookupItem(name="t", version=1, shard_index=0, ids=ids.numpy().tobytes())])
+    with open_connection(port) as sock:
+        status, body = ask(sock, lookup.SerializeToString(), KIND_LOOKUP)
+        assert status == 0
+        (chunk,) = decode_lookup_reply(body)
+        assert chunk.version == 1 and chunk.offset == 0 and chunk.nbytes == 4 * 4 * 4
+        assert torch.equal(torch.frombuffer(bytearray(chunk.data), dtype=torch.float32).view(4, 4), SOURCE[ids])
+        bad = pb.LookupRequest(items=[pb.LookupItem(name="t", version=1, shard_index=0, ids=b"\1\2\3")])
+        status, message = ask(sock, bad.SerializeToString(), KIND_LOOKUP)
+        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"items[0].ids" in message
+        assert ask(sock, request())[0] == 0
 
 
 @pytest.mark.parametrize("frame,expected,field", [
@@ -124,17 +140,25 @@ def test_unknown_used_and_foreign_tickets_are_refused(port):
         assert code(status) == grpc.StatusCode.PERMISSION_DENIED and b"issued to 127.0.0.1" in message
 
 
-def test_malformed_frames_are_refused_and_close_the_connection(port):
+@pytest.mark.parametrize("frame,field", [
+    (struct.pack("<II", KIND_READ, 1 << 30), b"over the bulk port's 8388608-byte limit"),
+    (struct.pack("<II", 9, 0), b"kind 9 is neither 1 (read) nor 2 (lookup)"),
+])
+def test_frames_out_of_step_are_refused_and_close_the_connection(port, frame, field):
     with open_connection(port) as sock:
-        sock.sendall(struct.pack("<I", 1 << 30))
+        sock.sendall(frame)
         status, message = answer(sock)
-        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"request" in message
-        assert closed(sock)
-    with open_connection(port) as sock:
-        status, message = ask(sock, b"\x0a\xff\xff\xff\xff\x0f")  # a field claiming 4 GiB
-        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"ReadRegionRequest" in message
+        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and field in message
         assert closed(sock)
     with open_connection(port) as sock:  # still serving
+        assert ask(sock, request())[0] == 0
+
+
+@pytest.mark.parametrize("kind,name", [(KIND_READ, b"ReadRegionRequest"), (KIND_LOOKUP, b"LookupRequest")])
+def test_undecodable_requests_are_refused_and_keep_the_connection(port, kind, name):
+    with open_connection(port) as sock:
+        status, message = ask(sock, b"\x0a\xff\xff\xff\xff\x0f", kind)  # a field claiming 4 GiB
+        assert code(status) == grpc.StatusCode.INVALID_ARGUMENT and b"not a serialized " + name in message
         assert ask(sock, request())[0] == 0
 
 
@@ -152,8 +176,7 @@ def test_connections_over_the_cap_are_unavailable(monkeypatch):
         with open_connection(reads) as first, open_connection(reads) as second:
             status, message = answer(second)
             assert code(status) == grpc.StatusCode.UNAVAILABLE and b"1 bulk connections" in message
-            first.sendall(struct.pack("<I", 0))  # an empty request: the first connection still answers
-            assert code(answer(first)[0]) == grpc.StatusCode.INVALID_ARGUMENT
+            assert code(ask(first, request())[0]) == grpc.StatusCode.NOT_FOUND  # the first one still answers
     finally:
         reads.close()
 

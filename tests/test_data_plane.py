@@ -188,15 +188,14 @@ def test_bad_transport_is_refused(cluster):
 
 
 def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplog):
-    source = random_tensor((900, 1024), torch.bfloat16, seed=5)  # 0.9 MiB per shard
+    source = random_tensor((900, 1024), torch.bfloat16, seed=5)
     with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(no_shm_cluster.address) as c:
         remote = c.put("plain", source, SPEC)
         assert not any(r.shared_memory for r in c.ranks())
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
-        big = c.put("plain-big", torch.cat([source] * 4), SPEC)  # 3.5 MiB per shard: auto tries the bulk port
-        assert torch.equal(big.full_tensor(), torch.cat([source] * 4))
-        assert big.last_transport == "grpc"
+        ids = torch.tensor([899, 0, 450, 451])
+        assert torch.equal(remote.lookup(ids), source[ids]) and c._lookups.last_paths == {0: "grpc", 1: "grpc"}
     assert "serves no bulk port: turned off (--no-bulk-reads)" in caplog.text
     with connect(no_shm_cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"):
@@ -207,20 +206,24 @@ def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplo
         assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
 
 
-def test_another_host_reads_small_parts_over_grpc_and_large_ones_over_tcp(cluster, tables, monkeypatch):
+def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, monkeypatch):
     source, name = tables[torch.int64]
-    large = random_tensor((1100, 512), torch.float32, seed=12)  # 1.07 MiB per shard
+    table = random_tensor((1100, 512), torch.float32, seed=12)
+    ids = torch.tensor([0, 1099, 549, 550, 550, 3])
     with connect(cluster.address) as c:
         monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == "grpc"
-        remote = c.put("dp-remote-large", large, SPEC)
-        assert torch.equal(remote.full_tensor(), large)
         assert remote.last_transport == "tcp"
-        assert torch.equal(remote.fetch((0, 0), (512, 512)), large[:512])  # 1 MiB: one unary gRPC call
-        assert remote.last_transport == "grpc"
-        c.delete("dp-remote-large")
+        remote = c.put("dp-remote", table, SPEC)
+        assert torch.equal(remote.full_tensor(), table) and remote.last_transport == "tcp"
+        assert torch.equal(remote.lookup(ids), table[ids])
+        assert c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        bags = remote.lookup_bag(ids, torch.tensor([0, 2, 5]), mode="sum", pooling="server")
+        torch.testing.assert_close(bags, torch.nn.functional.embedding_bag(ids, table, torch.tensor([0, 2, 5]),
+                                                                           mode="sum"))
+        assert c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        c.delete("dp-remote")
 
 
 def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatch, caplog):
@@ -238,12 +241,12 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
     with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == "grpc"
+        assert remote.last_transport == "tcp"
         tried = len(calls)
         assert tried >= 1
-        assert torch.equal(remote.full_tensor(), source)  # later reads go straight to gRPC
+        assert torch.equal(remote.full_tensor(), source)  # later reads go straight to the bulk port
         assert len(calls) == tried
-    assert "reading it over the bulk port (parts over 1 MiB) or gRPC" in caplog.text
+    assert "reading it over the bulk port or gRPC" in caplog.text
     assert "Permission denied" in caplog.text
     with connect(cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="Permission denied"):
@@ -270,6 +273,9 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
         tried = len(dialed)
         assert tried == 2  # once per rank
         assert torch.equal(remote.full_tensor(), large) and len(dialed) == tried  # not tried again meanwhile
+        ids = torch.tensor([2199, 0, 1100, 1099])
+        assert torch.equal(remote.lookup(ids), large[ids]) and len(dialed) == tried
+        assert c._lookups.last_paths == {0: "grpc", 1: "grpc"}
     assert "bulk TCP read from rank 0 failed; reading it over gRPC for 30 s" in caplog.text
     assert "Connection refused" in caplog.text
     with connect(cluster.address, transport="tcp") as c:
