@@ -210,7 +210,7 @@ def rpc_row(case: str, seconds_by_transport: dict[str, float], ok: bool) -> Row:
 
 # ---------------------------------------------------------------- scenarios
 
-TRANSPORTS = ("grpc", "auto")
+TRANSPORTS = ("grpc", "tcp", "auto")  # tcp: the bulk port, what a client on another host gets
 
 
 def lookup_path(cluster: Any) -> str:

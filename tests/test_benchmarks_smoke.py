@@ -105,7 +105,7 @@ def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
         rows = {r["name"]: r for r in fetch if r["case"] == case}
         assert {"raw TCP socket", "torch.distributed.rpc", "memcpy"} <= set(rows)
         ours = [r for r in fetch if r["case"] == case and r["role"] == "subject"]
-        assert sorted(r["path"] for r in ours) == ["grpc", "grpc", "shm", "shm"]  # 1 and 2 shards per data path
+        assert sorted(r["path"] for r in ours) == ["grpc", "grpc", "shm", "shm", "tcp", "tcp"]  # 1 and 2 shards per path
         for row in ours:
             assert row["ok"] is True and row["nbytes"] == 1 << 20
             assert row["baseline"] == "raw TCP socket" and row["ratio"] > 0
