@@ -182,14 +182,13 @@ class Transport:
         return self._pool.submit(job)
 
     def run_all(self, jobs: Sequence) -> list:
-        """Run the callables in `jobs` on the pool, wait for all, raise the first failure in job order."""
-        if len(jobs) == 1:
-            return [jobs[0]()]
-        futures: list[Future] = [self._pool.submit(job) for job in jobs]
+        """Run the callables in `jobs`, the first on this thread and the rest on the pool (one thread hand-off
+        fewer per call), wait for all, raise the first failure in job order."""
+        futures: list[Future] = [self._pool.submit(job) for job in jobs[1:]]
         results, first_error = [], None
-        for future in futures:
+        for run in [jobs[0], *(future.result for future in futures)] if jobs else []:
             try:
-                results.append(future.result())
+                results.append(run())
             except BaseException as err:  # noqa: BLE001 - re-raised below after every part finished
                 results.append(None)
                 first_error = first_error or err
