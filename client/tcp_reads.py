@@ -14,7 +14,6 @@ exceptions a gRPC read raises, and leave the connection usable.
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 import time
 from collections import defaultdict, deque
@@ -25,14 +24,11 @@ import torch
 
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
+from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from client.transport import Transport
 
-HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
-FRAME = struct.Struct("<II")  # kind, length
-KIND_READ, KIND_LOOKUP = 1, 2
-MAX_REQUEST_BYTES = 8 << 20   # the rank's limit on one request frame
 MAX_LOOKUP_REPLY_BYTES = 4 << 20  # the ranks' LookupSmall limit (SMALL_REPLY_BYTES)
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank

@@ -17,7 +17,6 @@ import ipaddress
 import logging
 import secrets
 import socket
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import shardserve_pb2 as pb
+from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES
 from protos.chunk_codec import encode_lookup_reply
 from server.cuda_staging import host_bytes
 from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
@@ -35,11 +35,6 @@ from server.store import ShardStore
 
 log = logging.getLogger(__name__)
 
-TICKET_BYTES = 16
-HEADER = struct.Struct("<IIQ")  # status (gRPC code, 0 = OK), reserved, length of what follows
-FRAME = struct.Struct("<II")  # before each request: its kind and length
-KIND_READ, KIND_LOOKUP = 1, 2  # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
-MAX_REQUEST_BYTES = 8 << 20  # one request frame (a lookup of ~1M ids)
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096            # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
 IDLE_TIMEOUT_S = 300.0        # a connection idle (or a peer stalled mid-transfer) this long is closed

@@ -20,7 +20,8 @@ import torch
 import server.bulk_reads as bulk_reads
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import decode_lookup_reply
-from server.bulk_reads import HEADER, KIND_LOOKUP, KIND_READ, BulkReads, Tickets, peer_ip
+from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ
+from server.bulk_reads import BulkReads, Tickets, peer_ip
 from server.errors import ServiceError
 from server.store import ShardStore
 from shardcore.metadata import TensorProperties
