@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from typing import Callable, TypeVar
 
 import torch
@@ -53,18 +54,26 @@ class DataPlane:
 
         `network_read(path)` reads the part over "tcp" or "grpc" (raising BulkReadError when tcp cannot).
         """
-        if self._shm_usable(rank):
-            try:
-                self.reader.read_part(rank.address, summary, index, part, region)
-                log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
-                return "shm"
-            except SharedMemoryError as err:
-                if self.transport == "shm":
-                    raise
-                self._fall_back("shm", rank, err)
+        if self._through_shared_memory(rank, partial(self.reader.read_part, rank.address, summary, index, part,
+                                                      region))[1]:
+            log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
+            return "shm"
         path = self.over_network(rank, network_read)[1]
         log.debug("read %r shard %d from rank %d over %s", summary.name, index, rank.rank, path)
         return path
+
+    def _through_shared_memory(self, rank: RankStatus, run: Callable[[], T]) -> tuple[T | None, bool]:
+        """(`run()`, True) when `rank` may be read through shared memory and `run` serves; (None, False) when it
+        may not or `run` fails with transport="auto" (logged, and `rank` skips shared memory for a while)."""
+        if not self._shm_usable(rank):
+            return None, False
+        try:
+            return run(), True
+        except SharedMemoryError as err:
+            if self.transport == "shm":
+                raise
+            self._fall_back("shm", rank, err)
+            return None, False
 
     def over_network(self, rank: RankStatus, run: Callable[[str], T]) -> tuple[T, str]:
         """`run("tcp")` when the bulk port may serve `rank`, falling back to `run("grpc")` when it fails (unless
@@ -80,16 +89,14 @@ class DataPlane:
 
     def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
-        [len(ids), shard columns]; None when the lookup should go over gRPC (same rules and fallback as reads)."""
-        if not self._shm_usable(rank):
-            return None
-        first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
-        try:
-            rows = self.reader.read_rows(rank.address, summary, index, ids - first_row)
-        except SharedMemoryError as err:
-            if self.transport == "shm":
-                raise
-            self._fall_back("shm", rank, err)
+        [len(ids), shard columns]; None when the lookup should go over the network (same rules and fallback as
+        reads)."""
+        def read_rows() -> torch.Tensor:
+            first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
+            return self.reader.read_rows(rank.address, summary, index, ids - first_row)
+
+        rows, mapped = self._through_shared_memory(rank, read_rows)
+        if not mapped:
             return None
         log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
                   index, rank.rank)
