@@ -6,10 +6,10 @@ later calls (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
 sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
 the bytes into the preallocated output: no protobuf around the data, no
 intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
-answer. Failures of the path itself (no bulk port,
-ticket refused, connection broken) raise BulkReadError so client.data_plane can
-fall back to gRPC; errors about the request (stale version, bad box) are the
-exceptions a gRPC read raises, and leave the connection usable.
+answer. Failures of the path itself (no bulk port, ticket refused, connection
+broken) raise BulkReadError so client.data_plane can fall back to gRPC; errors
+about the request (stale version, bad box) are the exceptions a gRPC read
+raises, and leave the connection usable.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES
+from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
 if TYPE_CHECKING:
     from client.transport import Transport
@@ -66,7 +66,7 @@ class BulkConnections:
             if length != dest.numel():
                 raise ShardServeError(f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region")
             if length:
-                _recv_all(sock, memoryview(dest.numpy()), deadline)
+                recv_exactly(sock, memoryview(dest.numpy()), deadline)
 
         self._call(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
 
@@ -76,7 +76,7 @@ class BulkConnections:
             if length > MAX_LOOKUP_REPLY_BYTES:
                 raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer")
             reply = bytearray(length)
-            _recv_all(sock, memoryview(reply), deadline)
+            recv_exactly(sock, memoryview(reply), deadline)
             return reply
 
         return self._call(address, KIND_LOOKUP, request.SerializeToString(), expected, into_buffer)
@@ -161,7 +161,7 @@ class BulkConnections:
         except OSError as err:
             raise _NothingReceived(str(err)) from None
         try:
-            _recv_all(sock, memoryview(header), deadline)
+            recv_exactly(sock, memoryview(header), deadline)
             status, _, length = HEADER.unpack(header)
             if status:
                 self._raise_status(connection, address, status, length, deadline)
@@ -182,7 +182,7 @@ class BulkConnections:
         after an error about the request)."""
         where = f"rank at {address}"
         message = bytearray(min(length, MAX_ERROR_BYTES))
-        _recv_all(connection.sock, memoryview(message), deadline)
+        recv_exactly(connection.sock, memoryview(message), deadline)
         code = _STATUS_BY_VALUE.get(status, grpc.StatusCode.UNKNOWN)
         error = error_from_status(code, message.decode("utf-8", "replace"), where)
         if code in _PATH_FAILURES or length > MAX_ERROR_BYTES:
@@ -194,15 +194,3 @@ class BulkConnections:
 class _NothingReceived(Exception):
     """The connection failed before this read got any byte back (a kept one may have been closed by the rank
     meanwhile): retried once on a new connection."""
-
-
-def _recv_all(sock: socket.socket, view: memoryview, deadline: float) -> None:
-    """Fill `view` from `sock`; ConnectionError if the peer closes early, TimeoutError past `deadline`."""
-    received = 0
-    while received < len(view):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bulk read timed out after {received} of {len(view)} bytes")
-        count = sock.recv_into(view[received:])
-        if not count:
-            raise ConnectionError(f"the rank closed the connection after {received} of {len(view)} bytes")
-        received += count

@@ -7,8 +7,9 @@ random bytes, bound to the asking peer's IP, expiring) that opens one
 connection to the bulk port. On it the client asks for boxes, each a
 ReadRegionRequest or LookupRequest checked as ReadRegion and LookupSmall check
 them, and receives a status header and the box's bytes or the serialized
-LookupReply (protocol in protos/shardserve.proto, BulkSession). The version stays leased while its bytes are sent (store.read).
-The port does not encrypt, so a rank with TLS serves none.
+LookupReply (protocol in protos/shardserve.proto, BulkSession). The version
+stays leased while its bytes are sent (store.read). The port does not
+encrypt, so a rank with TLS serves none.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES
+from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES, recv_exactly
 from protos.chunk_codec import encode_lookup_reply
 from server.cuda_staging import host_bytes
 from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
@@ -178,7 +179,7 @@ class BulkReads:
                 conn.settimeout(IDLE_TIMEOUT_S)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    self.tickets.redeem(_recv_exactly(conn, TICKET_BYTES), peer)
+                    self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES), peer)
                 except ServiceError as err:
                     _send_error(conn, peer, err)
                     return
@@ -214,16 +215,18 @@ def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
     """The next request frame as (kind, message bytes), or None when the peer closed between frames; a frame
     of unknown kind or over MAX_REQUEST_BYTES is answered INVALID_ARGUMENT and ends the connection
     (ConnectionAbortedError: the stream cannot be trusted to be in step any more)."""
-    first = conn.recv(FRAME.size)
+    frame = bytearray(FRAME.size)
+    first = conn.recv_into(frame)
     if not first:
         return None
-    kind, length = FRAME.unpack(first + _recv_exactly(conn, FRAME.size - len(first)))
+    recv_exactly(conn, memoryview(frame)[first:])
+    kind, length = FRAME.unpack(frame)
     if kind not in (KIND_READ, KIND_LOOKUP) or length > MAX_REQUEST_BYTES:
         what = f"kind {kind} is neither {KIND_READ} (read) nor {KIND_LOOKUP} (lookup)" if length <= MAX_REQUEST_BYTES \
             else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
         _send_error(conn, peer, InvalidArgument(f"request: {what}"))
         raise ConnectionAbortedError(what)
-    return kind, _recv_exactly(conn, length)
+    return kind, _recv_bytes(conn, length)
 
 
 def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
@@ -246,14 +249,10 @@ def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
         conn.sendall(HEADER.pack(code.value[0], 0, len(body)) + body)
 
 
-def _recv_exactly(conn: socket.socket, nbytes: int) -> bytes:
-    data = b""
-    while len(data) < nbytes:
-        part = conn.recv(nbytes - len(data))
-        if not part:
-            raise ConnectionError(f"peer closed after {len(data)} of {nbytes} bytes")
-        data += part
-    return data
+def _recv_bytes(conn: socket.socket, nbytes: int) -> bytes:
+    data = bytearray(nbytes)
+    recv_exactly(conn, memoryview(data))
+    return bytes(data)
 
 
 def handlers(reads: BulkReads) -> dict[str, grpc.RpcMethodHandler]:
