@@ -31,7 +31,7 @@ from protos.chunk_codec import encode_lookup_reply
 from server.cuda_staging import host_bytes
 from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
 from server.lookup_service import LookupService
-from server.requests import check_name, check_version
+from server.requests import requested_box
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -199,9 +199,7 @@ class BulkReads:
                 reply = encode_lookup_reply(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
                 conn.sendall(HEADER.pack(0, 0, len(reply)) + reply)
                 return
-            request = _parse(pb.ReadRegionRequest, message)
-            with self.store.read(check_name(request.name), check_version(request.version, allow_zero=True),
-                                 request.shard_index, tuple(request.offsets), tuple(request.sizes)) as box:
+            with requested_box(self.store, _parse(pb.ReadRegionRequest, message)) as box:
                 data = host_bytes(box)
                 conn.sendall(HEADER.pack(0, 0, len(data)))
                 conn.sendall(data)

@@ -1,6 +1,9 @@
 """Checks of request fields shared by both servicers; each error names its field."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
+
 import torch
 
 from protos import shardserve_pb2 as pb
@@ -9,6 +12,9 @@ from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 from shardcore.wire import metadata_from_proto
+
+if TYPE_CHECKING:
+    from server.store import ShardStore
 
 MAX_NAME_LENGTH = 256
 
@@ -53,3 +59,9 @@ def parse_dtype(number: int, field: str) -> torch.dtype:
     except ValueError as err:
         raise InvalidArgument(f"{field}: {err}") from None
 
+
+
+def requested_box(store: "ShardStore", request: pb.ReadRegionRequest) -> AbstractContextManager[torch.Tensor]:
+    """store.read of the box a ReadRegionRequest names (name and version checked; version 0 = the served one)."""
+    return store.read(check_name(request.name), check_version(request.version, allow_zero=True),
+                      request.shard_index, tuple(request.offsets), tuple(request.sizes))

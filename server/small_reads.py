@@ -12,7 +12,7 @@ from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawChunk, encode_chunk
 from server.cuda_staging import host_bytes
 from server.errors import ResourceExhausted, rpc_errors
-from server.requests import check_name, check_version
+from server.requests import requested_box
 from server.store import ShardStore
 
 SMALL_READ_BYTES = 1 << 20
@@ -26,8 +26,7 @@ class SmallReads:
 
     @rpc_errors
     def ReadRegionSmall(self, request: pb.ReadRegionRequest, context: grpc.ServicerContext) -> bytes:
-        with self.store.read(check_name(request.name), check_version(request.version, allow_zero=True),
-                             request.shard_index, tuple(request.offsets), tuple(request.sizes)) as box:
+        with requested_box(self.store, request) as box:
             nbytes = box.numel() * box.element_size()
             if nbytes > SMALL_READ_BYTES:
                 raise ResourceExhausted(f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
