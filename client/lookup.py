@@ -31,13 +31,13 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence
 
 import grpc
 import numpy as np
 import torch
 
+from client.data_plane import NetworkCall
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
                            error_from_rpc)
 from client.info import TensorSummary
@@ -396,34 +396,34 @@ class Lookups:
             else:
                 self.last_paths[rank] = "shm"
         if calls:
-            paths = self._cluster._transport.run_all([partial(self._call_rank, rank, rest) for rank, rest in calls])
+            plane, transport = self._cluster._data_plane, self._cluster._transport
+            paths = plane.over_network_all([self._network_call(rank, rest) for rank, rest in calls], transport.submit)
             for (rank, _), path in zip(calls, paths):
                 self.last_paths[rank] = f"shm+{path}" if rank in mapped else path
 
-    def _call_rank(self, rank: int, items: list[_Item]) -> str:
-        """One lookup call to `rank` with `items`, giving each item its answer; returns the path ("tcp" or
-        "grpc"). Over the bulk port or gRPC, an answer up to SMALL_ANSWER_BYTES comes in one message; over
-        gRPC a larger one streams (and so does not take the bulk port)."""
+    def _network_call(self, rank: int, items: list[_Item]) -> NetworkCall:
+        """One lookup call to `rank` giving each item its answer, over the bulk port or gRPC. Either way an
+        answer up to SMALL_ANSWER_BYTES comes in one message; over gRPC a larger one streams (and so does not
+        take the bulk port)."""
         address = self._cluster._address_of(rank)
         request = pb.LookupRequest(items=[item.wire_message() for item in items])
         expected = sum(_answer_bytes(item) for item in items)
         where = f"rank {rank} at {address}"
-        if expected > SMALL_ANSWER_BYTES:
-            self._call_grpc(address, request, expected, _Receiver(items, where))
-            return "grpc"
 
-        def call(path: str) -> None:
-            receiver = _Receiver(items, where)
-            if path == "grpc":
-                self._call_grpc(address, request, expected, receiver)
-                return
-            reply = self._cluster._bulk.lookup(address, request, expected)
-            with _CPU_TURN:
-                for chunk in decode_lookup_reply(reply):
-                    receiver.add(chunk)
-                receiver.finish()
+        def send_bulk() -> Callable[[], None]:
+            answer = self._cluster._bulk.send_lookup(address, request, expected)
 
-        return self._cluster._data_plane.over_network(self._cluster._rank_status(rank), call)[1]
+            def take_answer() -> None:
+                reply = answer()
+                receiver = _Receiver(items, where)
+                with _CPU_TURN:
+                    for chunk in decode_lookup_reply(reply):
+                        receiver.add(chunk)
+                    receiver.finish()
+            return take_answer
+
+        return NetworkCall(self._cluster._rank_status(rank), send_bulk if expected <= SMALL_ANSWER_BYTES else None,
+                           lambda: self._call_grpc(address, request, expected, _Receiver(items, where)))
 
     def _call_grpc(self, address: str, request: pb.LookupRequest, expected: int, receiver: "_Receiver") -> None:
         """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream, into `receiver`."""

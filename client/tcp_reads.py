@@ -46,8 +46,9 @@ class BulkReadError(ShardServeError):
 class _Connection:
     """One open connection to a rank's bulk port."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, kept: bool = False) -> None:
         self.sock = sock
+        self.kept = kept  # taken from the idle ones (the rank may have closed it meanwhile)
         self.idle_since = time.monotonic()
 
 
@@ -68,10 +69,16 @@ class BulkConnections:
             if length:
                 recv_exactly(sock, memoryview(dest.numpy()), deadline)
 
-        self._call(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
+        self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)()
 
     def lookup(self, address: str, request: pb.LookupRequest, expected: int) -> bytearray:
         """The serialized LookupReply of `request` (at most MAX_LOOKUP_REPLY_BYTES; `expected` bounds its size)."""
+        return self.send_lookup(address, request, expected)()
+
+    def send_lookup(self, address: str, request: pb.LookupRequest, expected: int) -> Callable[[], bytearray]:
+        """Send `request` now and return the call that takes its serialized LookupReply, so requests to several
+        ranks go out before any answer is awaited (one thread overlaps the ranks' work). The returned call must
+        be made, or the connection is not reused."""
         def into_buffer(sock: socket.socket, length: int, deadline: float) -> bytearray:
             if length > MAX_LOOKUP_REPLY_BYTES:
                 raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer")
@@ -79,27 +86,54 @@ class BulkConnections:
             recv_exactly(sock, memoryview(reply), deadline)
             return reply
 
-        return self._call(address, KIND_LOOKUP, request.SerializeToString(), expected, into_buffer)
+        return self._send(address, KIND_LOOKUP, request.SerializeToString(), expected, into_buffer)
 
-    def _call(self, address: str, kind: int, message: bytes, nbytes: int, receive: Callable[..., T]) -> T:
-        """One request on a kept connection (replaced once, transparently, if the rank closed it meanwhile)
-        or a new one; `receive(sock, length, deadline)` takes an OK answer's bytes."""
+    def _send(self, address: str, kind: int, message: bytes, nbytes: int,
+              receive: Callable[..., T]) -> Callable[[], T]:
+        """Send one request on a kept connection or a new one; the returned call takes the answer, with
+        `receive(sock, length, deadline)` for an OK answer's bytes. A kept connection the rank closed meanwhile
+        is replaced once, transparently, and the request sent again."""
         if len(message) > MAX_REQUEST_BYTES:
             raise BulkReadError(f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}")
         frame = FRAME.pack(kind, len(message)) + message
         deadline = time.monotonic() + self.transport.data_timeout(nbytes)
         connection = self._take(address)
-        if connection is not None:
+        if connection is not None and not self._send_frame(connection, frame):
+            connection = None
+        if connection is None:
+            connection = self._open_and_send(address, frame)
+
+        def answer() -> T:
             try:
-                return self._exchange(connection, address, frame, receive, deadline)
-            except _NothingReceived:
+                return self._answer(connection, address, receive, deadline)
+            except _NothingReceived as err:
                 connection.sock.close()
-        connection = self._open(address)
+                if not connection.kept:
+                    raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+            fresh = self._open_and_send(address, frame)
+            try:
+                return self._answer(fresh, address, receive, deadline)
+            except _NothingReceived as err:
+                fresh.sock.close()
+                raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+
+        return answer
+
+    def _send_frame(self, connection: _Connection, frame: bytes) -> bool:
+        """Send `frame` on `connection`; False (the connection closed) when the socket fails."""
         try:
-            return self._exchange(connection, address, frame, receive, deadline)
-        except _NothingReceived as err:
+            connection.sock.settimeout(self.transport.timeout)
+            connection.sock.sendall(frame)
+            return True
+        except OSError:
             connection.sock.close()
-            raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+            return False
+
+    def _open_and_send(self, address: str, frame: bytes) -> _Connection:
+        connection = self._open(address)
+        if not self._send_frame(connection, frame):
+            raise BulkReadError(f"rank at {address}, bulk port: the connection failed while sending the request")
+        return connection
 
     def close(self) -> None:
         """Close every kept connection."""
@@ -116,6 +150,7 @@ class BulkConnections:
             while connections:
                 connection = connections.pop()
                 if time.monotonic() - connection.idle_since < IDLE_KEEP_S:
+                    connection.kept = True
                     return connection
                 connection.sock.close()
         return None
@@ -147,15 +182,12 @@ class BulkConnections:
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
 
-    def _exchange(self, connection: _Connection, address: str, frame: bytes, receive: Callable[..., T],
-                  deadline: float) -> T:
-        """Send `frame` on `connection` and take its answer; the connection is kept if still in step."""
+    def _answer(self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float) -> T:
+        """Take the answer of the request sent on `connection`; the connection is kept if still in step."""
         where = f"rank at {address}"
         sock = connection.sock
         header = bytearray(HEADER.size)
         try:
-            sock.settimeout(self.transport.timeout)
-            sock.sendall(frame)
             if not sock.recv_into(header, HEADER.size, socket.MSG_PEEK):
                 raise ConnectionError("the rank closed the connection")
         except OSError as err:

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 
 import grpc
 import pytest
@@ -20,8 +22,10 @@ import torch
 
 import client.shm_transport as shm_transport
 from client import connect
+from client.data_plane import DataPlane, NetworkCall
 from client.grpc_streams import bands
 from client.errors import StaleVersionError, TensorNotFoundError
+from client.info import RankStatus
 from client.shm_transport import SharedMemoryError
 from client.tcp_reads import BulkReadError
 from protos import shardserve_pb2 as pb
@@ -299,6 +303,98 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
         assert remote.last_transport == "tcp"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
         assert len([conn for conns in c._bulk._idle.values() for conn in conns]) == 2
+
+
+def _rank(number: int) -> RankStatus:
+    return RankStatus(number, f"10.0.0.{number}:1", "cpu", "elsewhere", True, 0, 0, 1, 0.0)
+
+
+def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
+    """Two ranks' calls recording what happens; `fail` maps a rank to the step whose bulk port fails
+    ("send" or "answer")."""
+    def send_bulk(number: int):  # type: ignore[no-untyped-def]
+        if fail.get(number) == "send":
+            raise BulkReadError(f"rank {number}: no bulk port")
+        events.append(f"send {number}")
+
+        def answer() -> None:
+            if fail.get(number) == "answer":
+                raise BulkReadError(f"rank {number}: connection reset")
+            events.append(f"answer {number}")
+        return answer
+
+    return [NetworkCall(_rank(n), partial(send_bulk, n), partial(events.append, f"grpc {n}")) for n in (0, 1)]
+
+
+def _run_now(job):  # type: ignore[no-untyped-def]
+    future: Future = Future()
+    future.set_result(job())
+    return future
+
+
+def test_bulk_requests_all_go_out_before_any_answer_is_taken():
+    events: list[str] = []
+    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    assert plane.over_network_all(_calls(events, {}), _run_now) == ["tcp", "tcp"]
+    assert events == ["send 0", "send 1", "answer 0", "answer 1"]
+
+
+@pytest.mark.parametrize("step", ["send", "answer"])
+def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
+    events: list[str] = []
+    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="client.data_plane"):
+        assert plane.over_network_all(_calls(events, {1: step}), _run_now) == ["tcp", "grpc"]
+    assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
+    assert "bulk TCP read from rank 1 failed" in caplog.text
+    events.clear()
+    assert plane.over_network_all(_calls(events, {}), _run_now) == ["tcp", "grpc"]  # rank 1 backs off
+    assert sorted(events) == ["answer 0", "grpc 1", "send 0"]
+
+
+@pytest.mark.parametrize("step", ["send", "answer"])
+def test_forced_tcp_raises_after_the_other_ranks_answered(step):
+    events: list[str] = []
+    plane = DataPlane("tcp", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    with pytest.raises(BulkReadError, match="rank 0"):
+        plane.over_network_all(_calls(events, {0: step}), _run_now)
+    assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
+
+
+def test_grpc_only_calls_run_the_first_on_this_thread():
+    threads: dict[int, str] = {}
+    plane = DataPlane("grpc", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    record = lambda n: threads.setdefault(n, threading.current_thread().name)  # noqa: E731
+    calls = [NetworkCall(_rank(n), None, partial(record, n)) for n in (0, 1)]
+    with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
+        assert plane.over_network_all(calls, pool.submit) == ["grpc", "grpc"]
+    assert threads[0] == threading.current_thread().name and threads[1].startswith("pool")
+
+
+def test_a_bulk_answer_failing_mid_lookup_falls_back_for_that_rank(cluster, monkeypatch, caplog):
+    import client.tcp_reads as tcp_reads
+
+    table = random_tensor((300, 16), torch.float32, seed=14)
+    ids = torch.tensor([0, 299, 150, 149, 7])
+    with connect(cluster.address, transport="grpc") as c:
+        c.put("dp-mid-lookup", table, SPEC)
+    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+        remote = c.tensor("dp-mid-lookup")
+        assert torch.equal(remote.lookup(ids), table[ids]) and c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        real_recv = tcp_reads.recv_exactly
+        rank1_port = c._bulk._idle[c._address_of(1)][0].sock.getpeername()[1]
+
+        def reset_rank1(sock, view, deadline):  # type: ignore[no-untyped-def]
+            if sock.getpeername()[1] == rank1_port:
+                raise ConnectionResetError(104, "Connection reset by peer")
+            return real_recv(sock, view, deadline)
+
+        monkeypatch.setattr(tcp_reads, "recv_exactly", reset_rank1)
+        assert torch.equal(remote.lookup(ids), table[ids])
+        assert c._lookups.last_paths == {0: "tcp", 1: "grpc"}
+        c.delete("dp-mid-lookup")
+    assert "bulk TCP read from rank 1 failed" in caplog.text and "Connection reset" in caplog.text
 
 
 def test_deleted_tensor_is_not_found_on_shm(cluster):
