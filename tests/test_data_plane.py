@@ -364,7 +364,10 @@ def test_forced_tcp_raises_after_the_other_ranks_answered(step):
 def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
     plane = DataPlane("grpc", reader=None, uses_tls=False)  # type: ignore[arg-type]
-    record = lambda n: threads.setdefault(n, threading.current_thread().name)  # noqa: E731
+
+    def record(n: int) -> None:
+        threads[n] = threading.current_thread().name
+
     calls = [NetworkCall(_rank(n), None, partial(record, n)) for n in (0, 1)]
     with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
         assert plane.over_network_all(calls, pool.submit) == ["grpc", "grpc"]
