@@ -537,9 +537,11 @@ class _RowPlan:
                 and items[0].positions.size == self.unique.size and items[0].answer.dtype == self.view.dtype):
             return items[0].answer  # positions are 0..n-1: a route of sorted ids keeps their order
         out = self.rows()
+        out_bytes, itemsize = _byte_rows(out), out.element_size()
         for item in items:
-            rows = _byte_rows(out[:, item.columns])
-            rows[item.positions] = _byte_rows(item.answer.to(out.dtype).contiguous())
+            answer = item.answer if item.answer.dtype == out.dtype else item.answer.to(out.dtype)
+            first = (item.columns.start or 0) * itemsize
+            out_bytes[item.positions, first:first + item.width * itemsize] = _byte_rows(answer)
         if self.bad is not None:
             out[torch.from_numpy(self.bad)] = self.view.fill_row()
         return out
@@ -594,7 +596,7 @@ class _Receiver:
     def __init__(self, items: list[_Item], where: str) -> None:
         self.items = items
         self.where = where
-        self.buffers: list[bytearray | None] = [None] * len(items)
+        self.buffers: list[bytearray | memoryview | None] = [None] * len(items)
         self.received = [0] * len(items)
         self.headers: list[RawLookupChunk | None] = [None] * len(items)
 
@@ -608,6 +610,10 @@ class _Receiver:
                 raise StaleVersionError(f"{self.where} served {item.message.name!r} at version {chunk.version}, "
                                         f"not {item.message.version}", grpc.StatusCode.FAILED_PRECONDITION)
             self.headers[index] = chunk
+            if len(chunk.data) == chunk.nbytes and not chunk.data.readonly:
+                self.buffers[index] = chunk.data  # the whole item in one writable message: used where it is
+                self.received[index] = chunk.nbytes
+                return
             self.buffers[index] = bytearray(chunk.nbytes)
         buffer = self.buffers[index]
         end = chunk.offset + len(chunk.data)

@@ -188,12 +188,13 @@ class BulkConnections:
         sock = connection.sock
         header = bytearray(HEADER.size)
         try:
-            if not sock.recv_into(header, HEADER.size, socket.MSG_PEEK):
+            first = sock.recv_into(header)
+            if not first:
                 raise ConnectionError("the rank closed the connection")
         except OSError as err:
             raise _NothingReceived(str(err)) from None
         try:
-            recv_exactly(sock, memoryview(header), deadline)
+            recv_exactly(sock, memoryview(header)[first:], deadline)
             status, _, length = HEADER.unpack(header)
             if status:
                 self._raise_status(connection, address, status, length, deadline)

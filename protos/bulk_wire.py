@@ -11,6 +11,7 @@ FRAME = struct.Struct("<II")       # before each request: its kind and length
 KIND_READ, KIND_LOOKUP = 1, 2      # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
 MAX_REQUEST_BYTES = 8 << 20        # one request frame (a lookup of ~1M ids)
 HEADER = struct.Struct("<IIQ")     # before each answer: status (gRPC code, 0 = OK), reserved (0), length
+_MAX_IOV = 1024                    # buffers per sendmsg (Linux IOV_MAX)
 
 
 def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
@@ -24,3 +25,16 @@ def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None =
         if not count:
             raise ConnectionError(f"the peer closed the connection after {received} of {len(view)} bytes")
         received += count
+
+
+def send_parts(sock: socket.socket, parts: "list[bytes | memoryview]") -> None:
+    """Send every byte of `parts`, in order, gathered by sendmsg: a header and its data go out in one call
+    without being joined into a copy first."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        sent = sock.sendmsg(views[:_MAX_IOV])
+        while sent:
+            if sent < len(views[0]):
+                views[0] = views[0][sent:]
+                break
+            sent -= len(views.pop(0))

@@ -163,11 +163,16 @@ def encode_lookup_chunk(part: LookupPart) -> bytes:
 
 def encode_lookup_reply(parts: list[LookupPart]) -> bytes:
     """Serialized LookupReply of whole items, each item's data copied once."""
+    return b"".join(lookup_reply_pieces(parts))
+
+
+def lookup_reply_pieces(parts: list[LookupPart]) -> list[bytes | memoryview]:
+    """A serialized LookupReply of whole items as pieces to send in order (the data not copied)."""
     out: list[bytes | memoryview] = []
     for part in parts:
         chunk = _lookup_chunk_parts(part)
         out += [_length_prefix(_TAG_REPLY_ITEM, sum(len(p) for p in chunk)), *chunk]
-    return b"".join(out)
+    return out
 
 
 # LookupChunk's fields by number: varints (name, signed width; 0 for uint64) and bytes (name)

@@ -26,8 +26,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES, recv_exactly
-from protos.chunk_codec import encode_lookup_reply
+from protos.bulk_wire import (FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES, recv_exactly,
+                              send_parts)
+from protos.chunk_codec import lookup_reply_pieces
 from server.cuda_staging import host_bytes
 from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
 from server.lookup_service import LookupService
@@ -196,13 +197,12 @@ class BulkReads:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
             if kind == KIND_LOOKUP:
-                reply = encode_lookup_reply(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
-                conn.sendall(HEADER.pack(0, 0, len(reply)) + reply)
+                reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
+                send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
                 return
             with requested_box(self.store, _parse(pb.ReadRegionRequest, message)) as box:
                 data = host_bytes(box)
-                conn.sendall(HEADER.pack(0, 0, len(data)))
-                conn.sendall(data)
+                send_parts(conn, [HEADER.pack(0, 0, len(data)), data])
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001 - answered to the peer, as rpc_errors does for gRPC
@@ -244,7 +244,7 @@ def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
         log.info("bulk read for %s -> %s: %s", peer, code.name, message)
     body = message.encode("utf-8", "replace")
     with contextlib.suppress(OSError):
-        conn.sendall(HEADER.pack(code.value[0], 0, len(body)) + body)
+        send_parts(conn, [HEADER.pack(code.value[0], 0, len(body)), body])
 
 
 def _recv_bytes(conn: socket.socket, nbytes: int) -> bytes:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -20,7 +21,8 @@ import torch
 import server.bulk_reads as bulk_reads
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import decode_lookup_reply
-from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ
+from protos import bulk_wire
+from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ, send_parts
 from server.bulk_reads import BulkReads, Tickets, peer_ip
 from server.errors import ServiceError
 from server.store import ShardStore
@@ -216,3 +218,24 @@ def test_tickets_expire_and_are_bounded():
 def test_peer_ip(peer, expected):
     ip = peer_ip(peer)
     assert (str(ip) if ip is not None else None) == expected
+
+
+def test_send_parts_sends_every_byte_in_order_through_partial_sends():
+    """Parts (bytes, memoryviews of tensors, empty ones) arrive joined, also when sendmsg sends them in pieces
+    (a small send buffer and a slow reader)."""
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    parts = [b"head", b"", memoryview(data.numpy()), memoryview(b"tail")[1:]]
+    expected = b"".join(bytes(part) for part in parts)
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    sender.settimeout(30)
+    got = bytearray(len(expected))
+    reader = threading.Thread(target=bulk_wire.recv_exactly, args=(receiver, memoryview(got), time.monotonic() + 30))
+    reader.start()
+    try:
+        send_parts(sender, parts)
+    finally:
+        reader.join(timeout=30)
+        sender.close()
+        receiver.close()
+    assert bytes(got) == expected
