@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Sequence, TypeVar
 
@@ -41,7 +41,7 @@ def check_transport(transport: object) -> str:
 
 @dataclass(frozen=True)
 class NetworkCall:
-    """One rank's request for DataPlane.over_network_all: `send_bulk()` sends it on the rank's bulk port and
+    """One rank's request for DataPlane.send_all: `send_bulk()` sends it on the rank's bulk port and
     returns the call that takes its answer (None: this request may not use the port); `over_grpc()` makes the
     whole call over gRPC."""
 
@@ -100,45 +100,27 @@ class DataPlane:
                 self._fall_back("tcp", rank, err)
         return run("grpc"), "grpc"
 
-    def over_network_all(self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]
-                         ) -> list[str]:
-        """Make every call, over the bulk port where it may serve the rank (falling back as over_network does),
-        else over gRPC; returns each call's path. Raises the first failure once every call has ended.
+    def send_all(self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]) -> "SentCalls":
+        """Start every call: its request out on the bulk port where that may serve the rank, else a gRPC call on
+        `submit`'s threads; SentCalls.wait() takes the answers (falling back as over_network does).
 
-        Bulk requests all go out before any answer is taken, on this thread: the ranks work at once with no
-        thread hand-off (a hand-off per rank cost a two-rank 512-id lookup ~250 us of client CPU). gRPC calls
-        run meanwhile on `submit`'s threads (the first on this thread when no bulk answer is awaited)."""
+        Every bulk request goes out before any answer is awaited, and all on this thread: the ranks work at
+        once with no thread hand-off (one per rank cost a two-rank 512-id lookup ~250 us of client CPU), and a
+        caller can hold a lock for its CPU work while sending and release it to wait. Nothing here waits on
+        the network but the sends themselves (a lone gRPC call runs in wait(), on the waiting thread)."""
         usable = [call.send_bulk is not None and self._tcp_usable(call.rank) for call in calls]  # before any send
-        paths = ["grpc"] * len(calls)
-        answers: dict[int, Callable[[], object]] = {}
-        errors: list[BaseException] = []
+        sent = SentCalls(self, calls, paths=["grpc"] * len(calls))
         for index, call in enumerate(calls):
             if usable[index]:
                 try:
-                    answers[index] = call.send_bulk()  # type: ignore[misc]
-                    paths[index] = "tcp"
+                    sent.answers[index] = call.send_bulk()  # type: ignore[misc]
+                    sent.paths[index] = "tcp"
                 except BulkReadError as err:
-                    paths[index] = self._bulk_failed(call.rank, err, errors)
-        over_grpc = [index for index, path in enumerate(paths) if path == "grpc"]
-        inline = over_grpc[:1] if not answers else []
-        futures = [submit(calls[index].over_grpc) for index in over_grpc[len(inline):]]
-        for index, answer in answers.items():
-            try:
-                answer()
-            except BulkReadError as err:
-                paths[index] = self._bulk_failed(calls[index].rank, err, errors)
-                if paths[index] == "grpc":
-                    inline.append(index)
-            except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
-                errors.append(err)
-        for run in [*(calls[index].over_grpc for index in inline), *(future.result for future in futures)]:
-            try:
-                run()
-            except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
-                errors.append(err)
-        if errors:
-            raise errors[0]
-        return paths
+                    sent.paths[index] = self._bulk_failed(call.rank, err, sent.errors)
+        over_grpc = [index for index, path in enumerate(sent.paths) if path == "grpc"]
+        sent.inline = over_grpc[:1] if not sent.answers else []
+        sent.futures = [submit(calls[index].over_grpc) for index in over_grpc[len(sent.inline):]]
+        return sent
 
     def _bulk_failed(self, rank: RankStatus, err: BulkReadError, errors: list[BaseException]) -> str:
         """The path a call goes on after its bulk port failed: "grpc" (logged, the rank backs off), or "" with
@@ -206,3 +188,37 @@ class DataPlane:
         instead = "over gRPC" if path == "tcp" or self.uses_tls else "over the bulk port or gRPC"
         log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
                     what, rank.rank, instead, RETRY_AFTER_S, err)
+
+
+@dataclass
+class SentCalls:
+    """Calls started by DataPlane.send_all; wait() ends them."""
+
+    plane: DataPlane
+    calls: Sequence[NetworkCall]
+    paths: list[str]                  # per call: "tcp", "grpc", or "" (forced tcp failed)
+    answers: dict[int, Callable[[], object]] = field(default_factory=dict)  # bulk answers to take, by call
+    errors: list[BaseException] = field(default_factory=list)
+    inline: list[int] = field(default_factory=list)  # calls to make over gRPC on the waiting thread
+    futures: list[Future] = field(default_factory=list)
+
+    def wait(self) -> list[str]:
+        """Take every bulk answer (a failed one falls back to gRPC here), wait for the gRPC calls; returns each
+        call's path and raises the first failure once every call has ended."""
+        for index, answer in self.answers.items():
+            try:
+                answer()
+            except BulkReadError as err:
+                self.paths[index] = self.plane._bulk_failed(self.calls[index].rank, err, self.errors)
+                if self.paths[index] == "grpc":
+                    self.inline.append(index)
+            except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
+                self.errors.append(err)
+        for run in [*(self.calls[index].over_grpc for index in self.inline), *(f.result for f in self.futures)]:
+            try:
+                run()
+            except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
+                self.errors.append(err)
+        if self.errors:
+            raise self.errors[0]
+        return self.paths

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 import torch
 
-from client.data_plane import NetworkCall
+from client.data_plane import NetworkCall, SentCalls
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
                            error_from_rpc)
 from client.info import TensorSummary
@@ -295,8 +295,10 @@ class Lookups:
                     raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
                 plan.wanted = self._from_cache(plan)
                 items.extend(plan.items())
-        self._call_ranks(items)
+            exchange = self._send_calls(items)
+        exchange.wait()
         with _CPU_TURN:
+            exchange.finish()
             return {name: self._rows_of(plan, [item for item in items if item.view is plan.view], dtype)
                     for name, plan in plans.items()}
 
@@ -382,51 +384,55 @@ class Lookups:
         return all(plane.maps(self._cluster._rank_status(rank)) for rank in view.ranks)
 
     def _call_ranks(self, items: list[_Item]) -> None:
-        """Answer what mapped shards can in this thread, then one Lookup call per remaining rank, in parallel."""
+        """Give every item its answer: the calls sent and the answers decoded under the process-wide CPU turn,
+        the waits outside it."""
+        with _CPU_TURN:
+            exchange = self._send_calls(items)
+        exchange.wait()
+        with _CPU_TURN:
+            exchange.finish()
+
+    def _send_calls(self, items: list[_Item]) -> "_Exchange":
+        """Answer what mapped shards can in this thread, then start one Lookup call per remaining rank (the
+        bulk port's requests all sent here, gRPC calls on the transport's threads)."""
         by_rank: dict[int, list[_Item]] = defaultdict(list)
         for item in items:
             by_rank[item.rank].append(item)
-        calls, mapped = [], set()
+        exchange = _Exchange(self)
         for rank, group in sorted(by_rank.items()):
             rest = self._answer_through_shared_memory(rank, group)
-            if len(rest) < len(group):
-                mapped.add(rank)
-            if rest:
-                calls.append((rank, rest))
-            else:
+            if not rest:
                 self.last_paths[rank] = "shm"
-        if calls:
-            plane, transport = self._cluster._data_plane, self._cluster._transport
-            paths = plane.over_network_all([self._network_call(rank, rest) for rank, rest in calls], transport.submit)
-            for (rank, _), path in zip(calls, paths):
-                self.last_paths[rank] = f"shm+{path}" if rank in mapped else path
+                continue
+            receiver = _Receiver(rest, f"rank {rank} at {self._cluster._address_of(rank)}")
+            exchange.ranks.append((rank, len(rest) < len(group)))
+            exchange.receivers.append(receiver)
+            exchange.calls.append(self._network_call(rank, receiver))
+        if exchange.calls:
+            exchange.sent = self._cluster._data_plane.send_all(exchange.calls, self._cluster._transport.submit)
+        return exchange
 
-    def _network_call(self, rank: int, items: list[_Item]) -> NetworkCall:
-        """One lookup call to `rank` giving each item its answer, over the bulk port or gRPC. Either way an
-        answer up to SMALL_ANSWER_BYTES comes in one message; over gRPC a larger one streams (and so does not
-        take the bulk port)."""
+    def _network_call(self, rank: int, receiver: "_Receiver") -> NetworkCall:
+        """One lookup call to `rank` for the receiver's items, over the bulk port or gRPC. Either way an answer
+        up to SMALL_ANSWER_BYTES comes in one message; over gRPC a larger one streams (and so does not take
+        the bulk port). A bulk answer is kept whole and decoded in finish()."""
         address = self._cluster._address_of(rank)
-        request = pb.LookupRequest(items=[item.wire_message() for item in items])
-        expected = sum(_answer_bytes(item) for item in items)
-        where = f"rank {rank} at {address}"
+        request = pb.LookupRequest(items=[item.wire_message() for item in receiver.items])
+        expected = sum(_answer_bytes(item) for item in receiver.items)
 
         def send_bulk() -> Callable[[], None]:
             answer = self._cluster._bulk.send_lookup(address, request, expected)
 
             def take_answer() -> None:
-                reply = answer()
-                receiver = _Receiver(items, where)
-                with _CPU_TURN:
-                    for chunk in decode_lookup_reply(reply):
-                        receiver.add(chunk)
-                    receiver.finish()
+                receiver.reply = answer()
             return take_answer
 
         return NetworkCall(self._cluster._rank_status(rank), send_bulk if expected <= SMALL_ANSWER_BYTES else None,
-                           lambda: self._call_grpc(address, request, expected, _Receiver(items, where)))
+                           lambda: self._call_grpc(address, request, expected, receiver))
 
     def _call_grpc(self, address: str, request: pb.LookupRequest, expected: int, receiver: "_Receiver") -> None:
-        """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream, into `receiver`."""
+        """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream, into `receiver` (finished by
+        the caller)."""
         transport = self._cluster._transport
         methods = self._methods(address)
         timeout = transport.data_timeout(expected)
@@ -438,8 +444,6 @@ class Lookups:
             for chunk in chunks:  # a streamed answer waits for its next chunk outside the turn
                 with _CPU_TURN:
                     receiver.add(chunk)
-            with _CPU_TURN:
-                receiver.finish()
         except grpc.RpcError as err:
             raise error_from_rpc(err, receiver.where) from None
 
@@ -481,6 +485,30 @@ class _LookupMethods(NamedTuple):
 
     small: Any  # LookupSmall -> list[RawLookupChunk]
     stream: Any  # Lookup -> iterator of RawLookupChunk
+
+
+@dataclass
+class _Exchange:
+    """One lookup's calls to the ranks once sent: wait() outside the CPU turn, then finish() inside it."""
+
+    lookups: Lookups
+    ranks: list[tuple[int, bool]] = field(default_factory=list)  # per call: rank, and whether shm answered some
+    receivers: list["_Receiver"] = field(default_factory=list)
+    calls: list[NetworkCall] = field(default_factory=list)
+    sent: SentCalls | None = None
+    paths: list[str] = field(default_factory=list)
+
+    def wait(self) -> None:
+        """Every answer received (raises the first failure once all calls ended)."""
+        if self.sent is not None:
+            self.paths = self.sent.wait()
+
+    def finish(self) -> None:
+        """Every item answered; the path of each rank recorded in Lookups.last_paths."""
+        for receiver in self.receivers:
+            receiver.finish()
+        for (rank, mapped), path in zip(self.ranks, self.paths):
+            self.lookups.last_paths[rank] = f"shm+{path}" if mapped else path
 
 
 @dataclass
@@ -599,6 +627,7 @@ class _Receiver:
         self.buffers: list[bytearray | memoryview | None] = [None] * len(items)
         self.received = [0] * len(items)
         self.headers: list[RawLookupChunk | None] = [None] * len(items)
+        self.reply: bytearray | None = None  # a whole LookupReply taken off the bulk port, decoded by finish()
 
     def add(self, chunk: RawLookupChunk) -> None:
         index = chunk.item
@@ -623,6 +652,11 @@ class _Receiver:
         self.received[index] = end
 
     def finish(self) -> None:
+        """Give every item its answer (the chunks added, or the bulk reply), checked whole."""
+        if self.reply is not None:
+            for chunk in decode_lookup_reply(self.reply):
+                self.add(chunk)
+            self.reply = None
         for index, item in enumerate(self.items):
             header, buffer = self.headers[index], self.buffers[index]
             if header is None or buffer is None or self.received[index] != len(buffer):

@@ -335,7 +335,9 @@ def _run_now(job):  # type: ignore[no-untyped-def]
 def test_bulk_requests_all_go_out_before_any_answer_is_taken():
     events: list[str] = []
     plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
-    assert plane.over_network_all(_calls(events, {}), _run_now) == ["tcp", "tcp"]
+    sent = plane.send_all(_calls(events, {}), _run_now)
+    assert events == ["send 0", "send 1"]  # nothing awaited yet
+    assert sent.wait() == ["tcp", "tcp"]
     assert events == ["send 0", "send 1", "answer 0", "answer 1"]
 
 
@@ -344,11 +346,11 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
     plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="client.data_plane"):
-        assert plane.over_network_all(_calls(events, {1: step}), _run_now) == ["tcp", "grpc"]
+        assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
     assert "bulk TCP read from rank 1 failed" in caplog.text
     events.clear()
-    assert plane.over_network_all(_calls(events, {}), _run_now) == ["tcp", "grpc"]  # rank 1 backs off
+    assert plane.send_all(_calls(events, {}), _run_now).wait() == ["tcp", "grpc"]  # rank 1 backs off
     assert sorted(events) == ["answer 0", "grpc 1", "send 0"]
 
 
@@ -357,7 +359,7 @@ def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     events: list[str] = []
     plane = DataPlane("tcp", reader=None, uses_tls=False)  # type: ignore[arg-type]
     with pytest.raises(BulkReadError, match="rank 0"):
-        plane.over_network_all(_calls(events, {0: step}), _run_now)
+        plane.send_all(_calls(events, {0: step}), _run_now).wait()
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
 
 
@@ -370,7 +372,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
 
     calls = [NetworkCall(_rank(n), None, partial(record, n)) for n in (0, 1)]
     with ThreadPoolExecutor(1, thread_name_prefix="pool") as pool:
-        assert plane.over_network_all(calls, pool.submit) == ["grpc", "grpc"]
+        assert plane.send_all(calls, pool.submit).wait() == ["grpc", "grpc"]
     assert threads[0] == threading.current_thread().name and threads[1].startswith("pool")
 
 

@@ -129,7 +129,7 @@ def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict
     remote = cl.tensor(name)
     whole_rows = layout in ("rows-uneven", "table-wise")
     if whole_rows:
-        monkeypatch.setattr(cl._lookups, "_network_call", lambda rank, items: pytest.fail(f"Lookup call to {rank}"))
+        monkeypatch.setattr(cl._lookups, "_network_call", lambda rank, receiver: pytest.fail(f"Lookup call to {rank}"))
     generator = torch.Generator().manual_seed(9)
     for ids in (torch.tensor([49]), torch.tensor([8, 29, 8, 7]), torch.randint(0, ROWS, (500,), generator=generator)):
         assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
