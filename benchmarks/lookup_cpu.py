@@ -1,19 +1,19 @@
 """CPU per lookup call, client and ranks, with 1 and 8 client threads (issue 6): where a lookup's time goes.
 
-On a 2-rank cluster holding a 1M x 64 float32 table row-wise, each of 8
-clients (own connection, as in the lookups scenario) is warmed up, then
-1 thread and then 8 threads look up `--calls` batches of `--ids` uniform ids
-each over `--transport`. Printed per case: wall time per call, this process's
-CPU per call (every thread of it: os.times) and the ranks' CPU per call
-(psutil). On 2 cores, client + ranks CPU per call bounds the 8-thread rate.
+On a 2-rank cluster holding a 1M x 64 float32 table row-wise (`--rows`),
+each of 8 clients (own connection, as in the lookups scenario) is warmed up,
+then 1 thread and then 8 threads look up `--calls` batches of `--ids`
+uniform ids each over `--transport`. Printed per case: wall time per call,
+this process's CPU per call (every thread of it: time.process_time) and the
+ranks' CPU per call (psutil, in 10 ms ticks: use enough calls). On 2 cores,
+client + ranks CPU per call bounds the 8-thread rate.
 
-    python -m benchmarks.lookup_cpu [--transport tcp] [--ids 512] [--calls 400] [--json FILE]
+    python -m benchmarks.lookup_cpu [--transport tcp] [--ids 512] [--calls 400] [--rows N] [--json FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-ROWS, DIM, THREADS = 1 << 20, 64, 8
+DIM, THREADS = 64, 8
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -39,15 +39,14 @@ def measure(tables: list[Any], batches: list[torch.Tensor], threads: int, rank_p
             table.lookup(ids)
 
     workers = [threading.Thread(target=work, args=(table,)) for table in tables[:threads]]
-    ranks_before, mine_before, start = cpu_seconds(rank_pids), os.times(), time.perf_counter()
+    ranks_before, mine_before, start = cpu_seconds(rank_pids), time.process_time(), time.perf_counter()
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
-    wall, mine_after, ranks_after = time.perf_counter() - start, os.times(), cpu_seconds(rank_pids)
+    wall, mine_after, ranks_after = time.perf_counter() - start, time.process_time(), cpu_seconds(rank_pids)
     calls = threads * len(batches)
-    client = (mine_after.user + mine_after.system) - (mine_before.user + mine_before.system)
-    return {"threads": threads, "wall_s": wall / calls, "client_cpu_s": client / calls,
+    return {"threads": threads, "wall_s": wall / calls, "client_cpu_s": (mine_after - mine_before) / calls,
             "ranks_cpu_s": (ranks_after - ranks_before) / calls}
 
 
@@ -56,17 +55,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="tcp", choices=("auto", "grpc", "shm", "tcp"))
     parser.add_argument("--ids", type=int, default=512, help="ids per lookup (default 512)")
     parser.add_argument("--calls", type=int, default=400, help="lookups per thread (default 400)")
+    parser.add_argument("--rows", type=int, default=1 << 20, help="table rows (default 1048576)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.ids < 1 or args.calls < 1:
-        parser.error("--ids and --calls must be >= 1")
+    if min(args.ids, args.calls, args.rows) < 1:
+        parser.error("--ids, --calls and --rows must be >= 1")
 
     from client import connect
     from server.launcher import LocalCluster
 
     generator = torch.Generator().manual_seed(1)
-    source = torch.randn(ROWS, DIM, generator=generator)
-    batches = [torch.randint(0, ROWS, (args.ids,), generator=generator) for _ in range(args.calls)]
+    source = torch.randn(args.rows, DIM, generator=generator)
+    batches = [torch.randint(0, args.rows, (args.ids,), generator=generator) for _ in range(args.calls)]
     with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster:
         with connect(cluster.address, transport="grpc") as writer:
             writer.put("lookup-cpu", source)
@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
               f"client CPU {row['client_cpu_s'] * 1e6:.0f} us/call, ranks CPU {row['ranks_cpu_s'] * 1e6:.0f} us/call")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"transport": args.transport, "ids": args.ids, "calls": args.calls, "results": results}, f,
-                      indent=1)
+            json.dump({"transport": args.transport, "ids": args.ids, "calls": args.calls, "rows": args.rows,
+                       "results": results}, f, indent=1)
     return 0
 
 

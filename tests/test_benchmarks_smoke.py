@@ -194,3 +194,16 @@ def test_cluster_reshard_benchmark_runs_small(tmp_path) -> None:
     for key in ("bare_s", "run_reshard_s", "cluster_reshard_s", "cluster_reshard_no_recycling_s"):
         assert row[key] > 0, key
     assert row["world"] == 2 and row["max_new_shard_bytes"] == 512 * 256 * 4
+
+
+def test_lookup_cpu_benchmark_runs_small(tmp_path) -> None:
+    """benchmarks.lookup_cpu (not a suite scenario) on a small table: 1 and 8 threads, each figure measured."""
+    json_path = tmp_path / "lookup_cpu.json"
+    result = subprocess.run([sys.executable, "-m", "benchmarks.lookup_cpu", "--rows", "4096", "--ids", "16",
+                             "--calls", "5", "--json", str(json_path)], cwd=PROJECT_ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(json_path.read_text())
+    assert report["transport"] == "tcp" and [row["threads"] for row in report["results"]] == [1, 8]
+    for row in report["results"]:
+        assert row["wall_s"] > 0 and row["client_cpu_s"] > 0 and row["ranks_cpu_s"] >= 0
