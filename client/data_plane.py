@@ -117,6 +117,9 @@ class DataPlane:
                     sent.paths[index] = "tcp"
                 except BulkReadError as err:
                     sent.paths[index] = self._bulk_failed(call.rank, err, sent.errors)
+                except BaseException as err:  # noqa: BLE001 - raised by wait(), once the calls sent have ended
+                    sent.errors.append(err)
+                    sent.paths[index] = ""
         over_grpc = [index for index, path in enumerate(sent.paths) if path == "grpc"]
         sent.inline = over_grpc[:1] if not sent.answers else []
         sent.futures = [submit(calls[index].over_grpc) for index in over_grpc[len(sent.inline):]]
@@ -196,7 +199,7 @@ class SentCalls:
 
     plane: DataPlane
     calls: Sequence[NetworkCall]
-    paths: list[str]                  # per call: "tcp", "grpc", or "" (forced tcp failed)
+    paths: list[str]                  # per call: "tcp", "grpc", or "" (failed before any answer)
     answers: dict[int, Callable[[], object]] = field(default_factory=dict)  # bulk answers to take, by call
     errors: list[BaseException] = field(default_factory=list)
     inline: list[int] = field(default_factory=list)  # calls to make over gRPC on the waiting thread

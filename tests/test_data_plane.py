@@ -363,6 +363,21 @@ def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
 
 
+def test_an_error_sending_one_call_is_raised_after_the_others_answered():
+    events: list[str] = []
+    calls = _calls(events, {})
+
+    def refused():  # type: ignore[no-untyped-def]
+        raise StaleVersionError("rank 0: ticket refused")
+
+    calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
+    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    sent = plane.send_all(calls, _run_now)
+    with pytest.raises(StaleVersionError, match="ticket refused"):
+        sent.wait()
+    assert events == ["send 1", "answer 1"]  # rank 1's answer was taken, not left on its connection
+
+
 def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
     plane = DataPlane("grpc", reader=None, uses_tls=False)  # type: ignore[arg-type]
