@@ -183,14 +183,19 @@ def test_rss_sampler_sees_a_child_allocate() -> None:
     assert peaks["allocator"] >= 200 << 20
 
 
+def _run_tool(tmp_path, module: str, *args: str) -> dict:  # type: ignore[no-untyped-def]
+    """Run a benchmark tool (not a suite scenario) with `--json`; its exit must be 0; returns the JSON."""
+    json_path = tmp_path / f"{module}.json"
+    result = subprocess.run([sys.executable, "-m", module, *args, "--json", str(json_path)], cwd=PROJECT_ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(json_path.read_text())
+
+
 def test_cluster_reshard_benchmark_runs_small(tmp_path) -> None:
     """benchmarks.reshard_cluster (not a suite scenario) at 1 MiB: both cluster runs and the plain world report."""
-    json_path = tmp_path / "reshard_cluster.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.reshard_cluster", "--size-mib", "1", "--ranks", "2",
-                             "--repeats", "1", "--json", str(json_path)], cwd=PROJECT_ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    (row,) = json.loads(json_path.read_text())["rows"]
+    (row,) = _run_tool(tmp_path, "benchmarks.reshard_cluster", "--size-mib", "1", "--ranks", "2",
+                       "--repeats", "1")["rows"]
     for key in ("bare_s", "run_reshard_s", "cluster_reshard_s", "cluster_reshard_no_recycling_s"):
         assert row[key] > 0, key
     assert row["world"] == 2 and row["max_new_shard_bytes"] == 512 * 256 * 4
@@ -198,12 +203,7 @@ def test_cluster_reshard_benchmark_runs_small(tmp_path) -> None:
 
 def test_lookup_cpu_benchmark_runs_small(tmp_path) -> None:
     """benchmarks.lookup_cpu (not a suite scenario) on a small table: 1 and 8 threads, each figure measured."""
-    json_path = tmp_path / "lookup_cpu.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.lookup_cpu", "--rows", "4096", "--ids", "16",
-                             "--calls", "5", "--json", str(json_path)], cwd=PROJECT_ROOT, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(json_path.read_text())
+    report = _run_tool(tmp_path, "benchmarks.lookup_cpu", "--rows", "4096", "--ids", "16", "--calls", "5")
     assert report["transport"] == "tcp" and [row["threads"] for row in report["results"]] == [1, 8]
     for row in report["results"]:
         assert row["wall_s"] > 0 and row["client_cpu_s"] > 0 and row["ranks_cpu_s"] >= 0
