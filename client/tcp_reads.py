@@ -46,9 +46,9 @@ class BulkReadError(ShardServeError):
 class _Connection:
     """One open connection to a rank's bulk port."""
 
-    def __init__(self, sock: socket.socket, kept: bool = False) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.kept = kept  # taken from the idle ones (the rank may have closed it meanwhile)
+        self.kept = False  # taken from the idle ones (the rank may have closed it meanwhile)
         self.idle_since = time.monotonic()
 
 
@@ -71,14 +71,11 @@ class BulkConnections:
 
         self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)()
 
-    def lookup(self, address: str, request: pb.LookupRequest, expected: int) -> bytearray:
-        """The serialized LookupReply of `request` (at most MAX_LOOKUP_REPLY_BYTES; `expected` bounds its size)."""
-        return self.send_lookup(address, request, expected)()
-
     def send_lookup(self, address: str, request: pb.LookupRequest, expected: int) -> Callable[[], bytearray]:
-        """Send `request` now and return the call that takes its serialized LookupReply, so requests to several
-        ranks go out before any answer is awaited (one thread overlaps the ranks' work). The returned call must
-        be made, or the connection is not reused."""
+        """Send `request` now and return the call that takes its serialized LookupReply (at most
+        MAX_LOOKUP_REPLY_BYTES; `expected` bounds its size), so requests to several ranks go out before any
+        answer is awaited (one thread overlaps the ranks' work). The returned call must be made, or the
+        connection is not reused."""
         def into_buffer(sock: socket.socket, length: int, deadline: float) -> bytearray:
             if length > MAX_LOOKUP_REPLY_BYTES:
                 raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer")
@@ -104,18 +101,15 @@ class BulkConnections:
             connection = self._open_and_send(address, frame)
 
         def answer() -> T:
-            try:
-                return self._answer(connection, address, receive, deadline)
-            except _NothingReceived as err:
-                connection.sock.close()
-                if not connection.kept:
-                    raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
-            fresh = self._open_and_send(address, frame)
-            try:
-                return self._answer(fresh, address, receive, deadline)
-            except _NothingReceived as err:
-                fresh.sock.close()
-                raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+            current = connection
+            while True:  # at most twice: a new connection is never `kept`
+                try:
+                    return self._answer(current, address, receive, deadline)
+                except _NothingReceived as err:
+                    current.sock.close()
+                    if not current.kept:
+                        raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
+                current = self._open_and_send(address, frame)
 
         return answer
 
