@@ -7,12 +7,14 @@ the whole read, so a result never mixes two versions.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from client.data_plane import NetworkCall
 from client.grpc_streams import bands, read_bands, read_region
 from client.errors import InvalidArgumentError
 from client.indexing import parse_index
@@ -26,7 +28,11 @@ from shardcore.wire import byte_view
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
+    from client.info import RankStatus
 
+log = logging.getLogger(__name__)
+
+PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
 
 
 @dataclass(frozen=True)
@@ -237,16 +243,52 @@ class RemoteShardedTensor:
         """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device)."""
         if box.is_empty():
             return
-        jobs = [partial(self._read_part, summary, index, part, box, out) for index, part in parts]
-        self._cluster._transport.run_all(jobs)
+        plane = self._cluster._data_plane
+        networked = [(index, part) for index, part in parts if not plane.maps(self._rank_of(summary, index))]
+        if len(networked) < 2 or plane.transport == "shm" or \
+                sum(part.numel() for _, part in networked) * out.element_size() > PIPELINED_READ_BYTES:
+            self._cluster._transport.run_all([partial(self._read_part, summary, index, part, box, out)
+                                              for index, part in parts])
+            return
+        sent = plane.send_all([self._network_call(summary, index, part, local_view(out, box, part))
+                               for index, part in networked], self._cluster._transport.submit)
+        mapped = [partial(self._read_part, summary, index, part, box, out)
+                  for index, part in parts if (index, part) not in networked]
+        try:
+            if mapped:
+                self._cluster._transport.run_all(mapped)
+        finally:
+            paths = sent.wait()
+        log.debug("read %r shards %s over %s", summary.name, [index for index, _ in networked], paths)
+        self.last_transport = paths[-1]
+
+    def _rank_of(self, summary: TensorSummary, index: int) -> RankStatus:
+        return self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
 
     def _read_part(self, summary: TensorSummary, index: int, part: Box, box: Box, out: torch.Tensor) -> None:
         """One shard's part into its region of `out`, by the path the data plane picks (client.shm_transport)."""
         region = local_view(out, box, part)
-        rank = self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
         self.last_transport = self._cluster._data_plane.read_part(
-            rank, summary, index, part, region, partial(self._read_part_over, summary, index, part, region,
-                                                        part == box))
+            self._rank_of(summary, index), summary, index, part, region,
+            partial(self._read_part_over, summary, index, part, region, part == box))
+
+    def _network_call(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> NetworkCall:
+        """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
+        into `region` later (client.data_plane.send_all), or read over gRPC."""
+        address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
+        request = _read_request(summary, index, part)
+
+        def send_bulk() -> Callable[[], None]:
+            target, land = _landing(part, region)
+            answer = self._cluster._bulk.send_read(address, request, byte_view(target))
+
+            def take() -> None:
+                answer()
+                land()
+            return take
+
+        return NetworkCall(self._rank_of(summary, index), send_bulk,
+                           partial(self._read_part_over, summary, index, part, region, False, "grpc"))
 
     def _read_part_over(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                         only_part: bool, path: str) -> None:
@@ -255,16 +297,23 @@ class RemoteShardedTensor:
         buffer."""
         address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
         read_box = self._cluster._bulk.read_region if path == "tcp" else partial(read_region, self._cluster._transport)
-
-        def read_band(band: Box, into: torch.Tensor) -> None:
-            request = pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
-                                           offsets=band.offsets, sizes=band.sizes)
-            read_box(address, request, byte_view(into))
-
-        direct = region.is_contiguous() and region.device.type == "cpu"
-        on_gpu = region.device.type == "cuda"  # the bytes land in pinned memory: one DMA up to the GPU
-        target = region if direct else torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
-        read_bands(lambda band: read_band(band, local_view(target, part, band)),
+        target, land = _landing(part, region)
+        read_bands(lambda band: read_box(address, _read_request(summary, index, band),
+                                         byte_view(local_view(target, part, band))),
                    bands(part, region.element_size()) if only_part else [part])
-        if not direct:
-            region.copy_(target, non_blocking=on_gpu)
+        land()
+
+
+def _read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionRequest:
+    return pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
+                                offsets=box.offsets, sizes=box.sizes)
+
+
+def _landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Where a part's bytes land (`region` itself when contiguous on the CPU, else a buffer of its own: pinned
+    for a CUDA region, one DMA up) and the call that moves them into `region` once they arrived."""
+    if region.is_contiguous() and region.device.type == "cpu":
+        return region, lambda: None
+    on_gpu = region.device.type == "cuda"
+    target = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
+    return target, lambda: region.copy_(target, non_blocking=on_gpu)

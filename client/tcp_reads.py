@@ -63,13 +63,18 @@ class BulkConnections:
 
     def read_region(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
         """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port."""
+        self.send_read(address, request, dest)()
+
+    def send_read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> Callable[[], None]:
+        """Send the read of `request` now and return the call that takes its bytes into `dest` (as
+        send_lookup does for lookups); the returned call must be made, or the connection is not reused."""
         def into_dest(sock: socket.socket, length: int, deadline: float) -> None:
             if length != dest.numel():
                 raise ShardServeError(f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region")
             if length:
                 recv_exactly(sock, memoryview(dest.numpy()), deadline)
 
-        self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)()
+        return self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
 
     def send_lookup(self, address: str, request: pb.LookupRequest, expected: int) -> Callable[[], bytearray]:
         """Send `request` now and return the call that takes its serialized LookupReply (at most

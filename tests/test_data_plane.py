@@ -391,17 +391,26 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
     assert threads[0] == threading.current_thread().name and threads[1].startswith("pool")
 
 
-def test_a_bulk_answer_failing_mid_lookup_falls_back_for_that_rank(cluster, monkeypatch, caplog):
+@pytest.mark.parametrize("what", ["lookup", "read"])
+def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypatch, caplog, what):
     import client.tcp_reads as tcp_reads
 
     table = random_tensor((300, 16), torch.float32, seed=14)
     ids = torch.tensor([0, 299, 150, 149, 7])
+    name = f"dp-mid-{what}"
+
+    def run(remote) -> tuple[torch.Tensor, torch.Tensor, object]:  # type: ignore[no-untyped-def]
+        if what == "lookup":
+            return remote.lookup(ids), table[ids], c._lookups.last_paths
+        return remote.fetch((100, 3), (120, 9)), table[100:220, 3:12], remote.last_transport
+
     with connect(cluster.address, transport="grpc") as c:
-        c.put("dp-mid-lookup", table, SPEC)
+        c.put(name, table, SPEC)
     with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
         monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
-        remote = c.tensor("dp-mid-lookup")
-        assert torch.equal(remote.lookup(ids), table[ids]) and c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        remote = c.tensor(name)
+        got, expected, paths = run(remote)
+        assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
         real_recv = tcp_reads.recv_exactly
         rank1_port = c._bulk._idle[c._address_of(1)][0].sock.getpeername()[1]
 
@@ -411,10 +420,57 @@ def test_a_bulk_answer_failing_mid_lookup_falls_back_for_that_rank(cluster, monk
             return real_recv(sock, view, deadline)
 
         monkeypatch.setattr(tcp_reads, "recv_exactly", reset_rank1)
-        assert torch.equal(remote.lookup(ids), table[ids])
-        assert c._lookups.last_paths == {0: "tcp", 1: "grpc"}
-        c.delete("dp-mid-lookup")
+        got, expected, paths = run(remote)
+        assert torch.equal(got, expected)
+        assert paths in ({0: "tcp", 1: "grpc"}, "grpc")  # a read reports its last part's path: rank 1's
+        c.delete(name)
     assert "bulk TCP read from rank 1 failed" in caplog.text and "Connection reset" in caplog.text
+
+
+def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
+    """Events "send PORT" / "answer PORT" of the client's bulk-port reads, in the order they happen."""
+    events: list[str] = []
+    real_send = c._bulk.send_read
+
+    def send_read(address, request, dest):  # type: ignore[no-untyped-def]
+        answer = real_send(address, request, dest)
+        events.append(f"send {address}")
+
+        def take() -> None:
+            answer()
+            events.append(f"answer {address}")
+        return take
+
+    monkeypatch.setattr(c._bulk, "send_read", send_read)
+    return events
+
+
+def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(cluster, tables, monkeypatch):
+    source, name = tables[torch.float64]
+    with connect(cluster.address, transport="tcp") as c:
+        events = _record_bulk_reads(c, monkeypatch)
+        remote = c.tensor(name)
+        out = torch.empty(3, 5, 7, dtype=torch.float64).transpose(0, 2)  # each part lands through a buffer
+        remote.fetch((0, 0, 0), (7, 5, 3), out=out)
+        assert torch.equal(out, source)
+        ranks = [c._address_of(0), c._address_of(1)]
+        assert events == [f"send {ranks[0]}", f"send {ranks[1]}", f"answer {ranks[0]}", f"answer {ranks[1]}"]
+        assert remote.last_transport == "tcp"
+
+
+def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
+    source, name = tables[torch.int16]
+    with connect(cluster.address) as c:
+        events = _record_bulk_reads(c, monkeypatch)
+        rank1 = c._address_of(1)
+        maps, reads = c._data_plane.maps, c._data_plane.reader.read_part
+        monkeypatch.setattr(c._data_plane, "maps", lambda rank: rank.address != rank1 and maps(rank))
+        monkeypatch.setattr(c._data_plane, "_shm_usable", lambda rank: rank.address != rank1)
+        mapped: list[str] = []
+        monkeypatch.setattr(c._data_plane.reader, "read_part",
+                            lambda address, *args: mapped.append(address) or reads(address, *args))
+        assert torch.equal(c.tensor(name).fetch((1, 2, 0), (6, 3, 3)), source[1:7, 2:5])
+        assert mapped == [c._address_of(0)] and events == [f"send {rank1}", f"answer {rank1}"]
 
 
 def test_deleted_tensor_is_not_found_on_shm(cluster):
