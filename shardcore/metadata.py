@@ -8,6 +8,7 @@ send. Placements are parsed like torch's `_remote_device` ("rank:N/cpu",
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
@@ -100,6 +101,8 @@ class TensorProperties:
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
+    if type(values) is tuple and all(type(v) is int for v in values):
+        return values  # the common case, checked fast: boxes are made on every read
     values = tuple(values)
     if any(isinstance(v, bool) for v in values):
         raise TypeError(f"{what} must hold integers, got {values!r}")
@@ -159,7 +162,7 @@ class ShardMetadata:
                 f"shard_offsets has {len(self.shard_offsets)} dims but shard_sizes has "
                 f"{len(self.shard_sizes)}")
 
-    @property
+    @functools.cached_property
     def box(self) -> Box:
         return Box(self.shard_offsets, self.shard_sizes)
 

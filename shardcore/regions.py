@@ -42,20 +42,23 @@ def shards_for_box(meta: ShardedTensorMetadata, box: Box,
     Replicas (shards with identical boxes) are read once: the copy on
     `prefer_rank` if there is one, else the first listed. Parts never overlap.
     """
-    chosen: dict[Box, int] = {}
+    chosen: dict[Box, tuple[int, Box]] = {}  # shard box -> (index of the replica read, part)
     for index, shard in enumerate(meta.shards_metadata):
         part = intersect(shard.box, box)
         if part is None:
             continue
         key = shard.box
         if key not in chosen or (prefer_rank is not None and shard.rank == prefer_rank
-                                 and meta.shards_metadata[chosen[key]].rank != prefer_rank):
-            chosen[key] = index
-    return [(index, intersect(meta.shards_metadata[index].box, box)) for index in sorted(chosen.values())]
+                                 and meta.shards_metadata[chosen[key][0]].rank != prefer_rank):
+            chosen[key] = (index, part)
+    return sorted(chosen.values())
 
 
 def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:
-    """The global `box` (inside `shard_box`) as a view of the local shard tensor."""
+    """The global `box` (inside `shard_box`) as a view of the local shard tensor (`local` itself when the box is
+    the whole shard)."""
+    if box == shard_box:
+        return local
     if not shard_box.contains(box):
         raise ValueError(f"box {box} is not inside shard {shard_box}")
     view = local

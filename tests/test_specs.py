@@ -273,3 +273,18 @@ def test_random_placements_validate_and_round_trip_data(size, data):
     validate_metadata(meta)
     tensor = torch.randn(tuple(size), dtype=torch.float64)
     assert torch.equal(assemble(meta, [p.clone() for p in cut_tensor(tensor, meta)]), tensor)
+
+
+def test_box_holds_plain_int_tuples_and_refuses_non_integers():
+    import numpy as np
+
+    from shardcore.metadata import Box
+
+    box = Box([np.int64(2), torch.tensor(3)], (4, 5))
+    assert box.offsets == (2, 3) and all(type(v) is int for v in box.offsets + box.sizes)
+    assert Box((1, 2), (3, 4)) == Box([1, 2], [3, 4])
+    for bad in [(True, 0), (0, 1.5), ("1", 0)]:
+        with pytest.raises(TypeError, match="offsets must hold integers"):
+            Box(bad, (1, 1))
+    shard = ShardMetadata((2, 0), (2, 4), 0)
+    assert shard.box is shard.box and shard.box == Box((2, 0), (2, 4))
