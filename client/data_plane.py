@@ -4,8 +4,8 @@ transport="auto" tries, in order, what works for the rank: shared memory when
 it runs on this host (client.shm_transport), the rank's bulk TCP port when the
 client does not use TLS (client.tcp_reads: 2-3x faster than a gRPC call at any
 size once its connection is open), else gRPC (client.grpc_streams). A failure
-of a fast path is logged once per rank and path; that rank is then served by
-the next path for RETRY_AFTER_S. "grpc", "shm" and "tcp" force one path; a
+of a fast path is logged (WARNING, with its reason); that rank is then served
+by the next path for RETRY_AFTER_S before the fast path is tried again. "grpc", "shm" and "tcp" force one path; a
 forced fast path that cannot serve raises instead of falling back.
 """
 from __future__ import annotations
@@ -107,7 +107,8 @@ class DataPlane:
         Every bulk request goes out before any answer is awaited, and all on this thread: the ranks work at
         once with no thread hand-off (one per rank cost a two-rank 512-id lookup ~250 us of client CPU), and a
         caller can hold a lock for its CPU work while sending and release it to wait. Nothing here waits on
-        the network but the sends themselves (a lone gRPC call runs in wait(), on the waiting thread)."""
+        the network but the sends themselves and, where a rank has no kept connection, opening one (an
+        OpenBulkSession call and a connect); a lone gRPC call runs in wait(), on the waiting thread."""
         usable = [call.send_bulk is not None and self._tcp_usable(call.rank) for call in calls]  # before any send
         sent = SentCalls(self, calls, paths=["grpc"] * len(calls))
         for index, call in enumerate(calls):

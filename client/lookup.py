@@ -20,12 +20,12 @@ version, so an answer never mixes versions) and runs:
   every rank of the table is read through shared memory (same host: the rows
   cost no transfer, so pooling here is both exact and cheapest).
 
-Same-host ranks answer from their mapped shards in the calling thread; only
-the ranks left over are called over gRPC, in parallel.
+Same-host ranks answer from their mapped shards in the calling thread; the
+ranks left over get one call each, over their bulk port (every request sent
+from the calling thread before any answer is awaited) or over gRPC.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
@@ -47,7 +47,7 @@ from client.transport import SHARD_SERVICE
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawLookupChunk, decode_lookup_chunk, decode_lookup_reply
 from shardcore.dtypes import dtype_from_wire
-from shardcore.embedding import (PartialBags, bag_subset, combine_partials, pool_bags,
+from shardcore.embedding import (PartialBags, accumulation_dtype, bag_subset, combine_partials, pool_bags,
                                  validate_ids)
 from shardcore.routing import RowIndex, distinct_ids, unique_ids
 from shardcore.wire import tensor_bytes
@@ -59,10 +59,13 @@ if TYPE_CHECKING:
 # Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
 # one message beat the stream at 512 KiB and at 2 MiB per rank (a stream costs about twice a unary call).
 SMALL_ANSWER_BYTES = 4 << 20
+_CHUNK_FRAMING_BYTES = 128  # a LookupChunk's fields but data and counts, with its tag and length in LookupReply
 _OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
 POOLINGS = ("auto", "server", "client")
-# A lookup's own CPU work (a mapped lookup whole; a routed one's planning, answer decoding and assembly, but
-# never its waits on the network) runs under the GIL: threads doing it at once only hand the GIL back and forth
+# A lookup's own CPU work (a mapped lookup's gather, client-side pooling; a routed one's planning, answer decoding
+# and assembly, but never a wait for an answer: the turn is not held while gRPC calls on the client's pool,
+# which take it too, are awaited; sends hold it, and so does opening a bulk connection where a rank has none
+# kept) runs under the GIL: threads doing it at once only hand the GIL back and forth
 # at every call into torch, numpy or protobuf (8 threads were 3.5x slower per mapped lookup than one; 8 routed
 # 512-id lookups over gRPC took 2.1 ms each, 1.6 ms with turns), so they take turns on this process-wide lock.
 _CPU_TURN = threading.RLock()
@@ -173,12 +176,14 @@ def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
             raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
         return ids.detach().to("cpu", torch.int64).contiguous()
     try:
-        values = torch.as_tensor(list(ids), dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError) as err:
+        array = np.asarray(list(ids))
+    except (TypeError, ValueError) as err:
         raise TypeError(f"{field_name} must be a tensor or a sequence of ints: {err}") from None
-    if values.dim() != 1:
-        raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(values.shape)}")
-    return values
+    if array.size and array.dtype.kind not in "iu":  # floats are not cut to ints, nor bools taken for 0 and 1
+        raise TypeError(f"{field_name} must hold integers, got {array.dtype} values")
+    if array.ndim != 1:
+        raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {array.shape}")
+    return torch.from_numpy(array.astype(np.int64))
 
 
 def _bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> InvalidArgumentError:
@@ -248,22 +253,16 @@ class Lookups:
         """Rows [len(ids), dim] of several tables, one Lookup call per rank."""
         ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
         _check_dtype(dtype)
-        with self._turn_if_mapped(list(ids)):
-            return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
-
-    def _turn_if_mapped(self, names: Sequence[str]) -> contextlib.AbstractContextManager:
-        """The process-wide turn for lookups that no rank answers over the network (see _CPU_TURN)."""
-        if all(self._all_mapped(self.view(name)) for name in names):
-            return _CPU_TURN
-        return contextlib.nullcontext()
+        return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
 
     def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
                      dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
         """Each table from its mapped shards when it can (client.mapped_rows), the rest by routed Lookup calls."""
         results, rest = {}, {}
         for name, table_ids in ids.items():
-            mapped = self._mapped_rows(views[name])
-            rows = mapped.rows(table_ids) if mapped is not None else None
+            mapped = self._mapped_rows(views[name])  # may map shards (an OpenShard call): outside the turn
+            with _CPU_TURN:
+                rows = mapped.rows(table_ids) if mapped is not None else None
             if rows is None:
                 rest[name] = table_ids
                 continue
@@ -339,8 +338,7 @@ class Lookups:
             raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         _check_dtype(dtype)
         request = _bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
-        with self._turn_if_mapped([name]) if pooling != "server" else contextlib.nullcontext():
-            pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
+        pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
         return pooled if dtype is None else pooled.to(dtype)
 
     def _bag_once(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
@@ -354,7 +352,8 @@ class Lookups:
         if pooling == "client" or bool(bad.any()) or (pooling == "auto" and (self.cache is not None
                                                                               or self._all_mapped(view))):
             rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
-            return pool_bags(rows, request.offsets, request.mode, weights)
+            with _CPU_TURN:
+                return pool_bags(rows, request.offsets, request.mode, weights)
         num_bags = request.offsets.numel()
         routes = view.index.route(request.ids, invalid="skip")
         if not routes:
@@ -421,7 +420,7 @@ class Lookups:
         expected = sum(_answer_bytes(item) for item in receiver.items)
 
         def send_bulk() -> Callable[[], None]:
-            answer = self._cluster._bulk.send_lookup(address, request, expected)
+            answer = self._cluster._bulk.send_lookup(address, request, _reply_bytes(receiver.items))
 
             def take_answer() -> None:
                 receiver.reply = answer()
@@ -612,10 +611,22 @@ def _gather_rows(rows: torch.Tensor, order: np.ndarray) -> torch.Tensor:
 
 
 def _answer_bytes(item: _Item) -> int:
-    """An upper bound of the bytes of an item's answer: its rows, or a pooled item's bags as float64 sums."""
+    """The data bytes of an item's answer, as a rank counts them against its LookupSmall limit: its rows, or a
+    pooled item's per-bag sums in the accumulation dtype."""
     if item.message.pooled:
-        return len(item.message.offsets) // 8 * item.width * 8
+        return _bags(item) * item.width * accumulation_dtype(item.view.dtype).itemsize
     return item.ids.numel() * item.width * item.view.dtype.itemsize
+
+
+def _reply_bytes(items: list[_Item]) -> int:
+    """An upper bound of a serialized LookupReply answering `items`: their data, a pooled item's int64 counts,
+    and each LookupChunk's fields and framing."""
+    return sum(_answer_bytes(item) + (_bags(item) * 8 if item.message.pooled else 0) + _CHUNK_FRAMING_BYTES
+               for item in items)
+
+
+def _bags(item: _Item) -> int:
+    return len(item.message.offsets) // 8
 
 
 class _Receiver:
@@ -703,6 +714,9 @@ def validate_update(view: TableView, ids: Any, values: Any) -> tuple[torch.Tenso
     ids = as_ids(ids)
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    if not torch.can_cast(values.dtype, view.dtype):
+        raise TypeError(f"values has dtype {values.dtype}, which table {view.name!r} ({view.dtype}) cannot hold "
+                        f"without losing its kind (torch.can_cast)")
     if values.shape != (ids.numel(), view.dim):
         raise InvalidArgumentError(f"values has shape {tuple(values.shape)}; expected ({ids.numel()}, {view.dim})")
     try:

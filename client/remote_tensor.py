@@ -235,7 +235,7 @@ class RemoteShardedTensor:
         target = out if out is not None else torch.empty(box.sizes, dtype=summary.metadata.dtype)
         self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
         if target.device.type == "cuda":
-            torch.cuda.current_stream(target.device).synchronize()  # the parts' copies are done when we return
+            torch.cuda.synchronize(target.device)  # the parts' copies (made on pool threads' streams) are done
         return target
 
     def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,

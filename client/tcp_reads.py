@@ -29,7 +29,6 @@ from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_
 if TYPE_CHECKING:
     from client.transport import Transport
 
-MAX_LOOKUP_REPLY_BYTES = 4 << 20  # the ranks' LookupSmall limit (SMALL_REPLY_BYTES)
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank
 IDLE_KEEP_S = 60.0    # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
@@ -76,19 +75,20 @@ class BulkConnections:
 
         return self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
 
-    def send_lookup(self, address: str, request: pb.LookupRequest, expected: int) -> Callable[[], bytearray]:
-        """Send `request` now and return the call that takes its serialized LookupReply (at most
-        MAX_LOOKUP_REPLY_BYTES; `expected` bounds its size), so requests to several ranks go out before any
-        answer is awaited (one thread overlaps the ranks' work). The returned call must be made, or the
-        connection is not reused."""
+    def send_lookup(self, address: str, request: pb.LookupRequest, reply_bytes: int) -> Callable[[], bytearray]:
+        """Send `request` now and return the call that takes its serialized LookupReply (at most `reply_bytes`,
+        the caller's bound for this request), so requests to several ranks go out before any answer is awaited
+        (one thread overlaps the ranks' work). The returned call must be made, or the connection is not
+        reused."""
         def into_buffer(sock: socket.socket, length: int, deadline: float) -> bytearray:
-            if length > MAX_LOOKUP_REPLY_BYTES:
-                raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer")
+            if length > reply_bytes:
+                raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer to a request whose "
+                                      f"answer takes at most {reply_bytes}")
             reply = bytearray(length)
             recv_exactly(sock, memoryview(reply), deadline)
             return reply
 
-        return self._send(address, KIND_LOOKUP, request.SerializeToString(), expected, into_buffer)
+        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer)
 
     def _send(self, address: str, kind: int, message: bytes, nbytes: int,
               receive: Callable[..., T]) -> Callable[[], T]:
@@ -146,13 +146,13 @@ class BulkConnections:
     def _take(self, address: str) -> _Connection | None:
         with self._lock:
             connections = self._idle[address]
-            while connections:
-                connection = connections.pop()
-                if time.monotonic() - connection.idle_since < IDLE_KEEP_S:
-                    connection.kept = True
-                    return connection
-                connection.sock.close()
-        return None
+            while connections and time.monotonic() - connections[0].idle_since >= IDLE_KEEP_S:
+                connections.popleft().sock.close()  # the oldest first: none stays open past IDLE_KEEP_S unused
+            if not connections:
+                return None
+            connection = connections.pop()  # the newest: the least likely to have been closed by the rank
+            connection.kept = True
+            return connection
 
     def _give_back(self, address: str, connection: _Connection) -> None:
         connection.idle_since = time.monotonic()
@@ -169,15 +169,19 @@ class BulkConnections:
             session = self.transport.unary(self.transport.shard_server(address).OpenBulkSession,
                                            pb.BulkSessionRequest(), where)
         except ShardServeError as err:
-            if err.code == grpc.StatusCode.UNIMPLEMENTED:
+            if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):  # none, or busy
                 raise BulkReadError(f"{where}: {err.message}", err.code) from None
             raise
         host = address.rpartition(":")[0].strip("[]")
         try:
             sock = socket.create_connection((host, session.port), timeout=self.transport.timeout)
+        except OSError as err:
+            raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
+        try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(session.ticket)
         except OSError as err:
+            sock.close()
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
 

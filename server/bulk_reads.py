@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -57,10 +58,11 @@ class _Ticket:
 
 
 def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    """The IP of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5") or a socket address; None if not IP."""
+    """The IP of a gRPC peer string ("ipv4:1.2.3.4:5", "ipv6:[::1]:5", or as grpcio reports IPv6 peers,
+    "ipv6:%5B::1%5D:5") or a socket address; None if not IP."""
     host = peer
     if peer.startswith(("ipv4:", "ipv6:")):
-        host = peer.split(":", 1)[1].rpartition(":")[0]
+        host = unquote(peer.split(":", 1)[1]).rpartition(":")[0]
     try:
         ip = ipaddress.ip_address(host.strip("[]"))
     except ValueError:

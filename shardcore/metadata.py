@@ -68,7 +68,7 @@ class RemoteDevice:
         return isinstance(other, RemoteDevice) and (self._rank, self._device) == (other._rank, other._device)
 
     def __hash__(self) -> int:
-        return hash((self._rank, str(self._device)))
+        return hash(str(self))  # as its canonical string, which it equals
 
 
 def as_placement(value: "str | RemoteDevice | int | None") -> RemoteDevice | None:
@@ -129,10 +129,6 @@ class Box:
     @property
     def ndim(self) -> int:
         return len(self.sizes)
-
-    @property
-    def ends(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
     def numel(self) -> int:
         return math.prod(self.sizes)

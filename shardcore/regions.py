@@ -67,11 +67,6 @@ def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:
     return view
 
 
-def relative_box(outer: Box, inner: Box) -> Box:
-    """`inner` (global coordinates) in coordinates relative to `outer`'s origin."""
-    return Box(tuple(i - o for i, o in zip(inner.offsets, outer.offsets)), inner.sizes)
-
-
 def cut_tensor(tensor: torch.Tensor, meta: ShardedTensorMetadata) -> list[torch.Tensor]:
     """Each shard of `meta` as a view of the full `tensor`, in shards_metadata order."""
     if tuple(tensor.shape) != meta.size:

@@ -212,7 +212,8 @@ def test_tickets_expire_and_are_bounded():
 
 
 @pytest.mark.parametrize("peer,expected", [
-    ("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"), ("::ffff:10.1.2.3", "10.1.2.3"),
+    ("ipv4:127.0.0.1:5000", "127.0.0.1"), ("ipv6:[::1]:5000", "::1"), ("ipv6:%5B::1%5D:44134", "::1"),
+    ("ipv6:%5Bfe80::1%25eth0%5D:5", "fe80::1%eth0"), ("::ffff:10.1.2.3", "10.1.2.3"),
     ("10.0.0.7", "10.0.0.7"), ("unix:/tmp/sock", None), ("", None),
 ])
 def test_peer_ip(peer, expected):

@@ -687,3 +687,94 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         newer = source.flip(0).contiguous()
         c.put("gpu", newer, spec, overwrite=True)  # drops the mapped version: its header says so
         assert torch.equal(remote.fetch((0, 0), (33, 17)), newer) and opened
+
+
+def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(cluster):
+    """4 MiB of rows is what LookupSmall answers in one message; the reply around them is a few bytes more."""
+    from client.lookup import SMALL_ANSWER_BYTES
+
+    table = random_tensor((1024, 1024), torch.float32, seed=15)  # one rank, 4 MiB
+    ids = torch.randperm(1024)
+    assert ids.numel() * 1024 * 4 == SMALL_ANSWER_BYTES
+    with connect(cluster.address, transport="tcp") as c:
+        remote = c.put("dp-exact-small", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
+        assert torch.equal(remote.lookup(ids), table[ids]) and c._lookups.last_paths == {0: "tcp"}
+        c.delete("dp-exact-small")
+
+
+
+def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
+    """1024 bags of 1024 float32 columns are 4 MiB of sums: LookupSmall's limit, so one message over the bulk
+    port (counted as float64 sums, they used to stream over gRPC); bit for bit F.embedding_bag in one shard."""
+    import torch.nn.functional as F
+
+    table = random_tensor((64, 1024), torch.float32, seed=16)
+    ids = torch.arange(64).repeat(32)
+    offsets = torch.arange(0, 2048, 2)
+    with connect(cluster.address, transport="tcp") as c:
+        c.put("dp-bags-4mib", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
+        got = c.tensor("dp-bags-4mib").lookup_bag(ids, offsets, mode="sum", pooling="server")
+        assert torch.equal(got, F.embedding_bag(ids, table, offsets, mode="sum"))
+        assert c._lookups.last_paths == {0: "tcp"}
+        c.delete("dp-bags-4mib")
+
+
+def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monkeypatch):
+    """All ranks mapped, yet the rows come over gRPC (the mapped read declines, no bulk port): the calls on the
+    client's pool threads take the CPU turn, so the caller must not hold it while it waits for them."""
+    from client.mapped_rows import MappedRows
+
+    table = random_tensor((40, 8), torch.float32, seed=17)
+    ids = torch.tensor([0, 39, 20, 19])
+    with connect(cluster.address) as c:
+        remote = c.put("dp-mapped-fallback", table, SPEC)
+        monkeypatch.setattr(MappedRows, "rows", lambda self, ids: None)
+        monkeypatch.setattr(c._data_plane, "lookup_rows", lambda *args: None)
+        monkeypatch.setattr(c._data_plane, "_tcp_usable", lambda rank: False)
+        result: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: result.append(remote.lookup(ids)), daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the lookup deadlocked"
+        assert torch.equal(result[0], table[ids]) and c._lookups.last_paths == {0: "grpc", 1: "grpc"}
+        c.delete("dp-mapped-fallback")
+
+
+def test_expired_idle_connections_are_closed_oldest_first():
+    import socket
+
+    from client.tcp_reads import IDLE_KEEP_S, BulkConnections, _Connection
+
+    bulk = BulkConnections(transport=None)  # type: ignore[arg-type]
+    pairs = [socket.socketpair() for _ in range(3)]
+    connections = [_Connection(a) for a, _ in pairs]
+    for connection, age in zip(connections, (2 * IDLE_KEEP_S, IDLE_KEEP_S + 1, 0)):
+        connection.idle_since -= age
+        bulk._idle["rank"].append(connection)
+    taken = bulk._take("rank")
+    assert taken is connections[2] and taken.kept and not bulk._idle["rank"]
+    assert [c.sock.fileno() for c in connections[:2]] == [-1, -1]  # closed, though under the newest
+    assert bulk._take("rank") is None
+    for a, b in pairs:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
+    """OpenBulkSession answering UNIMPLEMENTED (no bulk port) or RESOURCE_EXHAUSTED (its tickets all out) is a
+    failure of the path, so the data plane falls back to gRPC; other errors are the read's own."""
+    from client.errors import ShardServeError
+    from client.tcp_reads import BulkConnections
+
+    class Refusing:
+        timeout = 5.0
+
+        def shard_server(self, address):  # type: ignore[no-untyped-def]
+            return type("Stub", (), {"OpenBulkSession": None})()
+
+        def unary(self, method, request, where):  # type: ignore[no-untyped-def]
+            raise ShardServeError(f"{where}: refused", code)
+
+    with pytest.raises(BulkReadError, match="refused"):
+        BulkConnections(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ import threading
 from typing import Callable, Iterator
 
 import grpc
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -340,7 +341,13 @@ def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
         remote.update_rows([30], torch.zeros(1, 4))
     with pytest.raises(InvalidArgumentError, match="values has shape"):
         remote.update_rows([1], torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="values has dtype torch.complex64"):
+        remote.update_rows([1], torch.zeros(1, 4, dtype=torch.complex64))  # would drop the imaginary part
+    with pytest.raises(TypeError, match="ids must hold integers"):
+        remote.update_rows([1.5], torch.zeros(1, 4))
     assert cl.tensor("updated").version == version
+    assert remote.update_rows([2], torch.full((1, 4), 7, dtype=torch.int64)) > version  # widening is fine
+    assert torch.equal(remote[2], torch.full((4,), 7.0))
 
 
 def test_stale_client_refreshes_once(cluster3: LocalCluster, cl: Cluster) -> None:
@@ -439,4 +446,8 @@ def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:
         remote.lookup(torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(TypeError):
         cl.lookup([(remote.name, [1])])
+    for not_ints in ([1.7, 2.2], [True, False], np.array([1.0, 2.0]), ["1"]):  # never cut or taken as 0/1
+        with pytest.raises(TypeError, match=r"ids\['columns-float32'\] must hold integers"):
+            remote.lookup(not_ints)
+    assert torch.equal(remote.lookup(np.array([4, 2], dtype=np.uint8)), tables[("columns", torch.float32)][[4, 2]])
     assert torch.equal(remote.lookup(torch.tensor([4], dtype=torch.int32)), tables[("columns", torch.float32)][[4]])

@@ -288,3 +288,4 @@ def test_box_holds_plain_int_tuples_and_refuses_non_integers():
             Box(bad, (1, 1))
     shard = ShardMetadata((2, 0), (2, 4), 0)
     assert shard.box is shard.box and shard.box == Box((2, 0), (2, 4))
+    assert "rank:0/cpu" in {RemoteDevice("rank:0/cpu")} and RemoteDevice("rank:1/cuda:0") in {"rank:1/cuda:0"}
