@@ -537,7 +537,7 @@ class ReshardJob(_message.Message):
     def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
 
 class CollectiveProgress(_message.Message):
-    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes")
+    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes", "started")
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -545,6 +545,7 @@ class CollectiveProgress(_message.Message):
     FAILED_PEERS_FIELD_NUMBER: _ClassVar[int]
     NEW_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
     bytes_done: int
     bytes_total: int
     done: bool
@@ -552,7 +553,8 @@ class CollectiveProgress(_message.Message):
     failed_peers: _containers.RepeatedScalarFieldContainer[int]
     new_shard_bytes: int
     peak_staging_bytes: int
-    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ...) -> None: ...
+    started: bool
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ..., started: _Optional[bool] = ...) -> None: ...
 
 class CancelCollectiveRequest(_message.Message):
     __slots__ = ("seq",)

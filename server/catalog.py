@@ -90,7 +90,8 @@ class SQLiteCatalog(Catalog):
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False,
                                    timeout=10.0)
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA synchronous=FULL")  # NORMAL may lose the last commits to a power cut: a commit
+        # the ranks acted on (an old version dropped) must survive, and catalog writes are few
         self._db.executescript(_SCHEMA)
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
 

@@ -14,10 +14,13 @@ The protocol (issue 4; issue 5's DCP load/save reuses it):
   successors; CancelCollective(seq) does the same for a job that has not
   started. A caller that cancels the stream does not cancel the job (its
   peers may already be in its collectives): the coordinator sends
-  CancelCollective only once the job failed with a lost peer.
+  CancelCollective to every participant once the job failed on one of them
+  or one went silent or overran.
 - `ShardServer.RunCollective(CollectiveJob)` streams CollectiveProgress
-  (bytes_done/bytes_total) until a message with done=true; `error` empty means
-  success, `failed_peers` names the ranks that failed or did not answer.
+  (bytes_done/bytes_total, every 0.2 s, `started` once the job left the
+  queue behind the rank's earlier jobs; its `timeout_s` counts from then)
+  until a message with done=true; `error` empty means success,
+  `failed_peers` names the ranks that failed or did not answer.
 - A job kind is the name of a field of the CollectiveJob `kind` oneof;
   `register_job_kind(kind, fn)` binds it to `fn(job, context)`, run on the
   collective thread with a JobContext (store, rank, deadline, progress).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import math
 import os
 import threading
 import time
@@ -197,8 +201,8 @@ class CollectiveJobs:
             raise InvalidArgument(f"after_seq {job.after_seq} must be < seq {job.seq}")
         if self.store.rank not in job.ranks:
             raise InvalidArgument(f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})")
-        if not job.timeout_s > 0 or job.timeout_s != job.timeout_s:
-            raise InvalidArgument(f"timeout_s must be > 0, got {job.timeout_s}")
+        if not 0 < job.timeout_s < math.inf:  # NaN fails this too
+            raise InvalidArgument(f"timeout_s must be a finite number > 0, got {job.timeout_s}")
         kind = job.WhichOneof("kind")
         if kind is None or kind not in _KINDS:
             raise InvalidArgument(f"kind {kind!r} is not a registered collective job kind "
@@ -213,7 +217,8 @@ class CollectiveJobs:
         def execute() -> None:
             if self.broken is not None:
                 raise RuntimeError(self.broken)
-            ctx.deadline = time.monotonic() + job.timeout_s
+            ctx.deadline = time.monotonic() + job.timeout_s  # timeout_s is the job's own run, not its queueing
+            ctx.progress.started = True
             _KINDS[kind](job, ctx)
 
         # A caller that stops listening does not cancel the job: its peers may already be in its

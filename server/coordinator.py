@@ -80,6 +80,10 @@ class Coordinator:
     def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> float:
         """Add (or replace) a rank; reconcile what it holds with the catalog; return the heartbeat interval."""
         _check_rank_info(info)
+        held = list(held)
+        for i, version in enumerate(held):  # version 0 would make the reconcile drop every version of the name
+            check_name(version.name, f"held[{i}].name")
+            check_version(version.version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
         entry = RankEntry(pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
         entry.info.CopyFrom(info)
@@ -340,31 +344,65 @@ class Coordinator:
         self._reconcile(rank, {(h.name, h.version) for h in stats.held})
 
     def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
-        """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know."""
+        """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know.
+
+        `held` was taken before the catalog is listed here, so a version put on the rank in between is
+        READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
+        the listing, still does not hold it. Each row is reconciled on its own (one failure is logged)."""
         try:
-            known = set()
+            known, missing = set(), []
             for info in self.catalog.list(include_pending=True):
                 if rank not in _ranks_of(info):
                     continue
                 known.add((info.name, info.version))
                 if (info.name, info.version) in held:
                     if info.state == pb.READY:
-                        self._fan_out([rank], lambda s, i=info: s.PromoteVersion(
-                            pb.PromoteVersionRequest(name=i.name, version=i.version), timeout=self.rpc_timeout),
-                            f"re-promote {info.name!r}")
+                        self._reconcile_step(rank, info, "re-promote", lambda i=info: self._fan_out(
+                            [rank], lambda s: s.PromoteVersion(pb.PromoteVersionRequest(
+                                name=i.name, version=i.version), timeout=self.rpc_timeout),
+                            f"re-promote {i.name!r}"))
                 elif info.state == pb.READY:
-                    log.warning("rank %d lost tensor %r version %d (restarted?); removing it from the catalog",
-                                rank, info.name, info.version)
-                    with self._name_lock(info.name):
-                        self._discard(info)
+                    missing.append(info)
+            held_now = self._held_by(rank) if missing else set()
+            if held_now is not None:
+                for info in missing:
+                    if (info.name, info.version) not in held_now:
+                        self._reconcile_step(rank, info, "forget", lambda i=info: self._forget_lost(rank, i))
             for name, version in held - known:
                 self._drop_quietly(name, version, [rank])
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("reconciling rank %d failed", rank)
 
+    def _held_by(self, rank: int) -> set[tuple[str, int]] | None:
+        """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""
+        try:
+            stats = self._entry(rank).stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
+        except (grpc.RpcError, ServiceError) as err:
+            log.warning("reconciling rank %d: could not ask what it holds (%s); nothing forgotten", rank, err)
+            return None
+        return {(h.name, h.version) for h in stats.held}
+
+    def _forget_lost(self, rank: int, info: pb.TensorInfo) -> None:
+        """Remove a READY version the rank lost from the catalog, if it is still that row."""
+        with self._name_lock(info.name):
+            current = self.catalog.get(info.name, info.version)
+            if current is None or current.state != pb.READY:
+                return
+            log.warning("rank %d lost tensor %r version %d (restarted?); removing it from the catalog",
+                        rank, info.name, info.version)
+            self._discard(current)
+
+    def _reconcile_step(self, rank: int, info: pb.TensorInfo, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except (ServiceError, grpc.RpcError) as err:
+            log.warning("reconciling rank %d: could not %s %r version %d: %s", rank, what, info.name,
+                        info.version, err)
+
     def _monitor_loop(self) -> None:
-        """Log ranks that stop heartbeating; abort puts left PENDING past the timeout."""
-        last_reap = time.monotonic()
+        """Log ranks that stop heartbeating; every few seconds, start the chores (off this thread, which must
+        not wait on a name lock or a rank)."""
+        last_chores, chores = time.monotonic(), None
         while not self._stop.wait(min(self.heartbeat_interval, 1.0)):
             with self._ranks_changed:
                 for entry in self._ranks.values():
@@ -372,13 +410,24 @@ class Coordinator:
                         entry.reported_dead = True
                         log.error("rank %d (%s) missed heartbeats for %.1fs: marked dead", entry.info.rank,
                                   entry.info.address, time.monotonic() - entry.last_heartbeat)
-            if time.monotonic() - last_reap >= min(5.0, self.pending_timeout):
-                last_reap = time.monotonic()
-                self._reap_pending()
+            if time.monotonic() - last_chores >= min(5.0, self.pending_timeout) and (chores is None
+                                                                                      or chores.done()):
+                last_chores = time.monotonic()
+                chores = self._background.submit(self._chores)
+
+    def _chores(self) -> None:
+        """Abort puts left PENDING past the timeout; finish reshard promotions left unfinished."""
+        try:
+            self._reap_pending()
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reaping pending versions failed")
+        self.reshards.finish_promotions()
 
     def _reap_pending(self) -> None:
         cutoff = time.time() - self.pending_timeout
         for info in self.catalog.list(include_pending=True):
+            if self.reshards.is_running(info.name):
+                continue  # a reshard's own new version: its timeout bounds it
             if info.state != pb.READY and info.created_unix < cutoff:
                 log.warning("aborting %r version %d: pending for more than %.0fs", info.name, info.version,
                             self.pending_timeout)

@@ -30,6 +30,7 @@ from server.grpc_server import RunningServer, split_address, start_server
 from server.malloc_tuning import tune_malloc
 from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.shard_server import ShardServerServicer, add_shard_server
+from server.redistribute import process_group_backend
 from server.shared_memory import host_id
 from server.store import ShardStore
 
@@ -84,7 +85,7 @@ def resolve_device(device: str, local_rank: int) -> str:
 
 def init_world(rank: int, world_size: int, timeout: float, device: str = "cpu") -> None:
     """Join the torch.distributed world: gloo for CPU tensors, NCCL for CUDA ones when available."""
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    backend = process_group_backend()
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout))
     if device.startswith("cuda"):
@@ -218,7 +219,7 @@ def main(argv: Sequence[str]) -> int:
         link.register(args.register_timeout)
         link.start()
         while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
-            pass
+            store.shared.recycled.expire()  # an idle rank gives kept buffers back after their max age too
         log.info("rank %d stopping", rank)
     finally:
         _shutdown(link, running, bulk_reads)

@@ -5,7 +5,8 @@ first-touching fresh pages costs several times the copy itself (128 MiB:
 ~20-30 ms into fresh THP memory, ~100 ms into a fresh memfd, 16 ms into memory
 touched before). So when the store frees a dropped version, its shard buffers
 come here instead of back to the OS, and the next allocation of the same byte
-size takes one. Bounded in bytes and in age; the store trims it whenever it
+size takes one. Bounded in bytes and in age (the rank's main loop expires
+old buffers even when nothing else happens); the store trims it whenever it
 needs the memory for a reservation.
 
 Safety is the caller's: a buffer is kept only once no lease holds its version
@@ -88,6 +89,10 @@ class RecycledBuffers:
             self._bytes -= chosen.nbytes
             self.reused += 1
             return chosen
+
+    def expire(self) -> int:
+        """Let go of the buffers kept longer than max_age_s (the rank calls this while idle too); bytes freed."""
+        return self.trim(self.max_bytes)
 
     def trim(self, keep_bytes: int = 0) -> int:
         """Let go of the oldest buffers until at most `keep_bytes` are kept (and none is too old); bytes freed."""

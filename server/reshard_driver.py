@@ -20,9 +20,14 @@ Reshard(name, new metadata):
    one transaction, the marker still set; the ranks promote it, the old
    version is dropped (freed once reads in flight end), the marker cleared. A
    coordinator restarted in between finishes this when the ranks re-register
-   (`finish_promotions`), and aborts reshards that never reached COMMIT.
-3. ABORT on any failure, timeout or client cancel: the job is cancelled and
-   the new version dropped on every participant; the old one stays whole.
+   (`finish_promotions`), and aborts reshards that never reached COMMIT; a
+   promotion that failed on a live rank is retried every few seconds, and a
+   next reshard of the tensor waits for it.
+3. ABORT on any failure, timeout or client cancel: the new version is dropped
+   on every participant; the old one stays whole. A job that failed on one
+   rank (or that one rank stopped answering) is also cancelled on the others
+   (CancelCollective); a client that cancels leaves a started job to end on
+   the ranks, then drops what it staged.
 
 A job that fails with a dead or hung peer leaves the torch.distributed world
 unusable for collectives (see collective_jobs); the coordinator then refuses
@@ -58,7 +63,7 @@ DEFAULT_TIMEOUT_S = 300.0
 EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
 EXIT_AFTER_COMMIT_CODE = 17
 _FAILURE_GRACE_S = 2.0   # after one rank failed, how long to hear the others before naming the culprit
-_RPC_SLACK_S = 15.0      # RunCollective deadline beyond the job's own timeout
+_RPC_SLACK_S = 15.0      # how long past the job's own timeout a started job's rank is waited for
 _CONTROL_TIMEOUT_S = 10.0
 
 
@@ -118,20 +123,22 @@ class CollectiveRunner:
             request = pb.CollectiveJob()
             request.CopyFrom(job)
             request.after_seq = after[rank]
-            calls[rank] = entry.stub.RunCollective(request, timeout=job.timeout_s + _RPC_SLACK_S)
+            calls[rank] = entry.stub.RunCollective(request)  # bounded by the watch below, which cancels it
             threading.Thread(target=_pump, args=(rank, calls[rank], events), daemon=True,
                              name=f"collective-{seq}-rank-{rank}").start()
         latest = {r: pb.CollectiveProgress() for r in ranks}
         finals: dict[int, pb.CollectiveProgress] = {}
         failures: dict[int, object] = {}
-        deadline = time.monotonic() + job.timeout_s + _RPC_SLACK_S
-        give_up = deadline
+        watch = _JobWatch(ranks, job.timeout_s + _RPC_SLACK_S)
         try:
             while len(finals) + len(failures) < len(ranks):
                 try:
-                    rank, item = events.get(timeout=max(0.0, give_up - time.monotonic()))
+                    rank, item = events.get(timeout=watch.seconds_left(finals.keys() | failures.keys()))
                 except queue.Empty:
+                    if watch.seconds_left(finals.keys() | failures.keys()) > 0:
+                        continue
                     break
+                watch.heard(rank, item)
                 if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
                     latest[rank] = item
                     if item.done:
@@ -139,7 +146,7 @@ class CollectiveRunner:
                     yield sum(p.bytes_done for p in latest.values()), sum(p.bytes_total for p in latest.values())
                     continue
                 failures[rank] = item
-                give_up = min(give_up, time.monotonic() + _FAILURE_GRACE_S)
+                watch.failed()
         finally:
             for call in calls.values():
                 call.cancel()
@@ -188,14 +195,51 @@ class CollectiveRunner:
             return False
 
 
+class _JobWatch:
+    """When the coordinator stops waiting for a collective job's ranks.
+
+    A rank's job may first wait behind that rank's earlier jobs (another
+    tensor's reshard, say); meanwhile the rank streams progress every 0.2 s,
+    and it is given up only once silent for SILENCE_S. From its `started`
+    message on it has `run_s` (the job's timeout plus slack). After any rank
+    failed, the others get _FAILURE_GRACE_S more, to name the culprit.
+    """
+
+    SILENCE_S = 30.0
+
+    def __init__(self, ranks: Sequence[int], run_s: float) -> None:
+        now = time.monotonic()
+        self.run_s = run_s
+        self.limits = {rank: now + self.SILENCE_S for rank in ranks}  # per rank: when it is given up
+        self.running: set[int] = set()
+        self.give_up = float("inf")
+
+    def heard(self, rank: int, item: object) -> None:
+        now = time.monotonic()
+        if isinstance(item, pb.CollectiveProgress) and item.started and rank not in self.running:
+            self.running.add(rank)
+            self.limits[rank] = now + self.run_s
+        elif rank not in self.running:
+            self.limits[rank] = now + self.SILENCE_S
+
+    def failed(self) -> None:
+        self.give_up = min(self.give_up, time.monotonic() + _FAILURE_GRACE_S)
+
+    def seconds_left(self, ended: set[int]) -> float:
+        """Seconds until a rank that has not ended is given up (0: now)."""
+        pending = [limit for rank, limit in self.limits.items() if rank not in ended]
+        return max(0.0, min([self.give_up, *pending]) - time.monotonic())
+
+
 def _pump(rank: int, call: grpc.Call, events: "queue.Queue[tuple[int, object]]") -> None:
-    """Forward one rank's progress stream (or its RPC failure) into the runner's queue."""
+    """Forward one rank's progress stream (or its RPC failure) into the runner's queue. A CANCELLED stream is
+    forwarded too: the runner cancels only once it stopped reading, so this one was cut elsewhere (the rank
+    re-registered and its channel was closed) and the job will not hear from that rank again."""
     try:
         for message in call:
             events.put((rank, message))
     except grpc.RpcError as err:
-        if err.code() != grpc.StatusCode.CANCELLED:
-            events.put((rank, err))
+        events.put((rank, err))
 
 
 def _describe(failure: object) -> str:
@@ -246,9 +290,16 @@ class ReshardDriver:
             info = self.catalog.ready(name)
             if info is None:
                 raise NotFound(f"tensor {name!r} not found")
+            if info.promoting:  # the last reshard's promotion failed on some rank: finish it first
+                self._finish_one(info)
+                info = self.catalog.ready(name)
+                if info is None or info.promoting:
+                    raise FailedPrecondition(f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
+                                             f" is unfinished on some rank (see the coordinator's log); it is "
+                                             f"retried every few seconds, reshard once it is done")
             src = metadata_from_proto(info.metadata)
             plan = _plan(src, dst, bucket_bytes)
-            self._check_ranks(sorted(set(src.ranks()) | set(dst.ranks())))
+            self._check_ranks(src.ranks(), dst.ranks())
             self.coordinator._check_placements(dst)
             new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
                                 options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
@@ -323,7 +374,7 @@ class ReshardDriver:
             self.coordinator._fan_out(ranks, lambda stub: stub.PromoteVersion(
                 promote, timeout=self.coordinator.rpc_timeout), f"promote {ready.name!r} version {ready.version}")
         except ServiceError as err:
-            log.error("promotion of %r version %d is unfinished (%s); it completes when the ranks re-register",
+            log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
                       ready.name, ready.version, err.message)
             return False
         old = self._old_versions.pop(ready.name, None)
@@ -334,11 +385,17 @@ class ReshardDriver:
         log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
         return True
 
+    def is_running(self, name: str) -> bool:
+        """Whether a reshard of `name` runs now."""
+        with self._running_lock:
+            return name in self._running
+
     def finish_promotions(self) -> None:
-        """After a coordinator restart: promote committed reshards, abort ones that never committed."""
+        """Promote committed reshards whose promotion is unfinished (a coordinator restart, a rank that failed
+        PromoteVersion), abort ones that never committed; run at registrations and every few seconds."""
         try:
             for info in self.catalog.list(include_pending=True):
-                if not info.promoting or info.name in self._running:
+                if not info.promoting or self.is_running(info.name):
                     continue
                 lock = self.coordinator._name_lock(info.name)
                 if not lock.acquire(timeout=0.1):
@@ -371,13 +428,17 @@ class ReshardDriver:
         except ServiceError:
             return False
 
-    def _check_ranks(self, ranks: list[int]) -> None:
-        """FAILED_PRECONDITION naming the first rank of the reshard that is not alive."""
-        for rank in ranks:
+    def _check_ranks(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """The first rank of the reshard that is not alive, named: a requested one that is not registered is
+        INVALID_ARGUMENT (metadata), one holding the current version or down is FAILED_PRECONDITION."""
+        for rank in sorted(set(src_ranks) | set(dst_ranks)):
             try:
                 entry = self.coordinator._entry(rank)
             except Unavailable:
-                raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
+                if rank in dst_ranks:
+                    raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
+                raise FailedPrecondition(f"rank {rank}, which holds the current version, is not registered "
+                                         f"(it has not come back since the coordinator started)") from None
             if not self.coordinator.is_alive(entry):
                 raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
                                          f"is back (restart the cluster if it died)")

@@ -279,6 +279,6 @@ class Leases:
 
 def lease_seconds(requested: float) -> float:
     """The lease a request gets: the default for 0, capped at MAX_LEASE_S."""
-    if requested < 0:
-        raise ValueError(f"lease_s {requested} is negative")
+    if not requested >= 0:  # NaN too: a lease that never expires would pin its version for good
+        raise ValueError(f"lease_s {requested} is negative or not a number")
     return min(requested or DEFAULT_LEASE_S, MAX_LEASE_S)

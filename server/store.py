@@ -222,7 +222,8 @@ class ShardStore:
 
     def install(self, name: str, version: int, meta: ShardedTensorMetadata, shards: dict[int, torch.Tensor],
                 options: pb.TensorOptions | None = None) -> int:
-        """Add a PENDING version from shards built elsewhere (a reshard, a checkpoint load), all written."""
+        """Add a PENDING version from shards built elsewhere, all written (in-process extensions and tests; the
+        reshard and checkpoint jobs fill a reservation instead: reserve, then fill_reserved)."""
         local = set(meta.shards_on(self.rank))
         if set(shards) != local:
             raise InvalidArgument(f"shards {sorted(shards)} given for tensor {name!r} version {version}, but "
@@ -372,13 +373,11 @@ class ShardStore:
     def write(self, name: str, version: int, shard_index: int, dtype: torch.dtype,
               nbytes: int) -> Iterator["ShardWriter"]:
         """Lease a pending version and yield a writer that fills shard `shard_index` in order."""
-        with self._lock:
+        with self._lock:  # checked and marked incomplete in one step, so a promote cannot come in between
             entry = self._get(name, version)
             if entry.state is VersionState.SERVED:
                 raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
                                          f"create a new version to change it")
-            entry.leases += 1
-        with self._lease(entry):
             shard_tensor = self._local_shard(entry, shard_index)
             if dtype != entry.metadata.dtype:
                 raise InvalidArgument(f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
@@ -388,12 +387,15 @@ class ShardStore:
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                                       f"of {expected} bytes")
             entry.complete.discard(shard_index)
+            entry.leases += 1
+        with self._lease(entry):
             writer = ShardWriter(shard_tensor, expected)
             yield writer
             if writer.written != expected:
                 raise InvalidArgument(f"the stream ended after {writer.written} of {expected} bytes of "
                                       f"shard {shard_index}")
-            entry.complete.add(shard_index)
+            with self._lock:
+                entry.complete.add(shard_index)
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:

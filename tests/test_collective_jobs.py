@@ -76,3 +76,30 @@ def test_register_job_kind_checks_the_kind_is_in_the_proto():
         register_job_kind("no_such_kind", lambda job, ctx: None)
     with pytest.raises(TypeError):
         register_job_kind("reshard", "not callable")  # type: ignore[arg-type]
+
+
+def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):
+    """A job queued behind a rank's earlier jobs is not given up while the rank keeps streaming (however long
+    the queue); once it started it has run_s; a silent rank is given up after SILENCE_S."""
+    import server.reshard_driver as driver
+    from protos import shardserve_pb2 as pb
+
+    now = [1000.0]
+    monkeypatch.setattr(driver.time, "monotonic", lambda: now[0])
+    watch = driver._JobWatch([0, 1], run_s=5.0)
+    silence = driver._JobWatch.SILENCE_S
+    for _ in range(10):  # 10 silences' worth of queueing, rank 0 streaming all along
+        now[0] += silence - 1
+        watch.heard(0, pb.CollectiveProgress())
+        watch.heard(1, pb.CollectiveProgress())
+        assert watch.seconds_left(set()) == pytest.approx(silence)
+    watch.heard(0, pb.CollectiveProgress(started=True))
+    assert watch.seconds_left(set()) == pytest.approx(5.0)  # rank 0 runs now: its run time bounds the wait
+    now[0] += 4
+    watch.heard(0, pb.CollectiveProgress(started=True, bytes_done=1))  # progress does not extend a run
+    assert watch.seconds_left(set()) == pytest.approx(1.0)
+    assert watch.seconds_left({0}) == pytest.approx(silence - 4)  # rank 1 is still queued, heard 4 s ago
+    now[0] += silence
+    assert watch.seconds_left({0}) == 0.0  # and then silent too long
+    watch.failed()
+    assert watch.seconds_left({0}) == 0.0

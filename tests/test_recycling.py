@@ -50,6 +50,11 @@ def test_bounds_drop_the_oldest_and_the_too_old():
     pool.keep(first)
     clock.now += 11
     assert pool.take(100) is None and pool.nbytes == 0
+    pool.keep(second)
+    clock.now += 5
+    assert pool.expire() == 0 and pool.nbytes == 100  # young enough
+    clock.now += 6
+    assert pool.expire() == 100 and pool.nbytes == 0  # past max_age_s with nothing else happening
 
 
 def test_shared_buffers_are_preferred_and_can_be_asked_for():

@@ -240,9 +240,9 @@ def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
 
 @pytest.fixture(scope="module")
 def stalling_cluster(make_cluster):
-    """3 ranks; rank 1 stalls 4 s in reshards of 'slow', 3 s in 'cancelme' and 120 s in 'victim'."""
+    """3 ranks; rank 1 stalls 4 s in reshards of 'slow' and 'ahead', 3 s in 'cancelme' and 120 s in 'victim'."""
     previous = os.environ.get(STALL_ENV)
-    os.environ[STALL_ENV] = "1:4:slow,1:3:cancelme,1:120:victim"
+    os.environ[STALL_ENV] = "1:4:slow,1:4:ahead,1:3:cancelme,1:120:victim"
     try:
         return make_cluster(ranks=3)
     finally:
@@ -270,6 +270,26 @@ def test_a_second_reshard_of_the_same_tensor_is_refused_not_queued(stalling_clus
         thread.join(60)
         assert result["new"].version == proxy.version + 1
         assert torch.equal(result["new"].full_tensor(), tensor)
+
+
+def test_a_reshard_queued_behind_another_tensors_gets_its_timeout_for_its_own_run(stalling_cluster):
+    """Reshards of two tensors on the same ranks run one after the other on each rank; the second's timeout
+    (1 s) counts from when it starts, not from when it was sent (it waits ~4 s for the first)."""
+    first, second = source((13, 21), torch.float32, seed=15), source((7, 5, 3), torch.int64, seed=16)
+    with connect(stalling_cluster.address) as client:
+        ahead = client.put("ahead", first, spec=chunk(0, range(3)))
+        behind = client.put("behind", second, spec=chunk(0, range(3)))
+        moving, result = threading.Event(), {}
+        thread = threading.Thread(target=lambda: result.update(new=ahead.reshard(
+            chunk(1, range(3)), timeout=60, progress=lambda r: r.phase == "moving" and moving.set())))
+        thread.start()
+        assert moving.wait(30)
+        started = time.monotonic()
+        moved = behind.reshard(chunk(1, (0, 2)), timeout=1)
+        assert time.monotonic() - started > 2  # it did wait for the first
+        thread.join(60)
+        assert torch.equal(moved.full_tensor(), second) and torch.equal(result["new"].full_tensor(), first)
+        assert client._call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
 
 
 class _StopReshard(Exception):

@@ -179,6 +179,9 @@ def test_create_tensor_bad_input(stubs, build, code, needle):
                                                              device="cpu")), INVALID, "rank.address"),
     ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=1, world_size=3, address="h:1",
                                                              device="tpu")), INVALID, "rank.device"),
+    ("RegisterRank", pb.RegisterRankRequest(  # version 0 would have the reconcile drop every version of "good"
+        rank=pb.RankInfo(rank=1, world_size=3, address="h:1", device="cpu"),
+        held=[pb.HeldVersion(name="good", version=0)]), INVALID, "held[0].version must be > 0"),
 ])
 def test_coordinator_bad_input(stubs, call, request_, code, needle):
     err = rpc_error(getattr(stubs.coord, call), request_, timeout=TIMEOUT)
@@ -206,6 +209,12 @@ def test_abort_of_a_committed_version_is_refused(stubs, served):
     ("AllocateShards", pb.AllocateShardsRequest(name="a", version=1), "metadata:"),
     ("PromoteVersion", pb.PromoteVersionRequest(name="", version=1), "name is empty"),
     ("DropVersion", pb.DropVersionRequest(name=""), "name is empty"),
+    ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=float("nan")), "lease_s nan"),
+    ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=-1), "lease_s -1"),
+    ("RunCollective", pb.CollectiveJob(seq=5, ranks=[1], timeout_s=float("inf"), reshard=pb.ReshardJob()),
+     "timeout_s must be a finite number > 0"),
+    ("RunCollective", pb.CollectiveJob(seq=5, ranks=[1], timeout_s=float("nan"), reshard=pb.ReshardJob()),
+     "timeout_s must be a finite number > 0"),
 ])
 def test_rank_control_bad_input(stubs, rpc, request_, needle):
     err = rpc_error(getattr(stubs.ranks[1], rpc), request_, timeout=TIMEOUT)

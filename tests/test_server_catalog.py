@@ -29,6 +29,7 @@ def test_version_counter_only_grows_and_survives_reopen(tmp_path):
     assert again.next_version() == 4
     mode = sqlite3.connect(tmp_path / "c.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
+    assert again._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL: a commit survives a power cut
     again.close()
 
 

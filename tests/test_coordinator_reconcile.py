@@ -1,0 +1,86 @@
+"""Coordinator._reconcile in-process: a real SQLite catalog, one rank answered by a recording stand-in stub.
+
+What the rank holds is compared with the catalog after a (re)registration; a
+version put on the rank after its snapshot of what it holds must not be taken
+for lost (it is READY in the catalog, yet not in the snapshot).
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.catalog import SQLiteCatalog
+from server.coordinator import Coordinator, RankEntry
+from shardcore.metadata import TensorProperties
+from shardcore.specs import ChunkShardingSpec
+from shardcore.wire import metadata_to_proto
+
+
+class RankStub:
+    """What rank 0 answers: GetStats from `held`, and a record of the drops and promotions asked of it."""
+
+    def __init__(self, held: set[tuple[str, int]]) -> None:
+        self.held = held
+        self.calls: list[tuple[str, str, int]] = []
+
+    def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
+        return pb.GetStatsResponse(held=[pb.HeldVersion(name=n, version=v) for n, v in sorted(self.held)])
+
+    def DropVersion(self, request, timeout):  # noqa: N802
+        self.calls.append(("drop", request.name, request.version))
+        return pb.DropVersionResponse()
+
+    def PromoteVersion(self, request, timeout):  # noqa: N802
+        self.calls.append(("promote", request.name, request.version))
+        return pb.PromoteVersionResponse()
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    coord = Coordinator(SQLiteCatalog(tmp_path / "catalog.sqlite"))
+    yield coord
+    coord.close()
+
+
+def _ready(coord: Coordinator, name: str) -> pb.TensorInfo:
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 4), TensorProperties(dtype=torch.float32))
+    info = pb.TensorInfo(name=name, version=coord.catalog.next_version(), metadata=metadata_to_proto(meta),
+                         state=pb.PENDING, nbytes=64, created_unix=time.time())
+    coord.catalog.add(info)
+    return coord.catalog.commit(name, info.version)[0]
+
+
+def _rank(coord: Coordinator, stub: RankStub) -> None:
+    coord._ranks[0] = RankEntry(pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"), time.monotonic(),
+                                grpc.insecure_channel("127.0.0.1:1"), stub)  # type: ignore[arg-type]
+
+
+def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinator):
+    put_meanwhile, lost, kept = _ready(coordinator, "new"), _ready(coordinator, "lost"), _ready(coordinator, "kept")
+    stray = ("stray", 999)
+    stub = RankStub({("new", put_meanwhile.version), ("kept", kept.version), stray})  # asked again: the rank now
+    _rank(coordinator, stub)
+    snapshot = {("kept", kept.version), stray}  # what it said when it registered, before "new" was put
+    coordinator._reconcile(0, snapshot)
+    names = {info.name for info in coordinator.catalog.list()}
+    assert names == {"new", "kept"}  # only the one the rank still does not hold is forgotten
+    assert ("drop", "lost", lost.version) in stub.calls and ("drop", "stray", 999) in stub.calls
+    assert ("promote", "kept", kept.version) in stub.calls
+    assert not any(call[1] == "new" for call in stub.calls)
+
+
+def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator):
+    info = _ready(coordinator, "t")
+
+    class Silent(RankStub):
+        def GetStats(self, request, timeout):  # noqa: N802
+            raise grpc.RpcError()
+
+    stub = Silent(set())
+    _rank(coordinator, stub)
+    coordinator._reconcile(0, set())
+    assert coordinator.catalog.get("t", info.version) is not None and stub.calls == []
