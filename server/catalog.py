@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from protos import shardserve_pb2 as pb
+from shardcore.metadata import RemoteDevice
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +178,8 @@ def _parse(blob: bytes) -> pb.TensorInfo:
     info = pb.TensorInfo()
     info.ParseFromString(blob)
     return info
+
+
+def ranks_of(info: pb.TensorInfo) -> list[int]:
+    """Distinct ranks holding shards of a catalog row."""
+    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})

@@ -21,7 +21,7 @@ import grpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
-from server.catalog import Catalog
+from server.catalog import Catalog, ranks_of
 from server.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
                            Unavailable, rpc_errors)
 from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
@@ -127,6 +127,12 @@ class Coordinator:
     def is_alive(self, entry: RankEntry) -> bool:
         return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
 
+    def rank_alive(self, rank: int) -> bool:
+        """Whether `rank` is registered and alive."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+        return entry is not None and self.is_alive(entry)
+
     def ranks(self) -> list[pb.RankInfo]:
         """Every registered rank with its liveness, by rank."""
         with self._ranks_changed:
@@ -228,7 +234,7 @@ class Coordinator:
             if self.catalog.ready(name) is None:
                 raise NotFound(f"tensor {name!r} not found")
             removed = self.catalog.remove(name)
-            ranks = sorted({r for info in removed for r in _ranks_of(info)})
+            ranks = sorted({r for info in removed for r in ranks_of(info)})
             self._drop_quietly(name, 0, ranks)
         log.info("deleted %r (versions %s)", name, [i.version for i in removed])
 
@@ -241,11 +247,11 @@ class Coordinator:
         if info.state == pb.READY:
             return info
         promote = pb.PromoteVersionRequest(name=name, version=version)
-        self._fan_out(_ranks_of(info), lambda stub: stub.PromoteVersion(promote, timeout=self.rpc_timeout),
+        self._fan_out(ranks_of(info), lambda stub: stub.PromoteVersion(promote, timeout=self.rpc_timeout),
                       f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
         for old in older:
-            self._drop_quietly(name, old.version, _ranks_of(old))
+            self._drop_quietly(name, old.version, ranks_of(old))
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
         return ready
@@ -282,7 +288,7 @@ class Coordinator:
 
     def _discard(self, info: pb.TensorInfo) -> None:
         self.catalog.remove(info.name, info.version)
-        self._drop_quietly(info.name, info.version, _ranks_of(info))
+        self._drop_quietly(info.name, info.version, ranks_of(info))
 
     def _check_placements(self, meta: ShardedTensorMetadata) -> None:
         with self._ranks_changed:
@@ -352,7 +358,7 @@ class Coordinator:
         try:
             known, missing = set(), []
             for info in self.catalog.list(include_pending=True):
-                if rank not in _ranks_of(info):
+                if rank not in ranks_of(info):
                     continue
                 known.add((info.name, info.version))
                 if (info.name, info.version) in held:
@@ -450,11 +456,6 @@ class Coordinator:
             for entry in self._ranks.values():
                 entry.channel.close()
         self.catalog.close()
-
-
-def _ranks_of(info: pb.TensorInfo) -> list[int]:
-    """Distinct ranks holding shards of a catalog row."""
-    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
 
 
 def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:

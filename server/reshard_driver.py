@@ -48,8 +48,9 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from server.catalog import ranks_of
 from server.requests import check_name, parse_metadata
-from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
+from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
@@ -168,7 +169,7 @@ class CollectiveRunner:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
         down = {r for r, f in failures.items()
                 if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE}
-        down |= {r for r in set(failures) | set(missing) if not self._alive(r)}
+        down |= {r for r in set(failures) | set(missing) if not self.coordinator.rank_alive(r)}
         reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
         named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
         culprits = down | (named - reporters)
@@ -177,7 +178,7 @@ class CollectiveRunner:
         details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(failures.items()))
         if not culprits:
             return CollectiveJobError(f"{what} failed: {details}")
-        parts = [f"rank {r} is down" if r in down or not self._alive(r) else
+        parts = [f"rank {r} is down" if r in down or not self.coordinator.rank_alive(r) else
                  f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
         first = min(culprits)
         self.broken = (f"rank {first} is down or hung; resharding onto/from it is impossible until the cluster "
@@ -188,11 +189,6 @@ class CollectiveRunner:
         return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
                                   f"{self.broken} Details: {details or 'no answer'}", sorted(culprits))
 
-    def _alive(self, rank: int) -> bool:
-        try:
-            return self.coordinator.is_alive(self.coordinator._entry(rank))
-        except ServiceError:
-            return False
 
 
 class _JobWatch:
@@ -368,7 +364,7 @@ class ReshardDriver:
 
     def _promote(self, ready: pb.TensorInfo) -> bool:
         """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
-        ranks = _ranks_of(ready)
+        ranks = ranks_of(ready)
         promote = pb.PromoteVersionRequest(name=ready.name, version=ready.version)
         try:
             self.coordinator._fan_out(ranks, lambda stub: stub.PromoteVersion(
@@ -379,7 +375,7 @@ class ReshardDriver:
             return False
         old = self._old_versions.pop(ready.name, None)
         if old is not None:
-            self.coordinator._drop_quietly(ready.name, old.version, _ranks_of(old))
+            self.coordinator._drop_quietly(ready.name, old.version, ranks_of(old))
         ready.promoting = False
         self.catalog.update(ready)
         log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
@@ -416,17 +412,11 @@ class ReshardDriver:
                         current.name, current.version)
             self.catalog.remove(current.name, current.version)
             self.coordinator._drop_quietly(current.name, current.version,
-                                           [r for r in _ranks_of(current) if self._registered(r)])
+                                           [r for r in ranks_of(current) if self.coordinator.rank_alive(r)])
             return
-        if all(self._registered(r) for r in _ranks_of(current)) and self._promote(current):
+        if all(self.coordinator.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
             log.info("finished the promotion of %r version %d after a coordinator restart",
                      current.name, current.version)
-
-    def _registered(self, rank: int) -> bool:
-        try:
-            return self.coordinator.is_alive(self.coordinator._entry(rank))
-        except ServiceError:
-            return False
 
     def _check_ranks(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
         """The first rank of the reshard that is not alive, named: a requested one that is not registered is
@@ -468,5 +458,3 @@ def _timeout(value: float, default: float) -> float:
     return value or default
 
 
-def _ranks_of(info: pb.TensorInfo) -> list[int]:
-    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
