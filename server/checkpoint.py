@@ -155,7 +155,7 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
 
 def checkpoint_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global size and dtype of every tensor in the DCP checkpoint at `path` (from its metadata)."""
-    reader = dcp.FileSystemReader(_checkpoint_dir(path, must_exist=True))
+    reader = RegionReader(_checkpoint_dir(path, must_exist=True))
     return {key: (tuple(size), dtype) for key, (size, dtype) in _tensor_entries(reader.read_metadata()).items()}
 
 

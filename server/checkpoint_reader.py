@@ -21,14 +21,15 @@ import io
 import pickle
 import sys
 import zipfile
-from typing import IO
+from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from server.dcp_metadata import load_metadata
 from shardcore.wire import byte_view
 
 
@@ -43,7 +44,15 @@ class StoredChunk:
 
 
 class RegionReader(FileSystemReader):
-    """FileSystemReader for local checkpoint directories that reads each tensor request's region only."""
+    """FileSystemReader for local checkpoint directories that reads each tensor request's region only, and its
+    `.metadata` through server.dcp_metadata (allow-listed classes, no arbitrary pickle)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = load_metadata(stream, self.path)
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read the plan's tensor regions directly; hand what is left to FileSystemReader."""

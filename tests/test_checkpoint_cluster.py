@@ -164,6 +164,29 @@ def test_bad_checkpoint_requests(cl: Cluster, tmp_path: Path) -> None:
     assert "only" not in cl and not os.path.exists(tmp_path / "out" / ".metadata")
 
 
+class _RunsCode:
+    """Pickles as a call of os.system: what a hostile checkpoint's .metadata could hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("content", ["hostile", "empty", "garbage"])
+def test_a_metadata_file_that_is_not_dcp_metadata_is_refused_unrun(cl: Cluster, tmp_path: Path, content: str) -> None:
+    import pickle
+
+    marker = tmp_path / "ran"
+    _dcp_save_plain(tmp_path / "ck", {"meta-victim": make_table(4)})
+    data = {"hostile": pickle.dumps(_RunsCode(marker)), "empty": b"", "garbage": b"\x80\x04not a pickle"}[content]
+    (tmp_path / "ck" / ".metadata").write_bytes(data)
+    with pytest.raises(InvalidArgumentError, match="is not DCP metadata"):
+        cl.load_checkpoint(tmp_path / "ck")
+    assert not marker.exists() and "meta-victim" not in cl
+
+
 def _cli(address: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "client", "--coordinator", address, *args], capture_output=True,
                           text=True, timeout=120)
