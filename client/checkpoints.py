@@ -10,6 +10,7 @@ A load is all or nothing: either every tensor appears READY, or none does.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -62,6 +63,7 @@ def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
                     progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S
                     ) -> dict[str, RemoteShardedTensor]:
     """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear."""
+    _check_timeout(timeout)
     path = _path(path)
     saved = inspect_checkpoint(cluster, path)
     chosen = _names(names, list(saved), path)
@@ -84,18 +86,25 @@ def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
 
 def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | None = None,
                     progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[str]:
-    """Write READY tensors (every one by default) as one DCP checkpoint at `path`; returns their names."""
+    """Write READY tensors (every one by default: names=None) as one DCP checkpoint at `path`; returns their
+    names. The checkpoint already at `path` is replaced only once every rank wrote its part."""
+    _check_timeout(timeout)
     if isinstance(names, str):
         names = [names]
+    if names is not None and not list(names):
+        raise InvalidArgumentError("names is empty (leave it None to save every tensor)")
     request = pb.SaveCheckpointRequest(path=_path(path), names=list(names or []), timeout_s=timeout)
     final = _stream(cluster, "SaveCheckpoint", request, progress, timeout)
     return [info.name for info in final.tensors]
 
 
+def _check_timeout(timeout: Any) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidArgumentError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
+
+
 def _stream(cluster: "Cluster", method: str, request: Any, progress: Progress | None,
             timeout: float) -> pb.CheckpointProgress:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
     transport = cluster._transport
     call = getattr(cluster._coordinator, method)(request, timeout=timeout + 60.0, metadata=transport._metadata)
     final = None

@@ -12,7 +12,9 @@ failure every new version is dropped, so a failed load leaves nothing visible.
 Save(path, names): with the names' locks held (no update can replace a
 version while it is written), one "checkpoint_save" job on every rank writes
 the READY versions as one DCP checkpoint that torch.distributed.checkpoint.load
-reads into plain tensors, DTensors or ShardedTensors of any layout.
+reads into plain tensors, DTensors or ShardedTensors of any layout. It is
+written into a staging directory inside `path` and moved into place only once
+every rank succeeded, so a failed save leaves the checkpoint that was there.
 
 Jobs are numbered by the reshard driver's CollectiveRunner, so checkpoint jobs
 and reshards enter collectives in one order on every rank.
@@ -20,16 +22,19 @@ and reshards enter collectives in one order on every rank.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import shutil
+import tempfile
 import time
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Iterator
 
 from protos import shardserve_pb2 as pb
+from server.catalog import ranks_of
 from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from server.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
-from shardcore.metadata import RemoteDevice
 from shardcore.wire import metadata_to_proto
 
 if TYPE_CHECKING:
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
+STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (publish_checkpoint)
+_METADATA = ".metadata"
+_DATA_SUFFIX = ".distcp"
 
 
 def _check_path(path: str) -> str:
@@ -88,8 +96,8 @@ class CheckpointDriver:
         return list(range(world))
 
     def _timeout(self, value: float) -> float:
-        if value < 0 or value != value:
-            raise InvalidArgument(f"timeout_s must be >= 0, got {value}")
+        if not 0 <= value < math.inf:  # NaN fails this too
+            raise InvalidArgument(f"timeout_s must be a finite number >= 0 (0 = default), got {value}")
         return value or self.default_timeout_s
 
     def load(self, request: pb.LoadCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
@@ -126,7 +134,7 @@ class CheckpointDriver:
             try:
                 yield from self._run_load(path, new, world, timeout_s)
                 for info in new:
-                    self.coordinator._fan_out(_ranks_of(info), lambda stub, i=info: stub.PromoteVersion(
+                    self.coordinator._fan_out(ranks_of(info), lambda stub, i=info: stub.PromoteVersion(
                         pb.PromoteVersionRequest(name=i.name, version=i.version),
                         timeout=self.coordinator.rpc_timeout), f"promote {info.name!r} version {info.version}")
             except BaseException:
@@ -140,7 +148,7 @@ class CheckpointDriver:
                 committed, older = self.catalog.commit(info.name, info.version)
                 ready.append(committed)
                 for old in older:
-                    self.coordinator._drop_quietly(old.name, old.version, _ranks_of(old))
+                    self.coordinator._drop_quietly(old.name, old.version, ranks_of(old))
         log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
         total = sum(i.nbytes for i in ready)
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
@@ -191,16 +199,42 @@ class CheckpointDriver:
                 if info is None:
                     raise NotFound(f"tensor {name!r} not found")
                 infos.append(info)
+            if any(info.promoting for info in infos):
+                raise FailedPrecondition(f"tensor {next(i.name for i in infos if i.promoting)!r}: its last "
+                                         f"reshard's promotion is unfinished on some rank; save once it is done")
             try:
                 os.makedirs(path, exist_ok=True)
+                staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=path)
             except OSError as err:
                 raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
-            job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=path, tensors=[
+            job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=staging, tensors=[
                 pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in infos]))
-            yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"))
+            try:
+                yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"))
+                publish_checkpoint(staging, path)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
         log.info("saved %s to %s", [(i.name, i.version) for i in infos], path)
         total = sum(i.nbytes for i in infos)
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=infos)
+
+
+def publish_checkpoint(staging: str, path: str) -> None:
+    """Move the finished DCP checkpoint in `staging` into `path`, replacing the checkpoint there.
+
+    The old `.metadata` goes first and the new one comes last, so `path` never pairs one checkpoint's metadata
+    with another's data files (a crash in between leaves no `.metadata`: not loadable, never mixed). The old
+    checkpoint's data files that the new one does not overwrite are removed; other files in `path` stay."""
+    new_files = set(os.listdir(staging)) - {_METADATA}
+    old_metadata = os.path.join(path, _METADATA)
+    if os.path.exists(old_metadata):
+        os.remove(old_metadata)
+    for name in os.listdir(path):
+        if name.endswith(_DATA_SUFFIX) and name not in new_files:
+            os.remove(os.path.join(path, name))
+    for name in sorted(new_files):
+        os.replace(os.path.join(staging, name), os.path.join(path, name))
+    os.replace(os.path.join(staging, _METADATA), old_metadata)
 
 
 def _progress(runner) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
@@ -213,6 +247,3 @@ def _progress(runner) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-unt
         return
 
 
-def _ranks_of(info: pb.TensorInfo) -> list[int]:
-    """Distinct ranks holding shards of a catalog row."""
-    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})

@@ -151,6 +151,25 @@ def test_a_failed_load_leaves_nothing_visible(cl: Cluster, tmp_path: Path) -> No
     assert torch.equal(cl.load_checkpoint(tmp_path / "good")["after-ok"][:], make_table(7))
 
 
+def test_a_save_replaces_the_checkpoint_at_its_path(cl: Cluster, tmp_path: Path) -> None:
+    """Saved over a checkpoint of another tensor: only the new one loads, the old data files are gone, a file of
+    the user's stays, no staging directory is left."""
+    path = tmp_path / "replaced"
+    _dcp_save_plain(path, {"first": make_table(10)})
+    (path / "__7_0.distcp").write_bytes(b"a data file of an older, bigger world")
+    (path / "README").write_text("mine")
+    cl.put("second", make_table(11), spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]))
+    assert cl.save_checkpoint(path, names=["second"]) == ["second"]
+    loaded = cl.load_checkpoint(path, overwrite=True)
+    assert list(loaded) == ["second"] and torch.equal(loaded["second"][:], make_table(11))
+    names = sorted(p.name for p in path.iterdir())
+    assert "README" in names and "__7_0.distcp" not in names and not any(n.startswith(".saving-") for n in names)
+    with pytest.raises(InvalidArgumentError, match="names is empty"):
+        cl.save_checkpoint(path, names=[])
+    with pytest.raises(InvalidArgumentError, match="timeout must be a positive, finite number"):
+        cl.save_checkpoint(path, timeout=float("inf"))
+
+
 def test_bad_checkpoint_requests(cl: Cluster, tmp_path: Path) -> None:
     _dcp_save_plain(tmp_path / "ck", {"only": make_table(8)})
     with pytest.raises(TensorNotFoundError, match="not a DCP checkpoint"):

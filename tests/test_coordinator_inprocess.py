@@ -1,4 +1,5 @@
-"""Coordinator._reconcile in-process: a real SQLite catalog, one rank answered by a recording stand-in stub.
+"""The coordinator in-process (reconcile, checkpoint saves): a real SQLite catalog, one rank answered by a
+recording stand-in stub.
 
 What the rank holds is compared with the catalog after a (re)registration; a
 version put on the rank after its snapshot of what it holds must not be taken
@@ -6,6 +7,7 @@ for lost (it is READY in the catalog, yet not in the snapshot).
 """
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -84,3 +86,47 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
     _rank(coordinator, stub)
     coordinator._reconcile(0, set())
     assert coordinator.catalog.get("t", info.version) is not None and stub.calls == []
+
+
+def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):
+    """The ranks write into a staging directory inside the path; a job that fails half way (one rank's file
+    written) is removed whole, and the old checkpoint's files are untouched."""
+    from server.reshard_driver import CollectiveJobError
+
+    _rank(coordinator, RankStub(set()))
+    coordinator._ranks[0].info.world_size = 1
+    _ready(coordinator, "t")
+    path = tmp_path / "ck"
+    path.mkdir()
+    old = {".metadata": b"old metadata", "__0_0.distcp": b"old data", "notes.txt": b"mine"}
+    for name, data in old.items():
+        (path / name).write_bytes(data)
+
+    def failing_job(job, ranks, what):  # type: ignore[no-untyped-def]
+        staging = job.checkpoint_save.path
+        assert os.path.dirname(staging) == str(path) and os.path.basename(staging).startswith(".saving-")
+        with open(os.path.join(staging, "__0_0.distcp"), "wb") as f:
+            f.write(b"half of the new data")
+        yield 1, 2
+        raise CollectiveJobError("checkpoint save failed: rank 1: disk full")
+
+    monkeypatch.setattr(coordinator.reshards.jobs, "run", failing_job)
+    with pytest.raises(CollectiveJobError, match="disk full"):
+        list(coordinator.checkpoints.save(pb.SaveCheckpointRequest(path=str(path), names=["t"])))
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == old
+
+
+def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
+    from server.checkpoint_driver import publish_checkpoint
+
+    path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
+    staging.mkdir(parents=True)
+    for name, data in {".metadata": b"old", "__0_0.distcp": b"old 0", "__2_0.distcp": b"old 2",
+                       "notes.txt": b"mine"}.items():
+        (path / name).write_bytes(data)
+    for name, data in {".metadata": b"new", "__0_0.distcp": b"new 0", "__1_0.distcp": b"new 1"}.items():
+        (staging / name).write_bytes(data)
+    publish_checkpoint(str(staging), str(path))
+    assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == {
+        ".metadata": b"new", "__0_0.distcp": b"new 0", "__1_0.distcp": b"new 1", "notes.txt": b"mine"}
+    assert list(staging.iterdir()) == []
