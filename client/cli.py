@@ -96,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _server_options(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str]) -> list[str]:
+    """The global options given before `up`/`coordinator` as the server's: --token carries over (the cluster's
+    token either way); the others mean something else there (--tls-cert is the client's certificate here, the
+    server's there), so they are an error saying where they go."""
+    options = []
+    for word in (w.split("=", 1)[0] for w in given if w.startswith("--")):
+        if word == "--token":
+            options += ["--token", args.token]
+        else:
+            parser.error(f"{word} before `{args.command}` is a client option; give the server's options after "
+                         f"it (`shardserve {args.command} --help`)")
+    return options
+
+
 def _exec_server(command: str, args: Sequence[str]) -> None:
     """Replace this process with `python -m server COMMAND ARGS...` (same interpreter)."""
     argv = [sys.executable, "-m", "server", command, *args]
@@ -222,9 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVER_COMMANDS:
         _exec_server(argv[0], argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command in _SERVER_COMMANDS:  # global options came first: pass the rest through
-        _exec_server(args.command, argv[argv.index(args.command) + 1:])
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)  # a server command's own options are the server's to parse
+    if unknown and args.command not in _SERVER_COMMANDS:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command in _SERVER_COMMANDS:  # global options came first
+        at = argv.index(args.command)
+        _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1:])
     from client.errors import ShardServeError
 
     try:

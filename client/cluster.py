@@ -102,8 +102,10 @@ class Cluster:
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Close every channel, bulk connection and the read pool."""
+        """Close every channel, bulk connection, shared-memory mapping (unmapped once no tensor uses it) and
+        the read pool."""
         self._bulk.close()
+        self._data_plane.reader.clear()
         self._transport.close()
 
     def __enter__(self) -> "Cluster":

@@ -280,6 +280,10 @@ def main_up(argv: Sequence[str]) -> int:
     for flag in ("memory_limit", "max_request_bytes", "port", "recycle_bytes"):
         if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.port > 65535:
+        parser.error(f"--port {args.port} is not a TCP port (0-65535)")
+    if not args.host.strip():
+        parser.error("--host is empty (an interface address, e.g. 127.0.0.1)")
     if args.heartbeat_interval <= 0:
         parser.error("--heartbeat-interval must be > 0")
     configure_logging(args.log_level)
@@ -302,7 +306,7 @@ def main_up(argv: Sequence[str]) -> int:
         _wait_for_signal()
     except _Stop as stop:
         log.info("%s received; stopping the cluster", stop)
-    except (OSError, RuntimeError, TimeoutError) as err:
+    except (OSError, RuntimeError, TimeoutError, ValueError) as err:
         log.error("the cluster could not start: %s", err)
         return 1
     finally:

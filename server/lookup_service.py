@@ -27,6 +27,7 @@ from shardcore.wire import tensor_bytes
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
+MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one answer into millions of messages
 SMALL_REPLY_BYTES = 4 << 20  # LookupSmall answers at most this many data bytes in its one message
 _ID_BYTES = 8
 
@@ -92,7 +93,7 @@ class LookupService:
         """Check the whole request first (nothing streams for a bad one), then answer item by item."""
         if request.chunk_bytes < 0:
             raise InvalidArgument(f"chunk_bytes {request.chunk_bytes} is negative")
-        chunk_bytes = min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
+        chunk_bytes = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES))
         self._check_request_size(request)
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         for index, answer in enumerate(answers):

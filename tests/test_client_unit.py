@@ -188,3 +188,35 @@ def test_chunk_decoder_skips_unknown_fields_and_rejects_truncation():
         except ValueError:
             continue
         assert bytes(partial.data) != b"abc"
+
+
+@pytest.mark.parametrize("argv,forwarded", [
+    (["--token", "T", "up", "--ranks", "2"], ["up", "--token", "T", "--ranks", "2"]),
+    (["--token=T", "coordinator", "--port", "5"], ["coordinator", "--token", "T", "--port", "5"]),
+    (["up", "--token", "x", "--ranks", "3"], ["up", "--token", "x", "--ranks", "3"]),
+])
+def test_server_commands_get_the_global_token_and_their_own_options(argv, forwarded, monkeypatch):
+    import client.cli as cli
+
+    ran: list[list[str]] = []
+
+    def exec_server(command, args):  # type: ignore[no-untyped-def]
+        ran.append([command, *args])
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "_exec_server", exec_server)
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert ran == [forwarded]
+
+
+def test_client_options_before_a_server_command_and_unknown_options_are_errors(monkeypatch, capsys):
+    import client.cli as cli
+
+    monkeypatch.setattr(cli, "_exec_server", lambda command, args: pytest.fail("must not start a server"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["--tls-ca", "ca.pem", "up"])
+    assert stop.value.code == 2 and "--tls-ca before `up` is a client option" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["list", "--bogus"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err

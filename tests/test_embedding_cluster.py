@@ -434,6 +434,8 @@ def test_large_answers_stream_in_chunks(cluster3: LocalCluster, cl: Cluster, tab
     data = b"".join(c.data for c in chunks)
     assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, DIM), table[ids])
     assert torch.equal(remote.lookup(ids), table[ids])  # the client streams it too
+    tiny = pb.LookupRequest(items=request.items, chunk_bytes=1)  # floored at 4 KiB, not 4.8 million messages
+    assert len(list(stub.Lookup(tiny, timeout=30))) == -(-100_000 * DIM * 4 // 4096)
 
 
 def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:

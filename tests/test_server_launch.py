@@ -206,6 +206,8 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     (["up", "--ranks", "0"], "--ranks must be >= 1"),
     (["up", "--memory-limit", "-1"], "--memory-limit must be >= 0"),
     (["up", "--recycle-bytes", "-1"], "--recycle-bytes must be >= 0"),
+    (["up", "--port", "70000"], "--port 70000 is not a TCP port"),
+    (["up", "--host", ""], "--host is empty"),
     (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
     (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
     (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
