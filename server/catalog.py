@@ -32,9 +32,13 @@ class Catalog(abc.ABC):
     def add(self, info: pb.TensorInfo) -> None:
         """Record a new (name, version) row in the state `info.state`."""
 
-    @abc.abstractmethod
     def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
         """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed)."""
+        return self.commit_all([(name, version)])[0]
+
+    @abc.abstractmethod
+    def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
+        """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
 
     @abc.abstractmethod
     def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
@@ -117,22 +121,9 @@ class SQLiteCatalog(Catalog):
             db.execute("INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
                        (info.name, info.version, info.state, info.SerializeToString()))
 
-    def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
+    def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
         with self._transaction() as db:
-            row = db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?",
-                             (name, version)).fetchone()
-            if row is None:
-                raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
-            info = _parse(row[0])
-            info.state = pb.READY
-            older = [_parse(r[0]) for r in db.execute(
-                "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?",
-                (name, version, pb.READY))]
-            db.execute("DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?",
-                       (name, version, pb.READY))
-            db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
-                       (pb.READY, info.SerializeToString(), name, version))
-        return info, older
+            return [_commit_in(db, name, version) for name, version in versions]
 
     def update(self, info: pb.TensorInfo) -> None:
         with self._transaction() as db:
@@ -183,3 +174,18 @@ def _parse(blob: bytes) -> pb.TensorInfo:
 def ranks_of(info: pb.TensorInfo) -> list[int]:
     """Distinct ranks holding shards of a catalog row."""
     return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
+
+
+def _commit_in(db: sqlite3.Connection, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
+    """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
+    row = db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)).fetchone()
+    if row is None:
+        raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
+    info = _parse(row[0])
+    info.state = pb.READY
+    older = [_parse(r[0]) for r in db.execute(
+        "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?", (name, version, pb.READY))]
+    db.execute("DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?", (name, version, pb.READY))
+    db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
+               (pb.READY, info.SerializeToString(), name, version))
+    return info, older

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,13 +167,15 @@ def save_shards(path: str | os.PathLike, key: str, meta: ShardedTensorMetadata, 
 
 def save_tensors(path: str | os.PathLike,
                  tensors: Mapping[str, tuple[ShardedTensorMetadata, LocalShards]],
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, problems: Sequence[str] = ()) -> None:
     """Write several sharded tensors (key -> (layout, this rank's shards)) as one DCP checkpoint.
 
     `local_shards` maps indices into `meta.shards_metadata` to this rank's
     tensors of those shards. Every rank of the group calls this with the same
     keys and layouts. Replicas are written once; the checkpoint's `.metadata`
-    is written last, by the group's rank 0.
+    is written last, by the group's rank 0. `problems` are failures this rank
+    met before the call (a shard it could not lease): they fail the save on
+    every rank, inside DCP's gathered planning step, like the checks here.
     """
     directory = _checkpoint_dir(path, must_exist=False)
     if not isinstance(tensors, Mapping):
@@ -182,7 +184,7 @@ def save_tensors(path: str | os.PathLike,
         if not (isinstance(value, tuple) and len(value) == 2):
             raise TypeError(f"tensors[{key!r}] must be a (layout, local shards) pair")
     _check_layouts({key: meta for key, (meta, _) in tensors.items()}, require_coverage=True)
-    problems: list[str] = []
+    problems = list(problems)
     state = {key: _shards_for_save(key, meta, shards, problems) for key, (meta, shards) in tensors.items()}
     writer = dcp.FileSystemWriter(directory)
     _run_dcp(f"saving {sorted(tensors)} to {directory}", process_group,
@@ -198,7 +200,8 @@ def load_shards(path: str | os.PathLike, key: str, meta: ShardedTensorMetadata, 
 
 def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
                  process_group: dist.ProcessGroup | None = None,
-                 into: Mapping[str, Mapping[int, torch.Tensor]] | None = None) -> dict[str, dict[int, torch.Tensor]]:
+                 into: Mapping[str, Mapping[int, torch.Tensor]] | None = None,
+                 problems: Sequence[str] = ()) -> dict[str, dict[int, torch.Tensor]]:
     """Read this rank's shards of several tensors (key -> destination layout) from a DCP checkpoint.
 
     The layouts may differ from the saved ones (DCP reshards on load); each
@@ -207,11 +210,12 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     if the checkpoint holds another dtype). A collective of the group: every
     rank calls it with the same layouts. Nothing is returned unless every
     rank succeeded. `into` gives buffers for some shards (key -> shard index -> tensor of the shard's sizes and
-    dtype, e.g. recycled ones): a load writes every byte of them; the others are allocated.
+    dtype, e.g. recycled ones): a load writes every byte of them; the others are allocated. `problems`, as for
+    save_tensors, fail the load on every rank.
     """
     directory = _checkpoint_dir(path, must_exist=False)
     _check_layouts(layouts, require_coverage=False)
-    problems: list[str] = []
+    problems = list(problems)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         problems.append(f"rank must be a non-negative int, got {rank!r}")
         rank = -1  # holds no shards; the problem is raised on every rank inside DCP's planning step

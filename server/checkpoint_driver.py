@@ -144,9 +144,8 @@ class CheckpointDriver:
                             [(i.name, i.version) for i in new])
                 raise
             ready = []
-            for info in new:
-                committed, older = self.catalog.commit(info.name, info.version)
-                ready.append(committed)
+            for committed, older in self.catalog.commit_all([(info.name, info.version) for info in new]):
+                ready.append(committed)  # every tensor READY in one transaction, or none
                 for old in older:
                     self.coordinator._drop_quietly(old.name, old.version, ranks_of(old))
         log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)

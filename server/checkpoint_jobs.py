@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import logging
 from contextlib import ExitStack
+from typing import Callable, TypeVar
 
 import torch
 
 from protos import shardserve_pb2 as pb
 from server.collective_jobs import JobContext, register_job_kind
-from server.errors import InvalidArgument
+from server.errors import InvalidArgument, ServiceError
 from server.requests import check_name, check_version, parse_metadata
 from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _job_tensors(spec: pb.CheckpointJob, kind: str) -> list[tuple[str, int, ShardedTensorMetadata]]:
@@ -60,14 +62,26 @@ def _destinations(ctx: JobContext, meta: ShardedTensorMetadata) -> dict[int, tor
     return buffers
 
 
+def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
+    """`make()`, or `instead` with the failure noted in `problems`: a rank must not fail alone before DCP's
+    collectives (the others would wait in them), so its failure is raised on every rank in DCP's planning."""
+    try:
+        return make()
+    except (ServiceError, RuntimeError, ValueError) as err:
+        problems.append(f"rank failed before the checkpoint's collectives: {err}")
+        return instead
+
+
 def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
     from server.checkpoint import load_tensors  # DCP costs ~0.8 s to import: only ranks that load pay it
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
+    problems: list[str] = []
+    into = {name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {}) for name, _, meta in tensors}
     shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
-                          into={name: _destinations(ctx, meta) for name, _, meta in tensors})
+                          into=into, problems=problems)
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
             ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})
@@ -82,16 +96,17 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
 
     tensors = _job_tensors(job.checkpoint_save, "checkpoint_save")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
+    problems: list[str] = []
     with ExitStack() as leases:
         state = {}
         for name, version, meta in tensors:
-            local = meta.shards_on(ctx.rank)
-            if local:
-                entry = leases.enter_context(ctx.store.lease(name, version))
-                state[name] = (meta, {i: ctx.store.shard_of(entry, i) for i in local})
-            else:
-                state[name] = (meta, {})
-        save_tensors(job.checkpoint_save.path, state)
+            def lease_shards(name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
+                             ) -> dict[int, torch.Tensor]:
+                local = meta.shards_on(ctx.rank)
+                entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
+                return {i: ctx.store.shard_of(entry, i) for i in local}
+            state[name] = (meta, _noting(problems, lease_shards, {}))
+        save_tensors(job.checkpoint_save.path, state, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total
     log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
              job.checkpoint_save.path, ctx.progress.bytes_total)

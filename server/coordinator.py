@@ -9,6 +9,7 @@ in one transaction.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.auth import Security, make_channel
 from server.catalog import Catalog, ranks_of
-from server.errors import (AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
+from server.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
                            Unavailable, rpc_errors)
 from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
 from server.reshard_driver import ReshardDriver
@@ -34,6 +35,7 @@ from shardcore.wire import metadata_to_proto
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+NAME_LOCK_WAIT_S = 30.0  # how long a change of a tensor waits for another one of it to end
 
 
 @dataclass
@@ -305,9 +307,20 @@ class Coordinator:
                 raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank}'s device is "
                                       f"{entry.info.device}")
 
-    def _name_lock(self, name: str) -> threading.Lock:
+    @contextlib.contextmanager
+    def _name_lock(self, name: str, wait_s: float | None = None) -> Iterator[None]:
+        """Hold `name`'s lock (changes of one tensor take turns); ABORTED when another change keeps it longer
+        than `wait_s` (default NAME_LOCK_WAIT_S): a reshard or checkpoint holds it for its whole run, and a
+        gRPC worker must not wait on it without bound."""
         with self._name_locks_guard:
-            return self._name_locks.setdefault(name, threading.Lock())
+            lock = self._name_locks.setdefault(name, threading.Lock())
+        if not lock.acquire(timeout=NAME_LOCK_WAIT_S if wait_s is None else wait_s):
+            raise Aborted(f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
+                          f"retry once it has ended")
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
         """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""

@@ -56,6 +56,12 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(ServiceError):
+    """A conflict with other work on the same thing (e.g. a tensor busy in a long reshard): retry later."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a server answers for `err`."""
     if isinstance(err, ServiceError):

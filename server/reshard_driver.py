@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.errors import FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
 from server.catalog import ranks_of
 from server.requests import check_name, parse_metadata
 from shardcore.metadata import ShardedTensorMetadata
@@ -393,13 +393,11 @@ class ReshardDriver:
             for info in self.catalog.list(include_pending=True):
                 if not info.promoting or self.is_running(info.name):
                     continue
-                lock = self.coordinator._name_lock(info.name)
-                if not lock.acquire(timeout=0.1):
-                    continue
                 try:
-                    self._finish_one(info)
-                finally:
-                    lock.release()
+                    with self.coordinator._name_lock(info.name, wait_s=0.1):
+                        self._finish_one(info)
+                except Aborted:
+                    continue  # busy: the next round finishes it
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("finishing reshard promotions failed")
 

@@ -188,6 +188,30 @@ def _save_expecting_error(rank: int, path: str, tables, spoil_rank: int) -> tupl
     return "no error", ""
 
 
+def _save_job_without_the_version_on(rank: int, path: str, missing_rank: int) -> tuple[str, str]:
+    """The rank side of a checkpoint_save job, where `missing_rank` does not hold the version to save."""
+    import time
+
+    from protos import shardserve_pb2 as pb
+    from server.checkpoint_jobs import run_checkpoint_save
+    from server.collective_jobs import JobContext
+    from server.store import ShardStore
+    from shardcore.wire import metadata_to_proto
+
+    store = ShardStore(rank, shared_memory=False)
+    if rank != missing_rank:
+        shards = expected_shards(make_table(3), UNEVEN_ROWS, rank)
+        store.install("emb", 1, UNEVEN_ROWS, {i: t.clone() for i, t in shards.items()})
+        store.promote("emb", 1)
+    job = pb.CollectiveJob(seq=1, ranks=[0, 1, 2], timeout_s=60, checkpoint_save=pb.CheckpointJob(
+        path=path, tensors=[pb.CheckpointTensor(name="emb", version=1, metadata=metadata_to_proto(UNEVEN_ROWS))]))
+    try:
+        run_checkpoint_save(job, JobContext(store, rank, job, deadline=time.monotonic() + 60))
+    except CheckpointError as exc:
+        return type(exc.reason).__name__, str(exc)
+    return "no error", ""
+
+
 def _row_chunks_spec(dim: int):
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
     return ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in range(dist.get_world_size())])
@@ -304,6 +328,11 @@ def test_failed_loads_and_saves_raise_on_every_rank_without_hanging(world3, tmp_
     answers = world3.run(_save_expecting_error, str(tmp_path / "spoilt"), {"emb": (GRID, 8, torch.float32)}, 1)
     for kind, message in answers.values():
         assert kind == "ValueError" and "failed on ranks [1]" in message and "has shape (19, 5)" in message
+
+    answers = world3.run(_save_job_without_the_version_on, str(tmp_path / "unleased"), 1)
+    for kind, message in answers.values():  # rank 1 failed before DCP's collectives, yet nobody waits for it
+        assert kind == "ValueError" and "failed on ranks [1]" in message
+        assert "rank failed before the checkpoint's collectives" in message and "not found on rank 1" in message
 
     for rank, loaded in world3.run(_load, path, {"emb": GRID}).items():  # the world still works
         assert_same_shards(loaded["emb"], expected_shards(make_table(7), GRID, rank))

@@ -130,3 +130,34 @@ def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
     assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == {
         ".metadata": b"new", "__0_0.distcp": b"new 0", "__1_0.distcp": b"new 1", "notes.txt": b"mine"}
     assert list(staging.iterdir()) == []
+
+
+def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch):
+    """A reshard or checkpoint holds a tensor's lock for its whole run; a delete meanwhile is ABORTED after
+    NAME_LOCK_WAIT_S instead of holding a gRPC worker without bound, and goes through once the lock is free."""
+    import threading
+
+    import server.coordinator as coordinator_module
+    from server.errors import Aborted
+
+    _rank(coordinator, RankStub(set()))
+    _ready(coordinator, "busy")
+    monkeypatch.setattr(coordinator_module, "NAME_LOCK_WAIT_S", 0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def long_change() -> None:
+        with coordinator._name_lock("busy"):
+            held.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=long_change)
+    worker.start()
+    assert held.wait(10)
+    started = time.monotonic()
+    with pytest.raises(Aborted, match="tensor 'busy' is busy") as err:
+        coordinator.delete("busy")
+    assert err.value.code == grpc.StatusCode.ABORTED and time.monotonic() - started < 5
+    release.set()
+    worker.join(10)
+    coordinator.delete("busy")
+    assert coordinator.catalog.ready("busy") is None

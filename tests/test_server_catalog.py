@@ -60,3 +60,16 @@ def test_remove_one_or_every_version(catalog):
     assert [i.version for i in catalog.remove("t", 2)] == [2]
     assert [i.version for i in catalog.remove("t")] == [1, 3]
     assert catalog.versions("t") == [] and catalog.remove("t") == []
+
+
+def test_commit_all_is_all_or_nothing(catalog):
+    for name, version in (("a", 1), ("b", 2), ("a", 3)):
+        catalog.add(row(name, version))
+    catalog.commit("a", 1)
+    with pytest.raises(KeyError, match="'c' version 9"):
+        catalog.commit_all([("a", 3), ("c", 9)])
+    assert catalog.ready("a").version == 1 and catalog.get("a", 3).state == pb.PENDING  # rolled back
+    done = catalog.commit_all([("a", 3), ("b", 2)])
+    assert [(info.name, info.version, [o.version for o in older]) for info, older in done] == [("a", 3, [1]),
+                                                                                               ("b", 2, [])]
+    assert catalog.ready("a").version == 3 and catalog.ready("b").version == 2 and catalog.get("a", 1) is None
