@@ -5,8 +5,10 @@ the rank offers shared memory. Then a part is read by ShardServer.OpenShard
 (a leased reference, no bulk bytes), mapping /proc/<pid>/fd/<fd> read-only
 (checked by inode and device, so a stale fd number cannot show other data),
 and one copy of the box into the output. Mappings stay cached (bounded): a
-served version never changes, and a mapping keeps its pages even after the
-rank frees them. A CUDA shard comes as a CUDA IPC handle when this process has
+served version never changes, and a segment's header page (state and
+generation words, checked before and after every copy) says when the rank
+dropped the version or reused the segment for another one. A segment is
+mapped anew only under an OpenShard lease. A CUDA shard comes as a CUDA IPC handle when this process has
 CUDA. A read this path cannot serve raises SharedMemoryError; client.data_plane
 then falls back (transport="auto") or passes it on (transport="shm").
 """
@@ -182,8 +184,14 @@ class SharedMemoryReader:
             if reply.HasField("cuda"):
                 mapping = self._cuda_mapping(key, cached, reply)
             elif cached is not None and (cached.pid, cached.inode, cached.device_id) == (
-                    reply.pid, reply.inode, reply.device_id) and cached.serves():
+                    reply.pid, reply.inode, reply.device_id):
+                if not cached.serves():  # the same segment: its header says the version went since the reply
+                    self._forget(key)
+                    raise _stale(summary, address)
                 mapping = cached
+            elif not reply.lease_id:  # the rank saw our inode and kept no lease, yet this is another segment
+                self._forget(key)
+                return self._open(address, summary, index)  # asked again without it: a mapping made under a lease
             else:
                 flat, header = _map_segment(reply)
                 mapping = _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd,

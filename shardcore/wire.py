@@ -70,7 +70,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # flat first: a 0-d tensor has no dim to view
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

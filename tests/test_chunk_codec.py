@@ -1,7 +1,9 @@
-"""protos.chunk_codec agrees with protobuf on every shape it handles, and hands the rest to protobuf."""
+"""protos.chunk_codec agrees with protobuf on every shape it handles, and hands the rest to protobuf; shardcore.wire's
+raw tensor bytes."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -90,3 +92,15 @@ def test_lookup_decoder_skips_unknown_fields_and_rejects_truncation():
         decode_lookup_chunk(message[:-1])
     with pytest.raises(ValueError, match="truncated"):
         decode_lookup_reply(pb.LookupReply(items=[pb.LookupChunk(data=b"rows")]).SerializeToString()[:-2])
+
+
+@pytest.mark.parametrize("tensor", [torch.tensor(3.5), torch.tensor(7, dtype=torch.int16), torch.arange(6.0).view(2, 3).t(),
+                                    torch.empty(0, 4)])
+def test_tensor_bytes_of_scalars_strided_and_empty_tensors(tensor):
+    from shardcore.wire import byte_view, tensor_bytes
+
+    raw = bytes(tensor_bytes(tensor))
+    assert raw == tensor.contiguous().numpy().tobytes()
+    back = torch.empty_like(tensor.contiguous())
+    byte_view(back).numpy()[:] = list(raw)
+    assert torch.equal(back, tensor)

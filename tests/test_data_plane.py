@@ -516,6 +516,32 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
         writer.delete("dp-recycle")
 
 
+def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_read(cluster, monkeypatch):
+    """OpenShard keeps no lease when the client already maps the segment; if that segment's header says the
+    version went between the reply and its use, the client does not map it again unleased: the read refreshes."""
+    import client.shm_transport as shm
+
+    table = random_tensor((12, 4), torch.float32, seed=18)
+    with connect(cluster.address) as c:
+        remote = c.put("dp-turned", table, SPEC)
+        assert torch.equal(remote[:], table) and remote.last_transport == "shm"
+        reader = c._data_plane.reader
+        first = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
+        answers = iter([True, False])  # serving at the first check, gone by the time the reply is used
+        turned = next(iter(first.values()))
+        monkeypatch.setattr(shm, "_still_held", lambda mapping: False)  # so the read asks OpenShard
+        monkeypatch.setattr(turned, "serves", lambda: next(answers, True))
+        leases: list[int] = []
+        real_map = shm._map_segment
+        monkeypatch.setattr(shm, "_map_segment", lambda reply: leases.append(reply.lease_id) or real_map(reply))
+        assert torch.equal(remote[:], table)
+        assert leases and all(leases)  # every segment mapped again was mapped while a lease held its version
+        again = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
+        key = next(k for k, m in first.items() if m is turned)
+        assert again[key] is not turned  # mapped anew, under a lease
+        c.delete("dp-turned")
+
+
 def test_segment_header_follows_promote_and_drop():
     from server.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
 

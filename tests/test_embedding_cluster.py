@@ -438,6 +438,19 @@ def test_large_answers_stream_in_chunks(cluster3: LocalCluster, cl: Cluster, tab
     assert len(list(stub.Lookup(tiny, timeout=30))) == -(-100_000 * DIM * 4 // 4096)
 
 
+@pytest.mark.parametrize("pooling", ["server", "client"])
+def test_ids_in_no_bag_of_a_float64_table(cl: Cluster, pooling: str) -> None:
+    """Empty offsets with ids are zero bags; pooled with torch as is, a float64 table crashed the rank (or the
+    client) with a segfault."""
+    table = torch.randn(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    remote = cl.put(f"f64-bags-{pooling}", table, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu",
+                                                                               "rank:2/cpu"]))
+    got = remote.lookup_bag([1, 2, 19], [], pooling=pooling)
+    assert got.shape == (0, 4) and got.dtype == torch.float64
+    assert torch.equal(remote.lookup_bag([1, 19], [0], pooling=pooling), (table[1] + table[19]).unsqueeze(0) / 2)
+    cl.delete(remote.name)
+
+
 def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:
     remote = cl.tensor(_name("columns", torch.float32))
     with pytest.raises(TypeError, match="integers"):

@@ -356,3 +356,13 @@ def test_combine_partials_errors():
         combine_partials([a], "sum", expected_counts=torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="expected_counts has 3 bags but the partials have 2"):
         combine_partials([a], "sum", expected_counts=torch.tensor([1, 1, 1]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+def test_no_bags_pool_to_an_empty_result_in_every_dtype(dtype):
+    """Ids with empty offsets are zero bags; torch's float64 embedding_bag segfaults on that, ours answers."""
+    rows = torch.randn(3, 4).to(dtype)
+    assert pool_bags(rows, [], "mean").shape == (0, 4)
+    assert pool_bags(rows, [], "sum", torch.ones(3, dtype=dtype)).shape == (0, 4)
+    partial = partial_pool(rows, [])
+    assert partial.sums.shape == (0, 4) and partial.counts.numel() == 0

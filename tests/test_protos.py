@@ -29,3 +29,4 @@ def test_generated_modules_import_and_define_both_services():
     assert set(pb.DESCRIPTOR.services_by_name) == {"Coordinator", "ShardServer"}
     assert pb.DESCRIPTOR.package == "shardserve.v1"
     assert hasattr(pb_grpc, "add_CoordinatorServicer_to_server") and hasattr(pb_grpc, "ShardServerStub")
+
