@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from client.errors import InvalidArgumentError
+from client.lookup import POOLINGS
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
@@ -47,6 +48,8 @@ class RemoteEmbeddingBag(nn.Module):
         super().__init__()
         if mode not in ("sum", "mean"):
             raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         self.cluster = cluster
         self.name = name
         self.mode = mode

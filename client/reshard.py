@@ -105,6 +105,8 @@ def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str
     chosen = sum(bool(x) for x in (dim is not None, grid is not None, replicate))
     if chosen > 1:
         raise InvalidArgumentError("give one of --dim, --grid or --replicate")
+    if grid_dims and grid is None:
+        raise InvalidArgumentError("--grid-dims goes with --grid (which mesh dims shard which tensor dims)")
     if grid is not None:
         mesh_shape = _grid(grid)
         if mesh_shape[0] * mesh_shape[1] != len(ranks):

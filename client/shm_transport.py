@@ -250,7 +250,15 @@ class SharedMemoryReader:
     def _release(self, address: str, lease_id: int) -> None:
         stub = self._stub_for(address)
         request = pb.ReleaseShardRequest(lease_ids=[lease_id])
-        self._release_async(lambda: stub.ReleaseShard(request, timeout=self._timeout, metadata=self._metadata))
+
+        def release() -> None:
+            try:
+                stub.ReleaseShard(request, timeout=self._timeout, metadata=self._metadata)
+            except grpc.RpcError as err:  # the lease then ends at its expiry, holding the version until then
+                log.info("releasing lease %d at %s failed (%s); it expires on its own", lease_id, address,
+                         err.code().name)
+
+        self._release_async(release)
 
     def _remember(self, key: tuple, mapping: _Mapping) -> None:
         size = mapping.flat.numel()

@@ -187,7 +187,13 @@ def _chunk_length(where: str, entry: SizeEntry, tensor_dim: int, sharded: set[in
             if d not in sharded and n != size[d]:
                 raise ValueError(f"{where}[{d}]={n} but dim {d} is not sharded and has size {size[d]}")
         entry = entry[tensor_dim]
-    if isinstance(entry, bool) or not isinstance(entry, int) or entry < 0:
+    try:
+        if isinstance(entry, bool):
+            raise TypeError
+        entry = operator.index(entry)  # numpy and torch integers too, as for `size`
+    except TypeError:
+        raise ValueError(f"{where} must be a non-negative int or a shape, got {entry!r}") from None
+    if entry < 0:
         raise ValueError(f"{where} must be a non-negative int or a shape, got {entry!r}")
     return entry
 

@@ -220,3 +220,11 @@ def test_client_options_before_a_server_command_and_unknown_options_are_errors(m
     with pytest.raises(SystemExit) as stop:
         cli.main(["list", "--bogus"])
     assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_grid_dims_without_a_grid_is_refused():
+    from client.errors import InvalidArgumentError
+    from client.reshard import layout_from_options
+
+    with pytest.raises(InvalidArgumentError, match="--grid-dims goes with --grid"):
+        layout_from_options((4, 4), torch.float32, {0: "cpu", 1: "cpu"}, grid_dims=(0, 1))

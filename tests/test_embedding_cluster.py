@@ -205,6 +205,8 @@ def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
         bag(IDS, torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="per_sample_weights"):
         bag(IDS, OFFSETS, torch.ones(IDS.numel()))  # mode mean
+    with pytest.raises(InvalidArgumentError, match="pooling must be one of"):
+        RemoteEmbeddingBag(cl, _name("grid", torch.float32), pooling="nearby")  # at construction, not first use
 
 
 def test_cluster_lookup_several_tables(cl: Cluster, tables: dict) -> None:

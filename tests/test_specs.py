@@ -219,6 +219,12 @@ def test_sharding_shapes_give_uneven_sizes():
 def test_sharding_shapes_take_physicsnemo_full_shapes():
     full = metadata_from_placements((6, 4), [0, 1, 2], [Shard(0)], sharding_shapes={0: [(1, 4), (0, 4), (5, 4)]})
     bare = metadata_from_placements((6, 4), [0, 1, 2], [Shard(0)], sharding_shapes={0: [1, 0, 5]})
+    import numpy as np
+    numeric = metadata_from_placements((6, 4), [0, 1, 2], [Shard(0)],
+                                       sharding_shapes={0: [np.int64(1), torch.tensor(0), 5]})  # like `size`
+    assert numeric == bare
+    with pytest.raises(ValueError, match="must be a non-negative int"):
+        metadata_from_placements((6, 4), [0, 1, 2], [Shard(0)], sharding_shapes={0: [1, True, 5]})
     assert full == bare
     assert [s.shard_offsets for s in full.shards_metadata] == [(0, 0), (6, 0), (1, 0)]
     validate_metadata(full)
