@@ -3,7 +3,7 @@ from client.cluster import Cluster, connect
 from client.embedding import RemoteEmbedding, RemoteEmbeddingBag
 from client.errors import (AuthenticationError, DeadlineExceededError, InvalidArgumentError,
                            RankUnavailableError, ResourceExhaustedError, ShardServeError,
-                           StaleVersionError, TensorExistsError, TensorNotFoundError)
+                           AbortedError, StaleVersionError, TensorExistsError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.remote_tensor import RemoteShard, RemoteShardedTensor
 
@@ -11,5 +11,5 @@ __all__ = [
     "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",
     "ShardServeError", "TensorNotFoundError", "InvalidArgumentError", "TensorExistsError",
     "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
-    "DeadlineExceededError", "RemoteEmbedding", "RemoteEmbeddingBag",
+    "DeadlineExceededError", "AbortedError", "RemoteEmbedding", "RemoteEmbeddingBag",
 ]

@@ -7,6 +7,7 @@ any failure aborts the pending version so no half tensor is ever visible.
 """
 from __future__ import annotations
 
+import operator
 import threading
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -129,17 +130,16 @@ class Cluster:
         return ranks
 
     def _address_of(self, rank: int) -> str:
+        return self._rank_status(rank).address
+
+    def _rank_status(self, rank: int) -> RankStatus:
+        """The registered status of `rank` (address, host, shared memory), refreshed once if unknown."""
         status = self._ranks.get(rank)
         if status is None or not status.address:
             status = {r.rank: r for r in self._refresh_ranks()}.get(rank)
         if status is None or not status.address:
             raise RankUnavailableError(f"rank {rank} is not registered with the coordinator at {self.address}")
-        return status.address
-
-    def _rank_status(self, rank: int) -> RankStatus:
-        """The registered status of `rank` (address, host, shared memory), refreshed once if unknown."""
-        self._address_of(rank)
-        return self._ranks[rank]
+        return status
 
     def _get_summary(self, name: str) -> TensorSummary:
         return TensorSummary.from_proto(self._call("GetTensor", pb.GetTensorRequest(name=_check_name(name))))
@@ -201,13 +201,13 @@ class Cluster:
         _check_name(name)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63:
+            raise InvalidArgumentError(f"seed must be a 64-bit int, got {seed!r}")
         try:
             dtype = dtype_from_name(dtype)
-            shape = tuple(shape)
         except (TypeError, ValueError) as err:
-            raise InvalidArgumentError(f"dtype/shape: {err}") from None
+            raise InvalidArgumentError(f"dtype: {err}") from None
+        shape = _shape(shape)
         meta = self._metadata(shape, dtype, spec)
         options = table_options(oov, default_row, shape, dtype)
         info = self._call("CreateTensor", pb.CreateTensorRequest(
@@ -301,3 +301,17 @@ class Cluster:
     def inspect_checkpoint(self, path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (size, dtype)} of the tensors of the DCP checkpoint at `path`."""
         return checkpoints.inspect_checkpoint(self, path)
+
+
+def _shape(shape: Any) -> tuple[int, ...]:
+    """`shape` as a tuple of non-negative ints; InvalidArgumentError naming it otherwise."""
+    try:
+        dims = tuple(shape)
+        if any(isinstance(n, bool) for n in dims):
+            raise TypeError
+        dims = tuple(operator.index(n) for n in dims)
+    except TypeError:
+        raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}") from None
+    if any(n < 0 for n in dims):
+        raise InvalidArgumentError(f"shape {dims} has a negative size")
+    return dims

@@ -66,6 +66,14 @@ class RankUnavailableError(ShardServeError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class AbortedError(ShardServeError):
+    """The coordinator gave the call up over other work (ABORTED): the tensor stayed busy in a reshard or
+    checkpoint past the wait (retry once it has ended), or a collective job failed on a rank; the message says
+    which."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class DeadlineExceededError(ShardServeError, TimeoutError):
     """A call ran past its deadline (DEADLINE_EXCEEDED)."""
 
@@ -83,6 +91,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
     grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
     grpc.StatusCode.UNAVAILABLE: RankUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.ABORTED: AbortedError,
 }
 
 

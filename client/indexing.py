@@ -4,12 +4,17 @@ from __future__ import annotations
 import operator
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from shardcore.metadata import Box
 
 
 def _as_int(value: Any) -> int | None:
     """`value` as an int when it is one (numpy/torch integer scalars too), else None."""
     if isinstance(value, bool) or getattr(value, "ndim", 0):  # a 1-element tensor is advanced indexing
+        return None
+    if getattr(value, "dtype", None) in (torch.bool, np.bool_):  # a 0-d bool tensor is a mask, not 0 or 1
         return None
     try:
         return operator.index(value)

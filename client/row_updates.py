@@ -42,10 +42,11 @@ def _table_lock(cluster: "Cluster", name: str) -> threading.Lock:
 def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
     """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version."""
     with _table_lock(cluster, name):
+        validate_update(cluster._lookups.view(name, refresh=True), ids, values)  # bad input fails before the copy
         view, info = _copy_of_ready_version(cluster, name)
-        unique, rows = validate_update(view, ids, values)
         meta = view.summary.metadata
         try:
+            unique, rows = validate_update(view, ids, values)  # against the copied version's own layout
             jobs = [partial(_write_batch, cluster, meta, name, info.version, index, batch_ids, batch_rows)
                     for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
             cluster._transport.run_all(jobs)

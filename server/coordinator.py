@@ -35,7 +35,7 @@ from shardcore.wire import metadata_to_proto
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-NAME_LOCK_WAIT_S = 30.0  # how long a change of a tensor waits for another one of it to end
+NAME_LOCK_WAIT_S = 10.0  # how long a change of a tensor waits for another one of it (under the clients' 30 s deadline)
 
 
 @dataclass

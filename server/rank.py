@@ -173,7 +173,8 @@ class CoordinatorLink:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if self._thread.is_alive():  # not started when registering failed
+            self._thread.join(timeout=5.0)
         self._channel.close()
 
 

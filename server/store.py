@@ -399,7 +399,8 @@ class ShardStore:
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
-        """Lease (name, version), served (or, with served=False, pending), for in-process extensions."""
+        """Lease (name, version), served (or, with served=False, pending): reads that go on outside a stream
+        (OpenShard, lookups, copies, checkpoint jobs)."""
         with self._lock:
             entry = self._served(name, version) if served else self._get(name, version)
             if not served and entry.state is VersionState.SERVED:
@@ -408,6 +409,27 @@ class ShardStore:
             entry.leases += 1
         with self._lease(entry):
             yield entry
+
+    @contextmanager
+    def rewrite(self, name: str, version: int, shard_index: int) -> Iterator[torch.Tensor]:
+        """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
+        not fully written meanwhile, so a promote cannot publish it half changed."""
+        with self._lock:
+            entry = self._get(name, version)
+            if entry.state is VersionState.SERVED:
+                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
+                                         f"create a new version to change it")
+            shard = self._local_shard(entry, shard_index)
+            was_complete = shard_index in entry.complete
+            entry.complete.discard(shard_index)
+            entry.leases += 1
+        with self._lease(entry):
+            try:
+                yield shard
+            finally:
+                if was_complete:
+                    with self._lock:
+                        entry.complete.add(shard_index)
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""

@@ -134,10 +134,14 @@ def test_bad_create_arguments(cl):
         cl.create("x", (4,), init="random")
     with pytest.raises(InvalidArgumentError, match="dtype"):
         cl.create("x", (4,), dtype="float8")
-    with pytest.raises(InvalidArgumentError, match="size"):
+    with pytest.raises(InvalidArgumentError, match=r"shape \(4, -1\) has a negative size"):
         cl.create("x", (4, -1))
+    with pytest.raises(InvalidArgumentError, match="shape must be a sequence of ints"):
+        cl.create("x", (4.5, 8))
     with pytest.raises(InvalidArgumentError, match="seed"):
         cl.create("x", (4,), seed="0")
+    with pytest.raises(InvalidArgumentError, match="seed must be a 64-bit int"):
+        cl.create("x", (4,), seed=2**70)
 
 
 def test_put_over_memory_limit_is_resource_exhausted_and_invisible(cl):

@@ -23,11 +23,17 @@ def test_retries_while_each_refresh_brings_a_newer_version() -> None:
     assert calls["attempts"] == 4
 
 
-def test_a_refresh_that_changes_nothing_raises_the_error() -> None:
+def test_a_refresh_that_changes_nothing_is_retried_after_a_pause_then_raised(monkeypatch) -> None:
+    import client.retry as retry
+
+    pauses: list[float] = []
+    monkeypatch.setattr(retry.time, "sleep", pauses.append)
     attempt, calls = _reader(5, RankUnavailableError("rank 1 down"))
     with pytest.raises(RankUnavailableError, match="rank 1 down"):
         read_with_refresh(attempt, lambda: 7)
-    assert calls["attempts"] == 2  # the first refresh is always tried; the second found nothing new
+    assert calls["attempts"] == MAX_ATTEMPTS and pauses == [0.05, 0.1, 0.2]  # 0.35 s before giving up
+    attempt, calls = _reader(2, StaleVersionError("version 7 not served yet"))  # a reshard being promoted
+    assert read_with_refresh(attempt, lambda: 7) == "data" and calls["attempts"] == 3
 
 
 def test_attempts_are_bounded_even_when_versions_keep_moving() -> None:

@@ -348,6 +348,8 @@ def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
     with pytest.raises(TypeError, match="ids must hold integers"):
         remote.update_rows([1.5], torch.zeros(1, 4))
     assert cl.tensor("updated").version == version
+    pending = cl._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+    assert [t.version for t in pending if t.name == "updated"] == [version]  # no copy was made for bad input
     assert remote.update_rows([2], torch.full((1, 4), 7, dtype=torch.int64)) > version  # widening is fine
     assert torch.equal(remote[2], torch.full((4,), 7.0))
 

@@ -7,7 +7,8 @@ import torch
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from server.store import ShardStore
-from shardcore.metadata import make_metadata
+from shardcore.metadata import TensorProperties, make_metadata
+from shardcore.specs import ChunkShardingSpec
 
 META = make_metadata((6, 4), [((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((0, 0), (3, 4), 1)])  # shard 2: replica
 
@@ -93,3 +94,20 @@ def test_install_adds_a_complete_pending_version_checked_against_the_layout():
     store.promote("i", 5)
     with store.read("i", 5, 2, (1, 1), (2, 2)) as view:
         assert torch.equal(view, torch.full((2, 2), 3.0))
+
+
+def test_a_shard_being_rewritten_cannot_be_promoted():
+    """WriteRows changes a pending copy in place; while it does, that shard counts as not fully written."""
+    store = ShardStore(0)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 2), TensorProperties(dtype=torch.float32))
+    store.install("t", 1, meta, {0: torch.zeros(4, 2)})
+    with store.rewrite("t", 1, 0) as shard:
+        shard[1] = 5.0
+        with pytest.raises(FailedPrecondition, match="not fully written"):
+            store.promote("t", 1)
+    store.promote("t", 1)
+    with store.read("t", 1, 0, (0, 0), (4, 2)) as view:
+        assert view[1].tolist() == [5.0, 5.0]
+    with pytest.raises(FailedPrecondition, match="already committed"):
+        with store.rewrite("t", 1, 0):
+            pass
