@@ -104,3 +104,13 @@ def test_tensor_bytes_of_scalars_strided_and_empty_tensors(tensor):
     back = torch.empty_like(tensor.contiguous())
     byte_view(back).numpy()[:] = list(raw)
     assert torch.equal(back, tensor)
+
+
+def test_tensor_bytes_of_conjugated_and_negated_views():
+    """put() of z.conj() or of a negative view sends the values the caller sees, not the unresolved storage."""
+    from shardcore.wire import tensor_bytes
+
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert bytes(tensor_bytes(z.conj())) == torch.tensor([1 - 2j, 3 + 1j]).numpy().tobytes()
+    x = torch.tensor([1.0, -2.0])
+    assert bytes(tensor_bytes(torch._neg_view(x))) == torch.tensor([-1.0, 2.0]).numpy().tobytes()

@@ -218,3 +218,15 @@ def test_bad_flags_are_usage_errors(tmp_path, args, message):
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_link_that_never_registered_stops_cleanly():
+    """A rank whose registration failed (a wrong token, no coordinator) shuts down without a second error
+    hiding the first: the heartbeat thread was never started."""
+    from protos import shardserve_pb2 as pb
+    from server.auth import Security
+    from server.rank import CoordinatorLink
+    from server.store import ShardStore
+
+    link = CoordinatorLink("127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False))
+    link.stop()
