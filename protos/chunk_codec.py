@@ -31,7 +31,6 @@ class RawChunk(NamedTuple):
     data: memoryview
 
 
-DecodedChunk = RawChunk
 
 
 class RawWriteRequest(NamedTuple):

@@ -58,9 +58,7 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
     if security.tls is not None:
         port = server.add_secure_port(listen, server_credentials(security.tls))
     else:
-        port = server.add_insecure_port(listen)
-    if port == 0:
-        raise OSError(f"could not bind {listen}")
+        port = server.add_insecure_port(listen)  # grpcio raises RuntimeError itself when it cannot bind
     server.start()
     for name in ("",) + names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

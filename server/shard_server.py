@@ -22,7 +22,7 @@ from server.shm_service import SharedMemoryService
 from server.shm_service import handlers as shared_memory_handlers
 from server.small_reads import SmallReads
 from server.small_reads import handlers as small_read_handlers
-from server.requests import check_name, check_version, parse_dtype, parse_metadata
+from server.requests import check_name, check_version, parse_dtype, parse_metadata, requested_box
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -96,10 +96,8 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     @rpc_errors
     def ReadRegion(self, request: pb.ReadRegionRequest,
                    context: grpc.ServicerContext) -> Iterator[RawChunk]:
-        name = check_name(request.name)
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
-        with self.store.read(name, check_version(request.version, allow_zero=True), request.shard_index,
-                             tuple(request.offsets), tuple(request.sizes)) as box:
+        with requested_box(self.store, request) as box:
             data = host_bytes(box)  # zero-copy when the box is contiguous in the shard; CUDA via pinned memory
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk

@@ -11,7 +11,7 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire, dtype_to_wire
-from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
     raise ImportError("shardserve's wire format is little-endian; this host is big-endian")
@@ -56,10 +56,6 @@ def metadata_from_proto(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
     return ShardedTensorMetadata(
         tuple(shard_from_proto(s, i) for i, s in enumerate(msg.shards_metadata)), tuple(msg.size),
         properties_from_proto(msg.tensor_properties))
-
-
-def box_to_proto_fields(box: Box) -> dict[str, list[int]]:
-    return {"offsets": list(box.offsets), "sizes": list(box.sizes)}
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
