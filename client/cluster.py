@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from client import checkpoints
-from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from client.errors import DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.info import RankStatus, TensorSummary
 from client.lookup import Lookups, table_options
 from client.row_cache import CacheStats, RowCache
@@ -240,7 +240,7 @@ class Cluster:
             jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
                     for index, shard in enumerate(shards)]
             self._transport.run_all(jobs)
-            committed = self._call("CommitTensor", pb.CommitTensorRequest(name=name, version=info.version))
+            committed = self._commit(name, info.version)
         except BaseException:
             self._abort(name, info.version)
             raise
@@ -253,6 +253,21 @@ class Cluster:
                                      dtype=dtype_to_wire(meta.dtype), nbytes=len(data))
         address = self._address_of(meta.shards_metadata[index].rank)
         return self._transport.write_shard(address, header, data, chunk_bytes)
+
+    def _commit(self, name: str, version: int) -> pb.TensorInfo:
+        """CommitTensor of a pending version. When the answer is lost (deadline, connection) the commit may still
+        have happened: then the READY version says so, and it counts as done rather than being reported failed
+        while it is visible."""
+        try:
+            return self._call("CommitTensor", pb.CommitTensorRequest(name=name, version=version))
+        except (DeadlineExceededError, RankUnavailableError):
+            try:
+                ready = self._call("GetTensor", pb.GetTensorRequest(name=name))
+            except ShardServeError:
+                ready = None
+            if ready is not None and ready.version == version:
+                return ready
+            raise
 
     def _abort(self, name: str, version: int) -> None:
         """Best-effort AbortTensor of a pending version (the coordinator also times pending ones out)."""

@@ -50,7 +50,7 @@ def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
             jobs = [partial(_write_batch, cluster, meta, name, info.version, index, batch_ids, batch_rows)
                     for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
             cluster._transport.run_all(jobs)
-            committed = cluster._call("CommitTensor", pb.CommitTensorRequest(name=name, version=info.version))
+            committed = cluster._commit(name, info.version)
         except BaseException:
             cluster._abort(name, info.version)
             raise

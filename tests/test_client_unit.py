@@ -228,3 +228,25 @@ def test_grid_dims_without_a_grid_is_refused():
 
     with pytest.raises(InvalidArgumentError, match="--grid-dims goes with --grid"):
         layout_from_options((4, 4), torch.float32, {0: "cpu", 1: "cpu"}, grid_dims=(0, 1))
+
+
+def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
+    """CommitTensor may succeed on the coordinator while its answer is lost (a deadline): the put must not say
+    it failed while the tensor is visible, nor raise when it really did not commit."""
+    from client.cluster import Cluster
+    from client.errors import DeadlineExceededError
+    from protos import shardserve_pb2 as pb
+
+    def calls(ready_version):  # type: ignore[no-untyped-def]
+        def call(method, request):  # type: ignore[no-untyped-def]
+            if method == "CommitTensor":
+                raise DeadlineExceededError("coordinator: deadline exceeded")
+            return pb.TensorInfo(name=request.name, version=ready_version, state=pb.READY)
+        return call
+
+    cluster = Cluster.__new__(Cluster)
+    cluster._call = calls(7)  # type: ignore[method-assign]
+    assert cluster._commit("t", 7).version == 7
+    cluster._call = calls(6)  # type: ignore[method-assign]
+    with pytest.raises(DeadlineExceededError):
+        cluster._commit("t", 7)
