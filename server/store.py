@@ -14,6 +14,7 @@ import enum
 import logging
 import os
 import threading
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -31,6 +32,8 @@ from shardcore.regions import local_view
 from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
+
+DROPPED_KEPT = 4096  # (name, version) pairs remembered as dropped, so a late allocation of one is refused
 
 
 class VersionState(enum.Enum):
@@ -135,6 +138,7 @@ class ShardStore:
         self.max_request_bytes = max_request_bytes
         self._lock = threading.Lock()
         self._versions: dict[tuple[str, int], StoredVersion] = {}
+        self._dropped: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._memory_used = 0
         # CPU shards live in shared memory (same-host data plane) unless turned off; see server/shared_memory.py
         use_shared = enabled_by_env() if shared_memory is None else shared_memory
@@ -245,6 +249,9 @@ class ShardStore:
             if key in self._versions:
                 raise FailedPrecondition(f"tensor {entry.name!r} version {entry.version} is already "
                                          f"allocated on rank {self.rank}")
+            if key in self._dropped:  # versions never come back: this allocation lost a race with its abort
+                raise FailedPrecondition(f"tensor {entry.name!r} version {entry.version} was dropped on rank "
+                                         f"{self.rank} before this allocation arrived (aborted)")
             self._make_room(entry.nbytes)
             if self.memory_limit and self._memory_used + entry.nbytes > self.memory_limit:
                 raise ResourceExhausted(
@@ -284,10 +291,19 @@ class ShardStore:
             self.shared.mark(entry.shards.values(), served=True)
         log.info("rank %d serves %r version %d", self.rank, name, version)
 
+    def _remember_dropped(self, key: tuple[str, int]) -> None:
+        """Keep (name, version) as dropped (lock held), the latest DROPPED_KEPT of them, so a late allocation of
+        it (an AllocateShards overtaken by its abort's DropVersion) is refused instead of held for nobody."""
+        self._dropped[key] = None
+        while len(self._dropped) > DROPPED_KEPT:
+            self._dropped.popitem(last=False)
+
     def drop(self, name: str, version: int = 0) -> int:
         """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent."""
         with self._lock:
             keys = [k for k in self._versions if k[0] == name and (version == 0 or k[1] == version)]
+            if version:
+                self._remember_dropped((name, version))
             for key in keys:
                 entry = self._versions[key]
                 entry.dropped = True

@@ -111,3 +111,18 @@ def test_a_shard_being_rewritten_cannot_be_promoted():
     with pytest.raises(FailedPrecondition, match="already committed"):
         with store.rewrite("t", 1, 0):
             pass
+
+
+def test_an_allocation_overtaken_by_its_drop_is_refused():
+    """An abort's DropVersion can reach a rank before the AllocateShards it aborts; versions never come back,
+    so the late allocation is refused instead of holding memory nobody will free."""
+    store = ShardStore(0)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 2), TensorProperties(dtype=torch.float32))
+    assert store.drop("t", 7) == 0  # nothing there yet
+    with pytest.raises(FailedPrecondition, match="was dropped on rank 0 before this allocation arrived"):
+        store.allocate("t", 7, meta)
+    with pytest.raises(FailedPrecondition, match="was dropped"):
+        store.reserve("t", 7, meta)
+    assert store.memory_used == 0
+    store.allocate("t", 8, meta)  # other versions are not affected
+    assert store.memory_used == 32
