@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from client.errors import InvalidArgumentError
-from client.lookup import POOLINGS
+from client.lookup import POOLINGS, as_ids
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
@@ -33,7 +33,8 @@ class RemoteEmbedding(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
-        rows = self.cluster._lookups.lookup({self.name: input.reshape(-1)}, self.dtype)[self.name]
+        ids = as_ids(input.reshape(-1), "input")  # errors name the module's argument, not the table's request
+        rows = self.cluster._lookups.lookup({self.name: ids}, self.dtype)[self.name]
         return rows.view(*input.shape, rows.shape[1]).to(input.device)
 
     def extra_repr(self) -> str:

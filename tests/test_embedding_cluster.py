@@ -196,6 +196,8 @@ def test_modules_are_drop_in(cl: Cluster, tables: dict, layout: str) -> None:
 
 
 def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
+    with pytest.raises(TypeError, match="input must hold integers"):
+        RemoteEmbedding(cl, _name("grid", torch.float32))(torch.tensor([[1.0, 2.0]]))
     bag = RemoteEmbeddingBag(cl, _name("grid", torch.float32))
     with pytest.raises(ValueError, match="offsets"):
         bag(IDS)
