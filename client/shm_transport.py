@@ -176,6 +176,8 @@ class SharedMemoryReader:
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
         reply = self._open_shard(address, request)
+        if reply.pid:
+            _RANK_PROCESSES.watch(reply.pid)  # now, while the rank that just answered surely owns the pid
         self._limits[address] = reply.max_request_bytes
         try:  # the lease holds the version (and its segment's generation) until released below
             _check_reply(reply, summary, index)
@@ -339,12 +341,17 @@ class _ProcessWatch:
         self._pidfds: dict[int, int | None] = {}
         self._lock = threading.Lock()
 
-    def alive(self, pid: int) -> bool | None:
-        """Whether process `pid` is running; None where pidfds are unavailable."""
+    def watch(self, pid: int) -> int | None:
+        """The pidfd of rank process `pid`, opened the first time: callers open it right after the rank
+        answered, so it names that process and not a later one that reused its pid."""
         with self._lock:
             if pid not in self._pidfds:
                 self._pidfds[pid] = _pidfd(pid)
-            pidfd = self._pidfds[pid]
+            return self._pidfds[pid]
+
+    def alive(self, pid: int) -> bool | None:
+        """Whether process `pid` is running; None where pidfds are unavailable."""
+        pidfd = self.watch(pid)
         if pidfd is None:
             return None
         poller = select.poll()
