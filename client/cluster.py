@@ -7,7 +7,6 @@ any failure aborts the pending version so no half tensor is ever visible.
 """
 from __future__ import annotations
 
-import operator
 import threading
 from functools import partial
 from typing import Any, Callable, Sequence
@@ -30,7 +29,7 @@ from shardcore.dtypes import dtype_from_name, dtype_to_wire
 from shardcore.interop import as_spec
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties
 from shardcore.regions import cut_tensor
-from shardcore.specs import ChunkShardingSpec
+from shardcore.specs import ChunkShardingSpec, tensor_size
 from shardcore.validation import validate_metadata
 from shardcore.wire import metadata_to_proto, tensor_bytes
 
@@ -319,14 +318,11 @@ class Cluster:
 
 
 def _shape(shape: Any) -> tuple[int, ...]:
-    """`shape` as a tuple of non-negative ints; InvalidArgumentError naming it otherwise."""
+    """`shape` as a tuple of non-negative ints (shardcore's size check); InvalidArgumentError naming it otherwise."""
     try:
         dims = tuple(shape)
-        if any(isinstance(n, bool) for n in dims):
-            raise TypeError
-        dims = tuple(operator.index(n) for n in dims)
+        return tensor_size(dims)
     except TypeError:
         raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}") from None
-    if any(n < 0 for n in dims):
-        raise InvalidArgumentError(f"shape {dims} has a negative size")
-    return dims
+    except ValueError:
+        raise InvalidArgumentError(f"shape {dims} has a negative size") from None

@@ -11,6 +11,7 @@ one unary ReadRegionSmall call: about half a stream's per-call cost.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -19,6 +20,7 @@ import torch
 
 from protos.chunk_codec import decode_chunk
 from client.errors import ShardServeError, error_from_rpc
+from client.transport import run_here_and_on
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
 
@@ -45,20 +47,9 @@ def bands(part: Box, itemsize: int, streams: int = STREAMS, min_bytes: int = BAN
 
 
 def read_bands(read_band: Callable[[Box], None], parts: list[Box]) -> None:
-    """Run `read_band` for every band, the first on this thread and the rest on the band pool; raise the first error."""
-    futures = [_pool.submit(read_band, band) for band in parts[1:]]
-    first_error: BaseException | None = None
-    try:
-        read_band(parts[0])
-    except BaseException as err:  # noqa: BLE001 - re-raised after the other bands finish
-        first_error = err
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as err:  # noqa: BLE001
-            first_error = first_error or err
-    if first_error is not None:
-        raise first_error
+    """Run `read_band` for every band, the first on this thread and the rest on the band pool (its own: the parts
+    already run on the transport's); raise the first error once every band has ended."""
+    run_here_and_on([partial(read_band, band) for band in parts], _pool.submit)
 
 
 def read_region(transport: "Transport", address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:

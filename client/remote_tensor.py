@@ -243,20 +243,23 @@ class RemoteShardedTensor:
         """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device)."""
         if box.is_empty():
             return
-        plane = self._cluster._data_plane
-        networked = [(index, part) for index, part in parts if not plane.maps(self._rank_of(summary, index))]
+        plane, run_all = self._cluster._data_plane, self._cluster._transport.run_all
+
+        def each_by_its_path(group: Sequence[tuple[int, Box]]) -> None:
+            run_all([partial(self._read_part, summary, index, part, box, out) for index, part in group])
+
+        mapped, networked = [], []
+        for index, part in parts:
+            (mapped if plane.maps(self._rank_of(summary, index)) else networked).append((index, part))
         if len(networked) < 2 or plane.transport == "shm" or \
                 sum(part.numel() for _, part in networked) * out.element_size() > PIPELINED_READ_BYTES:
-            self._cluster._transport.run_all([partial(self._read_part, summary, index, part, box, out)
-                                              for index, part in parts])
+            each_by_its_path(parts)
             return
         sent = plane.send_all([self._network_call(summary, index, part, local_view(out, box, part))
                                for index, part in networked], self._cluster._transport.submit)
-        mapped = [partial(self._read_part, summary, index, part, box, out)
-                  for index, part in parts if (index, part) not in networked]
         try:
             if mapped:
-                self._cluster._transport.run_all(mapped)
+                each_by_its_path(mapped)
         finally:
             paths = sent.wait()
         log.debug("read %r shards %s over %s", summary.name, [index for index, _ in networked], paths)
@@ -275,27 +278,26 @@ class RemoteShardedTensor:
     def _network_call(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> NetworkCall:
         """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
         into `region` later (client.data_plane.send_all), or read over gRPC."""
-        address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
+        rank = self._rank_of(summary, index)
         request = _read_request(summary, index, part)
 
         def send_bulk() -> Callable[[], None]:
             target, land = _landing(part, region)
-            answer = self._cluster._bulk.send_read(address, request, byte_view(target))
+            answer = self._cluster._bulk.send_read(rank.address, request, byte_view(target))
 
             def take() -> None:
                 answer()
                 land()
             return take
 
-        return NetworkCall(self._rank_of(summary, index), send_bulk,
-                           partial(self._read_part_over, summary, index, part, region, False, "grpc"))
+        return NetworkCall(rank, send_bulk, partial(self._read_part_over, summary, index, part, region, False, "grpc"))
 
     def _read_part_over(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                         only_part: bool, path: str) -> None:
         """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
         (a large part that is the read's only one as parallel row bands, client.grpc_streams), else via one
         buffer."""
-        address = self._cluster._address_of(summary.metadata.shards_metadata[index].rank)
+        address = self._rank_of(summary, index).address
         read_box = self._cluster._bulk.read_region if path == "tcp" else partial(read_region, self._cluster._transport)
         target, land = _landing(part, region)
         read_bands(lambda band: read_box(address, _read_request(summary, index, band),

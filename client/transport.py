@@ -10,7 +10,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -26,6 +26,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fields
 # Data calls get the control deadline plus time for their bytes at this pessimistic rate.
 _SLOWEST_BYTES_PER_S = 20e6
+T = TypeVar("T")
 SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 _CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -181,17 +182,22 @@ class Transport:
         """Run `job` on the client's pool without waiting (e.g. releasing a shared-memory lease)."""
         return self._pool.submit(job)
 
-    def run_all(self, jobs: Sequence) -> list:
-        """Run the callables in `jobs`, the first on this thread and the rest on the pool (one thread hand-off
-        fewer per call), wait for all, raise the first failure in job order."""
-        futures: list[Future] = [self._pool.submit(job) for job in jobs[1:]]
-        results, first_error = [], None
-        for run in [jobs[0], *(future.result for future in futures)] if jobs else []:
-            try:
-                results.append(run())
-            except BaseException as err:  # noqa: BLE001 - re-raised below after every part finished
-                results.append(None)
-                first_error = first_error or err
-        if first_error is not None:
-            raise first_error
-        return results
+    def run_all(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
+        """run_here_and_on(jobs, the client's pool)."""
+        return run_here_and_on(jobs, self._pool.submit)
+
+
+def run_here_and_on(jobs: Sequence[Callable[[], T]], submit: Callable[[Callable[[], T]], "Future[T]"]) -> list[T]:
+    """Run the callables in `jobs`, the first on this thread and the rest through `submit` (one thread hand-off
+    fewer per call), wait for all, raise the first failure in job order once every job has ended."""
+    futures = [submit(job) for job in jobs[1:]]
+    results, first_error = [], None
+    for run in [jobs[0], *(future.result for future in futures)] if jobs else []:
+        try:
+            results.append(run())
+        except BaseException as err:  # noqa: BLE001 - re-raised below after every job finished
+            results.append(None)
+            first_error = first_error or err
+    if first_error is not None:
+        raise first_error
+    return results

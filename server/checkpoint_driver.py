@@ -134,9 +134,8 @@ class CheckpointDriver:
             try:
                 yield from self._run_load(path, new, world, timeout_s)
                 for info in new:
-                    self.coordinator._fan_out(ranks_of(info), lambda stub, i=info: stub.PromoteVersion(
-                        pb.PromoteVersionRequest(name=i.name, version=i.version),
-                        timeout=self.coordinator.rpc_timeout), f"promote {info.name!r} version {info.version}")
+                    self.coordinator.promote_on(ranks_of(info), info.name, info.version,
+                                                f"promote {info.name!r} version {info.version}")
             except BaseException:
                 for info in new:
                     self.coordinator._discard(info)

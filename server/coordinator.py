@@ -248,9 +248,7 @@ class Coordinator:
             raise NotFound(f"tensor {name!r} version {version} not found (never created, aborted or replaced)")
         if info.state == pb.READY:
             return info
-        promote = pb.PromoteVersionRequest(name=name, version=version)
-        self._fan_out(ranks_of(info), lambda stub: stub.PromoteVersion(promote, timeout=self.rpc_timeout),
-                      f"commit {name!r} version {version}")
+        self.promote_on(ranks_of(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
         for old in older:
             self._drop_quietly(name, old.version, ranks_of(old))
@@ -322,6 +320,11 @@ class Coordinator:
         finally:
             lock.release()
 
+    def promote_on(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
+        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
+        request = pb.PromoteVersionRequest(name=name, version=version)
+        self._fan_out(ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what)
+
     def _fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
         """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
         entries = {r: self._entry(r) for r in ranks}
@@ -376,10 +379,8 @@ class Coordinator:
                 known.add((info.name, info.version))
                 if (info.name, info.version) in held:
                     if info.state == pb.READY:
-                        self._reconcile_step(rank, info, "re-promote", lambda i=info: self._fan_out(
-                            [rank], lambda s: s.PromoteVersion(pb.PromoteVersionRequest(
-                                name=i.name, version=i.version), timeout=self.rpc_timeout),
-                            f"re-promote {i.name!r}"))
+                        self._reconcile_step(rank, info, "re-promote", lambda i=info: self.promote_on(
+                            [rank], i.name, i.version, f"re-promote {i.name!r}"))
                 elif info.state == pb.READY:
                     missing.append(info)
             held_now = self._held_by(rank) if missing else set()

@@ -135,9 +135,7 @@ class CollectiveRunner:
             while len(finals) + len(failures) < len(ranks):
                 try:
                     rank, item = events.get(timeout=watch.seconds_left(finals.keys() | failures.keys()))
-                except queue.Empty:
-                    if watch.seconds_left(finals.keys() | failures.keys()) > 0:
-                        continue
+                except queue.Empty:  # the wait ran to the first limit: that rank is given up
                     break
                 watch.heard(rank, item)
                 if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
@@ -188,7 +186,6 @@ class CollectiveRunner:
         log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
         return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
                                   f"{self.broken} Details: {details or 'no answer'}", sorted(culprits))
-
 
 
 class _JobWatch:
@@ -365,10 +362,9 @@ class ReshardDriver:
     def _promote(self, ready: pb.TensorInfo) -> bool:
         """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
         ranks = ranks_of(ready)
-        promote = pb.PromoteVersionRequest(name=ready.name, version=ready.version)
         try:
-            self.coordinator._fan_out(ranks, lambda stub: stub.PromoteVersion(
-                promote, timeout=self.coordinator.rpc_timeout), f"promote {ready.name!r} version {ready.version}")
+            self.coordinator.promote_on(ranks, ready.name, ready.version,
+                                        f"promote {ready.name!r} version {ready.version}")
         except ServiceError as err:
             log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
                       ready.name, ready.version, err.message)

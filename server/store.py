@@ -214,9 +214,7 @@ class ShardStore:
     def fill_reserved(self, name: str, version: int, shards: dict[int, torch.Tensor]) -> None:
         """Put the finished local shards of a `reserve`d pending version in place (every local shard at once)."""
         with self._lock:
-            entry = self._get(name, version)
-            if entry.state is VersionState.SERVED:
-                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed")
+            entry = self._pending(name, version)
             expected = set(entry.metadata.shards_on(self.rank))
             if set(shards) != expected:
                 raise InvalidArgument(f"install of {name!r} version {version}: shards {sorted(shards)} given, "
@@ -332,6 +330,34 @@ class ShardStore:
         raise FailedPrecondition(f"tensor {name!r} version {version} is not held on rank {self.rank}; "
                                  f"{self._served_phrase(name)}")
 
+    def _pending(self, name: str, version: int) -> StoredVersion:
+        """(lock held) The pending (name, version): FailedPrecondition once it is served, as served versions never
+        change."""
+        entry = self._get(name, version)
+        if entry.state is VersionState.SERVED:
+            raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
+                                     f"create a new version to change it")
+        return entry
+
+    def _open_for_change(self, name: str, version: int, shard_index: int,
+                         check: Callable[[StoredVersion], None] = lambda entry: None
+                         ) -> tuple[StoredVersion, torch.Tensor, bool]:
+        """Lease pending (name, version) for a change of local shard `shard_index`, after `check(entry)`, and
+        count that shard as not fully written, all in one step under the lock so no promote comes in between:
+        (the entry, whose lease the caller ends with _lease; the shard; whether it was fully written)."""
+        with self._lock:
+            entry = self._pending(name, version)
+            shard = self._local_shard(entry, shard_index)
+            check(entry)
+            was_complete = shard_index in entry.complete
+            entry.complete.discard(shard_index)
+            entry.leases += 1
+        return entry, shard, was_complete
+
+    def _mark_complete(self, entry: StoredVersion, shard_index: int) -> None:
+        with self._lock:
+            entry.complete.add(shard_index)
+
     def _served_phrase(self, name: str) -> str:
         served = [k[1] for k, e in self._versions.items()
                   if k[0] == name and e.state is VersionState.SERVED and not e.dropped]
@@ -389,39 +415,29 @@ class ShardStore:
     def write(self, name: str, version: int, shard_index: int, dtype: torch.dtype,
               nbytes: int) -> Iterator["ShardWriter"]:
         """Lease a pending version and yield a writer that fills shard `shard_index` in order."""
-        with self._lock:  # checked and marked incomplete in one step, so a promote cannot come in between
-            entry = self._get(name, version)
-            if entry.state is VersionState.SERVED:
-                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
-                                         f"create a new version to change it")
-            shard_tensor = self._local_shard(entry, shard_index)
+        def check(entry: StoredVersion) -> None:
             if dtype != entry.metadata.dtype:
                 raise InvalidArgument(f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
                                       f"dtype {dtype_name(entry.metadata.dtype)}")
-            expected = entry.metadata.shard_nbytes(shard_index)
-            if nbytes != expected:
+            if nbytes != entry.metadata.shard_nbytes(shard_index):
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
-                                      f"of {expected} bytes")
-            entry.complete.discard(shard_index)
-            entry.leases += 1
+                                      f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
+
+        entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check)
         with self._lease(entry):
-            writer = ShardWriter(shard_tensor, expected)
+            writer = ShardWriter(shard_tensor, nbytes)
             yield writer
-            if writer.written != expected:
-                raise InvalidArgument(f"the stream ended after {writer.written} of {expected} bytes of "
+            if writer.written != nbytes:
+                raise InvalidArgument(f"the stream ended after {writer.written} of {nbytes} bytes of "
                                       f"shard {shard_index}")
-            with self._lock:
-                entry.complete.add(shard_index)
+            self._mark_complete(entry, shard_index)
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
         """Lease (name, version), served (or, with served=False, pending): reads that go on outside a stream
         (OpenShard, lookups, copies, checkpoint jobs)."""
         with self._lock:
-            entry = self._served(name, version) if served else self._get(name, version)
-            if not served and entry.state is VersionState.SERVED:
-                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
-                                         f"create a new version to change it")
+            entry = self._served(name, version) if served else self._pending(name, version)
             entry.leases += 1
         with self._lease(entry):
             yield entry
@@ -430,22 +446,13 @@ class ShardStore:
     def rewrite(self, name: str, version: int, shard_index: int) -> Iterator[torch.Tensor]:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
         not fully written meanwhile, so a promote cannot publish it half changed."""
-        with self._lock:
-            entry = self._get(name, version)
-            if entry.state is VersionState.SERVED:
-                raise FailedPrecondition(f"tensor {name!r} version {version} is already committed; "
-                                         f"create a new version to change it")
-            shard = self._local_shard(entry, shard_index)
-            was_complete = shard_index in entry.complete
-            entry.complete.discard(shard_index)
-            entry.leases += 1
+        entry, shard, was_complete = self._open_for_change(name, version, shard_index)
         with self._lease(entry):
             try:
                 yield shard
             finally:
                 if was_complete:
-                    with self._lock:
-                        entry.complete.add(shard_index)
+                    self._mark_complete(entry, shard_index)
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""

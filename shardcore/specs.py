@@ -15,7 +15,9 @@ from shardcore.metadata import (RemoteDevice, ShardedTensorMetadata, ShardMetada
 from shardcore.validation import LayoutError, validate_metadata
 
 
-def _tensor_size(size: Iterable[int]) -> tuple[int, ...]:
+def tensor_size(size: Iterable[int]) -> tuple[int, ...]:
+    """`size` as a tuple of non-negative ints: TypeError for what is not a sequence of integers (bools
+    included), ValueError naming the negative dim."""
     try:
         values = tuple(size)
     except TypeError:
@@ -89,7 +91,7 @@ class ChunkShardingSpec:
     def build_metadata(self, size: Sequence[int],
                        tensor_properties: TensorProperties | None = None) -> ShardedTensorMetadata:
         """Metadata of a tensor of `size` chunked along `dim` over the placements."""
-        size = _tensor_size(size)
+        size = tensor_size(size)
         if not -len(size) <= self.dim < len(size):
             raise ValueError(f"dim {self.dim} is out of range for a {len(size)}-D tensor of size {size}")
         dim = self.dim % len(size)
@@ -147,6 +149,6 @@ class EnumerableShardingSpec:
     def build_metadata(self, size: Sequence[int],
                        tensor_properties: TensorProperties | None = None) -> ShardedTensorMetadata:
         """Metadata of a tensor of `size` made of these shards; raises LayoutError if they don't fit it."""
-        meta = ShardedTensorMetadata(self.shards, _tensor_size(size), _properties(tensor_properties))
+        meta = ShardedTensorMetadata(self.shards, tensor_size(size), _properties(tensor_properties))
         validate_metadata(meta)
         return meta
