@@ -7,7 +7,9 @@ any failure aborts the pending version so no half tensor is ever visible.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+import uuid
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -209,7 +211,7 @@ class Cluster:
         shape = _shape(shape)
         meta = self._metadata(shape, dtype, spec)
         options = table_options(oov, default_row, shape, dtype)
-        info = self._call("CreateTensor", pb.CreateTensorRequest(
+        info = self._create_tensor(pb.CreateTensorRequest(
             name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite,
             options=options))
         return RemoteShardedTensor(self, TensorSummary.from_proto(info))
@@ -233,7 +235,7 @@ class Cluster:
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
-        info = self._call("CreateTensor", pb.CreateTensorRequest(
+        info = self._create_tensor(pb.CreateTensorRequest(
             name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite, options=options))
         try:
             jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
@@ -253,6 +255,18 @@ class Cluster:
         address = self._address_of(meta.shards_metadata[index].rank)
         return self._transport.write_shard(address, header, data, chunk_bytes)
 
+    def _create_tensor(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """CreateTensor under a fresh put token. When the answer is lost (deadline, connection) the version may
+        have been made anyway, with no one to write or abort it: the token aborts it (or, if the coordinator
+        has not run the call yet, makes it refuse the call), instead of leaving it to the pending timeout."""
+        request.put_token = uuid.uuid4().hex
+        try:
+            return self._call("CreateTensor", request)
+        except (DeadlineExceededError, RankUnavailableError):
+            with contextlib.suppress(ShardServeError):
+                self._call("AbortTensor", pb.AbortTensorRequest(name=request.name, put_token=request.put_token))
+            raise
+
     def _commit(self, name: str, version: int) -> pb.TensorInfo:
         """CommitTensor of a pending version. When the answer is lost (deadline, connection) the commit may still
         have happened: then the READY version says so, and it counts as done rather than being reported failed
@@ -270,10 +284,8 @@ class Cluster:
 
     def _abort(self, name: str, version: int) -> None:
         """Best-effort AbortTensor of a pending version (the coordinator also times pending ones out)."""
-        try:
+        with contextlib.suppress(ShardServeError):
             self._call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
-        except ShardServeError:
-            pass
 
     # ------------------------------------------------------------ embedding serving (client.lookup)
 

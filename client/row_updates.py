@@ -70,7 +70,7 @@ def _create_copy(cluster: "Cluster", name: str) -> tuple[TableView, pb.TensorInf
     view = cluster._lookups.view(name, refresh=True)
     request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
                                      init=pb.INIT_COPY, overwrite=True, source_version=view.version)
-    return view, cluster._call("CreateTensor", request)
+    return view, cluster._create_tensor(request)
 
 
 def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor):  # type: ignore[no-untyped-def]

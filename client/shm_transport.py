@@ -21,6 +21,7 @@ import select
 import socket
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -76,7 +77,7 @@ def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
 
 @dataclass
 class _Mapping:
-    pid: int
+    process: RankProcess  # the rank process that handed the segment over
     inode: int
     device_id: int
     flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
@@ -176,17 +177,16 @@ class SharedMemoryReader:
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
         reply = self._open_shard(address, request)
-        if reply.pid:
-            _RANK_PROCESSES.watch(reply.pid)  # now, while the rank that just answered surely owns the pid
+        process = _RANK_PROCESSES.watch(reply.pid)  # now, while the rank that just answered surely owns the pid
         self._limits[address] = reply.max_request_bytes
         try:  # the lease holds the version (and its segment's generation) until released below
             _check_reply(reply, summary, index)
             if reply.nbytes == 0:
                 return None, None
             if reply.HasField("cuda"):
-                mapping = self._cuda_mapping(key, cached, reply)
-            elif cached is not None and (cached.pid, cached.inode, cached.device_id) == (
-                    reply.pid, reply.inode, reply.device_id):
+                mapping = self._cuda_mapping(key, cached, reply, process)
+            elif cached is not None and (cached.process, cached.inode, cached.device_id) == (
+                    process, reply.inode, reply.device_id):
                 if not cached.serves():  # the same segment: its header says the version went since the reply
                     self._forget(key)
                     raise _stale(summary, address)
@@ -196,7 +196,7 @@ class SharedMemoryReader:
                 return self._open(address, summary, index)  # asked again without it: a mapping made under a lease
             else:
                 flat, header = _map_segment(reply)
-                mapping = _Mapping(reply.pid, reply.inode, reply.device_id, flat, header, reply.fd,
+                mapping = _Mapping(process, reply.inode, reply.device_id, flat, header, reply.fd,
                                    generation=int(header[2]) if header is not None else 0)
                 self._remember(key, mapping)
         finally:
@@ -213,7 +213,8 @@ class SharedMemoryReader:
             return None
         return HostMapping(mapping)
 
-    def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse) -> _Mapping:
+    def _cuda_mapping(self, key: tuple, cached: _Mapping | None, reply: pb.OpenShardResponse,
+                      process: RankProcess) -> _Mapping:
         """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
         whole allocation, milliseconds per call), else a newly opened one."""
         h = reply.cuda
@@ -223,7 +224,7 @@ class SharedMemoryReader:
             return cached
         flat = _map_cuda(reply)
         state = _map_state_header(reply) if reply.fd else None  # later reads check it instead of calling OpenShard
-        mapping = _Mapping(reply.pid, reply.inode, reply.device_id, flat, state, reply.fd,
+        mapping = _Mapping(process, reply.inode, reply.device_id, flat, state, reply.fd,
                            cuda_handle=(h.handle, h.storage_offset_bytes),
                            generation=int(state[2]) if state is not None else 0)
         self._remember(key, mapping)
@@ -323,40 +324,56 @@ def _still_held(mapping: _Mapping) -> bool:
 
     A rank marks a segment dropped before closing it, so while the header says served the segment is held
     exactly as long as the rank's process lives; a pidfd answers that in one poll (no /proc path walk)."""
-    alive = _RANK_PROCESSES.alive(mapping.pid)
+    alive = mapping.process.alive()
     if alive is not None:
         return alive
     try:
-        stat = os.stat(f"/proc/{mapping.pid}/fd/{mapping.fd}")
+        stat = os.stat(f"/proc/{mapping.process.pid}/fd/{mapping.fd}")
     except OSError:
         return False
     return (stat.st_ino, stat.st_dev) == (mapping.inode, mapping.device_id)
 
 
-class _ProcessWatch:
-    """One pidfd per rank process seen (Linux 5.3+): readable once the process has exited, whatever pid reuse
-    follows."""
+class RankProcess:
+    """One rank process, watched through a pidfd (Linux 5.3+): readable once that process has exited, whatever
+    later process reuses its pid. The pidfd closes when no mapping refers to the process any more."""
 
-    def __init__(self) -> None:
-        self._pidfds: dict[int, int | None] = {}
-        self._lock = threading.Lock()
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = _pidfd(pid)
+        if self._pidfd is not None:
+            weakref.finalize(self, os.close, self._pidfd)
 
-    def watch(self, pid: int) -> int | None:
-        """The pidfd of rank process `pid`, opened the first time: callers open it right after the rank
-        answered, so it names that process and not a later one that reused its pid."""
-        with self._lock:
-            if pid not in self._pidfds:
-                self._pidfds[pid] = _pidfd(pid)
-            return self._pidfds[pid]
-
-    def alive(self, pid: int) -> bool | None:
-        """Whether process `pid` is running; None where pidfds are unavailable."""
-        pidfd = self.watch(pid)
-        if pidfd is None:
+    def alive(self) -> bool | None:
+        """Whether the process is running; None where pidfds are unavailable."""
+        if self._pidfd is None:
             return None
         poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
+        poller.register(self._pidfd, select.POLLIN)
         return not poller.poll(0)
+
+
+class _ProcessWatch:
+    """The latest RankProcess per pid: an exited one is replaced when a rank that reused its pid answers, and
+    forgotten (its pidfd closed once its mappings are gone) instead of kept for the client's lifetime."""
+
+    def __init__(self) -> None:
+        self._processes: dict[int, RankProcess] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, pid: int) -> RankProcess:
+        """Rank process `pid`: callers ask right after the rank answered, so a pidfd opened now names that
+        process and not a later one that reused its pid."""
+        with self._lock:
+            process = self._processes.get(pid)
+            if process is None or process.alive() is False:
+                self._forget_exited()
+                process = self._processes[pid] = RankProcess(pid)
+            return process
+
+    def _forget_exited(self) -> None:
+        for pid in [pid for pid, process in self._processes.items() if process.alive() is False]:
+            del self._processes[pid]
 
 
 def _pidfd(pid: int) -> int | None:

@@ -153,7 +153,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class TensorInfo(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     PROMOTING_FIELD_NUMBER: _ClassVar[int]
+    PUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -170,7 +171,8 @@ class TensorInfo(_message.Message):
     nbytes: int
     created_unix: float
     promoting: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ...) -> None: ...
+    put_token: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -227,7 +229,7 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
-    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version")
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +237,7 @@ class CreateTensorRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: ShardedTensorMetadata
     init: InitKind
@@ -242,7 +245,8 @@ class CreateTensorRequest(_message.Message):
     options: TensorOptions
     overwrite: bool
     source_version: int
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ...) -> None: ...
+    put_token: str
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ...) -> None: ...
 
 class CommitTensorRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -253,16 +257,20 @@ class CommitTensorRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AbortTensorRequest(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "put_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    PUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    put_token: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., put_token: _Optional[str] = ...) -> None: ...
 
 class AbortTensorResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("name",)

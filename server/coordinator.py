@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, TypeVar
@@ -27,7 +28,7 @@ from server.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidAr
                            Unavailable, rpc_errors)
 from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
 from server.reshard_driver import ReshardDriver
-from server.requests import check_name, check_version, parse_metadata
+from server.requests import check_name, check_put_token, check_version, parse_metadata
 from server.store import check_init
 from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
@@ -35,6 +36,7 @@ from shardcore.wire import metadata_to_proto
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+ABORTED_TOKENS_KEPT = 4096  # put tokens remembered as aborted, so their late CreateTensor is refused
 NAME_LOCK_WAIT_S = 10.0  # how long a change of a tensor waits for another one of it (under the clients' 30 s deadline)
 
 
@@ -68,6 +70,7 @@ class Coordinator:
         self._ranks_changed = threading.Condition()
         self._name_locks: dict[str, threading.Lock] = {}
         self._name_locks_guard = threading.Lock()
+        self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
@@ -173,14 +176,18 @@ class Coordinator:
         meta = parse_metadata(request.metadata)
         check_init(request.init, meta.dtype)
         _check_options(request.options, meta)
+        token = check_put_token(request.put_token)
         self._check_placements(meta)
         with self._name_lock(name):
+            if token and (name, token) in self._aborted_tokens:
+                raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
+                              f"CreateTensor ran")
             options = self._copy_source(name, meta, request).options if request.init == pb.INIT_COPY \
                 else request.options
             self._make_room(name, request.overwrite)
             info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
                                  metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
-                                 nbytes=meta.nbytes, created_unix=time.time())
+                                 nbytes=meta.nbytes, created_unix=time.time(), put_token=token)
             self.catalog.add(info)
             allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                 init=request.init, seed=request.seed, options=options,
@@ -209,14 +216,34 @@ class Coordinator:
         check_name(name)
         check_version(version)
         with self._name_lock(name):
-            info = self.catalog.get(name, version)
-            if info is None:
-                raise NotFound(f"tensor {name!r} version {version} not found")
-            if info.state == pb.READY:
-                raise FailedPrecondition(f"tensor {name!r} version {version} is committed; "
-                                         f"use DeleteTensor to remove it")
-            self._discard(info)
-            log.info("aborted %r version %d", name, version)
+            self._abort_locked(name, version)
+
+    def abort_put(self, name: str, token: str) -> int:
+        """Abort the PENDING version of `name` made with put_token `token`, if any (a client whose CreateTensor
+        answer was lost does not know its version), and refuse that token from now on: the version aborted,
+        or 0."""
+        check_name(name)
+        if not check_put_token(token):
+            raise InvalidArgument("put_token is empty; give version or put_token")
+        with self._name_lock(name):
+            self._aborted_tokens[(name, token)] = None
+            while len(self._aborted_tokens) > ABORTED_TOKENS_KEPT:
+                self._aborted_tokens.popitem(last=False)
+            for info in self.catalog.versions(name):
+                if info.put_token == token and info.state != pb.READY:
+                    self._abort_locked(name, info.version)
+                    return info.version
+        return 0
+
+    def _abort_locked(self, name: str, version: int) -> None:
+        info = self.catalog.get(name, version)
+        if info is None:
+            raise NotFound(f"tensor {name!r} version {version} not found")
+        if info.state == pb.READY:
+            raise FailedPrecondition(f"tensor {name!r} version {version} is committed; "
+                                     f"use DeleteTensor to remove it")
+        self._discard(info)
+        log.info("aborted %r version %d", name, version)
 
     def get(self, name: str) -> pb.TensorInfo:
         """The READY version of `name`."""
@@ -542,8 +569,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @rpc_errors
     def AbortTensor(self, request: pb.AbortTensorRequest,
                     context: grpc.ServicerContext) -> pb.AbortTensorResponse:
+        if request.put_token and request.version:
+            raise InvalidArgument("give either version or put_token, not both")
+        if request.put_token:
+            return pb.AbortTensorResponse(version=self.coordinator.abort_put(request.name, request.put_token))
         self.coordinator.abort(request.name, request.version)
-        return pb.AbortTensorResponse()
+        return pb.AbortTensorResponse(version=request.version)
 
     @rpc_errors
     def GetTensor(self, request: pb.GetTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:

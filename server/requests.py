@@ -30,6 +30,18 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
+MAX_PUT_TOKEN_LENGTH = 128
+
+
+def check_put_token(token: str, field: str = "put_token") -> str:
+    """A client's put token: empty (none) or up to 128 printable ASCII characters."""
+    if len(token) > MAX_PUT_TOKEN_LENGTH:
+        raise InvalidArgument(f"{field} is {len(token)} characters long; the limit is {MAX_PUT_TOKEN_LENGTH}")
+    if not (token.isascii() and token.isprintable()):
+        raise InvalidArgument(f"{field} {token!r} must be printable ASCII")
+    return token
+
+
 def check_version(version: int, field: str = "version", allow_zero: bool = False) -> int:
     """A version number: > 0 (or 0 when the RPC gives 0 a meaning)."""
     if version == 0 and not allow_zero:

@@ -8,7 +8,6 @@ ReleaseShard or expiry, so the fd cannot name other data meanwhile.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import grpc
@@ -88,9 +87,10 @@ class SharedMemoryService:
 
 
 def cuda_ipc_handle(shard: torch.Tensor) -> pb.CudaIpcHandle:
-    """The CUDA IPC description of a shard's storage (torch.multiprocessing's reduction, without pickle)."""
-    with contextlib.suppress(RuntimeError):
-        torch.cuda.current_stream(shard.device).synchronize()  # writes into the shard are complete
+    """The CUDA IPC description of a shard's storage (torch.multiprocessing's reduction, without pickle), once
+    every write into it on any stream of its device is complete (a failed device raises: no handle to half-written
+    memory)."""
+    torch.cuda.synchronize(shard.device)
     (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
      event_sync) = shard.untyped_storage()._share_cuda_()
     return pb.CudaIpcHandle(device=device, handle=handle, storage_size_bytes=size_bytes,

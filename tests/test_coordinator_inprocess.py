@@ -40,6 +40,10 @@ class RankStub:
         self.calls.append(("promote", request.name, request.version))
         return pb.PromoteVersionResponse()
 
+    def AllocateShards(self, request, timeout):  # noqa: N802
+        self.calls.append(("allocate", request.name, request.version))
+        return pb.AllocateShardsResponse()
+
 
 @pytest.fixture
 def coordinator(tmp_path):
@@ -48,9 +52,13 @@ def coordinator(tmp_path):
     coord.close()
 
 
+def _metadata() -> pb.ShardedTensorMetadata:
+    return metadata_to_proto(ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4, 4), TensorProperties(dtype=torch.float32)))
+
+
 def _ready(coord: Coordinator, name: str) -> pb.TensorInfo:
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 4), TensorProperties(dtype=torch.float32))
-    info = pb.TensorInfo(name=name, version=coord.catalog.next_version(), metadata=metadata_to_proto(meta),
+    info = pb.TensorInfo(name=name, version=coord.catalog.next_version(), metadata=_metadata(),
                          state=pb.PENDING, nbytes=64, created_unix=time.time())
     coord.catalog.add(info)
     return coord.catalog.commit(name, info.version)[0]
@@ -161,3 +169,73 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     worker.join(10)
     coordinator.delete("busy")
     assert coordinator.catalog.ready("busy") is None
+
+
+def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs: bool = True):  # type: ignore[no-untyped-def]
+    """A client.Cluster whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
+    (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False)."""
+    from client.cluster import Cluster
+    from client.errors import DeadlineExceededError
+
+    def call(method, request):  # type: ignore[no-untyped-def]
+        if method == "CreateTensor":
+            info = coord.create(request) if create_runs else None
+            if lose_create_answer:
+                raise DeadlineExceededError("coordinator: deadline exceeded")
+            return info
+        if method == "AbortTensor":
+            return pb.AbortTensorResponse(version=coord.abort_put(request.name, request.put_token))
+        raise AssertionError(method)
+
+    cluster = Cluster.__new__(Cluster)
+    cluster._call = call  # type: ignore[method-assign]
+    return cluster
+
+
+def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator):
+    """The client cannot know the version a lost CreateTensor made; its put token finds and aborts it, so no
+    pending version holds the ranks' memory (and blocks puts of the name) until the pending timeout."""
+    from client.errors import DeadlineExceededError
+
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    cluster = _client_of(coordinator, lose_create_answer=True)
+    with pytest.raises(DeadlineExceededError):
+        cluster._create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE))
+    assert coordinator.catalog.versions("t") == []
+    (allocated,) = [call for call in stub.calls if call[0] == "allocate"]
+    assert ("drop", "t", allocated[2]) in stub.calls
+
+
+def test_an_abort_that_overtakes_its_create_wins(coordinator):
+    """When the deadline passes before the coordinator ran CreateTensor, the abort comes first: the late
+    CreateTensor with that token is refused, and allocates nothing."""
+    from client.errors import DeadlineExceededError
+    from server.errors import Aborted
+
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    cluster = _client_of(coordinator, lose_create_answer=True, create_runs=False)
+    request = pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
+    with pytest.raises(DeadlineExceededError):
+        cluster._create_tensor(request)
+    with pytest.raises(Aborted, match="put_token"):
+        coordinator.create(request)  # the call, arriving late
+    assert coordinator.catalog.versions("t") == [] and stub.calls == []
+    fresh = _client_of(coordinator)._create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata()))
+    assert fresh.state == pb.PENDING and fresh.put_token and fresh.put_token != request.put_token
+
+
+def test_put_tokens_are_checked(coordinator):
+    from server.errors import InvalidArgument
+
+    _rank(coordinator, RankStub(set()))
+    assert coordinator.abort_put("t", "no-such-put") == 0
+    for token, message in (("", "put_token is empty"), ("x" * 129, "129 characters"), ("caf\u00e9", "ASCII")):
+        with pytest.raises(InvalidArgument, match=message):
+            coordinator.abort_put("t", token)
+    with pytest.raises(InvalidArgument, match="put_token"):
+        coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="\n"))
+    ready = _ready(coordinator, "r")
+    assert coordinator.abort_put("r", ready.put_token or "other") == 0  # a READY version is never aborted
+    assert coordinator.catalog.get("r", ready.version) is not None

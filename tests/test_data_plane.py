@@ -6,6 +6,7 @@ logic checked in-process. The bulk port's own protocol: tests/test_bulk_reads.py
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -179,11 +180,36 @@ def test_process_watch_sees_a_rank_process_exit():
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     watch = shm_transport._ProcessWatch()
     try:
-        assert watch.alive(process.pid) is True
+        rank = watch.watch(process.pid)
+        assert rank.alive() is True
+        assert watch.watch(process.pid) is rank  # one pidfd per live process
     finally:
         process.kill()
         process.wait(timeout=30)
-    assert watch.alive(process.pid) is False
+    assert rank.alive() is False
+
+
+def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
+    """A pid seen again after its process exited (a rank restarted under a reused pid) gets a fresh pidfd, while
+    mappings of the old process keep seeing it dead; the old pidfd closes once nothing refers to it."""
+    before = len(os.listdir("/proc/self/fd"))
+    watch = shm_transport._ProcessWatch()
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        old = watch.watch(process.pid)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    if old.alive() is None:
+        pytest.skip("no pidfd_open on this kernel")
+    assert old.alive() is False
+    new = watch.watch(process.pid)
+    assert new is not old and old.alive() is False
+    del old, new
+    watch.watch(os.getpid())  # forgets exited processes
+    del watch
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_bad_transport_is_refused(cluster):
