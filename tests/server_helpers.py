@@ -8,8 +8,9 @@ from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from shardcore.dtypes import dtype_to_wire
 from shardcore.metadata import ShardedTensorMetadata
-from shardcore.regions import cut_tensor
 from shardcore.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+
+from reference import shards_of
 
 TIMEOUT = 30.0
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -60,7 +61,7 @@ def create(stubs: Stubs, name: str, meta: ShardedTensorMetadata, init: int = pb.
 def write_shards(stubs: Stubs, info: pb.TensorInfo, tensor: torch.Tensor, only: list[int] | None = None,
                  chunk: int = 1 << 20) -> None:
     meta = metadata_from_proto(info.metadata)
-    for index, part in enumerate(cut_tensor(tensor, meta)):
+    for index, part in enumerate(shards_of(tensor, meta)):
         if only is not None and index not in only:
             continue
         rank = meta.shards_metadata[index].rank

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
+import grpc
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
-from client import Cluster, InvalidArgumentError, TensorExistsError, TensorNotFoundError, connect
+from client import AbortedError, Cluster, InvalidArgumentError, TensorExistsError, TensorNotFoundError, connect
 from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
@@ -142,9 +143,9 @@ def test_a_failed_load_leaves_nothing_visible(cl: Cluster, tmp_path: Path) -> No
     for data_file in path.glob("*.distcp"):
         data_file.write_bytes(data_file.read_bytes()[:100])  # truncated: reading fails on the ranks
     before = {t.name for t in cl.list(include_pending=True)}
-    with pytest.raises(Exception) as info:
+    with pytest.raises(AbortedError, match="checkpoint load") as info:
         cl.load_checkpoint(path)
-    assert "checkpoint load" in str(info.value)
+    assert info.value.code == grpc.StatusCode.ABORTED
     assert {t.name for t in cl.list(include_pending=True)} == before
     cl.put("after-failure", torch.ones(3, 3))  # the cluster keeps working, collectives included
     _dcp_save_plain(tmp_path / "good", {"after-ok": make_table(7)})

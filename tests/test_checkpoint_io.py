@@ -18,8 +18,9 @@ import torch.multiprocessing as mp
 from server.checkpoint import (CheckpointError, checkpoint_tensors, load_shards, load_tensors, save_shards,
                                save_tensors)
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
-from shardcore.regions import cut_tensor
 from shardcore.specs import ChunkShardingSpec
+
+from reference import shards_of
 
 SIZE = (51, 12)
 PG_TIMEOUT_S = 120
@@ -53,7 +54,7 @@ def as_dtype(meta: ShardedTensorMetadata, dtype: torch.dtype) -> ShardedTensorMe
 
 
 def expected_shards(full: torch.Tensor, meta: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
-    views = cut_tensor(full, meta)
+    views = shards_of(full, meta)
     return {i: views[i] for i in meta.shards_on(rank)}
 
 
@@ -158,7 +159,7 @@ def _save(rank: int, path: str, tables: dict[str, tuple[ShardedTensorMetadata, i
     """Every rank saves its own shards (cut from a table it builds from the seed); spoil_rank sends a bad one."""
     request = {}
     for key, (meta, seed, dtype) in tables.items():
-        views = cut_tensor(make_table(seed, meta.size, dtype), meta)
+        views = shards_of(make_table(seed, meta.size, dtype), meta)
         mine = {i: views[i].clone() for i in meta.shards_on(rank)}
         if rank == spoil_rank:
             first = min(mine)
@@ -341,7 +342,7 @@ def test_failed_loads_and_saves_raise_on_every_rank_without_hanging(world3, tmp_
 def test_single_process_round_trip_and_argument_errors(tmp_path):
     meta = layout(SIZE, [(0, 20, 0, 12, 0), (20, 31, 0, 12, 0)])
     full = make_table(9)
-    save_shards(tmp_path, "emb", meta, dict(enumerate(cut_tensor(full, meta))))
+    save_shards(tmp_path, "emb", meta, dict(enumerate(shards_of(full, meta))))
     assert_same_shards(load_shards(tmp_path, "emb", GRID, 0), expected_shards(full, GRID, 0))
     with pytest.raises(FileNotFoundError, match="is not a DCP checkpoint"):
         checkpoint_tensors(tmp_path / "nowhere")

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from server.checkpoint import CheckpointError, load_tensors, save_tensors
 from server.checkpoint_reader import element_span, stored_chunk
 from shardcore.metadata import ShardedTensorMetadata, make_metadata
-from shardcore.regions import cut_tensor
+
+from reference import shards_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -42,7 +43,7 @@ def grid(size: tuple[int, ...], cuts: list[list[int]], dtype: torch.dtype) -> Sh
 
 def assert_loaded(path: str, key: str, full: torch.Tensor, meta: ShardedTensorMetadata) -> None:
     got = load_tensors(path, {key: meta}, 0)[key]
-    expected = cut_tensor(full.to(meta.dtype), meta)
+    expected = shards_of(full.to(meta.dtype), meta)
     assert sorted(got) == sorted(meta.shards_on(0))
     for index, tensor in got.items():
         assert tensor.dtype == meta.dtype and torch.equal(tensor, expected[index]), f"shard {index} differs"
@@ -75,7 +76,7 @@ def test_any_saved_layout_loads_into_any_layout_bit_for_bit(tmp_path_factory, no
         plain_save(path, {"t": full.transpose(0, 1).contiguous().transpose(0, 1)})
     else:
         saved = grid(size, saved_cuts, dtype)
-        save_tensors(path, {"t": (saved, dict(enumerate(cut_tensor(full, saved))))})
+        save_tensors(path, {"t": (saved, dict(enumerate(shards_of(full, saved))))})
     assert_loaded(path, "t", full, grid(size, loaded_cuts, dtype))
 
 

@@ -236,6 +236,7 @@ def test_put_tokens_are_checked(coordinator):
             coordinator.abort_put("t", token)
     with pytest.raises(InvalidArgument, match="put_token"):
         coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="\n"))
-    ready = _ready(coordinator, "r")
-    assert coordinator.abort_put("r", ready.put_token or "other") == 0  # a READY version is never aborted
-    assert coordinator.catalog.get("r", ready.version) is not None
+    made = coordinator.create(pb.CreateTensorRequest(name="r", metadata=_metadata(), put_token="tok"))
+    ready = coordinator.commit("r", made.version)
+    assert ready.put_token == "tok" and coordinator.abort_put("r", "tok") == 0  # a READY version is never aborted
+    assert coordinator.catalog.get("r", ready.version).state == pb.READY

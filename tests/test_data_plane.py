@@ -123,8 +123,22 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
     assert len(bands(Box((0, 0), (2048, 1024)), 4)) == 2
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-bands", source, SPEC)
-        assert torch.equal(remote.fetch((1, 0), (2040, 1024)), source[1:2041])  # one part: two bands
+        streams: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        stream = c._transport.read_region
+
+        def spy(address, request, dest):  # type: ignore[no-untyped-def]
+            streams.append((request.shard_index, tuple(request.offsets), tuple(request.sizes)))
+            return stream(address, request, dest)
+
+        c._transport.read_region = spy  # type: ignore[method-assign]
+        assert torch.equal(remote.fetch((0, 0), (2048, 1024)), source[:2048])  # one 8 MiB part: two bands
+        assert sorted(streams) == [(0, (0, 0), (1024, 1024)), (0, (1024, 0), (1024, 1024))]
+        streams.clear()
+        assert torch.equal(remote.fetch((1, 0), (2040, 1024)), source[1:2041])  # under 2 x 4 MiB: one stream
+        assert streams == [(0, (1, 0), (2040, 1024))]
+        streams.clear()
         assert torch.equal(remote.fetch((1, 0), (4090, 1024)), source[1:4091])  # two parts: one stream each
+        assert sorted(streams) == [(0, (1, 0), (2047, 1024)), (1, (2048, 0), (2043, 1024))]
         assert remote.last_transport == "grpc"
         c.delete("dp-bands")
 
@@ -812,7 +826,8 @@ def test_expired_idle_connections_are_closed_oldest_first():
         b.close()
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED])
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT])
 def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     """OpenBulkSession answering UNIMPLEMENTED (no bulk port) or RESOURCE_EXHAUSTED (its tickets all out) is a
     failure of the path, so the data plane falls back to gRPC; other errors are the read's own."""
@@ -828,5 +843,7 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
         def unary(self, method, request, where):  # type: ignore[no-untyped-def]
             raise ShardServeError(f"{where}: refused", code)
 
-    with pytest.raises(BulkReadError, match="refused"):
+    path_failure = code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+    with pytest.raises(ShardServeError, match="refused") as raised:
         BulkConnections(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]
+    assert isinstance(raised.value, BulkReadError) == path_failure

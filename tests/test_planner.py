@@ -11,10 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardcore import (ChunkShardingSpec, Replicate, Shard, ShardedTensorMetadata, ShardMetadata,
-                       TensorProperties, apply_plan, copy_box, cut_tensor, make_metadata,
+                       TensorProperties, apply_plan, copy_box, make_metadata,
                        metadata_from_placements, pack_bucket, plan_reshard, plan_reshard_per_round, split_box,
                        unpack_bucket)
 from shardcore.metadata import Box
+
+from reference import shards_of
 
 DTYPES = (torch.float32, torch.int64, torch.float16, torch.bool, torch.complex64, torch.uint8)
 
@@ -167,11 +169,11 @@ def test_random_reshard_reproduces_every_destination_shard(case):
     plan = plan_reshard(src, dst, bucket_bytes=bucket_bytes)
     check_plan_structure(plan, src, dst, bucket_bytes)
     x = reference_tensor(src.size, src.dtype)
-    expected = cut_tensor(x, dst)
-    src_shards = [t.clone() for t in cut_tensor(x, src)]
-    for got, want in zip(apply_plan(plan, src_shards), expected):
+    expected = shards_of(x, dst)
+    src_shards = [t.clone() for t in shards_of(x, src)]
+    for got, want in zip(apply_plan(plan, src_shards), expected, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    for got, want in zip(simulate_ranks(plan, src_shards), expected):
+    for got, want in zip(simulate_ranks(plan, src_shards), expected, strict=True):
         assert torch.equal(got, want)
     assert plan_reshard(src, dst, bucket_bytes=bucket_bytes) == plan
 
@@ -221,7 +223,7 @@ def test_empty_destination_shards_get_no_transfer():
     dst = rows(2, [0, 1, 2, 3])  # two empty shards
     plan = plan_reshard(src, dst)
     assert {t.dst_shard for t in plan.transfers} == {0, 1}
-    out = apply_plan(plan, cut_tensor(torch.arange(8.).reshape(2, 4), src))
+    out = apply_plan(plan, shards_of(torch.arange(8.).reshape(2, 4), src))
     assert [tuple(t.shape) for t in out] == [(1, 4), (1, 4), (0, 4), (0, 4)]
 
 
@@ -363,11 +365,11 @@ def test_apply_plan_writes_into_given_tensors():
     src, dst = rows(6, [0, 1]), rows(6, [1, 2, 3])
     x = torch.arange(24.).reshape(6, 4)
     out = [torch.full(s.shard_sizes, -1.) for s in dst.shards_metadata]
-    result = apply_plan(plan_reshard(src, dst), cut_tensor(x, src), out=out)
+    result = apply_plan(plan_reshard(src, dst), shards_of(x, src), out=out)
     assert all(a is b for a, b in zip(result, out))
-    assert all(torch.equal(a, b) for a, b in zip(out, cut_tensor(x, dst)))
+    assert all(torch.equal(a, b) for a, b in zip(out, shards_of(x, dst)))
     with pytest.raises(ValueError, match=r"out\[0\] has shape \(3, 4\)"):
-        apply_plan(plan_reshard(src, dst), cut_tensor(x, src), out=[torch.zeros(3, 4)] * 3)
+        apply_plan(plan_reshard(src, dst), shards_of(x, src), out=[torch.zeros(3, 4)] * 3)
 
 
 def test_pack_and_unpack_check_buffers():
@@ -406,8 +408,8 @@ def test_plan_per_round_shares_the_round_budget_among_a_ranks_peers():
         assert len(per_pair) == 6
         assert sum(sizes[0] for sizes in per_pair.values()) <= round_bytes
     full = torch.arange(64 * 48.).view(size)
-    out = apply_plan(plan, cut_tensor(full, src))
-    assert all(torch.equal(got, want) for got, want in zip(out, cut_tensor(full, dst), strict=True))
+    out = apply_plan(plan, shards_of(full, src))
+    assert all(torch.equal(got, want) for got, want in zip(out, shards_of(full, dst), strict=True))
 
 
 def test_plan_per_round_keeps_the_bucket_when_a_rank_has_one_peer():

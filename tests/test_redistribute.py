@@ -24,8 +24,9 @@ from server.redistribute import (CollectiveExecutor, ReshardError, ReshardStats,
 from shardcore.executor import apply_plan
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties, make_metadata
 from shardcore.planner import plan_reshard
-from shardcore.regions import cut_tensor
 from shardcore.specs import ChunkShardingSpec, chunk_bounds
+
+from reference import shards_of
 
 WORLD = 4
 FAULT_WORLD = 3
@@ -173,7 +174,7 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
     dst = on_cuda(layout(command["dst"], size, dtype), command.get("cuda", False))
     full = full_tensor(size, dtype, command["seed"])
     plan = plan_reshard(src, dst, command["bucket_bytes"])
-    src_shards = {i: t.to(src.shards_metadata[i].device, copy=True) for i, t in enumerate(cut_tensor(full, src))
+    src_shards = {i: t.to(src.shards_metadata[i].device, copy=True) for i, t in enumerate(shards_of(full, src))
                   if src.shards_metadata[i].rank == rank}
     if role == "die":
         _exit_on_second_post()
@@ -185,8 +186,8 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
         out = future.result(timeout=RESULT_TIMEOUT_S)
     except ReshardError as exc:
         return {"error": str(exc), "peers": exc.peers, "elapsed": time.monotonic() - started}
-    expected = cut_tensor(full, dst)
-    reference = apply_plan(plan, cut_tensor(full, src))
+    expected = shards_of(full, dst)
+    reference = apply_plan(plan, shards_of(full, src))
     part = plan.for_rank(rank)
     return {
         "keys": sorted(out),
@@ -463,16 +464,16 @@ def test_local_only_plan_needs_no_process_group():
     src, dst, plan = _single_rank_plan()
     full = full_tensor(M2, torch.float32, 1)
     stats = ReshardStats()
-    out = run_reshard(plan, 0, dict(enumerate(cut_tensor(full, src))), 5.0, stats=stats)
+    out = run_reshard(plan, 0, dict(enumerate(shards_of(full, src))), 5.0, stats=stats)
     assert sorted(out) == [0, 1]
-    for i, expected in enumerate(cut_tensor(full, dst)):
+    for i, expected in enumerate(shards_of(full, dst)):
         assert torch.equal(out[i], expected)
     assert stats.local_bytes == full.numel() * 4 and stats.sent_bytes == 0 and stats.peak_staging_bytes == 0
 
 
 def test_bad_inputs_are_named():
     src, dst, plan = _single_rank_plan()
-    good = dict(enumerate(cut_tensor(full_tensor(M2, torch.float32, 1), src)))
+    good = dict(enumerate(shards_of(full_tensor(M2, torch.float32, 1), src)))
     with pytest.raises(TypeError, match="plan must be a ReshardPlan"):
         run_reshard("plan", 0, good, 5.0)
     with pytest.raises(ValueError, match="rank must be >= 0"):
@@ -494,7 +495,7 @@ def test_given_out_tensors_are_written_in_place():
     full = full_tensor(M2, torch.float32, 3)
     given = {1: torch.full((13, 11), -1.0)}
     stats = ReshardStats()
-    out = run_reshard(plan, 0, dict(enumerate(cut_tensor(full, src))), 5.0, stats=stats, out=given)
+    out = run_reshard(plan, 0, dict(enumerate(shards_of(full, src))), 5.0, stats=stats, out=given)
     assert out[1] is given[1] and torch.equal(given[1], full[:, 10:])
     assert torch.equal(out[0], full[:, :10])
     assert stats.new_shard_bytes == 13 * 10 * 4
@@ -502,7 +503,7 @@ def test_given_out_tensors_are_written_in_place():
 
 def test_bad_out_tensors_are_named():
     src, dst, plan = _single_rank_plan()
-    shards = dict(enumerate(cut_tensor(full_tensor(M2, torch.float32, 3), src)))
+    shards = dict(enumerate(shards_of(full_tensor(M2, torch.float32, 3), src)))
     with pytest.raises(ValueError, match=r"out\[1\] is \(13, 10\) torch.float32 but shard 1 is \(13, 11\)"):
         run_reshard(plan, 0, shards, 5.0, out={1: torch.empty(13, 10)})
     with pytest.raises(ValueError, match="out has tensors for shards \\[5\\]"):

@@ -27,8 +27,9 @@ from server.collective_jobs import STALL_ENV
 from server.launcher import PROJECT_ROOT, free_port
 from server.reshard_driver import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.regions import cut_tensor
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+
+from reference import shards_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -138,12 +139,12 @@ def test_every_layout_pair_moves_the_data_bit_for_bit(client4, case):
     for offsets, sizes in random_boxes(shape, 4, seed=len(name)):
         assert torch.equal(new.fetch(offsets, sizes), region(tensor, offsets, sizes))
     shards = {shard.index: shard for per_rank in new.remote_shards().values() for shard in per_rank}
-    for index, part in enumerate(cut_tensor(tensor, expected_meta)):  # every replica, from its own rank
+    for index, part in enumerate(shards_of(tensor, expected_meta)):  # every replica, from its own rank
         assert torch.equal(shards[index].fetch(), part)
     phases = [r.phase for r in reports]
     assert phases[0] == "preparing" and phases[-1] == "done" and "committing" in phases
     assert reports[-1].bytes_done == reports[-1].bytes_total == sum(p.numel() * p.element_size()
-                                                                    for p in cut_tensor(tensor, expected_meta))
+                                                                    for p in shards_of(tensor, expected_meta))
     assert old.full_tensor().equal(tensor)  # the old proxy refreshes onto the new version
 
 
@@ -348,7 +349,7 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
         after = client.tensor("victim")   # the catalog still serves the old version
         assert after.version == proxy.version
         shards = {shard.index: shard for per_rank in after.remote_shards().values() for shard in per_rank}
-        for index, part in enumerate(cut_tensor(tensor, src)):  # readable from the surviving ranks
+        for index, part in enumerate(shards_of(tensor, src)):  # readable from the surviving ranks
             if src.shards_metadata[index].rank != 1:
                 assert torch.equal(shards[index].fetch(), part)
         with pytest.raises(ReshardRefusedError, match="rank 1 is down"):

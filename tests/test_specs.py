@@ -20,6 +20,8 @@ from shardcore import (ChunkShardingSpec, EnumerableShardingSpec, LayoutError, R
                        ShardMetadata, TensorProperties, assemble, cut_tensor, metadata_from_placements,
                        validate_metadata)
 
+from reference import shards_of
+
 
 def _triples(meta):
     return [(tuple(s.shard_offsets), tuple(s.shard_sizes), str(s.placement)) for s in meta.shards_metadata]
@@ -142,6 +144,13 @@ def test_enumerable_spec_bad_input(make, error, message):
         make()
 
 
+def _check_cut_and_assemble(tensor: torch.Tensor, meta) -> None:  # type: ignore[no-untyped-def]
+    """cut_tensor gives each shard's slice of the tensor, and assemble puts plain slices back into it."""
+    for got, want in zip(cut_tensor(tensor, meta), shards_of(tensor, meta), strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(assemble(meta, [p.clone() for p in shards_of(tensor, meta)]), tensor)
+
+
 @settings(max_examples=100, deadline=None)
 @given(size=st.lists(st.integers(0, 12), min_size=1, max_size=4), data=st.data())
 def test_chunk_spec_layouts_cover_the_tensor(size, data):
@@ -150,7 +159,7 @@ def test_chunk_spec_layouts_cover_the_tensor(size, data):
     meta = ChunkShardingSpec(dim, ranks).build_metadata(size, TensorProperties(torch.int32))
     validate_metadata(meta)
     tensor = torch.randint(-99, 99, tuple(size), dtype=torch.int32)
-    assert torch.equal(assemble(meta, [p.clone() for p in cut_tensor(tensor, meta)]), tensor)
+    _check_cut_and_assemble(tensor, meta)
 
 
 def _torch_placement(p, ndim):
@@ -278,7 +287,7 @@ def test_random_placements_validate_and_round_trip_data(size, data):
     meta = metadata_from_placements(size, mesh, placements, dtype=torch.float64)
     validate_metadata(meta)
     tensor = torch.randn(tuple(size), dtype=torch.float64)
-    assert torch.equal(assemble(meta, [p.clone() for p in cut_tensor(tensor, meta)]), tensor)
+    _check_cut_and_assemble(tensor, meta)
 
 
 def test_box_holds_plain_int_tuples_and_refuses_non_integers():

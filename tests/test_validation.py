@@ -146,15 +146,15 @@ def test_thousands_of_shards_validate():
 
 
 @st.composite
-def grid_layouts(draw):
-    """A random grid of boxes over a random tensor, some boxes replicated."""
+def grid_layouts(draw, replicas: bool = True):
+    """A random grid of boxes over a random tensor, some boxes replicated (unless `replicas` is False)."""
     ndim = draw(st.integers(1, 4))
     size = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
     cuts = [sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=3)))) if n > 1 else [] for n in size]
     spans = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, size)]
     boxes = [Box(tuple(lo for lo, _ in cell), tuple(hi - lo for lo, hi in cell))
              for cell in _product(spans)]
-    copies = draw(st.lists(st.integers(1, 3), min_size=len(boxes), max_size=len(boxes)))
+    copies = draw(st.lists(st.integers(1, 3 if replicas else 1), min_size=len(boxes), max_size=len(boxes)))
     shards = [(b.offsets, b.sizes) for b, k in zip(boxes, copies) for _ in range(k)]
     random.Random(draw(st.integers(0, 10**6))).shuffle(shards)
     return size, shards
@@ -199,28 +199,55 @@ def _region_in(message: str) -> Box:
     return Box(eval(offsets), eval(sizes))  # noqa: S307 - parsing our own tuple repr in a test
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.integers(1, 3).flatmap(lambda nd: st.tuples(
-    st.lists(st.integers(1, 6), min_size=nd, max_size=nd),
-    st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=nd, max_size=nd),
-                       st.lists(st.integers(1, 6), min_size=nd, max_size=nd)), min_size=1, max_size=6))))
-def test_agrees_with_torch_on_random_distinct_boxes(case):
-    size, boxes = case
-    boxes = list(dict.fromkeys((tuple(o), tuple(s)) for o, s in boxes))
+def _torch_accepts(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     meta = make_metadata(size, [(o, s, i) for i, (o, s) in enumerate(boxes)])
     torch_shards = metadata_to_torch(meta).shards_metadata
     try:
         validate_non_overlapping_shards_metadata(torch_shards)
         check_tensor(torch_shards, torch.Size(size))
-        torch_ok = True
     except ValueError:
-        torch_ok = False
+        return False
+    return True
+
+
+def _we_accept(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     try:
-        validate_metadata(meta)
-        ours_ok = True
+        validate_metadata(make_metadata(size, [(o, s, i) for i, (o, s) in enumerate(boxes)]))
     except LayoutError:
-        ours_ok = False
-    assert ours_ok == torch_ok
+        return False
+    return True
+
+
+@st.composite
+def broken_grids(draw):
+    """A valid grid of several distinct boxes, and the same grid with one box shifted, grown, shrunk or dropped (which
+    may or may not still be a valid layout)."""
+    size, boxes = draw(grid_layouts(replicas=False).filter(lambda layout: len(layout[1]) > 1))
+    victim = draw(st.integers(0, len(boxes) - 1))
+    offsets, sizes = map(list, boxes[victim])
+    dim = draw(st.integers(0, len(size) - 1))
+    change = draw(st.sampled_from(["shift", "grow", "shrink", "drop"]))
+    if change == "shift":
+        offsets[dim] += draw(st.sampled_from([-1, 1]))
+    elif change == "grow":
+        sizes[dim] += 1
+    elif change == "shrink":
+        sizes[dim] -= 1
+    broken = [b for k, b in enumerate(boxes) if k != victim]
+    if change != "drop":
+        broken.append((tuple(offsets), tuple(sizes)))
+    return size, boxes, broken
+
+
+@settings(max_examples=200, deadline=None)
+@given(broken_grids())
+def test_agrees_with_torch_on_random_grids_and_broken_ones(case):
+    """Both accept every valid multi-box grid, and both judge the grid with one box moved the same way."""
+    size, boxes, broken = case
+    assert _torch_accepts(size, boxes) and _we_accept(size, boxes)
+    if any(o < 0 or s < 0 for offsets, sizes in broken for o, s in zip(offsets, sizes)):
+        return  # torch's ShardMetadata refuses negative offsets and sizes in its constructor
+    assert _we_accept(size, broken) == _torch_accepts(size, broken)
 
 
 @settings(max_examples=300, deadline=None)
