@@ -239,4 +239,5 @@ def test_send_parts_sends_every_byte_in_order_through_partial_sends():
         reader.join(timeout=30)
         sender.close()
         receiver.close()
+    assert not reader.is_alive(), "the reader hung"
     assert bytes(got) == expected

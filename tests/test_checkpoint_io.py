@@ -75,11 +75,11 @@ def _serve(rank: int, world_size: int, port: int, commands: Any, results: Any) -
             command = commands.get()
             if command is None:
                 return
-            function, args = command
+            command_id, function, args = command
             try:
-                results.put((rank, "ok", function(rank, *args)))
+                results.put((command_id, rank, "ok", function(rank, *args)))
             except BaseException:  # noqa: BLE001 - report every failure to the test process
-                results.put((rank, "error", traceback.format_exc()))
+                results.put((command_id, rank, "error", traceback.format_exc()))
     finally:
         dist.destroy_process_group()
         results.close()
@@ -100,19 +100,24 @@ class World:
                                       daemon=True) for rank in range(size)]
         for process in self.processes:
             process.start()
+        self._commands = 0
 
     def run(self, function: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT_S) -> dict[int, Any]:
-        """`function(rank, *args)` on every rank; the answers by rank, or a failure naming the rank."""
+        """`function(rank, *args)` on every rank; the answers by rank, or a failure naming the rank. Late answers
+        to an earlier command (one that failed a test) are dropped, never taken for this one's."""
+        self._commands += 1
         for inbox in self.inboxes:
-            inbox.put((function, args))
+            inbox.put((self._commands, function, args))
         answers: dict[int, Any] = {}
         while len(answers) < self.size:
             try:
-                rank, status, value = self.results.get(timeout=timeout)
+                command_id, rank, status, value = self.results.get(timeout=timeout)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
                 pytest.fail(f"{function.__name__}: no answer from ranks {sorted(set(range(self.size)) - set(answers))}"
                             f" within {timeout}s (dead ranks: {dead})")
+            if command_id != self._commands:
+                continue
             if status == "error":
                 pytest.fail(f"{function.__name__} failed on rank {rank}:\n{value}")
             answers[rank] = value

@@ -101,12 +101,25 @@ def test_row_band_reads_only_its_own_bytes(tmp_path):
     assert not torch.equal(load_tensors(path, {"t": whole}, 0)["t"][0], full)
 
 
-def test_dtype_casts_go_through_dcp_own_reader(tmp_path):
+def test_dtype_casts_go_through_dcp_own_reader(tmp_path, monkeypatch):
+    """A load into another dtype is DCP's own read (FileSystemReader.read_data, which casts); a load into the
+    saved dtype is not."""
     path = str(tmp_path / "table")
     full = source((13, 21), torch.float32)
     plain_save(path, {"t": full, "n": torch.arange(10)})
+    general_reads: list[int] = []
+    read_data = FileSystemReader.read_data
+
+    def counting(self, plan, planner):  # type: ignore[no-untyped-def]
+        general_reads.append(len(plan.items))
+        return read_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", counting)
     assert_loaded(path, "t", full, grid((13, 21), [[5], [7, 8]], torch.bfloat16))
+    assert general_reads and sum(general_reads) >= 6  # the cast shards, all through DCP's reader
+    general_reads.clear()
     assert_loaded(path, "n", torch.arange(10), grid((10,), [[3]], torch.int64))
+    assert sum(general_reads) == 0
 
 
 def test_truncated_checkpoint_fails_with_a_clear_error(tmp_path):

@@ -28,6 +28,19 @@ def test_decoded_chunks_are_views_with_protobufs_values(offset, data):
     assert decoded.chunk.offset == offset and bytes(decoded.chunk.data) == data
 
 
+@pytest.mark.parametrize("length", [127, 128, (1 << 14) - 1, 1 << 14, 1 << 20, (1 << 21) - 1, 1 << 21, 4 << 20])
+def test_real_chunk_sizes_match_protobuf(length):
+    """Lengths whose varint takes 1, 2, 3 and 4 bytes: real chunks are about 1 MiB."""
+    data = torch.randint(0, 256, (length,), dtype=torch.uint8, generator=torch.Generator().manual_seed(length))
+    data = data.numpy().tobytes()
+    encoded = encode_chunk(RawChunk(12345, memoryview(data)))
+    assert encoded == pb.TensorChunk(offset=12345, data=data).SerializeToString()
+    message = pb.WriteShardRequest(chunk=pb.TensorChunk(offset=12345, data=data)).SerializeToString()
+    decoded = decode_write_request(message)
+    assert isinstance(decoded, RawWriteRequest)
+    assert decoded.chunk.offset == 12345 and bytes(decoded.chunk.data) == data
+
+
 @pytest.mark.parametrize("message", [
     pb.WriteShardRequest(header=pb.WriteShardHeader(name="x", version=3, nbytes=8)),
     pb.WriteShardRequest(),

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,24 +63,31 @@ def shardserve(*args: str, env: dict[str, str] | None = None, check: bool = True
 def up(tmp_path_factory):
     """`shardserve up --ranks 2` in the foreground of a subprocess; yields (process, coordinator address)."""
     state = tmp_path_factory.mktemp("state")
+    log = (state / "up.log").open("w")  # the ranks log at INFO: a pipe nobody reads would fill and block them
     proc = subprocess.Popen([sys.executable, "-m", "client", "up", "--ranks", "2", "--port", str(free_port()),
-                             "--state-dir", str(state)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             "--state-dir", str(state)], cwd=ROOT, stdout=subprocess.PIPE, stderr=log,
                             text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put("")], daemon=True).start()  # "": EOF
     try:
-        deadline = time.monotonic() + 120
         address = None
-        while address is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()  # the launcher prints this line once every rank registered
+        deadline = time.monotonic() + 120
+        while address is None:  # the launcher prints this line once every rank registered
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
             if not line:
                 break
             if line.startswith("coordinator: "):
                 address = line.split(":", 1)[1].strip()
-        assert address, f"no 'coordinator:' line; exit {proc.poll()}"
+        assert address, f"no 'coordinator:' line in time; exit {proc.poll()}"
         yield proc, address
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+        log.close()
 
 
 def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:

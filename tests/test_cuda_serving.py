@@ -3,7 +3,8 @@
 One 1-rank CUDA cluster: lookups and bags over gRPC (the rank stages rows
 through pinned memory) and over CUDA IPC (same host), row updates, and DCP
 round trips between the GPU cluster and plain CPU tensors, all bit for bit
-against plain torch on the CPU.
+against plain torch on the CPU (but bags pooled by the GPU, which sums in its
+own order: equal up to float rounding).
 """
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_lookups_and_bags_from_cuda_shards(gpu, transport: str, dtype: torch.dty
             exact = remote.lookup_bag(ids, offsets, mode=mode, pooling="client", dtype=torch.float32)
             assert torch.equal(exact, F.embedding_bag(ids, weights, offsets, mode=mode).float())
             served = remote.lookup_bag(ids, offsets, mode=mode, pooling="server", dtype=torch.float32)
-            torch.testing.assert_close(served, expected, rtol=2e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-2)
+            # CUDA's embedding_bag sums in another order than the CPU: float rounding apart, no more
+            tolerance = dict(rtol=2e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(served, expected, **tolerance)
         new_rows = table(2, 12, dtype, seed=6)
         remote.update_rows(torch.tensor([33, 100]), new_rows)
         weights = weights.clone()

@@ -648,6 +648,7 @@ def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster, transport)
             stop.set()
             for t in threads:
                 t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not errors, errors[0]
     assert seen["data"] > 0
 

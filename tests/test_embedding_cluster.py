@@ -399,6 +399,7 @@ def test_concurrent_updates_and_lookups_never_mix_versions(cluster3: LocalCluste
         stop.set()
         for thread in threads:
             thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a reader hung"
     assert not errors, errors[:3]
     assert seen <= {float(k) for k in range(7)} and len(seen) >= 2
     assert torch.equal(cl.lookup({"versions": ids})["versions"], torch.full((rows, 4), 6.0))

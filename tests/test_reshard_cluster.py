@@ -202,6 +202,7 @@ def test_readers_during_a_reshard_always_get_exact_data(client4):
         stop.set()
         for t in threads:
             t.join(60)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not errors, errors[:5]
     assert reads[0] > 0
     assert torch.equal(new.full_tensor(), tensor)
@@ -415,7 +416,10 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
                 env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master)), log))
         address = f"127.0.0.1:{port}"
-        _wait(lambda: len([r for r in connect(address).ranks() if r.alive]) == 2, 120, "two ranks")
+        def two_ranks_alive() -> bool:
+            with connect(address) as c:
+                return len([r for r in c.ranks() if r.alive]) == 2
+        _wait(two_ranks_alive, 120, "two ranks")
         tensor = source((13, 21), torch.float32, seed=21)
         with connect(address) as client:
             old = client.put("restart", tensor, spec=chunk(0, range(2)))

@@ -88,6 +88,7 @@ def test_up_prints_the_address_and_sigterm_stops_every_child(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
@@ -100,6 +101,7 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=30)
 
 
 def meta_on(ranks, size=(6, 4)):
@@ -229,4 +231,5 @@ def test_a_link_that_never_registered_stops_cleanly():
     from server.store import ShardStore
 
     link = CoordinatorLink("127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False))
-    link.stop()
+    link.stop()  # raised "cannot join thread before it is started" before the fix
+    assert not link._thread.is_alive() and link._stop.is_set()
