@@ -6,10 +6,14 @@ from client.errors import (AuthenticationError, DeadlineExceededError, InvalidAr
                            AbortedError, StaleVersionError, TensorExistsError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.remote_tensor import RemoteShard, RemoteShardedTensor
+from client.reshard import ReshardRefusedError
+from client.shm_transport import SharedMemoryError
+from client.tcp_reads import BulkReadError
 
 __all__ = [
     "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",
     "ShardServeError", "TensorNotFoundError", "InvalidArgumentError", "TensorExistsError",
     "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
-    "DeadlineExceededError", "AbortedError", "RemoteEmbedding", "RemoteEmbeddingBag",
+    "DeadlineExceededError", "AbortedError", "ReshardRefusedError", "SharedMemoryError", "BulkReadError",
+    "RemoteEmbedding", "RemoteEmbeddingBag",
 ]

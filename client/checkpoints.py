@@ -67,6 +67,9 @@ def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
     path = _path(path)
     saved = inspect_checkpoint(cluster, path)
     chosen = _names(names, list(saved), path)
+    if isinstance(spec, Mapping) and set(spec) - set(chosen):
+        raise InvalidArgumentError(f"spec names {sorted(set(spec) - set(chosen))}, which are not among the tensors "
+                                   f"loaded {chosen}")
     tensors = []
     for name in chosen:
         size, saved_dtype = saved[name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -16,6 +17,9 @@ from client.cli_checkpoints import add_checkpoint_commands, run_checkpoint_comma
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+_INTERRUPTED = {  # what an interrupted command leaves behind
+    "reshard": "; the coordinator aborts the reshard and the old version stays served",
+}
 _SERVER_COMMANDS = {
     "up": "run a coordinator and N shard servers on this host (foreground; Ctrl-C stops all). "
           "Options go to `python -m server up`; see `shardserve up --help`.",
@@ -166,10 +170,13 @@ def _fetch(cluster, args: argparse.Namespace) -> None:
 
     remote = cluster.tensor(args.name)
     offsets = args.offsets if args.offsets is not None else (0,) * remote.ndim
-    sizes = args.sizes if args.sizes is not None else tuple(n - o for n, o in zip(remote.shape, offsets))
+    sizes = args.sizes if args.sizes is not None else tuple(max(n - o, 0) for n, o in zip(remote.shape, offsets))
     result = remote.fetch(offsets, sizes)
     if args.output:
-        torch.save(result, args.output)
+        try:
+            torch.save(result, args.output)
+        except (RuntimeError, OSError) as err:  # torch reports a missing directory as a RuntimeError
+            raise OSError(f"-o {args.output}: {err}") from None
         print(f"saved {args.name}[offsets={tuple(offsets)}, sizes={tuple(result.shape)}] "
               f"({result.dtype}, version {remote.version}) to {args.output}")
     else:
@@ -197,6 +204,25 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
                        total=report.bytes_total or None)
         new = remote.reshard(meta, bucket_bytes=args.bucket_bytes, timeout=args.reshard_timeout, progress=show)
     print(f"resharded {args.name}: version {remote.version} -> {new.version}, {layout_summary(new.metadata())}")
+
+
+def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
+    if args.coordinator and not _looks_like_address(args.coordinator):
+        parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    if args.command != "reshard":
+        return
+    if sum((args.dim is not None, args.grid is not None, args.replicate)) > 1:
+        parser.error("reshard: give one of --dim, --grid or --replicate")
+    if args.grid is not None and not re.fullmatch(r"\d+x\d+", args.grid):
+        parser.error(f"reshard: --grid must look like 2x2, got {args.grid!r}")
+    if args.ranks == ():
+        parser.error("reshard: --ranks is empty (leave it out for every live rank)")
+
+
+def _looks_like_address(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -243,15 +269,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in _SERVER_COMMANDS:  # global options came first
         at = argv.index(args.command)
         _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1:])
-    from client.errors import ShardServeError
-
+    _check_usage(parser, args)
     try:
+        from client.errors import ShardServeError, TensorExistsError
+
         _run(args)
     except (ShardServeError, ValueError, TypeError, KeyError, OSError) as err:
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
+        message = str(err.args[0] if isinstance(err, KeyError) and err.args else err)
+        if isinstance(err, TensorExistsError):  # the server speaks to Python callers
+            message = message.replace("overwrite=True", "--overwrite")
         print(f"shardserve {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
+        print(f"shardserve {args.command}: interrupted{_INTERRUPTED.get(args.command, '')}", file=sys.stderr)
         return 130
     return 0
 

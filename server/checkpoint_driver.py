@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from protos import shardserve_pb2 as pb
 from server.catalog import ranks_of
-from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from server.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
 from shardcore.wire import metadata_to_proto
@@ -63,7 +63,7 @@ def inspect(path: str) -> pb.InspectCheckpointResponse:
     try:
         entries = checkpoint_tensors(_check_path(path))
     except FileNotFoundError as err:
-        raise NotFound(f"path: {err}") from None
+        raise NotFound(str(err)) from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"path {path!r}: {err}") from None
     return pb.InspectCheckpointResponse(tensors=[
@@ -86,13 +86,13 @@ class CheckpointDriver:
         """Every rank of the torch.distributed world, all of which must be registered and alive."""
         ranks = self.coordinator.ranks()
         if not ranks:
-            raise FailedPrecondition("no rank is registered")
+            raise Unavailable("no rank is registered")
         world = ranks[0].world_size
         alive = {r.rank for r in ranks if r.alive}
         missing = sorted(set(range(world)) - alive)
         if missing:
-            raise FailedPrecondition(f"checkpoints need every rank of the world ({world}); ranks {missing} are "
-                                     f"not registered or not alive")
+            raise Unavailable(f"checkpoints need every rank of the world ({world}); ranks {missing} are "
+                              f"not registered or not alive")
         return list(range(world))
 
     def _timeout(self, value: float) -> float:
@@ -174,7 +174,7 @@ class CheckpointDriver:
                   timeout_s: float) -> Iterator[pb.CheckpointProgress]:
         job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_load=pb.CheckpointJob(path=path, tensors=[
             pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in new]))
-        yield from _progress(self._runner().run(job, world, f"checkpoint load from {path}"))
+        yield from _progress(self._runner().run(job, world, f"checkpoint load from {path}"), _job_bytes(new))
 
     def save(self, request: pb.SaveCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
@@ -208,7 +208,7 @@ class CheckpointDriver:
             job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=staging, tensors=[
                 pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in infos]))
             try:
-                yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"))
+                yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"), _job_bytes(infos))
                 publish_checkpoint(staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -235,12 +235,20 @@ def publish_checkpoint(staging: str, path: str) -> None:
     os.replace(os.path.join(staging, _METADATA), old_metadata)
 
 
-def _progress(runner) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
-    """Progress messages from a CollectiveRunner.run generator (its return value is dropped)."""
+def _job_bytes(infos: list[pb.TensorInfo]) -> int:
+    """The bytes a checkpoint job moves over all ranks: every shard of every tensor (each rank reports its own;
+    a rank still queued behind another job has not said yet)."""
+    return sum(meta.shard_nbytes(i) for meta in (parse_metadata(info.metadata) for info in infos)
+               for i in range(len(meta.shards_metadata)))
+
+
+def _progress(runner, total: int) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
+    """Progress messages from a CollectiveRunner.run generator (its return value is dropped), out of the job's
+    `total` bytes from the first message on."""
     try:
         while True:
-            done, total = next(runner)
-            yield pb.CheckpointProgress(bytes_done=done, bytes_total=total)
+            done, _ = next(runner)
+            yield pb.CheckpointProgress(bytes_done=min(done, total), bytes_total=total)
     except StopIteration:
         return
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import signal
 import socket
@@ -66,6 +67,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
         if getattr(args, flag) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    for flag in ("dist_timeout", "register_timeout"):
+        if not 0 < getattr(args, flag) < math.inf:
+            parser.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
     return args
 
 
@@ -202,7 +206,13 @@ def main(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 2
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
-    init_world(rank, world_size, args.dist_timeout, device)
+    try:
+        init_world(rank, world_size, args.dist_timeout, device)
+    except (RuntimeError, ValueError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
+        log.error("rank %d could not join the torch.distributed world of %d within --dist-timeout %gs "
+                  "(MASTER_ADDR=%s, MASTER_PORT=%s): %s", rank, world_size, args.dist_timeout,
+                  os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), _first_line(err))
+        return 1
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
     try:
         bulk_reads = open_bulk_reads(args, security, store)
@@ -217,7 +227,12 @@ def main(argv: Sequence[str]) -> int:
                        shared_memory=store.hands_over_by_reference)
     link = CoordinatorLink(args.coordinator, security, info, store)
     try:
-        link.register(args.register_timeout)
+        try:
+            link.register(args.register_timeout)
+        except grpc.RpcError as err:
+            log.error("rank %d could not register with the coordinator at %s within --register-timeout %gs: "
+                      "%s: %s", rank, args.coordinator, args.register_timeout, err.code().name, err.details())
+            return 1
         link.start()
         while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
             store.shared.recycled.expire()  # an idle rank gives kept buffers back after their max age too
@@ -225,6 +240,10 @@ def main(argv: Sequence[str]) -> int:
     finally:
         _shutdown(link, running, bulk_reads)
     return 0
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:

@@ -179,10 +179,10 @@ class CollectiveRunner:
         parts = [f"rank {r} is down" if r in down or not self.coordinator.rank_alive(r) else
                  f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
         first = min(culprits)
-        self.broken = (f"rank {first} is down or hung; resharding onto/from it is impossible until the cluster "
-                       f"is restarted (the torch.distributed world is not re-formed in place: stop and start "
-                       f"`shardserve up`, or restart every torchrun worker). Reads and writes keep working "
-                       f"on the live ranks.")
+        self.broken = (f"rank {first} is down or hung, so the torch.distributed world can run no more "
+                       f"collectives: every reshard and checkpoint job is refused until the cluster is restarted "
+                       f"(the world is not re-formed in place: stop and start `shardserve up`, or restart every "
+                       f"torchrun worker). Reads and writes keep working on the live ranks.")
         log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
         return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
                                   f"{self.broken} Details: {details or 'no answer'}", sorted(culprits))

@@ -94,6 +94,9 @@ def test_plain_dcp_checkpoint_loads_with_another_layout(cl: Cluster, tmp_path: P
     loaded = cl.load_checkpoint(tmp_path / "plain", spec={"plain-table": GRID, "plain-vector": None},
                                 progress=lambda done, total: seen.append((done, total)))
     assert sorted(loaded) == ["plain-table", "plain-vector"] and seen[-1][0] == seen[-1][1] > 0
+    shard_bytes = sum(t.numel() * t.element_size() for t in (table, vector))  # one copy each: no replicas here
+    assert {total for _, total in seen} == {shard_bytes}  # the whole job's bytes from the first callback on
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
     assert torch.equal(cl["plain-table"][:], table) and torch.equal(cl["plain-vector"][:], vector)
     assert len(cl["plain-table"].metadata().shards_metadata) == 3
     ids = torch.tensor([60, 0, 31, 29, 0])
@@ -173,8 +176,10 @@ def test_a_save_replaces_the_checkpoint_at_its_path(cl: Cluster, tmp_path: Path)
 
 def test_bad_checkpoint_requests(cl: Cluster, tmp_path: Path) -> None:
     _dcp_save_plain(tmp_path / "ck", {"only": make_table(8)})
-    with pytest.raises(TensorNotFoundError, match="not a DCP checkpoint"):
+    with pytest.raises(TensorNotFoundError, match=r"^path \S+missing is not a DCP checkpoint"):
         cl.load_checkpoint(tmp_path / "missing")
+    with pytest.raises(InvalidArgumentError, match=r"spec names \['typo'\], which are not among"):
+        cl.load_checkpoint(tmp_path / "ck", spec={"typo": None})
     with pytest.raises(TensorNotFoundError, match="nope"):
         cl.load_checkpoint(tmp_path / "ck", names=["nope"])
     with pytest.raises(InvalidArgumentError, match="rank 7 is not a registered rank"):

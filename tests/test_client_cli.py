@@ -111,6 +111,11 @@ def test_create_status_fetch_delete(up, tmp_path):
     assert torch.equal(torch.load(out), expected[2:5])
     one_line_error(shardserve("fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2", env=env, check=False),
                    "sizes", "exceeds")
+    one_line_error(shardserve("fetch", "cli-t", "--offsets=7,0", env=env, check=False), "offsets")  # no sizes given
+    one_line_error(shardserve("fetch", "cli-t", "-o", str(tmp_path / "no" / "dir.pt"), env=env, check=False),
+                   "-o ", "does not exist")
+    one_line_error(shardserve("create", "cli-t", "--shape", "6,4", env=env, check=False),
+                   "already exists", "pass --overwrite")
     assert shardserve("delete", "cli-t", env=env).stdout.strip() == "deleted cli-t"
     one_line_error(shardserve("fetch", "cli-t", env=env, check=False), "cli-t", "not found")
 

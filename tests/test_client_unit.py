@@ -222,6 +222,22 @@ def test_client_options_before_a_server_command_and_unknown_options_are_errors(m
     assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--coordinator", "notanaddress", "status"], "--coordinator must be HOST:PORT, got 'notanaddress'"),
+    (["--coordinator", "h:1", "reshard", "t", "--replicate", "--dim", "1"], "give one of --dim, --grid or --replicate"),
+    (["--coordinator", "h:1", "reshard", "t", "--grid", "2x2", "--dim", "0"], "give one of --dim, --grid"),
+    (["--coordinator", "h:1", "reshard", "t", "--grid", "2by2"], "--grid must look like 2x2, got '2by2'"),
+    (["--coordinator", "h:1", "reshard", "t", "--ranks", ""], "--ranks is empty"),
+])
+def test_flag_combinations_are_usage_errors(argv, message, capsys):
+    """Exit 2 with the usage line, before any call (no coordinator listens at h:1)."""
+    import client.cli as cli
+
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_grid_dims_without_a_grid_is_refused():
     from client.errors import InvalidArgumentError
     from client.reshard import layout_from_options

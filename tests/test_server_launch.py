@@ -212,6 +212,8 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     (["up", "--host", ""], "--host is empty"),
     (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
     (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
+    (["--coordinator", "127.0.0.1:1", "--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
+    (["--coordinator", "127.0.0.1:1", "--register-timeout", "inf"], "--register-timeout must be a number"),
     (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
     (["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"], "tls cert file 'missing.pem' does not exist"),
 ])
@@ -220,6 +222,20 @@ def test_bad_flags_are_usage_errors(tmp_path, args, message):
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_rank_without_a_coordinator_says_so_in_one_line(tmp_path):
+    """No coordinator at the address: after --register-timeout the rank exits 1 with one error line that names
+    the address and the flag, not a traceback."""
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    result = subprocess.run([sys.executable, "-m", "server", "--coordinator", address, "--register-timeout", "0.5"],
+                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"could not register with the coordinator at {address} within --register-timeout 0.5s: UNAVAILABLE" \
+        in result.stderr
 
 
 def test_a_link_that_never_registered_stops_cleanly():
