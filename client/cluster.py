@@ -29,9 +29,9 @@ from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transpor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
 from shardcore.interop import as_spec
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties
+from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardcore.regions import cut_tensor
-from shardcore.specs import ChunkShardingSpec, tensor_size
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec, tensor_size
 from shardcore.validation import validate_metadata
 from shardcore.wire import metadata_to_proto, tensor_bytes
 
@@ -172,12 +172,15 @@ class Cluster:
     # ------------------------------------------------------------ creating tensors
 
     def _metadata(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
-        """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank)."""
+        """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank; a 0-d
+        tensor whole on the first live rank)."""
         if spec is None:
             live = [r for r in self.ranks() if r.alive]
             if not live:
                 raise RankUnavailableError(f"no live rank is registered with the coordinator at {self.address}")
-            spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in live])
+            placements = [f"rank:{r.rank}/{r.device}" for r in live]
+            spec = ChunkShardingSpec(0, placements) if len(shape) else \
+                EnumerableShardingSpec([ShardMetadata((), (), placements[0])])
         spec = _resolve_spec(spec)
         try:
             if isinstance(spec, ShardedTensorMetadata):

@@ -241,6 +241,16 @@ def test_empty_and_zero_sized(cl):
     cl.delete("boxes")
 
 
+def test_a_0d_tensor_goes_whole_to_the_first_live_rank_by_default(cl):
+    for value in (torch.tensor(3.5, dtype=torch.float64), torch.tensor(-7)):
+        remote = cl.put("scalar", value, overwrite=True)
+        assert [s.placement.rank() for s in remote.metadata().shards_metadata] == [min(
+            r.rank for r in cl.ranks() if r.alive)]
+        assert_same(remote.full_tensor(), value)
+        assert_same(remote[()], value)
+    cl.delete("scalar")
+
+
 def test_256_mib_round_trip(cl):
     source = torch.randint(-2**31, 2**31 - 1, (65536, 1024), dtype=torch.int32)  # 256 MiB
     remote = cl.put("big", source)
