@@ -62,10 +62,26 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     cluster._data_plane = DataPlane(transport, cluster._data_plane.reader, cluster._transport.credentials.uses_tls)
     try:
         cluster._refresh_ranks()
+    except RankUnavailableError as err:
+        cluster.close()
+        raise RankUnavailableError(f"{err}{_tls_hint(str(err), tls_ca, tls_cert)}", err.code) from None
     except BaseException:
         cluster.close()
         raise
     return cluster
+
+
+def _tls_hint(message: str, tls_ca: str | None, tls_cert: str | None) -> str:
+    """What to check when the first call found the coordinator but the connection did not hold (gRPC reports a
+    TLS mismatch only as a closed socket or a failed handshake)."""
+    if "Connection refused" in message:
+        return ""
+    if not tls_ca:
+        return " (if the cluster serves TLS, pass tls_ca, and tls_cert/tls_key when it wants client certificates)"
+    if not tls_cert:
+        return (" (if the cluster wants client certificates (mutual TLS), pass tls_cert and tls_key; if it serves "
+                "plaintext, pass no tls_ca)")
+    return " (if the cluster serves plaintext, pass no tls_ca/tls_cert/tls_key)"
 
 
 def _check_name(name: Any) -> str:

@@ -46,9 +46,9 @@ def test_no_bulk_port_under_tls(tls_cluster, tls_files, monkeypatch):
 
 
 def test_tls_without_client_certificate_or_token_is_refused(tls_cluster, tls_files):
-    with pytest.raises(RankUnavailableError):  # the handshake fails: mTLS wants a client certificate
+    with pytest.raises(RankUnavailableError, match="if the cluster wants client certificates"):  # mTLS
         connect(tls_cluster.address, token=TOKEN, tls_ca=tls_files.ca, timeout=10)
-    with pytest.raises(RankUnavailableError):  # plaintext to a TLS port
+    with pytest.raises(RankUnavailableError, match="if the cluster serves TLS, pass tls_ca"):  # plaintext to TLS
         connect(tls_cluster.address, token=TOKEN, timeout=10)
     with pytest.raises(AuthenticationError):
         connect(tls_cluster.address, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key,
