@@ -92,10 +92,15 @@ class Coordinator:
         channel = make_channel(info.address, self.security)
         entry = RankEntry(pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
         entry.info.CopyFrom(info)
-        with self._ranks_changed:
-            old = self._ranks.get(info.rank)
-            self._ranks[info.rank] = entry
-            self._ranks_changed.notify_all()
+        try:
+            with self._ranks_changed:
+                self._check_fits_the_world(info)
+                old = self._ranks.get(info.rank)
+                self._ranks[info.rank] = entry
+                self._ranks_changed.notify_all()
+        except ServiceError:
+            channel.close()
+            raise
         if old is not None:
             old.channel.close()
         log.info("rank %d registered: %s device %s pid %d on %s", info.rank, info.address, info.device,
@@ -105,8 +110,23 @@ class Coordinator:
         self._background.submit(self.reshards.finish_promotions)
         return self.heartbeat_interval
 
+    def _check_fits_the_world(self, info: pb.RankInfo) -> None:
+        """(lock held) A registration must agree with the live ranks: one world size, and its own address (else
+        a stray registration would make the reconcile drop another rank's versions)."""
+        for rank, entry in self._ranks.items():
+            if rank == info.rank or not self.is_alive(entry):
+                continue
+            if entry.info.world_size != info.world_size:
+                raise FailedPrecondition(f"rank.world_size {info.world_size} differs from the world size "
+                                         f"{entry.info.world_size} of registered rank {rank}")
+            if entry.info.address == info.address:
+                raise FailedPrecondition(f"rank.address {info.address} is registered by rank {rank}, which is "
+                                         f"alive")
+
     def heartbeat(self, rank: int, memory_used: int) -> None:
         """Record that `rank` is alive; NotFound tells an unknown rank to register again."""
+        if memory_used < 0:
+            raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:

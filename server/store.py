@@ -14,7 +14,7 @@ import enum
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -52,6 +52,7 @@ class StoredVersion:
     nbytes: int
     shards: dict[int, torch.Tensor] = field(default_factory=dict)
     complete: set[int] = field(default_factory=set)
+    changing: Counter[int] = field(default_factory=Counter)  # local shard -> open writes/rewrites of it
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
@@ -280,7 +281,8 @@ class ShardStore:
         """Serve (name, version) once every local shard is fully written."""
         with self._lock:
             entry = self._get(name, version)
-            missing = sorted(set(entry.metadata.shards_on(self.rank)) - entry.complete)
+            changing = {index for index, writes in entry.changing.items() if writes}
+            missing = sorted((set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing)
             if missing:
                 raise FailedPrecondition(
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
@@ -343,20 +345,33 @@ class ShardStore:
                          check: Callable[[StoredVersion], None] = lambda entry: None
                          ) -> tuple[StoredVersion, torch.Tensor, bool]:
         """Lease pending (name, version) for a change of local shard `shard_index`, after `check(entry)`, and
-        count that shard as not fully written, all in one step under the lock so no promote comes in between:
-        (the entry, whose lease the caller ends with _lease; the shard; whether it was fully written)."""
+        count that shard as being changed, all in one step under the lock so no promote comes in between (a
+        promote waits for every change of every shard to end: one stream finishing a shard while another still
+        writes it must not publish it): (the entry, whose lease and change the caller ends with _changing;
+        the shard; whether it was fully written)."""
         with self._lock:
             entry = self._pending(name, version)
             shard = self._local_shard(entry, shard_index)
             check(entry)
             was_complete = shard_index in entry.complete
             entry.complete.discard(shard_index)
+            entry.changing[shard_index] += 1
             entry.leases += 1
         return entry, shard, was_complete
 
-    def _mark_complete(self, entry: StoredVersion, shard_index: int) -> None:
-        with self._lock:
-            entry.complete.add(shard_index)
+    @contextmanager
+    def _changing(self, entry: StoredVersion, shard_index: int) -> Iterator[Callable[[], None]]:
+        """The lease and change of one shard opened by _open_for_change, ended on exit; yields mark_complete,
+        which counts the shard fully written as the change ends."""
+        written = []
+        with self._lease(entry):
+            try:
+                yield lambda: written.append(True)
+            finally:
+                with self._lock:
+                    entry.changing[shard_index] -= 1
+                    if written:
+                        entry.complete.add(shard_index)
 
     def _served_phrase(self, name: str) -> str:
         served = [k[1] for k, e in self._versions.items()
@@ -424,13 +439,13 @@ class ShardStore:
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
 
         entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check)
-        with self._lease(entry):
+        with self._changing(entry, shard_index) as mark_complete:
             writer = ShardWriter(shard_tensor, nbytes)
             yield writer
             if writer.written != nbytes:
                 raise InvalidArgument(f"the stream ended after {writer.written} of {nbytes} bytes of "
                                       f"shard {shard_index}")
-            self._mark_complete(entry, shard_index)
+            mark_complete()
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
@@ -447,12 +462,10 @@ class ShardStore:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
         not fully written meanwhile, so a promote cannot publish it half changed."""
         entry, shard, was_complete = self._open_for_change(name, version, shard_index)
-        with self._lease(entry):
-            try:
-                yield shard
-            finally:
-                if was_complete:
-                    self._mark_complete(entry, shard_index)
+        with self._changing(entry, shard_index) as mark_complete:
+            if was_complete:
+                mark_complete()
+            yield shard
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""

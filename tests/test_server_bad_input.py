@@ -202,6 +202,25 @@ def test_a_tensor_larger_than_the_host_is_refused(stubs):
     assert "huge" not in [t.name for t in listed]
 
 
+def test_a_registration_must_fit_the_world(stubs, served):
+    """A stray RegisterRank (another live rank's address, another world size) is refused before it replaces a
+    rank's entry, whose reconcile would then drop versions on the rank at that address."""
+    ranks = {r.rank: r for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks}
+    err = rpc_error(stubs.coord.RegisterRank, pb.RegisterRankRequest(
+        rank=pb.RankInfo(rank=2, world_size=3, address=ranks[0].address, device="cpu"),
+        held=[pb.HeldVersion(name="good", version=served.version)]), timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"rank.address {ranks[0].address} is registered by rank 0" in err.details()
+    err = rpc_error(stubs.coord.RegisterRank, pb.RegisterRankRequest(
+        rank=pb.RankInfo(rank=5, world_size=10, address="127.0.0.1:1", device="cpu")), timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "rank.world_size 10 differs" in err.details()
+    err = rpc_error(stubs.coord.Heartbeat, pb.HeartbeatRequest(rank=0, memory_used_bytes=-5), timeout=TIMEOUT)
+    assert err.code() == INVALID and "memory_used_bytes must be >= 0" in err.details()
+    after = {r.rank: r.address for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks}
+    assert after == {r: info.address for r, info in ranks.items()}
+    assert torch.equal(read_full(stubs, served), TENSOR)  # nothing was dropped on rank 0
+
+
 def test_abort_of_a_committed_version_is_refused(stubs, served):
     err = rpc_error(stubs.coord.AbortTensor, pb.AbortTensorRequest(name="good", version=served.version),
                     timeout=TIMEOUT)

@@ -83,6 +83,22 @@ def test_write_in_order_then_promote():
             pass
 
 
+def test_a_shard_another_stream_still_writes_cannot_be_promoted():
+    """Two WriteShard streams of one shard: the one that finishes first does not make the shard publishable
+    while the other still writes it, so no write can land in a served version."""
+    store = ShardStore(rank=0)
+    store.allocate("race", 1, META)
+    with store.write("race", 1, 0, torch.float32, 48) as slow:
+        slow.write(0, b"\xaa" * 8)
+        with store.write("race", 1, 0, torch.float32, 48) as fast:
+            fast.write(0, bytes(48))
+        with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
+            store.promote("race", 1)
+        slow.write(8, b"\xaa" * 40)
+    store.promote("race", 1)
+    assert store.local_tensor("race", 1, 0).view(torch.uint8).flatten().tolist() == [0] * 8 + [0xAA] * 40
+
+
 def test_install_adds_a_complete_pending_version_checked_against_the_layout():
     store = ShardStore(rank=1)
     shards = {1: torch.full((3, 4), 2.0), 2: torch.full((3, 4), 3.0)}
