@@ -341,8 +341,7 @@ class RankProcess:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._pidfd = _pidfd(pid)
-        if self._pidfd is not None:
-            weakref.finalize(self, os.close, self._pidfd)
+        self._closer = weakref.finalize(self, os.close, self._pidfd) if self._pidfd is not None else None
 
     def alive(self) -> bool | None:
         """Whether the process is running; None where pidfds are unavailable."""

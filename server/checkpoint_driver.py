@@ -22,7 +22,6 @@ and reshards enter collectives in one order on every rank.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from protos import shardserve_pb2 as pb
 from server.catalog import ranks_of
+from server.reshard_driver import job_timeout
 from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from server.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
@@ -96,9 +96,7 @@ class CheckpointDriver:
         return list(range(world))
 
     def _timeout(self, value: float) -> float:
-        if not 0 <= value < math.inf:  # NaN fails this too
-            raise InvalidArgument(f"timeout_s must be a finite number >= 0 (0 = default), got {value}")
-        return value or self.default_timeout_s
+        return job_timeout(value, self.default_timeout_s)
 
     def load(self, request: pb.LoadCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
         """Load tensors as new versions: all READY at the end, or none visible after a failure."""

@@ -289,6 +289,9 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     dst = parse_metadata(spec.dst, "reshard.dst")
     if spec.bucket_bytes < 0:
         raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
+    outside = sorted((set(src.ranks()) | set(dst.ranks())) - set(job.ranks))
+    if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
+        raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} of reshard.src/reshard.dst")
     plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)  # the per-pair size the coordinator chose
     rank = ctx.rank
     if ctx.store.device.type == "cuda":

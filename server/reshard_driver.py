@@ -37,6 +37,7 @@ ListRanks (`shardserve status`).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+MIN_JOB_TIMEOUT_S = 1.0
 # Test hook: the coordinator process exits right after a reshard's catalog commit.
 EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
 EXIT_AFTER_COMMIT_CODE = 17
@@ -276,7 +278,7 @@ class ReshardDriver:
         name = check_name(request.name)
         dst = parse_metadata(request.metadata)
         bucket_bytes = _bucket_bytes(request.bucket_bytes)
-        timeout_s = _timeout(request.timeout_s, self.default_timeout_s)
+        timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
         if self.jobs.broken is not None:
             raise FailedPrecondition(self.jobs.broken)
         with self._claim(name), self.coordinator._name_lock(name):
@@ -446,9 +448,13 @@ def _bucket_bytes(value: int) -> int:
     return value or DEFAULT_BUCKET_BYTES
 
 
-def _timeout(value: float, default: float) -> float:
-    if value != value or value < 0 or value == float("inf"):
-        raise InvalidArgument(f"timeout_s {value} must be a finite number >= 0 (0 = default)")
+def job_timeout(value: float, default: float) -> float:
+    """A collective job's timeout_s: 0 for `default`, else at least MIN_JOB_TIMEOUT_S. A job that times out
+    leaves the world unable to run collectives (its peers may be inside one), so a timeout too short for any
+    job to finish would be a way to break the cluster with one request."""
+    if not (value == 0 or MIN_JOB_TIMEOUT_S <= value < math.inf):  # NaN fails this too
+        raise InvalidArgument(f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
+                              f"seconds >= {MIN_JOB_TIMEOUT_S:g}")
     return value or default
 
 

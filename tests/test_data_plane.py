@@ -206,7 +206,6 @@ def test_process_watch_sees_a_rank_process_exit():
 def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
     """A pid seen again after its process exited (a rank restarted under a reused pid) gets a fresh pidfd, while
     mappings of the old process keep seeing it dead; the old pidfd closes once nothing refers to it."""
-    before = len(os.listdir("/proc/self/fd"))
     watch = shm_transport._ProcessWatch()
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -219,11 +218,12 @@ def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
     assert old.alive() is False
     new = watch.watch(process.pid)
     assert new is not old and old.alive() is False
+    closer = old._closer
+    assert closer is not None and closer.alive  # the pidfd is open while the old process object is held
     del old, new
     watch.watch(os.getpid())  # forgets exited processes
-    del watch
     gc.collect()
-    assert len(os.listdir("/proc/self/fd")) == before
+    assert not closer.alive  # os.close(pidfd) ran
 
 
 def test_bad_transport_is_refused(cluster):

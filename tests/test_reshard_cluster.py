@@ -223,6 +223,29 @@ def test_bad_requests_are_refused_with_the_field_named(client4):
     assert client4.put("bad", tensor, overwrite=True).full_tensor().equal(tensor)
 
 
+def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, cluster4):
+    """A RunCollective whose plan needs ranks it leaves out, or a reshard whose timeout no job could meet, is
+    refused before any collective starts: the world stays usable for the next reshard."""
+    tensor = source((13, 21), torch.float32, seed=3)
+    proxy = client4.put("stray", tensor, spec=chunk(0, range(2)), overwrite=True)
+    src, dst = proxy.metadata(), chunk(1, range(2)).build_metadata((13, 21), TensorProperties())
+    from shardcore.wire import metadata_to_proto
+
+    rank0 = next(r for r in client4.ranks() if r.rank == 0)
+    with grpc.insecure_channel(rank0.address) as channel:
+        job = pb.CollectiveJob(seq=10**12, ranks=[0], timeout_s=5, reshard=pb.ReshardJob(
+            name="stray", src_version=proxy.version, src=metadata_to_proto(src), dst_version=10**12 + 1,
+            dst=metadata_to_proto(dst)))
+        final = list(pb_grpc.ShardServerStub(channel).RunCollective(job, timeout=30))[-1]
+    assert final.done and "leaves out ranks [1] of reshard.src/reshard.dst" in final.error
+    request = pb.ReshardRequest(name="stray", metadata=metadata_to_proto(dst), timeout_s=1e-300)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client4._coordinator.Reshard(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s 1e-300 must be 0" in err.value.details()
+    new = proxy.reshard(chunk(1, range(4)))
+    assert torch.equal(new.full_tensor(), tensor) and not client4._call("ListRanks", pb.ListRanksRequest()).collectives_error
+
+
 def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
     from client.cli import main
 
