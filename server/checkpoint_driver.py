@@ -185,6 +185,10 @@ class CheckpointDriver:
             raise InvalidArgument("names holds duplicates")
         for i, name in enumerate(names):
             check_name(name, f"names[{i}]")
+        known = {info.name for info in self.catalog.list()}
+        unknown = next((name for name in names if name not in known), None)
+        if unknown is not None:  # before any lock: asking for a million unknown names must cost no more than a scan
+            raise NotFound(f"tensor {unknown!r} not found")
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(names):

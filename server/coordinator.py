@@ -68,7 +68,7 @@ class Coordinator:
         self.pending_timeout = pending_timeout
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
-        self._name_locks: dict[str, threading.Lock] = {}
+        self._name_locks: dict[str, tuple[threading.Lock, int]] = {}  # name -> (its lock, callers using it)
         self._name_locks_guard = threading.Lock()
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
@@ -358,14 +358,23 @@ class Coordinator:
         than `wait_s` (default NAME_LOCK_WAIT_S): a reshard or checkpoint holds it for its whole run, and a
         gRPC worker must not wait on it without bound."""
         with self._name_locks_guard:
-            lock = self._name_locks.setdefault(name, threading.Lock())
-        if not lock.acquire(timeout=NAME_LOCK_WAIT_S if wait_s is None else wait_s):
-            raise Aborted(f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
-                          f"retry once it has ended")
+            lock, users = self._name_locks.get(name, (threading.Lock(), 0))
+            self._name_locks[name] = (lock, users + 1)
         try:
-            yield
+            if not lock.acquire(timeout=NAME_LOCK_WAIT_S if wait_s is None else wait_s):
+                raise Aborted(f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
+                              f"retry once it has ended")
+            try:
+                yield
+            finally:
+                lock.release()
         finally:
-            lock.release()
+            with self._name_locks_guard:  # forgotten once unused: one lock per name ever asked about would grow
+                lock, users = self._name_locks[name]
+                if users == 1:
+                    del self._name_locks[name]
+                else:
+                    self._name_locks[name] = (lock, users - 1)
 
     def promote_on(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
         """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""

@@ -77,8 +77,20 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
 
 
+MAX_MESSAGE_CHARS = 2000  # a status message travels in a header: gRPC refuses headers over 16 KiB
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS: errors quote the caller's input, which may be megabytes, and an
+    oversized status would reach the client as RESOURCE_EXHAUSTED instead of the real error."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 def _abort(context: grpc.ServicerContext, method: str, err: BaseException) -> None:
     code, message = status_of(err)
+    message = bounded_message(message)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:

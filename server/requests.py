@@ -31,6 +31,7 @@ def check_name(name: str, field: str = "name") -> str:
 
 
 MAX_PUT_TOKEN_LENGTH = 128
+MAX_VERSION = 1 << 63
 
 
 def check_put_token(token: str, field: str = "put_token") -> str:
@@ -43,9 +44,11 @@ def check_put_token(token: str, field: str = "put_token") -> str:
 
 
 def check_version(version: int, field: str = "version", allow_zero: bool = False) -> int:
-    """A version number: > 0 (or 0 when the RPC gives 0 a meaning)."""
+    """A version number: > 0 (or 0 when the RPC gives 0 a meaning), and below 2**63 (the catalog's integers)."""
     if version == 0 and not allow_zero:
         raise InvalidArgument(f"{field} must be > 0")
+    if version >= MAX_VERSION:
+        raise InvalidArgument(f"{field} {version} is out of range (versions are below 2**63)")
     return version
 
 

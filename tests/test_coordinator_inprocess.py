@@ -240,3 +240,18 @@ def test_put_tokens_are_checked(coordinator):
     ready = coordinator.commit("r", made.version)
     assert ready.put_token == "tok" and coordinator.abort_put("r", "tok") == 0  # a READY version is never aborted
     assert coordinator.catalog.get("r", ready.version).state == pb.READY
+
+
+def test_name_locks_are_forgotten_once_unused(coordinator):
+    """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
+    names included) would grow the coordinator without bound."""
+    from server.errors import NotFound
+
+    _rank(coordinator, RankStub(set()))
+    for i in range(50):
+        with pytest.raises(NotFound):
+            coordinator.commit(f"unknown-{i}", 1)
+    assert coordinator._name_locks == {}
+    with coordinator._name_lock("held"):
+        assert set(coordinator._name_locks) == {"held"}
+    assert coordinator._name_locks == {}

@@ -174,6 +174,10 @@ def test_create_tensor_bad_input(stubs, build, code, needle):
      "either version or put_token"),
     ("AbortTensor", pb.AbortTensorRequest(name="nope", put_token="x" * 200), INVALID, "put_token is 200"),
     ("AbortTensor", pb.AbortTensorRequest(name="nope"), INVALID, "version must be > 0"),
+    ("CommitTensor", pb.CommitTensorRequest(name="good", version=2**63), INVALID, "version 9223372036854775808 is out"),
+    ("InspectCheckpoint", pb.InspectCheckpointRequest(path="/" + "a" * 20000), grpc.StatusCode.NOT_FOUND,
+     "more characters)"),  # the path quoted in full would be a status header over gRPC's 16 KiB
+    ("AbortTensor", pb.AbortTensorRequest(name="good", version=2**64 - 1), INVALID, "(versions are below 2**63)"),
     ("Heartbeat", pb.HeartbeatRequest(rank=99), grpc.StatusCode.NOT_FOUND, "rank 99 is not registered"),
     ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=-1, world_size=3, address="h:1",
                                                              device="cpu")), INVALID, "rank.rank -1"),
