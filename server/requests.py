@@ -30,6 +30,8 @@ def check_name(name: str, field: str = "name") -> str:
     return name
 
 
+MAX_DIMS = 64  # far beyond any real layout; validation work grows with dims x shards
+MAX_SHARDS = 1 << 16
 MAX_PUT_TOKEN_LENGTH = 128
 MAX_VERSION = 1 << 63
 
@@ -54,8 +56,15 @@ def check_version(version: int, field: str = "version", allow_zero: bool = False
 
 def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> ShardedTensorMetadata:
     """Wire metadata as a validated shardcore layout; InvalidArgument names the bad part."""
+    if len(msg.size) > MAX_DIMS:  # checked before any work: validation costs grow with dims x shards
+        raise InvalidArgument(f"{field}.size has {len(msg.size)} dims; the limit is {MAX_DIMS}")
+    if len(msg.shards_metadata) > MAX_SHARDS:
+        raise InvalidArgument(f"{field}.shards_metadata has {len(msg.shards_metadata)} shards; the limit is "
+                              f"{MAX_SHARDS}")
     try:
         meta = metadata_from_proto(msg)
+        if meta.nbytes >= 1 << 63:
+            raise ValueError(f"size {list(meta.size)} of {meta.dtype} is 2**63 bytes or more")
         if not meta.shards_metadata:
             raise ValueError("shards_metadata is empty")
         for i, shard in enumerate(meta.shards_metadata):

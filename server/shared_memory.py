@@ -40,6 +40,7 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # makes it). The generation grows each time a freed segment is taken for another version (server/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
+FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
 DEFAULT_LEASE_S = 30.0
@@ -79,8 +80,10 @@ class SharedMemory:
     def __init__(self, enabled: bool = True, recycled: RecycledBuffers | None = None) -> None:
         self.enabled = enabled and hasattr(os, "memfd_create")
         self.recycled = recycled if recycled is not None else RecycledBuffers()
-        if self.enabled:
-            _raise_fd_limit()  # two fds per shard (ours and the mapping's); running out falls back to private memory
+        # two fds per segment (ours and the mapping's); past the budget shards go to private memory, so that
+        # a layout of thousands of tiny shards cannot take the fds the rank's sockets need
+        self.max_segments = _segment_budget(_raise_fd_limit()) if self.enabled else 0
+        self._over_budget_logged = False
         self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty` or given a header
         self._headers: dict[int, torch.Tensor] = {}  # the int64 header words of those segments
         # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
@@ -96,6 +99,12 @@ class SharedMemory:
         tensor = self._reuse(sizes, dtype, shared=True)
         if tensor is not None:
             return tensor if overwrite else tensor.zero_()
+        if len(self._segments) >= self.max_segments:
+            if not self._over_budget_logged:
+                self._over_budget_logged = True
+                log.warning("%d shared-memory segments (the budget of this rank's open files); further shards "
+                            "are in private memory and read over the network", len(self._segments))
+            return torch.zeros(sizes, dtype=dtype)
         try:
             flat, segment = _memfd_bytes(HEADER_BYTES + nbytes)
         except OSError as err:
@@ -183,16 +192,24 @@ class SharedMemory:
         return copy
 
 
-def _raise_fd_limit() -> None:
-    """Lift this process's soft limit of open files to its hard limit."""
+def _segment_budget(open_files: int) -> int:
+    """How many segments (two fds each) leave enough open files for everything else: FDS_KEPT_FOR_SOCKETS, or
+    half of a small limit."""
+    return max(0, (open_files - min(FDS_KEPT_FOR_SOCKETS, open_files // 2)) // 2)
+
+
+def _raise_fd_limit() -> int:
+    """Lift this process's soft limit of open files to its hard limit; returns the limit now in force."""
     try:
         import resource
 
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return limit if limit != resource.RLIM_INFINITY else 1 << 20
     except (ImportError, ValueError, OSError):
-        pass
+        return 1024
 
 
 def _new_header(flat: torch.Tensor, state: int) -> torch.Tensor:

@@ -174,3 +174,18 @@ def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(t
         loaded = store.local_tensor("t", version, 0)
         assert torch.equal(loaded, table) and store.shared.segment_of(loaded) is not None
     assert store.shared.recycled.reused == 1  # version 3 went into version 1's segment (1 was served during 2)
+
+
+def test_shards_past_the_open_file_budget_go_to_private_memory():
+    """Thousands of tiny shards must not take the fds a rank's sockets need: past its budget, `empty` hands
+    out plain memory (read over the network instead of mapped)."""
+    from server.shared_memory import _segment_budget
+
+    assert _segment_budget(20000) == (20000 - 4096) // 2 and _segment_budget(1024) == 256 and _segment_budget(1) == 0
+    shared = SharedMemory()
+    shared.max_segments = 3
+    tensors = [shared.empty((4,), torch.float32) for _ in range(5)]
+    assert [shared.segment_of(t) is not None for t in tensors] == [True, True, True, False, False]
+    assert all(not t.any() for t in tensors)
+    del tensors[0]
+    assert shared.segment_of(shared.empty((4,), torch.float32)) is not None  # room again once one is freed

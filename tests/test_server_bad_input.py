@@ -1,6 +1,8 @@
 """Every RPC answers malformed and hostile requests with the right status code naming the field, and keeps serving."""
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -204,6 +206,27 @@ def test_a_tensor_larger_than_the_host_is_refused(stubs):
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "bytes requested" in err.details()
     listed = stubs.coord.ListTensors(pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT).tensors
     assert "huge" not in [t.name for t in listed]
+
+
+@pytest.mark.parametrize("metadata,needle", [
+    (pb.ShardedTensorMetadata(size=[2] * 20000, tensor_properties=pb.TensorProperties(dtype=pb.FLOAT32),
+                              shards_metadata=[pb.ShardMetadata(shard_offsets=[0] * 20000, shard_sizes=[1] * 20000,
+                                                                placement="rank:0/cpu")]),
+     "metadata.size has 20000 dims; the limit is 64"),
+    (pb.ShardedTensorMetadata(size=[2**62, 2**62], tensor_properties=pb.TensorProperties(dtype=pb.FLOAT32),
+                              shards_metadata=[pb.ShardMetadata(shard_offsets=[0, 0], shard_sizes=[2**62, 2**62],
+                                                                placement="rank:0/cpu")]),
+     "is 2**63 bytes or more"),
+    (pb.ShardedTensorMetadata(size=[70000], tensor_properties=pb.TensorProperties(dtype=pb.FLOAT32),
+                              shards_metadata=[pb.ShardMetadata(shard_offsets=[i], shard_sizes=[1],
+                                                                placement="rank:0/cpu") for i in range(70000)]),
+     "metadata.shards_metadata has 70000 shards; the limit is 65536"),
+])
+def test_layouts_too_big_to_check_are_refused_at_once(stubs, metadata, needle):
+    """Refused before validation, whose cost grows with dims x shards (20000 dims took minutes)."""
+    start = time.monotonic()
+    err = create_error(stubs, metadata, name="big")
+    assert err.code() == INVALID and needle in err.details() and time.monotonic() - start < 10
 
 
 def test_a_registration_must_fit_the_world(stubs, served):
