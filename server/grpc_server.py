@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from server.request_decoding import RequestDecodingInterceptor
 from server.auth import CHANNEL_OPTIONS, Security, TokenAuthInterceptor, server_credentials
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,8 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
                  max_workers: int = 16) -> RunningServer:
     """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection."""
     host, _ = split_address(listen)
-    interceptors = [TokenAuthInterceptor(security.token)] if security.token else []
+    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(security.token)] if security.token else []
+    interceptors.append(RequestDecodingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=interceptors,
                          options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])  # a port in use is an error
