@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (publish_checkpoint)
 _METADATA = ".metadata"
 _DATA_SUFFIX = ".distcp"
@@ -53,6 +54,10 @@ def _check_path(path: str) -> str:
         raise InvalidArgument("path is empty")
     if not os.path.isabs(path):
         raise InvalidArgument(f"path {path!r} must be absolute (the ranks resolve it, not the client)")
+    if "\x00" in path:
+        raise InvalidArgument(f"path {path!r} holds a NUL character")
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise InvalidArgument(f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}")
     return path
 
 

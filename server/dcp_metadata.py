@@ -13,7 +13,8 @@ import pickle
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
+                                                  TensorStorageMetadata)
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -50,6 +51,50 @@ def load_metadata(stream: IO[bytes], where: str | os.PathLike) -> Metadata:
             from None
     if not isinstance(metadata, Metadata):
         raise CheckpointMetadataError(f"{where}/.metadata holds a {type(metadata).__name__}, not DCP Metadata")
+    problem = _structure_problem(metadata)
+    if problem:
+        raise CheckpointMetadataError(f"{where}/.metadata is not DCP metadata: {problem}")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def _structure_problem(metadata: Metadata) -> str:
+    """What is wrong with the shape of unpickled Metadata (the allow-list admits the right classes, not right
+    contents): "" when every entry is a well-formed tensor or bytes entry."""
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(entries, dict):
+        return f"state_dict_metadata is a {type(entries).__name__}, not a dict"
+    for key, entry in entries.items():
+        if not isinstance(key, str) or not key or not key.isprintable():
+            return f"key {key!r} is not a non-empty printable string"
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            return f"entry {key!r} is a {type(entry).__name__}"
+        problem = _tensor_problem(entry)
+        if problem:
+            return f"entry {key!r}: {problem}"
+    return ""
+
+
+def _tensor_problem(entry: TensorStorageMetadata) -> str:
+    if not isinstance(getattr(entry.properties, "dtype", None), torch.dtype):
+        return "properties hold no dtype"
+    if not _is_extent(entry.size):
+        return "size is not a tuple of sizes in [0, 2**63)"
+    if not isinstance(entry.chunks, list):
+        return f"chunks is a {type(entry.chunks).__name__}, not a list"
+    for i, chunk in enumerate(entry.chunks):
+        if not (isinstance(chunk, ChunkStorageMetadata) and _is_extent(chunk.offsets) and _is_extent(chunk.sizes)
+                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)):
+            return f"chunks[{i}] is not offsets and sizes of the tensor's {len(entry.size)} dims"
+    return ""
+
+
+def _is_extent(values: Any) -> bool:
+    try:  # a torch.Size holding an int past int64 raises when read
+        return isinstance(values, (tuple, list)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in values)
+    except (ValueError, OverflowError):
+        return False

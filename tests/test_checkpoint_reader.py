@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import os
 import warnings
 
@@ -140,3 +141,43 @@ def test_element_span_of_strided_regions():
     assert element_span(base[:, 3:5]) == (3, 5 * 8 + 2)
     assert element_span(base[1:1]) == (8, 0)
     assert element_span(base.t()[2:3]) == (2, 5 * 8 + 1)
+
+
+def _malformed_metadata(kind: str) -> bytes:
+    """Pickles of allow-listed DCP classes holding the wrong contents."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    def tensor(size, chunks=None, properties=TensorProperties(dtype=torch.float32)):  # type: ignore[no-untyped-def]
+        return TensorStorageMetadata(properties=properties, size=size, chunks=chunks if chunks is not None else [])
+    entries = {
+        "list": [], "none": None,
+        "no dtype": {"t": tensor(torch.Size([4]), properties=None)},
+        "huge size": {"t": tensor(torch.Size([2**70]))},
+        "negative size": {"t": tensor(torch.Size([-5]))},
+        "string size": {"t": tensor("abc")},
+        "int key": {5: tensor(torch.Size([4]))},
+        "empty key": {"": tensor(torch.Size([4]))},
+        "chunk dims": {"t": tensor(torch.Size([4, 4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])},
+    }[kind]
+    return pickle.dumps(Metadata(state_dict_metadata=entries))
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("list", "state_dict_metadata is a list, not a dict"), ("none", "state_dict_metadata is a NoneType"),
+    ("no dtype", "entry 't': properties hold no dtype"), ("huge size", "entry 't': size is not a tuple"),
+    ("negative size", "entry 't': size is not"), ("string size", "entry 't': size is not"),
+    ("int key", "key 5 is not a non-empty printable string"), ("empty key", "key '' is not"),
+    ("chunk dims", "chunks[0] is not offsets and sizes of the tensor's 2 dims"),
+])
+def test_metadata_of_the_right_classes_but_wrong_contents_is_refused(kind, message):
+    """The allow-list admits DCP's classes; their contents are checked too (they reached code that failed with
+    AttributeError or OverflowError, an INTERNAL answer)."""
+    import io
+
+    from server.dcp_metadata import CheckpointMetadataError, load_metadata
+
+    with pytest.raises(CheckpointMetadataError, match=re.escape(message)):
+        load_metadata(io.BytesIO(_malformed_metadata(kind)), "ck")

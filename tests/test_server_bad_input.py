@@ -177,8 +177,13 @@ def test_create_tensor_bad_input(stubs, build, code, needle):
     ("AbortTensor", pb.AbortTensorRequest(name="nope", put_token="x" * 200), INVALID, "put_token is 200"),
     ("AbortTensor", pb.AbortTensorRequest(name="nope"), INVALID, "version must be > 0"),
     ("CommitTensor", pb.CommitTensorRequest(name="good", version=2**63), INVALID, "version 9223372036854775808 is out"),
-    ("InspectCheckpoint", pb.InspectCheckpointRequest(path="/" + "a" * 20000), grpc.StatusCode.NOT_FOUND,
-     "more characters)"),  # the path quoted in full would be a status header over gRPC's 16 KiB
+    ("InspectCheckpoint", pb.InspectCheckpointRequest(path="/" + "a" * 20000), INVALID,
+     "path is 20001 bytes long; the limit is 4096"),
+    ("SaveCheckpoint", pb.SaveCheckpointRequest(path="/tmp/a\x00b", names=["good"]), INVALID, "holds a NUL"),
+    ("CreateTensor", pb.CreateTensorRequest(name="x", metadata=pb.ShardedTensorMetadata(
+        size=[4], tensor_properties=pb.TensorProperties(dtype=pb.FLOAT32), shards_metadata=[pb.ShardMetadata(
+            shard_offsets=[0], shard_sizes=[4], placement="rank:0/" + "x" * 100000)])), INVALID,
+     "more characters)"),  # quoted in full, the placement would make a status header over gRPC's 16 KiB
     ("AbortTensor", pb.AbortTensorRequest(name="good", version=2**64 - 1), INVALID, "(versions are below 2**63)"),
     ("Heartbeat", pb.HeartbeatRequest(rank=99), grpc.StatusCode.NOT_FOUND, "rank 99 is not registered"),
     ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=-1, world_size=3, address="h:1",
