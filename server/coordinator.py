@@ -28,7 +28,7 @@ from server.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidAr
                            Unavailable, rpc_errors)
 from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
 from server.reshard_driver import ReshardDriver
-from server.requests import check_name, check_put_token, check_version, parse_metadata
+from server.requests import check_name, check_options, check_put_token, check_version, parse_metadata
 from server.store import check_init
 from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
@@ -195,7 +195,7 @@ class Coordinator:
         name = check_name(request.name)
         meta = parse_metadata(request.metadata)
         check_init(request.init, meta.dtype)
-        _check_options(request.options, meta)
+        check_options(request.options, meta)
         token = check_put_token(request.put_token)
         self._check_placements(meta)
         with self._name_lock(name):
@@ -549,20 +549,6 @@ def _check_rank_info(info: pb.RankInfo) -> None:
         raise InvalidArgument(f"rank.device {info.device!r} is not 'cpu' or 'cuda:K'") from None
     if info.memory_limit_bytes < 0:
         raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")
-
-
-def _check_options(options: pb.TensorOptions, meta: ShardedTensorMetadata) -> None:
-    if options.oov not in pb.OovPolicy.values():
-        raise InvalidArgument(f"options.oov {options.oov} is not a known OovPolicy")
-    if options.oov == pb.OOV_DEFAULT:
-        if meta.ndim != 2:
-            raise InvalidArgument("options.oov OOV_DEFAULT needs a 2-D table")
-        row_bytes = meta.size[1] * meta.tensor_properties.itemsize
-        if len(options.default_row) != row_bytes:
-            raise InvalidArgument(f"options.default_row has {len(options.default_row)} bytes; one row of "
-                                  f"this table is {row_bytes} bytes")
-    elif options.default_row:
-        raise InvalidArgument("options.default_row is set but options.oov is not OOV_DEFAULT")
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

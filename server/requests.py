@@ -76,6 +76,21 @@ def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> Sh
     return meta
 
 
+def check_options(options: pb.TensorOptions, meta: ShardedTensorMetadata) -> None:
+    """A table's options: a known OovPolicy, and a default_row of one row's bytes exactly when OOV_DEFAULT."""
+    if options.oov not in pb.OovPolicy.values():
+        raise InvalidArgument(f"options.oov {options.oov} is not a known OovPolicy")
+    if options.oov == pb.OOV_DEFAULT:
+        if meta.ndim != 2:
+            raise InvalidArgument("options.oov OOV_DEFAULT needs a 2-D table")
+        row_bytes = meta.size[1] * meta.tensor_properties.itemsize
+        if len(options.default_row) != row_bytes:
+            raise InvalidArgument(f"options.default_row has {len(options.default_row)} bytes; one row of "
+                                  f"this table is {row_bytes} bytes")
+    elif options.default_row:
+        raise InvalidArgument("options.default_row is set but options.oov is not OOV_DEFAULT")
+
+
 def parse_dtype(number: int, field: str) -> torch.dtype:
     """Torch dtype of a wire DType value."""
     try:

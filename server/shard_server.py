@@ -22,7 +22,7 @@ from server.shm_service import SharedMemoryService
 from server.shm_service import handlers as shared_memory_handlers
 from server.small_reads import SmallReads
 from server.small_reads import handlers as small_read_handlers
-from server.requests import check_name, check_version, parse_dtype, parse_metadata, requested_box
+from server.requests import check_name, check_options, check_version, parse_dtype, parse_metadata, requested_box
 from server.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         name = check_name(request.name)
         version = check_version(request.version)
         meta = parse_metadata(request.metadata)
+        check_options(request.options, meta)
         if request.init == pb.INIT_COPY:
             return pb.AllocateShardsResponse(allocated_bytes=self.store.allocate_copy(
                 name, version, meta, check_version(request.source_version, "source_version"), request.options))

@@ -14,10 +14,10 @@ first tensor made over it does, so a recycled segment keeps its fd.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -254,14 +254,15 @@ class Leases:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._held: dict[int, tuple[AbstractContextManager, float]] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._reaper: threading.Thread | None = None
 
     def hold(self, lease: AbstractContextManager, seconds: float) -> int:
         """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
         with self._lock:
-            lease_id = next(self._ids)
+            lease_id = 0
+            while not lease_id or lease_id in self._held:  # random: no client ends another's lease by guessing
+                lease_id = secrets.randbits(63)
             self._held[lease_id] = (lease, self._clock() + seconds)
             if self._reaper is None:
                 self._reaper = threading.Thread(target=self._reap_forever, name="shm-lease-reaper", daemon=True)

@@ -19,7 +19,7 @@ import torch
 
 from shardcore.dtypes import dtype_to_wire, itemsize
 
-_PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$")
+_PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only
 
 
 class RemoteDevice:

@@ -701,6 +701,19 @@ def test_leases_expire():
     assert leases.expire() == 1 and store.memory_used == 0
 
 
+def test_lease_ids_cannot_be_guessed():
+    """ReleaseShard ends any lease whose id it is given: ids are random 63-bit numbers, not a sequence another
+    client could walk."""
+    leases, store = Leases(), _served_store()
+    ids = []
+    for _ in range(3):
+        lease = store.lease("t", 1)
+        lease.__enter__()
+        ids.append(leases.hold(lease, 30.0))
+    assert len(set(ids)) == 3 and all(0 < i < 1 << 63 for i in ids) and sorted(ids) != list(range(ids[0], ids[0] + 3))
+    assert leases.release([ids[0] + 1, ids[0] - 1]) == 0 and leases.release(ids) == 3
+
+
 def test_served_versions_are_immutable():
     store = _served_store()
     with pytest.raises(FailedPrecondition, match="already committed"):

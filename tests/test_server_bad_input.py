@@ -278,6 +278,8 @@ def test_abort_of_a_committed_version_is_refused(stubs, served):
 @pytest.mark.parametrize("rpc,request_,needle", [
     ("AllocateShards", pb.AllocateShardsRequest(name="a", version=0), "version must be > 0"),
     ("AllocateShards", pb.AllocateShardsRequest(name="a", version=1), "metadata:"),
+    ("AllocateShards", pb.AllocateShardsRequest(name="a", version=1, metadata=metadata_to_proto(META),
+                                                options=pb.TensorOptions(oov=9)), "options.oov 9 is not a known"),
     ("PromoteVersion", pb.PromoteVersionRequest(name="", version=1), "name is empty"),
     ("DropVersion", pb.DropVersionRequest(name=""), "name is empty"),
     ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=float("nan")), "lease_s nan"),

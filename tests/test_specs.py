@@ -304,3 +304,10 @@ def test_box_holds_plain_int_tuples_and_refuses_non_integers():
     shard = ShardMetadata((2, 0), (2, 4), 0)
     assert shard.box is shard.box and shard.box == Box((2, 0), (2, 4))
     assert "rank:0/cpu" in {RemoteDevice("rank:0/cpu")} and RemoteDevice("rank:1/cuda:0") in {"rank:1/cuda:0"}
+
+
+@pytest.mark.parametrize("placement", ["rank:\u0660/cpu", "rank:1/cuda:\u0661", "rank:\uff11/cpu"])
+def test_placements_take_ascii_digits_only(placement):
+    """int() reads Arabic-Indic or fullwidth digits as numbers; a placement naming rank 0 that way is refused."""
+    with pytest.raises(ValueError, match="is not of the form"):
+        RemoteDevice(placement)
