@@ -406,6 +406,10 @@ class ShardStore:
             raise InvalidArgument(f"shard_index {shard_index} is out of range: tensor {entry.name!r} "
                                   f"has {count} shards")
         if shard_index not in entry.shards:
+            if shard_index in entry.metadata.shards_on(self.rank):  # reserved: a collective job brings its shards
+                raise FailedPrecondition(f"shard_index {shard_index} of tensor {entry.name!r} version "
+                                         f"{entry.version} is reserved for a reshard or checkpoint load on rank "
+                                         f"{self.rank}; its data arrives with that job, not by a write")
             raise InvalidArgument(f"shard_index {shard_index} of tensor {entry.name!r} is not held by "
                                   f"rank {self.rank} (local shards: {sorted(entry.shards)})")
         return entry.shards[shard_index]

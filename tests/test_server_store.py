@@ -142,3 +142,16 @@ def test_an_allocation_overtaken_by_its_drop_is_refused():
     assert store.memory_used == 0
     store.allocate("t", 8, meta)  # other versions are not affected
     assert store.memory_used == 32
+
+
+def test_a_reserved_version_is_not_written_by_streams():
+    """A reshard's or checkpoint load's reserved version gets its shards from the job: a WriteShard into it is
+    FAILED_PRECONDITION saying so, not an INVALID_ARGUMENT claiming the rank holds no such shard."""
+    store = ShardStore(rank=0)
+    store.reserve("r", 1, META)
+    with pytest.raises(FailedPrecondition, match="shard_index 0 of tensor 'r' version 1 is reserved"):
+        with store.write("r", 1, 0, torch.float32, 48):
+            pass
+    with pytest.raises(InvalidArgument, match="shard_index 1 of tensor 'r' is not held by rank 0"):
+        with store.write("r", 1, 1, torch.float32, 48):
+            pass
