@@ -289,10 +289,10 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     dst = parse_metadata(spec.dst, "reshard.dst")
     if spec.bucket_bytes < 0:
         raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
-    outside = sorted((set(src.ranks()) | set(dst.ranks())) - set(job.ranks))
-    if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
-        raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} of reshard.src/reshard.dst")
     plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)  # the per-pair size the coordinator chose
+    outside = sorted(set(plan.participants(dst)) - set(job.ranks))
+    if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
+        raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} that the reshard needs")
     rank = ctx.rank
     if ctx.store.device.type == "cuda":
         torch.cuda.set_device(ctx.store.device)  # the current device is per thread; NCCL work goes to ours

@@ -302,7 +302,7 @@ class ReshardDriver:
             total = sum(dst.shard_nbytes(i) for i in range(len(dst.shards_metadata)))
             yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
             self.catalog.add(new)
-            participants = sorted(set(dst.ranks()) | {t.src_rank for t in plan.transfers})
+            participants = list(plan.participants(dst))
             try:
                 finals = yield from self._prepare(info, new, src, dst, plan, participants, timeout_s, total)
                 yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,

@@ -134,6 +134,11 @@ class ReshardPlan:
         """Sorted ranks that take part in the plan (send, receive or copy)."""
         return tuple(sorted({t.src_rank for t in self.transfers} | {t.dst_rank for t in self.transfers}))
 
+    def participants(self, dst: ShardedTensorMetadata) -> tuple[int, ...]:
+        """Sorted ranks that run the reshard job: every holder of a destination shard (even an empty one, which
+        it installs) and every rank the plan reads from."""
+        return tuple(sorted(set(dst.ranks()) | {t.src_rank for t in self.transfers}))
+
     def for_rank(self, rank: int) -> RankPlan:
         """What `rank` copies locally, sends and receives, each in global plan order."""
         rank = operator.index(rank)

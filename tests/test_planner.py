@@ -417,3 +417,17 @@ def test_plan_per_round_keeps_the_bucket_when_a_rank_has_one_peer():
     src = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(size)
     dst = ChunkShardingSpec(0, ["rank:1/cpu"]).build_metadata(size)
     assert plan_reshard_per_round(src, dst, 40).bucket_bytes == 40
+
+
+def test_participants_are_destination_holders_and_the_ranks_read_from():
+    """A source rank whose shard is empty sends nothing and is not waited for; a destination rank whose shard is
+    empty still takes part (it installs the empty shard)."""
+    src = ChunkShardingSpec(2, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:3/cpu"]).build_metadata(
+        (7, 5, 3), TensorProperties(dtype=torch.float32))  # 3 along dim 2: rank 3's chunk is empty or absent
+    dst = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]).build_metadata(
+        (7, 5, 3), TensorProperties(dtype=torch.float32))
+    plan = plan_reshard(src, dst)
+    assert plan.participants(dst) == (0, 1, 2)
+    empty_dst = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(8)]).build_metadata(
+        (7, 5, 3), TensorProperties(dtype=torch.float32))  # rank 7 gets an empty chunk
+    assert 7 in plan_reshard(src, empty_dst).participants(empty_dst)
