@@ -53,6 +53,7 @@ class StoredVersion:
     shards: dict[int, torch.Tensor] = field(default_factory=dict)
     complete: set[int] = field(default_factory=set)
     changing: Counter[int] = field(default_factory=Counter)  # local shard -> open writes/rewrites of it
+    torn: set[int] = field(default_factory=set)  # local shards a change left half done since they were last idle
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
@@ -187,7 +188,7 @@ class ShardStore:
             self._forget(entry)
             raise ResourceExhausted(f"rank {self.rank} could not allocate {nbytes} bytes: {err}") from None
         if init != pb.INIT_NONE:
-            entry.complete.update(local)
+            self._mark_filled(entry, local)
         log.info("rank %d allocated %r version %d: %d shards, %d bytes", self.rank, name, version,
                  len(local), nbytes)
         return nbytes
@@ -282,7 +283,7 @@ class ShardStore:
         with self._lock:
             entry = self._get(name, version)
             changing = {index for index, writes in entry.changing.items() if writes}
-            missing = sorted((set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing)
+            missing = sorted((set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing | entry.torn)
             if missing:
                 raise FailedPrecondition(
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
@@ -345,14 +346,18 @@ class ShardStore:
                          check: Callable[[StoredVersion], None] = lambda entry: None
                          ) -> tuple[StoredVersion, torch.Tensor, bool]:
         """Lease pending (name, version) for a change of local shard `shard_index`, after `check(entry)`, and
-        count that shard as being changed, all in one step under the lock so no promote comes in between (a
-        promote waits for every change of every shard to end: one stream finishing a shard while another still
-        writes it must not publish it): (the entry, whose lease and change the caller ends with _changing;
-        the shard; whether it was fully written)."""
+        count that shard as being changed, all in one step under the lock so no promote comes in between.
+
+        A promote waits for every change of every shard to end, and refuses a shard that a change left half
+        done (`torn`) until a later change that starts with the shard idle completes it: one stream finishing
+        a shard must not publish it while, or after, another one wrote part of it and failed. Returns (the
+        entry, whose lease and change the caller ends with _changing; the shard; whether it was complete)."""
         with self._lock:
             entry = self._pending(name, version)
             shard = self._local_shard(entry, shard_index)
             check(entry)
+            if not entry.changing[shard_index]:  # a fresh round of changes: earlier failures are overwritten
+                entry.torn.discard(shard_index)
             was_complete = shard_index in entry.complete
             entry.complete.discard(shard_index)
             entry.changing[shard_index] += 1
@@ -361,17 +366,28 @@ class ShardStore:
 
     @contextmanager
     def _changing(self, entry: StoredVersion, shard_index: int) -> Iterator[Callable[[], None]]:
-        """The lease and change of one shard opened by _open_for_change, ended on exit; yields mark_complete,
-        which counts the shard fully written as the change ends."""
-        written = []
+        """The lease and change of one shard opened by _open_for_change, ended on exit; yields `done`, which the
+        caller calls once its change is whole (the shard is then complete, unless it was not before a rewrite);
+        a change that ends without it leaves the shard torn."""
+        finished = []
         with self._lease(entry):
             try:
-                yield lambda: written.append(True)
+                yield lambda: finished.append(True)
             finally:
                 with self._lock:
                     entry.changing[shard_index] -= 1
-                    if written:
-                        entry.complete.add(shard_index)
+                    if not finished:
+                        entry.torn.add(shard_index)
+                        entry.complete.discard(shard_index)
+
+    def _mark_complete(self, entry: StoredVersion, shard_index: int) -> None:
+        with self._lock:
+            entry.complete.add(shard_index)
+
+    def _mark_filled(self, entry: StoredVersion, shards: list[int]) -> None:
+        """Count shards an allocation filled as complete, unless a change of them is open or failed meanwhile."""
+        with self._lock:
+            entry.complete.update(i for i in shards if not entry.changing[i] and i not in entry.torn)
 
     def _served_phrase(self, name: str) -> str:
         served = [k[1] for k, e in self._versions.items()
@@ -443,13 +459,14 @@ class ShardStore:
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
 
         entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check)
-        with self._changing(entry, shard_index) as mark_complete:
+        with self._changing(entry, shard_index) as done:
             writer = ShardWriter(shard_tensor, nbytes)
             yield writer
             if writer.written != nbytes:
                 raise InvalidArgument(f"the stream ended after {writer.written} of {nbytes} bytes of "
                                       f"shard {shard_index}")
-            mark_complete()
+            self._mark_complete(entry, shard_index)
+            done()
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
@@ -466,10 +483,11 @@ class ShardStore:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
         not fully written meanwhile, so a promote cannot publish it half changed."""
         entry, shard, was_complete = self._open_for_change(name, version, shard_index)
-        with self._changing(entry, shard_index) as mark_complete:
-            if was_complete:
-                mark_complete()
+        with self._changing(entry, shard_index) as done:
             yield shard
+            if was_complete:
+                self._mark_complete(entry, shard_index)
+            done()
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""
@@ -490,7 +508,7 @@ class ShardStore:
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
                 raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None
-        entry.complete.update(entry.shards)
+        self._mark_filled(entry, list(entry.shards))
         log.info("rank %d copied %r version %d to version %d", self.rank, name, source_version, version)
         return entry.nbytes
 

@@ -155,3 +155,37 @@ def test_a_reserved_version_is_not_written_by_streams():
     with pytest.raises(InvalidArgument, match="shard_index 1 of tensor 'r' is not held by rank 0"):
         with store.write("r", 1, 1, torch.float32, 48):
             pass
+
+
+def test_a_shard_a_failed_change_left_half_written_is_not_published():
+    """Another change completing the shard, before or after, does not make it whole: the shard stays torn until
+    a change that starts with the shard idle completes it."""
+    ones, twos = torch.full((12,), 1.0).numpy().tobytes(), torch.full((12,), 2.0).numpy().tobytes()
+    store = ShardStore(rank=0)
+    store.allocate("t", 1, META)
+    failing = store.write("t", 1, 0, torch.float32, 48)
+    writer = failing.__enter__()
+    with store.write("t", 1, 0, torch.float32, 48) as whole:
+        whole.write(0, ones)
+    writer.write(0, twos[:24])
+    with pytest.raises(InvalidArgument, match="ended after 24 of 48 bytes"):
+        failing.__exit__(None, None, None)  # the stream ends early
+    with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
+        store.promote("t", 1)
+    with store.write("t", 1, 0, torch.float32, 48) as again:  # a retry of the shard alone makes it whole
+        again.write(0, ones)
+    store.promote("t", 1)
+    assert torch.equal(store.local_tensor("t", 1, 0), torch.ones(3, 4))
+
+
+def test_a_rewrite_beside_a_failed_write_is_not_published():
+    store = ShardStore(rank=0)
+    store.allocate("u", 1, META, pb.INIT_ZEROS)
+    with pytest.raises(RuntimeError, match="connection lost"):
+        with store.rewrite("u", 1, 0) as shard:
+            with store.write("u", 1, 0, torch.float32, 48) as writer:
+                writer.write(0, bytes(8))
+                shard[0] = 7.0
+                raise RuntimeError("connection lost")
+    with pytest.raises(FailedPrecondition, match="not fully written"):
+        store.promote("u", 1)
