@@ -295,6 +295,12 @@ class Coordinator:
             raise NotFound(f"tensor {name!r} version {version} not found (never created, aborted or replaced)")
         if info.state == pb.READY:
             return info
+        newer = [row.version for row in self.catalog.versions(name) if row.state == pb.READY and row.version > version]
+        if newer:  # committing below it would be acknowledged yet never served: the newer version wins
+            self._discard(info)
+            raise Aborted(f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
+                          f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
+                          f"make the change again")
         self.promote_on(ranks_of(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
         for old in older:

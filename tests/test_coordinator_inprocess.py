@@ -255,3 +255,19 @@ def test_name_locks_are_forgotten_once_unused(coordinator):
     with coordinator._name_lock("held"):
         assert set(coordinator._name_locks) == {"held"}
     assert coordinator._name_locks == {}
+
+
+def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordinator):
+    """A reshard or checkpoint load commits a newer version while a put's version is pending: committing the
+    put would answer success yet never be served (readers take the newest READY version), so it is ABORTED
+    and its shards dropped."""
+    from server.errors import Aborted
+
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata()))
+    newer = _ready(coordinator, "t")  # the reshard's version, committed meanwhile
+    with pytest.raises(Aborted, match=f"version {put.version} was overtaken while pending: version {newer.version}"):
+        coordinator.commit("t", put.version)
+    assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [(newer.version, pb.READY)]
+    assert ("drop", "t", put.version) in stub.calls and ("promote", "t", put.version) not in stub.calls
