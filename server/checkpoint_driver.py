@@ -148,8 +148,7 @@ class CheckpointDriver:
             ready = []
             for committed, older in self.catalog.commit_all([(info.name, info.version) for info in new]):
                 ready.append(committed)  # every tensor READY in one transaction, or none
-                for old in older:
-                    self.coordinator._drop_quietly(old.name, old.version, ranks_of(old))
+                self.coordinator.drop_rows(older)
         log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
         total = sum(i.nbytes for i in ready)
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)

@@ -285,6 +285,8 @@ class Coordinator:
             removed = self.catalog.remove(name)
             ranks = sorted({r for info in removed for r in ranks_of(info)})
             self._drop_quietly(name, 0, ranks)
+            if any(info.promoting for info in removed):
+                self.reshards.drop_replaced(name)
         log.info("deleted %r (versions %s)", name, [i.version for i in removed])
 
     # ------------------------------------------------------------ helpers
@@ -303,8 +305,7 @@ class Coordinator:
                           f"make the change again")
         self.promote_on(ranks_of(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
-        for old in older:
-            self._drop_quietly(name, old.version, ranks_of(old))
+        self.drop_rows(older)
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
         return ready
@@ -341,7 +342,15 @@ class Coordinator:
 
     def _discard(self, info: pb.TensorInfo) -> None:
         self.catalog.remove(info.name, info.version)
-        self._drop_quietly(info.name, info.version, ranks_of(info))
+        self.drop_rows([info])
+
+    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None:
+        """Free versions just removed from the catalog on their ranks; for a reshard's version whose promotion
+        was unfinished, also the version it replaced (only the promotion would have dropped that one)."""
+        for row in rows:
+            self._drop_quietly(row.name, row.version, ranks_of(row))
+            if row.promoting:
+                self.reshards.drop_replaced(row.name)
 
     def _check_placements(self, meta: ShardedTensorMetadata) -> None:
         with self._ranks_changed:

@@ -371,13 +371,18 @@ class ReshardDriver:
             log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
                       ready.name, ready.version, err.message)
             return False
-        old = self._old_versions.pop(ready.name, None)
-        if old is not None:
-            self.coordinator._drop_quietly(ready.name, old.version, ranks_of(old))
+        self.drop_replaced(ready.name)
         ready.promoting = False
         self.catalog.update(ready)
         log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
         return True
+
+    def drop_replaced(self, name: str) -> None:
+        """Drop the version a committed reshard of `name` replaced, on its ranks (name lock held): at the
+        promotion, or when the reshard's own version leaves the catalog before its promotion finished."""
+        old = self._old_versions.pop(name, None)
+        if old is not None:
+            self.coordinator._drop_quietly(name, old.version, ranks_of(old))
 
     def is_running(self, name: str) -> bool:
         """Whether a reshard of `name` runs now."""

@@ -271,3 +271,24 @@ def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordina
         coordinator.commit("t", put.version)
     assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [(newer.version, pb.READY)]
     assert ("drop", "t", put.version) in stub.calls and ("promote", "t", put.version) not in stub.calls
+
+
+@pytest.mark.parametrize("replaced_by", ["put", "delete"])
+def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpromoted(coordinator, replaced_by):
+    """A reshard committed version b over a, and b's promotion is unfinished (a rank failed PromoteVersion):
+    only the promotion would drop a. When b leaves the catalog first (a put commits over it, or a delete), a is
+    dropped too instead of staying served on the ranks with no catalog row."""
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    a = _ready(coordinator, "t")
+    b = pb.TensorInfo(name="t", version=coordinator.catalog.next_version(), metadata=_metadata(), state=pb.PENDING,
+                      nbytes=64, created_unix=time.time(), promoting=True)
+    coordinator.catalog.add(b)
+    coordinator.catalog.commit("t", b.version)  # the reshard's catalog commit; its promotion then failed
+    coordinator.reshards._old_versions["t"] = a
+    if replaced_by == "put":
+        put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), overwrite=True))
+        coordinator.commit("t", put.version)
+    else:
+        coordinator.delete("t")
+    assert ("drop", "t", a.version) in stub.calls and "t" not in coordinator.reshards._old_versions
