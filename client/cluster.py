@@ -184,6 +184,7 @@ class Cluster:
     def delete(self, name: str) -> None:
         """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
         self._call("DeleteTensor", pb.DeleteTensorRequest(name=_check_name(name)))
+        self._lookups.forget(name)
 
     # ------------------------------------------------------------ creating tensors
 
@@ -233,6 +234,7 @@ class Cluster:
         info = self._create_tensor(pb.CreateTensorRequest(
             name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite,
             options=options))
+        self._lookups.forget(name)
         return RemoteShardedTensor(self, TensorSummary.from_proto(info))
 
     def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
@@ -264,6 +266,7 @@ class Cluster:
         except BaseException:
             self._abort(name, info.version)
             raise
+        self._lookups.forget(name)
         return RemoteShardedTensor(self, TensorSummary.from_proto(committed))
 
     def _write_shard(self, name: str, version: int, index: int, shard: torch.Tensor,

@@ -69,6 +69,7 @@ POOLINGS = ("auto", "server", "client")
 # at every call into torch, numpy or protobuf (8 threads were 3.5x slower per mapped lookup than one; 8 routed
 # 512-id lookups over gRPC took 2.1 ms each, 1.6 ms with turns), so they take turns on this process-wide lock.
 _CPU_TURN = threading.RLock()
+OOV_RECHECK_S = 1.0  # how old a table view may be when ids out of its range are answered from it alone
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,11 +114,10 @@ class TableView:
         """The ranks holding shards of the table (sorted)."""
         return tuple(sorted({shard.rank for shard in self.summary.metadata.shards_metadata}))
 
-    @functools.cached_property
+    @property
     def complete(self) -> bool:
         """Whether every row 0..rows-1 is held whole by the layout (then only the range needs checking)."""
-        rows = self.summary.metadata.size[0]
-        return not bool(self.index.invalid_array(np.arange(rows, dtype=np.int64)).any())
+        return self.index.covers_every_row
 
     def invalid(self, sorted_ids: np.ndarray) -> np.ndarray | None:
         """Mask of the ids no shard holds (out of range or in a hole), or None when there is none."""
@@ -239,6 +239,20 @@ class Lookups:
         with self._lock:
             self._views.pop(name, None)
 
+    def _recheck_bad_ids(self, view: TableView) -> None:
+        """Ids the cached view finds out of range, which no rank is asked about, may be in range of a newer
+        version (the table was replaced, perhaps by another client): a view older than OOV_RECHECK_S is fetched
+        again first, and a newer version retries the lookup (StaleVersionError) rather than answer the old
+        layout's error or out-of-range rows."""
+        with self._lock:
+            fetched = self._fetched.get(view.name, 0.0)
+        if time.monotonic() - fetched < OOV_RECHECK_S:
+            return
+        fresh = self.view(view.name, refresh=True)
+        if fresh.version != view.version:
+            raise StaleVersionError(f"table {view.name!r} is at version {fresh.version}, not {view.version}",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+
     def _with_retry(self, names: Sequence[str], run):  # type: ignore[no-untyped-def]
         """run(views) at the cached versions; on a stale version refresh every table and retry."""
         def refresh() -> tuple[int, ...]:
@@ -290,8 +304,10 @@ class Lookups:
         with _CPU_TURN:
             for name, table_ids in ids.items():
                 plan = plans[name] = _RowPlan.of(views[name], table_ids)
-                if plan.bad is not None and plan.view.oov == "error":
-                    raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
+                if plan.bad is not None:
+                    self._recheck_bad_ids(plan.view)
+                    if plan.view.oov == "error":
+                        raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
                 plan.wanted = self._from_cache(plan)
                 items.extend(plan.items())
             exchange = self._send_calls(items)
@@ -347,8 +363,10 @@ class Lookups:
             raise InvalidArgumentError(f"per_sample_weights has dtype {weights.dtype} but table {view.name!r} "
                                        f"is {view.dtype}; torch's embedding_bag needs the same dtype")
         bad = view.index.invalid_mask(request.ids)
-        if view.oov == "error" and bool(bad.any()):
-            raise _bad_id_error(view, request.ids, bad)
+        if bool(bad.any()):
+            self._recheck_bad_ids(view)
+            if view.oov == "error":
+                raise _bad_id_error(view, request.ids, bad)
         if pooling == "client" or bool(bad.any()) or (pooling == "auto" and (self.cache is not None
                                                                               or self._all_mapped(view))):
             rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]

@@ -17,14 +17,13 @@ Pure torch, no I/O. The pieces a lookup goes through:
   concatenates the column ranges.
 
 Precision of partial pooling, held against `F.embedding_bag` on the full
-table by tests/test_embedding_math.py: partial sums are accumulated in
-float32 for float16/bfloat16 rows (as torch's CPU kernel does for float16),
-and the combined result is cast to the table dtype before the "mean"
-division, as torch does. A bag whose ids all live on one shard is therefore
-bit for bit torch's for float32 and float16. A bag spread over several shards
-is summed in another order (shard partials, then their sum), so it matches
-within a few ulps of the dtype, not bit for bit; bfloat16 (whose CPU kernel
-rounds differently) matches within bfloat16 tolerance.
+table by tests/test_embedding_math.py: each shard's partial sums are what
+torch's CPU kernel sums (in float32 for float16 rows, in bfloat16 for bfloat16
+rows), kept in float32 for both, and the combined result is cast to the table
+dtype before the "mean" division, as torch does. A bag whose ids all live on
+one shard is therefore bit for bit torch's in every dtype. A bag spread over
+several shards is summed in another order (shard partials, then their sum),
+so it matches within a few ulps of the dtype, not bit for bit.
 """
 from __future__ import annotations
 
@@ -168,9 +167,10 @@ def partial_pool(rows: torch.Tensor, offsets: torch.Tensor | Sequence[int],
     weights = _check_weights(per_sample_weights, rows)
     col_offset = _non_negative_int(col_offset, "col_offset")
     wide = accumulation_dtype(rows.dtype)
-    if weights is not None:
-        weights = weights.to(wide)
-    sums = pool_bags(rows.to(wide), offsets, "sum", weights)
+    if rows.dtype == torch.bfloat16:  # torch's kernel sums bfloat16 rows in bfloat16: the same sums, then widened
+        sums = pool_bags(rows, offsets, "sum", weights).to(wide)
+    else:
+        sums = pool_bags(rows.to(wide), offsets, "sum", None if weights is None else weights.to(wide))
     counts = torch.diff(offsets, append=offsets.new_tensor([rows.shape[0]]))
     return PartialBags(sums, counts, col_offset)
 

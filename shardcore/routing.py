@@ -108,6 +108,11 @@ class RowIndex:
         ok[1:-1] = covered == math.prod(self.meta.size[1:])
         return ok
 
+    @property
+    def covers_every_row(self) -> bool:
+        """Whether the chosen boxes hold every row 0..num_rows-1 whole (then only the range needs checking)."""
+        return bool(self._segment_ok[1:-1].all())
+
     def invalid_mask(self, ids: torch.Tensor | np.ndarray) -> torch.Tensor:
         """True where an id is out of range or its row is held by no shard (a CPU bool tensor)."""
         return torch.from_numpy(self.invalid_array(host_ids(ids)))

@@ -473,3 +473,26 @@ def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:
             remote.lookup(not_ints)
     assert torch.equal(remote.lookup(np.array([4, 2], dtype=np.uint8)), tables[("columns", torch.float32)][[4, 2]])
     assert torch.equal(remote.lookup(torch.tensor([4], dtype=torch.int32)), tables[("columns", torch.float32)][[4]])
+
+
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str, monkeypatch) -> None:
+    """Ids out of the cached view's range are answered without asking a rank, so the view must not outlive the
+    table: this client's own put forgets it at once, and another client's put is seen once the view is older
+    than OOV_RECHECK_S."""
+    import client.lookup as lookup_module
+
+    small, grown = torch.randn(4, 3), torch.randn(8, 3)
+    name = f"replaced-{transport}"
+    with connect(cluster3.address, transport=transport) as mine, connect(cluster3.address) as other:
+        remote = mine.put(name, small, oov="zero")
+        assert torch.equal(remote.lookup([0, 6]), torch.stack([small[0], torch.zeros(3)]))
+        remote = mine.put(name, grown, overwrite=True)  # oov "error" now, and 8 rows
+        assert torch.equal(remote.lookup([6]), grown[6:7])
+        assert torch.equal(remote.lookup_bag([6, 7], [0]), F.embedding_bag(torch.tensor([6, 7]), grown,
+                                                                           torch.tensor([0])))
+        bigger = torch.randn(12, 3)
+        other.put(name, bigger, overwrite=True)  # another client: this one learns of it by age
+        monkeypatch.setattr(lookup_module, "OOV_RECHECK_S", 0.0)
+        assert torch.equal(mine.lookup({name: [10, 1]})[name], bigger[[10, 1]])
+        mine.delete(name)

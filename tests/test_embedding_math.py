@@ -300,7 +300,7 @@ def test_partial_sums_of_exact_tables_are_bit_for_bit(dtype, num_rows, dim, piec
     assert torch.equal(got, F.embedding_bag(ids, table, offsets, mode="sum"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float64])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_bags_held_by_one_shard_are_bit_for_bit(dtype, mode):
     """Random-valued rows: a bag whose ids all live on one row shard is pooled in torch's own order."""
