@@ -10,13 +10,13 @@ A load is all or nothing: either every tensor appears READY, or none does.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import grpc
 import torch
 
+from client import arguments
 from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError, error_from_rpc
 from client.info import TensorSummary
 from client.remote_tensor import RemoteShardedTensor
@@ -43,12 +43,9 @@ def inspect_checkpoint(cluster: "Cluster", path: Any) -> dict[str, tuple[tuple[i
     return {t.name: (tuple(t.size), dtype_from_wire(t.dtype)) for t in reply.tensors}
 
 
-def _names(names: Sequence[str] | str | None, available: Sequence[str], path: str) -> list[str]:
+def _names(names: list[str] | None, available: Sequence[str], path: str) -> list[str]:
     if names is None:
         return sorted(available)
-    if isinstance(names, str):
-        names = [names]
-    names = list(names)
     if not names:
         raise InvalidArgumentError("names is empty: give None to load every tensor of the checkpoint")
     unknown = [n for n in names if n not in available]
@@ -63,7 +60,10 @@ def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
                     progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S
                     ) -> dict[str, RemoteShardedTensor]:
     """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear."""
-    _check_timeout(timeout)
+    timeout = arguments.seconds(timeout, "timeout")
+    overwrite = arguments.flag(overwrite, "overwrite")
+    arguments.callback(progress, "progress")
+    names = arguments.name_list(names)
     path = _path(path)
     saved = inspect_checkpoint(cluster, path)
     chosen = _names(names, list(saved), path)
@@ -91,19 +91,14 @@ def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
                     progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[str]:
     """Write READY tensors (every one by default: names=None) as one DCP checkpoint at `path`; returns their
     names. The checkpoint already at `path` is replaced only once every rank wrote its part."""
-    _check_timeout(timeout)
-    if isinstance(names, str):
-        names = [names]
-    if names is not None and not list(names):
+    timeout = arguments.seconds(timeout, "timeout")
+    arguments.callback(progress, "progress")
+    names = arguments.name_list(names)
+    if names == []:
         raise InvalidArgumentError("names is empty (leave it None to save every tensor)")
-    request = pb.SaveCheckpointRequest(path=_path(path), names=list(names or []), timeout_s=timeout)
+    request = pb.SaveCheckpointRequest(path=_path(path), names=names or [], timeout_s=timeout)
     final = _stream(cluster, "SaveCheckpoint", request, progress, timeout)
     return [info.name for info in final.tensors]
-
-
-def _check_timeout(timeout: Any) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-        raise InvalidArgumentError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
 
 
 def _stream(cluster: "Cluster", method: str, request: Any, progress: Progress | None,

@@ -8,6 +8,7 @@ any failure aborts the pending version so no half tensor is ever visible.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import uuid
 from functools import partial
@@ -15,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from client import checkpoints
+from client import arguments, checkpoints
 from client.errors import DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.info import RankStatus, TensorSummary
 from client.lookup import Lookups, table_options
@@ -51,14 +52,11 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     """
     check_address(address)
     check_transport(transport)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    cache = RowCache(row_cache_bytes) if row_cache_bytes else None
-    if isinstance(row_cache_max_age, bool) or not isinstance(row_cache_max_age, (int, float)) \
-            or row_cache_max_age < 0:
-        raise ValueError(f"row_cache_max_age must be a number of seconds >= 0, got {row_cache_max_age!r}")
-    cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), float(timeout)), cache)
-    cluster._lookups.cache_max_age = float(row_cache_max_age)
+    timeout = arguments.seconds(timeout, "timeout")
+    row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
+    cache = RowCache(arguments.count(row_cache_bytes, "row_cache_bytes")) if row_cache_bytes else None
+    cluster = Cluster(address, Transport(Credentials(token, tls_ca, tls_cert, tls_key), timeout), cache)
+    cluster._lookups.cache_max_age = row_cache_max_age
     cluster._data_plane = DataPlane(transport, cluster._data_plane.reader, cluster._transport.credentials.uses_tls)
     try:
         cluster._refresh_ranks()
@@ -85,9 +83,7 @@ def _tls_hint(message: str, tls_ca: str | None, tls_cert: str | None) -> str:
 
 
 def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"name must be a non-empty string, got {name!r}")
-    return name
+    return arguments.tensor_name(name)
 
 
 def _resolve_spec(spec: Any) -> Any:
@@ -167,6 +163,7 @@ class Cluster:
 
     def list(self, include_pending: bool = False) -> list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
+        include_pending = arguments.flag(include_pending, "include_pending")
         reply = self._call("ListTensors", pb.ListTensorsRequest(include_pending=include_pending))
         tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
         return sorted((t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name)
@@ -222,8 +219,9 @@ class Cluster:
         _check_name(name)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63:
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(1 << 63) <= seed < 1 << 63:
             raise InvalidArgumentError(f"seed must be a 64-bit int, got {seed!r}")
+        overwrite = arguments.flag(overwrite, "overwrite")
         try:
             dtype = dtype_from_name(dtype)
         except (TypeError, ValueError) as err:
@@ -232,7 +230,7 @@ class Cluster:
         meta = self._metadata(shape, dtype, spec)
         options = table_options(oov, default_row, shape, dtype)
         info = self._create_tensor(pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=seed, overwrite=overwrite,
+            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=int(seed), overwrite=overwrite,
             options=options))
         self._lookups.forget(name)
         return RemoteShardedTensor(self, TensorSummary.from_proto(info))
@@ -244,9 +242,14 @@ class Cluster:
         _check_name(name)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided:
-            raise InvalidArgumentError(f"tensor has layout {tensor.layout}; only dense (strided) tensors are served")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        if tensor.layout != torch.strided or tensor.is_nested:
+            raise InvalidArgumentError(f"tensor has layout {tensor.layout}{' (nested)' if tensor.is_nested else ''}; "
+                                       f"only dense (strided) tensors are served")
+        if tensor.device.type == "meta":
+            raise InvalidArgumentError("tensor is on the meta device: it has no data to put")
+        overwrite = arguments.flag(overwrite, "overwrite")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or \
+                not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgumentError(f"chunk_bytes must be an int in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
         try:
             dtype_to_wire(tensor.dtype)
@@ -355,8 +358,11 @@ def _shape(shape: Any) -> tuple[int, ...]:
     """`shape` as a tuple of non-negative ints (shardcore's size check); InvalidArgumentError naming it otherwise."""
     try:
         dims = tuple(shape)
-        return tensor_size(dims)
+        size = tensor_size(dims)
     except TypeError:
         raise InvalidArgumentError(f"shape must be a sequence of ints, got {shape!r}") from None
     except ValueError:
         raise InvalidArgumentError(f"shape {dims} has a negative size") from None
+    if any(n >= arguments.INT64_LIMIT for n in size):
+        raise InvalidArgumentError(f"shape {size} has a size of 2**63 or more")
+    return size

@@ -218,6 +218,9 @@ class RemoteShardedTensor:
         if out.dtype != summary.metadata.dtype:
             raise InvalidArgumentError(
                 f"out has dtype {out.dtype} but tensor {self.name!r} is {summary.metadata.dtype}")
+        problem = _unwritable(out)
+        if problem:
+            raise InvalidArgumentError(f"out {problem}; pass a plain dense tensor to read into")
 
     def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
@@ -309,6 +312,23 @@ class RemoteShardedTensor:
 def _read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionRequest:
     return pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
                                 offsets=box.offsets, sizes=box.sizes)
+
+
+def _unwritable(out: torch.Tensor) -> str:
+    """Why the read's bytes cannot be copied into `out` in place ("" when they can)."""
+    if out.device.type == "meta":
+        return "is on the meta device (it holds no data)"
+    if out.layout != torch.strided:
+        return f"has layout {out.layout}"
+    if out.requires_grad:
+        return "requires grad (autograd refuses in-place writes into it)"
+    if out.is_conj() or out.is_neg():
+        return "is a lazily conjugated or negated view"
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        return "was made in inference mode"
+    if torch._debug_has_internal_overlap(out) == 1:
+        return "has elements that share memory (a zero stride, as from expand)"
+    return ""
 
 
 def _landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:

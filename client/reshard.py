@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import grpc
 
+from client import arguments
 from client.errors import InvalidArgumentError, ShardServeError, error_from_rpc
 from client.info import TensorSummary
 from protos import shardserve_pb2 as pb
@@ -49,24 +50,16 @@ class ReshardProgress:
     max_staging_bytes: int = 0
 
 
-def _positive(value: Any, field: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidArgumentError(f"{field} must be a positive number, got {value!r}")
-
-
 def reshard(tensor: "RemoteShardedTensor", spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
             progress: Callable[[ReshardProgress], None] | None = None) -> "RemoteShardedTensor":
     """Move `tensor` into the layout `spec` (new version); `progress` is called with every report."""
     from client.remote_tensor import RemoteShardedTensor
 
-    _positive(bucket_bytes, "bucket_bytes")
-    _positive(timeout, "timeout")
-    if bucket_bytes is not None and not isinstance(bucket_bytes, int):
-        raise InvalidArgumentError(f"bucket_bytes must be an int, got {bucket_bytes!r}")
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+    if bucket_bytes is not None:
+        bucket_bytes = arguments.count(bucket_bytes, "bucket_bytes", minimum=1)
+    if timeout is not None:
+        timeout = arguments.seconds(timeout, "timeout")
+    arguments.callback(progress, "progress")
     cluster = tensor._cluster
     meta = cluster._metadata(tuple(tensor.shape), tensor.dtype, spec)
     request = pb.ReshardRequest(name=tensor.name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,

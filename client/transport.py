@@ -48,6 +48,8 @@ class Credentials:
             raise ValueError("tls_cert and tls_key must be given together (mutual TLS)")
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("token must be a non-empty string or None")
+        if self.token is not None and not (self.token.isascii() and self.token.isprintable()):
+            raise ValueError("token must be printable ASCII (it travels in an HTTP/2 header)")
 
     @property
     def uses_tls(self) -> bool:

@@ -325,8 +325,8 @@ def _shards_for_save(key: str, meta: ShardedTensorMetadata, local_shards: LocalS
             problems.append(f"{where} has shape {tuple(tensor.shape)} but the shard's size is {box.sizes}")
         elif tensor.dtype != meta.dtype:
             problems.append(f"{where} has dtype {tensor.dtype} but the layout's dtype is {meta.dtype}")
-        elif not box.is_empty():
-            boxes.setdefault(box, tensor.detach())
+        elif not box.is_empty() or (index == 0 and meta.numel() == 0):  # an empty tensor: one empty chunk, as
+            boxes.setdefault(box, tensor.detach())                       # dcp.save writes (else no entry at all)
     return _LocalShards(meta, list(boxes), list(boxes.values()), _device_of(boxes))
 
 

@@ -75,4 +75,6 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("byte_view needs a contiguous tensor")
     if tensor.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
-    return tensor.view(-1).view(torch.uint8) if tensor.dim() else tensor.reshape(1).view(torch.uint8)
+    if tensor.numel() == 1:  # "contiguous" whatever its strides (e.g. one element of a stepped view): restride
+        return tensor.as_strided((1,), (1,)).view(torch.uint8)
+    return tensor.view(-1).view(torch.uint8)

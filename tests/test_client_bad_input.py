@@ -102,6 +102,24 @@ def test_bad_out_buffers(cl):
         remote.fetch((0, 0), (2, 2), out=torch.empty(2, 2, dtype=torch.float64))
     with pytest.raises(TypeError, match="out"):
         remote.fetch((0, 0), (2, 2), out=[[0, 0], [0, 0]])
+    with torch.inference_mode():
+        made_in_inference = torch.empty(2, 2)
+    for out, message in ((torch.empty(2, 2, device="meta"), "meta device"),
+                         (torch.empty(1, 2).expand(2, 2), "share memory"),
+                         (torch.empty(2, 2, requires_grad=True), "requires grad"),
+                         (torch.empty(2, 2).to_sparse(), "layout"),
+                         (made_in_inference, "inference mode")):
+        with pytest.raises(InvalidArgumentError, match=f"out .*{message}"):
+            remote.fetch((0, 0), (2, 2), out=out)
+
+
+def test_a_strided_out_whose_parts_are_single_elements(cl):
+    """A one-element region counts as contiguous whatever its strides: its bytes land through a restrided view."""
+    remote = cl.put("one-element-parts", torch.arange(4.0), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    out = torch.full((4,), -1.0)
+    got = remote.fetch([1], [2], out=out[::2])  # element 1 on rank 0, element 2 on rank 1
+    assert torch.equal(got, torch.tensor([1.0, 2.0])) and out.tolist() == [1.0, -1.0, 2.0, -1.0]
+    cl.delete("one-element-parts")
 
 
 def test_bad_puts_are_refused_before_sending(cl):

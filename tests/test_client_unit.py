@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -136,6 +137,13 @@ def test_connect_rejects_bad_arguments_before_any_network():
         connect("nohostport")
     with pytest.raises(ValueError, match="timeout"):
         connect("127.0.0.1:1", timeout=0)
+    for timeout in (float("inf"), 1e12, float("nan")):  # gRPC would answer DEADLINE_EXCEEDED at once
+        with pytest.raises(ValueError, match="timeout must be a number of seconds"):
+            connect("127.0.0.1:1", timeout=timeout)
+    with pytest.raises(ValueError, match="row_cache_max_age"):
+        connect("127.0.0.1:1", row_cache_max_age=float("nan"))
+    with pytest.raises(ValueError, match="token must be printable ASCII"):
+        connect("127.0.0.1:1", token="a\nb")
     with pytest.raises(ValueError, match="tls_ca: cannot read"):
         connect("127.0.0.1:1", tls_ca="/nonexistent/ca.pem", timeout=1)
 
@@ -144,6 +152,24 @@ def test_connect_to_nothing_is_rank_unavailable():
     from client import RankUnavailableError, connect
     with pytest.raises(RankUnavailableError, match="coordinator at 127.0.0.1:1"):
         connect("127.0.0.1:1", timeout=5)
+
+
+def test_plain_arguments_are_checked_naming_the_argument():
+    from client import arguments
+    from client.errors import InvalidArgumentError
+
+    assert arguments.count(np.int64(5), "n") == 5 and arguments.seconds(np.float32(2.0), "t") == 2.0
+    for call, message in ((lambda: arguments.count(2**70, "bucket_bytes"), "bucket_bytes must be in"),
+                          (lambda: arguments.count(True, "n"), "n must be an int"),
+                          (lambda: arguments.flag("yes", "overwrite"), "overwrite must be True or False"),
+                          (lambda: arguments.tensor_name("\ud800"), "not valid Unicode"),
+                          (lambda: arguments.name_list([5]), r"names\[0\] must be a non-empty string"),
+                          (lambda: arguments.name_list(b"ab"), "names must be a name or an iterable")):
+        with pytest.raises((InvalidArgumentError, TypeError), match=message):
+            call()
+    assert arguments.name_list(n for n in ["a", "b"]) == ["a", "b"]  # a generator read once
+    with pytest.raises(TypeError, match="progress must be callable"):
+        arguments.callback(5, "progress")
 
 
 def test_cli_parsing():
