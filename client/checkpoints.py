@@ -104,6 +104,7 @@ def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
 def _stream(cluster: "Cluster", method: str, request: Any, progress: Progress | None,
             timeout: float) -> pb.CheckpointProgress:
     transport = cluster._transport
+    transport.check_open()
     call = getattr(cluster._coordinator, method)(request, timeout=timeout + 60.0, metadata=transport._metadata)
     final = None
     try:

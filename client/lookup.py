@@ -265,6 +265,7 @@ class Lookups:
 
     def lookup(self, requests: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] of several tables, one Lookup call per rank."""
+        self._cluster._transport.check_open()
         ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
         _check_dtype(dtype)
         return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
@@ -350,6 +351,7 @@ class Lookups:
                    per_sample_weights: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                    pooling: str = "auto") -> torch.Tensor:
         """Pooled bags [len(offsets), dim] with nn.EmbeddingBag semantics (include_last_offset=False)."""
+        self._cluster._transport.check_open()
         if pooling not in POOLINGS:
             raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         _check_dtype(dtype)

@@ -225,6 +225,7 @@ class RemoteShardedTensor:
     def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
+        self._cluster._transport.check_open()
         return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry)
 
     def _refresh_for_retry(self) -> int:

@@ -65,6 +65,7 @@ def reshard(tensor: "RemoteShardedTensor", spec: Any, bucket_bytes: int | None =
     request = pb.ReshardRequest(name=tensor.name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
                                 timeout_s=float(timeout or 0))
     transport = cluster._transport
+    transport.check_open()
     call = cluster._coordinator.Reshard(request, timeout=(timeout or DEFAULT_TIMEOUT_S) + _STREAM_SLACK_S,
                                         metadata=transport.credentials.metadata())
     done: pb.ReshardProgress | None = None

@@ -101,8 +101,7 @@ class Transport:
     def channel(self, address: str) -> grpc.Channel:
         """The (cached) channel to `address`."""
         with self._lock:
-            if self._closed:
-                raise ShardServeError("the client is closed")
+            self.check_open()
             channel = self._channels.get(address)
             if channel is None:
                 if self.credentials.uses_tls:
@@ -112,6 +111,11 @@ class Transport:
                     channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
                 self._channels[address] = channel
             return channel
+
+    def check_open(self) -> None:
+        """ShardServeError once close() ran: every call of a closed client fails alike, mapped reads included."""
+        if self._closed:
+            raise ShardServeError("the client is closed")
 
     def coordinator(self, address: str) -> pb_grpc.CoordinatorStub:
         return pb_grpc.CoordinatorStub(self.channel(address))
@@ -135,6 +139,7 @@ class Transport:
 
     def unary(self, method, request, where: str, timeout: float | None = None):
         """Call a unary RPC with deadline and auth; raise the matching ShardServeError on failure."""
+        self.check_open()
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout,
                           metadata=self._metadata)
@@ -182,10 +187,12 @@ class Transport:
 
     def submit(self, job) -> Future:  # type: ignore[no-untyped-def]
         """Run `job` on the client's pool without waiting (e.g. releasing a shared-memory lease)."""
+        self.check_open()
         return self._pool.submit(job)
 
     def run_all(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
         """run_here_and_on(jobs, the client's pool)."""
+        self.check_open()
         return run_here_and_on(jobs, self._pool.submit)
 
 

@@ -250,3 +250,20 @@ def test_raw_writes_with_wrong_headers_are_refused(cl):
     finally:
         cl._abort("raw", pending.version)
     assert "raw" not in [t.name for t in cl.list(include_pending=True)]
+
+
+def test_every_call_of_a_closed_client_says_so(guarded, tmp_path):
+    """Mapped lookups went on working after close(), and other calls failed with grpc's raw 'closed channel' or
+    the pool's 'cannot schedule new futures'."""
+    c = connect(guarded.address, token=TOKEN, timeout=60)
+    remote = c.put("closed-table", torch.randn(6, 4), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    remote.lookup([1, 5])
+    remote.full_tensor()
+    c.delete("closed-table")
+    c.close()
+    for call in (lambda: remote.lookup([1]), lambda: remote.lookup_bag([1, 2], [0]), remote.full_tensor,
+                 lambda: remote.fetch((0, 0), (1, 1)), lambda: c.put("x", torch.ones(2)), c.list,
+                 lambda: c.tensor("base"), lambda: c.save_checkpoint(tmp_path / "ck"),
+                 lambda: remote.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))):
+        with pytest.raises(ShardServeError, match="the client is closed"):
+            call()
