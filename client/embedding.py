@@ -66,11 +66,14 @@ class RemoteEmbeddingBag(nn.Module):
         if input.dim() == 2:
             if offsets is not None:
                 raise InvalidArgumentError("offsets has to be None if input is 2-D")
+            if per_sample_weights is not None:
+                if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != input.shape:
+                    raise InvalidArgumentError(f"per_sample_weights must have the shape of input "
+                                               f"{tuple(input.shape)}, as nn.EmbeddingBag wants")
+                per_sample_weights = per_sample_weights.reshape(-1)
             bags, length = input.shape
             offsets = torch.arange(bags, dtype=torch.int64) * length
             input = input.reshape(-1)
-            if per_sample_weights is not None:
-                per_sample_weights = per_sample_weights.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
                 raise InvalidArgumentError("offsets has to be a 1-D tensor when input is 1-D")

@@ -168,21 +168,31 @@ class BagRequest:
 
 
 def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
-    """1-D int64 CPU ids from a tensor or a sequence of ints; InvalidArgumentError/TypeError name the field."""
+    """1-D int64 CPU ids from a tensor, a numpy array or a sequence of ints; InvalidArgumentError/TypeError name
+    the field."""
     if isinstance(ids, torch.Tensor):
+        if ids.layout != torch.strided or ids.device.type == "meta":
+            raise InvalidArgumentError(f"{field_name} must be a dense tensor holding data, got layout "
+                                       f"{ids.layout} on {ids.device}")
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
+        if ids.dtype == torch.uint64 and bool((ids.view(torch.int64) < 0).any()):  # 2**63 and up, seen as int64
+            raise InvalidArgumentError(f"{field_name} holds values of 2**63 or more, past the int64 range of row ids")
         return ids.detach().to("cpu", torch.int64).contiguous()
+    if isinstance(ids, (str, bytes, bytearray, dict, set, frozenset)):  # unordered, or not ids at all
+        raise TypeError(f"{field_name} must be a tensor or a sequence of ints, got {type(ids).__name__}")
     try:
-        array = np.asarray(list(ids))
+        array = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
     except (TypeError, ValueError) as err:
         raise TypeError(f"{field_name} must be a tensor or a sequence of ints: {err}") from None
     if array.size and array.dtype.kind not in "iu":  # floats are not cut to ints, nor bools taken for 0 and 1
         raise TypeError(f"{field_name} must hold integers, got {array.dtype} values")
     if array.ndim != 1:
         raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {array.shape}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) >= 1 << 63:
+        raise InvalidArgumentError(f"{field_name} holds {int(array.max())}, past the int64 range of row ids")
     return torch.from_numpy(array.astype(np.int64))
 
 
@@ -709,6 +719,14 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
 
 
+def dense_values(tensor: torch.Tensor, field: str) -> torch.Tensor:
+    """`tensor` if it is a dense tensor holding data (not meta, sparse or nested); InvalidArgumentError naming it."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta":
+        raise InvalidArgumentError(f"{field} must be a dense tensor holding data, got layout {tensor.layout} on "
+                                   f"{tensor.device}{' (nested)' if tensor.is_nested else ''}")
+    return tensor
+
+
 def _bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
                  weights: torch.Tensor | None) -> BagRequest:
     """Check bag arguments the way nn.EmbeddingBag does; errors name the argument."""
@@ -725,7 +743,7 @@ def _bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
         if not isinstance(weights, torch.Tensor) or weights.shape != (ids.numel(),):
             shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
             raise InvalidArgumentError(f"per_sample_weights must have shape ({ids.numel()},), got {shape}")
-        weights = weights.detach().cpu().contiguous()
+        weights = dense_values(weights, "per_sample_weights").detach().cpu().contiguous()
     return BagRequest(ids, offsets, mode, weights)
 
 
@@ -734,6 +752,7 @@ def validate_update(view: TableView, ids: Any, values: Any) -> tuple[torch.Tenso
     ids = as_ids(ids)
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
+    dense_values(values, "values")
     if not torch.can_cast(values.dtype, view.dtype):
         raise TypeError(f"values has dtype {values.dtype}, which table {view.name!r} ({view.dtype}) cannot hold "
                         f"without losing its kind (torch.can_cast)")
@@ -763,5 +782,9 @@ def table_options(oov: str, default_row: Any, shape: Sequence[int], dtype: torch
     if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
         got = tuple(default_row.shape) if isinstance(default_row, torch.Tensor) else type(default_row).__name__
         raise InvalidArgumentError(f"default_row must be a tensor of shape ({shape[1]},), got {got}")
+    dense_values(default_row, "default_row")
+    if not torch.can_cast(default_row.dtype, dtype):
+        raise TypeError(f"default_row has dtype {default_row.dtype}, which a {dtype} table cannot hold without "
+                        f"losing its kind (torch.can_cast)")
     row = default_row.detach().cpu().to(dtype).contiguous()
     return pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=bytes(tensor_bytes(row)))

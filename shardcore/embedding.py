@@ -99,8 +99,8 @@ def pool_bags(rows: torch.Tensor, offsets: torch.Tensor | Sequence[int] | None, 
     offsets = _bag_offsets(offsets, rows.shape[0], num_bags)
     _check_mode(mode, per_sample_weights)
     weights = _check_weights(per_sample_weights, rows)
-    if rows.shape[0] == 0 or offsets.numel() == 0:  # no bags: torch's float64 embedding_bag segfaults on it
-        return rows.new_zeros((offsets.numel(), rows.shape[1]))
+    if rows.shape[0] == 0 or offsets.numel() == 0 or rows.shape[1] == 0:  # torch's kernel segfaults (float64,
+        return rows.new_zeros((offsets.numel(), rows.shape[1]))                 # no bags) or raises (no columns)
     positions = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
     return F.embedding_bag(positions, rows, offsets, mode=mode, per_sample_weights=weights)
 

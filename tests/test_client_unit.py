@@ -292,3 +292,19 @@ def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
     cluster._call = calls(6)  # type: ignore[method-assign]
     with pytest.raises(DeadlineExceededError):
         cluster._commit("t", 7)
+
+
+def test_ids_come_only_as_ordered_integer_sequences():
+    from client.errors import InvalidArgumentError
+    from client.lookup import as_ids
+
+    assert torch.equal(as_ids(np.array([3, 1], dtype=np.uint32)), torch.tensor([3, 1]))
+    assert torch.equal(as_ids(range(2)), torch.tensor([0, 1]))
+    for ids, error, message in (
+            ({1: 2}, TypeError, "got dict"), ({1, 2}, TypeError, "got set"), (b"\x01", TypeError, "got bytes"),
+            (torch.tensor([2**64 - 1], dtype=torch.uint64), InvalidArgumentError, "2\\*\\*63 or more"),
+            (np.array([2**63], dtype=np.uint64), InvalidArgumentError, "9223372036854775808, past the int64"),
+            (torch.tensor([1, 2]).to_sparse(), InvalidArgumentError, "dense tensor"),
+            (torch.empty(2, dtype=torch.int64, device="meta"), InvalidArgumentError, "dense tensor holding data")):
+        with pytest.raises(error, match=message):
+            as_ids(ids)

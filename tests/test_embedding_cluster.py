@@ -209,6 +209,13 @@ def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
         bag(IDS, OFFSETS, torch.ones(IDS.numel()))  # mode mean
     with pytest.raises(InvalidArgumentError, match="pooling must be one of"):
         RemoteEmbeddingBag(cl, _name("grid", torch.float32), pooling="nearby")  # at construction, not first use
+    summing = RemoteEmbeddingBag(cl, _name("grid", torch.float32), mode="sum")
+    with pytest.raises(ValueError, match=r"per_sample_weights must have the shape of input \(2, 2\)"):
+        summing(IDS[:4].view(2, 2), per_sample_weights=torch.ones(4))  # nn.EmbeddingBag refuses it too
+    with pytest.raises(ValueError, match="per_sample_weights must be a dense tensor holding data"):
+        summing(IDS[:4], torch.tensor([0]), per_sample_weights=torch.ones(4, device="meta"))
+    with pytest.raises(TypeError, match="default_row has dtype torch.complex64"):
+        cl.put("complex-default", torch.zeros(3, 2), oov="default", default_row=torch.ones(2, dtype=torch.complex64))
 
 
 def test_cluster_lookup_several_tables(cl: Cluster, tables: dict) -> None:

@@ -366,3 +366,10 @@ def test_no_bags_pool_to_an_empty_result_in_every_dtype(dtype):
     assert pool_bags(rows, [], "sum", torch.ones(3, dtype=dtype)).shape == (0, 4)
     partial = partial_pool(rows, [])
     assert partial.sums.shape == (0, 4) and partial.counts.numel() == 0
+
+
+def test_bags_of_a_table_without_columns_are_empty_rows():
+    """torch's embedding_bag raises on a (n, 0) table; pooling answers (bags, 0) as the shape says."""
+    rows = torch.empty(3, 0)
+    assert pool_bags(rows, torch.tensor([0, 2]), "sum").shape == (2, 0)
+    assert partial_pool(rows, torch.tensor([0, 2])).sums.shape == (2, 0)
