@@ -14,10 +14,12 @@ import uuid
 from functools import partial
 from typing import Any, Callable, Sequence
 
+import grpc
 import torch
 
 from client import arguments, checkpoints
-from client.errors import DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError
+from client.errors import (AbortedError, DeadlineExceededError, InvalidArgumentError, RankUnavailableError,
+                           ShardServeError, StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.lookup import Lookups, table_options
 from client.row_cache import CacheStats, RowCache
@@ -264,13 +266,26 @@ class Cluster:
         try:
             jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
                     for index, shard in enumerate(shards)]
-            self._transport.run_all(jobs)
+            try:
+                self._transport.run_all(jobs)
+            except (StaleVersionError, TensorNotFoundError) as err:
+                raise self._why_writes_failed(name, info.version, err) from None
             committed = self._commit(name, info.version)
         except BaseException:
             self._abort(name, info.version)
             raise
         self._lookups.forget(name)
         return RemoteShardedTensor(self, TensorSummary.from_proto(committed))
+
+    def _why_writes_failed(self, name: str, version: int, err: ShardServeError) -> ShardServeError:
+        """A write told "no such version": AbortedError when the version is gone from the catalog (a concurrent
+        put or create of the name with overwrite=True aborted it), else the write's own error."""
+        with contextlib.suppress(ShardServeError):
+            listed = self._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            if not any(t.name == name and t.version == version for t in listed):
+                return AbortedError(f"put of {name!r} version {version} was aborted while it wrote: another put "
+                                    f"or create of {name!r} with overwrite=True replaced it", grpc.StatusCode.ABORTED)
+        return err
 
     def _write_shard(self, name: str, version: int, index: int, shard: torch.Tensor,
                      meta: ShardedTensorMetadata, chunk_bytes: int) -> int:

@@ -289,3 +289,26 @@ def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, lay
     while cl.ranks()[2].alive and time.monotonic() < deadline:
         time.sleep(0.5)
     assert [r.alive for r in cl.ranks()] == [True, True, False]
+
+
+def test_a_put_whose_version_another_overwrite_aborted_says_so(cl, cluster3):
+    """Another client's put(overwrite=True) aborts this put's pending version while it writes: the writes fail
+    with "version not held", and the put names the cause instead."""
+    from client import AbortedError, connect
+
+    with connect(cluster3.address) as other:
+        write, raced = cl._write_shard, []
+
+        def write_after_another_put(*args):  # type: ignore[no-untyped-def]
+            if not raced:
+                raced.append(other.put("contested", torch.ones(6, 2), overwrite=True))
+            return write(*args)
+
+        cl._write_shard = write_after_another_put  # type: ignore[method-assign]
+        try:
+            with pytest.raises(AbortedError, match="another put or create of 'contested' with overwrite=True"):
+                cl.put("contested", torch.zeros(6, 2), overwrite=True)
+        finally:
+            del cl._write_shard
+    assert torch.equal(cl.tensor("contested").full_tensor(), torch.ones(6, 2))
+    cl.delete("contested")
