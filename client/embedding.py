@@ -7,11 +7,12 @@ No parameters, no gradients: the weights stay on the cluster.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from client.arguments import tensor_name
 from client.errors import InvalidArgumentError
 from client.lookup import POOLINGS, as_ids
 
@@ -24,8 +25,8 @@ class RemoteEmbedding(nn.Module):
 
     def __init__(self, cluster: "Cluster", name: str, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.cluster = cluster
-        self.name = name
+        self.cluster = _checked_cluster(cluster)
+        self.name = tensor_name(name)
         self.dtype = dtype
         view = cluster._lookups.view(name)
         self.num_embeddings, self.embedding_dim = view.summary.metadata.size
@@ -51,8 +52,8 @@ class RemoteEmbeddingBag(nn.Module):
             raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
         if pooling not in POOLINGS:
             raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        self.cluster = cluster
-        self.name = name
+        self.cluster = _checked_cluster(cluster)
+        self.name = tensor_name(name)
         self.mode = mode
         self.dtype = dtype
         self.pooling = pooling
@@ -85,3 +86,11 @@ class RemoteEmbeddingBag(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+
+
+def _checked_cluster(cluster: Any) -> "Cluster":
+    from client.cluster import Cluster
+
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a client.Cluster (from connect()), got {type(cluster).__name__}")
+    return cluster

@@ -209,6 +209,10 @@ def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
         bag(IDS, OFFSETS, torch.ones(IDS.numel()))  # mode mean
     with pytest.raises(InvalidArgumentError, match="pooling must be one of"):
         RemoteEmbeddingBag(cl, _name("grid", torch.float32), pooling="nearby")  # at construction, not first use
+    with pytest.raises(TypeError, match="cluster must be a client.Cluster"):
+        RemoteEmbedding(None, "t")
+    with pytest.raises(InvalidArgumentError, match="name must be a non-empty string, got 5"):
+        RemoteEmbeddingBag(cl, 5)
     summing = RemoteEmbeddingBag(cl, _name("grid", torch.float32), mode="sum")
     with pytest.raises(ValueError, match=r"per_sample_weights must have the shape of input \(2, 2\)"):
         summing(IDS[:4].view(2, 2), per_sample_weights=torch.ones(4))  # nn.EmbeddingBag refuses it too
