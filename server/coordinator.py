@@ -111,8 +111,10 @@ class Coordinator:
         return self.heartbeat_interval
 
     def _check_fits_the_world(self, info: pb.RankInfo) -> None:
-        """(lock held) A registration must agree with the live ranks: one world size, and its own address (else
-        a stray registration would make the reconcile drop another rank's versions)."""
+        """(lock held) A registration must agree with the live ranks: one world size, its own address, and not
+        replace a live registration of the same rank from elsewhere (else a stray registration would take a rank
+        over, or make the reconcile drop another rank's versions). A restarted rank whose old entry is still
+        alive gets UNAVAILABLE, which its registration retries until that entry expires."""
         for rank, entry in self._ranks.items():
             if rank == info.rank or not self.is_alive(entry):
                 continue
@@ -122,6 +124,10 @@ class Coordinator:
             if entry.info.address == info.address:
                 raise FailedPrecondition(f"rank.address {info.address} is registered by rank {rank}, which is "
                                          f"alive")
+        own = self._ranks.get(info.rank)
+        if own is not None and self.is_alive(own) and own.info.address != info.address:
+            raise Unavailable(f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
+                              f"from rank.address {info.address} is taken once that one stops heartbeating")
 
     def heartbeat(self, rank: int, memory_used: int) -> None:
         """Record that `rank` is alive; NotFound tells an unknown rank to register again."""

@@ -66,8 +66,10 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message a server answers for `err`."""
     if isinstance(err, ServiceError):
         return err.code, err.message
-    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
-        return err.code(), err.details() or ""
+    if isinstance(err, grpc.RpcError):  # a request stream the client cancelled or let time out
+        if hasattr(err, "code"):
+            return err.code(), err.details() or ""
+        return grpc.StatusCode.CANCELLED, "the client ended the request stream (cancelled or past its deadline)"
     if isinstance(err, KeyError):
         return grpc.StatusCode.NOT_FOUND, str(err.args[0]) if err.args else "not found"
     if isinstance(err, (ValueError, TypeError)):

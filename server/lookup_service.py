@@ -157,12 +157,12 @@ class LookupService:
         version = check_version(request.version)
         ids = parse_ids(request.ids, "ids")
         with self.store.lease(name, version, served=False) as entry:
-            self.store.shard_of(entry, request.shard_index)  # InvalidArgument unless held here
+            shard = self.store.shard_of(entry, request.shard_index)  # InvalidArgument unless held here
             local = _local_rows(entry, request.shard_index, ids, "ids")
+            values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
-        with self.store.rewrite(name, version, request.shard_index) as shard:
-            values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
+        with self.store.rewrite(name, version, request.shard_index) as shard:  # checked: no refusal leaves it torn
             shard.index_copy_(0, torch.from_numpy(local).to(shard.device), values.to(shard.device))
         return int(ids.size)
 

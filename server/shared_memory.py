@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from server.errors import ResourceExhausted
 from server.recycling import Buffer, RecycledBuffers
 from shardcore.dtypes import itemsize
 from shardcore.wire import byte_view
@@ -44,6 +45,7 @@ FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP fi
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
 DEFAULT_LEASE_S = 30.0
+MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 
@@ -260,6 +262,9 @@ class Leases:
     def hold(self, lease: AbstractContextManager, seconds: float) -> int:
         """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
         with self._lock:
+            if len(self._held) >= MAX_LEASES:
+                raise ResourceExhausted(f"this rank holds {MAX_LEASES} shared-memory leases already; release "
+                                        f"some (ReleaseShard) or wait for them to expire")
             lease_id = 0
             while not lease_id or lease_id in self._held:  # random: no client ends another's lease by guessing
                 lease_id = secrets.randbits(63)

@@ -55,7 +55,11 @@ class SharedMemoryService:
         if reply.inode and reply.inode == request.cached_inode:
             lease.__exit__(None, None, None)  # the client already maps it: nothing to keep alive
         else:
-            reply.lease_id = self.leases.hold(lease, seconds)
+            try:
+                reply.lease_id = self.leases.hold(lease, seconds)
+            except BaseException:  # over the cap: the version must not stay held for nobody
+                lease.__exit__(None, None, None)
+                raise
             reply.lease_expires_s = seconds
         return reply
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.recycling import RecycledBuffers
 from server.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -458,7 +458,13 @@ class ShardStore:
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
 
-        entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check)
+        def check_alone(entry: StoredVersion) -> None:
+            check(entry)
+            if entry.changing[shard_index]:  # two streams would interleave their bytes, each "complete"
+                raise Aborted(f"shard_index {shard_index} of {name!r} version {version} is being written by "
+                              f"another stream on rank {self.rank}; write each shard once")
+
+        entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check_alone)
         with self._changing(entry, shard_index) as done:
             writer = ShardWriter(shard_tensor, nbytes)
             yield writer

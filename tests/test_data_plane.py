@@ -714,6 +714,29 @@ def test_lease_ids_cannot_be_guessed():
     assert leases.release([ids[0] + 1, ids[0] - 1]) == 0 and leases.release(ids) == 3
 
 
+def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
+    """Never-released OpenShard leases would grow the table (and its expiry scan) without bound: past
+    MAX_LEASES, OpenShard is RESOURCE_EXHAUSTED and the version it leased is let go again."""
+    import server.shared_memory
+
+    class Context:
+        def abort(self, code, message):  # type: ignore[no-untyped-def]
+            raise RuntimeError(f"{code.name}: {message}")
+
+    monkeypatch.setattr(server.shared_memory, "MAX_LEASES", 2)
+    store = _served_store()
+    service = SharedMemoryService(store)
+    request = pb.OpenShardRequest(name="t", version=1, shard_index=0)
+    for _ in range(2):
+        assert service.OpenShard(request, Context()).lease_id
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: this rank holds 2 shared-memory leases already"):
+        service.OpenShard(request, Context())
+    store.drop("t", 1)
+    assert store.memory_used > 0  # the two leases granted still hold it
+    service.leases.release(list(service.leases._held))
+    assert store.memory_used == 0  # the refused one left no hold behind
+
+
 def test_served_versions_are_immutable():
     store = _served_store()
     with pytest.raises(FailedPrecondition, match="already committed"):

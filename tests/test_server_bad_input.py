@@ -250,6 +250,26 @@ def test_request_bytes_that_do_not_decode_are_invalid_argument(stubs, pending):
         in err.details()
 
 
+def test_a_refused_write_rows_leaves_the_copy_committable(stubs):
+    """WriteRows refused for its values (before any byte changed) must not mark the shard half written, or the
+    update's version could never be committed."""
+    table = put(stubs, "rows", TENSOR, META)
+    copy = stubs.coord.CreateTensor(pb.CreateTensorRequest(
+        name="rows", metadata=table.metadata, init=pb.INIT_COPY, overwrite=True, source_version=table.version),
+        timeout=TIMEOUT)
+    ids = torch.tensor([1], dtype=torch.int64).numpy().tobytes()
+    err = rpc_error(stubs.ranks[0].WriteRows, pb.WriteRowsRequest(
+        name="rows", version=copy.version, shard_index=0, ids=ids, values=b"\0" * 15), timeout=TIMEOUT)
+    assert err.code() == INVALID and "values" in err.details()
+    stubs.ranks[0].WriteRows(pb.WriteRowsRequest(name="rows", version=copy.version, shard_index=0, ids=ids,
+                                                 values=torch.full((5,), 7.0).numpy().tobytes()), timeout=TIMEOUT)
+    committed = stubs.coord.CommitTensor(pb.CommitTensorRequest(name="rows", version=copy.version), timeout=TIMEOUT)
+    expected = TENSOR.clone()
+    expected[1] = 7.0
+    assert torch.equal(read_full(stubs, committed), expected)
+    stubs.coord.DeleteTensor(pb.DeleteTensorRequest(name="rows"), timeout=TIMEOUT)
+
+
 def test_a_registration_must_fit_the_world(stubs, served):
     """A stray RegisterRank (another live rank's address, another world size) is refused before it replaces a
     rank's entry, whose reconcile would then drop versions on the rank at that address."""
@@ -259,6 +279,10 @@ def test_a_registration_must_fit_the_world(stubs, served):
         held=[pb.HeldVersion(name="good", version=served.version)]), timeout=TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"rank.address {ranks[0].address} is registered by rank 0" in err.details()
+    err = rpc_error(stubs.coord.RegisterRank, pb.RegisterRankRequest(
+        rank=pb.RankInfo(rank=1, world_size=3, address="127.0.0.1:1", device="cpu")), timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE  # a live rank 1 is not taken over from another address
+    assert f"rank 1 is registered at {ranks[1].address} and alive" in err.details()
     err = rpc_error(stubs.coord.RegisterRank, pb.RegisterRankRequest(
         rank=pb.RankInfo(rank=5, world_size=10, address="127.0.0.1:1", device="cpu")), timeout=TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "rank.world_size 10 differs" in err.details()

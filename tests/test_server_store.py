@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from server.store import ShardStore
 from shardcore.metadata import TensorProperties, make_metadata
 from shardcore.specs import ChunkShardingSpec
@@ -83,20 +83,21 @@ def test_write_in_order_then_promote():
             pass
 
 
-def test_a_shard_another_stream_still_writes_cannot_be_promoted():
-    """Two WriteShard streams of one shard: the one that finishes first does not make the shard publishable
-    while the other still writes it, so no write can land in a served version."""
+def test_a_second_stream_of_a_shard_being_written_is_refused():
+    """Two WriteShard streams of one shard would interleave their bytes, each then "complete": the second is
+    ABORTED, and the shard is published only once the first completes it."""
     store = ShardStore(rank=0)
     store.allocate("race", 1, META)
-    with store.write("race", 1, 0, torch.float32, 48) as slow:
-        slow.write(0, b"\xaa" * 8)
-        with store.write("race", 1, 0, torch.float32, 48) as fast:
-            fast.write(0, bytes(48))
+    with store.write("race", 1, 0, torch.float32, 48) as first:
+        first.write(0, b"\xaa" * 8)
+        with pytest.raises(Aborted, match="shard_index 0 of 'race' version 1 is being written by another stream"):
+            with store.write("race", 1, 0, torch.float32, 48):
+                pass
         with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
             store.promote("race", 1)
-        slow.write(8, b"\xaa" * 40)
+        first.write(8, b"\xaa" * 40)
     store.promote("race", 1)
-    assert store.local_tensor("race", 1, 0).view(torch.uint8).flatten().tolist() == [0] * 8 + [0xAA] * 40
+    assert store.local_tensor("race", 1, 0).view(torch.uint8).flatten().tolist() == [0xAA] * 48
 
 
 def test_install_adds_a_complete_pending_version_checked_against_the_layout():
@@ -165,9 +166,9 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
     store.allocate("t", 1, META)
     failing = store.write("t", 1, 0, torch.float32, 48)
     writer = failing.__enter__()
-    with store.write("t", 1, 0, torch.float32, 48) as whole:
-        whole.write(0, ones)
     writer.write(0, twos[:24])
+    with store.rewrite("t", 1, 0) as shard:  # a WriteRows batch of the same shard, done in full meanwhile
+        shard.copy_(torch.ones(3, 4))
     with pytest.raises(InvalidArgument, match="ended after 24 of 48 bytes"):
         failing.__exit__(None, None, None)  # the stream ends early
     with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
@@ -178,14 +179,28 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
     assert torch.equal(store.local_tensor("t", 1, 0), torch.ones(3, 4))
 
 
-def test_a_rewrite_beside_a_failed_write_is_not_published():
+def test_a_failed_rewrite_is_not_published_and_a_write_waits_for_it():
+    """A WriteRows batch that fails half way leaves its shard torn; a WriteShard of a shard being rewritten is
+    refused rather than interleaved with it."""
     store = ShardStore(rank=0)
     store.allocate("u", 1, META, pb.INIT_ZEROS)
     with pytest.raises(RuntimeError, match="connection lost"):
         with store.rewrite("u", 1, 0) as shard:
-            with store.write("u", 1, 0, torch.float32, 48) as writer:
-                writer.write(0, bytes(8))
-                shard[0] = 7.0
-                raise RuntimeError("connection lost")
+            shard[0] = 7.0
+            with pytest.raises(Aborted, match="being written by another stream"):
+                with store.write("u", 1, 0, torch.float32, 48):
+                    pass
+            raise RuntimeError("connection lost")
     with pytest.raises(FailedPrecondition, match="not fully written"):
         store.promote("u", 1)
+
+
+def test_a_request_stream_the_client_ended_is_cancelled_not_internal():
+    """grpc raises a bare RpcError from the request iterator of a stream the client cancelled or let time out: it
+    is the client's doing (CANCELLED, logged at INFO), not a server failure (INTERNAL with a traceback)."""
+    import grpc
+
+    from server.errors import status_of
+
+    code, message = status_of(grpc.RpcError())
+    assert code == grpc.StatusCode.CANCELLED and "ended the request stream" in message
