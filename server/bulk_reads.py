@@ -41,6 +41,8 @@ log = logging.getLogger(__name__)
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096            # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
 IDLE_TIMEOUT_S = 300.0        # a connection idle (or a peer stalled mid-transfer) this long is closed
+TICKET_WAIT_S = 10.0          # a new connection must present its whole ticket within this (no slot held idle)
+FRAME_WAIT_S = 30.0           # a request frame whose header arrived must arrive whole within this
 MAX_CONNECTIONS = 64          # open at once, each on its own thread; more are refused UNAVAILABLE (the client
                               # then reads over gRPC)
 
@@ -179,13 +181,13 @@ class BulkReads:
         """One connection: the ticket, then boxes asked for until the peer closes or idles out."""
         try:
             with conn:
-                conn.settimeout(IDLE_TIMEOUT_S)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
-                    self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES), peer)
+                    self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer)
                 except ServiceError as err:
                     _send_error(conn, peer, err)
                     return
+                conn.settimeout(IDLE_TIMEOUT_S)
                 while (request := _read_request(conn, peer)) is not None:
                     self._answer(conn, peer, *request)
         except OSError as err:
@@ -219,14 +221,18 @@ def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
     first = conn.recv_into(frame)
     if not first:
         return None
-    recv_exactly(conn, memoryview(frame)[first:])
+    conn.settimeout(FRAME_WAIT_S)
+    deadline = time.monotonic() + FRAME_WAIT_S
+    recv_exactly(conn, memoryview(frame)[first:], deadline)
     kind, length = FRAME.unpack(frame)
     if kind not in (KIND_READ, KIND_LOOKUP) or length > MAX_REQUEST_BYTES:
         what = f"kind {kind} is neither {KIND_READ} (read) nor {KIND_LOOKUP} (lookup)" if length <= MAX_REQUEST_BYTES \
             else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
         _send_error(conn, peer, InvalidArgument(f"request: {what}"))
         raise ConnectionAbortedError(what)
-    return kind, _recv_bytes(conn, length)
+    message = _recv_bytes(conn, length, max(deadline - time.monotonic(), 1e-3))
+    conn.settimeout(IDLE_TIMEOUT_S)
+    return kind, message
 
 
 def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
@@ -249,9 +255,12 @@ def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
         send_parts(conn, [HEADER.pack(code.value[0], 0, len(body)), body])
 
 
-def _recv_bytes(conn: socket.socket, nbytes: int) -> bytes:
+def _recv_bytes(conn: socket.socket, nbytes: int, within_s: float) -> bytes:
+    """`nbytes` from `conn` within `within_s` seconds in all (TimeoutError after: a trickling peer does not keep
+    a connection slot), not only per recv."""
+    conn.settimeout(within_s)
     data = bytearray(nbytes)
-    recv_exactly(conn, memoryview(data))
+    recv_exactly(conn, memoryview(data), time.monotonic() + within_s)
     return bytes(data)
 
 

@@ -172,6 +172,22 @@ def test_a_peer_that_goes_silent_mid_ticket_does_not_block_others(port):
             assert ask(sock, request())[0] == 0
 
 
+def test_a_peer_that_trickles_its_ticket_or_frame_is_cut_off(port, monkeypatch):
+    """A connection holds one of MAX_CONNECTIONS slots: its ticket, and each request frame once begun, must arrive
+    whole within a deadline, not merely one byte per idle timeout."""
+    monkeypatch.setattr(bulk_reads, "TICKET_WAIT_S", 0.5)
+    monkeypatch.setattr(bulk_reads, "FRAME_WAIT_S", 0.5)
+    with socket.create_connection(("127.0.0.1", port.port), timeout=TIMEOUT_S) as slow:
+        start = time.monotonic()
+        for byte in b"\1\2\3":  # a byte every 0.2 s: each recv would see data before a per-recv timeout
+            slow.sendall(bytes([byte]))
+            time.sleep(0.2)
+        assert closed(slow) and time.monotonic() - start < 5.0
+    with open_connection(port) as sock:
+        sock.sendall(struct.pack("<II", KIND_READ, 100) + b"\0" * 10)  # a frame begun, then silence
+        assert closed(sock)
+
+
 def test_connections_over_the_cap_are_unavailable(monkeypatch):
     monkeypatch.setattr(bulk_reads, "MAX_CONNECTIONS", 1)
     reads = BulkReads(ShardStore(0), "127.0.0.1")
