@@ -189,3 +189,27 @@ def test_shards_past_the_open_file_budget_go_to_private_memory():
     assert all(not t.any() for t in tensors)
     del tensors[0]
     assert shared.segment_of(shared.empty((4,), torch.float32)) is not None  # room again once one is freed
+
+
+def test_segments_are_sealed_against_other_writers():
+    """A reader maps /proc/PID/fd/N; a same-user process that opened it for writing could change a served
+    version or truncate the segment (SIGBUS in the rank). Writes and resizes through any new handle fail, while
+    the rank's own mapping stays writable."""
+    import errno
+
+    shared = SharedMemory()
+    tensor = shared.empty((4,), torch.float32)
+    tensor.fill_(1.0)
+    segment = shared.segment_of(tensor)
+    fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as resize:
+            os.ftruncate(fd, 0)
+        assert resize.value.errno == errno.EPERM
+        with pytest.raises(OSError) as write:
+            os.pwrite(fd, b"\x07" * 16, segment.data_offset)
+        assert write.value.errno == errno.EPERM
+    finally:
+        os.close(fd)
+    tensor.fill_(2.0)  # the rank still writes through its own mapping
+    assert torch.equal(tensor, torch.full((4,), 2.0))
