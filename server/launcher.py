@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CATALOG_FILE = "catalog.sqlite"
+COORDINATOR_WORKERS = 64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -59,8 +60,8 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
     def add(server: object) -> list[str]:
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
-    try:
-        running = start_server(listen, security, add)
+    try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
+        running = start_server(listen, security, add, max_workers=COORDINATOR_WORKERS)
     except Exception:
         coordinator.close()
         raise
