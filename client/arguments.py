@@ -11,6 +11,8 @@ import numbers
 from collections.abc import Iterable
 from typing import Any, Callable
 
+import torch
+
 from client.errors import InvalidArgumentError
 
 MAX_SECONDS = 365 * 86400.0  # longer deadlines overflow gRPC's clock arithmetic (and mean "never")
@@ -71,3 +73,11 @@ def name_list(names: Any, field: str = "names") -> list[str] | None:
         raise TypeError(f"{field} must be a name or an iterable of names, got {type(names).__name__}")
     listed = list(names)
     return [tensor_name(name, f"{field}[{i}]") for i, name in enumerate(listed)]
+
+
+def dense_tensor(tensor: torch.Tensor, field: str) -> torch.Tensor:
+    """`tensor` if it is a dense tensor holding data (not meta, sparse or nested); InvalidArgumentError naming it."""
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta":
+        raise InvalidArgumentError(f"{field} must be a dense tensor holding data, got layout {tensor.layout} on "
+                                   f"{tensor.device}{' (nested)' if tensor.is_nested else ''}")
+    return tensor

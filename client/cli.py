@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from typing import Sequence
 
@@ -208,21 +207,23 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
-    if args.coordinator and not _looks_like_address(args.coordinator):
-        parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    from client.errors import InvalidArgumentError
+    from client.reshard import check_layout_flags
+    from client.transport import check_address
+
+    if args.coordinator:
+        try:
+            check_address(args.coordinator, "--coordinator")
+        except ValueError:
+            parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.command != "reshard":
         return
-    if sum((args.dim is not None, args.grid is not None, args.replicate)) > 1:
-        parser.error("reshard: give one of --dim, --grid or --replicate")
-    if args.grid is not None and not re.fullmatch(r"\d+x\d+", args.grid):
-        parser.error(f"reshard: --grid must look like 2x2, got {args.grid!r}")
+    try:
+        check_layout_flags(args.dim, args.grid, args.grid_dims, args.replicate)
+    except InvalidArgumentError as err:
+        parser.error(f"reshard: {err}")
     if args.ranks == ():
         parser.error("reshard: --ranks is empty (leave it out for every live rank)")
-
-
-def _looks_like_address(address: str) -> bool:
-    host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit()
 
 
 def _run(args: argparse.Namespace) -> None:

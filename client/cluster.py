@@ -84,10 +84,6 @@ def _tls_hint(message: str, tls_ca: str | None, tls_cert: str | None) -> str:
     return " (if the cluster serves plaintext, pass no tls_ca/tls_cert/tls_key)"
 
 
-def _check_name(name: Any) -> str:
-    return arguments.tensor_name(name)
-
-
 def _resolve_spec(spec: Any) -> Any:
     """A shardcore spec from ours or torch's ChunkShardingSpec / EnumerableShardingSpec (metadata passes as is)."""
     if isinstance(spec, ShardedTensorMetadata):
@@ -157,7 +153,7 @@ class Cluster:
         return status
 
     def _get_summary(self, name: str) -> TensorSummary:
-        return TensorSummary.from_proto(self._call("GetTensor", pb.GetTensorRequest(name=_check_name(name))))
+        return TensorSummary.from_proto(self._call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name))))
 
     def ranks(self) -> list[RankStatus]:
         """Every registered rank (address, device, alive, memory), sorted by rank."""
@@ -182,7 +178,7 @@ class Cluster:
 
     def delete(self, name: str) -> None:
         """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
-        self._call("DeleteTensor", pb.DeleteTensorRequest(name=_check_name(name)))
+        self._call("DeleteTensor", pb.DeleteTensorRequest(name=arguments.tensor_name(name)))
         self._lookups.forget(name)
 
     # ------------------------------------------------------------ creating tensors
@@ -218,7 +214,7 @@ class Cluster:
 
         `oov` says how embedding lookups answer ids out of range: "error", "zero" or "default" (`default_row`).
         """
-        _check_name(name)
+        arguments.tensor_name(name)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(1 << 63) <= seed < 1 << 63:
@@ -241,14 +237,10 @@ class Cluster:
             chunk_bytes: int = CHUNK_BYTES, oov: str = "error",
             default_row: torch.Tensor | None = None) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure."""
-        _check_name(name)
+        arguments.tensor_name(name)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.layout != torch.strided or tensor.is_nested:
-            raise InvalidArgumentError(f"tensor has layout {tensor.layout}{' (nested)' if tensor.is_nested else ''}; "
-                                       f"only dense (strided) tensors are served")
-        if tensor.device.type == "meta":
-            raise InvalidArgumentError("tensor is on the meta device: it has no data to put")
+        arguments.dense_tensor(tensor, "tensor")
         overwrite = arguments.flag(overwrite, "overwrite")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or \
                 not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
@@ -334,12 +326,12 @@ class Cluster:
         if not isinstance(requests, dict):
             raise TypeError(f"requests must be a dict of table name -> ids, got {type(requests).__name__}")
         for name in requests:
-            _check_name(name)
+            arguments.tensor_name(name)
         return self._lookups.lookup(requests, dtype)
 
     def update_rows(self, name: str, ids: Any, values: torch.Tensor) -> int:
         """Replace rows of a 2-D table in a new version, atomically (see client.row_updates); returns it."""
-        return update_rows(self, _check_name(name), ids, values)
+        return update_rows(self, arguments.tensor_name(name), ids, values)
 
     def row_cache_stats(self) -> CacheStats | None:
         """Hits, misses and size of the row cache (None when connect() got no row_cache_bytes)."""

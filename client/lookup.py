@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from client.data_plane import NetworkCall, SentCalls
+from client.arguments import dense_tensor
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
                            error_from_rpc)
 from client.info import TensorSummary
@@ -171,9 +172,7 @@ def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
     """1-D int64 CPU ids from a tensor, a numpy array or a sequence of ints; InvalidArgumentError/TypeError name
     the field."""
     if isinstance(ids, torch.Tensor):
-        if ids.layout != torch.strided or ids.device.type == "meta":
-            raise InvalidArgumentError(f"{field_name} must be a dense tensor holding data, got layout "
-                                       f"{ids.layout} on {ids.device}")
+        dense_tensor(ids, field_name)
         if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
             raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
@@ -310,15 +309,16 @@ class Lookups:
 
     def _lookup_routed(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
                        dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        plans: dict[str, _RowPlan] = {}
         items: list[_Item] = []
         with _CPU_TURN:
-            for name, table_ids in ids.items():
-                plan = plans[name] = _RowPlan.of(views[name], table_ids)
-                if plan.bad is not None:
-                    self._recheck_bad_ids(plan.view)
-                    if plan.view.oov == "error":
-                        raise _bad_id_error(plan.view, table_ids, plan.bad_per_id())
+            plans = {name: _RowPlan.of(views[name], table_ids) for name, table_ids in ids.items()}
+        for plan in plans.values():
+            if plan.bad is not None:
+                self._recheck_bad_ids(plan.view)  # may ask the coordinator: outside the turn
+        with _CPU_TURN:
+            for name, plan in plans.items():
+                if plan.bad is not None and plan.view.oov == "error":
+                    raise _bad_id_error(plan.view, ids[name], plan.bad_per_id())
                 plan.wanted = self._from_cache(plan)
                 items.extend(plan.items())
             exchange = self._send_calls(items)
@@ -719,14 +719,6 @@ def _check_dtype(dtype: torch.dtype | None) -> None:
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
 
 
-def dense_values(tensor: torch.Tensor, field: str) -> torch.Tensor:
-    """`tensor` if it is a dense tensor holding data (not meta, sparse or nested); InvalidArgumentError naming it."""
-    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta":
-        raise InvalidArgumentError(f"{field} must be a dense tensor holding data, got layout {tensor.layout} on "
-                                   f"{tensor.device}{' (nested)' if tensor.is_nested else ''}")
-    return tensor
-
-
 def _bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
                  weights: torch.Tensor | None) -> BagRequest:
     """Check bag arguments the way nn.EmbeddingBag does; errors name the argument."""
@@ -743,7 +735,7 @@ def _bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
         if not isinstance(weights, torch.Tensor) or weights.shape != (ids.numel(),):
             shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
             raise InvalidArgumentError(f"per_sample_weights must have shape ({ids.numel()},), got {shape}")
-        weights = dense_values(weights, "per_sample_weights").detach().cpu().contiguous()
+        weights = dense_tensor(weights, "per_sample_weights").detach().cpu().contiguous()
     return BagRequest(ids, offsets, mode, weights)
 
 
@@ -752,7 +744,7 @@ def validate_update(view: TableView, ids: Any, values: Any) -> tuple[torch.Tenso
     ids = as_ids(ids)
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-    dense_values(values, "values")
+    dense_tensor(values, "values")
     if not torch.can_cast(values.dtype, view.dtype):
         raise TypeError(f"values has dtype {values.dtype}, which table {view.name!r} ({view.dtype}) cannot hold "
                         f"without losing its kind (torch.can_cast)")
@@ -782,7 +774,7 @@ def table_options(oov: str, default_row: Any, shape: Sequence[int], dtype: torch
     if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
         got = tuple(default_row.shape) if isinstance(default_row, torch.Tensor) else type(default_row).__name__
         raise InvalidArgumentError(f"default_row must be a tensor of shape ({shape[1]},), got {got}")
-    dense_values(default_row, "default_row")
+    dense_tensor(default_row, "default_row")
     if not torch.can_cast(default_row.dtype, dtype):
         raise TypeError(f"default_row has dtype {default_row.dtype}, which a {dtype} table cannot hold without "
                         f"losing its kind (torch.can_cast)")

@@ -92,17 +92,12 @@ def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str
                         ranks: Sequence[int] | None = None, grid: str | None = None,
                         grid_dims: Sequence[int] | None = None, replicate: bool = False) -> ShardedTensorMetadata:
     """Metadata from the CLI's layout options over `devices` ({rank: device} of the live ranks)."""
+    mesh_shape = check_layout_flags(dim, grid, grid_dims, replicate)
     ranks = list(ranks) if ranks else sorted(devices)
     unknown = [r for r in ranks if r not in devices]
     if unknown:
         raise InvalidArgumentError(f"--ranks: ranks {unknown} are not live (live: {sorted(devices)})")
-    chosen = sum(bool(x) for x in (dim is not None, grid is not None, replicate))
-    if chosen > 1:
-        raise InvalidArgumentError("give one of --dim, --grid or --replicate")
-    if grid_dims and grid is None:
-        raise InvalidArgumentError("--grid-dims goes with --grid (which mesh dims shard which tensor dims)")
-    if grid is not None:
-        mesh_shape = _grid(grid)
+    if mesh_shape is not None:
         if mesh_shape[0] * mesh_shape[1] != len(ranks):
             raise InvalidArgumentError(f"--grid {grid} needs {mesh_shape[0] * mesh_shape[1]} ranks, "
                                        f"got {len(ranks)} ({ranks})")
@@ -120,6 +115,17 @@ def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str
             tuple(shape), TensorProperties(dtype=dtype)))
     shards = tuple(dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}") for s in meta.shards_metadata)
     return dataclasses.replace(meta, shards_metadata=shards)
+
+
+def check_layout_flags(dim: int | None, grid: str | None, grid_dims: Sequence[int] | None,
+                       replicate: bool) -> tuple[int, int] | None:
+    """The layout flags' own consistency, before any cluster is asked: one of --dim, --grid or --replicate,
+    --grid-dims only with --grid, --grid as RxC; returns the grid's mesh shape (None without --grid)."""
+    if sum((dim is not None, grid is not None, replicate)) > 1:
+        raise InvalidArgumentError("give one of --dim, --grid or --replicate")
+    if grid_dims and grid is None:
+        raise InvalidArgumentError("--grid-dims goes with --grid (which mesh dims shard which tensor dims)")
+    return _grid(grid) if grid is not None else None
 
 
 def _build(make: Callable[[], ShardedTensorMetadata]) -> ShardedTensorMetadata:
