@@ -35,7 +35,7 @@ from server.reshard_driver import job_timeout
 from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from server.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
-from shardcore.wire import metadata_to_proto
+from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 if TYPE_CHECKING:
     from server.coordinator import Coordinator
@@ -244,8 +244,7 @@ def publish_checkpoint(staging: str, path: str) -> None:
 def _job_bytes(infos: list[pb.TensorInfo]) -> int:
     """The bytes a checkpoint job moves over all ranks: every shard of every tensor (each rank reports its own;
     a rank still queued behind another job has not said yet)."""
-    return sum(meta.shard_nbytes(i) for meta in (parse_metadata(info.metadata) for info in infos)
-               for i in range(len(meta.shards_metadata)))
+    return sum(metadata_from_proto(info.metadata).shards_nbytes() for info in infos)  # the catalog's: valid
 
 
 def _progress(runner, total: int) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]

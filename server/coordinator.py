@@ -291,8 +291,7 @@ class Coordinator:
             removed = self.catalog.remove(name)
             ranks = sorted({r for info in removed for r in ranks_of(info)})
             self._drop_quietly(name, 0, ranks)
-            if any(info.promoting for info in removed):
-                self.reshards.drop_replaced(name)
+            self.reshards.drop_replaced(name)  # a reshard's replaced version, if its promotion was unfinished
         log.info("deleted %r (versions %s)", name, [i.version for i in removed])
 
     # ------------------------------------------------------------ helpers

@@ -299,7 +299,7 @@ class ReshardDriver:
             new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
                                 options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
                                 created_unix=time.time(), promoting=True)
-            total = sum(dst.shard_nbytes(i) for i in range(len(dst.shards_metadata)))
+            total = dst.shards_nbytes()
             yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
             self.catalog.add(new)
             participants = list(plan.participants(dst))

@@ -365,24 +365,22 @@ class ShardStore:
         return entry, shard, was_complete
 
     @contextmanager
-    def _changing(self, entry: StoredVersion, shard_index: int) -> Iterator[Callable[[], None]]:
-        """The lease and change of one shard opened by _open_for_change, ended on exit; yields `done`, which the
-        caller calls once its change is whole (the shard is then complete, unless it was not before a rewrite);
+    def _changing(self, entry: StoredVersion, shard_index: int) -> Iterator[Callable[[bool], None]]:
+        """The lease and change of one shard opened by _open_for_change, ended on exit; yields `done(complete)`,
+        which the caller calls once its change is whole (`complete`: the shard then counts as fully written);
         a change that ends without it leaves the shard torn."""
-        finished = []
+        outcome: list[bool] = []
         with self._lease(entry):
             try:
-                yield lambda: finished.append(True)
+                yield outcome.append
             finally:
                 with self._lock:
                     entry.changing[shard_index] -= 1
-                    if not finished:
+                    if not outcome:
                         entry.torn.add(shard_index)
                         entry.complete.discard(shard_index)
-
-    def _mark_complete(self, entry: StoredVersion, shard_index: int) -> None:
-        with self._lock:
-            entry.complete.add(shard_index)
+                    elif outcome[0]:
+                        entry.complete.add(shard_index)
 
     def _mark_filled(self, entry: StoredVersion, shards: list[int]) -> None:
         """Count shards an allocation filled as complete, unless a change of them is open or failed meanwhile."""
@@ -457,22 +455,18 @@ class ShardStore:
             if nbytes != entry.metadata.shard_nbytes(shard_index):
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
-
-        def check_alone(entry: StoredVersion) -> None:
-            check(entry)
             if entry.changing[shard_index]:  # two streams would interleave their bytes, each "complete"
                 raise Aborted(f"shard_index {shard_index} of {name!r} version {version} is being written by "
                               f"another stream on rank {self.rank}; write each shard once")
 
-        entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check_alone)
+        entry, shard_tensor, _ = self._open_for_change(name, version, shard_index, check)
         with self._changing(entry, shard_index) as done:
             writer = ShardWriter(shard_tensor, nbytes)
             yield writer
             if writer.written != nbytes:
                 raise InvalidArgument(f"the stream ended after {writer.written} of {nbytes} bytes of "
                                       f"shard {shard_index}")
-            self._mark_complete(entry, shard_index)
-            done()
+            done(True)
 
     @contextmanager
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
@@ -491,9 +485,7 @@ class ShardStore:
         entry, shard, was_complete = self._open_for_change(name, version, shard_index)
         with self._changing(entry, shard_index) as done:
             yield shard
-            if was_complete:
-                self._mark_complete(entry, shard_index)
-            done()
+            done(was_complete)
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""

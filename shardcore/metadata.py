@@ -219,6 +219,10 @@ class ShardedTensorMetadata:
     def shard_nbytes(self, index: int) -> int:
         return self.shards_metadata[index].numel() * self.tensor_properties.itemsize
 
+    def shards_nbytes(self) -> int:
+        """The bytes of every shard, replicas counted each: what the layout holds over all its ranks."""
+        return sum(shard.numel() for shard in self.shards_metadata) * self.tensor_properties.itemsize
+
 
 def make_metadata(size: Sequence[int], shards: Sequence[tuple[Sequence[int], Sequence[int], str | int]],
                   dtype: torch.dtype = torch.float32) -> ShardedTensorMetadata:
