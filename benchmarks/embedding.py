@@ -214,7 +214,7 @@ TRANSPORTS = ("grpc", "tcp", "auto")  # tcp: the bulk port, what a client on ano
 
 
 def lookup_path(cluster: Any) -> str:
-    """The path(s) the ranks' latest lookup answers took (client.lookup.Lookups.last_paths)."""
+    """The path(s) the ranks' latest lookup answers took (client.embedding.lookup.Lookups.last_paths)."""
     return "+".join(sorted(set(cluster._lookups.last_paths.values()))) or "none"
 
 

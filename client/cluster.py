@@ -17,18 +17,19 @@ from typing import Any, Callable, Sequence
 import grpc
 import torch
 
-from client import arguments, checkpoints
+from client import arguments
+from client.ops import checkpoints
 from client.errors import (AbortedError, DeadlineExceededError, InvalidArgumentError, RankUnavailableError,
                            ShardServeError, StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
-from client.lookup import Lookups, table_options
-from client.row_cache import CacheStats, RowCache
-from client.row_updates import update_rows
-from client.remote_tensor import RemoteShardedTensor
-from client.data_plane import DataPlane, check_transport
-from client.shm_transport import SharedMemoryReader
-from client.tcp_reads import BulkConnections
-from client.transport import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
+from client.embedding.lookup import Lookups, table_options
+from client.embedding.row_cache import CacheStats, RowCache
+from client.ops.row_updates import update_rows
+from client.tensor import RemoteShardedTensor
+from client.paths.policy import DataPlane, check_transport
+from client.paths.shm import SharedMemoryReader
+from client.paths.bulk import BulkConnections
+from client.channel import CHUNK_BYTES, MAX_CHUNK_BYTES, Credentials, Transport, check_address
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
 from shardcore.interop import as_spec
@@ -46,9 +47,9 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
             row_cache_max_age: float = 1.0, transport: str = "auto") -> "Cluster":
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
-    `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.row_cache);
+    `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
-    `transport` picks the data path of reads (client.data_plane): "auto" (shared memory for ranks on this
+    `transport` picks the data path of reads (client.paths.policy): "auto" (shared memory for ranks on this
     host, else the ranks' bulk TCP port for parts over 1 MiB without TLS, else gRPC; each falling back to the
     next when it fails), or one path forced: "grpc", "shm" or "tcp" (an error when a rank cannot be read that way).
     """
@@ -319,7 +320,7 @@ class Cluster:
         with contextlib.suppress(ShardServeError):
             self._call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
 
-    # ------------------------------------------------------------ embedding serving (client.lookup)
+    # ------------------------------------------------------------ embedding serving (client.embedding.lookup)
 
     def lookup(self, requests: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Rows of several 2-D tables, {name: ids} -> {name: Tensor[len(ids), dim]}, one round trip per rank."""
@@ -330,7 +331,7 @@ class Cluster:
         return self._lookups.lookup(requests, dtype)
 
     def update_rows(self, name: str, ids: Any, values: torch.Tensor) -> int:
-        """Replace rows of a 2-D table in a new version, atomically (see client.row_updates); returns it."""
+        """Replace rows of a 2-D table in a new version, atomically (see client.ops.row_updates); returns it."""
         return update_rows(self, arguments.tensor_name(name), ids, values)
 
     def row_cache_stats(self) -> CacheStats | None:
@@ -338,7 +339,7 @@ class Cluster:
         cache = self._lookups.cache
         return cache.stats() if cache is not None else None
 
-    # ------------------------------------------------------------ DCP checkpoints (client.checkpoints)
+    # ------------------------------------------------------------ DCP checkpoints (client.ops.checkpoints)
 
     def load_checkpoint(self, path: str, names: Sequence[str] | str | None = None, spec: Any = None,
                         dtype: torch.dtype | str | None = None, overwrite: bool = False,

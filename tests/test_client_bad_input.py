@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import client.transport
+import client.channel
 from client import (AuthenticationError, InvalidArgumentError, RankUnavailableError, ResourceExhaustedError,
                     ShardServeError, StaleVersionError, TensorNotFoundError, connect)
 from protos import shardserve_pb2 as pb
@@ -54,7 +54,7 @@ def test_missing_or_wrong_token_is_authentication_error(guarded):
 
 def test_rank_rejects_calls_without_token(cl):
     address = cl.ranks()[0].address
-    stub = client.transport.Transport(client.transport.Credentials(), timeout=10)
+    stub = client.channel.Transport(client.channel.Credentials(), timeout=10)
     try:
         with pytest.raises(AuthenticationError):
             stub.read_region(address, pb.ReadRegionRequest(name="base", version=cl.tensor("base").version,
@@ -182,19 +182,19 @@ def test_read_over_request_limit_is_resource_exhausted(cl):
 def test_put_failing_half_way_leaves_nothing_visible(cl, monkeypatch):
     first = torch.arange(8.0)
     cl.put("half", first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    real_write = client.transport.Transport.write_shard
+    real_write = client.channel.Transport.write_shard
 
-    def write_then_fail(self, address, header, data, chunk_bytes=client.transport.CHUNK_BYTES):
+    def write_then_fail(self, address, header, data, chunk_bytes=client.channel.CHUNK_BYTES):
         if header.shard_index == 1:
             raise RankUnavailableError("rank went away mid-put (injected)")
         return real_write(self, address, header, data, chunk_bytes)
 
-    monkeypatch.setattr(client.transport.Transport, "write_shard", write_then_fail)
+    monkeypatch.setattr(client.channel.Transport, "write_shard", write_then_fail)
     with pytest.raises(RankUnavailableError, match="injected"):
         cl.put("half", -first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]), overwrite=True)
     with pytest.raises(RankUnavailableError):
         cl.put("half-new", torch.ones(8), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    monkeypatch.setattr(client.transport.Transport, "write_shard", real_write)
+    monkeypatch.setattr(client.channel.Transport, "write_shard", real_write)
     names = [(t.name, t.state) for t in cl.list(include_pending=True)]
     assert ("half", "READY") in names and all(n != "half-new" for n, _ in names)
     assert [n for n, _ in names].count("half") == 1

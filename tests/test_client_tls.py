@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from client import AuthenticationError, RankUnavailableError, connect
-from client.tcp_reads import BulkReadError
+from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,14 +21,14 @@ import grpc
 import pytest
 import torch
 
-import client.shm_transport as shm_transport
+import client.paths.shm as shm_transport
 from client import connect
-from client.data_plane import DataPlane, NetworkCall
-from client.grpc_streams import bands
+from client.paths.policy import DataPlane, NetworkCall
+from client.paths.grpc import bands
 from client.errors import StaleVersionError, TensorNotFoundError
 from client.info import RankStatus
-from client.shm_transport import SharedMemoryError
-from client.tcp_reads import BulkReadError
+from client.paths.shm import SharedMemoryError
+from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition
 from server.shared_memory import ENV_SWITCH, Leases
@@ -168,7 +168,7 @@ def test_bands_cover_the_part_exactly():
 
 def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
     source, name = tables[torch.float32]
-    with caplog.at_level(logging.DEBUG, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.DEBUG, logger="client.paths.policy"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
     assert remote.last_transport == "shm"
@@ -179,7 +179,7 @@ def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
 def test_large_lookups_through_shared_memory(cluster, transport, caplog):
     table = random_tensor((5000, 64), torch.bfloat16, seed=21)
     ids = torch.randint(0, 5000, (6000,), generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.DEBUG, logger="client.mapped_rows"), connect(cluster.address,
+    with caplog.at_level(logging.DEBUG, logger="client.embedding.mapped_rows"), connect(cluster.address,
                                                                                transport=transport) as c:
         remote = c.put(f"dp-table-{transport}", table, SPEC)
         for batch in (ids, ids[:5], ids[:1]):
@@ -233,7 +233,7 @@ def test_bad_transport_is_refused(cluster):
 
 def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplog):
     source = random_tensor((900, 1024), torch.bfloat16, seed=5)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(no_shm_cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(no_shm_cluster.address) as c:
         remote = c.put("plain", source, SPEC)
         assert not any(r.shared_memory for r in c.ranks())
         assert torch.equal(remote.full_tensor(), source)
@@ -282,7 +282,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
@@ -298,7 +298,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
 
 
 def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeypatch, caplog):
-    import client.tcp_reads as tcp_reads
+    import client.paths.bulk as tcp_reads
 
     large = random_tensor((2200, 512), torch.float32, seed=13)  # 2.1 MiB per shard
     dialed = []
@@ -310,7 +310,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
     with connect(cluster.address, transport="grpc") as c:
         c.put("dp-firewalled", large, SPEC)
     monkeypatch.setattr(tcp_reads.socket, "create_connection", refuse)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
         monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor("dp-firewalled")
         assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
@@ -385,7 +385,7 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
 def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
     plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"):
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"):
         assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
     assert "bulk TCP read from rank 1 failed" in caplog.text
@@ -433,7 +433,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
 
 @pytest.mark.parametrize("what", ["lookup", "read"])
 def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypatch, caplog, what):
-    import client.tcp_reads as tcp_reads
+    import client.paths.bulk as tcp_reads
 
     table = random_tensor((300, 16), torch.float32, seed=14)
     ids = torch.tensor([0, 299, 150, 149, 7])
@@ -446,7 +446,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
 
     with connect(cluster.address, transport="grpc") as c:
         c.put(name, table, SPEC)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
         monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         got, expected, paths = run(remote)
@@ -559,7 +559,7 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
 def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_read(cluster, monkeypatch):
     """OpenShard keeps no lease when the client already maps the segment; if that segment's header says the
     version went between the reply and its use, the client does not map it again unleased: the read refreshes."""
-    import client.shm_transport as shm
+    import client.paths.shm as shm
 
     table = random_tensor((12, 4), torch.float32, seed=18)
     with connect(cluster.address) as c:
@@ -794,7 +794,7 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
 
 def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(cluster):
     """4 MiB of rows is what LookupSmall answers in one message; the reply around them is a few bytes more."""
-    from client.lookup import SMALL_ANSWER_BYTES
+    from client.embedding.lookup import SMALL_ANSWER_BYTES
 
     table = random_tensor((1024, 1024), torch.float32, seed=15)  # one rank, 4 MiB
     ids = torch.randperm(1024)
@@ -825,7 +825,7 @@ def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
 def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monkeypatch):
     """All ranks mapped, yet the rows come over gRPC (the mapped read declines, no bulk port): the calls on the
     client's pool threads take the CPU turn, so the caller must not hold it while it waits for them."""
-    from client.mapped_rows import MappedRows
+    from client.embedding.mapped_rows import MappedRows
 
     table = random_tensor((40, 8), torch.float32, seed=17)
     ids = torch.tensor([0, 39, 20, 19])
@@ -846,7 +846,7 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from client.tcp_reads import IDLE_KEEP_S, BulkConnections, _Connection
+    from client.paths.bulk import IDLE_KEEP_S, BulkConnections, _Connection
 
     bulk = BulkConnections(transport=None)  # type: ignore[arg-type]
     pairs = [socket.socketpair() for _ in range(3)]
@@ -869,7 +869,7 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     """OpenBulkSession answering UNIMPLEMENTED (no bulk port) or RESOURCE_EXHAUSTED (its tickets all out) is a
     failure of the path, so the data plane falls back to gRPC; other errors are the read's own."""
     from client.errors import ShardServeError
-    from client.tcp_reads import BulkConnections
+    from client.paths.bulk import BulkConnections
 
     class Refusing:
         timeout = 5.0

@@ -102,7 +102,7 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer of up to SMALL_ANSWER_BYTES, counted in the table's own element size, comes as one LookupSmall
     message; one byte more and it streams (Lookup); both bit for bit."""
-    import client.lookup as lookup_module
+    import client.embedding.lookup as lookup_module
 
     remote, table = grpc_cl.tensor(_name("table-wise", dtype)), tables[("table-wise", dtype)]
     ids = torch.arange(ROWS)  # every row, from the one shard: one call
@@ -124,7 +124,7 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.mapped_rows) with
+    """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.embedding.mapped_rows) with
     no Lookup call, bit for bit, for one id, one band, every band and duplicates; column-split ones are routed."""
     name, table = _name(layout, torch.bfloat16), tables[(layout, torch.bfloat16)]
     remote = cl.tensor(name)
@@ -491,7 +491,7 @@ def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str,
     """Ids out of the cached view's range are answered without asking a rank, so the view must not outlive the
     table: this client's own put forgets it at once, and another client's put is seen once the view is older
     than OOV_RECHECK_S."""
-    import client.lookup as lookup_module
+    import client.embedding.lookup as lookup_module
 
     small, grown = torch.randn(4, 3), torch.randn(8, 3)
     name = f"replaced-{transport}"

@@ -20,7 +20,7 @@ import torch
 
 from client import connect
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError, TensorNotFoundError
-from client.reshard import ReshardRefusedError, layout_from_options
+from client.ops.reshard import ReshardRefusedError, layout_from_options
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.collective_jobs import STALL_ENV
@@ -247,7 +247,7 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
 
 
 def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
-    from client.cli import main
+    from client.cli.main import main
 
     tensor = source((13, 21), torch.int32, seed=5)
     old = client4.put("cli", tensor, spec=chunk(0, range(4)), overwrite=True)

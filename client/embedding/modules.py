@@ -14,7 +14,7 @@ from torch import nn
 
 from client.arguments import tensor_name
 from client.errors import InvalidArgumentError
-from client.lookup import POOLINGS, as_ids
+from client.embedding.lookup import POOLINGS, as_ids
 
 if TYPE_CHECKING:
     from client.cluster import Cluster

@@ -20,12 +20,12 @@ import torch
 
 from protos.chunk_codec import decode_chunk
 from client.errors import ShardServeError, error_from_rpc
-from client.transport import run_here_and_on
+from client.channel import run_here_and_on
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
 
 if TYPE_CHECKING:
-    from client.transport import Transport
+    from client.channel import Transport
 
 STREAMS = 2
 BAND_MIN_BYTES = 4 << 20

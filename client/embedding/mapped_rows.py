@@ -1,7 +1,7 @@
-"""Row lookups answered straight from mapped shards: the same-host fast path of client.lookup.
+"""Row lookups answered straight from mapped shards: the same-host fast path of client.embedding.lookup.
 
 When every shard of a table is a CPU shard of a same-host rank mapped through
-shared memory (client.shm_transport) and the layout holds every row whole
+shared memory (client.paths.shm) and the layout holds every row whole
 (row-wise, table-wise, uneven), a batch of ids is gathered with a few numpy
 calls over the mapped bytes: no dedup (a duplicate costs one row copy either
 way), no route objects, no torch dispatch per step (each torch call hands the
@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from client.errors import StaleVersionError
-from client.shm_transport import HostMapping, SharedMemoryError
+from client.paths.shm import HostMapping, SharedMemoryError
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
-    from client.lookup import TableView
+    from client.embedding.lookup import TableView
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from client.data_plane import NetworkCall
-from client.grpc_streams import bands, read_bands, read_region
+from client.paths.policy import NetworkCall
+from client.paths.grpc import bands, read_bands, read_region
 from client.errors import InvalidArgumentError
 from client.indexing import parse_index
 from client.retry import read_with_refresh
@@ -143,13 +143,13 @@ class RemoteShardedTensor:
                 progress: Any = None) -> "RemoteShardedTensor":
         """Move the tensor into layout `spec` (any spec `put` takes, over any ranks): a proxy of the new version.
 
-        Two-phase on the cluster (see client.reshard): reads keep the old version until the new one is
+        Two-phase on the cluster (see client.ops.reshard): reads keep the old version until the new one is
         committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved.
         """
-        from client.reshard import reshard
+        from client.ops.reshard import reshard
         return reshard(self, spec, bucket_bytes, timeout, progress)
 
-    # ------------------------------------------------------------ embedding lookups (client.lookup)
+    # ------------------------------------------------------------ embedding lookups (client.embedding.lookup)
 
     def lookup(self, ids: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows of this 2-D table for `ids` (1-D ints), like F.embedding: Tensor[len(ids), dim]."""
@@ -273,7 +273,7 @@ class RemoteShardedTensor:
         return self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
 
     def _read_part(self, summary: TensorSummary, index: int, part: Box, box: Box, out: torch.Tensor) -> None:
-        """One shard's part into its region of `out`, by the path the data plane picks (client.shm_transport)."""
+        """One shard's part into its region of `out`, by the path the data plane picks (client.paths.shm)."""
         region = local_view(out, box, part)
         self.last_transport = self._cluster._data_plane.read_part(
             self._rank_of(summary, index), summary, index, part, region,
@@ -281,7 +281,7 @@ class RemoteShardedTensor:
 
     def _network_call(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> NetworkCall:
         """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
-        into `region` later (client.data_plane.send_all), or read over gRPC."""
+        into `region` later (client.paths.policy.send_all), or read over gRPC."""
         rank = self._rank_of(summary, index)
         request = _read_request(summary, index, part)
 
@@ -299,7 +299,7 @@ class RemoteShardedTensor:
     def _read_part_over(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                         only_part: bool, path: str) -> None:
         """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
-        (a large part that is the read's only one as parallel row bands, client.grpc_streams), else via one
+        (a large part that is the read's only one as parallel row bands, client.paths.grpc), else via one
         buffer."""
         address = self._rank_of(summary, index).address
         read_box = self._cluster._bulk.read_region if path == "tcp" else partial(read_region, self._cluster._transport)

@@ -37,14 +37,14 @@ import grpc
 import numpy as np
 import torch
 
-from client.data_plane import NetworkCall, SentCalls
+from client.paths.policy import NetworkCall, SentCalls
 from client.arguments import dense_tensor
 from client.errors import (InvalidArgumentError, ShardServeError, StaleVersionError,
                            error_from_rpc)
 from client.info import TensorSummary
-from client.mapped_rows import MappedRows
+from client.embedding.mapped_rows import MappedRows
 from client.retry import read_with_refresh
-from client.transport import SHARD_SERVICE
+from client.channel import SHARD_SERVICE
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawLookupChunk, decode_lookup_chunk, decode_lookup_reply
 from shardcore.dtypes import dtype_from_wire
@@ -55,7 +55,7 @@ from shardcore.wire import tensor_bytes
 
 if TYPE_CHECKING:
     from client.cluster import Cluster
-    from client.row_cache import RowCache
+    from client.embedding.row_cache import RowCache
 
 # Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
 # one message beat the stream at 512 KiB and at 2 MiB per rank (a stream costs about twice a unary call).
@@ -281,7 +281,7 @@ class Lookups:
 
     def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
                      dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-        """Each table from its mapped shards when it can (client.mapped_rows), the rest by routed Lookup calls."""
+        """Each table from its mapped shards when it can (client.embedding.mapped_rows), the rest by routed Lookup calls."""
         results, rest = {}, {}
         for name, table_ids in ids.items():
             mapped = self._mapped_rows(views[name])  # may map shards (an OpenShard call): outside the turn
@@ -477,7 +477,7 @@ class Lookups:
             raise error_from_rpc(err, receiver.where) from None
 
     def _answer_through_shared_memory(self, rank: int, items: list[_Item]) -> list[_Item]:
-        """Answer row items of a same-host rank from its mapped shards (client.shm_transport); return the rest.
+        """Answer row items of a same-host rank from its mapped shards (client.paths.shm); return the rest.
 
         Any size: a mapped read skips the round trip, 3-4x faster than gRPC even for one id."""
         if all(item.message.pooled for item in items):

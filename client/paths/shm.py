@@ -1,4 +1,4 @@
-"""The same-host data path: reading a rank's shards through shared memory (client.data_plane picks it).
+"""The same-host data path: reading a rank's shards through shared memory (client.paths.policy picks it).
 
 Same host = the rank's hostname and boot id (RankInfo.host_id) equal ours and
 the rank offers shared memory. Then a part is read by ShardServer.OpenShard
@@ -9,7 +9,7 @@ served version never changes, and a segment's header page (state and
 generation words, checked before and after every copy) says when the rank
 dropped the version or reused the segment for another one. A segment is
 mapped anew only under an OpenShard lease. A CUDA shard comes as a CUDA IPC handle when this process has
-CUDA. A read this path cannot serve raises SharedMemoryError; client.data_plane
+CUDA. A read this path cannot serve raises SharedMemoryError; client.paths.policy
 then falls back (transport="auto") or passes it on (transport="shm").
 """
 from __future__ import annotations
@@ -206,7 +206,7 @@ class SharedMemoryReader:
 
     def host_mapping(self, address: str, summary: TensorSummary, index: int) -> "HostMapping | None":
         """Shard `index` mapped from host shared memory with its header state, for callers that check the state
-        themselves on every read (client.mapped_rows); None for CUDA shards, empty shards and header-less
+        themselves on every read (client.embedding.mapped_rows); None for CUDA shards, empty shards and header-less
         segments."""
         mapping, shard = self._open(address, summary, index)
         if shard is None or mapping is None or mapping.state is None or mapping.cuda_handle is not None:

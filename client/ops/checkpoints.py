@@ -19,7 +19,7 @@ import torch
 from client import arguments
 from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError, error_from_rpc
 from client.info import TensorSummary
-from client.remote_tensor import RemoteShardedTensor
+from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_from_wire
 from shardcore.wire import metadata_to_proto

@@ -24,7 +24,7 @@ from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import metadata_to_proto
 
 if TYPE_CHECKING:
-    from client.remote_tensor import RemoteShardedTensor
+    from client.tensor import RemoteShardedTensor
 
 DEFAULT_TIMEOUT_S = 300.0
 _STREAM_SLACK_S = 60.0  # the stream's deadline beyond the data-movement bound (reserve, commit, promote)
@@ -53,7 +53,7 @@ class ReshardProgress:
 def reshard(tensor: "RemoteShardedTensor", spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
             progress: Callable[[ReshardProgress], None] | None = None) -> "RemoteShardedTensor":
     """Move `tensor` into the layout `spec` (new version); `progress` is called with every report."""
-    from client.remote_tensor import RemoteShardedTensor
+    from client.tensor import RemoteShardedTensor
 
     if bucket_bytes is not None:
         bucket_bytes = arguments.count(bucket_bytes, "bucket_bytes", minimum=1)

@@ -1,9 +1,9 @@
 """The client's choice of data path per read or lookup: shared memory, the bulk TCP port, or gRPC.
 
 transport="auto" tries, in order, what works for the rank: shared memory when
-it runs on this host (client.shm_transport), the rank's bulk TCP port when the
-client does not use TLS (client.tcp_reads: 2-3x faster than a gRPC call at any
-size once its connection is open), else gRPC (client.grpc_streams). A failure
+it runs on this host (client.paths.shm), the rank's bulk TCP port when the
+client does not use TLS (client.paths.bulk: 2-3x faster than a gRPC call at any
+size once its connection is open), else gRPC (client.paths.grpc). A failure
 of a fast path is logged (WARNING, with its reason); that rank is then served
 by the next path for RETRY_AFTER_S before the fast path is tried again. "grpc", "shm" and "tcp" force one path; a
 forced fast path that cannot serve raises instead of falling back.
@@ -21,8 +21,8 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from client.info import RankStatus, TensorSummary
-from client.shm_transport import SharedMemoryError, SharedMemoryReader, local_host, same_host_reason
-from client.tcp_reads import BulkReadError
+from client.paths.shm import SharedMemoryError, SharedMemoryReader, local_host, same_host_reason
+from client.paths.bulk import BulkReadError
 from shardcore.metadata import Box
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
 the bytes into the preallocated output: no protobuf around the data, no
 intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
 answer. Failures of the path itself (no bulk port, ticket refused, connection
-broken) raise BulkReadError so client.data_plane can fall back to gRPC; errors
+broken) raise BulkReadError so client.paths.policy can fall back to gRPC; errors
 about the request (stale version, bad box) are the exceptions a gRPC read
 raises, and leave the connection usable.
 """
@@ -27,7 +27,7 @@ from protos import shardserve_pb2 as pb
 from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
 if TYPE_CHECKING:
-    from client.transport import Transport
+    from client.channel import Transport
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from client.errors import ShardServeError, StaleVersionError
-from client.lookup import TableView, validate_update
+from client.embedding.lookup import TableView, validate_update
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto, tensor_bytes
