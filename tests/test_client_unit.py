@@ -275,8 +275,8 @@ def test_grid_dims_without_a_grid_is_refused():
 def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
     """CommitTensor may succeed on the coordinator while its answer is lost (a deadline): the put must not say
     it failed while the tensor is visible, nor raise when it really did not commit."""
-    from client.cluster import Cluster
     from client.errors import DeadlineExceededError
+    from client.session import Session
     from protos import shardserve_pb2 as pb
 
     def calls(ready_version):  # type: ignore[no-untyped-def]
@@ -286,17 +286,17 @@ def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
             return pb.TensorInfo(name=request.name, version=ready_version, state=pb.READY)
         return call
 
-    cluster = Cluster.__new__(Cluster)
-    cluster._call = calls(7)  # type: ignore[method-assign]
-    assert cluster._commit("t", 7).version == 7
-    cluster._call = calls(6)  # type: ignore[method-assign]
+    session = Session.__new__(Session)
+    session.call = calls(7)  # type: ignore[method-assign]
+    assert session.commit("t", 7).version == 7
+    session.call = calls(6)  # type: ignore[method-assign]
     with pytest.raises(DeadlineExceededError):
-        cluster._commit("t", 7)
+        session.commit("t", 7)
 
 
 def test_ids_come_only_as_ordered_integer_sequences():
     from client.errors import InvalidArgumentError
-    from client.embedding.lookup import as_ids
+    from client.embedding.ids import as_ids
 
     assert torch.equal(as_ids(np.array([3, 1], dtype=np.uint32)), torch.tensor([3, 1]))
     assert torch.equal(as_ids(range(2)), torch.tensor([0, 1]))

@@ -314,7 +314,7 @@ def test_a_reshard_queued_behind_another_tensors_gets_its_timeout_for_its_own_ru
         assert time.monotonic() - started > 2  # it did wait for the first
         thread.join(60)
         assert torch.equal(moved.full_tensor(), second) and torch.equal(result["new"].full_tensor(), first)
-        assert client._call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
+        assert client.session.call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
 
 
 class _StopReshard(Exception):
@@ -334,7 +334,7 @@ def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(
             proxy.reshard(chunk(1, range(3)), progress=_stop_when_moving)
 
         def aborted() -> bool:
-            rows = client._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            rows = client.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
             return [t.version for t in rows if t.name == "cancelme"] == [proxy.version]
         _wait(aborted, 20, "the reshard to be aborted")
         assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
@@ -453,7 +453,7 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
 
         def promoted() -> bool:
             with connect(address) as c:
-                rows = c._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+                rows = c.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
                 return [(t.version, t.promoting) for t in rows if t.name == "restart"] == [(old.version + 1, False)]
         _wait(promoted, 60, "the promotion to finish")
         with connect(address) as client:

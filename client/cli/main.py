@@ -159,7 +159,7 @@ def _print_collectives_error(cluster, console) -> None:
     """After a reshard lost a rank: the coordinator's word on what the operator must do."""
     from protos import shardserve_pb2 as pb
 
-    error = cluster._call("ListRanks", pb.ListRanksRequest()).collectives_error
+    error = cluster.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
     if error:
         console.print(f"[red]collectives: {error}[/red]")
 
