@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
-from protos.chunk_codec import decode_chunk, decode_lookup_chunk, decode_lookup_reply, encode_write_chunk
+
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
+from protos.chunk_codec import (
+    decode_chunk,
+    decode_lookup_chunk,
+    decode_lookup_reply,
+    encode_write_chunk,
+)
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20

@@ -240,10 +240,10 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
     assert final.done and "leaves out ranks [1] that the reshard needs" in final.error
     request = pb.ReshardRequest(name="stray", metadata=metadata_to_proto(dst), timeout_s=1e-300)
     with pytest.raises(grpc.RpcError) as err:
-        list(client4._coordinator.Reshard(request, timeout=30))
+        list(client4.session.channel.coordinator(client4.address).Reshard(request, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s 1e-300 must be 0" in err.value.details()
     new = proxy.reshard(chunk(1, range(4)))
-    assert torch.equal(new.full_tensor(), tensor) and not client4._call("ListRanks", pb.ListRanksRequest()).collectives_error
+    assert torch.equal(new.full_tensor(), tensor) and not client4.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
 
 
 def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):

@@ -184,7 +184,14 @@ def _fetch(cluster, args: argparse.Namespace) -> None:
 
 
 def _reshard(cluster, args: argparse.Namespace) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
 
     from client.info import layout_summary
     from client.ops.reshard import layout_from_options
@@ -207,9 +214,9 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
+    from client.channel import check_address
     from client.errors import InvalidArgumentError
     from client.ops.reshard import check_layout_flags
-    from client.channel import check_address
 
     if args.coordinator:
         try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from bisect import bisect_right
 from dataclasses import dataclass
+
 import grpc
 import numpy as np
 import torch

@@ -24,7 +24,14 @@ import torch
 
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
+from protos.bulk_wire import (
+    FRAME,
+    HEADER,
+    KIND_LOOKUP,
+    KIND_READ,
+    MAX_REQUEST_BYTES,
+    recv_exactly,
+)
 
 if TYPE_CHECKING:
     from client.channel import Channel
