@@ -178,7 +178,7 @@ class Channel:
         """Deadline of a call moving `nbytes`: the control timeout plus time for the bytes."""
         return self.timeout + nbytes / _SLOWEST_BYTES_PER_S
 
-    def unary(self, method, request, where: str, timeout: float | None = None):
+    def unary(self, method: Callable[..., Any], request: Any, where: str, timeout: float | None = None) -> Any:
         """Call a unary RPC with deadline and auth; raise the matching ShardServeError on failure."""
         self.check_open()
         try:
@@ -198,7 +198,7 @@ class Channel:
         reply = self.unary(self.shard_methods(address).write_shard, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
         return reply.bytes_written
 
-    def submit(self, job) -> Future:  # type: ignore[no-untyped-def]
+    def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run `job` on the client's pool without waiting (e.g. releasing a shared-memory lease)."""
         self.check_open()
         return self._pool.submit(job)

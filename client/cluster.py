@@ -93,7 +93,11 @@ def _tls_hint(message: str, tls_ca: str | None, tls_cert: str | None) -> str:
 
 
 class Cluster:
-    """A connection to one shardserve cluster; use as a context manager or call close()."""
+    """A connection to one shardserve cluster; use as a context manager or call close().
+
+    `session` (client.session.Session) is the connection its proxies and helpers share; `lookups`
+    (client.embedding.lookup.Lookups) holds the table views, the row cache and the path each rank answered by.
+    """
 
     def __init__(self, address: str, channel: Channel, row_cache: RowCache | None = None,
                  row_cache_max_age: float = 1.0, transport: str = "auto") -> None:

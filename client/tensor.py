@@ -1,9 +1,10 @@
 """RemoteShardedTensor: a ShardedTensor-like proxy of a tensor held by the cluster's ranks.
 
 It caches the tensor's metadata at one version. A read asks every shard it
-touches in parallel, each part landing in a preallocated output; when a rank no
-longer serves that version, the proxy refreshes its metadata and retries
-the whole read, so a result never mixes two versions.
+touches in parallel (client.paths.policy picks each rank's path), each part
+landing in a preallocated output; when a rank no longer serves that version,
+the proxy refreshes its metadata and retries the whole read, so a result never
+mixes two versions.
 """
 from __future__ import annotations
 

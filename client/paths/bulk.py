@@ -17,11 +17,12 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import grpc
 import torch
 
+from client.channel import Channel
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import (
@@ -32,9 +33,6 @@ from protos.bulk_wire import (
     MAX_REQUEST_BYTES,
     recv_exactly,
 )
-
-if TYPE_CHECKING:
-    from client.channel import Channel
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank
@@ -63,7 +61,7 @@ class BulkPath:
 
     name = "tcp"
 
-    def __init__(self, channel: "Channel") -> None:
+    def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self._idle: dict[str, deque[_Connection]] = defaultdict(deque)
         self._lock = threading.Lock()
