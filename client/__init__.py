@@ -1,18 +1,9 @@
 """shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
 from client.cluster import Cluster, connect
 from client.embedding.modules import RemoteEmbedding, RemoteEmbeddingBag
-from client.errors import (
-                           AbortedError,
-                           AuthenticationError,
-                           DeadlineExceededError,
-                           InvalidArgumentError,
-                           RankUnavailableError,
-                           ResourceExhaustedError,
-                           ShardServeError,
-                           StaleVersionError,
-                           TensorExistsError,
-                           TensorNotFoundError,
-)
+from client.errors import (AbortedError, AuthenticationError, DeadlineExceededError, InvalidArgumentError,
+                           RankUnavailableError, ResourceExhaustedError, ShardServeError, StaleVersionError,
+                           TensorExistsError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.ops.reshard import ReshardRefusedError
 from client.paths.bulk import BulkReadError

@@ -18,12 +18,7 @@ import grpc
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from protos.chunk_codec import (
-    decode_chunk,
-    decode_lookup_chunk,
-    decode_lookup_reply,
-    encode_write_chunk,
-)
+from protos.chunk_codec import decode_chunk, decode_lookup_chunk, decode_lookup_reply, encode_write_chunk
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20

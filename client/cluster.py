@@ -16,24 +16,12 @@ import grpc
 import torch
 
 from client import arguments
-from client.channel import (
-    CHUNK_BYTES,
-    MAX_CHUNK_BYTES,
-    Channel,
-    Credentials,
-    check_address,
-)
+from client.channel import CHUNK_BYTES, MAX_CHUNK_BYTES, Channel, Credentials, check_address
 from client.embedding.lookup import Lookups
 from client.embedding.row_cache import CacheStats, RowCache
 from client.embedding.views import table_options
-from client.errors import (
-    AbortedError,
-    InvalidArgumentError,
-    RankUnavailableError,
-    ShardServeError,
-    StaleVersionError,
-    TensorNotFoundError,
-)
+from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableError, ShardServeError,
+                           StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.ops import checkpoints
 from client.ops.row_updates import update_rows

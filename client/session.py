@@ -17,13 +17,8 @@ import torch
 
 from client import arguments
 from client.channel import Channel
-from client.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    RankUnavailableError,
-    ShardServeError,
-    error_from_rpc,
-)
+from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError,
+                           error_from_rpc)
 from client.info import RankStatus, TensorSummary
 from client.paths.policy import PathPolicy
 from protos import shardserve_pb2 as pb

@@ -29,14 +29,7 @@ def run_checkpoint_command(cluster: Any, args: argparse.Namespace) -> bool:
     """Run `load` or `save` if that is the command; False for any other command."""
     if args.command not in ("load", "save"):
         return False
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeElapsedColumn())

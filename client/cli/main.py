@@ -184,14 +184,7 @@ def _fetch(cluster, args: argparse.Namespace) -> None:
 
 
 def _reshard(cluster, args: argparse.Namespace) -> None:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
     from client.info import layout_summary
     from client.ops.reshard import layout_from_options

@@ -25,14 +25,7 @@ import torch
 from client.channel import Channel
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import (
-    FRAME,
-    HEADER,
-    KIND_LOOKUP,
-    KIND_READ,
-    MAX_REQUEST_BYTES,
-    recv_exactly,
-)
+from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank

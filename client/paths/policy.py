@@ -25,12 +25,7 @@ from client.info import RankStatus, TensorSummary
 from client.paths.bands import bands, read_bands
 from client.paths.bulk import BulkPath, BulkReadError
 from client.paths.grpc import GrpcPath
-from client.paths.shm import (
-    SharedMemoryError,
-    SharedMemoryPath,
-    local_host,
-    same_host_reason,
-)
+from client.paths.shm import SharedMemoryError, SharedMemoryPath, local_host, same_host_reason
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
 from shardcore.regions import local_view

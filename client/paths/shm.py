@@ -30,12 +30,7 @@ import numpy as np
 import torch
 
 from client.channel import Channel
-from client.errors import (
-    ResourceExhaustedError,
-    ShardServeError,
-    StaleVersionError,
-    error_from_rpc,
-)
+from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
