@@ -214,8 +214,8 @@ TRANSPORTS = ("grpc", "tcp", "auto")  # tcp: the bulk port, what a client on ano
 
 
 def lookup_path(cluster: Any) -> str:
-    """The path(s) the ranks' latest lookup answers took (client.lookup.Lookups.last_paths)."""
-    return "+".join(sorted(set(cluster._lookups.last_paths.values()))) or "none"
+    """The path(s) the ranks' latest lookup answers took (client.embedding.lookup.Lookups.last_paths)."""
+    return "+".join(sorted(set(cluster.lookups.last_paths.values()))) or "none"
 
 
 @scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")

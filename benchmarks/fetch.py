@@ -45,13 +45,13 @@ MEMCPY = "memcpy"
 
 def transport_paths() -> tuple[str, ...]:
     """The transport paths `client.connect` can be asked for (each forced): just gRPC until it takes
-    `transport=`, grpc and shm until it has the bulk TCP path (client.data_plane)."""
+    `transport=`, grpc and shm until it has the bulk TCP path (client.paths.policy)."""
     from client import connect
 
     if "transport" not in inspect.signature(connect).parameters:
         return ("grpc",)
     try:
-        from client.data_plane import TRANSPORTS
+        from client.paths.policy import TRANSPORTS
     except ImportError:
         return ("grpc", "shm")
     return tuple(path for path in TRANSPORTS if path != "auto")

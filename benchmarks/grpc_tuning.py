@@ -46,15 +46,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             with connect(cluster.address, timeout=120, transport="grpc") as c:
                 c.put("tune", source, ChunkShardingSpec(0, ["rank:0/cpu"]))
-                transport, address = c._transport, c._address_of(0)
+                session, address = c.session, c.session.address_of(0)
 
                 def read(band_rows: int, chunk: int) -> None:
                     def one(start: int) -> None:
                         n = min(band_rows, rows - start)
                         request = pb.ReadRegionRequest(name="tune", version=1, shard_index=0, offsets=(start, 0),
                                                        sizes=(n, COLUMNS), chunk_bytes=chunk)
-                        transport.read_region(address, request, byte_view(out[start:start + n]))
-                    transport.run_all([lambda s=s: one(s) for s in range(0, rows, band_rows)])
+                        session.paths.grpc.read_stream(address, request, byte_view(out[start:start + n]))
+                    session.run_all([lambda s=s: one(s) for s in range(0, rows, band_rows)])
 
                 for chunk in (256 << 10, 1 << 20, 4 << 20, 16 << 20):
                     seconds = median_seconds(lambda: read(rows, chunk), args.repeat)

@@ -1,14 +1,14 @@
 """shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
 from client.cluster import Cluster, connect
-from client.embedding import RemoteEmbedding, RemoteEmbeddingBag
-from client.errors import (AuthenticationError, DeadlineExceededError, InvalidArgumentError,
-                           RankUnavailableError, ResourceExhaustedError, ShardServeError,
-                           AbortedError, StaleVersionError, TensorExistsError, TensorNotFoundError)
+from client.embedding.modules import RemoteEmbedding, RemoteEmbeddingBag
+from client.errors import (AbortedError, AuthenticationError, DeadlineExceededError, InvalidArgumentError,
+                           RankUnavailableError, ResourceExhaustedError, ShardServeError, StaleVersionError,
+                           TensorExistsError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
-from client.remote_tensor import RemoteShard, RemoteShardedTensor
-from client.reshard import ReshardRefusedError
-from client.shm_transport import SharedMemoryError
-from client.tcp_reads import BulkReadError
+from client.ops.reshard import ReshardRefusedError
+from client.paths.bulk import BulkReadError
+from client.paths.shm import SharedMemoryError
+from client.tensor import RemoteShard, RemoteShardedTensor
 
 __all__ = [
     "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",

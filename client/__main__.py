@@ -1,6 +1,6 @@
 """`python -m client ...` is the `shardserve` command."""
 import sys
 
-from client.cli import main
+from client.cli.main import main
 
 sys.exit(main())

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import client.transport
+import client.channel
+from client.paths.grpc import GrpcPath
 from client import (AuthenticationError, InvalidArgumentError, RankUnavailableError, ResourceExhaustedError,
                     ShardServeError, StaleVersionError, TensorNotFoundError, connect)
 from protos import shardserve_pb2 as pb
@@ -54,10 +55,10 @@ def test_missing_or_wrong_token_is_authentication_error(guarded):
 
 def test_rank_rejects_calls_without_token(cl):
     address = cl.ranks()[0].address
-    stub = client.transport.Transport(client.transport.Credentials(), timeout=10)
+    stub = client.channel.Channel(client.channel.Credentials(), timeout=10)
     try:
         with pytest.raises(AuthenticationError):
-            stub.read_region(address, pb.ReadRegionRequest(name="base", version=cl.tensor("base").version,
+            GrpcPath(stub).read_stream(address, pb.ReadRegionRequest(name="base", version=cl.tensor("base").version,
                                                            shard_index=0, offsets=[0, 0], sizes=[1, 1]),
                              torch.empty(4, dtype=torch.uint8))
     finally:
@@ -182,19 +183,19 @@ def test_read_over_request_limit_is_resource_exhausted(cl):
 def test_put_failing_half_way_leaves_nothing_visible(cl, monkeypatch):
     first = torch.arange(8.0)
     cl.put("half", first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    real_write = client.transport.Transport.write_shard
+    real_write = client.channel.Channel.write_shard
 
-    def write_then_fail(self, address, header, data, chunk_bytes=client.transport.CHUNK_BYTES):
+    def write_then_fail(self, address, header, data, chunk_bytes=client.channel.CHUNK_BYTES):
         if header.shard_index == 1:
             raise RankUnavailableError("rank went away mid-put (injected)")
         return real_write(self, address, header, data, chunk_bytes)
 
-    monkeypatch.setattr(client.transport.Transport, "write_shard", write_then_fail)
+    monkeypatch.setattr(client.channel.Channel, "write_shard", write_then_fail)
     with pytest.raises(RankUnavailableError, match="injected"):
         cl.put("half", -first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]), overwrite=True)
     with pytest.raises(RankUnavailableError):
         cl.put("half-new", torch.ones(8), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    monkeypatch.setattr(client.transport.Transport, "write_shard", real_write)
+    monkeypatch.setattr(client.channel.Channel, "write_shard", real_write)
     names = [(t.name, t.state) for t in cl.list(include_pending=True)]
     assert ("half", "READY") in names and all(n != "half-new" for n, _ in names)
     assert [n for n, _ in names].count("half") == 1
@@ -206,12 +207,12 @@ def test_raw_requests_get_the_server_answers(cl):
     """Requests that skip the client's checks: the server's status codes become the client's exceptions."""
     remote = cl.tensor("base")
     shard = remote.remote_shards()[1][0]
-    address = cl._address_of(1)
+    address = cl.session.address_of(1)
 
     def read(**fields):
         request = dict(name="base", version=remote.version, shard_index=shard.index, offsets=[4, 0], sizes=[1, 5])
         request.update(fields)
-        cl._transport.read_region(address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8))
+        cl.session.paths.grpc.read_stream(address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8))
 
     read()
     with pytest.raises(TensorNotFoundError):
@@ -231,24 +232,24 @@ def test_raw_requests_get_the_server_answers(cl):
 
 
 def test_raw_writes_with_wrong_headers_are_refused(cl):
-    address = cl._address_of(0)
+    address = cl.session.address_of(0)
     committed = cl.tensor("base").version
     header = pb.WriteShardHeader(name="base", version=committed, shard_index=0, dtype=pb.FLOAT32, nbytes=80)
     with pytest.raises(StaleVersionError):  # a committed version never changes
-        cl._transport.write_shard(address, header, memoryview(bytes(80)))
+        cl.session.channel.write_shard(address, header, memoryview(bytes(80)))
     meta = make_metadata((4, 5), [((0, 0), (4, 5), 0)])
-    pending = cl._call("CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta)))
+    pending = cl.session.call("CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta)))
     try:
         for fields, field in [({"dtype": pb.FLOAT64}, "dtype"), ({"nbytes": 79}, "nbytes"),
                               ({"shard_index": 3}, "shard_index")]:
             header = pb.WriteShardHeader(**{"name": "raw", "version": pending.version, "shard_index": 0,
                                             "dtype": pb.FLOAT32, "nbytes": 80, **fields})
             with pytest.raises(InvalidArgumentError, match=field):
-                cl._transport.write_shard(address, header, memoryview(bytes(header.nbytes)))
+                cl.session.channel.write_shard(address, header, memoryview(bytes(header.nbytes)))
         with pytest.raises(StaleVersionError):  # nothing written: the commit is refused
-            cl._call("CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version))
+            cl.session.call("CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version))
     finally:
-        cl._abort("raw", pending.version)
+        cl.session.abort("raw", pending.version)
     assert "raw" not in [t.name for t in cl.list(include_pending=True)]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from client import AuthenticationError, RankUnavailableError, connect
-from client.tcp_reads import BulkReadError
+from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,9 +33,9 @@ def test_no_bulk_port_under_tls(tls_cluster, tls_files, monkeypatch):
     credentials = dict(token=TOKEN, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key, timeout=30)
     with connect(tls_cluster.address, **credentials) as cluster:
         remote = cluster.put("secret-large", source)
-        monkeypatch.setattr(cluster._data_plane, "host", ("elsewhere", "another-boot-id"))  # no shared memory
+        monkeypatch.setattr(cluster.session.paths, "host", ("elsewhere", "another-boot-id"))  # no shared memory
         assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "grpc"
-        stub = cluster._transport.shard_server(cluster._address_of(0))
+        stub = cluster.session.channel.shard_server(cluster.session.address_of(0))
         with pytest.raises(grpc.RpcError) as err:
             stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TLS is on" in err.value.details()

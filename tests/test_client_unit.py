@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client import errors
-from client.cli import _ints, build_parser
+from client.cli.main import _ints, build_parser
 from client.indexing import parse_index
 from client.info import layout_summary
-from client.transport import Credentials, check_address
+from client.channel import Credentials, check_address
 from shardcore.metadata import make_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,7 @@ def test_chunk_decoder_skips_unknown_fields_and_rejects_truncation():
     (["up", "--token", "x", "--ranks", "3"], ["up", "--token", "x", "--ranks", "3"]),
 ])
 def test_server_commands_get_the_global_token_and_their_own_options(argv, forwarded, monkeypatch):
-    import client.cli as cli
+    import client.cli.main as cli
 
     ran: list[list[str]] = []
 
@@ -237,7 +237,7 @@ def test_server_commands_get_the_global_token_and_their_own_options(argv, forwar
 
 
 def test_client_options_before_a_server_command_and_unknown_options_are_errors(monkeypatch, capsys):
-    import client.cli as cli
+    import client.cli.main as cli
 
     monkeypatch.setattr(cli, "_exec_server", lambda command, args: pytest.fail("must not start a server"))
     with pytest.raises(SystemExit) as stop:
@@ -257,7 +257,7 @@ def test_client_options_before_a_server_command_and_unknown_options_are_errors(m
 ])
 def test_flag_combinations_are_usage_errors(argv, message, capsys):
     """Exit 2 with the usage line, before any call (no coordinator listens at h:1)."""
-    import client.cli as cli
+    import client.cli.main as cli
 
     with pytest.raises(SystemExit) as stop:
         cli.main(argv)
@@ -266,7 +266,7 @@ def test_flag_combinations_are_usage_errors(argv, message, capsys):
 
 def test_grid_dims_without_a_grid_is_refused():
     from client.errors import InvalidArgumentError
-    from client.reshard import layout_from_options
+    from client.ops.reshard import layout_from_options
 
     with pytest.raises(InvalidArgumentError, match="--grid-dims goes with --grid"):
         layout_from_options((4, 4), torch.float32, {0: "cpu", 1: "cpu"}, grid_dims=(0, 1))
@@ -275,8 +275,8 @@ def test_grid_dims_without_a_grid_is_refused():
 def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
     """CommitTensor may succeed on the coordinator while its answer is lost (a deadline): the put must not say
     it failed while the tensor is visible, nor raise when it really did not commit."""
-    from client.cluster import Cluster
     from client.errors import DeadlineExceededError
+    from client.session import Session
     from protos import shardserve_pb2 as pb
 
     def calls(ready_version):  # type: ignore[no-untyped-def]
@@ -286,17 +286,17 @@ def test_a_commit_whose_answer_was_lost_counts_when_the_version_is_ready():
             return pb.TensorInfo(name=request.name, version=ready_version, state=pb.READY)
         return call
 
-    cluster = Cluster.__new__(Cluster)
-    cluster._call = calls(7)  # type: ignore[method-assign]
-    assert cluster._commit("t", 7).version == 7
-    cluster._call = calls(6)  # type: ignore[method-assign]
+    session = Session.__new__(Session)
+    session.call = calls(7)  # type: ignore[method-assign]
+    assert session.commit("t", 7).version == 7
+    session.call = calls(6)  # type: ignore[method-assign]
     with pytest.raises(DeadlineExceededError):
-        cluster._commit("t", 7)
+        session.commit("t", 7)
 
 
 def test_ids_come_only_as_ordered_integer_sequences():
     from client.errors import InvalidArgumentError
-    from client.lookup import as_ids
+    from client.embedding.ids import as_ids
 
     assert torch.equal(as_ids(np.array([3, 1], dtype=np.uint32)), torch.tensor([3, 1]))
     assert torch.equal(as_ids(range(2)), torch.tensor([0, 1]))

@@ -172,10 +172,10 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
 
 
 def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs: bool = True):  # type: ignore[no-untyped-def]
-    """A client.Cluster whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
+    """A client Session whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
     (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False)."""
-    from client.cluster import Cluster
     from client.errors import DeadlineExceededError
+    from client.session import Session
 
     def call(method, request):  # type: ignore[no-untyped-def]
         if method == "CreateTensor":
@@ -187,9 +187,9 @@ def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs
             return pb.AbortTensorResponse(version=coord.abort_put(request.name, request.put_token))
         raise AssertionError(method)
 
-    cluster = Cluster.__new__(Cluster)
-    cluster._call = call  # type: ignore[method-assign]
-    return cluster
+    session = Session.__new__(Session)
+    session.call = call  # type: ignore[method-assign]
+    return session
 
 
 def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator):
@@ -201,7 +201,7 @@ def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator)
     _rank(coordinator, stub)
     cluster = _client_of(coordinator, lose_create_answer=True)
     with pytest.raises(DeadlineExceededError):
-        cluster._create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE))
+        cluster.create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE))
     assert coordinator.catalog.versions("t") == []
     (allocated,) = [call for call in stub.calls if call[0] == "allocate"]
     assert ("drop", "t", allocated[2]) in stub.calls
@@ -218,11 +218,11 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     cluster = _client_of(coordinator, lose_create_answer=True, create_runs=False)
     request = pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
     with pytest.raises(DeadlineExceededError):
-        cluster._create_tensor(request)
+        cluster.create_tensor(request)
     with pytest.raises(Aborted, match="put_token"):
         coordinator.create(request)  # the call, arriving late
     assert coordinator.catalog.versions("t") == [] and stub.calls == []
-    fresh = _client_of(coordinator)._create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata()))
+    fresh = _client_of(coordinator).create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata()))
     assert fresh.state == pb.PENDING and fresh.put_token and fresh.put_token != request.put_token
 
 

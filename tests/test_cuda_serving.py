@@ -43,7 +43,7 @@ def test_lookups_and_bags_from_cuda_shards(gpu, transport: str, dtype: torch.dty
         name = f"emb-{transport}-{str(dtype).split('.')[-1]}"
         remote = client.put(name, weights, GPU_ROWS)
         assert torch.equal(remote.lookup(ids), F.embedding(ids, weights))
-        assert client._lookups.last_paths == {0: transport}
+        assert client.lookups.last_paths == {0: transport}
         for mode in ("sum", "mean"):
             expected = F.embedding_bag(ids, weights.float(), offsets, mode=mode)
             exact = remote.lookup_bag(ids, offsets, mode=mode, pooling="client", dtype=torch.float32)

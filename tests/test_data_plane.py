@@ -21,14 +21,14 @@ import grpc
 import pytest
 import torch
 
-import client.shm_transport as shm_transport
+import client.paths.shm as shm_transport
 from client import connect
-from client.data_plane import DataPlane, NetworkCall
-from client.grpc_streams import bands
+from client.paths.policy import PathPolicy, NetworkCall
+from client.paths.bands import bands
 from client.errors import StaleVersionError, TensorNotFoundError
 from client.info import RankStatus
-from client.shm_transport import SharedMemoryError
-from client.tcp_reads import BulkReadError
+from client.paths.shm import SharedMemoryError
+from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
 from server.errors import FailedPrecondition
 from server.shared_memory import ENV_SWITCH, Leases
@@ -124,13 +124,13 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-bands", source, SPEC)
         streams: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        stream = c._transport.read_region
+        stream = c.session.paths.grpc.read_stream
 
         def spy(address, request, dest):  # type: ignore[no-untyped-def]
             streams.append((request.shard_index, tuple(request.offsets), tuple(request.sizes)))
             return stream(address, request, dest)
 
-        c._transport.read_region = spy  # type: ignore[method-assign]
+        c.session.paths.grpc.read_stream = spy  # type: ignore[method-assign]
         assert torch.equal(remote.fetch((0, 0), (2048, 1024)), source[:2048])  # one 8 MiB part: two bands
         assert sorted(streams) == [(0, (0, 0), (1024, 1024)), (0, (1024, 0), (1024, 1024))]
         streams.clear()
@@ -147,7 +147,7 @@ def test_read_region_small_refuses_large_boxes(cluster):
     source = random_tensor((600, 1024), torch.float32, seed=8)  # 1.2 MiB per shard
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-small-limit", source, SPEC)
-        stub = c._transport.shard_server(c._address_of(0))
+        stub = c.session.channel.shard_server(c.session.address_of(0))
         request = pb.ReadRegionRequest(name="dp-small-limit", version=remote.version, shard_index=0,
                                        offsets=(0, 0), sizes=(300, 1024))
         with pytest.raises(grpc.RpcError) as err:
@@ -168,7 +168,7 @@ def test_bands_cover_the_part_exactly():
 
 def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
     source, name = tables[torch.float32]
-    with caplog.at_level(logging.DEBUG, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.DEBUG, logger="client.paths.policy"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
     assert remote.last_transport == "shm"
@@ -179,12 +179,12 @@ def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
 def test_large_lookups_through_shared_memory(cluster, transport, caplog):
     table = random_tensor((5000, 64), torch.bfloat16, seed=21)
     ids = torch.randint(0, 5000, (6000,), generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.DEBUG, logger="client.mapped_rows"), connect(cluster.address,
+    with caplog.at_level(logging.DEBUG, logger="client.embedding.mapped_rows"), connect(cluster.address,
                                                                                transport=transport) as c:
         remote = c.put(f"dp-table-{transport}", table, SPEC)
         for batch in (ids, ids[:5], ids[:1]):
             assert torch.equal(remote.lookup(batch), torch.nn.functional.embedding(batch, table))
-            assert set(c._lookups.last_paths.values()) == {"shm" if transport == "auto" else "grpc"}
+            assert set(c.lookups.last_paths.values()) == {"shm" if transport == "auto" else "grpc"}
         c.delete(f"dp-table-{transport}")
     assert ("rows of 'dp-table-auto' from mapped shards" in caplog.text) == (transport == "auto")
 
@@ -233,13 +233,13 @@ def test_bad_transport_is_refused(cluster):
 
 def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplog):
     source = random_tensor((900, 1024), torch.bfloat16, seed=5)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(no_shm_cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(no_shm_cluster.address) as c:
         remote = c.put("plain", source, SPEC)
         assert not any(r.shared_memory for r in c.ranks())
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
         ids = torch.tensor([899, 0, 450, 451])
-        assert torch.equal(remote.lookup(ids), source[ids]) and c._lookups.last_paths == {0: "grpc", 1: "grpc"}
+        assert torch.equal(remote.lookup(ids), source[ids]) and c.lookups.last_paths == {0: "grpc", 1: "grpc"}
     assert "serves no bulk port: turned off (--no-bulk-reads)" in caplog.text
     with connect(no_shm_cluster.address, transport="shm") as c:
         with pytest.raises(SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"):
@@ -255,18 +255,18 @@ def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, mon
     table = random_tensor((1100, 512), torch.float32, seed=12)
     ids = torch.tensor([0, 1099, 549, 550, 550, 3])
     with connect(cluster.address) as c:
-        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
         remote = c.put("dp-remote", table, SPEC)
         assert torch.equal(remote.full_tensor(), table) and remote.last_transport == "tcp"
         assert torch.equal(remote.lookup(ids), table[ids])
-        assert c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
         bags = remote.lookup_bag(ids, torch.tensor([0, 2, 5]), mode="sum", pooling="server")
         torch.testing.assert_close(bags, torch.nn.functional.embedding_bag(ids, table, torch.tensor([0, 2, 5]),
                                                                            mode="sum"))
-        assert c._lookups.last_paths == {0: "tcp", 1: "tcp"}
+        assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
         c.delete("dp-remote")
 
 
@@ -282,7 +282,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
@@ -298,7 +298,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
 
 
 def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeypatch, caplog):
-    import client.tcp_reads as tcp_reads
+    import client.paths.bulk as tcp_reads
 
     large = random_tensor((2200, 512), torch.float32, seed=13)  # 2.1 MiB per shard
     dialed = []
@@ -310,8 +310,8 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
     with connect(cluster.address, transport="grpc") as c:
         c.put("dp-firewalled", large, SPEC)
     monkeypatch.setattr(tcp_reads.socket, "create_connection", refuse)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
-        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
+        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor("dp-firewalled")
         assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
         tried = len(dialed)
@@ -319,7 +319,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
         assert torch.equal(remote.full_tensor(), large) and len(dialed) == tried  # not tried again meanwhile
         ids = torch.tensor([2199, 0, 1100, 1099])
         assert torch.equal(remote.lookup(ids), large[ids]) and len(dialed) == tried
-        assert c._lookups.last_paths == {0: "grpc", 1: "grpc"}
+        assert c.lookups.last_paths == {0: "grpc", 1: "grpc"}
     assert "bulk TCP read from rank 0 failed; reading it over gRPC for 30 s" in caplog.text
     assert "Connection refused" in caplog.text
     with connect(cluster.address, transport="tcp") as c:
@@ -335,14 +335,14 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
     with connect(cluster.address, transport="tcp") as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        kept = [conn for conns in c._bulk._idle.values() for conn in conns]
+        kept = [conn for conns in c.session.paths.bulk._idle.values() for conn in conns]
         assert len(kept) == 2  # one per rank, kept for the next read
         for conn in kept:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
-        assert len([conn for conns in c._bulk._idle.values() for conn in conns]) == 2
+        assert len([conn for conns in c.session.paths.bulk._idle.values() for conn in conns]) == 2
 
 
 def _rank(number: int) -> RankStatus:
@@ -374,7 +374,7 @@ def _run_now(job):  # type: ignore[no-untyped-def]
 
 def test_bulk_requests_all_go_out_before_any_answer_is_taken():
     events: list[str] = []
-    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
     sent = plane.send_all(_calls(events, {}), _run_now)
     assert events == ["send 0", "send 1"]  # nothing awaited yet
     assert sent.wait() == ["tcp", "tcp"]
@@ -384,8 +384,8 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
-    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"):
+    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"):
         assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
     assert "bulk TCP read from rank 1 failed" in caplog.text
@@ -397,7 +397,7 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     events: list[str] = []
-    plane = DataPlane("tcp", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("tcp", channel=None, uses_tls=False)  # type: ignore[arg-type]
     with pytest.raises(BulkReadError, match="rank 0"):
         plane.send_all(_calls(events, {0: step}), _run_now).wait()
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
@@ -411,7 +411,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
         raise StaleVersionError("rank 0: ticket refused")
 
     calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
-    plane = DataPlane("auto", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
     sent = plane.send_all(calls, _run_now)
     with pytest.raises(StaleVersionError, match="ticket refused"):
         sent.wait()
@@ -420,7 +420,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
 
 def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
-    plane = DataPlane("grpc", reader=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("grpc", channel=None, uses_tls=False)  # type: ignore[arg-type]
 
     def record(n: int) -> None:
         threads[n] = threading.current_thread().name
@@ -433,7 +433,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
 
 @pytest.mark.parametrize("what", ["lookup", "read"])
 def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypatch, caplog, what):
-    import client.tcp_reads as tcp_reads
+    import client.paths.bulk as tcp_reads
 
     table = random_tensor((300, 16), torch.float32, seed=14)
     ids = torch.tensor([0, 299, 150, 149, 7])
@@ -441,18 +441,18 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
 
     def run(remote) -> tuple[torch.Tensor, torch.Tensor, object]:  # type: ignore[no-untyped-def]
         if what == "lookup":
-            return remote.lookup(ids), table[ids], c._lookups.last_paths
+            return remote.lookup(ids), table[ids], c.lookups.last_paths
         return remote.fetch((100, 3), (120, 9)), table[100:220, 3:12], remote.last_transport
 
     with connect(cluster.address, transport="grpc") as c:
         c.put(name, table, SPEC)
-    with caplog.at_level(logging.WARNING, logger="client.data_plane"), connect(cluster.address) as c:
-        monkeypatch.setattr(c._data_plane, "host", ("elsewhere", "another-boot-id"))
+    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
+        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         got, expected, paths = run(remote)
         assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
         real_recv = tcp_reads.recv_exactly
-        rank1_port = c._bulk._idle[c._address_of(1)][0].sock.getpeername()[1]
+        rank1_port = c.session.paths.bulk._idle[c.session.address_of(1)][0].sock.getpeername()[1]
 
         def reset_rank1(sock, view, deadline):  # type: ignore[no-untyped-def]
             if sock.getpeername()[1] == rank1_port:
@@ -470,7 +470,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
 def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
     """Events "send PORT" / "answer PORT" of the client's bulk-port reads, in the order they happen."""
     events: list[str] = []
-    real_send = c._bulk.send_read
+    real_send = c.session.paths.bulk.send_read
 
     def send_read(address, request, dest):  # type: ignore[no-untyped-def]
         answer = real_send(address, request, dest)
@@ -481,7 +481,7 @@ def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-
             events.append(f"answer {address}")
         return take
 
-    monkeypatch.setattr(c._bulk, "send_read", send_read)
+    monkeypatch.setattr(c.session.paths.bulk, "send_read", send_read)
     return events
 
 
@@ -493,7 +493,7 @@ def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(cluster
         out = torch.empty(3, 5, 7, dtype=torch.float64).transpose(0, 2)  # each part lands through a buffer
         remote.fetch((0, 0, 0), (7, 5, 3), out=out)
         assert torch.equal(out, source)
-        ranks = [c._address_of(0), c._address_of(1)]
+        ranks = [c.session.address_of(0), c.session.address_of(1)]
         assert events == [f"send {ranks[0]}", f"send {ranks[1]}", f"answer {ranks[0]}", f"answer {ranks[1]}"]
         assert remote.last_transport == "tcp"
 
@@ -502,15 +502,15 @@ def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
     source, name = tables[torch.int16]
     with connect(cluster.address) as c:
         events = _record_bulk_reads(c, monkeypatch)
-        rank1 = c._address_of(1)
-        maps, reads = c._data_plane.maps, c._data_plane.reader.read_part
-        monkeypatch.setattr(c._data_plane, "maps", lambda rank: rank.address != rank1 and maps(rank))
-        monkeypatch.setattr(c._data_plane, "_shm_usable", lambda rank: rank.address != rank1)
+        rank1 = c.session.address_of(1)
+        maps, reads = c.session.paths.maps, c.session.paths.shm.read
+        monkeypatch.setattr(c.session.paths, "maps", lambda rank: rank.address != rank1 and maps(rank))
+        monkeypatch.setattr(c.session.paths, "_shm_usable", lambda rank: rank.address != rank1)
         mapped: list[str] = []
-        monkeypatch.setattr(c._data_plane.reader, "read_part",
+        monkeypatch.setattr(c.session.paths.shm, "read",
                             lambda address, *args: mapped.append(address) or reads(address, *args))
         assert torch.equal(c.tensor(name).fetch((1, 2, 0), (6, 3, 3)), source[1:7, 2:5])
-        assert mapped == [c._address_of(0)] and events == [f"send {rank1}", f"answer {rank1}"]
+        assert mapped == [c.session.address_of(0)] and events == [f"send {rank1}", f"answer {rank1}"]
 
 
 def test_deleted_tensor_is_not_found_on_shm(cluster):
@@ -543,7 +543,7 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
         writer.put("dp-recycle", table, SPEC)
         remote = reader.tensor("dp-recycle")
         assert torch.equal(remote.lookup(ids), table[ids]) and torch.equal(remote[:], table)
-        mappings = [m for k, m in reader._data_plane.reader._cache.items() if k[1] == "dp-recycle"]
+        mappings = [m for k, m in reader.session.paths.shm._cache.items() if k[1] == "dp-recycle"]
         assert mappings and all(int(m.state[2]) == m.generation for m in mappings)
         first = remote.version
         for k in (1, 2):  # version 2 copies version 1; version 3 is copied into version 1's segments
@@ -551,7 +551,7 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
         assert all(int(m.state[2]) == m.generation + 1 for m in mappings)  # recycled while this client maps it
         assert torch.equal(remote.lookup(ids), torch.full((5, 16), 2.0))  # stale, refreshed: the new rows
         latest = writer.tensor("dp-recycle").version
-        assert latest > first and reader._lookups.view("dp-recycle").version == latest  # not new rows as old ones
+        assert latest > first and reader.lookups.views.view("dp-recycle").version == latest  # not new rows as old ones
         assert torch.equal(reader.tensor("dp-recycle")[:], torch.full((64, 16), 2.0))
         writer.delete("dp-recycle")
 
@@ -559,13 +559,13 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
 def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_read(cluster, monkeypatch):
     """OpenShard keeps no lease when the client already maps the segment; if that segment's header says the
     version went between the reply and its use, the client does not map it again unleased: the read refreshes."""
-    import client.shm_transport as shm
+    import client.paths.shm as shm
 
     table = random_tensor((12, 4), torch.float32, seed=18)
     with connect(cluster.address) as c:
         remote = c.put("dp-turned", table, SPEC)
         assert torch.equal(remote[:], table) and remote.last_transport == "shm"
-        reader = c._data_plane.reader
+        reader = c.session.paths.shm
         first = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
         answers = iter([True, False])  # serving at the first check, gone by the time the reply is used
         turned = next(iter(first.values()))
@@ -782,7 +782,7 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
-        reader, opened = c._data_plane.reader, []
+        reader, opened = c.session.paths.shm, []
         open_shard = reader._open_shard
         reader._open_shard = lambda address, request: opened.append(request.shard_index) or open_shard(address, request)
         assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
@@ -794,14 +794,14 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
 
 def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(cluster):
     """4 MiB of rows is what LookupSmall answers in one message; the reply around them is a few bytes more."""
-    from client.lookup import SMALL_ANSWER_BYTES
+    from client.paths.grpc import SMALL_ANSWER_BYTES
 
     table = random_tensor((1024, 1024), torch.float32, seed=15)  # one rank, 4 MiB
     ids = torch.randperm(1024)
     assert ids.numel() * 1024 * 4 == SMALL_ANSWER_BYTES
     with connect(cluster.address, transport="tcp") as c:
         remote = c.put("dp-exact-small", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
-        assert torch.equal(remote.lookup(ids), table[ids]) and c._lookups.last_paths == {0: "tcp"}
+        assert torch.equal(remote.lookup(ids), table[ids]) and c.lookups.last_paths == {0: "tcp"}
         c.delete("dp-exact-small")
 
 
@@ -818,37 +818,37 @@ def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
         c.put("dp-bags-4mib", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
         got = c.tensor("dp-bags-4mib").lookup_bag(ids, offsets, mode="sum", pooling="server")
         assert torch.equal(got, F.embedding_bag(ids, table, offsets, mode="sum"))
-        assert c._lookups.last_paths == {0: "tcp"}
+        assert c.lookups.last_paths == {0: "tcp"}
         c.delete("dp-bags-4mib")
 
 
 def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monkeypatch):
     """All ranks mapped, yet the rows come over gRPC (the mapped read declines, no bulk port): the calls on the
     client's pool threads take the CPU turn, so the caller must not hold it while it waits for them."""
-    from client.mapped_rows import MappedRows
+    from client.embedding.mapped_rows import MappedRows
 
     table = random_tensor((40, 8), torch.float32, seed=17)
     ids = torch.tensor([0, 39, 20, 19])
     with connect(cluster.address) as c:
         remote = c.put("dp-mapped-fallback", table, SPEC)
         monkeypatch.setattr(MappedRows, "rows", lambda self, ids: None)
-        monkeypatch.setattr(c._data_plane, "lookup_rows", lambda *args: None)
-        monkeypatch.setattr(c._data_plane, "_tcp_usable", lambda rank: False)
+        monkeypatch.setattr(c.session.paths, "lookup_rows", lambda *args: None)
+        monkeypatch.setattr(c.session.paths, "_tcp_usable", lambda rank: False)
         result: list[torch.Tensor] = []
         worker = threading.Thread(target=lambda: result.append(remote.lookup(ids)), daemon=True)
         worker.start()
         worker.join(timeout=30)
         assert not worker.is_alive(), "the lookup deadlocked"
-        assert torch.equal(result[0], table[ids]) and c._lookups.last_paths == {0: "grpc", 1: "grpc"}
+        assert torch.equal(result[0], table[ids]) and c.lookups.last_paths == {0: "grpc", 1: "grpc"}
         c.delete("dp-mapped-fallback")
 
 
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from client.tcp_reads import IDLE_KEEP_S, BulkConnections, _Connection
+    from client.paths.bulk import IDLE_KEEP_S, BulkPath, _Connection
 
-    bulk = BulkConnections(transport=None)  # type: ignore[arg-type]
+    bulk = BulkPath(channel=None)  # type: ignore[arg-type]
     pairs = [socket.socketpair() for _ in range(3)]
     connections = [_Connection(a) for a, _ in pairs]
     for connection, age in zip(connections, (2 * IDLE_KEEP_S, IDLE_KEEP_S + 1, 0)):
@@ -869,7 +869,7 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     """OpenBulkSession answering UNIMPLEMENTED (no bulk port) or RESOURCE_EXHAUSTED (its tickets all out) is a
     failure of the path, so the data plane falls back to gRPC; other errors are the read's own."""
     from client.errors import ShardServeError
-    from client.tcp_reads import BulkConnections
+    from client.paths.bulk import BulkPath
 
     class Refusing:
         timeout = 5.0
@@ -882,5 +882,5 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
 
     path_failure = code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
     with pytest.raises(ShardServeError, match="refused") as raised:
-        BulkConnections(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]
+        BulkPath(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]
     assert isinstance(raised.value, BulkReadError) == path_failure

@@ -92,7 +92,7 @@ def test_routed_lookups_over_grpc_are_bit_for_bit(grpc_cl: Cluster, tables: dict
     """The routed path (numpy plan, raw-decoded answers, one answer used whole when it holds every row)."""
     remote, expected = grpc_cl.tensor(_name(layout, dtype)), tables[(layout, dtype)][ids]
     got = remote.lookup(ids)
-    assert torch.equal(got, expected) and set(grpc_cl._lookups.last_paths.values()) == {"grpc"}
+    assert torch.equal(got, expected) and set(grpc_cl.lookups.last_paths.values()) == {"grpc"}
     got.zero_()  # the caller's own tensor: writable, shared with nothing the next call reads
     assert torch.equal(remote.lookup(ids), expected)
 
@@ -102,21 +102,22 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer of up to SMALL_ANSWER_BYTES, counted in the table's own element size, comes as one LookupSmall
     message; one byte more and it streams (Lookup); both bit for bit."""
-    import client.lookup as lookup_module
+    import client.paths.grpc as grpc_path
 
     remote, table = grpc_cl.tensor(_name("table-wise", dtype)), tables[("table-wise", dtype)]
     ids = torch.arange(ROWS)  # every row, from the one shard: one call
     used: list[str] = []
-    methods = grpc_cl._lookups._methods
+    channel = grpc_cl.session.channel
+    methods = channel.shard_methods
 
     def spy(address: str):  # type: ignore[no-untyped-def]
         real = methods(address)
-        return type(real)(lambda *a, **k: used.append("small") or real.small(*a, **k),
-                          lambda *a, **k: used.append("stream") or real.stream(*a, **k))
-    monkeypatch.setattr(grpc_cl._lookups, "_methods", spy)
+        return real._replace(lookup_small=lambda *a, **k: used.append("small") or real.lookup_small(*a, **k),
+                             lookup=lambda *a, **k: used.append("stream") or real.lookup(*a, **k))
+    monkeypatch.setattr(channel, "shard_methods", spy)
     answer_bytes = ROWS * DIM * dtype.itemsize
     for limit, method in ((answer_bytes, "small"), (answer_bytes - 1, "stream")):
-        monkeypatch.setattr(lookup_module, "SMALL_ANSWER_BYTES", limit)
+        monkeypatch.setattr(grpc_path, "SMALL_ANSWER_BYTES", limit)
         used.clear()
         assert torch.equal(remote.lookup(ids), table[ids]) and used == [method]
 
@@ -124,18 +125,21 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.mapped_rows) with
+    """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.embedding.mapped_rows) with
     no Lookup call, bit for bit, for one id, one band, every band and duplicates; column-split ones are routed."""
     name, table = _name(layout, torch.bfloat16), tables[(layout, torch.bfloat16)]
     remote = cl.tensor(name)
     whole_rows = layout in ("rows-uneven", "table-wise")
     if whole_rows:
-        monkeypatch.setattr(cl._lookups, "_network_call", lambda rank, receiver: pytest.fail(f"Lookup call to {rank}"))
+        import client.embedding.exchange as exchange
+
+        monkeypatch.setattr(exchange, "network_call",
+                            lambda session, rank, receiver: pytest.fail(f"Lookup call to {rank}"))
     generator = torch.Generator().manual_seed(9)
     for ids in (torch.tensor([49]), torch.tensor([8, 29, 8, 7]), torch.randint(0, ROWS, (500,), generator=generator)):
         assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
-    assert (cl._lookups._mapped[name][1] is not None) == whole_rows
-    assert set(cl._lookups.last_paths.values()) == {"shm"}
+    assert cl.lookups.is_mapped(name) == whole_rows
+    assert set(cl.lookups.last_paths.values()) == {"shm"}
     with pytest.raises(InvalidArgumentError, match=r"ids\[1\]=50"):
         remote.lookup([0, ROWS])  # out of range: the general path answers with its error
 
@@ -361,7 +365,7 @@ def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
     with pytest.raises(TypeError, match="ids must hold integers"):
         remote.update_rows([1.5], torch.zeros(1, 4))
     assert cl.tensor("updated").version == version
-    pending = cl._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+    pending = cl.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
     assert [t.version for t in pending if t.name == "updated"] == [version]  # no copy was made for bad input
     assert remote.update_rows([2], torch.full((1, 4), 7, dtype=torch.int64)) > version  # widening is fine
     assert torch.equal(remote[2], torch.full((4,), 7.0))
@@ -491,7 +495,7 @@ def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str,
     """Ids out of the cached view's range are answered without asking a rank, so the view must not outlive the
     table: this client's own put forgets it at once, and another client's put is seen once the view is older
     than OOV_RECHECK_S."""
-    import client.lookup as lookup_module
+    import client.embedding.views as views_module
 
     small, grown = torch.randn(4, 3), torch.randn(8, 3)
     name = f"replaced-{transport}"
@@ -504,6 +508,6 @@ def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str,
                                                                            torch.tensor([0])))
         bigger = torch.randn(12, 3)
         other.put(name, bigger, overwrite=True)  # another client: this one learns of it by age
-        monkeypatch.setattr(lookup_module, "OOV_RECHECK_S", 0.0)
+        monkeypatch.setattr(views_module, "OOV_RECHECK_S", 0.0)
         assert torch.equal(mine.lookup({name: [10, 1]})[name], bigger[[10, 1]])
         mine.delete(name)

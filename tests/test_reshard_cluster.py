@@ -20,7 +20,7 @@ import torch
 
 from client import connect
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError, TensorNotFoundError
-from client.reshard import ReshardRefusedError, layout_from_options
+from client.ops.reshard import ReshardRefusedError, layout_from_options
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.collective_jobs import STALL_ENV
@@ -240,14 +240,14 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
     assert final.done and "leaves out ranks [1] that the reshard needs" in final.error
     request = pb.ReshardRequest(name="stray", metadata=metadata_to_proto(dst), timeout_s=1e-300)
     with pytest.raises(grpc.RpcError) as err:
-        list(client4._coordinator.Reshard(request, timeout=30))
+        list(client4.session.channel.coordinator(client4.address).Reshard(request, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s 1e-300 must be 0" in err.value.details()
     new = proxy.reshard(chunk(1, range(4)))
-    assert torch.equal(new.full_tensor(), tensor) and not client4._call("ListRanks", pb.ListRanksRequest()).collectives_error
+    assert torch.equal(new.full_tensor(), tensor) and not client4.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
 
 
 def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
-    from client.cli import main
+    from client.cli.main import main
 
     tensor = source((13, 21), torch.int32, seed=5)
     old = client4.put("cli", tensor, spec=chunk(0, range(4)), overwrite=True)
@@ -314,7 +314,7 @@ def test_a_reshard_queued_behind_another_tensors_gets_its_timeout_for_its_own_ru
         assert time.monotonic() - started > 2  # it did wait for the first
         thread.join(60)
         assert torch.equal(moved.full_tensor(), second) and torch.equal(result["new"].full_tensor(), first)
-        assert client._call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
+        assert client.session.call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
 
 
 class _StopReshard(Exception):
@@ -334,7 +334,7 @@ def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(
             proxy.reshard(chunk(1, range(3)), progress=_stop_when_moving)
 
         def aborted() -> bool:
-            rows = client._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            rows = client.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
             return [t.version for t in rows if t.name == "cancelme"] == [proxy.version]
         _wait(aborted, 20, "the reshard to be aborted")
         assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
@@ -453,7 +453,7 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
 
         def promoted() -> bool:
             with connect(address) as c:
-                rows = c._call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+                rows = c.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
                 return [(t.version, t.promoting) for t in rows if t.name == "restart"] == [(old.version + 1, False)]
         _wait(promoted, 60, "the promotion to finish")
         with connect(address) as client:

@@ -11,21 +11,18 @@ A load is all or nothing: either every tensor appears READY, or none does.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 import torch
 
 from client import arguments
-from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError, error_from_rpc
+from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError
 from client.info import TensorSummary
-from client.remote_tensor import RemoteShardedTensor
+from client.session import Session
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_from_wire
 from shardcore.wire import metadata_to_proto
-
-if TYPE_CHECKING:
-    from client.cluster import Cluster
 
 Progress = Callable[[int, int], None]
 _DEFAULT_TIMEOUT_S = 600.0
@@ -37,9 +34,9 @@ def _path(path: Any) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-def inspect_checkpoint(cluster: "Cluster", path: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def inspect_checkpoint(session: Session, path: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{tensor name: (size, dtype)} of the DCP checkpoint at `path`, as the coordinator reads it."""
-    reply = cluster._call("InspectCheckpoint", pb.InspectCheckpointRequest(path=_path(path)))
+    reply = session.call("InspectCheckpoint", pb.InspectCheckpointRequest(path=_path(path)))
     return {t.name: (tuple(t.size), dtype_from_wire(t.dtype)) for t in reply.tensors}
 
 
@@ -55,17 +52,17 @@ def _names(names: list[str] | None, available: Sequence[str], path: str) -> list
     return names
 
 
-def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | None = None, spec: Any = None,
+def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | None = None, spec: Any = None,
                     dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S
-                    ) -> dict[str, RemoteShardedTensor]:
-    """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear."""
+                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[TensorSummary]:
+    """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear.
+    Returns the loaded tensors' catalog entries."""
     timeout = arguments.seconds(timeout, "timeout")
     overwrite = arguments.flag(overwrite, "overwrite")
     arguments.callback(progress, "progress")
     names = arguments.name_list(names)
     path = _path(path)
-    saved = inspect_checkpoint(cluster, path)
+    saved = inspect_checkpoint(session, path)
     chosen = _names(names, list(saved), path)
     if isinstance(spec, Mapping) and set(spec) - set(chosen):
         raise InvalidArgumentError(f"spec names {sorted(set(spec) - set(chosen))}, which are not among the tensors "
@@ -78,16 +75,14 @@ def load_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
             want = saved_dtype if dtype is None else dtype_from_name(dtype)
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype: {err}") from None
-        meta = cluster._metadata(size, want, layout_spec)
+        meta = session.layout(size, want, layout_spec)
         tensors.append(pb.CheckpointTensor(name=name, metadata=metadata_to_proto(meta)))
     request = pb.LoadCheckpointRequest(path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout)
-    final = _stream(cluster, "LoadCheckpoint", request, progress, timeout)
-    for info in final.tensors:
-        cluster._lookups.forget(info.name)
-    return {info.name: RemoteShardedTensor(cluster, TensorSummary.from_proto(info)) for info in final.tensors}
+    final = _follow(session, "LoadCheckpoint", request, progress, timeout)
+    return [TensorSummary.from_proto(info) for info in final.tensors]
 
 
-def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | None = None,
+def save_checkpoint(session: Session, path: Any, names: Sequence[str] | str | None = None,
                     progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[str]:
     """Write READY tensors (every one by default: names=None) as one DCP checkpoint at `path`; returns their
     names. The checkpoint already at `path` is replaced only once every rank wrote its part."""
@@ -97,26 +92,18 @@ def save_checkpoint(cluster: "Cluster", path: Any, names: Sequence[str] | str | 
     if names == []:
         raise InvalidArgumentError("names is empty (leave it None to save every tensor)")
     request = pb.SaveCheckpointRequest(path=_path(path), names=names or [], timeout_s=timeout)
-    final = _stream(cluster, "SaveCheckpoint", request, progress, timeout)
+    final = _follow(session, "SaveCheckpoint", request, progress, timeout)
     return [info.name for info in final.tensors]
 
 
-def _stream(cluster: "Cluster", method: str, request: Any, progress: Progress | None,
+def _follow(session: Session, method: str, request: Any, progress: Progress | None,
             timeout: float) -> pb.CheckpointProgress:
-    transport = cluster._transport
-    transport.check_open()
-    call = getattr(cluster._coordinator, method)(request, timeout=timeout + 60.0, metadata=transport._metadata)
-    final = None
-    try:
-        for message in call:
-            if progress is not None:
-                progress(message.bytes_done, message.bytes_total)
-            if message.done:
-                final = message
-    except grpc.RpcError as err:
-        raise error_from_rpc(err, f"coordinator at {cluster.address}") from None
-    finally:
-        call.cancel()
-    if final is None:
-        raise ShardServeError(f"the coordinator at {cluster.address} ended the stream without a result")
-    return final
+    """The checkpoint job's progress stream, each report passed to `progress`; returns its final message."""
+    def report(message: pb.CheckpointProgress) -> None:
+        if progress is not None:
+            progress(message.bytes_done, message.bytes_total)
+
+    done = [message for message in session.follow(method, request, timeout, report) if message.done]
+    if not done:
+        raise ShardServeError(f"the coordinator at {session.address} ended the stream without a result")
+    return done[-1]

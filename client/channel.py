@@ -1,8 +1,9 @@
-"""gRPC plumbing for the client: channels with auth and TLS, chunked reads and writes.
+"""The client's gRPC channels (auth metadata, TLS, deadlines) and the one place their stubs are made.
 
-Bulk data never travels in one message: reads are server-streamed TensorChunks
-written straight into a preallocated byte buffer, writes are client-streamed
-chunks of about 1 MiB. Parts of one read run in parallel on a thread pool.
+`Channel` caches one grpc.Channel per address, makes the coordinator and rank
+stubs, and the rank methods whose messages go through the custom chunk codec
+(protos.chunk_codec: bytes stay views of the received message). Writes are
+client-streamed chunks of about 1 MiB; parts of one read run on its pool.
 """
 from __future__ import annotations
 
@@ -10,16 +11,14 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import grpc
-import numpy as np
-import torch
 
-from protos.chunk_codec import decode_chunk, encode_write_chunk
 from client.errors import ShardServeError, error_from_rpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
+from protos.chunk_codec import decode_chunk, decode_lookup_chunk, decode_lookup_reply, encode_write_chunk
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -84,14 +83,27 @@ def check_address(address: str, field: str = "address") -> str:
     return address
 
 
-class Transport:
-    """Channels to the coordinator and the ranks, and the chunked data calls over them."""
+class ShardMethods(NamedTuple):
+    """A rank's ShardServer methods that carry bulk bytes, their chunks encoded and decoded by
+    protos.chunk_codec (where protobuf would copy the bytes twice): made once per address, since making them
+    per call costs as much as a small lookup."""
+
+    read_region: Any        # ReadRegion -> iterator of (offset, memoryview)
+    read_region_small: Any  # ReadRegionSmall -> (offset, memoryview)
+    write_shard: Any        # WriteShard <- pre-serialized requests
+    lookup_small: Any       # LookupSmall -> list[RawLookupChunk]
+    lookup: Any             # Lookup -> iterator of RawLookupChunk
+
+
+class Channel:
+    """gRPC channels to the coordinator and the ranks, with this client's credentials, deadline and pool."""
 
     def __init__(self, credentials: Credentials, timeout: float, max_workers: int = 16) -> None:
         self.credentials = credentials
         self.timeout = timeout
         self._metadata = credentials.metadata()
         self._channels: dict[str, grpc.Channel] = {}
+        self._shard_methods: dict[str, ShardMethods] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardserve-client")
         self._closed = False
@@ -123,10 +135,34 @@ class Transport:
     def shard_server(self, address: str) -> pb_grpc.ShardServerStub:
         return pb_grpc.ShardServerStub(self.channel(address))
 
+    def shard_methods(self, address: str) -> ShardMethods:
+        """The (cached) bulk-byte methods of the rank at `address`."""
+        methods = self._shard_methods.get(address)
+        if methods is None:
+            channel = self.channel(address)
+            methods = self._shard_methods[address] = ShardMethods(
+                channel.unary_stream(f"{SHARD_SERVICE}/ReadRegion", request_serializer=_serialize,
+                                     response_deserializer=decode_chunk),
+                channel.unary_unary(f"{SHARD_SERVICE}/ReadRegionSmall", request_serializer=_serialize,
+                                    response_deserializer=decode_chunk),
+                channel.stream_unary(f"{SHARD_SERVICE}/WriteShard", request_serializer=None,  # come serialized
+                                     response_deserializer=pb.WriteShardResponse.FromString),
+                channel.unary_unary(f"{SHARD_SERVICE}/LookupSmall", request_serializer=_serialize,
+                                    response_deserializer=decode_lookup_reply),
+                channel.unary_stream(f"{SHARD_SERVICE}/Lookup", request_serializer=_serialize,
+                                     response_deserializer=decode_lookup_chunk))
+        return methods
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata every call carries (the bearer token, when there is one)."""
+        return self._metadata
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
+            self._shard_methods = {}
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in channels:
             channel.close()
@@ -137,7 +173,7 @@ class Transport:
         """Deadline of a call moving `nbytes`: the control timeout plus time for the bytes."""
         return self.timeout + nbytes / _SLOWEST_BYTES_PER_S
 
-    def unary(self, method, request, where: str, timeout: float | None = None):
+    def unary(self, method: Callable[..., Any], request: Any, where: str, timeout: float | None = None) -> Any:
         """Call a unary RPC with deadline and auth; raise the matching ShardServeError on failure."""
         self.check_open()
         try:
@@ -145,31 +181,6 @@ class Transport:
                           metadata=self._metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
-
-    def read_region(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
-        """Stream one ReadRegion into `dest`, a flat uint8 tensor exactly the part's size."""
-        expected = dest.numel()
-        target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
-        read = self.channel(address).unary_stream(
-            f"{SHARD_SERVICE}/ReadRegion", request_serializer=pb.ReadRegionRequest.SerializeToString,
-            response_deserializer=decode_chunk)  # chunks as memoryviews of the received messages
-        call = read(request, timeout=self.data_timeout(expected), metadata=self._metadata)
-        received = 0
-        try:
-            for offset, data in call:
-                end = offset + len(data)
-                if offset < 0 or end > expected:
-                    raise ShardServeError(
-                        f"rank at {address} sent a chunk at bytes [{offset}, {end}) of a {expected}-byte region")
-                if len(data):
-                    target[offset:end] = np.frombuffer(data, dtype=np.uint8)
-                received += len(data)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err, f"rank at {address}") from None
-        finally:
-            call.cancel()
-        if received != expected:
-            raise ShardServeError(f"rank at {address} sent {received} bytes for a {expected}-byte region")
 
     def write_shard(self, address: str, header: pb.WriteShardHeader, data: memoryview,
                     chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -179,13 +190,10 @@ class Transport:
             for start in range(0, len(data), chunk_bytes):
                 yield encode_write_chunk(start, data[start:start + chunk_bytes])
 
-        write = self.channel(address).stream_unary(
-            f"{SHARD_SERVICE}/WriteShard", request_serializer=None,  # requests come serialized
-            response_deserializer=pb.WriteShardResponse.FromString)
-        reply = self.unary(write, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
+        reply = self.unary(self.shard_methods(address).write_shard, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
         return reply.bytes_written
 
-    def submit(self, job) -> Future:  # type: ignore[no-untyped-def]
+    def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run `job` on the client's pool without waiting (e.g. releasing a shared-memory lease)."""
         self.check_open()
         return self._pool.submit(job)
@@ -194,6 +202,10 @@ class Transport:
         """run_here_and_on(jobs, the client's pool)."""
         self.check_open()
         return run_here_and_on(jobs, self._pool.submit)
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
 
 
 def run_here_and_on(jobs: Sequence[Callable[[], T]], submit: Callable[[Callable[[], T]], "Future[T]"]) -> list[T]:

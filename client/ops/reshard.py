@@ -1,8 +1,8 @@
 """Client side of coordinated resharding: the streaming Reshard call and the CLI's layout syntax.
 
-`reshard(tensor, spec, ...)` asks the coordinator to move a tensor into the
-layout `spec` (anything `Cluster.put` accepts) and follows the progress
-stream; the result is a proxy of the new version. `layout_from_options`
+`reshard(session, name, shape, dtype, spec, ...)` asks the coordinator to
+move a tensor into the layout `spec` (anything `Cluster.put` accepts) and
+follows the progress stream; the result is the new version's catalog entry. `layout_from_options`
 turns the CLI's small syntax (`--dim D [--ranks 0,2]`, `--grid 2x2
 [--grid-dims 0,1]`, `--replicate [--ranks ...]`) into shard metadata.
 """
@@ -10,24 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
+import torch
 
 from client import arguments
-from client.errors import InvalidArgumentError, ShardServeError, error_from_rpc
+from client.errors import InvalidArgumentError, ShardServeError
 from client.info import TensorSummary
+from client.session import Session
 from protos import shardserve_pb2 as pb
-from shardcore.metadata import ShardedTensorMetadata
+from shardcore.metadata import ShardedTensorMetadata, TensorProperties
 from shardcore.placements import Replicate, Shard, metadata_from_placements
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import metadata_to_proto
 
-if TYPE_CHECKING:
-    from client.remote_tensor import RemoteShardedTensor
-
 DEFAULT_TIMEOUT_S = 300.0
-_STREAM_SLACK_S = 60.0  # the stream's deadline beyond the data-movement bound (reserve, commit, promote)
 PHASES = {pb.RESHARD_PREPARING: "preparing", pb.RESHARD_MOVING: "moving", pb.RESHARD_COMMITTING: "committing",
           pb.RESHARD_DONE: "done"}
 
@@ -50,42 +48,33 @@ class ReshardProgress:
     max_staging_bytes: int = 0
 
 
-def reshard(tensor: "RemoteShardedTensor", spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
-            progress: Callable[[ReshardProgress], None] | None = None) -> "RemoteShardedTensor":
-    """Move `tensor` into the layout `spec` (new version); `progress` is called with every report."""
-    from client.remote_tensor import RemoteShardedTensor
-
+def reshard(session: Session, name: str, shape: Sequence[int], dtype: torch.dtype, spec: Any,
+            bucket_bytes: int | None = None, timeout: float | None = None,
+            progress: Callable[[ReshardProgress], None] | None = None) -> TensorSummary:
+    """Move tensor `name` into the layout `spec` (new version); `progress` is called with every report."""
     if bucket_bytes is not None:
         bucket_bytes = arguments.count(bucket_bytes, "bucket_bytes", minimum=1)
     if timeout is not None:
         timeout = arguments.seconds(timeout, "timeout")
     arguments.callback(progress, "progress")
-    cluster = tensor._cluster
-    meta = cluster._metadata(tuple(tensor.shape), tensor.dtype, spec)
-    request = pb.ReshardRequest(name=tensor.name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
+    meta = session.layout(tuple(shape), dtype, spec)
+    request = pb.ReshardRequest(name=name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
                                 timeout_s=float(timeout or 0))
-    transport = cluster._transport
-    transport.check_open()
-    call = cluster._coordinator.Reshard(request, timeout=(timeout or DEFAULT_TIMEOUT_S) + _STREAM_SLACK_S,
-                                        metadata=transport.credentials.metadata())
-    done: pb.ReshardProgress | None = None
-    try:
-        for message in call:
-            report = ReshardProgress(PHASES.get(message.phase, "unknown"), message.bytes_done, message.bytes_total,
-                                     message.version, message.max_new_shard_bytes, message.max_staging_bytes)
-            if progress is not None:
-                progress(report)
-            if message.phase == pb.RESHARD_DONE:
-                done = message
-    except grpc.RpcError as err:
-        if err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-            raise ReshardRefusedError(err.details() or "reshard refused", err.code()) from None
-        raise error_from_rpc(err, f"coordinator at {cluster.address}") from None
-    finally:
-        call.cancel()  # Ctrl-C in a progress callback aborts the reshard on the coordinator
-    if done is None:
-        raise ShardServeError(f"the reshard of {tensor.name!r} ended without a result")
-    return RemoteShardedTensor(cluster, TensorSummary.from_proto(done.tensor))
+
+    def report(message: pb.ReshardProgress) -> None:
+        if progress is not None:
+            progress(ReshardProgress(PHASES.get(message.phase, "unknown"), message.bytes_done, message.bytes_total,
+                                     message.version, message.max_new_shard_bytes, message.max_staging_bytes))
+
+    messages = session.follow("Reshard", request, timeout or DEFAULT_TIMEOUT_S, report, refused=_refused)
+    done = [message for message in messages if message.phase == pb.RESHARD_DONE]
+    if not done:
+        raise ShardServeError(f"the reshard of {name!r} ended without a result")
+    return TensorSummary.from_proto(done[-1].tensor)
+
+
+def _refused(details: str) -> ReshardRefusedError:
+    return ReshardRefusedError(details or "reshard refused", grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str], dim: int | None = None,
@@ -110,7 +99,6 @@ def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str
         meta = _build(lambda: metadata_from_placements(shape, ranks, [Replicate()], dtype))
     else:
         placements = [f"rank:{r}/{devices[r]}" for r in ranks]
-        from shardcore.metadata import TensorProperties
         return _build(lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
             tuple(shape), TensorProperties(dtype=dtype)))
     shards = tuple(dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}") for s in meta.shards_metadata)

@@ -7,35 +7,33 @@ No parameters, no gradients: the weights stay on the cluster.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from client.arguments import tensor_name
+from client.cluster import Cluster
+from client.embedding.ids import POOLINGS, as_ids
 from client.errors import InvalidArgumentError
-from client.lookup import POOLINGS, as_ids
-
-if TYPE_CHECKING:
-    from client.cluster import Cluster
 
 
 class RemoteEmbedding(nn.Module):
     """nn.Embedding over a 2-D table served by the cluster: forward(ids) -> ids.shape + (dim,)."""
 
-    def __init__(self, cluster: "Cluster", name: str, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cluster: Cluster, name: str, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.cluster = _checked_cluster(cluster)
         self.name = tensor_name(name)
         self.dtype = dtype
-        view = cluster._lookups.view(name)
+        view = cluster.lookups.views.view(name)
         self.num_embeddings, self.embedding_dim = view.summary.metadata.size
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
         ids = as_ids(input.reshape(-1), "input")  # errors name the module's argument, not the table's request
-        rows = self.cluster._lookups.lookup({self.name: ids}, self.dtype)[self.name]
+        rows = self.cluster.lookups.lookup({self.name: ids}, self.dtype)[self.name]
         return rows.view(*input.shape, rows.shape[1]).to(input.device)
 
     def extra_repr(self) -> str:
@@ -45,7 +43,7 @@ class RemoteEmbedding(nn.Module):
 class RemoteEmbeddingBag(nn.Module):
     """nn.EmbeddingBag (include_last_offset=False) over a 2-D table served by the cluster."""
 
-    def __init__(self, cluster: "Cluster", name: str, mode: str = "mean", dtype: torch.dtype | None = None,
+    def __init__(self, cluster: Cluster, name: str, mode: str = "mean", dtype: torch.dtype | None = None,
                  pooling: str = "auto") -> None:
         super().__init__()
         if mode not in ("sum", "mean"):
@@ -57,7 +55,7 @@ class RemoteEmbeddingBag(nn.Module):
         self.mode = mode
         self.dtype = dtype
         self.pooling = pooling
-        view = cluster._lookups.view(name)
+        view = cluster.lookups.views.view(name)
         self.num_embeddings, self.embedding_dim = view.summary.metadata.size
 
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -80,7 +78,7 @@ class RemoteEmbeddingBag(nn.Module):
                 raise InvalidArgumentError("offsets has to be a 1-D tensor when input is 1-D")
         else:
             raise InvalidArgumentError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
-        pooled = self.cluster._lookups.lookup_bag(self.name, input, offsets, self.mode, per_sample_weights,
+        pooled = self.cluster.lookups.lookup_bag(self.name, input, offsets, self.mode, per_sample_weights,
                                                   self.dtype, self.pooling)
         return pooled.to(input.device)
 
@@ -88,9 +86,7 @@ class RemoteEmbeddingBag(nn.Module):
         return f"{self.name!r}, {self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
 
 
-def _checked_cluster(cluster: Any) -> "Cluster":
-    from client.cluster import Cluster
-
+def _checked_cluster(cluster: Any) -> Cluster:
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a client.Cluster (from connect()), got {type(cluster).__name__}")
     return cluster

@@ -1,9 +1,9 @@
 """The client's choice of data path per read or lookup: shared memory, the bulk TCP port, or gRPC.
 
 transport="auto" tries, in order, what works for the rank: shared memory when
-it runs on this host (client.shm_transport), the rank's bulk TCP port when the
-client does not use TLS (client.tcp_reads: 2-3x faster than a gRPC call at any
-size once its connection is open), else gRPC (client.grpc_streams). A failure
+it runs on this host (client.paths.shm), the rank's bulk TCP port when the
+client does not use TLS (client.paths.bulk: 2-3x faster than a gRPC call at any
+size once its connection is open), else gRPC (client.paths.grpc). A failure
 of a fast path is logged (WARNING, with its reason); that rank is then served
 by the next path for RETRY_AFTER_S before the fast path is tried again. "grpc", "shm" and "tcp" force one path; a
 forced fast path that cannot serve raises instead of falling back.
@@ -20,16 +20,23 @@ from typing import Callable, Sequence, TypeVar
 
 import torch
 
+from client.channel import Channel
 from client.info import RankStatus, TensorSummary
-from client.shm_transport import SharedMemoryError, SharedMemoryReader, local_host, same_host_reason
-from client.tcp_reads import BulkReadError
+from client.paths.bands import bands, read_bands
+from client.paths.bulk import BulkPath, BulkReadError
+from client.paths.grpc import GrpcPath
+from client.paths.shm import SharedMemoryError, SharedMemoryPath, local_host, same_host_reason
+from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
+from shardcore.regions import local_view
+from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
+PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
 
 
 def check_transport(transport: object) -> str:
@@ -41,7 +48,7 @@ def check_transport(transport: object) -> str:
 
 @dataclass(frozen=True)
 class NetworkCall:
-    """One rank's request for DataPlane.send_all: `send_bulk()` sends it on the rank's bulk port and
+    """One rank's request for PathPolicy.send_all: `send_bulk()` sends it on the rank's bulk port and
     returns the call that takes its answer (None: this request may not use the port); `over_grpc()` makes the
     whole call over gRPC."""
 
@@ -50,30 +57,102 @@ class NetworkCall:
     over_grpc: Callable[[], object]
 
 
-class DataPlane:
-    """Picks the path of each part read (transport="auto"|"grpc"|"shm"|"tcp") and falls back when a fast one fails."""
+class PathPolicy:
+    """The data paths of one client and the choice among them per rank (transport="auto"|"grpc"|"shm"|"tcp"),
+    falling back when a fast one fails."""
 
-    def __init__(self, transport: str, reader: SharedMemoryReader, uses_tls: bool = False) -> None:
+    def __init__(self, transport: str, channel: Channel | None, uses_tls: bool = False) -> None:
         self.transport = check_transport(transport)
-        self.reader = reader
+        self.channel = channel
+        self.grpc = GrpcPath(channel)  # type: ignore[arg-type]
+        self.bulk = BulkPath(channel)  # type: ignore[arg-type]
+        self.shm = SharedMemoryPath(channel)  # type: ignore[arg-type]
         self.uses_tls = uses_tls
         self.host = local_host()
         self._backoff: dict[tuple[str, str], float] = {}  # (path, address) -> monotonic time it is retried
         self._lock = threading.Lock()
 
-    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                  network_read: Callable[[str], None]) -> str:
-        """Read one part into `region` by the best path; returns the path that ran ("shm", "tcp" or "grpc").
+    def close(self) -> None:
+        """Close the kept bulk connections and forget the shared-memory mappings (unmapped once unused)."""
+        self.bulk.close()
+        self.shm.clear()
 
-        `network_read(path)` reads the part over "tcp" or "grpc" (raising BulkReadError when tcp cannot).
-        """
-        if self._through_shared_memory(rank, partial(self.reader.read_part, rank.address, summary, index, part,
-                                                      region))[1]:
+    # ------------------------------------------------------------ reads
+
+    def read(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box, out: torch.Tensor,
+             rank_of: Callable[[int], RankStatus]) -> str | None:
+        """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device), every
+        part by its rank's path; returns the path of the last part (None when the box is empty).
+
+        Several network parts of a small read are pipelined: every request sent first (send_all), the mapped
+        parts copied meanwhile, then the answers taken."""
+        if box.is_empty():
+            return None
+        assert self.channel is not None
+
+        def each_by_its_path(group: Sequence[tuple[int, Box]]) -> str:
+            return self.channel.run_all([partial(self.read_part, rank_of(index), summary, index, part,
+                                                 local_view(out, box, part), part == box)
+                                         for index, part in group])[-1]
+
+        mapped, networked = [], []
+        for index, part in parts:
+            (mapped if self.maps(rank_of(index)) else networked).append((index, part))
+        if len(networked) < 2 or self.transport == "shm" or \
+                sum(part.numel() for _, part in networked) * out.element_size() > PIPELINED_READ_BYTES:
+            return each_by_its_path(parts)
+        sent = self.send_all([self._read_call(rank_of(index), summary, index, part, local_view(out, box, part))
+                              for index, part in networked], self.channel.submit)
+        try:
+            if mapped:
+                each_by_its_path(mapped)
+        finally:
+            paths = sent.wait()
+        log.debug("read %r shards %s over %s", summary.name, [index for index, _ in networked], paths)
+        return paths[-1]
+
+    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                  only_part: bool = False) -> str:
+        """Read one part into `region` by the best path; returns the path that ran ("shm", "tcp" or "grpc")."""
+        if self._through_shared_memory(rank, partial(self.shm.read, rank.address, summary, index, part, region))[1]:
             log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
             return "shm"
-        path = self.over_network(rank, network_read)[1]
+        path = self.over_network(rank, partial(self._read_over, rank.address, summary, index, part, region,
+                                               only_part))[1]
         log.debug("read %r shard %d from rank %d over %s", summary.name, index, rank.rank, path)
         return path
+
+    def _read_over(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                   only_part: bool, path: str) -> None:
+        """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
+        (a large part that is the read's only one as parallel row bands, client.paths.bands), else via one
+        buffer."""
+        read_box = self.bulk.read if path == "tcp" else self.grpc.read
+        target, land = _landing(part, region)
+        read_bands(lambda band: read_box(address, read_request(summary, index, band),
+                                         byte_view(local_view(target, part, band))),
+                   bands(part, region.element_size()) if only_part else [part])
+        land()
+
+    def _read_call(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box,
+                   region: torch.Tensor) -> "NetworkCall":
+        """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
+        into `region` later (send_all), or read over gRPC."""
+        request = read_request(summary, index, part)
+
+        def send_bulk() -> Callable[[], None]:
+            target, land = _landing(part, region)
+            answer = self.bulk.send_read(rank.address, request, byte_view(target))
+
+            def take() -> None:
+                answer()
+                land()
+            return take
+
+        return NetworkCall(rank, send_bulk,
+                           partial(self._read_over, rank.address, summary, index, part, region, False, "grpc"))
+
+    # ------------------------------------------------------------ choosing
 
     def _through_shared_memory(self, rank: RankStatus, run: Callable[[], T]) -> tuple[T | None, bool]:
         """(`run()`, True) when `rank` may be read through shared memory and `run` serves; (None, False) when it
@@ -117,7 +196,7 @@ class DataPlane:
                     sent.answers[index] = call.send_bulk()  # type: ignore[misc]
                     sent.paths[index] = "tcp"
                 except BulkReadError as err:
-                    sent.paths[index] = self._bulk_failed(call.rank, err, sent.errors)
+                    sent.paths[index] = self.bulk_failed(call.rank, err, sent.errors)
                 except BaseException as err:  # noqa: BLE001 - raised by wait(), once the calls sent have ended
                     sent.errors.append(err)
                     sent.paths[index] = ""
@@ -126,7 +205,7 @@ class DataPlane:
         sent.futures = [submit(calls[index].over_grpc) for index in over_grpc[len(sent.inline):]]
         return sent
 
-    def _bulk_failed(self, rank: RankStatus, err: BulkReadError, errors: list[BaseException]) -> str:
+    def bulk_failed(self, rank: RankStatus, err: BulkReadError, errors: list[BaseException]) -> str:
         """The path a call goes on after its bulk port failed: "grpc" (logged, the rank backs off), or "" with
         the error kept when tcp is forced."""
         if self.transport == "tcp":
@@ -135,13 +214,14 @@ class DataPlane:
         self._fall_back("tcp", rank, err)
         return "grpc"
 
-    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor) -> torch.Tensor | None:
+    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int,
+                    ids: torch.Tensor) -> torch.Tensor | None:
         """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
         [len(ids), shard columns]; None when the lookup should go over the network (same rules and fallback as
         reads)."""
         def read_rows() -> torch.Tensor:
             first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
-            return self.reader.read_rows(rank.address, summary, index, ids - first_row)
+            return self.shm.read_rows(rank.address, summary, index, ids - first_row)
 
         rows, mapped = self._through_shared_memory(rank, read_rows)
         if not mapped:
@@ -196,9 +276,9 @@ class DataPlane:
 
 @dataclass
 class SentCalls:
-    """Calls started by DataPlane.send_all; wait() ends them."""
+    """Calls started by PathPolicy.send_all; wait() ends them."""
 
-    plane: DataPlane
+    policy: PathPolicy
     calls: Sequence[NetworkCall]
     paths: list[str]                  # per call: "tcp", "grpc", or "" (failed before any answer)
     answers: dict[int, Callable[[], object]] = field(default_factory=dict)  # bulk answers to take, by call
@@ -213,7 +293,7 @@ class SentCalls:
             try:
                 answer()
             except BulkReadError as err:
-                self.paths[index] = self.plane._bulk_failed(self.calls[index].rank, err, self.errors)
+                self.paths[index] = self.policy.bulk_failed(self.calls[index].rank, err, self.errors)
                 if self.paths[index] == "grpc":
                     self.inline.append(index)
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
@@ -226,3 +306,19 @@ class SentCalls:
         if self.errors:
             raise self.errors[0]
         return self.paths
+
+
+def read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionRequest:
+    """The ReadRegionRequest of global `box` inside shard `index` at the summary's version."""
+    return pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
+                                offsets=box.offsets, sizes=box.sizes)
+
+
+def _landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Where a part's bytes land (`region` itself when contiguous on the CPU, else a buffer of its own: pinned
+    for a CUDA region, one DMA up) and the call that moves them into `region` once they arrived."""
+    if region.is_contiguous() and region.device.type == "cpu":
+        return region, lambda: None
+    on_gpu = region.device.type == "cuda"
+    target = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
+    return target, lambda: region.copy_(target, non_blocking=on_gpu)

@@ -16,64 +16,64 @@ from __future__ import annotations
 
 import threading
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterator
 
 import torch
 
+from client.embedding.ids import validate_update
+from client.embedding.views import TableView, TableViews
 from client.errors import ShardServeError, StaleVersionError
-from client.lookup import TableView, validate_update
+from client.session import Session
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto, tensor_bytes
-
-if TYPE_CHECKING:
-    from client.cluster import Cluster
 
 WRITE_BATCH_BYTES = 4 << 20
 _locks: dict[tuple[int, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-def _table_lock(cluster: "Cluster", name: str) -> threading.Lock:
+def _table_lock(session: Session, name: str) -> threading.Lock:
     with _locks_guard:
-        return _locks.setdefault((id(cluster), name), threading.Lock())
+        return _locks.setdefault((id(session), name), threading.Lock())
 
 
-def update_rows(cluster: "Cluster", name: str, ids: Any, values: Any) -> int:
+def update_rows(session: Session, views: TableViews, name: str, ids: Any, values: Any) -> int:
     """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version."""
-    with _table_lock(cluster, name):
-        validate_update(cluster._lookups.view(name, refresh=True), ids, values)  # bad input fails before the copy
-        view, info = _copy_of_ready_version(cluster, name)
+    with _table_lock(session, name):
+        validate_update(views.view(name, refresh=True), ids, values)  # bad input fails before the copy
+        view, info = _copy_of_ready_version(session, views, name)
         meta = view.summary.metadata
         try:
             unique, rows = validate_update(view, ids, values)  # against the copied version's own layout
-            jobs = [partial(_write_batch, cluster, meta, name, info.version, index, batch_ids, batch_rows)
+            jobs = [partial(_write_batch, session, meta, name, info.version, index, batch_ids, batch_rows)
                     for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
-            cluster._transport.run_all(jobs)
-            committed = cluster._commit(name, info.version)
+            session.run_all(jobs)
+            committed = session.commit(name, info.version)
         except BaseException:
-            cluster._abort(name, info.version)
+            session.abort(name, info.version)
             raise
-        cluster._lookups.view(name, refresh=True)
+        views.view(name, refresh=True)
         return int(committed.version)
 
 
-def _copy_of_ready_version(cluster: "Cluster", name: str) -> tuple[TableView, pb.TensorInfo]:
+def _copy_of_ready_version(session: Session, views: TableViews, name: str) -> tuple[TableView, pb.TensorInfo]:
     """CreateTensor(INIT_COPY) of the READY version; if another client committed in between, once more."""
     try:
-        return _create_copy(cluster, name)
+        return _create_copy(session, views, name)
     except StaleVersionError:
-        return _create_copy(cluster, name)
+        return _create_copy(session, views, name)
 
 
-def _create_copy(cluster: "Cluster", name: str) -> tuple[TableView, pb.TensorInfo]:
-    view = cluster._lookups.view(name, refresh=True)
+def _create_copy(session: Session, views: TableViews, name: str) -> tuple[TableView, pb.TensorInfo]:
+    view = views.view(name, refresh=True)
     request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
                                      init=pb.INIT_COPY, overwrite=True, source_version=view.version)
-    return view, cluster._create_tensor(request)
+    return view, session.create_tensor(request)
 
 
-def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor):  # type: ignore[no-untyped-def]
+def _shard_batches(view: TableView, ids: torch.Tensor,
+                   rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(shard index, ids, rows of its columns) for every shard holding some of `ids`, in batches."""
     for index, shard in enumerate(view.summary.metadata.shards_metadata):
         start, count = shard.shard_offsets[0], shard.shard_sizes[0]
@@ -90,12 +90,13 @@ def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor):  # t
             yield index, shard_ids[lo:lo + per_batch], shard_rows[lo:lo + per_batch]
 
 
-def _write_batch(cluster: "Cluster", meta: ShardedTensorMetadata, name: str, version: int, index: int,
+def _write_batch(session: Session, meta: ShardedTensorMetadata, name: str, version: int, index: int,
                  ids: torch.Tensor, rows: torch.Tensor) -> None:
-    address = cluster._address_of(meta.shards_metadata[index].rank)
+    address = session.address_of(meta.shards_metadata[index].rank)
     request = pb.WriteRowsRequest(name=name, version=version, shard_index=index, ids=bytes(tensor_bytes(ids)),
                                   values=bytes(tensor_bytes(rows.contiguous())))
-    reply = cluster._transport.unary(cluster._transport.shard_server(address).WriteRows, request,
-                                     f"rank at {address}", timeout=cluster._transport.data_timeout(len(request.values)))
+    channel = session.channel
+    reply = channel.unary(channel.shard_server(address).WriteRows, request, f"rank at {address}",
+                          timeout=channel.data_timeout(len(request.values)))
     if reply.rows_written != ids.numel():
         raise ShardServeError(f"rank at {address} wrote {reply.rows_written} of {ids.numel()} rows")

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from client.cli_checkpoints import add_checkpoint_commands, run_checkpoint_command
+from client.cli.checkpoints import add_checkpoint_commands, run_checkpoint_command
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -159,7 +159,7 @@ def _print_collectives_error(cluster, console) -> None:
     """After a reshard lost a rank: the coordinator's word on what the operator must do."""
     from protos import shardserve_pb2 as pb
 
-    error = cluster._call("ListRanks", pb.ListRanksRequest()).collectives_error
+    error = cluster.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
     if error:
         console.print(f"[red]collectives: {error}[/red]")
 
@@ -187,7 +187,7 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
 
     from client.info import layout_summary
-    from client.reshard import layout_from_options
+    from client.ops.reshard import layout_from_options
 
     remote = cluster.tensor(args.name)
     devices = {r.rank: r.device for r in cluster.ranks() if r.alive}
@@ -207,9 +207,9 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
+    from client.channel import check_address
     from client.errors import InvalidArgumentError
-    from client.reshard import check_layout_flags
-    from client.transport import check_address
+    from client.ops.reshard import check_layout_flags
 
     if args.coordinator:
         try:

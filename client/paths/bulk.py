@@ -1,4 +1,4 @@
-"""The client side of the bulk TCP path (server/bulk_reads.py): boxes' bytes straight into their output.
+"""The bulk TCP data path (server/rank/reads/bulk.py answers it): boxes' bytes straight into their output.
 
 A connection to a rank's bulk port is opened with a ticket from
 OpenBulkSession, which goes over gRPC (token, TLS, deadline), and kept for
@@ -7,7 +7,7 @@ sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
 the bytes into the preallocated output: no protobuf around the data, no
 intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
 answer. Failures of the path itself (no bulk port, ticket refused, connection
-broken) raise BulkReadError so client.data_plane can fall back to gRPC; errors
+broken) raise BulkReadError so client.paths.policy can fall back to gRPC; errors
 about the request (stale version, bad box) are the exceptions a gRPC read
 raises, and leave the connection usable.
 """
@@ -17,17 +17,15 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import grpc
 import torch
 
+from client.channel import Channel
 from client.errors import ShardServeError, error_from_status
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
-
-if TYPE_CHECKING:
-    from client.transport import Transport
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank
@@ -51,16 +49,18 @@ class _Connection:
         self.idle_since = time.monotonic()
 
 
-class BulkConnections:
-    """Connections to the ranks' bulk ports, opened on demand and kept for reuse."""
+class BulkPath:
+    """Reads and lookups over the ranks' bulk ports; connections opened on demand and kept for reuse."""
 
-    def __init__(self, transport: "Transport") -> None:
-        self.transport = transport
+    name = "tcp"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self._idle: dict[str, deque[_Connection]] = defaultdict(deque)
         self._lock = threading.Lock()
         self._closed = False
 
-    def read_region(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
         """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port."""
         self.send_read(address, request, dest)()
 
@@ -98,7 +98,7 @@ class BulkConnections:
         if len(message) > MAX_REQUEST_BYTES:
             raise BulkReadError(f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}")
         frame = FRAME.pack(kind, len(message)) + message
-        deadline = time.monotonic() + self.transport.data_timeout(nbytes)
+        deadline = time.monotonic() + self.channel.data_timeout(nbytes)
         connection = self._take(address)
         if connection is not None and not self._send_frame(connection, frame):
             connection = None
@@ -121,7 +121,7 @@ class BulkConnections:
     def _send_frame(self, connection: _Connection, frame: bytes) -> bool:
         """Send `frame` on `connection`; False (the connection closed) when the socket fails."""
         try:
-            connection.sock.settimeout(self.transport.timeout)
+            connection.sock.settimeout(self.channel.timeout)
             connection.sock.sendall(frame)
             return True
         except OSError:
@@ -166,7 +166,7 @@ class BulkConnections:
         """A new connection to the bulk port of the rank at `address`, its ticket sent."""
         where = f"rank at {address}"
         try:
-            session = self.transport.unary(self.transport.shard_server(address).OpenBulkSession,
+            session = self.channel.unary(self.channel.shard_server(address).OpenBulkSession,
                                            pb.BulkSessionRequest(), where)
         except ShardServeError as err:
             if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):  # none, or busy
@@ -174,7 +174,7 @@ class BulkConnections:
             raise
         host = address.rpartition(":")[0].strip("[]")
         try:
-            sock = socket.create_connection((host, session.port), timeout=self.transport.timeout)
+            sock = socket.create_connection((host, session.port), timeout=self.channel.timeout)
         except OSError as err:
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         try:

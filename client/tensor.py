@@ -1,38 +1,29 @@
 """RemoteShardedTensor: a ShardedTensor-like proxy of a tensor held by the cluster's ranks.
 
 It caches the tensor's metadata at one version. A read asks every shard it
-touches in parallel, each part landing in a preallocated output; when a rank no
-longer serves that version, the proxy refreshes its metadata and retries
-the whole read, so a result never mixes two versions.
+touches in parallel (client.paths.policy picks each rank's path), each part
+landing in a preallocated output; when a rank no longer serves that version,
+the proxy refreshes its metadata and retries the whole read, so a result never
+mixes two versions.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from client.data_plane import NetworkCall
-from client.grpc_streams import bands, read_bands, read_region
+from client.embedding.lookup import Lookups
 from client.errors import InvalidArgumentError
 from client.indexing import parse_index
+from client.info import RankStatus, TensorSummary
+from client.ops.reshard import reshard as reshard_tensor
+from client.ops.row_updates import update_rows
 from client.retry import read_with_refresh
-from client.info import TensorSummary
-from protos import shardserve_pb2 as pb
+from client.session import Session
 from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata
-from shardcore.regions import check_box, local_view, shards_for_box
+from shardcore.regions import check_box, shards_for_box
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardcore.wire import byte_view
-
-if TYPE_CHECKING:
-    from client.cluster import Cluster
-    from client.info import RankStatus
-
-log = logging.getLogger(__name__)
-
-PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
 
 
 @dataclass(frozen=True)
@@ -71,8 +62,9 @@ class RemoteShard:
 class RemoteShardedTensor:
     """A sharded tensor held by the cluster, read by offset, slice or whole."""
 
-    def __init__(self, cluster: "Cluster", summary: TensorSummary) -> None:
-        self._cluster = cluster
+    def __init__(self, session: Session, lookups: Lookups, summary: TensorSummary) -> None:
+        self._session = session
+        self._lookups = lookups
         self._summary = summary
         self.last_transport: str | None = None  # "shm", "tcp" or "grpc": the path of the latest part read
 
@@ -136,33 +128,34 @@ class RemoteShardedTensor:
 
     def refresh(self) -> "RemoteShardedTensor":
         """Reload the metadata (a newer version if the tensor was overwritten); returns self."""
-        self._summary = self._cluster._get_summary(self.name)
+        self._summary = self._session.summary(self.name)
         return self
 
     def reshard(self, spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
                 progress: Any = None) -> "RemoteShardedTensor":
         """Move the tensor into layout `spec` (any spec `put` takes, over any ranks): a proxy of the new version.
 
-        Two-phase on the cluster (see client.reshard): reads keep the old version until the new one is
+        Two-phase on the cluster (see client.ops.reshard): reads keep the old version until the new one is
         committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved.
         """
-        from client.reshard import reshard
-        return reshard(self, spec, bucket_bytes, timeout, progress)
+        summary = reshard_tensor(self._session, self.name, tuple(self.shape), self.dtype, spec, bucket_bytes,
+                                 timeout, progress)
+        return RemoteShardedTensor(self._session, self._lookups, summary)
 
-    # ------------------------------------------------------------ embedding lookups (client.lookup)
+    # ------------------------------------------------------------ embedding lookups (client.embedding.lookup)
 
     def lookup(self, ids: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows of this 2-D table for `ids` (1-D ints), like F.embedding: Tensor[len(ids), dim]."""
-        return self._cluster._lookups.lookup({self.name: ids}, dtype)[self.name]
+        return self._lookups.lookup({self.name: ids}, dtype)[self.name]
 
     def lookup_bag(self, ids: Any, offsets: Any, mode: str = "mean", per_sample_weights: torch.Tensor | None = None,
                    dtype: torch.dtype | None = None, pooling: str = "auto") -> torch.Tensor:
         """Pooled bags like F.embedding_bag(ids, table, offsets, mode=..., per_sample_weights=...)."""
-        return self._cluster._lookups.lookup_bag(self.name, ids, offsets, mode, per_sample_weights, dtype, pooling)
+        return self._lookups.lookup_bag(self.name, ids, offsets, mode, per_sample_weights, dtype, pooling)
 
     def update_rows(self, ids: Any, values: torch.Tensor) -> int:
         """Replace rows in a new version, atomically; the proxy then follows it. Returns the new version."""
-        version = self._cluster.update_rows(self.name, ids, values)
+        version = update_rows(self._session, self._lookups.views, self.name, ids, values)
         self.refresh()
         return version
 
@@ -225,11 +218,11 @@ class RemoteShardedTensor:
     def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
-        self._cluster._transport.check_open()
+        self._session.check_open()
         return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry)
 
     def _refresh_for_retry(self) -> int:
-        self._cluster._refresh_ranks()
+        self._session.refresh_ranks()
         return self.refresh().version
 
     def _read_once(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
@@ -244,75 +237,14 @@ class RemoteShardedTensor:
 
     def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
                     out: torch.Tensor) -> None:
-        """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device)."""
-        if box.is_empty():
-            return
-        plane, run_all = self._cluster._data_plane, self._cluster._transport.run_all
+        """Fetch each (shard index, global part) of `box` into its region of `out`, by the paths client.paths
+        picks per rank."""
+        def rank_of(index: int) -> RankStatus:
+            return self._session.rank_status(summary.metadata.shards_metadata[index].rank)
 
-        def each_by_its_path(group: Sequence[tuple[int, Box]]) -> None:
-            run_all([partial(self._read_part, summary, index, part, box, out) for index, part in group])
-
-        mapped, networked = [], []
-        for index, part in parts:
-            (mapped if plane.maps(self._rank_of(summary, index)) else networked).append((index, part))
-        if len(networked) < 2 or plane.transport == "shm" or \
-                sum(part.numel() for _, part in networked) * out.element_size() > PIPELINED_READ_BYTES:
-            each_by_its_path(parts)
-            return
-        sent = plane.send_all([self._network_call(summary, index, part, local_view(out, box, part))
-                               for index, part in networked], self._cluster._transport.submit)
-        try:
-            if mapped:
-                each_by_its_path(mapped)
-        finally:
-            paths = sent.wait()
-        log.debug("read %r shards %s over %s", summary.name, [index for index, _ in networked], paths)
-        self.last_transport = paths[-1]
-
-    def _rank_of(self, summary: TensorSummary, index: int) -> RankStatus:
-        return self._cluster._rank_status(summary.metadata.shards_metadata[index].rank)
-
-    def _read_part(self, summary: TensorSummary, index: int, part: Box, box: Box, out: torch.Tensor) -> None:
-        """One shard's part into its region of `out`, by the path the data plane picks (client.shm_transport)."""
-        region = local_view(out, box, part)
-        self.last_transport = self._cluster._data_plane.read_part(
-            self._rank_of(summary, index), summary, index, part, region,
-            partial(self._read_part_over, summary, index, part, region, part == box))
-
-    def _network_call(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> NetworkCall:
-        """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
-        into `region` later (client.data_plane.send_all), or read over gRPC."""
-        rank = self._rank_of(summary, index)
-        request = _read_request(summary, index, part)
-
-        def send_bulk() -> Callable[[], None]:
-            target, land = _landing(part, region)
-            answer = self._cluster._bulk.send_read(rank.address, request, byte_view(target))
-
-            def take() -> None:
-                answer()
-                land()
-            return take
-
-        return NetworkCall(rank, send_bulk, partial(self._read_part_over, summary, index, part, region, False, "grpc"))
-
-    def _read_part_over(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                        only_part: bool, path: str) -> None:
-        """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
-        (a large part that is the read's only one as parallel row bands, client.grpc_streams), else via one
-        buffer."""
-        address = self._rank_of(summary, index).address
-        read_box = self._cluster._bulk.read_region if path == "tcp" else partial(read_region, self._cluster._transport)
-        target, land = _landing(part, region)
-        read_bands(lambda band: read_box(address, _read_request(summary, index, band),
-                                         byte_view(local_view(target, part, band))),
-                   bands(part, region.element_size()) if only_part else [part])
-        land()
-
-
-def _read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionRequest:
-    return pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
-                                offsets=box.offsets, sizes=box.sizes)
+        path = self._session.paths.read(summary, parts, box, out, rank_of)
+        if path is not None:
+            self.last_transport = path
 
 
 def _unwritable(out: torch.Tensor) -> str:
@@ -330,13 +262,3 @@ def _unwritable(out: torch.Tensor) -> str:
     if torch._debug_has_internal_overlap(out) == 1:
         return "has elements that share memory (a zero stride, as from expand)"
     return ""
-
-
-def _landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Where a part's bytes land (`region` itself when contiguous on the CPU, else a buffer of its own: pinned
-    for a CUDA region, one DMA up) and the call that moves them into `region` once they arrived."""
-    if region.is_contiguous() and region.device.type == "cpu":
-        return region, lambda: None
-    on_gpu = region.device.type == "cuda"
-    target = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
-    return target, lambda: region.copy_(target, non_blocking=on_gpu)

@@ -1,4 +1,4 @@
-"""The same-host data path: reading a rank's shards through shared memory (client.data_plane picks it).
+"""The same-host data path: reading a rank's shards through shared memory (client.paths.policy picks it).
 
 Same host = the rank's hostname and boot id (RankInfo.host_id) equal ours and
 the rank offers shared memory. Then a part is read by ShardServer.OpenShard
@@ -9,7 +9,7 @@ served version never changes, and a segment's header page (state and
 generation words, checked before and after every copy) says when the rank
 dropped the version or reused the segment for another one. A segment is
 mapped anew only under an OpenShard lease. A CUDA shard comes as a CUDA IPC handle when this process has
-CUDA. A read this path cannot serve raises SharedMemoryError; client.data_plane
+CUDA. A read this path cannot serve raises SharedMemoryError; client.paths.policy
 then falls back (transport="auto") or passes it on (transport="shm").
 """
 from __future__ import annotations
@@ -24,16 +24,15 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 import numpy as np
 import torch
 
+from client.channel import Channel
 from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
 from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
 from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import Box
 from shardcore.regions import local_view
@@ -41,7 +40,7 @@ from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
 
-# The segment header the rank keeps (server/shared_memory.py; OpenShardResponse.data_offset).
+# The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
 HEADER_MAGIC = 0x5348415244535256
 STATE_SERVED, STATE_DROPPED = 1, 2
 HEADER_WORDS_BYTES = 24  # magic, state, generation
@@ -113,21 +112,19 @@ class HostMapping:
         return _still_held(self._mapping)
 
 
-class SharedMemoryReader:
-    """Reads parts of shards from same-host ranks through mapped shared memory."""
+class SharedMemoryPath:
+    """Reads parts and rows of shards from same-host ranks through mapped shared memory."""
 
-    def __init__(self, stub_for: Callable[[str], pb_grpc.ShardServerStub], metadata: tuple, timeout: float,
-                 release: Callable[[Callable[[], object]], object]) -> None:
-        self._stub_for = stub_for
-        self._metadata = metadata
-        self._timeout = timeout
-        self._release_async = release
+    name = "shm"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self._cache: OrderedDict[tuple, _Mapping] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}  # address -> the rank's max_request_bytes (from OpenShard)
 
-    def read_part(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
+    def read(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
         """Copy global box `part` of shard `index` into `region` (its place in the output)."""
         mapping, shard = self._open(address, summary, index)
         self.check_limit(address, part.numel() * region.element_size(), "offsets/sizes: the box")
@@ -206,7 +203,7 @@ class SharedMemoryReader:
 
     def host_mapping(self, address: str, summary: TensorSummary, index: int) -> "HostMapping | None":
         """Shard `index` mapped from host shared memory with its header state, for callers that check the state
-        themselves on every read (client.mapped_rows); None for CUDA shards, empty shards and header-less
+        themselves on every read (client.embedding.mapped_rows); None for CUDA shards, empty shards and header-less
         segments."""
         mapping, shard = self._open(address, summary, index)
         if shard is None or mapping is None or mapping.state is None or mapping.cuda_handle is not None:
@@ -244,24 +241,25 @@ class SharedMemoryReader:
 
     def _open_shard(self, address: str, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
         try:
-            return self._stub_for(address).OpenShard(request, timeout=self._timeout, metadata=self._metadata)
+            return self.channel.shard_server(address).OpenShard(request, timeout=self.channel.timeout,
+                                                                metadata=self.channel.metadata)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL):
                 raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
             raise error_from_rpc(err, f"rank at {address}") from None
 
     def _release(self, address: str, lease_id: int) -> None:
-        stub = self._stub_for(address)
+        stub = self.channel.shard_server(address)
         request = pb.ReleaseShardRequest(lease_ids=[lease_id])
 
         def release() -> None:
             try:
-                stub.ReleaseShard(request, timeout=self._timeout, metadata=self._metadata)
+                stub.ReleaseShard(request, timeout=self.channel.timeout, metadata=self.channel.metadata)
             except grpc.RpcError as err:  # the lease then ends at its expiry, holding the version until then
                 log.info("releasing lease %d at %s failed (%s); it expires on its own", lease_id, address,
                          err.code().name)
 
-        self._release_async(release)
+        self.channel.submit(release)
 
     def _remember(self, key: tuple, mapping: _Mapping) -> None:
         size = mapping.flat.numel()

@@ -1,7 +1,7 @@
-"""Row lookups answered straight from mapped shards: the same-host fast path of client.lookup.
+"""Row lookups answered straight from mapped shards: the same-host fast path of client.embedding.lookup.
 
 When every shard of a table is a CPU shard of a same-host rank mapped through
-shared memory (client.shm_transport) and the layout holds every row whole
+shared memory (client.paths.shm) and the layout holds every row whole
 (row-wise, table-wise, uneven), a batch of ids is gathered with a few numpy
 calls over the mapped bytes: no dedup (a duplicate costs one row copy either
 way), no route objects, no torch dispatch per step (each torch call hands the
@@ -19,18 +19,15 @@ from __future__ import annotations
 import logging
 from bisect import bisect_right
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 import torch
 
+from client.embedding.views import TableView
 from client.errors import StaleVersionError
-from client.shm_transport import HostMapping, SharedMemoryError
-
-if TYPE_CHECKING:
-    from client.cluster import Cluster
-    from client.lookup import TableView
+from client.paths.shm import HostMapping, SharedMemoryError
+from client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +45,7 @@ class _Band:
 class MappedRows:
     """A table at one version whose every row is read from mapped same-host shards."""
 
-    def __init__(self, view: "TableView", bands: list[_Band], limit: int) -> None:
+    def __init__(self, view: TableView, bands: list[_Band], limit: int) -> None:
         self.view = view
         self._bands = sorted(bands, key=lambda band: band.start)
         self._starts = [band.start for band in self._bands]
@@ -57,15 +54,15 @@ class MappedRows:
         self._limit = limit
 
     @classmethod
-    def build(cls, view: "TableView", cluster: "Cluster") -> "MappedRows | None":
+    def build(cls, view: TableView, session: Session) -> "MappedRows | None":
         """The fast path for `view`, or None where its layout or its shards do not allow one."""
         if not view.complete or view.dim == 0:
             return None
-        reader, bands, limits = cluster._data_plane.reader, [], []
+        reader, bands, limits = session.paths.shm, [], []
         for box in view.index.boxes:
             if box.inner_offsets != (0,) or box.inner_sizes != (view.dim,):
                 return None  # column-split: the general path concatenates the pieces
-            address = cluster._rank_status(box.rank).address
+            address = session.address_of(box.rank)
             try:
                 mapping = reader.host_mapping(address, view.summary, box.shard)
             except SharedMemoryError:

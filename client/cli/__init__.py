@@ -1,0 +1,1 @@
+"""The `shardserve` command line (client.cli.main:main)."""

@@ -1,0 +1,202 @@
+"""Embedding lookups of one client: rows of several tables, or pooled bags, one round trip per rank.
+
+- rows: distinct ids are looked up once (from the optional row cache first),
+  routed to one replica of each row band (every column shard of it), asked of
+  all ranks in parallel with one Lookup call per rank carrying every table's
+  items (client.embedding.exchange), and put back in the caller's order.
+  A table whose every shard is mapped from this host is gathered straight
+  from the mappings instead (client.embedding.mapped_rows).
+- bags: each shard pools the ids it owns into per-bag partial sums and counts
+  on the server (only pooled rows travel); the client adds them up
+  (shardcore.embedding.combine_partials). A bag whose ids all live on one
+  shard is bit for bit `F.embedding_bag`; a bag spread over shards is summed
+  in another order (within a few ulps). `pooling="client"` fetches the rows
+  and pools them locally instead, bit for bit in every case; the client does
+  that by itself when a request holds out-of-range ids answered with
+  zero/default rows, and (with pooling="auto") when a row cache is on or
+  every rank of the table is read through shared memory (same host: the rows
+  cost no transfer, so pooling here is both exact and cheapest).
+
+The server side of these calls is server/rank/reads/lookup.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from client.embedding.exchange import CPU_TURN, call_ranks, send_calls
+from client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
+from client.embedding.mapped_rows import MappedRows
+from client.embedding.plan import ItemPlan, RowPlan, bag_items, split_columns
+from client.embedding.row_cache import RowCache
+from client.embedding.views import TableView, TableViews, bad_id_error
+from client.errors import InvalidArgumentError, ShardServeError
+from client.retry import read_with_refresh
+from client.session import Session
+from shardcore.embedding import combine_partials, pool_bags
+
+T = TypeVar("T")
+
+
+class Lookups:
+    """The lookups of one client over its table views; `last_paths` says how each rank answered last."""
+
+    def __init__(self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0) -> None:
+        self._session = session
+        self.views = TableViews(session, cache, cache_max_age)
+        self.cache = cache
+        self.last_paths: dict[int, str] = {}  # rank -> "shm", "tcp", "grpc" or "shm+tcp"...: its latest answer's path
+        self._mapped: dict[str, tuple[TableView, MappedRows | None]] = {}  # name -> the fast path of its view
+
+    def _with_retry(self, names: Sequence[str], run: Callable[[dict[str, TableView]], T]) -> T:
+        """run(views) at the cached versions; on a stale version refresh every table and retry."""
+        def refresh() -> tuple[int, ...]:
+            self._session.refresh_ranks()
+            return tuple(self.views.view(name, refresh=True).version for name in names)
+
+        return read_with_refresh(lambda: run({name: self.views.view(name) for name in names}), refresh)
+
+    # ------------------------------------------------------------ rows
+
+    def lookup(self, requests: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Rows [len(ids), dim] of several tables, one Lookup call per rank."""
+        self._session.check_open()
+        ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
+        check_dtype(dtype)
+        return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
+
+    def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
+                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        """Each table from its mapped shards when it can (client.embedding.mapped_rows), the rest by routed
+        Lookup calls."""
+        results, rest = {}, {}
+        for name, table_ids in ids.items():
+            mapped = self._mapped_rows(views[name])  # may map shards (an OpenShard call): outside the turn
+            with CPU_TURN:
+                rows = mapped.rows(table_ids) if mapped is not None else None
+            if rows is None:
+                rest[name] = table_ids
+                continue
+            results[name] = rows if dtype is None else rows.to(dtype)
+            self.last_paths.update((rank, "shm") for rank in views[name].ranks)
+        if rest:
+            results.update(self._lookup_routed(views, rest, dtype))
+        return {name: results[name] for name in ids}
+
+    def _mapped_rows(self, view: TableView) -> MappedRows | None:
+        """The mapped fast path of `view` (built once per version; retried while ranks are not all mapped)."""
+        if self.cache is not None:
+            return None  # the row cache counts hits and misses per row: the general path keeps it exact
+        known = self._mapped.get(view.name)
+        if known is not None and known[0] is view and (known[1] is not None or not self._all_mapped(view)):
+            return known[1]
+        built = MappedRows.build(view, self._session) if self._all_mapped(view) else None
+        self._mapped[view.name] = (view, built)
+        return built
+
+    def is_mapped(self, name: str) -> bool:
+        """Whether the latest view of `name` is answered from mapped shards (client.embedding.mapped_rows)."""
+        known = self._mapped.get(name)
+        return known is not None and known[1] is not None
+
+    def _lookup_routed(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
+                       dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        items: list[ItemPlan] = []
+        with CPU_TURN:
+            plans = {name: RowPlan.of(views[name], table_ids) for name, table_ids in ids.items()}
+        for plan in plans.values():
+            if plan.bad is not None:
+                self.views.recheck_bad_ids(plan.view)  # may ask the coordinator: outside the turn
+        with CPU_TURN:
+            for name, plan in plans.items():
+                if plan.bad is not None and plan.view.oov == "error":
+                    raise bad_id_error(plan.view, ids[name], plan.bad_per_id())
+                plan.wanted = self._from_cache(plan)
+                items.extend(plan.items())
+            exchange = send_calls(self._session, items, self.last_paths)
+        exchange.wait()
+        with CPU_TURN:
+            exchange.finish()
+            return {name: self._rows_of(plan, [item for item in items if item.view is plan.view], dtype)
+                    for name, plan in plans.items()}
+
+    def _rows_of(self, plan: RowPlan, items: list[ItemPlan], dtype: torch.dtype | None) -> torch.Tensor:
+        """The rows asked of one table, in the caller's order, from its answered items (and into the cache)."""
+        rows = plan.distinct_rows(items)
+        if self.cache is not None and plan.wanted.size:
+            self.cache.put_many(plan.view.name, plan.view.version, plan.unique[plan.wanted].tolist(),
+                                rows[torch.from_numpy(plan.wanted)])
+        rows = plan.in_callers_order(rows)
+        return rows if dtype is None else rows.to(dtype)
+
+    def _from_cache(self, plan: RowPlan) -> np.ndarray | None:
+        """Fill the plan's rows from the row cache; return the positions (in plan.unique) still to fetch, or
+        None for all of them."""
+        todo = None if plan.bad is None else np.flatnonzero(~plan.bad)
+        if self.cache is None:
+            return todo
+        if todo is None:
+            todo = np.arange(plan.unique.size)
+        if not todo.size:
+            return todo
+        keys = plan.unique[todo].tolist()
+        found = self.cache.get_many(plan.view.name, plan.view.version, keys)
+        if not found:
+            return todo
+        hit = np.fromiter((k in found for k in keys), dtype=bool, count=len(keys))
+        plan.rows()[torch.from_numpy(todo[hit])] = torch.stack([found[k] for k in keys if k in found])
+        return todo[~hit]
+
+    # ------------------------------------------------------------ bags
+
+    def lookup_bag(self, name: str, ids: Any, offsets: Any, mode: str = "mean",
+                   per_sample_weights: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                   pooling: str = "auto") -> torch.Tensor:
+        """Pooled bags [len(offsets), dim] with nn.EmbeddingBag semantics (include_last_offset=False)."""
+        self._session.check_open()
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        check_dtype(dtype)
+        request = bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
+        pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
+        return pooled if dtype is None else pooled.to(dtype)
+
+    def _bag_once(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
+        weights = request.weights
+        if weights is not None and weights.dtype != view.dtype:
+            raise InvalidArgumentError(f"per_sample_weights has dtype {weights.dtype} but table {view.name!r} "
+                                       f"is {view.dtype}; torch's embedding_bag needs the same dtype")
+        bad = view.index.invalid_mask(request.ids)
+        if bool(bad.any()):
+            self.views.recheck_bad_ids(view)
+            if view.oov == "error":
+                raise bad_id_error(view, request.ids, bad)
+        if pooling == "client" or bool(bad.any()) or (pooling == "auto" and (self.cache is not None
+                                                                              or self._all_mapped(view))):
+            return self._pool_here(view, request)
+        return self._pool_on_ranks(view, request)
+
+    def _pool_here(self, view: TableView, request: BagRequest) -> torch.Tensor:
+        """Bags pooled on this side from the looked-up rows: bit for bit F.embedding_bag."""
+        rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
+        with CPU_TURN:
+            return pool_bags(rows, request.offsets, request.mode, request.weights)
+
+    def _pool_on_ranks(self, view: TableView, request: BagRequest) -> torch.Tensor:
+        """Bags pooled by the ranks into per-shard partial sums, added up here."""
+        items = bag_items(view, request)
+        if not items:
+            return torch.zeros((request.offsets.numel(), view.dim), dtype=view.dtype)
+        call_ranks(self._session, items, self.last_paths)
+        sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
+        try:
+            return combine_partials(split_columns([item.answer for item in items]), request.mode, view.dtype, sizes)
+        except ValueError as err:
+            raise ShardServeError(f"ranks answered inconsistent partial bags for {view.name!r}: {err}") from None
+
+    def _all_mapped(self, view: TableView) -> bool:
+        """Whether every rank holding `view` is read through shared memory now (then pooling on this side costs
+        no transfer and is bit for bit F.embedding_bag)."""
+        return all(self._session.paths.maps(self._session.rank_status(rank)) for rank in view.ranks)

@@ -1,0 +1,180 @@
+"""What a lookup needs of a table at one version (TableView) and the cache of those views (TableViews).
+
+A view holds the table's layout, a `RowIndex` for vectorized routing, and its
+out-of-range policy ("error", "zero" or "default" with a default row, set by
+create/put through `table_options`). Views are refreshed when a rank no longer
+serves their version, so an answer never mixes versions.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from client.arguments import dense_tensor
+from client.embedding.row_cache import RowCache
+from client.errors import InvalidArgumentError, StaleVersionError
+from client.info import TensorSummary
+from client.session import Session
+from protos import shardserve_pb2 as pb
+from shardcore.routing import RowIndex
+from shardcore.wire import tensor_bytes
+
+OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
+OOV_RECHECK_S = 1.0  # how old a table view may be when ids out of its range are answered from it alone
+
+
+@dataclass(frozen=True, eq=False)
+class TableView:
+    """A 2-D table at one version: layout, routing index, out-of-range policy and default row."""
+
+    summary: TensorSummary
+    oov: str
+    default_row: torch.Tensor | None
+    index: RowIndex = field(repr=False)
+
+    @classmethod
+    def from_info(cls, info: pb.TensorInfo) -> "TableView":
+        summary = TensorSummary.from_proto(info)
+        meta = summary.metadata
+        if meta.ndim != 2:
+            raise InvalidArgumentError(f"tensor {info.name!r} has shape {meta.size}; lookups need a 2-D table")
+        oov = OOV_NAMES.get(info.options.oov, "error")
+        default = None
+        if oov == "default":
+            default = torch.frombuffer(bytearray(info.options.default_row), dtype=meta.dtype).clone()
+        return cls(summary, oov, default, RowIndex(meta))
+
+    @property
+    def name(self) -> str:
+        return self.summary.name
+
+    @property
+    def version(self) -> int:
+        return self.summary.version
+
+    @property
+    def dim(self) -> int:
+        return self.summary.metadata.size[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.summary.metadata.dtype
+
+    @functools.cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks holding shards of the table (sorted)."""
+        return tuple(sorted({shard.rank for shard in self.summary.metadata.shards_metadata}))
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row 0..rows-1 is held whole by the layout (then only the range needs checking)."""
+        return self.index.covers_every_row
+
+    def invalid(self, sorted_ids: np.ndarray) -> np.ndarray | None:
+        """Mask of the ids no shard holds (out of range or in a hole), or None when there is none."""
+        if not sorted_ids.size:
+            return None
+        if self.complete and sorted_ids[0] >= 0 and sorted_ids[-1] < self.summary.metadata.size[0]:
+            return None
+        bad = self.index.invalid_array(sorted_ids)
+        return bad if bool(bad.any()) else None
+
+    def fill_row(self) -> torch.Tensor:
+        """What an out-of-range id looks up under this table's policy (zero or default)."""
+        return self.default_row if self.default_row is not None else torch.zeros(self.dim, dtype=self.dtype)
+
+
+class TableViews:
+    """The cached view of each table one client looked up (and the row cache's view ages)."""
+
+    def __init__(self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0) -> None:
+        self._session = session
+        self.cache = cache
+        self.cache_max_age = cache_max_age
+        self._views: dict[str, TableView] = {}
+        self._fetched: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def view(self, name: str, refresh: bool = False) -> TableView:
+        """The cached view of `name` (fetched from the coordinator when missing or when asked).
+
+        With a row cache, lookups answered from it alone never reach a rank that would say the version
+        is stale, so the view is also refreshed when older than `cache_max_age` seconds.
+        """
+        with self._lock:
+            view = self._views.get(name)
+            if self.cache is not None and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age:
+                refresh = True
+        if view is None or refresh:
+            view = self._fetch(name)
+        return view
+
+    def _fetch(self, name: str) -> TableView:
+        info = self._session.call("GetTensor", pb.GetTensorRequest(name=name))
+        with self._lock:
+            old = self._views.get(name)
+        view = old if old is not None and old.version == info.version else TableView.from_info(info)
+        with self._lock:
+            old = self._views.get(name)
+            if old is None or old.version <= view.version:
+                self._views[name] = view
+            view = self._views[name]
+            self._fetched[name] = time.monotonic()
+        if self.cache is not None:
+            self.cache.invalidate_older(name, view.version)
+        return view
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._views.pop(name, None)
+
+    def recheck_bad_ids(self, view: TableView) -> None:
+        """Ids the cached view finds out of range, which no rank is asked about, may be in range of a newer
+        version (the table was replaced, perhaps by another client): a view older than OOV_RECHECK_S is fetched
+        again first, and a newer version retries the lookup (StaleVersionError) rather than answer the old
+        layout's error or out-of-range rows."""
+        with self._lock:
+            fetched = self._fetched.get(view.name, 0.0)
+        if time.monotonic() - fetched < OOV_RECHECK_S:
+            return
+        fresh = self.view(view.name, refresh=True)
+        if fresh.version != view.version:
+            raise StaleVersionError(f"table {view.name!r} is at version {fresh.version}, not {view.version}",
+                                    grpc.StatusCode.FAILED_PRECONDITION)
+
+
+def bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> InvalidArgumentError:
+    position = int(bad.nonzero()[0, 0])
+    rows = view.summary.metadata.size[0]
+    return InvalidArgumentError(
+        f"ids[{position}]={int(ids[position])} is out of range for table {view.name!r} of {rows} rows "
+        f"({int(bad.sum())} bad id(s) in all; the table's oov policy is 'error')", grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def table_options(oov: str, default_row: Any, shape: Sequence[int], dtype: torch.dtype) -> pb.TensorOptions:
+    """TensorOptions for create/put: oov "error" (default), "zero" or "default" (needs default_row)."""
+    policies = {name: number for number, name in OOV_NAMES.items()}
+    if oov not in policies:
+        raise InvalidArgumentError(f"oov must be one of {sorted(policies)}, got {oov!r}")
+    if oov != "default":
+        if default_row is not None:
+            raise InvalidArgumentError(f"default_row is only used with oov='default', got oov={oov!r}")
+        return pb.TensorOptions(oov=policies[oov])
+    if len(shape) != 2:
+        raise InvalidArgumentError(f"oov='default' needs a 2-D table, got shape {tuple(shape)}")
+    if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
+        got = tuple(default_row.shape) if isinstance(default_row, torch.Tensor) else type(default_row).__name__
+        raise InvalidArgumentError(f"default_row must be a tensor of shape ({shape[1]},), got {got}")
+    dense_tensor(default_row, "default_row")
+    if not torch.can_cast(default_row.dtype, dtype):
+        raise TypeError(f"default_row has dtype {default_row.dtype}, which a {dtype} table cannot hold without "
+                        f"losing its kind (torch.can_cast)")
+    row = default_row.detach().cpu().to(dtype).contiguous()
+    return pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=bytes(tensor_bytes(row)))

@@ -1,0 +1,1 @@
+"""Cluster-wide operations the coordinator drives: reshard, row updates, DCP checkpoints."""

@@ -1,0 +1,93 @@
+"""The gRPC data path (server/rank/reads/small.py and lookup.py answer it): boxes and lookups over the channel.
+
+A box of at most SMALL_READ_BYTES is one unary ReadRegionSmall call (about
+half a stream's per-call cost), a larger one a ReadRegion stream written
+straight into the preallocated output. A lookup whose answer fits
+SMALL_ANSWER_BYTES is one LookupSmall message, a larger one a Lookup stream.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+import torch
+
+from client.channel import Channel
+from client.errors import ShardServeError, error_from_rpc
+from protos import shardserve_pb2 as pb
+
+SMALL_READ_BYTES = 1 << 20  # boxes up to this size come as one unary reply (ReadRegionSmall), larger ones stream
+# Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
+# one message beat the stream at 512 KiB and at 2 MiB per rank (a stream costs about twice a unary call).
+SMALL_ANSWER_BYTES = 4 << 20
+
+
+def answers_in_one_message(answer_bytes: int) -> bool:
+    """Whether a lookup answer of `answer_bytes` comes as one message (LookupSmall, or the bulk port's reply)."""
+    return answer_bytes <= SMALL_ANSWER_BYTES
+
+
+class GrpcPath:
+    """Reads and lookups as gRPC calls to the ranks."""
+
+    name = "grpc"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+        """One box into `dest` (a flat uint8 tensor of its size): unary when small, else a ReadRegion stream."""
+        if dest.numel() > SMALL_READ_BYTES:
+            self.read_stream(address, request, dest)
+        else:
+            self.read_small(address, request, dest)
+
+    def read_small(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+        """One box as one ReadRegionSmall reply into `dest`."""
+        expected = dest.numel()
+        call = self.channel.shard_methods(address).read_region_small
+        try:
+            offset, data = call(request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"rank at {address}") from None
+        if offset != 0 or len(data) != expected:
+            raise ShardServeError(f"rank at {address} sent {len(data)} bytes at offset {offset} for a "
+                                  f"{expected}-byte region")
+        if expected:
+            dest.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+
+    def read_stream(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+        """One box as a ReadRegion stream into `dest`, each chunk written in place."""
+        expected = dest.numel()
+        target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
+        read = self.channel.shard_methods(address).read_region
+        call = read(request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata)
+        received = 0
+        try:
+            for offset, data in call:
+                end = offset + len(data)
+                if offset < 0 or end > expected:
+                    raise ShardServeError(
+                        f"rank at {address} sent a chunk at bytes [{offset}, {end}) of a {expected}-byte region")
+                if len(data):
+                    target[offset:end] = np.frombuffer(data, dtype=np.uint8)
+                received += len(data)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"rank at {address}") from None
+        finally:
+            call.cancel()
+        if received != expected:
+            raise ShardServeError(f"rank at {address} sent {received} bytes for a {expected}-byte region")
+
+    def lookup(self, address: str, request: pb.LookupRequest, answer_bytes: int, take: Callable[[Any], None],
+               where: str) -> None:
+        """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream; `take(chunk)` gets every
+        RawLookupChunk as it arrives (a streamed answer waits for its next chunk outside `take`)."""
+        methods = self.channel.shard_methods(address)
+        call = methods.lookup_small if answers_in_one_message(answer_bytes) else methods.lookup
+        try:
+            for chunk in call(request, timeout=self.channel.data_timeout(answer_bytes), metadata=self.channel.metadata):
+                take(chunk)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, where) from None

@@ -1,0 +1,187 @@
+"""Session: what the client's helpers share of one connection, instead of reaching into Cluster.
+
+Coordinator calls (unary and progress streams), the ranks' addresses and
+status, tensor summaries and layouts, the put lifecycle (create, commit,
+abort), and the data paths; Cluster, the tensor proxies, the embedding
+lookups and the operations in client.ops all work through it.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+from typing import Any, Callable, Sequence, TypeVar
+
+import grpc
+import torch
+
+from client import arguments
+from client.channel import Channel
+from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError,
+                           error_from_rpc)
+from client.info import RankStatus, TensorSummary
+from client.paths.policy import PathPolicy
+from protos import shardserve_pb2 as pb
+from shardcore.interop import as_spec
+from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.validation import validate_metadata
+
+T = TypeVar("T")
+_STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
+
+
+class Session:
+    """One client's connection: the coordinator at `address`, the ranks it lists, and the data paths to them."""
+
+    def __init__(self, address: str, channel: Channel, paths: PathPolicy) -> None:
+        self.address = address
+        self.channel = channel
+        self.paths = paths
+        self._coordinator = channel.coordinator(address)
+        self._ranks: dict[int, RankStatus] = {}
+        self._ranks_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close every bulk connection, shared-memory mapping (unmapped once no tensor uses it) and channel."""
+        self.paths.close()
+        self.channel.close()
+
+    def check_open(self) -> None:
+        """ShardServeError once close() ran."""
+        self.channel.check_open()
+
+    def run_all(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
+        """Run `jobs` on the client's pool (the first on this thread); raise the first failure once all ended."""
+        return self.channel.run_all(jobs)
+
+    # ------------------------------------------------------------ coordinator calls
+
+    def call(self, method: str, request: Any) -> Any:
+        """The coordinator's unary `method` with deadline and auth; errors as ShardServeErrors."""
+        return self.channel.unary(getattr(self._coordinator, method), request, f"coordinator at {self.address}")
+
+    def follow(self, method: str, request: Any, work_timeout: float, report: Callable[[Any], None],
+               refused: Callable[[str], ShardServeError] | None = None) -> list[Any]:
+        """The coordinator's progress stream `method`: report(message) for every message, in order; returns them.
+
+        The stream's deadline is `work_timeout` plus slack for the coordinator's own steps; a FAILED_PRECONDITION
+        becomes refused(details) when given. The call is cancelled however it ends (Ctrl-C in `report` too),
+        which aborts the work on the coordinator."""
+        self.check_open()
+        call = getattr(self._coordinator, method)(request, timeout=work_timeout + _STREAM_SLACK_S,
+                                                  metadata=self.channel.metadata)
+        messages = []
+        try:
+            for message in call:
+                messages.append(message)
+                report(message)
+        except grpc.RpcError as err:
+            if refused is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise refused(err.details()) from None
+            raise error_from_rpc(err, f"coordinator at {self.address}") from None
+        finally:
+            call.cancel()
+        return messages
+
+    # ------------------------------------------------------------ ranks
+
+    def refresh_ranks(self) -> list[RankStatus]:
+        """Every registered rank, fetched from the coordinator now (and kept for rank_status)."""
+        ranks = [RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks]
+        with self._ranks_lock:
+            self._ranks = {r.rank: r for r in ranks}
+        return ranks
+
+    def known_ranks(self) -> list[int]:
+        """The ranks seen at the latest refresh, sorted (no call)."""
+        return sorted(self._ranks)
+
+    def rank_status(self, rank: int) -> RankStatus:
+        """The registered status of `rank` (address, host, shared memory), refreshed once if unknown."""
+        status = self._ranks.get(rank)
+        if status is None or not status.address:
+            status = {r.rank: r for r in self.refresh_ranks()}.get(rank)
+        if status is None or not status.address:
+            raise RankUnavailableError(f"rank {rank} is not registered with the coordinator at {self.address}")
+        return status
+
+    def address_of(self, rank: int) -> str:
+        return self.rank_status(rank).address
+
+    # ------------------------------------------------------------ tensors
+
+    def summary(self, name: str) -> TensorSummary:
+        """The catalog entry of the READY tensor `name` (TensorNotFoundError if there is none)."""
+        return TensorSummary.from_proto(self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name))))
+
+    def layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
+        """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank; a 0-d
+        tensor whole on the first live rank)."""
+        if spec is None:
+            spec = self._default_spec(shape)
+        spec = _resolve_spec(spec)
+        try:
+            if isinstance(spec, ShardedTensorMetadata):
+                meta = spec
+                if meta.size != tuple(shape) or meta.dtype != dtype:
+                    raise ValueError(f"spec metadata is for a {meta.dtype} tensor of size {meta.size}, "
+                                     f"not {dtype} of size {tuple(shape)}")
+            else:
+                meta = spec.build_metadata(tuple(shape), TensorProperties(dtype=dtype))
+            validate_metadata(meta)
+        except ValueError as err:
+            raise InvalidArgumentError(f"spec: {err}") from None
+        return meta
+
+    def _default_spec(self, shape: Sequence[int]) -> ChunkShardingSpec | EnumerableShardingSpec:
+        live = [r for r in sorted(self.refresh_ranks(), key=lambda r: r.rank) if r.alive]
+        if not live:
+            raise RankUnavailableError(f"no live rank is registered with the coordinator at {self.address}")
+        placements = [f"rank:{r.rank}/{r.device}" for r in live]
+        return ChunkShardingSpec(0, placements) if len(shape) else \
+            EnumerableShardingSpec([ShardMetadata((), (), placements[0])])
+
+    def create_tensor(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """CreateTensor under a fresh put token. When the answer is lost (deadline, connection) the version may
+        have been made anyway, with no one to write or abort it: the token aborts it (or, if the coordinator
+        has not run the call yet, makes it refuse the call), instead of leaving it to the pending timeout."""
+        request.put_token = uuid.uuid4().hex
+        try:
+            return self.call("CreateTensor", request)
+        except (DeadlineExceededError, RankUnavailableError):
+            with contextlib.suppress(ShardServeError):
+                self.call("AbortTensor", pb.AbortTensorRequest(name=request.name, put_token=request.put_token))
+            raise
+
+    def commit(self, name: str, version: int) -> pb.TensorInfo:
+        """CommitTensor of a pending version. When the answer is lost (deadline, connection) the commit may still
+        have happened: then the READY version says so, and it counts as done rather than being reported failed
+        while it is visible."""
+        try:
+            return self.call("CommitTensor", pb.CommitTensorRequest(name=name, version=version))
+        except (DeadlineExceededError, RankUnavailableError):
+            try:
+                ready = self.call("GetTensor", pb.GetTensorRequest(name=name))
+            except ShardServeError:
+                ready = None
+            if ready is not None and ready.version == version:
+                return ready
+            raise
+
+    def abort(self, name: str, version: int) -> None:
+        """Best-effort AbortTensor of a pending version (the coordinator also times pending ones out)."""
+        with contextlib.suppress(ShardServeError):
+            self.call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
+
+
+def _resolve_spec(spec: Any) -> Any:
+    """A shardcore spec from ours or torch's ChunkShardingSpec / EnumerableShardingSpec (metadata passes as is)."""
+    if isinstance(spec, ShardedTensorMetadata):
+        return spec
+    try:
+        return as_spec(spec)
+    except TypeError as err:
+        raise TypeError(f"spec: {err}") from None
+    except ValueError as err:
+        raise InvalidArgumentError(f"spec: {err}") from None
