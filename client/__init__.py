@@ -1,6 +1,6 @@
 """shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
 from client.cluster import Cluster, connect
-from client.embedding.modules import RemoteEmbedding, RemoteEmbeddingBag
+from client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from client.errors import (AbortedError, AuthenticationError, DeadlineExceededError, InvalidArgumentError,
                            RankUnavailableError, ResourceExhaustedError, ShardServeError, StaleVersionError,
                            TensorExistsError, TensorNotFoundError)
