@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.catalog import SQLiteCatalog
-from server.coordinator import Coordinator, RankEntry
+from server.coordinator.catalog import SQLiteCatalog
+from server.coordinator.lifecycle import Coordinator, RankEntry
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import metadata_to_proto
@@ -99,7 +99,7 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):
     """The ranks write into a staging directory inside the path; a job that fails half way (one rank's file
     written) is removed whole, and the old checkpoint's files are untouched."""
-    from server.reshard_driver import CollectiveJobError
+    from server.coordinator.reshard import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
     coordinator._ranks[0].info.world_size = 1
@@ -125,7 +125,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
 
 def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
-    from server.checkpoint_driver import publish_checkpoint
+    from server.coordinator.checkpoint import publish_checkpoint
 
     path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
     staging.mkdir(parents=True)
@@ -145,8 +145,8 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     NAME_LOCK_WAIT_S instead of holding a gRPC worker without bound, and goes through once the lock is free."""
     import threading
 
-    import server.coordinator as coordinator_module
-    from server.errors import Aborted
+    import server.coordinator.lifecycle as coordinator_module
+    from server.common.errors import Aborted
 
     _rank(coordinator, RankStub(set()))
     _ready(coordinator, "busy")
@@ -211,7 +211,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     """When the deadline passes before the coordinator ran CreateTensor, the abort comes first: the late
     CreateTensor with that token is refused, and allocates nothing."""
     from client.errors import DeadlineExceededError
-    from server.errors import Aborted
+    from server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)
@@ -227,7 +227,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
 
 
 def test_put_tokens_are_checked(coordinator):
-    from server.errors import InvalidArgument
+    from server.common.errors import InvalidArgument
 
     _rank(coordinator, RankStub(set()))
     assert coordinator.abort_put("t", "no-such-put") == 0
@@ -245,7 +245,7 @@ def test_put_tokens_are_checked(coordinator):
 def test_name_locks_are_forgotten_once_unused(coordinator):
     """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
     names included) would grow the coordinator without bound."""
-    from server.errors import NotFound
+    from server.common.errors import NotFound
 
     _rank(coordinator, RankStub(set()))
     for i in range(50):
@@ -261,7 +261,7 @@ def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordina
     """A reshard or checkpoint load commits a newer version while a put's version is pending: committing the
     put would answer success yet never be served (readers take the newest READY version), so it is ABORTED
     and its shards dropped."""
-    from server.errors import Aborted
+    from server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)

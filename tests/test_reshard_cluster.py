@@ -23,9 +23,9 @@ from client.errors import InvalidArgumentError, RankUnavailableError, ShardServe
 from client.reshard import ReshardRefusedError, layout_from_options
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.collective_jobs import STALL_ENV
+from server.rank.jobs.service import STALL_ENV
 from server.launcher import PROJECT_ROOT, free_port
-from server.reshard_driver import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 

@@ -22,14 +22,14 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.auth import Security, make_channel
-from server.catalog import Catalog, ranks_of
-from server.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
+from server.common.auth import Security, make_channel
+from server.coordinator.catalog import Catalog, ranks_of
+from server.common.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ServiceError,
                            Unavailable, rpc_errors)
-from server.checkpoint_driver import CheckpointDriver, inspect as inspect_checkpoint
-from server.reshard_driver import ReshardDriver
-from server.requests import check_name, check_options, check_put_token, check_version, parse_metadata
-from server.store import check_init
+from server.coordinator.checkpoint import CheckpointDriver, inspect as inspect_checkpoint
+from server.coordinator.reshard import ReshardDriver
+from server.common.requests import check_name, check_options, check_put_token, check_version, parse_metadata
+from server.rank.store import check_init
 from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
 

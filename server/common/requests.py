@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import InvalidArgument
+from server.common.errors import InvalidArgument
 from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 from shardcore.wire import metadata_from_proto
 
 if TYPE_CHECKING:
-    from server.store import ShardStore
+    from server.rank.store import ShardStore
 
 MAX_NAME_LENGTH = 256
 

@@ -30,11 +30,11 @@ from protos import shardserve_pb2 as pb
 from protos.bulk_wire import (FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES, recv_exactly,
                               send_parts)
 from protos.chunk_codec import lookup_reply_pieces
-from server.cuda_staging import host_bytes
-from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
-from server.lookup_service import LookupService
-from server.requests import requested_box
-from server.store import ShardStore
+from server.rank.cuda_staging import host_bytes
+from server.common.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
+from server.rank.reads.lookup import LookupService
+from server.common.requests import requested_box
+from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 

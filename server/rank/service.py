@@ -8,22 +8,22 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.collective_jobs import CollectiveJobs
-from server.collective_jobs import handlers as collective_handlers
-from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
+from server.rank.jobs.service import CollectiveJobs
+from server.rank.jobs.service import handlers as collective_handlers
+from server.rank.jobs.checkpoint import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
 from protos.chunk_codec import (LookupPart, RawChunk, decode_write_request, encode_chunk, encode_lookup_chunk,
                                 encode_lookup_reply)
-from server.bulk_reads import BulkReads
-from server.bulk_reads import handlers as bulk_read_handlers
-from server.errors import InvalidArgument, rpc_errors
-from server.lookup_service import LookupService
-from server.cuda_staging import host_bytes
-from server.shm_service import SharedMemoryService
-from server.shm_service import handlers as shared_memory_handlers
-from server.small_reads import SmallReads
-from server.small_reads import handlers as small_read_handlers
-from server.requests import check_name, check_options, check_version, parse_dtype, parse_metadata, requested_box
-from server.store import ShardStore
+from server.rank.reads.bulk import BulkReads
+from server.rank.reads.bulk import handlers as bulk_read_handlers
+from server.common.errors import InvalidArgument, rpc_errors
+from server.rank.reads.lookup import LookupService
+from server.rank.cuda_staging import host_bytes
+from server.rank.reads.shm import SharedMemoryService
+from server.rank.reads.shm import handlers as shared_memory_handlers
+from server.rank.reads.small import SmallReads
+from server.rank.reads.small import handlers as small_read_handlers
+from server.common.requests import check_name, check_options, check_version, parse_dtype, parse_metadata, requested_box
+from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 

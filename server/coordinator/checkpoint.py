@@ -30,15 +30,15 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Iterator
 
 from protos import shardserve_pb2 as pb
-from server.catalog import ranks_of
-from server.reshard_driver import job_timeout
-from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from server.requests import check_name, parse_metadata
+from server.coordinator.catalog import ranks_of
+from server.coordinator.reshard import job_timeout
+from server.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from server.common.requests import check_name, parse_metadata
 from shardcore.dtypes import dtype_to_wire
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _check_path(path: str) -> str:
 
 def inspect(path: str) -> pb.InspectCheckpointResponse:
     """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
-    from server.checkpoint import checkpoint_tensors  # DCP is imported on first use, not at start-up
+    from server.rank.jobs.checkpoint_io import checkpoint_tensors  # DCP is imported on first use, not at start-up
 
     try:
         entries = checkpoint_tensors(_check_path(path))

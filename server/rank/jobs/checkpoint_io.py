@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from server.checkpoint_reader import RegionReader
+from server.rank.jobs.checkpoint_reader import RegionReader
 from shardcore.metadata import Box, ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 

@@ -5,7 +5,7 @@ Collective jobs (generic; issue 5's DCP load/save uses the same path): the
 per participant, `after_seq` (that rank's previous job), and `CollectiveRunner`
 sends RunCollective to every participant in parallel, sums their progress and
 fails the job as soon as one rank fails (after a short grace to hear the
-others), naming the rank that is down or hung. See server/collective_jobs.py
+others), naming the rank that is down or hung. See server/rank/jobs/service.py
 for the rank side.
 
 Reshard(name, new metadata):
@@ -48,15 +48,15 @@ from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
-from server.catalog import ranks_of
-from server.requests import check_name, parse_metadata
+from server.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
+from server.coordinator.catalog import ranks_of
+from server.common.requests import check_name, parse_metadata
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 if TYPE_CHECKING:
-    from server.coordinator import Coordinator
+    from server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from server.errors import ResourceExhausted
-from server.recycling import Buffer, RecycledBuffers
+from server.common.errors import ResourceExhausted
+from server.rank.recycling import Buffer, RecycledBuffers
 from shardcore.dtypes import itemsize
 from shardcore.wire import byte_view
 
@@ -39,7 +39,7 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # Each segment starts with a header page: int64 HEADER_MAGIC, int64 state, int64 generation; the shard's bytes
 # follow it. The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a
 # client holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer
-# makes it). The generation grows each time a freed segment is taken for another version (server/recycling.py),
+# makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
