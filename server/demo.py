@@ -58,7 +58,7 @@ def load_demo(coordinator, state_dir: str | Path) -> pb.TensorInfo:  # type: ign
     from shardcore.wire import metadata_to_proto
 
     path = ensure_demo_checkpoint(state_dir)
-    ranks = coordinator.ranks()
+    ranks = coordinator.registry.ranks()
     spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in ranks])
     meta = spec.build_metadata((DEMO_ROWS, DEMO_DIM), TensorProperties(dtype=torch.float32))
     request = pb.LoadCheckpointRequest(path=path, overwrite=True, tensors=[

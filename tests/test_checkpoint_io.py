@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from server.rank.jobs.checkpoint_io import (CheckpointError, checkpoint_tensors, load_shards, load_tensors, save_shards,
-                               save_tensors)
+from server.common.dcp_metadata import checkpoint_tensors
+from server.rank.jobs.checkpoint_io import CheckpointError, load_shards, load_tensors, save_shards, save_tensors
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
 from shardcore.specs import ChunkShardingSpec
 

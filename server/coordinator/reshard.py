@@ -1,12 +1,4 @@
-"""Coordinated resharding on the coordinator: job numbering, the collective fan-out, PREPARE/COMMIT/ABORT.
-
-Collective jobs (generic; issue 5's DCP load/save uses the same path): the
-`JobSequencer` gives each job a `seq` from the catalog's growing counter and,
-per participant, `after_seq` (that rank's previous job), and `CollectiveRunner`
-sends RunCollective to every participant in parallel, sums their progress and
-fails the job as soon as one rank fails (after a short grace to hear the
-others), naming the rank that is down or hung. See server/rank/jobs/service.py
-for the rank side.
+"""Coordinated resharding, driven by the coordinator: PREPARE, COMMIT or ABORT of one tensor's new layout.
 
 Reshard(name, new metadata):
 1. PREPARE: validate (same size and dtype, placements on live ranks: a dead one
@@ -29,236 +21,57 @@ Reshard(name, new metadata):
    (CancelCollective); a client that cancels leaves a started job to end on
    the ranks, then drops what it staged.
 
-A job that fails with a dead or hung peer leaves the torch.distributed world
-unusable for collectives (see collective_jobs); the coordinator then refuses
-reshards with a message saying what the operator must do, also shown by
-ListRanks (`shardserve status`).
+The collective job itself is numbered and run by coordinator/collectives.py,
+which also refuses jobs once the torch.distributed world is unusable.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
-import queue
 import threading
 import time
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable, Generator, Iterator, Sequence
-
-import grpc
+from typing import Generator, Iterator, Sequence
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ServiceError, Unavailable
-from server.coordinator.catalog import ranks_of
+from server.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
 from server.common.requests import check_name, parse_metadata
+from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.collectives import CollectiveRunner, job_timeout
+from server.coordinator.locks import NameLocks
+from server.coordinator.registry import RankRegistry
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
-if TYPE_CHECKING:
-    from server.coordinator.lifecycle import Coordinator
-
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-MIN_JOB_TIMEOUT_S = 1.0
 # Test hook: the coordinator process exits right after a reshard's catalog commit.
 EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
 EXIT_AFTER_COMMIT_CODE = 17
-_FAILURE_GRACE_S = 2.0   # after one rank failed, how long to hear the others before naming the culprit
-_RPC_SLACK_S = 15.0      # how long past the job's own timeout a started job's rank is waited for
-_CONTROL_TIMEOUT_S = 10.0
-
-
-class CollectiveJobError(ServiceError):
-    """A collective job failed; `culprits` are the ranks that are down or hung (empty: a plain failure)."""
-
-    code = grpc.StatusCode.ABORTED
-
-    def __init__(self, message: str, culprits: Sequence[int] = ()) -> None:
-        super().__init__(message, grpc.StatusCode.UNAVAILABLE if culprits else None)
-        self.culprits = tuple(culprits)
-
-
-class JobSequencer:
-    """Numbers collective jobs and remembers each rank's last job, so ranks chain them in one order."""
-
-    def __init__(self, next_number: Callable[[], int]) -> None:
-        self._next_number = next_number
-        self._last: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def assign(self, ranks: Sequence[int]) -> tuple[int, dict[int, int]]:
-        """(seq of a new job over `ranks`, {rank: after_seq})."""
-        with self._lock:
-            seq = self._next_number()
-            after = {r: self._last.get(r, 0) for r in ranks}
-            self._last.update({r: seq for r in ranks})
-        return seq, after
-
-
-class CollectiveRunner:
-    """Runs one collective job on its participants and reports their summed progress."""
-
-    def __init__(self, coordinator: "Coordinator") -> None:
-        self.coordinator = coordinator
-        self.sequencer = JobSequencer(coordinator.catalog.next_version)
-        self.broken: str | None = None
-
-    def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
-            ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
-        """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
-
-        Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
-        is set here; on failure the job is cancelled on every participant.
-        """
-        ranks = sorted(set(ranks))
-        if self.broken is not None:
-            raise FailedPrecondition(self.broken)
-        entries = {r: self.coordinator._entry(r) for r in ranks}
-        seq, after = self.sequencer.assign(ranks)
-        job.seq = seq
-        del job.ranks[:]
-        job.ranks.extend(ranks)
-        events: "queue.Queue[tuple[int, object]]" = queue.Queue()
-        calls = {}
-        for rank, entry in entries.items():
-            request = pb.CollectiveJob()
-            request.CopyFrom(job)
-            request.after_seq = after[rank]
-            calls[rank] = entry.stub.RunCollective(request)  # bounded by the watch below, which cancels it
-            threading.Thread(target=_pump, args=(rank, calls[rank], events), daemon=True,
-                             name=f"collective-{seq}-rank-{rank}").start()
-        latest = {r: pb.CollectiveProgress() for r in ranks}
-        finals: dict[int, pb.CollectiveProgress] = {}
-        failures: dict[int, object] = {}
-        watch = _JobWatch(ranks, job.timeout_s + _RPC_SLACK_S)
-        try:
-            while len(finals) + len(failures) < len(ranks):
-                try:
-                    rank, item = events.get(timeout=watch.seconds_left(finals.keys() | failures.keys()))
-                except queue.Empty:  # the wait ran to the first limit: that rank is given up
-                    break
-                watch.heard(rank, item)
-                if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
-                    latest[rank] = item
-                    if item.done:
-                        finals[rank] = item
-                    yield sum(p.bytes_done for p in latest.values()), sum(p.bytes_total for p in latest.values())
-                    continue
-                failures[rank] = item
-                watch.failed()
-        finally:
-            for call in calls.values():
-                call.cancel()
-        missing = [r for r in ranks if r not in finals and r not in failures]
-        if failures or missing:
-            self._cancel(seq, ranks)
-            raise self._failure(what, failures, missing)
-        return finals
-
-    def _cancel(self, seq: int, ranks: Sequence[int]) -> None:
-        request = pb.CancelCollectiveRequest(seq=seq)
-        for rank in ranks:
-            try:
-                self.coordinator._entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
-            except (grpc.RpcError, ServiceError):
-                pass  # a dead rank runs nothing
-
-    def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
-        """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
-        down = {r for r, f in failures.items()
-                if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE}
-        down |= {r for r in set(failures) | set(missing) if not self.coordinator.rank_alive(r)}
-        reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
-        named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
-        culprits = down | (named - reporters)
-        if not culprits and (named or missing):
-            culprits = named | set(missing)
-        details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(failures.items()))
-        if not culprits:
-            return CollectiveJobError(f"{what} failed: {details}")
-        parts = [f"rank {r} is down" if r in down or not self.coordinator.rank_alive(r) else
-                 f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
-        first = min(culprits)
-        self.broken = (f"rank {first} is down or hung, so the torch.distributed world can run no more "
-                       f"collectives: every reshard and checkpoint job is refused until the cluster is restarted "
-                       f"(the world is not re-formed in place: stop and start `shardserve up`, or restart every "
-                       f"torchrun worker). Reads and writes keep working on the live ranks.")
-        log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
-        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
-                                  f"{self.broken} Details: {details or 'no answer'}", sorted(culprits))
-
-
-class _JobWatch:
-    """When the coordinator stops waiting for a collective job's ranks.
-
-    A rank's job may first wait behind that rank's earlier jobs (another
-    tensor's reshard, say); meanwhile the rank streams progress every 0.2 s,
-    and it is given up only once silent for SILENCE_S. From its `started`
-    message on it has `run_s` (the job's timeout plus slack). After any rank
-    failed, the others get _FAILURE_GRACE_S more, to name the culprit.
-    """
-
-    SILENCE_S = 30.0
-
-    def __init__(self, ranks: Sequence[int], run_s: float) -> None:
-        now = time.monotonic()
-        self.run_s = run_s
-        self.limits = {rank: now + self.SILENCE_S for rank in ranks}  # per rank: when it is given up
-        self.running: set[int] = set()
-        self.give_up = float("inf")
-
-    def heard(self, rank: int, item: object) -> None:
-        now = time.monotonic()
-        if isinstance(item, pb.CollectiveProgress) and item.started and rank not in self.running:
-            self.running.add(rank)
-            self.limits[rank] = now + self.run_s
-        elif rank not in self.running:
-            self.limits[rank] = now + self.SILENCE_S
-
-    def failed(self) -> None:
-        self.give_up = min(self.give_up, time.monotonic() + _FAILURE_GRACE_S)
-
-    def seconds_left(self, ended: set[int]) -> float:
-        """Seconds until a rank that has not ended is given up (0: now)."""
-        pending = [limit for rank, limit in self.limits.items() if rank not in ended]
-        return max(0.0, min([self.give_up, *pending]) - time.monotonic())
-
-
-def _pump(rank: int, call: grpc.Call, events: "queue.Queue[tuple[int, object]]") -> None:
-    """Forward one rank's progress stream (or its RPC failure) into the runner's queue. A CANCELLED stream is
-    forwarded too: the runner cancels only once it stopped reading, so this one was cut elsewhere (the rank
-    re-registered and its channel was closed) and the job will not hear from that rank again."""
-    try:
-        for message in call:
-            events.put((rank, message))
-    except grpc.RpcError as err:
-        events.put((rank, err))
-
-
-def _describe(failure: object) -> str:
-    if isinstance(failure, grpc.RpcError):
-        return f"{failure.code().name}: {failure.details()}"
-    assert isinstance(failure, pb.CollectiveProgress)
-    return failure.error
 
 
 class ReshardDriver:
     """The Reshard RPC's logic; one per coordinator."""
 
-    def __init__(self, coordinator: "Coordinator", default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.coordinator = coordinator
-        self.catalog = coordinator.catalog
-        self.jobs = CollectiveRunner(coordinator)
+    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
+                 default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.locks = locks
+        self.collectives = collectives
         self.default_timeout_s = default_timeout_s
         self._running: set[str] = set()
         self._old_versions: dict[str, pb.TensorInfo] = {}  # committed, to drop once the new one is promoted
         self._running_lock = threading.Lock()
-
-    @property
-    def collectives_error(self) -> str:
-        return self.jobs.broken or ""
 
     @contextmanager
     def _claim(self, name: str) -> Iterator[None]:
@@ -279,9 +92,8 @@ class ReshardDriver:
         dst = parse_metadata(request.metadata)
         bucket_bytes = _bucket_bytes(request.bucket_bytes)
         timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
-        if self.jobs.broken is not None:
-            raise FailedPrecondition(self.jobs.broken)
-        with self._claim(name), self.coordinator._name_lock(name):
+        self.collectives.state.check()
+        with self._claim(name), self.locks.hold(name):
             info = self.catalog.ready(name)
             if info is None:
                 raise NotFound(f"tensor {name!r} not found")
@@ -295,7 +107,7 @@ class ReshardDriver:
             src = metadata_from_proto(info.metadata)
             plan = _plan(src, dst, bucket_bytes)
             self._check_ranks(src.ranks(), dst.ranks())
-            self.coordinator._check_placements(dst)
+            self.registry.check_placements(dst)
             new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
                                 options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
                                 created_unix=time.time(), promoting=True)
@@ -323,14 +135,13 @@ class ReshardDriver:
         """Reserve the new version's memory, then run the reshard job on every participant."""
         reserve = pb.AllocateShardsRequest(name=new.name, version=new.version, metadata=new.metadata,
                                            options=new.options, reserve_only=True)
-        self.coordinator._fan_out(dst.ranks(), lambda stub: stub.AllocateShards(
-            reserve, timeout=self.coordinator.rpc_timeout), f"reserve {new.name!r} version {new.version}")
+        self.registry.allocate_on(dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}")
         job = pb.CollectiveJob(timeout_s=timeout_s, reshard=pb.ReshardJob(
             name=new.name, src_version=old.version, src=old.metadata, dst_version=new.version, dst=new.metadata,
             bucket_bytes=plan.bucket_bytes))
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
         log.info("%s: %d bytes over ranks %s, buckets of %d bytes", what, total, participants, plan.bucket_bytes)
-        runner = self.jobs.run(job, participants, what)
+        runner = self.collectives.run(job, participants, what)
         try:
             while True:
                 done, _ = next(runner)
@@ -342,12 +153,7 @@ class ReshardDriver:
     def _abort(self, new: pb.TensorInfo, participants: list[int]) -> None:
         """Forget the new version: catalog row removed, staged shards dropped on every participant."""
         self.catalog.remove(new.name, new.version)
-        request = pb.DropVersionRequest(name=new.name, version=new.version)
-        for rank in participants:
-            try:
-                self.coordinator._entry(rank).stub.DropVersion(request, timeout=_CONTROL_TIMEOUT_S)
-            except (grpc.RpcError, ServiceError) as err:
-                log.warning("abort: could not drop %r version %d on rank %d: %s", new.name, new.version, rank, err)
+        self.registry.drop_quietly(new.name, new.version, participants)
         log.warning("reshard of %r aborted; version %d dropped", new.name, new.version)
 
     def _commit(self, new: pb.TensorInfo, old: pb.TensorInfo) -> pb.TensorInfo:
@@ -365,7 +171,7 @@ class ReshardDriver:
         """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
         ranks = ranks_of(ready)
         try:
-            self.coordinator.promote_on(ranks, ready.name, ready.version,
+            self.registry.promote_on(ranks, ready.name, ready.version,
                                         f"promote {ready.name!r} version {ready.version}")
         except ServiceError as err:
             log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
@@ -382,7 +188,7 @@ class ReshardDriver:
         promotion, or when the reshard's own version leaves the catalog before its promotion finished."""
         old = self._old_versions.pop(name, None)
         if old is not None:
-            self.coordinator._drop_quietly(name, old.version, ranks_of(old))
+            self.registry.drop_quietly(name, old.version, ranks_of(old))
 
     def is_running(self, name: str) -> bool:
         """Whether a reshard of `name` runs now."""
@@ -397,7 +203,7 @@ class ReshardDriver:
                 if not info.promoting or self.is_running(info.name):
                     continue
                 try:
-                    with self.coordinator._name_lock(info.name, wait_s=0.1):
+                    with self.locks.hold(info.name, wait_s=0.1):
                         self._finish_one(info)
                 except Aborted:
                     continue  # busy: the next round finishes it
@@ -412,10 +218,10 @@ class ReshardDriver:
             log.warning("reshard of %r to version %d never committed (coordinator restarted); aborting it",
                         current.name, current.version)
             self.catalog.remove(current.name, current.version)
-            self.coordinator._drop_quietly(current.name, current.version,
-                                           [r for r in ranks_of(current) if self.coordinator.rank_alive(r)])
+            self.registry.drop_quietly(current.name, current.version,
+                                       [r for r in ranks_of(current) if self.registry.rank_alive(r)])
             return
-        if all(self.coordinator.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
+        if all(self.registry.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
             log.info("finished the promotion of %r version %d after a coordinator restart",
                      current.name, current.version)
 
@@ -424,13 +230,13 @@ class ReshardDriver:
         INVALID_ARGUMENT (metadata), one holding the current version or down is FAILED_PRECONDITION."""
         for rank in sorted(set(src_ranks) | set(dst_ranks)):
             try:
-                entry = self.coordinator._entry(rank)
+                entry = self.registry.entry(rank)
             except Unavailable:
                 if rank in dst_ranks:
                     raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
                 raise FailedPrecondition(f"rank {rank}, which holds the current version, is not registered "
                                          f"(it has not come back since the coordinator started)") from None
-            if not self.coordinator.is_alive(entry):
+            if not self.registry.is_alive(entry):
                 raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
                                          f"is back (restart the cluster if it died)")
 
@@ -451,15 +257,3 @@ def _bucket_bytes(value: int) -> int:
     if value < 0:
         raise InvalidArgument(f"bucket_bytes {value} is negative (0 = default)")
     return value or DEFAULT_BUCKET_BYTES
-
-
-def job_timeout(value: float, default: float) -> float:
-    """A collective job's timeout_s: 0 for `default`, else at least MIN_JOB_TIMEOUT_S. A job that times out
-    leaves the world unable to run collectives (its peers may be inside one), so a timeout too short for any
-    job to finish would be a way to break the cluster with one request."""
-    if not (value == 0 or MIN_JOB_TIMEOUT_S <= value < math.inf):  # NaN fails this too
-        raise InvalidArgument(f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
-                              f"seconds >= {MIN_JOB_TIMEOUT_S:g}")
-    return value or default
-
-

@@ -25,13 +25,18 @@ import torch.distributed as dist
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, make_channel
-from server.common.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
-from server.rank.reads.bulk import BulkReads
+from server.common.cli_args import (
+    PARENT_PID_ENV,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+)
 from server.common.grpc_server import RunningServer, split_address, start_server
+from server.rank.jobs.reshard import process_group_backend
 from server.rank.malloc_tuning import tune_malloc
+from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.service import ShardServerServicer, add_shard_server
-from server.rank.jobs.reshard import process_group_backend
 from server.rank.shared_memory import host_id
 from server.rank.store import ShardStore
 

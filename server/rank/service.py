@@ -8,21 +8,33 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
+from protos.chunk_codec import (
+    LookupPart,
+    RawChunk,
+    decode_write_request,
+    encode_chunk,
+    encode_lookup_chunk,
+    encode_lookup_reply,
+)
+from server.common.errors import InvalidArgument, rpc_errors
+from server.common.requests import (
+    check_name,
+    check_options,
+    check_version,
+    parse_dtype,
+    parse_metadata,
+)
+from server.rank.jobs.checkpoint import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
 from server.rank.jobs.service import CollectiveJobs
 from server.rank.jobs.service import handlers as collective_handlers
-from server.rank.jobs.checkpoint import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
-from protos.chunk_codec import (LookupPart, RawChunk, decode_write_request, encode_chunk, encode_lookup_chunk,
-                                encode_lookup_reply)
 from server.rank.reads.bulk import BulkReads
 from server.rank.reads.bulk import handlers as bulk_read_handlers
-from server.common.errors import InvalidArgument, rpc_errors
 from server.rank.reads.lookup import LookupService
-from server.rank.cuda_staging import host_bytes
+from server.rank.reads.region import region_bytes
 from server.rank.reads.shm import SharedMemoryService
 from server.rank.reads.shm import handlers as shared_memory_handlers
 from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
-from server.common.requests import check_name, check_options, check_version, parse_dtype, parse_metadata, requested_box
 from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
@@ -98,8 +110,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def ReadRegion(self, request: pb.ReadRegionRequest,
                    context: grpc.ServicerContext) -> Iterator[RawChunk]:
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
-        with requested_box(self.store, request) as box:
-            data = host_bytes(box)  # zero-copy when the box is contiguous in the shard; CUDA via pinned memory
+        with region_bytes(self.store, request) as data:
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
 

@@ -22,7 +22,14 @@ from typing import Callable, Iterator
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from server.common.requests import check_init
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -57,14 +64,6 @@ class StoredVersion:
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
-
-
-def check_init(init: int, dtype: torch.dtype) -> None:
-    """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
-    if init not in pb.InitKind.values():
-        raise InvalidArgument(f"init {init} is not a known InitKind")
-    if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
-        raise InvalidArgument(f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}")
 
 
 def _row_major_strides(size: tuple[int, ...]) -> list[int]:

@@ -23,9 +23,9 @@ from typing import Callable, TypeVar
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.rank.jobs.service import JobContext, register_job_kind
 from server.common.errors import InvalidArgument, ServiceError
 from server.common.requests import check_name, check_version, parse_metadata
+from server.rank.jobs.service import JobContext, register_job_kind
 from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,9 @@ def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
 
 def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
-    from server.rank.jobs.checkpoint_io import load_tensors  # DCP costs ~0.8 s to import: only ranks that load pay it
+    from server.rank.jobs.checkpoint_io import (
+        load_tensors,  # DCP costs ~0.8 s to import: only ranks that load pay it
+    )
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
@@ -92,7 +94,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
 
 def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Write this rank's shards of the job's served versions into one DCP checkpoint."""
-    from server.rank.jobs.checkpoint_io import save_tensors  # DCP costs ~0.8 s to import: only ranks that save pay it
+    from server.rank.jobs.checkpoint_io import (
+        save_tensors,  # DCP costs ~0.8 s to import: only ranks that save pay it
+    )
 
     tensors = _job_tensors(job.checkpoint_save, "checkpoint_save")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)

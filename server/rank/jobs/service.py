@@ -47,8 +47,13 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, rpc_errors
-from server.rank.jobs.reshard import CollectiveExecutor, ReshardError, ReshardStats, run_reshard
 from server.common.requests import check_name, check_version, parse_metadata
+from server.rank.jobs.reshard import (
+    CollectiveExecutor,
+    ReshardError,
+    ReshardStats,
+    run_reshard,
+)
 from server.rank.store import ShardStore
 from shardcore.planner import DEFAULT_BUCKET_BYTES, plan_reshard
 
