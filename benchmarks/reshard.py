@@ -174,7 +174,7 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     torch.set_num_threads(intra_op_threads(world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    from server.rank.jobs.reshard import CollectiveExecutor
+    from server.rank.jobs.ordering import CollectiveExecutor
 
     n = square_side(args["size_mib"])
     rows = n // world

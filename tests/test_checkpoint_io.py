@@ -200,7 +200,7 @@ def _save_job_without_the_version_on(rank: int, path: str, missing_rank: int) ->
 
     from protos import shardserve_pb2 as pb
     from server.rank.jobs.checkpoint import run_checkpoint_save
-    from server.rank.jobs.service import JobContext
+    from server.rank.jobs.context import JobContext
     from server.rank.store import ShardStore
     from shardcore.wire import metadata_to_proto
 

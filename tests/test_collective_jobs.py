@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from server.rank.jobs.service import JobCancelled, JobChain, register_job_kind
+from server.rank.jobs.ordering import JobCancelled, JobChain
+from server.rank.jobs.service import JobKinds
 from server.coordinator.collectives import JobSequencer
 
 
@@ -73,9 +74,9 @@ def test_sequencer_gives_each_rank_its_previous_job():
 
 def test_register_job_kind_checks_the_kind_is_in_the_proto():
     with pytest.raises(ValueError, match="not a field"):
-        register_job_kind("no_such_kind", lambda job, ctx: None)
+        JobKinds().register("no_such_kind", lambda job, ctx: None)
     with pytest.raises(TypeError):
-        register_job_kind("reshard", "not callable")  # type: ignore[arg-type]
+        JobKinds().register("reshard", "not callable")  # type: ignore[arg-type]
 
 
 def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):

@@ -156,7 +156,7 @@ def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(t
 
     from server.rank.jobs.checkpoint_io import save_tensors
     from server.rank.jobs.checkpoint import run_checkpoint_load
-    from server.rank.jobs.service import JobContext
+    from server.rank.jobs.context import JobContext
     from shardcore.wire import metadata_to_proto
 
     meta = _meta(64)

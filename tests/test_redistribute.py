@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from server.rank.jobs.reshard import (CollectiveExecutor, ReshardError, ReshardStats, SequenceTimeoutError,
-                                 run_reshard)
+from server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
+from server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
 from shardcore.executor import apply_plan
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties, make_metadata
 from shardcore.planner import plan_reshard

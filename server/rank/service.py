@@ -24,8 +24,9 @@ from server.common.requests import (
     parse_dtype,
     parse_metadata,
 )
-from server.rank.jobs.checkpoint import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
-from server.rank.jobs.service import CollectiveJobs
+from server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
+from server.rank.jobs.reshard import run_reshard_job
+from server.rank.jobs.service import CollectiveJobs, JobKinds
 from server.rank.jobs.service import handlers as collective_handlers
 from server.rank.reads.bulk import BulkReads
 from server.rank.reads.bulk import handlers as bulk_read_handlers
@@ -44,6 +45,15 @@ MAX_CHUNK_BYTES = 16 << 20
 MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
 
 
+def job_kinds() -> JobKinds:
+    """The collective job kinds a rank runs."""
+    kinds = JobKinds()
+    kinds.register("reshard", run_reshard_job)
+    kinds.register("checkpoint_load", run_checkpoint_load)
+    kinds.register("checkpoint_save", run_checkpoint_save)
+    return kinds
+
+
 class ShardServerServicer(pb_grpc.ShardServerServicer):
     """Allocates, fills, promotes, drops and streams the shards of one rank."""
 
@@ -52,7 +62,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
-        self.collectives = CollectiveJobs(store)
+        self.collectives = CollectiveJobs(store, job_kinds())
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")

@@ -1,4 +1,5 @@
-"""The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/rank/jobs/service.py).
+"""The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/rank/jobs/service.py),
+registered by the rank's ShardServer servicer.
 
 Both run on the rank's collective thread, in the coordinator's job order, over
 the whole torch.distributed world (DCP's default process group), and go
@@ -25,7 +26,7 @@ import torch
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, ServiceError
 from server.common.requests import check_name, check_version, parse_metadata
-from server.rank.jobs.service import JobContext, register_job_kind
+from server.rank.jobs.context import JobContext
 from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,3 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
              job.checkpoint_save.path, ctx.progress.bytes_total)
 
-
-register_job_kind("checkpoint_load", run_checkpoint_load)
-register_job_kind("checkpoint_save", run_checkpoint_save)
