@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from contextlib import ExitStack
-from typing import Iterable, Iterator, Protocol
+from typing import Generator, Iterable, Iterator, Protocol
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import (
@@ -43,6 +43,7 @@ from server.coordinator.collectives import CollectiveRunner, job_timeout
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from shardcore.dtypes import dtype_to_wire
+from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class CheckpointDriver:
         total = sum(i.nbytes for i in ready)
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
 
-    def _record(self, layouts: dict) -> list[pb.TensorInfo]:
+    def _record(self, layouts: dict[str, ShardedTensorMetadata]) -> list[pb.TensorInfo]:
         """Catalog rows (PENDING) and reserved memory on the ranks for every new version."""
         new = []
         try:
@@ -264,7 +265,7 @@ def _job_bytes(infos: list[pb.TensorInfo]) -> int:
     return sum(metadata_from_proto(info.metadata).shards_nbytes() for info in infos)  # the catalog's: valid
 
 
-def _progress(runner, total: int) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
+def _progress(runner: Generator[tuple[int, int], None, object], total: int) -> Iterator[pb.CheckpointProgress]:
     """Progress messages from a CollectiveRunner.run generator (its return value is dropped), out of the job's
     `total` bytes from the first message on."""
     try:

@@ -1,1 +1,1 @@
-"""placeholder"""
+"""Collective jobs on a rank: ordering, the RunCollective service, and the reshard and checkpoint job kinds."""
