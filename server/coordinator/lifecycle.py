@@ -240,6 +240,7 @@ class Coordinator:
             self.discard(info)
 
     def discard(self, info: pb.TensorInfo) -> None:
+        """Remove a version from the catalog, then free it on its ranks."""
         self.catalog.remove(info.name, info.version)
         self.drop_rows([info])
 

@@ -26,7 +26,7 @@ from server.common.requests import (
 )
 from server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
 from server.rank.jobs.reshard import run_reshard_job
-from server.rank.jobs.service import CollectiveJobs, JobKinds
+from server.rank.jobs.service import CollectiveJobService, JobKinds
 from server.rank.jobs.service import handlers as collective_handlers
 from server.rank.reads.bulk import BulkReads
 from server.rank.reads.bulk import handlers as bulk_read_handlers
@@ -62,7 +62,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
-        self.collectives = CollectiveJobs(store, job_kinds())
+        self.collectives = CollectiveJobService(store, job_kinds())
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")

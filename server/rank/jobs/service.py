@@ -76,7 +76,7 @@ class JobKinds:
         return self._kinds[kind]
 
 
-class CollectiveJobs:
+class CollectiveJobService:
     """The rank's RunCollective / CancelCollective: validation, ordering, progress, the unusable state."""
 
     def __init__(self, store: ShardStore, kinds: JobKinds) -> None:
@@ -147,7 +147,7 @@ class CollectiveJobs:
         return pb.CancelCollectiveResponse()
 
 
-def handlers(jobs: CollectiveJobs) -> dict[str, grpc.RpcMethodHandler]:
+def handlers(jobs: CollectiveJobService) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handlers of the collective-job RPCs."""
     return {
         "RunCollective": grpc.unary_stream_rpc_method_handler(
