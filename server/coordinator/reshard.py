@@ -94,16 +94,7 @@ class ReshardDriver:
         timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
         self.collectives.state.check()
         with self._claim(name), self.locks.hold(name):
-            info = self.catalog.ready(name)
-            if info is None:
-                raise NotFound(f"tensor {name!r} not found")
-            if info.promoting:  # the last reshard's promotion failed on some rank: finish it first
-                self._finish_one(info)
-                info = self.catalog.ready(name)
-                if info is None or info.promoting:
-                    raise FailedPrecondition(f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
-                                             f" is unfinished on some rank (see the coordinator's log); it is "
-                                             f"retried every few seconds, reshard once it is done")
+            info = self._current_version(name)
             src = metadata_from_proto(info.metadata)
             plan = _plan(src, dst, bucket_bytes)
             self._check_ranks(src.ranks(), dst.ranks())
@@ -128,6 +119,20 @@ class ReshardDriver:
                 phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
                 max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
                 max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
+
+    def _current_version(self, name: str) -> pb.TensorInfo:
+        """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
+        info = self.catalog.ready(name)
+        if info is None:
+            raise NotFound(f"tensor {name!r} not found")
+        if info.promoting:  # the last reshard's promotion failed on some rank: finish it first
+            self._finish_one(info)
+            info = self.catalog.ready(name)
+            if info is None or info.promoting:
+                raise FailedPrecondition(f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
+                                         f" is unfinished on some rank (see the coordinator's log); it is "
+                                         f"retried every few seconds, reshard once it is done")
+        return info
 
     def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, src: ShardedTensorMetadata,
                  dst: ShardedTensorMetadata, plan: ReshardPlan, participants: list[int], timeout_s: float,
