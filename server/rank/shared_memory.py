@@ -24,7 +24,7 @@ import time
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -124,7 +124,7 @@ class SharedMemory:
         memory or private), or None when none is kept."""
         return self._reuse(sizes, dtype, shared=None)
 
-    def recycle(self, tensors) -> None:  # type: ignore[no-untyped-def]
+    def recycle(self, tensors: Iterable[torch.Tensor]) -> None:
         """Keep the buffers of a freed version's CPU shards for reuse; the caller guarantees nothing in this
         process uses them any more (no lease on their version)."""
         for tensor in tensors:
@@ -176,7 +176,7 @@ class SharedMemory:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
 
-    def mark(self, tensors, served: bool) -> None:  # type: ignore[no-untyped-def]
+    def mark(self, tensors: Iterable[torch.Tensor], served: bool) -> None:
         """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
         with self._lock:
             for tensor in tensors:
