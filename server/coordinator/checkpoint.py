@@ -67,7 +67,7 @@ def _check_path(path: str) -> str:
     return path
 
 
-def inspect(path: str) -> pb.InspectCheckpointResponse:
+def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
     """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
     from server.common.dcp_metadata import (
         checkpoint_tensors,  # DCP is imported on first use, not at start-up
@@ -128,7 +128,7 @@ class CheckpointDriver:
         timeout_s = self._timeout(request.timeout_s)
         if not request.tensors:
             raise InvalidArgument("tensors is empty: name at least one tensor to load")
-        saved = {t.name: t for t in inspect(path).tensors}
+        saved = {t.name: t for t in inspect_checkpoint(path).tensors}
         layouts = {}
         for i, tensor in enumerate(request.tensors):
             name = check_name(tensor.name, f"tensors[{i}].name")

@@ -9,7 +9,7 @@ import grpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.errors import InvalidArgument, rpc_errors
-from server.coordinator.checkpoint import inspect as inspect_checkpoint
+from server.coordinator.checkpoint import inspect_checkpoint
 from server.coordinator.lifecycle import Coordinator
 
 
