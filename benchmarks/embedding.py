@@ -15,7 +15,7 @@ checkpoint: the same table as a DCP checkpoint on local disk;
 `Cluster.load_checkpoint` (each rank reads its half) against
 `torch.distributed.checkpoint.load` into a local tensor in this process (and,
 to tell the reader's share from the ranks' parallelism, `dcp.load` in this
-process through server/checkpoint_reader.py's RegionReader), and
+process through server/rank/jobs/checkpoint_reader.py's RegionReader), and
 `Cluster.save_checkpoint` against `dcp.save` of a local tensor.
 """
 from __future__ import annotations
@@ -276,7 +276,7 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
     import torch.distributed.checkpoint as dcp
 
     from client import connect
-    from server.checkpoint_reader import RegionReader
+    from server.rank.jobs.checkpoint_reader import RegionReader
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)

@@ -5,7 +5,7 @@ chunk_bytes 256 KiB / 1 MiB / 4 MiB / 16 MiB, then split into 1, 2 and 4 row
 bands read in parallel (one stream each), and prints the median seconds and
 GB/s of each, plus a memcpy of the same bytes and the client-side copy of the
 received chunks alone (what one extra copy costs). The figures chose the
-defaults in server/shard_server.py and client/remote_tensor.py.
+defaults in server/rank/service.py and client/remote_tensor.py.
 
     python -m benchmarks.grpc_tuning [--mib 64] [--repeat 7] [--json FILE]
 """

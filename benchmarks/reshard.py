@@ -7,7 +7,7 @@ Methods, all run in the same worlds on the same data:
   of flat buffers if gloo refuses all_to_all_single, and the table says which),
 - bare transfer + allocation: the same into a new output each call (what a
   reshard pays for its new shards: on Linux mostly page faults),
-- shardserve: `plan_reshard` + `server.redistribute.run_reshard` on the
+- shardserve: `plan_reshard` + `server.rank.jobs.reshard.run_reshard` on the
   collective thread (planning included in the time), new shards allocated,
 - shardserve, out= recycled: the same writing into buffers allocated once,
   as the bare transfer does (a server reusing a dropped version's memory),
@@ -107,7 +107,7 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
     (as a server reusing a dropped version's memory would), like the bare
     transfer's preallocated output.
     """
-    from server.redistribute import ReshardStats, run_reshard
+    from server.rank.jobs.reshard import ReshardStats, run_reshard
     from shardcore.metadata import TensorProperties
     from shardcore.planner import plan_reshard_per_round
     from shardcore.specs import ChunkShardingSpec
@@ -174,7 +174,7 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     torch.set_num_threads(intra_op_threads(world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=600))
-    from server.redistribute import CollectiveExecutor
+    from server.rank.jobs.ordering import CollectiveExecutor
 
     n = square_side(args["size_mib"])
     rows = n // world

@@ -1,1 +1,2 @@
-"""shardserve servers: the per-rank ShardServer, the Coordinator, the catalog and the launcher."""
+"""shardserve servers: `common/` (shared), `coordinator/` and `rank/` (one package per process), and the
+launcher that assembles them (`python -m server up|coordinator|--coordinator ...`)."""

@@ -11,7 +11,7 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "coordinator":
         from server.launcher import main_coordinator
         return main_coordinator(argv[1:])
-    from server.rank import main as rank_main
+    from server.rank.main import main as rank_main
     return rank_main(argv)
 
 

@@ -13,8 +13,14 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from protos import shardserve_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+    from server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +28,7 @@ DEMO_NAME = "demo"
 DEMO_ROWS, DEMO_DIM, DEMO_SEED = 1_000_000, 64, 0
 
 
-def demo_table():  # type: ignore[no-untyped-def]
+def demo_table() -> torch.Tensor:
     """The demo table itself (the same numbers every time), for writing it and for checking lookups."""
     import torch
 
@@ -49,7 +55,7 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> str:
     return str(path)
 
 
-def load_demo(coordinator, state_dir: str | Path) -> pb.TensorInfo:  # type: ignore[no-untyped-def]
+def load_demo(coordinator: Coordinator, state_dir: str | Path) -> pb.TensorInfo:
     """Write the demo checkpoint if needed and load it as "demo", row-wise over every rank."""
     import torch
 
@@ -58,7 +64,7 @@ def load_demo(coordinator, state_dir: str | Path) -> pb.TensorInfo:  # type: ign
     from shardcore.wire import metadata_to_proto
 
     path = ensure_demo_checkpoint(state_dir)
-    ranks = coordinator.ranks()
+    ranks = coordinator.registry.ranks()
     spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in ranks])
     meta = spec.build_metadata((DEMO_ROWS, DEMO_DIM), TensorProperties(dtype=torch.float32))
     request = pb.LoadCheckpointRequest(path=path, overwrite=True, tensors=[

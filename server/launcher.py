@@ -19,18 +19,22 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.auth import Security, TlsFiles
-from server.cli_args import PARENT_PID_ENV, TOKEN_ENV, add_security_args, configure_logging, security_from_args
-from server.grpc_server import RunningServer, start_server
+from server.common.auth import Security, TlsFiles
+from server.common.cli_args import (
+    PARENT_PID_ENV,
+    TOKEN_ENV,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+)
+from server.common.grpc_server import RunningServer, start_server
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
-    from server.coordinator import Coordinator
+    from server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +54,9 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
                       rpc_timeout: float = 60.0, pending_timeout: float = 600.0
                       ) -> "tuple[Coordinator, RunningServer]":
     """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`."""
-    from server.catalog import SQLiteCatalog
-    from server.coordinator import Coordinator, CoordinatorServicer
+    from server.coordinator.catalog import SQLiteCatalog
+    from server.coordinator.lifecycle import Coordinator
+    from server.coordinator.service import CoordinatorServicer
 
     coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
@@ -85,7 +90,7 @@ class LocalCluster:
         self.memory_limit = memory_limit or 0
         self.recycle_bytes = recycle_bytes  # None: the rank's default
         self.max_request_bytes = max_request_bytes or 0
-        self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/bulk_reads.py)
+        self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/rank/reads/bulk.py)
         self.heartbeat_interval = heartbeat_interval
         self.host, self.port, self.device = host, port, device
         self.rpc_timeout, self.pending_timeout = rpc_timeout, pending_timeout
@@ -208,7 +213,7 @@ class LocalCluster:
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         assert self.coordinator is not None
-        while not self.coordinator.wait_for_ranks(self.ranks, timeout=0.2):
+        while not self.coordinator.registry.wait_for_ranks(self.ranks, timeout=0.2):
             for rank, proc in enumerate(self._procs):
                 if proc.poll() is not None:
                     raise RuntimeError(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode} "
@@ -225,7 +230,7 @@ class LocalCluster:
                     reported.add(rank)
                     coordinator = self.coordinator
                     if coordinator is not None and not self._stopping.is_set():
-                        coordinator.mark_exited(rank, f"process {proc.pid} exited with code {proc.returncode}")
+                        coordinator.registry.mark_exited(rank, f"process {proc.pid} exited with code {proc.returncode}")
 
 
 # ---------------------------------------------------------------- command lines

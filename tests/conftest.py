@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from server.auth import TlsFiles
+from server.common.auth import TlsFiles
 from server.launcher import LocalCluster
 
 CLUSTER_START_TIMEOUT = 180.0

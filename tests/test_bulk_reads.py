@@ -1,4 +1,4 @@
-"""The bulk TCP port (issue 6; server/bulk_reads.py): tickets and the port's protocol, in-process.
+"""The bulk TCP port (issue 6; server/rank/reads/bulk.py): tickets and the port's protocol, in-process.
 
 A real ShardStore and a real listening port on 127.0.0.1, spoken to with plain
 sockets: boxes and lookups bit for bit, request errors that keep the
@@ -18,14 +18,14 @@ import grpc
 import pytest
 import torch
 
-import server.bulk_reads as bulk_reads
+import server.rank.reads.bulk as bulk_reads
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import decode_lookup_reply
 from protos import bulk_wire
 from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ, send_parts
-from server.bulk_reads import BulkReads, Tickets, peer_ip
-from server.errors import ServiceError
-from server.store import ShardStore
+from server.rank.reads.bulk import BulkReads, Tickets, peer_ip
+from server.common.errors import ServiceError
+from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 

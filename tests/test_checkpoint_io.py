@@ -1,4 +1,4 @@
-"""server.checkpoint in real gloo worlds (2 and 3 ranks on 127.0.0.1): DCP round trips bit for bit."""
+"""server.rank.jobs.checkpoint_io in real gloo worlds (2 and 3 ranks on 127.0.0.1): DCP round trips bit for bit."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from server.checkpoint import (CheckpointError, checkpoint_tensors, load_shards, load_tensors, save_shards,
-                               save_tensors)
+from server.common.dcp_metadata import checkpoint_tensors
+from server.rank.jobs.checkpoint_io import CheckpointError, load_shards, load_tensors, save_shards, save_tensors
 from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
 from shardcore.specs import ChunkShardingSpec
 
@@ -199,9 +199,9 @@ def _save_job_without_the_version_on(rank: int, path: str, missing_rank: int) ->
     import time
 
     from protos import shardserve_pb2 as pb
-    from server.checkpoint_jobs import run_checkpoint_save
-    from server.collective_jobs import JobContext
-    from server.store import ShardStore
+    from server.rank.jobs.checkpoint import run_checkpoint_save
+    from server.rank.jobs.context import JobContext
+    from server.rank.store import ShardStore
     from shardcore.wire import metadata_to_proto
 
     store = ShardStore(rank, shared_memory=False)

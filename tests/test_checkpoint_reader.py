@@ -1,4 +1,4 @@
-"""server.checkpoint_reader: DCP loads that read only each shard's region, checked bit for bit in one process."""
+"""server.rank.jobs.checkpoint_reader: DCP loads that read only each shard's region, checked bit for bit in one process."""
 from __future__ import annotations
 
 import itertools
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 
-from server.checkpoint import CheckpointError, load_tensors, save_tensors
-from server.checkpoint_reader import element_span, stored_chunk
+from server.rank.jobs.checkpoint_io import CheckpointError, load_tensors, save_tensors
+from server.rank.jobs.checkpoint_reader import element_span, stored_chunk
 from shardcore.metadata import ShardedTensorMetadata, make_metadata
 
 from reference import shards_of
@@ -177,7 +177,7 @@ def test_metadata_of_the_right_classes_but_wrong_contents_is_refused(kind, messa
     AttributeError or OverflowError, an INTERNAL answer)."""
     import io
 
-    from server.dcp_metadata import CheckpointMetadataError, load_metadata
+    from server.common.dcp_metadata import CheckpointMetadataError, load_metadata
 
     with pytest.raises(CheckpointMetadataError, match=re.escape(message)):
         load_metadata(io.BytesIO(_malformed_metadata(kind)), "ck")

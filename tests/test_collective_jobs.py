@@ -5,8 +5,9 @@ import threading
 
 import pytest
 
-from server.collective_jobs import JobCancelled, JobChain, register_job_kind
-from server.reshard_driver import JobSequencer
+from server.rank.jobs.ordering import JobCancelled, JobChain
+from server.rank.jobs.service import JobKinds
+from server.coordinator.collectives import JobSequencer
 
 
 @pytest.fixture
@@ -73,15 +74,15 @@ def test_sequencer_gives_each_rank_its_previous_job():
 
 def test_register_job_kind_checks_the_kind_is_in_the_proto():
     with pytest.raises(ValueError, match="not a field"):
-        register_job_kind("no_such_kind", lambda job, ctx: None)
+        JobKinds().register("no_such_kind", lambda job, ctx: None)
     with pytest.raises(TypeError):
-        register_job_kind("reshard", "not callable")  # type: ignore[arg-type]
+        JobKinds().register("reshard", "not callable")  # type: ignore[arg-type]
 
 
 def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):
     """A job queued behind a rank's earlier jobs is not given up while the rank keeps streaming (however long
     the queue); once it started it has run_s; a silent rank is given up after SILENCE_S."""
-    import server.reshard_driver as driver
+    import server.coordinator.collectives as driver
     from protos import shardserve_pb2 as pb
 
     now = [1000.0]

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.catalog import SQLiteCatalog
-from server.coordinator import Coordinator, RankEntry
+from server.coordinator.catalog import SQLiteCatalog
+from server.coordinator.lifecycle import Coordinator
+from server.coordinator.registry import RankEntry
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import metadata_to_proto
@@ -65,7 +66,7 @@ def _ready(coord: Coordinator, name: str) -> pb.TensorInfo:
 
 
 def _rank(coord: Coordinator, stub: RankStub) -> None:
-    coord._ranks[0] = RankEntry(pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"), time.monotonic(),
+    coord.registry._ranks[0] = RankEntry(pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"), time.monotonic(),
                                 grpc.insecure_channel("127.0.0.1:1"), stub)  # type: ignore[arg-type]
 
 
@@ -99,10 +100,10 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):
     """The ranks write into a staging directory inside the path; a job that fails half way (one rank's file
     written) is removed whole, and the old checkpoint's files are untouched."""
-    from server.reshard_driver import CollectiveJobError
+    from server.coordinator.collectives import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
-    coordinator._ranks[0].info.world_size = 1
+    coordinator.registry._ranks[0].info.world_size = 1
     _ready(coordinator, "t")
     path = tmp_path / "ck"
     path.mkdir()
@@ -118,14 +119,14 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
         yield 1, 2
         raise CollectiveJobError("checkpoint save failed: rank 1: disk full")
 
-    monkeypatch.setattr(coordinator.reshards.jobs, "run", failing_job)
+    monkeypatch.setattr(coordinator.collectives, "run", failing_job)
     with pytest.raises(CollectiveJobError, match="disk full"):
         list(coordinator.checkpoints.save(pb.SaveCheckpointRequest(path=str(path), names=["t"])))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == old
 
 
 def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
-    from server.checkpoint_driver import publish_checkpoint
+    from server.coordinator.checkpoint import publish_checkpoint
 
     path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
     staging.mkdir(parents=True)
@@ -145,8 +146,8 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     NAME_LOCK_WAIT_S instead of holding a gRPC worker without bound, and goes through once the lock is free."""
     import threading
 
-    import server.coordinator as coordinator_module
-    from server.errors import Aborted
+    import server.coordinator.locks as coordinator_module
+    from server.common.errors import Aborted
 
     _rank(coordinator, RankStub(set()))
     _ready(coordinator, "busy")
@@ -154,7 +155,7 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     held, release = threading.Event(), threading.Event()
 
     def long_change() -> None:
-        with coordinator._name_lock("busy"):
+        with coordinator.locks.hold("busy"):
             held.set()
             release.wait(10)
 
@@ -211,7 +212,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     """When the deadline passes before the coordinator ran CreateTensor, the abort comes first: the late
     CreateTensor with that token is refused, and allocates nothing."""
     from client.errors import DeadlineExceededError
-    from server.errors import Aborted
+    from server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)
@@ -227,7 +228,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
 
 
 def test_put_tokens_are_checked(coordinator):
-    from server.errors import InvalidArgument
+    from server.common.errors import InvalidArgument
 
     _rank(coordinator, RankStub(set()))
     assert coordinator.abort_put("t", "no-such-put") == 0
@@ -245,23 +246,23 @@ def test_put_tokens_are_checked(coordinator):
 def test_name_locks_are_forgotten_once_unused(coordinator):
     """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
     names included) would grow the coordinator without bound."""
-    from server.errors import NotFound
+    from server.common.errors import NotFound
 
     _rank(coordinator, RankStub(set()))
     for i in range(50):
         with pytest.raises(NotFound):
             coordinator.commit(f"unknown-{i}", 1)
-    assert coordinator._name_locks == {}
-    with coordinator._name_lock("held"):
-        assert set(coordinator._name_locks) == {"held"}
-    assert coordinator._name_locks == {}
+    assert coordinator.locks._locks == {}
+    with coordinator.locks.hold("held"):
+        assert set(coordinator.locks._locks) == {"held"}
+    assert coordinator.locks._locks == {}
 
 
 def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordinator):
     """A reshard or checkpoint load commits a newer version while a put's version is pending: committing the
     put would answer success yet never be served (readers take the newest READY version), so it is ABORTED
     and its shards dropped."""
-    from server.errors import Aborted
+    from server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)

@@ -30,10 +30,10 @@ from client.info import RankStatus
 from client.paths.shm import SharedMemoryError
 from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
-from server.errors import FailedPrecondition
-from server.shared_memory import ENV_SWITCH, Leases
-from server.shm_service import SharedMemoryService
-from server.store import ShardStore
+from server.common.errors import FailedPrecondition
+from server.rank.shared_memory import ENV_SWITCH, Leases
+from server.rank.reads.shm import SharedMemoryService
+from server.rank.store import ShardStore
 from shardcore.metadata import Box, TensorProperties
 from shardcore.specs import ChunkShardingSpec
 
@@ -535,7 +535,7 @@ def test_overwrite_seen_through_a_cached_mapping(cluster):
 
 
 def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(cluster):
-    """update_rows copies each new version into the segments of the version dropped before (server/recycling.py):
+    """update_rows copies each new version into the segments of the version dropped before (server/rank/recycling.py):
     a client still holding mappings of that old version sees the header's generation change and refreshes."""
     table = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     ids = torch.tensor([0, 63, 31, 32, 5])
@@ -583,7 +583,7 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
 
 
 def test_segment_header_follows_promote_and_drop():
-    from server.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+    from server.rank.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
 
     store = _served_store()
     with store.lease("t", 1) as entry:
@@ -717,13 +717,13 @@ def test_lease_ids_cannot_be_guessed():
 def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     """Never-released OpenShard leases would grow the table (and its expiry scan) without bound: past
     MAX_LEASES, OpenShard is RESOURCE_EXHAUSTED and the version it leased is let go again."""
-    import server.shared_memory
+    import server.rank.shared_memory
 
     class Context:
         def abort(self, code, message):  # type: ignore[no-untyped-def]
             raise RuntimeError(f"{code.name}: {message}")
 
-    monkeypatch.setattr(server.shared_memory, "MAX_LEASES", 2)
+    monkeypatch.setattr(server.rank.shared_memory, "MAX_LEASES", 2)
     store = _served_store()
     service = SharedMemoryService(store)
     request = pb.OpenShardRequest(name="t", version=1, shard_index=0)

@@ -1,11 +1,11 @@
-"""server.malloc_tuning: a rank's glibc malloc settings, and the switch that leaves the defaults."""
+"""server.rank.malloc_tuning: a rank's glibc malloc settings, and the switch that leaves the defaults."""
 from __future__ import annotations
 
 import platform
 
 import pytest
 
-from server.malloc_tuning import SETTINGS, tune_malloc
+from server.rank.malloc_tuning import SETTINGS, tune_malloc
 
 
 def test_tuning_can_be_turned_off() -> None:

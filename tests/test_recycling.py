@@ -1,4 +1,4 @@
-"""Recycling of freed versions' memory (server/recycling.py): the pool's bounds, shared-memory segments handed
+"""Recycling of freed versions' memory (server/rank/recycling.py): the pool's bounds, shared-memory segments handed
 over with a new generation, and the store keeping only what no lease holds. In-process, no cluster."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.recycling import Buffer, RecycledBuffers
-from server.shared_memory import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED, SharedMemory
-from server.store import ShardStore
+from server.rank.recycling import Buffer, RecycledBuffers
+from server.rank.shared_memory import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED, SharedMemory
+from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 
@@ -154,9 +154,9 @@ def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(t
     and into a dropped version's buffers when one is kept."""
     import time
 
-    from server.checkpoint import save_tensors
-    from server.checkpoint_jobs import run_checkpoint_load
-    from server.collective_jobs import JobContext
+    from server.rank.jobs.checkpoint_io import save_tensors
+    from server.rank.jobs.checkpoint import run_checkpoint_load
+    from server.rank.jobs.context import JobContext
     from shardcore.wire import metadata_to_proto
 
     meta = _meta(64)
@@ -179,7 +179,7 @@ def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(t
 def test_shards_past_the_open_file_budget_go_to_private_memory():
     """Thousands of tiny shards must not take the fds a rank's sockets need: past its budget, `empty` hands
     out plain memory (read over the network instead of mapped)."""
-    from server.shared_memory import _segment_budget
+    from server.rank.shared_memory import _segment_budget
 
     assert _segment_budget(20000) == (20000 - 4096) // 2 and _segment_budget(1024) == 256 and _segment_budget(1) == 0
     shared = SharedMemory()

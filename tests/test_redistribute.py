@@ -1,4 +1,4 @@
-"""server.redistribute: real gloo worlds on 127.0.0.1 run reshard plans, checked bit for bit.
+"""server.rank.jobs.reshard: real gloo worlds on 127.0.0.1 run reshard plans, checked bit for bit.
 
 One 4-rank world is started per module and fed every layout pair through
 queues; a separate 3-rank world is used for the peer that hangs and the peer
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from server.redistribute import (CollectiveExecutor, ReshardError, ReshardStats, SequenceTimeoutError,
-                                 run_reshard)
+from server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
+from server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
 from shardcore.executor import apply_plan
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties, make_metadata
 from shardcore.planner import plan_reshard

@@ -1,7 +1,7 @@
 """Coordinated resharding on real clusters (gloo on 127.0.0.1): every layout pair, bit for bit, two-phase.
 
 One 4-rank cluster serves the happy paths; failure tests get clusters of their own
-(a rank stalled by collective_jobs.STALL_ENV, then killed or left hung), and the
+(a rank stalled by rank/jobs/reshard.STALL_ENV, then killed or left hung), and the
 coordinator-restart test runs the coordinator and ranks as separate processes.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from client.errors import InvalidArgumentError, RankUnavailableError, ShardServe
 from client.ops.reshard import ReshardRefusedError, layout_from_options
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.collective_jobs import STALL_ENV
+from server.rank.jobs.reshard import STALL_ENV
 from server.launcher import PROJECT_ROOT, free_port
-from server.reshard_driver import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 

@@ -6,7 +6,7 @@ import sqlite3
 import pytest
 
 from protos import shardserve_pb2 as pb
-from server.catalog import SQLiteCatalog
+from server.coordinator.catalog import SQLiteCatalog
 
 
 def row(name: str, version: int, state: int = pb.PENDING) -> pb.TensorInfo:

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos import shardserve_pb2 as pb
-from server.store import arange_box
+from server.rank.store import arange_box
 from shardcore.metadata import Box, ShardMetadata, TensorProperties
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 from server_helpers import (TIMEOUT, Stubs, create, put, read_full, read_region, rpc_error, write_shards)

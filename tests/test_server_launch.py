@@ -242,9 +242,9 @@ def test_a_link_that_never_registered_stops_cleanly():
     """A rank whose registration failed (a wrong token, no coordinator) shuts down without a second error
     hiding the first: the heartbeat thread was never started."""
     from protos import shardserve_pb2 as pb
-    from server.auth import Security
-    from server.rank import CoordinatorLink
-    from server.store import ShardStore
+    from server.common.auth import Security
+    from server.rank.main import CoordinatorLink
+    from server.rank.store import ShardStore
 
     link = CoordinatorLink("127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False))
     link.stop()  # raised "cannot join thread before it is started" before the fix

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from server.store import ShardStore
+from server.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties, make_metadata
 from shardcore.specs import ChunkShardingSpec
 
@@ -200,7 +200,7 @@ def test_a_request_stream_the_client_ended_is_cancelled_not_internal():
     is the client's doing (CANCELLED, logged at INFO), not a server failure (INTERNAL with a traceback)."""
     import grpc
 
-    from server.errors import status_of
+    from server.common.errors import status_of
 
     code, message = status_of(grpc.RpcError())
     assert code == grpc.StatusCode.CANCELLED and "ended the request stream" in message

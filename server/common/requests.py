@@ -1,20 +1,14 @@
 """Checks of request fields shared by both servicers; each error names its field."""
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
-
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import InvalidArgument
-from shardcore.dtypes import dtype_from_wire
+from server.common.errors import InvalidArgument
+from shardcore.dtypes import dtype_from_wire, dtype_name
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 from shardcore.wire import metadata_from_proto
-
-if TYPE_CHECKING:
-    from server.store import ShardStore
 
 MAX_NAME_LENGTH = 256
 
@@ -100,7 +94,9 @@ def parse_dtype(number: int, field: str) -> torch.dtype:
 
 
 
-def requested_box(store: "ShardStore", request: pb.ReadRegionRequest) -> AbstractContextManager[torch.Tensor]:
-    """store.read of the box a ReadRegionRequest names (name and version checked; version 0 = the served one)."""
-    return store.read(check_name(request.name), check_version(request.version, allow_zero=True),
-                      request.shard_index, tuple(request.offsets), tuple(request.sizes))
+def check_init(init: int, dtype: torch.dtype) -> None:
+    """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
+    if init not in pb.InitKind.values():
+        raise InvalidArgument(f"init {init} is not a known InitKind")
+    if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
+        raise InvalidArgument(f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}")

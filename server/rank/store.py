@@ -22,10 +22,17 @@ from typing import Callable, Iterator
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
-from server.recycling import RecycledBuffers
-from server.shared_memory import Segment, SharedMemory, enabled_by_env
+from server.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from server.common.requests import check_init
+from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
+from server.rank.recycling import RecycledBuffers
+from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
 from shardcore.dtypes import dtype_name
 from shardcore.metadata import Box, ShardedTensorMetadata
 from shardcore.regions import local_view
@@ -57,14 +64,6 @@ class StoredVersion:
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
-
-
-def check_init(init: int, dtype: torch.dtype) -> None:
-    """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
-    if init not in pb.InitKind.values():
-        raise InvalidArgument(f"init {init} is not a known InitKind")
-    if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
-        raise InvalidArgument(f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}")
 
 
 def _row_major_strides(size: tuple[int, ...]) -> list[int]:
@@ -142,11 +141,11 @@ class ShardStore:
         self._versions: dict[tuple[str, int], StoredVersion] = {}
         self._dropped: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._memory_used = 0
-        # CPU shards live in shared memory (same-host data plane) unless turned off; see server/shared_memory.py
+        # CPU shards live in shared memory (same-host data plane) unless turned off; see server/rank/shared_memory.py
         use_shared = enabled_by_env() if shared_memory is None else shared_memory
         self.shared = SharedMemory(enabled=use_shared and self.device.type == "cpu",
                                    recycled=RecycledBuffers(recycle_bytes))
-        # CUDA shards are handed over as CUDA IPC handles instead (server/shm_service.py), under the same switch
+        # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
@@ -316,7 +315,7 @@ class ShardStore:
         return len(keys)
 
     def _free_locked(self, entry: StoredVersion) -> None:
-        """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/recycling.py)."""
+        """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/rank/recycling.py)."""
         del self._versions[(entry.name, entry.version)]
         self._memory_used -= entry.nbytes
         self.shared.recycle(list(entry.shards.values()))
@@ -527,7 +526,7 @@ class ShardStore:
 
     def state_header(self, entry: StoredVersion, shard_index: int) -> Segment:
         """The header-only segment whose state word tells same-host clients whether a leased served CUDA
-        shard is still served (server/shared_memory.py SharedMemory.attach_header)."""
+        shard is still served (server/rank/shared_memory.py SharedMemory.attach_header)."""
         shard = self._local_shard(entry, shard_index)
         with self._lock:
             return self.shared.attach_header(shard, served=not entry.dropped)

@@ -10,10 +10,10 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawChunk, encode_chunk
-from server.cuda_staging import host_bytes
-from server.errors import ResourceExhausted, rpc_errors
-from server.requests import requested_box
-from server.store import ShardStore
+from server.common.errors import ResourceExhausted, rpc_errors
+from server.rank.cuda_staging import host_bytes
+from server.rank.reads.region import requested_box
+from server.rank.store import ShardStore
 
 SMALL_READ_BYTES = 1 << 20
 

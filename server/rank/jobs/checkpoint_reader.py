@@ -26,10 +26,15 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
 from torch.futures import Future
 
-from server.dcp_metadata import load_metadata
+from server.common.dcp_metadata import load_metadata
 from shardcore.wire import byte_view
 
 
@@ -45,7 +50,7 @@ class StoredChunk:
 
 class RegionReader(FileSystemReader):
     """FileSystemReader for local checkpoint directories that reads each tensor request's region only, and its
-    `.metadata` through server.dcp_metadata (allow-listed classes, no arbitrary pickle)."""
+    `.metadata` through server.common.dcp_metadata (allow-listed classes, no arbitrary pickle)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -13,8 +13,13 @@ import pickle
 from typing import IO, Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, StorageMeta,
-                                                  TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 _ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({
@@ -98,3 +103,27 @@ def _is_extent(values: Any) -> bool:
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in values)
     except (ValueError, OverflowError):
         return False
+
+
+def checkpoint_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global size and dtype of every tensor in the DCP checkpoint at `path` (from its metadata)."""
+    directory = checkpoint_dir(path, must_exist=True)
+    with open(os.path.join(directory, ".metadata"), "rb") as stream:
+        metadata = load_metadata(stream, directory)
+    return {key: (tuple(size), dtype) for key, (size, dtype) in tensor_entries(metadata).items()}
+
+
+def checkpoint_dir(path: str | os.PathLike, must_exist: bool) -> str:
+    """`path` as a directory name; FileNotFoundError when `must_exist` and it holds no DCP `.metadata`."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"path must be a non-empty path to a checkpoint directory, got {path!r}")
+    directory = os.fspath(path)
+    if must_exist and not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise FileNotFoundError(f"path {directory} is not a DCP checkpoint (no .metadata file)")
+    return directory
+
+
+def tensor_entries(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Global size and dtype of every tensor entry of DCP metadata."""
+    return {key: (value.size, value.properties.dtype) for key, value in metadata.state_dict_metadata.items()
+            if isinstance(value, TensorStorageMetadata)}

@@ -1,11 +1,6 @@
-"""Rank-side execution of one rank's part of a ReshardPlan over torch.distributed.
+"""The "reshard" collective job kind: this rank's part of a ReshardPlan, moved over torch.distributed.
 
-Two pieces:
-
-- `CollectiveExecutor`: one dedicated thread per rank on which every collective
-  job runs, in the sequence numbers the coordinator assigns. Job N+1 starts only
-  after job N finished or failed, so every rank enters its collectives in the
-  same order whatever order the RPCs arrive in.
+- `run_reshard_job`: the job kind; stages the new version's shards in the store.
 - `run_reshard`: peer-to-peer `batch_isend_irecv` of flat buckets and local
   copies, into newly allocated destination shards. The local copies need no
   peer, so they run right after the first rounds are posted, overlapping the
@@ -55,23 +50,28 @@ from __future__ import annotations
 import concurrent.futures as cf
 import ctypes
 import functools
-import heapq
 import itertools
-import math
-import operator
+import logging
+import os
 import sys
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from protos import shardserve_pb2 as pb
+from server.common.errors import InvalidArgument
+from server.common.requests import check_name, check_version, parse_metadata
+from server.rank.jobs.arguments import non_negative_int, positive_seconds
+from server.rank.jobs.context import JobContext
 from shardcore.executor import copy_box, pack_bucket, unpack_bucket
-from shardcore.planner import Bucket, ReshardPlan
+from shardcore.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -79,6 +79,8 @@ DEFAULT_MAX_IN_FLIGHT = 2
 _CUDA_POLL_S = 0.0005
 _MAX_WAITERS = 256
 _HUGE_PAGE = 2 << 20
+# Test hook: "RANK:SECONDS:NAME[,...]" makes RANK sleep SECONDS before moving data in a reshard of NAME.
+STALL_ENV = "SHARDSERVE_DEBUG_RESHARD_STALL"
 _MADV_HUGEPAGE = 14
 
 
@@ -88,10 +90,6 @@ class ReshardError(RuntimeError):
     def __init__(self, message: str, peers: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.peers = tuple(peers)
-
-
-class SequenceTimeoutError(TimeoutError):
-    """A job waited too long for the jobs before it in the sequence to arrive."""
 
 
 @dataclass
@@ -148,134 +146,6 @@ def process_group_backend() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The dedicated collective thread
-# ---------------------------------------------------------------------------------------------
-
-@dataclass(order=True)
-class _Job:
-    seq: int
-    deadline: float = field(compare=False)
-    fn: Callable[[], Any] = field(compare=False)
-    future: cf.Future = field(compare=False)
-
-
-class CollectiveExecutor:
-    """Runs this rank's collective jobs one at a time on one thread, in sequence-number order.
-
-    `submit(seq, fn)` queues a job; the thread runs jobs strictly in order
-    first_seq, first_seq+1, ... A job whose predecessors have not all arrived
-    (or been `skip`ped) within `wait_timeout_s` fails with SequenceTimeoutError
-    and its number is skipped, so the sequence can continue past it.
-    `cuda_device` is made the thread's current device (the rank's GPU for NCCL).
-    """
-
-    def __init__(self, first_seq: int = 0, *, name: str = "shardserve-collectives",
-                 cuda_device: torch.device | int | None = None) -> None:
-        self._next_seq = _non_negative_int(first_seq, "first_seq")
-        self._cuda_device = cuda_device
-        self._queue: list[_Job] = []
-        self._known: set[int] = set()
-        self._skipped: set[int] = set()
-        self._closed = False
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def next_seq(self) -> int:
-        """The sequence number the thread runs (or waits for) next."""
-        with self._cond:
-            return self._next_seq
-
-    def submit(self, seq: int, fn: Callable[[], T], *, wait_timeout_s: float) -> "cf.Future[T]":
-        """Queue `fn` as job `seq`; its future holds fn's result or exception."""
-        seq = _non_negative_int(seq, "seq")
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        wait_timeout_s = _positive_seconds(wait_timeout_s, "wait_timeout_s")
-        future: cf.Future = cf.Future()
-        with self._cond:
-            self._check_new_seq(seq)
-            self._known.add(seq)
-            heapq.heappush(self._queue, _Job(seq, time.monotonic() + wait_timeout_s, fn, future))
-            self._cond.notify_all()
-        return future
-
-    def skip(self, seq: int) -> None:
-        """Declare that job `seq` will never be submitted here (e.g. aborted before it arrived)."""
-        seq = _non_negative_int(seq, "seq")
-        with self._cond:
-            self._check_new_seq(seq)
-            self._known.add(seq)
-            self._skipped.add(seq)
-            self._cond.notify_all()
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread after the running job; queued jobs fail with RuntimeError."""
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join(timeout_s)
-
-    def __enter__(self) -> "CollectiveExecutor":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _check_new_seq(self, seq: int) -> None:
-        if self._closed:
-            raise RuntimeError("the collective executor is closed")
-        if seq < self._next_seq or seq in self._known:
-            raise ValueError(f"seq {seq} was already used (next expected seq is {self._next_seq})")
-
-    def _loop(self) -> None:
-        if self._cuda_device is not None:
-            torch.cuda.set_device(self._cuda_device)  # NCCL ops of this thread use the rank's GPU
-        while True:
-            job = self._next_job()
-            if job is None:
-                return
-            if job.future.set_running_or_notify_cancel():
-                try:
-                    job.future.set_result(job.fn())
-                except BaseException as exc:  # the job's failure belongs to its caller
-                    job.future.set_exception(exc)
-            with self._cond:
-                self._next_seq = job.seq + 1
-
-    def _next_job(self) -> _Job | None:
-        """Block until the job numbered next_seq is queued; expire jobs that waited too long."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    for job in self._queue:
-                        job.future.set_exception(RuntimeError("the collective executor closed"))
-                    self._queue.clear()
-                    return None
-                while self._next_seq in self._skipped:
-                    self._skipped.discard(self._next_seq)
-                    self._next_seq += 1
-                if self._queue and self._queue[0].seq == self._next_seq:
-                    return heapq.heappop(self._queue)
-                self._expire_waiting()
-                timeout = min((job.deadline for job in self._queue), default=None)
-                self._cond.wait(None if timeout is None else max(0.0, timeout - time.monotonic()))
-
-    def _expire_waiting(self) -> None:
-        now = time.monotonic()
-        expired = [job for job in self._queue if job.deadline <= now]
-        if not expired:
-            return
-        self._queue = [job for job in self._queue if job.deadline > now]
-        heapq.heapify(self._queue)
-        for job in expired:
-            self._skipped.add(job.seq)
-            job.future.set_exception(SequenceTimeoutError(
-                f"job {job.seq} timed out waiting for job {self._next_seq} to arrive"))
-
-
-# ---------------------------------------------------------------------------------------------
 # One rank's part of a reshard
 # ---------------------------------------------------------------------------------------------
 
@@ -304,9 +174,9 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
     """
     if not isinstance(plan, ReshardPlan):
         raise TypeError(f"plan must be a ReshardPlan, got {type(plan).__name__}")
-    rank = _non_negative_int(rank, "rank")
-    timeout_s = _positive_seconds(timeout_s, "timeout_s")
-    max_in_flight = _non_negative_int(max_in_flight, "max_in_flight")
+    rank = non_negative_int(rank, "rank")
+    timeout_s = positive_seconds(timeout_s, "timeout_s")
+    max_in_flight = non_negative_int(max_in_flight, "max_in_flight")
     if max_in_flight < 1:
         raise ValueError("max_in_flight must be >= 1")
     stats = stats if stats is not None else ReshardStats()
@@ -617,21 +487,61 @@ def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.
     return view.reshape(-1).view(torch.uint8)
 
 
-def _non_negative_int(value: Any, name: str) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+# ---------------------------------------------------------------------------------------------
+# The job kind
+# ---------------------------------------------------------------------------------------------
+
+def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
+    """Stage this rank's new shards of a reshard as the reserved pending dst_version.
+
+    Every rank builds the same plan (plan_reshard is deterministic), leases its
+    source shards so they stay whole, runs run_reshard on this (the collective)
+    thread and installs the result; reads stay on the source version.
+    """
+    spec = job.reshard
+    name = check_name(spec.name, "reshard.name")
+    src_version = check_version(spec.src_version, "reshard.src_version")
+    dst_version = check_version(spec.dst_version, "reshard.dst_version")
+    src = parse_metadata(spec.src, "reshard.src")
+    dst = parse_metadata(spec.dst, "reshard.dst")
+    if spec.bucket_bytes < 0:
+        raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
+    plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)  # the per-pair size the coordinator chose
+    outside = sorted(set(plan.participants(dst)) - set(job.ranks))
+    if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
+        raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} that the reshard needs")
+    rank = ctx.rank
+    if ctx.store.device.type == "cuda":
+        torch.cuda.set_device(ctx.store.device)  # the current device is per thread; NCCL work goes to ours
+    stats = ReshardStats()
+    ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
+    ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
+    _debug_stall(rank, name)
+    # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
+    # since a failed exchange may leave receives posted into them
+    recycled = ctx.store.recycled_shards(dst)
+    src_local = src.shards_on(rank)
+    if src_local:
+        with ctx.store.lease(name, src_version) as entry:
+            shards = {i: ctx.store.shard_of(entry, i) for i in src_local}
+            out = run_reshard(plan, rank, shards, ctx.time_left(), stats=stats, out=recycled)
+    else:
+        out = run_reshard(plan, rank, {}, ctx.time_left(), stats=stats, out=recycled)
+    if dst.shards_on(rank):
+        ctx.store.fill_reserved(name, dst_version, out)
+    recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
+    ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
+    ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
+    log.info("rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes, "
+             "%d of %d new-shard bytes in recycled buffers", rank, name, dst_version, stats.local_bytes,
+             stats.received_bytes, stats.sent_bytes, stats.peak_staging_bytes, recycled_bytes,
+             ctx.progress.new_shard_bytes)
 
 
-def _positive_seconds(value: Any, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
-    return float(value)
+def _debug_stall(rank: int, name: str) -> None:
+    """Sleep when STALL_ENV names this rank and tensor (tests make a reshard window to kill a rank in)."""
+    for entry in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+        stall_rank, seconds, stall_name = entry.split(":", 2)
+        if int(stall_rank) == rank and stall_name == name:
+            log.warning("rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV)
+            time.sleep(float(seconds))

@@ -24,16 +24,21 @@ import torch.distributed as dist
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.auth import Security, make_channel
-from server.cli_args import PARENT_PID_ENV, add_security_args, configure_logging, security_from_args
-from server.bulk_reads import BulkReads
-from server.grpc_server import RunningServer, split_address, start_server
-from server.malloc_tuning import tune_malloc
-from server.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
-from server.shard_server import ShardServerServicer, add_shard_server
-from server.redistribute import process_group_backend
-from server.shared_memory import host_id
-from server.store import ShardStore
+from server.common.auth import Security, make_channel
+from server.common.cli_args import (
+    PARENT_PID_ENV,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+)
+from server.common.grpc_server import RunningServer, split_address, start_server
+from server.rank.jobs.reshard import process_group_backend
+from server.rank.malloc_tuning import tune_malloc
+from server.rank.reads.bulk import BulkReads
+from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
+from server.rank.service import ShardServerServicer, add_shard_server
+from server.rank.shared_memory import host_id
+from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +52,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--advertise", default=None, help="HOST:PORT clients should dial (default: the "
                         "bound address, with this host's name when listening on 0.0.0.0)")
     parser.add_argument("--bulk-port", type=int, default=0, help="TCP port of this rank's bulk reads, on the "
-                        "--listen host (0 = any free port; default %(default)s; see server/bulk_reads.py)")
+                        "--listen host (0 = any free port; default %(default)s; see server/rank/reads/bulk.py)")
     parser.add_argument("--no-bulk-reads", action="store_true", help="serve no bulk port: remote clients "
                         "read over gRPC only (always so with TLS: the bulk port does not encrypt)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda (= cuda:LOCAL_RANK) or cuda:K")

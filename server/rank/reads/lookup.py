@@ -18,9 +18,9 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import LookupPart
-from server.errors import InvalidArgument, ResourceExhausted
-from server.requests import check_name, check_version
-from server.store import ShardStore, StoredVersion
+from server.common.errors import InvalidArgument, ResourceExhausted
+from server.common.requests import check_name, check_version
+from server.rank.store import ShardStore, StoredVersion
 from shardcore.dtypes import dtype_to_wire
 from shardcore.embedding import partial_pool
 from shardcore.wire import tensor_bytes

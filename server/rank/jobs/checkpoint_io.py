@@ -39,13 +39,25 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties as DcpTensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+)
+from torch.distributed.checkpoint.metadata import (
+    TensorProperties as DcpTensorProperties,
+)
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
-from server.checkpoint_reader import RegionReader
+from server.common.dcp_metadata import checkpoint_dir, tensor_entries
+from server.rank.jobs.checkpoint_reader import RegionReader
 from shardcore.metadata import Box, ShardedTensorMetadata
 from shardcore.validation import validate_metadata
 
@@ -141,7 +153,7 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> Any:
         if self._problems:
             raise ValueError("; ".join(self._problems))
-        stored = _tensor_entries(self.metadata)
+        stored = tensor_entries(self.metadata)
         for key, meta in self._layouts.items():
             if key not in stored:
                 held = ", ".join(sorted(stored)) or "nothing"
@@ -151,12 +163,6 @@ class _CheckedLoadPlanner(DefaultLoadPlanner):
                 raise ValueError(f"tensor {key!r} is {tuple(size)} in checkpoint {self._path} but the "
                                  f"layout is for size {meta.size}")
         return super().create_local_plan()
-
-
-def checkpoint_tensors(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Global size and dtype of every tensor in the DCP checkpoint at `path` (from its metadata)."""
-    reader = RegionReader(_checkpoint_dir(path, must_exist=True))
-    return {key: (tuple(size), dtype) for key, (size, dtype) in _tensor_entries(reader.read_metadata()).items()}
 
 
 def save_shards(path: str | os.PathLike, key: str, meta: ShardedTensorMetadata, local_shards: LocalShards,
@@ -177,7 +183,7 @@ def save_tensors(path: str | os.PathLike,
     met before the call (a shard it could not lease): they fail the save on
     every rank, inside DCP's gathered planning step, like the checks here.
     """
-    directory = _checkpoint_dir(path, must_exist=False)
+    directory = checkpoint_dir(path, must_exist=False)
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors must be a dict of key -> (layout, local shards), got {type(tensors).__name__}")
     for key, value in tensors.items():
@@ -213,7 +219,7 @@ def load_tensors(path: str | os.PathLike, layouts: TensorLayouts, rank: int,
     dtype, e.g. recycled ones): a load writes every byte of them; the others are allocated. `problems`, as for
     save_tensors, fail the load on every rank.
     """
-    directory = _checkpoint_dir(path, must_exist=False)
+    directory = checkpoint_dir(path, must_exist=False)
     _check_layouts(layouts, require_coverage=False)
     problems = list(problems)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
@@ -279,15 +285,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _checkpoint_dir(path: str | os.PathLike, must_exist: bool) -> str:
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ValueError(f"path must be a non-empty path to a checkpoint directory, got {path!r}")
-    directory = os.fspath(path)
-    if must_exist and not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise FileNotFoundError(f"path {directory} is not a DCP checkpoint (no .metadata file)")
-    return directory
-
-
 def _check_layouts(layouts: Mapping[str, Any], require_coverage: bool) -> None:
     """Checks that every rank makes alike (same keys and layouts everywhere), so raising here cannot hang."""
     if not isinstance(layouts, Mapping) or not layouts:
@@ -298,11 +295,6 @@ def _check_layouts(layouts: Mapping[str, Any], require_coverage: bool) -> None:
         if not isinstance(meta, ShardedTensorMetadata):
             raise TypeError(f"layout of {key!r} must be a ShardedTensorMetadata, got {type(meta).__name__}")
         validate_metadata(meta, require_coverage=require_coverage)
-
-
-def _tensor_entries(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    return {key: (value.size, value.properties.dtype) for key, value in metadata.state_dict_metadata.items()
-            if isinstance(value, TensorStorageMetadata)}
 
 
 def _shards_for_save(key: str, meta: ShardedTensorMetadata, local_shards: LocalShards,

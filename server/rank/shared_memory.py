@@ -24,12 +24,12 @@ import time
 import weakref
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
-from server.errors import ResourceExhausted
-from server.recycling import Buffer, RecycledBuffers
+from server.common.errors import ResourceExhausted
+from server.rank.recycling import Buffer, RecycledBuffers
 from shardcore.dtypes import itemsize
 from shardcore.wire import byte_view
 
@@ -39,7 +39,7 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # Each segment starts with a header page: int64 HEADER_MAGIC, int64 state, int64 generation; the shard's bytes
 # follow it. The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a
 # client holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer
-# makes it). The generation grows each time a freed segment is taken for another version (server/recycling.py),
+# makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
@@ -124,7 +124,7 @@ class SharedMemory:
         memory or private), or None when none is kept."""
         return self._reuse(sizes, dtype, shared=None)
 
-    def recycle(self, tensors) -> None:  # type: ignore[no-untyped-def]
+    def recycle(self, tensors: Iterable[torch.Tensor]) -> None:
         """Keep the buffers of a freed version's CPU shards for reuse; the caller guarantees nothing in this
         process uses them any more (no lease on their version)."""
         for tensor in tensors:
@@ -176,7 +176,7 @@ class SharedMemory:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
 
-    def mark(self, tensors, served: bool) -> None:  # type: ignore[no-untyped-def]
+    def mark(self, tensors: Iterable[torch.Tensor], served: bool) -> None:
         """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
         with self._lock:
             for tensor in tensors:

@@ -5,7 +5,7 @@ import argparse
 import logging
 import os
 
-from server.auth import Security, TlsFiles
+from server.common.auth import Security, TlsFiles
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
 PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit when it is gone

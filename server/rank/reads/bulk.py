@@ -27,14 +27,28 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import (FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, TICKET_BYTES, recv_exactly,
-                              send_parts)
+from protos.bulk_wire import (
+    FRAME,
+    HEADER,
+    KIND_LOOKUP,
+    KIND_READ,
+    MAX_REQUEST_BYTES,
+    TICKET_BYTES,
+    recv_exactly,
+    send_parts,
+)
 from protos.chunk_codec import lookup_reply_pieces
-from server.cuda_staging import host_bytes
-from server.errors import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, rpc_errors, status_of
-from server.lookup_service import LookupService
-from server.requests import requested_box
-from server.store import ShardStore
+from server.common.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+    ServiceError,
+    Unavailable,
+    rpc_errors,
+    status_of,
+)
+from server.rank.reads.lookup import LookupService
+from server.rank.reads.region import region_bytes
+from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +218,7 @@ class BulkReads:
                 reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
                 return
-            with requested_box(self.store, _parse(pb.ReadRegionRequest, message)) as box:
-                data = host_bytes(box)
+            with region_bytes(self.store, _parse(pb.ReadRegionRequest, message)) as data:
                 send_parts(conn, [HEADER.pack(0, 0, len(data)), data])
         except OSError:
             raise

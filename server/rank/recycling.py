@@ -11,7 +11,7 @@ needs the memory for a reservation.
 
 Safety is the caller's: a buffer is kept only once no lease holds its version
 (no read, write or reshard in this process uses it). Same-host clients that
-mapped a shared-memory buffer are handled by server/shared_memory.py: taking
+mapped a shared-memory buffer are handled by server/rank/shared_memory.py: taking
 such a buffer bumps the generation word of its header before any byte changes,
 and clients check that word before and after each read.
 """

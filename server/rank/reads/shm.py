@@ -1,7 +1,7 @@
 """ShardServer.OpenShard / ReleaseShard: hand a served shard to a same-host client by reference.
 
 OpenShard leases the (name, version) in the store for a bounded time and answers
-where the shard's memory is (server/shared_memory.py): a memfd the client opens
+where the shard's memory is (server/rank/shared_memory.py): a memfd the client opens
 as /proc/<pid>/fd/<fd>, or, for a CUDA shard and a client that asks, a CUDA IPC
 handle. The lease keeps the version (its tensor, mapping and fd) alive until
 ReleaseShard or expiry, so the fd cannot name other data meanwhile.
@@ -14,10 +14,10 @@ import grpc
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.errors import InvalidArgument, ServiceError, rpc_errors
-from server.requests import check_name, check_version
-from server.shared_memory import Leases, lease_seconds
-from server.store import ShardStore
+from server.common.errors import InvalidArgument, ServiceError, rpc_errors
+from server.common.requests import check_name, check_version
+from server.rank.shared_memory import Leases, lease_seconds
+from server.rank.store import ShardStore
 from shardcore.dtypes import dtype_to_wire
 
 log = logging.getLogger(__name__)

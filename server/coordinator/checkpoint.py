@@ -16,8 +16,8 @@ reads into plain tensors, DTensors or ShardedTensors of any layout. It is
 written into a staging directory inside `path` and moved into place only once
 every rank succeeded, so a failed save leaves the checkpoint that was there.
 
-Jobs are numbered by the reshard driver's CollectiveRunner, so checkpoint jobs
-and reshards enter collectives in one order on every rank.
+Jobs are numbered by the same CollectiveRunner as reshards (coordinator/collectives.py), so checkpoint
+jobs and reshards enter collectives in one order on every rank.
 """
 from __future__ import annotations
 
@@ -27,18 +27,24 @@ import shutil
 import tempfile
 import time
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Iterator
+from typing import Generator, Iterable, Iterator, Protocol
 
 from protos import shardserve_pb2 as pb
-from server.catalog import ranks_of
-from server.reshard_driver import job_timeout
-from server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from server.requests import check_name, parse_metadata
+from server.common.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from server.common.requests import check_name, parse_metadata
+from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.collectives import CollectiveRunner, job_timeout
+from server.coordinator.locks import NameLocks
+from server.coordinator.registry import RankRegistry
 from shardcore.dtypes import dtype_to_wire
+from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto, metadata_to_proto
-
-if TYPE_CHECKING:
-    from server.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +67,11 @@ def _check_path(path: str) -> str:
     return path
 
 
-def inspect(path: str) -> pb.InspectCheckpointResponse:
+def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
     """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
-    from server.checkpoint import checkpoint_tensors  # DCP is imported on first use, not at start-up
+    from server.common.dcp_metadata import (
+        checkpoint_tensors,  # DCP is imported on first use, not at start-up
+    )
 
     try:
         entries = checkpoint_tensors(_check_path(path))
@@ -76,20 +84,31 @@ def inspect(path: str) -> pb.InspectCheckpointResponse:
         for key, (size, dtype) in sorted(entries.items())])
 
 
+class VersionLifecycle(Protocol):
+    """What a load needs of the tensor lifecycle: make room for new versions, and forget them again."""
+
+    def make_room(self, name: str, overwrite: bool) -> None: ...
+
+    def discard(self, info: pb.TensorInfo) -> None: ...
+
+    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None: ...
+
+
 class CheckpointDriver:
     """LoadCheckpoint / SaveCheckpoint on the coordinator."""
 
-    def __init__(self, coordinator: "Coordinator", default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.coordinator = coordinator
-        self.catalog = coordinator.catalog
+    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
+                 versions: VersionLifecycle, default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.locks = locks
+        self.collectives = collectives
+        self.versions = versions
         self.default_timeout_s = default_timeout_s
-
-    def _runner(self):  # type: ignore[no-untyped-def]
-        return self.coordinator.reshards.jobs
 
     def _world(self) -> list[int]:
         """Every rank of the torch.distributed world, all of which must be registered and alive."""
-        ranks = self.coordinator.ranks()
+        ranks = self.registry.ranks()
         if not ranks:
             raise Unavailable("no rank is registered")
         world = ranks[0].world_size
@@ -109,7 +128,7 @@ class CheckpointDriver:
         timeout_s = self._timeout(request.timeout_s)
         if not request.tensors:
             raise InvalidArgument("tensors is empty: name at least one tensor to load")
-        saved = {t.name: t for t in inspect(path).tensors}
+        saved = {t.name: t for t in inspect_checkpoint(path).tensors}
         layouts = {}
         for i, tensor in enumerate(request.tensors):
             name = check_name(tensor.name, f"tensors[{i}].name")
@@ -122,38 +141,38 @@ class CheckpointDriver:
             if tuple(saved[name].size) != meta.size:
                 raise InvalidArgument(f"tensors[{i}].metadata: size {meta.size} but {name!r} is "
                                       f"{tuple(saved[name].size)} in the checkpoint")
-            self.coordinator._check_placements(meta)
+            self.registry.check_placements(meta)
             layouts[name] = meta
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(layouts):
-                locks.enter_context(self.coordinator._name_lock(name))
+                locks.enter_context(self.locks.hold(name))
             for name in layouts:
                 if self.catalog.ready(name) is not None and not request.overwrite:
                     raise AlreadyExists(f"tensor {name!r} already exists; pass overwrite=True to replace it")
             for name in layouts:
-                self.coordinator._make_room(name, request.overwrite)
+                self.versions.make_room(name, request.overwrite)
             new = self._record(layouts)
             try:
                 yield from self._run_load(path, new, world, timeout_s)
                 for info in new:
-                    self.coordinator.promote_on(ranks_of(info), info.name, info.version,
+                    self.registry.promote_on(ranks_of(info), info.name, info.version,
                                                 f"promote {info.name!r} version {info.version}")
             except BaseException:
                 for info in new:
-                    self.coordinator._discard(info)
+                    self.versions.discard(info)
                 log.warning("checkpoint load from %s failed; versions %s dropped", path,
                             [(i.name, i.version) for i in new])
                 raise
             ready = []
             for committed, older in self.catalog.commit_all([(info.name, info.version) for info in new]):
                 ready.append(committed)  # every tensor READY in one transaction, or none
-                self.coordinator.drop_rows(older)
+                self.versions.drop_rows(older)
         log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
         total = sum(i.nbytes for i in ready)
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
 
-    def _record(self, layouts: dict) -> list[pb.TensorInfo]:
+    def _record(self, layouts: dict[str, ShardedTensorMetadata]) -> list[pb.TensorInfo]:
         """Catalog rows (PENDING) and reserved memory on the ranks for every new version."""
         new = []
         try:
@@ -164,11 +183,10 @@ class CheckpointDriver:
                 new.append(info)
                 reserve = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                    reserve_only=True)
-                self.coordinator._fan_out(meta.ranks(), lambda stub, r=reserve: stub.AllocateShards(
-                    r, timeout=self.coordinator.rpc_timeout), f"reserve {name!r} version {info.version}")
+                self.registry.allocate_on(meta.ranks(), reserve, f"reserve {name!r} version {info.version}")
         except BaseException:
             for info in new:
-                self.coordinator._discard(info)
+                self.versions.discard(info)
             raise
         return new
 
@@ -176,7 +194,7 @@ class CheckpointDriver:
                   timeout_s: float) -> Iterator[pb.CheckpointProgress]:
         job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_load=pb.CheckpointJob(path=path, tensors=[
             pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in new]))
-        yield from _progress(self._runner().run(job, world, f"checkpoint load from {path}"), _job_bytes(new))
+        yield from _progress(self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new))
 
     def save(self, request: pb.SaveCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
@@ -196,7 +214,7 @@ class CheckpointDriver:
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(names):
-                locks.enter_context(self.coordinator._name_lock(name))
+                locks.enter_context(self.locks.hold(name))
             infos = []
             for name in names:
                 info = self.catalog.ready(name)
@@ -214,7 +232,7 @@ class CheckpointDriver:
             job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=staging, tensors=[
                 pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in infos]))
             try:
-                yield from _progress(self._runner().run(job, world, f"checkpoint save to {path}"), _job_bytes(infos))
+                yield from _progress(self.collectives.run(job, world, f"checkpoint save to {path}"), _job_bytes(infos))
                 publish_checkpoint(staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -247,7 +265,7 @@ def _job_bytes(infos: list[pb.TensorInfo]) -> int:
     return sum(metadata_from_proto(info.metadata).shards_nbytes() for info in infos)  # the catalog's: valid
 
 
-def _progress(runner, total: int) -> Iterator[pb.CheckpointProgress]:  # type: ignore[no-untyped-def]
+def _progress(runner: Generator[tuple[int, int], None, object], total: int) -> Iterator[pb.CheckpointProgress]:
     """Progress messages from a CollectiveRunner.run generator (its return value is dropped), out of the job's
     `total` bytes from the first message on."""
     try:

@@ -8,28 +8,50 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.collective_jobs import CollectiveJobs
-from server.collective_jobs import handlers as collective_handlers
-from server.checkpoint_jobs import run_checkpoint_load  # noqa: F401 - registers the checkpoint job kinds
-from protos.chunk_codec import (LookupPart, RawChunk, decode_write_request, encode_chunk, encode_lookup_chunk,
-                                encode_lookup_reply)
-from server.bulk_reads import BulkReads
-from server.bulk_reads import handlers as bulk_read_handlers
-from server.errors import InvalidArgument, rpc_errors
-from server.lookup_service import LookupService
-from server.cuda_staging import host_bytes
-from server.shm_service import SharedMemoryService
-from server.shm_service import handlers as shared_memory_handlers
-from server.small_reads import SmallReads
-from server.small_reads import handlers as small_read_handlers
-from server.requests import check_name, check_options, check_version, parse_dtype, parse_metadata, requested_box
-from server.store import ShardStore
+from protos.chunk_codec import (
+    LookupPart,
+    RawChunk,
+    decode_write_request,
+    encode_chunk,
+    encode_lookup_chunk,
+    encode_lookup_reply,
+)
+from server.common.errors import InvalidArgument, rpc_errors
+from server.common.requests import (
+    check_name,
+    check_options,
+    check_version,
+    parse_dtype,
+    parse_metadata,
+)
+from server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
+from server.rank.jobs.reshard import run_reshard_job
+from server.rank.jobs.service import CollectiveJobService, JobKinds
+from server.rank.jobs.service import handlers as collective_handlers
+from server.rank.reads.bulk import BulkReads
+from server.rank.reads.bulk import handlers as bulk_read_handlers
+from server.rank.reads.lookup import LookupService
+from server.rank.reads.region import region_bytes
+from server.rank.reads.shm import SharedMemoryService
+from server.rank.reads.shm import handlers as shared_memory_handlers
+from server.rank.reads.small import SmallReads
+from server.rank.reads.small import handlers as small_read_handlers
+from server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
 MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
+
+
+def job_kinds() -> JobKinds:
+    """The collective job kinds a rank runs."""
+    kinds = JobKinds()
+    kinds.register("reshard", run_reshard_job)
+    kinds.register("checkpoint_load", run_checkpoint_load)
+    kinds.register("checkpoint_save", run_checkpoint_save)
+    return kinds
 
 
 class ShardServerServicer(pb_grpc.ShardServerServicer):
@@ -40,7 +62,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
-        self.collectives = CollectiveJobs(store)
+        self.collectives = CollectiveJobService(store, job_kinds())
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")
@@ -98,8 +120,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def ReadRegion(self, request: pb.ReadRegionRequest,
                    context: grpc.ServicerContext) -> Iterator[RawChunk]:
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
-        with requested_box(self.store, request) as box:
-            data = host_bytes(box)  # zero-copy when the box is contiguous in the shard; CUDA via pinned memory
+        with region_bytes(self.store, request) as data:
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
 

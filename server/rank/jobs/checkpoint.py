@@ -1,8 +1,9 @@
-"""The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/collective_jobs.py).
+"""The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/rank/jobs/service.py),
+registered by the rank's ShardServer servicer.
 
 Both run on the rank's collective thread, in the coordinator's job order, over
 the whole torch.distributed world (DCP's default process group), and go
-through server/checkpoint.py, so each rank reads or writes only its own
+through server/rank/jobs/checkpoint_io.py, so each rank reads or writes only its own
 shards, straight from or to the checkpoint directory:
 
 - "checkpoint_load": read this rank's shards of every listed tensor (DCP
@@ -23,9 +24,9 @@ from typing import Callable, TypeVar
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.collective_jobs import JobContext, register_job_kind
-from server.errors import InvalidArgument, ServiceError
-from server.requests import check_name, check_version, parse_metadata
+from server.common.errors import InvalidArgument, ServiceError
+from server.common.requests import check_name, check_version, parse_metadata
+from server.rank.jobs.context import JobContext
 from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
 
 def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
-    from server.checkpoint import load_tensors  # DCP costs ~0.8 s to import: only ranks that load pay it
+    from server.rank.jobs.checkpoint_io import (
+        load_tensors,  # DCP costs ~0.8 s to import: only ranks that load pay it
+    )
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
@@ -92,7 +95,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
 
 def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Write this rank's shards of the job's served versions into one DCP checkpoint."""
-    from server.checkpoint import save_tensors  # DCP costs ~0.8 s to import: only ranks that save pay it
+    from server.rank.jobs.checkpoint_io import (
+        save_tensors,  # DCP costs ~0.8 s to import: only ranks that save pay it
+    )
 
     tensors = _job_tensors(job.checkpoint_save, "checkpoint_save")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
@@ -111,6 +116,3 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
              job.checkpoint_save.path, ctx.progress.bytes_total)
 
-
-register_job_kind("checkpoint_load", run_checkpoint_load)
-register_job_kind("checkpoint_save", run_checkpoint_save)

@@ -10,8 +10,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.request_decoding import RequestDecodingInterceptor
-from server.auth import CHANNEL_OPTIONS, Security, TokenAuthInterceptor, server_credentials
+from server.common.auth import (
+    CHANNEL_OPTIONS,
+    Security,
+    TokenAuthInterceptor,
+    server_credentials,
+)
+from server.common.request_decoding import RequestDecodingInterceptor
 
 log = logging.getLogger(__name__)
 

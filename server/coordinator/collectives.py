@@ -1,0 +1,227 @@
+"""Collective jobs from the coordinator: job numbering, running one job on its ranks, and the one state
+saying whether the torch.distributed world can still run them.
+
+The `JobSequencer` gives each job a `seq` from the catalog's growing counter
+and, per participant, `after_seq` (that rank's previous job), so every rank
+enters the collectives of two jobs in one order. `CollectiveRunner` sends
+RunCollective to every participant in parallel, sums their progress and fails
+the job as soon as one rank fails (after a short grace to hear the others),
+naming the rank that is down or hung. Such a failure leaves the world unusable
+for collectives: the runner then refuses every job (reshards and checkpoints)
+with a message saying what the operator must do, also shown by ListRanks.
+See server/rank/jobs/service.py for the rank side.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from typing import Callable, Generator, Sequence
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from server.common.collectives_state import CollectivesState
+from server.common.errors import InvalidArgument, ServiceError
+from server.coordinator.registry import RankRegistry
+
+log = logging.getLogger(__name__)
+
+MIN_JOB_TIMEOUT_S = 1.0
+_FAILURE_GRACE_S = 2.0   # after one rank failed, how long to hear the others before naming the culprit
+_RPC_SLACK_S = 15.0      # how long past the job's own timeout a started job's rank is waited for
+_CONTROL_TIMEOUT_S = 10.0
+
+
+class CollectiveJobError(ServiceError):
+    """A collective job failed; `culprits` are the ranks that are down or hung (empty: a plain failure)."""
+
+    code = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, culprits: Sequence[int] = ()) -> None:
+        super().__init__(message, grpc.StatusCode.UNAVAILABLE if culprits else None)
+        self.culprits = tuple(culprits)
+
+
+class JobSequencer:
+    """Numbers collective jobs and remembers each rank's last job, so ranks chain them in one order."""
+
+    def __init__(self, next_number: Callable[[], int]) -> None:
+        self._next_number = next_number
+        self._last: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def assign(self, ranks: Sequence[int]) -> tuple[int, dict[int, int]]:
+        """(seq of a new job over `ranks`, {rank: after_seq})."""
+        with self._lock:
+            seq = self._next_number()
+            after = {r: self._last.get(r, 0) for r in ranks}
+            self._last.update({r: seq for r in ranks})
+        return seq, after
+
+
+class CollectiveRunner:
+    """Runs one collective job on its participants and reports their summed progress."""
+
+    def __init__(self, registry: RankRegistry, next_number: Callable[[], int]) -> None:
+        self.registry = registry
+        self.sequencer = JobSequencer(next_number)
+        self.state = CollectivesState()
+
+    @property
+    def unusable_reason(self) -> str:
+        """Why collective jobs are refused ("" while they run)."""
+        return self.state.unusable_reason or ""
+
+    def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
+            ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
+        """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
+
+        Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
+        is set here; on failure the job is cancelled on every participant.
+        """
+        ranks = sorted(set(ranks))
+        self.state.check()
+        entries = {r: self.registry.entry(r) for r in ranks}
+        seq, after = self.sequencer.assign(ranks)
+        job.seq = seq
+        del job.ranks[:]
+        job.ranks.extend(ranks)
+        events: "queue.Queue[tuple[int, object]]" = queue.Queue()
+        calls = {}
+        for rank, entry in entries.items():
+            request = pb.CollectiveJob()
+            request.CopyFrom(job)
+            request.after_seq = after[rank]
+            calls[rank] = entry.stub.RunCollective(request)  # bounded by the watch below, which cancels it
+            threading.Thread(target=_pump, args=(rank, calls[rank], events), daemon=True,
+                             name=f"collective-{seq}-rank-{rank}").start()
+        latest = {r: pb.CollectiveProgress() for r in ranks}
+        finals: dict[int, pb.CollectiveProgress] = {}
+        failures: dict[int, object] = {}
+        watch = _JobWatch(ranks, job.timeout_s + _RPC_SLACK_S)
+        try:
+            while len(finals) + len(failures) < len(ranks):
+                try:
+                    rank, item = events.get(timeout=watch.seconds_left(finals.keys() | failures.keys()))
+                except queue.Empty:  # the wait ran to the first limit: that rank is given up
+                    break
+                watch.heard(rank, item)
+                if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
+                    latest[rank] = item
+                    if item.done:
+                        finals[rank] = item
+                    yield sum(p.bytes_done for p in latest.values()), sum(p.bytes_total for p in latest.values())
+                    continue
+                failures[rank] = item
+                watch.failed()
+        finally:
+            for call in calls.values():
+                call.cancel()
+        missing = [r for r in ranks if r not in finals and r not in failures]
+        if failures or missing:
+            self._cancel(seq, ranks)
+            raise self._failure(what, failures, missing)
+        return finals
+
+    def _cancel(self, seq: int, ranks: Sequence[int]) -> None:
+        request = pb.CancelCollectiveRequest(seq=seq)
+        for rank in ranks:
+            try:
+                self.registry.entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
+            except (grpc.RpcError, ServiceError):
+                pass  # a dead rank runs nothing
+
+    def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
+        """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
+        down = {r for r, f in failures.items()
+                if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE}
+        down |= {r for r in set(failures) | set(missing) if not self.registry.rank_alive(r)}
+        reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
+        named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
+        culprits = down | (named - reporters)
+        if not culprits and (named or missing):
+            culprits = named | set(missing)
+        details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(failures.items()))
+        if not culprits:
+            return CollectiveJobError(f"{what} failed: {details}")
+        parts = [f"rank {r} is down" if r in down or not self.registry.rank_alive(r) else
+                 f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
+        first = min(culprits)
+        reason = (f"rank {first} is down or hung, so the torch.distributed world can run no more "
+                       f"collectives: every reshard and checkpoint job is refused until the cluster is restarted "
+                       f"(the world is not re-formed in place: stop and start `shardserve up`, or restart every "
+                       f"torchrun worker). Reads and writes keep working on the live ranks.")
+        self.state.mark_unusable(reason)
+        log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
+        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
+                                  f"{reason} Details: {details or 'no answer'}", sorted(culprits))
+
+
+class _JobWatch:
+    """When the coordinator stops waiting for a collective job's ranks.
+
+    A rank's job may first wait behind that rank's earlier jobs (another
+    tensor's reshard, say); meanwhile the rank streams progress every 0.2 s,
+    and it is given up only once silent for SILENCE_S. From its `started`
+    message on it has `run_s` (the job's timeout plus slack). After any rank
+    failed, the others get _FAILURE_GRACE_S more, to name the culprit.
+    """
+
+    SILENCE_S = 30.0
+
+    def __init__(self, ranks: Sequence[int], run_s: float) -> None:
+        now = time.monotonic()
+        self.run_s = run_s
+        self.limits = {rank: now + self.SILENCE_S for rank in ranks}  # per rank: when it is given up
+        self.running: set[int] = set()
+        self.give_up = float("inf")
+
+    def heard(self, rank: int, item: object) -> None:
+        now = time.monotonic()
+        if isinstance(item, pb.CollectiveProgress) and item.started and rank not in self.running:
+            self.running.add(rank)
+            self.limits[rank] = now + self.run_s
+        elif rank not in self.running:
+            self.limits[rank] = now + self.SILENCE_S
+
+    def failed(self) -> None:
+        self.give_up = min(self.give_up, time.monotonic() + _FAILURE_GRACE_S)
+
+    def seconds_left(self, ended: set[int]) -> float:
+        """Seconds until a rank that has not ended is given up (0: now)."""
+        pending = [limit for rank, limit in self.limits.items() if rank not in ended]
+        return max(0.0, min([self.give_up, *pending]) - time.monotonic())
+
+
+def _pump(rank: int, call: grpc.Call, events: "queue.Queue[tuple[int, object]]") -> None:
+    """Forward one rank's progress stream (or its RPC failure) into the runner's queue. A CANCELLED stream is
+    forwarded too: the runner cancels only once it stopped reading, so this one was cut elsewhere (the rank
+    re-registered and its channel was closed) and the job will not hear from that rank again."""
+    try:
+        for message in call:
+            events.put((rank, message))
+    except grpc.RpcError as err:
+        events.put((rank, err))
+
+
+def _describe(failure: object) -> str:
+    if isinstance(failure, grpc.RpcError):
+        return f"{failure.code().name}: {failure.details()}"
+    assert isinstance(failure, pb.CollectiveProgress)
+    return failure.error
+
+
+
+def job_timeout(value: float, default: float) -> float:
+    """A collective job's timeout_s: 0 for `default`, else at least MIN_JOB_TIMEOUT_S. A job that times out
+    leaves the world unable to run collectives (its peers may be inside one), so a timeout too short for any
+    job to finish would be a way to break the cluster with one request."""
+    if not (value == 0 or MIN_JOB_TIMEOUT_S <= value < math.inf):  # NaN fails this too
+        raise InvalidArgument(f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
+                              f"seconds >= {MIN_JOB_TIMEOUT_S:g}")
+    return value or default
+
+

@@ -1,0 +1,348 @@
+"""The coordinator's tensor lifecycle: create/commit/abort/delete, and reconciling what ranks hold.
+
+`Coordinator` assembles the coordinator process's parts (rank registry, name
+locks, catalog, collective runner, reshard and checkpoint drivers) and holds
+the lifecycle logic. Operations on one tensor name are serialized by its name
+lock; different names proceed in parallel. A tensor becomes visible only when
+every rank has promoted its shards and the catalog row turns READY in one
+transaction.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent import futures
+from typing import Callable, Iterable
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from server.common.auth import Security
+from server.common.errors import (
+    Aborted,
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+)
+from server.common.requests import (
+    check_init,
+    check_name,
+    check_options,
+    check_put_token,
+    check_version,
+    parse_metadata,
+)
+from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.checkpoint import CheckpointDriver
+from server.coordinator.collectives import CollectiveRunner
+from server.coordinator.locks import NameLocks
+from server.coordinator.registry import RankRegistry
+from server.coordinator.reshard import ReshardDriver
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.wire import metadata_to_proto
+
+log = logging.getLogger(__name__)
+
+ABORTED_TOKENS_KEPT = 4096  # put tokens remembered as aborted, so their late CreateTensor is refused
+
+
+class Coordinator:
+    """Registry, catalog and the tensor lifecycle, talking to ranks over gRPC."""
+
+    def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
+                 dead_after: float | None = None, rpc_timeout: float = 60.0,
+                 pending_timeout: float = 600.0) -> None:
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+        self.catalog = catalog
+        self.heartbeat_interval = heartbeat_interval
+        self.pending_timeout = pending_timeout
+        self.registry = RankRegistry(security, dead_after if dead_after is not None else 3 * heartbeat_interval,
+                                     rpc_timeout)
+        self.locks = NameLocks()
+        self.collectives = CollectiveRunner(self.registry, catalog.next_version)
+        self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
+        self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self)
+        self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
+        # background work that takes name locks gets its own pool, so it never starves the fan-out
+        self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------ ranks
+
+    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> float:
+        """Add (or replace) a rank; reconcile what it holds with the catalog; return the heartbeat interval."""
+        held_pairs = self.registry.register(info, held)
+        self._background.submit(self._reconcile, info.rank, held_pairs)
+        self._background.submit(self.reshards.finish_promotions)
+        return self.heartbeat_interval
+
+    def heartbeat(self, rank: int, memory_used: int) -> None:
+        """Record that `rank` is alive; one that had been reported dead is reconciled."""
+        if self.registry.heartbeat(rank, memory_used):
+            log.info("rank %d is alive again; reconciling what it holds", rank)
+            self._background.submit(self._reconcile_from_stats, rank)
+
+    # ------------------------------------------------------------ tensor lifecycle
+
+    def create(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """Validate, record PENDING, allocate on every holding rank; with an init, commit too."""
+        name = check_name(request.name)
+        meta = parse_metadata(request.metadata)
+        check_init(request.init, meta.dtype)
+        check_options(request.options, meta)
+        token = check_put_token(request.put_token)
+        self.registry.check_placements(meta)
+        with self.locks.hold(name):
+            if token and (name, token) in self._aborted_tokens:
+                raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
+                              f"CreateTensor ran")
+            options = self._copy_source(name, meta, request).options if request.init == pb.INIT_COPY \
+                else request.options
+            self.make_room(name, request.overwrite)
+            info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
+                                 metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
+                                 nbytes=meta.nbytes, created_unix=time.time(), put_token=token)
+            self.catalog.add(info)
+            allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
+                                                init=request.init, seed=request.seed, options=options,
+                                                source_version=request.source_version)
+            try:
+                self.registry.allocate_on(meta.ranks(), allocate, f"allocate {name!r} version {info.version}")
+            except ServiceError:
+                self.discard(info)
+                raise
+            log.info("created %r version %d (%d bytes on ranks %s)", name, info.version, meta.nbytes,
+                     list(meta.ranks()))
+            if request.init in (pb.INIT_NONE, pb.INIT_COPY):
+                return info
+            return self._commit_locked(name, info.version)
+
+    def commit(self, name: str, version: int) -> pb.TensorInfo:
+        """Promote (name, version) on every holding rank, then mark it READY and drop older versions."""
+        check_name(name)
+        check_version(version)
+        with self.locks.hold(name):
+            return self._commit_locked(name, version)
+
+    def abort(self, name: str, version: int) -> None:
+        """Forget a PENDING version and drop its shards on the ranks."""
+        check_name(name)
+        check_version(version)
+        with self.locks.hold(name):
+            self._abort_locked(name, version)
+
+    def abort_put(self, name: str, token: str) -> int:
+        """Abort the PENDING version of `name` made with put_token `token`, if any (a client whose CreateTensor
+        answer was lost does not know its version), and refuse that token from now on: the version aborted,
+        or 0."""
+        check_name(name)
+        if not check_put_token(token):
+            raise InvalidArgument("put_token is empty; give version or put_token")
+        with self.locks.hold(name):
+            self._aborted_tokens[(name, token)] = None
+            while len(self._aborted_tokens) > ABORTED_TOKENS_KEPT:
+                self._aborted_tokens.popitem(last=False)
+            for info in self.catalog.versions(name):
+                if info.put_token == token and info.state != pb.READY:
+                    self._abort_locked(name, info.version)
+                    return info.version
+        return 0
+
+    def _abort_locked(self, name: str, version: int) -> None:
+        info = self.catalog.get(name, version)
+        if info is None:
+            raise NotFound(f"tensor {name!r} version {version} not found")
+        if info.state == pb.READY:
+            raise FailedPrecondition(f"tensor {name!r} version {version} is committed; "
+                                     f"use DeleteTensor to remove it")
+        self.discard(info)
+        log.info("aborted %r version %d", name, version)
+
+    def get(self, name: str) -> pb.TensorInfo:
+        """The READY version of `name`."""
+        check_name(name)
+        info = self.catalog.ready(name)
+        if info is None:
+            raise NotFound(f"tensor {name!r} not found")
+        return info
+
+    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
+        return self.catalog.list(include_pending)
+
+    def delete(self, name: str) -> None:
+        """Remove every version of `name` from the catalog, then free them on the ranks."""
+        check_name(name)
+        with self.locks.hold(name):
+            if self.catalog.ready(name) is None:
+                raise NotFound(f"tensor {name!r} not found")
+            removed = self.catalog.remove(name)
+            ranks = sorted({r for info in removed for r in ranks_of(info)})
+            self.registry.drop_quietly(name, 0, ranks)
+            self.reshards.drop_replaced(name)  # a reshard's replaced version, if its promotion was unfinished
+        log.info("deleted %r (versions %s)", name, [i.version for i in removed])
+
+    # ------------------------------------------------------------ helpers
+
+    def _commit_locked(self, name: str, version: int) -> pb.TensorInfo:
+        info = self.catalog.get(name, version)
+        if info is None:
+            raise NotFound(f"tensor {name!r} version {version} not found (never created, aborted or replaced)")
+        if info.state == pb.READY:
+            return info
+        newer = [row.version for row in self.catalog.versions(name) if row.state == pb.READY and row.version > version]
+        if newer:  # committing below it would be acknowledged yet never served: the newer version wins
+            self.discard(info)
+            raise Aborted(f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
+                          f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
+                          f"make the change again")
+        self.registry.promote_on(ranks_of(info), name, version, f"commit {name!r} version {version}")
+        ready, older = self.catalog.commit(name, version)
+        self.drop_rows(older)
+        log.info("committed %r version %d%s", name, version,
+                 f", replacing versions {[o.version for o in older]}" if older else "")
+        return ready
+
+    def _copy_source(self, name: str, meta: ShardedTensorMetadata,
+                     request: pb.CreateTensorRequest) -> pb.TensorInfo:
+        """INIT_COPY: the READY version `source_version` of `name`, checked to have the same layout."""
+        source = self.catalog.ready(name)
+        if source is None:
+            raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
+        if request.source_version != source.version:
+            raise FailedPrecondition(f"source_version {request.source_version} of {name!r} is not the READY "
+                                     f"version; the READY version is {source.version}")
+        if parse_metadata(source.metadata) != meta:
+            raise InvalidArgument(f"metadata differs from the layout of {name!r} version {source.version}; "
+                                  f"INIT_COPY keeps the layout")
+        if not request.overwrite:
+            raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY version)")
+        return source
+
+    def make_room(self, name: str, overwrite: bool) -> None:
+        """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending."""
+        rows = self.catalog.versions(name)
+        ready = [r.version for r in rows if r.state == pb.READY]
+        pending = [r for r in rows if r.state != pb.READY]
+        if ready and not overwrite:
+            raise AlreadyExists(f"tensor {name!r} already exists (version {ready[-1]}); "
+                                f"pass overwrite=True to replace it")
+        if pending and not overwrite:
+            raise AlreadyExists(f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
+                                f"pass overwrite=True to abort it")
+        for info in pending:
+            self.discard(info)
+
+    def discard(self, info: pb.TensorInfo) -> None:
+        """Remove a version from the catalog, then free it on its ranks."""
+        self.catalog.remove(info.name, info.version)
+        self.drop_rows([info])
+
+    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None:
+        """Free versions just removed from the catalog on their ranks; for a reshard's version whose promotion
+        was unfinished, also the version it replaced (only the promotion would have dropped that one)."""
+        for row in rows:
+            self.registry.drop_quietly(row.name, row.version, ranks_of(row))
+            if row.promoting:
+                self.reshards.drop_replaced(row.name)
+
+    def _reconcile_from_stats(self, rank: int) -> None:
+        """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped."""
+        held = self.registry.held_by(rank)
+        if held is not None:
+            self._reconcile(rank, held)
+
+    def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
+        """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know.
+
+        `held` was taken before the catalog is listed here, so a version put on the rank in between is
+        READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
+        the listing, still does not hold it. Each row is reconciled on its own (one failure is logged)."""
+        try:
+            known, missing = set(), []
+            for info in self.catalog.list(include_pending=True):
+                if rank not in ranks_of(info):
+                    continue
+                known.add((info.name, info.version))
+                if (info.name, info.version) in held:
+                    if info.state == pb.READY:
+                        self._reconcile_step(rank, info, "re-promote", lambda i=info: self.registry.promote_on(
+                            [rank], i.name, i.version, f"re-promote {i.name!r}"))
+                elif info.state == pb.READY:
+                    missing.append(info)
+            held_now = self.registry.held_by(rank) if missing else set()  # None: cannot tell, nothing forgotten
+            if held_now is not None:
+                for info in missing:
+                    if (info.name, info.version) not in held_now:
+                        self._reconcile_step(rank, info, "forget", lambda i=info: self._forget_lost(rank, i))
+            for name, version in held - known:
+                self.registry.drop_quietly(name, version, [rank])
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reconciling rank %d failed", rank)
+
+    def _forget_lost(self, rank: int, info: pb.TensorInfo) -> None:
+        """Remove a READY version the rank lost from the catalog, if it is still that row."""
+        with self.locks.hold(info.name):
+            current = self.catalog.get(info.name, info.version)
+            if current is None or current.state != pb.READY:
+                return
+            log.warning("rank %d lost tensor %r version %d (restarted?); removing it from the catalog",
+                        rank, info.name, info.version)
+            self.discard(current)
+
+    def _reconcile_step(self, rank: int, info: pb.TensorInfo, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except (ServiceError, grpc.RpcError) as err:
+            log.warning("reconciling rank %d: could not %s %r version %d: %s", rank, what, info.name,
+                        info.version, err)
+
+    def _monitor_loop(self) -> None:
+        """Log ranks that stop heartbeating; every few seconds, start the chores (off this thread, which must
+        not wait on a name lock or a rank)."""
+        last_chores, chores = time.monotonic(), None
+        while not self._stop.wait(min(self.heartbeat_interval, 1.0)):
+            self.registry.report_dead()
+            if time.monotonic() - last_chores >= min(5.0, self.pending_timeout) and (chores is None
+                                                                                      or chores.done()):
+                last_chores = time.monotonic()
+                chores = self._background.submit(self._chores)
+
+    def _chores(self) -> None:
+        """Abort puts left PENDING past the timeout; finish reshard promotions left unfinished."""
+        try:
+            self._reap_pending()
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reaping pending versions failed")
+        self.reshards.finish_promotions()
+
+    def _reap_pending(self) -> None:
+        cutoff = time.time() - self.pending_timeout
+        for info in self.catalog.list(include_pending=True):
+            if self.reshards.is_running(info.name):
+                continue  # a reshard's own new version: its timeout bounds it
+            if info.state != pb.READY and info.created_unix < cutoff:
+                log.warning("aborting %r version %d: pending for more than %.0fs", info.name, info.version,
+                            self.pending_timeout)
+                try:
+                    self.abort(info.name, info.version)
+                except ServiceError as err:
+                    log.info("reaping %r version %d: %s", info.name, info.version, err.message)
+
+    def stop_monitor(self) -> None:
+        """Stop watching heartbeats (the cluster is shutting down on purpose)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop the monitor and the registry's calls to ranks; close the catalog."""
+        self._stop.set()
+        self._monitor.join(timeout=5)
+        self._background.shutdown(wait=False, cancel_futures=True)
+        self.registry.close()
+        self.catalog.close()

@@ -1,0 +1,275 @@
+"""The coordinator's rank registry: who is registered, who is alive, and calls to them.
+
+Every call to ranks goes through here (with a deadline, fanned out in
+parallel), so liveness checks, error naming and dropping versions are written
+once for the lifecycle and the reshard and checkpoint drivers.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.common.auth import Security, make_channel
+from server.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
+from server.common.requests import check_name, check_version
+from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class RankEntry:
+    """A registered rank: what it told us, when it last spoke, and a stub to call it."""
+
+    info: pb.RankInfo
+    last_heartbeat: float  # time.monotonic()
+    channel: grpc.Channel
+    stub: pb_grpc.ShardServerStub
+    exited: bool = False
+    reported_dead: bool = False
+
+
+class RankRegistry:
+    """Registered ranks with their liveness; parallel calls to them that name the rank that failed."""
+
+    def __init__(self, security: Security = Security(), dead_after: float = 3.0, rpc_timeout: float = 60.0) -> None:
+        self.security = security
+        self.dead_after = dead_after
+        self.rpc_timeout = rpc_timeout
+        self._ranks: dict[int, RankEntry] = {}
+        self._ranks_changed = threading.Condition()
+        self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
+
+    # ------------------------------------------------------------ membership and liveness
+
+    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> set[tuple[str, int]]:
+        """Add (or replace) a rank; return the (name, version) pairs it says it holds."""
+        _check_rank_info(info)
+        held = list(held)
+        for i, version in enumerate(held):  # version 0 would make the reconcile drop every version of the name
+            check_name(version.name, f"held[{i}].name")
+            check_version(version.version, f"held[{i}].version")
+        channel = make_channel(info.address, self.security)
+        entry = RankEntry(pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
+        entry.info.CopyFrom(info)
+        try:
+            with self._ranks_changed:
+                self._check_fits_the_world(info)
+                old = self._ranks.get(info.rank)
+                self._ranks[info.rank] = entry
+                self._ranks_changed.notify_all()
+        except ServiceError:
+            channel.close()
+            raise
+        if old is not None:
+            old.channel.close()
+        log.info("rank %d registered: %s device %s pid %d on %s", info.rank, info.address, info.device,
+                 info.pid, info.hostname)
+        return {(h.name, h.version) for h in held}
+
+    def _check_fits_the_world(self, info: pb.RankInfo) -> None:
+        """(lock held) A registration must agree with the live ranks: one world size, its own address, and not
+        replace a live registration of the same rank from elsewhere (else a stray registration would take a rank
+        over, or make the reconcile drop another rank's versions). A restarted rank whose old entry is still
+        alive gets UNAVAILABLE, which its registration retries until that entry expires."""
+        for rank, entry in self._ranks.items():
+            if rank == info.rank or not self.is_alive(entry):
+                continue
+            if entry.info.world_size != info.world_size:
+                raise FailedPrecondition(f"rank.world_size {info.world_size} differs from the world size "
+                                         f"{entry.info.world_size} of registered rank {rank}")
+            if entry.info.address == info.address:
+                raise FailedPrecondition(f"rank.address {info.address} is registered by rank {rank}, which is "
+                                         f"alive")
+        own = self._ranks.get(info.rank)
+        if own is not None and self.is_alive(own) and own.info.address != info.address:
+            raise Unavailable(f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
+                              f"from rank.address {info.address} is taken once that one stops heartbeating")
+
+    def heartbeat(self, rank: int, memory_used: int) -> bool:
+        """Record that `rank` is alive (NotFound tells an unknown rank to register again); True when it had been
+        reported dead, so what it holds must be reconciled."""
+        if memory_used < 0:
+            raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is None or entry.exited:
+                raise NotFound(f"rank {rank} is not registered; register again")
+            was_dead = entry.reported_dead or not self.is_alive(entry)
+            entry.last_heartbeat = time.monotonic()
+            entry.info.memory_used_bytes = memory_used
+            entry.info.last_heartbeat_unix = time.time()
+            if was_dead:
+                entry.reported_dead = False
+        return was_dead
+
+    def mark_exited(self, rank: int, reason: str) -> None:
+        """Mark a rank dead at once (its process is known to have ended)."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is None or entry.exited:
+                return
+            entry.exited = entry.reported_dead = True
+        log.error("rank %d is dead: %s", rank, reason)
+
+    def report_dead(self) -> None:
+        """Log each rank that stopped heartbeating, once."""
+        with self._ranks_changed:
+            for entry in self._ranks.values():
+                if not entry.reported_dead and not self.is_alive(entry):
+                    entry.reported_dead = True
+                    log.error("rank %d (%s) missed heartbeats for %.1fs: marked dead", entry.info.rank,
+                              entry.info.address, time.monotonic() - entry.last_heartbeat)
+
+    def is_alive(self, entry: RankEntry) -> bool:
+        return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
+
+    def rank_alive(self, rank: int) -> bool:
+        """Whether `rank` is registered and alive."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+        return entry is not None and self.is_alive(entry)
+
+    def ranks(self) -> list[pb.RankInfo]:
+        """Every registered rank with its liveness, by rank."""
+        with self._ranks_changed:
+            entries = sorted(self._ranks.values(), key=lambda e: e.info.rank)
+            out = []
+            for entry in entries:
+                info = pb.RankInfo()
+                info.CopyFrom(entry.info)
+                info.alive = self.is_alive(entry)
+                out.append(info)
+        return out
+
+    def wait_for_ranks(self, count: int, timeout: float) -> bool:
+        """Block until `count` live ranks are registered, at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._ranks_changed:
+            while sum(self.is_alive(e) for e in self._ranks.values()) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._ranks_changed.wait(min(left, 0.2))
+        return True
+
+    def entry(self, rank: int) -> RankEntry:
+        """The registered `rank`; Unavailable when it is not registered."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+        if entry is None:
+            raise Unavailable(f"rank {rank} is not registered")
+        return entry
+
+    def check_placements(self, meta: ShardedTensorMetadata) -> None:
+        """Every shard of `meta` on a registered, live rank, on that rank's device."""
+        with self._ranks_changed:
+            entries = dict(self._ranks)
+        for i, shard in enumerate(meta.shards_metadata):
+            entry = entries.get(shard.rank)
+            field = f"metadata.shards_metadata[{i}].placement"
+            if entry is None:
+                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank} is not a registered rank "
+                                      f"(registered: {sorted(entries)})")
+            if not self.is_alive(entry):
+                raise Unavailable(f"{field} {shard.placement}: rank {shard.rank} is not alive")
+            if shard.device != RemoteDevice(f"rank:{shard.rank}/{entry.info.device}").device():
+                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank}'s device is "
+                                      f"{entry.info.device}")
+
+    # ------------------------------------------------------------ calls to ranks
+
+    def fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
+        """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
+        entries = {r: self.entry(r) for r in ranks}
+        results, failures = {}, []
+        for rank, entry in entries.items():
+            if not self.is_alive(entry):  # fail fast: a stopped rank would hold the call until its deadline
+                failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
+        jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items() if self.is_alive(e)}
+        deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
+        for rank, job in jobs.items():
+            try:
+                results[rank] = job.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.RpcError as err:
+                failures.append(_rank_error(rank, entries[rank].info.address, err))
+            except futures.TimeoutError:
+                failures.append(Unavailable(f"rank {rank} ({entries[rank].info.address}) did not answer "
+                                            f"within {self.rpc_timeout:.0f}s"))
+        if failures:
+            log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
+            raise failures[0]
+        return results
+
+    def allocate_on(self, ranks: Iterable[int], request: pb.AllocateShardsRequest, what: str) -> None:
+        """AllocateShards on `ranks` at once; the first failure raised, naming the rank."""
+        self.fan_out(ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what)
+
+    def promote_on(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
+        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
+        request = pb.PromoteVersionRequest(name=name, version=version)
+        self.fan_out(ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what)
+
+    def drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
+        """DropVersion on `ranks` in parallel, logging (not raising) failures: the catalog is already right."""
+        request = pb.DropVersionRequest(name=name, version=version)
+        try:
+            self.fan_out(ranks, lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
+                         f"drop {name!r} version {version}")
+        except ServiceError as err:
+            log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
+
+    def held_by(self, rank: int) -> set[tuple[str, int]] | None:
+        """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""
+        try:
+            stats = self.entry(rank).stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
+        except (grpc.RpcError, ServiceError) as err:
+            log.warning("could not ask rank %d what it holds: %s", rank, err)
+            return None
+        return {(h.name, h.version) for h in stats.held}
+
+    def close(self) -> None:
+        """Stop the fan-out pool and close the rank channels."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._ranks_changed:
+            for entry in self._ranks.values():
+                entry.channel.close()
+
+
+def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(f"rank {rank} ({address}) is unavailable: {details}")
+    return ServiceError(f"rank {rank}: {details}", code)
+
+
+def _check_rank_info(info: pb.RankInfo) -> None:
+    if info.rank < 0:
+        raise InvalidArgument(f"rank.rank {info.rank} is negative")
+    if info.world_size <= 0 or info.rank >= info.world_size:
+        raise InvalidArgument(f"rank.world_size {info.world_size} must be > rank.rank {info.rank}")
+    if not info.address or ":" not in info.address:
+        raise InvalidArgument(f"rank.address {info.address!r} is not HOST:PORT")
+    try:
+        RemoteDevice(f"rank:{info.rank}/{info.device}")
+    except ValueError:
+        raise InvalidArgument(f"rank.device {info.device!r} is not 'cpu' or 'cuda:K'") from None
+    if info.memory_limit_bytes < 0:
+        raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")

@@ -1,0 +1,264 @@
+"""Coordinated resharding, driven by the coordinator: PREPARE, COMMIT or ABORT of one tensor's new layout.
+
+Reshard(name, new metadata):
+1. PREPARE: validate (same size and dtype, placements on live ranks: a dead one
+   is FAILED_PRECONDITION naming it), take the name (a second reshard of the
+   same name while one runs is refused, not queued), record the new version
+   PENDING with the `promoting` marker, reserve its memory on the destination
+   ranks (AllocateShards reserve_only), then run a "reshard" collective job:
+   each rank builds the same plan, moves the data and stages the new version
+   beside the old one. Reads stay on the old version throughout.
+2. COMMIT: the catalog turns the new version READY (old READY rows removed) in
+   one transaction, the marker still set; the ranks promote it, the old
+   version is dropped (freed once reads in flight end), the marker cleared. A
+   coordinator restarted in between finishes this when the ranks re-register
+   (`finish_promotions`), and aborts reshards that never reached COMMIT; a
+   promotion that failed on a live rank is retried every few seconds, and a
+   next reshard of the tensor waits for it.
+3. ABORT on any failure, timeout or client cancel: the new version is dropped
+   on every participant; the old one stays whole. A job that failed on one
+   rank (or that one rank stopped answering) is also cancelled on the others
+   (CancelCollective); a client that cancels leaves a started job to end on
+   the ranks, then drops what it staged.
+
+The collective job itself is numbered and run by coordinator/collectives.py,
+which also refuses jobs once the torch.distributed world is unusable.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from typing import Generator, Iterator, Sequence
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ServiceError,
+    Unavailable,
+)
+from server.common.requests import check_name, parse_metadata
+from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.collectives import CollectiveRunner, job_timeout
+from server.coordinator.locks import NameLocks
+from server.coordinator.registry import RankRegistry
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
+from shardcore.wire import metadata_from_proto, metadata_to_proto
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+# Test hook: the coordinator process exits right after a reshard's catalog commit.
+EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
+EXIT_AFTER_COMMIT_CODE = 17
+
+
+class ReshardDriver:
+    """The Reshard RPC's logic; one per coordinator."""
+
+    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
+                 default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.locks = locks
+        self.collectives = collectives
+        self.default_timeout_s = default_timeout_s
+        self._running: set[str] = set()
+        self._old_versions: dict[str, pb.TensorInfo] = {}  # committed, to drop once the new one is promoted
+        self._running_lock = threading.Lock()
+
+    @contextmanager
+    def _claim(self, name: str) -> Iterator[None]:
+        with self._running_lock:
+            if name in self._running:
+                raise FailedPrecondition(f"reshard of {name!r} already in progress (a second reshard is refused, "
+                                         f"not queued: retry once it has finished)")
+            self._running.add(name)
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running.discard(name)
+
+    def reshard(self, request: pb.ReshardRequest) -> Iterator[pb.ReshardProgress]:
+        """Run one reshard, streaming its progress; the last message carries the new READY TensorInfo."""
+        name = check_name(request.name)
+        dst = parse_metadata(request.metadata)
+        bucket_bytes = _bucket_bytes(request.bucket_bytes)
+        timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
+        self.collectives.state.check()
+        with self._claim(name), self.locks.hold(name):
+            info = self._current_version(name)
+            src = metadata_from_proto(info.metadata)
+            plan = _plan(src, dst, bucket_bytes)
+            self._check_ranks(src.ranks(), dst.ranks())
+            self.registry.check_placements(dst)
+            new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
+                                options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
+                                created_unix=time.time(), promoting=True)
+            total = dst.shards_nbytes()
+            yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
+            self.catalog.add(new)
+            participants = list(plan.participants(dst))
+            try:
+                finals = yield from self._prepare(info, new, src, dst, plan, participants, timeout_s, total)
+                yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
+                                         version=new.version)
+            except BaseException:  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
+                self._abort(new, participants)
+                raise
+            ready = self._commit(new, info)  # no yield from here to the promotion: a cancel cannot cut it
+            self._promote(ready)
+            yield pb.ReshardProgress(
+                phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
+                max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
+                max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
+
+    def _current_version(self, name: str) -> pb.TensorInfo:
+        """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
+        info = self.catalog.ready(name)
+        if info is None:
+            raise NotFound(f"tensor {name!r} not found")
+        if info.promoting:  # the last reshard's promotion failed on some rank: finish it first
+            self._finish_one(info)
+            info = self.catalog.ready(name)
+            if info is None or info.promoting:
+                raise FailedPrecondition(f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
+                                         f" is unfinished on some rank (see the coordinator's log); it is "
+                                         f"retried every few seconds, reshard once it is done")
+        return info
+
+    def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, src: ShardedTensorMetadata,
+                 dst: ShardedTensorMetadata, plan: ReshardPlan, participants: list[int], timeout_s: float,
+                 total: int) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
+        """Reserve the new version's memory, then run the reshard job on every participant."""
+        reserve = pb.AllocateShardsRequest(name=new.name, version=new.version, metadata=new.metadata,
+                                           options=new.options, reserve_only=True)
+        self.registry.allocate_on(dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}")
+        job = pb.CollectiveJob(timeout_s=timeout_s, reshard=pb.ReshardJob(
+            name=new.name, src_version=old.version, src=old.metadata, dst_version=new.version, dst=new.metadata,
+            bucket_bytes=plan.bucket_bytes))
+        what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
+        log.info("%s: %d bytes over ranks %s, buckets of %d bytes", what, total, participants, plan.bucket_bytes)
+        runner = self.collectives.run(job, participants, what)
+        try:
+            while True:
+                done, _ = next(runner)
+                yield pb.ReshardProgress(phase=pb.RESHARD_MOVING, bytes_done=min(done, total), bytes_total=total,
+                                         version=new.version)
+        except StopIteration as stop:
+            return stop.value
+
+    def _abort(self, new: pb.TensorInfo, participants: list[int]) -> None:
+        """Forget the new version: catalog row removed, staged shards dropped on every participant."""
+        self.catalog.remove(new.name, new.version)
+        self.registry.drop_quietly(new.name, new.version, participants)
+        log.warning("reshard of %r aborted; version %d dropped", new.name, new.version)
+
+    def _commit(self, new: pb.TensorInfo, old: pb.TensorInfo) -> pb.TensorInfo:
+        """The catalog's one transaction: the new version READY (marker still set), older READY rows gone."""
+        ready, _ = self.catalog.commit(new.name, new.version)
+        log.info("reshard of %r committed in the catalog: version %d replaces %d", new.name, new.version, old.version)
+        if os.environ.get(EXIT_AFTER_COMMIT_ENV):
+            log.error("%s is set: exiting after the catalog commit", EXIT_AFTER_COMMIT_ENV)
+            logging.shutdown()
+            os._exit(EXIT_AFTER_COMMIT_CODE)
+        self._old_versions[new.name] = old
+        return ready
+
+    def _promote(self, ready: pb.TensorInfo) -> bool:
+        """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
+        ranks = ranks_of(ready)
+        try:
+            self.registry.promote_on(ranks, ready.name, ready.version,
+                                        f"promote {ready.name!r} version {ready.version}")
+        except ServiceError as err:
+            log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
+                      ready.name, ready.version, err.message)
+            return False
+        self.drop_replaced(ready.name)
+        ready.promoting = False
+        self.catalog.update(ready)
+        log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
+        return True
+
+    def drop_replaced(self, name: str) -> None:
+        """Drop the version a committed reshard of `name` replaced, on its ranks (name lock held): at the
+        promotion, or when the reshard's own version leaves the catalog before its promotion finished."""
+        old = self._old_versions.pop(name, None)
+        if old is not None:
+            self.registry.drop_quietly(name, old.version, ranks_of(old))
+
+    def is_running(self, name: str) -> bool:
+        """Whether a reshard of `name` runs now."""
+        with self._running_lock:
+            return name in self._running
+
+    def finish_promotions(self) -> None:
+        """Promote committed reshards whose promotion is unfinished (a coordinator restart, a rank that failed
+        PromoteVersion), abort ones that never committed; run at registrations and every few seconds."""
+        try:
+            for info in self.catalog.list(include_pending=True):
+                if not info.promoting or self.is_running(info.name):
+                    continue
+                try:
+                    with self.locks.hold(info.name, wait_s=0.1):
+                        self._finish_one(info)
+                except Aborted:
+                    continue  # busy: the next round finishes it
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("finishing reshard promotions failed")
+
+    def _finish_one(self, info: pb.TensorInfo) -> None:
+        current = self.catalog.get(info.name, info.version)
+        if current is None or not current.promoting:
+            return
+        if current.state != pb.READY:
+            log.warning("reshard of %r to version %d never committed (coordinator restarted); aborting it",
+                        current.name, current.version)
+            self.catalog.remove(current.name, current.version)
+            self.registry.drop_quietly(current.name, current.version,
+                                       [r for r in ranks_of(current) if self.registry.rank_alive(r)])
+            return
+        if all(self.registry.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
+            log.info("finished the promotion of %r version %d after a coordinator restart",
+                     current.name, current.version)
+
+    def _check_ranks(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+        """The first rank of the reshard that is not alive, named: a requested one that is not registered is
+        INVALID_ARGUMENT (metadata), one holding the current version or down is FAILED_PRECONDITION."""
+        for rank in sorted(set(src_ranks) | set(dst_ranks)):
+            try:
+                entry = self.registry.entry(rank)
+            except Unavailable:
+                if rank in dst_ranks:
+                    raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
+                raise FailedPrecondition(f"rank {rank}, which holds the current version, is not registered "
+                                         f"(it has not come back since the coordinator started)") from None
+            if not self.registry.is_alive(entry):
+                raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
+                                         f"is back (restart the cluster if it died)")
+
+
+def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> ReshardPlan:
+    if src.size != dst.size:
+        raise InvalidArgument(f"metadata.size {dst.size} differs from the tensor's size {src.size}")
+    if src.dtype != dst.dtype:
+        raise InvalidArgument(f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
+                              f"dtype {src.dtype}")
+    try:
+        return plan_reshard_per_round(src, dst, bucket_bytes)
+    except ValueError as err:
+        raise InvalidArgument(f"metadata: {err}") from None
+
+
+def _bucket_bytes(value: int) -> int:
+    if value < 0:
+        raise InvalidArgument(f"bucket_bytes {value} is negative (0 = default)")
+    return value or DEFAULT_BUCKET_BYTES

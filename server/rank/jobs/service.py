@@ -1,0 +1,159 @@
+"""A rank's RunCollective / CancelCollective: checks, ordering, progress streaming, and the job kinds.
+
+The protocol:
+
+- The coordinator numbers every collective job with `seq`, drawn from the
+  catalog's growing counter (unique across coordinator restarts), and tells
+  each participant `after_seq`: the seq of that rank's previous job (0 when it
+  knows none, e.g. after a restart). See server/coordinator/collectives.py.
+- Each rank runs its jobs on its one JobChain (rank/jobs/ordering.py), each
+  right after its `after_seq` job. A caller that cancels the stream does not
+  cancel the job (its peers may already be in its collectives): the
+  coordinator sends CancelCollective to every participant once the job failed
+  on one of them or one went silent or overran.
+- `ShardServer.RunCollective(CollectiveJob)` streams CollectiveProgress
+  (bytes_done/bytes_total, every 0.2 s, `started` once the job left the
+  queue behind the rank's earlier jobs; its `timeout_s` counts from then)
+  until a message with done=true; `error` empty means success,
+  `failed_peers` names the ranks that failed or did not answer.
+- A job kind is the name of a field of the CollectiveJob `kind` oneof;
+  `JobKinds.register(kind, fn)` binds it to `fn(job, context)`, run on the
+  collective thread with a JobContext (store, rank, deadline, progress). The
+  rank registers its kinds where it is assembled (rank/service.py).
+- A job that fails with a dead or hung peer (ReshardError) leaves gloo
+  operations with that peer abandoned in the world's process group; later
+  jobs would match them (tags repeat). So the rank refuses every later
+  collective job ("collectives are unusable ... restart the cluster"); reads
+  and writes keep working. Re-forming the world in place is not attempted.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import math
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from protos import shardserve_pb2 as pb
+from server.common.collectives_state import CollectivesState
+from server.common.errors import InvalidArgument, rpc_errors
+from server.rank.jobs.context import JobContext
+from server.rank.jobs.ordering import JobChain
+from server.rank.jobs.reshard import ReshardError
+from server.rank.store import ShardStore
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+
+
+JobFn = Callable[[pb.CollectiveJob, JobContext], None]
+_PROTO_KINDS = frozenset(f.name for f in pb.CollectiveJob.DESCRIPTOR.oneofs_by_name["kind"].fields)
+
+
+class JobKinds:
+    """The job kinds a rank runs: CollectiveJob `kind` oneof field name -> fn(job, context)."""
+
+    def __init__(self) -> None:
+        self._kinds: dict[str, JobFn] = {}
+
+    def register(self, kind: str, fn: JobFn) -> None:
+        """Run `fn(job, context)` for CollectiveJobs whose `kind` oneof field is `kind`."""
+        if kind not in _PROTO_KINDS:
+            raise ValueError(f"kind {kind!r} is not a field of CollectiveJob.kind in the proto")
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._kinds[kind] = fn
+
+    def of(self, job: pb.CollectiveJob) -> JobFn:
+        """The function of `job`'s kind; InvalidArgument when none is registered."""
+        kind = job.WhichOneof("kind")
+        if kind is None or kind not in self._kinds:
+            raise InvalidArgument(f"kind {kind!r} is not a registered collective job kind "
+                                  f"(known: {sorted(self._kinds)})")
+        return self._kinds[kind]
+
+
+class CollectiveJobService:
+    """The rank's RunCollective / CancelCollective: validation, ordering, progress, the unusable state."""
+
+    def __init__(self, store: ShardStore, kinds: JobKinds) -> None:
+        self.store = store
+        self.kinds = kinds
+        self.chain = JobChain()
+        self.state = CollectivesState()
+
+    def _check(self, job: pb.CollectiveJob) -> JobFn:
+        if job.seq == 0:
+            raise InvalidArgument("seq must be > 0")
+        if job.after_seq >= job.seq:
+            raise InvalidArgument(f"after_seq {job.after_seq} must be < seq {job.seq}")
+        if self.store.rank not in job.ranks:
+            raise InvalidArgument(f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})")
+        if not 0 < job.timeout_s < math.inf:  # NaN fails this too
+            raise InvalidArgument(f"timeout_s must be a finite number > 0, got {job.timeout_s}")
+        return self.kinds.of(job)
+
+    @rpc_errors
+    def RunCollective(self, job: pb.CollectiveJob, context: grpc.ServicerContext) -> Iterator[pb.CollectiveProgress]:
+        run_kind = self._check(job)
+        ctx = JobContext(self.store, self.store.rank, job, deadline=0.0)
+
+        def execute() -> None:
+            self.state.check()
+            ctx.deadline = time.monotonic() + job.timeout_s  # timeout_s is the job's own run, not its queueing
+            ctx.progress.started = True
+            run_kind(job, ctx)
+
+        # A caller that stops listening does not cancel the job: its peers may already be in its
+        # collectives, and they would hang until their deadline. Only CancelCollective cancels.
+        future = self.chain.submit(job.seq, job.after_seq, execute, job.timeout_s)
+        while True:
+            try:
+                future.result(timeout=_POLL_S)
+                break
+            except cf.TimeoutError:
+                yield ctx.snapshot()
+            except Exception:  # noqa: BLE001 - reported in the final message below
+                break
+        yield self._final(job, ctx, future)
+
+    def _final(self, job: pb.CollectiveJob, ctx: JobContext, future: cf.Future) -> pb.CollectiveProgress:
+        final = ctx.snapshot()
+        final.done = True
+        err = future.exception()
+        if err is None:
+            return final
+        final.error = str(err) or type(err).__name__
+        if isinstance(err, ReshardError) and err.peers:
+            final.failed_peers.extend(err.peers)
+            peers = ", ".join(map(str, err.peers))
+            reason = (f"collectives are unusable on rank {self.store.rank} since job {job.seq} failed "
+                      f"with rank(s) {peers} ({final.error}); restart the cluster to reshard again")
+            self.state.mark_unusable(reason)
+            log.error("%s", reason)
+        else:
+            log.warning("collective job %d failed on rank %d: %s", job.seq, self.store.rank, final.error)
+        return final
+
+    @rpc_errors
+    def CancelCollective(self, request: pb.CancelCollectiveRequest,
+                         context: grpc.ServicerContext) -> pb.CancelCollectiveResponse:
+        if request.seq == 0:
+            raise InvalidArgument("seq must be > 0")
+        self.chain.cancel(request.seq)
+        return pb.CancelCollectiveResponse()
+
+
+def handlers(jobs: CollectiveJobService) -> dict[str, grpc.RpcMethodHandler]:
+    """The ShardServer method handlers of the collective-job RPCs."""
+    return {
+        "RunCollective": grpc.unary_stream_rpc_method_handler(
+            jobs.RunCollective, request_deserializer=pb.CollectiveJob.FromString,
+            response_serializer=pb.CollectiveProgress.SerializeToString),
+        "CancelCollective": grpc.unary_unary_rpc_method_handler(
+            jobs.CancelCollective, request_deserializer=pb.CancelCollectiveRequest.FromString,
+            response_serializer=pb.CancelCollectiveResponse.SerializeToString),
+    }

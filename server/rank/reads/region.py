@@ -1,0 +1,27 @@
+"""The box a ReadRegionRequest names, leased from the rank's store: one reading path for the streamed
+ReadRegion, the unary ReadRegionSmall and the bulk TCP port."""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from typing import Iterator
+
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.common.requests import check_name, check_version
+from server.rank.cuda_staging import host_bytes
+from server.rank.store import ShardStore
+
+
+def requested_box(store: ShardStore, request: pb.ReadRegionRequest) -> AbstractContextManager[torch.Tensor]:
+    """store.read of the box a ReadRegionRequest names (name and version checked; version 0 = the served one)."""
+    return store.read(check_name(request.name), check_version(request.version, allow_zero=True),
+                      request.shard_index, tuple(request.offsets), tuple(request.sizes))
+
+
+@contextmanager
+def region_bytes(store: ShardStore, request: pb.ReadRegionRequest) -> Iterator[memoryview]:
+    """The requested box as host bytes, valid while the lease is held (zero-copy when the box is contiguous in
+    the shard; CUDA shards through pinned memory)."""
+    with requested_box(store, request) as box:
+        yield host_bytes(box)
