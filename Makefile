@@ -1,5 +1,5 @@
-# The two commands of the README, plus regenerating the protos.
-.PHONY: run test protos venv bench
+# The two commands of the README (`test` runs the linters first), plus regenerating the protos.
+.PHONY: run test lint protos venv bench
 
 PORT ?= 50051
 
@@ -9,7 +9,11 @@ venv:
 run: venv
 	.venv/bin/shardserve up --ranks 2 --port $(PORT) --demo
 
-test: venv
+lint: venv
+	.venv/bin/ruff check .
+	.venv/bin/lint-imports
+
+test: lint
 	.venv/bin/python -m pytest -q
 
 protos: venv

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     boxes = [(1, 1024), (4, COLUMNS), (16, COLUMNS), (64, COLUMNS), (128, COLUMNS)]  # 4 KiB ... 2 MiB
     source = torch.randn(4096, COLUMNS)
     results = []
-    with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster, \
+    with tempfile.TemporaryDirectory() as state, LocalCluster(
+            ranks=2, state_dir=state, log_level="WARNING") as cluster, \
             connect(cluster.address, transport="tcp") as bulk, connect(cluster.address, transport="grpc") as plain:
         paths = {"tcp": bulk.put("sizes", source), "grpc": plain.tensor("sizes")}
         for rows, cols in boxes:

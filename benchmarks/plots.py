@@ -46,7 +46,8 @@ def plot_group(group: str, rows: list[dict], path: Path) -> Path:
             ax.bar_label(bars, ["" if r is None else f"{r:.2f}" for r in rates], fontsize=6)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(cases)), cases, rotation=30 if len(cases) > 4 else 0, ha="right" if len(cases) > 4 else "center",
+    ax.set_xticks(range(len(cases)), cases, rotation=30 if len(cases) > 4 else 0,
+                  ha="right" if len(cases) > 4 else "center",
                   fontsize=8)
     ax.set_ylabel(f"x baseline ({', '.join(baselines)})\n= baseline s / s, log scale", fontsize=8)
     gbs = " (labels: GB/s)" if any(r["gb_per_s"] is not None for r in rows) else ""

@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"{r['run_reshard_s']:.3f}", "-" if r["dtensor_s"] is None else f"{r['dtensor_s']:.3f}",
                     f"{r['cluster_reshard_s']:.3f}", f"{r['cluster_reshard_s'] / r['bare_s']:.2f}",
                     f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}", f"{r['cluster_reshard_no_recycling_s']:.3f}",
-                    f"{r['cluster_reshard_no_recycling_s'] / r['bare_s']:.2f}", f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
+                    f"{r['cluster_reshard_no_recycling_s'] / r['bare_s']:.2f}",
+                    f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
                     f"{r['max_staging_bytes'] / (1 << 20):.1f}")
     Console(width=180).print(out)
     if ns.json:

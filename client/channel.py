@@ -190,7 +190,8 @@ class Channel:
             for start in range(0, len(data), chunk_bytes):
                 yield encode_write_chunk(start, data[start:start + chunk_bytes])
 
-        reply = self.unary(self.shard_methods(address).write_shard, requests(), f"rank at {address}", timeout=self.data_timeout(len(data)))
+        reply = self.unary(self.shard_methods(address).write_shard, requests(), f"rank at {address}",
+                           timeout=self.data_timeout(len(data)))
         return reply.bytes_written
 
     def submit(self, job: Callable[[], T]) -> Future[T]:

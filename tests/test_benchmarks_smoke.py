@@ -1,4 +1,5 @@
-"""The benchmark suite as a smoke test: `python -m benchmarks --quick --only NAME` per scenario writes JSON of the agreed shape.
+"""The benchmark suite as a smoke test: `python -m benchmarks --quick --only NAME` per scenario
+writes JSON of the agreed shape.
 
 Never asserts a timing: only that every scenario ran, that rows carry the
 fields the README and plots rely on, that the figures are consistent with each
@@ -113,7 +114,7 @@ def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
         rows = {r["name"]: r for r in fetch if r["case"] == case}
         assert {"raw TCP socket", "torch.distributed.rpc", "memcpy"} <= set(rows)
         ours = [r for r in fetch if r["case"] == case and r["role"] == "subject"]
-        assert sorted(r["path"] for r in ours) == ["grpc", "grpc", "shm", "shm", "tcp", "tcp"]  # 1 and 2 shards per path
+        assert sorted(r["path"] for r in ours) == ["grpc", "grpc", "shm", "shm", "tcp", "tcp"]  # 1, 2 shards a path
         for row in ours:
             assert row["ok"] is True and row["nbytes"] == 1 << 20
             assert row["baseline"] == "raw TCP socket" and row["ratio"] > 0

@@ -22,7 +22,8 @@ from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 from test_checkpoint_io import World
 
 SIZE = (61, 10)
-GRID = EnumerableShardingSpec([ShardMetadata((0, 0), (30, 4), "rank:0/cpu"), ShardMetadata((0, 4), (30, 6), "rank:1/cpu"),
+GRID = EnumerableShardingSpec([ShardMetadata((0, 0), (30, 4), "rank:0/cpu"),
+                               ShardMetadata((0, 4), (30, 6), "rank:1/cpu"),
                                ShardMetadata((30, 0), (31, 10), "rank:2/cpu")])
 
 
@@ -187,7 +188,8 @@ def test_a_save_replaces_the_checkpoint_at_its_path(cl: Cluster, tmp_path: Path)
     assert "README" in names and "__7_0.distcp" not in names and not any(n.startswith(".saving-") for n in names)
     with pytest.raises(InvalidArgumentError, match="names is empty"):
         cl.save_checkpoint(path, names=[])
-    with pytest.raises(InvalidArgumentError, match=r"timeout must be a number of seconds with 0 < timeout <= 3.1536e\+07"):
+    with pytest.raises(InvalidArgumentError,
+                       match=r"timeout must be a number of seconds with 0 < timeout <= 3.1536e\+07"):
         cl.save_checkpoint(path, timeout=float("inf"))
 
 

@@ -279,7 +279,8 @@ def test_sharded_tensor_saved_on_two_ranks_loads_into_three_rank_layouts(world2,
 def test_save_shards_output_loads_with_plain_dcp_load(world2, world3, tmp_path):
     """save_tensors from 3 ranks (replicas, grid) -> plain tensors, a 2-rank ShardedTensor and a DTensor."""
     path = str(tmp_path)
-    world3.run(_save, path, {"emb": (REPLICATED, 4, torch.float32), "small": (as_dtype(GRID, torch.float16), 5, torch.float16)})
+    world3.run(_save, path, {"emb": (REPLICATED, 4, torch.float32),
+                          "small": (as_dtype(GRID, torch.float16), 5, torch.float16)})
     full, small = make_table(4), make_table(5, SIZE, torch.float16)
     assert checkpoint_tensors(path) == {"emb": (SIZE, torch.float32), "small": (SIZE, torch.float16)}
 

@@ -1,4 +1,5 @@
-"""server.rank.jobs.checkpoint_reader: DCP loads that read only each shard's region, checked bit for bit in one process."""
+"""server.rank.jobs.checkpoint_reader: DCP loads that read only each shard's region, checked bit for bit
+in one process."""
 from __future__ import annotations
 
 import itertools

@@ -108,7 +108,8 @@ def test_lookup_decoder_skips_unknown_fields_and_rejects_truncation():
         decode_lookup_reply(pb.LookupReply(items=[pb.LookupChunk(data=b"rows")]).SerializeToString()[:-2])
 
 
-@pytest.mark.parametrize("tensor", [torch.tensor(3.5), torch.tensor(7, dtype=torch.int16), torch.arange(6.0).view(2, 3).t(),
+@pytest.mark.parametrize("tensor", [torch.tensor(3.5), torch.tensor(7, dtype=torch.int16),
+                                    torch.arange(6.0).view(2, 3).t(),
                                     torch.empty(0, 4)])
 def test_tensor_bytes_of_scalars_strided_and_empty_tensors(tensor):
     from shardcore.wire import byte_view, tensor_bytes

@@ -44,7 +44,8 @@ def test_chunk_spec_equals_torch_over_grid():
                 for n in range(41):
                     size = [2] * ndim
                     size[dim] = n
-                    theirs = TorchChunkSpec(dim, list(torch_placements)).build_metadata(torch.Size(size), TorchProperties())
+                    theirs = TorchChunkSpec(dim, list(torch_placements)).build_metadata(torch.Size(size),
+                                                                                       TorchProperties())
                     ours = ChunkShardingSpec(dim, placements).build_metadata(size)
                     validate_metadata(ours)
                     torch_valid = all(s.shard_offsets[dim] <= n for s in theirs.shards_metadata)
@@ -121,7 +122,8 @@ def test_enumerable_spec_builds_validated_metadata():
 
 
 def test_enumerable_spec_accepts_torch_shard_metadata():
-    spec = EnumerableShardingSpec([TorchShardMetadata([0], [3], "rank:0/cpu"), TorchShardMetadata([3], [1], "rank:1/cpu")])
+    spec = EnumerableShardingSpec([TorchShardMetadata([0], [3], "rank:0/cpu"),
+                                  TorchShardMetadata([3], [1], "rank:1/cpu")])
     assert spec.shards == (ShardMetadata((0,), (3,), "rank:0/cpu"), ShardMetadata((3,), (1,), "rank:1/cpu"))
 
 

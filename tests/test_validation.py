@@ -55,7 +55,8 @@ def test_fully_replicated_and_scalar_layouts():
 
 def test_missing_placement_names_shard():
     meta = ShardedTensorMetadata((ShardMetadata((0,), (2,), "rank:0/cpu"), ShardMetadata((2,), (2,), None)), (4,))
-    with pytest.raises(LayoutError, match=r"missing placement in shards \[1\]: shards_metadata\[1\]\.placement is None"):
+    with pytest.raises(LayoutError,
+                       match=r"missing placement in shards \[1\]: shards_metadata\[1\]\.placement is None"):
         validate_metadata(meta)
 
 
@@ -185,7 +186,8 @@ def test_random_grids_validate_and_broken_ones_are_caught(layout, data):
     assert victim.contains(region) and not region.is_empty()
     assert all(intersect(s.box, region) is None for s in rest)
 
-    grown = Box(victim.offsets, tuple(s + (1 if o + s < n else 0) for o, s, n in zip(victim.offsets, victim.sizes, size)))
+    grown = Box(victim.offsets,
+                tuple(s + (1 if o + s < n else 0) for o, s, n in zip(victim.offsets, victim.sizes, size)))
     if grown != victim:
         bad = ShardedTensorMetadata(tuple(rest) + (ShardMetadata(grown.offsets, grown.sizes, "rank:0/cpu"),), size)
         with pytest.raises(LayoutError, match="overlap in shards"):

@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "filled on the ranks by --init.")
     create.add_argument("name", help="tensor name")
     create.add_argument("--shape", type=_ints, required=True, help="global shape, e.g. 1000,64")
-    create.add_argument("--dtype", default="float32", help="dtype name, e.g. float32, bfloat16, int64 (default float32)")
+    create.add_argument("--dtype", default="float32",
+                        help="dtype name, e.g. float32, bfloat16, int64 (default float32)")
     create.add_argument("--dim", type=int, default=0, help="dim to chunk over the ranks (default 0)")
     create.add_argument("--init", default="zeros", choices=["zeros", "ones", "normal", "arange"],
                         help="fill (default zeros; normal uses --seed)")
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", help="tensor name")
     fetch.add_argument("--offsets", type=_ints, help="global offsets of the box, e.g. 0,0 (default: zeros)")
     fetch.add_argument("--sizes", type=_ints, help="sizes of the box, e.g. 2,3 (default: to the end)")
-    fetch.add_argument("-o", "--output", metavar="FILE", help="save the tensor to FILE (torch.save) instead of printing")
+    fetch.add_argument("-o", "--output", metavar="FILE",
+                       help="save the tensor to FILE (torch.save) instead of printing")
     reshard = sub.add_parser(
         "reshard", help="move a tensor into another layout (new version), with a progress bar",
         description="Move a tensor into another layout with the ranks' collectives; reads keep the old version "
