@@ -17,7 +17,7 @@ Pure torch, no I/O. The pieces a lookup goes through:
   concatenates the column ranges.
 
 Precision of partial pooling, held against `F.embedding_bag` on the full
-table by tests/test_embedding_math.py: each shard's partial sums are what
+table by tests/shardcore/test_embedding_math.py: each shard's partial sums are what
 torch's CPU kernel sums (in float32 for float16 rows, in bfloat16 for bfloat16
 rows), kept in float32 for both, and the combined result is cast to the table
 dtype before the "mean" division, as torch does. A bag whose ids all live on

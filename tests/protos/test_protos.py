@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ("shardserve_pb2.py", "shardserve_pb2_grpc.py", "shardserve_pb2.pyi")
 
 

@@ -22,7 +22,7 @@ from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
 
 

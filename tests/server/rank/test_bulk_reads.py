@@ -4,8 +4,8 @@ A real ShardStore and a real listening port on 127.0.0.1, spoken to with plain
 sockets: boxes and lookups bit for bit, request errors that keep the
 connection, refused tickets, malformed frames, the connection cap and close(). The client's use of
 the port (path choice, fallback, reads during reshards) is in
-tests/test_data_plane.py; token and TLS in tests/test_server_security.py and
-tests/test_client_tls.py.
+tests/client/test_data_paths.py; token and TLS in tests/server/test_server_security.py and
+tests/client/test_client_tls.py.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from client.info import layout_summary
 from client.channel import Credentials, check_address
 from shardcore.metadata import make_metadata
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _FakeRpcError(grpc.RpcError):

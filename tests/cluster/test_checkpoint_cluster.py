@@ -19,7 +19,7 @@ from client import AbortedError, Cluster, InvalidArgumentError, TensorExistsErro
 from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from test_checkpoint_io import World
+from gloo_world import World
 
 SIZE = (61, 10)
 GRID = EnumerableShardingSpec([ShardMetadata((0, 0), (30, 4), "rank:0/cpu"),

@@ -2,7 +2,7 @@
 
 Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with shared
 memory off by SHARDSERVE_SHARED_MEMORY=0 and no bulk port); store and lease
-logic checked in-process. The bulk port's own protocol: tests/test_bulk_reads.py.
+logic checked in-process. The bulk port's own protocol: tests/server/rank/test_bulk_reads.py.
 """
 from __future__ import annotations
 
