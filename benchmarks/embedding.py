@@ -1,4 +1,4 @@
-"""Scenarios "lookups" and "checkpoint" (issue 5): embedding lookups and DCP checkpoint load/save.
+"""Scenarios "lookups" and "checkpoint": embedding lookups and DCP checkpoint load/save.
 
 lookups: a 1,000,000 x 64 float32 table row-wise over a 2-rank LocalCluster;
 lookups of 1, 512 and 4096 ids (uniform, and Zipf with exponent 1.05 over the

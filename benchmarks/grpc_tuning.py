@@ -1,11 +1,11 @@
-"""gRPC read path tuning (issue 6): chunk size and parallel streams per shard, for one 64 MiB box.
+"""gRPC read path tuning: chunk size and parallel streams per shard, for one 64 MiB box.
 
 Reads the same box of a 1-rank cluster over ShardServer.ReadRegion with
 chunk_bytes 256 KiB / 1 MiB / 4 MiB / 16 MiB, then split into 1, 2 and 4 row
 bands read in parallel (one stream each), and prints the median seconds and
 GB/s of each, plus a memcpy of the same bytes and the client-side copy of the
 received chunks alone (what one extra copy costs). The figures chose the
-defaults in server/rank/service.py and client/remote_tensor.py.
+defaults in server/rank/service.py and client/paths/grpc.py.
 
     python -m benchmarks.grpc_tuning [--mib 64] [--repeat 7] [--json FILE]
 """

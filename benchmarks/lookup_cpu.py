@@ -1,4 +1,4 @@
-"""CPU per lookup call, client and ranks, with 1 and 8 client threads (issue 6): where a lookup's time goes.
+"""CPU per lookup call, client and ranks, with 1 and 8 client threads: where a lookup's time goes.
 
 On a 2-rank cluster holding a 1M x 64 float32 table row-wise (`--rows`),
 each of 8 clients (own connection, as in the lookups scenario) is warmed up,

@@ -1,5 +1,5 @@
-"""The bulk port's framing (protos/shardserve.proto, BulkSession), shared by server/bulk_reads.py and
-client/tcp_reads.py so the two sides cannot drift: all integers little-endian."""
+"""The bulk port's framing (protos/shardserve.proto, BulkSession), shared by server/rank/reads/bulk.py and
+client/paths/bulk.py so the two sides cannot drift: all integers little-endian."""
 from __future__ import annotations
 
 import socket

@@ -168,7 +168,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reshard(self, request, context):
-        """Coordinated resharding (issue 4): two-phase, see server/reshard_driver.py.
+        """Coordinated resharding: two-phase, see server/coordinator/reshard.py.
         Streams progress; the last message has phase RESHARD_DONE and the new TensorInfo.
         A second reshard of a name while one runs is refused (FAILED_PRECONDITION), not queued.
         """
@@ -177,7 +177,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InspectCheckpoint(self, request, context):
-        """DCP checkpoints (issue 5). Every rank reads/writes its own shards straight from/to the
+        """DCP checkpoints. Every rank reads/writes its own shards straight from/to the
         directory (a filesystem all ranks and the coordinator see), as a collective job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -761,7 +761,7 @@ class ShardServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lookup(self, request, context):
-        """Embedding serving (issue 5). Lookup answers several (tensor, version,
+        """Embedding serving. Lookup answers several (tensor, version,
         shard) items in one call: rows of raw int64 ids, or per-bag pooled partial
         sums; WriteRows overwrites rows of a PENDING version (update_rows).
         """
@@ -784,7 +784,7 @@ class ShardServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunCollective(self, request, context):
-        """Collective jobs (issue 4; see server/collective_jobs.py): run on the rank's one
+        """Collective jobs (see server/rank/jobs/service.py): run on the rank's one
         collective thread after job `after_seq`; progress streams until a message with done=true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -799,7 +799,7 @@ class ShardServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OpenShard(self, request, context):
-        """Same-host data plane (issue 6; server/shared_memory.py, client/shm_transport.py): hand a served
+        """Same-host data plane (server/rank/reads/shm.py, client/paths/shm.py): hand a served
         shard over by reference (a memfd the client opens as /proc/PID/fd/FD, or a CUDA IPC handle)
         under a time-bounded lease that keeps the version's memory from being freed; no bytes move.
         """
@@ -815,14 +815,14 @@ class ShardServerServicer:
 
     def ReadRegionSmall(self, request, context):
         """ReadRegion of a box of at most 1 MiB as one unary reply (one TensorChunk at offset 0): about half
-        a stream's per-call cost (issue 6; server/small_reads.py). Larger boxes: RESOURCE_EXHAUSTED.
+        a stream's per-call cost (server/rank/reads/small.py). Larger boxes: RESOURCE_EXHAUSTED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OpenBulkSession(self, request, context):
-        """Cross-host bulk path (issue 6; server/bulk_reads.py, client/tcp_reads.py): answer a one-time ticket
+        """Cross-host bulk path (server/rank/reads/bulk.py, client/paths/bulk.py): answer a one-time ticket
         that opens one plain TCP connection to the rank's bulk port, on which the client then asks for boxes
         (receiving their bytes without protobuf framing) and lookups. UNIMPLEMENTED when the rank serves no bulk port
         (turned off, or TLS on: the bulk port does not encrypt).

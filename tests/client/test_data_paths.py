@@ -1,4 +1,4 @@
-"""Data plane (issue 6): shared-memory, bulk TCP and gRPC reads bit for bit, path choice, fallback, safety.
+"""Data plane: shared-memory, bulk TCP and gRPC reads bit for bit, path choice, fallback, safety.
 
 Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with shared
 memory off by SHARDSERVE_SHARED_MEMORY=0 and no bulk port); store and lease

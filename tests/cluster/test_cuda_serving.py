@@ -1,4 +1,4 @@
-"""Embedding serving and DCP checkpoints with CUDA shards (issues 5 and 6 on a GPU; skipped without one).
+"""Embedding serving and DCP checkpoints with CUDA shards (on a GPU; skipped without one).
 
 One 1-rank CUDA cluster: lookups and bags over gRPC (the rank stages rows
 through pinned memory) and over CUDA IPC (same host), row updates, and DCP

@@ -1,4 +1,4 @@
-"""The bulk TCP port (issue 6; server/rank/reads/bulk.py): tickets and the port's protocol, in-process.
+"""The bulk TCP port (server/rank/reads/bulk.py): tickets and the port's protocol, in-process.
 
 A real ShardStore and a real listening port on 127.0.0.1, spoken to with plain
 sockets: boxes and lookups bit for bit, request errors that keep the

@@ -112,7 +112,7 @@ LAYOUTS = {
     "cols_two_per_rank": lambda s, d: chunk(s, 1, ALL + ALL, d),
 }
 
-# (name, size, src layout, dst layout): every pair of issue 4 item 2, both directions.
+# (name, size, src layout, dst layout): every pair of layouts the reshard must support, both directions.
 CASES = [
     ("row_to_col", M2, "rows", "cols"),
     ("col_to_row", M2, "cols", "rows"),
