@@ -199,10 +199,14 @@ class HeldVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_s",)
+    __slots__ = ("heartbeat_interval_s", "store_host", "store_port")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
+    store_host: str
+    store_port: int
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "memory_used_bytes")
@@ -221,12 +225,14 @@ class ListRanksRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListRanksResponse(_message.Message):
-    __slots__ = ("ranks", "collectives_error")
+    __slots__ = ("ranks", "collectives_error", "epoch")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_ERROR_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     collectives_error: str
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
     __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token")
@@ -511,11 +517,12 @@ class WriteRowsResponse(_message.Message):
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
 
 class CollectiveJob(_message.Message):
-    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "reshard", "checkpoint_load", "checkpoint_save")
+    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "epoch", "reshard", "checkpoint_load", "checkpoint_save")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     RESHARD_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_LOAD_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SAVE_FIELD_NUMBER: _ClassVar[int]
@@ -523,10 +530,11 @@ class CollectiveJob(_message.Message):
     after_seq: int
     ranks: _containers.RepeatedScalarFieldContainer[int]
     timeout_s: float
+    epoch: int
     reshard: ReshardJob
     checkpoint_load: CheckpointJob
     checkpoint_save: CheckpointJob
-    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ..., checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ..., checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ..., checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ..., checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...) -> None: ...
 
 class ReshardJob(_message.Message):
     __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes")

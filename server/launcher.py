@@ -51,16 +51,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_coordinator(listen: str, state_dir: str | Path, security: Security, heartbeat_interval: float = 1.0,
-                      rpc_timeout: float = 60.0, pending_timeout: float = 600.0
+                      rpc_timeout: float = 60.0, pending_timeout: float = 600.0, store_port: int = 0
                       ) -> "tuple[Coordinator, RunningServer]":
-    """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`."""
+    """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
+    of collective jobs on `store_port` (0 = any free port)."""
     from server.coordinator.catalog import SQLiteCatalog
     from server.coordinator.lifecycle import Coordinator
     from server.coordinator.service import CoordinatorServicer
 
     coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
-                              pending_timeout=pending_timeout)
+                              pending_timeout=pending_timeout, store_port=store_port)
 
     def add(server: object) -> list[str]:
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
@@ -176,10 +177,8 @@ class LocalCluster:
     # ------------------------------------------------------------ ranks
 
     def _spawn_ranks(self, coordinator: str) -> None:
-        master_port = free_port()
         for rank in range(self.ranks):
-            self._procs.append(subprocess.Popen(self._rank_command(coordinator),
-                                                env=self._rank_env(rank, master_port),
+            self._procs.append(subprocess.Popen(self._rank_command(coordinator), env=self._rank_env(rank),
                                                 stdin=subprocess.DEVNULL))
         log.info("started ranks %s", self.rank_pids)
 
@@ -196,11 +195,11 @@ class LocalCluster:
             cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
         return cmd
 
-    def _rank_env(self, rank: int, master_port: int) -> dict[str, str]:
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables but MASTER_ADDR/PORT: ranks form their groups over the coordinator's store."""
         env = dict(os.environ)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.ranks),
-                   LOCAL_WORLD_SIZE=str(self.ranks), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(master_port))
+                   LOCAL_WORLD_SIZE=str(self.ranks), GROUP_RANK="0")
         env[PARENT_PID_ENV] = str(os.getpid())
         # As torchrun does: ranks sharing a host split its cores instead of each taking all of them.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.ranks)))
@@ -333,6 +332,9 @@ def main_coordinator(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="shardserve coordinator", description="Run the coordinator alone; "
                                      "prints 'coordinator: HOST:PORT' once serving.")
     parser.add_argument("--listen", default="0.0.0.0:50051", help="HOST:PORT to bind (default %(default)s)")
+    parser.add_argument("--store-port", type=int, default=0, help="TCP port of the rendezvous store (a "
+                        "torch.distributed TCPStore, on all interfaces) that collective jobs form their process "
+                        "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
     _add_common_args(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
@@ -343,7 +345,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     try:
-        coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval)
+        coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
+                                                 store_port=args.store_port)
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)
         return 1

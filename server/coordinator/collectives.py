@@ -1,15 +1,15 @@
-"""Collective jobs from the coordinator: job numbering, running one job on its ranks, and the one state
-saying whether the torch.distributed world can still run them.
+"""Collective jobs from the coordinator: job numbering, epochs, and running one job on its ranks.
 
 The `JobSequencer` gives each job a `seq` from the catalog's growing counter
 and, per participant, `after_seq` (that rank's previous job), so every rank
 enters the collectives of two jobs in one order. `CollectiveRunner` sends
 RunCollective to every participant in parallel, sums their progress and fails
 the job as soon as one rank fails (after a short grace to hear the others),
-naming the rank that is down or hung. Such a failure leaves the world unusable
-for collectives: the runner then refuses every job (reshards and checkpoints)
-with a message saying what the operator must do, also shown by ListRanks.
-See server/rank/jobs/service.py for the rank side.
+naming the rank that is down or hung. Every job carries the current epoch
+(server/coordinator/rendezvous.py) and runs on the process group of (epoch,
+participants); any failed job ends its epoch, so the next job forms new groups
+over the live ranks and nothing needs a restart. See
+server/rank/jobs/service.py for the rank side.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from typing import Callable, Generator, Sequence
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.common.collectives_state import CollectivesState
 from server.common.errors import InvalidArgument, ServiceError
 from server.coordinator.registry import RankRegistry
+from server.coordinator.rendezvous import Epochs, RendezvousStore
 
 log = logging.getLogger(__name__)
 
@@ -65,28 +65,28 @@ class JobSequencer:
 class CollectiveRunner:
     """Runs one collective job on its participants and reports their summed progress."""
 
-    def __init__(self, registry: RankRegistry, next_number: Callable[[], int]) -> None:
+    def __init__(self, registry: RankRegistry, next_number: Callable[[], int], store_port: int = 0) -> None:
         self.registry = registry
         self.sequencer = JobSequencer(next_number)
-        self.state = CollectivesState()
+        self.epochs = Epochs(next_number)
+        self.rendezvous = RendezvousStore(store_port)
 
-    @property
-    def unusable_reason(self) -> str:
-        """Why collective jobs are refused ("" while they run)."""
-        return self.state.unusable_reason or ""
+    def rank_joined(self, rank: int) -> None:
+        """A rank (re)registered: a new process, which holds none of the current epoch's groups."""
+        self.epochs.end(self.epochs.current, f"rank {rank} registered")
 
     def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
             ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
         """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
 
         Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
-        is set here; on failure the job is cancelled on every participant.
+        and `job.epoch` are set here; on failure the job is cancelled on every participant and its epoch ends.
         """
         ranks = sorted(set(ranks))
-        self.state.check()
         entries = {r: self.registry.entry(r) for r in ranks}
         seq, after = self.sequencer.assign(ranks)
         job.seq = seq
+        job.epoch = self.epochs.current
         del job.ranks[:]
         job.ranks.extend(ranks)
         events: "queue.Queue[tuple[int, object]]" = queue.Queue()
@@ -122,6 +122,7 @@ class CollectiveRunner:
                 call.cancel()
         missing = [r for r in ranks if r not in finals and r not in failures]
         if failures or missing:
+            self.epochs.end(job.epoch, f"{what} failed")  # its groups may hold abandoned operations
             self._cancel(seq, ranks)
             raise self._failure(what, failures, missing)
         return finals
@@ -149,15 +150,10 @@ class CollectiveRunner:
             return CollectiveJobError(f"{what} failed: {details}")
         parts = [f"rank {r} is down" if r in down or not self.registry.rank_alive(r) else
                  f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
-        first = min(culprits)
-        reason = (f"rank {first} is down or hung, so the torch.distributed world can run no more "
-                       f"collectives: every reshard and checkpoint job is refused until the cluster is restarted "
-                       f"(the world is not re-formed in place: stop and start `shardserve up`, or restart every "
-                       f"torchrun worker). Reads and writes keep working on the live ranks.")
-        self.state.mark_unusable(reason)
         log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
-        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served. "
-                                  f"{reason} Details: {details or 'no answer'}", sorted(culprits))
+        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served, and later "
+                                  f"jobs run in a new epoch over the live ranks. Details: {details or 'no answer'}",
+                                  sorted(culprits))
 
 
 class _JobWatch:
@@ -217,8 +213,7 @@ def _describe(failure: object) -> str:
 
 def job_timeout(value: float, default: float) -> float:
     """A collective job's timeout_s: 0 for `default`, else at least MIN_JOB_TIMEOUT_S. A job that times out
-    leaves the world unable to run collectives (its peers may be inside one), so a timeout too short for any
-    job to finish would be a way to break the cluster with one request."""
+    ends its epoch, and a timeout too short for any job to finish would make every job fail."""
     if not (value == 0 or MIN_JOB_TIMEOUT_S <= value < math.inf):  # NaN fails this too
         raise InvalidArgument(f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
                               f"seconds >= {MIN_JOB_TIMEOUT_S:g}")

@@ -55,7 +55,7 @@ class Coordinator:
 
     def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
                  dead_after: float | None = None, rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0) -> None:
+                 pending_timeout: float = 600.0, store_port: int = 0) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
         self.catalog = catalog
@@ -64,7 +64,7 @@ class Coordinator:
         self.registry = RankRegistry(security, dead_after if dead_after is not None else 3 * heartbeat_interval,
                                      rpc_timeout)
         self.locks = NameLocks()
-        self.collectives = CollectiveRunner(self.registry, catalog.next_version)
+        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last

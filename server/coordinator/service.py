@@ -23,7 +23,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def RegisterRank(self, request: pb.RegisterRankRequest,
                      context: grpc.ServicerContext) -> pb.RegisterRankResponse:
         interval = self.coordinator.register(request.rank, request.held)
-        return pb.RegisterRankResponse(heartbeat_interval_s=interval)
+        collectives = self.coordinator.collectives
+        collectives.rank_joined(request.rank.rank)
+        return pb.RegisterRankResponse(heartbeat_interval_s=interval, store_port=collectives.rendezvous.port)
 
     @rpc_errors
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
@@ -33,7 +35,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @rpc_errors
     def ListRanks(self, request: pb.ListRanksRequest, context: grpc.ServicerContext) -> pb.ListRanksResponse:
         return pb.ListRanksResponse(ranks=self.coordinator.registry.ranks(),
-                                    collectives_error=self.coordinator.collectives.unusable_reason)
+                                    epoch=self.coordinator.collectives.epochs.current)
 
     @rpc_errors
     def CreateTensor(self, request: pb.CreateTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:

@@ -1,14 +1,16 @@
-"""One rank: join the torch.distributed world, serve its ShardServer, register and heartbeat.
+"""One rank: serve its ShardServer, register with the coordinator and heartbeat.
 
 Started by the local launcher or by torchrun (`torchrun ... -m server
---coordinator HOST:PORT`); it reads RANK / WORLD_SIZE / LOCAL_RANK /
-MASTER_ADDR / MASTER_PORT like any torchrun worker. SIGTERM or SIGINT stops it
-cleanly; under the launcher it also exits when the launcher dies.
+--coordinator HOST:PORT`); it reads RANK / WORLD_SIZE / LOCAL_RANK like any
+torchrun worker. It joins no torch.distributed world: collective jobs form
+their process groups per epoch over the coordinator's rendezvous store, whose
+port the RegisterRank answer gives (rank/jobs/groups.py), so MASTER_ADDR /
+MASTER_PORT are not used. SIGTERM or SIGINT stops it cleanly; under the
+launcher it also exits when the launcher dies.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import math
 import os
@@ -20,7 +22,6 @@ from typing import Callable, Sequence
 
 import grpc
 import torch
-import torch.distributed as dist
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
@@ -32,7 +33,7 @@ from server.common.cli_args import (
     security_from_args,
 )
 from server.common.grpc_server import RunningServer, split_address, start_server
-from server.rank.jobs.reshard import process_group_backend
+from server.rank.jobs.groups import ProcessGroups
 from server.rank.malloc_tuning import tune_malloc
 from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m server", description="Run one shard-server rank (torchrun-compatible: reads RANK, "
-        "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).")
+        "WORLD_SIZE, LOCAL_RANK; MASTER_ADDR and MASTER_PORT are not used).")
     parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT this rank's ShardServer binds "
                         "(port 0 = any free port; default %(default)s)")
@@ -63,8 +64,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--recycle-bytes", type=int, default=DEFAULT_RECYCLE_BYTES, help="bytes of freed "
                         "versions' memory kept for the next reshard, update or put of the same size (0 = off; "
                         "default %(default)s)")
-    parser.add_argument("--dist-timeout", type=float, default=120.0, help="seconds to wait for the "
-                        "torch.distributed world to form (default %(default)s)")
+    parser.add_argument("--dist-timeout", type=float, default=120.0, help="longest wait, in seconds, on the "
+                        "coordinator's rendezvous store when a collective job forms its process group (the "
+                        "job's own timeout bounds it too; default %(default)s)")
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
     add_security_args(parser)
@@ -92,18 +94,6 @@ def resolve_device(device: str, local_rank: int) -> str:
     return device
 
 
-def init_world(rank: int, world_size: int, timeout: float, device: str = "cpu") -> None:
-    """Join the torch.distributed world: gloo for CPU tensors, NCCL for CUDA ones when available."""
-    backend = process_group_backend()
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout))
-    if device.startswith("cuda"):
-        # NCCL wants the first operation of a communicator to include every rank; later
-        # reshards are point-to-point among their participants only.
-        dist.all_reduce(torch.zeros(1, device=device))
-    log.info("rank %d joined the torch.distributed world of %d (%s)", rank, world_size, backend)
-
-
 def watch_parent(stop: threading.Event) -> None:
     """Under the launcher: stop when the launcher process is gone (checked every 0.5 s)."""
     parent = int(os.environ.get(PARENT_PID_ENV, "0") or 0)
@@ -121,9 +111,12 @@ def watch_parent(stop: threading.Event) -> None:
 class CoordinatorLink:
     """Registers this rank with the coordinator and keeps it alive with heartbeats."""
 
-    def __init__(self, address: str, security: Security, info: pb.RankInfo, store: ShardStore) -> None:
+    def __init__(self, address: str, security: Security, info: pb.RankInfo, store: ShardStore,
+                 groups: ProcessGroups | None = None) -> None:
         self.info = info
         self.store = store
+        self.groups = groups
+        self.coordinator_host = address.rpartition(":")[0].strip("[]") or address  # the store is on its host
         self.interval = 1.0
         self._channel = make_channel(address, security)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
@@ -151,6 +144,8 @@ class CoordinatorLink:
         held = [pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()]
         response = self._stub.RegisterRank(pb.RegisterRankRequest(rank=self.info, held=held), timeout=10.0)
         self.interval = response.heartbeat_interval_s or 1.0
+        if self.groups is not None and response.store_port:
+            self.groups.set_store(response.store_host or self.coordinator_host, response.store_port)
         log.info("rank %d registered with the coordinator (heartbeat every %.2fs)", self.info.rank,
                  self.interval)
 
@@ -211,26 +206,20 @@ def main(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 2
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
-    try:
-        init_world(rank, world_size, args.dist_timeout, device)
-    except (RuntimeError, ValueError) as err:  # DistNetworkError and DistStoreError are RuntimeErrors
-        log.error("rank %d could not join the torch.distributed world of %d within --dist-timeout %gs "
-                  "(MASTER_ADDR=%s, MASTER_PORT=%s): %s", rank, world_size, args.dist_timeout,
-                  os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), _first_line(err))
-        return 1
     store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
     try:
         bulk_reads = open_bulk_reads(args, security, store)
     except OSError as err:
         log.error("--bulk-port %d: cannot listen: %s", args.bulk_port, err)
         return 2
-    running = start_server(args.listen, security,
-                           lambda server: [add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads))])
+    groups = ProcessGroups(rank, device, store_timeout_s=args.dist_timeout)
+    running = start_server(args.listen, security, lambda server: [
+        add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups))])
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),
                        shared_memory=store.hands_over_by_reference)
-    link = CoordinatorLink(args.coordinator, security, info, store)
+    link = CoordinatorLink(args.coordinator, security, info, store, groups)
     try:
         try:
             link.register(args.register_timeout)
@@ -247,10 +236,6 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _first_line(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-
-
 def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:
     """The rank's bulk port on its --listen host, or none (with the reason) when turned off or under TLS."""
     if args.no_bulk_reads:
@@ -263,12 +248,10 @@ def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardSt
 
 
 def _shutdown(link: CoordinatorLink, running: RunningServer, bulk_reads: BulkReads) -> None:
-    """Stop heartbeats, the gRPC server, the bulk port and the process group, within a hard 10 s bound."""
+    """Stop heartbeats, the gRPC server and the bulk port, within a hard 10 s bound."""
     deadline = threading.Timer(10.0, lambda: os._exit(1))
     deadline.daemon = True
     deadline.start()
     link.stop()
     running.stop(grace=1.0)
     bulk_reads.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -25,6 +25,7 @@ from server.common.requests import (
     parse_metadata,
 )
 from server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
+from server.rank.jobs.groups import ProcessGroups
 from server.rank.jobs.reshard import run_reshard_job
 from server.rank.jobs.service import CollectiveJobService, JobKinds
 from server.rank.jobs.service import handlers as collective_handlers
@@ -58,11 +59,11 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     """Allocates, fills, promotes, drops and streams the shards of one rank."""
 
     def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 bulk_reads: BulkReads | None = None) -> None:
+                 bulk_reads: BulkReads | None = None, groups: ProcessGroups | None = None) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
-        self.collectives = CollectiveJobService(store, job_kinds())
+        self.collectives = CollectiveJobService(store, job_kinds(), groups)
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")

@@ -1,9 +1,10 @@
 """The rank side of DCP checkpoint loads and saves: two collective job kinds (see server/rank/jobs/service.py),
 registered by the rank's ShardServer servicer.
 
-Both run on the rank's collective thread, in the coordinator's job order, over
-the whole torch.distributed world (DCP's default process group), and go
-through server/rank/jobs/checkpoint_io.py, so each rank reads or writes only its own
+Both run in the coordinator's job order, over the job's participants (every
+rank of the cluster) made c10d's default world for the job's duration (DCP
+needs a registered group, see rank/jobs/groups.py), and go through
+server/rank/jobs/checkpoint_io.py, so each rank reads or writes only its own
 shards, straight from or to the checkpoint directory:
 
 - "checkpoint_load": read this rank's shards of every listed tensor (DCP
@@ -83,8 +84,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     into = {name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {}) for name, _, meta in tensors}
-    shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
-                          into=into, problems=problems)
+    with ctx.default_world():
+        shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
+                              into=into, problems=problems)
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
             ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})
@@ -111,7 +113,8 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
                 entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
                 return {i: ctx.store.shard_of(entry, i) for i in local}
             state[name] = (meta, _noting(problems, lease_shards, {}))
-        save_tensors(job.checkpoint_save.path, state, problems=problems)
+        with ctx.default_world():
+            save_tensors(job.checkpoint_save.path, state, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total
     log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
              job.checkpoint_save.path, ctx.progress.bytes_total)

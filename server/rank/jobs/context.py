@@ -1,17 +1,19 @@
-"""What a collective job kind gets when it runs on the rank: store, rank, deadline and progress."""
+"""What a collective job kind gets when it runs on the rank: store, rank, deadline, progress and its group."""
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable
 
 from protos import shardserve_pb2 as pb
+from server.rank.jobs.groups import PeerGroup, ProcessGroups
 from server.rank.store import ShardStore
 
 
 @dataclass
 class JobContext:
-    """What a job kind gets: the store, this rank, the deadline, and a place to report progress."""
+    """What a job kind gets: the store, this rank, the deadline, a place to report progress, and the groups."""
 
     store: ShardStore
     rank: int
@@ -19,6 +21,7 @@ class JobContext:
     deadline: float
     progress: pb.CollectiveProgress = field(default_factory=pb.CollectiveProgress)
     live_bytes_done: Callable[[], int] | None = None
+    groups: ProcessGroups | None = None
 
     def time_left(self) -> float:
         return max(1e-3, self.deadline - time.monotonic())
@@ -29,3 +32,17 @@ class JobContext:
         if self.live_bytes_done is not None:
             out.bytes_done = self.live_bytes_done()
         return out
+
+    def peer_group(self) -> PeerGroup:
+        """The job's process group (epoch, ranks), formed with every other participant unless cached: every
+        participant of a kind that calls this must call it, or the others wait for it until the deadline."""
+        return self._groups().for_job(self.job.epoch, self.job.ranks, self.time_left())
+
+    def default_world(self) -> AbstractContextManager[None]:
+        """The job's participants as c10d's default world while the block runs (DCP needs one)."""
+        return self._groups().default_world(self.job.epoch, self.job.ranks, self.job.seq, self.time_left())
+
+    def _groups(self) -> ProcessGroups:
+        if self.groups is None:
+            raise RuntimeError("this job context has no process groups")
+        return self.groups

@@ -34,16 +34,20 @@ once (gloo sees the closed connection), a hung one is named when the deadline
 passes. Either way `run_reshard` raises `ReshardError` naming the peer ranks
 and the caller's store is untouched: the new shards exist only in the returned
 dict. After a ReshardError the process group may hold abandoned operations with
-those peers; the caller must re-form it before the next reshard with them.
+those peers; the caller must not use it again (the job service ends the
+group's epoch, rank/jobs/groups.py).
+
+The group. Data moves over a `PeerGroup`: the job's process group of its
+epoch and participants, formed directly over the coordinator's store and
+unknown to c10d, so operations are its own `send` / `recv` with the peer's
+index in the group. In-process callers that made a default world pass none.
 
 CUDA. Buckets whose both ends are CUDA shards travel as CUDA tensors, so the
-"cpu:gloo,cuda:nccl" group moves them with NCCL without host staging; a bucket
+group's NCCL backend moves them without host staging; a bucket
 with a CPU end travels through host memory with gloo. A CUDA wait is bounded by
 polling an event recorded after the NCCL work; the GPU side of a hung NCCL
-operation is left to the process group's own timeout/watchdog. As torch
-documents for batch_isend_irecv, the first NCCL operation of a group must
-involve all its ranks: the server should run one all-ranks CUDA collective
-(e.g. a barrier) at start-up, before any reshard of CUDA shards.
+operation is left to the process group's own timeout/watchdog, and the
+communicator is aborted when the group's epoch ends.
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ from server.common.errors import InvalidArgument
 from server.common.requests import check_name, check_version, parse_metadata
 from server.rank.jobs.arguments import non_negative_int, positive_seconds
 from server.rank.jobs.context import JobContext
+from server.rank.jobs.groups import P2P, PeerGroup
 from shardcore.executor import copy_box, pack_bucket, unpack_bucket
 from shardcore.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard
 
@@ -138,13 +143,6 @@ class _StagingPool:
         self._free.clear()
 
 
-def process_group_backend() -> str:
-    """The backend string for a shard server world: gloo for CPU shards, NCCL for CUDA ones."""
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
-
-
 # ---------------------------------------------------------------------------------------------
 # One rank's part of a reshard
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +158,7 @@ class _Posted:
 
 
 def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Tensor], timeout_s: float,
-                *, group: dist.ProcessGroup | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                *, group: PeerGroup | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
                 stats: ReshardStats | None = None,
                 out: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Run `rank`'s part of `plan`: the new shards on this rank, by dst shard index.
@@ -171,6 +169,7 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
     shards are allocated, except those given in `out` (by dst shard index), which
     are written in place: recycled buffers no reader can see (a failed reshard
     leaves them partly written) that share no memory with the source shards.
+    `group` is the job's group of ranks (the default c10d world when None).
     """
     if not isinstance(plan, ReshardPlan):
         raise TypeError(f"plan must be a ReshardPlan, got {type(plan).__name__}")
@@ -198,8 +197,11 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
     if not rounds:
         copy_local()
         return out
-    if not dist.is_initialized():
-        raise ReshardError("the plan moves data between ranks but torch.distributed is not initialized")
+    if group is None:
+        if not dist.is_initialized():
+            raise ReshardError("the plan moves data between ranks but no process group was given and "
+                               "torch.distributed is not initialized")
+        group = PeerGroup.world()
     _exchange(plan, rounds, src_shards, out, group, max_in_flight, deadline, stats, copy_local)
     return out
 
@@ -312,7 +314,7 @@ def _rounds(rank: int, sends: tuple[Bucket, ...],
 
 
 def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_shards: Mapping[int, torch.Tensor],
-              out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, max_in_flight: int,
+              out: dict[int, torch.Tensor], group: PeerGroup, max_in_flight: int,
               deadline: float, stats: ReshardStats, copy_local: Callable[[], None]) -> None:
     """Post the rounds with at most max_in_flight outstanding; unpack each round once it is done.
 
@@ -350,7 +352,7 @@ def _waiter_threads() -> cf.ThreadPoolExecutor:
 
 
 def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
-          out: dict[int, torch.Tensor], group: dist.ProcessGroup | None, waiters: cf.ThreadPoolExecutor,
+          out: dict[int, torch.Tensor], group: PeerGroup, waiters: cf.ThreadPoolExecutor,
           deadline: float, stats: ReshardStats, pool: _StagingPool) -> _Posted:
     """Post this round's receives, then pack and post its sends; start bounded waits on them all.
 
@@ -360,13 +362,13 @@ def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shard
     separate NCCL sends and receives between the same ranks could deadlock.
     """
     posted = _Posted(k, [], [], [])
-    cuda_batch: list[tuple[dist.P2POp, int, str]] = []
+    cuda_batch: list[tuple[P2P, str]] = []
 
-    def submit(op: dist.P2POp, peer: int, what: str) -> None:
-        if op.tensor.device.type == "cuda":
-            cuda_batch.append((op, peer, what))
+    def submit(op: P2P, what: str) -> None:
+        if op[1].device.type == "cuda":
+            cuda_batch.append((op, what))
         else:
-            _post_batch(k, [(op, peer, what)], waiters, deadline, posted)
+            _post_batch(group, k, [(op, what)], waiters, deadline, posted)
 
     for kind, bucket in sorted(round_, key=lambda item: item[0] == "send"):
         side = "src" if kind == "send" else "dst"
@@ -381,28 +383,28 @@ def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shard
         else:
             stats.zero_copy_buckets += 1
         if kind == "send":
-            submit(dist.P2POp(dist.isend, wire, bucket.dst_rank, group, k), bucket.dst_rank, "send to")
+            submit(("send", wire, bucket.dst_rank), "send to")
             stats.sent_bytes += bucket.nbytes
             stats.buckets_sent += 1
         else:
-            submit(dist.P2POp(dist.irecv, wire, bucket.src_rank, group, k), bucket.src_rank, "receive from")
+            submit(("recv", wire, bucket.src_rank), "receive from")
             stats.received_bytes += bucket.nbytes
             stats.buckets_received += 1
     if cuda_batch:
-        _post_batch(k, cuda_batch, waiters, deadline, posted)
+        _post_batch(group, k, cuda_batch, waiters, deadline, posted)
     return posted
 
 
-def _post_batch(k: int, batch: list[tuple[dist.P2POp, int, str]], waiters: cf.ThreadPoolExecutor,
+def _post_batch(group: PeerGroup, k: int, batch: list[tuple[P2P, str]], waiters: cf.ThreadPoolExecutor,
                 deadline: float, posted: _Posted) -> None:
-    """batch_isend_irecv the operations and start a bounded wait on each."""
+    """Post the operations on the group (round k is the tag) and start a bounded wait on each."""
     try:
-        works = dist.batch_isend_irecv([op for op, _, _ in batch])
+        works = group.post([op for op, _ in batch], k)
     except Exception as exc:
-        peers = tuple(sorted({peer for _, peer, _ in batch}))
+        peers = tuple(sorted({op[2] for op, _ in batch}))
         raise ReshardError(f"posting round {k} with {_ranks_text(list(peers))} failed: {exc}", peers) from exc
-    for work, (op, peer, what) in zip(works, batch):
-        posted.waits.append((waiters.submit(_wait_work, work, op.tensor.device, deadline), peer, what))
+    for work, ((_, tensor, peer), what) in zip(works, batch):
+        posted.waits.append((waiters.submit(_wait_work, work, tensor.device, deadline), peer, what))
 
 
 def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], deadline: float,
@@ -494,8 +496,9 @@ def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.
 def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Stage this rank's new shards of a reshard as the reserved pending dst_version.
 
-    Every rank builds the same plan (plan_reshard is deterministic), leases its
-    source shards so they stay whole, runs run_reshard on this (the collective)
+    Every rank builds the same plan (plan_reshard is deterministic), joins the
+    job's process group (every participant does, so none waits for another),
+    leases its source shards so they stay whole, runs run_reshard on the job's
     thread and installs the result; reads stay on the source version.
     """
     spec = job.reshard
@@ -516,6 +519,7 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     stats = ReshardStats()
     ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
     ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
+    group = ctx.peer_group()
     _debug_stall(rank, name)
     # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
     # since a failed exchange may leave receives posted into them
@@ -524,9 +528,9 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     if src_local:
         with ctx.store.lease(name, src_version) as entry:
             shards = {i: ctx.store.shard_of(entry, i) for i in src_local}
-            out = run_reshard(plan, rank, shards, ctx.time_left(), stats=stats, out=recycled)
+            out = run_reshard(plan, rank, shards, ctx.time_left(), group=group, stats=stats, out=recycled)
     else:
-        out = run_reshard(plan, rank, {}, ctx.time_left(), stats=stats, out=recycled)
+        out = run_reshard(plan, rank, {}, ctx.time_left(), group=group, stats=stats, out=recycled)
     if dst.shards_on(rank):
         ctx.store.fill_reserved(name, dst_version, out)
     recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)

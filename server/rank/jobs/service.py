@@ -20,26 +20,34 @@ The protocol:
   `JobKinds.register(kind, fn)` binds it to `fn(job, context)`, run on the
   collective thread with a JobContext (store, rank, deadline, progress). The
   rank registers its kinds where it is assembled (rank/service.py).
-- A job that fails with a dead or hung peer (ReshardError) leaves gloo
-  operations with that peer abandoned in the world's process group; later
-  jobs would match them (tags repeat). So the rank refuses every later
-  collective job ("collectives are unusable ... restart the cluster"); reads
-  and writes keep working. Re-forming the world in place is not attempted.
+- Every job carries (epoch, ranks) and runs on that epoch's process group of
+  its participants (rank/jobs/groups.py), formed over the coordinator's store.
+  A job that fails ends its epoch here as on the coordinator: the epoch's
+  groups are dropped, since they may hold operations abandoned with a dead or
+  hung peer that a later job would match (tags repeat), and later jobs form
+  new groups over the live ranks.
+- The job kind runs on a thread of its own, watched by the chain's thread. A
+  job cancelled while it runs (CancelCollective, after it failed elsewhere),
+  or still running `ABANDON_GRACE_S` past its deadline, is abandoned: the
+  chain goes on with the next job at once, and the abandoned thread ends by
+  itself, bounded, since every wait in a job is bounded by the job's deadline
+  (work.wait(timeout), and the group's own gloo timeout).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
 import math
+import threading
 import time
 from typing import Callable, Iterator
 
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.common.collectives_state import CollectivesState
 from server.common.errors import InvalidArgument, rpc_errors
 from server.rank.jobs.context import JobContext
+from server.rank.jobs.groups import ProcessGroups
 from server.rank.jobs.ordering import JobChain
 from server.rank.jobs.reshard import ReshardError
 from server.rank.store import ShardStore
@@ -47,6 +55,7 @@ from server.rank.store import ShardStore
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+ABANDON_GRACE_S = 5.0  # how long past its deadline a running job is waited for before it is abandoned
 
 
 JobFn = Callable[[pb.CollectiveJob, JobContext], None]
@@ -76,20 +85,28 @@ class JobKinds:
         return self._kinds[kind]
 
 
-class CollectiveJobService:
-    """The rank's RunCollective / CancelCollective: validation, ordering, progress, the unusable state."""
+class JobAbandoned(RuntimeError):
+    """A running job was cancelled or overran its deadline; its thread is left to end by itself."""
 
-    def __init__(self, store: ShardStore, kinds: JobKinds) -> None:
+
+class CollectiveJobService:
+    """The rank's RunCollective / CancelCollective: validation, ordering, progress, epochs."""
+
+    def __init__(self, store: ShardStore, kinds: JobKinds, groups: ProcessGroups | None = None) -> None:
         self.store = store
         self.kinds = kinds
+        self.groups = groups if groups is not None else ProcessGroups(store.rank, store.device)
         self.chain = JobChain()
-        self.state = CollectivesState()
+        self._running: dict[int, threading.Event] = {}  # seq -> set when CancelCollective asks to abandon it
+        self._lock = threading.Lock()
 
     def _check(self, job: pb.CollectiveJob) -> JobFn:
         if job.seq == 0:
             raise InvalidArgument("seq must be > 0")
         if job.after_seq >= job.seq:
             raise InvalidArgument(f"after_seq {job.after_seq} must be < seq {job.seq}")
+        if job.epoch == 0:
+            raise InvalidArgument("epoch must be > 0")
         if self.store.rank not in job.ranks:
             raise InvalidArgument(f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})")
         if not 0 < job.timeout_s < math.inf:  # NaN fails this too
@@ -99,13 +116,12 @@ class CollectiveJobService:
     @rpc_errors
     def RunCollective(self, job: pb.CollectiveJob, context: grpc.ServicerContext) -> Iterator[pb.CollectiveProgress]:
         run_kind = self._check(job)
-        ctx = JobContext(self.store, self.store.rank, job, deadline=0.0)
+        ctx = JobContext(self.store, self.store.rank, job, deadline=0.0, groups=self.groups)
 
         def execute() -> None:
-            self.state.check()
             ctx.deadline = time.monotonic() + job.timeout_s  # timeout_s is the job's own run, not its queueing
             ctx.progress.started = True
-            run_kind(job, ctx)
+            self._run_abandonable(job, lambda: run_kind(job, ctx), ctx.deadline + ABANDON_GRACE_S)
 
         # A caller that stops listening does not cancel the job: its peers may already be in its
         # collectives, and they would hang until their deadline. Only CancelCollective cancels.
@@ -129,14 +145,38 @@ class CollectiveJobService:
         final.error = str(err) or type(err).__name__
         if isinstance(err, ReshardError) and err.peers:
             final.failed_peers.extend(err.peers)
-            peers = ", ".join(map(str, err.peers))
-            reason = (f"collectives are unusable on rank {self.store.rank} since job {job.seq} failed "
-                      f"with rank(s) {peers} ({final.error}); restart the cluster to reshard again")
-            self.state.mark_unusable(reason)
-            log.error("%s", reason)
-        else:
-            log.warning("collective job %d failed on rank %d: %s", job.seq, self.store.rank, final.error)
+        self.groups.end_epoch(job.epoch)  # its groups may hold abandoned operations
+        log.warning("collective job %d failed on rank %d, ending epoch %d: %s", job.seq, self.store.rank,
+                    job.epoch, final.error)
         return final
+
+    def _run_abandonable(self, job: pb.CollectiveJob, fn: Callable[[], None], give_up_at: float) -> None:
+        """Run `fn` on a thread of its own; JobAbandoned once the job is cancelled or `give_up_at` passed."""
+        cancelled = threading.Event()
+        done: cf.Future = cf.Future()
+
+        def run() -> None:
+            try:
+                fn()
+                done.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - the job's failure goes to its caller
+                done.set_exception(exc)
+
+        with self._lock:
+            self._running[job.seq] = cancelled
+        threading.Thread(target=run, name=f"collective-job-{job.seq}", daemon=True).start()
+        try:
+            while not done.done():
+                if cancelled.is_set() or time.monotonic() > give_up_at:
+                    why = "cancelled" if cancelled.is_set() else "still running past its deadline"
+                    log.error("collective job %d %s on rank %d: abandoned (its thread ends on its own "
+                              "deadline)", job.seq, why, self.store.rank)
+                    raise JobAbandoned(f"job {job.seq} was {why} and was abandoned on rank {self.store.rank}")
+                cancelled.wait(0.05)
+        finally:
+            with self._lock:
+                self._running.pop(job.seq, None)
+        done.result()
 
     @rpc_errors
     def CancelCollective(self, request: pb.CancelCollectiveRequest,
@@ -144,6 +184,10 @@ class CollectiveJobService:
         if request.seq == 0:
             raise InvalidArgument("seq must be > 0")
         self.chain.cancel(request.seq)
+        with self._lock:
+            running = self._running.get(request.seq)
+        if running is not None:
+            running.set()
         return pb.CancelCollectiveResponse()
 
 
