@@ -70,6 +70,7 @@ class CollectiveRunner:
         self.sequencer = JobSequencer(next_number)
         self.epochs = Epochs(next_number)
         self.rendezvous = RendezvousStore(store_port)
+        self._assign_lock = threading.Lock()
 
     def rank_joined(self, rank: int) -> None:
         """A rank (re)registered: a new process, which holds none of the current epoch's groups."""
@@ -84,9 +85,10 @@ class CollectiveRunner:
         """
         ranks = sorted(set(ranks))
         entries = {r: self.registry.entry(r) for r in ranks}
-        seq, after = self.sequencer.assign(ranks)
+        with self._assign_lock:  # seq and epoch in one order: a later job never has an older epoch
+            seq, after = self.sequencer.assign(ranks)
+            job.epoch = self.epochs.current
         job.seq = seq
-        job.epoch = self.epochs.current
         del job.ranks[:]
         job.ranks.extend(ranks)
         events: "queue.Queue[tuple[int, object]]" = queue.Queue()
@@ -128,12 +130,16 @@ class CollectiveRunner:
         return finals
 
     def _cancel(self, seq: int, ranks: Sequence[int]) -> None:
+        """CancelCollective on every participant, in the background: a stopped rank must not delay the error."""
         request = pb.CancelCollectiveRequest(seq=seq)
-        for rank in ranks:
+
+        def cancel(rank: int) -> None:
             try:
                 self.registry.entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
             except (grpc.RpcError, ServiceError):
                 pass  # a dead rank runs nothing
+        for rank in ranks:
+            threading.Thread(target=cancel, args=(rank,), name=f"cancel-{seq}-rank-{rank}", daemon=True).start()
 
     def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""

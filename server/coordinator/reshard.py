@@ -243,7 +243,7 @@ class ReshardDriver:
                                          f"(it has not come back since the coordinator started)") from None
             if not self.registry.is_alive(entry):
                 raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
-                                         f"is back (restart the cluster if it died)")
+                                         f"is back (restart that rank if it died: it rejoins under its rank number)")
 
 
 def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> ReshardPlan:

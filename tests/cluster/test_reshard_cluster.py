@@ -1,8 +1,9 @@
 """Coordinated resharding on real clusters (gloo on 127.0.0.1): every layout pair, bit for bit, two-phase.
 
 One 4-rank cluster serves the happy paths; failure tests get clusters of their own
-(a rank stalled by rank/jobs/reshard.STALL_ENV, then killed or left hung), and the
-coordinator-restart test runs the coordinator and ranks as separate processes.
+(a rank stalled by rank/jobs/reshard.STALL_ENV, then killed, left hung or stopped
+with SIGSTOP), each failure followed by a reshard that succeeds in the next epoch,
+and the coordinator-restart test runs the coordinator and ranks as separate processes.
 """
 from __future__ import annotations
 
@@ -233,7 +234,7 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
 
     rank0 = next(r for r in client4.ranks() if r.rank == 0)
     with grpc.insecure_channel(rank0.address) as channel:
-        job = pb.CollectiveJob(seq=10**12, ranks=[0], timeout_s=5, reshard=pb.ReshardJob(
+        job = pb.CollectiveJob(seq=10**12, ranks=[0], timeout_s=5, epoch=1, reshard=pb.ReshardJob(
             name="stray", src_version=proxy.version, src=metadata_to_proto(src), dst_version=10**12 + 1,
             dst=metadata_to_proto(dst)))
         final = list(pb_grpc.ShardServerStub(channel).RunCollective(job, timeout=30))[-1]
@@ -349,6 +350,7 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
     src = chunk(0, range(3)).build_metadata((13, 21), TensorProperties(dtype=torch.float64))
     with connect(stalling_cluster.address) as client:
         proxy = client.put("victim", tensor, spec=src)
+        epoch = _epoch(client)
         moving, outcome = threading.Event(), {}
 
         def run() -> None:
@@ -369,7 +371,7 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
         elapsed = time.monotonic() - killed
         error = outcome["error"]
         assert isinstance(error, RankUnavailableError)
-        assert "rank 1 is down" in str(error) and "restart" in str(error)
+        assert "rank 1 is down" in str(error) and "new epoch over the live ranks" in str(error)
         assert elapsed < 20, elapsed
         after = client.tensor("victim")   # the catalog still serves the old version
         assert after.version == proxy.version
@@ -379,30 +381,101 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
                 assert torch.equal(shards[index].fetch(), part)
         with pytest.raises(ReshardRefusedError, match="rank 1 is down"):
             after.reshard(chunk(1, (0, 2)))
-        reply = pb_grpc.CoordinatorStub(grpc.insecure_channel(stalling_cluster.address)).ListRanks(
-            pb.ListRanksRequest(), timeout=10)
-        assert "rank 1 is down" in reply.collectives_error
+        _reshard_in_a_new_epoch(client, "survivor", (0, 2), epoch)
 
 
-def test_a_hung_rank_fails_the_reshard_within_the_timeout_naming_it(make_cluster):
+def _epoch(client) -> int:
+    return client.session.call("ListRanks", pb.ListRanksRequest()).epoch
+
+
+def _reshard_in_a_new_epoch(client, name: str, ranks, epoch_before: int) -> None:
+    """A tensor put on `ranks` reshards there, bit for bit, in an epoch after `epoch_before`: no restart."""
+    assert _epoch(client) > epoch_before
+    tensor = source((13, 21), torch.float32, seed=len(name))
+    proxy = client.put(name, tensor, spec=chunk(0, ranks), overwrite=True)
+    moved = proxy.reshard(chunk(1, ranks), timeout=30)
+    assert moved.version > proxy.version and torch.equal(moved.full_tensor(), tensor)
+    assert client.session.call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
+
+
+@pytest.fixture(scope="module")
+def hanging_cluster(make_cluster):
+    """3 ranks; rank 1 stalls 8 s in reshards of 'hang' and 2 s in reshards of 'stopme'."""
     previous = os.environ.get(STALL_ENV)
-    os.environ[STALL_ENV] = "1:8:hang"
+    os.environ[STALL_ENV] = "1:8:hang,1:2:stopme"
     try:
-        cluster = make_cluster(ranks=2)
+        return make_cluster(ranks=3)
     finally:
         if previous is None:
             del os.environ[STALL_ENV]
         else:
             os.environ[STALL_ENV] = previous
+
+
+def test_a_hung_rank_fails_the_reshard_within_the_timeout_naming_it(hanging_cluster):
     tensor = source((13, 21), torch.float32, seed=13)
-    with connect(cluster.address) as client:
+    with connect(hanging_cluster.address) as client:
         proxy = client.put("hang", tensor, spec=chunk(0, range(2)))
+        epoch = _epoch(client)
         started = time.monotonic()
         with pytest.raises(RankUnavailableError, match=r"rank 1 did not answer in time \(hung\?\)"):
             proxy.reshard(chunk(1, range(2)), timeout=2)
         assert time.monotonic() - started < 2 + 2 + 5
         assert torch.equal(client.tensor("hang").full_tensor(), tensor)  # every rank is alive: all readable
         assert client.tensor("hang").version == proxy.version
+        # rank 1 still sleeps in the failed job (its thread is abandoned): the next job runs at once
+        started = time.monotonic()
+        _reshard_in_a_new_epoch(client, "after-hang", (0, 1), epoch)
+        assert time.monotonic() - started < 6
+
+
+def test_a_job_on_ranks_0_and_1_never_involves_rank_2(hanging_cluster):
+    """Rank 2 is stopped (SIGSTOP) the whole time a reshard over ranks {0, 1} forms its group and runs."""
+    tensor = source((13, 21), torch.int64, seed=17)
+    with connect(hanging_cluster.address) as client:
+        proxy = client.put("pair", tensor, spec=chunk(0, (0, 1)))
+        hanging_cluster.kill_rank(2, signal.SIGSTOP)
+        try:
+            moved = proxy.reshard(chunk(1, (1, 0)), timeout=20)
+            again = moved.reshard(chunk(0, (1,)), timeout=20)
+        finally:
+            hanging_cluster.kill_rank(2, signal.SIGCONT)
+        assert torch.equal(moved.full_tensor(), tensor) and torch.equal(again.full_tensor(), tensor)
+        _wait(lambda: all(r.alive for r in client.ranks()), 20, "rank 2 to heartbeat again")
+
+
+def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(hanging_cluster):
+    tensor = source((13, 21), torch.float32, seed=18)
+    with connect(hanging_cluster.address) as client:
+        _wait(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
+        proxy = client.put("stopme", tensor, spec=chunk(0, range(3)))
+        epoch = _epoch(client)
+        moving, outcome = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                proxy.reshard(chunk(1, range(3)), timeout=3,
+                              progress=lambda r: r.phase == "moving" and moving.set())
+            except ShardServeError as err:
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        assert moving.wait(30)
+        hanging_cluster.kill_rank(1, signal.SIGSTOP)  # inside its 2 s stall, before any byte moved
+        try:
+            started = time.monotonic()
+            thread.join(30)
+            assert not thread.is_alive()
+            assert time.monotonic() - started < 3 + 2 + 5
+        finally:
+            hanging_cluster.kill_rank(1, signal.SIGCONT)
+        assert isinstance(outcome["error"], RankUnavailableError) and "rank 1" in str(outcome["error"])
+        _wait(lambda: all(r.alive for r in client.ranks()), 20, "rank 1 to heartbeat again")
+        assert torch.equal(client.tensor("stopme").full_tensor(), tensor)
+        moved = client.tensor("stopme").reshard(chunk(1, range(3)), timeout=30)  # rank 1 stalls 2 s again
+        assert torch.equal(moved.full_tensor(), tensor) and _epoch(client) > epoch
+        _reshard_in_a_new_epoch(client, "after-stop", (0, 1, 2), epoch)
 
 
 # ---------------------------------------------------------------- coordinator restart

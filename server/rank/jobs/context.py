@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,8 +39,11 @@ class JobContext:
         return self._groups().for_job(self.job.epoch, self.job.ranks, self.time_left())
 
     def default_world(self) -> AbstractContextManager[None]:
-        """The job's participants as c10d's default world while the block runs (DCP needs one)."""
-        return self._groups().default_world(self.job.epoch, self.job.ranks, self.job.seq, self.time_left())
+        """The job's participants as c10d's default world while the block runs (DCP needs one); without
+        groups (an in-process caller), the default world, if any, that the caller made."""
+        if self.groups is None:
+            return nullcontext()
+        return self.groups.default_world(self.job.epoch, self.job.ranks, self.job.seq, self.time_left())
 
     def _groups(self) -> ProcessGroups:
         if self.groups is None:

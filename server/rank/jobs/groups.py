@@ -133,7 +133,7 @@ class ProcessGroups:
         self.store_timeout_s = store_timeout_s
         self._address: tuple[str, int] | None = None
         self._groups: dict[tuple[int, tuple[int, ...]], PeerGroup] = {}
-        self._ended = 0  # every epoch <= this one has ended here
+        self._ended: set[int] = set()  # epochs a job of which failed here
         self._lock = threading.Lock()
 
     def set_store(self, host: str, port: int) -> None:
@@ -169,8 +169,8 @@ class ProcessGroups:
     def end_epoch(self, epoch: int) -> None:
         """A job of `epoch` failed: drop its groups and refuse its later jobs."""
         with self._lock:
-            self._ended = max(self._ended, epoch)
-            dropped = self._drop_before(self._ended + 1)
+            self._ended.add(epoch)
+            dropped = [self._groups.pop(key) for key in [k for k in self._groups if k[0] == epoch]]
         for group in dropped:
             group.abort()
 
@@ -207,12 +207,11 @@ class ProcessGroups:
 
     def _check_epoch(self, epoch: int) -> None:
         """FailedPrecondition for an epoch that has ended here (lock held)."""
-        if epoch <= self._ended:
+        if epoch in self._ended:
             raise FailedPrecondition(f"epoch {epoch} has ended on rank {self.rank} (a job of it failed); the "
                                      f"coordinator runs later jobs in a new epoch")
 
     def _drop_before(self, epoch: int) -> list[PeerGroup]:
-        """Forget the groups of epochs before `epoch` (lock held); a job of a newer epoch means they ended."""
-        self._ended = max(self._ended, epoch - 1)
+        """Forget the groups of epochs before `epoch` (lock held): a job of a newer epoch means they ended."""
         old = [key for key in self._groups if key[0] < epoch]
         return [self._groups.pop(key) for key in old]

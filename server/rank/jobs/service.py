@@ -105,12 +105,12 @@ class CollectiveJobService:
             raise InvalidArgument("seq must be > 0")
         if job.after_seq >= job.seq:
             raise InvalidArgument(f"after_seq {job.after_seq} must be < seq {job.seq}")
-        if job.epoch == 0:
-            raise InvalidArgument("epoch must be > 0")
         if self.store.rank not in job.ranks:
             raise InvalidArgument(f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})")
         if not 0 < job.timeout_s < math.inf:  # NaN fails this too
             raise InvalidArgument(f"timeout_s must be a finite number > 0, got {job.timeout_s}")
+        if job.epoch == 0:
+            raise InvalidArgument("epoch must be > 0")
         return self.kinds.of(job)
 
     @rpc_errors
