@@ -72,6 +72,10 @@ class CollectiveRunner:
         self.rendezvous = RendezvousStore(store_port)
         self._assign_lock = threading.Lock()
 
+    def close(self) -> None:
+        """Stop the rendezvous store."""
+        self.rendezvous.close()
+
     def rank_joined(self, rank: int) -> None:
         """A rank (re)registered: a new process, which holds none of the current epoch's groups."""
         self.epochs.end(self.epochs.current, f"rank {rank} registered")

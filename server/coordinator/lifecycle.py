@@ -345,4 +345,5 @@ class Coordinator:
         self._monitor.join(timeout=5)
         self._background.shutdown(wait=False, cancel_futures=True)
         self.registry.close()
+        self.collectives.close()
         self.catalog.close()

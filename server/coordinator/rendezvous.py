@@ -26,10 +26,14 @@ class RendezvousStore:
     def __init__(self, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300.0) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"store port must be 0..65535, got {port}")
-        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store: dist.TCPStore | None = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
         self.port = self.store.port
         log.info("rendezvous store listening on port %d", self.port)
+
+    def close(self) -> None:
+        """Stop listening (the server ends with its last master handle, this one)."""
+        self.store = None
 
 
 class Epochs:

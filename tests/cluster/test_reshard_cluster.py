@@ -499,7 +499,7 @@ def _wait(predicate, timeout, what):
 
 
 def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion(tmp_path: Path):
-    port, master = free_port(), free_port()
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
     coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
                         "--heartbeat-interval", "0.5"]
@@ -510,8 +510,7 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
         procs.append(coord)
         for rank in range(2):
             procs.append(_spawn(["--coordinator", f"127.0.0.1:{port}"], dict(
-                env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master)), log))
+                env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), log))
         address = f"127.0.0.1:{port}"
         def two_ranks_alive() -> bool:
             with connect(address) as c:

@@ -84,9 +84,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     into = {name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {}) for name, _, meta in tensors}
-    with ctx.default_world():
+    with ctx.default_world() as group:
         shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
-                              into=into, problems=problems)
+                              group, into=into, problems=problems)
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
             ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})
@@ -113,8 +113,8 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
                 entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
                 return {i: ctx.store.shard_of(entry, i) for i in local}
             state[name] = (meta, _noting(problems, lease_shards, {}))
-        with ctx.default_world():
-            save_tensors(job.checkpoint_save.path, state, problems=problems)
+        with ctx.default_world() as group:
+            save_tensors(job.checkpoint_save.path, state, group, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total
     log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
              job.checkpoint_save.path, ctx.progress.bytes_total)

@@ -6,6 +6,8 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch.distributed as dist
+
 from protos import shardserve_pb2 as pb
 from server.rank.jobs.groups import PeerGroup, ProcessGroups
 from server.rank.store import ShardStore
@@ -38,7 +40,7 @@ class JobContext:
         participant of a kind that calls this must call it, or the others wait for it until the deadline."""
         return self._groups().for_job(self.job.epoch, self.job.ranks, self.time_left())
 
-    def default_world(self) -> AbstractContextManager[None]:
+    def default_world(self) -> AbstractContextManager[dist.ProcessGroup | None]:
         """The job's participants as c10d's default world while the block runs (DCP needs one); without
         groups (an in-process caller), the default world, if any, that the caller made."""
         if self.groups is None:

@@ -180,8 +180,10 @@ class ProcessGroups:
             return sorted(self._groups)
 
     @contextmanager
-    def default_world(self, epoch: int, ranks: Sequence[int], seq: int, timeout_s: float) -> Iterator[None]:
-        """The participants of job `seq` as c10d's default world while the block runs (for DCP)."""
+    def default_world(self, epoch: int, ranks: Sequence[int], seq: int,
+                      timeout_s: float) -> Iterator[dist.ProcessGroup]:
+        """The participants of job `seq` as c10d's default world while the block runs (for DCP); the block gets
+        its group, to name explicitly: an abandoned job must never run collectives on a later job's world."""
         members = participants_of(ranks)
         with self._lock:
             self._check_epoch(epoch)
@@ -190,10 +192,12 @@ class ProcessGroups:
         store = dist.PrefixStore(f"{group_prefix(epoch, members)}/world/{seq}", self._client(timeout_s))
         dist.init_process_group(backend=process_group_backend(), store=store, rank=group_rank(members, self.rank),
                                 world_size=len(members), timeout=timedelta(seconds=timeout_s))
+        mine = dist.group.WORLD
         try:
-            yield
+            yield mine
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized() and dist.group.WORLD is mine:  # not a later job's, if this one was abandoned
+                dist.destroy_process_group()
 
     def _client(self, timeout_s: float) -> dist.Store:
         """A new client of the coordinator's store whose waits are bounded by `timeout_s`."""

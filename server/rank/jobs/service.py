@@ -152,8 +152,9 @@ class CollectiveJobService:
 
     def _run_abandonable(self, job: pb.CollectiveJob, fn: Callable[[], None], give_up_at: float) -> None:
         """Run `fn` on a thread of its own; JobAbandoned once the job is cancelled or `give_up_at` passed."""
-        cancelled = threading.Event()
         done: cf.Future = cf.Future()
+        wake = threading.Event()  # set when fn ends, or by CancelCollective
+        done.add_done_callback(lambda _: wake.set())
 
         def run() -> None:
             try:
@@ -163,19 +164,18 @@ class CollectiveJobService:
                 done.set_exception(exc)
 
         with self._lock:
-            self._running[job.seq] = cancelled
+            self._running[job.seq] = wake
         threading.Thread(target=run, name=f"collective-job-{job.seq}", daemon=True).start()
         try:
-            while not done.done():
-                if cancelled.is_set() or time.monotonic() > give_up_at:
-                    why = "cancelled" if cancelled.is_set() else "still running past its deadline"
-                    log.error("collective job %d %s on rank %d: abandoned (its thread ends on its own "
-                              "deadline)", job.seq, why, self.store.rank)
-                    raise JobAbandoned(f"job {job.seq} was {why} and was abandoned on rank {self.store.rank}")
-                cancelled.wait(0.05)
+            woken = wake.wait(max(0.0, give_up_at - time.monotonic()))
         finally:
             with self._lock:
                 self._running.pop(job.seq, None)
+        if not done.done():
+            why = "cancelled" if woken else "still running past its deadline"
+            log.error("collective job %d %s on rank %d: abandoned (its thread ends on its own deadline)",
+                      job.seq, why, self.store.rank)
+            raise JobAbandoned(f"job {job.seq} was {why} and was abandoned on rank {self.store.rank}")
         done.result()
 
     @rpc_errors
