@@ -113,9 +113,10 @@ def build_group(store: dist.Store, epoch: int, ranks: Sequence[int], rank: int, 
     timeout = timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(group_prefix(epoch, members), store)
     pg = dist.ProcessGroup(prefixed, index, size)
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), index, size, timeout)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo", prefixed), index, size, timeout)
+    gloo._set_sequence_number_for_group()
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
