@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from server.rank.jobs.groups import PeerGroup
 from server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
 from server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
 from shardcore.executor import apply_plan
@@ -213,17 +214,17 @@ def on_cuda(meta: ShardedTensorMetadata, cuda: bool) -> ShardedTensorMetadata:
 
 
 def _exit_on_second_post() -> None:
-    """Make this process die abruptly when it posts its second round of P2P operations."""
-    original = dist.batch_isend_irecv
+    """Make this process die abruptly when it posts its second batch of P2P operations."""
+    original = PeerGroup.post
     calls = []
 
-    def dying(ops):
+    def dying(self, ops, tag):
         calls.append(1)
         if len(calls) == 2:
             os._exit(3)
-        return original(ops)
+        return original(self, ops, tag)
 
-    dist.batch_isend_irecv = dying
+    PeerGroup.post = dying
 
 
 class World:
