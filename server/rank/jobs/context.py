@@ -48,6 +48,7 @@ class JobContext:
         return self.groups.default_world(self.job.epoch, self.job.ranks, self.job.seq, self.time_left())
 
     def _groups(self) -> ProcessGroups:
+        """The rank's groups; a context made without them (in-process callers) has no job group."""
         if self.groups is None:
             raise RuntimeError("this job context has no process groups")
         return self.groups

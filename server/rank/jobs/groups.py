@@ -87,6 +87,7 @@ class PeerGroup:
         return [work] * len(ops)
 
     def _one(self, verb: str, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+        """One send or receive on the group itself, the peer named by its index in the group."""
         if verb == "send":
             return self.pg.send([tensor], self.index(peer), tag)
         return self.pg.recv([tensor], self.index(peer), tag)
