@@ -500,10 +500,10 @@ def _wait(predicate, timeout, what):
 
 
 def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion(tmp_path: Path):
-    port = free_port()
+    port, store_port = free_port(), free_port()
     env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
     coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-                        "--heartbeat-interval", "0.5"]
+                        "--heartbeat-interval", "0.5", "--store-port", str(store_port)]
     log = open(tmp_path / "log.txt", "w")
     procs = []
     try:
@@ -541,6 +541,8 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
                 return all([h.version for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
                             if h.name == "restart"] == [new.version] for s in stubs)
             _wait(old_dropped, 30, "the old version to be dropped")
+            back = new.reshard(chunk(0, range(2)), timeout=30)  # collectives over the restarted coordinator's store
+            assert torch.equal(back.full_tensor(), tensor)
     finally:
         for proc in procs:
             if proc.poll() is None:
