@@ -479,6 +479,18 @@ def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(han
         _reshard_in_a_new_epoch(client, "after-stop", (0, 1, 2), epoch)
 
 
+def test_checkpoints_run_after_failed_jobs_with_no_restart(hanging_cluster, tmp_path):
+    """Checkpoint jobs (DCP on the job's ranks made the default c10d world) run in the epoch after the
+    failures above: a save, then a load of what it wrote, bit for bit."""
+    tensor = source((13, 21), torch.float32, seed=19)
+    with connect(hanging_cluster.address) as client:
+        _wait(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
+        client.put("saved", tensor, spec=chunk(1, range(3)), overwrite=True)
+        client.save_checkpoint(str(tmp_path / "ckpt"), ["saved"], timeout=60)
+        loaded = client.load_checkpoint(str(tmp_path / "ckpt"), ["saved"], overwrite=True, timeout=60)["saved"]
+        assert torch.equal(loaded.full_tensor(), tensor)
+
+
 # ---------------------------------------------------------------- coordinator restart
 
 
