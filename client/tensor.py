@@ -4,7 +4,9 @@ It caches the tensor's metadata at one version. A read asks every shard it
 touches in parallel (client.paths.policy picks each rank's path), each part
 landing in a preallocated output; when a rank no longer serves that version,
 the proxy refreshes its metadata and retries the whole read, so a result never
-mixes two versions.
+mixes two versions. Each box is read from a live copy (shardcore.health): a
+rank that cannot be reached makes the retry use another copy, and a box with
+no live copy left raises ShardsLostError (client.health).
 """
 from __future__ import annotations
 

@@ -130,6 +130,7 @@ class PathPolicy:
 
     def _read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                    only_part: bool) -> str:
+        """read_part's work: shared memory when the rank may serve by it, else the network."""
         if self._through_shared_memory(rank, partial(self.shm.read, rank.address, summary, index, part, region))[1]:
             log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
             return "shm"
