@@ -158,8 +158,9 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
     pb_grpc.add_ShardServerServicer_to_server(_EmptyRank(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    channel = grpc.insecure_channel(cluster.address)
     try:
-        coordinator = pb_grpc.CoordinatorStub(grpc.insecure_channel(cluster.address))
+        coordinator = pb_grpc.CoordinatorStub(channel)
         coordinator.RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(
             rank=DEAD, address=f"127.0.0.1:{port}", device="cpu", hostname="restarted", world_size=3, pid=1)),
             timeout=10)
@@ -182,4 +183,5 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
                 client.tensor("plain")[5]
             assert torch.equal(client.tensor("plain")[8:], world["data"]["plain"][8:])
     finally:
+        channel.close()
         server.stop(grace=None)
