@@ -31,18 +31,18 @@ def with_lost(info: pb.TensorInfo, shards: Iterable[int]) -> pb.TensorInfo:
     return out
 
 
-def unavailable_shards(info: pb.TensorInfo, rank_alive: Callable[[int], bool]) -> list[int]:
-    """The shards of `info` whose copy cannot be read now: lost, or on a rank that is not alive."""
-    dead = {rank for rank in _placed_ranks(info) if not rank_alive(rank)}
+def unavailable_shards(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) -> list[int]:
+    """The shards of `info` whose copy cannot be read now: lost, or on a rank known to be dead."""
+    dead = {rank for rank in _placed_ranks(info) if rank_dead(rank)}
     on_dead = [index for index, rank in enumerate(_shard_ranks(info)) if rank in dead]
     return sorted(set(info.lost_shards) | set(on_dead))
 
 
-def describe(info: pb.TensorInfo, rank_alive: Callable[[int], bool]) -> pb.TensorInfo:
+def describe(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) -> pb.TensorInfo:
     """`info` as answered to clients: its unavailable shards, health and replicas filled in."""
     out = pb.TensorInfo()
     out.CopyFrom(info)
-    unavailable = unavailable_shards(info, rank_alive)
+    unavailable = unavailable_shards(info, rank_dead)
     out.unavailable_shards.extend(unavailable)
     try:
         health = layout_health(metadata_from_proto(info.metadata), unavailable)

@@ -180,7 +180,7 @@ class Coordinator:
 
     def describe(self, info: pb.TensorInfo) -> pb.TensorInfo:
         """A catalog row as answered: its unavailable shards (lost, or on dead ranks), health and replicas."""
-        return describe(info, self.registry.rank_alive)
+        return describe(info, self.registry.rank_dead)
 
     def delete(self, name: str) -> None:
         """Remove every version of `name` from the catalog, then free them on the ranks."""
