@@ -2,8 +2,8 @@
 from client.cluster import Cluster, connect
 from client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from client.errors import (AbortedError, AuthenticationError, DeadlineExceededError, InvalidArgumentError,
-                           RankUnavailableError, ResourceExhaustedError, ShardServeError, StaleVersionError,
-                           TensorExistsError, TensorNotFoundError)
+                           RankUnavailableError, ResourceExhaustedError, ShardServeError, ShardsLostError,
+                           StaleVersionError, TensorExistsError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.ops.reshard import ReshardRefusedError
 from client.paths.bulk import BulkReadError
@@ -14,6 +14,7 @@ __all__ = [
     "connect", "Cluster", "RemoteShardedTensor", "RemoteShard", "RankStatus", "TensorSummary",
     "ShardServeError", "TensorNotFoundError", "InvalidArgumentError", "TensorExistsError",
     "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
-    "DeadlineExceededError", "AbortedError", "ReshardRefusedError", "SharedMemoryError", "BulkReadError",
+    "DeadlineExceededError", "AbortedError", "ShardsLostError", "ReshardRefusedError", "SharedMemoryError",
+    "BulkReadError",
     "RemoteEmbedding", "RemoteEmbeddingBag",
 ]

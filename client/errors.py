@@ -66,6 +66,22 @@ class RankUnavailableError(ShardServeError, ConnectionError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ShardsLostError(RankUnavailableError):
+    """A read needs a box with no live copy (DATA_LOSS): every rank holding it is dead or lost it (restarted
+    empty). `boxes` are the lost boxes the read touches as (offsets, sizes), `ranks` the ranks that held them.
+    Other boxes of the tensor stay readable; a new put (overwrite) or a repair brings the box back. Also a
+    RankUnavailableError (and so a ConnectionError), which is what such a read raised before boxes were
+    tracked."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None,
+                 boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (), ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message, code)
+        self.boxes = boxes
+        self.ranks = ranks
+
+
 class AbortedError(ShardServeError):
     """The coordinator gave the call up over other work (ABORTED): the tensor stayed busy in a reshard or
     checkpoint past the wait (retry once it has ended), or a collective job failed on a rank; the message says
@@ -92,6 +108,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
     grpc.StatusCode.UNAVAILABLE: RankUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.ABORTED: AbortedError,
+    grpc.StatusCode.DATA_LOSS: ShardsLostError,
 }
 
 

@@ -1,12 +1,14 @@
 """Read-only views of the coordinator's answers: a rank's status and a tensor's catalog entry."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
 from client.errors import ShardServeError
 from protos import shardserve_pb2 as pb
+from shardcore.health import LayoutHealth, layout_health
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto
 
@@ -46,6 +48,17 @@ class TensorSummary:
     state: str
     nbytes: int
     created_unix: float
+    unavailable: frozenset[int] = field(default=frozenset(), repr=False)  # shards whose copy cannot be read
+
+    @functools.cached_property
+    def layout_health(self) -> LayoutHealth:
+        """Health, lost boxes and replicas as the coordinator's answer had them (shardcore.health)."""
+        return layout_health(self.metadata, self.unavailable)
+
+    @property
+    def health(self) -> str:
+        """"healthy", "degraded" (a box has fewer live copies than replicas) or "lost" (a box has none)."""
+        return self.layout_health.state
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -63,7 +76,19 @@ class TensorSummary:
             raise ShardServeError(f"the coordinator sent bad metadata for tensor {msg.name!r}: {err}") from None
         return cls(name=msg.name, version=msg.version, metadata=metadata,
                    state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
-                   nbytes=msg.nbytes or metadata.nbytes, created_unix=msg.created_unix)
+                   nbytes=msg.nbytes or metadata.nbytes, created_unix=msg.created_unix,
+                   unavailable=frozenset(msg.unavailable_shards))
+
+
+def health_summary(summary: TensorSummary) -> str:
+    """A tensor's health for people, e.g. "healthy", "degraded" or "lost (2 boxes, ranks 1)"."""
+    health = summary.layout_health
+    if health.state != "lost":
+        return health.state
+    ranks = sorted({summary.metadata.shards_metadata[i].rank for i in summary.unavailable})
+    count = len(health.lost_boxes)
+    return f"lost ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} " \
+           f"{','.join(map(str, ranks))})"
 
 
 def layout_summary(meta: ShardedTensorMetadata) -> str:

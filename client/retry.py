@@ -7,14 +7,14 @@ read is in flight, so the read is retried, up to `MAX_ATTEMPTS`, at once when
 a refresh brings a newer version and after a pause (SAME_VERSION_PAUSE_S,
 doubling) when it brings the same one: a reshard's new version is READY in
 the catalog a moment before its ranks serve it. An error that outlasts the
-attempts is raised.
+attempts is raised. A read that finds a box lost (ShardsLostError) is not retried.
 """
 from __future__ import annotations
 
 import time
 from typing import Callable, Hashable, TypeVar
 
-from client.errors import RankUnavailableError, StaleVersionError, TensorNotFoundError
+from client.errors import RankUnavailableError, ShardsLostError, StaleVersionError, TensorNotFoundError
 
 T = TypeVar("T")
 
@@ -31,6 +31,8 @@ def read_with_refresh(attempt: Callable[[], T], refresh: Callable[[], Hashable],
     for tries in range(1, max_attempts + 1):
         try:
             return attempt()
+        except ShardsLostError:
+            raise  # no live copy: asking again does not bring one back
         except RETRYABLE:
             if tries == max_attempts:
                 raise

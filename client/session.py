@@ -109,6 +109,29 @@ class Session:
     def address_of(self, rank: int) -> str:
         return self.rank_status(rank).address
 
+    def dead_ranks(self) -> frozenset[int]:
+        """The ranks the coordinator reported dead at the latest refresh (no call)."""
+        with self._ranks_lock:
+            return frozenset(rank for rank, status in self._ranks.items() if not status.alive)
+
+    def unavailable_shards(self, summary: TensorSummary) -> frozenset[int]:
+        """The shards of `summary` with no readable copy as the coordinator says: lost, or on a rank reported
+        dead (in the summary's answer or at the latest ListRanks)."""
+        dead = self.dead_ranks()
+        if not dead:
+            return summary.unavailable
+        shards = summary.metadata.shards_metadata
+        return summary.unavailable | {i for i, shard in enumerate(shards) if shard.placement and shard.rank in dead}
+
+    def suspect_shards(self, summary: TensorSummary) -> frozenset[int]:
+        """The shards of `summary` on ranks that failed this client's calls as unreachable lately (their copies are
+        read last: client.paths.policy)."""
+        unreachable = self.paths.unreachable_ranks()
+        if not unreachable:
+            return frozenset()
+        return frozenset(i for i, shard in enumerate(summary.metadata.shards_metadata)
+                         if shard.placement and shard.rank in unreachable)
+
     # ------------------------------------------------------------ tensors
 
     def summary(self, name: str) -> TensorSummary:

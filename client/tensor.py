@@ -4,7 +4,9 @@ It caches the tensor's metadata at one version. A read asks every shard it
 touches in parallel (client.paths.policy picks each rank's path), each part
 landing in a preallocated output; when a rank no longer serves that version,
 the proxy refreshes its metadata and retries the whole read, so a result never
-mixes two versions.
+mixes two versions. Each box is read from a live copy (shardcore.health): a
+rank that cannot be reached makes the retry use another copy, and a box with
+no live copy left raises ShardsLostError (client.health).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 
 from client.embedding.lookup import Lookups
 from client.errors import InvalidArgumentError
+from client.health import check_readable
 from client.indexing import parse_index
 from client.info import RankStatus, TensorSummary
 from client.ops.reshard import reshard as reshard_tensor
@@ -117,6 +120,24 @@ class RemoteShardedTensor:
             if spec.build_metadata(meta.size, meta.tensor_properties) == meta:
                 return spec
         return EnumerableShardingSpec(meta.shards_metadata)
+
+    # ------------------------------------------------------------ health (shardcore.health)
+
+    @property
+    def health(self) -> str:
+        """"healthy", "degraded" (some box has fewer live copies than replicas) or "lost" (some box has no live
+        copy), as the coordinator says now (asks it: the proxy then follows the latest version)."""
+        return self.refresh()._summary.health
+
+    @property
+    def lost_boxes(self) -> list[Box]:
+        """The boxes with no live copy (reads touching them raise ShardsLostError), as the coordinator says now."""
+        return list(self.refresh()._summary.layout_health.lost_boxes)
+
+    @property
+    def replicas(self) -> int:
+        """The number of copies of each box (the minimum over boxes; 1 for a layout without replicas)."""
+        return self._summary.layout_health.replicas
 
     def remote_shards(self) -> dict[int, list[RemoteShard]]:
         """{rank: [RemoteShard]} of the cached version, like ShardedTensor.remote_shards without RRefs."""
@@ -229,8 +250,12 @@ class RemoteShardedTensor:
         summary = self._summary
         box = resolve(summary.metadata.size)
         self._check_request(summary, box, out)
+        unavailable = self._session.unavailable_shards(summary)
+        check_readable(summary, box, unavailable)
         target = out if out is not None else torch.empty(box.sizes, dtype=summary.metadata.dtype)
-        self._read_parts(summary, shards_for_box(summary.metadata, box), box, target)
+        parts = shards_for_box(summary.metadata, box, unavailable=unavailable,
+                               suspect=self._session.suspect_shards(summary))
+        self._read_parts(summary, parts, box, target)
         if target.device.type == "cuda":
             torch.cuda.synchronize(target.device)  # the parts' copies (made on pool threads' streams) are done
         return target

@@ -1,10 +1,11 @@
 """Region math: box intersection, which shards hold a box, boxes as views of local shards."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import AbstractSet, Sequence
 
 import torch
 
+from shardcore.health import pick_copy
 from shardcore.metadata import Box, ShardedTensorMetadata
 
 
@@ -35,23 +36,22 @@ def check_box(size: Sequence[int], box: Box) -> None:
             raise ValueError(f"offsets[{d}]+sizes[{d}]={o + s} exceeds the tensor's size {n} in dim {d}")
 
 
-def shards_for_box(meta: ShardedTensorMetadata, box: Box,
-                   prefer_rank: int | None = None) -> list[tuple[int, Box]]:
+def shards_for_box(meta: ShardedTensorMetadata, box: Box, prefer_rank: int | None = None,
+                   unavailable: AbstractSet[int] = frozenset(),
+                   suspect: AbstractSet[int] = frozenset()) -> list[tuple[int, Box]]:
     """Shards to read to assemble `box`: (shard index, part of box it supplies).
 
-    Replicas (shards with identical boxes) are read once: the copy on
-    `prefer_rank` if there is one, else the first listed. Parts never overlap.
+    Replicas (shards with identical boxes) are read once: an available copy (not in `unavailable`, nor in
+    `suspect` when another is not), the one on `prefer_rank` if there is one, else the first listed
+    (shardcore.health.pick_copy). Parts never overlap.
     """
-    chosen: dict[Box, tuple[int, Box]] = {}  # shard box -> (index of the replica read, part)
+    copies: dict[Box, tuple[list[int], Box]] = {}  # shard box -> (its copies, the part of `box` it supplies)
     for index, shard in enumerate(meta.shards_metadata):
         part = intersect(shard.box, box)
-        if part is None:
-            continue
-        key = shard.box
-        if key not in chosen or (prefer_rank is not None and shard.rank == prefer_rank
-                                 and meta.shards_metadata[chosen[key][0]].rank != prefer_rank):
-            chosen[key] = (index, part)
-    return sorted(chosen.values())
+        if part is not None:
+            copies.setdefault(shard.box, ([], part))[0].append(index)
+    return sorted((pick_copy(meta, indices, unavailable, suspect, prefer_rank), part)
+                  for indices, part in copies.values())
 
 
 def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:

@@ -23,10 +23,12 @@ import dataclasses
 import math
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import AbstractSet
 
 import numpy as np
 import torch
 
+from shardcore.health import pick_copy
 from shardcore.metadata import ShardedTensorMetadata
 
 _INVALID_POLICIES = ("raise", "skip")
@@ -70,14 +72,15 @@ class _RoutedBox:
 class RowIndex:
     """Row boundaries of a layout, built once and reused to route many id batches."""
 
-    def __init__(self, meta: ShardedTensorMetadata, prefer_rank: int | None = None) -> None:
+    def __init__(self, meta: ShardedTensorMetadata, prefer_rank: int | None = None,
+                 unavailable: AbstractSet[int] = frozenset(), suspect: AbstractSet[int] = frozenset()) -> None:
         if not isinstance(meta, ShardedTensorMetadata):
             raise TypeError(f"meta must be a ShardedTensorMetadata, got {type(meta).__name__}")
         if meta.ndim < 1:
             raise ValueError("meta.size must have at least one dim (rows are dim 0)")
         self.meta = meta
         self.num_rows = meta.size[0]
-        chosen = _one_replica_per_box(meta, prefer_rank)
+        chosen = _one_replica_per_box(meta, prefer_rank, unavailable, suspect)
         bounds = sorted({0, self.num_rows}
                         | {meta.shards_metadata[i].shard_offsets[0] for i in chosen}
                         | {meta.shards_metadata[i].shard_offsets[0] + meta.shards_metadata[i].shard_sizes[0]
@@ -196,9 +199,12 @@ def _gather_slices(slices: list[tuple[int, int]], sorted_ids: np.ndarray, order:
     return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(rows) - row_start
 
 
-def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None) -> list[int]:
-    """Indices of the non-empty shards to route to: one per distinct box, prefer_rank's if any."""
-    chosen: dict[tuple, int] = {}
+def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None,
+                         unavailable: AbstractSet[int] = frozenset(),
+                         suspect: AbstractSet[int] = frozenset()) -> list[int]:
+    """Indices of the non-empty shards to route to: one copy per distinct box, chosen by
+    shardcore.health.pick_copy (an available one, prefer_rank's if any)."""
+    copies: dict[tuple, list[int]] = {}
     for index, shard in enumerate(meta.shards_metadata):
         if len(shard.shard_offsets) != meta.ndim:
             raise ValueError(f"meta.shards_metadata[{index}] has {len(shard.shard_offsets)} dims "
@@ -207,11 +213,8 @@ def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None) -
             continue
         if shard.placement is None:
             raise ValueError(f"meta.shards_metadata[{index}].placement is missing")
-        key = (shard.shard_offsets, shard.shard_sizes)
-        if key not in chosen or (prefer_rank is not None and shard.rank == prefer_rank
-                                 and meta.shards_metadata[chosen[key]].rank != prefer_rank):
-            chosen[key] = index
-    return sorted(chosen.values())
+        copies.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(index)
+    return sorted(pick_copy(meta, indices, unavailable, suspect, prefer_rank) for indices in copies.values())
 
 
 def _check_ids(ids: torch.Tensor) -> torch.Tensor:

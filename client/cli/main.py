@@ -135,7 +135,7 @@ def _status(cluster) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from client.info import layout_summary
+    from client.info import health_summary, layout_summary
     from shardcore.dtypes import dtype_name
 
     ranks = Table(title=f"ranks of {cluster.address}")
@@ -146,11 +146,13 @@ def _status(cluster) -> None:
                       "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
                       _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-")
     tensors = Table(title="tensors")
-    for column in ("name", "version", "state", "shape", "dtype", "layout", "bytes"):
+    for column in ("name", "version", "state", "health", "shape", "dtype", "layout", "bytes"):
         tensors.add_column(column)
+    colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
     for t in cluster.list(include_pending=True):
-        tensors.add_row(t.name, str(t.version), t.state, "x".join(map(str, t.shape)) or "()", dtype_name(t.dtype),
-                        layout_summary(t.metadata), _human_bytes(t.nbytes))
+        health = f"[{colors[t.health]}]{health_summary(t)}[/{colors[t.health]}]"
+        tensors.add_row(t.name, str(t.version), t.state, health, "x".join(map(str, t.shape)) or "()",
+                        dtype_name(t.dtype), layout_summary(t.metadata), _human_bytes(t.nbytes))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
     _print_collectives_error(cluster, console)
@@ -238,8 +240,9 @@ def _run(args: argparse.Namespace) -> None:
         if args.command == "status":
             _status(cluster)
         elif args.command == "list":
+            from client.info import health_summary
             for t in cluster.list():
-                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}")
+                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}\t{health_summary(t)}")
         elif args.command == "create":
             from client.info import layout_summary
             from shardcore.specs import ChunkShardingSpec

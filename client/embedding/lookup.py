@@ -89,6 +89,8 @@ class Lookups:
         """The mapped fast path of `view` (built once per version; retried while ranks are not all mapped)."""
         if self.cache is not None:
             return None  # the row cache counts hits and misses per row: the general path keeps it exact
+        if view.lost_shards:
+            return None  # the general path serves the ids of live boxes and names the lost ones
         known = self._mapped.get(view.name)
         if known is not None and known[0] is view and (known[1] is not None or not self._all_mapped(view)):
             return known[1]
@@ -114,7 +116,9 @@ class Lookups:
                 if plan.bad is not None and plan.view.oov == "error":
                     raise bad_id_error(plan.view, ids[name], plan.bad_per_id())
                 plan.wanted = self._from_cache(plan)
-                items.extend(plan.items())
+                planned = plan.items()
+                plan.view.check_routed([item.message.shard_index for item in planned])
+                items.extend(planned)
             exchange = send_calls(self._session, items, self.last_paths)
         exchange.wait()
         with CPU_TURN:
@@ -187,6 +191,7 @@ class Lookups:
     def _pool_on_ranks(self, view: TableView, request: BagRequest) -> torch.Tensor:
         """Bags pooled by the ranks into per-shard partial sums, added up here."""
         items = bag_items(view, request)
+        view.check_routed([item.message.shard_index for item in items])
         if not items:
             return torch.zeros((request.offsets.numel(), view.dim), dtype=view.dtype)
         call_ranks(self._session, items, self.last_paths)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from client.embedding.views import TableView
-from client.errors import StaleVersionError
+from client.errors import RankUnavailableError, StaleVersionError
 from client.paths.shm import HostMapping, SharedMemoryError
 from client.session import Session
 
@@ -62,11 +62,15 @@ class MappedRows:
         for box in view.index.boxes:
             if box.inner_offsets != (0,) or box.inner_sizes != (view.dim,):
                 return None  # column-split: the general path concatenates the pieces
-            address = session.address_of(box.rank)
+            status = session.rank_status(box.rank)
+            address = status.address
             try:
                 mapping = reader.host_mapping(address, view.summary, box.shard)
             except SharedMemoryError:
                 return None
+            except RankUnavailableError as err:  # the rank died: later views route to another copy
+                session.paths.note_failure(status, err)
+                raise
             if mapping is None:
                 return None
             shard = view.summary.metadata.shards_metadata[box.shard]

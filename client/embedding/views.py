@@ -20,6 +20,7 @@ import torch
 from client.arguments import dense_tensor
 from client.embedding.row_cache import RowCache
 from client.errors import InvalidArgumentError, StaleVersionError
+from client.health import shards_lost
 from client.info import TensorSummary
 from client.session import Session
 from protos import shardserve_pb2 as pb
@@ -32,16 +33,23 @@ OOV_RECHECK_S = 1.0  # how old a table view may be when ids out of its range are
 
 @dataclass(frozen=True, eq=False)
 class TableView:
-    """A 2-D table at one version: layout, routing index, out-of-range policy and default row."""
+    """A 2-D table at one version: layout, routing index (to available copies), out-of-range policy and default
+    row."""
 
     summary: TensorSummary
     oov: str
     default_row: torch.Tensor | None
     index: RowIndex = field(repr=False)
+    unavailable: frozenset[int] = frozenset()  # shards with no readable copy, as the coordinator said
+    suspect: frozenset[int] = frozenset()      # shards on ranks that failed this client's calls lately
 
     @classmethod
-    def from_info(cls, info: pb.TensorInfo) -> "TableView":
+    def from_info(cls, info: pb.TensorInfo, unavailable: frozenset[int] | None = None,
+                  suspect: frozenset[int] = frozenset()) -> "TableView":
+        """The view of `info`, routing each box to a copy outside `unavailable` (default: the answer's) and
+        `suspect` where it has one."""
         summary = TensorSummary.from_proto(info)
+        unavailable = summary.unavailable if unavailable is None else unavailable
         meta = summary.metadata
         if meta.ndim != 2:
             raise InvalidArgumentError(f"tensor {info.name!r} has shape {meta.size}; lookups need a 2-D table")
@@ -49,7 +57,8 @@ class TableView:
         default = None
         if oov == "default":
             default = torch.frombuffer(bytearray(info.options.default_row), dtype=meta.dtype).clone()
-        return cls(summary, oov, default, RowIndex(meta))
+        return cls(summary, oov, default, RowIndex(meta, unavailable=unavailable, suspect=suspect), unavailable,
+                   suspect)
 
     @property
     def name(self) -> str:
@@ -69,8 +78,22 @@ class TableView:
 
     @functools.cached_property
     def ranks(self) -> tuple[int, ...]:
-        """The ranks holding shards of the table (sorted)."""
-        return tuple(sorted({shard.rank for shard in self.summary.metadata.shards_metadata}))
+        """The ranks lookups are routed to: those holding the chosen copy of each box (sorted)."""
+        return tuple(sorted({box.rank for box in self.index.boxes}))
+
+    @functools.cached_property
+    def lost_shards(self) -> frozenset[int]:
+        """The routed shards whose box has no readable copy (pick_copy chooses an unavailable copy only then)."""
+        return frozenset(box.shard for box in self.index.boxes if box.shard in self.unavailable)
+
+    def check_routed(self, shards: Sequence[int]) -> None:
+        """ShardsLostError when a lookup was routed to a shard whose box has no readable copy."""
+        if not self.lost_shards:
+            return
+        lost = sorted({shard for shard in shards if shard in self.lost_shards})
+        if lost:
+            meta = self.summary.metadata
+            raise shards_lost(self.summary, [meta.shards_metadata[shard].box for shard in lost])
 
     @property
     def complete(self) -> bool:
@@ -117,13 +140,19 @@ class TableViews:
         return view
 
     def _fetch(self, name: str) -> TableView:
+        """The view of the READY version of `name`, routed to available copies (the cached one while the version
+        and the copies to avoid are unchanged)."""
         info = self._session.call("GetTensor", pb.GetTensorRequest(name=name))
+        summary = TensorSummary.from_proto(info)
+        unavailable = self._session.unavailable_shards(summary)
+        suspect = self._session.suspect_shards(summary)
         with self._lock:
             old = self._views.get(name)
-        view = old if old is not None and old.version == info.version else TableView.from_info(info)
+        same = old is not None and (old.version, old.unavailable, old.suspect) == (info.version, unavailable, suspect)
+        view = old if same else TableView.from_info(info, unavailable, suspect)
         with self._lock:
             old = self._views.get(name)
-            if old is None or old.version <= view.version:
+            if old is None or old.version <= view.version:  # the same version: the newer choice of copies
                 self._views[name] = view
             view = self._views[name]
             self._fetched[name] = time.monotonic()

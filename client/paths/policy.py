@@ -7,6 +7,11 @@ size once its connection is open), else gRPC (client.paths.grpc). A failure
 of a fast path is logged (WARNING, with its reason); that rank is then served
 by the next path for RETRY_AFTER_S before the fast path is tried again. "grpc", "shm" and "tcp" force one path; a
 forced fast path that cannot serve raises instead of falling back.
+
+A rank that fails a call as unreachable (RankUnavailableError, on any path) is
+remembered for UNREACHABLE_S: reads and lookups then choose another copy of its
+boxes where the layout has one (shardcore.health.pick_copy), as they do for the
+ranks the coordinator reports dead.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from client.channel import Channel
+from client.errors import RankUnavailableError, ShardsLostError
 from client.info import RankStatus, TensorSummary
 from client.paths.bands import bands, read_bands
 from client.paths.bulk import BulkPath, BulkReadError
@@ -36,6 +42,7 @@ T = TypeVar("T")
 
 TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
+UNREACHABLE_S = 10.0       # a rank that failed a call as unreachable: its copies are read last this long
 PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
 
 
@@ -70,6 +77,7 @@ class PathPolicy:
         self.uses_tls = uses_tls
         self.host = local_host()
         self._backoff: dict[tuple[str, str], float] = {}  # (path, address) -> monotonic time it is retried
+        self._unreachable: dict[int, float] = {}  # rank -> monotonic time until which its copies are read last
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -114,6 +122,15 @@ class PathPolicy:
     def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
                   only_part: bool = False) -> str:
         """Read one part into `region` by the best path; returns the path that ran ("shm", "tcp" or "grpc")."""
+        try:
+            return self._read_part(rank, summary, index, part, region, only_part)
+        except RankUnavailableError as err:
+            self.note_failure(rank, err)
+            raise
+
+    def _read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+                   only_part: bool) -> str:
+        """read_part's work: shared memory when the rank may serve by it, else the network."""
         if self._through_shared_memory(rank, partial(self.shm.read, rank.address, summary, index, part, region))[1]:
             log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
             return "shm"
@@ -151,6 +168,26 @@ class PathPolicy:
 
         return NetworkCall(rank, send_bulk,
                            partial(self._read_over, rank.address, summary, index, part, region, False, "grpc"))
+
+    # ------------------------------------------------------------ unreachable ranks
+
+    def note_failure(self, rank: RankStatus, err: BaseException) -> None:
+        """Remember `rank` as unreachable for UNREACHABLE_S when `err` says it could not be reached."""
+        if isinstance(err, RankUnavailableError) and not isinstance(err, ShardsLostError):
+            with self._lock:
+                self._unreachable[rank.rank] = time.monotonic() + UNREACHABLE_S
+            log.info("rank %d could not be reached; its copies are read last for %.0f s: %s", rank.rank,
+                     UNREACHABLE_S, err)
+
+    def unreachable_ranks(self) -> frozenset[int]:
+        """The ranks that failed a call as unreachable in the last UNREACHABLE_S."""
+        if not self._unreachable:
+            return frozenset()
+        now = time.monotonic()
+        with self._lock:
+            for rank in [r for r, until in self._unreachable.items() if until <= now]:
+                del self._unreachable[rank]
+            return frozenset(self._unreachable)
 
     # ------------------------------------------------------------ choosing
 
@@ -198,11 +235,13 @@ class PathPolicy:
                 except BulkReadError as err:
                     sent.paths[index] = self.bulk_failed(call.rank, err, sent.errors)
                 except BaseException as err:  # noqa: BLE001 - raised by wait(), once the calls sent have ended
+                    self.note_failure(call.rank, err)
                     sent.errors.append(err)
                     sent.paths[index] = ""
         over_grpc = [index for index, path in enumerate(sent.paths) if path == "grpc"]
         sent.inline = over_grpc[:1] if not sent.answers else []
-        sent.futures = [submit(calls[index].over_grpc) for index in over_grpc[len(sent.inline):]]
+        sent.future_calls = over_grpc[len(sent.inline):]
+        sent.futures = [submit(calls[index].over_grpc) for index in sent.future_calls]
         return sent
 
     def bulk_failed(self, rank: RankStatus, err: BulkReadError, errors: list[BaseException]) -> str:
@@ -223,7 +262,11 @@ class PathPolicy:
             first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
             return self.shm.read_rows(rank.address, summary, index, ids - first_row)
 
-        rows, mapped = self._through_shared_memory(rank, read_rows)
+        try:
+            rows, mapped = self._through_shared_memory(rank, read_rows)
+        except RankUnavailableError as err:
+            self.note_failure(rank, err)
+            raise
         if not mapped:
             return None
         log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
@@ -285,6 +328,7 @@ class SentCalls:
     errors: list[BaseException] = field(default_factory=list)
     inline: list[int] = field(default_factory=list)  # calls to make over gRPC on the waiting thread
     futures: list[Future] = field(default_factory=list)
+    future_calls: list[int] = field(default_factory=list)  # per future, the call it makes
 
     def wait(self) -> list[str]:
         """Take every bulk answer (a failed one falls back to gRPC here), wait for the gRPC calls; returns each
@@ -297,11 +341,15 @@ class SentCalls:
                 if self.paths[index] == "grpc":
                     self.inline.append(index)
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
+                self.policy.note_failure(self.calls[index].rank, err)
                 self.errors.append(err)
-        for run in [*(self.calls[index].over_grpc for index in self.inline), *(f.result for f in self.futures)]:
+        runs = [*((index, self.calls[index].over_grpc) for index in self.inline),
+                *((index, future.result) for index, future in zip(self.future_calls, self.futures))]
+        for index, run in runs:
             try:
                 run()
             except BaseException as err:  # noqa: BLE001 - raised below, after every call ended
+                self.policy.note_failure(self.calls[index].rank, err)
                 self.errors.append(err)
         if self.errors:
             raise self.errors[0]

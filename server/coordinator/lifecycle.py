@@ -39,6 +39,7 @@ from server.common.requests import (
 from server.coordinator.catalog import Catalog, ranks_of
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
+from server.coordinator.health import describe, shards_on, with_lost
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from server.coordinator.reshard import ReshardDriver
@@ -166,15 +167,20 @@ class Coordinator:
         log.info("aborted %r version %d", name, version)
 
     def get(self, name: str) -> pb.TensorInfo:
-        """The READY version of `name`."""
+        """The READY version of `name`, with its health."""
         check_name(name)
         info = self.catalog.ready(name)
         if info is None:
             raise NotFound(f"tensor {name!r} not found")
-        return info
+        return self.describe(info)
 
     def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
-        return self.catalog.list(include_pending)
+        """Every READY version (and PENDING ones when asked), each with its health."""
+        return [self.describe(info) for info in self.catalog.list(include_pending)]
+
+    def describe(self, info: pb.TensorInfo) -> pb.TensorInfo:
+        """A catalog row as answered: its unavailable shards (lost, or on dead ranks), health and replicas."""
+        return describe(info, self.registry.rank_dead)
 
     def delete(self, name: str) -> None:
         """Remove every version of `name` from the catalog, then free them on the ranks."""
@@ -207,7 +213,7 @@ class Coordinator:
         self.drop_rows(older)
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
-        return ready
+        return self.describe(ready)
 
     def _copy_source(self, name: str, meta: ShardedTensorMetadata,
                      request: pb.CreateTensorRequest) -> pb.TensorInfo:
@@ -259,7 +265,7 @@ class Coordinator:
             self._reconcile(rank, held)
 
     def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
-        """After a (re)registration: forget tensors the rank lost, drop what the catalog does not know.
+        """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.
 
         `held` was taken before the catalog is listed here, so a version put on the rank in between is
         READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
@@ -280,21 +286,26 @@ class Coordinator:
             if held_now is not None:
                 for info in missing:
                     if (info.name, info.version) not in held_now:
-                        self._reconcile_step(rank, info, "forget", lambda i=info: self._forget_lost(rank, i))
+                        self._reconcile_step(rank, info, "mark lost", lambda i=info: self._mark_lost(rank, i))
             for name, version in held - known:
                 self.registry.drop_quietly(name, version, [rank])
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("reconciling rank %d failed", rank)
 
-    def _forget_lost(self, rank: int, info: pb.TensorInfo) -> None:
-        """Remove a READY version the rank lost from the catalog, if it is still that row."""
+    def _mark_lost(self, rank: int, info: pb.TensorInfo) -> None:
+        """Record that `rank` lost its copies of a READY version (it came back without them), if it is still that
+        row: the tensor stays in the catalog, its boxes read from other copies or reported lost."""
         with self.locks.hold(info.name):
             current = self.catalog.get(info.name, info.version)
             if current is None or current.state != pb.READY:
                 return
-            log.warning("rank %d lost tensor %r version %d (restarted?); removing it from the catalog",
-                        rank, info.name, info.version)
-            self.discard(current)
+            shards = shards_on(current, rank)
+            if set(shards) <= set(current.lost_shards):
+                return
+            marked = with_lost(current, shards)
+            self.catalog.update(marked)
+            log.warning("rank %d lost its copies of tensor %r version %d (restarted?): shards %s; the tensor is "
+                        "now %s", rank, info.name, info.version, shards, self.describe(marked).health)
 
     def _reconcile_step(self, rank: int, info: pb.TensorInfo, what: str, step: Callable[[], object]) -> None:
         try:

@@ -146,6 +146,13 @@ class RankRegistry:
             entry = self._ranks.get(rank)
         return entry is not None and self.is_alive(entry)
 
+    def rank_dead(self, rank: int) -> bool:
+        """Whether `rank` is registered and not alive (one not registered yet, as after a coordinator restart,
+        is not known to be dead)."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+        return entry is not None and not self.is_alive(entry)
+
     def ranks(self) -> list[pb.RankInfo]:
         """Every registered rank with its liveness, by rank."""
         with self._ranks_changed:

@@ -102,6 +102,7 @@ def test_create_status_fetch_delete(up, tmp_path):
     assert "created cli-t" in created.stdout
     status = shardserve("status", env=env).stdout
     assert "cli-t" in status and "6x4" in status and "float32" in status and "split dim 1" in status
+    assert "healthy" in status
     assert status.count("127.0.0.1:") >= 3 and "yes" in status
     expected = torch.arange(24.0).reshape(6, 4)
     printed = shardserve("--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2").stdout

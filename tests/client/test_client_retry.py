@@ -49,3 +49,12 @@ def test_other_errors_are_not_retried() -> None:
     with pytest.raises(ValueError):
         read_with_refresh(attempt, lambda: 1)
     assert calls["attempts"] == 1
+
+
+def test_a_lost_box_is_raised_at_once_not_retried() -> None:
+    from client.errors import ShardsLostError
+
+    attempt, calls = _reader(5, ShardsLostError("box lost", boxes=(((0,), (4,)),), ranks=(1,)))
+    with pytest.raises(ShardsLostError, match="box lost"):
+        read_with_refresh(attempt, lambda: 7)
+    assert calls["attempts"] == 1

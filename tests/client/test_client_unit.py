@@ -44,6 +44,7 @@ class _FakeRpcError(grpc.RpcError):
     (grpc.StatusCode.UNAUTHENTICATED, errors.AuthenticationError, PermissionError),
     (grpc.StatusCode.UNAVAILABLE, errors.RankUnavailableError, ConnectionError),
     (grpc.StatusCode.DEADLINE_EXCEEDED, errors.DeadlineExceededError, TimeoutError),
+    (grpc.StatusCode.DATA_LOSS, errors.ShardsLostError, ConnectionError),
     (grpc.StatusCode.INTERNAL, errors.ShardServeError, Exception),
 ])
 def test_status_maps_to_exception_keeping_message(code, cls, builtin):

@@ -1,9 +1,10 @@
 """The coordinator in-process (reconcile, checkpoint saves): a real SQLite catalog, one rank answered by a
 recording stand-in stub.
 
-What the rank holds is compared with the catalog after a (re)registration; a
-version put on the rank after its snapshot of what it holds must not be taken
-for lost (it is READY in the catalog, yet not in the snapshot).
+What the rank holds is compared with the catalog after a (re)registration: a
+version it lost is kept, its copies marked lost; a version put on the rank
+after its snapshot of what it holds must not be taken for lost (it is READY in
+the catalog, yet not in the snapshot).
 """
 from __future__ import annotations
 
@@ -78,8 +79,11 @@ def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinato
     snapshot = {("kept", kept.version), stray}  # what it said when it registered, before "new" was put
     coordinator._reconcile(0, snapshot)
     names = {info.name for info in coordinator.catalog.list()}
-    assert names == {"new", "kept"}  # only the one the rank still does not hold is forgotten
-    assert ("drop", "lost", lost.version) in stub.calls and ("drop", "stray", 999) in stub.calls
+    assert names == {"new", "kept", "lost"}  # a tensor is never forgotten because a rank lost it
+    lost_shards = {info.name: list(info.lost_shards) for info in coordinator.catalog.list()}
+    assert lost_shards == {"new": [], "kept": [], "lost": [0]}  # only the one the rank still does not hold
+    assert coordinator.get("lost").health == "lost" and coordinator.get("kept").health == "healthy"
+    assert ("drop", "stray", 999) in stub.calls and ("drop", "lost", lost.version) not in stub.calls
     assert ("promote", "kept", kept.version) in stub.calls
     assert not any(call[1] == "new" for call in stub.calls)
 

@@ -1,0 +1,81 @@
+"""Health of a layout whose copies may be unavailable: which boxes are lost, how many replicas, which copy to read.
+
+A layout may hold the same box on several ranks (replicas). A copy is
+*unavailable* when its rank is dead or lost it (restarted empty); a box with no
+available copy is *lost*. The coordinator and the client both decide with
+these functions, so they agree on health and on which copy a read may use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AbstractSet, Iterable, Sequence
+
+from shardcore.metadata import Box, ShardedTensorMetadata
+
+HEALTHY, DEGRADED, LOST = "healthy", "degraded", "lost"
+HEALTH_STATES = (HEALTHY, DEGRADED, LOST)
+
+
+@dataclass(frozen=True)
+class LayoutHealth:
+    """A layout's health: "healthy", "degraded" (a box has lost copies) or "lost" (a box has none left)."""
+
+    state: str
+    lost_boxes: tuple[Box, ...]
+    replicas: int  # copies of each box: the minimum over the layout's non-empty boxes
+
+
+def copies_by_box(meta: ShardedTensorMetadata) -> dict[Box, list[int]]:
+    """Every non-empty box of the layout with the indices of the shards holding it (its copies), in order."""
+    copies: dict[Box, list[int]] = {}
+    for index, shard in enumerate(meta.shards_metadata):
+        if not shard.box.is_empty():
+            copies.setdefault(shard.box, []).append(index)
+    return copies
+
+
+def layout_health(meta: ShardedTensorMetadata, unavailable: Iterable[int]) -> LayoutHealth:
+    """The health of `meta` when the shards (copies) at indices `unavailable` cannot be read."""
+    gone = frozenset(unavailable)
+    lost, degraded, replicas = [], False, None
+    for box, copies in copies_by_box(meta).items():
+        live = sum(index not in gone for index in copies)
+        replicas = len(copies) if replicas is None else min(replicas, len(copies))
+        if live == 0:
+            lost.append(box)
+        elif live < len(copies):
+            degraded = True
+    state = LOST if lost else DEGRADED if degraded else HEALTHY
+    return LayoutHealth(state, tuple(sorted(lost, key=lambda b: (b.offsets, b.sizes))), replicas or 1)
+
+
+def lost_boxes_in(meta: ShardedTensorMetadata, box: Box, unavailable: AbstractSet[int]) -> list[Box]:
+    """The layout's boxes overlapping `box` that have no available copy (a read of `box` cannot be served)."""
+    if not unavailable:
+        return []
+    return [shard_box for shard_box, copies in copies_by_box(meta).items()
+            if all(index in unavailable for index in copies) and _overlaps(shard_box, box)]
+
+
+def ranks_of_copies(meta: ShardedTensorMetadata, boxes: Iterable[Box]) -> list[int]:
+    """The ranks holding a copy of any of `boxes` (sorted): for a lost box, the ranks that died or lost it."""
+    wanted = set(boxes)
+    return sorted({shard.rank for shard in meta.shards_metadata if shard.box in wanted and shard.placement})
+
+
+def pick_copy(meta: ShardedTensorMetadata, copies: Sequence[int], unavailable: AbstractSet[int] = frozenset(),
+              suspect: AbstractSet[int] = frozenset(), prefer_rank: int | None = None) -> int:
+    """The copy of a box to read: an available, unsuspected one (prefer_rank's first), else a suspected one
+    (its rank failed a call lately), else an unavailable one (the caller reports the box lost)."""
+    def cost(index: int) -> tuple[int, int]:
+        standing = 2 if index in unavailable else 1 if index in suspect else 0
+        preferred = 0 if prefer_rank is not None and meta.shards_metadata[index].rank == prefer_rank else 1
+        return standing, preferred
+
+    return min(copies, key=cost)  # min keeps the first of equals: the first listed copy
+
+
+def _overlaps(a: Box, b: Box) -> bool:
+    """Whether two non-empty boxes share an element."""
+    return not b.is_empty() and all(max(oa, ob) < min(oa + sa, ob + sb)
+                                    for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))

@@ -1,0 +1,187 @@
+"""A dead rank on a real 3-rank cluster: surviving boxes read on every path, lost ones raise ShardsLostError,
+replicated boxes fail over to a live copy, and a rank that registers again empty never makes a tensor vanish.
+
+One cluster for the module; its rank 1 is killed (SIGKILL) once, after every client has read through it.
+"""
+from __future__ import annotations
+
+import signal
+import time
+from concurrent import futures
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+import torch
+import torch.nn.functional as F
+
+from client import Cluster, RankUnavailableError, ShardsLostError, connect
+from client.cli.main import main as cli_main
+from protos import shardserve_pb2 as pb
+from protos import shardserve_pb2_grpc as pb_grpc
+from server.launcher import LocalCluster
+from shardcore.metadata import Box, ShardMetadata
+from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+
+TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
+ROWS, DIM, DEAD = 12, 6, 1
+PLAIN = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 0-3, 4-7, 8-11: one copy each
+# every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it lives)
+MIRRORED = EnumerableShardingSpec([ShardMetadata((0, 0), (4, DIM), "rank:1/cpu"),
+                                   ShardMetadata((0, 0), (4, DIM), "rank:0/cpu"),
+                                   ShardMetadata((4, 0), (4, DIM), "rank:1/cpu"),
+                                   ShardMetadata((4, 0), (4, DIM), "rank:2/cpu"),
+                                   ShardMetadata((8, 0), (4, DIM), "rank:2/cpu"),
+                                   ShardMetadata((8, 0), (4, DIM), "rank:0/cpu")])
+WAIT_S = 20.0
+
+
+def _wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(ranks=3)
+
+
+@pytest.fixture(scope="module")
+def world(cluster: LocalCluster) -> Iterator[dict]:
+    """The tensors put, two clients per transport (one per test that reads) warmed up through rank 1, then
+    rank 1 killed."""
+    generator = torch.Generator().manual_seed(3)
+    data = {"plain": torch.randn(ROWS, DIM, generator=generator),
+            "mirrored": torch.randn(ROWS, DIM, generator=generator)}
+    clients: dict[tuple[str, str], Cluster] = {}
+    try:
+        with connect(cluster.address) as writer:
+            writer.put("plain", data["plain"], spec=PLAIN)
+            writer.put("mirrored", data["mirrored"], spec=MIRRORED)
+        for transport in TRANSPORTS:
+            for name in data:
+                client = clients[(transport, name)] = connect(cluster.address, transport=transport)
+                remote = client.tensor(name)
+                assert torch.equal(remote.full_tensor(), data[name])
+                assert torch.equal(remote.lookup(torch.arange(ROWS)), data[name])
+        cluster.kill_rank(DEAD, signal.SIGKILL)
+        coordinator = cluster.coordinator
+        assert coordinator is not None  # the clients still take rank 1 for alive: they have not asked since
+        _wait_until(lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead")
+        yield {"data": data, "clients": clients}
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_replicated_tensor_reads_every_box_from_live_copies(world, transport):
+    """The first read after the kill picks rank 1's copies (the client has not heard of its death), fails on them
+    and is served by the other copies within the same call."""
+    table, client = world["data"]["mirrored"], world["clients"][(transport, "mirrored")]
+    remote = client.tensor("mirrored")
+    assert torch.equal(remote.full_tensor(), table)
+    assert torch.equal(remote.fetch((3, 1), (6, 4)), table[3:9, 1:5])
+    assert torch.equal(remote[4:8], table[4:8])
+    ids = torch.tensor([5, 0, 11, 5, 7, 2])
+    assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
+    offsets = torch.tensor([0, 2, 4])
+    assert torch.allclose(remote.lookup_bag(ids, offsets, mode="sum"), F.embedding_bag(ids, table, offsets,
+                                                                                       mode="sum"))
+    assert remote.health == "degraded" and remote.replicas == 2 and remote.lost_boxes == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_surviving_boxes_read_bit_for_bit_and_lost_ones_raise(world, transport):
+    table, client = world["data"]["plain"], world["clients"][(transport, "plain")]
+    remote = client.tensor("plain")
+    with pytest.raises(ShardsLostError, match=r"offsets=\(4, 0\), sizes=\(4, 6\).*rank 1 ") as lost:
+        remote[4:8]
+    assert lost.value.boxes == (((4, 0), (4, DIM)),) and lost.value.ranks == (DEAD,)
+    assert lost.value.code == grpc.StatusCode.DATA_LOSS and isinstance(lost.value, RankUnavailableError)
+    assert torch.equal(remote[0:4], table[0:4])
+    assert torch.equal(remote.fetch((8, 2), (4, 3)), table[8:12, 2:5])
+    with pytest.raises(ShardsLostError):
+        remote.full_tensor()
+    with pytest.raises(ShardsLostError, match="rank 1"):
+        remote.fetch((3, 0), (2, DIM))  # one row of a live box, one of the lost box
+    ids = torch.tensor([9, 0, 3, 11, 0])
+    assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
+    with pytest.raises(ShardsLostError, match=r"offsets=\(4, 0\)"):
+        remote.lookup(torch.tensor([0, 6]))
+    with pytest.raises(ShardsLostError):
+        remote.lookup_bag(torch.tensor([1, 5]), torch.tensor([0]), mode="sum")
+    assert torch.equal(remote.lookup(torch.tensor([10, 1])), table[[10, 1]])  # still served after the errors
+
+
+def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cluster):
+    with connect(cluster.address) as client:
+        _wait_until(lambda: not client.ranks()[DEAD].alive, "rank 1 to be marked dead")
+        listed = {t.name: t for t in client.list()}
+        assert listed["plain"].health == "lost" and listed["mirrored"].health == "degraded"
+        plain = client.tensor("plain")
+        assert plain.health == "lost" and plain.replicas == 1
+        assert plain.lost_boxes == [Box((4, 0), (4, DIM))]
+        info = client.session.call("GetTensor", pb.GetTensorRequest(name="mirrored"))
+        assert (info.health, info.replicas, list(info.unavailable_shards)) == ("degraded", 2, [0, 2])
+
+
+def test_cli_status_and_list_show_health(world, cluster, capsys):
+    assert cli_main(["--coordinator", cluster.address, "list"]) == 0
+    lines = {line.split("\t")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["plain"].endswith("lost (1 box, rank 1)") and lines["mirrored"].endswith("degraded")
+    assert cli_main(["--coordinator", cluster.address, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "lost (1 box, rank 1)" in out and "degraded" in out
+
+
+class _EmptyRank(pb_grpc.ShardServerServicer):
+    """A restarted rank as the coordinator sees it: it holds nothing and accepts drops and promotions."""
+
+    def GetStats(self, request, context):  # noqa: N802 - gRPC's names
+        return pb.GetStatsResponse(rank=DEAD)
+
+    def DropVersion(self, request, context):  # noqa: N802
+        return pb.DropVersionResponse()
+
+    def PromoteVersion(self, request, context):  # noqa: N802
+        return pb.PromoteVersionResponse()
+
+
+def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_tensor(world, cluster):
+    """Rank 1 comes back (here: a stand-in server under its rank number) holding nothing: its copies are marked
+    lost, both tensors stay listed, and reads avoid the lost copies though the rank is alive again."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ShardServerServicer_to_server(_EmptyRank(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(cluster.address)
+    try:
+        coordinator = pb_grpc.CoordinatorStub(channel)
+        coordinator.RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(
+            rank=DEAD, address=f"127.0.0.1:{port}", device="cpu", hostname="restarted", world_size=3, pid=1)),
+            timeout=10)
+
+        def marked_lost() -> bool:
+            info = coordinator.GetTensor(pb.GetTensorRequest(name="plain"), timeout=10)
+            return list(info.lost_shards) == [1]
+        _wait_until(marked_lost, "the coordinator to mark rank 1's copies lost")
+        mirrored = coordinator.GetTensor(pb.GetTensorRequest(name="mirrored"), timeout=10)
+        assert list(mirrored.lost_shards) == [0, 2]
+        with connect(cluster.address, transport="grpc") as client:
+            assert {t.name for t in client.list()} >= {"plain", "mirrored"}
+            assert client.tensor("plain").health == "lost"
+            table = world["data"]["mirrored"]
+            remote = client.tensor("mirrored")
+            assert remote.health == "degraded"
+            assert torch.equal(remote.full_tensor(), table)
+            assert torch.equal(remote.lookup(torch.arange(ROWS)), table)
+            with pytest.raises(ShardsLostError, match="rank 1"):
+                client.tensor("plain")[5]
+            assert torch.equal(client.tensor("plain")[8:], world["data"]["plain"][8:])
+    finally:
+        channel.close()
+        server.stop(grace=None)
