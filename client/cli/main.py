@@ -155,17 +155,16 @@ def _status(cluster) -> None:
                         dtype_name(t.dtype), layout_summary(t.metadata), _human_bytes(t.nbytes))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
-    _print_collectives_error(cluster, console)
+    _print_epoch(cluster, console)
     console.print(tensors)
 
 
-def _print_collectives_error(cluster, console) -> None:
-    """After a reshard lost a rank: the coordinator's word on what the operator must do."""
+def _print_epoch(cluster, console) -> None:
+    """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
     from protos import shardserve_pb2 as pb
 
-    error = cluster.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
-    if error:
-        console.print(f"[red]collectives: {error}[/red]")
+    epoch = cluster.session.call("ListRanks", pb.ListRanksRequest()).epoch
+    console.print(f"collective jobs: epoch {epoch}")
 
 
 def _fetch(cluster, args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -103,6 +104,7 @@ def test_create_status_fetch_delete(up, tmp_path):
     status = shardserve("status", env=env).stdout
     assert "cli-t" in status and "6x4" in status and "float32" in status and "split dim 1" in status
     assert "healthy" in status
+    assert re.search(r"collective jobs: epoch \d+", status)
     assert status.count("127.0.0.1:") >= 3 and "yes" in status
     expected = torch.arange(24.0).reshape(6, 4)
     printed = shardserve("--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2").stdout
