@@ -88,7 +88,7 @@ class LocalCluster:
         self.ranks = ranks
         self.security = Security(token=token or None, tls=tls)
         self.state_dir = Path(state_dir)
-        self.memory_limit = memory_limit or 0
+        self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
         self.max_request_bytes = max_request_bytes or 0
         self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/rank/reads/bulk.py)
@@ -184,8 +184,10 @@ class LocalCluster:
 
     def _rank_command(self, coordinator: str) -> list[str]:
         cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{self.host}:0",
-               "--device", self.device, "--memory-limit", str(self.memory_limit),
+               "--device", self.device,
                "--max-request-bytes", str(self.max_request_bytes), "--log-level", self.log_level]
+        if self.memory_limit is not None:
+            cmd += ["--memory-limit", str(self.memory_limit)]
         if self.recycle_bytes is not None:
             cmd += ["--recycle-bytes", str(self.recycle_bytes)]
         if not self.bulk_reads:
@@ -267,7 +269,8 @@ def main_up(argv: Sequence[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0 = any free port)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
-    parser.add_argument("--memory-limit", type=int, default=0, help="bytes of shards per rank (0 = unlimited)")
+    parser.add_argument("--memory-limit", type=int, default=None, help="bytes of shards per rank (0 = unlimited; "
+                        "default: on CPU, 0.8 of the host's memory split among the ranks)")
     parser.add_argument("--max-request-bytes", type=int, default=0, help="largest ReadRegion box in bytes "
                         "(0 = unlimited)")
     parser.add_argument("--recycle-bytes", type=int, default=None, help="bytes of freed versions' memory each "

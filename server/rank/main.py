@@ -35,6 +35,7 @@ from server.common.cli_args import (
 from server.common.grpc_server import RunningServer, split_address, start_server
 from server.rank.jobs.groups import ProcessGroups
 from server.rank.malloc_tuning import tune_malloc
+from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
 from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.service import ShardServerServicer, add_shard_server
@@ -57,8 +58,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--no-bulk-reads", action="store_true", help="serve no bulk port: remote clients "
                         "read over gRPC only (always so with TLS: the bulk port does not encrypt)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda (= cuda:LOCAL_RANK) or cuda:K")
-    parser.add_argument("--memory-limit", type=int, default=0, help="bytes of shards this rank may hold "
-                        "(0 = unlimited)")
+    parser.add_argument("--memory-limit", type=int, default=None, help="bytes of shards this rank may hold "
+                        "(0 = unlimited; default: on CPU, 0.8 of the host's memory divided by LOCAL_WORLD_SIZE, "
+                        "so ranks sharing a host refuse allocations instead of being OOM-killed together)")
     parser.add_argument("--max-request-bytes", type=int, default=0, help="largest box one ReadRegion may "
                         "ask for, in bytes (0 = unlimited)")
     parser.add_argument("--recycle-bytes", type=int, default=DEFAULT_RECYCLE_BYTES, help="bytes of freed "
@@ -72,7 +74,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add_security_args(parser)
     args = parser.parse_args(argv)
     for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
-        if getattr(args, flag) < 0:
+        if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     for flag in ("dist_timeout", "register_timeout"):
         if not 0 < getattr(args, flag) < math.inf:
@@ -92,6 +94,18 @@ def resolve_device(device: str, local_rank: int) -> str:
             raise ValueError(f"--device {device}: this host has {torch.cuda.device_count()} CUDA devices")
         torch.cuda.set_device(torch.device(device))
     return device
+
+
+def resolve_memory_limit(given: int | None, device: str) -> int:
+    """--memory-limit as given, else this rank's share of the host's memory (server/rank/memory_budget.py)."""
+    if given is not None:
+        return given
+    limit = default_memory_limit(device, host_memory_bytes(), ranks_on_host(os.environ))
+    if limit:
+        log.info("memory limit %d bytes: %.0f%% of this host's memory over %s rank(s) on it (--memory-limit "
+                 "to change; 0 = unlimited)", limit, HOST_MEMORY_FRACTION * 100,
+                 os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return limit
 
 
 def watch_parent(stop: threading.Event) -> None:
@@ -206,7 +220,12 @@ def main(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 2
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
-    store = ShardStore(rank, device, args.memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
+    try:
+        memory_limit = resolve_memory_limit(args.memory_limit, device)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    store = ShardStore(rank, device, memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
     try:
         bulk_reads = open_bulk_reads(args, security, store)
     except OSError as err:
@@ -216,7 +235,7 @@ def main(argv: Sequence[str]) -> int:
     running = start_server(args.listen, security, lambda server: [
         add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups))])
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
-                       hostname=socket.gethostname(), memory_limit_bytes=args.memory_limit,
+                       hostname=socket.gethostname(), memory_limit_bytes=memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),
                        shared_memory=store.hands_over_by_reference)
     link = CoordinatorLink(args.coordinator, security, info, store, groups)

@@ -12,6 +12,7 @@ from torch.distributed._shard import sharding_spec as torch_specs
 
 from client import (RankUnavailableError, RemoteShardedTensor, StaleVersionError, TensorExistsError,
                     TensorNotFoundError, connect)
+from server.rank.memory_budget import default_memory_limit, host_memory_bytes
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
@@ -91,6 +92,12 @@ def layouts(cl) -> dict[str, tuple[torch.Tensor, RemoteShardedTensor]]:
 def test_cluster_has_three_live_ranks(cl):
     ranks = cl.ranks()
     assert [r.rank for r in ranks] == [0, 1, 2] and all(r.alive and r.address for r in ranks)
+
+
+def test_ranks_sharing_a_host_split_its_memory_by_default(cl):
+    """No --memory-limit: each of the 3 local ranks may hold 0.8 of the host's memory / 3, not all of it."""
+    share = default_memory_limit("cpu", host_memory_bytes(), 3)
+    assert [r.memory_limit_bytes for r in cl.ranks()] == [share] * 3
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -1,0 +1,39 @@
+"""server/rank/memory_budget.py: ranks sharing a host split a fraction of its memory by default."""
+from __future__ import annotations
+
+import pytest
+
+from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
+from server.rank.main import resolve_memory_limit
+
+GIB = 1 << 30
+
+
+def test_cpu_ranks_split_the_host_fraction_evenly():
+    assert default_memory_limit("cpu", 24 * GIB, 2) == int(24 * GIB * HOST_MEMORY_FRACTION) // 2
+    assert 4 * default_memory_limit("cpu", 24 * GIB, 4) <= 24 * GIB * HOST_MEMORY_FRACTION
+
+
+def test_cuda_ranks_are_unlimited_by_default():
+    assert default_memory_limit("cuda:0", 24 * GIB, 2) == 0
+
+
+def test_ranks_on_host_reads_local_world_size():
+    assert ranks_on_host({}) == 1
+    assert ranks_on_host({"LOCAL_WORLD_SIZE": "3"}) == 3
+    for bad in ("0", "-1", "two", ""):
+        with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
+            ranks_on_host({"LOCAL_WORLD_SIZE": bad})
+
+
+def test_host_memory_is_positive_and_at_most_physical():
+    import os
+
+    assert 0 < host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def test_a_given_limit_wins_and_zero_stays_unlimited(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_memory_limit(1234, "cpu") == 1234
+    assert resolve_memory_limit(0, "cpu") == 0
+    assert resolve_memory_limit(None, "cpu") == default_memory_limit("cpu", host_memory_bytes(), 2)
