@@ -153,7 +153,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class TensorInfo(_message.Message):
     UNAVAILABLE_SHARDS_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -180,7 +181,22 @@ class TensorInfo(_message.Message):
     unavailable_shards: _containers.RepeatedScalarFieldContainer[int]
     health: str
     replicas: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
+    repair: RepairState
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ...) -> None: ...
+
+class RepairState(_message.Message):
+    __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    bytes_done: int
+    bytes_total: int
+    started_unix: float
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -545,20 +561,22 @@ class CollectiveJob(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ..., checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ..., checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...) -> None: ...
 
 class ReshardJob(_message.Message):
-    __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes")
+    __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes", "src_unavailable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SRC_VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_VERSION_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SRC_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     src_version: int
     src: ShardedTensorMetadata
     dst_version: int
     dst: ShardedTensorMetadata
     bucket_bytes: int
-    def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+    src_unavailable: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., src_unavailable: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveProgress(_message.Message):
     __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes", "started")

@@ -51,17 +51,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def start_coordinator(listen: str, state_dir: str | Path, security: Security, heartbeat_interval: float = 1.0,
-                      rpc_timeout: float = 60.0, pending_timeout: float = 600.0, store_port: int = 0
-                      ) -> "tuple[Coordinator, RunningServer]":
+                      rpc_timeout: float = 60.0, pending_timeout: float = 600.0, store_port: int = 0,
+                      repair_after: float = 30.0) -> "tuple[Coordinator, RunningServer]":
     """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
-    of collective jobs on `store_port` (0 = any free port)."""
+    of collective jobs on `store_port` (0 = any free port), repairing copies dead for `repair_after` s."""
     from server.coordinator.catalog import SQLiteCatalog
     from server.coordinator.lifecycle import Coordinator
     from server.coordinator.service import CoordinatorServicer
 
     coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
-                              pending_timeout=pending_timeout, store_port=store_port)
+                              pending_timeout=pending_timeout, store_port=store_port, repair_after=repair_after)
 
     def add(server: object) -> list[str]:
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
@@ -82,7 +82,7 @@ class LocalCluster:
                  max_request_bytes: int | None = None, heartbeat_interval: float = 1.0,
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
                  pending_timeout: float = 600.0, log_level: str | None = None,
-                 recycle_bytes: int | None = None, bulk_reads: bool = True) -> None:
+                 recycle_bytes: int | None = None, bulk_reads: bool = True, repair_after: float = 30.0) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
@@ -93,6 +93,7 @@ class LocalCluster:
         self.max_request_bytes = max_request_bytes or 0
         self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/rank/reads/bulk.py)
         self.heartbeat_interval = heartbeat_interval
+        self.repair_after = repair_after
         self.host, self.port, self.device = host, port, device
         self.rpc_timeout, self.pending_timeout = rpc_timeout, pending_timeout
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
@@ -115,7 +116,7 @@ class LocalCluster:
             self._spawn_ranks(f"{self._dial_host()}:{port}")
             self.coordinator, self._server = start_coordinator(
                 f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
-                self.rpc_timeout, self.pending_timeout)
+                self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after)
             threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True).start()
             self._wait_ready(timeout)
         except BaseException:
@@ -258,7 +259,17 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
                         "(default %(default)s)")
     parser.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between rank "
                         "heartbeats; a rank is dead after 3 missed (default %(default)s)")
+    parser.add_argument("--repair-after", type=float, default=30.0, help="seconds a rank stays dead before the "
+                        "coordinator copies its shards' boxes from live replicas onto other ranks; copies a "
+                        "restarted rank came back without are repaired at once (default %(default)s)")
     add_security_args(parser)
+
+
+def _check_common_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.heartbeat_interval <= 0:
+        parser.error("--heartbeat-interval must be > 0")
+    if not args.repair_after >= 0:
+        parser.error("--repair-after must be >= 0 seconds")
 
 
 def main_up(argv: Sequence[str]) -> int:
@@ -292,8 +303,7 @@ def main_up(argv: Sequence[str]) -> int:
         parser.error(f"--port {args.port} is not a TCP port (0-65535)")
     if not args.host.strip():
         parser.error("--host is empty (an interface address, e.g. 127.0.0.1)")
-    if args.heartbeat_interval <= 0:
-        parser.error("--heartbeat-interval must be > 0")
+    _check_common_args(parser, args)
     configure_logging(args.log_level)
     try:
         security = security_from_args(args)
@@ -303,7 +313,7 @@ def main_up(argv: Sequence[str]) -> int:
                            memory_limit=args.memory_limit, max_request_bytes=args.max_request_bytes,
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
-                           bulk_reads=not args.no_bulk_reads)
+                           bulk_reads=not args.no_bulk_reads, repair_after=args.repair_after)
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     try:
@@ -340,6 +350,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
                         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
     _add_common_args(parser)
     args = parser.parse_args(argv)
+    _check_common_args(parser, args)
     configure_logging(args.log_level)
     try:
         security = security_from_args(args)
@@ -349,7 +360,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
         signal.signal(s, _raise_stop)
     try:
         coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
-                                                 store_port=args.store_port)
+                                                 store_port=args.store_port, repair_after=args.repair_after)
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)
         return 1

@@ -24,7 +24,7 @@ import operator
 from bisect import bisect_left
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import AbstractSet, Iterable, Iterator, Sequence
 
 from shardcore.metadata import Box, ShardedTensorMetadata
 
@@ -193,10 +193,11 @@ class _SourceIndex:
     most selective dim, whichever is fewer.
     """
 
-    def __init__(self, src: ShardedTensorMetadata, ranks: Sequence[int]) -> None:
+    def __init__(self, src: ShardedTensorMetadata, ranks: Sequence[int],
+                 unavailable: frozenset[int] = frozenset()) -> None:
         groups: dict[_BoxKey, list[tuple[int, int]]] = {}
         for index, shard in enumerate(src.shards_metadata):
-            if 0 in shard.shard_sizes:
+            if 0 in shard.shard_sizes or index in unavailable:
                 continue
             groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append((index, ranks[index]))
         self.boxes = list(groups)
@@ -358,7 +359,7 @@ def _gc_paused() -> Iterator[None]:
 
 
 def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, unavailable: AbstractSet[int] = frozenset()) -> ReshardPlan:
     """The transfers that turn layout `src` into layout `dst`, grouped per peer pair and bucketed.
 
     Every non-empty destination shard is covered exactly once by its
@@ -368,34 +369,37 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
     `bucket_bytes` are cut (see `split_box`) so that no bucket exceeds it,
     unless a single element does. `src` must be a valid layout (shards
     disjoint apart from exact replicas); a src that leaves part of a
-    destination shard uncovered raises ValueError.
+    destination shard uncovered raises ValueError. The src shards at indices `unavailable` (copies on dead
+    ranks, or lost) are never read: a repair or a reshard of a degraded tensor reads their boxes from the
+    other copies.
     """
     src_ranks, dst_ranks = _check_inputs(src, dst, bucket_bytes)
     with _gc_paused():
-        return _plan(src, dst, bucket_bytes, src_ranks, dst_ranks)
+        return _plan(src, dst, bucket_bytes, src_ranks, dst_ranks, frozenset(unavailable))
 
 
 def plan_reshard_per_round(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                           round_bytes: int = DEFAULT_BUCKET_BYTES) -> ReshardPlan:
+                           round_bytes: int = DEFAULT_BUCKET_BYTES,
+                           unavailable: AbstractSet[int] = frozenset()) -> ReshardPlan:
     """plan_reshard with buckets cut so that one round (one bucket per peer and direction) stays within
     `round_bytes` on every rank: the busiest rank's (peer, direction) pairs share it.
 
     An executor that keeps two rounds in flight then stages at most two times `round_bytes` per rank,
     however many peers a rank has. Every rank computes the same plan from the same inputs.
     """
-    plan = plan_reshard(src, dst, round_bytes)
+    plan = plan_reshard(src, dst, round_bytes, unavailable)
     pairs = max((len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
                  for part in plan.rank_plans().values()), default=1)
     if pairs <= 1:
         return plan
-    return plan_reshard(src, dst, max(1, round_bytes // pairs))
+    return plan_reshard(src, dst, max(1, round_bytes // pairs), unavailable)
 
 
 def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
-          src_ranks: list[int], dst_ranks: list[int]) -> ReshardPlan:
+          src_ranks: list[int], dst_ranks: list[int], unavailable: frozenset[int]) -> ReshardPlan:
     """plan_reshard after validation."""
     itemsize = src.tensor_properties.itemsize
-    index = _SourceIndex(src, src_ranks)
+    index = _SourceIndex(src, src_ranks, unavailable)
     load: dict[int, int] = {}
     transfers: list[Transfer] = []
     for j, shard in enumerate(dst.shards_metadata):

@@ -42,6 +42,7 @@ from server.coordinator.collectives import CollectiveRunner
 from server.coordinator.health import describe, shards_on, with_lost
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
+from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
@@ -56,7 +57,8 @@ class Coordinator:
 
     def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
                  dead_after: float | None = None, rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0, store_port: int = 0) -> None:
+                 pending_timeout: float = 600.0, store_port: int = 0,
+                 repair_after: float = DEFAULT_REPAIR_AFTER_S) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
         self.catalog = catalog
@@ -68,12 +70,14 @@ class Coordinator:
         self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self)
+        self.repairs = RepairDriver(catalog, self.registry, self.reshards, repair_after)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
         self._monitor.start()
+        self.repairs.start()
 
     # ------------------------------------------------------------ ranks
 
@@ -179,8 +183,13 @@ class Coordinator:
         return [self.describe(info) for info in self.catalog.list(include_pending)]
 
     def describe(self, info: pb.TensorInfo) -> pb.TensorInfo:
-        """A catalog row as answered: its unavailable shards (lost, or on dead ranks), health and replicas."""
-        return describe(info, self.registry.rank_dead)
+        """A catalog row as answered: its unavailable shards (lost, or on dead ranks), health, replicas, and the
+        repair in flight."""
+        out = describe(info, self.registry.rank_dead)
+        repair = self.repairs.state(info.name)
+        if repair is not None:
+            out.repair.CopyFrom(repair)
+        return out
 
     def delete(self, name: str) -> None:
         """Remove every version of `name` from the catalog, then free them on the ranks."""
@@ -347,12 +356,14 @@ class Coordinator:
                     log.info("reaping %r version %d: %s", info.name, info.version, err.message)
 
     def stop_monitor(self) -> None:
-        """Stop watching heartbeats (the cluster is shutting down on purpose)."""
+        """Stop watching heartbeats and repairing (the cluster is shutting down on purpose)."""
         self._stop.set()
+        self.repairs.stop()
 
     def close(self) -> None:
         """Stop the monitor and the registry's calls to ranks; close the catalog."""
         self._stop.set()
+        self.repairs.stop()
         self._monitor.join(timeout=5)
         self._background.shutdown(wait=False, cancel_futures=True)
         self.registry.close()

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+UNREGISTERED_GRACE_S = 10.0  # ranks re-register within a heartbeat of a coordinator restart
+
 
 @dataclass
 class RankEntry:
@@ -43,6 +45,7 @@ class RankEntry:
     stub: pb_grpc.ShardServerStub
     exited: bool = False
     reported_dead: bool = False
+    exited_at: float = 0.0  # time.monotonic() when its process was known to end
 
 
 class RankRegistry:
@@ -55,6 +58,7 @@ class RankRegistry:
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------ membership and liveness
 
@@ -126,6 +130,7 @@ class RankRegistry:
             if entry is None or entry.exited:
                 return
             entry.exited = entry.reported_dead = True
+            entry.exited_at = time.monotonic()
         log.error("rank %d is dead: %s", rank, reason)
 
     def report_dead(self) -> None:
@@ -147,11 +152,25 @@ class RankRegistry:
         return entry is not None and self.is_alive(entry)
 
     def rank_dead(self, rank: int) -> bool:
-        """Whether `rank` is registered and not alive (one not registered yet, as after a coordinator restart,
-        is not known to be dead)."""
+        """Whether `rank` is known to be down: registered and not alive, or never registered UNREGISTERED_GRACE_S
+        after the registry began (right after a coordinator restart a rank is not dead until it had time to
+        register again)."""
+        return self.dead_for(rank) is not None
+
+    def dead_for(self, rank: int) -> float | None:
+        """Seconds `rank` has been dead (None while alive): since its process ended or its heartbeats stopped
+        counting. A rank not registered counts as dead from UNREGISTERED_GRACE_S after the registry began (a
+        coordinator restarted while that rank was down never hears from it)."""
+        now = time.monotonic()
         with self._ranks_changed:
             entry = self._ranks.get(rank)
-        return entry is not None and not self.is_alive(entry)
+            if entry is None:
+                waited = now - self._started - UNREGISTERED_GRACE_S
+                return waited if waited > 0 else None
+            if self.is_alive(entry):
+                return None
+            dead_since = entry.exited_at if entry.exited else entry.last_heartbeat + self.dead_after
+            return max(0.0, now - dead_since)
 
     def ranks(self) -> list[pb.RankInfo]:
         """Every registered rank with its liveness, by rank."""
@@ -234,8 +253,10 @@ class RankRegistry:
         self.fan_out(ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what)
 
     def drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
-        """DropVersion on `ranks` in parallel, logging (not raising) failures: the catalog is already right."""
+        """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
+        already right, and a rank that is down drops the version when it registers again (reconcile)."""
         request = pb.DropVersionRequest(name=name, version=version)
+        ranks = [r for r in ranks if self.rank_alive(r)]  # a dead rank's copy is dropped when it registers again
         try:
             self.fan_out(ranks, lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
                          f"drop {name!r} version {version}")

@@ -46,8 +46,10 @@ from server.common.errors import (
 from server.common.requests import check_name, parse_metadata
 from server.coordinator.catalog import Catalog, ranks_of
 from server.coordinator.collectives import CollectiveRunner, job_timeout
+from server.coordinator.health import unavailable_shards
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
+from shardcore.health import layout_health, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
@@ -95,30 +97,62 @@ class ReshardDriver:
         timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
         with self._claim(name), self.locks.hold(name):
             info = self._current_version(name)
-            src = metadata_from_proto(info.metadata)
-            plan = _plan(src, dst, bucket_bytes)
-            self._check_ranks(src.ranks(), dst.ranks())
-            self.registry.check_placements(dst)
-            new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
-                                options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
-                                created_unix=time.time(), promoting=True)
-            total = dst.shards_nbytes()
-            yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
-            self.catalog.add(new)
-            participants = list(plan.participants(dst))
-            try:
-                finals = yield from self._prepare(info, new, src, dst, plan, participants, timeout_s, total)
-                yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
-                                         version=new.version)
-            except BaseException:  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
-                self._abort(new, participants)
-                raise
-            ready = self._commit(new, info)  # no yield from here to the promotion: a cancel cannot cut it
-            self._promote(ready)
-            yield pb.ReshardProgress(
-                phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
-                max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
-                max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
+            unavailable = self._readable(info)
+            yield from self._run(info, dst, unavailable, bucket_bytes, timeout_s)
+
+    def repair(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],
+               timeout_s: float) -> Iterator[pb.ReshardProgress]:
+        """Turn the READY version `info` into the repaired layout `dst`, reading only copies outside
+        `unavailable`, as a reshard does (new version, reads on the old one meanwhile, commit or abort).
+        Aborted (busy) when a reshard of the name runs or its lock is held; nothing then happens."""
+        with self._claim(info.name), self.locks.hold(info.name, wait_s=0.5):
+            current = self._current_version(info.name)
+            if current.version != info.version:
+                raise Aborted(f"tensor {info.name!r} changed (version {current.version}) before its repair began")
+            yield from self._run(current, dst, unavailable, DEFAULT_BUCKET_BYTES, timeout_s)
+
+    def _readable(self, info: pb.TensorInfo) -> frozenset[int]:
+        """The shards of `info` a reshard must not read (lost, or on dead ranks); FAILED_PRECONDITION when a box
+        has no copy left to read."""
+        unavailable = frozenset(unavailable_shards(info, self.registry.rank_dead))
+        if unavailable:
+            health = layout_health(metadata_from_proto(info.metadata), unavailable)
+            if health.lost_boxes:
+                boxes = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in health.lost_boxes)
+                ranks = ranks_of_copies(metadata_from_proto(info.metadata), health.lost_boxes)
+                raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({boxes}; ranks {ranks} "
+                                         f"are down or lost them); it cannot be resharded until they are back: "
+                                         f"delete it or put it again")
+        return unavailable
+
+    def _run(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],
+             bucket_bytes: int, timeout_s: float) -> Iterator[pb.ReshardProgress]:
+        """(claim and name lock held) PREPARE, COMMIT or ABORT of `info` into layout `dst`."""
+        name = info.name
+        src = metadata_from_proto(info.metadata)
+        plan = _plan(src, dst, bucket_bytes, unavailable)
+        participants = list(plan.participants(dst))
+        self._check_ranks(participants, dst.ranks())
+        self.registry.check_placements(dst)
+        new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
+                            options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
+                            created_unix=time.time(), promoting=True)
+        total = dst.shards_nbytes()
+        yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
+        self.catalog.add(new)
+        try:
+            finals = yield from self._prepare(info, new, dst, plan, participants, timeout_s, total, unavailable)
+            yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
+                                     version=new.version)
+        except BaseException:  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
+            self._abort(new, participants)
+            raise
+        ready = self._commit(new, info)  # no yield from here to the promotion: a cancel cannot cut it
+        self._promote(ready)
+        yield pb.ReshardProgress(
+            phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
+            max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
+            max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
 
     def _current_version(self, name: str) -> pb.TensorInfo:
         """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
@@ -134,16 +168,16 @@ class ReshardDriver:
                                          f"retried every few seconds, reshard once it is done")
         return info
 
-    def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, src: ShardedTensorMetadata,
-                 dst: ShardedTensorMetadata, plan: ReshardPlan, participants: list[int], timeout_s: float,
-                 total: int) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
+    def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, dst: ShardedTensorMetadata, plan: ReshardPlan,
+                 participants: list[int], timeout_s: float, total: int, unavailable: frozenset[int]
+                 ) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
         """Reserve the new version's memory, then run the reshard job on every participant."""
         reserve = pb.AllocateShardsRequest(name=new.name, version=new.version, metadata=new.metadata,
                                            options=new.options, reserve_only=True)
         self.registry.allocate_on(dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}")
         job = pb.CollectiveJob(timeout_s=timeout_s, reshard=pb.ReshardJob(
             name=new.name, src_version=old.version, src=old.metadata, dst_version=new.version, dst=new.metadata,
-            bucket_bytes=plan.bucket_bytes))
+            bucket_bytes=plan.bucket_bytes, src_unavailable=sorted(unavailable)))
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
         log.info("%s: %d bytes over ranks %s, buckets of %d bytes", what, total, participants, plan.bucket_bytes)
         runner = self.collectives.run(job, participants, what)
@@ -230,10 +264,10 @@ class ReshardDriver:
             log.info("finished the promotion of %r version %d after a coordinator restart",
                      current.name, current.version)
 
-    def _check_ranks(self, src_ranks: Sequence[int], dst_ranks: Sequence[int]) -> None:
+    def _check_ranks(self, participants: Sequence[int], dst_ranks: Sequence[int]) -> None:
         """The first rank of the reshard that is not alive, named: a requested one that is not registered is
         INVALID_ARGUMENT (metadata), one holding the current version or down is FAILED_PRECONDITION."""
-        for rank in sorted(set(src_ranks) | set(dst_ranks)):
+        for rank in sorted(set(participants) | set(dst_ranks)):
             try:
                 entry = self.registry.entry(rank)
             except Unavailable:
@@ -246,14 +280,15 @@ class ReshardDriver:
                                          f"is back (restart that rank if it died: it rejoins under its rank number)")
 
 
-def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int) -> ReshardPlan:
+def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
+          unavailable: frozenset[int]) -> ReshardPlan:
     if src.size != dst.size:
         raise InvalidArgument(f"metadata.size {dst.size} differs from the tensor's size {src.size}")
     if src.dtype != dst.dtype:
         raise InvalidArgument(f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
                               f"dtype {src.dtype}")
     try:
-        return plan_reshard_per_round(src, dst, bucket_bytes)
+        return plan_reshard_per_round(src, dst, bucket_bytes, unavailable)
     except ValueError as err:
         raise InvalidArgument(f"metadata: {err}") from None
 

@@ -74,6 +74,7 @@ from server.rank.jobs.arguments import non_negative_int, positive_seconds
 from server.rank.jobs.context import JobContext
 from server.rank.jobs.groups import P2P, PeerGroup
 from shardcore.executor import copy_box, pack_bucket, unpack_bucket
+from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard
 
 log = logging.getLogger(__name__)
@@ -509,7 +510,9 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     dst = parse_metadata(spec.dst, "reshard.dst")
     if spec.bucket_bytes < 0:
         raise InvalidArgument(f"reshard.bucket_bytes {spec.bucket_bytes} is negative")
-    plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES)  # the per-pair size the coordinator chose
+    unavailable = _unavailable(spec, src)
+    # the per-pair size the coordinator chose
+    plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES, unavailable)
     outside = sorted(set(plan.participants(dst)) - set(job.ranks))
     if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
         raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} that the reshard needs")
@@ -524,7 +527,7 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
     # since a failed exchange may leave receives posted into them
     recycled = ctx.store.recycled_shards(dst)
-    src_local = src.shards_on(rank)
+    src_local = [i for i in src.shards_on(rank) if i not in unavailable]  # a restarted rank holds none
     if src_local:
         with ctx.store.lease(name, src_version) as entry:
             shards = {i: ctx.store.shard_of(entry, i) for i in src_local}
@@ -540,6 +543,15 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
              "%d of %d new-shard bytes in recycled buffers", rank, name, dst_version, stats.local_bytes,
              stats.received_bytes, stats.sent_bytes, stats.peak_staging_bytes, recycled_bytes,
              ctx.progress.new_shard_bytes)
+
+
+def _unavailable(spec: pb.ReshardJob, src: ShardedTensorMetadata) -> frozenset[int]:
+    """reshard.src_unavailable checked against the source layout."""
+    for i, index in enumerate(spec.src_unavailable):
+        if not 0 <= index < len(src.shards_metadata):
+            raise InvalidArgument(f"reshard.src_unavailable[{i}] {index} is not a shard index of reshard.src "
+                                  f"({len(src.shards_metadata)} shards)")
+    return frozenset(spec.src_unavailable)
 
 
 def _debug_stall(rank: int, name: str) -> None:

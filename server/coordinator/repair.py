@@ -1,0 +1,170 @@
+"""The coordinator's repair loop: tensors that lost copies get them back from live replicas, by themselves.
+
+A copy is due for repair when its rank came back without it (a restart: the
+copy is in the catalog row's lost_shards) or its rank has been dead for
+`repair_after` seconds. Once every unavailable copy of a tensor is due, the
+loop plans the repaired layout (shardcore.repair: the copy's own rank when it
+is back, else another live rank, on another host where possible) and runs it
+as a reshard that reads only the available copies: a new version, committed
+in one catalog transaction, reads on the old version until then, aborted
+whole on failure and tried again on a later round. Tensors are repaired one
+at a time, with the reshard's bucket rule bounding the bytes in flight per
+rank. A box with no copy left cannot be repaired: the tensor stays "lost".
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import Aborted, ServiceError
+from server.coordinator.catalog import Catalog
+from server.coordinator.collectives import job_timeout
+from server.coordinator.registry import RankRegistry
+from server.coordinator.reshard import ReshardDriver
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
+from shardcore.wire import metadata_from_proto
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPAIR_AFTER_S = 30.0
+CHECK_EVERY_S = 1.0
+RETRY_BACKOFF_S = (2.0, 60.0)  # a failed repair of a tensor is tried again after 2 s, doubling up to 60 s
+
+
+class RepairDriver:
+    """Finds tensors with copies due for repair and repairs them, one at a time, on its own thread."""
+
+    def __init__(self, catalog: Catalog, registry: RankRegistry, reshards: ReshardDriver,
+                 repair_after: float = DEFAULT_REPAIR_AFTER_S, job_timeout_s: float = 0.0) -> None:
+        if repair_after < 0:
+            raise ValueError(f"repair_after must be >= 0 seconds, got {repair_after}")
+        self.catalog = catalog
+        self.registry = registry
+        self.reshards = reshards
+        self.repair_after = repair_after
+        self.job_timeout_s = job_timeout(job_timeout_s, reshards.default_timeout_s)
+        self._states: dict[str, pb.RepairState] = {}
+        self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic time of next try, backoff)
+        self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="coord-repair", daemon=True)
+
+    def start(self) -> None:
+        """Start checking every CHECK_EVERY_S seconds."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop starting repairs (the cluster is shutting down, or the coordinator closes)."""
+        self._stop.set()
+
+    def state(self, name: str) -> pb.RepairState | None:
+        """The repair of `name` in flight, if any."""
+        with self._lock:
+            state = self._states.get(name)
+            return None if state is None else _copy(state)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(CHECK_EVERY_S):
+            try:
+                self.run_once()
+            except Exception:  # noqa: BLE001 - a background loop must log, not vanish
+                log.exception("the repair round failed")
+
+    def run_once(self) -> list[str]:
+        """Repair every tensor whose copies are due now; the names repaired."""
+        repaired = []
+        for info in self.catalog.list():
+            if self._stop.is_set():
+                break
+            due = self._due(info)
+            if due is not None and self._repair(info, *due):
+                repaired.append(info.name)
+        return repaired
+
+    # ------------------------------------------------------------ deciding
+
+    def _due(self, info: pb.TensorInfo) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
+        """The repaired layout of `info` and the copies it must not read, when all its unavailable copies are
+        due and a live rank can take each; None otherwise."""
+        if info.state != pb.READY or info.promoting or self.reshards.is_running(info.name):
+            return None
+        retry = self._retry_at.get(info.name)
+        if retry is not None and time.monotonic() < retry[0]:
+            return None
+        meta = metadata_from_proto(info.metadata)
+        unavailable, waiting = self._unavailable(info, meta)
+        if not unavailable or waiting:
+            self._refused.pop(info.name, None)
+            return None
+        live = [LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in self.registry.ranks()
+                if r.alive]
+        load = {r.rank: r.memory_used_bytes for r in self.registry.ranks()}
+        try:
+            return repaired_layout(meta, unavailable, live, load), unavailable
+        except RepairImpossible as err:
+            if self._refused.get(info.name) != str(err):
+                self._refused[info.name] = str(err)
+                log.error("tensor %r version %d cannot be repaired now: %s", info.name, info.version, err)
+            return None
+
+    def _unavailable(self, info: pb.TensorInfo, meta: ShardedTensorMetadata) -> tuple[frozenset[int], bool]:
+        """The copies of `info` that cannot be read, and whether any of them is not due for repair yet."""
+        lost = set(info.lost_shards)
+        unavailable, waiting = set(), False
+        dead_for = {rank: self.registry.dead_for(rank) for rank in meta.ranks()}
+        for index, shard in enumerate(meta.shards_metadata):
+            dead = dead_for[shard.rank]
+            if dead is None and index not in lost:
+                continue
+            unavailable.add(index)
+            if dead is not None and dead < self.repair_after:
+                waiting = True
+        return frozenset(unavailable), waiting
+
+    # ------------------------------------------------------------ repairing
+
+    def _repair(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int]) -> bool:
+        """Run one tensor's repair, keeping its progress for answers; whether it committed."""
+        targets = ranks_receiving(dst, unavailable)
+        nbytes = sum(dst.shard_nbytes(i) for i in unavailable)
+        log.warning("repairing %r version %d: %d lost copies (%d bytes) onto ranks %s", info.name, info.version,
+                    len(unavailable), nbytes, targets)
+        started = time.time()
+        state = pb.RepairState(started_unix=started, ranks=targets)
+        try:
+            for progress in self.reshards.repair(info, dst, unavailable, self.job_timeout_s):
+                state.version, state.bytes_done, state.bytes_total = (progress.version, progress.bytes_done,
+                                                                      progress.bytes_total)
+                with self._lock:
+                    self._states[info.name] = _copy(state)
+        except Aborted as err:  # the name is busy (a reshard, a put): the next round tries again
+            log.info("repair of %r put off: %s", info.name, err.message)
+            return False
+        except Exception as err:  # noqa: BLE001 - any failure leaves the old version whole; try again later
+            self._back_off(info.name)
+            log.error("repair of %r version %d failed (tried again in %.0f s): %s", info.name, info.version,
+                      self._retry_at[info.name][1], err.message if isinstance(err, ServiceError) else err)
+            return False
+        finally:
+            with self._lock:
+                self._states.pop(info.name, None)
+        self._retry_at.pop(info.name, None)
+        seconds = time.time() - started
+        log.warning("repaired %r: version %d holds every copy again (%d bytes copied to ranks %s in %.2f s)",
+                    info.name, state.version, nbytes, targets, seconds)
+        return True
+
+    def _back_off(self, name: str) -> None:
+        _, last = self._retry_at.get(name, (0.0, RETRY_BACKOFF_S[0] / 2))
+        backoff = min(RETRY_BACKOFF_S[1], last * 2)
+        self._retry_at[name] = (time.monotonic() + backoff, backoff)
+
+
+def _copy(state: pb.RepairState) -> pb.RepairState:
+    out = pb.RepairState()
+    out.CopyFrom(state)
+    return out
