@@ -39,6 +39,21 @@ class RankStatus:
 
 
 @dataclass(frozen=True)
+class RepairProgress:
+    """The coordinator's repair of a tensor in flight: the version it makes, bytes copied, ranks receiving."""
+
+    version: int
+    bytes_done: int
+    bytes_total: int
+    ranks: tuple[int, ...]
+    started_unix: float
+
+    @property
+    def fraction(self) -> float:
+        return self.bytes_done / self.bytes_total if self.bytes_total else 0.0
+
+
+@dataclass(frozen=True)
 class TensorSummary:
     """One catalog entry: a tensor's name, version, layout and state ("READY" or "PENDING")."""
 
@@ -49,6 +64,7 @@ class TensorSummary:
     nbytes: int
     created_unix: float
     unavailable: frozenset[int] = field(default=frozenset(), repr=False)  # shards whose copy cannot be read
+    repair: RepairProgress | None = field(default=None, repr=False)  # the coordinator repairing lost copies
 
     @functools.cached_property
     def layout_health(self) -> LayoutHealth:
@@ -77,14 +93,26 @@ class TensorSummary:
         return cls(name=msg.name, version=msg.version, metadata=metadata,
                    state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
                    nbytes=msg.nbytes or metadata.nbytes, created_unix=msg.created_unix,
-                   unavailable=frozenset(msg.unavailable_shards))
+                   unavailable=frozenset(msg.unavailable_shards), repair=_repair(msg))
+
+
+def _repair(msg: pb.TensorInfo) -> RepairProgress | None:
+    if not msg.HasField("repair"):
+        return None
+    r = msg.repair
+    return RepairProgress(r.version, r.bytes_done, r.bytes_total, tuple(r.ranks), r.started_unix)
 
 
 def health_summary(summary: TensorSummary) -> str:
-    """A tensor's health for people, e.g. "healthy", "degraded" or "lost (2 boxes, ranks 1)"."""
+    """A tensor's health for people, e.g. "healthy", "degraded, repairing 40% onto rank 2" or
+    "lost (2 boxes, ranks 1)"."""
     health = summary.layout_health
+    repair = summary.repair
     if health.state != "lost":
-        return health.state
+        if repair is None:
+            return health.state
+        onto = f"rank{'s' if len(repair.ranks) > 1 else ''} {','.join(map(str, repair.ranks))}"
+        return f"{health.state}, repairing {repair.fraction:.0%} onto {onto}"
     ranks = sorted({summary.metadata.shards_metadata[i].rank for i in summary.unavailable})
     count = len(health.lost_boxes)
     return f"lost ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} " \

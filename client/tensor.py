@@ -19,7 +19,7 @@ from client.embedding.lookup import Lookups
 from client.errors import InvalidArgumentError
 from client.health import check_readable
 from client.indexing import parse_index
-from client.info import RankStatus, TensorSummary
+from client.info import RankStatus, RepairProgress, TensorSummary
 from client.ops.reshard import reshard as reshard_tensor
 from client.ops.row_updates import update_rows
 from client.retry import read_with_refresh
@@ -133,6 +133,12 @@ class RemoteShardedTensor:
     def lost_boxes(self) -> list[Box]:
         """The boxes with no live copy (reads touching them raise ShardsLostError), as the coordinator says now."""
         return list(self.refresh()._summary.layout_health.lost_boxes)
+
+    @property
+    def repair(self) -> RepairProgress | None:
+        """The coordinator's repair of this tensor in flight (version made, bytes copied, ranks receiving), or
+        None, as the coordinator says now."""
+        return self.refresh()._summary.repair
 
     @property
     def replicas(self) -> int:

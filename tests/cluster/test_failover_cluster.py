@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from client import Cluster, RankUnavailableError, ShardsLostError, connect
 from client.cli.main import main as cli_main
+from client.ops.reshard import ReshardRefusedError
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.launcher import LocalCluster
@@ -46,7 +47,7 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=3)
+    return make_cluster(ranks=3, repair_after=3600.0)  # the dead rank's copies stay unavailable: no repair
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +56,14 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
     rank 1 killed."""
     generator = torch.Generator().manual_seed(3)
     data = {"plain": torch.randn(ROWS, DIM, generator=generator),
-            "mirrored": torch.randn(ROWS, DIM, generator=generator)}
+            "mirrored": torch.randn(ROWS, DIM, generator=generator),
+            "reshardable": torch.randn(ROWS, DIM, generator=generator)}
     clients: dict[tuple[str, str], Cluster] = {}
     try:
         with connect(cluster.address) as writer:
             writer.put("plain", data["plain"], spec=PLAIN)
             writer.put("mirrored", data["mirrored"], spec=MIRRORED)
+            writer.put("reshardable", data["reshardable"], spec=MIRRORED)
         for transport in TRANSPORTS:
             for name in data:
                 client = clients[(transport, name)] = connect(cluster.address, transport=transport)
@@ -136,6 +139,17 @@ def test_cli_status_and_list_show_health(world, cluster, capsys):
     assert cli_main(["--coordinator", cluster.address, "status"]) == 0
     out = capsys.readouterr().out
     assert "lost (1 box, rank 1)" in out and "degraded" in out
+
+
+def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
+    """A reshard reads each box from a live copy: the dead rank's copies are skipped, not a reason to refuse."""
+    with connect(cluster.address) as client:
+        _wait_until(lambda: client.tensor("reshardable").health == "degraded", "rank 1's copies to be unavailable")
+        remote = client.tensor("reshardable").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"]))
+        assert remote.health == "healthy" and remote.metadata().ranks() == (0, 2)
+        assert torch.equal(remote.full_tensor(), world["data"]["reshardable"])
+        with pytest.raises(ReshardRefusedError, match="no live copy"):
+            client.tensor("plain").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"]))
 
 
 class _EmptyRank(pb_grpc.ShardServerServicer):

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,12 +23,13 @@ from client.ops.reshard import ReshardRefusedError, layout_from_options
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.rank.jobs.reshard import STALL_ENV
-from server.launcher import PROJECT_ROOT, free_port
+from server.launcher import free_port
 from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
 from reference import shards_of
+from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -338,7 +337,7 @@ def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(
         def aborted() -> bool:
             rows = client.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
             return [t.version for t in rows if t.name == "cancelme"] == [proxy.version]
-        _wait(aborted, 20, "the reshard to be aborted")
+        wait_until(aborted, 20, "the reshard to be aborted")
         assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
         time.sleep(4)  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
         new = client.tensor("cancelme").reshard(chunk(1, (0, 2)), timeout=60)  # the world was not broken
@@ -379,7 +378,7 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
         for index, part in enumerate(shards_of(tensor, src)):  # readable from the surviving ranks
             if src.shards_metadata[index].rank != 1:
                 assert torch.equal(shards[index].fetch(), part)
-        _wait(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 to be shown dead")
+        wait_until(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 to be shown dead")
         with pytest.raises(ReshardRefusedError, match="rank 1 is down"):  # its shards are gone with it
             after.reshard(chunk(1, (0, 2)))
         _reshard_in_a_new_epoch(client, "survivor", (0, 2), epoch)
@@ -442,13 +441,13 @@ def test_a_job_on_ranks_0_and_1_never_involves_rank_2(hanging_cluster):
         finally:
             hanging_cluster.kill_rank(2, signal.SIGCONT)
         assert torch.equal(moved.full_tensor(), tensor) and torch.equal(again.full_tensor(), tensor)
-        _wait(lambda: all(r.alive for r in client.ranks()), 20, "rank 2 to heartbeat again")
+        wait_until(lambda: all(r.alive for r in client.ranks()), 20, "rank 2 to heartbeat again")
 
 
 def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(hanging_cluster):
     tensor = source((13, 21), torch.float32, seed=18)
     with connect(hanging_cluster.address) as client:
-        _wait(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
+        wait_until(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
         proxy = client.put("stopme", tensor, spec=chunk(0, range(3)))
         epoch = _epoch(client)
         moving, outcome = threading.Event(), {}
@@ -472,7 +471,7 @@ def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(han
         finally:
             hanging_cluster.kill_rank(1, signal.SIGCONT)
         assert isinstance(outcome["error"], RankUnavailableError) and "rank 1" in str(outcome["error"])
-        _wait(lambda: all(r.alive for r in client.ranks()), 20, "rank 1 to heartbeat again")
+        wait_until(lambda: all(r.alive for r in client.ranks()), 20, "rank 1 to heartbeat again")
         assert torch.equal(client.tensor("stopme").full_tensor(), tensor)
         moved = client.tensor("stopme").reshard(chunk(1, range(3)), timeout=30)  # rank 1 stalls 2 s again
         assert torch.equal(moved.full_tensor(), tensor) and _epoch(client) > epoch
@@ -484,7 +483,7 @@ def test_checkpoints_run_after_failed_jobs_with_no_restart(hanging_cluster, tmp_
     failures above: a save, then a load of what it wrote, bit for bit."""
     tensor = source((13, 21), torch.float32, seed=19)
     with connect(hanging_cluster.address) as client:
-        _wait(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
+        wait_until(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
         client.put("saved", tensor, spec=chunk(1, range(3)), overwrite=True)
         client.save_checkpoint(str(tmp_path / "ckpt"), ["saved"], timeout=60)
         loaded = client.load_checkpoint(str(tmp_path / "ckpt"), ["saved"], overwrite=True, timeout=60)["saved"]
@@ -494,54 +493,36 @@ def test_checkpoints_run_after_failed_jobs_with_no_restart(hanging_cluster, tmp_
 # ---------------------------------------------------------------- coordinator restart
 
 
-def _spawn(args, env, log):
-    return subprocess.Popen([sys.executable, "-m", "server", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
-
-
-def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (grpc.RpcError, ShardServeError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion(tmp_path: Path):
     port, store_port = free_port(), free_port()
-    env = dict(os.environ, PYTHONPATH=str(PROJECT_ROOT))
+    env = server_env()
     coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
                         "--heartbeat-interval", "0.5", "--store-port", str(store_port)]
     log = open(tmp_path / "log.txt", "w")
     procs = []
     try:
-        coord = _spawn(coordinator_args, dict(env, **{EXIT_AFTER_COMMIT_ENV: "1"}), log)
+        coord = spawn_server(coordinator_args, dict(env, **{EXIT_AFTER_COMMIT_ENV: "1"}), log)
         procs.append(coord)
         for rank in range(2):
-            procs.append(_spawn(["--coordinator", f"127.0.0.1:{port}"], dict(
-                env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2"), log))
+            procs.append(spawn_server(["--coordinator", f"127.0.0.1:{port}"], rank_env(env, rank, 2), log))
         address = f"127.0.0.1:{port}"
         def two_ranks_alive() -> bool:
             with connect(address) as c:
                 return len([r for r in c.ranks() if r.alive]) == 2
-        _wait(two_ranks_alive, 120, "two ranks")
+        wait_until(two_ranks_alive, 120, "two ranks")
         tensor = source((13, 21), torch.float32, seed=21)
         with connect(address) as client:
             old = client.put("restart", tensor, spec=chunk(0, range(2)))
             with pytest.raises(ShardServeError):
                 old.reshard(chunk(1, range(2)))
         assert coord.wait(30) == EXIT_AFTER_COMMIT_CODE
-        procs[0] = _spawn(coordinator_args, env, log)   # same port, same catalog, no exit hook
+        procs[0] = spawn_server(coordinator_args, env, log)   # same port, same catalog, no exit hook
 
         def promoted() -> bool:
             with connect(address) as c:
                 rows = c.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
                 return [(t.version, t.promoting) for t in rows if t.name == "restart"] == [(old.version + 1, False)]
-        _wait(promoted, 60, "the promotion to finish")
+        wait_until(promoted, 60, "the promotion to finish")
         with connect(address) as client:
             new = client.tensor("restart")
             assert new.version == old.version + 1
@@ -552,19 +533,11 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
             def old_dropped() -> bool:
                 return all([h.version for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
                             if h.name == "restart"] == [new.version] for s in stubs)
-            _wait(old_dropped, 30, "the old version to be dropped")
+            wait_until(old_dropped, 30, "the old version to be dropped")
             back = new.reshard(chunk(0, range(2)), timeout=30)  # collectives over the restarted coordinator's store
             assert torch.equal(back.full_tensor(), tensor)
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_all(procs)
         log.close()
 
 

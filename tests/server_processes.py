@@ -1,0 +1,57 @@
+"""Server processes for tests that must stop and restart a coordinator: spawn `python -m server ...`, and wait."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import IO, Callable, Sequence
+
+import grpc
+
+from client import ShardServeError
+from server.launcher import PROJECT_ROOT
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """This process's environment with the project importable, plus `extra`."""
+    return dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), **extra)
+
+
+def spawn_server(args: Sequence[str], env: dict[str, str], log: IO) -> subprocess.Popen:
+    """`python -m server *args` with output to `log`."""
+    return subprocess.Popen([sys.executable, "-m", "server", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+
+
+def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:
+    """`env` with torchrun's variables for `rank` of a one-host world."""
+    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size))
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll `predicate` (its gRPC and client errors count as False) until true; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except (grpc.RpcError, ShardServeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def stop_all(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGTERM every process still running, SIGKILL those not gone after 15 s."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
