@@ -144,12 +144,15 @@ class Cluster:
 
     def create(self, name: str, shape: Sequence[int], dtype: torch.dtype | str = torch.float32, spec: Any = None,
                init: str = "zeros", seed: int = 0, overwrite: bool = False, oov: str = "error",
-               default_row: torch.Tensor | None = None) -> RemoteShardedTensor:
+               default_row: torch.Tensor | None = None, replicas: int = 1) -> RemoteShardedTensor:
         """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange").
 
         `oov` says how embedding lookups answer ids out of range: "error", "zero" or "default" (`default_row`).
+        `replicas` > 1 holds every box of the layout on that many live ranks (shardcore.replicas), each copy
+        filled alike.
         """
         arguments.tensor_name(name)
+        replicas = arguments.count(replicas, "replicas", minimum=1)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(1 << 63) <= seed < 1 << 63:
@@ -160,7 +163,7 @@ class Cluster:
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype: {err}") from None
         shape = _shape(shape)
-        meta = self.session.layout(shape, dtype, spec)
+        meta = self.session.layout(shape, dtype, spec, replicas)
         options = table_options(oov, default_row, shape, dtype)
         info = self.session.create_tensor(pb.CreateTensorRequest(
             name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=int(seed), overwrite=overwrite,
@@ -170,9 +173,13 @@ class Cluster:
 
     def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
             chunk_bytes: int = CHUNK_BYTES, oov: str = "error",
-            default_row: torch.Tensor | None = None) -> RemoteShardedTensor:
-        """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure."""
+            default_row: torch.Tensor | None = None, replicas: int = 1) -> RemoteShardedTensor:
+        """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure.
+
+        `replicas` > 1 holds every box on that many live ranks (shardcore.replicas); every copy is written.
+        """
         arguments.tensor_name(name)
+        replicas = arguments.count(replicas, "replicas", minimum=1)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         arguments.dense_tensor(tensor, "tensor")
@@ -184,7 +191,7 @@ class Cluster:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
-        meta = self.session.layout(tuple(tensor.shape), tensor.dtype, spec)
+        meta = self.session.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
@@ -246,13 +253,14 @@ class Cluster:
     def load_checkpoint(self, path: str, names: Sequence[str] | str | None = None, spec: Any = None,
                         dtype: torch.dtype | str | None = None, overwrite: bool = False,
                         progress: Callable[[int, int], None] | None = None,
-                        timeout: float = 600.0) -> dict[str, RemoteShardedTensor]:
+                        timeout: float = 600.0, replicas: int = 1) -> dict[str, RemoteShardedTensor]:
         """Load tensors of the DCP checkpoint at `path` (every rank reads its own shards); all appear or none.
 
-        `spec` (one for all, or {name: spec}) lays them out (default: row-wise over every live rank);
-        `progress(bytes_done, bytes_total)` is called as the ranks report.
+        `spec` (one for all, or {name: spec}) lays them out (default: row-wise over every live rank), each box on
+        `replicas` live ranks; `progress(bytes_done, bytes_total)` is called as the ranks report.
         """
-        loaded = checkpoints.load_checkpoint(self.session, path, names, spec, dtype, overwrite, progress, timeout)
+        loaded = checkpoints.load_checkpoint(self.session, path, names, spec, dtype, overwrite, progress, timeout,
+                                             replicas)
         for summary in loaded:
             self.lookups.views.forget(summary.name)
         return {summary.name: self._proxy(summary) for summary in loaded}

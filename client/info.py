@@ -77,6 +77,11 @@ class TensorSummary:
         return self.layout_health.state
 
     @property
+    def replicas(self) -> int:
+        """Copies of each box (the minimum over the layout's boxes; 1 without replicas)."""
+        return self.layout_health.replicas
+
+    @property
     def shape(self) -> tuple[int, ...]:
         return self.metadata.size
 

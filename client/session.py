@@ -24,6 +24,7 @@ from client.paths.policy import PathPolicy
 from protos import shardserve_pb2 as pb
 from shardcore.interop import as_spec
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardcore.replicas import CandidateRank, replicate_layout
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardcore.validation import validate_metadata
 
@@ -138,9 +139,26 @@ class Session:
         """The catalog entry of the READY tensor `name` (TensorNotFoundError if there is none)."""
         return TensorSummary.from_proto(self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name))))
 
-    def layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
+    def layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any, replicas: int = 1) -> ShardedTensorMetadata:
         """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank; a 0-d
-        tensor whole on the first live rank)."""
+        tensor whole on the first live rank), with every box on `replicas` live ranks (shardcore.replicas)."""
+        replicas = arguments.count(replicas, "replicas", minimum=1)
+        meta = self._spec_layout(shape, dtype, spec)
+        if replicas == 1:
+            return meta
+        try:
+            return replicate_layout(meta, replicas, self.replica_candidates())
+        except ValueError as err:
+            raise InvalidArgumentError(str(err)) from None
+
+    def replica_candidates(self) -> list[CandidateRank]:
+        """The live ranks as candidates for copies, fetched now: host by host_id (the hostname where a rank
+        reports none), device as registered."""
+        return [CandidateRank(r.rank, r.host_id or r.hostname, r.device)
+                for r in sorted(self.refresh_ranks(), key=lambda r: r.rank) if r.alive]
+
+    def _spec_layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
+        """The layout `spec` gives a tensor of `shape`/`dtype`, validated."""
         if spec is None:
             spec = self._default_spec(shape)
         spec = _resolve_spec(spec)

@@ -159,14 +159,15 @@ class RemoteShardedTensor:
         return self
 
     def reshard(self, spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
-                progress: Any = None) -> "RemoteShardedTensor":
+                progress: Any = None, replicas: int = 1) -> "RemoteShardedTensor":
         """Move the tensor into layout `spec` (any spec `put` takes, over any ranks): a proxy of the new version.
 
         Two-phase on the cluster (see client.ops.reshard): reads keep the old version until the new one is
-        committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved.
+        committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved;
+        `replicas` > 1 holds every box of `spec` on that many live ranks (shardcore.replicas).
         """
         summary = reshard_tensor(self._session, self.name, tuple(self.shape), self.dtype, spec, bucket_bytes,
-                                 timeout, progress)
+                                 timeout, progress, replicas)
         return RemoteShardedTensor(self._session, self._lookups, summary)
 
     # ------------------------------------------------------------ embedding lookups (client.embedding.lookup)

@@ -17,6 +17,7 @@ from shardcore.embedding import (OOV_POLICIES, POOLING_MODES, PartialBags, accum
                                  pool_bags, restore_order, validate_ids)
 from shardcore.regions import (assemble, check_box, cut_tensor, intersect, local_view,
                                shards_for_box)
+from shardcore.replicas import CandidateRank, replicate_layout
 from shardcore.validation import LayoutError, LayoutReport, validate_metadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec, chunk_bound, chunk_bounds
 from shardcore.placements import Replicate, Shard, metadata_from_placements, parse_mesh, placement_string

@@ -18,11 +18,19 @@ def add_checkpoint_commands(sub: Any) -> None:
                                                          "(default 0: row-wise)")
     load.add_argument("--dtype", help="cast to this dtype on load, e.g. bfloat16 (default: as saved)")
     load.add_argument("--overwrite", action="store_true", help="replace tensors of the same names")
+    add_replicas_flag(load)
     save = sub.add_parser("save", help="save tensors as a DCP checkpoint (each rank writes its own shards)",
                           description="Write READY tensors as one torch.distributed.checkpoint directory at PATH; "
                                       "torch.distributed.checkpoint.load reads it into tensors of any layout.")
     save.add_argument("path", help="checkpoint directory (created)")
     save.add_argument("--names", nargs="+", help="tensors to save (default: every READY tensor)")
+
+
+def add_replicas_flag(parser: argparse.ArgumentParser) -> None:
+    """--replicas R: every box of the layout on R live ranks, on distinct hosts where there are several."""
+    parser.add_argument("--replicas", type=int, default=1, metavar="R",
+                        help="copies of every box, each on another live rank (another host where the cluster has "
+                             "several); reads fail over between them (default 1)")
 
 
 def run_checkpoint_command(cluster: Any, args: argparse.Namespace) -> bool:
@@ -41,7 +49,7 @@ def run_checkpoint_command(cluster: Any, args: argparse.Namespace) -> bool:
         if args.command == "load":
             spec = _row_spec(cluster, args.dim)
             loaded = cluster.load_checkpoint(args.path, names=args.names, spec=spec, dtype=args.dtype,
-                                             overwrite=args.overwrite, progress=show)
+                                             overwrite=args.overwrite, progress=show, replicas=args.replicas)
         else:
             saved = cluster.save_checkpoint(args.path, names=args.names, progress=show)
     if args.command == "load":

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from client.cli.checkpoints import add_checkpoint_commands, run_checkpoint_command
+from client.cli.checkpoints import add_checkpoint_commands, add_replicas_flag, run_checkpoint_command
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=text, description=text, add_help=False)
     sub.add_parser("status", help="table of ranks (address, device, alive, memory) and tensors",
                    description="Show every rank (address, device, alive, memory) and every tensor "
-                               "(version, shape, dtype, layout, bytes).")
+                               "(version, health, replicas, shape, dtype, layout, bytes).")
     sub.add_parser("list", help="print the READY tensors, one per line",
-                   description="Print the READY tensors, one per line: name, version, shape, dtype.")
+                   description="Print the READY tensors, one per line: name, version, shape, dtype, replicas "
+                               "(copies of each box), health.")
     create = sub.add_parser("create", help="create a tensor filled on the ranks",
                             description="Create a tensor chunked along --dim over every live rank, "
                                         "filled on the ranks by --init.")
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fill (default zeros; normal uses --seed)")
     create.add_argument("--seed", type=int, default=0, help="seed of --init normal (default 0)")
     create.add_argument("--overwrite", action="store_true", help="replace an existing tensor of that name")
+    add_replicas_flag(create)
     fetch = sub.add_parser("fetch", help="read a box of a tensor; print it or save it with torch.save",
                            description="Read the box at --offsets of --sizes (default: the whole tensor). "
                                        "Prints it, or saves it with torch.save when -o is given.")
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     reshard.add_argument("--bucket-bytes", type=int, help="largest bucket one collective moves (default 64 MiB)")
     reshard.add_argument("--reshard-timeout", type=float, help="bound on the data movement in seconds "
                          "(default 300); a dead or hung rank fails the reshard within it")
+    add_replicas_flag(reshard)
     delete = sub.add_parser("delete", help="delete a tensor and free its shards",
                             description="Delete a tensor from the catalog and free its shards on every rank.")
     delete.add_argument("name", help="tensor name")
@@ -146,12 +149,12 @@ def _status(cluster) -> None:
                       "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
                       _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-")
     tensors = Table(title="tensors")
-    for column in ("name", "version", "state", "health", "shape", "dtype", "layout", "bytes"):
+    for column in ("name", "version", "state", "health", "replicas", "shape", "dtype", "layout", "bytes"):
         tensors.add_column(column)
     colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
     for t in cluster.list(include_pending=True):
         health = f"[{colors[t.health]}]{health_summary(t)}[/{colors[t.health]}]"
-        tensors.add_row(t.name, str(t.version), t.state, health, "x".join(map(str, t.shape)) or "()",
+        tensors.add_row(t.name, str(t.version), t.state, health, str(t.replicas), "x".join(map(str, t.shape)) or "()",
                         dtype_name(t.dtype), layout_summary(t.metadata), _human_bytes(t.nbytes))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
@@ -204,7 +207,8 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
         def show(report) -> None:
             bar.update(task, description=f"reshard {args.name} ({report.phase})", completed=report.bytes_done,
                        total=report.bytes_total or None)
-        new = remote.reshard(meta, bucket_bytes=args.bucket_bytes, timeout=args.reshard_timeout, progress=show)
+        new = remote.reshard(meta, bucket_bytes=args.bucket_bytes, timeout=args.reshard_timeout, progress=show,
+                             replicas=args.replicas)
     print(f"resharded {args.name}: version {remote.version} -> {new.version}, {layout_summary(new.metadata())}")
 
 
@@ -241,7 +245,8 @@ def _run(args: argparse.Namespace) -> None:
         elif args.command == "list":
             from client.info import health_summary
             for t in cluster.list():
-                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}\t{health_summary(t)}")
+                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}\treplicas {t.replicas}\t"
+                      f"{health_summary(t)}")
         elif args.command == "create":
             from client.info import layout_summary
             from shardcore.specs import ChunkShardingSpec
@@ -249,7 +254,7 @@ def _run(args: argparse.Namespace) -> None:
             live = [r for r in cluster.ranks() if r.alive]
             spec = ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live]) if live else None
             t = cluster.create(args.name, args.shape, dtype=args.dtype, spec=spec, init=args.init, seed=args.seed,
-                               overwrite=args.overwrite)
+                               overwrite=args.overwrite, replicas=args.replicas)
             print(f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}")
         elif args.command == "fetch":
             _fetch(cluster, args)

@@ -54,10 +54,12 @@ def _names(names: list[str] | None, available: Sequence[str], path: str) -> list
 
 def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | None = None, spec: Any = None,
                     dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[TensorSummary]:
-    """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards; all or none appear.
-    Returns the loaded tensors' catalog entries."""
+                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S,
+                    replicas: int = 1) -> list[TensorSummary]:
+    """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards (every copy of a box
+    when `replicas` > 1); all or none appear. Returns the loaded tensors' catalog entries."""
     timeout = arguments.seconds(timeout, "timeout")
+    replicas = arguments.count(replicas, "replicas", minimum=1)
     overwrite = arguments.flag(overwrite, "overwrite")
     arguments.callback(progress, "progress")
     names = arguments.name_list(names)
@@ -75,7 +77,7 @@ def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | No
             want = saved_dtype if dtype is None else dtype_from_name(dtype)
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype: {err}") from None
-        meta = session.layout(size, want, layout_spec)
+        meta = session.layout(size, want, layout_spec, replicas)
         tensors.append(pb.CheckpointTensor(name=name, metadata=metadata_to_proto(meta)))
     request = pb.LoadCheckpointRequest(path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout)
     final = _follow(session, "LoadCheckpoint", request, progress, timeout)

@@ -50,14 +50,16 @@ class ReshardProgress:
 
 def reshard(session: Session, name: str, shape: Sequence[int], dtype: torch.dtype, spec: Any,
             bucket_bytes: int | None = None, timeout: float | None = None,
-            progress: Callable[[ReshardProgress], None] | None = None) -> TensorSummary:
-    """Move tensor `name` into the layout `spec` (new version); `progress` is called with every report."""
+            progress: Callable[[ReshardProgress], None] | None = None, replicas: int = 1) -> TensorSummary:
+    """Move tensor `name` into the layout `spec` (new version), each box on `replicas` live ranks; `progress` is
+    called with every report."""
+    replicas = arguments.count(replicas, "replicas", minimum=1)
     if bucket_bytes is not None:
         bucket_bytes = arguments.count(bucket_bytes, "bucket_bytes", minimum=1)
     if timeout is not None:
         timeout = arguments.seconds(timeout, "timeout")
     arguments.callback(progress, "progress")
-    meta = session.layout(tuple(shape), dtype, spec)
+    meta = session.layout(tuple(shape), dtype, spec, replicas)
     request = pb.ReshardRequest(name=name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
                                 timeout_s=float(timeout or 0))
 
