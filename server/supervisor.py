@@ -223,6 +223,15 @@ class RankSupervisor:
         """Whether `rank` exited with no restarts left."""
         return self._slot(rank).final
 
+    def restart_pending(self, rank: int) -> bool:
+        """Whether `rank` exited and waits out its backoff before its restart."""
+        return self._slot(rank).restart_at is not None
+
+    @property
+    def watching(self) -> bool:
+        """Whether the watch thread runs (only it restarts ranks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def _slot(self, rank: int) -> _Slot:
         try:
             return self._slots[rank]
