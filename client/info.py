@@ -28,6 +28,7 @@ class RankStatus:
     last_heartbeat_unix: float
     host_id: str = ""            # the rank's boot id: same hostname and host_id = same host (data plane)
     shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
+    restarts: int = 0            # new processes that registered this rank number since the coordinator started
 
     @classmethod
     def from_proto(cls, msg: pb.RankInfo) -> "RankStatus":
@@ -35,7 +36,7 @@ class RankStatus:
                    alive=msg.alive, memory_used_bytes=msg.memory_used_bytes,
                    memory_limit_bytes=msg.memory_limit_bytes, pid=msg.pid,
                    last_heartbeat_unix=msg.last_heartbeat_unix, host_id=msg.host_id,
-                   shared_memory=msg.shared_memory)
+                   shared_memory=msg.shared_memory, restarts=msg.restarts)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""`python -m server up ...` (local cluster), `... coordinator ...`, else one rank (torchrun-compatible)."""
+"""`python -m server up ...` (local cluster), `... coordinator ...`, `... node ...` (a node's ranks, supervised),
+else one rank (torchrun-compatible)."""
 from __future__ import annotations
 
 import sys
@@ -11,6 +12,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "coordinator":
         from server.launcher import main_coordinator
         return main_coordinator(argv[1:])
+    if argv and argv[0] == "node":
+        from server.node import main_node
+        return main_node(argv[1:])
     from server.rank.main import main as rank_main
     return rank_main(argv)
 

@@ -3,8 +3,10 @@
 LocalCluster runs the coordinator in this process and spawns the ranks in
 parallel as `python -m server --coordinator HOST:PORT` with torchrun's
 environment, so a local cluster is the same world torchrun would start.
-Ranks exit when this process dies (they watch their parent), and stop()
-sends SIGTERM, then SIGKILL after a grace period.
+Ranks exit when this process dies (they watch their parent). A rank that
+exits while the cluster is up is reported to the coordinator at once and
+restarted under its rank number (server/supervisor.py, up to `max_restarts`
+times); stop() sends SIGTERM, then SIGKILL after a grace period.
 """
 from __future__ import annotations
 
@@ -15,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,21 +25,26 @@ from typing import TYPE_CHECKING, Sequence
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, TlsFiles
-from server.common.cli_args import (
-    PARENT_PID_ENV,
-    TOKEN_ENV,
-    add_security_args,
-    configure_logging,
-    security_from_args,
-)
+from server.common.cli_args import add_security_args, configure_logging, security_from_args
 from server.common.grpc_server import RunningServer, start_server
+from server.common.stop_signals import Stop, handle_stop_signals, wait_for_stop_signal
+from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
+    PROJECT_ROOT,
+    RankLaunch,
+    RankSupervisor,
+    RestartPolicy,
+    add_rank_args,
+    check_rank_args,
+    exit_reason,
+    rank_command,
+    rank_env,
+)
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
     from server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CATALOG_FILE = "catalog.sqlite"
 COORDINATOR_WORKERS = 64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 
@@ -75,14 +81,20 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
 
 
 class LocalCluster:
-    """A coordinator (in this process) and `ranks` rank processes on this host."""
+    """A coordinator (in this process) and `ranks` rank processes on this host.
+
+    `max_restarts`: how many times each rank is restarted after its process ends (0, the default here, keeps a
+    dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10);
+    `restart_backoff`: seconds before the first restart of a rank, doubling up to 30 s.
+    """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",
                  tls: TlsFiles | None = None, memory_limit: int | None = None,
                  max_request_bytes: int | None = None, heartbeat_interval: float = 1.0,
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
                  pending_timeout: float = 600.0, log_level: str | None = None,
-                 recycle_bytes: int | None = None, bulk_reads: bool = True, repair_after: float = 30.0) -> None:
+                 recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
+                 restart_backoff: float = 1.0, repair_after: float = 30.0) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
@@ -97,10 +109,10 @@ class LocalCluster:
         self.host, self.port, self.device = host, port, device
         self.rpc_timeout, self.pending_timeout = rpc_timeout, pending_timeout
         self.log_level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        self.restart_policy = RestartPolicy(max_restarts, restart_backoff, max(30.0, restart_backoff))
         self.coordinator: "Coordinator | None" = None
         self._server: RunningServer | None = None
-        self._procs: list[subprocess.Popen] = []
-        self._stopping = threading.Event()
+        self._supervisor: RankSupervisor | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
@@ -109,16 +121,19 @@ class LocalCluster:
         """Start the ranks, then the coordinator they register with; return once all have registered.
 
         The ranks are spawned first (with the coordinator's port chosen up front) so that their torch
-        imports overlap this process's; they retry registering until the coordinator answers.
+        imports overlap this process's; they retry registering until the coordinator answers. A rank that
+        exits during startup fails the start; restarts begin once every rank registered.
         """
         try:
             port = self.port or free_port(self.host)
-            self._spawn_ranks(f"{self._dial_host()}:{port}")
+            self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
+                                              on_exit=self._report_exit)
+            self._supervisor.spawn_all()
             self.coordinator, self._server = start_coordinator(
                 f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
                 self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after)
-            threading.Thread(target=self._watch_ranks, name="rank-watch", daemon=True).start()
             self._wait_ready(timeout)
+            self._supervisor.watch()
         except BaseException:
             self.stop()
             raise
@@ -136,33 +151,34 @@ class LocalCluster:
 
     @property
     def rank_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
+        """The current process id of every rank, by rank (a restarted rank's new one)."""
+        return self._started().pids()
+
+    def restarts(self, rank: int) -> int:
+        """How many times `rank` was restarted."""
+        return self._started().restarts(rank)
+
+    def stays_dead(self, rank: int) -> bool:
+        """Whether `rank` exited with no restarts left."""
+        return self._started().stays_dead(rank)
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to one rank's process (tests use it to simulate failures); SIGKILL waits until it is gone
         (its fds closed: a same-host client's shared-memory mapping then sees the rank dead too)."""
-        os.kill(self._procs[rank].pid, sig)
+        proc = self._started().process(rank)
+        os.kill(proc.pid, sig)
         if sig == signal.SIGKILL:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self._procs[rank].wait(timeout=30)
+                proc.wait(timeout=30)
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM every rank, SIGKILL those still alive after `grace`, then stop the coordinator. Idempotent."""
+        """SIGTERM every rank, SIGKILL those still alive after `grace`, then stop the coordinator; no rank is
+        restarted once this began. Idempotent."""
         with self._lock:
-            self._stopping.set()
             if self.coordinator is not None:
                 self.coordinator.stop_monitor()
-            for proc in self._procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace
-            for proc in self._procs:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.warning("rank pid %d did not stop in %.1fs; killing it", proc.pid, grace)
-                    proc.kill()
-                    proc.wait(timeout=5.0)
+            if self._supervisor is not None:
+                self._supervisor.stop(grace)
             if self._server is not None:
                 self._server.stop(grace=1.0)
             if self.coordinator is not None:
@@ -177,82 +193,37 @@ class LocalCluster:
 
     # ------------------------------------------------------------ ranks
 
-    def _spawn_ranks(self, coordinator: str) -> None:
-        for rank in range(self.ranks):
-            self._procs.append(subprocess.Popen(self._rank_command(coordinator), env=self._rank_env(rank),
-                                                stdin=subprocess.DEVNULL))
-        log.info("started ranks %s", self.rank_pids)
+    def _started(self) -> RankSupervisor:
+        if self._supervisor is None:
+            raise RuntimeError("the cluster is not started")
+        return self._supervisor
 
-    def _rank_command(self, coordinator: str) -> list[str]:
-        cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{self.host}:0",
-               "--device", self.device,
-               "--max-request-bytes", str(self.max_request_bytes), "--log-level", self.log_level]
-        if self.memory_limit is not None:
-            cmd += ["--memory-limit", str(self.memory_limit)]
-        if self.recycle_bytes is not None:
-            cmd += ["--recycle-bytes", str(self.recycle_bytes)]
-        if not self.bulk_reads:
-            cmd.append("--no-bulk-reads")
-        tls = self.security.tls
-        if tls is not None:
-            cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
-        return cmd
+    def _launches(self, coordinator: str) -> list[RankLaunch]:
+        command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
+                               self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads)
+        return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
+                for rank in range(self.ranks)]
 
-    def _rank_env(self, rank: int) -> dict[str, str]:
-        """torchrun's variables but MASTER_ADDR/PORT: ranks form their groups over the coordinator's store."""
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.ranks),
-                   LOCAL_WORLD_SIZE=str(self.ranks), GROUP_RANK="0")
-        env[PARENT_PID_ENV] = str(os.getpid())
-        # As torchrun does: ranks sharing a host split its cores instead of each taking all of them.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.ranks)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-        env.pop(TOKEN_ENV, None)
-        if self.security.token:
-            env[TOKEN_ENV] = self.security.token
-        return env
+    def _report_exit(self, rank: int, reason: str) -> None:
+        """Tell the coordinator at once that a rank's process ended (it need not wait for missed heartbeats)."""
+        coordinator = self.coordinator
+        if coordinator is not None:
+            coordinator.registry.mark_exited(rank, reason)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        assert self.coordinator is not None
+        assert self.coordinator is not None and self._supervisor is not None
         while not self.coordinator.registry.wait_for_ranks(self.ranks, timeout=0.2):
-            for rank, proc in enumerate(self._procs):
+            for rank in range(self.ranks):
+                proc = self._supervisor.process(rank)
                 if proc.poll() is not None:
-                    raise RuntimeError(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode} "
+                    raise RuntimeError(f"rank {rank} (pid {proc.pid}) {exit_reason(proc.returncode)} "
                                        f"during startup")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"only some of {self.ranks} ranks registered within {timeout}s")
 
-    def _watch_ranks(self) -> None:
-        """Report ranks whose process ends while the cluster is up."""
-        reported: set[int] = set()
-        while not self._stopping.wait(0.2):
-            for rank, proc in enumerate(self._procs):
-                if rank not in reported and proc.poll() is not None:
-                    reported.add(rank)
-                    coordinator = self.coordinator
-                    if coordinator is not None and not self._stopping.is_set():
-                        coordinator.registry.mark_exited(rank, f"process {proc.pid} exited with code {proc.returncode}")
-
 
 # ---------------------------------------------------------------- command lines
-
-class _Stop(Exception):
-    """Raised in the main thread by SIGINT/SIGTERM."""
-
-
-def _raise_stop(signum: int, frame: object) -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, signal.SIG_IGN)  # a second signal must not interrupt the cleanup
-    raise _Stop(signal.Signals(signum).name)
-
-
-def _wait_for_signal() -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _raise_stop)
-    while True:
-        time.sleep(0.2)  # short sleeps: a signal landing on a non-main thread is handled promptly
-
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=".shardserve", help="directory of the SQLite catalog "
@@ -279,15 +250,7 @@ def main_up(argv: Sequence[str]) -> int:
     parser.add_argument("--ranks", type=int, default=2, help="number of ranks (default %(default)s)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0 = any free port)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)")
-    parser.add_argument("--memory-limit", type=int, default=None, help="bytes of shards per rank (0 = unlimited; "
-                        "default: on CPU, 0.8 of the host's memory split among the ranks)")
-    parser.add_argument("--max-request-bytes", type=int, default=0, help="largest ReadRegion box in bytes "
-                        "(0 = unlimited)")
-    parser.add_argument("--recycle-bytes", type=int, default=None, help="bytes of freed versions' memory each "
-                        "rank keeps for reuse (0 = off; default: the rank's, 1 GiB)")
-    parser.add_argument("--no-bulk-reads", action="store_true", help="ranks serve no bulk TCP port; remote "
-                        "clients read over gRPC only (always so with TLS)")
+    add_rank_args(parser)
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks")
     parser.add_argument("--demo", action="store_true", help="serve the demo table 'demo' (float32 1,000,000 x 64, "
                         "normal, seed 0, row-wise over all ranks), loaded from a DCP checkpoint written once "
@@ -296,9 +259,9 @@ def main_up(argv: Sequence[str]) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 1:
         parser.error("--ranks must be >= 1")
-    for flag in ("memory_limit", "max_request_bytes", "port", "recycle_bytes"):
-        if (getattr(args, flag) or 0) < 0:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    check_rank_args(parser, args)
+    if args.port < 0:
+        parser.error("--port must be >= 0")
     if args.port > 65535:
         parser.error(f"--port {args.port} is not a TCP port (0-65535)")
     if not args.host.strip():
@@ -313,16 +276,16 @@ def main_up(argv: Sequence[str]) -> int:
                            memory_limit=args.memory_limit, max_request_bytes=args.max_request_bytes,
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
-                           bulk_reads=not args.no_bulk_reads, repair_after=args.repair_after)
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _raise_stop)
+                           bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
+                           restart_backoff=args.restart_backoff, repair_after=args.repair_after)
+    handle_stop_signals()
     try:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
             create_demo(cluster)
         print(f"coordinator: {cluster.address}", flush=True)
-        _wait_for_signal()
-    except _Stop as stop:
+        wait_for_stop_signal()
+    except Stop as stop:
         log.info("%s received; stopping the cluster", stop)
     except (OSError, RuntimeError, TimeoutError, ValueError) as err:
         log.error("the cluster could not start: %s", err)
@@ -356,8 +319,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
         security = security_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _raise_stop)
+    handle_stop_signals()
     try:
         coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
                                                  store_port=args.store_port, repair_after=args.repair_after)
@@ -366,8 +328,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
         return 1
     try:
         print(f"coordinator: {running.address}", flush=True)
-        _wait_for_signal()
-    except _Stop as stop:
+        wait_for_stop_signal()
+    except Stop as stop:
         log.info("%s received; stopping the coordinator", stop)
     finally:
         running.stop(grace=1.0)

@@ -1,6 +1,6 @@
 """The `shardserve` command: start a cluster (up, coordinator) and inspect or use one.
 
-`up` and `coordinator` hand over to `python -m server` (os.execv), so the
+`up`, `coordinator` and `node` hand over to `python -m server` (os.execv), so the
 client never imports the server. Every other subcommand talks to a running
 coordinator given by --coordinator or SHARDSERVE_COORDINATOR. Expected errors
 print one line on stderr and exit non-zero, without a traceback.
@@ -22,8 +22,10 @@ _INTERRUPTED = {  # what an interrupted command leaves behind
 _SERVER_COMMANDS = {
     "up": "run a coordinator and N shard servers on this host (foreground; Ctrl-C stops all). "
           "Options go to `python -m server up`; see `shardserve up --help`.",
-    "coordinator": "run only the coordinator (ranks join it with `torchrun ... -m server --coordinator HOST:PORT`). "
-                   "See `shardserve coordinator --help`.",
+    "coordinator": "run only the coordinator (ranks join it with `shardserve node` or `torchrun ... -m server "
+                   "--coordinator HOST:PORT`). See `shardserve coordinator --help`.",
+    "node": "run and supervise some ranks of a cluster whose coordinator runs elsewhere, restarting each that "
+            "exits (foreground; Ctrl-C stops them). See `shardserve node --help`.",
 }
 
 
@@ -54,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _SERVER_COMMANDS.items():
         sub.add_parser(name, help=text, description=text, add_help=False)
-    sub.add_parser("status", help="table of ranks (address, device, alive, memory) and tensors",
-                   description="Show every rank (address, device, alive, memory) and every tensor "
+    sub.add_parser("status", help="table of ranks (address, device, pid, restarts, alive, memory) and tensors",
+                   description="Show every rank (address, device, pid, restarts, alive, memory) and every tensor "
                                "(version, health, replicas, shape, dtype, layout, bytes).")
     sub.add_parser("list", help="print the READY tensors, one per line",
                    description="Print the READY tensors, one per line: name, version, shape, dtype, replicas "
@@ -105,13 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _server_options(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str]) -> list[str]:
-    """The global options given before `up`/`coordinator` as the server's: --token carries over (the cluster's
-    token either way); the others mean something else there (--tls-cert is the client's certificate here, the
-    server's there), so they are an error saying where they go."""
+    """The global options given before `up`/`coordinator`/`node` as the server's: --token carries over (the
+    cluster's token either way), and --coordinator for `node`; the others mean something else there
+    (--tls-cert is the client's certificate here, the server's there), so they are an error saying where
+    they go."""
     options = []
     for word in (w.split("=", 1)[0] for w in given if w.startswith("--")):
         if word == "--token":
             options += ["--token", args.token]
+        elif word == "--coordinator" and args.command == "node":  # the node's ranks dial it
+            options += ["--coordinator", args.coordinator]
         else:
             parser.error(f"{word} before `{args.command}` is a client option; give the server's options after "
                          f"it (`shardserve {args.command} --help`)")
@@ -142,10 +147,10 @@ def _status(cluster) -> None:
     from shardcore.dtypes import dtype_name
 
     ranks = Table(title=f"ranks of {cluster.address}")
-    for column in ("rank", "address", "device", "host", "pid", "alive", "memory used", "memory limit"):
+    for column in ("rank", "address", "device", "host", "pid", "restarts", "alive", "memory used", "memory limit"):
         ranks.add_column(column)
     for r in cluster.ranks():
-        ranks.add_row(str(r.rank), r.address, r.device, r.hostname, str(r.pid),
+        ranks.add_row(str(r.rank), r.address, r.device, r.hostname, str(r.pid), str(r.restarts),
                       "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
                       _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-")
     tensors = Table(title="tensors")

@@ -76,6 +76,7 @@ class RankRegistry:
             with self._ranks_changed:
                 self._check_fits_the_world(info)
                 old = self._ranks.get(info.rank)
+                entry.info.restarts = _restarts_after(old, info)
                 self._ranks[info.rank] = entry
                 self._ranks_changed.notify_all()
         except ServiceError:
@@ -83,8 +84,8 @@ class RankRegistry:
             raise
         if old is not None:
             old.channel.close()
-        log.info("rank %d registered: %s device %s pid %d on %s", info.rank, info.address, info.device,
-                 info.pid, info.hostname)
+        log.info("rank %d registered: %s device %s pid %d on %s%s", info.rank, info.address, info.device,
+                 info.pid, info.hostname, f" (restart {entry.info.restarts})" if entry.info.restarts else "")
         return {(h.name, h.version) for h in held}
 
     def _check_fits_the_world(self, info: pb.RankInfo) -> None:
@@ -278,6 +279,15 @@ class RankRegistry:
         with self._ranks_changed:
             for entry in self._ranks.values():
                 entry.channel.close()
+
+
+def _restarts_after(old: RankEntry | None, info: pb.RankInfo) -> int:
+    """The restart count of a registration: one more than the old entry's when a new process (another pid or
+    host) registers the rank number; unchanged when the same process registers again."""
+    if old is None:
+        return 0
+    same_process = old.info.pid == info.pid and old.info.hostname == info.hostname
+    return old.info.restarts + (0 if same_process else 1)
 
 
 def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:

@@ -221,6 +221,8 @@ def test_chunk_decoder_skips_unknown_fields_and_rejects_truncation():
     (["--token", "T", "up", "--ranks", "2"], ["up", "--token", "T", "--ranks", "2"]),
     (["--token=T", "coordinator", "--port", "5"], ["coordinator", "--token", "T", "--port", "5"]),
     (["up", "--token", "x", "--ranks", "3"], ["up", "--token", "x", "--ranks", "3"]),
+    (["--coordinator", "h:1", "node", "--ranks", "0-1", "--world-size", "4"],
+     ["node", "--coordinator", "h:1", "--ranks", "0-1", "--world-size", "4"]),
 ])
 def test_server_commands_get_the_global_token_and_their_own_options(argv, forwarded, monkeypatch):
     import client.cli.main as cli

@@ -1,4 +1,5 @@
-"""Launching: `python -m server up` as a process, signals, dead ranks, `coordinator` + torchrun, restarts."""
+"""Launching: `python -m server up` as a process, signals, dead ranks, `coordinator` + torchrun, restarts,
+`shardserve node` (its ranks restarted one by one, all stopped by SIGTERM)."""
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
+SHARDSERVE = str(Path(sys.executable).with_name("shardserve"))
 
 
 def spawn(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
@@ -210,6 +212,9 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     (["up", "--recycle-bytes", "-1"], "--recycle-bytes must be >= 0"),
     (["up", "--port", "70000"], "--port 70000 is not a TCP port"),
     (["up", "--host", ""], "--host is empty"),
+    (["up", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+    (["node", "--coordinator", "127.0.0.1:1", "--ranks", "0,4", "--world-size", "4"],
+     "rank 4 is not below --world-size 4"),
     (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
     (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
     (["--coordinator", "127.0.0.1:1", "--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
@@ -249,3 +254,49 @@ def test_a_link_that_never_registered_stops_cleanly():
     link = CoordinatorLink("127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False))
     link.stop()  # raised "cannot join thread before it is started" before the fix
     assert not link._thread.is_alive() and link._stop.is_set()
+
+
+def live_ranks(stub: pb_grpc.CoordinatorStub) -> dict[int, pb.RankInfo]:
+    return {r.rank: r for r in stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks if r.alive}
+
+
+def test_node_restarts_a_killed_rank_and_sigterm_stops_them_all(tmp_path):
+    """Against `coordinator` as a process, which learns of the death from missed heartbeats only: the new
+    process registers once the old one is known dead, and is counted as a restart."""
+    port = free_port()
+    coord, lines = spawn(["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
+                          "--heartbeat-interval", "0.3"], tmp_path)
+    node = subprocess.Popen([SHARDSERVE, "node", "--coordinator", f"127.0.0.1:{port}", "--ranks", "0-1",
+                             "--world-size", "2", "--host", "127.0.0.1", "--restart-backoff", "0.2"],
+                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.DEVNULL)
+    pids: set[int] = set()
+    try:
+        address = coordinator_line(coord, lines)
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            wait_until(lambda: len(live_ranks(stub)) == 2, START_TIMEOUT, "both ranks of the node to register")
+            first = live_ranks(stub)
+            pids |= {r.pid for r in first.values()}
+            os.kill(first[1].pid, signal.SIGKILL)
+
+            def back() -> bool:
+                rank1 = live_ranks(stub).get(1)
+                return rank1 is not None and rank1.pid != first[1].pid
+            wait_until(back, START_TIMEOUT, "rank 1 to come back with a new process")
+            again = live_ranks(stub)
+            assert again[1].restarts == 1 and again[1].address != first[1].address
+            assert (again[0].pid, again[0].restarts) == (first[0].pid, 0)
+            pids.add(again[1].pid)
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(timeout=30) == 0
+        wait_until(lambda: all(gone(p) for p in pids), 10, "every rank process of the node to exit")
+    finally:
+        for proc in (node, coord):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in (node, coord):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)

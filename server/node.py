@@ -1,0 +1,110 @@
+"""`node`: supervise some ranks of a cluster whose coordinator runs elsewhere, the multi-node sibling of `up`.
+
+`shardserve node --coordinator HOST:PORT --ranks 0-3 --world-size 8` starts
+those ranks on this host (LOCAL_RANK = their position in --ranks) and restarts
+each one that exits, one by one, with the same backoff and --max-restarts as
+`up` (server/supervisor.py); unlike torchrun, a dead rank never stops its
+node-mates. SIGINT/SIGTERM stops them all; the node exits 1 once every rank it
+supervises is out of restarts.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Sequence
+
+from server.common.cli_args import add_security_args, configure_logging, security_from_args
+from server.common.stop_signals import Stop, handle_stop_signals
+from server.supervisor import (
+    RankLaunch,
+    RankSupervisor,
+    add_rank_args,
+    check_rank_args,
+    parse_rank_list,
+    rank_command,
+    rank_env,
+    restart_policy_from_args,
+)
+
+log = logging.getLogger(__name__)
+
+COORDINATOR_ENV = "SHARDSERVE_COORDINATOR"
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
+    """The node's arguments and its sorted rank numbers; usage errors (exit 2) name the flag."""
+    parser = argparse.ArgumentParser(
+        prog="shardserve node", description="Run and supervise some ranks of a cluster whose coordinator runs "
+        "elsewhere (`shardserve coordinator`): each rank that exits is restarted under its rank number; "
+        "SIGINT/SIGTERM stops them all.")
+    parser.add_argument("--coordinator", default=os.environ.get(COORDINATOR_ENV), metavar="HOST:PORT",
+                        help=f"the coordinator's address (default: ${COORDINATOR_ENV})")
+    parser.add_argument("--ranks", required=True, help="rank numbers to run here: a range 0-3, a list 0,2,5, "
+                        "or both (0-1,4)")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks in the whole cluster, all nodes")
+    parser.add_argument("--host", default="0.0.0.0", help="interface the ranks bind; on 0.0.0.0 they advertise "
+                        "this host's name (default %(default)s)")
+    add_rank_args(parser)
+    add_security_args(parser)
+    args = parser.parse_args(argv)
+    if not args.coordinator:
+        parser.error(f"--coordinator HOST:PORT is required (or set ${COORDINATOR_ENV})")
+    _check_address(parser, args.coordinator)
+    if args.world_size < 1:
+        parser.error(f"--world-size must be >= 1, got {args.world_size}")
+    if not args.host.strip():
+        parser.error("--host is empty (an interface address, e.g. 0.0.0.0)")
+    check_rank_args(parser, args)
+    try:
+        ranks = parse_rank_list(args.ranks, args.world_size)
+    except ValueError as err:
+        parser.error(str(err))
+    return args, ranks
+
+
+def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"--coordinator {address!r} is not HOST:PORT with a port 1-65535")
+
+
+def node_launches(args: argparse.Namespace, ranks: Sequence[int], token: str | None,
+                  command: Sequence[str]) -> list[RankLaunch]:
+    """One launch per rank: LOCAL_RANK is its position on this node, LOCAL_WORLD_SIZE the node's rank count."""
+    return [RankLaunch(rank, command, rank_env(rank, local, len(ranks), args.world_size, token))
+            for local, rank in enumerate(ranks)]
+
+
+def main_node(argv: Sequence[str]) -> int:
+    """Run the node until SIGINT/SIGTERM (0), or until every rank is out of restarts (1)."""
+    args, ranks = parse_args(argv)
+    configure_logging(args.log_level)
+    try:
+        security = security_from_args(args)
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    command = rank_command(args.coordinator, args.host, args.device, args.max_request_bytes, args.log_level,
+                           security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads)
+    supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
+                                restart_policy_from_args(args))
+    handle_stop_signals()
+    try:
+        supervisor.spawn_all()
+        supervisor.watch()
+        print(f"node: ranks {','.join(map(str, ranks))} of {args.world_size} started, coordinator "
+              f"{args.coordinator}", flush=True)
+        while not all(supervisor.stays_dead(rank) for rank in ranks):
+            time.sleep(0.2)  # short sleeps: a signal landing on a non-main thread is handled promptly
+        log.error("every rank of this node is out of restarts; the node exits")
+        return 1
+    except Stop as stop:
+        log.info("%s received; stopping ranks %s", stop, ranks)
+        return 0
+    except OSError as err:
+        log.error("the ranks could not start: %s", err)
+        return 1
+    finally:
+        supervisor.stop()

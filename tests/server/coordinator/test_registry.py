@@ -1,0 +1,56 @@
+"""RankRegistry re-admission in-process: a restarted rank (new pid, new address) is refused while its old
+incarnation still looks alive, admitted once that one is known dead (exited or out of heartbeats), and counted
+as a restart; the same process registering again is not."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import Unavailable
+from server.coordinator.registry import RankRegistry
+
+DEAD_AFTER = 0.3
+WAIT_S = 10.0
+
+
+def incarnation(pid: int, port: int, rank: int = 0) -> pb.RankInfo:
+    return pb.RankInfo(rank=rank, address=f"127.0.0.1:{port}", device="cpu", hostname="node-a", world_size=2,
+                       pid=pid)
+
+
+def restarts_of(registry: RankRegistry, rank: int = 0) -> int:
+    return next(r.restarts for r in registry.ranks() if r.rank == rank)
+
+
+@pytest.fixture
+def registry():
+    registry = RankRegistry(dead_after=DEAD_AFTER)
+    yield registry
+    registry.close()
+
+
+def test_a_restarted_rank_waits_for_its_old_incarnation_to_miss_its_heartbeats(registry):
+    registry.register(incarnation(pid=100, port=7001), [])
+    with pytest.raises(Unavailable, match="registered at 127.0.0.1:7001 and alive"):
+        registry.register(incarnation(pid=200, port=7002), [])
+    deadline = time.monotonic() + WAIT_S
+    while registry.rank_alive(0):  # no heartbeats: the old entry expires after DEAD_AFTER
+        assert time.monotonic() < deadline, "the old incarnation never expired"
+        time.sleep(0.05)
+    registry.register(incarnation(pid=200, port=7002), [])
+    [info] = registry.ranks()
+    assert (info.pid, info.address, info.alive, info.restarts) == (200, "127.0.0.1:7002", True, 1)
+
+
+def test_an_exited_rank_is_replaced_at_once_and_each_new_process_counts(registry):
+    registry.register(incarnation(pid=100, port=7001), [])
+    registry.mark_exited(0, "process 100 was killed by SIGKILL")
+    registry.register(incarnation(pid=200, port=7002), [])
+    assert restarts_of(registry) == 1
+    registry.register(incarnation(pid=200, port=7002), [])  # the same process again (e.g. after NOT_FOUND)
+    assert restarts_of(registry) == 1
+    registry.mark_exited(0, "process 200 exited with code 1")
+    registry.register(incarnation(pid=300, port=7003), [])
+    assert restarts_of(registry) == 2 and registry.rank_alive(0)
