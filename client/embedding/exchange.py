@@ -4,20 +4,25 @@ Same-host ranks answer row items from their mapped shards in the calling
 thread; the ranks left over get one call each, over their bulk port (every
 request sent from the calling thread before any answer is awaited) or over
 gRPC, both through client.paths. Answers are collected by a Receiver per rank.
+A call that has not answered within the hedge delay is asked of one other rank
+holding a copy of every shard it names (client.paths.hedging), into a Receiver
+of its own that the call's Receiver adopts if it answers first.
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import grpc
 import torch
 
 from client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
-from client.errors import ShardServeError, StaleVersionError
+from client.errors import RankUnavailableError, ShardServeError, StaleVersionError
 from client.paths.grpc import answers_in_one_message
+from client.paths.hedging import Cancellation, Landing
 from client.paths.policy import NetworkCall, SentCalls
 from client.session import Session
 from protos import shardserve_pb2 as pb
@@ -98,17 +103,49 @@ def network_call(session: Session, rank: int, receiver: "Receiver") -> NetworkCa
     expected = sum(answer_bytes(item) for item in receiver.items)
     paths = session.paths
 
-    def send_bulk() -> Callable[[], None]:
-        answer = paths.bulk.send_lookup(status.address, request, reply_bytes(receiver.items))
+    def send_bulk(cancel: Cancellation) -> Callable[[], None]:
+        answer = paths.bulk.send_lookup(status.address, request, reply_bytes(receiver.items), cancel)
 
         def take_answer() -> None:
             receiver.reply = answer()
         return take_answer
 
-    def over_grpc() -> None:
-        paths.grpc.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where)
+    def over_grpc(cancel: Cancellation) -> None:
+        paths.grpc.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where, cancel)
 
-    return NetworkCall(status, send_bulk if answers_in_one_message(expected) else None, over_grpc)
+    return NetworkCall(status, send_bulk if answers_in_one_message(expected) else None, over_grpc,
+                       partial(hedge_call, session, receiver), expected)
+
+
+def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> tuple[str, Landing]:
+    """The receiver's items asked of one other rank holding a copy of every shard they name (the hedge of a
+    silent lookup call): its path, and the landing that makes `receiver` take this answer."""
+    found = session.copies_on_one_rank([(item.view.summary, item.message.shard_index) for item in receiver.items])
+    if found is None:
+        raise RankUnavailableError(f"{receiver.where}: no other rank holds a copy of every shard asked")
+    rank, indices = found
+    items = []
+    for item, index in zip(receiver.items, indices):
+        message = pb.LookupItem()
+        message.CopyFrom(item.wire_message())
+        message.shard_index = index
+        items.append(replace(item, rank=rank, message=message, answer=None))
+    hedge = Receiver(items, f"rank {rank} at {session.address_of(rank)}")
+    call = network_call(session, rank, hedge)
+    send_bulk = call.send_bulk
+
+    def run(path: str) -> None:
+        if path == "tcp" and send_bulk is not None:
+            send_bulk(cancel)()
+        else:
+            call.over_grpc(cancel)
+    try:
+        path = session.paths.over_network(call.rank, run, cancel)[1] if send_bulk is not None else \
+            (call.over_grpc(cancel), "grpc")[1]
+    except RankUnavailableError as err:
+        session.paths.note_failure(call.rank, err)
+        raise
+    return path, partial(receiver.adopt, hedge)
 
 
 def answer_through_shared_memory(session: Session, rank: int, items: list[ItemPlan]) -> list[ItemPlan]:
@@ -161,6 +198,11 @@ class Receiver:
             raise ShardServeError(f"{self.where} sent a misplaced chunk for item {index}")
         buffer[chunk.offset:end] = chunk.data
         self.received[index] = end
+
+    def adopt(self, other: "Receiver") -> None:
+        """Take what `other` (the same items asked of another copy) received, in place of this one's answer."""
+        self.buffers, self.received, self.headers, self.reply = other.buffers, other.received, other.headers, \
+            other.reply
 
     def add_in_turn(self, chunk: RawLookupChunk) -> None:
         """add(chunk) under the process-wide CPU turn (a streamed answer waits for its next chunk outside it)."""
