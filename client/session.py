@@ -21,7 +21,7 @@ from client.channel import Channel
 from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError,
                            error_from_rpc)
 from client.info import RankStatus, TensorSummary
-from client.paths.hedging import copies_on_one_rank, other_copies
+from client.paths.hedging import other_copies
 from client.paths.policy import PathPolicy
 from protos import shardserve_pb2 as pb
 from shardcore.interop import as_spec
@@ -157,12 +157,6 @@ class Session:
         """The other readable copies of shard `index` of `summary` on other ranks, the best first (for a
         hedge: client.paths.hedging)."""
         return other_copies(summary.metadata, index, self.unavailable_shards(summary), self.suspect_shards(summary))
-
-    def copies_on_one_rank(self, shards: Sequence[tuple[TensorSummary, int]]) -> tuple[int, list[int]] | None:
-        """A rank holding another readable copy of every (summary, shard index) and those copies' indices, for a
-        lookup request's hedge; None when no one rank does."""
-        choices = [self.other_copies(summary, index) for summary, index in shards]
-        return copies_on_one_rank([summary.metadata for summary, _ in shards], [i for _, i in shards], choices)
 
     # ------------------------------------------------------------ tensors
 

@@ -118,34 +118,34 @@ def network_call(session: Session, rank: int, receiver: "Receiver") -> NetworkCa
 
 
 def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> tuple[str, Landing]:
-    """The receiver's items asked of one other rank holding a copy of every shard they name (the hedge of a
-    silent lookup call): its path, and the landing that makes `receiver` take this answer."""
-    found = session.copies_on_one_rank([(item.view.summary, item.message.shard_index) for item in receiver.items])
-    if found is None:
-        raise RankUnavailableError(f"{receiver.where}: no other rank holds a copy of every shard asked")
-    rank, indices = found
-    items = []
-    for item, index in zip(receiver.items, indices):
+    """The receiver's items asked of other copies of their shards (the hedge of a silent lookup call): one call
+    per rank holding them, sent together; returns the path of the last and the landing that makes `receiver`
+    take these answers."""
+    by_rank: dict[int, list[tuple[int, ItemPlan]]] = defaultdict(list)
+    for position, item in enumerate(receiver.items):
+        others = session.other_copies(item.view.summary, item.message.shard_index)
+        if not others:
+            raise RankUnavailableError(f"{receiver.where}: shard {item.message.shard_index} of "
+                                       f"{item.view.name!r} has no other copy to ask")
+        index = others[0]
+        rank = item.view.summary.metadata.shards_metadata[index].rank
         message = pb.LookupItem()
         message.CopyFrom(item.wire_message())
         message.shard_index = index
-        items.append(replace(item, rank=rank, message=message, answer=None))
-    hedge = Receiver(items, f"rank {rank} at {session.address_of(rank)}")
-    call = network_call(session, rank, hedge)
-    send_bulk = call.send_bulk
+        by_rank[rank].append((position, replace(item, rank=rank, message=message, answer=None)))
+    hedges = [(positions, Receiver([item for _, item in group], f"rank {rank} at {session.address_of(rank)}"))
+              for rank, group in sorted(by_rank.items()) for positions in [[p for p, _ in group]]]
+    calls = [replace(network_call(session, hedge.items[0].rank, hedge), hedge=None) for _, hedge in hedges]
+    sent = session.paths.send_all(calls, session.channel.submit)
+    cancel.on_cancel(sent.cancel)
+    paths = sent.wait()
+    for _, hedge in hedges:
+        hedge.take_reply()
 
-    def run(path: str) -> None:
-        if path == "tcp" and send_bulk is not None:
-            send_bulk(cancel)()
-        else:
-            call.over_grpc(cancel)
-    try:
-        path = session.paths.over_network(call.rank, run, cancel)[1] if send_bulk is not None else \
-            (call.over_grpc(cancel), "grpc")[1]
-    except RankUnavailableError as err:
-        session.paths.note_failure(call.rank, err)
-        raise
-    return path, partial(receiver.adopt, hedge)
+    def land() -> None:
+        for positions, hedge in hedges:
+            receiver.adopt(hedge, positions)
+    return paths[-1], land
 
 
 def answer_through_shared_memory(session: Session, rank: int, items: list[ItemPlan]) -> list[ItemPlan]:
@@ -199,22 +199,30 @@ class Receiver:
         buffer[chunk.offset:end] = chunk.data
         self.received[index] = end
 
-    def adopt(self, other: "Receiver") -> None:
-        """Take what `other` (the same items asked of another copy) received, in place of this one's answer."""
-        self.buffers, self.received, self.headers, self.reply = other.buffers, other.received, other.headers, \
-            other.reply
+    def adopt(self, other: "Receiver", positions: list[int]) -> None:
+        """Take what `other` received for its items (these items at `positions`, asked of other copies) in place
+        of this receiver's answer."""
+        self.reply = None
+        for own, position in enumerate(positions):
+            self.buffers[position] = other.buffers[own]
+            self.received[position] = other.received[own]
+            self.headers[position] = other.headers[own]
 
     def add_in_turn(self, chunk: RawLookupChunk) -> None:
         """add(chunk) under the process-wide CPU turn (a streamed answer waits for its next chunk outside it)."""
         with CPU_TURN:
             self.add(chunk)
 
-    def finish(self) -> None:
-        """Give every item its answer (the chunks added, or the bulk reply), checked whole."""
+    def take_reply(self) -> None:
+        """Add the chunks of a whole reply taken off the bulk port, if there is one."""
         if self.reply is not None:
             for chunk in decode_lookup_reply(self.reply):
                 self.add(chunk)
             self.reply = None
+
+    def finish(self) -> None:
+        """Give every item its answer (the chunks added, or the bulk reply), checked whole."""
+        self.take_reply()
         for index, item in enumerate(self.items):
             header, buffer = self.headers[index], self.buffers[index]
             if header is None or buffer is None or self.received[index] != len(buffer):

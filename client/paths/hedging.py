@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable, Sequence
+from typing import AbstractSet, Callable
 
 from client.errors import RankUnavailableError
 from shardcore.health import copies_by_box, pick_copy
@@ -92,21 +92,6 @@ def other_copies(meta: ShardedTensorMetadata, index: int, unavailable: AbstractS
         ordered.append(best)
         copies.remove(best)
     return ordered
-
-
-def copies_on_one_rank(meta_of: Sequence[ShardedTensorMetadata], indices: Sequence[int],
-                       choices: Sequence[Sequence[int]]) -> tuple[int, list[int]] | None:
-    """A rank holding another copy of every shard (`choices[k]`: the other copies of `indices[k]` in
-    `meta_of[k]`, the best first) and those copies' indices; None when no one rank holds them all."""
-    if not indices:
-        return None
-    ranks_by_item = [{meta.shards_metadata[i].rank: i for i in reversed(options)}
-                     for meta, options in zip(meta_of, choices)]
-    for option in choices[0]:
-        rank = meta_of[0].shards_metadata[option].rank
-        if all(rank in by_rank for by_rank in ranks_by_item):
-            return rank, [by_rank[rank] for by_rank in ranks_by_item]
-    return None
 
 
 @dataclass(eq=False)

@@ -451,6 +451,11 @@ class SentCalls:
             else:
                 self.races[index].primary_done()
 
+    def cancel(self) -> None:
+        """Cancel every call (a hedge whose primary answered first drops its calls)."""
+        for race in self.races:
+            race.primary.cancel()
+
     def failed(self, index: int, err: BaseException) -> None:
         """Call `index` failed with `err`: its hedge's answer lands when it has one, else the error is kept."""
         try:
