@@ -59,8 +59,10 @@ def data(cluster: LocalCluster) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def clients(cluster: LocalCluster, data: dict[str, torch.Tensor]) -> Iterator[dict[str, Cluster]]:
-    """One client per transport (plus one with hedging off), each warmed up through rank 1."""
-    made = {transport: connect(cluster.address, timeout=DEADLINE_S, transport=transport) for transport in TRANSPORTS}
+    """Two clients per transport (one fetches, one looks up: each meets the stopped rank first), plus one with
+    hedging off, each warmed up through rank 1."""
+    made = {f"{transport} {kind}": connect(cluster.address, timeout=DEADLINE_S, transport=transport)
+            for transport in TRANSPORTS for kind in ("fetch", "lookup")}
     made["unhedged"] = connect(cluster.address, timeout=DEADLINE_S, transport="tcp", hedge_after=None)
     try:
         for client in made.values():
@@ -92,18 +94,19 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(cluster: LocalClus
     cluster.kill_rank(STOPPED, signal.SIGSTOP)
     try:
         for transport in TRANSPORTS:
-            remote = clients[transport].tensor("mirrored")
-            checks = [(lambda: remote.full_tensor(), table),
-                      (lambda: remote.fetch((3, 1), (6, 4)), table[3:9, 1:5]),
-                      (lambda: remote.lookup(ids), F.embedding(ids, table)),
-                      (lambda: remote.lookup_bag(ids, offsets, mode="sum", pooling="client"),
+            fetched = clients[f"{transport} fetch"].tensor("mirrored")
+            looked_up = clients[f"{transport} lookup"].tensor("mirrored")
+            checks = [(lambda: fetched.full_tensor(), table),
+                      (lambda: fetched.fetch((3, 1), (6, 4)), table[3:9, 1:5]),
+                      (lambda: looked_up.lookup(ids), F.embedding(ids, table)),
+                      (lambda: looked_up.lookup_bag(ids, offsets, mode="sum", pooling="client"),
                        F.embedding_bag(ids, table, offsets, mode="sum"))]
             for read, expected in checks:
                 result, took = _timed(read)
                 assert torch.equal(result, expected), transport
                 assert took < WELL_WITHIN_S, f"{transport}: a read took {took:.1f} s"
-            assert remote.last_transport == transport
-        for transport in [*TRANSPORTS, "unhedged"]:
+            assert fetched.last_transport == transport
+        for transport in [f"{t} fetch" for t in TRANSPORTS] + ["unhedged"]:
             start = time.monotonic()
             with pytest.raises(RankUnavailableError) as raised:
                 clients[transport].tensor("single").fetch((4, 0), (2, DIM))
@@ -114,7 +117,7 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(cluster: LocalClus
         assert not coordinator.registry.rank_alive(STOPPED)
         result, took = _timed(lambda: clients["unhedged"].tensor("mirrored").full_tensor())
         assert torch.equal(result, table) and took < WELL_WITHIN_S
-        assert torch.equal(clients["tcp"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4])
+        assert torch.equal(clients["tcp fetch"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4])
     finally:
         cluster.kill_rank(STOPPED, signal.SIGCONT)
     _wait_until(lambda: coordinator.registry.rank_alive(STOPPED), "rank 1 to answer heartbeats again")
