@@ -176,12 +176,7 @@ class BulkPath:
         """A new connection to the bulk port of the rank at `address`, its ticket sent."""
         where = f"rank at {address}"
         try:
-            self.channel.check_open()
-            try:
-                session = unary(self.channel.shard_server(address).OpenBulkSession, pb.BulkSessionRequest(),
-                                self.channel.timeout, self.channel.metadata, cancel)
-            except grpc.RpcError as err:
-                raise error_from_rpc(err, where) from None
+            session = self._open_session(address, cancel)
         except ShardServeError as err:
             if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):  # none, or busy
                 raise BulkReadError(f"{where}: {err.message}", err.code) from None
@@ -198,6 +193,17 @@ class BulkPath:
             sock.close()
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
+
+    def _open_session(self, address: str, cancel: Cancellation | None) -> pb.BulkSession:
+        """OpenBulkSession of the rank at `address` (a call `cancel` can cancel when given)."""
+        where, method = f"rank at {address}", self.channel.shard_server(address).OpenBulkSession
+        if cancel is None:
+            return self.channel.unary(method, pb.BulkSessionRequest(), where)
+        self.channel.check_open()
+        try:
+            return unary(method, pb.BulkSessionRequest(), self.channel.timeout, self.channel.metadata, cancel)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, where) from None
 
     def _answer(self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float) -> T:
         """Take the answer of the request sent on `connection`; the connection is kept if still in step."""
