@@ -25,6 +25,7 @@ from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableEr
 from client.info import RankStatus, TensorSummary
 from client.ops import checkpoints
 from client.ops.row_updates import update_rows
+from client.paths.hedging import HEDGE_AFTER_S
 from client.paths.policy import PathPolicy, check_transport
 from client.session import Session
 from client.tensor import RemoteShardedTensor
@@ -40,7 +41,8 @@ INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NO
 
 def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
             tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0,
-            row_cache_max_age: float = 1.0, transport: str = "auto") -> "Cluster":
+            row_cache_max_age: float = 1.0, transport: str = "auto",
+            hedge_after: float | None = HEDGE_AFTER_S) -> "Cluster":
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
@@ -48,14 +50,19 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     `transport` picks the data path of reads (client.paths.policy): "auto" (shared memory for ranks on this
     host, else the ranks' bulk TCP port for parts over 1 MiB without TLS, else gRPC; each falling back to the
     next when it fails), or one path forced: "grpc", "shm" or "tcp" (an error when a rank cannot be read that way).
+    `hedge_after` (seconds, default 0.1; None or 0: off): a part of a read or lookup that has not answered this
+    long (plus 2 ms per MB) is asked of another copy of its box too, and the first answer wins
+    (client.paths.hedging); a part with no other copy ends with RankUnavailableError once the coordinator
+    reports its rank dead, hedging or not.
     """
     check_address(address)
     check_transport(transport)
     timeout = arguments.seconds(timeout, "timeout")
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
+    hedge_after = arguments.seconds(hedge_after, "hedge_after", allow_zero=True) if hedge_after is not None else None
     cache = RowCache(arguments.count(row_cache_bytes, "row_cache_bytes")) if row_cache_bytes else None
     cluster = Cluster(address, Channel(Credentials(token, tls_ca, tls_cert, tls_key), timeout), cache,
-                      row_cache_max_age, transport)
+                      row_cache_max_age, transport, hedge_after)
     try:
         cluster.session.refresh_ranks()
     except RankUnavailableError as err:
@@ -88,9 +95,11 @@ class Cluster:
     """
 
     def __init__(self, address: str, channel: Channel, row_cache: RowCache | None = None,
-                 row_cache_max_age: float = 1.0, transport: str = "auto") -> None:
+                 row_cache_max_age: float = 1.0, transport: str = "auto",
+                 hedge_after: float | None = HEDGE_AFTER_S) -> None:
         self.address = address
-        self.session = Session(address, channel, PathPolicy(transport, channel, channel.credentials.uses_tls))
+        self.session = Session(address, channel, PathPolicy(transport, channel, channel.credentials.uses_tls,
+                                                            hedge_after))
         self.lookups = Lookups(self.session, row_cache, row_cache_max_age)
 
     # ------------------------------------------------------------ lifecycle

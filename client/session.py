@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -20,6 +21,7 @@ from client.channel import Channel
 from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError,
                            error_from_rpc)
 from client.info import RankStatus, TensorSummary
+from client.paths.hedging import other_copies
 from client.paths.policy import PathPolicy
 from protos import shardserve_pb2 as pb
 from shardcore.interop import as_spec
@@ -30,6 +32,7 @@ from shardcore.validation import validate_metadata
 
 T = TypeVar("T")
 _STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
+RANKS_MAX_AGE_S = 1.0  # a waiting read's liveness checks share one ListRanks answer this long
 
 
 class Session:
@@ -42,6 +45,9 @@ class Session:
         self._coordinator = channel.coordinator(address)
         self._ranks: dict[int, RankStatus] = {}
         self._ranks_lock = threading.Lock()
+        self._ranks_at = 0.0  # monotonic time of the latest ListRanks answer
+        self._liveness_lock = threading.Lock()
+        paths.watch_ranks(self.rank_reported_dead)
 
     def close(self) -> None:
         """Close every bulk connection, shared-memory mapping (unmapped once no tensor uses it) and channel."""
@@ -92,7 +98,22 @@ class Session:
         ranks = [RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks]
         with self._ranks_lock:
             self._ranks = {r.rank: r for r in ranks}
+            self._ranks_at = time.monotonic()
         return ranks
+
+    def rank_reported_dead(self, rank: int) -> RankUnavailableError | None:
+        """The error to end a read waiting on `rank` with when the coordinator reports it dead, else None.
+
+        Asks ListRanks at most once per RANKS_MAX_AGE_S, however many reads wait: one asks, the others
+        use its answer."""
+        with self._liveness_lock:
+            if time.monotonic() - self._ranks_at >= RANKS_MAX_AGE_S:
+                self.refresh_ranks()
+        status = self._ranks.get(rank)
+        if status is None or status.alive:
+            return None
+        return RankUnavailableError(f"rank {rank} at {status.address} did not answer and the coordinator at "
+                                    f"{self.address} reports it dead", grpc.StatusCode.UNAVAILABLE)
 
     def known_ranks(self) -> list[int]:
         """The ranks seen at the latest refresh, sorted (no call)."""
@@ -132,6 +153,11 @@ class Session:
             return frozenset()
         return frozenset(i for i, shard in enumerate(summary.metadata.shards_metadata)
                          if shard.placement and shard.rank in unreachable)
+
+    def other_copies(self, summary: TensorSummary, index: int) -> list[int]:
+        """The other readable copies of shard `index` of `summary` on other ranks, the best first (for a
+        hedge: client.paths.hedging)."""
+        return other_copies(summary.metadata, index, self.unavailable_shards(summary), self.suspect_shards(summary))
 
     # ------------------------------------------------------------ tensors
 

@@ -274,7 +274,8 @@ class RemoteShardedTensor:
         def rank_of(index: int) -> RankStatus:
             return self._session.rank_status(summary.metadata.shards_metadata[index].rank)
 
-        path = self._session.paths.read(summary, parts, box, out, rank_of)
+        path = self._session.paths.read(summary, parts, box, out, rank_of,
+                                        lambda index: self._session.other_copies(summary, index))
         if path is not None:
             self.last_transport = path
 

@@ -4,20 +4,25 @@ Same-host ranks answer row items from their mapped shards in the calling
 thread; the ranks left over get one call each, over their bulk port (every
 request sent from the calling thread before any answer is awaited) or over
 gRPC, both through client.paths. Answers are collected by a Receiver per rank.
+A call that has not answered within the hedge delay is asked of one other rank
+holding a copy of every shard it names (client.paths.hedging), into a Receiver
+of its own that the call's Receiver adopts if it answers first.
 """
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Callable
 
 import grpc
 import torch
 
 from client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
-from client.errors import ShardServeError, StaleVersionError
+from client.errors import RankUnavailableError, ShardServeError, StaleVersionError
 from client.paths.grpc import answers_in_one_message
+from client.paths.hedging import Cancellation, Landing
 from client.paths.policy import NetworkCall, SentCalls
 from client.session import Session
 from protos import shardserve_pb2 as pb
@@ -98,17 +103,49 @@ def network_call(session: Session, rank: int, receiver: "Receiver") -> NetworkCa
     expected = sum(answer_bytes(item) for item in receiver.items)
     paths = session.paths
 
-    def send_bulk() -> Callable[[], None]:
-        answer = paths.bulk.send_lookup(status.address, request, reply_bytes(receiver.items))
+    def send_bulk(cancel: Cancellation) -> Callable[[], None]:
+        answer = paths.bulk.send_lookup(status.address, request, reply_bytes(receiver.items), cancel)
 
         def take_answer() -> None:
             receiver.reply = answer()
         return take_answer
 
-    def over_grpc() -> None:
-        paths.grpc.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where)
+    def over_grpc(cancel: Cancellation) -> None:
+        paths.grpc.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where, cancel)
 
-    return NetworkCall(status, send_bulk if answers_in_one_message(expected) else None, over_grpc)
+    return NetworkCall(status, send_bulk if answers_in_one_message(expected) else None, over_grpc,
+                       partial(hedge_call, session, receiver), expected)
+
+
+def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> tuple[str, Landing]:
+    """The receiver's items asked of other copies of their shards (the hedge of a silent lookup call): one call
+    per rank holding them, sent together; returns the path of the last and the landing that makes `receiver`
+    take these answers."""
+    by_rank: dict[int, list[tuple[int, ItemPlan]]] = defaultdict(list)
+    for position, item in enumerate(receiver.items):
+        others = session.other_copies(item.view.summary, item.message.shard_index)
+        if not others:
+            raise RankUnavailableError(f"{receiver.where}: shard {item.message.shard_index} of "
+                                       f"{item.view.name!r} has no other copy to ask")
+        index = others[0]
+        rank = item.view.summary.metadata.shards_metadata[index].rank
+        message = pb.LookupItem()
+        message.CopyFrom(item.wire_message())
+        message.shard_index = index
+        by_rank[rank].append((position, replace(item, rank=rank, message=message, answer=None)))
+    hedges = [(positions, Receiver([item for _, item in group], f"rank {rank} at {session.address_of(rank)}"))
+              for rank, group in sorted(by_rank.items()) for positions in [[p for p, _ in group]]]
+    calls = [replace(network_call(session, hedge.items[0].rank, hedge), hedge=None) for _, hedge in hedges]
+    sent = session.paths.send_all(calls, session.channel.submit)
+    cancel.on_cancel(sent.cancel)
+    paths = sent.wait()
+    for _, hedge in hedges:
+        hedge.take_reply()
+
+    def land() -> None:
+        for positions, hedge in hedges:
+            receiver.adopt(hedge, positions)
+    return paths[-1], land
 
 
 def answer_through_shared_memory(session: Session, rank: int, items: list[ItemPlan]) -> list[ItemPlan]:
@@ -162,17 +199,30 @@ class Receiver:
         buffer[chunk.offset:end] = chunk.data
         self.received[index] = end
 
+    def adopt(self, other: "Receiver", positions: list[int]) -> None:
+        """Take what `other` received for its items (these items at `positions`, asked of other copies) in place
+        of this receiver's answer."""
+        self.reply = None
+        for own, position in enumerate(positions):
+            self.buffers[position] = other.buffers[own]
+            self.received[position] = other.received[own]
+            self.headers[position] = other.headers[own]
+
     def add_in_turn(self, chunk: RawLookupChunk) -> None:
         """add(chunk) under the process-wide CPU turn (a streamed answer waits for its next chunk outside it)."""
         with CPU_TURN:
             self.add(chunk)
 
-    def finish(self) -> None:
-        """Give every item its answer (the chunks added, or the bulk reply), checked whole."""
+    def take_reply(self) -> None:
+        """Add the chunks of a whole reply taken off the bulk port, if there is one."""
         if self.reply is not None:
             for chunk in decode_lookup_reply(self.reply):
                 self.add(chunk)
             self.reply = None
+
+    def finish(self) -> None:
+        """Give every item its answer (the chunks added, or the bulk reply), checked whole."""
+        self.take_reply()
         for index, item in enumerate(self.items):
             header, buffer = self.headers[index], self.buffers[index]
             if header is None or buffer is None or self.received[index] != len(buffer):

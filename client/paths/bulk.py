@@ -17,13 +17,16 @@ import socket
 import threading
 import time
 from collections import defaultdict, deque
+from functools import partial
 from typing import Callable, TypeVar
 
 import grpc
 import torch
 
 from client.channel import Channel
-from client.errors import ShardServeError, error_from_status
+from client.errors import ShardServeError, error_from_rpc, error_from_status
+from client.paths.grpc import unary
+from client.paths.hedging import Cancellation
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
@@ -60,11 +63,14 @@ class BulkPath:
         self._lock = threading.Lock()
         self._closed = False
 
-    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
-        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port."""
-        self.send_read(address, request, dest)()
+    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
+             cancel: Cancellation | None = None) -> None:
+        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port;
+        `cancel` can stop it from another thread (its connection shut down)."""
+        self.send_read(address, request, dest, cancel)()
 
-    def send_read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> Callable[[], None]:
+    def send_read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
+                  cancel: Cancellation | None = None) -> Callable[[], None]:
         """Send the read of `request` now and return the call that takes its bytes into `dest` (as
         send_lookup does for lookups); the returned call must be made, or the connection is not reused."""
         def into_dest(sock: socket.socket, length: int, deadline: float) -> None:
@@ -73,9 +79,10 @@ class BulkPath:
             if length:
                 recv_exactly(sock, memoryview(dest.numpy()), deadline)
 
-        return self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest)
+        return self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel)
 
-    def send_lookup(self, address: str, request: pb.LookupRequest, reply_bytes: int) -> Callable[[], bytearray]:
+    def send_lookup(self, address: str, request: pb.LookupRequest, reply_bytes: int,
+                    cancel: Cancellation | None = None) -> Callable[[], bytearray]:
         """Send `request` now and return the call that takes its serialized LookupReply (at most `reply_bytes`,
         the caller's bound for this request), so requests to several ranks go out before any answer is awaited
         (one thread overlaps the ranks' work). The returned call must be made, or the connection is not
@@ -88,10 +95,10 @@ class BulkPath:
             recv_exactly(sock, memoryview(reply), deadline)
             return reply
 
-        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer)
+        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer, cancel)
 
     def _send(self, address: str, kind: int, message: bytes, nbytes: int,
-              receive: Callable[..., T]) -> Callable[[], T]:
+              receive: Callable[..., T], cancel: Cancellation | None = None) -> Callable[[], T]:
         """Send one request on a kept connection or a new one; the returned call takes the answer, with
         `receive(sock, length, deadline)` for an OK answer's bytes. A kept connection the rank closed meanwhile
         is replaced once, transparently, and the request sent again."""
@@ -100,10 +107,10 @@ class BulkPath:
         frame = FRAME.pack(kind, len(message)) + message
         deadline = time.monotonic() + self.channel.data_timeout(nbytes)
         connection = self._take(address)
-        if connection is not None and not self._send_frame(connection, frame):
+        if connection is not None and not self._send_frame(connection, frame, cancel):
             connection = None
         if connection is None:
-            connection = self._open_and_send(address, frame)
+            connection = self._open_and_send(address, frame, cancel)
 
         def answer() -> T:
             current = connection
@@ -112,14 +119,17 @@ class BulkPath:
                     return self._answer(current, address, receive, deadline)
                 except _NothingReceived as err:
                     current.sock.close()
-                    if not current.kept:
+                    if not current.kept or (cancel is not None and cancel.cancelled):
                         raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
-                current = self._open_and_send(address, frame)
+                current = self._open_and_send(address, frame, cancel)
 
         return answer
 
-    def _send_frame(self, connection: _Connection, frame: bytes) -> bool:
-        """Send `frame` on `connection`; False (the connection closed) when the socket fails."""
+    def _send_frame(self, connection: _Connection, frame: bytes, cancel: Cancellation | None = None) -> bool:
+        """Send `frame` on `connection`; False (the connection closed) when the socket fails. A cancel shuts the
+        connection down, which ends a send or a receive blocked on it (the rank does not answer)."""
+        if cancel is not None:
+            cancel.on_cancel(partial(_shut_down, connection.sock))
         try:
             connection.sock.settimeout(self.channel.timeout)
             connection.sock.sendall(frame)
@@ -128,9 +138,9 @@ class BulkPath:
             connection.sock.close()
             return False
 
-    def _open_and_send(self, address: str, frame: bytes) -> _Connection:
-        connection = self._open(address)
-        if not self._send_frame(connection, frame):
+    def _open_and_send(self, address: str, frame: bytes, cancel: Cancellation | None = None) -> _Connection:
+        connection = self._open(address, cancel)
+        if not self._send_frame(connection, frame, cancel):
             raise BulkReadError(f"rank at {address}, bulk port: the connection failed while sending the request")
         return connection
 
@@ -162,12 +172,11 @@ class BulkPath:
                 return
         connection.sock.close()
 
-    def _open(self, address: str) -> _Connection:
+    def _open(self, address: str, cancel: Cancellation | None = None) -> _Connection:
         """A new connection to the bulk port of the rank at `address`, its ticket sent."""
         where = f"rank at {address}"
         try:
-            session = self.channel.unary(self.channel.shard_server(address).OpenBulkSession,
-                                           pb.BulkSessionRequest(), where)
+            session = self._open_session(address, cancel)
         except ShardServeError as err:
             if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):  # none, or busy
                 raise BulkReadError(f"{where}: {err.message}", err.code) from None
@@ -184,6 +193,17 @@ class BulkPath:
             sock.close()
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
+
+    def _open_session(self, address: str, cancel: Cancellation | None) -> pb.BulkSession:
+        """OpenBulkSession of the rank at `address` (a call `cancel` can cancel when given)."""
+        where, method = f"rank at {address}", self.channel.shard_server(address).OpenBulkSession
+        if cancel is None:
+            return self.channel.unary(method, pb.BulkSessionRequest(), where)
+        self.channel.check_open()
+        try:
+            return unary(method, pb.BulkSessionRequest(), self.channel.timeout, self.channel.metadata, cancel)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, where) from None
 
     def _answer(self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float) -> T:
         """Take the answer of the request sent on `connection`; the connection is kept if still in step."""
@@ -225,6 +245,14 @@ class BulkPath:
             raise BulkReadError(f"{where}: {error.message}", code)
         self._give_back(address, connection)
         raise error
+
+
+def _shut_down(sock: socket.socket) -> None:
+    """Shut a connection down from another thread: a send or receive blocked on it returns at once."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # closed already
 
 
 class _NothingReceived(Exception):

@@ -15,6 +15,7 @@ import torch
 
 from client.channel import Channel
 from client.errors import ShardServeError, error_from_rpc
+from client.paths.hedging import Cancellation
 from protos import shardserve_pb2 as pb
 
 SMALL_READ_BYTES = 1 << 20  # boxes up to this size come as one unary reply (ReadRegionSmall), larger ones stream
@@ -36,19 +37,22 @@ class GrpcPath:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
-    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
-        """One box into `dest` (a flat uint8 tensor of its size): unary when small, else a ReadRegion stream."""
+    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
+             cancel: Cancellation | None = None) -> None:
+        """One box into `dest` (a flat uint8 tensor of its size): unary when small, else a ReadRegion stream;
+        `cancel` can stop the call from another thread."""
         if dest.numel() > SMALL_READ_BYTES:
-            self.read_stream(address, request, dest)
+            self.read_stream(address, request, dest, cancel)
         else:
-            self.read_small(address, request, dest)
+            self.read_small(address, request, dest, cancel)
 
-    def read_small(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+    def read_small(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
+                   cancel: Cancellation | None = None) -> None:
         """One box as one ReadRegionSmall reply into `dest`."""
         expected = dest.numel()
         call = self.channel.shard_methods(address).read_region_small
         try:
-            offset, data = call(request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata)
+            offset, data = unary(call, request, self.channel.data_timeout(expected), self.channel.metadata, cancel)
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"rank at {address}") from None
         if offset != 0 or len(data) != expected:
@@ -57,12 +61,15 @@ class GrpcPath:
         if expected:
             dest.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
 
-    def read_stream(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor) -> None:
+    def read_stream(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
+                    cancel: Cancellation | None = None) -> None:
         """One box as a ReadRegion stream into `dest`, each chunk written in place."""
         expected = dest.numel()
         target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
         read = self.channel.shard_methods(address).read_region
         call = read(request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata)
+        if cancel is not None:
+            cancel.on_cancel(call.cancel)
         received = 0
         try:
             for offset, data in call:
@@ -81,13 +88,32 @@ class GrpcPath:
             raise ShardServeError(f"rank at {address} sent {received} bytes for a {expected}-byte region")
 
     def lookup(self, address: str, request: pb.LookupRequest, answer_bytes: int, take: Callable[[Any], None],
-               where: str) -> None:
+               where: str, cancel: Cancellation | None = None) -> None:
         """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream; `take(chunk)` gets every
         RawLookupChunk as it arrives (a streamed answer waits for its next chunk outside `take`)."""
         methods = self.channel.shard_methods(address)
-        call = methods.lookup_small if answers_in_one_message(answer_bytes) else methods.lookup
+        timeout = self.channel.data_timeout(answer_bytes)
         try:
-            for chunk in call(request, timeout=self.channel.data_timeout(answer_bytes), metadata=self.channel.metadata):
+            if answers_in_one_message(answer_bytes):
+                chunks = unary(methods.lookup_small, request, timeout, self.channel.metadata, cancel)
+            else:
+                chunks = methods.lookup(request, timeout=timeout, metadata=self.channel.metadata)
+                if cancel is not None:
+                    cancel.on_cancel(chunks.cancel)
+            for chunk in chunks:
                 take(chunk)
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
+
+
+def unary(method: Any, request: Any, timeout: float, metadata: Any, cancel: Cancellation | None) -> Any:
+    """A unary call, made as a future that `cancel` can cancel when one is given (a plain call otherwise)."""
+    if cancel is None:
+        return method(request, timeout=timeout, metadata=metadata)
+    future = method.future(request, timeout=timeout, metadata=metadata)
+    cancel.on_cancel(future.cancel)
+    try:
+        return future.result()
+    except grpc.FutureCancelledError:
+        raise ShardServeError("the call was cancelled: another copy answered first, or its rank was reported "
+                              "dead") from None

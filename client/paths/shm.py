@@ -32,6 +32,8 @@ import torch
 from client.channel import Channel
 from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
+from client.paths.grpc import unary
+from client.paths.hedging import Cancellation
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import Box
@@ -124,9 +126,11 @@ class SharedMemoryPath:
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}  # address -> the rank's max_request_bytes (from OpenShard)
 
-    def read(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor) -> None:
-        """Copy global box `part` of shard `index` into `region` (its place in the output)."""
-        mapping, shard = self._open(address, summary, index)
+    def read(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
+             cancel: Cancellation | None = None) -> None:
+        """Copy global box `part` of shard `index` into `region` (its place in the output); `cancel` can stop an
+        OpenShard call from another thread."""
+        mapping, shard = self._open(address, summary, index, cancel)
         self.check_limit(address, part.numel() * region.element_size(), "offsets/sizes: the box")
         if shard is not None:
             copy_box(region, local_view(shard, summary.metadata.shards_metadata[index].box, part))
@@ -155,7 +159,8 @@ class SharedMemoryPath:
             raise ResourceExhaustedError(f"{what} is {nbytes} bytes, over the max_request_bytes "
                                          f"{limit} of the rank at {address}", grpc.StatusCode.RESOURCE_EXHAUSTED)
 
-    def _open(self, address: str, summary: TensorSummary, index: int) -> tuple[_Mapping | None, torch.Tensor | None]:
+    def _open(self, address: str, summary: TensorSummary, index: int,
+              cancel: Cancellation | None = None) -> tuple[_Mapping | None, torch.Tensor | None]:
         """(the mapping, shard `index` at the summary's version as a read-only tensor over it; both None when the
         shard is empty): a cached mapping checked by its header, else one opened by OpenShard. The caller checks
         after reading that the mapping still serves (_confirm)."""
@@ -173,7 +178,7 @@ class SharedMemoryPath:
         want_cuda = torch.cuda.is_available()
         request = pb.OpenShardRequest(name=summary.name, version=summary.version, shard_index=index,
                                       cached_inode=cached.inode if cached else 0, cuda_ipc=want_cuda)
-        reply = self._open_shard(address, request)
+        reply = self._open_shard(address, request, cancel)
         process = _RANK_PROCESSES.watch(reply.pid)  # now, while the rank that just answered surely owns the pid
         self._limits[address] = reply.max_request_bytes
         try:  # the lease holds the version (and its segment's generation) until released below
@@ -190,7 +195,8 @@ class SharedMemoryPath:
                 mapping = cached
             elif not reply.lease_id:  # the rank saw our inode and kept no lease, yet this is another segment
                 self._forget(key)
-                return self._open(address, summary, index)  # asked again without it: a mapping made under a lease
+                # asked again without it: a mapping made under a lease
+                return self._open(address, summary, index, cancel)
             else:
                 flat, header = _map_segment(reply)
                 mapping = _Mapping(process, reply.inode, reply.device_id, flat, header, reply.fd,
@@ -239,10 +245,11 @@ class SharedMemoryPath:
             self._cache.clear()
             self._cached_bytes = 0
 
-    def _open_shard(self, address: str, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
+    def _open_shard(self, address: str, request: pb.OpenShardRequest,
+                    cancel: Cancellation | None = None) -> pb.OpenShardResponse:
         try:
-            return self.channel.shard_server(address).OpenShard(request, timeout=self.channel.timeout,
-                                                                metadata=self.channel.metadata)
+            return unary(self.channel.shard_server(address).OpenShard, request, self.channel.timeout,
+                         self.channel.metadata, cancel)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL):
                 raise SharedMemoryError(f"rank at {address}: {err.details()}") from None

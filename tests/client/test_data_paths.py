@@ -126,7 +126,7 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
         streams: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
         stream = c.session.paths.grpc.read_stream
 
-        def spy(address, request, dest):  # type: ignore[no-untyped-def]
+        def spy(address, request, dest, cancel=None):  # type: ignore[no-untyped-def]
             streams.append((request.shard_index, tuple(request.offsets), tuple(request.sizes)))
             return stream(address, request, dest)
 
@@ -352,7 +352,7 @@ def _rank(number: int) -> RankStatus:
 def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
     """Two ranks' calls recording what happens; `fail` maps a rank to the step whose bulk port fails
     ("send" or "answer")."""
-    def send_bulk(number: int):  # type: ignore[no-untyped-def]
+    def send_bulk(number: int, cancel: object = None):  # type: ignore[no-untyped-def]
         if fail.get(number) == "send":
             raise BulkReadError(f"rank {number}: no bulk port")
         events.append(f"send {number}")
@@ -363,7 +363,10 @@ def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
             events.append(f"answer {number}")
         return answer
 
-    return [NetworkCall(_rank(n), partial(send_bulk, n), partial(events.append, f"grpc {n}")) for n in (0, 1)]
+    def over_grpc(number: int, cancel: object = None) -> None:
+        events.append(f"grpc {number}")
+
+    return [NetworkCall(_rank(n), partial(send_bulk, n), partial(over_grpc, n)) for n in (0, 1)]
 
 
 def _run_now(job):  # type: ignore[no-untyped-def]
@@ -407,7 +410,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
     events: list[str] = []
     calls = _calls(events, {})
 
-    def refused():  # type: ignore[no-untyped-def]
+    def refused(cancel: object = None):  # type: ignore[no-untyped-def]
         raise StaleVersionError("rank 0: ticket refused")
 
     calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
@@ -422,7 +425,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
     plane = PathPolicy("grpc", channel=None, uses_tls=False)  # type: ignore[arg-type]
 
-    def record(n: int) -> None:
+    def record(n: int, cancel: object = None) -> None:
         threads[n] = threading.current_thread().name
 
     calls = [NetworkCall(_rank(n), None, partial(record, n)) for n in (0, 1)]
@@ -472,7 +475,7 @@ def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-
     events: list[str] = []
     real_send = c.session.paths.bulk.send_read
 
-    def send_read(address, request, dest):  # type: ignore[no-untyped-def]
+    def send_read(address, request, dest, cancel=None):  # type: ignore[no-untyped-def]
         answer = real_send(address, request, dest)
         events.append(f"send {address}")
 
@@ -784,7 +787,8 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         assert torch.equal(out.cpu(), source)
         reader, opened = c.session.paths.shm, []
         open_shard = reader._open_shard
-        reader._open_shard = lambda address, request: opened.append(request.shard_index) or open_shard(address, request)
+        reader._open_shard = lambda address, request, *rest: opened.append(request.shard_index) or open_shard(
+            address, request, *rest)
         assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
         assert opened == []  # cached IPC mappings: the header page says "served", no OpenShard
         newer = source.flip(0).contiguous()
