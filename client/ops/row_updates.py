@@ -7,6 +7,8 @@ ShardServer.WriteRows, and CommitTensor promotes v+1 everywhere before the
 catalog flips to it; readers at v keep reading v until it is dropped, then
 refresh. A reader therefore sees all old or all new rows. Any failure aborts
 v+1. Duplicate ids: the last value given wins, as in a sequence of assignments.
+A copy on a rank that is down (a replica) is left out of v+1: the rows go to
+every live copy, and the coordinator repairs the missing one from them.
 Concurrent update_rows of one table: updates from one client are serialized
 per table; across clients, a later one aborts a pending earlier one (which
 then raises), and one that finds the READY version replaced before it started
@@ -46,8 +48,9 @@ def update_rows(session: Session, views: TableViews, name: str, ids: Any, values
         meta = view.summary.metadata
         try:
             unique, rows = validate_update(view, ids, values)  # against the copied version's own layout
+            missing = frozenset(info.unavailable_shards)  # copies on dead ranks: the coordinator repairs them
             jobs = [partial(_write_batch, session, meta, name, info.version, index, batch_ids, batch_rows)
-                    for index, batch_ids, batch_rows in _shard_batches(view, unique, rows)]
+                    for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)]
             session.run_all(jobs)
             committed = session.commit(name, info.version)
         except BaseException:
@@ -72,12 +75,13 @@ def _create_copy(session: Session, views: TableViews, name: str) -> tuple[TableV
     return view, session.create_tensor(request)
 
 
-def _shard_batches(view: TableView, ids: torch.Tensor,
-                   rows: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(shard index, ids, rows of its columns) for every shard holding some of `ids`, in batches."""
+def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,
+                   missing: frozenset[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(shard index, ids, rows of its columns) for every shard holding some of `ids` (but the `missing` copies,
+    which the new version does not have), in batches."""
     for index, shard in enumerate(view.summary.metadata.shards_metadata):
         start, count = shard.shard_offsets[0], shard.shard_sizes[0]
-        if 0 in shard.shard_sizes:
+        if 0 in shard.shard_sizes or index in missing:
             continue
         mask = (ids >= start) & (ids < start + count)
         if not bool(mask.any()):

@@ -56,6 +56,12 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class DataLoss(ServiceError):
+    """The work needs a box no live rank holds (every copy is on a dead rank or was lost)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+
+
 class Aborted(ServiceError):
     """A conflict with other work on the same thing (e.g. a tensor busy in a long reshard): retry later."""
 

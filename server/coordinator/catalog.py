@@ -176,6 +176,13 @@ def ranks_of(info: pb.TensorInfo) -> list[int]:
     return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
 
 
+def holding_ranks(info: pb.TensorInfo) -> list[int]:
+    """Distinct ranks holding a copy of a catalog row that is not lost (those that allocate and promote it)."""
+    lost = set(info.lost_shards)
+    return sorted({RemoteDevice(s.placement).rank() for i, s in enumerate(info.metadata.shards_metadata)
+                   if i not in lost})
+
+
 def _commit_in(db: sqlite3.Connection, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
     """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
     row = db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)).fetchone()

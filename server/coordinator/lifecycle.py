@@ -23,6 +23,7 @@ from server.common.auth import Security
 from server.common.errors import (
     Aborted,
     AlreadyExists,
+    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -36,16 +37,17 @@ from server.common.requests import (
     check_version,
     parse_metadata,
 )
-from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.catalog import Catalog, holding_ranks, ranks_of
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
-from server.coordinator.health import describe, shards_on, with_lost
+from server.coordinator.health import describe, shards_on, unavailable_shards, with_lost
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
+from shardcore.health import layout_health, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_to_proto
+from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -103,30 +105,36 @@ class Coordinator:
         check_init(request.init, meta.dtype)
         check_options(request.options, meta)
         token = check_put_token(request.put_token)
-        self.registry.check_placements(meta)
+        if request.init != pb.INIT_COPY:
+            self.registry.check_placements(meta)
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
                 raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
                               f"CreateTensor ran")
-            options = self._copy_source(name, meta, request).options if request.init == pb.INIT_COPY \
-                else request.options
+            options, missing = request.options, []
+            if request.init == pb.INIT_COPY:
+                source = self._copy_source(name, meta, request)
+                options, missing = source.options, self._missing_copies(source)
+                self.registry.check_placements(meta, skip=set(missing))
             self.make_room(name, request.overwrite)
             info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
                                  metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
-                                 nbytes=meta.nbytes, created_unix=time.time(), put_token=token)
+                                 nbytes=meta.nbytes, created_unix=time.time(), put_token=token,
+                                 lost_shards=missing)
             self.catalog.add(info)
             allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                 init=request.init, seed=request.seed, options=options,
                                                 source_version=request.source_version)
             try:
-                self.registry.allocate_on(meta.ranks(), allocate, f"allocate {name!r} version {info.version}")
+                self.registry.allocate_on(holding_ranks(info), allocate,
+                                          f"allocate {name!r} version {info.version}")
             except ServiceError:
                 self.discard(info)
                 raise
             log.info("created %r version %d (%d bytes on ranks %s)", name, info.version, meta.nbytes,
                      list(meta.ranks()))
             if request.init in (pb.INIT_NONE, pb.INIT_COPY):
-                return info
+                return self.describe(info)
             return self._commit_locked(name, info.version)
 
     def commit(self, name: str, version: int) -> pb.TensorInfo:
@@ -217,7 +225,7 @@ class Coordinator:
             raise Aborted(f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
                           f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
                           f"make the change again")
-        self.registry.promote_on(ranks_of(info), name, version, f"commit {name!r} version {version}")
+        self.registry.promote_on(holding_ranks(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
         self.drop_rows(older)
         log.info("committed %r version %d%s", name, version,
@@ -239,6 +247,21 @@ class Coordinator:
         if not request.overwrite:
             raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY version)")
         return source
+
+    def _missing_copies(self, source: pb.TensorInfo) -> list[int]:
+        """The copies of `source` an INIT_COPY version starts without (lost, or on dead ranks: written to the live
+        copies only, repaired later); DATA_LOSS when a box has no live copy to copy."""
+        missing = unavailable_shards(source, self.registry.rank_dead)
+        if missing:
+            health = layout_health(metadata_from_proto(source.metadata), missing)
+            if health.lost_boxes:
+                ranks = ranks_of_copies(metadata_from_proto(source.metadata), health.lost_boxes)
+                raise DataLoss(f"tensor {source.name!r} has boxes with no live copy (ranks {ranks} are "
+                                         f"down or lost them); it cannot be updated until they are back: delete it "
+                                         f"or put it again")
+            log.warning("%r: the new version starts without copies %s (their ranks are down or lost them); the "
+                        "coordinator repairs them", source.name, missing)
+        return missing
 
     def make_room(self, name: str, overwrite: bool) -> None:
         """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending."""

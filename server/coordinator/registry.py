@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable, Iterable, TypeVar
+from typing import AbstractSet, Callable, Iterable, TypeVar
 
 import grpc
 
@@ -204,11 +204,13 @@ class RankRegistry:
             raise Unavailable(f"rank {rank} is not registered")
         return entry
 
-    def check_placements(self, meta: ShardedTensorMetadata) -> None:
-        """Every shard of `meta` on a registered, live rank, on that rank's device."""
+    def check_placements(self, meta: ShardedTensorMetadata, skip: AbstractSet[int] = frozenset()) -> None:
+        """Every shard of `meta` (but those at indices `skip`) on a registered, live rank, on that rank's device."""
         with self._ranks_changed:
             entries = dict(self._ranks)
         for i, shard in enumerate(meta.shards_metadata):
+            if i in skip:
+                continue
             entry = entries.get(shard.rank)
             field = f"metadata.shards_metadata[{i}].placement"
             if entry is None:

@@ -64,6 +64,8 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
             writer.put("plain", data["plain"], spec=PLAIN)
             writer.put("mirrored", data["mirrored"], spec=MIRRORED)
             writer.put("reshardable", data["reshardable"], spec=MIRRORED)
+        with connect(cluster.address) as writer:
+            plain_version = writer.tensor("plain").version
         for transport in TRANSPORTS:
             for name in data:
                 client = clients[(transport, name)] = connect(cluster.address, transport=transport)
@@ -74,7 +76,7 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
         coordinator = cluster.coordinator
         assert coordinator is not None  # the clients still take rank 1 for alive: they have not asked since
         _wait_until(lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead")
-        yield {"data": data, "clients": clients}
+        yield {"data": data, "clients": clients, "plain_version": plain_version}
     finally:
         for client in clients.values():
             client.close()
@@ -150,6 +152,28 @@ def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
         assert torch.equal(remote.full_tensor(), world["data"]["reshardable"])
         with pytest.raises(ReshardRefusedError, match="no live copy"):
             client.tensor("plain").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"]))
+
+
+def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster):
+    """update_rows while a replica's rank is dead: the new version starts without that copy (lost, repaired later),
+    every live copy gets the rows; a table with a box on no live rank refuses the update (DATA_LOSS)."""
+    with connect(cluster.address) as client:
+        _wait_until(lambda: client.tensor("mirrored").health == "degraded", "rank 1's copies to be unavailable")
+        before = client.tensor("mirrored").version
+        ids, rows = torch.tensor([1, 5, 10]), torch.full((3, DIM), 7.5)
+        version = client.update_rows("mirrored", ids, rows)
+        expected = world["data"]["mirrored"].clone()
+        expected[ids] = rows
+        remote = client.tensor("mirrored")
+        assert version > before and remote.version == version and remote.health == "degraded"
+        info = client.session.call("GetTensor", pb.GetTensorRequest(name="mirrored"))
+        assert list(info.lost_shards) == [0, 2]  # rank 1's copies: not in the new version
+        assert torch.equal(remote.full_tensor(), expected)
+        assert torch.equal(remote.lookup(torch.arange(ROWS)), expected)
+        world["data"]["mirrored"] = expected
+        with pytest.raises(ShardsLostError, match=r"ranks \[1\]"):
+            client.update_rows("plain", torch.tensor([0]), torch.zeros(1, DIM))
+        assert client.tensor("plain").version == world["plain_version"]
 
 
 class _EmptyRank(pb_grpc.ShardServerServicer):
