@@ -92,3 +92,34 @@ def reshard_scenario(ctx: Context) -> list[Row]:
                             role="subject" if ours else "baseline", nbytes=nbytes, baseline=reshard.BARE,
                             peak_rss=peaks, ok=r["ok"], note=r.get("note", ""), extra=extra))
     return rows
+
+
+@scenario("heal", help="a replicas=2 table read by 8 processes through a rank's SIGKILL, restart and repair")
+def heal_scenario(ctx: Context) -> list[Row]:
+    """benchmarks.heal, as rows: the repair against a bare gloo send of the same bytes; read p50/p99 in the
+    outage against before it; detection, re-admission and failed reads in `extra`."""
+    from benchmarks import heal
+
+    argv = ["--rows", "20000", "--dim", "32", "--readers", "4", "--kill-at", "3", "--after", "3"] if ctx.quick \
+        else []
+    with ctx.rss() as seen:
+        result = run_module_main(heal.main, argv)
+    peaks = {label: rss for label, rss in seen.items() if label != SELF_LABEL}
+    extra = {key: result[key] for key in ("reads", "wrong", "detect_s", "readmit_s", "healthy_s", "restarts")}
+    extra["failed"] = len(result["failed"])
+    rows = []
+    if result["repair_s"]:
+        nbytes = result["repair_bytes"]
+        rows += [Row("heal", "repair of a restarted rank's copies", "shardserve repair", result["repair_s"],
+                     path="gloo", nbytes=nbytes, baseline="bare gloo send", peak_rss=peaks, extra=extra),
+                 Row("heal", "repair of a restarted rank's copies", "bare gloo send", result["bare_send_s"],
+                     path="gloo", role="baseline", nbytes=nbytes)]
+    for stat in ("p50_ms", "p99_ms"):
+        case = f"read {stat[:3]} (256-id lookups, 64-row fetches)"
+        before, during = result["phases"]["before"], result["phases"]["during"]
+        if stat in before and stat in during:
+            rows += [Row("heal", case, "during the outage", during[stat] / 1e3, path="auto", baseline="no failure",
+                         extra={"reads": during["reads"]}),
+                     Row("heal", case, "no failure", before[stat] / 1e3, path="auto", role="baseline",
+                         extra={"reads": before["reads"]})]
+    return rows

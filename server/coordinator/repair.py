@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import Aborted, ServiceError
@@ -30,8 +32,22 @@ from shardcore.wire import metadata_from_proto
 log = logging.getLogger(__name__)
 
 DEFAULT_REPAIR_AFTER_S = 30.0
-CHECK_EVERY_S = 1.0
+CHECK_EVERY_S = 0.5
+RECORDS_KEPT = 100
 RETRY_BACKOFF_S = (2.0, 60.0)  # a failed repair of a tensor is tried again after 2 s, doubling up to 60 s
+
+
+@dataclass(frozen=True)
+class RepairRecord:
+    """A finished repair: the tensor, the versions, the bytes of copies rebuilt, how long it took, onto which
+    ranks."""
+
+    name: str
+    from_version: int
+    to_version: int
+    nbytes: int
+    seconds: float
+    ranks: tuple[int, ...]
 
 
 class RepairDriver:
@@ -49,6 +65,7 @@ class RepairDriver:
         self._states: dict[str, pb.RepairState] = {}
         self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic time of next try, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
+        self._completed: deque[RepairRecord] = deque(maxlen=RECORDS_KEPT)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="coord-repair", daemon=True)
@@ -66,6 +83,11 @@ class RepairDriver:
         with self._lock:
             state = self._states.get(name)
             return None if state is None else _copy(state)
+
+    def completed(self) -> list[RepairRecord]:
+        """The latest finished repairs (RECORDS_KEPT at most), oldest first."""
+        with self._lock:
+            return list(self._completed)
 
     def _loop(self) -> None:
         while not self._stop.wait(CHECK_EVERY_S):
@@ -154,6 +176,9 @@ class RepairDriver:
                 self._states.pop(info.name, None)
         self._retry_at.pop(info.name, None)
         seconds = time.time() - started
+        with self._lock:
+            self._completed.append(RepairRecord(info.name, info.version, state.version, nbytes, seconds,
+                                                tuple(targets)))
         log.warning("repaired %r: version %d holds every copy again (%d bytes copied to ranks %s in %.2f s)",
                     info.name, state.version, nbytes, targets, seconds)
         return True

@@ -1,0 +1,296 @@
+"""Healing under load: a replicas=2 table read by client processes while a rank is SIGKILLed, restarted, repaired.
+
+Measured in one run: time to detect the death (kill -> the coordinator marks the rank dead), time to take the rank
+back (-> its restarted process registered), time to repair (-> the table healthy again), the repair's GB/s
+against a bare gloo send of the same bytes between two processes, and read p50/p99 before the kill, during the
+outage (kill -> healthy again) and after it; every answer is checked against the table, bit for bit.
+
+    python -m benchmarks.heal [--rows R] [--dim D] [--readers N] [--kill-at T] [--after S] [--json FILE]
+    python -m benchmarks.heal reader ADDRESS NAME ROWS DIM SEED MAX_SECONDS OUT   # one reader (until OUT.stop)
+
+The `heal` scenario of `python -m benchmarks` runs it; tests/cluster/test_heal_under_load.py runs it small.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+TABLE = "heal"
+LOOKUP_IDS = 256
+FETCH_ROWS = 64
+READY = "ready"
+
+
+def table(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """The table every reader checks its answers against."""
+    return torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- one reader process
+
+def read_loop(address: str, name: str, rows: int, dim: int, seed: int, seconds: float, out: str) -> None:
+    """Alternate lookups of LOOKUP_IDS random ids and fetches of FETCH_ROWS-row bands until the file `out`.stop
+    exists (at most `seconds`), recording for each read (wall start, latency s, kind, outcome) where outcome is
+    "ok", "wrong" or the error; JSON to `out`."""
+    from client import ShardServeError, connect
+
+    expected = table(rows, dim, seed)
+    generator = torch.Generator().manual_seed(os.getpid())
+    records = []
+    with connect(address, timeout=30) as client:
+        remote = client.tensor(name)
+        print(READY, flush=True)
+        end, stop = time.monotonic() + seconds, Path(out + ".stop")
+        while time.monotonic() < end and (len(records) % 16 or not stop.exists()):
+            kind = "lookup" if len(records) % 2 == 0 else "fetch"
+            started, wall = time.perf_counter(), time.time()
+            try:
+                if kind == "lookup":
+                    ids = torch.randint(0, rows, (LOOKUP_IDS,), generator=generator)
+                    ok = torch.equal(remote.lookup(ids), expected[ids])
+                else:
+                    start = int(torch.randint(0, rows - FETCH_ROWS + 1, (1,), generator=generator))
+                    ok = torch.equal(remote[start:start + FETCH_ROWS], expected[start:start + FETCH_ROWS])
+                outcome = "ok" if ok else "wrong"
+            except ShardServeError as err:
+                outcome = f"{type(err).__name__}: {err}"
+            records.append((wall, time.perf_counter() - started, kind, outcome))
+    Path(out).write_text(json.dumps(records))
+
+
+# ---------------------------------------------------------------- the run
+
+@dataclass
+class HealReport:
+    """What one run measured; times in seconds after the kill."""
+
+    rows: int
+    dim: int
+    readers: int
+    reads: int = 0
+    failed: list[str] = field(default_factory=list)
+    wrong: int = 0
+    detect_s: float | None = None
+    readmit_s: float | None = None
+    healthy_s: float | None = None
+    restarts: int = 0
+    repair_bytes: int = 0
+    repair_s: float | None = None
+    bare_send_s: float | None = None
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # before/during/after: count, p50/p99 ms
+
+    @property
+    def repair_gb_s(self) -> float | None:
+        return self.repair_bytes / self.repair_s / 1e9 if self.repair_s else None
+
+    @property
+    def bare_gb_s(self) -> float | None:
+        return self.repair_bytes / self.bare_send_s / 1e9 if self.bare_send_s else None
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), repair_gb_s=self.repair_gb_s, bare_gb_s=self.bare_gb_s)
+
+
+def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, kill_at: float = 8.0,
+        after: float = 5.0, victim: int = 1, bare_baseline: bool = True, timeout: float = 180.0) -> HealReport:
+    """Start a cluster, put the replicas=2 table, read it from `readers` processes, SIGKILL rank `victim`
+    `kill_at` seconds in, and measure until the table is healthy again; the readers go on `after` seconds more
+    (everything bounded by `timeout` seconds after the kill)."""
+    from client import connect
+    from server.launcher import LocalCluster
+
+    report = HealReport(rows, dim, readers)
+    data = table(rows, dim, seed=7)
+    with tempfile.TemporaryDirectory(prefix="shardserve-heal-") as tmp:
+        cluster = LocalCluster(ranks=ranks, state_dir=Path(tmp) / "state", log_level="WARNING", max_restarts=3,
+                               restart_backoff=0.5)
+        try:
+            cluster.start(timeout=180)
+            with connect(cluster.address) as client:
+                version = client.put(TABLE, data, replicas=2).version
+            procs = _start_readers(cluster.address, rows, dim, readers, kill_at + timeout + after, Path(tmp))
+            time.sleep(kill_at)
+            killed = time.time()
+            cluster.kill_rank(victim, signal.SIGKILL)
+            _watch_recovery(cluster, victim, version, killed, report, deadline=killed + timeout)
+            report.restarts = cluster.restarts(victim)
+            time.sleep(after)
+            for _, out in procs:
+                Path(str(out) + ".stop").touch()
+            _collect(procs, Path(tmp), killed, report)
+        finally:
+            cluster.stop()
+    if bare_baseline and report.repair_bytes:
+        report.bare_send_s = bare_send_seconds(report.repair_bytes)
+    return report
+
+
+def _start_readers(address: str, rows: int, dim: int, readers: int, seconds: float,
+                   tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """Spawn the readers and wait until each has connected (torch imports take seconds on a busy machine)."""
+    procs = []
+    for i in range(readers):
+        out = tmp / f"reader{i}.json"
+        cmd = [sys.executable, "-m", "benchmarks.heal", "reader", address, TABLE, str(rows), str(dim), "7",
+               str(seconds), str(out)]
+        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL), out))
+    for proc, _ in procs:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if line.strip() != READY:
+            raise RuntimeError(f"a reader did not start (pid {proc.pid}, exit {proc.poll()})")
+    return procs
+
+
+def _watch_recovery(cluster, victim: int, version: int, killed: float, report: HealReport, deadline: float) -> None:
+    """Poll the in-process coordinator: when the rank is marked dead, registered again, and the table healthy."""
+    coordinator = cluster.coordinator
+    while time.time() < deadline:
+        now = time.time() - killed
+        alive = coordinator.registry.rank_alive(victim)
+        if report.detect_s is None and not alive:
+            report.detect_s = now
+        if report.detect_s is not None and report.readmit_s is None and alive:
+            report.readmit_s = now
+        info = coordinator.get(TABLE)
+        if report.readmit_s is not None and info.health == "healthy" and info.version > version:
+            report.healthy_s = now
+            break
+        time.sleep(0.02)
+    while report.healthy_s is not None and time.time() < deadline:  # the record lands just after the promotion
+        done = [r for r in coordinator.repairs.completed() if r.name == TABLE]
+        if done:
+            report.repair_bytes, report.repair_s = done[-1].nbytes, done[-1].seconds
+            break
+        time.sleep(0.02)
+
+
+def _collect(procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: float, report: HealReport) -> None:
+    """Wait for the readers; sort their reads into before / during / after the outage."""
+    records = []
+    for proc, out in procs:
+        proc.wait(timeout=300)
+        records += json.loads(out.read_text())
+    healed = killed + (report.healthy_s if report.healthy_s is not None else float("inf"))
+    phases: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    for wall, seconds, _kind, outcome in records:
+        phase = "before" if wall < killed else "during" if wall < healed else "after"
+        phases[phase].append(seconds)
+        if outcome == "wrong":
+            report.wrong += 1
+        elif outcome != "ok":
+            report.failed.append(outcome)
+    report.reads = len(records)
+    report.phases = {name: _percentiles(values) for name, values in phases.items()}
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"reads": 0}
+    t = torch.tensor(values, dtype=torch.float64)
+    return {"reads": len(values), "p50_ms": float(t.quantile(0.5)) * 1e3, "p99_ms": float(t.quantile(0.99)) * 1e3}
+
+
+# ---------------------------------------------------------------- the baseline: a bare gloo send of the same bytes
+
+def bare_send_seconds(nbytes: int) -> float:
+    """Seconds for one gloo send of `nbytes` from one process to another on 127.0.0.1 (median of 3)."""
+    import torch.multiprocessing as mp
+
+    from benchmarks.reshard import free_port
+
+    ctx = mp.get_context("spawn")
+    result = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_bare_send_worker, args=(rank, port, nbytes, result)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    seconds = result.get(timeout=300)
+    for proc in procs:
+        proc.join(timeout=60)
+    return seconds
+
+
+def _bare_send_worker(rank: int, port: int, nbytes: int, result) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+        else:
+            dist.recv(buffer, 0)
+        times.append(time.perf_counter() - started)
+    if rank == 1:
+        result.put(sorted(times)[1])
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- command line
+
+def print_report(report: HealReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]heal[/bold]: {report.rows} x {report.dim} float32, replicas=2, {report.readers} reader "
+                  f"processes, rank SIGKILLed and restarted")
+    console.print(f"reads {report.reads}, failed {len(report.failed)}, wrong {report.wrong}; detect "
+                  f"{_s(report.detect_s)}, re-admitted {_s(report.readmit_s)}, healthy {_s(report.healthy_s)} "
+                  f"after the kill (restarts {report.restarts})")
+    if report.repair_s:
+        console.print(f"repair: {report.repair_bytes / 1e6:.1f} MB in {report.repair_s:.3f} s = "
+                      f"{report.repair_gb_s:.3f} GB/s; bare gloo send of the same bytes "
+                      f"{report.bare_gb_s or float('nan'):.3f} GB/s (x{_ratio(report):.2f})")
+    out = Table(title="read latency (lookups of 256 ids and 64-row fetches, mixed)")
+    for column in ("phase", "reads", "p50 ms", "p99 ms"):
+        out.add_column(column, justify="right")
+    for phase, stats in report.phases.items():
+        out.add_row(phase, str(stats.get("reads", 0)), f"{stats.get('p50_ms', float('nan')):.2f}",
+                    f"{stats.get('p99_ms', float('nan')):.2f}")
+    console.print(out)
+
+
+def _s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+def _ratio(report: HealReport) -> float:
+    return report.repair_gb_s / report.bare_gb_s if report.repair_gb_s and report.bare_gb_s else float("nan")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["reader"]:
+        address, name, rows, dim, seed, seconds, out = argv[1:8]
+        read_loop(address, name, int(rows), int(dim), int(seed), float(seconds), out)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--readers", type=int, default=8)
+    parser.add_argument("--kill-at", type=float, default=8.0, help="seconds of reads before the kill")
+    parser.add_argument("--after", type=float, default=8.0, help="seconds of reads after the table is healthy")
+    parser.add_argument("--json", metavar="FILE")
+    ns = parser.parse_args(argv)
+    report = run(ns.rows, ns.dim, readers=ns.readers, kill_at=ns.kill_at, after=ns.after)
+    print_report(report)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(report.to_json(), indent=2))
+
+
+if __name__ == "__main__":
+    main()
