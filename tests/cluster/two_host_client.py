@@ -1,7 +1,7 @@
-"""A shardserve client driven by JSON lines on stdin, one JSON answer per line on stdout (tests/cluster/test_two_hosts.py).
+"""A shardserve client driven by JSON lines on stdin, one JSON answer per line on stdout.
 
-It runs inside another network namespace than the test (`ip netns exec NS python two_host_client.py COORDINATOR`),
-so the test drives it through commands. Every tensor a command names is made from a seed with plain torch, and
+Usage: two_host_client.py COORDINATOR [CALL_TIMEOUT_S]. tests/cluster/test_two_hosts.py runs it in another
+network namespace (`ip netns exec NS python two_host_client.py COORDINATOR 4`) and drives it by commands. Every tensor a command names is made from a seed with plain torch, and
 answers compare the cluster's bytes with it bit for bit. An answer is {"ok": true, ...} or {"ok": false,
 "error": exception class name, "message": ..., "seconds": how long the failing call took}.
 """
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from client import connect
+from client import RankUnavailableError, connect
 from shardcore import ChunkShardingSpec
 
 PLACEMENTS = ["rank:0/cpu", "rank:1/cpu"]
@@ -29,10 +29,10 @@ def reference(seed: int, rows: int, cols: int) -> torch.Tensor:
 class Driver:
     """The commands, over one connected client."""
 
-    def __init__(self, address: str) -> None:
-        self.cluster = connect(address, timeout=30.0)
-        self.tcp = connect(address, timeout=30.0, transport="tcp")
-        self.grpc = connect(address, timeout=30.0, transport="grpc")
+    def __init__(self, address: str, timeout: float) -> None:
+        self.cluster = connect_when_up(address, timeout)
+        self.tcp = connect(address, timeout=timeout, transport="tcp")
+        self.grpc = connect(address, timeout=timeout, transport="grpc")
         self.expected: dict[str, torch.Tensor] = {}
 
     def _client(self, transport: str) -> Any:
@@ -96,6 +96,18 @@ class Driver:
         return {"mapped": {str(r.rank): policy.maps(r) for r in self.cluster.ranks()}}
 
 
+def connect_when_up(address: str, timeout: float, limit: float = 60.0) -> Any:
+    """connect(), retried while the coordinator is not serving yet (it starts beside this client)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return connect(address, timeout=timeout)
+        except RankUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _split_dim(remote: Any) -> int:
     """The dim along which the shards differ (-1 for one shard)."""
     shards = remote.metadata().shards_metadata
@@ -116,7 +128,7 @@ def answer(run: Callable[[], dict]) -> dict:
 
 
 def main() -> int:
-    driver = Driver(sys.argv[1])
+    driver = Driver(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 30.0)
     print(json.dumps({"ok": True, "ready": True}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
