@@ -1,9 +1,10 @@
 """A shardserve client driven by JSON lines on stdin, one JSON answer per line on stdout.
 
 Usage: two_host_client.py COORDINATOR [CALL_TIMEOUT_S]. tests/cluster/test_two_hosts.py runs it in another
-network namespace (`ip netns exec NS python two_host_client.py COORDINATOR 4`) and drives it by commands. Every tensor a command names is made from a seed with plain torch, and
-answers compare the cluster's bytes with it bit for bit. An answer is {"ok": true, ...} or {"ok": false,
-"error": exception class name, "message": ..., "seconds": how long the failing call took}.
+network namespace (`ip netns exec NS python two_host_client.py COORDINATOR 4`) and drives it by commands.
+Every tensor a command names is made from a seed with plain torch, and answers compare the cluster's bytes
+with it bit for bit. An answer is {"ok": true, ...} or {"ok": false, "error": exception class name,
+"message": ...}, with "seconds": how long the command took.
 """
 from __future__ import annotations
 
