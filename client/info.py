@@ -26,7 +26,7 @@ class RankStatus:
     memory_limit_bytes: int
     pid: int
     last_heartbeat_unix: float
-    host_id: str = ""            # the rank's boot id: same hostname and host_id = same host (data plane)
+    host_id: str = ""            # boot id and namespaces: same hostname and host_id = same host (data plane)
     shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
     restarts: int = 0            # new processes that registered this rank number since the coordinator started
 

@@ -9,7 +9,9 @@ intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
 answer. Failures of the path itself (no bulk port, ticket refused, connection
 broken) raise BulkReadError so client.paths.policy can fall back to gRPC; errors
 about the request (stale version, bad box) are the exceptions a gRPC read
-raises, and leave the connection usable.
+raises, and leave the connection usable. A rank that sends nothing back within
+the call's deadline (a cut link, a hung rank) is DeadlineExceededError, as over
+gRPC, raised at the deadline: neither retried nor sent again over gRPC.
 """
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ import grpc
 import torch
 
 from client.channel import Channel
+<<<<<<< HEAD
 from client.errors import ShardServeError, error_from_rpc, error_from_status
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
+=======
+from client.errors import DeadlineExceededError, ShardServeError, error_from_status
+>>>>>>> twohost
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
@@ -211,9 +217,14 @@ class BulkPath:
         sock = connection.sock
         header = bytearray(HEADER.size)
         try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))  # the call's deadline bounds the wait
             first = sock.recv_into(header)
             if not first:
                 raise ConnectionError("the rank closed the connection")
+        except TimeoutError:  # silent, not closed: a partition or a hung rank; gRPC would not do better
+            sock.close()
+            raise DeadlineExceededError(f"{where}, bulk port: no answer within the call's deadline (the rank or "
+                                        f"the network to it is down, or the rank is hung)") from None
         except OSError as err:
             raise _NothingReceived(str(err)) from None
         try:

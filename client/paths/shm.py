@@ -1,7 +1,10 @@
 """The same-host data path: reading a rank's shards through shared memory (client.paths.policy picks it).
 
-Same host = the rank's hostname and boot id (RankInfo.host_id) equal ours and
-the rank offers shared memory. Then a part is read by ShardServer.OpenShard
+Same host = the rank's hostname and host id (RankInfo.host_id: boot id, network
+and PID namespaces) equal ours and the rank offers shared memory: a rank in
+another network namespace (a container, a test rig) is read over the network,
+like one on another machine, so what isolates it on the network isolates it
+for reads too. Then a part is read by ShardServer.OpenShard
 (a leased reference, no bulk bytes), mapping /proc/<pid>/fd/<fd> read-only
 (checked by inode and device, so a stale fd number cannot show other data),
 and one copy of the box into the output. Mappings stay cached (bounded): a
@@ -47,6 +50,7 @@ HEADER_MAGIC = 0x5348415244535256
 STATE_SERVED, STATE_DROPPED = 1, 2
 HEADER_WORDS_BYTES = 24  # magic, state, generation
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+HOST_NAMESPACES = ("net", "pid")  # a rank in another network or PID namespace is another host here
 CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
 CACHE_ENTRIES = 256
 
@@ -56,13 +60,22 @@ class SharedMemoryError(ShardServeError):
 
 
 def local_host() -> tuple[str, str]:
-    """(hostname, boot id) of this process's host."""
+    """(hostname, host id) of this process: the host id as a rank makes its RankInfo.host_id (boot id, network
+    and PID namespaces; server/rank/shared_memory.py), "" when the boot id is unknown."""
     try:
         with open(BOOT_ID_FILE) as f:
             boot_id = f.read().strip()
     except OSError:
-        boot_id = ""
-    return socket.gethostname(), boot_id
+        return socket.gethostname(), ""
+    return socket.gethostname(), ";".join([boot_id, *(f"{kind}:{_namespace(kind)}" for kind in HOST_NAMESPACES)])
+
+
+def _namespace(kind: str) -> int:
+    """The inode of this process's `kind` namespace (0 when /proc does not say)."""
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
 
 
 def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
@@ -72,7 +85,7 @@ def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
     if not rank.host_id or not host[1]:
         return f"rank {rank.rank} or this client has no host id"
     if (rank.hostname, rank.host_id) != host:
-        return f"rank {rank.rank} runs on host {rank.hostname!r}, not this one"
+        return f"rank {rank.rank} runs on host {rank.hostname!r} or in other namespaces, not this one"
     return ""
 
 

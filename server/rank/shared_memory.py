@@ -50,15 +50,28 @@ DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+HOST_NAMESPACES = ("net", "pid")  # host_id: namespaces that must match too (client.paths.shm has the same)
 
 
 def host_id() -> str:
-    """This kernel's boot id: equal hostnames and boot ids mean one host (one /proc, one page cache)."""
+    """This process's host as the same-host data path sees it: the kernel's boot id and the process's network and
+    PID namespaces. Equal hostnames and host ids mean one host: one kernel, /proc/<pid> naming the same process,
+    and one network (ranks in other network namespaces, as containers or test rigs, are read over the network,
+    so a cut link isolates them for reads too)."""
     try:
         with open(BOOT_ID_FILE) as f:
-            return f.read().strip()
+            boot_id = f.read().strip()
     except OSError:
         return ""
+    return ";".join([boot_id, *(f"{kind}:{_namespace(kind)}" for kind in HOST_NAMESPACES)])
+
+
+def _namespace(kind: str) -> int:
+    """The inode of this process's `kind` namespace (0 when /proc does not say)."""
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
 
 
 def enabled_by_env() -> bool:

@@ -24,7 +24,12 @@ world at a time is enough.
 """
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import logging
+import os
+import socket
+import struct
 import threading
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,6 +42,9 @@ from server.common.errors import FailedPrecondition
 from shardcore.epochs import group_prefix, group_rank, participants_of
 
 log = logging.getLogger(__name__)
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own switch: the interface(s) gloo binds and advertises
+_SIOCGIFADDR = 0x8915
 
 P2P = tuple[str, torch.Tensor, int]  # ("send" | "recv", tensor, peer's global rank)
 
@@ -146,6 +154,7 @@ class ProcessGroups:
             self._address = (host, port)
             dropped, self._groups = list(self._groups.values()), {}
         log.info("rank %d: rendezvous store at %s:%d", self.rank, host, port)
+        choose_gloo_interface(host, port)
         for group in dropped:
             group.abort()
 
@@ -221,3 +230,46 @@ class ProcessGroups:
         """Forget the groups of epochs before `epoch` (lock held): a job of a newer epoch means they ended."""
         old = [key for key in self._groups if key[0] < epoch]
         return [self._groups.pop(key) for key in old]
+
+
+def choose_gloo_interface(host: str, port: int) -> None:
+    """Make gloo bind the interface this rank reaches the coordinator's store by, unless GLOO_SOCKET_IFNAME says.
+
+    Without it gloo binds and advertises the address this host's name resolves to, which on many hosts is
+    127.0.0.1 (/etc/hosts): a peer on another host is then told to connect to its own loopback and every job
+    between hosts fails ("connectFullMesh failed ... Connection refused"). The store's route is one every
+    rank of the cluster uses, so its interface is one peers can reach. A store on loopback changes nothing."""
+    if os.environ.get(GLOO_IFNAME_ENV):
+        return
+    interface = interface_towards(host, port)
+    if interface and interface != "lo":
+        os.environ[GLOO_IFNAME_ENV] = interface
+        log.info("collective jobs use interface %s (the route to the rendezvous store; set %s to choose)",
+                 interface, GLOO_IFNAME_ENV)
+
+
+def interface_towards(host: str, port: int) -> str:
+    """The name of the IPv4 interface whose address this host sends from to reach host:port ("" if unknown)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, port))  # a UDP connect only picks the route: nothing is sent
+            source = probe.getsockname()[0]
+    except OSError as err:
+        log.warning("no IPv4 route to the rendezvous store %s:%d: %s", host, port, err)
+        return ""
+    if ipaddress.ip_address(source).is_loopback:
+        return "lo"
+    for _, name in socket.if_nameindex():
+        if _ipv4_address(name) == source:
+            return name
+    return ""
+
+
+def _ipv4_address(interface: str) -> str:
+    """The IPv4 address of `interface` ("" when it has none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return ""
+    return socket.inet_ntoa(answer[20:24])
