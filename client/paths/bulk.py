@@ -26,13 +26,9 @@ import grpc
 import torch
 
 from client.channel import Channel
-<<<<<<< HEAD
-from client.errors import ShardServeError, error_from_rpc, error_from_status
+from client.errors import DeadlineExceededError, ShardServeError, error_from_rpc, error_from_status
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
-=======
-from client.errors import DeadlineExceededError, ShardServeError, error_from_status
->>>>>>> twohost
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
 
