@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +67,7 @@ class TensorSummary:
     created_unix: float
     unavailable: frozenset[int] = field(default=frozenset(), repr=False)  # shards whose copy cannot be read
     repair: RepairProgress | None = field(default=None, repr=False)  # the coordinator repairing lost copies
+    answered_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # when the answer came
 
     @functools.cached_property
     def layout_health(self) -> LayoutHealth:

@@ -45,6 +45,7 @@ class Session:
         self._coordinator = channel.coordinator(address)
         self._ranks: dict[int, RankStatus] = {}
         self._ranks_lock = threading.Lock()
+        self._ranks_at = 0.0  # time.monotonic() of the latest ListRanks answer
         self._ranks_at = 0.0  # monotonic time of the latest ListRanks answer
         self._liveness_lock = threading.Lock()
         paths.watch_ranks(self.rank_reported_dead)
@@ -99,6 +100,7 @@ class Session:
         with self._ranks_lock:
             self._ranks = {r.rank: r for r in ranks}
             self._ranks_at = time.monotonic()
+            self._ranks_at = time.monotonic()
         return ranks
 
     def rank_reported_dead(self, rank: int) -> RankUnavailableError | None:
@@ -138,7 +140,10 @@ class Session:
 
     def unavailable_shards(self, summary: TensorSummary) -> frozenset[int]:
         """The shards of `summary` with no readable copy as the coordinator says: lost, or on a rank reported
-        dead (in the summary's answer or at the latest ListRanks)."""
+        dead (in the summary's answer, or at a ListRanks answered after it: a newer answer wins)."""
+        with self._ranks_lock:
+            if self._ranks_at <= summary.answered_at:
+                return summary.unavailable
         dead = self.dead_ranks()
         if not dead:
             return summary.unavailable

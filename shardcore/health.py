@@ -63,6 +63,12 @@ def ranks_of_copies(meta: ShardedTensorMetadata, boxes: Iterable[Box]) -> list[i
     return sorted({shard.rank for shard in meta.shards_metadata if shard.box in wanted and shard.placement})
 
 
+def name_ranks(ranks: Iterable[int]) -> str:
+    """"rank 1" or "ranks 1, 2": ranks named in a message."""
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
 def pick_copy(meta: ShardedTensorMetadata, copies: Sequence[int], unavailable: AbstractSet[int] = frozenset(),
               suspect: AbstractSet[int] = frozenset(), prefer_rank: int | None = None) -> int:
     """The copy of a box to read: an available, unsuspected one (prefer_rank's first), else a suspected one

@@ -45,12 +45,13 @@ from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
-from shardcore.health import layout_health, ranks_of_copies
+from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 log = logging.getLogger(__name__)
 
+RECONCILE_ATTEMPTS = 4  # GetStats tries for a rank that is alive again
 ABORTED_TOKENS_KEPT = 4096  # put tokens remembered as aborted, so their late CreateTensor is refused
 
 
@@ -256,9 +257,9 @@ class Coordinator:
             health = layout_health(metadata_from_proto(source.metadata), missing)
             if health.lost_boxes:
                 ranks = ranks_of_copies(metadata_from_proto(source.metadata), health.lost_boxes)
-                raise DataLoss(f"tensor {source.name!r} has boxes with no live copy (ranks {ranks} are "
-                                         f"down or lost them); it cannot be updated until they are back: delete it "
-                                         f"or put it again")
+                raise DataLoss(f"tensor {source.name!r} has boxes with no live copy (their copies were on "
+                               f"{name_ranks(ranks)}: down, or restarted without them); it cannot be updated: "
+                               f"delete it or put it again")
             log.warning("%r: the new version starts without copies %s (their ranks are down or lost them); the "
                         "coordinator repairs them", source.name, missing)
         return missing
@@ -291,10 +292,16 @@ class Coordinator:
                 self.reshards.drop_replaced(row.name)
 
     def _reconcile_from_stats(self, rank: int) -> None:
-        """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped."""
-        held = self.registry.held_by(rank)
-        if held is not None:
-            self._reconcile(rank, held)
+        """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped. Its first answer
+        after a cut link may fail (a connection reset), so GetStats is asked a few times."""
+        for attempt in range(RECONCILE_ATTEMPTS):
+            held = self.registry.held_by(rank)
+            if held is not None:
+                self._reconcile(rank, held)
+                return
+            if self._stop.wait(1.0 + attempt):
+                return
+        log.error("rank %d could not be reconciled: GetStats failed %d times", rank, RECONCILE_ATTEMPTS)
 
     def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
         """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.

@@ -49,7 +49,7 @@ from server.coordinator.collectives import CollectiveRunner, job_timeout
 from server.coordinator.health import unavailable_shards
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
-from shardcore.health import layout_health, ranks_of_copies
+from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
@@ -120,9 +120,9 @@ class ReshardDriver:
             if health.lost_boxes:
                 boxes = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in health.lost_boxes)
                 ranks = ranks_of_copies(metadata_from_proto(info.metadata), health.lost_boxes)
-                raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({boxes}; ranks {ranks} "
-                                         f"are down or lost them); it cannot be resharded until they are back: "
-                                         f"delete it or put it again")
+                raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({boxes}; their copies "
+                                         f"were on {name_ranks(ranks)}: down, or restarted without them); it "
+                                         f"cannot be resharded: delete it or put it again")
         return unavailable
 
     def _run(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],

@@ -171,7 +171,7 @@ def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster)
         assert torch.equal(remote.full_tensor(), expected)
         assert torch.equal(remote.lookup(torch.arange(ROWS)), expected)
         world["data"]["mirrored"] = expected
-        with pytest.raises(ShardsLostError, match=r"ranks \[1\]"):
+        with pytest.raises(ShardsLostError, match="on rank 1:"):
             client.update_rows("plain", torch.tensor([0]), torch.zeros(1, DIM))
         assert client.tensor("plain").version == world["plain_version"]
 

@@ -379,7 +379,7 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
             if src.shards_metadata[index].rank != 1:
                 assert torch.equal(shards[index].fetch(), part)
         wait_until(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 to be shown dead")
-        with pytest.raises(ReshardRefusedError, match=r"ranks \[1\] are down"):  # its shards are gone with it
+        with pytest.raises(ReshardRefusedError, match="on rank 1:"):  # its shards are gone with it
             after.reshard(chunk(1, (0, 2)))
         _reshard_in_a_new_epoch(client, "survivor", (0, 2), epoch)
 
