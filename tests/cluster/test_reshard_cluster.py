@@ -34,6 +34,7 @@ from server_processes import rank_env, server_env, spawn_server, stop_all, wait_
 pytestmark = pytest.mark.timeout(300)
 
 CPU = {r: "cpu" for r in range(4)}
+STOPPED_S = 20.0  # how long a rank stays stopped (SIGSTOP) during a job before SIGCONT
 
 
 def chunk(dim: int, ranks) -> ChunkShardingSpec:
@@ -468,6 +469,8 @@ def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(han
             thread.join(30)
             assert not thread.is_alive()
             assert time.monotonic() - started < 3 + 2 + 5
+            wait_until(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 marked dead")
+            time.sleep(max(0.0, STOPPED_S - (time.monotonic() - started)))  # stopped STOPPED_S in all
         finally:
             hanging_cluster.kill_rank(1, signal.SIGCONT)
         assert isinstance(outcome["error"], RankUnavailableError) and "rank 1" in str(outcome["error"])
