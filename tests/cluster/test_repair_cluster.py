@@ -106,7 +106,7 @@ def test_repair_progress_shows_while_it_runs(world, cluster, capsys):
         assert "repairing" in capsys.readouterr().out
         assert torch.equal(client.tensor("slow").full_tensor(), world["data"]["slow"])  # reads go on meanwhile
         wait_until(lambda: _repaired(client.tensor("slow")), WAIT_S, "the repair of 'slow' to finish")
-        assert client.tensor("slow").repair is None
+        wait_until(lambda: client.tensor("slow").repair is None, WAIT_S, "the repair's progress to be gone")
         assert torch.equal(client.tensor("slow").full_tensor(), world["data"]["slow"])
 
 
