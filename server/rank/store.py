@@ -4,7 +4,10 @@ A version is PENDING from allocation until every local shard is written and
 it is promoted, then SERVED. Memory is accounted against a limit when
 allocated and released when a version is dropped and no read or write still
 holds a lease on it (a small reference count per version), so a dropped
-version stays whole for the reads already in flight. No network, no threads
+version stays whole for the reads already in flight. A served version that a
+newer one replaces stays served for `version_grace` seconds more (a grace
+period), so reads that began on it finish there instead of failing; the
+grace ends early when its memory is needed. No network, no threads
 of its own: the servicer calls in from gRPC worker threads, so every method is
 thread-safe.
 """
@@ -14,6 +17,7 @@ import enum
 import logging
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
 
+DEFAULT_VERSION_GRACE_S = 2.0  # a replaced served version stays readable this long (rank flag --version-grace)
 DROPPED_KEPT = 4096  # (name, version) pairs remembered as dropped, so a late allocation of one is refused
 
 
@@ -64,6 +69,7 @@ class StoredVersion:
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
+    grace_until: float | None = None  # replaced but still served until then (monotonic seconds)
 
 
 def _row_major_strides(size: tuple[int, ...]) -> list[int]:
@@ -127,7 +133,11 @@ class ShardStore:
 
     def __init__(self, rank: int, device: str = "cpu", memory_limit: int = 0,
                  max_request_bytes: int = 0, shared_memory: bool | None = None,
-                 recycle_bytes: int = DEFAULT_RECYCLE_BYTES) -> None:
+                 recycle_bytes: int = DEFAULT_RECYCLE_BYTES,
+                 version_grace: float = DEFAULT_VERSION_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not version_grace >= 0:
+            raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {memory_limit}")
         if max_request_bytes < 0:
@@ -137,6 +147,8 @@ class ShardStore:
         self.memory_limit = memory_limit
         self._capacity = device_capacity(self.device)
         self.max_request_bytes = max_request_bytes
+        self.version_grace = version_grace
+        self._clock = clock
         self._lock = threading.Lock()
         self._versions: dict[tuple[str, int], StoredVersion] = {}
         self._dropped: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -264,12 +276,36 @@ class ShardStore:
             self._memory_used += entry.nbytes
 
     def _make_room(self, nbytes: int) -> None:
-        """Let go of recycled buffers that a reservation of `nbytes` needs room for (limit or device capacity)."""
+        """(lock held) Let go of recycled buffers, then of versions in their grace period (oldest first), that a
+        reservation of `nbytes` needs room for (limit or device capacity)."""
+        if self._room(nbytes) < 0:
+            for entry in sorted(self._graced_locked(), key=lambda e: e.grace_until or 0.0):
+                self._drop_locked(entry)
+                if self._room(nbytes) >= 0:
+                    break
+        room = self._room(nbytes)
+        if self.shared.recycled.nbytes > room:
+            self.shared.recycled.trim(room)
+
+    def _room(self, nbytes: int) -> int:
         room = self._capacity - self._memory_used - nbytes
         if self.memory_limit:
             room = min(room, self.memory_limit - self._memory_used - nbytes)
-        if self.shared.recycled.nbytes > room:
-            self.shared.recycled.trim(room)
+        return room
+
+    def _graced_locked(self) -> list[StoredVersion]:
+        return [e for e in self._versions.values() if e.grace_until is not None and not e.dropped]
+
+    def end_graces(self) -> int:
+        """Drop the replaced versions whose grace period is over (the rank's main loop calls this); how many."""
+        now = self._clock()
+        with self._lock:
+            over = [e for e in self._graced_locked() if e.grace_until is not None and e.grace_until <= now]
+            for entry in over:
+                self._drop_locked(entry)
+        for entry in over:
+            log.info("rank %d dropped %r version %d (grace over)", self.rank, entry.name, entry.version)
+        return len(over)
 
     def _forget(self, entry: StoredVersion) -> None:
         with self._lock:
@@ -299,20 +335,40 @@ class ShardStore:
             self._dropped.popitem(last=False)
 
     def drop(self, name: str, version: int = 0) -> int:
-        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent."""
+        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
+        version that a newer served one replaced stays served for the grace period first (end_graces drops
+        it); dropping all versions (a delete) drops at once."""
         with self._lock:
             keys = [k for k in self._versions if k[0] == name and (version == 0 or k[1] == version)]
             if version:
                 self._remember_dropped((name, version))
+            graced = []
             for key in keys:
                 entry = self._versions[key]
-                entry.dropped = True
-                self.shared.mark(entry.shards.values(), served=False)
-                if entry.leases == 0:
-                    self._free_locked(entry)
+                if version and self._replaced(entry):
+                    if entry.grace_until is None:
+                        entry.grace_until = self._clock() + self.version_grace
+                    graced.append(key[1])
+                else:
+                    self._drop_locked(entry)
         if keys:
-            log.info("rank %d dropped %r versions %s", self.rank, name, [k[1] for k in keys])
+            log.info("rank %d dropped %r versions %s%s", self.rank, name, [k[1] for k in keys],
+                     f" (served {self.version_grace:g}s more: {graced})" if graced else "")
         return len(keys)
+
+    def _replaced(self, entry: StoredVersion) -> bool:
+        """(lock held) Whether `entry` is a served version with a newer served one, and a grace applies."""
+        if not self.version_grace or entry.dropped or entry.state is not VersionState.SERVED:
+            return False
+        return any(k[0] == entry.name and k[1] > entry.version and e.state is VersionState.SERVED
+                   and not e.dropped for k, e in self._versions.items())
+
+    def _drop_locked(self, entry: StoredVersion) -> None:
+        entry.dropped = True
+        entry.grace_until = None
+        self.shared.mark(entry.shards.values(), served=False)
+        if entry.leases == 0:
+            self._free_locked(entry)
 
     def _free_locked(self, entry: StoredVersion) -> None:
         """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/rank/recycling.py)."""
