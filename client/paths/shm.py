@@ -32,6 +32,7 @@ import torch
 from client.channel import Channel
 from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
+from client.paths.composed import CompositionError, map_extents
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
 from protos import shardserve_pb2 as pb
@@ -393,6 +394,11 @@ _RANK_PROCESSES = _ProcessWatch()
 def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
     (the shard's bytes, the header's int64 words or None when the segment has no header)."""
+    if reply.extents:  # a row update's version: its blocks, shared with earlier versions
+        try:
+            return map_extents(reply), _map_state_header(reply)
+        except CompositionError as err:
+            raise SharedMemoryError(str(err)) from None
     whole = _map_file(reply, reply.data_offset + reply.nbytes)
     if reply.data_offset < HEADER_WORDS_BYTES:
         return whole[reply.data_offset:], None

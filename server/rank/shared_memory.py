@@ -42,7 +42,6 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
-F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
 FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
@@ -237,14 +236,11 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 def _seal(fd: int) -> None:
     """Seal a mapped segment against other processes: readers open it by /proc/PID/fd/N, where a same-user
-    process could otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank) or write
-    into a served version. Only this rank's own mapping, made before the seal, stays writable
-    (F_SEAL_FUTURE_WRITE, Linux 5.1; on older kernels the size seals alone)."""
-    size_seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-    except OSError:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | fcntl.F_SEAL_SEAL)
+    process could otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank). Not
+    against writes (F_SEAL_FUTURE_WRITE): the segment's blocks may be shared with later versions of the shard
+    (server/rank/blocks.py), whose pages are given back by punching holes, which Linux refuses under that
+    seal; clients map segments read-only."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:

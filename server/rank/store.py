@@ -21,7 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -34,6 +34,7 @@ from server.common.errors import (
     ResourceExhausted,
 )
 from server.common.requests import check_init
+from server.rank.blocks import Blocks
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -159,6 +160,7 @@ class ShardStore:
                                    recycled=RecycledBuffers(recycle_bytes))
         # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
+        self.blocks = Blocks()  # copy-on-write blocks of the versions row updates make (server/rank/blocks.py)
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -324,6 +326,8 @@ class ShardStore:
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
                     f"are not fully written")
             entry.state = VersionState.SERVED
+            for shard in entry.shards.values():
+                self.blocks.publish(shard)
             self.shared.mark(entry.shards.values(), served=True)
         log.info("rank %d serves %r version %d", self.rank, name, version)
 
@@ -374,7 +378,14 @@ class ShardStore:
         """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/rank/recycling.py)."""
         del self._versions[(entry.name, entry.version)]
         self._memory_used -= entry.nbytes
-        self.shared.recycle(list(entry.shards.values()))
+        whole = []
+        for shard in entry.shards.values():
+            freed = self.blocks.release(shard)
+            if freed is None:
+                whole.append(shard)
+            else:
+                self._memory_used -= freed  # the blocks no other version uses
+        self.shared.recycle(whole)
         entry.shards.clear()
 
     # ------------------------------------------------------------ lookups and leases
@@ -510,6 +521,9 @@ class ShardStore:
             if nbytes != entry.metadata.shard_nbytes(shard_index):
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
+            if self.blocks.is_composed(entry.shards.get(shard_index, torch.empty(0))):
+                raise FailedPrecondition(f"shard_index {shard_index} of {name!r} version {version} is a row "
+                                         f"update's copy; change its rows with WriteRows")
             if entry.changing[shard_index]:  # two streams would interleave their bytes, each "complete"
                 raise Aborted(f"shard_index {shard_index} of {name!r} version {version} is being written by "
                               f"another stream on rank {self.rank}; write each shard once")
@@ -534,13 +548,28 @@ class ShardStore:
             yield entry
 
     @contextmanager
-    def rewrite(self, name: str, version: int, shard_index: int) -> Iterator[torch.Tensor]:
+    def rewrite(self, name: str, version: int, shard_index: int,
+                rows: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
-        not fully written meanwhile, so a promote cannot publish it half changed."""
+        not fully written meanwhile, so a promote cannot publish it half changed. A version made by a row
+        update shares its blocks with its source: only the blocks holding local `rows` (dim 0) of it may be
+        changed, and they get copies of their own first."""
         entry, shard, was_complete = self._open_for_change(name, version, shard_index)
         with self._changing(entry, shard_index) as done:
+            if self.blocks.is_composed(shard):
+                self._own_rows(shard, rows)
             yield shard
             done(was_complete)
+
+    def _own_rows(self, shard: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Copy the blocks of composed `shard` that `rows` lie in (all rows when None), accounting their memory."""
+        if rows is None:
+            rows = torch.arange(shard.shape[0] if shard.dim() else 1)
+        row_bytes = shard[0].numel() * shard.element_size() if shard.dim() else shard.element_size()
+        starts = (rows.to(torch.int64).unique() * row_bytes).tolist()
+        added, freed = self.blocks.make_own(shard, [(start, start + row_bytes) for start in starts])
+        with self._lock:
+            self._memory_used += added - freed
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""
@@ -548,22 +577,54 @@ class ShardStore:
 
     def allocate_copy(self, name: str, version: int, meta: ShardedTensorMetadata, source_version: int,
                       options: pb.TensorOptions | None = None) -> int:
-        """Allocate (name, version) as a clone of the local shards of served version `source_version`."""
+        """Allocate (name, version) as a copy of the local shards of served version `source_version`: sharing
+        their blocks (server/rank/blocks.py) where they are in shared memory, else a copy of each shard."""
         with self.lease(name, source_version) as source:
             if source.metadata != meta:
                 raise InvalidArgument(f"source_version {source_version} of {name!r} has another layout "
                                       f"than the new version's metadata")
-            entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), source.nbytes)
-            self._reserve(entry)
+            shared = self._share_blocks(source)
+            copied = sum(s.numel() * s.element_size() for i, s in source.shards.items() if i not in shared)
+            entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), copied, dict(shared))
+            try:
+                self._reserve(entry)
+            except BaseException:
+                self._release_blocks(shared.values())
+                raise
             try:
                 for i, shard in source.shards.items():
-                    entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype, overwrite=True).copy_(shard)
+                    if i not in shared:
+                        entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype,
+                                                           overwrite=True).copy_(shard)
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
                 raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None
         self._mark_filled(entry, list(entry.shards))
-        log.info("rank %d copied %r version %d to version %d", self.rank, name, source_version, version)
+        log.info("rank %d made %r version %d from version %d (%d shards sharing blocks, %d bytes copied)",
+                 self.rank, name, version, source_version, len(shared), copied)
         return entry.nbytes
+
+    def _release_blocks(self, tensors: Iterable[torch.Tensor]) -> None:
+        freed = sum(self.blocks.release(t) or 0 for t in tensors)
+        with self._lock:
+            self._memory_used -= freed
+
+    def _share_blocks(self, source: StoredVersion) -> dict[int, torch.Tensor]:
+        """New tensors over the same blocks as the leased source's shards, for those in shared memory. A shard
+        cut into blocks for the first time moves its bytes from the source's account to its blocks'."""
+        if not self.shared.enabled:
+            return {}
+        out = {}
+        for i, shard in source.shards.items():
+            adopted = self.blocks.table(shard) is None
+            tensor = self.blocks.share(shard, self.shared.segment_of(shard))
+            if tensor is None:
+                continue
+            out[i] = tensor
+            if adopted:
+                with self._lock:
+                    source.nbytes -= shard.numel() * shard.element_size()
+        return out
 
     def shared_segment(self, entry: StoredVersion, shard_index: int) -> Segment | None:
         """The shared-memory Segment of a leased served shard, moving the shard into shared memory first
@@ -572,6 +633,8 @@ class ShardStore:
         segment = self.shared.segment_of(shard)
         if segment is not None or not self.shared.enabled or shard.device.type != "cpu":
             return segment
+        if self.blocks.is_composed(shard):
+            return None
         copy = self.shared.export(shard)  # same bytes; the served version is immutable
         with self._lock:
             if entry.shards.get(shard_index) is shard:
