@@ -247,6 +247,8 @@ class RemoteShardedTensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
         self._session.check_open()
+        if self._session.newest_seen(self.name) > self._summary.version:  # replaced, yet served in its grace
+            self.refresh()
         return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry,
                                  self._session.channel.timeout)
 

@@ -163,7 +163,8 @@ class LookupService:
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
         rows = torch.from_numpy(local)
-        with self.store.rewrite(name, version, request.shard_index, rows) as shard:  # checked: no refusal leaves it torn
+        # checked above: no refusal leaves the shard torn
+        with self.store.rewrite(name, version, request.shard_index, rows) as shard:
             shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
         return int(ids.size)
 
