@@ -44,7 +44,7 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 HEADER_BYTES = 4096
 FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
-STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
+STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
@@ -149,7 +149,7 @@ class SharedMemory:
             self._track(tensor, buffer.segment, buffer.header)
         return tensor
 
-    def attach_header(self, tensor: torch.Tensor, served: bool) -> Segment:
+    def attach_header(self, tensor: torch.Tensor, served: bool, replaced: bool = False) -> Segment:
         """A header-only segment (the state word, no data) for a tensor whose bytes live elsewhere (a CUDA
         shard handed over as a CUDA IPC handle), so a client's cached mapping checks the version's state
         without an RPC. One per tensor; `mark` keeps it current; it is closed when the tensor goes."""
@@ -159,7 +159,8 @@ class SharedMemory:
                 return known
             flat, segment = _memfd_bytes(HEADER_BYTES)
             segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0)
-            self._track(tensor, segment, _new_header(flat, STATE_SERVED if served else STATE_DROPPED))
+            state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+            self._track(tensor, segment, _new_header(flat, state))
         return segment
 
     def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
@@ -175,13 +176,15 @@ class SharedMemory:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
 
-    def mark(self, tensors: Iterable[torch.Tensor], served: bool) -> None:
-        """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
+    def mark(self, tensors: Iterable[torch.Tensor], served: bool, replaced: bool = False) -> None:
+        """Set the header state of the segments of `tensors` (others are ignored): SERVED, REPLACED (served, but a
+        newer version is: clients read what they began, and start new reads at the newer one) or DROPPED."""
+        state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
         with self._lock:
             for tensor in tensors:
                 header = self._headers.get(id(tensor))
                 if header is not None:
-                    header[1] = STATE_SERVED if served else STATE_DROPPED
+                    header[1] = state
 
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""

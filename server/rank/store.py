@@ -352,6 +352,7 @@ class ShardStore:
                 if version and self._replaced(entry):
                     if entry.grace_until is None:
                         entry.grace_until = self._clock() + self.version_grace
+                        self.shared.mark(entry.shards.values(), served=True, replaced=True)
                     graced.append(key[1])
                 else:
                     self._drop_locked(entry)
@@ -639,7 +640,7 @@ class ShardStore:
         with self._lock:
             if entry.shards.get(shard_index) is shard:
                 entry.shards[shard_index] = copy
-                self.shared.mark([copy], served=not entry.dropped)
+                self.shared.mark([copy], served=not entry.dropped, replaced=entry.grace_until is not None)
             current = entry.shards.get(shard_index)
         return self.shared.segment_of(current) if current is not None else None
 
@@ -648,7 +649,7 @@ class ShardStore:
         shard is still served (server/rank/shared_memory.py SharedMemory.attach_header)."""
         shard = self._local_shard(entry, shard_index)
         with self._lock:
-            return self.shared.attach_header(shard, served=not entry.dropped)
+            return self.shared.attach_header(shard, served=not entry.dropped, replaced=entry.grace_until is not None)
 
     # ------------------------------------------------------------ introspection
 
