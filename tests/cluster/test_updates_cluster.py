@@ -24,7 +24,8 @@ RUN_S = 2.0  # each concurrent run: readers and writers for this long (correctne
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=3)
+    """A long grace period, so that a test can read a replaced version without racing its end."""
+    return make_cluster(ranks=3, version_grace=60.0)
 
 
 def _states(initial: torch.Tensor, calls: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> dict[int, torch.Tensor]:
@@ -136,6 +137,21 @@ def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(cluster: L
         assert torch.equal(final, expected)
         assert max(results.values()) == client.tensor("upd-group").version
         client.delete("upd-group")
+
+
+def test_a_replaced_version_stays_readable_for_the_grace_period(cluster: LocalCluster) -> None:
+    """A read at the version an update replaced still gets that version, whole (a read in flight finishes where
+    it began); a delete ends the grace at once."""
+    table = torch.arange(ROWS * COLUMNS, dtype=torch.float32).view(ROWS, COLUMNS)
+    with connect(cluster.address) as client:
+        old = client.put("upd-grace", table, spec=ROW_WISE)
+        shard = old.remote_shards()[1][0]
+        client.update_rows("upd-grace", torch.arange(ROWS), torch.zeros(ROWS, COLUMNS))
+        assert torch.equal(shard.fetch(), table[ROWS // 3:2 * ROWS // 3])  # version old.version, on rank 1
+        assert torch.equal(client.tensor("upd-grace").full_tensor(), torch.zeros(ROWS, COLUMNS))
+        client.delete("upd-grace")
+        with pytest.raises(Exception, match="not found|no longer|not held"):
+            shard.fetch()
 
 
 def test_memory_of_many_updates_stays_near_the_table(cluster: LocalCluster) -> None:
