@@ -239,7 +239,7 @@ class Blocks:
             offset, freed = 0, 0
             for k, nbytes, slot in zip(wanted, sizes, slots):
                 start = k * BLOCK_BYTES
-                os.pwrite(file.fd, memoryview(flat[start:start + nbytes].numpy()), offset)
+                _copy_block(table.blocks[k], file, offset, flat[start:start + nbytes])
                 file.refs[offset] = 1
                 table.space.place(start, nbytes, file.fd, offset, writable=True)
                 old = table.blocks[k]
@@ -282,6 +282,23 @@ class Blocks:
                 out.append(Extent(first.file.fd, first.file.inode, first.file.device_id, first.offset,
                                   sum(b.nbytes for b in table.blocks[start:stop])))
             return out
+
+
+def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor) -> None:
+    """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
+    from its mapped bytes `mapped`."""
+    done = 0
+    try:
+        while done < block.nbytes:
+            copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
+                                        offset + done)
+            if copied <= 0:
+                break
+            done += copied
+    except OSError:
+        pass
+    if done < block.nbytes:
+        os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
 
 
 def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
