@@ -122,4 +122,19 @@ def heal_scenario(ctx: Context) -> list[Row]:
                          extra={"reads": during["reads"]}),
                      Row("heal", case, "no failure", before[stat] / 1e3, path="auto", role="baseline",
                          extra={"reads": before["reads"]})]
+
+
+@scenario("updates", help="update_rows cost by table size, update rate with 1 and 4 writers, lookups during updates")
+def updates_scenario(ctx: Context) -> list[Row]:
+    """benchmarks.updates, as rows: one case per table size, the rates, and lookup latency with/without updates."""
+    from benchmarks import updates
+
+    result = run_module_main(updates.main, ["--quick"] if ctx.quick else [])
+    rows = [Row("updates", f"one update of {updates.ROWS_PER_UPDATE} rows", f"{size} table", cost["median_s"],
+                extra={**cost, "large_over_small": result["large_over_small"]})
+            for size, cost in result["update_cost"].items()]
+    rows += [Row("updates", "sustained rate", label, 1.0 / rate["updates_per_s"] if rate["updates_per_s"] else None,
+                 extra=rate) for label, rate in result["rate"].items()]
+    rows += [Row("updates", "lookup of 256 ids", label, lookup["p50_ms"] / 1000 if lookup["lookups"] else None,
+                 extra=lookup) for label, lookup in result["lookups"].items()]
     return rows

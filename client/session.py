@@ -48,6 +48,8 @@ class Session:
         self._ranks_at = 0.0  # time.monotonic() of the latest ListRanks answer
         self._ranks_at = 0.0  # monotonic time of the latest ListRanks answer
         self._liveness_lock = threading.Lock()
+        self._seen: dict[str, int] = {}  # name -> the newest committed version this client saw
+        self._seen_guard = threading.Lock()
         paths.watch_ranks(self.rank_reported_dead)
 
     def close(self) -> None:
@@ -168,7 +170,20 @@ class Session:
 
     def summary(self, name: str) -> TensorSummary:
         """The catalog entry of the READY tensor `name` (TensorNotFoundError if there is none)."""
-        return TensorSummary.from_proto(self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name))))
+        info = self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name)))
+        self.saw_version(info.name, info.version)
+        return TensorSummary.from_proto(info)
+
+    def saw_version(self, name: str, version: int) -> None:
+        """Remember the newest version of `name` this client has seen committed (its own writes included)."""
+        with self._seen_guard:
+            if version > self._seen.get(name, 0):
+                self._seen[name] = version
+
+    def newest_seen(self, name: str) -> int:
+        """The newest version of `name` this client saw committed (0: none): a proxy cached at an older one
+        reads the newer one instead, although ranks keep serving the older one for their grace period."""
+        return self._seen.get(name, 0)
 
     def layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any, replicas: int = 1) -> ShardedTensorMetadata:
         """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank; a 0-d
@@ -231,7 +246,9 @@ class Session:
         have happened: then the READY version says so, and it counts as done rather than being reported failed
         while it is visible."""
         try:
-            return self.call("CommitTensor", pb.CommitTensorRequest(name=name, version=version))
+            committed = self.call("CommitTensor", pb.CommitTensorRequest(name=name, version=version))
+            self.saw_version(name, committed.version)
+            return committed
         except (DeadlineExceededError, RankUnavailableError):
             try:
                 ready = self.call("GetTensor", pb.GetTensorRequest(name=name))

@@ -247,7 +247,10 @@ class RemoteShardedTensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
         self._session.check_open()
-        return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry)
+        if self._session.newest_seen(self.name) > self._summary.version:  # replaced, yet served in its grace
+            self.refresh()
+        return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry,
+                                 self._session.channel.timeout)
 
     def _refresh_for_retry(self) -> int:
         self._session.refresh_ranks()

@@ -723,7 +723,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class OpenShardResponse(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes")
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes", "extents")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -737,6 +737,7 @@ class OpenShardResponse(_message.Message):
     CUDA_FIELD_NUMBER: _ClassVar[int]
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXTENTS_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -750,7 +751,22 @@ class OpenShardResponse(_message.Message):
     cuda: CudaIpcHandle
     data_offset: int
     max_request_bytes: int
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    extents: _containers.RepeatedCompositeFieldContainer[ShardExtent]
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[ShardExtent, _Mapping]]] = ...) -> None: ...
+
+class ShardExtent(_message.Message):
+    __slots__ = ("fd", "inode", "device_id", "offset", "nbytes")
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    fd: int
+    inode: int
+    device_id: int
+    offset: int
+    nbytes: int
+    def __init__(self, fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BulkSessionRequest(_message.Message):
     __slots__ = ()

@@ -94,14 +94,18 @@ class LocalCluster:
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
                  pending_timeout: float = 600.0, log_level: str | None = None,
                  recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
-                 restart_backoff: float = 1.0, repair_after: float = 30.0) -> None:
+                 restart_backoff: float = 1.0, repair_after: float = 30.0,
+                 version_grace: float | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
+        if version_grace is not None and not 0 <= version_grace < float("inf"):
+            raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         self.ranks = ranks
         self.security = Security(token=token or None, tls=tls)
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
+        self.version_grace = version_grace  # None: the rank's default (--version-grace)
         self.max_request_bytes = max_request_bytes or 0
         self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/rank/reads/bulk.py)
         self.heartbeat_interval = heartbeat_interval
@@ -200,7 +204,8 @@ class LocalCluster:
 
     def _launches(self, coordinator: str) -> list[RankLaunch]:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
-                               self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads)
+                               self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
+                               self.version_grace)
         return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -277,7 +282,8 @@ def main_up(argv: Sequence[str]) -> int:
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
-                           restart_backoff=args.restart_backoff, repair_after=args.repair_after)
+                           restart_backoff=args.restart_backoff, repair_after=args.repair_after,
+                           version_grace=args.version_grace)
     handle_stop_signals()
     try:
         cluster.start(timeout=args.startup_timeout)

@@ -68,7 +68,7 @@ class RankLaunch:
 
 def rank_command(coordinator: str, host: str, device: str, max_request_bytes: int, log_level: str,
                  security: Security, memory_limit: int | None = None, recycle_bytes: int | None = None,
-                 bulk_reads: bool = True) -> list[str]:
+                 bulk_reads: bool = True, version_grace: float | None = None) -> list[str]:
     """`python -m server --coordinator ...`: one rank's command line (the token travels in its environment)."""
     cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{host}:0",
            "--device", device, "--max-request-bytes", str(max_request_bytes), "--log-level", log_level]
@@ -76,6 +76,8 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
         cmd += ["--memory-limit", str(memory_limit)]
     if recycle_bytes is not None:
         cmd += ["--recycle-bytes", str(recycle_bytes)]
+    if version_grace is not None:
+        cmd += ["--version-grace", repr(float(version_grace))]
     if not bulk_reads:
         cmd.append("--no-bulk-reads")
     tls = security.tls
@@ -110,6 +112,9 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
                         "(0 = unlimited)")
     parser.add_argument("--recycle-bytes", type=int, default=None, help="bytes of freed versions' memory each "
                         "rank keeps for reuse (0 = off; default: the rank's, 1 GiB)")
+    parser.add_argument("--version-grace", type=float, default=None, help="seconds a replaced version stays "
+                        "readable on each rank after a newer one is served (0 = drop at once; default: the "
+                        "rank's, 2)")
     parser.add_argument("--no-bulk-reads", action="store_true", help="ranks serve no bulk TCP port; remote "
                         "clients read over gRPC only (always so with TLS)")
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, help="times each rank is "

@@ -56,7 +56,8 @@ class Lookups:
             self._session.refresh_ranks()
             return tuple(self.views.view(name, refresh=True).version for name in names)
 
-        return read_with_refresh(lambda: run({name: self.views.view(name) for name in names}), refresh)
+        return read_with_refresh(lambda: run({name: self.views.view(name) for name in names}), refresh,
+                                 self._session.channel.timeout)
 
     # ------------------------------------------------------------ rows
 

@@ -94,7 +94,7 @@ class MappedRows:
             out = band.rows.take(values - band.start, axis=0)
         else:
             out = self._gather_bands(values)
-        if not all(band.mapping.serves() for band in self._bands):
+        if not all(band.mapping.readable() for band in self._bands):
             raise self._stale()  # a segment was recycled during the read: its rows may be another version's
         log.debug("looked up %d rows of %r from mapped shards", count, self.view.name)
         return torch.from_numpy(out).view(self.view.dtype)

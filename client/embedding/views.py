@@ -135,7 +135,7 @@ class TableViews:
             view = self._views.get(name)
             if self.cache is not None and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age:
                 refresh = True
-        if view is None or refresh:
+        if view is None or refresh or view.version < self._session.newest_seen(name):
             view = self._fetch(name)
         return view
 
@@ -143,6 +143,7 @@ class TableViews:
         """The view of the READY version of `name`, routed to available copies (the cached one while the version
         and the copies to avoid are unchanged)."""
         info = self._session.call("GetTensor", pb.GetTensorRequest(name=name))
+        self._session.saw_version(info.name, info.version)
         summary = TensorSummary.from_proto(info)
         unavailable = self._session.unavailable_shards(summary)
         suspect = self._session.suspect_shards(summary)

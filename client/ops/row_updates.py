@@ -1,22 +1,29 @@
 """update_rows: publish a new version of a 2-D table with some rows replaced, atomically.
 
-The coordinator creates version v+1 as a copy of the READY version v on every
-rank (CreateTensor init=INIT_COPY, still PENDING and invisible), the client
-writes the new rows to every shard holding them (replicas too) with
-ShardServer.WriteRows, and CommitTensor promotes v+1 everywhere before the
-catalog flips to it; readers at v keep reading v until it is dropped, then
-refresh. A reader therefore sees all old or all new rows. Any failure aborts
-v+1. Duplicate ids: the last value given wins, as in a sequence of assignments.
-A copy on a rank that is down (a replica) is left out of v+1: the rows go to
-every live copy, and the coordinator repairs the missing one from them.
-Concurrent update_rows of one table: updates from one client are serialized
-per table; across clients, a later one aborts a pending earlier one (which
-then raises), and one that finds the READY version replaced before it started
-copies the new one instead (each update then lands whole, the last one wins).
+The coordinator creates version v+1 from the READY version v on every rank
+(CreateTensor init=INIT_COPY, still PENDING and invisible; ranks share v's
+blocks instead of copying them, server/rank/blocks.py), the client writes the
+new rows to every shard holding them (replicas too) with ShardServer.WriteRows,
+which copies only the blocks they touch, and CommitTensor promotes v+1
+everywhere before the catalog flips to it. A reader sees all old or all new
+rows. Duplicate ids: the last value given wins, as in a sequence of
+assignments. A copy on a rank that is down (a replica) is left out of v+1: the
+rows go to every live copy, and the coordinator repairs the missing one.
+
+Ordering: the coordinator keeps one update of a table pending at a time
+(server/coordinator/locks.py UpdateSlots), so updates from any number of
+clients are applied one after another and never abort each other; one that
+finds the slot taken, or whose version a reshard or checkpoint load overtook,
+is made again (on the new layout) until the client's deadline. Group commit:
+calls of one client for one table that arrive while an update of it is being
+made wait, then go together into the next version (in call order: a later
+call's rows win), and each call returns the version that holds its rows.
 """
 from __future__ import annotations
 
 import threading
+import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Iterator
 
@@ -24,55 +31,111 @@ import torch
 
 from client.embedding.ids import validate_update
 from client.embedding.views import TableView, TableViews
-from client.errors import ShardServeError, StaleVersionError
+from client.errors import AbortedError, ShardServeError
 from client.session import Session
 from protos import shardserve_pb2 as pb
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_to_proto, tensor_bytes
+from shardcore.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
 
 WRITE_BATCH_BYTES = 4 << 20
-_locks: dict[tuple[int, str], threading.Lock] = {}
-_locks_guard = threading.Lock()
+RETRY_PAUSE_S = 0.01  # before asking again for a table's update slot (doubling up to MAX_RETRY_PAUSE_S)
+MAX_RETRY_PAUSE_S = 0.2
 
 
-def _table_lock(session: Session, name: str) -> threading.Lock:
-    with _locks_guard:
-        return _locks.setdefault((id(session), name), threading.Lock())
+@dataclass
+class _Call:
+    """One update_rows call waiting for the version that will hold its rows."""
+
+    ids: torch.Tensor
+    values: torch.Tensor
+    version: int = 0
+    error: BaseException | None = None
+
+
+class _TableQueue:
+    """The update_rows calls of one client for one table: queued, then applied together by one of them."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+        self.guard = threading.Lock()  # protects `calls`
+        self.applying = threading.Lock()  # held by the call that makes the next version
+
+
+_queues: dict[tuple[int, str], _TableQueue] = {}
+_queues_guard = threading.Lock()
+
+
+def _queue(session: Session, name: str) -> _TableQueue:
+    with _queues_guard:
+        return _queues.setdefault((id(session), name), _TableQueue())
 
 
 def update_rows(session: Session, views: TableViews, name: str, ids: Any, values: Any) -> int:
-    """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version."""
-    with _table_lock(session, name):
-        validate_update(views.view(name, refresh=True), ids, values)  # bad input fails before the copy
-        view, info = _copy_of_ready_version(session, views, name)
-        meta = view.summary.metadata
-        try:
-            unique, rows = validate_update(view, ids, values)  # against the copied version's own layout
-            missing = frozenset(info.unavailable_shards)  # copies on dead ranks: the coordinator repairs them
-            jobs = [partial(_write_batch, session, meta, name, info.version, index, batch_ids, batch_rows)
-                    for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)]
-            session.run_all(jobs)
-            committed = session.commit(name, info.version)
-        except BaseException:
-            session.abort(name, info.version)
-            raise
-        views.view(name, refresh=True)
-        return int(committed.version)
+    """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version (which
+    may hold other calls' rows too, applied in call order)."""
+    unique, rows = validate_update(views.view(name), ids, values)  # bad input fails here, alone
+    call = _Call(unique, rows)
+    queue = _queue(session, name)
+    with queue.guard:
+        queue.calls.append(call)
+    with queue.applying:
+        if not call.version and call.error is None:  # not applied by an earlier caller's batch
+            with queue.guard:
+                batch, queue.calls = queue.calls, []
+            _apply_batch(session, views, name, batch)
+    if call.error is not None:
+        raise call.error
+    return call.version
 
 
-def _copy_of_ready_version(session: Session, views: TableViews, name: str) -> tuple[TableView, pb.TensorInfo]:
-    """CreateTensor(INIT_COPY) of the READY version; if another client committed in between, once more."""
+def _apply_batch(session: Session, views: TableViews, name: str, batch: list[_Call]) -> None:
+    """Make one version holding every call of `batch` (later calls' rows win); tell each call its outcome."""
     try:
-        return _create_copy(session, views, name)
-    except StaleVersionError:
-        return _create_copy(session, views, name)
+        version = _apply(session, views, name, torch.cat([c.ids for c in batch]),
+                         torch.cat([c.values for c in batch]))
+    except BaseException as err:  # noqa: BLE001 - handed to every caller of the batch
+        for call in batch:
+            call.error = err
+        return
+    for call in batch:
+        call.version = version
 
 
-def _create_copy(session: Session, views: TableViews, name: str) -> tuple[TableView, pb.TensorInfo]:
-    view = views.view(name, refresh=True)
+def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> int:
+    """One version with rows `ids` set to `values`, made again while the table is busy with another update or a
+    reshard overtakes it, until the client's deadline."""
+    give_up = time.monotonic() + session.channel.timeout
+    pause = RETRY_PAUSE_S
+    while True:
+        try:
+            return _apply_once(session, views, name, ids, values)
+        except AbortedError:
+            if time.monotonic() + pause >= give_up:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, MAX_RETRY_PAUSE_S)
+
+
+def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> int:
+    view = views.view(name)
     request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
-                                     init=pb.INIT_COPY, overwrite=True, source_version=view.version)
-    return view, session.create_tensor(request)
+                                     init=pb.INIT_COPY, overwrite=True, source_version=0)
+    info = session.create_tensor(request)  # a copy of whichever version is READY now, in its layout
+    try:
+        if metadata_from_proto(info.metadata) != view.summary.metadata:
+            view = views.view(name, refresh=True)  # resharded meanwhile: route by the layout copied
+            if metadata_from_proto(info.metadata) != view.summary.metadata:
+                raise AbortedError(f"table {name!r} changed layout while its update started; making it again")
+        unique, rows = validate_update(view, ids, values)
+        missing = frozenset(info.unavailable_shards)  # copies on dead ranks: the coordinator repairs them
+        jobs = [partial(_write_batch, session, view, name, info.version, index, batch_ids, batch_rows)
+                for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)]
+        session.run_all(jobs)
+        committed = session.commit(name, info.version)
+    except BaseException:
+        session.abort(name, info.version)
+        raise
+    views.view(name, refresh=True)
+    return int(committed.version)
 
 
 def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,
@@ -94,9 +157,9 @@ def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,
             yield index, shard_ids[lo:lo + per_batch], shard_rows[lo:lo + per_batch]
 
 
-def _write_batch(session: Session, meta: ShardedTensorMetadata, name: str, version: int, index: int,
+def _write_batch(session: Session, view: TableView, name: str, version: int, index: int,
                  ids: torch.Tensor, rows: torch.Tensor) -> None:
-    address = session.address_of(meta.shards_metadata[index].rank)
+    address = session.address_of(view.summary.metadata.shards_metadata[index].rank)
     request = pb.WriteRowsRequest(name=name, version=version, shard_index=index, ids=bytes(tensor_bytes(ids)),
                                   values=bytes(tensor_bytes(rows.contiguous())))
     channel = session.channel

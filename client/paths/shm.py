@@ -35,6 +35,7 @@ import torch
 from client.channel import Channel
 from client.errors import ResourceExhaustedError, ShardServeError, StaleVersionError, error_from_rpc
 from client.info import RankStatus, TensorSummary
+from client.paths.composed import CompositionError, map_extents
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
 from protos import shardserve_pb2 as pb
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 
 # The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
 HEADER_MAGIC = 0x5348415244535256
-STATE_SERVED, STATE_DROPPED = 1, 2
+STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 1, 2, 3  # replaced: still readable for the rank's grace period
 HEADER_WORDS_BYTES = 24  # magic, state, generation
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 HOST_NAMESPACES = ("net", "pid")  # a rank in another network or PID namespace is another host here
@@ -105,10 +106,17 @@ class _Mapping:
         self._words = self.state.numpy() if self.state is not None else None
 
     def serves(self) -> bool:
-        """Whether the segment still holds the version it was mapped for: served, and not recycled since
-        (ask before and after a read)."""
+        """Whether the segment holds the version it was mapped for, served and not replaced by a newer one: ask
+        before a read (a replaced version is read anew at the newest one)."""
         words = self._words
         return words is None or (int(words[1]) == STATE_SERVED and int(words[2]) == self.generation)
+
+    def readable(self) -> bool:
+        """Whether the segment still holds the version it was mapped for (served, or replaced but in the rank's
+        grace period) and was not recycled: ask after a read, which then was of that version whole."""
+        words = self._words
+        return words is None or (int(words[1]) in (STATE_SERVED, STATE_REPLACED)
+                                 and int(words[2]) == self.generation)
 
 
 class HostMapping:
@@ -119,8 +127,12 @@ class HostMapping:
         self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
 
     def serves(self) -> bool:
-        """Whether the segment still holds this version (served, not recycled): ask before and after a read."""
+        """Whether the segment still holds this version, not replaced (served, not recycled): ask before a read."""
         return self._mapping.serves()
+
+    def readable(self) -> bool:
+        """Whether the segment still holds this version (maybe replaced, in its grace): ask after a read."""
+        return self._mapping.readable()
 
     def held(self) -> bool:
         """Whether the rank process that serves it is still alive."""
@@ -328,7 +340,7 @@ def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.T
 def _confirm(mapping: _Mapping | None, summary: TensorSummary, address: str) -> None:
     """After a read: StaleVersionError if the segment was recycled for another version meanwhile (the read may
     have seen its new bytes; the caller refreshes and reads again)."""
-    if mapping is not None and not mapping.serves():
+    if mapping is not None and not mapping.readable():
         raise _stale(summary, address)
 
 
@@ -406,6 +418,11 @@ _RANK_PROCESSES = _ProcessWatch()
 def _map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
     (the shard's bytes, the header's int64 words or None when the segment has no header)."""
+    if reply.extents:  # a row update's version: its blocks, shared with earlier versions
+        try:
+            return map_extents(reply), _map_state_header(reply)
+        except CompositionError as err:
+            raise SharedMemoryError(str(err)) from None
     whole = _map_file(reply, reply.data_offset + reply.nbytes)
     if reply.data_offset < HEADER_WORDS_BYTES:
         return whole[reply.data_offset:], None

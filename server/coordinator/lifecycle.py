@@ -41,7 +41,7 @@ from server.coordinator.catalog import Catalog, holding_ranks, ranks_of
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
 from server.coordinator.health import describe, shards_on, unavailable_shards, with_lost
-from server.coordinator.locks import NameLocks
+from server.coordinator.locks import NameLocks, UpdateSlots
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
@@ -70,6 +70,7 @@ class Coordinator:
         self.registry = RankRegistry(security, dead_after if dead_after is not None else 3 * heartbeat_interval,
                                      rpc_timeout)
         self.locks = NameLocks()
+        self.update_slots = UpdateSlots()  # row updates of one table take turns (never abort each other)
         self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self)
@@ -108,14 +109,34 @@ class Coordinator:
         token = check_put_token(request.put_token)
         if request.init != pb.INIT_COPY:
             self.registry.check_placements(meta)
+            return self._create(name, meta, token, request)
+        self.update_slots.claim(name, self._abort_stale_update)
+        try:
+            info = self._create(name, meta, token, request)
+        except BaseException:
+            self.update_slots.end(name, 0)
+            raise
+        self.update_slots.bind(name, info.version)
+        return info
+
+    def _abort_stale_update(self, name: str, version: int) -> None:
+        log.warning("aborting update %r version %d: pending for more than the update timeout", name, version)
+        try:
+            self.abort(name, version)
+        except ServiceError as err:
+            log.info("aborting stale update %r version %d: %s", name, version, err.message)
+
+    def _create(self, name: str, meta: ShardedTensorMetadata, token: str,
+                request: pb.CreateTensorRequest) -> pb.TensorInfo:
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
                 raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
                               f"CreateTensor ran")
-            options, missing = request.options, []
+            options, missing, source_version = request.options, [], 0
             if request.init == pb.INIT_COPY:
                 source = self._copy_source(name, meta, request)
-                options, missing = source.options, self._missing_copies(source)
+                meta = parse_metadata(source.metadata)  # source_version 0: the READY version's own layout
+                options, missing, source_version = source.options, self._missing_copies(source), source.version
                 self.registry.check_placements(meta, skip=set(missing))
             self.make_room(name, request.overwrite)
             info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
@@ -125,7 +146,7 @@ class Coordinator:
             self.catalog.add(info)
             allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                 init=request.init, seed=request.seed, options=options,
-                                                source_version=request.source_version)
+                                                source_version=source_version)
             try:
                 self.registry.allocate_on(holding_ranks(info), allocate,
                                           f"allocate {name!r} version {info.version}")
@@ -207,6 +228,7 @@ class Coordinator:
             if self.catalog.ready(name) is None:
                 raise NotFound(f"tensor {name!r} not found")
             removed = self.catalog.remove(name)
+            self.update_slots.end(name)
             ranks = sorted({r for info in removed for r in ranks_of(info)})
             self.registry.drop_quietly(name, 0, ranks)
             self.reshards.drop_replaced(name)  # a reshard's replaced version, if its promotion was unfinished
@@ -228,6 +250,7 @@ class Coordinator:
                           f"make the change again")
         self.registry.promote_on(holding_ranks(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
+        self.update_slots.end(name, version)
         self.drop_rows(older)
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
@@ -235,10 +258,16 @@ class Coordinator:
 
     def _copy_source(self, name: str, meta: ShardedTensorMetadata,
                      request: pb.CreateTensorRequest) -> pb.TensorInfo:
-        """INIT_COPY: the READY version `source_version` of `name`, checked to have the same layout."""
+        """INIT_COPY: the READY version `source_version` of `name`, checked to have the same layout; with
+        source_version 0, whatever version is READY now, in its own layout (the request's is not checked)."""
         source = self.catalog.ready(name)
         if source is None:
             raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
+        if not request.source_version:
+            if not request.overwrite:
+                raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY "
+                                      "version)")
+            return source
         if request.source_version != source.version:
             raise FailedPrecondition(f"source_version {request.source_version} of {name!r} is not the READY "
                                      f"version; the READY version is {source.version}")
@@ -279,8 +308,9 @@ class Coordinator:
             self.discard(info)
 
     def discard(self, info: pb.TensorInfo) -> None:
-        """Remove a version from the catalog, then free it on its ranks."""
+        """Remove a version from the catalog, then free it on its ranks (and its update slot, if an update's)."""
         self.catalog.remove(info.name, info.version)
+        self.update_slots.end(info.name, info.version)
         self.drop_rows([info])
 
     def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None:

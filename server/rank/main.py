@@ -40,7 +40,7 @@ from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.service import ShardServerServicer, add_shard_server
 from server.rank.shared_memory import host_id
-from server.rank.store import ShardStore
+from server.rank.store import DEFAULT_VERSION_GRACE_S, ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--recycle-bytes", type=int, default=DEFAULT_RECYCLE_BYTES, help="bytes of freed "
                         "versions' memory kept for the next reshard, update or put of the same size (0 = off; "
                         "default %(default)s)")
+    parser.add_argument("--version-grace", type=float, default=DEFAULT_VERSION_GRACE_S, help="seconds a "
+                        "replaced version stays readable after a newer one is served, so reads in flight finish "
+                        "on it (0 = drop at once; ends early when its memory is needed; default %(default)s)")
     parser.add_argument("--dist-timeout", type=float, default=120.0, help="longest wait, in seconds, on the "
                         "coordinator's rendezvous store when a collective job forms its process group (the "
                         "job's own timeout bounds it too; default %(default)s)")
@@ -76,6 +79,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
         if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if not 0 <= args.version_grace < math.inf:
+        parser.error(f"--version-grace must be >= 0 seconds, got {args.version_grace}")
     for flag in ("dist_timeout", "register_timeout"):
         if not 0 < getattr(args, flag) < math.inf:
             parser.error(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(args, flag)}")
@@ -225,7 +230,8 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    store = ShardStore(rank, device, memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes)
+    store = ShardStore(rank, device, memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes,
+                       version_grace=args.version_grace)
     try:
         bulk_reads = open_bulk_reads(args, security, store)
     except OSError as err:
@@ -249,6 +255,7 @@ def main(argv: Sequence[str]) -> int:
         link.start()
         while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
             store.shared.recycled.expire()  # an idle rank gives kept buffers back after their max age too
+            store.end_graces()  # replaced versions past --version-grace
         log.info("rank %d stopping", rank)
     finally:
         _shutdown(link, running, bulk_reads)

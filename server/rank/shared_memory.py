@@ -42,10 +42,9 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
-F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
 FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
-STATE_PENDING, STATE_SERVED, STATE_DROPPED = 0, 1, 2
+STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
@@ -163,7 +162,7 @@ class SharedMemory:
             self._track(tensor, buffer.segment, buffer.header)
         return tensor
 
-    def attach_header(self, tensor: torch.Tensor, served: bool) -> Segment:
+    def attach_header(self, tensor: torch.Tensor, served: bool, replaced: bool = False) -> Segment:
         """A header-only segment (the state word, no data) for a tensor whose bytes live elsewhere (a CUDA
         shard handed over as a CUDA IPC handle), so a client's cached mapping checks the version's state
         without an RPC. One per tensor; `mark` keeps it current; it is closed when the tensor goes."""
@@ -173,7 +172,8 @@ class SharedMemory:
                 return known
             flat, segment = _memfd_bytes(HEADER_BYTES)
             segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0)
-            self._track(tensor, segment, _new_header(flat, STATE_SERVED if served else STATE_DROPPED))
+            state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+            self._track(tensor, segment, _new_header(flat, state))
         return segment
 
     def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
@@ -189,13 +189,15 @@ class SharedMemory:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
 
-    def mark(self, tensors: Iterable[torch.Tensor], served: bool) -> None:
-        """Set the header state of the segments of `tensors` (others are ignored): SERVED or DROPPED."""
+    def mark(self, tensors: Iterable[torch.Tensor], served: bool, replaced: bool = False) -> None:
+        """Set the header state of the segments of `tensors` (others are ignored): SERVED, REPLACED (served, but a
+        newer version is: clients read what they began, and start new reads at the newer one) or DROPPED."""
+        state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
         with self._lock:
             for tensor in tensors:
                 header = self._headers.get(id(tensor))
                 if header is not None:
-                    header[1] = STATE_SERVED if served else STATE_DROPPED
+                    header[1] = state
 
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""
@@ -250,14 +252,11 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 def _seal(fd: int) -> None:
     """Seal a mapped segment against other processes: readers open it by /proc/PID/fd/N, where a same-user
-    process could otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank) or write
-    into a served version. Only this rank's own mapping, made before the seal, stays writable
-    (F_SEAL_FUTURE_WRITE, Linux 5.1; on older kernels the size seals alone)."""
-    size_seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-    try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
-    except OSError:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, size_seals | fcntl.F_SEAL_SEAL)
+    process could otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank). Not
+    against writes (F_SEAL_FUTURE_WRITE): the segment's blocks may be shared with later versions of the shard
+    (server/rank/blocks.py), whose pages are given back by punching holes, which Linux refuses under that
+    seal; clients map segments read-only."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:

@@ -4,7 +4,10 @@ A version is PENDING from allocation until every local shard is written and
 it is promoted, then SERVED. Memory is accounted against a limit when
 allocated and released when a version is dropped and no read or write still
 holds a lease on it (a small reference count per version), so a dropped
-version stays whole for the reads already in flight. No network, no threads
+version stays whole for the reads already in flight. A served version that a
+newer one replaces stays served for `version_grace` seconds more (a grace
+period), so reads that began on it finish there instead of failing; the
+grace ends early when its memory is needed. No network, no threads
 of its own: the servicer calls in from gRPC worker threads, so every method is
 thread-safe.
 """
@@ -14,10 +17,11 @@ import enum
 import logging
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -30,6 +34,7 @@ from server.common.errors import (
     ResourceExhausted,
 )
 from server.common.requests import check_init
+from server.rank.blocks import Blocks
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -40,6 +45,7 @@ from shardcore.wire import byte_view
 
 log = logging.getLogger(__name__)
 
+DEFAULT_VERSION_GRACE_S = 2.0  # a replaced served version stays readable this long (rank flag --version-grace)
 DROPPED_KEPT = 4096  # (name, version) pairs remembered as dropped, so a late allocation of one is refused
 
 
@@ -64,6 +70,7 @@ class StoredVersion:
     state: VersionState = VersionState.PENDING
     leases: int = 0
     dropped: bool = False
+    grace_until: float | None = None  # replaced but still served until then (monotonic seconds)
 
 
 def _row_major_strides(size: tuple[int, ...]) -> list[int]:
@@ -127,7 +134,11 @@ class ShardStore:
 
     def __init__(self, rank: int, device: str = "cpu", memory_limit: int = 0,
                  max_request_bytes: int = 0, shared_memory: bool | None = None,
-                 recycle_bytes: int = DEFAULT_RECYCLE_BYTES) -> None:
+                 recycle_bytes: int = DEFAULT_RECYCLE_BYTES,
+                 version_grace: float = DEFAULT_VERSION_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not version_grace >= 0:
+            raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         if memory_limit < 0:
             raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {memory_limit}")
         if max_request_bytes < 0:
@@ -137,6 +148,8 @@ class ShardStore:
         self.memory_limit = memory_limit
         self._capacity = device_capacity(self.device)
         self.max_request_bytes = max_request_bytes
+        self.version_grace = version_grace
+        self._clock = clock
         self._lock = threading.Lock()
         self._versions: dict[tuple[str, int], StoredVersion] = {}
         self._dropped: OrderedDict[tuple[str, int], None] = OrderedDict()
@@ -147,6 +160,7 @@ class ShardStore:
                                    recycled=RecycledBuffers(recycle_bytes))
         # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
+        self.blocks = Blocks()  # copy-on-write blocks of the versions row updates make (server/rank/blocks.py)
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -264,12 +278,36 @@ class ShardStore:
             self._memory_used += entry.nbytes
 
     def _make_room(self, nbytes: int) -> None:
-        """Let go of recycled buffers that a reservation of `nbytes` needs room for (limit or device capacity)."""
+        """(lock held) Let go of recycled buffers, then of versions in their grace period (oldest first), that a
+        reservation of `nbytes` needs room for (limit or device capacity)."""
+        if self._room(nbytes) < 0:
+            for entry in sorted(self._graced_locked(), key=lambda e: e.grace_until or 0.0):
+                self._drop_locked(entry)
+                if self._room(nbytes) >= 0:
+                    break
+        room = self._room(nbytes)
+        if self.shared.recycled.nbytes > room:
+            self.shared.recycled.trim(room)
+
+    def _room(self, nbytes: int) -> int:
         room = self._capacity - self._memory_used - nbytes
         if self.memory_limit:
             room = min(room, self.memory_limit - self._memory_used - nbytes)
-        if self.shared.recycled.nbytes > room:
-            self.shared.recycled.trim(room)
+        return room
+
+    def _graced_locked(self) -> list[StoredVersion]:
+        return [e for e in self._versions.values() if e.grace_until is not None and not e.dropped]
+
+    def end_graces(self) -> int:
+        """Drop the replaced versions whose grace period is over (the rank's main loop calls this); how many."""
+        now = self._clock()
+        with self._lock:
+            over = [e for e in self._graced_locked() if e.grace_until is not None and e.grace_until <= now]
+            for entry in over:
+                self._drop_locked(entry)
+        for entry in over:
+            log.info("rank %d dropped %r version %d (grace over)", self.rank, entry.name, entry.version)
+        return len(over)
 
     def _forget(self, entry: StoredVersion) -> None:
         with self._lock:
@@ -288,6 +326,8 @@ class ShardStore:
                     f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
                     f"are not fully written")
             entry.state = VersionState.SERVED
+            for shard in entry.shards.values():
+                self.blocks.publish(shard)
             self.shared.mark(entry.shards.values(), served=True)
         log.info("rank %d serves %r version %d", self.rank, name, version)
 
@@ -299,26 +339,54 @@ class ShardStore:
             self._dropped.popitem(last=False)
 
     def drop(self, name: str, version: int = 0) -> int:
-        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent."""
+        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
+        version that a newer served one replaced stays served for the grace period first (end_graces drops
+        it); dropping all versions (a delete) drops at once."""
         with self._lock:
             keys = [k for k in self._versions if k[0] == name and (version == 0 or k[1] == version)]
             if version:
                 self._remember_dropped((name, version))
+            graced = []
             for key in keys:
                 entry = self._versions[key]
-                entry.dropped = True
-                self.shared.mark(entry.shards.values(), served=False)
-                if entry.leases == 0:
-                    self._free_locked(entry)
+                if version and self._replaced(entry):
+                    if entry.grace_until is None:
+                        entry.grace_until = self._clock() + self.version_grace
+                        self.shared.mark(entry.shards.values(), served=True, replaced=True)
+                    graced.append(key[1])
+                else:
+                    self._drop_locked(entry)
         if keys:
-            log.info("rank %d dropped %r versions %s", self.rank, name, [k[1] for k in keys])
+            log.info("rank %d dropped %r versions %s%s", self.rank, name, [k[1] for k in keys],
+                     f" (served {self.version_grace:g}s more: {graced})" if graced else "")
         return len(keys)
+
+    def _replaced(self, entry: StoredVersion) -> bool:
+        """(lock held) Whether `entry` is a served version with a newer served one, and a grace applies."""
+        if not self.version_grace or entry.dropped or entry.state is not VersionState.SERVED:
+            return False
+        return any(k[0] == entry.name and k[1] > entry.version and e.state is VersionState.SERVED
+                   and not e.dropped for k, e in self._versions.items())
+
+    def _drop_locked(self, entry: StoredVersion) -> None:
+        entry.dropped = True
+        entry.grace_until = None
+        self.shared.mark(entry.shards.values(), served=False)
+        if entry.leases == 0:
+            self._free_locked(entry)
 
     def _free_locked(self, entry: StoredVersion) -> None:
         """Forget a dropped version no lease holds; its CPU buffers are kept for reuse (server/rank/recycling.py)."""
         del self._versions[(entry.name, entry.version)]
         self._memory_used -= entry.nbytes
-        self.shared.recycle(list(entry.shards.values()))
+        whole = []
+        for shard in entry.shards.values():
+            freed = self.blocks.release(shard)
+            if freed is None:
+                whole.append(shard)
+            else:
+                self._memory_used -= freed  # the blocks no other version uses
+        self.shared.recycle(whole)
         entry.shards.clear()
 
     # ------------------------------------------------------------ lookups and leases
@@ -454,6 +522,9 @@ class ShardStore:
             if nbytes != entry.metadata.shard_nbytes(shard_index):
                 raise InvalidArgument(f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                                       f"of {entry.metadata.shard_nbytes(shard_index)} bytes")
+            if self.blocks.is_composed(entry.shards.get(shard_index, torch.empty(0))):
+                raise FailedPrecondition(f"shard_index {shard_index} of {name!r} version {version} is a row "
+                                         f"update's copy; change its rows with WriteRows")
             if entry.changing[shard_index]:  # two streams would interleave their bytes, each "complete"
                 raise Aborted(f"shard_index {shard_index} of {name!r} version {version} is being written by "
                               f"another stream on rank {self.rank}; write each shard once")
@@ -478,13 +549,28 @@ class ShardStore:
             yield entry
 
     @contextmanager
-    def rewrite(self, name: str, version: int, shard_index: int) -> Iterator[torch.Tensor]:
+    def rewrite(self, name: str, version: int, shard_index: int,
+                rows: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
-        not fully written meanwhile, so a promote cannot publish it half changed."""
+        not fully written meanwhile, so a promote cannot publish it half changed. A version made by a row
+        update shares its blocks with its source: only the blocks holding local `rows` (dim 0) of it may be
+        changed, and they get copies of their own first."""
         entry, shard, was_complete = self._open_for_change(name, version, shard_index)
         with self._changing(entry, shard_index) as done:
+            if self.blocks.is_composed(shard):
+                self._own_rows(shard, rows)
             yield shard
             done(was_complete)
+
+    def _own_rows(self, shard: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Copy the blocks of composed `shard` that `rows` lie in (all rows when None), accounting their memory."""
+        if rows is None:
+            rows = torch.arange(shard.shape[0] if shard.dim() else 1)
+        row_bytes = shard[0].numel() * shard.element_size() if shard.dim() else shard.element_size()
+        starts = (rows.to(torch.int64).unique() * row_bytes).tolist()
+        added, freed = self.blocks.make_own(shard, [(start, start + row_bytes) for start in starts])
+        with self._lock:
+            self._memory_used += added - freed
 
     def shard_of(self, entry: StoredVersion, shard_index: int) -> torch.Tensor:
         """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""
@@ -492,22 +578,54 @@ class ShardStore:
 
     def allocate_copy(self, name: str, version: int, meta: ShardedTensorMetadata, source_version: int,
                       options: pb.TensorOptions | None = None) -> int:
-        """Allocate (name, version) as a clone of the local shards of served version `source_version`."""
+        """Allocate (name, version) as a copy of the local shards of served version `source_version`: sharing
+        their blocks (server/rank/blocks.py) where they are in shared memory, else a copy of each shard."""
         with self.lease(name, source_version) as source:
             if source.metadata != meta:
                 raise InvalidArgument(f"source_version {source_version} of {name!r} has another layout "
                                       f"than the new version's metadata")
-            entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), source.nbytes)
-            self._reserve(entry)
+            shared = self._share_blocks(source)
+            copied = sum(s.numel() * s.element_size() for i, s in source.shards.items() if i not in shared)
+            entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), copied, dict(shared))
+            try:
+                self._reserve(entry)
+            except BaseException:
+                self._release_blocks(shared.values())
+                raise
             try:
                 for i, shard in source.shards.items():
-                    entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype, overwrite=True).copy_(shard)
+                    if i not in shared:
+                        entry.shards[i] = self.empty_shard(tuple(shard.shape), shard.dtype,
+                                                           overwrite=True).copy_(shard)
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
                 raise ResourceExhausted(f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}") from None
         self._mark_filled(entry, list(entry.shards))
-        log.info("rank %d copied %r version %d to version %d", self.rank, name, source_version, version)
+        log.info("rank %d made %r version %d from version %d (%d shards sharing blocks, %d bytes copied)",
+                 self.rank, name, version, source_version, len(shared), copied)
         return entry.nbytes
+
+    def _release_blocks(self, tensors: Iterable[torch.Tensor]) -> None:
+        freed = sum(self.blocks.release(t) or 0 for t in tensors)
+        with self._lock:
+            self._memory_used -= freed
+
+    def _share_blocks(self, source: StoredVersion) -> dict[int, torch.Tensor]:
+        """New tensors over the same blocks as the leased source's shards, for those in shared memory. A shard
+        cut into blocks for the first time moves its bytes from the source's account to its blocks'."""
+        if not self.shared.enabled:
+            return {}
+        out = {}
+        for i, shard in source.shards.items():
+            adopted = self.blocks.table(shard) is None
+            tensor = self.blocks.share(shard, self.shared.segment_of(shard))
+            if tensor is None:
+                continue
+            out[i] = tensor
+            if adopted:
+                with self._lock:
+                    source.nbytes -= shard.numel() * shard.element_size()
+        return out
 
     def shared_segment(self, entry: StoredVersion, shard_index: int) -> Segment | None:
         """The shared-memory Segment of a leased served shard, moving the shard into shared memory first
@@ -516,11 +634,13 @@ class ShardStore:
         segment = self.shared.segment_of(shard)
         if segment is not None or not self.shared.enabled or shard.device.type != "cpu":
             return segment
+        if self.blocks.is_composed(shard):
+            return None
         copy = self.shared.export(shard)  # same bytes; the served version is immutable
         with self._lock:
             if entry.shards.get(shard_index) is shard:
                 entry.shards[shard_index] = copy
-                self.shared.mark([copy], served=not entry.dropped)
+                self.shared.mark([copy], served=not entry.dropped, replaced=entry.grace_until is not None)
             current = entry.shards.get(shard_index)
         return self.shared.segment_of(current) if current is not None else None
 
@@ -529,7 +649,7 @@ class ShardStore:
         shard is still served (server/rank/shared_memory.py SharedMemory.attach_header)."""
         shard = self._local_shard(entry, shard_index)
         with self._lock:
-            return self.shared.attach_header(shard, served=not entry.dropped)
+            return self.shared.attach_header(shard, served=not entry.dropped, replaced=entry.grace_until is not None)
 
     # ------------------------------------------------------------ introspection
 

@@ -2,7 +2,7 @@
 import pytest
 
 from client.errors import RankUnavailableError, StaleVersionError
-from client.retry import MAX_ATTEMPTS, read_with_refresh
+from client.retry import MIN_ATTEMPTS, read_with_refresh
 
 
 def _reader(failures: int, error: Exception):
@@ -31,17 +31,29 @@ def test_a_refresh_that_changes_nothing_is_retried_after_a_pause_then_raised(mon
     attempt, calls = _reader(5, RankUnavailableError("rank 1 down"))
     with pytest.raises(RankUnavailableError, match="rank 1 down"):
         read_with_refresh(attempt, lambda: 7)
-    assert calls["attempts"] == MAX_ATTEMPTS and pauses == [0.05, 0.1, 0.2]  # 0.35 s before giving up
+    assert calls["attempts"] == MIN_ATTEMPTS and pauses == [0.05, 0.1, 0.2]  # 0.35 s before giving up
     attempt, calls = _reader(2, StaleVersionError("version 7 not served yet"))  # a reshard being promoted
     assert read_with_refresh(attempt, lambda: 7) == "data" and calls["attempts"] == 3
 
 
-def test_attempts_are_bounded_even_when_versions_keep_moving() -> None:
-    attempt, calls = _reader(100, StaleVersionError("version gone"))
+def test_a_stale_version_is_retried_until_the_deadline_then_raised(monkeypatch) -> None:
+    import client.retry as retry
+
+    now = [0.0]
+    monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
+
+    def attempt() -> str:
+        now[0] += 1.0  # each attempt takes a second of the deadline
+        raise StaleVersionError("version gone")
+
     versions = iter(range(100))
     with pytest.raises(StaleVersionError):
-        read_with_refresh(attempt, lambda: next(versions))
-    assert calls["attempts"] == MAX_ATTEMPTS
+        read_with_refresh(attempt, lambda: next(versions), deadline_s=12.0)
+    assert now[0] == 12.0  # retried past MIN_ATTEMPTS until the deadline, versions moving all the while
+    attempt, calls = _reader(30, StaleVersionError("version gone"))
+    versions = iter(range(100))
+    assert read_with_refresh(attempt, lambda: next(versions), deadline_s=60.0) == "data"
+    assert calls["attempts"] == 31
 
 
 def test_other_errors_are_not_retried() -> None:

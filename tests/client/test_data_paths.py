@@ -537,9 +537,9 @@ def test_overwrite_seen_through_a_cached_mapping(cluster):
         c.delete("dp-over")
 
 
-def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(cluster):
-    """update_rows copies each new version into the segments of the version dropped before (server/rank/recycling.py):
-    a client still holding mappings of that old version sees the header's generation change and refreshes."""
+def test_cached_mapping_of_a_replaced_version_is_not_read_for_new_reads(cluster):
+    """update_rows makes versions that share blocks with the one before (server/rank/blocks.py): a client still
+    holding mappings of the old version sees its header say replaced (then dropped) and reads the new one."""
     table = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     ids = torch.tensor([0, 63, 31, 32, 5])
     with connect(cluster.address) as writer, connect(cluster.address) as reader:
@@ -549,9 +549,9 @@ def test_cached_mapping_of_a_recycled_segment_is_never_read_as_its_old_version(c
         mappings = [m for k, m in reader.session.paths.shm._cache.items() if k[1] == "dp-recycle"]
         assert mappings and all(int(m.state[2]) == m.generation for m in mappings)
         first = remote.version
-        for k in (1, 2):  # version 2 copies version 1; version 3 is copied into version 1's segments
+        for k in (1, 2):
             writer.update_rows("dp-recycle", torch.arange(64), torch.full((64, 16), float(k)))
-        assert all(int(m.state[2]) == m.generation + 1 for m in mappings)  # recycled while this client maps it
+        assert all(int(m.state[1]) != 1 and int(m.state[2]) == m.generation for m in mappings)  # not served now
         assert torch.equal(remote.lookup(ids), torch.full((5, 16), 2.0))  # stale, refreshed: the new rows
         latest = writer.tensor("dp-recycle").version
         assert latest > first and reader.lookups.views.view("dp-recycle").version == latest  # not new rows as old ones

@@ -17,6 +17,12 @@ from server_helpers import (TIMEOUT, Stubs, create, put, read_full, read_region,
 
 
 @pytest.fixture(scope="module")
+def cluster3(make_cluster):
+    """Ranks without a grace period: these tests check at the RPC level that a replaced version is dropped."""
+    return make_cluster(ranks=3, version_grace=0)
+
+
+@pytest.fixture(scope="module")
 def stubs(cluster3):
     s = Stubs(cluster3.address)
     yield s

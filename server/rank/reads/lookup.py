@@ -162,8 +162,10 @@ class LookupService:
             values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
-        with self.store.rewrite(name, version, request.shard_index) as shard:  # checked: no refusal leaves it torn
-            shard.index_copy_(0, torch.from_numpy(local).to(shard.device), values.to(shard.device))
+        rows = torch.from_numpy(local)
+        # checked above: no refusal leaves the shard torn
+        with self.store.rewrite(name, version, request.shard_index, rows) as shard:
+            shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
         return int(ids.size)
 
 

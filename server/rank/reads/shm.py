@@ -68,7 +68,11 @@ class SharedMemoryService:
         reply = pb.OpenShardResponse(nbytes=shard.numel() * shard.element_size(), dtype=dtype_to_wire(shard.dtype),
                                      shard_sizes=list(shard.shape), version=entry.version,
                                      max_request_bytes=self.store.max_request_bytes)
-        if shard.device.type == "cuda":
+        if self.store.blocks.is_composed(shard):
+            segment = self.store.state_header(entry, request.shard_index)  # the state word; the data in blocks
+            reply.extents.extend(pb.ShardExtent(fd=e.fd, inode=e.inode, device_id=e.device_id, offset=e.offset,
+                                                nbytes=e.nbytes) for e in self.store.blocks.extents(shard))
+        elif shard.device.type == "cuda":
             if not request.cuda_ipc:
                 raise SharedMemoryUnavailable(f"shard_index {request.shard_index} of {entry.name!r} is on "
                                               f"{shard.device}; ask with cuda_ipc or read it over ReadRegion")

@@ -1,0 +1,312 @@
+"""Copy-on-write blocks: CPU shard versions in shared memory that share the blocks an update did not change.
+
+A shard's bytes are cut into fixed-size blocks of BLOCK_BYTES. A version made
+by a row update (CreateTensor INIT_COPY) does not copy its source: its shard is
+a new range of this process's address space onto which every block of the
+source is mapped (MAP_FIXED, read-only) from the memfd that holds it. WriteRows
+then gives each block it touches a fresh copy in a new memfd (one per call),
+mapped writable in place of the shared one, and writes the rows there; the
+other blocks stay shared. So an update costs the rows and blocks it touches,
+plus one mmap per run of blocks, not a copy of the table. A block's memfd pages
+are given back (hole punched) when no version uses the block any more, and the
+memfd is closed when none of its blocks is used. A served version's range is
+made read-only: a block buffer is never written once a version that uses it is
+published. Same-host clients map a version's blocks the same way
+(OpenShardResponse.extents, client/paths/composed.py).
+
+Why 256 KiB: an update of k random rows copies at most k blocks (64 rows: 16
+MiB at most, ~3 ms), while a version of a 1 GiB shard is 4096 blocks, so mapping
+a fresh version (on the rank and in each same-host reader) costs at most 4096
+mmap calls (a few ms); smaller blocks copy less but map more, larger ones the
+reverse. A multiple of the page size, as mmap needs.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from server.rank.shared_memory import HEADER_BYTES, Segment
+
+log = logging.getLogger(__name__)
+
+BLOCK_BYTES = 256 << 10
+PAGE = mmap.PAGESIZE
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
+PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _check(result: int, what: str) -> None:
+    if result == -1 or result == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class AddressRange:
+    """A reserved range of this process's address space, unmapped when the object (and every tensor over it)
+    is gone; blocks are placed into it with MAP_FIXED."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.size = _round_up(max(nbytes, 1), PAGE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
+        address = _libc.mmap(None, self.size, PROT_NONE, flags, -1, 0)
+        _check(address, "reserving address space")
+        self.address = address
+        weakref.finalize(self, _libc.munmap, address, self.size)
+
+    def place(self, offset: int, nbytes: int, fd: int, file_offset: int, writable: bool) -> None:
+        """Map `nbytes` of file `fd` from `file_offset` at `offset` of the range (replacing what was there)."""
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        result = _libc.mmap(self.address + offset, _round_up(nbytes, PAGE), prot, mmap.MAP_SHARED | MAP_FIXED,
+                            fd, file_offset)
+        _check(result, "mapping a block")
+
+    def protect_read_only(self) -> None:
+        _check(_libc.mprotect(self.address, self.size, mmap.PROT_READ), "protecting a served version")
+
+    def tensor(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the range as a flat uint8 tensor (which keeps the range alive)."""
+        array = (ctypes.c_char * nbytes).from_address(self.address)
+        array.keeps = self  # the tensor holds the array, the array the range
+        return torch.frombuffer(array, dtype=torch.uint8)
+
+
+class BlockFile:
+    """A memfd holding blocks (a shard's segment, or the blocks one update copied), and how many versions use the
+    block at each file offset; its pages are punched out per unused block, the fd closed once none is used."""
+
+    def __init__(self, fd: int, keep: object = None) -> None:
+        self.fd = fd
+        stat = os.fstat(fd)
+        self.inode, self.device_id = stat.st_ino, stat.st_dev
+        self.keep = keep  # the segment tensor that owns fd (None: this object owns it)
+        self.refs: dict[int, int] = {}
+
+    @classmethod
+    def create(cls, nbytes: int) -> "BlockFile":
+        """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes."""
+        fd = os.memfd_create("shardserve-blocks", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            return cls(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def unref(self, offset: int, nbytes: int) -> bool:
+        """One version less uses the block at `offset`; punch its pages when none does. True when freed."""
+        self.refs[offset] -= 1
+        if self.refs[offset]:
+            return False
+        del self.refs[offset]
+        if _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
+                           _round_up(nbytes, PAGE)) != 0:
+            log.debug("punching a freed block failed (errno %d); its pages go with the file", ctypes.get_errno())
+        if not self.refs:
+            self.close()
+        return True
+
+    def close(self) -> None:
+        if self.keep is None and self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.keep = -1, None
+
+
+@dataclass
+class Block:
+    file: BlockFile
+    offset: int  # in the file
+    nbytes: int
+
+
+@dataclass
+class BlockTable:
+    """The blocks of one shard tensor, in order; `space` is None for a segment adopted as it is."""
+
+    blocks: list[Block]
+    space: AddressRange | None = None
+    owned: set[int] = field(default_factory=set)  # blocks written by this pending version (mapped writable)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A run of a composed shard's bytes: `nbytes` of file (fd, inode, device_id) from `offset`."""
+
+    fd: int
+    inode: int
+    device_id: int
+    offset: int
+    nbytes: int
+
+
+class Blocks:
+    """The block tables of this rank's shard tensors (by id of the tensor, while it lives)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[int, BlockTable] = {}
+        self._lock = threading.RLock()
+
+    def table(self, tensor: torch.Tensor) -> BlockTable | None:
+        with self._lock:
+            return self._tables.get(id(tensor))
+
+    def is_composed(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a composed version (its own address range over shared blocks)."""
+        table = self.table(tensor)
+        return table is not None and table.space is not None
+
+    def share(self, source: torch.Tensor, segment: Segment | None) -> torch.Tensor | None:
+        """A new read-only tensor over the same blocks as `source` (a composed tensor, or a shard segment, which
+        is adopted: cut into blocks), or None when `source` is neither (the caller copies)."""
+        nbytes = source.numel() * source.element_size()
+        if nbytes == 0:
+            return None
+        with self._lock:
+            table = self._tables.get(id(source)) or self._adopt(source, segment)
+            if table is None:
+                return None
+            space = AddressRange(nbytes)
+            blocks = list(table.blocks)
+            for start, stop in _runs(blocks):
+                first = blocks[start]
+                space.place(start * BLOCK_BYTES, sum(b.nbytes for b in blocks[start:stop]), first.file.fd,
+                            first.offset, writable=False)
+            for block in blocks:
+                block.file.refs[block.offset] += 1
+            tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
+            self._track(tensor, BlockTable(blocks, space))
+        return tensor
+
+    def _adopt(self, source: torch.Tensor, segment: Segment | None) -> BlockTable | None:
+        if segment is None or segment.data_offset != HEADER_BYTES:
+            return None
+        file = BlockFile(segment.fd, keep=source)
+        nbytes = segment.nbytes
+        blocks = [Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
+                  for start in range(0, nbytes, BLOCK_BYTES)]
+        file.refs = {b.offset: 1 for b in blocks}
+        table = BlockTable(blocks)
+        self._track(source, table)
+        return table
+
+    def _track(self, tensor: torch.Tensor, table: BlockTable) -> None:
+        self._tables[id(tensor)] = table
+        weakref.finalize(tensor, self._untrack, id(tensor), table)
+
+    def _untrack(self, key: int, table: BlockTable) -> None:
+        with self._lock:
+            if self._tables.get(key) is table:
+                del self._tables[key]
+
+    def make_own(self, tensor: torch.Tensor, byte_ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        """Give every block of composed `tensor` that byte ranges [start, stop) touch a copy of its own (mapped
+        writable), so that the caller may write those bytes; returns (bytes of blocks newly copied, bytes of
+        replaced blocks that no version uses any more)."""
+        with self._lock:
+            table = self._tables[id(tensor)]
+            assert table.space is not None, "only composed tensors are written block by block"
+            wanted = sorted({k for start, stop in byte_ranges if stop > start
+                             for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)} - table.owned)
+            if not wanted:
+                return 0, 0
+            flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
+            sizes = [table.blocks[k].nbytes for k in wanted]
+            slots = [_round_up(n, PAGE) for n in sizes]
+            file = BlockFile.create(sum(slots))
+            offset, freed = 0, 0
+            for k, nbytes, slot in zip(wanted, sizes, slots):
+                start = k * BLOCK_BYTES
+                _copy_block(table.blocks[k], file, offset, flat[start:start + nbytes])
+                file.refs[offset] = 1
+                table.space.place(start, nbytes, file.fd, offset, writable=True)
+                old = table.blocks[k]
+                freed += old.nbytes if old.file.unref(old.offset, old.nbytes) else 0
+                table.blocks[k] = Block(file, offset, nbytes)
+                table.owned.add(k)
+                offset += slot
+            return sum(sizes), freed
+
+    def publish(self, tensor: torch.Tensor) -> None:
+        """Make a composed tensor read-only: it is served now and never written again."""
+        with self._lock:
+            table = self._tables.get(id(tensor))
+            if table is not None and table.space is not None:
+                table.space.protect_read_only()
+                table.owned.clear()
+
+    def release(self, tensor: torch.Tensor) -> int | None:
+        """Let go of the blocks of a freed version's tensor: bytes freed (blocks no other version uses), or None
+        when `tensor` has no block table (the caller frees or recycles it as a whole)."""
+        with self._lock:
+            table = self._tables.pop(id(tensor), None)
+            if table is None:
+                return None
+            return sum(b.nbytes for b in table.blocks if b.file.unref(b.offset, b.nbytes))
+
+    def resident_bytes(self) -> int:
+        """Memory the block files of live tables hold now (their allocated pages, headers included)."""
+        with self._lock:
+            files = {id(b.file): b.file for t in self._tables.values() for b in t.blocks if b.file.fd >= 0}
+            return sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
+
+    def extents(self, tensor: torch.Tensor) -> list[Extent]:
+        """The runs of files a composed tensor's bytes come from, in order (what a same-host client maps)."""
+        with self._lock:
+            table = self._tables[id(tensor)]
+            out = []
+            for start, stop in _runs(table.blocks):
+                first = table.blocks[start]
+                out.append(Extent(first.file.fd, first.file.inode, first.file.device_id, first.offset,
+                                  sum(b.nbytes for b in table.blocks[start:stop])))
+            return out
+
+
+def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor) -> None:
+    """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
+    from its mapped bytes `mapped`."""
+    done = 0
+    try:
+        while done < block.nbytes:
+            copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
+                                        offset + done)
+            if copied <= 0:
+                break
+            done += copied
+    except OSError:
+        pass
+    if done < block.nbytes:
+        os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
+
+
+def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
+    """[start, stop) index runs of blocks that lie back to back in one file (mapped with one call)."""
+    runs, start = [], 0
+    for k in range(1, len(blocks) + 1):
+        if k == len(blocks) or blocks[k].file is not blocks[k - 1].file or \
+                blocks[k].offset != blocks[k - 1].offset + BLOCK_BYTES or blocks[k - 1].nbytes != BLOCK_BYTES:
+            runs.append((start, k))
+            start = k
+    return runs

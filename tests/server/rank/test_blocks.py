@@ -1,0 +1,81 @@
+"""Copy-on-write blocks in the store: row updates share what they do not change, and free what nobody uses."""
+import pytest
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import FailedPrecondition
+from server.rank.blocks import BLOCK_BYTES
+from server.rank.store import ShardStore
+from shardcore.metadata import ShardedTensorMetadata, TensorProperties
+from shardcore.specs import ChunkShardingSpec
+
+COLUMNS = 64
+
+
+def _meta(rows: int) -> ShardedTensorMetadata:
+    return ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((rows, COLUMNS), TensorProperties())
+
+
+def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """What CreateTensor(INIT_COPY) + WriteRows + commit do on one rank."""
+    store.allocate_copy("t", version, _meta(store.local_tensor("t", version - 1, 0).shape[0]), version - 1)
+    with store.rewrite("t", version, 0, rows) as shard:
+        shard.index_copy_(0, rows, values)
+    store.promote("t", version)
+    store.drop("t", version - 1)
+
+
+def test_an_update_copies_only_the_blocks_it_touches_and_leaves_the_old_version_whole():
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)  # four blocks
+    store = ShardStore(0, shared_memory=True, version_grace=60)
+    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    before = store.local_tensor("t", 1, 0).clone()
+    ids, values = torch.tensor([3, rows - 1]), torch.randn(2, COLUMNS)
+    _update(store, 2, ids, values)
+    expected = before.clone()
+    expected[ids] = values
+    assert torch.equal(store.local_tensor("t", 2, 0), expected)
+    assert torch.equal(store.local_tensor("t", 1, 0), before)  # still served in its grace period, unchanged
+    assert store.memory_used == before.numel() * 4 + 2 * BLOCK_BYTES  # the table and its two copied blocks
+    store.version_grace = 0
+    store.end_graces()
+    store.drop("t", 1)
+    assert store.held() == [("t", 2, store.held()[0][2])]
+    assert store.memory_used == before.numel() * 4  # version 1's two replaced blocks are given back
+
+
+def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates():
+    rows = 16 * BLOCK_BYTES // (COLUMNS * 4)  # 4 MiB, sixteen blocks
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    expected = store.local_tensor("t", 1, 0).clone()
+    table_bytes = expected.numel() * 4
+    generator = torch.Generator().manual_seed(0)
+    for version in range(2, 102):
+        ids = torch.randperm(rows, generator=generator)[:3]
+        values = torch.randn(3, COLUMNS, generator=generator)
+        expected[ids] = values
+        _update(store, version, ids, values)
+        assert store.memory_used == table_bytes
+        assert store.blocks.resident_bytes() <= table_bytes + 4096 + 3 * BLOCK_BYTES  # a header page, slack
+    assert torch.equal(store.local_tensor("t", 101, 0), expected)
+
+
+def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
+    store = ShardStore(0, shared_memory=True)
+    store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
+    store.promote("t", 1)
+    store.allocate_copy("t", 2, _meta(8), 1)
+    with pytest.raises(FailedPrecondition, match="WriteRows"):
+        with store.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
+            pass
+
+
+def test_without_shared_memory_an_update_copies_the_shard():
+    store = ShardStore(0, shared_memory=False)
+    store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
+    store.promote("t", 1)
+    _update(store, 2, torch.tensor([1]), torch.zeros(1, COLUMNS))
+    assert store.local_tensor("t", 2, 0)[1].sum() == 0 and store.local_tensor("t", 2, 0).sum() == 7 * COLUMNS
