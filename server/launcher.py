@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -25,9 +26,16 @@ from typing import TYPE_CHECKING, Sequence
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, TlsFiles
-from server.common.cli_args import add_security_args, configure_logging, security_from_args
+from server.common.cli_args import (
+    CLUSTER_SECRET_FILE,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+    with_state_dir_secret,
+)
 from server.common.grpc_server import RunningServer, start_server
-from server.common.stop_signals import Stop, handle_stop_signals, wait_for_stop_signal
+from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
     PROJECT_ROOT,
     RankLaunch,
@@ -86,6 +94,8 @@ class LocalCluster:
     `max_restarts`: how many times each rank is restarted after its process ends (0, the default here, keeps a
     dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10);
     `restart_backoff`: seconds before the first restart of a rank, doubling up to 30 s.
+    `token` (one admin token) and/or `tokens_file` (principals, server/common/principals.py) turn client auth on;
+    the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret.
     """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",
@@ -94,11 +104,14 @@ class LocalCluster:
                  host: str = "127.0.0.1", port: int = 0, device: str = "cpu", rpc_timeout: float = 60.0,
                  pending_timeout: float = 600.0, log_level: str | None = None,
                  recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
-                 restart_backoff: float = 1.0, repair_after: float = 30.0) -> None:
+                 restart_backoff: float = 1.0, repair_after: float = 30.0, tokens_file: str | None = None,
+                 cluster_secret_file: str | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
-        self.security = Security(token=token or None, tls=tls)
+        principals = PrincipalBook(tokens_file, token) if tokens_file or token else None
+        self.security = Security(token=token or None, tls=tls, principals=principals)
+        self.cluster_secret_file = cluster_secret_file
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -125,6 +138,7 @@ class LocalCluster:
         exits during startup fails the start; restarts begin once every rank registered.
         """
         try:
+            self.security = dataclasses.replace(self.security, cluster=self._cluster_secret())
             port = self.port or free_port(self.host)
             self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
                                               on_exit=self._report_exit)
@@ -139,6 +153,25 @@ class LocalCluster:
             raise
         log.info("cluster of %d ranks ready at %s", self.ranks, self.address)
         return self
+
+    def _cluster_secret(self) -> ClusterSecret:
+        """The internal credential: from --cluster-secret-file, or a new one written for the ranks to read."""
+        if self.cluster_secret_file:
+            return ClusterSecret.from_file(self.cluster_secret_file)
+        return ClusterSecret.generate().write(self.state_dir / CLUSTER_SECRET_FILE)
+
+    @property
+    def cluster_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata of the cluster credential (what the coordinator presents to its ranks)."""
+        return self.security.call_metadata()
+
+    def reload_principals(self) -> None:
+        """Re-read the tokens file here and in every rank (SIGHUP to `up` does this)."""
+        if self.security.principals is None:
+            return
+        self.security.principals.reload()
+        if self._supervisor is not None:
+            self._supervisor.signal_all(signal.SIGHUP)
 
     @property
     def address(self) -> str:
@@ -277,8 +310,10 @@ def main_up(argv: Sequence[str]) -> int:
                            heartbeat_interval=args.heartbeat_interval, host=args.host, port=args.port,
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
-                           restart_backoff=args.restart_backoff, repair_after=args.repair_after)
+                           restart_backoff=args.restart_backoff, repair_after=args.repair_after,
+                           tokens_file=args.tokens_file, cluster_secret_file=args.cluster_secret_file)
     handle_stop_signals()
+    handle_reload_signal(cluster.reload_principals)
     try:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
@@ -316,10 +351,12 @@ def main_coordinator(argv: Sequence[str]) -> int:
     _check_common_args(parser, args)
     configure_logging(args.log_level)
     try:
-        security = security_from_args(args)
-    except ValueError as err:
+        security = with_state_dir_secret(security_from_args(args), args.state_dir)
+    except (OSError, ValueError) as err:
         parser.error(str(err))
     handle_stop_signals()
+    if security.principals is not None:
+        handle_reload_signal(security.principals.reload)
     try:
         coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
                                                  store_port=args.store_port, repair_after=args.repair_after)

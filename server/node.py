@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 from typing import Sequence
 
 from server.common.cli_args import add_security_args, configure_logging, security_from_args
-from server.common.stop_signals import Stop, handle_stop_signals
+from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
 from server.supervisor import (
     RankLaunch,
     RankSupervisor,
@@ -51,6 +52,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
     args = parser.parse_args(argv)
     if not args.coordinator:
         parser.error(f"--coordinator HOST:PORT is required (or set ${COORDINATOR_ENV})")
+    if not args.cluster_secret_file:
+        parser.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
+                     "STATE_DIR/cluster-secret when started without one)")
     _check_address(parser, args.coordinator)
     if args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
@@ -91,6 +95,7 @@ def main_node(argv: Sequence[str]) -> int:
     supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
                                 restart_policy_from_args(args))
     handle_stop_signals()
+    handle_reload_signal(lambda: supervisor.signal_all(signal.SIGHUP))
     try:
         supervisor.spawn_all()
         supervisor.watch()

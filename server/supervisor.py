@@ -11,6 +11,7 @@ coordinator records the copies it lost (server/coordinator/lifecycle.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -81,6 +82,10 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
     tls = security.tls
     if tls is not None:
         cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
+    if security.principals is not None and security.principals.tokens_file is not None:
+        cmd += ["--tokens-file", str(Path(security.principals.tokens_file).resolve())]
+    if security.cluster is not None and security.cluster.path is not None:
+        cmd += ["--cluster-secret-file", str(Path(security.cluster.path).resolve())]
     return cmd
 
 
@@ -237,6 +242,15 @@ class RankSupervisor:
             return self._slots[rank]
         except KeyError:
             raise ValueError(f"rank {rank} is not supervised here (ranks {self.ranks})") from None
+
+    def signal_all(self, sig: int) -> None:
+        """Send `sig` to every rank process still running (SIGHUP: re-read the tokens file)."""
+        with self._lock:
+            procs = [slot.proc for slot in self._slots.values() if slot.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
 
     # ------------------------------------------------------------ lifecycle
 

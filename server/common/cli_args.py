@@ -2,18 +2,33 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 
+from pathlib import Path
+
 from server.common.auth import Security, TlsFiles
+from server.common.principals import ClusterSecret, PrincipalBook
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
+TOKENS_FILE_ENV = "SHARDSERVE_TOKENS_FILE"
+CLUSTER_SECRET_FILE_ENV = "SHARDSERVE_CLUSTER_SECRET_FILE"
+CLUSTER_SECRET_FILE = "cluster-secret"  # under the state dir, where `up` and `coordinator` keep theirs
 PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit when it is gone
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
-                        help=f"bearer token every call must carry (default: ${TOKEN_ENV}; none = no auth)")
+                        help=f"one admin token every client call must carry (default: ${TOKEN_ENV}; with neither "
+                        "this nor --tokens-file: no client auth)")
+    parser.add_argument("--tokens-file", default=os.environ.get(TOKENS_FILE_ENV) or None,
+                        help=f"TOML file of principals (name, token_sha256, role read/write/admin, tensors "
+                        f"patterns), re-read on SIGHUP (default: ${TOKENS_FILE_ENV}; see docs/operations.md)")
+    parser.add_argument("--cluster-secret-file", default=os.environ.get(CLUSTER_SECRET_FILE_ENV) or None,
+                        help="file holding the internal credential coordinator and ranks present to each other "
+                        f"(default: ${CLUSTER_SECRET_FILE_ENV}; `up` makes one, `coordinator` makes "
+                        f"STATE_DIR/{CLUSTER_SECRET_FILE} when not given)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate of this server (enables TLS)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: require client certificates "
@@ -29,7 +44,17 @@ def security_from_args(args: argparse.Namespace) -> Security:
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
-    return Security(token=args.token or None, tls=tls)
+    principals = PrincipalBook(args.tokens_file, args.token) if args.tokens_file or args.token else None
+    cluster = ClusterSecret.from_file(args.cluster_secret_file) if args.cluster_secret_file else None
+    return Security(token=args.token or None, tls=tls, principals=principals, cluster=cluster)
+
+
+def with_state_dir_secret(security: Security, state_dir: str | Path) -> Security:
+    """`security` with STATE_DIR/cluster-secret (made when missing) where no --cluster-secret-file was given."""
+    if security.cluster is not None:
+        return security
+    secret = ClusterSecret.in_state_dir(Path(state_dir) / CLUSTER_SECRET_FILE)
+    return dataclasses.replace(security, cluster=secret)
 
 
 def configure_logging(level: str) -> None:

@@ -10,12 +10,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.common.auth import (
-    CHANNEL_OPTIONS,
-    Security,
-    TokenAuthInterceptor,
-    server_credentials,
-)
+from server.common.access import AccessInterceptor
+from server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
 from server.common.request_decoding import RequestDecodingInterceptor
 
 log = logging.getLogger(__name__)
@@ -53,7 +49,9 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
                  max_workers: int = 16) -> RunningServer:
     """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection."""
     host, _ = split_address(listen)
-    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(security.token)] if security.token else []
+    interceptors: list[grpc.ServerInterceptor] = []
+    if security.principals is not None or security.cluster is not None:
+        interceptors.append(AccessInterceptor(security.access_policy()))
     interceptors.append(RequestDecodingInterceptor())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
                          interceptors=interceptors,
@@ -69,6 +67,7 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
     server.start()
     for name in ("",) + names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d%s%s", ", ".join(names), host, port,
-             " with TLS" if security.tls else "", " with token auth" if security.token else "")
+    log.info("serving %s on %s:%d%s%s%s", ", ".join(names), host, port, " with TLS" if security.tls else "",
+             f" for {security.principals.size} principals" if security.principals else " without client auth",
+             " and the cluster credential" if security.cluster else "")
     return RunningServer(server, host, port, health_servicer, names)

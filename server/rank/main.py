@@ -219,6 +219,12 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
+    if security.cluster is None:
+        log.error("no cluster credential: pass --cluster-secret-file (the coordinator's STATE_DIR/cluster-secret; "
+                  "`up` and `node` pass it themselves)")
+        return 2
+    principals = security.principals
+    signal.signal(signal.SIGHUP, lambda *_: principals.reload() if principals is not None else None)
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
     try:
         memory_limit = resolve_memory_limit(args.memory_limit, device)
