@@ -31,10 +31,12 @@ from server.common.cli_args import (
     add_security_args,
     configure_logging,
     security_from_args,
+    stream_limits_from_args,
     with_state_dir_secret,
 )
 from server.common.grpc_server import RunningServer, start_server
 from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
     PROJECT_ROOT,
@@ -81,7 +83,7 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
-        running = start_server(listen, security, add, max_workers=COORDINATOR_WORKERS)
+        running = start_server(listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS))
     except Exception:
         coordinator.close()
         raise
@@ -105,13 +107,15 @@ class LocalCluster:
                  pending_timeout: float = 600.0, log_level: str | None = None,
                  recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
                  restart_backoff: float = 1.0, repair_after: float = 30.0, tokens_file: str | None = None,
-                 cluster_secret_file: str | None = None) -> None:
+                 cluster_secret_file: str | None = None,
+                 rank_limits: StreamLimitSettings = StreamLimitSettings()) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         self.ranks = ranks
         principals = PrincipalBook(tokens_file, token) if tokens_file or token else None
         self.security = Security(token=token or None, tls=tls, principals=principals)
         self.cluster_secret_file = cluster_secret_file
+        self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -233,7 +237,8 @@ class LocalCluster:
 
     def _launches(self, coordinator: str) -> list[RankLaunch]:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
-                               self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads)
+                               self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
+                               self.rank_limits)
         return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -311,7 +316,8 @@ def main_up(argv: Sequence[str]) -> int:
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
                            restart_backoff=args.restart_backoff, repair_after=args.repair_after,
-                           tokens_file=args.tokens_file, cluster_secret_file=args.cluster_secret_file)
+                           tokens_file=args.tokens_file, cluster_secret_file=args.cluster_secret_file,
+                           rank_limits=stream_limits_from_args(args))
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
     try:

@@ -16,7 +16,12 @@ import signal
 import time
 from typing import Sequence
 
-from server.common.cli_args import add_security_args, configure_logging, security_from_args
+from server.common.cli_args import (
+    add_security_args,
+    configure_logging,
+    security_from_args,
+    stream_limits_from_args,
+)
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
 from server.supervisor import (
     RankLaunch,
@@ -91,7 +96,8 @@ def main_node(argv: Sequence[str]) -> int:
         log.error("%s", err)
         return 2
     command = rank_command(args.coordinator, args.host, args.device, args.max_request_bytes, args.log_level,
-                           security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads)
+                           security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads,
+                           stream_limits_from_args(args))
     supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
                                 restart_policy_from_args(args))
     handle_stop_signals()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from server.common.auth import Security, TlsFiles
 from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.stream_limits import StreamLimitSettings
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
 TOKENS_FILE_ENV = "SHARDSERVE_TOKENS_FILE"
@@ -60,3 +61,26 @@ def with_state_dir_secret(security: Security, state_dir: str | Path) -> Security
 def configure_logging(level: str) -> None:
     """Log to stderr (stdout is kept for the `coordinator: HOST:PORT` line)."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def add_stream_limit_args(parser: argparse.ArgumentParser) -> None:
+    """--stall-timeout and --streams-per-principal (server/common/stream_limits.py)."""
+    defaults = StreamLimitSettings()
+    parser.add_argument("--stall-timeout", type=float, default=defaults.stall_timeout, help="seconds a ReadRegion, "
+                        "Lookup or WriteShard stream may move no message (a reader that stopped reading, a writer "
+                        "that stopped sending) before the rank cancels it (default %(default)s)")
+    parser.add_argument("--streams-per-principal", type=int, default=defaults.per_principal, help="streaming "
+                        "calls one principal (without client auth: one peer IP) may run at once on one rank; a "
+                        "principal's max_streams in the tokens file overrides it (default %(default)s)")
+
+
+def stream_limits_from_args(args: argparse.Namespace) -> StreamLimitSettings:
+    """The limits of --stall-timeout/--streams-per-principal; ValueError names the flag that is out of range."""
+    if args.streams_per_principal < 1:
+        raise ValueError(f"--streams-per-principal must be >= 1, got {args.streams_per_principal}")
+    return StreamLimitSettings(per_principal=args.streams_per_principal, stall_timeout=args.stall_timeout)
+
+
+def stream_limit_flags(limits: StreamLimitSettings) -> list[str]:
+    """The command-line flags that give a rank `limits`."""
+    return ["--stall-timeout", repr(limits.stall_timeout), "--streams-per-principal", str(limits.per_principal)]
