@@ -57,9 +57,6 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
     args = parser.parse_args(argv)
     if not args.coordinator:
         parser.error(f"--coordinator HOST:PORT is required (or set ${COORDINATOR_ENV})")
-    if not args.cluster_secret_file:
-        parser.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
-                     "STATE_DIR/cluster-secret when started without one)")
     _check_address(parser, args.coordinator)
     if args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
@@ -90,6 +87,10 @@ def main_node(argv: Sequence[str]) -> int:
     """Run the node until SIGINT/SIGTERM (0), or until every rank is out of restarts (1)."""
     args, ranks = parse_args(argv)
     configure_logging(args.log_level)
+    if not args.cluster_secret_file:
+        log.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
+                  "STATE_DIR/cluster-secret when started without one)")
+        return 2
     try:
         security = security_from_args(args)
     except ValueError as err:
