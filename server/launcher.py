@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -25,9 +26,18 @@ from typing import TYPE_CHECKING, Sequence
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, TlsFiles
-from server.common.cli_args import add_security_args, configure_logging, security_from_args
+from server.common.cli_args import (
+    CLUSTER_SECRET_FILE,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+    stream_limits_from_args,
+    with_state_dir_secret,
+)
 from server.common.grpc_server import RunningServer, start_server
-from server.common.stop_signals import Stop, handle_stop_signals, wait_for_stop_signal
+from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.stream_limits import StreamLimitSettings
+from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
     PROJECT_ROOT,
     RankLaunch,
@@ -73,7 +83,7 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
-        running = start_server(listen, security, add, max_workers=COORDINATOR_WORKERS)
+        running = start_server(listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS))
     except Exception:
         coordinator.close()
         raise
@@ -86,6 +96,8 @@ class LocalCluster:
     `max_restarts`: how many times each rank is restarted after its process ends (0, the default here, keeps a
     dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10);
     `restart_backoff`: seconds before the first restart of a rank, doubling up to 30 s.
+    `token` (one admin token) and/or `tokens_file` (principals, server/common/principals.py) turn client auth on;
+    the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret.
     """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",
@@ -95,13 +107,18 @@ class LocalCluster:
                  pending_timeout: float = 600.0, log_level: str | None = None,
                  recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
                  restart_backoff: float = 1.0, repair_after: float = 30.0,
-                 version_grace: float | None = None) -> None:
+                 version_grace: float | None = None, tokens_file: str | None = None,
+                 cluster_secret_file: str | None = None,
+                 rank_limits: StreamLimitSettings = StreamLimitSettings()) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         if version_grace is not None and not 0 <= version_grace < float("inf"):
             raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         self.ranks = ranks
-        self.security = Security(token=token or None, tls=tls)
+        principals = PrincipalBook(tokens_file, token) if tokens_file or token else None
+        self.security = Security(token=token or None, tls=tls, principals=principals)
+        self.cluster_secret_file = cluster_secret_file
+        self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -129,6 +146,7 @@ class LocalCluster:
         exits during startup fails the start; restarts begin once every rank registered.
         """
         try:
+            self.security = dataclasses.replace(self.security, cluster=self._cluster_secret())
             port = self.port or free_port(self.host)
             self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
                                               on_exit=self._report_exit)
@@ -143,6 +161,25 @@ class LocalCluster:
             raise
         log.info("cluster of %d ranks ready at %s", self.ranks, self.address)
         return self
+
+    def _cluster_secret(self) -> ClusterSecret:
+        """The internal credential: from --cluster-secret-file, or a new one written for the ranks to read."""
+        if self.cluster_secret_file:
+            return ClusterSecret.from_file(self.cluster_secret_file)
+        return ClusterSecret.generate().write(self.state_dir / CLUSTER_SECRET_FILE)
+
+    @property
+    def cluster_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The call metadata of the cluster credential (what the coordinator presents to its ranks)."""
+        return self.security.call_metadata()
+
+    def reload_principals(self) -> None:
+        """Re-read the tokens file here and in every rank (SIGHUP to `up` does this)."""
+        if self.security.principals is None:
+            return
+        self.security.principals.reload()
+        if self._supervisor is not None:
+            self._supervisor.signal_all(signal.SIGHUP)
 
     @property
     def address(self) -> str:
@@ -205,7 +242,7 @@ class LocalCluster:
     def _launches(self, coordinator: str) -> list[RankLaunch]:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
                                self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
-                               self.version_grace)
+                               self.version_grace, self.rank_limits)
         return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -283,8 +320,10 @@ def main_up(argv: Sequence[str]) -> int:
                            device=args.device, log_level=args.log_level, recycle_bytes=args.recycle_bytes,
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
                            restart_backoff=args.restart_backoff, repair_after=args.repair_after,
-                           version_grace=args.version_grace)
+                           version_grace=args.version_grace, tokens_file=args.tokens_file,
+                           cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args))
     handle_stop_signals()
+    handle_reload_signal(cluster.reload_principals)
     try:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
@@ -322,10 +361,12 @@ def main_coordinator(argv: Sequence[str]) -> int:
     _check_common_args(parser, args)
     configure_logging(args.log_level)
     try:
-        security = security_from_args(args)
-    except ValueError as err:
+        security = with_state_dir_secret(security_from_args(args), args.state_dir)
+    except (OSError, ValueError) as err:
         parser.error(str(err))
     handle_stop_signals()
+    if security.principals is not None:
+        handle_reload_signal(security.principals.reload)
     try:
         coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
                                                  store_port=args.store_port, repair_after=args.repair_after)

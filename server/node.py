@@ -12,11 +12,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import time
 from typing import Sequence
 
-from server.common.cli_args import add_security_args, configure_logging, security_from_args
-from server.common.stop_signals import Stop, handle_stop_signals
+from server.common.cli_args import (
+    add_security_args,
+    configure_logging,
+    security_from_args,
+    stream_limits_from_args,
+)
+from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
 from server.supervisor import (
     RankLaunch,
     RankSupervisor,
@@ -81,6 +87,10 @@ def main_node(argv: Sequence[str]) -> int:
     """Run the node until SIGINT/SIGTERM (0), or until every rank is out of restarts (1)."""
     args, ranks = parse_args(argv)
     configure_logging(args.log_level)
+    if not args.cluster_secret_file:
+        log.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
+                  "STATE_DIR/cluster-secret when started without one)")
+        return 2
     try:
         security = security_from_args(args)
     except ValueError as err:
@@ -88,10 +98,11 @@ def main_node(argv: Sequence[str]) -> int:
         return 2
     command = rank_command(args.coordinator, args.host, args.device, args.max_request_bytes, args.log_level,
                            security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads,
-                           args.version_grace)
+                           args.version_grace, stream_limits_from_args(args))
     supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
                                 restart_policy_from_args(args))
     handle_stop_signals()
+    handle_reload_signal(lambda: supervisor.signal_all(signal.SIGHUP))
     try:
         supervisor.spawn_all()
         supervisor.watch()

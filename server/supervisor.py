@@ -11,6 +11,7 @@ coordinator records the copies it lost (server/coordinator/lifecycle.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -25,7 +26,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from server.common.auth import Security
-from server.common.cli_args import PARENT_PID_ENV, TOKEN_ENV
+from server.common.cli_args import (
+    PARENT_PID_ENV,
+    TOKEN_ENV,
+    add_stream_limit_args,
+    stream_limit_flags,
+    stream_limits_from_args,
+)
+from server.common.stream_limits import StreamLimitSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +76,8 @@ class RankLaunch:
 
 def rank_command(coordinator: str, host: str, device: str, max_request_bytes: int, log_level: str,
                  security: Security, memory_limit: int | None = None, recycle_bytes: int | None = None,
-                 bulk_reads: bool = True, version_grace: float | None = None) -> list[str]:
+                 bulk_reads: bool = True, version_grace: float | None = None,
+                 limits: StreamLimitSettings = StreamLimitSettings()) -> list[str]:
     """`python -m server --coordinator ...`: one rank's command line (the token travels in its environment)."""
     cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{host}:0",
            "--device", device, "--max-request-bytes", str(max_request_bytes), "--log-level", log_level]
@@ -80,9 +89,14 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
         cmd += ["--version-grace", repr(float(version_grace))]
     if not bulk_reads:
         cmd.append("--no-bulk-reads")
+    cmd += stream_limit_flags(limits)
     tls = security.tls
     if tls is not None:
         cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (["--tls-ca", tls.ca] if tls.ca else [])
+    if security.principals is not None and security.principals.tokens_file is not None:
+        cmd += ["--tokens-file", str(Path(security.principals.tokens_file).resolve())]
+    if security.cluster is not None and security.cluster.path is not None:
+        cmd += ["--cluster-secret-file", str(Path(security.cluster.path).resolve())]
     return cmd
 
 
@@ -124,6 +138,7 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
                         "before restarting a rank that exited, doubled for each further restart up to "
                         f"{RestartPolicy.max_backoff:.0f} s and reset once a rank stayed up "
                         f"{RestartPolicy.stable_after:.0f} s (default %(default)s)")
+    add_stream_limit_args(parser)
 
 
 def check_rank_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -133,6 +148,10 @@ def check_rank_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if not 0 <= args.restart_backoff < math.inf:
         parser.error(f"--restart-backoff must be a number of seconds >= 0, got {args.restart_backoff}")
+    try:
+        stream_limits_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
@@ -242,6 +261,15 @@ class RankSupervisor:
             return self._slots[rank]
         except KeyError:
             raise ValueError(f"rank {rank} is not supervised here (ranks {self.ranks})") from None
+
+    def signal_all(self, sig: int) -> None:
+        """Send `sig` to every rank process still running (SIGHUP: re-read the tokens file)."""
+        with self._lock:
+            procs = [slot.proc for slot in self._slots.values() if slot.proc is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
 
     # ------------------------------------------------------------ lifecycle
 

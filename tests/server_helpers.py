@@ -16,12 +16,40 @@ TIMEOUT = 30.0
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-class Stubs:
-    """A coordinator stub and one ShardServer stub per rank, with optional call metadata."""
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata (a credential) to every call that brings none of its own."""
 
-    def __init__(self, address: str, metadata: tuple = (), credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, metadata: tuple) -> None:
+        self._metadata = metadata
+
+    def _details(self, details):
+        return _Details(details, details.metadata or self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, base, metadata):
+        self.method, self.timeout, self.metadata = base.method, base.timeout, metadata
+        self.credentials = base.credentials
+        self.wait_for_ready = getattr(base, "wait_for_ready", None)
+        self.compression = getattr(base, "compression", None)
+
+
+class Stubs:
+    """A coordinator stub and one ShardServer stub per rank, with optional call metadata; `default_metadata`
+    goes on every call that passes none (e.g. a cluster's internal credential)."""
+
+    def __init__(self, address: str, metadata: tuple = (), credentials: grpc.ChannelCredentials | None = None,
+                 default_metadata: tuple = ()):
         self.metadata = metadata
         self._credentials = credentials
+        self._default_metadata = default_metadata
+        self._raw_channels: list[grpc.Channel] = []
         self._channels = [self._channel(address)]
         self.coord = pb_grpc.CoordinatorStub(self._channels[0])
         self.ranks: dict[int, pb_grpc.ShardServerStub] = {}
@@ -31,11 +59,16 @@ class Stubs:
 
     def _channel(self, address: str) -> grpc.Channel:
         if self._credentials is not None:
-            return grpc.secure_channel(address, self._credentials, options=OPTIONS)
-        return grpc.insecure_channel(address, options=OPTIONS)
+            channel = grpc.secure_channel(address, self._credentials, options=OPTIONS)
+        else:
+            channel = grpc.insecure_channel(address, options=OPTIONS)
+        if self._default_metadata:
+            self._raw_channels.append(channel)
+            return grpc.intercept_channel(channel, _AddMetadata(self._default_metadata))
+        return channel
 
     def close(self) -> None:
-        for channel in self._channels:
+        for channel in self._channels + self._raw_channels:
             channel.close()
 
 

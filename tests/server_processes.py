@@ -1,22 +1,38 @@
 """Server processes for tests that must stop and restart a coordinator: spawn `python -m server ...`, and wait."""
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import IO, Callable, Sequence
 
 import grpc
 
 from client import ShardServeError
+from server.common.cli_args import CLUSTER_SECRET_FILE_ENV
+from server.common.principals import ClusterSecret
 from server.launcher import PROJECT_ROOT
 
 
+@functools.cache
+def cluster_secret_file() -> str:
+    """A cluster secret file shared by the servers this test session spawns (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="shardserve-secret-")
+    atexit.register(shutil.rmtree, folder, True)
+    return str(ClusterSecret.generate().write(Path(folder) / "cluster-secret").path)
+
+
 def server_env(**extra: str) -> dict[str, str]:
-    """This process's environment with the project importable, plus `extra`."""
-    return dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), **extra)
+    """This process's environment with the project importable and a cluster secret file, plus `extra`."""
+    return dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), **{CLUSTER_SECRET_FILE_ENV: cluster_secret_file()},
+                **extra)
 
 
 def spawn_server(args: Sequence[str], env: dict[str, str], log: IO) -> subprocess.Popen:

@@ -1,23 +1,23 @@
-"""Bearer-token auth and TLS credentials for servers and for the server-to-server channels.
+"""What a server requires and presents: client principals, the cluster credential, TLS files; its channels.
 
-With a token every call on every service but grpc.health.v1.Health must carry
-("authorization", "Bearer <token>"); a server interceptor answers
-UNAUTHENTICATED otherwise. TLS and mTLS come from PEM files: a server given a
-CA requires client certificates signed by it.
+Client calls carry ("authorization", "Bearer <token>") and are checked against
+the principals (server/common/access.py); the calls coordinator and ranks make
+to each other carry ("authorization", "Cluster <secret>"). TLS and mTLS come
+from PEM files: a server given a CA requires client certificates signed by it.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
 
 import grpc
 
+from server.common.access import CLUSTER_SCHEME, AccessPolicy
+from server.common.principals import ClusterSecret, PrincipalBook
+
 log = logging.getLogger(__name__)
 
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -46,13 +46,28 @@ class TlsFiles:
 
 @dataclass(frozen=True)
 class Security:
-    """What a server requires and what its outgoing calls present: a token and/or TLS files."""
+    """What a server requires and what its outgoing calls present.
+
+    `principals`: the client principals (None: no client auth); `cluster`: the internal credential its calls to
+    peers present and its control RPCs require; `token`: the single admin token of --token, presented on calls
+    to peers only where no cluster credential is configured (in-process setups)."""
 
     token: str | None = None
     tls: TlsFiles | None = None
+    principals: PrincipalBook | None = None
+    cluster: ClusterSecret | None = None
+
+    def __post_init__(self) -> None:
+        if self.principals is None and self.token:
+            object.__setattr__(self, "principals", PrincipalBook(admin_token=self.token))
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        if self.cluster is not None:
+            return (("authorization", f"{CLUSTER_SCHEME}{self.cluster.secret}"),)
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def access_policy(self) -> AccessPolicy:
+        return AccessPolicy(self.principals, self.cluster)
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
@@ -108,48 +123,6 @@ def make_channel(address: str, security: Security = Security()) -> grpc.Channel:
         channel = grpc.secure_channel(address, channel_credentials(security.tls), options=CHANNEL_OPTIONS)
     else:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    if security.token:
+    if security.call_metadata():
         channel = grpc.intercept_channel(channel, _TokenCallInterceptor(security.call_metadata()))
     return channel
-
-
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without ("authorization", "Bearer <token>") on every service but health."""
-
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("token must not be empty")
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
-        method = handler_call_details.method
-        if method.startswith(HEALTH_PREFIX):
-            return continuation(handler_call_details)
-        presented = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(presented, str):
-            presented = presented.encode()
-        if hmac.compare_digest(presented, self._expected):
-            return continuation(handler_call_details)
-        reason = "missing" if not presented else "wrong"
-        log.warning("rejected %s: %s bearer token", method, reason)
-        return _denying_handler(continuation(handler_call_details), f"{reason} bearer token in the "
-                                f"'authorization' metadata")
-
-
-def _denying_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
-    def deny(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    if handler is None:
-        return grpc.unary_unary_rpc_method_handler(deny)
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)

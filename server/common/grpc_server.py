@@ -10,13 +10,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server.common.auth import (
-    CHANNEL_OPTIONS,
-    Security,
-    TokenAuthInterceptor,
-    server_credentials,
-)
+from server.common.access import AccessInterceptor
+from server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
 from server.common.request_decoding import RequestDecodingInterceptor
+from server.common.stream_limits import StreamLimits, StreamLimitSettings
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +27,7 @@ class RunningServer:
     port: int
     health: health.HealthServicer
     services: tuple[str, ...]
+    limits: StreamLimits
 
     @property
     def address(self) -> str:
@@ -39,6 +37,7 @@ class RunningServer:
         """Mark every service NOT_SERVING, then stop, letting calls in flight finish within `grace`."""
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(grace + 1.0)
+        self.limits.close()
 
 
 def split_address(listen: str) -> tuple[str, int]:
@@ -50,12 +49,13 @@ def split_address(listen: str) -> tuple[str, int]:
 
 
 def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.Server], list[str]],
-                 max_workers: int = 16) -> RunningServer:
-    """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection."""
+                 limits: StreamLimitSettings = StreamLimitSettings()) -> RunningServer:
+    """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection,
+    on `limits.workers` threads, checking every call's access and the stream limits."""
     host, _ = split_address(listen)
-    interceptors: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(security.token)] if security.token else []
-    interceptors.append(RequestDecodingInterceptor())
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+    stream_limits = StreamLimits(limits)
+    interceptors = [AccessInterceptor(security.access_policy(), stream_limits.wrap), RequestDecodingInterceptor()]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
                          interceptors=interceptors,
                          options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])  # a port in use is an error
     names = tuple(add_servicers(server))
@@ -69,6 +69,7 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
     server.start()
     for name in ("",) + names:
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("serving %s on %s:%d%s%s", ", ".join(names), host, port,
-             " with TLS" if security.tls else "", " with token auth" if security.token else "")
-    return RunningServer(server, host, port, health_servicer, names)
+    log.info("serving %s on %s:%d%s%s%s", ", ".join(names), host, port, " with TLS" if security.tls else "",
+             f" for {security.principals.size} principals" if security.principals else " without client auth",
+             " and the cluster credential" if security.cluster else "")
+    return RunningServer(server, host, port, health_servicer, names, stream_limits)

@@ -1,8 +1,10 @@
-"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node)."""
+"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node), and
+SIGHUP as "re-read the tokens file"."""
 from __future__ import annotations
 
 import signal
 import time
+from typing import Callable
 
 
 class Stop(Exception):
@@ -26,3 +28,8 @@ def wait_for_stop_signal() -> None:
     handle_stop_signals()
     while True:
         time.sleep(0.2)  # short sleeps: a signal landing on a non-main thread is handled promptly
+
+
+def handle_reload_signal(reload: Callable[[], object]) -> None:
+    """From now on SIGHUP calls `reload` (in the main thread): token rotation without a restart."""
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload())

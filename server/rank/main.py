@@ -29,8 +29,10 @@ from server.common.auth import Security, make_channel
 from server.common.cli_args import (
     PARENT_PID_ENV,
     add_security_args,
+    add_stream_limit_args,
     configure_logging,
     security_from_args,
+    stream_limits_from_args,
 )
 from server.common.grpc_server import RunningServer, split_address, start_server
 from server.rank.jobs.groups import ProcessGroups
@@ -75,7 +77,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
     add_security_args(parser)
+    add_stream_limit_args(parser)
     args = parser.parse_args(argv)
+    try:
+        stream_limits_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
     for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
         if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
@@ -224,6 +231,12 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
+    if security.cluster is None:
+        log.error("no cluster credential: pass --cluster-secret-file (the coordinator's STATE_DIR/cluster-secret; "
+                  "`up` and `node` pass it themselves)")
+        return 2
+    principals = security.principals
+    signal.signal(signal.SIGHUP, lambda *_: principals.reload() if principals is not None else None)
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
     try:
         memory_limit = resolve_memory_limit(args.memory_limit, device)
@@ -239,7 +252,8 @@ def main(argv: Sequence[str]) -> int:
         return 2
     groups = ProcessGroups(rank, device, store_timeout_s=args.dist_timeout)
     running = start_server(args.listen, security, lambda server: [
-        add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups))])
+        add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups))],
+        stream_limits_from_args(args))
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),

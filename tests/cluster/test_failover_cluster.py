@@ -201,7 +201,7 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
         coordinator = pb_grpc.CoordinatorStub(channel)
         coordinator.RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(
             rank=DEAD, address=f"127.0.0.1:{port}", device="cpu", hostname="restarted", world_size=3, pid=1)),
-            timeout=10)
+            timeout=10, metadata=cluster.cluster_metadata)
 
         def marked_lost() -> bool:
             info = coordinator.GetTensor(pb.GetTensorRequest(name="plain"), timeout=10)

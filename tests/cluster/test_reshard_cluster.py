@@ -237,7 +237,8 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
         job = pb.CollectiveJob(seq=10**12, ranks=[0], timeout_s=5, epoch=1, reshard=pb.ReshardJob(
             name="stray", src_version=proxy.version, src=metadata_to_proto(src), dst_version=10**12 + 1,
             dst=metadata_to_proto(dst)))
-        final = list(pb_grpc.ShardServerStub(channel).RunCollective(job, timeout=30))[-1]
+        final = list(pb_grpc.ShardServerStub(channel).RunCollective(job, timeout=30,
+                                                                    metadata=cluster4.cluster_metadata))[-1]
     assert final.done and "leaves out ranks [1] that the reshard needs" in final.error
     request = pb.ReshardRequest(name="stray", metadata=metadata_to_proto(dst), timeout_s=1e-300)
     with pytest.raises(grpc.RpcError) as err:

@@ -21,7 +21,7 @@ TENSOR = torch.arange(45, dtype=torch.float32).view(9, 5)
 
 @pytest.fixture(scope="module")
 def stubs(cluster3):
-    s = Stubs(cluster3.address)
+    s = Stubs(cluster3.address, default_metadata=cluster3.cluster_metadata)  # control RPCs need the credential
     yield s
     s.close()
 

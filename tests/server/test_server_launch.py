@@ -22,6 +22,7 @@ from server.launcher import free_port
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
+from server_processes import server_env
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
@@ -29,7 +30,7 @@ SHARDSERVE = str(Path(sys.executable).with_name("shardserve"))
 
 
 def spawn(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = server_env()
     proc = subprocess.Popen([sys.executable, "-m", "server", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     lines: "queue.Queue[str]" = queue.Queue()
@@ -171,7 +172,7 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", state,
                         "--heartbeat-interval", "0.3"]
     coord, lines = spawn(coordinator_args, tmp_path)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = server_env()
     torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                 "-m", "server", "--coordinator", f"127.0.0.1:{port}"]
@@ -224,7 +225,20 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
 ])
 def test_bad_flags_are_usage_errors(tmp_path, args, message):
     result = subprocess.run([sys.executable, "-m", "server", *args], cwd=tmp_path, capture_output=True, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+                            env=server_env(), timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["node", "--coordinator", "127.0.0.1:1", "--ranks", "0", "--world-size", "1"], "--cluster-secret-file is "
+     "required"),
+    (["--coordinator", "127.0.0.1:1"], "no cluster credential: pass --cluster-secret-file"),
+])
+def test_ranks_need_the_cluster_secret(tmp_path, args, message):
+    env = {k: v for k, v in server_env().items() if k != "SHARDSERVE_CLUSTER_SECRET_FILE"}
+    result = subprocess.run([sys.executable, "-m", "server", *args], cwd=tmp_path, capture_output=True, text=True,
+                            env=env, timeout=60)
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -233,8 +247,7 @@ def test_a_rank_without_a_coordinator_says_so_in_one_line(tmp_path):
     """No coordinator at the address: after --register-timeout the rank exits 1 with one error line that names
     the address and the flag, not a traceback."""
     address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()))
+    env = server_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     result = subprocess.run([sys.executable, "-m", "server", "--coordinator", address, "--register-timeout", "0.5"],
                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1, result.stderr
@@ -268,7 +281,7 @@ def test_node_restarts_a_killed_rank_and_sigterm_stops_them_all(tmp_path):
                           "--heartbeat-interval", "0.3"], tmp_path)
     node = subprocess.Popen([SHARDSERVE, "node", "--coordinator", f"127.0.0.1:{port}", "--ranks", "0-1",
                              "--world-size", "2", "--host", "127.0.0.1", "--restart-backoff", "0.2"],
-                            cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdin=subprocess.DEVNULL)
+                            cwd=tmp_path, env=server_env(), stdin=subprocess.DEVNULL)
     pids: set[int] = set()
     try:
         address = coordinator_line(coord, lines)

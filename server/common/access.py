@@ -1,0 +1,248 @@
+"""What each RPC requires, and the server interceptor that authenticates the caller and checks it.
+
+Every method of both services has one rule (ACCESS_RULES): the right it needs
+(read, write, admin, or cluster: the internal credential only) and, for writes
+of a named tensor, where the name is so the principal's tensor patterns are
+checked. Health needs nothing. A method without a rule is refused (fail closed).
+Clients send ("authorization", "Bearer <token>"); coordinator and ranks send
+("authorization", "Cluster <secret>") on the calls they make to each other.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from server.common.principals import (
+    ADMIN,
+    ANONYMOUS_ADMIN,
+    CLUSTER,
+    CLUSTER_MEMBER,
+    READ,
+    WRITE,
+    ClusterSecret,
+    Principal,
+    PrincipalBook,
+)
+
+log = logging.getLogger(__name__)
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFLECTION_METHOD = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+COORDINATOR = "/shardserve.v1.Coordinator/"
+SHARD_SERVER = "/shardserve.v1.ShardServer/"
+BEARER, CLUSTER_SCHEME = "Bearer ", "Cluster "
+
+
+def _field_name(request: Any) -> str | None:
+    return getattr(request, "name", None)
+
+
+def _header_name(request: Any) -> str | None:
+    header = getattr(request, "header", None)
+    return header.name if header is not None and request.HasField("header") else None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The right a method needs; `tensor`: where its request names the tensor it writes; `logged`: a change."""
+
+    right: str
+    tensor: Callable[[Any], str | None] | None = None
+    logged: bool = False
+
+
+ACCESS_RULES: dict[str, Rule] = {
+    COORDINATOR + "RegisterRank": Rule(CLUSTER),
+    COORDINATOR + "Heartbeat": Rule(CLUSTER),
+    COORDINATOR + "ListRanks": Rule(READ),
+    COORDINATOR + "CreateTensor": Rule(WRITE, _field_name, logged=True),
+    COORDINATOR + "CommitTensor": Rule(WRITE, _field_name, logged=True),
+    COORDINATOR + "AbortTensor": Rule(WRITE, _field_name, logged=True),
+    COORDINATOR + "GetTensor": Rule(READ),
+    COORDINATOR + "ListTensors": Rule(READ),
+    COORDINATOR + "DeleteTensor": Rule(WRITE, _field_name, logged=True),
+    COORDINATOR + "Reshard": Rule(ADMIN, logged=True),
+    COORDINATOR + "InspectCheckpoint": Rule(ADMIN),
+    COORDINATOR + "LoadCheckpoint": Rule(ADMIN, logged=True),
+    COORDINATOR + "SaveCheckpoint": Rule(ADMIN, logged=True),
+    SHARD_SERVER + "AllocateShards": Rule(CLUSTER),
+    SHARD_SERVER + "PromoteVersion": Rule(CLUSTER),
+    SHARD_SERVER + "DropVersion": Rule(CLUSTER),
+    SHARD_SERVER + "WriteShard": Rule(WRITE, _header_name),
+    SHARD_SERVER + "ReadRegion": Rule(READ),
+    SHARD_SERVER + "GetStats": Rule(READ),
+    SHARD_SERVER + "Lookup": Rule(READ),
+    SHARD_SERVER + "LookupSmall": Rule(READ),
+    SHARD_SERVER + "WriteRows": Rule(WRITE, _field_name),
+    SHARD_SERVER + "RunCollective": Rule(CLUSTER),
+    SHARD_SERVER + "CancelCollective": Rule(CLUSTER),
+    SHARD_SERVER + "OpenShard": Rule(READ),
+    SHARD_SERVER + "ReleaseShard": Rule(READ),
+    SHARD_SERVER + "ReadRegionSmall": Rule(READ),
+    SHARD_SERVER + "OpenBulkSession": Rule(READ),
+    REFLECTION_METHOD: Rule(READ),
+}
+
+
+class Denied(Exception):
+    """A call refused: its status code and the message naming the principal and the missing right."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """How a server authenticates callers: client principals (None: no client auth, every client is an
+    anonymous admin) and the cluster credential (None: none configured, so the cluster right is not checked)."""
+
+    principals: PrincipalBook | None = None
+    cluster: ClusterSecret | None = None
+
+    def authenticate(self, authorization: str) -> Principal:
+        """The principal an "authorization" value stands for; Denied(UNAUTHENTICATED) when it stands for none."""
+        if authorization.startswith(CLUSTER_SCHEME):
+            if self.cluster is not None and self.cluster.matches(authorization[len(CLUSTER_SCHEME):]):
+                return CLUSTER_MEMBER
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster credential in the 'authorization' "
+                         "metadata")
+        if self.principals is None:
+            return ANONYMOUS_ADMIN
+        if not authorization:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token in the 'authorization' metadata")
+        principal = self.principals.find(authorization[len(BEARER):]) if authorization.startswith(BEARER) else None
+        if principal is None:
+            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token in the 'authorization' metadata "
+                         "(no principal holds it)")
+        return principal
+
+    def authorize(self, principal: Principal, method: str, rule: Rule | None) -> None:
+        """Denied(PERMISSION_DENIED) naming the principal and the right it lacks for `method`."""
+        if rule is None:
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{method} has no access rule; refused")
+        if rule.right == CLUSTER and self.cluster is None:
+            return
+        if not principal.may(rule.right):
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} (role "
+                         f"{principal.role}) lacks the '{rule.right}' right that {_short(method)} needs")
+
+
+def check_tensor(principal: Principal, method: str, tensor: str | None) -> None:
+    """Denied(PERMISSION_DENIED) when `principal`'s tensor patterns do not cover the tensor it writes."""
+    if tensor is not None and not principal.may_write(tensor):
+        raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} lacks the 'write' right "
+                     f"on tensor {tensor!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})")
+
+
+def _short(method: str) -> str:
+    return method.rsplit("/", 1)[-1]
+
+
+def authorization_of(details: grpc.HandlerCallDetails) -> str:
+    for key, value in details.invocation_metadata or ():
+        if key == "authorization":
+            return value.decode() if isinstance(value, bytes) else value
+    return ""
+
+
+class AccessInterceptor(grpc.ServerInterceptor):
+    """Authenticates every call but health, checks its method's rule, and logs every change with its principal.
+
+    `on_principal(principal, method)` (optional) returns a wrapper for the handler once the caller is known
+    (the stream limits use it)."""
+
+    def __init__(self, policy: AccessPolicy,
+                 on_principal: Callable[[Principal, str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] | None
+                 = None) -> None:
+        self.policy = policy
+        self._on_principal = on_principal
+
+    def intercept_service(self, continuation: Callable[[Any], Any],
+                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+        method = handler_call_details.method
+        if method.startswith(HEALTH_PREFIX):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        rule = ACCESS_RULES.get(method)
+        try:
+            principal = self.policy.authenticate(authorization_of(handler_call_details))
+            self.policy.authorize(principal, method, rule)
+        except Denied as denied:
+            log.warning("refused %s: %s", method, denied)
+            return denying_handler(handler, denied.code, str(denied))
+        if handler is None:
+            return None
+        if rule is not None and (rule.tensor is not None or rule.logged):
+            handler = _checking_tensor(handler, principal, method, rule)
+        if self._on_principal is not None:
+            handler = self._on_principal(principal, method, handler)
+        return handler
+
+
+def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, method: str,
+                     rule: Rule) -> grpc.RpcMethodHandler:
+    """`handler` that first checks the tensor the request names against the principal's patterns, and logs
+    the change with the principal's name."""
+    def check(request: Any, context: grpc.ServicerContext) -> None:
+        tensor = rule.tensor(request) if rule.tensor is not None else _field_name(request)
+        if rule.tensor is not None:
+            try:
+                check_tensor(principal, method, tensor)
+            except Denied as denied:
+                log.warning("refused %s: %s", method, denied)
+                context.abort(denied.code, str(denied))
+        if rule.logged:
+            target = tensor if tensor is not None else getattr(request, "path", "")
+            log.info("principal %r (%s, %s): %s %r", principal.name, principal.role, context.peer(),
+                     _short(method), target)
+
+    if handler.request_streaming:
+        behavior = handler.stream_stream or handler.stream_unary
+
+        def run_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return behavior(_first_checked(requests, context, check), context)
+        return replace_behavior(handler, run_stream)
+    unary = handler.unary_unary or handler.unary_stream
+
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        check(request, context)
+        return unary(request, context)
+    return replace_behavior(handler, run)
+
+
+def _first_checked(requests: Iterator[Any], context: grpc.ServicerContext,
+                   check: Callable[[Any, grpc.ServicerContext], None]) -> Iterator[Any]:
+    first = True
+    for request in requests:
+        if first:
+            check(request, context)
+            first = False
+        yield request
+
+
+def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler of the same kind and (de)serializers as `handler` running `behavior`."""
+    kwargs = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behavior, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behavior, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behavior, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behavior, **kwargs)
+
+
+def denying_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
+                    message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that answers `code` with `message`."""
+    def deny(request: Any, context: grpc.ServicerContext) -> None:
+        context.abort(code, message)
+
+    if handler is None:
+        return grpc.unary_unary_rpc_method_handler(deny)
+    return replace_behavior(handler, deny)
