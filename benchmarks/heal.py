@@ -3,7 +3,8 @@
 Measured in one run: time to detect the death (kill -> the coordinator marks the rank dead), time to take the rank
 back (-> its restarted process registered), time to repair (-> the table healthy again), the repair's GB/s
 against a bare gloo send of the same bytes between two processes, and read p50/p99 before the kill, during the
-outage (kill -> healthy again) and after it; every answer is checked against the table, bit for bit.
+outage (kill -> healthy again) and after it; every answer is checked against the table, bit for bit. The rank is
+killed a second time once the readers are done, so the repair is also timed with no read load.
 
     python -m benchmarks.heal [--rows R] [--dim D] [--readers N] [--kill-at T] [--after S] [--json FILE]
     python -m benchmarks.heal reader ADDRESS NAME ROWS DIM SEED MAX_SECONDS OUT   # one reader (until OUT.stop)
@@ -71,8 +72,23 @@ def read_loop(address: str, name: str, rows: int, dim: int, seed: int, seconds: 
 # ---------------------------------------------------------------- the run
 
 @dataclass
+class Recovery:
+    """One death and its healing; times in seconds after the kill."""
+
+    detect_s: float | None = None     # the coordinator marks the rank dead
+    readmit_s: float | None = None    # its restarted process registered
+    healthy_s: float | None = None    # the table healthy again, repaired
+    repair_bytes: int = 0             # bytes of the copies rebuilt
+    repair_s: float | None = None     # the repair itself (reservation, collective job, commit, promotion)
+
+    @property
+    def repair_gb_s(self) -> float | None:
+        return self.repair_bytes / self.repair_s / 1e9 if self.repair_s else None
+
+
+@dataclass
 class HealReport:
-    """What one run measured; times in seconds after the kill."""
+    """What one run measured: the death under read load, a second one with no reads, and the reads."""
 
     rows: int
     dim: int
@@ -80,29 +96,28 @@ class HealReport:
     reads: int = 0
     failed: list[str] = field(default_factory=list)
     wrong: int = 0
-    detect_s: float | None = None
-    readmit_s: float | None = None
-    healthy_s: float | None = None
     restarts: int = 0
-    repair_bytes: int = 0
-    repair_s: float | None = None
-    bare_send_s: float | None = None
+    under_load: Recovery = field(default_factory=Recovery)
+    quiet: Recovery = field(default_factory=Recovery)
+    bare_send_s: float | None = None  # a gloo send of under_load.repair_bytes between two processes, no load
     phases: dict[str, dict[str, float]] = field(default_factory=dict)  # before/during/after: count, p50/p99 ms
 
     @property
-    def repair_gb_s(self) -> float | None:
-        return self.repair_bytes / self.repair_s / 1e9 if self.repair_s else None
-
-    @property
     def bare_gb_s(self) -> float | None:
-        return self.repair_bytes / self.bare_send_s / 1e9 if self.bare_send_s else None
+        nbytes = self.under_load.repair_bytes
+        return nbytes / self.bare_send_s / 1e9 if self.bare_send_s else None
 
     def to_json(self) -> dict:
-        return dict(asdict(self), repair_gb_s=self.repair_gb_s, bare_gb_s=self.bare_gb_s)
+        out = asdict(self)
+        out["bare_gb_s"] = self.bare_gb_s
+        out["under_load"]["repair_gb_s"] = self.under_load.repair_gb_s
+        out["quiet"]["repair_gb_s"] = self.quiet.repair_gb_s
+        return out
 
 
 def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, kill_at: float = 8.0,
-        after: float = 5.0, victim: int = 1, bare_baseline: bool = True, timeout: float = 180.0) -> HealReport:
+        after: float = 5.0, victim: int = 1, bare_baseline: bool = True, timeout: float = 180.0,
+        quiet_repair: bool = True) -> HealReport:
     """Start a cluster, put the replicas=2 table, read it from `readers` processes, SIGKILL rank `victim`
     `kill_at` seconds in, and measure until the table is healthy again; the readers go on `after` seconds more
     (everything bounded by `timeout` seconds after the kill)."""
@@ -117,21 +132,22 @@ def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, ki
         try:
             cluster.start(timeout=180)
             with connect(cluster.address) as client:
-                version = client.put(TABLE, data, replicas=2).version
+                client.put(TABLE, data, replicas=2)
             procs = _start_readers(cluster.address, rows, dim, readers, kill_at + timeout + after, Path(tmp))
             time.sleep(kill_at)
             killed = time.time()
-            cluster.kill_rank(victim, signal.SIGKILL)
-            _watch_recovery(cluster, victim, version, killed, report, deadline=killed + timeout)
-            report.restarts = cluster.restarts(victim)
+            report.under_load = _kill_and_heal(cluster, victim, killed, timeout)
             time.sleep(after)
             for _, out in procs:
                 Path(str(out) + ".stop").touch()
             _collect(procs, Path(tmp), killed, report)
+            if quiet_repair:
+                report.quiet = _kill_and_heal(cluster, victim, time.time(), timeout)  # the same, with no reads
+            report.restarts = cluster.restarts(victim)
         finally:
             cluster.stop()
-    if bare_baseline and report.repair_bytes:
-        report.bare_send_s = bare_send_seconds(report.repair_bytes)
+    if bare_baseline and report.under_load.repair_bytes:
+        report.bare_send_s = bare_send_seconds(report.under_load.repair_bytes)
     return report
 
 
@@ -151,27 +167,32 @@ def _start_readers(address: str, rows: int, dim: int, readers: int, seconds: flo
     return procs
 
 
-def _watch_recovery(cluster, victim: int, version: int, killed: float, report: HealReport, deadline: float) -> None:
-    """Poll the in-process coordinator: when the rank is marked dead, registered again, and the table healthy."""
+def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recovery:
+    """SIGKILL rank `victim` (at `killed`, wall time) and poll the in-process coordinator: when the rank is marked
+    dead, registered again, and the table healthy at a newer version; then the repair's own record."""
     coordinator = cluster.coordinator
+    version, recovery, done_before = coordinator.get(TABLE).version, Recovery(), len(coordinator.repairs.completed())
+    cluster.kill_rank(victim, signal.SIGKILL)
+    deadline = killed + timeout
     while time.time() < deadline:
         now = time.time() - killed
         alive = coordinator.registry.rank_alive(victim)
-        if report.detect_s is None and not alive:
-            report.detect_s = now
-        if report.detect_s is not None and report.readmit_s is None and alive:
-            report.readmit_s = now
+        if recovery.detect_s is None and not alive:
+            recovery.detect_s = now
+        if recovery.detect_s is not None and recovery.readmit_s is None and alive:
+            recovery.readmit_s = now
         info = coordinator.get(TABLE)
-        if report.readmit_s is not None and info.health == "healthy" and info.version > version:
-            report.healthy_s = now
+        if recovery.readmit_s is not None and info.health == "healthy" and info.version > version:
+            recovery.healthy_s = now
             break
         time.sleep(0.02)
-    while report.healthy_s is not None and time.time() < deadline:  # the record lands just after the promotion
-        done = [r for r in coordinator.repairs.completed() if r.name == TABLE]
+    while recovery.healthy_s is not None and time.time() < deadline:  # the record lands just after the promotion
+        done = [r for r in coordinator.repairs.completed()[done_before:] if r.name == TABLE]
         if done:
-            report.repair_bytes, report.repair_s = done[-1].nbytes, done[-1].seconds
+            recovery.repair_bytes, recovery.repair_s = done[-1].nbytes, done[-1].seconds
             break
         time.sleep(0.02)
+    return recovery
 
 
 def _collect(procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: float, report: HealReport) -> None:
@@ -180,7 +201,7 @@ def _collect(procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: floa
     for proc, out in procs:
         proc.wait(timeout=300)
         records += json.loads(out.read_text())
-    healed = killed + (report.healthy_s if report.healthy_s is not None else float("inf"))
+    healed = killed + (report.under_load.healthy_s if report.under_load.healthy_s is not None else float("inf"))
     phases: dict[str, list[float]] = {"before": [], "during": [], "after": []}
     for wall, seconds, _kind, outcome in records:
         phase = "before" if wall < killed else "during" if wall < healed else "after"
@@ -247,29 +268,32 @@ def print_report(report: HealReport) -> None:
 
     console = Console()
     console.print(f"[bold]heal[/bold]: {report.rows} x {report.dim} float32, replicas=2, {report.readers} reader "
-                  f"processes, rank SIGKILLed and restarted")
-    console.print(f"reads {report.reads}, failed {len(report.failed)}, wrong {report.wrong}; detect "
-                  f"{_s(report.detect_s)}, re-admitted {_s(report.readmit_s)}, healthy {_s(report.healthy_s)} "
-                  f"after the kill (restarts {report.restarts})")
-    if report.repair_s:
-        console.print(f"repair: {report.repair_bytes / 1e6:.1f} MB in {report.repair_s:.3f} s = "
-                      f"{report.repair_gb_s:.3f} GB/s; bare gloo send of the same bytes "
-                      f"{report.bare_gb_s or float('nan'):.3f} GB/s (x{_ratio(report):.2f})")
-    out = Table(title="read latency (lookups of 256 ids and 64-row fetches, mixed)")
-    for column in ("phase", "reads", "p50 ms", "p99 ms"):
+                  f"processes; reads {report.reads}, failed {len(report.failed)}, wrong {report.wrong}")
+    out = Table(title="a rank SIGKILLed, restarted and repaired (seconds after the kill)")
+    for column in ("reads", "detect s", "re-admitted s", "healthy s", "repair MB", "repair s", "repair GB/s",
+                   "x bare send"):
         out.add_column(column, justify="right")
-    for phase, stats in report.phases.items():
-        out.add_row(phase, str(stats.get("reads", 0)), f"{stats.get('p50_ms', float('nan')):.2f}",
-                    f"{stats.get('p99_ms', float('nan')):.2f}")
+    for name, r in (("8 readers" if report.readers == 8 else f"{report.readers} readers", report.under_load),
+                    ("none", report.quiet)):
+        ratio = r.repair_gb_s / report.bare_gb_s if r.repair_gb_s and report.bare_gb_s else None
+        out.add_row(name, _s(r.detect_s), _s(r.readmit_s), _s(r.healthy_s), f"{r.repair_bytes / 1e6:.1f}",
+                    _s(r.repair_s), _f(r.repair_gb_s), _f(ratio))
     console.print(out)
+    console.print(f"bare gloo send of the same bytes, no load: {_f(report.bare_gb_s)} GB/s")
+    reads = Table(title="read latency (lookups of 256 ids and 64-row fetches, mixed)")
+    for column in ("phase", "reads", "p50 ms", "p99 ms"):
+        reads.add_column(column, justify="right")
+    for phase, stats in report.phases.items():
+        reads.add_row(phase, str(stats.get("reads", 0)), _f(stats.get("p50_ms")), _f(stats.get("p99_ms")))
+    console.print(reads)
 
 
 def _s(value: float | None) -> str:
-    return "never" if value is None else f"{value:.2f} s"
+    return "never" if value is None else f"{value:.2f}"
 
 
-def _ratio(report: HealReport) -> float:
-    return report.repair_gb_s / report.bare_gb_s if report.repair_gb_s and report.bare_gb_s else float("nan")
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -105,15 +105,18 @@ def heal_scenario(ctx: Context) -> list[Row]:
     with ctx.rss() as seen:
         result = run_module_main(heal.main, argv)
     peaks = {label: rss for label, rss in seen.items() if label != SELF_LABEL}
-    extra = {key: result[key] for key in ("reads", "wrong", "detect_s", "readmit_s", "healthy_s", "restarts")}
-    extra["failed"] = len(result["failed"])
+    extra = {key: result[key] for key in ("reads", "wrong", "restarts")}
+    extra.update(failed=len(result["failed"]), under_load=result["under_load"], quiet=result["quiet"])
     rows = []
-    if result["repair_s"]:
-        nbytes = result["repair_bytes"]
-        rows += [Row("heal", "repair of a restarted rank's copies", "shardserve repair", result["repair_s"],
-                     path="gloo", nbytes=nbytes, baseline="bare gloo send", peak_rss=peaks, extra=extra),
-                 Row("heal", "repair of a restarted rank's copies", "bare gloo send", result["bare_send_s"],
-                     path="gloo", role="baseline", nbytes=nbytes)]
+    case = "repair of a restarted rank's copies"
+    for name, recovery in (("shardserve repair, reads running", result["under_load"]),
+                           ("shardserve repair, no reads", result["quiet"])):
+        if recovery["repair_s"]:
+            rows.append(Row("heal", case, name, recovery["repair_s"], path="gloo", nbytes=recovery["repair_bytes"],
+                            baseline="bare gloo send", peak_rss=peaks, extra=extra))
+    if result["bare_send_s"]:
+        rows.append(Row("heal", case, "bare gloo send", result["bare_send_s"], path="gloo", role="baseline",
+                        nbytes=result["under_load"]["repair_bytes"]))
     for stat in ("p50_ms", "p99_ms"):
         case = f"read {stat[:3]} (256-id lookups, 64-row fetches)"
         before, during = result["phases"]["before"], result["phases"]["during"]
@@ -122,6 +125,7 @@ def heal_scenario(ctx: Context) -> list[Row]:
                          extra={"reads": during["reads"]}),
                      Row("heal", case, "no failure", before[stat] / 1e3, path="auto", role="baseline",
                          extra={"reads": before["reads"]})]
+    return rows
 
 
 @scenario("updates", help="update_rows cost by table size, update rate with 1 and 4 writers, lookups during updates")

@@ -61,6 +61,11 @@ class JobSequencer:
             self._last.update({r: seq for r in ranks})
         return seq, after
 
+    def forget(self, rank: int) -> None:
+        """`rank` is a new process: its first job follows none (the old process's last job never reaches it)."""
+        with self._lock:
+            self._last.pop(rank, None)
+
 
 class CollectiveRunner:
     """Runs one collective job on its participants and reports their summed progress."""
@@ -77,8 +82,11 @@ class CollectiveRunner:
         self.rendezvous.close()
 
     def rank_joined(self, rank: int) -> None:
-        """A rank (re)registered: a new process, which holds none of the current epoch's groups."""
-        self.epochs.end(self.epochs.current, f"rank {rank} registered")
+        """A rank (re)registered: a new process, which holds none of the current epoch's groups and has run none
+        of the jobs numbered so far."""
+        with self._assign_lock:
+            self.sequencer.forget(rank)
+            self.epochs.end(self.epochs.current, f"rank {rank} registered")
 
     def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
             ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:

@@ -54,6 +54,8 @@ def test_a_killed_rank_is_restarted_empty_and_serves_again(cluster, capsys):
     with connect(cluster.address) as client:
         client.put("plain", table, spec=PLAIN)
         moved = client.put("moved", MOVED, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+        warm = client.put("warm", table, spec=PLAIN)  # a job with the old process: the new one must not wait on it
+        warm.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]))
         old_pid = cluster.rank_pids[RESTARTED]
         cluster.kill_rank(RESTARTED, signal.SIGKILL)
 

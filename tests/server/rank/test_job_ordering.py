@@ -70,6 +70,8 @@ def test_sequencer_gives_each_rank_its_previous_job():
     assert seq.assign([0, 1]) == (100, {0: 0, 1: 0})
     assert seq.assign([1, 2]) == (101, {1: 100, 2: 0})
     assert seq.assign([0, 2]) == (102, {0: 100, 2: 101})
+    seq.forget(2)  # a restarted rank 2 never saw job 102: its next job must not wait for it
+    assert seq.assign([1, 2]) == (103, {1: 101, 2: 0})
 
 
 def test_register_job_kind_checks_the_kind_is_in_the_proto():
