@@ -308,9 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--readers", type=int, default=8)
     parser.add_argument("--kill-at", type=float, default=8.0, help="seconds of reads before the kill")
     parser.add_argument("--after", type=float, default=8.0, help="seconds of reads after the table is healthy")
+    parser.add_argument("--no-quiet-repair", action="store_true", help="skip the second kill, timed with no reads")
     parser.add_argument("--json", metavar="FILE")
     ns = parser.parse_args(argv)
-    report = run(ns.rows, ns.dim, readers=ns.readers, kill_at=ns.kill_at, after=ns.after)
+    report = run(ns.rows, ns.dim, readers=ns.readers, kill_at=ns.kill_at, after=ns.after,
+                 quiet_repair=not ns.no_quiet_repair)
     print_report(report)
     if ns.json:
         Path(ns.json).write_text(json.dumps(report.to_json(), indent=2))

@@ -100,8 +100,8 @@ def heal_scenario(ctx: Context) -> list[Row]:
     outage against before it; detection, re-admission and failed reads in `extra`."""
     from benchmarks import heal
 
-    argv = ["--rows", "20000", "--dim", "32", "--readers", "4", "--kill-at", "3", "--after", "3"] if ctx.quick \
-        else []
+    argv = ["--rows", "20000", "--dim", "32", "--readers", "2", "--kill-at", "1", "--after", "1",
+            "--no-quiet-repair"] if ctx.quick else []
     with ctx.rss() as seen:
         result = run_module_main(heal.main, argv)
     peaks = {label: rss for label, rss in seen.items() if label != SELF_LABEL}

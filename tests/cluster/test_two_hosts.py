@@ -21,6 +21,8 @@ from typing import Iterator
 
 import pytest
 
+from server_processes import server_env
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_SCRIPT = Path(__file__).with_name("two_host_client.py")
 ADDRESS_A, ADDRESS_B = "10.77.0.1", "10.77.0.2"
@@ -115,7 +117,7 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Namespaces
     procs: list[subprocess.Popen] = []
 
     def start(namespace: str, args: list[str], name: str, rank: int | None = None) -> None:
-        env = dict(os.environ)
+        env = server_env()  # with the cluster secret the servers share
         if rank is not None:
             env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         procs.append(subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "server", *args],
