@@ -22,8 +22,9 @@ reverse. A multiple of the page size, as mmap needs.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import logging
+import fcntl
 import mmap
 import os
 import threading
@@ -32,13 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from server.rank.shared_memory import HEADER_BYTES, Segment
-
-log = logging.getLogger(__name__)
+from server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
 PAGE = mmap.PAGESIZE
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
 PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
 
@@ -47,7 +45,6 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -91,43 +88,55 @@ class AddressRange:
 
 
 class BlockFile:
-    """A memfd holding blocks (a shard's segment, or the blocks one update copied), and how many versions use the
-    block at each file offset; its pages are punched out per unused block, the fd closed once none is used."""
+    """A memfd holding blocks (a shard's segment, or one block an update copied), and how many versions use the
+    block at each file offset. Both kinds are sealed against writes by other processes once written
+    (F_SEAL_FUTURE_WRITE), which also forbids punching holes: a file's memory goes back when none of its blocks
+    is used any more (the fd is closed), so a copied block, alone in its file, is freed as soon as it is unused."""
 
-    def __init__(self, fd: int, keep: object = None) -> None:
+    def __init__(self, fd: int, keep: object = None, nbytes: int = 0) -> None:
         self.fd = fd
         stat = os.fstat(fd)
         self.inode, self.device_id = stat.st_ino, stat.st_dev
         self.keep = keep  # the segment tensor that owns fd (None: this object owns it)
         self.refs: dict[int, int] = {}
+        self.nbytes = nbytes  # bytes of its blocks
+        self.unused = 0  # bytes of its blocks no version uses any more (held until the file goes)
 
     @classmethod
     def create(cls, nbytes: int) -> "BlockFile":
-        """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes."""
-        fd = os.memfd_create("shardserve-blocks", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes; the
+        caller fills it, maps it, then calls `seal_writes`."""
+        fd = os.memfd_create("shardserve-block", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            return cls(fd)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            return cls(fd, nbytes=nbytes)
         except BaseException:
             os.close(fd)
             raise
 
-    def unref(self, offset: int, nbytes: int) -> bool:
-        """One version less uses the block at `offset`; punch its pages when none does. True when freed."""
+    def seal_writes(self) -> None:
+        """No write or new writable mapping through any handle from now on: mappings made before (the rank's own,
+        of a pending version) stay writable until the version is published."""
+        seal_writes(self.fd)
+
+    def wasteful(self) -> bool:
+        """Whether half its bytes or more are unused: a segment an update should stop sharing (`Blocks.share`)."""
+        return self.nbytes > BLOCK_BYTES and 2 * self.unused >= self.nbytes
+
+    def unref(self, offset: int, nbytes: int) -> int:
+        """One version less uses the block at `offset`; returns the bytes given back (the whole file's, when this
+        was its last used block; else 0)."""
         self.refs[offset] -= 1
         if self.refs[offset]:
-            return False
+            return 0
         del self.refs[offset]
-        if _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
-                           _round_up(nbytes, PAGE)) != 0:
-            log.debug("punching a freed block failed (errno %d); its pages go with the file", ctypes.get_errno())
-        if not self.refs:
-            self.close()
-        return True
+        self.unused += nbytes
+        if self.refs:
+            return 0
+        self.close()
+        return self.unused
 
     def close(self) -> None:
         if self.keep is None and self.fd >= 0:
@@ -178,9 +187,12 @@ class Blocks:
         table = self.table(tensor)
         return table is not None and table.space is not None
 
-    def share(self, source: torch.Tensor, segment: Segment | None) -> torch.Tensor | None:
+    def share(self, source: torch.Tensor, segment: Segment | None) -> tuple[torch.Tensor, int] | None:
         """A new read-only tensor over the same blocks as `source` (a composed tensor, or a shard segment, which
-        is adopted: cut into blocks), or None when `source` is neither (the caller copies)."""
+        is adopted: cut into blocks) and the bytes it copied, or None when `source` is neither (the caller
+        copies). Blocks of a segment half unused are copied into files of their own instead, so that the segment
+        can go once the versions still sharing it do (its pages cannot be given back one block at a time): each
+        block of it is copied at most once, after at least as many of its bytes were replaced by updates."""
         nbytes = source.numel() * source.element_size()
         if nbytes == 0:
             return None
@@ -188,23 +200,29 @@ class Blocks:
             table = self._tables.get(id(source)) or self._adopt(source, segment)
             if table is None:
                 return None
+            flat = source.view(-1).view(torch.uint8)
+            wasteful = {id(b.file) for b in table.blocks if b.file.wasteful()}
+            blocks = [_copied(b, flat[k * BLOCK_BYTES:k * BLOCK_BYTES + b.nbytes]) if id(b.file) in wasteful else b
+                      for k, b in enumerate(table.blocks)]
             space = AddressRange(nbytes)
-            blocks = list(table.blocks)
             for start, stop in _runs(blocks):
                 first = blocks[start]
                 space.place(start * BLOCK_BYTES, sum(b.nbytes for b in blocks[start:stop]), first.file.fd,
                             first.offset, writable=False)
-            for block in blocks:
-                block.file.refs[block.offset] += 1
+            for block, old in zip(blocks, table.blocks):
+                if block is old:
+                    block.file.refs[block.offset] += 1
+                else:
+                    block.file.seal_writes()
             tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
             self._track(tensor, BlockTable(blocks, space))
-        return tensor
+        return tensor, sum(b.nbytes for b, old in zip(blocks, table.blocks) if b is not old)
 
     def _adopt(self, source: torch.Tensor, segment: Segment | None) -> BlockTable | None:
         if segment is None or segment.data_offset != HEADER_BYTES:
             return None
-        file = BlockFile(segment.fd, keep=source)
         nbytes = segment.nbytes
+        file = BlockFile(segment.fd, keep=source, nbytes=nbytes)
         blocks = [Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
                   for start in range(0, nbytes, BLOCK_BYTES)]
         file.refs = {b.offset: 1 for b in blocks}
@@ -232,22 +250,18 @@ class Blocks:
                              for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)} - table.owned)
             if not wanted:
                 return 0, 0
-            flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
-            sizes = [table.blocks[k].nbytes for k in wanted]
-            slots = [_round_up(n, PAGE) for n in sizes]
-            file = BlockFile.create(sum(slots))
-            offset, freed = 0, 0
-            for k, nbytes, slot in zip(wanted, sizes, slots):
-                start = k * BLOCK_BYTES
-                _copy_block(table.blocks[k], file, offset, flat[start:start + nbytes])
-                file.refs[offset] = 1
-                table.space.place(start, nbytes, file.fd, offset, writable=True)
-                old = table.blocks[k]
-                freed += old.nbytes if old.file.unref(old.offset, old.nbytes) else 0
-                table.blocks[k] = Block(file, offset, nbytes)
+            flat = tensor.view(-1).view(torch.uint8)
+            added, freed = 0, 0
+            for k in wanted:
+                old, start = table.blocks[k], k * BLOCK_BYTES
+                block = _copied(old, flat[start:start + old.nbytes])
+                table.space.place(start, block.nbytes, block.file.fd, 0, writable=True)
+                block.file.seal_writes()  # the rank writes the rows through the mapping just made
+                freed += old.file.unref(old.offset, old.nbytes)
+                table.blocks[k] = block
                 table.owned.add(k)
-                offset += slot
-            return sum(sizes), freed
+                added += block.nbytes
+            return added, freed
 
     def publish(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
@@ -264,7 +278,7 @@ class Blocks:
             table = self._tables.pop(id(tensor), None)
             if table is None:
                 return None
-            return sum(b.nbytes for b in table.blocks if b.file.unref(b.offset, b.nbytes))
+            return sum(b.file.unref(b.offset, b.nbytes) for b in table.blocks)
 
     def resident_bytes(self) -> int:
         """Memory the block files of live tables hold now (their allocated pages, headers included)."""
@@ -284,21 +298,25 @@ class Blocks:
             return out
 
 
-def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor) -> None:
-    """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
-    from its mapped bytes `mapped`."""
-    done = 0
+def _copied(block: Block, mapped: torch.Tensor) -> Block:
+    """A copy of `block` alone in a new file (used by one version; not sealed yet): copied file to file in the
+    kernel (no page faults on a fresh mapping), else from its mapped bytes `mapped`."""
+    file = BlockFile.create(_round_up(block.nbytes, PAGE))
     try:
-        while done < block.nbytes:
-            copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
-                                        offset + done)
-            if copied <= 0:
-                break
-            done += copied
-    except OSError:
-        pass
-    if done < block.nbytes:
-        os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
+        done = 0
+        with contextlib.suppress(OSError):
+            while done < block.nbytes:
+                copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done, done)
+                if copied <= 0:
+                    break
+                done += copied
+        if done < block.nbytes:
+            os.pwrite(file.fd, memoryview(mapped[done:].numpy()), done)
+    except BaseException:
+        file.close()
+        raise
+    file.refs[0] = 1
+    return Block(file, 0, block.nbytes)
 
 
 def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
