@@ -4,15 +4,20 @@ A shard's bytes are cut into fixed-size blocks of BLOCK_BYTES. A version made
 by a row update (CreateTensor INIT_COPY) does not copy its source: its shard is
 a new range of this process's address space onto which every block of the
 source is mapped (MAP_FIXED, read-only) from the memfd that holds it. WriteRows
-then gives each block it touches a fresh copy in a new memfd (one per call),
-mapped writable in place of the shared one, and writes the rows there; the
-other blocks stay shared. So an update costs the rows and blocks it touches,
-plus one mmap per run of blocks, not a copy of the table. A block's memfd pages
-are given back (hole punched) when no version uses the block any more, and the
-memfd is closed when none of its blocks is used. A served version's range is
+then gives each block it touches a fresh copy in a memfd of its own, mapped
+writable in place of the shared one, and writes the rows there; the other
+blocks stay shared. So an update costs the rows and blocks it touches, plus one
+mmap per run of blocks, not a copy of the table. A served version's range is
 made read-only: a block buffer is never written once a version that uses it is
 published. Same-host clients map a version's blocks the same way
 (OpenShardResponse.extents, client/paths/composed.py).
+
+Every memfd is sealed against writes by other processes (F_SEAL_FUTURE_WRITE:
+readers open them by /proc/PID/fd/N), which forbids punching holes, so memory
+goes back a whole memfd at a time: a copied block, alone in its memfd, when no
+version uses it; a shard's segment when none of its blocks is used. Once half a
+segment is unused, the next version copies its remaining blocks out
+(`Blocks.share`), so that it goes with the versions still sharing it.
 
 Why 256 KiB: an update of k random rows copies at most k blocks (64 rows: 16
 MiB at most, ~3 ms), while a version of a 1 GiB shard is 4096 blocks, so mapping
