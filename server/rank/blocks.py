@@ -35,6 +35,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -98,8 +99,10 @@ class BlockFile:
     (F_SEAL_FUTURE_WRITE), which also forbids punching holes: a file's memory goes back when none of its blocks
     is used any more (the fd is closed), so a copied block, alone in its file, is freed as soon as it is unused."""
 
-    def __init__(self, fd: int, keep: object = None, nbytes: int = 0) -> None:
+    def __init__(self, fd: int, keep: object = None, nbytes: int = 0,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.fd = fd
+        self.on_close = on_close  # told when an fd this object owns is closed
         stat = os.fstat(fd)
         self.inode, self.device_id = stat.st_ino, stat.st_dev
         self.keep = keep  # the segment tensor that owns fd (None: this object owns it)
@@ -108,7 +111,7 @@ class BlockFile:
         self.unused = 0  # bytes of its blocks no version uses any more (held until the file goes)
 
     @classmethod
-    def create(cls, nbytes: int) -> "BlockFile":
+    def create(cls, nbytes: int, on_close: Callable[[], None] | None = None) -> "BlockFile":
         """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes; the
         caller fills it, maps it, then calls `seal_writes`."""
         fd = os.memfd_create("shardserve-block", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -116,7 +119,7 @@ class BlockFile:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            return cls(fd, nbytes=nbytes)
+            return cls(fd, nbytes=nbytes, on_close=on_close)
         except BaseException:
             os.close(fd)
             raise
@@ -146,6 +149,8 @@ class BlockFile:
     def close(self) -> None:
         if self.keep is None and self.fd >= 0:
             os.close(self.fd)
+            if self.on_close is not None:
+                self.on_close()
         self.fd, self.keep = -1, None
 
 
@@ -177,11 +182,38 @@ class Extent:
 
 
 class Blocks:
-    """The block tables of this rank's shard tensors (by id of the tensor, while it lives)."""
+    """The block tables of this rank's shard tensors (by id of the tensor, while it lives). Copied blocks get a
+    memfd each while fewer than `max_files` are open; past that, the blocks copied at once share one memfd (freed
+    when none of them is used), so that block files never take the fds the rank's sockets need."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_files: int = 1 << 20) -> None:
         self._tables: dict[int, BlockTable] = {}
         self._lock = threading.RLock()
+        self.max_files = max_files
+        self.open_files = 0
+
+    def _copy(self, blocks: list[Block], flat: torch.Tensor, indexes: list[int]) -> list[Block]:
+        """Copies of `blocks` (at block `indexes` of `flat`, their mapped bytes): each in a new memfd of its own,
+        or all in one when the rank has `max_files` open already; not sealed yet, each used by one version."""
+        slots = [_round_up(b.nbytes, PAGE) for b in blocks]
+        alone = self.open_files + len(blocks) <= self.max_files
+        files = [self._new_file(n) for n in slots] if alone else [self._new_file(sum(slots))] * len(blocks)
+        out, offset = [], 0
+        for block, k, file, slot in zip(blocks, indexes, files, slots):
+            at = 0 if alone else offset
+            _copy_block(block, file, at, flat[k * BLOCK_BYTES:k * BLOCK_BYTES + block.nbytes])
+            file.refs[at] = 1
+            out.append(Block(file, at, block.nbytes))
+            offset += slot
+        return out
+
+    def _new_file(self, nbytes: int) -> BlockFile:
+        file = BlockFile.create(nbytes, on_close=self._closed)
+        self.open_files += 1
+        return file
+
+    def _closed(self) -> None:
+        self.open_files -= 1
 
     def table(self, tensor: torch.Tensor) -> BlockTable | None:
         with self._lock:
@@ -205,10 +237,12 @@ class Blocks:
             table = self._tables.get(id(source)) or self._adopt(source, segment)
             if table is None:
                 return None
-            flat = source.view(-1).view(torch.uint8)
             wasteful = {id(b.file) for b in table.blocks if b.file.wasteful()}
-            blocks = [_copied(b, flat[k * BLOCK_BYTES:k * BLOCK_BYTES + b.nbytes]) if id(b.file) in wasteful else b
-                      for k, b in enumerate(table.blocks)]
+            moved = [k for k, b in enumerate(table.blocks) if id(b.file) in wasteful]
+            blocks = list(table.blocks)
+            copies = self._copy([blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved)
+            for k, copy in zip(moved, copies):
+                blocks[k] = copy
             space = AddressRange(nbytes)
             for start, stop in _runs(blocks):
                 first = blocks[start]
@@ -217,8 +251,8 @@ class Blocks:
             for block, old in zip(blocks, table.blocks):
                 if block is old:
                     block.file.refs[block.offset] += 1
-                else:
-                    block.file.seal_writes()
+            for file in {id(c.file): c.file for c in copies}.values():
+                file.seal_writes()
             tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
             self._track(tensor, BlockTable(blocks, space))
         return tensor, sum(b.nbytes for b, old in zip(blocks, table.blocks) if b is not old)
@@ -255,18 +289,17 @@ class Blocks:
                              for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)} - table.owned)
             if not wanted:
                 return 0, 0
-            flat = tensor.view(-1).view(torch.uint8)
-            added, freed = 0, 0
-            for k in wanted:
-                old, start = table.blocks[k], k * BLOCK_BYTES
-                block = _copied(old, flat[start:start + old.nbytes])
-                table.space.place(start, block.nbytes, block.file.fd, 0, writable=True)
-                block.file.seal_writes()  # the rank writes the rows through the mapping just made
+            copies = self._copy([table.blocks[k] for k in wanted], tensor.view(-1).view(torch.uint8), wanted)
+            freed = 0
+            for k, block in zip(wanted, copies):
+                old = table.blocks[k]
+                table.space.place(k * BLOCK_BYTES, block.nbytes, block.file.fd, block.offset, writable=True)
                 freed += old.file.unref(old.offset, old.nbytes)
                 table.blocks[k] = block
                 table.owned.add(k)
-                added += block.nbytes
-            return added, freed
+            for file in {id(c.file): c.file for c in copies}.values():
+                file.seal_writes()  # the rank writes the rows through the mappings just made
+            return sum(b.nbytes for b in copies), freed
 
     def publish(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
@@ -303,25 +336,19 @@ class Blocks:
             return out
 
 
-def _copied(block: Block, mapped: torch.Tensor) -> Block:
-    """A copy of `block` alone in a new file (used by one version; not sealed yet): copied file to file in the
-    kernel (no page faults on a fresh mapping), else from its mapped bytes `mapped`."""
-    file = BlockFile.create(_round_up(block.nbytes, PAGE))
-    try:
-        done = 0
-        with contextlib.suppress(OSError):
-            while done < block.nbytes:
-                copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done, done)
-                if copied <= 0:
-                    break
-                done += copied
-        if done < block.nbytes:
-            os.pwrite(file.fd, memoryview(mapped[done:].numpy()), done)
-    except BaseException:
-        file.close()
-        raise
-    file.refs[0] = 1
-    return Block(file, 0, block.nbytes)
+def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor) -> None:
+    """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
+    from its mapped bytes `mapped`."""
+    done = 0
+    with contextlib.suppress(OSError):
+        while done < block.nbytes:
+            copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
+                                        offset + done)
+            if copied <= 0:
+                break
+            done += copied
+    if done < block.nbytes:
+        os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
 
 
 def _runs(blocks: list[Block]) -> list[tuple[int, int]]:

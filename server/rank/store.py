@@ -160,7 +160,9 @@ class ShardStore:
                                    recycled=RecycledBuffers(recycle_bytes))
         # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
-        self.blocks = Blocks()  # copy-on-write blocks of the versions row updates make (server/rank/blocks.py)
+        # copy-on-write blocks of the versions row updates make (server/rank/blocks.py), one fd each within the
+        # budget shared-memory segments get too
+        self.blocks = Blocks(max_files=max(1, self.shared.max_segments))
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in

@@ -115,3 +115,25 @@ def test_without_shared_memory_an_update_copies_the_shard():
     store.promote("t", 1)
     _update(store, 2, torch.tensor([1]), torch.zeros(1, COLUMNS))
     assert store.local_tensor("t", 2, 0)[1].sum() == 0 and store.local_tensor("t", 2, 0).sum() == 7 * COLUMNS
+
+
+def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
+    """Block files never take the fds the rank's sockets need: with no room left in the budget, an update's copied
+    blocks go into one memfd together, freed when none of them is used."""
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    expected = store.local_tensor("t", 1, 0).clone()
+    store.blocks.max_files = store.blocks.open_files
+    ids, values = torch.tensor([0, rows - 1]), torch.randn(2, COLUMNS)
+    _update(store, 2, ids, values)
+    expected[ids] = values
+    inodes = [e.inode for e in store.blocks.extents(store.local_tensor("t", 2, 0))]
+    assert len(inodes) == 3 and inodes[0] == inodes[2] != inodes[1]  # first and last block, then the segment
+    assert store.blocks.open_files == 1
+    assert torch.equal(store.local_tensor("t", 2, 0), expected)
+    store.blocks.max_files = 1 << 20
+    _update(store, 3, torch.tensor([0, rows - 1]), values)  # both blocks copied again: the shared file goes
+    assert store.blocks.open_files == 4  # those two, and the two the half-unused segment was left by
+    assert torch.equal(store.local_tensor("t", 3, 0), expected)
