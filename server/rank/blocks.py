@@ -4,15 +4,20 @@ A shard's bytes are cut into fixed-size blocks of BLOCK_BYTES. A version made
 by a row update (CreateTensor INIT_COPY) does not copy its source: its shard is
 a new range of this process's address space onto which every block of the
 source is mapped (MAP_FIXED, read-only) from the memfd that holds it. WriteRows
-then gives each block it touches a fresh copy in a new memfd (one per call),
-mapped writable in place of the shared one, and writes the rows there; the
-other blocks stay shared. So an update costs the rows and blocks it touches,
-plus one mmap per run of blocks, not a copy of the table. A block's memfd pages
-are given back (hole punched) when no version uses the block any more, and the
-memfd is closed when none of its blocks is used. A served version's range is
+then gives each block it touches a fresh copy in a memfd of its own, mapped
+writable in place of the shared one, and writes the rows there; the other
+blocks stay shared. So an update costs the rows and blocks it touches, plus one
+mmap per run of blocks, not a copy of the table. A served version's range is
 made read-only: a block buffer is never written once a version that uses it is
 published. Same-host clients map a version's blocks the same way
 (OpenShardResponse.extents, client/paths/composed.py).
+
+Every memfd is sealed against writes by other processes (F_SEAL_FUTURE_WRITE:
+readers open them by /proc/PID/fd/N), which forbids punching holes, so memory
+goes back a whole memfd at a time: a copied block, alone in its memfd, when no
+version uses it; a shard's segment when none of its blocks is used. Once half a
+segment is unused, the next version copies its remaining blocks out
+(`Blocks.share`), so that it goes with the versions still sharing it.
 
 Why 256 KiB: an update of k random rows copies at most k blocks (64 rows: 16
 MiB at most, ~3 ms), while a version of a 1 GiB shard is 4096 blocks, so mapping
@@ -22,23 +27,22 @@ reverse. A multiple of the page size, as mmap needs.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import logging
+import fcntl
 import mmap
 import os
 import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from server.rank.shared_memory import HEADER_BYTES, Segment
-
-log = logging.getLogger(__name__)
+from server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
 PAGE = mmap.PAGESIZE
-FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
 PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
 
@@ -47,7 +51,6 @@ _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -91,47 +94,63 @@ class AddressRange:
 
 
 class BlockFile:
-    """A memfd holding blocks (a shard's segment, or the blocks one update copied), and how many versions use the
-    block at each file offset; its pages are punched out per unused block, the fd closed once none is used."""
+    """A memfd holding blocks (a shard's segment, or one block an update copied), and how many versions use the
+    block at each file offset. Both kinds are sealed against writes by other processes once written
+    (F_SEAL_FUTURE_WRITE), which also forbids punching holes: a file's memory goes back when none of its blocks
+    is used any more (the fd is closed), so a copied block, alone in its file, is freed as soon as it is unused."""
 
-    def __init__(self, fd: int, keep: object = None) -> None:
+    def __init__(self, fd: int, keep: object = None, nbytes: int = 0,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.fd = fd
+        self.on_close = on_close  # told when an fd this object owns is closed
         stat = os.fstat(fd)
         self.inode, self.device_id = stat.st_ino, stat.st_dev
         self.keep = keep  # the segment tensor that owns fd (None: this object owns it)
         self.refs: dict[int, int] = {}
+        self.nbytes = nbytes  # bytes of its blocks
+        self.unused = 0  # bytes of its blocks no version uses any more (held until the file goes)
 
     @classmethod
-    def create(cls, nbytes: int) -> "BlockFile":
-        """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes."""
-        fd = os.memfd_create("shardserve-blocks", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def create(cls, nbytes: int, on_close: Callable[[], None] | None = None) -> "BlockFile":
+        """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes; the
+        caller fills it, maps it, then calls `seal_writes`."""
+        fd = os.memfd_create("shardserve-block", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            return cls(fd)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            return cls(fd, nbytes=nbytes, on_close=on_close)
         except BaseException:
             os.close(fd)
             raise
 
-    def unref(self, offset: int, nbytes: int) -> bool:
-        """One version less uses the block at `offset`; punch its pages when none does. True when freed."""
+    def seal_writes(self) -> None:
+        """No write or new writable mapping through any handle from now on: mappings made before (the rank's own,
+        of a pending version) stay writable until the version is published."""
+        seal_writes(self.fd)
+
+    def wasteful(self) -> bool:
+        """Whether half its bytes or more are unused: a segment an update should stop sharing (`Blocks.share`)."""
+        return self.nbytes > BLOCK_BYTES and 2 * self.unused >= self.nbytes
+
+    def unref(self, offset: int, nbytes: int) -> int:
+        """One version less uses the block at `offset`; returns the bytes given back (the whole file's, when this
+        was its last used block; else 0)."""
         self.refs[offset] -= 1
         if self.refs[offset]:
-            return False
+            return 0
         del self.refs[offset]
-        if _libc.fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
-                           _round_up(nbytes, PAGE)) != 0:
-            log.debug("punching a freed block failed (errno %d); its pages go with the file", ctypes.get_errno())
-        if not self.refs:
-            self.close()
-        return True
+        self.unused += nbytes
+        if self.refs:
+            return 0
+        self.close()
+        return self.unused
 
     def close(self) -> None:
         if self.keep is None and self.fd >= 0:
             os.close(self.fd)
+            if self.on_close is not None:
+                self.on_close()
         self.fd, self.keep = -1, None
 
 
@@ -163,11 +182,38 @@ class Extent:
 
 
 class Blocks:
-    """The block tables of this rank's shard tensors (by id of the tensor, while it lives)."""
+    """The block tables of this rank's shard tensors (by id of the tensor, while it lives). Copied blocks get a
+    memfd each while fewer than `max_files` are open; past that, the blocks copied at once share one memfd (freed
+    when none of them is used), so that block files never take the fds the rank's sockets need."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_files: int = 1 << 20) -> None:
         self._tables: dict[int, BlockTable] = {}
         self._lock = threading.RLock()
+        self.max_files = max_files
+        self.open_files = 0
+
+    def _copy(self, blocks: list[Block], flat: torch.Tensor, indexes: list[int]) -> list[Block]:
+        """Copies of `blocks` (at block `indexes` of `flat`, their mapped bytes): each in a new memfd of its own,
+        or all in one when the rank has `max_files` open already; not sealed yet, each used by one version."""
+        slots = [_round_up(b.nbytes, PAGE) for b in blocks]
+        alone = self.open_files + len(blocks) <= self.max_files
+        files = [self._new_file(n) for n in slots] if alone else [self._new_file(sum(slots))] * len(blocks)
+        out, offset = [], 0
+        for block, k, file, slot in zip(blocks, indexes, files, slots):
+            at = 0 if alone else offset
+            _copy_block(block, file, at, flat[k * BLOCK_BYTES:k * BLOCK_BYTES + block.nbytes])
+            file.refs[at] = 1
+            out.append(Block(file, at, block.nbytes))
+            offset += slot
+        return out
+
+    def _new_file(self, nbytes: int) -> BlockFile:
+        file = BlockFile.create(nbytes, on_close=self._closed)
+        self.open_files += 1
+        return file
+
+    def _closed(self) -> None:
+        self.open_files -= 1
 
     def table(self, tensor: torch.Tensor) -> BlockTable | None:
         with self._lock:
@@ -178,9 +224,12 @@ class Blocks:
         table = self.table(tensor)
         return table is not None and table.space is not None
 
-    def share(self, source: torch.Tensor, segment: Segment | None) -> torch.Tensor | None:
+    def share(self, source: torch.Tensor, segment: Segment | None) -> tuple[torch.Tensor, int] | None:
         """A new read-only tensor over the same blocks as `source` (a composed tensor, or a shard segment, which
-        is adopted: cut into blocks), or None when `source` is neither (the caller copies)."""
+        is adopted: cut into blocks) and the bytes it copied, or None when `source` is neither (the caller
+        copies). Blocks of a segment half unused are copied into files of their own instead, so that the segment
+        can go once the versions still sharing it do (its pages cannot be given back one block at a time): each
+        block of it is copied at most once, after at least as many of its bytes were replaced by updates."""
         nbytes = source.numel() * source.element_size()
         if nbytes == 0:
             return None
@@ -188,23 +237,31 @@ class Blocks:
             table = self._tables.get(id(source)) or self._adopt(source, segment)
             if table is None:
                 return None
-            space = AddressRange(nbytes)
+            wasteful = {id(b.file) for b in table.blocks if b.file.wasteful()}
+            moved = [k for k, b in enumerate(table.blocks) if id(b.file) in wasteful]
             blocks = list(table.blocks)
+            copies = self._copy([blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved)
+            for k, copy in zip(moved, copies):
+                blocks[k] = copy
+            space = AddressRange(nbytes)
             for start, stop in _runs(blocks):
                 first = blocks[start]
                 space.place(start * BLOCK_BYTES, sum(b.nbytes for b in blocks[start:stop]), first.file.fd,
                             first.offset, writable=False)
-            for block in blocks:
-                block.file.refs[block.offset] += 1
+            for block, old in zip(blocks, table.blocks):
+                if block is old:
+                    block.file.refs[block.offset] += 1
+            for file in {id(c.file): c.file for c in copies}.values():
+                file.seal_writes()
             tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
             self._track(tensor, BlockTable(blocks, space))
-        return tensor
+        return tensor, sum(b.nbytes for b, old in zip(blocks, table.blocks) if b is not old)
 
     def _adopt(self, source: torch.Tensor, segment: Segment | None) -> BlockTable | None:
         if segment is None or segment.data_offset != HEADER_BYTES:
             return None
-        file = BlockFile(segment.fd, keep=source)
         nbytes = segment.nbytes
+        file = BlockFile(segment.fd, keep=source, nbytes=nbytes)
         blocks = [Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
                   for start in range(0, nbytes, BLOCK_BYTES)]
         file.refs = {b.offset: 1 for b in blocks}
@@ -232,22 +289,17 @@ class Blocks:
                              for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)} - table.owned)
             if not wanted:
                 return 0, 0
-            flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else tensor
-            sizes = [table.blocks[k].nbytes for k in wanted]
-            slots = [_round_up(n, PAGE) for n in sizes]
-            file = BlockFile.create(sum(slots))
-            offset, freed = 0, 0
-            for k, nbytes, slot in zip(wanted, sizes, slots):
-                start = k * BLOCK_BYTES
-                _copy_block(table.blocks[k], file, offset, flat[start:start + nbytes])
-                file.refs[offset] = 1
-                table.space.place(start, nbytes, file.fd, offset, writable=True)
+            copies = self._copy([table.blocks[k] for k in wanted], tensor.view(-1).view(torch.uint8), wanted)
+            freed = 0
+            for k, block in zip(wanted, copies):
                 old = table.blocks[k]
-                freed += old.nbytes if old.file.unref(old.offset, old.nbytes) else 0
-                table.blocks[k] = Block(file, offset, nbytes)
+                table.space.place(k * BLOCK_BYTES, block.nbytes, block.file.fd, block.offset, writable=True)
+                freed += old.file.unref(old.offset, old.nbytes)
+                table.blocks[k] = block
                 table.owned.add(k)
-                offset += slot
-            return sum(sizes), freed
+            for file in {id(c.file): c.file for c in copies}.values():
+                file.seal_writes()  # the rank writes the rows through the mappings just made
+            return sum(b.nbytes for b in copies), freed
 
     def publish(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
@@ -264,7 +316,7 @@ class Blocks:
             table = self._tables.pop(id(tensor), None)
             if table is None:
                 return None
-            return sum(b.nbytes for b in table.blocks if b.file.unref(b.offset, b.nbytes))
+            return sum(b.file.unref(b.offset, b.nbytes) for b in table.blocks)
 
     def resident_bytes(self) -> int:
         """Memory the block files of live tables hold now (their allocated pages, headers included)."""
@@ -288,15 +340,13 @@ def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor
     """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
     from its mapped bytes `mapped`."""
     done = 0
-    try:
+    with contextlib.suppress(OSError):
         while done < block.nbytes:
             copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
                                         offset + done)
             if copied <= 0:
                 break
             done += copied
-    except OSError:
-        pass
     if done < block.nbytes:
         os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
 

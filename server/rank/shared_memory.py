@@ -14,6 +14,7 @@ first tensor made over it does, so a recycled segment keeps its fd.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import mmap
@@ -44,6 +45,7 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 HEADER_BYTES = 4096
 FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
+F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
 STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
@@ -252,11 +254,24 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
 
 def _seal(fd: int) -> None:
     """Seal a mapped segment against other processes: readers open it by /proc/PID/fd/N, where a same-user
-    process could otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank). Not
-    against writes (F_SEAL_FUTURE_WRITE): the segment's blocks may be shared with later versions of the shard
-    (server/rank/blocks.py), whose pages are given back by punching holes, which Linux refuses under that
-    seal; clients map segments read-only."""
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    process could otherwise truncate the segment (every later touch of the lost pages is SIGBUS in this rank) or
+    write a served version's bytes. The rank writes through its own earlier mapping. The write seal forbids
+    punching holes too, so a segment whose blocks later versions share is freed whole, once none of its blocks is
+    used (server/rank/blocks.py)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    seal_writes(fd)
+
+
+def seal_writes(fd: int) -> None:
+    """No write, and no new writable mapping, of memfd `fd` through any handle from now on (mappings made before
+    stay writable), and no seal changed any more. F_SEAL_FUTURE_WRITE is Linux 5.1; older kernels get the
+    final seal alone."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+    except OSError as err:
+        if err.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
 
 
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:

@@ -160,7 +160,9 @@ class ShardStore:
                                    recycled=RecycledBuffers(recycle_bytes))
         # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
-        self.blocks = Blocks()  # copy-on-write blocks of the versions row updates make (server/rank/blocks.py)
+        # copy-on-write blocks of the versions row updates make (server/rank/blocks.py), one fd each within the
+        # budget shared-memory segments get too
+        self.blocks = Blocks(max_files=max(1, self.shared.max_segments))
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -612,18 +614,20 @@ class ShardStore:
 
     def _share_blocks(self, source: StoredVersion) -> dict[int, torch.Tensor]:
         """New tensors over the same blocks as the leased source's shards, for those in shared memory. A shard
-        cut into blocks for the first time moves its bytes from the source's account to its blocks'."""
+        cut into blocks for the first time moves its bytes from the source's account to its blocks'; blocks
+        copied out of a half-unused segment are accounted as they are made."""
         if not self.shared.enabled:
             return {}
         out = {}
         for i, shard in source.shards.items():
             adopted = self.blocks.table(shard) is None
-            tensor = self.blocks.share(shard, self.shared.segment_of(shard))
-            if tensor is None:
+            shared = self.blocks.share(shard, self.shared.segment_of(shard))
+            if shared is None:
                 continue
-            out[i] = tensor
-            if adopted:
-                with self._lock:
+            out[i], copied = shared
+            with self._lock:
+                self._memory_used += copied  # blocks of a half-unused segment, copied to let it go
+                if adopted:
                     source.nbytes -= shard.numel() * shard.element_size()
         return out
 

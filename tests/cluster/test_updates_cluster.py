@@ -2,6 +2,9 @@
 reshards, memory of copy-on-write blocks."""
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import threading
 import time
 from typing import Callable
@@ -14,6 +17,8 @@ from client import connect
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.launcher import LocalCluster
+from server.rank.blocks import BLOCK_BYTES
+from server.rank.shared_memory import HEADER_BYTES
 from shardcore.specs import ChunkShardingSpec
 
 ROWS, COLUMNS = 240, 8
@@ -154,20 +159,43 @@ def test_a_replaced_version_stays_readable_for_the_grace_period(cluster: LocalCl
             shard.fetch()
 
 
-def test_memory_of_many_updates_stays_near_the_table(cluster: LocalCluster) -> None:
-    """Updates share the blocks they do not change: after many updates of a 24 MiB table, each rank holds its
-    shard plus the copied blocks of versions still in their grace period, far from a copy per update."""
-    rows = (24 << 20) // (64 * 4)
+def _shard_memory(pid: int) -> int:
+    """Bytes the shared-memory files a rank process holds open have allocated (each file once): its shards'
+    memory as the kernel counts it, whatever the rank's own accounting says."""
+    files: dict[tuple[int, int], int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        with contextlib.suppress(OSError):
+            if os.readlink(path).startswith("/memfd:shardserve"):
+                stat = os.stat(path)
+                files[(stat.st_dev, stat.st_ino)] = stat.st_blocks * 512
+    return sum(files.values())
+
+
+def test_memory_during_100_updates_of_a_256_mib_table_is_the_table_plus_the_grace_windows_blocks(
+        cluster: LocalCluster) -> None:
+    """Updates share the blocks they do not change: during 100 updates of 64 random rows of a 256 MiB table,
+    each rank holds (as the kernel counts its shared-memory files, and as it accounts) its shard plus the blocks
+    copied by the versions in their grace period (here all of them), never a copy per update."""
+    columns, rows = 64, (256 << 20) // (64 * 4)
+    pids = cluster.rank_pids
+    baseline = [_shard_memory(pid) for pid in pids]
     with connect(cluster.address) as client:
-        client.put("upd-memory", torch.zeros(rows, 64), spec=ROW_WISE)
+        shards = client.put("upd-memory", torch.zeros(rows, columns), spec=ROW_WISE).metadata().shards_metadata
         generator = torch.Generator().manual_seed(5)
-        for _ in range(30):
-            ids = torch.randint(0, rows, (4,), generator=generator)
-            client.update_rows("upd-memory", ids, torch.ones(4, 64))
-        shard_bytes = (24 << 20) // 3
-        for rank in range(3):
+        copied = [0, 0, 0]
+        for _ in range(100):
+            ids = torch.randint(0, rows, (64,), generator=generator)
+            client.update_rows("upd-memory", ids, torch.ones(64, columns))
+            for shard in shards:
+                rank, (start, count) = shard.rank, (shard.shard_offsets[0], shard.shard_sizes[0])
+                local = ids[(ids >= start) & (ids < start + count)] - start
+                copied[rank] += (local * columns * 4 // BLOCK_BYTES).unique().numel() * BLOCK_BYTES
+                shard_bytes = -(-count * columns * 4 // mmap.PAGESIZE) * mmap.PAGESIZE  # its memfd, in whole pages
+                assert _shard_memory(pids[rank]) - baseline[rank] <= HEADER_BYTES + shard_bytes + copied[rank]
+        for shard in shards:
+            rank = shard.rank
             with grpc.insecure_channel(client.session.address_of(rank)) as channel:
                 stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=30)
-            # at most 4 blocks of 256 KiB copied per update, all 30 still in a grace period at the worst
-            assert stats.memory_used_bytes <= shard_bytes + 30 * 4 * (256 << 10)
+            assert stats.memory_used_bytes <= shard.shard_sizes[0] * columns * 4 + copied[rank]
         client.delete("upd-memory")

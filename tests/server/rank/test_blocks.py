@@ -1,4 +1,8 @@
 """Copy-on-write blocks in the store: row updates share what they do not change, and free what nobody uses."""
+import errno
+import mmap
+import os
+
 import pytest
 import torch
 
@@ -42,7 +46,12 @@ def test_an_update_copies_only_the_blocks_it_touches_and_leaves_the_old_version_
     store.end_graces()
     store.drop("t", 1)
     assert store.held() == [("t", 2, store.held()[0][2])]
-    assert store.memory_used == before.numel() * 4  # version 1's two replaced blocks are given back
+    # version 1's two replaced blocks stay with its segment, which is sealed against writes (no hole punched)
+    assert store.memory_used == before.numel() * 4 + 2 * BLOCK_BYTES
+    _update(store, 3, torch.tensor([0]), torch.zeros(1, COLUMNS))  # half the segment unused: its blocks leave it
+    expected[0] = 0
+    assert torch.equal(store.local_tensor("t", 3, 0), expected)
+    assert store.memory_used == before.numel() * 4  # the segment went with version 2: four blocks of their own
 
 
 def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates():
@@ -58,9 +67,36 @@ def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates()
         values = torch.randn(3, COLUMNS, generator=generator)
         expected[ids] = values
         _update(store, version, ids, values)
-        assert store.memory_used == table_bytes
-        assert store.blocks.resident_bytes() <= table_bytes + 4096 + 3 * BLOCK_BYTES  # a header page, slack
+        # the segment the table was put in is freed whole once half of it is unused (its blocks are copied out
+        # by the next update): at most half of it, plus the blocks of the update that passed half, is unused
+        assert store.memory_used <= table_bytes + table_bytes // 2 + 3 * BLOCK_BYTES
+        assert store.blocks.resident_bytes() <= table_bytes + table_bytes // 2 + 3 * BLOCK_BYTES + 4096
     assert torch.equal(store.local_tensor("t", 101, 0), expected)
+    assert store.memory_used == store.blocks.resident_bytes() == table_bytes  # every block alone, none unused
+
+
+def test_blocks_of_served_versions_are_sealed_against_other_writers():
+    """A same-host reader opens a version's files by /proc/PID/fd/N: a process that opened one for writing can
+    neither write its bytes nor map it writable, whether it is the segment the table was put in or a block an
+    update copied; the store's own writes go through its earlier mappings."""
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
+    store = ShardStore(0, shared_memory=True, version_grace=60)
+    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    _update(store, 2, torch.tensor([0]), torch.ones(1, COLUMNS))
+    extents = store.blocks.extents(store.local_tensor("t", 2, 0))
+    assert len({e.inode for e in extents}) == 2  # the copied block and the segment
+    for extent in extents:
+        fd = os.open(f"/proc/self/fd/{extent.fd}", os.O_RDWR)
+        try:
+            with pytest.raises(OSError) as write:
+                os.pwrite(fd, b"\x07" * 16, extent.offset)
+            assert write.value.errno == errno.EPERM
+            with pytest.raises(OSError):
+                mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=extent.offset)
+        finally:
+            os.close(fd)
+    assert store.local_tensor("t", 2, 0)[0].eq(1).all()
 
 
 def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
@@ -79,3 +115,25 @@ def test_without_shared_memory_an_update_copies_the_shard():
     store.promote("t", 1)
     _update(store, 2, torch.tensor([1]), torch.zeros(1, COLUMNS))
     assert store.local_tensor("t", 2, 0)[1].sum() == 0 and store.local_tensor("t", 2, 0).sum() == 7 * COLUMNS
+
+
+def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
+    """Block files never take the fds the rank's sockets need: with no room left in the budget, an update's copied
+    blocks go into one memfd together, freed when none of them is used."""
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.promote("t", 1)
+    expected = store.local_tensor("t", 1, 0).clone()
+    store.blocks.max_files = store.blocks.open_files
+    ids, values = torch.tensor([0, rows - 1]), torch.randn(2, COLUMNS)
+    _update(store, 2, ids, values)
+    expected[ids] = values
+    inodes = [e.inode for e in store.blocks.extents(store.local_tensor("t", 2, 0))]
+    assert len(inodes) == 3 and inodes[0] == inodes[2] != inodes[1]  # first and last block, then the segment
+    assert store.blocks.open_files == 1
+    assert torch.equal(store.local_tensor("t", 2, 0), expected)
+    store.blocks.max_files = 1 << 20
+    _update(store, 3, torch.tensor([0, rows - 1]), values)  # both blocks copied again: the shared file goes
+    assert store.blocks.open_files == 4  # those two, and the two the half-unused segment was left by
+    assert torch.equal(store.local_tensor("t", 3, 0), expected)

@@ -193,11 +193,10 @@ def test_shards_past_the_open_file_budget_go_to_private_memory():
     assert shared.segment_of(shared.empty((4,), torch.float32)) is not None  # room again once one is freed
 
 
-def test_segments_are_sealed_against_resizing():
-    """A reader maps /proc/PID/fd/N; a same-user process that opened it for writing could truncate the segment
-    (SIGBUS in the rank): resizes through any new handle fail, while the rank's own mapping stays writable.
-    (Writes are not sealed off: a segment's blocks are given back by punching holes once later versions that
-    share them let go, which the future-write seal forbids; see server/rank/blocks.py.)"""
+def test_segments_are_sealed_against_other_writers():
+    """A reader maps /proc/PID/fd/N; a same-user process that opened it for writing could change a served
+    version or truncate the segment (SIGBUS in the rank). Writes and resizes through any new handle fail, while
+    the rank's own mapping stays writable."""
     import errno
 
     shared = SharedMemory()
@@ -209,6 +208,9 @@ def test_segments_are_sealed_against_resizing():
         with pytest.raises(OSError) as resize:
             os.ftruncate(fd, 0)
         assert resize.value.errno == errno.EPERM
+        with pytest.raises(OSError) as write:
+            os.pwrite(fd, b"\x07" * 16, segment.data_offset)
+        assert write.value.errno == errno.EPERM
     finally:
         os.close(fd)
     tensor.fill_(2.0)  # the rank still writes through its own mapping
