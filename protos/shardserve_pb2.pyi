@@ -773,14 +773,16 @@ class BulkSessionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkSession(_message.Message):
-    __slots__ = ("port", "ticket", "expires_s")
+    __slots__ = ("port", "ticket", "expires_s", "tls")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
     expires_s: float
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ...) -> None: ...
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)
