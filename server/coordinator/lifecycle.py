@@ -62,7 +62,7 @@ class Coordinator:
 
     def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
                  dead_after: float | None = None, rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0, store_port: int = 0,
+                 pending_timeout: float = 600.0, store_port: int = 0, store_host: str = "0.0.0.0",
                  repair_after: float = DEFAULT_REPAIR_AFTER_S) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
@@ -73,7 +73,7 @@ class Coordinator:
                                      rpc_timeout)
         self.locks = NameLocks()
         self.update_slots = UpdateSlots()  # row updates of one table take turns (never abort each other)
-        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port)
+        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port, store_host)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.quotas = ByteQuotas(catalog)
         self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self,
