@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 CLUSTER_START_TIMEOUT_S = 180.0
-SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda")
+SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda",
+                    "benchmarks.security")
 ROLES = ("subject", "baseline")
 
 
@@ -98,13 +99,13 @@ class Context:
         return self.sampler.window(pids)
 
     def start_cluster(self, stack: ExitStack, ranks: int, timeout: float = CLUSTER_START_TIMEOUT_S,
-                      device: str = "cpu"):
-        """A LocalCluster of `ranks` in a temporary state dir, stopped when `stack` closes, its ranks labelled
-        for the RSS sampler."""
+                      device: str = "cpu", **options):
+        """A LocalCluster of `ranks` in a temporary state dir (`options`: more LocalCluster arguments, e.g.
+        tokens_file, tls), stopped when `stack` closes, its ranks labelled for the RSS sampler."""
         from server.launcher import LocalCluster  # the harness itself stays free of torch and gRPC
 
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
-        cluster = LocalCluster(ranks=ranks, state_dir=state, log_level="WARNING", device=device)
+        cluster = LocalCluster(ranks=ranks, state_dir=state, log_level="WARNING", device=device, **options)
         stack.callback(cluster.stop)
         cluster.start(timeout=timeout)
         for rank, pid in enumerate(cluster.rank_pids):

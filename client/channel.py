@@ -7,6 +7,7 @@ client-streamed chunks of about 1 MiB; parts of one read run on its pool.
 """
 from __future__ import annotations
 
+import ssl
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +57,16 @@ class Credentials:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The bulk port's TLS context from the same files as the gRPC channels: the rank's certificate verified
+        against tls_ca (the system's CAs without it) and its host name, ours presented for mTLS."""
+        _read_file(self.tls_ca, "tls_ca")  # the same ValueError naming the field as channel_credentials
+        context = ssl.create_default_context(cafile=self.tls_ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        if self.tls_cert is not None:
+            context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(

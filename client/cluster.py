@@ -98,8 +98,7 @@ class Cluster:
                  row_cache_max_age: float = 1.0, transport: str = "auto",
                  hedge_after: float | None = HEDGE_AFTER_S) -> None:
         self.address = address
-        self.session = Session(address, channel, PathPolicy(transport, channel, channel.credentials.uses_tls,
-                                                            hedge_after))
+        self.session = Session(address, channel, PathPolicy(transport, channel, hedge_after))
         self.lookups = Lookups(self.session, row_cache, row_cache_max_age)
 
     # ------------------------------------------------------------ lifecycle

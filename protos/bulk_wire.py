@@ -3,6 +3,7 @@ client/paths/bulk.py so the two sides cannot drift: all integers little-endian."
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 
@@ -12,6 +13,7 @@ KIND_READ, KIND_LOOKUP = 1, 2      # a ReadRegionRequest (answer: the box's byte
 MAX_REQUEST_BYTES = 8 << 20        # one request frame (a lookup of ~1M ids)
 HEADER = struct.Struct("<IIQ")     # before each answer: status (gRPC code, 0 = OK), reserved (0), length
 _MAX_IOV = 1024                    # buffers per sendmsg (Linux IOV_MAX)
+_JOIN_UNDER = 256 << 10            # over TLS (no sendmsg), parts smaller than this in all go out as one record
 
 
 def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
@@ -29,8 +31,14 @@ def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None =
 
 def send_parts(sock: socket.socket, parts: "list[bytes | memoryview]") -> None:
     """Send every byte of `parts`, in order, gathered by sendmsg: a header and its data go out in one call
-    without being joined into a copy first."""
+    without being joined into a copy first (over TLS, one sendall each)."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
+    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg: small answers joined, large ones in turn
+        if sum(len(view) for view in views) < _JOIN_UNDER:
+            views = [memoryview(b"".join(views))]
+        for view in views:
+            sock.sendall(view)
+        return
     while views:
         sent = sock.sendmsg(views[:_MAX_IOV])
         while sent:

@@ -155,7 +155,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class TensorInfo(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -184,7 +185,8 @@ class TensorInfo(_message.Message):
     health: str
     replicas: int
     repair: RepairState
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class RepairState(_message.Message):
     __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")
@@ -773,14 +775,16 @@ class BulkSessionRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BulkSession(_message.Message):
-    __slots__ = ("port", "ticket", "expires_s")
+    __slots__ = ("port", "ticket", "expires_s", "tls")
     PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     port: int
     ticket: bytes
     expires_s: float
-    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ...) -> None: ...
+    tls: bool
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)

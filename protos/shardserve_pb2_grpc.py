@@ -823,9 +823,9 @@ class ShardServerServicer:
 
     def OpenBulkSession(self, request, context):
         """Cross-host bulk path (server/rank/reads/bulk.py, client/paths/bulk.py): answer a one-time ticket
-        that opens one plain TCP connection to the rank's bulk port, on which the client then asks for boxes
+        that opens one TCP connection to the rank's bulk port, on which the client then asks for boxes
         (receiving their bytes without protobuf framing) and lookups. UNIMPLEMENTED when the rank serves no bulk port
-        (turned off, or TLS on: the bulk port does not encrypt).
+        (turned off); under TLS the port speaks TLS too (BulkSession.tls).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,7 +34,7 @@ from server.common.cli_args import (
     stream_limits_from_args,
     with_state_dir_secret,
 )
-from server.common.grpc_server import RunningServer, start_server
+from server.common.grpc_server import RunningServer, split_address, start_server
 from server.common.principals import ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
@@ -70,14 +70,16 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
                       rpc_timeout: float = 60.0, pending_timeout: float = 600.0, store_port: int = 0,
                       repair_after: float = 30.0) -> "tuple[Coordinator, RunningServer]":
     """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
-    of collective jobs on `store_port` (0 = any free port), repairing copies dead for `repair_after` s."""
+    of collective jobs on `store_port` (0 = any free port) of the `listen` host, repairing copies dead for
+    `repair_after` s."""
     from server.coordinator.catalog import SQLiteCatalog
     from server.coordinator.lifecycle import Coordinator
     from server.coordinator.service import CoordinatorServicer
 
     coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
-                              pending_timeout=pending_timeout, store_port=store_port, repair_after=repair_after)
+                              pending_timeout=pending_timeout, store_port=store_port,
+                              store_host=split_address(listen)[0], repair_after=repair_after)
 
     def add(server: object) -> list[str]:
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
@@ -354,7 +356,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
                                      "prints 'coordinator: HOST:PORT' once serving.")
     parser.add_argument("--listen", default="0.0.0.0:50051", help="HOST:PORT to bind (default %(default)s)")
     parser.add_argument("--store-port", type=int, default=0, help="TCP port of the rendezvous store (a "
-                        "torch.distributed TCPStore, on all interfaces) that collective jobs form their process "
+                        "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
                         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
     _add_common_args(parser)
     args = parser.parse_args(argv)

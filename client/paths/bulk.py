@@ -1,7 +1,9 @@
 """The bulk TCP data path (server/rank/reads/bulk.py answers it): boxes' bytes straight into their output.
 
 A connection to a rank's bulk port is opened with a ticket from
-OpenBulkSession, which goes over gRPC (token, TLS, deadline), and kept for
+OpenBulkSession, which goes over gRPC (token, TLS, deadline), after a TLS
+handshake with the client's certificate files when the rank says its port
+speaks TLS (it does whenever its gRPC does), and kept for
 later calls (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
 sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
 the bytes into the preallocated output: no protobuf around the data, no
@@ -16,6 +18,7 @@ gRPC, raised at the deadline: neither retried nor sent again over gRPC.
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections import defaultdict, deque
@@ -64,6 +67,7 @@ class BulkPath:
         self._idle: dict[str, deque[_Connection]] = defaultdict(deque)
         self._lock = threading.Lock()
         self._closed = False
+        self._tls: ssl.SSLContext | None = None  # made on the first TLS connection
 
     def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
              cancel: Cancellation | None = None) -> None:
@@ -190,11 +194,29 @@ class BulkPath:
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = self._secure(sock, host, session.tls)
             sock.sendall(session.ticket)
-        except OSError as err:
+        except OSError as err:  # ssl.SSLError too: a certificate refused either way
             sock.close()
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
         return _Connection(sock)
+
+    def _secure(self, sock: socket.socket, host: str, tls: bool) -> socket.socket:
+        """`sock` itself for a plaintext port, else a TLS socket over it once the rank's certificate is verified
+        for `host`. A client that speaks TLS never uses a plaintext port (no downgrade), and a client without TLS
+        files cannot verify a TLS one: both BulkReadError, so the read goes over gRPC."""
+        uses_tls = self.channel.credentials.uses_tls
+        if tls != uses_tls:
+            sock.close()
+            raise BulkReadError("the rank's bulk port is plaintext while this client uses TLS" if uses_tls else
+                                "the rank's bulk port speaks TLS; pass tls_ca to read from it")
+        if not tls:
+            return sock
+        with self._lock:
+            if self._tls is None:
+                self._tls = self.channel.credentials.ssl_context()
+            context = self._tls
+        return context.wrap_socket(sock, server_hostname=host)
 
     def _open_session(self, address: str, cancel: Cancellation | None) -> pb.BulkSession:
         """OpenBulkSession of the rank at `address` (a call `cancel` can cancel when given)."""

@@ -77,14 +77,13 @@ class PathPolicy:
     """The data paths of one client and the choice among them per rank (transport="auto"|"grpc"|"shm"|"tcp"),
     falling back when a fast one fails."""
 
-    def __init__(self, transport: str, channel: Channel | None, uses_tls: bool = False,
+    def __init__(self, transport: str, channel: Channel | None,
                  hedge_after: float | None = HEDGE_AFTER_S) -> None:
         self.transport = check_transport(transport)
         self.channel = channel
         self.grpc = GrpcPath(channel)  # type: ignore[arg-type]
         self.bulk = BulkPath(channel)  # type: ignore[arg-type]
         self.shm = SharedMemoryPath(channel)  # type: ignore[arg-type]
-        self.uses_tls = uses_tls
         self.host = local_host()
         self._backoff: dict[tuple[str, str], float] = {}  # (path, address) -> monotonic time it is retried
         self._unreachable: dict[int, float] = {}  # rank -> monotonic time until which its copies are read last
@@ -383,18 +382,16 @@ class PathPolicy:
         return not reason
 
     def _tcp_usable(self, rank: RankStatus) -> bool:
-        """Whether `rank` may be tried over its bulk port now (raises for transport="tcp" under TLS)."""
+        """Whether `rank` may be tried over its bulk port now (TLS or not, as its gRPC port)."""
         if self.transport == "tcp":
-            if self.uses_tls:
-                raise BulkReadError("transport='tcp' is impossible with TLS: the bulk port does not encrypt")
             return True
-        return self.transport == "auto" and not self.uses_tls and not self._backing_off("tcp", rank)
+        return self.transport == "auto" and not self._backing_off("tcp", rank)
 
     def _fall_back(self, path: str, rank: RankStatus, err: Exception) -> None:
         with self._lock:
             self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
         what = "shared-memory" if path == "shm" else "bulk TCP"
-        instead = "over gRPC" if path == "tcp" or self.uses_tls else "over the bulk port or gRPC"
+        instead = "over gRPC" if path == "tcp" else "over the bulk port or gRPC"
         log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
                     what, rank.rank, instead, RETRY_AFTER_S, err)
 

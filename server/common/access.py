@@ -9,6 +9,7 @@ Clients send ("authorization", "Bearer <token>"); coordinator and ranks send
 """
 from __future__ import annotations
 
+import contextvars
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -34,6 +35,13 @@ REFLECTION_METHOD = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionI
 COORDINATOR = "/shardserve.v1.Coordinator/"
 SHARD_SERVER = "/shardserve.v1.ShardServer/"
 BEARER, CLUSTER_SCHEME = "Bearer ", "Cluster "
+_CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("caller", default=None)
+
+
+def caller() -> Principal | None:
+    """The principal of the change this thread is serving (None outside one, or without the interceptor): what
+    the coordinator records as a tensor's owner and checks the byte quota of."""
+    return _CALLER.get()
 
 
 def _field_name(request: Any) -> str | None:
@@ -210,8 +218,20 @@ def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, metho
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
         check(request, context)
-        return unary(request, context)
-    return replace_behavior(handler, run)
+        _CALLER.set(principal)
+        try:
+            return unary(request, context)
+        finally:
+            _CALLER.set(None)
+
+    def run_streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        check(request, context)
+        _CALLER.set(principal)  # the answers are made while the stream is iterated, on this thread
+        try:
+            yield from unary(request, context)
+        finally:
+            _CALLER.set(None)
+    return replace_behavior(handler, run_streaming if handler.response_streaming else run)
 
 
 def _first_checked(requests: Iterator[Any], context: grpc.ServicerContext,

@@ -8,6 +8,7 @@ from PEM files: a server given a CA requires client certificates signed by it.
 from __future__ import annotations
 
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +76,16 @@ def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(tls.read("key"), tls.read("cert"))], root_certificates=tls.read("ca"),
         require_client_auth=tls.ca is not None)
+
+
+def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """The bulk port's TLS context from the same files as gRPC's: TLS 1.2+, and with a CA, client certificates
+    signed by it are required (mTLS), as server_credentials does."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=tls.ca)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(tls.cert, tls.key)
+    context.verify_mode = ssl.CERT_REQUIRED if tls.ca is not None else ssl.CERT_NONE
+    return context
 
 
 def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:

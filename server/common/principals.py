@@ -8,6 +8,7 @@ A tokens file is TOML, one `[[principal]]` table per principal:
     role = "write"                 # read | write | admin
     tensors = ["emb_*"]            # optional glob patterns of the tensors it may write (default: any)
     max_streams = 8                # optional: streaming calls it may hold open on one server at once
+    max_bytes = 1073741824         # optional: bytes of the tensors it may hold (replicas counted each)
 
 Tokens are never stored in the clear: a call's bearer token is hashed and looked
 up. `--token T` alone is one admin principal named "admin". The cluster
@@ -36,7 +37,7 @@ ROLE_RIGHTS = {READ: frozenset({READ}), WRITE: frozenset({READ, WRITE}), ADMIN: 
 CLUSTER_PRINCIPAL = "cluster"
 ANONYMOUS = "anonymous"
 _HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
-_PRINCIPAL_KEYS = {"name", "token_sha256", "role", "tensors", "max_streams"}
+_PRINCIPAL_KEYS = {"name", "token_sha256", "role", "tensors", "max_streams", "max_bytes"}
 
 
 def token_sha256(token: str) -> str:
@@ -46,13 +47,15 @@ def token_sha256(token: str) -> str:
 
 @dataclass(frozen=True)
 class Principal:
-    """One caller: its name, the rights its role gives, the tensor names it may write, its stream quota."""
+    """One caller: its name, the rights its role gives, the tensor names it may write, its stream quota and its
+    byte quota (the bytes of the tensors it made that the cluster may hold at once; None = no quota)."""
 
     name: str
     role: str
     rights: frozenset[str]
     tensors: tuple[str, ...] = ()
     max_streams: int | None = None
+    max_bytes: int | None = None
 
     def may(self, right: str) -> bool:
         return right in self.rights
@@ -117,7 +120,10 @@ def _parse_principal(table: Any, where: str) -> tuple[str, Principal]:
     if max_streams is not None and (not isinstance(max_streams, int) or isinstance(max_streams, bool)
                                     or max_streams < 1):
         raise ValueError(f"{where}: max_streams must be an integer >= 1")
-    return digest.lower(), Principal(name, role, ROLE_RIGHTS[role], tuple(tensors), max_streams)
+    max_bytes = table.get("max_bytes")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        raise ValueError(f"{where}: max_bytes must be an integer >= 0")
+    return digest.lower(), Principal(name, role, ROLE_RIGHTS[role], tuple(tensors), max_streams, max_bytes)
 
 
 class PrincipalBook:

@@ -38,7 +38,9 @@ from server.common.errors import (
     Unavailable,
 )
 from server.common.requests import check_name, parse_metadata
+from server.common.access import caller
 from server.coordinator.catalog import Catalog, ranks_of
+from server.coordinator.quotas import ByteQuotas
 from server.coordinator.collectives import CollectiveRunner, job_timeout
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
@@ -98,8 +100,10 @@ class CheckpointDriver:
     """LoadCheckpoint / SaveCheckpoint on the coordinator."""
 
     def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
-                 versions: VersionLifecycle, default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 versions: VersionLifecycle, default_timeout_s: float = DEFAULT_TIMEOUT_S,
+                 quotas: ByteQuotas | None = None) -> None:
         self.catalog = catalog
+        self.quotas = quotas if quotas is not None else ByteQuotas(catalog)
         self.registry = registry
         self.locks = locks
         self.collectives = collectives
@@ -173,13 +177,18 @@ class CheckpointDriver:
         yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
 
     def _record(self, layouts: dict[str, ShardedTensorMetadata]) -> list[pb.TensorInfo]:
-        """Catalog rows (PENDING) and reserved memory on the ranks for every new version."""
+        """Catalog rows (PENDING) and reserved memory on the ranks for every new version, once the caller's byte
+        quota admits them all."""
         new = []
+        principal = caller()
+        owner = principal.name if principal is not None else ""
         try:
             for name, meta in layouts.items():
                 info = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(meta),
-                                     state=pb.PENDING, nbytes=meta.nbytes, created_unix=time.time())
-                self.catalog.add(info)
+                                     state=pb.PENDING, nbytes=meta.nbytes, created_unix=time.time(), owner=owner)
+                with self.quotas.admit(principal, {n: m.shards_nbytes() for n, m in layouts.items()
+                                                   if n not in {i.name for i in new}}):
+                    self.catalog.add(info)
                 new.append(info)
                 reserve = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                    reserve_only=True)

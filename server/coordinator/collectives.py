@@ -70,11 +70,12 @@ class JobSequencer:
 class CollectiveRunner:
     """Runs one collective job on its participants and reports their summed progress."""
 
-    def __init__(self, registry: RankRegistry, next_number: Callable[[], int], store_port: int = 0) -> None:
+    def __init__(self, registry: RankRegistry, next_number: Callable[[], int], store_port: int = 0,
+                 store_host: str = "0.0.0.0") -> None:
         self.registry = registry
         self.sequencer = JobSequencer(next_number)
         self.epochs = Epochs(next_number)
-        self.rendezvous = RendezvousStore(store_port)
+        self.rendezvous = RendezvousStore(store_port, store_host)
         self._assign_lock = threading.Lock()
 
     def close(self) -> None:

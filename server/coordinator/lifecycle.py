@@ -19,6 +19,7 @@ from typing import Callable, Iterable
 import grpc
 
 from protos import shardserve_pb2 as pb
+from server.common.access import caller
 from server.common.auth import Security
 from server.common.errors import (
     Aborted,
@@ -38,6 +39,7 @@ from server.common.requests import (
     parse_metadata,
 )
 from server.coordinator.catalog import Catalog, holding_ranks, ranks_of
+from server.coordinator.quotas import ByteQuotas, held_bytes
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
 from server.coordinator.health import describe, shards_on, unavailable_shards, with_lost
@@ -60,7 +62,7 @@ class Coordinator:
 
     def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
                  dead_after: float | None = None, rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0, store_port: int = 0,
+                 pending_timeout: float = 600.0, store_port: int = 0, store_host: str = "0.0.0.0",
                  repair_after: float = DEFAULT_REPAIR_AFTER_S) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
@@ -71,9 +73,11 @@ class Coordinator:
                                      rpc_timeout)
         self.locks = NameLocks()
         self.update_slots = UpdateSlots()  # row updates of one table take turns (never abort each other)
-        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port)
+        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port, store_host)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
-        self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self)
+        self.quotas = ByteQuotas(catalog)
+        self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self,
+                                            quotas=self.quotas)
         self.repairs = RepairDriver(catalog, self.registry, self.reshards, repair_after)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         # background work that takes name locks gets its own pool, so it never starves the fan-out
@@ -133,17 +137,21 @@ class Coordinator:
                 raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
                               f"CreateTensor ran")
             options, missing, source_version = request.options, [], 0
+            principal = caller()
+            owner = principal.name if principal is not None else ""
             if request.init == pb.INIT_COPY:
                 source = self._copy_source(name, meta, request)
                 meta = parse_metadata(source.metadata)  # source_version 0: the READY version's own layout
                 options, missing, source_version = source.options, self._missing_copies(source), source.version
                 self.registry.check_placements(meta, skip=set(missing))
+                principal, owner = None, source.owner  # an update keeps the table's owner and size
             self.make_room(name, request.overwrite)
             info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
                                  metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
                                  nbytes=meta.nbytes, created_unix=time.time(), put_token=token,
-                                 lost_shards=missing)
-            self.catalog.add(info)
+                                 lost_shards=missing, owner=owner)
+            with self.quotas.admit(principal, {name: held_bytes(info)}):
+                self.catalog.add(info)
             allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
                                                 init=request.init, seed=request.seed, options=options,
                                                 source_version=source_version)

@@ -1,7 +1,9 @@
 """The coordinator's rendezvous store and epoch counter for collective jobs.
 
 The coordinator owns a torch.distributed TCPStore (is_master=True) on its own
-host; ranks learn its port in their RegisterRank answer and form each job's
+host, listening on the coordinator's --listen host only (TCPStore alone would
+listen on every interface, whatever host it is given; a socket bound here is
+handed to it instead); ranks learn its port in their RegisterRank answer and form each job's
 process group over it (a PrefixStore per (epoch, participants), see
 shardcore/epochs.py and server/rank/jobs/groups.py). Epochs come from the
 catalog's growing counter, so they only grow, also across coordinator restarts.
@@ -11,6 +13,7 @@ process holds none of the groups its peers may have cached.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from datetime import timedelta
 from typing import Callable
@@ -21,19 +24,32 @@ log = logging.getLogger(__name__)
 
 
 class RendezvousStore:
-    """A TCPStore this process hosts; `port` is the port it listens on (all interfaces)."""
+    """A TCPStore this process hosts; `port` is the port it listens on, on `host` ("0.0.0.0" or "::": every
+    interface)."""
 
     def __init__(self, port: int = 0, host: str = "0.0.0.0", timeout_s: float = 300.0) -> None:
         if not 0 <= port < 65536:
             raise ValueError(f"store port must be 0..65535, got {port}")
+        host = host.strip("[]")
+        listener = _listen(host, port)
+        bound = listener.getsockname()[1]
         self.store: dist.TCPStore | None = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            host, bound, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.detach())  # the store owns the socket from here
         self.port = self.store.port
-        log.info("rendezvous store listening on port %d", self.port)
+        log.info("rendezvous store listening on %s port %d", host, self.port)
 
     def close(self) -> None:
         """Stop listening (the server ends with its last master handle, this one)."""
         self.store = None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on `host` (every interface, IPv4 and IPv6 where the host has both, for 0.0.0.0/::)."""
+    if host in ("0.0.0.0", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=4096)
 
 
 class Epochs:

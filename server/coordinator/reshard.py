@@ -136,7 +136,7 @@ class ReshardDriver:
         self.registry.check_placements(dst)
         new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
                             options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
-                            created_unix=time.time(), promoting=True)
+                            created_unix=time.time(), promoting=True, owner=info.owner)
         total = dst.shards_nbytes()
         yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
         self.catalog.add(new)

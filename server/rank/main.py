@@ -25,7 +25,7 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.common.auth import Security, make_channel
+from server.common.auth import Security, make_channel, server_ssl_context
 from server.common.cli_args import (
     PARENT_PID_ENV,
     add_security_args,
@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--bulk-port", type=int, default=0, help="TCP port of this rank's bulk reads, on the "
                         "--listen host (0 = any free port; default %(default)s; see server/rank/reads/bulk.py)")
     parser.add_argument("--no-bulk-reads", action="store_true", help="serve no bulk port: remote clients "
-                        "read over gRPC only (always so with TLS: the bulk port does not encrypt)")
+                        "read over gRPC only (with TLS on, the bulk port speaks TLS with the same certificates)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda (= cuda:LOCAL_RANK) or cuda:K")
     parser.add_argument("--memory-limit", type=int, default=None, help="bytes of shards this rank may hold "
                         "(0 = unlimited; default: on CPU, 0.8 of the host's memory divided by LOCAL_WORLD_SIZE, "
@@ -277,13 +277,13 @@ def main(argv: Sequence[str]) -> int:
 
 
 def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:
-    """The rank's bulk port on its --listen host, or none (with the reason) when turned off or under TLS."""
+    """The rank's bulk port on its --listen host (TLS with the rank's certificates when TLS is on), or none
+    (with the reason) when turned off."""
     if args.no_bulk_reads:
         return BulkReads(store, None, off_reason="turned off (--no-bulk-reads)")
-    if security.tls is not None:
-        return BulkReads(store, None, off_reason="TLS is on and the bulk port does not encrypt")
-    reads = BulkReads(store, split_address(args.listen)[0], args.bulk_port)
-    log.info("bulk reads on port %d", reads.port)
+    tls = server_ssl_context(security.tls) if security.tls is not None else None
+    reads = BulkReads(store, split_address(args.listen)[0], args.bulk_port, tls=tls)
+    log.info("bulk reads on port %d%s", reads.port, " (TLS)" if tls is not None else "")
     return reads
 
 

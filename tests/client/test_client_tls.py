@@ -1,12 +1,10 @@
 """connect() over mutual TLS plus a token, against a real 1-rank cluster started with certificates."""
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 
 from client import AuthenticationError, RankUnavailableError, connect
-from client.paths.bulk import BulkReadError
 from protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,21 +25,22 @@ def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):
         assert torch.equal(remote[-5:, 3], source[-5:, 3])
 
 
-def test_no_bulk_port_under_tls(tls_cluster, tls_files, monkeypatch):
-    """The bulk port does not encrypt: a TLS rank serves none, auto reads large parts over gRPC, tcp is refused."""
+def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
+    """A TLS rank serves its bulk port over TLS: auto reads large parts through it, bit for bit, and so does
+    transport="tcp"; a client without TLS files cannot read from it (its gRPC is refused first)."""
     source = torch.randn(600, 700)  # 1.6 MiB: over auto's bulk threshold
     credentials = dict(token=TOKEN, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key, timeout=30)
     with connect(tls_cluster.address, **credentials) as cluster:
         remote = cluster.put("secret-large", source)
         monkeypatch.setattr(cluster.session.paths, "host", ("elsewhere", "another-boot-id"))  # no shared memory
-        assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "grpc"
+        assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "tcp"
         stub = cluster.session.channel.shard_server(cluster.session.address_of(0))
-        with pytest.raises(grpc.RpcError) as err:
-            stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TLS is on" in err.value.details()
+        session = stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=30,
+                                       metadata=(("authorization", f"Bearer {TOKEN}"),))
+        assert session.tls and session.port > 0
     with connect(tls_cluster.address, transport="tcp", **credentials) as cluster:
-        with pytest.raises(BulkReadError, match="impossible with TLS"):
-            cluster.tensor("secret-large").full_tensor()
+        remote = cluster.tensor("secret-large")
+        assert torch.equal(remote[100:500, 7:650], source[100:500, 7:650]) and remote.last_transport == "tcp"
         cluster.delete("secret-large")
 
 

@@ -377,7 +377,7 @@ def _run_now(job):  # type: ignore[no-untyped-def]
 
 def test_bulk_requests_all_go_out_before_any_answer_is_taken():
     events: list[str] = []
-    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
     sent = plane.send_all(_calls(events, {}), _run_now)
     assert events == ["send 0", "send 1"]  # nothing awaited yet
     assert sent.wait() == ["tcp", "tcp"]
@@ -387,7 +387,7 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
-    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
     with caplog.at_level(logging.WARNING, logger="client.paths.policy"):
         assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
@@ -400,7 +400,7 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     events: list[str] = []
-    plane = PathPolicy("tcp", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("tcp", channel=None)  # type: ignore[arg-type]
     with pytest.raises(BulkReadError, match="rank 0"):
         plane.send_all(_calls(events, {0: step}), _run_now).wait()
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
@@ -414,7 +414,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
         raise StaleVersionError("rank 0: ticket refused")
 
     calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
-    plane = PathPolicy("auto", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
     sent = plane.send_all(calls, _run_now)
     with pytest.raises(StaleVersionError, match="ticket refused"):
         sent.wait()
@@ -423,7 +423,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
 
 def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
-    plane = PathPolicy("grpc", channel=None, uses_tls=False)  # type: ignore[arg-type]
+    plane = PathPolicy("grpc", channel=None)  # type: ignore[arg-type]
 
     def record(n: int, cancel: object = None) -> None:
         threads[n] = threading.current_thread().name

@@ -8,8 +8,11 @@ connection to the bulk port. On it the client asks for boxes, each a
 ReadRegionRequest or LookupRequest checked as ReadRegion and LookupSmall check
 them, and receives a status header and the box's bytes or the serialized
 LookupReply (protocol in protos/shardserve.proto, BulkSession). The version
-stays leased while its bytes are sent (store.read). The port does not
-encrypt, so a rank with TLS serves none.
+stays leased while its bytes are sent (store.read). A rank with TLS serves
+the port over TLS with the same certificates (and, with a CA, requires client
+certificates as gRPC does); the handshake runs on the connection's own thread
+within TICKET_WAIT_S, so a peer that never finishes it holds no more than a
+connection slot for that long.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
@@ -62,7 +66,7 @@ MAX_CONNECTIONS = 64          # open at once, each on its own thread; more are r
 
 
 class BulkReadsOff(ServiceError):
-    """This rank serves no bulk port (turned off, or TLS on)."""
+    """This rank serves no bulk port (turned off)."""
 
     code = grpc.StatusCode.UNIMPLEMENTED
 
@@ -124,8 +128,10 @@ class Tickets:
 class BulkReads:
     """OpenBulkSession and the bulk TCP port of one rank (host None = no port: OpenBulkSession is UNIMPLEMENTED)."""
 
-    def __init__(self, store: ShardStore, host: str | None, port: int = 0, off_reason: str = "") -> None:
+    def __init__(self, store: ShardStore, host: str | None, port: int = 0, off_reason: str = "",
+                 tls: ssl.SSLContext | None = None) -> None:
         self.store = store
+        self.tls = tls
         self.lookups = LookupService(store)
         self.tickets = Tickets()
         self.off_reason = off_reason or "bulk reads are turned off (--no-bulk-reads)"
@@ -170,7 +176,8 @@ class BulkReads:
         port = self.port
         if port is None:
             raise BulkReadsOff(f"rank {self.store.rank} serves no bulk port: {self.off_reason}")
-        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer()), expires_s=self.tickets.ttl_s)
+        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer()), expires_s=self.tickets.ttl_s,
+                              tls=self.tls is not None)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -179,8 +186,9 @@ class BulkReads:
             except OSError:
                 return  # closed
             if not self._connections.acquire(blocking=False):
-                _send_error(conn, address[0], Unavailable(
-                    f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"))
+                if self.tls is None:  # a TLS client would read the plain answer as a broken handshake
+                    _send_error(conn, address[0], Unavailable(
+                        f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"))
                 conn.close()
                 continue
             with self._lock:
@@ -191,11 +199,16 @@ class BulkReads:
                 self._open.add(conn)
             self._start_thread(self._serve, (conn, address[0]), "bulk-conn")
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        """One connection: the ticket, then boxes asked for until the peer closes or idles out."""
+    def _serve(self, raw: socket.socket, peer: str) -> None:
+        """One connection: the TLS handshake when on, the ticket, then boxes asked for until the peer closes or
+        idles out."""
+        conn = raw
         try:
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = self._secure(raw, peer)
+            if conn is None:
+                return
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 try:
                     self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer)
                 except ServiceError as err:
@@ -207,9 +220,29 @@ class BulkReads:
         except OSError as err:
             log.debug("bulk connection from %s ended: %s", peer, err)
         finally:
+            raw.close()
             with self._lock:
+                self._open.discard(raw)
                 self._open.discard(conn)
             self._connections.release()
+
+    def _secure(self, raw: socket.socket, peer: str) -> socket.socket | None:
+        """`raw` itself without TLS, else the TLS socket over it once the handshake succeeded within
+        TICKET_WAIT_S (None: refused, e.g. no client certificate where mTLS is on, or a plaintext peer)."""
+        if self.tls is None:
+            return raw
+        raw.settimeout(TICKET_WAIT_S)
+        conn = self.tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
+        with self._lock:
+            self._open.discard(raw)
+            self._open.add(conn)  # close() shuts the TLS socket down (the raw one is detached now)
+        try:
+            conn.do_handshake()
+        except (ssl.SSLError, OSError) as err:
+            log.info("bulk connection from %s refused: TLS handshake failed: %s", peer, err)
+            conn.close()
+            return None
+        return conn
 
     def _answer(self, conn: socket.socket, peer: str, kind: int, message: bytes) -> None:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import socket
 from datetime import timedelta
 
 import pytest
@@ -37,3 +38,30 @@ def test_the_store_listens_and_clients_share_its_keys():
 def test_a_bad_store_port_is_refused():
     with pytest.raises(ValueError, match="store port must be 0..65535"):
         RendezvousStore(70000)
+
+
+def non_loopback_ipv4() -> str | None:
+    """An address of this host other than loopback (the one its route out uses), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_store_listens_on_its_host_only():
+    """TCPStore alone listens on every interface whatever host it is given; ours only on the coordinator's."""
+    rendezvous = RendezvousStore(0, "127.0.0.1")
+    client = dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=10),
+                           wait_for_workers=False)
+    client.set("k", "v")
+    assert rendezvous.store.get("k") == b"v"
+    outside = non_loopback_ipv4()
+    if outside is None:
+        pytest.skip("this host has no address but loopback")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((outside, rendezvous.port), timeout=10).close()
+    everywhere = RendezvousStore(0, "0.0.0.0")
+    socket.create_connection((outside, everywhere.port), timeout=10).close()
