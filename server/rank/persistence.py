@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument
+from server.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from server.rank.persist_files import (
     CorruptFile,
     LogRecord,
@@ -95,6 +95,7 @@ class _Table:
     copies: dict[int, int] = field(default_factory=dict)  # update version -> its source version
     snapshots: set[int] = field(default_factory=set)  # versions with a manifest on disk
     compacting: bool = False
+    newest_served: int = 0  # the newest update version served (what compaction snapshots)
 
 
 class Persistence:
@@ -192,7 +193,6 @@ class Persistence:
         snapshot (when it has none yet)."""
         if self.is_update(name, version):
             self._append(name, LogRecord({"kind": "promote", "version": version}), sync=True)
-            self._maybe_compact(name, meta)
             return
         self.snapshot(name, version, meta, options, shards)
 
@@ -260,32 +260,49 @@ class Persistence:
         options, shards): what compaction snapshots."""
         self._snapshot_source = source
 
-    def _maybe_compact(self, name: str, meta: ShardedTensorMetadata) -> None:
+    def served(self, name: str, version: int, meta: ShardedTensorMetadata) -> None:
+        """(name, version) is served now: compact its log in the background once it outgrew the table."""
+        if not self.is_update(name, version):
+            return
         table = self._table(name)
-        local_bytes = sum(meta.shard_nbytes(i) for i in meta.shards_on(self.rank))
+        threshold = max(sum(meta.shard_nbytes(i) for i in meta.shards_on(self.rank)), 1 << 20)
         with self._lock:
-            if table.compacting or table.log_bytes <= max(local_bytes, 1 << 20):
+            table.newest_served = max(table.newest_served, version)
+            if table.compacting or table.log_bytes <= threshold:
                 return
             table.compacting = True
-        threading.Thread(target=self._compact, args=(name,), name="persist-compact", daemon=True).start()
+        threading.Thread(target=self._compact, args=(name, threshold), name="persist-compact", daemon=True).start()
 
-    def _compact(self, name: str) -> None:
-        """Snapshot the newest promoted update version, then start the log afresh and remove older snapshots."""
+    def compacting(self, name: str) -> bool:
+        """Whether a compaction of `name`'s log is running now."""
+        with self._lock:
+            return self._table(name).compacting
+
+    def _compact(self, name: str, threshold: int) -> None:
+        """Snapshot the newest served update version, then start the log afresh and remove older snapshots;
+        again while the log is still over `threshold` (updates went on meanwhile)."""
         table = self._table(name)
+        done = 0
         try:
-            with self._lock:
-                version = max(table.copies, default=0)
-            source = self._snapshot_source
-            if not version or source is None:
-                return
-            with source(name, version) as (meta, options, shards):
-                self.snapshot(name, version, meta, options, shards)
-            self._restart_log(name, version)
-            log.info("rank %d compacted the update log of %r into version %d", self.rank, name, version)
+            while True:
+                with self._lock:
+                    version = table.newest_served
+                    if version <= done or table.log_bytes <= threshold or self._snapshot_source is None:
+                        return
+                try:
+                    with self._snapshot_source(name, version) as (meta, options, shards):
+                        self.snapshot(name, version, meta, options, shards)
+                except (FailedPrecondition, NotFound):  # replaced (or deleted) meanwhile: a newer one is served
+                    done = version
+                    continue
+                self._restart_log(name, version)
+                done = version
+                log.info("rank %d compacted the update log of %r into version %d", self.rank, name, version)
         except Exception as err:  # noqa: BLE001 - a background task must log, not vanish
             log.error("rank %d: compacting %r failed: %s", self.rank, name, err)
         finally:
-            table.compacting = False
+            with self._lock:
+                table.compacting = False
 
     def _restart_log(self, name: str, version: int) -> None:
         """Keep only the log records of versions after `version`; remove snapshots before it."""

@@ -339,6 +339,9 @@ class ShardStore:
             for shard in entry.shards.values():
                 self.blocks.publish(shard)
             self.shared.mark(entry.shards.values(), served=True)
+        if persist:
+            assert self.persistence is not None
+            self.persistence.served(name, version, entry.metadata)
         log.info("rank %d serves %r version %d", self.rank, name, version)
 
     def _promotable(self, name: str, version: int) -> StoredVersion:
