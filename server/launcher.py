@@ -111,7 +111,8 @@ class LocalCluster:
                  restart_backoff: float = 1.0, repair_after: float = 30.0,
                  version_grace: float | None = None, tokens_file: str | None = None,
                  cluster_secret_file: str | None = None,
-                 rank_limits: StreamLimitSettings = StreamLimitSettings()) -> None:
+                 rank_limits: StreamLimitSettings = StreamLimitSettings(),
+                 persist_dir: str | Path | None = None, fsync: str | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         if version_grace is not None and not 0 <= version_grace < float("inf"):
@@ -125,6 +126,8 @@ class LocalCluster:
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
         self.version_grace = version_grace  # None: the rank's default (--version-grace)
+        self.persist_dir = persist_dir  # None: memory only; else each rank persists under persist_dir/rank-N
+        self.fsync = fsync  # None: the rank's default (--fsync)
         self.max_request_bytes = max_request_bytes or 0
         self.bulk_reads = bulk_reads  # False: ranks serve no bulk TCP port (server/rank/reads/bulk.py)
         self.heartbeat_interval = heartbeat_interval
@@ -244,7 +247,7 @@ class LocalCluster:
     def _launches(self, coordinator: str) -> list[RankLaunch]:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
                                self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
-                               self.version_grace, self.rank_limits)
+                               self.version_grace, self.rank_limits, self.persist_dir, self.fsync)
         return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -296,6 +299,8 @@ def main_up(argv: Sequence[str]) -> int:
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0 = any free port)")
     add_rank_args(parser)
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks")
+    parser.add_argument("--no-persist", action="store_true", help="keep shards in memory only: a restarted "
+                        "rank or cluster comes back empty (default: persist under --persist-dir, STATE_DIR/data)")
     parser.add_argument("--demo", action="store_true", help="serve the demo table 'demo' (float32 1,000,000 x 64, "
                         "normal, seed 0, row-wise over all ranks), loaded from a DCP checkpoint written once "
                         "under the state dir")
@@ -323,7 +328,9 @@ def main_up(argv: Sequence[str]) -> int:
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
                            restart_backoff=args.restart_backoff, repair_after=args.repair_after,
                            version_grace=args.version_grace, tokens_file=args.tokens_file,
-                           cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args))
+                           cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args),
+                           persist_dir=None if args.no_persist else args.persist_dir or Path(args.state_dir) / "data",
+                           fsync=args.fsync)
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
     try:

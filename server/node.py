@@ -98,7 +98,7 @@ def main_node(argv: Sequence[str]) -> int:
         return 2
     command = rank_command(args.coordinator, args.host, args.device, args.max_request_bytes, args.log_level,
                            security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads,
-                           args.version_grace, stream_limits_from_args(args))
+                           args.version_grace, stream_limits_from_args(args), args.persist_dir, args.fsync)
     supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
                                 restart_policy_from_args(args))
     handle_stop_signals()

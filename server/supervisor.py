@@ -77,7 +77,8 @@ class RankLaunch:
 def rank_command(coordinator: str, host: str, device: str, max_request_bytes: int, log_level: str,
                  security: Security, memory_limit: int | None = None, recycle_bytes: int | None = None,
                  bulk_reads: bool = True, version_grace: float | None = None,
-                 limits: StreamLimitSettings = StreamLimitSettings()) -> list[str]:
+                 limits: StreamLimitSettings = StreamLimitSettings(), persist_dir: str | Path | None = None,
+                 fsync: str | None = None) -> list[str]:
     """`python -m server --coordinator ...`: one rank's command line (the token travels in its environment)."""
     cmd = [sys.executable, "-m", "server", "--coordinator", coordinator, "--listen", f"{host}:0",
            "--device", device, "--max-request-bytes", str(max_request_bytes), "--log-level", log_level]
@@ -89,6 +90,10 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
         cmd += ["--version-grace", repr(float(version_grace))]
     if not bulk_reads:
         cmd.append("--no-bulk-reads")
+    if persist_dir is not None:
+        cmd += ["--persist-dir", str(Path(persist_dir).resolve())]
+    if fsync is not None:
+        cmd += ["--fsync", fsync]
     cmd += stream_limit_flags(limits)
     tls = security.tls
     if tls is not None:
@@ -131,6 +136,12 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
                         "rank's, 2)")
     parser.add_argument("--no-bulk-reads", action="store_true", help="ranks serve no bulk TCP port; remote "
                         "clients read over gRPC only (always so with TLS)")
+    parser.add_argument("--persist-dir", default=None, help="directory under which each rank persists its shards "
+                        "and update log (in rank-N/) and restores them from when it starts (`up`: default "
+                        "STATE_DIR/data; `node`: default none, memory only)")
+    parser.add_argument("--fsync", choices=("always", "interval", "none"), default=None, help="when each rank "
+                        "fsyncs its update log: always (before a commit is acknowledged), interval (every 100 ms) "
+                        "or none (default: the rank's, always)")
     parser.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, help="times each rank is "
                         "restarted after its process ends, under the same rank number (0 = never; a rank out of "
                         "restarts stays dead; default %(default)s)")

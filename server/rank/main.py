@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import grpc
@@ -34,12 +35,14 @@ from server.common.cli_args import (
     security_from_args,
     stream_limits_from_args,
 )
+from server.common.errors import ServiceError
 from server.common.grpc_server import RunningServer, split_address, start_server
 from server.rank.jobs.groups import ProcessGroups
 from server.rank.malloc_tuning import tune_malloc
 from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
 from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
+from server.rank.persistence import FSYNC_INTERVAL_S, FsyncPolicy, Persistence
 from server.rank.service import ShardServerServicer, add_shard_server
 from server.rank.shared_memory import host_id
 from server.rank.store import DEFAULT_VERSION_GRACE_S, ShardStore
@@ -71,6 +74,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--version-grace", type=float, default=DEFAULT_VERSION_GRACE_S, help="seconds a "
                         "replaced version stays readable after a newer one is served, so reads in flight finish "
                         "on it (0 = drop at once; ends early when its memory is needed; default %(default)s)")
+    parser.add_argument("--persist-dir", default=None, help="directory under which this rank persists its "
+                        "shards and update log (in rank-N/, N its RANK) and restores them from when it starts "
+                        "(default: none, memory only; `up` passes STATE_DIR/data unless --no-persist)")
+    parser.add_argument("--fsync", choices=[p.value for p in FsyncPolicy], default=FsyncPolicy.ALWAYS.value,
+                        help="when the update log is fsynced: always (before a commit is acknowledged), interval "
+                        f"(every {FSYNC_INTERVAL_S * 1000:.0f} ms: a crash loses at most that window of "
+                        "acknowledged updates) or none (the kernel decides); default %(default)s")
     parser.add_argument("--dist-timeout", type=float, default=120.0, help="longest wait, in seconds, on the "
                         "coordinator's rendezvous store when a collective job forms its process group (the "
                         "job's own timeout bounds it too; default %(default)s)")
@@ -243,8 +253,14 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
+    try:
+        persistence = open_persistence(args, rank)
+    except ServiceError as err:
+        log.error("--persist-dir: %s", err.message)
+        return 2
     store = ShardStore(rank, device, memory_limit, args.max_request_bytes, recycle_bytes=args.recycle_bytes,
-                       version_grace=args.version_grace)
+                       version_grace=args.version_grace, persistence=persistence)
+    restore(store)
     try:
         bulk_reads = open_bulk_reads(args, security, store)
     except OSError as err:
@@ -273,7 +289,30 @@ def main(argv: Sequence[str]) -> int:
         log.info("rank %d stopping", rank)
     finally:
         _shutdown(link, running, bulk_reads)
+        if persistence is not None:
+            persistence.close()
     return 0
+
+
+def open_persistence(args: argparse.Namespace, rank: int) -> Persistence | None:
+    """The rank's Persistence over --persist-dir (None without one)."""
+    if not args.persist_dir:
+        return None
+    folder = Path(args.persist_dir) / f"rank-{rank}"
+    persistence = Persistence(rank, folder, FsyncPolicy(args.fsync))
+    log.info("rank %d persists to %s (--fsync %s)", rank, folder, args.fsync)
+    return persistence
+
+
+def restore(store: ShardStore) -> None:
+    """Load what the persist dir holds before registering, so the rank registers holding it."""
+    if store.persistence is None:
+        return
+    started = time.monotonic()
+    log.info("rank %d restoring from %s", store.rank, store.persistence.root)
+    restored = store.restore()
+    log.info("rank %d restored %d versions (%d bytes) in %.2fs: %s", store.rank, len(restored), store.memory_used,
+             time.monotonic() - started, restored)
 
 
 def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from protos import shardserve_pb2 as pb
@@ -35,6 +36,7 @@ from server.common.errors import (
 )
 from server.common.requests import check_init
 from server.rank.blocks import Blocks
+from server.rank.persistence import Persistence
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -136,7 +138,7 @@ class ShardStore:
                  max_request_bytes: int = 0, shared_memory: bool | None = None,
                  recycle_bytes: int = DEFAULT_RECYCLE_BYTES,
                  version_grace: float = DEFAULT_VERSION_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, persistence: Persistence | None = None) -> None:
         if not version_grace >= 0:
             raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         if memory_limit < 0:
@@ -163,6 +165,9 @@ class ShardStore:
         # copy-on-write blocks of the versions row updates make (server/rank/blocks.py), one fd each within the
         # budget shared-memory segments get too
         self.blocks = Blocks(max_files=max(1, self.shared.max_segments))
+        self.persistence = persistence  # None: memory only (server/rank/persistence.py)
+        if persistence is not None:
+            persistence.set_snapshot_source(self._served_shards)
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -238,6 +243,8 @@ class ShardStore:
                                       f"rank {self.rank} holds {sorted(expected)}")
             entry.shards = dict(shards)
             entry.complete = set(shards)
+        if self.persistence is not None:  # durable before the job reports its part done (and the catalog commits)
+            self.persistence.snapshot(name, version, entry.metadata, entry.options, entry.shards)
 
     def install(self, name: str, version: int, meta: ShardedTensorMetadata, shards: dict[int, torch.Tensor],
                 options: pb.TensorOptions | None = None) -> int:
@@ -318,20 +325,37 @@ class ShardStore:
                 self._memory_used -= entry.nbytes
 
     def promote(self, name: str, version: int) -> None:
-        """Serve (name, version) once every local shard is fully written."""
+        """Serve (name, version) once every local shard is fully written (and, with persistence, durable)."""
         with self._lock:
-            entry = self._get(name, version)
-            changing = {index for index, writes in entry.changing.items() if writes}
-            missing = sorted((set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing | entry.torn)
-            if missing:
-                raise FailedPrecondition(
-                    f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
-                    f"are not fully written")
+            entry = self._promotable(name, version)
+            persist = self.persistence is not None and entry.state is not VersionState.SERVED
+            if persist:
+                entry.leases += 1
+        if persist:
+            assert self.persistence is not None
+            with self._lease(entry):
+                self.persistence.promote(name, version, entry.metadata, entry.options, dict(entry.shards))
+        with self._lock:
+            entry = self._promotable(name, version)
             entry.state = VersionState.SERVED
             for shard in entry.shards.values():
                 self.blocks.publish(shard)
             self.shared.mark(entry.shards.values(), served=True)
+        if persist:
+            assert self.persistence is not None
+            self.persistence.served(name, version, entry.metadata)
         log.info("rank %d serves %r version %d", self.rank, name, version)
+
+    def _promotable(self, name: str, version: int) -> StoredVersion:
+        """(lock held) The held (name, version) with every local shard fully written and no change open."""
+        entry = self._get(name, version)
+        changing = {index for index, writes in entry.changing.items() if writes}
+        missing = sorted((set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing | entry.torn)
+        if missing:
+            raise FailedPrecondition(
+                f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
+                f"are not fully written")
+        return entry
 
     def _remember_dropped(self, key: tuple[str, int]) -> None:
         """Keep (name, version) as dropped (lock held), the latest DROPPED_KEPT of them, so a late allocation of
@@ -358,6 +382,8 @@ class ShardStore:
                     graced.append(key[1])
                 else:
                     self._drop_locked(entry)
+        if self.persistence is not None and (keys or version == 0):
+            self.persistence.drop(name, version)
         if keys:
             log.info("rank %d dropped %r versions %s%s", self.rank, name, [k[1] for k in keys],
                      f" (served {self.version_grace:g}s more: {graced})" if graced else "")
@@ -586,6 +612,8 @@ class ShardStore:
             if source.metadata != meta:
                 raise InvalidArgument(f"source_version {source_version} of {name!r} has another layout "
                                       f"than the new version's metadata")
+            if self.persistence is not None:
+                self.persistence.note_copy(name, version, source_version)
             shared = self._share_blocks(source)
             copied = sum(s.numel() * s.element_size() for i, s in source.shards.items() if i not in shared)
             entry = StoredVersion(name, version, meta, options or pb.TensorOptions(), copied, dict(shared))
@@ -654,6 +682,30 @@ class ShardStore:
         shard = self._local_shard(entry, shard_index)
         with self._lock:
             return self.shared.attach_header(shard, served=not entry.dropped, replaced=entry.grace_until is not None)
+
+    # ------------------------------------------------------------ persistence
+
+    def log_rows(self, name: str, version: int, shard_index: int, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Log rows about to be written to a pending update version (no-op without persistence)."""
+        if self.persistence is not None:
+            self.persistence.log_rows(name, version, shard_index, rows, values)
+
+    @contextmanager
+    def _served_shards(self, name: str, version: int) -> Iterator[tuple]:
+        with self.lease(name, version) as entry:
+            yield entry.metadata, entry.options, dict(entry.shards)
+
+    def restore(self) -> list[tuple[str, int]]:
+        """Load every version the persist dir holds as PENDING (the coordinator re-promotes those it has
+        READY); returns (name, version) of each."""
+        if self.persistence is None:
+            return []
+        restored = self.persistence.restore(lambda sizes, dtype: self.empty_shard(tuple(sizes), dtype, True)
+                                            if self.device.type == "cpu" else torch.empty(sizes, dtype=dtype),
+                                            self.device)
+        for item in restored:
+            self.install(item.name, item.version, item.metadata, item.shards, item.options)
+        return [(item.name, item.version) for item in restored]
 
     # ------------------------------------------------------------ introspection
 

@@ -162,6 +162,7 @@ class LookupService:
             values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
+        self.store.log_rows(name, version, request.shard_index, local, values)  # durable order: log, then write
         rows = torch.from_numpy(local)
         # checked above: no refusal leaves the shard torn
         with self.store.rewrite(name, version, request.shard_index, rows) as shard:

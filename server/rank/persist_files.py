@@ -1,0 +1,198 @@
+"""The files a persisting rank writes: safetensors shard files, JSON manifests and the update log.
+
+Shard files are safetensors (one tensor, "shard", per file) so any tool reads
+them (`safetensors.torch.load_file`, or by hand: an 8-byte header length, a
+JSON header, raw little-endian bytes); the header's `__metadata__` names the
+tensor, version, shard and its CRC-32. Every file is written to a temporary
+name, fsynced, renamed into place and its directory fsynced: a crash leaves
+either the old file or the new one, never half of one. The update log is a
+sequence of framed records (magic, length, CRC-32, payload); a torn tail (a
+crash in the middle of an append) ends the log, a bad record followed by more
+bytes is corruption.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import torch
+
+from server.common.errors import ResourceExhausted, Unavailable
+
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.complex64: "C64", torch.complex128: "C128",
+}
+RECORD_MAGIC = 0x5353_4C47  # "SSLG"
+_FRAME = struct.Struct("<III")  # magic, payload length, CRC-32 of the payload
+_COPY_BYTES = 8 << 20
+
+
+class CorruptFile(Exception):
+    """A persisted file that does not hold what its checksum or format says (named in the message)."""
+
+
+def disk_error(rank: int, path: Path, err: OSError) -> Exception:
+    """The service error for a failed disk write: RESOURCE_EXHAUSTED when the disk is full, else UNAVAILABLE;
+    both name the rank and the path."""
+    what = f"rank {rank} could not persist {path}: {err.strerror or err}"
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return ResourceExhausted(f"{what} (disk full); nothing was acknowledged")
+    return Unavailable(f"{what}; nothing was acknowledged")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tensor_memory(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a C-contiguous tensor (copied to the host first when on a device)."""
+    host = tensor.detach().cpu().contiguous()
+    if host.numel() == 0:
+        return memoryview(b"")
+    return memoryview(host.view(-1).view(torch.uint8).numpy())
+
+
+def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str], sync: bool) -> int:
+    """Write `tensor` as a one-tensor safetensors file at `path` (temporary name, fsync, rename); returns its
+    CRC-32, which is also in the header's __metadata__["crc32"]."""
+    data = tensor_memory(tensor)
+    crc = 0
+    for start in range(0, len(data), _COPY_BYTES):
+        crc = zlib.crc32(data[start:start + _COPY_BYTES], crc)
+    header = {"__metadata__": {**metadata, "crc32": str(crc)},
+              "shard": {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [0, len(data)]}}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for start in range(0, len(data), _COPY_BYTES):
+            f.write(data[start:start + _COPY_BYTES])
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return crc
+
+
+def read_shard_file(path: Path, into: torch.Tensor, crc: int) -> None:
+    """Read the safetensors file at `path` into the preallocated host tensor `into`, checking its shape, dtype
+    and CRC-32 against `crc` (the manifest's); CorruptFile naming the path otherwise."""
+    try:
+        with open(path, "rb") as f:
+            header = _read_header(f, path)
+            entry = header.get("shard") or {}
+            if entry.get("dtype") != SAFETENSORS_DTYPES[into.dtype] or entry.get("shape") != list(into.shape):
+                raise CorruptFile(f"{path}: holds {entry.get('dtype')} {entry.get('shape')}, expected "
+                                  f"{SAFETENSORS_DTYPES[into.dtype]} {list(into.shape)}")
+            view = tensor_memory(into) if into.numel() else memoryview(bytearray())
+            got, crc_seen = 0, 0
+            while got < len(view):
+                n = f.readinto(view[got:got + _COPY_BYTES])
+                if not n:
+                    raise CorruptFile(f"{path}: truncated: {got} of {len(view)} data bytes")
+                crc_seen = zlib.crc32(view[got:got + n], crc_seen)
+                got += n
+            if f.read(1):
+                raise CorruptFile(f"{path}: bytes past the end of the tensor")
+    except OSError as err:
+        raise CorruptFile(f"{path}: {err.strerror or err}") from None
+    if crc_seen != crc:
+        raise CorruptFile(f"{path}: checksum mismatch (CRC-32 {crc_seen:#010x}, expected {crc:#010x})")
+
+
+def _read_header(f: BinaryIO, path: Path) -> dict:
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise CorruptFile(f"{path}: truncated header")
+    (length,) = struct.unpack("<Q", raw)
+    if length > 100 << 20:
+        raise CorruptFile(f"{path}: header length {length} is not plausible")
+    try:
+        return json.loads(f.read(length))
+    except ValueError:
+        raise CorruptFile(f"{path}: header is not JSON") from None
+
+
+def write_json(path: Path, value: dict, sync: bool) -> None:
+    """Write a small JSON file atomically (temporary name, fsync, rename, fsync of the directory)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync:
+        fsync_dir(path.parent)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise CorruptFile(f"{path}: unreadable manifest: {err}") from None
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One update-log record: a JSON header and its raw bytes (row ids then row values, for "rows")."""
+
+    header: dict
+    data: bytes = b""
+
+
+def encode_record(record: LogRecord) -> bytes:
+    head = json.dumps(record.header, separators=(",", ":")).encode()
+    payload = struct.pack("<I", len(head)) + head + record.data
+    return _FRAME.pack(RECORD_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def read_log(path: Path) -> Iterator[LogRecord]:
+    """The records of the log at `path` in order; a torn last record (a crash mid-append) ends it quietly, a
+    bad record with bytes after it raises CorruptFile naming the path and offset."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise CorruptFile(f"{path}: {err.strerror or err}") from None
+    offset = 0
+    while offset < len(raw):
+        frame = raw[offset:offset + _FRAME.size]
+        bad = len(frame) < _FRAME.size
+        if not bad:
+            magic, length, crc = _FRAME.unpack(frame)
+            payload = raw[offset + _FRAME.size:offset + _FRAME.size + length]
+            bad = magic != RECORD_MAGIC or len(payload) != length or zlib.crc32(payload) != crc
+        if bad:
+            if _is_tail(raw, offset):
+                return
+            raise CorruptFile(f"{path}: bad record at byte {offset} of {len(raw)}")
+        (head_len,) = struct.unpack_from("<I", payload)
+        yield LogRecord(json.loads(payload[4:4 + head_len]), payload[4 + head_len:])
+        offset += _FRAME.size + length
+
+
+def _is_tail(raw: bytes, offset: int) -> bool:
+    """Whether a bad record at `offset` is the torn last append: no complete frame can follow it."""
+    if len(raw) - offset < _FRAME.size:
+        return True
+    magic, length, _ = _FRAME.unpack_from(raw, offset)
+    return magic == RECORD_MAGIC and offset + _FRAME.size + length > len(raw) or raw[offset:].count(
+        struct.pack("<I", RECORD_MAGIC)) <= 1

@@ -1,0 +1,451 @@
+"""A rank's persistence: its shards as safetensors files, its row updates as a per-table log, and restore.
+
+Layout under the rank's persist dir, one folder per tensor (its name quoted):
+
+    <name>/v<V>.json                  manifest of version V: metadata, options, per shard its file and CRC-32;
+                                      written last, so a version without one was never whole on disk
+    <name>/v<V>.s<I>.safetensors      local shard I of version V
+    <name>/updates.log                row updates since the newest snapshot: "copy" (V from source S),
+                                      "rows" (ids + values of V), "promote" V, "drop" V
+
+What is durable when: a snapshot (every version made by a put, reshard or
+checkpoint load) is fsynced before the rank answers PromoteVersion (or, for a
+collective job, before it reports its part done), so the coordinator commits it
+to the catalog only once every holding rank has it on disk. A row update is
+logged (its rows, not its blocks: an update of k rows writes k rows, where
+blocks would write k x 256 KiB) before WriteRows applies it; PromoteVersion
+appends "promote" and, under --fsync always, fsyncs the log before answering;
+under interval a background thread fsyncs every 100 ms; under none the kernel
+decides. Once the log holds more than a table's size in rows, the served
+version is snapshotted in the background and the log restarts.
+
+Restore (at rank start, before registering): every version with a manifest not
+dropped since, and the newest promoted update version (its snapshot ancestor
+plus the logged rows, replayed in order), is loaded as PENDING; the rank
+registers holding them and the coordinator's reconcile re-promotes the ones the
+catalog has READY and drops the rest. A shard file whose CRC-32 or size is
+wrong is named in the log and its version is not loaded: the coordinator then
+marks those copies lost and repairs them from a replica, if any.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ContextManager
+from urllib.parse import quote, unquote
+
+import numpy as np
+import torch
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from server.rank.persist_files import (
+    CorruptFile,
+    LogRecord,
+    disk_error,
+    encode_record,
+    fsync_dir,
+    read_json,
+    read_log,
+    read_shard_file,
+    tensor_memory,
+    write_json,
+    write_shard_file,
+)
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.wire import metadata_from_proto, metadata_to_proto
+
+log = logging.getLogger(__name__)
+
+FSYNC_INTERVAL_S = 0.1  # --fsync interval: the most a crash can lose of acknowledged updates
+LOG_NAME = "updates.log"
+
+
+class FsyncPolicy(enum.Enum):
+    ALWAYS = "always"
+    INTERVAL = "interval"
+    NONE = "none"
+
+
+@dataclass
+class RestoredVersion:
+    """A version read back from disk, every local shard whole, ready to install as PENDING."""
+
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    options: pb.TensorOptions
+    shards: dict[int, torch.Tensor]
+
+
+@dataclass
+class _Table:
+    """What this process knows of one tensor's folder: its log (open for appends) and the versions in it."""
+
+    path: Path
+    log_file: object = None
+    log_bytes: int = 0
+    dirty: bool = False
+    copies: dict[int, int] = field(default_factory=dict)  # update version -> its source version
+    snapshots: set[int] = field(default_factory=set)  # versions with a manifest on disk
+    compacting: bool = False
+    newest_served: int = 0  # the newest update version served (what compaction snapshots)
+
+
+class Persistence:
+    """The persist dir of one rank: writes snapshots and the update log, and restores them."""
+
+    def __init__(self, rank: int, root: str | Path, policy: FsyncPolicy = FsyncPolicy.ALWAYS,
+                 interval: float = FSYNC_INTERVAL_S) -> None:
+        self.rank = rank
+        self.root = Path(root)
+        self.policy = policy
+        self.interval = interval
+        self._lock = threading.RLock()
+        self._tables: dict[str, _Table] = {}
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._snapshot_source: Callable[[str, int], ContextManager[tuple]] | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise disk_error(rank, self.root, err) from None
+        if policy is FsyncPolicy.INTERVAL:
+            self._flusher = threading.Thread(target=self._flush_loop, name="persist-fsync", daemon=True)
+            self._flusher.start()
+
+    @property
+    def sync_snapshots(self) -> bool:
+        return self.policy is not FsyncPolicy.NONE
+
+    # ------------------------------------------------------------ tables
+
+    def _table(self, name: str) -> _Table:
+        with self._lock:
+            table = self._tables.get(name)
+            if table is None:
+                table = self._tables[name] = _Table(self.root / quote(name, safe=""))
+            return table
+
+    def _append(self, name: str, record: LogRecord, sync: bool = False) -> None:
+        """Append one record to the table's log; fsync it now when `sync` and the policy is always."""
+        table = self._table(name)
+        with self._lock:
+            try:
+                if table.log_file is None:
+                    table.path.mkdir(parents=True, exist_ok=True)
+                    table.log_file = open(table.path / LOG_NAME, "ab")
+                    table.log_bytes = table.log_file.tell()
+                encoded = encode_record(record)
+                table.log_file.write(encoded)
+                table.log_file.flush()
+                table.log_bytes += len(encoded)
+                table.dirty = True
+                if sync and self.policy is FsyncPolicy.ALWAYS:
+                    os.fsync(table.log_file.fileno())
+                    table.dirty = False
+            except OSError as err:
+                raise disk_error(self.rank, table.path / LOG_NAME, err) from None
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.flush()
+
+    def flush(self) -> None:
+        """fsync every log written since the last flush (the interval policy's thread calls this)."""
+        with self._lock:
+            dirty = [t for t in self._tables.values() if t.dirty and t.log_file is not None]
+            for table in dirty:
+                try:
+                    os.fsync(table.log_file.fileno())
+                    table.dirty = False
+                except OSError as err:
+                    log.error("rank %d: fsync of %s failed: %s", self.rank, table.path / LOG_NAME, err)
+
+    # ------------------------------------------------------------ what the store calls
+
+    def is_update(self, name: str, version: int) -> bool:
+        """Whether (name, version) is a row update's copy (persisted by the log, not by a snapshot)."""
+        with self._lock:
+            return version in self._table(name).copies
+
+    def note_copy(self, name: str, version: int, source_version: int) -> None:
+        """Log that `version` starts as a copy of `source_version` (an update's new version)."""
+        self._append(name, LogRecord({"kind": "copy", "version": version, "source": source_version}))
+        with self._lock:
+            self._table(name).copies[version] = source_version
+
+    def log_rows(self, name: str, version: int, shard_index: int, rows: np.ndarray, values: torch.Tensor) -> None:
+        """Log rows (local row indices of shard `shard_index`) and their new values before they are written."""
+        data = np.ascontiguousarray(rows, dtype="<i8").tobytes() + bytes(tensor_memory(values.contiguous()))
+        self._append(name, LogRecord({"kind": "rows", "version": version, "shard": shard_index,
+                                      "count": int(rows.size)}, data))
+
+    def promote(self, name: str, version: int, meta: ShardedTensorMetadata, options: pb.TensorOptions,
+                shards: dict[int, torch.Tensor]) -> None:
+        """Make (name, version) durable before it is served: "promote" in the log for an update, else a
+        snapshot (when it has none yet)."""
+        if self.is_update(name, version):
+            self._append(name, LogRecord({"kind": "promote", "version": version}), sync=True)
+            return
+        self.snapshot(name, version, meta, options, shards)
+
+    def snapshot(self, name: str, version: int, meta: ShardedTensorMetadata, options: pb.TensorOptions,
+                 shards: dict[int, torch.Tensor]) -> None:
+        """Write every local shard of a whole version and then its manifest (the commit point on disk)."""
+        table = self._table(name)
+        with self._lock:
+            if version in table.snapshots:
+                return
+        path = table.path
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            files = {}
+            for index, tensor in sorted(shards.items()):
+                path = table.path / f"v{version}.s{index}.safetensors"
+                crc = write_shard_file(path, tensor, {"name": name, "version": str(version),
+                                                      "shard_index": str(index), "rank": str(self.rank)},
+                                       self.sync_snapshots)
+                files[str(index)] = {"file": path.name, "crc32": crc}
+            path = table.path / f"v{version}.json"
+            write_json(path, {"name": name, "version": version, "shards": files,
+                              "metadata": metadata_to_proto(meta).SerializeToString().hex(),
+                              "options": options.SerializeToString().hex()}, self.sync_snapshots)
+        except OSError as err:
+            raise disk_error(self.rank, path, err) from None
+        with self._lock:
+            table.snapshots.add(version)
+        log.info("rank %d persisted %r version %d (%d shards) in %s", self.rank, name, version, len(shards),
+                 table.path)
+
+    def drop(self, name: str, version: int) -> None:
+        """Forget a dropped version on disk (0: the whole tensor). A snapshot an update's log still builds on
+        stays until the next compaction."""
+        table = self._table(name)
+        try:
+            if version == 0:
+                with self._lock:
+                    if table.log_file is not None:
+                        table.log_file.close()
+                    self._tables.pop(name, None)
+                shutil.rmtree(table.path, ignore_errors=True)
+                return
+            with self._lock:
+                known = version in table.snapshots or version in table.copies
+                based_on = version in table.copies.values()
+            if version in table.copies or based_on:
+                self._append(name, LogRecord({"kind": "drop", "version": version}))
+            if known and not based_on and version in table.snapshots:
+                self._remove_snapshot(table, version)
+        except OSError as err:
+            log.warning("rank %d: forgetting %r version %d on disk failed: %s", self.rank, name, version, err)
+
+    def _remove_snapshot(self, table: _Table, version: int) -> None:
+        (table.path / f"v{version}.json").unlink(missing_ok=True)
+        for path in table.path.glob(f"v{version}.s*.safetensors"):
+            path.unlink(missing_ok=True)
+        with self._lock:
+            table.snapshots.discard(version)
+
+    # ------------------------------------------------------------ compaction
+
+    def set_snapshot_source(self, source: Callable[[str, int], ContextManager[tuple]]) -> None:
+        """`source(name, version)`: a context that holds a served version (leased) and yields its (metadata,
+        options, shards): what compaction snapshots."""
+        self._snapshot_source = source
+
+    def served(self, name: str, version: int, meta: ShardedTensorMetadata) -> None:
+        """(name, version) is served now: compact its log in the background once it outgrew the table."""
+        if not self.is_update(name, version):
+            return
+        table = self._table(name)
+        threshold = max(sum(meta.shard_nbytes(i) for i in meta.shards_on(self.rank)), 1 << 20)
+        with self._lock:
+            table.newest_served = max(table.newest_served, version)
+            if table.compacting or table.log_bytes <= threshold:
+                return
+            table.compacting = True
+        threading.Thread(target=self._compact, args=(name, threshold), name="persist-compact", daemon=True).start()
+
+    def compacting(self, name: str) -> bool:
+        """Whether a compaction of `name`'s log is running now."""
+        with self._lock:
+            return self._table(name).compacting
+
+    def _compact(self, name: str, threshold: int) -> None:
+        """Snapshot the newest served update version, then start the log afresh and remove older snapshots;
+        again while the log is still over `threshold` (updates went on meanwhile)."""
+        table = self._table(name)
+        done = 0
+        try:
+            while True:
+                with self._lock:
+                    version = table.newest_served
+                    if version <= done or table.log_bytes <= threshold or self._snapshot_source is None:
+                        return
+                try:
+                    with self._snapshot_source(name, version) as (meta, options, shards):
+                        self.snapshot(name, version, meta, options, shards)
+                except (FailedPrecondition, NotFound):  # replaced (or deleted) meanwhile: a newer one is served
+                    done = version
+                    continue
+                self._restart_log(name, version)
+                done = version
+                log.info("rank %d compacted the update log of %r into version %d", self.rank, name, version)
+        except Exception as err:  # noqa: BLE001 - a background task must log, not vanish
+            log.error("rank %d: compacting %r failed: %s", self.rank, name, err)
+        finally:
+            with self._lock:
+                table.compacting = False
+
+    def _restart_log(self, name: str, version: int) -> None:
+        """Keep only the log records of versions after `version`; remove snapshots before it."""
+        table = self._table(name)
+        with self._lock:
+            path = table.path / LOG_NAME
+            if table.log_file is not None:
+                table.log_file.close()
+            kept = [r for r in read_log(path) if r.header["version"] > version]
+            tmp = path.with_name(LOG_NAME + ".tmp")
+            with open(tmp, "wb") as f:
+                for record in kept:
+                    f.write(encode_record(record))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(table.path)
+            table.log_file = open(path, "ab")
+            table.log_bytes = table.log_file.tell()
+            table.copies = {v: s for v, s in table.copies.items() if v > version}
+            for old in [v for v in table.snapshots if v < version]:
+                self._remove_snapshot(table, old)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=2.0)
+        self.flush()
+        with self._lock:
+            for table in self._tables.values():
+                if table.log_file is not None:
+                    table.log_file.close()
+                    table.log_file = None
+
+    # ------------------------------------------------------------ restore
+
+    def restore(self, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+                device: torch.device) -> list[RestoredVersion]:
+        """Every version to hold again, read from disk (`empty(sizes, dtype)` allocates each host shard); a
+        tensor whose files are corrupt is named in the log and left out."""
+        out: list[RestoredVersion] = []
+        if not self.root.is_dir():
+            return out
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            name = unquote(folder.name)
+            started = time.monotonic()
+            try:
+                versions = self._restore_table(name, folder, empty, device)
+            except CorruptFile as err:
+                log.error("rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
+                          "them from a replica, if any)", self.rank, name, err)
+                continue
+            out.extend(versions)
+            for restored in versions:
+                log.info("rank %d restored %r version %d (%d shards) from %s in %.2fs", self.rank, name,
+                         restored.version, len(restored.shards), folder, time.monotonic() - started)
+        return out
+
+    def _restore_table(self, name: str, folder: Path, empty: Callable[..., torch.Tensor],
+                       device: torch.device) -> list[RestoredVersion]:
+        table = self._table(name)
+        manifests = {int(p.stem[1:]): p for p in folder.glob("v*.json") if p.stem[1:].isdigit()}
+        copies, rows, promoted, dropped = _replay_index(read_log(folder / LOG_NAME))
+        table.snapshots = set(manifests)
+        table.copies = dict(copies)
+        wanted = [v for v in manifests if v not in dropped]
+        updates = sorted(v for v in promoted if v not in dropped and v in copies)
+        if updates:
+            wanted.append(updates[-1])
+        out = []
+        for version in sorted(set(wanted)):
+            chain = _chain(version, copies, manifests, name)
+            base = self._load_snapshot(manifests[chain[0]], empty, device)
+            for step in chain[1:]:
+                _apply_rows(base.shards, rows.get(step, []), name, step)
+            base.version = version
+            out.append(base)
+        return out
+
+    def _load_snapshot(self, manifest_path: Path, empty: Callable[..., torch.Tensor],
+                       device: torch.device) -> RestoredVersion:
+        manifest = read_json(manifest_path)
+        meta = metadata_from_proto(pb.ShardedTensorMetadata.FromString(bytes.fromhex(manifest["metadata"])))
+        options = pb.TensorOptions.FromString(bytes.fromhex(manifest["options"]))
+        expected = set(meta.shards_on(self.rank))
+        if {int(i) for i in manifest["shards"]} != expected:
+            raise CorruptFile(f"{manifest_path}: lists shards {sorted(manifest['shards'])}, this rank holds "
+                              f"{sorted(expected)}")
+        shards = {}
+        for index in sorted(expected):
+            entry = manifest["shards"][str(index)]
+            host = empty(meta.shards_metadata[index].shard_sizes, meta.dtype)
+            read_shard_file(manifest_path.parent / entry["file"], host, int(entry["crc32"]))
+            shards[index] = host if device.type == "cpu" else host.to(device)
+        return RestoredVersion(manifest["name"], int(manifest["version"]), meta, options, shards)
+
+
+def _replay_index(records: object) -> tuple[dict[int, int], dict[int, list[LogRecord]], set[int], set[int]]:
+    """The log's copies (version -> source), rows per version in order, promoted and dropped versions."""
+    copies: dict[int, int] = {}
+    rows: dict[int, list[LogRecord]] = {}
+    promoted: set[int] = set()
+    dropped: set[int] = set()
+    for record in records:  # type: ignore[attr-defined]
+        kind, version = record.header["kind"], int(record.header["version"])
+        if kind == "copy":
+            copies[version] = int(record.header["source"])
+        elif kind == "rows":
+            rows.setdefault(version, []).append(record)
+        elif kind == "promote":
+            promoted.add(version)
+        elif kind == "drop":
+            dropped.add(version)
+    return copies, rows, promoted, dropped
+
+
+def _chain(version: int, copies: dict[int, int], manifests: dict[int, Path], name: str) -> list[int]:
+    """Versions from a snapshot to `version` through the log's copies, oldest first."""
+    chain = [version]
+    while chain[-1] not in manifests:
+        source = copies.get(chain[-1])
+        if source is None or len(chain) > len(copies) + 1:
+            raise CorruptFile(f"{name!r} version {version}: no snapshot to rebuild it from (version {chain[-1]} "
+                              f"has neither a manifest nor a source in the update log)")
+        chain.append(source)
+    return chain[::-1]
+
+
+def _apply_rows(shards: dict[int, torch.Tensor], records: list[LogRecord], name: str, version: int) -> None:
+    for record in records:
+        index, count = int(record.header["shard"]), int(record.header["count"])
+        shard = shards.get(index)
+        if shard is None:
+            raise CorruptFile(f"update log of {name!r} version {version}: rows of shard {index}, not held here")
+        ids = torch.from_numpy(np.frombuffer(record.data[:8 * count], dtype="<i8").copy())
+        values = torch.frombuffer(bytearray(record.data[8 * count:]), dtype=torch.uint8)
+        if shard.dim() != 2 or values.numel() != count * shard.shape[1] * shard.element_size():
+            raise CorruptFile(f"update log of {name!r} version {version}: a rows record does not fit shard {index}")
+        shard.index_copy_(0, ids.to(shard.device), values.view(shard.dtype).view(count, -1).to(shard.device))
+
+
+def parse_policy(text: str) -> FsyncPolicy:
+    try:
+        return FsyncPolicy(text)
+    except ValueError:
+        raise InvalidArgument(f"--fsync {text!r} is not one of always, interval, none") from None
