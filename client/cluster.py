@@ -24,11 +24,12 @@ from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableEr
                            StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.ops import checkpoints
-from client.ops.snapshots import Snapshot, SnapshotSummary, get_snapshot, list_snapshots
+from client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
 from client.ops.row_updates import update_rows
 from client.paths.hedging import HEDGE_AFTER_S
 from client.paths.policy import PathPolicy, check_transport
 from client.session import Session
+from client.snapshots import Snapshot
 from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire

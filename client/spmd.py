@@ -23,7 +23,8 @@ import torch.distributed as dist
 from client import arguments
 from client.cluster import Cluster
 from client.errors import InvalidArgumentError, ShardServeError
-from client.ops.snapshots import READ_THREADS, abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
+from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
+from client.snapshots import READ_THREADS
 from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_name, dtype_to_wire

@@ -1,32 +1,23 @@
 """Snapshots of a prefix: many tensors committed in one catalog transaction, read at one snapshot.
 
-The coordinator calls a writer makes (create, commit, abort), and the reader's
-side: `Snapshot`, a committed snapshot whose tensors are proxies pinned to it,
-so a reader of a snapshot sees every tensor of that snapshot and never a mix.
-The collective put and get of SPMD jobs are in client/spmd.py.
+The coordinator calls a writer makes (create, commit, abort) and a reader makes
+(get, list). The reader's view of a snapshot is client/snapshots.py; the
+collective put and get of SPMD jobs are in client/spmd.py.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import torch
-
 from client import arguments
-from client.embedding.lookup import Lookups
 from client.errors import ShardServeError
 from client.info import TensorSummary
 from client.session import Session
-from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
-
-READ_THREADS = 8  # tensors of a snapshot read at once (each read fans out over its ranks on the client's pool)
-
 
 @dataclass(frozen=True)
 class SnapshotSummary:
@@ -46,33 +37,6 @@ class SnapshotSummary:
     def from_proto(cls, msg: pb.SnapshotInfo) -> "SnapshotSummary":
         return cls(prefix=msg.prefix, number=msg.number, created_unix=msg.created_unix, nbytes=msg.nbytes,
                    tensors={entry.key: TensorSummary.from_proto(entry.tensor) for entry in msg.entries})
-
-
-class Snapshot:
-    """One committed snapshot of a prefix, read as a whole: every tensor is a proxy pinned to this snapshot."""
-
-    def __init__(self, session: Session, lookups: Lookups, summary: SnapshotSummary) -> None:
-        self.summary = summary
-        self.tensors = {key: RemoteShardedTensor(session, lookups, s) for key, s in summary.tensors.items()}
-
-    @property
-    def number(self) -> int:
-        return self.summary.number
-
-    def __getitem__(self, key: str) -> RemoteShardedTensor:
-        return self.tensors[key]
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
-
-    def read(self) -> dict[str, torch.Tensor]:
-        """Every tensor of the snapshot, whole, as plain tensors (several read at once)."""
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-snapshot") as pool:
-            tensors = {key: pool.submit(proxy.full_tensor) for key, proxy in self.tensors.items()}
-            return {key: future.result() for key, future in tensors.items()}
-
-    def __repr__(self) -> str:
-        return f"Snapshot(prefix={self.summary.prefix!r}, number={self.number}, tensors={len(self.tensors)})"
 
 
 def create_snapshot(session: Session, prefix: str, layouts: Mapping[str, ShardedTensorMetadata],

@@ -286,3 +286,62 @@ def test_writer_killed_mid_put_leaves_nothing_visible(cluster: LocalCluster, tmp
             assert torch.equal(into[key], global_value(key, shape, dtype, 1)), key
         assert client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="killed")).snapshots[0].number \
             == first
+
+
+def test_single_process_keeps_the_newest_snapshots_and_pins_one(cluster: LocalCluster,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from client.cli.main import main as cli
+    with connect(cluster.address) as client:
+        numbers = [spmd.put_state_dict(client, {"w": torch.full((6, 2), float(v)), "opt": {"step": torch.tensor(v)}},
+                                       "solo", keep=2) for v in range(3)]
+        assert [s.number for s in client.snapshots("solo")] == numbers[1:]
+        into = {"w": torch.zeros(6, 2), "opt": {"step": torch.tensor(0)}}
+        assert spmd.get_state_dict(client, "solo", into=into, snapshot=numbers[1]) == numbers[1]
+        assert torch.equal(into["w"], torch.full((6, 2), 1.0)) and int(into["opt"]["step"]) == 1
+        with pytest.raises(spmd.SpmdError, match=f"no snapshot {numbers[0]}"):
+            spmd.get_state_dict(client, "solo", into=into, snapshot=numbers[0])
+        assert client.snapshot("solo").read()["opt.step"].item() == 2
+    assert cli(["--coordinator", cluster.address, "snapshots", "solo", "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert f"snapshot {numbers[1]}\t2 tensors" in out and f"snapshot {numbers[2]}\t2 tensors" in out
+    assert "opt.step\t()" in out and f"snapshot {numbers[0]}" not in out
+
+
+def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
+    from shardcore.specs import ChunkShardingSpec
+    full = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    with connect(cluster.address) as client:
+        spec = ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in (2, 0)])
+        spmd.put_state_dict(client, {"t": full}, "spec", spec=spec, replicas=1)
+        meta = client.snapshot("spec")["t"].metadata()
+        assert [(s.shard_offsets, s.shard_sizes, s.rank) for s in meta.shards_metadata] == \
+            [((0, 0), (5, 4), 2), ((0, 4), (5, 4), 0)]
+        spmd.put_state_dict(client, {"t": full}, "spec", replicas=2)
+        meta = client.snapshot("spec")["t"].metadata()
+        assert len(meta.shards_metadata) == 2 and len({s.rank for s in meta.shards_metadata}) == 2
+        out = {"t": torch.zeros(5, 8)}
+        spmd.get_state_dict(client, "spec", into=out)
+        assert torch.equal(out["t"], full)
+
+
+def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
+    import grpc
+    from client import InvalidArgumentError
+    with connect(cluster.address) as client:
+        with pytest.raises(spmd.SpmdError, match="'a.b' is a str"):
+            spmd.put_state_dict(client, {"a": {"b": "text"}}, "bad")
+        with pytest.raises(InvalidArgumentError, match="prefix"):
+            spmd.put_state_dict(client, {"a": torch.ones(1)}, "")
+        with pytest.raises(InvalidArgumentError, match="keep"):
+            spmd.put_state_dict(client, {"a": torch.ones(1)}, "bad", keep=0)
+        with pytest.raises(spmd.SpmdError, match="float32 in the snapshot"):
+            spmd.put_state_dict(client, {"a": torch.ones(2)}, "bad")
+            spmd.get_state_dict(client, "bad", into={"a": torch.zeros(2, dtype=torch.int64)})
+        stub = client.session
+        for method, request, code in [
+                ("CommitSnapshot", pb.CommitSnapshotRequest(prefix="bad", number=12345), grpc.StatusCode.NOT_FOUND),
+                ("GetSnapshot", pb.GetSnapshotRequest(prefix=""), grpc.StatusCode.INVALID_ARGUMENT),
+                ("CreateSnapshot", pb.CreateSnapshotRequest(prefix="bad"), grpc.StatusCode.INVALID_ARGUMENT)]:
+            with pytest.raises(Exception) as caught:
+                stub.call(method, request)
+            assert caught.value.code == code, (method, caught.value)
