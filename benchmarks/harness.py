@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 CLUSTER_START_TIMEOUT_S = 180.0
-SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda")
+SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda",
+                     "benchmarks.statedict")
 ROLES = ("subject", "baseline")
 
 
