@@ -24,10 +24,12 @@ from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableEr
                            StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
 from client.ops import checkpoints
+from client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
 from client.ops.row_updates import update_rows
 from client.paths.hedging import HEDGE_AFTER_S
 from client.paths.policy import PathPolicy, check_transport
 from client.session import Session
+from client.snapshots import Snapshot
 from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
@@ -236,6 +238,16 @@ class Cluster:
                                      dtype=dtype_to_wire(meta.dtype), nbytes=len(data))
         address = self.session.address_of(meta.shards_metadata[index].rank)
         return self.session.channel.write_shard(address, header, data, chunk_bytes)
+
+    # ------------------------------------------------------------ snapshots (client.ops.snapshots, client.spmd)
+
+    def snapshot(self, prefix: str, number: int | None = None) -> Snapshot:
+        """Committed snapshot `number` of `prefix` (None: the newest): its tensors, every one at that snapshot."""
+        return Snapshot(self.session, self.lookups, get_snapshot(self.session, prefix, number))
+
+    def snapshots(self, prefix: str) -> list[SnapshotSummary]:
+        """The kept snapshots of `prefix`, oldest first: number, tensors, bytes, age."""
+        return list_snapshots(self.session, prefix)
 
     # ------------------------------------------------------------ embedding serving (client.embedding.lookup)
 

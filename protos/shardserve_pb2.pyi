@@ -334,6 +334,90 @@ class DeleteTensorResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class SnapshotTensor(_message.Message):
+    __slots__ = ("key", "metadata")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    metadata: ShardedTensorMetadata
+    def __init__(self, key: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
+
+class CreateSnapshotRequest(_message.Message):
+    __slots__ = ("prefix", "tensors", "keep")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    tensors: _containers.RepeatedCompositeFieldContainer[SnapshotTensor]
+    keep: int
+    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ...) -> None: ...
+
+class SnapshotEntry(_message.Message):
+    __slots__ = ("key", "tensor")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    tensor: TensorInfo
+    def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    state: TensorState
+    created_unix: float
+    nbytes: int
+    keep: int
+    entries: _containers.RepeatedCompositeFieldContainer[SnapshotEntry]
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ...) -> None: ...
+
+class CommitSnapshotRequest(_message.Message):
+    __slots__ = ("prefix", "number")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+
+class AbortSnapshotRequest(_message.Message):
+    __slots__ = ("prefix", "number")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+
+class AbortSnapshotResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ("prefix", "number")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    number: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    def __init__(self, prefix: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
 class ReshardRequest(_message.Message):
     __slots__ = ("name", "metadata", "bucket_bytes", "timeout_s")
     NAME_FIELD_NUMBER: _ClassVar[int]

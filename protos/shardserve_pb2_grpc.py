@@ -101,6 +101,31 @@ class CoordinatorStub:
                 request_serializer=protos_dot_shardserve__pb2.SaveCheckpointRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.CheckpointProgress.FromString,
                 _registered_method=True)
+        self.CreateSnapshot = channel.unary_unary(
+                '/shardserve.v1.Coordinator/CreateSnapshot',
+                request_serializer=protos_dot_shardserve__pb2.CreateSnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.CommitSnapshot = channel.unary_unary(
+                '/shardserve.v1.Coordinator/CommitSnapshot',
+                request_serializer=protos_dot_shardserve__pb2.CommitSnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.AbortSnapshot = channel.unary_unary(
+                '/shardserve.v1.Coordinator/AbortSnapshot',
+                request_serializer=protos_dot_shardserve__pb2.AbortSnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.AbortSnapshotResponse.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/shardserve.v1.Coordinator/GetSnapshot',
+                request_serializer=protos_dot_shardserve__pb2.GetSnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/shardserve.v1.Coordinator/ListSnapshots',
+                request_serializer=protos_dot_shardserve__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.ListSnapshotsResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -196,6 +221,40 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSnapshot(self, request, context):
+        """Snapshots of many tensors under one prefix (state dicts of SPMD jobs, client/spmd.py). CreateSnapshot
+        records every tensor PENDING under "PREFIX@NUMBER/KEY" and allocates it; the writers fill them with
+        ShardServer.WriteShard; CommitSnapshot makes all of them READY in one catalog transaction and drops the
+        snapshots of the prefix beyond the newest `keep`. Nothing of a snapshot is visible before its commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +322,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.SaveCheckpoint,
                     request_deserializer=protos_dot_shardserve__pb2.SaveCheckpointRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.CheckpointProgress.SerializeToString,
+            ),
+            'CreateSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSnapshot,
+                    request_deserializer=protos_dot_shardserve__pb2.CreateSnapshotRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'CommitSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSnapshot,
+                    request_deserializer=protos_dot_shardserve__pb2.CommitSnapshotRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'AbortSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortSnapshot,
+                    request_deserializer=protos_dot_shardserve__pb2.AbortSnapshotRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.AbortSnapshotResponse.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=protos_dot_shardserve__pb2.GetSnapshotRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=protos_dot_shardserve__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.ListSnapshotsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +702,141 @@ class Coordinator:
             '/shardserve.v1.Coordinator/SaveCheckpoint',
             protos_dot_shardserve__pb2.SaveCheckpointRequest.SerializeToString,
             protos_dot_shardserve__pb2.CheckpointProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/CreateSnapshot',
+            protos_dot_shardserve__pb2.CreateSnapshotRequest.SerializeToString,
+            protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/CommitSnapshot',
+            protos_dot_shardserve__pb2.CommitSnapshotRequest.SerializeToString,
+            protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/AbortSnapshot',
+            protos_dot_shardserve__pb2.AbortSnapshotRequest.SerializeToString,
+            protos_dot_shardserve__pb2.AbortSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/GetSnapshot',
+            protos_dot_shardserve__pb2.GetSnapshotRequest.SerializeToString,
+            protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/ListSnapshots',
+            protos_dot_shardserve__pb2.ListSnapshotsRequest.SerializeToString,
+            protos_dot_shardserve__pb2.ListSnapshotsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from client.cli.checkpoints import add_checkpoint_commands, add_replicas_flag, run_checkpoint_command
+
+if TYPE_CHECKING:
+    from client.cluster import Cluster
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -102,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     delete = sub.add_parser("delete", help="delete a tensor and free its shards",
                             description="Delete a tensor from the catalog and free its shards on every rank.")
     delete.add_argument("name", help="tensor name")
+    snapshots = sub.add_parser("snapshots", help="list the kept snapshots of a prefix (state dicts of SPMD jobs)",
+                               description="List the kept snapshots of PREFIX, oldest first: number, tensors, bytes "
+                                           "and age; with --tensors, each tensor's key, shape and dtype too.")
+    snapshots.add_argument("prefix", help="the prefix the snapshots were put under")
+    snapshots.add_argument("--tensors", action="store_true", help="also list each snapshot's tensors")
     add_checkpoint_commands(sub)
     return parser
 
@@ -268,8 +276,22 @@ def _run(args: argparse.Namespace) -> None:
         elif args.command == "delete":
             cluster.delete(args.name)
             print(f"deleted {args.name}")
+        elif args.command == "snapshots":
+            _snapshots(cluster, args.prefix, args.tensors)
         else:
             run_checkpoint_command(cluster, args)
+
+
+def _snapshots(cluster: "Cluster", prefix: str, tensors: bool) -> None:
+    """One line per kept snapshot of `prefix` (and one per tensor with `tensors`)."""
+    kept = cluster.snapshots(prefix)
+    if not kept:
+        print(f"no snapshots of {prefix}")
+    for snapshot in kept:
+        print(f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t{snapshot.nbytes} bytes\t"
+              f"age {snapshot.age_s:.1f}s")
+        for key, t in snapshot.tensors.items() if tensors else ():
+            print(f"  {key}\t{tuple(t.shape)}\t{t.dtype}\t{t.nbytes} bytes\t{t.health}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

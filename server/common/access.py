@@ -48,6 +48,10 @@ def _field_name(request: Any) -> str | None:
     return getattr(request, "name", None)
 
 
+def _field_prefix(request: Any) -> str | None:
+    return getattr(request, "prefix", None)
+
+
 def _header_name(request: Any) -> str | None:
     header = getattr(request, "header", None)
     return header.name if header is not None and request.HasField("header") else None
@@ -76,6 +80,11 @@ ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "InspectCheckpoint": Rule(ADMIN),
     COORDINATOR + "LoadCheckpoint": Rule(ADMIN, logged=True),
     COORDINATOR + "SaveCheckpoint": Rule(ADMIN, logged=True),
+    COORDINATOR + "CreateSnapshot": Rule(WRITE, _field_prefix, logged=True),
+    COORDINATOR + "CommitSnapshot": Rule(WRITE, _field_prefix, logged=True),
+    COORDINATOR + "AbortSnapshot": Rule(WRITE, _field_prefix, logged=True),
+    COORDINATOR + "GetSnapshot": Rule(READ),
+    COORDINATOR + "ListSnapshots": Rule(READ),
     SHARD_SERVER + "AllocateShards": Rule(CLUSTER),
     SHARD_SERVER + "PromoteVersion": Rule(CLUSTER),
     SHARD_SERVER + "DropVersion": Rule(CLUSTER),

@@ -65,6 +65,22 @@ class Catalog(abc.ABC):
         ready = [info for info in self.versions(name) if info.state == pb.READY]
         return ready[-1] if ready else None
 
+    @abc.abstractmethod
+    def commit_snapshot(self, snapshot: pb.SnapshotInfo) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
+        """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
+        prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows)."""
+
+    @abc.abstractmethod
+    def snapshots(self, prefix: str) -> list[pb.SnapshotInfo]:
+        """The committed snapshots of `prefix`, oldest first."""
+
+    def snapshot(self, prefix: str, number: int = 0) -> pb.SnapshotInfo | None:
+        """Committed snapshot `number` of `prefix` (0: the newest), or None."""
+        kept = self.snapshots(prefix)
+        if number == 0:
+            return kept[-1] if kept else None
+        return next((s for s in kept if s.number == number), None)
+
     def close(self) -> None:
         """Release resources."""
 
@@ -80,6 +96,12 @@ CREATE TABLE IF NOT EXISTS tensors (
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    prefix TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    info BLOB NOT NULL,
+    PRIMARY KEY (prefix, number)
 );
 INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0);
 """
@@ -124,6 +146,25 @@ class SQLiteCatalog(Catalog):
     def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
         with self._transaction() as db:
             return [_commit_in(db, name, version) for name, version in versions]
+
+    def commit_snapshot(self, snapshot: pb.SnapshotInfo) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
+        committed = pb.SnapshotInfo()
+        committed.CopyFrom(snapshot)
+        committed.state = pb.READY
+        with self._transaction() as db:
+            for entry in committed.entries:
+                ready, _ = _commit_in(db, entry.tensor.name, entry.tensor.version)
+                entry.tensor.CopyFrom(ready)
+            db.execute("INSERT INTO snapshots (prefix, number, info) VALUES (?, ?, ?)",
+                       (committed.prefix, committed.number, committed.SerializeToString()))
+            removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
+        return committed, removed
+
+    def snapshots(self, prefix: str) -> list[pb.SnapshotInfo]:
+        with self._lock:
+            rows = self._db.execute("SELECT info FROM snapshots WHERE prefix = ? ORDER BY number",
+                                    (prefix,)).fetchall()
+        return [pb.SnapshotInfo.FromString(r[0]) for r in rows]
 
     def update(self, info: pb.TensorInfo) -> None:
         with self._transaction() as db:
@@ -181,6 +222,21 @@ def holding_ranks(info: pb.TensorInfo) -> list[int]:
     lost = set(info.lost_shards)
     return sorted({RemoteDevice(s.placement).rank() for i, s in enumerate(info.metadata.shards_metadata)
                    if i not in lost})
+
+
+def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[pb.TensorInfo]:
+    """Within an open transaction: remove the snapshots of `prefix` beyond the newest `keep` and their tensor
+    rows; return the rows removed."""
+    old = [pb.SnapshotInfo.FromString(r[0]) for r in db.execute(
+        "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?", (prefix, keep))]
+    removed = []
+    for snapshot in old:
+        for entry in snapshot.entries:
+            removed += [_parse(r[0]) for r in db.execute("SELECT info FROM tensors WHERE name = ?",
+                                                           (entry.tensor.name,))]
+            db.execute("DELETE FROM tensors WHERE name = ?", (entry.tensor.name,))
+        db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, snapshot.number))
+    return removed
 
 
 def _commit_in(db: sqlite3.Connection, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:

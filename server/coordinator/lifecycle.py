@@ -47,6 +47,7 @@ from server.coordinator.locks import NameLocks, UpdateSlots
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
+from server.coordinator.snapshots import SnapshotDriver
 from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto, metadata_to_proto
@@ -79,6 +80,7 @@ class Coordinator:
         self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self,
                                             quotas=self.quotas)
         self.repairs = RepairDriver(catalog, self.registry, self.reshards, repair_after)
+        self.snapshots = SnapshotDriver(catalog, self.registry, self.locks, self, pending_timeout)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
@@ -435,5 +437,6 @@ class Coordinator:
         self._monitor.join(timeout=5)
         self._background.shutdown(wait=False, cancel_futures=True)
         self.registry.close()
+        self.snapshots.close()
         self.collectives.close()
         self.catalog.close()

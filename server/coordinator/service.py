@@ -88,3 +88,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                      context: grpc.ServicerContext) -> pb.DeleteTensorResponse:
         self.coordinator.delete(request.name)
         return pb.DeleteTensorResponse()
+
+    @rpc_errors
+    def CreateSnapshot(self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotInfo:
+        return self.coordinator.snapshots.create(request)
+
+    @rpc_errors
+    def CommitSnapshot(self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotInfo:
+        return self.coordinator.snapshots.commit(request.prefix, request.number)
+
+    @rpc_errors
+    def AbortSnapshot(self, request: pb.AbortSnapshotRequest,
+                      context: grpc.ServicerContext) -> pb.AbortSnapshotResponse:
+        self.coordinator.snapshots.abort(request.prefix, request.number)
+        return pb.AbortSnapshotResponse()
+
+    @rpc_errors
+    def GetSnapshot(self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext) -> pb.SnapshotInfo:
+        return self.coordinator.snapshots.get(request.prefix, request.number)
+
+    @rpc_errors
+    def ListSnapshots(self, request: pb.ListSnapshotsRequest,
+                      context: grpc.ServicerContext) -> pb.ListSnapshotsResponse:
+        return pb.ListSnapshotsResponse(snapshots=self.coordinator.snapshots.list(request.prefix))

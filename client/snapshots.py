@@ -1,0 +1,45 @@
+"""Snapshot: one committed snapshot of a prefix read as a whole, every tensor a proxy pinned to it.
+
+A reader of a snapshot sees every tensor of that snapshot and never a mix: the
+tensors of a snapshot have names of their own (PREFIX@NUMBER/KEY) that no later
+put replaces; they are dropped only once `keep` newer snapshots are committed.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from client.embedding.lookup import Lookups
+from client.ops.snapshots import SnapshotSummary
+from client.session import Session
+from client.tensor import RemoteShardedTensor
+
+READ_THREADS = 8  # tensors of a snapshot read at once (each read fans out over its ranks on the client's pool)
+
+
+class Snapshot:
+    """One committed snapshot of a prefix, read as a whole: every tensor is a proxy pinned to this snapshot."""
+
+    def __init__(self, session: Session, lookups: Lookups, summary: SnapshotSummary) -> None:
+        self.summary = summary
+        self.tensors = {key: RemoteShardedTensor(session, lookups, s) for key, s in summary.tensors.items()}
+
+    @property
+    def number(self) -> int:
+        return self.summary.number
+
+    def __getitem__(self, key: str) -> RemoteShardedTensor:
+        return self.tensors[key]
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the snapshot, whole, as plain tensors (several read at once)."""
+        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-snapshot") as pool:
+            tensors = {key: pool.submit(proxy.full_tensor) for key, proxy in self.tensors.items()}
+            return {key: future.result() for key, future in tensors.items()}
+
+    def __repr__(self) -> str:
+        return f"Snapshot(prefix={self.summary.prefix!r}, number={self.number}, tensors={len(self.tensors)})"

@@ -1,0 +1,347 @@
+"""State dicts from and into SPMD jobs: every rank of a torchrun job calls put_state_dict / get_state_dict.
+
+Both are collective over the job's process group (the default one, or
+`group=`); plain single-process code is a world of one. A put writes each
+rank's own local shards straight to the shard servers (no gather, nothing
+through one process) and commits every tensor as one snapshot of the prefix;
+a get fills each rank's local shards in place with exactly its box, whatever
+the server layout, every tensor from one snapshot.
+
+    from client import connect, spmd
+    cluster = connect(address)
+    number = spmd.put_state_dict(cluster, model.state_dict(), "policy")        # on every trainer rank
+    spmd.get_state_dict(cluster, "policy", into=engine_model.state_dict())     # on every inference rank
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from client import arguments
+from client.cluster import Cluster
+from client.errors import InvalidArgumentError, ShardServeError
+from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
+from client.snapshots import READ_THREADS
+from client.tensor import RemoteShardedTensor
+from protos import shardserve_pb2 as pb
+from shardcore.dtypes import dtype_name, dtype_to_wire
+from shardcore.metadata import Box, ShardedTensorMetadata
+from shardcore.regions import local_view
+from shardcore.replicas import replicate_layout
+from shardcore.snapshots import JobTensor, balanced_layouts, flatten_state_dict, job_tensors, refine_layout, writer_of
+from shardcore.wire import metadata_from_proto, tensor_bytes
+
+DEFAULT_KEEP = 2
+GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
+
+Piece = tuple[Box, torch.Tensor]  # a box of the global tensor and the local tensor holding exactly it
+
+
+class SpmdError(ShardServeError):
+    """A put or get failed on some rank of the job; every rank raises it with the same message."""
+
+
+# ---------------------------------------------------------------- the job's group
+
+
+class _Group:
+    """The job's process group (or a world of one without torch.distributed): rank, size, object collectives."""
+
+    def __init__(self, group: Any) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if group is not None and not self.distributed:
+            raise InvalidArgumentError("group was given but torch.distributed is not initialized")
+        self.group = group
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.size = dist.get_world_size(group) if self.distributed else 1
+
+    def all_gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def broadcast(self, value: Any) -> Any:
+        """job rank 0's `value` on every rank."""
+        if not self.distributed:
+            return value
+        box = [value]
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]
+
+    def agree(self, step: Callable[[], Any], what: str) -> list[Any]:
+        """Run `step` on every rank and gather the results; every rank raises SpmdError if any rank failed."""
+        try:
+            result, error = step(), None
+        except Exception as err:  # noqa: BLE001 - every rank must reach the collective, then all raise
+            result, error = None, f"{type(err).__name__}: {err}"
+        gathered = self.all_gather((result, error))
+        _raise_first([(rank, e) for rank, (_, e) in enumerate(gathered)], what)
+        return [r for r, _ in gathered]
+
+    def from_rank0(self, step: Callable[[], Any], what: str) -> Any:
+        """`step` run on job rank 0 only, its result (or its failure) on every rank."""
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = step()
+            except Exception as err:  # noqa: BLE001 - rank 0's failure is every rank's
+                error = f"{type(err).__name__}: {err}"
+        result, error = self.broadcast((result, error))
+        _raise_first([(0, error)], what)
+        return result
+
+
+def _raise_first(errors: Sequence[tuple[int, str | None]], what: str) -> None:
+    failed = [(rank, error) for rank, error in errors if error]
+    if failed:
+        rank, error = failed[0]
+        more = f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
+        raise SpmdError(f"{what} failed on job rank {rank}{more}: {error}")
+
+
+# ---------------------------------------------------------------- what a rank holds
+
+
+def _local_pieces(value: Any, key: str, rank: int, plain_writer: int) -> tuple[tuple[int, ...] | None, list[Piece]]:
+    """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    if isinstance(value, DTensor):
+        return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
+    if isinstance(value, ShardedTensor):
+        return tuple(value.size()), [(Box(s.metadata.shard_offsets, s.metadata.shard_sizes), s.tensor)
+                                     for s in value.local_shards()]
+    if isinstance(value, LocalShardsWrapper):
+        return None, _wrapper_pieces(value)
+    if isinstance(value, torch.Tensor):
+        arguments.dense_tensor(value, key)
+        whole = Box((0,) * value.dim(), tuple(value.shape))
+        return tuple(value.shape), [(whole, value)] if rank == plain_writer else []
+    raise InvalidArgumentError(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
+                               f"ShardedTensor or LocalShardsWrapper")
+
+
+def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if value.device_mesh.get_coordinate() is None:
+        return []  # this rank is not in the tensor's mesh
+    local = value.to_local()
+    if isinstance(local, wrapper_type):
+        return _wrapper_pieces(local)
+    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return [(Box(tuple(offset), tuple(shape)), local)]
+
+
+def _wrapper_pieces(wrapper: Any) -> list[Piece]:
+    return [(Box(tuple(offset), tuple(shard.shape)), shard)
+            for shard, offset in zip(wrapper.local_shards(), wrapper.local_offsets())]
+
+
+def _report(flat: Mapping[str, Any], rank: int, plain_writer: int) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
+    """This rank's report {key: (size, dtype name, boxes)} and its pieces {key: [(box, tensor)]}."""
+    report, pieces = {}, {}
+    for key, value in flat.items():
+        size, held = _local_pieces(value, key, rank, plain_writer)
+        dtype = _dtype_of(value)
+        dtype_to_wire(dtype)
+        for box, tensor in held:
+            if tuple(tensor.shape) != box.sizes:
+                raise InvalidArgumentError(f"{key!r}: a local shard of shape {tuple(tensor.shape)} stands for a box "
+                                           f"of sizes {box.sizes}")
+        report[key] = (size, dtype_name(dtype).replace("torch.", ""), [box for box, _ in held])
+        pieces[key] = held
+    return report, pieces
+
+
+def _resolved_sizes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reports whose unknown sizes (a bare LocalShardsWrapper) are the bounding extent of every rank's boxes."""
+    for key, (size, _, _) in reports[0].items():
+        if size is None:
+            boxes = [box for report in reports for box in report[key][2]]
+            if not boxes:
+                raise InvalidArgumentError(f"{key!r}: no rank holds a shard of it, so its size is unknown")
+            extent = tuple(max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(boxes[0].ndim))
+            for report in reports:
+                report[key] = (extent, report[key][1], report[key][2])
+    return reports
+
+
+def _dtype_of(value: Any) -> torch.dtype:
+    """The element type of a tensor, DTensor, LocalShardsWrapper or ShardedTensor."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return value.metadata().tensor_properties.dtype
+
+
+# ---------------------------------------------------------------- put
+
+
+def put_state_dict(cluster: Cluster, state_dict: Mapping[str, Any], prefix: str, spec: Any = None,
+                   replicas: int = 1, keep: int = DEFAULT_KEEP, group: Any = None, plain_writer: int = 0) -> int:
+    """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
+
+    DTensors (1-D or 2-D meshes, Shard/Replicate, uneven), ShardedTensors, LocalShardsWrappers and plain
+    tensors (written once, by job rank `plain_writer`); nested dicts flatten to dotted keys. The server layout
+    is the job's own boxes placed over the live ranks, balanced by bytes; or `spec` (one spec for every tensor,
+    or {key: spec}), whose shards are cut by the job's boxes so that every rank writes only what it holds.
+    `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). Returns the snapshot
+    number. On any failure nothing is visible and every rank raises SpmdError.
+    """
+    job = _Group(group)
+    arguments.tensor_name(prefix, "prefix")
+    replicas = arguments.count(replicas, "replicas", minimum=1)
+    keep = arguments.count(keep, "keep", minimum=1)
+    plain_writer = arguments.count(plain_writer, "plain_writer")
+    if plain_writer >= job.size:
+        raise InvalidArgumentError(f"plain_writer {plain_writer} is not a rank of the job (size {job.size})")
+    if not isinstance(state_dict, Mapping):
+        raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    local: dict[str, list[Piece]] = {}
+
+    def report() -> dict[str, Any]:
+        flat = flatten_state_dict(state_dict)
+        if not flat:
+            raise InvalidArgumentError("state_dict holds no tensor")
+        mine, pieces = _report(flat, job.rank, plain_writer)
+        local.update(pieces)
+        return mine
+
+    reports = _resolved_sizes(job.agree(report, "describing the state dict"))
+    tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
+    created = job.from_rank0(lambda: _create(cluster, prefix, tensors, spec, replicas, keep).SerializeToString(),
+                             "creating the snapshot")
+    snapshot = pb.SnapshotInfo.FromString(created)
+    try:
+        job.agree(lambda: _write_mine(cluster, snapshot, tensors, local, job.rank), "writing shards")
+    except SpmdError:
+        if job.rank == 0:
+            abort_snapshot(cluster.session, prefix, snapshot.number)
+        raise
+    job.from_rank0(lambda: commit_snapshot(cluster.session, prefix, snapshot.number).number, "committing")
+    return snapshot.number
+
+
+def _create(cluster: Cluster, prefix: str, tensors: Mapping[str, JobTensor], spec: Any, replicas: int,
+            keep: int) -> pb.SnapshotInfo:
+    """Job rank 0: the server layout of every tensor, recorded as a pending snapshot."""
+    session = cluster.session
+    if spec is None:
+        live = [r for r in sorted(session.refresh_ranks(), key=lambda r: r.rank) if r.alive]
+        if not live:
+            raise InvalidArgumentError(f"no live rank is registered with the coordinator at {session.address}")
+        layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
+        if replicas > 1:
+            candidates = session.replica_candidates()
+            layouts = {key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()}
+    else:
+        layouts = {key: refine_layout(session.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t)
+                   for key, t in tensors.items()}
+    return create_snapshot(session, prefix, layouts, keep)
+
+
+def _spec_of(spec: Any, key: str) -> Any:
+    if isinstance(spec, Mapping):
+        if key not in spec:
+            raise InvalidArgumentError(f"spec has no entry for {key!r} (give one spec for all tensors, or one per key)")
+        return spec[key]
+    return spec
+
+
+def _write_mine(cluster: Cluster, snapshot: pb.SnapshotInfo, tensors: Mapping[str, JobTensor],
+                local: Mapping[str, list[Piece]], rank: int) -> int:
+    """Write every server shard whose writer is this job rank, several at once; returns the bytes written."""
+    jobs = []
+    for entry in snapshot.entries:
+        meta = metadata_from_proto(entry.tensor.metadata)
+        held = dict(local[entry.key])
+        for index, shard in enumerate(meta.shards_metadata):
+            writer, job_box = writer_of(shard.box, tensors[entry.key])
+            if writer != rank:
+                continue
+            data = local_view(held[job_box], job_box, shard.box) if not shard.box.is_empty() else \
+                torch.empty(shard.box.sizes, dtype=meta.dtype)
+            jobs.append(_shard_writer(cluster, entry.tensor, meta, index, data))
+    return sum(cluster.session.run_all(jobs)) if jobs else 0
+
+
+def _shard_writer(cluster: Cluster, info: pb.TensorInfo, meta: ShardedTensorMetadata, index: int,
+                  data: torch.Tensor) -> Callable[[], int]:
+    def write() -> int:
+        payload = tensor_bytes(data)
+        header = pb.WriteShardHeader(name=info.name, version=info.version, shard_index=index,
+                                     dtype=dtype_to_wire(meta.dtype), nbytes=len(payload))
+        address = cluster.session.address_of(meta.shards_metadata[index].rank)
+        return cluster.session.channel.write_shard(address, header, payload)
+    return write
+
+
+# ---------------------------------------------------------------- get
+
+
+def get_state_dict(cluster: Cluster, prefix: str, into: Mapping[str, Any], snapshot: int | None = None,
+                   group: Any = None) -> int:
+    """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
+
+    Each DTensor / ShardedTensor / LocalShardsWrapper gets exactly its local boxes, plain tensors the whole
+    tensor, whatever layout the snapshot was put with. `snapshot` pins one kept snapshot; without it the newest
+    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times).
+    """
+    job = _Group(group)
+    arguments.tensor_name(prefix, "prefix")
+    pinned = None if snapshot is None else arguments.count(snapshot, "snapshot", minimum=1)
+    if not isinstance(into, Mapping):
+        raise InvalidArgumentError(f"into must be a dict, got {type(into).__name__}")
+    targets: dict[str, list[Piece]] = {}
+
+    def describe() -> None:
+        for key, value in flatten_state_dict(into).items():
+            targets[key] = _local_pieces(value, key, 0, 0)[1] if not isinstance(value, torch.Tensor) or \
+                _is_distributed(value) else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
+
+    job.agree(describe, "describing the state dict")
+    for attempt in range(1, GET_ATTEMPTS + 1):
+        number = job.from_rank0(lambda: get_snapshot(cluster.session, prefix, pinned).number, "finding the snapshot")
+        try:
+            job.agree(lambda: _read_mine(cluster, prefix, number, targets), f"reading snapshot {number}")
+            return number
+        except SpmdError:
+            if pinned is not None or attempt == GET_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _is_distributed(value: torch.Tensor) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
+
+
+def _read_mine(cluster: Cluster, prefix: str, number: int, targets: Mapping[str, list[Piece]]) -> int:
+    """Read every local piece of `targets` from snapshot `number`, several tensors at once; returns bytes read."""
+    summary = get_snapshot(cluster.session, prefix, number)
+    proxies = {}
+    for key in targets:
+        if key not in summary.tensors:
+            raise InvalidArgumentError(f"{key!r} is not in snapshot {number} of {prefix!r} "
+                                       f"(it holds {len(summary.tensors)} tensors)")
+        proxies[key] = RemoteShardedTensor(cluster.session, cluster.lookups, summary.tensors[key])
+    reads = [(proxies[key], box, out) for key, pieces in targets.items() for box, out in pieces]
+    for proxy, box, out in reads:
+        if out.dtype != proxy.dtype:
+            raise InvalidArgumentError(f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`")
+    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-spmd") as pool:
+        done = [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in reads
+                if not box.is_empty()]
+        for future in done:
+            future.result()
+    return sum(out.numel() * out.element_size() for _, _, out in reads)

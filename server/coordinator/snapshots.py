@@ -1,0 +1,208 @@
+"""Snapshots: many tensors of one prefix committed in one catalog transaction (state dicts of SPMD jobs).
+
+CreateSnapshot records every tensor PENDING under "PREFIX@NUMBER/KEY" and
+allocates it on its ranks; the job's ranks write their own shards; CommitSnapshot
+promotes every tensor on its ranks, then marks all of them READY and records the
+snapshot in one transaction, which also removes the snapshots of the prefix
+beyond the newest `keep`. A snapshot never committed stays invisible: it is
+aborted by its writer, or its tensors are reaped as any pending put.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Callable, Iterable, Protocol
+
+from protos import shardserve_pb2 as pb
+from server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
+from server.common.requests import check_name, check_version, parse_metadata
+from server.coordinator.catalog import Catalog, holding_ranks
+from server.coordinator.locks import NameLocks
+from server.coordinator.registry import RankRegistry
+from shardcore.metadata import ShardedTensorMetadata
+from shardcore.wire import metadata_to_proto
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KEEP = 2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
+MAX_KEEP = 1024
+MAX_SNAPSHOT_TENSORS = 1 << 16
+_FAN_OUT = 16  # tensors allocated or promoted at once
+
+
+class Versions(Protocol):
+    """What the driver needs of the coordinator's lifecycle."""
+
+    def discard(self, info: pb.TensorInfo) -> None: ...
+
+    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None: ...
+
+    def describe(self, info: pb.TensorInfo) -> pb.TensorInfo: ...
+
+
+def snapshot_tensor_name(prefix: str, number: int, key: str) -> str:
+    """The catalog name of tensor `key` of snapshot `number` of `prefix`."""
+    return f"{prefix}@{number}/{key}"
+
+
+class SnapshotDriver:
+    """Create, commit, abort and read snapshots; pending ones are kept in memory until committed or aborted."""
+
+    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, versions: Versions,
+                 pending_timeout: float) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.locks = locks
+        self.versions = versions
+        self.pending_timeout = pending_timeout
+        self._pending: dict[tuple[str, int], pb.SnapshotInfo] = {}
+        self._guard = threading.Lock()
+        self._pool = futures.ThreadPoolExecutor(max_workers=_FAN_OUT, thread_name_prefix="coord-snapshot")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def create(self, request: pb.CreateSnapshotRequest) -> pb.SnapshotInfo:
+        """Record every tensor PENDING and allocate it on its ranks; all or none."""
+        prefix = check_name(request.prefix, "prefix")
+        keep = request.keep or DEFAULT_KEEP
+        if keep > MAX_KEEP:
+            raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
+        layouts = _checked_tensors(request.tensors)
+        for key, meta in layouts.items():
+            try:
+                self.registry.check_placements(meta)
+            except InvalidArgument as err:
+                raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
+        self._forget_stale()
+        number = self.catalog.next_version()
+        snapshot = pb.SnapshotInfo(prefix=prefix, number=number, state=pb.PENDING, created_unix=time.time(),
+                                   keep=keep, nbytes=sum(meta.nbytes for meta in layouts.values()))
+        for key, meta in layouts.items():
+            info = pb.TensorInfo(name=snapshot_tensor_name(prefix, number, key), version=self.catalog.next_version(),
+                                 metadata=metadata_to_proto(meta), state=pb.PENDING, nbytes=meta.nbytes,
+                                 created_unix=snapshot.created_unix)
+            self.catalog.add(info)
+            snapshot.entries.add(key=key, tensor=info)
+        try:
+            self._each(snapshot, self._allocate)
+        except BaseException:
+            self._discard(snapshot)
+            raise
+        with self._guard:
+            self._pending[(prefix, number)] = snapshot
+        log.info("snapshot %r %d: %d tensors, %d bytes pending", prefix, number, len(layouts), snapshot.nbytes)
+        return snapshot
+
+    def commit(self, prefix: str, number: int) -> pb.SnapshotInfo:
+        """Promote every tensor on its ranks, then commit all of them and the snapshot in one transaction."""
+        snapshot = self._take(prefix, number)
+        try:
+            with self.locks.hold(f"{prefix}@"):
+                self._each(snapshot, self._promote)
+                try:
+                    committed, removed = self.catalog.commit_snapshot(snapshot)
+                except KeyError as err:
+                    raise Aborted(f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
+                                  f"{self.pending_timeout:.0f} s?): {err}") from None
+        except BaseException:
+            self._discard(snapshot)
+            raise
+        self.versions.drop_rows(removed)
+        log.info("committed snapshot %r %d (%d tensors)%s", prefix, number, len(committed.entries),
+                 f", dropping {len(removed)} tensors of older snapshots" if removed else "")
+        return self._described(committed)
+
+    def abort(self, prefix: str, number: int) -> None:
+        """Forget a pending snapshot and free its tensors."""
+        self._discard(self._take(prefix, number))
+        log.info("aborted snapshot %r %d", prefix, number)
+
+    def get(self, prefix: str, number: int) -> pb.SnapshotInfo:
+        """Committed snapshot `number` of `prefix` (0: the newest), with each tensor's health."""
+        prefix = check_name(prefix, "prefix")
+        snapshot = self.catalog.snapshot(prefix, number)
+        if snapshot is None:
+            kept = [s.number for s in self.catalog.snapshots(prefix)]
+            which = "no snapshot" if number == 0 else f"no snapshot {number}"
+            raise NotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
+        return self._described(snapshot)
+
+    def list(self, prefix: str) -> list[pb.SnapshotInfo]:
+        """The committed snapshots of `prefix`, oldest first."""
+        return [self._described(s) for s in self.catalog.snapshots(check_name(prefix, "prefix"))]
+
+    # ------------------------------------------------------------ helpers
+
+    def _take(self, prefix: str, number: int) -> pb.SnapshotInfo:
+        prefix = check_name(prefix, "prefix")
+        number = check_version(number, "number")
+        with self._guard:
+            snapshot = self._pending.pop((prefix, number), None)
+        if snapshot is None:
+            raise NotFound(f"snapshot {prefix!r} {number} is not pending (never created, committed, aborted, "
+                           f"or the coordinator restarted)")
+        return snapshot
+
+    def _forget_stale(self) -> None:
+        """Drop pending snapshots older than the pending timeout (their writers are gone)."""
+        cutoff = time.time() - self.pending_timeout
+        with self._guard:
+            stale = [key for key, s in self._pending.items() if s.created_unix < cutoff]
+            snapshots = [self._pending.pop(key) for key in stale]
+        for snapshot in snapshots:
+            log.warning("aborting snapshot %r %d: pending for more than %.0f s", snapshot.prefix, snapshot.number,
+                        self.pending_timeout)
+            self._discard(snapshot)
+
+    def _allocate(self, info: pb.TensorInfo) -> None:
+        request = pb.AllocateShardsRequest(name=info.name, version=info.version, metadata=info.metadata,
+                                           init=pb.INIT_NONE)
+        self.registry.allocate_on(holding_ranks(info), request, f"allocate {info.name!r} version {info.version}")
+
+    def _promote(self, info: pb.TensorInfo) -> None:
+        self.registry.promote_on(holding_ranks(info), info.name, info.version,
+                                 f"promote {info.name!r} version {info.version}")
+
+    def _each(self, snapshot: pb.SnapshotInfo, step: Callable[[pb.TensorInfo], None]) -> None:
+        """step(tensor) for every tensor of the snapshot, several at once; the first failure raised."""
+        done = [self._pool.submit(step, entry.tensor) for entry in snapshot.entries]
+        for future in done:
+            future.result()
+
+    def _discard(self, snapshot: pb.SnapshotInfo) -> None:
+        """Remove every pending tensor of the snapshot from the catalog and free it on its ranks."""
+        for entry in snapshot.entries:
+            info = self.catalog.get(entry.tensor.name, entry.tensor.version)
+            if info is not None and info.state != pb.READY:
+                try:
+                    self.versions.discard(info)
+                except ServiceError as err:
+                    log.warning("discarding %r: %s", info.name, err.message)
+
+    def _described(self, snapshot: pb.SnapshotInfo) -> pb.SnapshotInfo:
+        out = pb.SnapshotInfo()
+        out.CopyFrom(snapshot)
+        for entry in out.entries:
+            entry.tensor.CopyFrom(self.versions.describe(entry.tensor))
+        return out
+
+
+def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedTensorMetadata]:
+    """{key: metadata} of the request, keys unique and non-empty, each layout valid."""
+    layouts: dict[str, ShardedTensorMetadata] = {}
+    for i, tensor in enumerate(tensors):
+        key = check_name(tensor.key, f"tensors[{i}].key")
+        if key in layouts:
+            raise InvalidArgument(f"tensors[{i}].key {key!r} appears twice")
+        try:
+            layouts[key] = parse_metadata(tensor.metadata)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"tensors[{i}] ({key!r}): {err.message}") from None
+        if len(layouts) > MAX_SNAPSHOT_TENSORS:
+            raise InvalidArgument(f"tensors: more than {MAX_SNAPSHOT_TENSORS}")
+    if not layouts:
+        raise InvalidArgument("tensors is empty: a snapshot holds at least one tensor")
+    return layouts

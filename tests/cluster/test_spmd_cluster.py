@@ -1,0 +1,347 @@
+"""State dicts of SPMD jobs (client.spmd) against a real cluster: gloo jobs of spawned processes put and get.
+
+One 4-process gloo world plays every job: the 4-process writer, and 3-, 2- and 1-process readers on groups of
+its ranks with other layouts. Every local shard is compared bit for bit with plain torch slicing of the global
+tensor. A reader loops while a writer puts, and a writer killed mid-put leaves nothing visible.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from client import connect, spmd
+from gloo_world import World
+from protos import shardserve_pb2 as pb
+from server.launcher import LocalCluster
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
+          torch.bool]
+SHAPES = [(10, 6), (7, 5), (9,), (5, 3, 2), (1, 8), (13, 4)]
+WRITER_LAYOUTS = ["s0", "s1", "rep", "m_s0_s1", "m_s0_rep", "m_rep_s1", "m_s1_s0", "sharded", "plain"]
+READER_LAYOUTS = ["s0", "s1", "rep", "plain"]
+
+
+def entries() -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
+    """~50 tensors: (dotted key, shape, dtype, writer layout), nested up to 3 levels."""
+    out = []
+    for i in range(50):
+        shape, dtype, layout = SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)], WRITER_LAYOUTS[i % len(WRITER_LAYOUTS)]
+        if layout in ("s1", "m_s0_s1", "m_rep_s1", "m_s1_s0") and len(shape) < 2:
+            layout = "s0"
+        out.append((f"block{i % 4}.layer{i}.w" if i % 3 else f"top{i}", shape, dtype, layout))
+    return out
+
+
+def global_value(key: str, shape: tuple[int, ...], dtype: torch.dtype, value: int) -> torch.Tensor:
+    """The global tensor of `key` in the snapshot carrying `value` (every element tells both)."""
+    seed = sum(map(ord, key))
+    base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 7 + seed + value * 1000
+    if dtype == torch.bool:
+        return (base + value) % 2 == 1
+    if dtype == torch.uint8:
+        return (base % 251).to(dtype)
+    return base.to(dtype) if not dtype.is_floating_point else (base.to(torch.float64) / 8).to(dtype)
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, v in flat.items():
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = v
+    return out
+
+
+def _meshes() -> dict[str, Any]:
+    """Every mesh used, made on every rank of the world (a mesh's groups are made by all ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return {"w4": DeviceMesh("cpu", [0, 1, 2, 3]), "m22": DeviceMesh("cpu", [[0, 1], [2, 3]]),
+            "r3": DeviceMesh("cpu", [0, 1, 2]), "r2": DeviceMesh("cpu", [2, 3])}
+
+
+def build(layout: str, full: torch.Tensor, meshes: dict[str, Any], mesh1: str) -> Any:
+    """`full` held in `layout`: a DTensor on a 1-D mesh `mesh1` or the 2x2 mesh, a ShardedTensor, or plain."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    placements = {"s0": [Shard(0)], "s1": [Shard(1)], "rep": [Replicate()], "m_s0_s1": [Shard(0), Shard(1)],
+                  "m_s0_rep": [Shard(0), Replicate()], "m_rep_s1": [Replicate(), Shard(1)],
+                  "m_s1_s0": [Shard(1), Shard(0)]}
+    if layout == "plain":
+        return full.clone()
+    if layout == "sharded":
+        return _sharded(full)
+    mesh = meshes["m22"] if layout.startswith("m_") else meshes[mesh1]
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements[layout])
+    local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone() if mesh.get_coordinate() is not None \
+        else torch.empty(0, dtype=full.dtype)
+    return DTensor.from_local(local, mesh, placements[layout], run_check=False, shape=full.shape,
+                              stride=full.stride())
+
+
+def _sharded(full: torch.Tensor) -> Any:
+    """A ShardedTensor of 4 row chunks (torch.chunk rule: uneven), chunk r on rank r."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+    rank, bounds, start = dist.get_rank(), [], 0
+    for chunk in torch.chunk(torch.arange(full.shape[0]), 4):
+        bounds.append((start, len(chunk)))
+        start += len(chunk)
+    bounds += [(full.shape[0], 0)] * (4 - len(bounds))
+    offset, rows = bounds[rank]
+    shards = []
+    if rows:
+        meta = ShardMetadata([offset] + [0] * (full.dim() - 1), [rows, *full.shape[1:]], f"rank:{rank}/cpu")
+        shards = [Shard(full[offset:offset + rows].clone(), meta)]
+    return init_from_local_shards(shards, *full.shape)
+
+
+def writer_state(value: int, meshes: dict[str, Any]) -> dict[str, Any]:
+    return nest({key: build(layout, global_value(key, shape, dtype, value), meshes, "w4")
+                 for key, shape, dtype, layout in entries()})
+
+
+def reader_state(layouts: list[str], mesh1: str, meshes: dict[str, Any]) -> dict[str, Any]:
+    """Zeros in another layout per key (cycling through `layouts`); 2-D meshes are not used by readers."""
+    out = {}
+    for i, (key, shape, dtype, _) in enumerate(entries()):
+        layout = layouts[i % len(layouts)]
+        if layout == "s1" and len(shape) < 2:
+            layout = "s0"
+        out[key] = build(layout, torch.zeros(shape, dtype=dtype), meshes, mesh1)
+    return nest(out)
+
+
+def mismatches(state: dict[str, Any], value: int | None) -> list[str]:
+    """Keys whose local shards differ from plain torch slicing of the global tensor (of `value`; None: of the
+    value the first element carries, the same for every key)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    flat, bad, seen = spmd.flatten_state_dict(state), [], set()
+    for key, shape, dtype, _ in entries():
+        got = flat[key]
+        if isinstance(got, DTensor):
+            if got.device_mesh.get_coordinate() is None:
+                continue
+            sizes, offsets = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
+            local = got.to_local()
+        else:
+            sizes, offsets, local = tuple(got.shape), (0,) * got.dim(), got
+        candidates = [value] if value is not None else list(range(0, 40))
+        box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+        matching = [v for v in candidates if torch.equal(global_value(key, shape, dtype, v)[box], local)]
+        if not matching:
+            bad.append(key)
+        elif value is None and dtype not in (torch.bool, torch.uint8) and local.numel():
+            seen.add(matching[0])
+    if len(seen) > 1:
+        bad.append(f"a mix of snapshots {sorted(seen)}")
+    return bad
+
+
+# ---------------------------------------------------------------- job functions (run on every world rank)
+
+
+def job_put_then_gets(rank: int, address: str) -> dict[str, Any]:
+    meshes = _meshes()
+    groups = {"r3": dist.new_group([0, 1, 2]), "r2": dist.new_group([2, 3]), "r1": dist.new_group([3])}
+    cluster = connect(address)
+    number = spmd.put_state_dict(cluster, writer_state(3, meshes), "model")
+    results = {"number": number}
+    for job, ranks, layouts in (("r3", [0, 1, 2], ["s1", "s0", "rep"]), ("r2", [2, 3], ["s0", "rep", "s1"]),
+                                ("r1", [3], ["plain"])):
+        into = reader_state(layouts, job if job != "r1" else "w4", meshes)
+        if rank in ranks:
+            got = spmd.get_state_dict(cluster, "model", into=into, group=groups[job])
+            results[job] = (got, mismatches(into, 3))
+        dist.barrier()
+    cluster.close()
+    return results
+
+
+def job_write_while_reading(rank: int, address: str, puts: int) -> list[tuple[int, list[str]]]:
+    meshes = _meshes()
+    writers, readers = dist.new_group([0, 1]), dist.new_group([2, 3])
+    from torch.distributed.device_mesh import DeviceMesh
+    pair = {"w01": DeviceMesh("cpu", [0, 1]), "r23": DeviceMesh("cpu", [2, 3]), **meshes}
+    cluster, out = connect(address), []
+
+    def put(value: int) -> int:
+        state = nest({key: build("s0" if layout != "plain" else "plain", global_value(key, shape, dtype, value),
+                                 pair, "w01") for key, shape, dtype, layout in entries()})
+        return spmd.put_state_dict(cluster, state, "loop", group=writers)
+
+    if rank in (0, 1):
+        out.append((put(9), []))
+    dist.barrier()  # readers start once a first snapshot is there, then race the writer's next ones
+    if rank in (0, 1):
+        out += [(put(value), []) for value in range(10, 10 + puts)]
+    else:
+        for _ in range(puts + 2):
+            into = reader_state(["s1", "rep"], "r23", pair)
+            number = spmd.get_state_dict(cluster, "loop", into=into, group=readers)
+            out.append((number, mismatches(into, None)))
+    cluster.close()
+    return out
+
+
+def job_put_stalled(rank: int, address: str, value: int, stall_marker: str) -> int:
+    """A 2-process put whose rank 1 stalls in its first shard write (after touching `stall_marker`)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = {"w2": DeviceMesh("cpu", [0, 1])}
+    if stall_marker and rank == 1:
+        original = spmd._shard_writer
+
+        def stalled(*args: Any) -> Callable[[], int]:
+            write = original(*args)
+
+            def run() -> int:
+                open(stall_marker, "w").close()
+                time.sleep(600)
+                return write()
+            return run
+        spmd._shard_writer = stalled
+    state = {key: build("s0" if layout != "plain" else "plain", global_value(key, shape, dtype, value), mesh, "w2")
+             for key, shape, dtype, layout in entries()[:8]}
+    with connect(address) as cluster:
+        return spmd.put_state_dict(cluster, state, "killed")
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(ranks=3)
+
+
+@pytest.fixture(scope="module")
+def world4() -> Iterator[World]:
+    world = World(4)
+    yield world
+    world.close()
+
+
+def test_four_process_put_read_by_three_two_and_one_process_jobs(cluster: LocalCluster, world4: World) -> None:
+    answers = world4.run(job_put_then_gets, cluster.address, timeout=240)
+    number = answers[0]["number"]
+    assert all(a["number"] == number for a in answers.values())
+    for rank, answer in answers.items():
+        for job in ("r3", "r2", "r1"):
+            if job in answer:
+                got, bad = answer[job]
+                assert got == number and bad == [], (rank, job, bad)
+    assert {job for a in answers.values() for job in a} == {"number", "r3", "r2", "r1"}
+    with connect(cluster.address) as client:
+        snapshot = client.snapshot("model")
+        assert snapshot.number == number and len(snapshot.keys()) == len(entries())
+        whole = snapshot.read()
+        for key, shape, dtype, _ in entries():
+            assert torch.equal(whole[key], global_value(key, shape, dtype, 3)), key
+
+
+def test_reads_while_writing_see_one_snapshot_each(cluster: LocalCluster, world4: World) -> None:
+    answers = world4.run(job_write_while_reading, cluster.address, 4, timeout=300)
+    written = {number for rank in (0, 1) for number, _ in answers[rank]}
+    assert len(written) == 5
+    for rank in (2, 3):
+        for number, bad in answers[rank]:
+            assert bad == [], (rank, number, bad)
+    with connect(cluster.address) as client:
+        kept = [s.number for s in client.snapshots("loop")]
+    assert kept == sorted(written)[-2:]  # keep=2
+
+
+def test_writer_killed_mid_put_leaves_nothing_visible(cluster: LocalCluster, tmp_path: Any) -> None:
+    world = World(2)
+    try:
+        first = world.run(job_put_stalled, cluster.address, 1, "", timeout=120)[0]
+        marker = str(tmp_path / "stalled")
+        for inbox in world.inboxes:
+            inbox.put((world._commands + 1, job_put_stalled, (cluster.address, 2, marker)))
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "the stalled put never reached its writes"
+            time.sleep(0.1)
+        for process in world.processes:
+            os.kill(process.pid, signal.SIGKILL)
+    finally:
+        world.close()
+    with connect(cluster.address) as client:
+        assert [s.number for s in client.snapshots("killed")] == [first]
+        pending = [t.name for t in client.list(include_pending=True) if t.name.startswith("killed@")
+                   and t.state == "PENDING"]
+        assert pending  # the killed put's tensors exist, unseen, until aborted or reaped
+        assert not [t.name for t in client.list() if t.name.startswith("killed@") and
+                    not t.name.startswith(f"killed@{first}/")]
+        into = {key: torch.zeros(shape, dtype=dtype) for key, shape, dtype, _ in entries()[:8]}
+        assert spmd.get_state_dict(client, "killed", into=into) == first
+        for key, shape, dtype, _ in entries()[:8]:
+            assert torch.equal(into[key], global_value(key, shape, dtype, 1)), key
+        assert client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="killed")).snapshots[0].number \
+            == first
+
+
+def test_single_process_keeps_the_newest_snapshots_and_pins_one(cluster: LocalCluster,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from client.cli.main import main as cli
+    with connect(cluster.address) as client:
+        numbers = [spmd.put_state_dict(client, {"w": torch.full((6, 2), float(v)), "opt": {"step": torch.tensor(v)}},
+                                       "solo", keep=2) for v in range(3)]
+        assert [s.number for s in client.snapshots("solo")] == numbers[1:]
+        into = {"w": torch.zeros(6, 2), "opt": {"step": torch.tensor(0)}}
+        assert spmd.get_state_dict(client, "solo", into=into, snapshot=numbers[1]) == numbers[1]
+        assert torch.equal(into["w"], torch.full((6, 2), 1.0)) and int(into["opt"]["step"]) == 1
+        with pytest.raises(spmd.SpmdError, match=f"no snapshot {numbers[0]}"):
+            spmd.get_state_dict(client, "solo", into=into, snapshot=numbers[0])
+        assert client.snapshot("solo").read()["opt.step"].item() == 2
+    assert cli(["--coordinator", cluster.address, "snapshots", "solo", "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert f"snapshot {numbers[1]}\t2 tensors" in out and f"snapshot {numbers[2]}\t2 tensors" in out
+    assert "opt.step\t()" in out and f"snapshot {numbers[0]}" not in out
+
+
+def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
+    from shardcore.specs import ChunkShardingSpec
+    full = torch.arange(40, dtype=torch.float32).reshape(5, 8)
+    with connect(cluster.address) as client:
+        spec = ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in (2, 0)])
+        spmd.put_state_dict(client, {"t": full}, "spec", spec=spec, replicas=1)
+        meta = client.snapshot("spec")["t"].metadata()
+        assert [(s.shard_offsets, s.shard_sizes, s.rank) for s in meta.shards_metadata] == \
+            [((0, 0), (5, 4), 2), ((0, 4), (5, 4), 0)]
+        spmd.put_state_dict(client, {"t": full}, "spec", replicas=2)
+        meta = client.snapshot("spec")["t"].metadata()
+        assert len(meta.shards_metadata) == 2 and len({s.rank for s in meta.shards_metadata}) == 2
+        out = {"t": torch.zeros(5, 8)}
+        spmd.get_state_dict(client, "spec", into=out)
+        assert torch.equal(out["t"], full)
+
+
+def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
+    import grpc
+    from client import InvalidArgumentError
+    with connect(cluster.address) as client:
+        with pytest.raises(spmd.SpmdError, match="'a.b' is a str"):
+            spmd.put_state_dict(client, {"a": {"b": "text"}}, "bad")
+        with pytest.raises(InvalidArgumentError, match="prefix"):
+            spmd.put_state_dict(client, {"a": torch.ones(1)}, "")
+        with pytest.raises(InvalidArgumentError, match="keep"):
+            spmd.put_state_dict(client, {"a": torch.ones(1)}, "bad", keep=0)
+        with pytest.raises(spmd.SpmdError, match="float32 in the snapshot"):
+            spmd.put_state_dict(client, {"a": torch.ones(2)}, "bad")
+            spmd.get_state_dict(client, "bad", into={"a": torch.zeros(2, dtype=torch.int64)})
+        stub = client.session
+        for method, request, code in [
+                ("CommitSnapshot", pb.CommitSnapshotRequest(prefix="bad", number=12345), grpc.StatusCode.NOT_FOUND),
+                ("GetSnapshot", pb.GetSnapshotRequest(prefix=""), grpc.StatusCode.INVALID_ARGUMENT),
+                ("CreateSnapshot", pb.CreateSnapshotRequest(prefix="bad"), grpc.StatusCode.INVALID_ARGUMENT)]:
+            with pytest.raises(Exception) as caught:
+                stub.call(method, request)
+            assert caught.value.code == code, (method, caught.value)
