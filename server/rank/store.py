@@ -21,7 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -35,6 +35,7 @@ from server.common.errors import (
 )
 from server.common.requests import check_init
 from server.rank.blocks import Blocks
+from server.rank.metrics import RankMetrics
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -161,6 +162,7 @@ class ShardStore:
         # CUDA shards are handed over as CUDA IPC handles instead (server/rank/reads/shm.py), under the same switch
         self.hands_over_by_reference = self.shared.enabled or (use_shared and self.device.type == "cuda")
         self.blocks = Blocks()  # copy-on-write blocks of the versions row updates make (server/rank/blocks.py)
+        self.metrics = RankMetrics(rank)  # records nothing until enabled (--metrics-port)
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -652,6 +654,16 @@ class ShardStore:
             return self.shared.attach_header(shard, served=not entry.dropped, replaced=entry.grace_until is not None)
 
     # ------------------------------------------------------------ introspection
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Memory and versions for the rank's gauges (server/rank/metrics.py), read at scrape time."""
+        with self._lock:
+            live = [e for e in self._versions.values() if not e.dropped]
+            states = Counter("graced" if e.grace_until is not None else e.state.value for e in live)
+            reserved = sum(e.nbytes for e in live if e.state is VersionState.PENDING)
+            pinned = sum(1 for e in self._versions.values() if e.leases > 0)
+        return {"memory_used": self._memory_used, "memory_limit": self.memory_limit, "memory_reserved": reserved,
+                "memory_recycled": self.shared.recycled.nbytes, "versions": dict(states), "pinned": pinned}
 
     def held(self) -> list[tuple[str, int, VersionState]]:
         """(name, version, state) of every version not dropped."""
