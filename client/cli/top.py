@@ -166,7 +166,7 @@ def _ranks_table(frame: Frame, table_type: Any) -> Any:
     table = table_type(title="ranks")
     for column in ("rank", "alive", "restarts", "memory used", "reserved", "recycled", "versions", "pinned",
                    "jobs"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     for r in frame.ranks:
         rank = str(r.rank)
         table.add_row(rank, "[green]yes[/green]" if r.alive else "[red]no[/red]", str(r.restarts),
@@ -182,7 +182,7 @@ def _ranks_table(frame: Frame, table_type: Any) -> Any:
 def _tensors_table(frame: Frame, moved: Samples, seconds: float, table_type: Any) -> Any:
     table = table_type(title="tensors" + (" (per second)" if seconds else " (totals)"))
     for column in ("name", "version", "state", "health", "shape", "bytes", "read bytes", "lookups", "ids"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     served = by_label(moved, "shardserve_rank_bytes_served_total", "tensor")
     lookups = by_label(moved, "shardserve_rank_lookups_total", "tensor")
     ids = by_label(moved, "shardserve_rank_lookup_ids_total", "tensor")
@@ -197,7 +197,7 @@ def _tensors_table(frame: Frame, moved: Samples, seconds: float, table_type: Any
 def _methods_table(moved: Samples, seconds: float, table_type: Any) -> Any:
     table = table_type(title="requests" + (" (per second)" if seconds else " (totals)"))
     for column in ("method", "calls", "errors", "p50 ms", "p99 ms"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     calls = by_label(moved, "shardserve_rpc_requests_total", "method")
     errors = by_label(moved, "shardserve_rpc_errors_total", "method")
     for method in sorted(calls, key=lambda m: -calls[m]):
@@ -216,7 +216,7 @@ def _methods_table(moved: Samples, seconds: float, table_type: Any) -> Any:
 def _jobs_table(frame: Frame, table_type: Any) -> Any:
     table = table_type(title="collective jobs in flight")
     for column in ("kind", "jobs", "progress"):
-        table.add_column(column)
+        table.add_column(column, no_wrap=True)
     running = by_label(frame.samples, "shardserve_coordinator_jobs_in_flight", "kind")
     done = by_label(frame.samples, "shardserve_coordinator_job_bytes_done", "kind")
     whole = by_label(frame.samples, "shardserve_coordinator_job_bytes_total", "kind")
@@ -237,7 +237,7 @@ def run_top(cluster: Any, interval: float, iterations: int = 0) -> None:
     before = take_frame(cluster)
     shown = 0
     try:
-        with Live(render(before, None), console=Console(), auto_refresh=False) as live:
+        with Live(render(before, None), console=Console(), auto_refresh=False, vertical_overflow="visible") as live:
             while iterations == 0 or shown < iterations:
                 time.sleep(interval)
                 frame = take_frame(cluster)

@@ -19,6 +19,7 @@ from prometheus_client import Counter, Histogram
 from protos import shardserve_pb2 as pb
 from server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
 
+JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
 JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
@@ -128,7 +129,7 @@ def _job_gauges(jobs: list[JobInFlight]) -> list[Gauge]:
                  ("kind",))
     total = Gauge("shardserve_coordinator_job_bytes_total", "bytes the jobs in flight move in all, by kind",
                   ("kind",))
-    for kind in sorted({job.kind for job in jobs}):
+    for kind in sorted(JOB_KINDS | {job.kind for job in jobs}):  # every kind, 0 when idle: the series exist
         mine = [job for job in jobs if job.kind == kind]
         running.add(len(mine), kind)
         done.add(sum(job.bytes_done for job in mine), kind)

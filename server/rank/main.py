@@ -282,9 +282,7 @@ def main(argv: Sequence[str]) -> int:
             store.end_graces()  # replaced versions past --version-grace
         log.info("rank %d stopping", rank)
     finally:
-        _shutdown(link, running, bulk_reads)
-        if endpoint is not None:
-            endpoint.close()
+        _shutdown(link, running, bulk_reads)  # the metrics endpoint's daemon thread ends with the process
     return 0
 
 
