@@ -61,6 +61,7 @@ class ServerMetrics:
         self.rpc_latency = Histogram("shardserve_rpc_latency_seconds", "time from a call's start to its last "
                                      "answer message, by method", ["method"], buckets=LATENCY_BUCKETS,
                                      registry=self.registry)
+        self._rpc_children: dict[str, tuple[Any, Any]] = {}  # method -> its (counter, histogram) children
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector whose values are read at scrape time (gauges of live state)."""
@@ -68,8 +69,12 @@ class ServerMetrics:
 
     def record_rpc(self, method: str, seconds: float, code: grpc.StatusCode | None) -> None:
         """One finished call of `method` (the short name) that took `seconds` and ended with `code`."""
-        self.rpc_requests.labels(method).inc()
-        self.rpc_latency.labels(method).observe(seconds)
+        children = self._rpc_children.get(method)
+        if children is None:  # labels() takes a lock and builds a key: once per method, not per call
+            children = self._rpc_children[method] = (self.rpc_requests.labels(method),
+                                                      self.rpc_latency.labels(method))
+        children[0].inc()
+        children[1].observe(seconds)
         if code is not None and code != grpc.StatusCode.OK:
             self.rpc_errors.labels(method, code.name).inc()
 

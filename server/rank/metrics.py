@@ -34,6 +34,8 @@ class RankMetrics(ServerMetrics):
         self.enabled = False
         self.jobs_running = 0
         self._jobs_lock = threading.Lock()
+        self._served: dict[tuple[str, str], Any] = {}  # (path, tensor) -> its counter child
+        self._looked_up: dict[str, tuple[Any, Any]] = {}  # tensor -> its (lookups, ids) counter children
         registry = self.registry
         self.bytes_served = Counter("shardserve_rank_bytes_served", "tensor bytes served to readers, by data path "
                                     "(grpc, bulk, shm) and tensor", ["path", "tensor"], registry=registry)
@@ -59,7 +61,10 @@ class RankMetrics(ServerMetrics):
 
     def served(self, path: str, tensor: str, nbytes: int) -> None:
         if self.enabled:
-            self.bytes_served.labels(path, self.tensor_label(tensor)).inc(nbytes)
+            child = self._served.get((path, tensor))
+            if child is None:
+                child = self._served[(path, tensor)] = self.bytes_served.labels(path, self.tensor_label(tensor))
+            child.inc(nbytes)
 
     def written(self, tensor: str, nbytes: int) -> None:
         if self.enabled:
@@ -67,9 +72,12 @@ class RankMetrics(ServerMetrics):
 
     def looked_up(self, tensor: str, ids: int) -> None:
         if self.enabled:
-            label = self.tensor_label(tensor)
-            self.lookups.labels(label).inc()
-            self.lookup_ids.labels(label).inc(ids)
+            children = self._looked_up.get(tensor)
+            if children is None:
+                label = self.tensor_label(tensor)
+                children = self._looked_up[tensor] = (self.lookups.labels(label), self.lookup_ids.labels(label))
+            children[0].inc()
+            children[1].inc(ids)
 
     def job_started(self) -> float:
         """Count a job in flight; returns its start time for job_ended."""
