@@ -1,5 +1,6 @@
 """shardserve client: connect() to a cluster, put/create tensors, read them through RemoteShardedTensor."""
 from client.cluster import Cluster, connect
+from client.counters import metrics, serve_metrics
 from client.nn import RemoteEmbedding, RemoteEmbeddingBag
 from client.errors import (AbortedError, AuthenticationError, DeadlineExceededError, InvalidArgumentError,
                            RankUnavailableError, ResourceExhaustedError, ShardServeError, ShardsLostError,
@@ -16,5 +17,5 @@ __all__ = [
     "StaleVersionError", "ResourceExhaustedError", "AuthenticationError", "RankUnavailableError",
     "DeadlineExceededError", "AbortedError", "ShardsLostError", "ReshardRefusedError", "SharedMemoryError",
     "BulkReadError",
-    "RemoteEmbedding", "RemoteEmbeddingBag",
+    "RemoteEmbedding", "RemoteEmbeddingBag", "metrics", "serve_metrics",
 ]

@@ -30,6 +30,7 @@ class RankStatus:
     host_id: str = ""            # boot id and namespaces: same hostname and host_id = same host (data plane)
     shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
     restarts: int = 0            # new processes that registered this rank number since the coordinator started
+    metrics_address: str = ""    # HOST:PORT of its Prometheus /metrics ("" when started without --metrics-port)
 
     @classmethod
     def from_proto(cls, msg: pb.RankInfo) -> "RankStatus":
@@ -37,7 +38,7 @@ class RankStatus:
                    alive=msg.alive, memory_used_bytes=msg.memory_used_bytes,
                    memory_limit_bytes=msg.memory_limit_bytes, pid=msg.pid,
                    last_heartbeat_unix=msg.last_heartbeat_unix, host_id=msg.host_id,
-                   shared_memory=msg.shared_memory, restarts=msg.restarts)
+                   shared_memory=msg.shared_memory, restarts=msg.restarts, metrics_address=msg.metrics_address)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Hashable, TypeVar
 
+from client import counters
 from client.errors import RankUnavailableError, ShardsLostError, StaleVersionError, TensorNotFoundError
 
 T = TypeVar("T")
@@ -46,6 +47,7 @@ def read_with_refresh(attempt: Callable[[], T], refresh: Callable[[], Hashable],
         except RETRYABLE as err:
             if tries >= MIN_ATTEMPTS and (not isinstance(err, StaleVersionError) or time.monotonic() >= give_up):
                 raise
+            counters.count("retries")
             versions = refresh()
             if tries > 1 and versions == seen:  # nothing newer: a version being promoted, or a real error
                 time.sleep(min(pause, max(0.0, give_up - time.monotonic())))

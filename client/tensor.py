@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from client import counters
 from client.embedding.lookup import Lookups
 from client.errors import InvalidArgumentError
 from client.health import check_readable
@@ -281,6 +282,7 @@ class RemoteShardedTensor:
                                         lambda index: self._session.other_copies(summary, index))
         if path is not None:
             self.last_transport = path
+            counters.count_read(path, box.numel() * out.element_size())
 
 
 def _unwritable(out: torch.Tensor) -> str:

@@ -125,7 +125,7 @@ class TensorOptions(_message.Message):
     def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts")
+    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,7 @@ class RankInfo(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     device: str
@@ -152,7 +153,8 @@ class RankInfo(_message.Message):
     host_id: str
     shared_memory: bool
     restarts: int
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner")
@@ -253,14 +255,16 @@ class ListRanksRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListRanksResponse(_message.Message):
-    __slots__ = ("ranks", "collectives_error", "epoch")
+    __slots__ = ("ranks", "collectives_error", "epoch", "metrics_address")
     RANKS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_ERROR_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ranks: _containers.RepeatedCompositeFieldContainer[RankInfo]
     collectives_error: str
     epoch: int
-    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
     __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token")

@@ -28,6 +28,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, TlsFiles
 from server.common.cli_args import (
     CLUSTER_SECRET_FILE,
+    add_metrics_args,
     add_security_args,
     configure_logging,
     security_from_args,
@@ -35,6 +36,7 @@ from server.common.cli_args import (
     with_state_dir_secret,
 )
 from server.common.grpc_server import RunningServer, split_address, start_server
+from server.common.metrics import serve_metrics
 from server.common.principals import ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
@@ -48,10 +50,12 @@ from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here b
     exit_reason,
     rank_command,
     rank_env,
+    rank_metrics_flags,
 )
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
     from server.coordinator.lifecycle import Coordinator
+    from server.coordinator.metrics import CoordinatorMetrics
 
 log = logging.getLogger(__name__)
 
@@ -68,15 +72,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def start_coordinator(listen: str, state_dir: str | Path, security: Security, heartbeat_interval: float = 1.0,
                       rpc_timeout: float = 60.0, pending_timeout: float = 600.0, store_port: int = 0,
-                      repair_after: float = 30.0) -> "tuple[Coordinator, RunningServer]":
+                      repair_after: float = 30.0, metrics_port: int | None = None
+                      ) -> "tuple[Coordinator, RunningServer]":
     """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
     of collective jobs on `store_port` (0 = any free port) of the `listen` host, repairing copies dead for
-    `repair_after` s."""
+    `repair_after` s; with `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
     from server.coordinator.catalog import SQLiteCatalog
     from server.coordinator.lifecycle import Coordinator
+    from server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
     from server.coordinator.service import CoordinatorServicer
 
-    coordinator = Coordinator(SQLiteCatalog(Path(state_dir) / CATALOG_FILE), security,
+    catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
+    metrics = CoordinatorMetrics() if metrics_port is not None else None
+    coordinator = Coordinator(TimedCatalog(catalog, metrics.catalog_latency) if metrics else catalog, security,
                               heartbeat_interval=heartbeat_interval, rpc_timeout=rpc_timeout,
                               pending_timeout=pending_timeout, store_port=store_port,
                               store_host=split_address(listen)[0], repair_after=repair_after)
@@ -85,11 +93,26 @@ def start_coordinator(listen: str, state_dir: str | Path, security: Security, he
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
-        running = start_server(listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS))
+        if metrics is not None:
+            serve_coordinator_metrics(coordinator, metrics, listen, metrics_port or 0)
+        running = start_server(listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), metrics)
     except Exception:
         coordinator.close()
         raise
     return coordinator, running
+
+
+def serve_coordinator_metrics(coordinator: "Coordinator", metrics: "CoordinatorMetrics", listen: str,
+                              port: int) -> None:
+    """Serve `metrics` (watching `coordinator`) on the `listen` host at `port`; ListRanks tells its address."""
+    collectives = coordinator.collectives
+    collectives.tracker.metrics = metrics
+    metrics.watch(coordinator.registry.ranks, coordinator, collectives.tracker, lambda: collectives.epochs.current)
+    host = split_address(listen)[0]
+    coordinator.metrics_endpoint = serve_metrics(metrics, host, port)
+    shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
+    coordinator.metrics_address = f"{shown}:{coordinator.metrics_endpoint.port}"
+    log.info("coordinator metrics on http://%s/metrics", coordinator.metrics_address)
 
 
 class LocalCluster:
@@ -112,7 +135,8 @@ class LocalCluster:
                  version_grace: float | None = None, tokens_file: str | None = None,
                  cluster_secret_file: str | None = None,
                  rank_limits: StreamLimitSettings = StreamLimitSettings(),
-                 persist_dir: str | Path | None = None, fsync: str | None = None) -> None:
+                 persist_dir: str | Path | None = None, fsync: str | None = None,
+                 metrics_port: int | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         if version_grace is not None and not 0 <= version_grace < float("inf"):
@@ -122,6 +146,7 @@ class LocalCluster:
         self.security = Security(token=token or None, tls=tls, principals=principals)
         self.cluster_secret_file = cluster_secret_file
         self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
+        self.metrics_port = metrics_port  # None: no metrics; P: coordinator P, rank r P+1+r; 0: any free ports
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -158,7 +183,8 @@ class LocalCluster:
             self._supervisor.spawn_all()
             self.coordinator, self._server = start_coordinator(
                 f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
-                self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after)
+                self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after,
+                metrics_port=self.metrics_port)
             self._wait_ready(timeout)
             self._supervisor.watch()
         except BaseException:
@@ -248,7 +274,8 @@ class LocalCluster:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
                                self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
                                self.version_grace, self.rank_limits, self.persist_dir, self.fsync)
-        return [RankLaunch(rank, command, rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
+        return [RankLaunch(rank, command + rank_metrics_flags(self.metrics_port, rank),
+                           rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
     def _report_exit(self, rank: int, reason: str) -> None:
@@ -330,7 +357,7 @@ def main_up(argv: Sequence[str]) -> int:
                            version_grace=args.version_grace, tokens_file=args.tokens_file,
                            cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args),
                            persist_dir=None if args.no_persist else args.persist_dir or Path(args.state_dir) / "data",
-                           fsync=args.fsync)
+                           fsync=args.fsync, metrics_port=args.metrics_port)
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
     try:
@@ -365,9 +392,12 @@ def main_coordinator(argv: Sequence[str]) -> int:
     parser.add_argument("--store-port", type=int, default=0, help="TCP port of the rendezvous store (a "
                         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
                         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
+    add_metrics_args(parser)
     _add_common_args(parser)
     args = parser.parse_args(argv)
     _check_common_args(parser, args)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
     configure_logging(args.log_level)
     try:
         security = with_state_dir_secret(security_from_args(args), args.state_dir)
@@ -378,7 +408,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
         handle_reload_signal(security.principals.reload)
     try:
         coordinator, running = start_coordinator(args.listen, args.state_dir, security, args.heartbeat_interval,
-                                                 store_port=args.store_port, repair_after=args.repair_after)
+                                                 store_port=args.store_port, repair_after=args.repair_after,
+                                                 metrics_port=args.metrics_port)
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)
         return 1

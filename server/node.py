@@ -31,6 +31,7 @@ from server.supervisor import (
     parse_rank_list,
     rank_command,
     rank_env,
+    rank_metrics_flags,
     restart_policy_from_args,
 )
 
@@ -79,7 +80,8 @@ def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
 def node_launches(args: argparse.Namespace, ranks: Sequence[int], token: str | None,
                   command: Sequence[str]) -> list[RankLaunch]:
     """One launch per rank: LOCAL_RANK is its position on this node, LOCAL_WORLD_SIZE the node's rank count."""
-    return [RankLaunch(rank, command, rank_env(rank, local, len(ranks), args.world_size, token))
+    return [RankLaunch(rank, [*command, *rank_metrics_flags(args.metrics_port, rank)],
+                       rank_env(rank, local, len(ranks), args.world_size, token))
             for local, rank in enumerate(ranks)]
 
 

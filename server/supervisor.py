@@ -105,6 +105,14 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
     return cmd
 
 
+def rank_metrics_flags(metrics_port: int | None, rank: int) -> list[str]:
+    """The --metrics-port of `rank` when its launcher was given `metrics_port`: port+1+rank (the launcher's own
+    coordinator, if any, takes `metrics_port` itself), 0 for 0 (any free port), nothing for None."""
+    if metrics_port is None:
+        return []
+    return ["--metrics-port", str(metrics_port + 1 + rank if metrics_port else 0)]
+
+
 def rank_env(rank: int, local_rank: int, local_world_size: int, world_size: int, token: str | None,
              node_rank: int = 0) -> dict[str, str]:
     """torchrun's variables but MASTER_ADDR/PORT (ranks form their groups over the coordinator's store), and the
@@ -149,12 +157,15 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
                         "before restarting a rank that exited, doubled for each further restart up to "
                         f"{RestartPolicy.max_backoff:.0f} s and reset once a rank stayed up "
                         f"{RestartPolicy.stable_after:.0f} s (default %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics: the coordinator "
+                        "(under `up`) on this port, rank r on port+1+r (0 = any free port each; default: off; "
+                        "`shardserve status` lists the addresses)")
     add_stream_limit_args(parser)
 
 
 def check_rank_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors (exit 2) naming the flag of add_rank_args that is out of range."""
-    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "max_restarts"):
+    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "max_restarts", "metrics_port"):
         if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if not 0 <= args.restart_backoff < math.inf:

@@ -59,9 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _SERVER_COMMANDS.items():
         sub.add_parser(name, help=text, description=text, add_help=False)
-    sub.add_parser("status", help="table of ranks (address, device, pid, restarts, alive, memory) and tensors",
-                   description="Show every rank (address, device, pid, restarts, alive, memory) and every tensor "
-                               "(version, health, replicas, shape, dtype, layout, bytes).")
+    sub.add_parser("status", help="table of ranks (address, device, pid, restarts, alive, memory, metrics) and "
+                   "tensors", description="Show every rank (address, device, pid, restarts, alive, memory, metrics "
+                   "address) and every tensor (version, health, replicas, shape, dtype, layout, bytes), and the "
+                   "coordinator's metrics address.")
+    top = sub.add_parser("top", help="live view of ranks, tensors, request rates, p50/p99 and jobs (metrics)",
+                         description="A refreshing view, from the processes' Prometheus metrics (start the "
+                                     "cluster with --metrics-port): ranks, tensors, requests per second, p50/p99 "
+                                     "latency per method, bytes per data path and collective jobs in flight. "
+                                     "Ctrl-C quits.")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0 = until Ctrl-C)")
     sub.add_parser("list", help="print the READY tensors, one per line",
                    description="Print the READY tensors, one per line: name, version, shape, dtype, replicas "
                                "(copies of each box), health.")
@@ -155,12 +163,13 @@ def _status(cluster) -> None:
     from shardcore.dtypes import dtype_name
 
     ranks = Table(title=f"ranks of {cluster.address}")
-    for column in ("rank", "address", "device", "host", "pid", "restarts", "alive", "memory used", "memory limit"):
+    for column in ("rank", "address", "device", "host", "pid", "restarts", "alive", "memory used", "memory limit",
+                   "metrics"):
         ranks.add_column(column)
     for r in cluster.ranks():
         ranks.add_row(str(r.rank), r.address, r.device, r.hostname, str(r.pid), str(r.restarts),
                       "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
-                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-")
+                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-", r.metrics_address or "-")
     tensors = Table(title="tensors")
     for column in ("name", "version", "state", "health", "replicas", "shape", "dtype", "layout", "bytes"):
         tensors.add_column(column)
@@ -179,8 +188,9 @@ def _print_epoch(cluster, console) -> None:
     """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
     from protos import shardserve_pb2 as pb
 
-    epoch = cluster.session.call("ListRanks", pb.ListRanksRequest()).epoch
-    console.print(f"collective jobs: epoch {epoch}")
+    answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
+    console.print(f"collective jobs: epoch {answer.epoch}")
+    console.print(f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}")
 
 
 def _fetch(cluster, args: argparse.Namespace) -> None:
@@ -231,6 +241,8 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     from client.errors import InvalidArgumentError
     from client.ops.reshard import check_layout_flags
 
+    if args.command == "top" and (not args.interval > 0 or args.iterations < 0):
+        parser.error("top: --interval must be > 0 seconds and --iterations >= 0")
     if args.coordinator:
         try:
             check_address(args.coordinator, "--coordinator")
@@ -271,6 +283,9 @@ def _run(args: argparse.Namespace) -> None:
             print(f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}")
         elif args.command == "fetch":
             _fetch(cluster, args)
+        elif args.command == "top":
+            from client.cli.top import run_top
+            run_top(cluster, args.interval, args.iterations)
         elif args.command == "reshard":
             _reshard(cluster, args)
         elif args.command == "delete":

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 import numpy as np
 import torch
 
+from client import counters
 from client.embedding.exchange import CPU_TURN, call_ranks, send_calls
 from client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
 from client.embedding.mapped_rows import MappedRows
@@ -66,6 +67,8 @@ class Lookups:
         self._session.check_open()
         ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
         check_dtype(dtype)
+        counters.count("lookups")
+        counters.count("lookup_ids", sum(int(table_ids.numel()) for table_ids in ids.values()))
         return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
 
     def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
@@ -165,6 +168,8 @@ class Lookups:
             raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         check_dtype(dtype)
         request = bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
+        counters.count("lookups")
+        counters.count("lookup_ids", int(request.ids.numel()))
         pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
         return pooled if dtype is None else pooled.to(dtype)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from client import counters
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -54,6 +55,8 @@ class RowCache:
                     found[row] = value
             self._hits += len(found)
             self._misses += len(ids) - len(found)
+        counters.count("row_cache_hits", len(found))
+        counters.count("row_cache_misses", len(ids) - len(found))
         return found
 
     def put_many(self, name: str, version: int, ids: list[int], rows: torch.Tensor) -> None:

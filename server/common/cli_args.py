@@ -63,6 +63,13 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
 
 
+def add_metrics_args(parser: argparse.ArgumentParser) -> None:
+    """--metrics-port (docs/operations.md#metrics)."""
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics at "
+                        "http://HOST:PORT/metrics on the listen host (0 = any free port; default: no metrics, "
+                        "and nothing recorded)")
+
+
 def add_stream_limit_args(parser: argparse.ArgumentParser) -> None:
     """--stall-timeout and --streams-per-principal (server/common/stream_limits.py)."""
     defaults = StreamLimitSettings()

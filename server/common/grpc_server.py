@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from server.common.access import AccessInterceptor
 from server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
+from server.common.metrics import MetricsInterceptor, ServerMetrics
 from server.common.request_decoding import RequestDecodingInterceptor
 from server.common.stream_limits import StreamLimits, StreamLimitSettings
 
@@ -49,12 +50,16 @@ def split_address(listen: str) -> tuple[str, int]:
 
 
 def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.Server], list[str]],
-                 limits: StreamLimitSettings = StreamLimitSettings()) -> RunningServer:
+                 limits: StreamLimitSettings = StreamLimitSettings(),
+                 metrics: ServerMetrics | None = None) -> RunningServer:
     """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection,
-    on `limits.workers` threads, checking every call's access and the stream limits."""
+    on `limits.workers` threads, checking every call's access and the stream limits; with `metrics`, every
+    call's count, status and latency are recorded there too."""
     host, _ = split_address(listen)
     stream_limits = StreamLimits(limits)
     interceptors = [AccessInterceptor(security.access_policy(), stream_limits.wrap), RequestDecodingInterceptor()]
+    if metrics is not None:
+        interceptors.insert(0, MetricsInterceptor(metrics))  # outermost: refused calls are counted too
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
                          interceptors=interceptors,
                          options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])  # a port in use is an error

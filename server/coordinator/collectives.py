@@ -24,6 +24,7 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, ServiceError
+from server.coordinator.metrics import JobTracker
 from server.coordinator.registry import RankRegistry
 from server.coordinator.rendezvous import Epochs, RendezvousStore
 
@@ -76,6 +77,7 @@ class CollectiveRunner:
         self.sequencer = JobSequencer(next_number)
         self.epochs = Epochs(next_number)
         self.rendezvous = RendezvousStore(store_port, store_host)
+        self.tracker = JobTracker()
         self._assign_lock = threading.Lock()
 
     def close(self) -> None:
@@ -95,7 +97,19 @@ class CollectiveRunner:
 
         Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
         and `job.epoch` are set here; on failure the job is cancelled on every participant and its epoch ends.
+        The job is tracked in `self.tracker` while it runs (metrics, `shardserve top`).
         """
+        job_id = self.tracker.start(job.WhichOneof("kind") or "unknown", len(set(ranks)))
+        ok = False
+        try:
+            finals = yield from self._run(job, ranks, what, job_id)
+            ok = True
+            return finals
+        finally:
+            self.tracker.end(job_id, ok)
+
+    def _run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str, job_id: int
+             ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
         ranks = sorted(set(ranks))
         entries = {r: self.registry.entry(r) for r in ranks}
         with self._assign_lock:  # seq and epoch in one order: a later job never has an older epoch
@@ -128,7 +142,10 @@ class CollectiveRunner:
                     latest[rank] = item
                     if item.done:
                         finals[rank] = item
-                    yield sum(p.bytes_done for p in latest.values()), sum(p.bytes_total for p in latest.values())
+                    done = sum(p.bytes_done for p in latest.values())
+                    total = sum(p.bytes_total for p in latest.values())
+                    self.tracker.progress(job_id, done, total)
+                    yield done, total
                     continue
                 failures[rank] = item
                 watch.failed()

@@ -21,6 +21,7 @@ import grpc
 from protos import shardserve_pb2 as pb
 from server.common.access import caller
 from server.common.auth import Security
+from server.common.metrics import MetricsEndpoint
 from server.common.errors import (
     Aborted,
     AlreadyExists,
@@ -84,6 +85,8 @@ class Coordinator:
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
+        self.metrics_endpoint: MetricsEndpoint | None = None  # set by whoever serves its metrics
+        self.metrics_address = ""  # HOST:PORT of that endpoint as ListRanks tells clients
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
         self._monitor.start()
@@ -440,3 +443,5 @@ class Coordinator:
         self.snapshots.close()
         self.collectives.close()
         self.catalog.close()
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()

@@ -35,7 +35,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     @rpc_errors
     def ListRanks(self, request: pb.ListRanksRequest, context: grpc.ServicerContext) -> pb.ListRanksResponse:
         return pb.ListRanksResponse(ranks=self.coordinator.registry.ranks(),
-                                    epoch=self.coordinator.collectives.epochs.current)
+                                    epoch=self.coordinator.collectives.epochs.current,
+                                    metrics_address=self.coordinator.metrics_address)
 
     @rpc_errors
     def CreateTensor(self, request: pb.CreateTensorRequest, context: grpc.ServicerContext) -> pb.TensorInfo:

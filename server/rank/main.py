@@ -29,6 +29,7 @@ from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, make_channel, server_ssl_context
 from server.common.cli_args import (
     PARENT_PID_ENV,
+    add_metrics_args,
     add_security_args,
     add_stream_limit_args,
     configure_logging,
@@ -37,6 +38,7 @@ from server.common.cli_args import (
 )
 from server.common.errors import ServiceError
 from server.common.grpc_server import RunningServer, split_address, start_server
+from server.common.metrics import MetricsEndpoint, serve_metrics
 from server.rank.jobs.groups import ProcessGroups
 from server.rank.malloc_tuning import tune_malloc
 from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
@@ -86,6 +88,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         "job's own timeout bounds it too; default %(default)s)")
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
+    add_metrics_args(parser)
     add_security_args(parser)
     add_stream_limit_args(parser)
     args = parser.parse_args(argv)
@@ -93,7 +96,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         stream_limits_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port"):
+    for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port", "metrics_port"):
         if (getattr(args, flag) or 0) < 0:
             parser.error(f"--{flag.replace('_', '-')} must be >= 0")
     if not 0 <= args.version_grace < math.inf:
@@ -267,13 +270,20 @@ def main(argv: Sequence[str]) -> int:
         log.error("--bulk-port %d: cannot listen: %s", args.bulk_port, err)
         return 2
     groups = ProcessGroups(rank, device, store_timeout_s=args.dist_timeout)
+    try:
+        endpoint = open_metrics(args, store)
+    except (OSError, ValueError) as err:
+        log.error("--metrics-port %s: cannot serve metrics: %s", args.metrics_port, err)
+        bulk_reads.close()
+        return 2
     running = start_server(args.listen, security, lambda server: [
         add_shard_server(server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups))],
-        stream_limits_from_args(args))
+        stream_limits_from_args(args), metrics=store.metrics if endpoint is not None else None)
     info = pb.RankInfo(rank=rank, address=advertised_address(running, args.advertise), device=device,
                        hostname=socket.gethostname(), memory_limit_bytes=memory_limit,
                        world_size=world_size, pid=os.getpid(), host_id=host_id(),
-                       shared_memory=store.hands_over_by_reference)
+                       shared_memory=store.hands_over_by_reference,
+                       metrics_address=advertised_metrics(endpoint, args.advertise))
     link = CoordinatorLink(args.coordinator, security, info, store, groups)
     try:
         try:
@@ -288,7 +298,7 @@ def main(argv: Sequence[str]) -> int:
             store.end_graces()  # replaced versions past --version-grace
         log.info("rank %d stopping", rank)
     finally:
-        _shutdown(link, running, bulk_reads)
+        _shutdown(link, running, bulk_reads)  # the metrics endpoint's daemon thread ends with the process
         if persistence is not None:
             persistence.close()
     return 0
@@ -313,6 +323,29 @@ def restore(store: ShardStore) -> None:
     restored = store.restore()
     log.info("rank %d restored %d versions (%d bytes) in %.2fs: %s", store.rank, len(restored), store.memory_used,
              time.monotonic() - started, restored)
+
+
+def open_metrics(args: argparse.Namespace, store: ShardStore) -> MetricsEndpoint | None:
+    """With --metrics-port: record the rank's metrics and serve them on the --listen host; else None."""
+    if args.metrics_port is None:
+        return None
+    store.metrics.enable().watch(store)
+    endpoint = serve_metrics(store.metrics, split_address(args.listen)[0], args.metrics_port)
+    log.info("metrics on http://%s/metrics", endpoint.address)
+    return endpoint
+
+
+def advertised_metrics(endpoint: MetricsEndpoint | None, advertise: str | None) -> str:
+    """HOST:PORT of the metrics endpoint as others reach it: the advertised host (or this host's name when
+    bound to all interfaces)."""
+    if endpoint is None:
+        return ""
+    host = endpoint.host
+    if advertise:
+        host = advertise.rpartition(":")[0]
+    elif host in ("0.0.0.0", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{endpoint.port}"
 
 
 def open_bulk_reads(args: argparse.Namespace, security: Security, store: ShardStore) -> BulkReads:

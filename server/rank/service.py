@@ -29,6 +29,7 @@ from server.rank.jobs.groups import ProcessGroups
 from server.rank.jobs.reshard import run_reshard_job
 from server.rank.jobs.service import CollectiveJobService, JobKinds
 from server.rank.jobs.service import handlers as collective_handlers
+from server.rank.metrics import GRPC
 from server.rank.reads.bulk import BulkReads
 from server.rank.reads.bulk import handlers as bulk_read_handlers
 from server.rank.reads.lookup import LookupService
@@ -115,6 +116,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                     raise InvalidArgument("header: only the first WriteShard message may carry a header")
                 else:
                     raise InvalidArgument("part: a WriteShard message carries neither header nor chunk")
+        self.store.metrics.written(name, writer.written)
         return pb.WriteShardResponse(bytes_written=writer.written)
 
     @rpc_errors
@@ -124,6 +126,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         with region_bytes(self.store, request) as data:
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
+        self.store.metrics.served(GRPC, request.name, len(data))
 
     def _chunk_bytes(self, requested: int) -> int:
         if requested < 0:
@@ -140,7 +143,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
 
     @rpc_errors
     def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.ServicerContext) -> pb.WriteRowsResponse:
-        return pb.WriteRowsResponse(rows_written=self.lookups.write_rows(request))
+        rows = self.lookups.write_rows(request)
+        self.store.metrics.written(request.name, len(request.values))
+        return pb.WriteRowsResponse(rows_written=rows)
 
     @rpc_errors
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:

@@ -21,7 +21,7 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from server.common.errors import (
 from server.common.requests import check_init
 from server.rank.blocks import Blocks
 from server.rank.persistence import Persistence
+from server.rank.metrics import RankMetrics
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
 from server.rank.shared_memory import Segment, SharedMemory, enabled_by_env
@@ -168,6 +169,7 @@ class ShardStore:
         self.persistence = persistence  # None: memory only (server/rank/persistence.py)
         if persistence is not None:
             persistence.set_snapshot_source(self._served_shards)
+        self.metrics = RankMetrics(rank)  # records nothing until enabled (--metrics-port)
 
     def empty_shard(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
@@ -708,6 +710,16 @@ class ShardStore:
         return [(item.name, item.version) for item in restored]
 
     # ------------------------------------------------------------ introspection
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """Memory and versions for the rank's gauges (server/rank/metrics.py), read at scrape time."""
+        with self._lock:
+            live = [e for e in self._versions.values() if not e.dropped]
+            states = Counter("graced" if e.grace_until is not None else e.state.value for e in live)
+            reserved = sum(e.nbytes for e in live if e.state is VersionState.PENDING)
+            pinned = sum(1 for e in self._versions.values() if e.leases > 0)
+        return {"memory_used": self._memory_used, "memory_limit": self.memory_limit, "memory_reserved": reserved,
+                "memory_recycled": self.shared.recycled.nbytes, "versions": dict(states), "pinned": pinned}
 
     def held(self) -> list[tuple[str, int, VersionState]]:
         """(name, version, state) of every version not dropped."""

@@ -125,7 +125,10 @@ class CollectiveJobService:
 
         # A caller that stops listening does not cancel the job: its peers may already be in its
         # collectives, and they would hang until their deadline. Only CancelCollective cancels.
+        started, kind = self.store.metrics.job_started(), job.WhichOneof("kind") or "unknown"
         future = self.chain.submit(job.seq, job.after_seq, execute, job.timeout_s)
+        future.add_done_callback(lambda done: self.store.metrics.job_ended(
+            kind, not done.cancelled() and done.exception() is None, started))
         while True:
             try:
                 future.result(timeout=_POLL_S)

@@ -51,6 +51,7 @@ from server.common.errors import (
     status_of,
 )
 from server.rank.reads.lookup import LookupService
+from server.rank.metrics import BULK
 from server.rank.reads.region import region_bytes
 from server.rank.store import ShardStore
 
@@ -248,11 +249,13 @@ class BulkReads:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
             if kind == KIND_LOOKUP:
-                reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message)))
+                reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK))
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
                 return
-            with region_bytes(self.store, _parse(pb.ReadRegionRequest, message)) as data:
+            request = _parse(pb.ReadRegionRequest, message)
+            with region_bytes(self.store, request) as data:
                 send_parts(conn, [HEADER.pack(0, 0, len(data)), data])
+            self.store.metrics.served(BULK, request.name, len(data))
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001 - answered to the peer, as rpc_errors does for gRPC

@@ -20,6 +20,7 @@ from protos import shardserve_pb2 as pb
 from protos.chunk_codec import LookupPart
 from server.common.errors import InvalidArgument, ResourceExhausted
 from server.common.requests import check_name, check_version
+from server.rank.metrics import GRPC
 from server.rank.store import ShardStore, StoredVersion
 from shardcore.dtypes import dtype_to_wire
 from shardcore.embedding import partial_pool
@@ -96,18 +97,30 @@ class LookupService:
         chunk_bytes = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES))
         self._check_request_size(request)
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
+        self._count(request, answers, GRPC)
         for index, answer in enumerate(answers):
             yield from _chunks(index, answer, chunk_bytes)
 
-    def lookup_small(self, request: pb.LookupRequest) -> list[LookupPart]:
-        """The whole answer in one message; RESOURCE_EXHAUSTED past SMALL_REPLY_BYTES (use the stream)."""
+    def lookup_small(self, request: pb.LookupRequest, path: str = GRPC) -> list[LookupPart]:
+        """The whole answer in one message; RESOURCE_EXHAUSTED past SMALL_REPLY_BYTES (use the stream).
+        `path`: the data path it is answered over, for the metrics."""
         self._check_request_size(request)
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         total = sum(len(a.data) for a in answers)
         if total > SMALL_REPLY_BYTES:
             raise ResourceExhausted(f"items: the answer is {total} bytes, over LookupSmall's {SMALL_REPLY_BYTES}; "
                                     f"use the streaming Lookup")
+        self._count(request, answers, path)
         return [next(_chunks(index, answer, max(SMALL_REPLY_BYTES, 1))) for index, answer in enumerate(answers)]
+
+    def _count(self, request: pb.LookupRequest, answers: list[ItemAnswer], path: str) -> None:
+        """Record the items, ids and answer bytes of one lookup call (once per call, not per row)."""
+        metrics = self.store.metrics
+        if not metrics.enabled:
+            return
+        for item, answer in zip(request.items, answers):
+            metrics.looked_up(item.name, len(item.ids) // _ID_BYTES)
+            metrics.served(path, item.name, len(answer.data))
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
         limit = self.store.max_request_bytes

@@ -16,6 +16,7 @@ import torch
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, ServiceError, rpc_errors
 from server.common.requests import check_name, check_version
+from server.rank.metrics import SHM
 from server.rank.shared_memory import Leases, lease_seconds
 from server.rank.store import ShardStore
 from shardcore.dtypes import dtype_to_wire
@@ -52,6 +53,7 @@ class SharedMemoryService:
         except BaseException:
             lease.__exit__(None, None, None)
             raise
+        self.store.metrics.served(SHM, name, reply.nbytes)
         if reply.inode and reply.inode == request.cached_inode:
             lease.__exit__(None, None, None)  # the client already maps it: nothing to keep alive
         else:

@@ -12,6 +12,7 @@ from protos import shardserve_pb2 as pb
 from protos.chunk_codec import RawChunk, encode_chunk
 from server.common.errors import ResourceExhausted, rpc_errors
 from server.rank.cuda_staging import host_bytes
+from server.rank.metrics import GRPC
 from server.rank.reads.region import requested_box
 from server.rank.store import ShardStore
 
@@ -31,6 +32,7 @@ class SmallReads:
             if nbytes > SMALL_READ_BYTES:
                 raise ResourceExhausted(f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
                                         f"most {SMALL_READ_BYTES} (use ReadRegion)")
+            self.store.metrics.served(GRPC, request.name, nbytes)
             return encode_chunk(RawChunk(0, host_bytes(box)))  # serialized (one copy) while the lease is held
 
 
