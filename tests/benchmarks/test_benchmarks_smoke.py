@@ -24,7 +24,7 @@ from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
 from benchmarks.rss import RssSampler
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 58  # hard limit per `--quick --only NAME` run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
+RUN_TIMEOUT_S = 120  # hard limit per `--quick --only NAME` run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
 SCENARIOS = sorted(load_scenarios())
 ROW_FIELDS = {"scenario", "group", "case", "name", "path", "role", "nbytes", "seconds", "gb_per_s", "baseline",
               "ratio", "ratios", "peak_rss", "peak_rss_max_bytes", "ok", "note"}
