@@ -6,7 +6,6 @@ One cluster for the module; its rank 1 is killed (SIGKILL) once, after every cli
 from __future__ import annotations
 
 import signal
-import time
 from concurrent import futures
 from typing import Callable, Iterator
 
@@ -24,6 +23,8 @@ from server.launcher import LocalCluster
 from shardcore.metadata import Box, ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
+from server_processes import wait_until
+
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
 ROWS, DIM, DEAD = 12, 6, 1
 PLAIN = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 0-3, 4-7, 8-11: one copy each
@@ -38,11 +39,7 @@ WAIT_S = 20.0
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_until(condition, WAIT_S, what)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
+from server_processes import wait_until
+
 ROWS, DIM, STOPPED = 12, 6, 1
 DEADLINE_S = 30.0       # the clients' call deadline
 WELL_WITHIN_S = 10.0    # what a read of a stopped rank may take at most
@@ -34,11 +36,7 @@ TRANSPORTS = ["grpc", "tcp"]
 
 
 def _wait_until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_until(condition, limit, what)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
+from server_processes import wait_until
+
 ROWS, DIM = 256, 16
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
 WAIT_S = 120.0
@@ -25,11 +27,7 @@ KILL_POINTS = 3  # whole-cluster kills per test run (each restart takes a few se
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_until(condition, WAIT_S, what)
 
 
 def _read(client, name: str) -> torch.Tensor:

@@ -7,7 +7,6 @@ One 3-rank cluster for the module (nothing breaks it) and one 2-rank cluster who
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,6 +21,8 @@ from server.launcher import LocalCluster
 from shardcore.health import copies_by_box
 from shardcore.specs import ChunkShardingSpec
 
+from server_processes import wait_until
+
 ROWS, DIM = 12, 5
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
 WAIT_S = 20.0
@@ -32,11 +33,7 @@ def _table(seed: int, rows: int = ROWS, dim: int = DIM) -> torch.Tensor:
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_until(condition, WAIT_S, what)
 
 
 def _assert_every_copy(remote: RemoteShardedTensor, expected: torch.Tensor, replicas: int) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from typing import Callable
 
 import pytest
@@ -22,6 +21,8 @@ from server.launcher import LocalCluster
 from shardcore.metadata import Box
 from shardcore.specs import ChunkShardingSpec
 
+from server_processes import wait_until
+
 ROWS, DIM, RESTARTED = 12, 6, 2
 PLAIN = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 0-3, 4-7, 8-11: one copy each
 WAIT_S = 120.0  # a restarted rank imports torch again on a busy 2-core machine
@@ -29,11 +30,7 @@ MOVED = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(7))  # "m
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    wait_until(condition, WAIT_S, what)
 
 
 def _gone(pid: int) -> bool:
