@@ -6,9 +6,9 @@ headline is the ratio 1 GiB / 16 MiB: near 1 when an update costs what it
 touches, growing with the table when it copies the table); the sustained rate
 of updates with 1 and 4 writer clients on the 16 MiB table; and the p50/p99 of
 256-id lookups with no update running and with one writer updating 64 rows
-every 50 ms.
+every 50 ms (with --rate-only, only the rates: 1 and 4 writers, twice).
 
-    python -m benchmarks.updates [--quick] [--seconds S] [--json FILE]
+    python -m benchmarks.updates [--quick] [--rate-only] [--seconds S] [--json FILE]
 """
 from __future__ import annotations
 
@@ -70,14 +70,17 @@ def update_rate(address: str, name: str, rows: int, writers: int, seconds: float
     from client import connect
 
     counts, errors = [0] * writers, [0] * writers
+    versions: set[int] = set()  # the versions the updates landed in (group commit: fewer than updates)
     stop = time.monotonic() + seconds
 
     def writer(slot: int) -> None:
         generator = torch.Generator().manual_seed(slot)
         with connect(address) as client:
             while time.monotonic() < stop:
+                ids = torch.randperm(rows, generator=generator)[:ROWS_PER_UPDATE]
+                values = torch.randn(ROWS_PER_UPDATE, COLUMNS, generator=generator)
                 try:
-                    update_once(client, name, rows, generator)
+                    versions.add(client.update_rows(name, ids, values))
                     counts[slot] += 1
                 except Exception:  # noqa: BLE001 - counted, the rate is the point
                     errors[slot] += 1
@@ -88,8 +91,9 @@ def update_rate(address: str, name: str, rows: int, writers: int, seconds: float
     for thread in threads:
         thread.join()
     rate = sum(counts) / seconds
-    print(f"{writers} writer(s): {rate:.1f} updates/s, {sum(errors)} failed", flush=True)
-    return {"updates_per_s": rate, "failed": sum(errors)}
+    print(f"{writers} writer(s): {rate:.1f} updates/s in {len(versions)} versions, {sum(errors)} failed",
+          flush=True)
+    return {"updates_per_s": rate, "failed": sum(errors), "versions": len(versions)}
 
 
 def lookups_during(address: str, name: str, rows: int, seconds: float, updating: bool) -> dict:
@@ -139,20 +143,47 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tables of 4, 16 and 64 MiB, short runs")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each rate and latency run")
     parser.add_argument("--repeats", type=int, default=10, help="updates timed per table size")
+    parser.add_argument("--rate-only", action="store_true",
+                        help="only the update rates (1 and 4 writers, twice), no table sizes or lookups")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.seconds <= 0 or args.repeats < 1:
         parser.error("--seconds must be > 0 and --repeats >= 1")
     sizes = [4, 16, 64] if args.quick else [16, 256, 1024]
     seconds = min(args.seconds, 2.0) if args.quick else args.seconds
+    if args.rate_only:
+        results = rates_only(seconds)
+    else:
+        results = _all(sizes, seconds, 3 if args.quick else args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return results
 
+
+def rates_only(seconds: float) -> dict:
+    """The update rates with 1 and 4 writers, each measured twice (the host's load moves single runs)."""
+    from client import connect
+    from server.launcher import LocalCluster
+
+    with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state,
+                                                              log_level="WARNING") as cluster:
+        name, rows = "updates_rate", rows_of(16)
+        with connect(cluster.address) as client:
+            client.put(name, torch.zeros(rows, COLUMNS))
+        return {"rate": {f"{n} writers, run {k}": update_rate(cluster.address, name, rows, n, seconds)
+                         for k in (1, 2) for n in (1, 4)}}
+
+
+def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
+    """Update cost by table size, update rates, and lookups with and without updates."""
     from client import connect
     from server.launcher import LocalCluster
 
     results: dict = {"sizes_mib": sizes}
     with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state,
                                                               log_level="WARNING") as cluster:
-        results["update_cost"] = update_cost(cluster.address, sizes, 3 if args.quick else args.repeats)
+        results["update_cost"] = update_cost(cluster.address, sizes, repeats)
         small = results["update_cost"][f"{sizes[0]} MiB"]["median_s"]
         large = results["update_cost"][f"{sizes[-1]} MiB"]["median_s"]
         results["large_over_small"] = large / small
@@ -163,9 +194,6 @@ def main(argv: list[str] | None = None) -> dict:
         results["rate"] = {f"{n} writers": update_rate(cluster.address, name, rows, n, seconds) for n in (1, 4)}
         results["lookups"] = {label: lookups_during(cluster.address, name, rows, seconds, updating)
                               for label, updating in (("no updates", False), ("with updates", True))}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
     return results
 
 

@@ -25,7 +25,7 @@ from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableEr
 from client.info import RankStatus, TensorSummary
 from client.ops import checkpoints
 from client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
-from client.ops.row_updates import update_rows
+from client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
 from client.paths.hedging import HEDGE_AFTER_S
 from client.paths.policy import PathPolicy, check_transport
 from client.session import Session
@@ -262,6 +262,11 @@ class Cluster:
     def update_rows(self, name: str, ids: Any, values: torch.Tensor) -> int:
         """Replace rows of a 2-D table in a new version, atomically (see client.ops.row_updates); returns it."""
         return update_rows(self.session, self.lookups.views, arguments.tensor_name(name), ids, values)
+
+    def update_rows_ordered(self, name: str, ids: Any, values: torch.Tensor) -> RowUpdate:
+        """update_rows, answering (version, order): updates from several clients grouped into one version are
+        applied in `order` (a later one's rows win), versions in their order."""
+        return update_rows_ordered(self.session, self.lookups.views, arguments.tensor_name(name), ids, values)
 
     def row_cache_stats(self) -> CacheStats | None:
         """Hits, misses and size of the row cache (None when connect() got no row_cache_bytes)."""

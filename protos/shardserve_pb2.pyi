@@ -157,7 +157,7 @@ class RankInfo(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,7 @@ class TensorInfo(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     REPAIR_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -188,7 +189,8 @@ class TensorInfo(_message.Message):
     replicas: int
     repair: RepairState
     owner: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
+    update_order: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ...) -> None: ...
 
 class RepairState(_message.Message):
     __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")

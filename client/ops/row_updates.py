@@ -10,14 +10,19 @@ rows. Duplicate ids: the last value given wins, as in a sequence of
 assignments. A copy on a rank that is down (a replica) is left out of v+1: the
 rows go to every live copy, and the coordinator repairs the missing one.
 
-Ordering: the coordinator keeps one update of a table pending at a time
-(server/coordinator/locks.py UpdateSlots), so updates from any number of
-clients are applied one after another and never abort each other; one that
-finds the slot taken, or whose version a reshard or checkpoint load overtook,
-is made again (on the new layout) until the client's deadline. Group commit:
-calls of one client for one table that arrive while an update of it is being
-made wait, then go together into the next version (in call order: a later
-call's rows win), and each call returns the version that holds its rows.
+Ordering and group commit: the coordinator groups the updates of one table
+from any number of clients (server/coordinator/update_groups.py). An update
+that arrives while the table's pending version is collecting joins it: its
+CreateTensor answers with that version and its order in it once the members
+before it have written, and its CommitTensor answers once the last member has
+committed the version. So rows of a later update (by version, then order)
+win on every replica, and no update aborts another; one that cannot join (the
+version is committing), or whose version failed or a reshard or checkpoint
+load overtook, is made again (on the new layout) until the client's deadline.
+Within a client, calls for one table that arrive while an update of it is
+being made wait, then go together as one member (in call order: a later call's
+rows win). Each call returns the version that holds its rows (and, with
+update_rows_ordered, its order in that version).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -41,6 +46,14 @@ RETRY_PAUSE_S = 0.01  # before asking again for a table's update slot (doubling 
 MAX_RETRY_PAUSE_S = 0.2
 
 
+class RowUpdate(NamedTuple):
+    """Where an update_rows call landed: the version holding its rows, and its member's order in that version
+    (rows of a higher order, then of a later version, win)."""
+
+    version: int
+    order: int
+
+
 @dataclass
 class _Call:
     """One update_rows call waiting for the version that will hold its rows."""
@@ -48,6 +61,7 @@ class _Call:
     ids: torch.Tensor
     values: torch.Tensor
     version: int = 0
+    order: int = 0
     error: BaseException | None = None
 
 
@@ -71,7 +85,12 @@ def _queue(session: Session, name: str) -> _TableQueue:
 
 def update_rows(session: Session, views: TableViews, name: str, ids: Any, values: Any) -> int:
     """Replace rows `ids` of table `name` by `values` [len(ids), dim] in a new version; returns that version (which
-    may hold other calls' rows too, applied in call order)."""
+    may hold other calls' rows too, applied in order)."""
+    return update_rows_ordered(session, views, name, ids, values).version
+
+
+def update_rows_ordered(session: Session, views: TableViews, name: str, ids: Any, values: Any) -> RowUpdate:
+    """update_rows, answering the version that holds the rows and the call's order in it."""
     unique, rows = validate_update(views.view(name), ids, values)  # bad input fails here, alone
     call = _Call(unique, rows)
     queue = _queue(session, name)
@@ -84,23 +103,23 @@ def update_rows(session: Session, views: TableViews, name: str, ids: Any, values
             _apply_batch(session, views, name, batch)
     if call.error is not None:
         raise call.error
-    return call.version
+    return RowUpdate(call.version, call.order)
 
 
 def _apply_batch(session: Session, views: TableViews, name: str, batch: list[_Call]) -> None:
     """Make one version holding every call of `batch` (later calls' rows win); tell each call its outcome."""
     try:
-        version = _apply(session, views, name, torch.cat([c.ids for c in batch]),
-                         torch.cat([c.values for c in batch]))
+        landed = _apply(session, views, name, torch.cat([c.ids for c in batch]),
+                        torch.cat([c.values for c in batch]))
     except BaseException as err:  # noqa: BLE001 - handed to every caller of the batch
         for call in batch:
             call.error = err
         return
     for call in batch:
-        call.version = version
+        call.version, call.order = landed
 
 
-def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> int:
+def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> RowUpdate:
     """One version with rows `ids` set to `values`, made again while the table is busy with another update or a
     reshard overtakes it, until the client's deadline."""
     give_up = time.monotonic() + session.channel.timeout
@@ -115,7 +134,8 @@ def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, va
             pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
 
-def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> int:
+def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tensor,
+                values: torch.Tensor) -> RowUpdate:
     view = views.view(name)
     request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
                                      init=pb.INIT_COPY, overwrite=True, source_version=0)
@@ -135,7 +155,7 @@ def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tenso
         session.abort(name, info.version)
         raise
     views.view(name, refresh=True)
-    return int(committed.version)
+    return RowUpdate(int(committed.version), int(committed.update_order))
 
 
 def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,

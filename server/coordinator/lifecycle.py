@@ -9,6 +9,7 @@ transaction.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -44,11 +45,12 @@ from server.coordinator.quotas import ByteQuotas, held_bytes
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
 from server.coordinator.health import describe, shards_on, unavailable_shards, with_lost
-from server.coordinator.locks import NameLocks, UpdateSlots
+from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
 from server.coordinator.snapshots import SnapshotDriver
+from server.coordinator.update_groups import UpdateGroups
 from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_from_proto, metadata_to_proto
@@ -74,7 +76,7 @@ class Coordinator:
         self.registry = RankRegistry(security, dead_after if dead_after is not None else 3 * heartbeat_interval,
                                      rpc_timeout)
         self.locks = NameLocks()
-        self.update_slots = UpdateSlots()  # row updates of one table take turns (never abort each other)
+        self.update_groups = UpdateGroups()  # row updates of one table: grouped into versions, in one order
         self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port, store_host)
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.quotas = ByteQuotas(catalog)
@@ -119,13 +121,31 @@ class Coordinator:
         if request.init != pb.INIT_COPY:
             self.registry.check_placements(meta)
             return self._create(name, meta, token, request)
-        self.update_slots.claim(name, self._abort_stale_update)
+        if request.source_version:  # a copy of one given version: an update group of its own
+            return self._make_update(name, meta, token, request)
+        joined = self.update_groups.enter(name, token, self._abort_stale_update)
+        if joined is None:
+            return self._make_update(name, meta, token, request, claimed=True)
+        version, order = joined
+        info = self.catalog.get(name, version)
+        if info is None:
+            raise Aborted(f"update version {version} of tensor {name!r} was aborted while joining it; ask again")
+        answer = self.describe(info)
+        answer.update_order = order
+        return answer
+
+    def _make_update(self, name: str, meta: ShardedTensorMetadata, token: str, request: pb.CreateTensorRequest,
+                     claimed: bool = False) -> pb.TensorInfo:
+        """Make the pending INIT_COPY version of an update group (member 0), claiming the group unless
+        `claimed`; later updates of the table join it (UpdateGroups)."""
+        if not claimed:
+            self.update_groups.enter(name, token, self._abort_stale_update, join=False)
         try:
             info = self._create(name, meta, token, request)
         except BaseException:
-            self.update_slots.end(name, 0)
+            self.update_groups.cancel(name)
             raise
-        self.update_slots.bind(name, info.version)
+        self.update_groups.bind(name, info.version)
         return info
 
     def _abort_stale_update(self, name: str, version: int) -> None:
@@ -173,9 +193,14 @@ class Coordinator:
             return self._commit_locked(name, info.version)
 
     def commit(self, name: str, version: int) -> pb.TensorInfo:
-        """Promote (name, version) on every holding rank, then mark it READY and drop older versions."""
+        """Promote (name, version) on every holding rank, then mark it READY and drop older versions. An
+        update group's version is promoted by its last member's commit (UpdateGroups.finish)."""
         check_name(name)
         check_version(version)
+        return self.update_groups.finish(name, version, lambda: self._commit_named(name, version),
+                                         self._abort_stale_update)
+
+    def _commit_named(self, name: str, version: int) -> pb.TensorInfo:
         with self.locks.hold(name):
             return self._commit_locked(name, version)
 
@@ -193,6 +218,11 @@ class Coordinator:
         check_name(name)
         if not check_put_token(token):
             raise InvalidArgument("put_token is empty; give version or put_token")
+        joined = self.update_groups.version_of_token(name, token)
+        if joined:  # a member of an update group: its version holds the other members' rows too
+            with contextlib.suppress(NotFound):
+                self.abort(name, joined)
+            return joined
         with self.locks.hold(name):
             self._aborted_tokens[(name, token)] = None
             while len(self._aborted_tokens) > ABORTED_TOKENS_KEPT:
@@ -241,7 +271,7 @@ class Coordinator:
             if self.catalog.ready(name) is None:
                 raise NotFound(f"tensor {name!r} not found")
             removed = self.catalog.remove(name)
-            self.update_slots.end(name)
+            self.update_groups.end(name)
             ranks = sorted({r for info in removed for r in ranks_of(info)})
             self.registry.drop_quietly(name, 0, ranks)
             self.reshards.drop_replaced(name)  # a reshard's replaced version, if its promotion was unfinished
@@ -263,7 +293,6 @@ class Coordinator:
                           f"make the change again")
         self.registry.promote_on(holding_ranks(info), name, version, f"commit {name!r} version {version}")
         ready, older = self.catalog.commit(name, version)
-        self.update_slots.end(name, version)
         self.drop_rows(older)
         log.info("committed %r version %d%s", name, version,
                  f", replacing versions {[o.version for o in older]}" if older else "")
@@ -323,7 +352,7 @@ class Coordinator:
     def discard(self, info: pb.TensorInfo) -> None:
         """Remove a version from the catalog, then free it on its ranks (and its update slot, if an update's)."""
         self.catalog.remove(info.name, info.version)
-        self.update_slots.end(info.name, info.version)
+        self.update_groups.end(info.name, info.version)
         self.drop_rows([info])
 
     def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None:

@@ -5,18 +5,23 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import grpc
 import pytest
 import torch
 
+import group_commit_writer as group_writer
 from client import connect
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import LocalCluster
+from server.launcher import PROJECT_ROOT, LocalCluster
+from server_processes import server_env
 from server.rank.blocks import BLOCK_BYTES
 from server.rank.shared_memory import HEADER_BYTES
 from shardcore.specs import ChunkShardingSpec
@@ -25,6 +30,8 @@ ROWS, COLUMNS = 240, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
 TWO_RANKS = ChunkShardingSpec(0, ["rank:2/cpu", "rank:0/cpu"])
 RUN_S = 2.0  # each concurrent run: readers and writers for this long (correctness, not timing, is asserted)
+WRITER_PROCESSES, UPDATES_PER_WRITER = 4, 12
+PROCESS_TIMEOUT_S = 240.0  # interpreters importing torch on a busy 2-core host
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,6 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
     reads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
     errors: list[str] = []
     stop = time.monotonic() + RUN_S
-    order = iter(range(1 << 30))
     guard = threading.Lock()
 
     def writer(seed: int) -> None:
@@ -68,12 +74,12 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
                 ids = torch.randint(0, ROWS // 4, (6,), generator=generator)  # a quarter of the rows: overlaps
                 values = torch.randn(ids.numel(), COLUMNS, generator=generator)
                 try:
-                    version = client.update_rows("upd-order", ids, values)
+                    landed = client.update_rows_ordered("upd-order", ids, values)
                 except Exception as err:  # noqa: BLE001 - collected and failed below
                     errors.append(f"update: {err!r}")
                     continue
                 with guard:  # a seeded duplicate id keeps its last value, as update_rows does
-                    calls.append((version, next(order), ids, values))
+                    calls.append((landed.version, landed.order, ids, values))
 
     def reader(transport: str, fetch: bool) -> None:
         generator = torch.Generator().manual_seed(99)
@@ -109,8 +115,8 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
     assert not any(thread.is_alive() for thread in threads)
     assert errors == []
     assert calls and reads
-    versions = [c[0] for c in calls]
-    assert len(set(versions)) == len(versions)  # one client per writer: every call its own version
+    places = [(c[0], c[1]) for c in calls]
+    assert len(set(places)) == len(places)  # one client per writer: every call its own place in the order
     states = _states(initial, calls)
     with connect(cluster.address) as admin:
         final = admin.tensor("upd-order").full_tensor()
@@ -142,6 +148,77 @@ def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(cluster: L
         assert torch.equal(final, expected)
         assert max(results.values()) == client.tensor("upd-group").version
         client.delete("upd-group")
+
+
+def _run_writers(address: str, folder: Path) -> list[dict]:
+    """Start the writer processes, let them go together once all are connected, and collect what each did."""
+    logs = [open(folder / f"log-{k}.txt", "w") for k in range(WRITER_PROCESSES)]
+    processes = [subprocess.Popen([sys.executable, group_writer.__file__, address, str(folder), str(k),
+                                   str(UPDATES_PER_WRITER)], env=server_env(), cwd=PROJECT_ROOT, stdout=log,
+                                  stderr=subprocess.STDOUT) for k, log in enumerate(logs)]
+    try:
+        give_up = time.monotonic() + PROCESS_TIMEOUT_S
+        while len(list(folder.glob("ready-*"))) < WRITER_PROCESSES:
+            crashed = [k for k, p in enumerate(processes) if p.poll() is not None]
+            assert not crashed, [(folder / f"log-{k}.txt").read_text() for k in crashed]
+            assert time.monotonic() < give_up, "the writers did not all connect"
+            time.sleep(0.05)
+        (folder / "go").touch()
+        codes = [p.wait(timeout=PROCESS_TIMEOUT_S) for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+    assert codes == [0] * WRITER_PROCESSES, [(folder / f"log-{k}.txt").read_text() for k in range(len(codes))]
+    return [torch.load(folder / f"result-{k}.pt") for k in range(WRITER_PROCESSES)]
+
+
+def _version_copies(client: object, name: str, version: int) -> list[tuple[int, torch.Tensor]]:
+    """(first row, rows) of every copy of every shard of the table at `version` (replaced, still in its grace
+    period), read with raw Lookup calls naming that version on the rank holding the copy."""
+    copies = []
+    for index, shard in enumerate(client.tensor(name).metadata().shards_metadata):
+        start, count = shard.shard_offsets[0], shard.shard_sizes[0]
+        item = pb.LookupItem(name=name, version=version, shard_index=index,
+                             ids=torch.arange(start, start + count, dtype=torch.int64).numpy().tobytes())
+        with grpc.insecure_channel(client.session.address_of(shard.rank)) as channel:
+            chunks = list(pb_grpc.ShardServerStub(channel).Lookup(pb.LookupRequest(items=[item]), timeout=30))
+        assert chunks[0].version == version
+        data = bytearray(b"".join(chunk.data for chunk in chunks))
+        copies.append((start, torch.frombuffer(data, dtype=torch.float32).view(count, shard.shard_sizes[1])))
+    return copies
+
+
+def test_writer_processes_are_grouped_into_versions_in_one_order(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Several client processes update overlapping rows of one table at once: none is aborted, each is told a
+    (version, order) of its own, and every version read back equals the updates applied in (version, order)
+    order up to it, bit for bit, on every copy (replicas=2): a caller's version holds its rows unless a later
+    member of the same version overwrote them."""
+    initial = torch.zeros(group_writer.HOT_ROWS * 2, COLUMNS)
+    with connect(cluster.address) as admin:
+        admin.put(group_writer.TABLE, initial, replicas=2)
+        results = _run_writers(cluster.address, tmp_path)
+        assert [r["errors"] for r in results] == [[]] * WRITER_PROCESSES  # nothing aborted, nothing failed
+        calls = [call for r in results for call in r["calls"]]
+        assert len(calls) == WRITER_PROCESSES * UPDATES_PER_WRITER
+        members: dict[int, list[int]] = {}
+        for version, order, _, _ in calls:
+            members.setdefault(version, []).append(order)
+        for orders in members.values():  # members of a version are numbered 0, 1, ... in the order they wrote
+            assert sorted(orders) == list(range(len(orders)))
+        states = _states(initial, calls)
+        for version in sorted(members):
+            copies = _version_copies(admin, group_writer.TABLE, version)
+            assert sum(rows.shape[0] for _, rows in copies) == 2 * initial.shape[0]  # both copies of every row
+            for start, rows in copies:
+                assert torch.equal(rows, states[version][start:start + rows.shape[0]]), (version, start)
+        final = admin.tensor(group_writer.TABLE)
+        assert final.version == max(members)
+        assert torch.equal(final.full_tensor(), states[max(members)])
+        admin.delete(group_writer.TABLE)
 
 
 def test_a_replaced_version_stays_readable_for_the_grace_period(cluster: LocalCluster) -> None:
