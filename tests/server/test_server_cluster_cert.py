@@ -100,7 +100,8 @@ def test_a_user_certificate_gets_no_internal_right(cert_cluster, certificates):
     rank_address = _listed(cert_cluster, 0).address
     internal = [
         lambda stubs, md: stubs[0].Heartbeat(pb.HeartbeatRequest(rank=1), timeout=TIMEOUT, metadata=md),
-        lambda stubs, md: stubs[0].RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(rank=1)), timeout=TIMEOUT, metadata=md),
+        lambda stubs, md: stubs[0].RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(rank=1)), timeout=TIMEOUT,
+                                                metadata=md),
         lambda stubs, md: stubs[1].CancelCollective(pb.CancelCollectiveRequest(seq=1 << 40), timeout=TIMEOUT,
                                                     metadata=md),
         lambda stubs, md: stubs[1].DropVersion(pb.DropVersionRequest(name="by-cert"), timeout=TIMEOUT,
