@@ -17,10 +17,17 @@ from client import AuthenticationError, connect
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import TlsFiles
-from server.common.cli_args import CLUSTER_SECRET_FILE, add_security_args, security_from_args
+from server.common.cli_args import (
+    CLUSTER_SECRET_FILE,
+    CLUSTER_SECRET_FILE_ENV,
+    add_security_args,
+    security_from_args,
+)
 from server.common.principals import token_sha256
+from server.launcher import free_port
 from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, rpc_error
+from server_processes import server_env, spawn_server, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 CLUSTER_NAME = "shardserve-cluster.internal"
@@ -151,3 +158,35 @@ def test_cluster_cert_name_is_checked_at_start(certificates):
         _security("--cluster-cert-name", "other", *files, "--tls-ca", cluster.ca)
     security = _security("--cluster-cert-name", CLUSTER_NAME, *files, "--tls-ca", cluster.ca)
     assert security.call_metadata() == () and security.has_cluster_credential
+
+
+def test_coordinator_and_node_processes_need_no_secret(tmp_path, certificates):
+    """`shardserve coordinator` and `shardserve node` (the multi-host commands), with no secret in flags or the
+    environment: the node's ranks register by certificate, serve a put bit for bit, and SIGTERM stops them."""
+    cluster, user = certificates["cluster"], certificates["user"]
+    tls = ["--tls-cert", cluster.cert, "--tls-key", cluster.key, "--tls-ca", cluster.ca,
+           "--cluster-cert-name", CLUSTER_NAME]
+    env = {key: value for key, value in server_env().items() if key != CLUSTER_SECRET_FILE_ENV}
+    port = free_port()
+    procs = []
+    with open(tmp_path / "servers.log", "w") as log:
+        try:
+            procs.append(spawn_server(["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir",
+                                       str(tmp_path / "state"), *tls], env, log))
+            procs.append(spawn_server(["node", "--coordinator", f"127.0.0.1:{port}", "--ranks", "0-1",
+                                       "--world-size", "2", "--host", "127.0.0.1", *tls], env, log))
+            address = f"127.0.0.1:{port}"
+            wait_until(lambda: _alive_ranks(address, cluster) == 2, RESTART_WAIT, "both ranks to register")
+            source = torch.randn(40, 7, dtype=torch.float64)
+            with connect(address, tls_ca=user.ca, tls_cert=user.cert, tls_key=user.key, timeout=30) as client:
+                assert torch.equal(client.put("on-nodes", source).full_tensor(), source)
+            assert not (tmp_path / "state" / CLUSTER_SECRET_FILE).exists()
+        finally:
+            stop_all(procs)
+    assert [proc.returncode for proc in procs] == [0, 0], (tmp_path / "servers.log").read_text()[-3000:]
+
+
+def _alive_ranks(address: str, files: TlsFiles) -> int:
+    with _channel(address, files) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=5).ranks
+    return sum(info.alive for info in ranks)
