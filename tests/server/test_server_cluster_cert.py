@@ -23,7 +23,7 @@ from server.common.cli_args import (
     add_security_args,
     security_from_args,
 )
-from server.common.principals import token_sha256
+from server.common.principals import ClusterCertificate, token_sha256
 from server.launcher import free_port
 from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, rpc_error
@@ -190,3 +190,19 @@ def _alive_ranks(address: str, files: TlsFiles) -> int:
     with _channel(address, files) as channel:
         ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=5).ranks
     return sum(info.alive for info in ranks)
+
+
+@pytest.mark.parametrize("auth_context,matches", [
+    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [b"rank-host"],
+      "x509_subject_alternative_name": [b"localhost", CLUSTER_NAME.encode()]}, True),
+    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [CLUSTER_NAME.encode()]},
+     True),
+    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [b"alice"],
+      "x509_subject_alternative_name": [b"localhost", b"shardserve-cluster"]}, False),
+    ({"transport_security_type": [b"ssl"], "x509_common_name": [CLUSTER_NAME.encode()]}, False),  # no client cert
+    ({"transport_security_type": [b"insecure"], "x509_pem_cert": [b"PEM"],
+      "x509_common_name": [CLUSTER_NAME.encode()]}, False),
+    ({}, False),
+])
+def test_which_peers_count_as_the_cluster(auth_context, matches):
+    assert ClusterCertificate(CLUSTER_NAME).matches(auth_context) is matches
