@@ -37,7 +37,7 @@ from server.common.cli_args import (
 )
 from server.common.grpc_server import RunningServer, split_address, start_server
 from server.common.metrics import serve_metrics
-from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
@@ -122,7 +122,8 @@ class LocalCluster:
     dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10);
     `restart_backoff`: seconds before the first restart of a rank, doubling up to 30 s.
     `token` (one admin token) and/or `tokens_file` (principals, server/common/principals.py) turn client auth on;
-    the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret.
+    the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret, unless
+    `cluster_cert_name` (mTLS: `tls` with a CA) names the cluster's certificates, which then suffice.
     """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",
@@ -133,7 +134,7 @@ class LocalCluster:
                  recycle_bytes: int | None = None, bulk_reads: bool = True, max_restarts: int = 0,
                  restart_backoff: float = 1.0, repair_after: float = 30.0,
                  version_grace: float | None = None, tokens_file: str | None = None,
-                 cluster_secret_file: str | None = None,
+                 cluster_secret_file: str | None = None, cluster_cert_name: str | None = None,
                  rank_limits: StreamLimitSettings = StreamLimitSettings(),
                  persist_dir: str | Path | None = None, fsync: str | None = None,
                  metrics_port: int | None = None) -> None:
@@ -143,7 +144,8 @@ class LocalCluster:
             raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         self.ranks = ranks
         principals = PrincipalBook(tokens_file, token) if tokens_file or token else None
-        self.security = Security(token=token or None, tls=tls, principals=principals)
+        cluster_cert = ClusterCertificate(cluster_cert_name) if cluster_cert_name is not None else None
+        self.security = Security(token=token or None, tls=tls, principals=principals, cluster_cert=cluster_cert)
         self.cluster_secret_file = cluster_secret_file
         self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
         self.metrics_port = metrics_port  # None: no metrics; P: coordinator P, rank r P+1+r; 0: any free ports
@@ -176,7 +178,8 @@ class LocalCluster:
         exits during startup fails the start; restarts begin once every rank registered.
         """
         try:
-            self.security = dataclasses.replace(self.security, cluster=self._cluster_secret())
+            if self.cluster_secret_file or self.security.cluster_cert is None:
+                self.security = dataclasses.replace(self.security, cluster=self._cluster_secret())
             port = self.port or free_port(self.host)
             self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
                                               on_exit=self._report_exit)
@@ -355,7 +358,8 @@ def main_up(argv: Sequence[str]) -> int:
                            bulk_reads=not args.no_bulk_reads, max_restarts=args.max_restarts,
                            restart_backoff=args.restart_backoff, repair_after=args.repair_after,
                            version_grace=args.version_grace, tokens_file=args.tokens_file,
-                           cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args),
+                           cluster_secret_file=args.cluster_secret_file,
+                           cluster_cert_name=args.cluster_cert_name, rank_limits=stream_limits_from_args(args),
                            persist_dir=None if args.no_persist else args.persist_dir or Path(args.state_dir) / "data",
                            fsync=args.fsync, metrics_port=args.metrics_port)
     handle_stop_signals()

@@ -89,9 +89,9 @@ def main_node(argv: Sequence[str]) -> int:
     """Run the node until SIGINT/SIGTERM (0), or until every rank is out of restarts (1)."""
     args, ranks = parse_args(argv)
     configure_logging(args.log_level)
-    if not args.cluster_secret_file:
+    if not args.cluster_secret_file and not args.cluster_cert_name:
         log.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
-                  "STATE_DIR/cluster-secret when started without one)")
+                  "STATE_DIR/cluster-secret when started without one), unless mTLS with --cluster-cert-name")
         return 2
     try:
         security = security_from_args(args)

@@ -102,6 +102,8 @@ def rank_command(coordinator: str, host: str, device: str, max_request_bytes: in
         cmd += ["--tokens-file", str(Path(security.principals.tokens_file).resolve())]
     if security.cluster is not None and security.cluster.path is not None:
         cmd += ["--cluster-secret-file", str(Path(security.cluster.path).resolve())]
+    if security.cluster_cert is not None:
+        cmd += ["--cluster-cert-name", security.cluster_cert.name]
     return cmd
 
 

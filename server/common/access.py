@@ -5,7 +5,8 @@ Every method of both services has one rule (ACCESS_RULES): the right it needs
 of a named tensor, where the name is so the principal's tensor patterns are
 checked. Health needs nothing. A method without a rule is refused (fail closed).
 Clients send ("authorization", "Bearer <token>"); coordinator and ranks send
-("authorization", "Cluster <secret>") on the calls they make to each other.
+("authorization", "Cluster <secret>") on the calls they make to each other, or, in an mTLS cluster
+started with --cluster-cert-name, no authorization at all: their client certificate names the cluster.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from server.common.principals import (
     CLUSTER_MEMBER,
     READ,
     WRITE,
+    ClusterCertificate,
     ClusterSecret,
     Principal,
     PrincipalBook,
@@ -115,10 +117,24 @@ class Denied(Exception):
 @dataclass(frozen=True)
 class AccessPolicy:
     """How a server authenticates callers: client principals (None: no client auth, every client is an
-    anonymous admin) and the cluster credential (None: none configured, so the cluster right is not checked)."""
+    anonymous admin) and the cluster credential: a secret and/or a certificate name (neither configured: the
+    cluster right is not checked)."""
 
     principals: PrincipalBook | None = None
     cluster: ClusterSecret | None = None
+    cluster_cert: ClusterCertificate | None = None
+
+    def by_certificate(self, authorization: str) -> bool:
+        """Whether a call with this "authorization" is authenticated by its peer's certificate (which only the
+        handler's context shows): one without any, where a cluster certificate name is configured."""
+        return not authorization and self.cluster_cert is not None
+
+    def authenticate_peer(self, auth_context: Any) -> Principal:
+        """The principal of a call without "authorization": the cluster when its peer presented a certificate
+        of the cluster, else what a call without a token is (UNAUTHENTICATED, or the anonymous admin)."""
+        if self.cluster_cert is not None and self.cluster_cert.matches(auth_context):
+            return CLUSTER_MEMBER
+        return self.authenticate("")
 
     def authenticate(self, authorization: str) -> Principal:
         """The principal an "authorization" value stands for; Denied(UNAUTHENTICATED) when it stands for none."""
@@ -141,7 +157,7 @@ class AccessPolicy:
         """Denied(PERMISSION_DENIED) naming the principal and the right it lacks for `method`."""
         if rule is None:
             raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{method} has no access rule; refused")
-        if rule.right == CLUSTER and self.cluster is None:
+        if rule.right == CLUSTER and self.cluster is None and self.cluster_cert is None:
             return
         if not principal.may(rule.right):
             raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} (role "
@@ -185,14 +201,36 @@ class AccessInterceptor(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         rule = ACCESS_RULES.get(method)
+        authorization = authorization_of(handler_call_details)
+        if self.policy.by_certificate(authorization) and handler is not None:
+            return self._admitting_by_certificate(handler, method, rule)
         try:
-            principal = self.policy.authenticate(authorization_of(handler_call_details))
+            principal = self.policy.authenticate(authorization)
             self.policy.authorize(principal, method, rule)
         except Denied as denied:
             log.warning("refused %s: %s", method, denied)
             return denying_handler(handler, denied.code, str(denied))
         if handler is None:
             return None
+        return self._admitted(handler, principal, method, rule)
+
+    def _admitting_by_certificate(self, handler: grpc.RpcMethodHandler, method: str,
+                                  rule: Rule | None) -> grpc.RpcMethodHandler:
+        """`handler` that first authenticates the call by its peer's certificate (the servicer context holds
+        it, the interceptor's call details do not), then runs as `_admitted` would have."""
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                principal = self.policy.authenticate_peer(context.auth_context())
+                self.policy.authorize(principal, method, rule)
+            except Denied as denied:
+                log.warning("refused %s: %s", method, denied)
+                context.abort(denied.code, str(denied))
+            return behavior_of(self._admitted(handler, principal, method, rule))(request, context)
+        return replace_behavior(handler, run)
+
+    def _admitted(self, handler: grpc.RpcMethodHandler, principal: Principal, method: str,
+                  rule: Rule | None) -> grpc.RpcMethodHandler:
+        """`handler` for an authenticated, authorized caller: tensor patterns checked, changes logged, limits."""
         if rule is not None and (rule.tensor is not None or rule.logged):
             handler = _checking_tensor(handler, principal, method, rule)
         if self._on_principal is not None:
@@ -251,6 +289,12 @@ def _first_checked(requests: Iterator[Any], context: grpc.ServicerContext,
             check(request, context)
             first = False
         yield request
+
+
+def behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    """The function `handler` runs, whatever its kind."""
+    return (handler.unary_unary or handler.unary_stream or handler.stream_unary
+            or handler.stream_stream)  # type: ignore[return-value]
 
 
 def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:

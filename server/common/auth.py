@@ -2,8 +2,9 @@
 
 Client calls carry ("authorization", "Bearer <token>") and are checked against
 the principals (server/common/access.py); the calls coordinator and ranks make
-to each other carry ("authorization", "Cluster <secret>"). TLS and mTLS come
-from PEM files: a server given a CA requires client certificates signed by it.
+to each other carry ("authorization", "Cluster <secret>"), or, in an mTLS
+cluster with a cluster certificate name, their certificate alone. TLS and mTLS
+come from PEM files: a server given a CA requires client certificates signed by it.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from server.common.access import CLUSTER_SCHEME, AccessPolicy
-from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 
 log = logging.getLogger(__name__)
 
@@ -49,26 +50,59 @@ class TlsFiles:
 class Security:
     """What a server requires and what its outgoing calls present.
 
-    `principals`: the client principals (None: no client auth); `cluster`: the internal credential its calls to
-    peers present and its control RPCs require; `token`: the single admin token of --token, presented on calls
-    to peers only where no cluster credential is configured (in-process setups)."""
+    `principals`: the client principals (None: no client auth); `cluster`: the internal secret its calls to
+    peers present and its control RPCs require; `cluster_cert`: the name that marks the cluster's mTLS
+    certificates, accepted as the internal credential too (and, without a secret, the only one: calls to peers
+    then carry no authorization, the TLS channel presents our certificate); `token`: the single admin token of
+    --token, presented on calls to peers only where no cluster credential is configured (in-process setups)."""
 
     token: str | None = None
     tls: TlsFiles | None = None
     principals: PrincipalBook | None = None
     cluster: ClusterSecret | None = None
+    cluster_cert: ClusterCertificate | None = None
 
     def __post_init__(self) -> None:
         if self.principals is None and self.token:
             object.__setattr__(self, "principals", PrincipalBook(admin_token=self.token))
+        if self.cluster_cert is not None:
+            check_cluster_certificate(self.tls, self.cluster_cert)
+
+    @property
+    def has_cluster_credential(self) -> bool:
+        return self.cluster is not None or self.cluster_cert is not None
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         if self.cluster is not None:
             return (("authorization", f"{CLUSTER_SCHEME}{self.cluster.secret}"),)
+        if self.cluster_cert is not None:
+            return ()
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
     def access_policy(self) -> AccessPolicy:
-        return AccessPolicy(self.principals, self.cluster)
+        return AccessPolicy(self.principals, self.cluster, self.cluster_cert)
+
+
+def check_cluster_certificate(tls: TlsFiles | None, cluster_cert: ClusterCertificate) -> None:
+    """ValueError naming the flag unless mTLS is on and our own certificate carries the cluster's name (else our
+    calls to peers would not count as the cluster's)."""
+    if tls is None or tls.ca is None:
+        raise ValueError("--cluster-cert-name needs mutual TLS: --tls-cert, --tls-key and --tls-ca")
+    names = certificate_names(tls.cert)
+    if cluster_cert.name not in names:
+        raise ValueError(f"--cluster-cert-name {cluster_cert.name!r} is not a name of --tls-cert {tls.cert!r} "
+                         f"(its CN and subjectAltNames: {', '.join(sorted(names)) or 'none'})")
+
+
+def certificate_names(path: str) -> set[str]:
+    """The subject CN and subjectAltName values of the (first) certificate in the PEM file `path`, as gRPC's
+    auth context shows a peer's. The standard library decodes a certificate only through ssl's test helper."""
+    try:
+        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    except ssl.SSLError as err:
+        raise ValueError(f"--tls-cert {path!r}: not a PEM certificate: {err}") from None
+    names = {value for rdn in decoded.get("subject", ()) for key, value in rdn if key == "commonName"}
+    return names | {value for _kind, value in decoded.get("subjectAltName", ())}
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:

@@ -9,12 +9,13 @@ import os
 from pathlib import Path
 
 from server.common.auth import Security, TlsFiles
-from server.common.principals import ClusterSecret, PrincipalBook
+from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
 TOKENS_FILE_ENV = "SHARDSERVE_TOKENS_FILE"
 CLUSTER_SECRET_FILE_ENV = "SHARDSERVE_CLUSTER_SECRET_FILE"
+CLUSTER_CERT_NAME_ENV = "SHARDSERVE_CLUSTER_CERT_NAME"
 CLUSTER_SECRET_FILE = "cluster-secret"  # under the state dir, where `up` and `coordinator` keep theirs
 PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit when it is gone
 
@@ -30,6 +31,10 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
                         help="file holding the internal credential coordinator and ranks present to each other "
                         f"(default: ${CLUSTER_SECRET_FILE_ENV}; `up` makes one, `coordinator` makes "
                         f"STATE_DIR/{CLUSTER_SECRET_FILE} when not given)")
+    parser.add_argument("--cluster-cert-name", default=os.environ.get(CLUSTER_CERT_NAME_ENV) or None,
+                        help="with mTLS: a client certificate whose CN or a subjectAltName is this name is the "
+                        "cluster's, accepted as the internal credential, so no --cluster-secret-file is needed; "
+                        f"--tls-cert must carry it (default: ${CLUSTER_CERT_NAME_ENV}; see docs/operations.md)")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate of this server (enables TLS)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: require client certificates "
@@ -47,12 +52,15 @@ def security_from_args(args: argparse.Namespace) -> Security:
     tls = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if args.tls_cert else None
     principals = PrincipalBook(args.tokens_file, args.token) if args.tokens_file or args.token else None
     cluster = ClusterSecret.from_file(args.cluster_secret_file) if args.cluster_secret_file else None
-    return Security(token=args.token or None, tls=tls, principals=principals, cluster=cluster)
+    cluster_cert = ClusterCertificate(args.cluster_cert_name) if args.cluster_cert_name is not None else None
+    return Security(token=args.token or None, tls=tls, principals=principals, cluster=cluster,
+                    cluster_cert=cluster_cert)
 
 
 def with_state_dir_secret(security: Security, state_dir: str | Path) -> Security:
-    """`security` with STATE_DIR/cluster-secret (made when missing) where no --cluster-secret-file was given."""
-    if security.cluster is not None:
+    """`security` with STATE_DIR/cluster-secret (made when missing) where no cluster credential was given (no
+    --cluster-secret-file, no --cluster-cert-name)."""
+    if security.has_cluster_credential:
         return security
     secret = ClusterSecret.in_state_dir(Path(state_dir) / CLUSTER_SECRET_FILE)
     return dataclasses.replace(security, cluster=secret)

@@ -76,5 +76,5 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d%s%s%s", ", ".join(names), host, port, " with TLS" if security.tls else "",
              f" for {security.principals.size} principals" if security.principals else " without client auth",
-             " and the cluster credential" if security.cluster else "")
+             " and the cluster credential" if security.has_cluster_credential else "")
     return RunningServer(server, host, port, health_servicer, names, stream_limits)

@@ -13,7 +13,8 @@ A tokens file is TOML, one `[[principal]]` table per principal:
 Tokens are never stored in the clear: a call's bearer token is hashed and looked
 up. `--token T` alone is one admin principal named "admin". The cluster
 credential (the internal secret coordinator and ranks share) is its own
-principal, "cluster": the only one with the `cluster` right (and every other).
+principal, "cluster": the only one with the `cluster` right (and every other). In an mTLS
+cluster a certificate of the cluster (ClusterCertificate) can stand in for that secret.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import threading
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -221,3 +222,22 @@ class ClusterSecret:
 
     def matches(self, presented: str) -> bool:
         return hmac.compare_digest(presented.encode(), self._presented)
+
+
+class ClusterCertificate:
+    """The internal credential of an mTLS cluster: a client certificate (verified against --tls-ca by the TLS
+    layer) whose subject CN or one of whose subjectAltName entries is `name` is the cluster's. User certificates
+    signed by the same CA carry other names, so they stay plain TLS peers that must show a bearer token."""
+
+    def __init__(self, name: str) -> None:
+        if not name or not name.strip() or not (name.isascii() and name.isprintable()):
+            raise ValueError(f"--cluster-cert-name {name!r} must be a non-empty printable ASCII name")
+        self.name = name
+
+    def matches(self, auth_context: Mapping[str, Sequence[bytes]]) -> bool:
+        """Whether the peer of a TLS call (gRPC's auth context) presented a verified certificate of the cluster."""
+        if b"ssl" not in auth_context.get("transport_security_type", ()) or not auth_context.get("x509_pem_cert"):
+            return False
+        wanted = self.name.encode()
+        names = (*auth_context.get("x509_common_name", ()), *auth_context.get("x509_subject_alternative_name", ()))
+        return any(hmac.compare_digest(wanted, presented) for presented in names)

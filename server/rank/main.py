@@ -244,9 +244,9 @@ def main(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    if security.cluster is None:
+    if not security.has_cluster_credential:
         log.error("no cluster credential: pass --cluster-secret-file (the coordinator's STATE_DIR/cluster-secret; "
-                  "`up` and `node` pass it themselves)")
+                  "`up` and `node` pass it themselves), or --cluster-cert-name with mTLS")
         return 2
     principals = security.principals
     signal.signal(signal.SIGHUP, lambda *_: principals.reload() if principals is not None else None)
