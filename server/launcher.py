@@ -40,6 +40,14 @@ from server.common.metrics import serve_metrics
 from server.common.principals import ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
+from server.common.tracing import (
+    add_tracing_args,
+    check_exporter,
+    disable_tracing,
+    enable_tracing,
+    tracing_enabled,
+    tracing_flags,
+)
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
     PROJECT_ROOT,
     RankLaunch,
@@ -136,7 +144,7 @@ class LocalCluster:
                  cluster_secret_file: str | None = None,
                  rank_limits: StreamLimitSettings = StreamLimitSettings(),
                  persist_dir: str | Path | None = None, fsync: str | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tracing: str | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         if version_grace is not None and not 0 <= version_grace < float("inf"):
@@ -147,6 +155,8 @@ class LocalCluster:
         self.cluster_secret_file = cluster_secret_file
         self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
         self.metrics_port = metrics_port  # None: no metrics; P: coordinator P, rank r P+1+r; 0: any free ports
+        self.tracing = check_exporter(tracing) if tracing else None  # --tracing of the coordinator and ranks
+        self._traces = False  # whether this cluster turned tracing on in this process (and turns it off)
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -181,6 +191,7 @@ class LocalCluster:
             self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
                                               on_exit=self._report_exit)
             self._supervisor.spawn_all()
+            self._start_tracing()
             self.coordinator, self._server = start_coordinator(
                 f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
                 self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after,
@@ -192,6 +203,11 @@ class LocalCluster:
             raise
         log.info("cluster of %d ranks ready at %s", self.ranks, self.address)
         return self
+
+    def _start_tracing(self) -> None:
+        """Trace the coordinator's RPCs in this process (unless something here already traces)."""
+        if self.tracing and not tracing_enabled():
+            self._traces = enable_tracing(self.tracing, "shardserve-coordinator")
 
     def _cluster_secret(self) -> ClusterSecret:
         """The internal credential: from --cluster-secret-file, or a new one written for the ranks to read."""
@@ -256,6 +272,9 @@ class LocalCluster:
             if self.coordinator is not None:
                 self.coordinator.close()
                 self.coordinator = None
+            if self._traces:
+                disable_tracing()
+                self._traces = False
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -274,7 +293,7 @@ class LocalCluster:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
                                self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
                                self.version_grace, self.rank_limits, self.persist_dir, self.fsync)
-        return [RankLaunch(rank, command + rank_metrics_flags(self.metrics_port, rank),
+        return [RankLaunch(rank, command + rank_metrics_flags(self.metrics_port, rank) + tracing_flags(self.tracing),
                            rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -357,7 +376,7 @@ def main_up(argv: Sequence[str]) -> int:
                            version_grace=args.version_grace, tokens_file=args.tokens_file,
                            cluster_secret_file=args.cluster_secret_file, rank_limits=stream_limits_from_args(args),
                            persist_dir=None if args.no_persist else args.persist_dir or Path(args.state_dir) / "data",
-                           fsync=args.fsync, metrics_port=args.metrics_port)
+                           fsync=args.fsync, metrics_port=args.metrics_port, tracing=args.tracing)
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
     try:
@@ -393,6 +412,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
                         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
                         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
     add_metrics_args(parser)
+    add_tracing_args(parser)
     _add_common_args(parser)
     args = parser.parse_args(argv)
     _check_common_args(parser, args)
@@ -401,6 +421,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
     configure_logging(args.log_level)
     try:
         security = with_state_dir_secret(security_from_args(args), args.state_dir)
+        if args.tracing:
+            enable_tracing(args.tracing, "shardserve-coordinator")
     except (OSError, ValueError) as err:
         parser.error(str(err))
     handle_stop_signals()
