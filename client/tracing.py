@@ -8,11 +8,13 @@ reshard's spans on every process share the caller's trace id.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import grpc
 
+log = logging.getLogger(__name__)
 TRACING_ENV = "SHARDSERVE_TRACING"  # the servers' exporter; any value but 0/off/false also turns client tracing on
 _OFF = ("", "0", "off", "false", "no")
 
@@ -26,7 +28,8 @@ def tracing_wanted(tracing: Any) -> bool:
 
 def call_interceptor(tracing: Any) -> grpc.UnaryUnaryClientInterceptor | None:
     """The interceptor that traces every call of a client given `tracing` (connect()'s argument), or None when
-    off. ValueError naming `tracing` when OpenTelemetry is not installed."""
+    off. Without OpenTelemetry installed: ValueError naming `tracing` when asked for in the call, a warning
+    (and no tracing) when only $SHARDSERVE_TRACING asked."""
     if not tracing_wanted(tracing):
         return None
     if tracing is not None and not isinstance(tracing, bool) and not hasattr(tracing, "get_tracer"):
@@ -37,4 +40,7 @@ def call_interceptor(tracing: Any) -> grpc.UnaryUnaryClientInterceptor | None:
 
         return TraceContextInterceptor(None if isinstance(tracing, bool) or tracing is None else tracing)
     except ImportError as err:
+        if tracing is None:
+            log.warning("$%s is set but OpenTelemetry is not installed: calls are not traced (%s)", TRACING_ENV, err)
+            return None
         raise ValueError(f"tracing needs opentelemetry-api: pip install 'shardserve[tracing]' ({err})") from None

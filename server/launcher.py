@@ -131,6 +131,8 @@ class LocalCluster:
     `restart_backoff`: seconds before the first restart of a rank, doubling up to 30 s.
     `token` (one admin token) and/or `tokens_file` (principals, server/common/principals.py) turn client auth on;
     the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret.
+    `tracing` (an exporter: otlp, console, file:DIR; server.common.tracing) traces the coordinator's RPCs here
+    (with a tracer provider of its own, dropped at stop()) and the ranks'.
     """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",

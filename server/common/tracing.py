@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -93,7 +94,7 @@ def _span_processor(exporter: str, service: str) -> Any:
                              f"'shardserve[tracing]' ({err})") from None
         return BatchSpanProcessor(OTLPSpanExporter())
     if exporter == "console":
-        return SimpleSpanProcessor(ConsoleSpanExporter(formatter=_one_line))
+        return SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr, formatter=_one_line))  # stdout: the address
     folder = Path(exporter[len("file:"):])
     try:
         folder.mkdir(parents=True, exist_ok=True)

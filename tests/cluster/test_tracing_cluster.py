@@ -76,6 +76,7 @@ def test_reshard_is_one_trace_across_client_coordinator_and_ranks(traced_cluster
     coordinator = spans_of_trace(span_dir, "shardserve-coordinator", trace_id, {RESHARD})
     served = [s for s in coordinator if s["name"] == RESHARD and s["kind"] == "SpanKind.SERVER"]
     assert len(served) == 1 and served[0]["parent_id"] == f"0x{reshard_call.context.span_id:016x}"
+    assert not any(s["name"].endswith("/Heartbeat") for s in read_spans(span_dir, "shardserve-coordinator"))
     to_ranks = {s["name"] for s in coordinator if s["kind"] == "SpanKind.CLIENT"}
     assert {SHARD_SERVER + "RunCollective", SHARD_SERVER + "PromoteVersion"} <= to_ranks
 
