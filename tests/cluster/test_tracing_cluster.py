@@ -2,6 +2,7 @@
 every rank's RPCs and the collective job each rank ran; with tracing off nothing is installed."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch
 from client import connect
 from server.common import tracing
 from server.launcher import PROJECT_ROOT, LocalCluster
+from server.node import node_launches
 from shardcore import ChunkShardingSpec
 
 pytest.importorskip("opentelemetry.sdk.trace")
@@ -135,3 +137,9 @@ def test_bad_exporter_is_refused_naming_the_flag() -> None:
     rank = subprocess.run([sys.executable, "-m", "server", "--coordinator", "127.0.0.1:1", "--tracing", "file:"],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
     assert rank.returncode == 2 and "--tracing 'file:'" in rank.stderr
+
+
+def test_node_hands_tracing_to_its_ranks() -> None:
+    args = argparse.Namespace(metrics_port=None, tracing="file:/spans", world_size=4)
+    launches = node_launches(args, [2, 3], None, ["python", "-m", "server"])
+    assert [list(launch.command[-2:]) for launch in launches] == [["--tracing", "file:/spans"]] * 2
