@@ -109,8 +109,10 @@ class ShardMethods(NamedTuple):
 class Channel:
     """gRPC channels to the coordinator and the ranks, with this client's credentials, deadline and pool."""
 
-    def __init__(self, credentials: Credentials, timeout: float, max_workers: int = 16) -> None:
+    def __init__(self, credentials: Credentials, timeout: float, max_workers: int = 16,
+                 interceptor: Any = None) -> None:
         self.credentials = credentials
+        self.interceptor = interceptor  # wraps every channel (client.tracing), or None
         self.timeout = timeout
         self._metadata = credentials.metadata()
         self._channels: dict[str, grpc.Channel] = {}
@@ -132,6 +134,8 @@ class Channel:
                                                   options=_CHANNEL_OPTIONS)
                 else:
                     channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                if self.interceptor is not None:
+                    channel = grpc.intercept_channel(channel, self.interceptor)
                 self._channels[address] = channel
             return channel
 

@@ -31,6 +31,7 @@ from client.paths.policy import PathPolicy, check_transport
 from client.session import Session
 from client.snapshots import Snapshot
 from client.tensor import RemoteShardedTensor
+from client.tracing import call_interceptor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
 from shardcore.metadata import ShardedTensorMetadata
@@ -44,7 +45,7 @@ INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NO
 def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
             tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0,
             row_cache_max_age: float = 1.0, transport: str = "auto",
-            hedge_after: float | None = HEDGE_AFTER_S) -> "Cluster":
+            hedge_after: float | None = HEDGE_AFTER_S, tracing: Any = None) -> "Cluster":
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
@@ -56,6 +57,9 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     long (plus 2 ms per MB) is asked of another copy of its box too, and the first answer wins
     (client.paths.hedging); a part with no other copy ends with RankUnavailableError once the coordinator
     reports its rank dead, hedging or not.
+    `tracing`: trace every gRPC call with OpenTelemetry, its context carried to the coordinator and the ranks
+    (docs/operations.md#tracing): True (the application's global tracer provider), an OpenTelemetry
+    TracerProvider, False (off), or None (the default: on when $SHARDSERVE_TRACING is set, not 0/off).
     """
     check_address(address)
     check_transport(transport)
@@ -63,8 +67,8 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
     hedge_after = arguments.seconds(hedge_after, "hedge_after", allow_zero=True) if hedge_after is not None else None
     cache = RowCache(arguments.count(row_cache_bytes, "row_cache_bytes")) if row_cache_bytes else None
-    cluster = Cluster(address, Channel(Credentials(token, tls_ca, tls_cert, tls_key), timeout), cache,
-                      row_cache_max_age, transport, hedge_after)
+    channel = Channel(Credentials(token, tls_ca, tls_cert, tls_key), timeout, interceptor=call_interceptor(tracing))
+    cluster = Cluster(address, channel, cache, row_cache_max_age, transport, hedge_after)
     try:
         cluster.session.refresh_ranks()
     except RankUnavailableError as err:

@@ -40,6 +40,14 @@ from server.common.metrics import serve_metrics
 from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from server.common.stream_limits import StreamLimitSettings
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals, wait_for_stop_signal
+from server.common.tracing import (
+    add_tracing_args,
+    check_exporter,
+    disable_tracing,
+    enable_tracing,
+    tracing_enabled,
+    tracing_flags,
+)
 from server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
     PROJECT_ROOT,
     RankLaunch,
@@ -124,6 +132,8 @@ class LocalCluster:
     `token` (one admin token) and/or `tokens_file` (principals, server/common/principals.py) turn client auth on;
     the cluster credential is read from `cluster_secret_file`, or made anew at STATE_DIR/cluster-secret, unless
     `cluster_cert_name` (mTLS: `tls` with a CA) names the cluster's certificates, which then suffice.
+    `tracing` (an exporter: otlp, console, file:DIR; server.common.tracing) traces the coordinator's RPCs here
+    (with a tracer provider of its own, dropped at stop()) and the ranks'.
     """
 
     def __init__(self, ranks: int = 3, token: str | None = None, state_dir: str | Path = ".shardserve",
@@ -137,7 +147,7 @@ class LocalCluster:
                  cluster_secret_file: str | None = None, cluster_cert_name: str | None = None,
                  rank_limits: StreamLimitSettings = StreamLimitSettings(),
                  persist_dir: str | Path | None = None, fsync: str | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, tracing: str | None = None) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
         if version_grace is not None and not 0 <= version_grace < float("inf"):
@@ -149,6 +159,8 @@ class LocalCluster:
         self.cluster_secret_file = cluster_secret_file
         self.rank_limits = rank_limits  # the ranks' stream limits and stall timeout
         self.metrics_port = metrics_port  # None: no metrics; P: coordinator P, rank r P+1+r; 0: any free ports
+        self.tracing = check_exporter(tracing) if tracing else None  # --tracing of the coordinator and ranks
+        self._traces = False  # whether this cluster turned tracing on in this process (and turns it off)
         self.state_dir = Path(state_dir)
         self.memory_limit = memory_limit  # None: each rank's share of the host's memory
         self.recycle_bytes = recycle_bytes  # None: the rank's default
@@ -184,6 +196,7 @@ class LocalCluster:
             self._supervisor = RankSupervisor(self._launches(f"{self._dial_host()}:{port}"), self.restart_policy,
                                               on_exit=self._report_exit)
             self._supervisor.spawn_all()
+            self._start_tracing()
             self.coordinator, self._server = start_coordinator(
                 f"{self.host}:{port}", self.state_dir, self.security, self.heartbeat_interval,
                 self.rpc_timeout, self.pending_timeout, repair_after=self.repair_after,
@@ -195,6 +208,11 @@ class LocalCluster:
             raise
         log.info("cluster of %d ranks ready at %s", self.ranks, self.address)
         return self
+
+    def _start_tracing(self) -> None:
+        """Trace the coordinator's RPCs in this process (unless something here already traces)."""
+        if self.tracing and not tracing_enabled():
+            self._traces = enable_tracing(self.tracing, "shardserve-coordinator")
 
     def _cluster_secret(self) -> ClusterSecret:
         """The internal credential: from --cluster-secret-file, or a new one written for the ranks to read."""
@@ -259,6 +277,9 @@ class LocalCluster:
             if self.coordinator is not None:
                 self.coordinator.close()
                 self.coordinator = None
+            if self._traces:
+                disable_tracing()
+                self._traces = False
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -277,7 +298,7 @@ class LocalCluster:
         command = rank_command(coordinator, self.host, self.device, self.max_request_bytes, self.log_level,
                                self.security, self.memory_limit, self.recycle_bytes, self.bulk_reads,
                                self.version_grace, self.rank_limits, self.persist_dir, self.fsync)
-        return [RankLaunch(rank, command + rank_metrics_flags(self.metrics_port, rank),
+        return [RankLaunch(rank, command + rank_metrics_flags(self.metrics_port, rank) + tracing_flags(self.tracing),
                            rank_env(rank, rank, self.ranks, self.ranks, self.security.token))
                 for rank in range(self.ranks)]
 
@@ -361,7 +382,7 @@ def main_up(argv: Sequence[str]) -> int:
                            cluster_secret_file=args.cluster_secret_file,
                            cluster_cert_name=args.cluster_cert_name, rank_limits=stream_limits_from_args(args),
                            persist_dir=None if args.no_persist else args.persist_dir or Path(args.state_dir) / "data",
-                           fsync=args.fsync, metrics_port=args.metrics_port)
+                           fsync=args.fsync, metrics_port=args.metrics_port, tracing=args.tracing)
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
     try:
@@ -397,6 +418,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
                         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
                         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)")
     add_metrics_args(parser)
+    add_tracing_args(parser)
     _add_common_args(parser)
     args = parser.parse_args(argv)
     _check_common_args(parser, args)
@@ -405,6 +427,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
     configure_logging(args.log_level)
     try:
         security = with_state_dir_secret(security_from_args(args), args.state_dir)
+        if args.tracing:
+            enable_tracing(args.tracing, "shardserve-coordinator")
     except (OSError, ValueError) as err:
         parser.error(str(err))
     handle_stop_signals()

@@ -23,6 +23,7 @@ from server.common.cli_args import (
     stream_limits_from_args,
 )
 from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
+from server.common.tracing import tracing_flags
 from server.supervisor import (
     RankLaunch,
     RankSupervisor,
@@ -80,7 +81,7 @@ def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
 def node_launches(args: argparse.Namespace, ranks: Sequence[int], token: str | None,
                   command: Sequence[str]) -> list[RankLaunch]:
     """One launch per rank: LOCAL_RANK is its position on this node, LOCAL_WORLD_SIZE the node's rank count."""
-    return [RankLaunch(rank, [*command, *rank_metrics_flags(args.metrics_port, rank)],
+    return [RankLaunch(rank, [*command, *rank_metrics_flags(args.metrics_port, rank), *tracing_flags(args.tracing)],
                        rank_env(rank, local, len(ranks), args.world_size, token))
             for local, rank in enumerate(ranks)]
 

@@ -34,6 +34,7 @@ from server.common.cli_args import (
     stream_limits_from_args,
 )
 from server.common.stream_limits import StreamLimitSettings
+from server.common.tracing import add_tracing_args, check_exporter
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,7 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics: the coordinator "
                         "(under `up`) on this port, rank r on port+1+r (0 = any free port each; default: off; "
                         "`shardserve status` lists the addresses)")
+    add_tracing_args(parser)
     add_stream_limit_args(parser)
 
 
@@ -173,6 +175,8 @@ def check_rank_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -
     if not 0 <= args.restart_backoff < math.inf:
         parser.error(f"--restart-backoff must be a number of seconds >= 0, got {args.restart_backoff}")
     try:
+        if args.tracing:
+            check_exporter(args.tracing)
         stream_limits_from_args(args)
     except ValueError as err:
         parser.error(str(err))

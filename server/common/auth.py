@@ -17,6 +17,7 @@ import grpc
 
 from server.common.access import CLUSTER_SCHEME, AccessPolicy
 from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
+from server.common.tracing import traced_channel
 
 log = logging.getLogger(__name__)
 
@@ -163,11 +164,12 @@ class _CallDetails(grpc.ClientCallDetails):
 
 
 def make_channel(address: str, security: Security = Security()) -> grpc.Channel:
-    """A channel to a peer that presents this process's token and TLS credentials."""
+    """A channel to a peer that presents this process's token and TLS credentials (and, while tracing is on,
+    carries this process's trace on)."""
     if security.tls is not None:
         channel = grpc.secure_channel(address, channel_credentials(security.tls), options=CHANNEL_OPTIONS)
     else:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     if security.call_metadata():
         channel = grpc.intercept_channel(channel, _TokenCallInterceptor(security.call_metadata()))
-    return channel
+    return traced_channel(channel)

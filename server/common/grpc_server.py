@@ -15,6 +15,7 @@ from server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
 from server.common.metrics import MetricsInterceptor, ServerMetrics
 from server.common.request_decoding import RequestDecodingInterceptor
 from server.common.stream_limits import StreamLimits, StreamLimitSettings
+from server.common.tracing import server_interceptors
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,14 @@ def start_server(listen: str, security: Security, add_servicers: Callable[[grpc.
                  metrics: ServerMetrics | None = None) -> RunningServer:
     """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection,
     on `limits.workers` threads, checking every call's access and the stream limits; with `metrics`, every
-    call's count, status and latency are recorded there too."""
+    call's count, status and latency are recorded there too; while tracing is on (server.common.tracing), every
+    call continues its caller's trace."""
     host, _ = split_address(listen)
     stream_limits = StreamLimits(limits)
     interceptors = [AccessInterceptor(security.access_policy(), stream_limits.wrap), RequestDecodingInterceptor()]
     if metrics is not None:
         interceptors.insert(0, MetricsInterceptor(metrics))  # outermost: refused calls are counted too
+    interceptors = [*server_interceptors(), *interceptors]  # refused calls are traced too
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
                          interceptors=interceptors,
                          options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)])  # a port in use is an error

@@ -24,6 +24,7 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, ServiceError
+from server.common.tracing import carry_context
 from server.coordinator.metrics import JobTracker
 from server.coordinator.registry import RankRegistry
 from server.coordinator.rendezvous import Epochs, RendezvousStore
@@ -169,7 +170,8 @@ class CollectiveRunner:
             except (grpc.RpcError, ServiceError):
                 pass  # a dead rank runs nothing
         for rank in ranks:
-            threading.Thread(target=cancel, args=(rank,), name=f"cancel-{seq}-rank-{rank}", daemon=True).start()
+            threading.Thread(target=carry_context(cancel), args=(rank,), name=f"cancel-{seq}-rank-{rank}",
+                             daemon=True).start()
 
     def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""

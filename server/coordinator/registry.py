@@ -18,6 +18,7 @@ import grpc
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.auth import Security, make_channel
+from server.common.tracing import carry_context
 from server.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -231,7 +232,7 @@ class RankRegistry:
         for rank, entry in entries.items():
             if not self.is_alive(entry):  # fail fast: a stopped rank would hold the call until its deadline
                 failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        jobs = {r: self._pool.submit(call, e.stub) for r, e in entries.items() if self.is_alive(e)}
+        jobs = {r: self._pool.submit(carry_context(call), e.stub) for r, e in entries.items() if self.is_alive(e)}
         deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
         for rank, job in jobs.items():
             try:

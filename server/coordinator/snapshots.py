@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Protocol
 from protos import shardserve_pb2 as pb
 from server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
 from server.common.requests import check_name, check_version, parse_metadata
+from server.common.tracing import carry_context
 from server.coordinator.catalog import Catalog, holding_ranks
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
@@ -168,7 +169,7 @@ class SnapshotDriver:
 
     def _each(self, snapshot: pb.SnapshotInfo, step: Callable[[pb.TensorInfo], None]) -> None:
         """step(tensor) for every tensor of the snapshot, several at once; the first failure raised."""
-        done = [self._pool.submit(step, entry.tensor) for entry in snapshot.entries]
+        done = [self._pool.submit(carry_context(step), entry.tensor) for entry in snapshot.entries]
         for future in done:
             future.result()
 

@@ -39,6 +39,7 @@ from server.common.cli_args import (
 from server.common.errors import ServiceError
 from server.common.grpc_server import RunningServer, split_address, start_server
 from server.common.metrics import MetricsEndpoint, serve_metrics
+from server.common.tracing import add_tracing_args, check_exporter, enable_tracing
 from server.rank.jobs.groups import ProcessGroups
 from server.rank.malloc_tuning import tune_malloc
 from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
@@ -89,11 +90,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--register-timeout", type=float, default=60.0, help="seconds to keep trying to "
                         "register with the coordinator (default %(default)s)")
     add_metrics_args(parser)
+    add_tracing_args(parser)
     add_security_args(parser)
     add_stream_limit_args(parser)
     args = parser.parse_args(argv)
     try:
         stream_limits_from_args(args)
+        if args.tracing:
+            check_exporter(args.tracing)
     except ValueError as err:
         parser.error(str(err))
     for flag in ("memory_limit", "max_request_bytes", "recycle_bytes", "bulk_port", "metrics_port"):
@@ -241,6 +245,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         device = resolve_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
         security = security_from_args(args)
+        if args.tracing:  # before any server or channel is made: they are traced from the start
+            enable_tracing(args.tracing, f"shardserve-rank-{rank}", {"shardserve.rank": rank})
     except ValueError as err:
         log.error("%s", err)
         return 2

@@ -46,6 +46,7 @@ import grpc
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import InvalidArgument, rpc_errors
+from server.common.tracing import carry_context, span
 from server.rank.jobs.context import JobContext
 from server.rank.jobs.groups import ProcessGroups
 from server.rank.jobs.ordering import JobChain
@@ -117,16 +118,22 @@ class CollectiveJobService:
     def RunCollective(self, job: pb.CollectiveJob, context: grpc.ServicerContext) -> Iterator[pb.CollectiveProgress]:
         run_kind = self._check(job)
         ctx = JobContext(self.store, self.store.rank, job, deadline=0.0, groups=self.groups)
+        kind = job.WhichOneof("kind") or "unknown"
+
+        def run_traced() -> None:  # on the job's own thread, in this call's trace (when tracing is on)
+            with span(f"collective {kind}", {"shardserve.job.seq": job.seq, "shardserve.job.epoch": job.epoch,
+                                             "shardserve.rank": self.store.rank}):
+                run_kind(job, ctx)
 
         def execute() -> None:
             ctx.deadline = time.monotonic() + job.timeout_s  # timeout_s is the job's own run, not its queueing
             ctx.progress.started = True
-            self._run_abandonable(job, lambda: run_kind(job, ctx), ctx.deadline + ABANDON_GRACE_S)
+            self._run_abandonable(job, run_traced, ctx.deadline + ABANDON_GRACE_S)
 
         # A caller that stops listening does not cancel the job: its peers may already be in its
         # collectives, and they would hang until their deadline. Only CancelCollective cancels.
-        started, kind = self.store.metrics.job_started(), job.WhichOneof("kind") or "unknown"
-        future = self.chain.submit(job.seq, job.after_seq, execute, job.timeout_s)
+        started = self.store.metrics.job_started()
+        future = self.chain.submit(job.seq, job.after_seq, carry_context(execute), job.timeout_s)
         future.add_done_callback(lambda done: self.store.metrics.job_ended(
             kind, not done.cancelled() and done.exception() is None, started))
         while True:
@@ -168,7 +175,7 @@ class CollectiveJobService:
 
         with self._lock:
             self._running[job.seq] = wake
-        threading.Thread(target=run, name=f"collective-job-{job.seq}", daemon=True).start()
+        threading.Thread(target=carry_context(run), name=f"collective-job-{job.seq}", daemon=True).start()
         try:
             woken = wake.wait(max(0.0, give_up_at - time.monotonic()))
         finally:
