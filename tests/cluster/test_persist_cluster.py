@@ -12,10 +12,12 @@ import threading
 import time
 from typing import Callable
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from client import connect
+from client.errors import ShardsLostError
 from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
@@ -194,3 +196,38 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
                     and client.tensor("copies").health == "healthy", "the lost copy to be repaired")
         assert client.tensor("copies").replicas == 2
         assert torch.equal(_read(client, "copies"), table)
+
+
+def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(make_cluster, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A restarted rank held in the middle of its restore (debug hook) is listed as restoring with its progress,
+    `shardserve status` says so and its tensors are not served; once released they are, bit for bit."""
+    from client.cli.main import _status
+
+    hold = tmp_path / "hold-restore"
+    monkeypatch.setenv("SHARDSERVE_DEBUG_RESTORE_HOLD", str(hold))
+    cluster = make_cluster(ranks=2, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5,
+                           persist_dir=tmp_path / "data", repair_after=3600)
+    tables = {name: torch.randn(ROWS, DIM) for name in ("first", "second")}
+    with connect(cluster.address) as client:
+        for name, table in tables.items():
+            client.put(name, table, spec=SPEC)
+        hold.touch()
+        cluster.kill_rank(1, signal.SIGKILL)
+        _wait_until(lambda: client.ranks()[1].restore is not None, "rank 1 to report its restore")
+        restore = client.ranks()[1].restore
+        assert (restore.done_tensors, restore.total_tensors, restore.loaded) == (1, 2, False)
+        assert 0 < restore.done_bytes < restore.total_bytes and not client.ranks()[1].alive
+        for name in tables:  # rank 1's boxes have no copy to read until it is back
+            assert client.tensor(name).health == "lost"
+            with pytest.raises(ShardsLostError):
+                client.tensor(name).full_tensor()
+        _status(client)
+        shown = capsys.readouterr().out
+        assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
+        hold.unlink()
+        _wait_until(lambda: client.ranks()[1].alive and client.ranks()[1].restore is None, "rank 1 to be restored")
+        for name, table in tables.items():
+            info = client.tensor(name)
+            assert info.health == "healthy" and not info.lost_boxes
+            assert torch.equal(info.full_tensor(), table)
