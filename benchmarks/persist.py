@@ -2,13 +2,13 @@
 against a bare write+fsync of the same bytes on the same disk (the limit), and how long a cluster SIGKILLed
 while holding a table takes to serve it again, against dcp.load of the same bytes.
 
-On 2-rank local clusters (row-wise float32 tables, 256 columns): one put of a 256 MiB table (16 MiB with
---quick) and UPDATES update_rows of 64 random rows, per mode; the baseline writes the put's bytes to one file
-and fsyncs it, and appends each update's rows to a file with an fsync per update. Then the `always` cluster
-takes a 1 GiB table (16 MiB quick), every rank is SIGKILLed, the coordinator stopped, and `up` started again
-on the same state dir: the time until a row of every shard is read back, against dcp.load of the table saved
-with dcp.save (no process group) into a preallocated tensor. Both read from the page cache where it still holds
-the files (nothing here drops it).
+On 2-rank local clusters (row-wise float32 tables, 256 columns): one put of a 256 MiB table (4 MiB with
+--quick, which runs `always` only) and 50 update_rows of 64 random rows (10 quick), per mode; the baseline
+writes the put's bytes to one file and fsyncs it, and appends each update's rows to a file with an fsync per
+update. Then the `always` cluster takes a 1 GiB table (4 MiB quick), every rank is SIGKILLed, the coordinator
+stopped, and `up` started again on the same state dir: the time until a row of every shard is read back,
+against dcp.load of the table saved with dcp.save (no process group) into a preallocated tensor. Both read
+from the page cache where it still holds the files (nothing here drops it).
 
     python -m benchmarks --only persist
 """
@@ -28,6 +28,7 @@ from benchmarks.harness import Context, Row, scenario
 COLUMNS = 256
 ROWS_PER_UPDATE = 64
 MODES = ("off", "interval", "always")
+QUICK_MODES = ("always",)  # --quick: two cluster starts fewer (the smoke test's time limit)
 SERVE_TIMEOUT_S = 600.0
 
 
@@ -44,8 +45,10 @@ def _start(state: Path, mode: str):  # type: ignore[no-untyped-def]
     return cluster.start(timeout=SERVE_TIMEOUT_S)
 
 
-def write_and_put(ctx: Context, state: Path, mode: str, table: torch.Tensor, updates: int) -> dict:
-    """Seconds of one put of `table` and of `updates` update_rows on a fresh cluster in `mode`."""
+def write_and_put(ctx: Context, state: Path, mode: str, table: torch.Tensor, updates: int,
+                  then_killed: torch.Tensor | None = None) -> dict:
+    """Seconds of one put of `table` and of `updates` update_rows on a fresh cluster in `mode`; with
+    `then_killed`, that is put as "restarted" and every rank SIGKILLed before the cluster stops."""
     from client import connect
 
     generator = torch.Generator().manual_seed(0)
@@ -66,6 +69,10 @@ def write_and_put(ctx: Context, state: Path, mode: str, table: torch.Tensor, upd
                 expected[ids] = values
             update_s = time.perf_counter() - start
             ok = torch.equal(client.tensor("persisted").full_tensor(), expected)
+            if then_killed is not None:
+                client.put("restarted", then_killed)
+                for rank in range(cluster.ranks):
+                    cluster.kill_rank(rank, signal.SIGKILL)
     finally:
         cluster.stop()
     return {"put_s": put_s, "update_s": update_s, "ok": ok}
@@ -91,18 +98,10 @@ def bare_writes(folder: Path, table: torch.Tensor, updates: int) -> dict:
 
 
 def restart_to_serving(state: Path, table: torch.Tensor) -> dict:
-    """Put `table` on an `always` cluster, SIGKILL every rank, start `up` again on the same state dir: seconds
-    until a row of every shard is served again, and whether the table then reads back bit for bit."""
+    """Start `up` again on the state dir of a cluster SIGKILLed holding `table` as "restarted" (write_and_put):
+    seconds until a row of every shard is served again, and whether the table then reads back bit for bit."""
     from client import connect
 
-    cluster = _start(state, "always")
-    try:
-        with connect(cluster.address) as client:
-            client.put("restarted", table)
-        for rank in range(cluster.ranks):
-            cluster.kill_rank(rank, signal.SIGKILL)
-    finally:
-        cluster.stop()
     start = time.perf_counter()
     cluster = _start(state, "always")
     try:
@@ -143,17 +142,19 @@ def dcp_load(folder: Path, table: torch.Tensor) -> dict:
 @scenario("persist", help="put/update_rows with persistence off/interval/always vs write+fsync; restart vs dcp.load")
 def persist_scenario(ctx: Context) -> list[Row]:
     """Put and update costs per fsync mode against a bare write+fsync, and restart-to-serving against dcp.load."""
-    put_bytes = (16 << 20) if ctx.quick else (256 << 20)
-    restart_bytes = (16 << 20) if ctx.quick else (1 << 30)
+    put_bytes = (4 << 20) if ctx.quick else (256 << 20)
+    restart_bytes = (4 << 20) if ctx.quick else (1 << 30)
     updates = 10 if ctx.quick else 50
     table = torch.randn(_rows(put_bytes), COLUMNS, generator=torch.Generator().manual_seed(1))
     with ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-persist-")))
+        big = torch.randn(_rows(restart_bytes), COLUMNS, generator=torch.Generator().manual_seed(2))
         with ctx.rss() as peaks:
-            modes = {mode: write_and_put(ctx, folder / mode, mode, table, updates) for mode in MODES}
+            modes = {mode: write_and_put(ctx, folder / mode, mode, table, updates,
+                                         big if mode == "always" else None)
+                     for mode in (QUICK_MODES if ctx.quick else MODES)}
             bare = bare_writes(folder, table, updates)
-            big = torch.randn(_rows(restart_bytes), COLUMNS, generator=torch.Generator().manual_seed(2))
-            restart = restart_to_serving(folder / "restart", big)
+            restart = restart_to_serving(folder / "always", big)
             load = dcp_load(folder, big)
     put_case, update_case = f"put {put_bytes >> 20} MiB", f"{updates} update_rows of {ROWS_PER_UPDATE} rows"
     update_bytes = updates * ROWS_PER_UPDATE * COLUMNS * 4
