@@ -150,8 +150,9 @@ class RankRegistry:
         return was_dead
 
     def mark_exited(self, rank: int, reason: str) -> None:
-        """Mark a rank dead at once (its process is known to have ended)."""
+        """Mark a rank dead at once (its process is known to have ended; a restore it reported ends with it)."""
         with self._ranks_changed:
+            self._restoring.pop(rank, None)
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
                 return

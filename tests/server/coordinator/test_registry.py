@@ -68,5 +68,8 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
     assert next(r for r in registry.ranks() if r.rank == 1).restore.loaded  # until its versions are re-promoted
     registry.restore_done(1)
     assert not registry.restoring(1) and not next(r for r in registry.ranks() if r.rank == 1).HasField("restore")
+    registry.report_restore(pb.RestoreProgress(rank=2, pid=400, total_bytes=8, total_tensors=1))
+    registry.mark_exited(2, "killed while restoring")  # its restore ended with its process
+    assert not registry.restoring(2) and 2 not in {r.rank for r in registry.ranks()}
     with pytest.raises(InvalidArgument, match="done_tensors must be between 0 and total_tensors"):
         registry.report_restore(pb.RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
