@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 CLUSTER_START_TIMEOUT_S = 180.0
 SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda",
-                    "benchmarks.security", "benchmarks.statedict")
+                    "benchmarks.security", "benchmarks.statedict", "benchmarks.persist")
 ROLES = ("subject", "baseline")
 
 

@@ -15,6 +15,26 @@ from shardcore.wire import metadata_from_proto
 
 
 @dataclass(frozen=True)
+class RestoreStatus:
+    """A rank restoring its persist dir: bytes and tensors read of all; `loaded` once every file is read (it
+    registers and is re-promoted next: its tensors serve reads only after that)."""
+
+    done_bytes: int
+    total_bytes: int
+    done_tensors: int
+    total_tensors: int
+    loaded: bool
+
+    @property
+    def fraction(self) -> float:
+        return self.done_bytes / self.total_bytes if self.total_bytes else 1.0
+
+    @classmethod
+    def from_proto(cls, msg: pb.RestoreProgress) -> "RestoreStatus":
+        return cls(msg.done_bytes, msg.total_bytes, msg.done_tensors, msg.total_tensors, msg.loaded)
+
+
+@dataclass(frozen=True)
 class RankStatus:
     """One registered rank as the coordinator sees it."""
 
@@ -31,6 +51,7 @@ class RankStatus:
     shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
     restarts: int = 0            # new processes that registered this rank number since the coordinator started
     metrics_address: str = ""    # HOST:PORT of its Prometheus /metrics ("" when started without --metrics-port)
+    restore: RestoreStatus | None = None  # while it restores its persist dir (then not alive, or not re-promoted)
 
     @classmethod
     def from_proto(cls, msg: pb.RankInfo) -> "RankStatus":
@@ -38,7 +59,8 @@ class RankStatus:
                    alive=msg.alive, memory_used_bytes=msg.memory_used_bytes,
                    memory_limit_bytes=msg.memory_limit_bytes, pid=msg.pid,
                    last_heartbeat_unix=msg.last_heartbeat_unix, host_id=msg.host_id,
-                   shared_memory=msg.shared_memory, restarts=msg.restarts, metrics_address=msg.metrics_address)
+                   shared_memory=msg.shared_memory, restarts=msg.restarts, metrics_address=msg.metrics_address,
+                   restore=RestoreStatus.from_proto(msg.restore) if msg.HasField("restore") else None)
 
 
 @dataclass(frozen=True)

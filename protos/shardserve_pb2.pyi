@@ -125,7 +125,7 @@ class TensorOptions(_message.Message):
     def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address")
+    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address", "restore")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class RankInfo(_message.Message):
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     device: str
@@ -154,7 +155,32 @@ class RankInfo(_message.Message):
     shared_memory: bool
     restarts: int
     metrics_address: str
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    restore: RestoreProgress
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ..., restore: _Optional[_Union[RestoreProgress, _Mapping]] = ...) -> None: ...
+
+class RestoreProgress(_message.Message):
+    __slots__ = ("rank", "pid", "done_bytes", "total_bytes", "done_tensors", "total_tensors", "loaded", "hostname")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DONE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    pid: int
+    done_bytes: int
+    total_bytes: int
+    done_tensors: int
+    total_tensors: int
+    loaded: bool
+    hostname: str
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_tensors: _Optional[int] = ..., total_tensors: _Optional[int] = ..., loaded: _Optional[bool] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class ReportRestoreResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class TensorInfo(_message.Message):
     __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order")

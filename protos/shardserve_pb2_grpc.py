@@ -46,6 +46,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_shardserve__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.ReportRestore = channel.unary_unary(
+                '/shardserve.v1.Coordinator/ReportRestore',
+                request_serializer=protos_dot_shardserve__pb2.RestoreProgress.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.ReportRestoreResponse.FromString,
+                _registered_method=True)
         self.ListRanks = channel.unary_unary(
                 '/shardserve.v1.Coordinator/ListRanks',
                 request_serializer=protos_dot_shardserve__pb2.ListRanksRequest.SerializeToString,
@@ -142,6 +147,13 @@ class CoordinatorServicer:
 
     def Heartbeat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportRestore(self, request, context):
+        """A rank restoring its persist dir (before it registers) reports its progress: `shardserve status` shows it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -267,6 +279,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=protos_dot_shardserve__pb2.HeartbeatRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ReportRestore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportRestore,
+                    request_deserializer=protos_dot_shardserve__pb2.RestoreProgress.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.ReportRestoreResponse.SerializeToString,
             ),
             'ListRanks': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRanks,
@@ -405,6 +422,33 @@ class Coordinator:
             '/shardserve.v1.Coordinator/Heartbeat',
             protos_dot_shardserve__pb2.HeartbeatRequest.SerializeToString,
             protos_dot_shardserve__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportRestore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/ReportRestore',
+            protos_dot_shardserve__pb2.RestoreProgress.SerializeToString,
+            protos_dot_shardserve__pb2.ReportRestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -164,24 +164,40 @@ def _status(cluster) -> None:
 
     ranks = Table(title=f"ranks of {cluster.address}")
     for column in ("rank", "address", "device", "host", "pid", "restarts", "alive", "memory used", "memory limit",
-                   "metrics"):
+                   "metrics", "restore"):
         ranks.add_column(column)
-    for r in cluster.ranks():
-        ranks.add_row(str(r.rank), r.address, r.device, r.hostname, str(r.pid), str(r.restarts),
+    statuses = cluster.ranks()
+    for r in statuses:
+        ranks.add_row(str(r.rank), r.address or "-", r.device, r.hostname, str(r.pid), str(r.restarts),
                       "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
-                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-", r.metrics_address or "-")
+                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-", r.metrics_address or "-",
+                      _restore_summary(r.restore))
+    restoring = {r.rank for r in statuses if r.restore is not None}
     tensors = Table(title="tensors")
     for column in ("name", "version", "state", "health", "replicas", "shape", "dtype", "layout", "bytes"):
         tensors.add_column(column)
     colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
     for t in cluster.list(include_pending=True):
         health = f"[{colors[t.health]}]{health_summary(t)}[/{colors[t.health]}]"
+        waiting = sorted({t.metadata.shards_metadata[i].rank for i in t.unavailable} & restoring)
+        if waiting:
+            health = f"[yellow]restoring (rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))})[/yellow]"
         tensors.add_row(t.name, str(t.version), t.state, health, str(t.replicas), "x".join(map(str, t.shape)) or "()",
                         dtype_name(t.dtype), layout_summary(t.metadata), _human_bytes(t.nbytes))
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
     console.print(ranks)
     _print_epoch(cluster, console)
     console.print(tensors)
+
+
+def _restore_summary(restore) -> str:
+    """A rank's restore for people: "-", "42% (1.2 GiB of 2.9 GiB, 3 of 7 tensors)" or "loaded, re-promoting"."""
+    if restore is None:
+        return "-"
+    if restore.loaded:
+        return "loaded, re-promoting"
+    return (f"{restore.fraction:.0%} ({_human_bytes(restore.done_bytes)} of {_human_bytes(restore.total_bytes)}, "
+            f"{restore.done_tensors} of {restore.total_tensors} tensors)")
 
 
 def _print_epoch(cluster, console) -> None:

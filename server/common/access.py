@@ -71,6 +71,7 @@ class Rule:
 ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "RegisterRank": Rule(CLUSTER),
     COORDINATOR + "Heartbeat": Rule(CLUSTER),
+    COORDINATOR + "ReportRestore": Rule(CLUSTER),
     COORDINATOR + "ListRanks": Rule(READ),
     COORDINATOR + "CreateTensor": Rule(WRITE, _field_name, logged=True),
     COORDINATOR + "CommitTensor": Rule(WRITE, _field_name, logged=True),

@@ -256,9 +256,9 @@ class Coordinator:
         return [self.describe(info) for info in self.catalog.list(include_pending)]
 
     def describe(self, info: pb.TensorInfo) -> pb.TensorInfo:
-        """A catalog row as answered: its unavailable shards (lost, or on dead ranks), health, replicas, and the
-        repair in flight."""
-        out = describe(info, self.registry.rank_dead)
+        """A catalog row as answered: its unavailable shards (lost, on dead ranks, or on ranks still restoring:
+        reads are admitted only once every shard is back), health, replicas, and the repair in flight."""
+        out = describe(info, lambda rank: self.registry.rank_dead(rank) or self.registry.restoring(rank))
         repair = self.repairs.state(info.name)
         if repair is not None:
             out.repair.CopyFrom(repair)
@@ -402,6 +402,8 @@ class Coordinator:
                 self.registry.drop_quietly(name, version, [rank])
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("reconciling rank %d failed", rank)
+        finally:
+            self.registry.restore_done(rank)  # its restored versions are promoted (or reported lost)
 
     def _mark_lost(self, rank: int, info: pb.TensorInfo) -> None:
         """Record that `rank` lost its copies of a READY version (it came back without them), if it is still that

@@ -60,6 +60,7 @@ class RankRegistry:
         self._ranks_changed = threading.Condition()
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
         self._started = time.monotonic()
+        self._restoring: dict[int, pb.RestoreProgress] = {}  # rank -> its restore, until re-promoted
 
     # ------------------------------------------------------------ membership and liveness
 
@@ -88,6 +89,30 @@ class RankRegistry:
         log.info("rank %d registered: %s device %s pid %d on %s%s", info.rank, info.address, info.device,
                  info.pid, info.hostname, f" (restart {entry.info.restarts})" if entry.info.restarts else "")
         return {(h.name, h.version) for h in held}
+
+    def report_restore(self, progress: pb.RestoreProgress) -> None:
+        """Record a rank's restore of its persist dir (it registers once the files are read)."""
+        _check_restore(progress)
+        with self._ranks_changed:
+            first = progress.rank not in self._restoring
+            self._restoring[progress.rank] = pb.RestoreProgress()
+            self._restoring[progress.rank].CopyFrom(progress)
+        if first or progress.loaded:
+            log.info("rank %d (pid %d) %s its persist dir: %d of %d bytes, %d of %d tensors", progress.rank,
+                     progress.pid, "has read" if progress.loaded else "is restoring", progress.done_bytes,
+                     progress.total_bytes, progress.done_tensors, progress.total_tensors)
+
+    def restoring(self, rank: int) -> bool:
+        """Whether `rank` is restoring: reading its persist dir, or registered and not yet re-promoted."""
+        with self._ranks_changed:
+            return rank in self._restoring
+
+    def restore_done(self, rank: int) -> None:
+        """`rank`'s restored versions are promoted again: its shards serve reads from now on."""
+        with self._ranks_changed:
+            done = self._restoring.pop(rank, None)
+        if done is not None:
+            log.info("rank %d is restored: %d bytes, %d tensors", rank, done.total_bytes, done.total_tensors)
 
     def _check_fits_the_world(self, info: pb.RankInfo) -> None:
         """(lock held) A registration must agree with the live ranks: one world size, its own address, and not
@@ -126,8 +151,9 @@ class RankRegistry:
         return was_dead
 
     def mark_exited(self, rank: int, reason: str) -> None:
-        """Mark a rank dead at once (its process is known to have ended)."""
+        """Mark a rank dead at once (its process is known to have ended; a restore it reported ends with it)."""
         with self._ranks_changed:
+            self._restoring.pop(rank, None)
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
                 return
@@ -183,8 +209,13 @@ class RankRegistry:
                 info = pb.RankInfo()
                 info.CopyFrom(entry.info)
                 info.alive = self.is_alive(entry)
+                if entry.info.rank in self._restoring:
+                    info.restore.CopyFrom(self._restoring[entry.info.rank])
                 out.append(info)
-        return out
+            for rank in sorted(set(self._restoring) - set(self._ranks)):  # not registered yet (a cluster restart)
+                progress = self._restoring[rank]
+                out.append(pb.RankInfo(rank=rank, pid=progress.pid, hostname=progress.hostname, restore=progress))
+        return sorted(out, key=lambda info: info.rank)
 
     def wait_for_ranks(self, count: int, timeout: float) -> bool:
         """Block until `count` live ranks are registered, at most `timeout` seconds."""
@@ -299,6 +330,16 @@ def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(f"rank {rank} ({address}) is unavailable: {details}")
     return ServiceError(f"rank {rank}: {details}", code)
+
+
+def _check_restore(progress: pb.RestoreProgress) -> None:
+    """A restore report's counts: a rank number and done <= total, all non-negative."""
+    if progress.rank < 0:
+        raise InvalidArgument(f"rank must be >= 0, got {progress.rank}")
+    for done, total in (("done_bytes", "total_bytes"), ("done_tensors", "total_tensors")):
+        if not 0 <= getattr(progress, done) <= getattr(progress, total):
+            raise InvalidArgument(f"{done} must be between 0 and {total} ({getattr(progress, total)}), got "
+                                  f"{getattr(progress, done)}")
 
 
 def _check_rank_info(info: pb.RankInfo) -> None:

@@ -33,6 +33,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse()
 
     @rpc_errors
+    def ReportRestore(self, request: pb.RestoreProgress,
+                      context: grpc.ServicerContext) -> pb.ReportRestoreResponse:
+        self.coordinator.registry.report_restore(request)
+        return pb.ReportRestoreResponse()
+
+    @rpc_errors
     def ListRanks(self, request: pb.ListRanksRequest, context: grpc.ServicerContext) -> pb.ListRanksResponse:
         return pb.ListRanksResponse(ranks=self.coordinator.registry.ranks(),
                                     epoch=self.coordinator.collectives.epochs.current,

@@ -21,7 +21,8 @@ version is snapshotted in the background and the log restarts.
 
 Restore (at rank start, before registering): every version with a manifest not
 dropped since, and the newest promoted update version (its snapshot ancestor
-plus the logged rows, replayed in order), is loaded as PENDING; the rank
+plus the logged rows, replayed in order) and the one before it (the catalog may not have committed the newest),
+is loaded as PENDING; the rank
 registers holding them and the coordinator's reconcile re-promotes the ones the
 catalog has READY and drops the rest. A shard file whose CRC-32 or size is
 wrong is named in the log and its version is not loaded: the coordinator then
@@ -65,6 +66,9 @@ log = logging.getLogger(__name__)
 
 FSYNC_INTERVAL_S = 0.1  # --fsync interval: the most a crash can lose of acknowledged updates
 LOG_NAME = "updates.log"
+# Promoted update versions restored per table, newest first: a rank promotes (and logs) an update before the
+# coordinator's catalog commits it, so a crash in between leaves the catalog one version behind the log.
+RESTORED_UPDATES = 2
 
 
 class FsyncPolicy(enum.Enum):
@@ -82,6 +86,16 @@ class RestoredVersion:
     metadata: ShardedTensorMetadata
     options: pb.TensorOptions
     shards: dict[int, torch.Tensor]
+
+
+@dataclass
+class RestoreCount:
+    """How far a restore is: bytes of the persist dir read of all, tensors (folders) done of all."""
+
+    done_bytes: int = 0
+    total_bytes: int = 0
+    done_tensors: int = 0
+    total_tensors: int = 0
 
 
 @dataclass
@@ -339,27 +353,41 @@ class Persistence:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
-                device: torch.device) -> list[RestoredVersion]:
+    def restore(self, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], device: torch.device,
+                progress: Callable[[RestoreCount], None] | None = None) -> list[RestoredVersion]:
         """Every version to hold again, read from disk (`empty(sizes, dtype)` allocates each host shard); a
-        tensor whose files are corrupt is named in the log and left out."""
+        tensor whose files are corrupt is named in the log and left out. `progress` sees the bytes and tensors
+        read so far, before the first tensor and after each."""
         out: list[RestoredVersion] = []
         if not self.root.is_dir():
             return out
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            name = unquote(folder.name)
-            started = time.monotonic()
-            try:
-                versions = self._restore_table(name, folder, empty, device)
-            except CorruptFile as err:
-                log.error("rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
-                          "them from a replica, if any)", self.rank, name, err)
-                continue
-            out.extend(versions)
-            for restored in versions:
-                log.info("rank %d restored %r version %d (%d shards) from %s in %.2fs", self.rank, name,
-                         restored.version, len(restored.shards), folder, time.monotonic() - started)
+        folders = sorted(p for p in self.root.iterdir() if p.is_dir())
+        count = RestoreCount(total_bytes=sum(_folder_bytes(f) for f in folders), total_tensors=len(folders))
+        if progress is not None:
+            progress(count)
+        for folder in folders:
+            self._restore_folder(folder, empty, device, out)
+            count.done_bytes += _folder_bytes(folder)
+            count.done_tensors += 1
+            if progress is not None:
+                progress(count)
         return out
+
+    def _restore_folder(self, folder: Path, empty: Callable[..., torch.Tensor], device: torch.device,
+                        out: list[RestoredVersion]) -> None:
+        """Restore one tensor's folder into `out`; corrupt files are named in the log and the tensor skipped."""
+        name = unquote(folder.name)
+        started = time.monotonic()
+        try:
+            versions = self._restore_table(name, folder, empty, device)
+        except CorruptFile as err:
+            log.error("rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
+                      "them from a replica, if any)", self.rank, name, err)
+            return
+        out.extend(versions)
+        for restored in versions:
+            log.info("rank %d restored %r version %d (%d shards) from %s in %.2fs", self.rank, name,
+                     restored.version, len(restored.shards), folder, time.monotonic() - started)
 
     def _restore_table(self, name: str, folder: Path, empty: Callable[..., torch.Tensor],
                        device: torch.device) -> list[RestoredVersion]:
@@ -370,8 +398,7 @@ class Persistence:
         table.copies = dict(copies)
         wanted = [v for v in manifests if v not in dropped]
         updates = sorted(v for v in promoted if v not in dropped and v in copies)
-        if updates:
-            wanted.append(updates[-1])
+        wanted.extend(updates[-RESTORED_UPDATES:])  # the catalog may still be at the one before the newest
         out = []
         for version in sorted(set(wanted)):
             chain = _chain(version, copies, manifests, name)
@@ -398,6 +425,11 @@ class Persistence:
             read_shard_file(manifest_path.parent / entry["file"], host, int(entry["crc32"]))
             shards[index] = host if device.type == "cpu" else host.to(device)
         return RestoredVersion(manifest["name"], int(manifest["version"]), meta, options, shards)
+
+
+def _folder_bytes(folder: Path) -> int:
+    """Bytes of the files of one tensor's folder (what its restore reads, at most)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
 def _replay_index(records: object) -> tuple[dict[int, int], dict[int, list[LogRecord]], set[int], set[int]]:

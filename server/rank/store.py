@@ -36,7 +36,7 @@ from server.common.errors import (
 )
 from server.common.requests import check_init
 from server.rank.blocks import Blocks
-from server.rank.persistence import Persistence
+from server.rank.persistence import Persistence, RestoreCount
 from server.rank.metrics import RankMetrics
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.recycling import RecycledBuffers
@@ -697,14 +697,14 @@ class ShardStore:
         with self.lease(name, version) as entry:
             yield entry.metadata, entry.options, dict(entry.shards)
 
-    def restore(self) -> list[tuple[str, int]]:
+    def restore(self, progress: Callable[[RestoreCount], None] | None = None) -> list[tuple[str, int]]:
         """Load every version the persist dir holds as PENDING (the coordinator re-promotes those it has
-        READY); returns (name, version) of each."""
+        READY), `progress` seeing how far; returns (name, version) of each."""
         if self.persistence is None:
             return []
         restored = self.persistence.restore(lambda sizes, dtype: self.empty_shard(tuple(sizes), dtype, True)
                                             if self.device.type == "cpu" else torch.empty(sizes, dtype=dtype),
-                                            self.device)
+                                            self.device, progress)
         for item in restored:
             self.install(item.name, item.version, item.metadata, item.shards, item.options)
         return [(item.name, item.version) for item in restored]

@@ -1,19 +1,23 @@
 """Persistence on real clusters, proved by killing: a rank SIGKILLed in the middle of updates comes back with its
-data (nothing lost, no repair), a whole cluster SIGKILLed at random moments of puts and updates comes back at
-the versions its clients saw acknowledged (or the one in flight), bit for bit, and a corrupted shard file is
-refused on restore and repaired from a replica.
+data (nothing lost, no repair), a whole cluster SIGKILLed at random moments of puts, updates, reshards and
+checkpoint loads comes back at the versions its clients saw acknowledged (or the one in flight), bit for bit,
+and a corrupted shard file is refused on restore and repaired from a replica.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
 import time
 from typing import Callable
 
+import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from client import connect
+from client.errors import ShardsLostError
 from server.launcher import LocalCluster
 from shardcore.metadata import ShardMetadata
 from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
@@ -22,8 +26,11 @@ from server_processes import wait_until
 
 ROWS, DIM = 256, 16
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+COLUMNS = ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"])
 WAIT_S = 120.0
-KILL_POINTS = 3  # whole-cluster kills per test run (each restart takes a few seconds on 2 cores)
+# Whole-cluster kills per run, landing in puts, updates, reshards and checkpoint loads in turn: 4 in CI (each
+# restart takes a few seconds on 2 cores); SHARDSERVE_PERSIST_KILL_POINTS=24 runs the full harness.
+KILL_POINTS = int(os.environ.get("SHARDSERVE_PERSIST_KILL_POINTS", "4"))
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -79,10 +86,14 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
 
 
 def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(tmp_path):
+    """KILL_POINTS whole-cluster SIGKILLs, each landing in a run of one kind of write (puts, row updates,
+    reshards, checkpoint loads, in turn); after every restart each tensor is one of its acknowledged values or
+    the one in flight, bit for bit."""
     rng = random.Random(1)
     state = tmp_path / "state"
     table, other = torch.randn(ROWS, DIM), torch.randn(ROWS, DIM)
     acked = {"table": [table.clone()], "other": [other.clone()]}
+    checkpoints = _checkpoints(tmp_path / "checkpoints", sorted(acked), rng)
     for point in range(KILL_POINTS):
         cluster = LocalCluster(2, state_dir=state, persist_dir=state / "data").start(timeout=WAIT_S)
         try:
@@ -94,14 +105,58 @@ def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(t
                     got = _read(client, name)
                     assert any(torch.equal(got, seen) for seen in acked[name][-2:]), f"{name} at kill {point}"
                     acked[name] = [got]
-                _write_until_killed(client, cluster, acked, rng)
+                write = WRITES[point % len(WRITES)]
+                _write_until_killed(client, cluster, acked, rng, lambda name: write(client, name, acked, rng,
+                                                                                    checkpoints))
         finally:
             cluster.stop()
 
 
-def _write_until_killed(client, cluster: LocalCluster, acked: dict, rng: random.Random) -> None:
-    """Update rows and put whole tensors while another thread SIGKILLs every rank at a random moment; the
-    operation in flight then fails (its outcome is listed as possible before it is sent)."""
+def _checkpoints(folder, names: list[str], rng: random.Random) -> list[tuple]:
+    """A few DCP checkpoints (saved by plain torch), each a {name: tensor} the checkpoint loads write."""
+    out = []
+    for index in range(3):
+        tensors = {name: torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+                   for name in names}
+        path = folder / f"c{index}"
+        dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
+        out.append((path, tensors))
+    return out
+
+
+def _put(client, name: str, acked: dict, rng: random.Random, checkpoints: list) -> None:
+    new = torch.randn(ROWS, DIM)
+    acked[name].append(new)
+    client.put(name, new, spec=SPEC, overwrite=True)
+
+
+def _update(client, name: str, acked: dict, rng: random.Random, checkpoints: list) -> None:
+    ids = torch.tensor(rng.sample(range(ROWS), 3))
+    values = torch.randn(3, DIM)
+    in_flight = acked[name][-1].clone()
+    in_flight[ids] = values
+    acked[name].append(in_flight)
+    client.update_rows(name, ids, values)
+
+
+def _reshard(client, name: str, acked: dict, rng: random.Random, checkpoints: list) -> None:
+    acked[name].append(acked[name][-1])  # same values, another layout (and version)
+    client.tensor(name).reshard(rng.choice([SPEC, COLUMNS]))
+
+
+def _load(client, name: str, acked: dict, rng: random.Random, checkpoints: list) -> None:
+    path, tensors = rng.choice(checkpoints)
+    acked[name].append(tensors[name])
+    client.load_checkpoint(str(path), names=[name], spec=SPEC, overwrite=True)
+
+
+WRITES = (_put, _update, _reshard, _load)
+
+
+def _write_until_killed(client, cluster: LocalCluster, acked: dict, rng: random.Random,
+                        write: Callable[[str], None]) -> None:
+    """Write (mostly with `write`, every third a row update) while another thread SIGKILLs every rank at a random
+    moment; the operation in flight then fails (its outcome is listed as possible before it is sent)."""
     killer = threading.Timer(rng.uniform(0.3, 1.5), lambda: [cluster.kill_rank(r, signal.SIGKILL)
                                                              for r in range(cluster.ranks)])
     killer.start()
@@ -109,17 +164,10 @@ def _write_until_killed(client, cluster: LocalCluster, acked: dict, rng: random.
     try:
         while killer.is_alive() or step == 0:
             name = rng.choice(sorted(acked))
-            if step % 5 == 4:
-                new = torch.randn(ROWS, DIM)
-                acked[name].append(new)
-                client.put(name, new, spec=SPEC, overwrite=True)
+            if step % 3 == 2:
+                _update(client, name, acked, rng, [])
             else:
-                ids = torch.tensor(rng.sample(range(ROWS), 3))
-                values = torch.randn(3, DIM)
-                in_flight = acked[name][-1].clone()
-                in_flight[ids] = values
-                acked[name].append(in_flight)
-                client.update_rows(name, ids, values)
+                write(name)
             step += 1
     except Exception:  # noqa: BLE001 - the kill landed in the middle of this operation
         pass
@@ -146,3 +194,38 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
                     and client.tensor("copies").health == "healthy", "the lost copy to be repaired")
         assert client.tensor("copies").replicas == 2
         assert torch.equal(_read(client, "copies"), table)
+
+
+def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(make_cluster, tmp_path, monkeypatch,
+                                                                          capsys):
+    """A restarted rank held in the middle of its restore (debug hook) is listed as restoring with its progress,
+    `shardserve status` says so and its tensors are not served; once released they are, bit for bit."""
+    from client.cli.main import _status
+
+    hold = tmp_path / "hold-restore"
+    monkeypatch.setenv("SHARDSERVE_DEBUG_RESTORE_HOLD", str(hold))
+    cluster = make_cluster(ranks=2, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5,
+                           persist_dir=tmp_path / "data", repair_after=3600)
+    tables = {name: torch.randn(ROWS, DIM) for name in ("first", "second")}
+    with connect(cluster.address) as client:
+        for name, table in tables.items():
+            client.put(name, table, spec=SPEC)
+        hold.touch()
+        cluster.kill_rank(1, signal.SIGKILL)
+        _wait_until(lambda: client.ranks()[1].restore is not None, "rank 1 to report its restore")
+        restore = client.ranks()[1].restore
+        assert (restore.done_tensors, restore.total_tensors, restore.loaded) == (1, 2, False)
+        assert 0 < restore.done_bytes < restore.total_bytes and not client.ranks()[1].alive
+        for name in tables:  # rank 1's boxes have no copy to read until it is back
+            assert client.tensor(name).health == "lost"
+            with pytest.raises(ShardsLostError):
+                client.tensor(name).full_tensor()
+        _status(client)
+        shown = capsys.readouterr().out
+        assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
+        hold.unlink()
+        _wait_until(lambda: client.ranks()[1].alive and client.ranks()[1].restore is None, "rank 1 to be restored")
+        for name, table in tables.items():
+            info = client.tensor(name)
+            assert info.health == "healthy" and not info.lost_boxes
+            assert torch.equal(info.full_tensor(), table)

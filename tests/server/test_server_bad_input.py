@@ -186,6 +186,10 @@ def test_create_tensor_bad_input(stubs, build, code, needle):
      "more characters)"),  # quoted in full, the placement would make a status header over gRPC's 16 KiB
     ("AbortTensor", pb.AbortTensorRequest(name="good", version=2**64 - 1), INVALID, "(versions are below 2**63)"),
     ("Heartbeat", pb.HeartbeatRequest(rank=99), grpc.StatusCode.NOT_FOUND, "rank 99 is not registered"),
+    ("ReportRestore", pb.RestoreProgress(rank=-1), INVALID, "rank must be >= 0"),
+    ("ReportRestore", pb.RestoreProgress(rank=1, done_bytes=5, total_bytes=4), INVALID,
+     "done_bytes must be between 0 and total_bytes (4), got 5"),
+    ("ReportRestore", pb.RestoreProgress(rank=1, done_tensors=-1), INVALID, "done_tensors must be between 0"),
     ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=-1, world_size=3, address="h:1",
                                                              device="cpu")), INVALID, "rank.rank -1"),
     ("RegisterRank", pb.RegisterRankRequest(rank=pb.RankInfo(rank=5, world_size=3, address="h:1",

@@ -192,7 +192,7 @@ def test_collective_disabling_requests_from_an_admin_client_are_refused(cluster)
             assert torch.equal(remote[:], tensor)
 
 
-def test_no_client_can_register_or_heartbeat_for_a_rank(cluster):
+def test_no_client_can_register_heartbeat_or_report_a_restore_for_a_rank(cluster):
     with grpc.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.CoordinatorStub(channel)
         for metadata in (bearer("admin"), ()):
@@ -202,6 +202,9 @@ def test_no_client_can_register_or_heartbeat_for_a_rank(cluster):
             assert err.value.code() in (PERMISSION_DENIED, UNAUTHENTICATED)
             with pytest.raises(grpc.RpcError) as err:
                 stub.Heartbeat(pb.HeartbeatRequest(rank=0), timeout=TIMEOUT, metadata=metadata)
+            assert err.value.code() in (PERMISSION_DENIED, UNAUTHENTICATED)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.ReportRestore(pb.RestoreProgress(rank=0), timeout=TIMEOUT, metadata=metadata)
             assert err.value.code() in (PERMISSION_DENIED, UNAUTHENTICATED)
     assert sorted(r.rank for r in cluster.coordinator.registry.ranks()) == [0, 1]
 

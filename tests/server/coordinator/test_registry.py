@@ -8,7 +8,7 @@ import time
 import pytest
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import Unavailable
+from server.common.errors import InvalidArgument, Unavailable
 from server.coordinator.registry import RankRegistry
 
 DEAD_AFTER = 0.3
@@ -54,3 +54,22 @@ def test_an_exited_rank_is_replaced_at_once_and_each_new_process_counts(registry
     registry.mark_exited(0, "process 200 exited with code 1")
     registry.register(incarnation(pid=300, port=7003), [])
     assert restarts_of(registry) == 2 and registry.rank_alive(0)
+
+
+def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(registry):
+    registry.report_restore(pb.RestoreProgress(rank=1, pid=300, hostname="node-b", done_bytes=10, total_bytes=40,
+                                               done_tensors=1, total_tensors=4))
+    listed = {r.rank: r for r in registry.ranks()}
+    assert registry.restoring(1) and not registry.rank_alive(1) and not listed[1].alive
+    assert (listed[1].pid, listed[1].restore.done_bytes, listed[1].restore.total_tensors) == (300, 10, 4)
+    registry.report_restore(pb.RestoreProgress(rank=1, pid=300, done_bytes=40, total_bytes=40, done_tensors=4,
+                                               total_tensors=4, loaded=True))
+    registry.register(incarnation(pid=300, port=7003, rank=1), [])
+    assert next(r for r in registry.ranks() if r.rank == 1).restore.loaded  # until its versions are re-promoted
+    registry.restore_done(1)
+    assert not registry.restoring(1) and not next(r for r in registry.ranks() if r.rank == 1).HasField("restore")
+    registry.report_restore(pb.RestoreProgress(rank=2, pid=400, total_bytes=8, total_tensors=1))
+    registry.mark_exited(2, "killed while restoring")  # its restore ended with its process
+    assert not registry.restoring(2) and 2 not in {r.rank for r in registry.ranks()}
+    with pytest.raises(InvalidArgument, match="done_tensors must be between 0 and total_tensors"):
+        registry.report_restore(pb.RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
