@@ -91,9 +91,14 @@ class RankRegistry:
         return {(h.name, h.version) for h in held}
 
     def report_restore(self, progress: pb.RestoreProgress) -> None:
-        """Record a rank's restore of its persist dir (it registers once the files are read)."""
+        """Record a rank's restore of its persist dir (it registers once the files are read). FAILED_PRECONDITION
+        while the rank's registered process is alive: its shards must never turn unavailable by a report."""
         _check_restore(progress)
         with self._ranks_changed:
+            live = self._ranks.get(progress.rank)
+            if live is not None and self.is_alive(live):  # a serving process restores nothing; its successor
+                raise FailedPrecondition(f"rank {progress.rank} is registered (pid {live.info.pid}) and alive; a "
+                                         f"restore is reported by its next process, once this one is dead")
             first = progress.rank not in self._restoring
             self._restoring[progress.rank] = pb.RestoreProgress()
             self._restoring[progress.rank].CopyFrom(progress)
