@@ -9,20 +9,15 @@ port and over gRPC, the clients taking turns; prints p50 and p99 in ms.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import time
 
 import torch
 
+from benchmarks.latency import p50_p99_ms, write_json
+
 ROWS, COLUMNS = 4096, 256
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,13 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                         times[mode].append(1000 * (time.perf_counter() - start))
                 for mode, values in times.items():
                     key = f"{transport} {what} hedging {mode}"
-                    results[key] = {"p50_ms": statistics.median(values), "p99_ms": percentile(values, 0.99)}
+                    results[key] = p50_p99_ms(values)
                     print(f"{key:40s} p50 {results[key]['p50_ms']:.3f} ms  p99 {results[key]['p99_ms']:.3f} ms")
             for client in clients.values():
                 client.close()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

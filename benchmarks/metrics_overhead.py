@@ -10,8 +10,6 @@ from both, the clusters taking turns, over gRPC and over the bulk port.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -20,13 +18,10 @@ from contextlib import ExitStack
 
 import torch
 
+from benchmarks.latency import p50_p99_ms, write_json
+
 ROWS, COLUMNS = 65536, 256  # float32: 64 MiB
 FETCH_ROWS = ROWS  # the whole table: 64 MiB
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def scrape_every(address: str, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
@@ -91,12 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                 measure(read, max(1, rounds // 10), tensors)  # warm up both
                 for mode, values in measure(read, rounds, tensors).items():
                     key = f"{transport} {what} metrics {mode}"
-                    results[key] = {"p50_ms": statistics.median(values), "p99_ms": percentile(values, 0.99)}
+                    results[key] = p50_p99_ms(values)
                     print(f"{key:36s} p50 {results[key]['p50_ms']:9.3f} ms  p99 {results[key]['p99_ms']:9.3f} ms",
                           flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

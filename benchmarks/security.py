@@ -27,16 +27,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.latency import percentile
 from benchmarks.harness import Context, Row, scenario
 
 LOOKUP_ROWS, LOOKUP_COLUMNS, LOOKUP_IDS = 100_000, 64, 64
 FETCH_COLUMNS = 1024
 READ_TOKEN, ADMIN_TOKEN = "bench-read-token", "bench-admin-token"
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def tokens_file(directory: Path) -> str:

@@ -12,8 +12,6 @@ fetch over gRPC.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -21,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.metrics_overhead import measure, percentile
+from benchmarks.latency import p50_p99_ms, write_json
+from benchmarks.metrics_overhead import measure
 
 ROWS, COLUMNS = 65536, 256  # float32: 64 MiB
 FETCH_ROWS = 4096  # 4 MiB
@@ -73,14 +72,12 @@ def main(argv: list[str] | None = None) -> int:
             measure(read, max(1, rounds // 10), tensors)  # warm up both
             for mode, values in measure(read, rounds, tensors).items():
                 key = f"grpc {what} tracing {mode}"
-                results[key] = {"p50_ms": statistics.median(values), "p99_ms": percentile(values, 0.99)}
+                results[key] = p50_p99_ms(values)
                 print(f"{key:34s} p50 {results[key]['p50_ms']:9.3f} ms  p99 {results[key]['p99_ms']:9.3f} ms",
                       flush=True)
         results["spans written"] = sum(len(p.read_text().splitlines()) for p in spans.glob("*.jsonl"))
         print(f"spans written: {results['spans written']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 

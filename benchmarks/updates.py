@@ -13,7 +13,6 @@ every 50 ms (with --rate-only, only the rates: 1 and 4 writers, twice).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -22,15 +21,12 @@ import time
 
 import torch
 
+from benchmarks.latency import percentile, write_json
+
 COLUMNS = 256
 ROWS_PER_UPDATE = 64
 LOOKUP_IDS = 256
 UPDATE_PERIOD_S = 0.05
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def rows_of(mib: int) -> int:
@@ -155,9 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         results = rates_only(seconds)
     else:
         results = _all(sizes, seconds, 3 if args.quick else args.repeats)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return results
 
 
