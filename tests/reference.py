@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata
+from shardcore.specs import EnumerableShardingSpec
 
 
 def shard_of(full: torch.Tensor, shard: ShardMetadata) -> torch.Tensor:
@@ -15,3 +16,11 @@ def shard_of(full: torch.Tensor, shard: ShardMetadata) -> torch.Tensor:
 def shards_of(full: torch.Tensor, meta: ShardedTensorMetadata) -> list[torch.Tensor]:
     """Every shard of `meta` cut from `full`, in the metadata's order."""
     return [shard_of(full, shard) for shard in meta.shards_metadata]
+
+
+def mirrored(bands: list[tuple[int, ...]], rows: int, dim: int) -> EnumerableShardingSpec:
+    """Equal row bands of a `rows` x `dim` tensor, band b held by the ranks bands[b] in that order (its copies:
+    reads pick the first live one)."""
+    step = rows // len(bands)
+    return EnumerableShardingSpec([ShardMetadata((b * step, 0), (step, dim), f"rank:{r}/cpu")
+                                   for b, ranks in enumerate(bands) for r in ranks])

@@ -20,21 +20,17 @@ from client.ops.reshard import ReshardRefusedError
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.launcher import LocalCluster
-from shardcore.metadata import Box, ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.metadata import Box
+from shardcore.specs import ChunkShardingSpec
 
+from reference import mirrored
 from server_processes import wait_until
 
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
 ROWS, DIM, DEAD = 12, 6, 1
 PLAIN = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 0-3, 4-7, 8-11: one copy each
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it lives)
-MIRRORED = EnumerableShardingSpec([ShardMetadata((0, 0), (4, DIM), "rank:1/cpu"),
-                                   ShardMetadata((0, 0), (4, DIM), "rank:0/cpu"),
-                                   ShardMetadata((4, 0), (4, DIM), "rank:1/cpu"),
-                                   ShardMetadata((4, 0), (4, DIM), "rank:2/cpu"),
-                                   ShardMetadata((8, 0), (4, DIM), "rank:2/cpu"),
-                                   ShardMetadata((8, 0), (4, DIM), "rank:0/cpu")])
+MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 WAIT_S = 20.0
 
 

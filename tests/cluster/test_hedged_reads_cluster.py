@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from client import Cluster, RankUnavailableError, connect
 from server.launcher import LocalCluster
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.specs import ChunkShardingSpec
 
+from reference import mirrored
 from server_processes import wait_until
 
 ROWS, DIM, STOPPED = 12, 6, 1
@@ -26,12 +26,7 @@ DEADLINE_S = 30.0       # the clients' call deadline
 WELL_WITHIN_S = 10.0    # what a read of a stopped rank may take at most
 SINGLE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 4-7 only on rank 1
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it answers)
-MIRRORED = EnumerableShardingSpec([ShardMetadata((0, 0), (4, DIM), "rank:1/cpu"),
-                                   ShardMetadata((0, 0), (4, DIM), "rank:0/cpu"),
-                                   ShardMetadata((4, 0), (4, DIM), "rank:1/cpu"),
-                                   ShardMetadata((4, 0), (4, DIM), "rank:2/cpu"),
-                                   ShardMetadata((8, 0), (4, DIM), "rank:2/cpu"),
-                                   ShardMetadata((8, 0), (4, DIM), "rank:0/cpu")])
+MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 TRANSPORTS = ["grpc", "tcp"]
 
 

@@ -21,22 +21,15 @@ from protos import shardserve_pb2 as pb
 from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from server.launcher import LocalCluster, free_port
 from server.rank.jobs.reshard import STALL_ENV
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardcore.specs import ChunkShardingSpec
 
+from reference import mirrored
 from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
 ROWS, DIM, DEAD = 16, 8, 3
 WAIT_S = 60.0
-
-
-def mirrored(bands: list[tuple[int, int]], rows: int = ROWS) -> EnumerableShardingSpec:
-    """Row bands of `rows` rows, band b on ranks bands[b] (two copies each)."""
-    step = rows // len(bands)
-    return EnumerableShardingSpec([ShardMetadata((b * step, 0), (step, DIM), f"rank:{r}/cpu")
-                                   for b, pair in enumerate(bands) for r in pair])
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +44,8 @@ def world(cluster: LocalCluster) -> dict:
     generator = torch.Generator().manual_seed(11)
     data = {name: torch.randn(ROWS, DIM, generator=generator) for name in ("mirrored", "slow", "single")}
     with connect(cluster.address) as client:
-        client.put("mirrored", data["mirrored"], spec=mirrored([(0, 3), (3, 1), (2, 3), (1, 2)]))
-        client.put("slow", data["slow"], spec=mirrored([(3, 0), (1, 2)]))
+        client.put("mirrored", data["mirrored"], spec=mirrored([(0, 3), (3, 1), (2, 3), (1, 2)], ROWS, DIM))
+        client.put("slow", data["slow"], spec=mirrored([(3, 0), (1, 2)], ROWS, DIM))
         client.put("single", data["single"], spec=ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(4)]))
         versions = {name: client.tensor(name).version for name in data}
     cluster.kill_rank(DEAD, signal.SIGKILL)
@@ -143,7 +136,7 @@ def test_a_restarted_coordinator_redoes_or_finishes_a_repair(tmp_path: Path, how
                                           rank_env(dict(env, **{STALL_ENV: "0:3:r"}), rank, 3), log))
             wait_until(lambda: _live_ranks(address) == 3, 120, "three ranks")
             with connect(address) as client:
-                old = client.put("r", tensor, spec=mirrored([(0, 2), (2, 1)]))
+                old = client.put("r", tensor, spec=mirrored([(0, 2), (2, 1)], ROWS, DIM))
             procs[3].kill()  # rank 2, for good
             if hook:
                 assert procs[0].wait(WAIT_S) == EXIT_AFTER_COMMIT_CODE
