@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from protos import shardserve_pb2 as pb
-from shardcore.health import layout_health
+from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import RemoteDevice
 from shardcore.wire import metadata_from_proto
 
@@ -36,6 +36,20 @@ def unavailable_shards(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) ->
     dead = {rank for rank in _placed_ranks(info) if rank_dead(rank)}
     on_dead = [index for index, rank in enumerate(_shard_ranks(info)) if rank in dead]
     return sorted(set(info.lost_shards) | set(on_dead))
+
+
+def boxes_without_copy(info: pb.TensorInfo, unavailable: Iterable[int]) -> str:
+    """"" when every box of `info` keeps a copy outside `unavailable`; else the boxes with none and the ranks their
+    copies were on, for an error message."""
+    unavailable = list(unavailable)
+    if not unavailable:
+        return ""
+    meta = metadata_from_proto(info.metadata)
+    lost = layout_health(meta, unavailable).lost_boxes
+    if not lost:
+        return ""
+    boxes = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in lost)
+    return f"{boxes}; their copies were on {name_ranks(ranks_of_copies(meta, lost))}: down, or restarted without them"
 
 
 def describe(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) -> pb.TensorInfo:

@@ -44,16 +44,15 @@ from server.coordinator.catalog import Catalog, holding_ranks, ranks_of
 from server.coordinator.quotas import ByteQuotas, held_bytes
 from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
-from server.coordinator.health import describe, shards_on, unavailable_shards, with_lost
+from server.coordinator.health import boxes_without_copy, describe, shards_on, unavailable_shards, with_lost
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
 from server.coordinator.snapshots import SnapshotDriver
 from server.coordinator.update_groups import UpdateGroups
-from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_from_proto, metadata_to_proto
+from shardcore.wire import metadata_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +257,7 @@ class Coordinator:
     def describe(self, info: pb.TensorInfo) -> pb.TensorInfo:
         """A catalog row as answered: its unavailable shards (lost, on dead ranks, or on ranks still restoring:
         reads are admitted only once every shard is back), health, replicas, and the repair in flight."""
-        out = describe(info, lambda rank: self.registry.rank_dead(rank) or self.registry.restoring(rank))
+        out = describe(info, self.registry.rank_unreadable)
         repair = self.repairs.state(info.name)
         if repair is not None:
             out.repair.CopyFrom(repair)
@@ -323,14 +322,12 @@ class Coordinator:
     def _missing_copies(self, source: pb.TensorInfo) -> list[int]:
         """The copies of `source` an INIT_COPY version starts without (lost, or on dead ranks: written to the live
         copies only, repaired later); DATA_LOSS when a box has no live copy to copy."""
-        missing = unavailable_shards(source, self.registry.rank_dead)
+        missing = unavailable_shards(source, self.registry.rank_unreadable)
+        lost = boxes_without_copy(source, missing)
+        if lost:
+            raise DataLoss(f"tensor {source.name!r} has boxes with no live copy ({lost}); it cannot be updated: "
+                           f"delete it or put it again")
         if missing:
-            health = layout_health(metadata_from_proto(source.metadata), missing)
-            if health.lost_boxes:
-                ranks = ranks_of_copies(metadata_from_proto(source.metadata), health.lost_boxes)
-                raise DataLoss(f"tensor {source.name!r} has boxes with no live copy (their copies were on "
-                               f"{name_ranks(ranks)}: down, or restarted without them); it cannot be updated: "
-                               f"delete it or put it again")
             log.warning("%r: the new version starts without copies %s (their ranks are down or lost them); the "
                         "coordinator repairs them", source.name, missing)
         return missing

@@ -190,6 +190,10 @@ class RankRegistry:
         register again)."""
         return self.dead_for(rank) is not None
 
+    def rank_unreadable(self, rank: int) -> bool:
+        """Whether `rank`'s copies cannot be read now: it is down (rank_dead), or restoring and not re-promoted."""
+        return self.rank_dead(rank) or self.restoring(rank)
+
     def dead_for(self, rank: int) -> float | None:
         """Seconds `rank` has been dead (None while alive): since its process ended or its heartbeats stopped
         counting. A rank not registered counts as dead from UNREGISTERED_GRACE_S after the registry began (a

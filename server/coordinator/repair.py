@@ -122,9 +122,9 @@ class RepairDriver:
         if not unavailable or waiting:
             self._refused.pop(info.name, None)
             return None
-        live = [LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in self.registry.ranks()
-                if r.alive]
-        load = {r.rank: r.memory_used_bytes for r in self.registry.ranks()}
+        ranks = self.registry.ranks()
+        live = [LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in ranks if r.alive]
+        load = {r.rank: r.memory_used_bytes for r in ranks}
         try:
             return repaired_layout(meta, unavailable, live, load), unavailable
         except RepairImpossible as err:

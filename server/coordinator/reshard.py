@@ -46,10 +46,9 @@ from server.common.errors import (
 from server.common.requests import check_name, parse_metadata
 from server.coordinator.catalog import Catalog, ranks_of
 from server.coordinator.collectives import CollectiveRunner, job_timeout
-from server.coordinator.health import unavailable_shards
+from server.coordinator.health import boxes_without_copy, unavailable_shards
 from server.coordinator.locks import NameLocks
 from server.coordinator.registry import RankRegistry
-from shardcore.health import layout_health, name_ranks, ranks_of_copies
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
 from shardcore.wire import metadata_from_proto, metadata_to_proto
@@ -112,17 +111,13 @@ class ReshardDriver:
             yield from self._run(current, dst, unavailable, DEFAULT_BUCKET_BYTES, timeout_s)
 
     def _readable(self, info: pb.TensorInfo) -> frozenset[int]:
-        """The shards of `info` a reshard must not read (lost, or on dead ranks); FAILED_PRECONDITION when a box
-        has no copy left to read."""
-        unavailable = frozenset(unavailable_shards(info, self.registry.rank_dead))
-        if unavailable:
-            health = layout_health(metadata_from_proto(info.metadata), unavailable)
-            if health.lost_boxes:
-                boxes = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in health.lost_boxes)
-                ranks = ranks_of_copies(metadata_from_proto(info.metadata), health.lost_boxes)
-                raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({boxes}; their copies "
-                                         f"were on {name_ranks(ranks)}: down, or restarted without them); it "
-                                         f"cannot be resharded: delete it or put it again")
+        """The shards of `info` a reshard must not read (lost, or on dead or restoring ranks); FAILED_PRECONDITION
+        when a box has no copy left to read."""
+        unavailable = frozenset(unavailable_shards(info, self.registry.rank_unreadable))
+        lost = boxes_without_copy(info, unavailable)
+        if lost:
+            raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
+                                     f"resharded: delete it or put it again")
         return unavailable
 
     def _run(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],
