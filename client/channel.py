@@ -104,6 +104,7 @@ class ShardMethods(NamedTuple):
     write_shard: Any        # WriteShard <- pre-serialized requests
     lookup_small: Any       # LookupSmall -> list[RawLookupChunk]
     lookup: Any             # Lookup -> iterator of RawLookupChunk
+    write_shards: Any       # WriteShards (whole shards, their bytes inline or in a same-host memfd)
 
 
 class Channel:
@@ -165,7 +166,9 @@ class Channel:
                 channel.unary_unary(f"{SHARD_SERVICE}/LookupSmall", request_serializer=_serialize,
                                     response_deserializer=decode_lookup_reply),
                 channel.unary_stream(f"{SHARD_SERVICE}/Lookup", request_serializer=_serialize,
-                                     response_deserializer=decode_lookup_chunk))
+                                     response_deserializer=decode_lookup_chunk),
+                channel.unary_unary(f"{SHARD_SERVICE}/WriteShards", request_serializer=_serialize,
+                                    response_deserializer=pb.WriteShardsResponse.FromString))
         return methods
 
     @property

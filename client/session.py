@@ -23,6 +23,7 @@ from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnav
 from client.info import RankStatus, TensorSummary
 from client.paths.hedging import other_copies
 from client.paths.policy import PathPolicy
+from client.paths.writes import ShardWrite, write_shards
 from protos import shardserve_pb2 as pb
 from shardcore.interop import as_spec
 from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -64,6 +65,11 @@ class Session:
     def run_all(self, jobs: Sequence[Callable[[], T]]) -> list[T]:
         """Run `jobs` on the client's pool (the first on this thread); raise the first failure once all ended."""
         return self.channel.run_all(jobs)
+
+    def write_shards(self, writes: Sequence[tuple[int, ShardWrite]]) -> dict[str, int]:
+        """Write whole shards of pending versions, (rank, write) each, every rank by its fastest path and all
+        ranks at once; returns the bytes written per path (client.paths.writes)."""
+        return write_shards(self.paths, self.rank_status, writes, self.run_all)
 
     # ------------------------------------------------------------ coordinator calls
 

@@ -23,16 +23,17 @@ import torch.distributed as dist
 from client import arguments
 from client.cluster import Cluster
 from client.errors import InvalidArgumentError, ShardServeError
+from client.paths.writes import shard_write
 from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
 from client.snapshots import READ_THREADS
 from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_name, dtype_to_wire
-from shardcore.metadata import Box, ShardedTensorMetadata
+from shardcore.metadata import Box
 from shardcore.regions import local_view
 from shardcore.replicas import replicate_layout
 from shardcore.snapshots import JobTensor, balanced_layouts, flatten_state_dict, job_tensors, refine_layout, writer_of
-from shardcore.wire import metadata_from_proto, tensor_bytes
+from shardcore.wire import metadata_from_proto
 
 DEFAULT_KEEP = 2
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
@@ -257,9 +258,10 @@ def _spec_of(spec: Any, key: str) -> Any:
 
 
 def _write_mine(cluster: Cluster, snapshot: pb.SnapshotInfo, tensors: Mapping[str, JobTensor],
-                local: Mapping[str, list[Piece]], rank: int) -> int:
-    """Write every server shard whose writer is this job rank, several at once; returns the bytes written."""
-    jobs = []
+                local: Mapping[str, list[Piece]], rank: int) -> dict[str, int]:
+    """Write every server shard whose writer is this job rank, each server rank's shards batched together on its
+    fastest path; returns the bytes written per path."""
+    writes = []
     for entry in snapshot.entries:
         meta = metadata_from_proto(entry.tensor.metadata)
         held = dict(local[entry.key])
@@ -269,19 +271,8 @@ def _write_mine(cluster: Cluster, snapshot: pb.SnapshotInfo, tensors: Mapping[st
                 continue
             data = local_view(held[job_box], job_box, shard.box) if not shard.box.is_empty() else \
                 torch.empty(shard.box.sizes, dtype=meta.dtype)
-            jobs.append(_shard_writer(cluster, entry.tensor, meta, index, data))
-    return sum(cluster.session.run_all(jobs)) if jobs else 0
-
-
-def _shard_writer(cluster: Cluster, info: pb.TensorInfo, meta: ShardedTensorMetadata, index: int,
-                  data: torch.Tensor) -> Callable[[], int]:
-    def write() -> int:
-        payload = tensor_bytes(data)
-        header = pb.WriteShardHeader(name=info.name, version=info.version, shard_index=index,
-                                     dtype=dtype_to_wire(meta.dtype), nbytes=len(payload))
-        address = cluster.session.address_of(meta.shards_metadata[index].rank)
-        return cluster.session.channel.write_shard(address, header, payload)
-    return write
+            writes.append((shard.rank, shard_write(entry.tensor.name, entry.tensor.version, index, data)))
+    return cluster.session.write_shards(writes)
 
 
 # ---------------------------------------------------------------- get

@@ -558,6 +558,40 @@ class WriteShardResponse(_message.Message):
     bytes_written: int
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
+class WriteShardsRequest(_message.Message):
+    __slots__ = ("shards", "data", "shared")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
+    data: bytes
+    shared: SharedMemorySource
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ...) -> None: ...
+
+class SharedMemorySource(_message.Message):
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "host_id", "name_secret")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_SECRET_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    inode: int
+    device_id: int
+    nbytes: int
+    host_id: str
+    name_secret: str
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., host_id: _Optional[str] = ..., name_secret: _Optional[str] = ...) -> None: ...
+
+class WriteShardsResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
 class ReadRegionRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "offsets", "sizes", "chunk_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -978,6 +978,11 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.BulkSessionRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.BulkSession.FromString,
                 _registered_method=True)
+        self.WriteShards = channel.unary_unary(
+                '/shardserve.v1.ShardServer/WriteShards',
+                request_serializer=protos_dot_shardserve__pb2.WriteShardsRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.WriteShardsResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServerServicer:
@@ -1094,6 +1099,16 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteShards(self, request, context):
+        """Whole shards of pending versions written in one call (server/rank/writes/, client/paths/writes.py):
+        their bytes inline (gRPC), from a memfd of a writer on this host (the rank reads it by
+        /proc/PID/fd/FD), or following the request on the bulk port. A state dict of many small tensors
+        costs one call per rank, not one per shard.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1171,6 +1186,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.OpenBulkSession,
                     request_deserializer=protos_dot_shardserve__pb2.BulkSessionRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.BulkSession.SerializeToString,
+            ),
+            'WriteShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteShards,
+                    request_deserializer=protos_dot_shardserve__pb2.WriteShardsRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.WriteShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1580,6 +1600,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/OpenBulkSession',
             protos_dot_shardserve__pb2.BulkSessionRequest.SerializeToString,
             protos_dot_shardserve__pb2.BulkSession.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/WriteShards',
+            protos_dot_shardserve__pb2.WriteShardsRequest.SerializeToString,
+            protos_dot_shardserve__pb2.WriteShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from functools import partial
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 import torch
@@ -32,8 +32,19 @@ from client.channel import Channel
 from client.errors import DeadlineExceededError, ShardServeError, error_from_rpc, error_from_status
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
+from client.paths.writes import ShardWrite, write_request
 from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ, MAX_REQUEST_BYTES, recv_exactly
+from shardcore.wire import tensor_bytes
+from protos.bulk_wire import (
+    FRAME,
+    HEADER,
+    KIND_LOOKUP,
+    KIND_READ,
+    KIND_WRITE,
+    MAX_REQUEST_BYTES,
+    recv_exactly,
+    send_parts,
+)
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8         # idle connections kept per rank
@@ -103,20 +114,36 @@ class BulkPath:
 
         return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer, cancel)
 
+    def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        """Write whole shards to the rank at `address`: one WriteShardsRequest frame, then their bytes straight
+        from each tensor (a contiguous copy only of those that are not); returns the bytes written."""
+        def written(sock: socket.socket, length: int, deadline: float) -> int:
+            if length > MAX_ERROR_BYTES:
+                raise ShardServeError(f"rank at {address} answers a write with {length} bytes")
+            reply = bytearray(length)
+            recv_exactly(sock, memoryview(reply), deadline)
+            return pb.WriteShardsResponse.FromString(bytes(reply)).bytes_written
+
+        payload = [tensor_bytes(write.data) for write in writes]
+        return self._send(address, KIND_WRITE, write_request(writes).SerializeToString(),
+                          sum(len(part) for part in payload), written, payload=payload)()
+
     def _send(self, address: str, kind: int, message: bytes, nbytes: int,
-              receive: Callable[..., T], cancel: Cancellation | None = None) -> Callable[[], T]:
+              receive: Callable[..., T], cancel: Cancellation | None = None,
+              payload: Sequence[memoryview] = ()) -> Callable[[], T]:
         """Send one request on a kept connection or a new one; the returned call takes the answer, with
-        `receive(sock, length, deadline)` for an OK answer's bytes. A kept connection the rank closed meanwhile
-        is replaced once, transparently, and the request sent again."""
+        `receive(sock, length, deadline)` for an OK answer's bytes; `payload` follows the request (a write's
+        bytes). A kept connection the rank closed meanwhile is replaced once, transparently, and the request
+        sent again."""
         if len(message) > MAX_REQUEST_BYTES:
             raise BulkReadError(f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}")
         frame = FRAME.pack(kind, len(message)) + message
         deadline = time.monotonic() + self.channel.data_timeout(nbytes)
         connection = self._take(address)
-        if connection is not None and not self._send_frame(connection, frame, cancel):
+        if connection is not None and not self._send_frame(connection, frame, cancel, payload):
             connection = None
         if connection is None:
-            connection = self._open_and_send(address, frame, cancel)
+            connection = self._open_and_send(address, frame, cancel, payload)
 
         def answer() -> T:
             current = connection
@@ -127,26 +154,28 @@ class BulkPath:
                     current.sock.close()
                     if not current.kept or (cancel is not None and cancel.cancelled):
                         raise BulkReadError(f"rank at {address}, bulk port: {err}") from None
-                current = self._open_and_send(address, frame, cancel)
+                current = self._open_and_send(address, frame, cancel, payload)
 
         return answer
 
-    def _send_frame(self, connection: _Connection, frame: bytes, cancel: Cancellation | None = None) -> bool:
+    def _send_frame(self, connection: _Connection, frame: bytes, cancel: Cancellation | None = None,
+                    payload: Sequence[memoryview] = ()) -> bool:
         """Send `frame` on `connection`; False (the connection closed) when the socket fails. A cancel shuts the
         connection down, which ends a send or a receive blocked on it (the rank does not answer)."""
         if cancel is not None:
             cancel.on_cancel(partial(_shut_down, connection.sock))
         try:
             connection.sock.settimeout(self.channel.timeout)
-            connection.sock.sendall(frame)
+            send_parts(connection.sock, [frame, *payload])
             return True
         except OSError:
             connection.sock.close()
             return False
 
-    def _open_and_send(self, address: str, frame: bytes, cancel: Cancellation | None = None) -> _Connection:
+    def _open_and_send(self, address: str, frame: bytes, cancel: Cancellation | None = None,
+                       payload: Sequence[memoryview] = ()) -> _Connection:
         connection = self._open(address, cancel)
-        if not self._send_frame(connection, frame, cancel):
+        if not self._send_frame(connection, frame, cancel, payload):
             raise BulkReadError(f"rank at {address}, bulk port: the connection failed while sending the request")
         return connection
 

@@ -1,4 +1,5 @@
-"""The gRPC data path (server/rank/reads/small.py and lookup.py answer it): boxes and lookups over the channel.
+"""The gRPC data path (server/rank/reads/small.py and lookup.py answer it): boxes and lookups over the channel,
+and batched whole-shard writes (server/rank/writes/batch.py).
 
 A box of at most SMALL_READ_BYTES is one unary ReadRegionSmall call (about
 half a stream's per-call cost), a larger one a ReadRegion stream written
@@ -7,7 +8,7 @@ SMALL_ANSWER_BYTES is one LookupSmall message, a larger one a Lookup stream.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import grpc
 import numpy as np
@@ -16,7 +17,9 @@ import torch
 from client.channel import Channel
 from client.errors import ShardServeError, error_from_rpc
 from client.paths.hedging import Cancellation
+from client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
 from protos import shardserve_pb2 as pb
+from shardcore.wire import tensor_bytes
 
 SMALL_READ_BYTES = 1 << 20  # boxes up to this size come as one unary reply (ReadRegionSmall), larger ones stream
 # Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
@@ -86,6 +89,22 @@ class GrpcPath:
             call.cancel()
         if received != expected:
             raise ShardServeError(f"rank at {address} sent {received} bytes for a {expected}-byte region")
+
+    def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        """Write whole shards to the rank at `address`: those up to INLINE_BATCH_BYTES in WriteShards requests of
+        at most that many bytes inline, larger ones each as a WriteShard stream; returns the bytes written."""
+        small = [write for write in writes if write.nbytes <= INLINE_BATCH_BYTES]
+        written = 0
+        for batch in batched(small, INLINE_BATCH_BYTES):
+            request = write_request(batch)
+            request.data = b"".join(tensor_bytes(write.data) for write in batch)
+            reply = self.channel.unary(self.channel.shard_methods(address).write_shards, request,
+                                       f"rank at {address}", timeout=self.channel.data_timeout(len(request.data)))
+            written += reply.bytes_written
+        for write in writes:
+            if write.nbytes > INLINE_BATCH_BYTES:
+                written += self.channel.write_shard(address, write.header, tensor_bytes(write.data))
+        return written
 
     def lookup(self, address: str, request: pb.LookupRequest, answer_bytes: int, take: Callable[[Any], None],
                where: str, cancel: Cancellation | None = None) -> None:

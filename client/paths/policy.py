@@ -1,4 +1,4 @@
-"""The client's choice of data path per read or lookup: shared memory, the bulk TCP port, or gRPC.
+"""The client's choice of data path per read, lookup or write: shared memory, the bulk TCP port, or gRPC.
 
 transport="auto" tries, in order, what works for the rank: shared memory when
 it runs on this host (client.paths.shm), the rank's bulk TCP port when the
@@ -38,6 +38,7 @@ from client.paths.bulk import BulkPath, BulkReadError
 from client.paths.grpc import GrpcPath
 from client.paths.hedging import HEDGE_AFTER_S, Cancellation, Hedge, Landing, Race, Watchdog
 from client.paths.shm import SharedMemoryError, SharedMemoryPath, copy_box, local_host, same_host_reason
+from client.paths.writes import ShardWrite
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
 from shardcore.regions import local_view
@@ -241,6 +242,19 @@ class PathPolicy:
 
     # ------------------------------------------------------------ unreachable ranks
 
+    # ------------------------------------------------------------ writes
+
+    def write(self, rank: RankStatus, writes: Sequence[ShardWrite]) -> tuple[str, int]:
+        """Write whole shards to `rank` by the fastest path that serves it: a staging memfd the rank reads on
+        the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes written)."""
+        written, staged = self._through_shared_memory(
+            rank, lambda: self.shm.write_shards(rank.address, writes, self.host[1]))
+        if staged:
+            return "shm", written or 0
+        written, path = self.over_network(
+            rank, lambda path: (self.bulk if path == "tcp" else self.grpc).write_shards(rank.address, writes))
+        return path, written
+
     def note_failure(self, rank: RankStatus, err: BaseException) -> None:
         """Remember `rank` as unreachable for UNREACHABLE_S when `err` says it could not be reached."""
         if isinstance(err, RankUnavailableError) and not isinstance(err, ShardsLostError):
@@ -388,6 +402,7 @@ class PathPolicy:
         return self.transport == "auto" and not self._backing_off("tcp", rank)
 
     def _fall_back(self, path: str, rank: RankStatus, err: Exception) -> None:
+        """Move `rank`'s bytes (reads and writes) by the next path for RETRY_AFTER_S, logging why."""
         with self._lock:
             self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
         what = "shared-memory" if path == "shm" else "bulk TCP"

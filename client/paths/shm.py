@@ -27,6 +27,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Sequence
 
 import grpc
 import numpy as np
@@ -38,6 +39,8 @@ from client.info import RankStatus, TensorSummary
 from client.paths.composed import CompositionError, map_extents
 from client.paths.grpc import unary
 from client.paths.hedging import Cancellation
+from client.paths.staging import StagingFiles
+from client.paths.writes import ShardWrite, write_request
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import Box
@@ -150,6 +153,7 @@ class SharedMemoryPath:
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}  # address -> the rank's max_request_bytes (from OpenShard)
+        self._staging = StagingFiles()  # the memfds writes stage their bytes in (client/paths/staging.py)
 
     def read(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
              cancel: Cancellation | None = None) -> None:
@@ -264,11 +268,35 @@ class SharedMemoryPath:
             if old is not None:
                 self._cached_bytes -= old.flat.numel()
 
+    def write_shards(self, address: str, writes: Sequence[ShardWrite], host_id: str) -> int:
+        """Write whole shards to the same-host rank at `address`: their bytes packed into a staging memfd
+        that the rank reads (WriteShards with a shared source); returns the bytes written. SharedMemoryError when
+        the rank cannot read it (not the same host for it, shared memory off)."""
+        total = sum(write.nbytes for write in writes)
+        staging = self._staging.take(total)
+        try:
+            staging.pack(writes)
+            request = write_request(writes)
+            request.shared.CopyFrom(staging.source(host_id))
+            reply = self.channel.shard_methods(address).write_shards(
+                request, timeout=self.channel.data_timeout(total), metadata=self.channel.metadata)
+        except grpc.RpcError as err:
+            staging.close()  # the rank may still be reading it: never reused
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
+            raise error_from_rpc(err, f"rank at {address}") from None
+        except BaseException:
+            staging.close()
+            raise
+        self._staging.give_back(staging)
+        return reply.bytes_written
+
     def clear(self) -> None:
-        """Forget every cached mapping (unmapped once no tensor uses it)."""
+        """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""
         with self._lock:
             self._cache.clear()
             self._cached_bytes = 0
+        self._staging.close()
 
     def _open_shard(self, address: str, request: pb.OpenShardRequest,
                     cancel: Cancellation | None = None) -> pb.OpenShardResponse:

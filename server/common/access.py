@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextvars
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 
@@ -54,6 +54,10 @@ def _field_prefix(request: Any) -> str | None:
     return getattr(request, "prefix", None)
 
 
+def _shard_names(request: Any) -> list[str]:
+    return sorted({header.name for header in request.shards})
+
+
 def _header_name(request: Any) -> str | None:
     header = getattr(request, "header", None)
     return header.name if header is not None and request.HasField("header") else None
@@ -64,7 +68,7 @@ class Rule:
     """The right a method needs; `tensor`: where its request names the tensor it writes; `logged`: a change."""
 
     right: str
-    tensor: Callable[[Any], str | None] | None = None
+    tensor: Callable[[Any], str | Sequence[str] | None] | None = None  # one name, or every name of a batch
     logged: bool = False
 
 
@@ -103,6 +107,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "ReleaseShard": Rule(READ),
     SHARD_SERVER + "ReadRegionSmall": Rule(READ),
     SHARD_SERVER + "OpenBulkSession": Rule(READ),
+    SHARD_SERVER + "WriteShards": Rule(WRITE, _shard_names),
     REFLECTION_METHOD: Rule(READ),
 }
 
@@ -165,11 +170,13 @@ class AccessPolicy:
                          f"{principal.role}) lacks the '{rule.right}' right that {_short(method)} needs")
 
 
-def check_tensor(principal: Principal, method: str, tensor: str | None) -> None:
-    """Denied(PERMISSION_DENIED) when `principal`'s tensor patterns do not cover the tensor it writes."""
-    if tensor is not None and not principal.may_write(tensor):
-        raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} lacks the 'write' right "
-                     f"on tensor {tensor!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})")
+def check_tensor(principal: Principal, method: str, tensor: str | Sequence[str] | None) -> None:
+    """Denied(PERMISSION_DENIED) when `principal`'s tensor patterns do not cover the tensor (or every tensor of
+    a batch) it writes."""
+    for name in [tensor] if isinstance(tensor, str) else tensor or ():
+        if not principal.may_write(name):
+            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} lacks the 'write' right "
+                         f"on tensor {name!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})")
 
 
 def _short(method: str) -> str:

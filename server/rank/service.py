@@ -39,6 +39,8 @@ from server.rank.reads.shm import handlers as shared_memory_handlers
 from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
 from server.rank.store import ShardStore
+from server.rank.writes.batch import ShardWrites
+from server.rank.writes.batch import handlers as shard_write_handlers
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.collectives = CollectiveJobService(store, job_kinds(), groups)
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
+        self.shard_writes = ShardWrites(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")
 
     @rpc_errors
@@ -186,6 +189,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     handlers.update(shared_memory_handlers(servicer.shared_memory))
     handlers.update(small_read_handlers(servicer.small_reads))
     handlers.update(bulk_read_handlers(servicer.bulk_reads))
+    handlers.update(shard_write_handlers(servicer.shard_writes))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)
     if missing:
         raise RuntimeError(f"ShardServer methods without a handler: {sorted(missing)}")

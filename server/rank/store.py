@@ -782,3 +782,16 @@ class ShardWriter:
             self._bytes[offset:end].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.written = end
 
+    def fill(self, receive: Callable[[memoryview], None]) -> None:
+        """Write the whole shard at once: `receive(view)` fills a writable byte view of it (the shard's own memory
+        when it is in host memory, else a host buffer copied to the device after)."""
+        if self.written:
+            raise InvalidArgument("the shard is being written in chunks; fill() writes it whole")
+        if self._view is not None:
+            receive(self._view)
+        elif self.nbytes:
+            staging = torch.empty(self.nbytes, dtype=torch.uint8)
+            receive(memoryview(staging.numpy()))
+            self._bytes.copy_(staging)
+        self.written = self.nbytes
+

@@ -196,17 +196,13 @@ def job_put_stalled(rank: int, address: str, value: int, stall_marker: str) -> i
     from torch.distributed.device_mesh import DeviceMesh
     mesh = {"w2": DeviceMesh("cpu", [0, 1])}
     if stall_marker and rank == 1:
-        original = spmd._shard_writer
+        from client.session import Session
 
-        def stalled(*args: Any) -> Callable[[], int]:
-            write = original(*args)
-
-            def run() -> int:
-                open(stall_marker, "w").close()
-                time.sleep(600)
-                return write()
-            return run
-        spmd._shard_writer = stalled
+        def stalled(self: Session, writes: Any) -> dict[str, int]:
+            open(stall_marker, "w").close()
+            time.sleep(600)
+            raise AssertionError("the stalled writer was not killed")
+        Session.write_shards = stalled  # type: ignore[method-assign]
     state = {key: build("s0" if layout != "plain" else "plain", global_value(key, shape, dtype, value), mesh, "w2")
              for key, shape, dtype, layout in entries()[:8]}
     with connect(address) as cluster:

@@ -1,5 +1,9 @@
 """The cross-host bulk path: boxes' bytes over plain TCP connections, each opened by a ticket.
 
+The port also takes writes: a WriteShardsRequest frame followed by its shards'
+bytes (server/rank/writes/bulk.py), allowed when the principal the ticket was
+issued to may write those tensors.
+
 Python gRPC moves about 1.1-1.4 GB/s on the 2-core host; `sendall` from the
 shard's memory moves about 4 GB/s. So gRPC stays the control plane:
 OpenBulkSession (authenticated like every call) answers a one-time ticket (16
@@ -36,6 +40,7 @@ from protos.bulk_wire import (
     HEADER,
     KIND_LOOKUP,
     KIND_READ,
+    KIND_WRITE,
     MAX_REQUEST_BYTES,
     TICKET_BYTES,
     recv_exactly,
@@ -50,10 +55,13 @@ from server.common.errors import (
     rpc_errors,
     status_of,
 )
+from server.common.access import caller
+from server.common.principals import Principal
 from server.rank.reads.lookup import LookupService
 from server.rank.metrics import BULK
 from server.rank.reads.region import region_bytes
 from server.rank.store import ShardStore
+from server.rank.writes.bulk import receive_batch
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +84,7 @@ class BulkReadsOff(ServiceError):
 class _Ticket:
     peer: ipaddress.IPv4Address | ipaddress.IPv6Address | None
     deadline: float
+    principal: Principal | None  # who asked for it (None without client auth): what its connection may write
 
 
 def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -102,8 +111,8 @@ class Tickets:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
 
-    def issue(self, peer: str) -> bytes:
-        """A fresh ticket, valid once from `peer`'s IP for ttl_s seconds."""
+    def issue(self, peer: str, principal: Principal | None = None) -> bytes:
+        """A fresh ticket for `principal`, valid once from `peer`'s IP for ttl_s seconds."""
         now = time.monotonic()
         with self._lock:
             for key in [k for k, t in self._tickets.items() if t.deadline <= now]:
@@ -112,11 +121,12 @@ class Tickets:
                 raise ResourceExhausted(f"this rank holds {self.capacity} unredeemed bulk-read tickets; "
                                         f"retry later or read over ReadRegion")
             ticket = secrets.token_bytes(TICKET_BYTES)
-            self._tickets[ticket] = _Ticket(peer_ip(peer), now + self.ttl_s)
+            self._tickets[ticket] = _Ticket(peer_ip(peer), now + self.ttl_s, principal)
         return ticket
 
-    def redeem(self, ticket: bytes, peer: str) -> None:
-        """Use up `ticket`; PERMISSION_DENIED if it is unknown, used, expired or presented from another IP."""
+    def redeem(self, ticket: bytes, peer: str) -> Principal | None:
+        """Use up `ticket` and return the principal it was issued to; PERMISSION_DENIED if it is unknown, used,
+        expired or presented from another IP."""
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry.deadline <= time.monotonic():
@@ -124,6 +134,7 @@ class Tickets:
         if entry.peer is not None and entry.peer != peer_ip(peer):
             raise ServiceError(f"ticket: issued to {entry.peer}, presented from {peer}",
                                grpc.StatusCode.PERMISSION_DENIED)
+        return entry.principal
 
 
 class BulkReads:
@@ -177,8 +188,8 @@ class BulkReads:
         port = self.port
         if port is None:
             raise BulkReadsOff(f"rank {self.store.rank} serves no bulk port: {self.off_reason}")
-        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer()), expires_s=self.tickets.ttl_s,
-                              tls=self.tls is not None)
+        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer(), caller()),
+                              expires_s=self.tickets.ttl_s, tls=self.tls is not None)
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -211,13 +222,13 @@ class BulkReads:
                 return
             with conn:
                 try:
-                    self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer)
+                    principal = self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer)
                 except ServiceError as err:
                     _send_error(conn, peer, err)
                     return
                 conn.settimeout(IDLE_TIMEOUT_S)
                 while (request := _read_request(conn, peer)) is not None:
-                    self._answer(conn, peer, *request)
+                    self._answer(conn, peer, *request, principal)
         except OSError as err:
             log.debug("bulk connection from %s ended: %s", peer, err)
         finally:
@@ -245,9 +256,15 @@ class BulkReads:
             return None
         return conn
 
-    def _answer(self, conn: socket.socket, peer: str, kind: int, message: bytes) -> None:
+    def _answer(self, conn: socket.socket, peer: str, kind: int, message: bytes,
+                principal: Principal | None = None) -> None:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
+            if kind == KIND_WRITE:
+                written = receive_batch(conn, self.store, _write_request(conn, peer, message), principal)
+                body = written.SerializeToString()
+                send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
+                return
             if kind == KIND_LOOKUP:
                 reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK))
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
@@ -274,14 +291,25 @@ def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
     deadline = time.monotonic() + FRAME_WAIT_S
     recv_exactly(conn, memoryview(frame)[first:], deadline)
     kind, length = FRAME.unpack(frame)
-    if kind not in (KIND_READ, KIND_LOOKUP) or length > MAX_REQUEST_BYTES:
-        what = f"kind {kind} is neither {KIND_READ} (read) nor {KIND_LOOKUP} (lookup)" if length <= MAX_REQUEST_BYTES \
+    if kind not in (KIND_READ, KIND_LOOKUP, KIND_WRITE) or length > MAX_REQUEST_BYTES:
+        what = f"kind {kind} is none of {KIND_READ} (read), {KIND_LOOKUP} (lookup), {KIND_WRITE} (write)" \
+            if length <= MAX_REQUEST_BYTES \
             else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
         _send_error(conn, peer, InvalidArgument(f"request: {what}"))
         raise ConnectionAbortedError(what)
     message = _recv_bytes(conn, length, max(deadline - time.monotonic(), 1e-3))
     conn.settimeout(IDLE_TIMEOUT_S)
     return kind, message
+
+
+def _write_request(conn: socket.socket, peer: str, message: bytes) -> pb.WriteShardsRequest:
+    """The WriteShardsRequest of a write frame; one that does not parse is answered and ends the connection
+    (ConnectionAbortedError: its shards' bytes follow, of a length nobody can tell now)."""
+    try:
+        return _parse(pb.WriteShardsRequest, message)
+    except InvalidArgument as err:
+        _send_error(conn, peer, err)
+        raise ConnectionAbortedError(err.message) from None
 
 
 def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]

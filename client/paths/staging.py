@@ -1,0 +1,109 @@
+"""The writer's half of same-host writes: a batch's bytes in a memfd of this process that the rank reads.
+
+The rank opens it as /proc/<our pid>/fd/<fd> (server/rank/writes/shared.py)
+and checks it is this very file: its inode and device, its size, and its name,
+which carries a secret only this process knows. A file is used by one batch at
+a time, and kept for the next one (StagingFiles, up to KEPT_BYTES in all, none
+idle past IDLE_S): a fresh memfd costs a page fault per 4 KiB on its first
+fill, which made writes of large state dicts slower than the bulk port.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import time
+from types import TracebackType
+from typing import Sequence
+
+import torch
+
+from client.paths.writes import ShardWrite
+from protos import shardserve_pb2 as pb
+
+STAGING_NAME = "shardserve-staging-"  # server/rank/writes/shared.py expects memfds named so
+KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes
+IDLE_S = 60.0           # a kept file unused this long is closed when the next write comes
+
+
+class StagingFile:
+    """A memfd of `nbytes` mapped into this process: pack() copies a batch in, source() describes it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.secret = secrets.token_urlsafe(24)
+        self._fd = os.memfd_create(STAGING_NAME + self.secret, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, nbytes)
+            self._map = mmap.mmap(self._fd, nbytes) if nbytes else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def pack(self, writes: Sequence[ShardWrite]) -> None:
+        """Copy each write's tensor into the file, back to back in order (one copy, whatever its strides or
+        device)."""
+        offset = 0
+        for write in writes:
+            if write.nbytes:
+                target = torch.frombuffer(self._map, dtype=torch.uint8, count=write.nbytes, offset=offset)
+                target.view(write.data.dtype).view(write.data.shape).copy_(write.data)
+                del target
+            offset += write.nbytes
+
+    def source(self, host_id: str) -> pb.SharedMemorySource:
+        """The file as WriteShards' shared source, from this process on host `host_id`."""
+        info = os.fstat(self._fd)
+        return pb.SharedMemorySource(pid=os.getpid(), fd=self._fd, inode=info.st_ino, device_id=info.st_dev,
+                                     nbytes=self.nbytes, host_id=host_id, name_secret=self.secret)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "StagingFile":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.close()
+
+
+class StagingFiles:
+    """The staging files of one client: take() one of at least `nbytes` (a kept one when it fits), give_back()
+    it after the rank answered."""
+
+    def __init__(self, kept_bytes: int = KEPT_BYTES, idle_s: float = IDLE_S) -> None:
+        self.kept_bytes = kept_bytes
+        self.idle_s = idle_s
+        self._idle: list[tuple[float, StagingFile]] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> StagingFile:
+        now = time.monotonic()
+        with self._lock:
+            stale = [f for since, f in self._idle if now - since > self.idle_s]
+            self._idle = [(since, f) for since, f in self._idle if now - since <= self.idle_s]
+            fits = [(f.nbytes, i) for i, (_, f) in enumerate(self._idle) if f.nbytes >= nbytes]
+            chosen = self._idle.pop(min(fits)[1])[1] if fits else None
+        for staging in stale:
+            staging.close()
+        return chosen if chosen is not None else StagingFile(nbytes)
+
+    def give_back(self, staging: StagingFile) -> None:
+        with self._lock:
+            if staging.nbytes + sum(f.nbytes for _, f in self._idle) <= self.kept_bytes:
+                self._idle.append((time.monotonic(), staging))
+                return
+        staging.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for _, staging in idle:
+            staging.close()

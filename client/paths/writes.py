@@ -1,0 +1,82 @@
+"""Whole-shard writes in batches (WriteShards; server/rank/writes/ answers): the value types and the batching.
+
+A write names a shard of a pending version and the tensor holding exactly its
+box. Writes to one rank travel together: one staging memfd per batch on the same
+host (client/paths/staging.py), one request frame and its bytes on the bulk
+port, or inline gRPC requests of at most INLINE_BATCH_BYTES (larger shards
+stream over WriteShard). PathPolicy.write picks the path per rank;
+write_shards runs every rank's batches at once.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+
+from protos import shardserve_pb2 as pb
+from shardcore.dtypes import dtype_to_wire
+
+if TYPE_CHECKING:
+    from client.info import RankStatus
+    from client.paths.policy import PathPolicy
+
+INLINE_BATCH_BYTES = 1 << 20     # one gRPC WriteShards request carries at most this many bytes inline
+DIRECT_BATCH_BYTES = 256 << 20   # one staging memfd or bulk-port batch carries at most this many
+
+
+@dataclass(frozen=True)
+class ShardWrite:
+    """One whole shard of a pending version and the tensor holding exactly its box (any strides, any device)."""
+
+    header: pb.WriteShardHeader
+    data: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.nbytes
+
+
+def shard_write(name: str, version: int, shard_index: int, data: torch.Tensor) -> ShardWrite:
+    """The write of `data` as shard `shard_index` of (name, version)."""
+    header = pb.WriteShardHeader(name=name, version=version, shard_index=shard_index,
+                                 dtype=dtype_to_wire(data.dtype), nbytes=data.numel() * data.element_size())
+    return ShardWrite(header, data)
+
+
+def batched(writes: Sequence[ShardWrite], max_bytes: int) -> list[list[ShardWrite]]:
+    """`writes` in order, cut into batches of at most `max_bytes` (a larger shard is a batch of its own)."""
+    batches: list[list[ShardWrite]] = []
+    size = 0
+    for write in writes:
+        if not batches or size + write.nbytes > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(write)
+        size += write.nbytes
+    return batches
+
+
+def write_request(writes: Sequence[ShardWrite]) -> pb.WriteShardsRequest:
+    """The WriteShardsRequest naming `writes` (their bytes back to back in this order), without a source."""
+    return pb.WriteShardsRequest(shards=[write.header for write in writes])
+
+
+def write_shards(paths: "PathPolicy", rank_of: Callable[[int], "RankStatus"],
+                 writes: Sequence[tuple[int, ShardWrite]],
+                 run_all: Callable[[Sequence[Callable[[], int]]], list[int]]) -> dict[str, int]:
+    """Write every (rank, write), the batches of all ranks at once through `run_all`, each rank by the fastest
+    path that serves it; returns the bytes written per path ("shm", "tcp", "grpc")."""
+    by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
+    for rank, write in writes:
+        by_rank[rank].append(write)
+    jobs = []
+    for rank, mine in sorted(by_rank.items()):
+        status = rank_of(rank)
+        jobs += [lambda status=status, batch=batch: paths.write(status, batch)
+                 for batch in batched(mine, DIRECT_BATCH_BYTES)]
+    per_path: dict[str, int] = defaultdict(int)
+    for path, nbytes in run_all(jobs) if jobs else []:
+        per_path[path] += nbytes
+    return dict(per_path)
