@@ -69,7 +69,7 @@ class Session:
     def write_shards(self, writes: Sequence[tuple[int, ShardWrite]]) -> dict[str, int]:
         """Write whole shards of pending versions, (rank, write) each, every rank by its fastest path and all
         ranks at once; returns the bytes written per path (client.paths.writes)."""
-        return write_shards(self.paths, self.rank_status, writes, self.run_all)
+        return write_shards(self.paths.write, self.rank_status, writes, self.run_all)
 
     # ------------------------------------------------------------ coordinator calls
 

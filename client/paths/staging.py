@@ -21,6 +21,7 @@ import torch
 
 from client.paths.writes import ShardWrite
 from protos import shardserve_pb2 as pb
+from shardcore.wire import tensor_bytes
 
 STAGING_NAME = "shardserve-staging-"  # server/rank/writes/shared.py expects memfds named so
 KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes
@@ -42,13 +43,14 @@ class StagingFile:
             raise
 
     def pack(self, writes: Sequence[ShardWrite]) -> None:
-        """Copy each write's tensor into the file, back to back in order (one copy, whatever its strides or
-        device)."""
+        """Copy each write's bytes into the file, back to back in order: one copy of a contiguous CPU tensor
+        (another first of a strided or device one). Bytes, not elements: a shard's place in the file need not
+        be aligned to its element type."""
         offset = 0
         for write in writes:
             if write.nbytes:
                 target = torch.frombuffer(self._map, dtype=torch.uint8, count=write.nbytes, offset=offset)
-                target.view(write.data.dtype).view(write.data.shape).copy_(write.data)
+                target.copy_(torch.frombuffer(tensor_bytes(write.data), dtype=torch.uint8))
                 del target
             offset += write.nbytes
 

@@ -11,16 +11,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from client.info import RankStatus
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_to_wire
-
-if TYPE_CHECKING:
-    from client.info import RankStatus
-    from client.paths.policy import PathPolicy
 
 INLINE_BATCH_BYTES = 1 << 20     # one gRPC WriteShards request carries at most this many bytes inline
 DIRECT_BATCH_BYTES = 256 << 20   # one staging memfd or bulk-port batch carries at most this many
@@ -63,18 +60,20 @@ def write_request(writes: Sequence[ShardWrite]) -> pb.WriteShardsRequest:
     return pb.WriteShardsRequest(shards=[write.header for write in writes])
 
 
-def write_shards(paths: "PathPolicy", rank_of: Callable[[int], "RankStatus"],
-                 writes: Sequence[tuple[int, ShardWrite]],
-                 run_all: Callable[[Sequence[Callable[[], int]]], list[int]]) -> dict[str, int]:
-    """Write every (rank, write), the batches of all ranks at once through `run_all`, each rank by the fastest
-    path that serves it; returns the bytes written per path ("shm", "tcp", "grpc")."""
+def write_shards(write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str, int]],
+                 rank_of: Callable[[int], RankStatus], writes: Sequence[tuple[int, ShardWrite]],
+                 run_all: Callable[[Sequence[Callable[[], tuple[str, int]]]], list[tuple[str, int]]]
+                 ) -> dict[str, int]:
+    """Write every (rank, write), the batches of all ranks at once through `run_all`, each batch by
+    `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes written per
+    path ("shm", "tcp", "grpc")."""
     by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
     for rank, write in writes:
         by_rank[rank].append(write)
     jobs = []
     for rank, mine in sorted(by_rank.items()):
         status = rank_of(rank)
-        jobs += [lambda status=status, batch=batch: paths.write(status, batch)
+        jobs += [lambda status=status, batch=batch: write_batch(status, batch)
                  for batch in batched(mine, DIRECT_BATCH_BYTES)]
     per_path: dict[str, int] = defaultdict(int)
     for path, nbytes in run_all(jobs) if jobs else []:

@@ -65,11 +65,13 @@ def _header_name(request: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Rule:
-    """The right a method needs; `tensor`: where its request names the tensor it writes; `logged`: a change."""
+    """The right a method needs; `tensor`: where its request names the tensor it writes; `logged`: a change;
+    `needs_caller`: the servicer asks caller() who called."""
 
     right: str
     tensor: Callable[[Any], str | Sequence[str] | None] | None = None  # one name, or every name of a batch
     logged: bool = False
+    needs_caller: bool = False  # the servicer reads caller() (as OpenBulkSession does, for its ticket's rights)
 
 
 ACCESS_RULES: dict[str, Rule] = {
@@ -106,7 +108,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "OpenShard": Rule(READ),
     SHARD_SERVER + "ReleaseShard": Rule(READ),
     SHARD_SERVER + "ReadRegionSmall": Rule(READ),
-    SHARD_SERVER + "OpenBulkSession": Rule(READ),
+    SHARD_SERVER + "OpenBulkSession": Rule(READ, needs_caller=True),
     SHARD_SERVER + "WriteShards": Rule(WRITE, _shard_names),
     REFLECTION_METHOD: Rule(READ),
 }
@@ -239,7 +241,7 @@ class AccessInterceptor(grpc.ServerInterceptor):
     def _admitted(self, handler: grpc.RpcMethodHandler, principal: Principal, method: str,
                   rule: Rule | None) -> grpc.RpcMethodHandler:
         """`handler` for an authenticated, authorized caller: tensor patterns checked, changes logged, limits."""
-        if rule is not None and (rule.tensor is not None or rule.logged):
+        if rule is not None and (rule.tensor is not None or rule.logged or rule.needs_caller):
             handler = _checking_tensor(handler, principal, method, rule)
         if self._on_principal is not None:
             handler = self._on_principal(principal, method, handler)
@@ -248,8 +250,8 @@ class AccessInterceptor(grpc.ServerInterceptor):
 
 def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, method: str,
                      rule: Rule) -> grpc.RpcMethodHandler:
-    """`handler` that first checks the tensor the request names against the principal's patterns, and logs
-    the change with the principal's name."""
+    """`handler` that first checks the tensor the request names against the principal's patterns, logs the
+    change with the principal's name, and lets the servicer see the principal (caller())."""
     def check(request: Any, context: grpc.ServicerContext) -> None:
         tensor = rule.tensor(request) if rule.tensor is not None else _field_name(request)
         if rule.tensor is not None:

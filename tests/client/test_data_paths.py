@@ -888,3 +888,85 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     with pytest.raises(ShardServeError, match="refused") as raised:
         BulkPath(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]
     assert isinstance(raised.value, BulkReadError) == path_failure
+
+
+# ---------------------------------------------------------------- writes (WriteShards by each path)
+
+
+def write_state() -> dict[str, torch.Tensor]:
+    """Every dtype in odd shapes, a 0-d and an empty tensor, and one over the 1 MiB inline batch."""
+    state = {f"w.{str(dtype).removeprefix('torch.')}": random_tensor((5, 7), dtype, seed=i)
+             for i, dtype in enumerate(DTYPES)}
+    state["w.scalar"] = torch.tensor(2.5)
+    state["w.empty"] = torch.zeros((0, 3))
+    state["w.big"] = random_tensor((640, 1024), torch.float32, seed=99)  # 2.5 MiB: streamed on the gRPC path
+    return state
+
+
+def put_and_check(client, prefix: str, spec=None) -> dict[str, int]:
+    """spmd.put_state_dict of write_state() (column shards when `spec`: strided sources), read back bit for bit;
+    returns the bytes each path wrote."""
+    from client import spmd
+    seen: list[dict[str, int]] = []
+    write = client.session.write_shards
+    client.session.write_shards = lambda writes: seen.append(write(writes)) or seen[-1]
+    state = write_state()
+    layout = None if spec is None else {key: spec if value.dim() == 2 and value.shape[1] > 1 else None
+                                        for key, value in state.items()}  # None: the default layout
+    spmd.put_state_dict(client, state, prefix, spec=layout)
+    into = {key: torch.empty_like(value) for key, value in state.items()}
+    spmd.get_state_dict(client, prefix, into=into)
+    for key, value in state.items():
+        assert torch.equal(into[key], value), key
+    return seen[0]
+
+
+@pytest.mark.parametrize("transport, path", [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp"), ("grpc", "grpc")])
+def test_state_dict_writes_go_by_each_path_bit_for_bit(cluster, transport, path):
+    with connect(cluster.address, transport=transport) as client:
+        written = put_and_check(client, f"paths-{transport}")
+        assert set(written) == {path}
+        assert written[path] == sum(v.numel() * v.element_size() for v in write_state().values())
+        strided = put_and_check(client, f"strided-{transport}", spec=ChunkShardingSpec(1, ["rank:0/cpu",
+                                                                                         "rank:1/cpu"]))
+        assert set(strided) == {path}
+
+
+def test_writes_fall_back_when_the_rank_refuses_the_memfd(cluster, monkeypatch, caplog):
+    import client.paths.staging as staging
+    real = staging.StagingFile.source
+    monkeypatch.setattr(staging.StagingFile, "source",
+                        lambda self, host_id: real(self, "another-host"))  # the rank refuses: UNIMPLEMENTED
+    with connect(cluster.address) as client, caplog.at_level(logging.WARNING):
+        assert set(put_and_check(client, "refused-memfd")) == {"tcp"}
+    assert "not on this rank's host" in caplog.text
+
+
+def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):
+    with connect(no_shm_cluster.address) as client:
+        assert set(put_and_check(client, "plain")) == {"grpc"}
+
+
+def test_staging_files_are_kept_within_their_budget_and_closed_when_idle():
+    from client.paths.staging import StagingFiles
+    clock = [0.0]
+    files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0)
+    import client.paths.staging as staging
+    original = staging.time.monotonic
+    staging.time.monotonic = lambda: clock[0]
+    try:
+        first = files.take(1000)
+        files.give_back(first)
+        assert files.take(500) is first  # kept and big enough: reused
+        files.give_back(first)
+        big = files.take(2 << 20)  # over the budget: a new file, closed when given back
+        files.give_back(big)
+        assert big._fd == -1 and first._fd >= 0
+        clock[0] = 10.0
+        again = files.take(10)  # the kept one idled past idle_s: closed, a new one made
+        assert first._fd == -1 and again is not first
+        files.give_back(again)
+        files.close()
+        assert again._fd == -1
+    finally:
+        staging.time.monotonic = original

@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from client import AuthenticationError, connect
+from client.paths.bulk import BulkReadError
+from client.paths.writes import shard_write, write_request
 from protos import shardserve_pb2 as pb
 from protos import shardserve_pb2_grpc as pb_grpc
 from server.common.access import ACCESS_RULES
@@ -165,6 +167,16 @@ def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
             stub.WriteRows(pb.WriteRowsRequest(name="pending-dense", version=info.version), timeout=TIMEOUT,
                            metadata=bearer("emb-writer"))
         assert err.value.code() == PERMISSION_DENIED
+        batch = [shard_write("emb_mine", 1, 0, torch.zeros(4)), shard_write("pending-dense", info.version, 0,
+                                                                              torch.zeros(4))]
+        request = write_request(batch)
+        request.data = bytes(32)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.WriteShards(request, timeout=TIMEOUT, metadata=bearer("emb-writer"))
+        assert err.value.code() == PERMISSION_DENIED and "tensor 'pending-dense'" in err.value.details()
+    with connect(cluster.address, token=TOKENS["emb-writer"], transport="tcp") as writer:
+        with pytest.raises(BulkReadError, match="lacks the 'write' right on tensor 'pending-dense'"):
+            writer.session.paths.bulk.write_shards(rank0, batch)
 
 
 def test_collective_disabling_requests_from_an_admin_client_are_refused(cluster):

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, rpc_errors
+from server.common.errors import InvalidArgument, ServiceError, rpc_errors
 from server.common.requests import check_name, check_version, parse_dtype
 from server.rank.store import ShardStore
 from server.rank.writes.shared import SharedSource
@@ -76,10 +76,13 @@ def write_batch(store: ShardStore, shards: Sequence[ShardBytes],
     """Write each shard of the batch in order, `fill(shard, view)` putting its bytes into `view`; returns the
     bytes written. Stops at the first failure (the shards written before it stay written)."""
     written = 0
-    for shard in shards:
-        dtype = parse_dtype(shard.header.dtype, "dtype")
-        with store.write(shard.name, shard.version, shard.shard_index, dtype, shard.nbytes) as writer:
-            writer.fill(lambda view, shard=shard: fill(shard, view))
+    for i, shard in enumerate(shards):
+        dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
+        try:
+            with store.write(shard.name, shard.version, shard.shard_index, dtype, shard.nbytes) as writer:
+                writer.fill(lambda view, shard=shard: fill(shard, view))
+        except ServiceError as err:
+            raise type(err)(f"shards[{i}]: {err.message}", err.code) from None
         store.metrics.written(shard.name, shard.nbytes)
         written += shard.nbytes
     return written

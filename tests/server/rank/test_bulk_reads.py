@@ -145,7 +145,7 @@ def test_unknown_used_and_foreign_tickets_are_refused(port):
 
 @pytest.mark.parametrize("frame,field", [
     (struct.pack("<II", KIND_READ, 1 << 30), b"over the bulk port's 8388608-byte limit"),
-    (struct.pack("<II", 9, 0), b"kind 9 is neither 1 (read) nor 2 (lookup)"),
+    (struct.pack("<II", 9, 0), b"kind 9 is none of 1 (read), 2 (lookup), 3 (write)"),
 ])
 def test_frames_out_of_step_are_refused_and_close_the_connection(port, frame, field):
     with open_connection(port) as sock:
