@@ -1,16 +1,21 @@
 """State dicts of SPMD jobs: a 2-process trainer (Shard(0)) puts, a 2-process inference job (Shard(1) and
-Replicate) gets, against dcp.save + dcp.load through the filesystem and a bare copy of the same bytes.
+Replicate) gets, against dcp.save + dcp.load through the filesystem and the bare transfer of the same bytes
+(a memory copy and a loopback socket).
 
-One 4-process gloo world on this host: ranks 0-1 are the trainer, ranks 2-3 the inference job, each on its
-own group and mesh. torchstore's published figures (0.4 s put / 2.8 s get for Qwen3-32B with CPU staging,
-pytorch/torchstore issue 175) are quoted in docs/performance.md, not measured here.
+Two cases: 64 tensors of 1 GiB in all (bandwidth), and 512 tensors of 8 KiB (per-tensor overhead: a state dict
+of hundreds of small tensors must not be dominated by it). One 4-process gloo world on this host per case: ranks
+0-1 are the trainer, ranks 2-3 the inference job, each on its own group and mesh. torchstore's published
+figures (0.4 s put / 2.8 s get for Qwen3-32B with CPU staging, pytorch/torchstore issue 175) are quoted in
+docs/performance.md, not measured here.
 
     python -m benchmarks --only statedict
 """
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -19,17 +24,18 @@ import torch
 
 from benchmarks.harness import Context, Row, scenario
 
-TENSORS = 64
+CASES = ((64, 1 << 30), (512, 512 * 8192))  # (tensors, bytes in all)
+QUICK_CASES = ((64, 4 << 20), (128, 128 * 8192))
 
 
-def _state(total_bytes: int, mesh: Any, placements_of: Any) -> dict[str, Any]:
+def _state(count: int, total_bytes: int, mesh: Any, placements_of: Any) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
-    rows = max(2, int((total_bytes // TENSORS // 4) ** 0.5))
+    rows = max(2, int((total_bytes // count // 4) ** 0.5))
     return {f"layer{i}.w": distribute_tensor(torch.full((rows, rows), float(i)), mesh, placements_of(i))
-            for i in range(TENSORS)}
+            for i in range(count)}
 
 
-def _job(rank: int, port: int, address: str, total_bytes: int, folder: str, results: Any) -> None:
+def _job(rank: int, port: int, address: str, count: int, total_bytes: int, folder: str, results: Any) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
@@ -42,11 +48,13 @@ def _job(rank: int, port: int, address: str, total_bytes: int, folder: str, resu
     trainer, inference = dist.new_group([0, 1]), dist.new_group([2, 3])
     meshes = {"t": DeviceMesh("cpu", [0, 1]), "i": DeviceMesh("cpu", [2, 3])}
     group = trainer if rank < 2 else inference
-    cluster, out = connect(address), {}
+    cluster, out, paths = connect(address), {}, {}
+    write_shards = cluster.session.write_shards
+    cluster.session.write_shards = lambda writes: paths.update(write_shards(writes)) or paths
     if rank < 2:
-        state = _state(total_bytes, meshes["t"], lambda i: [Shard(0)])
+        state = _state(count, total_bytes, meshes["t"], lambda i: [Shard(0)])
     else:
-        state = _state(total_bytes, meshes["i"], lambda i: [Shard(1)] if i % 2 else [Replicate()])
+        state = _state(count, total_bytes, meshes["i"], lambda i: [Shard(1)] if i % 2 else [Replicate()])
     for what in ("put", "get", "dcp.save", "dcp.load"):
         dist.barrier()
         start = time.perf_counter()
@@ -61,13 +69,46 @@ def _job(rank: int, port: int, address: str, total_bytes: int, folder: str, resu
         dist.barrier(group)
         out[what] = time.perf_counter() - start
     ok = all(torch.equal(v.to_local(), torch.full_like(v.to_local(), float(i))) for i, v in enumerate(state.values()))
-    results.put((rank, out, ok))
+    results.put((rank, out, ok, "+".join(sorted(paths))))
     cluster.close()
     dist.destroy_process_group()
 
 
-def run(address: str, total_bytes: int) -> dict[str, Any]:
-    """Seconds of put (trainer), get (inference), dcp.save, dcp.load and a bare copy of the same bytes."""
+def _socket_s(total_bytes: int) -> float:
+    """Seconds to move `total_bytes` from one buffer to another over a loopback TCP connection."""
+    source = torch.ones(total_bytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = socket.create_connection(listener.getsockname())
+        receiver, _ = listener.accept()
+
+        def receive() -> None:
+            view, done = memoryview(target.numpy()), 0
+            while done < total_bytes:
+                done += receiver.recv_into(view[done:])
+
+        thread = threading.Thread(target=receive)
+        start = time.perf_counter()
+        thread.start()
+        sender.sendall(memoryview(source.numpy()))
+        thread.join()
+        seconds = time.perf_counter() - start
+        sender.close()
+        receiver.close()
+    return seconds
+
+
+def _copy_s(total_bytes: int) -> float:
+    """Seconds of one in-process copy of `total_bytes` into cold pages."""
+    source = torch.ones(total_bytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    start = time.perf_counter()
+    target.copy_(source)
+    return time.perf_counter() - start
+
+
+def run(address: str, count: int, total_bytes: int) -> dict[str, Any]:
+    """Seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket transfer."""
     import torch.multiprocessing as mp
 
     from server.launcher import free_port
@@ -75,37 +116,43 @@ def run(address: str, total_bytes: int) -> dict[str, Any]:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-") as folder:
         port = free_port()
-        procs = [ctx.Process(target=_job, args=(r, port, address, total_bytes, folder, results)) for r in range(4)]
+        procs = [ctx.Process(target=_job, args=(r, port, address, count, total_bytes, folder, results))
+                 for r in range(4)]
         for p in procs:
             p.start()
         answers = [results.get(timeout=900) for _ in procs]
         for p in procs:
             p.join(timeout=30)
-    source = torch.empty(total_bytes, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    start = time.perf_counter()
-    target.copy_(source)
-    copy_s = time.perf_counter() - start
-    by_rank = {rank: times for rank, times, _ in answers}
-    return {"put_s": by_rank[0]["put"], "get_s": by_rank[2]["get"], "dcp_save_s": by_rank[0]["dcp.save"],
-            "dcp_load_s": by_rank[2]["dcp.load"], "copy_s": copy_s, "ok": all(ok for _, _, ok in answers)}
+    by_rank = {rank: (times, paths) for rank, times, _, paths in answers}
+    return {"put_s": by_rank[0][0]["put"], "get_s": by_rank[2][0]["get"], "dcp_save_s": by_rank[0][0]["dcp.save"],
+            "dcp_load_s": by_rank[2][0]["dcp.load"], "copy_s": _copy_s(total_bytes),
+            "socket_s": _socket_s(total_bytes), "write_path": by_rank[0][1] or "none",
+            "ok": all(ok for _, _, ok, _ in answers)}
 
 
-@scenario("statedict", help="SPMD state dict put/get (2 -> 2 processes) vs dcp.save/load and a bare copy")
+@scenario("statedict", help="SPMD state dict put/get (2 -> 2 processes) vs dcp.save/load and bare transfers")
 def statedict_scenario(ctx: Context) -> list[Row]:
-    """A 2-process trainer puts, a 2-process inference job gets: 4 MiB quick, 1 GiB otherwise."""
+    """A 2-process trainer puts, a 2-process inference job gets, for a few large and many small tensors."""
     from contextlib import ExitStack
 
-    total = (4 << 20) if ctx.quick else (1 << 30)
-    with ExitStack() as stack:
-        cluster = ctx.start_cluster(stack, ranks=2)
-        with ctx.rss() as peaks:
-            r = run(cluster.address, total)
-    case = f"{TENSORS} tensors, {total >> 20} MiB"
-    return [Row("statedict", case, "spmd.put_state_dict", r["put_s"], path="grpc", nbytes=total, ok=r["ok"],
-                baseline="dcp.save", peak_rss=peaks),
-            Row("statedict", case, "spmd.get_state_dict", r["get_s"], path="auto", nbytes=total, ok=r["ok"],
-                baseline="dcp.load", peak_rss=peaks),
-            Row("statedict", case, "dcp.save", r["dcp_save_s"], path="filesystem", role="baseline", nbytes=total),
-            Row("statedict", case, "dcp.load", r["dcp_load_s"], path="filesystem", role="baseline", nbytes=total),
-            Row("statedict", case, "bare copy", r["copy_s"], path="memory", role="baseline", nbytes=total)]
+    rows = []
+    for count, total in QUICK_CASES if ctx.quick else CASES:
+        with ExitStack() as stack:
+            cluster = ctx.start_cluster(stack, ranks=2)
+            with ctx.rss() as peaks:
+                r = run(cluster.address, count, total)
+        case = f"{count} tensors, {total >> 10} KiB"
+        per_tensor = {"per_tensor_ms": {what: 1e3 * r[f"{what}_s"] / count
+                                        for what in ("put", "get", "dcp_save", "dcp_load")}}
+        rows += [Row("statedict", case, "spmd.put_state_dict", r["put_s"], path=r["write_path"], nbytes=total,
+                     ok=r["ok"], baseline="dcp.save", peak_rss=peaks, extra=per_tensor),
+                 Row("statedict", case, "spmd.get_state_dict", r["get_s"], path="auto", nbytes=total, ok=r["ok"],
+                     baseline="dcp.load", peak_rss=peaks),
+                 Row("statedict", case, "dcp.save", r["dcp_save_s"], path="filesystem", role="baseline",
+                     nbytes=total),
+                 Row("statedict", case, "dcp.load", r["dcp_load_s"], path="filesystem", role="baseline",
+                     nbytes=total),
+                 Row("statedict", case, "bare copy", r["copy_s"], path="memory", role="baseline", nbytes=total),
+                 Row("statedict", case, "bare socket", r["socket_s"], path="loopback tcp", role="baseline",
+                     nbytes=total)]
+    return rows
