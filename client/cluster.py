@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import grpc
@@ -20,6 +19,7 @@ from client.channel import CHUNK_BYTES, MAX_CHUNK_BYTES, Channel, Credentials, c
 from client.embedding.lookup import Lookups
 from client.embedding.row_cache import CacheStats, RowCache
 from client.embedding.views import table_options
+from client.paths.writes import shard_write
 from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableError, ShardServeError,
                            StaleVersionError, TensorNotFoundError)
 from client.info import RankStatus, TensorSummary
@@ -34,10 +34,9 @@ from client.tensor import RemoteShardedTensor
 from client.tracing import call_interceptor
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_from_name, dtype_to_wire
-from shardcore.metadata import ShardedTensorMetadata
 from shardcore.regions import cut_tensor
 from shardcore.specs import tensor_size
-from shardcore.wire import metadata_to_proto, tensor_bytes
+from shardcore.wire import metadata_to_proto
 
 INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NORMAL, "arange": pb.INIT_ARANGE}
 
@@ -188,7 +187,8 @@ class Cluster:
     def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
             chunk_bytes: int = CHUNK_BYTES, oov: str = "error",
             default_row: torch.Tensor | None = None, replicas: int = 1) -> RemoteShardedTensor:
-        """Cut `tensor` by `spec`, stream every shard to its owner and commit; nothing is visible on failure.
+        """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
+        the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
 
         `replicas` > 1 holds every box on that many live ranks (shardcore.replicas); every copy is written.
         """
@@ -212,10 +212,10 @@ class Cluster:
         info = self.session.create_tensor(pb.CreateTensorRequest(
             name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite, options=options))
         try:
-            jobs = [partial(self._write_shard, name, info.version, index, shard, meta, chunk_bytes)
-                    for index, shard in enumerate(shards)]
+            writes = [(meta.shards_metadata[index].rank, shard_write(name, info.version, index, shard, chunk_bytes))
+                      for index, shard in enumerate(shards)]
             try:
-                self.session.run_all(jobs)
+                self.session.write_shards(writes)
             except (StaleVersionError, TensorNotFoundError) as err:
                 raise self._why_writes_failed(name, info.version, err) from None
             committed = self.session.commit(name, info.version)
@@ -234,14 +234,6 @@ class Cluster:
                 return AbortedError(f"put of {name!r} version {version} was aborted while it wrote: another put "
                                     f"or create of {name!r} with overwrite=True replaced it", grpc.StatusCode.ABORTED)
         return err
-
-    def _write_shard(self, name: str, version: int, index: int, shard: torch.Tensor,
-                     meta: ShardedTensorMetadata, chunk_bytes: int) -> int:
-        data = tensor_bytes(shard)
-        header = pb.WriteShardHeader(name=name, version=version, shard_index=index,
-                                     dtype=dtype_to_wire(meta.dtype), nbytes=len(data))
-        address = self.session.address_of(meta.shards_metadata[index].rank)
-        return self.session.channel.write_shard(address, header, data, chunk_bytes)
 
     # ------------------------------------------------------------ snapshots (client.ops.snapshots, client.spmd)
 

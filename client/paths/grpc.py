@@ -103,7 +103,8 @@ class GrpcPath:
             written += reply.bytes_written
         for write in writes:
             if write.nbytes > INLINE_BATCH_BYTES:
-                written += self.channel.write_shard(address, write.header, tensor_bytes(write.data))
+                written += self.channel.write_shard(address, write.header, tensor_bytes(write.data),
+                                                    write.chunk_bytes)
         return written
 
     def lookup(self, address: str, request: pb.LookupRequest, answer_bytes: int, take: Callable[[Any], None],

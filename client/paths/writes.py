@@ -1,4 +1,5 @@
-"""Whole-shard writes in batches (WriteShards; server/rank/writes/ answers): the value types and the batching.
+"""Whole-shard writes in batches (WriteShards; server/rank/writes/ answers): the value types and the batching,
+used by Cluster.put and spmd.put_state_dict.
 
 A write names a shard of a pending version and the tensor holding exactly its
 box. Writes to one rank travel together: one staging memfd per batch on the same
@@ -15,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from client.channel import CHUNK_BYTES
 from client.info import RankStatus
 from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_to_wire
@@ -29,17 +31,19 @@ class ShardWrite:
 
     header: pb.WriteShardHeader
     data: torch.Tensor
+    chunk_bytes: int = CHUNK_BYTES  # the message size when it streams over gRPC (WriteShard)
 
     @property
     def nbytes(self) -> int:
         return self.header.nbytes
 
 
-def shard_write(name: str, version: int, shard_index: int, data: torch.Tensor) -> ShardWrite:
+def shard_write(name: str, version: int, shard_index: int, data: torch.Tensor,
+                chunk_bytes: int = CHUNK_BYTES) -> ShardWrite:
     """The write of `data` as shard `shard_index` of (name, version)."""
     header = pb.WriteShardHeader(name=name, version=version, shard_index=shard_index,
                                  dtype=dtype_to_wire(data.dtype), nbytes=data.numel() * data.element_size())
-    return ShardWrite(header, data)
+    return ShardWrite(header, data, chunk_bytes)
 
 
 def batched(writes: Sequence[ShardWrite], max_bytes: int) -> list[list[ShardWrite]]:

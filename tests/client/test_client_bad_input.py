@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import client.channel
+from client.paths.policy import PathPolicy
 from client.paths.grpc import GrpcPath
 from client import (AuthenticationError, InvalidArgumentError, RankUnavailableError, ResourceExhaustedError,
                     ShardServeError, StaleVersionError, TensorNotFoundError, connect)
@@ -183,19 +184,19 @@ def test_read_over_request_limit_is_resource_exhausted(cl):
 def test_put_failing_half_way_leaves_nothing_visible(cl, monkeypatch):
     first = torch.arange(8.0)
     cl.put("half", first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    real_write = client.channel.Channel.write_shard
+    real_write = PathPolicy.write
 
-    def write_then_fail(self, address, header, data, chunk_bytes=client.channel.CHUNK_BYTES):
-        if header.shard_index == 1:
+    def write_then_fail(self, rank, writes):
+        if any(write.header.shard_index == 1 for write in writes):
             raise RankUnavailableError("rank went away mid-put (injected)")
-        return real_write(self, address, header, data, chunk_bytes)
+        return real_write(self, rank, writes)
 
-    monkeypatch.setattr(client.channel.Channel, "write_shard", write_then_fail)
+    monkeypatch.setattr(PathPolicy, "write", write_then_fail)
     with pytest.raises(RankUnavailableError, match="injected"):
         cl.put("half", -first, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]), overwrite=True)
     with pytest.raises(RankUnavailableError):
         cl.put("half-new", torch.ones(8), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    monkeypatch.setattr(client.channel.Channel, "write_shard", real_write)
+    monkeypatch.setattr(PathPolicy, "write", real_write)
     names = [(t.name, t.state) for t in cl.list(include_pending=True)]
     assert ("half", "READY") in names and all(n != "half-new" for n, _ in names)
     assert [n for n, _ in names].count("half") == 1

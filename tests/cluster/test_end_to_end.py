@@ -308,18 +308,18 @@ def test_a_put_whose_version_another_overwrite_aborted_says_so(cl, cluster3):
     from client import AbortedError, connect
 
     with connect(cluster3.address) as other:
-        write, raced = cl._write_shard, []
+        write, raced = cl.session.write_shards, []
 
-        def write_after_another_put(*args):  # type: ignore[no-untyped-def]
+        def write_after_another_put(writes):  # type: ignore[no-untyped-def]
             if not raced:
                 raced.append(other.put("contested", torch.ones(6, 2), overwrite=True))
-            return write(*args)
+            return write(writes)
 
-        cl._write_shard = write_after_another_put  # type: ignore[method-assign]
+        cl.session.write_shards = write_after_another_put  # type: ignore[method-assign]
         try:
             with pytest.raises(AbortedError, match="another put or create of 'contested' with overwrite=True"):
                 cl.put("contested", torch.zeros(6, 2), overwrite=True)
         finally:
-            del cl._write_shard
+            del cl.session.write_shards
     assert torch.equal(cl.tensor("contested").full_tensor(), torch.ones(6, 2))
     cl.delete("contested")
