@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import tempfile
+import time
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from client.paths.staging import StagingFile
 from client.paths.writes import shard_write, write_request
 from protos import shardserve_pb2 as pb
 from protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
+from server.common.errors import FailedPrecondition
 from server.common.principals import READ, WRITE, Principal
 from server.rank.reads.bulk import BulkReads
 from server.rank.shared_memory import host_id
@@ -290,3 +292,26 @@ def test_the_tickets_principal_decides_what_its_connection_writes(store, port, p
         assert_written(store)
     else:
         assert code == grpc.StatusCode.PERMISSION_DENIED and principal.name.encode() in body
+
+
+def test_a_writer_cut_off_mid_batch_leaves_its_shard_torn_until_written_again(store, port):
+    """The connection dies after half of the first shard's bytes: that shard stays torn (the promote refuses it),
+    the port keeps serving, and a later write of the shard completes it."""
+    batch = writes(["a", "b"])
+    message = write_request(batch).SerializeToString()
+    with connect_with(port) as sock:
+        sock.sendall(struct.pack("<II", KIND_WRITE, len(message)) + message +
+                     bytes(tensor_bytes(SOURCES["a"]))[:40])
+    with pytest.raises(FailedPrecondition, match="not fully written"):
+        store.promote("a", 1)  # never published half written
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:  # until the rank's connection thread has seen the cut (the shard is then torn, not busy)
+        with connect_with(port) as sock:
+            code, body = send_write(sock, writes(["a"]))
+        if code == grpc.StatusCode.OK:
+            break
+        assert code == grpc.StatusCode.ABORTED and b"being written by another stream" in body, body
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    store.promote("a", 1)
+    assert torch.equal(store.local_tensor("a", 1, 0), SOURCES["a"])
