@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -341,3 +344,12 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
             with pytest.raises(Exception) as caught:
                 stub.call(method, request)
             assert caught.value.code == code, (method, caught.value)
+
+
+def test_the_trainer_to_inference_example_runs_bit_for_bit(cluster: LocalCluster) -> None:
+    """examples/trainer_to_inference.py as the docs run it: a 2-process job puts, a 3-process job gets."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "examples" / "trainer_to_inference.py"), cluster.address,
+                           "--step", "7"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "every shard bit for bit" in done.stdout
