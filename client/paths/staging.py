@@ -24,7 +24,7 @@ from protos import shardserve_pb2 as pb
 from shardcore.wire import tensor_bytes
 
 STAGING_NAME = "shardserve-staging-"  # server/rank/writes/shared.py expects memfds named so
-KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes
+KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes (a 64 MiB file per rank written to)
 IDLE_S = 60.0           # a kept file unused this long is closed when the next write comes
 
 
@@ -37,6 +37,8 @@ class StagingFile:
         self._fd = os.memfd_create(STAGING_NAME + self.secret, os.MFD_CLOEXEC)
         try:
             os.ftruncate(self._fd, nbytes)
+            if nbytes:
+                os.posix_fallocate(self._fd, 0, nbytes)  # the pages now, in one call: ENOSPC here, never SIGBUS
             self._map = mmap.mmap(self._fd, nbytes) if nbytes else None
         except BaseException:
             os.close(self._fd)

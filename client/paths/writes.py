@@ -2,11 +2,12 @@
 used by Cluster.put and spmd.put_state_dict.
 
 A write names a shard of a pending version and the tensor holding exactly its
-box. Writes to one rank travel together: one staging memfd per batch on the same
-host (client/paths/staging.py), one request frame and its bytes on the bulk
-port, or inline gRPC requests of at most INLINE_BATCH_BYTES (larger shards
-stream over WriteShard). PathPolicy.write picks the path per rank;
-write_shards runs every rank's batches at once.
+box. Writes to one rank travel together in batches of at most
+DIRECT_BATCH_BYTES: one staging memfd per batch on the same host
+(client/paths/staging.py), one request frame and its bytes on the bulk port,
+or inline gRPC requests of at most INLINE_BATCH_BYTES (larger shards stream
+over WriteShard). PathPolicy.write picks the path per rank; write_shards runs
+every rank at once, each rank's batches in turn.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from protos import shardserve_pb2 as pb
 from shardcore.dtypes import dtype_to_wire
 
 INLINE_BATCH_BYTES = 1 << 20     # one gRPC WriteShards request carries at most this many bytes inline
-DIRECT_BATCH_BYTES = 256 << 20   # one staging memfd or bulk-port batch carries at most this many
+DIRECT_BATCH_BYTES = 64 << 20    # one staging memfd or bulk-port batch carries at most this many: a rank's batches
+                                 # go one after another, reusing one staging file (warm pages)
 
 
 @dataclass(frozen=True)
@@ -66,20 +68,20 @@ def write_request(writes: Sequence[ShardWrite]) -> pb.WriteShardsRequest:
 
 def write_shards(write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str, int]],
                  rank_of: Callable[[int], RankStatus], writes: Sequence[tuple[int, ShardWrite]],
-                 run_all: Callable[[Sequence[Callable[[], tuple[str, int]]]], list[tuple[str, int]]]
+                 run_all: Callable[[Sequence[Callable[[], list[tuple[str, int]]]]], list[list[tuple[str, int]]]]
                  ) -> dict[str, int]:
-    """Write every (rank, write), the batches of all ranks at once through `run_all`, each batch by
+    """Write every (rank, write), all ranks at once through `run_all` and each rank's batches in turn, each by
     `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes written per
     path ("shm", "tcp", "grpc")."""
     by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
     for rank, write in writes:
         by_rank[rank].append(write)
-    jobs = []
-    for rank, mine in sorted(by_rank.items()):
+    def write_rank(rank: int, mine: list[ShardWrite]) -> list[tuple[str, int]]:
         status = rank_of(rank)
-        jobs += [lambda status=status, batch=batch: write_batch(status, batch)
-                 for batch in batched(mine, DIRECT_BATCH_BYTES)]
+        return [write_batch(status, batch) for batch in batched(mine, DIRECT_BATCH_BYTES)]
+
+    jobs = [lambda rank=rank, mine=mine: write_rank(rank, mine) for rank, mine in sorted(by_rank.items())]
     per_path: dict[str, int] = defaultdict(int)
-    for path, nbytes in run_all(jobs) if jobs else []:
+    for path, nbytes in [done for batches in (run_all(jobs) if jobs else []) for done in batches]:
         per_path[path] += nbytes
     return dict(per_path)
