@@ -248,11 +248,12 @@ class PathPolicy:
         """Write whole shards to `rank` by the fastest path that serves it: a staging memfd the rank reads on
         the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes written)."""
         written, staged = self._through_shared_memory(
-            rank, lambda: self.shm.write_shards(rank.address, writes, self.host[1]))
+            rank, lambda: self.shm.write_shards(rank.address, writes, self.host[1]), "write")
         if staged:
             return "shm", written or 0
         written, path = self.over_network(
-            rank, lambda path: (self.bulk if path == "tcp" else self.grpc).write_shards(rank.address, writes))
+            rank, lambda path: (self.bulk if path == "tcp" else self.grpc).write_shards(rank.address, writes),
+            doing="write")
         return path, written
 
     def note_failure(self, rank: RankStatus, err: BaseException) -> None:
@@ -282,7 +283,8 @@ class PathPolicy:
 
     # ------------------------------------------------------------ choosing
 
-    def _through_shared_memory(self, rank: RankStatus, run: Callable[[], T]) -> tuple[T | None, bool]:
+    def _through_shared_memory(self, rank: RankStatus, run: Callable[[], T],
+                               doing: str = "read") -> tuple[T | None, bool]:
         """(`run()`, True) when `rank` may be read through shared memory and `run` serves; (None, False) when it
         may not or `run` fails with transport="auto" (logged, and `rank` skips shared memory for a while)."""
         if not self._shm_usable(rank):
@@ -292,11 +294,11 @@ class PathPolicy:
         except SharedMemoryError as err:
             if self.transport == "shm":
                 raise
-            self._fall_back("shm", rank, err)
+            self._fall_back("shm", rank, err, doing)
             return None, False
 
     def over_network(self, rank: RankStatus, run: Callable[[str], T],
-                     cancel: Cancellation | None = None) -> tuple[T, str]:
+                     cancel: Cancellation | None = None, doing: str = "read") -> tuple[T, str]:
         """`run("tcp")` when the bulk port may serve `rank`, falling back to `run("grpc")` when it fails (unless
         forced, or cancelled); returns run's result and the path that gave it."""
         if self._tcp_usable(rank):
@@ -305,7 +307,7 @@ class PathPolicy:
             except BulkReadError as err:
                 if self.transport == "tcp" or (cancel is not None and cancel.cancelled):
                     raise
-                self._fall_back("tcp", rank, err)
+                self._fall_back("tcp", rank, err, doing)
         return run("grpc"), "grpc"
 
     def send_all(self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]) -> "SentCalls":
@@ -401,12 +403,16 @@ class PathPolicy:
             return True
         return self.transport == "auto" and not self._backing_off("tcp", rank)
 
-    def _fall_back(self, path: str, rank: RankStatus, err: Exception) -> None:
+    def _fall_back(self, path: str, rank: RankStatus, err: Exception, doing: str = "read") -> None:
         """Move `rank`'s bytes (reads and writes) by the next path for RETRY_AFTER_S, logging why."""
         with self._lock:
             self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
         what = "shared-memory" if path == "shm" else "bulk TCP"
         instead = "over gRPC" if path == "tcp" else "over the bulk port or gRPC"
+        if doing == "write":
+            log.warning("%s write to rank %d failed; writing to it %s for %.0f s: %s",
+                        what, rank.rank, instead, RETRY_AFTER_S, err)
+            return
         log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
                     what, rank.rank, instead, RETRY_AFTER_S, err)
 
