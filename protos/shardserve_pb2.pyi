@@ -530,6 +530,38 @@ class DropVersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class AllocateManyRequest(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[AllocateShardsRequest]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ...) -> None: ...
+
+class AllocateManyResponse(_message.Message):
+    __slots__ = ("allocated_bytes",)
+    ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocated_bytes: int
+    def __init__(self, allocated_bytes: _Optional[int] = ...) -> None: ...
+
+class PromoteManyRequest(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[PromoteVersionRequest]
+    def __init__(self, versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ...) -> None: ...
+
+class PromoteManyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DropManyRequest(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[DropVersionRequest]
+    def __init__(self, versions: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...) -> None: ...
+
+class DropManyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class WriteShardRequest(_message.Message):
     __slots__ = ("header", "chunk")
     HEADER_FIELD_NUMBER: _ClassVar[int]

@@ -918,6 +918,21 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.DropVersionRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.DropVersionResponse.FromString,
                 _registered_method=True)
+        self.AllocateMany = channel.unary_unary(
+                '/shardserve.v1.ShardServer/AllocateMany',
+                request_serializer=protos_dot_shardserve__pb2.AllocateManyRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.AllocateManyResponse.FromString,
+                _registered_method=True)
+        self.PromoteMany = channel.unary_unary(
+                '/shardserve.v1.ShardServer/PromoteMany',
+                request_serializer=protos_dot_shardserve__pb2.PromoteManyRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.PromoteManyResponse.FromString,
+                _registered_method=True)
+        self.DropMany = channel.unary_unary(
+                '/shardserve.v1.ShardServer/DropMany',
+                request_serializer=protos_dot_shardserve__pb2.DropManyRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.DropManyResponse.FromString,
+                _registered_method=True)
         self.WriteShard = channel.stream_unary(
                 '/shardserve.v1.ShardServer/WriteShard',
                 request_serializer=protos_dot_shardserve__pb2.WriteShardRequest.SerializeToString,
@@ -1004,6 +1019,26 @@ class ShardServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DropVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllocateMany(self, request, context):
+        """The same for many versions in one call (a snapshot's tensors): AllocateMany is all or none on the
+        rank; PromoteMany and DropMany go in order and stop at the first failure (named by its index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PromoteMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1126,6 +1161,21 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.DropVersion,
                     request_deserializer=protos_dot_shardserve__pb2.DropVersionRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.DropVersionResponse.SerializeToString,
+            ),
+            'AllocateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateMany,
+                    request_deserializer=protos_dot_shardserve__pb2.AllocateManyRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.AllocateManyResponse.SerializeToString,
+            ),
+            'PromoteMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteMany,
+                    request_deserializer=protos_dot_shardserve__pb2.PromoteManyRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.PromoteManyResponse.SerializeToString,
+            ),
+            'DropMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropMany,
+                    request_deserializer=protos_dot_shardserve__pb2.DropManyRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.DropManyResponse.SerializeToString,
             ),
             'WriteShard': grpc.stream_unary_rpc_method_handler(
                     servicer.WriteShard,
@@ -1276,6 +1326,87 @@ class ShardServer:
             '/shardserve.v1.ShardServer/DropVersion',
             protos_dot_shardserve__pb2.DropVersionRequest.SerializeToString,
             protos_dot_shardserve__pb2.DropVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/AllocateMany',
+            protos_dot_shardserve__pb2.AllocateManyRequest.SerializeToString,
+            protos_dot_shardserve__pb2.AllocateManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/PromoteMany',
+            protos_dot_shardserve__pb2.PromoteManyRequest.SerializeToString,
+            protos_dot_shardserve__pb2.PromoteManyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/DropMany',
+            protos_dot_shardserve__pb2.DropManyRequest.SerializeToString,
+            protos_dot_shardserve__pb2.DropManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

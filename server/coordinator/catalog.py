@@ -28,9 +28,18 @@ class Catalog(abc.ABC):
     def next_version(self) -> int:
         """A version number never handed out before (the counter survives restarts)."""
 
+    def next_versions(self, count: int) -> list[int]:
+        """`count` version numbers never handed out before, increasing (one transaction where it can)."""
+        return [self.next_version() for _ in range(count)]
+
     @abc.abstractmethod
     def add(self, info: pb.TensorInfo) -> None:
         """Record a new (name, version) row in the state `info.state`."""
+
+    def add_all(self, infos: list[pb.TensorInfo]) -> None:
+        """add() of several rows in one transaction: all of them or, on an error, none."""
+        for info in infos:
+            self.add(info)
 
     def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
         """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed)."""
@@ -138,10 +147,19 @@ class SQLiteCatalog(Catalog):
             db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
             return int(db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0])
 
-    def add(self, info: pb.TensorInfo) -> None:
+    def next_versions(self, count: int) -> list[int]:
         with self._transaction() as db:
-            db.execute("INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
-                       (info.name, info.version, info.state, info.SerializeToString()))
+            db.execute("UPDATE counters SET value = value + ? WHERE name = 'version'", (count,))
+            last = int(db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0])
+        return list(range(last - count + 1, last + 1))
+
+    def add(self, info: pb.TensorInfo) -> None:
+        self.add_all([info])
+
+    def add_all(self, infos: list[pb.TensorInfo]) -> None:
+        with self._transaction() as db:
+            db.executemany("INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
+                           [(info.name, info.version, info.state, info.SerializeToString()) for info in infos])
 
     def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
         with self._transaction() as db:

@@ -46,7 +46,7 @@ from server.coordinator.checkpoint import CheckpointDriver
 from server.coordinator.collectives import CollectiveRunner
 from server.coordinator.health import boxes_without_copy, describe, shards_on, unavailable_shards, with_lost
 from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry
+from server.coordinator.registry import RankRegistry, versions_by_rank
 from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
 from server.coordinator.reshard import ReshardDriver
 from server.coordinator.snapshots import SnapshotDriver
@@ -348,15 +348,22 @@ class Coordinator:
 
     def discard(self, info: pb.TensorInfo) -> None:
         """Remove a version from the catalog, then free it on its ranks (and its update slot, if an update's)."""
-        self.catalog.remove(info.name, info.version)
-        self.update_groups.end(info.name, info.version)
-        self.drop_rows([info])
+        self.discard_all([info])
+
+    def discard_all(self, rows: list[pb.TensorInfo]) -> None:
+        """discard() of several versions, freed on their ranks with one call per rank."""
+        for info in rows:
+            self.catalog.remove(info.name, info.version)
+            self.update_groups.end(info.name, info.version)
+        self.drop_rows(rows)
 
     def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None:
-        """Free versions just removed from the catalog on their ranks; for a reshard's version whose promotion
-        was unfinished, also the version it replaced (only the promotion would have dropped that one)."""
+        """Free versions just removed from the catalog on their ranks (one DropMany per rank); for a reshard's
+        version whose promotion was unfinished, also the version it replaced (only the promotion would have
+        dropped that one)."""
+        rows = list(rows)
+        self.registry.drop_many_quietly(versions_by_rank(rows, ranks_of))  # one call per rank, however many rows
         for row in rows:
-            self.registry.drop_quietly(row.name, row.version, ranks_of(row))
             if row.promoting:
                 self.reshards.drop_replaced(row.name)
 
@@ -468,7 +475,6 @@ class Coordinator:
         self._monitor.join(timeout=5)
         self._background.shutdown(wait=False, cancel_futures=True)
         self.registry.close()
-        self.snapshots.close()
         self.collectives.close()
         self.catalog.close()
         if self.metrics_endpoint is not None:

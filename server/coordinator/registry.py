@@ -11,7 +11,7 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Iterable, TypeVar
+from typing import AbstractSet, Callable, Iterable, Mapping, TypeVar
 
 import grpc
 
@@ -267,12 +267,17 @@ class RankRegistry:
 
     def fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
         """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
-        entries = {r: self.entry(r) for r in ranks}
+        return self.fan_out_each({rank: call for rank in ranks}, what)
+
+    def fan_out_each(self, calls: Mapping[int, Callable[[pb_grpc.ShardServerStub], T]], what: str) -> dict[int, T]:
+        """Run each rank's call in parallel; raise the first failure as a ServiceError naming the rank."""
+        entries = {r: self.entry(r) for r in calls}
         results, failures = {}, []
         for rank, entry in entries.items():
             if not self.is_alive(entry):  # fail fast: a stopped rank would hold the call until its deadline
                 failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        jobs = {r: self._pool.submit(carry_context(call), e.stub) for r, e in entries.items() if self.is_alive(e)}
+        jobs = {r: self._pool.submit(carry_context(calls[r]), e.stub) for r, e in entries.items()
+                if self.is_alive(e)}
         deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
         for rank, job in jobs.items():
             try:
@@ -295,6 +300,27 @@ class RankRegistry:
         """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
         request = pb.PromoteVersionRequest(name=name, version=version)
         self.fan_out(ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what)
+
+    def allocate_many_on(self, requests: Mapping[int, list[pb.AllocateShardsRequest]], what: str) -> None:
+        """AllocateMany of each rank's requests, one call per rank, ranks at once; the first failure raised."""
+        self.fan_out_each({rank: lambda stub, mine=mine: stub.AllocateMany(
+            pb.AllocateManyRequest(tensors=mine), timeout=self.rpc_timeout) for rank, mine in requests.items()}, what)
+
+    def promote_many_on(self, versions: Mapping[int, list[tuple[str, int]]], what: str) -> None:
+        """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once."""
+        self.fan_out_each({rank: lambda stub, mine=mine: stub.PromoteMany(pb.PromoteManyRequest(versions=[
+            pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]), timeout=self.rpc_timeout)
+            for rank, mine in versions.items()}, what)
+
+    def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
+        """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
+        live = {rank: mine for rank, mine in versions.items() if self.rank_alive(rank)}
+        try:
+            self.fan_out_each({rank: lambda stub, mine=mine: stub.DropMany(pb.DropManyRequest(versions=[
+                pb.DropVersionRequest(name=n, version=v) for n, v in mine]), timeout=self.rpc_timeout)
+                for rank, mine in live.items()}, f"drop {sum(map(len, live.values()))} versions")
+        except ServiceError as err:
+            log.warning("could not drop every version everywhere: %s", err.message)
 
     def drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
         """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
@@ -364,3 +390,13 @@ def _check_rank_info(info: pb.RankInfo) -> None:
         raise InvalidArgument(f"rank.device {info.device!r} is not 'cpu' or 'cuda:K'") from None
     if info.memory_limit_bytes < 0:
         raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")
+
+
+def versions_by_rank(rows: Iterable[pb.TensorInfo],
+                     ranks: Callable[[pb.TensorInfo], Iterable[int]]) -> dict[int, list[tuple[str, int]]]:
+    """{rank: [(name, version), ...]} of `rows`, each row under every rank `ranks(row)` names."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for row in rows:
+        for rank in ranks(row):
+            out.setdefault(rank, []).append((row.name, row.version))
+    return out

@@ -12,16 +12,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
-from typing import Callable, Iterable, Protocol
+from typing import Iterable, Protocol
 
 from protos import shardserve_pb2 as pb
 from server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
 from server.common.requests import check_name, check_version, parse_metadata
-from server.common.tracing import carry_context
 from server.coordinator.catalog import Catalog, holding_ranks
 from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry
+from server.coordinator.registry import RankRegistry, versions_by_rank
 from shardcore.metadata import ShardedTensorMetadata
 from shardcore.wire import metadata_to_proto
 
@@ -30,13 +28,12 @@ log = logging.getLogger(__name__)
 DEFAULT_KEEP = 2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
 MAX_KEEP = 1024
 MAX_SNAPSHOT_TENSORS = 1 << 16
-_FAN_OUT = 16  # tensors allocated or promoted at once
 
 
 class Versions(Protocol):
     """What the driver needs of the coordinator's lifecycle."""
 
-    def discard(self, info: pb.TensorInfo) -> None: ...
+    def discard_all(self, rows: list[pb.TensorInfo]) -> None: ...
 
     def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None: ...
 
@@ -60,10 +57,6 @@ class SnapshotDriver:
         self.pending_timeout = pending_timeout
         self._pending: dict[tuple[str, int], pb.SnapshotInfo] = {}
         self._guard = threading.Lock()
-        self._pool = futures.ThreadPoolExecutor(max_workers=_FAN_OUT, thread_name_prefix="coord-snapshot")
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def create(self, request: pb.CreateSnapshotRequest) -> pb.SnapshotInfo:
         """Record every tensor PENDING and allocate it on its ranks; all or none."""
@@ -78,17 +71,16 @@ class SnapshotDriver:
             except InvalidArgument as err:
                 raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
         self._forget_stale()
-        number = self.catalog.next_version()
+        number, *versions = self.catalog.next_versions(1 + len(layouts))
         snapshot = pb.SnapshotInfo(prefix=prefix, number=number, state=pb.PENDING, created_unix=time.time(),
                                    keep=keep, nbytes=sum(meta.nbytes for meta in layouts.values()))
-        for key, meta in layouts.items():
-            info = pb.TensorInfo(name=snapshot_tensor_name(prefix, number, key), version=self.catalog.next_version(),
-                                 metadata=metadata_to_proto(meta), state=pb.PENDING, nbytes=meta.nbytes,
-                                 created_unix=snapshot.created_unix)
-            self.catalog.add(info)
-            snapshot.entries.add(key=key, tensor=info)
+        for (key, meta), version in zip(layouts.items(), versions):
+            snapshot.entries.add(key=key, tensor=pb.TensorInfo(
+                name=snapshot_tensor_name(prefix, number, key), version=version, metadata=metadata_to_proto(meta),
+                state=pb.PENDING, nbytes=meta.nbytes, created_unix=snapshot.created_unix))
+        self.catalog.add_all([entry.tensor for entry in snapshot.entries])
         try:
-            self._each(snapshot, self._allocate)
+            self.registry.allocate_many_on(_allocations_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}")
         except BaseException:
             self._discard(snapshot)
             raise
@@ -102,7 +94,8 @@ class SnapshotDriver:
         snapshot = self._take(prefix, number)
         try:
             with self.locks.hold(f"{prefix}@"):
-                self._each(snapshot, self._promote)
+                self.registry.promote_many_on(versions_by_rank(_tensors(snapshot), holding_ranks),
+                                              f"promote snapshot {prefix!r} {number}")
                 try:
                     committed, removed = self.catalog.commit_snapshot(snapshot)
                 except KeyError as err:
@@ -158,30 +151,14 @@ class SnapshotDriver:
                         self.pending_timeout)
             self._discard(snapshot)
 
-    def _allocate(self, info: pb.TensorInfo) -> None:
-        request = pb.AllocateShardsRequest(name=info.name, version=info.version, metadata=info.metadata,
-                                           init=pb.INIT_NONE)
-        self.registry.allocate_on(holding_ranks(info), request, f"allocate {info.name!r} version {info.version}")
-
-    def _promote(self, info: pb.TensorInfo) -> None:
-        self.registry.promote_on(holding_ranks(info), info.name, info.version,
-                                 f"promote {info.name!r} version {info.version}")
-
-    def _each(self, snapshot: pb.SnapshotInfo, step: Callable[[pb.TensorInfo], None]) -> None:
-        """step(tensor) for every tensor of the snapshot, several at once; the first failure raised."""
-        done = [self._pool.submit(carry_context(step), entry.tensor) for entry in snapshot.entries]
-        for future in done:
-            future.result()
-
     def _discard(self, snapshot: pb.SnapshotInfo) -> None:
         """Remove every pending tensor of the snapshot from the catalog and free it on its ranks."""
-        for entry in snapshot.entries:
-            info = self.catalog.get(entry.tensor.name, entry.tensor.version)
-            if info is not None and info.state != pb.READY:
-                try:
-                    self.versions.discard(info)
-                except ServiceError as err:
-                    log.warning("discarding %r: %s", info.name, err.message)
+        pending = [info for info in (self.catalog.get(e.tensor.name, e.tensor.version) for e in snapshot.entries)
+                   if info is not None and info.state != pb.READY]
+        try:
+            self.versions.discard_all(pending)
+        except ServiceError as err:
+            log.warning("discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message)
 
     def _described(self, snapshot: pb.SnapshotInfo) -> pb.SnapshotInfo:
         out = pb.SnapshotInfo()
@@ -207,3 +184,18 @@ def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedT
     if not layouts:
         raise InvalidArgument("tensors is empty: a snapshot holds at least one tensor")
     return layouts
+
+
+def _tensors(snapshot: pb.SnapshotInfo) -> list[pb.TensorInfo]:
+    return [entry.tensor for entry in snapshot.entries]
+
+
+def _allocations_by_rank(snapshot: pb.SnapshotInfo) -> dict[int, list[pb.AllocateShardsRequest]]:
+    """{rank: the AllocateShardsRequest of every snapshot tensor it holds shards of}."""
+    out: dict[int, list[pb.AllocateShardsRequest]] = {}
+    for info in _tensors(snapshot):
+        request = pb.AllocateShardsRequest(name=info.name, version=info.version, metadata=info.metadata,
+                                           init=pb.INIT_NONE)
+        for rank in holding_ranks(info):
+            out.setdefault(rank, []).append(request)
+    return out

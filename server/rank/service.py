@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
 
 import grpc
 
@@ -16,7 +17,7 @@ from protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from server.common.errors import InvalidArgument, rpc_errors
+from server.common.errors import InvalidArgument, ServiceError, rpc_errors
 from server.common.requests import (
     check_name,
     check_options,
@@ -40,12 +41,14 @@ from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
 from server.rank.store import ShardStore
 from server.rank.writes.batch import ShardWrites
+from shardcore.metadata import ShardedTensorMetadata
 from server.rank.writes.batch import handlers as shard_write_handlers
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
+MAX_BATCH_VERSIONS = 1 << 16  # versions one AllocateMany / PromoteMany / DropMany names
 MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
 
 
@@ -75,17 +78,35 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     @rpc_errors
     def AllocateShards(self, request: pb.AllocateShardsRequest,
                        context: grpc.ServicerContext) -> pb.AllocateShardsResponse:
-        name = check_name(request.name)
-        version = check_version(request.version)
-        meta = parse_metadata(request.metadata)
-        check_options(request.options, meta)
+        return pb.AllocateShardsResponse(allocated_bytes=self._allocate(checked_allocation(request)))
+
+    @rpc_errors
+    def AllocateMany(self, request: pb.AllocateManyRequest,
+                     context: grpc.ServicerContext) -> pb.AllocateManyResponse:
+        """Every allocation of the batch, or none: the ones made before a failure are dropped again."""
+        check_batch_size(len(request.tensors), "tensors")
+        allocations = [checked_allocation(t, f"tensors[{i}].") for i, t in enumerate(request.tensors)]
+        made, total = [], 0
+        try:
+            for index, allocation in enumerate(allocations):
+                total += self._allocate(allocation)
+                made.append(allocation)
+        except BaseException as err:
+            for allocation in made:
+                self.store.drop(allocation.name, allocation.version)
+            if isinstance(err, ServiceError):
+                raise type(err)(f"tensors[{index}]: {err.message}", err.code) from None
+            raise
+        return pb.AllocateManyResponse(allocated_bytes=total)
+
+    def _allocate(self, allocation: Allocation) -> int:
+        request, name, version, meta = allocation.request, allocation.name, allocation.version, allocation.meta
         if request.init == pb.INIT_COPY:
-            return pb.AllocateShardsResponse(allocated_bytes=self.store.allocate_copy(
-                name, version, meta, check_version(request.source_version, "source_version"), request.options))
+            return self.store.allocate_copy(name, version, meta, check_version(request.source_version,
+                                                                               "source_version"), request.options)
         if request.reserve_only:  # a collective job (reshard) installs the shards later
-            return pb.AllocateShardsResponse(allocated_bytes=self.store.reserve(name, version, meta, request.options))
-        nbytes = self.store.allocate(name, version, meta, request.init, request.seed, request.options)
-        return pb.AllocateShardsResponse(allocated_bytes=nbytes)
+            return self.store.reserve(name, version, meta, request.options)
+        return self.store.allocate(name, version, meta, request.init, request.seed, request.options)
 
     @rpc_errors
     def PromoteVersion(self, request: pb.PromoteVersionRequest,
@@ -94,10 +115,26 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return pb.PromoteVersionResponse()
 
     @rpc_errors
+    def PromoteMany(self, request: pb.PromoteManyRequest, context: grpc.ServicerContext) -> pb.PromoteManyResponse:
+        """Promote the versions in order, stopping at the first failure (the coordinator then drops them all)."""
+        for index, version in enumerate(checked_versions(request.versions)):
+            try:
+                self.store.promote(*version)
+            except ServiceError as err:
+                raise type(err)(f"versions[{index}]: {err.message}", err.code) from None
+        return pb.PromoteManyResponse()
+
+    @rpc_errors
     def DropVersion(self, request: pb.DropVersionRequest,
                     context: grpc.ServicerContext) -> pb.DropVersionResponse:
         self.store.drop(check_name(request.name), check_version(request.version, allow_zero=True))
         return pb.DropVersionResponse()
+
+    @rpc_errors
+    def DropMany(self, request: pb.DropManyRequest, context: grpc.ServicerContext) -> pb.DropManyResponse:
+        for name, version in checked_versions(request.versions, allow_zero=True):
+            self.store.drop(name, version)
+        return pb.DropManyResponse()
 
     @rpc_errors
     def WriteShard(self, request_iterator: Iterable[pb.WriteShardRequest],
@@ -161,6 +198,42 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
 
 
+@dataclass(frozen=True)
+class Allocation:
+    """An AllocateShardsRequest whose fields were checked."""
+
+    request: pb.AllocateShardsRequest
+    name: str
+    version: int
+    meta: ShardedTensorMetadata
+
+
+def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> Allocation:
+    """The request's name, version and layout, checked; INVALID_ARGUMENT names `prefix` + the field."""
+    name = check_name(request.name, f"{prefix}name")
+    version = check_version(request.version, f"{prefix}version")
+    meta = parse_metadata(request.metadata, f"{prefix}metadata")
+    try:
+        check_options(request.options, meta)
+    except InvalidArgument as err:
+        raise InvalidArgument(f"{prefix}{err.message}") from None
+    return Allocation(request, name, version, meta)
+
+
+def checked_versions(requests: Sequence[pb.PromoteVersionRequest | pb.DropVersionRequest],
+                     allow_zero: bool = False) -> list[tuple[str, int]]:
+    """(name, version) of each request of a batch, checked; INVALID_ARGUMENT names `versions[i]`."""
+    check_batch_size(len(requests), "versions")
+    return [(check_name(r.name, f"versions[{i}].name"),
+             check_version(r.version, f"versions[{i}].version", allow_zero=allow_zero))
+            for i, r in enumerate(requests)]
+
+
+def check_batch_size(count: int, field: str) -> None:
+    if count > MAX_BATCH_VERSIONS:
+        raise InvalidArgument(f"{field}: {count} in one call, over the limit of {MAX_BATCH_VERSIONS}")
+
+
 def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     """Register the ShardServer service, with the bulk messages going through chunk_codec; return its name."""
     def unary(method, request_type, response_type):  # type: ignore[no-untyped-def]
@@ -170,6 +243,9 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
         "AllocateShards": unary(servicer.AllocateShards, pb.AllocateShardsRequest, pb.AllocateShardsResponse),
         "PromoteVersion": unary(servicer.PromoteVersion, pb.PromoteVersionRequest, pb.PromoteVersionResponse),
         "DropVersion": unary(servicer.DropVersion, pb.DropVersionRequest, pb.DropVersionResponse),
+        "AllocateMany": unary(servicer.AllocateMany, pb.AllocateManyRequest, pb.AllocateManyResponse),
+        "PromoteMany": unary(servicer.PromoteMany, pb.PromoteManyRequest, pb.PromoteManyResponse),
+        "DropMany": unary(servicer.DropMany, pb.DropManyRequest, pb.DropManyResponse),
         "GetStats": unary(servicer.GetStats, pb.GetStatsRequest, pb.GetStatsResponse),
         "WriteShard": grpc.stream_unary_rpc_method_handler(
             servicer.WriteShard, request_deserializer=decode_write_request,

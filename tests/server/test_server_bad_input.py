@@ -309,6 +309,18 @@ def test_abort_of_a_committed_version_is_refused(stubs, served):
     ("AllocateShards", pb.AllocateShardsRequest(name="a", version=1, metadata=metadata_to_proto(META),
                                                 options=pb.TensorOptions(oov=9)), "options.oov 9 is not a known"),
     ("PromoteVersion", pb.PromoteVersionRequest(name="", version=1), "name is empty"),
+    ("AllocateMany", pb.AllocateManyRequest(tensors=[
+        pb.AllocateShardsRequest(name="m", version=1, metadata=metadata_to_proto(META)),
+        pb.AllocateShardsRequest(name="a", version=0)]), "tensors[1].version must be > 0"),
+    ("AllocateMany", pb.AllocateManyRequest(tensors=[pb.AllocateShardsRequest(name="a", version=1)]),
+     "tensors[0].metadata"),
+    ("AllocateMany", pb.AllocateManyRequest(tensors=[pb.AllocateShardsRequest(
+        name="a", version=1, metadata=metadata_to_proto(META), options=pb.TensorOptions(oov=9))]),
+     "tensors[0].options.oov 9"),
+    ("PromoteMany", pb.PromoteManyRequest(versions=[pb.PromoteVersionRequest(name="", version=1)]),
+     "versions[0].name is empty"),
+    ("DropMany", pb.DropManyRequest(versions=[pb.DropVersionRequest(name="ok", version=1),
+                                              pb.DropVersionRequest(name="")]), "versions[1].name is empty"),
     ("DropVersion", pb.DropVersionRequest(name=""), "name is empty"),
     ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=float("nan")), "lease_s nan"),
     ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=-1), "lease_s -1"),
@@ -326,6 +338,21 @@ def test_allocating_a_held_version_twice_is_refused(stubs, served):
     request = pb.AllocateShardsRequest(name="good", version=served.version, metadata=metadata_to_proto(META))
     err = rpc_error(stubs.ranks[0].AllocateShards, request, timeout=TIMEOUT)
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "already allocated" in err.details()
+
+
+def test_allocate_many_is_all_or_none_on_the_rank(stubs, served):
+    """The second allocation of the batch is refused (already held): the first, made before it, is dropped."""
+    fresh = pb.AllocateShardsRequest(name="batch-new", version=served.version + 1000,
+                                     metadata=metadata_to_proto(META))
+    held = pb.AllocateShardsRequest(name="good", version=served.version, metadata=metadata_to_proto(META))
+    err = rpc_error(stubs.ranks[0].AllocateMany, pb.AllocateManyRequest(tensors=[fresh, held]), timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "tensors[1]: " in err.details()
+    stats = stubs.ranks[0].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT, metadata=stubs.metadata)
+    assert ("batch-new", fresh.version) not in {(h.name, h.version) for h in stats.held}
+    err = rpc_error(stubs.ranks[0].PromoteMany, pb.PromoteManyRequest(versions=[
+        pb.PromoteVersionRequest(name="batch-new", version=fresh.version)]), timeout=TIMEOUT)
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "versions[0]: tensor 'batch-new' not found" in err.details()
+    assert torch.equal(read_full(stubs, served), TENSOR)
 
 
 def test_write_requests_helper_round_trips(stubs, pending):

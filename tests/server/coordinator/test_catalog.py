@@ -73,3 +73,17 @@ def test_commit_all_is_all_or_nothing(catalog):
     assert [(info.name, info.version, [o.version for o in older]) for info, older in done] == [("a", 3, [1]),
                                                                                                ("b", 2, [])]
     assert catalog.ready("a").version == 3 and catalog.ready("b").version == 2 and catalog.get("a", 1) is None
+
+
+def test_next_versions_hands_out_a_block_that_only_grows(catalog):
+    assert catalog.next_version() == 1
+    assert catalog.next_versions(3) == [2, 3, 4]
+    assert catalog.next_version() == 5
+
+
+def test_add_all_is_all_or_nothing(catalog):
+    catalog.add_all([row("a", 1), row("b", 2)])
+    assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}
+    with pytest.raises(sqlite3.IntegrityError):
+        catalog.add_all([row("c", 3), row("a", 1)])  # the second row exists: the first is not kept either
+    assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}

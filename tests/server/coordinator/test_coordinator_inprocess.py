@@ -46,6 +46,21 @@ class RankStub:
         self.calls.append(("allocate", request.name, request.version))
         return pb.AllocateShardsResponse()
 
+    def DropMany(self, request, timeout):  # noqa: N802
+        for one in request.versions:
+            self.DropVersion(one, timeout)
+        return pb.DropManyResponse()
+
+    def PromoteMany(self, request, timeout):  # noqa: N802
+        for one in request.versions:
+            self.PromoteVersion(one, timeout)
+        return pb.PromoteManyResponse()
+
+    def AllocateMany(self, request, timeout):  # noqa: N802
+        for one in request.tensors:
+            self.AllocateShards(one, timeout)
+        return pb.AllocateManyResponse()
+
 
 @pytest.fixture
 def coordinator(tmp_path):
