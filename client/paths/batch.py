@@ -86,9 +86,18 @@ def read_regions(channel: Channel, address: str, reads: Sequence[RegionRead]) ->
         data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8)
         for read, start in zip(reads, reply.offsets):
             if read.nbytes:
-                read.dest.copy_(data[start:start + read.nbytes].view(read.dest.dtype).view(read.dest.shape))
+                _copy_into(read.dest, data[start:start + read.nbytes])
     counters.count_read("grpc", expected)
     return expected
+
+
+def _copy_into(dest: torch.Tensor, raw: torch.Tensor) -> None:
+    """The region's bytes `raw` (uint8, at any offset of the reply) into `dest`: straight into a contiguous CPU
+    `dest`, else through an aligned copy (a dtype view needs an element-aligned start)."""
+    if dest.is_contiguous() and dest.device.type == "cpu":
+        dest.view(-1).view(torch.uint8).copy_(raw)
+    else:
+        dest.copy_(raw.clone().view(dest.dtype).view(dest.shape))
 
 
 def _check_reply(address: str, reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> None:
