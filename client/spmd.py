@@ -351,14 +351,16 @@ def _nbytes(out: torch.Tensor) -> int:
 def _read_batched(cluster: Cluster, small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
                   pool: ThreadPoolExecutor) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
     """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
-    returns the pieces of batches whose rank failed, to be read again by themselves (with fetch's fallbacks)."""
+    returns the pieces to read by themselves (with fetch's fallbacks): those of batches whose rank failed, or all
+    of them with transport="shm"."""
     session = cluster.session
+    if session.paths.transport == "shm":  # shared memory only, as the caller asked: every piece by itself
+        return list(small)
     regions = []
     for piece, (proxy, box, out) in enumerate(small):
         summary, parts = proxy.read_plan(box, out)
         regions += region_reads(piece, summary, parts, box, out)
-    jobs = [pool.submit(read_batch, session.channel, session.rank_status, session.paths.note_failure, batch)
-            for batch in batches(regions)]
+    jobs = [pool.submit(read_batch, session.paths, session.rank_status, batch) for batch in batches(regions)]
     alone: set[int] = set()
     for job in jobs:
         alone |= job.result()

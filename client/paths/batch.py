@@ -3,8 +3,9 @@ ReadRegions call, each region's bytes copied into its own output view.
 
 For hundreds of small tensors (a state dict) the per-read cost of a box read
 by itself (its path choice, its race, its call) is most of the time; one call
-per rank and batch of at most BATCH_READ_BYTES pays it once. Only gRPC carries
-batches: the bulk TCP port has no frame kind for them.
+per rank and batch of at most BATCH_READ_BYTES pays it once. A batch goes on
+the rank's bulk TCP port (a KIND_READS frame) where reads may use it, else,
+and when the port fails, over gRPC; shared memory is not used for batches.
 """
 from __future__ import annotations
 
@@ -16,16 +17,17 @@ import grpc
 import torch
 
 from client import counters
-from client.channel import Channel
 from client.errors import DeadlineExceededError, RankUnavailableError, ShardServeError, error_from_rpc
 from client.info import RankStatus, TensorSummary
-from client.paths.policy import read_request
+from client.paths.policy import PathPolicy, read_request
 from protos import shardserve_pb2 as pb
 from shardcore.metadata import Box
 from shardcore.regions import local_view
 
 BATCH_READ_BYTES = 1 << 20   # the largest answer of one call (the ranks' BATCH_READ_BYTES)
 MAX_BATCH_REGIONS = 16384    # regions of one call (the ranks' MAX_BATCH_REGIONS)
+REPLY_OVERHEAD_BYTES = 16    # a ReadRegionsReply's framing beyond its data and offsets
+REGION_OVERHEAD_BYTES = 11   # the most an offset adds to a ReadRegionsReply (a varint of up to 10 bytes)
 
 
 @dataclass(frozen=True)
@@ -71,24 +73,36 @@ def batches(reads: Iterable[RegionRead], limit_bytes: int = BATCH_READ_BYTES,
     return cut
 
 
-def read_regions(channel: Channel, address: str, reads: Sequence[RegionRead]) -> int:
-    """One ReadRegions call to the rank at `address` for every read of `reads` (one rank's batch), each region's
-    bytes copied into its `dest`; returns the bytes read."""
+def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRead]) -> int:
+    """One ReadRegions call to `rank` for every read of `reads` (one rank's batch), on its bulk port where that
+    may serve it (falling back to gRPC as reads do), each region's bytes copied into its `dest`; returns the
+    bytes read."""
     request = pb.ReadRegionsRequest(regions=[read.request for read in reads])
     expected = sum(read.nbytes for read in reads)
-    try:
-        reply = channel.shard_methods(address).read_regions(
-            request, timeout=channel.data_timeout(expected), metadata=channel.metadata)
-    except grpc.RpcError as err:
-        raise error_from_rpc(err, f"rank at {address}") from None
-    _check_reply(address, reads, reply)
+    reply, path = policy.over_network(rank, lambda path: _ask(policy, path, rank.address, request, expected))
+    _check_reply(rank.address, reads, reply)
     if expected:
         data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8)
         for read, start in zip(reads, reply.offsets):
             if read.nbytes:
                 _copy_into(read.dest, data[start:start + read.nbytes])
-    counters.count_read("grpc", expected)
+    counters.count_read(path, expected)
     return expected
+
+
+def _ask(policy: PathPolicy, path: str, address: str, request: pb.ReadRegionsRequest,
+         expected: int) -> pb.ReadRegionsReply:
+    """ReadRegions' reply over `path` ("tcp": the bulk port's KIND_READS frame; "grpc": the RPC)."""
+    if path == "tcp":
+        return policy.bulk.read_regions(address, request, expected + REPLY_OVERHEAD_BYTES
+                                        + REGION_OVERHEAD_BYTES * len(request.regions))
+    channel = policy.channel
+    assert channel is not None
+    try:
+        return channel.shard_methods(address).read_regions(
+            request, timeout=channel.data_timeout(expected), metadata=channel.metadata)
+    except grpc.RpcError as err:
+        raise error_from_rpc(err, f"rank at {address}") from None
 
 
 def _copy_into(dest: torch.Tensor, raw: torch.Tensor) -> None:
@@ -116,16 +130,15 @@ def read_alone_after(err: BaseException) -> bool:
     return isinstance(err, (RankUnavailableError, DeadlineExceededError)) or unimplemented
 
 
-def read_batch(channel: Channel, rank_of: Callable[[int], RankStatus], note_failure: Callable[[RankStatus,
-               BaseException], None], batch: Sequence[RegionRead]) -> set[int]:
+def read_batch(policy: PathPolicy, rank_of: Callable[[int], RankStatus], batch: Sequence[RegionRead]) -> set[int]:
     """Read one rank's batch; returns the pieces to read again by themselves (all of them when the rank failed
-    as read_alone_after says, noted by `note_failure`), else raises the batch's error."""
+    as read_alone_after says, which the policy notes), else raises the batch's error."""
     rank = rank_of(batch[0].rank)
     try:
-        read_regions(channel, rank.address, batch)
+        read_regions(policy, rank, batch)
     except ShardServeError as err:
         if not read_alone_after(err):
             raise
-        note_failure(rank, err)
+        policy.note_failure(rank, err)
         return {read.piece for read in batch}
     return set()

@@ -41,8 +41,10 @@ def small_and_big() -> dict[str, torch.Tensor]:
     return state
 
 
-def grpc_reads() -> int:
-    return counters.metrics()["reads"].get("grpc", 0)
+def network_reads() -> int:
+    """Reads answered over the network (the batches: shared memory serves this host's single reads)."""
+    reads = counters.metrics()["reads"]
+    return reads.get("grpc", 0) + reads.get("tcp", 0)
 
 
 # ---------------------------------------------------------------- job functions (run on every world rank)
@@ -57,9 +59,9 @@ def job_columns_then_rows(rank: int, address: str) -> list[str]:
     with connect(address) as cluster:
         spmd.put_state_dict(cluster, {k: distribute_tensor(t, mesh, [Shard(1)]) for k, t in full.items()}, "cols")
         into = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for k, t in full.items()}
-        before = grpc_reads()
+        before = network_reads()
         spmd.get_state_dict(cluster, "cols", into=into)
-        assert grpc_reads() > before, "the small pieces were not read in batches"
+        assert network_reads() > before, "the small pieces were not read in batches"
     wrong = []
     for key, tensor in into.items():
         rows = full[key].shape[0]
@@ -90,9 +92,9 @@ def test_a_world_of_one_gets_small_and_big_tensors_bit_for_bit(cluster: LocalClu
     into["big0"] = torch.zeros(100, 300).t()  # strided targets, big and small
     into["block0.p0"] = torch.zeros(16, 16).t()
     with connect(cluster.address) as client:
-        before = grpc_reads()
+        before = network_reads()
         spmd.get_state_dict(client, "small", into=into)
-        batched = grpc_reads() - before
+        batched = network_reads() - before
     assert 1 <= batched <= 4, batched  # one call per rank and MiB, not one per small piece
     assert [key for key, t in put.items() if not torch.equal(into[key], t)] == []
 
@@ -130,11 +132,11 @@ def test_a_batch_whose_rank_fails_is_read_piece_by_piece(cluster: LocalCluster, 
     real = batch.read_regions
     failed = []
 
-    def rank1_down(channel: Any, address: str, reads: Any) -> int:
-        if reads[0].rank == 1:
+    def rank1_down(policy: Any, rank: Any, reads: Any) -> int:
+        if rank.rank == 1:
             failed.append(len(reads))
-            raise RankUnavailableError(f"rank at {address}: connection refused")
-        return real(channel, address, reads)
+            raise RankUnavailableError(f"rank at {rank.address}: connection refused")
+        return real(policy, rank, reads)
 
     monkeypatch.setattr(batch, "read_regions", rank1_down)
     into = {key: torch.zeros_like(t) for key, t in spans.items()}
@@ -148,7 +150,7 @@ def test_a_batch_refused_as_a_bad_request_fails_the_get(cluster: LocalCluster, p
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from client.paths import batch
 
-    def refused(channel: Any, address: str, reads: Any) -> int:
+    def refused(policy: Any, rank: Any, reads: Any) -> int:
         raise InvalidArgumentError("regions[0]: offsets/sizes: box is not inside the shard")
 
     monkeypatch.setattr(batch, "read_regions", refused)

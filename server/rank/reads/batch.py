@@ -3,7 +3,8 @@
 A state dict of hundreds of small tensors read box by box pays one call (and
 its client-side path choice) per box; one call per rank and batch answers
 them together. Each region is checked as ReadRegion checks it; an error names
-the region (`regions[i]: ...`).
+the region (`regions[i]: ...`). The bulk port answers the same request as a
+KIND_READS frame (server/rank/reads/bulk.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ class BatchReads:
 
     @rpc_errors
     def ReadRegions(self, request: pb.ReadRegionsRequest, context: grpc.ServicerContext) -> pb.ReadRegionsReply:
+        return self.answer(request, GRPC)
+
+    def answer(self, request: pb.ReadRegionsRequest, path: str) -> pb.ReadRegionsReply:
+        """The reply to `request` (over gRPC, or the bulk port's KIND_READS frame), served bytes counted on
+        `path`; a ServiceError naming the field otherwise."""
         regions = request.regions
         if not regions:
             raise InvalidArgument("regions: the request names no region")
@@ -40,7 +46,7 @@ class BatchReads:
             data += self._region(index, region, len(data))
         for index, region in enumerate(regions):
             end = offsets[index + 1] if index + 1 < len(offsets) else len(data)
-            self.store.metrics.served(GRPC, region.name, end - offsets[index])
+            self.store.metrics.served(path, region.name, end - offsets[index])
         return pb.ReadRegionsReply(data=bytes(data), offsets=offsets)
 
     def _region(self, index: int, region: pb.ReadRegionRequest, answered: int) -> bytes:
