@@ -146,6 +146,22 @@ def test_a_batch_whose_rank_fails_is_read_piece_by_piece(cluster: LocalCluster, 
     assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
 
 
+def test_a_batch_whose_bulk_port_fails_goes_over_grpc(cluster: LocalCluster, spans: dict,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from client.paths.bulk import BulkPath, BulkReadError
+
+    def port_down(self: Any, address: str, request: Any, reply_bytes: int) -> Any:
+        raise BulkReadError(f"rank at {address}, bulk port: connection refused")
+
+    monkeypatch.setattr(BulkPath, "read_regions", port_down)
+    into = {key: torch.zeros_like(t) for key, t in spans.items()}
+    with connect(cluster.address) as client:
+        before = counters.metrics()["reads"].get("grpc", 0)
+        spmd.get_state_dict(client, "spans", into=into)
+        assert counters.metrics()["reads"].get("grpc", 0) - before == 2  # one batch per rank
+    assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
+
+
 def test_a_batch_refused_as_a_bad_request_fails_the_get(cluster: LocalCluster, put: dict,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from client.paths import batch

@@ -4,16 +4,22 @@ A real ShardStore with the servicer called in-process: the bytes of every
 region bit for bit against plain torch slicing, in request order; bad fields,
 boxes outside their shard, unknown and dropped versions, and over-large
 batches refused with their status code and `regions[i]`; the rank answering
-again after each refusal.
+again after each refusal. The bulk port answers the same batch as a
+KIND_READS frame, its refusals leaving the connection in step.
 """
 from __future__ import annotations
+
+import socket
+import struct
 
 import grpc
 import pytest
 import torch
 
 from protos import shardserve_pb2 as pb
+from protos.bulk_wire import HEADER, KIND_READS
 from server.rank.reads.batch import BATCH_READ_BYTES, MAX_BATCH_REGIONS, BatchReads
+from server.rank.reads.bulk import BulkReads
 from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
@@ -125,3 +131,42 @@ def test_an_empty_or_too_long_batch_is_refused(store):
     assert caught.code == grpc.StatusCode.INVALID_ARGUMENT and caught.details.startswith("regions:"), caught
     caught = refused(store, [region("b", (0,), (1,))] * (MAX_BATCH_REGIONS + 1))
     assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith("regions:"), caught
+
+
+# ---------------------------------------------------------------- the bulk port
+
+
+@pytest.fixture
+def port(store):
+    reads = BulkReads(store, "127.0.0.1")
+    yield reads
+    reads.close()
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        assert part, f"connection closed after {len(data)} of {n} bytes"
+        data += part
+    return data
+
+
+def ask(sock: socket.socket, regions: list[pb.ReadRegionRequest]) -> tuple[grpc.StatusCode, bytes]:
+    message = pb.ReadRegionsRequest(regions=regions).SerializeToString()
+    sock.sendall(struct.pack("<II", KIND_READS, len(message)) + message)
+    status, _, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
+    return next(c for c in grpc.StatusCode if c.value[0] == status), recv_exactly(sock, length)
+
+
+def test_the_bulk_port_answers_a_batch_and_names_a_bad_region(port):
+    with socket.create_connection(("127.0.0.1", port.port), timeout=10.0) as sock:
+        sock.sendall(port.tickets.issue("ipv4:127.0.0.1:4242"))
+        code, body = ask(sock, GOOD)
+        assert code == grpc.StatusCode.OK
+        assert pb.ReadRegionsReply.FromString(body).data == b"".join(expected(r) for r in GOOD)
+        code, body = ask(sock, [GOOD[0], region("a", (5, 0), (2, 4))])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and body.startswith(b"regions[1]: "), body
+        code, body = ask(sock, GOOD[:2])
+        assert code == grpc.StatusCode.OK
+        assert pb.ReadRegionsReply.FromString(body).data == b"".join(expected(r) for r in GOOD[:2])
