@@ -28,6 +28,7 @@ BATCH_READ_BYTES = 1 << 20   # the largest answer of one call (the ranks' BATCH_
 MAX_BATCH_REGIONS = 16384    # regions of one call (the ranks' MAX_BATCH_REGIONS)
 REPLY_OVERHEAD_BYTES = 16    # a ReadRegionsReply's framing beyond its data and offsets
 REGION_OVERHEAD_BYTES = 11   # the most an offset adds to a ReadRegionsReply (a varint of up to 10 bytes)
+REQUEST_OVERHEAD_BYTES = 6   # the most a region's framing adds to a ReadRegionsRequest (tag and length)
 
 
 @dataclass(frozen=True)
@@ -55,20 +56,23 @@ def region_reads(piece: int, summary: TensorSummary, parts: Sequence[tuple[int, 
 
 def batches(reads: Iterable[RegionRead], limit_bytes: int = BATCH_READ_BYTES,
             limit_regions: int = MAX_BATCH_REGIONS) -> list[list[RegionRead]]:
-    """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` and `limit_regions`."""
+    """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` of answer, as many of
+    request, and `limit_regions` regions."""
     per_rank: dict[int, list[RegionRead]] = defaultdict(list)
     for read in reads:
         per_rank[read.rank].append(read)
     cut: list[list[RegionRead]] = []
     for rank in sorted(per_rank):
         batch: list[RegionRead] = []
-        size = 0
+        answer = asked = 0
         for read in per_rank[rank]:
-            if batch and (size + read.nbytes > limit_bytes or len(batch) == limit_regions):
+            request = read.request.ByteSize() + REQUEST_OVERHEAD_BYTES
+            if batch and (answer + read.nbytes > limit_bytes or asked + request > limit_bytes
+                          or len(batch) == limit_regions):
                 cut.append(batch)
-                batch, size = [], 0
+                batch, answer, asked = [], 0, 0
             batch.append(read)
-            size += read.nbytes
+            answer, asked = answer + read.nbytes, asked + request
         cut.append(batch)
     return cut
 
@@ -85,7 +89,7 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
         data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8)
         for read, start in zip(reads, reply.offsets):
             if read.nbytes:
-                _copy_into(read.dest, data[start:start + read.nbytes])
+                copy_region(read.dest, data[start:start + read.nbytes])
     counters.count_read(path, expected)
     return expected
 
@@ -105,7 +109,7 @@ def _ask(policy: PathPolicy, path: str, address: str, request: pb.ReadRegionsReq
         raise error_from_rpc(err, f"rank at {address}") from None
 
 
-def _copy_into(dest: torch.Tensor, raw: torch.Tensor) -> None:
+def copy_region(dest: torch.Tensor, raw: torch.Tensor) -> None:
     """The region's bytes `raw` (uint8, at any offset of the reply) into `dest`: straight into a contiguous CPU
     `dest`, else through an aligned copy (a dtype view needs an element-aligned start)."""
     if dest.is_contiguous() and dest.device.type == "cpu":

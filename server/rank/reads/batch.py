@@ -43,21 +43,22 @@ class BatchReads:
         data, offsets = bytearray(), []
         for index, region in enumerate(regions):
             offsets.append(len(data))
-            data += self._region(index, region, len(data))
+            self._append(index, region, data)
         for index, region in enumerate(regions):
             end = offsets[index + 1] if index + 1 < len(offsets) else len(data)
             self.store.metrics.served(path, region.name, end - offsets[index])
         return pb.ReadRegionsReply(data=bytes(data), offsets=offsets)
 
-    def _region(self, index: int, region: pb.ReadRegionRequest, answered: int) -> bytes:
-        """The bytes of regions[index], checked as ReadRegion checks a box and against the batch's size cap."""
+    def _append(self, index: int, region: pb.ReadRegionRequest, data: bytearray) -> None:
+        """Append the bytes of regions[index] to `data`, checked as ReadRegion checks a box and against the
+        batch's size cap; errors name the region."""
         try:
             with requested_box(self.store, region) as box:
                 nbytes = box.numel() * box.element_size()
-                if answered + nbytes > BATCH_READ_BYTES:
-                    raise ResourceExhausted(f"offsets/sizes: the answer would reach {answered + nbytes} bytes; "
+                if len(data) + nbytes > BATCH_READ_BYTES:
+                    raise ResourceExhausted(f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
                                             f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)")
-                return bytes(host_bytes(box))
+                data += host_bytes(box)  # copied while the lease is held
         except (ServiceError, ValueError, TypeError, KeyError) as err:
             code, message = status_of(err)
             raise ServiceError(f"regions[{index}]: {message}", code) from None
