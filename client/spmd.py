@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from client import arguments
 from client.cluster import Cluster
-from client.errors import InvalidArgumentError, ShardServeError
+from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.paths.batch import batches, read_batch, region_reads
 from client.paths.writes import shard_write
 from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
@@ -351,17 +351,20 @@ def _nbytes(out: torch.Tensor) -> int:
 def _read_batched(cluster: Cluster, small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
                   pool: ThreadPoolExecutor) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
     """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
-    returns the pieces to read by themselves (with fetch's fallbacks): those of batches whose rank failed, or all
-    of them with transport="shm"."""
+    returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
+    rank failed, or all of them with transport="shm"."""
     session = cluster.session
     if session.paths.transport == "shm":  # shared memory only, as the caller asked: every piece by itself
         return list(small)
-    regions = []
+    regions, alone = [], set()
     for piece, (proxy, box, out) in enumerate(small):
-        summary, parts = proxy.read_plan(box, out)
+        try:
+            summary, parts = proxy.read_plan(box, out)
+        except RankUnavailableError:  # copies lost or unreachable: fetch refreshes, waits and fails over
+            alone.add(piece)
+            continue
         regions += region_reads(piece, summary, parts, box, out)
     jobs = [pool.submit(read_batch, session.paths, session.rank_status, batch) for batch in batches(regions)]
-    alone: set[int] = set()
     for job in jobs:
         alone |= job.result()
     return [small[piece] for piece in sorted(alone)]
