@@ -105,6 +105,7 @@ class ShardMethods(NamedTuple):
     lookup_small: Any       # LookupSmall -> list[RawLookupChunk]
     lookup: Any             # Lookup -> iterator of RawLookupChunk
     write_shards: Any       # WriteShards (whole shards, their bytes inline or in a same-host memfd)
+    read_regions: Any       # ReadRegions (many small boxes, their bytes in one reply)
 
 
 class Channel:
@@ -168,7 +169,9 @@ class Channel:
                 channel.unary_stream(f"{SHARD_SERVICE}/Lookup", request_serializer=_serialize,
                                      response_deserializer=decode_lookup_chunk),
                 channel.unary_unary(f"{SHARD_SERVICE}/WriteShards", request_serializer=_serialize,
-                                    response_deserializer=pb.WriteShardsResponse.FromString))
+                                    response_deserializer=pb.WriteShardsResponse.FromString),
+                channel.unary_unary(f"{SHARD_SERVICE}/ReadRegions", request_serializer=_serialize,
+                                    response_deserializer=pb.ReadRegionsReply.FromString))
         return methods
 
     @property

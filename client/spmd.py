@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from client import arguments
 from client.cluster import Cluster
-from client.errors import InvalidArgumentError, ShardServeError
+from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from client.paths.batch import batches, read_batch, region_reads
 from client.paths.writes import shard_write
 from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
 from client.snapshots import READ_THREADS
@@ -36,6 +37,7 @@ from shardcore.snapshots import JobTensor, balanced_layouts, flatten_state_dict,
 from shardcore.wire import metadata_from_proto
 
 DEFAULT_KEEP = 2
+SMALL_PIECE_BYTES = 64 << 10  # pieces up to this size are read in per-rank batches, larger ones by themselves
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 Piece = tuple[Box, torch.Tensor]  # a box of the global tensor and the local tensor holding exactly it
@@ -330,9 +332,39 @@ def _read_mine(cluster: Cluster, prefix: str, number: int, targets: Mapping[str,
     for proxy, box, out in reads:
         if out.dtype != proxy.dtype:
             raise InvalidArgumentError(f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`")
+    pieces = [read for read in reads if not read[1].is_empty()]
+    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
     with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-spmd") as pool:
-        done = [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in reads
-                if not box.is_empty()]
+        done = [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in pieces
+                if _nbytes(out) > SMALL_PIECE_BYTES]
+        alone = _read_batched(cluster, small, pool)
+        done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
         for future in done:
             future.result()
     return sum(out.numel() * out.element_size() for _, _, out in reads)
+
+
+def _nbytes(out: torch.Tensor) -> int:
+    return out.numel() * out.element_size()
+
+
+def _read_batched(cluster: Cluster, small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
+                  pool: ThreadPoolExecutor) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
+    """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
+    returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
+    rank failed, or all of them with transport="shm"."""
+    session = cluster.session
+    if session.paths.transport == "shm":  # shared memory only, as the caller asked: every piece by itself
+        return list(small)
+    regions, alone = [], set()
+    for piece, (proxy, box, out) in enumerate(small):
+        try:
+            summary, parts = proxy.read_plan(box, out)
+        except RankUnavailableError:  # copies lost or unreachable: fetch refreshes, waits and fails over
+            alone.add(piece)
+            continue
+        regions += region_reads(piece, summary, parts, box, out)
+    jobs = [pool.submit(read_batch, session.paths, session.rank_status, batch) for batch in batches(regions)]
+    for job in jobs:
+        alone |= job.result()
+    return [small[piece] for piece in sorted(alone)]

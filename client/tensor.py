@@ -207,6 +207,18 @@ class RemoteShardedTensor:
             raise InvalidArgumentError(f"offsets/sizes: {err}") from None
         return self._read(lambda shape: box, out)
 
+    def read_plan(self, box: Box, out: torch.Tensor) -> tuple[TensorSummary, list[tuple[int, Box]]]:
+        """The summary and the (shard index, global part) of each shard that a fetch of `box` into `out` would read,
+        a live copy chosen as fetch chooses it; raises as fetch does for a bad box or `out` (callers that read
+        the parts themselves, like batched small reads)."""
+        self._session.check_open()
+        summary = self._summary
+        self._check_request(summary, box, out)
+        unavailable = self._session.unavailable_shards(summary)
+        check_readable(summary, box, unavailable)
+        return summary, shards_for_box(summary.metadata, box, unavailable=unavailable,
+                                       suspect=self._session.suspect_shards(summary))
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         """`t[i, a:b, ...]` with ints and step-1 slices (negative ones too); ints drop their dim like torch."""
         parsed: list[tuple[Box, tuple[int, ...]]] = []

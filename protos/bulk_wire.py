@@ -11,6 +11,7 @@ TICKET_BYTES = 16                  # the one-time ticket a connection starts wit
 FRAME = struct.Struct("<II")       # before each request: its kind and length
 KIND_READ, KIND_LOOKUP = 1, 2      # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
 KIND_WRITE = 3                     # a WriteShardsRequest, its shards' bytes after it (answer: a WriteShardsResponse)
+KIND_READS = 4                     # a ReadRegionsRequest (answer: a ReadRegionsReply)
 MAX_REQUEST_BYTES = 8 << 20        # one request frame (a lookup of ~1M ids)
 HEADER = struct.Struct("<IIQ")     # before each answer: status (gRPC code, 0 = OK), reserved (0), length
 _MAX_IOV = 1024                    # buffers per sendmsg (Linux IOV_MAX)

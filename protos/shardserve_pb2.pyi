@@ -640,6 +640,20 @@ class ReadRegionRequest(_message.Message):
     chunk_bytes: int
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
+class ReadRegionsRequest(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[ReadRegionRequest]
+    def __init__(self, regions: _Optional[_Iterable[_Union[ReadRegionRequest, _Mapping]]] = ...) -> None: ...
+
+class ReadRegionsReply(_message.Message):
+    __slots__ = ("data", "offsets")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

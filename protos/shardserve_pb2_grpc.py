@@ -988,6 +988,11 @@ class ShardServerStub:
                 request_serializer=protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
                 response_deserializer=protos_dot_shardserve__pb2.TensorChunk.FromString,
                 _registered_method=True)
+        self.ReadRegions = channel.unary_unary(
+                '/shardserve.v1.ShardServer/ReadRegions',
+                request_serializer=protos_dot_shardserve__pb2.ReadRegionsRequest.SerializeToString,
+                response_deserializer=protos_dot_shardserve__pb2.ReadRegionsReply.FromString,
+                _registered_method=True)
         self.OpenBulkSession = channel.unary_unary(
                 '/shardserve.v1.ShardServer/OpenBulkSession',
                 request_serializer=protos_dot_shardserve__pb2.BulkSessionRequest.SerializeToString,
@@ -1124,6 +1129,15 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRegions(self, request, context):
+        """Many small boxes in one call (a state dict of small tensors: server/rank/reads/batch.py, client/paths/batch.py):
+        each region checked as ReadRegion checks it, their bytes concatenated in request order. At most
+        MAX_BATCH_REGIONS regions and 1 MiB of answer per call (RESOURCE_EXHAUSTED naming regions[i]).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenBulkSession(self, request, context):
         """Cross-host bulk path (server/rank/reads/bulk.py, client/paths/bulk.py): answer a one-time ticket
         that opens one TCP connection to the rank's bulk port, on which the client then asks for boxes
@@ -1231,6 +1245,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.ReadRegionSmall,
                     request_deserializer=protos_dot_shardserve__pb2.ReadRegionRequest.FromString,
                     response_serializer=protos_dot_shardserve__pb2.TensorChunk.SerializeToString,
+            ),
+            'ReadRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRegions,
+                    request_deserializer=protos_dot_shardserve__pb2.ReadRegionsRequest.FromString,
+                    response_serializer=protos_dot_shardserve__pb2.ReadRegionsReply.SerializeToString,
             ),
             'OpenBulkSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenBulkSession,
@@ -1704,6 +1723,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/ReadRegionSmall',
             protos_dot_shardserve__pb2.ReadRegionRequest.SerializeToString,
             protos_dot_shardserve__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/ReadRegions',
+            protos_dot_shardserve__pb2.ReadRegionsRequest.SerializeToString,
+            protos_dot_shardserve__pb2.ReadRegionsReply.FromString,
             options,
             channel_credentials,
             insecure,

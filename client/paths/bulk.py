@@ -40,6 +40,7 @@ from protos.bulk_wire import (
     HEADER,
     KIND_LOOKUP,
     KIND_READ,
+    KIND_READS,
     KIND_WRITE,
     MAX_REQUEST_BYTES,
     recv_exactly,
@@ -113,6 +114,18 @@ class BulkPath:
             return reply
 
         return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer, cancel)
+
+    def read_regions(self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int) -> pb.ReadRegionsReply:
+        """ReadRegions' answer to `request` (at most `reply_bytes` serialized) as one KIND_READS frame."""
+        def into_reply(sock: socket.socket, length: int, deadline: float) -> pb.ReadRegionsReply:
+            if length > reply_bytes:
+                raise ShardServeError(f"rank at {address} sends a {length}-byte answer to a ReadRegions request "
+                                      f"whose answer takes at most {reply_bytes}")
+            reply = bytearray(length)
+            recv_exactly(sock, memoryview(reply), deadline)
+            return pb.ReadRegionsReply.FromString(bytes(reply))
+
+        return self._send(address, KIND_READS, request.SerializeToString(), reply_bytes, into_reply)()
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the rank at `address`: one WriteShardsRequest frame, then their bytes straight

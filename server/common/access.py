@@ -111,6 +111,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "OpenShard": Rule(READ),
     SHARD_SERVER + "ReleaseShard": Rule(READ),
     SHARD_SERVER + "ReadRegionSmall": Rule(READ),
+    SHARD_SERVER + "ReadRegions": Rule(READ),
     SHARD_SERVER + "OpenBulkSession": Rule(READ, needs_caller=True),
     SHARD_SERVER + "WriteShards": Rule(WRITE, _shard_names),
     REFLECTION_METHOD: Rule(READ),

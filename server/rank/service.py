@@ -37,6 +37,8 @@ from server.rank.reads.lookup import LookupService
 from server.rank.reads.region import region_bytes
 from server.rank.reads.shm import SharedMemoryService
 from server.rank.reads.shm import handlers as shared_memory_handlers
+from server.rank.reads.batch import BatchReads
+from server.rank.reads.batch import handlers as batch_read_handlers
 from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
 from server.rank.store import ShardStore
@@ -72,6 +74,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.collectives = CollectiveJobService(store, job_kinds(), groups)
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
+        self.batch_reads = BatchReads(store)
         self.shard_writes = ShardWrites(store)
         self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")
 
@@ -264,6 +267,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     handlers.update(collective_handlers(servicer.collectives))
     handlers.update(shared_memory_handlers(servicer.shared_memory))
     handlers.update(small_read_handlers(servicer.small_reads))
+    handlers.update(batch_read_handlers(servicer.batch_reads))
     handlers.update(bulk_read_handlers(servicer.bulk_reads))
     handlers.update(shard_write_handlers(servicer.shard_writes))
     missing = set(pb.DESCRIPTOR.services_by_name["ShardServer"].methods_by_name) - set(handlers)

@@ -9,12 +9,13 @@ shard's memory moves about 4 GB/s. So gRPC stays the control plane:
 OpenBulkSession (authenticated like every call) answers a one-time ticket (16
 random bytes, bound to the asking peer's IP, expiring) that opens one
 connection to the bulk port. On it the client asks for boxes, each a
-ReadRegionRequest or LookupRequest checked as ReadRegion and LookupSmall check
-them, and receives a status header and the box's bytes or the serialized
-LookupReply (protocol in protos/shardserve.proto, BulkSession). The version
-stays leased while its bytes are sent (store.read). A rank with TLS serves
-the port over TLS with the same certificates (and, with a CA, requires client
-certificates as gRPC does); the handshake runs on the connection's own thread
+ReadRegionRequest, ReadRegionsRequest or LookupRequest checked as ReadRegion,
+ReadRegions and LookupSmall check them, and receives a status header and the
+box's bytes or the serialized ReadRegionsReply or LookupReply (protocol in
+protos/shardserve.proto, BulkSession). The version stays leased while its
+bytes are sent (store.read). A rank with TLS serves the port over TLS with
+the same certificates (and, with a CA, requires client certificates as gRPC
+does); the handshake runs on the connection's own thread
 within TICKET_WAIT_S, so a peer that never finishes it holds no more than a
 connection slot for that long.
 """
@@ -40,6 +41,7 @@ from protos.bulk_wire import (
     HEADER,
     KIND_LOOKUP,
     KIND_READ,
+    KIND_READS,
     KIND_WRITE,
     MAX_REQUEST_BYTES,
     TICKET_BYTES,
@@ -57,6 +59,7 @@ from server.common.errors import (
 )
 from server.common.access import caller
 from server.common.principals import Principal
+from server.rank.reads.batch import BatchReads
 from server.rank.reads.lookup import LookupService
 from server.rank.metrics import BULK
 from server.rank.reads.region import region_bytes
@@ -145,6 +148,7 @@ class BulkReads:
         self.store = store
         self.tls = tls
         self.lookups = LookupService(store)
+        self.batch_reads = BatchReads(store)
         self.tickets = Tickets()
         self.off_reason = off_reason or "bulk reads are turned off (--no-bulk-reads)"
         self._listener: socket.socket | None = None
@@ -265,6 +269,10 @@ class BulkReads:
                 body = written.SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
+            if kind == KIND_READS:
+                body = self.batch_reads.answer(_parse(pb.ReadRegionsRequest, message), BULK).SerializeToString()
+                send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
+                return
             if kind == KIND_LOOKUP:
                 reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK))
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
@@ -291,8 +299,9 @@ def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
     deadline = time.monotonic() + FRAME_WAIT_S
     recv_exactly(conn, memoryview(frame)[first:], deadline)
     kind, length = FRAME.unpack(frame)
-    if kind not in (KIND_READ, KIND_LOOKUP, KIND_WRITE) or length > MAX_REQUEST_BYTES:
-        what = f"kind {kind} is none of {KIND_READ} (read), {KIND_LOOKUP} (lookup), {KIND_WRITE} (write)" \
+    if kind not in (KIND_READ, KIND_LOOKUP, KIND_WRITE, KIND_READS) or length > MAX_REQUEST_BYTES:
+        what = f"kind {kind} is none of {KIND_READ} (read), {KIND_LOOKUP} (lookup), {KIND_WRITE} (write), " \
+            f"{KIND_READS} (reads)" \
             if length <= MAX_REQUEST_BYTES \
             else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
         _send_error(conn, peer, InvalidArgument(f"request: {what}"))

@@ -22,7 +22,7 @@ import server.rank.reads.bulk as bulk_reads
 from protos import shardserve_pb2 as pb
 from protos.chunk_codec import decode_lookup_reply
 from protos import bulk_wire
-from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ, send_parts
+from protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ, KIND_READS, send_parts
 from server.rank.reads.bulk import BulkReads, Tickets, peer_ip
 from server.common.errors import ServiceError
 from server.rank.store import ShardStore
@@ -145,7 +145,7 @@ def test_unknown_used_and_foreign_tickets_are_refused(port):
 
 @pytest.mark.parametrize("frame,field", [
     (struct.pack("<II", KIND_READ, 1 << 30), b"over the bulk port's 8388608-byte limit"),
-    (struct.pack("<II", 9, 0), b"kind 9 is none of 1 (read), 2 (lookup), 3 (write)"),
+    (struct.pack("<II", 9, 0), b"kind 9 is none of 1 (read), 2 (lookup), 3 (write), 4 (reads)"),
 ])
 def test_frames_out_of_step_are_refused_and_close_the_connection(port, frame, field):
     with open_connection(port) as sock:
@@ -157,7 +157,8 @@ def test_frames_out_of_step_are_refused_and_close_the_connection(port, frame, fi
         assert ask(sock, request())[0] == 0
 
 
-@pytest.mark.parametrize("kind,name", [(KIND_READ, b"ReadRegionRequest"), (KIND_LOOKUP, b"LookupRequest")])
+@pytest.mark.parametrize("kind,name", [(KIND_READ, b"ReadRegionRequest"), (KIND_LOOKUP, b"LookupRequest"),
+                                       (KIND_READS, b"ReadRegionsRequest")])
 def test_undecodable_requests_are_refused_and_keep_the_connection(port, kind, name):
     with open_connection(port) as sock:
         status, message = ask(sock, b"\x0a\xff\xff\xff\xff\x0f", kind)  # a field claiming 4 GiB
