@@ -25,7 +25,13 @@ from client.cluster import Cluster
 from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
 from client.paths.batch import batches, read_batch, region_reads
 from client.paths.writes import shard_write
-from client.ops.snapshots import abort_snapshot, commit_snapshot, create_snapshot, get_snapshot
+from client.ops.snapshots import (
+    SnapshotSummary,
+    abort_snapshot,
+    commit_snapshot,
+    create_snapshot,
+    get_snapshot,
+)
 from client.snapshots import READ_THREADS
 from client.tensor import RemoteShardedTensor
 from protos import shardserve_pb2 as pb
@@ -301,10 +307,19 @@ def get_state_dict(cluster: Cluster, prefix: str, into: Mapping[str, Any], snaps
                 _is_distributed(value) else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
 
     job.agree(describe, "describing the state dict")
+    found: dict[int, SnapshotSummary] = {}  # job rank 0's answer, read again by no one there
+
+    def find() -> int:
+        summary = get_snapshot(cluster.session, prefix, pinned)
+        found[summary.number] = summary
+        return summary.number
+
     for attempt in range(1, GET_ATTEMPTS + 1):
-        number = job.from_rank0(lambda: get_snapshot(cluster.session, prefix, pinned).number, "finding the snapshot")
+        number = job.from_rank0(find, "finding the snapshot")
         try:
-            job.agree(lambda: _read_mine(cluster, prefix, number, targets), f"reading snapshot {number}")
+            job.agree(lambda: _read_mine(cluster, found.pop(number, None) or get_snapshot(cluster.session, prefix,
+                                                                                           number), targets),
+                      f"reading snapshot {number}")
             return number
         except SpmdError:
             if pinned is not None or attempt == GET_ATTEMPTS:
@@ -319,13 +334,13 @@ def _is_distributed(value: torch.Tensor) -> bool:
     return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
 
 
-def _read_mine(cluster: Cluster, prefix: str, number: int, targets: Mapping[str, list[Piece]]) -> int:
-    """Read every local piece of `targets` from snapshot `number`, several tensors at once; returns bytes read."""
-    summary = get_snapshot(cluster.session, prefix, number)
+def _read_mine(cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]) -> int:
+    """Read every local piece of `targets` from the snapshot, small ones batched per rank, the others several at
+    once; returns bytes read."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
-            raise InvalidArgumentError(f"{key!r} is not in snapshot {number} of {prefix!r} "
+            raise InvalidArgumentError(f"{key!r} is not in snapshot {summary.number} of {summary.prefix!r} "
                                        f"(it holds {len(summary.tensors)} tensors)")
         proxies[key] = RemoteShardedTensor(cluster.session, cluster.lookups, summary.tensors[key])
     reads = [(proxies[key], box, out) for key, pieces in targets.items() for box, out in pieces]
