@@ -2,7 +2,8 @@
 
 One 4-process gloo world plays every job: the 4-process writer, and 3-, 2- and 1-process readers on groups of
 its ranks with other layouts. Every local shard is compared bit for bit with plain torch slicing of the global
-tensor. A reader loops while a writer puts, and a writer killed mid-put leaves nothing visible.
+tensor. A reader loops while a writer puts, and a writer killed mid-put leaves nothing visible. Hundreds of
+small tensors cost one AllocateMany / PromoteMany / DropMany per rank (the ranks' call counts, scraped).
 """
 from __future__ import annotations
 
@@ -217,7 +218,23 @@ def job_put_stalled(rank: int, address: str, value: int, stall_marker: str) -> i
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=3)
+    return make_cluster(ranks=3, metrics_port=0)  # metrics: the per-method call counts of the ranks
+
+
+def rank_calls(address: str) -> dict[str, float]:
+    """The calls every rank has handled so far, summed over the ranks, by method."""
+    import grpc
+
+    from client.cli.top import by_label, scrape
+    from protos import shardserve_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(address) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
+    out: dict[str, float] = {}
+    for rank in ranks:
+        for method, count in by_label(scrape(rank.metrics_address), "shardserve_rpc_requests_total",
+                                      "method").items():
+            out[method] = out.get(method, 0.0) + count
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +321,32 @@ def test_single_process_keeps_the_newest_snapshots_and_pins_one(cluster: LocalCl
     out = capsys.readouterr().out
     assert f"snapshot {numbers[1]}\t2 tensors" in out and f"snapshot {numbers[2]}\t2 tensors" in out
     assert "opt.step\t()" in out and f"snapshot {numbers[0]}" not in out
+
+
+def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_bit(
+        cluster: LocalCluster) -> None:
+    """300 small tensors of every dtype: create and commit make one AllocateMany and one PromoteMany per rank,
+    the next put drops the older snapshot with one DropMany per rank, and every tensor reads back bit for bit."""
+    keys = [(f"layer{i // 10}.p{i % 10}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)]) for i in range(300)]
+    with connect(cluster.address) as client:
+        before = rank_calls(cluster.address)
+        for value in (1, 2):
+            number = spmd.put_state_dict(client, nest({key: global_value(key, shape, dtype, value)
+                                                       for key, shape, dtype in keys}), "many", keep=1)
+        into = nest({key: torch.zeros(shape, dtype=dtype) for key, shape, dtype in keys})
+        assert spmd.get_state_dict(client, "many", into=into) == number
+        assert len(client.session.call("GetSnapshot", pb.GetSnapshotRequest(prefix="many")).entries) == 300
+    moved = {method: count - before.get(method, 0.0) for method, count in rank_calls(cluster.address).items()}
+    for key, shape, dtype in keys:
+        got = into
+        for part in key.split("."):
+            got = got[part]
+        assert got.dtype == dtype and torch.equal(got, global_value(key, shape, dtype, 2)), key
+    for per_tensor in ("AllocateShards", "PromoteVersion", "DropVersion"):
+        assert moved.get(per_tensor, 0.0) == 0, (per_tensor, moved)
+    for batched in ("AllocateMany", "PromoteMany"):
+        assert 2 <= moved.get(batched, 0.0) <= 2 * cluster.ranks, (batched, moved)
+    assert 1 <= moved.get("DropMany", 0.0) <= cluster.ranks, moved
 
 
 def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
