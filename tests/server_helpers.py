@@ -1,6 +1,8 @@
 """Raw-gRPC helpers for the server tests: stubs, put by WriteShard, read by ReadRegion."""
 from __future__ import annotations
 
+import socket
+
 import grpc
 import torch
 
@@ -151,3 +153,31 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
     except grpc.RpcError as err:
         return err
     raise AssertionError(f"{call} succeeded; expected an error")
+
+
+class Aborted(Exception):
+    """What ServicerContext.abort raises: a servicer called in-process refused the request."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code, self.details = code, details
+
+
+class ServicerContext:
+    """The part of grpc.ServicerContext a servicer called in-process uses (rpc_errors aborts through it)."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:4242"
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes from `sock` (fails the test if the peer closes first)."""
+    data = b""
+    while len(data) < n:
+        part = sock.recv(n - len(data))
+        assert part, f"connection closed after {len(data)} of {n} bytes"
+        data += part
+    return data

@@ -24,6 +24,7 @@ from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import tensor_bytes
+from server_helpers import Aborted, ServicerContext, recv_exactly
 
 SOURCES = {
     "a": torch.arange(24, dtype=torch.float32).reshape(6, 4),
@@ -33,17 +34,6 @@ SOURCES = {
     "two": torch.arange(40, dtype=torch.int64).reshape(8, 5),       # two shards of 4 rows, both on this rank
     "big": torch.arange(300_000, dtype=torch.float32),              # 1.2 MB: over one batch
 }
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class Context:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
 
 
 @pytest.fixture
@@ -75,7 +65,7 @@ def expected(request: pb.ReadRegionRequest) -> bytes:
 
 def refused(store: ShardStore, regions: list[pb.ReadRegionRequest]) -> Aborted:
     with pytest.raises(Aborted) as caught:
-        BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=regions), Context())
+        BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=regions), ServicerContext())
     return caught.value
 
 
@@ -85,7 +75,7 @@ GOOD = [region("a", (1, 1), (3, 2)), region("b", (0,), (3,)), region("c", (1,), 
 
 
 def test_every_region_comes_bit_for_bit_in_request_order(store):
-    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=GOOD), Context())
+    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=GOOD), ServicerContext())
     parts = [expected(r) for r in GOOD]
     assert reply.data == b"".join(parts)
     assert list(reply.offsets) == [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
@@ -106,7 +96,7 @@ def test_a_bad_region_is_named_with_its_code_and_the_rank_serves_on(store, bad, 
     caught = refused(store, [GOOD[0], bad, GOOD[1]])
     assert caught.code == code, caught
     assert caught.details.startswith("regions[1]: ") and words in caught.details, caught.details
-    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=GOOD), Context())
+    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=GOOD), ServicerContext())
     assert reply.data == b"".join(expected(r) for r in GOOD)
 
 
@@ -120,7 +110,7 @@ def test_a_dropped_version_is_refused_by_name(store):
 def test_an_answer_over_one_mebibyte_is_refused_at_the_region_that_passes_it(store):
     quarter = BATCH_READ_BYTES // 4 // 4  # elements of a quarter MiB of float32
     regions = [region("big", (i * quarter,), (quarter,)) for i in range(4)] + [region("big", (0,), (1,))]
-    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=regions[:4]), Context())
+    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=regions[:4]), ServicerContext())
     assert len(reply.data) == BATCH_READ_BYTES
     caught = refused(store, regions)
     assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith("regions[4]: "), caught
@@ -141,15 +131,6 @@ def port(store):
     reads = BulkReads(store, "127.0.0.1")
     yield reads
     reads.close()
-
-
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        assert part, f"connection closed after {len(data)} of {n} bytes"
-        data += part
-    return data
 
 
 def ask(sock: socket.socket, regions: list[pb.ReadRegionRequest]) -> tuple[grpc.StatusCode, bytes]:

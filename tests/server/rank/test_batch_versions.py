@@ -19,22 +19,9 @@ from server.rank.store import ShardStore, VersionState
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import metadata_to_proto
+from server_helpers import Aborted, ServicerContext
 
 SHAPE = (4, 8)  # float32: 128 bytes a tensor
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class Context:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:4242"
 
 
 def allocation(name: str, version: int = 1, shape: tuple[int, ...] = SHAPE) -> pb.AllocateShardsRequest:
@@ -51,7 +38,7 @@ def servicer(memory_limit: int = 0, persist_root: Path | None = None) -> ShardSe
 
 def refused(call, request) -> Aborted:  # type: ignore[no-untyped-def]
     with pytest.raises(Aborted) as caught:
-        call(request, Context())
+        call(request, ServicerContext())
     return caught.value
 
 
@@ -66,13 +53,13 @@ def drop_many(names: list[str], version: int = 1) -> pb.DropManyRequest:
 def test_a_batch_is_allocated_promoted_and_dropped_in_one_call_each():
     rank = servicer()
     names = [f"t{i}" for i in range(50)]
-    answer = rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n) for n in names]), Context())
+    answer = rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n) for n in names]), ServicerContext())
     assert answer.allocated_bytes == 50 * 128 == rank.store.memory_used
-    rank.PromoteMany(promote_many(names), Context())
+    rank.PromoteMany(promote_many(names), ServicerContext())
     assert {(n, v, s) for n, v, s in rank.store.held()} == {(n, 1, VersionState.SERVED) for n in names}
     expected = torch.arange(32, dtype=torch.float32).reshape(SHAPE)
     assert all(torch.equal(rank.store.local_tensor(n, 1, 0), expected) for n in names)
-    rank.DropMany(drop_many(names), Context())
+    rank.DropMany(drop_many(names), ServicerContext())
     assert rank.store.held() == [] and rank.store.memory_used == 0
 
 
@@ -83,13 +70,13 @@ def test_a_tensor_over_the_memory_limit_leaves_nothing_allocated():
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details.startswith("tensors[2]: ")
     assert "memory limit" in err.details
     assert rank.store.held() == [] and rank.store.memory_used == 0
-    fits = rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n, 2) for n in "abc"]), Context())
+    fits = rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n, 2) for n in "abc"]), ServicerContext())
     assert fits.allocated_bytes == 3 * 128  # the failed batch's room was given back
 
 
 def test_a_tensor_already_held_fails_the_batch_and_keeps_the_held_one():
     rank = servicer()
-    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation("held")]), Context())
+    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation("held")]), ServicerContext())
     err = refused(rank.AllocateMany, pb.AllocateManyRequest(tensors=[allocation("new"), allocation("held")]))
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and err.details.startswith("tensors[1]: ")
     assert [(n, v) for n, v, _ in rank.store.held()] == [("held", 1)]
@@ -112,7 +99,7 @@ def test_a_bad_field_is_named_and_refused_before_anything_is_allocated(change, f
 
 def test_bad_promotes_and_drops_change_nothing():
     rank = servicer()
-    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation("a"), allocation("b")]), Context())
+    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation("a"), allocation("b")]), ServicerContext())
     bad = promote_many(["a", "b"])
     bad.versions[1].version = 0
     err = refused(rank.PromoteMany, bad)
@@ -140,9 +127,9 @@ def test_the_count_per_call_is_capped(method, request_of):
 def test_persisted_batch_versions_restore_and_dropped_ones_do_not(tmp_path):
     rank = servicer(persist_root=tmp_path)
     names = [f"t{i}" for i in range(5)]
-    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n) for n in names]), Context())
-    rank.PromoteMany(promote_many(names), Context())
-    rank.DropMany(drop_many(names[:2]), Context())
+    rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n) for n in names]), ServicerContext())
+    rank.PromoteMany(promote_many(names), ServicerContext())
+    rank.DropMany(drop_many(names[:2]), ServicerContext())
     rank.store.persistence.close()
     again = ShardStore(0, shared_memory=False, version_grace=0,
                        persistence=Persistence(0, tmp_path, FsyncPolicy.ALWAYS))

@@ -28,6 +28,7 @@ from server.common.errors import ServiceError
 from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
+from server_helpers import recv_exactly
 
 TIMEOUT_S = 10.0
 SOURCE = torch.arange(6 * 4, dtype=torch.float32).reshape(6, 4)  # what INIT_ARANGE fills
@@ -48,15 +49,6 @@ def open_connection(reads: BulkReads, ticket: bytes | None = None) -> socket.soc
     sock = socket.create_connection(("127.0.0.1", reads.port), timeout=TIMEOUT_S)
     sock.sendall(reads.tickets.issue("ipv4:127.0.0.1:4242") if ticket is None else ticket)
     return sock
-
-
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        assert part, f"connection closed after {len(data)} of {n} bytes"
-        data += part
-    return data
 
 
 def answer(sock: socket.socket) -> tuple[int, bytes]:

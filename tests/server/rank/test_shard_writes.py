@@ -31,6 +31,7 @@ from server.rank.writes.batch import ShardWrites
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec
 from shardcore.wire import tensor_bytes
+from server_helpers import Aborted, ServicerContext, recv_exactly
 
 TIMEOUT_S = 10.0
 SOURCES = {
@@ -39,20 +40,6 @@ SOURCES = {
     "c": torch.tensor([True, False, True, True, False]),
     "d": torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
 }
-
-
-class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code, self.details = code, details
-
-
-class Context:
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise Aborted(code, details)
-
-    def peer(self) -> str:
-        return "ipv4:127.0.0.1:4242"
 
 
 def new_store(shared_memory: bool = True) -> ShardStore:
@@ -87,12 +74,12 @@ def assert_written(store: ShardStore, names=tuple(SOURCES)) -> None:
 
 def refused(store: ShardStore, request: pb.WriteShardsRequest) -> Aborted:
     with pytest.raises(Aborted) as caught:
-        ShardWrites(store).WriteShards(request, Context())
+        ShardWrites(store).WriteShards(request, ServicerContext())
     return caught.value
 
 
 def test_an_inline_batch_writes_every_shard_bit_for_bit(store):
-    reply = ShardWrites(store).WriteShards(inline(writes()), Context())
+    reply = ShardWrites(store).WriteShards(inline(writes()), ServicerContext())
     assert reply.bytes_written == sum(s.numel() * s.element_size() for s in SOURCES.values())
     assert_written(store)
 
@@ -103,7 +90,7 @@ def test_a_staging_memfd_is_read_bit_for_bit(store):
         staging.pack(batch)
         request = write_request(batch)
         request.shared.CopyFrom(staging.source(host_id()))
-        ShardWrites(store).WriteShards(request, Context())
+        ShardWrites(store).WriteShards(request, ServicerContext())
     assert_written(store)
 
 
@@ -140,7 +127,7 @@ def test_a_memfd_that_is_not_as_described_is_refused(store, change, code, field)
         change(request.shared)
         err = refused(store, request)
     assert err.code == code and field in err.details, err
-    assert ShardWrites(store).WriteShards(inline(writes()), Context()).bytes_written  # still serving
+    assert ShardWrites(store).WriteShards(inline(writes()), ServicerContext()).bytes_written  # still serving
 
 
 def test_another_file_of_the_writer_is_not_read(store):
@@ -196,7 +183,7 @@ def test_bad_batches_name_the_field_and_leave_the_rank_serving(store, headers, d
     request.data = data if data is not None else b"\0" * sum(max(h.nbytes, 0) for h in headers)
     err = refused(store, request)
     assert err.code == code and field in err.details, err
-    ShardWrites(store).WriteShards(inline(writes()), Context())
+    ShardWrites(store).WriteShards(inline(writes()), ServicerContext())
     assert_written(store)
 
 
@@ -206,7 +193,7 @@ def test_a_batch_without_a_source_is_refused(store):
 
 
 def test_a_committed_version_is_not_written(store):
-    ShardWrites(store).WriteShards(inline(writes(["a"])), Context())
+    ShardWrites(store).WriteShards(inline(writes(["a"])), ServicerContext())
     store.promote("a", 1)
     err = refused(store, inline(writes(["a"])))
     assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "shards[0]" in err.details
@@ -228,15 +215,6 @@ def connect_with(reads: BulkReads, principal: Principal | None = None) -> socket
     return sock
 
 
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        assert part, f"connection closed after {len(data)} of {n} bytes"
-        data += part
-    return data
-
-
 def send_write(sock: socket.socket, batch, payload: bytes | None = None) -> tuple[grpc.StatusCode, bytes]:
     message = write_request(batch).SerializeToString()
     payload = b"".join(tensor_bytes(w.data) for w in batch) if payload is None else payload
@@ -256,7 +234,7 @@ def test_the_bulk_port_writes_a_batch_bit_for_bit(store, port):
 
 def test_a_refused_bulk_batch_is_drained_and_the_connection_stays_in_step(store, port):
     bad = writes(["a", "b"])
-    ShardWrites(store).WriteShards(inline(writes(["b"])), Context())
+    ShardWrites(store).WriteShards(inline(writes(["b"])), ServicerContext())
     store.promote("b", 1)  # the second shard is refused after the first was written
     with connect_with(port) as sock:
         code, body = send_write(sock, bad)
