@@ -25,8 +25,8 @@ DRAIN_BYTES = 1 << 20
 
 def receive_batch(conn: socket.socket, store: ShardStore, request: pb.WriteShardsRequest,
                   principal: Principal | None) -> pb.WriteShardsResponse:
-    """Write the batch whose bytes follow on `conn`; on any failure its remaining bytes are drained first (a
-    ConnectionError when the peer stops sending) and the failure raised."""
+    """Write the batch whose bytes follow on `conn`; on a failure of the batch (not of the connection) its
+    remaining bytes are drained first and the failure raised (a ConnectionError when the peer stops sending)."""
     received = 0
     try:
         if request.WhichOneof("source") is not None:
@@ -40,7 +40,9 @@ def receive_batch(conn: socket.socket, store: ShardStore, request: pb.WriteShard
             recv_exactly(conn, view)
             received += len(view)
         return pb.WriteShardsResponse(bytes_written=write_batch(store, shards, fill))
-    except ServiceError:
+    except OSError:
+        raise  # the connection itself failed: nothing left to keep in step
+    except Exception:
         _drain(conn, _declared(request) - received)
         raise
 
