@@ -3,10 +3,10 @@ Replicate) gets, against dcp.save + dcp.load through the filesystem and the bare
 (a memory copy and a loopback socket).
 
 Two cases: 64 tensors of 1 GiB in all (bandwidth), and 512 tensors of 8 KiB (per-tensor overhead: a state dict
-of hundreds of small tensors must not be dominated by it). One 4-process gloo world on this host per case: ranks
-0-1 are the trainer, ranks 2-3 the inference job, each on its own group and mesh. torchstore's published
-figures (0.4 s put / 2.8 s get for Qwen3-32B with CPU staging, pytorch/torchstore issue 175) are quoted in
-docs/performance.md, not measured here.
+of hundreds of small tensors must not be dominated by it). One 4-process gloo world on this host and one 2-rank
+cluster for both cases: ranks 0-1 are the trainer, ranks 2-3 the inference job, each on its own group and mesh.
+torchstore's published figures (0.4 s put / 2.8 s get for Qwen3-32B with CPU staging, pytorch/torchstore
+issue 175) are quoted in docs/performance.md, not measured here.
 
     python -m benchmarks --only statedict
 """
@@ -35,33 +35,50 @@ def _state(count: int, total_bytes: int, mesh: Any, placements_of: Any) -> dict[
             for i in range(count)}
 
 
-def _job(rank: int, port: int, address: str, count: int, total_bytes: int, folder: str, results: Any) -> None:
+def _job(rank: int, port: int, address: str, cases: tuple[tuple[int, int], ...], folder: str, results: Any) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, Shard
 
-    from client import connect, spmd
+    from client import connect
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                             timeout=timedelta(seconds=600))
-    trainer, inference = dist.new_group([0, 1]), dist.new_group([2, 3])
-    meshes = {"t": DeviceMesh("cpu", [0, 1]), "i": DeviceMesh("cpu", [2, 3])}
-    group = trainer if rank < 2 else inference
-    cluster, out, paths = connect(address), {}, {}
+    groups = (dist.new_group([0, 1]), dist.new_group([2, 3]))
+    meshes = (DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3]))
+    cluster, paths = connect(address), {}
     write_shards = cluster.session.write_shards
     cluster.session.write_shards = lambda writes: paths.update(write_shards(writes)) or paths
+    for index, (count, total_bytes) in enumerate(cases):
+        paths.clear()
+        times, ok = _case(rank, cluster, f"bench{index}", count, total_bytes, f"{folder}/{index}", groups, meshes)
+        results.put((index, rank, times, ok, "+".join(sorted(paths))))
+    cluster.close()
+    dist.destroy_process_group()
+
+
+def _case(rank: int, cluster: Any, prefix: str, count: int, total_bytes: int, folder: str, groups: Any,
+          meshes: Any) -> tuple[dict[str, float], bool]:
+    """One case on this process: the trainer (ranks 0-1) puts and dcp.saves, the inference job (2-3) gets and
+    dcp.loads; seconds of each step as this process saw them, and whether its shards came back right."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Replicate, Shard
+
+    from client import spmd
+    trainer, inference = groups
+    group = trainer if rank < 2 else inference
     if rank < 2:
-        state = _state(count, total_bytes, meshes["t"], lambda i: [Shard(0)])
+        state = _state(count, total_bytes, meshes[0], lambda i: [Shard(0)])
     else:
-        state = _state(count, total_bytes, meshes["i"], lambda i: [Shard(1)] if i % 2 else [Replicate()])
+        state = _state(count, total_bytes, meshes[1], lambda i: [Shard(1)] if i % 2 else [Replicate()])
+    out = {}
     for what in ("put", "get", "dcp.save", "dcp.load"):
         dist.barrier()
         start = time.perf_counter()
         if what == "put" and rank < 2:
-            spmd.put_state_dict(cluster, state, "bench", group=trainer)
+            spmd.put_state_dict(cluster, state, prefix, group=trainer)
         elif what == "get" and rank >= 2:
-            spmd.get_state_dict(cluster, "bench", into=state, group=inference)
+            spmd.get_state_dict(cluster, prefix, into=state, group=inference)
         elif what == "dcp.save" and rank < 2:
             dcp.save(state, checkpoint_id=folder, process_group=group)
         elif what == "dcp.load" and rank >= 2:
@@ -69,9 +86,7 @@ def _job(rank: int, port: int, address: str, count: int, total_bytes: int, folde
         dist.barrier(group)
         out[what] = time.perf_counter() - start
     ok = all(torch.equal(v.to_local(), torch.full_like(v.to_local(), float(i))) for i, v in enumerate(state.values()))
-    results.put((rank, out, ok, "+".join(sorted(paths))))
-    cluster.close()
-    dist.destroy_process_group()
+    return out, ok
 
 
 def _socket_s(total_bytes: int) -> float:
@@ -107,8 +122,9 @@ def _copy_s(total_bytes: int) -> float:
     return time.perf_counter() - start
 
 
-def run(address: str, count: int, total_bytes: int) -> dict[str, Any]:
-    """Seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket transfer."""
+def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
+    """Per case: seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket
+    transfer, the write path and whether every shard came back right (one 4-process world for all cases)."""
     import torch.multiprocessing as mp
 
     from server.launcher import free_port
@@ -116,18 +132,20 @@ def run(address: str, count: int, total_bytes: int) -> dict[str, Any]:
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-") as folder:
         port = free_port()
-        procs = [ctx.Process(target=_job, args=(r, port, address, count, total_bytes, folder, results))
-                 for r in range(4)]
+        procs = [ctx.Process(target=_job, args=(r, port, address, cases, folder, results)) for r in range(4)]
         for p in procs:
             p.start()
-        answers = [results.get(timeout=900) for _ in procs]
+        answers = [results.get(timeout=900) for _ in range(4 * len(cases))]
         for p in procs:
             p.join(timeout=30)
-    by_rank = {rank: (times, paths) for rank, times, _, paths in answers}
-    return {"put_s": by_rank[0][0]["put"], "get_s": by_rank[2][0]["get"], "dcp_save_s": by_rank[0][0]["dcp.save"],
-            "dcp_load_s": by_rank[2][0]["dcp.load"], "copy_s": _copy_s(total_bytes),
-            "socket_s": _socket_s(total_bytes), "write_path": by_rank[0][1] or "none",
-            "ok": all(ok for _, _, ok, _ in answers)}
+    out = []
+    for index, (_, total_bytes) in enumerate(cases):
+        by_rank = {rank: (times, paths) for i, rank, times, _, paths in answers if i == index}
+        out.append({"put_s": by_rank[0][0]["put"], "get_s": by_rank[2][0]["get"],
+                    "dcp_save_s": by_rank[0][0]["dcp.save"], "dcp_load_s": by_rank[2][0]["dcp.load"],
+                    "copy_s": _copy_s(total_bytes), "socket_s": _socket_s(total_bytes),
+                    "write_path": by_rank[0][1] or "none", "ok": all(ok for i, _, _, ok, _ in answers if i == index)})
+    return out
 
 
 @scenario("statedict", help="SPMD state dict put/get (2 -> 2 processes) vs dcp.save/load and bare transfers")
@@ -135,12 +153,13 @@ def statedict_scenario(ctx: Context) -> list[Row]:
     """A 2-process trainer puts, a 2-process inference job gets, for a few large and many small tensors."""
     from contextlib import ExitStack
 
+    cases = QUICK_CASES if ctx.quick else CASES
+    with ExitStack() as stack:
+        cluster = ctx.start_cluster(stack, ranks=2)
+        with ctx.rss() as peaks:
+            measured = run(cluster.address, cases)
     rows = []
-    for count, total in QUICK_CASES if ctx.quick else CASES:
-        with ExitStack() as stack:
-            cluster = ctx.start_cluster(stack, ranks=2)
-            with ctx.rss() as peaks:
-                r = run(cluster.address, count, total)
+    for (count, total), r in zip(cases, measured):
         case = f"{count} tensors, {total >> 10} KiB"
         per_tensor = {"per_tensor_ms": {what: 1e3 * r[f"{what}_s"] / count
                                         for what in ("put", "get", "dcp_save", "dcp_load")}}
