@@ -43,8 +43,8 @@ from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
 from server.rank.store import ShardStore
 from server.rank.writes.batch import ShardWrites
-from shardcore.metadata import ShardedTensorMetadata
 from server.rank.writes.batch import handlers as shard_write_handlers
+from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
 
