@@ -43,8 +43,8 @@ from server.rank.reads.small import SmallReads
 from server.rank.reads.small import handlers as small_read_handlers
 from server.rank.store import ShardStore
 from server.rank.writes.batch import ShardWrites
-from shardcore.metadata import ShardedTensorMetadata
 from server.rank.writes.batch import handlers as shard_write_handlers
+from shardcore.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +95,12 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                 total += self._allocate(allocation)
                 made.append(allocation)
         except BaseException as err:
-            for allocation in made:
-                self.store.drop(allocation.name, allocation.version)
+            for done in made:
+                self.store.drop(done.name, done.version)
             if isinstance(err, ServiceError):
-                raise type(err)(f"tensors[{index}]: {err.message}", err.code) from None
+                failed = allocations[index]
+                raise type(err)(f"tensors[{index}] ({failed.name!r} version {failed.version}): {err.message}",
+                                err.code) from None
             raise
         return pb.AllocateManyResponse(allocated_bytes=total)
 

@@ -349,6 +349,43 @@ def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_
     assert 1 <= moved.get("DropMany", 0.0) <= cluster.ranks, moved
 
 
+def rank_holdings(address: str) -> list[tuple[int, list[str]]]:
+    """(memory used, names held) of every rank, as its GetStats says."""
+    import grpc
+
+    from protos import shardserve_pb2_grpc as pb_grpc
+    with grpc.insecure_channel(address) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
+    out = []
+    for rank in sorted(ranks, key=lambda r: r.rank):
+        with grpc.insecure_channel(rank.address) as channel:
+            stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        out.append((stats.memory_used_bytes, sorted(h.name for h in stats.held)))
+    return out
+
+
+def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(make_cluster: Callable[..., LocalCluster]) -> None:
+    """Every rank but one allocates its tensors; the last is over its memory limit: the put fails naming that
+    rank and the tensor, and the tensors the other ranks allocated are dropped again (one DropMany each)."""
+    from shardcore.specs import ChunkShardingSpec
+    small = make_cluster(ranks=3, memory_limit=1 << 20)
+    on = {r: ChunkShardingSpec(0, [f"rank:{r}/cpu"]) for r in range(3)}
+    state = {f"s{i}": torch.full((64,), float(i)) for i in range(40)} | {"big": torch.zeros(1 << 19)}  # 2 MiB
+    specs = {f"s{i}": on[i % 2] for i in range(40)} | {"big": on[2]}
+    with connect(small.address) as client:
+        before = rank_holdings(small.address)
+        with pytest.raises(spmd.SpmdError, match=r"ResourceExhausted.*rank 2: tensors\[0\] \('toolarge@\d+/big'"
+                           r" version \d+\): rank 2 memory limit"):
+            spmd.put_state_dict(client, state, "toolarge", spec=specs)
+        assert rank_holdings(small.address) == before
+        assert not client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="toolarge")).snapshots
+        del state["big"], specs["big"]
+        number = spmd.put_state_dict(client, state, "toolarge", spec=specs)
+        into = {key: torch.zeros(64) for key in state}
+        assert spmd.get_state_dict(client, "toolarge", into=into) == number
+        assert all(torch.equal(into[key], value) for key, value in state.items())
+
+
 def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
     from shardcore.specs import ChunkShardingSpec
     full = torch.arange(40, dtype=torch.float32).reshape(5, 8)

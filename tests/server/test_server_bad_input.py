@@ -346,7 +346,7 @@ def test_allocate_many_is_all_or_none_on_the_rank(stubs, served):
                                      metadata=metadata_to_proto(META))
     held = pb.AllocateShardsRequest(name="good", version=served.version, metadata=metadata_to_proto(META))
     err = rpc_error(stubs.ranks[0].AllocateMany, pb.AllocateManyRequest(tensors=[fresh, held]), timeout=TIMEOUT)
-    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "tensors[1]: " in err.details()
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "tensors[1] ('good' version " in err.details()
     stats = stubs.ranks[0].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT, metadata=stubs.metadata)
     assert ("batch-new", fresh.version) not in {(h.name, h.version) for h in stats.held}
     err = rpc_error(stubs.ranks[0].PromoteMany, pb.PromoteManyRequest(versions=[

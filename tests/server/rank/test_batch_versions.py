@@ -67,7 +67,7 @@ def test_a_tensor_over_the_memory_limit_leaves_nothing_allocated():
     rank = servicer(memory_limit=3 * 128)
     batch = [allocation("a"), allocation("b"), allocation("big", shape=(4, 16)), allocation("c")]
     err = refused(rank.AllocateMany, pb.AllocateManyRequest(tensors=batch))
-    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details.startswith("tensors[2]: ")
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.details.startswith("tensors[2] ('big' version 1): ")
     assert "memory limit" in err.details
     assert rank.store.held() == [] and rank.store.memory_used == 0
     fits = rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation(n, 2) for n in "abc"]), ServicerContext())
@@ -78,7 +78,7 @@ def test_a_tensor_already_held_fails_the_batch_and_keeps_the_held_one():
     rank = servicer()
     rank.AllocateMany(pb.AllocateManyRequest(tensors=[allocation("held")]), ServicerContext())
     err = refused(rank.AllocateMany, pb.AllocateManyRequest(tensors=[allocation("new"), allocation("held")]))
-    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and err.details.startswith("tensors[1]: ")
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and err.details.startswith("tensors[1] ('held' version 1): ")
     assert [(n, v) for n, v, _ in rank.store.held()] == [("held", 1)]
 
 
