@@ -119,7 +119,7 @@ def test_lookups_and_ids_counted_per_shard(scrapes: Scrapes) -> None:
 def test_rpc_counts_errors_and_latency(scrapes: Scrapes) -> None:
     assert scrapes.moved("shardserve_rpc_errors_total", method="GetTensor", code="NOT_FOUND") == 1
     assert scrapes.moved("shardserve_rpc_requests_total", method="CommitTensor") == 1
-    assert scrapes.moved("shardserve_rpc_requests_total", method="WriteShard") == 2  # one shard per rank
+    assert scrapes.moved("shardserve_rpc_requests_total", method="WriteShards") == 2  # one batch per rank
     assert scrapes.moved("shardserve_rpc_requests_total", method="Lookup") \
         + scrapes.moved("shardserve_rpc_requests_total", method="LookupSmall") == 2
     assert scrapes.moved("shardserve_rpc_latency_seconds_count", method="CommitTensor") == 1
