@@ -3,7 +3,9 @@ Replicate) gets, against dcp.save + dcp.load through the filesystem and the bare
 (a memory copy and a loopback socket).
 
 Two cases: 64 tensors of 1 GiB in all (bandwidth), and 512 tensors of 8 KiB (per-tensor overhead: a state dict
-of hundreds of small tensors must not be dominated by it). One 4-process gloo world on this host and one 2-rank
+of hundreds of small tensors must not be dominated by it). The trainer puts three times (keep=1): the first put
+is timed into new rank memory, the third into the buffers the second one's commit freed (a weight sync's steady
+state). One 4-process gloo world on this host and one 2-rank
 cluster for both cases: ranks 0-1 are the trainer, ranks 2-3 the inference job, each on its own group and mesh.
 torchstore's published figures (0.4 s put / 2.8 s get for Qwen3-32B with CPU staging, pytorch/torchstore
 issue 175) are quoted in docs/performance.md, not measured here.
@@ -72,11 +74,11 @@ def _case(rank: int, cluster: Any, prefix: str, count: int, total_bytes: int, fo
     else:
         state = _state(count, total_bytes, meshes[1], lambda i: [Shard(1)] if i % 2 else [Replicate()])
     out = {}
-    for what in ("put", "get", "dcp.save", "dcp.load"):
+    for what in ("put", "put again", "put steady", "get", "dcp.save", "dcp.load"):
         dist.barrier()
         start = time.perf_counter()
-        if what == "put" and rank < 2:
-            spmd.put_state_dict(cluster, state, prefix, group=trainer)
+        if what.startswith("put") and rank < 2:  # keep=1: the third put reuses the buffers the second one freed
+            spmd.put_state_dict(cluster, state, prefix, group=trainer, keep=1)
         elif what == "get" and rank >= 2:
             spmd.get_state_dict(cluster, prefix, into=state, group=inference)
         elif what == "dcp.save" and rank < 2:
@@ -141,7 +143,8 @@ def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]
     out = []
     for index, (_, total_bytes) in enumerate(cases):
         by_rank = {rank: (times, paths) for i, rank, times, _, paths in answers if i == index}
-        out.append({"put_s": by_rank[0][0]["put"], "get_s": by_rank[2][0]["get"],
+        out.append({"put_s": by_rank[0][0]["put"], "put_steady_s": by_rank[0][0]["put steady"],
+                    "get_s": by_rank[2][0]["get"],
                     "dcp_save_s": by_rank[0][0]["dcp.save"], "dcp_load_s": by_rank[2][0]["dcp.load"],
                     "copy_s": _copy_s(total_bytes), "socket_s": _socket_s(total_bytes),
                     "write_path": by_rank[0][1] or "none", "ok": all(ok for i, _, _, ok, _ in answers if i == index)})
@@ -164,7 +167,11 @@ def statedict_scenario(ctx: Context) -> list[Row]:
         per_tensor = {"per_tensor_ms": {what: 1e3 * r[f"{what}_s"] / count
                                         for what in ("put", "get", "dcp_save", "dcp_load")}}
         rows += [Row("statedict", case, "spmd.put_state_dict", r["put_s"], path=r["write_path"], nbytes=total,
-                     ok=r["ok"], baseline="dcp.save", peak_rss=peaks, extra=per_tensor),
+                     ok=r["ok"], baseline="dcp.save", peak_rss=peaks, extra=per_tensor,
+                     note="first put: the ranks' memory is new"),
+                 Row("statedict", case, "spmd.put_state_dict (steady)", r["put_steady_s"], path=r["write_path"],
+                     nbytes=total, ok=r["ok"], baseline="dcp.save", peak_rss=peaks,
+                     note="third put, keep=1: into buffers the previous snapshot freed"),
                  Row("statedict", case, "spmd.get_state_dict", r["get_s"], path="auto", nbytes=total, ok=r["ok"],
                      baseline="dcp.load", peak_rss=peaks),
                  Row("statedict", case, "dcp.save", r["dcp_save_s"], path="filesystem", role="baseline",
