@@ -66,17 +66,20 @@ def write_request(writes: Sequence[ShardWrite]) -> pb.WriteShardsRequest:
     return pb.WriteShardsRequest(shards=[write.header for write in writes])
 
 
+Written = list[tuple[str, int]]  # (path, bytes) of each batch written to one rank
+
+
 def write_shards(write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str, int]],
                  rank_of: Callable[[int], RankStatus], writes: Sequence[tuple[int, ShardWrite]],
-                 run_all: Callable[[Sequence[Callable[[], list[tuple[str, int]]]]], list[list[tuple[str, int]]]]
-                 ) -> dict[str, int]:
+                 run_all: Callable[[Sequence[Callable[[], Written]]], list[Written]]) -> dict[str, int]:
     """Write every (rank, write), all ranks at once through `run_all` and each rank's batches in turn, each by
-    `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes written per
-    path ("shm", "tcp", "grpc")."""
+    `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes
+    written per path ("shm", "tcp", "grpc")."""
     by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
     for rank, write in writes:
         by_rank[rank].append(write)
-    def write_rank(rank: int, mine: list[ShardWrite]) -> list[tuple[str, int]]:
+
+    def write_rank(rank: int, mine: list[ShardWrite]) -> Written:
         status = rank_of(rank)
         return [write_batch(status, batch) for batch in batched(mine, DIRECT_BATCH_BYTES)]
 
