@@ -356,7 +356,7 @@ def _read_mine(cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str,
         done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
         for future in done:
             future.result()
-    return sum(out.numel() * out.element_size() for _, _, out in reads)
+    return sum(_nbytes(out) for _, _, out in reads)
 
 
 def _nbytes(out: torch.Tensor) -> int:

@@ -105,41 +105,23 @@ class BulkPath:
         the caller's bound for this request), so requests to several ranks go out before any answer is awaited
         (one thread overlaps the ranks' work). The returned call must be made, or the connection is not
         reused."""
-        def into_buffer(sock: socket.socket, length: int, deadline: float) -> bytearray:
-            if length > reply_bytes:
-                raise ShardServeError(f"rank at {address} sends a {length}-byte lookup answer to a request whose "
-                                      f"answer takes at most {reply_bytes}")
-            reply = bytearray(length)
-            recv_exactly(sock, memoryview(reply), deadline)
-            return reply
-
-        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes, into_buffer, cancel)
+        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes,
+                          _bounded_answer(address, "lookup answer", reply_bytes), cancel)
 
     def read_regions(self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int) -> pb.ReadRegionsReply:
         """ReadRegions' answer to `request` (at most `reply_bytes` serialized) as one KIND_READS frame."""
-        def into_reply(sock: socket.socket, length: int, deadline: float) -> pb.ReadRegionsReply:
-            if length > reply_bytes:
-                raise ShardServeError(f"rank at {address} sends a {length}-byte answer to a ReadRegions request "
-                                      f"whose answer takes at most {reply_bytes}")
-            reply = bytearray(length)
-            recv_exactly(sock, memoryview(reply), deadline)
-            return pb.ReadRegionsReply.FromString(bytes(reply))
-
-        return self._send(address, KIND_READS, request.SerializeToString(), reply_bytes, into_reply)()
+        answer = self._send(address, KIND_READS, request.SerializeToString(), reply_bytes,
+                            _bounded_answer(address, "ReadRegions answer", reply_bytes))()
+        return pb.ReadRegionsReply.FromString(bytes(answer))
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the rank at `address`: one WriteShardsRequest frame, then their bytes straight
         from each tensor (a contiguous copy only of those that are not); returns the bytes written."""
-        def written(sock: socket.socket, length: int, deadline: float) -> int:
-            if length > MAX_ERROR_BYTES:
-                raise ShardServeError(f"rank at {address} answers a write with {length} bytes")
-            reply = bytearray(length)
-            recv_exactly(sock, memoryview(reply), deadline)
-            return pb.WriteShardsResponse.FromString(bytes(reply)).bytes_written
-
         payload = [tensor_bytes(write.data) for write in writes]
-        return self._send(address, KIND_WRITE, write_request(writes).SerializeToString(),
-                          sum(len(part) for part in payload), written, payload=payload)()
+        answer = self._send(address, KIND_WRITE, write_request(writes).SerializeToString(),
+                            sum(len(part) for part in payload),
+                            _bounded_answer(address, "WriteShards answer", MAX_ERROR_BYTES), payload=payload)()
+        return pb.WriteShardsResponse.FromString(bytes(answer)).bytes_written
 
     def _send(self, address: str, kind: int, message: bytes, nbytes: int,
               receive: Callable[..., T], cancel: Cancellation | None = None,
@@ -316,6 +298,19 @@ class BulkPath:
             raise BulkReadError(f"{where}: {error.message}", code)
         self._give_back(address, connection)
         raise error
+
+
+def _bounded_answer(address: str, what: str, limit: int) -> Callable[[socket.socket, int, float], bytearray]:
+    """The `receive` of an answer that is a message of at most `limit` bytes (a longer one is a ShardServeError
+    naming `what`): its bytes, to parse."""
+    def receive(sock: socket.socket, length: int, deadline: float) -> bytearray:
+        if length > limit:
+            raise ShardServeError(f"rank at {address} sends a {length}-byte {what} to a request whose answer "
+                                  f"takes at most {limit}")
+        answer = bytearray(length)
+        recv_exactly(sock, memoryview(answer), deadline)
+        return answer
+    return receive
 
 
 def _shut_down(sock: socket.socket) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -83,6 +84,19 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of memory: {err}"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+@contextmanager
+def item_errors(item: str) -> Iterator[None]:
+    """Errors raised inside, with their status, as errors of one entry of a batch (`item`, e.g. "shards[3]"):
+    the message prefixed "ITEM: " so the caller knows which entry failed."""
+    try:
+        yield
+    except ServiceError as err:
+        raise type(err)(f"{item}: {err.message}", err.code) from None
+    except (ValueError, TypeError, KeyError) as err:
+        code, message = status_of(err)
+        raise ServiceError(f"{item}: {message}", code) from None
 
 
 MAX_MESSAGE_CHARS = 2000  # a status message travels in a header: gRPC refuses headers over 16 KiB

@@ -17,7 +17,7 @@ from protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from server.common.errors import InvalidArgument, ServiceError, rpc_errors
+from server.common.errors import InvalidArgument, item_errors, rpc_errors
 from server.common.requests import (
     check_name,
     check_options,
@@ -92,15 +92,12 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         made, total = [], 0
         try:
             for index, allocation in enumerate(allocations):
-                total += self._allocate(allocation)
+                with item_errors(f"tensors[{index}] ({allocation.name!r} version {allocation.version})"):
+                    total += self._allocate(allocation)
                 made.append(allocation)
-        except BaseException as err:
+        except BaseException:
             for done in made:
                 self.store.drop(done.name, done.version)
-            if isinstance(err, ServiceError):
-                failed = allocations[index]
-                raise type(err)(f"tensors[{index}] ({failed.name!r} version {failed.version}): {err.message}",
-                                err.code) from None
             raise
         return pb.AllocateManyResponse(allocated_bytes=total)
 
@@ -123,10 +120,8 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def PromoteMany(self, request: pb.PromoteManyRequest, context: grpc.ServicerContext) -> pb.PromoteManyResponse:
         """Promote the versions in order, stopping at the first failure (the coordinator then drops them all)."""
         for index, version in enumerate(checked_versions(request.versions)):
-            try:
+            with item_errors(f"versions[{index}]"):
                 self.store.promote(*version)
-            except ServiceError as err:
-                raise type(err)(f"versions[{index}]: {err.message}", err.code) from None
         return pb.PromoteManyResponse()
 
     @rpc_errors

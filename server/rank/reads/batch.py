@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ResourceExhausted, ServiceError, rpc_errors, status_of
+from server.common.errors import InvalidArgument, ResourceExhausted, item_errors, rpc_errors
 from server.rank.cuda_staging import host_bytes
 from server.rank.metrics import GRPC
 from server.rank.reads.region import requested_box
@@ -52,16 +52,12 @@ class BatchReads:
     def _append(self, index: int, region: pb.ReadRegionRequest, data: bytearray) -> None:
         """Append the bytes of regions[index] to `data`, checked as ReadRegion checks a box and against the
         batch's size cap; errors name the region."""
-        try:
-            with requested_box(self.store, region) as box:
-                nbytes = box.numel() * box.element_size()
-                if len(data) + nbytes > BATCH_READ_BYTES:
-                    raise ResourceExhausted(f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
-                                            f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)")
-                data += host_bytes(box)  # copied while the lease is held
-        except (ServiceError, ValueError, TypeError, KeyError) as err:
-            code, message = status_of(err)
-            raise ServiceError(f"regions[{index}]: {message}", code) from None
+        with item_errors(f"regions[{index}]"), requested_box(self.store, region) as box:
+            nbytes = box.numel() * box.element_size()
+            if len(data) + nbytes > BATCH_READ_BYTES:
+                raise ResourceExhausted(f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
+                                        f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)")
+            data += host_bytes(box)  # copied while the lease is held
 
 
 def handlers(reads: BatchReads) -> dict[str, grpc.RpcMethodHandler]:

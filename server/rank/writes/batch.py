@@ -16,13 +16,13 @@ from typing import Callable, Sequence
 import grpc
 
 from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ServiceError, rpc_errors
+from server.common.errors import InvalidArgument, item_errors, rpc_errors
 from server.common.requests import check_name, check_version, parse_dtype
 from server.rank.store import ShardStore
 from server.rank.writes.shared import SharedSource
 
 MAX_BATCH_SHARDS = 1 << 16
-MAX_BATCH_BYTES = 1 << 40  # what one batch may declare (a bulk connection that lies about it is closed)
+MAX_BATCH_BYTES = 1 << 40  # what one batch may declare (a refused bulk-port batch's bytes are drained)
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,9 @@ def write_batch(store: ShardStore, shards: Sequence[ShardBytes],
     written = 0
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
-        try:
-            with store.write(shard.name, shard.version, shard.shard_index, dtype, shard.nbytes) as writer:
-                writer.fill(lambda view, shard=shard: fill(shard, view))
-        except ServiceError as err:
-            raise type(err)(f"shards[{i}]: {err.message}", err.code) from None
+        with item_errors(f"shards[{i}]"), \
+                store.write(shard.name, shard.version, shard.shard_index, dtype, shard.nbytes) as writer:
+            writer.fill(lambda view, shard=shard: fill(shard, view))
         store.metrics.written(shard.name, shard.nbytes)
         written += shard.nbytes
     return written
