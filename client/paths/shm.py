@@ -42,6 +42,7 @@ from client.paths.hedging import Cancellation
 from client.paths.staging import StagingFiles
 from client.paths.writes import ShardWrite, write_request
 from protos import shardserve_pb2 as pb
+from protos.same_host import HEADER_MAGIC, STATE_REPLACED, STATE_SERVED, host_id
 from shardcore.dtypes import dtype_from_wire
 from shardcore.metadata import Box
 from shardcore.regions import local_view
@@ -50,11 +51,7 @@ from shardcore.wire import byte_view
 log = logging.getLogger(__name__)
 
 # The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
-HEADER_MAGIC = 0x5348415244535256
-STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 1, 2, 3  # replaced: still readable for the rank's grace period
 HEADER_WORDS_BYTES = 24  # magic, state, generation
-BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-HOST_NAMESPACES = ("net", "pid")  # a rank in another network or PID namespace is another host here
 CACHE_BYTES = 4 << 30      # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
 CACHE_ENTRIES = 256
 
@@ -64,22 +61,9 @@ class SharedMemoryError(ShardServeError):
 
 
 def local_host() -> tuple[str, str]:
-    """(hostname, host id) of this process: the host id as a rank makes its RankInfo.host_id (boot id, network
-    and PID namespaces; server/rank/shared_memory.py), "" when the boot id is unknown."""
-    try:
-        with open(BOOT_ID_FILE) as f:
-            boot_id = f.read().strip()
-    except OSError:
-        return socket.gethostname(), ""
-    return socket.gethostname(), ";".join([boot_id, *(f"{kind}:{_namespace(kind)}" for kind in HOST_NAMESPACES)])
-
-
-def _namespace(kind: str) -> int:
-    """The inode of this process's `kind` namespace (0 when /proc does not say)."""
-    try:
-        return os.stat(f"/proc/self/ns/{kind}").st_ino
-    except OSError:
-        return 0
+    """(hostname, host id) of this process: the host id as a rank makes its RankInfo.host_id
+    (protos.same_host)."""
+    return socket.gethostname(), host_id()
 
 
 def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:

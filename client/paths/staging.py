@@ -21,9 +21,9 @@ import torch
 
 from client.paths.writes import ShardWrite
 from protos import shardserve_pb2 as pb
+from protos.same_host import STAGING_NAME
 from shardcore.wire import tensor_bytes
 
-STAGING_NAME = "shardserve-staging-"  # server/rank/writes/shared.py expects memfds named so
 KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes (a 64 MiB file per rank written to)
 IDLE_S = 60.0           # a kept file unused this long is closed when the next write comes
 

@@ -48,7 +48,7 @@ from server.rank.reads.bulk import BulkReads
 from server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from server.rank.persistence import FSYNC_INTERVAL_S, FsyncPolicy, Persistence, RestoreCount
 from server.rank.service import ShardServerServicer, add_shard_server
-from server.rank.shared_memory import host_id
+from protos.same_host import host_id
 from server.rank.store import DEFAULT_VERSION_GRACE_S, ShardStore
 
 log = logging.getLogger(__name__)

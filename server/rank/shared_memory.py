@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_REPLACED, STATE_SERVED
 from server.common.errors import ResourceExhausted
 from server.rank.recycling import Buffer, RecycledBuffers
 from shardcore.dtypes import itemsize
@@ -44,35 +45,10 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
 FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
-HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
-STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
-BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-HOST_NAMESPACES = ("net", "pid")  # host_id: namespaces that must match too (client.paths.shm has the same)
-
-
-def host_id() -> str:
-    """This process's host as the same-host data path sees it: the kernel's boot id and the process's network and
-    PID namespaces. Equal hostnames and host ids mean one host: one kernel, /proc/<pid> naming the same process,
-    and one network (ranks in other network namespaces, as containers or test rigs, are read over the network,
-    so a cut link isolates them for reads too)."""
-    try:
-        with open(BOOT_ID_FILE) as f:
-            boot_id = f.read().strip()
-    except OSError:
-        return ""
-    return ";".join([boot_id, *(f"{kind}:{_namespace(kind)}" for kind in HOST_NAMESPACES)])
-
-
-def _namespace(kind: str) -> int:
-    """The inode of this process's `kind` namespace (0 when /proc does not say)."""
-    try:
-        return os.stat(f"/proc/self/ns/{kind}").st_ino
-    except OSError:
-        return 0
 
 
 def enabled_by_env() -> bool:

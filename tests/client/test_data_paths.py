@@ -586,7 +586,8 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
 
 
 def test_segment_header_follows_promote_and_drop():
-    from server.rank.shared_memory import HEADER_BYTES, HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+    from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+    from server.rank.shared_memory import HEADER_BYTES
 
     store = _served_store()
     with store.lease("t", 1) as entry:

@@ -21,10 +21,9 @@ from types import TracebackType
 import grpc
 
 from protos import shardserve_pb2 as pb
+from protos.same_host import STAGING_NAME, host_id
 from server.common.errors import InvalidArgument, ServiceError
-from server.rank.shared_memory import host_id
 
-STAGING_NAME = "shardserve-staging-"  # client/paths/staging.py names its memfds so
 _SECRET = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 

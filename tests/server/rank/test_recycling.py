@@ -9,7 +9,8 @@ import torch
 
 from protos import shardserve_pb2 as pb
 from server.rank.recycling import Buffer, RecycledBuffers
-from server.rank.shared_memory import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED, SharedMemory
+from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
+from server.rank.shared_memory import SharedMemory
 from server.rank.store import ShardStore
 from shardcore.metadata import TensorProperties
 from shardcore.specs import ChunkShardingSpec

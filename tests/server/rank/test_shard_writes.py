@@ -25,7 +25,7 @@ from protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
 from server.common.errors import FailedPrecondition
 from server.common.principals import READ, WRITE, Principal
 from server.rank.reads.bulk import BulkReads
-from server.rank.shared_memory import host_id
+from protos.same_host import host_id
 from server.rank.store import ShardStore
 from server.rank.writes.batch import ShardWrites
 from shardcore.metadata import TensorProperties

@@ -1,0 +1,34 @@
+"""The same-host data plane's contract, shared by server/rank (shared_memory.py, writes/shared.py) and
+client/paths (shm.py, staging.py) so the two sides cannot drift: what "this host" is, the header words a rank
+keeps before each shard segment, and the name a writer gives its staging memfds."""
+from __future__ import annotations
+
+import os
+
+BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+HOST_NAMESPACES = ("net", "pid")  # a process in another network or PID namespace is another host here
+# A shard segment's header: int64 HEADER_MAGIC, int64 state, int64 generation (OpenShardResponse.data_offset)
+HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
+STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
+STAGING_NAME = "shardserve-staging-"  # a writer's staging memfd is named this + the request's name_secret
+
+
+def host_id() -> str:
+    """This process's host as the same-host data path sees it: the kernel's boot id and the process's network and
+    PID namespaces ("" when the boot id is unknown). Equal hostnames and host ids mean one host: one kernel,
+    /proc/<pid> naming the same process, and one network (processes in other network namespaces, as containers
+    or test rigs, talk over the network, so a cut link isolates them for the data plane too)."""
+    try:
+        with open(BOOT_ID_FILE) as f:
+            boot_id = f.read().strip()
+    except OSError:
+        return ""
+    return ";".join([boot_id, *(f"{kind}:{_namespace(kind)}" for kind in HOST_NAMESPACES)])
+
+
+def _namespace(kind: str) -> int:
+    """The inode of this process's `kind` namespace (0 when /proc does not say)."""
+    try:
+        return os.stat(f"/proc/self/ns/{kind}").st_ino
+    except OSError:
+        return 0
