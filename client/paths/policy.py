@@ -51,6 +51,7 @@ TRANSPORTS = ("auto", "grpc", "shm", "tcp")
 RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
 UNREACHABLE_S = 10.0       # a rank that failed a call as unreachable: its copies are read last this long
 PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
+_FALL_BACK_WORDS = {"read": ("read from", "reading it"), "write": ("write to", "writing to it")}  # doing -> log
 
 
 def check_transport(transport: object) -> str:
@@ -409,12 +410,9 @@ class PathPolicy:
             self._backoff[(path, rank.address)] = time.monotonic() + RETRY_AFTER_S
         what = "shared-memory" if path == "shm" else "bulk TCP"
         instead = "over gRPC" if path == "tcp" else "over the bulk port or gRPC"
-        if doing == "write":
-            log.warning("%s write to rank %d failed; writing to it %s for %.0f s: %s",
-                        what, rank.rank, instead, RETRY_AFTER_S, err)
-            return
-        log.warning("%s read from rank %d failed; reading it %s for %.0f s: %s",
-                    what, rank.rank, instead, RETRY_AFTER_S, err)
+        failed, again = _FALL_BACK_WORDS[doing]
+        log.warning("%s %s rank %d failed; %s %s for %.0f s: %s",
+                    what, failed, rank.rank, again, instead, RETRY_AFTER_S, err)
 
 
 @dataclass
