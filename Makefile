@@ -10,14 +10,13 @@ run: venv
 	.venv/bin/shardserve up --ranks 2 --port $(PORT) --demo
 
 lint: venv
-	.venv/bin/ruff check .
-	.venv/bin/lint-imports
+	./scripts/lint.sh
 
 test: lint
 	.venv/bin/python -m pytest -q
 
 protos: venv
-	.venv/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/shardserve.proto
+	./scripts/gen-protos.sh
 
 bench: venv
 	.venv/bin/python -m benchmarks

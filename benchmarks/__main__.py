@@ -5,6 +5,7 @@ the same run, prints machine info and a table of absolute figures and ratios
 per group, and optionally writes the JSON document and PNG plots. Exits 1 if
 a scenario failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,12 +21,21 @@ from benchmarks.report import print_report
 
 
 def parse_args(argv: list[str], names: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke test)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes and few repeats (a smoke test)"
+    )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario group into DIR")
-    parser.add_argument("--only", nargs="+", metavar="NAME", choices=names,
-                        help=f"run only these scenarios (of: {', '.join(names)})")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="NAME",
+        choices=names,
+        help=f"run only these scenarios (of: {', '.join(names)})",
+    )
     return parser.parse_args(argv)
 
 

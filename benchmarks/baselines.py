@@ -13,6 +13,7 @@ and its client here, in the caller's process (rpc's excepted):
   same-host transport keeps a core busy in every process of the rpc world.
 - `memcpy`: `out.copy_(src)` of the same bytes in this process.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -22,8 +23,8 @@ import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import torch
 
@@ -65,12 +66,14 @@ def _exit_with_parent() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
+
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 # ---------------------------------------------------------------- raw TCP socket
 
-def _socket_server_main(rows: int, cols: int, ready: "mp.connection.Connection") -> None:
+
+def _socket_server_main(rows: int, cols: int, ready: mp.connection.Connection) -> None:
     """Serve `source_tensor(rows, cols)`'s leading bytes to one client until it asks for 0 bytes."""
     _exit_with_parent()
     view = byte_view(source_tensor(rows, cols))
@@ -110,8 +113,12 @@ class SocketServer:
     def __init__(self, rows: int, cols: int) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_socket_server_main, args=(rows, cols, child), daemon=True,
-                                   name="socket-baseline")
+        self.process = ctx.Process(
+            target=_socket_server_main,
+            args=(rows, cols, child),
+            daemon=True,
+            name="socket-baseline",
+        )
         self.process.start()
         child.close()
         self._ready = parent
@@ -161,15 +168,20 @@ class SocketServer:
 RPC_TRANSPORTS = ("shm", "uv")
 
 
-def rpc_backend_options(port: int, transport: str,
-                        workers: int = 4) -> "torch.distributed.rpc.TensorPipeRpcBackendOptions":
+def rpc_backend_options(
+    port: int, transport: str, workers: int = 4
+) -> torch.distributed.rpc.TensorPipeRpcBackendOptions:
     """TensorPipe options on 127.0.0.1:`port` limited to `transport` (one of RPC_TRANSPORTS)."""
     from torch.distributed import rpc
 
     if transport not in RPC_TRANSPORTS:
         raise ValueError(f"transport must be one of {RPC_TRANSPORTS}, got {transport!r}")
-    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}", rpc_timeout=IO_TIMEOUT_S,
-                                           num_worker_threads=workers, _transports=[transport])
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}",
+        rpc_timeout=IO_TIMEOUT_S,
+        num_worker_threads=workers,
+        _transports=[transport],
+    )
 
 
 def fastest_transport(seconds_by_transport: dict[str, float]) -> str:
@@ -182,7 +194,7 @@ def _hold_source(rows: int, cols: int) -> torch.Tensor:
     return source_tensor(rows, cols)
 
 
-def _leading_rows(holder: "torch.distributed.rpc.RRef", nrows: int) -> torch.Tensor:
+def _leading_rows(holder: torch.distributed.rpc.RRef, nrows: int) -> torch.Tensor:
     """Runs on the server: a copy of the first `nrows` rows of the RRef's tensor (a view would ship it all)."""
     return holder.local_value().narrow(0, 0, nrows).clone()
 
@@ -193,7 +205,9 @@ def _rpc_server_main(port: int, transport: str) -> None:
 
     _exit_with_parent()
     loopback_env()
-    rpc.init_rpc(SERVER_NAME, rank=1, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
+    rpc.init_rpc(
+        SERVER_NAME, rank=1, world_size=2, rpc_backend_options=rpc_backend_options(port, transport)
+    )
     rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
 
 
@@ -208,22 +222,34 @@ def median_seconds(run: Callable[[], object], repeat: int) -> float:
     return statistics.median(spent)
 
 
-def _rpc_client_main(port: int, transport: str, rows: int, cols: int, plan: list[tuple[int, int]],
-                     conn: "mp.connection.Connection") -> None:
+def _rpc_client_main(
+    port: int,
+    transport: str,
+    rows: int,
+    cols: int,
+    plan: list[tuple[int, int]],
+    conn: mp.connection.Connection,
+) -> None:
     """Join as the client, hold the source behind an RRef on the server, then per (nrows, repeat) of `plan` send
     (median seconds of `rpc_sync` fetching the leading nrows, whether they equal the source)."""
     from torch.distributed import rpc
 
     _exit_with_parent()
     loopback_env()
-    rpc.init_rpc(CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=rpc_backend_options(port, transport))
+    rpc.init_rpc(
+        CLIENT_NAME, rank=0, world_size=2, rpc_backend_options=rpc_backend_options(port, transport)
+    )
     try:
         holder = rpc.remote(SERVER_NAME, _hold_source, args=(rows, cols), timeout=IO_TIMEOUT_S)
         source = source_tensor(rows, cols)
         results = []
         for nrows, repeat in plan:
-            fetch = partial(rpc.rpc_sync, SERVER_NAME, _leading_rows, args=(holder, nrows), timeout=IO_TIMEOUT_S)
-            results.append((median_seconds(fetch, repeat), bool(torch.equal(fetch(), source[:nrows]))))
+            fetch = partial(
+                rpc.rpc_sync, SERVER_NAME, _leading_rows, args=(holder, nrows), timeout=IO_TIMEOUT_S
+            )
+            results.append(
+                (median_seconds(fetch, repeat), bool(torch.equal(fetch(), source[:nrows])))
+            )
         conn.send(results)
     finally:
         rpc.shutdown(graceful=True, timeout=IO_TIMEOUT_S)
@@ -238,8 +264,9 @@ class RpcFetchBaseline:
         rpc_backend_options(port, transport)  # validates `transport` before any process starts
         self.rows, self.cols, self.transport, self.port = rows, cols, transport, port
         self._spawn = mp.get_context("spawn")
-        self.server = self._spawn.Process(target=_rpc_server_main, args=(port, transport), daemon=True,
-                                          name="rpc-baseline-server")
+        self.server = self._spawn.Process(
+            target=_rpc_server_main, args=(port, transport), daemon=True, name="rpc-baseline-server"
+        )
         self.server.start()
         self._client: mp.Process | None = None
 
@@ -248,15 +275,23 @@ class RpcFetchBaseline:
         """The server's pid (whose RSS the report shows)."""
         return self.server.pid
 
-    def measure(self, plan: list[tuple[int, int]], timeout: float = 1800.0) -> list[tuple[float, bool]]:
+    def measure(
+        self, plan: list[tuple[int, int]], timeout: float = 1800.0
+    ) -> list[tuple[float, bool]]:
         """(median seconds, matched the source) per (nrows, repeat) of `plan`; the rpc world ends afterwards."""
         parent, child = self._spawn.Pipe(duplex=False)
-        self._client = self._spawn.Process(target=_rpc_client_main, daemon=True, name="rpc-baseline-client",
-                                           args=(self.port, self.transport, self.rows, self.cols, plan, child))
+        self._client = self._spawn.Process(
+            target=_rpc_client_main,
+            daemon=True,
+            name="rpc-baseline-client",
+            args=(self.port, self.transport, self.rows, self.cols, plan, child),
+        )
         self._client.start()
         child.close()
         if not parent.poll(timeout):
-            raise TimeoutError(f"the rpc fetch baseline ({self.transport}) did not answer within {timeout:.0f}s")
+            raise TimeoutError(
+                f"the rpc fetch baseline ({self.transport}) did not answer within {timeout:.0f}s"
+            )
         return parent.recv()
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ prints the median milliseconds of each and their ratio (gRPC / bulk port).
 
     python -m benchmarks.bulk_port_sizes [--rounds 200] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,22 +22,34 @@ COLUMNS = 4096
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bulk_port_sizes", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bulk_port_sizes", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
-    from client import connect
-    from server.launcher import LocalCluster
+    from shardserve.server.launcher import LocalCluster
 
-    boxes = [(1, 1024), (4, COLUMNS), (16, COLUMNS), (64, COLUMNS), (128, COLUMNS)]  # 4 KiB ... 2 MiB
+    from shardserve import connect
+
+    boxes = [
+        (1, 1024),
+        (4, COLUMNS),
+        (16, COLUMNS),
+        (64, COLUMNS),
+        (128, COLUMNS),
+    ]  # 4 KiB ... 2 MiB
     source = torch.randn(4096, COLUMNS)
     results = []
-    with tempfile.TemporaryDirectory() as state, LocalCluster(
-            ranks=2, state_dir=state, log_level="WARNING") as cluster, \
-            connect(cluster.address, transport="tcp") as bulk, connect(cluster.address, transport="grpc") as plain:
+    with (
+        tempfile.TemporaryDirectory() as state,
+        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        connect(cluster.address, transport="tcp") as bulk,
+        connect(cluster.address, transport="grpc") as plain,
+    ):
         paths = {"tcp": bulk.put("sizes", source), "grpc": plain.tensor("sizes")}
         for rows, cols in boxes:
             spent: dict[str, list[float]] = {path: [] for path in paths}
@@ -48,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                     assert remote.last_transport == path and torch.equal(got, source[:rows, :cols])
             medians = {path: statistics.median(times[1:]) for path, times in spent.items()}
             results.append({"bytes": rows * cols * 4, **{f"{p}_s": s for p, s in medians.items()}})
-            print(f"{rows * cols * 4 / 1024:7.0f} KiB  bulk port {medians['tcp'] * 1e3:7.3f} ms  "
-                  f"gRPC {medians['grpc'] * 1e3:7.3f} ms  ({medians['grpc'] / medians['tcp']:.2f}x)", flush=True)
+            print(
+                f"{rows * cols * 4 / 1024:7.0f} KiB  bulk port {medians['tcp'] * 1e3:7.3f} ms  "
+                f"gRPC {medians['grpc'] * 1e3:7.3f} ms  ({medians['grpc'] / medians['tcp']:.2f}x)",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": args.rounds, "results": results}, f, indent=1)

@@ -18,6 +18,7 @@ to tell the reader's share from the ranks' parallelism, `dcp.load` in this
 process through server/rank/jobs/checkpoint_reader.py's RegionReader), and
 `Cluster.save_checkpoint` against `dcp.save` of a local tensor.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -28,12 +29,18 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from benchmarks.baselines import RPC_TRANSPORTS, fastest_transport, loopback_env, rpc_backend_options
+from benchmarks.baselines import (
+    RPC_TRANSPORTS,
+    fastest_transport,
+    loopback_env,
+    rpc_backend_options,
+)
 from benchmarks.harness import Context, Row, scenario
 
 ROWS, DIM, RANKS = 1_000_000, 64, 2
@@ -76,8 +83,11 @@ def latencies(run: Callable[[torch.Tensor], object], batches: list[torch.Tensor]
     return out
 
 
-def throughput(make_runner: Callable[[], Callable[[torch.Tensor], object]], batches: list[torch.Tensor],
-               threads: int) -> float:
+def throughput(
+    make_runner: Callable[[], Callable[[torch.Tensor], object]],
+    batches: list[torch.Tensor],
+    threads: int,
+) -> float:
     """Seconds per call with `threads` concurrent callers, each going through `batches` once after one
     untimed warm-up call (a caller's first call sets up connections and mappings: steady state is measured)."""
     runners = [make_runner() for _ in range(threads)]
@@ -132,9 +142,13 @@ def _rpc_server(rank: int, rows: int, port: int, transport: str) -> None:
 
     loopback_env()
     half = rows // RANKS
-    _HALF = table(rows)[(rank - 1) * half: rank * half].clone()
-    rpc.init_rpc(f"server{rank}", rank=rank, world_size=RANKS + 1,
-                 rpc_backend_options=rpc_backend_options(port, transport, RPC_WORKERS))
+    _HALF = table(rows)[(rank - 1) * half : rank * half].clone()
+    rpc.init_rpc(
+        f"server{rank}",
+        rank=rank,
+        world_size=RANKS + 1,
+        rpc_backend_options=rpc_backend_options(port, transport, RPC_WORKERS),
+    )
     rpc.shutdown(graceful=True, timeout=600)
 
 
@@ -149,18 +163,29 @@ def _rpc_lookup(ids: torch.Tensor, half: int) -> torch.Tensor:
     for r in range(RANKS):
         mask = owner == r
         if bool(mask.any()):
-            futures.append((mask, rpc.rpc_async(f"server{r + 1}", _rows_of_half, args=(unique[mask] - r * half,))))
+            futures.append(
+                (
+                    mask,
+                    rpc.rpc_async(f"server{r + 1}", _rows_of_half, args=(unique[mask] - r * half,)),
+                )
+            )
     for mask, future in futures:
         out[mask] = future.wait()
     return out[inverse]
 
 
-def _rpc_client(rows: int, port: int, transport: str, cases: list[tuple[int, str, int]], conn) -> None:  # type: ignore[no-untyped-def]
+def _rpc_client(
+    rows: int, port: int, transport: str, cases: list[tuple[int, str, int]], conn
+) -> None:  # type: ignore[no-untyped-def]
     from torch.distributed import rpc
 
     loopback_env()
-    rpc.init_rpc("client", rank=0, world_size=RANKS + 1,
-                 rpc_backend_options=rpc_backend_options(port, transport, RPC_WORKERS))
+    rpc.init_rpc(
+        "client",
+        rank=0,
+        world_size=RANKS + 1,
+        rpc_backend_options=rpc_backend_options(port, transport, RPC_WORKERS),
+    )
     try:
         half = rows // RANKS
         results = {}
@@ -180,14 +205,18 @@ def _rpc_client(rows: int, port: int, transport: str, cases: list[tuple[int, str
 def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], transport: str) -> dict:
     """Start two rpc servers and a client process over one TensorPipe transport; return the client's
     measurements {(size, dist): (latencies, seconds per call with 8 threads, matched)}."""
-    from server.launcher import free_port
+    from shardserve.server.launcher import free_port
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    servers = [ctx.Process(target=_rpc_server, args=(r, rows, port, transport), daemon=True)
-               for r in range(1, RANKS + 1)]
+    servers = [
+        ctx.Process(target=_rpc_server, args=(r, rows, port, transport), daemon=True)
+        for r in range(1, RANKS + 1)
+    ]
     parent, child = ctx.Pipe()
-    client = ctx.Process(target=_rpc_client, args=(rows, port, transport, cases, child), daemon=True)
+    client = ctx.Process(
+        target=_rpc_client, args=(rows, port, transport, cases, child), daemon=True
+    )
     for process in (*servers, client):
         process.start()
     try:
@@ -204,8 +233,16 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], transport: st
 def rpc_row(case: str, seconds_by_transport: dict[str, float], ok: bool) -> Row:
     """The torch rpc baseline of one case: the faster TensorPipe transport's figure, both kept in extra."""
     fastest = fastest_transport(seconds_by_transport)
-    return Row("lookups", case, RPC, seconds_by_transport[fastest], path=f"tensorpipe {fastest}", role="baseline",
-               ok=ok, extra={"seconds_by_transport": dict(seconds_by_transport)})
+    return Row(
+        "lookups",
+        case,
+        RPC,
+        seconds_by_transport[fastest],
+        path=f"tensorpipe {fastest}",
+        role="baseline",
+        ok=ok,
+        extra={"seconds_by_transport": dict(seconds_by_transport)},
+    )
 
 
 # ---------------------------------------------------------------- scenarios
@@ -218,35 +255,50 @@ def lookup_path(cluster: Any) -> str:
     return "+".join(sorted(set(cluster.lookups.last_paths.values()))) or "none"
 
 
-@scenario("lookups", help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select")
+@scenario(
+    "lookups",
+    help="embedding lookups (1/512/4096 ids, uniform/Zipf) vs torch.distributed.rpc and index_select",
+)
 def lookups_scenario(ctx: Context) -> list[Row]:
-    from client import connect
+    from shardserve import connect
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
-    cases = [(size, dist, repeats(size, ctx.quick)) for size in BATCHES for dist in ("uniform", "zipf")]
+    cases = [
+        (size, dist, repeats(size, ctx.quick)) for size in BATCHES for dist in ("uniform", "zipf")
+    ]
     rows: list[Row] = []
     with ExitStack() as stack:
         cluster = ctx.start_cluster(stack, RANKS)
-        remote = stack.enter_context(connect(cluster.address, transport="grpc")).put("bench", source)
+        remote = stack.enter_context(connect(cluster.address, transport="grpc")).put(
+            "bench", source
+        )
         ours = {}
         with ctx.rss(cluster.rank_pids) as peaks:
-            for transport in TRANSPORTS:  # issue 6: every data path, labelled with the one that answered
+            for (
+                transport
+            ) in TRANSPORTS:  # issue 6: every data path, labelled with the one that answered
                 reader = stack.enter_context(connect(cluster.address, transport=transport))
                 remote = reader.tensor("bench")
-                clients = [stack.enter_context(connect(cluster.address, transport=transport))
-                           for _ in range(CLIENT_THREADS)]
+                clients = [
+                    stack.enter_context(connect(cluster.address, transport=transport))
+                    for _ in range(CLIENT_THREADS)
+                ]
                 for size, dist, count in cases:
                     batches = id_batches(rows_n, size, dist, count)
                     ok = torch.equal(remote.lookup(batches[0]), source[batches[0]])
                     lat = latencies(remote.lookup, batches)
                     pool = iter(clients)
-                    per_call = throughput(lambda: next(pool).tensor("bench").lookup, batches[: max(4, count // 4)],
-                                          CLIENT_THREADS)
+                    per_call = throughput(
+                        lambda: next(pool).tensor("bench").lookup,
+                        batches[: max(4, count // 4)],
+                        CLIENT_THREADS,
+                    )
                     ours[(transport, size, dist)] = (lat, per_call, ok, lookup_path(reader))
             for size, dist, count in cases:
-                ours[(size, dist)] = latencies(lambda ids: source.index_select(0, ids), id_batches(rows_n, size,
-                                                                                                   dist, count))
+                ours[(size, dist)] = latencies(
+                    lambda ids: source.index_select(0, ids), id_batches(rows_n, size, dist, count)
+                )
     theirs = {transport: run_rpc_baseline(rows_n, cases, transport) for transport in RPC_TRANSPORTS}
     for size, dist, _ in cases:
         local = ours[(size, dist)]
@@ -255,28 +307,54 @@ def lookups_scenario(ctx: Context) -> list[Row]:
             case = f"{size} ids {dist} {stat}"
             for transport in TRANSPORTS:
                 lat, _, ok, path = ours[(transport, size, dist)]
-                rows.append(Row("lookups", case, f"{SHARDSERVE} ({transport})", p(lat, q),
-                                path=path, baseline=RPC, peak_rss=peaks, ok=ok))
-            rows.append(rpc_row(case, {t: p(theirs[t][(size, dist)][0], q) for t in RPC_TRANSPORTS}, rpc_ok))
-            rows.append(Row("lookups", case, LOCAL, p(local, q), path="in-process", role="baseline"))
+                rows.append(
+                    Row(
+                        "lookups",
+                        case,
+                        f"{SHARDSERVE} ({transport})",
+                        p(lat, q),
+                        path=path,
+                        baseline=RPC,
+                        peak_rss=peaks,
+                        ok=ok,
+                    )
+                )
+            rows.append(
+                rpc_row(case, {t: p(theirs[t][(size, dist)][0], q) for t in RPC_TRANSPORTS}, rpc_ok)
+            )
+            rows.append(
+                Row("lookups", case, LOCAL, p(local, q), path="in-process", role="baseline")
+            )
         case = f"{size} ids {dist} {CLIENT_THREADS} clients"
         for transport in TRANSPORTS:
             _, per_call, ok, path = ours[(transport, size, dist)]
-            rows.append(Row("lookups", case, f"{SHARDSERVE} ({transport})", per_call,
-                            path=path, baseline=RPC, ok=ok,
-                            extra={"rows_per_s": size / per_call}))
+            rows.append(
+                Row(
+                    "lookups",
+                    case,
+                    f"{SHARDSERVE} ({transport})",
+                    per_call,
+                    path=path,
+                    baseline=RPC,
+                    ok=ok,
+                    extra={"rows_per_s": size / per_call},
+                )
+            )
         row = rpc_row(case, {t: theirs[t][(size, dist)][1] for t in RPC_TRANSPORTS}, rpc_ok)
         row.extra["rows_per_s"] = size / row.seconds
         rows.append(row)
     return rows
 
 
-@scenario("checkpoint", help="Cluster.load_checkpoint/save_checkpoint of a 1M x 64 table vs dcp.load/dcp.save")
+@scenario(
+    "checkpoint",
+    help="Cluster.load_checkpoint/save_checkpoint of a 1M x 64 table vs dcp.load/dcp.save",
+)
 def checkpoint_scenario(ctx: Context) -> list[Row]:
     import torch.distributed.checkpoint as dcp
+    from shardserve.server.rank.jobs.checkpoint_reader import RegionReader
 
-    from client import connect
-    from server.rank.jobs.checkpoint_reader import RegionReader
+    from shardserve import connect
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)
@@ -309,28 +387,87 @@ def checkpoint_scenario(ctx: Context) -> list[Row]:
                     client.save_checkpoint(os.path.join(state, f"saved{i}"), names=["bench"])
                     save_times.append(time.perf_counter() - start)
                     start = time.perf_counter()
-                    dcp.save({"bench": source}, checkpoint_id=os.path.join(state, f"dcp{i}"), no_dist=True)
+                    dcp.save(
+                        {"bench": source},
+                        checkpoint_id=os.path.join(state, f"dcp{i}"),
+                        no_dist=True,
+                    )
                     dcp_save_times.append(time.perf_counter() - start)
-            ok = (torch.equal(client["bench"][:], source) and torch.equal(out["bench"], source)
-                  and torch.equal(out_direct["bench"], source))
+            ok = (
+                torch.equal(client["bench"][:], source)
+                and torch.equal(out["bench"], source)
+                and torch.equal(out_direct["bench"], source)
+            )
     case = f"{rows_n} x {DIM} float32"
-    rows.append(Row("checkpoint", f"load {case}", "shardserve load_checkpoint", statistics.median(load_times),
-                    path="dcp on ranks", nbytes=nbytes, baseline="dcp.load", peak_rss=peaks, ok=ok))
-    rows.append(Row("checkpoint", f"load {case}", "dcp.load with RegionReader", statistics.median(direct_times),
-                    path="in-process", nbytes=nbytes, baseline="dcp.load", ok=ok))
-    rows.append(Row("checkpoint", f"load {case}", "dcp.load", statistics.median(dcp_times), path="in-process",
-                    role="baseline", nbytes=nbytes, ok=ok))
-    rows.append(Row("checkpoint", f"save {case}", "shardserve save_checkpoint", statistics.median(save_times),
-                    path="dcp on ranks", nbytes=nbytes, baseline="dcp.save", peak_rss=peaks))
-    rows.append(Row("checkpoint", f"save {case}", "dcp.save", statistics.median(dcp_save_times), path="in-process",
-                    role="baseline", nbytes=nbytes))
+    rows.append(
+        Row(
+            "checkpoint",
+            f"load {case}",
+            "shardserve load_checkpoint",
+            statistics.median(load_times),
+            path="dcp on ranks",
+            nbytes=nbytes,
+            baseline="dcp.load",
+            peak_rss=peaks,
+            ok=ok,
+        )
+    )
+    rows.append(
+        Row(
+            "checkpoint",
+            f"load {case}",
+            "dcp.load with RegionReader",
+            statistics.median(direct_times),
+            path="in-process",
+            nbytes=nbytes,
+            baseline="dcp.load",
+            ok=ok,
+        )
+    )
+    rows.append(
+        Row(
+            "checkpoint",
+            f"load {case}",
+            "dcp.load",
+            statistics.median(dcp_times),
+            path="in-process",
+            role="baseline",
+            nbytes=nbytes,
+            ok=ok,
+        )
+    )
+    rows.append(
+        Row(
+            "checkpoint",
+            f"save {case}",
+            "shardserve save_checkpoint",
+            statistics.median(save_times),
+            path="dcp on ranks",
+            nbytes=nbytes,
+            baseline="dcp.save",
+            peak_rss=peaks,
+        )
+    )
+    rows.append(
+        Row(
+            "checkpoint",
+            f"save {case}",
+            "dcp.save",
+            statistics.median(dcp_save_times),
+            path="in-process",
+            role="baseline",
+            nbytes=nbytes,
+        )
+    )
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.__main__ import main as suite_main
 
-    return suite_main(["--only", "lookups", "checkpoint", *(sys.argv[1:] if argv is None else argv)])
+    return suite_main(
+        ["--only", "lookups", "checkpoint", *(sys.argv[1:] if argv is None else argv)]
+    )
 
 
 if __name__ == "__main__":

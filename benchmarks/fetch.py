@@ -16,6 +16,7 @@ own server processes during its timed block.
 
     python -m benchmarks.fetch [--quick] [--json FILE]   (same as python -m benchmarks --only fetch)
 """
+
 from __future__ import annotations
 
 import inspect
@@ -23,13 +24,19 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Callable
 
 import torch
 
-from benchmarks.baselines import (RPC_TRANSPORTS, RpcFetchBaseline, SocketServer, fastest_transport, memcpy,
-                                  source_tensor)
+from benchmarks.baselines import (
+    RPC_TRANSPORTS,
+    RpcFetchBaseline,
+    SocketServer,
+    fastest_transport,
+    memcpy,
+    source_tensor,
+)
 from benchmarks.harness import Context, Row, scenario
 
 GROUP = "fetch"
@@ -46,12 +53,12 @@ MEMCPY = "memcpy"
 def transport_paths() -> tuple[str, ...]:
     """The transport paths `client.connect` can be asked for (each forced): just gRPC until it takes
     `transport=`, grpc and shm until it has the bulk TCP path (client.paths.policy)."""
-    from client import connect
+    from shardserve import connect
 
     if "transport" not in inspect.signature(connect).parameters:
         return ("grpc",)
     try:
-        from client.paths.policy import TRANSPORTS
+        from shardserve.client.paths.policy import TRANSPORTS
     except ImportError:
         return ("grpc", "shm")
     return tuple(path for path in TRANSPORTS if path != "auto")
@@ -59,7 +66,7 @@ def transport_paths() -> tuple[str, ...]:
 
 def connect_to(address: str, path: str):
     """A client connection forced onto `path` (plain `connect` when the client has no transport choice)."""
-    from client import connect
+    from shardserve import connect
 
     if "transport" in inspect.signature(connect).parameters:
         return connect(address, timeout=CALL_TIMEOUT_S, transport=path)
@@ -97,7 +104,10 @@ def box_rows(mib: int) -> int:
     return max(1, (mib << 20) // (COLUMNS * 4))
 
 
-@scenario("fetch", help="fetch of 1/64/256 MiB boxes from a 2-rank cluster vs raw socket, torch rpc, memcpy")
+@scenario(
+    "fetch",
+    help="fetch of 1/64/256 MiB boxes from a 2-rank cluster vs raw socket, torch rpc, memcpy",
+)
 def fetch_scenario(ctx: Context) -> list[Row]:
     """Fetch boxes per transport path and per size, with the three baselines in the same run."""
     sizes = QUICK_SIZES_MIB if ctx.quick else SIZES_MIB
@@ -124,7 +134,7 @@ def fetch_scenario(ctx: Context) -> list[Row]:
 def rpc_fetch_rows(ctx: Context, sizes: tuple[int, ...], shard_rows: int) -> dict[int, Row]:
     """The torch rpc row per box size: each TensorPipe transport timed in its own phase, the faster one kept
     (the row's extra gives both)."""
-    from server.launcher import free_port
+    from shardserve.server.launcher import free_port
 
     measured: dict[str, tuple[list[tuple[float, bool]], dict[str, int]]] = {}
     plan = [(box_rows(mib), repeats_for(box_rows(mib) * COLUMNS * 4, ctx.quick)) for mib in sizes]
@@ -141,15 +151,30 @@ def rpc_fetch_rows(ctx: Context, sizes: tuple[int, ...], shard_rows: int) -> dic
     for i, mib in enumerate(sizes):
         by_transport = {t: measured[t][0][i][0] for t in RPC_TRANSPORTS}
         fastest = fastest_transport(by_transport)
-        rows[mib] = Row(GROUP, f"{mib} MiB", RPC, by_transport[fastest], path=f"tensorpipe {fastest}",
-                        role="baseline", nbytes=plan[i][0] * COLUMNS * 4, peak_rss=dict(measured[fastest][1]),
-                        ok=all(measured[t][0][i][1] for t in RPC_TRANSPORTS),
-                        extra={"repeat": plan[i][1], "seconds_by_transport": by_transport})
+        rows[mib] = Row(
+            GROUP,
+            f"{mib} MiB",
+            RPC,
+            by_transport[fastest],
+            path=f"tensorpipe {fastest}",
+            role="baseline",
+            nbytes=plan[i][0] * COLUMNS * 4,
+            peak_rss=dict(measured[fastest][1]),
+            ok=all(measured[t][0][i][1] for t in RPC_TRANSPORTS),
+            extra={"repeat": plan[i][1], "seconds_by_transport": by_transport},
+        )
     return rows
 
 
-def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, remotes: dict, rank_pids: list[int],
-               sock: SocketServer) -> list[Row]:
+def fetch_rows(
+    ctx: Context,
+    mib: int,
+    source: torch.Tensor,
+    shard_rows: int,
+    remotes: dict,
+    rank_pids: list[int],
+    sock: SocketServer,
+) -> list[Row]:
     """shardserve, the socket and memcpy for one box size, timed in turns; the box starts at row 0 (one shard)
     or straddles the ranks. Each row's peak RSS is that of its own server processes over the whole timed block."""
     n = box_rows(mib)
@@ -161,22 +186,47 @@ def fetch_rows(ctx: Context, mib: int, source: torch.Tensor, shard_rows: int, re
     straddle = shard_rows - n // 2
     methods = []  # (row name, path, role, pids, run, expected)
     for path, remote in remotes.items():
-        for name, first in (("shardserve fetch, 1 shard", 0), ("shardserve fetch, 2 shards", straddle)):
-            methods.append((name, path, "subject", rank_pids,
-                            lambda remote=remote, first=first: remote.fetch((first, 0), (n, COLUMNS), out=out),
-                            source[first:first + n]))
-    methods += [(SOCKET, "tcp", "baseline", [sock.pid], lambda: sock.fetch(out), leading),
-                (MEMCPY, "in-process", "baseline", [os.getpid()], lambda: memcpy(out, leading), leading)]
+        for name, first in (
+            ("shardserve fetch, 1 shard", 0),
+            ("shardserve fetch, 2 shards", straddle),
+        ):
+            methods.append(
+                (
+                    name,
+                    path,
+                    "subject",
+                    rank_pids,
+                    lambda remote=remote, first=first: remote.fetch(
+                        (first, 0), (n, COLUMNS), out=out
+                    ),
+                    source[first : first + n],
+                )
+            )
+    methods += [
+        (SOCKET, "tcp", "baseline", [sock.pid], lambda: sock.fetch(out), leading),
+        (MEMCPY, "in-process", "baseline", [os.getpid()], lambda: memcpy(out, leading), leading),
+    ]
     with ctx.rss() as peaks:
         seconds = interleaved_medians([m[4] for m in methods], repeat)
     rows = []
     for (name, path, role, pids, run, expected), spent in zip(methods, seconds):
         labels = {ctx.sampler.label_of(pid) for pid in pids}
         ran = path_that_ran(remotes[path], path) if role == "subject" else path
-        rows.append(Row(GROUP, case, name, spent, path=ran, role=role, nbytes=nbytes,
-                        baseline=SOCKET if role == "subject" else None,
-                        peak_rss={k: v for k, v in peaks.items() if k in labels},
-                        ok=bool(torch.equal(run(), expected)), extra={"repeat": repeat}))
+        rows.append(
+            Row(
+                GROUP,
+                case,
+                name,
+                spent,
+                path=ran,
+                role=role,
+                nbytes=nbytes,
+                baseline=SOCKET if role == "subject" else None,
+                peak_rss={k: v for k, v in peaks.items() if k in labels},
+                ok=bool(torch.equal(run(), expected)),
+                extra={"repeat": repeat},
+            )
+        )
     return rows
 
 

@@ -9,6 +9,7 @@ defaults in server/rank/service.py and client/paths/grpc.py.
 
     python -m benchmarks.grpc_tuning [--mib 64] [--repeat 7] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,20 @@ COLUMNS = 4096
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.grpc_tuning", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.grpc_tuning", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    from client import connect
-    from protos import shardserve_pb2 as pb
-    from server.launcher import LocalCluster
-    from shardcore.specs import ChunkShardingSpec
-    from shardcore.wire import byte_view
+    from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.core.wire import byte_view
+    from shardserve.protos import shardserve_pb2 as pb
+    from shardserve.server.launcher import LocalCluster
+
+    from shardserve import connect
 
     rows = (args.mib << 20) // (COLUMNS * 4)
     source = torch.randn(rows, COLUMNS)
@@ -51,18 +55,36 @@ def main(argv: list[str] | None = None) -> int:
                 def read(band_rows: int, chunk: int) -> None:
                     def one(start: int) -> None:
                         n = min(band_rows, rows - start)
-                        request = pb.ReadRegionRequest(name="tune", version=1, shard_index=0, offsets=(start, 0),
-                                                       sizes=(n, COLUMNS), chunk_bytes=chunk)
-                        session.paths.grpc.read_stream(address, request, byte_view(out[start:start + n]))
+                        request = pb.ReadRegionRequest(
+                            name="tune",
+                            version=1,
+                            shard_index=0,
+                            offsets=(start, 0),
+                            sizes=(n, COLUMNS),
+                            chunk_bytes=chunk,
+                        )
+                        session.paths.grpc.read_stream(
+                            address, request, byte_view(out[start : start + n])
+                        )
+
                     session.run_all([lambda s=s: one(s) for s in range(0, rows, band_rows)])
 
                 for chunk in (256 << 10, 1 << 20, 4 << 20, 16 << 20):
                     seconds = median_seconds(lambda: read(rows, chunk), args.repeat)
-                    results.append({"method": f"1 stream, chunk {chunk >> 10} KiB", "seconds": seconds})
+                    results.append(
+                        {"method": f"1 stream, chunk {chunk >> 10} KiB", "seconds": seconds}
+                    )
                 for streams in (2, 4):
                     for chunk in (1 << 20, 4 << 20):
-                        seconds = median_seconds(lambda: read(-(-rows // streams), chunk), args.repeat)
-                        results.append({"method": f"{streams} streams, chunk {chunk >> 10} KiB", "seconds": seconds})
+                        seconds = median_seconds(
+                            lambda: read(-(-rows // streams), chunk), args.repeat
+                        )
+                        results.append(
+                            {
+                                "method": f"{streams} streams, chunk {chunk >> 10} KiB",
+                                "seconds": seconds,
+                            }
+                        )
                 assert torch.equal(out, source)
         finally:
             cluster.stop()
@@ -71,9 +93,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def copy_chunks() -> None:
         for i, chunk in enumerate(chunks):
-            flat[i << 20:(i + 1) << 20] = memoryview(chunk)
-    results.append({"method": "client copy of 1 MiB chunks alone", "seconds": median_seconds(copy_chunks, args.repeat)})
-    results.append({"method": "memcpy", "seconds": median_seconds(lambda: out.copy_(source), args.repeat)})
+            flat[i << 20 : (i + 1) << 20] = memoryview(chunk)
+
+    results.append(
+        {
+            "method": "client copy of 1 MiB chunks alone",
+            "seconds": median_seconds(copy_chunks, args.repeat),
+        }
+    )
+    results.append(
+        {"method": "memcpy", "seconds": median_seconds(lambda: out.copy_(source), args.repeat)}
+    )
     print(f"{'method':<40} {'ms':>9} {'GB/s':>7}")
     for r in results:
         r["gb_per_s"] = nbytes / r["seconds"] / 1e9

@@ -21,6 +21,7 @@ role "baseline"), and `ratios` against every baseline row of the case.
 Name processes with `ctx.sampler.label(pid, "rank 0 server")` so that the
 peak-RSS report says whose memory it is.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -28,9 +29,9 @@ import logging
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 from benchmarks.machine import machine_info
 from benchmarks.rss import RssSampler
@@ -39,8 +40,15 @@ log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 CLUSTER_START_TIMEOUT_S = 180.0
-SCENARIO_MODULES = ("benchmarks.fetch", "benchmarks.scenarios", "benchmarks.embedding", "benchmarks.cuda",
-                    "benchmarks.security", "benchmarks.statedict", "benchmarks.persist")
+SCENARIO_MODULES = (
+    "benchmarks.fetch",
+    "benchmarks.scenarios",
+    "benchmarks.embedding",
+    "benchmarks.cuda",
+    "benchmarks.security",
+    "benchmarks.statedict",
+    "benchmarks.persist",
+)
 ROLES = ("subject", "baseline")
 
 
@@ -98,14 +106,24 @@ class Context:
         """Context manager yielding {label: peak RSS bytes} of `pids` (default all processes) while it is open."""
         return self.sampler.window(pids)
 
-    def start_cluster(self, stack: ExitStack, ranks: int, timeout: float = CLUSTER_START_TIMEOUT_S,
-                      device: str = "cpu", **options):
+    def start_cluster(
+        self,
+        stack: ExitStack,
+        ranks: int,
+        timeout: float = CLUSTER_START_TIMEOUT_S,
+        device: str = "cpu",
+        **options,
+    ):
         """A LocalCluster of `ranks` in a temporary state dir (`options`: more LocalCluster arguments, e.g.
         tokens_file, tls), stopped when `stack` closes, its ranks labelled for the RSS sampler."""
-        from server.launcher import LocalCluster  # the harness itself stays free of torch and gRPC
+        from shardserve.server.launcher import (
+            LocalCluster,  # the harness itself stays free of torch and gRPC
+        )
 
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
-        cluster = LocalCluster(ranks=ranks, state_dir=state, log_level="WARNING", device=device, **options)
+        cluster = LocalCluster(
+            ranks=ranks, state_dir=state, log_level="WARNING", device=device, **options
+        )
         stack.callback(cluster.stop)
         cluster.start(timeout=timeout)
         for rank, pid in enumerate(cluster.rank_pids):
@@ -123,7 +141,9 @@ class Scenario:
 REGISTRY: dict[str, Scenario] = {}
 
 
-def scenario(name: str, help: str = "") -> Callable[[Callable[[Context], list[Row]]], Callable[[Context], list[Row]]]:
+def scenario(
+    name: str, help: str = ""
+) -> Callable[[Callable[[Context], list[Row]]], Callable[[Context], list[Row]]]:
     """Register `fn(ctx) -> list[Row]` as the scenario `name`."""
     if not isinstance(name, str) or not name or " " in name:
         raise ValueError(f"scenario name must be a non-empty word, got {name!r}")
@@ -131,14 +151,19 @@ def scenario(name: str, help: str = "") -> Callable[[Callable[[Context], list[Ro
     def register(fn: Callable[[Context], list[Row]]) -> Callable[[Context], list[Row]]:
         if name in REGISTRY and not _same_function(REGISTRY[name].run, fn):
             raise ValueError(f"scenario {name!r} is registered twice")
-        REGISTRY[name] = Scenario(name, fn, help or next(iter((fn.__doc__ or "").strip().splitlines()), ""))
+        REGISTRY[name] = Scenario(
+            name, fn, help or next(iter((fn.__doc__ or "").strip().splitlines()), "")
+        )
         return fn
+
     return register
 
 
 def _same_function(a: Callable, b: Callable) -> bool:
     """Whether a and b are one source function (a module run as __main__ and imported again gives two)."""
-    return a is b or (a.__qualname__ == b.__qualname__ and a.__code__.co_filename == b.__code__.co_filename)
+    return a is b or (
+        a.__qualname__ == b.__qualname__ and a.__code__.co_filename == b.__code__.co_filename
+    )
 
 
 def load_scenarios() -> dict[str, Scenario]:
@@ -158,8 +183,11 @@ def fill_ratios(rows: list[Row]) -> None:
         default = next(iter(baselines), None)
         for row in members:
             row.baseline = row.baseline or default
-            row.ratios = {name: base.seconds / row.seconds for name, base in baselines.items()
-                          if base is not row and base.seconds and row.seconds}
+            row.ratios = {
+                name: base.seconds / row.seconds
+                for name, base in baselines.items()
+                if base is not row and base.seconds and row.seconds
+            }
             reference = baselines.get(row.baseline) if row.baseline else None
             if reference is not None and reference.seconds and row.seconds:
                 row.ratio = reference.seconds / row.seconds
@@ -191,7 +219,9 @@ def run_scenarios(names: Iterable[str], quick: bool) -> tuple[list[Row], list[di
     return rows, reports
 
 
-def document(rows: list[Row], reports: list[dict], quick: bool, command: str, machine: dict | None = None) -> dict:
+def document(
+    rows: list[Row], reports: list[dict], quick: bool, command: str, machine: dict | None = None
+) -> dict:
     """The JSON document of one suite run."""
     return {
         "schema": SCHEMA_VERSION,

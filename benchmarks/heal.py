@@ -11,6 +11,7 @@ killed a second time once the readers are done, so the repair is also timed with
 
 The `heal` scenario of `python -m benchmarks` runs it; tests/cluster/test_heal_under_load.py runs it small.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,11 +40,14 @@ def table(rows: int, dim: int, seed: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- one reader process
 
-def read_loop(address: str, name: str, rows: int, dim: int, seed: int, seconds: float, out: str) -> None:
+
+def read_loop(
+    address: str, name: str, rows: int, dim: int, seed: int, seconds: float, out: str
+) -> None:
     """Alternate lookups of LOOKUP_IDS random ids and fetches of FETCH_ROWS-row bands until the file `out`.stop
     exists (at most `seconds`), recording for each read (wall start, latency s, kind, outcome) where outcome is
     "ok", "wrong" or the error; JSON to `out`."""
-    from client import ShardServeError, connect
+    from shardserve import ShardServeError, connect
 
     expected = table(rows, dim, seed)
     generator = torch.Generator().manual_seed(os.getpid())
@@ -61,7 +65,9 @@ def read_loop(address: str, name: str, rows: int, dim: int, seed: int, seconds: 
                     ok = torch.equal(remote.lookup(ids), expected[ids])
                 else:
                     start = int(torch.randint(0, rows - FETCH_ROWS + 1, (1,), generator=generator))
-                    ok = torch.equal(remote[start:start + FETCH_ROWS], expected[start:start + FETCH_ROWS])
+                    ok = torch.equal(
+                        remote[start : start + FETCH_ROWS], expected[start : start + FETCH_ROWS]
+                    )
                 outcome = "ok" if ok else "wrong"
             except ShardServeError as err:
                 outcome = f"{type(err).__name__}: {err}"
@@ -71,15 +77,18 @@ def read_loop(address: str, name: str, rows: int, dim: int, seed: int, seconds: 
 
 # ---------------------------------------------------------------- the run
 
+
 @dataclass
 class Recovery:
     """One death and its healing; times in seconds after the kill."""
 
-    detect_s: float | None = None     # the coordinator marks the rank dead
-    readmit_s: float | None = None    # its restarted process registered
-    healthy_s: float | None = None    # the table healthy again, repaired
-    repair_bytes: int = 0             # bytes of the copies rebuilt
-    repair_s: float | None = None     # the repair itself (reservation, collective job, commit, promotion)
+    detect_s: float | None = None  # the coordinator marks the rank dead
+    readmit_s: float | None = None  # its restarted process registered
+    healthy_s: float | None = None  # the table healthy again, repaired
+    repair_bytes: int = 0  # bytes of the copies rebuilt
+    repair_s: float | None = (
+        None  # the repair itself (reservation, collective job, commit, promotion)
+    )
 
     @property
     def repair_gb_s(self) -> float | None:
@@ -99,8 +108,12 @@ class HealReport:
     restarts: int = 0
     under_load: Recovery = field(default_factory=Recovery)
     quiet: Recovery = field(default_factory=Recovery)
-    bare_send_s: float | None = None  # a gloo send of under_load.repair_bytes between two processes, no load
-    phases: dict[str, dict[str, float]] = field(default_factory=dict)  # before/during/after: count, p50/p99 ms
+    bare_send_s: float | None = (
+        None  # a gloo send of under_load.repair_bytes between two processes, no load
+    )
+    phases: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # before/during/after: count, p50/p99 ms
 
     @property
     def bare_gb_s(self) -> float | None:
@@ -115,25 +128,42 @@ class HealReport:
         return out
 
 
-def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, kill_at: float = 8.0,
-        after: float = 5.0, victim: int = 1, bare_baseline: bool = True, timeout: float = 180.0,
-        quiet_repair: bool = True) -> HealReport:
+def run(
+    rows: int = 200_000,
+    dim: int = 64,
+    ranks: int = 3,
+    readers: int = 8,
+    kill_at: float = 8.0,
+    after: float = 5.0,
+    victim: int = 1,
+    bare_baseline: bool = True,
+    timeout: float = 180.0,
+    quiet_repair: bool = True,
+) -> HealReport:
     """Start a cluster, put the replicas=2 table, read it from `readers` processes, SIGKILL rank `victim`
     `kill_at` seconds in, and measure until the table is healthy again; the readers go on `after` seconds more
     (everything bounded by `timeout` seconds after the kill)."""
-    from client import connect
-    from server.launcher import LocalCluster
+    from shardserve.server.launcher import LocalCluster
+
+    from shardserve import connect
 
     report = HealReport(rows, dim, readers)
     data = table(rows, dim, seed=7)
     with tempfile.TemporaryDirectory(prefix="shardserve-heal-") as tmp:
-        cluster = LocalCluster(ranks=ranks, state_dir=Path(tmp) / "state", log_level="WARNING", max_restarts=3,
-                               restart_backoff=0.5)
+        cluster = LocalCluster(
+            ranks=ranks,
+            state_dir=Path(tmp) / "state",
+            log_level="WARNING",
+            max_restarts=3,
+            restart_backoff=0.5,
+        )
         try:
             cluster.start(timeout=180)
             with connect(cluster.address) as client:
                 client.put(TABLE, data, replicas=2)
-            procs = _start_readers(cluster.address, rows, dim, readers, kill_at + timeout + after, Path(tmp))
+            procs = _start_readers(
+                cluster.address, rows, dim, readers, kill_at + timeout + after, Path(tmp)
+            )
             time.sleep(kill_at)
             killed = time.time()
             report.under_load = _kill_and_heal(cluster, victim, killed, timeout)
@@ -142,7 +172,9 @@ def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, ki
                 Path(str(out) + ".stop").touch()
             _collect(procs, Path(tmp), killed, report)
             if quiet_repair:
-                report.quiet = _kill_and_heal(cluster, victim, time.time(), timeout)  # the same, with no reads
+                report.quiet = _kill_and_heal(
+                    cluster, victim, time.time(), timeout
+                )  # the same, with no reads
             report.restarts = cluster.restarts(victim)
         finally:
             cluster.stop()
@@ -151,15 +183,32 @@ def run(rows: int = 200_000, dim: int = 64, ranks: int = 3, readers: int = 8, ki
     return report
 
 
-def _start_readers(address: str, rows: int, dim: int, readers: int, seconds: float,
-                   tmp: Path) -> list[tuple[subprocess.Popen, Path]]:
+def _start_readers(
+    address: str, rows: int, dim: int, readers: int, seconds: float, tmp: Path
+) -> list[tuple[subprocess.Popen, Path]]:
     """Spawn the readers and wait until each has connected (torch imports take seconds on a busy machine)."""
     procs = []
     for i in range(readers):
         out = tmp / f"reader{i}.json"
-        cmd = [sys.executable, "-m", "benchmarks.heal", "reader", address, TABLE, str(rows), str(dim), "7",
-               str(seconds), str(out)]
-        procs.append((subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL), out))
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.heal",
+            "reader",
+            address,
+            TABLE,
+            str(rows),
+            str(dim),
+            "7",
+            str(seconds),
+            str(out),
+        ]
+        procs.append(
+            (
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL),
+                out,
+            )
+        )
     for proc, _ in procs:
         line = proc.stdout.readline() if proc.stdout else ""
         if line.strip() != READY:
@@ -171,7 +220,11 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
     """SIGKILL rank `victim` (at `killed`, wall time) and poll the in-process coordinator: when the rank is marked
     dead, registered again, and the table healthy at a newer version; then the repair's own record."""
     coordinator = cluster.coordinator
-    version, recovery, done_before = coordinator.get(TABLE).version, Recovery(), len(coordinator.repairs.completed())
+    version, recovery, done_before = (
+        coordinator.get(TABLE).version,
+        Recovery(),
+        len(coordinator.repairs.completed()),
+    )
     cluster.kill_rank(victim, signal.SIGKILL)
     deadline = killed + timeout
     while time.time() < deadline:
@@ -186,7 +239,9 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
             recovery.healthy_s = now
             break
         time.sleep(0.02)
-    while recovery.healthy_s is not None and time.time() < deadline:  # the record lands just after the promotion
+    while (
+        recovery.healthy_s is not None and time.time() < deadline
+    ):  # the record lands just after the promotion
         done = [r for r in coordinator.repairs.completed()[done_before:] if r.name == TABLE]
         if done:
             recovery.repair_bytes, recovery.repair_s = done[-1].nbytes, done[-1].seconds
@@ -195,13 +250,17 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
     return recovery
 
 
-def _collect(procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: float, report: HealReport) -> None:
+def _collect(
+    procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: float, report: HealReport
+) -> None:
     """Wait for the readers; sort their reads into before / during / after the outage."""
     records = []
     for proc, out in procs:
         proc.wait(timeout=300)
         records += json.loads(out.read_text())
-    healed = killed + (report.under_load.healthy_s if report.under_load.healthy_s is not None else float("inf"))
+    healed = killed + (
+        report.under_load.healthy_s if report.under_load.healthy_s is not None else float("inf")
+    )
     phases: dict[str, list[float]] = {"before": [], "during": [], "after": []}
     for wall, seconds, _kind, outcome in records:
         phase = "before" if wall < killed else "during" if wall < healed else "after"
@@ -218,10 +277,15 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"reads": 0}
     t = torch.tensor(values, dtype=torch.float64)
-    return {"reads": len(values), "p50_ms": float(t.quantile(0.5)) * 1e3, "p99_ms": float(t.quantile(0.99)) * 1e3}
+    return {
+        "reads": len(values),
+        "p50_ms": float(t.quantile(0.5)) * 1e3,
+        "p99_ms": float(t.quantile(0.99)) * 1e3,
+    }
 
 
 # ---------------------------------------------------------------- the baseline: a bare gloo send of the same bytes
+
 
 def bare_send_seconds(nbytes: int) -> float:
     """Seconds for one gloo send of `nbytes` from one process to another on 127.0.0.1 (median of 3)."""
@@ -232,7 +296,10 @@ def bare_send_seconds(nbytes: int) -> float:
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_bare_send_worker, args=(rank, port, nbytes, result)) for rank in range(2)]
+    procs = [
+        ctx.Process(target=_bare_send_worker, args=(rank, port, nbytes, result))
+        for rank in range(2)
+    ]
     for proc in procs:
         proc.start()
     seconds = result.get(timeout=300)
@@ -245,7 +312,11 @@ def _bare_send_worker(rank: int, port: int, nbytes: int, result) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    buffer = torch.ones(nbytes, dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+    buffer = (
+        torch.ones(nbytes, dtype=torch.uint8)
+        if rank == 0
+        else torch.empty(nbytes, dtype=torch.uint8)
+    )
     times = []
     for _ in range(3):
         dist.barrier()
@@ -262,29 +333,52 @@ def _bare_send_worker(rank: int, port: int, nbytes: int, result) -> None:
 
 # ---------------------------------------------------------------- command line
 
+
 def print_report(report: HealReport) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    console.print(f"[bold]heal[/bold]: {report.rows} x {report.dim} float32, replicas=2, {report.readers} reader "
-                  f"processes; reads {report.reads}, failed {len(report.failed)}, wrong {report.wrong}")
+    console.print(
+        f"[bold]heal[/bold]: {report.rows} x {report.dim} float32, replicas=2, {report.readers} reader "
+        f"processes; reads {report.reads}, failed {len(report.failed)}, wrong {report.wrong}"
+    )
     out = Table(title="a rank SIGKILLed, restarted and repaired (seconds after the kill)")
-    for column in ("reads", "detect s", "re-admitted s", "healthy s", "repair MB", "repair s", "repair GB/s",
-                   "x bare send"):
+    for column in (
+        "reads",
+        "detect s",
+        "re-admitted s",
+        "healthy s",
+        "repair MB",
+        "repair s",
+        "repair GB/s",
+        "x bare send",
+    ):
         out.add_column(column, justify="right")
-    for name, r in (("8 readers" if report.readers == 8 else f"{report.readers} readers", report.under_load),
-                    ("none", report.quiet)):
+    for name, r in (
+        ("8 readers" if report.readers == 8 else f"{report.readers} readers", report.under_load),
+        ("none", report.quiet),
+    ):
         ratio = r.repair_gb_s / report.bare_gb_s if r.repair_gb_s and report.bare_gb_s else None
-        out.add_row(name, _s(r.detect_s), _s(r.readmit_s), _s(r.healthy_s), f"{r.repair_bytes / 1e6:.1f}",
-                    _s(r.repair_s), _f(r.repair_gb_s), _f(ratio))
+        out.add_row(
+            name,
+            _s(r.detect_s),
+            _s(r.readmit_s),
+            _s(r.healthy_s),
+            f"{r.repair_bytes / 1e6:.1f}",
+            _s(r.repair_s),
+            _f(r.repair_gb_s),
+            _f(ratio),
+        )
     console.print(out)
     console.print(f"bare gloo send of the same bytes, no load: {_f(report.bare_gb_s)} GB/s")
     reads = Table(title="read latency (lookups of 256 ids and 64-row fetches, mixed)")
     for column in ("phase", "reads", "p50 ms", "p99 ms"):
         reads.add_column(column, justify="right")
     for phase, stats in report.phases.items():
-        reads.add_row(phase, str(stats.get("reads", 0)), _f(stats.get("p50_ms")), _f(stats.get("p99_ms")))
+        reads.add_row(
+            phase, str(stats.get("reads", 0)), _f(stats.get("p50_ms")), _f(stats.get("p99_ms"))
+        )
     console.print(reads)
 
 
@@ -306,13 +400,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--readers", type=int, default=8)
-    parser.add_argument("--kill-at", type=float, default=8.0, help="seconds of reads before the kill")
-    parser.add_argument("--after", type=float, default=8.0, help="seconds of reads after the table is healthy")
-    parser.add_argument("--no-quiet-repair", action="store_true", help="skip the second kill, timed with no reads")
+    parser.add_argument(
+        "--kill-at", type=float, default=8.0, help="seconds of reads before the kill"
+    )
+    parser.add_argument(
+        "--after", type=float, default=8.0, help="seconds of reads after the table is healthy"
+    )
+    parser.add_argument(
+        "--no-quiet-repair", action="store_true", help="skip the second kill, timed with no reads"
+    )
     parser.add_argument("--json", metavar="FILE")
     ns = parser.parse_args(argv)
-    report = run(ns.rows, ns.dim, readers=ns.readers, kill_at=ns.kill_at, after=ns.after,
-                 quiet_repair=not ns.no_quiet_repair)
+    report = run(
+        ns.rows,
+        ns.dim,
+        readers=ns.readers,
+        kill_at=ns.kill_at,
+        after=ns.after,
+        quiet_repair=not ns.no_quiet_repair,
+    )
     print_report(report)
     if ns.json:
         Path(ns.json).write_text(json.dumps(report.to_json(), indent=2))

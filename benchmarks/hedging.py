@@ -6,6 +6,7 @@ port and over gRPC, the clients taking turns; prints p50 and p99 in ms.
 
     python -m benchmarks.hedging [--rounds 1000] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,34 +22,48 @@ ROWS, COLUMNS = 4096, 256
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.hedging", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.hedging", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
-    from client import connect
-    from server.launcher import LocalCluster
-    from shardcore.metadata import ShardMetadata
-    from shardcore.specs import EnumerableShardingSpec
+    from shardserve.core.metadata import ShardMetadata
+    from shardserve.core.specs import EnumerableShardingSpec
+    from shardserve.server.launcher import LocalCluster
+
+    from shardserve import connect
 
     half = ROWS // 2
-    spec = EnumerableShardingSpec([ShardMetadata((0, 0), (half, COLUMNS), "rank:0/cpu"),
-                                   ShardMetadata((0, 0), (half, COLUMNS), "rank:1/cpu"),
-                                   ShardMetadata((half, 0), (half, COLUMNS), "rank:1/cpu"),
-                                   ShardMetadata((half, 0), (half, COLUMNS), "rank:0/cpu")])
+    spec = EnumerableShardingSpec(
+        [
+            ShardMetadata((0, 0), (half, COLUMNS), "rank:0/cpu"),
+            ShardMetadata((0, 0), (half, COLUMNS), "rank:1/cpu"),
+            ShardMetadata((half, 0), (half, COLUMNS), "rank:1/cpu"),
+            ShardMetadata((half, 0), (half, COLUMNS), "rank:0/cpu"),
+        ]
+    )
     ids = torch.randint(0, ROWS, (64,), generator=torch.Generator().manual_seed(0))
     results = {}
-    with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state,
-                                                              log_level="WARNING") as cluster:
+    with (
+        tempfile.TemporaryDirectory() as state,
+        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+    ):
         with connect(cluster.address) as writer:
             writer.put("hedging", torch.randn(ROWS, COLUMNS), spec=spec)
         for transport in ("tcp", "grpc"):
-            clients = {mode: connect(cluster.address, transport=transport, hedge_after=after)
-                       for mode, after in (("on", 0.1), ("off", None))}
+            clients = {
+                mode: connect(cluster.address, transport=transport, hedge_after=after)
+                for mode, after in (("on", 0.1), ("off", None))
+            }
             tensors = {mode: client.tensor("hedging") for mode, client in clients.items()}
-            reads = {"fetch 4 KiB": lambda t: t.fetch((10, 0), (4, COLUMNS)), "lookup 64 ids": lambda t: t.lookup(ids)}
+            reads = {
+                "fetch 4 KiB": lambda t: t.fetch((10, 0), (4, COLUMNS)),
+                "lookup 64 ids": lambda t: t.lookup(ids),
+            }
             for what, read in reads.items():
                 times: dict[str, list[float]] = {"on": [], "off": []}
                 for _ in range(args.rounds):
@@ -59,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                 for mode, values in times.items():
                     key = f"{transport} {what} hedging {mode}"
                     results[key] = p50_p99_ms(values)
-                    print(f"{key:40s} p50 {results[key]['p50_ms']:.3f} ms  p99 {results[key]['p99_ms']:.3f} ms")
+                    print(
+                        f"{key:40s} p50 {results[key]['p50_ms']:.3f} ms  p99 {results[key]['p99_ms']:.3f} ms"
+                    )
             for client in clients.values():
                 client.close()
     write_json(args.json, results)

@@ -1,4 +1,5 @@
 """Latency figures the standalone benchmark modules share: nearest-rank percentiles, p50/p99 in ms, JSON out."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """What the benchmarks ran on: CPUs, memory, load, library versions (so figures can be compared)."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,13 @@ def cpu_model() -> str:
 def git_commit() -> str | None:
     """The checkout's HEAD commit, or None outside git."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None

@@ -12,6 +12,7 @@ from the page cache where it still holds the files (nothing here drops it).
 
     python -m benchmarks --only persist
 """
+
 from __future__ import annotations
 
 import os
@@ -37,19 +38,30 @@ def _rows(nbytes: int) -> int:
 
 
 def _start(state: Path, mode: str):  # type: ignore[no-untyped-def]
-    from server.launcher import LocalCluster
+    from shardserve.server.launcher import LocalCluster
 
     persist = None if mode == "off" else state / "data"
-    cluster = LocalCluster(2, state_dir=state, log_level="WARNING", persist_dir=persist,
-                           fsync=None if mode == "off" else mode)
+    cluster = LocalCluster(
+        2,
+        state_dir=state,
+        log_level="WARNING",
+        persist_dir=persist,
+        fsync=None if mode == "off" else mode,
+    )
     return cluster.start(timeout=SERVE_TIMEOUT_S)
 
 
-def write_and_put(ctx: Context, state: Path, mode: str, table: torch.Tensor, updates: int,
-                  then_killed: torch.Tensor | None = None) -> dict:
+def write_and_put(
+    ctx: Context,
+    state: Path,
+    mode: str,
+    table: torch.Tensor,
+    updates: int,
+    then_killed: torch.Tensor | None = None,
+) -> dict:
     """Seconds of one put of `table` and of `updates` update_rows on a fresh cluster in `mode`; with
     `then_killed`, that is put as "restarted" and every rank SIGKILLed before the cluster stops."""
-    from client import connect
+    from shardserve import connect
 
     generator = torch.Generator().manual_seed(0)
     cluster = _start(state, mode)
@@ -100,7 +112,7 @@ def bare_writes(folder: Path, table: torch.Tensor, updates: int) -> dict:
 def restart_to_serving(state: Path, table: torch.Tensor) -> dict:
     """Start `up` again on the state dir of a cluster SIGKILLed holding `table` as "restarted" (write_and_put):
     seconds until a row of every shard is served again, and whether the table then reads back bit for bit."""
-    from client import connect
+    from shardserve import connect
 
     start = time.perf_counter()
     cluster = _start(state, "always")
@@ -108,7 +120,9 @@ def restart_to_serving(state: Path, table: torch.Tensor) -> dict:
         with connect(cluster.address) as client:
             first = _first_rows(client, table.shape[0])
             serve_s = time.perf_counter() - start
-            ok = torch.equal(first, table[[0, -1]]) and torch.equal(client.tensor("restarted").full_tensor(), table)
+            ok = torch.equal(first, table[[0, -1]]) and torch.equal(
+                client.tensor("restarted").full_tensor(), table
+            )
     finally:
         cluster.stop()
     return {"serve_s": serve_s, "ok": ok}
@@ -120,7 +134,7 @@ def _first_rows(client, rows: int) -> torch.Tensor:  # type: ignore[no-untyped-d
     while True:
         try:
             tensor = client.tensor("restarted")
-            return torch.cat([tensor[0:1], tensor[rows - 1:rows]])
+            return torch.cat([tensor[0:1], tensor[rows - 1 : rows]])
         except Exception:  # noqa: BLE001 - ranks still restoring; bounded by SERVE_TIMEOUT_S
             if time.monotonic() > deadline:
                 raise
@@ -139,7 +153,10 @@ def dcp_load(folder: Path, table: torch.Tensor) -> dict:
     return {"load_s": time.perf_counter() - start, "ok": torch.equal(into["restarted"], table)}
 
 
-@scenario("persist", help="put/update_rows with persistence off/interval/always vs write+fsync; restart vs dcp.load")
+@scenario(
+    "persist",
+    help="put/update_rows with persistence off/interval/always vs write+fsync; restart vs dcp.load",
+)
 def persist_scenario(ctx: Context) -> list[Row]:
     """Put and update costs per fsync mode against a bare write+fsync, and restart-to-serving against dcp.load."""
     put_bytes = (4 << 20) if ctx.quick else (256 << 20)
@@ -147,29 +164,89 @@ def persist_scenario(ctx: Context) -> list[Row]:
     updates = 10 if ctx.quick else 50
     table = torch.randn(_rows(put_bytes), COLUMNS, generator=torch.Generator().manual_seed(1))
     with ExitStack() as stack:
-        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-persist-")))
+        folder = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-persist-"))
+        )
         big = torch.randn(_rows(restart_bytes), COLUMNS, generator=torch.Generator().manual_seed(2))
         with ctx.rss() as peaks:
-            modes = {mode: write_and_put(ctx, folder / mode, mode, table, updates,
-                                         big if mode == "always" else None)
-                     for mode in (QUICK_MODES if ctx.quick else MODES)}
+            modes = {
+                mode: write_and_put(
+                    ctx, folder / mode, mode, table, updates, big if mode == "always" else None
+                )
+                for mode in (QUICK_MODES if ctx.quick else MODES)
+            }
             bare = bare_writes(folder, table, updates)
             restart = restart_to_serving(folder / "always", big)
             load = dcp_load(folder, big)
-    put_case, update_case = f"put {put_bytes >> 20} MiB", f"{updates} update_rows of {ROWS_PER_UPDATE} rows"
+    put_case, update_case = (
+        f"put {put_bytes >> 20} MiB",
+        f"{updates} update_rows of {ROWS_PER_UPDATE} rows",
+    )
     update_bytes = updates * ROWS_PER_UPDATE * COLUMNS * 4
-    rows = [Row("persist", put_case, "write+fsync", bare["put_s"], path="filesystem", role="baseline",
-                nbytes=put_bytes),
-            Row("persist", update_case, "write+fsync", bare["update_s"], path="filesystem", role="baseline",
-                nbytes=update_bytes)]
+    rows = [
+        Row(
+            "persist",
+            put_case,
+            "write+fsync",
+            bare["put_s"],
+            path="filesystem",
+            role="baseline",
+            nbytes=put_bytes,
+        ),
+        Row(
+            "persist",
+            update_case,
+            "write+fsync",
+            bare["update_s"],
+            path="filesystem",
+            role="baseline",
+            nbytes=update_bytes,
+        ),
+    ]
     for mode, result in modes.items():
-        rows += [Row("persist", put_case, f"put ({mode})", result["put_s"], path="grpc", nbytes=put_bytes,
-                     ok=result["ok"], peak_rss=peaks),
-                 Row("persist", update_case, f"update_rows ({mode})", result["update_s"], path="grpc",
-                     nbytes=update_bytes, ok=result["ok"], extra={"updates_per_s": updates / result["update_s"]})]
+        rows += [
+            Row(
+                "persist",
+                put_case,
+                f"put ({mode})",
+                result["put_s"],
+                path="grpc",
+                nbytes=put_bytes,
+                ok=result["ok"],
+                peak_rss=peaks,
+            ),
+            Row(
+                "persist",
+                update_case,
+                f"update_rows ({mode})",
+                result["update_s"],
+                path="grpc",
+                nbytes=update_bytes,
+                ok=result["ok"],
+                extra={"updates_per_s": updates / result["update_s"]},
+            ),
+        ]
     restart_case = f"restart to serving, {restart_bytes >> 20} MiB on 2 ranks"
-    rows += [Row("persist", restart_case, "SIGKILL + up (always)", restart["serve_s"], path="persist dir",
-                 nbytes=restart_bytes, ok=restart["ok"], baseline="dcp.load"),
-             Row("persist", restart_case, "dcp.load", load["load_s"], path="filesystem", role="baseline",
-                 nbytes=restart_bytes, ok=load["ok"])]
+    rows += [
+        Row(
+            "persist",
+            restart_case,
+            "SIGKILL + up (always)",
+            restart["serve_s"],
+            path="persist dir",
+            nbytes=restart_bytes,
+            ok=restart["ok"],
+            baseline="dcp.load",
+        ),
+        Row(
+            "persist",
+            restart_case,
+            "dcp.load",
+            load["load_s"],
+            path="filesystem",
+            role="baseline",
+            nbytes=restart_bytes,
+            ok=load["ok"],
+        ),
+    ]
     return rows

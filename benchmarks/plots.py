@@ -1,7 +1,8 @@
 """PNG bar charts from the suite's JSON: one per scenario group, each method's ratio to the case's baseline.
 
-    python -m benchmarks.plots RESULTS.json DIR
+python -m benchmarks.plots RESULTS.json DIR
 """
+
 from __future__ import annotations
 
 import json
@@ -32,11 +33,17 @@ def plot_group(group: str, rows: list[dict], path: Path) -> Path:
     methods = list(dict.fromkeys((r["name"], r["path"]) for r in rows))
     baselines = sorted({r["baseline"] for r in rows if r["baseline"]})
     width = 0.8 / max(len(methods), 1)
-    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.3 * len(cases) * len(methods) + 2)), 4.0), dpi=80)
+    fig, ax = plt.subplots(
+        figsize=(min(16.0, max(6.0, 0.3 * len(cases) * len(methods) + 2)), 4.0), dpi=80
+    )
     for i, (name, method_path) in enumerate(methods):
         xs, ys, rates = [], [], []
         for j, case in enumerate(cases):
-            match = [r for r in rows if r["case"] == case and r["name"] == name and r["path"] == method_path]
+            match = [
+                r
+                for r in rows
+                if r["case"] == case and r["name"] == name and r["path"] == method_path
+            ]
             if match and match[0]["ratio"]:
                 xs.append(j - 0.4 + width * (i + 0.5))
                 ys.append(match[0]["ratio"])
@@ -46,9 +53,13 @@ def plot_group(group: str, rows: list[dict], path: Path) -> Path:
             ax.bar_label(bars, ["" if r is None else f"{r:.2f}" for r in rates], fontsize=6)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
-    ax.set_xticks(range(len(cases)), cases, rotation=30 if len(cases) > 4 else 0,
-                  ha="right" if len(cases) > 4 else "center",
-                  fontsize=8)
+    ax.set_xticks(
+        range(len(cases)),
+        cases,
+        rotation=30 if len(cases) > 4 else 0,
+        ha="right" if len(cases) > 4 else "center",
+        fontsize=8,
+    )
     ax.set_ylabel(f"x baseline ({', '.join(baselines)})\n= baseline s / s, log scale", fontsize=8)
     gbs = " (labels: GB/s)" if any(r["gb_per_s"] is not None for r in rows) else ""
     ax.set_title(f"{group}: speed relative to baseline (> 1 is faster){gbs}", fontsize=10)
@@ -62,7 +73,10 @@ def plot_group(group: str, rows: list[dict], path: Path) -> Path:
 def write_plots(doc: dict, directory: Path) -> list[Path]:
     """One PNG per group into `directory` (created); returns the paths written."""
     directory.mkdir(parents=True, exist_ok=True)
-    return [plot_group(group, rows, directory / f"{slug(group)}.png") for group, rows in group_rows(doc).items()]
+    return [
+        plot_group(group, rows, directory / f"{slug(group)}.png")
+        for group, rows in group_rows(doc).items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,5 @@
 """The suite's printed report: machine info and one rich table per scenario group."""
+
 from __future__ import annotations
 
 import sys
@@ -46,19 +47,43 @@ def machine_lines(machine: dict) -> list[str]:
 
 def group_table(group: str, rows: list[Row]) -> Table:
     """Absolute figures and ratios of one group; `x baseline` = baseline seconds / seconds (> 1 is faster)."""
-    table = Table(title=f"{group}: ratio = baseline seconds / seconds (> 1 is faster than the baseline)",
-                  title_justify="left")
-    for column in ("case", "method", "path", "MiB", "seconds", "GB/s", "x baseline", "baseline",
-                   "x each baseline", "peak RSS MiB", "ok", "note"):
+    table = Table(
+        title=f"{group}: ratio = baseline seconds / seconds (> 1 is faster than the baseline)",
+        title_justify="left",
+    )
+    for column in (
+        "case",
+        "method",
+        "path",
+        "MiB",
+        "seconds",
+        "GB/s",
+        "x baseline",
+        "baseline",
+        "x each baseline",
+        "peak RSS MiB",
+        "ok",
+        "note",
+    ):
         numeric = column in ("MiB", "seconds", "GB/s", "x baseline", "peak RSS MiB")
         table.add_column(column, justify="right" if numeric else "left")
     for row in rows:
         rss = max(row.peak_rss.values(), default=None)
         each = ", ".join(f"{name} {fmt_ratio(r)}" for name, r in row.ratios.items())
-        table.add_row(row.case, row.name, row.path or "-", fmt_mib(row.nbytes), fmt_seconds(row.seconds),
-                      "-" if row.gb_per_s is None else f"{row.gb_per_s:.2f}", fmt_ratio(row.ratio),
-                      row.baseline or "-", each or "-", fmt_mib(rss), {True: "yes", False: "NO", None: "-"}[row.ok],
-                      row.note)
+        table.add_row(
+            row.case,
+            row.name,
+            row.path or "-",
+            fmt_mib(row.nbytes),
+            fmt_seconds(row.seconds),
+            "-" if row.gb_per_s is None else f"{row.gb_per_s:.2f}",
+            fmt_ratio(row.ratio),
+            row.baseline or "-",
+            each or "-",
+            fmt_mib(rss),
+            {True: "yes", False: "NO", None: "-"}[row.ok],
+            row.note,
+        )
     return table
 
 
@@ -73,19 +98,25 @@ def print_report(rows: list[Row], reports: list[dict], machine: dict) -> None:
         out.print(group_table(group, members))
     for report in reports:
         status = "ok" if report["status"] == "ok" else f"FAILED: {report['error']}"
-        out.print(f"scenario {report['name']}: {report['rows']} rows in {report['wall_seconds']:.1f}s, {status}")
+        out.print(
+            f"scenario {report['name']}: {report['rows']} rows in {report['wall_seconds']:.1f}s, {status}"
+        )
 
 
 def markdown_table(doc: dict, group: str) -> str:
     """One group of a suite's JSON document as a Markdown table (for the README)."""
-    lines = ["| case | method | path | seconds | GB/s | x baseline (which) | x each baseline | peak RSS MiB |",
-             "|---|---|---|--:|--:|--:|---|--:|"]
+    lines = [
+        "| case | method | path | seconds | GB/s | x baseline (which) | x each baseline | peak RSS MiB |",
+        "|---|---|---|--:|--:|--:|---|--:|",
+    ]
     for r in (r for r in doc["rows"] if r["group"] == group):
         each = ", ".join(f"{name} {fmt_ratio(x)}" for name, x in r["ratios"].items()) or "-"
         gbs = "-" if r["gb_per_s"] is None else f"{r['gb_per_s']:.2f}"
-        lines.append(f"| {r['case']} | {r['name']} | {r['path'] or '-'} | {fmt_seconds(r['seconds'])} | {gbs} | "
-                     f"{fmt_ratio(r['ratio'])} ({r['baseline'] or '-'}) | {each} | "
-                     f"{fmt_mib(r['peak_rss_max_bytes'])} |")
+        lines.append(
+            f"| {r['case']} | {r['name']} | {r['path'] or '-'} | {fmt_seconds(r['seconds'])} | {gbs} | "
+            f"{fmt_ratio(r['ratio'])} ({r['baseline'] or '-'}) | {each} | "
+            f"{fmt_mib(r['peak_rss_max_bytes'])} |"
+        )
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ table shows the median and the best, "x bare" is median over median.
     python -m benchmarks.reshard [--size-mib 256] [--ranks 2,4] [--bucket-mib 16] [--repeats 3]
                                  [--methods bare,fresh,shardserve,recycled,dtensor,sharded] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,8 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,14 @@ OURS_RECYCLED = "shardserve, out= recycled"
 DTENSOR = "DTensor.redistribute"
 SHARDED = "ShardedTensor.reshard"
 PATTERN_MOD = 65521
-METHOD_KEYS = {BARE: "bare", BARE_FRESH: "fresh", OURS: "shardserve", OURS_RECYCLED: "recycled",
-               DTENSOR: "dtensor", SHARDED: "sharded"}
+METHOD_KEYS = {
+    BARE: "bare",
+    BARE_FRESH: "fresh",
+    OURS: "shardserve",
+    OURS_RECYCLED: "recycled",
+    DTENSOR: "dtensor",
+    SHARDED: "sharded",
+}
 
 
 def square_side(size_mib: float) -> int:
@@ -96,21 +103,29 @@ def bare_transfer(local: torch.Tensor, world: int) -> tuple[str, Callable[[], ob
         ops += [dist.P2POp(dist.irecv, pieces_out[p], p) for p in range(world) if p != rank]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
     return "batch_isend_irecv", p2p
 
 
-def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: int, executor, seqs,
-                       recycle: bool = False):
+def shardserve_reshard(
+    local: torch.Tensor,
+    n: int,
+    world: int,
+    bucket_bytes: int,
+    executor,
+    seqs,
+    recycle: bool = False,
+):
     """plan_reshard + run_reshard of Shard(0) -> Shard(1) on the collective thread.
 
     With `recycle`, the new shard is written into one buffer allocated up front
     (as a server reusing a dropped version's memory would), like the bare
     transfer's preallocated output.
     """
-    from server.rank.jobs.reshard import ReshardStats, run_reshard
-    from shardcore.metadata import TensorProperties
-    from shardcore.planner import plan_reshard_per_round
-    from shardcore.specs import ChunkShardingSpec
+    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.planner import plan_reshard_per_round
+    from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.server.rank.jobs.reshard import ReshardStats, run_reshard
 
     rank = dist.get_rank()
     placements = [f"rank:{r}/cpu" for r in range(world)]
@@ -120,12 +135,18 @@ def shardserve_reshard(local: torch.Tensor, n: int, world: int, bucket_bytes: in
     given = {rank: torch.empty(n, n // world)} if recycle else None
 
     def run() -> None:
-        plan = plan_reshard_per_round(src, dst, bucket_bytes)  # as the cluster plans: staging <= 2 buckets
+        plan = plan_reshard_per_round(
+            src, dst, bucket_bytes
+        )  # as the cluster plans: staging <= 2 buckets
         stats = ReshardStats()
-        future = executor.submit(next(seqs), lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats,
-                                                                 out=given), wait_timeout_s=600)
+        future = executor.submit(
+            next(seqs),
+            lambda: run_reshard(plan, rank, {rank: local}, 600.0, stats=stats, out=given),
+            wait_timeout_s=600,
+        )
         result["out"] = future.result()[rank]
         result["extra_bytes"] = stats.new_shard_bytes + stats.peak_staging_bytes
+
     return run, result
 
 
@@ -140,6 +161,7 @@ def dtensor_redistribute(local: torch.Tensor, world: int):
     def run() -> None:
         out = dt.redistribute(mesh, [Shard(1)]).to_local()
         result["out"] = out.wait() if hasattr(out, "wait") else out
+
     return run, result
 
 
@@ -158,6 +180,7 @@ def sharded_tensor_reshard(local: torch.Tensor, n: int, world: int):
     def run() -> None:
         st = init_from_local_shards([StShard(local, meta)], [n, n])
         result["out"] = st.reshard(spec).local_shards()[0].tensor
+
     return run, result
 
 
@@ -172,9 +195,14 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(intra_op_threads(world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    from server.rank.jobs.ordering import CollectiveExecutor
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=600),
+    )
+    from shardserve.server.rank.jobs.ordering import CollectiveExecutor
 
     n = square_side(args["size_mib"])
     rows = n // world
@@ -182,14 +210,23 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     executor = CollectiveExecutor()
     seqs = iter(range(1 << 30))
     try:
-        rss_growth = peak_rss_growth(shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)[0])
+        rss_growth = peak_rss_growth(
+            shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)[0]
+        )
         rows_out = run_methods(local, n, world, args, executor, seqs)
     finally:
         executor.close()
     growth = torch.tensor([rss_growth], dtype=torch.int64)
     dist.all_reduce(growth, op=dist.ReduceOp.MAX)
     if rank == 0:
-        results.put({"world": world, "n": n, "rows": rows_out, "shardserve_peak_rss_growth_bytes": growth.item()})
+        results.put(
+            {
+                "world": world,
+                "n": n,
+                "rows": rows_out,
+                "shardserve_peak_rss_growth_bytes": growth.item(),
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -208,6 +245,7 @@ def peak_rss_growth(fn: Callable[[], object], period_s: float = 0.0005) -> int:
         while not done.is_set():
             peak[0] = max(peak[0], rss())
             time.sleep(period_s)
+
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
@@ -227,14 +265,31 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
     """Time every method, interleaved repeat by repeat so load from elsewhere hits them alike."""
     flat_out = torch.empty_like(local).reshape(-1)
     note, bare = bare_transfer(local, world)
-    methods = [(BARE, f"{note}, output preallocated", lambda: (bare, {})),
-               (BARE_FRESH, "all_to_all_single into a new output each call",
-                lambda: (lambda: dist.all_to_all_single(torch.empty_like(flat_out), local.reshape(-1)), {})),
-               (OURS, "", lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)),
-               (OURS_RECYCLED, "", lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs,
-                                                              recycle=True)),
-               (DTENSOR, "", lambda: dtensor_redistribute(local, world)),
-               (SHARDED, "", lambda: sharded_tensor_reshard(local, n, world))]
+    methods = [
+        (BARE, f"{note}, output preallocated", lambda: (bare, {})),
+        (
+            BARE_FRESH,
+            "all_to_all_single into a new output each call",
+            lambda: (
+                lambda: dist.all_to_all_single(torch.empty_like(flat_out), local.reshape(-1)),
+                {},
+            ),
+        ),
+        (
+            OURS,
+            "",
+            lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs),
+        ),
+        (
+            OURS_RECYCLED,
+            "",
+            lambda: shardserve_reshard(
+                local, n, world, args["bucket_bytes"], executor, seqs, recycle=True
+            ),
+        ),
+        (DTENSOR, "", lambda: dtensor_redistribute(local, world)),
+        (SHARDED, "", lambda: sharded_tensor_reshard(local, n, world)),
+    ]
     methods = [m for m in methods if METHOD_KEYS[m[0]] in args["methods"]]
     rows, runs = [], []
     for name, note, make in methods:
@@ -243,8 +298,11 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
             run, result = make()
             run()  # warm-up, and the result checked below
         except Exception as exc:
-            row.update(ok=False, note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
-                       trace=traceback.format_exc(limit=3))
+            row.update(
+                ok=False,
+                note=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}",
+                trace=traceback.format_exc(limit=3),
+            )
             run, result = None, {}
         if "out" in result:
             row["ok"] = all_ranks(check_columns(result.pop("out"), n, world))
@@ -252,7 +310,9 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
             extra = torch.tensor([result["extra_bytes"]], dtype=torch.int64)
             dist.all_reduce(extra, op=dist.ReduceOp.MAX)
             row["extra_bytes_per_rank"] = extra.item()
-            row["note"] = f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shards + staging)"
+            row["note"] = (
+                f"peak extra {extra.item() / (1 << 20):.0f} MiB/rank (new shards + staging)"
+            )
         rows.append(row)
         runs.append((run, result))
     for _ in range(args["repeats"]):
@@ -287,14 +347,18 @@ def run_world(world: int, args: dict) -> dict:
         p.start()
     try:
         deadline = time.monotonic() + args["timeout"]
-        while True:  # a worker that died (an exception, a kill) ends the wait at once, not at the timeout
+        while (
+            True
+        ):  # a worker that died (an exception, a kill) ends the wait at once, not at the timeout
             try:
                 return results.get(timeout=1.0)
             except queue.Empty:
                 failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
                 if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"the {world}-rank benchmark world failed (exit codes {failed}) "
-                                       f"or took over {args['timeout']:.0f} s") from None
+                    raise RuntimeError(
+                        f"the {world}-rank benchmark world failed (exit codes {failed}) "
+                        f"or took over {args['timeout']:.0f} s"
+                    ) from None
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -306,8 +370,10 @@ def table(runs: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1, {os.cpu_count()} cores, "
-                      f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
+    out = Table(
+        title=f"Reshard Shard(0) -> Shard(1), float32, gloo on 127.0.0.1, {os.cpu_count()} cores, "
+        f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+    )
     numeric = ("median s", "best s", "GB/s", "x bare")
     for column in ("ranks", "tensor", "method", *numeric, "correct", "note"):
         out.add_column(column, justify="right" if column in numeric else "left")
@@ -316,38 +382,63 @@ def table(runs: list[dict]) -> None:
         nbytes = run["n"] * run["n"] * 4
         for r in run["rows"]:
             s = r["seconds"]
-            out.add_row(str(run["world"]), f"{run['n']}x{run['n']} ({nbytes / (1 << 20):.0f} MiB)", r["method"],
-                        "-" if s is None else f"{s:.3f}", "-" if s is None else f"{r['best']:.3f}",
-                        "-" if s is None else f"{nbytes / s / 1e9:.2f}",
-                        "-" if s is None else f"{s / bare:.2f}", "yes" if r["ok"] else "no", r["note"])
+            out.add_row(
+                str(run["world"]),
+                f"{run['n']}x{run['n']} ({nbytes / (1 << 20):.0f} MiB)",
+                r["method"],
+                "-" if s is None else f"{s:.3f}",
+                "-" if s is None else f"{r['best']:.3f}",
+                "-" if s is None else f"{nbytes / s / 1e9:.2f}",
+                "-" if s is None else f"{s / bare:.2f}",
+                "yes" if r["ok"] else "no",
+                r["note"],
+            )
     Console(width=160).print(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-mib", type=float, default=256.0, help="tensor size in MiB (square float32)")
+    parser.add_argument(
+        "--size-mib", type=float, default=256.0, help="tensor size in MiB (square float32)"
+    )
     parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes")
-    parser.add_argument("--bucket-mib", type=float, default=16.0, help="shardserve bucket size in MiB")
+    parser.add_argument(
+        "--bucket-mib", type=float, default=16.0, help="shardserve bucket size in MiB"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per world")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    parser.add_argument("--methods", default=",".join(METHOD_KEYS.values()),
-                        help="comma-separated subset of: " + ", ".join(METHOD_KEYS.values()) + " (bare always runs)")
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHOD_KEYS.values()),
+        help="comma-separated subset of: "
+        + ", ".join(METHOD_KEYS.values())
+        + " (bare always runs)",
+    )
     ns = parser.parse_args(argv)
-    args = {"size_mib": ns.size_mib, "bucket_bytes": int(ns.bucket_mib * (1 << 20)), "repeats": ns.repeats,
-            "timeout": ns.timeout, "methods": sorted({"bare", *ns.methods.split(",")})}
+    args = {
+        "size_mib": ns.size_mib,
+        "bucket_bytes": int(ns.bucket_mib * (1 << 20)),
+        "repeats": ns.repeats,
+        "timeout": ns.timeout,
+        "methods": sorted({"bare", *ns.methods.split(",")}),
+    }
     unknown = set(args["methods"]) - set(METHOD_KEYS.values())
     if unknown:
         parser.error(f"--methods: unknown {sorted(unknown)}")
     runs = []
     for world in (int(w) for w in ns.ranks.split(",")):
         if square_side(ns.size_mib) % world:
-            parser.error(f"--ranks {world} does not divide the tensor side {square_side(ns.size_mib)}")
+            parser.error(
+                f"--ranks {world} does not divide the tensor side {square_side(ns.size_mib)}"
+            )
         runs.append(run_world(world, args))
     table(runs)
     for run in runs:
-        print(f"{run['world']} ranks: shardserve peak RSS growth during one reshard (max over ranks, sampled): "
-              f"{run['shardserve_peak_rss_growth_bytes'] / (1 << 20):.0f} MiB")
+        print(
+            f"{run['world']} ranks: shardserve peak RSS growth during one reshard (max over ranks, sampled): "
+            f"{run['shardserve_peak_rss_growth_bytes'] / (1 << 20):.0f} MiB"
+        )
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": args, "runs": runs}, f, indent=2)

@@ -12,6 +12,7 @@ plain world.
 
     python -m benchmarks.reshard_cluster [--size-mib 64] [--ranks 2] [--bucket-mib 16] [--repeats 3] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,29 +25,42 @@ import time
 from benchmarks import reshard as raw
 
 
-def cluster_times(world: int, n: int, bucket_bytes: int, repeats: int, recycle_bytes: int | None = None) -> dict:
+def cluster_times(
+    world: int, n: int, bucket_bytes: int, repeats: int, recycle_bytes: int | None = None
+) -> dict:
     """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report;
     `recycle_bytes` as the ranks' --recycle-bytes (None: their default, 0: recycling off)."""
-    from client import connect
-    from server.launcher import LocalCluster
-    from shardcore.specs import ChunkShardingSpec
+    from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.server.launcher import LocalCluster
+
+    from shardserve import connect
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
     specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]
-    with LocalCluster(world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
-                      recycle_bytes=recycle_bytes) as cluster, \
-            connect(cluster.address, timeout=600) as client:
-        tensor = client.create("bench", (n, n), spec=ChunkShardingSpec(0, placements), init="arange")
+    with (
+        LocalCluster(
+            world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-"), recycle_bytes=recycle_bytes
+        ) as cluster,
+        connect(cluster.address, timeout=600) as client,
+    ):
+        tensor = client.create(
+            "bench", (n, n), spec=ChunkShardingSpec(0, placements), init="arange"
+        )
         reports: list = []
         times = []
         for i in range(repeats + 1):  # the first one warms up
             start = time.perf_counter()
-            tensor = tensor.reshard(specs[i % 2], bucket_bytes=bucket_bytes, timeout=600, progress=reports.append)
+            tensor = tensor.reshard(
+                specs[i % 2], bucket_bytes=bucket_bytes, timeout=600, progress=reports.append
+            )
             if i:
                 times.append(time.perf_counter() - start)
         done = reports[-1]
-        return {"seconds": statistics.median(times), "max_new_shard_bytes": done.max_new_shard_bytes,
-                "max_staging_bytes": done.max_staging_bytes}
+        return {
+            "seconds": statistics.median(times),
+            "max_new_shard_bytes": done.max_new_shard_bytes,
+            "max_staging_bytes": done.max_staging_bytes,
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,8 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", metavar="FILE")
     ns = parser.parse_args(argv)
     bucket = int(ns.bucket_mib * (1 << 20))
-    args = {"size_mib": ns.size_mib, "bucket_bytes": bucket, "repeats": ns.repeats, "timeout": 1800.0,
-            "methods": ["bare", "dtensor", "shardserve"]}
+    args = {
+        "size_mib": ns.size_mib,
+        "bucket_bytes": bucket,
+        "repeats": ns.repeats,
+        "timeout": 1800.0,
+        "methods": ["bare", "dtensor", "shardserve"],
+    }
     rows = []
     for world in (int(w) for w in ns.ranks.split(",")):
         n = raw.square_side(ns.size_mib)
@@ -67,27 +86,57 @@ def main(argv: list[str] | None = None) -> None:
         seconds = {r["method"]: r["seconds"] for r in plain["rows"]}
         e2e = cluster_times(world, n, bucket, ns.repeats)
         fresh = cluster_times(world, n, bucket, ns.repeats, recycle_bytes=0)
-        rows.append({"world": world, "n": n, "bare_s": seconds[raw.BARE], "run_reshard_s": seconds[raw.OURS],
-                     "dtensor_s": seconds.get(raw.DTENSOR), "cluster_reshard_s": e2e["seconds"],
-                     "cluster_reshard_no_recycling_s": fresh["seconds"],
-                     "max_new_shard_bytes": e2e["max_new_shard_bytes"], "max_staging_bytes": e2e["max_staging_bytes"]})
+        rows.append(
+            {
+                "world": world,
+                "n": n,
+                "bare_s": seconds[raw.BARE],
+                "run_reshard_s": seconds[raw.OURS],
+                "dtensor_s": seconds.get(raw.DTENSOR),
+                "cluster_reshard_s": e2e["seconds"],
+                "cluster_reshard_no_recycling_s": fresh["seconds"],
+                "max_new_shard_bytes": e2e["max_new_shard_bytes"],
+                "max_staging_bytes": e2e["max_staging_bytes"],
+            }
+        )
     from rich.console import Console
     from rich.table import Table
 
-    out = Table(title=f"Reshard Shard(0) <-> Shard(1) float32 through the cluster, gloo on 127.0.0.1, "
-                      f"{os.cpu_count()} cores, buckets {ns.bucket_mib:g} MiB")
-    for column in ("ranks", "tensor", "bare s", "run_reshard s", "DTensor s", "cluster reshard s", "x bare",
-                   "x run_reshard", "recycling off s", "x bare (off)", "new shard MiB/rank", "staging MiB/rank"):
+    out = Table(
+        title=f"Reshard Shard(0) <-> Shard(1) float32 through the cluster, gloo on 127.0.0.1, "
+        f"{os.cpu_count()} cores, buckets {ns.bucket_mib:g} MiB"
+    )
+    for column in (
+        "ranks",
+        "tensor",
+        "bare s",
+        "run_reshard s",
+        "DTensor s",
+        "cluster reshard s",
+        "x bare",
+        "x run_reshard",
+        "recycling off s",
+        "x bare (off)",
+        "new shard MiB/rank",
+        "staging MiB/rank",
+    ):
         out.add_column(column, justify="right")
     for r in rows:
         mib = r["n"] * r["n"] * 4 / (1 << 20)
-        out.add_row(str(r["world"]), f"{r['n']}x{r['n']} ({mib:.0f} MiB)", f"{r['bare_s']:.3f}",
-                    f"{r['run_reshard_s']:.3f}", "-" if r["dtensor_s"] is None else f"{r['dtensor_s']:.3f}",
-                    f"{r['cluster_reshard_s']:.3f}", f"{r['cluster_reshard_s'] / r['bare_s']:.2f}",
-                    f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}", f"{r['cluster_reshard_no_recycling_s']:.3f}",
-                    f"{r['cluster_reshard_no_recycling_s'] / r['bare_s']:.2f}",
-                    f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
-                    f"{r['max_staging_bytes'] / (1 << 20):.1f}")
+        out.add_row(
+            str(r["world"]),
+            f"{r['n']}x{r['n']} ({mib:.0f} MiB)",
+            f"{r['bare_s']:.3f}",
+            f"{r['run_reshard_s']:.3f}",
+            "-" if r["dtensor_s"] is None else f"{r['dtensor_s']:.3f}",
+            f"{r['cluster_reshard_s']:.3f}",
+            f"{r['cluster_reshard_s'] / r['bare_s']:.2f}",
+            f"{r['cluster_reshard_s'] / r['run_reshard_s']:.2f}",
+            f"{r['cluster_reshard_no_recycling_s']:.3f}",
+            f"{r['cluster_reshard_no_recycling_s'] / r['bare_s']:.2f}",
+            f"{r['max_new_shard_bytes'] / (1 << 20):.1f}",
+            f"{r['max_staging_bytes'] / (1 << 20):.1f}",
+        )
     Console(width=180).print(out)
     if ns.json:
         with open(ns.json, "w") as f:

@@ -10,6 +10,7 @@ timed (milliseconds at a time, with Python's 5 ms switch interval).
 Protocol on the sampler's stdin/stdout, one line each: `open ID` -> `ok`,
 `close ID` -> JSON {pid: peak bytes}, `rescan` (no answer), EOF ends it.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 import psutil
 
@@ -32,17 +33,30 @@ class RssSampler:
 
     def __init__(self, interval_s: float = 0.01, rescan_s: float = 0.25) -> None:
         if not interval_s > 0 or not rescan_s > 0:
-            raise ValueError(f"interval_s and rescan_s must be > 0, got {interval_s!r}, {rescan_s!r}")
+            raise ValueError(
+                f"interval_s and rescan_s must be > 0, got {interval_s!r}, {rescan_s!r}"
+            )
         self.interval_s, self.rescan_s = interval_s, rescan_s
         self._labels: dict[int, str] = {os.getpid(): SELF_LABEL}
         self._lock = threading.Lock()
         self._next_id = 0
         self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.rss", str(os.getpid()), str(self.interval_s), str(self.rescan_s)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.rss",
+                str(os.getpid()),
+                str(self.interval_s),
+                str(self.rescan_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,9 +92,13 @@ class RssSampler:
             yield report
         finally:
             with self._lock:
-                peaks = {int(pid): rss for pid, rss in json.loads(self._ask(f"close {wid}")).items()}
+                peaks = {
+                    int(pid): rss for pid, rss in json.loads(self._ask(f"close {wid}")).items()
+                }
             wanted = set(peaks) if pids is None else set(pids)
-            report.update({self.label_of(pid): rss for pid, rss in sorted(peaks.items()) if pid in wanted})
+            report.update(
+                {self.label_of(pid): rss for pid, rss in sorted(peaks.items()) if pid in wanted}
+            )
 
     def _send(self, line: str) -> None:
         if self._proc is None:
@@ -91,7 +109,9 @@ class RssSampler:
         self._send(line)
         reply = self._proc.stdout.readline()
         if not reply:
-            raise RuntimeError(f"RSS sampler exited (code {self._proc.poll()}) before answering {line!r}")
+            raise RuntimeError(
+                f"RSS sampler exited (code {self._proc.poll()}) before answering {line!r}"
+            )
         return reply.strip()
 
 

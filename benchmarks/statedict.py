@@ -12,6 +12,7 @@ issue 175) are quoted in docs/performance.md, not measured here.
 
     python -m benchmarks --only statedict
 """
+
 from __future__ import annotations
 
 import os
@@ -32,19 +33,35 @@ QUICK_CASES = ((64, 4 << 20), (128, 128 * 8192))
 
 def _state(count: int, total_bytes: int, mesh: Any, placements_of: Any) -> dict[str, Any]:
     from torch.distributed.tensor import distribute_tensor
+
     rows = max(2, int((total_bytes // count // 4) ** 0.5))
-    return {f"layer{i}.w": distribute_tensor(torch.full((rows, rows), float(i)), mesh, placements_of(i))
-            for i in range(count)}
+    return {
+        f"layer{i}.w": distribute_tensor(torch.full((rows, rows), float(i)), mesh, placements_of(i))
+        for i in range(count)
+    }
 
 
-def _job(rank: int, port: int, address: str, cases: tuple[tuple[int, int], ...], folder: str, results: Any) -> None:
+def _job(
+    rank: int,
+    port: int,
+    address: str,
+    cases: tuple[tuple[int, int], ...],
+    folder: str,
+    results: Any,
+) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from client import connect
+    from shardserve import connect
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=4,
+        timeout=timedelta(seconds=600),
+    )
     groups = (dist.new_group([0, 1]), dist.new_group([2, 3]))
     meshes = (DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3]))
     cluster, paths = connect(address), {}
@@ -52,32 +69,47 @@ def _job(rank: int, port: int, address: str, cases: tuple[tuple[int, int], ...],
     cluster.session.write_shards = lambda writes: paths.update(write_shards(writes)) or paths
     for index, (count, total_bytes) in enumerate(cases):
         paths.clear()
-        times, ok = _case(rank, cluster, f"bench{index}", count, total_bytes, f"{folder}/{index}", groups, meshes)
+        times, ok = _case(
+            rank, cluster, f"bench{index}", count, total_bytes, f"{folder}/{index}", groups, meshes
+        )
         results.put((index, rank, times, ok, "+".join(sorted(paths))))
     cluster.close()
     dist.destroy_process_group()
 
 
-def _case(rank: int, cluster: Any, prefix: str, count: int, total_bytes: int, folder: str, groups: Any,
-          meshes: Any) -> tuple[dict[str, float], bool]:
+def _case(
+    rank: int,
+    cluster: Any,
+    prefix: str,
+    count: int,
+    total_bytes: int,
+    folder: str,
+    groups: Any,
+    meshes: Any,
+) -> tuple[dict[str, float], bool]:
     """One case on this process: the trainer (ranks 0-1) puts and dcp.saves, the inference job (2-3) gets and
     dcp.loads; seconds of each step as this process saw them, and whether its shards came back right."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Replicate, Shard
 
-    from client import spmd
+    from shardserve import spmd
+
     trainer, inference = groups
     group = trainer if rank < 2 else inference
     if rank < 2:
         state = _state(count, total_bytes, meshes[0], lambda i: [Shard(0)])
     else:
-        state = _state(count, total_bytes, meshes[1], lambda i: [Shard(1)] if i % 2 else [Replicate()])
+        state = _state(
+            count, total_bytes, meshes[1], lambda i: [Shard(1)] if i % 2 else [Replicate()]
+        )
     out = {}
     for what in ("put", "put again", "put steady", "get", "dcp.save", "dcp.load"):
         dist.barrier()
         start = time.perf_counter()
-        if what.startswith("put") and rank < 2:  # keep=1: the third put reuses the buffers the second one freed
+        if (
+            what.startswith("put") and rank < 2
+        ):  # keep=1: the third put reuses the buffers the second one freed
             spmd.put_state_dict(cluster, state, prefix, group=trainer, keep=1)
         elif what == "get" and rank >= 2:
             spmd.get_state_dict(cluster, prefix, into=state, group=inference)
@@ -87,7 +119,10 @@ def _case(rank: int, cluster: Any, prefix: str, count: int, total_bytes: int, fo
             dcp.load(state, checkpoint_id=folder, process_group=group)
         dist.barrier(group)
         out[what] = time.perf_counter() - start
-    ok = all(torch.equal(v.to_local(), torch.full_like(v.to_local(), float(i))) for i, v in enumerate(state.values()))
+    ok = all(
+        torch.equal(v.to_local(), torch.full_like(v.to_local(), float(i)))
+        for i, v in enumerate(state.values())
+    )
     return out, ok
 
 
@@ -128,13 +163,16 @@ def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]
     """Per case: seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket
     transfer, the write path and whether every shard came back right (one 4-process world for all cases)."""
     import torch.multiprocessing as mp
+    from shardserve.server.launcher import free_port
 
-    from server.launcher import free_port
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-") as folder:
         port = free_port()
-        procs = [ctx.Process(target=_job, args=(r, port, address, cases, folder, results)) for r in range(4)]
+        procs = [
+            ctx.Process(target=_job, args=(r, port, address, cases, folder, results))
+            for r in range(4)
+        ]
         for p in procs:
             p.start()
         answers = [results.get(timeout=900) for _ in range(4 * len(cases))]
@@ -143,15 +181,26 @@ def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]
     out = []
     for index, (_, total_bytes) in enumerate(cases):
         by_rank = {rank: (times, paths) for i, rank, times, _, paths in answers if i == index}
-        out.append({"put_s": by_rank[0][0]["put"], "put_steady_s": by_rank[0][0]["put steady"],
-                    "get_s": by_rank[2][0]["get"],
-                    "dcp_save_s": by_rank[0][0]["dcp.save"], "dcp_load_s": by_rank[2][0]["dcp.load"],
-                    "copy_s": _copy_s(total_bytes), "socket_s": _socket_s(total_bytes),
-                    "write_path": by_rank[0][1] or "none", "ok": all(ok for i, _, _, ok, _ in answers if i == index)})
+        out.append(
+            {
+                "put_s": by_rank[0][0]["put"],
+                "put_steady_s": by_rank[0][0]["put steady"],
+                "get_s": by_rank[2][0]["get"],
+                "dcp_save_s": by_rank[0][0]["dcp.save"],
+                "dcp_load_s": by_rank[2][0]["dcp.load"],
+                "copy_s": _copy_s(total_bytes),
+                "socket_s": _socket_s(total_bytes),
+                "write_path": by_rank[0][1] or "none",
+                "ok": all(ok for i, _, _, ok, _ in answers if i == index),
+            }
+        )
     return out
 
 
-@scenario("statedict", help="SPMD state dict put/get (2 -> 2 processes) vs dcp.save/load and bare transfers")
+@scenario(
+    "statedict",
+    help="SPMD state dict put/get (2 -> 2 processes) vs dcp.save/load and bare transfers",
+)
 def statedict_scenario(ctx: Context) -> list[Row]:
     """A 2-process trainer puts, a 2-process inference job gets, for a few large and many small tensors."""
     from contextlib import ExitStack
@@ -164,21 +213,84 @@ def statedict_scenario(ctx: Context) -> list[Row]:
     rows = []
     for (count, total), r in zip(cases, measured):
         case = f"{count} tensors, {total >> 10} KiB"
-        per_tensor = {"per_tensor_ms": {what: 1e3 * r[f"{what}_s"] / count
-                                        for what in ("put", "get", "dcp_save", "dcp_load")}}
-        rows += [Row("statedict", case, "spmd.put_state_dict", r["put_s"], path=r["write_path"], nbytes=total,
-                     ok=r["ok"], baseline="dcp.save", peak_rss=peaks, extra=per_tensor,
-                     note="first put: the ranks' memory is new"),
-                 Row("statedict", case, "spmd.put_state_dict (steady)", r["put_steady_s"], path=r["write_path"],
-                     nbytes=total, ok=r["ok"], baseline="dcp.save", peak_rss=peaks,
-                     note="third put, keep=1: into buffers the previous snapshot freed"),
-                 Row("statedict", case, "spmd.get_state_dict", r["get_s"], path="auto", nbytes=total, ok=r["ok"],
-                     baseline="dcp.load", peak_rss=peaks),
-                 Row("statedict", case, "dcp.save", r["dcp_save_s"], path="filesystem", role="baseline",
-                     nbytes=total),
-                 Row("statedict", case, "dcp.load", r["dcp_load_s"], path="filesystem", role="baseline",
-                     nbytes=total),
-                 Row("statedict", case, "bare copy", r["copy_s"], path="memory", role="baseline", nbytes=total),
-                 Row("statedict", case, "bare socket", r["socket_s"], path="loopback tcp", role="baseline",
-                     nbytes=total)]
+        per_tensor = {
+            "per_tensor_ms": {
+                what: 1e3 * r[f"{what}_s"] / count
+                for what in ("put", "get", "dcp_save", "dcp_load")
+            }
+        }
+        rows += [
+            Row(
+                "statedict",
+                case,
+                "spmd.put_state_dict",
+                r["put_s"],
+                path=r["write_path"],
+                nbytes=total,
+                ok=r["ok"],
+                baseline="dcp.save",
+                peak_rss=peaks,
+                extra=per_tensor,
+                note="first put: the ranks' memory is new",
+            ),
+            Row(
+                "statedict",
+                case,
+                "spmd.put_state_dict (steady)",
+                r["put_steady_s"],
+                path=r["write_path"],
+                nbytes=total,
+                ok=r["ok"],
+                baseline="dcp.save",
+                peak_rss=peaks,
+                note="third put, keep=1: into buffers the previous snapshot freed",
+            ),
+            Row(
+                "statedict",
+                case,
+                "spmd.get_state_dict",
+                r["get_s"],
+                path="auto",
+                nbytes=total,
+                ok=r["ok"],
+                baseline="dcp.load",
+                peak_rss=peaks,
+            ),
+            Row(
+                "statedict",
+                case,
+                "dcp.save",
+                r["dcp_save_s"],
+                path="filesystem",
+                role="baseline",
+                nbytes=total,
+            ),
+            Row(
+                "statedict",
+                case,
+                "dcp.load",
+                r["dcp_load_s"],
+                path="filesystem",
+                role="baseline",
+                nbytes=total,
+            ),
+            Row(
+                "statedict",
+                case,
+                "bare copy",
+                r["copy_s"],
+                path="memory",
+                role="baseline",
+                nbytes=total,
+            ),
+            Row(
+                "statedict",
+                case,
+                "bare socket",
+                r["socket_s"],
+                path="loopback tcp",
+                role="baseline",
+                nbytes=total,
+            ),
+        ]
     return rows

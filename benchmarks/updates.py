@@ -10,6 +10,7 @@ every 50 ms (with --rate-only, only the rates: 1 and 4 writers, twice).
 
     python -m benchmarks.updates [--quick] [--rate-only] [--seconds S] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,7 +45,7 @@ def update_once(client, name: str, rows: int, generator: torch.Generator) -> flo
 
 def update_cost(address: str, sizes_mib: list[int], repeats: int) -> dict[str, dict]:
     """Median and p90 seconds of one update per table size."""
-    from client import connect
+    from shardserve import connect
 
     out = {}
     generator = torch.Generator().manual_seed(0)
@@ -55,18 +56,26 @@ def update_cost(address: str, sizes_mib: list[int], repeats: int) -> dict[str, d
             update_once(client, name, rows_of(mib), generator)  # warm: first mappings and buffers
             times = [update_once(client, name, rows_of(mib), generator) for _ in range(repeats)]
             client.delete(name)
-            out[f"{mib} MiB"] = {"median_s": statistics.median(times), "p90_s": percentile(times, 0.9)}
-            print(f"update of {ROWS_PER_UPDATE} rows, {mib:5d} MiB table: median "
-                  f"{1000 * out[f'{mib} MiB']['median_s']:.1f} ms", flush=True)
+            out[f"{mib} MiB"] = {
+                "median_s": statistics.median(times),
+                "p90_s": percentile(times, 0.9),
+            }
+            print(
+                f"update of {ROWS_PER_UPDATE} rows, {mib:5d} MiB table: median "
+                f"{1000 * out[f'{mib} MiB']['median_s']:.1f} ms",
+                flush=True,
+            )
     return out
 
 
 def update_rate(address: str, name: str, rows: int, writers: int, seconds: float) -> dict:
     """Updates per second committed by `writers` clients updating one table as fast as they can."""
-    from client import connect
+    from shardserve import connect
 
     counts, errors = [0] * writers, [0] * writers
-    versions: set[int] = set()  # the versions the updates landed in (group commit: fewer than updates)
+    versions: set[int] = (
+        set()
+    )  # the versions the updates landed in (group commit: fewer than updates)
     stop = time.monotonic() + seconds
 
     def writer(slot: int) -> None:
@@ -87,14 +96,16 @@ def update_rate(address: str, name: str, rows: int, writers: int, seconds: float
     for thread in threads:
         thread.join()
     rate = sum(counts) / seconds
-    print(f"{writers} writer(s): {rate:.1f} updates/s in {len(versions)} versions, {sum(errors)} failed",
-          flush=True)
+    print(
+        f"{writers} writer(s): {rate:.1f} updates/s in {len(versions)} versions, {sum(errors)} failed",
+        flush=True,
+    )
     return {"updates_per_s": rate, "failed": sum(errors), "versions": len(versions)}
 
 
 def lookups_during(address: str, name: str, rows: int, seconds: float, updating: bool) -> dict:
     """p50/p99 of lookups of LOOKUP_IDS ids (default path), with or without a writer updating every 50 ms."""
-    from client import connect
+    from shardserve import connect
 
     stop = time.monotonic() + seconds
     failures = [0, 0]
@@ -127,20 +138,37 @@ def lookups_during(address: str, name: str, rows: int, seconds: float, updating:
     if thread is not None:
         thread.join()
     label = "with updates" if updating else "no updates"
-    result = {"p50_ms": statistics.median(times) if times else float("nan"), "p99_ms": percentile(times, 0.99),
-              "lookups": len(times), "failed_lookups": failures[0], "failed_updates": failures[1]}
-    print(f"lookups {label}: p50 {result['p50_ms']:.2f} ms p99 {result['p99_ms']:.2f} ms, "
-          f"{failures[0]} failed lookups, {failures[1]} failed updates", flush=True)
+    result = {
+        "p50_ms": statistics.median(times) if times else float("nan"),
+        "p99_ms": percentile(times, 0.99),
+        "lookups": len(times),
+        "failed_lookups": failures[0],
+        "failed_updates": failures[1],
+    }
+    print(
+        f"lookups {label}: p50 {result['p50_ms']:.2f} ms p99 {result['p99_ms']:.2f} ms, "
+        f"{failures[0]} failed lookups, {failures[1]} failed updates",
+        flush=True,
+    )
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.updates", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tables of 4, 16 and 64 MiB, short runs")
-    parser.add_argument("--seconds", type=float, default=5.0, help="length of each rate and latency run")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.updates", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="tables of 4, 16 and 64 MiB, short runs"
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=5.0, help="length of each rate and latency run"
+    )
     parser.add_argument("--repeats", type=int, default=10, help="updates timed per table size")
-    parser.add_argument("--rate-only", action="store_true",
-                        help="only the update rates (1 and 4 writers, twice), no table sizes or lookups")
+    parser.add_argument(
+        "--rate-only",
+        action="store_true",
+        help="only the update rates (1 and 4 writers, twice), no table sizes or lookups",
+    )
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.seconds <= 0 or args.repeats < 1:
@@ -157,26 +185,37 @@ def main(argv: list[str] | None = None) -> dict:
 
 def rates_only(seconds: float) -> dict:
     """The update rates with 1 and 4 writers, each measured twice (the host's load moves single runs)."""
-    from client import connect
-    from server.launcher import LocalCluster
+    from shardserve.server.launcher import LocalCluster
 
-    with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state,
-                                                              log_level="WARNING") as cluster:
+    from shardserve import connect
+
+    with (
+        tempfile.TemporaryDirectory() as state,
+        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+    ):
         name, rows = "updates_rate", rows_of(16)
         with connect(cluster.address) as client:
             client.put(name, torch.zeros(rows, COLUMNS))
-        return {"rate": {f"{n} writers, run {k}": update_rate(cluster.address, name, rows, n, seconds)
-                         for k in (1, 2) for n in (1, 4)}}
+        return {
+            "rate": {
+                f"{n} writers, run {k}": update_rate(cluster.address, name, rows, n, seconds)
+                for k in (1, 2)
+                for n in (1, 4)
+            }
+        }
 
 
 def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
     """Update cost by table size, update rates, and lookups with and without updates."""
-    from client import connect
-    from server.launcher import LocalCluster
+    from shardserve.server.launcher import LocalCluster
+
+    from shardserve import connect
 
     results: dict = {"sizes_mib": sizes}
-    with tempfile.TemporaryDirectory() as state, LocalCluster(ranks=2, state_dir=state,
-                                                              log_level="WARNING") as cluster:
+    with (
+        tempfile.TemporaryDirectory() as state,
+        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+    ):
         results["update_cost"] = update_cost(cluster.address, sizes, repeats)
         small = results["update_cost"][f"{sizes[0]} MiB"]["median_s"]
         large = results["update_cost"][f"{sizes[-1]} MiB"]["median_s"]
@@ -185,9 +224,13 @@ def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
         name, rows = "updates_rate", rows_of(16)
         with connect(cluster.address) as client:
             client.put(name, torch.zeros(rows, COLUMNS))
-        results["rate"] = {f"{n} writers": update_rate(cluster.address, name, rows, n, seconds) for n in (1, 4)}
-        results["lookups"] = {label: lookups_during(cluster.address, name, rows, seconds, updating)
-                              for label, updating in (("no updates", False), ("with updates", True))}
+        results["rate"] = {
+            f"{n} writers": update_rate(cluster.address, name, rows, n, seconds) for n in (1, 4)
+        }
+        results["lookups"] = {
+            label: lookups_during(cluster.address, name, rows, seconds, updating)
+            for label, updating in (("no updates", False), ("with updates", True))
+        }
     return results
 
 

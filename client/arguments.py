@@ -5,15 +5,15 @@ ill-typed values with messages that name no argument ("Value out of range",
 "bad argument type for built-in operation") or, for a deadline of 1e12 s, with
 an immediate DEADLINE_EXCEEDED; these checks come first.
 """
+
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
-
-from client.errors import InvalidArgumentError
+from shardserve.client.errors import InvalidArgumentError
 
 MAX_SECONDS = 365 * 86400.0  # longer deadlines overflow gRPC's clock arithmetic (and mean "never")
 INT64_LIMIT = 1 << 63
@@ -22,10 +22,15 @@ INT64_LIMIT = 1 << 63
 def seconds(value: Any, field: str, allow_zero: bool = False) -> float:
     """A finite number of seconds, > 0 (or >= 0 with `allow_zero`) and at most MAX_SECONDS."""
     low = "0 <=" if allow_zero else "0 <"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
-            (value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS):  # NaN fails both
-        raise InvalidArgumentError(f"{field} must be a number of seconds with {low} {field} <= {MAX_SECONDS:g} "
-                                   f"(one year), got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not ((value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS)
+    ):  # NaN fails both
+        raise InvalidArgumentError(
+            f"{field} must be a number of seconds with {low} {field} <= {MAX_SECONDS:g} "
+            f"(one year), got {value!r}"
+        )
     return float(value)
 
 
@@ -59,7 +64,9 @@ def tensor_name(name: Any, field: str = "name") -> str:
     try:
         name.encode()
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"{field} {name!r} is not valid Unicode text (a lone surrogate)") from None
+        raise InvalidArgumentError(
+            f"{field} {name!r} is not valid Unicode text (a lone surrogate)"
+        ) from None
     return name
 
 
@@ -70,7 +77,9 @@ def name_list(names: Any, field: str = "names") -> list[str] | None:
     if isinstance(names, str):
         return [tensor_name(names, field)]
     if isinstance(names, (bytes, bytearray)) or not isinstance(names, Iterable):
-        raise TypeError(f"{field} must be a name or an iterable of names, got {type(names).__name__}")
+        raise TypeError(
+            f"{field} must be a name or an iterable of names, got {type(names).__name__}"
+        )
     listed = list(names)
     return [tensor_name(name, f"{field}[{i}]") for i, name in enumerate(listed)]
 
@@ -78,6 +87,8 @@ def name_list(names: Any, field: str = "names") -> list[str] | None:
 def dense_tensor(tensor: torch.Tensor, field: str) -> torch.Tensor:
     """`tensor` if it is a dense tensor holding data (not meta, sparse or nested); InvalidArgumentError naming it."""
     if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta":
-        raise InvalidArgumentError(f"{field} must be a dense tensor holding data, got layout {tensor.layout} on "
-                                   f"{tensor.device}{' (nested)' if tensor.is_nested else ''}")
+        raise InvalidArgumentError(
+            f"{field} must be a dense tensor holding data, got layout {tensor.layout} on "
+            f"{tensor.device}{' (nested)' if tensor.is_nested else ''}"
+        )
     return tensor

@@ -5,21 +5,27 @@ stubs, and the rank methods whose messages go through the custom chunk codec
 (protos.chunk_codec: bytes stay views of the received message). Writes are
 client-streamed chunks of about 1 MiB; parts of one read run on its pool.
 """
+
 from __future__ import annotations
 
 import ssl
 import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
-
-from client.errors import ShardServeError, error_from_rpc
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from protos.chunk_codec import decode_chunk, decode_lookup_chunk, decode_lookup_reply, encode_write_chunk
+from shardserve.client.errors import ShardServeError, error_from_rpc
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.chunk_codec import (
+    decode_chunk,
+    decode_lookup_chunk,
+    decode_lookup_reply,
+    encode_write_chunk,
+)
 
 CHUNK_BYTES = 1 << 20
 MAX_MESSAGE_BYTES = 64 << 20
@@ -61,7 +67,9 @@ class Credentials:
     def ssl_context(self) -> ssl.SSLContext:
         """The bulk port's TLS context from the same files as the gRPC channels: the rank's certificate verified
         against tls_ca (the system's CAs without it) and its host name, ours presented for mTLS."""
-        _read_file(self.tls_ca, "tls_ca")  # the same ValueError naming the field as channel_credentials
+        _read_file(
+            self.tls_ca, "tls_ca"
+        )  # the same ValueError naming the field as channel_credentials
         context = ssl.create_default_context(cafile=self.tls_ca)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         if self.tls_cert is not None:
@@ -72,7 +80,8 @@ class Credentials:
         return grpc.ssl_channel_credentials(
             root_certificates=_read_file(self.tls_ca, "tls_ca"),
             private_key=_read_file(self.tls_key, "tls_key"),
-            certificate_chain=_read_file(self.tls_cert, "tls_cert"))
+            certificate_chain=_read_file(self.tls_cert, "tls_cert"),
+        )
 
 
 def _read_file(path: str | None, field: str) -> bytes | None:
@@ -99,20 +108,25 @@ class ShardMethods(NamedTuple):
     protos.chunk_codec (where protobuf would copy the bytes twice): made once per address, since making them
     per call costs as much as a small lookup."""
 
-    read_region: Any        # ReadRegion -> iterator of (offset, memoryview)
+    read_region: Any  # ReadRegion -> iterator of (offset, memoryview)
     read_region_small: Any  # ReadRegionSmall -> (offset, memoryview)
-    write_shard: Any        # WriteShard <- pre-serialized requests
-    lookup_small: Any       # LookupSmall -> list[RawLookupChunk]
-    lookup: Any             # Lookup -> iterator of RawLookupChunk
-    write_shards: Any       # WriteShards (whole shards, their bytes inline or in a same-host memfd)
-    read_regions: Any       # ReadRegions (many small boxes, their bytes in one reply)
+    write_shard: Any  # WriteShard <- pre-serialized requests
+    lookup_small: Any  # LookupSmall -> list[RawLookupChunk]
+    lookup: Any  # Lookup -> iterator of RawLookupChunk
+    write_shards: Any  # WriteShards (whole shards, their bytes inline or in a same-host memfd)
+    read_regions: Any  # ReadRegions (many small boxes, their bytes in one reply)
 
 
 class Channel:
     """gRPC channels to the coordinator and the ranks, with this client's credentials, deadline and pool."""
 
-    def __init__(self, credentials: Credentials, timeout: float, max_workers: int = 16,
-                 interceptor: Any = None) -> None:
+    def __init__(
+        self,
+        credentials: Credentials,
+        timeout: float,
+        max_workers: int = 16,
+        interceptor: Any = None,
+    ) -> None:
         self.credentials = credentials
         self.interceptor = interceptor  # wraps every channel (client.tracing), or None
         self.timeout = timeout
@@ -120,7 +134,9 @@ class Channel:
         self._channels: dict[str, grpc.Channel] = {}
         self._shard_methods: dict[str, ShardMethods] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shardserve-client")
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="shardserve-client"
+        )
         self._closed = False
 
     # ------------------------------------------------------------ channels
@@ -132,8 +148,9 @@ class Channel:
             channel = self._channels.get(address)
             if channel is None:
                 if self.credentials.uses_tls:
-                    channel = grpc.secure_channel(address, self.credentials.channel_credentials(),
-                                                  options=_CHANNEL_OPTIONS)
+                    channel = grpc.secure_channel(
+                        address, self.credentials.channel_credentials(), options=_CHANNEL_OPTIONS
+                    )
                 else:
                     channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
                 if self.interceptor is not None:
@@ -158,20 +175,42 @@ class Channel:
         if methods is None:
             channel = self.channel(address)
             methods = self._shard_methods[address] = ShardMethods(
-                channel.unary_stream(f"{SHARD_SERVICE}/ReadRegion", request_serializer=_serialize,
-                                     response_deserializer=decode_chunk),
-                channel.unary_unary(f"{SHARD_SERVICE}/ReadRegionSmall", request_serializer=_serialize,
-                                    response_deserializer=decode_chunk),
-                channel.stream_unary(f"{SHARD_SERVICE}/WriteShard", request_serializer=None,  # come serialized
-                                     response_deserializer=pb.WriteShardResponse.FromString),
-                channel.unary_unary(f"{SHARD_SERVICE}/LookupSmall", request_serializer=_serialize,
-                                    response_deserializer=decode_lookup_reply),
-                channel.unary_stream(f"{SHARD_SERVICE}/Lookup", request_serializer=_serialize,
-                                     response_deserializer=decode_lookup_chunk),
-                channel.unary_unary(f"{SHARD_SERVICE}/WriteShards", request_serializer=_serialize,
-                                    response_deserializer=pb.WriteShardsResponse.FromString),
-                channel.unary_unary(f"{SHARD_SERVICE}/ReadRegions", request_serializer=_serialize,
-                                    response_deserializer=pb.ReadRegionsReply.FromString))
+                channel.unary_stream(
+                    f"{SHARD_SERVICE}/ReadRegion",
+                    request_serializer=_serialize,
+                    response_deserializer=decode_chunk,
+                ),
+                channel.unary_unary(
+                    f"{SHARD_SERVICE}/ReadRegionSmall",
+                    request_serializer=_serialize,
+                    response_deserializer=decode_chunk,
+                ),
+                channel.stream_unary(
+                    f"{SHARD_SERVICE}/WriteShard",
+                    request_serializer=None,  # come serialized
+                    response_deserializer=pb.WriteShardResponse.FromString,
+                ),
+                channel.unary_unary(
+                    f"{SHARD_SERVICE}/LookupSmall",
+                    request_serializer=_serialize,
+                    response_deserializer=decode_lookup_reply,
+                ),
+                channel.unary_stream(
+                    f"{SHARD_SERVICE}/Lookup",
+                    request_serializer=_serialize,
+                    response_deserializer=decode_lookup_chunk,
+                ),
+                channel.unary_unary(
+                    f"{SHARD_SERVICE}/WriteShards",
+                    request_serializer=_serialize,
+                    response_deserializer=pb.WriteShardsResponse.FromString,
+                ),
+                channel.unary_unary(
+                    f"{SHARD_SERVICE}/ReadRegions",
+                    request_serializer=_serialize,
+                    response_deserializer=pb.ReadRegionsReply.FromString,
+                ),
+            )
         return methods
 
     @property
@@ -194,25 +233,40 @@ class Channel:
         """Deadline of a call moving `nbytes`: the control timeout plus time for the bytes."""
         return self.timeout + nbytes / _SLOWEST_BYTES_PER_S
 
-    def unary(self, method: Callable[..., Any], request: Any, where: str, timeout: float | None = None) -> Any:
+    def unary(
+        self, method: Callable[..., Any], request: Any, where: str, timeout: float | None = None
+    ) -> Any:
         """Call a unary RPC with deadline and auth; raise the matching ShardServeError on failure."""
         self.check_open()
         try:
-            return method(request, timeout=self.timeout if timeout is None else timeout,
-                          metadata=self._metadata)
+            return method(
+                request,
+                timeout=self.timeout if timeout is None else timeout,
+                metadata=self._metadata,
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
 
-    def write_shard(self, address: str, header: pb.WriteShardHeader, data: memoryview,
-                    chunk_bytes: int = CHUNK_BYTES) -> int:
+    def write_shard(
+        self,
+        address: str,
+        header: pb.WriteShardHeader,
+        data: memoryview,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> int:
         """Stream one whole shard (`data`, its C-contiguous bytes) to its owner; returns bytes written."""
+
         def requests() -> Iterator[bytes]:
             yield pb.WriteShardRequest(header=header).SerializeToString()
             for start in range(0, len(data), chunk_bytes):
-                yield encode_write_chunk(start, data[start:start + chunk_bytes])
+                yield encode_write_chunk(start, data[start : start + chunk_bytes])
 
-        reply = self.unary(self.shard_methods(address).write_shard, requests(), f"rank at {address}",
-                           timeout=self.data_timeout(len(data)))
+        reply = self.unary(
+            self.shard_methods(address).write_shard,
+            requests(),
+            f"rank at {address}",
+            timeout=self.data_timeout(len(data)),
+        )
         return reply.bytes_written
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
@@ -230,7 +284,9 @@ def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
 
 
-def run_here_and_on(jobs: Sequence[Callable[[], T]], submit: Callable[[Callable[[], T]], "Future[T]"]) -> list[T]:
+def run_here_and_on(
+    jobs: Sequence[Callable[[], T]], submit: Callable[[Callable[[], T]], Future[T]]
+) -> list[T]:
     """Run the callables in `jobs`, the first on this thread and the rest through `submit` (one thread hand-off
     fewer per call), wait for all, raise the first failure in job order once every job has ended."""
     futures = [submit(job) for job in jobs[1:]]

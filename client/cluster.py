@@ -5,46 +5,73 @@ hands out RemoteShardedTensor proxies for reading. A put is all-or-nothing: the
 tensor is created PENDING, every shard streamed to its owner, then committed;
 any failure aborts the pending version so no half tensor is ever visible.
 """
+
 from __future__ import annotations
 
 import contextlib
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import torch
+from shardserve.client import arguments
+from shardserve.client.channel import (
+    CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    Channel,
+    Credentials,
+    check_address,
+)
+from shardserve.client.embedding.lookup import Lookups
+from shardserve.client.embedding.row_cache import CacheStats, RowCache
+from shardserve.client.embedding.views import table_options
+from shardserve.client.errors import (
+    AbortedError,
+    InvalidArgumentError,
+    RankUnavailableError,
+    ShardServeError,
+    StaleVersionError,
+    TensorNotFoundError,
+)
+from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.ops import checkpoints
+from shardserve.client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
+from shardserve.client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
+from shardserve.client.paths.hedging import HEDGE_AFTER_S
+from shardserve.client.paths.policy import PathPolicy, check_transport
+from shardserve.client.paths.writes import shard_write
+from shardserve.client.session import Session
+from shardserve.client.snapshots import Snapshot
+from shardserve.client.tensor import RemoteShardedTensor
+from shardserve.client.tracing import call_interceptor
+from shardserve.core.dtypes import dtype_from_name, dtype_to_wire
+from shardserve.core.regions import cut_tensor
+from shardserve.core.specs import tensor_size
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
 
-from client import arguments
-from client.channel import CHUNK_BYTES, MAX_CHUNK_BYTES, Channel, Credentials, check_address
-from client.embedding.lookup import Lookups
-from client.embedding.row_cache import CacheStats, RowCache
-from client.embedding.views import table_options
-from client.paths.writes import shard_write
-from client.errors import (AbortedError, InvalidArgumentError, RankUnavailableError, ShardServeError,
-                           StaleVersionError, TensorNotFoundError)
-from client.info import RankStatus, TensorSummary
-from client.ops import checkpoints
-from client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
-from client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
-from client.paths.hedging import HEDGE_AFTER_S
-from client.paths.policy import PathPolicy, check_transport
-from client.session import Session
-from client.snapshots import Snapshot
-from client.tensor import RemoteShardedTensor
-from client.tracing import call_interceptor
-from protos import shardserve_pb2 as pb
-from shardcore.dtypes import dtype_from_name, dtype_to_wire
-from shardcore.regions import cut_tensor
-from shardcore.specs import tensor_size
-from shardcore.wire import metadata_to_proto
-
-INIT_KINDS = {"zeros": pb.INIT_ZEROS, "ones": pb.INIT_ONES, "normal": pb.INIT_NORMAL, "arange": pb.INIT_ARANGE}
+INIT_KINDS = {
+    "zeros": pb.INIT_ZEROS,
+    "ones": pb.INIT_ONES,
+    "normal": pb.INIT_NORMAL,
+    "arange": pb.INIT_ARANGE,
+}
 
 
-def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_ca: str | None = None,
-            tls_cert: str | None = None, tls_key: str | None = None, row_cache_bytes: int = 0,
-            row_cache_max_age: float = 1.0, transport: str = "auto",
-            hedge_after: float | None = HEDGE_AFTER_S, tracing: Any = None) -> "Cluster":
+def connect(
+    address: str,
+    token: str | None = None,
+    timeout: float = 30.0,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    row_cache_bytes: int = 0,
+    row_cache_max_age: float = 1.0,
+    transport: str = "auto",
+    hedge_after: float | None = HEDGE_AFTER_S,
+    tracing: Any = None,
+) -> Cluster:
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
@@ -64,15 +91,27 @@ def connect(address: str, token: str | None = None, timeout: float = 30.0, tls_c
     check_transport(transport)
     timeout = arguments.seconds(timeout, "timeout")
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
-    hedge_after = arguments.seconds(hedge_after, "hedge_after", allow_zero=True) if hedge_after is not None else None
-    cache = RowCache(arguments.count(row_cache_bytes, "row_cache_bytes")) if row_cache_bytes else None
-    channel = Channel(Credentials(token, tls_ca, tls_cert, tls_key), timeout, interceptor=call_interceptor(tracing))
+    hedge_after = (
+        arguments.seconds(hedge_after, "hedge_after", allow_zero=True)
+        if hedge_after is not None
+        else None
+    )
+    cache = (
+        RowCache(arguments.count(row_cache_bytes, "row_cache_bytes")) if row_cache_bytes else None
+    )
+    channel = Channel(
+        Credentials(token, tls_ca, tls_cert, tls_key),
+        timeout,
+        interceptor=call_interceptor(tracing),
+    )
     cluster = Cluster(address, channel, cache, row_cache_max_age, transport, hedge_after)
     try:
         cluster.session.refresh_ranks()
     except RankUnavailableError as err:
         cluster.close()
-        raise RankUnavailableError(f"{err}{_tls_hint(str(err), tls_ca, tls_cert)}", err.code) from None
+        raise RankUnavailableError(
+            f"{err}{_tls_hint(str(err), tls_ca, tls_cert)}", err.code
+        ) from None
     except BaseException:
         cluster.close()
         raise
@@ -87,8 +126,10 @@ def _tls_hint(message: str, tls_ca: str | None, tls_cert: str | None) -> str:
     if not tls_ca:
         return " (if the cluster serves TLS, pass tls_ca, and tls_cert/tls_key when it wants client certificates)"
     if not tls_cert:
-        return (" (if the cluster wants client certificates (mutual TLS), pass tls_cert and tls_key; if it serves "
-                "plaintext, pass no tls_ca)")
+        return (
+            " (if the cluster wants client certificates (mutual TLS), pass tls_cert and tls_key; if it serves "
+            "plaintext, pass no tls_ca)"
+        )
     return " (if the cluster serves plaintext, pass no tls_ca/tls_cert/tls_key)"
 
 
@@ -99,9 +140,15 @@ class Cluster:
     (client.embedding.lookup.Lookups) holds the table views, the row cache and the path each rank answered by.
     """
 
-    def __init__(self, address: str, channel: Channel, row_cache: RowCache | None = None,
-                 row_cache_max_age: float = 1.0, transport: str = "auto",
-                 hedge_after: float | None = HEDGE_AFTER_S) -> None:
+    def __init__(
+        self,
+        address: str,
+        channel: Channel,
+        row_cache: RowCache | None = None,
+        row_cache_max_age: float = 1.0,
+        transport: str = "auto",
+        hedge_after: float | None = HEDGE_AFTER_S,
+    ) -> None:
         self.address = address
         self.session = Session(address, channel, PathPolicy(transport, channel, hedge_after))
         self.lookups = Lookups(self.session, row_cache, row_cache_max_age)
@@ -113,7 +160,7 @@ class Cluster:
         the read pool."""
         self.session.close()
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -134,9 +181,13 @@ class Cluster:
     def list(self, include_pending: bool = False) -> list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
         include_pending = arguments.flag(include_pending, "include_pending")
-        reply = self.session.call("ListTensors", pb.ListTensorsRequest(include_pending=include_pending))
+        reply = self.session.call(
+            "ListTensors", pb.ListTensorsRequest(include_pending=include_pending)
+        )
         tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
-        return sorted((t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name)
+        return sorted(
+            (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
+        )
 
     def tensor(self, name: str) -> RemoteShardedTensor:
         """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
@@ -155,9 +206,19 @@ class Cluster:
 
     # ------------------------------------------------------------ creating tensors
 
-    def create(self, name: str, shape: Sequence[int], dtype: torch.dtype | str = torch.float32, spec: Any = None,
-               init: str = "zeros", seed: int = 0, overwrite: bool = False, oov: str = "error",
-               default_row: torch.Tensor | None = None, replicas: int = 1) -> RemoteShardedTensor:
+    def create(
+        self,
+        name: str,
+        shape: Sequence[int],
+        dtype: torch.dtype | str = torch.float32,
+        spec: Any = None,
+        init: str = "zeros",
+        seed: int = 0,
+        overwrite: bool = False,
+        oov: str = "error",
+        default_row: torch.Tensor | None = None,
+        replicas: int = 1,
+    ) -> RemoteShardedTensor:
         """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange").
 
         `oov` says how embedding lookups answer ids out of range: "error", "zero" or "default" (`default_row`).
@@ -168,7 +229,11 @@ class Cluster:
         replicas = arguments.count(replicas, "replicas", minimum=1)
         if init not in INIT_KINDS:
             raise InvalidArgumentError(f"init must be one of {sorted(INIT_KINDS)}, got {init!r}")
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(1 << 63) <= seed < 1 << 63:
+        if (
+            isinstance(seed, bool)
+            or not isinstance(seed, numbers.Integral)
+            or not -(1 << 63) <= seed < 1 << 63
+        ):
             raise InvalidArgumentError(f"seed must be a 64-bit int, got {seed!r}")
         overwrite = arguments.flag(overwrite, "overwrite")
         try:
@@ -178,15 +243,30 @@ class Cluster:
         shape = _shape(shape)
         meta = self.session.layout(shape, dtype, spec, replicas)
         options = table_options(oov, default_row, shape, dtype)
-        info = self.session.create_tensor(pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=INIT_KINDS[init], seed=int(seed), overwrite=overwrite,
-            options=options))
+        info = self.session.create_tensor(
+            pb.CreateTensorRequest(
+                name=name,
+                metadata=metadata_to_proto(meta),
+                init=INIT_KINDS[init],
+                seed=int(seed),
+                overwrite=overwrite,
+                options=options,
+            )
+        )
         self.lookups.views.forget(name)
         return self._proxy(TensorSummary.from_proto(info))
 
-    def put(self, name: str, tensor: torch.Tensor, spec: Any = None, overwrite: bool = False,
-            chunk_bytes: int = CHUNK_BYTES, oov: str = "error",
-            default_row: torch.Tensor | None = None, replicas: int = 1) -> RemoteShardedTensor:
+    def put(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        spec: Any = None,
+        overwrite: bool = False,
+        chunk_bytes: int = CHUNK_BYTES,
+        oov: str = "error",
+        default_row: torch.Tensor | None = None,
+        replicas: int = 1,
+    ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
 
@@ -198,9 +278,14 @@ class Cluster:
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         arguments.dense_tensor(tensor, "tensor")
         overwrite = arguments.flag(overwrite, "overwrite")
-        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, numbers.Integral) or \
-                not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidArgumentError(f"chunk_bytes must be an int in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes!r}")
+        if (
+            isinstance(chunk_bytes, bool)
+            or not isinstance(chunk_bytes, numbers.Integral)
+            or not 0 < chunk_bytes <= MAX_CHUNK_BYTES
+        ):
+            raise InvalidArgumentError(
+                f"chunk_bytes must be an int in [1, {MAX_CHUNK_BYTES}], got {chunk_bytes!r}"
+            )
         try:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:
@@ -209,11 +294,23 @@ class Cluster:
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
-        info = self.session.create_tensor(pb.CreateTensorRequest(
-            name=name, metadata=metadata_to_proto(meta), init=pb.INIT_NONE, overwrite=overwrite, options=options))
+        info = self.session.create_tensor(
+            pb.CreateTensorRequest(
+                name=name,
+                metadata=metadata_to_proto(meta),
+                init=pb.INIT_NONE,
+                overwrite=overwrite,
+                options=options,
+            )
+        )
         try:
-            writes = [(meta.shards_metadata[index].rank, shard_write(name, info.version, index, shard, chunk_bytes))
-                      for index, shard in enumerate(shards)]
+            writes = [
+                (
+                    meta.shards_metadata[index].rank,
+                    shard_write(name, info.version, index, shard, chunk_bytes),
+                )
+                for index, shard in enumerate(shards)
+            ]
             try:
                 self.session.write_shards(writes)
             except (StaleVersionError, TensorNotFoundError) as err:
@@ -229,10 +326,15 @@ class Cluster:
         """A write told "no such version": AbortedError when the version is gone from the catalog (a concurrent
         put or create of the name with overwrite=True aborted it), else the write's own error."""
         with contextlib.suppress(ShardServeError):
-            listed = self.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            listed = self.session.call(
+                "ListTensors", pb.ListTensorsRequest(include_pending=True)
+            ).tensors
             if not any(t.name == name and t.version == version for t in listed):
-                return AbortedError(f"put of {name!r} version {version} was aborted while it wrote: another put "
-                                    f"or create of {name!r} with overwrite=True replaced it", grpc.StatusCode.ABORTED)
+                return AbortedError(
+                    f"put of {name!r} version {version} was aborted while it wrote: another put "
+                    f"or create of {name!r} with overwrite=True replaced it",
+                    grpc.StatusCode.ABORTED,
+                )
         return err
 
     # ------------------------------------------------------------ snapshots (client.ops.snapshots, client.spmd)
@@ -247,22 +349,30 @@ class Cluster:
 
     # ------------------------------------------------------------ embedding serving (client.embedding.lookup)
 
-    def lookup(self, requests: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def lookup(
+        self, requests: dict[str, Any], dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """Rows of several 2-D tables, {name: ids} -> {name: Tensor[len(ids), dim]}, one round trip per rank."""
         if not isinstance(requests, dict):
-            raise TypeError(f"requests must be a dict of table name -> ids, got {type(requests).__name__}")
+            raise TypeError(
+                f"requests must be a dict of table name -> ids, got {type(requests).__name__}"
+            )
         for name in requests:
             arguments.tensor_name(name)
         return self.lookups.lookup(requests, dtype)
 
     def update_rows(self, name: str, ids: Any, values: torch.Tensor) -> int:
         """Replace rows of a 2-D table in a new version, atomically (see client.ops.row_updates); returns it."""
-        return update_rows(self.session, self.lookups.views, arguments.tensor_name(name), ids, values)
+        return update_rows(
+            self.session, self.lookups.views, arguments.tensor_name(name), ids, values
+        )
 
     def update_rows_ordered(self, name: str, ids: Any, values: torch.Tensor) -> RowUpdate:
         """update_rows, answering (version, order): updates from several clients grouped into one version are
         applied in `order` (a later one's rows win), versions in their order."""
-        return update_rows_ordered(self.session, self.lookups.views, arguments.tensor_name(name), ids, values)
+        return update_rows_ordered(
+            self.session, self.lookups.views, arguments.tensor_name(name), ids, values
+        )
 
     def row_cache_stats(self) -> CacheStats | None:
         """Hits, misses and size of the row cache (None when connect() got no row_cache_bytes)."""
@@ -271,23 +381,36 @@ class Cluster:
 
     # ------------------------------------------------------------ DCP checkpoints (client.ops.checkpoints)
 
-    def load_checkpoint(self, path: str, names: Sequence[str] | str | None = None, spec: Any = None,
-                        dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                        progress: Callable[[int, int], None] | None = None,
-                        timeout: float = 600.0, replicas: int = 1) -> dict[str, RemoteShardedTensor]:
+    def load_checkpoint(
+        self,
+        path: str,
+        names: Sequence[str] | str | None = None,
+        spec: Any = None,
+        dtype: torch.dtype | str | None = None,
+        overwrite: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        timeout: float = 600.0,
+        replicas: int = 1,
+    ) -> dict[str, RemoteShardedTensor]:
         """Load tensors of the DCP checkpoint at `path` (every rank reads its own shards); all appear or none.
 
         `spec` (one for all, or {name: spec}) lays them out (default: row-wise over every live rank), each box on
         `replicas` live ranks; `progress(bytes_done, bytes_total)` is called as the ranks report.
         """
-        loaded = checkpoints.load_checkpoint(self.session, path, names, spec, dtype, overwrite, progress, timeout,
-                                             replicas)
+        loaded = checkpoints.load_checkpoint(
+            self.session, path, names, spec, dtype, overwrite, progress, timeout, replicas
+        )
         for summary in loaded:
             self.lookups.views.forget(summary.name)
         return {summary.name: self._proxy(summary) for summary in loaded}
 
-    def save_checkpoint(self, path: str, names: Sequence[str] | str | None = None,
-                        progress: Callable[[int, int], None] | None = None, timeout: float = 600.0) -> list[str]:
+    def save_checkpoint(
+        self,
+        path: str,
+        names: Sequence[str] | str | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        timeout: float = 600.0,
+    ) -> list[str]:
         """Write READY tensors (all by default) as one DCP checkpoint at `path`; torch's dcp.load reads it."""
         return checkpoints.save_checkpoint(self.session, path, names, progress, timeout)
 

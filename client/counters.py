@@ -5,11 +5,13 @@ row), read with `client.metrics()`; `serve_metrics(port)` also exposes them on
 a Prometheus endpoint (`shardserve_client_*`) for an inference process to be
 scraped like the servers.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 _lock = threading.Lock()
 _counts: Counter[str] = Counter()
@@ -56,8 +58,10 @@ class _ClientCollector:
         now = metrics()
         for name, text in COUNTERS.items():
             yield CounterMetricFamily(f"shardserve_client_{name}", text, value=now[name])
-        for name, text in (("reads", "fetches, by the data path that answered"),
-                           ("read_bytes", "bytes fetched, by data path")):
+        for name, text in (
+            ("reads", "fetches, by the data path that answered"),
+            ("read_bytes", "bytes fetched, by data path"),
+        ):
             family = CounterMetricFamily(f"shardserve_client_{name}", text, labels=["path"])
             for path, value in sorted(now[name].items()):
                 family.add_metric([path], value)

@@ -4,6 +4,7 @@ Each class also subclasses the built-in exception a Python caller expects
 (KeyError for an unknown tensor, ValueError for bad input, ...), so callers can
 catch either the shardserve class or the built-in one.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -75,8 +76,13 @@ class ShardsLostError(RankUnavailableError):
 
     code = grpc.StatusCode.DATA_LOSS
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None,
-                 boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (), ranks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode | None = None,
+        boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (),
+        ranks: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message, code)
         self.boxes = boxes
         self.ranks = ranks
@@ -112,8 +118,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
 }
 
 
-def error_from_status(code: grpc.StatusCode | None, details: str | None,
-                      where: str = "") -> ShardServeError:
+def error_from_status(
+    code: grpc.StatusCode | None, details: str | None, where: str = ""
+) -> ShardServeError:
     """The client exception for a gRPC status, keeping the server's message."""
     message = details or (code.name if code is not None else "unknown error")
     if where and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -5,19 +5,20 @@ shardcore.health turns that into lost boxes. A read or lookup touching one
 raises ShardsLostError before any rank is asked; the rest of the tensor reads
 as usual, from live copies.
 """
+
 from __future__ import annotations
 
-from typing import AbstractSet, Sequence
+from collections.abc import Sequence, Set
 
-from client.errors import ShardsLostError
-from client.info import TensorSummary
-from shardcore.health import lost_boxes_in, ranks_of_copies
-from shardcore.metadata import Box
+from shardserve.client.errors import ShardsLostError
+from shardserve.client.info import TensorSummary
+from shardserve.core.health import lost_boxes_in, ranks_of_copies
+from shardserve.core.metadata import Box
 
 BOXES_NAMED = 8  # an error names this many lost boxes, then counts the rest
 
 
-def check_readable(summary: TensorSummary, box: Box, unavailable: AbstractSet[int]) -> None:
+def check_readable(summary: TensorSummary, box: Box, unavailable: Set[int]) -> None:
     """ShardsLostError when part of `box` lies in a box of `summary` with no readable copy."""
     lost = lost_boxes_in(summary.metadata, box, unavailable)
     if lost:
@@ -34,4 +35,6 @@ def shards_lost(summary: TensorSummary, boxes: Sequence[Box]) -> ShardsLostError
         f"tensor {summary.name!r} version {summary.version}: {len(boxes)} box(es) {named}{more} have no live copy "
         f"({noun} {', '.join(map(str, ranks))} holding them died or lost them in a restart); the tensor's other "
         f"boxes stay readable, and a put with overwrite=True replaces the tensor",
-        boxes=tuple((b.offsets, b.sizes) for b in boxes), ranks=tuple(ranks))
+        boxes=tuple((b.offsets, b.sizes) for b in boxes),
+        ranks=tuple(ranks),
+    )

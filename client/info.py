@@ -1,4 +1,5 @@
 """Read-only views of the coordinator's answers: a rank's status and a tensor's catalog entry."""
+
 from __future__ import annotations
 
 import functools
@@ -6,12 +7,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
-from client.errors import ShardServeError
-from protos import shardserve_pb2 as pb
-from shardcore.health import LayoutHealth, layout_health
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_from_proto
+from shardserve.client.errors import ShardServeError
+from shardserve.core.health import LayoutHealth, layout_health
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class RestoreStatus:
         return self.done_bytes / self.total_bytes if self.total_bytes else 1.0
 
     @classmethod
-    def from_proto(cls, msg: pb.RestoreProgress) -> "RestoreStatus":
+    def from_proto(cls, msg: pb.RestoreProgress) -> RestoreStatus:
         return cls(msg.done_bytes, msg.total_bytes, msg.done_tensors, msg.total_tensors, msg.loaded)
 
 
@@ -47,20 +47,36 @@ class RankStatus:
     memory_limit_bytes: int
     pid: int
     last_heartbeat_unix: float
-    host_id: str = ""            # boot id and namespaces: same hostname and host_id = same host (data plane)
+    host_id: str = ""  # boot id and namespaces: same hostname and host_id = same host (data plane)
     shared_memory: bool = False  # the rank hands shards over through shared memory (OpenShard)
-    restarts: int = 0            # new processes that registered this rank number since the coordinator started
-    metrics_address: str = ""    # HOST:PORT of its Prometheus /metrics ("" when started without --metrics-port)
-    restore: RestoreStatus | None = None  # while it restores its persist dir (then not alive, or not re-promoted)
+    restarts: int = (
+        0  # new processes that registered this rank number since the coordinator started
+    )
+    metrics_address: str = (
+        ""  # HOST:PORT of its Prometheus /metrics ("" when started without --metrics-port)
+    )
+    restore: RestoreStatus | None = (
+        None  # while it restores its persist dir (then not alive, or not re-promoted)
+    )
 
     @classmethod
-    def from_proto(cls, msg: pb.RankInfo) -> "RankStatus":
-        return cls(rank=msg.rank, address=msg.address, device=msg.device or "cpu", hostname=msg.hostname,
-                   alive=msg.alive, memory_used_bytes=msg.memory_used_bytes,
-                   memory_limit_bytes=msg.memory_limit_bytes, pid=msg.pid,
-                   last_heartbeat_unix=msg.last_heartbeat_unix, host_id=msg.host_id,
-                   shared_memory=msg.shared_memory, restarts=msg.restarts, metrics_address=msg.metrics_address,
-                   restore=RestoreStatus.from_proto(msg.restore) if msg.HasField("restore") else None)
+    def from_proto(cls, msg: pb.RankInfo) -> RankStatus:
+        return cls(
+            rank=msg.rank,
+            address=msg.address,
+            device=msg.device or "cpu",
+            hostname=msg.hostname,
+            alive=msg.alive,
+            memory_used_bytes=msg.memory_used_bytes,
+            memory_limit_bytes=msg.memory_limit_bytes,
+            pid=msg.pid,
+            last_heartbeat_unix=msg.last_heartbeat_unix,
+            host_id=msg.host_id,
+            shared_memory=msg.shared_memory,
+            restarts=msg.restarts,
+            metrics_address=msg.metrics_address,
+            restore=RestoreStatus.from_proto(msg.restore) if msg.HasField("restore") else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -88,9 +104,15 @@ class TensorSummary:
     state: str
     nbytes: int
     created_unix: float
-    unavailable: frozenset[int] = field(default=frozenset(), repr=False)  # shards whose copy cannot be read
-    repair: RepairProgress | None = field(default=None, repr=False)  # the coordinator repairing lost copies
-    answered_at: float = field(default_factory=time.monotonic, repr=False, compare=False)  # when the answer came
+    unavailable: frozenset[int] = field(
+        default=frozenset(), repr=False
+    )  # shards whose copy cannot be read
+    repair: RepairProgress | None = field(
+        default=None, repr=False
+    )  # the coordinator repairing lost copies
+    answered_at: float = field(
+        default_factory=time.monotonic, repr=False, compare=False
+    )  # when the answer came
 
     @functools.cached_property
     def layout_health(self) -> LayoutHealth:
@@ -99,7 +121,7 @@ class TensorSummary:
 
     @property
     def health(self) -> str:
-        """"healthy", "degraded" (a box has fewer live copies than replicas) or "lost" (a box has none)."""
+        """ "healthy", "degraded" (a box has fewer live copies than replicas) or "lost" (a box has none)."""
         return self.layout_health.state
 
     @property
@@ -116,15 +138,23 @@ class TensorSummary:
         return self.metadata.dtype
 
     @classmethod
-    def from_proto(cls, msg: pb.TensorInfo) -> "TensorSummary":
+    def from_proto(cls, msg: pb.TensorInfo) -> TensorSummary:
         try:
             metadata = metadata_from_proto(msg.metadata)
         except (ValueError, TypeError) as err:
-            raise ShardServeError(f"the coordinator sent bad metadata for tensor {msg.name!r}: {err}") from None
-        return cls(name=msg.name, version=msg.version, metadata=metadata,
-                   state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
-                   nbytes=msg.nbytes or metadata.nbytes, created_unix=msg.created_unix,
-                   unavailable=frozenset(msg.unavailable_shards), repair=_repair(msg))
+            raise ShardServeError(
+                f"the coordinator sent bad metadata for tensor {msg.name!r}: {err}"
+            ) from None
+        return cls(
+            name=msg.name,
+            version=msg.version,
+            metadata=metadata,
+            state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
+            nbytes=msg.nbytes or metadata.nbytes,
+            created_unix=msg.created_unix,
+            unavailable=frozenset(msg.unavailable_shards),
+            repair=_repair(msg),
+        )
 
 
 def _repair(msg: pb.TensorInfo) -> RepairProgress | None:
@@ -146,8 +176,10 @@ def health_summary(summary: TensorSummary) -> str:
         return f"{health.state}, repairing {repair.fraction:.0%} onto {onto}"
     ranks = sorted({summary.metadata.shards_metadata[i].rank for i in summary.unavailable})
     count = len(health.lost_boxes)
-    return f"lost ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} " \
-           f"{','.join(map(str, ranks))})"
+    return (
+        f"lost ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} "
+        f"{','.join(map(str, ranks))})"
+    )
 
 
 def layout_summary(meta: ShardedTensorMetadata) -> str:
@@ -155,7 +187,12 @@ def layout_summary(meta: ShardedTensorMetadata) -> str:
     shards = meta.shards_metadata
     ranks = ",".join(str(r) for r in sorted({s.rank for s in shards if s.placement is not None}))
     split = [d for d in range(meta.ndim) if any(s.shard_sizes[d] != meta.size[d] for s in shards)]
-    how = ("replicated" if not split and len(shards) > 1 else
-           "whole" if not split else f"split dim{'s' if len(split) > 1 else ''} {','.join(map(str, split))}")
+    how = (
+        "replicated"
+        if not split and len(shards) > 1
+        else "whole"
+        if not split
+        else f"split dim{'s' if len(split) > 1 else ''} {','.join(map(str, split))}"
+    )
     noun = "shard" if len(shards) == 1 else "shards"
     return f"{len(shards)} {noun} on rank{'s' if ',' in ranks else ''} {ranks}, {how}"

@@ -5,17 +5,17 @@ table would give (the same input forms: any-shape ids for Embedding; 2-D ids,
 or 1-D ids with offsets, for EmbeddingBag), so inference code swaps one line.
 No parameters, no gradients: the weights stay on the cluster.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from shardserve.client.arguments import tensor_name
+from shardserve.client.cluster import Cluster
+from shardserve.client.embedding.ids import POOLINGS, as_ids
+from shardserve.client.errors import InvalidArgumentError
 from torch import nn
-
-from client.arguments import tensor_name
-from client.cluster import Cluster
-from client.embedding.ids import POOLINGS, as_ids
-from client.errors import InvalidArgumentError
 
 
 class RemoteEmbedding(nn.Module):
@@ -32,7 +32,9 @@ class RemoteEmbedding(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
-        ids = as_ids(input.reshape(-1), "input")  # errors name the module's argument, not the table's request
+        ids = as_ids(
+            input.reshape(-1), "input"
+        )  # errors name the module's argument, not the table's request
         rows = self.cluster.lookups.lookup({self.name: ids}, self.dtype)[self.name]
         return rows.view(*input.shape, rows.shape[1]).to(input.device)
 
@@ -43,8 +45,14 @@ class RemoteEmbedding(nn.Module):
 class RemoteEmbeddingBag(nn.Module):
     """nn.EmbeddingBag (include_last_offset=False) over a 2-D table served by the cluster."""
 
-    def __init__(self, cluster: Cluster, name: str, mode: str = "mean", dtype: torch.dtype | None = None,
-                 pooling: str = "auto") -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        name: str,
+        mode: str = "mean",
+        dtype: torch.dtype | None = None,
+        pooling: str = "auto",
+    ) -> None:
         super().__init__()
         if mode not in ("sum", "mean"):
             raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
@@ -58,17 +66,26 @@ class RemoteEmbeddingBag(nn.Module):
         view = cluster.lookups.views.view(name)
         self.num_embeddings, self.embedding_dim = view.summary.metadata.size
 
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
         if input.dim() == 2:
             if offsets is not None:
                 raise InvalidArgumentError("offsets has to be None if input is 2-D")
             if per_sample_weights is not None:
-                if not isinstance(per_sample_weights, torch.Tensor) or per_sample_weights.shape != input.shape:
-                    raise InvalidArgumentError(f"per_sample_weights must have the shape of input "
-                                               f"{tuple(input.shape)}, as nn.EmbeddingBag wants")
+                if (
+                    not isinstance(per_sample_weights, torch.Tensor)
+                    or per_sample_weights.shape != input.shape
+                ):
+                    raise InvalidArgumentError(
+                        f"per_sample_weights must have the shape of input "
+                        f"{tuple(input.shape)}, as nn.EmbeddingBag wants"
+                    )
                 per_sample_weights = per_sample_weights.reshape(-1)
             bags, length = input.shape
             offsets = torch.arange(bags, dtype=torch.int64) * length
@@ -77,9 +94,12 @@ class RemoteEmbeddingBag(nn.Module):
             if offsets is None:
                 raise InvalidArgumentError("offsets has to be a 1-D tensor when input is 1-D")
         else:
-            raise InvalidArgumentError(f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}")
-        pooled = self.cluster.lookups.lookup_bag(self.name, input, offsets, self.mode, per_sample_weights,
-                                                  self.dtype, self.pooling)
+            raise InvalidArgumentError(
+                f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}"
+            )
+        pooled = self.cluster.lookups.lookup_bag(
+            self.name, input, offsets, self.mode, per_sample_weights, self.dtype, self.pooling
+        )
         return pooled.to(input.device)
 
     def extra_repr(self) -> str:
@@ -88,5 +108,7 @@ class RemoteEmbeddingBag(nn.Module):
 
 def _checked_cluster(cluster: Any) -> Cluster:
     if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a client.Cluster (from connect()), got {type(cluster).__name__}")
+        raise TypeError(
+            f"cluster must be a client.Cluster (from connect()), got {type(cluster).__name__}"
+        )
     return cluster

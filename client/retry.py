@@ -13,13 +13,20 @@ catalog a moment before its ranks serve it. An error that outlasts the
 deadline is raised. A read that finds a box lost (ShardsLostError) is not retried,
 and a refresh that finds the tensor deleted raises TensorNotFoundError.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TypeVar
 
-from client import counters
-from client.errors import RankUnavailableError, ShardsLostError, StaleVersionError, TensorNotFoundError
+from shardserve.client import counters
+from shardserve.client.errors import (
+    RankUnavailableError,
+    ShardsLostError,
+    StaleVersionError,
+    TensorNotFoundError,
+)
 
 T = TypeVar("T")
 
@@ -30,8 +37,11 @@ SAME_VERSION_PAUSE_S = 0.05  # then 0.1, 0.2, 0.2, ...
 MAX_PAUSE_S = 0.2
 
 
-def read_with_refresh(attempt: Callable[[], T], refresh: Callable[[], Hashable],
-                      deadline_s: float = DEFAULT_DEADLINE_S) -> T:
+def read_with_refresh(
+    attempt: Callable[[], T],
+    refresh: Callable[[], Hashable],
+    deadline_s: float = DEFAULT_DEADLINE_S,
+) -> T:
     """attempt(); on a retryable error refresh() (returning the versions now cached) and attempt again, until
     `deadline_s` seconds have passed (and at least MIN_ATTEMPTS attempts were made)."""
     seen: Hashable = None
@@ -45,11 +55,15 @@ def read_with_refresh(attempt: Callable[[], T], refresh: Callable[[], Hashable],
         except ShardsLostError:
             raise  # no live copy: asking again does not bring one back
         except RETRYABLE as err:
-            if tries >= MIN_ATTEMPTS and (not isinstance(err, StaleVersionError) or time.monotonic() >= give_up):
+            if tries >= MIN_ATTEMPTS and (
+                not isinstance(err, StaleVersionError) or time.monotonic() >= give_up
+            ):
                 raise
             counters.count("retries")
             versions = refresh()
-            if tries > 1 and versions == seen:  # nothing newer: a version being promoted, or a real error
+            if (
+                tries > 1 and versions == seen
+            ):  # nothing newer: a version being promoted, or a real error
                 time.sleep(min(pause, max(0.0, give_up - time.monotonic())))
                 pause = min(2 * pause, MAX_PAUSE_S)
             seen = versions

@@ -5,31 +5,37 @@ status, tensor summaries and layouts, the put lifecycle (create, commit,
 abort), and the data paths; Cluster, the tensor proxies, the embedding
 lookups and the operations in client.ops all work through it.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
 import uuid
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import torch
-
-from client import arguments
-from client.channel import Channel
-from client.errors import (DeadlineExceededError, InvalidArgumentError, RankUnavailableError, ShardServeError,
-                           error_from_rpc)
-from client.info import RankStatus, TensorSummary
-from client.paths.hedging import other_copies
-from client.paths.policy import PathPolicy
-from client.paths.writes import ShardWrite, write_shards
-from protos import shardserve_pb2 as pb
-from shardcore.interop import as_spec
-from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.replicas import CandidateRank, replicate_layout
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardcore.validation import validate_metadata
+from shardserve.client import arguments
+from shardserve.client.channel import Channel
+from shardserve.client.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RankUnavailableError,
+    ShardServeError,
+    error_from_rpc,
+)
+from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.paths.hedging import other_copies
+from shardserve.client.paths.policy import PathPolicy
+from shardserve.client.paths.writes import ShardWrite, write_shards
+from shardserve.core.interop import as_spec
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.replicas import CandidateRank, replicate_layout
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.core.validation import validate_metadata
+from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
 _STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
@@ -75,18 +81,27 @@ class Session:
 
     def call(self, method: str, request: Any) -> Any:
         """The coordinator's unary `method` with deadline and auth; errors as ShardServeErrors."""
-        return self.channel.unary(getattr(self._coordinator, method), request, f"coordinator at {self.address}")
+        return self.channel.unary(
+            getattr(self._coordinator, method), request, f"coordinator at {self.address}"
+        )
 
-    def follow(self, method: str, request: Any, work_timeout: float, report: Callable[[Any], None],
-               refused: Callable[[str], ShardServeError] | None = None) -> list[Any]:
+    def follow(
+        self,
+        method: str,
+        request: Any,
+        work_timeout: float,
+        report: Callable[[Any], None],
+        refused: Callable[[str], ShardServeError] | None = None,
+    ) -> list[Any]:
         """The coordinator's progress stream `method`: report(message) for every message, in order; returns them.
 
         The stream's deadline is `work_timeout` plus slack for the coordinator's own steps; a FAILED_PRECONDITION
         becomes refused(details) when given. The call is cancelled however it ends (Ctrl-C in `report` too),
         which aborts the work on the coordinator."""
         self.check_open()
-        call = getattr(self._coordinator, method)(request, timeout=work_timeout + _STREAM_SLACK_S,
-                                                  metadata=self.channel.metadata)
+        call = getattr(self._coordinator, method)(
+            request, timeout=work_timeout + _STREAM_SLACK_S, metadata=self.channel.metadata
+        )
         messages = []
         try:
             for message in call:
@@ -104,7 +119,9 @@ class Session:
 
     def refresh_ranks(self) -> list[RankStatus]:
         """Every registered rank, fetched from the coordinator now (and kept for rank_status)."""
-        ranks = [RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks]
+        ranks = [
+            RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks
+        ]
         with self._ranks_lock:
             self._ranks = {r.rank: r for r in ranks}
             self._ranks_at = time.monotonic()
@@ -122,8 +139,11 @@ class Session:
         status = self._ranks.get(rank)
         if status is None or status.alive:
             return None
-        return RankUnavailableError(f"rank {rank} at {status.address} did not answer and the coordinator at "
-                                    f"{self.address} reports it dead", grpc.StatusCode.UNAVAILABLE)
+        return RankUnavailableError(
+            f"rank {rank} at {status.address} did not answer and the coordinator at "
+            f"{self.address} reports it dead",
+            grpc.StatusCode.UNAVAILABLE,
+        )
 
     def known_ranks(self) -> list[int]:
         """The ranks seen at the latest refresh, sorted (no call)."""
@@ -135,7 +155,9 @@ class Session:
         if status is None or not status.address:
             status = {r.rank: r for r in self.refresh_ranks()}.get(rank)
         if status is None or not status.address:
-            raise RankUnavailableError(f"rank {rank} is not registered with the coordinator at {self.address}")
+            raise RankUnavailableError(
+                f"rank {rank} is not registered with the coordinator at {self.address}"
+            )
         return status
 
     def address_of(self, rank: int) -> str:
@@ -156,7 +178,9 @@ class Session:
         if not dead:
             return summary.unavailable
         shards = summary.metadata.shards_metadata
-        return summary.unavailable | {i for i, shard in enumerate(shards) if shard.placement and shard.rank in dead}
+        return summary.unavailable | {
+            i for i, shard in enumerate(shards) if shard.placement and shard.rank in dead
+        }
 
     def suspect_shards(self, summary: TensorSummary) -> frozenset[int]:
         """The shards of `summary` on ranks that failed this client's calls as unreachable lately (their copies are
@@ -164,13 +188,18 @@ class Session:
         unreachable = self.paths.unreachable_ranks()
         if not unreachable:
             return frozenset()
-        return frozenset(i for i, shard in enumerate(summary.metadata.shards_metadata)
-                         if shard.placement and shard.rank in unreachable)
+        return frozenset(
+            i
+            for i, shard in enumerate(summary.metadata.shards_metadata)
+            if shard.placement and shard.rank in unreachable
+        )
 
     def other_copies(self, summary: TensorSummary, index: int) -> list[int]:
         """The other readable copies of shard `index` of `summary` on other ranks, the best first (for a
         hedge: client.paths.hedging)."""
-        return other_copies(summary.metadata, index, self.unavailable_shards(summary), self.suspect_shards(summary))
+        return other_copies(
+            summary.metadata, index, self.unavailable_shards(summary), self.suspect_shards(summary)
+        )
 
     # ------------------------------------------------------------ tensors
 
@@ -191,7 +220,9 @@ class Session:
         reads the newer one instead, although ranks keep serving the older one for their grace period."""
         return self._seen.get(name, 0)
 
-    def layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any, replicas: int = 1) -> ShardedTensorMetadata:
+    def layout(
+        self, shape: Sequence[int], dtype: torch.dtype, spec: Any, replicas: int = 1
+    ) -> ShardedTensorMetadata:
         """The layout of a tensor of `shape`/`dtype` under `spec` (default: row-wise over every live rank; a 0-d
         tensor whole on the first live rank), with every box on `replicas` live ranks (shardcore.replicas)."""
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -206,10 +237,15 @@ class Session:
     def replica_candidates(self) -> list[CandidateRank]:
         """The live ranks as candidates for copies, fetched now: host by host_id (the hostname where a rank
         reports none), device as registered."""
-        return [CandidateRank(r.rank, r.host_id or r.hostname, r.device)
-                for r in sorted(self.refresh_ranks(), key=lambda r: r.rank) if r.alive]
+        return [
+            CandidateRank(r.rank, r.host_id or r.hostname, r.device)
+            for r in sorted(self.refresh_ranks(), key=lambda r: r.rank)
+            if r.alive
+        ]
 
-    def _spec_layout(self, shape: Sequence[int], dtype: torch.dtype, spec: Any) -> ShardedTensorMetadata:
+    def _spec_layout(
+        self, shape: Sequence[int], dtype: torch.dtype, spec: Any
+    ) -> ShardedTensorMetadata:
         """The layout `spec` gives a tensor of `shape`/`dtype`, validated."""
         if spec is None:
             spec = self._default_spec(shape)
@@ -218,8 +254,10 @@ class Session:
             if isinstance(spec, ShardedTensorMetadata):
                 meta = spec
                 if meta.size != tuple(shape) or meta.dtype != dtype:
-                    raise ValueError(f"spec metadata is for a {meta.dtype} tensor of size {meta.size}, "
-                                     f"not {dtype} of size {tuple(shape)}")
+                    raise ValueError(
+                        f"spec metadata is for a {meta.dtype} tensor of size {meta.size}, "
+                        f"not {dtype} of size {tuple(shape)}"
+                    )
             else:
                 meta = spec.build_metadata(tuple(shape), TensorProperties(dtype=dtype))
             validate_metadata(meta)
@@ -230,10 +268,15 @@ class Session:
     def _default_spec(self, shape: Sequence[int]) -> ChunkShardingSpec | EnumerableShardingSpec:
         live = [r for r in sorted(self.refresh_ranks(), key=lambda r: r.rank) if r.alive]
         if not live:
-            raise RankUnavailableError(f"no live rank is registered with the coordinator at {self.address}")
+            raise RankUnavailableError(
+                f"no live rank is registered with the coordinator at {self.address}"
+            )
         placements = [f"rank:{r.rank}/{r.device}" for r in live]
-        return ChunkShardingSpec(0, placements) if len(shape) else \
-            EnumerableShardingSpec([ShardMetadata((), (), placements[0])])
+        return (
+            ChunkShardingSpec(0, placements)
+            if len(shape)
+            else EnumerableShardingSpec([ShardMetadata((), (), placements[0])])
+        )
 
     def create_tensor(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
         """CreateTensor under a fresh put token. When the answer is lost (deadline, connection) the version may
@@ -244,7 +287,10 @@ class Session:
             return self.call("CreateTensor", request)
         except (DeadlineExceededError, RankUnavailableError):
             with contextlib.suppress(ShardServeError):
-                self.call("AbortTensor", pb.AbortTensorRequest(name=request.name, put_token=request.put_token))
+                self.call(
+                    "AbortTensor",
+                    pb.AbortTensorRequest(name=request.name, put_token=request.put_token),
+                )
             raise
 
     def commit(self, name: str, version: int) -> pb.TensorInfo:
@@ -252,7 +298,9 @@ class Session:
         have happened: then the READY version says so, and it counts as done rather than being reported failed
         while it is visible."""
         try:
-            committed = self.call("CommitTensor", pb.CommitTensorRequest(name=name, version=version))
+            committed = self.call(
+                "CommitTensor", pb.CommitTensorRequest(name=name, version=version)
+            )
             self.saw_version(name, committed.version)
             return committed
         except (DeadlineExceededError, RankUnavailableError):

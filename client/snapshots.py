@@ -4,18 +4,20 @@ A reader of a snapshot sees every tensor of that snapshot and never a mix: the
 tensors of a snapshot have names of their own (PREFIX@NUMBER/KEY) that no later
 put replaces; they are dropped only once `keep` newer snapshots are committed.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from shardserve.client.embedding.lookup import Lookups
+from shardserve.client.ops.snapshots import SnapshotSummary
+from shardserve.client.session import Session
+from shardserve.client.tensor import RemoteShardedTensor
 
-from client.embedding.lookup import Lookups
-from client.ops.snapshots import SnapshotSummary
-from client.session import Session
-from client.tensor import RemoteShardedTensor
-
-READ_THREADS = 8  # tensors of a snapshot read at once (each read fans out over its ranks on the client's pool)
+READ_THREADS = (
+    8  # tensors of a snapshot read at once (each read fans out over its ranks on the client's pool)
+)
 
 
 class Snapshot:
@@ -23,7 +25,9 @@ class Snapshot:
 
     def __init__(self, session: Session, lookups: Lookups, summary: SnapshotSummary) -> None:
         self.summary = summary
-        self.tensors = {key: RemoteShardedTensor(session, lookups, s) for key, s in summary.tensors.items()}
+        self.tensors = {
+            key: RemoteShardedTensor(session, lookups, s) for key, s in summary.tensors.items()
+        }
 
     @property
     def number(self) -> int:
@@ -37,7 +41,9 @@ class Snapshot:
 
     def read(self) -> dict[str, torch.Tensor]:
         """Every tensor of the snapshot, whole, as plain tensors (several read at once)."""
-        with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-snapshot") as pool:
+        with ThreadPoolExecutor(
+            max_workers=READ_THREADS, thread_name_prefix="shardserve-snapshot"
+        ) as pool:
             tensors = {key: pool.submit(proxy.full_tensor) for key, proxy in self.tensors.items()}
             return {key: future.result() for key, future in tensors.items()}
 

@@ -7,46 +7,58 @@ through one process) and commits every tensor as one snapshot of the prefix;
 a get fills each rank's local shards in place with exactly its box, whatever
 the server layout, every tensor from one snapshot.
 
-    from client import connect, spmd
+    from shardserve.client import connect, spmd
     cluster = connect(address)
     number = spmd.put_state_dict(cluster, model.state_dict(), "policy")        # on every trainer rank
     spmd.get_state_dict(cluster, "policy", into=engine_model.state_dict())     # on every inference rank
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from client import arguments
-from client.cluster import Cluster
-from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
-from client.paths.batch import batches, read_batch, region_reads
-from client.paths.writes import shard_write
-from client.ops.snapshots import (
+from shardserve.client import arguments
+from shardserve.client.cluster import Cluster
+from shardserve.client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from shardserve.client.ops.snapshots import (
     SnapshotSummary,
     abort_snapshot,
     commit_snapshot,
     create_snapshot,
     get_snapshot,
 )
-from client.snapshots import READ_THREADS
-from client.tensor import RemoteShardedTensor
-from protos import shardserve_pb2 as pb
-from shardcore.dtypes import dtype_name, dtype_to_wire
-from shardcore.metadata import Box
-from shardcore.regions import local_view
-from shardcore.replicas import replicate_layout
-from shardcore.snapshots import JobTensor, balanced_layouts, flatten_state_dict, job_tensors, refine_layout, writer_of
-from shardcore.wire import metadata_from_proto
+from shardserve.client.paths.batch import batches, read_batch, region_reads
+from shardserve.client.paths.writes import shard_write
+from shardserve.client.snapshots import READ_THREADS
+from shardserve.client.tensor import RemoteShardedTensor
+from shardserve.core.dtypes import dtype_name, dtype_to_wire
+from shardserve.core.metadata import Box
+from shardserve.core.regions import local_view
+from shardserve.core.replicas import replicate_layout
+from shardserve.core.snapshots import (
+    JobTensor,
+    balanced_layouts,
+    flatten_state_dict,
+    job_tensors,
+    refine_layout,
+    writer_of,
+)
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 DEFAULT_KEEP = 2
-SMALL_PIECE_BYTES = 64 << 10  # pieces up to this size are read in per-rank batches, larger ones by themselves
+SMALL_PIECE_BYTES = (
+    64 << 10
+)  # pieces up to this size are read in per-rank batches, larger ones by themselves
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
-Piece = tuple[Box, torch.Tensor]  # a box of the global tensor and the local tensor holding exactly it
+Piece = tuple[
+    Box, torch.Tensor
+]  # a box of the global tensor and the local tensor holding exactly it
 
 
 class SpmdError(ShardServeError):
@@ -117,7 +129,9 @@ def _raise_first(errors: Sequence[tuple[int, str | None]], what: str) -> None:
 # ---------------------------------------------------------------- what a rank holds
 
 
-def _local_pieces(value: Any, key: str, rank: int, plain_writer: int) -> tuple[tuple[int, ...] | None, list[Piece]]:
+def _local_pieces(
+    value: Any, key: str, rank: int, plain_writer: int
+) -> tuple[tuple[int, ...] | None, list[Piece]]:
     """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
@@ -126,16 +140,20 @@ def _local_pieces(value: Any, key: str, rank: int, plain_writer: int) -> tuple[t
     if isinstance(value, DTensor):
         return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
     if isinstance(value, ShardedTensor):
-        return tuple(value.size()), [(Box(s.metadata.shard_offsets, s.metadata.shard_sizes), s.tensor)
-                                     for s in value.local_shards()]
+        return tuple(value.size()), [
+            (Box(s.metadata.shard_offsets, s.metadata.shard_sizes), s.tensor)
+            for s in value.local_shards()
+        ]
     if isinstance(value, LocalShardsWrapper):
         return None, _wrapper_pieces(value)
     if isinstance(value, torch.Tensor):
         arguments.dense_tensor(value, key)
         whole = Box((0,) * value.dim(), tuple(value.shape))
         return tuple(value.shape), [(whole, value)] if rank == plain_writer else []
-    raise InvalidArgumentError(f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
-                               f"ShardedTensor or LocalShardsWrapper")
+    raise InvalidArgumentError(
+        f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
+        f"ShardedTensor or LocalShardsWrapper"
+    )
 
 
 def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
@@ -146,16 +164,22 @@ def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
     local = value.to_local()
     if isinstance(local, wrapper_type):
         return _wrapper_pieces(local)
-    shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
     return [(Box(tuple(offset), tuple(shape)), local)]
 
 
 def _wrapper_pieces(wrapper: Any) -> list[Piece]:
-    return [(Box(tuple(offset), tuple(shard.shape)), shard)
-            for shard, offset in zip(wrapper.local_shards(), wrapper.local_offsets())]
+    return [
+        (Box(tuple(offset), tuple(shard.shape)), shard)
+        for shard, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
+    ]
 
 
-def _report(flat: Mapping[str, Any], rank: int, plain_writer: int) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
+def _report(
+    flat: Mapping[str, Any], rank: int, plain_writer: int
+) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
     """This rank's report {key: (size, dtype name, boxes)} and its pieces {key: [(box, tensor)]}."""
     report, pieces = {}, {}
     for key, value in flat.items():
@@ -164,8 +188,10 @@ def _report(flat: Mapping[str, Any], rank: int, plain_writer: int) -> tuple[dict
         dtype_to_wire(dtype)
         for box, tensor in held:
             if tuple(tensor.shape) != box.sizes:
-                raise InvalidArgumentError(f"{key!r}: a local shard of shape {tuple(tensor.shape)} stands for a box "
-                                           f"of sizes {box.sizes}")
+                raise InvalidArgumentError(
+                    f"{key!r}: a local shard of shape {tuple(tensor.shape)} stands for a box "
+                    f"of sizes {box.sizes}"
+                )
         report[key] = (size, dtype_name(dtype).replace("torch.", ""), [box for box, _ in held])
         pieces[key] = held
     return report, pieces
@@ -177,8 +203,12 @@ def _resolved_sizes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if size is None:
             boxes = [box for report in reports for box in report[key][2]]
             if not boxes:
-                raise InvalidArgumentError(f"{key!r}: no rank holds a shard of it, so its size is unknown")
-            extent = tuple(max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(boxes[0].ndim))
+                raise InvalidArgumentError(
+                    f"{key!r}: no rank holds a shard of it, so its size is unknown"
+                )
+            extent = tuple(
+                max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(boxes[0].ndim)
+            )
             for report in reports:
                 report[key] = (extent, report[key][1], report[key][2])
     return reports
@@ -194,8 +224,16 @@ def _dtype_of(value: Any) -> torch.dtype:
 # ---------------------------------------------------------------- put
 
 
-def put_state_dict(cluster: Cluster, state_dict: Mapping[str, Any], prefix: str, spec: Any = None,
-                   replicas: int = 1, keep: int = DEFAULT_KEEP, group: Any = None, plain_writer: int = 0) -> int:
+def put_state_dict(
+    cluster: Cluster,
+    state_dict: Mapping[str, Any],
+    prefix: str,
+    spec: Any = None,
+    replicas: int = 1,
+    keep: int = DEFAULT_KEEP,
+    group: Any = None,
+    plain_writer: int = 0,
+) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
     DTensors (1-D or 2-D meshes, Shard/Replicate, uneven), ShardedTensors, LocalShardsWrappers and plain
@@ -211,7 +249,9 @@ def put_state_dict(cluster: Cluster, state_dict: Mapping[str, Any], prefix: str,
     keep = arguments.count(keep, "keep", minimum=1)
     plain_writer = arguments.count(plain_writer, "plain_writer")
     if plain_writer >= job.size:
-        raise InvalidArgumentError(f"plain_writer {plain_writer} is not a rank of the job (size {job.size})")
+        raise InvalidArgumentError(
+            f"plain_writer {plain_writer} is not a rank of the job (size {job.size})"
+        )
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     local: dict[str, list[Piece]] = {}
@@ -226,47 +266,72 @@ def put_state_dict(cluster: Cluster, state_dict: Mapping[str, Any], prefix: str,
 
     reports = _resolved_sizes(job.agree(report, "describing the state dict"))
     tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
-    created = job.from_rank0(lambda: _create(cluster, prefix, tensors, spec, replicas, keep).SerializeToString(),
-                             "creating the snapshot")
+    created = job.from_rank0(
+        lambda: _create(cluster, prefix, tensors, spec, replicas, keep).SerializeToString(),
+        "creating the snapshot",
+    )
     snapshot = pb.SnapshotInfo.FromString(created)
     try:
-        job.agree(lambda: _write_mine(cluster, snapshot, tensors, local, job.rank), "writing shards")
+        job.agree(
+            lambda: _write_mine(cluster, snapshot, tensors, local, job.rank), "writing shards"
+        )
     except SpmdError:
         if job.rank == 0:
             abort_snapshot(cluster.session, prefix, snapshot.number)
         raise
-    job.from_rank0(lambda: commit_snapshot(cluster.session, prefix, snapshot.number).number, "committing")
+    job.from_rank0(
+        lambda: commit_snapshot(cluster.session, prefix, snapshot.number).number, "committing"
+    )
     return snapshot.number
 
 
-def _create(cluster: Cluster, prefix: str, tensors: Mapping[str, JobTensor], spec: Any, replicas: int,
-            keep: int) -> pb.SnapshotInfo:
+def _create(
+    cluster: Cluster,
+    prefix: str,
+    tensors: Mapping[str, JobTensor],
+    spec: Any,
+    replicas: int,
+    keep: int,
+) -> pb.SnapshotInfo:
     """Job rank 0: the server layout of every tensor, recorded as a pending snapshot."""
     session = cluster.session
     if spec is None:
         live = [r for r in sorted(session.refresh_ranks(), key=lambda r: r.rank) if r.alive]
         if not live:
-            raise InvalidArgumentError(f"no live rank is registered with the coordinator at {session.address}")
+            raise InvalidArgumentError(
+                f"no live rank is registered with the coordinator at {session.address}"
+            )
         layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
         if replicas > 1:
             candidates = session.replica_candidates()
-            layouts = {key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()}
+            layouts = {
+                key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()
+            }
     else:
-        layouts = {key: refine_layout(session.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t)
-                   for key, t in tensors.items()}
+        layouts = {
+            key: refine_layout(session.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t)
+            for key, t in tensors.items()
+        }
     return create_snapshot(session, prefix, layouts, keep)
 
 
 def _spec_of(spec: Any, key: str) -> Any:
     if isinstance(spec, Mapping):
         if key not in spec:
-            raise InvalidArgumentError(f"spec has no entry for {key!r} (give one spec for all tensors, or one per key)")
+            raise InvalidArgumentError(
+                f"spec has no entry for {key!r} (give one spec for all tensors, or one per key)"
+            )
         return spec[key]
     return spec
 
 
-def _write_mine(cluster: Cluster, snapshot: pb.SnapshotInfo, tensors: Mapping[str, JobTensor],
-                local: Mapping[str, list[Piece]], rank: int) -> dict[str, int]:
+def _write_mine(
+    cluster: Cluster,
+    snapshot: pb.SnapshotInfo,
+    tensors: Mapping[str, JobTensor],
+    local: Mapping[str, list[Piece]],
+    rank: int,
+) -> dict[str, int]:
     """Write every server shard whose writer is this job rank, each server rank's shards batched together on its
     fastest path; returns the bytes written per path."""
     writes = []
@@ -277,17 +342,27 @@ def _write_mine(cluster: Cluster, snapshot: pb.SnapshotInfo, tensors: Mapping[st
             writer, job_box = writer_of(shard.box, tensors[entry.key])
             if writer != rank:
                 continue
-            data = local_view(held[job_box], job_box, shard.box) if not shard.box.is_empty() else \
-                torch.empty(shard.box.sizes, dtype=meta.dtype)
-            writes.append((shard.rank, shard_write(entry.tensor.name, entry.tensor.version, index, data)))
+            data = (
+                local_view(held[job_box], job_box, shard.box)
+                if not shard.box.is_empty()
+                else torch.empty(shard.box.sizes, dtype=meta.dtype)
+            )
+            writes.append(
+                (shard.rank, shard_write(entry.tensor.name, entry.tensor.version, index, data))
+            )
     return cluster.session.write_shards(writes)
 
 
 # ---------------------------------------------------------------- get
 
 
-def get_state_dict(cluster: Cluster, prefix: str, into: Mapping[str, Any], snapshot: int | None = None,
-                   group: Any = None) -> int:
+def get_state_dict(
+    cluster: Cluster,
+    prefix: str,
+    into: Mapping[str, Any],
+    snapshot: int | None = None,
+    group: Any = None,
+) -> int:
     """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
 
     Each DTensor / ShardedTensor / LocalShardsWrapper gets exactly its local boxes, plain tensors the whole
@@ -303,8 +378,11 @@ def get_state_dict(cluster: Cluster, prefix: str, into: Mapping[str, Any], snaps
 
     def describe() -> None:
         for key, value in flatten_state_dict(into).items():
-            targets[key] = _local_pieces(value, key, 0, 0)[1] if not isinstance(value, torch.Tensor) or \
-                _is_distributed(value) else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
+            targets[key] = (
+                _local_pieces(value, key, 0, 0)[1]
+                if not isinstance(value, torch.Tensor) or _is_distributed(value)
+                else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
+            )
 
     job.agree(describe, "describing the state dict")
     found: dict[int, SnapshotSummary] = {}  # job rank 0's answer, read again by no one there
@@ -317,9 +395,14 @@ def get_state_dict(cluster: Cluster, prefix: str, into: Mapping[str, Any], snaps
     for attempt in range(1, GET_ATTEMPTS + 1):
         number = job.from_rank0(find, "finding the snapshot")
         try:
-            job.agree(lambda: _read_mine(cluster, found.pop(number, None) or get_snapshot(cluster.session, prefix,
-                                                                                           number), targets),
-                      f"reading snapshot {number}")
+            job.agree(
+                lambda: _read_mine(
+                    cluster,
+                    found.pop(number, None) or get_snapshot(cluster.session, prefix, number),
+                    targets,
+                ),
+                f"reading snapshot {number}",
+            )
             return number
         except SpmdError:
             if pinned is not None or attempt == GET_ATTEMPTS:
@@ -331,27 +414,37 @@ def _is_distributed(value: torch.Tensor) -> bool:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
     return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
 
 
-def _read_mine(cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]) -> int:
+def _read_mine(
+    cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]
+) -> int:
     """Read every local piece of `targets` from the snapshot, small ones batched per rank, the others several at
     once; returns bytes read."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
-            raise InvalidArgumentError(f"{key!r} is not in snapshot {summary.number} of {summary.prefix!r} "
-                                       f"(it holds {len(summary.tensors)} tensors)")
+            raise InvalidArgumentError(
+                f"{key!r} is not in snapshot {summary.number} of {summary.prefix!r} "
+                f"(it holds {len(summary.tensors)} tensors)"
+            )
         proxies[key] = RemoteShardedTensor(cluster.session, cluster.lookups, summary.tensors[key])
     reads = [(proxies[key], box, out) for key, pieces in targets.items() for box, out in pieces]
     for proxy, box, out in reads:
         if out.dtype != proxy.dtype:
-            raise InvalidArgumentError(f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`")
+            raise InvalidArgumentError(
+                f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`"
+            )
     pieces = [read for read in reads if not read[1].is_empty()]
     small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
     with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-spmd") as pool:
-        done = [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in pieces
-                if _nbytes(out) > SMALL_PIECE_BYTES]
+        done = [
+            pool.submit(proxy.fetch, box.offsets, box.sizes, out)
+            for proxy, box, out in pieces
+            if _nbytes(out) > SMALL_PIECE_BYTES
+        ]
         alone = _read_batched(cluster, small, pool)
         done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
         for future in done:
@@ -363,23 +456,33 @@ def _nbytes(out: torch.Tensor) -> int:
     return out.numel() * out.element_size()
 
 
-def _read_batched(cluster: Cluster, small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
-                  pool: ThreadPoolExecutor) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
+def _read_batched(
+    cluster: Cluster,
+    small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
+    pool: ThreadPoolExecutor,
+) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
     """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
     returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
     rank failed, or all of them with transport="shm"."""
     session = cluster.session
-    if session.paths.transport == "shm":  # shared memory only, as the caller asked: every piece by itself
+    if (
+        session.paths.transport == "shm"
+    ):  # shared memory only, as the caller asked: every piece by itself
         return list(small)
     regions, alone = [], set()
     for piece, (proxy, box, out) in enumerate(small):
         try:
             summary, parts = proxy.read_plan(box, out)
-        except RankUnavailableError:  # copies lost or unreachable: fetch refreshes, waits and fails over
+        except (
+            RankUnavailableError
+        ):  # copies lost or unreachable: fetch refreshes, waits and fails over
             alone.add(piece)
             continue
         regions += region_reads(piece, summary, parts, box, out)
-    jobs = [pool.submit(read_batch, session.paths, session.rank_status, batch) for batch in batches(regions)]
+    jobs = [
+        pool.submit(read_batch, session.paths, session.rank_status, batch)
+        for batch in batches(regions)
+    ]
     for job in jobs:
         alone |= job.result()
     return [small[piece] for piece in sorted(alone)]

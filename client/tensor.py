@@ -8,33 +8,34 @@ mixes two versions. Each box is read from a live copy (shardcore.health): a
 rank that cannot be reached makes the retry use another copy, and a box with
 no live copy left raises ShardsLostError (client.health).
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-
-from client import counters
-from client.embedding.lookup import Lookups
-from client.errors import InvalidArgumentError
-from client.health import check_readable
-from client.indexing import parse_index
-from client.info import RankStatus, RepairProgress, TensorSummary
-from client.ops.reshard import reshard as reshard_tensor
-from client.ops.row_updates import update_rows
-from client.retry import read_with_refresh
-from client.session import Session
-from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata
-from shardcore.regions import check_box, shards_for_box
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.client import counters
+from shardserve.client.embedding.lookup import Lookups
+from shardserve.client.errors import InvalidArgumentError
+from shardserve.client.health import check_readable
+from shardserve.client.indexing import parse_index
+from shardserve.client.info import RankStatus, RepairProgress, TensorSummary
+from shardserve.client.ops.reshard import reshard as reshard_tensor
+from shardserve.client.ops.row_updates import update_rows
+from shardserve.client.retry import read_with_refresh
+from shardserve.client.session import Session
+from shardserve.core.metadata import Box, ShardedTensorMetadata, ShardMetadata
+from shardserve.core.regions import check_box, shards_for_box
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 
 
 @dataclass(frozen=True)
 class RemoteShard:
     """One shard of a remote tensor at one version: its metadata and a way to fetch it."""
 
-    tensor: "RemoteShardedTensor" = field(repr=False)
+    tensor: RemoteShardedTensor = field(repr=False)
     index: int
     summary: TensorSummary = field(repr=False)
 
@@ -51,9 +52,11 @@ class RemoteShard:
         return self.metadata.rank
 
     def __repr__(self) -> str:
-        return (f"RemoteShard(name={self.summary.name!r}, version={self.version}, index={self.index}, "
-                f"offsets={self.metadata.shard_offsets}, sizes={self.metadata.shard_sizes}, "
-                f"placement='{self.metadata.placement}')")
+        return (
+            f"RemoteShard(name={self.summary.name!r}, version={self.version}, index={self.index}, "
+            f"offsets={self.metadata.shard_offsets}, sizes={self.metadata.shard_sizes}, "
+            f"placement='{self.metadata.placement}')"
+        )
 
     def fetch(self) -> torch.Tensor:
         """The whole shard, read from its own rank (raises StaleVersionError once the version is gone)."""
@@ -70,7 +73,9 @@ class RemoteShardedTensor:
         self._session = session
         self._lookups = lookups
         self._summary = summary
-        self.last_transport: str | None = None  # "shm", "tcp" or "grpc": the path of the latest part read
+        self.last_transport: str | None = (
+            None  # "shm", "tcp" or "grpc": the path of the latest part read
+        )
 
     # ------------------------------------------------------------ description
 
@@ -126,7 +131,7 @@ class RemoteShardedTensor:
 
     @property
     def health(self) -> str:
-        """"healthy", "degraded" (some box has fewer live copies than replicas) or "lost" (some box has no live
+        """ "healthy", "degraded" (some box has fewer live copies than replicas) or "lost" (some box has no live
         copy), as the coordinator says now (asks it: the proxy then follows the latest version)."""
         return self.refresh()._summary.health
 
@@ -154,21 +159,36 @@ class RemoteShardedTensor:
             shards.setdefault(shard.rank, []).append(RemoteShard(self, index, summary))
         return shards
 
-    def refresh(self) -> "RemoteShardedTensor":
+    def refresh(self) -> RemoteShardedTensor:
         """Reload the metadata (a newer version if the tensor was overwritten); returns self."""
         self._summary = self._session.summary(self.name)
         return self
 
-    def reshard(self, spec: Any, bucket_bytes: int | None = None, timeout: float | None = None,
-                progress: Any = None, replicas: int = 1) -> "RemoteShardedTensor":
+    def reshard(
+        self,
+        spec: Any,
+        bucket_bytes: int | None = None,
+        timeout: float | None = None,
+        progress: Any = None,
+        replicas: int = 1,
+    ) -> RemoteShardedTensor:
         """Move the tensor into layout `spec` (any spec `put` takes, over any ranks): a proxy of the new version.
 
         Two-phase on the cluster (see client.ops.reshard): reads keep the old version until the new one is
         committed; `timeout` bounds the data movement, `progress(ReshardProgress)` sees bytes moved;
         `replicas` > 1 holds every box of `spec` on that many live ranks (shardcore.replicas).
         """
-        summary = reshard_tensor(self._session, self.name, tuple(self.shape), self.dtype, spec, bucket_bytes,
-                                 timeout, progress, replicas)
+        summary = reshard_tensor(
+            self._session,
+            self.name,
+            tuple(self.shape),
+            self.dtype,
+            spec,
+            bucket_bytes,
+            timeout,
+            progress,
+            replicas,
+        )
         return RemoteShardedTensor(self._session, self._lookups, summary)
 
     # ------------------------------------------------------------ embedding lookups (client.embedding.lookup)
@@ -177,10 +197,19 @@ class RemoteShardedTensor:
         """Rows of this 2-D table for `ids` (1-D ints), like F.embedding: Tensor[len(ids), dim]."""
         return self._lookups.lookup({self.name: ids}, dtype)[self.name]
 
-    def lookup_bag(self, ids: Any, offsets: Any, mode: str = "mean", per_sample_weights: torch.Tensor | None = None,
-                   dtype: torch.dtype | None = None, pooling: str = "auto") -> torch.Tensor:
+    def lookup_bag(
+        self,
+        ids: Any,
+        offsets: Any,
+        mode: str = "mean",
+        per_sample_weights: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        pooling: str = "auto",
+    ) -> torch.Tensor:
         """Pooled bags like F.embedding_bag(ids, table, offsets, mode=..., per_sample_weights=...)."""
-        return self._lookups.lookup_bag(self.name, ids, offsets, mode, per_sample_weights, dtype, pooling)
+        return self._lookups.lookup_bag(
+            self.name, ids, offsets, mode, per_sample_weights, dtype, pooling
+        )
 
     def update_rows(self, ids: Any, values: torch.Tensor) -> int:
         """Replace rows in a new version, atomically; the proxy then follows it. Returns the new version."""
@@ -189,8 +218,10 @@ class RemoteShardedTensor:
         return version
 
     def __repr__(self) -> str:
-        return (f"RemoteShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-                f"version={self.version}, shards={len(self._summary.metadata.shards_metadata)})")
+        return (
+            f"RemoteShardedTensor(name={self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"version={self.version}, shards={len(self._summary.metadata.shards_metadata)})"
+        )
 
     def __len__(self) -> int:
         if not self.ndim:
@@ -199,7 +230,9 @@ class RemoteShardedTensor:
 
     # ------------------------------------------------------------ reads
 
-    def fetch(self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def fetch(
+        self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The global box at `offsets` of `sizes`, into `out` (any strides, any device) or a new tensor."""
         try:
             box = Box(tuple(offsets), tuple(sizes))
@@ -216,8 +249,12 @@ class RemoteShardedTensor:
         self._check_request(summary, box, out)
         unavailable = self._session.unavailable_shards(summary)
         check_readable(summary, box, unavailable)
-        return summary, shards_for_box(summary.metadata, box, unavailable=unavailable,
-                                       suspect=self._session.suspect_shards(summary))
+        return summary, shards_for_box(
+            summary.metadata,
+            box,
+            unavailable=unavailable,
+            suspect=self._session.suspect_shards(summary),
+        )
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         """`t[i, a:b, ...]` with ints and step-1 slices (negative ones too); ints drop their dim like torch."""
@@ -242,56 +279,84 @@ class RemoteShardedTensor:
         try:
             check_box(summary.metadata.size, box)
         except ValueError as err:
-            raise InvalidArgumentError(f"{err} (tensor {self.name!r} has shape {summary.metadata.size})") from None
+            raise InvalidArgumentError(
+                f"{err} (tensor {self.name!r} has shape {summary.metadata.size})"
+            ) from None
         if out is None:
             return
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != box.sizes:
-            raise InvalidArgumentError(f"out has shape {tuple(out.shape)} but sizes are {box.sizes}")
+            raise InvalidArgumentError(
+                f"out has shape {tuple(out.shape)} but sizes are {box.sizes}"
+            )
         if out.dtype != summary.metadata.dtype:
             raise InvalidArgumentError(
-                f"out has dtype {out.dtype} but tensor {self.name!r} is {summary.metadata.dtype}")
+                f"out has dtype {out.dtype} but tensor {self.name!r} is {summary.metadata.dtype}"
+            )
         problem = _unwritable(out)
         if problem:
             raise InvalidArgumentError(f"out {problem}; pass a plain dense tensor to read into")
 
-    def _read(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
+    def _read(
+        self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None
+    ) -> torch.Tensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and
         retry the whole read (the box is resolved again against the new shape)."""
         self._session.check_open()
-        if self._session.newest_seen(self.name) > self._summary.version:  # replaced, yet served in its grace
+        if (
+            self._session.newest_seen(self.name) > self._summary.version
+        ):  # replaced, yet served in its grace
             self.refresh()
-        return read_with_refresh(lambda: self._read_once(resolve, out), self._refresh_for_retry,
-                                 self._session.channel.timeout)
+        return read_with_refresh(
+            lambda: self._read_once(resolve, out),
+            self._refresh_for_retry,
+            self._session.channel.timeout,
+        )
 
     def _refresh_for_retry(self) -> int:
         self._session.refresh_ranks()
         return self.refresh().version
 
-    def _read_once(self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None) -> torch.Tensor:
+    def _read_once(
+        self, resolve: Callable[[tuple[int, ...]], Box], out: torch.Tensor | None
+    ) -> torch.Tensor:
         summary = self._summary
         box = resolve(summary.metadata.size)
         self._check_request(summary, box, out)
         unavailable = self._session.unavailable_shards(summary)
         check_readable(summary, box, unavailable)
         target = out if out is not None else torch.empty(box.sizes, dtype=summary.metadata.dtype)
-        parts = shards_for_box(summary.metadata, box, unavailable=unavailable,
-                               suspect=self._session.suspect_shards(summary))
+        parts = shards_for_box(
+            summary.metadata,
+            box,
+            unavailable=unavailable,
+            suspect=self._session.suspect_shards(summary),
+        )
         self._read_parts(summary, parts, box, target)
         if target.device.type == "cuda":
-            torch.cuda.synchronize(target.device)  # the parts' copies (made on pool threads' streams) are done
+            torch.cuda.synchronize(
+                target.device
+            )  # the parts' copies (made on pool threads' streams) are done
         return target
 
-    def _read_parts(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
-                    out: torch.Tensor) -> None:
+    def _read_parts(
+        self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box, out: torch.Tensor
+    ) -> None:
         """Fetch each (shard index, global part) of `box` into its region of `out`, by the paths client.paths
         picks per rank."""
+
         def rank_of(index: int) -> RankStatus:
             return self._session.rank_status(summary.metadata.shards_metadata[index].rank)
 
-        path = self._session.paths.read(summary, parts, box, out, rank_of,
-                                        lambda index: self._session.other_copies(summary, index))
+        path = self._session.paths.read(
+            summary,
+            parts,
+            box,
+            out,
+            rank_of,
+            lambda index: self._session.other_copies(summary, index),
+        )
         if path is not None:
             self.last_transport = path
             counters.count_read(path, box.numel() * out.element_size())

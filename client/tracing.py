@@ -6,6 +6,7 @@ client installs none of its own. Each call's context travels to the
 coordinator and the ranks in its metadata (protos.trace_context), so a
 reshard's spans on every process share the caller's trace id.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,14 +34,24 @@ def call_interceptor(tracing: Any) -> grpc.UnaryUnaryClientInterceptor | None:
     if not tracing_wanted(tracing):
         return None
     if tracing is not None and not isinstance(tracing, bool) and not hasattr(tracing, "get_tracer"):
-        raise ValueError(f"tracing must be None, a bool or an OpenTelemetry TracerProvider, got "
-                         f"{type(tracing).__name__}")
+        raise ValueError(
+            f"tracing must be None, a bool or an OpenTelemetry TracerProvider, got "
+            f"{type(tracing).__name__}"
+        )
     try:
-        from protos.trace_context import TraceContextInterceptor
+        from shardserve.protos.trace_context import TraceContextInterceptor
 
-        return TraceContextInterceptor(None if isinstance(tracing, bool) or tracing is None else tracing)
+        return TraceContextInterceptor(
+            None if isinstance(tracing, bool) or tracing is None else tracing
+        )
     except ImportError as err:
         if tracing is None:
-            log.warning("$%s is set but OpenTelemetry is not installed: calls are not traced (%s)", TRACING_ENV, err)
+            log.warning(
+                "$%s is set but OpenTelemetry is not installed: calls are not traced (%s)",
+                TRACING_ENV,
+                err,
+            )
             return None
-        raise ValueError(f"tracing needs opentelemetry-api: pip install 'shardserve[tracing]' ({err})") from None
+        raise ValueError(
+            f"tracing needs opentelemetry-api: pip install 'shardserve[tracing]' ({err})"
+        ) from None

@@ -7,6 +7,7 @@ The only change from local inference is the one line building the
 EmbeddingBag: `RemoteEmbeddingBag(cluster, "demo", mode="mean")` instead of
 `nn.EmbeddingBag.from_pretrained(table, mode="mean")`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from client import RemoteEmbeddingBag, connect
+from shardserve import RemoteEmbeddingBag, connect
 
 
 class BagClassifier(nn.Module):
@@ -31,7 +32,9 @@ class BagClassifier(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("coordinator", help="HOST:PORT printed by `shardserve up --demo`")
     parser.add_argument("--batch", type=int, default=256, help="bags per batch")
     parser.add_argument("--bag", type=int, default=20, help="ids per bag")
@@ -43,12 +46,16 @@ def main() -> None:
         offsets = torch.arange(0, ids.numel(), args.bag)
         with torch.no_grad():
             times = []
-            for _ in range(2):  # the first call also opens connections (and maps shards on this host)
+            for _ in range(
+                2
+            ):  # the first call also opens connections (and maps shards on this host)
                 start = time.perf_counter()
                 logits = model(ids, offsets)
                 times.append(time.perf_counter() - start)
-        print(f"{args.batch} bags of {args.bag} ids -> logits {tuple(logits.shape)} in {times[1] * 1e3:.1f} ms "
-              f"(first call {times[0] * 1e3:.1f} ms)")
+        print(
+            f"{args.batch} bags of {args.bag} ids -> logits {tuple(logits.shape)} in {times[1] * 1e3:.1f} ms "
+            f"(first call {times[0] * 1e3:.1f} ms)"
+        )
         print("predicted classes of the first 8 bags:", logits.argmax(dim=1)[:8].tolist())
 
 

@@ -1,5 +1,6 @@
 """The bulk port's framing (protos/shardserve.proto, BulkSession), shared by server/rank/reads/bulk.py and
 client/paths/bulk.py so the two sides cannot drift: all integers little-endian."""
+
 from __future__ import annotations
 
 import socket
@@ -7,15 +8,22 @@ import ssl
 import struct
 import time
 
-TICKET_BYTES = 16                  # the one-time ticket a connection starts with
-FRAME = struct.Struct("<II")       # before each request: its kind and length
-KIND_READ, KIND_LOOKUP = 1, 2      # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
-KIND_WRITE = 3                     # a WriteShardsRequest, its shards' bytes after it (answer: a WriteShardsResponse)
-KIND_READS = 4                     # a ReadRegionsRequest (answer: a ReadRegionsReply)
-MAX_REQUEST_BYTES = 8 << 20        # one request frame (a lookup of ~1M ids)
-HEADER = struct.Struct("<IIQ")     # before each answer: status (gRPC code, 0 = OK), reserved (0), length
-_MAX_IOV = 1024                    # buffers per sendmsg (Linux IOV_MAX)
-_JOIN_UNDER = 256 << 10            # over TLS (no sendmsg), parts smaller than this in all go out as one record
+TICKET_BYTES = 16  # the one-time ticket a connection starts with
+FRAME = struct.Struct("<II")  # before each request: its kind and length
+KIND_READ, KIND_LOOKUP = (
+    1,
+    2,
+)  # a ReadRegionRequest (answer: the box's bytes) or a LookupRequest (a LookupReply)
+KIND_WRITE = 3  # a WriteShardsRequest, its shards' bytes after it (answer: a WriteShardsResponse)
+KIND_READS = 4  # a ReadRegionsRequest (answer: a ReadRegionsReply)
+MAX_REQUEST_BYTES = 8 << 20  # one request frame (a lookup of ~1M ids)
+HEADER = struct.Struct(
+    "<IIQ"
+)  # before each answer: status (gRPC code, 0 = OK), reserved (0), length
+_MAX_IOV = 1024  # buffers per sendmsg (Linux IOV_MAX)
+_JOIN_UNDER = (
+    256 << 10
+)  # over TLS (no sendmsg), parts smaller than this in all go out as one record
 
 
 def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
@@ -27,15 +35,19 @@ def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None =
             raise TimeoutError(f"bulk transfer timed out after {received} of {len(view)} bytes")
         count = sock.recv_into(view[received:])
         if not count:
-            raise ConnectionError(f"the peer closed the connection after {received} of {len(view)} bytes")
+            raise ConnectionError(
+                f"the peer closed the connection after {received} of {len(view)} bytes"
+            )
         received += count
 
 
-def send_parts(sock: socket.socket, parts: "list[bytes | memoryview]") -> None:
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
     """Send every byte of `parts`, in order, gathered by sendmsg: a header and its data go out in one call
     without being joined into a copy first (over TLS, one sendall each)."""
     views = [memoryview(part).cast("B") for part in parts if len(part)]
-    if isinstance(sock, ssl.SSLSocket):  # TLS sockets have no sendmsg: small answers joined, large ones in turn
+    if isinstance(
+        sock, ssl.SSLSocket
+    ):  # TLS sockets have no sendmsg: small answers joined, large ones in turn
         if sum(len(view) for view in views) < _JOIN_UNDER:
             views = [memoryview(b"".join(views))]
         for view in views:

@@ -10,18 +10,20 @@ decoder returns a memoryview into the received message. `LookupChunk` and
 fields go through protobuf, the row bytes around it. Client and server both
 use it; the tests hold it against protobuf.
 """
+
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
-from protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2 as pb
 
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
-_TAG_OFFSET = (1 << 3) | _WIRE_VARINT       # TensorChunk.offset = 1 (int64)
-_TAG_DATA = (2 << 3) | _WIRE_LEN            # TensorChunk.data = 2 (bytes)
-_TAG_CHUNK = (2 << 3) | _WIRE_LEN           # WriteShardRequest.chunk = 2 (TensorChunk)
-_TAG_LOOKUP_DATA = (7 << 3) | _WIRE_LEN     # LookupChunk.data = 7 (bytes), its last field
-_TAG_REPLY_ITEM = (1 << 3) | _WIRE_LEN      # LookupReply.items = 1 (repeated LookupChunk)
+_TAG_OFFSET = (1 << 3) | _WIRE_VARINT  # TensorChunk.offset = 1 (int64)
+_TAG_DATA = (2 << 3) | _WIRE_LEN  # TensorChunk.data = 2 (bytes)
+_TAG_CHUNK = (2 << 3) | _WIRE_LEN  # WriteShardRequest.chunk = 2 (TensorChunk)
+_TAG_LOOKUP_DATA = (7 << 3) | _WIRE_LEN  # LookupChunk.data = 7 (bytes), its last field
+_TAG_REPLY_ITEM = (1 << 3) | _WIRE_LEN  # LookupReply.items = 1 (repeated LookupChunk)
 
 
 class RawChunk(NamedTuple):
@@ -29,8 +31,6 @@ class RawChunk(NamedTuple):
 
     offset: int
     data: memoryview
-
-
 
 
 class RawWriteRequest(NamedTuple):
@@ -69,7 +69,7 @@ def _chunk_head(offset: int, size: int) -> bytes:
     return head
 
 
-def encode_chunk(chunk: "pb.TensorChunk | RawChunk") -> bytes:
+def encode_chunk(chunk: pb.TensorChunk | RawChunk) -> bytes:
     """Serialized TensorChunk; a RawChunk's memoryview is copied once, into the message."""
     if isinstance(chunk, pb.TensorChunk):
         return chunk.SerializeToString()
@@ -97,7 +97,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
             raise ValueError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview, what: str) -> Iterator[tuple[int, "int | memoryview"]]:
+def _fields(buf: memoryview, what: str) -> Iterator[tuple[int, int | memoryview]]:
     """(field number, value) of a serialized message: varints as unsigned ints, length-delimited fields as
     views into `buf`; fixed-width fields (none in the messages read here) are skipped, like unknown ones."""
     pos = 0
@@ -111,7 +111,7 @@ def _fields(buf: memoryview, what: str) -> Iterator[tuple[int, "int | memoryview
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
                 raise ValueError(f"truncated length-delimited field in {what}")
-            yield field, buf[pos:pos + length]
+            yield field, buf[pos : pos + length]
             pos += length
         elif wire in (_WIRE_I64, _WIRE_I32):
             pos += 8 if wire == _WIRE_I64 else 4
@@ -152,7 +152,11 @@ def _lookup_chunk_parts(part: LookupPart) -> list[bytes | memoryview]:
     head = part.header.SerializeToString()
     if not len(part.data):
         return [head]
-    return [head, _length_prefix(_TAG_LOOKUP_DATA, len(part.data)), part.data]  # data (7) is the last field
+    return [
+        head,
+        _length_prefix(_TAG_LOOKUP_DATA, len(part.data)),
+        part.data,
+    ]  # data (7) is the last field
 
 
 def encode_lookup_chunk(part: LookupPart) -> bytes:
@@ -175,11 +179,17 @@ def lookup_reply_pieces(parts: list[LookupPart]) -> list[bytes | memoryview]:
 
 
 # LookupChunk's fields by number: varints (name, signed width; 0 for uint64) and bytes (name)
-_LOOKUP_INTS = {1: ("item", 32), 2: ("version", 0), 3: ("dtype", 32), 4: ("nbytes", 64), 6: ("offset", 64)}
+_LOOKUP_INTS = {
+    1: ("item", 32),
+    2: ("version", 0),
+    3: ("dtype", 32),
+    4: ("nbytes", 64),
+    6: ("offset", 64),
+}
 _LOOKUP_BYTES = {5: "counts", 7: "data"}
 
 
-def decode_lookup_chunk(message: "bytes | memoryview") -> RawLookupChunk:
+def decode_lookup_chunk(message: bytes | memoryview) -> RawLookupChunk:
     """A serialized LookupChunk, its byte fields as views into `message` (the last value of a field wins)."""
     values: dict[str, int | memoryview] = {}
     for field, value in _fields(memoryview(message), "LookupChunk"):
@@ -193,11 +203,14 @@ def decode_lookup_chunk(message: "bytes | memoryview") -> RawLookupChunk:
 
 def decode_lookup_reply(message: bytes) -> list[RawLookupChunk]:
     """A serialized LookupReply as its items, their byte fields as views into `message`."""
-    return [decode_lookup_chunk(value) for field, value in _fields(memoryview(message), "LookupReply")
-            if field == 1 and isinstance(value, memoryview)]
+    return [
+        decode_lookup_chunk(value)
+        for field, value in _fields(memoryview(message), "LookupReply")
+        if field == 1 and isinstance(value, memoryview)
+    ]
 
 
-def decode_chunk(message: "bytes | memoryview") -> RawChunk:
+def decode_chunk(message: bytes | memoryview) -> RawChunk:
     """A serialized TensorChunk as (offset, memoryview of data), skipping unknown fields like protobuf."""
     offset, data = 0, memoryview(b"")
     for field, value in _fields(memoryview(message), "TensorChunk"):
@@ -216,12 +229,15 @@ def _raw_write_request(buf: memoryview) -> RawWriteRequest:
     if pos + length != len(buf):
         raise ValueError("not a single chunk field")
     chunk = decode_chunk(buf[pos:])
-    if chunk.offset < 0 or len(_chunk_head(chunk.offset, len(chunk.data))) + len(chunk.data) != length:
+    if (
+        chunk.offset < 0
+        or len(_chunk_head(chunk.offset, len(chunk.data))) + len(chunk.data) != length
+    ):
         raise ValueError("not the canonical chunk{offset, data} shape")
     return RawWriteRequest(chunk)
 
 
-def decode_write_request(message: bytes) -> "pb.WriteShardRequest | RawWriteRequest":
+def decode_write_request(message: bytes) -> pb.WriteShardRequest | RawWriteRequest:
     """A received WriteShardRequest: chunks as views into `message`, anything else via protobuf."""
     try:
         return _raw_write_request(memoryview(message))

@@ -1,16 +1,27 @@
 """The same-host data plane's contract, shared by server/rank (shared_memory.py, writes/shared.py) and
 client/paths (shm.py, staging.py) so the two sides cannot drift: what "this host" is, the header words a rank
 keeps before each shard segment, and the name a writer gives its staging memfds."""
+
 from __future__ import annotations
 
 import os
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-HOST_NAMESPACES = ("net", "pid")  # a process in another network or PID namespace is another host here
+HOST_NAMESPACES = (
+    "net",
+    "pid",
+)  # a process in another network or PID namespace is another host here
 # A shard segment's header: int64 HEADER_MAGIC, int64 state, int64 generation (OpenShardResponse.data_offset)
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
-STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = 0, 1, 2, 3  # replaced: served in its grace period
-STAGING_NAME = "shardserve-staging-"  # a writer's staging memfd is named this + the request's name_secret
+STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = (
+    0,
+    1,
+    2,
+    3,
+)  # replaced: served in its grace period
+STAGING_NAME = (
+    "shardserve-staging-"  # a writer's staging memfd is named this + the request's name_secret
+)
 
 
 def host_id() -> str:

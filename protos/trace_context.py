@@ -8,21 +8,30 @@ metadata (the standard server interceptor on the other side continues the
 trace from it) and returns gRPC's own call object, ending the span when the
 call ends. OpenTelemetry is imported only by whoever makes one.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import grpc
 
 # Calls never traced: periodic liveness traffic would bury the calls an operator looks for.
-UNTRACED_METHODS = frozenset({"/shardserve.v1.Coordinator/Heartbeat", "/grpc.health.v1.Health/Check",
-                              "/grpc.health.v1.Health/Watch"})
+UNTRACED_METHODS = frozenset(
+    {
+        "/shardserve.v1.Coordinator/Heartbeat",
+        "/grpc.health.v1.Health/Check",
+        "/grpc.health.v1.Health/Watch",
+    }
+)
 
 
 class _CallDetails(grpc.ClientCallDetails):
     """A copy of a call's details with other metadata."""
 
-    def __init__(self, details: grpc.ClientCallDetails, metadata: tuple[tuple[str, str], ...]) -> None:
+    def __init__(
+        self, details: grpc.ClientCallDetails, metadata: tuple[tuple[str, str], ...]
+    ) -> None:
         self.method = details.method
         self.timeout = details.timeout
         self.metadata = metadata
@@ -31,30 +40,43 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = getattr(details, "compression", None)
 
 
-class TraceContextInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class TraceContextInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """A CLIENT span per call (named by its full method), its context sent as `traceparent` metadata."""
 
-    def __init__(self, tracer_provider: Any = None, untraced: Iterable[str] = UNTRACED_METHODS) -> None:
+    def __init__(
+        self, tracer_provider: Any = None, untraced: Iterable[str] = UNTRACED_METHODS
+    ) -> None:
         from opentelemetry import trace
 
         self._trace = trace
         self._tracer = trace.get_tracer("shardserve.grpc", tracer_provider=tracer_provider)
         self._untraced = frozenset(untraced)
 
-    def _call(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+    def _call(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         if details.method in self._untraced:
             return continuation(details, request)
         from opentelemetry.propagate import inject
 
         service, _, method = details.method.lstrip("/").partition("/")
-        span = self._tracer.start_span(details.method, kind=self._trace.SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": service, "rpc.method": method})
+        span = self._tracer.start_span(
+            details.method,
+            kind=self._trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+        )
         carrier: dict[str, str] = {}
         with self._trace.use_span(span, end_on_exit=False):
             inject(carrier)
         try:
-            call = continuation(_CallDetails(details, (*(details.metadata or ()), *carrier.items())), request)
+            call = continuation(
+                _CallDetails(details, (*(details.metadata or ()), *carrier.items())), request
+            )
         except BaseException as err:
             span.record_exception(err)
             span.end()
@@ -73,18 +95,22 @@ class TraceContextInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStream
                 span.set_status(Status(StatusCode.ERROR, f"{code.name}: {call.details()}"))
         span.end()
 
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails,
-                              request: Any) -> Any:
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return self._call(continuation, details, request)
 
-    def intercept_unary_stream(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails,
-                               request: Any) -> Any:
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
+    ) -> Any:
         return self._call(continuation, details, request)
 
-    def intercept_stream_unary(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails,
-                               requests: Any) -> Any:
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any
+    ) -> Any:
         return self._call(continuation, details, requests)
 
-    def intercept_stream_stream(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails,
-                                requests: Any) -> Any:
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any
+    ) -> Any:
         return self._call(continuation, details, requests)

@@ -1,5 +1,6 @@
-"""`python -m server up ...` (local cluster), `... coordinator ...`, `... node ...` (a node's ranks, supervised),
-else one rank (torchrun-compatible)."""
+"""`python -m shardserve.server up ...` (local cluster), `... coordinator ...`, `... node ...`
+(a node's ranks, supervised), else one rank (torchrun-compatible)."""
+
 from __future__ import annotations
 
 import sys
@@ -7,15 +8,19 @@ import sys
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "up":
-        from server.launcher import main_up
+        from shardserve.server.launcher import main_up
+
         return main_up(argv[1:])
     if argv and argv[0] == "coordinator":
-        from server.launcher import main_coordinator
+        from shardserve.server.launcher import main_coordinator
+
         return main_coordinator(argv[1:])
     if argv and argv[0] == "node":
-        from server.node import main_node
+        from shardserve.server.node import main_node
+
         return main_node(argv[1:])
-    from server.rank.main import main as rank_main
+    from shardserve.server.rank.main import main as rank_main
+
     return rank_main(argv)
 
 

@@ -7,6 +7,7 @@ trainer would; every start then loads it into the cluster as "demo", row-wise
 over all ranks, through the same collective checkpoint load as
 `shardserve load` (each rank reads its own rows from the files).
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,12 +16,11 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
-
-    from server.coordinator.lifecycle import Coordinator
+    from shardserve.server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +58,19 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> str:
 def load_demo(coordinator: Coordinator, state_dir: str | Path) -> pb.TensorInfo:
     """Write the demo checkpoint if needed and load it as "demo", row-wise over every rank."""
     import torch
-
-    from shardcore.metadata import TensorProperties
-    from shardcore.specs import ChunkShardingSpec
-    from shardcore.wire import metadata_to_proto
+    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.core.wire import metadata_to_proto
 
     path = ensure_demo_checkpoint(state_dir)
     ranks = coordinator.registry.ranks()
     spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in ranks])
     meta = spec.build_metadata((DEMO_ROWS, DEMO_DIM), TensorProperties(dtype=torch.float32))
-    request = pb.LoadCheckpointRequest(path=path, overwrite=True, tensors=[
-        pb.CheckpointTensor(name=DEMO_NAME, metadata=metadata_to_proto(meta))])
+    request = pb.LoadCheckpointRequest(
+        path=path,
+        overwrite=True,
+        tensors=[pb.CheckpointTensor(name=DEMO_NAME, metadata=metadata_to_proto(meta))],
+    )
     final = None
     for message in coordinator.checkpoints.load(request):
         final = message

@@ -7,6 +7,7 @@ each one that exits, one by one, with the same backoff and --max-restarts as
 node-mates. SIGINT/SIGTERM stops them all; the node exits 1 once every rank it
 supervises is out of restarts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,17 +15,17 @@ import logging
 import os
 import signal
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from server.common.cli_args import (
+from shardserve.server.common.cli_args import (
     add_security_args,
     configure_logging,
     security_from_args,
     stream_limits_from_args,
 )
-from server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
-from server.common.tracing import tracing_flags
-from server.supervisor import (
+from shardserve.server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
+from shardserve.server.common.tracing import tracing_flags
+from shardserve.server.supervisor import (
     RankLaunch,
     RankSupervisor,
     add_rank_args,
@@ -44,16 +45,31 @@ COORDINATOR_ENV = "SHARDSERVE_COORDINATOR"
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
     """The node's arguments and its sorted rank numbers; usage errors (exit 2) name the flag."""
     parser = argparse.ArgumentParser(
-        prog="shardserve node", description="Run and supervise some ranks of a cluster whose coordinator runs "
+        prog="shardserve node",
+        description="Run and supervise some ranks of a cluster whose coordinator runs "
         "elsewhere (`shardserve coordinator`): each rank that exits is restarted under its rank number; "
-        "SIGINT/SIGTERM stops them all.")
-    parser.add_argument("--coordinator", default=os.environ.get(COORDINATOR_ENV), metavar="HOST:PORT",
-                        help=f"the coordinator's address (default: ${COORDINATOR_ENV})")
-    parser.add_argument("--ranks", required=True, help="rank numbers to run here: a range 0-3, a list 0,2,5, "
-                        "or both (0-1,4)")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks in the whole cluster, all nodes")
-    parser.add_argument("--host", default="0.0.0.0", help="interface the ranks bind; on 0.0.0.0 they advertise "
-                        "this host's name (default %(default)s)")
+        "SIGINT/SIGTERM stops them all.",
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get(COORDINATOR_ENV),
+        metavar="HOST:PORT",
+        help=f"the coordinator's address (default: ${COORDINATOR_ENV})",
+    )
+    parser.add_argument(
+        "--ranks",
+        required=True,
+        help="rank numbers to run here: a range 0-3, a list 0,2,5, or both (0-1,4)",
+    )
+    parser.add_argument(
+        "--world-size", type=int, required=True, help="ranks in the whole cluster, all nodes"
+    )
+    parser.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="interface the ranks bind; on 0.0.0.0 they advertise "
+        "this host's name (default %(default)s)",
+    )
     add_rank_args(parser)
     add_security_args(parser)
     args = parser.parse_args(argv)
@@ -78,12 +94,18 @@ def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
         parser.error(f"--coordinator {address!r} is not HOST:PORT with a port 1-65535")
 
 
-def node_launches(args: argparse.Namespace, ranks: Sequence[int], token: str | None,
-                  command: Sequence[str]) -> list[RankLaunch]:
+def node_launches(
+    args: argparse.Namespace, ranks: Sequence[int], token: str | None, command: Sequence[str]
+) -> list[RankLaunch]:
     """One launch per rank: LOCAL_RANK is its position on this node, LOCAL_WORLD_SIZE the node's rank count."""
-    return [RankLaunch(rank, [*command, *rank_metrics_flags(args.metrics_port, rank), *tracing_flags(args.tracing)],
-                       rank_env(rank, local, len(ranks), args.world_size, token))
-            for local, rank in enumerate(ranks)]
+    return [
+        RankLaunch(
+            rank,
+            [*command, *rank_metrics_flags(args.metrics_port, rank), *tracing_flags(args.tracing)],
+            rank_env(rank, local, len(ranks), args.world_size, token),
+        )
+        for local, rank in enumerate(ranks)
+    ]
 
 
 def main_node(argv: Sequence[str]) -> int:
@@ -91,28 +113,48 @@ def main_node(argv: Sequence[str]) -> int:
     args, ranks = parse_args(argv)
     configure_logging(args.log_level)
     if not args.cluster_secret_file and not args.cluster_cert_name:
-        log.error("--cluster-secret-file is required: the coordinator's cluster secret (it writes "
-                  "STATE_DIR/cluster-secret when started without one), unless mTLS with --cluster-cert-name")
+        log.error(
+            "--cluster-secret-file is required: the coordinator's cluster secret (it writes "
+            "STATE_DIR/cluster-secret when started without one), unless mTLS with --cluster-cert-name"
+        )
         return 2
     try:
         security = security_from_args(args)
     except ValueError as err:
         log.error("%s", err)
         return 2
-    command = rank_command(args.coordinator, args.host, args.device, args.max_request_bytes, args.log_level,
-                           security, args.memory_limit, args.recycle_bytes, not args.no_bulk_reads,
-                           args.version_grace, stream_limits_from_args(args), args.persist_dir, args.fsync)
-    supervisor = RankSupervisor(node_launches(args, ranks, security.token, command),
-                                restart_policy_from_args(args))
+    command = rank_command(
+        args.coordinator,
+        args.host,
+        args.device,
+        args.max_request_bytes,
+        args.log_level,
+        security,
+        args.memory_limit,
+        args.recycle_bytes,
+        not args.no_bulk_reads,
+        args.version_grace,
+        stream_limits_from_args(args),
+        args.persist_dir,
+        args.fsync,
+    )
+    supervisor = RankSupervisor(
+        node_launches(args, ranks, security.token, command), restart_policy_from_args(args)
+    )
     handle_stop_signals()
     handle_reload_signal(lambda: supervisor.signal_all(signal.SIGHUP))
     try:
         supervisor.spawn_all()
         supervisor.watch()
-        print(f"node: ranks {','.join(map(str, ranks))} of {args.world_size} started, coordinator "
-              f"{args.coordinator}", flush=True)
+        print(
+            f"node: ranks {','.join(map(str, ranks))} of {args.world_size} started, coordinator "
+            f"{args.coordinator}",
+            flush=True,
+        )
         while not all(supervisor.stays_dead(rank) for rank in ranks):
-            time.sleep(0.2)  # short sleeps: a signal landing on a non-main thread is handled promptly
+            time.sleep(
+                0.2
+            )  # short sleeps: a signal landing on a non-main thread is handled promptly
         log.error("every rank of this node is out of restarts; the node exits")
         return 1
     except Stop as stop:

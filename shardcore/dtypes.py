@@ -1,4 +1,5 @@
 """The one dtype table: torch dtype <-> wire enum value <-> name <-> item size."""
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,15 @@ _TABLE: tuple[tuple[torch.dtype, int, str], ...] = (
 _BY_DTYPE = {dt: (num, name) for dt, num, name in _TABLE}
 _BY_NUMBER = {num: dt for dt, num, _ in _TABLE}
 _BY_NAME = {name: dt for dt, _, name in _TABLE}
-_BY_NAME.update({"float": torch.float32, "double": torch.float64, "half": torch.float16,
-                 "long": torch.int64, "int": torch.int32})
+_BY_NAME.update(
+    {
+        "float": torch.float32,
+        "double": torch.float64,
+        "half": torch.float16,
+        "long": torch.int64,
+        "int": torch.int32,
+    }
+)
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(dt for dt, _, _ in _TABLE)
 
@@ -37,7 +45,9 @@ def dtype_to_wire(dtype: torch.dtype) -> int:
     try:
         return _BY_DTYPE[dtype][0]
     except KeyError:
-        raise UnsupportedDTypeError(f"dtype {dtype} is not supported; supported: {dtype_names()}") from None
+        raise UnsupportedDTypeError(
+            f"dtype {dtype} is not supported; supported: {dtype_names()}"
+        ) from None
 
 
 def dtype_from_wire(number: int) -> torch.dtype:
@@ -53,7 +63,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _BY_DTYPE[dtype][1]
     except KeyError:
-        raise UnsupportedDTypeError(f"dtype {dtype} is not supported; supported: {dtype_names()}") from None
+        raise UnsupportedDTypeError(
+            f"dtype {dtype} is not supported; supported: {dtype_names()}"
+        ) from None
 
 
 def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
@@ -65,7 +77,9 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
     try:
         return _BY_NAME[key]
     except KeyError:
-        raise UnsupportedDTypeError(f"unknown dtype name {name!r}; supported: {dtype_names()}") from None
+        raise UnsupportedDTypeError(
+            f"unknown dtype name {name!r}; supported: {dtype_names()}"
+        ) from None
 
 
 def dtype_names() -> str:

@@ -5,10 +5,11 @@ of a job derives the same store prefix and its own index in the group from
 (epoch, participants) alone, so the ranks of a job meet in one group and ranks
 outside it never see its keys.
 """
+
 from __future__ import annotations
 
 import operator
-from typing import Iterable
+from collections.abc import Iterable
 
 GROUP_KEY_ROOT = "epoch"
 

@@ -5,12 +5,13 @@ A layout may hold the same box on several ranks (replicas). A copy is
 available copy is *lost*. The coordinator and the client both decide with
 these functions, so they agree on health and on which copy a read may use.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence, Set
 from dataclasses import dataclass
-from typing import AbstractSet, Iterable, Sequence
 
-from shardcore.metadata import Box, ShardedTensorMetadata
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 
 HEALTHY, DEGRADED, LOST = "healthy", "degraded", "lost"
 HEALTH_STATES = (HEALTHY, DEGRADED, LOST)
@@ -46,36 +47,51 @@ def layout_health(meta: ShardedTensorMetadata, unavailable: Iterable[int]) -> La
         elif live < len(copies):
             degraded = True
     state = LOST if lost else DEGRADED if degraded else HEALTHY
-    return LayoutHealth(state, tuple(sorted(lost, key=lambda b: (b.offsets, b.sizes))), replicas or 1)
+    return LayoutHealth(
+        state, tuple(sorted(lost, key=lambda b: (b.offsets, b.sizes))), replicas or 1
+    )
 
 
-def lost_boxes_in(meta: ShardedTensorMetadata, box: Box, unavailable: AbstractSet[int]) -> list[Box]:
+def lost_boxes_in(meta: ShardedTensorMetadata, box: Box, unavailable: Set[int]) -> list[Box]:
     """The layout's boxes overlapping `box` that have no available copy (a read of `box` cannot be served)."""
     if not unavailable:
         return []
-    return [shard_box for shard_box, copies in copies_by_box(meta).items()
-            if all(index in unavailable for index in copies) and _overlaps(shard_box, box)]
+    return [
+        shard_box
+        for shard_box, copies in copies_by_box(meta).items()
+        if all(index in unavailable for index in copies) and _overlaps(shard_box, box)
+    ]
 
 
 def ranks_of_copies(meta: ShardedTensorMetadata, boxes: Iterable[Box]) -> list[int]:
     """The ranks holding a copy of any of `boxes` (sorted): for a lost box, the ranks that died or lost it."""
     wanted = set(boxes)
-    return sorted({shard.rank for shard in meta.shards_metadata if shard.box in wanted and shard.placement})
+    return sorted(
+        {shard.rank for shard in meta.shards_metadata if shard.box in wanted and shard.placement}
+    )
 
 
 def name_ranks(ranks: Iterable[int]) -> str:
-    """"rank 1" or "ranks 1, 2": ranks named in a message."""
+    """ "rank 1" or "ranks 1, 2": ranks named in a message."""
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def pick_copy(meta: ShardedTensorMetadata, copies: Sequence[int], unavailable: AbstractSet[int] = frozenset(),
-              suspect: AbstractSet[int] = frozenset(), prefer_rank: int | None = None) -> int:
+def pick_copy(
+    meta: ShardedTensorMetadata,
+    copies: Sequence[int],
+    unavailable: Set[int] = frozenset(),
+    suspect: Set[int] = frozenset(),
+    prefer_rank: int | None = None,
+) -> int:
     """The copy of a box to read: an available, unsuspected one (prefer_rank's first), else a suspected one
     (its rank failed a call lately), else an unavailable one (the caller reports the box lost)."""
+
     def cost(index: int) -> tuple[int, int]:
         standing = 2 if index in unavailable else 1 if index in suspect else 0
-        preferred = 0 if prefer_rank is not None and meta.shards_metadata[index].rank == prefer_rank else 1
+        preferred = (
+            0 if prefer_rank is not None and meta.shards_metadata[index].rank == prefer_rank else 1
+        )
         return standing, preferred
 
     return min(copies, key=cost)  # min keeps the first of equals: the first listed copy
@@ -83,5 +99,7 @@ def pick_copy(meta: ShardedTensorMetadata, copies: Sequence[int], unavailable: A
 
 def _overlaps(a: Box, b: Box) -> bool:
     """Whether two non-empty boxes share an element."""
-    return not b.is_empty() and all(max(oa, ob) < min(oa + sa, ob + sb)
-                                    for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+    return not b.is_empty() and all(
+        max(oa, ob) < min(oa + sa, ob + sb)
+        for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    )

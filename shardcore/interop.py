@@ -13,42 +13,72 @@
 
 torch.distributed is imported lazily, inside the functions that need it.
 """
+
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
+from shardserve.core.metadata import (
+    Box,
+    RemoteDevice,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
+from shardserve.core.placements import (
+    Placement,
+    Replicate,
+    Shard,
+    as_mesh_placement,
+    local_box,
+    metadata_from_placements,
+    parse_mesh,
+)
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 
-from shardcore.metadata import Box, RemoteDevice, ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.placements import (Placement, Replicate, Shard, as_mesh_placement, local_box,
-                                  metadata_from_placements, parse_mesh)
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-
-Spec = Union[ChunkShardingSpec, EnumerableShardingSpec]
-PlacementRule = Union[Callable[[int, Box], Any], Sequence[Any]]
+Spec = ChunkShardingSpec | EnumerableShardingSpec
+PlacementRule = Callable[[int, Box], Any] | Sequence[Any]
 
 
 def properties_from_torch(props: Any) -> TensorProperties:
     """Ours from torch's TensorProperties (ShardedTensor's or DCP's; same fields)."""
     try:
-        return TensorProperties(dtype=props.dtype, layout=props.layout, requires_grad=bool(props.requires_grad),
-                                memory_format=props.memory_format, pin_memory=bool(props.pin_memory))
+        return TensorProperties(
+            dtype=props.dtype,
+            layout=props.layout,
+            requires_grad=bool(props.requires_grad),
+            memory_format=props.memory_format,
+            pin_memory=bool(props.pin_memory),
+        )
     except AttributeError:
-        raise TypeError(f"tensor_properties must be a TensorProperties, got {type(props).__name__}") from None
+        raise TypeError(
+            f"tensor_properties must be a TensorProperties, got {type(props).__name__}"
+        ) from None
 
 
 def properties_to_torch(props: TensorProperties) -> Any:
     """torch.distributed._shard.sharded_tensor.metadata.TensorProperties from ours."""
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchProperties
-    return TorchProperties(dtype=props.dtype, layout=props.layout, requires_grad=props.requires_grad,
-                           memory_format=props.memory_format, pin_memory=props.pin_memory)
+
+    return TorchProperties(
+        dtype=props.dtype,
+        layout=props.layout,
+        requires_grad=props.requires_grad,
+        memory_format=props.memory_format,
+        pin_memory=props.pin_memory,
+    )
 
 
 def shard_metadata_to_torch(shard: ShardMetadata) -> Any:
     """torch ShardMetadata (lists, `_remote_device` placement) from ours."""
     from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-    placement = None if shard.placement is None else torch.distributed._remote_device(str(shard.placement))
+
+    placement = (
+        None if shard.placement is None else torch.distributed._remote_device(str(shard.placement))
+    )
     return TorchShardMetadata(list(shard.shard_offsets), list(shard.shard_sizes), placement)
 
 
@@ -63,10 +93,16 @@ def shard_metadata_from_torch(shard: Any) -> ShardMetadata:
 def metadata_to_torch(meta: ShardedTensorMetadata) -> Any:
     """torch ShardedTensorMetadata from ours."""
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata as TorchMeta
+
     if not isinstance(meta, ShardedTensorMetadata):
-        raise TypeError(f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}")
-    return TorchMeta([shard_metadata_to_torch(s) for s in meta.shards_metadata], torch.Size(meta.size),
-                     properties_to_torch(meta.tensor_properties))
+        raise TypeError(
+            f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}"
+        )
+    return TorchMeta(
+        [shard_metadata_to_torch(s) for s in meta.shards_metadata],
+        torch.Size(meta.size),
+        properties_to_torch(meta.tensor_properties),
+    )
 
 
 def metadata_from_torch(meta: Any) -> ShardedTensorMetadata:
@@ -76,9 +112,14 @@ def metadata_from_torch(meta: Any) -> ShardedTensorMetadata:
     try:
         shards, size, props = meta.shards_metadata, meta.size, meta.tensor_properties
     except AttributeError:
-        raise TypeError(f"expected a torch ShardedTensorMetadata, got {type(meta).__name__}") from None
-    return ShardedTensorMetadata(tuple(shard_metadata_from_torch(s) for s in shards), tuple(size),
-                                 properties_from_torch(props))
+        raise TypeError(
+            f"expected a torch ShardedTensorMetadata, got {type(meta).__name__}"
+        ) from None
+    return ShardedTensorMetadata(
+        tuple(shard_metadata_from_torch(s) for s in shards),
+        tuple(size),
+        properties_from_torch(props),
+    )
 
 
 def spec_to_torch(spec: Spec) -> Any:
@@ -88,24 +129,34 @@ def spec_to_torch(spec: Spec) -> Any:
     replicas raises ValueError here.
     """
     from torch.distributed._shard import sharding_spec as torch_specs
+
     if isinstance(spec, ChunkShardingSpec):
         return torch_specs.ChunkShardingSpec(spec.dim, [str(p) for p in spec.placements])
     if isinstance(spec, EnumerableShardingSpec):
         try:
-            return torch_specs.EnumerableShardingSpec([shard_metadata_to_torch(s) for s in spec.shards])
+            return torch_specs.EnumerableShardingSpec(
+                [shard_metadata_to_torch(s) for s in spec.shards]
+            )
         except ValueError as exc:
-            raise ValueError(f"torch's EnumerableShardingSpec refuses these shards (replicas?): {exc}") from None
-    raise TypeError(f"spec must be a shardcore ChunkShardingSpec or EnumerableShardingSpec, got {type(spec).__name__}")
+            raise ValueError(
+                f"torch's EnumerableShardingSpec refuses these shards (replicas?): {exc}"
+            ) from None
+    raise TypeError(
+        f"spec must be a shardcore ChunkShardingSpec or EnumerableShardingSpec, got {type(spec).__name__}"
+    )
 
 
 def spec_from_torch(spec: Any) -> Spec:
     """Ours from torch's ChunkShardingSpec / EnumerableShardingSpec."""
     from torch.distributed._shard import sharding_spec as torch_specs
+
     if isinstance(spec, torch_specs.ChunkShardingSpec):
         return ChunkShardingSpec(spec.dim, tuple(str(p) for p in spec.placements))
     if isinstance(spec, torch_specs.EnumerableShardingSpec):
         return EnumerableShardingSpec(tuple(shard_metadata_from_torch(s) for s in spec.shards))
-    raise TypeError(f"spec must be torch's ChunkShardingSpec or EnumerableShardingSpec, got {type(spec).__name__}")
+    raise TypeError(
+        f"spec must be torch's ChunkShardingSpec or EnumerableShardingSpec, got {type(spec).__name__}"
+    )
 
 
 def as_spec(spec: Any) -> Spec:
@@ -122,15 +173,25 @@ def _distinct_boxes(meta: ShardedTensorMetadata) -> list[Box]:
 
 def to_dcp_storage_metadata(meta: ShardedTensorMetadata) -> Any:
     """DCP TensorStorageMetadata: one chunk per distinct non-empty box (replicas stored once)."""
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, TensorProperties as DcpProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+    from torch.distributed.checkpoint.metadata import TensorProperties as DcpProperties
+
     if not isinstance(meta, ShardedTensorMetadata):
-        raise TypeError(f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}")
+        raise TypeError(
+            f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}"
+        )
     p = meta.tensor_properties
-    props = DcpProperties(dtype=p.dtype, layout=p.layout, requires_grad=p.requires_grad,
-                          memory_format=p.memory_format, pin_memory=p.pin_memory)
-    chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
-              for b in _distinct_boxes(meta)]
+    props = DcpProperties(
+        dtype=p.dtype,
+        layout=p.layout,
+        requires_grad=p.requires_grad,
+        memory_format=p.memory_format,
+        pin_memory=p.pin_memory,
+    )
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes))
+        for b in _distinct_boxes(meta)
+    ]
     return TensorStorageMetadata(properties=props, size=torch.Size(meta.size), chunks=chunks)
 
 
@@ -139,7 +200,9 @@ def boxes_from_dcp_storage_metadata(storage: Any) -> list[Box]:
     try:
         return [Box(tuple(c.offsets), tuple(c.sizes)) for c in storage.chunks]
     except AttributeError:
-        raise TypeError(f"expected a DCP TensorStorageMetadata, got {type(storage).__name__}") from None
+        raise TypeError(
+            f"expected a DCP TensorStorageMetadata, got {type(storage).__name__}"
+        ) from None
 
 
 def from_dcp_storage_metadata(storage: Any, placement: PlacementRule) -> ShardedTensorMetadata:
@@ -148,18 +211,26 @@ def from_dcp_storage_metadata(storage: Any, placement: PlacementRule) -> Sharded
     if callable(placement):
         placements = [placement(i, b) for i, b in enumerate(boxes)]
     elif isinstance(placement, (str, bytes)) or not isinstance(placement, Sequence):
-        raise TypeError("placement must be a sequence (one per chunk) or a callable (index, box) -> placement")
+        raise TypeError(
+            "placement must be a sequence (one per chunk) or a callable (index, box) -> placement"
+        )
     else:
         placements = list(placement)
         if len(placements) != len(boxes):
-            raise ValueError(f"placement has {len(placements)} entries but the storage has {len(boxes)} chunks")
+            raise ValueError(
+                f"placement has {len(placements)} entries but the storage has {len(boxes)} chunks"
+            )
     shards = tuple(ShardMetadata(b.offsets, b.sizes, p) for b, p in zip(boxes, placements))
-    return ShardedTensorMetadata(shards, tuple(storage.size), properties_from_torch(storage.properties))
+    return ShardedTensorMetadata(
+        shards, tuple(storage.size), properties_from_torch(storage.properties)
+    )
 
 
 def placements_to_torch(placements: Sequence[Placement]) -> tuple[Any, ...]:
     """torch.distributed.tensor Shard/Replicate from ours."""
-    from torch.distributed.tensor import Replicate as TorchReplicate, Shard as TorchShard
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
     out = []
     for i, p in enumerate(placements):
         p = as_mesh_placement(p, i)
@@ -172,8 +243,9 @@ def placements_from_torch(placements: Sequence[Any]) -> tuple[Placement, ...]:
     return tuple(as_mesh_placement(p, i) for i, p in enumerate(placements))
 
 
-def metadata_from_dtensor(dtensor: Any, size: Sequence[int] | None = None, *,
-                          devices_per_host: int = 1) -> ShardedTensorMetadata:
+def metadata_from_dtensor(
+    dtensor: Any, size: Sequence[int] | None = None, *, devices_per_host: int = 1
+) -> ShardedTensorMetadata:
     """Our metadata of a DTensor, or of a DTensorSpec (give `size` when it carries no tensor_meta)."""
     mesh = getattr(dtensor, "device_mesh", None)
     if mesh is None:
@@ -183,18 +255,28 @@ def metadata_from_dtensor(dtensor: Any, size: Sequence[int] | None = None, *,
     dtype = getattr(dtensor, "dtype", None)
     if size is None:
         meta = getattr(dtensor, "tensor_meta", None)
-        size = tuple(dtensor.shape) if isinstance(dtensor, torch.Tensor) else getattr(meta, "shape", None)
+        size = (
+            tuple(dtensor.shape)
+            if isinstance(dtensor, torch.Tensor)
+            else getattr(meta, "shape", None)
+        )
         dtype = dtype or getattr(meta, "dtype", None)
         if size is None:
             raise ValueError("size is required: the DTensorSpec has no tensor_meta")
     device = "cuda" if mesh.device_type == "cuda" else "cpu"
-    return metadata_from_placements(tuple(size), mesh.mesh.tolist(), placements_from_torch(dtensor.placements),
-                                    dtype=dtype or torch.float32, device=device,
-                                    devices_per_host=devices_per_host)
+    return metadata_from_placements(
+        tuple(size),
+        mesh.mesh.tolist(),
+        placements_from_torch(dtensor.placements),
+        dtype=dtype or torch.float32,
+        device=device,
+        devices_per_host=devices_per_host,
+    )
 
 
-def dtensor_layout(meta: ShardedTensorMetadata,
-                   mesh_ndims: Sequence[int] = (1, 2)) -> tuple[list[Any], tuple[Placement, ...]]:
+def dtensor_layout(
+    meta: ShardedTensorMetadata, mesh_ndims: Sequence[int] = (1, 2)
+) -> tuple[list[Any], tuple[Placement, ...]]:
     """(mesh as nested list of ranks, placements) reproducing `meta` by DTensor's rule.
 
     The shards must be listed in mesh row-major order, one per distinct rank,
@@ -202,13 +284,19 @@ def dtensor_layout(meta: ShardedTensorMetadata,
     no 1-D or 2-D mesh with Shard/Replicate placements reproduces the layout.
     """
     if not isinstance(meta, ShardedTensorMetadata):
-        raise TypeError(f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}")
+        raise TypeError(
+            f"meta must be a shardcore ShardedTensorMetadata, got {type(meta).__name__}"
+        )
     shards = meta.shards_metadata
     ranks = [s.rank for s in shards]
     if not shards or len(set(ranks)) != len(ranks):
-        raise ValueError("not expressible as DTensor placements: a mesh needs one shard per distinct rank")
+        raise ValueError(
+            "not expressible as DTensor placements: a mesh needs one shard per distinct rank"
+        )
     if len({s.device.type for s in shards}) != 1:
-        raise ValueError("not expressible as DTensor placements: shards are on several device types")
+        raise ValueError(
+            "not expressible as DTensor placements: shards are on several device types"
+        )
     choices = [None] + list(range(meta.ndim))
     for shape in _mesh_shapes(len(shards), mesh_ndims):
         for rules in itertools.product(choices, repeat=len(shape)):
@@ -216,8 +304,10 @@ def dtensor_layout(meta: ShardedTensorMetadata,
                 mesh = torch.tensor(ranks).reshape(shape).tolist()
                 parse_mesh(mesh)
                 return mesh, tuple(Replicate() if d is None else Shard(d) for d in rules)
-    raise ValueError(f"not expressible as DTensor placements on a {' or '.join(f'{n}-D' for n in mesh_ndims)} "
-                     f"mesh: no Shard/Replicate combination reproduces these {len(shards)} shards")
+    raise ValueError(
+        f"not expressible as DTensor placements on a {' or '.join(f'{n}-D' for n in mesh_ndims)} "
+        f"mesh: no Shard/Replicate combination reproduces these {len(shards)} shards"
+    )
 
 
 def _mesh_shapes(count: int, mesh_ndims: Sequence[int]) -> list[tuple[int, ...]]:
@@ -229,8 +319,12 @@ def _mesh_shapes(count: int, mesh_ndims: Sequence[int]) -> list[tuple[int, ...]]
     return shapes
 
 
-def _reproduces(meta: ShardedTensorMetadata, shape: tuple[int, ...], rules: tuple[int | None, ...]) -> bool:
-    for shard, coordinate in zip(meta.shards_metadata, itertools.product(*(range(n) for n in shape))):
+def _reproduces(
+    meta: ShardedTensorMetadata, shape: tuple[int, ...], rules: tuple[int | None, ...]
+) -> bool:
+    for shard, coordinate in zip(
+        meta.shards_metadata, itertools.product(*(range(n) for n in shape))
+    ):
         offsets, sizes = local_box(meta.size, shape, coordinate, rules, {})
         if (offsets, sizes) != (shard.shard_offsets, shard.shard_sizes):
             return False

@@ -6,18 +6,18 @@ are frozen, hashable and hold plain tuples so they are cheap to compare and
 send. Placements are parsed like torch's `_remote_device` ("rank:N/cpu",
 "rank:N/cuda:K").
 """
+
 from __future__ import annotations
 
 import functools
 import math
 import operator
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
-
-from shardcore.dtypes import dtype_to_wire, itemsize
+from shardserve.core.dtypes import dtype_to_wire, itemsize
 
 _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only
 
@@ -27,7 +27,7 @@ class RemoteDevice:
 
     __slots__ = ("_rank", "_device")
 
-    def __init__(self, spec: "str | RemoteDevice | tuple[int, str]") -> None:
+    def __init__(self, spec: str | RemoteDevice | tuple[int, str]) -> None:
         if isinstance(spec, RemoteDevice):
             self._rank, self._device = spec._rank, spec._device
             return
@@ -39,7 +39,8 @@ class RemoteDevice:
         match = _PLACEMENT_RE.match(spec.strip())
         if not match:
             raise ValueError(
-                f"placement {spec!r} is not of the form 'rank:N/cpu' or 'rank:N/cuda:K'")
+                f"placement {spec!r} is not of the form 'rank:N/cpu' or 'rank:N/cuda:K'"
+            )
         self._rank = int(match.group(1))
         device = match.group(2)
         self._device = torch.device("cuda:0" if device == "cuda" else device)
@@ -65,13 +66,16 @@ class RemoteDevice:
                 other = RemoteDevice(other)
             except ValueError:
                 return False
-        return isinstance(other, RemoteDevice) and (self._rank, self._device) == (other._rank, other._device)
+        return isinstance(other, RemoteDevice) and (self._rank, self._device) == (
+            other._rank,
+            other._device,
+        )
 
     def __hash__(self) -> int:
         return hash(str(self))  # as its canonical string, which it equals
 
 
-def as_placement(value: "str | RemoteDevice | int | None") -> RemoteDevice | None:
+def as_placement(value: str | RemoteDevice | int | None) -> RemoteDevice | None:
     """Coerce "rank:N/dev", a RemoteDevice, torch's _remote_device or a bare rank int."""
     if value is None or isinstance(value, RemoteDevice):
         return value
@@ -93,7 +97,9 @@ class TensorProperties:
     def __post_init__(self) -> None:
         dtype_to_wire(self.dtype)
         if self.layout != torch.strided:
-            raise ValueError(f"tensor_properties.layout {self.layout} is not supported; only torch.strided")
+            raise ValueError(
+                f"tensor_properties.layout {self.layout} is not supported; only torch.strided"
+            )
 
     @property
     def itemsize(self) -> int:
@@ -124,7 +130,8 @@ class Box:
         object.__setattr__(self, "sizes", _int_tuple(self.sizes, "sizes"))
         if len(self.offsets) != len(self.sizes):
             raise ValueError(
-                f"offsets has {len(self.offsets)} dims but sizes has {len(self.sizes)}")
+                f"offsets has {len(self.offsets)} dims but sizes has {len(self.sizes)}"
+            )
 
     @property
     def ndim(self) -> int:
@@ -136,9 +143,11 @@ class Box:
     def is_empty(self) -> bool:
         return any(s == 0 for s in self.sizes)
 
-    def contains(self, other: "Box") -> bool:
-        return all(o1 <= o2 and o2 + s2 <= o1 + s1
-                   for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+    def contains(self, other: Box) -> bool:
+        return all(
+            o1 <= o2 and o2 + s2 <= o1 + s1
+            for o1, s1, o2, s2 in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
 
 
 @dataclass(frozen=True)
@@ -156,7 +165,8 @@ class ShardMetadata:
         if len(self.shard_offsets) != len(self.shard_sizes):
             raise ValueError(
                 f"shard_offsets has {len(self.shard_offsets)} dims but shard_sizes has "
-                f"{len(self.shard_sizes)}")
+                f"{len(self.shard_sizes)}"
+            )
 
     @functools.cached_property
     def box(self) -> Box:
@@ -191,7 +201,9 @@ class ShardedTensorMetadata:
         object.__setattr__(self, "size", _int_tuple(self.size, "size"))
         for i, shard in enumerate(self.shards_metadata):
             if not isinstance(shard, ShardMetadata):
-                raise TypeError(f"shards_metadata[{i}] is a {type(shard).__name__}, not ShardMetadata")
+                raise TypeError(
+                    f"shards_metadata[{i}] is a {type(shard).__name__}, not ShardMetadata"
+                )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,11 +233,19 @@ class ShardedTensorMetadata:
 
     def shards_nbytes(self) -> int:
         """The bytes of every shard, replicas counted each: what the layout holds over all its ranks."""
-        return sum(shard.numel() for shard in self.shards_metadata) * self.tensor_properties.itemsize
+        return (
+            sum(shard.numel() for shard in self.shards_metadata) * self.tensor_properties.itemsize
+        )
 
 
-def make_metadata(size: Sequence[int], shards: Sequence[tuple[Sequence[int], Sequence[int], str | int]],
-                  dtype: torch.dtype = torch.float32) -> ShardedTensorMetadata:
+def make_metadata(
+    size: Sequence[int],
+    shards: Sequence[tuple[Sequence[int], Sequence[int], str | int]],
+    dtype: torch.dtype = torch.float32,
+) -> ShardedTensorMetadata:
     """Shorthand: metadata from (offsets, sizes, placement) triples."""
     return ShardedTensorMetadata(
-        tuple(ShardMetadata(o, s, p) for o, s, p in shards), tuple(size), TensorProperties(dtype=dtype))
+        tuple(ShardMetadata(o, s, p) for o, s, p in shards),
+        tuple(size),
+        TensorProperties(dtype=dtype),
+    )

@@ -7,17 +7,18 @@ empty chunks already carry an offset clamped to the dim size.
 `sharding_shapes` overrides the rule with explicit uneven sizes, as
 physicsnemo's ShardTensor does.
 """
+
 from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence, Union
+from typing import Any
 
 import torch
-
-from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.specs import chunk_bound
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.specs import chunk_bound
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,8 @@ class Replicate:
     """Hold the whole tensor (as sharded by the other mesh dims) on every rank of one mesh dim."""
 
 
-Placement = Union[Shard, Replicate]
-SizeEntry = Union[int, Sequence[int]]
+Placement = Shard | Replicate
+SizeEntry = int | Sequence[int]
 
 
 def as_mesh_placement(value: Any, index: int = 0) -> Placement:
@@ -49,7 +50,9 @@ def as_mesh_placement(value: Any, index: int = 0) -> Placement:
         return Shard(int(value.dim))
     if kind == "Replicate":
         return Replicate()
-    raise TypeError(f"placements[{index}] is a {kind}; only Shard(dim) and Replicate() are supported")
+    raise TypeError(
+        f"placements[{index}] is a {kind}; only Shard(dim) and Replicate() are supported"
+    )
 
 
 def parse_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -69,7 +72,9 @@ def parse_mesh(mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _nested_shape(mesh: Any) -> tuple[int, ...]:
     if not isinstance(mesh, (list, tuple)) or not mesh:
-        raise ValueError(f"mesh must be a non-empty list (1-D) or list of lists (2-D) of ranks, got {mesh!r}")
+        raise ValueError(
+            f"mesh must be a non-empty list (1-D) or list of lists (2-D) of ranks, got {mesh!r}"
+        )
     if not isinstance(mesh[0], (list, tuple)):
         return (len(mesh),)
     inner = _nested_shape(mesh[0])
@@ -86,7 +91,7 @@ def _flatten(mesh: Any, depth: int) -> list[Any]:
 
 
 def placement_string(rank: int, device: str = "cpu", devices_per_host: int = 1) -> str:
-    """"rank:N/cpu", or "rank:N/cuda:K" with K = rank % devices_per_host."""
+    """ "rank:N/cpu", or "rank:N/cuda:K" with K = rank % devices_per_host."""
     if device == "cpu":
         return f"rank:{rank}/cpu"
     if device == "cuda":
@@ -94,10 +99,16 @@ def placement_string(rank: int, device: str = "cpu", devices_per_host: int = 1) 
     raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
-def metadata_from_placements(size: Sequence[int], mesh: Any, placements: Sequence[Any],
-                             dtype: torch.dtype = torch.float32,
-                             sharding_shapes: Mapping[int, Sequence[SizeEntry]] | None = None,
-                             *, device: str = "cpu", devices_per_host: int = 1) -> ShardedTensorMetadata:
+def metadata_from_placements(
+    size: Sequence[int],
+    mesh: Any,
+    placements: Sequence[Any],
+    dtype: torch.dtype = torch.float32,
+    sharding_shapes: Mapping[int, Sequence[SizeEntry]] | None = None,
+    *,
+    device: str = "cpu",
+    devices_per_host: int = 1,
+) -> ShardedTensorMetadata:
     """Shard metadata of a tensor laid out on `mesh` by DTensor `placements`, one shard per rank.
 
     `sharding_shapes` maps a mesh dim that carries `Shard(d)` to the sizes of
@@ -111,14 +122,20 @@ def metadata_from_placements(size: Sequence[int], mesh: Any, placements: Sequenc
     size = _checked_size(size)
     shape, ranks = parse_mesh(mesh)
     rules = _checked_placements(placements, shape, len(size))
-    if isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int) or devices_per_host < 1:
+    if (
+        isinstance(devices_per_host, bool)
+        or not isinstance(devices_per_host, int)
+        or devices_per_host < 1
+    ):
         raise ValueError(f"devices_per_host must be a positive int, got {devices_per_host!r}")
     placement_string(0, device, devices_per_host)
     explicit = _checked_sharding_shapes(sharding_shapes, shape, rules, size)
     shards = []
     for rank, coordinate in zip(ranks, itertools.product(*(range(n) for n in shape))):
         offsets, sizes = local_box(size, shape, coordinate, rules, explicit)
-        shards.append(ShardMetadata(offsets, sizes, placement_string(rank, device, devices_per_host)))
+        shards.append(
+            ShardMetadata(offsets, sizes, placement_string(rank, device, devices_per_host))
+        )
     return ShardedTensorMetadata(tuple(shards), size, TensorProperties(dtype=dtype))
 
 
@@ -135,12 +152,15 @@ def _checked_size(size: Sequence[int]) -> tuple[int, ...]:
     return tuple(operator.index(n) for n in values)
 
 
-def _checked_placements(placements: Sequence[Any], shape: tuple[int, ...],
-                        ndim: int) -> tuple[int | None, ...]:
+def _checked_placements(
+    placements: Sequence[Any], shape: tuple[int, ...], ndim: int
+) -> tuple[int | None, ...]:
     """Per mesh dim, the normalized tensor dim it shards, or None for Replicate."""
     placements = tuple(placements)
     if len(placements) != len(shape):
-        raise ValueError(f"placements has {len(placements)} entries but the mesh has {len(shape)} dims")
+        raise ValueError(
+            f"placements has {len(placements)} entries but the mesh has {len(shape)} dims"
+        )
     rules: list[int | None] = []
     for i, p in enumerate(placements):
         p = as_mesh_placement(p, i)
@@ -148,44 +168,66 @@ def _checked_placements(placements: Sequence[Any], shape: tuple[int, ...],
             rules.append(None)
             continue
         if not -ndim <= p.dim < ndim:
-            raise ValueError(f"placements[{i}] = Shard({p.dim}) is out of range for a {ndim}-D tensor")
+            raise ValueError(
+                f"placements[{i}] = Shard({p.dim}) is out of range for a {ndim}-D tensor"
+            )
         rules.append(p.dim % ndim)
     return tuple(rules)
 
 
-def _checked_sharding_shapes(sharding_shapes: Mapping[int, Sequence[SizeEntry]] | None,
-                             shape: tuple[int, ...], rules: tuple[int | None, ...],
-                             size: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+def _checked_sharding_shapes(
+    sharding_shapes: Mapping[int, Sequence[SizeEntry]] | None,
+    shape: tuple[int, ...],
+    rules: tuple[int | None, ...],
+    size: tuple[int, ...],
+) -> dict[int, tuple[int, ...]]:
     """sharding_shapes as {mesh dim: chunk lengths along its tensor dim}, checked."""
     if sharding_shapes is None:
         return {}
     if not isinstance(sharding_shapes, Mapping):
-        raise TypeError(f"sharding_shapes must be a dict {{mesh_dim: [sizes]}}, got {type(sharding_shapes).__name__}")
+        raise TypeError(
+            f"sharding_shapes must be a dict {{mesh_dim: [sizes]}}, got {type(sharding_shapes).__name__}"
+        )
     sharded = {d for d in rules if d is not None}
     out = {}
     for mesh_dim, entries in sharding_shapes.items():
         where = f"sharding_shapes[{mesh_dim!r}]"
-        if isinstance(mesh_dim, bool) or not isinstance(mesh_dim, int) or not 0 <= mesh_dim < len(shape):
+        if (
+            isinstance(mesh_dim, bool)
+            or not isinstance(mesh_dim, int)
+            or not 0 <= mesh_dim < len(shape)
+        ):
             raise ValueError(f"{where}: key must be a mesh dim in [0, {len(shape)})")
         tensor_dim = rules[mesh_dim]
         if tensor_dim is None:
-            raise ValueError(f"{where}: mesh dim {mesh_dim} is Replicate(), it has no chunks to size")
+            raise ValueError(
+                f"{where}: mesh dim {mesh_dim} is Replicate(), it has no chunks to size"
+            )
         entries = tuple(entries)
         if len(entries) != shape[mesh_dim]:
-            raise ValueError(f"{where} has {len(entries)} entries but mesh dim {mesh_dim} has {shape[mesh_dim]}")
-        out[mesh_dim] = tuple(_chunk_length(f"{where}[{k}]", e, tensor_dim, sharded, size)
-                              for k, e in enumerate(entries))
+            raise ValueError(
+                f"{where} has {len(entries)} entries but mesh dim {mesh_dim} has {shape[mesh_dim]}"
+            )
+        out[mesh_dim] = tuple(
+            _chunk_length(f"{where}[{k}]", e, tensor_dim, sharded, size)
+            for k, e in enumerate(entries)
+        )
     return out
 
 
-def _chunk_length(where: str, entry: SizeEntry, tensor_dim: int, sharded: set[int],
-                  size: tuple[int, ...]) -> int:
+def _chunk_length(
+    where: str, entry: SizeEntry, tensor_dim: int, sharded: set[int], size: tuple[int, ...]
+) -> int:
     if isinstance(entry, (list, tuple, torch.Size)):
         if len(entry) != len(size):
-            raise ValueError(f"{where} is a shape of {len(entry)} dims but the tensor has {len(size)}")
+            raise ValueError(
+                f"{where} is a shape of {len(entry)} dims but the tensor has {len(size)}"
+            )
         for d, n in enumerate(entry):
             if d not in sharded and n != size[d]:
-                raise ValueError(f"{where}[{d}]={n} but dim {d} is not sharded and has size {size[d]}")
+                raise ValueError(
+                    f"{where}[{d}]={n} but dim {d} is not sharded and has size {size[d]}"
+                )
         entry = entry[tensor_dim]
     try:
         if isinstance(entry, bool):
@@ -198,9 +240,13 @@ def _chunk_length(where: str, entry: SizeEntry, tensor_dim: int, sharded: set[in
     return entry
 
 
-def local_box(size: tuple[int, ...], shape: tuple[int, ...], coordinate: tuple[int, ...],
-              rules: tuple[int | None, ...],
-              explicit: dict[int, tuple[int, ...]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_box(
+    size: tuple[int, ...],
+    shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    rules: tuple[int | None, ...],
+    explicit: dict[int, tuple[int, ...]],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) at one mesh coordinate by DTensor's left-to-right rule.
 
     `rules[m]` is the tensor dim mesh dim m shards (None: Replicate);
@@ -216,7 +262,8 @@ def local_box(size: tuple[int, ...], shape: tuple[int, ...], coordinate: tuple[i
             if sum(lengths) != sizes[tensor_dim]:
                 raise ValueError(
                     f"sharding_shapes[{mesh_dim}] adds up to {sum(lengths)} but tensor dim {tensor_dim} "
-                    f"has {sizes[tensor_dim]} to split there (at mesh coordinate {coordinate})")
+                    f"has {sizes[tensor_dim]} to split there (at mesh coordinate {coordinate})"
+                )
             start, length = sum(lengths[:c]), lengths[c]
         else:
             start, length = chunk_bound(sizes[tensor_dim], shape[mesh_dim], c)

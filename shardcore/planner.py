@@ -13,6 +13,7 @@ the same dim, not n * m). Limits: one very long interval in a dim widens the
 bisect window of that dim; layouts that truly intersect pairwise (rows
 against columns) produce n * m transfers by nature.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,10 @@ import math
 import operator
 from bisect import bisect_left
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass
-from typing import AbstractSet, Iterable, Iterator, Sequence
 
-from shardcore.metadata import Box, ShardedTensorMetadata
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -62,7 +63,9 @@ class Transfer:
         return self.src_rank == self.dst_rank
 
 
-def _relative(offsets: tuple[int, ...], origin: tuple[int, ...] | None, name: str) -> tuple[int, ...]:
+def _relative(
+    offsets: tuple[int, ...], origin: tuple[int, ...] | None, name: str
+) -> tuple[int, ...]:
     if origin is None:
         raise ValueError(f"transfer has no {name}; build transfers with plan_reshard")
     return tuple(o - b for o, b in zip(offsets, origin))
@@ -132,7 +135,9 @@ class ReshardPlan:
 
     def ranks(self) -> tuple[int, ...]:
         """Sorted ranks that take part in the plan (send, receive or copy)."""
-        return tuple(sorted({t.src_rank for t in self.transfers} | {t.dst_rank for t in self.transfers}))
+        return tuple(
+            sorted({t.src_rank for t in self.transfers} | {t.dst_rank for t in self.transfers})
+        )
 
     def participants(self, dst: ShardedTensorMetadata) -> tuple[int, ...]:
         """Sorted ranks that run the reshard job: every holder of a destination shard (even an empty one, which
@@ -159,8 +164,10 @@ class ReshardPlan:
         for b in self.buckets:
             sends[b.src_rank].append(b)
             recvs[b.dst_rank].append(b)
-        return {r: RankPlan(r, tuple(local[r]), tuple(sends[r]), tuple(recvs[r]))
-                for r in sorted(set(local) | set(sends) | set(recvs))}
+        return {
+            r: RankPlan(r, tuple(local[r]), tuple(sends[r]), tuple(recvs[r]))
+            for r in sorted(set(local) | set(sends) | set(recvs))
+        }
 
 
 _BoxKey = tuple[tuple[int, ...], tuple[int, ...]]
@@ -193,13 +200,19 @@ class _SourceIndex:
     most selective dim, whichever is fewer.
     """
 
-    def __init__(self, src: ShardedTensorMetadata, ranks: Sequence[int],
-                 unavailable: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        src: ShardedTensorMetadata,
+        ranks: Sequence[int],
+        unavailable: frozenset[int] = frozenset(),
+    ) -> None:
         groups: dict[_BoxKey, list[tuple[int, int]]] = {}
         for index, shard in enumerate(src.shards_metadata):
             if 0 in shard.shard_sizes or index in unavailable:
                 continue
-            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append((index, ranks[index]))
+            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(
+                (index, ranks[index])
+            )
         self.boxes = list(groups)
         self.holders = list(groups.values())
         self.ndim = len(src.size)
@@ -234,7 +247,9 @@ class _SourceIndex:
                 best_count, best_dim = count, d
         if product <= best_count:
             lookup = self.by_key
-            return [g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None]
+            return [
+                g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None
+            ]
         members = self.dims[best_dim].members
         return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
 
@@ -246,8 +261,9 @@ def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
     return placement.rank()
 
 
-def _intersection(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...],
-                  b_size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def _intersection(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     offsets, sizes = [], []
     for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
         lo = ao if ao > bo else bo
@@ -259,8 +275,9 @@ def _intersection(a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[
     return tuple(offsets), tuple(sizes)
 
 
-def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                  bucket_bytes: int) -> tuple[list[int], list[int]]:
+def _check_inputs(
+    src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int
+) -> tuple[list[int], list[int]]:
     """Validate the arguments; the rank of every src and dst shard."""
     for name, meta in (("src", src), ("dst", dst)):
         if not isinstance(meta, ShardedTensorMetadata):
@@ -272,24 +289,31 @@ def _check_inputs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
     if src.size != dst.size:
         raise ValueError(f"size differs: src.size={src.size} but dst.size={dst.size}")
     if src.dtype != dst.dtype:
-        raise ValueError(f"tensor_properties.dtype differs: src has {src.dtype} but dst has {dst.dtype}")
+        raise ValueError(
+            f"tensor_properties.dtype differs: src has {src.dtype} but dst has {dst.dtype}"
+        )
     ranks: dict[str, list[int]] = {"src": [], "dst": []}
     for name, meta in (("src", src), ("dst", dst)):
         for i, shard in enumerate(meta.shards_metadata):
             where = f"{name}.shards_metadata[{i}]"
             if len(shard.shard_offsets) != meta.ndim:
-                raise ValueError(f"{where}.shard_offsets has {len(shard.shard_offsets)} dims "
-                                 f"but the tensor has {meta.ndim}")
+                raise ValueError(
+                    f"{where}.shard_offsets has {len(shard.shard_offsets)} dims "
+                    f"but the tensor has {meta.ndim}"
+                )
             for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
                 if o < 0 or s < 0 or o + s > n:
-                    raise ValueError(f"{where} is outside the tensor in dim {d}: "
-                                     f"offset {o}, size {s}, tensor size {n}")
+                    raise ValueError(
+                        f"{where} is outside the tensor in dim {d}: "
+                        f"offset {o}, size {s}, tensor size {n}"
+                    )
             ranks[name].append(_rank_of(meta, i, name))
     return ranks["src"], ranks["dst"]
 
 
-def split_box(offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
-              limit: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def split_box(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int, limit: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Cut a box into C-order pieces of at most `limit` bytes each.
 
     Cuts the outermost dim whose inner slices fit into `limit`; the dims
@@ -309,12 +333,18 @@ def split_box(offsets: tuple[int, ...], sizes: tuple[int, ...], itemsize: int,
         head_off = tuple(o + i for o, i in zip(offsets, outer))
         for start in range(0, sizes[cut], step):
             length = min(step, sizes[cut] - start)
-            pieces.append((head_off + (offsets[cut] + start,) + offsets[cut + 1:],
-                           (1,) * cut + (length,) + sizes[cut + 1:]))
+            pieces.append(
+                (
+                    head_off + (offsets[cut] + start,) + offsets[cut + 1 :],
+                    (1,) * cut + (length,) + sizes[cut + 1 :],
+                )
+            )
     return pieces
 
 
-def _choose_holder(holders: list[tuple[int, int]], dst_rank: int, load: dict[int, int]) -> tuple[int, int]:
+def _choose_holder(
+    holders: list[tuple[int, int]], dst_rank: int, load: dict[int, int]
+) -> tuple[int, int]:
     """The holder on dst_rank if any, else the least-loaded source rank (first listed on ties)."""
     for holder in holders:
         if holder[1] == dst_rank:
@@ -332,7 +362,8 @@ def _order_key(t: Transfer) -> tuple:
 def _bucketize(transfers: Sequence[Transfer], bucket_bytes: int) -> tuple[Bucket, ...]:
     buckets: list[Bucket] = []
     for (src_rank, dst_rank), group in itertools.groupby(
-            (t for t in transfers if not t.is_local), key=lambda t: (t.src_rank, t.dst_rank)):
+        (t for t in transfers if not t.is_local), key=lambda t: (t.src_rank, t.dst_rank)
+    ):
         current: list[Transfer] = []
         size = 0
         for t in group:
@@ -358,8 +389,12 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, unavailable: AbstractSet[int] = frozenset()) -> ReshardPlan:
+def plan_reshard(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    unavailable: Set[int] = frozenset(),
+) -> ReshardPlan:
     """The transfers that turn layout `src` into layout `dst`, grouped per peer pair and bucketed.
 
     Every non-empty destination shard is covered exactly once by its
@@ -378,9 +413,12 @@ def plan_reshard(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
         return _plan(src, dst, bucket_bytes, src_ranks, dst_ranks, frozenset(unavailable))
 
 
-def plan_reshard_per_round(src: ShardedTensorMetadata, dst: ShardedTensorMetadata,
-                           round_bytes: int = DEFAULT_BUCKET_BYTES,
-                           unavailable: AbstractSet[int] = frozenset()) -> ReshardPlan:
+def plan_reshard_per_round(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    round_bytes: int = DEFAULT_BUCKET_BYTES,
+    unavailable: Set[int] = frozenset(),
+) -> ReshardPlan:
     """plan_reshard with buckets cut so that one round (one bucket per peer and direction) stays within
     `round_bytes` on every rank: the busiest rank's (peer, direction) pairs share it.
 
@@ -388,15 +426,26 @@ def plan_reshard_per_round(src: ShardedTensorMetadata, dst: ShardedTensorMetadat
     however many peers a rank has. Every rank computes the same plan from the same inputs.
     """
     plan = plan_reshard(src, dst, round_bytes, unavailable)
-    pairs = max((len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
-                 for part in plan.rank_plans().values()), default=1)
+    pairs = max(
+        (
+            len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
+            for part in plan.rank_plans().values()
+        ),
+        default=1,
+    )
     if pairs <= 1:
         return plan
     return plan_reshard(src, dst, max(1, round_bytes // pairs), unavailable)
 
 
-def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
-          src_ranks: list[int], dst_ranks: list[int], unavailable: frozenset[int]) -> ReshardPlan:
+def _plan(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    bucket_bytes: int,
+    src_ranks: list[int],
+    dst_ranks: list[int],
+    unavailable: frozenset[int],
+) -> ReshardPlan:
     """plan_reshard after validation."""
     itemsize = src.tensor_properties.itemsize
     index = _SourceIndex(src, src_ranks, unavailable)
@@ -422,11 +471,25 @@ def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: 
                 load[src_rank] = load.get(src_rank, 0) + numel * itemsize
                 pieces = split_box(common[0], common[1], itemsize, bucket_bytes)
             for offsets, sizes in pieces:
-                transfers.append(Transfer(src_shard, j, src_rank, dst_rank, offsets, sizes,
-                                          math.prod(sizes) * itemsize, s_off, d_off))
+                transfers.append(
+                    Transfer(
+                        src_shard,
+                        j,
+                        src_rank,
+                        dst_rank,
+                        offsets,
+                        sizes,
+                        math.prod(sizes) * itemsize,
+                        s_off,
+                        d_off,
+                    )
+                )
         if covered != math.prod(d_size):
             raise ValueError(
                 f"src shards do not cover dst.shards_metadata[{j}] (offsets {d_off}, sizes {d_size}) "
-                f"exactly once: {covered} of {math.prod(d_size)} elements found; src has gaps or overlaps")
+                f"exactly once: {covered} of {math.prod(d_size)} elements found; src has gaps or overlaps"
+            )
     transfers.sort(key=_order_key)
-    return ReshardPlan(src, dst, tuple(transfers), _bucketize(transfers, bucket_bytes), bucket_bytes)
+    return ReshardPlan(
+        src, dst, tuple(transfers), _bucketize(transfers, bucket_bytes), bucket_bytes
+    )

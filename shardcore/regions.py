@@ -1,12 +1,12 @@
 """Region math: box intersection, which shards hold a box, boxes as views of local shards."""
+
 from __future__ import annotations
 
-from typing import AbstractSet, Sequence
+from collections.abc import Sequence, Set
 
 import torch
-
-from shardcore.health import pick_copy
-from shardcore.metadata import Box, ShardedTensorMetadata
+from shardserve.core.health import pick_copy
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -33,25 +33,35 @@ def check_box(size: Sequence[int], box: Box) -> None:
         if s < 0:
             raise ValueError(f"sizes[{d}]={s} is negative")
         if o + s > n:
-            raise ValueError(f"offsets[{d}]+sizes[{d}]={o + s} exceeds the tensor's size {n} in dim {d}")
+            raise ValueError(
+                f"offsets[{d}]+sizes[{d}]={o + s} exceeds the tensor's size {n} in dim {d}"
+            )
 
 
-def shards_for_box(meta: ShardedTensorMetadata, box: Box, prefer_rank: int | None = None,
-                   unavailable: AbstractSet[int] = frozenset(),
-                   suspect: AbstractSet[int] = frozenset()) -> list[tuple[int, Box]]:
+def shards_for_box(
+    meta: ShardedTensorMetadata,
+    box: Box,
+    prefer_rank: int | None = None,
+    unavailable: Set[int] = frozenset(),
+    suspect: Set[int] = frozenset(),
+) -> list[tuple[int, Box]]:
     """Shards to read to assemble `box`: (shard index, part of box it supplies).
 
     Replicas (shards with identical boxes) are read once: an available copy (not in `unavailable`, nor in
     `suspect` when another is not), the one on `prefer_rank` if there is one, else the first listed
     (shardcore.health.pick_copy). Parts never overlap.
     """
-    copies: dict[Box, tuple[list[int], Box]] = {}  # shard box -> (its copies, the part of `box` it supplies)
+    copies: dict[
+        Box, tuple[list[int], Box]
+    ] = {}  # shard box -> (its copies, the part of `box` it supplies)
     for index, shard in enumerate(meta.shards_metadata):
         part = intersect(shard.box, box)
         if part is not None:
             copies.setdefault(shard.box, ([], part))[0].append(index)
-    return sorted((pick_copy(meta, indices, unavailable, suspect, prefer_rank), part)
-                  for indices, part in copies.values())
+    return sorted(
+        (pick_copy(meta, indices, unavailable, suspect, prefer_rank), part)
+        for indices, part in copies.values()
+    )
 
 
 def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:
@@ -70,7 +80,9 @@ def local_view(local: torch.Tensor, shard_box: Box, box: Box) -> torch.Tensor:
 def cut_tensor(tensor: torch.Tensor, meta: ShardedTensorMetadata) -> list[torch.Tensor]:
     """Each shard of `meta` as a view of the full `tensor`, in shards_metadata order."""
     if tuple(tensor.shape) != meta.size:
-        raise ValueError(f"tensor shape {tuple(tensor.shape)} does not match metadata size {meta.size}")
+        raise ValueError(
+            f"tensor shape {tuple(tensor.shape)} does not match metadata size {meta.size}"
+        )
     full = Box((0,) * tensor.dim(), tuple(tensor.shape))
     return [local_view(tensor, full, shard.box) for shard in meta.shards_metadata]
 

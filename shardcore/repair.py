@@ -9,13 +9,14 @@ repaired layout keeps every shard's index and box, so it is a plain layout of
 the same shape that a reshard job (reading only available copies) turns the
 current version into.
 """
+
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
-from typing import AbstractSet, Mapping, Sequence
 
-from shardcore.health import copies_by_box
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.core.health import copies_by_box
+from shardserve.core.metadata import ShardedTensorMetadata
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,12 @@ class RepairImpossible(ValueError):
     """The layout cannot be repaired now: a box has no available copy, or no live rank can take a copy."""
 
 
-def repaired_layout(meta: ShardedTensorMetadata, unavailable: AbstractSet[int], live: Sequence[LiveRank],
-                    load: Mapping[int, int] | None = None) -> ShardedTensorMetadata:
+def repaired_layout(
+    meta: ShardedTensorMetadata,
+    unavailable: Set[int],
+    live: Sequence[LiveRank],
+    load: Mapping[int, int] | None = None,
+) -> ShardedTensorMetadata:
     """`meta` with every shard in `unavailable` placed where a live rank can hold it (see the module doc).
 
     `load` is the bytes each rank holds already (the least loaded takes a copy first, ties by rank number).
@@ -47,21 +52,26 @@ def repaired_layout(meta: ShardedTensorMetadata, unavailable: AbstractSet[int], 
             continue
         kept = [i for i in copies if i not in unavailable]
         if not kept:
-            raise RepairImpossible(f"box offsets {box.offsets} sizes {box.sizes} has no available copy")
+            raise RepairImpossible(
+                f"box offsets {box.offsets} sizes {box.sizes} has no available copy"
+            )
         holders = {shards[i].rank for i in kept}
         for index in missing:
             target = _target(shards[index].rank, holders, by_rank, load)
             if target is None:
-                raise RepairImpossible(f"box offsets {box.offsets} sizes {box.sizes}: every live rank "
-                                       f"({sorted(by_rank)}) holds a copy already; no rank to repair onto")
+                raise RepairImpossible(
+                    f"box offsets {box.offsets} sizes {box.sizes}: every live rank "
+                    f"({sorted(by_rank)}) holds a copy already; no rank to repair onto"
+                )
             holders.add(target.rank)
             load[target.rank] = load.get(target.rank, 0) + meta.shard_nbytes(index)
             shards[index] = replace(shards[index], placement=f"rank:{target.rank}/{target.device}")
     return replace(meta, shards_metadata=shards)
 
 
-def _target(own_rank: int, holders: set[int], by_rank: Mapping[int, LiveRank],
-            load: Mapping[int, int]) -> LiveRank | None:
+def _target(
+    own_rank: int, holders: set[int], by_rank: Mapping[int, LiveRank], load: Mapping[int, int]
+) -> LiveRank | None:
     """The copy's own rank when it is live (restarted empty), else the best live rank not holding the box."""
     if own_rank in by_rank and own_rank not in holders:
         return by_rank[own_rank]
@@ -72,6 +82,6 @@ def _target(own_rank: int, holders: set[int], by_rank: Mapping[int, LiveRank],
     return min(candidates, key=lambda p: (p.host in held_hosts, load.get(p.rank, 0), p.rank))
 
 
-def ranks_receiving(after: ShardedTensorMetadata, shards: AbstractSet[int]) -> list[int]:
+def ranks_receiving(after: ShardedTensorMetadata, shards: Set[int]) -> list[int]:
     """The sorted ranks that receive the new copies of `shards` in the repaired layout."""
     return sorted({after.shards_metadata[i].rank for i in shards})

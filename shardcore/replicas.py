@@ -9,16 +9,17 @@ still has boxes to copy, since its boxes are the ones that cannot use it. The
 result is a plain ShardedTensorMetadata; the same input always gives the same
 layout.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import operator
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from shardcore.health import copies_by_box
-from shardcore.metadata import RemoteDevice, ShardedTensorMetadata, ShardMetadata
+from shardserve.core.health import copies_by_box
+from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata, ShardMetadata
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,9 @@ class CandidateRank:
     device: str = "cpu"
 
 
-def replicate_layout(meta: ShardedTensorMetadata, replicas: int,
-                     candidates: Sequence[CandidateRank]) -> ShardedTensorMetadata:
+def replicate_layout(
+    meta: ShardedTensorMetadata, replicas: int, candidates: Sequence[CandidateRank]
+) -> ShardedTensorMetadata:
     """`meta` with every non-empty box held by `replicas` distinct ranks, the extra copies on `candidates`.
 
     Raises ValueError naming `replicas` when it is below 1, above the number of candidate ranks, or above 1
@@ -46,8 +48,10 @@ def replicate_layout(meta: ShardedTensorMetadata, replicas: int,
     shards: list[ShardMetadata] = []
     for index, shard in enumerate(meta.shards_metadata):
         shards.append(shard)
-        shards.extend(dataclasses.replace(shard, placement=str(RemoteDevice((c.rank, c.device))))
-                      for c in copies.get(index, ()))
+        shards.extend(
+            dataclasses.replace(shard, placement=str(RemoteDevice((c.rank, c.device))))
+            for c in copies.get(index, ())
+        )
     return dataclasses.replace(meta, shards_metadata=tuple(shards))
 
 
@@ -67,8 +71,10 @@ def _checked_replicas(replicas: object, candidates: Sequence[CandidateRank]) -> 
     for candidate in candidates:
         RemoteDevice((candidate.rank, candidate.device))
     if replicas > len(candidates):
-        raise ValueError(f"replicas={replicas} is more than the {len(candidates)} live ranks "
-                         f"({sorted(ranks)}) that could hold the copies")
+        raise ValueError(
+            f"replicas={replicas} is more than the {len(candidates)} live ranks "
+            f"({sorted(ranks)}) that could hold the copies"
+        )
     return replicas
 
 
@@ -78,11 +84,13 @@ def _check_not_replicated(meta: ShardedTensorMetadata, replicas: int) -> None:
         if len(held_by) > 1:
             raise ValueError(
                 f"replicas={replicas} asks for copies of a layout that already has replicas (shards {held_by} "
-                f"hold offsets {box.offsets}, sizes {box.sizes}); give replicas=1 or a layout with one copy per box")
+                f"hold offsets {box.offsets}, sizes {box.sizes}); give replicas=1 or a layout with one copy per box"
+            )
 
 
-def _place_copies(meta: ShardedTensorMetadata, replicas: int,
-                  candidates: Sequence[CandidateRank]) -> dict[int, list[CandidateRank]]:
+def _place_copies(
+    meta: ShardedTensorMetadata, replicas: int, candidates: Sequence[CandidateRank]
+) -> dict[int, list[CandidateRank]]:
     """{shard index: its R-1 extra copies' ranks} for every non-empty shard, balanced by bytes placed."""
     hosts = {c.rank: c.host for c in candidates}
     placed: dict[int, int] = {}
@@ -101,16 +109,24 @@ def _place_copies(meta: ShardedTensorMetadata, replicas: int,
     return copies
 
 
-def _copies_of(index: int, meta: ShardedTensorMetadata, replicas: int, candidates: Sequence[CandidateRank],
-               hosts: dict[int, str], placed: dict[int, int]) -> list[CandidateRank]:
+def _copies_of(
+    index: int,
+    meta: ShardedTensorMetadata,
+    replicas: int,
+    candidates: Sequence[CandidateRank],
+    hosts: dict[int, str],
+    placed: dict[int, int],
+) -> list[CandidateRank]:
     """The R-1 ranks that get copies of shard `index`: on a host holding no copy yet if any, then the fewest
     bytes placed, then the lowest rank; `placed` counts them."""
     primary = meta.shards_metadata[index].rank
     holders, used_hosts = {primary}, {hosts[primary]} if primary in hosts else set()
     chosen = []
     for _ in range(replicas - 1):
-        target = min((c for c in candidates if c.rank not in holders),
-                     key=lambda c: (c.host in used_hosts, placed.get(c.rank, 0), c.rank))
+        target = min(
+            (c for c in candidates if c.rank not in holders),
+            key=lambda c: (c.host in used_hosts, placed.get(c.rank, 0), c.rank),
+        )
         chosen.append(target)
         holders.add(target.rank)
         used_hosts.add(target.host)

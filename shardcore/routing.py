@@ -17,22 +17,24 @@ raises IndexError naming the first one; `invalid="skip"` leaves them out of
 every route, and `RowIndex.invalid_mask` finds them, so callers can implement
 their own policy (error, zero row, default row).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 from bisect import bisect_left
+from collections.abc import Set
 from dataclasses import dataclass
-from typing import AbstractSet
 
 import numpy as np
 import torch
-
-from shardcore.health import pick_copy
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.core.health import pick_copy
+from shardserve.core.metadata import ShardedTensorMetadata
 
 _INVALID_POLICIES = ("raise", "skip")
-LARGE_SORT = 1 << 16  # from this many ids on, torch sorts (multi-threaded) and dedups; below, numpy does
+LARGE_SORT = (
+    1 << 16
+)  # from this many ids on, torch sorts (multi-threaded) and dedups; below, numpy does
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,8 +74,13 @@ class _RoutedBox:
 class RowIndex:
     """Row boundaries of a layout, built once and reused to route many id batches."""
 
-    def __init__(self, meta: ShardedTensorMetadata, prefer_rank: int | None = None,
-                 unavailable: AbstractSet[int] = frozenset(), suspect: AbstractSet[int] = frozenset()) -> None:
+    def __init__(
+        self,
+        meta: ShardedTensorMetadata,
+        prefer_rank: int | None = None,
+        unavailable: Set[int] = frozenset(),
+        suspect: Set[int] = frozenset(),
+    ) -> None:
         if not isinstance(meta, ShardedTensorMetadata):
             raise TypeError(f"meta must be a ShardedTensorMetadata, got {type(meta).__name__}")
         if meta.ndim < 1:
@@ -81,10 +88,14 @@ class RowIndex:
         self.meta = meta
         self.num_rows = meta.size[0]
         chosen = _one_replica_per_box(meta, prefer_rank, unavailable, suspect)
-        bounds = sorted({0, self.num_rows}
-                        | {meta.shards_metadata[i].shard_offsets[0] for i in chosen}
-                        | {meta.shards_metadata[i].shard_offsets[0] + meta.shards_metadata[i].shard_sizes[0]
-                           for i in chosen})
+        bounds = sorted(
+            {0, self.num_rows}
+            | {meta.shards_metadata[i].shard_offsets[0] for i in chosen}
+            | {
+                meta.shards_metadata[i].shard_offsets[0] + meta.shards_metadata[i].shard_sizes[0]
+                for i in chosen
+            }
+        )
         self.boxes = tuple(self._routed_box(i, bounds) for i in chosen)
         self._bounds = np.array(bounds, dtype=np.int64)
         self._segment_ok = self._covered_segments(len(bounds) - 1)
@@ -95,8 +106,15 @@ class RowIndex:
     def _routed_box(self, index: int, bounds: list[int]) -> _RoutedBox:
         shard = self.meta.shards_metadata[index]
         start, size = shard.shard_offsets[0], shard.shard_sizes[0]
-        return _RoutedBox(index, shard.rank, start, bisect_left(bounds, start),
-                          bisect_left(bounds, start + size), shard.shard_offsets[1:], shard.shard_sizes[1:])
+        return _RoutedBox(
+            index,
+            shard.rank,
+            start,
+            bisect_left(bounds, start),
+            bisect_left(bounds, start + size),
+            shard.shard_offsets[1:],
+            shard.shard_sizes[1:],
+        )
 
     def _covered_segments(self, segments: int) -> np.ndarray:
         """Per segment: do the chosen boxes hold the whole of its rows (every column)?"""
@@ -139,11 +157,16 @@ class RowIndex:
             sorted_ids, order = stable_sort(values)
         # cuts[k]: first sorted position with id >= bounds[k]; segment k is cuts[k]:cuts[k+1]
         cuts = np.searchsorted(sorted_ids, self._bounds).tolist()
-        if invalid == "raise" and (cuts[0] > 0 or cuts[-1] < total
-                                   or any(cuts[k + 1] > cuts[k] for k in self._bad_segments)):
+        if invalid == "raise" and (
+            cuts[0] > 0
+            or cuts[-1] < total
+            or any(cuts[k + 1] > cuts[k] for k in self._bad_segments)
+        ):
             raise IndexError(self._describe_bad(values, self.invalid_array(values)))
         routes = []
-        pieces: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # column shards of a row band share them
+        pieces: dict[
+            tuple, tuple[np.ndarray, np.ndarray]
+        ] = {}  # column shards of a row band share them
         for box in self.boxes:
             key = (box.valid_runs, box.row_start)
             if key not in pieces:
@@ -151,8 +174,16 @@ class RowIndex:
                 pieces[key] = _gather_slices(slices, sorted_ids, order, box.row_start)
             positions, rows = pieces[key]
             if positions.size:
-                routes.append(RowRoute(box.shard, box.rank, torch.from_numpy(positions), torch.from_numpy(rows),
-                                       box.inner_offsets, box.inner_sizes))
+                routes.append(
+                    RowRoute(
+                        box.shard,
+                        box.rank,
+                        torch.from_numpy(positions),
+                        torch.from_numpy(rows),
+                        box.inner_offsets,
+                        box.inner_sizes,
+                    )
+                )
         return routes
 
     def _describe_bad(self, ids: np.ndarray, bad: np.ndarray) -> str:
@@ -180,8 +211,9 @@ def _with_valid_runs(box: _RoutedBox, segment_ok: list[bool]) -> _RoutedBox:
     return dataclasses.replace(box, valid_runs=tuple(runs))
 
 
-def _gather_slices(slices: list[tuple[int, int]], sorted_ids: np.ndarray, order: np.ndarray | None,
-                   row_start: int) -> tuple[np.ndarray, np.ndarray]:
+def _gather_slices(
+    slices: list[tuple[int, int]], sorted_ids: np.ndarray, order: np.ndarray | None, row_start: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Positions in `ids` and shard-local rows of the sorted ids in `slices`.
 
     `order` is None when the ids were already sorted (positions are then ranges).
@@ -199,22 +231,29 @@ def _gather_slices(slices: list[tuple[int, int]], sorted_ids: np.ndarray, order:
     return np.concatenate(positions).astype(np.int64, copy=False), np.concatenate(rows) - row_start
 
 
-def _one_replica_per_box(meta: ShardedTensorMetadata, prefer_rank: int | None,
-                         unavailable: AbstractSet[int] = frozenset(),
-                         suspect: AbstractSet[int] = frozenset()) -> list[int]:
+def _one_replica_per_box(
+    meta: ShardedTensorMetadata,
+    prefer_rank: int | None,
+    unavailable: Set[int] = frozenset(),
+    suspect: Set[int] = frozenset(),
+) -> list[int]:
     """Indices of the non-empty shards to route to: one copy per distinct box, chosen by
     shardcore.health.pick_copy (an available one, prefer_rank's if any)."""
     copies: dict[tuple, list[int]] = {}
     for index, shard in enumerate(meta.shards_metadata):
         if len(shard.shard_offsets) != meta.ndim:
-            raise ValueError(f"meta.shards_metadata[{index}] has {len(shard.shard_offsets)} dims "
-                             f"but the tensor has {meta.ndim}")
+            raise ValueError(
+                f"meta.shards_metadata[{index}] has {len(shard.shard_offsets)} dims "
+                f"but the tensor has {meta.ndim}"
+            )
         if 0 in shard.shard_sizes:
             continue
         if shard.placement is None:
             raise ValueError(f"meta.shards_metadata[{index}].placement is missing")
         copies.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(index)
-    return sorted(pick_copy(meta, indices, unavailable, suspect, prefer_rank) for indices in copies.values())
+    return sorted(
+        pick_copy(meta, indices, unavailable, suspect, prefer_rank) for indices in copies.values()
+    )
 
 
 def _check_ids(ids: torch.Tensor) -> torch.Tensor:
@@ -238,8 +277,13 @@ def host_ids(ids: torch.Tensor | np.ndarray) -> np.ndarray:
     return _check_ids(ids).detach().cpu().numpy()
 
 
-def route_rows(meta: ShardedTensorMetadata, ids: torch.Tensor, *, invalid: str = "raise",
-               prefer_rank: int | None = None) -> list[RowRoute]:
+def route_rows(
+    meta: ShardedTensorMetadata,
+    ids: torch.Tensor,
+    *,
+    invalid: str = "raise",
+    prefer_rank: int | None = None,
+) -> list[RowRoute]:
     """Group row ids by the shards holding their rows (one route per shard, in shard order)."""
     return RowIndex(meta, prefer_rank).route(ids, invalid)
 

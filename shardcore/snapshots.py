@@ -8,16 +8,16 @@ A layout given by the caller is refined instead: each of its shards is cut by
 the job's boxes, so every server shard lies inside one job box and one job
 rank writes it whole.
 """
+
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
-
-from shardcore.metadata import Box, ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.regions import intersect
+from shardserve.core.metadata import Box, ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.regions import intersect
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,9 @@ def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[
     flat: dict[str, Any] = {}
     for key, value in state_dict.items():
         if not isinstance(key, str) or not key:
-            raise ValueError(f"state dict key {key!r} under {prefix or 'the top'!r} is not a non-empty string")
+            raise ValueError(
+                f"state dict key {key!r} under {prefix or 'the top'!r} is not a non-empty string"
+            )
         name = f"{prefix}.{key}" if prefix else key
         if isinstance(value, Mapping):
             flat.update(flatten_state_dict(value, name))
@@ -47,7 +49,9 @@ def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[
     return flat
 
 
-def job_tensors(reports: Sequence[Mapping[str, tuple[tuple[int, ...], str, list[Box]]]]) -> dict[str, JobTensor]:
+def job_tensors(
+    reports: Sequence[Mapping[str, tuple[tuple[int, ...], str, list[Box]]]],
+) -> dict[str, JobTensor]:
     """Merge every job rank's report {key: (size, dtype name, its boxes)} into one JobTensor per key.
 
     Raises ValueError naming the key when ranks disagree on the keys, a size or a dtype."""
@@ -55,16 +59,20 @@ def job_tensors(reports: Sequence[Mapping[str, tuple[tuple[int, ...], str, list[
     for rank, report in enumerate(reports):
         if sorted(report) != sorted(keys):
             extra, missing = sorted(set(report) - set(keys)), sorted(set(keys) - set(report))
-            raise ValueError(f"job rank {rank}'s state dict differs from job rank 0's: extra keys {extra}, "
-                             f"missing keys {missing}")
+            raise ValueError(
+                f"job rank {rank}'s state dict differs from job rank 0's: extra keys {extra}, "
+                f"missing keys {missing}"
+            )
     tensors = {}
     for key in keys:
         size, dtype_name = reports[0][key][0], reports[0][key][1]
         writers: dict[Box, int] = {}
         for rank, report in enumerate(reports):
             if tuple(report[key][0]) != tuple(size) or report[key][1] != dtype_name:
-                raise ValueError(f"{key!r}: job rank {rank} holds a {report[key][1]} tensor of size "
-                                 f"{tuple(report[key][0])}, job rank 0 a {dtype_name} of size {tuple(size)}")
+                raise ValueError(
+                    f"{key!r}: job rank {rank} holds a {report[key][1]} tensor of size "
+                    f"{tuple(report[key][0])}, job rank 0 a {dtype_name} of size {tuple(size)}"
+                )
             for box in report[key][2]:
                 writers.setdefault(box, rank)
         ordered = tuple(sorted(writers.items(), key=lambda item: (item[0].offsets, item[0].sizes)))
@@ -72,26 +80,37 @@ def job_tensors(reports: Sequence[Mapping[str, tuple[tuple[int, ...], str, list[
     return tensors
 
 
-def balanced_layouts(tensors: Mapping[str, JobTensor], placements: Sequence[str]) -> dict[str, ShardedTensorMetadata]:
+def balanced_layouts(
+    tensors: Mapping[str, JobTensor], placements: Sequence[str]
+) -> dict[str, ShardedTensorMetadata]:
     """Each distinct non-empty box of every tensor as one shard, on the placement with the fewest bytes so far
     (largest boxes first; ties to the earlier placement). A tensor with no non-empty box gets one empty shard."""
     if not placements:
         raise ValueError("placements is empty: no server rank to place boxes on")
     load = [0] * len(placements)
     chosen: dict[tuple[str, Box], str] = {}
-    boxes = [(tensor.itemsize * box.numel(), key, box) for key, tensor in tensors.items()
-             for box, _ in tensor.writers if not box.is_empty()]
+    boxes = [
+        (tensor.itemsize * box.numel(), key, box)
+        for key, tensor in tensors.items()
+        for box, _ in tensor.writers
+        if not box.is_empty()
+    ]
     for nbytes, key, box in sorted(boxes, key=lambda item: (-item[0], item[1], item[2].offsets)):
         target = min(range(len(placements)), key=lambda i: (load[i], i))
         load[target] += nbytes
         chosen[(key, box)] = placements[target]
     layouts = {}
     for key, tensor in tensors.items():
-        shards = [ShardMetadata(box.offsets, box.sizes, chosen[(key, box)])
-                  for box, _ in tensor.writers if (key, box) in chosen]
+        shards = [
+            ShardMetadata(box.offsets, box.sizes, chosen[(key, box)])
+            for box, _ in tensor.writers
+            if (key, box) in chosen
+        ]
         if not shards:
             shards = [ShardMetadata((0,) * len(tensor.size), tensor.size, placements[0])]
-        layouts[key] = ShardedTensorMetadata(tuple(shards), tensor.size, TensorProperties(dtype=tensor.dtype))
+        layouts[key] = ShardedTensorMetadata(
+            tuple(shards), tensor.size, TensorProperties(dtype=tensor.dtype)
+        )
     return layouts
 
 
@@ -100,10 +119,14 @@ def refine_layout(meta: ShardedTensorMetadata, tensor: JobTensor) -> ShardedTens
     shard it came from (replicas stay replicas)."""
     shards = []
     for shard in meta.shards_metadata:
-        pieces = [piece for box, _ in tensor.writers if (piece := intersect(shard.box, box)) is not None
-                  and not piece.is_empty()]
-        shards += [ShardMetadata(p.offsets, p.sizes, shard.placement) for p in pieces] or \
-            ([shard] if shard.box.is_empty() else [])
+        pieces = [
+            piece
+            for box, _ in tensor.writers
+            if (piece := intersect(shard.box, box)) is not None and not piece.is_empty()
+        ]
+        shards += [ShardMetadata(p.offsets, p.sizes, shard.placement) for p in pieces] or (
+            [shard] if shard.box.is_empty() else []
+        )
     return ShardedTensorMetadata(tuple(shards), meta.size, meta.tensor_properties)
 
 
@@ -114,4 +137,6 @@ def writer_of(box: Box, tensor: JobTensor) -> tuple[int, Box]:
             return rank, job_box
     if box.is_empty():
         return 0, box
-    raise ValueError(f"box offsets={box.offsets} sizes={box.sizes} lies inside no box the job holds")
+    raise ValueError(
+        f"box offsets={box.offsets} sizes={box.sizes} lies inside no box the job holds"
+    )

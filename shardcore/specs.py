@@ -4,15 +4,22 @@ Both are frozen value types whose `build_metadata(size, tensor_properties)`
 returns a `ShardedTensorMetadata`, like
 `torch.distributed._shard.sharding_spec`'s classes of the same names.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from shardcore.metadata import (RemoteDevice, ShardedTensorMetadata, ShardMetadata, TensorProperties,
-                                as_placement)
-from shardcore.validation import LayoutError, validate_metadata
+from shardserve.core.metadata import (
+    RemoteDevice,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    as_placement,
+)
+from shardserve.core.validation import LayoutError, validate_metadata
 
 
 def tensor_size(size: Iterable[int]) -> tuple[int, ...]:
@@ -40,7 +47,8 @@ def _properties(tensor_properties: TensorProperties | None) -> TensorProperties:
     if not isinstance(tensor_properties, TensorProperties):
         raise TypeError(
             f"tensor_properties must be a shardcore TensorProperties, got {type(tensor_properties).__name__}"
-            " (convert torch's with shardcore.interop.properties_from_torch)")
+            " (convert torch's with shardcore.interop.properties_from_torch)"
+        )
     return tensor_properties
 
 
@@ -88,15 +96,20 @@ class ChunkShardingSpec:
                 raise ValueError(f"placements[{i}]: {exc}") from None
         object.__setattr__(self, "placements", tuple(coerced))
 
-    def build_metadata(self, size: Sequence[int],
-                       tensor_properties: TensorProperties | None = None) -> ShardedTensorMetadata:
+    def build_metadata(
+        self, size: Sequence[int], tensor_properties: TensorProperties | None = None
+    ) -> ShardedTensorMetadata:
         """Metadata of a tensor of `size` chunked along `dim` over the placements."""
         size = tensor_size(size)
         if not -len(size) <= self.dim < len(size):
-            raise ValueError(f"dim {self.dim} is out of range for a {len(size)}-D tensor of size {size}")
+            raise ValueError(
+                f"dim {self.dim} is out of range for a {len(size)}-D tensor of size {size}"
+            )
         dim = self.dim % len(size)
         shards = []
-        for placement, (offset, length) in zip(self.placements, chunk_bounds(size[dim], len(self.placements))):
+        for placement, (offset, length) in zip(
+            self.placements, chunk_bounds(size[dim], len(self.placements))
+        ):
             offsets = [0] * len(size)
             sizes = list(size)
             offsets[dim], sizes[dim] = offset, length
@@ -110,7 +123,9 @@ def _as_shard_metadata(index: int, shard: Any) -> ShardMetadata:
     try:
         return ShardMetadata(tuple(shard.shard_offsets), tuple(shard.shard_sizes), shard.placement)
     except AttributeError:
-        raise TypeError(f"shards[{index}] is a {type(shard).__name__}, not a ShardMetadata") from None
+        raise TypeError(
+            f"shards[{index}] is a {type(shard).__name__}, not a ShardMetadata"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -139,15 +154,22 @@ class EnumerableShardingSpec:
             odd = [i for i, s in enumerate(shards) if len(s.shard_sizes) != first]
             raise LayoutError(
                 f"dim count mismatch in shards {odd}: shards[0] has {first} dims but "
-                f"shards[{odd[0]}] has {len(shards[odd[0]].shard_sizes)}")
-        bounding = tuple(max(o + s for o, s in zip(col_o, col_s))
-                         for col_o, col_s in zip(zip(*(s.shard_offsets for s in shards)),
-                                                 zip(*(s.shard_sizes for s in shards))))
-        validate_metadata(ShardedTensorMetadata(shards, tuple(max(n, 0) for n in bounding)),
-                          require_coverage=False)
+                f"shards[{odd[0]}] has {len(shards[odd[0]].shard_sizes)}"
+            )
+        bounding = tuple(
+            max(o + s for o, s in zip(col_o, col_s))
+            for col_o, col_s in zip(
+                zip(*(s.shard_offsets for s in shards)), zip(*(s.shard_sizes for s in shards))
+            )
+        )
+        validate_metadata(
+            ShardedTensorMetadata(shards, tuple(max(n, 0) for n in bounding)),
+            require_coverage=False,
+        )
 
-    def build_metadata(self, size: Sequence[int],
-                       tensor_properties: TensorProperties | None = None) -> ShardedTensorMetadata:
+    def build_metadata(
+        self, size: Sequence[int], tensor_properties: TensorProperties | None = None
+    ) -> ShardedTensorMetadata:
         """Metadata of a tensor of `size` made of these shards; raises LayoutError if they don't fit it."""
         meta = ShardedTensorMetadata(self.shards, tensor_size(size), _properties(tensor_properties))
         validate_metadata(meta)

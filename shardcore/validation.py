@@ -6,16 +6,17 @@ problem and the shard indices involved. Replicas (several shards with the
 identical box) are allowed and reported. Every check sorts or sweeps, so
 thousands of shards validate in milliseconds (no all-pairs comparison).
 """
+
 from __future__ import annotations
 
-import math
 import heapq
+import math
 import sys
 from bisect import bisect_left, bisect_right, insort
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.core.metadata import ShardedTensorMetadata
 
 _MAX_LISTED = 8
 
@@ -38,7 +39,9 @@ class LayoutReport:
         return bool(self.replica_groups)
 
 
-def validate_metadata(meta: ShardedTensorMetadata, *, require_coverage: bool = True) -> LayoutReport:
+def validate_metadata(
+    meta: ShardedTensorMetadata, *, require_coverage: bool = True
+) -> LayoutReport:
     """Check `meta` is a valid layout and report its replicas; raise LayoutError naming shards."""
     if not isinstance(meta, ShardedTensorMetadata):
         raise TypeError(f"meta must be a ShardedTensorMetadata, got {type(meta).__name__}")
@@ -76,17 +79,41 @@ def _raise_for(problem: str, offenders: list[tuple[int, str]]) -> None:
 def _check_each_shard(meta: ShardedTensorMetadata) -> None:
     ndim = meta.ndim
     shards = meta.shards_metadata
-    _raise_for("missing placement", [
-        (i, f"shards_metadata[{i}].placement is None") for i, s in enumerate(shards) if s.placement is None])
-    _raise_for("dim count mismatch", [
-        (i, f"shards_metadata[{i}] has {len(s.shard_sizes)} dims but the tensor has {ndim}")
-        for i, s in enumerate(shards) if len(s.shard_sizes) != ndim])
-    _raise_for("negative offset or size", [
-        (i, f"shards_metadata[{i}] {_field_below_zero(s.shard_offsets, s.shard_sizes)}")
-        for i, s in enumerate(shards) if _field_below_zero(s.shard_offsets, s.shard_sizes)])
-    _raise_for("out of bounds", [
-        (i, f"shards_metadata[{i}] {_field_past_end(s.shard_offsets, s.shard_sizes, meta.size)}")
-        for i, s in enumerate(shards) if _field_past_end(s.shard_offsets, s.shard_sizes, meta.size)])
+    _raise_for(
+        "missing placement",
+        [
+            (i, f"shards_metadata[{i}].placement is None")
+            for i, s in enumerate(shards)
+            if s.placement is None
+        ],
+    )
+    _raise_for(
+        "dim count mismatch",
+        [
+            (i, f"shards_metadata[{i}] has {len(s.shard_sizes)} dims but the tensor has {ndim}")
+            for i, s in enumerate(shards)
+            if len(s.shard_sizes) != ndim
+        ],
+    )
+    _raise_for(
+        "negative offset or size",
+        [
+            (i, f"shards_metadata[{i}] {_field_below_zero(s.shard_offsets, s.shard_sizes)}")
+            for i, s in enumerate(shards)
+            if _field_below_zero(s.shard_offsets, s.shard_sizes)
+        ],
+    )
+    _raise_for(
+        "out of bounds",
+        [
+            (
+                i,
+                f"shards_metadata[{i}] {_field_past_end(s.shard_offsets, s.shard_sizes, meta.size)}",
+            )
+            for i, s in enumerate(shards)
+            if _field_past_end(s.shard_offsets, s.shard_sizes, meta.size)
+        ],
+    )
 
 
 def _field_below_zero(offsets: Sequence[int], sizes: Sequence[int]) -> str:
@@ -134,7 +161,9 @@ def _check_no_overlap(boxes: list[Extent], groups: dict[Extent, list[int]]) -> N
     by_spread = sorted(range(ndim), key=lambda d: -len({b[0][d] for b in boxes}))
     sweep, second = by_spread[0], by_spread[1 % ndim]
     longest = max(b[1][second] for b in boxes)
-    expiry: list[tuple[int, int, int]] = []  # heap of (end along sweep, start along second, position)
+    expiry: list[
+        tuple[int, int, int]
+    ] = []  # heap of (end along sweep, start along second, position)
     live: list[tuple[int, int]] = []  # sorted (start along second, position)
     for pos in sorted(range(len(boxes)), key=lambda k: boxes[k][0][sweep]):
         offsets, sizes = boxes[pos]
@@ -154,12 +183,15 @@ def _raise_overlap(a: Extent, b: Extent, groups: dict[Extent, list[int]]) -> Non
     i, j = sorted((groups[a][0], groups[b][0]))
     first, second = (a, b) if groups[a][0] == i else (b, a)
     common_lo = tuple(max(x, y) for x, y in zip(first[0], second[0]))
-    common_hi = tuple(min(o1 + s1, o2 + s2) for o1, s1, o2, s2 in zip(first[0], first[1], second[0], second[1]))
+    common_hi = tuple(
+        min(o1 + s1, o2 + s2) for o1, s1, o2, s2 in zip(first[0], first[1], second[0], second[1])
+    )
     common = tuple(h - lo for lo, h in zip(common_lo, common_hi))
     raise LayoutError(
         f"overlap in shards [{i}, {j}]: shards_metadata[{i}] (offsets {first[0]}, sizes "
         f"{first[1]}) and shards_metadata[{j}] (offsets {second[0]}, sizes {second[1]}) "
-        f"share the region offsets {common_lo}, sizes {common}")
+        f"share the region offsets {common_lo}, sizes {common}"
+    )
 
 
 def _raise_gap(size: tuple[int, ...], boxes: list[Extent]) -> None:
@@ -167,18 +199,21 @@ def _raise_gap(size: tuple[int, ...], boxes: list[Extent]) -> None:
     lo, hi = _uncovered_region(size, boxes)
     raise LayoutError(
         f"gap: the shards do not cover the tensor of size {size}; the region offsets {lo}, "
-        f"sizes {tuple(h - o for o, h in zip(lo, hi))} is held by no shard")
+        f"sizes {tuple(h - o for o, h in zip(lo, hi))} is held by no shard"
+    )
 
 
-def _uncovered_region(size: tuple[int, ...], boxes: list[Extent]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _uncovered_region(
+    size: tuple[int, ...], boxes: list[Extent]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per dim, the first slab whose covered cross-section falls short; assumes no overlap."""
     lo: list[int] = []
     hi: list[int] = []
     for d, n in enumerate(size):
-        cross_section = math.prod(size[d + 1:])
+        cross_section = math.prod(size[d + 1 :])
         events: dict[int, int] = {0: 0, n: 0}
         for offsets, sizes in boxes:
-            area = math.prod(sizes[d + 1:])
+            area = math.prod(sizes[d + 1 :])
             events[offsets[d]] = events.get(offsets[d], 0) + area
             events[offsets[d] + sizes[d]] = events.get(offsets[d] + sizes[d], 0) - area
         cuts = sorted(events)

@@ -3,15 +3,15 @@
 The only module that knows both the proto shapes and the dataclasses. Tensor
 data travels as raw little-endian C-contiguous bytes; nothing is pickled.
 """
+
 from __future__ import annotations
 
 import sys
 
 import torch
-
-from protos import shardserve_pb2 as pb
-from shardcore.dtypes import dtype_from_wire, dtype_to_wire
-from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.dtypes import dtype_from_wire, dtype_to_wire
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.protos import shardserve_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
     raise ImportError("shardserve's wire format is little-endian; this host is big-endian")
@@ -19,13 +19,19 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships o
 
 def properties_to_proto(props: TensorProperties) -> pb.TensorProperties:
     return pb.TensorProperties(
-        dtype=dtype_to_wire(props.dtype), requires_grad=props.requires_grad,
-        layout="strided", memory_format="contiguous_format", pin_memory=props.pin_memory)
+        dtype=dtype_to_wire(props.dtype),
+        requires_grad=props.requires_grad,
+        layout="strided",
+        memory_format="contiguous_format",
+        pin_memory=props.pin_memory,
+    )
 
 
 def properties_from_proto(msg: pb.TensorProperties) -> TensorProperties:
     if msg.layout not in ("", "strided"):
-        raise ValueError(f"tensor_properties.layout {msg.layout!r} is not supported; only 'strided'")
+        raise ValueError(
+            f"tensor_properties.layout {msg.layout!r} is not supported; only 'strided'"
+        )
     try:
         dtype = dtype_from_wire(msg.dtype)
     except ValueError as err:
@@ -34,28 +40,37 @@ def properties_from_proto(msg: pb.TensorProperties) -> TensorProperties:
 
 
 def shard_to_proto(shard: ShardMetadata) -> pb.ShardMetadata:
-    return pb.ShardMetadata(shard_offsets=shard.shard_offsets, shard_sizes=shard.shard_sizes,
-                            placement=str(shard.placement) if shard.placement is not None else "")
+    return pb.ShardMetadata(
+        shard_offsets=shard.shard_offsets,
+        shard_sizes=shard.shard_sizes,
+        placement=str(shard.placement) if shard.placement is not None else "",
+    )
 
 
 def shard_from_proto(msg: pb.ShardMetadata, index: int = 0) -> ShardMetadata:
     try:
-        return ShardMetadata(tuple(msg.shard_offsets), tuple(msg.shard_sizes), msg.placement or None)
+        return ShardMetadata(
+            tuple(msg.shard_offsets), tuple(msg.shard_sizes), msg.placement or None
+        )
     except (ValueError, TypeError) as err:
         raise ValueError(f"shards_metadata[{index}]: {err}") from None
 
 
 def metadata_to_proto(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
     return pb.ShardedTensorMetadata(
-        shards_metadata=[shard_to_proto(s) for s in meta.shards_metadata], size=meta.size,
-        tensor_properties=properties_to_proto(meta.tensor_properties))
+        shards_metadata=[shard_to_proto(s) for s in meta.shards_metadata],
+        size=meta.size,
+        tensor_properties=properties_to_proto(meta.tensor_properties),
+    )
 
 
 def metadata_from_proto(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
     """Dataclass from the wire; raises ValueError naming the bad field (not yet validated as a layout)."""
     return ShardedTensorMetadata(
-        tuple(shard_from_proto(s, i) for i, s in enumerate(msg.shards_metadata)), tuple(msg.size),
-        properties_from_proto(msg.tensor_properties))
+        tuple(shard_from_proto(s, i) for i, s in enumerate(msg.shards_metadata)),
+        tuple(msg.size),
+        properties_from_proto(msg.tensor_properties),
+    )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -63,10 +78,14 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.resolve_conj().resolve_neg().contiguous()  # a lazily conjugated or negated view has no such bytes
+    t = (
+        t.resolve_conj().resolve_neg().contiguous()
+    )  # a lazily conjugated or negated view has no such bytes
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # flat first: a 0-d tensor has no dim to view
+    return memoryview(
+        t.reshape(-1).view(torch.uint8).numpy()
+    )  # flat first: a 0-d tensor has no dim to view
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -75,6 +94,8 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError("byte_view needs a contiguous tensor")
     if tensor.numel() == 0:
         return torch.empty(0, dtype=torch.uint8)
-    if tensor.numel() == 1:  # "contiguous" whatever its strides (e.g. one element of a stepped view): restride
+    if (
+        tensor.numel() == 1
+    ):  # "contiguous" whatever its strides (e.g. one element of a stepped view): restride
         return tensor.as_strided((1,), (1,)).view(torch.uint8)
     return tensor.view(-1).view(torch.uint8)

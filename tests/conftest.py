@@ -1,14 +1,14 @@
 """Shared fixtures: real local clusters (coordinator in-process, ranks as processes), always torn down."""
+
 from __future__ import annotations
 
 import shutil
 import subprocess
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
-
-from server.common.auth import TlsFiles
-from server.launcher import LocalCluster
+from shardserve.server.common.auth import TlsFiles
+from shardserve.server.launcher import LocalCluster
 
 CLUSTER_START_TIMEOUT = 180.0
 
@@ -41,8 +41,27 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is not installed")
     d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"), "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(d / "key.pem"),
+            "-out",
+            str(d / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))

@@ -1,25 +1,34 @@
 """A gloo world of persistent rank processes (spawned) that run module-level functions on request."""
+
 from __future__ import annotations
 
 import os
 import queue
 import socket
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PG_TIMEOUT_S = 120
-RUN_TIMEOUT_S = 90  # shorter than the process group's: a hang shows up as a timeout here, not as an error
+RUN_TIMEOUT_S = (
+    90  # shorter than the process group's: a hang shows up as a timeout here, not as an error
+)
 
 
 def _serve(rank: int, world_size: int, port: int, commands: Any, results: Any) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
     try:
         while True:
             command = commands.get()
@@ -46,13 +55,21 @@ class World:
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)]
         port = _free_port()
-        self.processes = [ctx.Process(target=_serve, args=(rank, size, port, self.inboxes[rank], self.results),
-                                      daemon=True) for rank in range(size)]
+        self.processes = [
+            ctx.Process(
+                target=_serve,
+                args=(rank, size, port, self.inboxes[rank], self.results),
+                daemon=True,
+            )
+            for rank in range(size)
+        ]
         for process in self.processes:
             process.start()
         self._commands = 0
 
-    def run(self, function: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT_S) -> dict[int, Any]:
+    def run(
+        self, function: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT_S
+    ) -> dict[int, Any]:
         """`function(rank, *args)` on every rank; the answers by rank, or a failure naming the rank. Late answers
         to an earlier command (one that failed a test) are dropped, never taken for this one's."""
         self._commands += 1
@@ -64,8 +81,10 @@ class World:
                 command_id, rank, status, value = self.results.get(timeout=timeout)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.processes) if not p.is_alive()]
-                pytest.fail(f"{function.__name__}: no answer from ranks {sorted(set(range(self.size)) - set(answers))}"
-                            f" within {timeout}s (dead ranks: {dead})")
+                pytest.fail(
+                    f"{function.__name__}: no answer from ranks {sorted(set(range(self.size)) - set(answers))}"
+                    f" within {timeout}s (dead ranks: {dead})"
+                )
             if command_id != self._commands:
                 continue
             if status == "error":

@@ -1,25 +1,31 @@
 """Raw-gRPC helpers for the server tests: stubs, put by WriteShard, read by ReadRegion."""
+
 from __future__ import annotations
 
 import socket
 
 import grpc
 import torch
-
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from shardcore.dtypes import dtype_to_wire
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
-
 from reference import shards_of
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
 TIMEOUT = 30.0
-OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
 
 
-class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _AddMetadata(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds fixed metadata (a credential) to every call that brings none of its own."""
 
     def __init__(self, metadata: tuple) -> None:
@@ -31,7 +37,9 @@ class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
     def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = intercept_unary_unary
+    intercept_unary_stream = intercept_stream_unary = intercept_stream_stream = (
+        intercept_unary_unary
+    )
 
 
 class _Details(grpc.ClientCallDetails):
@@ -46,8 +54,13 @@ class Stubs:
     """A coordinator stub and one ShardServer stub per rank, with optional call metadata; `default_metadata`
     goes on every call that passes none (e.g. a cluster's internal credential)."""
 
-    def __init__(self, address: str, metadata: tuple = (), credentials: grpc.ChannelCredentials | None = None,
-                 default_metadata: tuple = ()):
+    def __init__(
+        self,
+        address: str,
+        metadata: tuple = (),
+        credentials: grpc.ChannelCredentials | None = None,
+        default_metadata: tuple = (),
+    ):
         self.metadata = metadata
         self._credentials = credentials
         self._default_metadata = default_metadata
@@ -55,7 +68,9 @@ class Stubs:
         self._channels = [self._channel(address)]
         self.coord = pb_grpc.CoordinatorStub(self._channels[0])
         self.ranks: dict[int, pb_grpc.ShardServerStub] = {}
-        for info in self.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT, metadata=metadata).ranks:
+        for info in self.coord.ListRanks(
+            pb.ListRanksRequest(), timeout=TIMEOUT, metadata=metadata
+        ).ranks:
             self._channels.append(self._channel(info.address))
             self.ranks[info.rank] = pb_grpc.ShardServerStub(self._channels[-1])
 
@@ -74,56 +89,116 @@ class Stubs:
             channel.close()
 
 
-def write_requests(name: str, version: int, index: int, data: torch.Tensor, chunk: int = 1 << 20,
-                   dtype: int | None = None, nbytes: int | None = None):
+def write_requests(
+    name: str,
+    version: int,
+    index: int,
+    data: torch.Tensor,
+    chunk: int = 1 << 20,
+    dtype: int | None = None,
+    nbytes: int | None = None,
+):
     """Header then in-order chunks of one shard's bytes."""
     raw = tensor_bytes(data)
-    yield pb.WriteShardRequest(header=pb.WriteShardHeader(
-        name=name, version=version, shard_index=index,
-        dtype=dtype if dtype is not None else dtype_to_wire(data.dtype),
-        nbytes=nbytes if nbytes is not None else len(raw)))
+    yield pb.WriteShardRequest(
+        header=pb.WriteShardHeader(
+            name=name,
+            version=version,
+            shard_index=index,
+            dtype=dtype if dtype is not None else dtype_to_wire(data.dtype),
+            nbytes=nbytes if nbytes is not None else len(raw),
+        )
+    )
     for offset in range(0, len(raw), chunk):
-        yield pb.WriteShardRequest(chunk=pb.TensorChunk(offset=offset, data=bytes(raw[offset:offset + chunk])))
+        yield pb.WriteShardRequest(
+            chunk=pb.TensorChunk(offset=offset, data=bytes(raw[offset : offset + chunk]))
+        )
 
 
-def create(stubs: Stubs, name: str, meta: ShardedTensorMetadata, init: int = pb.INIT_NONE, seed: int = 0,
-           overwrite: bool = False) -> pb.TensorInfo:
-    return stubs.coord.CreateTensor(pb.CreateTensorRequest(
-        name=name, metadata=metadata_to_proto(meta), init=init, seed=seed, overwrite=overwrite),
-        timeout=TIMEOUT, metadata=stubs.metadata)
+def create(
+    stubs: Stubs,
+    name: str,
+    meta: ShardedTensorMetadata,
+    init: int = pb.INIT_NONE,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> pb.TensorInfo:
+    return stubs.coord.CreateTensor(
+        pb.CreateTensorRequest(
+            name=name, metadata=metadata_to_proto(meta), init=init, seed=seed, overwrite=overwrite
+        ),
+        timeout=TIMEOUT,
+        metadata=stubs.metadata,
+    )
 
 
-def write_shards(stubs: Stubs, info: pb.TensorInfo, tensor: torch.Tensor, only: list[int] | None = None,
-                 chunk: int = 1 << 20) -> None:
+def write_shards(
+    stubs: Stubs,
+    info: pb.TensorInfo,
+    tensor: torch.Tensor,
+    only: list[int] | None = None,
+    chunk: int = 1 << 20,
+) -> None:
     meta = metadata_from_proto(info.metadata)
     for index, part in enumerate(shards_of(tensor, meta)):
         if only is not None and index not in only:
             continue
         rank = meta.shards_metadata[index].rank
-        stubs.ranks[rank].WriteShard(write_requests(info.name, info.version, index, part, chunk),
-                                     timeout=TIMEOUT, metadata=stubs.metadata)
+        stubs.ranks[rank].WriteShard(
+            write_requests(info.name, info.version, index, part, chunk),
+            timeout=TIMEOUT,
+            metadata=stubs.metadata,
+        )
 
 
-def put(stubs: Stubs, name: str, tensor: torch.Tensor, meta: ShardedTensorMetadata, overwrite: bool = False,
-        chunk: int = 1 << 20) -> pb.TensorInfo:
+def put(
+    stubs: Stubs,
+    name: str,
+    tensor: torch.Tensor,
+    meta: ShardedTensorMetadata,
+    overwrite: bool = False,
+    chunk: int = 1 << 20,
+) -> pb.TensorInfo:
     """Create PENDING, write every shard to its owner, commit."""
     info = create(stubs, name, meta, overwrite=overwrite)
     write_shards(stubs, info, tensor, chunk=chunk)
-    return stubs.coord.CommitTensor(pb.CommitTensorRequest(name=name, version=info.version),
-                                    timeout=TIMEOUT, metadata=stubs.metadata)
+    return stubs.coord.CommitTensor(
+        pb.CommitTensorRequest(name=name, version=info.version),
+        timeout=TIMEOUT,
+        metadata=stubs.metadata,
+    )
 
 
-def read_region(stubs: Stubs, rank: int, name: str, version: int, shard_index: int, offsets, sizes,
-                dtype: torch.dtype, chunk_bytes: int = 0) -> torch.Tensor:
+def read_region(
+    stubs: Stubs,
+    rank: int,
+    name: str,
+    version: int,
+    shard_index: int,
+    offsets,
+    sizes,
+    dtype: torch.dtype,
+    chunk_bytes: int = 0,
+) -> torch.Tensor:
     """One ReadRegion call, assembled into a tensor of `sizes`."""
     out = torch.empty(tuple(sizes), dtype=dtype)
     flat = out.view(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
     received = 0
-    for chunk in stubs.ranks[rank].ReadRegion(pb.ReadRegionRequest(
-            name=name, version=version, shard_index=shard_index, offsets=offsets, sizes=sizes,
-            chunk_bytes=chunk_bytes), timeout=TIMEOUT, metadata=stubs.metadata):
-        flat[chunk.offset:chunk.offset + len(chunk.data)] = torch.frombuffer(bytearray(chunk.data),
-                                                                             dtype=torch.uint8)
+    for chunk in stubs.ranks[rank].ReadRegion(
+        pb.ReadRegionRequest(
+            name=name,
+            version=version,
+            shard_index=shard_index,
+            offsets=offsets,
+            sizes=sizes,
+            chunk_bytes=chunk_bytes,
+        ),
+        timeout=TIMEOUT,
+        metadata=stubs.metadata,
+    ):
+        flat[chunk.offset : chunk.offset + len(chunk.data)] = torch.frombuffer(
+            bytearray(chunk.data), dtype=torch.uint8
+        )
         received += len(chunk.data)
     assert received == flat.numel()
     return out
@@ -134,8 +209,16 @@ def read_full(stubs: Stubs, info: pb.TensorInfo) -> torch.Tensor:
     meta = metadata_from_proto(info.metadata)
     out = torch.empty(meta.size, dtype=meta.dtype)
     for index, shard in enumerate(meta.shards_metadata):
-        part = read_region(stubs, shard.rank, info.name, info.version, index, shard.shard_offsets,
-                           shard.shard_sizes, meta.dtype)
+        part = read_region(
+            stubs,
+            shard.rank,
+            info.name,
+            info.version,
+            index,
+            shard.shard_offsets,
+            shard.shard_sizes,
+            meta.dtype,
+        )
         view = out
         for d, (o, s) in enumerate(zip(shard.shard_offsets, shard.shard_sizes)):
             view = view.narrow(d, o, s)

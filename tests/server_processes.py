@@ -1,4 +1,6 @@
-"""Server processes for tests that must stop and restart a coordinator: spawn `python -m server ...`, and wait."""
+"""Server processes for tests that must stop and restart a coordinator: spawn
+`python -m shardserve.server ...`, and wait."""
+
 from __future__ import annotations
 
 import atexit
@@ -10,15 +12,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO
 
 import grpc
+from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
+from shardserve.server.common.principals import ClusterSecret
+from shardserve.server.launcher import PROJECT_ROOT
 
-from client import ShardServeError
-from server.common.cli_args import CLUSTER_SECRET_FILE_ENV
-from server.common.principals import ClusterSecret
-from server.launcher import PROJECT_ROOT
+from shardserve import ShardServeError
 
 
 @functools.cache
@@ -31,20 +34,34 @@ def cluster_secret_file() -> str:
 
 def server_env(**extra: str) -> dict[str, str]:
     """This process's environment with the project importable and a cluster secret file, plus `extra`."""
-    return dict(os.environ, PYTHONPATH=str(PROJECT_ROOT), **{CLUSTER_SECRET_FILE_ENV: cluster_secret_file()},
-                **extra)
+    return dict(
+        os.environ,
+        PYTHONPATH=str(PROJECT_ROOT),
+        **{CLUSTER_SECRET_FILE_ENV: cluster_secret_file()},
+        **extra,
+    )
 
 
 def spawn_server(args: Sequence[str], env: dict[str, str], log: IO) -> subprocess.Popen:
-    """`python -m server *args` with output to `log`."""
-    return subprocess.Popen([sys.executable, "-m", "server", *args], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL)
+    """`python -m shardserve.server *args` with output to `log`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardserve.server", *args],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:
     """`env` with torchrun's variables for `rank` of a one-host world."""
-    return dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                LOCAL_WORLD_SIZE=str(world_size))
+    return dict(
+        env,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

@@ -1,21 +1,27 @@
 """The `shardserve` command: start a cluster (up, coordinator) and inspect or use one.
 
-`up`, `coordinator` and `node` hand over to `python -m server` (os.execv), so the
+`up`, `coordinator` and `node` hand over to `python -m shardserve.server` (os.execv), so the
 client never imports the server. Every other subcommand talks to a running
 coordinator given by --coordinator or SHARDSERVE_COORDINATOR. Expected errors
 print one line on stderr and exit non-zero, without a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from client.cli.checkpoints import add_checkpoint_commands, add_replicas_flag, run_checkpoint_command
+from shardserve.client.cli.checkpoints import (
+    add_checkpoint_commands,
+    add_replicas_flag,
+    run_checkpoint_command,
+)
 
 if TYPE_CHECKING:
-    from client.cluster import Cluster
+    from shardserve.client.cluster import Cluster
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -24,11 +30,12 @@ _INTERRUPTED = {  # what an interrupted command leaves behind
 }
 _SERVER_COMMANDS = {
     "up": "run a coordinator and N shard servers on this host (foreground; Ctrl-C stops all). "
-          "Options go to `python -m server up`; see `shardserve up --help`.",
-    "coordinator": "run only the coordinator (ranks join it with `shardserve node` or `torchrun ... -m server "
-                   "--coordinator HOST:PORT`). See `shardserve coordinator --help`.",
+    "Options go to `python -m shardserve.server up`; see `shardserve up --help`.",
+    "coordinator": "run only the coordinator (ranks join it with `shardserve node` or "
+    "`torchrun ... -m shardserve.server "
+    "--coordinator HOST:PORT`). See `shardserve coordinator --help`.",
     "node": "run and supervise some ranks of a cluster whose coordinator runs elsewhere, restarting each that "
-            "exits (foreground; Ctrl-C stops them). See `shardserve node --help`.",
+    "exits (foreground; Ctrl-C stops them). See `shardserve node --help`.",
 }
 
 
@@ -37,92 +44,172 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip() != "")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 4,5, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 4,5, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="shardserve", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="shardserve",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Serve sharded PyTorch tensors over gRPC: start a cluster, inspect it, create, fetch "
-                    "and delete tensors.",
+        "and delete tensors.",
         epilog="example:\n  shardserve up --ranks 2 --demo          # prints: coordinator: HOST:PORT\n"
-               "  export SHARDSERVE_COORDINATOR=HOST:PORT  # in another shell\n"
-               "  shardserve status\n  shardserve fetch demo --offsets 0,0 --sizes 2,4")
-    parser.add_argument("--coordinator", default=os.environ.get("SHARDSERVE_COORDINATOR"), metavar="HOST:PORT",
-                        help="coordinator address (default: $SHARDSERVE_COORDINATOR)")
-    parser.add_argument("--token", default=os.environ.get("SHARDSERVE_TOKEN"),
-                        help="bearer token of the cluster (default: $SHARDSERVE_TOKEN)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)")
-    parser.add_argument("--tls-ca", help="CA certificate (PEM) to verify the servers with; enables TLS")
+        "  export SHARDSERVE_COORDINATOR=HOST:PORT  # in another shell\n"
+        "  shardserve status\n  shardserve fetch demo --offsets 0,0 --sizes 2,4",
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get("SHARDSERVE_COORDINATOR"),
+        metavar="HOST:PORT",
+        help="coordinator address (default: $SHARDSERVE_COORDINATOR)",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("SHARDSERVE_TOKEN"),
+        help="bearer token of the cluster (default: $SHARDSERVE_TOKEN)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=30.0, help="deadline of each call in seconds (default 30)"
+    )
+    parser.add_argument(
+        "--tls-ca", help="CA certificate (PEM) to verify the servers with; enables TLS"
+    )
     parser.add_argument("--tls-cert", help="client certificate (PEM) for mutual TLS")
     parser.add_argument("--tls-key", help="client private key (PEM) for mutual TLS")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in _SERVER_COMMANDS.items():
         sub.add_parser(name, help=text, description=text, add_help=False)
-    sub.add_parser("status", help="table of ranks (address, device, pid, restarts, alive, memory, metrics) and "
-                   "tensors", description="Show every rank (address, device, pid, restarts, alive, memory, metrics "
-                   "address) and every tensor (version, health, replicas, shape, dtype, layout, bytes), and the "
-                   "coordinator's metrics address.")
-    top = sub.add_parser("top", help="live view of ranks, tensors, request rates, p50/p99 and jobs (metrics)",
-                         description="A refreshing view, from the processes' Prometheus metrics (start the "
-                                     "cluster with --metrics-port): ranks, tensors, requests per second, p50/p99 "
-                                     "latency per method, bytes per data path and collective jobs in flight. "
-                                     "Ctrl-C quits.")
-    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
-    top.add_argument("--iterations", type=int, default=0, help="stop after this many refreshes (0 = until Ctrl-C)")
-    sub.add_parser("list", help="print the READY tensors, one per line",
-                   description="Print the READY tensors, one per line: name, version, shape, dtype, replicas "
-                               "(copies of each box), health.")
-    create = sub.add_parser("create", help="create a tensor filled on the ranks",
-                            description="Create a tensor chunked along --dim over every live rank, "
-                                        "filled on the ranks by --init.")
+    sub.add_parser(
+        "status",
+        help="table of ranks (address, device, pid, restarts, alive, memory, metrics) and tensors",
+        description="Show every rank (address, device, pid, restarts, alive, memory, metrics "
+        "address) and every tensor (version, health, replicas, shape, dtype, layout, bytes), and the "
+        "coordinator's metrics address.",
+    )
+    top = sub.add_parser(
+        "top",
+        help="live view of ranks, tensors, request rates, p50/p99 and jobs (metrics)",
+        description="A refreshing view, from the processes' Prometheus metrics (start the "
+        "cluster with --metrics-port): ranks, tensors, requests per second, p50/p99 "
+        "latency per method, bytes per data path and collective jobs in flight. "
+        "Ctrl-C quits.",
+    )
+    top.add_argument(
+        "--interval", type=float, default=2.0, help="seconds between refreshes (default 2)"
+    )
+    top.add_argument(
+        "--iterations",
+        type=int,
+        default=0,
+        help="stop after this many refreshes (0 = until Ctrl-C)",
+    )
+    sub.add_parser(
+        "list",
+        help="print the READY tensors, one per line",
+        description="Print the READY tensors, one per line: name, version, shape, dtype, replicas "
+        "(copies of each box), health.",
+    )
+    create = sub.add_parser(
+        "create",
+        help="create a tensor filled on the ranks",
+        description="Create a tensor chunked along --dim over every live rank, "
+        "filled on the ranks by --init.",
+    )
     create.add_argument("name", help="tensor name")
     create.add_argument("--shape", type=_ints, required=True, help="global shape, e.g. 1000,64")
-    create.add_argument("--dtype", default="float32",
-                        help="dtype name, e.g. float32, bfloat16, int64 (default float32)")
-    create.add_argument("--dim", type=int, default=0, help="dim to chunk over the ranks (default 0)")
-    create.add_argument("--init", default="zeros", choices=["zeros", "ones", "normal", "arange"],
-                        help="fill (default zeros; normal uses --seed)")
+    create.add_argument(
+        "--dtype",
+        default="float32",
+        help="dtype name, e.g. float32, bfloat16, int64 (default float32)",
+    )
+    create.add_argument(
+        "--dim", type=int, default=0, help="dim to chunk over the ranks (default 0)"
+    )
+    create.add_argument(
+        "--init",
+        default="zeros",
+        choices=["zeros", "ones", "normal", "arange"],
+        help="fill (default zeros; normal uses --seed)",
+    )
     create.add_argument("--seed", type=int, default=0, help="seed of --init normal (default 0)")
-    create.add_argument("--overwrite", action="store_true", help="replace an existing tensor of that name")
+    create.add_argument(
+        "--overwrite", action="store_true", help="replace an existing tensor of that name"
+    )
     add_replicas_flag(create)
-    fetch = sub.add_parser("fetch", help="read a box of a tensor; print it or save it with torch.save",
-                           description="Read the box at --offsets of --sizes (default: the whole tensor). "
-                                       "Prints it, or saves it with torch.save when -o is given.")
+    fetch = sub.add_parser(
+        "fetch",
+        help="read a box of a tensor; print it or save it with torch.save",
+        description="Read the box at --offsets of --sizes (default: the whole tensor). "
+        "Prints it, or saves it with torch.save when -o is given.",
+    )
     fetch.add_argument("name", help="tensor name")
-    fetch.add_argument("--offsets", type=_ints, help="global offsets of the box, e.g. 0,0 (default: zeros)")
-    fetch.add_argument("--sizes", type=_ints, help="sizes of the box, e.g. 2,3 (default: to the end)")
-    fetch.add_argument("-o", "--output", metavar="FILE",
-                       help="save the tensor to FILE (torch.save) instead of printing")
+    fetch.add_argument(
+        "--offsets", type=_ints, help="global offsets of the box, e.g. 0,0 (default: zeros)"
+    )
+    fetch.add_argument(
+        "--sizes", type=_ints, help="sizes of the box, e.g. 2,3 (default: to the end)"
+    )
+    fetch.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        help="save the tensor to FILE (torch.save) instead of printing",
+    )
     reshard = sub.add_parser(
-        "reshard", help="move a tensor into another layout (new version), with a progress bar",
+        "reshard",
+        help="move a tensor into another layout (new version), with a progress bar",
         description="Move a tensor into another layout with the ranks' collectives; reads keep the old version "
-                    "until the new one is committed. Layout: --dim D (chunks along D, the default 0), --grid RxC "
-                    "(2-D mesh, tensor dims --grid-dims, default 0,1) or --replicate, over --ranks (default: "
-                    "every live rank).")
+        "until the new one is committed. Layout: --dim D (chunks along D, the default 0), --grid RxC "
+        "(2-D mesh, tensor dims --grid-dims, default 0,1) or --replicate, over --ranks (default: "
+        "every live rank).",
+    )
     reshard.add_argument("name", help="tensor name")
     reshard.add_argument("--dim", type=int, help="chunk along this dim (ChunkShardingSpec)")
     reshard.add_argument("--grid", help="2-D mesh of ranks, e.g. 2x2 (Shard, Shard)")
-    reshard.add_argument("--grid-dims", type=_ints, help="tensor dims the grid's two mesh dims split (default 0,1)")
-    reshard.add_argument("--replicate", action="store_true", help="a whole copy on every rank of --ranks")
-    reshard.add_argument("--ranks", type=_ints, help="ranks of the new layout, e.g. 0,2 (default: all live)")
-    reshard.add_argument("--bucket-bytes", type=int, help="largest bucket one collective moves (default 64 MiB)")
-    reshard.add_argument("--reshard-timeout", type=float, help="bound on the data movement in seconds "
-                         "(default 300); a dead or hung rank fails the reshard within it")
+    reshard.add_argument(
+        "--grid-dims", type=_ints, help="tensor dims the grid's two mesh dims split (default 0,1)"
+    )
+    reshard.add_argument(
+        "--replicate", action="store_true", help="a whole copy on every rank of --ranks"
+    )
+    reshard.add_argument(
+        "--ranks", type=_ints, help="ranks of the new layout, e.g. 0,2 (default: all live)"
+    )
+    reshard.add_argument(
+        "--bucket-bytes", type=int, help="largest bucket one collective moves (default 64 MiB)"
+    )
+    reshard.add_argument(
+        "--reshard-timeout",
+        type=float,
+        help="bound on the data movement in seconds "
+        "(default 300); a dead or hung rank fails the reshard within it",
+    )
     add_replicas_flag(reshard)
-    delete = sub.add_parser("delete", help="delete a tensor and free its shards",
-                            description="Delete a tensor from the catalog and free its shards on every rank.")
+    delete = sub.add_parser(
+        "delete",
+        help="delete a tensor and free its shards",
+        description="Delete a tensor from the catalog and free its shards on every rank.",
+    )
     delete.add_argument("name", help="tensor name")
-    snapshots = sub.add_parser("snapshots", help="list the kept snapshots of a prefix (state dicts of SPMD jobs)",
-                               description="List the kept snapshots of PREFIX, oldest first: number, tensors, bytes "
-                                           "and age; with --tensors, each tensor's key, shape and dtype too.")
+    snapshots = sub.add_parser(
+        "snapshots",
+        help="list the kept snapshots of a prefix (state dicts of SPMD jobs)",
+        description="List the kept snapshots of PREFIX, oldest first: number, tensors, bytes "
+        "and age; with --tensors, each tensor's key, shape and dtype too.",
+    )
     snapshots.add_argument("prefix", help="the prefix the snapshots were put under")
-    snapshots.add_argument("--tensors", action="store_true", help="also list each snapshot's tensors")
+    snapshots.add_argument(
+        "--tensors", action="store_true", help="also list each snapshot's tensors"
+    )
     add_checkpoint_commands(sub)
     return parser
 
 
-def _server_options(parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str]) -> list[str]:
+def _server_options(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, given: Sequence[str]
+) -> list[str]:
     """The global options given before `up`/`coordinator`/`node` as the server's: --token carries over (the
     cluster's token either way), and --coordinator for `node`; the others mean something else there
     (--tls-cert is the client's certificate here, the server's there), so they are an error saying where
@@ -134,14 +221,16 @@ def _server_options(parser: argparse.ArgumentParser, args: argparse.Namespace, g
         elif word == "--coordinator" and args.command == "node":  # the node's ranks dial it
             options += ["--coordinator", args.coordinator]
         else:
-            parser.error(f"{word} before `{args.command}` is a client option; give the server's options after "
-                         f"it (`shardserve {args.command} --help`)")
+            parser.error(
+                f"{word} before `{args.command}` is a client option; give the server's options after "
+                f"it (`shardserve {args.command} --help`)"
+            )
     return options
 
 
 def _exec_server(command: str, args: Sequence[str]) -> None:
-    """Replace this process with `python -m server COMMAND ARGS...` (same interpreter)."""
-    argv = [sys.executable, "-m", "server", command, *args]
+    """Replace this process with `python -m shardserve.server COMMAND ARGS...` (same interpreter)."""
+    argv = [sys.executable, "-m", "shardserve.server", command, *args]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, argv)
@@ -158,23 +247,52 @@ def _human_bytes(n: int) -> str:
 def _status(cluster) -> None:
     from rich.console import Console
     from rich.table import Table
-
-    from client.info import health_summary, layout_summary
-    from shardcore.dtypes import dtype_name
+    from shardserve.client.info import health_summary, layout_summary
+    from shardserve.core.dtypes import dtype_name
 
     ranks = Table(title=f"ranks of {cluster.address}")
-    for column in ("rank", "address", "device", "host", "pid", "restarts", "alive", "memory used", "memory limit",
-                   "metrics", "restore"):
+    for column in (
+        "rank",
+        "address",
+        "device",
+        "host",
+        "pid",
+        "restarts",
+        "alive",
+        "memory used",
+        "memory limit",
+        "metrics",
+        "restore",
+    ):
         ranks.add_column(column)
     statuses = cluster.ranks()
     for r in statuses:
-        ranks.add_row(str(r.rank), r.address or "-", r.device, r.hostname, str(r.pid), str(r.restarts),
-                      "[green]yes[/green]" if r.alive else "[red]no[/red]", _human_bytes(r.memory_used_bytes),
-                      _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-", r.metrics_address or "-",
-                      _restore_summary(r.restore))
+        ranks.add_row(
+            str(r.rank),
+            r.address or "-",
+            r.device,
+            r.hostname,
+            str(r.pid),
+            str(r.restarts),
+            "[green]yes[/green]" if r.alive else "[red]no[/red]",
+            _human_bytes(r.memory_used_bytes),
+            _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-",
+            r.metrics_address or "-",
+            _restore_summary(r.restore),
+        )
     restoring = {r.rank for r in statuses if r.restore is not None}
     tensors = Table(title="tensors")
-    for column in ("name", "version", "state", "health", "replicas", "shape", "dtype", "layout", "bytes"):
+    for column in (
+        "name",
+        "version",
+        "state",
+        "health",
+        "replicas",
+        "shape",
+        "dtype",
+        "layout",
+        "bytes",
+    ):
         tensors.add_column(column)
     colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
     for t in cluster.list(include_pending=True):
@@ -182,9 +300,20 @@ def _status(cluster) -> None:
         waiting = sorted({t.metadata.shards_metadata[i].rank for i in t.unavailable} & restoring)
         if waiting:
             health = f"[yellow]restoring (rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))})[/yellow]"
-        tensors.add_row(t.name, str(t.version), t.state, health, str(t.replicas), "x".join(map(str, t.shape)) or "()",
-                        dtype_name(t.dtype), layout_summary(t.metadata), _human_bytes(t.nbytes))
-    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes: no truncated columns
+        tensors.add_row(
+            t.name,
+            str(t.version),
+            t.state,
+            health,
+            str(t.replicas),
+            "x".join(map(str, t.shape)) or "()",
+            dtype_name(t.dtype),
+            layout_summary(t.metadata),
+            _human_bytes(t.nbytes),
+        )
+    console = (
+        Console() if sys.stdout.isatty() else Console(width=200)
+    )  # pipes: no truncated columns
     console.print(ranks)
     _print_epoch(cluster, console)
     console.print(tensors)
@@ -196,17 +325,21 @@ def _restore_summary(restore) -> str:
         return "-"
     if restore.loaded:
         return "loaded, re-promoting"
-    return (f"{restore.fraction:.0%} ({_human_bytes(restore.done_bytes)} of {_human_bytes(restore.total_bytes)}, "
-            f"{restore.done_tensors} of {restore.total_tensors} tensors)")
+    return (
+        f"{restore.fraction:.0%} ({_human_bytes(restore.done_bytes)} of {_human_bytes(restore.total_bytes)}, "
+        f"{restore.done_tensors} of {restore.total_tensors} tensors)"
+    )
 
 
 def _print_epoch(cluster, console) -> None:
     """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
-    from protos import shardserve_pb2 as pb
+    from shardserve.protos import shardserve_pb2 as pb
 
     answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
     console.print(f"collective jobs: epoch {answer.epoch}")
-    console.print(f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}")
+    console.print(
+        f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}"
+    )
 
 
 def _fetch(cluster, args: argparse.Namespace) -> None:
@@ -214,48 +347,88 @@ def _fetch(cluster, args: argparse.Namespace) -> None:
 
     remote = cluster.tensor(args.name)
     offsets = args.offsets if args.offsets is not None else (0,) * remote.ndim
-    sizes = args.sizes if args.sizes is not None else tuple(max(n - o, 0) for n, o in zip(remote.shape, offsets))
+    sizes = (
+        args.sizes
+        if args.sizes is not None
+        else tuple(max(n - o, 0) for n, o in zip(remote.shape, offsets))
+    )
     result = remote.fetch(offsets, sizes)
     if args.output:
         try:
             torch.save(result, args.output)
-        except (RuntimeError, OSError) as err:  # torch reports a missing directory as a RuntimeError
+        except (
+            RuntimeError,
+            OSError,
+        ) as err:  # torch reports a missing directory as a RuntimeError
             raise OSError(f"-o {args.output}: {err}") from None
-        print(f"saved {args.name}[offsets={tuple(offsets)}, sizes={tuple(result.shape)}] "
-              f"({result.dtype}, version {remote.version}) to {args.output}")
+        print(
+            f"saved {args.name}[offsets={tuple(offsets)}, sizes={tuple(result.shape)}] "
+            f"({result.dtype}, version {remote.version}) to {args.output}"
+        )
     else:
         torch.set_printoptions(threshold=1000)
         print(result)
 
 
 def _reshard(cluster, args: argparse.Namespace) -> None:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
-
-    from client.info import layout_summary
-    from client.ops.reshard import layout_from_options
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TransferSpeedColumn,
+    )
+    from shardserve.client.info import layout_summary
+    from shardserve.client.ops.reshard import layout_from_options
 
     remote = cluster.tensor(args.name)
     devices = {r.rank: r.device for r in cluster.ranks() if r.alive}
-    meta = layout_from_options(tuple(remote.shape), remote.dtype, devices, dim=args.dim, ranks=args.ranks,
-                               grid=args.grid, grid_dims=args.grid_dims, replicate=args.replicate)
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-               TimeElapsedColumn())
+    meta = layout_from_options(
+        tuple(remote.shape),
+        remote.dtype,
+        devices,
+        dim=args.dim,
+        ranks=args.ranks,
+        grid=args.grid,
+        grid_dims=args.grid_dims,
+        replicate=args.replicate,
+    )
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+    )
     with Progress(*columns, transient=not sys.stdout.isatty()) as bar:
         task = bar.add_task(f"reshard {args.name}", total=None)
 
         def show(report) -> None:
-            bar.update(task, description=f"reshard {args.name} ({report.phase})", completed=report.bytes_done,
-                       total=report.bytes_total or None)
-        new = remote.reshard(meta, bucket_bytes=args.bucket_bytes, timeout=args.reshard_timeout, progress=show,
-                             replicas=args.replicas)
-    print(f"resharded {args.name}: version {remote.version} -> {new.version}, {layout_summary(new.metadata())}")
+            bar.update(
+                task,
+                description=f"reshard {args.name} ({report.phase})",
+                completed=report.bytes_done,
+                total=report.bytes_total or None,
+            )
+
+        new = remote.reshard(
+            meta,
+            bucket_bytes=args.bucket_bytes,
+            timeout=args.reshard_timeout,
+            progress=show,
+            replicas=args.replicas,
+        )
+    print(
+        f"resharded {args.name}: version {remote.version} -> {new.version}, {layout_summary(new.metadata())}"
+    )
 
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
-    from client.channel import check_address
-    from client.errors import InvalidArgumentError
-    from client.ops.reshard import check_layout_flags
+    from shardserve.client.channel import check_address
+    from shardserve.client.errors import InvalidArgumentError
+    from shardserve.client.ops.reshard import check_layout_flags
 
     if args.command == "top" and (not args.interval > 0 or args.iterations < 0):
         parser.error("top: --interval must be > 0 seconds and --iterations >= 0")
@@ -275,32 +448,58 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 
 def _run(args: argparse.Namespace) -> None:
-    from client.cluster import connect
+    from shardserve.client.cluster import connect
 
     if not args.coordinator:
-        raise ValueError("no coordinator given: pass --coordinator HOST:PORT or set SHARDSERVE_COORDINATOR")
-    with connect(args.coordinator, token=args.token, timeout=args.timeout, tls_ca=args.tls_ca,
-                 tls_cert=args.tls_cert, tls_key=args.tls_key) as cluster:
+        raise ValueError(
+            "no coordinator given: pass --coordinator HOST:PORT or set SHARDSERVE_COORDINATOR"
+        )
+    with connect(
+        args.coordinator,
+        token=args.token,
+        timeout=args.timeout,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    ) as cluster:
         if args.command == "status":
             _status(cluster)
         elif args.command == "list":
-            from client.info import health_summary
+            from shardserve.client.info import health_summary
+
             for t in cluster.list():
-                print(f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}\treplicas {t.replicas}\t"
-                      f"{health_summary(t)}")
+                print(
+                    f"{t.name}\tversion {t.version}\t{tuple(t.shape)}\t{t.dtype}\treplicas {t.replicas}\t"
+                    f"{health_summary(t)}"
+                )
         elif args.command == "create":
-            from client.info import layout_summary
-            from shardcore.specs import ChunkShardingSpec
+            from shardserve.client.info import layout_summary
+            from shardserve.core.specs import ChunkShardingSpec
 
             live = [r for r in cluster.ranks() if r.alive]
-            spec = ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live]) if live else None
-            t = cluster.create(args.name, args.shape, dtype=args.dtype, spec=spec, init=args.init, seed=args.seed,
-                               overwrite=args.overwrite, replicas=args.replicas)
-            print(f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}")
+            spec = (
+                ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live])
+                if live
+                else None
+            )
+            t = cluster.create(
+                args.name,
+                args.shape,
+                dtype=args.dtype,
+                spec=spec,
+                init=args.init,
+                seed=args.seed,
+                overwrite=args.overwrite,
+                replicas=args.replicas,
+            )
+            print(
+                f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}"
+            )
         elif args.command == "fetch":
             _fetch(cluster, args)
         elif args.command == "top":
-            from client.cli.top import run_top
+            from shardserve.client.cli.top import run_top
+
             run_top(cluster, args.interval, args.iterations)
         elif args.command == "reshard":
             _reshard(cluster, args)
@@ -313,14 +512,16 @@ def _run(args: argparse.Namespace) -> None:
             run_checkpoint_command(cluster, args)
 
 
-def _snapshots(cluster: "Cluster", prefix: str, tensors: bool) -> None:
+def _snapshots(cluster: Cluster, prefix: str, tensors: bool) -> None:
     """One line per kept snapshot of `prefix` (and one per tensor with `tensors`)."""
     kept = cluster.snapshots(prefix)
     if not kept:
         print(f"no snapshots of {prefix}")
     for snapshot in kept:
-        print(f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t{snapshot.nbytes} bytes\t"
-              f"age {snapshot.age_s:.1f}s")
+        print(
+            f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t{snapshot.nbytes} bytes\t"
+            f"age {snapshot.age_s:.1f}s"
+        )
         for key, t in snapshot.tensors.items() if tensors else ():
             print(f"  {key}\t{tuple(t.shape)}\t{t.dtype}\t{t.nbytes} bytes\t{t.health}")
 
@@ -331,15 +532,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _SERVER_COMMANDS:
         _exec_server(argv[0], argv[1:])
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)  # a server command's own options are the server's to parse
+    args, unknown = parser.parse_known_args(
+        argv
+    )  # a server command's own options are the server's to parse
     if unknown and args.command not in _SERVER_COMMANDS:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in _SERVER_COMMANDS:  # global options came first
         at = argv.index(args.command)
-        _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1:])
+        _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1 :])
     _check_usage(parser, args)
     try:
-        from client.errors import ShardServeError, TensorExistsError
+        from shardserve.client.errors import ShardServeError, TensorExistsError
 
         _run(args)
     except (ShardServeError, ValueError, TypeError, KeyError, OSError) as err:
@@ -349,7 +552,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardserve {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print(f"shardserve {args.command}: interrupted{_INTERRUPTED.get(args.command, '')}", file=sys.stderr)
+        print(
+            f"shardserve {args.command}: interrupted{_INTERRUPTED.get(args.command, '')}",
+            file=sys.stderr,
+        )
         return 130
     return 0
 

@@ -6,20 +6,23 @@ over the interval: requests per second and p50/p99 latency per method (from
 the histogram buckets that moved), bytes per second per data path and tensor,
 and the collective jobs in flight with their progress.
 """
+
 from __future__ import annotations
 
 import math
 import time
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-
-from protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2 as pb
 
 SCRAPE_TIMEOUT_S = 2.0
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) -> value
+Samples = dict[
+    tuple[str, tuple[tuple[str, str], ...]], float
+]  # (sample name, sorted labels) -> value
 
 
 def scrape(address: str, timeout: float = SCRAPE_TIMEOUT_S) -> Samples:
@@ -41,7 +44,9 @@ def parse_samples(text: str) -> Samples:
 def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of the samples named `name` whose labels include `labels`."""
     want = set(labels.items())
-    return sum(value for (sample, keys), value in samples.items() if sample == name and want <= set(keys))
+    return sum(
+        value for (sample, keys), value in samples.items() if sample == name and want <= set(keys)
+    )
 
 
 def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
@@ -126,8 +131,14 @@ def take_frame(cluster: Any) -> Frame:
             parts.append(scrape(address))
         except OSError:
             unreachable.append(address)
-    return Frame(list(answer.ranks), cluster.list(include_pending=True), merge(parts), time.monotonic(),
-                 unreachable, len(addresses))
+    return Frame(
+        list(answer.ranks),
+        cluster.list(include_pending=True),
+        merge(parts),
+        time.monotonic(),
+        unreachable,
+        len(addresses),
+    )
 
 
 def _rate(value: float, seconds: float) -> str:
@@ -154,43 +165,81 @@ def render(frame: Frame, before: Frame | None) -> Any:
 
     seconds = frame.at - before.at if before is not None else 0.0
     moved = delta(frame.samples, before.samples) if before is not None else frame.samples
-    head = Text(f"shardserve top: {len(frame.ranks)} ranks, {len(frame.tensors)} tensors, "
-                f"{frame.addresses} metrics endpoints"
-                + (f" ({len(frame.unreachable)} unreachable)" if frame.unreachable else "")
-                + (" -- no metrics: start the cluster with --metrics-port" if not frame.addresses else ""))
-    return Group(head, _ranks_table(frame, Table), _tensors_table(frame, moved, seconds, Table),
-                 _methods_table(moved, seconds, Table), _jobs_table(frame, Table))
+    head = Text(
+        f"shardserve top: {len(frame.ranks)} ranks, {len(frame.tensors)} tensors, "
+        f"{frame.addresses} metrics endpoints"
+        + (f" ({len(frame.unreachable)} unreachable)" if frame.unreachable else "")
+        + (" -- no metrics: start the cluster with --metrics-port" if not frame.addresses else "")
+    )
+    return Group(
+        head,
+        _ranks_table(frame, Table),
+        _tensors_table(frame, moved, seconds, Table),
+        _methods_table(moved, seconds, Table),
+        _jobs_table(frame, Table),
+    )
 
 
 def _ranks_table(frame: Frame, table_type: Any) -> Any:
     table = table_type(title="ranks")
-    for column in ("rank", "alive", "restarts", "memory used", "reserved", "recycled", "versions", "pinned",
-                   "jobs"):
+    for column in (
+        "rank",
+        "alive",
+        "restarts",
+        "memory used",
+        "reserved",
+        "recycled",
+        "versions",
+        "pinned",
+        "jobs",
+    ):
         table.add_column(column, no_wrap=True)
     for r in frame.ranks:
         rank = str(r.rank)
-        table.add_row(rank, "[green]yes[/green]" if r.alive else "[red]no[/red]", str(r.restarts),
-                      _bytes(r.memory_used_bytes),
-                      _bytes(total(frame.samples, "shardserve_rank_memory_reserved_bytes", rank=rank)),
-                      _bytes(total(frame.samples, "shardserve_rank_memory_recycled_bytes", rank=rank)),
-                      f"{total(frame.samples, 'shardserve_rank_versions', rank=rank):.0f}",
-                      f"{total(frame.samples, 'shardserve_rank_versions_pinned', rank=rank):.0f}",
-                      f"{total(frame.samples, 'shardserve_rank_jobs_in_flight', rank=rank):.0f}")
+        table.add_row(
+            rank,
+            "[green]yes[/green]" if r.alive else "[red]no[/red]",
+            str(r.restarts),
+            _bytes(r.memory_used_bytes),
+            _bytes(total(frame.samples, "shardserve_rank_memory_reserved_bytes", rank=rank)),
+            _bytes(total(frame.samples, "shardserve_rank_memory_recycled_bytes", rank=rank)),
+            f"{total(frame.samples, 'shardserve_rank_versions', rank=rank):.0f}",
+            f"{total(frame.samples, 'shardserve_rank_versions_pinned', rank=rank):.0f}",
+            f"{total(frame.samples, 'shardserve_rank_jobs_in_flight', rank=rank):.0f}",
+        )
     return table
 
 
 def _tensors_table(frame: Frame, moved: Samples, seconds: float, table_type: Any) -> Any:
     table = table_type(title="tensors" + (" (per second)" if seconds else " (totals)"))
-    for column in ("name", "version", "state", "health", "shape", "bytes", "read bytes", "lookups", "ids"):
+    for column in (
+        "name",
+        "version",
+        "state",
+        "health",
+        "shape",
+        "bytes",
+        "read bytes",
+        "lookups",
+        "ids",
+    ):
         table.add_column(column, no_wrap=True)
     served = by_label(moved, "shardserve_rank_bytes_served_total", "tensor")
     lookups = by_label(moved, "shardserve_rank_lookups_total", "tensor")
     ids = by_label(moved, "shardserve_rank_lookup_ids_total", "tensor")
     per = seconds or 1.0
     for t in frame.tensors:
-        table.add_row(t.name, str(t.version), t.state, t.health, "x".join(map(str, t.shape)) or "()",
-                      _bytes(t.nbytes), _bytes(served.get(t.name, 0.0) / per),
-                      f"{lookups.get(t.name, 0.0) / per:,.1f}", f"{ids.get(t.name, 0.0) / per:,.1f}")
+        table.add_row(
+            t.name,
+            str(t.version),
+            t.state,
+            t.health,
+            "x".join(map(str, t.shape)) or "()",
+            _bytes(t.nbytes),
+            _bytes(served.get(t.name, 0.0) / per),
+            f"{lookups.get(t.name, 0.0) / per:,.1f}",
+            f"{ids.get(t.name, 0.0) / per:,.1f}",
+        )
     return table
 
 
@@ -204,12 +253,20 @@ def _methods_table(moved: Samples, seconds: float, table_type: Any) -> Any:
         if not calls[method]:
             continue
         buckets = method_buckets(moved, method)
-        table.add_row(method, _rate(calls[method], seconds) if seconds else f"{calls[method]:.0f}",
-                      _rate(errors.get(method, 0.0), seconds) if seconds else f"{errors.get(method, 0.0):.0f}",
-                      _ms(quantile(0.5, buckets)), _ms(quantile(0.99, buckets)))
+        table.add_row(
+            method,
+            _rate(calls[method], seconds) if seconds else f"{calls[method]:.0f}",
+            _rate(errors.get(method, 0.0), seconds)
+            if seconds
+            else f"{errors.get(method, 0.0):.0f}",
+            _ms(quantile(0.5, buckets)),
+            _ms(quantile(0.99, buckets)),
+        )
     paths = by_label(moved, "shardserve_rank_bytes_served_total", "path")
     for path in sorted(paths):
-        table.add_row(f"[dim]bytes over {path}[/dim]", _bytes(paths[path] / (seconds or 1.0)), "", "", "")
+        table.add_row(
+            f"[dim]bytes over {path}[/dim]", _bytes(paths[path] / (seconds or 1.0)), "", "", ""
+        )
     return table
 
 
@@ -237,7 +294,9 @@ def run_top(cluster: Any, interval: float, iterations: int = 0) -> None:
     before = take_frame(cluster)
     shown = 0
     try:
-        with Live(render(before, None), console=Console(), auto_refresh=False, vertical_overflow="visible") as live:
+        with Live(
+            render(before, None), console=Console(), auto_refresh=False, vertical_overflow="visible"
+        ) as live:
             while iterations == 0 or shown < iterations:
                 time.sleep(interval)
                 frame = take_frame(cluster)

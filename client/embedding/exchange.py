@@ -8,27 +8,27 @@ A call that has not answered within the hedge delay is asked of one other rank
 holding a copy of every shard it names (client.paths.hedging), into a Receiver
 of its own that the call's Receiver adopts if it answers first.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Callable
 
 import grpc
 import torch
-
-from client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
-from client.errors import RankUnavailableError, ShardServeError, StaleVersionError
-from client.paths.grpc import answers_in_one_message
-from client.paths.hedging import Cancellation, Landing
-from client.paths.policy import NetworkCall, SentCalls
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from protos.chunk_codec import RawLookupChunk, decode_lookup_reply
-from shardcore.dtypes import dtype_from_wire
-from shardcore.embedding import PartialBags
+from shardserve.client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
+from shardserve.client.errors import RankUnavailableError, ShardServeError, StaleVersionError
+from shardserve.client.paths.grpc import answers_in_one_message
+from shardserve.client.paths.hedging import Cancellation, Landing
+from shardserve.client.paths.policy import NetworkCall, SentCalls
+from shardserve.client.session import Session
+from shardserve.core.dtypes import dtype_from_wire
+from shardserve.core.embedding import PartialBags
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.chunk_codec import RawLookupChunk, decode_lookup_reply
 
 # A lookup's own CPU work (a mapped lookup's gather, client-side pooling; a routed one's planning, answer decoding
 # and assembly, but never a wait for an answer: the turn is not held while gRPC calls on the client's pool,
@@ -44,8 +44,10 @@ class Exchange:
     """One lookup's calls to the ranks once sent: wait() outside the CPU turn, then finish() inside it."""
 
     last_paths: dict[int, str]
-    ranks: list[tuple[int, bool]] = field(default_factory=list)  # per call: rank, and whether shm answered some
-    receivers: list["Receiver"] = field(default_factory=list)
+    ranks: list[tuple[int, bool]] = field(
+        default_factory=list
+    )  # per call: rank, and whether shm answered some
+    receivers: list[Receiver] = field(default_factory=list)
     calls: list[NetworkCall] = field(default_factory=list)
     sent: SentCalls | None = None
     paths: list[str] = field(default_factory=list)
@@ -94,7 +96,7 @@ def send_calls(session: Session, items: list[ItemPlan], last_paths: dict[int, st
     return exchange
 
 
-def network_call(session: Session, rank: int, receiver: "Receiver") -> NetworkCall:
+def network_call(session: Session, rank: int, receiver: Receiver) -> NetworkCall:
     """One lookup call to `rank` for the receiver's items, over the bulk port or gRPC. Either way an answer
     up to SMALL_ANSWER_BYTES (client.paths.grpc) comes in one message; over gRPC a larger one streams (and so
     does not take the bulk port). A bulk answer is kept whole and decoded in finish()."""
@@ -104,20 +106,30 @@ def network_call(session: Session, rank: int, receiver: "Receiver") -> NetworkCa
     paths = session.paths
 
     def send_bulk(cancel: Cancellation) -> Callable[[], None]:
-        answer = paths.bulk.send_lookup(status.address, request, reply_bytes(receiver.items), cancel)
+        answer = paths.bulk.send_lookup(
+            status.address, request, reply_bytes(receiver.items), cancel
+        )
 
         def take_answer() -> None:
             receiver.reply = answer()
+
         return take_answer
 
     def over_grpc(cancel: Cancellation) -> None:
-        paths.grpc.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where, cancel)
+        paths.grpc.lookup(
+            status.address, request, expected, receiver.add_in_turn, receiver.where, cancel
+        )
 
-    return NetworkCall(status, send_bulk if answers_in_one_message(expected) else None, over_grpc,
-                       partial(hedge_call, session, receiver), expected)
+    return NetworkCall(
+        status,
+        send_bulk if answers_in_one_message(expected) else None,
+        over_grpc,
+        partial(hedge_call, session, receiver),
+        expected,
+    )
 
 
-def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> tuple[str, Landing]:
+def hedge_call(session: Session, receiver: Receiver, cancel: Cancellation) -> tuple[str, Landing]:
     """The receiver's items asked of other copies of their shards (the hedge of a silent lookup call): one call
     per rank holding them, sent together; returns the path of the last and the landing that makes `receiver`
     take these answers."""
@@ -125,17 +137,28 @@ def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> 
     for position, item in enumerate(receiver.items):
         others = session.other_copies(item.view.summary, item.message.shard_index)
         if not others:
-            raise RankUnavailableError(f"{receiver.where}: shard {item.message.shard_index} of "
-                                       f"{item.view.name!r} has no other copy to ask")
+            raise RankUnavailableError(
+                f"{receiver.where}: shard {item.message.shard_index} of "
+                f"{item.view.name!r} has no other copy to ask"
+            )
         index = others[0]
         rank = item.view.summary.metadata.shards_metadata[index].rank
         message = pb.LookupItem()
         message.CopyFrom(item.wire_message())
         message.shard_index = index
         by_rank[rank].append((position, replace(item, rank=rank, message=message, answer=None)))
-    hedges = [(positions, Receiver([item for _, item in group], f"rank {rank} at {session.address_of(rank)}"))
-              for rank, group in sorted(by_rank.items()) for positions in [[p for p, _ in group]]]
-    calls = [replace(network_call(session, hedge.items[0].rank, hedge), hedge=None) for _, hedge in hedges]
+    hedges = [
+        (
+            positions,
+            Receiver([item for _, item in group], f"rank {rank} at {session.address_of(rank)}"),
+        )
+        for rank, group in sorted(by_rank.items())
+        for positions in [[p for p, _ in group]]
+    ]
+    calls = [
+        replace(network_call(session, hedge.items[0].rank, hedge), hedge=None)
+        for _, hedge in hedges
+    ]
     sent = session.paths.send_all(calls, session.channel.submit)
     cancel.on_cancel(sent.cancel)
     paths = sent.wait()
@@ -145,10 +168,13 @@ def hedge_call(session: Session, receiver: "Receiver", cancel: Cancellation) -> 
     def land() -> None:
         for positions, hedge in hedges:
             receiver.adopt(hedge, positions)
+
     return paths[-1], land
 
 
-def answer_through_shared_memory(session: Session, rank: int, items: list[ItemPlan]) -> list[ItemPlan]:
+def answer_through_shared_memory(
+    session: Session, rank: int, items: list[ItemPlan]
+) -> list[ItemPlan]:
     """Answer row items of a same-host rank from its mapped shards (client.paths.shm); return the rest.
 
     Any size: a mapped read skips the round trip, 3-4x faster than gRPC even for one id."""
@@ -158,7 +184,9 @@ def answer_through_shared_memory(session: Session, rank: int, items: list[ItemPl
     for item in items:
         rows = None
         if not item.message.pooled:
-            rows = session.paths.lookup_rows(status, item.view.summary, item.message.shard_index, item.ids)
+            rows = session.paths.lookup_rows(
+                status, item.view.summary, item.message.shard_index, item.ids
+            )
         if rows is None:
             rest.append(item)
         else:
@@ -175,20 +203,29 @@ class Receiver:
         self.buffers: list[bytearray | memoryview | None] = [None] * len(items)
         self.received = [0] * len(items)
         self.headers: list[RawLookupChunk | None] = [None] * len(items)
-        self.reply: bytearray | None = None  # a whole LookupReply taken off the bulk port, decoded by finish()
+        self.reply: bytearray | None = (
+            None  # a whole LookupReply taken off the bulk port, decoded by finish()
+        )
 
     def add(self, chunk: RawLookupChunk) -> None:
         index = chunk.item
         if not 0 <= index < len(self.items):
-            raise ShardServeError(f"{self.where} answered item {index} of a {len(self.items)}-item lookup")
+            raise ShardServeError(
+                f"{self.where} answered item {index} of a {len(self.items)}-item lookup"
+            )
         if chunk.offset == 0 and self.headers[index] is None:
             item = self.items[index]
             if chunk.version != item.message.version:
-                raise StaleVersionError(f"{self.where} served {item.message.name!r} at version {chunk.version}, "
-                                        f"not {item.message.version}", grpc.StatusCode.FAILED_PRECONDITION)
+                raise StaleVersionError(
+                    f"{self.where} served {item.message.name!r} at version {chunk.version}, "
+                    f"not {item.message.version}",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
             self.headers[index] = chunk
             if len(chunk.data) == chunk.nbytes and not chunk.data.readonly:
-                self.buffers[index] = chunk.data  # the whole item in one writable message: used where it is
+                self.buffers[index] = (
+                    chunk.data
+                )  # the whole item in one writable message: used where it is
                 self.received[index] = chunk.nbytes
                 return
             self.buffers[index] = bytearray(chunk.nbytes)
@@ -196,10 +233,10 @@ class Receiver:
         end = chunk.offset + len(chunk.data)
         if buffer is None or chunk.offset != self.received[index] or end > len(buffer):
             raise ShardServeError(f"{self.where} sent a misplaced chunk for item {index}")
-        buffer[chunk.offset:end] = chunk.data
+        buffer[chunk.offset : end] = chunk.data
         self.received[index] = end
 
-    def adopt(self, other: "Receiver", positions: list[int]) -> None:
+    def adopt(self, other: Receiver, positions: list[int]) -> None:
         """Take what `other` received for its items (these items at `positions`, asked of other copies) in place
         of this receiver's answer."""
         self.reply = None
@@ -226,13 +263,18 @@ class Receiver:
         for index, item in enumerate(self.items):
             header, buffer = self.headers[index], self.buffers[index]
             if header is None or buffer is None or self.received[index] != len(buffer):
-                raise ShardServeError(f"{self.where} did not answer item {index} ({item.message.name!r}) whole")
+                raise ShardServeError(
+                    f"{self.where} did not answer item {index} ({item.message.name!r}) whole"
+                )
             dtype = dtype_from_wire(header.dtype)
             data = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
             data = data.view(-1, item.width)
             if item.message.pooled:
-                counts = torch.frombuffer(bytearray(header.counts), dtype=torch.int64) if header.counts \
+                counts = (
+                    torch.frombuffer(bytearray(header.counts), dtype=torch.int64)
+                    if header.counts
                     else torch.empty(0, dtype=torch.int64)
+                )
                 start = item.columns.start or 0
                 item.answer = PartialBags(data, counts, start)
             else:

@@ -2,6 +2,7 @@
 
 Errors name the argument (as nn.Embedding / nn.EmbeddingBag would), before any call is made.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,12 +10,11 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from client.arguments import dense_tensor
-from client.embedding.views import TableView
-from client.errors import InvalidArgumentError
-from shardcore.embedding import validate_ids
-from shardcore.routing import unique_ids
+from shardserve.client.arguments import dense_tensor
+from shardserve.client.embedding.views import TableView
+from shardserve.client.errors import InvalidArgumentError
+from shardserve.core.embedding import validate_ids
+from shardserve.core.routing import unique_ids
 
 POOLINGS = ("auto", "server", "client")
 
@@ -38,21 +38,33 @@ def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
             raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
         if ids.dim() != 1:
             raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.dtype == torch.uint64 and bool((ids.view(torch.int64) < 0).any()):  # 2**63 and up, seen as int64
-            raise InvalidArgumentError(f"{field_name} holds values of 2**63 or more, past the int64 range of row ids")
+        if ids.dtype == torch.uint64 and bool(
+            (ids.view(torch.int64) < 0).any()
+        ):  # 2**63 and up, seen as int64
+            raise InvalidArgumentError(
+                f"{field_name} holds values of 2**63 or more, past the int64 range of row ids"
+            )
         return ids.detach().to("cpu", torch.int64).contiguous()
-    if isinstance(ids, (str, bytes, bytearray, dict, set, frozenset)):  # unordered, or not ids at all
-        raise TypeError(f"{field_name} must be a tensor or a sequence of ints, got {type(ids).__name__}")
+    if isinstance(
+        ids, (str, bytes, bytearray, dict, set, frozenset)
+    ):  # unordered, or not ids at all
+        raise TypeError(
+            f"{field_name} must be a tensor or a sequence of ints, got {type(ids).__name__}"
+        )
     try:
         array = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
     except (TypeError, ValueError) as err:
         raise TypeError(f"{field_name} must be a tensor or a sequence of ints: {err}") from None
-    if array.size and array.dtype.kind not in "iu":  # floats are not cut to ints, nor bools taken for 0 and 1
+    if (
+        array.size and array.dtype.kind not in "iu"
+    ):  # floats are not cut to ints, nor bools taken for 0 and 1
         raise TypeError(f"{field_name} must hold integers, got {array.dtype} values")
     if array.ndim != 1:
         raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {array.shape}")
     if array.dtype.kind == "u" and array.size and int(array.max()) >= 1 << 63:
-        raise InvalidArgumentError(f"{field_name} holds {int(array.max())}, past the int64 range of row ids")
+        raise InvalidArgumentError(
+            f"{field_name} holds {int(array.max())}, past the int64 range of row ids"
+        )
     return torch.from_numpy(array.astype(np.int64))
 
 
@@ -61,9 +73,9 @@ def check_dtype(dtype: torch.dtype | None) -> None:
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
 
 
-
-def bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
-                 weights: torch.Tensor | None) -> BagRequest:
+def bag_request(
+    ids: torch.Tensor, offsets: torch.Tensor, mode: str, weights: torch.Tensor | None
+) -> BagRequest:
     """Check bag arguments the way nn.EmbeddingBag does; errors name the argument."""
     if mode not in ("sum", "mean"):
         raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
@@ -71,13 +83,23 @@ def bag_request(ids: torch.Tensor, offsets: torch.Tensor, mode: str,
         if int(offsets[0]) != 0:
             raise InvalidArgumentError(f"offsets[0] has to be 0, got {int(offsets[0])}")
         if bool((torch.diff(offsets) < 0).any()) or int(offsets[-1]) > ids.numel():
-            raise InvalidArgumentError(f"offsets must be non-decreasing and at most len(ids)={ids.numel()}")
+            raise InvalidArgumentError(
+                f"offsets must be non-decreasing and at most len(ids)={ids.numel()}"
+            )
     if weights is not None:
         if mode != "sum":
-            raise InvalidArgumentError(f"per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+            raise InvalidArgumentError(
+                f"per_sample_weights is only supported for mode='sum', got mode={mode!r}"
+            )
         if not isinstance(weights, torch.Tensor) or weights.shape != (ids.numel(),):
-            shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
-            raise InvalidArgumentError(f"per_sample_weights must have shape ({ids.numel()},), got {shape}")
+            shape = (
+                tuple(weights.shape)
+                if isinstance(weights, torch.Tensor)
+                else type(weights).__name__
+            )
+            raise InvalidArgumentError(
+                f"per_sample_weights must have shape ({ids.numel()},), got {shape}"
+            )
         weights = dense_tensor(weights, "per_sample_weights").detach().cpu().contiguous()
     return BagRequest(ids, offsets, mode, weights)
 
@@ -89,10 +111,14 @@ def validate_update(view: TableView, ids: Any, values: Any) -> tuple[torch.Tenso
         raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
     dense_tensor(values, "values")
     if not torch.can_cast(values.dtype, view.dtype):
-        raise TypeError(f"values has dtype {values.dtype}, which table {view.name!r} ({view.dtype}) cannot hold "
-                        f"without losing its kind (torch.can_cast)")
+        raise TypeError(
+            f"values has dtype {values.dtype}, which table {view.name!r} ({view.dtype}) cannot hold "
+            f"without losing its kind (torch.can_cast)"
+        )
     if values.shape != (ids.numel(), view.dim):
-        raise InvalidArgumentError(f"values has shape {tuple(values.shape)}; expected ({ids.numel()}, {view.dim})")
+        raise InvalidArgumentError(
+            f"values has shape {tuple(values.shape)}; expected ({ids.numel()}, {view.dim})"
+        )
     try:
         validate_ids(ids, view.summary.metadata.size[0], "error")
     except ValueError as err:

@@ -19,24 +19,25 @@
 
 The server side of these calls is server/rank/reads/lookup.py.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
-
-from client import counters
-from client.embedding.exchange import CPU_TURN, call_ranks, send_calls
-from client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
-from client.embedding.mapped_rows import MappedRows
-from client.embedding.plan import ItemPlan, RowPlan, bag_items, split_columns
-from client.embedding.row_cache import RowCache
-from client.embedding.views import TableView, TableViews, bad_id_error
-from client.errors import InvalidArgumentError, ShardServeError
-from client.retry import read_with_refresh
-from client.session import Session
-from shardcore.embedding import combine_partials, pool_bags
+from shardserve.client import counters
+from shardserve.client.embedding.exchange import CPU_TURN, call_ranks, send_calls
+from shardserve.client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
+from shardserve.client.embedding.mapped_rows import MappedRows
+from shardserve.client.embedding.plan import ItemPlan, RowPlan, bag_items, split_columns
+from shardserve.client.embedding.row_cache import RowCache
+from shardserve.client.embedding.views import TableView, TableViews, bad_id_error
+from shardserve.client.errors import InvalidArgumentError, ShardServeError
+from shardserve.client.retry import read_with_refresh
+from shardserve.client.session import Session
+from shardserve.core.embedding import combine_partials, pool_bags
 
 T = TypeVar("T")
 
@@ -44,25 +45,37 @@ T = TypeVar("T")
 class Lookups:
     """The lookups of one client over its table views; `last_paths` says how each rank answered last."""
 
-    def __init__(self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0) -> None:
+    def __init__(
+        self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0
+    ) -> None:
         self._session = session
         self.views = TableViews(session, cache, cache_max_age)
         self.cache = cache
-        self.last_paths: dict[int, str] = {}  # rank -> "shm", "tcp", "grpc" or "shm+tcp"...: its latest answer's path
-        self._mapped: dict[str, tuple[TableView, MappedRows | None]] = {}  # name -> the fast path of its view
+        self.last_paths: dict[
+            int, str
+        ] = {}  # rank -> "shm", "tcp", "grpc" or "shm+tcp"...: its latest answer's path
+        self._mapped: dict[
+            str, tuple[TableView, MappedRows | None]
+        ] = {}  # name -> the fast path of its view
 
     def _with_retry(self, names: Sequence[str], run: Callable[[dict[str, TableView]], T]) -> T:
         """run(views) at the cached versions; on a stale version refresh every table and retry."""
+
         def refresh() -> tuple[int, ...]:
             self._session.refresh_ranks()
             return tuple(self.views.view(name, refresh=True).version for name in names)
 
-        return read_with_refresh(lambda: run({name: self.views.view(name) for name in names}), refresh,
-                                 self._session.channel.timeout)
+        return read_with_refresh(
+            lambda: run({name: self.views.view(name) for name in names}),
+            refresh,
+            self._session.channel.timeout,
+        )
 
     # ------------------------------------------------------------ rows
 
-    def lookup(self, requests: Mapping[str, Any], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    def lookup(
+        self, requests: Mapping[str, Any], dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor]:
         """Rows [len(ids), dim] of several tables, one Lookup call per rank."""
         self._session.check_open()
         ids = {name: as_ids(value, f"ids[{name!r}]") for name, value in requests.items()}
@@ -71,13 +84,16 @@ class Lookups:
         counters.count("lookup_ids", sum(int(table_ids.numel()) for table_ids in ids.values()))
         return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
 
-    def _lookup_once(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
-                     dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    def _lookup_once(
+        self, views: dict[str, TableView], ids: dict[str, torch.Tensor], dtype: torch.dtype | None
+    ) -> dict[str, torch.Tensor]:
         """Each table from its mapped shards when it can (client.embedding.mapped_rows), the rest by routed
         Lookup calls."""
         results, rest = {}, {}
         for name, table_ids in ids.items():
-            mapped = self._mapped_rows(views[name])  # may map shards (an OpenShard call): outside the turn
+            mapped = self._mapped_rows(
+                views[name]
+            )  # may map shards (an OpenShard call): outside the turn
             with CPU_TURN:
                 rows = mapped.rows(table_ids) if mapped is not None else None
             if rows is None:
@@ -96,7 +112,11 @@ class Lookups:
         if view.lost_shards:
             return None  # the general path serves the ids of live boxes and names the lost ones
         known = self._mapped.get(view.name)
-        if known is not None and known[0] is view and (known[1] is not None or not self._all_mapped(view)):
+        if (
+            known is not None
+            and known[0] is view
+            and (known[1] is not None or not self._all_mapped(view))
+        ):
             return known[1]
         built = MappedRows.build(view, self._session) if self._all_mapped(view) else None
         self._mapped[view.name] = (view, built)
@@ -107,8 +127,9 @@ class Lookups:
         known = self._mapped.get(name)
         return known is not None and known[1] is not None
 
-    def _lookup_routed(self, views: dict[str, TableView], ids: dict[str, torch.Tensor],
-                       dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    def _lookup_routed(
+        self, views: dict[str, TableView], ids: dict[str, torch.Tensor], dtype: torch.dtype | None
+    ) -> dict[str, torch.Tensor]:
         items: list[ItemPlan] = []
         with CPU_TURN:
             plans = {name: RowPlan.of(views[name], table_ids) for name, table_ids in ids.items()}
@@ -127,15 +148,23 @@ class Lookups:
         exchange.wait()
         with CPU_TURN:
             exchange.finish()
-            return {name: self._rows_of(plan, [item for item in items if item.view is plan.view], dtype)
-                    for name, plan in plans.items()}
+            return {
+                name: self._rows_of(plan, [item for item in items if item.view is plan.view], dtype)
+                for name, plan in plans.items()
+            }
 
-    def _rows_of(self, plan: RowPlan, items: list[ItemPlan], dtype: torch.dtype | None) -> torch.Tensor:
+    def _rows_of(
+        self, plan: RowPlan, items: list[ItemPlan], dtype: torch.dtype | None
+    ) -> torch.Tensor:
         """The rows asked of one table, in the caller's order, from its answered items (and into the cache)."""
         rows = plan.distinct_rows(items)
         if self.cache is not None and plan.wanted.size:
-            self.cache.put_many(plan.view.name, plan.view.version, plan.unique[plan.wanted].tolist(),
-                                rows[torch.from_numpy(plan.wanted)])
+            self.cache.put_many(
+                plan.view.name,
+                plan.view.version,
+                plan.unique[plan.wanted].tolist(),
+                rows[torch.from_numpy(plan.wanted)],
+            )
         rows = plan.in_callers_order(rows)
         return rows if dtype is None else rows.to(dtype)
 
@@ -154,14 +183,23 @@ class Lookups:
         if not found:
             return todo
         hit = np.fromiter((k in found for k in keys), dtype=bool, count=len(keys))
-        plan.rows()[torch.from_numpy(todo[hit])] = torch.stack([found[k] for k in keys if k in found])
+        plan.rows()[torch.from_numpy(todo[hit])] = torch.stack(
+            [found[k] for k in keys if k in found]
+        )
         return todo[~hit]
 
     # ------------------------------------------------------------ bags
 
-    def lookup_bag(self, name: str, ids: Any, offsets: Any, mode: str = "mean",
-                   per_sample_weights: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                   pooling: str = "auto") -> torch.Tensor:
+    def lookup_bag(
+        self,
+        name: str,
+        ids: Any,
+        offsets: Any,
+        mode: str = "mean",
+        per_sample_weights: torch.Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        pooling: str = "auto",
+    ) -> torch.Tensor:
         """Pooled bags [len(offsets), dim] with nn.EmbeddingBag semantics (include_last_offset=False)."""
         self._session.check_open()
         if pooling not in POOLINGS:
@@ -170,21 +208,28 @@ class Lookups:
         request = bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
         counters.count("lookups")
         counters.count("lookup_ids", int(request.ids.numel()))
-        pooled = self._with_retry([name], lambda views: self._bag_once(views[name], request, pooling))
+        pooled = self._with_retry(
+            [name], lambda views: self._bag_once(views[name], request, pooling)
+        )
         return pooled if dtype is None else pooled.to(dtype)
 
     def _bag_once(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
         weights = request.weights
         if weights is not None and weights.dtype != view.dtype:
-            raise InvalidArgumentError(f"per_sample_weights has dtype {weights.dtype} but table {view.name!r} "
-                                       f"is {view.dtype}; torch's embedding_bag needs the same dtype")
+            raise InvalidArgumentError(
+                f"per_sample_weights has dtype {weights.dtype} but table {view.name!r} "
+                f"is {view.dtype}; torch's embedding_bag needs the same dtype"
+            )
         bad = view.index.invalid_mask(request.ids)
         if bool(bad.any()):
             self.views.recheck_bad_ids(view)
             if view.oov == "error":
                 raise bad_id_error(view, request.ids, bad)
-        if pooling == "client" or bool(bad.any()) or (pooling == "auto" and (self.cache is not None
-                                                                              or self._all_mapped(view))):
+        if (
+            pooling == "client"
+            or bool(bad.any())
+            or (pooling == "auto" and (self.cache is not None or self._all_mapped(view)))
+        ):
             return self._pool_here(view, request)
         return self._pool_on_ranks(view, request)
 
@@ -201,11 +246,17 @@ class Lookups:
         if not items:
             return torch.zeros((request.offsets.numel(), view.dim), dtype=view.dtype)
         call_ranks(self._session, items, self.last_paths)
-        sizes = torch.diff(request.offsets, append=request.offsets.new_tensor([request.ids.numel()]))
+        sizes = torch.diff(
+            request.offsets, append=request.offsets.new_tensor([request.ids.numel()])
+        )
         try:
-            return combine_partials(split_columns([item.answer for item in items]), request.mode, view.dtype, sizes)
+            return combine_partials(
+                split_columns([item.answer for item in items]), request.mode, view.dtype, sizes
+            )
         except ValueError as err:
-            raise ShardServeError(f"ranks answered inconsistent partial bags for {view.name!r}: {err}") from None
+            raise ShardServeError(
+                f"ranks answered inconsistent partial bags for {view.name!r}: {err}"
+            ) from None
 
     def _all_mapped(self, view: TableView) -> bool:
         """Whether every rank holding `view` is read through shared memory now (then pooling on this side costs

@@ -14,6 +14,7 @@ Anything else (out-of-range ids, column-split layouts, CUDA shards, a dead
 rank, an answer over a rank's max_request_bytes) gets None and the general
 path answers with its own errors.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,11 +24,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
-
-from client.embedding.views import TableView
-from client.errors import RankUnavailableError, StaleVersionError
-from client.paths.shm import HostMapping, SharedMemoryError
-from client.session import Session
+from shardserve.client.embedding.views import TableView
+from shardserve.client.errors import RankUnavailableError, StaleVersionError
+from shardserve.client.paths.shm import HostMapping, SharedMemoryError
+from shardserve.client.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class MappedRows:
         self._limit = limit
 
     @classmethod
-    def build(cls, view: TableView, session: Session) -> "MappedRows | None":
+    def build(cls, view: TableView, session: Session) -> MappedRows | None:
         """The fast path for `view`, or None where its layout or its shards do not allow one."""
         if not view.complete or view.dim == 0:
             return None
@@ -118,5 +118,7 @@ class MappedRows:
         return True
 
     def _stale(self) -> StaleVersionError:
-        return StaleVersionError(f"tensor {self.view.name!r} version {self.view.version} is no longer served",
-                                 grpc.StatusCode.FAILED_PRECONDITION)
+        return StaleVersionError(
+            f"tensor {self.view.name!r} version {self.view.version} is no longer served",
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )

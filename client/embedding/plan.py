@@ -6,6 +6,7 @@ column shard of a row band), and afterwards the answers scattered into rows
 in the caller's order. Server-pooled bags are planned by `bag_items`. Ids are
 handled with numpy on the calling thread (see RowPlan).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,15 +14,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from shardserve.client.embedding.ids import BagRequest
+from shardserve.client.embedding.views import TableView
+from shardserve.core.embedding import PartialBags, accumulation_dtype, bag_subset
+from shardserve.core.routing import distinct_ids
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
 
-from client.embedding.ids import BagRequest
-from client.embedding.views import TableView
-from protos import shardserve_pb2 as pb
-from shardcore.embedding import PartialBags, accumulation_dtype, bag_subset
-from shardcore.routing import distinct_ids
-from shardcore.wire import tensor_bytes
-
-CHUNK_FRAMING_BYTES = 128  # a LookupChunk's fields but data and counts, with its tag and length in LookupReply
+CHUNK_FRAMING_BYTES = (
+    128  # a LookupChunk's fields but data and counts, with its tag and length in LookupReply
+)
 
 
 @dataclass
@@ -33,13 +35,17 @@ class ItemPlan:
     columns: slice  # the table columns the shard holds (slice(None): all)
     message: pb.LookupItem
     ids: torch.Tensor
-    positions: np.ndarray | None = None  # row items: the answer's rows' places among the plan's distinct ids
+    positions: np.ndarray | None = (
+        None  # row items: the answer's rows' places among the plan's distinct ids
+    )
     answer: Any = None  # rows tensor, or PartialBags for pooled items
 
     @property
     def width(self) -> int:
         """The number of table columns the answer holds."""
-        return self.view.dim if self.columns == slice(None) else self.columns.stop - self.columns.start
+        return (
+            self.view.dim if self.columns == slice(None) else self.columns.stop - self.columns.start
+        )
 
     def wire_message(self) -> pb.LookupItem:
         """The message with its ids as raw int64 bytes (filled on first use)."""
@@ -59,13 +65,15 @@ class RowPlan:
 
     view: TableView
     unique: np.ndarray  # sorted distinct ids
-    inverse: np.ndarray | None  # per id asked, its place in unique; None when the ids were sorted and distinct
+    inverse: (
+        np.ndarray | None
+    )  # per id asked, its place in unique; None when the ids were sorted and distinct
     bad: np.ndarray | None  # over unique: ids no shard holds (None: none)
     wanted: np.ndarray | None = None  # the places in unique to fetch (None: all)
     out: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, view: TableView, ids: torch.Tensor) -> "RowPlan":
+    def of(cls, view: TableView, ids: torch.Tensor) -> RowPlan:
         values = ids.numpy()
         if values.size <= 1 or bool((values[1:] > values[:-1]).all()):
             return cls(view, values, None, view.invalid(values))
@@ -89,24 +97,40 @@ class RowPlan:
         items = []
         for route in self.view.index.route(fetch, invalid="skip"):
             positions = route.positions.numpy()
-            message = pb.LookupItem(name=self.view.name, version=self.view.version, shard_index=route.shard)
-            items.append(ItemPlan(self.view, route.rank, route.columns, message, torch.from_numpy(fetch[positions]),
-                               positions if self.wanted is None else self.wanted[positions]))
+            message = pb.LookupItem(
+                name=self.view.name, version=self.view.version, shard_index=route.shard
+            )
+            items.append(
+                ItemPlan(
+                    self.view,
+                    route.rank,
+                    route.columns,
+                    message,
+                    torch.from_numpy(fetch[positions]),
+                    positions if self.wanted is None else self.wanted[positions],
+                )
+            )
         return items
 
     def distinct_rows(self, items: list[ItemPlan]) -> torch.Tensor:
         """The rows of the distinct ids from the answered items, the cache and the out-of-range policy.
 
         One answer holding every row whole (all distinct ids on one shard of full width) is used as is."""
-        if (self.out is None and self.bad is None and len(items) == 1 and items[0].width == self.view.dim
-                and items[0].positions.size == self.unique.size and items[0].answer.dtype == self.view.dtype):
+        if (
+            self.out is None
+            and self.bad is None
+            and len(items) == 1
+            and items[0].width == self.view.dim
+            and items[0].positions.size == self.unique.size
+            and items[0].answer.dtype == self.view.dtype
+        ):
             return items[0].answer  # positions are 0..n-1: a route of sorted ids keeps their order
         out = self.rows()
         out_bytes, itemsize = byte_rows(out), out.element_size()
         for item in items:
             answer = item.answer if item.answer.dtype == out.dtype else item.answer.to(out.dtype)
             first = (item.columns.start or 0) * itemsize
-            out_bytes[item.positions, first:first + item.width * itemsize] = byte_rows(answer)
+            out_bytes[item.positions, first : first + item.width * itemsize] = byte_rows(answer)
         if self.bad is not None:
             out[torch.from_numpy(self.bad)] = self.view.fill_row()
         return out
@@ -122,10 +146,17 @@ def bag_items(view: TableView, request: BagRequest) -> list[ItemPlan]:
     for route in view.index.route(request.ids, invalid="skip"):
         order, sub_offsets = bag_subset(request.offsets, route.positions, request.ids.numel())
         positions = route.positions[order]
-        message = pb.LookupItem(name=view.name, version=view.version, shard_index=route.shard, pooled=True,
-                                offsets=bytes(tensor_bytes(sub_offsets)))
+        message = pb.LookupItem(
+            name=view.name,
+            version=view.version,
+            shard_index=route.shard,
+            pooled=True,
+            offsets=bytes(tensor_bytes(sub_offsets)),
+        )
         if request.weights is not None:
-            message.per_sample_weights = bytes(tensor_bytes(request.weights[positions].contiguous()))
+            message.per_sample_weights = bytes(
+                tensor_bytes(request.weights[positions].contiguous())
+            )
         items.append(ItemPlan(view, route.rank, route.columns, message, request.ids[positions]))
     return items
 
@@ -133,15 +164,17 @@ def bag_items(view: TableView, request: BagRequest) -> list[ItemPlan]:
 def split_columns(partials: list[PartialBags]) -> list[PartialBags]:
     """Partials cut at every column boundary of any of them, so row bands split by other columns combine."""
     cuts = sorted({p.col_offset for p in partials} | {p.col_offset + p.width for p in partials})
-    if all(p.col_offset in cuts and cuts[cuts.index(p.col_offset) + 1] == p.col_offset + p.width
-           for p in partials):
+    if all(
+        p.col_offset in cuts and cuts[cuts.index(p.col_offset) + 1] == p.col_offset + p.width
+        for p in partials
+    ):
         return partials
     pieces = []
     for part in partials:
         inner = [c for c in cuts if part.col_offset <= c <= part.col_offset + part.width]
         for lo, hi in zip(inner, inner[1:]):
             start = lo - part.col_offset
-            pieces.append(PartialBags(part.sums[:, start:start + hi - lo], part.counts, lo))
+            pieces.append(PartialBags(part.sums[:, start : start + hi - lo], part.counts, lo))
     return pieces
 
 
@@ -173,8 +206,12 @@ def answer_bytes(item: ItemPlan) -> int:
 def reply_bytes(items: list[ItemPlan]) -> int:
     """An upper bound of a serialized LookupReply answering `items`: their data, a pooled item's int64 counts,
     and each LookupChunk's fields and framing."""
-    return sum(answer_bytes(item) + (bag_count(item) * 8 if item.message.pooled else 0) + CHUNK_FRAMING_BYTES
-               for item in items)
+    return sum(
+        answer_bytes(item)
+        + (bag_count(item) * 8 if item.message.pooled else 0)
+        + CHUNK_FRAMING_BYTES
+        for item in items
+    )
 
 
 def bag_count(item: ItemPlan) -> int:

@@ -5,6 +5,7 @@ new one; when a lookup sees a newer version of a table, the rows of the older
 versions are dropped at once (`invalidate_older`). Thread-safe: lookups from
 several threads share one cache.
 """
+
 from __future__ import annotations
 
 import threading
@@ -12,8 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from shardserve.client import counters
 
-from client import counters
 
 @dataclass(frozen=True)
 class CacheStats:
@@ -30,7 +31,11 @@ class RowCache:
     """LRU of rows of 2-D tables; `capacity_bytes` bounds the bytes of the rows held."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes < 0
+        ):
             raise ValueError(f"row_cache_bytes must be an int >= 0, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._rows: OrderedDict[tuple[str, int, int], torch.Tensor] = OrderedDict()
@@ -41,7 +46,9 @@ class RowCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(self._hits, self._misses, len(self._rows), self._bytes, self.capacity_bytes)
+            return CacheStats(
+                self._hits, self._misses, len(self._rows), self._bytes, self.capacity_bytes
+            )
 
     def get_many(self, name: str, version: int, ids: list[int]) -> dict[int, torch.Tensor]:
         """The cached rows among `ids` (each a 1-D tensor), marked recently used; counts hits and misses."""

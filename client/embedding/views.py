@@ -5,30 +5,33 @@ out-of-range policy ("error", "zero" or "default" with a default row, set by
 create/put through `table_options`). Views are refreshed when a rank no longer
 serves their version, so an answer never mixes versions.
 """
+
 from __future__ import annotations
 
 import functools
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 import torch
-
-from client.arguments import dense_tensor
-from client.embedding.row_cache import RowCache
-from client.errors import InvalidArgumentError, StaleVersionError
-from client.health import shards_lost
-from client.info import TensorSummary
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from shardcore.routing import RowIndex
-from shardcore.wire import tensor_bytes
+from shardserve.client.arguments import dense_tensor
+from shardserve.client.embedding.row_cache import RowCache
+from shardserve.client.errors import InvalidArgumentError, StaleVersionError
+from shardserve.client.health import shards_lost
+from shardserve.client.info import TensorSummary
+from shardserve.client.session import Session
+from shardserve.core.routing import RowIndex
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
 
 OOV_NAMES = {pb.OOV_ERROR: "error", pb.OOV_ZERO: "zero", pb.OOV_DEFAULT: "default"}
-OOV_RECHECK_S = 1.0  # how old a table view may be when ids out of its range are answered from it alone
+OOV_RECHECK_S = (
+    1.0  # how old a table view may be when ids out of its range are answered from it alone
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,25 +43,41 @@ class TableView:
     oov: str
     default_row: torch.Tensor | None
     index: RowIndex = field(repr=False)
-    unavailable: frozenset[int] = frozenset()  # shards with no readable copy, as the coordinator said
-    suspect: frozenset[int] = frozenset()      # shards on ranks that failed this client's calls lately
+    unavailable: frozenset[int] = (
+        frozenset()
+    )  # shards with no readable copy, as the coordinator said
+    suspect: frozenset[int] = frozenset()  # shards on ranks that failed this client's calls lately
 
     @classmethod
-    def from_info(cls, info: pb.TensorInfo, unavailable: frozenset[int] | None = None,
-                  suspect: frozenset[int] = frozenset()) -> "TableView":
+    def from_info(
+        cls,
+        info: pb.TensorInfo,
+        unavailable: frozenset[int] | None = None,
+        suspect: frozenset[int] = frozenset(),
+    ) -> TableView:
         """The view of `info`, routing each box to a copy outside `unavailable` (default: the answer's) and
         `suspect` where it has one."""
         summary = TensorSummary.from_proto(info)
         unavailable = summary.unavailable if unavailable is None else unavailable
         meta = summary.metadata
         if meta.ndim != 2:
-            raise InvalidArgumentError(f"tensor {info.name!r} has shape {meta.size}; lookups need a 2-D table")
+            raise InvalidArgumentError(
+                f"tensor {info.name!r} has shape {meta.size}; lookups need a 2-D table"
+            )
         oov = OOV_NAMES.get(info.options.oov, "error")
         default = None
         if oov == "default":
-            default = torch.frombuffer(bytearray(info.options.default_row), dtype=meta.dtype).clone()
-        return cls(summary, oov, default, RowIndex(meta, unavailable=unavailable, suspect=suspect), unavailable,
-                   suspect)
+            default = torch.frombuffer(
+                bytearray(info.options.default_row), dtype=meta.dtype
+            ).clone()
+        return cls(
+            summary,
+            oov,
+            default,
+            RowIndex(meta, unavailable=unavailable, suspect=suspect),
+            unavailable,
+            suspect,
+        )
 
     @property
     def name(self) -> str:
@@ -111,13 +130,19 @@ class TableView:
 
     def fill_row(self) -> torch.Tensor:
         """What an out-of-range id looks up under this table's policy (zero or default)."""
-        return self.default_row if self.default_row is not None else torch.zeros(self.dim, dtype=self.dtype)
+        return (
+            self.default_row
+            if self.default_row is not None
+            else torch.zeros(self.dim, dtype=self.dtype)
+        )
 
 
 class TableViews:
     """The cached view of each table one client looked up (and the row cache's view ages)."""
 
-    def __init__(self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0) -> None:
+    def __init__(
+        self, session: Session, cache: RowCache | None = None, cache_max_age: float = 1.0
+    ) -> None:
         self._session = session
         self.cache = cache
         self.cache_max_age = cache_max_age
@@ -133,7 +158,10 @@ class TableViews:
         """
         with self._lock:
             view = self._views.get(name)
-            if self.cache is not None and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age:
+            if (
+                self.cache is not None
+                and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age
+            ):
                 refresh = True
         if view is None or refresh or view.version < self._session.newest_seen(name):
             view = self._fetch(name)
@@ -149,11 +177,17 @@ class TableViews:
         suspect = self._session.suspect_shards(summary)
         with self._lock:
             old = self._views.get(name)
-        same = old is not None and (old.version, old.unavailable, old.suspect) == (info.version, unavailable, suspect)
+        same = old is not None and (old.version, old.unavailable, old.suspect) == (
+            info.version,
+            unavailable,
+            suspect,
+        )
         view = old if same else TableView.from_info(info, unavailable, suspect)
         with self._lock:
             old = self._views.get(name)
-            if old is None or old.version <= view.version:  # the same version: the newer choice of copies
+            if (
+                old is None or old.version <= view.version
+            ):  # the same version: the newer choice of copies
                 self._views[name] = view
             view = self._views[name]
             self._fetched[name] = time.monotonic()
@@ -176,8 +210,10 @@ class TableViews:
             return
         fresh = self.view(view.name, refresh=True)
         if fresh.version != view.version:
-            raise StaleVersionError(f"table {view.name!r} is at version {fresh.version}, not {view.version}",
-                                    grpc.StatusCode.FAILED_PRECONDITION)
+            raise StaleVersionError(
+                f"table {view.name!r} is at version {fresh.version}, not {view.version}",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
 
 
 def bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> InvalidArgumentError:
@@ -185,26 +221,40 @@ def bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> Inval
     rows = view.summary.metadata.size[0]
     return InvalidArgumentError(
         f"ids[{position}]={int(ids[position])} is out of range for table {view.name!r} of {rows} rows "
-        f"({int(bad.sum())} bad id(s) in all; the table's oov policy is 'error')", grpc.StatusCode.INVALID_ARGUMENT)
+        f"({int(bad.sum())} bad id(s) in all; the table's oov policy is 'error')",
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
 
 
-def table_options(oov: str, default_row: Any, shape: Sequence[int], dtype: torch.dtype) -> pb.TensorOptions:
+def table_options(
+    oov: str, default_row: Any, shape: Sequence[int], dtype: torch.dtype
+) -> pb.TensorOptions:
     """TensorOptions for create/put: oov "error" (default), "zero" or "default" (needs default_row)."""
     policies = {name: number for number, name in OOV_NAMES.items()}
     if oov not in policies:
         raise InvalidArgumentError(f"oov must be one of {sorted(policies)}, got {oov!r}")
     if oov != "default":
         if default_row is not None:
-            raise InvalidArgumentError(f"default_row is only used with oov='default', got oov={oov!r}")
+            raise InvalidArgumentError(
+                f"default_row is only used with oov='default', got oov={oov!r}"
+            )
         return pb.TensorOptions(oov=policies[oov])
     if len(shape) != 2:
         raise InvalidArgumentError(f"oov='default' needs a 2-D table, got shape {tuple(shape)}")
     if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
-        got = tuple(default_row.shape) if isinstance(default_row, torch.Tensor) else type(default_row).__name__
-        raise InvalidArgumentError(f"default_row must be a tensor of shape ({shape[1]},), got {got}")
+        got = (
+            tuple(default_row.shape)
+            if isinstance(default_row, torch.Tensor)
+            else type(default_row).__name__
+        )
+        raise InvalidArgumentError(
+            f"default_row must be a tensor of shape ({shape[1]},), got {got}"
+        )
     dense_tensor(default_row, "default_row")
     if not torch.can_cast(default_row.dtype, dtype):
-        raise TypeError(f"default_row has dtype {default_row.dtype}, which a {dtype} table cannot hold without "
-                        f"losing its kind (torch.can_cast)")
+        raise TypeError(
+            f"default_row has dtype {default_row.dtype}, which a {dtype} table cannot hold without "
+            f"losing its kind (torch.can_cast)"
+        )
     row = default_row.detach().cpu().to(dtype).contiguous()
     return pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=bytes(tensor_bytes(row)))

@@ -8,21 +8,22 @@ writes its own shards in the checkpoint directory, which must be on a
 filesystem the ranks and the coordinator see (paths are made absolute here).
 A load is all or nothing: either every tensor appears READY, or none does.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import grpc
 import torch
-
-from client import arguments
-from client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError
-from client.info import TensorSummary
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from shardcore.dtypes import dtype_from_name, dtype_from_wire
-from shardcore.wire import metadata_to_proto
+from shardserve.client import arguments
+from shardserve.client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError
+from shardserve.client.info import TensorSummary
+from shardserve.client.session import Session
+from shardserve.core.dtypes import dtype_from_name, dtype_from_wire
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 Progress = Callable[[int, int], None]
 _DEFAULT_TIMEOUT_S = 600.0
@@ -34,7 +35,9 @@ def _path(path: Any) -> str:
     return os.path.abspath(os.fspath(path))
 
 
-def inspect_checkpoint(session: Session, path: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def inspect_checkpoint(
+    session: Session, path: Any
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{tensor name: (size, dtype)} of the DCP checkpoint at `path`, as the coordinator reads it."""
     reply = session.call("InspectCheckpoint", pb.InspectCheckpointRequest(path=_path(path)))
     return {t.name: (tuple(t.size), dtype_from_wire(t.dtype)) for t in reply.tensors}
@@ -44,18 +47,29 @@ def _names(names: list[str] | None, available: Sequence[str], path: str) -> list
     if names is None:
         return sorted(available)
     if not names:
-        raise InvalidArgumentError("names is empty: give None to load every tensor of the checkpoint")
+        raise InvalidArgumentError(
+            "names is empty: give None to load every tensor of the checkpoint"
+        )
     unknown = [n for n in names if n not in available]
     if unknown:
-        raise TensorNotFoundError(f"names {unknown} are not in checkpoint {path} (it holds {sorted(available)})",
-                                  grpc.StatusCode.NOT_FOUND)
+        raise TensorNotFoundError(
+            f"names {unknown} are not in checkpoint {path} (it holds {sorted(available)})",
+            grpc.StatusCode.NOT_FOUND,
+        )
     return names
 
 
-def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | None = None, spec: Any = None,
-                    dtype: torch.dtype | str | None = None, overwrite: bool = False,
-                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S,
-                    replicas: int = 1) -> list[TensorSummary]:
+def load_checkpoint(
+    session: Session,
+    path: Any,
+    names: Sequence[str] | str | None = None,
+    spec: Any = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+    timeout: float = _DEFAULT_TIMEOUT_S,
+    replicas: int = 1,
+) -> list[TensorSummary]:
     """Load tensors of a DCP checkpoint into the cluster, each rank reading its own shards (every copy of a box
     when `replicas` > 1); all or none appear. Returns the loaded tensors' catalog entries."""
     timeout = arguments.seconds(timeout, "timeout")
@@ -67,8 +81,10 @@ def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | No
     saved = inspect_checkpoint(session, path)
     chosen = _names(names, list(saved), path)
     if isinstance(spec, Mapping) and set(spec) - set(chosen):
-        raise InvalidArgumentError(f"spec names {sorted(set(spec) - set(chosen))}, which are not among the tensors "
-                                   f"loaded {chosen}")
+        raise InvalidArgumentError(
+            f"spec names {sorted(set(spec) - set(chosen))}, which are not among the tensors "
+            f"loaded {chosen}"
+        )
     tensors = []
     for name in chosen:
         size, saved_dtype = saved[name]
@@ -79,13 +95,20 @@ def load_checkpoint(session: Session, path: Any, names: Sequence[str] | str | No
             raise InvalidArgumentError(f"dtype: {err}") from None
         meta = session.layout(size, want, layout_spec, replicas)
         tensors.append(pb.CheckpointTensor(name=name, metadata=metadata_to_proto(meta)))
-    request = pb.LoadCheckpointRequest(path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout)
+    request = pb.LoadCheckpointRequest(
+        path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout
+    )
     final = _follow(session, "LoadCheckpoint", request, progress, timeout)
     return [TensorSummary.from_proto(info) for info in final.tensors]
 
 
-def save_checkpoint(session: Session, path: Any, names: Sequence[str] | str | None = None,
-                    progress: Progress | None = None, timeout: float = _DEFAULT_TIMEOUT_S) -> list[str]:
+def save_checkpoint(
+    session: Session,
+    path: Any,
+    names: Sequence[str] | str | None = None,
+    progress: Progress | None = None,
+    timeout: float = _DEFAULT_TIMEOUT_S,
+) -> list[str]:
     """Write READY tensors (every one by default: names=None) as one DCP checkpoint at `path`; returns their
     names. The checkpoint already at `path` is replaced only once every rank wrote its part."""
     timeout = arguments.seconds(timeout, "timeout")
@@ -98,14 +121,18 @@ def save_checkpoint(session: Session, path: Any, names: Sequence[str] | str | No
     return [info.name for info in final.tensors]
 
 
-def _follow(session: Session, method: str, request: Any, progress: Progress | None,
-            timeout: float) -> pb.CheckpointProgress:
+def _follow(
+    session: Session, method: str, request: Any, progress: Progress | None, timeout: float
+) -> pb.CheckpointProgress:
     """The checkpoint job's progress stream, each report passed to `progress`; returns its final message."""
+
     def report(message: pb.CheckpointProgress) -> None:
         if progress is not None:
             progress(message.bytes_done, message.bytes_total)
 
     done = [message for message in session.follow(method, request, timeout, report) if message.done]
     if not done:
-        raise ShardServeError(f"the coordinator at {session.address} ended the stream without a result")
+        raise ShardServeError(
+            f"the coordinator at {session.address} ended the stream without a result"
+        )
     return done[-1]

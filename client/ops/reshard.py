@@ -6,28 +6,33 @@ follows the progress stream; the result is the new version's catalog entry. `lay
 turns the CLI's small syntax (`--dim D [--ranks 0,2]`, `--grid 2x2
 [--grid-dims 0,1]`, `--replicate [--ranks ...]`) into shard metadata.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import grpc
 import torch
-
-from client import arguments
-from client.errors import InvalidArgumentError, ShardServeError
-from client.info import TensorSummary
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties
-from shardcore.placements import Replicate, Shard, metadata_from_placements
-from shardcore.specs import ChunkShardingSpec
-from shardcore.wire import metadata_to_proto
+from shardserve.client import arguments
+from shardserve.client.errors import InvalidArgumentError, ShardServeError
+from shardserve.client.info import TensorSummary
+from shardserve.client.session import Session
+from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
+from shardserve.core.placements import Replicate, Shard, metadata_from_placements
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 DEFAULT_TIMEOUT_S = 300.0
-PHASES = {pb.RESHARD_PREPARING: "preparing", pb.RESHARD_MOVING: "moving", pb.RESHARD_COMMITTING: "committing",
-          pb.RESHARD_DONE: "done"}
+PHASES = {
+    pb.RESHARD_PREPARING: "preparing",
+    pb.RESHARD_MOVING: "moving",
+    pb.RESHARD_COMMITTING: "committing",
+    pb.RESHARD_DONE: "done",
+}
 
 
 class ReshardRefusedError(ShardServeError, RuntimeError):
@@ -48,9 +53,17 @@ class ReshardProgress:
     max_staging_bytes: int = 0
 
 
-def reshard(session: Session, name: str, shape: Sequence[int], dtype: torch.dtype, spec: Any,
-            bucket_bytes: int | None = None, timeout: float | None = None,
-            progress: Callable[[ReshardProgress], None] | None = None, replicas: int = 1) -> TensorSummary:
+def reshard(
+    session: Session,
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: Any,
+    bucket_bytes: int | None = None,
+    timeout: float | None = None,
+    progress: Callable[[ReshardProgress], None] | None = None,
+    replicas: int = 1,
+) -> TensorSummary:
     """Move tensor `name` into the layout `spec` (new version), each box on `replicas` live ranks; `progress` is
     called with every report."""
     replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -60,15 +73,29 @@ def reshard(session: Session, name: str, shape: Sequence[int], dtype: torch.dtyp
         timeout = arguments.seconds(timeout, "timeout")
     arguments.callback(progress, "progress")
     meta = session.layout(tuple(shape), dtype, spec, replicas)
-    request = pb.ReshardRequest(name=name, metadata=metadata_to_proto(meta), bucket_bytes=bucket_bytes or 0,
-                                timeout_s=float(timeout or 0))
+    request = pb.ReshardRequest(
+        name=name,
+        metadata=metadata_to_proto(meta),
+        bucket_bytes=bucket_bytes or 0,
+        timeout_s=float(timeout or 0),
+    )
 
     def report(message: pb.ReshardProgress) -> None:
         if progress is not None:
-            progress(ReshardProgress(PHASES.get(message.phase, "unknown"), message.bytes_done, message.bytes_total,
-                                     message.version, message.max_new_shard_bytes, message.max_staging_bytes))
+            progress(
+                ReshardProgress(
+                    PHASES.get(message.phase, "unknown"),
+                    message.bytes_done,
+                    message.bytes_total,
+                    message.version,
+                    message.max_new_shard_bytes,
+                    message.max_staging_bytes,
+                )
+            )
 
-    messages = session.follow("Reshard", request, timeout or DEFAULT_TIMEOUT_S, report, refused=_refused)
+    messages = session.follow(
+        "Reshard", request, timeout or DEFAULT_TIMEOUT_S, report, refused=_refused
+    )
     done = [message for message in messages if message.phase == pb.RESHARD_DONE]
     if not done:
         raise ShardServeError(f"the reshard of {name!r} ended without a result")
@@ -79,42 +106,64 @@ def _refused(details: str) -> ReshardRefusedError:
     return ReshardRefusedError(details or "reshard refused", grpc.StatusCode.FAILED_PRECONDITION)
 
 
-def layout_from_options(shape: Sequence[int], dtype: Any, devices: dict[int, str], dim: int | None = None,
-                        ranks: Sequence[int] | None = None, grid: str | None = None,
-                        grid_dims: Sequence[int] | None = None, replicate: bool = False) -> ShardedTensorMetadata:
+def layout_from_options(
+    shape: Sequence[int],
+    dtype: Any,
+    devices: dict[int, str],
+    dim: int | None = None,
+    ranks: Sequence[int] | None = None,
+    grid: str | None = None,
+    grid_dims: Sequence[int] | None = None,
+    replicate: bool = False,
+) -> ShardedTensorMetadata:
     """Metadata from the CLI's layout options over `devices` ({rank: device} of the live ranks)."""
     mesh_shape = check_layout_flags(dim, grid, grid_dims, replicate)
     ranks = list(ranks) if ranks else sorted(devices)
     unknown = [r for r in ranks if r not in devices]
     if unknown:
-        raise InvalidArgumentError(f"--ranks: ranks {unknown} are not live (live: {sorted(devices)})")
+        raise InvalidArgumentError(
+            f"--ranks: ranks {unknown} are not live (live: {sorted(devices)})"
+        )
     if mesh_shape is not None:
         if mesh_shape[0] * mesh_shape[1] != len(ranks):
-            raise InvalidArgumentError(f"--grid {grid} needs {mesh_shape[0] * mesh_shape[1]} ranks, "
-                                       f"got {len(ranks)} ({ranks})")
+            raise InvalidArgumentError(
+                f"--grid {grid} needs {mesh_shape[0] * mesh_shape[1]} ranks, "
+                f"got {len(ranks)} ({ranks})"
+            )
         dims = tuple(grid_dims) if grid_dims else (0, 1)
         if len(dims) != 2:
             raise InvalidArgumentError(f"--grid-dims must name two tensor dims, got {dims}")
-        mesh = [ranks[i * mesh_shape[1]:(i + 1) * mesh_shape[1]] for i in range(mesh_shape[0])]
-        meta = _build(lambda: metadata_from_placements(shape, mesh, [Shard(dims[0]), Shard(dims[1])], dtype))
+        mesh = [ranks[i * mesh_shape[1] : (i + 1) * mesh_shape[1]] for i in range(mesh_shape[0])]
+        meta = _build(
+            lambda: metadata_from_placements(shape, mesh, [Shard(dims[0]), Shard(dims[1])], dtype)
+        )
     elif replicate:
         meta = _build(lambda: metadata_from_placements(shape, ranks, [Replicate()], dtype))
     else:
         placements = [f"rank:{r}/{devices[r]}" for r in ranks]
-        return _build(lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
-            tuple(shape), TensorProperties(dtype=dtype)))
-    shards = tuple(dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}") for s in meta.shards_metadata)
+        return _build(
+            lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
+                tuple(shape), TensorProperties(dtype=dtype)
+            )
+        )
+    shards = tuple(
+        dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}")
+        for s in meta.shards_metadata
+    )
     return dataclasses.replace(meta, shards_metadata=shards)
 
 
-def check_layout_flags(dim: int | None, grid: str | None, grid_dims: Sequence[int] | None,
-                       replicate: bool) -> tuple[int, int] | None:
+def check_layout_flags(
+    dim: int | None, grid: str | None, grid_dims: Sequence[int] | None, replicate: bool
+) -> tuple[int, int] | None:
     """The layout flags' own consistency, before any cluster is asked: one of --dim, --grid or --replicate,
     --grid-dims only with --grid, --grid as RxC; returns the grid's mesh shape (None without --grid)."""
     if sum((dim is not None, grid is not None, replicate)) > 1:
         raise InvalidArgumentError("give one of --dim, --grid or --replicate")
     if grid_dims and grid is None:
-        raise InvalidArgumentError("--grid-dims goes with --grid (which mesh dims shard which tensor dims)")
+        raise InvalidArgumentError(
+            "--grid-dims goes with --grid (which mesh dims shard which tensor dims)"
+        )
     return _grid(grid) if grid is not None else None
 
 

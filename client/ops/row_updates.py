@@ -24,25 +24,28 @@ being made wait, then go together as one member (in call order: a later call's
 rows win). Each call returns the version that holds its rows (and, with
 update_rows_ordered, its order in that version).
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-
-from client.embedding.ids import validate_update
-from client.embedding.views import TableView, TableViews
-from client.errors import AbortedError, ShardServeError
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from shardcore.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+from shardserve.client.embedding.ids import validate_update
+from shardserve.client.embedding.views import TableView, TableViews
+from shardserve.client.errors import AbortedError, ShardServeError
+from shardserve.client.session import Session
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
 
 WRITE_BATCH_BYTES = 4 << 20
-RETRY_PAUSE_S = 0.01  # before asking again for a table's update slot (doubling up to MAX_RETRY_PAUSE_S)
+RETRY_PAUSE_S = (
+    0.01  # before asking again for a table's update slot (doubling up to MAX_RETRY_PAUSE_S)
+)
 MAX_RETRY_PAUSE_S = 0.2
 
 
@@ -89,7 +92,9 @@ def update_rows(session: Session, views: TableViews, name: str, ids: Any, values
     return update_rows_ordered(session, views, name, ids, values).version
 
 
-def update_rows_ordered(session: Session, views: TableViews, name: str, ids: Any, values: Any) -> RowUpdate:
+def update_rows_ordered(
+    session: Session, views: TableViews, name: str, ids: Any, values: Any
+) -> RowUpdate:
     """update_rows, answering the version that holds the rows and the call's order in it."""
     unique, rows = validate_update(views.view(name), ids, values)  # bad input fails here, alone
     call = _Call(unique, rows)
@@ -109,8 +114,13 @@ def update_rows_ordered(session: Session, views: TableViews, name: str, ids: Any
 def _apply_batch(session: Session, views: TableViews, name: str, batch: list[_Call]) -> None:
     """Make one version holding every call of `batch` (later calls' rows win); tell each call its outcome."""
     try:
-        landed = _apply(session, views, name, torch.cat([c.ids for c in batch]),
-                        torch.cat([c.values for c in batch]))
+        landed = _apply(
+            session,
+            views,
+            name,
+            torch.cat([c.ids for c in batch]),
+            torch.cat([c.values for c in batch]),
+        )
     except BaseException as err:  # noqa: BLE001 - handed to every caller of the batch
         for call in batch:
             call.error = err
@@ -119,7 +129,9 @@ def _apply_batch(session: Session, views: TableViews, name: str, batch: list[_Ca
         call.version, call.order = landed
 
 
-def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor) -> RowUpdate:
+def _apply(
+    session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor
+) -> RowUpdate:
     """One version with rows `ids` set to `values`, made again while the table is busy with another update or a
     reshard overtakes it, until the client's deadline."""
     give_up = time.monotonic() + session.channel.timeout
@@ -134,21 +146,33 @@ def _apply(session: Session, views: TableViews, name: str, ids: torch.Tensor, va
             pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
 
-def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tensor,
-                values: torch.Tensor) -> RowUpdate:
+def _apply_once(
+    session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor
+) -> RowUpdate:
     view = views.view(name)
-    request = pb.CreateTensorRequest(name=name, metadata=metadata_to_proto(view.summary.metadata),
-                                     init=pb.INIT_COPY, overwrite=True, source_version=0)
+    request = pb.CreateTensorRequest(
+        name=name,
+        metadata=metadata_to_proto(view.summary.metadata),
+        init=pb.INIT_COPY,
+        overwrite=True,
+        source_version=0,
+    )
     info = session.create_tensor(request)  # a copy of whichever version is READY now, in its layout
     try:
         if metadata_from_proto(info.metadata) != view.summary.metadata:
             view = views.view(name, refresh=True)  # resharded meanwhile: route by the layout copied
             if metadata_from_proto(info.metadata) != view.summary.metadata:
-                raise AbortedError(f"table {name!r} changed layout while its update started; making it again")
+                raise AbortedError(
+                    f"table {name!r} changed layout while its update started; making it again"
+                )
         unique, rows = validate_update(view, ids, values)
-        missing = frozenset(info.unavailable_shards)  # copies on dead ranks: the coordinator repairs them
-        jobs = [partial(_write_batch, session, view, name, info.version, index, batch_ids, batch_rows)
-                for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)]
+        missing = frozenset(
+            info.unavailable_shards
+        )  # copies on dead ranks: the coordinator repairs them
+        jobs = [
+            partial(_write_batch, session, view, name, info.version, index, batch_ids, batch_rows)
+            for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)
+        ]
         session.run_all(jobs)
         committed = session.commit(name, info.version)
     except BaseException:
@@ -158,8 +182,9 @@ def _apply_once(session: Session, views: TableViews, name: str, ids: torch.Tenso
     return RowUpdate(int(committed.version), int(committed.update_order))
 
 
-def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,
-                   missing: frozenset[int]) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+def _shard_batches(
+    view: TableView, ids: torch.Tensor, rows: torch.Tensor, missing: frozenset[int]
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(shard index, ids, rows of its columns) for every shard holding some of `ids` (but the `missing` copies,
     which the new version does not have), in batches."""
     for index, shard in enumerate(view.summary.metadata.shards_metadata):
@@ -171,19 +196,35 @@ def _shard_batches(view: TableView, ids: torch.Tensor, rows: torch.Tensor,
             continue
         col, width = shard.shard_offsets[1], shard.shard_sizes[1]
         shard_ids = ids[mask]
-        shard_rows = rows[mask][:, col:col + width].contiguous()
+        shard_rows = rows[mask][:, col : col + width].contiguous()
         per_batch = max(1, WRITE_BATCH_BYTES // max(1, width * shard_rows.element_size()))
         for lo in range(0, shard_ids.numel(), per_batch):
-            yield index, shard_ids[lo:lo + per_batch], shard_rows[lo:lo + per_batch]
+            yield index, shard_ids[lo : lo + per_batch], shard_rows[lo : lo + per_batch]
 
 
-def _write_batch(session: Session, view: TableView, name: str, version: int, index: int,
-                 ids: torch.Tensor, rows: torch.Tensor) -> None:
+def _write_batch(
+    session: Session,
+    view: TableView,
+    name: str,
+    version: int,
+    index: int,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
     address = session.address_of(view.summary.metadata.shards_metadata[index].rank)
-    request = pb.WriteRowsRequest(name=name, version=version, shard_index=index, ids=bytes(tensor_bytes(ids)),
-                                  values=bytes(tensor_bytes(rows.contiguous())))
+    request = pb.WriteRowsRequest(
+        name=name,
+        version=version,
+        shard_index=index,
+        ids=bytes(tensor_bytes(ids)),
+        values=bytes(tensor_bytes(rows.contiguous())),
+    )
     channel = session.channel
-    reply = channel.unary(channel.shard_server(address).WriteRows, request, f"rank at {address}",
-                          timeout=channel.data_timeout(len(request.values)))
+    reply = channel.unary(
+        channel.shard_server(address).WriteRows,
+        request,
+        f"rank at {address}",
+        timeout=channel.data_timeout(len(request.values)),
+    )
     if reply.rows_written != ids.numel():
         raise ShardServeError(f"rank at {address} wrote {reply.rows_written} of {ids.numel()} rows")

@@ -4,20 +4,22 @@ The coordinator calls a writer makes (create, commit, abort) and a reader makes
 (get, list). The reader's view of a snapshot is client/snapshots.py; the
 collective put and get of SPMD jobs are in client/spmd.py.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from client import arguments
-from client.errors import ShardServeError
-from client.info import TensorSummary
-from client.session import Session
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_to_proto
+from shardserve.client import arguments
+from shardserve.client.errors import ShardServeError
+from shardserve.client.info import TensorSummary
+from shardserve.client.session import Session
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+
 
 @dataclass(frozen=True)
 class SnapshotSummary:
@@ -34,13 +36,19 @@ class SnapshotSummary:
         return max(0.0, time.time() - self.created_unix)
 
     @classmethod
-    def from_proto(cls, msg: pb.SnapshotInfo) -> "SnapshotSummary":
-        return cls(prefix=msg.prefix, number=msg.number, created_unix=msg.created_unix, nbytes=msg.nbytes,
-                   tensors={entry.key: TensorSummary.from_proto(entry.tensor) for entry in msg.entries})
+    def from_proto(cls, msg: pb.SnapshotInfo) -> SnapshotSummary:
+        return cls(
+            prefix=msg.prefix,
+            number=msg.number,
+            created_unix=msg.created_unix,
+            nbytes=msg.nbytes,
+            tensors={entry.key: TensorSummary.from_proto(entry.tensor) for entry in msg.entries},
+        )
 
 
-def create_snapshot(session: Session, prefix: str, layouts: Mapping[str, ShardedTensorMetadata],
-                    keep: int) -> pb.SnapshotInfo:
+def create_snapshot(
+    session: Session, prefix: str, layouts: Mapping[str, ShardedTensorMetadata], keep: int
+) -> pb.SnapshotInfo:
     """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks."""
     request = pb.CreateSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), keep=keep)
     for key, meta in layouts.items():
@@ -50,7 +58,9 @@ def create_snapshot(session: Session, prefix: str, layouts: Mapping[str, Sharded
 
 def commit_snapshot(session: Session, prefix: str, number: int) -> SnapshotSummary:
     """CommitSnapshot: every tensor READY at once; older snapshots beyond `keep` dropped."""
-    committed = session.call("CommitSnapshot", pb.CommitSnapshotRequest(prefix=prefix, number=number))
+    committed = session.call(
+        "CommitSnapshot", pb.CommitSnapshotRequest(prefix=prefix, number=number)
+    )
     for entry in committed.entries:
         session.saw_version(entry.tensor.name, entry.tensor.version)
     return SnapshotSummary.from_proto(committed)
@@ -65,12 +75,16 @@ def abort_snapshot(session: Session, prefix: str, number: int) -> None:
 def get_snapshot(session: Session, prefix: str, number: int | None = None) -> SnapshotSummary:
     """Committed snapshot `number` of `prefix` (None: the newest); TensorNotFoundError when it is not kept."""
     number = 0 if number is None else arguments.count(number, "snapshot", minimum=1)
-    reply = session.call("GetSnapshot", pb.GetSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"),
-                                                              number=number))
+    reply = session.call(
+        "GetSnapshot",
+        pb.GetSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), number=number),
+    )
     return SnapshotSummary.from_proto(reply)
 
 
 def list_snapshots(session: Session, prefix: str) -> list[SnapshotSummary]:
     """The committed snapshots of `prefix`, oldest first."""
-    reply = session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix=arguments.tensor_name(prefix, "prefix")))
+    reply = session.call(
+        "ListSnapshots", pb.ListSnapshotsRequest(prefix=arguments.tensor_name(prefix, "prefix"))
+    )
     return [SnapshotSummary.from_proto(s) for s in reply.snapshots]

@@ -7,28 +7,37 @@ per rank and batch of at most BATCH_READ_BYTES pays it once. A batch goes on
 the rank's bulk TCP port (a KIND_READS frame) where reads may use it, else,
 and when the port fails, over gRPC; shared memory is not used for batches.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import grpc
 import torch
+from shardserve.client import counters
+from shardserve.client.errors import (
+    DeadlineExceededError,
+    RankUnavailableError,
+    ShardServeError,
+    error_from_rpc,
+)
+from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.paths.policy import PathPolicy, read_request
+from shardserve.core.metadata import Box
+from shardserve.core.regions import local_view
+from shardserve.protos import shardserve_pb2 as pb
 
-from client import counters
-from client.errors import DeadlineExceededError, RankUnavailableError, ShardServeError, error_from_rpc
-from client.info import RankStatus, TensorSummary
-from client.paths.policy import PathPolicy, read_request
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import Box
-from shardcore.regions import local_view
-
-BATCH_READ_BYTES = 1 << 20   # the largest answer of one call (the ranks' BATCH_READ_BYTES)
-MAX_BATCH_REGIONS = 16384    # regions of one call (the ranks' MAX_BATCH_REGIONS)
-REPLY_OVERHEAD_BYTES = 16    # a ReadRegionsReply's framing beyond its data and offsets
-REGION_OVERHEAD_BYTES = 11   # the most an offset adds to a ReadRegionsReply (a varint of up to 10 bytes)
-REQUEST_OVERHEAD_BYTES = 6   # the most a region's framing adds to a ReadRegionsRequest (tag and length)
+BATCH_READ_BYTES = 1 << 20  # the largest answer of one call (the ranks' BATCH_READ_BYTES)
+MAX_BATCH_REGIONS = 16384  # regions of one call (the ranks' MAX_BATCH_REGIONS)
+REPLY_OVERHEAD_BYTES = 16  # a ReadRegionsReply's framing beyond its data and offsets
+REGION_OVERHEAD_BYTES = (
+    11  # the most an offset adds to a ReadRegionsReply (a varint of up to 10 bytes)
+)
+REQUEST_OVERHEAD_BYTES = (
+    6  # the most a region's framing adds to a ReadRegionsRequest (tag and length)
+)
 
 
 @dataclass(frozen=True)
@@ -46,16 +55,32 @@ class RegionRead:
         return self.dest.numel() * self.dest.element_size()
 
 
-def region_reads(piece: int, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box,
-                 out: torch.Tensor) -> list[RegionRead]:
+def region_reads(
+    piece: int,
+    summary: TensorSummary,
+    parts: Sequence[tuple[int, Box]],
+    box: Box,
+    out: torch.Tensor,
+) -> list[RegionRead]:
     """The RegionReads that fill `out` (global `box`) from the chosen (shard index, global part) of each shard."""
     shards = summary.metadata.shards_metadata
-    return [RegionRead(shards[index].rank, read_request(summary, index, part), local_view(out, box, part), piece)
-            for index, part in parts if not part.is_empty()]
+    return [
+        RegionRead(
+            shards[index].rank,
+            read_request(summary, index, part),
+            local_view(out, box, part),
+            piece,
+        )
+        for index, part in parts
+        if not part.is_empty()
+    ]
 
 
-def batches(reads: Iterable[RegionRead], limit_bytes: int = BATCH_READ_BYTES,
-            limit_regions: int = MAX_BATCH_REGIONS) -> list[list[RegionRead]]:
+def batches(
+    reads: Iterable[RegionRead],
+    limit_bytes: int = BATCH_READ_BYTES,
+    limit_regions: int = MAX_BATCH_REGIONS,
+) -> list[list[RegionRead]]:
     """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` of answer, as many of
     request, and `limit_regions` regions."""
     per_rank: dict[int, list[RegionRead]] = defaultdict(list)
@@ -67,8 +92,11 @@ def batches(reads: Iterable[RegionRead], limit_bytes: int = BATCH_READ_BYTES,
         answer = asked = 0
         for read in per_rank[rank]:
             request = read.request.ByteSize() + REQUEST_OVERHEAD_BYTES
-            if batch and (answer + read.nbytes > limit_bytes or asked + request > limit_bytes
-                          or len(batch) == limit_regions):
+            if batch and (
+                answer + read.nbytes > limit_bytes
+                or asked + request > limit_bytes
+                or len(batch) == limit_regions
+            ):
                 cut.append(batch)
                 batch, answer, asked = [], 0, 0
             batch.append(read)
@@ -83,28 +111,35 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
     bytes read."""
     request = pb.ReadRegionsRequest(regions=[read.request for read in reads])
     expected = sum(read.nbytes for read in reads)
-    reply, path = policy.over_network(rank, lambda path: _ask(policy, path, rank.address, request, expected))
+    reply, path = policy.over_network(
+        rank, lambda path: _ask(policy, path, rank.address, request, expected)
+    )
     _check_reply(rank.address, reads, reply)
     if expected:
         data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8)
         for read, start in zip(reads, reply.offsets):
             if read.nbytes:
-                copy_region(read.dest, data[start:start + read.nbytes])
+                copy_region(read.dest, data[start : start + read.nbytes])
     counters.count_read(path, expected)
     return expected
 
 
-def _ask(policy: PathPolicy, path: str, address: str, request: pb.ReadRegionsRequest,
-         expected: int) -> pb.ReadRegionsReply:
+def _ask(
+    policy: PathPolicy, path: str, address: str, request: pb.ReadRegionsRequest, expected: int
+) -> pb.ReadRegionsReply:
     """ReadRegions' reply over `path` ("tcp": the bulk port's KIND_READS frame; "grpc": the RPC)."""
     if path == "tcp":
-        return policy.bulk.read_regions(address, request, expected + REPLY_OVERHEAD_BYTES
-                                        + REGION_OVERHEAD_BYTES * len(request.regions))
+        return policy.bulk.read_regions(
+            address,
+            request,
+            expected + REPLY_OVERHEAD_BYTES + REGION_OVERHEAD_BYTES * len(request.regions),
+        )
     channel = policy.channel
     assert channel is not None
     try:
         return channel.shard_methods(address).read_regions(
-            request, timeout=channel.data_timeout(expected), metadata=channel.metadata)
+            request, timeout=channel.data_timeout(expected), metadata=channel.metadata
+        )
     except grpc.RpcError as err:
         raise error_from_rpc(err, f"rank at {address}") from None
 
@@ -123,8 +158,10 @@ def _check_reply(address: str, reads: Sequence[RegionRead], reply: pb.ReadRegion
     ends = list(reply.offsets[1:]) + [len(reply.data)]
     sizes = [end - start for start, end in zip(reply.offsets, ends)]
     if sizes != [read.nbytes for read in reads] or (reply.offsets and reply.offsets[0] != 0):
-        raise ShardServeError(f"rank at {address} answered {len(reply.offsets)} regions of {len(reply.data)} "
-                              f"bytes for {len(reads)} regions of {sum(read.nbytes for read in reads)} bytes")
+        raise ShardServeError(
+            f"rank at {address} answered {len(reply.offsets)} regions of {len(reply.data)} "
+            f"bytes for {len(reads)} regions of {sum(read.nbytes for read in reads)} bytes"
+        )
 
 
 def read_alone_after(err: BaseException) -> bool:
@@ -134,7 +171,9 @@ def read_alone_after(err: BaseException) -> bool:
     return isinstance(err, (RankUnavailableError, DeadlineExceededError)) or unimplemented
 
 
-def read_batch(policy: PathPolicy, rank_of: Callable[[int], RankStatus], batch: Sequence[RegionRead]) -> set[int]:
+def read_batch(
+    policy: PathPolicy, rank_of: Callable[[int], RankStatus], batch: Sequence[RegionRead]
+) -> set[int]:
     """Read one rank's batch; returns the pieces to read again by themselves (all of them when the rank failed
     as read_alone_after says, which the policy notes), else raises the batch's error."""
     rank = rank_of(batch[0].rank)

@@ -15,6 +15,7 @@ raises, and leave the connection usable. A rank that sends nothing back within
 the call's deadline (a cut link, a hung rank) is DeadlineExceededError, as over
 gRPC, raised at the deadline: neither retried nor sent again over gRPC.
 """
+
 from __future__ import annotations
 
 import socket
@@ -22,20 +23,25 @@ import ssl
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import grpc
 import torch
-
-from client.channel import Channel
-from client.errors import DeadlineExceededError, ShardServeError, error_from_rpc, error_from_status
-from client.paths.grpc import unary
-from client.paths.hedging import Cancellation
-from client.paths.writes import ShardWrite, write_request
-from protos import shardserve_pb2 as pb
-from shardcore.wire import tensor_bytes
-from protos.bulk_wire import (
+from shardserve.client.channel import Channel
+from shardserve.client.errors import (
+    DeadlineExceededError,
+    ShardServeError,
+    error_from_rpc,
+    error_from_status,
+)
+from shardserve.client.paths.grpc import unary
+from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.writes import ShardWrite, write_request
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import (
     FRAME,
     HEADER,
     KIND_LOOKUP,
@@ -48,12 +54,16 @@ from protos.bulk_wire import (
 )
 
 MAX_ERROR_BYTES = 64 << 10
-IDLE_KEPT = 8         # idle connections kept per rank
-IDLE_KEEP_S = 60.0    # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
+IDLE_KEPT = 8  # idle connections kept per rank
+IDLE_KEEP_S = 60.0  # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
 T = TypeVar("T")
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 # Codes that say the path cannot serve us (not that the request is wrong): the data plane falls back to gRPC.
-_PATH_FAILURES = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE)
+_PATH_FAILURES = (
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAVAILABLE,
+)
 
 
 class BulkReadError(ShardServeError):
@@ -81,57 +91,104 @@ class BulkPath:
         self._closed = False
         self._tls: ssl.SSLContext | None = None  # made on the first TLS connection
 
-    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
-             cancel: Cancellation | None = None) -> None:
+    def read(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size) over the bulk port;
         `cancel` can stop it from another thread (its connection shut down)."""
         self.send_read(address, request, dest, cancel)()
 
-    def send_read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
-                  cancel: Cancellation | None = None) -> Callable[[], None]:
+    def send_read(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> Callable[[], None]:
         """Send the read of `request` now and return the call that takes its bytes into `dest` (as
         send_lookup does for lookups); the returned call must be made, or the connection is not reused."""
+
         def into_dest(sock: socket.socket, length: int, deadline: float) -> None:
             if length != dest.numel():
-                raise ShardServeError(f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region")
+                raise ShardServeError(
+                    f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region"
+                )
             if length:
                 recv_exactly(sock, memoryview(dest.numpy()), deadline)
 
-        return self._send(address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel)
+        return self._send(
+            address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel
+        )
 
-    def send_lookup(self, address: str, request: pb.LookupRequest, reply_bytes: int,
-                    cancel: Cancellation | None = None) -> Callable[[], bytearray]:
+    def send_lookup(
+        self,
+        address: str,
+        request: pb.LookupRequest,
+        reply_bytes: int,
+        cancel: Cancellation | None = None,
+    ) -> Callable[[], bytearray]:
         """Send `request` now and return the call that takes its serialized LookupReply (at most `reply_bytes`,
         the caller's bound for this request), so requests to several ranks go out before any answer is awaited
         (one thread overlaps the ranks' work). The returned call must be made, or the connection is not
         reused."""
-        return self._send(address, KIND_LOOKUP, request.SerializeToString(), reply_bytes,
-                          _bounded_answer(address, "lookup answer", reply_bytes), cancel)
+        return self._send(
+            address,
+            KIND_LOOKUP,
+            request.SerializeToString(),
+            reply_bytes,
+            _bounded_answer(address, "lookup answer", reply_bytes),
+            cancel,
+        )
 
-    def read_regions(self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int) -> pb.ReadRegionsReply:
+    def read_regions(
+        self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int
+    ) -> pb.ReadRegionsReply:
         """ReadRegions' answer to `request` (at most `reply_bytes` serialized) as one KIND_READS frame."""
-        answer = self._send(address, KIND_READS, request.SerializeToString(), reply_bytes,
-                            _bounded_answer(address, "ReadRegions answer", reply_bytes))()
+        answer = self._send(
+            address,
+            KIND_READS,
+            request.SerializeToString(),
+            reply_bytes,
+            _bounded_answer(address, "ReadRegions answer", reply_bytes),
+        )()
         return pb.ReadRegionsReply.FromString(bytes(answer))
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the rank at `address`: one WriteShardsRequest frame, then their bytes straight
         from each tensor (a contiguous copy only of those that are not); returns the bytes written."""
         payload = [tensor_bytes(write.data) for write in writes]
-        answer = self._send(address, KIND_WRITE, write_request(writes).SerializeToString(),
-                            sum(len(part) for part in payload),
-                            _bounded_answer(address, "WriteShards answer", MAX_ERROR_BYTES), payload=payload)()
+        answer = self._send(
+            address,
+            KIND_WRITE,
+            write_request(writes).SerializeToString(),
+            sum(len(part) for part in payload),
+            _bounded_answer(address, "WriteShards answer", MAX_ERROR_BYTES),
+            payload=payload,
+        )()
         return pb.WriteShardsResponse.FromString(bytes(answer)).bytes_written
 
-    def _send(self, address: str, kind: int, message: bytes, nbytes: int,
-              receive: Callable[..., T], cancel: Cancellation | None = None,
-              payload: Sequence[memoryview] = ()) -> Callable[[], T]:
+    def _send(
+        self,
+        address: str,
+        kind: int,
+        message: bytes,
+        nbytes: int,
+        receive: Callable[..., T],
+        cancel: Cancellation | None = None,
+        payload: Sequence[memoryview] = (),
+    ) -> Callable[[], T]:
         """Send one request on a kept connection or a new one; the returned call takes the answer, with
         `receive(sock, length, deadline)` for an OK answer's bytes; `payload` follows the request (a write's
         bytes). A kept connection the rank closed meanwhile is replaced once, transparently, and the request
         sent again."""
         if len(message) > MAX_REQUEST_BYTES:
-            raise BulkReadError(f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}")
+            raise BulkReadError(
+                f"a {len(message)}-byte request is over the bulk port's {MAX_REQUEST_BYTES}"
+            )
         frame = FRAME.pack(kind, len(message)) + message
         deadline = time.monotonic() + self.channel.data_timeout(nbytes)
         connection = self._take(address)
@@ -153,8 +210,13 @@ class BulkPath:
 
         return answer
 
-    def _send_frame(self, connection: _Connection, frame: bytes, cancel: Cancellation | None = None,
-                    payload: Sequence[memoryview] = ()) -> bool:
+    def _send_frame(
+        self,
+        connection: _Connection,
+        frame: bytes,
+        cancel: Cancellation | None = None,
+        payload: Sequence[memoryview] = (),
+    ) -> bool:
         """Send `frame` on `connection`; False (the connection closed) when the socket fails. A cancel shuts the
         connection down, which ends a send or a receive blocked on it (the rank does not answer)."""
         if cancel is not None:
@@ -167,11 +229,18 @@ class BulkPath:
             connection.sock.close()
             return False
 
-    def _open_and_send(self, address: str, frame: bytes, cancel: Cancellation | None = None,
-                       payload: Sequence[memoryview] = ()) -> _Connection:
+    def _open_and_send(
+        self,
+        address: str,
+        frame: bytes,
+        cancel: Cancellation | None = None,
+        payload: Sequence[memoryview] = (),
+    ) -> _Connection:
         connection = self._open(address, cancel)
         if not self._send_frame(connection, frame, cancel, payload):
-            raise BulkReadError(f"rank at {address}, bulk port: the connection failed while sending the request")
+            raise BulkReadError(
+                f"rank at {address}, bulk port: the connection failed while sending the request"
+            )
         return connection
 
     def close(self) -> None:
@@ -190,7 +259,9 @@ class BulkPath:
                 connections.popleft().sock.close()  # the oldest first: none stays open past IDLE_KEEP_S unused
             if not connections:
                 return None
-            connection = connections.pop()  # the newest: the least likely to have been closed by the rank
+            connection = (
+                connections.pop()
+            )  # the newest: the least likely to have been closed by the rank
             connection.kept = True
             return connection
 
@@ -208,7 +279,10 @@ class BulkPath:
         try:
             session = self._open_session(address, cancel)
         except ShardServeError as err:
-            if err.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED):  # none, or busy
+            if err.code in (
+                grpc.StatusCode.UNIMPLEMENTED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+            ):  # none, or busy
                 raise BulkReadError(f"{where}: {err.message}", err.code) from None
             raise
         host = address.rpartition(":")[0].strip("[]")
@@ -232,8 +306,11 @@ class BulkPath:
         uses_tls = self.channel.credentials.uses_tls
         if tls != uses_tls:
             sock.close()
-            raise BulkReadError("the rank's bulk port is plaintext while this client uses TLS" if uses_tls else
-                                "the rank's bulk port speaks TLS; pass tls_ca to read from it")
+            raise BulkReadError(
+                "the rank's bulk port is plaintext while this client uses TLS"
+                if uses_tls
+                else "the rank's bulk port speaks TLS; pass tls_ca to read from it"
+            )
         if not tls:
             return sock
         with self._lock:
@@ -249,24 +326,34 @@ class BulkPath:
             return self.channel.unary(method, pb.BulkSessionRequest(), where)
         self.channel.check_open()
         try:
-            return unary(method, pb.BulkSessionRequest(), self.channel.timeout, self.channel.metadata, cancel)
+            return unary(
+                method, pb.BulkSessionRequest(), self.channel.timeout, self.channel.metadata, cancel
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err, where) from None
 
-    def _answer(self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float) -> T:
+    def _answer(
+        self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float
+    ) -> T:
         """Take the answer of the request sent on `connection`; the connection is kept if still in step."""
         where = f"rank at {address}"
         sock = connection.sock
         header = bytearray(HEADER.size)
         try:
-            sock.settimeout(max(0.001, deadline - time.monotonic()))  # the call's deadline bounds the wait
+            sock.settimeout(
+                max(0.001, deadline - time.monotonic())
+            )  # the call's deadline bounds the wait
             first = sock.recv_into(header)
             if not first:
                 raise ConnectionError("the rank closed the connection")
-        except TimeoutError:  # silent, not closed: a partition or a hung rank; gRPC would not do better
+        except (
+            TimeoutError
+        ):  # silent, not closed: a partition or a hung rank; gRPC would not do better
             sock.close()
-            raise DeadlineExceededError(f"{where}, bulk port: no answer within the call's deadline (the rank or "
-                                        f"the network to it is down, or the rank is hung)") from None
+            raise DeadlineExceededError(
+                f"{where}, bulk port: no answer within the call's deadline (the rank or "
+                f"the network to it is down, or the rank is hung)"
+            ) from None
         except OSError as err:
             raise _NothingReceived(str(err)) from None
         try:
@@ -285,8 +372,9 @@ class BulkPath:
         self._give_back(address, connection)
         return result
 
-    def _raise_status(self, connection: _Connection, address: str, status: int, length: int,
-                      deadline: float) -> None:
+    def _raise_status(
+        self, connection: _Connection, address: str, status: int, length: int, deadline: float
+    ) -> None:
         """Read the error message that follows a non-OK header and raise it (the connection stays usable
         after an error about the request)."""
         where = f"rank at {address}"
@@ -300,16 +388,22 @@ class BulkPath:
         raise error
 
 
-def _bounded_answer(address: str, what: str, limit: int) -> Callable[[socket.socket, int, float], bytearray]:
+def _bounded_answer(
+    address: str, what: str, limit: int
+) -> Callable[[socket.socket, int, float], bytearray]:
     """The `receive` of an answer that is a message of at most `limit` bytes (a longer one is a ShardServeError
     naming `what`): its bytes, to parse."""
+
     def receive(sock: socket.socket, length: int, deadline: float) -> bytearray:
         if length > limit:
-            raise ShardServeError(f"rank at {address} sends a {length}-byte {what} to a request whose answer "
-                                  f"takes at most {limit}")
+            raise ShardServeError(
+                f"rank at {address} sends a {length}-byte {what} to a request whose answer "
+                f"takes at most {limit}"
+            )
         answer = bytearray(length)
         recv_exactly(sock, memoryview(answer), deadline)
         return answer
+
     return receive
 
 

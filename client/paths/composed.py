@@ -7,6 +7,7 @@ read-only into place (MAP_FIXED), so the shard is one contiguous tensor again,
 as for a segment. Each memfd is opened once by /proc/<pid>/fd/<fd> and checked
 by inode and device, like a segment.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -15,15 +16,21 @@ import os
 import weakref
 
 import torch
-
-from protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2 as pb
 
 MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
 PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -41,8 +48,9 @@ class _Range:
 
     def __init__(self, nbytes: int) -> None:
         self.size = _round_up(max(nbytes, 1), mmap.PAGESIZE)
-        address = _libc.mmap(None, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
-                             -1, 0)
+        address = _libc.mmap(
+            None, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
+        )
         if address in (None, _MAP_FAILED):
             raise CompositionError(ctypes.get_errno(), "cannot reserve address space for a shard")
         self.address = address
@@ -60,10 +68,18 @@ def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
             fd = fds.get(extent.fd)
             if fd is None:
                 fd = fds[extent.fd] = _open(reply.pid, extent)
-            result = _libc.mmap(space.address + position, _round_up(extent.nbytes, mmap.PAGESIZE), mmap.PROT_READ,
-                                mmap.MAP_SHARED | MAP_FIXED, fd, extent.offset)
+            result = _libc.mmap(
+                space.address + position,
+                _round_up(extent.nbytes, mmap.PAGESIZE),
+                mmap.PROT_READ,
+                mmap.MAP_SHARED | MAP_FIXED,
+                fd,
+                extent.offset,
+            )
             if result in (None, _MAP_FAILED):
-                raise CompositionError(ctypes.get_errno(), f"cannot map a block of /proc/{reply.pid}/fd/{extent.fd}")
+                raise CompositionError(
+                    ctypes.get_errno(), f"cannot map a block of /proc/{reply.pid}/fd/{extent.fd}"
+                )
             position += extent.nbytes
         if position != reply.nbytes:
             raise CompositionError(0, f"the blocks hold {position} bytes, the shard {reply.nbytes}")

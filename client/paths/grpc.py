@@ -6,22 +6,25 @@ half a stream's per-call cost), a larger one a ReadRegion stream written
 straight into the preallocated output. A lookup whose answer fits
 SMALL_ANSWER_BYTES is one LookupSmall message, a larger one a Lookup stream.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
 import torch
+from shardserve.client.channel import Channel
+from shardserve.client.errors import ShardServeError, error_from_rpc
+from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
 
-from client.channel import Channel
-from client.errors import ShardServeError, error_from_rpc
-from client.paths.hedging import Cancellation
-from client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
-from protos import shardserve_pb2 as pb
-from shardcore.wire import tensor_bytes
-
-SMALL_READ_BYTES = 1 << 20  # boxes up to this size come as one unary reply (ReadRegionSmall), larger ones stream
+SMALL_READ_BYTES = (
+    1 << 20
+)  # boxes up to this size come as one unary reply (ReadRegionSmall), larger ones stream
 # Answers up to this many bytes (the ranks' SMALL_REPLY_BYTES) come in one LookupSmall message, larger ones stream:
 # one message beat the stream at 512 KiB and at 2 MiB per rank (a stream costs about twice a unary call).
 SMALL_ANSWER_BYTES = 4 << 20
@@ -40,8 +43,13 @@ class GrpcPath:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
-    def read(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
-             cancel: Cancellation | None = None) -> None:
+    def read(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """One box into `dest` (a flat uint8 tensor of its size): unary when small, else a ReadRegion stream;
         `cancel` can stop the call from another thread."""
         if dest.numel() > SMALL_READ_BYTES:
@@ -49,28 +57,44 @@ class GrpcPath:
         else:
             self.read_small(address, request, dest, cancel)
 
-    def read_small(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
-                   cancel: Cancellation | None = None) -> None:
+    def read_small(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """One box as one ReadRegionSmall reply into `dest`."""
         expected = dest.numel()
         call = self.channel.shard_methods(address).read_region_small
         try:
-            offset, data = unary(call, request, self.channel.data_timeout(expected), self.channel.metadata, cancel)
+            offset, data = unary(
+                call, request, self.channel.data_timeout(expected), self.channel.metadata, cancel
+            )
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"rank at {address}") from None
         if offset != 0 or len(data) != expected:
-            raise ShardServeError(f"rank at {address} sent {len(data)} bytes at offset {offset} for a "
-                                  f"{expected}-byte region")
+            raise ShardServeError(
+                f"rank at {address} sent {len(data)} bytes at offset {offset} for a "
+                f"{expected}-byte region"
+            )
         if expected:
             dest.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
 
-    def read_stream(self, address: str, request: pb.ReadRegionRequest, dest: torch.Tensor,
-                    cancel: Cancellation | None = None) -> None:
+    def read_stream(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """One box as a ReadRegion stream into `dest`, each chunk written in place."""
         expected = dest.numel()
         target = dest.numpy() if expected else np.empty(0, dtype=np.uint8)
         read = self.channel.shard_methods(address).read_region
-        call = read(request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata)
+        call = read(
+            request, timeout=self.channel.data_timeout(expected), metadata=self.channel.metadata
+        )
         if cancel is not None:
             cancel.on_cancel(call.cancel)
         received = 0
@@ -79,7 +103,8 @@ class GrpcPath:
                 end = offset + len(data)
                 if offset < 0 or end > expected:
                     raise ShardServeError(
-                        f"rank at {address} sent a chunk at bytes [{offset}, {end}) of a {expected}-byte region")
+                        f"rank at {address} sent a chunk at bytes [{offset}, {end}) of a {expected}-byte region"
+                    )
                 if len(data):
                     target[offset:end] = np.frombuffer(data, dtype=np.uint8)
                 received += len(data)
@@ -88,7 +113,9 @@ class GrpcPath:
         finally:
             call.cancel()
         if received != expected:
-            raise ShardServeError(f"rank at {address} sent {received} bytes for a {expected}-byte region")
+            raise ShardServeError(
+                f"rank at {address} sent {received} bytes for a {expected}-byte region"
+            )
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the rank at `address`: those up to INLINE_BATCH_BYTES in WriteShards requests of
@@ -98,24 +125,38 @@ class GrpcPath:
         for batch in batched(small, INLINE_BATCH_BYTES):
             request = write_request(batch)
             request.data = b"".join(tensor_bytes(write.data) for write in batch)
-            reply = self.channel.unary(self.channel.shard_methods(address).write_shards, request,
-                                       f"rank at {address}", timeout=self.channel.data_timeout(len(request.data)))
+            reply = self.channel.unary(
+                self.channel.shard_methods(address).write_shards,
+                request,
+                f"rank at {address}",
+                timeout=self.channel.data_timeout(len(request.data)),
+            )
             written += reply.bytes_written
         for write in writes:
             if write.nbytes > INLINE_BATCH_BYTES:
-                written += self.channel.write_shard(address, write.header, tensor_bytes(write.data),
-                                                    write.chunk_bytes)
+                written += self.channel.write_shard(
+                    address, write.header, tensor_bytes(write.data), write.chunk_bytes
+                )
         return written
 
-    def lookup(self, address: str, request: pb.LookupRequest, answer_bytes: int, take: Callable[[Any], None],
-               where: str, cancel: Cancellation | None = None) -> None:
+    def lookup(
+        self,
+        address: str,
+        request: pb.LookupRequest,
+        answer_bytes: int,
+        take: Callable[[Any], None],
+        where: str,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """LookupSmall (an answer up to SMALL_ANSWER_BYTES) or the Lookup stream; `take(chunk)` gets every
         RawLookupChunk as it arrives (a streamed answer waits for its next chunk outside `take`)."""
         methods = self.channel.shard_methods(address)
         timeout = self.channel.data_timeout(answer_bytes)
         try:
             if answers_in_one_message(answer_bytes):
-                chunks = unary(methods.lookup_small, request, timeout, self.channel.metadata, cancel)
+                chunks = unary(
+                    methods.lookup_small, request, timeout, self.channel.metadata, cancel
+                )
             else:
                 chunks = methods.lookup(request, timeout=timeout, metadata=self.channel.metadata)
                 if cancel is not None:
@@ -126,7 +167,9 @@ class GrpcPath:
             raise error_from_rpc(err, where) from None
 
 
-def unary(method: Any, request: Any, timeout: float, metadata: Any, cancel: Cancellation | None) -> Any:
+def unary(
+    method: Any, request: Any, timeout: float, metadata: Any, cancel: Cancellation | None
+) -> Any:
     """A unary call, made as a future that `cancel` can cancel when one is given (a plain call otherwise)."""
     if cancel is None:
         return method(request, timeout=timeout, metadata=metadata)
@@ -135,5 +178,6 @@ def unary(method: Any, request: Any, timeout: float, metadata: Any, cancel: Canc
     try:
         return future.result()
     except grpc.FutureCancelledError:
-        raise ShardServeError("the call was cancelled: another copy answered first, or its rank was reported "
-                              "dead") from None
+        raise ShardServeError(
+            "the call was cancelled: another copy answered first, or its rank was reported dead"
+        ) from None

@@ -15,29 +15,34 @@ The default delay is fixed rather than a multiple of a measured p95: a healthy p
 millisecond here (and a few on a LAN), so 100 ms hedges only stalls (a stopped process, a cut link, a long
 pause), never normal reads, and it needs no warm-up per path or size.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Set
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AbstractSet, Callable
 
-from client.errors import RankUnavailableError
-from shardcore.health import copies_by_box, pick_copy
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.client.errors import RankUnavailableError
+from shardserve.core.health import copies_by_box, pick_copy
+from shardserve.core.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
 
-HEDGE_AFTER_S = 0.1         # connect(hedge_after=...) default: a part silent this long is asked of another copy
-HEDGE_BYTES_PER_S = 500e6   # plus time for its bytes at this (pessimistic, healthy) rate
-CHECK_EVERY_S = 1.0         # a part with no other copy checks its rank's liveness this often
-TICK_S = 0.02               # the watchdog looks at the races in flight this often (idle: never)
+HEDGE_AFTER_S = (
+    0.1  # connect(hedge_after=...) default: a part silent this long is asked of another copy
+)
+HEDGE_BYTES_PER_S = 500e6  # plus time for its bytes at this (pessimistic, healthy) rate
+CHECK_EVERY_S = 1.0  # a part with no other copy checks its rank's liveness this often
+TICK_S = 0.02  # the watchdog looks at the races in flight this often (idle: never)
 HEDGE_THREADS = 8
 
-Landing = Callable[[], None]                      # copies a hedge's buffer into the caller's output
-Hedge = Callable[["Cancellation"], tuple[str, Landing]]  # runs the part on another copy: (its path, its landing)
+Landing = Callable[[], None]  # copies a hedge's buffer into the caller's output
+Hedge = Callable[
+    ["Cancellation"], tuple[str, Landing]
+]  # runs the part on another copy: (its path, its landing)
 
 
 class Cancellation:
@@ -79,13 +84,20 @@ def hedge_delay(hedge_after: float, nbytes: int) -> float:
     return hedge_after + nbytes / HEDGE_BYTES_PER_S
 
 
-def other_copies(meta: ShardedTensorMetadata, index: int, unavailable: AbstractSet[int] = frozenset(),
-                 suspect: AbstractSet[int] = frozenset()) -> list[int]:
+def other_copies(
+    meta: ShardedTensorMetadata,
+    index: int,
+    unavailable: Set[int] = frozenset(),
+    suspect: Set[int] = frozenset(),
+) -> list[int]:
     """The other available copies of shard `index`'s box on other ranks, the best first (unsuspected ones, in
     layout order), for a hedge."""
     shard = meta.shards_metadata[index]
-    copies = [i for i in copies_by_box(meta).get(shard.box, [])
-              if i != index and i not in unavailable and meta.shards_metadata[i].rank != shard.rank]
+    copies = [
+        i
+        for i in copies_by_box(meta).get(shard.box, [])
+        if i != index and i not in unavailable and meta.shards_metadata[i].rank != shard.rank
+    ]
     ordered = []
     while copies:
         best = pick_copy(meta, copies, suspect=suspect)
@@ -100,9 +112,9 @@ class Race:
 
     rank: int
     hedge: Hedge | None
-    started: float    # monotonic time the primary started
-    hedge_at: float   # monotonic time the hedge starts (inf: never)
-    check_at: float   # monotonic time of the next liveness check
+    started: float  # monotonic time the primary started
+    hedge_at: float  # monotonic time the hedge starts (inf: never)
+    check_at: float  # monotonic time of the next liveness check
     primary: Cancellation = field(default_factory=Cancellation)
     outcome: str = ""  # "", "primary", "hedge" (the hedge answered first) or "dead" (its rank was reported dead)
     reason: BaseException | None = None
@@ -151,7 +163,9 @@ class Race:
     def primary_failed(self, err: BaseException) -> tuple[str, Landing]:
         """The primary raised `err` (or was cancelled): the hedge's (path, landing) when a hedge was started and
         answers; else raises the reason the race ended (its rank reported dead) or `err`."""
-        rank_failure = self.primary.cancelled or isinstance(err, (RankUnavailableError, ConnectionError))
+        rank_failure = self.primary.cancelled or isinstance(
+            err, (RankUnavailableError, ConnectionError)
+        )
         if self.hedged and rank_failure:
             self._hedge_done.wait()  # bounded: the hedge's calls have deadlines
             if self._hedge_result is not None:
@@ -172,7 +186,9 @@ class Race:
 class Watchdog:
     """Starts hedges and liveness checks for the races in flight (one thread, asleep while none is)."""
 
-    def __init__(self, hedge_after: float | None, rank_dead: Callable[[int], RankUnavailableError | None]) -> None:
+    def __init__(
+        self, hedge_after: float | None, rank_dead: Callable[[int], RankUnavailableError | None]
+    ) -> None:
         self.hedge_after = hedge_after or None
         self.rank_dead = rank_dead
         self._races: dict[int, Race] = {}
@@ -185,7 +201,9 @@ class Watchdog:
         """A race for one part of `nbytes` on `rank`, watched until finish()."""
         now = time.monotonic()
         hedge = hedge if self.hedge_after else None
-        hedge_at = now + hedge_delay(self.hedge_after, nbytes) if hedge is not None else float("inf")
+        hedge_at = (
+            now + hedge_delay(self.hedge_after, nbytes) if hedge is not None else float("inf")
+        )
         race = Race(rank, hedge, now, hedge_at, now + CHECK_EVERY_S)
         with self._cond:
             if self._closed:
@@ -211,8 +229,12 @@ class Watchdog:
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
-            self._pool = ThreadPoolExecutor(max_workers=HEDGE_THREADS, thread_name_prefix="shardserve-hedge")
-            self._thread = threading.Thread(target=self._watch, name="shardserve-watchdog", daemon=True)
+            self._pool = ThreadPoolExecutor(
+                max_workers=HEDGE_THREADS, thread_name_prefix="shardserve-hedge"
+            )
+            self._thread = threading.Thread(
+                target=self._watch, name="shardserve-watchdog", daemon=True
+            )
             self._thread.start()
 
     def _watch(self) -> None:
@@ -234,8 +256,11 @@ class Watchdog:
                 continue
             if not race.hedged and race.hedge_at <= now:
                 race.hedged = True
-                log.info("a part on rank %d has not answered in %.0f ms; asking another copy", race.rank,
-                         1000 * (now - race.started))
+                log.info(
+                    "a part on rank %d has not answered in %.0f ms; asking another copy",
+                    race.rank,
+                    1000 * (now - race.started),
+                )
                 self._submit(race.run_hedge)
             if not race.checking and race.check_at <= now:
                 race.checking = True

@@ -18,46 +18,67 @@ another copy where its box has one (the first answer wins; the rank that lost is
 one, for UNREACHABLE_S), and one with no other copy ends with RankUnavailableError once the coordinator reports
 its rank dead, instead of waiting out its deadline.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
-
-from client.channel import Channel
-from client.errors import RankUnavailableError, ShardsLostError
-from client.info import RankStatus, TensorSummary
-from client.paths.bands import bands, read_bands
-from client.paths.bulk import BulkPath, BulkReadError
-from client.paths.grpc import GrpcPath
-from client.paths.hedging import HEDGE_AFTER_S, Cancellation, Hedge, Landing, Race, Watchdog
-from client.paths.shm import SharedMemoryError, SharedMemoryPath, copy_box, local_host, same_host_reason
-from client.paths.writes import ShardWrite
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import Box
-from shardcore.regions import local_view
-from shardcore.wire import byte_view
+from shardserve.client.channel import Channel
+from shardserve.client.errors import RankUnavailableError, ShardsLostError
+from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.paths.bands import bands, read_bands
+from shardserve.client.paths.bulk import BulkPath, BulkReadError
+from shardserve.client.paths.grpc import GrpcPath
+from shardserve.client.paths.hedging import (
+    HEDGE_AFTER_S,
+    Cancellation,
+    Hedge,
+    Landing,
+    Race,
+    Watchdog,
+)
+from shardserve.client.paths.shm import (
+    SharedMemoryError,
+    SharedMemoryPath,
+    copy_box,
+    local_host,
+    same_host_reason,
+)
+from shardserve.client.paths.writes import ShardWrite
+from shardserve.core.metadata import Box
+from shardserve.core.regions import local_view
+from shardserve.core.wire import byte_view
+from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSPORTS = ("auto", "grpc", "shm", "tcp")
-RETRY_AFTER_S = 30.0       # a rank whose fast path failed is read by the next path this long
-UNREACHABLE_S = 10.0       # a rank that failed a call as unreachable: its copies are read last this long
-PIPELINED_READ_BYTES = 8 << 20  # a read of several network parts up to this size sends every request first
-_FALL_BACK_WORDS = {"read": ("read from", "reading it"), "write": ("write to", "writing to it")}  # doing -> log
+RETRY_AFTER_S = 30.0  # a rank whose fast path failed is read by the next path this long
+UNREACHABLE_S = 10.0  # a rank that failed a call as unreachable: its copies are read last this long
+PIPELINED_READ_BYTES = (
+    8 << 20
+)  # a read of several network parts up to this size sends every request first
+_FALL_BACK_WORDS = {
+    "read": ("read from", "reading it"),
+    "write": ("write to", "writing to it"),
+}  # doing -> log
 
 
 def check_transport(transport: object) -> str:
     """`transport` if it is one of TRANSPORTS, else ValueError naming the parameter."""
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}")
+        raise ValueError(
+            f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}"
+        )
     return transport  # type: ignore[return-value]
 
 
@@ -79,16 +100,21 @@ class PathPolicy:
     """The data paths of one client and the choice among them per rank (transport="auto"|"grpc"|"shm"|"tcp"),
     falling back when a fast one fails."""
 
-    def __init__(self, transport: str, channel: Channel | None,
-                 hedge_after: float | None = HEDGE_AFTER_S) -> None:
+    def __init__(
+        self, transport: str, channel: Channel | None, hedge_after: float | None = HEDGE_AFTER_S
+    ) -> None:
         self.transport = check_transport(transport)
         self.channel = channel
         self.grpc = GrpcPath(channel)  # type: ignore[arg-type]
         self.bulk = BulkPath(channel)  # type: ignore[arg-type]
         self.shm = SharedMemoryPath(channel)  # type: ignore[arg-type]
         self.host = local_host()
-        self._backoff: dict[tuple[str, str], float] = {}  # (path, address) -> monotonic time it is retried
-        self._unreachable: dict[int, float] = {}  # rank -> monotonic time until which its copies are read last
+        self._backoff: dict[
+            tuple[str, str], float
+        ] = {}  # (path, address) -> monotonic time it is retried
+        self._unreachable: dict[
+            int, float
+        ] = {}  # rank -> monotonic time until which its copies are read last
         self._lock = threading.Lock()
         self._rank_check: Callable[[int], RankUnavailableError | None] = lambda rank: None
         self.watchdog = Watchdog(hedge_after, lambda rank: self._rank_check(rank))
@@ -106,8 +132,15 @@ class PathPolicy:
 
     # ------------------------------------------------------------ reads
 
-    def read(self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box, out: torch.Tensor,
-             rank_of: Callable[[int], RankStatus], copies: Callable[[int], Sequence[int]] | None = None) -> str | None:
+    def read(
+        self,
+        summary: TensorSummary,
+        parts: Sequence[tuple[int, Box]],
+        box: Box,
+        out: torch.Tensor,
+        rank_of: Callable[[int], RankStatus],
+        copies: Callable[[int], Sequence[int]] | None = None,
+    ) -> str | None:
         """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device), every
         part by its rank's path; returns the path of the last part (None when the box is empty). `copies(index)`
         names the other copies of a shard, the best first, that a silent part is hedged to.
@@ -122,32 +155,64 @@ class PathPolicy:
             jobs = []
             for index, part in group:
                 region = local_view(out, box, part)
-                jobs.append(partial(self.read_part, rank_of(index), summary, index, part, region, part == box,
-                                    self._read_hedge(summary, index, part, region, rank_of, copies)))
+                jobs.append(
+                    partial(
+                        self.read_part,
+                        rank_of(index),
+                        summary,
+                        index,
+                        part,
+                        region,
+                        part == box,
+                        self._read_hedge(summary, index, part, region, rank_of, copies),
+                    )
+                )
             return self.channel.run_all(jobs)[-1]
 
         mapped, networked = [], []
         for index, part in parts:
             (mapped if self.maps(rank_of(index)) else networked).append((index, part))
-        if len(networked) < 2 or self.transport == "shm" or \
-                sum(part.numel() for _, part in networked) * out.element_size() > PIPELINED_READ_BYTES:
+        if (
+            len(networked) < 2
+            or self.transport == "shm"
+            or sum(part.numel() for _, part in networked) * out.element_size()
+            > PIPELINED_READ_BYTES
+        ):
             return each_by_its_path(parts)
         calls = []
         for index, part in networked:
             region = local_view(out, box, part)
-            calls.append(self._read_call(rank_of(index), summary, index, part, region,
-                                         self._read_hedge(summary, index, part, region, rank_of, copies)))
+            calls.append(
+                self._read_call(
+                    rank_of(index),
+                    summary,
+                    index,
+                    part,
+                    region,
+                    self._read_hedge(summary, index, part, region, rank_of, copies),
+                )
+            )
         sent = self.send_all(calls, self.channel.submit)
         try:
             if mapped:
                 each_by_its_path(mapped)
         finally:
             paths = sent.wait()
-        log.debug("read %r shards %s over %s", summary.name, [index for index, _ in networked], paths)
+        log.debug(
+            "read %r shards %s over %s", summary.name, [index for index, _ in networked], paths
+        )
         return paths[-1]
 
-    def read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                  only_part: bool = False, hedge: Hedge | None = None) -> str:
+    def read_part(
+        self,
+        rank: RankStatus,
+        summary: TensorSummary,
+        index: int,
+        part: Box,
+        region: torch.Tensor,
+        only_part: bool = False,
+        hedge: Hedge | None = None,
+    ) -> str:
         """Read one part into `region` by the best path, as a race that `hedge` may win (client.paths.hedging);
         returns the path that answered ("shm", "tcp" or "grpc")."""
         race = self.watchdog.start(rank.rank, part.numel() * region.element_size(), hedge)
@@ -173,9 +238,15 @@ class PathPolicy:
         self.note_slow(rank)
         return answered
 
-    def _read_hedge(self, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                    rank_of: Callable[[int], RankStatus],
-                    copies: Callable[[int], Sequence[int]] | None) -> Hedge | None:
+    def _read_hedge(
+        self,
+        summary: TensorSummary,
+        index: int,
+        part: Box,
+        region: torch.Tensor,
+        rank_of: Callable[[int], RankStatus],
+        copies: Callable[[int], Sequence[int]] | None,
+    ) -> Hedge | None:
         """The hedge of one part: the same part read from the best other copy into a buffer of its own, copied
         into `region` only once the race is won (the other copies are looked up only when it runs)."""
         if copies is None:
@@ -184,7 +255,9 @@ class PathPolicy:
         def hedge(cancel: Cancellation) -> tuple[str, Landing]:
             others = copies(index)
             if not others:
-                raise RankUnavailableError(f"shard {index} of {summary.name!r} has no other copy to ask")
+                raise RankUnavailableError(
+                    f"shard {index} of {summary.name!r} has no other copy to ask"
+                )
             rank = rank_of(others[0])
             buffer = torch.empty(part.sizes, dtype=region.dtype)
             try:
@@ -192,37 +265,90 @@ class PathPolicy:
             except RankUnavailableError as err:
                 self.note_failure(rank, err)
                 raise
-            log.info("read %r shard %d from rank %d (another copy) over %s: the first copy did not answer",
-                     summary.name, others[0], rank.rank, path)
+            log.info(
+                "read %r shard %d from rank %d (another copy) over %s: the first copy did not answer",
+                summary.name,
+                others[0],
+                rank.rank,
+                path,
+            )
             return path, partial(copy_box, region, buffer)
+
         return hedge
 
-    def _read_part(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                   only_part: bool, cancel: Cancellation | None = None) -> str:
+    def _read_part(
+        self,
+        rank: RankStatus,
+        summary: TensorSummary,
+        index: int,
+        part: Box,
+        region: torch.Tensor,
+        only_part: bool,
+        cancel: Cancellation | None = None,
+    ) -> str:
         """read_part's work: shared memory when the rank may serve by it, else the network."""
         read_mapped = partial(self.shm.read, rank.address, summary, index, part, region, cancel)
         if self._through_shared_memory(rank, read_mapped)[1]:
-            log.debug("read %r shard %d from rank %d through shared memory", summary.name, index, rank.rank)
+            log.debug(
+                "read %r shard %d from rank %d through shared memory",
+                summary.name,
+                index,
+                rank.rank,
+            )
             return "shm"
-        path = self.over_network(rank, partial(self._read_over, rank.address, summary, index, part, region,
-                                               only_part, cancel=cancel), cancel)[1]
+        path = self.over_network(
+            rank,
+            partial(
+                self._read_over,
+                rank.address,
+                summary,
+                index,
+                part,
+                region,
+                only_part,
+                cancel=cancel,
+            ),
+            cancel,
+        )[1]
         log.debug("read %r shard %d from rank %d over %s", summary.name, index, rank.rank, path)
         return path
 
-    def _read_over(self, address: str, summary: TensorSummary, index: int, part: Box, region: torch.Tensor,
-                   only_part: bool, path: str, cancel: Cancellation | None = None) -> None:
+    def _read_over(
+        self,
+        address: str,
+        summary: TensorSummary,
+        index: int,
+        part: Box,
+        region: torch.Tensor,
+        only_part: bool,
+        path: str,
+        cancel: Cancellation | None = None,
+    ) -> None:
         """One shard's part over the network (`path` "grpc" or "tcp"): straight into `region` when contiguous
         (a large part that is the read's only one as parallel row bands, client.paths.bands), else via one
         buffer."""
         read_box = self.bulk.read if path == "tcp" else self.grpc.read
         target, land = _landing(part, region)
-        read_bands(lambda band: read_box(address, read_request(summary, index, band),
-                                         byte_view(local_view(target, part, band)), cancel),
-                   bands(part, region.element_size()) if only_part else [part])
+        read_bands(
+            lambda band: read_box(
+                address,
+                read_request(summary, index, band),
+                byte_view(local_view(target, part, band)),
+                cancel,
+            ),
+            bands(part, region.element_size()) if only_part else [part],
+        )
         land()
 
-    def _read_call(self, rank: RankStatus, summary: TensorSummary, index: int, part: Box,
-                   region: torch.Tensor, hedge: Hedge | None = None) -> "NetworkCall":
+    def _read_call(
+        self,
+        rank: RankStatus,
+        summary: TensorSummary,
+        index: int,
+        part: Box,
+        region: torch.Tensor,
+        hedge: Hedge | None = None,
+    ) -> NetworkCall:
         """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
         into `region` later (send_all), or read over gRPC."""
         request = read_request(summary, index, part)
@@ -234,6 +360,7 @@ class PathPolicy:
             def take() -> None:
                 answer()
                 land()
+
             return take
 
         def over_grpc(cancel: Cancellation) -> None:
@@ -249,12 +376,17 @@ class PathPolicy:
         """Write whole shards to `rank` by the fastest path that serves it: a staging memfd the rank reads on
         the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes written)."""
         written, staged = self._through_shared_memory(
-            rank, lambda: self.shm.write_shards(rank.address, writes, self.host[1]), "write")
+            rank, lambda: self.shm.write_shards(rank.address, writes, self.host[1]), "write"
+        )
         if staged:
             return "shm", written or 0
         written, path = self.over_network(
-            rank, lambda path: (self.bulk if path == "tcp" else self.grpc).write_shards(rank.address, writes),
-            doing="write")
+            rank,
+            lambda path: (self.bulk if path == "tcp" else self.grpc).write_shards(
+                rank.address, writes
+            ),
+            doing="write",
+        )
         return path, written
 
     def note_failure(self, rank: RankStatus, err: BaseException) -> None:
@@ -262,15 +394,23 @@ class PathPolicy:
         if isinstance(err, RankUnavailableError) and not isinstance(err, ShardsLostError):
             with self._lock:
                 self._unreachable[rank.rank] = time.monotonic() + UNREACHABLE_S
-            log.info("rank %d could not be reached; its copies are read last for %.0f s: %s", rank.rank,
-                     UNREACHABLE_S, err)
+            log.info(
+                "rank %d could not be reached; its copies are read last for %.0f s: %s",
+                rank.rank,
+                UNREACHABLE_S,
+                err,
+            )
 
     def note_slow(self, rank: RankStatus) -> None:
         """Remember `rank` as unreachable for UNREACHABLE_S: a part of it lost to a hedge (it did not answer)."""
         with self._lock:
             self._unreachable[rank.rank] = time.monotonic() + UNREACHABLE_S
-        log.warning("rank %d did not answer within the hedge delay and another copy did; its copies are read "
-                    "last for %.0f s", rank.rank, UNREACHABLE_S)
+        log.warning(
+            "rank %d did not answer within the hedge delay and another copy did; its copies are read "
+            "last for %.0f s",
+            rank.rank,
+            UNREACHABLE_S,
+        )
 
     def unreachable_ranks(self) -> frozenset[int]:
         """The ranks that failed a call as unreachable in the last UNREACHABLE_S."""
@@ -284,8 +424,9 @@ class PathPolicy:
 
     # ------------------------------------------------------------ choosing
 
-    def _through_shared_memory(self, rank: RankStatus, run: Callable[[], T],
-                               doing: str = "read") -> tuple[T | None, bool]:
+    def _through_shared_memory(
+        self, rank: RankStatus, run: Callable[[], T], doing: str = "read"
+    ) -> tuple[T | None, bool]:
         """(`run()`, True) when `rank` may be read through shared memory and `run` serves; (None, False) when it
         may not or `run` fails with transport="auto" (logged, and `rank` skips shared memory for a while)."""
         if not self._shm_usable(rank):
@@ -298,8 +439,13 @@ class PathPolicy:
             self._fall_back("shm", rank, err, doing)
             return None, False
 
-    def over_network(self, rank: RankStatus, run: Callable[[str], T],
-                     cancel: Cancellation | None = None, doing: str = "read") -> tuple[T, str]:
+    def over_network(
+        self,
+        rank: RankStatus,
+        run: Callable[[str], T],
+        cancel: Cancellation | None = None,
+        doing: str = "read",
+    ) -> tuple[T, str]:
         """`run("tcp")` when the bulk port may serve `rank`, falling back to `run("grpc")` when it fails (unless
         forced, or cancelled); returns run's result and the path that gave it."""
         if self._tcp_usable(rank):
@@ -311,7 +457,9 @@ class PathPolicy:
                 self._fall_back("tcp", rank, err, doing)
         return run("grpc"), "grpc"
 
-    def send_all(self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]) -> "SentCalls":
+    def send_all(
+        self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]
+    ) -> SentCalls:
         """Start every call: its request out on the bulk port where that may serve the rank, else a gRPC call on
         `submit`'s threads; SentCalls.wait() takes the answers (falling back as over_network does).
 
@@ -320,9 +468,13 @@ class PathPolicy:
         caller can hold a lock for its CPU work while sending and release it to wait. Nothing here waits on
         the network but the sends themselves and, where a rank has no kept connection, opening one (an
         OpenBulkSession call and a connect); a lone gRPC call runs in wait(), on the waiting thread."""
-        usable = [call.send_bulk is not None and self._tcp_usable(call.rank) for call in calls]  # before any send
+        usable = [
+            call.send_bulk is not None and self._tcp_usable(call.rank) for call in calls
+        ]  # before any send
         sent = SentCalls(self, calls, paths=["grpc"] * len(calls))
-        sent.races = [self.watchdog.start(call.rank.rank, call.nbytes, call.hedge) for call in calls]
+        sent.races = [
+            self.watchdog.start(call.rank.rank, call.nbytes, call.hedge) for call in calls
+        ]
         for index, call in enumerate(calls):
             if usable[index]:
                 try:
@@ -337,9 +489,11 @@ class PathPolicy:
                     sent.failed(index, err)
         over_grpc = [index for index, path in enumerate(sent.paths) if path == "grpc"]
         sent.inline = over_grpc[:1] if not sent.answers else []
-        sent.future_calls = over_grpc[len(sent.inline):]
-        sent.futures = [submit(partial(calls[index].over_grpc, sent.races[index].primary))
-                        for index in sent.future_calls]
+        sent.future_calls = over_grpc[len(sent.inline) :]
+        sent.futures = [
+            submit(partial(calls[index].over_grpc, sent.races[index].primary))
+            for index in sent.future_calls
+        ]
         return sent
 
     def bulk_failed(self, rank: RankStatus, err: BulkReadError, errors: list[BaseException]) -> str:
@@ -351,11 +505,13 @@ class PathPolicy:
         self._fall_back("tcp", rank, err)
         return "grpc"
 
-    def lookup_rows(self, rank: RankStatus, summary: TensorSummary, index: int,
-                    ids: torch.Tensor) -> torch.Tensor | None:
+    def lookup_rows(
+        self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor
+    ) -> torch.Tensor | None:
         """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
         [len(ids), shard columns]; None when the lookup should go over the network (same rules and fallback as
         reads)."""
+
         def read_rows() -> torch.Tensor:
             first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
             return self.shm.read_rows(rank.address, summary, index, ids - first_row)
@@ -367,8 +523,13 @@ class PathPolicy:
             raise
         if not mapped:
             return None
-        log.debug("looked up %d rows of %r shard %d on rank %d through shared memory", ids.numel(), summary.name,
-                  index, rank.rank)
+        log.debug(
+            "looked up %d rows of %r shard %d on rank %d through shared memory",
+            ids.numel(),
+            summary.name,
+            index,
+            rank.rank,
+        )
         return rows
 
     def maps(self, rank: RankStatus) -> bool:
@@ -411,8 +572,16 @@ class PathPolicy:
         what = "shared-memory" if path == "shm" else "bulk TCP"
         instead = "over gRPC" if path == "tcp" else "over the bulk port or gRPC"
         failed, again = _FALL_BACK_WORDS[doing]
-        log.warning("%s %s rank %d failed; %s %s for %.0f s: %s",
-                    what, failed, rank.rank, again, instead, RETRY_AFTER_S, err)
+        log.warning(
+            "%s %s rank %d failed; %s %s for %.0f s: %s",
+            what,
+            failed,
+            rank.rank,
+            again,
+            instead,
+            RETRY_AFTER_S,
+            err,
+        )
 
 
 @dataclass
@@ -421,8 +590,10 @@ class SentCalls:
 
     policy: PathPolicy
     calls: Sequence[NetworkCall]
-    paths: list[str]                  # per call: "tcp", "grpc", or "" (failed before any answer)
-    answers: dict[int, Callable[[], object]] = field(default_factory=dict)  # bulk answers to take, by call
+    paths: list[str]  # per call: "tcp", "grpc", or "" (failed before any answer)
+    answers: dict[int, Callable[[], object]] = field(
+        default_factory=dict
+    )  # bulk answers to take, by call
     errors: list[BaseException] = field(default_factory=list)
     inline: list[int] = field(default_factory=list)  # calls to make over gRPC on the waiting thread
     futures: list[Future] = field(default_factory=list)
@@ -450,15 +621,22 @@ class SentCalls:
                 if self.races[index].primary.cancelled:
                     self.failed(index, err)
                     continue
-                self.paths[index] = self.policy.bulk_failed(self.calls[index].rank, err, self.errors)
+                self.paths[index] = self.policy.bulk_failed(
+                    self.calls[index].rank, err, self.errors
+                )
                 if self.paths[index] == "grpc":
                     self.inline.append(index)
             except BaseException as err:  # noqa: BLE001 - raised by wait(), after every call ended
                 self.failed(index, err)
             else:
                 self.races[index].primary_done()
-        runs = [*((index, partial(self.calls[index].over_grpc, self.races[index].primary)) for index in self.inline),
-                *((index, future.result) for index, future in zip(self.future_calls, self.futures))]
+        runs = [
+            *(
+                (index, partial(self.calls[index].over_grpc, self.races[index].primary))
+                for index in self.inline
+            ),
+            *((index, future.result) for index, future in zip(self.future_calls, self.futures)),
+        ]
         for index, run in runs:
             try:
                 run()
@@ -486,8 +664,13 @@ class SentCalls:
 
 def read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionRequest:
     """The ReadRegionRequest of global `box` inside shard `index` at the summary's version."""
-    return pb.ReadRegionRequest(name=summary.name, version=summary.version, shard_index=index,
-                                offsets=box.offsets, sizes=box.sizes)
+    return pb.ReadRegionRequest(
+        name=summary.name,
+        version=summary.version,
+        shard_index=index,
+        offsets=box.offsets,
+        sizes=box.sizes,
+    )
 
 
 def _landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -7,6 +7,7 @@ a time, and kept for the next one (StagingFiles, up to KEPT_BYTES in all, none
 idle past IDLE_S): a fresh memfd costs a page fault per 4 KiB on its first
 fill, which made writes of large state dicts slower than the bulk port.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -14,18 +15,19 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Sequence
 
 import torch
+from shardserve.client.paths.writes import ShardWrite
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import STAGING_NAME
 
-from client.paths.writes import ShardWrite
-from protos import shardserve_pb2 as pb
-from protos.same_host import STAGING_NAME
-from shardcore.wire import tensor_bytes
-
-KEPT_BYTES = 512 << 20  # staging memory a client keeps between writes (a 64 MiB file per rank written to)
-IDLE_S = 60.0           # a kept file unused this long is closed when the next write comes
+KEPT_BYTES = (
+    512 << 20
+)  # staging memory a client keeps between writes (a 64 MiB file per rank written to)
+IDLE_S = 60.0  # a kept file unused this long is closed when the next write comes
 
 
 class StagingFile:
@@ -38,7 +40,9 @@ class StagingFile:
         try:
             os.ftruncate(self._fd, nbytes)
             if nbytes:
-                os.posix_fallocate(self._fd, 0, nbytes)  # the pages now, in one call: ENOSPC here, never SIGBUS
+                os.posix_fallocate(
+                    self._fd, 0, nbytes
+                )  # the pages now, in one call: ENOSPC here, never SIGBUS
             self._map = mmap.mmap(self._fd, nbytes) if nbytes else None
         except BaseException:
             os.close(self._fd)
@@ -51,7 +55,9 @@ class StagingFile:
         offset = 0
         for write in writes:
             if write.nbytes:
-                target = torch.frombuffer(self._map, dtype=torch.uint8, count=write.nbytes, offset=offset)
+                target = torch.frombuffer(
+                    self._map, dtype=torch.uint8, count=write.nbytes, offset=offset
+                )
                 target.copy_(torch.frombuffer(tensor_bytes(write.data), dtype=torch.uint8))
                 del target
             offset += write.nbytes
@@ -59,8 +65,15 @@ class StagingFile:
     def source(self, host_id: str) -> pb.SharedMemorySource:
         """The file as WriteShards' shared source, from this process on host `host_id`."""
         info = os.fstat(self._fd)
-        return pb.SharedMemorySource(pid=os.getpid(), fd=self._fd, inode=info.st_ino, device_id=info.st_dev,
-                                     nbytes=self.nbytes, host_id=host_id, name_secret=self.secret)
+        return pb.SharedMemorySource(
+            pid=os.getpid(),
+            fd=self._fd,
+            inode=info.st_ino,
+            device_id=info.st_dev,
+            nbytes=self.nbytes,
+            host_id=host_id,
+            name_secret=self.secret,
+        )
 
     def close(self) -> None:
         if self._map is not None:
@@ -70,11 +83,15 @@ class StagingFile:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "StagingFile":
+    def __enter__(self) -> StagingFile:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         self.close()
 
 

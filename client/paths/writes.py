@@ -9,22 +9,24 @@ or inline gRPC requests of at most INLINE_BATCH_BYTES (larger shards stream
 over WriteShard). PathPolicy.write picks the path per rank; write_shards runs
 every rank at once, each rank's batches in turn.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
+from shardserve.client.channel import CHUNK_BYTES
+from shardserve.client.info import RankStatus
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.protos import shardserve_pb2 as pb
 
-from client.channel import CHUNK_BYTES
-from client.info import RankStatus
-from protos import shardserve_pb2 as pb
-from shardcore.dtypes import dtype_to_wire
-
-INLINE_BATCH_BYTES = 1 << 20     # one gRPC WriteShards request carries at most this many bytes inline
-DIRECT_BATCH_BYTES = 64 << 20    # one staging memfd or bulk-port batch carries at most this many: a rank's batches
-                                 # go one after another, reusing one staging file (warm pages)
+INLINE_BATCH_BYTES = 1 << 20  # one gRPC WriteShards request carries at most this many bytes inline
+DIRECT_BATCH_BYTES = (
+    64 << 20
+)  # one staging memfd or bulk-port batch carries at most this many: a rank's batches
+# go one after another, reusing one staging file (warm pages)
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,17 @@ class ShardWrite:
         return self.header.nbytes
 
 
-def shard_write(name: str, version: int, shard_index: int, data: torch.Tensor,
-                chunk_bytes: int = CHUNK_BYTES) -> ShardWrite:
+def shard_write(
+    name: str, version: int, shard_index: int, data: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+) -> ShardWrite:
     """The write of `data` as shard `shard_index` of (name, version)."""
-    header = pb.WriteShardHeader(name=name, version=version, shard_index=shard_index,
-                                 dtype=dtype_to_wire(data.dtype), nbytes=data.numel() * data.element_size())
+    header = pb.WriteShardHeader(
+        name=name,
+        version=version,
+        shard_index=shard_index,
+        dtype=dtype_to_wire(data.dtype),
+        nbytes=data.numel() * data.element_size(),
+    )
     return ShardWrite(header, data, chunk_bytes)
 
 
@@ -69,9 +77,12 @@ def write_request(writes: Sequence[ShardWrite]) -> pb.WriteShardsRequest:
 Written = list[tuple[str, int]]  # (path, bytes) of each batch written to one rank
 
 
-def write_shards(write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str, int]],
-                 rank_of: Callable[[int], RankStatus], writes: Sequence[tuple[int, ShardWrite]],
-                 run_all: Callable[[Sequence[Callable[[], Written]]], list[Written]]) -> dict[str, int]:
+def write_shards(
+    write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str, int]],
+    rank_of: Callable[[int], RankStatus],
+    writes: Sequence[tuple[int, ShardWrite]],
+    run_all: Callable[[Sequence[Callable[[], Written]]], list[Written]],
+) -> dict[str, int]:
     """Write every (rank, write), all ranks at once through `run_all` and each rank's batches in turn, each by
     `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes
     written per path ("shm", "tcp", "grpc")."""
@@ -83,7 +94,10 @@ def write_shards(write_batch: Callable[[RankStatus, list[ShardWrite]], tuple[str
         status = rank_of(rank)
         return [write_batch(status, batch) for batch in batched(mine, DIRECT_BATCH_BYTES)]
 
-    jobs = [lambda rank=rank, mine=mine: write_rank(rank, mine) for rank, mine in sorted(by_rank.items())]
+    jobs = [
+        lambda rank=rank, mine=mine: write_rank(rank, mine)
+        for rank, mine in sorted(by_rank.items())
+    ]
     per_path: dict[str, int] = defaultdict(int)
     for path, nbytes in [done for batches in (run_all(jobs) if jobs else []) for done in batches]:
         per_path[path] += nbytes

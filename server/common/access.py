@@ -8,16 +8,17 @@ Clients send ("authorization", "Bearer <token>"); coordinator and ranks send
 ("authorization", "Cluster <secret>") on the calls they make to each other, or, in an mTLS cluster
 started with --cluster-cert-name, no authorization at all: their client certificate names the cluster.
 """
+
 from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
-
-from server.common.principals import (
+from shardserve.server.common.principals import (
     ADMIN,
     ANONYMOUS_ADMIN,
     CLUSTER,
@@ -69,9 +70,13 @@ class Rule:
     `needs_caller`: the servicer asks caller() who called."""
 
     right: str
-    tensor: Callable[[Any], str | Sequence[str] | None] | None = None  # one name, or every name of a batch
+    tensor: Callable[[Any], str | Sequence[str] | None] | None = (
+        None  # one name, or every name of a batch
+    )
     logged: bool = False
-    needs_caller: bool = False  # the servicer reads caller() (as OpenBulkSession does, for its ticket's rights)
+    needs_caller: bool = (
+        False  # the servicer reads caller() (as OpenBulkSession does, for its ticket's rights)
+    )
 
 
 ACCESS_RULES: dict[str, Rule] = {
@@ -151,18 +156,31 @@ class AccessPolicy:
     def authenticate(self, authorization: str) -> Principal:
         """The principal an "authorization" value stands for; Denied(UNAUTHENTICATED) when it stands for none."""
         if authorization.startswith(CLUSTER_SCHEME):
-            if self.cluster is not None and self.cluster.matches(authorization[len(CLUSTER_SCHEME):]):
+            if self.cluster is not None and self.cluster.matches(
+                authorization[len(CLUSTER_SCHEME) :]
+            ):
                 return CLUSTER_MEMBER
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "wrong cluster credential in the 'authorization' "
-                         "metadata")
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong cluster credential in the 'authorization' metadata",
+            )
         if self.principals is None:
             return ANONYMOUS_ADMIN
         if not authorization:
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token in the 'authorization' metadata")
-        principal = self.principals.find(authorization[len(BEARER):]) if authorization.startswith(BEARER) else None
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing bearer token in the 'authorization' metadata",
+            )
+        principal = (
+            self.principals.find(authorization[len(BEARER) :])
+            if authorization.startswith(BEARER)
+            else None
+        )
         if principal is None:
-            raise Denied(grpc.StatusCode.UNAUTHENTICATED, "wrong bearer token in the 'authorization' metadata "
-                         "(no principal holds it)")
+            raise Denied(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "wrong bearer token in the 'authorization' metadata (no principal holds it)",
+            )
         return principal
 
     def authorize(self, principal: Principal, method: str, rule: Rule | None) -> None:
@@ -172,8 +190,11 @@ class AccessPolicy:
         if rule.right == CLUSTER and self.cluster is None and self.cluster_cert is None:
             return
         if not principal.may(rule.right):
-            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} (role "
-                         f"{principal.role}) lacks the '{rule.right}' right that {_short(method)} needs")
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"principal {principal.name!r} (role "
+                f"{principal.role}) lacks the '{rule.right}' right that {_short(method)} needs",
+            )
 
 
 def check_tensor(principal: Principal, method: str, tensor: str | Sequence[str] | None) -> None:
@@ -181,8 +202,11 @@ def check_tensor(principal: Principal, method: str, tensor: str | Sequence[str] 
     a batch) it writes."""
     for name in [tensor] if isinstance(tensor, str) else tensor or ():
         if not principal.may_write(name):
-            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"principal {principal.name!r} lacks the 'write' right "
-                         f"on tensor {name!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})")
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"principal {principal.name!r} lacks the 'write' right "
+                f"on tensor {name!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})",
+            )
 
 
 def _short(method: str) -> str:
@@ -202,14 +226,18 @@ class AccessInterceptor(grpc.ServerInterceptor):
     `on_principal(principal, method)` (optional) returns a wrapper for the handler once the caller is known
     (the stream limits use it)."""
 
-    def __init__(self, policy: AccessPolicy,
-                 on_principal: Callable[[Principal, str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] | None
-                 = None) -> None:
+    def __init__(
+        self,
+        policy: AccessPolicy,
+        on_principal: Callable[[Principal, str, grpc.RpcMethodHandler], grpc.RpcMethodHandler]
+        | None = None,
+    ) -> None:
         self.policy = policy
         self._on_principal = on_principal
 
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
         method = handler_call_details.method
         if method.startswith(HEALTH_PREFIX):
             return continuation(handler_call_details)
@@ -228,10 +256,12 @@ class AccessInterceptor(grpc.ServerInterceptor):
             return None
         return self._admitted(handler, principal, method, rule)
 
-    def _admitting_by_certificate(self, handler: grpc.RpcMethodHandler, method: str,
-                                  rule: Rule | None) -> grpc.RpcMethodHandler:
+    def _admitting_by_certificate(
+        self, handler: grpc.RpcMethodHandler, method: str, rule: Rule | None
+    ) -> grpc.RpcMethodHandler:
         """`handler` that first authenticates the call by its peer's certificate (the servicer context holds
         it, the interceptor's call details do not), then runs as `_admitted` would have."""
+
         def run(request: Any, context: grpc.ServicerContext) -> Any:
             try:
                 principal = self.policy.authenticate_peer(context.auth_context())
@@ -240,10 +270,12 @@ class AccessInterceptor(grpc.ServerInterceptor):
                 log.warning("refused %s: %s", method, denied)
                 context.abort(denied.code, str(denied))
             return behavior_of(self._admitted(handler, principal, method, rule))(request, context)
+
         return replace_behavior(handler, run)
 
-    def _admitted(self, handler: grpc.RpcMethodHandler, principal: Principal, method: str,
-                  rule: Rule | None) -> grpc.RpcMethodHandler:
+    def _admitted(
+        self, handler: grpc.RpcMethodHandler, principal: Principal, method: str, rule: Rule | None
+    ) -> grpc.RpcMethodHandler:
         """`handler` for an authenticated, authorized caller: tensor patterns checked, changes logged, limits."""
         if rule is not None and (rule.tensor is not None or rule.logged or rule.needs_caller):
             handler = _checking_tensor(handler, principal, method, rule)
@@ -252,10 +284,12 @@ class AccessInterceptor(grpc.ServerInterceptor):
         return handler
 
 
-def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, method: str,
-                     rule: Rule) -> grpc.RpcMethodHandler:
+def _checking_tensor(
+    handler: grpc.RpcMethodHandler, principal: Principal, method: str, rule: Rule
+) -> grpc.RpcMethodHandler:
     """`handler` that first checks the tensor the request names against the principal's patterns, logs the
     change with the principal's name, and lets the servicer see the principal (caller())."""
+
     def check(request: Any, context: grpc.ServicerContext) -> None:
         tensor = rule.tensor(request) if rule.tensor is not None else _field_name(request)
         if rule.tensor is not None:
@@ -266,14 +300,21 @@ def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, metho
                 context.abort(denied.code, str(denied))
         if rule.logged:
             target = tensor if tensor is not None else getattr(request, "path", "")
-            log.info("principal %r (%s, %s): %s %r", principal.name, principal.role, context.peer(),
-                     _short(method), target)
+            log.info(
+                "principal %r (%s, %s): %s %r",
+                principal.name,
+                principal.role,
+                context.peer(),
+                _short(method),
+                target,
+            )
 
     if handler.request_streaming:
         behavior = handler.stream_stream or handler.stream_unary
 
         def run_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             return behavior(_first_checked(requests, context, check), context)
+
         return replace_behavior(handler, run_stream)
     unary = handler.unary_unary or handler.unary_stream
 
@@ -292,11 +333,15 @@ def _checking_tensor(handler: grpc.RpcMethodHandler, principal: Principal, metho
             yield from unary(request, context)
         finally:
             _CALLER.set(None)
+
     return replace_behavior(handler, run_streaming if handler.response_streaming else run)
 
 
-def _first_checked(requests: Iterator[Any], context: grpc.ServicerContext,
-                   check: Callable[[Any, grpc.ServicerContext], None]) -> Iterator[Any]:
+def _first_checked(
+    requests: Iterator[Any],
+    context: grpc.ServicerContext,
+    check: Callable[[Any, grpc.ServicerContext], None],
+) -> Iterator[Any]:
     first = True
     for request in requests:
         if first:
@@ -307,14 +352,19 @@ def _first_checked(requests: Iterator[Any], context: grpc.ServicerContext,
 
 def behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     """The function `handler` runs, whatever its kind."""
-    return (handler.unary_unary or handler.unary_stream or handler.stream_unary
-            or handler.stream_stream)  # type: ignore[return-value]
+    return (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )  # type: ignore[return-value]
 
 
-def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> grpc.RpcMethodHandler:
+def replace_behavior(
+    handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]
+) -> grpc.RpcMethodHandler:
     """A handler of the same kind and (de)serializers as `handler` running `behavior`."""
-    kwargs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(behavior, **kwargs)
     if handler.request_streaming:
@@ -324,9 +374,11 @@ def replace_behavior(handler: grpc.RpcMethodHandler, behavior: Callable[..., Any
     return grpc.unary_unary_rpc_method_handler(behavior, **kwargs)
 
 
-def denying_handler(handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode,
-                    message: str) -> grpc.RpcMethodHandler:
+def denying_handler(
+    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that answers `code` with `message`."""
+
     def deny(request: Any, context: grpc.ServicerContext) -> None:
         context.abort(code, message)
 

@@ -6,6 +6,7 @@ to each other carry ("authorization", "Cluster <secret>"), or, in an mTLS
 cluster with a cluster certificate name, their certificate alone. TLS and mTLS
 come from PEM files: a server given a CA requires client certificates signed by it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
-from server.common.access import CLUSTER_SCHEME, AccessPolicy
-from server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
-from server.common.tracing import traced_channel
+from shardserve.server.common.access import CLUSTER_SCHEME, AccessPolicy
+from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
+from shardserve.server.common.tracing import traced_channel
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,10 @@ def check_cluster_certificate(tls: TlsFiles | None, cluster_cert: ClusterCertifi
         raise ValueError("--cluster-cert-name needs mutual TLS: --tls-cert, --tls-key and --tls-ca")
     names = certificate_names(tls.cert)
     if cluster_cert.name not in names:
-        raise ValueError(f"--cluster-cert-name {cluster_cert.name!r} is not a name of --tls-cert {tls.cert!r} "
-                         f"(its CN and subjectAltNames: {', '.join(sorted(names)) or 'none'})")
+        raise ValueError(
+            f"--cluster-cert-name {cluster_cert.name!r} is not a name of --tls-cert {tls.cert!r} "
+            f"(its CN and subjectAltNames: {', '.join(sorted(names)) or 'none'})"
+        )
 
 
 def certificate_names(path: str) -> set[str]:
@@ -102,15 +104,19 @@ def certificate_names(path: str) -> set[str]:
         decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]
     except ssl.SSLError as err:
         raise ValueError(f"--tls-cert {path!r}: not a PEM certificate: {err}") from None
-    names = {value for rdn in decoded.get("subject", ()) for key, value in rdn if key == "commonName"}
+    names = {
+        value for rdn in decoded.get("subject", ()) for key, value in rdn if key == "commonName"
+    }
     return names | {value for _kind, value in decoded.get("subjectAltName", ())}
 
 
 def server_credentials(tls: TlsFiles) -> grpc.ServerCredentials:
     """TLS server credentials; with a CA, client certificates are required (mTLS)."""
     return grpc.ssl_server_credentials(
-        [(tls.read("key"), tls.read("cert"))], root_certificates=tls.read("ca"),
-        require_client_auth=tls.ca is not None)
+        [(tls.read("key"), tls.read("cert"))],
+        root_certificates=tls.read("ca"),
+        require_client_auth=tls.ca is not None,
+    )
 
 
 def server_ssl_context(tls: TlsFiles) -> ssl.SSLContext:
@@ -127,11 +133,17 @@ def channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
     """TLS credentials for calls to peers: trust the CA (or our own cert), present ours for mTLS."""
     return grpc.ssl_channel_credentials(
         root_certificates=tls.read("ca") or tls.read("cert"),
-        private_key=tls.read("key"), certificate_chain=tls.read("cert"))
+        private_key=tls.read("key"),
+        certificate_chain=tls.read("cert"),
+    )
 
 
-class _TokenCallInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _TokenCallInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
     """Adds the bearer token to every outgoing call."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
@@ -167,7 +179,9 @@ def make_channel(address: str, security: Security = Security()) -> grpc.Channel:
     """A channel to a peer that presents this process's token and TLS credentials (and, while tracing is on,
     carries this process's trace on)."""
     if security.tls is not None:
-        channel = grpc.secure_channel(address, channel_credentials(security.tls), options=CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(
+            address, channel_credentials(security.tls), options=CHANNEL_OPTIONS
+        )
     else:
         channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     if security.call_metadata():

@@ -6,6 +6,7 @@ coordinator or a rank that opens it. The file only ever holds DCP's metadata
 dataclasses, torch sizes, dtypes and layouts, and a path; this unpickler
 finds those classes and refuses every other global with CheckpointMetadataError.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,9 +23,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 _ALLOWED: dict[str, frozenset[str]] = {
-    "torch.distributed.checkpoint.metadata": frozenset({
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
@@ -39,8 +49,9 @@ class CheckpointMetadataError(ValueError):
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
+        if name in _ALLOWED.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise CheckpointMetadataError(f"it names {module}.{name}, which DCP metadata never holds")
 
@@ -51,11 +62,21 @@ def load_metadata(stream: IO[bytes], where: str | os.PathLike) -> Metadata:
         metadata = _MetadataUnpickler(stream).load()
     except CheckpointMetadataError as err:
         raise CheckpointMetadataError(f"{where}/.metadata is not DCP metadata: {err}") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as err:
-        raise CheckpointMetadataError(f"{where}/.metadata is not DCP metadata: {type(err).__name__}: {err}") \
-            from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        TypeError,
+        ValueError,
+        IndexError,
+    ) as err:
+        raise CheckpointMetadataError(
+            f"{where}/.metadata is not DCP metadata: {type(err).__name__}: {err}"
+        ) from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointMetadataError(f"{where}/.metadata holds a {type(metadata).__name__}, not DCP Metadata")
+        raise CheckpointMetadataError(
+            f"{where}/.metadata holds a {type(metadata).__name__}, not DCP Metadata"
+        )
     problem = _structure_problem(metadata)
     if problem:
         raise CheckpointMetadataError(f"{where}/.metadata is not DCP metadata: {problem}")
@@ -91,8 +112,12 @@ def _tensor_problem(entry: TensorStorageMetadata) -> str:
     if not isinstance(entry.chunks, list):
         return f"chunks is a {type(entry.chunks).__name__}, not a list"
     for i, chunk in enumerate(entry.chunks):
-        if not (isinstance(chunk, ChunkStorageMetadata) and _is_extent(chunk.offsets) and _is_extent(chunk.sizes)
-                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)):
+        if not (
+            isinstance(chunk, ChunkStorageMetadata)
+            and _is_extent(chunk.offsets)
+            and _is_extent(chunk.sizes)
+            and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+        ):
             return f"chunks[{i}] is not offsets and sizes of the tensor's {len(entry.size)} dims"
     return ""
 
@@ -100,7 +125,8 @@ def _tensor_problem(entry: TensorStorageMetadata) -> str:
 def _is_extent(values: Any) -> bool:
     try:  # a torch.Size holding an int past int64 raises when read
         return isinstance(values, (tuple, list)) and all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in values)
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63 for v in values
+        )
     except (ValueError, OverflowError):
         return False
 
@@ -125,5 +151,8 @@ def checkpoint_dir(path: str | os.PathLike, must_exist: bool) -> str:
 
 def tensor_entries(metadata: Any) -> dict[str, tuple[torch.Size, torch.dtype]]:
     """Global size and dtype of every tensor entry of DCP metadata."""
-    return {key: (value.size, value.properties.dtype) for key, value in metadata.state_dict_metadata.items()
-            if isinstance(value, TensorStorageMetadata)}
+    return {
+        key: (value.size, value.properties.dtype)
+        for key, value in metadata.state_dict_metadata.items()
+        if isinstance(value, TensorStorageMetadata)
+    }

@@ -5,13 +5,15 @@ ValueError/TypeError/KeyError); the `rpc_errors` decorator used by both
 servicers aborts the call with the matching status code and a message that
 names the bad field, so a bad request never takes a server down.
 """
+
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -76,7 +78,10 @@ def status_of(err: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, grpc.RpcError):  # a request stream the client cancelled or let time out
         if hasattr(err, "code"):
             return err.code(), err.details() or ""
-        return grpc.StatusCode.CANCELLED, "the client ended the request stream (cancelled or past its deadline)"
+        return (
+            grpc.StatusCode.CANCELLED,
+            "the client ended the request stream (cancelled or past its deadline)",
+        )
     if isinstance(err, KeyError):
         return grpc.StatusCode.NOT_FOUND, str(err.args[0]) if err.args else "not found"
     if isinstance(err, (ValueError, TypeError)):
@@ -124,6 +129,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a servicer method (unary or server-streaming) to map exceptions to status codes."""
     name = method.__qualname__
     if inspect.isgeneratorfunction(method):
+
         @functools.wraps(method)
         def streaming(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
             try:
@@ -132,6 +138,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
                 if _is_abort(err):
                     raise
                 _abort(context, name, err)
+
         return streaming
 
     @functools.wraps(method)
@@ -142,6 +149,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             if _is_abort(err):
                 raise
             _abort(context, name, err)
+
     return unary
 
 

@@ -7,22 +7,42 @@ never per message), and serves the registry on `--metrics-port` with
 prometheus-client's HTTP server. Tensor-name labels go through `TensorLabels`,
 which caps how many distinct names a process reports (the rest are `_other`).
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from shardserve.server.common.access import replace_behavior
 
-from server.common.access import replace_behavior
-
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0)
-MAX_TENSOR_LABELS = 64  # distinct tensor names a process labels its series with; later names count as OTHER_TENSOR
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    120.0,
+)
+MAX_TENSOR_LABELS = (
+    64  # distinct tensor names a process labels its series with; later names count as OTHER_TENSOR
+)
 OTHER_TENSOR = "_other"
 
 
@@ -54,14 +74,28 @@ class ServerMetrics:
         self.role = role
         self.registry = CollectorRegistry(auto_describe=True)
         self.tensor_label = TensorLabels()
-        self.rpc_requests = Counter("shardserve_rpc_requests", "gRPC calls handled, by method", ["method"],
-                                    registry=self.registry)
-        self.rpc_errors = Counter("shardserve_rpc_errors", "gRPC calls that ended with a status other than OK, by "
-                                  "method and status code", ["method", "code"], registry=self.registry)
-        self.rpc_latency = Histogram("shardserve_rpc_latency_seconds", "time from a call's start to its last "
-                                     "answer message, by method", ["method"], buckets=LATENCY_BUCKETS,
-                                     registry=self.registry)
-        self._rpc_children: dict[str, tuple[Any, Any]] = {}  # method -> its (counter, histogram) children
+        self.rpc_requests = Counter(
+            "shardserve_rpc_requests",
+            "gRPC calls handled, by method",
+            ["method"],
+            registry=self.registry,
+        )
+        self.rpc_errors = Counter(
+            "shardserve_rpc_errors",
+            "gRPC calls that ended with a status other than OK, by method and status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_latency = Histogram(
+            "shardserve_rpc_latency_seconds",
+            "time from a call's start to its last answer message, by method",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self._rpc_children: dict[
+            str, tuple[Any, Any]
+        ] = {}  # method -> its (counter, histogram) children
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector whose values are read at scrape time (gauges of live state)."""
@@ -70,9 +104,13 @@ class ServerMetrics:
     def record_rpc(self, method: str, seconds: float, code: grpc.StatusCode | None) -> None:
         """One finished call of `method` (the short name) that took `seconds` and ended with `code`."""
         children = self._rpc_children.get(method)
-        if children is None:  # labels() takes a lock and builds a key: once per method, not per call
-            children = self._rpc_children[method] = (self.rpc_requests.labels(method),
-                                                      self.rpc_latency.labels(method))
+        if (
+            children is None
+        ):  # labels() takes a lock and builds a key: once per method, not per call
+            children = self._rpc_children[method] = (
+                self.rpc_requests.labels(method),
+                self.rpc_latency.labels(method),
+            )
         children[0].inc()
         children[1].observe(seconds)
         if code is not None and code != grpc.StatusCode.OK:
@@ -82,7 +120,7 @@ class ServerMetrics:
 class GaugeCollector(Collector):
     """A collector that builds its gauge families at scrape time from `read()`: (name, help, labels, samples)."""
 
-    def __init__(self, read: Callable[[], list["Gauge"]]) -> None:
+    def __init__(self, read: Callable[[], list[Gauge]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -106,7 +144,7 @@ class Gauge:
         if self.samples is None:
             self.samples = []
 
-    def add(self, value: float, *labels: str) -> "Gauge":
+    def add(self, value: float, *labels: str) -> Gauge:
         assert self.samples is not None
         self.samples.append((labels, float(value)))
         return self
@@ -118,8 +156,9 @@ class MetricsInterceptor(grpc.ServerInterceptor):
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
 
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or not method.startswith("/shardserve."):
@@ -127,12 +166,17 @@ class MetricsInterceptor(grpc.ServerInterceptor):
         return _timed(handler, method.rsplit("/", 1)[-1], self.metrics)
 
 
-def _timed(handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics) -> grpc.RpcMethodHandler:
+def _timed(
+    handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics
+) -> grpc.RpcMethodHandler:
     """`handler` that records its call in `metrics` once it ended (a streamed answer: when its last message
     was produced)."""
-    behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream)
+    behavior = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
 
     if handler.response_streaming:
+
         def run_stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             start, code = time.perf_counter(), grpc.StatusCode.UNKNOWN
             try:
@@ -143,6 +187,7 @@ def _timed(handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics) 
                 raise
             finally:
                 metrics.record_rpc(method, time.perf_counter() - start, code)
+
         return replace_behavior(handler, run_stream)
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
@@ -156,10 +201,13 @@ def _timed(handler: grpc.RpcMethodHandler, method: str, metrics: ServerMetrics) 
             raise
         finally:
             metrics.record_rpc(method, time.perf_counter() - start, code)
+
     return replace_behavior(handler, run)
 
 
-def _code_of(context: grpc.ServicerContext, default: grpc.StatusCode = grpc.StatusCode.OK) -> grpc.StatusCode:
+def _code_of(
+    context: grpc.ServicerContext, default: grpc.StatusCode = grpc.StatusCode.OK
+) -> grpc.StatusCode:
     """The status the handler set (context.abort or set_code), else `default`."""
     code = context.code()
     if code is None:

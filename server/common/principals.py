@@ -16,6 +16,7 @@ credential (the internal secret coordinator and ranks share) is its own
 principal, "cluster": the only one with the `cluster` right (and every other). In an mTLS
 cluster a certificate of the cluster (ClusterCertificate) can stand in for that secret.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -26,15 +27,21 @@ import os
 import re
 import secrets
 import threading
-import tomllib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+import tomllib
 
 log = logging.getLogger(__name__)
 
 READ, WRITE, ADMIN, CLUSTER = "read", "write", "admin", "cluster"
-ROLE_RIGHTS = {READ: frozenset({READ}), WRITE: frozenset({READ, WRITE}), ADMIN: frozenset({READ, WRITE, ADMIN})}
+ROLE_RIGHTS = {
+    READ: frozenset({READ}),
+    WRITE: frozenset({READ, WRITE}),
+    ADMIN: frozenset({READ, WRITE, ADMIN}),
+}
 CLUSTER_PRINCIPAL = "cluster"
 ANONYMOUS = "anonymous"
 _HEX_SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -80,7 +87,9 @@ def parse_tokens_file(text: str, where: str = "tokens file") -> dict[str, Princi
         raise ValueError(f"{where}: not TOML: {err}") from None
     unknown = set(document) - {"principal"}
     if unknown:
-        raise ValueError(f"{where}: unknown top-level keys {sorted(unknown)} (only [[principal]] tables)")
+        raise ValueError(
+            f"{where}: unknown top-level keys {sorted(unknown)} (only [[principal]] tables)"
+        )
     tables = document.get("principal", [])
     if not isinstance(tables, list):
         raise ValueError(f"{where}: 'principal' must be an array of tables ([[principal]])")
@@ -91,8 +100,10 @@ def parse_tokens_file(text: str, where: str = "tokens file") -> dict[str, Princi
         if principal.name in names or principal.name in (CLUSTER_PRINCIPAL, ANONYMOUS):
             raise ValueError(f"{where}: principal #{index + 1}: name {principal.name!r} is taken")
         if digest in by_hash:
-            raise ValueError(f"{where}: principal #{index + 1}: token_sha256 repeats that of "
-                             f"{by_hash[digest].name!r}")
+            raise ValueError(
+                f"{where}: principal #{index + 1}: token_sha256 repeats that of "
+                f"{by_hash[digest].name!r}"
+            )
         names.add(principal.name)
         by_hash[digest] = principal
     return by_hash
@@ -103,7 +114,9 @@ def _parse_principal(table: Any, where: str) -> tuple[str, Principal]:
         raise ValueError(f"{where}: must be a table")
     unknown = set(table) - _PRINCIPAL_KEYS
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(_PRINCIPAL_KEYS)})")
+        raise ValueError(
+            f"{where}: unknown keys {sorted(unknown)} (allowed: {sorted(_PRINCIPAL_KEYS)})"
+        )
     name = table.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: name must be a non-empty string")
@@ -118,13 +131,18 @@ def _parse_principal(table: Any, where: str) -> tuple[str, Principal]:
     if not isinstance(tensors, list) or not all(isinstance(p, str) and p for p in tensors):
         raise ValueError(f"{where}: tensors must be a list of non-empty glob patterns")
     max_streams = table.get("max_streams")
-    if max_streams is not None and (not isinstance(max_streams, int) or isinstance(max_streams, bool)
-                                    or max_streams < 1):
+    if max_streams is not None and (
+        not isinstance(max_streams, int) or isinstance(max_streams, bool) or max_streams < 1
+    ):
         raise ValueError(f"{where}: max_streams must be an integer >= 1")
     max_bytes = table.get("max_bytes")
-    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+    ):
         raise ValueError(f"{where}: max_bytes must be an integer >= 0")
-    return digest.lower(), Principal(name, role, ROLE_RIGHTS[role], tuple(tensors), max_streams, max_bytes)
+    return digest.lower(), Principal(
+        name, role, ROLE_RIGHTS[role], tuple(tensors), max_streams, max_bytes
+    )
 
 
 class PrincipalBook:
@@ -147,7 +165,9 @@ class PrincipalBook:
             try:
                 text = path.read_text()
             except OSError as err:
-                raise ValueError(f"--tokens-file {self.tokens_file!r}: cannot read: {err.strerror}") from None
+                raise ValueError(
+                    f"--tokens-file {self.tokens_file!r}: cannot read: {err.strerror}"
+                ) from None
             by_hash = parse_tokens_file(text, f"--tokens-file {self.tokens_file!r}")
         if self._admin_token:
             by_hash[token_sha256(self._admin_token)] = Principal("admin", ADMIN, ROLE_RIGHTS[ADMIN])
@@ -183,33 +203,39 @@ class ClusterSecret:
         self._presented = secret.encode()
 
     @classmethod
-    def from_file(cls, path: str) -> "ClusterSecret":
+    def from_file(cls, path: str) -> ClusterSecret:
         """The secret in `path` (its first line); ValueError names --cluster-secret-file."""
         try:
             text = Path(path).read_text().strip()
         except OSError as err:
-            raise ValueError(f"--cluster-secret-file {path!r}: cannot read: {err.strerror}") from None
+            raise ValueError(
+                f"--cluster-secret-file {path!r}: cannot read: {err.strerror}"
+            ) from None
         try:
             return cls(text, path)
         except ValueError as err:
             raise ValueError(f"--cluster-secret-file {path!r}: {err}") from None
 
     @classmethod
-    def generate(cls) -> "ClusterSecret":
+    def generate(cls) -> ClusterSecret:
         return cls(secrets.token_urlsafe(32))
 
     @classmethod
-    def in_state_dir(cls, path: Path) -> "ClusterSecret":
+    def in_state_dir(cls, path: Path) -> ClusterSecret:
         """The secret kept at `path`, made (readable by this user only) when there is none yet."""
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as out:
                 out.write(cls.generate().secret + "\n")
-            log.info("wrote a new cluster secret to %s (ranks join with --cluster-secret-file %s)", path, path)
+            log.info(
+                "wrote a new cluster secret to %s (ranks join with --cluster-secret-file %s)",
+                path,
+                path,
+            )
         return cls.from_file(str(path))
 
-    def write(self, path: Path) -> "ClusterSecret":
+    def write(self, path: Path) -> ClusterSecret:
         """Store the secret at `path`, readable by this user only (the ranks' --cluster-secret-file): itself,
         with that path."""
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,13 +257,20 @@ class ClusterCertificate:
 
     def __init__(self, name: str) -> None:
         if not name or not name.strip() or not (name.isascii() and name.isprintable()):
-            raise ValueError(f"--cluster-cert-name {name!r} must be a non-empty printable ASCII name")
+            raise ValueError(
+                f"--cluster-cert-name {name!r} must be a non-empty printable ASCII name"
+            )
         self.name = name
 
     def matches(self, auth_context: Mapping[str, Sequence[bytes]]) -> bool:
         """Whether the peer of a TLS call (gRPC's auth context) presented a verified certificate of the cluster."""
-        if b"ssl" not in auth_context.get("transport_security_type", ()) or not auth_context.get("x509_pem_cert"):
+        if b"ssl" not in auth_context.get("transport_security_type", ()) or not auth_context.get(
+            "x509_pem_cert"
+        ):
             return False
         wanted = self.name.encode()
-        names = (*auth_context.get("x509_common_name", ()), *auth_context.get("x509_subject_alternative_name", ()))
+        names = (
+            *auth_context.get("x509_common_name", ()),
+            *auth_context.get("x509_subject_alternative_name", ()),
+        )
         return any(hmac.compare_digest(wanted, presented) for presented in names)

@@ -6,9 +6,11 @@ interceptor here wraps each method's deserializer so that it hands the method a
 marker instead of raising, and the method then answers INVALID_ARGUMENT naming
 the message type it expected; streamed requests are checked as they are read.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -26,10 +28,13 @@ class RequestDecodingInterceptor(grpc.ServerInterceptor):
     """INVALID_ARGUMENT for undecodable requests instead of grpcio's INTERNAL."""
 
     def __init__(self) -> None:
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}  # method -> (its, ours)
+        self._wrapped: dict[
+            str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]
+        ] = {}  # method -> (its, ours)
 
-    def intercept_service(self, continuation: Callable[[Any], Any],
-                          handler_call_details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
         handler = continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
@@ -52,14 +57,21 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         except Exception as err:  # noqa: BLE001 - any parse failure is the caller's bad bytes
             return _Undecodable(f"request: not a serialized {what} ({type(err).__name__}: {err})")
 
-    kwargs = {"request_deserializer": tolerant_decode, "response_serializer": handler.response_serializer}
+    kwargs = {
+        "request_deserializer": tolerant_decode,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.request_streaming:
         behavior = handler.stream_stream or handler.stream_unary
 
         def run_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             return behavior(_checked(requests, context), context)
-        make = grpc.stream_stream_rpc_method_handler if handler.response_streaming \
+
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.response_streaming
             else grpc.stream_unary_rpc_method_handler
+        )
         return make(run_stream, **kwargs)
     behavior = handler.unary_stream or handler.unary_unary
 
@@ -67,7 +79,12 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         if isinstance(request, _Undecodable):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         return behavior(request, context)
-    make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else grpc.unary_unary_rpc_method_handler
+
+    make = (
+        grpc.unary_stream_rpc_method_handler
+        if handler.response_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
     return make(run, **kwargs)
 
 

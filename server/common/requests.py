@@ -1,14 +1,14 @@
 """Checks of request fields shared by both servicers; each error names its field."""
+
 from __future__ import annotations
 
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument
-from shardcore.dtypes import dtype_from_wire, dtype_name
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.validation import validate_metadata
-from shardcore.wire import metadata_from_proto
+from shardserve.core.dtypes import dtype_from_wire, dtype_name
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.validation import validate_metadata
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument
 
 MAX_NAME_LENGTH = 256
 
@@ -18,7 +18,9 @@ def check_name(name: str, field: str = "name") -> str:
     if not name:
         raise InvalidArgument(f"{field} is empty")
     if len(name) > MAX_NAME_LENGTH:
-        raise InvalidArgument(f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}")
+        raise InvalidArgument(
+            f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
+        )
     if not name.isprintable():
         raise InvalidArgument(f"{field} {name!r} contains non-printable characters")
     return name
@@ -33,7 +35,9 @@ MAX_VERSION = 1 << 63
 def check_put_token(token: str, field: str = "put_token") -> str:
     """A client's put token: empty (none) or up to 128 printable ASCII characters."""
     if len(token) > MAX_PUT_TOKEN_LENGTH:
-        raise InvalidArgument(f"{field} is {len(token)} characters long; the limit is {MAX_PUT_TOKEN_LENGTH}")
+        raise InvalidArgument(
+            f"{field} is {len(token)} characters long; the limit is {MAX_PUT_TOKEN_LENGTH}"
+        )
     if not (token.isascii() and token.isprintable()):
         raise InvalidArgument(f"{field} {token!r} must be printable ASCII")
     return token
@@ -50,11 +54,15 @@ def check_version(version: int, field: str = "version", allow_zero: bool = False
 
 def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> ShardedTensorMetadata:
     """Wire metadata as a validated shardcore layout; InvalidArgument names the bad part."""
-    if len(msg.size) > MAX_DIMS:  # checked before any work: validation costs grow with dims x shards
+    if (
+        len(msg.size) > MAX_DIMS
+    ):  # checked before any work: validation costs grow with dims x shards
         raise InvalidArgument(f"{field}.size has {len(msg.size)} dims; the limit is {MAX_DIMS}")
     if len(msg.shards_metadata) > MAX_SHARDS:
-        raise InvalidArgument(f"{field}.shards_metadata has {len(msg.shards_metadata)} shards; the limit is "
-                              f"{MAX_SHARDS}")
+        raise InvalidArgument(
+            f"{field}.shards_metadata has {len(msg.shards_metadata)} shards; the limit is "
+            f"{MAX_SHARDS}"
+        )
     try:
         meta = metadata_from_proto(msg)
         if meta.nbytes >= 1 << 63:
@@ -79,8 +87,10 @@ def check_options(options: pb.TensorOptions, meta: ShardedTensorMetadata) -> Non
             raise InvalidArgument("options.oov OOV_DEFAULT needs a 2-D table")
         row_bytes = meta.size[1] * meta.tensor_properties.itemsize
         if len(options.default_row) != row_bytes:
-            raise InvalidArgument(f"options.default_row has {len(options.default_row)} bytes; one row of "
-                                  f"this table is {row_bytes} bytes")
+            raise InvalidArgument(
+                f"options.default_row has {len(options.default_row)} bytes; one row of "
+                f"this table is {row_bytes} bytes"
+            )
     elif options.default_row:
         raise InvalidArgument("options.default_row is set but options.oov is not OOV_DEFAULT")
 
@@ -93,10 +103,11 @@ def parse_dtype(number: int, field: str) -> torch.dtype:
         raise InvalidArgument(f"{field}: {err}") from None
 
 
-
 def check_init(init: int, dtype: torch.dtype) -> None:
     """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
     if init not in pb.InitKind.values():
         raise InvalidArgument(f"init {init} is not a known InitKind")
     if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
-        raise InvalidArgument(f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}")
+        raise InvalidArgument(
+            f"init INIT_NORMAL needs a floating or complex dtype, not {dtype_name(dtype)}"
+        )

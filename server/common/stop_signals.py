@@ -1,10 +1,11 @@
 """SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node), and
 SIGHUP as "re-read the tokens file"."""
+
 from __future__ import annotations
 
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class Stop(Exception):

@@ -19,23 +19,29 @@ for ever. So:
 Calls made with the cluster credential (collective jobs, which wait on each
 other for minutes) are not limited.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
-
-from server.common.access import replace_behavior
-from server.common.principals import ANONYMOUS, CLUSTER_PRINCIPAL, Principal
+from shardserve.server.common.access import replace_behavior
+from shardserve.server.common.principals import ANONYMOUS, CLUSTER_PRINCIPAL, Principal
 
 log = logging.getLogger(__name__)
 
-WATCHED_METHODS = frozenset({"/shardserve.v1.ShardServer/ReadRegion", "/shardserve.v1.ShardServer/Lookup",
-                             "/shardserve.v1.ShardServer/WriteShard"})
+WATCHED_METHODS = frozenset(
+    {
+        "/shardserve.v1.ShardServer/ReadRegion",
+        "/shardserve.v1.ShardServer/Lookup",
+        "/shardserve.v1.ShardServer/WriteShard",
+    }
+)
 DEFAULT_STALL_TIMEOUT_S = 30.0
 
 
@@ -52,8 +58,10 @@ class StreamLimitSettings:
 
     def __post_init__(self) -> None:
         if not 0 < self.small_calls + self.max_waiting < self.workers:
-            raise ValueError(f"small_calls {self.small_calls} + max_waiting {self.max_waiting} must leave "
-                             f"threads for streams out of {self.workers} workers")
+            raise ValueError(
+                f"small_calls {self.small_calls} + max_waiting {self.max_waiting} must leave "
+                f"threads for streams out of {self.workers} workers"
+            )
         if self.per_principal < 1:
             raise ValueError(f"per_principal must be >= 1, got {self.per_principal}")
         if not self.stall_timeout > 0:
@@ -93,9 +101,14 @@ class StreamLimits:
     def close(self) -> None:
         self._stop.set()
 
-    def wrap(self, principal: Principal, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def wrap(
+        self, principal: Principal, method: str, handler: grpc.RpcMethodHandler
+    ) -> grpc.RpcMethodHandler:
         """`handler` admitted against the limits and, for watched methods, watched for stalls."""
-        if not (handler.request_streaming or handler.response_streaming) or principal.name == CLUSTER_PRINCIPAL:
+        if (
+            not (handler.request_streaming or handler.response_streaming)
+            or principal.name == CLUSTER_PRINCIPAL
+        ):
             return handler
         limit = principal.max_streams or self.settings.per_principal
         watched = method in WATCHED_METHODS
@@ -105,7 +118,11 @@ class StreamLimits:
             behavior = handler.unary_stream
 
         def run(request: Any, context: grpc.ServicerContext) -> Any:
-            key = principal.name if principal.name != ANONYMOUS else f"peer {_peer_host(context.peer())}"
+            key = (
+                principal.name
+                if principal.name != ANONYMOUS
+                else f"peer {_peer_host(context.peer())}"
+            )
             self._admit(key, limit, context, method)
             slot = _Slot(self, key, self._watch_call(context, method, key) if watched else None)
             context.add_callback(slot.release)  # however the call ends, cancelled included
@@ -120,6 +137,7 @@ class StreamLimits:
                 return _released_after(answer, slot)
             slot.release()
             return answer
+
         return replace_behavior(handler, run)
 
     # ------------------------------------------------------------ admission
@@ -147,8 +165,11 @@ class StreamLimits:
     def _refuse(self, context: grpc.ServicerContext, key: str, limit: int, method: str) -> None:
         self.refused += 1
         held = self._by_key.get(key, 0)
-        message = (f"too many streaming calls: {key} holds {held} of its {limit}" if held >= limit else
-                   f"too many streaming calls: this server runs {self._running} of its {self.settings.max_streams}")
+        message = (
+            f"too many streaming calls: {key} holds {held} of its {limit}"
+            if held >= limit
+            else f"too many streaming calls: this server runs {self._running} of its {self.settings.max_streams}"
+        )
         log.warning("refused %s: %s", method, message)
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message + "; retry later")
 
@@ -177,13 +198,20 @@ class StreamLimits:
         while not self._stop.wait(period):
             now = time.monotonic()
             with self._lock:
-                stalled = [e for e in self._watched.values() if now - e.moved > self.settings.stall_timeout]
+                stalled = [
+                    e for e in self._watched.values() if now - e.moved > self.settings.stall_timeout
+                ]
                 for entry in stalled:
                     self._watched.pop(id(entry), None)
             for entry in stalled:
                 self.cancelled_stalls += 1
-                log.warning("cancelled %s of %s (%s): no message moved for %.1fs (--stall-timeout)",
-                            entry.method, entry.who, entry.context.peer(), self.settings.stall_timeout)
+                log.warning(
+                    "cancelled %s of %s (%s): no message moved for %.1fs (--stall-timeout)",
+                    entry.method,
+                    entry.who,
+                    entry.context.peer(),
+                    self.settings.stall_timeout,
+                )
                 entry.context.cancel()
 
 

@@ -9,6 +9,7 @@ standard OpenTelemetry gRPC server interceptor; calls this process makes
 carry it on (protos.trace_context). Work handed to other threads keeps the
 caller's trace through `carry_context`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,12 +18,12 @@ import contextvars
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import grpc
-
-from protos.trace_context import UNTRACED_METHODS
+from shardserve.protos.trace_context import UNTRACED_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +37,14 @@ _provider: Any = None  # this process's TracerProvider while tracing is on, else
 
 def add_tracing_args(parser: argparse.ArgumentParser) -> None:
     """--tracing (docs/operations.md#tracing)."""
-    parser.add_argument("--tracing", default=os.environ.get(TRACING_ENV) or None, metavar="EXPORTER",
-                        help="trace RPCs with OpenTelemetry and export the spans: otlp (OTEL_EXPORTER_OTLP_* "
-                        "settings; needs the `tracing` extra), console (JSON on stderr) or file:DIR (JSON lines "
-                        f"in DIR/SERVICE-PID.jsonl); default: ${TRACING_ENV}, else off")
+    parser.add_argument(
+        "--tracing",
+        default=os.environ.get(TRACING_ENV) or None,
+        metavar="EXPORTER",
+        help="trace RPCs with OpenTelemetry and export the spans: otlp (OTEL_EXPORTER_OTLP_* "
+        "settings; needs the `tracing` extra), console (JSON on stderr) or file:DIR (JSON lines "
+        f"in DIR/SERVICE-PID.jsonl); default: ${TRACING_ENV}, else off",
+    )
 
 
 def check_exporter(exporter: str) -> str:
@@ -71,37 +76,54 @@ def enable_tracing(exporter: str, service: str, attributes: dict[str, Any] | Non
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
     except ImportError as err:
-        raise ValueError(f"--tracing needs OpenTelemetry: pip install 'shardserve[tracing]' ({err})") from None
+        raise ValueError(
+            f"--tracing needs OpenTelemetry: pip install 'shardserve[tracing]' ({err})"
+        ) from None
     named = {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": service}
     provider = TracerProvider(resource=Resource.create({**named, **(attributes or {})}))
     provider.add_span_processor(_span_processor(exporter, service))
     _provider = provider
-    log.info("tracing RPCs as %s, exporting to %s", named.get("service.name", os.environ.get("OTEL_SERVICE_NAME")),
-             exporter)
+    log.info(
+        "tracing RPCs as %s, exporting to %s",
+        named.get("service.name", os.environ.get("OTEL_SERVICE_NAME")),
+        exporter,
+    )
     return True
 
 
 def _span_processor(exporter: str, service: str) -> Any:
     """Batches to OTLP and to a file (written within FILE_FLUSH_MS of a span's end, off the calls' threads);
     writes each span to the console as it ends."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+    )
 
     if exporter == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as err:
-            raise ValueError(f"--tracing otlp needs opentelemetry-exporter-otlp-proto-http: pip install "
-                             f"'shardserve[tracing]' ({err})") from None
+            raise ValueError(
+                f"--tracing otlp needs opentelemetry-exporter-otlp-proto-http: pip install "
+                f"'shardserve[tracing]' ({err})"
+            ) from None
         return BatchSpanProcessor(OTLPSpanExporter())
     if exporter == "console":
-        return SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr, formatter=_one_line))  # stdout: the address
-    folder = Path(exporter[len("file:"):])
+        return SimpleSpanProcessor(
+            ConsoleSpanExporter(out=sys.stderr, formatter=_one_line)
+        )  # stdout: the address
+    folder = Path(exporter[len("file:") :])
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        out = open(folder / f"{service}-{os.getpid()}.jsonl", "a", buffering=1)  # closed at process exit
+        out = open(
+            folder / f"{service}-{os.getpid()}.jsonl", "a", buffering=1
+        )  # closed at process exit
     except OSError as err:
         raise ValueError(f"--tracing {exporter}: cannot write there: {err}") from None
-    return BatchSpanProcessor(ConsoleSpanExporter(out=out, formatter=_one_line), schedule_delay_millis=FILE_FLUSH_MS)
+    return BatchSpanProcessor(
+        ConsoleSpanExporter(out=out, formatter=_one_line), schedule_delay_millis=FILE_FLUSH_MS
+    )
 
 
 def _one_line(finished: Any) -> str:
@@ -130,14 +152,18 @@ def server_interceptors() -> list[grpc.ServerInterceptor]:
     from opentelemetry.instrumentation.grpc import filters, server_interceptor
 
     untraced = [filters.full_method_name(m) for m in UNTRACED_METHODS]
-    return [server_interceptor(tracer_provider=_provider, filter_=filters.negate(filters.any_of(*untraced)))]
+    return [
+        server_interceptor(
+            tracer_provider=_provider, filter_=filters.negate(filters.any_of(*untraced))
+        )
+    ]
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:
     """`channel` whose calls carry this process's trace on while tracing is on; `channel` itself otherwise."""
     if _provider is None:
         return channel
-    from protos.trace_context import TraceContextInterceptor
+    from shardserve.protos.trace_context import TraceContextInterceptor
 
     return grpc.intercept_channel(channel, TraceContextInterceptor(_provider))
 

@@ -5,18 +5,19 @@ as serialized protobuf bytes (never pickle). Versions come from one counter
 over the whole catalog that only grows. Keeping the catalog behind `Catalog`
 lets a networked store replace SQLite for a highly available coordinator.
 """
+
 from __future__ import annotations
 
 import abc
 import logging
 import sqlite3
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import RemoteDevice
+from shardserve.core.metadata import RemoteDevice
+from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ class Catalog(abc.ABC):
         return self.commit_all([(name, version)])[0]
 
     @abc.abstractmethod
-    def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
+    def commit_all(
+        self, versions: list[tuple[str, int]]
+    ) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
         """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
 
     @abc.abstractmethod
@@ -75,7 +78,9 @@ class Catalog(abc.ABC):
         return ready[-1] if ready else None
 
     @abc.abstractmethod
-    def commit_snapshot(self, snapshot: pb.SnapshotInfo) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
+    def commit_snapshot(
+        self, snapshot: pb.SnapshotInfo
+    ) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
         """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
         prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows)."""
 
@@ -123,10 +128,13 @@ class SQLiteCatalog(Catalog):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False,
-                                   timeout=10.0)
+        self._db = sqlite3.connect(
+            str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
+        )
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # NORMAL may lose the last commits to a power cut: a commit
+        self._db.execute(
+            "PRAGMA synchronous=FULL"
+        )  # NORMAL may lose the last commits to a power cut: a commit
         # the ranks acted on (an old version dropped) must survive, and catalog writes are few
         self._db.executescript(_SCHEMA)
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
@@ -145,12 +153,16 @@ class SQLiteCatalog(Catalog):
     def next_version(self) -> int:
         with self._transaction() as db:
             db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
-            return int(db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0])
+            return int(
+                db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
+            )
 
     def next_versions(self, count: int) -> list[int]:
         with self._transaction() as db:
             db.execute("UPDATE counters SET value = value + ? WHERE name = 'version'", (count,))
-            last = int(db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0])
+            last = int(
+                db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
+            )
         return list(range(last - count + 1, last + 1))
 
     def add(self, info: pb.TensorInfo) -> None:
@@ -158,14 +170,20 @@ class SQLiteCatalog(Catalog):
 
     def add_all(self, infos: list[pb.TensorInfo]) -> None:
         with self._transaction() as db:
-            db.executemany("INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
-                           [(info.name, info.version, info.state, info.SerializeToString()) for info in infos])
+            db.executemany(
+                "INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
+                [(info.name, info.version, info.state, info.SerializeToString()) for info in infos],
+            )
 
-    def commit_all(self, versions: list[tuple[str, int]]) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
+    def commit_all(
+        self, versions: list[tuple[str, int]]
+    ) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
         with self._transaction() as db:
             return [_commit_in(db, name, version) for name, version in versions]
 
-    def commit_snapshot(self, snapshot: pb.SnapshotInfo) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
+    def commit_snapshot(
+        self, snapshot: pb.SnapshotInfo
+    ) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
         committed = pb.SnapshotInfo()
         committed.CopyFrom(snapshot)
         committed.state = pb.READY
@@ -173,41 +191,52 @@ class SQLiteCatalog(Catalog):
             for entry in committed.entries:
                 ready, _ = _commit_in(db, entry.tensor.name, entry.tensor.version)
                 entry.tensor.CopyFrom(ready)
-            db.execute("INSERT INTO snapshots (prefix, number, info) VALUES (?, ?, ?)",
-                       (committed.prefix, committed.number, committed.SerializeToString()))
+            db.execute(
+                "INSERT INTO snapshots (prefix, number, info) VALUES (?, ?, ?)",
+                (committed.prefix, committed.number, committed.SerializeToString()),
+            )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
         return committed, removed
 
     def snapshots(self, prefix: str) -> list[pb.SnapshotInfo]:
         with self._lock:
-            rows = self._db.execute("SELECT info FROM snapshots WHERE prefix = ? ORDER BY number",
-                                    (prefix,)).fetchall()
+            rows = self._db.execute(
+                "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number", (prefix,)
+            ).fetchall()
         return [pb.SnapshotInfo.FromString(r[0]) for r in rows]
 
     def update(self, info: pb.TensorInfo) -> None:
         with self._transaction() as db:
-            cursor = db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
-                                (info.state, info.SerializeToString(), info.name, info.version))
+            cursor = db.execute(
+                "UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
+                (info.state, info.SerializeToString(), info.name, info.version),
+            )
             if cursor.rowcount != 1:
                 raise KeyError(f"tensor {info.name!r} version {info.version} is not in the catalog")
 
     def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
-        where, args = ("name = ?", (name,)) if version == 0 else ("name = ? AND version = ?", (name, version))
+        where, args = (
+            ("name = ?", (name,)) if version == 0 else ("name = ? AND version = ?", (name, version))
+        )
         with self._transaction() as db:
-            removed = [_parse(r[0]) for r in db.execute(f"SELECT info FROM tensors WHERE {where}", args)]
+            removed = [
+                _parse(r[0]) for r in db.execute(f"SELECT info FROM tensors WHERE {where}", args)
+            ]
             db.execute(f"DELETE FROM tensors WHERE {where}", args)
         return removed
 
     def get(self, name: str, version: int) -> pb.TensorInfo | None:
         with self._lock:
-            row = self._db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?",
-                                   (name, version)).fetchone()
+            row = self._db.execute(
+                "SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)
+            ).fetchone()
         return _parse(row[0]) if row else None
 
     def versions(self, name: str) -> list[pb.TensorInfo]:
         with self._lock:
-            rows = self._db.execute("SELECT info FROM tensors WHERE name = ? ORDER BY version",
-                                    (name,)).fetchall()
+            rows = self._db.execute(
+                "SELECT info FROM tensors WHERE name = ? ORDER BY version", (name,)
+            ).fetchall()
         return [_parse(r[0]) for r in rows]
 
     def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
@@ -238,35 +267,63 @@ def ranks_of(info: pb.TensorInfo) -> list[int]:
 def holding_ranks(info: pb.TensorInfo) -> list[int]:
     """Distinct ranks holding a copy of a catalog row that is not lost (those that allocate and promote it)."""
     lost = set(info.lost_shards)
-    return sorted({RemoteDevice(s.placement).rank() for i, s in enumerate(info.metadata.shards_metadata)
-                   if i not in lost})
+    return sorted(
+        {
+            RemoteDevice(s.placement).rank()
+            for i, s in enumerate(info.metadata.shards_metadata)
+            if i not in lost
+        }
+    )
 
 
 def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[pb.TensorInfo]:
     """Within an open transaction: remove the snapshots of `prefix` beyond the newest `keep` and their tensor
     rows; return the rows removed."""
-    old = [pb.SnapshotInfo.FromString(r[0]) for r in db.execute(
-        "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?", (prefix, keep))]
+    old = [
+        pb.SnapshotInfo.FromString(r[0])
+        for r in db.execute(
+            "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
+            (prefix, keep),
+        )
+    ]
     removed = []
     for snapshot in old:
         for entry in snapshot.entries:
-            removed += [_parse(r[0]) for r in db.execute("SELECT info FROM tensors WHERE name = ?",
-                                                           (entry.tensor.name,))]
+            removed += [
+                _parse(r[0])
+                for r in db.execute("SELECT info FROM tensors WHERE name = ?", (entry.tensor.name,))
+            ]
             db.execute("DELETE FROM tensors WHERE name = ?", (entry.tensor.name,))
-        db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, snapshot.number))
+        db.execute(
+            "DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, snapshot.number)
+        )
     return removed
 
 
-def _commit_in(db: sqlite3.Connection, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
+def _commit_in(
+    db: sqlite3.Connection, name: str, version: int
+) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
     """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
-    row = db.execute("SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)).fetchone()
+    row = db.execute(
+        "SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)
+    ).fetchone()
     if row is None:
         raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
     info = _parse(row[0])
     info.state = pb.READY
-    older = [_parse(r[0]) for r in db.execute(
-        "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?", (name, version, pb.READY))]
-    db.execute("DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?", (name, version, pb.READY))
-    db.execute("UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
-               (pb.READY, info.SerializeToString(), name, version))
+    older = [
+        _parse(r[0])
+        for r in db.execute(
+            "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?",
+            (name, version, pb.READY),
+        )
+    ]
+    db.execute(
+        "DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?",
+        (name, version, pb.READY),
+    )
+    db.execute(
+        "UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
+        (pb.READY, info.SerializeToString(), name, version),
+    )
     return info, older

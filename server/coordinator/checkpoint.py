@@ -19,6 +19,7 @@ every rank succeeded, so a failed save leaves the checkpoint that was there.
 Jobs are numbered by the same CollectiveRunner as reshards (coordinator/collectives.py), so checkpoint
 jobs and reshards enter collectives in one order on every rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,27 +27,28 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import ExitStack
-from typing import Generator, Iterable, Iterator, Protocol
+from typing import Protocol
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import (
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.access import caller
+from shardserve.server.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
 )
-from server.common.requests import check_name, parse_metadata
-from server.common.access import caller
-from server.coordinator.catalog import Catalog, ranks_of
-from server.coordinator.quotas import ByteQuotas
-from server.coordinator.collectives import CollectiveRunner, job_timeout
-from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry
-from shardcore.dtypes import dtype_to_wire
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_from_proto, metadata_to_proto
+from shardserve.server.common.requests import check_name, parse_metadata
+from shardserve.server.coordinator.catalog import Catalog, ranks_of
+from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.quotas import ByteQuotas
+from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +63,21 @@ def _check_path(path: str) -> str:
     if not path:
         raise InvalidArgument("path is empty")
     if not os.path.isabs(path):
-        raise InvalidArgument(f"path {path!r} must be absolute (the ranks resolve it, not the client)")
+        raise InvalidArgument(
+            f"path {path!r} must be absolute (the ranks resolve it, not the client)"
+        )
     if "\x00" in path:
         raise InvalidArgument(f"path {path!r} holds a NUL character")
     if len(path.encode()) > MAX_PATH_BYTES:
-        raise InvalidArgument(f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}")
+        raise InvalidArgument(
+            f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}"
+        )
     return path
 
 
 def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
     """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
-    from server.common.dcp_metadata import (
+    from shardserve.server.common.dcp_metadata import (
         checkpoint_tensors,  # DCP is imported on first use, not at start-up
     )
 
@@ -81,9 +87,12 @@ def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
         raise NotFound(str(err)) from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"path {path!r}: {err}") from None
-    return pb.InspectCheckpointResponse(tensors=[
-        pb.CheckpointEntry(name=key, size=size, dtype=dtype_to_wire(dtype))
-        for key, (size, dtype) in sorted(entries.items())])
+    return pb.InspectCheckpointResponse(
+        tensors=[
+            pb.CheckpointEntry(name=key, size=size, dtype=dtype_to_wire(dtype))
+            for key, (size, dtype) in sorted(entries.items())
+        ]
+    )
 
 
 class VersionLifecycle(Protocol):
@@ -99,9 +108,16 @@ class VersionLifecycle(Protocol):
 class CheckpointDriver:
     """LoadCheckpoint / SaveCheckpoint on the coordinator."""
 
-    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
-                 versions: VersionLifecycle, default_timeout_s: float = DEFAULT_TIMEOUT_S,
-                 quotas: ByteQuotas | None = None) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        registry: RankRegistry,
+        locks: NameLocks,
+        collectives: CollectiveRunner,
+        versions: VersionLifecycle,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+        quotas: ByteQuotas | None = None,
+    ) -> None:
         self.catalog = catalog
         self.quotas = quotas if quotas is not None else ByteQuotas(catalog)
         self.registry = registry
@@ -119,8 +135,10 @@ class CheckpointDriver:
         alive = {r.rank for r in ranks if r.alive}
         missing = sorted(set(range(world)) - alive)
         if missing:
-            raise Unavailable(f"checkpoints need every rank of the world ({world}); ranks {missing} are "
-                              f"not registered or not alive")
+            raise Unavailable(
+                f"checkpoints need every rank of the world ({world}); ranks {missing} are "
+                f"not registered or not alive"
+            )
         return list(range(world))
 
     def _timeout(self, value: float) -> float:
@@ -140,11 +158,15 @@ class CheckpointDriver:
                 raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
             meta = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
             if name not in saved:
-                raise NotFound(f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
-                               f"(it holds {sorted(saved)})")
+                raise NotFound(
+                    f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
+                    f"(it holds {sorted(saved)})"
+                )
             if tuple(saved[name].size) != meta.size:
-                raise InvalidArgument(f"tensors[{i}].metadata: size {meta.size} but {name!r} is "
-                                      f"{tuple(saved[name].size)} in the checkpoint")
+                raise InvalidArgument(
+                    f"tensors[{i}].metadata: size {meta.size} but {name!r} is "
+                    f"{tuple(saved[name].size)} in the checkpoint"
+                )
             self.registry.check_placements(meta)
             layouts[name] = meta
         world = self._world()
@@ -153,23 +175,34 @@ class CheckpointDriver:
                 locks.enter_context(self.locks.hold(name))
             for name in layouts:
                 if self.catalog.ready(name) is not None and not request.overwrite:
-                    raise AlreadyExists(f"tensor {name!r} already exists; pass overwrite=True to replace it")
+                    raise AlreadyExists(
+                        f"tensor {name!r} already exists; pass overwrite=True to replace it"
+                    )
             for name in layouts:
                 self.versions.make_room(name, request.overwrite)
             new = self._record(layouts)
             try:
                 yield from self._run_load(path, new, world, timeout_s)
                 for info in new:
-                    self.registry.promote_on(ranks_of(info), info.name, info.version,
-                                                f"promote {info.name!r} version {info.version}")
+                    self.registry.promote_on(
+                        ranks_of(info),
+                        info.name,
+                        info.version,
+                        f"promote {info.name!r} version {info.version}",
+                    )
             except BaseException:
                 for info in new:
                     self.versions.discard(info)
-                log.warning("checkpoint load from %s failed; versions %s dropped", path,
-                            [(i.name, i.version) for i in new])
+                log.warning(
+                    "checkpoint load from %s failed; versions %s dropped",
+                    path,
+                    [(i.name, i.version) for i in new],
+                )
                 raise
             ready = []
-            for committed, older in self.catalog.commit_all([(info.name, info.version) for info in new]):
+            for committed, older in self.catalog.commit_all(
+                [(info.name, info.version) for info in new]
+            ):
                 ready.append(committed)  # every tensor READY in one transaction, or none
                 self.versions.drop_rows(older)
         log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
@@ -184,26 +217,53 @@ class CheckpointDriver:
         owner = principal.name if principal is not None else ""
         try:
             for name, meta in layouts.items():
-                info = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(meta),
-                                     state=pb.PENDING, nbytes=meta.nbytes, created_unix=time.time(), owner=owner)
-                with self.quotas.admit(principal, {n: m.shards_nbytes() for n, m in layouts.items()
-                                                   if n not in {i.name for i in new}}):
+                info = pb.TensorInfo(
+                    name=name,
+                    version=self.catalog.next_version(),
+                    metadata=metadata_to_proto(meta),
+                    state=pb.PENDING,
+                    nbytes=meta.nbytes,
+                    created_unix=time.time(),
+                    owner=owner,
+                )
+                with self.quotas.admit(
+                    principal,
+                    {
+                        n: m.shards_nbytes()
+                        for n, m in layouts.items()
+                        if n not in {i.name for i in new}
+                    },
+                ):
                     self.catalog.add(info)
                 new.append(info)
-                reserve = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
-                                                   reserve_only=True)
-                self.registry.allocate_on(meta.ranks(), reserve, f"reserve {name!r} version {info.version}")
+                reserve = pb.AllocateShardsRequest(
+                    name=name, version=info.version, metadata=info.metadata, reserve_only=True
+                )
+                self.registry.allocate_on(
+                    meta.ranks(), reserve, f"reserve {name!r} version {info.version}"
+                )
         except BaseException:
             for info in new:
                 self.versions.discard(info)
             raise
         return new
 
-    def _run_load(self, path: str, new: list[pb.TensorInfo], world: list[int],
-                  timeout_s: float) -> Iterator[pb.CheckpointProgress]:
-        job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_load=pb.CheckpointJob(path=path, tensors=[
-            pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in new]))
-        yield from _progress(self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new))
+    def _run_load(
+        self, path: str, new: list[pb.TensorInfo], world: list[int], timeout_s: float
+    ) -> Iterator[pb.CheckpointProgress]:
+        job = pb.CollectiveJob(
+            timeout_s=timeout_s,
+            checkpoint_load=pb.CheckpointJob(
+                path=path,
+                tensors=[
+                    pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata)
+                    for i in new
+                ],
+            ),
+        )
+        yield from _progress(
+            self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new)
+        )
 
     def save(self, request: pb.SaveCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
@@ -218,7 +278,9 @@ class CheckpointDriver:
             check_name(name, f"names[{i}]")
         known = {info.name for info in self.catalog.list()}
         unknown = next((name for name in names if name not in known), None)
-        if unknown is not None:  # before any lock: asking for a million unknown names must cost no more than a scan
+        if (
+            unknown is not None
+        ):  # before any lock: asking for a million unknown names must cost no more than a scan
             raise NotFound(f"tensor {unknown!r} not found")
         world = self._world()
         with ExitStack() as locks:
@@ -231,17 +293,30 @@ class CheckpointDriver:
                     raise NotFound(f"tensor {name!r} not found")
                 infos.append(info)
             if any(info.promoting for info in infos):
-                raise FailedPrecondition(f"tensor {next(i.name for i in infos if i.promoting)!r}: its last "
-                                         f"reshard's promotion is unfinished on some rank; save once it is done")
+                raise FailedPrecondition(
+                    f"tensor {next(i.name for i in infos if i.promoting)!r}: its last "
+                    f"reshard's promotion is unfinished on some rank; save once it is done"
+                )
             try:
                 os.makedirs(path, exist_ok=True)
                 staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=path)
             except OSError as err:
                 raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
-            job = pb.CollectiveJob(timeout_s=timeout_s, checkpoint_save=pb.CheckpointJob(path=staging, tensors=[
-                pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata) for i in infos]))
+            job = pb.CollectiveJob(
+                timeout_s=timeout_s,
+                checkpoint_save=pb.CheckpointJob(
+                    path=staging,
+                    tensors=[
+                        pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata)
+                        for i in infos
+                    ],
+                ),
+            )
             try:
-                yield from _progress(self.collectives.run(job, world, f"checkpoint save to {path}"), _job_bytes(infos))
+                yield from _progress(
+                    self.collectives.run(job, world, f"checkpoint save to {path}"),
+                    _job_bytes(infos),
+                )
                 publish_checkpoint(staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -271,10 +346,14 @@ def publish_checkpoint(staging: str, path: str) -> None:
 def _job_bytes(infos: list[pb.TensorInfo]) -> int:
     """The bytes a checkpoint job moves over all ranks: every shard of every tensor (each rank reports its own;
     a rank still queued behind another job has not said yet)."""
-    return sum(metadata_from_proto(info.metadata).shards_nbytes() for info in infos)  # the catalog's: valid
+    return sum(
+        metadata_from_proto(info.metadata).shards_nbytes() for info in infos
+    )  # the catalog's: valid
 
 
-def _progress(runner: Generator[tuple[int, int], None, object], total: int) -> Iterator[pb.CheckpointProgress]:
+def _progress(
+    runner: Generator[tuple[int, int], None, object], total: int
+) -> Iterator[pb.CheckpointProgress]:
     """Progress messages from a CollectiveRunner.run generator (its return value is dropped), out of the job's
     `total` bytes from the first message on."""
     try:
@@ -283,5 +362,3 @@ def _progress(runner: Generator[tuple[int, int], None, object], total: int) -> I
             yield pb.CheckpointProgress(bytes_done=min(done, total), bytes_total=total)
     except StopIteration:
         return
-
-

@@ -11,6 +11,7 @@ participants); any failed job ends its epoch, so the next job forms new groups
 over the live ranks and nothing needs a restart. See
 server/rank/jobs/service.py for the rank side.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,22 +19,23 @@ import math
 import queue
 import threading
 import time
-from typing import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ServiceError
-from server.common.tracing import carry_context
-from server.coordinator.metrics import JobTracker
-from server.coordinator.registry import RankRegistry
-from server.coordinator.rendezvous import Epochs, RendezvousStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, ServiceError
+from shardserve.server.common.tracing import carry_context
+from shardserve.server.coordinator.metrics import JobTracker
+from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
 
 log = logging.getLogger(__name__)
 
 MIN_JOB_TIMEOUT_S = 1.0
-_FAILURE_GRACE_S = 2.0   # after one rank failed, how long to hear the others before naming the culprit
-_RPC_SLACK_S = 15.0      # how long past the job's own timeout a started job's rank is waited for
+_FAILURE_GRACE_S = (
+    2.0  # after one rank failed, how long to hear the others before naming the culprit
+)
+_RPC_SLACK_S = 15.0  # how long past the job's own timeout a started job's rank is waited for
 _CONTROL_TIMEOUT_S = 10.0
 
 
@@ -72,8 +74,13 @@ class JobSequencer:
 class CollectiveRunner:
     """Runs one collective job on its participants and reports their summed progress."""
 
-    def __init__(self, registry: RankRegistry, next_number: Callable[[], int], store_port: int = 0,
-                 store_host: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        registry: RankRegistry,
+        next_number: Callable[[], int],
+        store_port: int = 0,
+        store_host: str = "0.0.0.0",
+    ) -> None:
         self.registry = registry
         self.sequencer = JobSequencer(next_number)
         self.epochs = Epochs(next_number)
@@ -92,8 +99,9 @@ class CollectiveRunner:
             self.sequencer.forget(rank)
             self.epochs.end(self.epochs.current, f"rank {rank} registered")
 
-    def run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
-            ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
+    def run(
+        self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
+    ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
         """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
 
         Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
@@ -109,8 +117,9 @@ class CollectiveRunner:
         finally:
             self.tracker.end(job_id, ok)
 
-    def _run(self, job: pb.CollectiveJob, ranks: Sequence[int], what: str, job_id: int
-             ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
+    def _run(
+        self, job: pb.CollectiveJob, ranks: Sequence[int], what: str, job_id: int
+    ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
         ranks = sorted(set(ranks))
         entries = {r: self.registry.entry(r) for r in ranks}
         with self._assign_lock:  # seq and epoch in one order: a later job never has an older epoch
@@ -119,15 +128,21 @@ class CollectiveRunner:
         job.seq = seq
         del job.ranks[:]
         job.ranks.extend(ranks)
-        events: "queue.Queue[tuple[int, object]]" = queue.Queue()
+        events: queue.Queue[tuple[int, object]] = queue.Queue()
         calls = {}
         for rank, entry in entries.items():
             request = pb.CollectiveJob()
             request.CopyFrom(job)
             request.after_seq = after[rank]
-            calls[rank] = entry.stub.RunCollective(request)  # bounded by the watch below, which cancels it
-            threading.Thread(target=_pump, args=(rank, calls[rank], events), daemon=True,
-                             name=f"collective-{seq}-rank-{rank}").start()
+            calls[rank] = entry.stub.RunCollective(
+                request
+            )  # bounded by the watch below, which cancels it
+            threading.Thread(
+                target=_pump,
+                args=(rank, calls[rank], events),
+                daemon=True,
+                name=f"collective-{seq}-rank-{rank}",
+            ).start()
         latest = {r: pb.CollectiveProgress() for r in ranks}
         finals: dict[int, pb.CollectiveProgress] = {}
         failures: dict[int, object] = {}
@@ -135,7 +150,9 @@ class CollectiveRunner:
         try:
             while len(finals) + len(failures) < len(ranks):
                 try:
-                    rank, item = events.get(timeout=watch.seconds_left(finals.keys() | failures.keys()))
+                    rank, item = events.get(
+                        timeout=watch.seconds_left(finals.keys() | failures.keys())
+                    )
                 except queue.Empty:  # the wait ran to the first limit: that rank is given up
                     break
                 watch.heard(rank, item)
@@ -169,29 +186,54 @@ class CollectiveRunner:
                 self.registry.entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
             except (grpc.RpcError, ServiceError):
                 pass  # a dead rank runs nothing
-        for rank in ranks:
-            threading.Thread(target=carry_context(cancel), args=(rank,), name=f"cancel-{seq}-rank-{rank}",
-                             daemon=True).start()
 
-    def _failure(self, what: str, failures: dict[int, object], missing: list[int]) -> CollectiveJobError:
+        for rank in ranks:
+            threading.Thread(
+                target=carry_context(cancel),
+                args=(rank,),
+                name=f"cancel-{seq}-rank-{rank}",
+                daemon=True,
+            ).start()
+
+    def _failure(
+        self, what: str, failures: dict[int, object], missing: list[int]
+    ) -> CollectiveJobError:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
-        down = {r for r, f in failures.items()
-                if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE}
+        down = {
+            r
+            for r, f in failures.items()
+            if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE
+        }
         down |= {r for r in set(failures) | set(missing) if not self.registry.rank_alive(r)}
-        reporters = {r for r, f in failures.items() if isinstance(f, pb.CollectiveProgress) and f.failed_peers}
-        named = {p for f in failures.values() if isinstance(f, pb.CollectiveProgress) for p in f.failed_peers}
+        reporters = {
+            r
+            for r, f in failures.items()
+            if isinstance(f, pb.CollectiveProgress) and f.failed_peers
+        }
+        named = {
+            p
+            for f in failures.values()
+            if isinstance(f, pb.CollectiveProgress)
+            for p in f.failed_peers
+        }
         culprits = down | (named - reporters)
         if not culprits and (named or missing):
             culprits = named | set(missing)
         details = "; ".join(f"rank {r}: {_describe(f)}" for r, f in sorted(failures.items()))
         if not culprits:
             return CollectiveJobError(f"{what} failed: {details}")
-        parts = [f"rank {r} is down" if r in down or not self.registry.rank_alive(r) else
-                 f"rank {r} did not answer in time (hung?)" for r in sorted(culprits)]
+        parts = [
+            f"rank {r} is down"
+            if r in down or not self.registry.rank_alive(r)
+            else f"rank {r} did not answer in time (hung?)"
+            for r in sorted(culprits)
+        ]
         log.error("%s failed: %s (%s)", what, ", ".join(parts), details)
-        return CollectiveJobError(f"{what} failed: {', '.join(parts)}; the old version stays served, and later "
-                                  f"jobs run in a new epoch over the live ranks. Details: {details or 'no answer'}",
-                                  sorted(culprits))
+        return CollectiveJobError(
+            f"{what} failed: {', '.join(parts)}; the old version stays served, and later "
+            f"jobs run in a new epoch over the live ranks. Details: {details or 'no answer'}",
+            sorted(culprits),
+        )
 
 
 class _JobWatch:
@@ -209,7 +251,9 @@ class _JobWatch:
     def __init__(self, ranks: Sequence[int], run_s: float) -> None:
         now = time.monotonic()
         self.run_s = run_s
-        self.limits = {rank: now + self.SILENCE_S for rank in ranks}  # per rank: when it is given up
+        self.limits = {
+            rank: now + self.SILENCE_S for rank in ranks
+        }  # per rank: when it is given up
         self.running: set[int] = set()
         self.give_up = float("inf")
 
@@ -230,7 +274,7 @@ class _JobWatch:
         return max(0.0, min([self.give_up, *pending]) - time.monotonic())
 
 
-def _pump(rank: int, call: grpc.Call, events: "queue.Queue[tuple[int, object]]") -> None:
+def _pump(rank: int, call: grpc.Call, events: queue.Queue[tuple[int, object]]) -> None:
     """Forward one rank's progress stream (or its RPC failure) into the runner's queue. A CANCELLED stream is
     forwarded too: the runner cancels only once it stopped reading, so this one was cut elsewhere (the rank
     re-registered and its channel was closed) and the job will not hear from that rank again."""
@@ -248,13 +292,12 @@ def _describe(failure: object) -> str:
     return failure.error
 
 
-
 def job_timeout(value: float, default: float) -> float:
     """A collective job's timeout_s: 0 for `default`, else at least MIN_JOB_TIMEOUT_S. A job that times out
     ends its epoch, and a timeout too short for any job to finish would make every job fail."""
     if not (value == 0 or MIN_JOB_TIMEOUT_S <= value < math.inf):  # NaN fails this too
-        raise InvalidArgument(f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
-                              f"seconds >= {MIN_JOB_TIMEOUT_S:g}")
+        raise InvalidArgument(
+            f"timeout_s {value} must be 0 (the default, {default:g} s) or a finite number of "
+            f"seconds >= {MIN_JOB_TIMEOUT_S:g}"
+        )
     return value or default
-
-

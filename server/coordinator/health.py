@@ -6,14 +6,15 @@ and the tensor stays. A dead rank's copies are unavailable while it is dead.
 Answers carry both, with the health shardcore.health derives from them, so a
 client reads surviving boxes from live copies and reports lost ones.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
-from protos import shardserve_pb2 as pb
-from shardcore.health import layout_health, name_ranks, ranks_of_copies
-from shardcore.metadata import RemoteDevice
-from shardcore.wire import metadata_from_proto
+from shardserve.core.health import layout_health, name_ranks, ranks_of_copies
+from shardserve.core.metadata import RemoteDevice
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 
 def shards_on(info: pb.TensorInfo, rank: int) -> list[int]:
@@ -39,7 +40,7 @@ def unavailable_shards(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) ->
 
 
 def boxes_without_copy(info: pb.TensorInfo, unavailable: Iterable[int]) -> str:
-    """"" when every box of `info` keeps a copy outside `unavailable`; else the boxes with none and the ranks their
+    """ "" when every box of `info` keeps a copy outside `unavailable`; else the boxes with none and the ranks their
     copies were on, for an error message."""
     unavailable = list(unavailable)
     if not unavailable:
@@ -60,7 +61,10 @@ def describe(info: pb.TensorInfo, rank_dead: Callable[[int], bool]) -> pb.Tensor
     out.unavailable_shards.extend(unavailable)
     try:
         health = layout_health(metadata_from_proto(info.metadata), unavailable)
-    except (ValueError, TypeError):  # a row the catalog holds was validated when made; never fail an answer
+    except (
+        ValueError,
+        TypeError,
+    ):  # a row the catalog holds was validated when made; never fail an answer
         return out
     out.health, out.replicas = health.state, health.replicas
     return out

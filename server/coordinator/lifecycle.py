@@ -7,6 +7,7 @@ lock; different names proceed in parallel. A tensor becomes visible only when
 every rank has promoted its shards and the catalog row turns READY in one
 transaction.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Callable, Iterable
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from server.common.access import caller
-from server.common.auth import Security
-from server.common.metrics import MetricsEndpoint
-from server.common.errors import (
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.access import caller
+from shardserve.server.common.auth import Security
+from shardserve.server.common.errors import (
     Aborted,
     AlreadyExists,
     DataLoss,
@@ -32,7 +33,8 @@ from server.common.errors import (
     NotFound,
     ServiceError,
 )
-from server.common.requests import (
+from shardserve.server.common.metrics import MetricsEndpoint
+from shardserve.server.common.requests import (
     check_init,
     check_name,
     check_options,
@@ -40,56 +42,82 @@ from server.common.requests import (
     check_version,
     parse_metadata,
 )
-from server.coordinator.catalog import Catalog, holding_ranks, ranks_of
-from server.coordinator.quotas import ByteQuotas, held_bytes
-from server.coordinator.checkpoint import CheckpointDriver
-from server.coordinator.collectives import CollectiveRunner
-from server.coordinator.health import boxes_without_copy, describe, shards_on, unavailable_shards, with_lost
-from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry, versions_by_rank
-from server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
-from server.coordinator.reshard import ReshardDriver
-from server.coordinator.snapshots import SnapshotDriver
-from server.coordinator.update_groups import UpdateGroups
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_to_proto
+from shardserve.server.coordinator.catalog import Catalog, holding_ranks, ranks_of
+from shardserve.server.coordinator.checkpoint import CheckpointDriver
+from shardserve.server.coordinator.collectives import CollectiveRunner
+from shardserve.server.coordinator.health import (
+    boxes_without_copy,
+    describe,
+    shards_on,
+    unavailable_shards,
+    with_lost,
+)
+from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.quotas import ByteQuotas, held_bytes
+from shardserve.server.coordinator.registry import RankRegistry, versions_by_rank
+from shardserve.server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
+from shardserve.server.coordinator.reshard import ReshardDriver
+from shardserve.server.coordinator.snapshots import SnapshotDriver
+from shardserve.server.coordinator.update_groups import UpdateGroups
 
 log = logging.getLogger(__name__)
 
 RECONCILE_ATTEMPTS = 4  # GetStats tries for a rank that is alive again
-ABORTED_TOKENS_KEPT = 4096  # put tokens remembered as aborted, so their late CreateTensor is refused
+ABORTED_TOKENS_KEPT = (
+    4096  # put tokens remembered as aborted, so their late CreateTensor is refused
+)
 
 
 class Coordinator:
     """Registry, catalog and the tensor lifecycle, talking to ranks over gRPC."""
 
-    def __init__(self, catalog: Catalog, security: Security = Security(), heartbeat_interval: float = 1.0,
-                 dead_after: float | None = None, rpc_timeout: float = 60.0,
-                 pending_timeout: float = 600.0, store_port: int = 0, store_host: str = "0.0.0.0",
-                 repair_after: float = DEFAULT_REPAIR_AFTER_S) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        security: Security = Security(),
+        heartbeat_interval: float = 1.0,
+        dead_after: float | None = None,
+        rpc_timeout: float = 60.0,
+        pending_timeout: float = 600.0,
+        store_port: int = 0,
+        store_host: str = "0.0.0.0",
+        repair_after: float = DEFAULT_REPAIR_AFTER_S,
+    ) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
         self.catalog = catalog
         self.heartbeat_interval = heartbeat_interval
         self.pending_timeout = pending_timeout
-        self.registry = RankRegistry(security, dead_after if dead_after is not None else 3 * heartbeat_interval,
-                                     rpc_timeout)
+        self.registry = RankRegistry(
+            security, dead_after if dead_after is not None else 3 * heartbeat_interval, rpc_timeout
+        )
         self.locks = NameLocks()
-        self.update_groups = UpdateGroups()  # row updates of one table: grouped into versions, in one order
-        self.collectives = CollectiveRunner(self.registry, catalog.next_version, store_port, store_host)
+        self.update_groups = (
+            UpdateGroups()
+        )  # row updates of one table: grouped into versions, in one order
+        self.collectives = CollectiveRunner(
+            self.registry, catalog.next_version, store_port, store_host
+        )
         self.reshards = ReshardDriver(catalog, self.registry, self.locks, self.collectives)
         self.quotas = ByteQuotas(catalog)
-        self.checkpoints = CheckpointDriver(catalog, self.registry, self.locks, self.collectives, versions=self,
-                                            quotas=self.quotas)
+        self.checkpoints = CheckpointDriver(
+            catalog, self.registry, self.locks, self.collectives, versions=self, quotas=self.quotas
+        )
         self.repairs = RepairDriver(catalog, self.registry, self.reshards, repair_after)
         self.snapshots = SnapshotDriver(catalog, self.registry, self.locks, self, pending_timeout)
-        self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # (name, put_token), newest last
+        self._aborted_tokens: OrderedDict[tuple[str, str], None] = (
+            OrderedDict()
+        )  # (name, put_token), newest last
         # background work that takes name locks gets its own pool, so it never starves the fan-out
-        self._background = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="coord-background")
+        self._background = futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="coord-background"
+        )
         self.metrics_endpoint: MetricsEndpoint | None = None  # set by whoever serves its metrics
         self.metrics_address = ""  # HOST:PORT of that endpoint as ListRanks tells clients
         self._stop = threading.Event()
-        self._monitor = threading.Thread(target=self._monitor_loop, name="coord-monitor", daemon=True)
+        self._monitor = threading.Thread(
+            target=self._monitor_loop, name="coord-monitor", daemon=True
+        )
         self._monitor.start()
         self.repairs.start()
 
@@ -128,13 +156,21 @@ class Coordinator:
         version, order = joined
         info = self.catalog.get(name, version)
         if info is None:
-            raise Aborted(f"update version {version} of tensor {name!r} was aborted while joining it; ask again")
+            raise Aborted(
+                f"update version {version} of tensor {name!r} was aborted while joining it; ask again"
+            )
         answer = self.describe(info)
         answer.update_order = order
         return answer
 
-    def _make_update(self, name: str, meta: ShardedTensorMetadata, token: str, request: pb.CreateTensorRequest,
-                     claimed: bool = False) -> pb.TensorInfo:
+    def _make_update(
+        self,
+        name: str,
+        meta: ShardedTensorMetadata,
+        token: str,
+        request: pb.CreateTensorRequest,
+        claimed: bool = False,
+    ) -> pb.TensorInfo:
         """Make the pending INIT_COPY version of an update group (member 0), claiming the group unless
         `claimed`; later updates of the table join it (UpdateGroups)."""
         if not claimed:
@@ -148,45 +184,76 @@ class Coordinator:
         return info
 
     def _abort_stale_update(self, name: str, version: int) -> None:
-        log.warning("aborting update %r version %d: pending for more than the update timeout", name, version)
+        log.warning(
+            "aborting update %r version %d: pending for more than the update timeout", name, version
+        )
         try:
             self.abort(name, version)
         except ServiceError as err:
             log.info("aborting stale update %r version %d: %s", name, version, err.message)
 
-    def _create(self, name: str, meta: ShardedTensorMetadata, token: str,
-                request: pb.CreateTensorRequest) -> pb.TensorInfo:
+    def _create(
+        self, name: str, meta: ShardedTensorMetadata, token: str, request: pb.CreateTensorRequest
+    ) -> pb.TensorInfo:
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
-                raise Aborted(f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
-                              f"CreateTensor ran")
+                raise Aborted(
+                    f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
+                    f"CreateTensor ran"
+                )
             options, missing, source_version = request.options, [], 0
             principal = caller()
             owner = principal.name if principal is not None else ""
             if request.init == pb.INIT_COPY:
                 source = self._copy_source(name, meta, request)
-                meta = parse_metadata(source.metadata)  # source_version 0: the READY version's own layout
-                options, missing, source_version = source.options, self._missing_copies(source), source.version
+                meta = parse_metadata(
+                    source.metadata
+                )  # source_version 0: the READY version's own layout
+                options, missing, source_version = (
+                    source.options,
+                    self._missing_copies(source),
+                    source.version,
+                )
                 self.registry.check_placements(meta, skip=set(missing))
                 principal, owner = None, source.owner  # an update keeps the table's owner and size
             self.make_room(name, request.overwrite)
-            info = pb.TensorInfo(name=name, version=self.catalog.next_version(),
-                                 metadata=metadata_to_proto(meta), options=options, state=pb.PENDING,
-                                 nbytes=meta.nbytes, created_unix=time.time(), put_token=token,
-                                 lost_shards=missing, owner=owner)
+            info = pb.TensorInfo(
+                name=name,
+                version=self.catalog.next_version(),
+                metadata=metadata_to_proto(meta),
+                options=options,
+                state=pb.PENDING,
+                nbytes=meta.nbytes,
+                created_unix=time.time(),
+                put_token=token,
+                lost_shards=missing,
+                owner=owner,
+            )
             with self.quotas.admit(principal, {name: held_bytes(info)}):
                 self.catalog.add(info)
-            allocate = pb.AllocateShardsRequest(name=name, version=info.version, metadata=info.metadata,
-                                                init=request.init, seed=request.seed, options=options,
-                                                source_version=source_version)
+            allocate = pb.AllocateShardsRequest(
+                name=name,
+                version=info.version,
+                metadata=info.metadata,
+                init=request.init,
+                seed=request.seed,
+                options=options,
+                source_version=source_version,
+            )
             try:
-                self.registry.allocate_on(holding_ranks(info), allocate,
-                                          f"allocate {name!r} version {info.version}")
+                self.registry.allocate_on(
+                    holding_ranks(info), allocate, f"allocate {name!r} version {info.version}"
+                )
             except ServiceError:
                 self.discard(info)
                 raise
-            log.info("created %r version %d (%d bytes on ranks %s)", name, info.version, meta.nbytes,
-                     list(meta.ranks()))
+            log.info(
+                "created %r version %d (%d bytes on ranks %s)",
+                name,
+                info.version,
+                meta.nbytes,
+                list(meta.ranks()),
+            )
             if request.init in (pb.INIT_NONE, pb.INIT_COPY):
                 return self.describe(info)
             return self._commit_locked(name, info.version)
@@ -196,8 +263,9 @@ class Coordinator:
         update group's version is promoted by its last member's commit (UpdateGroups.finish)."""
         check_name(name)
         check_version(version)
-        return self.update_groups.finish(name, version, lambda: self._commit_named(name, version),
-                                         self._abort_stale_update)
+        return self.update_groups.finish(
+            name, version, lambda: self._commit_named(name, version), self._abort_stale_update
+        )
 
     def _commit_named(self, name: str, version: int) -> pb.TensorInfo:
         with self.locks.hold(name):
@@ -237,8 +305,9 @@ class Coordinator:
         if info is None:
             raise NotFound(f"tensor {name!r} version {version} not found")
         if info.state == pb.READY:
-            raise FailedPrecondition(f"tensor {name!r} version {version} is committed; "
-                                     f"use DeleteTensor to remove it")
+            raise FailedPrecondition(
+                f"tensor {name!r} version {version} is committed; use DeleteTensor to remove it"
+            )
         self.discard(info)
         log.info("aborted %r version %d", name, version)
 
@@ -273,7 +342,9 @@ class Coordinator:
             self.update_groups.end(name)
             ranks = sorted({r for info in removed for r in ranks_of(info)})
             self.registry.drop_quietly(name, 0, ranks)
-            self.reshards.drop_replaced(name)  # a reshard's replaced version, if its promotion was unfinished
+            self.reshards.drop_replaced(
+                name
+            )  # a reshard's replaced version, if its promotion was unfinished
         log.info("deleted %r (versions %s)", name, [i.version for i in removed])
 
     # ------------------------------------------------------------ helpers
@@ -281,24 +352,41 @@ class Coordinator:
     def _commit_locked(self, name: str, version: int) -> pb.TensorInfo:
         info = self.catalog.get(name, version)
         if info is None:
-            raise NotFound(f"tensor {name!r} version {version} not found (never created, aborted or replaced)")
+            raise NotFound(
+                f"tensor {name!r} version {version} not found (never created, aborted or replaced)"
+            )
         if info.state == pb.READY:
             return info
-        newer = [row.version for row in self.catalog.versions(name) if row.state == pb.READY and row.version > version]
-        if newer:  # committing below it would be acknowledged yet never served: the newer version wins
+        newer = [
+            row.version
+            for row in self.catalog.versions(name)
+            if row.state == pb.READY and row.version > version
+        ]
+        if (
+            newer
+        ):  # committing below it would be acknowledged yet never served: the newer version wins
             self.discard(info)
-            raise Aborted(f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
-                          f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
-                          f"make the change again")
-        self.registry.promote_on(holding_ranks(info), name, version, f"commit {name!r} version {version}")
+            raise Aborted(
+                f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
+                f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
+                f"make the change again"
+            )
+        self.registry.promote_on(
+            holding_ranks(info), name, version, f"commit {name!r} version {version}"
+        )
         ready, older = self.catalog.commit(name, version)
         self.drop_rows(older)
-        log.info("committed %r version %d%s", name, version,
-                 f", replacing versions {[o.version for o in older]}" if older else "")
+        log.info(
+            "committed %r version %d%s",
+            name,
+            version,
+            f", replacing versions {[o.version for o in older]}" if older else "",
+        )
         return self.describe(ready)
 
-    def _copy_source(self, name: str, meta: ShardedTensorMetadata,
-                     request: pb.CreateTensorRequest) -> pb.TensorInfo:
+    def _copy_source(
+        self, name: str, meta: ShardedTensorMetadata, request: pb.CreateTensorRequest
+    ) -> pb.TensorInfo:
         """INIT_COPY: the READY version `source_version` of `name`, checked to have the same layout; with
         source_version 0, whatever version is READY now, in its own layout (the request's is not checked)."""
         source = self.catalog.ready(name)
@@ -306,17 +394,25 @@ class Coordinator:
             raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
         if not request.source_version:
             if not request.overwrite:
-                raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY "
-                                      "version)")
+                raise InvalidArgument(
+                    "overwrite must be set with init INIT_COPY (the copy replaces the READY "
+                    "version)"
+                )
             return source
         if request.source_version != source.version:
-            raise FailedPrecondition(f"source_version {request.source_version} of {name!r} is not the READY "
-                                     f"version; the READY version is {source.version}")
+            raise FailedPrecondition(
+                f"source_version {request.source_version} of {name!r} is not the READY "
+                f"version; the READY version is {source.version}"
+            )
         if parse_metadata(source.metadata) != meta:
-            raise InvalidArgument(f"metadata differs from the layout of {name!r} version {source.version}; "
-                                  f"INIT_COPY keeps the layout")
+            raise InvalidArgument(
+                f"metadata differs from the layout of {name!r} version {source.version}; "
+                f"INIT_COPY keeps the layout"
+            )
         if not request.overwrite:
-            raise InvalidArgument("overwrite must be set with init INIT_COPY (the copy replaces the READY version)")
+            raise InvalidArgument(
+                "overwrite must be set with init INIT_COPY (the copy replaces the READY version)"
+            )
         return source
 
     def _missing_copies(self, source: pb.TensorInfo) -> list[int]:
@@ -325,11 +421,17 @@ class Coordinator:
         missing = unavailable_shards(source, self.registry.rank_unreadable)
         lost = boxes_without_copy(source, missing)
         if lost:
-            raise DataLoss(f"tensor {source.name!r} has boxes with no live copy ({lost}); it cannot be updated: "
-                           f"delete it or put it again")
+            raise DataLoss(
+                f"tensor {source.name!r} has boxes with no live copy ({lost}); it cannot be updated: "
+                f"delete it or put it again"
+            )
         if missing:
-            log.warning("%r: the new version starts without copies %s (their ranks are down or lost them); the "
-                        "coordinator repairs them", source.name, missing)
+            log.warning(
+                "%r: the new version starts without copies %s (their ranks are down or lost them); the "
+                "coordinator repairs them",
+                source.name,
+                missing,
+            )
         return missing
 
     def make_room(self, name: str, overwrite: bool) -> None:
@@ -338,11 +440,15 @@ class Coordinator:
         ready = [r.version for r in rows if r.state == pb.READY]
         pending = [r for r in rows if r.state != pb.READY]
         if ready and not overwrite:
-            raise AlreadyExists(f"tensor {name!r} already exists (version {ready[-1]}); "
-                                f"pass overwrite=True to replace it")
+            raise AlreadyExists(
+                f"tensor {name!r} already exists (version {ready[-1]}); "
+                f"pass overwrite=True to replace it"
+            )
         if pending and not overwrite:
-            raise AlreadyExists(f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
-                                f"pass overwrite=True to abort it")
+            raise AlreadyExists(
+                f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
+                f"pass overwrite=True to abort it"
+            )
         for info in pending:
             self.discard(info)
 
@@ -362,7 +468,9 @@ class Coordinator:
         version whose promotion was unfinished, also the version it replaced (only the promotion would have
         dropped that one)."""
         rows = list(rows)
-        self.registry.drop_many_quietly(versions_by_rank(rows, ranks_of))  # one call per rank, however many rows
+        self.registry.drop_many_quietly(
+            versions_by_rank(rows, ranks_of)
+        )  # one call per rank, however many rows
         for row in rows:
             if row.promoting:
                 self.reshards.drop_replaced(row.name)
@@ -377,7 +485,9 @@ class Coordinator:
                 return
             if self._stop.wait(1.0 + attempt):
                 return
-        log.error("rank %d could not be reconciled: GetStats failed %d times", rank, RECONCILE_ATTEMPTS)
+        log.error(
+            "rank %d could not be reconciled: GetStats failed %d times", rank, RECONCILE_ATTEMPTS
+        )
 
     def _reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
         """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.
@@ -393,21 +503,33 @@ class Coordinator:
                 known.add((info.name, info.version))
                 if (info.name, info.version) in held:
                     if info.state == pb.READY:
-                        self._reconcile_step(rank, info, "re-promote", lambda i=info: self.registry.promote_on(
-                            [rank], i.name, i.version, f"re-promote {i.name!r}"))
+                        self._reconcile_step(
+                            rank,
+                            info,
+                            "re-promote",
+                            lambda i=info: self.registry.promote_on(
+                                [rank], i.name, i.version, f"re-promote {i.name!r}"
+                            ),
+                        )
                 elif info.state == pb.READY:
                     missing.append(info)
-            held_now = self.registry.held_by(rank) if missing else set()  # None: cannot tell, nothing forgotten
+            held_now = (
+                self.registry.held_by(rank) if missing else set()
+            )  # None: cannot tell, nothing forgotten
             if held_now is not None:
                 for info in missing:
                     if (info.name, info.version) not in held_now:
-                        self._reconcile_step(rank, info, "mark lost", lambda i=info: self._mark_lost(rank, i))
+                        self._reconcile_step(
+                            rank, info, "mark lost", lambda i=info: self._mark_lost(rank, i)
+                        )
             for name, version in held - known:
                 self.registry.drop_quietly(name, version, [rank])
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("reconciling rank %d failed", rank)
         finally:
-            self.registry.restore_done(rank)  # its restored versions are promoted (or reported lost)
+            self.registry.restore_done(
+                rank
+            )  # its restored versions are promoted (or reported lost)
 
     def _mark_lost(self, rank: int, info: pb.TensorInfo) -> None:
         """Record that `rank` lost its copies of a READY version (it came back without them), if it is still that
@@ -421,15 +543,30 @@ class Coordinator:
                 return
             marked = with_lost(current, shards)
             self.catalog.update(marked)
-            log.warning("rank %d lost its copies of tensor %r version %d (restarted?): shards %s; the tensor is "
-                        "now %s", rank, info.name, info.version, shards, self.describe(marked).health)
+            log.warning(
+                "rank %d lost its copies of tensor %r version %d (restarted?): shards %s; the tensor is "
+                "now %s",
+                rank,
+                info.name,
+                info.version,
+                shards,
+                self.describe(marked).health,
+            )
 
-    def _reconcile_step(self, rank: int, info: pb.TensorInfo, what: str, step: Callable[[], object]) -> None:
+    def _reconcile_step(
+        self, rank: int, info: pb.TensorInfo, what: str, step: Callable[[], object]
+    ) -> None:
         try:
             step()
         except (ServiceError, grpc.RpcError) as err:
-            log.warning("reconciling rank %d: could not %s %r version %d: %s", rank, what, info.name,
-                        info.version, err)
+            log.warning(
+                "reconciling rank %d: could not %s %r version %d: %s",
+                rank,
+                what,
+                info.name,
+                info.version,
+                err,
+            )
 
     def _monitor_loop(self) -> None:
         """Log ranks that stop heartbeating; every few seconds, start the chores (off this thread, which must
@@ -437,8 +574,9 @@ class Coordinator:
         last_chores, chores = time.monotonic(), None
         while not self._stop.wait(min(self.heartbeat_interval, 1.0)):
             self.registry.report_dead()
-            if time.monotonic() - last_chores >= min(5.0, self.pending_timeout) and (chores is None
-                                                                                      or chores.done()):
+            if time.monotonic() - last_chores >= min(5.0, self.pending_timeout) and (
+                chores is None or chores.done()
+            ):
                 last_chores = time.monotonic()
                 chores = self._background.submit(self._chores)
 
@@ -456,8 +594,12 @@ class Coordinator:
             if self.reshards.is_running(info.name):
                 continue  # a reshard's own new version: its timeout bounds it
             if info.state != pb.READY and info.created_unix < cutoff:
-                log.warning("aborting %r version %d: pending for more than %.0fs", info.name, info.version,
-                            self.pending_timeout)
+                log.warning(
+                    "aborting %r version %d: pending for more than %.0fs",
+                    info.name,
+                    info.version,
+                    self.pending_timeout,
+                )
                 try:
                     self.abort(info.name, info.version)
                 except ServiceError as err:

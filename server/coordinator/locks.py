@@ -1,12 +1,13 @@
 """Per-tensor-name locks on the coordinator: changes of one tensor take turns, different names run in parallel
 (row updates of one table are ordered by server/coordinator/update_groups.py)."""
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
-from server.common.errors import Aborted
+from shardserve.server.common.errors import Aborted
 
 NAME_LOCK_WAIT_S = 10.0  # how long a change of a tensor waits for another one of it (under the clients' 30 s deadline)
 
@@ -15,7 +16,9 @@ class NameLocks:
     """One lock per tensor name in use, forgotten once no caller uses it (names asked about must not pile up)."""
 
     def __init__(self) -> None:
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}  # name -> (its lock, callers using it)
+        self._locks: dict[
+            str, tuple[threading.Lock, int]
+        ] = {}  # name -> (its lock, callers using it)
         self._guard = threading.Lock()
 
     @contextlib.contextmanager
@@ -28,8 +31,10 @@ class NameLocks:
             self._locks[name] = (lock, users + 1)
         try:
             if not lock.acquire(timeout=NAME_LOCK_WAIT_S if wait_s is None else wait_s):
-                raise Aborted(f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
-                              f"retry once it has ended")
+                raise Aborted(
+                    f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
+                    f"retry once it has ended"
+                )
             try:
                 yield
             finally:

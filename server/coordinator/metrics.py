@@ -6,18 +6,19 @@ tracked by `JobTracker` (always: a few dict updates per job) and counted in
 Prometheus once metrics are on; catalog calls are timed by `TimedCatalog`,
 which wraps the catalog only when metrics are on.
 """
+
 from __future__ import annotations
 
 import itertools
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
-
-from protos import shardserve_pb2 as pb
-from server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
 
 JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
 JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
@@ -78,33 +79,68 @@ class CoordinatorMetrics(ServerMetrics):
 
     def __init__(self) -> None:
         super().__init__("coordinator")
-        self.jobs = Counter("shardserve_coordinator_jobs", "collective jobs the coordinator drove to their end, by "
-                            "kind (reshard, checkpoint_load, checkpoint_save; repairs run as reshards) and outcome "
-                            "(ok, failed)", ["kind", "outcome"], registry=self.registry)
-        self.job_duration = Histogram("shardserve_coordinator_job_duration_seconds", "wall time of a collective "
-                                      "job on its ranks, by kind", ["kind"], buckets=JOB_BUCKETS,
-                                      registry=self.registry)
-        self.catalog_latency = Histogram("shardserve_coordinator_catalog_seconds", "time of one catalog "
-                                         "transaction (SQLite), by operation", ["op"], buckets=LATENCY_BUCKETS,
-                                         registry=self.registry)
+        self.jobs = Counter(
+            "shardserve_coordinator_jobs",
+            "collective jobs the coordinator drove to their end, by "
+            "kind (reshard, checkpoint_load, checkpoint_save; repairs run as reshards) and outcome "
+            "(ok, failed)",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
+        self.job_duration = Histogram(
+            "shardserve_coordinator_job_duration_seconds",
+            "wall time of a collective job on its ranks, by kind",
+            ["kind"],
+            buckets=JOB_BUCKETS,
+            registry=self.registry,
+        )
+        self.catalog_latency = Histogram(
+            "shardserve_coordinator_catalog_seconds",
+            "time of one catalog transaction (SQLite), by operation",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
-    def watch(self, ranks: Callable[[], list[pb.RankInfo]], tensors: CoordinatorState, jobs: JobTracker,
-              epoch: Callable[[], int]) -> None:
+    def watch(
+        self,
+        ranks: Callable[[], list[pb.RankInfo]],
+        tensors: CoordinatorState,
+        jobs: JobTracker,
+        epoch: Callable[[], int],
+    ) -> None:
         """Report ranks, tensors, jobs in flight and the epoch at every scrape."""
-        self.add_collector(GaugeCollector(lambda: [
-            *_rank_gauges(ranks()), _tensor_gauge(tensors.list(include_pending=True)), *_job_gauges(jobs.in_flight()),
-            Gauge("shardserve_coordinator_epoch", "the current epoch of collective jobs (one more after every "
-                  "failed job)").add(epoch())]))
+        self.add_collector(
+            GaugeCollector(
+                lambda: [
+                    *_rank_gauges(ranks()),
+                    _tensor_gauge(tensors.list(include_pending=True)),
+                    *_job_gauges(jobs.in_flight()),
+                    Gauge(
+                        "shardserve_coordinator_epoch",
+                        "the current epoch of collective jobs (one more after every failed job)",
+                    ).add(epoch()),
+                ]
+            )
+        )
 
 
 def _rank_gauges(ranks: list[pb.RankInfo]) -> list[Gauge]:
-    states = Gauge("shardserve_coordinator_ranks", "registered ranks, by state (alive, dead)", ("state",))
+    states = Gauge(
+        "shardserve_coordinator_ranks", "registered ranks, by state (alive, dead)", ("state",)
+    )
     alive = sum(1 for r in ranks if r.alive)
     states.add(alive, "alive").add(len(ranks) - alive, "dead")
-    memory = Gauge("shardserve_coordinator_rank_memory_used_bytes", "bytes of shards each rank held at its last "
-                   "heartbeat", ("rank",))
-    restarts = Gauge("shardserve_coordinator_rank_restarts", "times each rank was restarted since the "
-                     "coordinator started", ("rank",))
+    memory = Gauge(
+        "shardserve_coordinator_rank_memory_used_bytes",
+        "bytes of shards each rank held at its last heartbeat",
+        ("rank",),
+    )
+    restarts = Gauge(
+        "shardserve_coordinator_rank_restarts",
+        "times each rank was restarted since the coordinator started",
+        ("rank",),
+    )
     for rank in ranks:
         memory.add(rank.memory_used_bytes, str(rank.rank))
         restarts.add(rank.restarts, str(rank.rank))
@@ -116,20 +152,34 @@ def _tensor_gauge(tensors: Iterable[pb.TensorInfo]) -> Gauge:
     for info in tensors:
         key = (pb.TensorState.Name(info.state).lower(), info.health or "healthy")
         counts[key] = counts.get(key, 0) + 1
-    gauge = Gauge("shardserve_coordinator_tensors", "tensor versions in the catalog, by state (ready, pending) and "
-                  "health (healthy, degraded, lost)", ("state", "health"))
+    gauge = Gauge(
+        "shardserve_coordinator_tensors",
+        "tensor versions in the catalog, by state (ready, pending) and "
+        "health (healthy, degraded, lost)",
+        ("state", "health"),
+    )
     for (state, health), count in sorted(counts.items()):
         gauge.add(count, state, health)
     return gauge
 
 
 def _job_gauges(jobs: list[JobInFlight]) -> list[Gauge]:
-    running = Gauge("shardserve_coordinator_jobs_in_flight", "collective jobs running now, by kind", ("kind",))
-    done = Gauge("shardserve_coordinator_job_bytes_done", "bytes moved so far by the jobs in flight, by kind",
-                 ("kind",))
-    total = Gauge("shardserve_coordinator_job_bytes_total", "bytes the jobs in flight move in all, by kind",
-                  ("kind",))
-    for kind in sorted(JOB_KINDS | {job.kind for job in jobs}):  # every kind, 0 when idle: the series exist
+    running = Gauge(
+        "shardserve_coordinator_jobs_in_flight", "collective jobs running now, by kind", ("kind",)
+    )
+    done = Gauge(
+        "shardserve_coordinator_job_bytes_done",
+        "bytes moved so far by the jobs in flight, by kind",
+        ("kind",),
+    )
+    total = Gauge(
+        "shardserve_coordinator_job_bytes_total",
+        "bytes the jobs in flight move in all, by kind",
+        ("kind",),
+    )
+    for kind in sorted(
+        JOB_KINDS | {job.kind for job in jobs}
+    ):  # every kind, 0 when idle: the series exist
         mine = [job for job in jobs if job.kind == kind]
         running.add(len(mine), kind)
         done.add(sum(job.bytes_done for job in mine), kind)
@@ -156,4 +206,5 @@ class TimedCatalog:
                 return attribute(*args, **kwargs)
             finally:
                 observe(time.perf_counter() - start)
+
         return timed

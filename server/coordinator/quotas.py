@@ -9,17 +9,18 @@ version of a name replaces the old one, so a tensor being overwritten or
 updated is counted once, at its new size. Checks and catalog records are made
 under one lock, so concurrent puts of one principal cannot pass together.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Iterator, Mapping
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import ResourceExhausted
-from server.common.principals import Principal
-from server.coordinator.catalog import Catalog
-from shardcore.wire import metadata_from_proto
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.common.principals import Principal
+from shardserve.server.coordinator.catalog import Catalog
 
 
 def held_bytes(info: pb.TensorInfo) -> int:
@@ -36,8 +37,11 @@ class ByteQuotas:
 
     def held_by(self, owner: str, excluding: frozenset[str] = frozenset()) -> int:
         """Bytes of every version (pending ones too) that `owner` owns, of tensors not named in `excluding`."""
-        return sum(held_bytes(info) for info in self.catalog.list(include_pending=True)
-                   if info.owner == owner and info.name not in excluding)
+        return sum(
+            held_bytes(info)
+            for info in self.catalog.list(include_pending=True)
+            if info.owner == owner and info.name not in excluding
+        )
 
     @contextmanager
     def admit(self, principal: Principal | None, adding: Mapping[str, int]) -> Iterator[None]:
@@ -51,5 +55,6 @@ class ByteQuotas:
                     raise ResourceExhausted(
                         f"principal {principal.name!r} would hold {held + wanted} bytes, over its quota max_bytes = "
                         f"{principal.max_bytes} (it holds {held} in other tensors; these need {wanted}): delete "
-                        f"some of its tensors or raise max_bytes in the tokens file")
+                        f"some of its tensors or raise max_bytes in the tokens file"
+                    )
             yield

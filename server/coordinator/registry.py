@@ -4,30 +4,31 @@ Every call to ranks goes through here (with a deadline, fanned out in
 parallel), so liveness checks, error naming and dropping versions are written
 once for the lifecycle and the reshard and checkpoint drivers.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Set
 from concurrent import futures
 from dataclasses import dataclass
-from typing import AbstractSet, Callable, Iterable, Mapping, TypeVar
+from typing import TypeVar
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.common.auth import Security, make_channel
-from server.common.tracing import carry_context
-from server.common.errors import (
+from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.auth import Security, make_channel
+from shardserve.server.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ServiceError,
     Unavailable,
 )
-from server.common.requests import check_name, check_version
-from shardcore.metadata import RemoteDevice, ShardedTensorMetadata
+from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.common.tracing import carry_context
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,9 @@ class RankEntry:
 class RankRegistry:
     """Registered ranks with their liveness; parallel calls to them that name the rank that failed."""
 
-    def __init__(self, security: Security = Security(), dead_after: float = 3.0, rpc_timeout: float = 60.0) -> None:
+    def __init__(
+        self, security: Security = Security(), dead_after: float = 3.0, rpc_timeout: float = 60.0
+    ) -> None:
         self.security = security
         self.dead_after = dead_after
         self.rpc_timeout = rpc_timeout
@@ -60,7 +63,9 @@ class RankRegistry:
         self._ranks_changed = threading.Condition()
         self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
         self._started = time.monotonic()
-        self._restoring: dict[int, pb.RestoreProgress] = {}  # rank -> its restore, until re-promoted
+        self._restoring: dict[
+            int, pb.RestoreProgress
+        ] = {}  # rank -> its restore, until re-promoted
 
     # ------------------------------------------------------------ membership and liveness
 
@@ -68,11 +73,15 @@ class RankRegistry:
         """Add (or replace) a rank; return the (name, version) pairs it says it holds."""
         _check_rank_info(info)
         held = list(held)
-        for i, version in enumerate(held):  # version 0 would make the reconcile drop every version of the name
+        for i, version in enumerate(
+            held
+        ):  # version 0 would make the reconcile drop every version of the name
             check_name(version.name, f"held[{i}].name")
             check_version(version.version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
-        entry = RankEntry(pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
+        entry = RankEntry(
+            pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel)
+        )
         entry.info.CopyFrom(info)
         try:
             with self._ranks_changed:
@@ -86,8 +95,15 @@ class RankRegistry:
             raise
         if old is not None:
             old.channel.close()
-        log.info("rank %d registered: %s device %s pid %d on %s%s", info.rank, info.address, info.device,
-                 info.pid, info.hostname, f" (restart {entry.info.restarts})" if entry.info.restarts else "")
+        log.info(
+            "rank %d registered: %s device %s pid %d on %s%s",
+            info.rank,
+            info.address,
+            info.device,
+            info.pid,
+            info.hostname,
+            f" (restart {entry.info.restarts})" if entry.info.restarts else "",
+        )
         return {(h.name, h.version) for h in held}
 
     def report_restore(self, progress: pb.RestoreProgress) -> None:
@@ -96,16 +112,27 @@ class RankRegistry:
         _check_restore(progress)
         with self._ranks_changed:
             live = self._ranks.get(progress.rank)
-            if live is not None and self.is_alive(live):  # a serving process restores nothing; its successor
-                raise FailedPrecondition(f"rank {progress.rank} is registered (pid {live.info.pid}) and alive; a "
-                                         f"restore is reported by its next process, once this one is dead")
+            if live is not None and self.is_alive(
+                live
+            ):  # a serving process restores nothing; its successor
+                raise FailedPrecondition(
+                    f"rank {progress.rank} is registered (pid {live.info.pid}) and alive; a "
+                    f"restore is reported by its next process, once this one is dead"
+                )
             first = progress.rank not in self._restoring
             self._restoring[progress.rank] = pb.RestoreProgress()
             self._restoring[progress.rank].CopyFrom(progress)
         if first or progress.loaded:
-            log.info("rank %d (pid %d) %s its persist dir: %d of %d bytes, %d of %d tensors", progress.rank,
-                     progress.pid, "has read" if progress.loaded else "is restoring", progress.done_bytes,
-                     progress.total_bytes, progress.done_tensors, progress.total_tensors)
+            log.info(
+                "rank %d (pid %d) %s its persist dir: %d of %d bytes, %d of %d tensors",
+                progress.rank,
+                progress.pid,
+                "has read" if progress.loaded else "is restoring",
+                progress.done_bytes,
+                progress.total_bytes,
+                progress.done_tensors,
+                progress.total_tensors,
+            )
 
     def restoring(self, rank: int) -> bool:
         """Whether `rank` is restoring: reading its persist dir, or registered and not yet re-promoted."""
@@ -117,7 +144,12 @@ class RankRegistry:
         with self._ranks_changed:
             done = self._restoring.pop(rank, None)
         if done is not None:
-            log.info("rank %d is restored: %d bytes, %d tensors", rank, done.total_bytes, done.total_tensors)
+            log.info(
+                "rank %d is restored: %d bytes, %d tensors",
+                rank,
+                done.total_bytes,
+                done.total_tensors,
+            )
 
     def _check_fits_the_world(self, info: pb.RankInfo) -> None:
         """(lock held) A registration must agree with the live ranks: one world size, its own address, and not
@@ -128,15 +160,20 @@ class RankRegistry:
             if rank == info.rank or not self.is_alive(entry):
                 continue
             if entry.info.world_size != info.world_size:
-                raise FailedPrecondition(f"rank.world_size {info.world_size} differs from the world size "
-                                         f"{entry.info.world_size} of registered rank {rank}")
+                raise FailedPrecondition(
+                    f"rank.world_size {info.world_size} differs from the world size "
+                    f"{entry.info.world_size} of registered rank {rank}"
+                )
             if entry.info.address == info.address:
-                raise FailedPrecondition(f"rank.address {info.address} is registered by rank {rank}, which is "
-                                         f"alive")
+                raise FailedPrecondition(
+                    f"rank.address {info.address} is registered by rank {rank}, which is alive"
+                )
         own = self._ranks.get(info.rank)
         if own is not None and self.is_alive(own) and own.info.address != info.address:
-            raise Unavailable(f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
-                              f"from rank.address {info.address} is taken once that one stops heartbeating")
+            raise Unavailable(
+                f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
+                f"from rank.address {info.address} is taken once that one stops heartbeating"
+            )
 
     def heartbeat(self, rank: int, memory_used: int) -> bool:
         """Record that `rank` is alive (NotFound tells an unknown rank to register again); True when it had been
@@ -172,8 +209,12 @@ class RankRegistry:
             for entry in self._ranks.values():
                 if not entry.reported_dead and not self.is_alive(entry):
                     entry.reported_dead = True
-                    log.error("rank %d (%s) missed heartbeats for %.1fs: marked dead", entry.info.rank,
-                              entry.info.address, time.monotonic() - entry.last_heartbeat)
+                    log.error(
+                        "rank %d (%s) missed heartbeats for %.1fs: marked dead",
+                        entry.info.rank,
+                        entry.info.address,
+                        time.monotonic() - entry.last_heartbeat,
+                    )
 
     def is_alive(self, entry: RankEntry) -> bool:
         return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
@@ -221,9 +262,15 @@ class RankRegistry:
                 if entry.info.rank in self._restoring:
                     info.restore.CopyFrom(self._restoring[entry.info.rank])
                 out.append(info)
-            for rank in sorted(set(self._restoring) - set(self._ranks)):  # not registered yet (a cluster restart)
+            for rank in sorted(
+                set(self._restoring) - set(self._ranks)
+            ):  # not registered yet (a cluster restart)
                 progress = self._restoring[rank]
-                out.append(pb.RankInfo(rank=rank, pid=progress.pid, hostname=progress.hostname, restore=progress))
+                out.append(
+                    pb.RankInfo(
+                        rank=rank, pid=progress.pid, hostname=progress.hostname, restore=progress
+                    )
+                )
         return sorted(out, key=lambda info: info.rank)
 
     def wait_for_ranks(self, count: int, timeout: float) -> bool:
@@ -245,7 +292,7 @@ class RankRegistry:
             raise Unavailable(f"rank {rank} is not registered")
         return entry
 
-    def check_placements(self, meta: ShardedTensorMetadata, skip: AbstractSet[int] = frozenset()) -> None:
+    def check_placements(self, meta: ShardedTensorMetadata, skip: Set[int] = frozenset()) -> None:
         """Every shard of `meta` (but those at indices `skip`) on a registered, live rank, on that rank's device."""
         with self._ranks_changed:
             entries = dict(self._ranks)
@@ -255,70 +302,121 @@ class RankRegistry:
             entry = entries.get(shard.rank)
             field = f"metadata.shards_metadata[{i}].placement"
             if entry is None:
-                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank} is not a registered rank "
-                                      f"(registered: {sorted(entries)})")
+                raise InvalidArgument(
+                    f"{field} {shard.placement}: rank {shard.rank} is not a registered rank "
+                    f"(registered: {sorted(entries)})"
+                )
             if not self.is_alive(entry):
                 raise Unavailable(f"{field} {shard.placement}: rank {shard.rank} is not alive")
             if shard.device != RemoteDevice(f"rank:{shard.rank}/{entry.info.device}").device():
-                raise InvalidArgument(f"{field} {shard.placement}: rank {shard.rank}'s device is "
-                                      f"{entry.info.device}")
+                raise InvalidArgument(
+                    f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"
+                )
 
     # ------------------------------------------------------------ calls to ranks
 
-    def fan_out(self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str) -> dict[int, T]:
+    def fan_out(
+        self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str
+    ) -> dict[int, T]:
         """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
         return self.fan_out_each({rank: call for rank in ranks}, what)
 
-    def fan_out_each(self, calls: Mapping[int, Callable[[pb_grpc.ShardServerStub], T]], what: str) -> dict[int, T]:
+    def fan_out_each(
+        self, calls: Mapping[int, Callable[[pb_grpc.ShardServerStub], T]], what: str
+    ) -> dict[int, T]:
         """Run each rank's call in parallel; raise the first failure as a ServiceError naming the rank."""
         entries = {r: self.entry(r) for r in calls}
         results, failures = {}, []
         for rank, entry in entries.items():
-            if not self.is_alive(entry):  # fail fast: a stopped rank would hold the call until its deadline
+            if not self.is_alive(
+                entry
+            ):  # fail fast: a stopped rank would hold the call until its deadline
                 failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        jobs = {r: self._pool.submit(carry_context(calls[r]), e.stub) for r, e in entries.items()
-                if self.is_alive(e)}
-        deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own deadline too
+        jobs = {
+            r: self._pool.submit(carry_context(calls[r]), e.stub)
+            for r, e in entries.items()
+            if self.is_alive(e)
+        }
+        deadline = (
+            time.monotonic() + self.rpc_timeout + 5.0
+        )  # the calls carry their own deadline too
         for rank, job in jobs.items():
             try:
                 results[rank] = job.result(timeout=max(0.0, deadline - time.monotonic()))
             except grpc.RpcError as err:
                 failures.append(_rank_error(rank, entries[rank].info.address, err))
             except futures.TimeoutError:
-                failures.append(Unavailable(f"rank {rank} ({entries[rank].info.address}) did not answer "
-                                            f"within {self.rpc_timeout:.0f}s"))
+                failures.append(
+                    Unavailable(
+                        f"rank {rank} ({entries[rank].info.address}) did not answer "
+                        f"within {self.rpc_timeout:.0f}s"
+                    )
+                )
         if failures:
             log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
             raise failures[0]
         return results
 
-    def allocate_on(self, ranks: Iterable[int], request: pb.AllocateShardsRequest, what: str) -> None:
+    def allocate_on(
+        self, ranks: Iterable[int], request: pb.AllocateShardsRequest, what: str
+    ) -> None:
         """AllocateShards on `ranks` at once; the first failure raised, naming the rank."""
-        self.fan_out(ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what)
+        self.fan_out(
+            ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what
+        )
 
     def promote_on(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
         """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
         request = pb.PromoteVersionRequest(name=name, version=version)
-        self.fan_out(ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what)
+        self.fan_out(
+            ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what
+        )
 
-    def allocate_many_on(self, requests: Mapping[int, list[pb.AllocateShardsRequest]], what: str) -> None:
+    def allocate_many_on(
+        self, requests: Mapping[int, list[pb.AllocateShardsRequest]], what: str
+    ) -> None:
         """AllocateMany of each rank's requests, one call per rank, ranks at once; the first failure raised."""
-        self.fan_out_each({rank: lambda stub, mine=mine: stub.AllocateMany(
-            pb.AllocateManyRequest(tensors=mine), timeout=self.rpc_timeout) for rank, mine in requests.items()}, what)
+        self.fan_out_each(
+            {
+                rank: lambda stub, mine=mine: stub.AllocateMany(
+                    pb.AllocateManyRequest(tensors=mine), timeout=self.rpc_timeout
+                )
+                for rank, mine in requests.items()
+            },
+            what,
+        )
 
     def promote_many_on(self, versions: Mapping[int, list[tuple[str, int]]], what: str) -> None:
         """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once."""
-        self.fan_out_each({rank: lambda stub, mine=mine: stub.PromoteMany(pb.PromoteManyRequest(versions=[
-            pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]), timeout=self.rpc_timeout)
-            for rank, mine in versions.items()}, what)
+        self.fan_out_each(
+            {
+                rank: lambda stub, mine=mine: stub.PromoteMany(
+                    pb.PromoteManyRequest(
+                        versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]
+                    ),
+                    timeout=self.rpc_timeout,
+                )
+                for rank, mine in versions.items()
+            },
+            what,
+        )
 
     def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
         """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
         live = {rank: mine for rank, mine in versions.items() if self.rank_alive(rank)}
         try:
-            self.fan_out_each({rank: lambda stub, mine=mine: stub.DropMany(pb.DropManyRequest(versions=[
-                pb.DropVersionRequest(name=n, version=v) for n, v in mine]), timeout=self.rpc_timeout)
-                for rank, mine in live.items()}, f"drop {sum(map(len, live.values()))} versions")
+            self.fan_out_each(
+                {
+                    rank: lambda stub, mine=mine: stub.DropMany(
+                        pb.DropManyRequest(
+                            versions=[pb.DropVersionRequest(name=n, version=v) for n, v in mine]
+                        ),
+                        timeout=self.rpc_timeout,
+                    )
+                    for rank, mine in live.items()
+                },
+                f"drop {sum(map(len, live.values()))} versions",
+            )
         except ServiceError as err:
             log.warning("could not drop every version everywhere: %s", err.message)
 
@@ -326,10 +424,15 @@ class RankRegistry:
         """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
         already right, and a rank that is down drops the version when it registers again (reconcile)."""
         request = pb.DropVersionRequest(name=name, version=version)
-        ranks = [r for r in ranks if self.rank_alive(r)]  # a dead rank's copy is dropped when it registers again
+        ranks = [
+            r for r in ranks if self.rank_alive(r)
+        ]  # a dead rank's copy is dropped when it registers again
         try:
-            self.fan_out(ranks, lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
-                         f"drop {name!r} version {version}")
+            self.fan_out(
+                ranks,
+                lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
+                f"drop {name!r} version {version}",
+            )
         except ServiceError as err:
             log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
 
@@ -373,8 +476,10 @@ def _check_restore(progress: pb.RestoreProgress) -> None:
         raise InvalidArgument(f"rank must be >= 0, got {progress.rank}")
     for done, total in (("done_bytes", "total_bytes"), ("done_tensors", "total_tensors")):
         if not 0 <= getattr(progress, done) <= getattr(progress, total):
-            raise InvalidArgument(f"{done} must be between 0 and {total} ({getattr(progress, total)}), got "
-                                  f"{getattr(progress, done)}")
+            raise InvalidArgument(
+                f"{done} must be between 0 and {total} ({getattr(progress, total)}), got "
+                f"{getattr(progress, done)}"
+            )
 
 
 def _check_rank_info(info: pb.RankInfo) -> None:
@@ -392,8 +497,9 @@ def _check_rank_info(info: pb.RankInfo) -> None:
         raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")
 
 
-def versions_by_rank(rows: Iterable[pb.TensorInfo],
-                     ranks: Callable[[pb.TensorInfo], Iterable[int]]) -> dict[int, list[tuple[str, int]]]:
+def versions_by_rank(
+    rows: Iterable[pb.TensorInfo], ranks: Callable[[pb.TensorInfo], Iterable[int]]
+) -> dict[int, list[tuple[str, int]]]:
     """{rank: [(name, version), ...]} of `rows`, each row under every rank `ranks(row)` names."""
     out: dict[int, list[tuple[str, int]]] = {}
     for row in rows:

@@ -10,13 +10,14 @@ catalog's growing counter, so they only grow, also across coordinator restarts.
 A failed job ends its epoch, and so does a rank (re)registering: a new rank
 process holds none of the groups its peers may have cached.
 """
+
 from __future__ import annotations
 
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch.distributed as dist
 
@@ -34,8 +35,13 @@ class RendezvousStore:
         listener = _listen(host, port)
         bound = listener.getsockname()[1]
         self.store: dist.TCPStore | None = dist.TCPStore(
-            host, bound, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s),
-            master_listen_fd=listener.detach())  # the store owns the socket from here
+            host,
+            bound,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=listener.detach(),
+        )  # the store owns the socket from here
         self.port = self.store.port
         log.info("rendezvous store listening on %s port %d", host, self.port)
 
@@ -47,7 +53,9 @@ class RendezvousStore:
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on `host` (every interface, IPv4 and IPv6 where the host has both, for 0.0.0.0/::)."""
     if host in ("0.0.0.0", "::") and socket.has_dualstack_ipv6():
-        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096)
+        return socket.create_server(
+            ("::", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=4096
+        )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=4096)
 
@@ -70,5 +78,10 @@ class Epochs:
         with self._lock:
             if epoch == self._current:
                 self._current = self._next_number()
-                log.info("epoch %d ended (%s); collective jobs now run in epoch %d", epoch, why, self._current)
+                log.info(
+                    "epoch %d ended (%s); collective jobs now run in epoch %d",
+                    epoch,
+                    why,
+                    self._current,
+                )
             return self._current

@@ -11,6 +11,7 @@ whole on failure and tried again on a later round. Tensors are repaired one
 at a time, with the reshard's bucket rule bounding the bytes in flight per
 rank. A box with no copy left cannot be repaired: the tensor stays "lost".
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,22 +20,25 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, ServiceError
-from server.coordinator.catalog import Catalog
-from server.coordinator.collectives import job_timeout
-from server.coordinator.registry import RankRegistry
-from server.coordinator.reshard import ReshardDriver
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
-from shardcore.wire import metadata_from_proto
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import Aborted, ServiceError
+from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.collectives import job_timeout
+from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.reshard import ReshardDriver
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REPAIR_AFTER_S = 30.0
 CHECK_EVERY_S = 0.5
 RECORDS_KEPT = 100
-RETRY_BACKOFF_S = (2.0, 60.0)  # a failed repair of a tensor is tried again after 2 s, doubling up to 60 s
+RETRY_BACKOFF_S = (
+    2.0,
+    60.0,
+)  # a failed repair of a tensor is tried again after 2 s, doubling up to 60 s
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,14 @@ class RepairRecord:
 class RepairDriver:
     """Finds tensors with copies due for repair and repairs them, one at a time, on its own thread."""
 
-    def __init__(self, catalog: Catalog, registry: RankRegistry, reshards: ReshardDriver,
-                 repair_after: float = DEFAULT_REPAIR_AFTER_S, job_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        registry: RankRegistry,
+        reshards: ReshardDriver,
+        repair_after: float = DEFAULT_REPAIR_AFTER_S,
+        job_timeout_s: float = 0.0,
+    ) -> None:
         if repair_after < 0:
             raise ValueError(f"repair_after must be >= 0 seconds, got {repair_after}")
         self.catalog = catalog
@@ -63,7 +73,9 @@ class RepairDriver:
         self.repair_after = repair_after
         self.job_timeout_s = job_timeout(job_timeout_s, reshards.default_timeout_s)
         self._states: dict[str, pb.RepairState] = {}
-        self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic time of next try, backoff)
+        self._retry_at: dict[
+            str, tuple[float, float]
+        ] = {}  # name -> (monotonic time of next try, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
         self._completed: deque[RepairRecord] = deque(maxlen=RECORDS_KEPT)
         self._lock = threading.Lock()
@@ -123,17 +135,23 @@ class RepairDriver:
             self._refused.pop(info.name, None)
             return None
         ranks = self.registry.ranks()
-        live = [LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in ranks if r.alive]
+        live = [
+            LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in ranks if r.alive
+        ]
         load = {r.rank: r.memory_used_bytes for r in ranks}
         try:
             return repaired_layout(meta, unavailable, live, load), unavailable
         except RepairImpossible as err:
             if self._refused.get(info.name) != str(err):
                 self._refused[info.name] = str(err)
-                log.error("tensor %r version %d cannot be repaired now: %s", info.name, info.version, err)
+                log.error(
+                    "tensor %r version %d cannot be repaired now: %s", info.name, info.version, err
+                )
             return None
 
-    def _unavailable(self, info: pb.TensorInfo, meta: ShardedTensorMetadata) -> tuple[frozenset[int], bool]:
+    def _unavailable(
+        self, info: pb.TensorInfo, meta: ShardedTensorMetadata
+    ) -> tuple[frozenset[int], bool]:
         """The copies of `info` that cannot be read, and whether any of them is not due for repair yet."""
         lost = set(info.lost_shards)
         unavailable, waiting = set(), False
@@ -149,18 +167,29 @@ class RepairDriver:
 
     # ------------------------------------------------------------ repairing
 
-    def _repair(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int]) -> bool:
+    def _repair(
+        self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int]
+    ) -> bool:
         """Run one tensor's repair, keeping its progress for answers; whether it committed."""
         targets = ranks_receiving(dst, unavailable)
         nbytes = sum(dst.shard_nbytes(i) for i in unavailable)
-        log.warning("repairing %r version %d: %d lost copies (%d bytes) onto ranks %s", info.name, info.version,
-                    len(unavailable), nbytes, targets)
+        log.warning(
+            "repairing %r version %d: %d lost copies (%d bytes) onto ranks %s",
+            info.name,
+            info.version,
+            len(unavailable),
+            nbytes,
+            targets,
+        )
         started = time.time()
         state = pb.RepairState(started_unix=started, ranks=targets)
         try:
             for progress in self.reshards.repair(info, dst, unavailable, self.job_timeout_s):
-                state.version, state.bytes_done, state.bytes_total = (progress.version, progress.bytes_done,
-                                                                      progress.bytes_total)
+                state.version, state.bytes_done, state.bytes_total = (
+                    progress.version,
+                    progress.bytes_done,
+                    progress.bytes_total,
+                )
                 with self._lock:
                     self._states[info.name] = _copy(state)
         except Aborted as err:  # the name is busy (a reshard, a put): the next round tries again
@@ -168,8 +197,13 @@ class RepairDriver:
             return False
         except Exception as err:  # noqa: BLE001 - any failure leaves the old version whole; try again later
             self._back_off(info.name)
-            log.error("repair of %r version %d failed (tried again in %.0f s): %s", info.name, info.version,
-                      self._retry_at[info.name][1], err.message if isinstance(err, ServiceError) else err)
+            log.error(
+                "repair of %r version %d failed (tried again in %.0f s): %s",
+                info.name,
+                info.version,
+                self._retry_at[info.name][1],
+                err.message if isinstance(err, ServiceError) else err,
+            )
             return False
         finally:
             with self._lock:
@@ -177,10 +211,19 @@ class RepairDriver:
         self._retry_at.pop(info.name, None)
         seconds = time.time() - started
         with self._lock:
-            self._completed.append(RepairRecord(info.name, info.version, state.version, nbytes, seconds,
-                                                tuple(targets)))
-        log.warning("repaired %r: version %d holds every copy again (%d bytes copied to ranks %s in %.2f s)",
-                    info.name, state.version, nbytes, targets, seconds)
+            self._completed.append(
+                RepairRecord(
+                    info.name, info.version, state.version, nbytes, seconds, tuple(targets)
+                )
+            )
+        log.warning(
+            "repaired %r: version %d holds every copy again (%d bytes copied to ranks %s in %.2f s)",
+            info.name,
+            state.version,
+            nbytes,
+            targets,
+            seconds,
+        )
         return True
 
     def _back_off(self, name: str) -> None:

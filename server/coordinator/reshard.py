@@ -25,17 +25,21 @@ The collective job itself is numbered and run by coordinator/collectives.py,
 in the current epoch; a failed job ends it, and the next reshard forms new
 process groups over the live ranks.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
 import time
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Generator, Iterator, Sequence
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import (
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import (
     Aborted,
     FailedPrecondition,
     InvalidArgument,
@@ -43,15 +47,12 @@ from server.common.errors import (
     ServiceError,
     Unavailable,
 )
-from server.common.requests import check_name, parse_metadata
-from server.coordinator.catalog import Catalog, ranks_of
-from server.coordinator.collectives import CollectiveRunner, job_timeout
-from server.coordinator.health import boxes_without_copy, unavailable_shards
-from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
-from shardcore.wire import metadata_from_proto, metadata_to_proto
+from shardserve.server.common.requests import check_name, parse_metadata
+from shardserve.server.coordinator.catalog import Catalog, ranks_of
+from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.health import boxes_without_copy, unavailable_shards
+from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -64,23 +65,33 @@ EXIT_AFTER_COMMIT_CODE = 17
 class ReshardDriver:
     """The Reshard RPC's logic; one per coordinator."""
 
-    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, collectives: CollectiveRunner,
-                 default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        registry: RankRegistry,
+        locks: NameLocks,
+        collectives: CollectiveRunner,
+        default_timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
         self.catalog = catalog
         self.registry = registry
         self.locks = locks
         self.collectives = collectives
         self.default_timeout_s = default_timeout_s
         self._running: set[str] = set()
-        self._old_versions: dict[str, pb.TensorInfo] = {}  # committed, to drop once the new one is promoted
+        self._old_versions: dict[
+            str, pb.TensorInfo
+        ] = {}  # committed, to drop once the new one is promoted
         self._running_lock = threading.Lock()
 
     @contextmanager
     def _claim(self, name: str) -> Iterator[None]:
         with self._running_lock:
             if name in self._running:
-                raise FailedPrecondition(f"reshard of {name!r} already in progress (a second reshard is refused, "
-                                         f"not queued: retry once it has finished)")
+                raise FailedPrecondition(
+                    f"reshard of {name!r} already in progress (a second reshard is refused, "
+                    f"not queued: retry once it has finished)"
+                )
             self._running.add(name)
         try:
             yield
@@ -99,15 +110,22 @@ class ReshardDriver:
             unavailable = self._readable(info)
             yield from self._run(info, dst, unavailable, bucket_bytes, timeout_s)
 
-    def repair(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],
-               timeout_s: float) -> Iterator[pb.ReshardProgress]:
+    def repair(
+        self,
+        info: pb.TensorInfo,
+        dst: ShardedTensorMetadata,
+        unavailable: frozenset[int],
+        timeout_s: float,
+    ) -> Iterator[pb.ReshardProgress]:
         """Turn the READY version `info` into the repaired layout `dst`, reading only copies outside
         `unavailable`, as a reshard does (new version, reads on the old one meanwhile, commit or abort).
         Aborted (busy) when a reshard of the name runs or its lock is held; nothing then happens."""
         with self._claim(info.name), self.locks.hold(info.name, wait_s=0.5):
             current = self._current_version(info.name)
             if current.version != info.version:
-                raise Aborted(f"tensor {info.name!r} changed (version {current.version}) before its repair began")
+                raise Aborted(
+                    f"tensor {info.name!r} changed (version {current.version}) before its repair began"
+                )
             yield from self._run(current, dst, unavailable, DEFAULT_BUCKET_BYTES, timeout_s)
 
     def _readable(self, info: pb.TensorInfo) -> frozenset[int]:
@@ -116,12 +134,20 @@ class ReshardDriver:
         unavailable = frozenset(unavailable_shards(info, self.registry.rank_unreadable))
         lost = boxes_without_copy(info, unavailable)
         if lost:
-            raise FailedPrecondition(f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
-                                     f"resharded: delete it or put it again")
+            raise FailedPrecondition(
+                f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
+                f"resharded: delete it or put it again"
+            )
         return unavailable
 
-    def _run(self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int],
-             bucket_bytes: int, timeout_s: float) -> Iterator[pb.ReshardProgress]:
+    def _run(
+        self,
+        info: pb.TensorInfo,
+        dst: ShardedTensorMetadata,
+        unavailable: frozenset[int],
+        bucket_bytes: int,
+        timeout_s: float,
+    ) -> Iterator[pb.ReshardProgress]:
         """(claim and name lock held) PREPARE, COMMIT or ABORT of `info` into layout `dst`."""
         name = info.name
         src = metadata_from_proto(info.metadata)
@@ -129,25 +155,48 @@ class ReshardDriver:
         participants = list(plan.participants(dst))
         self._check_ranks(participants, dst.ranks())
         self.registry.check_placements(dst)
-        new = pb.TensorInfo(name=name, version=self.catalog.next_version(), metadata=metadata_to_proto(dst),
-                            options=info.options, state=pb.PENDING, nbytes=dst.nbytes,
-                            created_unix=time.time(), promoting=True, owner=info.owner)
+        new = pb.TensorInfo(
+            name=name,
+            version=self.catalog.next_version(),
+            metadata=metadata_to_proto(dst),
+            options=info.options,
+            state=pb.PENDING,
+            nbytes=dst.nbytes,
+            created_unix=time.time(),
+            promoting=True,
+            owner=info.owner,
+        )
         total = dst.shards_nbytes()
         yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
         self.catalog.add(new)
         try:
-            finals = yield from self._prepare(info, new, dst, plan, participants, timeout_s, total, unavailable)
-            yield pb.ReshardProgress(phase=pb.RESHARD_COMMITTING, bytes_done=total, bytes_total=total,
-                                     version=new.version)
-        except BaseException:  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
+            finals = yield from self._prepare(
+                info, new, dst, plan, participants, timeout_s, total, unavailable
+            )
+            yield pb.ReshardProgress(
+                phase=pb.RESHARD_COMMITTING,
+                bytes_done=total,
+                bytes_total=total,
+                version=new.version,
+            )
+        except (
+            BaseException
+        ):  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
             self._abort(new, participants)
             raise
-        ready = self._commit(new, info)  # no yield from here to the promotion: a cancel cannot cut it
+        ready = self._commit(
+            new, info
+        )  # no yield from here to the promotion: a cancel cannot cut it
         self._promote(ready)
         yield pb.ReshardProgress(
-            phase=pb.RESHARD_DONE, bytes_done=total, bytes_total=total, version=ready.version, tensor=ready,
+            phase=pb.RESHARD_DONE,
+            bytes_done=total,
+            bytes_total=total,
+            version=ready.version,
+            tensor=ready,
             max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
-            max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0))
+            max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0),
+        )
 
     def _current_version(self, name: str) -> pb.TensorInfo:
         """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
@@ -158,29 +207,65 @@ class ReshardDriver:
             self._finish_one(info)
             info = self.catalog.ready(name)
             if info is None or info.promoting:
-                raise FailedPrecondition(f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
-                                         f" is unfinished on some rank (see the coordinator's log); it is "
-                                         f"retried every few seconds, reshard once it is done")
+                raise FailedPrecondition(
+                    f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
+                    f" is unfinished on some rank (see the coordinator's log); it is "
+                    f"retried every few seconds, reshard once it is done"
+                )
         return info
 
-    def _prepare(self, old: pb.TensorInfo, new: pb.TensorInfo, dst: ShardedTensorMetadata, plan: ReshardPlan,
-                 participants: list[int], timeout_s: float, total: int, unavailable: frozenset[int]
-                 ) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
+    def _prepare(
+        self,
+        old: pb.TensorInfo,
+        new: pb.TensorInfo,
+        dst: ShardedTensorMetadata,
+        plan: ReshardPlan,
+        participants: list[int],
+        timeout_s: float,
+        total: int,
+        unavailable: frozenset[int],
+    ) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
         """Reserve the new version's memory, then run the reshard job on every participant."""
-        reserve = pb.AllocateShardsRequest(name=new.name, version=new.version, metadata=new.metadata,
-                                           options=new.options, reserve_only=True)
-        self.registry.allocate_on(dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}")
-        job = pb.CollectiveJob(timeout_s=timeout_s, reshard=pb.ReshardJob(
-            name=new.name, src_version=old.version, src=old.metadata, dst_version=new.version, dst=new.metadata,
-            bucket_bytes=plan.bucket_bytes, src_unavailable=sorted(unavailable)))
+        reserve = pb.AllocateShardsRequest(
+            name=new.name,
+            version=new.version,
+            metadata=new.metadata,
+            options=new.options,
+            reserve_only=True,
+        )
+        self.registry.allocate_on(
+            dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}"
+        )
+        job = pb.CollectiveJob(
+            timeout_s=timeout_s,
+            reshard=pb.ReshardJob(
+                name=new.name,
+                src_version=old.version,
+                src=old.metadata,
+                dst_version=new.version,
+                dst=new.metadata,
+                bucket_bytes=plan.bucket_bytes,
+                src_unavailable=sorted(unavailable),
+            ),
+        )
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
-        log.info("%s: %d bytes over ranks %s, buckets of %d bytes", what, total, participants, plan.bucket_bytes)
+        log.info(
+            "%s: %d bytes over ranks %s, buckets of %d bytes",
+            what,
+            total,
+            participants,
+            plan.bucket_bytes,
+        )
         runner = self.collectives.run(job, participants, what)
         try:
             while True:
                 done, _ = next(runner)
-                yield pb.ReshardProgress(phase=pb.RESHARD_MOVING, bytes_done=min(done, total), bytes_total=total,
-                                         version=new.version)
+                yield pb.ReshardProgress(
+                    phase=pb.RESHARD_MOVING,
+                    bytes_done=min(done, total),
+                    bytes_total=total,
+                    version=new.version,
+                )
         except StopIteration as stop:
             return stop.value
 
@@ -193,7 +278,12 @@ class ReshardDriver:
     def _commit(self, new: pb.TensorInfo, old: pb.TensorInfo) -> pb.TensorInfo:
         """The catalog's one transaction: the new version READY (marker still set), older READY rows gone."""
         ready, _ = self.catalog.commit(new.name, new.version)
-        log.info("reshard of %r committed in the catalog: version %d replaces %d", new.name, new.version, old.version)
+        log.info(
+            "reshard of %r committed in the catalog: version %d replaces %d",
+            new.name,
+            new.version,
+            old.version,
+        )
         if os.environ.get(EXIT_AFTER_COMMIT_ENV):
             log.error("%s is set: exiting after the catalog commit", EXIT_AFTER_COMMIT_ENV)
             logging.shutdown()
@@ -205,11 +295,16 @@ class ReshardDriver:
         """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
         ranks = ranks_of(ready)
         try:
-            self.registry.promote_on(ranks, ready.name, ready.version,
-                                        f"promote {ready.name!r} version {ready.version}")
+            self.registry.promote_on(
+                ranks, ready.name, ready.version, f"promote {ready.name!r} version {ready.version}"
+            )
         except ServiceError as err:
-            log.error("promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
-                      ready.name, ready.version, err.message)
+            log.error(
+                "promotion of %r version %d is unfinished (%s); the coordinator retries it every few seconds",
+                ready.name,
+                ready.version,
+                err.message,
+            )
             return False
         self.drop_replaced(ready.name)
         ready.promoting = False
@@ -249,15 +344,24 @@ class ReshardDriver:
         if current is None or not current.promoting:
             return
         if current.state != pb.READY:
-            log.warning("reshard of %r to version %d never committed (coordinator restarted); aborting it",
-                        current.name, current.version)
+            log.warning(
+                "reshard of %r to version %d never committed (coordinator restarted); aborting it",
+                current.name,
+                current.version,
+            )
             self.catalog.remove(current.name, current.version)
-            self.registry.drop_quietly(current.name, current.version,
-                                       [r for r in ranks_of(current) if self.registry.rank_alive(r)])
+            self.registry.drop_quietly(
+                current.name,
+                current.version,
+                [r for r in ranks_of(current) if self.registry.rank_alive(r)],
+            )
             return
         if all(self.registry.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
-            log.info("finished the promotion of %r version %d after a coordinator restart",
-                     current.name, current.version)
+            log.info(
+                "finished the promotion of %r version %d after a coordinator restart",
+                current.name,
+                current.version,
+            )
 
     def _check_ranks(self, participants: Sequence[int], dst_ranks: Sequence[int]) -> None:
         """The first rank of the reshard that is not alive, named: a requested one that is not registered is
@@ -267,21 +371,33 @@ class ReshardDriver:
                 entry = self.registry.entry(rank)
             except Unavailable:
                 if rank in dst_ranks:
-                    raise InvalidArgument(f"metadata: rank {rank} is not a registered rank") from None
-                raise FailedPrecondition(f"rank {rank}, which holds the current version, is not registered "
-                                         f"(it has not come back since the coordinator started)") from None
+                    raise InvalidArgument(
+                        f"metadata: rank {rank} is not a registered rank"
+                    ) from None
+                raise FailedPrecondition(
+                    f"rank {rank}, which holds the current version, is not registered "
+                    f"(it has not come back since the coordinator started)"
+                ) from None
             if not self.registry.is_alive(entry):
-                raise FailedPrecondition(f"rank {rank} is down; resharding onto/from it is impossible until it "
-                                         f"is back (restart that rank if it died: it rejoins under its rank number)")
+                raise FailedPrecondition(
+                    f"rank {rank} is down; resharding onto/from it is impossible until it "
+                    f"is back (restart that rank if it died: it rejoins under its rank number)"
+                )
 
 
-def _plan(src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int,
-          unavailable: frozenset[int]) -> ReshardPlan:
+def _plan(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    bucket_bytes: int,
+    unavailable: frozenset[int],
+) -> ReshardPlan:
     if src.size != dst.size:
         raise InvalidArgument(f"metadata.size {dst.size} differs from the tensor's size {src.size}")
     if src.dtype != dst.dtype:
-        raise InvalidArgument(f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
-                              f"dtype {src.dtype}")
+        raise InvalidArgument(
+            f"metadata.tensor_properties.dtype {dst.dtype} differs from the tensor's "
+            f"dtype {src.dtype}"
+        )
     try:
         return plan_reshard_per_round(src, dst, bucket_bytes, unavailable)
     except ValueError as err:

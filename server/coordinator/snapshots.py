@@ -7,25 +7,29 @@ snapshot in one transaction, which also removes the snapshots of the prefix
 beyond the newest `keep`. A snapshot never committed stays invisible: it is
 aborted by its writer, or its tensors are reaped as any pending put.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
-from server.common.requests import check_name, check_version, parse_metadata
-from server.coordinator.catalog import Catalog, holding_ranks
-from server.coordinator.locks import NameLocks
-from server.coordinator.registry import RankRegistry, versions_by_rank
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_to_proto
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
+from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.coordinator.catalog import Catalog, holding_ranks
+from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.registry import RankRegistry, versions_by_rank
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP = 2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
+DEFAULT_KEEP = (
+    2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
+)
 MAX_KEEP = 1024
 MAX_SNAPSHOT_TENSORS = 1 << 16
 
@@ -48,8 +52,14 @@ def snapshot_tensor_name(prefix: str, number: int, key: str) -> str:
 class SnapshotDriver:
     """Create, commit, abort and read snapshots; pending ones are kept in memory until committed or aborted."""
 
-    def __init__(self, catalog: Catalog, registry: RankRegistry, locks: NameLocks, versions: Versions,
-                 pending_timeout: float) -> None:
+    def __init__(
+        self,
+        catalog: Catalog,
+        registry: RankRegistry,
+        locks: NameLocks,
+        versions: Versions,
+        pending_timeout: float,
+    ) -> None:
         self.catalog = catalog
         self.registry = registry
         self.locks = locks
@@ -72,21 +82,43 @@ class SnapshotDriver:
                 raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
         self._forget_stale()
         number, *versions = self.catalog.next_versions(1 + len(layouts))
-        snapshot = pb.SnapshotInfo(prefix=prefix, number=number, state=pb.PENDING, created_unix=time.time(),
-                                   keep=keep, nbytes=sum(meta.nbytes for meta in layouts.values()))
+        snapshot = pb.SnapshotInfo(
+            prefix=prefix,
+            number=number,
+            state=pb.PENDING,
+            created_unix=time.time(),
+            keep=keep,
+            nbytes=sum(meta.nbytes for meta in layouts.values()),
+        )
         for (key, meta), version in zip(layouts.items(), versions):
-            snapshot.entries.add(key=key, tensor=pb.TensorInfo(
-                name=snapshot_tensor_name(prefix, number, key), version=version, metadata=metadata_to_proto(meta),
-                state=pb.PENDING, nbytes=meta.nbytes, created_unix=snapshot.created_unix))
+            snapshot.entries.add(
+                key=key,
+                tensor=pb.TensorInfo(
+                    name=snapshot_tensor_name(prefix, number, key),
+                    version=version,
+                    metadata=metadata_to_proto(meta),
+                    state=pb.PENDING,
+                    nbytes=meta.nbytes,
+                    created_unix=snapshot.created_unix,
+                ),
+            )
         self.catalog.add_all([entry.tensor for entry in snapshot.entries])
         try:
-            self.registry.allocate_many_on(_allocations_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}")
+            self.registry.allocate_many_on(
+                _allocations_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}"
+            )
         except BaseException:
             self._discard(snapshot)
             raise
         with self._guard:
             self._pending[(prefix, number)] = snapshot
-        log.info("snapshot %r %d: %d tensors, %d bytes pending", prefix, number, len(layouts), snapshot.nbytes)
+        log.info(
+            "snapshot %r %d: %d tensors, %d bytes pending",
+            prefix,
+            number,
+            len(layouts),
+            snapshot.nbytes,
+        )
         return snapshot
 
     def commit(self, prefix: str, number: int) -> pb.SnapshotInfo:
@@ -94,19 +126,28 @@ class SnapshotDriver:
         snapshot = self._take(prefix, number)
         try:
             with self.locks.hold(f"{prefix}@"):
-                self.registry.promote_many_on(versions_by_rank(_tensors(snapshot), holding_ranks),
-                                              f"promote snapshot {prefix!r} {number}")
+                self.registry.promote_many_on(
+                    versions_by_rank(_tensors(snapshot), holding_ranks),
+                    f"promote snapshot {prefix!r} {number}",
+                )
                 try:
                     committed, removed = self.catalog.commit_snapshot(snapshot)
                 except KeyError as err:
-                    raise Aborted(f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
-                                  f"{self.pending_timeout:.0f} s?): {err}") from None
+                    raise Aborted(
+                        f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
+                        f"{self.pending_timeout:.0f} s?): {err}"
+                    ) from None
         except BaseException:
             self._discard(snapshot)
             raise
         self.versions.drop_rows(removed)
-        log.info("committed snapshot %r %d (%d tensors)%s", prefix, number, len(committed.entries),
-                 f", dropping {len(removed)} tensors of older snapshots" if removed else "")
+        log.info(
+            "committed snapshot %r %d (%d tensors)%s",
+            prefix,
+            number,
+            len(committed.entries),
+            f", dropping {len(removed)} tensors of older snapshots" if removed else "",
+        )
         return self._described(committed)
 
     def abort(self, prefix: str, number: int) -> None:
@@ -136,8 +177,10 @@ class SnapshotDriver:
         with self._guard:
             snapshot = self._pending.pop((prefix, number), None)
         if snapshot is None:
-            raise NotFound(f"snapshot {prefix!r} {number} is not pending (never created, committed, aborted, "
-                           f"or the coordinator restarted)")
+            raise NotFound(
+                f"snapshot {prefix!r} {number} is not pending (never created, committed, aborted, "
+                f"or the coordinator restarted)"
+            )
         return snapshot
 
     def _forget_stale(self) -> None:
@@ -147,18 +190,29 @@ class SnapshotDriver:
             stale = [key for key, s in self._pending.items() if s.created_unix < cutoff]
             snapshots = [self._pending.pop(key) for key in stale]
         for snapshot in snapshots:
-            log.warning("aborting snapshot %r %d: pending for more than %.0f s", snapshot.prefix, snapshot.number,
-                        self.pending_timeout)
+            log.warning(
+                "aborting snapshot %r %d: pending for more than %.0f s",
+                snapshot.prefix,
+                snapshot.number,
+                self.pending_timeout,
+            )
             self._discard(snapshot)
 
     def _discard(self, snapshot: pb.SnapshotInfo) -> None:
         """Remove every pending tensor of the snapshot from the catalog and free it on its ranks."""
-        pending = [info for info in (self.catalog.get(e.tensor.name, e.tensor.version) for e in snapshot.entries)
-                   if info is not None and info.state != pb.READY]
+        pending = [
+            info
+            for info in (
+                self.catalog.get(e.tensor.name, e.tensor.version) for e in snapshot.entries
+            )
+            if info is not None and info.state != pb.READY
+        ]
         try:
             self.versions.discard_all(pending)
         except ServiceError as err:
-            log.warning("discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message)
+            log.warning(
+                "discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message
+            )
 
     def _described(self, snapshot: pb.SnapshotInfo) -> pb.SnapshotInfo:
         out = pb.SnapshotInfo()
@@ -194,8 +248,9 @@ def _allocations_by_rank(snapshot: pb.SnapshotInfo) -> dict[int, list[pb.Allocat
     """{rank: the AllocateShardsRequest of every snapshot tensor it holds shards of}."""
     out: dict[int, list[pb.AllocateShardsRequest]] = {}
     for info in _tensors(snapshot):
-        request = pb.AllocateShardsRequest(name=info.name, version=info.version, metadata=info.metadata,
-                                           init=pb.INIT_NONE)
+        request = pb.AllocateShardsRequest(
+            name=info.name, version=info.version, metadata=info.metadata, init=pb.INIT_NONE
+        )
         for rank in holding_ranks(info):
             out.setdefault(rank, []).append(request)
     return out

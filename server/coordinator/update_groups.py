@@ -11,15 +11,16 @@ turn lasts longer than `turn_timeout_s` (its client is gone) has the version abo
 waits; an aborted, overtaken or deleted version answers ABORTED to every member, and the clients make their
 updates again.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, ServiceError
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import Aborted, ServiceError
 
 CLAIM_WAIT_S = 1.0  # how long an update waits for a group it cannot join (being made, or committing): then ABORTED
 UPDATE_TURN_S = 30.0  # a member writing this long (its client is gone) has the version aborted by a waiting member
@@ -44,8 +45,13 @@ class _Group:
 class UpdateGroups:
     """The update group of every table being updated, behind one condition variable."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, claim_wait_s: float = CLAIM_WAIT_S,
-                 turn_timeout_s: float = UPDATE_TURN_S, max_members: int = MAX_MEMBERS) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        claim_wait_s: float = CLAIM_WAIT_S,
+        turn_timeout_s: float = UPDATE_TURN_S,
+        max_members: int = MAX_MEMBERS,
+    ) -> None:
         self._clock = clock
         self._claim_wait_s = claim_wait_s
         self._turn_timeout_s = turn_timeout_s
@@ -53,8 +59,9 @@ class UpdateGroups:
         self._groups: dict[str, _Group] = {}
         self._changed = threading.Condition()
 
-    def enter(self, name: str, token: str, abort: Callable[[str, int], None],
-              join: bool = True) -> tuple[int, int] | None:
+    def enter(
+        self, name: str, token: str, abort: Callable[[str, int], None], join: bool = True
+    ) -> tuple[int, int] | None:
         """Join the collecting version of `name` (unless not `join`): (its version, this member's order) once it
         is this member's turn to write; or claim a new group: None, and the caller makes the version and calls
         `bind` (or `cancel`). ABORTED when a group that cannot be joined keeps the table longer than the claim
@@ -66,12 +73,19 @@ class UpdateGroups:
                 if group is None:
                     self._groups[name] = _Group(since=self._clock(), tokens={token})
                     return None
-                if join and group.version and not group.closed and group.members < self._max_members:
+                if (
+                    join
+                    and group.version
+                    and not group.closed
+                    and group.members < self._max_members
+                ):
                     return group.version, self._join(name, group, token, abort)
                 left = give_up - self._clock()
                 if left <= 0:
-                    raise Aborted(f"tensor {name!r} has an update being made or committed (version "
-                                  f"{group.version}); ask again")
+                    raise Aborted(
+                        f"tensor {name!r} has an update being made or committed (version "
+                        f"{group.version}); ask again"
+                    )
                 self._wait(name, group, abort, left)
 
     def bind(self, name: str, version: int) -> None:
@@ -89,8 +103,13 @@ class UpdateGroups:
                 del self._groups[name]
                 self._changed.notify_all()
 
-    def finish(self, name: str, version: int, commit: Callable[[], pb.TensorInfo],
-               abort: Callable[[str, int], None]) -> pb.TensorInfo:
+    def finish(
+        self,
+        name: str,
+        version: int,
+        commit: Callable[[], pb.TensorInfo],
+        abort: Callable[[str, int], None],
+    ) -> pb.TensorInfo:
         """The member writing `version` of `name` has written: pass the turn on, and commit the version (by
         `commit`) when it was the last member; every member answers with the committed version and its own
         order. A version no group holds is simply committed."""
@@ -123,10 +142,20 @@ class UpdateGroups:
         members that wait are answered ABORTED."""
         with self._changed:
             group = self._groups.get(name)
-            if group is not None and group.version and (version is None or group.version == version):
-                self._fail(name, group, Aborted(f"update version {group.version} of tensor {name!r} was aborted "
-                                                f"before its commit (a member failed, or a reshard, load or "
-                                                f"delete replaced it); make the update again"))
+            if (
+                group is not None
+                and group.version
+                and (version is None or group.version == version)
+            ):
+                self._fail(
+                    name,
+                    group,
+                    Aborted(
+                        f"update version {group.version} of tensor {name!r} was aborted "
+                        f"before its commit (a member failed, or a reshard, load or "
+                        f"delete replaced it); make the update again"
+                    ),
+                )
 
     def version_of_token(self, name: str, token: str) -> int:
         """The pending version of `name` a member joined with put_token `token`, or 0."""
@@ -150,8 +179,13 @@ class UpdateGroups:
         try:
             outcome = commit()
         except BaseException as err:
-            failure = err if isinstance(err, ServiceError) else Aborted(
-                f"update version {group.version} of tensor {name!r} failed to commit: {err}")
+            failure = (
+                err
+                if isinstance(err, ServiceError)
+                else Aborted(
+                    f"update version {group.version} of tensor {name!r} failed to commit: {err}"
+                )
+            )
             with self._changed:
                 self._fail(name, group, failure)
             raise
@@ -161,17 +195,30 @@ class UpdateGroups:
                 del self._groups[name]
             self._changed.notify_all()
 
-    def _wait(self, name: str, group: _Group, abort: Callable[[str, int], None], wait_s: float) -> None:
+    def _wait(
+        self, name: str, group: _Group, abort: Callable[[str, int], None], wait_s: float
+    ) -> None:
         """(condition held) Wait up to `wait_s` for a change; abort `group`'s version when its turn stalled."""
-        stalled = group.version and group.outcome is None and group.error is None and not (
-            group.closed and group.turn == group.members) and self._clock() - group.since > self._turn_timeout_s
+        stalled = (
+            group.version
+            and group.outcome is None
+            and group.error is None
+            and not (group.closed and group.turn == group.members)
+            and self._clock() - group.since > self._turn_timeout_s
+        )
         if not stalled:
             self._changed.wait(min(wait_s, WAKE_S))
             return
         version = group.version
-        self._fail(name, group, Aborted(f"update version {version} of tensor {name!r} was aborted: member "
-                                        f"{group.turn} did not finish writing within {self._turn_timeout_s:g} s "
-                                        f"(its client is gone); make the update again"))
+        self._fail(
+            name,
+            group,
+            Aborted(
+                f"update version {version} of tensor {name!r} was aborted: member "
+                f"{group.turn} did not finish writing within {self._turn_timeout_s:g} s "
+                f"(its client is gone); make the update again"
+            ),
+        )
         self._changed.release()
         try:
             abort(name, version)

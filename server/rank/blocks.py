@@ -25,6 +25,7 @@ a fresh version (on the rank and in each same-host reader) costs at most 4096
 mmap calls (a few ms); smaller blocks copy less but map more, larger ones the
 reverse. A multiple of the page size, as mmap needs.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,12 +35,11 @@ import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
-
-from server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
+from shardserve.server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
 PAGE = mmap.PAGESIZE
@@ -48,7 +48,14 @@ PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -79,12 +86,20 @@ class AddressRange:
     def place(self, offset: int, nbytes: int, fd: int, file_offset: int, writable: bool) -> None:
         """Map `nbytes` of file `fd` from `file_offset` at `offset` of the range (replacing what was there)."""
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        result = _libc.mmap(self.address + offset, _round_up(nbytes, PAGE), prot, mmap.MAP_SHARED | MAP_FIXED,
-                            fd, file_offset)
+        result = _libc.mmap(
+            self.address + offset,
+            _round_up(nbytes, PAGE),
+            prot,
+            mmap.MAP_SHARED | MAP_FIXED,
+            fd,
+            file_offset,
+        )
         _check(result, "mapping a block")
 
     def protect_read_only(self) -> None:
-        _check(_libc.mprotect(self.address, self.size, mmap.PROT_READ), "protecting a served version")
+        _check(
+            _libc.mprotect(self.address, self.size, mmap.PROT_READ), "protecting a served version"
+        )
 
     def tensor(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the range as a flat uint8 tensor (which keeps the range alive)."""
@@ -99,8 +114,13 @@ class BlockFile:
     (F_SEAL_FUTURE_WRITE), which also forbids punching holes: a file's memory goes back when none of its blocks
     is used any more (the fd is closed), so a copied block, alone in its file, is freed as soon as it is unused."""
 
-    def __init__(self, fd: int, keep: object = None, nbytes: int = 0,
-                 on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        keep: object = None,
+        nbytes: int = 0,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         self.fd = fd
         self.on_close = on_close  # told when an fd this object owns is closed
         stat = os.fstat(fd)
@@ -111,7 +131,7 @@ class BlockFile:
         self.unused = 0  # bytes of its blocks no version uses any more (held until the file goes)
 
     @classmethod
-    def create(cls, nbytes: int, on_close: Callable[[], None] | None = None) -> "BlockFile":
+    def create(cls, nbytes: int, on_close: Callable[[], None] | None = None) -> BlockFile:
         """A new memfd of `nbytes` (pages reserved up front), sealed against resizing by other processes; the
         caller fills it, maps it, then calls `seal_writes`."""
         fd = os.memfd_create("shardserve-block", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -167,7 +187,9 @@ class BlockTable:
 
     blocks: list[Block]
     space: AddressRange | None = None
-    owned: set[int] = field(default_factory=set)  # blocks written by this pending version (mapped writable)
+    owned: set[int] = field(
+        default_factory=set
+    )  # blocks written by this pending version (mapped writable)
 
 
 @dataclass(frozen=True)
@@ -197,11 +219,15 @@ class Blocks:
         or all in one when the rank has `max_files` open already; not sealed yet, each used by one version."""
         slots = [_round_up(b.nbytes, PAGE) for b in blocks]
         alone = self.open_files + len(blocks) <= self.max_files
-        files = [self._new_file(n) for n in slots] if alone else [self._new_file(sum(slots))] * len(blocks)
+        files = (
+            [self._new_file(n) for n in slots]
+            if alone
+            else [self._new_file(sum(slots))] * len(blocks)
+        )
         out, offset = [], 0
         for block, k, file, slot in zip(blocks, indexes, files, slots):
             at = 0 if alone else offset
-            _copy_block(block, file, at, flat[k * BLOCK_BYTES:k * BLOCK_BYTES + block.nbytes])
+            _copy_block(block, file, at, flat[k * BLOCK_BYTES : k * BLOCK_BYTES + block.nbytes])
             file.refs[at] = 1
             out.append(Block(file, at, block.nbytes))
             offset += slot
@@ -224,7 +250,9 @@ class Blocks:
         table = self.table(tensor)
         return table is not None and table.space is not None
 
-    def share(self, source: torch.Tensor, segment: Segment | None) -> tuple[torch.Tensor, int] | None:
+    def share(
+        self, source: torch.Tensor, segment: Segment | None
+    ) -> tuple[torch.Tensor, int] | None:
         """A new read-only tensor over the same blocks as `source` (a composed tensor, or a shard segment, which
         is adopted: cut into blocks) and the bytes it copied, or None when `source` is neither (the caller
         copies). Blocks of a segment half unused are copied into files of their own instead, so that the segment
@@ -240,14 +268,21 @@ class Blocks:
             wasteful = {id(b.file) for b in table.blocks if b.file.wasteful()}
             moved = [k for k, b in enumerate(table.blocks) if id(b.file) in wasteful]
             blocks = list(table.blocks)
-            copies = self._copy([blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved)
+            copies = self._copy(
+                [blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved
+            )
             for k, copy in zip(moved, copies):
                 blocks[k] = copy
             space = AddressRange(nbytes)
             for start, stop in _runs(blocks):
                 first = blocks[start]
-                space.place(start * BLOCK_BYTES, sum(b.nbytes for b in blocks[start:stop]), first.file.fd,
-                            first.offset, writable=False)
+                space.place(
+                    start * BLOCK_BYTES,
+                    sum(b.nbytes for b in blocks[start:stop]),
+                    first.file.fd,
+                    first.offset,
+                    writable=False,
+                )
             for block, old in zip(blocks, table.blocks):
                 if block is old:
                     block.file.refs[block.offset] += 1
@@ -262,8 +297,10 @@ class Blocks:
             return None
         nbytes = segment.nbytes
         file = BlockFile(segment.fd, keep=source, nbytes=nbytes)
-        blocks = [Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
-                  for start in range(0, nbytes, BLOCK_BYTES)]
+        blocks = [
+            Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
+            for start in range(0, nbytes, BLOCK_BYTES)
+        ]
         file.refs = {b.offset: 1 for b in blocks}
         table = BlockTable(blocks)
         self._track(source, table)
@@ -285,15 +322,26 @@ class Blocks:
         with self._lock:
             table = self._tables[id(tensor)]
             assert table.space is not None, "only composed tensors are written block by block"
-            wanted = sorted({k for start, stop in byte_ranges if stop > start
-                             for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)} - table.owned)
+            wanted = sorted(
+                {
+                    k
+                    for start, stop in byte_ranges
+                    if stop > start
+                    for k in range(start // BLOCK_BYTES, (stop - 1) // BLOCK_BYTES + 1)
+                }
+                - table.owned
+            )
             if not wanted:
                 return 0, 0
-            copies = self._copy([table.blocks[k] for k in wanted], tensor.view(-1).view(torch.uint8), wanted)
+            copies = self._copy(
+                [table.blocks[k] for k in wanted], tensor.view(-1).view(torch.uint8), wanted
+            )
             freed = 0
             for k, block in zip(wanted, copies):
                 old = table.blocks[k]
-                table.space.place(k * BLOCK_BYTES, block.nbytes, block.file.fd, block.offset, writable=True)
+                table.space.place(
+                    k * BLOCK_BYTES, block.nbytes, block.file.fd, block.offset, writable=True
+                )
                 freed += old.file.unref(old.offset, old.nbytes)
                 table.blocks[k] = block
                 table.owned.add(k)
@@ -321,7 +369,12 @@ class Blocks:
     def resident_bytes(self) -> int:
         """Memory the block files of live tables hold now (their allocated pages, headers included)."""
         with self._lock:
-            files = {id(b.file): b.file for t in self._tables.values() for b in t.blocks if b.file.fd >= 0}
+            files = {
+                id(b.file): b.file
+                for t in self._tables.values()
+                for b in t.blocks
+                if b.file.fd >= 0
+            }
             return sum(os.fstat(f.fd).st_blocks * 512 for f in files.values())
 
     def extents(self, tensor: torch.Tensor) -> list[Extent]:
@@ -331,8 +384,15 @@ class Blocks:
             out = []
             for start, stop in _runs(table.blocks):
                 first = table.blocks[start]
-                out.append(Extent(first.file.fd, first.file.inode, first.file.device_id, first.offset,
-                                  sum(b.nbytes for b in table.blocks[start:stop])))
+                out.append(
+                    Extent(
+                        first.file.fd,
+                        first.file.inode,
+                        first.file.device_id,
+                        first.offset,
+                        sum(b.nbytes for b in table.blocks[start:stop]),
+                    )
+                )
             return out
 
 
@@ -342,8 +402,9 @@ def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor
     done = 0
     with contextlib.suppress(OSError):
         while done < block.nbytes:
-            copied = os.copy_file_range(block.file.fd, file.fd, block.nbytes - done, block.offset + done,
-                                        offset + done)
+            copied = os.copy_file_range(
+                block.file.fd, file.fd, block.nbytes - done, block.offset + done, offset + done
+            )
             if copied <= 0:
                 break
             done += copied
@@ -355,8 +416,12 @@ def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
     """[start, stop) index runs of blocks that lie back to back in one file (mapped with one call)."""
     runs, start = [], 0
     for k in range(1, len(blocks) + 1):
-        if k == len(blocks) or blocks[k].file is not blocks[k - 1].file or \
-                blocks[k].offset != blocks[k - 1].offset + BLOCK_BYTES or blocks[k - 1].nbytes != BLOCK_BYTES:
+        if (
+            k == len(blocks)
+            or blocks[k].file is not blocks[k - 1].file
+            or blocks[k].offset != blocks[k - 1].offset + BLOCK_BYTES
+            or blocks[k - 1].nbytes != BLOCK_BYTES
+        ):
             runs.append((start, k))
             start = k
     return runs

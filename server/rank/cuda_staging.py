@@ -4,11 +4,11 @@ A copy from device memory to pageable memory goes through a driver bounce
 buffer; into pinned (page-locked) memory it is one DMA. torch's caching host
 allocator reuses pinned blocks, so repeated reads do not pay cudaHostAlloc.
 """
+
 from __future__ import annotations
 
 import torch
-
-from shardcore.wire import tensor_bytes
+from shardserve.core.wire import tensor_bytes
 
 
 def host_bytes(box: torch.Tensor) -> memoryview:

@@ -15,6 +15,7 @@ the heap. A rank therefore sets, once at start (`mallopt`):
 The cost is up to ~256 MiB of freed heap a rank may keep. SHARDSERVE_MALLOC_TUNING=0
 leaves glibc's defaults; other C libraries are left alone.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -26,12 +27,14 @@ import platform
 log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc's <malloc.h>
-SETTINGS = {"M_MMAP_THRESHOLD": (_M_MMAP_THRESHOLD, 32 << 20),
-            "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, 256 << 20),
-            "M_TOP_PAD": (_M_TOP_PAD, 16 << 20)}
+SETTINGS = {
+    "M_MMAP_THRESHOLD": (_M_MMAP_THRESHOLD, 32 << 20),
+    "M_TRIM_THRESHOLD": (_M_TRIM_THRESHOLD, 256 << 20),
+    "M_TOP_PAD": (_M_TOP_PAD, 16 << 20),
+}
 
 
-def tune_malloc(environ: "os._Environ[str] | dict[str, str]" = os.environ) -> dict[str, int]:
+def tune_malloc(environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, int]:
     """Apply SETTINGS with glibc's mallopt; return what was set ({} when off, or not glibc)."""
     if environ.get("SHARDSERVE_MALLOC_TUNING", "1") == "0":
         return {}

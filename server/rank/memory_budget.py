@@ -1,12 +1,15 @@
 """A rank's default memory limit: its share of the host's memory, so that ranks sharing a host refuse
 allocations (RESOURCE_EXHAUSTED) instead of each admitting the whole host's RAM and being OOM-killed together."""
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
-HOST_MEMORY_FRACTION = 0.8  # of the host's (or cgroup's) memory, split evenly among the ranks on the host
+HOST_MEMORY_FRACTION = (
+    0.8  # of the host's (or cgroup's) memory, split evenly among the ranks on the host
+)
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -28,7 +31,9 @@ def ranks_on_host(env: Mapping[str, str]) -> int:
     return int(value)
 
 
-def default_memory_limit(device: str, host_bytes: int, ranks: int, fraction: float = HOST_MEMORY_FRACTION) -> int:
+def default_memory_limit(
+    device: str, host_bytes: int, ranks: int, fraction: float = HOST_MEMORY_FRACTION
+) -> int:
     """Bytes of shards a rank may hold when --memory-limit is not given (0 = unlimited).
 
     CPU ranks get `fraction` of the host's memory divided by the ranks on the host; CUDA ranks are unlimited

@@ -10,6 +10,7 @@ sequence of framed records (magic, length, CRC-32, payload); a torn tail (a
 crash in the middle of an append) ends the log, a bad record followed by more
 bytes is corruption.
 """
+
 from __future__ import annotations
 
 import errno
@@ -17,18 +18,27 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 import torch
-
-from server.common.errors import ResourceExhausted, Unavailable
+from shardserve.server.common.errors import ResourceExhausted, Unavailable
 
 SAFETENSORS_DTYPES = {
-    torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.complex64: "C64", torch.complex128: "C128",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.complex128: "C128",
 }
 RECORD_MAGIC = 0x5353_4C47  # "SSLG"
 _FRAME = struct.Struct("<III")  # magic, payload length, CRC-32 of the payload
@@ -70,10 +80,15 @@ def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str],
     data = tensor_memory(tensor)
     crc = 0
     for start in range(0, len(data), _COPY_BYTES):
-        crc = zlib.crc32(data[start:start + _COPY_BYTES], crc)
-    header = {"__metadata__": {**metadata, "crc32": str(crc)},
-              "shard": {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [0, len(data)]}}
+        crc = zlib.crc32(data[start : start + _COPY_BYTES], crc)
+    header = {
+        "__metadata__": {**metadata, "crc32": str(crc)},
+        "shard": {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [0, len(data)],
+        },
+    }
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     tmp = path.with_name(path.name + ".tmp")
@@ -81,7 +96,7 @@ def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str],
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for start in range(0, len(data), _COPY_BYTES):
-            f.write(data[start:start + _COPY_BYTES])
+            f.write(data[start : start + _COPY_BYTES])
         if sync:
             f.flush()
             os.fsync(f.fileno())
@@ -96,23 +111,29 @@ def read_shard_file(path: Path, into: torch.Tensor, crc: int) -> None:
         with open(path, "rb") as f:
             header = _read_header(f, path)
             entry = header.get("shard") or {}
-            if entry.get("dtype") != SAFETENSORS_DTYPES[into.dtype] or entry.get("shape") != list(into.shape):
-                raise CorruptFile(f"{path}: holds {entry.get('dtype')} {entry.get('shape')}, expected "
-                                  f"{SAFETENSORS_DTYPES[into.dtype]} {list(into.shape)}")
+            if entry.get("dtype") != SAFETENSORS_DTYPES[into.dtype] or entry.get("shape") != list(
+                into.shape
+            ):
+                raise CorruptFile(
+                    f"{path}: holds {entry.get('dtype')} {entry.get('shape')}, expected "
+                    f"{SAFETENSORS_DTYPES[into.dtype]} {list(into.shape)}"
+                )
             view = tensor_memory(into) if into.numel() else memoryview(bytearray())
             got, crc_seen = 0, 0
             while got < len(view):
-                n = f.readinto(view[got:got + _COPY_BYTES])
+                n = f.readinto(view[got : got + _COPY_BYTES])
                 if not n:
                     raise CorruptFile(f"{path}: truncated: {got} of {len(view)} data bytes")
-                crc_seen = zlib.crc32(view[got:got + n], crc_seen)
+                crc_seen = zlib.crc32(view[got : got + n], crc_seen)
                 got += n
             if f.read(1):
                 raise CorruptFile(f"{path}: bytes past the end of the tensor")
     except OSError as err:
         raise CorruptFile(f"{path}: {err.strerror or err}") from None
     if crc_seen != crc:
-        raise CorruptFile(f"{path}: checksum mismatch (CRC-32 {crc_seen:#010x}, expected {crc:#010x})")
+        raise CorruptFile(
+            f"{path}: checksum mismatch (CRC-32 {crc_seen:#010x}, expected {crc:#010x})"
+        )
 
 
 def _read_header(f: BinaryIO, path: Path) -> dict:
@@ -174,18 +195,18 @@ def read_log(path: Path) -> Iterator[LogRecord]:
         raise CorruptFile(f"{path}: {err.strerror or err}") from None
     offset = 0
     while offset < len(raw):
-        frame = raw[offset:offset + _FRAME.size]
+        frame = raw[offset : offset + _FRAME.size]
         bad = len(frame) < _FRAME.size
         if not bad:
             magic, length, crc = _FRAME.unpack(frame)
-            payload = raw[offset + _FRAME.size:offset + _FRAME.size + length]
+            payload = raw[offset + _FRAME.size : offset + _FRAME.size + length]
             bad = magic != RECORD_MAGIC or len(payload) != length or zlib.crc32(payload) != crc
         if bad:
             if _is_tail(raw, offset):
                 return
             raise CorruptFile(f"{path}: bad record at byte {offset} of {len(raw)}")
         (head_len,) = struct.unpack_from("<I", payload)
-        yield LogRecord(json.loads(payload[4:4 + head_len]), payload[4 + head_len:])
+        yield LogRecord(json.loads(payload[4 : 4 + head_len]), payload[4 + head_len :])
         offset += _FRAME.size + length
 
 
@@ -194,5 +215,8 @@ def _is_tail(raw: bytes, offset: int) -> bool:
     if len(raw) - offset < _FRAME.size:
         return True
     magic, length, _ = _FRAME.unpack_from(raw, offset)
-    return magic == RECORD_MAGIC and offset + _FRAME.size + length > len(raw) or raw[offset:].count(
-        struct.pack("<I", RECORD_MAGIC)) <= 1
+    return (
+        magic == RECORD_MAGIC
+        and offset + _FRAME.size + length > len(raw)
+        or raw[offset:].count(struct.pack("<I", RECORD_MAGIC)) <= 1
+    )

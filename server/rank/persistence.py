@@ -28,6 +28,7 @@ catalog has READY and drops the rest. A shard file whose CRC-32 or size is
 wrong is named in the log and its version is not loaded: the coordinator then
 marks those copies lost and repairs them from a replica, if any.
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,17 +37,19 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager
 from urllib.parse import quote, unquote
 
 import numpy as np
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from server.rank.persist_files import (
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardserve.server.rank.persist_files import (
     CorruptFile,
     LogRecord,
     disk_error,
@@ -59,8 +62,6 @@ from server.rank.persist_files import (
     write_json,
     write_shard_file,
 )
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.wire import metadata_from_proto, metadata_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +116,13 @@ class _Table:
 class Persistence:
     """The persist dir of one rank: writes snapshots and the update log, and restores them."""
 
-    def __init__(self, rank: int, root: str | Path, policy: FsyncPolicy = FsyncPolicy.ALWAYS,
-                 interval: float = FSYNC_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        rank: int,
+        root: str | Path,
+        policy: FsyncPolicy = FsyncPolicy.ALWAYS,
+        interval: float = FSYNC_INTERVAL_S,
+    ) -> None:
         self.rank = rank
         self.root = Path(root)
         self.policy = policy
@@ -125,13 +131,15 @@ class Persistence:
         self._tables: dict[str, _Table] = {}
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
-        self._snapshot_source: Callable[[str, int], ContextManager[tuple]] | None = None
+        self._snapshot_source: Callable[[str, int], AbstractContextManager[tuple]] | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise disk_error(rank, self.root, err) from None
         if policy is FsyncPolicy.INTERVAL:
-            self._flusher = threading.Thread(target=self._flush_loop, name="persist-fsync", daemon=True)
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="persist-fsync", daemon=True
+            )
             self._flusher.start()
 
     @property
@@ -180,7 +188,9 @@ class Persistence:
                     os.fsync(table.log_file.fileno())
                     table.dirty = False
                 except OSError as err:
-                    log.error("rank %d: fsync of %s failed: %s", self.rank, table.path / LOG_NAME, err)
+                    log.error(
+                        "rank %d: fsync of %s failed: %s", self.rank, table.path / LOG_NAME, err
+                    )
 
     # ------------------------------------------------------------ what the store calls
 
@@ -191,18 +201,35 @@ class Persistence:
 
     def note_copy(self, name: str, version: int, source_version: int) -> None:
         """Log that `version` starts as a copy of `source_version` (an update's new version)."""
-        self._append(name, LogRecord({"kind": "copy", "version": version, "source": source_version}))
+        self._append(
+            name, LogRecord({"kind": "copy", "version": version, "source": source_version})
+        )
         with self._lock:
             self._table(name).copies[version] = source_version
 
-    def log_rows(self, name: str, version: int, shard_index: int, rows: np.ndarray, values: torch.Tensor) -> None:
+    def log_rows(
+        self, name: str, version: int, shard_index: int, rows: np.ndarray, values: torch.Tensor
+    ) -> None:
         """Log rows (local row indices of shard `shard_index`) and their new values before they are written."""
-        data = np.ascontiguousarray(rows, dtype="<i8").tobytes() + bytes(tensor_memory(values.contiguous()))
-        self._append(name, LogRecord({"kind": "rows", "version": version, "shard": shard_index,
-                                      "count": int(rows.size)}, data))
+        data = np.ascontiguousarray(rows, dtype="<i8").tobytes() + bytes(
+            tensor_memory(values.contiguous())
+        )
+        self._append(
+            name,
+            LogRecord(
+                {"kind": "rows", "version": version, "shard": shard_index, "count": int(rows.size)},
+                data,
+            ),
+        )
 
-    def promote(self, name: str, version: int, meta: ShardedTensorMetadata, options: pb.TensorOptions,
-                shards: dict[int, torch.Tensor]) -> None:
+    def promote(
+        self,
+        name: str,
+        version: int,
+        meta: ShardedTensorMetadata,
+        options: pb.TensorOptions,
+        shards: dict[int, torch.Tensor],
+    ) -> None:
         """Make (name, version) durable before it is served: "promote" in the log for an update, else a
         snapshot (when it has none yet)."""
         if self.is_update(name, version):
@@ -210,8 +237,14 @@ class Persistence:
             return
         self.snapshot(name, version, meta, options, shards)
 
-    def snapshot(self, name: str, version: int, meta: ShardedTensorMetadata, options: pb.TensorOptions,
-                 shards: dict[int, torch.Tensor]) -> None:
+    def snapshot(
+        self,
+        name: str,
+        version: int,
+        meta: ShardedTensorMetadata,
+        options: pb.TensorOptions,
+        shards: dict[int, torch.Tensor],
+    ) -> None:
         """Write every local shard of a whole version and then its manifest (the commit point on disk)."""
         table = self._table(name)
         with self._lock:
@@ -223,20 +256,42 @@ class Persistence:
             files = {}
             for index, tensor in sorted(shards.items()):
                 path = table.path / f"v{version}.s{index}.safetensors"
-                crc = write_shard_file(path, tensor, {"name": name, "version": str(version),
-                                                      "shard_index": str(index), "rank": str(self.rank)},
-                                       self.sync_snapshots)
+                crc = write_shard_file(
+                    path,
+                    tensor,
+                    {
+                        "name": name,
+                        "version": str(version),
+                        "shard_index": str(index),
+                        "rank": str(self.rank),
+                    },
+                    self.sync_snapshots,
+                )
                 files[str(index)] = {"file": path.name, "crc32": crc}
             path = table.path / f"v{version}.json"
-            write_json(path, {"name": name, "version": version, "shards": files,
-                              "metadata": metadata_to_proto(meta).SerializeToString().hex(),
-                              "options": options.SerializeToString().hex()}, self.sync_snapshots)
+            write_json(
+                path,
+                {
+                    "name": name,
+                    "version": version,
+                    "shards": files,
+                    "metadata": metadata_to_proto(meta).SerializeToString().hex(),
+                    "options": options.SerializeToString().hex(),
+                },
+                self.sync_snapshots,
+            )
         except OSError as err:
             raise disk_error(self.rank, path, err) from None
         with self._lock:
             table.snapshots.add(version)
-        log.info("rank %d persisted %r version %d (%d shards) in %s", self.rank, name, version, len(shards),
-                 table.path)
+        log.info(
+            "rank %d persisted %r version %d (%d shards) in %s",
+            self.rank,
+            name,
+            version,
+            len(shards),
+            table.path,
+        )
 
     def drop(self, name: str, version: int) -> None:
         """Forget a dropped version on disk (0: the whole tensor). A snapshot an update's log still builds on
@@ -258,7 +313,13 @@ class Persistence:
             if known and not based_on and version in table.snapshots:
                 self._remove_snapshot(table, version)
         except OSError as err:
-            log.warning("rank %d: forgetting %r version %d on disk failed: %s", self.rank, name, version, err)
+            log.warning(
+                "rank %d: forgetting %r version %d on disk failed: %s",
+                self.rank,
+                name,
+                version,
+                err,
+            )
 
     def _remove_snapshot(self, table: _Table, version: int) -> None:
         (table.path / f"v{version}.json").unlink(missing_ok=True)
@@ -269,7 +330,9 @@ class Persistence:
 
     # ------------------------------------------------------------ compaction
 
-    def set_snapshot_source(self, source: Callable[[str, int], ContextManager[tuple]]) -> None:
+    def set_snapshot_source(
+        self, source: Callable[[str, int], AbstractContextManager[tuple]]
+    ) -> None:
         """`source(name, version)`: a context that holds a served version (leased) and yields its (metadata,
         options, shards): what compaction snapshots."""
         self._snapshot_source = source
@@ -285,7 +348,9 @@ class Persistence:
             if table.compacting or table.log_bytes <= threshold:
                 return
             table.compacting = True
-        threading.Thread(target=self._compact, args=(name, threshold), name="persist-compact", daemon=True).start()
+        threading.Thread(
+            target=self._compact, args=(name, threshold), name="persist-compact", daemon=True
+        ).start()
 
     def compacting(self, name: str) -> bool:
         """Whether a compaction of `name`'s log is running now."""
@@ -301,17 +366,29 @@ class Persistence:
             while True:
                 with self._lock:
                     version = table.newest_served
-                    if version <= done or table.log_bytes <= threshold or self._snapshot_source is None:
+                    if (
+                        version <= done
+                        or table.log_bytes <= threshold
+                        or self._snapshot_source is None
+                    ):
                         return
                 try:
                     with self._snapshot_source(name, version) as (meta, options, shards):
                         self.snapshot(name, version, meta, options, shards)
-                except (FailedPrecondition, NotFound):  # replaced (or deleted) meanwhile: a newer one is served
+                except (
+                    FailedPrecondition,
+                    NotFound,
+                ):  # replaced (or deleted) meanwhile: a newer one is served
                     done = version
                     continue
                 self._restart_log(name, version)
                 done = version
-                log.info("rank %d compacted the update log of %r into version %d", self.rank, name, version)
+                log.info(
+                    "rank %d compacted the update log of %r into version %d",
+                    self.rank,
+                    name,
+                    version,
+                )
         except Exception as err:  # noqa: BLE001 - a background task must log, not vanish
             log.error("rank %d: compacting %r failed: %s", self.rank, name, err)
         finally:
@@ -353,8 +430,12 @@ class Persistence:
 
     # ------------------------------------------------------------ restore
 
-    def restore(self, empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor], device: torch.device,
-                progress: Callable[[RestoreCount], None] | None = None) -> list[RestoredVersion]:
+    def restore(
+        self,
+        empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+        device: torch.device,
+        progress: Callable[[RestoreCount], None] | None = None,
+    ) -> list[RestoredVersion]:
         """Every version to hold again, read from disk (`empty(sizes, dtype)` allocates each host shard); a
         tensor whose files are corrupt is named in the log and left out. `progress` sees the bytes and tensors
         read so far, before the first tensor and after each."""
@@ -362,7 +443,9 @@ class Persistence:
         if not self.root.is_dir():
             return out
         folders = sorted(p for p in self.root.iterdir() if p.is_dir())
-        count = RestoreCount(total_bytes=sum(_folder_bytes(f) for f in folders), total_tensors=len(folders))
+        count = RestoreCount(
+            total_bytes=sum(_folder_bytes(f) for f in folders), total_tensors=len(folders)
+        )
         if progress is not None:
             progress(count)
         for folder in folders:
@@ -373,24 +456,42 @@ class Persistence:
                 progress(count)
         return out
 
-    def _restore_folder(self, folder: Path, empty: Callable[..., torch.Tensor], device: torch.device,
-                        out: list[RestoredVersion]) -> None:
+    def _restore_folder(
+        self,
+        folder: Path,
+        empty: Callable[..., torch.Tensor],
+        device: torch.device,
+        out: list[RestoredVersion],
+    ) -> None:
         """Restore one tensor's folder into `out`; corrupt files are named in the log and the tensor skipped."""
         name = unquote(folder.name)
         started = time.monotonic()
         try:
             versions = self._restore_table(name, folder, empty, device)
         except CorruptFile as err:
-            log.error("rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
-                      "them from a replica, if any)", self.rank, name, err)
+            log.error(
+                "rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
+                "them from a replica, if any)",
+                self.rank,
+                name,
+                err,
+            )
             return
         out.extend(versions)
         for restored in versions:
-            log.info("rank %d restored %r version %d (%d shards) from %s in %.2fs", self.rank, name,
-                     restored.version, len(restored.shards), folder, time.monotonic() - started)
+            log.info(
+                "rank %d restored %r version %d (%d shards) from %s in %.2fs",
+                self.rank,
+                name,
+                restored.version,
+                len(restored.shards),
+                folder,
+                time.monotonic() - started,
+            )
 
-    def _restore_table(self, name: str, folder: Path, empty: Callable[..., torch.Tensor],
-                       device: torch.device) -> list[RestoredVersion]:
+    def _restore_table(
+        self, name: str, folder: Path, empty: Callable[..., torch.Tensor], device: torch.device
+    ) -> list[RestoredVersion]:
         table = self._table(name)
         manifests = {int(p.stem[1:]): p for p in folder.glob("v*.json") if p.stem[1:].isdigit()}
         copies, rows, promoted, dropped = _replay_index(read_log(folder / LOG_NAME))
@@ -398,7 +499,9 @@ class Persistence:
         table.copies = dict(copies)
         wanted = [v for v in manifests if v not in dropped]
         updates = sorted(v for v in promoted if v not in dropped and v in copies)
-        wanted.extend(updates[-RESTORED_UPDATES:])  # the catalog may still be at the one before the newest
+        wanted.extend(
+            updates[-RESTORED_UPDATES:]
+        )  # the catalog may still be at the one before the newest
         out = []
         for version in sorted(set(wanted)):
             chain = _chain(version, copies, manifests, name)
@@ -409,15 +512,20 @@ class Persistence:
             out.append(base)
         return out
 
-    def _load_snapshot(self, manifest_path: Path, empty: Callable[..., torch.Tensor],
-                       device: torch.device) -> RestoredVersion:
+    def _load_snapshot(
+        self, manifest_path: Path, empty: Callable[..., torch.Tensor], device: torch.device
+    ) -> RestoredVersion:
         manifest = read_json(manifest_path)
-        meta = metadata_from_proto(pb.ShardedTensorMetadata.FromString(bytes.fromhex(manifest["metadata"])))
+        meta = metadata_from_proto(
+            pb.ShardedTensorMetadata.FromString(bytes.fromhex(manifest["metadata"]))
+        )
         options = pb.TensorOptions.FromString(bytes.fromhex(manifest["options"]))
         expected = set(meta.shards_on(self.rank))
         if {int(i) for i in manifest["shards"]} != expected:
-            raise CorruptFile(f"{manifest_path}: lists shards {sorted(manifest['shards'])}, this rank holds "
-                              f"{sorted(expected)}")
+            raise CorruptFile(
+                f"{manifest_path}: lists shards {sorted(manifest['shards'])}, this rank holds "
+                f"{sorted(expected)}"
+            )
         shards = {}
         for index in sorted(expected):
             entry = manifest["shards"][str(index)]
@@ -432,7 +540,9 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
 
 
-def _replay_index(records: object) -> tuple[dict[int, int], dict[int, list[LogRecord]], set[int], set[int]]:
+def _replay_index(
+    records: object,
+) -> tuple[dict[int, int], dict[int, list[LogRecord]], set[int], set[int]]:
     """The log's copies (version -> source), rows per version in order, promoted and dropped versions."""
     copies: dict[int, int] = {}
     rows: dict[int, list[LogRecord]] = {}
@@ -451,29 +561,41 @@ def _replay_index(records: object) -> tuple[dict[int, int], dict[int, list[LogRe
     return copies, rows, promoted, dropped
 
 
-def _chain(version: int, copies: dict[int, int], manifests: dict[int, Path], name: str) -> list[int]:
+def _chain(
+    version: int, copies: dict[int, int], manifests: dict[int, Path], name: str
+) -> list[int]:
     """Versions from a snapshot to `version` through the log's copies, oldest first."""
     chain = [version]
     while chain[-1] not in manifests:
         source = copies.get(chain[-1])
         if source is None or len(chain) > len(copies) + 1:
-            raise CorruptFile(f"{name!r} version {version}: no snapshot to rebuild it from (version {chain[-1]} "
-                              f"has neither a manifest nor a source in the update log)")
+            raise CorruptFile(
+                f"{name!r} version {version}: no snapshot to rebuild it from (version {chain[-1]} "
+                f"has neither a manifest nor a source in the update log)"
+            )
         chain.append(source)
     return chain[::-1]
 
 
-def _apply_rows(shards: dict[int, torch.Tensor], records: list[LogRecord], name: str, version: int) -> None:
+def _apply_rows(
+    shards: dict[int, torch.Tensor], records: list[LogRecord], name: str, version: int
+) -> None:
     for record in records:
         index, count = int(record.header["shard"]), int(record.header["count"])
         shard = shards.get(index)
         if shard is None:
-            raise CorruptFile(f"update log of {name!r} version {version}: rows of shard {index}, not held here")
-        ids = torch.from_numpy(np.frombuffer(record.data[:8 * count], dtype="<i8").copy())
-        values = torch.frombuffer(bytearray(record.data[8 * count:]), dtype=torch.uint8)
+            raise CorruptFile(
+                f"update log of {name!r} version {version}: rows of shard {index}, not held here"
+            )
+        ids = torch.from_numpy(np.frombuffer(record.data[: 8 * count], dtype="<i8").copy())
+        values = torch.frombuffer(bytearray(record.data[8 * count :]), dtype=torch.uint8)
         if shard.dim() != 2 or values.numel() != count * shard.shape[1] * shard.element_size():
-            raise CorruptFile(f"update log of {name!r} version {version}: a rows record does not fit shard {index}")
-        shard.index_copy_(0, ids.to(shard.device), values.view(shard.dtype).view(count, -1).to(shard.device))
+            raise CorruptFile(
+                f"update log of {name!r} version {version}: a rows record does not fit shard {index}"
+            )
+        shard.index_copy_(
+            0, ids.to(shard.device), values.view(shard.dtype).view(count, -1).to(shard.device)
+        )
 
 
 def parse_policy(text: str) -> FsyncPolicy:

@@ -15,6 +15,7 @@ mapped a shared-memory buffer are handled by server/rank/shared_memory.py: takin
 such a buffer bumps the generation word of its header before any byte changes,
 and clients check that word before and after each read.
 """
+
 from __future__ import annotations
 
 import threading
@@ -46,8 +47,12 @@ class Buffer:
 class RecycledBuffers:
     """Buffers of freed versions, oldest first, at most `max_bytes` in all and `max_age_s` old."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 (0 keeps nothing), got {max_bytes}")
         if max_age_s <= 0:
@@ -80,8 +85,11 @@ class RecycledBuffers:
         private ones, when True or False), or None."""
         with self._lock:
             self._trim_locked(self.max_bytes)
-            fits = [b for b in self._buffers if b.nbytes == nbytes
-                    and (shared is None or (b.segment is not None) == shared)]
+            fits = [
+                b
+                for b in self._buffers
+                if b.nbytes == nbytes and (shared is None or (b.segment is not None) == shared)
+            ]
             if not fits:
                 return None
             chosen = max(fits, key=lambda b: (b.segment is not None, b.since))

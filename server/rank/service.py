@@ -1,15 +1,16 @@
 """The ShardServer gRPC servicer: a thin layer over one rank's ShardStore."""
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from protos.chunk_codec import (
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.chunk_codec import (
     LookupPart,
     RawChunk,
     decode_write_request,
@@ -17,41 +18,42 @@ from protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from server.common.errors import InvalidArgument, item_errors, rpc_errors
-from server.common.requests import (
+from shardserve.server.common.errors import InvalidArgument, item_errors, rpc_errors
+from shardserve.server.common.requests import (
     check_name,
     check_options,
     check_version,
     parse_dtype,
     parse_metadata,
 )
-from server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
-from server.rank.jobs.groups import ProcessGroups
-from server.rank.jobs.reshard import run_reshard_job
-from server.rank.jobs.service import CollectiveJobService, JobKinds
-from server.rank.jobs.service import handlers as collective_handlers
-from server.rank.metrics import GRPC
-from server.rank.reads.bulk import BulkReads
-from server.rank.reads.bulk import handlers as bulk_read_handlers
-from server.rank.reads.lookup import LookupService
-from server.rank.reads.region import region_bytes
-from server.rank.reads.shm import SharedMemoryService
-from server.rank.reads.shm import handlers as shared_memory_handlers
-from server.rank.reads.batch import BatchReads
-from server.rank.reads.batch import handlers as batch_read_handlers
-from server.rank.reads.small import SmallReads
-from server.rank.reads.small import handlers as small_read_handlers
-from server.rank.store import ShardStore
-from server.rank.writes.batch import ShardWrites
-from server.rank.writes.batch import handlers as shard_write_handlers
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
+from shardserve.server.rank.jobs.groups import ProcessGroups
+from shardserve.server.rank.jobs.reshard import run_reshard_job
+from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
+from shardserve.server.rank.jobs.service import handlers as collective_handlers
+from shardserve.server.rank.metrics import GRPC
+from shardserve.server.rank.reads.batch import BatchReads
+from shardserve.server.rank.reads.batch import handlers as batch_read_handlers
+from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.reads.bulk import handlers as bulk_read_handlers
+from shardserve.server.rank.reads.lookup import LookupService
+from shardserve.server.rank.reads.region import region_bytes
+from shardserve.server.rank.reads.shm import SharedMemoryService
+from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
+from shardserve.server.rank.reads.small import SmallReads
+from shardserve.server.rank.reads.small import handlers as small_read_handlers
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.writes.batch import ShardWrites
+from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
 MAX_BATCH_VERSIONS = 1 << 16  # versions one AllocateMany / PromoteMany / DropMany names
-MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
+MIN_CHUNK_BYTES = (
+    4096  # a floor, so a hostile chunk_bytes=1 cannot turn one read into millions of messages
+)
 
 
 def job_kinds() -> JobKinds:
@@ -66,8 +68,13 @@ def job_kinds() -> JobKinds:
 class ShardServerServicer(pb_grpc.ShardServerServicer):
     """Allocates, fills, promotes, drops and streams the shards of one rank."""
 
-    def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 bulk_reads: BulkReads | None = None, groups: ProcessGroups | None = None) -> None:
+    def __init__(
+        self,
+        store: ShardStore,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        bulk_reads: BulkReads | None = None,
+        groups: ProcessGroups | None = None,
+    ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
         self.lookups = LookupService(store)
@@ -76,23 +83,33 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.small_reads = SmallReads(store)
         self.batch_reads = BatchReads(store)
         self.shard_writes = ShardWrites(store)
-        self.bulk_reads = bulk_reads or BulkReads(store, None, off_reason="this server was built without one")
+        self.bulk_reads = bulk_reads or BulkReads(
+            store, None, off_reason="this server was built without one"
+        )
 
     @rpc_errors
-    def AllocateShards(self, request: pb.AllocateShardsRequest,
-                       context: grpc.ServicerContext) -> pb.AllocateShardsResponse:
-        return pb.AllocateShardsResponse(allocated_bytes=self._allocate(checked_allocation(request)))
+    def AllocateShards(
+        self, request: pb.AllocateShardsRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateShardsResponse:
+        return pb.AllocateShardsResponse(
+            allocated_bytes=self._allocate(checked_allocation(request))
+        )
 
     @rpc_errors
-    def AllocateMany(self, request: pb.AllocateManyRequest,
-                     context: grpc.ServicerContext) -> pb.AllocateManyResponse:
+    def AllocateMany(
+        self, request: pb.AllocateManyRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateManyResponse:
         """Every allocation of the batch, or none: the ones made before a failure are dropped again."""
         check_batch_size(len(request.tensors), "tensors")
-        allocations = [checked_allocation(t, f"tensors[{i}].") for i, t in enumerate(request.tensors)]
+        allocations = [
+            checked_allocation(t, f"tensors[{i}].") for i, t in enumerate(request.tensors)
+        ]
         made, total = [], 0
         try:
             for index, allocation in enumerate(allocations):
-                with item_errors(f"tensors[{index}] ({allocation.name!r} version {allocation.version})"):
+                with item_errors(
+                    f"tensors[{index}] ({allocation.name!r} version {allocation.version})"
+                ):
                     total += self._allocate(allocation)
                 made.append(allocation)
         except BaseException:
@@ -102,22 +119,35 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return pb.AllocateManyResponse(allocated_bytes=total)
 
     def _allocate(self, allocation: Allocation) -> int:
-        request, name, version, meta = allocation.request, allocation.name, allocation.version, allocation.meta
+        request, name, version, meta = (
+            allocation.request,
+            allocation.name,
+            allocation.version,
+            allocation.meta,
+        )
         if request.init == pb.INIT_COPY:
-            return self.store.allocate_copy(name, version, meta, check_version(request.source_version,
-                                                                               "source_version"), request.options)
+            return self.store.allocate_copy(
+                name,
+                version,
+                meta,
+                check_version(request.source_version, "source_version"),
+                request.options,
+            )
         if request.reserve_only:  # a collective job (reshard) installs the shards later
             return self.store.reserve(name, version, meta, request.options)
         return self.store.allocate(name, version, meta, request.init, request.seed, request.options)
 
     @rpc_errors
-    def PromoteVersion(self, request: pb.PromoteVersionRequest,
-                       context: grpc.ServicerContext) -> pb.PromoteVersionResponse:
+    def PromoteVersion(
+        self, request: pb.PromoteVersionRequest, context: grpc.ServicerContext
+    ) -> pb.PromoteVersionResponse:
         self.store.promote(check_name(request.name), check_version(request.version))
         return pb.PromoteVersionResponse()
 
     @rpc_errors
-    def PromoteMany(self, request: pb.PromoteManyRequest, context: grpc.ServicerContext) -> pb.PromoteManyResponse:
+    def PromoteMany(
+        self, request: pb.PromoteManyRequest, context: grpc.ServicerContext
+    ) -> pb.PromoteManyResponse:
         """Promote the versions in order, stopping at the first failure (the coordinator then drops them all)."""
         for index, version in enumerate(checked_versions(request.versions)):
             with item_errors(f"versions[{index}]"):
@@ -125,20 +155,24 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return pb.PromoteManyResponse()
 
     @rpc_errors
-    def DropVersion(self, request: pb.DropVersionRequest,
-                    context: grpc.ServicerContext) -> pb.DropVersionResponse:
+    def DropVersion(
+        self, request: pb.DropVersionRequest, context: grpc.ServicerContext
+    ) -> pb.DropVersionResponse:
         self.store.drop(check_name(request.name), check_version(request.version, allow_zero=True))
         return pb.DropVersionResponse()
 
     @rpc_errors
-    def DropMany(self, request: pb.DropManyRequest, context: grpc.ServicerContext) -> pb.DropManyResponse:
+    def DropMany(
+        self, request: pb.DropManyRequest, context: grpc.ServicerContext
+    ) -> pb.DropManyResponse:
         for name, version in checked_versions(request.versions, allow_zero=True):
             self.store.drop(name, version)
         return pb.DropManyResponse()
 
     @rpc_errors
-    def WriteShard(self, request_iterator: Iterable[pb.WriteShardRequest],
-                   context: grpc.ServicerContext) -> pb.WriteShardResponse:
+    def WriteShard(
+        self, request_iterator: Iterable[pb.WriteShardRequest], context: grpc.ServicerContext
+    ) -> pb.WriteShardResponse:
         requests = iter(request_iterator)
         first = next(requests, None)
         if first is None or not first.HasField("header"):
@@ -153,19 +187,26 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                 if part == "chunk":
                     writer.write(message.chunk.offset, message.chunk.data)
                 elif part == "header":
-                    raise InvalidArgument("header: only the first WriteShard message may carry a header")
+                    raise InvalidArgument(
+                        "header: only the first WriteShard message may carry a header"
+                    )
                 else:
-                    raise InvalidArgument("part: a WriteShard message carries neither header nor chunk")
+                    raise InvalidArgument(
+                        "part: a WriteShard message carries neither header nor chunk"
+                    )
         self.store.metrics.written(name, writer.written)
         return pb.WriteShardResponse(bytes_written=writer.written)
 
     @rpc_errors
-    def ReadRegion(self, request: pb.ReadRegionRequest,
-                   context: grpc.ServicerContext) -> Iterator[RawChunk]:
+    def ReadRegion(
+        self, request: pb.ReadRegionRequest, context: grpc.ServicerContext
+    ) -> Iterator[RawChunk]:
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
         with region_bytes(self.store, request) as data:
             for offset in range(0, len(data), chunk_bytes):
-                yield RawChunk(offset, data[offset:offset + chunk_bytes])  # encoded by encode_chunk
+                yield RawChunk(
+                    offset, data[offset : offset + chunk_bytes]
+                )  # encoded by encode_chunk
         self.store.metrics.served(GRPC, request.name, len(data))
 
     def _chunk_bytes(self, requested: int) -> int:
@@ -174,25 +215,35 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         return max(MIN_CHUNK_BYTES, min(requested or self.chunk_bytes, MAX_CHUNK_BYTES))
 
     @rpc_errors
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> Iterator[LookupPart]:
+    def Lookup(
+        self, request: pb.LookupRequest, context: grpc.ServicerContext
+    ) -> Iterator[LookupPart]:
         yield from self.lookups.lookup(request)
 
     @rpc_errors
-    def LookupSmall(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> list[LookupPart]:
+    def LookupSmall(
+        self, request: pb.LookupRequest, context: grpc.ServicerContext
+    ) -> list[LookupPart]:
         return self.lookups.lookup_small(request)
 
     @rpc_errors
-    def WriteRows(self, request: pb.WriteRowsRequest, context: grpc.ServicerContext) -> pb.WriteRowsResponse:
+    def WriteRows(
+        self, request: pb.WriteRowsRequest, context: grpc.ServicerContext
+    ) -> pb.WriteRowsResponse:
         rows = self.lookups.write_rows(request)
         self.store.metrics.written(request.name, len(request.values))
         return pb.WriteRowsResponse(rows_written=rows)
 
     @rpc_errors
-    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.GetStatsResponse:
+    def GetStats(
+        self, request: pb.GetStatsRequest, context: grpc.ServicerContext
+    ) -> pb.GetStatsResponse:
         return pb.GetStatsResponse(
-            rank=self.store.rank, memory_used_bytes=self.store.memory_used,
+            rank=self.store.rank,
+            memory_used_bytes=self.store.memory_used,
             memory_limit_bytes=self.store.memory_limit,
-            held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()])
+            held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()],
+        )
 
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
@@ -220,46 +271,72 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
     return Allocation(request, name, version, meta)
 
 
-def checked_versions(requests: Sequence[pb.PromoteVersionRequest | pb.DropVersionRequest],
-                     allow_zero: bool = False) -> list[tuple[str, int]]:
+def checked_versions(
+    requests: Sequence[pb.PromoteVersionRequest | pb.DropVersionRequest], allow_zero: bool = False
+) -> list[tuple[str, int]]:
     """(name, version) of each request of a batch, checked; INVALID_ARGUMENT names `versions[i]`."""
     check_batch_size(len(requests), "versions")
-    return [(check_name(r.name, f"versions[{i}].name"),
-             check_version(r.version, f"versions[{i}].version", allow_zero=allow_zero))
-            for i, r in enumerate(requests)]
+    return [
+        (
+            check_name(r.name, f"versions[{i}].name"),
+            check_version(r.version, f"versions[{i}].version", allow_zero=allow_zero),
+        )
+        for i, r in enumerate(requests)
+    ]
 
 
 def check_batch_size(count: int, field: str) -> None:
     if count > MAX_BATCH_VERSIONS:
-        raise InvalidArgument(f"{field}: {count} in one call, over the limit of {MAX_BATCH_VERSIONS}")
+        raise InvalidArgument(
+            f"{field}: {count} in one call, over the limit of {MAX_BATCH_VERSIONS}"
+        )
 
 
 def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     """Register the ShardServer service, with the bulk messages going through chunk_codec; return its name."""
+
     def unary(method, request_type, response_type):  # type: ignore[no-untyped-def]
-        return grpc.unary_unary_rpc_method_handler(method, request_deserializer=request_type.FromString,
-                                                   response_serializer=response_type.SerializeToString)
+        return grpc.unary_unary_rpc_method_handler(
+            method,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
     handlers = {
-        "AllocateShards": unary(servicer.AllocateShards, pb.AllocateShardsRequest, pb.AllocateShardsResponse),
-        "PromoteVersion": unary(servicer.PromoteVersion, pb.PromoteVersionRequest, pb.PromoteVersionResponse),
+        "AllocateShards": unary(
+            servicer.AllocateShards, pb.AllocateShardsRequest, pb.AllocateShardsResponse
+        ),
+        "PromoteVersion": unary(
+            servicer.PromoteVersion, pb.PromoteVersionRequest, pb.PromoteVersionResponse
+        ),
         "DropVersion": unary(servicer.DropVersion, pb.DropVersionRequest, pb.DropVersionResponse),
-        "AllocateMany": unary(servicer.AllocateMany, pb.AllocateManyRequest, pb.AllocateManyResponse),
+        "AllocateMany": unary(
+            servicer.AllocateMany, pb.AllocateManyRequest, pb.AllocateManyResponse
+        ),
         "PromoteMany": unary(servicer.PromoteMany, pb.PromoteManyRequest, pb.PromoteManyResponse),
         "DropMany": unary(servicer.DropMany, pb.DropManyRequest, pb.DropManyResponse),
         "GetStats": unary(servicer.GetStats, pb.GetStatsRequest, pb.GetStatsResponse),
         "WriteShard": grpc.stream_unary_rpc_method_handler(
-            servicer.WriteShard, request_deserializer=decode_write_request,
-            response_serializer=pb.WriteShardResponse.SerializeToString),
+            servicer.WriteShard,
+            request_deserializer=decode_write_request,
+            response_serializer=pb.WriteShardResponse.SerializeToString,
+        ),
         "ReadRegion": grpc.unary_stream_rpc_method_handler(
-            servicer.ReadRegion, request_deserializer=pb.ReadRegionRequest.FromString,
-            response_serializer=encode_chunk),
+            servicer.ReadRegion,
+            request_deserializer=pb.ReadRegionRequest.FromString,
+            response_serializer=encode_chunk,
+        ),
         "WriteRows": unary(servicer.WriteRows, pb.WriteRowsRequest, pb.WriteRowsResponse),
         "LookupSmall": grpc.unary_unary_rpc_method_handler(
-            servicer.LookupSmall, request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=encode_lookup_reply),
+            servicer.LookupSmall,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=encode_lookup_reply,
+        ),
         "Lookup": grpc.unary_stream_rpc_method_handler(
-            servicer.Lookup, request_deserializer=pb.LookupRequest.FromString,
-            response_serializer=encode_lookup_chunk),
+            servicer.Lookup,
+            request_deserializer=pb.LookupRequest.FromString,
+            response_serializer=encode_lookup_chunk,
+        ),
     }
     handlers.update(collective_handlers(servicer.collectives))
     handlers.update(shared_memory_handlers(servicer.shared_memory))

@@ -12,6 +12,7 @@ mapping keeps its pages after the rank frees the version. Leases expire.
 The memfd is closed when its memory goes (the last view of it), not when the
 first tensor made over it does, so a recycled segment keeps its fd.
 """
+
 from __future__ import annotations
 
 import errno
@@ -23,17 +24,22 @@ import secrets
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
-
-from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_REPLACED, STATE_SERVED
-from server.common.errors import ResourceExhausted
-from server.rank.recycling import Buffer, RecycledBuffers
-from shardcore.dtypes import itemsize
-from shardcore.wire import byte_view
+from shardserve.core.dtypes import itemsize
+from shardserve.core.wire import byte_view
+from shardserve.protos.same_host import (
+    HEADER_MAGIC,
+    STATE_DROPPED,
+    STATE_PENDING,
+    STATE_REPLACED,
+    STATE_SERVED,
+)
+from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +50,9 @@ ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a
 # makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
 # before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
-FDS_KEPT_FOR_SOCKETS = 4096  # open files left to connections, pidfds and DCP files when shards take theirs
+FDS_KEPT_FOR_SOCKETS = (
+    4096  # open files left to connections, pidfds and DCP files when shards take theirs
+)
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
@@ -78,13 +86,17 @@ class SharedMemory:
         # a layout of thousands of tiny shards cannot take the fds the rank's sockets need
         self.max_segments = _segment_budget(_raise_fd_limit()) if self.enabled else 0
         self._over_budget_logged = False
-        self._segments: dict[int, Segment] = {}  # by id() of a live tensor made by `empty` or given a header
+        self._segments: dict[
+            int, Segment
+        ] = {}  # by id() of a live tensor made by `empty` or given a header
         self._headers: dict[int, torch.Tensor] = {}  # the int64 header words of those segments
         # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
         # whenever a collection happens, also inside a hold in this thread
         self._lock = threading.RLock()
 
-    def empty(self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False) -> torch.Tensor:
+    def empty(
+        self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False
+    ) -> torch.Tensor:
         """A C-contiguous CPU tensor, in a memfd when enabled (else plain memory): zero-filled, unless the
         caller will `overwrite` every byte (then a recycled segment is handed over as it is)."""
         nbytes = _nbytes(sizes, dtype)
@@ -96,13 +108,20 @@ class SharedMemory:
         if len(self._segments) >= self.max_segments:
             if not self._over_budget_logged:
                 self._over_budget_logged = True
-                log.warning("%d shared-memory segments (the budget of this rank's open files); further shards "
-                            "are in private memory and read over the network", len(self._segments))
+                log.warning(
+                    "%d shared-memory segments (the budget of this rank's open files); further shards "
+                    "are in private memory and read over the network",
+                    len(self._segments),
+                )
             return torch.zeros(sizes, dtype=dtype)
         try:
             flat, segment = _memfd_bytes(HEADER_BYTES + nbytes)
         except OSError as err:
-            log.warning("shared memory allocation of %d bytes failed (%s); using private memory", nbytes, err)
+            log.warning(
+                "shared memory allocation of %d bytes failed (%s); using private memory",
+                nbytes,
+                err,
+            )
             return torch.zeros(sizes, dtype=dtype)
         tensor = flat[HEADER_BYTES:].view(dtype).view(sizes)
         segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, nbytes)
@@ -128,7 +147,9 @@ class SharedMemory:
             elif segment is None and _owns_storage(tensor):
                 self.recycled.keep(Buffer(byte_view(tensor)))
 
-    def _reuse(self, sizes: tuple[int, ...], dtype: torch.dtype, shared: bool | None) -> torch.Tensor | None:
+    def _reuse(
+        self, sizes: tuple[int, ...], dtype: torch.dtype, shared: bool | None
+    ) -> torch.Tensor | None:
         """A kept buffer as a tensor of `sizes`; a segment gets a new generation before anything is written."""
         buffer = self.recycled.take(_nbytes(sizes, dtype), shared)
         if buffer is None:
@@ -144,12 +165,16 @@ class SharedMemory:
         """A header-only segment (the state word, no data) for a tensor whose bytes live elsewhere (a CUDA
         shard handed over as a CUDA IPC handle), so a client's cached mapping checks the version's state
         without an RPC. One per tensor; `mark` keeps it current; it is closed when the tensor goes."""
-        with self._lock:  # checked and made under one hold: two readers of a new shard make one header
+        with (
+            self._lock
+        ):  # checked and made under one hold: two readers of a new shard make one header
             known = self._segments.get(id(tensor))
             if known is not None:
                 return known
             flat, segment = _memfd_bytes(HEADER_BYTES)
-            segment = Segment(segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0)
+            segment = Segment(
+                segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0
+            )
             state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
             self._track(tensor, segment, _new_header(flat, state))
         return segment
@@ -225,7 +250,10 @@ def _nbytes(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def _owns_storage(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is the whole of its storage (a buffer of its own, not a view into something bigger)."""
-    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    return (
+        tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
 
 
 def _seal(fd: int) -> None:
@@ -264,7 +292,9 @@ def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
         os.close(fd)
         raise
     segment = Segment(os.getpid(), fd, stat.st_ino, stat.st_dev, nbytes)
-    weakref.finalize(mapped, os.close, fd)  # the fd lives exactly as long as the memory (any view of it)
+    weakref.finalize(
+        mapped, os.close, fd
+    )  # the fd lives exactly as long as the memory (any view of it)
     return torch.frombuffer(mapped, dtype=torch.uint8), segment
 
 
@@ -281,14 +311,20 @@ class Leases:
         """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
         with self._lock:
             if len(self._held) >= MAX_LEASES:
-                raise ResourceExhausted(f"this rank holds {MAX_LEASES} shared-memory leases already; release "
-                                        f"some (ReleaseShard) or wait for them to expire")
+                raise ResourceExhausted(
+                    f"this rank holds {MAX_LEASES} shared-memory leases already; release "
+                    f"some (ReleaseShard) or wait for them to expire"
+                )
             lease_id = 0
-            while not lease_id or lease_id in self._held:  # random: no client ends another's lease by guessing
+            while (
+                not lease_id or lease_id in self._held
+            ):  # random: no client ends another's lease by guessing
                 lease_id = secrets.randbits(63)
             self._held[lease_id] = (lease, self._clock() + seconds)
             if self._reaper is None:
-                self._reaper = threading.Thread(target=self._reap_forever, name="shm-lease-reaper", daemon=True)
+                self._reaper = threading.Thread(
+                    target=self._reap_forever, name="shm-lease-reaper", daemon=True
+                )
                 self._reaper.start()
         return lease_id
 

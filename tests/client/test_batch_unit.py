@@ -1,19 +1,23 @@
 """client.paths.batch without a cluster: pieces cut into per-rank batches, and each region's bytes copied into
 its view of the output whatever its offset in the reply and the output's strides."""
+
 from __future__ import annotations
 
 import torch
-
-from client.paths.batch import RegionRead, copy_region, batches, region_reads
-from client.info import TensorSummary
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import Box, TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve.client.info import TensorSummary
+from shardserve.client.paths.batch import RegionRead, batches, copy_region, region_reads
+from shardserve.core.metadata import Box, TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
 
 
 def read(rank: int, nbytes: int, piece: int = 0, name: str = "t") -> RegionRead:
-    return RegionRead(rank, pb.ReadRegionRequest(name=name, version=1, offsets=[0], sizes=[nbytes]),
-                      torch.empty(nbytes, dtype=torch.uint8), piece)
+    return RegionRead(
+        rank,
+        pb.ReadRegionRequest(name=name, version=1, offsets=[0], sizes=[nbytes]),
+        torch.empty(nbytes, dtype=torch.uint8),
+        piece,
+    )
 
 
 def test_batches_are_per_rank_in_order_and_cut_by_answer_bytes_and_region_count():
@@ -32,13 +36,17 @@ def test_batches_are_cut_by_request_bytes_too():
 
 
 def test_a_piece_over_two_shards_reads_one_region_of_each():
-    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata((6, 3), TensorProperties())
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (6, 3), TensorProperties()
+    )
     summary = TensorSummary("t", 4, meta, "READY", 72, 0.0)
     out = torch.zeros(4, 3)
     parts = [(0, Box((1, 0), (2, 3))), (1, Box((3, 0), (2, 3)))]
     reads = region_reads(7, summary, parts, Box((1, 0), (4, 3)), out)
-    assert [(r.rank, r.request.shard_index, list(r.request.offsets), r.piece) for r in reads] == \
-        [(0, 0, [1, 0], 7), (1, 1, [3, 0], 7)]
+    assert [(r.rank, r.request.shard_index, list(r.request.offsets), r.piece) for r in reads] == [
+        (0, 0, [1, 0], 7),
+        (1, 1, [3, 0], 7),
+    ]
     assert reads[1].dest.data_ptr() == out[2:].data_ptr() and reads[0].request.version == 4
 
 
@@ -46,7 +54,10 @@ def test_bytes_at_any_offset_land_in_contiguous_and_strided_outputs():
     source = torch.arange(12, dtype=torch.int64).reshape(3, 4)
     reply = torch.cat([torch.zeros(3, dtype=torch.uint8), source.view(-1).view(torch.uint8)])
     raw = reply[3:]  # an offset no int64 view may start at
-    contiguous, strided = torch.zeros(3, 4, dtype=torch.int64), torch.zeros(4, 3, dtype=torch.int64).t()
+    contiguous, strided = (
+        torch.zeros(3, 4, dtype=torch.int64),
+        torch.zeros(4, 3, dtype=torch.int64).t(),
+    )
     copy_region(contiguous, raw)
     copy_region(strided, raw)
     assert torch.equal(contiguous, source) and torch.equal(strided, source)

@@ -4,20 +4,28 @@ Every case asserts the exception type (and the field its message names), and
 the cluster keeps answering afterwards. Server answers are reached both through
 the public API and by raw requests that skip the client's own checks.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-import client.channel
-from client.paths.policy import PathPolicy
-from client.paths.grpc import GrpcPath
-from client import (AuthenticationError, InvalidArgumentError, RankUnavailableError, ResourceExhaustedError,
-                    ShardServeError, StaleVersionError, TensorNotFoundError, connect)
-from protos import shardserve_pb2 as pb
-from shardcore.metadata import ShardMetadata, make_metadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardcore.wire import metadata_to_proto
+from shardserve.client import (
+    AuthenticationError,
+    InvalidArgumentError,
+    RankUnavailableError,
+    ResourceExhaustedError,
+    ShardServeError,
+    StaleVersionError,
+    TensorNotFoundError,
+    channel,
+    connect,
+)
+from shardserve.client.paths.grpc import GrpcPath
+from shardserve.client.paths.policy import PathPolicy
+from shardserve.core.metadata import ShardMetadata, make_metadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,13 +37,19 @@ MAX_REQUEST = 1 << 20
 @pytest.fixture(scope="module")
 def guarded(make_cluster):
     """A 2-rank cluster with a token, a per-rank memory limit and a request byte limit."""
-    return make_cluster(ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST)
+    return make_cluster(
+        ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST
+    )
 
 
 @pytest.fixture(scope="module")
 def cl(guarded):
     with connect(guarded.address, token=TOKEN, timeout=60) as c:
-        c.put("base", torch.arange(40.0).reshape(8, 5), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+        c.put(
+            "base",
+            torch.arange(40.0).reshape(8, 5),
+            ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]),
+        )
         yield c
 
 
@@ -56,12 +70,20 @@ def test_missing_or_wrong_token_is_authentication_error(guarded):
 
 def test_rank_rejects_calls_without_token(cl):
     address = cl.ranks()[0].address
-    stub = client.channel.Channel(client.channel.Credentials(), timeout=10)
+    stub = channel.Channel(channel.Credentials(), timeout=10)
     try:
         with pytest.raises(AuthenticationError):
-            GrpcPath(stub).read_stream(address, pb.ReadRegionRequest(name="base", version=cl.tensor("base").version,
-                                                           shard_index=0, offsets=[0, 0], sizes=[1, 1]),
-                             torch.empty(4, dtype=torch.uint8))
+            GrpcPath(stub).read_stream(
+                address,
+                pb.ReadRegionRequest(
+                    name="base",
+                    version=cl.tensor("base").version,
+                    shard_index=0,
+                    offsets=[0, 0],
+                    sizes=[1, 1],
+                ),
+                torch.empty(4, dtype=torch.uint8),
+            )
     finally:
         stub.close()
 
@@ -75,22 +97,37 @@ def test_unknown_tensor_is_key_error(cl):
         cl["nope"]
 
 
-@pytest.mark.parametrize("offsets, sizes, field", [
-    ((0, 0), (9, 5), "sizes"), ((8, 0), (1, 1), "offsets"), ((-1, 0), (1, 1), "offsets"),
-    ((0, 0), (1, -1), "sizes"), ((0,), (1,), "dims"), ((0, 0, 0), (1, 1, 1), "dims"),
-    ((0, 0.5), (1, 1), "offsets"), ((0, 0), (1,), "offsets"),
-])
+@pytest.mark.parametrize(
+    "offsets, sizes, field",
+    [
+        ((0, 0), (9, 5), "sizes"),
+        ((8, 0), (1, 1), "offsets"),
+        ((-1, 0), (1, 1), "offsets"),
+        ((0, 0), (1, -1), "sizes"),
+        ((0,), (1,), "dims"),
+        ((0, 0, 0), (1, 1, 1), "dims"),
+        ((0, 0.5), (1, 1), "offsets"),
+        ((0, 0), (1,), "offsets"),
+    ],
+)
 def test_bad_boxes_are_value_errors_naming_the_field(cl, offsets, sizes, field):
     with pytest.raises(InvalidArgumentError, match=field):
         cl.tensor("base").fetch(offsets, sizes)
 
 
-@pytest.mark.parametrize("index, exc, message", [
-    (slice(0, 8, 2), ValueError, "step 2"), (None, ValueError, "got NoneType"), ([0, 1], ValueError, "got list"),
-    ((0, 0, 0), IndexError, "too many indices: 3"), (8, IndexError, "index 8 is out of range for dim 0"),
-    (-9, IndexError, "index -9 is out of range for dim 0"), ((0, 5), IndexError, "index 5 is out of range for dim 1"),
-    (torch.tensor([1]), ValueError, "got Tensor"),
-])
+@pytest.mark.parametrize(
+    "index, exc, message",
+    [
+        (slice(0, 8, 2), ValueError, "step 2"),
+        (None, ValueError, "got NoneType"),
+        ([0, 1], ValueError, "got list"),
+        ((0, 0, 0), IndexError, "too many indices: 3"),
+        (8, IndexError, "index 8 is out of range for dim 0"),
+        (-9, IndexError, "index -9 is out of range for dim 0"),
+        ((0, 5), IndexError, "index 5 is out of range for dim 1"),
+        (torch.tensor([1]), ValueError, "got Tensor"),
+    ],
+)
 def test_bad_indices(cl, index, exc, message):
     with pytest.raises(exc, match=message):
         cl.tensor("base")[index]
@@ -106,18 +143,22 @@ def test_bad_out_buffers(cl):
         remote.fetch((0, 0), (2, 2), out=[[0, 0], [0, 0]])
     with torch.inference_mode():
         made_in_inference = torch.empty(2, 2)
-    for out, message in ((torch.empty(2, 2, device="meta"), "meta device"),
-                         (torch.empty(1, 2).expand(2, 2), "share memory"),
-                         (torch.empty(2, 2, requires_grad=True), "requires grad"),
-                         (torch.empty(2, 2).to_sparse(), "layout"),
-                         (made_in_inference, "inference mode")):
+    for out, message in (
+        (torch.empty(2, 2, device="meta"), "meta device"),
+        (torch.empty(1, 2).expand(2, 2), "share memory"),
+        (torch.empty(2, 2, requires_grad=True), "requires grad"),
+        (torch.empty(2, 2).to_sparse(), "layout"),
+        (made_in_inference, "inference mode"),
+    ):
         with pytest.raises(InvalidArgumentError, match=f"out .*{message}"):
             remote.fetch((0, 0), (2, 2), out=out)
 
 
 def test_a_strided_out_whose_parts_are_single_elements(cl):
     """A one-element region counts as contiguous whatever its strides: its bytes land through a restrided view."""
-    remote = cl.put("one-element-parts", torch.arange(4.0), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    remote = cl.put(
+        "one-element-parts", torch.arange(4.0), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+    )
     out = torch.full((4,), -1.0)
     got = remote.fetch([1], [2], out=out[::2])  # element 1 on rank 0, element 2 on rank 1
     assert torch.equal(got, torch.tensor([1.0, 2.0])) and out.tolist() == [1.0, -1.0, 2.0, -1.0]
@@ -173,7 +214,9 @@ def test_put_over_memory_limit_is_resource_exhausted_and_invisible(cl):
 
 
 def test_read_over_request_limit_is_resource_exhausted(cl):
-    source = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB, 2 MiB per shard
+    source = torch.arange(1 << 20, dtype=torch.float32).reshape(
+        1024, 1024
+    )  # 4 MiB, 2 MiB per shard
     remote = cl.put("wide", source)
     assert torch.equal(remote[100:200], source[100:200])
     with pytest.raises(ResourceExhaustedError):
@@ -211,9 +254,17 @@ def test_raw_requests_get_the_server_answers(cl):
     address = cl.session.address_of(1)
 
     def read(**fields):
-        request = dict(name="base", version=remote.version, shard_index=shard.index, offsets=[4, 0], sizes=[1, 5])
+        request = dict(
+            name="base",
+            version=remote.version,
+            shard_index=shard.index,
+            offsets=[4, 0],
+            sizes=[1, 5],
+        )
         request.update(fields)
-        cl.session.paths.grpc.read_stream(address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8))
+        cl.session.paths.grpc.read_stream(
+            address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8)
+        )
 
     read()
     with pytest.raises(TensorNotFoundError):
@@ -235,20 +286,37 @@ def test_raw_requests_get_the_server_answers(cl):
 def test_raw_writes_with_wrong_headers_are_refused(cl):
     address = cl.session.address_of(0)
     committed = cl.tensor("base").version
-    header = pb.WriteShardHeader(name="base", version=committed, shard_index=0, dtype=pb.FLOAT32, nbytes=80)
+    header = pb.WriteShardHeader(
+        name="base", version=committed, shard_index=0, dtype=pb.FLOAT32, nbytes=80
+    )
     with pytest.raises(StaleVersionError):  # a committed version never changes
         cl.session.channel.write_shard(address, header, memoryview(bytes(80)))
     meta = make_metadata((4, 5), [((0, 0), (4, 5), 0)])
-    pending = cl.session.call("CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta)))
+    pending = cl.session.call(
+        "CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta))
+    )
     try:
-        for fields, field in [({"dtype": pb.FLOAT64}, "dtype"), ({"nbytes": 79}, "nbytes"),
-                              ({"shard_index": 3}, "shard_index")]:
-            header = pb.WriteShardHeader(**{"name": "raw", "version": pending.version, "shard_index": 0,
-                                            "dtype": pb.FLOAT32, "nbytes": 80, **fields})
+        for fields, field in [
+            ({"dtype": pb.FLOAT64}, "dtype"),
+            ({"nbytes": 79}, "nbytes"),
+            ({"shard_index": 3}, "shard_index"),
+        ]:
+            header = pb.WriteShardHeader(
+                **{
+                    "name": "raw",
+                    "version": pending.version,
+                    "shard_index": 0,
+                    "dtype": pb.FLOAT32,
+                    "nbytes": 80,
+                    **fields,
+                }
+            )
             with pytest.raises(InvalidArgumentError, match=field):
                 cl.session.channel.write_shard(address, header, memoryview(bytes(header.nbytes)))
         with pytest.raises(StaleVersionError):  # nothing written: the commit is refused
-            cl.session.call("CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version))
+            cl.session.call(
+                "CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version)
+            )
     finally:
         cl.session.abort("raw", pending.version)
     assert "raw" not in [t.name for t in cl.list(include_pending=True)]
@@ -258,14 +326,23 @@ def test_every_call_of_a_closed_client_says_so(guarded, tmp_path):
     """Mapped lookups went on working after close(), and other calls failed with grpc's raw 'closed channel' or
     the pool's 'cannot schedule new futures'."""
     c = connect(guarded.address, token=TOKEN, timeout=60)
-    remote = c.put("closed-table", torch.randn(6, 4), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+    remote = c.put(
+        "closed-table", torch.randn(6, 4), ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+    )
     remote.lookup([1, 5])
     remote.full_tensor()
     c.delete("closed-table")
     c.close()
-    for call in (lambda: remote.lookup([1]), lambda: remote.lookup_bag([1, 2], [0]), remote.full_tensor,
-                 lambda: remote.fetch((0, 0), (1, 1)), lambda: c.put("x", torch.ones(2)), c.list,
-                 lambda: c.tensor("base"), lambda: c.save_checkpoint(tmp_path / "ck"),
-                 lambda: remote.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))):
+    for call in (
+        lambda: remote.lookup([1]),
+        lambda: remote.lookup_bag([1, 2], [0]),
+        remote.full_tensor,
+        lambda: remote.fetch((0, 0), (1, 1)),
+        lambda: c.put("x", torch.ones(2)),
+        c.list,
+        lambda: c.tensor("base"),
+        lambda: c.save_checkpoint(tmp_path / "ck"),
+        lambda: remote.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"])),
+    ):
         with pytest.raises(ShardServeError, match="the client is closed"):
             call()

@@ -1,4 +1,5 @@
 """`shardserve up` as a real subprocess, used through `shardserve status/create/fetch/delete`, stopped by SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -52,9 +53,17 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def shardserve(*args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+def shardserve(
+    *args: str, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "shardserve", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    )
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -64,12 +73,33 @@ def shardserve(*args: str, env: dict[str, str] | None = None, check: bool = True
 def up(tmp_path_factory):
     """`shardserve up --ranks 2` in the foreground of a subprocess; yields (process, coordinator address)."""
     state = tmp_path_factory.mktemp("state")
-    log = (state / "up.log").open("w")  # the ranks log at INFO: a pipe nobody reads would fill and block them
-    proc = subprocess.Popen([sys.executable, "-m", "client", "up", "--ranks", "2", "--port", str(free_port()),
-                             "--state-dir", str(state)], cwd=ROOT, stdout=subprocess.PIPE, stderr=log,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    log = (state / "up.log").open(
+        "w"
+    )  # the ranks log at INFO: a pipe nobody reads would fill and block them
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardserve",
+            "up",
+            "--ranks",
+            "2",
+            "--port",
+            str(free_port()),
+            "--state-dir",
+            str(state),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put("")], daemon=True).start()  # "": EOF
+    threading.Thread(
+        target=lambda: [*map(lines.put, proc.stdout), lines.put("")], daemon=True
+    ).start()  # "": EOF
     try:
         address = None
         deadline = time.monotonic() + 120
@@ -99,7 +129,9 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
 def test_create_status_fetch_delete(up, tmp_path):
     _, address = up
     env = {"SHARDSERVE_COORDINATOR": address}
-    created = shardserve("create", "cli-t", "--shape", "6,4", "--init", "arange", "--dim", "1", env=env)
+    created = shardserve(
+        "create", "cli-t", "--shape", "6,4", "--init", "arange", "--dim", "1", env=env
+    )
     assert "created cli-t" in created.stdout
     status = shardserve("status", env=env).stdout
     assert "cli-t" in status and "6x4" in status and "float32" in status and "split dim 1" in status
@@ -107,18 +139,31 @@ def test_create_status_fetch_delete(up, tmp_path):
     assert re.search(r"collective jobs: epoch \d+", status)
     assert status.count("127.0.0.1:") >= 3 and "yes" in status
     expected = torch.arange(24.0).reshape(6, 4)
-    printed = shardserve("--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2").stdout
+    printed = shardserve(
+        "--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2"
+    ).stdout
     assert printed.split() == str(expected[1:3, 1:3]).split()
     out = tmp_path / "box.pt"
     shardserve("fetch", "cli-t", "--offsets", "2,0", "--sizes", "3,4", "-o", str(out), env=env)
     assert torch.equal(torch.load(out), expected[2:5])
-    one_line_error(shardserve("fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2", env=env, check=False),
-                   "sizes", "exceeds")
-    one_line_error(shardserve("fetch", "cli-t", "--offsets=7,0", env=env, check=False), "offsets")  # no sizes given
-    one_line_error(shardserve("fetch", "cli-t", "-o", str(tmp_path / "no" / "dir.pt"), env=env, check=False),
-                   "-o ", "does not exist")
-    one_line_error(shardserve("create", "cli-t", "--shape", "6,4", env=env, check=False),
-                   "already exists", "pass --overwrite")
+    one_line_error(
+        shardserve("fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2", env=env, check=False),
+        "sizes",
+        "exceeds",
+    )
+    one_line_error(
+        shardserve("fetch", "cli-t", "--offsets=7,0", env=env, check=False), "offsets"
+    )  # no sizes given
+    one_line_error(
+        shardserve("fetch", "cli-t", "-o", str(tmp_path / "no" / "dir.pt"), env=env, check=False),
+        "-o ",
+        "does not exist",
+    )
+    one_line_error(
+        shardserve("create", "cli-t", "--shape", "6,4", env=env, check=False),
+        "already exists",
+        "pass --overwrite",
+    )
     assert shardserve("delete", "cli-t", env=env).stdout.strip() == "deleted cli-t"
     one_line_error(shardserve("fetch", "cli-t", env=env, check=False), "cli-t", "not found")
 

@@ -1,8 +1,8 @@
 """read_with_refresh: retried while refreshes bring newer versions, raised when they stop."""
-import pytest
 
-from client.errors import RankUnavailableError, StaleVersionError
-from client.retry import MIN_ATTEMPTS, read_with_refresh
+import pytest
+from shardserve.client.errors import RankUnavailableError, StaleVersionError
+from shardserve.client.retry import MIN_ATTEMPTS, read_with_refresh
 
 
 def _reader(failures: int, error: Exception):
@@ -13,6 +13,7 @@ def _reader(failures: int, error: Exception):
         if calls["attempts"] <= failures:
             raise error
         return "data"
+
     return attempt, calls
 
 
@@ -24,20 +25,26 @@ def test_retries_while_each_refresh_brings_a_newer_version() -> None:
 
 
 def test_a_refresh_that_changes_nothing_is_retried_after_a_pause_then_raised(monkeypatch) -> None:
-    import client.retry as retry
+    import shardserve.client.retry as retry
 
     pauses: list[float] = []
     monkeypatch.setattr(retry.time, "sleep", pauses.append)
     attempt, calls = _reader(5, RankUnavailableError("rank 1 down"))
     with pytest.raises(RankUnavailableError, match="rank 1 down"):
         read_with_refresh(attempt, lambda: 7)
-    assert calls["attempts"] == MIN_ATTEMPTS and pauses == [0.05, 0.1, 0.2]  # 0.35 s before giving up
-    attempt, calls = _reader(2, StaleVersionError("version 7 not served yet"))  # a reshard being promoted
+    assert calls["attempts"] == MIN_ATTEMPTS and pauses == [
+        0.05,
+        0.1,
+        0.2,
+    ]  # 0.35 s before giving up
+    attempt, calls = _reader(
+        2, StaleVersionError("version 7 not served yet")
+    )  # a reshard being promoted
     assert read_with_refresh(attempt, lambda: 7) == "data" and calls["attempts"] == 3
 
 
 def test_a_stale_version_is_retried_until_the_deadline_then_raised(monkeypatch) -> None:
-    import client.retry as retry
+    import shardserve.client.retry as retry
 
     now = [0.0]
     monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
@@ -49,7 +56,9 @@ def test_a_stale_version_is_retried_until_the_deadline_then_raised(monkeypatch) 
     versions = iter(range(100))
     with pytest.raises(StaleVersionError):
         read_with_refresh(attempt, lambda: next(versions), deadline_s=12.0)
-    assert now[0] == 12.0  # retried past MIN_ATTEMPTS until the deadline, versions moving all the while
+    assert (
+        now[0] == 12.0
+    )  # retried past MIN_ATTEMPTS until the deadline, versions moving all the while
     attempt, calls = _reader(30, StaleVersionError("version gone"))
     versions = iter(range(100))
     assert read_with_refresh(attempt, lambda: next(versions), deadline_s=60.0) == "data"
@@ -64,7 +73,7 @@ def test_other_errors_are_not_retried() -> None:
 
 
 def test_a_lost_box_is_raised_at_once_not_retried() -> None:
-    from client.errors import ShardsLostError
+    from shardserve.client.errors import ShardsLostError
 
     attempt, calls = _reader(5, ShardsLostError("box lost", boxes=(((0,), (4,)),), ranks=(1,)))
     with pytest.raises(ShardsLostError, match="box lost"):

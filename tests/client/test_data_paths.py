@@ -4,6 +4,7 @@ Real 2-rank clusters on 127.0.0.1 (one with shared memory on, one with shared
 memory off by SHARDSERVE_SHARED_MEMORY=0 and no bulk port); store and lease
 logic checked in-process. The bulk port's own protocol: tests/server/rank/test_bulk_reads.py.
 """
+
 from __future__ import annotations
 
 import gc
@@ -19,27 +20,39 @@ from functools import partial
 
 import grpc
 import pytest
+import shardserve.client.paths.shm as shm_transport
 import torch
+from shardserve.client.errors import StaleVersionError, TensorNotFoundError
+from shardserve.client.info import RankStatus
+from shardserve.client.paths.bands import bands
+from shardserve.client.paths.bulk import BulkReadError
+from shardserve.client.paths.policy import NetworkCall, PathPolicy
+from shardserve.client.paths.shm import SharedMemoryError
+from shardserve.core.metadata import Box, TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.rank.reads.shm import SharedMemoryService
+from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
+from shardserve.server.rank.store import ShardStore
 
-import client.paths.shm as shm_transport
-from client import connect
-from client.paths.policy import PathPolicy, NetworkCall
-from client.paths.bands import bands
-from client.errors import StaleVersionError, TensorNotFoundError
-from client.info import RankStatus
-from client.paths.shm import SharedMemoryError
-from client.paths.bulk import BulkReadError
-from protos import shardserve_pb2 as pb
-from server.common.errors import FailedPrecondition
-from server.rank.shared_memory import ENV_SWITCH, Leases
-from server.rank.reads.shm import SharedMemoryService
-from server.rank.store import ShardStore
-from shardcore.metadata import Box, TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve import connect
 
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8, torch.int8,
-          torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -97,7 +110,9 @@ def test_every_path_bit_for_bit(cluster, tables, transport, dtype):
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == ("shm" if transport == "auto" else transport)
-        assert torch.equal(remote.fetch((2, 1, 0), (4, 3, 2)), source[2:6, 1:4, 0:2])  # crosses both shards
+        assert torch.equal(
+            remote.fetch((2, 1, 0), (4, 3, 2)), source[2:6, 1:4, 0:2]
+        )  # crosses both shards
         assert torch.equal(remote[3:5, :, 1], source[3:5, :, 1])
         out = torch.empty(3, 5, 7, dtype=dtype).transpose(0, 2)  # a non-contiguous output
         remote.fetch((0, 0, 0), (7, 5, 3), out=out)
@@ -131,13 +146,19 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
             return stream(address, request, dest)
 
         c.session.paths.grpc.read_stream = spy  # type: ignore[method-assign]
-        assert torch.equal(remote.fetch((0, 0), (2048, 1024)), source[:2048])  # one 8 MiB part: two bands
+        assert torch.equal(
+            remote.fetch((0, 0), (2048, 1024)), source[:2048]
+        )  # one 8 MiB part: two bands
         assert sorted(streams) == [(0, (0, 0), (1024, 1024)), (0, (1024, 0), (1024, 1024))]
         streams.clear()
-        assert torch.equal(remote.fetch((1, 0), (2040, 1024)), source[1:2041])  # under 2 x 4 MiB: one stream
+        assert torch.equal(
+            remote.fetch((1, 0), (2040, 1024)), source[1:2041]
+        )  # under 2 x 4 MiB: one stream
         assert streams == [(0, (1, 0), (2040, 1024))]
         streams.clear()
-        assert torch.equal(remote.fetch((1, 0), (4090, 1024)), source[1:4091])  # two parts: one stream each
+        assert torch.equal(
+            remote.fetch((1, 0), (4090, 1024)), source[1:4091]
+        )  # two parts: one stream each
         assert sorted(streams) == [(0, (1, 0), (2047, 1024)), (1, (2048, 0), (2043, 1024))]
         assert remote.last_transport == "grpc"
         c.delete("dp-bands")
@@ -148,11 +169,19 @@ def test_read_region_small_refuses_large_boxes(cluster):
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-small-limit", source, SPEC)
         stub = c.session.channel.shard_server(c.session.address_of(0))
-        request = pb.ReadRegionRequest(name="dp-small-limit", version=remote.version, shard_index=0,
-                                       offsets=(0, 0), sizes=(300, 1024))
+        request = pb.ReadRegionRequest(
+            name="dp-small-limit",
+            version=remote.version,
+            shard_index=0,
+            offsets=(0, 0),
+            sizes=(300, 1024),
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.ReadRegionSmall(request, timeout=30)
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "offsets/sizes" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "offsets/sizes" in err.value.details()
+        )
         assert torch.equal(remote.fetch((0, 0), (600, 1024)), source)  # streamed, not small
         c.delete("dp-small-limit")
 
@@ -168,7 +197,10 @@ def test_bands_cover_the_part_exactly():
 
 def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
     source, name = tables[torch.float32]
-    with caplog.at_level(logging.DEBUG, logger="client.paths.policy"), connect(cluster.address) as c:
+    with (
+        caplog.at_level(logging.DEBUG, logger="shardserve.client.paths.policy"),
+        connect(cluster.address) as c,
+    ):
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
     assert remote.last_transport == "shm"
@@ -179,8 +211,10 @@ def test_auto_is_the_default_and_logs_the_path(cluster, tables, caplog):
 def test_large_lookups_through_shared_memory(cluster, transport, caplog):
     table = random_tensor((5000, 64), torch.bfloat16, seed=21)
     ids = torch.randint(0, 5000, (6000,), generator=torch.Generator().manual_seed(1))
-    with caplog.at_level(logging.DEBUG, logger="client.embedding.mapped_rows"), connect(cluster.address,
-                                                                               transport=transport) as c:
+    with (
+        caplog.at_level(logging.DEBUG, logger="shardserve.client.embedding.mapped_rows"),
+        connect(cluster.address, transport=transport) as c,
+    ):
         remote = c.put(f"dp-table-{transport}", table, SPEC)
         for batch in (ids, ids[:5], ids[:1]):
             assert torch.equal(remote.lookup(batch), torch.nn.functional.embedding(batch, table))
@@ -219,7 +253,9 @@ def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
     new = watch.watch(process.pid)
     assert new is not old and old.alive() is False
     closer = old._closer
-    assert closer is not None and closer.alive  # the pidfd is open while the old process object is held
+    assert (
+        closer is not None and closer.alive
+    )  # the pidfd is open while the old process object is held
     del old, new
     watch.watch(os.getpid())  # forgets exited processes
     gc.collect()
@@ -233,16 +269,24 @@ def test_bad_transport_is_refused(cluster):
 
 def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplog):
     source = random_tensor((900, 1024), torch.bfloat16, seed=5)
-    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(no_shm_cluster.address) as c:
+    with (
+        caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
+        connect(no_shm_cluster.address) as c,
+    ):
         remote = c.put("plain", source, SPEC)
         assert not any(r.shared_memory for r in c.ranks())
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "grpc"
         ids = torch.tensor([899, 0, 450, 451])
-        assert torch.equal(remote.lookup(ids), source[ids]) and c.lookups.last_paths == {0: "grpc", 1: "grpc"}
+        assert torch.equal(remote.lookup(ids), source[ids]) and c.lookups.last_paths == {
+            0: "grpc",
+            1: "grpc",
+        }
     assert "serves no bulk port: turned off (--no-bulk-reads)" in caplog.text
     with connect(no_shm_cluster.address, transport="shm") as c:
-        with pytest.raises(SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"):
+        with pytest.raises(
+            SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"
+        ):
             c.tensor("plain").full_tensor()
     with connect(no_shm_cluster.address, transport="tcp") as c:
         with pytest.raises(BulkReadError, match="serves no bulk port: turned off") as err:
@@ -264,8 +308,9 @@ def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, mon
         assert torch.equal(remote.lookup(ids), table[ids])
         assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
         bags = remote.lookup_bag(ids, torch.tensor([0, 2, 5]), mode="sum", pooling="server")
-        torch.testing.assert_close(bags, torch.nn.functional.embedding_bag(ids, table, torch.tensor([0, 2, 5]),
-                                                                           mode="sum"))
+        torch.testing.assert_close(
+            bags, torch.nn.functional.embedding_bag(ids, table, torch.tensor([0, 2, 5]), mode="sum")
+        )
         assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
         c.delete("dp-remote")
 
@@ -282,7 +327,10 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
-    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
+    with (
+        caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
+        connect(cluster.address) as c,
+    ):
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
@@ -298,7 +346,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
 
 
 def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeypatch, caplog):
-    import client.paths.bulk as tcp_reads
+    import shardserve.client.paths.bulk as tcp_reads
 
     large = random_tensor((2200, 512), torch.float32, seed=13)  # 2.1 MiB per shard
     dialed = []
@@ -310,13 +358,18 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
     with connect(cluster.address, transport="grpc") as c:
         c.put("dp-firewalled", large, SPEC)
     monkeypatch.setattr(tcp_reads.socket, "create_connection", refuse)
-    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
+    with (
+        caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
+        connect(cluster.address) as c,
+    ):
         monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor("dp-firewalled")
         assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
         tried = len(dialed)
         assert tried == 2  # once per rank
-        assert torch.equal(remote.full_tensor(), large) and len(dialed) == tried  # not tried again meanwhile
+        assert (
+            torch.equal(remote.full_tensor(), large) and len(dialed) == tried
+        )  # not tried again meanwhile
         ids = torch.tensor([2199, 0, 1100, 1099])
         assert torch.equal(remote.lookup(ids), large[ids]) and len(dialed) == tried
         assert c.lookups.last_paths == {0: "grpc", 1: "grpc"}
@@ -352,6 +405,7 @@ def _rank(number: int) -> RankStatus:
 def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
     """Two ranks' calls recording what happens; `fail` maps a rank to the step whose bulk port fails
     ("send" or "answer")."""
+
     def send_bulk(number: int, cancel: object = None):  # type: ignore[no-untyped-def]
         if fail.get(number) == "send":
             raise BulkReadError(f"rank {number}: no bulk port")
@@ -361,6 +415,7 @@ def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
             if fail.get(number) == "answer":
                 raise BulkReadError(f"rank {number}: connection reset")
             events.append(f"answer {number}")
+
         return answer
 
     def over_grpc(number: int, cancel: object = None) -> None:
@@ -388,12 +443,15 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
 def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
     plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
-    with caplog.at_level(logging.WARNING, logger="client.paths.policy"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"):
         assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
     assert "bulk TCP read from rank 1 failed" in caplog.text
     events.clear()
-    assert plane.send_all(_calls(events, {}), _run_now).wait() == ["tcp", "grpc"]  # rank 1 backs off
+    assert plane.send_all(_calls(events, {}), _run_now).wait() == [
+        "tcp",
+        "grpc",
+    ]  # rank 1 backs off
     assert sorted(events) == ["answer 0", "grpc 1", "send 0"]
 
 
@@ -436,7 +494,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
 
 @pytest.mark.parametrize("what", ["lookup", "read"])
 def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypatch, caplog, what):
-    import client.paths.bulk as tcp_reads
+    import shardserve.client.paths.bulk as tcp_reads
 
     table = random_tensor((300, 16), torch.float32, seed=14)
     ids = torch.tensor([0, 299, 150, 149, 7])
@@ -449,7 +507,10 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
 
     with connect(cluster.address, transport="grpc") as c:
         c.put(name, table, SPEC)
-    with caplog.at_level(logging.WARNING, logger="client.paths.policy"), connect(cluster.address) as c:
+    with (
+        caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
+        connect(cluster.address) as c,
+    ):
         monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         got, expected, paths = run(remote)
@@ -465,7 +526,10 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         monkeypatch.setattr(tcp_reads, "recv_exactly", reset_rank1)
         got, expected, paths = run(remote)
         assert torch.equal(got, expected)
-        assert paths in ({0: "tcp", 1: "grpc"}, "grpc")  # a read reports its last part's path: rank 1's
+        assert paths in (
+            {0: "tcp", 1: "grpc"},
+            "grpc",
+        )  # a read reports its last part's path: rank 1's
         c.delete(name)
     assert "bulk TCP read from rank 1 failed" in caplog.text and "Connection reset" in caplog.text
 
@@ -482,22 +546,32 @@ def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-
         def take() -> None:
             answer()
             events.append(f"answer {address}")
+
         return take
 
     monkeypatch.setattr(c.session.paths.bulk, "send_read", send_read)
     return events
 
 
-def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(cluster, tables, monkeypatch):
+def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(
+    cluster, tables, monkeypatch
+):
     source, name = tables[torch.float64]
     with connect(cluster.address, transport="tcp") as c:
         events = _record_bulk_reads(c, monkeypatch)
         remote = c.tensor(name)
-        out = torch.empty(3, 5, 7, dtype=torch.float64).transpose(0, 2)  # each part lands through a buffer
+        out = torch.empty(3, 5, 7, dtype=torch.float64).transpose(
+            0, 2
+        )  # each part lands through a buffer
         remote.fetch((0, 0, 0), (7, 5, 3), out=out)
         assert torch.equal(out, source)
         ranks = [c.session.address_of(0), c.session.address_of(1)]
-        assert events == [f"send {ranks[0]}", f"send {ranks[1]}", f"answer {ranks[0]}", f"answer {ranks[1]}"]
+        assert events == [
+            f"send {ranks[0]}",
+            f"send {ranks[1]}",
+            f"answer {ranks[0]}",
+            f"answer {ranks[1]}",
+        ]
         assert remote.last_transport == "tcp"
 
 
@@ -507,13 +581,21 @@ def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
         events = _record_bulk_reads(c, monkeypatch)
         rank1 = c.session.address_of(1)
         maps, reads = c.session.paths.maps, c.session.paths.shm.read
-        monkeypatch.setattr(c.session.paths, "maps", lambda rank: rank.address != rank1 and maps(rank))
+        monkeypatch.setattr(
+            c.session.paths, "maps", lambda rank: rank.address != rank1 and maps(rank)
+        )
         monkeypatch.setattr(c.session.paths, "_shm_usable", lambda rank: rank.address != rank1)
         mapped: list[str] = []
-        monkeypatch.setattr(c.session.paths.shm, "read",
-                            lambda address, *args: mapped.append(address) or reads(address, *args))
+        monkeypatch.setattr(
+            c.session.paths.shm,
+            "read",
+            lambda address, *args: mapped.append(address) or reads(address, *args),
+        )
         assert torch.equal(c.tensor(name).fetch((1, 2, 0), (6, 3, 3)), source[1:7, 2:5])
-        assert mapped == [c.session.address_of(0)] and events == [f"send {rank1}", f"answer {rank1}"]
+        assert mapped == [c.session.address_of(0)] and events == [
+            f"send {rank1}",
+            f"answer {rank1}",
+        ]
 
 
 def test_deleted_tensor_is_not_found_on_shm(cluster):
@@ -551,18 +633,26 @@ def test_cached_mapping_of_a_replaced_version_is_not_read_for_new_reads(cluster)
         first = remote.version
         for k in (1, 2):
             writer.update_rows("dp-recycle", torch.arange(64), torch.full((64, 16), float(k)))
-        assert all(int(m.state[1]) != 1 and int(m.state[2]) == m.generation for m in mappings)  # not served now
-        assert torch.equal(remote.lookup(ids), torch.full((5, 16), 2.0))  # stale, refreshed: the new rows
+        assert all(
+            int(m.state[1]) != 1 and int(m.state[2]) == m.generation for m in mappings
+        )  # not served now
+        assert torch.equal(
+            remote.lookup(ids), torch.full((5, 16), 2.0)
+        )  # stale, refreshed: the new rows
         latest = writer.tensor("dp-recycle").version
-        assert latest > first and reader.lookups.views.view("dp-recycle").version == latest  # not new rows as old ones
+        assert (
+            latest > first and reader.lookups.views.view("dp-recycle").version == latest
+        )  # not new rows as old ones
         assert torch.equal(reader.tensor("dp-recycle")[:], torch.full((64, 16), 2.0))
         writer.delete("dp-recycle")
 
 
-def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_read(cluster, monkeypatch):
+def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_read(
+    cluster, monkeypatch
+):
     """OpenShard keeps no lease when the client already maps the segment; if that segment's header says the
     version went between the reply and its use, the client does not map it again unleased: the read refreshes."""
-    import client.paths.shm as shm
+    import shardserve.client.paths.shm as shm
 
     table = random_tensor((12, 4), torch.float32, seed=18)
     with connect(cluster.address) as c:
@@ -570,15 +660,21 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
         assert torch.equal(remote[:], table) and remote.last_transport == "shm"
         reader = c.session.paths.shm
         first = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
-        answers = iter([True, False])  # serving at the first check, gone by the time the reply is used
+        answers = iter(
+            [True, False]
+        )  # serving at the first check, gone by the time the reply is used
         turned = next(iter(first.values()))
         monkeypatch.setattr(shm, "_still_held", lambda mapping: False)  # so the read asks OpenShard
         monkeypatch.setattr(turned, "serves", lambda: next(answers, True))
         leases: list[int] = []
         real_map = shm._map_segment
-        monkeypatch.setattr(shm, "_map_segment", lambda reply: leases.append(reply.lease_id) or real_map(reply))
+        monkeypatch.setattr(
+            shm, "_map_segment", lambda reply: leases.append(reply.lease_id) or real_map(reply)
+        )
         assert torch.equal(remote[:], table)
-        assert leases and all(leases)  # every segment mapped again was mapped while a lease held its version
+        assert leases and all(
+            leases
+        )  # every segment mapped again was mapped while a lease held its version
         again = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
         key = next(k for k, m in first.items() if m is turned)
         assert again[key] is not turned  # mapped anew, under a lease
@@ -586,8 +682,8 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
 
 
 def test_segment_header_follows_promote_and_drop():
-    from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
-    from server.rank.shared_memory import HEADER_BYTES
+    from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+    from shardserve.server.rank.shared_memory import HEADER_BYTES
 
     store = _served_store()
     with store.lease("t", 1) as entry:
@@ -630,7 +726,9 @@ def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster, transport)
                     return
                 k = float(got[0, 0] - base[5, 3]) / 1000
                 if k not in versions or not torch.equal(got, versions[k][5:55, 3:43]):
-                    errors.append(AssertionError(f"read mixed or wrong data (first element says version {k})"))
+                    errors.append(
+                        AssertionError(f"read mixed or wrong data (first element says version {k})")
+                    )
                     return
                 seen["data"] += 1
 
@@ -662,7 +760,9 @@ def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster, transport)
 
 def _served_store(dtype: torch.dtype = torch.float32) -> ShardStore:
     store = ShardStore(0, shared_memory=True)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((6, 4), TensorProperties(dtype=dtype))
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (6, 4), TensorProperties(dtype=dtype)
+    )
     store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
     store.promote("t", 1)
     return store
@@ -678,7 +778,9 @@ def test_open_shard_lease_keeps_a_dropped_version_until_released():
     store.drop("t", 1)
     assert store.memory_used == reply.nbytes  # held by the lease
     assert os.stat(path).st_ino == reply.inode  # the fd still names the segment
-    assert service.ReleaseShard(pb.ReleaseShardRequest(lease_ids=[reply.lease_id]), None).released == 1
+    assert (
+        service.ReleaseShard(pb.ReleaseShardRequest(lease_ids=[reply.lease_id]), None).released == 1
+    )
     assert store.memory_used == 0
 
 
@@ -686,8 +788,9 @@ def test_open_shard_without_lease_when_client_maps_it():
     store = _served_store()
     service = SharedMemoryService(store)
     first = service.OpenShard(pb.OpenShardRequest(name="t", version=1, shard_index=0), None)
-    again = service.OpenShard(pb.OpenShardRequest(name="t", version=1, shard_index=0, cached_inode=first.inode),
-                              None)
+    again = service.OpenShard(
+        pb.OpenShardRequest(name="t", version=1, shard_index=0, cached_inode=first.inode), None
+    )
     assert again.lease_id == 0 and again.inode == first.inode
     assert len(service.leases) == 1
 
@@ -714,26 +817,32 @@ def test_lease_ids_cannot_be_guessed():
         lease = store.lease("t", 1)
         lease.__enter__()
         ids.append(leases.hold(lease, 30.0))
-    assert len(set(ids)) == 3 and all(0 < i < 1 << 63 for i in ids) and sorted(ids) != list(range(ids[0], ids[0] + 3))
+    assert (
+        len(set(ids)) == 3
+        and all(0 < i < 1 << 63 for i in ids)
+        and sorted(ids) != list(range(ids[0], ids[0] + 3))
+    )
     assert leases.release([ids[0] + 1, ids[0] - 1]) == 0 and leases.release(ids) == 3
 
 
 def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     """Never-released OpenShard leases would grow the table (and its expiry scan) without bound: past
     MAX_LEASES, OpenShard is RESOURCE_EXHAUSTED and the version it leased is let go again."""
-    import server.rank.shared_memory
+    from shardserve.server.rank import shared_memory
 
     class Context:
         def abort(self, code, message):  # type: ignore[no-untyped-def]
             raise RuntimeError(f"{code.name}: {message}")
 
-    monkeypatch.setattr(server.rank.shared_memory, "MAX_LEASES", 2)
+    monkeypatch.setattr(shared_memory, "MAX_LEASES", 2)
     store = _served_store()
     service = SharedMemoryService(store)
     request = pb.OpenShardRequest(name="t", version=1, shard_index=0)
     for _ in range(2):
         assert service.OpenShard(request, Context()).lease_id
-    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED: this rank holds 2 shared-memory leases already"):
+    with pytest.raises(
+        RuntimeError, match="RESOURCE_EXHAUSTED: this rank holds 2 shared-memory leases already"
+    ):
         service.OpenShard(request, Context())
     store.drop("t", 1)
     assert store.memory_used > 0  # the two leases granted still hold it
@@ -753,7 +862,9 @@ def test_served_versions_are_immutable():
 
 def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
     store = ShardStore(0, shared_memory=True)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((3, 2), TensorProperties(dtype=torch.bfloat16))
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (3, 2), TensorProperties(dtype=torch.bfloat16)
+    )
     built = random_tensor((3, 2), torch.bfloat16, seed=3)
     store.install("t", 1, meta, {0: built.clone()})
     store.promote("t", 1)
@@ -775,7 +886,10 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         assert torch.equal(c.tensor("gpu").fetch((3, 2), (25, 10)), source[3:28, 2:12])
     with connect(gpu.address, transport="tcp") as c:  # staged through pinned memory on the rank
         remote = c.tensor("gpu")
-        assert torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12]) and remote.last_transport == "tcp"
+        assert (
+            torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12])
+            and remote.last_transport == "tcp"
+        )
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
@@ -788,8 +902,9 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         assert torch.equal(out.cpu(), source)
         reader, opened = c.session.paths.shm, []
         open_shard = reader._open_shard
-        reader._open_shard = lambda address, request, *rest: opened.append(request.shard_index) or open_shard(
-            address, request, *rest)
+        reader._open_shard = lambda address, request, *rest: (
+            opened.append(request.shard_index) or open_shard(address, request, *rest)
+        )
         assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
         assert opened == []  # cached IPC mappings: the header page says "served", no OpenShard
         newer = source.flip(0).contiguous()
@@ -799,7 +914,7 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
 
 def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(cluster):
     """4 MiB of rows is what LookupSmall answers in one message; the reply around them is a few bytes more."""
-    from client.paths.grpc import SMALL_ANSWER_BYTES
+    from shardserve.client.paths.grpc import SMALL_ANSWER_BYTES
 
     table = random_tensor((1024, 1024), torch.float32, seed=15)  # one rank, 4 MiB
     ids = torch.randperm(1024)
@@ -808,7 +923,6 @@ def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(clu
         remote = c.put("dp-exact-small", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
         assert torch.equal(remote.lookup(ids), table[ids]) and c.lookups.last_paths == {0: "tcp"}
         c.delete("dp-exact-small")
-
 
 
 def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
@@ -830,7 +944,7 @@ def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
 def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monkeypatch):
     """All ranks mapped, yet the rows come over gRPC (the mapped read declines, no bulk port): the calls on the
     client's pool threads take the CPU turn, so the caller must not hold it while it waits for them."""
-    from client.embedding.mapped_rows import MappedRows
+    from shardserve.client.embedding.mapped_rows import MappedRows
 
     table = random_tensor((40, 8), torch.float32, seed=17)
     ids = torch.tensor([0, 39, 20, 19])
@@ -851,7 +965,7 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from client.paths.bulk import IDLE_KEEP_S, BulkPath, _Connection
+    from shardserve.client.paths.bulk import IDLE_KEEP_S, BulkPath, _Connection
 
     bulk = BulkPath(channel=None)  # type: ignore[arg-type]
     pairs = [socket.socketpair() for _ in range(3)]
@@ -868,13 +982,20 @@ def test_expired_idle_connections_are_closed_oldest_first():
         b.close()
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT])
+@pytest.mark.parametrize(
+    "code",
+    [
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ],
+)
 def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     """OpenBulkSession answering UNIMPLEMENTED (no bulk port) or RESOURCE_EXHAUSTED (its tickets all out) is a
     failure of the path, so the data plane falls back to gRPC; other errors are the read's own."""
-    from client.errors import ShardServeError
-    from client.paths.bulk import BulkPath
+    from shardserve.client.errors import ShardServeError
+    from shardserve.client.paths.bulk import BulkPath
 
     class Refusing:
         timeout = 5.0
@@ -896,24 +1017,35 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
 
 def write_state() -> dict[str, torch.Tensor]:
     """Every dtype in odd shapes, a 0-d and an empty tensor, and one over the 1 MiB inline batch."""
-    state = {f"w.{str(dtype).removeprefix('torch.')}": random_tensor((5, 7), dtype, seed=i)
-             for i, dtype in enumerate(DTYPES)}
+    state = {
+        f"w.{str(dtype).removeprefix('torch.')}": random_tensor((5, 7), dtype, seed=i)
+        for i, dtype in enumerate(DTYPES)
+    }
     state["w.scalar"] = torch.tensor(2.5)
     state["w.empty"] = torch.zeros((0, 3))
-    state["w.big"] = random_tensor((640, 1024), torch.float32, seed=99)  # 2.5 MiB: streamed on the gRPC path
+    state["w.big"] = random_tensor(
+        (640, 1024), torch.float32, seed=99
+    )  # 2.5 MiB: streamed on the gRPC path
     return state
 
 
 def put_and_check(client, prefix: str, spec=None) -> dict[str, int]:
     """spmd.put_state_dict of write_state() (column shards when `spec`: strided sources), read back bit for bit;
     returns the bytes each path wrote."""
-    from client import spmd
+    from shardserve import spmd
+
     seen: list[dict[str, int]] = []
     write = client.session.write_shards
     client.session.write_shards = lambda writes: seen.append(write(writes)) or seen[-1]
     state = write_state()
-    layout = None if spec is None else {key: spec if value.dim() == 2 and value.shape[1] > 1 else None
-                                        for key, value in state.items()}  # None: the default layout
+    layout = (
+        None
+        if spec is None
+        else {
+            key: spec if value.dim() == 2 and value.shape[1] > 1 else None
+            for key, value in state.items()
+        }
+    )  # None: the default layout
     spmd.put_state_dict(client, state, prefix, spec=layout)
     into = {key: torch.empty_like(value) for key, value in state.items()}
     spmd.get_state_dict(client, prefix, into=into)
@@ -922,22 +1054,27 @@ def put_and_check(client, prefix: str, spec=None) -> dict[str, int]:
     return seen[0]
 
 
-@pytest.mark.parametrize("transport, path", [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp"), ("grpc", "grpc")])
+@pytest.mark.parametrize(
+    "transport, path", [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp"), ("grpc", "grpc")]
+)
 def test_state_dict_writes_go_by_each_path_bit_for_bit(cluster, transport, path):
     with connect(cluster.address, transport=transport) as client:
         written = put_and_check(client, f"paths-{transport}")
         assert set(written) == {path}
         assert written[path] == sum(v.numel() * v.element_size() for v in write_state().values())
-        strided = put_and_check(client, f"strided-{transport}", spec=ChunkShardingSpec(1, ["rank:0/cpu",
-                                                                                         "rank:1/cpu"]))
+        strided = put_and_check(
+            client, f"strided-{transport}", spec=ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"])
+        )
         assert set(strided) == {path}
 
 
 def test_writes_fall_back_when_the_rank_refuses_the_memfd(cluster, monkeypatch, caplog):
-    import client.paths.staging as staging
+    import shardserve.client.paths.staging as staging
+
     real = staging.StagingFile.source
-    monkeypatch.setattr(staging.StagingFile, "source",
-                        lambda self, host_id: real(self, "another-host"))  # the rank refuses: UNIMPLEMENTED
+    monkeypatch.setattr(
+        staging.StagingFile, "source", lambda self, host_id: real(self, "another-host")
+    )  # the rank refuses: UNIMPLEMENTED
     with connect(cluster.address) as client, caplog.at_level(logging.WARNING):
         assert set(put_and_check(client, "refused-memfd")) == {"tcp"}
     assert "shared-memory write to rank" in caplog.text and "not on this rank's host" in caplog.text
@@ -949,10 +1086,12 @@ def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):
 
 
 def test_staging_files_are_kept_within_their_budget_and_closed_when_idle():
-    from client.paths.staging import StagingFiles
+    from shardserve.client.paths.staging import StagingFiles
+
     clock = [0.0]
     files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0)
-    import client.paths.staging as staging
+    import shardserve.client.paths.staging as staging
+
     original = staging.time.monotonic
     staging.time.monotonic = lambda: clock[0]
     try:

@@ -1,24 +1,26 @@
 """The hedging pieces without processes: which copies a hedge asks, and how a race between a primary call and its
 hedge ends (client.paths.hedging)."""
+
 from __future__ import annotations
 
 import threading
 import time
 
 import pytest
-
-from client.errors import RankUnavailableError, ShardServeError
-from client.paths.hedging import Cancellation, Race, Watchdog, hedge_delay, other_copies
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import EnumerableShardingSpec
-from shardcore.metadata import TensorProperties
 import torch
+from shardserve.client.errors import RankUnavailableError, ShardServeError
+from shardserve.client.paths.hedging import Cancellation, Race, Watchdog, hedge_delay, other_copies
+from shardserve.core.metadata import ShardMetadata, TensorProperties
+from shardserve.core.specs import EnumerableShardingSpec
 
-MIRRORED = EnumerableShardingSpec([ShardMetadata((0, 0), (4, 2), "rank:1/cpu"),
-                                   ShardMetadata((0, 0), (4, 2), "rank:0/cpu"),
-                                   ShardMetadata((0, 0), (4, 2), "rank:2/cpu"),
-                                   ShardMetadata((4, 0), (4, 2), "rank:1/cpu")]
-                                  ).build_metadata((8, 2), TensorProperties(dtype=torch.float32))
+MIRRORED = EnumerableShardingSpec(
+    [
+        ShardMetadata((0, 0), (4, 2), "rank:1/cpu"),
+        ShardMetadata((0, 0), (4, 2), "rank:0/cpu"),
+        ShardMetadata((0, 0), (4, 2), "rank:2/cpu"),
+        ShardMetadata((4, 0), (4, 2), "rank:1/cpu"),
+    ]
+).build_metadata((8, 2), TensorProperties(dtype=torch.float32))
 WAIT_S = 10.0
 
 
@@ -53,7 +55,9 @@ def test_a_hedge_that_answers_first_wins_and_cancels_the_primary() -> None:
     race.hedged = True
     race.run_hedge()
     assert race.hedge_won and race.primary.cancelled
-    path, land = race.primary_failed(ShardServeError("cancelled"))  # the primary's call ends once cancelled
+    path, land = race.primary_failed(
+        ShardServeError("cancelled")
+    )  # the primary's call ends once cancelled
     land()
     assert path == "tcp" and landed == ["hedge"]
 
@@ -111,7 +115,9 @@ def test_the_watchdog_hedges_a_silent_primary_and_checks_its_rank() -> None:
         assert race.primary_failed(ShardServeError("cancelled"))[0] == "grpc"
         watchdog.finish(race)
         silent = watchdog.start(2, 0, None)
-        assert checked.wait(WAIT_S)  # no other copy: its rank's liveness is asked (after CHECK_EVERY_S)
+        assert checked.wait(
+            WAIT_S
+        )  # no other copy: its rank's liveness is asked (after CHECK_EVERY_S)
         watchdog.finish(silent)
     finally:
         watchdog.close()

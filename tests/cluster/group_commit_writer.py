@@ -5,6 +5,7 @@ waits for FOLDER/go, then makes UPDATES update_rows_ordered calls on table TABLE
 drawn from the first HOT_ROWS rows (so writers overlap), and saves to FOLDER/result-INDEX.pt (torch.save) every
 call it made as (version, order, ids, values) and the errors it met. Nothing is judged here.
 """
+
 from __future__ import annotations
 
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from client import connect
+from shardserve import connect
 
 TABLE = "upd-groups"
 HOT_ROWS, ROWS_PER_UPDATE = 24, 8
@@ -22,7 +23,9 @@ START_WAIT_S = 300.0
 
 def update_values(index: int, number: int, ids: torch.Tensor, columns: int) -> torch.Tensor:
     """The rows writer `index` writes in its update `number`: [index, number, seeded floats...]."""
-    values = torch.randn(ids.numel(), columns, generator=torch.Generator().manual_seed(1000 * index + number))
+    values = torch.randn(
+        ids.numel(), columns, generator=torch.Generator().manual_seed(1000 * index + number)
+    )
     values[:, 0] = float(index)
     values[:, 1] = float(number)
     return values

@@ -1,30 +1,42 @@
 """DCP checkpoints through a real 3-rank cluster: load what torch saved, save what torch loads, all bit for bit."""
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from gloo_world import World
+from shardserve.core.metadata import ShardMetadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.launcher import LocalCluster
 from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
-from client import AbortedError, Cluster, InvalidArgumentError, TensorExistsError, TensorNotFoundError, connect
-from server.launcher import LocalCluster
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from gloo_world import World
+from shardserve import (
+    AbortedError,
+    Cluster,
+    InvalidArgumentError,
+    TensorExistsError,
+    TensorNotFoundError,
+    connect,
+)
 
 SIZE = (61, 10)
-GRID = EnumerableShardingSpec([ShardMetadata((0, 0), (30, 4), "rank:0/cpu"),
-                               ShardMetadata((0, 4), (30, 6), "rank:1/cpu"),
-                               ShardMetadata((30, 0), (31, 10), "rank:2/cpu")])
+GRID = EnumerableShardingSpec(
+    [
+        ShardMetadata((0, 0), (30, 4), "rank:0/cpu"),
+        ShardMetadata((0, 4), (30, 6), "rank:1/cpu"),
+        ShardMetadata((30, 0), (31, 10), "rank:2/cpu"),
+    ]
+)
 
 
 def make_table(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -58,18 +70,25 @@ def save_sharded_tensor(rank: int, path: str, seed: int) -> None:
     st = sharded_tensor.empty(_row_spec(2), *SIZE)
     for shard in st.local_shards():
         offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        shard.tensor.copy_(table[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]])
+        shard.tensor.copy_(
+            table[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
+        )
     dcp.save({"trained": st}, checkpoint_id=path)
 
 
-def load_into_sharded_tensor(rank: int, path: str, name: str, seed: int, dtype: torch.dtype) -> bool:
+def load_into_sharded_tensor(
+    rank: int, path: str, name: str, seed: int, dtype: torch.dtype
+) -> bool:
     """On a 2-rank world: dcp.load into a row-wise ShardedTensor; True when every local shard is bit for bit."""
     table = make_table(seed, dtype)
     st = sharded_tensor.zeros(_row_spec(2), *SIZE, dtype=dtype)
     dcp.load({name: st}, checkpoint_id=path)
     for shard in st.local_shards():
         offsets, sizes = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        if not torch.equal(shard.tensor, table[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]):
+        if not torch.equal(
+            shard.tensor,
+            table[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]],
+        ):
             return False
     return True
 
@@ -89,14 +108,23 @@ def load_into_dtensor(rank: int, path: str, name: str, seed: int, dtype: torch.d
 def test_plain_dcp_checkpoint_loads_with_another_layout(cl: Cluster, tmp_path: Path) -> None:
     table, vector = make_table(1), torch.arange(7, dtype=torch.float64)
     _dcp_save_plain(tmp_path / "plain", {"plain-table": table, "plain-vector": vector})
-    assert cl.inspect_checkpoint(tmp_path / "plain") == {"plain-table": (SIZE, torch.float32),
-                                                         "plain-vector": ((7,), torch.float64)}
+    assert cl.inspect_checkpoint(tmp_path / "plain") == {
+        "plain-table": (SIZE, torch.float32),
+        "plain-vector": ((7,), torch.float64),
+    }
     seen = []
-    loaded = cl.load_checkpoint(tmp_path / "plain", spec={"plain-table": GRID, "plain-vector": None},
-                                progress=lambda done, total: seen.append((done, total)))
+    loaded = cl.load_checkpoint(
+        tmp_path / "plain",
+        spec={"plain-table": GRID, "plain-vector": None},
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert sorted(loaded) == ["plain-table", "plain-vector"] and seen[-1][0] == seen[-1][1] > 0
-    shard_bytes = sum(t.numel() * t.element_size() for t in (table, vector))  # one copy each: no replicas here
-    assert {total for _, total in seen} == {shard_bytes}  # the whole job's bytes from the first callback on
+    shard_bytes = sum(
+        t.numel() * t.element_size() for t in (table, vector)
+    )  # one copy each: no replicas here
+    assert {total for _, total in seen} == {
+        shard_bytes
+    }  # the whole job's bytes from the first callback on
     assert [done for done, _ in seen] == sorted(done for done, _ in seen)
     assert torch.equal(cl["plain-table"][:], table) and torch.equal(cl["plain-vector"][:], vector)
     assert len(cl["plain-table"].metadata().shards_metadata) == 3
@@ -104,21 +132,28 @@ def test_plain_dcp_checkpoint_loads_with_another_layout(cl: Cluster, tmp_path: P
     assert torch.equal(cl["plain-table"].lookup(ids), F.embedding(ids, table))
 
 
-def test_sharded_tensor_saved_on_two_ranks_loads_into_three(cl: Cluster, world2: World, tmp_path: Path) -> None:
+def test_sharded_tensor_saved_on_two_ranks_loads_into_three(
+    cl: Cluster, world2: World, tmp_path: Path
+) -> None:
     path = str(tmp_path / "st")
     world2.run(save_sharded_tensor, path, 2)
-    loaded = cl.load_checkpoint(path, names="trained", spec=ChunkShardingSpec(1, ["rank:2/cpu", "rank:0/cpu",
-                                                                                   "rank:1/cpu"]))
+    loaded = cl.load_checkpoint(
+        path, names="trained", spec=ChunkShardingSpec(1, ["rank:2/cpu", "rank:0/cpu", "rank:1/cpu"])
+    )
     assert loaded["trained"].sharding_spec().dim == 1
     assert torch.equal(cl["trained"][:], make_table(2))
     with pytest.raises(TensorExistsError):
         cl.load_checkpoint(path, names="trained")
-    table = cl.load_checkpoint(path, names="trained", overwrite=True, dtype=torch.bfloat16)["trained"]
+    table = cl.load_checkpoint(path, names="trained", overwrite=True, dtype=torch.bfloat16)[
+        "trained"
+    ]
     assert table.dtype == torch.bfloat16 and torch.equal(table[:], make_table(2).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_save_checkpoint_loads_with_torch(cl: Cluster, world2: World, tmp_path: Path, dtype: torch.dtype) -> None:
+def test_save_checkpoint_loads_with_torch(
+    cl: Cluster, world2: World, tmp_path: Path, dtype: torch.dtype
+) -> None:
     name = f"to-save-{str(dtype)[6:]}"
     cl.put(name, make_table(3, dtype), spec=GRID)
     cl.put(f"{name}-also", torch.ones(4))
@@ -129,7 +164,9 @@ def test_save_checkpoint_loads_with_torch(cl: Cluster, world2: World, tmp_path: 
     assert torch.equal(plain[name], make_table(3, dtype))
     assert world2.run(load_into_sharded_tensor, str(path), name, 3, dtype) == {0: True, 1: True}
     assert world2.run(load_into_dtensor, str(path), name, 3, dtype) == {0: True, 1: True}
-    assert set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata) == {name}  # only names saved
+    assert set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata) == {
+        name
+    }  # only names saved
 
 
 def test_save_everything_round_trips_through_the_cluster(cl: Cluster, tmp_path: Path) -> None:
@@ -147,7 +184,10 @@ def test_empty_tensors_are_saved_and_loaded(cl: Cluster, tmp_path: Path) -> None
     cl.put("empty-rows", torch.empty(0, 3), spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
     cl.put("beside-empty", make_table(2))
     path = tmp_path / "with-empty"
-    assert cl.save_checkpoint(path, names=("beside-empty", "empty-rows")) == ["beside-empty", "empty-rows"]
+    assert cl.save_checkpoint(path, names=("beside-empty", "empty-rows")) == [
+        "beside-empty",
+        "empty-rows",
+    ]
     assert cl.inspect_checkpoint(path)["empty-rows"] == ((0, 3), torch.float32)
     plain = {"empty-rows": torch.zeros(0, 3)}
     dcp.load(plain, checkpoint_id=str(path))  # torch's own reader takes it too
@@ -185,11 +225,17 @@ def test_a_save_replaces_the_checkpoint_at_its_path(cl: Cluster, tmp_path: Path)
     loaded = cl.load_checkpoint(path, overwrite=True)
     assert list(loaded) == ["second"] and torch.equal(loaded["second"][:], make_table(11))
     names = sorted(p.name for p in path.iterdir())
-    assert "README" in names and "__7_0.distcp" not in names and not any(n.startswith(".saving-") for n in names)
+    assert (
+        "README" in names
+        and "__7_0.distcp" not in names
+        and not any(n.startswith(".saving-") for n in names)
+    )
     with pytest.raises(InvalidArgumentError, match="names is empty"):
         cl.save_checkpoint(path, names=[])
-    with pytest.raises(InvalidArgumentError,
-                       match=r"timeout must be a number of seconds with 0 < timeout <= 3.1536e\+07"):
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"timeout must be a number of seconds with 0 < timeout <= 3.1536e\+07",
+    ):
         cl.save_checkpoint(path, timeout=float("inf"))
 
 
@@ -219,12 +265,18 @@ class _RunsCode:
 
 
 @pytest.mark.parametrize("content", ["hostile", "empty", "garbage"])
-def test_a_metadata_file_that_is_not_dcp_metadata_is_refused_unrun(cl: Cluster, tmp_path: Path, content: str) -> None:
+def test_a_metadata_file_that_is_not_dcp_metadata_is_refused_unrun(
+    cl: Cluster, tmp_path: Path, content: str
+) -> None:
     import pickle
 
     marker = tmp_path / "ran"
     _dcp_save_plain(tmp_path / "ck", {"meta-victim": make_table(4)})
-    data = {"hostile": pickle.dumps(_RunsCode(marker)), "empty": b"", "garbage": b"\x80\x04not a pickle"}[content]
+    data = {
+        "hostile": pickle.dumps(_RunsCode(marker)),
+        "empty": b"",
+        "garbage": b"\x80\x04not a pickle",
+    }[content]
     (tmp_path / "ck" / ".metadata").write_bytes(data)
     with pytest.raises(InvalidArgumentError, match="is not DCP metadata"):
         cl.load_checkpoint(tmp_path / "ck")
@@ -232,8 +284,12 @@ def test_a_metadata_file_that_is_not_dcp_metadata_is_refused_unrun(cl: Cluster, 
 
 
 def _cli(address: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "client", "--coordinator", address, *args], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shardserve", "--coordinator", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_load_and_save(cluster3: LocalCluster, cl: Cluster, tmp_path: Path) -> None:
@@ -241,7 +297,10 @@ def test_cli_load_and_save(cluster3: LocalCluster, cl: Cluster, tmp_path: Path) 
     done = _cli(cluster3.address, "load", str(tmp_path / "cli"), "--dim", "1", "--dtype", "float16")
     assert done.returncode == 0, done.stderr
     assert "loaded cli-table version" in done.stdout
-    assert torch.equal(cl["cli-table"][:], make_table(9).half()) and cl["cli-table"].sharding_spec().dim == 1
+    assert (
+        torch.equal(cl["cli-table"][:], make_table(9).half())
+        and cl["cli-table"].sharding_spec().dim == 1
+    )
     done = _cli(cluster3.address, "save", str(tmp_path / "cli-out"), "--names", "cli-table")
     assert done.returncode == 0 and "saved cli-table" in done.stdout, done.stderr
     back = {"cli-table": torch.zeros(SIZE, dtype=torch.float16)}

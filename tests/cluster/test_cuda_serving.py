@@ -6,6 +6,7 @@ round trips between the GPU cluster and plain CPU tensors, all bit for bit
 against plain torch on the CPU (but bags pooled by the GPU, which sums in its
 own order: equal up to float rounding).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,12 +15,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from shardserve.core.specs import ChunkShardingSpec
 
-from client import connect
-from shardcore.specs import ChunkShardingSpec
+from shardserve import connect
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 GPU_ROWS = ChunkShardingSpec(0, ["rank:0/cuda:0"] * 3)
 
@@ -46,11 +49,19 @@ def test_lookups_and_bags_from_cuda_shards(gpu, transport: str, dtype: torch.dty
         assert client.lookups.last_paths == {0: transport}
         for mode in ("sum", "mean"):
             expected = F.embedding_bag(ids, weights.float(), offsets, mode=mode)
-            exact = remote.lookup_bag(ids, offsets, mode=mode, pooling="client", dtype=torch.float32)
+            exact = remote.lookup_bag(
+                ids, offsets, mode=mode, pooling="client", dtype=torch.float32
+            )
             assert torch.equal(exact, F.embedding_bag(ids, weights, offsets, mode=mode).float())
-            served = remote.lookup_bag(ids, offsets, mode=mode, pooling="server", dtype=torch.float32)
+            served = remote.lookup_bag(
+                ids, offsets, mode=mode, pooling="server", dtype=torch.float32
+            )
             # CUDA's embedding_bag sums in another order than the CPU: float rounding apart, no more
-            tolerance = dict(rtol=2e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+            tolerance = (
+                dict(rtol=2e-2, atol=1e-2)
+                if dtype == torch.bfloat16
+                else dict(rtol=1e-5, atol=1e-5)
+            )
             torch.testing.assert_close(served, expected, **tolerance)
         new_rows = table(2, 12, dtype, seed=6)
         remote.update_rows(torch.tensor([33, 100]), new_rows)
@@ -64,7 +75,9 @@ def test_checkpoint_round_trips_between_cuda_shards_and_plain_tensors(gpu, tmp_p
     source = table(257, 9, torch.float32, seed=8)
     dcp.save({"trained": source}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
     with connect(gpu.address) as client:
-        loaded = client.load_checkpoint(tmp_path / "plain", names="trained", spec=GPU_ROWS)["trained"]
+        loaded = client.load_checkpoint(tmp_path / "plain", names="trained", spec=GPU_ROWS)[
+            "trained"
+        ]
         assert loaded.metadata().shards_metadata[0].device == torch.device("cuda:0")
         assert torch.equal(loaded.full_tensor(), source)
         assert client.save_checkpoint(tmp_path / "saved", names=["trained"]) == ["trained"]

@@ -1,23 +1,29 @@
 """Embedding serving end to end on a real 3-rank cluster: lookups, bags, modules, OOV, hostile requests, updates."""
+
 from __future__ import annotations
 
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from shardserve.client import (
+    Cluster,
+    InvalidArgumentError,
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    ResourceExhaustedError,
+    connect,
+)
+from shardserve.core.metadata import ShardMetadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import LocalCluster
 from torch import nn
-
-from client import (Cluster, InvalidArgumentError, RemoteEmbedding, RemoteEmbeddingBag, ResourceExhaustedError,
-                    connect)
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import LocalCluster
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
 ROWS, DIM = 50, 12
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -31,7 +37,9 @@ def _spec(boxes: list[tuple[tuple[int, int], tuple[int, int], int]]) -> Enumerab
 LAYOUTS = {
     "rows-uneven": _spec([((0, 0), (7, DIM), 0), ((7, 0), (23, DIM), 1), ((30, 0), (20, DIM), 2)]),
     "columns": ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
-    "grid": _spec([((0, 0), (20, 5), 0), ((0, 5), (20, 7), 1), ((20, 0), (30, 8), 2), ((20, 8), (30, 4), 0)]),
+    "grid": _spec(
+        [((0, 0), (20, 5), 0), ((0, 5), (20, 7), 1), ((20, 0), (30, 8), 2), ((20, 8), (30, 4), 0)]
+    ),
     "table-wise": _spec([((0, 0), (ROWS, DIM), 1)]),
 }
 
@@ -70,7 +78,9 @@ def test_lookup_is_f_embedding(cl: Cluster, tables: dict, layout: str, dtype: to
     remote = cl.tensor(_name(layout, dtype))
     assert torch.equal(remote.lookup(IDS), F.embedding(IDS, table))
     as_float = remote.lookup(IDS.tolist(), dtype=torch.float32)
-    assert as_float.dtype == torch.float32 and torch.equal(as_float, F.embedding(IDS, table).float())
+    assert as_float.dtype == torch.float32 and torch.equal(
+        as_float, F.embedding(IDS, table).float()
+    )
     assert remote.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
 
 
@@ -80,15 +90,20 @@ def grpc_cl(cluster3: LocalCluster) -> Iterator[Cluster]:
         yield cluster
 
 
-ID_SETS = {"repeats": IDS, "sorted-distinct": torch.tensor([0, 6, 7, 19, 20, 29, 30, 49]),
-           "one": torch.tensor([33]), "every-row-reversed": torch.arange(ROWS).flip(0)}
+ID_SETS = {
+    "repeats": IDS,
+    "sorted-distinct": torch.tensor([0, 6, 7, 19, 20, 29, 30, 49]),
+    "one": torch.tensor([33]),
+    "every-row-reversed": torch.arange(ROWS).flip(0),
+}
 
 
 @pytest.mark.parametrize("ids", ID_SETS.values(), ids=ID_SETS.keys())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_routed_lookups_over_grpc_are_bit_for_bit(grpc_cl: Cluster, tables: dict, layout: str,
-                                                  dtype: torch.dtype, ids: torch.Tensor) -> None:
+def test_routed_lookups_over_grpc_are_bit_for_bit(
+    grpc_cl: Cluster, tables: dict, layout: str, dtype: torch.dtype, ids: torch.Tensor
+) -> None:
     """The routed path (numpy plan, raw-decoded answers, one answer used whole when it holds every row)."""
     remote, expected = grpc_cl.tensor(_name(layout, dtype)), tables[(layout, dtype)][ids]
     got = remote.lookup(ids)
@@ -98,11 +113,12 @@ def test_routed_lookups_over_grpc_are_bit_for_bit(grpc_cl: Cluster, tables: dict
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dtype: torch.dtype,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_answers_past_the_small_limit_stream(
+    grpc_cl: Cluster, tables: dict, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An answer of up to SMALL_ANSWER_BYTES, counted in the table's own element size, comes as one LookupSmall
     message; one byte more and it streams (Lookup); both bit for bit."""
-    import client.paths.grpc as grpc_path
+    import shardserve.client.paths.grpc as grpc_path
 
     remote, table = grpc_cl.tensor(_name("table-wise", dtype)), tables[("table-wise", dtype)]
     ids = torch.arange(ROWS)  # every row, from the one shard: one call
@@ -126,7 +142,10 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
 
     def spy(address: str):  # type: ignore[no-untyped-def]
         real = methods(address)
-        return real._replace(lookup_small=Counted(real.lookup_small, "small"), lookup=Counted(real.lookup, "stream"))
+        return real._replace(
+            lookup_small=Counted(real.lookup_small, "small"), lookup=Counted(real.lookup, "stream")
+        )
+
     monkeypatch.setattr(channel, "shard_methods", spy)
     answer_bytes = ROWS * DIM * dtype.itemsize
     for limit, method in ((answer_bytes, "small"), (answer_bytes - 1, "stream")):
@@ -136,20 +155,28 @@ def test_answers_past_the_small_limit_stream(grpc_cl: Cluster, tables: dict, dty
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict, layout: str,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_row_layouts_are_read_from_mapped_shards(
+    cl: Cluster, tables: dict, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Same host: row-wise and table-wise tables are gathered from the mapped shards (client.embedding.mapped_rows) with
     no Lookup call, bit for bit, for one id, one band, every band and duplicates; column-split ones are routed."""
     name, table = _name(layout, torch.bfloat16), tables[(layout, torch.bfloat16)]
     remote = cl.tensor(name)
     whole_rows = layout in ("rows-uneven", "table-wise")
     if whole_rows:
-        import client.embedding.exchange as exchange
+        import shardserve.client.embedding.exchange as exchange
 
-        monkeypatch.setattr(exchange, "network_call",
-                            lambda session, rank, receiver: pytest.fail(f"Lookup call to {rank}"))
+        monkeypatch.setattr(
+            exchange,
+            "network_call",
+            lambda session, rank, receiver: pytest.fail(f"Lookup call to {rank}"),
+        )
     generator = torch.Generator().manual_seed(9)
-    for ids in (torch.tensor([49]), torch.tensor([8, 29, 8, 7]), torch.randint(0, ROWS, (500,), generator=generator)):
+    for ids in (
+        torch.tensor([49]),
+        torch.tensor([8, 29, 8, 7]),
+        torch.randint(0, ROWS, (500,), generator=generator),
+    ):
         assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
     assert cl.lookups.is_mapped(name) == whole_rows
     assert set(cl.lookups.last_paths.values()) == {"shm"}
@@ -160,17 +187,22 @@ def test_whole_row_layouts_are_read_from_mapped_shards(cl: Cluster, tables: dict
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_lookup_bag_is_f_embedding_bag(cl: Cluster, tables: dict, layout: str, dtype: torch.dtype,
-                                       mode: str) -> None:
+def test_lookup_bag_is_f_embedding_bag(
+    cl: Cluster, tables: dict, layout: str, dtype: torch.dtype, mode: str
+) -> None:
     table = tables[(layout, dtype)]
     remote = cl.tensor(_name(layout, dtype))
     expected = F.embedding_bag(IDS, table, OFFSETS, mode=mode)
     pooled = remote.lookup_bag(IDS, OFFSETS, mode=mode)
     assert pooled.dtype == dtype and pooled.shape == (OFFSETS.numel(), DIM)
     torch.testing.assert_close(pooled, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    assert torch.equal(pooled[1], torch.zeros(DIM, dtype=dtype)) and torch.equal(pooled[-1], pooled[1])
+    assert torch.equal(pooled[1], torch.zeros(DIM, dtype=dtype)) and torch.equal(
+        pooled[-1], pooled[1]
+    )
     assert torch.equal(remote.lookup_bag(IDS, OFFSETS, mode=mode, pooling="client"), expected)
-    if layout == "table-wise" and dtype != torch.bfloat16:  # one shard pools every bag: torch's own kernel
+    if (
+        layout == "table-wise" and dtype != torch.bfloat16
+    ):  # one shard pools every bag: torch's own kernel
         assert torch.equal(pooled, expected)
 
 
@@ -181,8 +213,12 @@ def test_per_sample_weights(cl: Cluster, tables: dict, layout: str, dtype: torch
     weights = torch.linspace(-1, 2, IDS.numel()).to(dtype)
     remote = cl.tensor(_name(layout, dtype))
     expected = F.embedding_bag(IDS, table, OFFSETS, mode="sum", per_sample_weights=weights)
-    torch.testing.assert_close(remote.lookup_bag(IDS, OFFSETS, "sum", weights), expected,
-                               atol=4 * TOLERANCE[dtype], rtol=4 * TOLERANCE[dtype])
+    torch.testing.assert_close(
+        remote.lookup_bag(IDS, OFFSETS, "sum", weights),
+        expected,
+        atol=4 * TOLERANCE[dtype],
+        rtol=4 * TOLERANCE[dtype],
+    )
     assert torch.equal(remote.lookup_bag(IDS, OFFSETS, "sum", weights, pooling="client"), expected)
 
 
@@ -191,7 +227,9 @@ def test_bags_within_one_shard_are_bit_for_bit(cl: Cluster, tables: dict) -> Non
     ids, offsets = torch.tensor([1, 6, 1, 8, 29, 10, 31, 49, 49]), torch.tensor([0, 3, 6])
     remote = cl.tensor(_name("rows-uneven", torch.float32))
     for mode in ("sum", "mean"):
-        assert torch.equal(remote.lookup_bag(ids, offsets, mode), F.embedding_bag(ids, table, offsets, mode=mode))
+        assert torch.equal(
+            remote.lookup_bag(ids, offsets, mode), F.embedding_bag(ids, table, offsets, mode=mode)
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -208,8 +246,10 @@ def test_modules_are_drop_in(cl: Cluster, tables: dict, layout: str) -> None:
         torch.testing.assert_close(RemoteEmbeddingBag(cl, name, mode=mode)(ids2d), local(ids2d))
     weights = torch.rand(12).view(3, 4)
     local = nn.EmbeddingBag.from_pretrained(table, mode="sum")
-    torch.testing.assert_close(RemoteEmbeddingBag(cl, name, mode="sum")(ids2d, per_sample_weights=weights),
-                               local(ids2d, per_sample_weights=weights))
+    torch.testing.assert_close(
+        RemoteEmbeddingBag(cl, name, mode="sum")(ids2d, per_sample_weights=weights),
+        local(ids2d, per_sample_weights=weights),
+    )
 
 
 def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
@@ -225,25 +265,40 @@ def test_modules_reject_what_torch_rejects(cl: Cluster, tables: dict) -> None:
     with pytest.raises(ValueError, match="per_sample_weights"):
         bag(IDS, OFFSETS, torch.ones(IDS.numel()))  # mode mean
     with pytest.raises(InvalidArgumentError, match="pooling must be one of"):
-        RemoteEmbeddingBag(cl, _name("grid", torch.float32), pooling="nearby")  # at construction, not first use
+        RemoteEmbeddingBag(
+            cl, _name("grid", torch.float32), pooling="nearby"
+        )  # at construction, not first use
     with pytest.raises(TypeError, match="cluster must be a client.Cluster"):
         RemoteEmbedding(None, "t")
     with pytest.raises(InvalidArgumentError, match="name must be a non-empty string, got 5"):
         RemoteEmbeddingBag(cl, 5)
     summing = RemoteEmbeddingBag(cl, _name("grid", torch.float32), mode="sum")
-    with pytest.raises(ValueError, match=r"per_sample_weights must have the shape of input \(2, 2\)"):
-        summing(IDS[:4].view(2, 2), per_sample_weights=torch.ones(4))  # nn.EmbeddingBag refuses it too
+    with pytest.raises(
+        ValueError, match=r"per_sample_weights must have the shape of input \(2, 2\)"
+    ):
+        summing(
+            IDS[:4].view(2, 2), per_sample_weights=torch.ones(4)
+        )  # nn.EmbeddingBag refuses it too
     with pytest.raises(ValueError, match="per_sample_weights must be a dense tensor holding data"):
         summing(IDS[:4], torch.tensor([0]), per_sample_weights=torch.ones(4, device="meta"))
     with pytest.raises(TypeError, match="default_row has dtype torch.complex64"):
-        cl.put("complex-default", torch.zeros(3, 2), oov="default", default_row=torch.ones(2, dtype=torch.complex64))
+        cl.put(
+            "complex-default",
+            torch.zeros(3, 2),
+            oov="default",
+            default_row=torch.ones(2, dtype=torch.complex64),
+        )
 
 
 def test_cluster_lookup_several_tables(cl: Cluster, tables: dict) -> None:
     names = {layout: _name(layout, torch.float16) for layout in LAYOUTS}
-    answers = cl.lookup({name: IDS[i:] for i, name in enumerate(names.values())}, dtype=torch.float32)
+    answers = cl.lookup(
+        {name: IDS[i:] for i, name in enumerate(names.values())}, dtype=torch.float32
+    )
     for i, (layout, name) in enumerate(names.items()):
-        assert torch.equal(answers[name], F.embedding(IDS[i:], tables[(layout, torch.float16)]).float())
+        assert torch.equal(
+            answers[name], F.embedding(IDS[i:], tables[(layout, torch.float16)]).float()
+        )
 
 
 def test_out_of_range_ids_name_the_first_bad_id(cl: Cluster, tables: dict) -> None:
@@ -261,8 +316,13 @@ def test_oov_policies(cl: Cluster, oov: str) -> None:
     table = torch.randn(20, 6)
     default = torch.arange(6, dtype=torch.float32) if oov == "default" else None
     name = f"oov-{oov}"
-    remote = cl.put(name, table, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]), oov=oov,
-                    default_row=default)
+    remote = cl.put(
+        name,
+        table,
+        spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:2/cpu"]),
+        oov=oov,
+        default_row=default,
+    )
     fill = default if default is not None else torch.zeros(6)
     ids = torch.tensor([3, 20, -1, 19, 3, 1000])
     padded = torch.cat([table, fill.view(1, -1)])
@@ -270,7 +330,10 @@ def test_oov_policies(cl: Cluster, oov: str) -> None:
     assert torch.equal(remote.lookup(ids), F.embedding(mapped, padded))
     offsets = torch.tensor([0, 2, 4])
     for mode in ("sum", "mean"):
-        assert torch.equal(remote.lookup_bag(ids, offsets, mode), F.embedding_bag(mapped, padded, offsets, mode=mode))
+        assert torch.equal(
+            remote.lookup_bag(ids, offsets, mode),
+            F.embedding_bag(mapped, padded, offsets, mode=mode),
+        )
     assert torch.equal(RemoteEmbedding(cl, name)(ids), F.embedding(mapped, padded))
 
 
@@ -300,7 +363,9 @@ def _lookup_code(stub: pb_grpc.ShardServerStub, *items: pb.LookupItem) -> grpc.S
     return grpc.StatusCode.OK, ""
 
 
-def test_hostile_lookups_get_status_codes(cluster3: LocalCluster, cl: Cluster, tables: dict) -> None:
+def test_hostile_lookups_get_status_codes(
+    cluster3: LocalCluster, cl: Cluster, tables: dict
+) -> None:
     remote = cl.tensor(_name("rows-uneven", torch.float32))
     stub = _rank_stub(cluster3, cl, 1)  # shard 1: rows 7..29
     item = dict(name=remote.name, version=remote.version, shard_index=1)
@@ -308,39 +373,70 @@ def test_hostile_lookups_get_status_codes(cluster3: LocalCluster, cl: Cluster, t
     assert _lookup_code(stub, ok)[0] == grpc.StatusCode.OK
     code, details = _lookup_code(stub, ok, pb.LookupItem(ids=b"\x01" * 7, **item))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "items[1].ids has 7 bytes" in details
-    code, details = _lookup_code(stub, pb.LookupItem(ids=torch.tensor([8, 30]).numpy().tobytes(), **item))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "items[0].ids[1]=30 is not held by shard 1" in details
-    code, details = _lookup_code(stub, pb.LookupItem(ids=torch.tensor([-5]).numpy().tobytes(), **item))
+    code, details = _lookup_code(
+        stub, pb.LookupItem(ids=torch.tensor([8, 30]).numpy().tobytes(), **item)
+    )
+    assert (
+        code == grpc.StatusCode.INVALID_ARGUMENT
+        and "items[0].ids[1]=30 is not held by shard 1" in details
+    )
+    code, details = _lookup_code(
+        stub, pb.LookupItem(ids=torch.tensor([-5]).numpy().tobytes(), **item)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "ids[0]=-5 is out of range" in details
     code, _ = _lookup_code(stub, pb.LookupItem(ids=b"", **{**item, "shard_index": 0}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT  # shard 0 lives on rank 0
-    code, _ = _lookup_code(stub, pb.LookupItem(ids=b"", **{**item, "version": remote.version + 1000}))
+    code, _ = _lookup_code(
+        stub, pb.LookupItem(ids=b"", **{**item, "version": remote.version + 1000})
+    )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    code, _ = _lookup_code(stub, pb.LookupItem(name="no-such-table", version=1, shard_index=0, ids=b""))
+    code, _ = _lookup_code(
+        stub, pb.LookupItem(name="no-such-table", version=1, shard_index=0, ids=b"")
+    )
     assert code == grpc.StatusCode.NOT_FOUND
-    code, details = _lookup_code(stub, pb.LookupItem(ids=b"", pooled=True, offsets=b"\x00" * 5, **item))
+    code, details = _lookup_code(
+        stub, pb.LookupItem(ids=b"", pooled=True, offsets=b"\x00" * 5, **item)
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "offsets" in details
     vector = cl.put("vector-1d", torch.arange(9.0), spec=ChunkShardingSpec(0, ["rank:1/cpu"]))
-    code, details = _lookup_code(stub, pb.LookupItem(name="vector-1d", version=vector.version, shard_index=0,
-                                                     ids=torch.tensor([1]).numpy().tobytes()))
+    code, details = _lookup_code(
+        stub,
+        pb.LookupItem(
+            name="vector-1d",
+            version=vector.version,
+            shard_index=0,
+            ids=torch.tensor([1]).numpy().tobytes(),
+        ),
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "2-D" in details
     with pytest.raises(InvalidArgumentError, match="2-D"):
         vector.lookup([1])
-    assert torch.equal(remote.lookup([7, 29]), tables[("rows-uneven", torch.float32)][[7, 29]])  # still serving
+    assert torch.equal(
+        remote.lookup([7, 29]), tables[("rows-uneven", torch.float32)][[7, 29]]
+    )  # still serving
 
 
 def test_hostile_write_rows(cluster3: LocalCluster, cl: Cluster, tables: dict) -> None:
     remote = cl.tensor(_name("rows-uneven", torch.float32))
     stub = _rank_stub(cluster3, cl, 1)
-    request = pb.WriteRowsRequest(name=remote.name, version=remote.version, shard_index=1,
-                                  ids=torch.tensor([7]).numpy().tobytes(), values=torch.zeros(DIM).numpy().tobytes())
+    request = pb.WriteRowsRequest(
+        name=remote.name,
+        version=remote.version,
+        shard_index=1,
+        ids=torch.tensor([7]).numpy().tobytes(),
+        values=torch.zeros(DIM).numpy().tobytes(),
+    )
     with pytest.raises(grpc.RpcError) as info:
         stub.WriteRows(request, timeout=10)
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # committed versions are immutable
+    assert (
+        info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    )  # committed versions are immutable
     assert torch.equal(remote.lookup([7]), tables[("rows-uneven", torch.float32)][[7]])
 
 
-def test_request_over_the_limit_is_resource_exhausted(make_cluster: Callable[..., LocalCluster]) -> None:
+def test_request_over_the_limit_is_resource_exhausted(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
     small = make_cluster(ranks=2, max_request_bytes=4096)
     with connect(small.address) as cluster:
         table = torch.randn(1000, 4)
@@ -357,9 +453,17 @@ def test_request_over_the_limit_is_resource_exhausted(make_cluster: Callable[...
 
 def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
     table = torch.randn(30, 4)
-    remote = cl.put("updated", table, spec=LAYOUTS["grid"].__class__(
-        [ShardMetadata((0, 0), (10, 4), "rank:0/cpu"), ShardMetadata((10, 0), (20, 4), "rank:1/cpu"),
-         ShardMetadata((10, 0), (20, 4), "rank:2/cpu")]))  # rows 10..29 replicated on ranks 1 and 2
+    remote = cl.put(
+        "updated",
+        table,
+        spec=LAYOUTS["grid"].__class__(
+            [
+                ShardMetadata((0, 0), (10, 4), "rank:0/cpu"),
+                ShardMetadata((10, 0), (20, 4), "rank:1/cpu"),
+                ShardMetadata((10, 0), (20, 4), "rank:2/cpu"),
+            ]
+        ),
+    )  # rows 10..29 replicated on ranks 1 and 2
     before = remote.version
     ids = torch.tensor([3, 15, 3, 29])
     values = torch.arange(16, dtype=torch.float32).view(4, 4)
@@ -374,26 +478,40 @@ def test_update_rows_last_duplicate_wins(cl: Cluster) -> None:
     with pytest.raises(InvalidArgumentError, match="values has shape"):
         remote.update_rows([1], torch.zeros(2, 4))
     with pytest.raises(TypeError, match="values has dtype torch.complex64"):
-        remote.update_rows([1], torch.zeros(1, 4, dtype=torch.complex64))  # would drop the imaginary part
+        remote.update_rows(
+            [1], torch.zeros(1, 4, dtype=torch.complex64)
+        )  # would drop the imaginary part
     with pytest.raises(TypeError, match="ids must hold integers"):
         remote.update_rows([1.5], torch.zeros(1, 4))
     assert cl.tensor("updated").version == version
     pending = cl.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
-    assert [t.version for t in pending if t.name == "updated"] == [version]  # no copy was made for bad input
-    assert remote.update_rows([2], torch.full((1, 4), 7, dtype=torch.int64)) > version  # widening is fine
+    assert [t.version for t in pending if t.name == "updated"] == [
+        version
+    ]  # no copy was made for bad input
+    assert (
+        remote.update_rows([2], torch.full((1, 4), 7, dtype=torch.int64)) > version
+    )  # widening is fine
     assert torch.equal(remote[2], torch.full((4,), 7.0))
 
 
 def test_stale_client_refreshes_once(cluster3: LocalCluster, cl: Cluster) -> None:
-    cl.put("stale", torch.zeros(12, 3), spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]))
+    cl.put(
+        "stale",
+        torch.zeros(12, 3),
+        spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
+    )
     with connect(cluster3.address) as reader:
         assert torch.equal(reader.lookup({"stale": [1, 11]})["stale"], torch.zeros(2, 3))
         cl.update_rows("stale", torch.arange(12), torch.ones(12, 3))
         assert torch.equal(reader.lookup({"stale": [1, 11]})["stale"], torch.ones(2, 3))
-        assert torch.equal(reader.tensor("stale").lookup_bag([1, 11], [0], "sum"), torch.full((1, 3), 2.0))
+        assert torch.equal(
+            reader.tensor("stale").lookup_bag([1, 11], [0], "sum"), torch.full((1, 3), 2.0)
+        )
 
 
-def test_concurrent_updates_and_lookups_never_mix_versions(cluster3: LocalCluster, cl: Cluster) -> None:
+def test_concurrent_updates_and_lookups_never_mix_versions(
+    cluster3: LocalCluster, cl: Cluster
+) -> None:
     rows = 60
     spec = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
     cl.put("versions", torch.zeros(rows, 4), spec=spec)
@@ -412,7 +530,9 @@ def test_concurrent_updates_and_lookups_never_mix_versions(cluster3: LocalCluste
                     errors.append(repr(err))
                     return
                 if not bool((answer == answer[0, 0]).all()):
-                    errors.append(f"rows of several versions in one answer: {answer[:, 0].unique().tolist()}")
+                    errors.append(
+                        f"rows of several versions in one answer: {answer[:, 0].unique().tolist()}"
+                    )
                 if not bool((bag == bag[0, 0]).all()):
                     errors.append(f"bags of several versions in one answer: {bag[:, 0].tolist()}")
                 seen.add(float(answer[0, 0]))
@@ -443,13 +563,17 @@ def test_row_cache_hits_and_invalidation(cluster3: LocalCluster, cl: Cluster) ->
         assert (stats.hits, stats.misses, stats.rows) == (0, 3, 3)
         assert torch.equal(client.lookup({"cached": ids})["cached"], table[ids])
         assert client.row_cache_stats().hits == 3
-        assert torch.equal(client.tensor("cached").lookup_bag(ids, [0, 2], "mean"),
-                           F.embedding_bag(ids, table, torch.tensor([0, 2]), mode="mean"))
+        assert torch.equal(
+            client.tensor("cached").lookup_bag(ids, [0, 2], "mean"),
+            F.embedding_bag(ids, table, torch.tensor([0, 2]), mode="mean"),
+        )
         client.lookup({"cached": torch.arange(40)})
         stats = client.row_cache_stats()
         assert stats.rows == 10 and stats.bytes == 10 * 8 * 4  # bounded: LRU evicted the rest
         cl.update_rows("cached", [39], torch.zeros(1, 8))
-        assert torch.equal(client.lookup({"cached": [39]})["cached"], torch.zeros(1, 8))  # refreshed, not stale
+        assert torch.equal(
+            client.lookup({"cached": [39]})["cached"], torch.zeros(1, 8)
+        )  # refreshed, not stale
     with pytest.raises(ValueError, match="row_cache_bytes"):
         connect(cluster3.address, row_cache_bytes=-1)
 
@@ -459,17 +583,33 @@ def test_large_answers_stream_in_chunks(cluster3: LocalCluster, cl: Cluster, tab
     table = tables[("rows-uneven", torch.float32)]
     stub = _rank_stub(cluster3, cl, 1)
     ids = torch.randint(7, 30, (100_000,))  # 4.8 MB of rows, all held by shard 1
-    request = pb.LookupRequest(items=[pb.LookupItem(name=remote.name, version=remote.version, shard_index=1,
-                                                    ids=ids.numpy().tobytes())])
+    request = pb.LookupRequest(
+        items=[
+            pb.LookupItem(
+                name=remote.name, version=remote.version, shard_index=1, ids=ids.numpy().tobytes()
+            )
+        ]
+    )
     with pytest.raises(grpc.RpcError) as info:
         stub.LookupSmall(request, timeout=30)
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "streaming Lookup" in info.value.details()
+    assert (
+        info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "streaming Lookup" in info.value.details()
+    )
     chunks = list(stub.Lookup(request, timeout=30))
-    assert len(chunks) == 5 and chunks[0].version == remote.version and chunks[0].nbytes == 100_000 * DIM * 4
+    assert (
+        len(chunks) == 5
+        and chunks[0].version == remote.version
+        and chunks[0].nbytes == 100_000 * DIM * 4
+    )
     data = b"".join(c.data for c in chunks)
-    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, DIM), table[ids])
+    assert torch.equal(
+        torch.frombuffer(bytearray(data), dtype=torch.float32).view(-1, DIM), table[ids]
+    )
     assert torch.equal(remote.lookup(ids), table[ids])  # the client streams it too
-    tiny = pb.LookupRequest(items=request.items, chunk_bytes=1)  # floored at 4 KiB, not 4.8 million messages
+    tiny = pb.LookupRequest(
+        items=request.items, chunk_bytes=1
+    )  # floored at 4 KiB, not 4.8 million messages
     assert len(list(stub.Lookup(tiny, timeout=30))) == -(-100_000 * DIM * 4 // 4096)
 
 
@@ -478,11 +618,16 @@ def test_ids_in_no_bag_of_a_float64_table(cl: Cluster, pooling: str) -> None:
     """Empty offsets with ids are zero bags; pooled with torch as is, a float64 table crashed the rank (or the
     client) with a segfault."""
     table = torch.randn(20, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    remote = cl.put(f"f64-bags-{pooling}", table, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu",
-                                                                               "rank:2/cpu"]))
+    remote = cl.put(
+        f"f64-bags-{pooling}",
+        table,
+        spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
+    )
     got = remote.lookup_bag([1, 2, 19], [], pooling=pooling)
     assert got.shape == (0, 4) and got.dtype == torch.float64
-    assert torch.equal(remote.lookup_bag([1, 19], [0], pooling=pooling), (table[1] + table[19]).unsqueeze(0) / 2)
+    assert torch.equal(
+        remote.lookup_bag([1, 19], [0], pooling=pooling), (table[1] + table[19]).unsqueeze(0) / 2
+    )
     cl.delete(remote.name)
 
 
@@ -496,19 +641,30 @@ def test_ids_must_be_1d_integers(cl: Cluster, tables: dict) -> None:
         remote.lookup(torch.zeros(2, 2, dtype=torch.int64))
     with pytest.raises(TypeError):
         cl.lookup([(remote.name, [1])])
-    for not_ints in ([1.7, 2.2], [True, False], np.array([1.0, 2.0]), ["1"]):  # never cut or taken as 0/1
+    for not_ints in (
+        [1.7, 2.2],
+        [True, False],
+        np.array([1.0, 2.0]),
+        ["1"],
+    ):  # never cut or taken as 0/1
         with pytest.raises(TypeError, match=r"ids\['columns-float32'\] must hold integers"):
             remote.lookup(not_ints)
-    assert torch.equal(remote.lookup(np.array([4, 2], dtype=np.uint8)), tables[("columns", torch.float32)][[4, 2]])
-    assert torch.equal(remote.lookup(torch.tensor([4], dtype=torch.int32)), tables[("columns", torch.float32)][[4]])
+    assert torch.equal(
+        remote.lookup(np.array([4, 2], dtype=np.uint8)), tables[("columns", torch.float32)][[4, 2]]
+    )
+    assert torch.equal(
+        remote.lookup(torch.tensor([4], dtype=torch.int32)), tables[("columns", torch.float32)][[4]]
+    )
 
 
 @pytest.mark.parametrize("transport", ["auto", "grpc"])
-def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str, monkeypatch) -> None:
+def test_lookups_follow_a_replaced_table(
+    cluster3: LocalCluster, transport: str, monkeypatch
+) -> None:
     """Ids out of the cached view's range are answered without asking a rank, so the view must not outlive the
     table: this client's own put forgets it at once, and another client's put is seen once the view is older
     than OOV_RECHECK_S."""
-    import client.embedding.views as views_module
+    import shardserve.client.embedding.views as views_module
 
     small, grown = torch.randn(4, 3), torch.randn(8, 3)
     name = f"replaced-{transport}"
@@ -517,8 +673,10 @@ def test_lookups_follow_a_replaced_table(cluster3: LocalCluster, transport: str,
         assert torch.equal(remote.lookup([0, 6]), torch.stack([small[0], torch.zeros(3)]))
         remote = mine.put(name, grown, overwrite=True)  # oov "error" now, and 8 rows
         assert torch.equal(remote.lookup([6]), grown[6:7])
-        assert torch.equal(remote.lookup_bag([6, 7], [0]), F.embedding_bag(torch.tensor([6, 7]), grown,
-                                                                           torch.tensor([0])))
+        assert torch.equal(
+            remote.lookup_bag([6, 7], [0]),
+            F.embedding_bag(torch.tensor([6, 7]), grown, torch.tensor([0])),
+        )
         bigger = torch.randn(12, 3)
         other.put(name, bigger, overwrite=True)  # another client: this one learns of it by age
         monkeypatch.setattr(views_module, "OOV_RECHECK_S", 0.0)

@@ -1,4 +1,5 @@
 """The client against a real 3-rank cluster: put every kind of layout and dtype, read it back bit for bit."""
+
 from __future__ import annotations
 
 import random
@@ -8,13 +9,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from shardserve.client import (
+    RankUnavailableError,
+    RemoteShardedTensor,
+    StaleVersionError,
+    TensorExistsError,
+    TensorNotFoundError,
+    connect,
+)
+from shardserve.core.metadata import ShardMetadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.rank.memory_budget import default_memory_limit, host_memory_bytes
 from torch.distributed._shard import sharding_spec as torch_specs
-
-from client import (RankUnavailableError, RemoteShardedTensor, StaleVersionError, TensorExistsError,
-                    TensorNotFoundError, connect)
-from server.rank.memory_budget import default_memory_limit, host_memory_bytes
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,10 +72,16 @@ LAYOUTS = {
     "several-per-rank": ((20, 3), ChunkShardingSpec(0, cpu(0, 1, 2, 0, 1, 2, 0))),
     "more-ranks-than-rows": ((2, 5), ChunkShardingSpec(0, cpu(0, 1, 2))),
     "torch-chunk": ((8, 6), torch_specs.ChunkShardingSpec(dim=1, placements=cpu(1, 2))),
-    "torch-enumerable": ((6, 6), torch_specs.EnumerableShardingSpec([
-        torch_specs.ShardMetadata([0, 0], [6, 2], "rank:0/cpu"),
-        torch_specs.ShardMetadata([0, 2], [3, 4], "rank:1/cpu"),
-        torch_specs.ShardMetadata([3, 2], [3, 4], "rank:2/cpu")])),
+    "torch-enumerable": (
+        (6, 6),
+        torch_specs.EnumerableShardingSpec(
+            [
+                torch_specs.ShardMetadata([0, 0], [6, 2], "rank:0/cpu"),
+                torch_specs.ShardMetadata([0, 2], [3, 4], "rank:1/cpu"),
+                torch_specs.ShardMetadata([3, 2], [3, 4], "rank:2/cpu"),
+            ]
+        ),
+    ),
 }
 
 
@@ -103,7 +115,9 @@ def test_ranks_sharing_a_host_split_its_memory_by_default(cl):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_put_then_read_everything_back(cl, layouts, name):
     source, remote = layouts[name]
-    assert remote.shape == source.shape and remote.dtype == source.dtype and remote.ndim == source.ndim
+    assert (
+        remote.shape == source.shape and remote.dtype == source.dtype and remote.ndim == source.ndim
+    )
     assert_same(remote.full_tensor(), source)
     assert_same(cl.tensor(name).full_tensor(), source)
     rng = random.Random(name)
@@ -116,8 +130,18 @@ def test_put_then_read_everything_back(cl, layouts, name):
 @pytest.mark.parametrize("name", ["grid-2d", "chunk-dim1-uneven", "chunk-dim-1-3d"])
 def test_indexing_matches_torch(layouts, name):
     source, remote = layouts[name]
-    indices = [0, -1, (1,), (slice(-3, None),), (slice(None, -1), -2), (-1, slice(1, -1)),
-               (slice(2, 2),), (slice(-100, 100),), (..., -1), (1, ..., slice(-2, None))]
+    indices = [
+        0,
+        -1,
+        (1,),
+        (slice(-3, None),),
+        (slice(None, -1), -2),
+        (-1, slice(1, -1)),
+        (slice(2, 2),),
+        (slice(-100, 100),),
+        (..., -1),
+        (1, ..., slice(-2, None)),
+    ]
     for index in indices:
         assert_same(remote[index], source[index])
     if source.ndim == 2:
@@ -129,7 +153,9 @@ def test_remote_shards_fetch_each_shard(layouts, name):
     source, remote = layouts[name]
     by_rank = remote.remote_shards()
     meta = remote.metadata()
-    assert sorted(s.index for shards in by_rank.values() for s in shards) == list(range(len(meta.shards_metadata)))
+    assert sorted(s.index for shards in by_rank.values() for s in shards) == list(
+        range(len(meta.shards_metadata))
+    )
     for rank, shards in by_rank.items():
         for shard in shards:
             assert shard.metadata.rank == rank and shard.version == remote.version
@@ -160,7 +186,9 @@ def test_fetch_into_strided_out(layouts):
     assert (wide[:, :3] == -1).all() and (wide[:, 11:] == -1).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
+)
 def test_dtypes_round_trip(cl, dtype):
     source = random_tensor((13, 6), dtype, seed=7)
     name = f"dtype-{str(dtype).removeprefix('torch.')}"
@@ -173,15 +201,22 @@ def test_dtypes_round_trip(cl, dtype):
 
 
 def test_special_float_bits_survive(cl):
-    source = torch.tensor([[0.0, -0.0, float("nan"), float("inf")], [-float("inf"), 1e-45, -1.5, 3.0]])
+    source = torch.tensor(
+        [[0.0, -0.0, float("nan"), float("inf")], [-float("inf"), 1e-45, -1.5, 3.0]]
+    )
     remote = cl.put("specials", source, ChunkShardingSpec(1, cpu(0, 1)))
     assert_same(remote.full_tensor(), source)
     cl.delete("specials")
 
 
-@pytest.mark.parametrize("init, expected", [
-    ("zeros", lambda n: torch.zeros(n)), ("ones", lambda n: torch.ones(n)),
-    ("arange", lambda n: torch.arange(n, dtype=torch.float32))])
+@pytest.mark.parametrize(
+    "init, expected",
+    [
+        ("zeros", lambda n: torch.zeros(n)),
+        ("ones", lambda n: torch.ones(n)),
+        ("arange", lambda n: torch.arange(n, dtype=torch.float32)),
+    ],
+)
 def test_create_with_init(cl, init, expected):
     remote = cl.create(f"init-{init}", (7, 5), spec=ChunkShardingSpec(0, cpu(0, 1, 2)), init=init)
     assert_same(remote.full_tensor(), expected(35).reshape(7, 5))
@@ -255,15 +290,16 @@ def test_empty_and_zero_sized(cl):
 def test_a_0d_tensor_goes_whole_to_the_first_live_rank_by_default(cl):
     for value in (torch.tensor(3.5, dtype=torch.float64), torch.tensor(-7)):
         remote = cl.put("scalar", value, overwrite=True)
-        assert [s.placement.rank() for s in remote.metadata().shards_metadata] == [min(
-            r.rank for r in cl.ranks() if r.alive)]
+        assert [s.placement.rank() for s in remote.metadata().shards_metadata] == [
+            min(r.rank for r in cl.ranks() if r.alive)
+        ]
         assert_same(remote.full_tensor(), value)
         assert_same(remote[()], value)
     cl.delete("scalar")
 
 
 def test_256_mib_round_trip(cl):
-    source = torch.randint(-2**31, 2**31 - 1, (65536, 1024), dtype=torch.int32)  # 256 MiB
+    source = torch.randint(-(2**31), 2**31 - 1, (65536, 1024), dtype=torch.int32)  # 256 MiB
     remote = cl.put("big", source)
     assert remote.nbytes == 256 << 20
     assert_same(remote.full_tensor(), source)
@@ -289,7 +325,9 @@ def test_proxy_of_a_deleted_tensor_raises_key_error(cl):
 
 def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, layouts):
     """Last test of the module: it kills rank 2 of the shared cluster."""
-    source, remote = layouts["chunk-dim0-uneven"]  # rows 0-3 on rank 0, 4-7 on rank 1, 8-9 on rank 2
+    source, remote = layouts[
+        "chunk-dim0-uneven"
+    ]  # rows 0-3 on rank 0, 4-7 on rank 1, 8-9 on rank 2
     cluster3.kill_rank(2, signal.SIGKILL)
     with pytest.raises(RankUnavailableError, match="rank"):
         remote[8:10]
@@ -305,7 +343,7 @@ def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, lay
 def test_a_put_whose_version_another_overwrite_aborted_says_so(cl, cluster3):
     """Another client's put(overwrite=True) aborts this put's pending version while it writes: the writes fail
     with "version not held", and the put names the cause instead."""
-    from client import AbortedError, connect
+    from shardserve import AbortedError, connect
 
     with connect(cluster3.address) as other:
         write, raced = cl.session.write_shards, []
@@ -317,7 +355,9 @@ def test_a_put_whose_version_another_overwrite_aborted_says_so(cl, cluster3):
 
         cl.session.write_shards = write_after_another_put  # type: ignore[method-assign]
         try:
-            with pytest.raises(AbortedError, match="another put or create of 'contested' with overwrite=True"):
+            with pytest.raises(
+                AbortedError, match="another put or create of 'contested' with overwrite=True"
+            ):
                 cl.put("contested", torch.zeros(6, 2), overwrite=True)
         finally:
             del cl.session.write_shards

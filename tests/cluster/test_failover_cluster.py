@@ -3,32 +3,34 @@ replicated boxes fail over to a live copy, and a rank that registers again empty
 
 One cluster for the module; its rank 1 is killed (SIGKILL) once, after every client has read through it.
 """
+
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Callable, Iterator
 
 import grpc
 import pytest
 import torch
 import torch.nn.functional as F
-
-from client import Cluster, RankUnavailableError, ShardsLostError, connect
-from client.cli.main import main as cli_main
-from client.ops.reshard import ReshardRefusedError
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import LocalCluster
-from shardcore.metadata import Box
-from shardcore.specs import ChunkShardingSpec
-
 from reference import mirrored
 from server_processes import wait_until
+from shardserve.client.cli.main import main as cli_main
+from shardserve.client.ops.reshard import ReshardRefusedError
+from shardserve.core.metadata import Box
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import LocalCluster
+
+from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
 ROWS, DIM, DEAD = 12, 6, 1
-PLAIN = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 0-3, 4-7, 8-11: one copy each
+PLAIN = ChunkShardingSpec(
+    0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]
+)  # rows 0-3, 4-7, 8-11: one copy each
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it lives)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 WAIT_S = 20.0
@@ -40,7 +42,9 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=3, repair_after=3600.0)  # the dead rank's copies stay unavailable: no repair
+    return make_cluster(
+        ranks=3, repair_after=3600.0
+    )  # the dead rank's copies stay unavailable: no repair
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +52,11 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
     """The tensors put, two clients per transport (one per test that reads) warmed up through rank 1, then
     rank 1 killed."""
     generator = torch.Generator().manual_seed(3)
-    data = {"plain": torch.randn(ROWS, DIM, generator=generator),
-            "mirrored": torch.randn(ROWS, DIM, generator=generator),
-            "reshardable": torch.randn(ROWS, DIM, generator=generator)}
+    data = {
+        "plain": torch.randn(ROWS, DIM, generator=generator),
+        "mirrored": torch.randn(ROWS, DIM, generator=generator),
+        "reshardable": torch.randn(ROWS, DIM, generator=generator),
+    }
     clients: dict[tuple[str, str], Cluster] = {}
     try:
         with connect(cluster.address) as writer:
@@ -67,8 +73,12 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
                 assert torch.equal(remote.lookup(torch.arange(ROWS)), data[name])
         cluster.kill_rank(DEAD, signal.SIGKILL)
         coordinator = cluster.coordinator
-        assert coordinator is not None  # the clients still take rank 1 for alive: they have not asked since
-        _wait_until(lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead")
+        assert (
+            coordinator is not None
+        )  # the clients still take rank 1 for alive: they have not asked since
+        _wait_until(
+            lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead"
+        )
         yield {"data": data, "clients": clients, "plain_version": plain_version}
     finally:
         for client in clients.values():
@@ -87,8 +97,10 @@ def test_a_replicated_tensor_reads_every_box_from_live_copies(world, transport):
     ids = torch.tensor([5, 0, 11, 5, 7, 2])
     assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
     offsets = torch.tensor([0, 2, 4])
-    assert torch.allclose(remote.lookup_bag(ids, offsets, mode="sum"), F.embedding_bag(ids, table, offsets,
-                                                                                       mode="sum"))
+    assert torch.allclose(
+        remote.lookup_bag(ids, offsets, mode="sum"),
+        F.embedding_bag(ids, table, offsets, mode="sum"),
+    )
     assert remote.health == "degraded" and remote.replicas == 2 and remote.lost_boxes == []
 
 
@@ -99,7 +111,9 @@ def test_surviving_boxes_read_bit_for_bit_and_lost_ones_raise(world, transport):
     with pytest.raises(ShardsLostError, match=r"offsets=\(4, 0\), sizes=\(4, 6\).*rank 1 ") as lost:
         remote[4:8]
     assert lost.value.boxes == (((4, 0), (4, DIM)),) and lost.value.ranks == (DEAD,)
-    assert lost.value.code == grpc.StatusCode.DATA_LOSS and isinstance(lost.value, RankUnavailableError)
+    assert lost.value.code == grpc.StatusCode.DATA_LOSS and isinstance(
+        lost.value, RankUnavailableError
+    )
     assert torch.equal(remote[0:4], table[0:4])
     assert torch.equal(remote.fetch((8, 2), (4, 3)), table[8:12, 2:5])
     with pytest.raises(ShardsLostError):
@@ -112,7 +126,9 @@ def test_surviving_boxes_read_bit_for_bit_and_lost_ones_raise(world, transport):
         remote.lookup(torch.tensor([0, 6]))
     with pytest.raises(ShardsLostError):
         remote.lookup_bag(torch.tensor([1, 5]), torch.tensor([0]), mode="sum")
-    assert torch.equal(remote.lookup(torch.tensor([10, 1])), table[[10, 1]])  # still served after the errors
+    assert torch.equal(
+        remote.lookup(torch.tensor([10, 1])), table[[10, 1]]
+    )  # still served after the errors
 
 
 def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cluster):
@@ -124,13 +140,19 @@ def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cl
         assert plain.health == "lost" and plain.replicas == 1
         assert plain.lost_boxes == [Box((4, 0), (4, DIM))]
         info = client.session.call("GetTensor", pb.GetTensorRequest(name="mirrored"))
-        assert (info.health, info.replicas, list(info.unavailable_shards)) == ("degraded", 2, [0, 2])
+        assert (info.health, info.replicas, list(info.unavailable_shards)) == (
+            "degraded",
+            2,
+            [0, 2],
+        )
 
 
 def test_cli_status_and_list_show_health(world, cluster, capsys):
     assert cli_main(["--coordinator", cluster.address, "list"]) == 0
     lines = {line.split("\t")[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert lines["plain"].endswith("lost (1 box, rank 1)") and lines["mirrored"].endswith("degraded")
+    assert lines["plain"].endswith("lost (1 box, rank 1)") and lines["mirrored"].endswith(
+        "degraded"
+    )
     assert cli_main(["--coordinator", cluster.address, "status"]) == 0
     out = capsys.readouterr().out
     assert "lost (1 box, rank 1)" in out and "degraded" in out
@@ -139,8 +161,13 @@ def test_cli_status_and_list_show_health(world, cluster, capsys):
 def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
     """A reshard reads each box from a live copy: the dead rank's copies are skipped, not a reason to refuse."""
     with connect(cluster.address) as client:
-        _wait_until(lambda: client.tensor("reshardable").health == "degraded", "rank 1's copies to be unavailable")
-        remote = client.tensor("reshardable").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"]))
+        _wait_until(
+            lambda: client.tensor("reshardable").health == "degraded",
+            "rank 1's copies to be unavailable",
+        )
+        remote = client.tensor("reshardable").reshard(
+            ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"])
+        )
         assert remote.health == "healthy" and remote.metadata().ranks() == (0, 2)
         assert torch.equal(remote.full_tensor(), world["data"]["reshardable"])
         with pytest.raises(ReshardRefusedError, match="no live copy"):
@@ -151,7 +178,10 @@ def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster)
     """update_rows while a replica's rank is dead: the new version starts without that copy (lost, repaired later),
     every live copy gets the rows; a table with a box on no live rank refuses the update (DATA_LOSS)."""
     with connect(cluster.address) as client:
-        _wait_until(lambda: client.tensor("mirrored").health == "degraded", "rank 1's copies to be unavailable")
+        _wait_until(
+            lambda: client.tensor("mirrored").health == "degraded",
+            "rank 1's copies to be unavailable",
+        )
         before = client.tensor("mirrored").version
         ids, rows = torch.tensor([1, 5, 10]), torch.full((3, DIM), 7.5)
         version = client.update_rows("mirrored", ids, rows)
@@ -182,7 +212,9 @@ class _EmptyRank(pb_grpc.ShardServerServicer):
         return pb.PromoteVersionResponse()
 
 
-def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_tensor(world, cluster):
+def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_tensor(
+    world, cluster
+):
     """Rank 1 comes back (here: a stand-in server under its rank number) holding nothing: its copies are marked
     lost, both tensors stay listed, and reads avoid the lost copies though the rank is alive again."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -192,13 +224,25 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
     channel = grpc.insecure_channel(cluster.address)
     try:
         coordinator = pb_grpc.CoordinatorStub(channel)
-        coordinator.RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(
-            rank=DEAD, address=f"127.0.0.1:{port}", device="cpu", hostname="restarted", world_size=3, pid=1)),
-            timeout=10, metadata=cluster.cluster_metadata)
+        coordinator.RegisterRank(
+            pb.RegisterRankRequest(
+                rank=pb.RankInfo(
+                    rank=DEAD,
+                    address=f"127.0.0.1:{port}",
+                    device="cpu",
+                    hostname="restarted",
+                    world_size=3,
+                    pid=1,
+                )
+            ),
+            timeout=10,
+            metadata=cluster.cluster_metadata,
+        )
 
         def marked_lost() -> bool:
             info = coordinator.GetTensor(pb.GetTensorRequest(name="plain"), timeout=10)
             return list(info.lost_shards) == [1]
+
         _wait_until(marked_lost, "the coordinator to mark rank 1's copies lost")
         mirrored = coordinator.GetTensor(pb.GetTensorRequest(name="mirrored"), timeout=10)
         assert list(mirrored.lost_shards) == [0, 2]

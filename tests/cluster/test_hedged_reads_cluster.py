@@ -4,26 +4,26 @@ copy is on the stopped rank fails with RankUnavailableError naming it once the c
 
 One cluster for the module; rank 1 is stopped once, for one test, and continued in its finally.
 """
+
 from __future__ import annotations
 
 import signal
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-from client import Cluster, RankUnavailableError, connect
-from server.launcher import LocalCluster
-from shardcore.specs import ChunkShardingSpec
-
 from reference import mirrored
 from server_processes import wait_until
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.launcher import LocalCluster
+
+from shardserve import Cluster, RankUnavailableError, connect
 
 ROWS, DIM, STOPPED = 12, 6, 1
-DEADLINE_S = 30.0       # the clients' call deadline
-WELL_WITHIN_S = 10.0    # what a read of a stopped rank may take at most
+DEADLINE_S = 30.0  # the clients' call deadline
+WELL_WITHIN_S = 10.0  # what a read of a stopped rank may take at most
 SINGLE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 4-7 only on rank 1
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it answers)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
@@ -42,8 +42,10 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 @pytest.fixture(scope="module")
 def data(cluster: LocalCluster) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(7)
-    tensors = {"mirrored": torch.randn(ROWS, DIM, generator=generator),
-               "single": torch.randn(ROWS, DIM, generator=generator)}
+    tensors = {
+        "mirrored": torch.randn(ROWS, DIM, generator=generator),
+        "single": torch.randn(ROWS, DIM, generator=generator),
+    }
     with connect(cluster.address) as writer:
         writer.put("mirrored", tensors["mirrored"], spec=MIRRORED)
         writer.put("single", tensors["single"], spec=SINGLE)
@@ -54,9 +56,14 @@ def data(cluster: LocalCluster) -> dict[str, torch.Tensor]:
 def clients(cluster: LocalCluster, data: dict[str, torch.Tensor]) -> Iterator[dict[str, Cluster]]:
     """Two clients per transport (one fetches, one looks up: each meets the stopped rank first), plus one with
     hedging off, each warmed up through rank 1."""
-    made = {f"{transport} {kind}": connect(cluster.address, timeout=DEADLINE_S, transport=transport)
-            for transport in TRANSPORTS for kind in ("fetch", "lookup")}
-    made["unhedged"] = connect(cluster.address, timeout=DEADLINE_S, transport="tcp", hedge_after=None)
+    made = {
+        f"{transport} {kind}": connect(cluster.address, timeout=DEADLINE_S, transport=transport)
+        for transport in TRANSPORTS
+        for kind in ("fetch", "lookup")
+    }
+    made["unhedged"] = connect(
+        cluster.address, timeout=DEADLINE_S, transport="tcp", hedge_after=None
+    )
     try:
         for client in made.values():
             for name, tensor in data.items():
@@ -74,8 +81,9 @@ def _timed(read: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, float]:
     return result, time.monotonic() - start
 
 
-def test_reads_of_a_stopped_rank_end_well_within_the_deadline(cluster: LocalCluster, data: dict[str, torch.Tensor],
-                                                              clients: dict[str, Cluster]) -> None:
+def test_reads_of_a_stopped_rank_end_well_within_the_deadline(
+    cluster: LocalCluster, data: dict[str, torch.Tensor], clients: dict[str, Cluster]
+) -> None:
     """Rank 1 stopped: mirrored reads and lookups hedge to the other copy on both network paths; the box only
     rank 1 holds ends with RankUnavailableError naming rank 1 once it is reported dead; a client with hedging
     off fails over then too."""
@@ -89,11 +97,15 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(cluster: LocalClus
         for transport in TRANSPORTS:
             fetched = clients[f"{transport} fetch"].tensor("mirrored")
             looked_up = clients[f"{transport} lookup"].tensor("mirrored")
-            checks = [(lambda: fetched.full_tensor(), table),
-                      (lambda: fetched.fetch((3, 1), (6, 4)), table[3:9, 1:5]),
-                      (lambda: looked_up.lookup(ids), F.embedding(ids, table)),
-                      (lambda: looked_up.lookup_bag(ids, offsets, mode="sum", pooling="client"),
-                       F.embedding_bag(ids, table, offsets, mode="sum"))]
+            checks = [
+                (lambda: fetched.full_tensor(), table),
+                (lambda: fetched.fetch((3, 1), (6, 4)), table[3:9, 1:5]),
+                (lambda: looked_up.lookup(ids), F.embedding(ids, table)),
+                (
+                    lambda: looked_up.lookup_bag(ids, offsets, mode="sum", pooling="client"),
+                    F.embedding_bag(ids, table, offsets, mode="sum"),
+                ),
+            ]
             for read, expected in checks:
                 result, took = _timed(read)
                 assert torch.equal(result, expected), transport
@@ -105,12 +117,19 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(cluster: LocalClus
                 clients[transport].tensor("single").fetch((4, 0), (2, DIM))
             took = time.monotonic() - start
             assert took < WELL_WITHIN_S + 3.0, f"{transport}: the failure took {took:.1f} s"
-            assert "rank 1" in str(raised.value) or "rank(s) 1" in str(raised.value) or \
-                getattr(raised.value, "ranks", ()) == (STOPPED,), str(raised.value)
+            assert (
+                "rank 1" in str(raised.value)
+                or "rank(s) 1" in str(raised.value)
+                or getattr(raised.value, "ranks", ()) == (STOPPED,)
+            ), str(raised.value)
         assert not coordinator.registry.rank_alive(STOPPED)
         result, took = _timed(lambda: clients["unhedged"].tensor("mirrored").full_tensor())
         assert torch.equal(result, table) and took < WELL_WITHIN_S
-        assert torch.equal(clients["tcp fetch"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4])
+        assert torch.equal(
+            clients["tcp fetch"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4]
+        )
     finally:
         cluster.kill_rank(STOPPED, signal.SIGCONT)
-    _wait_until(lambda: coordinator.registry.rank_alive(STOPPED), "rank 1 to answer heartbeats again")
+    _wait_until(
+        lambda: coordinator.registry.rank_alive(STOPPED), "rank 1 to answer heartbeats again"
+    )

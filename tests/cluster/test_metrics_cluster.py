@@ -1,5 +1,6 @@
 """Prometheus metrics of a live cluster: a scripted workload moves each named metric by the right amount; the
 Grafana dashboard names only metrics the scrape found; `shardserve top` renders in a pseudo-terminal."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from shardserve.client.cli.top import Samples, scrape, total
+from shardserve.core import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
 
 import client
-from client import TensorNotFoundError, connect
-from client.cli.top import Samples, scrape, total
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import PROJECT_ROOT, LocalCluster
-from shardcore import ChunkShardingSpec
+from shardserve import TensorNotFoundError, connect
 
 ROWS, DIM = 4096, 16
 TABLE_BYTES = ROWS * DIM * 4
@@ -80,7 +81,9 @@ def run_workload(address: str) -> None:
     with connect(address, transport="shm") as cluster:
         assert torch.equal(cluster.tensor("metered").full_tensor(), table)
     with connect(address) as cluster:
-        resharded = cluster.tensor("metered").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))
+        resharded = cluster.tensor("metered").reshard(
+            ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"])
+        )
         assert torch.equal(resharded.full_tensor(), table)
 
 
@@ -103,27 +106,45 @@ def test_data_path_bytes_moved_by_what_was_read(scrapes: Scrapes) -> None:
     assert scrapes.moved("shardserve_rank_bytes_written_total", tensor="metered") == TABLE_BYTES
     span_bytes = SPAN[1][0] * DIM * 4
     lookup_bytes = len(LOOKUP_IDS) * DIM * 4
-    assert scrapes.moved("shardserve_rank_bytes_served_total", path="grpc", tensor="metered") \
+    assert (
+        scrapes.moved("shardserve_rank_bytes_served_total", path="grpc", tensor="metered")
         == span_bytes + lookup_bytes
-    assert scrapes.moved("shardserve_rank_bytes_served_total", path="bulk", tensor="metered") == BOX[1][0] * DIM * 4
+    )
+    assert (
+        scrapes.moved("shardserve_rank_bytes_served_total", path="bulk", tensor="metered")
+        == BOX[1][0] * DIM * 4
+    )
     # shm: each shard is handed over whole (mapped), once per OpenShard: the full_tensor read and the reshard
     # check read each map both shards of their version
-    assert scrapes.moved("shardserve_rank_bytes_served_total", path="shm", tensor="metered") == 2 * TABLE_BYTES
+    assert (
+        scrapes.moved("shardserve_rank_bytes_served_total", path="shm", tensor="metered")
+        == 2 * TABLE_BYTES
+    )
 
 
 def test_lookups_and_ids_counted_per_shard(scrapes: Scrapes) -> None:
-    assert scrapes.moved("shardserve_rank_lookups_total", tensor="metered") == 2  # one item per rank's shard
+    assert (
+        scrapes.moved("shardserve_rank_lookups_total", tensor="metered") == 2
+    )  # one item per rank's shard
     assert scrapes.moved("shardserve_rank_lookup_ids_total", tensor="metered") == len(LOOKUP_IDS)
 
 
 def test_rpc_counts_errors_and_latency(scrapes: Scrapes) -> None:
     assert scrapes.moved("shardserve_rpc_errors_total", method="GetTensor", code="NOT_FOUND") == 1
     assert scrapes.moved("shardserve_rpc_requests_total", method="CommitTensor") == 1
-    assert scrapes.moved("shardserve_rpc_requests_total", method="WriteShards") == 2  # one batch per rank
-    assert scrapes.moved("shardserve_rpc_requests_total", method="Lookup") \
-        + scrapes.moved("shardserve_rpc_requests_total", method="LookupSmall") == 2
+    assert (
+        scrapes.moved("shardserve_rpc_requests_total", method="WriteShards") == 2
+    )  # one batch per rank
+    assert (
+        scrapes.moved("shardserve_rpc_requests_total", method="Lookup")
+        + scrapes.moved("shardserve_rpc_requests_total", method="LookupSmall")
+        == 2
+    )
     assert scrapes.moved("shardserve_rpc_latency_seconds_count", method="CommitTensor") == 1
-    assert scrapes.moved("shardserve_rpc_latency_seconds_bucket", method="CommitTensor", le="+Inf") == 1
+    assert (
+        scrapes.moved("shardserve_rpc_latency_seconds_bucket", method="CommitTensor", le="+Inf")
+        == 1
+    )
     assert scrapes.moved("shardserve_rpc_errors_total", code="INTERNAL") == 0
 
 
@@ -142,7 +163,9 @@ def test_gauges_show_ranks_tensors_memory_and_catalog(scrapes: Scrapes) -> None:
     for rank in ("0", "1"):
         assert total(after, "shardserve_rank_memory_used_bytes", rank=rank) >= TABLE_BYTES // 2
         assert total(after, "shardserve_rank_versions", rank=rank) >= 1
-    assert scrapes.moved("shardserve_coordinator_catalog_seconds_count", op="commit") >= 2  # the put, the reshard
+    assert (
+        scrapes.moved("shardserve_coordinator_catalog_seconds_count", op="commit") >= 2
+    )  # the put, the reshard
 
 
 def test_client_counters_moved(scrapes: Scrapes) -> None:
@@ -156,14 +179,18 @@ def test_client_counters_moved(scrapes: Scrapes) -> None:
 
 def test_tensor_labels_are_capped(metrics_cluster: LocalCluster) -> None:
     """Past the cap, new names are reported as `_other` (docs/operations.md#metrics)."""
-    from server.common.metrics import OTHER_TENSOR, TensorLabels
+    from shardserve.server.common.metrics import OTHER_TENSOR, TensorLabels
 
     labels = TensorLabels(limit=2)
     assert [labels(n) for n in ("a", "b", "c", "a")] == ["a", "b", OTHER_TENSOR, "a"]
 
 
 def dashboard_metric_names() -> set[str]:
-    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
+    exprs = [
+        target["expr"]
+        for panel in json.loads(DASHBOARD.read_text())["panels"]
+        for target in panel["targets"]
+    ]
     return {name for expr in exprs for name in re.findall(r"\bshardserve_[a-z_]+", expr)}
 
 
@@ -184,25 +211,60 @@ def test_prometheus_scrapes_every_compose_process() -> None:
 
 def test_compose_file_validates(tmp_path: Path) -> None:
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+    if (
+        docker is None
+        or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0
+    ):
         pytest.skip("docker compose is not installed here")
-    result = subprocess.run([docker, "compose", "-f", str(PROJECT_ROOT / "docker" / "compose.yaml"), "config",
-                             "--quiet"], capture_output=True, text=True, timeout=60,
-                            env={"SHARDSERVE_TOKEN": "t", "PATH": "/usr/bin:/bin:/usr/local/bin"})
+    result = subprocess.run(
+        [
+            docker,
+            "compose",
+            "-f",
+            str(PROJECT_ROOT / "docker" / "compose.yaml"),
+            "config",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"SHARDSERVE_TOKEN": "t", "PATH": "/usr/bin:/bin:/usr/local/bin"},
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_top_renders_in_a_pseudo_terminal(metrics_cluster: LocalCluster, scrapes: Scrapes) -> None:
     pexpect = pytest.importorskip("pexpect")
-    top = pexpect.spawn(sys.executable, ["-m", "client.cli.main", "--coordinator", metrics_cluster.address, "top",
-                                         "--interval", "0.5", "--iterations", "2"],
-                        cwd=str(PROJECT_ROOT), dimensions=(80, 160), timeout=60, encoding="utf-8",
-                        env=dict(os.environ, COLUMNS="160", LINES="80"))
+    top = pexpect.spawn(
+        sys.executable,
+        [
+            "-m",
+            "shardserve",
+            "--coordinator",
+            metrics_cluster.address,
+            "top",
+            "--interval",
+            "0.5",
+            "--iterations",
+            "2",
+        ],
+        cwd=str(PROJECT_ROOT),
+        dimensions=(80, 160),
+        timeout=60,
+        encoding="utf-8",
+        env=dict(os.environ, COLUMNS="160", LINES="80"),
+    )
     try:
         top.expect(pexpect.EOF)
         screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", top.before)  # colors and cursor moves
     finally:
         top.close(force=True)
     assert top.exitstatus == 0, screen
-    for text in ("shardserve top: 2 ranks", "3 metrics endpoints", "metered", "p99 ms", "Heartbeat"):
+    for text in (
+        "shardserve top: 2 ranks",
+        "3 metrics endpoints",
+        "metered",
+        "p99 ms",
+        "Heartbeat",
+    ):
         assert text in screen, text

@@ -3,6 +3,7 @@ data (nothing lost, no repair), a whole cluster SIGKILLed at random moments of p
 checkpoint loads comes back at the versions its clients saw acknowledged (or the one in flight), bit for bit,
 and a corrupted shard file is refused on restore and repaired from a replica.
 """
+
 from __future__ import annotations
 
 import os
@@ -10,19 +11,18 @@ import random
 import signal
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from client import connect
-from client.errors import ShardsLostError
-from server.launcher import LocalCluster
-from shardcore.metadata import ShardMetadata
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-
 from server_processes import wait_until
+from shardserve.client.errors import ShardsLostError
+from shardserve.core.metadata import ShardMetadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.launcher import LocalCluster
+
+from shardserve import connect
 
 ROWS, DIM = 256, 16
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
@@ -50,8 +50,14 @@ def _read(client, name: str) -> torch.Tensor:
 
 
 def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_path):
-    cluster = make_cluster(ranks=2, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5,
-                           persist_dir=tmp_path / "data", repair_after=3600)
+    cluster = make_cluster(
+        ranks=2,
+        max_restarts=1,
+        restart_backoff=0.2,
+        heartbeat_interval=0.5,
+        persist_dir=tmp_path / "data",
+        repair_after=3600,
+    )
     table = torch.randn(ROWS, DIM)
     with connect(cluster.address) as client:
         client.put("killed", table, spec=SPEC)
@@ -71,12 +77,16 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
                 nxt[ids] = values
                 acked.append(nxt)
                 step += 1
+
         writer = threading.Thread(target=updates)
         writer.start()
         _wait_until(lambda: len(acked) > 5, "a few updates")
         old_pid = cluster.rank_pids[1]
         cluster.kill_rank(1, signal.SIGKILL)
-        _wait_until(lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid, "rank 1 to come back")
+        _wait_until(
+            lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid,
+            "rank 1 to come back",
+        )
         _wait_until(lambda: len(acked) > 10, "updates after the restart")
         stop.set()
         writer.join(timeout=WAIT_S)
@@ -101,13 +111,22 @@ def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(t
                 if point == 0:
                     client.put("table", table, spec=SPEC)
                     client.put("other", other, spec=SPEC)
-                for name in acked:  # what was acknowledged before the last kill (or the one in flight)
+                for (
+                    name
+                ) in acked:  # what was acknowledged before the last kill (or the one in flight)
                     got = _read(client, name)
-                    assert any(torch.equal(got, seen) for seen in acked[name][-2:]), f"{name} at kill {point}"
+                    assert any(torch.equal(got, seen) for seen in acked[name][-2:]), (
+                        f"{name} at kill {point}"
+                    )
                     acked[name] = [got]
                 write = WRITES[point % len(WRITES)]
-                _write_until_killed(client, cluster, acked, rng, lambda name: write(client, name, acked, rng,
-                                                                                    checkpoints))
+                _write_until_killed(
+                    client,
+                    cluster,
+                    acked,
+                    rng,
+                    lambda name: write(client, name, acked, rng, checkpoints),
+                )
         finally:
             cluster.stop()
 
@@ -116,8 +135,12 @@ def _checkpoints(folder, names: list[str], rng: random.Random) -> list[tuple]:
     """A few DCP checkpoints (saved by plain torch), each a {name: tensor} the checkpoint loads write."""
     out = []
     for index in range(3):
-        tensors = {name: torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
-                   for name in names}
+        tensors = {
+            name: torch.randn(
+                ROWS, DIM, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))
+            )
+            for name in names
+        }
         path = folder / f"c{index}"
         dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
         out.append((path, tensors))
@@ -153,12 +176,15 @@ def _load(client, name: str, acked: dict, rng: random.Random, checkpoints: list)
 WRITES = (_put, _update, _reshard, _load)
 
 
-def _write_until_killed(client, cluster: LocalCluster, acked: dict, rng: random.Random,
-                        write: Callable[[str], None]) -> None:
+def _write_until_killed(
+    client, cluster: LocalCluster, acked: dict, rng: random.Random, write: Callable[[str], None]
+) -> None:
     """Write (mostly with `write`, every third a row update) while another thread SIGKILLs every rank at a random
     moment; the operation in flight then fails (its outcome is listed as possible before it is sent)."""
-    killer = threading.Timer(rng.uniform(0.3, 1.5), lambda: [cluster.kill_rank(r, signal.SIGKILL)
-                                                             for r in range(cluster.ranks)])
+    killer = threading.Timer(
+        rng.uniform(0.3, 1.5),
+        lambda: [cluster.kill_rank(r, signal.SIGKILL) for r in range(cluster.ranks)],
+    )
     killer.start()
     step = 0
     try:
@@ -177,10 +203,18 @@ def _write_until_killed(client, cluster: LocalCluster, acked: dict, rng: random.
 
 def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_cluster, tmp_path):
     data = tmp_path / "data"
-    cluster = make_cluster(ranks=3, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5,
-                           persist_dir=data, repair_after=0.5)
+    cluster = make_cluster(
+        ranks=3,
+        max_restarts=1,
+        restart_backoff=0.2,
+        heartbeat_interval=0.5,
+        persist_dir=data,
+        repair_after=0.5,
+    )
     table = torch.randn(ROWS, DIM)
-    mirrored = EnumerableShardingSpec([ShardMetadata((0, 0), (ROWS, DIM), f"rank:{r}/cpu") for r in (0, 1)])
+    mirrored = EnumerableShardingSpec(
+        [ShardMetadata((0, 0), (ROWS, DIM), f"rank:{r}/cpu") for r in (0, 1)]
+    )
     with connect(cluster.address) as client:
         put = client.put("copies", table, spec=mirrored)
         shard_file = next((data / "rank-1" / "copies").glob("v*.s*.safetensors"))
@@ -189,23 +223,38 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
             f.write(b"\xff\xff\xff")
         old_pid = cluster.rank_pids[1]
         cluster.kill_rank(1, signal.SIGKILL)
-        _wait_until(lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid, "rank 1 to come back")
-        _wait_until(lambda: client.tensor("copies").version > put.version
-                    and client.tensor("copies").health == "healthy", "the lost copy to be repaired")
+        _wait_until(
+            lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid,
+            "rank 1 to come back",
+        )
+        _wait_until(
+            lambda: (
+                client.tensor("copies").version > put.version
+                and client.tensor("copies").health == "healthy"
+            ),
+            "the lost copy to be repaired",
+        )
         assert client.tensor("copies").replicas == 2
         assert torch.equal(_read(client, "copies"), table)
 
 
-def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(make_cluster, tmp_path, monkeypatch,
-                                                                          capsys):
+def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
+    make_cluster, tmp_path, monkeypatch, capsys
+):
     """A restarted rank held in the middle of its restore (debug hook) is listed as restoring with its progress,
     `shardserve status` says so and its tensors are not served; once released they are, bit for bit."""
-    from client.cli.main import _status
+    from shardserve.client.cli.main import _status
 
     hold = tmp_path / "hold-restore"
     monkeypatch.setenv("SHARDSERVE_DEBUG_RESTORE_HOLD", str(hold))
-    cluster = make_cluster(ranks=2, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5,
-                           persist_dir=tmp_path / "data", repair_after=3600)
+    cluster = make_cluster(
+        ranks=2,
+        max_restarts=1,
+        restart_backoff=0.2,
+        heartbeat_interval=0.5,
+        persist_dir=tmp_path / "data",
+        repair_after=3600,
+    )
     tables = {name: torch.randn(ROWS, DIM) for name in ("first", "second")}
     with connect(cluster.address) as client:
         for name, table in tables.items():
@@ -224,7 +273,10 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(make_cl
         shown = capsys.readouterr().out
         assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
         hold.unlink()
-        _wait_until(lambda: client.ranks()[1].alive and client.ranks()[1].restore is None, "rank 1 to be restored")
+        _wait_until(
+            lambda: client.ranks()[1].alive and client.ranks()[1].restore is None,
+            "rank 1 to be restored",
+        )
         for name, table in tables.items():
             info = client.tensor(name)
             assert info.health == "healthy" and not info.lost_boxes

@@ -4,27 +4,27 @@ repair redoes (or finishes) it once restarted.
 
 The module's 4-rank cluster repairs after 2 s; its rank 3 is killed once (SIGKILL) after the tensors are put.
 """
+
 from __future__ import annotations
 
 import signal
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
-
-from client import RankUnavailableError, ShardsLostError, connect
-from client.cli.main import main as cli_main
-from client.ops.reshard import ReshardRefusedError
-from protos import shardserve_pb2 as pb
-from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
-from server.launcher import LocalCluster, free_port
-from server.rank.jobs.reshard import STALL_ENV
-from shardcore.specs import ChunkShardingSpec
-
 from reference import mirrored
 from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from shardserve.client.cli.main import main as cli_main
+from shardserve.client.ops.reshard import ReshardRefusedError
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from shardserve.server.launcher import LocalCluster, free_port
+from shardserve.server.rank.jobs.reshard import STALL_ENV
+
+from shardserve import RankUnavailableError, ShardsLostError, connect
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,18 +35,26 @@ WAIT_S = 60.0
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> Iterator[LocalCluster]:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(STALL_ENV, "0:4:slow")  # rank 0 sleeps 4 s in every reshard job of "slow": a window to look in
+        patch.setenv(
+            STALL_ENV, "0:4:slow"
+        )  # rank 0 sleeps 4 s in every reshard job of "slow": a window to look in
         yield make_cluster(ranks=4, repair_after=2.0)
 
 
 @pytest.fixture(scope="module")
 def world(cluster: LocalCluster) -> dict:
     generator = torch.Generator().manual_seed(11)
-    data = {name: torch.randn(ROWS, DIM, generator=generator) for name in ("mirrored", "slow", "single")}
+    data = {
+        name: torch.randn(ROWS, DIM, generator=generator) for name in ("mirrored", "slow", "single")
+    }
     with connect(cluster.address) as client:
-        client.put("mirrored", data["mirrored"], spec=mirrored([(0, 3), (3, 1), (2, 3), (1, 2)], ROWS, DIM))
+        client.put(
+            "mirrored", data["mirrored"], spec=mirrored([(0, 3), (3, 1), (2, 3), (1, 2)], ROWS, DIM)
+        )
         client.put("slow", data["slow"], spec=mirrored([(3, 0), (1, 2)], ROWS, DIM))
-        client.put("single", data["single"], spec=ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(4)]))
+        client.put(
+            "single", data["single"], spec=ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(4)])
+        )
         versions = {name: client.tensor(name).version for name in data}
     cluster.kill_rank(DEAD, signal.SIGKILL)
     return {"data": data, "versions": versions}
@@ -73,15 +81,24 @@ def test_copies_on_a_rank_that_stays_dead_are_repaired_onto_live_ranks(world, cl
         assert repaired.replicas == 2
         assert all(len(set(ranks)) == 2 for ranks in _copies_per_box(repaired.metadata()).values())
         assert torch.equal(repaired.full_tensor(), world["data"]["mirrored"])
-        for shard in repaired.metadata().shards_metadata:  # every copy holds its box: read each rank's own
+        for (
+            shard
+        ) in repaired.metadata().shards_metadata:  # every copy holds its box: read each rank's own
             box = shard.box
             rows = slice(box.offsets[0], box.offsets[0] + box.sizes[0])
             with connect(cluster.address, transport="grpc") as reader:
                 remote = reader.tensor("mirrored")
-                others = [s for s in remote.metadata().shards_metadata if s.box == box and s.rank != shard.rank]
-                for other in others:  # the read must come from `shard`: mark the other copies unreachable
-                    reader.session.paths.note_failure(reader.session.rank_status(other.rank),
-                                                      _unreachable(other.rank))
+                others = [
+                    s
+                    for s in remote.metadata().shards_metadata
+                    if s.box == box and s.rank != shard.rank
+                ]
+                for (
+                    other
+                ) in others:  # the read must come from `shard`: mark the other copies unreachable
+                    reader.session.paths.note_failure(
+                        reader.session.rank_status(other.rank), _unreachable(other.rank)
+                    )
                 assert torch.equal(remote[rows], world["data"]["mirrored"][rows])
 
 
@@ -91,15 +108,25 @@ def _unreachable(rank: int) -> RankUnavailableError:
 
 def test_repair_progress_shows_while_it_runs(world, cluster, capsys):
     with connect(cluster.address) as client:
-        wait_until(lambda: client.tensor("slow").repair is not None, WAIT_S, "the repair of 'slow' to start")
+        wait_until(
+            lambda: client.tensor("slow").repair is not None,
+            WAIT_S,
+            "the repair of 'slow' to start",
+        )
         progress = client.tensor("slow").repair
         assert progress is not None and progress.version > world["versions"]["slow"]
         assert progress.ranks and DEAD not in progress.ranks
         assert cli_main(["--coordinator", cluster.address, "status"]) == 0
         assert "repairing" in capsys.readouterr().out
-        assert torch.equal(client.tensor("slow").full_tensor(), world["data"]["slow"])  # reads go on meanwhile
-        wait_until(lambda: _repaired(client.tensor("slow")), WAIT_S, "the repair of 'slow' to finish")
-        wait_until(lambda: client.tensor("slow").repair is None, WAIT_S, "the repair's progress to be gone")
+        assert torch.equal(
+            client.tensor("slow").full_tensor(), world["data"]["slow"]
+        )  # reads go on meanwhile
+        wait_until(
+            lambda: _repaired(client.tensor("slow")), WAIT_S, "the repair of 'slow' to finish"
+        )
+        wait_until(
+            lambda: client.tensor("slow").repair is None, WAIT_S, "the repair's progress to be gone"
+        )
         assert torch.equal(client.tensor("slow").full_tensor(), world["data"]["slow"])
 
 
@@ -123,17 +150,35 @@ def test_a_restarted_coordinator_redoes_or_finishes_a_repair(tmp_path: Path, how
     port, store_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     env = server_env()
-    coordinator_args = ["coordinator", "--listen", address, "--state-dir", str(tmp_path / "state"),
-                        "--heartbeat-interval", "0.5", "--store-port", str(store_port), "--repair-after", "1"]
+    coordinator_args = [
+        "coordinator",
+        "--listen",
+        address,
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--heartbeat-interval",
+        "0.5",
+        "--store-port",
+        str(store_port),
+        "--repair-after",
+        "1",
+    ]
     hook = {EXIT_AFTER_COMMIT_ENV: "1"} if how.startswith("exits") else {}
     tensor = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(5))
     with open(tmp_path / "log.txt", "w") as log:
         procs: list[subprocess.Popen] = []
         try:
             procs.append(spawn_server(coordinator_args, dict(env, **hook), log))
-            for rank in range(3):  # rank 0 stalls 3 s in the repair's job: the window to kill the coordinator in
-                procs.append(spawn_server(["--coordinator", address],
-                                          rank_env(dict(env, **{STALL_ENV: "0:3:r"}), rank, 3), log))
+            for rank in range(
+                3
+            ):  # rank 0 stalls 3 s in the repair's job: the window to kill the coordinator in
+                procs.append(
+                    spawn_server(
+                        ["--coordinator", address],
+                        rank_env(dict(env, **{STALL_ENV: "0:3:r"}), rank, 3),
+                        log,
+                    )
+                )
             wait_until(lambda: _live_ranks(address) == 3, 120, "three ranks")
             with connect(address) as client:
                 old = client.put("r", tensor, spec=mirrored([(0, 2), (2, 1)], ROWS, DIM))
@@ -149,8 +194,12 @@ def test_a_restarted_coordinator_redoes_or_finishes_a_repair(tmp_path: Path, how
             def repaired() -> bool:
                 with connect(address) as client:
                     remote = client.tensor("r")
-                    return remote.health == "healthy" and 2 not in remote.metadata().ranks() and not _pending(
-                        address, "r")
+                    return (
+                        remote.health == "healthy"
+                        and 2 not in remote.metadata().ranks()
+                        and not _pending(address, "r")
+                    )
+
             wait_until(repaired, WAIT_S, "the restarted coordinator to repair 'r'")
             with connect(address) as client:
                 remote = client.tensor("r")
@@ -168,5 +217,7 @@ def _live_ranks(address: str) -> int:
 def _pending(address: str, name: str) -> bool:
     """Whether `name` has a version the catalog holds but has not finished (a repair's new version)."""
     with connect(address) as client:
-        rows = client.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+        rows = client.session.call(
+            "ListTensors", pb.ListTensorsRequest(include_pending=True)
+        ).tensors
         return any(t.name == name and (t.state != pb.READY or t.promoting) for t in rows)

@@ -4,24 +4,24 @@ readable on every path, row updates included.
 
 One 3-rank cluster for the module (nothing breaks it) and one 2-rank cluster whose rank 1 is killed once.
 """
+
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-
-from client import Cluster, InvalidArgumentError, RemoteShardedTensor, connect
-from client.cli.main import main as cli_main
-from server.launcher import LocalCluster
-from shardcore.health import copies_by_box
-from shardcore.specs import ChunkShardingSpec
-
 from server_processes import wait_until
+from shardserve.client.cli.main import main as cli_main
+from shardserve.core.health import copies_by_box
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.launcher import LocalCluster
+
+from shardserve import Cluster, InvalidArgumentError, RemoteShardedTensor, connect
 
 ROWS, DIM = 12, 5
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
@@ -65,8 +65,14 @@ def test_put_writes_every_copy_of_every_box(cl: Cluster) -> None:
     spec = ChunkShardingSpec(1, ["rank:2/cpu", "rank:0/cpu"])
     remote = cl.put("put-r3", table, spec=spec, replicas=3)
     _assert_every_copy(remote, table, 3)
-    firsts = [remote.metadata().shards_metadata[copies[0]] for copies in copies_by_box(remote.metadata()).values()]
-    assert [str(s.placement) for s in firsts] == ["rank:2/cpu", "rank:0/cpu"]  # primaries stay where spec put them
+    firsts = [
+        remote.metadata().shards_metadata[copies[0]]
+        for copies in copies_by_box(remote.metadata()).values()
+    ]
+    assert [str(s.placement) for s in firsts] == [
+        "rank:2/cpu",
+        "rank:0/cpu",
+    ]  # primaries stay where spec put them
 
 
 def test_create_fills_every_copy_alike(cl: Cluster) -> None:
@@ -78,7 +84,9 @@ def test_create_fills_every_copy_alike(cl: Cluster) -> None:
 
 def test_load_checkpoint_loads_every_copy(cl: Cluster, tmp_path: Path) -> None:
     table, vector = _table(2), torch.arange(7, dtype=torch.float64)
-    dcp.save({"ckpt-table": table, "ckpt-vector": vector}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save(
+        {"ckpt-table": table, "ckpt-vector": vector}, checkpoint_id=str(tmp_path), no_dist=True
+    )
     loaded = cl.load_checkpoint(tmp_path, replicas=2)
     _assert_every_copy(loaded["ckpt-table"], table, 2)
     _assert_every_copy(loaded["ckpt-vector"], vector, 2)
@@ -105,10 +113,18 @@ def test_update_rows_writes_every_copy(cl: Cluster) -> None:
     _assert_every_copy(remote, table, 2)
 
 
-@pytest.mark.parametrize("replicas, match", [
-    (4, r"replicas=4 is more than the 3 live ranks"), (0, r"replicas must be in \[1"),
-    ("2", r"replicas must be an int"), (True, r"replicas must be an int")])
-def test_bad_replicas_are_refused_naming_the_field(cl: Cluster, tmp_path: Path, replicas: object, match: str) -> None:
+@pytest.mark.parametrize(
+    "replicas, match",
+    [
+        (4, r"replicas=4 is more than the 3 live ranks"),
+        (0, r"replicas must be in \[1"),
+        ("2", r"replicas must be an int"),
+        (True, r"replicas must be an int"),
+    ],
+)
+def test_bad_replicas_are_refused_naming_the_field(
+    cl: Cluster, tmp_path: Path, replicas: object, match: str
+) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         cl.put("refused", _table(5), replicas=replicas)
     with pytest.raises(InvalidArgumentError, match=match):
@@ -124,17 +140,37 @@ def test_bad_replicas_are_refused_naming_the_field(cl: Cluster, tmp_path: Path, 
 
 def test_a_layout_with_replicas_takes_no_more(cl: Cluster) -> None:
     remote = cl.put("mirrored-base", torch.zeros(6, 4), replicas=2)
-    with pytest.raises(InvalidArgumentError, match="replicas=2 asks for copies of a layout that already has"):
+    with pytest.raises(
+        InvalidArgumentError, match="replicas=2 asks for copies of a layout that already has"
+    ):
         remote.reshard(remote.metadata(), replicas=2)
-    with pytest.raises(InvalidArgumentError, match="replicas=3 asks for copies of a layout that already has"):
+    with pytest.raises(
+        InvalidArgumentError, match="replicas=3 asks for copies of a layout that already has"
+    ):
         cl.put("mirrored-again", torch.zeros(6, 4), spec=remote.metadata(), replicas=3)
     assert cl.put("mirrored-again", torch.ones(6, 4), spec=remote.metadata()).replicas == 2
 
 
-def test_cli_create_reshard_load_with_replicas_and_status_shows_them(cl: Cluster, cluster3: LocalCluster,
-                                                                     tmp_path: Path, capsys) -> None:
+def test_cli_create_reshard_load_with_replicas_and_status_shows_them(
+    cl: Cluster, cluster3: LocalCluster, tmp_path: Path, capsys
+) -> None:
     coordinator = ["--coordinator", cluster3.address]
-    assert cli_main([*coordinator, "create", "cli-r2", "--shape", "9,4", "--init", "arange", "--replicas", "2"]) == 0
+    assert (
+        cli_main(
+            [
+                *coordinator,
+                "create",
+                "cli-r2",
+                "--shape",
+                "9,4",
+                "--init",
+                "arange",
+                "--replicas",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "6 shards on ranks 0,1,2" in capsys.readouterr().out
     assert cl.tensor("cli-r2").replicas == 2
     assert cli_main([*coordinator, "reshard", "cli-r2", "--dim", "1", "--replicas", "3"]) == 0
@@ -168,10 +204,19 @@ def survivors(make_cluster: Callable[..., LocalCluster]) -> Iterator[dict]:
     try:
         with connect(cluster.address) as writer:
             writer.put("kept", table, replicas=2)
-            primaries = [(s.shard_offsets[0], s.rank) for s in writer.put("updated", updated, replicas=2).metadata()
-                         .shards_metadata]
-            assert primaries == [(0, 0), (0, 1), (6, 1), (6, 0)]  # rank 1 is primary of rows 6-11, rank 0 backs it
-            ids = torch.tensor([1, 7, 10])  # rows on both primaries (rows 0-5 on rank 0, 6-11 on rank 1)
+            primaries = [
+                (s.shard_offsets[0], s.rank)
+                for s in writer.put("updated", updated, replicas=2).metadata().shards_metadata
+            ]
+            assert primaries == [
+                (0, 0),
+                (0, 1),
+                (6, 1),
+                (6, 0),
+            ]  # rank 1 is primary of rows 6-11, rank 0 backs it
+            ids = torch.tensor(
+                [1, 7, 10]
+            )  # rows on both primaries (rows 0-5 on rank 0, 6-11 on rank 1)
             rows = _table(80, 3)
             writer.update_rows("updated", ids, rows)
             updated[ids] = rows
@@ -182,7 +227,9 @@ def survivors(make_cluster: Callable[..., LocalCluster]) -> Iterator[dict]:
         cluster.kill_rank(DEAD, signal.SIGKILL)
         coordinator = cluster.coordinator
         assert coordinator is not None
-        _wait_until(lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead")
+        _wait_until(
+            lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead"
+        )
         yield {"data": {"kept": table, "updated": updated}, "clients": clients}
     finally:
         for client in clients.values():
@@ -191,7 +238,9 @@ def survivors(make_cluster: Callable[..., LocalCluster]) -> Iterator[dict]:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("name", ["kept", "updated"])
-def test_a_replicated_tensor_reads_bit_for_bit_after_a_rank_is_killed(survivors, transport: str, name: str) -> None:
+def test_a_replicated_tensor_reads_bit_for_bit_after_a_rank_is_killed(
+    survivors, transport: str, name: str
+) -> None:
     table, client = survivors["data"][name], survivors["clients"][transport]
     remote = client.tensor(name)
     assert torch.equal(remote.full_tensor(), table)

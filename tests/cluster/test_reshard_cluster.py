@@ -5,6 +5,7 @@ One 4-rank cluster serves the happy paths; failure tests get clusters of their o
 with SIGSTOP), each failure followed by a reshard that succeeds in the next epoch,
 and the coordinator-restart test runs the coordinator and ranks as separate processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,20 +17,24 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from client import connect
-from client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError, TensorNotFoundError
-from client.ops.reshard import ReshardRefusedError, layout_from_options
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.rank.jobs.reshard import STALL_ENV
-from server.launcher import free_port
-from server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
-from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-
 from reference import shards_of
 from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from shardserve.client.errors import (
+    InvalidArgumentError,
+    RankUnavailableError,
+    ShardServeError,
+    TensorNotFoundError,
+)
+from shardserve.client.ops.reshard import ReshardRefusedError, layout_from_options
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from shardserve.server.launcher import free_port
+from shardserve.server.rank.jobs.reshard import STALL_ENV
+
+from shardserve import connect
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,7 +52,9 @@ def boxes(*shards) -> EnumerableShardingSpec:
 
 
 def grid(shape, dtype, rows, cols, ranks=(0, 1, 2, 3), dims=(0, 1)) -> ShardedTensorMetadata:
-    return layout_from_options(shape, dtype, CPU, ranks=list(ranks), grid=f"{rows}x{cols}", grid_dims=dims)
+    return layout_from_options(
+        shape, dtype, CPU, ranks=list(ranks), grid=f"{rows}x{cols}", grid_dims=dims
+    )
 
 
 def replicated(shape, dtype, ranks) -> ShardedTensorMetadata:
@@ -67,22 +74,67 @@ def source(shape, dtype, seed=0) -> torch.Tensor:
 LAYOUT_PAIRS = [
     ("row-to-column 13x21", (13, 21), torch.float32, chunk(0, range(4)), chunk(1, range(4))),
     ("column-to-row 13x21", (13, 21), torch.int64, chunk(1, range(4)), chunk(0, range(4))),
-    ("uneven-to-even", (12, 5), torch.float64,
-     boxes(((0, 0), (1, 5), 0), ((1, 0), (4, 5), 1), ((5, 0), (7, 5), 2)), chunk(0, range(4))),
-    ("even-to-uneven", (12, 5), torch.int32, chunk(0, range(4)),
-     boxes(((0, 0), (7, 5), 3), ((7, 0), (4, 5), 1), ((11, 0), (1, 5), 0))),
-    ("chunk-to-enumerable 7x5x3", (7, 5, 3), torch.float32, chunk(2, range(4)),
-     boxes(((0, 0, 0), (3, 5, 3), 2), ((3, 0, 0), (4, 2, 3), 0), ((3, 2, 0), (4, 3, 3), 2))),
+    (
+        "uneven-to-even",
+        (12, 5),
+        torch.float64,
+        boxes(((0, 0), (1, 5), 0), ((1, 0), (4, 5), 1), ((5, 0), (7, 5), 2)),
+        chunk(0, range(4)),
+    ),
+    (
+        "even-to-uneven",
+        (12, 5),
+        torch.int32,
+        chunk(0, range(4)),
+        boxes(((0, 0), (7, 5), 3), ((7, 0), (4, 5), 1), ((11, 0), (1, 5), 0)),
+    ),
+    (
+        "chunk-to-enumerable 7x5x3",
+        (7, 5, 3),
+        torch.float32,
+        chunk(2, range(4)),
+        boxes(((0, 0, 0), (3, 5, 3), 2), ((3, 0, 0), (4, 2, 3), 0), ((3, 2, 0), (4, 3, 3), 2)),
+    ),
     ("all-ranks-to-subset", (13, 21), torch.float16, chunk(0, range(4)), chunk(1, (1, 3))),
     ("subset-to-all-ranks", (13, 21), torch.bfloat16, chunk(1, (2,)), chunk(0, (3, 0, 2, 1))),
     ("1-D-to-2x2-grid", (13, 21), torch.float32, chunk(0, range(4)), lambda s, d: grid(s, d, 2, 2)),
-    ("2x2-grid-to-1-D", (7, 5, 3), torch.int64, lambda s, d: grid(s, d, 2, 2, dims=(2, 0)), chunk(1, range(4))),
-    ("replicated-to-sharded", (13, 21), torch.bfloat16, lambda s, d: replicated(s, d, (0, 2)), chunk(1, range(4))),
-    ("sharded-to-replicated", (7, 5, 3), torch.bool, chunk(0, range(4)), lambda s, d: replicated(s, d, (1, 2, 3))),
-    ("one-to-several-shards-per-rank", (13, 21), torch.float32, chunk(0, range(4)),
-     boxes(((0, 0), (13, 5), 0), ((0, 5), (13, 5), 1), ((0, 10), (13, 5), 0), ((0, 15), (13, 6), 1))),
-    ("several-to-one-shard-per-rank", (13, 21), torch.complex64,
-     boxes(((0, 0), (5, 21), 3), ((5, 0), (5, 21), 3), ((10, 0), (3, 21), 2)), chunk(1, (0, 1, 2))),
+    (
+        "2x2-grid-to-1-D",
+        (7, 5, 3),
+        torch.int64,
+        lambda s, d: grid(s, d, 2, 2, dims=(2, 0)),
+        chunk(1, range(4)),
+    ),
+    (
+        "replicated-to-sharded",
+        (13, 21),
+        torch.bfloat16,
+        lambda s, d: replicated(s, d, (0, 2)),
+        chunk(1, range(4)),
+    ),
+    (
+        "sharded-to-replicated",
+        (7, 5, 3),
+        torch.bool,
+        chunk(0, range(4)),
+        lambda s, d: replicated(s, d, (1, 2, 3)),
+    ),
+    (
+        "one-to-several-shards-per-rank",
+        (13, 21),
+        torch.float32,
+        chunk(0, range(4)),
+        boxes(
+            ((0, 0), (13, 5), 0), ((0, 5), (13, 5), 1), ((0, 10), (13, 5), 0), ((0, 15), (13, 6), 1)
+        ),
+    ),
+    (
+        "several-to-one-shard-per-rank",
+        (13, 21),
+        torch.complex64,
+        boxes(((0, 0), (5, 21), 3), ((5, 0), (5, 21), 3), ((10, 0), (3, 21), 2)),
+        chunk(1, (0, 1, 2)),
+    ),
     ("7x5x3 across dims", (7, 5, 3), torch.float64, chunk(0, range(4)), chunk(2, (3, 2, 1))),
 ]
 
@@ -131,8 +183,11 @@ def test_every_layout_pair_moves_the_data_bit_for_bit(client4, case):
     dst = resolve(dst_layout, shape, dtype)
     reports = []
     new = old.reshard(dst, bucket_bytes=48, progress=reports.append)
-    expected_meta = dst if isinstance(dst, ShardedTensorMetadata) else dst.build_metadata(
-        shape, TensorProperties(dtype=dtype))
+    expected_meta = (
+        dst
+        if isinstance(dst, ShardedTensorMetadata)
+        else dst.build_metadata(shape, TensorProperties(dtype=dtype))
+    )
     assert new.version == old.version + 1
     assert new.metadata() == expected_meta
     assert client4.tensor(key).version == new.version
@@ -140,17 +195,22 @@ def test_every_layout_pair_moves_the_data_bit_for_bit(client4, case):
     for offsets, sizes in random_boxes(shape, 4, seed=len(name)):
         assert torch.equal(new.fetch(offsets, sizes), region(tensor, offsets, sizes))
     shards = {shard.index: shard for per_rank in new.remote_shards().values() for shard in per_rank}
-    for index, part in enumerate(shards_of(tensor, expected_meta)):  # every replica, from its own rank
+    for index, part in enumerate(
+        shards_of(tensor, expected_meta)
+    ):  # every replica, from its own rank
         assert torch.equal(shards[index].fetch(), part)
     phases = [r.phase for r in reports]
     assert phases[0] == "preparing" and phases[-1] == "done" and "committing" in phases
-    assert reports[-1].bytes_done == reports[-1].bytes_total == sum(p.numel() * p.element_size()
-                                                                    for p in shards_of(tensor, expected_meta))
+    assert (
+        reports[-1].bytes_done
+        == reports[-1].bytes_total
+        == sum(p.numel() * p.element_size() for p in shards_of(tensor, expected_meta))
+    )
     assert old.full_tensor().equal(tensor)  # the old proxy refreshes onto the new version
 
 
 def test_old_version_is_freed_and_memory_stays_within_new_shards_plus_buckets(client4, cluster4):
-    shape, bucket = (256, 1024), 64 << 10   # 1 MiB float32
+    shape, bucket = (256, 1024), 64 << 10  # 1 MiB float32
     tensor = source(shape, torch.float32, seed=7)
     old = client4.put("memory", tensor, spec=chunk(0, range(4)), overwrite=True)
     reports = []
@@ -160,14 +220,27 @@ def test_old_version_is_freed_and_memory_stays_within_new_shards_plus_buckets(cl
     assert done.max_new_shard_bytes == new_shard
     # staging: at most 2 rounds in flight, a round's buckets (3 peers, send + receive) share one bucket_bytes
     assert 0 < done.max_staging_bytes <= 2 * bucket
-    print(f"\nreshard 1 MiB over 4 ranks, bucket {bucket}: new shards {done.max_new_shard_bytes} B/rank, "
-          f"peak staging {done.max_staging_bytes} B/rank")
-    stubs = {r.rank: pb_grpc.ShardServerStub(grpc.insecure_channel(r.address)) for r in client4.ranks()}
+    print(
+        f"\nreshard 1 MiB over 4 ranks, bucket {bucket}: new shards {done.max_new_shard_bytes} B/rank, "
+        f"peak staging {done.max_staging_bytes} B/rank"
+    )
+    stubs = {
+        r.rank: pb_grpc.ShardServerStub(grpc.insecure_channel(r.address)) for r in client4.ranks()
+    }
     deadline = time.monotonic() + 10
     while True:  # the old version is dropped once the promotion is done
-        held = {r: [(h.name, h.version) for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
-                    if h.name == "memory"] for r, s in stubs.items()}
-        if all(h == [("memory", new.version)] for h in held.values()) or time.monotonic() > deadline:
+        held = {
+            r: [
+                (h.name, h.version)
+                for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
+                if h.name == "memory"
+            ]
+            for r, s in stubs.items()
+        }
+        if (
+            all(h == [("memory", new.version)] for h in held.values())
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.1)
     assert all(h == [("memory", new.version)] for h in held.values()), held
@@ -175,7 +248,7 @@ def test_old_version_is_freed_and_memory_stays_within_new_shards_plus_buckets(cl
 
 
 def test_readers_during_a_reshard_always_get_exact_data(client4):
-    shape = (512, 1024)   # 2 MiB, moved in 4 KiB buckets: the reshard takes many rounds
+    shape = (512, 1024)  # 2 MiB, moved in 4 KiB buckets: the reshard takes many rounds
     tensor = source(shape, torch.float32, seed=3)
     proxy = client4.put("busy", tensor, spec=chunk(0, range(4)), overwrite=True)
     stop, errors, reads = threading.Event(), [], [0]
@@ -213,7 +286,9 @@ def test_bad_requests_are_refused_with_the_field_named(client4):
     tensor = source((6, 4), torch.float32)
     proxy = client4.put("bad", tensor, spec=chunk(0, range(2)), overwrite=True)
     with pytest.raises(InvalidArgumentError, match="size"):
-        proxy.reshard(ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((6, 5), TensorProperties()))
+        proxy.reshard(
+            ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((6, 5), TensorProperties())
+        )
     with pytest.raises(InvalidArgumentError, match="rank 9"):
         proxy.reshard(chunk(0, (0, 9)))
     with pytest.raises(InvalidArgumentError, match="bucket_bytes"):
@@ -230,27 +305,43 @@ def test_stray_jobs_and_tiny_timeouts_do_not_break_the_collectives(client4, clus
     tensor = source((13, 21), torch.float32, seed=3)
     proxy = client4.put("stray", tensor, spec=chunk(0, range(2)), overwrite=True)
     src, dst = proxy.metadata(), chunk(1, range(2)).build_metadata((13, 21), TensorProperties())
-    from shardcore.wire import metadata_to_proto
+    from shardserve.core.wire import metadata_to_proto
 
     rank0 = next(r for r in client4.ranks() if r.rank == 0)
     with grpc.insecure_channel(rank0.address) as channel:
-        job = pb.CollectiveJob(seq=10**12, ranks=[0], timeout_s=5, epoch=1, reshard=pb.ReshardJob(
-            name="stray", src_version=proxy.version, src=metadata_to_proto(src), dst_version=10**12 + 1,
-            dst=metadata_to_proto(dst)))
-        final = list(pb_grpc.ShardServerStub(channel).RunCollective(job, timeout=30,
-                                                                    metadata=cluster4.cluster_metadata))[-1]
+        job = pb.CollectiveJob(
+            seq=10**12,
+            ranks=[0],
+            timeout_s=5,
+            epoch=1,
+            reshard=pb.ReshardJob(
+                name="stray",
+                src_version=proxy.version,
+                src=metadata_to_proto(src),
+                dst_version=10**12 + 1,
+                dst=metadata_to_proto(dst),
+            ),
+        )
+        final = list(
+            pb_grpc.ShardServerStub(channel).RunCollective(
+                job, timeout=30, metadata=cluster4.cluster_metadata
+            )
+        )[-1]
     assert final.done and "leaves out ranks [1] that the reshard needs" in final.error
     request = pb.ReshardRequest(name="stray", metadata=metadata_to_proto(dst), timeout_s=1e-300)
     with pytest.raises(grpc.RpcError) as err:
         list(client4.session.channel.coordinator(client4.address).Reshard(request, timeout=30))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s 1e-300 must be 0" in err.value.details()
+    assert (
+        err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "timeout_s 1e-300 must be 0" in err.value.details()
+    )
     new = proxy.reshard(chunk(1, range(4)))
     assert torch.equal(new.full_tensor(), tensor)
     assert not client4.session.call("ListRanks", pb.ListRanksRequest()).collectives_error
 
 
 def test_cli_reshard_onto_a_grid(cluster4, client4, capsys):
-    from client.cli.main import main
+    from shardserve.client.cli.main import main
 
     tensor = source((13, 21), torch.int32, seed=5)
     old = client4.put("cli", tensor, spec=chunk(0, range(4)), overwrite=True)
@@ -287,14 +378,20 @@ def test_a_second_reshard_of_the_same_tensor_is_refused_not_queued(stalling_clus
         moving, result = threading.Event(), {}
 
         def first() -> None:
-            result["new"] = proxy.reshard(chunk(1, range(3)), timeout=60,
-                                          progress=lambda r: r.phase == "moving" and moving.set())
+            result["new"] = proxy.reshard(
+                chunk(1, range(3)),
+                timeout=60,
+                progress=lambda r: r.phase == "moving" and moving.set(),
+            )
+
         thread = threading.Thread(target=first)
         thread.start()
         assert moving.wait(30)
         with pytest.raises(ReshardRefusedError, match="reshard of 'slow' already in progress"):
             client.tensor("slow").reshard(chunk(1, (0, 1)))
-        assert torch.equal(client.tensor("slow").full_tensor(), tensor)  # reads stay on the old version
+        assert torch.equal(
+            client.tensor("slow").full_tensor(), tensor
+        )  # reads stay on the old version
         thread.join(60)
         assert result["new"].version == proxy.version + 1
         assert torch.equal(result["new"].full_tensor(), tensor)
@@ -303,20 +400,32 @@ def test_a_second_reshard_of_the_same_tensor_is_refused_not_queued(stalling_clus
 def test_a_reshard_queued_behind_another_tensors_gets_its_timeout_for_its_own_run(stalling_cluster):
     """Reshards of two tensors on the same ranks run one after the other on each rank; the second's timeout
     (1 s) counts from when it starts, not from when it was sent (it waits ~4 s for the first)."""
-    first, second = source((13, 21), torch.float32, seed=15), source((7, 5, 3), torch.int64, seed=16)
+    first, second = (
+        source((13, 21), torch.float32, seed=15),
+        source((7, 5, 3), torch.int64, seed=16),
+    )
     with connect(stalling_cluster.address) as client:
         ahead = client.put("ahead", first, spec=chunk(0, range(3)))
         behind = client.put("behind", second, spec=chunk(0, range(3)))
         moving, result = threading.Event(), {}
-        thread = threading.Thread(target=lambda: result.update(new=ahead.reshard(
-            chunk(1, range(3)), timeout=60, progress=lambda r: r.phase == "moving" and moving.set())))
+        thread = threading.Thread(
+            target=lambda: result.update(
+                new=ahead.reshard(
+                    chunk(1, range(3)),
+                    timeout=60,
+                    progress=lambda r: r.phase == "moving" and moving.set(),
+                )
+            )
+        )
         thread.start()
         assert moving.wait(30)
         started = time.monotonic()
         moved = behind.reshard(chunk(1, (0, 2)), timeout=1)
         assert time.monotonic() - started > 2  # it did wait for the first
         thread.join(60)
-        assert torch.equal(moved.full_tensor(), second) and torch.equal(result["new"].full_tensor(), first)
+        assert torch.equal(moved.full_tensor(), second) and torch.equal(
+            result["new"].full_tensor(), first
+        )
         assert client.session.call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
 
 
@@ -337,12 +446,19 @@ def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(
             proxy.reshard(chunk(1, range(3)), progress=_stop_when_moving)
 
         def aborted() -> bool:
-            rows = client.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+            rows = client.session.call(
+                "ListTensors", pb.ListTensorsRequest(include_pending=True)
+            ).tensors
             return [t.version for t in rows if t.name == "cancelme"] == [proxy.version]
+
         wait_until(aborted, 20, "the reshard to be aborted")
         assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
-        time.sleep(4)  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
-        new = client.tensor("cancelme").reshard(chunk(1, (0, 2)), timeout=60)  # the world was not broken
+        time.sleep(
+            4
+        )  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
+        new = client.tensor("cancelme").reshard(
+            chunk(1, (0, 2)), timeout=60
+        )  # the world was not broken
         assert torch.equal(new.full_tensor(), tensor)
 
 
@@ -356,8 +472,11 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
 
         def run() -> None:
             try:
-                proxy.reshard(chunk(1, range(3)), timeout=20,
-                              progress=lambda r: r.phase == "moving" and moving.set())
+                proxy.reshard(
+                    chunk(1, range(3)),
+                    timeout=20,
+                    progress=lambda r: r.phase == "moving" and moving.set(),
+                )
             except ShardServeError as err:
                 outcome["error"] = err
 
@@ -374,13 +493,19 @@ def test_kill_9_of_a_rank_mid_reshard_fails_in_bounded_time_naming_it(stalling_c
         assert isinstance(error, RankUnavailableError)
         assert "rank 1 is down" in str(error) and "new epoch over the live ranks" in str(error)
         assert elapsed < 20, elapsed
-        after = client.tensor("victim")   # the catalog still serves the old version
+        after = client.tensor("victim")  # the catalog still serves the old version
         assert after.version == proxy.version
-        shards = {shard.index: shard for per_rank in after.remote_shards().values() for shard in per_rank}
+        shards = {
+            shard.index: shard for per_rank in after.remote_shards().values() for shard in per_rank
+        }
         for index, part in enumerate(shards_of(tensor, src)):  # readable from the surviving ranks
             if src.shards_metadata[index].rank != 1:
                 assert torch.equal(shards[index].fetch(), part)
-        wait_until(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 to be shown dead")
+        wait_until(
+            lambda: not next(r for r in client.ranks() if r.rank == 1).alive,
+            20,
+            "rank 1 to be shown dead",
+        )
         with pytest.raises(ReshardRefusedError, match="on rank 1:"):  # its shards are gone with it
             after.reshard(chunk(1, (0, 2)))
         _reshard_in_a_new_epoch(client, "survivor", (0, 2), epoch)
@@ -423,7 +548,9 @@ def test_a_hung_rank_fails_the_reshard_within_the_timeout_naming_it(hanging_clus
         with pytest.raises(RankUnavailableError, match=r"rank 1 did not answer in time \(hung\?\)"):
             proxy.reshard(chunk(1, range(2)), timeout=2)
         assert time.monotonic() - started < 2 + 2 + 5
-        assert torch.equal(client.tensor("hang").full_tensor(), tensor)  # every rank is alive: all readable
+        assert torch.equal(
+            client.tensor("hang").full_tensor(), tensor
+        )  # every rank is alive: all readable
         assert client.tensor("hang").version == proxy.version
         # rank 1 still sleeps in the failed job (its thread is abandoned): the next job runs at once
         started = time.monotonic()
@@ -456,8 +583,11 @@ def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(han
 
         def run() -> None:
             try:
-                proxy.reshard(chunk(1, range(3)), timeout=3,
-                              progress=lambda r: r.phase == "moving" and moving.set())
+                proxy.reshard(
+                    chunk(1, range(3)),
+                    timeout=3,
+                    progress=lambda r: r.phase == "moving" and moving.set(),
+                )
             except ShardServeError as err:
                 outcome["error"] = err
 
@@ -470,14 +600,24 @@ def test_a_rank_stopped_past_the_job_timeout_fails_it_and_later_jobs_succeed(han
             thread.join(30)
             assert not thread.is_alive()
             assert time.monotonic() - started < 3 + 2 + 5
-            wait_until(lambda: not next(r for r in client.ranks() if r.rank == 1).alive, 20, "rank 1 marked dead")
-            time.sleep(max(0.0, STOPPED_S - (time.monotonic() - started)))  # stopped STOPPED_S in all
+            wait_until(
+                lambda: not next(r for r in client.ranks() if r.rank == 1).alive,
+                20,
+                "rank 1 marked dead",
+            )
+            time.sleep(
+                max(0.0, STOPPED_S - (time.monotonic() - started))
+            )  # stopped STOPPED_S in all
         finally:
             hanging_cluster.kill_rank(1, signal.SIGCONT)
-        assert isinstance(outcome["error"], RankUnavailableError) and "rank 1" in str(outcome["error"])
+        assert isinstance(outcome["error"], RankUnavailableError) and "rank 1" in str(
+            outcome["error"]
+        )
         wait_until(lambda: all(r.alive for r in client.ranks()), 20, "rank 1 to heartbeat again")
         assert torch.equal(client.tensor("stopme").full_tensor(), tensor)
-        moved = client.tensor("stopme").reshard(chunk(1, range(3)), timeout=30)  # rank 1 stalls 2 s again
+        moved = client.tensor("stopme").reshard(
+            chunk(1, range(3)), timeout=30
+        )  # rank 1 stalls 2 s again
         assert torch.equal(moved.full_tensor(), tensor) and _epoch(client) > epoch
         _reshard_in_a_new_epoch(client, "after-stop", (0, 1, 2), epoch)
 
@@ -490,7 +630,9 @@ def test_checkpoints_run_after_failed_jobs_with_no_restart(hanging_cluster, tmp_
         wait_until(lambda: all(r.alive for r in client.ranks()), 20, "every rank to be alive")
         client.put("saved", tensor, spec=chunk(1, range(3)), overwrite=True)
         client.save_checkpoint(str(tmp_path / "ckpt"), ["saved"], timeout=60)
-        loaded = client.load_checkpoint(str(tmp_path / "ckpt"), ["saved"], overwrite=True, timeout=60)["saved"]
+        loaded = client.load_checkpoint(
+            str(tmp_path / "ckpt"), ["saved"], overwrite=True, timeout=60
+        )["saved"]
         assert torch.equal(loaded.full_tensor(), tensor)
 
 
@@ -500,19 +642,32 @@ def test_checkpoints_run_after_failed_jobs_with_no_restart(hanging_cluster, tmp_
 def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion(tmp_path: Path):
     port, store_port = free_port(), free_port()
     env = server_env()
-    coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-                        "--heartbeat-interval", "0.5", "--store-port", str(store_port)]
+    coordinator_args = [
+        "coordinator",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--heartbeat-interval",
+        "0.5",
+        "--store-port",
+        str(store_port),
+    ]
     log = open(tmp_path / "log.txt", "w")
     procs = []
     try:
         coord = spawn_server(coordinator_args, dict(env, **{EXIT_AFTER_COMMIT_ENV: "1"}), log)
         procs.append(coord)
         for rank in range(2):
-            procs.append(spawn_server(["--coordinator", f"127.0.0.1:{port}"], rank_env(env, rank, 2), log))
+            procs.append(
+                spawn_server(["--coordinator", f"127.0.0.1:{port}"], rank_env(env, rank, 2), log)
+            )
         address = f"127.0.0.1:{port}"
+
         def two_ranks_alive() -> bool:
             with connect(address) as c:
                 return len([r for r in c.ranks() if r.alive]) == 2
+
         wait_until(two_ranks_alive, 120, "two ranks")
         tensor = source((13, 21), torch.float32, seed=21)
         with connect(address) as client:
@@ -520,25 +675,42 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
             with pytest.raises(ShardServeError):
                 old.reshard(chunk(1, range(2)))
         assert coord.wait(30) == EXIT_AFTER_COMMIT_CODE
-        procs[0] = spawn_server(coordinator_args, env, log)   # same port, same catalog, no exit hook
+        procs[0] = spawn_server(coordinator_args, env, log)  # same port, same catalog, no exit hook
 
         def promoted() -> bool:
             with connect(address) as c:
-                rows = c.session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
-                return [(t.version, t.promoting) for t in rows if t.name == "restart"] == [(old.version + 1, False)]
+                rows = c.session.call(
+                    "ListTensors", pb.ListTensorsRequest(include_pending=True)
+                ).tensors
+                return [(t.version, t.promoting) for t in rows if t.name == "restart"] == [
+                    (old.version + 1, False)
+                ]
+
         wait_until(promoted, 60, "the promotion to finish")
         with connect(address) as client:
             new = client.tensor("restart")
             assert new.version == old.version + 1
             assert new.metadata() == chunk(1, range(2)).build_metadata((13, 21), TensorProperties())
             assert torch.equal(new.full_tensor(), tensor)
-            stubs = [pb_grpc.ShardServerStub(grpc.insecure_channel(r.address)) for r in client.ranks()]
+            stubs = [
+                pb_grpc.ShardServerStub(grpc.insecure_channel(r.address)) for r in client.ranks()
+            ]
 
             def old_dropped() -> bool:
-                return all([h.version for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
-                            if h.name == "restart"] == [new.version] for s in stubs)
+                return all(
+                    [
+                        h.version
+                        for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
+                        if h.name == "restart"
+                    ]
+                    == [new.version]
+                    for s in stubs
+                )
+
             wait_until(old_dropped, 30, "the old version to be dropped")
-            back = new.reshard(chunk(0, range(2)), timeout=30)  # collectives over the restarted coordinator's store
+            back = new.reshard(
+                chunk(0, range(2)), timeout=30
+            )  # collectives over the restarted coordinator's store
             assert torch.equal(back.full_tensor(), tensor)
     finally:
         stop_all(procs)

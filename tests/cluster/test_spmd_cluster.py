@@ -5,6 +5,7 @@ its ranks with other layouts. Every local shard is compared bit for bit with pla
 tensor. A reader loops while a writer puts, and a writer killed mid-put leaves nothing visible. Hundreds of
 small tensors cost one AllocateMany / PromoteMany / DropMany per rank (the ranks' call counts, scraped).
 """
+
 from __future__ import annotations
 
 import os
@@ -12,22 +13,41 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from client import connect, spmd
 from gloo_world import World
-from protos import shardserve_pb2 as pb
-from server.launcher import LocalCluster
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.launcher import LocalCluster
 
-DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
-          torch.bool]
+from shardserve import connect, spmd
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+]
 SHAPES = [(10, 6), (7, 5), (9,), (5, 3, 2), (1, 8), (13, 4)]
-WRITER_LAYOUTS = ["s0", "s1", "rep", "m_s0_s1", "m_s0_rep", "m_rep_s1", "m_s1_s0", "sharded", "plain"]
+WRITER_LAYOUTS = [
+    "s0",
+    "s1",
+    "rep",
+    "m_s0_s1",
+    "m_s0_rep",
+    "m_rep_s1",
+    "m_s1_s0",
+    "sharded",
+    "plain",
+]
 READER_LAYOUTS = ["s0", "s1", "rep", "plain"]
 
 
@@ -35,7 +55,11 @@ def entries() -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
     """~50 tensors: (dotted key, shape, dtype, writer layout), nested up to 3 levels."""
     out = []
     for i in range(50):
-        shape, dtype, layout = SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)], WRITER_LAYOUTS[i % len(WRITER_LAYOUTS)]
+        shape, dtype, layout = (
+            SHAPES[i % len(SHAPES)],
+            DTYPES[i % len(DTYPES)],
+            WRITER_LAYOUTS[i % len(WRITER_LAYOUTS)],
+        )
         if layout in ("s1", "m_s0_s1", "m_rep_s1", "m_s1_s0") and len(shape) < 2:
             layout = "s0"
         out.append((f"block{i % 4}.layer{i}.w" if i % 3 else f"top{i}", shape, dtype, layout))
@@ -45,7 +69,11 @@ def entries() -> list[tuple[str, tuple[int, ...], torch.dtype, str]]:
 def global_value(key: str, shape: tuple[int, ...], dtype: torch.dtype, value: int) -> torch.Tensor:
     """The global tensor of `key` in the snapshot carrying `value` (every element tells both)."""
     seed = sum(map(ord, key))
-    base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 7 + seed + value * 1000
+    base = (
+        torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 7
+        + seed
+        + value * 1000
+    )
     if dtype == torch.bool:
         return (base + value) % 2 == 1
     if dtype == torch.uint8:
@@ -67,32 +95,49 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
 def _meshes() -> dict[str, Any]:
     """Every mesh used, made on every rank of the world (a mesh's groups are made by all ranks)."""
     from torch.distributed.device_mesh import DeviceMesh
-    return {"w4": DeviceMesh("cpu", [0, 1, 2, 3]), "m22": DeviceMesh("cpu", [[0, 1], [2, 3]]),
-            "r3": DeviceMesh("cpu", [0, 1, 2]), "r2": DeviceMesh("cpu", [2, 3])}
+
+    return {
+        "w4": DeviceMesh("cpu", [0, 1, 2, 3]),
+        "m22": DeviceMesh("cpu", [[0, 1], [2, 3]]),
+        "r3": DeviceMesh("cpu", [0, 1, 2]),
+        "r2": DeviceMesh("cpu", [2, 3]),
+    }
 
 
 def build(layout: str, full: torch.Tensor, meshes: dict[str, Any], mesh1: str) -> Any:
     """`full` held in `layout`: a DTensor on a 1-D mesh `mesh1` or the 2x2 mesh, a ShardedTensor, or plain."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    placements = {"s0": [Shard(0)], "s1": [Shard(1)], "rep": [Replicate()], "m_s0_s1": [Shard(0), Shard(1)],
-                  "m_s0_rep": [Shard(0), Replicate()], "m_rep_s1": [Replicate(), Shard(1)],
-                  "m_s1_s0": [Shard(1), Shard(0)]}
+
+    placements = {
+        "s0": [Shard(0)],
+        "s1": [Shard(1)],
+        "rep": [Replicate()],
+        "m_s0_s1": [Shard(0), Shard(1)],
+        "m_s0_rep": [Shard(0), Replicate()],
+        "m_rep_s1": [Replicate(), Shard(1)],
+        "m_s1_s0": [Shard(1), Shard(0)],
+    }
     if layout == "plain":
         return full.clone()
     if layout == "sharded":
         return _sharded(full)
     mesh = meshes["m22"] if layout.startswith("m_") else meshes[mesh1]
     shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements[layout])
-    local = full[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone() if mesh.get_coordinate() is not None \
+    local = (
+        full[tuple(slice(o, o + s) for o, s in zip(offset, shape))].clone()
+        if mesh.get_coordinate() is not None
         else torch.empty(0, dtype=full.dtype)
-    return DTensor.from_local(local, mesh, placements[layout], run_check=False, shape=full.shape,
-                              stride=full.stride())
+    )
+    return DTensor.from_local(
+        local, mesh, placements[layout], run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def _sharded(full: torch.Tensor) -> Any:
     """A ShardedTensor of 4 row chunks (torch.chunk rule: uneven), chunk r on rank r."""
     from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
+
     rank, bounds, start = dist.get_rank(), [], 0
     for chunk in torch.chunk(torch.arange(full.shape[0]), 4):
         bounds.append((start, len(chunk)))
@@ -101,14 +146,20 @@ def _sharded(full: torch.Tensor) -> Any:
     offset, rows = bounds[rank]
     shards = []
     if rows:
-        meta = ShardMetadata([offset] + [0] * (full.dim() - 1), [rows, *full.shape[1:]], f"rank:{rank}/cpu")
-        shards = [Shard(full[offset:offset + rows].clone(), meta)]
+        meta = ShardMetadata(
+            [offset] + [0] * (full.dim() - 1), [rows, *full.shape[1:]], f"rank:{rank}/cpu"
+        )
+        shards = [Shard(full[offset : offset + rows].clone(), meta)]
     return init_from_local_shards(shards, *full.shape)
 
 
 def writer_state(value: int, meshes: dict[str, Any]) -> dict[str, Any]:
-    return nest({key: build(layout, global_value(key, shape, dtype, value), meshes, "w4")
-                 for key, shape, dtype, layout in entries()})
+    return nest(
+        {
+            key: build(layout, global_value(key, shape, dtype, value), meshes, "w4")
+            for key, shape, dtype, layout in entries()
+        }
+    )
 
 
 def reader_state(layouts: list[str], mesh1: str, meshes: dict[str, Any]) -> dict[str, Any]:
@@ -127,19 +178,24 @@ def mismatches(state: dict[str, Any], value: int | None) -> list[str]:
     value the first element carries, the same for every key)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     flat, bad, seen = spmd.flatten_state_dict(state), [], set()
     for key, shape, dtype, _ in entries():
         got = flat[key]
         if isinstance(got, DTensor):
             if got.device_mesh.get_coordinate() is None:
                 continue
-            sizes, offsets = compute_local_shape_and_global_offset(got.shape, got.device_mesh, got.placements)
+            sizes, offsets = compute_local_shape_and_global_offset(
+                got.shape, got.device_mesh, got.placements
+            )
             local = got.to_local()
         else:
             sizes, offsets, local = tuple(got.shape), (0,) * got.dim(), got
         candidates = [value] if value is not None else list(range(0, 40))
         box = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
-        matching = [v for v in candidates if torch.equal(global_value(key, shape, dtype, v)[box], local)]
+        matching = [
+            v for v in candidates if torch.equal(global_value(key, shape, dtype, v)[box], local)
+        ]
         if not matching:
             bad.append(key)
         elif value is None and dtype not in (torch.bool, torch.uint8) and local.numel():
@@ -154,12 +210,19 @@ def mismatches(state: dict[str, Any], value: int | None) -> list[str]:
 
 def job_put_then_gets(rank: int, address: str) -> dict[str, Any]:
     meshes = _meshes()
-    groups = {"r3": dist.new_group([0, 1, 2]), "r2": dist.new_group([2, 3]), "r1": dist.new_group([3])}
+    groups = {
+        "r3": dist.new_group([0, 1, 2]),
+        "r2": dist.new_group([2, 3]),
+        "r1": dist.new_group([3]),
+    }
     cluster = connect(address)
     number = spmd.put_state_dict(cluster, writer_state(3, meshes), "model")
     results = {"number": number}
-    for job, ranks, layouts in (("r3", [0, 1, 2], ["s1", "s0", "rep"]), ("r2", [2, 3], ["s0", "rep", "s1"]),
-                                ("r1", [3], ["plain"])):
+    for job, ranks, layouts in (
+        ("r3", [0, 1, 2], ["s1", "s0", "rep"]),
+        ("r2", [2, 3], ["s0", "rep", "s1"]),
+        ("r1", [3], ["plain"]),
+    ):
         into = reader_state(layouts, job if job != "r1" else "w4", meshes)
         if rank in ranks:
             got = spmd.get_state_dict(cluster, "model", into=into, group=groups[job])
@@ -173,12 +236,22 @@ def job_write_while_reading(rank: int, address: str, puts: int) -> list[tuple[in
     meshes = _meshes()
     writers, readers = dist.new_group([0, 1]), dist.new_group([2, 3])
     from torch.distributed.device_mesh import DeviceMesh
+
     pair = {"w01": DeviceMesh("cpu", [0, 1]), "r23": DeviceMesh("cpu", [2, 3]), **meshes}
     cluster, out = connect(address), []
 
     def put(value: int) -> int:
-        state = nest({key: build("s0" if layout != "plain" else "plain", global_value(key, shape, dtype, value),
-                                 pair, "w01") for key, shape, dtype, layout in entries()})
+        state = nest(
+            {
+                key: build(
+                    "s0" if layout != "plain" else "plain",
+                    global_value(key, shape, dtype, value),
+                    pair,
+                    "w01",
+                )
+                for key, shape, dtype, layout in entries()
+            }
+        )
         return spmd.put_state_dict(cluster, state, "loop", group=writers)
 
     if rank in (0, 1):
@@ -198,17 +271,26 @@ def job_write_while_reading(rank: int, address: str, puts: int) -> list[tuple[in
 def job_put_stalled(rank: int, address: str, value: int, stall_marker: str) -> int:
     """A 2-process put whose rank 1 stalls in its first shard write (after touching `stall_marker`)."""
     from torch.distributed.device_mesh import DeviceMesh
+
     mesh = {"w2": DeviceMesh("cpu", [0, 1])}
     if stall_marker and rank == 1:
-        from client.session import Session
+        from shardserve.client.session import Session
 
         def stalled(self: Session, writes: Any) -> dict[str, int]:
             open(stall_marker, "w").close()
             time.sleep(600)
             raise AssertionError("the stalled writer was not killed")
+
         Session.write_shards = stalled  # type: ignore[method-assign]
-    state = {key: build("s0" if layout != "plain" else "plain", global_value(key, shape, dtype, value), mesh, "w2")
-             for key, shape, dtype, layout in entries()[:8]}
+    state = {
+        key: build(
+            "s0" if layout != "plain" else "plain",
+            global_value(key, shape, dtype, value),
+            mesh,
+            "w2",
+        )
+        for key, shape, dtype, layout in entries()[:8]
+    }
     with connect(address) as cluster:
         return spmd.put_state_dict(cluster, state, "killed")
 
@@ -224,15 +306,16 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 def rank_calls(address: str) -> dict[str, float]:
     """The calls every rank has handled so far, summed over the ranks, by method."""
     import grpc
+    from shardserve.client.cli.top import by_label, scrape
+    from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
-    from client.cli.top import by_label, scrape
-    from protos import shardserve_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address) as channel:
         ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
     out: dict[str, float] = {}
     for rank in ranks:
-        for method, count in by_label(scrape(rank.metrics_address), "shardserve_rpc_requests_total",
-                                      "method").items():
+        for method, count in by_label(
+            scrape(rank.metrics_address), "shardserve_rpc_requests_total", "method"
+        ).items():
             out[method] = out.get(method, 0.0) + count
     return out
 
@@ -244,7 +327,9 @@ def world4() -> Iterator[World]:
     world.close()
 
 
-def test_four_process_put_read_by_three_two_and_one_process_jobs(cluster: LocalCluster, world4: World) -> None:
+def test_four_process_put_read_by_three_two_and_one_process_jobs(
+    cluster: LocalCluster, world4: World
+) -> None:
     answers = world4.run(job_put_then_gets, cluster.address, timeout=240)
     number = answers[0]["number"]
     assert all(a["number"] == number for a in answers.values())
@@ -291,25 +376,44 @@ def test_writer_killed_mid_put_leaves_nothing_visible(cluster: LocalCluster, tmp
         world.close()
     with connect(cluster.address) as client:
         assert [s.number for s in client.snapshots("killed")] == [first]
-        pending = [t.name for t in client.list(include_pending=True) if t.name.startswith("killed@")
-                   and t.state == "PENDING"]
+        pending = [
+            t.name
+            for t in client.list(include_pending=True)
+            if t.name.startswith("killed@") and t.state == "PENDING"
+        ]
         assert pending  # the killed put's tensors exist, unseen, until aborted or reaped
-        assert not [t.name for t in client.list() if t.name.startswith("killed@") and
-                    not t.name.startswith(f"killed@{first}/")]
+        assert not [
+            t.name
+            for t in client.list()
+            if t.name.startswith("killed@") and not t.name.startswith(f"killed@{first}/")
+        ]
         into = {key: torch.zeros(shape, dtype=dtype) for key, shape, dtype, _ in entries()[:8]}
         assert spmd.get_state_dict(client, "killed", into=into) == first
         for key, shape, dtype, _ in entries()[:8]:
             assert torch.equal(into[key], global_value(key, shape, dtype, 1)), key
-        assert client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="killed")).snapshots[0].number \
+        assert (
+            client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="killed"))
+            .snapshots[0]
+            .number
             == first
+        )
 
 
-def test_single_process_keeps_the_newest_snapshots_and_pins_one(cluster: LocalCluster,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from client.cli.main import main as cli
+def test_single_process_keeps_the_newest_snapshots_and_pins_one(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardserve.client.cli.main import main as cli
+
     with connect(cluster.address) as client:
-        numbers = [spmd.put_state_dict(client, {"w": torch.full((6, 2), float(v)), "opt": {"step": torch.tensor(v)}},
-                                       "solo", keep=2) for v in range(3)]
+        numbers = [
+            spmd.put_state_dict(
+                client,
+                {"w": torch.full((6, 2), float(v)), "opt": {"step": torch.tensor(v)}},
+                "solo",
+                keep=2,
+            )
+            for v in range(3)
+        ]
         assert [s.number for s in client.snapshots("solo")] == numbers[1:]
         into = {"w": torch.zeros(6, 2), "opt": {"step": torch.tensor(0)}}
         assert spmd.get_state_dict(client, "solo", into=into, snapshot=numbers[1]) == numbers[1]
@@ -324,19 +428,33 @@ def test_single_process_keeps_the_newest_snapshots_and_pins_one(cluster: LocalCl
 
 
 def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_bit(
-        cluster: LocalCluster) -> None:
+    cluster: LocalCluster,
+) -> None:
     """300 small tensors of every dtype: create and commit make one AllocateMany and one PromoteMany per rank,
     the next put drops the older snapshot with one DropMany per rank, and every tensor reads back bit for bit."""
-    keys = [(f"layer{i // 10}.p{i % 10}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)]) for i in range(300)]
+    keys = [
+        (f"layer{i // 10}.p{i % 10}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)])
+        for i in range(300)
+    ]
     with connect(cluster.address) as client:
         before = rank_calls(cluster.address)
         for value in (1, 2):
-            number = spmd.put_state_dict(client, nest({key: global_value(key, shape, dtype, value)
-                                                       for key, shape, dtype in keys}), "many", keep=1)
+            number = spmd.put_state_dict(
+                client,
+                nest({key: global_value(key, shape, dtype, value) for key, shape, dtype in keys}),
+                "many",
+                keep=1,
+            )
         into = nest({key: torch.zeros(shape, dtype=dtype) for key, shape, dtype in keys})
         assert spmd.get_state_dict(client, "many", into=into) == number
-        assert len(client.session.call("GetSnapshot", pb.GetSnapshotRequest(prefix="many")).entries) == 300
-    moved = {method: count - before.get(method, 0.0) for method, count in rank_calls(cluster.address).items()}
+        assert (
+            len(client.session.call("GetSnapshot", pb.GetSnapshotRequest(prefix="many")).entries)
+            == 300
+        )
+    moved = {
+        method: count - before.get(method, 0.0)
+        for method, count in rank_calls(cluster.address).items()
+    }
     for key, shape, dtype in keys:
         got = into
         for part in key.split("."):
@@ -352,8 +470,8 @@ def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_
 def rank_holdings(address: str) -> list[tuple[int, list[str]]]:
     """(memory used, names held) of every rank, as its GetStats says."""
     import grpc
+    from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
-    from protos import shardserve_pb2_grpc as pb_grpc
     with grpc.insecure_channel(address) as channel:
         ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
     out = []
@@ -364,21 +482,31 @@ def rank_holdings(address: str) -> list[tuple[int, list[str]]]:
     return out
 
 
-def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(make_cluster: Callable[..., LocalCluster]) -> None:
+def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
     """Every rank but one allocates its tensors; the last is over its memory limit: the put fails naming that
     rank and the tensor, and the tensors the other ranks allocated are dropped again (one DropMany each)."""
-    from shardcore.specs import ChunkShardingSpec
+    from shardserve.core.specs import ChunkShardingSpec
+
     small = make_cluster(ranks=3, memory_limit=1 << 20)
     on = {r: ChunkShardingSpec(0, [f"rank:{r}/cpu"]) for r in range(3)}
-    state = {f"s{i}": torch.full((64,), float(i)) for i in range(40)} | {"big": torch.zeros(1 << 19)}  # 2 MiB
+    state = {f"s{i}": torch.full((64,), float(i)) for i in range(40)} | {
+        "big": torch.zeros(1 << 19)
+    }  # 2 MiB
     specs = {f"s{i}": on[i % 2] for i in range(40)} | {"big": on[2]}
     with connect(small.address) as client:
         before = rank_holdings(small.address)
-        with pytest.raises(spmd.SpmdError, match=r"ResourceExhausted.*rank 2: tensors\[0\] \('toolarge@\d+/big'"
-                           r" version \d+\): rank 2 memory limit"):
+        with pytest.raises(
+            spmd.SpmdError,
+            match=r"ResourceExhausted.*rank 2: tensors\[0\] \('toolarge@\d+/big'"
+            r" version \d+\): rank 2 memory limit",
+        ):
             spmd.put_state_dict(client, state, "toolarge", spec=specs)
         assert rank_holdings(small.address) == before
-        assert not client.session.call("ListSnapshots", pb.ListSnapshotsRequest(prefix="toolarge")).snapshots
+        assert not client.session.call(
+            "ListSnapshots", pb.ListSnapshotsRequest(prefix="toolarge")
+        ).snapshots
         del state["big"], specs["big"]
         number = spmd.put_state_dict(client, state, "toolarge", spec=specs)
         into = {key: torch.zeros(64) for key in state}
@@ -387,14 +515,17 @@ def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(make_cluster
 
 
 def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
-    from shardcore.specs import ChunkShardingSpec
+    from shardserve.core.specs import ChunkShardingSpec
+
     full = torch.arange(40, dtype=torch.float32).reshape(5, 8)
     with connect(cluster.address) as client:
         spec = ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in (2, 0)])
         spmd.put_state_dict(client, {"t": full}, "spec", spec=spec, replicas=1)
         meta = client.snapshot("spec")["t"].metadata()
-        assert [(s.shard_offsets, s.shard_sizes, s.rank) for s in meta.shards_metadata] == \
-            [((0, 0), (5, 4), 2), ((0, 4), (5, 4), 0)]
+        assert [(s.shard_offsets, s.shard_sizes, s.rank) for s in meta.shards_metadata] == [
+            ((0, 0), (5, 4), 2),
+            ((0, 4), (5, 4), 0),
+        ]
         spmd.put_state_dict(client, {"t": full}, "spec", replicas=2)
         meta = client.snapshot("spec")["t"].metadata()
         assert len(meta.shards_metadata) == 2 and len({s.rank for s in meta.shards_metadata}) == 2
@@ -405,7 +536,9 @@ def test_spec_layout_is_cut_by_the_job_boxes(cluster: LocalCluster) -> None:
 
 def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
     import grpc
-    from client import InvalidArgumentError
+
+    from shardserve import InvalidArgumentError
+
     with connect(cluster.address) as client:
         with pytest.raises(spmd.SpmdError, match="'a.b' is a str"):
             spmd.put_state_dict(client, {"a": {"b": "text"}}, "bad")
@@ -418,9 +551,18 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
             spmd.get_state_dict(client, "bad", into={"a": torch.zeros(2, dtype=torch.int64)})
         stub = client.session
         for method, request, code in [
-                ("CommitSnapshot", pb.CommitSnapshotRequest(prefix="bad", number=12345), grpc.StatusCode.NOT_FOUND),
-                ("GetSnapshot", pb.GetSnapshotRequest(prefix=""), grpc.StatusCode.INVALID_ARGUMENT),
-                ("CreateSnapshot", pb.CreateSnapshotRequest(prefix="bad"), grpc.StatusCode.INVALID_ARGUMENT)]:
+            (
+                "CommitSnapshot",
+                pb.CommitSnapshotRequest(prefix="bad", number=12345),
+                grpc.StatusCode.NOT_FOUND,
+            ),
+            ("GetSnapshot", pb.GetSnapshotRequest(prefix=""), grpc.StatusCode.INVALID_ARGUMENT),
+            (
+                "CreateSnapshot",
+                pb.CreateSnapshotRequest(prefix="bad"),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+        ]:
             with pytest.raises(Exception) as caught:
                 stub.call(method, request)
             assert caught.value.code == code, (method, caught.value)
@@ -429,7 +571,18 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
 def test_the_trainer_to_inference_example_runs_bit_for_bit(cluster: LocalCluster) -> None:
     """examples/trainer_to_inference.py as the docs run it: a 2-process job puts, a 3-process job gets."""
     root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, str(root / "examples" / "trainer_to_inference.py"), cluster.address,
-                           "--step", "7"], cwd=root, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "trainer_to_inference.py"),
+            cluster.address,
+            "--step",
+            "7",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "every shard bit for bit" in done.stdout

@@ -5,25 +5,36 @@ tensors; a 2-process gloo job writes columns and reads rows, so every piece it r
 a batch whose rank fails is read again piece by piece, and a batch refused as a bad request fails the get.
 Every piece is compared bit for bit with plain torch.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
-
-from client import connect, counters, spmd
-from client.errors import InvalidArgumentError, RankUnavailableError
 from gloo_world import World
-from server.launcher import LocalCluster
+from shardserve.client import connect, counters, spmd
+from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
+from shardserve.server.launcher import LocalCluster
 
-DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16, torch.uint8, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.int64,
+    torch.bool,
+    torch.float16,
+    torch.uint8,
+    torch.complex64,
+]
 SHAPES = [(16, 16), (7,), (3, 5, 2), (1, 9), (33, 4), ()]
 
 
 def value(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """The global tensor of `key`: every element tells its key and place."""
-    base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 3 + sum(map(ord, key))
+    base = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).reshape(shape) * 3 + sum(
+        map(ord, key)
+    )
     if dtype == torch.bool:
         return base % 3 == 1
     if dtype == torch.uint8:
@@ -35,8 +46,10 @@ def value(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def small_and_big() -> dict[str, torch.Tensor]:
     """300 small tensors of every dtype and shape, and 3 over the batching threshold."""
-    state = {f"block{i % 7}.p{i}": value(f"p{i}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)])
-             for i in range(300)}
+    state = {
+        f"block{i % 7}.p{i}": value(f"p{i}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)])
+        for i in range(300)
+    }
     state.update({f"big{i}": value(f"big{i}", (300, 100 + i), torch.float32) for i in range(3)})
     return state
 
@@ -54,11 +67,16 @@ def job_columns_then_rows(rank: int, address: str) -> list[str]:
     """Put 40 small 2-D tensors as Shard(1) of 2 ranks, get them as Shard(0): each piece spans both shards."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
     mesh = DeviceMesh("cpu", [0, 1])
     full = {f"w{i}": value(f"w{i}", (6 + i % 3, 8), DTYPES[i % len(DTYPES)]) for i in range(40)}
     with connect(address) as cluster:
-        spmd.put_state_dict(cluster, {k: distribute_tensor(t, mesh, [Shard(1)]) for k, t in full.items()}, "cols")
-        into = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for k, t in full.items()}
+        spmd.put_state_dict(
+            cluster, {k: distribute_tensor(t, mesh, [Shard(1)]) for k, t in full.items()}, "cols"
+        )
+        into = {
+            k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)]) for k, t in full.items()
+        }
         before = network_reads()
         spmd.get_state_dict(cluster, "cols", into=into)
         assert network_reads() > before, "the small pieces were not read in batches"
@@ -66,7 +84,7 @@ def job_columns_then_rows(rank: int, address: str) -> list[str]:
     for key, tensor in into.items():
         rows = full[key].shape[0]
         start = min(rank * ((rows + 1) // 2), rows)
-        if not torch.equal(tensor.to_local(), full[key][start:start + (rows + 1) // 2]):
+        if not torch.equal(tensor.to_local(), full[key][start : start + (rows + 1) // 2]):
             wrong.append(key)
     return wrong
 
@@ -87,7 +105,9 @@ def put(cluster: LocalCluster) -> dict[str, torch.Tensor]:
     return state
 
 
-def test_a_world_of_one_gets_small_and_big_tensors_bit_for_bit(cluster: LocalCluster, put: dict) -> None:
+def test_a_world_of_one_gets_small_and_big_tensors_bit_for_bit(
+    cluster: LocalCluster, put: dict
+) -> None:
     into = {key: torch.zeros_like(t) for key, t in put.items()}
     into["big0"] = torch.zeros(100, 300).t()  # strided targets, big and small
     into["block0.p0"] = torch.zeros(16, 16).t()
@@ -102,15 +122,20 @@ def test_a_world_of_one_gets_small_and_big_tensors_bit_for_bit(cluster: LocalClu
 @pytest.fixture(scope="module")
 def spans(cluster: LocalCluster) -> dict[str, torch.Tensor]:
     """Small tensors put as two row shards, one on each rank."""
-    from shardcore.specs import ChunkShardingSpec
+    from shardserve.core.specs import ChunkShardingSpec
+
     state = {f"t{i}": value(f"t{i}", (9, 5), DTYPES[i % len(DTYPES)]) for i in range(20)}
     with connect(cluster.address) as client:
-        spmd.put_state_dict(client, state, "spans", spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+        spmd.put_state_dict(
+            client, state, "spans", spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+        )
         assert {s.rank for s in client.snapshot("spans")["t0"].metadata().shards_metadata} == {0, 1}
     return state
 
 
-def test_a_piece_over_two_server_shards_is_filled_from_both(cluster: LocalCluster, spans: dict) -> None:
+def test_a_piece_over_two_server_shards_is_filled_from_both(
+    cluster: LocalCluster, spans: dict
+) -> None:
     into = {key: torch.zeros_like(t) for key, t in spans.items()}
     with connect(cluster.address) as client:
         spmd.get_state_dict(client, "spans", into=into)
@@ -126,9 +151,11 @@ def test_a_two_process_job_reads_rows_of_column_shards(cluster: LocalCluster) ->
     assert answers == {0: [], 1: []}
 
 
-def test_a_batch_whose_rank_fails_is_read_piece_by_piece(cluster: LocalCluster, spans: dict,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from client.paths import batch
+def test_a_batch_whose_rank_fails_is_read_piece_by_piece(
+    cluster: LocalCluster, spans: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardserve.client.paths import batch
+
     real = batch.read_regions
     failed = []
 
@@ -146,9 +173,10 @@ def test_a_batch_whose_rank_fails_is_read_piece_by_piece(cluster: LocalCluster, 
     assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
 
 
-def test_a_batch_whose_bulk_port_fails_goes_over_grpc(cluster: LocalCluster, spans: dict,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from client.paths.bulk import BulkPath, BulkReadError
+def test_a_batch_whose_bulk_port_fails_goes_over_grpc(
+    cluster: LocalCluster, spans: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardserve.client.paths.bulk import BulkPath, BulkReadError
 
     def port_down(self: Any, address: str, request: Any, reply_bytes: int) -> Any:
         raise BulkReadError(f"rank at {address}, bulk port: connection refused")
@@ -162,9 +190,10 @@ def test_a_batch_whose_bulk_port_fails_goes_over_grpc(cluster: LocalCluster, spa
     assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
 
 
-def test_a_batch_refused_as_a_bad_request_fails_the_get(cluster: LocalCluster, put: dict,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from client.paths import batch
+def test_a_batch_refused_as_a_bad_request_fails_the_get(
+    cluster: LocalCluster, put: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardserve.client.paths import batch
 
     def refused(policy: Any, rank: Any, reads: Any) -> int:
         raise InvalidArgumentError("regions[0]: offsets/sizes: box is not inside the shard")
@@ -173,5 +202,3 @@ def test_a_batch_refused_as_a_bad_request_fails_the_get(cluster: LocalCluster, p
     with connect(cluster.address) as client:
         with pytest.raises(spmd.SpmdError, match=r"regions\[0\]"):
             spmd.get_state_dict(client, "small", into={"block0.p0": torch.zeros(16, 16)})
-
-

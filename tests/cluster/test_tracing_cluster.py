@@ -1,5 +1,6 @@
 """OpenTelemetry tracing of a live cluster: a client's reshard is one trace across the client, the coordinator,
 every rank's RPCs and the collective job each rank ran; with tracing off nothing is installed."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from shardserve.core import ChunkShardingSpec
+from shardserve.server.common import tracing
+from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.node import node_launches
 
-from client import connect
-from server.common import tracing
-from server.launcher import PROJECT_ROOT, LocalCluster
-from server.node import node_launches
-from shardcore import ChunkShardingSpec
+from shardserve import connect
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -27,7 +28,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 RANKS = 2
 SHARD_SERVER = "/shardserve.v1.ShardServer/"
 RESHARD = "/shardserve.v1.Coordinator/Reshard"
-SPAN_WAIT_S = 30.0  # bound on waiting for a rank's spans to reach its file (written as each span ends)
+SPAN_WAIT_S = (
+    30.0  # bound on waiting for a rank's spans to reach its file (written as each span ends)
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,12 @@ def traced_cluster(make_cluster, span_dir: Path) -> LocalCluster:
 
 def read_spans(span_dir: Path, service: str) -> list[dict]:
     """Every span the process(es) named `service` wrote, as OpenTelemetry's JSON."""
-    return [json.loads(line) for path in sorted(span_dir.glob(f"{service}-*.jsonl"))
-            for line in path.read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line)
+        for path in sorted(span_dir.glob(f"{service}-*.jsonl"))
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
 
 
 def spans_of_trace(span_dir: Path, service: str, trace_id: str, wanted: set[str]) -> list[dict]:
@@ -57,8 +64,9 @@ def spans_of_trace(span_dir: Path, service: str, trace_id: str, wanted: set[str]
         time.sleep(0.1)
 
 
-def test_reshard_is_one_trace_across_client_coordinator_and_ranks(traced_cluster: LocalCluster,
-                                                                  span_dir: Path) -> None:
+def test_reshard_is_one_trace_across_client_coordinator_and_ranks(
+    traced_cluster: LocalCluster, span_dir: Path
+) -> None:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -70,7 +78,11 @@ def test_reshard_is_one_trace_across_client_coordinator_and_ranks(traced_cluster
         assert torch.equal(moved.fetch((0, 0), (64, 8)), table)
     trace_id = f"0x{root.get_span_context().trace_id:032x}"
 
-    client_spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == root.get_span_context().trace_id]
+    client_spans = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.context.trace_id == root.get_span_context().trace_id
+    ]
     assert [s.name for s in client_spans if s.kind.name == "CLIENT"] == [RESHARD]
     reshard_call = next(s for s in client_spans if s.name == RESHARD)
     assert reshard_call.parent.span_id == root.get_span_context().span_id
@@ -78,23 +90,37 @@ def test_reshard_is_one_trace_across_client_coordinator_and_ranks(traced_cluster
     coordinator = spans_of_trace(span_dir, "shardserve-coordinator", trace_id, {RESHARD})
     served = [s for s in coordinator if s["name"] == RESHARD and s["kind"] == "SpanKind.SERVER"]
     assert len(served) == 1 and served[0]["parent_id"] == f"0x{reshard_call.context.span_id:016x}"
-    assert not any(s["name"].endswith("/Heartbeat") for s in read_spans(span_dir, "shardserve-coordinator"))
+    assert not any(
+        s["name"].endswith("/Heartbeat") for s in read_spans(span_dir, "shardserve-coordinator")
+    )
     to_ranks = {s["name"] for s in coordinator if s["kind"] == "SpanKind.CLIENT"}
     assert {SHARD_SERVER + "RunCollective", SHARD_SERVER + "PromoteVersion"} <= to_ranks
 
     for rank in range(RANKS):
-        wanted = {SHARD_SERVER + "RunCollective", SHARD_SERVER + "PromoteVersion", "collective reshard"}
+        wanted = {
+            SHARD_SERVER + "RunCollective",
+            SHARD_SERVER + "PromoteVersion",
+            "collective reshard",
+        }
         spans = spans_of_trace(span_dir, f"shardserve-rank-{rank}", trace_id, wanted)
-        assert wanted <= {s["name"] for s in spans}, f"rank {rank} wrote {sorted(s['name'] for s in spans)}"
-        assert all(s["resource"]["attributes"]["service.name"] == f"shardserve-rank-{rank}" for s in spans)
+        assert wanted <= {s["name"] for s in spans}, (
+            f"rank {rank} wrote {sorted(s['name'] for s in spans)}"
+        )
+        assert all(
+            s["resource"]["attributes"]["service.name"] == f"shardserve-rank-{rank}" for s in spans
+        )
         run = next(s for s in spans if s["name"] == SHARD_SERVER + "RunCollective")
         job = next(s for s in spans if s["name"] == "collective reshard")
-        assert job["parent_id"] == run["context"]["span_id"]  # the job's own thread continues the call's trace
+        assert (
+            job["parent_id"] == run["context"]["span_id"]
+        )  # the job's own thread continues the call's trace
         assert job["attributes"]["shardserve.rank"] == rank
         assert run["parent_id"] in {s["context"]["span_id"] for s in coordinator}
 
 
-def test_lookups_without_a_trace_start_their_own(traced_cluster: LocalCluster, span_dir: Path) -> None:
+def test_lookups_without_a_trace_start_their_own(
+    traced_cluster: LocalCluster, span_dir: Path
+) -> None:
     """A client with tracing off still reaches a traced cluster, whose ranks then start a trace per call."""
     table = torch.randn(32, 4)
     with connect(traced_cluster.address, transport="grpc", tracing=False) as cluster:
@@ -109,10 +135,10 @@ def test_tracing_off_installs_nothing(tmp_path: Path) -> None:
     the coordinator and client process, wrap no channel, and write no span."""
     script = f"""
 import sys, torch
-from client import connect
-from server.common import tracing
-from server.launcher import LocalCluster
-with LocalCluster(ranks=1, state_dir={str(tmp_path / 'state')!r}) as local:
+from shardserve import connect
+from shardserve.server.common import tracing
+from shardserve.server.launcher import LocalCluster
+with LocalCluster(ranks=1, state_dir={str(tmp_path / "state")!r}) as local:
     with connect(local.address, transport="grpc") as cluster:
         table = torch.randn(16, 4)
         assert torch.equal(cluster.put("plain", table).fetch((0, 0), (16, 4)), table)
@@ -123,8 +149,14 @@ assert not loaded, loaded
 print("untraced ok")
 """
     env = {k: v for k, v in os.environ.items() if k != tracing.TRACING_ENV}
-    done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=PROJECT_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "untraced ok" in done.stdout
 
@@ -134,12 +166,25 @@ def test_bad_exporter_is_refused_naming_the_flag() -> None:
         LocalCluster(ranks=1, tracing="zipkin")
     with pytest.raises(ValueError, match="tracing must be"):
         connect("127.0.0.1:1", tracing="yes")
-    rank = subprocess.run([sys.executable, "-m", "server", "--coordinator", "127.0.0.1:1", "--tracing", "file:"],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120)
+    rank = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "--coordinator",
+            "127.0.0.1:1",
+            "--tracing",
+            "file:",
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rank.returncode == 2 and "--tracing 'file:'" in rank.stderr
 
 
 def test_node_hands_tracing_to_its_ranks() -> None:
     args = argparse.Namespace(metrics_port=None, tracing="file:/spans", world_size=4)
-    launches = node_launches(args, [2, 3], None, ["python", "-m", "server"])
+    launches = node_launches(args, [2, 3], None, ["python", "-m", "shardserve.server"])
     assert [list(launch.command[-2:]) for launch in launches] == [["--tracing", "file:/spans"]] * 2

@@ -6,6 +6,7 @@ rank 0 keeps serving, reads of rank 1 end by the call's deadline, the coordinato
 refused naming it; once the link is back rank 1 heartbeats, is reconciled with its shards whole, and a reshard
 across the hosts runs in a new epoch. Needs root and `ip netns`; skipped otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,18 +17,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from server_processes import server_env
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_SCRIPT = Path(__file__).with_name("two_host_client.py")
 ADDRESS_A, ADDRESS_B = "10.77.0.1", "10.77.0.2"
 COORDINATOR = f"{ADDRESS_A}:50051"  # a fresh namespace: every port is free
-CALL_TIMEOUT_S = 4.0   # the client's deadline: reads of the cut-off rank must end by it
+CALL_TIMEOUT_S = 4.0  # the client's deadline: reads of the cut-off rank must end by it
 CUT_S = 15.0
 START_S = 90.0
 
@@ -48,7 +48,10 @@ class Namespaces:
         run("ip", "netns", "add", self.a)
         run("ip", "netns", "add", self.b)
         run("ip", "link", "add", self.link_a, "type", "veth", "peer", "name", self.link_b)
-        for ns, link, address in ((self.a, self.link_a, ADDRESS_A), (self.b, self.link_b, ADDRESS_B)):
+        for ns, link, address in (
+            (self.a, self.link_a, ADDRESS_A),
+            (self.b, self.link_b, ADDRESS_B),
+        ):
             run("ip", "link", "set", link, "netns", ns)
             run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", link)
             run("ip", "-n", ns, "link", "set", link, "up")
@@ -58,7 +61,10 @@ class Namespaces:
         run("ip", "-n", self.a, "link", "set", self.link_a, "up" if up else "down")
 
     def remove(self) -> None:
-        for ns in (self.a, self.b):  # deleting a namespace deletes its end of the veth pair, and so the pair
+        for ns in (
+            self.a,
+            self.b,
+        ):  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
 
 
@@ -67,8 +73,22 @@ class Driver:
 
     def __init__(self, namespace: str, log: Path) -> None:
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", namespace, sys.executable, str(CLIENT_SCRIPT), COORDINATOR, str(CALL_TIMEOUT_S)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True, cwd=ROOT)
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespace,
+                sys.executable,
+                str(CLIENT_SCRIPT),
+                COORDINATOR,
+                str(CALL_TIMEOUT_S),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+            cwd=ROOT,
+        )
         self.log = log
         self.answers: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -120,20 +140,56 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Namespaces
         env = server_env()  # with the cluster secret the servers share
         if rank is not None:
             env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        procs.append(subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "server", *args],
-                                      env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                      stderr=(logs / f"{name}.log").open("w")))
+        procs.append(
+            subprocess.Popen(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    sys.executable,
+                    "-m",
+                    "shardserve.server",
+                    *args,
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=(logs / f"{name}.log").open("w"),
+            )
+        )
+
     try:
         namespaces.create()
-        start(namespaces.a, ["coordinator", "--listen", COORDINATOR, "--store-port", "50052",
-                             "--state-dir", str(logs / "state")], "coordinator")
-        for rank, (namespace, address) in enumerate(((namespaces.a, ADDRESS_A), (namespaces.b, ADDRESS_B))):
-            start(namespace, ["--coordinator", COORDINATOR, "--listen", f"{address}:0"], f"rank{rank}", rank)
+        start(
+            namespaces.a,
+            [
+                "coordinator",
+                "--listen",
+                COORDINATOR,
+                "--store-port",
+                "50052",
+                "--state-dir",
+                str(logs / "state"),
+            ],
+            "coordinator",
+        )
+        for rank, (namespace, address) in enumerate(
+            ((namespaces.a, ADDRESS_A), (namespaces.b, ADDRESS_B))
+        ):
+            start(
+                namespace,
+                ["--coordinator", COORDINATOR, "--listen", f"{address}:0"],
+                f"rank{rank}",
+                rank,
+            )
         driver = Driver(namespaces.a, logs / "client.log")
         procs.append(driver.proc)
         assert driver.next_answer(START_S).get("ready")
         for rank in (0, 1):
-            assert driver("wait_alive", within=START_S + 5, rank=rank, alive=True, limit=START_S)["reached"]
+            assert driver("wait_alive", within=START_S + 5, rank=rank, alive=True, limit=START_S)[
+                "reached"
+            ]
         yield namespaces, driver
     finally:
         for proc in procs:  # `ip netns exec` execs the command: these are the processes themselves
@@ -145,7 +201,10 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Namespaces
 
 def test_reads_lookups_and_a_reshard_cross_the_hosts(hosts: tuple[Namespaces, Driver]) -> None:
     _, client = hosts
-    assert client("same_host")["mapped"] == {"0": True, "1": False}  # rank 1's namespace is another host
+    assert client("same_host")["mapped"] == {
+        "0": True,
+        "1": False,
+    }  # rank 1's namespace is another host
     assert client("put", name="t", seed=1, rows=1000, cols=64)["ok"]
     for transport in ("tcp", "grpc", "auto"):
         checked = client("check", name="t", transport=transport)
@@ -160,8 +219,12 @@ def test_reads_lookups_and_a_reshard_cross_the_hosts(hosts: tuple[Namespaces, Dr
 
 def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
     namespaces, client = hosts
-    assert client("put", name="c", seed=2, rows=1000, cols=64)["ok"]  # rows 0-499 on rank 0, 500-999 on rank 1
-    assert client("update_rows", name="c", ids=[1, 900], seed=3)["ok"]  # acknowledged before the cut
+    assert client("put", name="c", seed=2, rows=1000, cols=64)[
+        "ok"
+    ]  # rows 0-499 on rank 0, 500-999 on rank 1
+    assert client("update_rows", name="c", ids=[1, 900], seed=3)[
+        "ok"
+    ]  # acknowledged before the cut
     before = client("check", name="c", transport="tcp")
     assert before["equal"], before
     cut = time.monotonic()
@@ -170,13 +233,18 @@ def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
         rank0 = client("read", name="c", offsets=[0, 0], sizes=[10, 64], transport="tcp")
         assert rank0["ok"] and rank0["equal"], rank0
         rank1 = client("read", name="c", offsets=[990, 0], sizes=[10, 64], transport="tcp")
-        assert not rank1["ok"] and rank1["error"] in ("DeadlineExceededError", "RankUnavailableError",
-                                                      "ShardsLostError"), rank1
+        assert not rank1["ok"] and rank1["error"] in (
+            "DeadlineExceededError",
+            "RankUnavailableError",
+            "ShardsLostError",
+        ), rank1
         assert rank1["seconds"] <= CALL_TIMEOUT_S + 2.0, rank1  # the call's deadline bounds it
         dead = client("wait_alive", within=CUT_S + 5, rank=1, alive=False, limit=CUT_S)
         assert dead["reached"], dead
         lost = client("read", name="c", offsets=[990, 0], sizes=[10, 64], transport="grpc")
-        assert lost["error"] == "ShardsLostError" and "rank 1" in lost["message"], lost  # at once, once dead
+        assert lost["error"] == "ShardsLostError" and "rank 1" in lost["message"], (
+            lost
+        )  # at once, once dead
         assert client("health", name="c")["health"] == "lost"
         refused = client("reshard", name="c", dim=1, within=CALL_TIMEOUT_S + 10)
         assert not refused["ok"] and "rank 1" in refused["message"], refused
@@ -187,11 +255,15 @@ def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
         namespaces.set_link(up=True)
     back = client("wait_alive", within=35.0, rank=1, alive=True, limit=30.0)
     assert back["reached"], back
-    print(f"cut link: read of rank 1 failed after {rank1['seconds']}s ({rank1['error']}), rank 1 marked dead "
-          f"{dead['seconds'] + rank0['seconds'] + rank1['seconds']:.1f}s after the cut, reshard refused in "
-          f"{refused['seconds']}s, alive {back['seconds']}s after the link returned")
+    print(
+        f"cut link: read of rank 1 failed after {rank1['seconds']}s ({rank1['error']}), rank 1 marked dead "
+        f"{dead['seconds'] + rank0['seconds'] + rank1['seconds']:.1f}s after the cut, reshard refused in "
+        f"{refused['seconds']}s, alive {back['seconds']}s after the link returned"
+    )
     health = client("health", name="c")
-    assert health["health"] == "healthy" and health["version"] == before["version"], health  # no repair ran
+    assert health["health"] == "healthy" and health["version"] == before["version"], (
+        health
+    )  # no repair ran
     for transport in ("tcp", "grpc"):
         checked = client("check", name="c", transport=transport)
         assert checked.get("equal"), checked  # the update is still there

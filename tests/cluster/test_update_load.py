@@ -6,6 +6,7 @@ tensor every second. Afterwards: no read failed, no update failed or was aborted
 table at one committed version bit for bit (the writer's values carry the number of the update that wrote
 them, which narrows the versions an answer can be).
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -14,12 +15,12 @@ import time
 from pathlib import Path
 
 import torch
-
 import update_load_client as load
-from client import connect
-from server.launcher import PROJECT_ROOT, LocalCluster
 from server_processes import server_env
-from shardcore.specs import ChunkShardingSpec
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+
+from shardserve import connect
 
 RUN_S = 3.0
 START_TIMEOUT_S = 240.0  # 16 interpreters importing torch on a busy 2-core host
@@ -30,9 +31,16 @@ SCRIPT = Path(__file__).with_name("update_load_client.py")
 def _run_load(address: str, folder: Path) -> list[dict]:
     """Start the 16 clients, let them go together once all are connected, and collect what each saw."""
     logs = [open(folder / f"log-{k}.txt", "w") for k in range(len(ROLES))]
-    processes = [subprocess.Popen([sys.executable, str(SCRIPT), role, address, str(folder), str(k), str(RUN_S)],
-                                  env=server_env(), cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT)
-                 for k, (role, log) in enumerate(zip(ROLES, logs))]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), role, address, str(folder), str(k), str(RUN_S)],
+            env=server_env(),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for k, (role, log) in enumerate(zip(ROLES, logs))
+    ]
     try:
         give_up = time.monotonic() + START_TIMEOUT_S
         while len(list(folder.glob("ready-*"))) < len(ROLES):
@@ -49,7 +57,9 @@ def _run_load(address: str, folder: Path) -> list[dict]:
                 process.wait(timeout=30)
         for log in logs:
             log.close()
-    assert codes == [0] * len(ROLES), [(folder / f"log-{k}.txt").read_text()[-2000:] for k, c in enumerate(codes) if c]
+    assert codes == [0] * len(ROLES), [
+        (folder / f"log-{k}.txt").read_text()[-2000:] for k, c in enumerate(codes) if c
+    ]
     return [torch.load(folder / f"result-{k}.pt") for k in range(len(ROLES))]
 
 
@@ -64,12 +74,13 @@ def _states(updates: list[tuple[int, int, torch.Tensor]]) -> tuple[list[int], li
     return numbers, tables
 
 
-def _is_a_committed_version(ids: torch.Tensor, rows: torch.Tensor, numbers: list[int],
-                            tables: list[torch.Tensor]) -> bool:
+def _is_a_committed_version(
+    ids: torch.Tensor, rows: torch.Tensor, numbers: list[int], tables: list[torch.Tensor]
+) -> bool:
     """Whether `rows` equal rows `ids` of one committed table: tried from the version of the newest update the
     answer shows, on until a table holds a newer update of those rows than the answer does."""
     newest = int(rows[:, 0].max())
-    for table in tables[numbers.index(newest):]:
+    for table in tables[numbers.index(newest) :]:
         expected = table[ids]
         if torch.equal(rows, expected):
             return True
@@ -78,10 +89,16 @@ def _is_a_committed_version(ids: torch.Tensor, rows: torch.Tensor, numbers: list
     return False
 
 
-def test_sixteen_clients_read_while_one_writes_and_reshards(cluster3: LocalCluster, tmp_path: Path) -> None:
+def test_sixteen_clients_read_while_one_writes_and_reshards(
+    cluster3: LocalCluster, tmp_path: Path
+) -> None:
     """Zero failed reads, zero failed or aborted updates, zero wrong answers under the issue's mixed load."""
     with connect(cluster3.address) as admin:
-        admin.put(load.TABLE, load.initial_table(), spec=ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(3)]))
+        admin.put(
+            load.TABLE,
+            load.initial_table(),
+            spec=ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(3)]),
+        )
         admin.put(load.SQUARE, load.square(), spec=load.SQUARE_SPECS[0])
     try:
         results = _run_load(cluster3.address, tmp_path)
@@ -96,11 +113,17 @@ def test_sixteen_clients_read_while_one_writes_and_reshards(cluster3: LocalClust
     writer = results[ROLES.index("writer")]
     assert writer["updates"] and writer["reshards"] >= 1
     updates = writer["updates"]
-    assert [u[0] for u in updates] == sorted({u[0] for u in updates})  # one writer: a new version per call, in order
+    assert [u[0] for u in updates] == sorted(
+        {u[0] for u in updates}
+    )  # one writer: a new version per call, in order
     numbers, tables = _states(updates)
     assert torch.equal(final, tables[-1])
     assert torch.equal(square, load.square())
     answers = [answer for r in results if r["role"] != "writer" for answer in r["answers"]]
     assert all(r["reads"] > 0 for r in results if r["role"] != "writer")
-    wrong = [k for k, (ids, rows) in enumerate(answers) if not _is_a_committed_version(ids, rows, numbers, tables)]
+    wrong = [
+        k
+        for k, (ids, rows) in enumerate(answers)
+        if not _is_a_committed_version(ids, rows, numbers, tables)
+    ]
     assert wrong == [], f"{len(wrong)} of {len(answers)} answers match no committed version"

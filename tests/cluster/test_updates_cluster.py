@@ -1,5 +1,6 @@
 """Online row updates on a real 3-rank cluster: ordered writers, group commit, reads during updates and
 reshards, memory of copy-on-write blocks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,22 +10,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+import group_commit_writer as group_writer
 import grpc
 import pytest
 import torch
-
-import group_commit_writer as group_writer
-from client import connect
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import PROJECT_ROOT, LocalCluster
 from server_processes import server_env
-from server.rank.blocks import BLOCK_BYTES
-from server.rank.shared_memory import HEADER_BYTES
-from shardcore.specs import ChunkShardingSpec
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.rank.blocks import BLOCK_BYTES
+from shardserve.server.rank.shared_memory import HEADER_BYTES
+
+from shardserve import connect
 
 ROWS, COLUMNS = 240, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
@@ -40,7 +41,9 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(ranks=3, version_grace=60.0)
 
 
-def _states(initial: torch.Tensor, calls: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> dict[int, torch.Tensor]:
+def _states(
+    initial: torch.Tensor, calls: list[tuple[int, int, torch.Tensor, torch.Tensor]]
+) -> dict[int, torch.Tensor]:
     """The table after every committed version: calls (version, order, ids, values) applied by version, then by
     call order within a version (group commit)."""
     states, table = {0: initial.clone()}, initial.clone()
@@ -50,8 +53,12 @@ def _states(initial: torch.Tensor, calls: list[tuple[int, int, torch.Tensor, tor
     return states
 
 
-def _matches_a_state(answer: torch.Tensor, ids: torch.Tensor | None, states: dict[int, torch.Tensor]) -> bool:
-    return any(torch.equal(answer, state if ids is None else state[ids]) for state in states.values())
+def _matches_a_state(
+    answer: torch.Tensor, ids: torch.Tensor | None, states: dict[int, torch.Tensor]
+) -> bool:
+    return any(
+        torch.equal(answer, state if ids is None else state[ids]) for state in states.values()
+    )
 
 
 def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) -> None:
@@ -71,7 +78,9 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
         generator = torch.Generator().manual_seed(seed)
         with connect(cluster.address) as client:
             while time.monotonic() < stop:
-                ids = torch.randint(0, ROWS // 4, (6,), generator=generator)  # a quarter of the rows: overlaps
+                ids = torch.randint(
+                    0, ROWS // 4, (6,), generator=generator
+                )  # a quarter of the rows: overlaps
                 values = torch.randn(ids.numel(), COLUMNS, generator=generator)
                 try:
                     landed = client.update_rows_ordered("upd-order", ids, values)
@@ -105,8 +114,10 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
                     errors.append(f"reshard: {err!r}")
 
     threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(3)]
-    threads += [threading.Thread(target=reader, args=args) for args in (("auto", False), ("grpc", False),
-                                                                         ("auto", True))]
+    threads += [
+        threading.Thread(target=reader, args=args)
+        for args in (("auto", False), ("grpc", False), ("auto", True))
+    ]
     threads.append(threading.Thread(target=resharder))
     for thread in threads:
         thread.start()
@@ -116,17 +127,23 @@ def test_writers_readers_and_reshards_agree_on_one_order(cluster: LocalCluster) 
     assert errors == []
     assert calls and reads
     places = [(c[0], c[1]) for c in calls]
-    assert len(set(places)) == len(places)  # one client per writer: every call its own place in the order
+    assert len(set(places)) == len(
+        places
+    )  # one client per writer: every call its own place in the order
     states = _states(initial, calls)
     with connect(cluster.address) as admin:
         final = admin.tensor("upd-order").full_tensor()
         admin.delete("upd-order")
     assert torch.equal(final, states[max(states)])
-    wrong = [i for i, (answer, ids) in enumerate(reads) if not _matches_a_state(answer, ids, states)]
+    wrong = [
+        i for i, (answer, ids) in enumerate(reads) if not _matches_a_state(answer, ids, states)
+    ]
     assert wrong == []
 
 
-def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(cluster: LocalCluster) -> None:
+def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(
+    cluster: LocalCluster,
+) -> None:
     """Threads of one client updating one table at once: calls queued during an update go into one version
     together; each returns a version whose table holds its rows, and the final table holds every call."""
     with connect(cluster.address) as client:
@@ -134,7 +151,9 @@ def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(cluster: L
         results: dict[int, int] = {}
 
         def call(k: int) -> None:  # disjoint rows per call: every order gives the same final table
-            results[k] = client.update_rows("upd-group", torch.tensor([k]), torch.full((1, COLUMNS), float(k)))
+            results[k] = client.update_rows(
+                "upd-group", torch.tensor([k]), torch.full((1, COLUMNS), float(k))
+            )
 
         threads = [threading.Thread(target=call, args=(k,)) for k in range(1, 17)]
         for thread in threads:
@@ -153,9 +172,23 @@ def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(cluster: L
 def _run_writers(address: str, folder: Path) -> list[dict]:
     """Start the writer processes, let them go together once all are connected, and collect what each did."""
     logs = [open(folder / f"log-{k}.txt", "w") for k in range(WRITER_PROCESSES)]
-    processes = [subprocess.Popen([sys.executable, group_writer.__file__, address, str(folder), str(k),
-                                   str(UPDATES_PER_WRITER)], env=server_env(), cwd=PROJECT_ROOT, stdout=log,
-                                  stderr=subprocess.STDOUT) for k, log in enumerate(logs)]
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                group_writer.__file__,
+                address,
+                str(folder),
+                str(k),
+                str(UPDATES_PER_WRITER),
+            ],
+            env=server_env(),
+            cwd=PROJECT_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for k, log in enumerate(logs)
+    ]
     try:
         give_up = time.monotonic() + PROCESS_TIMEOUT_S
         while len(list(folder.glob("ready-*"))) < WRITER_PROCESSES:
@@ -172,7 +205,9 @@ def _run_writers(address: str, folder: Path) -> list[dict]:
                 process.wait()
         for log in logs:
             log.close()
-    assert codes == [0] * WRITER_PROCESSES, [(folder / f"log-{k}.txt").read_text() for k in range(len(codes))]
+    assert codes == [0] * WRITER_PROCESSES, [
+        (folder / f"log-{k}.txt").read_text() for k in range(len(codes))
+    ]
     return [torch.load(folder / f"result-{k}.pt") for k in range(WRITER_PROCESSES)]
 
 
@@ -182,17 +217,27 @@ def _version_copies(client: object, name: str, version: int) -> list[tuple[int, 
     copies = []
     for index, shard in enumerate(client.tensor(name).metadata().shards_metadata):
         start, count = shard.shard_offsets[0], shard.shard_sizes[0]
-        item = pb.LookupItem(name=name, version=version, shard_index=index,
-                             ids=torch.arange(start, start + count, dtype=torch.int64).numpy().tobytes())
+        item = pb.LookupItem(
+            name=name,
+            version=version,
+            shard_index=index,
+            ids=torch.arange(start, start + count, dtype=torch.int64).numpy().tobytes(),
+        )
         with grpc.insecure_channel(client.session.address_of(shard.rank)) as channel:
-            chunks = list(pb_grpc.ShardServerStub(channel).Lookup(pb.LookupRequest(items=[item]), timeout=30))
+            chunks = list(
+                pb_grpc.ShardServerStub(channel).Lookup(pb.LookupRequest(items=[item]), timeout=30)
+            )
         assert chunks[0].version == version
         data = bytearray(b"".join(chunk.data for chunk in chunks))
-        copies.append((start, torch.frombuffer(data, dtype=torch.float32).view(count, shard.shard_sizes[1])))
+        copies.append(
+            (start, torch.frombuffer(data, dtype=torch.float32).view(count, shard.shard_sizes[1]))
+        )
     return copies
 
 
-def test_writer_processes_are_grouped_into_versions_in_one_order(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_writer_processes_are_grouped_into_versions_in_one_order(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
     """Several client processes update overlapping rows of one table at once: none is aborted, each is told a
     (version, order) of its own, and every version read back equals the updates applied in (version, order)
     order up to it, bit for bit, on every copy (replicas=2): a caller's version holds its rows unless a later
@@ -201,20 +246,29 @@ def test_writer_processes_are_grouped_into_versions_in_one_order(cluster: LocalC
     with connect(cluster.address) as admin:
         admin.put(group_writer.TABLE, initial, replicas=2)
         results = _run_writers(cluster.address, tmp_path)
-        assert [r["errors"] for r in results] == [[]] * WRITER_PROCESSES  # nothing aborted, nothing failed
+        assert [r["errors"] for r in results] == [
+            []
+        ] * WRITER_PROCESSES  # nothing aborted, nothing failed
         calls = [call for r in results for call in r["calls"]]
         assert len(calls) == WRITER_PROCESSES * UPDATES_PER_WRITER
         members: dict[int, list[int]] = {}
         for version, order, _, _ in calls:
             members.setdefault(version, []).append(order)
-        for orders in members.values():  # members of a version are numbered 0, 1, ... in the order they wrote
+        for orders in (
+            members.values()
+        ):  # members of a version are numbered 0, 1, ... in the order they wrote
             assert sorted(orders) == list(range(len(orders)))
         states = _states(initial, calls)
         for version in sorted(members):
             copies = _version_copies(admin, group_writer.TABLE, version)
-            assert sum(rows.shape[0] for _, rows in copies) == 2 * initial.shape[0]  # both copies of every row
+            assert (
+                sum(rows.shape[0] for _, rows in copies) == 2 * initial.shape[0]
+            )  # both copies of every row
             for start, rows in copies:
-                assert torch.equal(rows, states[version][start:start + rows.shape[0]]), (version, start)
+                assert torch.equal(rows, states[version][start : start + rows.shape[0]]), (
+                    version,
+                    start,
+                )
         final = admin.tensor(group_writer.TABLE)
         assert final.version == max(members)
         assert torch.equal(final.full_tensor(), states[max(members)])
@@ -229,7 +283,9 @@ def test_a_replaced_version_stays_readable_for_the_grace_period(cluster: LocalCl
         old = client.put("upd-grace", table, spec=ROW_WISE)
         shard = old.remote_shards()[1][0]
         client.update_rows("upd-grace", torch.arange(ROWS), torch.zeros(ROWS, COLUMNS))
-        assert torch.equal(shard.fetch(), table[ROWS // 3:2 * ROWS // 3])  # version old.version, on rank 1
+        assert torch.equal(
+            shard.fetch(), table[ROWS // 3 : 2 * ROWS // 3]
+        )  # version old.version, on rank 1
         assert torch.equal(client.tensor("upd-grace").full_tensor(), torch.zeros(ROWS, COLUMNS))
         client.delete("upd-grace")
         with pytest.raises(Exception, match="not found|no longer|not held"):
@@ -250,7 +306,8 @@ def _shard_memory(pid: int) -> int:
 
 
 def test_memory_during_100_updates_of_a_256_mib_table_is_the_table_plus_the_grace_windows_blocks(
-        cluster: LocalCluster) -> None:
+    cluster: LocalCluster,
+) -> None:
     """Updates share the blocks they do not change: during 100 updates of 64 random rows of a 256 MiB table,
     each rank holds (as the kernel counts its shared-memory files, and as it accounts) its shard plus the blocks
     copied by the versions in their grace period (here all of them), never a copy per update."""
@@ -258,7 +315,11 @@ def test_memory_during_100_updates_of_a_256_mib_table_is_the_table_plus_the_grac
     pids = cluster.rank_pids
     baseline = [_shard_memory(pid) for pid in pids]
     with connect(cluster.address) as client:
-        shards = client.put("upd-memory", torch.zeros(rows, columns), spec=ROW_WISE).metadata().shards_metadata
+        shards = (
+            client.put("upd-memory", torch.zeros(rows, columns), spec=ROW_WISE)
+            .metadata()
+            .shards_metadata
+        )
         generator = torch.Generator().manual_seed(5)
         copied = [0, 0, 0]
         for _ in range(100):
@@ -268,8 +329,13 @@ def test_memory_during_100_updates_of_a_256_mib_table_is_the_table_plus_the_grac
                 rank, (start, count) = shard.rank, (shard.shard_offsets[0], shard.shard_sizes[0])
                 local = ids[(ids >= start) & (ids < start + count)] - start
                 copied[rank] += (local * columns * 4 // BLOCK_BYTES).unique().numel() * BLOCK_BYTES
-                shard_bytes = -(-count * columns * 4 // mmap.PAGESIZE) * mmap.PAGESIZE  # its memfd, in whole pages
-                assert _shard_memory(pids[rank]) - baseline[rank] <= HEADER_BYTES + shard_bytes + copied[rank]
+                shard_bytes = (
+                    -(-count * columns * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+                )  # its memfd, in whole pages
+                assert (
+                    _shard_memory(pids[rank]) - baseline[rank]
+                    <= HEADER_BYTES + shard_bytes + copied[rank]
+                )
         for shard in shards:
             rank = shard.rank
             with grpc.insecure_channel(client.session.address_of(rank)) as channel:

@@ -6,18 +6,20 @@ Every tensor a command names is made from a seed with plain torch, and answers c
 with it bit for bit. An answer is {"ok": true, ...} or {"ok": false, "error": exception class name,
 "message": ...}, with "seconds": how long the command took.
 """
+
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from shardserve.core import ChunkShardingSpec
 
-from client import RankUnavailableError, connect
-from shardcore import ChunkShardingSpec
+from shardserve import RankUnavailableError, connect
 
 PLACEMENTS = ["rank:0/cpu", "rank:1/cpu"]
 
@@ -49,10 +51,16 @@ class Driver:
         """The whole tensor read by `transport`, compared bit for bit; also the ranks that hold it."""
         remote = self._client(transport).tensor(name)
         got = remote.full_tensor()
-        return {"equal": torch.equal(got, self.expected[name]), "version": remote.version,
-                "ranks": sorted(remote.remote_shards()), "dim": _split_dim(remote)}
+        return {
+            "equal": torch.equal(got, self.expected[name]),
+            "version": remote.version,
+            "ranks": sorted(remote.remote_shards()),
+            "dim": _split_dim(remote),
+        }
 
-    def read(self, name: str, offsets: list[int], sizes: list[int], transport: str = "auto") -> dict:
+    def read(
+        self, name: str, offsets: list[int], sizes: list[int], transport: str = "auto"
+    ) -> dict:
         """One box, compared bit for bit with the same box of the reference."""
         got = self._client(transport).tensor(name).fetch(offsets, sizes)
         want = self.expected[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
@@ -72,7 +80,9 @@ class Driver:
         return {"version": version}
 
     def reshard(self, name: str, dim: int, timeout: float | None = None) -> dict:
-        remote = self.cluster.tensor(name).reshard(ChunkShardingSpec(dim, PLACEMENTS), timeout=timeout)
+        remote = self.cluster.tensor(name).reshard(
+            ChunkShardingSpec(dim, PLACEMENTS), timeout=timeout
+        )
         return {"version": remote.version, "dim": _split_dim(remote)}
 
     def ranks(self) -> dict:

@@ -6,28 +6,35 @@ saves what it saw to FOLDER/result-INDEX.pt (torch.save of a dict): readers thei
 against the versions the writer committed), the writer every update it committed (version, ids, values), and
 every process the errors it met. Nothing is judged here: the test compares the answers bit for bit.
 """
+
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from shardserve.core import ChunkShardingSpec
 
-from client import connect
-from shardcore import ChunkShardingSpec
+from shardserve import connect
 
 TABLE, SQUARE = "load-table", "load-square"
-ROWS, COLUMNS = 20_000, 8  # column 0 of a row: the writer's number of the update that wrote it (0: the put)
+ROWS, COLUMNS = (
+    20_000,
+    8,
+)  # column 0 of a row: the writer's number of the update that wrote it (0: the put)
 SQUARE_SIZE = 1024
 LOOKUP_IDS, UPDATE_ROWS, FETCH_ROWS = 256, 64, 500
 UPDATE_EVERY_S, RESHARD_EVERY_S = 0.05, 1.0
 READS_KEPT = 3000  # answers saved per reader (later ones are still checked for errors, not saved)
 START_WAIT_S = 300.0
-SQUARE_SPECS = (ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
-                ChunkShardingSpec(1, ["rank:2/cpu", "rank:1/cpu"]))
+SQUARE_SPECS = (
+    ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]),
+    ChunkShardingSpec(1, ["rank:2/cpu", "rank:1/cpu"]),
+)
 
 
 def initial_table() -> torch.Tensor:
@@ -45,7 +52,9 @@ def square() -> torch.Tensor:
 
 def update_values(number: int, ids: torch.Tensor) -> torch.Tensor:
     """The rows update `number` writes at `ids`: [number, id, six seeded floats]."""
-    values = torch.randn(ids.numel(), COLUMNS, generator=torch.Generator().manual_seed(1000 + number))
+    values = torch.randn(
+        ids.numel(), COLUMNS, generator=torch.Generator().manual_seed(1000 + number)
+    )
     values[:, 0] = float(number)
     values[:, 1] = ids.to(torch.float32)
     return values
@@ -63,12 +72,20 @@ def _fetches(client: Any, until: float, seed: int, out: dict) -> None:
     reference = square()
     while time.monotonic() < until:
         start = int(torch.randint(0, ROWS - FETCH_ROWS, (1,), generator=generator))
-        _attempt(out, lambda: client.tensor(TABLE).fetch([start, 0], [FETCH_ROWS, COLUMNS]),
-                 lambda rows: (torch.arange(start, start + FETCH_ROWS), rows))
+        _attempt(
+            out,
+            lambda: client.tensor(TABLE).fetch([start, 0], [FETCH_ROWS, COLUMNS]),
+            lambda rows: (torch.arange(start, start + FETCH_ROWS), rows),
+        )
         corner = int(torch.randint(0, SQUARE_SIZE // 2, (1,), generator=generator))
-        box = (slice(corner, corner + SQUARE_SIZE // 2), slice(corner // 2, corner // 2 + SQUARE_SIZE // 2))
+        box = (
+            slice(corner, corner + SQUARE_SIZE // 2),
+            slice(corner // 2, corner // 2 + SQUARE_SIZE // 2),
+        )
         try:
-            got = client.tensor(SQUARE).fetch([corner, corner // 2], [SQUARE_SIZE // 2, SQUARE_SIZE // 2])
+            got = client.tensor(SQUARE).fetch(
+                [corner, corner // 2], [SQUARE_SIZE // 2, SQUARE_SIZE // 2]
+            )
             out["square_reads"] += 1
             if not torch.equal(got, reference[box]):
                 out["wrong"].append(f"box of {SQUARE} at {corner} differs")
@@ -76,7 +93,9 @@ def _fetches(client: Any, until: float, seed: int, out: dict) -> None:
             out["errors"].append(f"fetch {SQUARE}: {err!r}")
 
 
-def _attempt(out: dict, read: Callable[[], torch.Tensor], keep: Callable[[torch.Tensor], tuple]) -> None:
+def _attempt(
+    out: dict, read: Callable[[], torch.Tensor], keep: Callable[[torch.Tensor], tuple]
+) -> None:
     """One read: its answer kept for the test (up to READS_KEPT), its failure reported."""
     try:
         rows = read()
@@ -118,14 +137,26 @@ def _reshards(client: Any, until: float, out: dict) -> None:
             out["errors"].append(f"reshard {turn}: {err!r}")
 
 
-ROLES = {"lookup-auto": ("auto", _lookups), "lookup-grpc": ("grpc", _lookups), "fetch": ("auto", _fetches),
-         "writer": ("auto", _writes)}
+ROLES = {
+    "lookup-auto": ("auto", _lookups),
+    "lookup-grpc": ("grpc", _lookups),
+    "fetch": ("auto", _fetches),
+    "writer": ("auto", _writes),
+}
 
 
 def main(role: str, address: str, folder: str, index: int, seconds: float) -> None:
     transport, run = ROLES[role]
-    out: dict = {"role": role, "errors": [], "wrong": [], "answers": [], "updates": [], "reads": 0,
-                 "square_reads": 0, "reshards": 0}
+    out: dict = {
+        "role": role,
+        "errors": [],
+        "wrong": [],
+        "answers": [],
+        "updates": [],
+        "reads": 0,
+        "square_reads": 0,
+        "reshards": 0,
+    }
     with connect(address, transport=transport) as client:
         client.tensor(TABLE)  # metadata cached before the clock starts
         Path(folder, f"ready-{index}").touch()

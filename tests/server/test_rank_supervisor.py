@@ -1,5 +1,6 @@
 """RankSupervisor on stand-in processes (a sleeping Python, no torch): restarts with backoff, --max-restarts,
 stop() racing a pending restart; and the pure parts (backoff, rank lists, `node` argument checks)."""
+
 from __future__ import annotations
 
 import logging
@@ -7,12 +8,17 @@ import os
 import signal
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
-
-from server.node import parse_args as parse_node_args
-from server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason, parse_rank_list
+from shardserve.server.node import parse_args as parse_node_args
+from shardserve.server.supervisor import (
+    RankLaunch,
+    RankSupervisor,
+    RestartPolicy,
+    exit_reason,
+    parse_rank_list,
+)
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 WAIT_S = 20.0
@@ -46,7 +52,9 @@ def kill(supervisor: RankSupervisor, rank: int) -> int:
 
 
 def test_the_backoff_doubles_to_its_cap_and_resets_after_a_stable_run():
-    policy = RestartPolicy(max_restarts=10, initial_backoff=1.0, max_backoff=30.0, stable_after=60.0)
+    policy = RestartPolicy(
+        max_restarts=10, initial_backoff=1.0, max_backoff=30.0, stable_after=60.0
+    )
     waits, previous = [], None
     for _ in range(7):
         previous = policy.next_backoff(previous, uptime=2.0)
@@ -63,20 +71,34 @@ def test_rank_lists_parse_ranges_and_lists_and_name_what_is_wrong():
     assert parse_rank_list("0-3", 4) == [0, 1, 2, 3]
     assert parse_rank_list("5,0,2", 8) == [0, 2, 5]
     assert parse_rank_list("0-1, 4", 8) == [0, 1, 4]
-    for text, message in [("0-4", "rank 4 is not below --world-size 4"), ("3-1", "'3-1' is not a range"),
-                          ("a", "'a' is not a rank"), ("", "'' is not a rank"), ("-1", "is not a rank"),
-                          ("0-2,2", r"names ranks \[2\] more than once")]:
+    for text, message in [
+        ("0-4", "rank 4 is not below --world-size 4"),
+        ("3-1", "'3-1' is not a range"),
+        ("a", "'a' is not a rank"),
+        ("", "'' is not a rank"),
+        ("-1", "is not a rank"),
+        ("0-2,2", r"names ranks \[2\] more than once"),
+    ]:
         with pytest.raises(ValueError, match=message):
             parse_rank_list(text, 4)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--ranks", "0-3", "--world-size", "2"], "rank 3 is not below --world-size 2"),
-    (["--ranks", "0", "--world-size", "0"], "--world-size must be >= 1"),
-    (["--ranks", "0", "--world-size", "1", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
-    (["--ranks", "0", "--world-size", "1", "--restart-backoff", "-1"], "--restart-backoff must be"),
-    (["--ranks", "0", "--world-size", "1", "--coordinator", "nohost"], "is not HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--ranks", "0-3", "--world-size", "2"], "rank 3 is not below --world-size 2"),
+        (["--ranks", "0", "--world-size", "0"], "--world-size must be >= 1"),
+        (
+            ["--ranks", "0", "--world-size", "1", "--max-restarts", "-1"],
+            "--max-restarts must be >= 0",
+        ),
+        (
+            ["--ranks", "0", "--world-size", "1", "--restart-backoff", "-1"],
+            "--restart-backoff must be",
+        ),
+        (["--ranks", "0", "--world-size", "1", "--coordinator", "nohost"], "is not HOST:PORT"),
+    ],
+)
 def test_node_arguments_are_checked_with_the_flag_named(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("SHARDSERVE_COORDINATOR", raising=False)
     if "--coordinator" not in argv:
@@ -103,9 +125,12 @@ def test_exit_reasons_name_the_code_or_the_signal():
 
 def test_a_killed_rank_is_restarted_until_its_restarts_run_out(caplog):
     exits: list[tuple[int, str]] = []
-    supervisor = RankSupervisor(sleepers(0, 1), RestartPolicy(max_restarts=1, initial_backoff=0.0),
-                                on_exit=lambda rank, reason: exits.append((rank, reason)))
-    caplog.set_level(logging.WARNING, logger="server.supervisor")
+    supervisor = RankSupervisor(
+        sleepers(0, 1),
+        RestartPolicy(max_restarts=1, initial_backoff=0.0),
+        on_exit=lambda rank, reason: exits.append((rank, reason)),
+    )
+    caplog.set_level(logging.WARNING, logger="shardserve.server.supervisor")
     try:
         supervisor.spawn_all()
         supervisor.watch()
@@ -121,7 +146,9 @@ def test_a_killed_rank_is_restarted_until_its_restarts_run_out(caplog):
         assert supervisor.restarts(0) == 0 and supervisor.process(0).poll() is None
         messages = [r.getMessage() for r in caplog.records]
         assert any("restarting it in 0.0s (restart 1 of 1)" in m for m in messages)
-        assert any("no restarts left (1 of --max-restarts 1 used): it stays dead" in m for m in messages)
+        assert any(
+            "no restarts left (1 of --max-restarts 1 used): it stays dead" in m for m in messages
+        )
     finally:
         supervisor.stop(grace=1.0)
     assert all(gone(pid) for pid in supervisor.pids())

@@ -1,6 +1,7 @@
 """The cluster's mTLS certificate as the internal credential: an mTLS cluster started with --cluster-cert-name runs
 without any cluster secret (ranks register, heartbeat, allocate, reshard and rejoin after kill -9 by certificate
 alone), while a user's certificate from the same CA, even with an admin token, gets no internal right."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,22 +13,22 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from client import AuthenticationError, connect
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.common.auth import TlsFiles
-from server.common.cli_args import (
+from server_helpers import TIMEOUT, rpc_error
+from server_processes import server_env, spawn_server, stop_all, wait_until
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.auth import TlsFiles
+from shardserve.server.common.cli_args import (
     CLUSTER_SECRET_FILE,
     CLUSTER_SECRET_FILE_ENV,
     add_security_args,
     security_from_args,
 )
-from server.common.principals import ClusterCertificate, token_sha256
-from server.launcher import free_port
-from shardcore.specs import ChunkShardingSpec
-from server_helpers import TIMEOUT, rpc_error
-from server_processes import server_env, spawn_server, stop_all, wait_until
+from shardserve.server.common.principals import ClusterCertificate, token_sha256
+from shardserve.server.launcher import free_port
+
+from shardserve import AuthenticationError, connect
 
 pytestmark = pytest.mark.timeout(300)
 CLUSTER_NAME = "shardserve-cluster.internal"
@@ -43,11 +44,28 @@ def _openssl(*args: str) -> None:
 def _signed_certificate(directory: Path, stem: str, subject: str, alt_names: str) -> TlsFiles:
     """A key and a certificate for `subject` with `alt_names`, signed by the CA in `directory`."""
     key, request, cert = (str(directory / f"{stem}.{ext}") for ext in ("key", "csr", "pem"))
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", subject)
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", subject
+    )
     extensions = directory / f"{stem}.ext"
     extensions.write_text(f"subjectAltName={alt_names}\n")
-    _openssl("x509", "-req", "-in", request, "-CA", str(directory / "ca.pem"), "-CAkey", str(directory / "ca.key"),
-             "-CAcreateserial", "-days", "1", "-out", cert, "-extfile", str(extensions))
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        request,
+        "-CA",
+        str(directory / "ca.pem"),
+        "-CAkey",
+        str(directory / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "1",
+        "-out",
+        cert,
+        "-extfile",
+        str(extensions),
+    )
     return TlsFiles(cert, key, str(directory / "ca.pem"))
 
 
@@ -57,20 +75,44 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is not installed")
     directory = tmp_path_factory.mktemp("pki")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-keyout", str(directory / "ca.key"),
-             "-out", str(directory / "ca.pem"), "-subj", "/CN=shardserve test CA")
-    return {"cluster": _signed_certificate(directory, "cluster", "/CN=rank-host",
-                                           f"DNS:{CLUSTER_NAME},DNS:localhost,IP:127.0.0.1"),
-            "user": _signed_certificate(directory, "user", "/CN=alice", "DNS:localhost,IP:127.0.0.1")}
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-keyout",
+        str(directory / "ca.key"),
+        "-out",
+        str(directory / "ca.pem"),
+        "-subj",
+        "/CN=shardserve test CA",
+    )
+    return {
+        "cluster": _signed_certificate(
+            directory, "cluster", "/CN=rank-host", f"DNS:{CLUSTER_NAME},DNS:localhost,IP:127.0.0.1"
+        ),
+        "user": _signed_certificate(directory, "user", "/CN=alice", "DNS:localhost,IP:127.0.0.1"),
+    }
 
 
 @pytest.fixture(scope="module")
 def cert_cluster(make_cluster, certificates, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.toml"
-    tokens.write_text(f'[[principal]]\nname = "ops"\ntoken_sha256 = "{token_sha256(ADMIN_TOKEN)}"\n'
-                      'role = "admin"\n')
-    return make_cluster(ranks=2, tls=certificates["cluster"], tokens_file=str(tokens),
-                        cluster_cert_name=CLUSTER_NAME, max_restarts=1, restart_backoff=0.1)
+    tokens.write_text(
+        f'[[principal]]\nname = "ops"\ntoken_sha256 = "{token_sha256(ADMIN_TOKEN)}"\n'
+        'role = "admin"\n'
+    )
+    return make_cluster(
+        ranks=2,
+        tls=certificates["cluster"],
+        tokens_file=str(tokens),
+        cluster_cert_name=CLUSTER_NAME,
+        max_restarts=1,
+        restart_backoff=0.1,
+    )
 
 
 def _channel(address: str, files: TlsFiles) -> grpc.Channel:
@@ -79,12 +121,21 @@ def _channel(address: str, files: TlsFiles) -> grpc.Channel:
 
 
 def _connect(cluster, files: TlsFiles, **kwargs):
-    return connect(cluster.address, tls_ca=files.ca, tls_cert=files.cert, tls_key=files.key, timeout=30, **kwargs)
+    return connect(
+        cluster.address,
+        tls_ca=files.ca,
+        tls_cert=files.cert,
+        tls_key=files.key,
+        timeout=30,
+        **kwargs,
+    )
 
 
 def _listed(cluster, rank: int, files: TlsFiles | None = None) -> pb.RankInfo:
     with _channel(cluster.address, files or cluster.security.tls) as channel:
-        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+        ranks = (
+            pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+        )
     return next(info for info in ranks if info.rank == rank)
 
 
@@ -106,13 +157,18 @@ def test_a_user_certificate_gets_no_internal_right(cert_cluster, certificates):
     user, cluster = certificates["user"], certificates["cluster"]
     rank_address = _listed(cert_cluster, 0).address
     internal = [
-        lambda stubs, md: stubs[0].Heartbeat(pb.HeartbeatRequest(rank=1), timeout=TIMEOUT, metadata=md),
-        lambda stubs, md: stubs[0].RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(rank=1)), timeout=TIMEOUT,
-                                                metadata=md),
-        lambda stubs, md: stubs[1].CancelCollective(pb.CancelCollectiveRequest(seq=1 << 40), timeout=TIMEOUT,
-                                                    metadata=md),
-        lambda stubs, md: stubs[1].DropVersion(pb.DropVersionRequest(name="by-cert"), timeout=TIMEOUT,
-                                               metadata=md),
+        lambda stubs, md: stubs[0].Heartbeat(
+            pb.HeartbeatRequest(rank=1), timeout=TIMEOUT, metadata=md
+        ),
+        lambda stubs, md: stubs[0].RegisterRank(
+            pb.RegisterRankRequest(rank=pb.RankInfo(rank=1)), timeout=TIMEOUT, metadata=md
+        ),
+        lambda stubs, md: stubs[1].CancelCollective(
+            pb.CancelCollectiveRequest(seq=1 << 40), timeout=TIMEOUT, metadata=md
+        ),
+        lambda stubs, md: stubs[1].DropVersion(
+            pb.DropVersionRequest(name="by-cert"), timeout=TIMEOUT, metadata=md
+        ),
     ]
     with _channel(cert_cluster.address, user) as coordinator, _channel(rank_address, user) as rank:
         stubs = (pb_grpc.CoordinatorStub(coordinator), pb_grpc.ShardServerStub(rank))
@@ -122,9 +178,14 @@ def test_a_user_certificate_gets_no_internal_right(cert_cluster, certificates):
             assert "principal 'ops' (role admin) lacks the 'cluster' right" in denied.details()
             unauthenticated = rpc_error(call, stubs, ())
             assert unauthenticated.code() == grpc.StatusCode.UNAUTHENTICATED
-    with _channel(cert_cluster.address, cluster) as coordinator, _channel(rank_address, cluster) as rank:
+    with (
+        _channel(cert_cluster.address, cluster) as coordinator,
+        _channel(rank_address, cluster) as rank,
+    ):
         pb_grpc.CoordinatorStub(coordinator).Heartbeat(pb.HeartbeatRequest(rank=0), timeout=TIMEOUT)
-        assert pb_grpc.ShardServerStub(rank).GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).rank == 0
+        assert (
+            pb_grpc.ShardServerStub(rank).GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).rank == 0
+        )
     with pytest.raises(AuthenticationError):
         _connect(cert_cluster, user)
 
@@ -134,7 +195,9 @@ def test_a_killed_rank_rejoins_by_certificate(cert_cluster, certificates):
     old_pid = _listed(cert_cluster, 1).pid
     cert_cluster.kill_rank(1)
     deadline = time.monotonic() + RESTART_WAIT
-    while not ((info := _listed(cert_cluster, 1)).alive and info.pid != old_pid and info.restarts >= 1):
+    while not (
+        (info := _listed(cert_cluster, 1)).alive and info.pid != old_pid and info.restarts >= 1
+    ):
         assert time.monotonic() < deadline, f"rank 1 did not rejoin within {RESTART_WAIT}s: {info}"
         time.sleep(0.2)
     source = torch.arange(2000, dtype=torch.int64).view(100, 20)
@@ -164,26 +227,68 @@ def test_coordinator_and_node_processes_need_no_secret(tmp_path, certificates):
     """`shardserve coordinator` and `shardserve node` (the multi-host commands), with no secret in flags or the
     environment: the node's ranks register by certificate, serve a put bit for bit, and SIGTERM stops them."""
     cluster, user = certificates["cluster"], certificates["user"]
-    tls = ["--tls-cert", cluster.cert, "--tls-key", cluster.key, "--tls-ca", cluster.ca,
-           "--cluster-cert-name", CLUSTER_NAME]
+    tls = [
+        "--tls-cert",
+        cluster.cert,
+        "--tls-key",
+        cluster.key,
+        "--tls-ca",
+        cluster.ca,
+        "--cluster-cert-name",
+        CLUSTER_NAME,
+    ]
     env = {key: value for key, value in server_env().items() if key != CLUSTER_SECRET_FILE_ENV}
     port = free_port()
     procs = []
     with open(tmp_path / "servers.log", "w") as log:
         try:
-            procs.append(spawn_server(["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir",
-                                       str(tmp_path / "state"), *tls], env, log))
-            procs.append(spawn_server(["node", "--coordinator", f"127.0.0.1:{port}", "--ranks", "0-1",
-                                       "--world-size", "2", "--host", "127.0.0.1", *tls], env, log))
+            procs.append(
+                spawn_server(
+                    [
+                        "coordinator",
+                        "--listen",
+                        f"127.0.0.1:{port}",
+                        "--state-dir",
+                        str(tmp_path / "state"),
+                        *tls,
+                    ],
+                    env,
+                    log,
+                )
+            )
+            procs.append(
+                spawn_server(
+                    [
+                        "node",
+                        "--coordinator",
+                        f"127.0.0.1:{port}",
+                        "--ranks",
+                        "0-1",
+                        "--world-size",
+                        "2",
+                        "--host",
+                        "127.0.0.1",
+                        *tls,
+                    ],
+                    env,
+                    log,
+                )
+            )
             address = f"127.0.0.1:{port}"
-            wait_until(lambda: _alive_ranks(address, cluster) == 2, RESTART_WAIT, "both ranks to register")
+            wait_until(
+                lambda: _alive_ranks(address, cluster) == 2, RESTART_WAIT, "both ranks to register"
+            )
             source = torch.randn(40, 7, dtype=torch.float64)
-            with connect(address, tls_ca=user.ca, tls_cert=user.cert, tls_key=user.key, timeout=30) as client:
+            with connect(
+                address, tls_ca=user.ca, tls_cert=user.cert, tls_key=user.key, timeout=30
+            ) as client:
                 assert torch.equal(client.put("on-nodes", source).full_tensor(), source)
             assert not (tmp_path / "state" / CLUSTER_SECRET_FILE).exists()
         finally:
             stop_all(procs)
-    assert [proc.returncode for proc in procs] == [0, 0], (tmp_path / "servers.log").read_text()[-3000:]
+    assert [proc.returncode for proc in procs] == [0, 0], (tmp_path / "servers.log").read_text()[
+        -3000:
+    ]
 
 
 def _alive_ranks(address: str, files: TlsFiles) -> int:
@@ -192,17 +297,49 @@ def _alive_ranks(address: str, files: TlsFiles) -> int:
     return sum(info.alive for info in ranks)
 
 
-@pytest.mark.parametrize("auth_context,matches", [
-    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [b"rank-host"],
-      "x509_subject_alternative_name": [b"localhost", CLUSTER_NAME.encode()]}, True),
-    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [CLUSTER_NAME.encode()]},
-     True),
-    ({"transport_security_type": [b"ssl"], "x509_pem_cert": [b"PEM"], "x509_common_name": [b"alice"],
-      "x509_subject_alternative_name": [b"localhost", b"shardserve-cluster"]}, False),
-    ({"transport_security_type": [b"ssl"], "x509_common_name": [CLUSTER_NAME.encode()]}, False),  # no client cert
-    ({"transport_security_type": [b"insecure"], "x509_pem_cert": [b"PEM"],
-      "x509_common_name": [CLUSTER_NAME.encode()]}, False),
-    ({}, False),
-])
+@pytest.mark.parametrize(
+    "auth_context,matches",
+    [
+        (
+            {
+                "transport_security_type": [b"ssl"],
+                "x509_pem_cert": [b"PEM"],
+                "x509_common_name": [b"rank-host"],
+                "x509_subject_alternative_name": [b"localhost", CLUSTER_NAME.encode()],
+            },
+            True,
+        ),
+        (
+            {
+                "transport_security_type": [b"ssl"],
+                "x509_pem_cert": [b"PEM"],
+                "x509_common_name": [CLUSTER_NAME.encode()],
+            },
+            True,
+        ),
+        (
+            {
+                "transport_security_type": [b"ssl"],
+                "x509_pem_cert": [b"PEM"],
+                "x509_common_name": [b"alice"],
+                "x509_subject_alternative_name": [b"localhost", b"shardserve-cluster"],
+            },
+            False,
+        ),
+        (
+            {"transport_security_type": [b"ssl"], "x509_common_name": [CLUSTER_NAME.encode()]},
+            False,
+        ),  # no client cert
+        (
+            {
+                "transport_security_type": [b"insecure"],
+                "x509_pem_cert": [b"PEM"],
+                "x509_common_name": [CLUSTER_NAME.encode()],
+            },
+            False,
+        ),
+        ({}, False),
+    ],
+)
 def test_which_peers_count_as_the_cluster(auth_context, matches):
     assert ClusterCertificate(CLUSTER_NAME).matches(auth_context) is matches

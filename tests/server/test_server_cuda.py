@@ -1,15 +1,17 @@
 """CUDA shards: a one-rank cluster on cuda:0, put and read bit for bit (skipped without a GPU)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
 from server_helpers import Stubs, put, read_full
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def test_cuda_shards_round_trip(make_cluster):
@@ -17,7 +19,8 @@ def test_cuda_shards_round_trip(make_cluster):
     stubs = Stubs(cluster.address)
     try:
         meta = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:0/cuda:0"]).build_metadata(
-            (300, 70), TensorProperties(dtype=torch.bfloat16))
+            (300, 70), TensorProperties(dtype=torch.bfloat16)
+        )
         tensor = torch.randn(300, 70).to(torch.bfloat16)
         info = put(stubs, "gpu", tensor, meta, chunk=4099)
         assert torch.equal(read_full(stubs, info), tensor)

@@ -1,5 +1,6 @@
-"""Launching: `python -m server up` as a process, signals, dead ranks, `coordinator` + torchrun, restarts,
+"""Launching: `python -m shardserve.server up` as a process, signals, dead ranks, `coordinator` + torchrun, restarts,
 `shardserve node` (its ranks restarted one by one, all stopped by SIGTERM)."""
+
 from __future__ import annotations
 
 import os
@@ -15,30 +16,35 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.launcher import free_port
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 from server_processes import server_env
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
 SHARDSERVE = str(Path(sys.executable).with_name("shardserve"))
 
 
-def spawn(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, "queue.Queue[str]"]:
+def spawn(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, queue.Queue[str]]:
     env = server_env()
-    proc = subprocess.Popen([sys.executable, "-m", "server", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    lines: "queue.Queue[str]" = queue.Queue()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardserve.server", *args],
+        cwd=tmp_path,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     return proc, lines
 
 
-def coordinator_line(proc: subprocess.Popen, lines: "queue.Queue[str]") -> str:
+def coordinator_line(proc: subprocess.Popen, lines: queue.Queue[str]) -> str:
     try:
         line = lines.get(timeout=START_TIMEOUT)
     except queue.Empty:
@@ -74,7 +80,9 @@ def _holds(predicate) -> bool:
 
 def rank_pids(address: str) -> list[int]:
     with grpc.insecure_channel(address) as channel:
-        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+        ranks = (
+            pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+        )
     return [r.pid for r in ranks if r.alive]
 
 
@@ -109,11 +117,14 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
 
 def meta_on(ranks, size=(6, 4)):
     return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
-        size, TensorProperties(dtype=torch.float32))
+        size, TensorProperties(dtype=torch.float32)
+    )
 
 
 def alive(stubs: Stubs) -> dict[int, bool]:
-    return {r.rank: r.alive for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks}
+    return {
+        r.rank: r.alive for r in stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks
+    }
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +139,28 @@ def test_a_put_left_pending_is_aborted_after_the_timeout(watched):
         assert info.state == pb.PENDING
 
         def listed():
-            return stubs.coord.ListTensors(pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT).tensors
+            return stubs.coord.ListTensors(
+                pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT
+            ).tensors
+
         assert "forgotten" in [t.name for t in listed()]
-        wait_until(lambda: "forgotten" not in [t.name for t in listed()], 20, "the pending put to be reaped")
+        wait_until(
+            lambda: "forgotten" not in [t.name for t in listed()],
+            20,
+            "the pending put to be reaped",
+        )
 
         def held():  # the catalog row goes first, then the rank drops the shards
-            return {(h.name, h.version) for h in stubs.ranks[0].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held}
-        wait_until(lambda: ("forgotten", info.version) not in held(), 10, "rank 0 to drop the pending shards")
+            return {
+                (h.name, h.version)
+                for h in stubs.ranks[0].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held
+            }
+
+        wait_until(
+            lambda: ("forgotten", info.version) not in held(),
+            10,
+            "rank 0 to drop the pending shards",
+        )
     finally:
         stubs.close()
 
@@ -150,17 +176,31 @@ def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(watched)
         try:
             wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "rank 1 to be marked dead")
             err = rpc_error(create, stubs, "on1", meta_on([1]))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and "rank 1 is not alive" in err.details()
-            stubs.coord.DeleteTensor(pb.DeleteTensorRequest(name="spread"), timeout=5)  # rank 1 is skipped
+            assert (
+                err.code() == grpc.StatusCode.UNAVAILABLE and "rank 1 is not alive" in err.details()
+            )
+            stubs.coord.DeleteTensor(
+                pb.DeleteTensorRequest(name="spread"), timeout=5
+            )  # rank 1 is skipped
         finally:
             cluster.kill_rank(1, signal.SIGCONT)
         wait_until(lambda: alive(stubs) == {0: True, 1: True}, 15, "rank 1 to be alive again")
 
         def held_by_1():
-            return {(h.name, h.version) for h in stubs.ranks[1].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held}
-        wait_until(lambda: ("spread", spread.version) not in held_by_1(), 15, "rank 1 to drop the deleted tensor")
+            return {
+                (h.name, h.version)
+                for h in stubs.ranks[1].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).held
+            }
+
+        wait_until(
+            lambda: ("spread", spread.version) not in held_by_1(),
+            15,
+            "rank 1 to drop the deleted tensor",
+        )
         cluster.kill_rank(1, signal.SIGKILL)
-        wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "killed rank 1 to be marked dead")
+        wait_until(
+            lambda: alive(stubs) == {0: True, 1: False}, 15, "killed rank 1 to be marked dead"
+        )
         assert torch.equal(read_full(stubs, info), tensor)
     finally:
         stubs.close()
@@ -169,21 +209,43 @@ def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(watched)
 def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(tmp_path):
     port = free_port()
     state = str(tmp_path / "state")
-    coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", state,
-                        "--heartbeat-interval", "0.3"]
+    coordinator_args = [
+        "coordinator",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--state-dir",
+        state,
+        "--heartbeat-interval",
+        "0.3",
+    ]
     coord, lines = spawn(coordinator_args, tmp_path)
     env = server_env()
-    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node", "1",
-                "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                "-m", "server", "--coordinator", f"127.0.0.1:{port}"]
+    torchrun = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "shardserve.server",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+    ]
     rank = subprocess.Popen(torchrun, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL)
     stubs = None
     try:
         address = coordinator_line(coord, lines)
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            wait_until(lambda: len(stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks) == 1,
-                       START_TIMEOUT, "the torchrun rank to register")
+            wait_until(
+                lambda: len(stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks) == 1,
+                START_TIMEOUT,
+                "the torchrun rank to register",
+            )
         stubs = Stubs(address)
         tensor = torch.randn(6, 4)
         put(stubs, "kept", tensor, meta_on([0]))
@@ -207,38 +269,69 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
                 proc.kill()
 
 
-@pytest.mark.parametrize("args,message", [
-    (["up", "--ranks", "0"], "--ranks must be >= 1"),
-    (["up", "--memory-limit", "-1"], "--memory-limit must be >= 0"),
-    (["up", "--recycle-bytes", "-1"], "--recycle-bytes must be >= 0"),
-    (["up", "--port", "70000"], "--port 70000 is not a TCP port"),
-    (["up", "--host", ""], "--host is empty"),
-    (["up", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
-    (["node", "--coordinator", "127.0.0.1:1", "--ranks", "0,4", "--world-size", "4"],
-     "rank 4 is not below --world-size 4"),
-    (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
-    (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
-    (["--coordinator", "127.0.0.1:1", "--dist-timeout", "0"], "--dist-timeout must be a number of seconds > 0"),
-    (["--coordinator", "127.0.0.1:1", "--register-timeout", "inf"], "--register-timeout must be a number"),
-    (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
-    (["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"], "tls cert file 'missing.pem' does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["up", "--ranks", "0"], "--ranks must be >= 1"),
+        (["up", "--memory-limit", "-1"], "--memory-limit must be >= 0"),
+        (["up", "--recycle-bytes", "-1"], "--recycle-bytes must be >= 0"),
+        (["up", "--port", "70000"], "--port 70000 is not a TCP port"),
+        (["up", "--host", ""], "--host is empty"),
+        (["up", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
+        (
+            ["node", "--coordinator", "127.0.0.1:1", "--ranks", "0,4", "--world-size", "4"],
+            "rank 4 is not below --world-size 4",
+        ),
+        (["--coordinator", "127.0.0.1:1", "--recycle-bytes", "-5"], "--recycle-bytes must be >= 0"),
+        (["--coordinator", "127.0.0.1:1", "--bulk-port", "-1"], "--bulk-port must be >= 0"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--dist-timeout", "0"],
+            "--dist-timeout must be a number of seconds > 0",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--register-timeout", "inf"],
+            "--register-timeout must be a number",
+        ),
+        (["up", "--tls-cert", "c.pem"], "--tls-cert and --tls-key must be given together"),
+        (
+            ["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"],
+            "tls cert file 'missing.pem' does not exist",
+        ),
+    ],
+)
 def test_bad_flags_are_usage_errors(tmp_path, args, message):
-    result = subprocess.run([sys.executable, "-m", "server", *args], cwd=tmp_path, capture_output=True, text=True,
-                            env=server_env(), timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=server_env(),
+        timeout=60,
+    )
     assert result.returncode == 2
     assert message in result.stderr
 
 
-@pytest.mark.parametrize("args,message", [
-    (["node", "--coordinator", "127.0.0.1:1", "--ranks", "0", "--world-size", "1"], "--cluster-secret-file is "
-     "required"),
-    (["--coordinator", "127.0.0.1:1"], "no cluster credential: pass --cluster-secret-file"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (
+            ["node", "--coordinator", "127.0.0.1:1", "--ranks", "0", "--world-size", "1"],
+            "--cluster-secret-file is required",
+        ),
+        (["--coordinator", "127.0.0.1:1"], "no cluster credential: pass --cluster-secret-file"),
+    ],
+)
 def test_ranks_need_the_cluster_secret(tmp_path, args, message):
     env = {k: v for k, v in server_env().items() if k != "SHARDSERVE_CLUSTER_SECRET_FILE"}
-    result = subprocess.run([sys.executable, "-m", "server", *args], cwd=tmp_path, capture_output=True, text=True,
-                            env=env, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -247,47 +340,99 @@ def test_a_rank_without_a_coordinator_says_so_in_one_line(tmp_path):
     """No coordinator at the address: after --register-timeout the rank exits 1 with one error line that names
     the address and the flag, not a traceback."""
     address = f"127.0.0.1:{free_port()}"
-    env = server_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    result = subprocess.run([sys.executable, "-m", "server", "--coordinator", address, "--register-timeout", "0.5"],
-                            cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    env = server_env(
+        RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardserve.server",
+            "--coordinator",
+            address,
+            "--register-timeout",
+            "0.5",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
-    assert f"could not register with the coordinator at {address} within --register-timeout 0.5s: UNAVAILABLE" \
+    assert (
+        f"could not register with the coordinator at {address} within --register-timeout 0.5s: UNAVAILABLE"
         in result.stderr
+    )
 
 
 def test_a_link_that_never_registered_stops_cleanly():
     """A rank whose registration failed (a wrong token, no coordinator) shuts down without a second error
     hiding the first: the heartbeat thread was never started."""
-    from protos import shardserve_pb2 as pb
-    from server.common.auth import Security
-    from server.rank.main import CoordinatorLink
-    from server.rank.store import ShardStore
+    from shardserve.protos import shardserve_pb2 as pb
+    from shardserve.server.common.auth import Security
+    from shardserve.server.rank.main import CoordinatorLink
+    from shardserve.server.rank.store import ShardStore
 
-    link = CoordinatorLink("127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False))
+    link = CoordinatorLink(
+        "127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False)
+    )
     link.stop()  # raised "cannot join thread before it is started" before the fix
     assert not link._thread.is_alive() and link._stop.is_set()
 
 
 def live_ranks(stub: pb_grpc.CoordinatorStub) -> dict[int, pb.RankInfo]:
-    return {r.rank: r for r in stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks if r.alive}
+    return {
+        r.rank: r for r in stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks if r.alive
+    }
 
 
 def test_node_restarts_a_killed_rank_and_sigterm_stops_them_all(tmp_path):
     """Against `coordinator` as a process, which learns of the death from missed heartbeats only: the new
     process registers once the old one is known dead, and is counted as a restart."""
     port = free_port()
-    coord, lines = spawn(["coordinator", "--listen", f"127.0.0.1:{port}", "--state-dir", str(tmp_path / "state"),
-                          "--heartbeat-interval", "0.3"], tmp_path)
-    node = subprocess.Popen([SHARDSERVE, "node", "--coordinator", f"127.0.0.1:{port}", "--ranks", "0-1",
-                             "--world-size", "2", "--host", "127.0.0.1", "--restart-backoff", "0.2"],
-                            cwd=tmp_path, env=server_env(), stdin=subprocess.DEVNULL)
+    coord, lines = spawn(
+        [
+            "coordinator",
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--heartbeat-interval",
+            "0.3",
+        ],
+        tmp_path,
+    )
+    node = subprocess.Popen(
+        [
+            SHARDSERVE,
+            "node",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--ranks",
+            "0-1",
+            "--world-size",
+            "2",
+            "--host",
+            "127.0.0.1",
+            "--restart-backoff",
+            "0.2",
+        ],
+        cwd=tmp_path,
+        env=server_env(),
+        stdin=subprocess.DEVNULL,
+    )
     pids: set[int] = set()
     try:
         address = coordinator_line(coord, lines)
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
-            wait_until(lambda: len(live_ranks(stub)) == 2, START_TIMEOUT, "both ranks of the node to register")
+            wait_until(
+                lambda: len(live_ranks(stub)) == 2,
+                START_TIMEOUT,
+                "both ranks of the node to register",
+            )
             first = live_ranks(stub)
             pids |= {r.pid for r in first.values()}
             os.kill(first[1].pid, signal.SIGKILL)
@@ -295,6 +440,7 @@ def test_node_restarts_a_killed_rank_and_sigterm_stops_them_all(tmp_path):
             def back() -> bool:
                 rank1 = live_ranks(stub).get(1)
                 return rank1 is not None and rank1.pid != first[1].pid
+
             wait_until(back, START_TIMEOUT, "rank 1 to come back with a new process")
             again = live_ranks(stub)
             assert again[1].restarts == 1 and again[1].address != first[1].address

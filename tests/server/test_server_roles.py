@@ -4,6 +4,7 @@ One 2-rank cluster with a tokens file of four principals. Every RPC of both serv
 service descriptors, so a new RPC without an access rule fails here) by each principal, a wrong token, no token
 and the cluster credential.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,26 +13,45 @@ import threading
 import grpc
 import pytest
 import torch
-
-from client import AuthenticationError, connect
-from client.paths.bulk import BulkReadError
-from client.paths.writes import shard_write, write_request
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from server.common.access import ACCESS_RULES
-from server.common.principals import token_sha256
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
 from server_helpers import TIMEOUT
 from server_processes import wait_until
+from shardserve.client.paths.bulk import BulkReadError
+from shardserve.client.paths.writes import shard_write, write_request
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.access import ACCESS_RULES
+from shardserve.server.common.principals import token_sha256
 
-TOKENS = {"reader": "reader-token-1", "writer": "writer-token-1", "emb-writer": "emb-writer-token",
-          "admin": "admin-token-1", "leaving": "leaving-token-1", "joining": "joining-token-1"}
-ROLES = {"reader": "read", "writer": "write", "emb-writer": "write", "admin": "admin", "leaving": "read",
-         "joining": "read"}
-UNAUTHENTICATED, PERMISSION_DENIED = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
-RIGHTS = {"reader": {"read"}, "writer": {"read", "write"}, "admin": {"read", "write", "admin"},
-          "cluster": {"read", "write", "admin", "cluster"}}
+from shardserve import AuthenticationError, connect
+
+TOKENS = {
+    "reader": "reader-token-1",
+    "writer": "writer-token-1",
+    "emb-writer": "emb-writer-token",
+    "admin": "admin-token-1",
+    "leaving": "leaving-token-1",
+    "joining": "joining-token-1",
+}
+ROLES = {
+    "reader": "read",
+    "writer": "write",
+    "emb-writer": "write",
+    "admin": "admin",
+    "leaving": "read",
+    "joining": "read",
+}
+UNAUTHENTICATED, PERMISSION_DENIED = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+)
+RIGHTS = {
+    "reader": {"read"},
+    "writer": {"read", "write"},
+    "admin": {"read", "write", "admin"},
+    "cluster": {"read", "write", "admin", "cluster"},
+}
 SERVICES = ("Coordinator", "ShardServer")
 
 
@@ -39,8 +59,10 @@ def tokens_toml(names) -> str:
     tables = []
     for name in names:
         patterns = '\ntensors = ["emb_*"]' if name == "emb-writer" else ""
-        tables.append(f'[[principal]]\nname = "{name}"\ntoken_sha256 = "{token_sha256(TOKENS[name])}"\n'
-                      f'role = "{ROLES[name]}"{patterns}\n')
+        tables.append(
+            f'[[principal]]\nname = "{name}"\ntoken_sha256 = "{token_sha256(TOKENS[name])}"\n'
+            f'role = "{ROLES[name]}"{patterns}\n'
+        )
     return "\n".join(tables)
 
 
@@ -70,8 +92,11 @@ def all_methods():
 
 
 def test_every_rpc_has_an_access_rule():
-    missing = [f"/{m.full_name.rsplit('.', 1)[0]}/{m.name}" for _, m in all_methods()
-               if f"/{m.containing_service.full_name}/{m.name}" not in ACCESS_RULES]
+    missing = [
+        f"/{m.full_name.rsplit('.', 1)[0]}/{m.name}"
+        for _, m in all_methods()
+        if f"/{m.containing_service.full_name}/{m.name}" not in ACCESS_RULES
+    ]
     assert missing == []
 
 
@@ -80,12 +105,21 @@ def call_status(channel: grpc.Channel, service: str, method, metadata) -> grpc.S
     path = f"/{method.containing_service.full_name}/{method.name}"
     request = getattr(pb, method.input_type.name)()
     response = getattr(pb, method.output_type.name).FromString
-    kind = {(False, False): channel.unary_unary, (False, True): channel.unary_stream,
-            (True, False): channel.stream_unary, (True, True): channel.stream_stream}
+    kind = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, False): channel.stream_unary,
+        (True, True): channel.stream_stream,
+    }
     call = kind[(method.client_streaming, method.server_streaming)](
-        path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response)
+        path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response
+    )
     try:
-        answer = call(iter([request]) if method.client_streaming else request, timeout=TIMEOUT, metadata=metadata)
+        answer = call(
+            iter([request]) if method.client_streaming else request,
+            timeout=TIMEOUT,
+            metadata=metadata,
+        )
         if method.server_streaming:
             list(answer)
     except grpc.RpcError as err:
@@ -94,13 +128,22 @@ def call_status(channel: grpc.Channel, service: str, method, metadata) -> grpc.S
 
 
 def callers(cluster):
-    return {"reader": bearer("reader"), "writer": bearer("writer"), "admin": bearer("admin"),
-            "cluster": cluster.cluster_metadata, "wrong token": (("authorization", "Bearer nope"),),
-            "no token": (), "wrong cluster secret": (("authorization", "Cluster " + "x" * 43),)}
+    return {
+        "reader": bearer("reader"),
+        "writer": bearer("writer"),
+        "admin": bearer("admin"),
+        "cluster": cluster.cluster_metadata,
+        "wrong token": (("authorization", "Bearer nope"),),
+        "no token": (),
+        "wrong cluster secret": (("authorization", "Cluster " + "x" * 43),),
+    }
 
 
-@pytest.mark.parametrize("service,method", [(s, m) for s, m in all_methods()],
-                         ids=[f"{s}.{m.name}" for s, m in all_methods()])
+@pytest.mark.parametrize(
+    "service,method",
+    [(s, m) for s, m in all_methods()],
+    ids=[f"{s}.{m.name}" for s, m in all_methods()],
+)
 def test_each_rpc_answers_each_caller_by_its_rule(cluster, service, method):
     rule = ACCESS_RULES[f"/{method.containing_service.full_name}/{method.name}"]
     rank0 = cluster.coordinator.registry.ranks()[0].address
@@ -118,11 +161,15 @@ def test_each_rpc_answers_each_caller_by_its_rule(cluster, service, method):
 def test_a_denial_names_the_principal_and_the_missing_right(cluster):
     tensor = torch.arange(12.0).view(4, 3)
     with connect(cluster.address, token=TOKENS["reader"]) as reader:
-        with pytest.raises(AuthenticationError, match="principal 'reader' .*lacks the 'write' right .*CreateTensor"):
+        with pytest.raises(
+            AuthenticationError, match="principal 'reader' .*lacks the 'write' right .*CreateTensor"
+        ):
             reader.put("by-reader", tensor)
     with connect(cluster.address, token=TOKENS["writer"]) as writer:
         remote = writer.put("by-writer", tensor)
-        with pytest.raises(AuthenticationError, match="principal 'writer' .*lacks the 'admin' right .*Reshard"):
+        with pytest.raises(
+            AuthenticationError, match="principal 'writer' .*lacks the 'admin' right .*Reshard"
+        ):
             remote.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))
     with connect(cluster.address, token=TOKENS["reader"]) as reader:
         assert torch.equal(reader.tensor("by-writer")[:], tensor)
@@ -130,12 +177,14 @@ def test_a_denial_names_the_principal_and_the_missing_right(cluster):
 
 def test_tensor_patterns_limit_what_a_writer_may_change(cluster, caplog):
     table = torch.randn(8, 4)
-    with caplog.at_level(logging.INFO, logger="server.common.access"):
+    with caplog.at_level(logging.INFO, logger="shardserve.server.common.access"):
         with connect(cluster.address, token=TOKENS["emb-writer"]) as writer:
             writer.put("emb_users", table)
             writer.update_rows("emb_users", torch.tensor([1, 5]), torch.ones(2, 4))
-            with pytest.raises(AuthenticationError, match="principal 'emb-writer' lacks the 'write' right on "
-                               "tensor 'dense'"):
+            with pytest.raises(
+                AuthenticationError,
+                match="principal 'emb-writer' lacks the 'write' right on tensor 'dense'",
+            ):
                 writer.put("dense", table)
             with connect(cluster.address, token=TOKENS["admin"]) as admin:
                 admin.put("dense", table)
@@ -150,32 +199,54 @@ def test_tensor_patterns_limit_what_a_writer_may_change(cluster, caplog):
 
 def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
     """The ranks check the patterns too: WriteShard/WriteRows into someone else's PENDING version is refused."""
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4,), TensorProperties(dtype=torch.float32))
-    from shardcore.wire import metadata_to_proto
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4,), TensorProperties(dtype=torch.float32)
+    )
+    from shardserve.core.wire import metadata_to_proto
+
     with grpc.insecure_channel(cluster.address) as channel:
-        info = pb_grpc.CoordinatorStub(channel).CreateTensor(pb.CreateTensorRequest(
-            name="pending-dense", metadata=metadata_to_proto(meta)), timeout=TIMEOUT, metadata=bearer("admin"))
+        info = pb_grpc.CoordinatorStub(channel).CreateTensor(
+            pb.CreateTensorRequest(name="pending-dense", metadata=metadata_to_proto(meta)),
+            timeout=TIMEOUT,
+            metadata=bearer("admin"),
+        )
     rank0 = cluster.coordinator.registry.ranks()[0].address
     with grpc.insecure_channel(rank0) as channel:
         stub = pb_grpc.ShardServerStub(channel)
-        header = pb.WriteShardRequest(header=pb.WriteShardHeader(name="pending-dense", version=info.version,
-                                                                 dtype=pb.FLOAT32, nbytes=16))
+        header = pb.WriteShardRequest(
+            header=pb.WriteShardHeader(
+                name="pending-dense", version=info.version, dtype=pb.FLOAT32, nbytes=16
+            )
+        )
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteShard(iter([header]), timeout=TIMEOUT, metadata=bearer("emb-writer"))
-        assert err.value.code() == PERMISSION_DENIED and "tensor 'pending-dense'" in err.value.details()
+        assert (
+            err.value.code() == PERMISSION_DENIED
+            and "tensor 'pending-dense'" in err.value.details()
+        )
         with pytest.raises(grpc.RpcError) as err:
-            stub.WriteRows(pb.WriteRowsRequest(name="pending-dense", version=info.version), timeout=TIMEOUT,
-                           metadata=bearer("emb-writer"))
+            stub.WriteRows(
+                pb.WriteRowsRequest(name="pending-dense", version=info.version),
+                timeout=TIMEOUT,
+                metadata=bearer("emb-writer"),
+            )
         assert err.value.code() == PERMISSION_DENIED
-        batch = [shard_write("emb_mine", 1, 0, torch.zeros(4)), shard_write("pending-dense", info.version, 0,
-                                                                              torch.zeros(4))]
+        batch = [
+            shard_write("emb_mine", 1, 0, torch.zeros(4)),
+            shard_write("pending-dense", info.version, 0, torch.zeros(4)),
+        ]
         request = write_request(batch)
         request.data = bytes(32)
         with pytest.raises(grpc.RpcError) as err:
             stub.WriteShards(request, timeout=TIMEOUT, metadata=bearer("emb-writer"))
-        assert err.value.code() == PERMISSION_DENIED and "tensor 'pending-dense'" in err.value.details()
+        assert (
+            err.value.code() == PERMISSION_DENIED
+            and "tensor 'pending-dense'" in err.value.details()
+        )
     with connect(cluster.address, token=TOKENS["emb-writer"], transport="tcp") as writer:
-        with pytest.raises(BulkReadError, match="lacks the 'write' right on tensor 'pending-dense'"):
+        with pytest.raises(
+            BulkReadError, match="lacks the 'write' right on tensor 'pending-dense'"
+        ):
             writer.session.paths.bulk.write_shards(rank0, batch)
 
 
@@ -184,18 +255,28 @@ def test_collective_disabling_requests_from_an_admin_client_are_refused(cluster)
     sequence number. An admin token is not the cluster credential: all are refused and reshards keep working."""
     tensor = torch.arange(40.0).view(10, 4)
     with connect(cluster.address, token=TOKENS["admin"]) as admin:
-        remote = admin.put("steady", tensor, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+        remote = admin.put(
+            "steady", tensor, spec=ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+        )
         for rank in cluster.coordinator.registry.ranks():
             with grpc.insecure_channel(rank.address) as channel:
                 stub = pb_grpc.ShardServerStub(channel)
                 for seq in (1, 2, 10**6):
                     with pytest.raises(grpc.RpcError) as err:
-                        stub.CancelCollective(pb.CancelCollectiveRequest(seq=seq), timeout=TIMEOUT,
-                                              metadata=bearer("admin"))
+                        stub.CancelCollective(
+                            pb.CancelCollectiveRequest(seq=seq),
+                            timeout=TIMEOUT,
+                            metadata=bearer("admin"),
+                        )
                     assert err.value.code() == PERMISSION_DENIED
-                    assert "principal 'admin' (role admin) lacks the 'cluster' right" in err.value.details()
-                for job in (pb.CollectiveJob(seq=10**6, ranks=[rank.rank], timeout_s=5, epoch=1),
-                            pb.CollectiveJob(seq=1, after_seq=0, ranks=[0, 1], timeout_s=600, epoch=1)):
+                    assert (
+                        "principal 'admin' (role admin) lacks the 'cluster' right"
+                        in err.value.details()
+                    )
+                for job in (
+                    pb.CollectiveJob(seq=10**6, ranks=[rank.rank], timeout_s=5, epoch=1),
+                    pb.CollectiveJob(seq=1, after_seq=0, ranks=[0, 1], timeout_s=600, epoch=1),
+                ):
                     with pytest.raises(grpc.RpcError) as err:
                         list(stub.RunCollective(job, timeout=TIMEOUT, metadata=bearer("admin")))
                     assert err.value.code() == PERMISSION_DENIED
@@ -209,8 +290,11 @@ def test_no_client_can_register_heartbeat_or_report_a_restore_for_a_rank(cluster
         stub = pb_grpc.CoordinatorStub(channel)
         for metadata in (bearer("admin"), ()):
             with pytest.raises(grpc.RpcError) as err:
-                stub.RegisterRank(pb.RegisterRankRequest(rank=pb.RankInfo(rank=7, address="127.0.0.1:1")),
-                                  timeout=TIMEOUT, metadata=metadata)
+                stub.RegisterRank(
+                    pb.RegisterRankRequest(rank=pb.RankInfo(rank=7, address="127.0.0.1:1")),
+                    timeout=TIMEOUT,
+                    metadata=metadata,
+                )
             assert err.value.code() in (PERMISSION_DENIED, UNAUTHENTICATED)
             with pytest.raises(grpc.RpcError) as err:
                 stub.Heartbeat(pb.HeartbeatRequest(rank=0), timeout=TIMEOUT, metadata=metadata)
@@ -237,12 +321,15 @@ def test_tokens_rotate_by_sighup_under_load_without_failing_a_valid_call(cluster
             while not stop.is_set():
                 try:
                     assert torch.equal(remote[3:40], table[3:40])
-                    assert torch.equal(reader.lookup({"rotating": torch.tensor([0, 63, 5])})["rotating"],
-                                       table[[0, 63, 5]])
+                    assert torch.equal(
+                        reader.lookup({"rotating": torch.tensor([0, 63, 5])})["rotating"],
+                        table[[0, 63, 5]],
+                    )
                     calls[0] += 1
                 except BaseException as err:  # noqa: BLE001 - reported below
                     failures.append(err)
                     return
+
     threads = [threading.Thread(target=load) for _ in range(2)]
     for thread in threads:
         thread.start()
@@ -254,6 +341,7 @@ def test_tokens_rotate_by_sighup_under_load_without_failing_a_valid_call(cluster
         def joined() -> bool:
             with connect(cluster.address, token=TOKENS["joining"]) as joining:
                 return torch.equal(joining.tensor("rotating")[:], table)
+
         wait_until(joined, 30, "the new token to be accepted by every process")
         with pytest.raises(AuthenticationError):
             connect(cluster.address, token=TOKENS["leaving"])

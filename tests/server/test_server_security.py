@@ -1,19 +1,28 @@
 """Bearer token on every service but health, mTLS from openssl-made files, and the configured byte limits."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from server_helpers import (
+    TIMEOUT,
+    Stubs,
+    create,
+    put,
+    read_full,
+    read_region,
+    rpc_error,
+    write_requests,
+)
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
-from client import AuthenticationError, ResourceExhaustedError, connect
-from protos import shardserve_pb2 as pb
-from protos import shardserve_pb2_grpc as pb_grpc
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
-from server_helpers import TIMEOUT, Stubs, create, put, read_full, read_region, rpc_error, write_requests
+from shardserve import AuthenticationError, ResourceExhaustedError, connect
 
 TOKEN = "s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -22,12 +31,16 @@ MAX_REQUEST = 4096
 
 
 def meta_for(size, ranks, dtype=torch.float32):
-    return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(size, TensorProperties(dtype=dtype))
+    return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
+        size, TensorProperties(dtype=dtype)
+    )
 
 
 @pytest.fixture(scope="module")
 def guarded(make_cluster):
-    return make_cluster(ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST)
+    return make_cluster(
+        ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +61,35 @@ def rank_calls(stubs, served):
     stub = stubs.ranks[0]
     return [
         lambda md: stub.GetStats(pb.GetStatsRequest(), timeout=TIMEOUT, metadata=md),
-        lambda md: list(stub.ReadRegion(pb.ReadRegionRequest(name="t", version=info.version, shard_index=0,
-                                                             offsets=[0, 0], sizes=[1, 4]),
-                                        timeout=TIMEOUT, metadata=md)),
-        lambda md: stub.WriteShard(write_requests("t", info.version, 0, torch.zeros(8, 4)), timeout=TIMEOUT,
-                                   metadata=md),
+        lambda md: list(
+            stub.ReadRegion(
+                pb.ReadRegionRequest(
+                    name="t", version=info.version, shard_index=0, offsets=[0, 0], sizes=[1, 4]
+                ),
+                timeout=TIMEOUT,
+                metadata=md,
+            )
+        ),
+        lambda md: stub.WriteShard(
+            write_requests("t", info.version, 0, torch.zeros(8, 4)), timeout=TIMEOUT, metadata=md
+        ),
         lambda md: stub.OpenBulkSession(pb.BulkSessionRequest(), timeout=TIMEOUT, metadata=md),
         lambda md: stub.DropVersion(pb.DropVersionRequest(name="t"), timeout=TIMEOUT, metadata=md),
         lambda md: stubs.coord.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT, metadata=md),
-        lambda md: stubs.coord.DeleteTensor(pb.DeleteTensorRequest(name="t"), timeout=TIMEOUT, metadata=md),
+        lambda md: stubs.coord.DeleteTensor(
+            pb.DeleteTensorRequest(name="t"), timeout=TIMEOUT, metadata=md
+        ),
     ]
 
 
-@pytest.mark.parametrize("metadata,reason", [((), "missing"), ((("authorization", "Bearer nope"),), "wrong"),
-                                             ((("authorization", TOKEN),), "wrong")])
+@pytest.mark.parametrize(
+    "metadata,reason",
+    [
+        ((), "missing"),
+        ((("authorization", "Bearer nope"),), "wrong"),
+        ((("authorization", TOKEN),), "wrong"),
+    ],
+)
 def test_calls_without_the_right_token_are_unauthenticated(stubs, served, metadata, reason):
     for call in rank_calls(stubs, served):
         err = rpc_error(call, metadata)
@@ -72,14 +100,20 @@ def test_calls_without_the_right_token_are_unauthenticated(stubs, served, metada
 
 def test_health_needs_no_token_but_reflection_does(stubs, guarded):
     with grpc.insecure_channel(guarded.address) as channel:
-        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT)
+        status = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=TIMEOUT
+        )
         assert status.status == health_pb2.HealthCheckResponse.SERVING
         reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
         request = reflection_pb2.ServerReflectionRequest(list_services="")
-        err = rpc_error(lambda: list(reflection.ServerReflectionInfo(iter([request]), timeout=TIMEOUT)))
+        err = rpc_error(
+            lambda: list(reflection.ServerReflectionInfo(iter([request]), timeout=TIMEOUT))
+        )
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED
         answers = reflection.ServerReflectionInfo(iter([request]), timeout=TIMEOUT, metadata=AUTH)
-        assert "shardserve.v1.Coordinator" in {s.name for a in answers for s in a.list_services_response.service}
+        assert "shardserve.v1.Coordinator" in {
+            s.name for a in answers for s in a.list_services_response.service
+        }
 
 
 def test_memory_limit_refuses_allocation_and_leaves_nothing(stubs):
@@ -87,8 +121,9 @@ def test_memory_limit_refuses_allocation_and_leaves_nothing(stubs):
     err = rpc_error(create, stubs, "big", meta, init=pb.INIT_ZEROS)
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "rank 1" in err.details() and "memory limit" in err.details()
-    listed = stubs.coord.ListTensors(pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT,
-                                     metadata=AUTH).tensors
+    listed = stubs.coord.ListTensors(
+        pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT, metadata=AUTH
+    ).tensors
     assert "big" not in [t.name for t in listed]
     small = create(stubs, "small", meta_for((MEMORY_LIMIT // 8,), (1,)), init=pb.INIT_ONES)
     assert small.state == pb.READY
@@ -126,7 +161,9 @@ def tls_cluster(make_cluster, tls_files):
 
 def test_mtls_cluster_serves_only_clients_with_a_certificate(tls_cluster, tls_files):
     cert, key = (open(p, "rb").read() for p in (tls_files.cert, tls_files.key))
-    mutual = grpc.ssl_channel_credentials(root_certificates=cert, private_key=key, certificate_chain=cert)
+    mutual = grpc.ssl_channel_credentials(
+        root_certificates=cert, private_key=key, certificate_chain=cert
+    )
     stubs = Stubs(tls_cluster.address, metadata=AUTH, credentials=mutual)
     try:
         tensor = torch.randn(6, 3)
@@ -135,9 +172,15 @@ def test_mtls_cluster_serves_only_clients_with_a_certificate(tls_cluster, tls_fi
     finally:
         stubs.close()
     no_client_cert = grpc.ssl_channel_credentials(root_certificates=cert)
-    for channel in (grpc.secure_channel(tls_cluster.address, no_client_cert),
-                    grpc.insecure_channel(tls_cluster.address)):
+    for channel in (
+        grpc.secure_channel(tls_cluster.address, no_client_cert),
+        grpc.insecure_channel(tls_cluster.address),
+    ):
         with channel:
-            err = rpc_error(pb_grpc.CoordinatorStub(channel).ListRanks, pb.ListRanksRequest(), timeout=5,
-                            metadata=AUTH)
+            err = rpc_error(
+                pb_grpc.CoordinatorStub(channel).ListRanks,
+                pb.ListRanksRequest(),
+                timeout=5,
+                metadata=AUTH,
+            )
             assert err.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,4 +1,5 @@
 """shardcore.embedding against F.embedding / F.embedding_bag / nn.EmbeddingBag on random tables."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,17 +7,28 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shardcore.embedding import (PartialBags, bag_of_ids, bag_subset, combine_partials, dedup_ids,
-                                 lookup_rows, partial_pool, pool_bags, restore_order, validate_ids)
-from shardcore.metadata import make_metadata
-from shardcore.routing import route_rows
+from shardserve.core.embedding import (
+    PartialBags,
+    bag_of_ids,
+    bag_subset,
+    combine_partials,
+    dedup_ids,
+    lookup_rows,
+    partial_pool,
+    pool_bags,
+    restore_order,
+    validate_ids,
+)
+from shardserve.core.metadata import make_metadata
+from shardserve.core.routing import route_rows
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SETTINGS = settings(max_examples=60, deadline=None)
 
 
-def random_table(rows: int, dim: int, dtype: torch.dtype, seed: int, dyadic: bool = False) -> torch.Tensor:
+def random_table(
+    rows: int, dim: int, dtype: torch.dtype, seed: int, dyadic: bool = False
+) -> torch.Tensor:
     """A random table; `dyadic` tables hold multiples of 1/8 in [-1, 1], so small sums are exact in any dtype."""
     gen = torch.Generator().manual_seed(seed)
     if dyadic:
@@ -24,16 +36,22 @@ def random_table(rows: int, dim: int, dtype: torch.dtype, seed: int, dyadic: boo
     return torch.randn(rows, dim, generator=gen).to(dtype)
 
 
-def random_bags(num_rows: int, bag_sizes: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_bags(
+    num_rows: int, bag_sizes: list[int], seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ids with duplicates (drawn from few rows) and nn.EmbeddingBag offsets; bag sizes may be 0."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, num_rows, (sum(bag_sizes),), generator=gen)
-    offsets = torch.tensor([0] + bag_sizes[:-1], dtype=torch.int64).cumsum(0) if bag_sizes else \
-        torch.empty(0, dtype=torch.int64)
+    offsets = (
+        torch.tensor([0] + bag_sizes[:-1], dtype=torch.int64).cumsum(0)
+        if bag_sizes
+        else torch.empty(0, dtype=torch.int64)
+    )
     return ids, offsets
 
 
 # --- ids -----------------------------------------------------------------------------------------
+
 
 def test_validate_ids_returns_int64_and_mask():
     ids, mask = validate_ids(torch.tensor([3, 0, 9, -1], dtype=torch.int32), 5, oov="zero")
@@ -45,9 +63,13 @@ def test_validate_ids_returns_int64_and_mask():
     assert ids.shape == (0,) and ids.dtype == torch.int64 and mask.shape == (0,)
 
 
-@pytest.mark.parametrize("ids, position, value", [([0, 4, 5, 7], 2, 5), ([-3, 9], 0, -3), ([1, 2, 3, 4, -1], 4, -1)])
+@pytest.mark.parametrize(
+    "ids, position, value", [([0, 4, 5, 7], 2, 5), ([-3, 9], 0, -3), ([1, 2, 3, 4, -1], 4, -1)]
+)
 def test_validate_ids_error_names_first_bad_id(ids, position, value):
-    with pytest.raises(ValueError, match=rf"ids\[{position}\]={value} is out of range for a table of 5 rows"):
+    with pytest.raises(
+        ValueError, match=rf"ids\[{position}\]={value} is out of range for a table of 5 rows"
+    ):
         validate_ids(torch.tensor(ids), 5)
 
 
@@ -68,7 +90,12 @@ def test_validate_ids_rejects_bad_arguments():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
-@given(num_rows=st.integers(1, 40), dim=st.integers(1, 9), count=st.integers(0, 60), seed=st.integers(0, 2**16))
+@given(
+    num_rows=st.integers(1, 40),
+    dim=st.integers(1, 9),
+    count=st.integers(0, 60),
+    seed=st.integers(0, 2**16),
+)
 def test_lookup_rows_equals_f_embedding(dtype, num_rows, dim, count, seed):
     table = random_table(num_rows, dim, dtype, seed)
     ids = torch.randint(0, num_rows, (count,), generator=torch.Generator().manual_seed(seed + 1))
@@ -122,13 +149,24 @@ bag_size_lists = st.lists(st.integers(0, 7), min_size=0, max_size=12)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
-@given(num_rows=st.integers(1, 25), dim=st.integers(1, 9), bag_sizes=bag_size_lists,
-       mode=st.sampled_from(["sum", "mean"]), weighted=st.booleans(), seed=st.integers(0, 2**16))
-def test_pool_bags_equals_f_embedding_bag_bit_for_bit(dtype, num_rows, dim, bag_sizes, mode, weighted, seed):
+@given(
+    num_rows=st.integers(1, 25),
+    dim=st.integers(1, 9),
+    bag_sizes=bag_size_lists,
+    mode=st.sampled_from(["sum", "mean"]),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_pool_bags_equals_f_embedding_bag_bit_for_bit(
+    dtype, num_rows, dim, bag_sizes, mode, weighted, seed
+):
     table = random_table(num_rows, dim, dtype, seed)
     ids, offsets = random_bags(num_rows, bag_sizes, seed)
-    weights = torch.rand(ids.numel(), generator=torch.Generator().manual_seed(seed)).to(dtype) \
-        if weighted and mode == "sum" else None
+    weights = (
+        torch.rand(ids.numel(), generator=torch.Generator().manual_seed(seed)).to(dtype)
+        if weighted and mode == "sum"
+        else None
+    )
     got = pool_bags(F.embedding(ids, table), offsets, mode, weights)
     expected = F.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=weights)
     assert got.dtype == dtype and torch.equal(got, expected)
@@ -157,8 +195,12 @@ def test_pool_bags_without_offsets_cuts_equal_bags_like_2d_input():
 
 def test_pool_bags_with_no_rows_gives_zero_bags():
     got = pool_bags(torch.empty(0, 3), torch.tensor([0, 0]), "mean")
-    assert torch.equal(got, F.embedding_bag(torch.empty(0, dtype=torch.int64), torch.randn(4, 3),
-                                            torch.tensor([0, 0]), mode="mean"))
+    assert torch.equal(
+        got,
+        F.embedding_bag(
+            torch.empty(0, dtype=torch.int64), torch.randn(4, 3), torch.tensor([0, 0]), mode="mean"
+        ),
+    )
 
 
 def _torch_rejects(**kwargs) -> None:
@@ -168,23 +210,46 @@ def _torch_rejects(**kwargs) -> None:
         F.embedding_bag(ids, torch.randn(5, 2), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(offsets=torch.tensor([0, 1]), mode="mean", per_sample_weights=torch.ones(3)),
-     r"per_sample_weights is only supported for mode='sum' \(got mode='mean'\)"),
-    (dict(offsets=torch.tensor([0, 1]), mode="max", per_sample_weights=torch.ones(3)),
-     "mode must be one of"),
-    (dict(offsets=torch.tensor([1, 2]), mode="sum"), r"offsets\[0\] has to be 0"),
-    (dict(offsets=torch.tensor([0, 4]), mode="sum"), r"offsets\[-1\]=4 is past the end of the 3 ids"),
-    (dict(offsets=torch.tensor([0, 2, 1]), mode="sum"), r"offsets must be non-decreasing, but offsets\[2\]=1"),
-    (dict(offsets=torch.tensor([0, 1]), mode="sum", per_sample_weights=torch.ones(2)),
-     r"per_sample_weights has shape \(2,\); it must have one weight per id"),
-    (dict(offsets=torch.tensor([0, 1]), mode="sum", per_sample_weights=torch.ones(3, dtype=torch.float64)),
-     "per_sample_weights has dtype torch.float64 but the rows are torch.float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(offsets=torch.tensor([0, 1]), mode="mean", per_sample_weights=torch.ones(3)),
+            r"per_sample_weights is only supported for mode='sum' \(got mode='mean'\)",
+        ),
+        (
+            dict(offsets=torch.tensor([0, 1]), mode="max", per_sample_weights=torch.ones(3)),
+            "mode must be one of",
+        ),
+        (dict(offsets=torch.tensor([1, 2]), mode="sum"), r"offsets\[0\] has to be 0"),
+        (
+            dict(offsets=torch.tensor([0, 4]), mode="sum"),
+            r"offsets\[-1\]=4 is past the end of the 3 ids",
+        ),
+        (
+            dict(offsets=torch.tensor([0, 2, 1]), mode="sum"),
+            r"offsets must be non-decreasing, but offsets\[2\]=1",
+        ),
+        (
+            dict(offsets=torch.tensor([0, 1]), mode="sum", per_sample_weights=torch.ones(2)),
+            r"per_sample_weights has shape \(2,\); it must have one weight per id",
+        ),
+        (
+            dict(
+                offsets=torch.tensor([0, 1]),
+                mode="sum",
+                per_sample_weights=torch.ones(3, dtype=torch.float64),
+            ),
+            "per_sample_weights has dtype torch.float64 but the rows are torch.float32",
+        ),
+    ],
+)
 def test_pool_bags_mirrors_torch_argument_errors(kwargs, message):
     _torch_rejects(**dict(kwargs))
     with pytest.raises(ValueError, match=message):
-        pool_bags(torch.randn(3, 2), kwargs["offsets"], kwargs["mode"], kwargs.get("per_sample_weights"))
+        pool_bags(
+            torch.randn(3, 2), kwargs["offsets"], kwargs["mode"], kwargs.get("per_sample_weights")
+        )
 
 
 def test_pool_bags_rejects_bad_offsets_types():
@@ -214,6 +279,7 @@ def test_bag_of_ids_and_bag_subset():
 
 # --- partial pooling over shards ---------------------------------------------------------------
 
+
 def cut_points(total: int, pieces: int, seed: int) -> list[int]:
     """Sorted cut points 0 = c0 <= ... <= ck = total (pieces may be empty)."""
     gen = torch.Generator().manual_seed(seed)
@@ -221,7 +287,9 @@ def cut_points(total: int, pieces: int, seed: int) -> list[int]:
     return [0, *inner, total]
 
 
-def grid_metadata(num_rows: int, dim: int, row_cuts: list[int], col_cuts: list[int], dtype: torch.dtype):
+def grid_metadata(
+    num_rows: int, dim: int, row_cuts: list[int], col_cuts: list[int], dtype: torch.dtype
+):
     shards = []
     for r0, r1 in zip(row_cuts, row_cuts[1:]):
         for c0, c1 in zip(col_cuts, col_cuts[1:]):
@@ -229,23 +297,43 @@ def grid_metadata(num_rows: int, dim: int, row_cuts: list[int], col_cuts: list[i
     return make_metadata((num_rows, dim), shards, dtype)
 
 
-def pool_on_shards(table: torch.Tensor, meta, ids: torch.Tensor, offsets: torch.Tensor,
-                   weights: torch.Tensor | None, mode: str) -> torch.Tensor:
+def pool_on_shards(
+    table: torch.Tensor,
+    meta,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: torch.Tensor | None,
+    mode: str,
+) -> torch.Tensor:
     """What the cluster does: route ids, pool each shard's rows on the shard, combine on the client."""
     partials = []
     for route in route_rows(meta, ids):
         shard = meta.shards_metadata[route.shard]
-        local = table[shard.shard_offsets[0]:shard.shard_offsets[0] + shard.shard_sizes[0],
-                      route.columns].clone()  # the shard's own tensor
+        local = table[
+            shard.shard_offsets[0] : shard.shard_offsets[0] + shard.shard_sizes[0], route.columns
+        ].clone()  # the shard's own tensor
         order, sub_offsets = bag_subset(offsets, route.positions, ids.numel())
         positions = route.positions[order]
         rows = lookup_rows(local, route.local_rows[order])
-        partials.append(partial_pool(rows, sub_offsets, None if weights is None else weights[positions],
-                                     col_offset=route.columns.start))
+        partials.append(
+            partial_pool(
+                rows,
+                sub_offsets,
+                None if weights is None else weights[positions],
+                col_offset=route.columns.start,
+            )
+        )
     if not partials:  # no ids at all: every column range answers with empty bags
-        for c0, width in sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in meta.shards_metadata
-                                 if s.shard_sizes[1]}):
-            partials.append(partial_pool(table.new_empty(0, width), torch.zeros_like(offsets), col_offset=c0))
+        for c0, width in sorted(
+            {
+                (s.shard_offsets[1], s.shard_sizes[1])
+                for s in meta.shards_metadata
+                if s.shard_sizes[1]
+            }
+        ):
+            partials.append(
+                partial_pool(table.new_empty(0, width), torch.zeros_like(offsets), col_offset=c0)
+            )
     bag_sizes = torch.diff(offsets, append=torch.tensor([ids.numel()]))
     return combine_partials(partials, mode, table.dtype, expected_counts=bag_sizes)
 
@@ -253,8 +341,13 @@ def pool_on_shards(table: torch.Tensor, meta, ids: torch.Tensor, offsets: torch.
 def error_bound(table, ids, offsets, weights, mode) -> torch.Tensor:
     """A few ulps of the dtype times the bag's sum of |w * row| (how far reassociation can move a sum)."""
     eps = torch.finfo(table.dtype).eps
-    absolute = F.embedding_bag(ids, table.double().abs(), offsets, mode=mode,
-                               per_sample_weights=None if weights is None else weights.double().abs())
+    absolute = F.embedding_bag(
+        ids,
+        table.double().abs(),
+        offsets,
+        mode=mode,
+        per_sample_weights=None if weights is None else weights.double().abs(),
+    )
     counts = torch.diff(offsets, append=torch.tensor([ids.numel()])).double()
     return eps * (counts.unsqueeze(1) + 2) * absolute + eps
 
@@ -264,20 +357,38 @@ layouts = st.tuples(st.integers(1, 4), st.integers(1, 3))  # row pieces, column 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
-@given(num_rows=st.integers(1, 30), dim=st.integers(1, 8), pieces=layouts, bag_sizes=bag_size_lists,
-       mode=st.sampled_from(["sum", "mean"]), weighted=st.booleans(), seed=st.integers(0, 2**16))
-def test_partial_pooling_over_random_grids_matches_embedding_bag(dtype, num_rows, dim, pieces, bag_sizes,
-                                                                 mode, weighted, seed):
+@given(
+    num_rows=st.integers(1, 30),
+    dim=st.integers(1, 8),
+    pieces=layouts,
+    bag_sizes=bag_size_lists,
+    mode=st.sampled_from(["sum", "mean"]),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_partial_pooling_over_random_grids_matches_embedding_bag(
+    dtype, num_rows, dim, pieces, bag_sizes, mode, weighted, seed
+):
     row_pieces, col_pieces = pieces
     col_pieces = min(col_pieces, dim)
     row_cuts = cut_points(num_rows, row_pieces, seed)
-    col_cuts = [0, *sorted(torch.randperm(dim - 1, generator=torch.Generator().manual_seed(seed))[
-        :col_pieces - 1].add(1).tolist()), dim]
+    col_cuts = [
+        0,
+        *sorted(
+            torch.randperm(dim - 1, generator=torch.Generator().manual_seed(seed))[: col_pieces - 1]
+            .add(1)
+            .tolist()
+        ),
+        dim,
+    ]
     meta = grid_metadata(num_rows, dim, row_cuts, col_cuts, dtype)
     table = random_table(num_rows, dim, dtype, seed)
     ids, offsets = random_bags(num_rows, bag_sizes, seed)
-    weights = torch.rand(ids.numel(), generator=torch.Generator().manual_seed(seed)).to(dtype) \
-        if weighted and mode == "sum" else None
+    weights = (
+        torch.rand(ids.numel(), generator=torch.Generator().manual_seed(seed)).to(dtype)
+        if weighted and mode == "sum"
+        else None
+    )
     got = pool_on_shards(table, meta, ids, offsets, weights, mode)
     expected = F.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=weights)
     assert got.dtype == dtype and got.shape == expected.shape
@@ -287,9 +398,16 @@ def test_partial_pooling_over_random_grids_matches_embedding_bag(dtype, num_rows
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @SETTINGS
-@given(num_rows=st.integers(1, 30), dim=st.integers(1, 8), pieces=layouts, bag_sizes=bag_size_lists,
-       seed=st.integers(0, 2**16))
-def test_partial_sums_of_exact_tables_are_bit_for_bit(dtype, num_rows, dim, pieces, bag_sizes, seed):
+@given(
+    num_rows=st.integers(1, 30),
+    dim=st.integers(1, 8),
+    pieces=layouts,
+    bag_sizes=bag_size_lists,
+    seed=st.integers(0, 2**16),
+)
+def test_partial_sums_of_exact_tables_are_bit_for_bit(
+    dtype, num_rows, dim, pieces, bag_sizes, seed
+):
     """Tables of multiples of 1/8 sum exactly in any order, so sharded sums must equal torch's bits."""
     row_cuts = cut_points(num_rows, pieces[0], seed)
     col_cuts = cut_points(dim, min(pieces[1], dim), seed + 1)
@@ -311,12 +429,18 @@ def test_bags_held_by_one_shard_are_bit_for_bit(dtype, mode):
     bags, ranges = [], [(0, 25), (25, 60), (60, 90)]
     for b in range(40):
         lo, hi = ranges[b % 3]
-        bags.append(torch.randint(lo, hi, (int(torch.randint(0, 300, (1,), generator=gen)),), generator=gen))
+        bags.append(
+            torch.randint(lo, hi, (int(torch.randint(0, 300, (1,), generator=gen)),), generator=gen)
+        )
     ids = torch.cat(bags)
     offsets = torch.tensor([0] + [len(b) for b in bags[:-1]]).cumsum(0)
-    for weights in ([None, torch.rand(ids.numel(), generator=gen).to(dtype)] if mode == "sum" else [None]):
+    for weights in (
+        [None, torch.rand(ids.numel(), generator=gen).to(dtype)] if mode == "sum" else [None]
+    ):
         got = pool_on_shards(table, meta, ids, offsets, weights, mode)
-        assert torch.equal(got, F.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=weights))
+        assert torch.equal(
+            got, F.embedding_bag(ids, table, offsets, mode=mode, per_sample_weights=weights)
+        )
 
 
 def test_column_split_table_concatenates_columns():
@@ -352,7 +476,9 @@ def test_combine_partials_errors():
         combine_partials([(torch.zeros(2, 3), torch.tensor([1, 1]))], "sum")
     with pytest.raises(ValueError, match="mode must be one of"):
         combine_partials([a], "max")
-    with pytest.raises(ValueError, match="pooled 1 ids into bag 1 but expected_counts says 3: a shard's partial"):
+    with pytest.raises(
+        ValueError, match="pooled 1 ids into bag 1 but expected_counts says 3: a shard's partial"
+    ):
         combine_partials([a], "sum", expected_counts=torch.tensor([1, 3]))
     with pytest.raises(ValueError, match="expected_counts has 3 bags but the partials have 2"):
         combine_partials([a], "sum", expected_counts=torch.tensor([1, 1, 1]))

@@ -1,26 +1,38 @@
 """shardcore.health: health, lost boxes and replicas of a layout with unavailable copies, and the copy a read picks."""
+
 from __future__ import annotations
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shardserve.core.health import (
+    DEGRADED,
+    HEALTHY,
+    LOST,
+    copies_by_box,
+    layout_health,
+    lost_boxes_in,
+    pick_copy,
+    ranks_of_copies,
+)
+from shardserve.core.metadata import Box, ShardMetadata, TensorProperties
+from shardserve.core.regions import shards_for_box
+from shardserve.core.routing import RowIndex
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 
-from shardcore.health import (DEGRADED, HEALTHY, LOST, copies_by_box, layout_health, lost_boxes_in, pick_copy,
-                              ranks_of_copies)
-from shardcore.metadata import Box, ShardMetadata, TensorProperties
-from shardcore.regions import shards_for_box
-from shardcore.routing import RowIndex
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
 
-
-def _layout(boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]], size: tuple[int, ...] = (8, 4)):
+def _layout(
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]], size: tuple[int, ...] = (8, 4)
+):
     spec = EnumerableShardingSpec([ShardMetadata(o, s, f"rank:{r}/cpu") for o, s, r in boxes])
     return spec.build_metadata(size, TensorProperties(dtype=torch.float32))
 
 
 PLAIN = _layout([((0, 0), (4, 4), 0), ((4, 0), (2, 4), 1), ((6, 0), (2, 4), 2)])
 # every box on two ranks: shards 0,1 hold rows 0-3, shards 2,3 rows 4-7
-MIRRORED = _layout([((0, 0), (4, 4), 0), ((0, 0), (4, 4), 1), ((4, 0), (4, 4), 1), ((4, 0), (4, 4), 2)])
+MIRRORED = _layout(
+    [((0, 0), (4, 4), 0), ((0, 0), (4, 4), 1), ((4, 0), (4, 4), 1), ((4, 0), (4, 4), 2)]
+)
 
 
 def test_a_plain_layout_is_healthy_with_one_replica():
@@ -50,7 +62,8 @@ def test_replicas_is_the_minimum_over_boxes():
 
 def test_empty_shards_count_for_nothing():
     meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]).build_metadata(
-        (2, 3), TensorProperties(dtype=torch.float32))  # rank 2's shard is empty
+        (2, 3), TensorProperties(dtype=torch.float32)
+    )  # rank 2's shard is empty
     assert len(copies_by_box(meta)) == 2
     assert layout_health(meta, [2]).state == HEALTHY
 
@@ -67,7 +80,9 @@ def test_a_read_picks_a_live_copy_then_a_suspect_one():
     assert pick_copy(MIRRORED, [0, 1], suspect={0}) == 1
     assert pick_copy(MIRRORED, [0, 1], unavailable={0}, suspect={1}) == 1  # suspect beats dead
     assert pick_copy(MIRRORED, [0, 1], prefer_rank=1) == 1
-    assert pick_copy(MIRRORED, [0, 1], suspect={1}, prefer_rank=1) == 0  # a live copy beats the preferred rank
+    assert (
+        pick_copy(MIRRORED, [0, 1], suspect={1}, prefer_rank=1) == 0
+    )  # a live copy beats the preferred rank
 
 
 def test_shards_for_box_and_row_routing_avoid_dead_copies():
@@ -108,6 +123,10 @@ def test_health_agrees_with_the_copies_a_read_can_use(case):
     assert health.replicas == min(len(c) for c in copies.values())
     some_copy_gone = any(i in unavailable for c in copies.values() for i in c)
     assert (health.state == HEALTHY) == (not some_copy_gone)
+
     def order(box: Box) -> tuple:
         return box.offsets, box.sizes
-    assert sorted((part for _, part in parts), key=order) == sorted(copies, key=order)  # every box read once
+
+    assert sorted((part for _, part in parts), key=order) == sorted(
+        copies, key=order
+    )  # every box read once

@@ -1,4 +1,5 @@
 """plan_reshard and the in-memory executor: property tests over random layouts, plus edge cases."""
+
 from __future__ import annotations
 
 import itertools
@@ -9,14 +10,25 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shardcore import (ChunkShardingSpec, Replicate, Shard, ShardedTensorMetadata, ShardMetadata,
-                       TensorProperties, apply_plan, copy_box, make_metadata,
-                       metadata_from_placements, pack_bucket, plan_reshard, plan_reshard_per_round, split_box,
-                       unpack_bucket)
-from shardcore.metadata import Box
-
 from reference import shards_of
+from shardserve.core import (
+    ChunkShardingSpec,
+    Replicate,
+    Shard,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    apply_plan,
+    copy_box,
+    make_metadata,
+    metadata_from_placements,
+    pack_bucket,
+    plan_reshard,
+    plan_reshard_per_round,
+    split_box,
+    unpack_bucket,
+)
+from shardserve.core.metadata import Box
 
 DTYPES = (torch.float32, torch.int64, torch.float16, torch.bool, torch.complex64, torch.uint8)
 
@@ -25,13 +37,14 @@ def reference_tensor(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Distinct-ish values per element, so a misplaced element shows."""
     values = torch.arange(math.prod(size), dtype=torch.int64).reshape(size)
     if dtype == torch.bool:
-        return (values % 3 == 1)
+        return values % 3 == 1
     if dtype == torch.uint8:
         return (values % 251).to(dtype)
     return values.to(dtype)
 
 
 # ---------------------------------------------------------------- layout generator
+
 
 @st.composite
 def grid_boxes(draw, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -41,7 +54,10 @@ def grid_boxes(draw, size: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple
         cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
         bounds = [0, *cuts, n]
         per_dim.append([(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])])
-    return [(tuple(o for o, _ in combo), tuple(s for _, s in combo)) for combo in itertools.product(*per_dim)]
+    return [
+        (tuple(o for o, _ in combo), tuple(s for _, s in combo))
+        for combo in itertools.product(*per_dim)
+    ]
 
 
 @st.composite
@@ -55,9 +71,11 @@ def guillotine_boxes(draw, size: tuple[int, ...]) -> list[tuple[tuple[int, ...],
         d = draw(st.integers(0, len(size) - 1))
         offsets, sizes = boxes[i]
         cut = draw(st.integers(0, sizes[d]))
-        left = sizes[:d] + (cut,) + sizes[d + 1:]
-        right = (offsets[:d] + (offsets[d] + cut,) + offsets[d + 1:],
-                 sizes[:d] + (sizes[d] - cut,) + sizes[d + 1:])
+        left = sizes[:d] + (cut,) + sizes[d + 1 :]
+        right = (
+            offsets[:d] + (offsets[d] + cut,) + offsets[d + 1 :],
+            sizes[:d] + (sizes[d] - cut,) + sizes[d + 1 :],
+        )
         boxes[i] = (offsets, left)
         boxes.append(right)
     return boxes
@@ -88,12 +106,22 @@ def layouts(draw, size: tuple[int, ...], dtype: torch.dtype) -> ShardedTensorMet
         dim = draw(st.integers(-len(size), len(size) - 1))
         ranks = draw(st.lists(st.sampled_from(rank_pool), min_size=1, max_size=6))
         return ChunkShardingSpec(dim, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
-            size, TensorProperties(dtype=dtype))
+            size, TensorProperties(dtype=dtype)
+        )
     shape = draw(st.sampled_from([(1,), (2,), (3,), (2, 2), (1, 3), (3, 2)]))
-    ranks = draw(st.lists(st.integers(0, 7), min_size=math.prod(shape), max_size=math.prod(shape),
-                          unique=True))
-    mesh = ranks if len(shape) == 1 else [ranks[i * shape[1]:(i + 1) * shape[1]] for i in range(shape[0])]
-    rules = [draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(len(size))])) for _ in shape]
+    ranks = draw(
+        st.lists(
+            st.integers(0, 7), min_size=math.prod(shape), max_size=math.prod(shape), unique=True
+        )
+    )
+    mesh = (
+        ranks
+        if len(shape) == 1
+        else [ranks[i * shape[1] : (i + 1) * shape[1]] for i in range(shape[0])]
+    )
+    rules = [
+        draw(st.sampled_from([Replicate()] + [Shard(d) for d in range(len(size))])) for _ in shape
+    ]
     return metadata_from_placements(size, mesh, rules, dtype=dtype)
 
 
@@ -110,19 +138,32 @@ def reshard_cases(draw):
 
 # ---------------------------------------------------------------- checks
 
+
 def simulate_ranks(plan, src_shards) -> list[torch.Tensor]:
     """Run the plan as ranks would: each rank packs what for_rank says it sends, peers unpack in order."""
     dst_meta = plan.dst
     out = [torch.zeros(s.shard_sizes, dtype=dst_meta.dtype) for s in dst_meta.shards_metadata]
-    ranks = sorted({s.rank for s in plan.src.shards_metadata} | {s.rank for s in dst_meta.shards_metadata})
-    mine_src = {r: {i: t for i, t in enumerate(src_shards) if plan.src.shards_metadata[i].rank == r} for r in ranks}
-    mine_dst = {r: {i: t for i, t in enumerate(out) if dst_meta.shards_metadata[i].rank == r} for r in ranks}
+    ranks = sorted(
+        {s.rank for s in plan.src.shards_metadata} | {s.rank for s in dst_meta.shards_metadata}
+    )
+    mine_src = {
+        r: {i: t for i, t in enumerate(src_shards) if plan.src.shards_metadata[i].rank == r}
+        for r in ranks
+    }
+    mine_dst = {
+        r: {i: t for i, t in enumerate(out) if dst_meta.shards_metadata[i].rank == r} for r in ranks
+    }
     wires: dict[tuple[int, int], deque] = defaultdict(deque)
     for r in ranks:
         part = plan.for_rank(r)
         for t in part.local:
-            copy_box(mine_src[r][t.src_shard], plan.src.shards_metadata[t.src_shard].box,
-                     mine_dst[r][t.dst_shard], dst_meta.shards_metadata[t.dst_shard].box, t.box)
+            copy_box(
+                mine_src[r][t.src_shard],
+                plan.src.shards_metadata[t.src_shard].box,
+                mine_dst[r][t.dst_shard],
+                dst_meta.shards_metadata[t.dst_shard].box,
+                t.box,
+            )
         for bucket in part.sends:
             wires[(r, bucket.dst_rank)].append(pack_bucket(bucket, mine_src[r]))
     for r in ranks:
@@ -142,24 +183,36 @@ def check_plan_structure(plan, src, dst, bucket_bytes) -> None:
         assert not t.box.is_empty()
         assert t.nbytes == t.box.numel() * itemsize
         if not t.is_local:
-            assert not any(s.rank == t.dst_rank and s.box.contains(t.box) for s in src.shards_metadata)
-        coverage[t.dst_shard][tuple(slice(o - so, o - so + n) for o, so, n in
-                                    zip(t.offsets, d_shard.shard_offsets, t.sizes))] += 1
+            assert not any(
+                s.rank == t.dst_rank and s.box.contains(t.box) for s in src.shards_metadata
+            )
+        coverage[t.dst_shard][
+            tuple(
+                slice(o - so, o - so + n)
+                for o, so, n in zip(t.offsets, d_shard.shard_offsets, t.sizes)
+            )
+        ] += 1
     for j, c in enumerate(coverage):
         assert bool((c == 1).all()), f"dst shard {j} not covered exactly once"
     keys = [(not t.is_local, t.src_rank, t.dst_rank) for t in plan.transfers]
     assert keys == sorted(keys)
     assert all(t.src_rank == t.dst_rank for t in plan.transfers if t.is_local)
-    assert [t for b in plan.buckets for t in b.transfers] == [t for t in plan.transfers if not t.is_local]
+    assert [t for b in plan.buckets for t in b.transfers] == [
+        t for t in plan.transfers if not t.is_local
+    ]
     for b in plan.buckets:
-        assert b.transfers and all((t.src_rank, t.dst_rank) == (b.src_rank, b.dst_rank) for t in b.transfers)
+        assert b.transfers and all(
+            (t.src_rank, t.dst_rank) == (b.src_rank, b.dst_rank) for t in b.transfers
+        )
         assert b.nbytes == sum(t.nbytes for t in b.transfers)
         if itemsize <= bucket_bytes:
             assert b.nbytes <= bucket_bytes
         else:
             assert all(t.box.numel() == 1 for t in b.transfers)
-    assert plan.nbytes_local + plan.nbytes_remote == sum(
-        s.numel() for s in dst.shards_metadata) * itemsize
+    assert (
+        plan.nbytes_local + plan.nbytes_remote
+        == sum(s.numel() for s in dst.shards_metadata) * itemsize
+    )
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -180,9 +233,11 @@ def test_random_reshard_reproduces_every_destination_shard(case):
 
 # ---------------------------------------------------------------- targeted cases
 
+
 def rows(n: int, ranks: list[int], cols: int = 4, dtype=torch.float32) -> ShardedTensorMetadata:
     return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
-        (n, cols), TensorProperties(dtype=dtype))
+        (n, cols), TensorProperties(dtype=dtype)
+    )
 
 
 def test_unchanged_layout_is_all_local_and_unbucketed():
@@ -223,7 +278,7 @@ def test_empty_destination_shards_get_no_transfer():
     dst = rows(2, [0, 1, 2, 3])  # two empty shards
     plan = plan_reshard(src, dst)
     assert {t.dst_shard for t in plan.transfers} == {0, 1}
-    out = apply_plan(plan, shards_of(torch.arange(8.).reshape(2, 4), src))
+    out = apply_plan(plan, shards_of(torch.arange(8.0).reshape(2, 4), src))
     assert [tuple(t.shape) for t in out] == [(1, 4), (1, 4), (0, 4), (0, 4)]
 
 
@@ -248,8 +303,12 @@ def test_rows_larger_than_a_bucket_are_split_along_the_next_dim():
 
 def test_split_box_keeps_c_order_and_limit():
     pieces = split_box((1, 2, 0), (2, 3, 5), 4, 40)
-    assert pieces == [((1, 2, 0), (1, 2, 5)), ((1, 4, 0), (1, 1, 5)), ((2, 2, 0), (1, 2, 5)),
-                      ((2, 4, 0), (1, 1, 5))]
+    assert pieces == [
+        ((1, 2, 0), (1, 2, 5)),
+        ((1, 4, 0), (1, 1, 5)),
+        ((2, 2, 0), (1, 2, 5)),
+        ((2, 4, 0), (1, 1, 5)),
+    ]
     assert split_box((0,), (3,), 8, 4) == [((0,), (1,)), ((1,), (1,)), ((2,), (1,))]
 
 
@@ -279,15 +338,19 @@ def test_many_shards_plan_matches_expected_transfer_count():
     dst = rows(100_000, list(range(999)), cols=2)
     plan = plan_reshard(src, dst)
     # row chunks against row chunks: one piece between each pair of consecutive boundaries
-    bounds = {b for meta in (src, dst) for s in meta.shards_metadata
-              for b in (s.shard_offsets[0], s.shard_offsets[0] + s.shard_sizes[0])}
+    bounds = {
+        b
+        for meta in (src, dst)
+        for s in meta.shards_metadata
+        for b in (s.shard_offsets[0], s.shard_offsets[0] + s.shard_sizes[0])
+    }
     assert len(plan.transfers) == len(bounds) - 1 > 1900
     assert sum(t.nbytes for t in plan.transfers) == src.nbytes
 
 
 @pytest.mark.parametrize("layout", ["rows", "grid"])
 def test_planner_tests_few_pairs_not_all_pairs(monkeypatch, layout):
-    import shardcore.planner as planner
+    import shardserve.core.planner as planner
 
     calls = 0
     real = planner._intersection
@@ -301,15 +364,26 @@ def test_planner_tests_few_pairs_not_all_pairs(monkeypatch, layout):
     if layout == "rows":
         src, dst = rows(100_000, list(range(1000)), cols=2), rows(100_000, list(range(999)), cols=2)
     else:
-        src = metadata_from_placements((1000, 1000), [list(range(r * 40, r * 40 + 40)) for r in range(25)],
-                                       [Shard(0), Shard(1)])
-        dst = metadata_from_placements((1000, 1000), [list(range(r * 25, r * 25 + 25)) for r in range(40)],
-                                       [Shard(0), Shard(1)])
+        src = metadata_from_placements(
+            (1000, 1000),
+            [list(range(r * 40, r * 40 + 40)) for r in range(25)],
+            [Shard(0), Shard(1)],
+        )
+        dst = metadata_from_placements(
+            (1000, 1000),
+            [list(range(r * 25, r * 25 + 25)) for r in range(40)],
+            [Shard(0), Shard(1)],
+        )
     plan = plan_reshard(src, dst)
-    assert calls <= 2 * len(plan.transfers) < len(src.shards_metadata) * len(dst.shards_metadata) // 100
+    assert (
+        calls
+        <= 2 * len(plan.transfers)
+        < len(src.shards_metadata) * len(dst.shards_metadata) // 100
+    )
 
 
 # ---------------------------------------------------------------- errors
+
 
 def test_mismatched_size_is_named():
     with pytest.raises(ValueError, match=r"size differs: src.size=\(4, 4\) but dst.size=\(5, 4\)"):
@@ -321,8 +395,9 @@ def test_mismatched_dtype_is_named():
         plan_reshard(rows(4, [0]), rows(4, [0], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("bucket_bytes,error", [(0, ValueError), (-5, ValueError), (1.5, TypeError),
-                                                (True, TypeError)])
+@pytest.mark.parametrize(
+    "bucket_bytes,error", [(0, ValueError), (-5, ValueError), (1.5, TypeError), (True, TypeError)]
+)
 def test_bad_bucket_bytes(bucket_bytes, error):
     with pytest.raises(error, match="bucket_bytes"):
         plan_reshard(rows(4, [0]), rows(4, [1]), bucket_bytes=bucket_bytes)
@@ -341,7 +416,9 @@ def test_source_with_a_gap_is_reported():
 
 def test_shard_outside_the_tensor_is_named():
     src = make_metadata((4, 4), [((0, 0), (5, 4), 0)])
-    with pytest.raises(ValueError, match=r"src.shards_metadata\[0\] is outside the tensor in dim 0"):
+    with pytest.raises(
+        ValueError, match=r"src.shards_metadata\[0\] is outside the tensor in dim 0"
+    ):
         plan_reshard(src, rows(4, [0]))
 
 
@@ -363,8 +440,8 @@ def test_apply_plan_checks_shard_tensors():
 
 def test_apply_plan_writes_into_given_tensors():
     src, dst = rows(6, [0, 1]), rows(6, [1, 2, 3])
-    x = torch.arange(24.).reshape(6, 4)
-    out = [torch.full(s.shard_sizes, -1.) for s in dst.shards_metadata]
+    x = torch.arange(24.0).reshape(6, 4)
+    out = [torch.full(s.shard_sizes, -1.0) for s in dst.shards_metadata]
     result = apply_plan(plan_reshard(src, dst), shards_of(x, src), out=out)
     assert all(a is b for a, b in zip(result, out))
     assert all(torch.equal(a, b) for a, b in zip(out, shards_of(x, dst)))
@@ -386,7 +463,7 @@ def test_pack_and_unpack_check_buffers():
 
 
 def test_copy_box_copies_a_global_box_between_local_shards():
-    src = torch.arange(20.).reshape(4, 5)
+    src = torch.arange(20.0).reshape(4, 5)
     dst = torch.zeros(3, 3)
     copy_box(src, Box((2, 0), (4, 5)), dst, Box((4, 1), (3, 3)), Box((4, 2), (2, 2)))
     expected = torch.zeros(3, 3)
@@ -395,7 +472,10 @@ def test_copy_box_copies_a_global_box_between_local_shards():
 
 
 def test_plan_per_round_shares_the_round_budget_among_a_ranks_peers():
-    size = (64, 48)  # float32: 12 KiB; row-wise over 4 ranks -> column-wise: every rank sends to and hears from 3
+    size = (
+        64,
+        48,
+    )  # float32: 12 KiB; row-wise over 4 ranks -> column-wise: every rank sends to and hears from 3
     src = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(4)]).build_metadata(size)
     dst = ChunkShardingSpec(1, [f"rank:{r}/cpu" for r in range(4)]).build_metadata(size)
     round_bytes = 1536
@@ -407,7 +487,7 @@ def test_plan_per_round_shares_the_round_budget_among_a_ranks_peers():
             per_pair[(bucket.src_rank, bucket.dst_rank)].append(bucket.nbytes)
         assert len(per_pair) == 6
         assert sum(sizes[0] for sizes in per_pair.values()) <= round_bytes
-    full = torch.arange(64 * 48.).view(size)
+    full = torch.arange(64 * 48.0).view(size)
     out = apply_plan(plan, shards_of(full, src))
     assert all(torch.equal(got, want) for got, want in zip(out, shards_of(full, dst), strict=True))
 
@@ -422,12 +502,17 @@ def test_plan_per_round_keeps_the_bucket_when_a_rank_has_one_peer():
 def test_participants_are_destination_holders_and_the_ranks_read_from():
     """A source rank whose shard is empty sends nothing and is not waited for; a destination rank whose shard is
     empty still takes part (it installs the empty shard)."""
-    src = ChunkShardingSpec(2, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:3/cpu"]).build_metadata(
-        (7, 5, 3), TensorProperties(dtype=torch.float32))  # 3 along dim 2: rank 3's chunk is empty or absent
+    src = ChunkShardingSpec(
+        2, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu", "rank:3/cpu"]
+    ).build_metadata(
+        (7, 5, 3), TensorProperties(dtype=torch.float32)
+    )  # 3 along dim 2: rank 3's chunk is empty or absent
     dst = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]).build_metadata(
-        (7, 5, 3), TensorProperties(dtype=torch.float32))
+        (7, 5, 3), TensorProperties(dtype=torch.float32)
+    )
     plan = plan_reshard(src, dst)
     assert plan.participants(dst) == (0, 1, 2)
     empty_dst = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(8)]).build_metadata(
-        (7, 5, 3), TensorProperties(dtype=torch.float32))  # rank 7 gets an empty chunk
+        (7, 5, 3), TensorProperties(dtype=torch.float32)
+    )  # rank 7 gets an empty chunk
     assert 7 in plan_reshard(src, empty_dst).participants(empty_dst)

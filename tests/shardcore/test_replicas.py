@@ -1,4 +1,5 @@
 """shardcore.replicas: a layout expanded to R copies per box on distinct ranks (and hosts), balanced by bytes."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,19 +8,20 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from shardcore.health import copies_by_box, layout_health
-from shardcore.metadata import ShardMetadata, TensorProperties
-from shardcore.replicas import CandidateRank, replicate_layout
-from shardcore.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardcore.validation import validate_metadata
+from shardserve.core.health import copies_by_box, layout_health
+from shardserve.core.metadata import ShardMetadata, TensorProperties
+from shardserve.core.replicas import CandidateRank, replicate_layout
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.core.validation import validate_metadata
 
 PROPS = TensorProperties(dtype=torch.float32)
 
 
 def _candidates(hosts: list[str], devices: list[str] | None = None) -> list[CandidateRank]:
     devices = devices or ["cpu"] * len(hosts)
-    return [CandidateRank(rank, host, device) for rank, (host, device) in enumerate(zip(hosts, devices))]
+    return [
+        CandidateRank(rank, host, device) for rank, (host, device) in enumerate(zip(hosts, devices))
+    ]
 
 
 def _chunks(size: tuple[int, ...], ranks: list[int], dim: int = 0):
@@ -67,7 +69,9 @@ def test_each_original_shard_stays_first_among_its_copies(case):
     out = replicate_layout(meta, replicas, candidates)
     originals = iter(meta.shards_metadata)
     for box, copies in copies_by_box(out).items():
-        assert all(b - a == 1 for a, b in zip(copies, copies[1:]))  # the copies follow their original
+        assert all(
+            b - a == 1 for a, b in zip(copies, copies[1:])
+        )  # the copies follow their original
     firsts = [out.shards_metadata[copies[0]] for copies in copies_by_box(out).values()]
     assert firsts == [s for s in originals if not s.box.is_empty()]
     assert replicate_layout(meta, replicas, candidates) == out  # deterministic
@@ -90,7 +94,16 @@ def test_chunk_layouts_balance_bytes_within_one_shard_of_ideal(rows, world, data
 
 def test_a_ring_of_equal_chunks_is_balanced_exactly():
     out = replicate_layout(_chunks((12, 2), [0, 1, 2, 3]), 2, _candidates(["h"] * 4))
-    assert [s.rank for s in out.shards_metadata] == [0, 1, 1, 3, 2, 0, 3, 2]  # two 3-row shards on every rank
+    assert [s.rank for s in out.shards_metadata] == [
+        0,
+        1,
+        1,
+        3,
+        2,
+        0,
+        3,
+        2,
+    ]  # two 3-row shards on every rank
 
 
 def test_copies_go_to_other_hosts_first_and_keep_their_rank_device():
@@ -98,7 +111,11 @@ def test_copies_go_to_other_hosts_first_and_keep_their_rank_device():
     meta = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:1/cuda:1"]).build_metadata((4, 2), PROPS)
     out = replicate_layout(meta, 2, candidates)
     assert [str(s.placement) for s in out.shards_metadata] == [
-        "rank:0/cuda:0", "rank:2/cuda:0", "rank:1/cuda:1", "rank:3/cuda:1"]
+        "rank:0/cuda:0",
+        "rank:2/cuda:0",
+        "rank:1/cuda:1",
+        "rank:3/cuda:1",
+    ]
 
 
 def test_a_primary_on_a_rank_not_among_the_candidates_keeps_its_place():
@@ -111,22 +128,28 @@ def test_one_replica_returns_the_layout_as_it_is():
     assert replicate_layout(meta, 1, _candidates(["h"])) is meta
 
 
-@pytest.mark.parametrize("replicas, message", [
-    (0, r"replicas must be at least 1, got 0"),
-    (-1, r"replicas must be at least 1"),
-    (4, r"replicas=4 is more than the 3 live ranks \(\[0, 1, 2\]\)"),
-    (True, r"replicas must be an int"),
-    (2.0, r"replicas must be an int"),
-])
+@pytest.mark.parametrize(
+    "replicas, message",
+    [
+        (0, r"replicas must be at least 1, got 0"),
+        (-1, r"replicas must be at least 1"),
+        (4, r"replicas=4 is more than the 3 live ranks \(\[0, 1, 2\]\)"),
+        (True, r"replicas must be an int"),
+        (2.0, r"replicas must be an int"),
+    ],
+)
 def test_bad_replicas_raise_naming_it(replicas, message):
     with pytest.raises(ValueError, match=message):
         replicate_layout(_chunks((6, 2), [0, 1]), replicas, _candidates(["h"] * 3))
 
 
 def test_a_layout_that_already_has_replicas_takes_no_more():
-    meta = EnumerableShardingSpec([ShardMetadata((0,), (4,), "rank:0/cpu"),
-                                   ShardMetadata((0,), (4,), "rank:1/cpu")]).build_metadata((4,), PROPS)
-    with pytest.raises(ValueError, match=r"replicas=2 asks for copies of a layout that already has replicas"):
+    meta = EnumerableShardingSpec(
+        [ShardMetadata((0,), (4,), "rank:0/cpu"), ShardMetadata((0,), (4,), "rank:1/cpu")]
+    ).build_metadata((4,), PROPS)
+    with pytest.raises(
+        ValueError, match=r"replicas=2 asks for copies of a layout that already has replicas"
+    ):
         replicate_layout(meta, 2, _candidates(["h"] * 3))
     assert replicate_layout(meta, 1, _candidates(["h"] * 3)) is meta
 
@@ -135,4 +158,6 @@ def test_bad_candidates_raise():
     with pytest.raises(ValueError, match="more than once"):
         replicate_layout(_chunks((6, 2), [0]), 2, [CandidateRank(0, "h"), CandidateRank(0, "h")])
     with pytest.raises(ValueError, match="placement"):
-        replicate_layout(_chunks((6, 2), [0]), 2, [CandidateRank(0, "h"), CandidateRank(1, "h", "tpu")])
+        replicate_layout(
+            _chunks((6, 2), [0]), 2, [CandidateRank(0, "h"), CandidateRank(1, "h", "tpu")]
+        )

@@ -1,4 +1,5 @@
 """route_rows / RowIndex: every valid id reaches exactly the shards holding its row, bit for bit."""
+
 from __future__ import annotations
 
 import itertools
@@ -8,10 +9,20 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from shardcore import (ChunkShardingSpec, Replicate, RowIndex, Shard, ShardedTensorMetadata, ShardMetadata,
-                       TensorProperties, cut_tensor, make_metadata, metadata_from_placements, route_rows,
-                       unique_ids)
+from shardserve.core import (
+    ChunkShardingSpec,
+    Replicate,
+    RowIndex,
+    Shard,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    cut_tensor,
+    make_metadata,
+    metadata_from_placements,
+    route_rows,
+    unique_ids,
+)
 
 
 @st.composite
@@ -30,8 +41,11 @@ def tables(draw):
     shards = []
     for box in boxes:
         for rank in draw(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True)):
-            shards.append(ShardMetadata(tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box),
-                                        f"rank:{rank}/cpu"))
+            shards.append(
+                ShardMetadata(
+                    tuple(lo for lo, _ in box), tuple(hi - lo for lo, hi in box), f"rank:{rank}/cpu"
+                )
+            )
     shards = draw(st.permutations(shards))
     return ShardedTensorMetadata(tuple(shards), size, TensorProperties(dtype=torch.int64))
 
@@ -44,7 +58,9 @@ def held_rows(meta: ShardedTensorMetadata) -> torch.Tensor:
     return painted.reshape(meta.size[0], math.prod(meta.size[1:])).all(dim=1)
 
 
-def gather(meta: ShardedTensorMetadata, routes, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def gather(
+    meta: ShardedTensorMetadata, routes, ids: torch.Tensor, table: torch.Tensor
+) -> torch.Tensor:
     """What a client does: fetch each route's rows from its shard and place the column pieces."""
     shards = cut_tensor(table, meta)
     out = torch.full((len(ids), *meta.size[1:]), -1, dtype=table.dtype)
@@ -87,26 +103,35 @@ def test_routes_deliver_every_valid_id_exactly_once(meta, data):
         with pytest.raises(IndexError):
             index.route(ids)
     else:
-        assert [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)] == \
-            [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in routes]
+        assert [
+            (r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)
+        ] == [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in routes]
 
 
 def test_row_sharded_table_routes_each_id_to_one_shard():
     meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]).build_metadata(
-        (10, 3), TensorProperties())
+        (10, 3), TensorProperties()
+    )
     ids = torch.tensor([9, 0, 4, 3, 4, 8])
     routes = route_rows(meta, ids)
     assert [(r.shard, r.rank, r.positions.tolist(), r.local_rows.tolist()) for r in routes] == [
-        (0, 0, [1, 3], [0, 3]), (1, 1, [2, 4], [0, 0]), (2, 2, [5, 0], [0, 1])]  # ascending rows
+        (0, 0, [1, 3], [0, 3]),
+        (1, 1, [2, 4], [0, 0]),
+        (2, 2, [5, 0], [0, 1]),
+    ]  # ascending rows
     assert all(r.columns == slice(0, 3) for r in routes)
 
 
 def test_column_sharded_table_sends_ids_to_every_column_piece():
-    meta = ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]).build_metadata((5, 6), TensorProperties())
+    meta = ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (5, 6), TensorProperties()
+    )
     ids = torch.tensor([4, 1])
     routes = route_rows(meta, ids)
     assert [(r.shard, r.positions.tolist(), r.local_rows.tolist(), r.columns) for r in routes] == [
-        (0, [1, 0], [1, 4], slice(0, 3)), (1, [1, 0], [1, 4], slice(3, 6))]
+        (0, [1, 0], [1, 4], slice(0, 3)),
+        (1, [1, 0], [1, 4], slice(3, 6)),
+    ]
 
 
 def test_replicas_are_routed_once_preferring_a_rank():
@@ -117,8 +142,12 @@ def test_replicas_are_routed_once_preferring_a_rank():
 
 
 def test_out_of_range_raises_naming_the_first_bad_id():
-    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata((6, 2), TensorProperties())
-    with pytest.raises(IndexError, match=r"ids\[2\]=6: out of range for 6 rows \(2 invalid id\(s\) in all\)"):
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (6, 2), TensorProperties()
+    )
+    with pytest.raises(
+        IndexError, match=r"ids\[2\]=6: out of range for 6 rows \(2 invalid id\(s\) in all\)"
+    ):
         route_rows(meta, torch.tensor([0, 5, 6, -1]))
 
 
@@ -129,22 +158,29 @@ def test_rows_held_by_no_shard_are_invalid():
 
 
 def test_skip_policy_supports_zero_and_default_rows():
-    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata((4, 2), TensorProperties())
-    table = torch.arange(8.).reshape(4, 2)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (4, 2), TensorProperties()
+    )
+    table = torch.arange(8.0).reshape(4, 2)
     ids = torch.tensor([3, 99, 0, -2])
     index = RowIndex(meta)
     bad = index.invalid_mask(ids)
     assert bad.tolist() == [False, True, False, True]
-    zero_rows = gather(meta, index.route(ids, invalid="skip"), ids, table).masked_fill(bad[:, None], 0.)
+    zero_rows = gather(meta, index.route(ids, invalid="skip"), ids, table).masked_fill(
+        bad[:, None], 0.0
+    )
     assert torch.equal(zero_rows, torch.stack([table[3], torch.zeros(2), table[0], torch.zeros(2)]))
     default_ids = ids.masked_fill(bad, 1)
-    assert torch.equal(gather(meta, index.route(default_ids), default_ids, table), table[default_ids])
+    assert torch.equal(
+        gather(meta, index.route(default_ids), default_ids, table), table[default_ids]
+    )
 
 
 def test_many_ids_across_many_shards_match_plain_indexing():
     n, shards = 100_000, 64
     meta = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(shards)]).build_metadata(
-        (n, 2), TensorProperties(dtype=torch.int64))
+        (n, 2), TensorProperties(dtype=torch.int64)
+    )
     ids = torch.randint(0, n, (200_000,), generator=torch.Generator().manual_seed(0))
     table = torch.arange(2 * n).reshape(n, 2)
     routes = route_rows(meta, ids)
@@ -153,19 +189,28 @@ def test_many_ids_across_many_shards_match_plain_indexing():
 
 
 def test_large_batches_sort_with_torch_and_route_exactly_as_numpy_does(monkeypatch):
-    from shardcore import routing
+    from shardserve.core import routing
+
     meta = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(5)]).build_metadata(
-        (1000, 3), TensorProperties(dtype=torch.int64))
-    ids = torch.randint(0, 1000, (routing.LARGE_SORT + 17,), generator=torch.Generator().manual_seed(3))
+        (1000, 3), TensorProperties(dtype=torch.int64)
+    )
+    ids = torch.randint(
+        0, 1000, (routing.LARGE_SORT + 17,), generator=torch.Generator().manual_seed(3)
+    )
     index = RowIndex(meta)
     by_torch = [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)]
     monkeypatch.setattr(routing, "LARGE_SORT", 1 << 62)
-    assert [(r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)] == by_torch
+    assert [
+        (r.shard, r.positions.tolist(), r.local_rows.tolist()) for r in index.route(ids)
+    ] == by_torch
 
 
 def test_distinct_ids_agree_below_and_past_large_sort(monkeypatch):
-    from shardcore import routing
-    values = torch.randint(0, 500, (routing.LARGE_SORT + 9,), generator=torch.Generator().manual_seed(4)).numpy()
+    from shardserve.core import routing
+
+    values = torch.randint(
+        0, 500, (routing.LARGE_SORT + 9,), generator=torch.Generator().manual_seed(4)
+    ).numpy()
     unique, inverse = routing.distinct_ids(values)  # torch.unique
     assert (unique[inverse] == values).all() and (unique[1:] > unique[:-1]).all()
     monkeypatch.setattr(routing, "LARGE_SORT", 1 << 62)
@@ -184,15 +229,19 @@ def test_sorted_ids_skip_the_sort_and_keep_their_positions():
     meta = make_metadata((10, 1), [((0, 0), (5, 1), 0), ((5, 0), (5, 1), 1)])
     ids = torch.tensor([0, 2, 2, 6, 9])
     routes = route_rows(meta, ids)
-    assert [(r.positions.tolist(), r.local_rows.tolist()) for r in routes] == [([0, 1, 2], [0, 2, 2]),
-                                                                               ([3, 4], [1, 4])]
+    assert [(r.positions.tolist(), r.local_rows.tolist()) for r in routes] == [
+        ([0, 1, 2], [0, 2, 2]),
+        ([3, 4], [1, 4]),
+    ]
 
 
 def test_one_dim_table_routes_whole_rows():
     meta = make_metadata((6,), [((0,), (3,), 0), ((3,), (3,), 1)])
     routes = route_rows(meta, torch.tensor([5, 1]))
-    assert [(r.shard, r.local_rows.tolist(), r.columns) for r in routes] == [(0, [1], slice(None)),
-                                                                            (1, [2], slice(None))]
+    assert [(r.shard, r.local_rows.tolist(), r.columns) for r in routes] == [
+        (0, [1], slice(None)),
+        (1, [2], slice(None)),
+    ]
 
 
 def test_empty_ids_give_no_routes():
@@ -200,12 +249,15 @@ def test_empty_ids_give_no_routes():
     assert route_rows(meta, torch.tensor([], dtype=torch.int64)) == []
 
 
-@pytest.mark.parametrize("ids,error,message", [
-    (torch.tensor([1.0]), TypeError, "ids must hold integers"),
-    (torch.tensor([True]), TypeError, "ids must hold integers"),
-    ([1, 2], TypeError, "ids must be a torch.Tensor"),
-    (torch.tensor([[1]]), ValueError, r"ids must be 1-D, got shape \(1, 1\)"),
-])
+@pytest.mark.parametrize(
+    "ids,error,message",
+    [
+        (torch.tensor([1.0]), TypeError, "ids must hold integers"),
+        (torch.tensor([True]), TypeError, "ids must hold integers"),
+        ([1, 2], TypeError, "ids must be a torch.Tensor"),
+        (torch.tensor([[1]]), ValueError, r"ids must be 1-D, got shape \(1, 1\)"),
+    ],
+)
 def test_bad_ids_are_rejected(ids, error, message):
     meta = make_metadata((4, 1), [((0, 0), (4, 1), 0)])
     with pytest.raises(error, match=message):

@@ -1,19 +1,27 @@
 """shardcore.snapshots: merging the job's reports, balancing boxes over server ranks, refining a given layout."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from shardcore.metadata import Box
-from shardcore.snapshots import balanced_layouts, flatten_state_dict, job_tensors, refine_layout, writer_of
-from shardcore.specs import ChunkShardingSpec
-from shardcore.validation import validate_metadata
+from shardserve.core.metadata import Box
+from shardserve.core.snapshots import (
+    balanced_layouts,
+    flatten_state_dict,
+    job_tensors,
+    refine_layout,
+    writer_of,
+)
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.validation import validate_metadata
 
 
 def _reports() -> list[dict]:
     rows = [Box((0, 0), (3, 4)), Box((3, 0), (2, 4))]
-    return [{"w": ((5, 4), "float32", [rows[0]]), "b": ((4,), "int64", [Box((0,), (4,))])},
-            {"w": ((5, 4), "float32", [rows[1]]), "b": ((4,), "int64", [Box((0,), (4,))])}]
+    return [
+        {"w": ((5, 4), "float32", [rows[0]]), "b": ((4,), "int64", [Box((0,), (4,))])},
+        {"w": ((5, 4), "float32", [rows[1]]), "b": ((4,), "int64", [Box((0,), (4,))])},
+    ]
 
 
 def test_replicated_boxes_are_written_once_by_the_lowest_rank() -> None:
@@ -49,12 +57,18 @@ def test_a_given_layout_is_cut_by_the_job_boxes() -> None:
     refined = refine_layout(meta, tensors["w"])
     validate_metadata(refined)
     assert [(s.shard_offsets, s.shard_sizes, s.rank) for s in refined.shards_metadata] == [
-        ((0, 0), (3, 2), 1), ((3, 0), (2, 2), 1), ((0, 2), (3, 2), 0), ((3, 2), (2, 2), 0)]
+        ((0, 0), (3, 2), 1),
+        ((3, 0), (2, 2), 1),
+        ((0, 2), (3, 2), 0),
+        ((3, 2), (2, 2), 0),
+    ]
     assert writer_of(Box((3, 2), (2, 2)), tensors["w"]) == (1, Box((3, 0), (2, 4)))
 
 
 def test_nested_dicts_flatten_to_dotted_keys() -> None:
-    flat = flatten_state_dict({"a": {"b": torch.ones(1), "c": {"d": torch.zeros(1)}}, "e": torch.ones(2)})
+    flat = flatten_state_dict(
+        {"a": {"b": torch.ones(1), "c": {"d": torch.zeros(1)}}, "e": torch.ones(2)}
+    )
     assert list(flat) == ["a.b", "a.c.d", "e"]
     with pytest.raises(ValueError, match="key 3"):
         flatten_state_dict({"a": {3: torch.ones(1)}})

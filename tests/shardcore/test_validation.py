@@ -1,4 +1,5 @@
 """validate_metadata: replicas reported, every error named with its shards, agreement with torch."""
+
 from __future__ import annotations
 
 import math
@@ -8,20 +9,33 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed._shard.sharding_spec._internals import (check_tensor,
-                                                               validate_non_overlapping_shards_metadata)
-
-from shardcore import (Box, LayoutError, ShardedTensorMetadata, ShardMetadata, intersect, make_metadata,
-                       validate_metadata)
-from shardcore.interop import metadata_to_torch
+from shardserve.core import (
+    Box,
+    LayoutError,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    intersect,
+    make_metadata,
+    validate_metadata,
+)
+from shardserve.core.interop import metadata_to_torch
+from torch.distributed._shard.sharding_spec._internals import (
+    check_tensor,
+    validate_non_overlapping_shards_metadata,
+)
 
 
 def rows(size, cuts, ranks=None):
     """Row shards of a (size[0], ...) tensor cut at `cuts`."""
     bounds = [0, *cuts, size[0]]
     rest = tuple(size[1:])
-    return make_metadata(size, [((lo,) + (0,) * len(rest), (hi - lo,) + rest, (ranks or range(99))[i])
-                                for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))])
+    return make_metadata(
+        size,
+        [
+            ((lo,) + (0,) * len(rest), (hi - lo,) + rest, (ranks or range(99))[i])
+            for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]))
+        ],
+    )
 
 
 def test_valid_rows_report_no_replicas():
@@ -33,8 +47,16 @@ def test_valid_rows_report_no_replicas():
 
 
 def test_replicas_are_reported_not_flagged():
-    meta = make_metadata((4, 2), [((0, 0), (2, 2), 0), ((2, 0), (2, 2), 1),
-                                  ((0, 0), (2, 2), 2), ((2, 0), (2, 2), 3), ((0, 0), (2, 2), 4)])
+    meta = make_metadata(
+        (4, 2),
+        [
+            ((0, 0), (2, 2), 0),
+            ((2, 0), (2, 2), 1),
+            ((0, 0), (2, 2), 2),
+            ((2, 0), (2, 2), 3),
+            ((0, 0), (2, 2), 4),
+        ],
+    )
     report = validate_metadata(meta)
     assert report.replica_groups == ((0, 2, 4), (1, 3))
     assert report.is_replicated
@@ -49,28 +71,40 @@ def test_empty_shards_are_reported_and_may_sit_at_the_end():
 
 
 def test_fully_replicated_and_scalar_layouts():
-    assert validate_metadata(make_metadata((), [((), (), 0), ((), (), 1)])).replica_groups == ((0, 1),)
+    assert validate_metadata(make_metadata((), [((), (), 0), ((), (), 1)])).replica_groups == (
+        (0, 1),
+    )
     assert validate_metadata(make_metadata((0, 5), [((0, 0), (0, 5), 0)])).covered_numel == 0
 
 
 def test_missing_placement_names_shard():
-    meta = ShardedTensorMetadata((ShardMetadata((0,), (2,), "rank:0/cpu"), ShardMetadata((2,), (2,), None)), (4,))
-    with pytest.raises(LayoutError,
-                       match=r"missing placement in shards \[1\]: shards_metadata\[1\]\.placement is None"):
+    meta = ShardedTensorMetadata(
+        (ShardMetadata((0,), (2,), "rank:0/cpu"), ShardMetadata((2,), (2,), None)), (4,)
+    )
+    with pytest.raises(
+        LayoutError,
+        match=r"missing placement in shards \[1\]: shards_metadata\[1\]\.placement is None",
+    ):
         validate_metadata(meta)
 
 
 def test_dim_count_mismatch_names_shard():
     meta = make_metadata((4, 4), [((0, 0), (4, 4), 0), ((0,), (4,), 1)])
-    with pytest.raises(LayoutError, match=r"dim count mismatch in shards \[1\]: shards_metadata\[1\] has 1 dims "
-                                          r"but the tensor has 2"):
+    with pytest.raises(
+        LayoutError,
+        match=r"dim count mismatch in shards \[1\]: shards_metadata\[1\] has 1 dims "
+        r"but the tensor has 2",
+    ):
         validate_metadata(meta)
 
 
 def test_negative_offset_names_shard_and_field():
     meta = make_metadata((4,), [((0,), (2,), 0), ((-1,), (3,), 1)])
-    with pytest.raises(LayoutError, match=r"negative offset or size in shards \[1\]: "
-                                          r"shards_metadata\[1\] shard_offsets\[0\]=-1 is negative"):
+    with pytest.raises(
+        LayoutError,
+        match=r"negative offset or size in shards \[1\]: "
+        r"shards_metadata\[1\] shard_offsets\[0\]=-1 is negative",
+    ):
         validate_metadata(meta)
 
 
@@ -89,14 +123,20 @@ def test_out_of_bounds_lists_every_offender():
     meta = make_metadata((6,), [((0,), (2,), 0), ((2,), (5,), 1), ((4,), (2,), 2), ((9,), (0,), 3)])
     with pytest.raises(LayoutError) as err:
         validate_metadata(meta)
-    assert str(err.value) == ("out of bounds in shards [1, 3]: shards_metadata[1] "
-                              "shard_offsets[0]+shard_sizes[0]=2+5=7 exceeds size[0]=6")
+    assert str(err.value) == (
+        "out of bounds in shards [1, 3]: shards_metadata[1] "
+        "shard_offsets[0]+shard_sizes[0]=2+5=7 exceeds size[0]=6"
+    )
 
 
 def test_long_offender_lists_are_cut():
-    meta = make_metadata((4,), [((0,), (4,), r) for r in range(3)]
-                         + [((5,), (0,), r) for r in range(20)])
-    with pytest.raises(LayoutError, match=r"out of bounds in shards \[3, 4, 5, 6, 7, 8, 9, 10, \.\.\. \(20 in all\)\]"):
+    meta = make_metadata(
+        (4,), [((0,), (4,), r) for r in range(3)] + [((5,), (0,), r) for r in range(20)]
+    )
+    with pytest.raises(
+        LayoutError,
+        match=r"out of bounds in shards \[3, 4, 5, 6, 7, 8, 9, 10, \.\.\. \(20 in all\)\]",
+    ):
         validate_metadata(meta)
 
 
@@ -106,7 +146,7 @@ def test_overlap_names_both_shards_and_common_region():
         validate_metadata(meta)
     message = str(err.value)
     assert message.startswith("overlap in shards [")
-    pair = message[len("overlap in shards ["):message.index("]")]
+    pair = message[len("overlap in shards [") : message.index("]")]
     i, j = (int(x) for x in pair.split(", "))
     assert 2 in (i, j)
     a, b = meta.shards_metadata[i].box, meta.shards_metadata[j].box
@@ -118,12 +158,16 @@ def test_gap_names_uncovered_region():
     meta = make_metadata((4, 4), [((0, 0), (2, 4), 0), ((2, 0), (2, 2), 1)])
     with pytest.raises(LayoutError) as err:
         validate_metadata(meta)
-    assert str(err.value) == ("gap: the shards do not cover the tensor of size (4, 4); the region "
-                              "offsets (2, 2), sizes (2, 2) is held by no shard")
+    assert str(err.value) == (
+        "gap: the shards do not cover the tensor of size (4, 4); the region "
+        "offsets (2, 2), sizes (2, 2) is held by no shard"
+    )
 
 
 def test_gap_without_any_shard_is_the_whole_tensor():
-    with pytest.raises(LayoutError, match=r"region offsets \(0, 0\), sizes \(3, 2\) is held by no shard"):
+    with pytest.raises(
+        LayoutError, match=r"region offsets \(0, 0\), sizes \(3, 2\) is held by no shard"
+    ):
         validate_metadata(make_metadata((3, 2), []))
 
 
@@ -151,11 +195,18 @@ def grid_layouts(draw, replicas: bool = True):
     """A random grid of boxes over a random tensor, some boxes replicated (unless `replicas` is False)."""
     ndim = draw(st.integers(1, 4))
     size = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
-    cuts = [sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=3)))) if n > 1 else [] for n in size]
+    cuts = [
+        sorted(set(draw(st.lists(st.integers(1, n - 1), max_size=3)))) if n > 1 else []
+        for n in size
+    ]
     spans = [list(zip([0, *c], [*c, n])) for c, n in zip(cuts, size)]
-    boxes = [Box(tuple(lo for lo, _ in cell), tuple(hi - lo for lo, hi in cell))
-             for cell in _product(spans)]
-    copies = draw(st.lists(st.integers(1, 3 if replicas else 1), min_size=len(boxes), max_size=len(boxes)))
+    boxes = [
+        Box(tuple(lo for lo, _ in cell), tuple(hi - lo for lo, hi in cell))
+        for cell in _product(spans)
+    ]
+    copies = draw(
+        st.lists(st.integers(1, 3 if replicas else 1), min_size=len(boxes), max_size=len(boxes))
+    )
     shards = [(b.offsets, b.sizes) for b, k in zip(boxes, copies) for _ in range(k)]
     random.Random(draw(st.integers(0, 10**6))).shuffle(shards)
     return size, shards
@@ -186,10 +237,14 @@ def test_random_grids_validate_and_broken_ones_are_caught(layout, data):
     assert victim.contains(region) and not region.is_empty()
     assert all(intersect(s.box, region) is None for s in rest)
 
-    grown = Box(victim.offsets,
-                tuple(s + (1 if o + s < n else 0) for o, s, n in zip(victim.offsets, victim.sizes, size)))
+    grown = Box(
+        victim.offsets,
+        tuple(s + (1 if o + s < n else 0) for o, s, n in zip(victim.offsets, victim.sizes, size)),
+    )
     if grown != victim:
-        bad = ShardedTensorMetadata(tuple(rest) + (ShardMetadata(grown.offsets, grown.sizes, "rank:0/cpu"),), size)
+        bad = ShardedTensorMetadata(
+            tuple(rest) + (ShardMetadata(grown.offsets, grown.sizes, "rank:0/cpu"),), size
+        )
         with pytest.raises(LayoutError, match="overlap in shards"):
             validate_metadata(bad)
 
@@ -201,7 +256,9 @@ def _region_in(message: str) -> Box:
     return Box(eval(offsets), eval(sizes))  # noqa: S307 - parsing our own tuple repr in a test
 
 
-def _torch_accepts(size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+def _torch_accepts(
+    size: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> bool:
     meta = make_metadata(size, [(o, s, i) for i, (o, s) in enumerate(boxes)])
     torch_shards = metadata_to_torch(meta).shards_metadata
     try:
@@ -253,13 +310,24 @@ def test_agrees_with_torch_on_random_grids_and_broken_ones(case):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(1, 3).flatmap(lambda nd: st.lists(
-    st.tuples(st.lists(st.integers(0, 5), min_size=nd, max_size=nd),
-              st.lists(st.integers(0, 4), min_size=nd, max_size=nd)), min_size=1, max_size=12)))
+@given(
+    st.integers(1, 3).flatmap(
+        lambda nd: st.lists(
+            st.tuples(
+                st.lists(st.integers(0, 5), min_size=nd, max_size=nd),
+                st.lists(st.integers(0, 4), min_size=nd, max_size=nd),
+            ),
+            min_size=1,
+            max_size=12,
+        )
+    )
+)
 def test_overlap_found_exactly_when_some_pair_overlaps(boxes):
     ndim = len(boxes[0][0])
     meta = make_metadata((9,) * ndim, [(o, s, i) for i, (o, s) in enumerate(boxes)])
-    counts = torch.zeros((9,) * ndim, dtype=torch.int64)  # how many distinct boxes cover each element
+    counts = torch.zeros(
+        (9,) * ndim, dtype=torch.int64
+    )  # how many distinct boxes cover each element
     for offsets, sizes in dict.fromkeys((tuple(o), tuple(s)) for o, s in boxes):
         counts[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] += 1
     expected = bool((counts > 1).any())

@@ -1,4 +1,5 @@
 """Checks of plain arguments (counts, seconds) of the rank's job functions, for callers in-process."""
+
 from __future__ import annotations
 
 import math

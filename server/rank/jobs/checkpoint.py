@@ -16,19 +16,20 @@ shards, straight from or to the checkpoint directory:
   written once.
 Every rank gets the same job, so checks that fail, fail on every rank alike.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ServiceError
-from server.common.requests import check_name, check_version, parse_metadata
-from server.rank.jobs.context import JobContext
-from shardcore.metadata import ShardedTensorMetadata
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, ServiceError
+from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.rank.jobs.context import JobContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,8 +43,13 @@ def _job_tensors(spec: pb.CheckpointJob, kind: str) -> list[tuple[str, int, Shar
     out = []
     for i, tensor in enumerate(spec.tensors):
         field = f"{kind}.tensors[{i}]"
-        out.append((check_name(tensor.name, f"{field}.name"), check_version(tensor.version, f"{field}.version"),
-                    parse_metadata(tensor.metadata, f"{field}.metadata")))
+        out.append(
+            (
+                check_name(tensor.name, f"{field}.name"),
+                check_version(tensor.version, f"{field}.version"),
+                parse_metadata(tensor.metadata, f"{field}.metadata"),
+            )
+        )
     return out
 
 
@@ -76,28 +82,44 @@ def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
 
 def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Read this rank's shards of the job's tensors from the checkpoint into their reserved versions."""
-    from server.rank.jobs.checkpoint_io import (
+    from shardserve.server.rank.jobs.checkpoint_io import (
         load_tensors,  # DCP costs ~0.8 s to import: only ranks that load pay it
     )
 
     tensors = _job_tensors(job.checkpoint_load, "checkpoint_load")
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
-    into = {name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {}) for name, _, meta in tensors}
+    into = {
+        name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {})
+        for name, _, meta in tensors
+    }
     with ctx.default_world() as group:
-        shards = load_tensors(job.checkpoint_load.path, {name: meta for name, _, meta in tensors}, ctx.rank,
-                              group, into=into, problems=problems)
+        shards = load_tensors(
+            job.checkpoint_load.path,
+            {name: meta for name, _, meta in tensors},
+            ctx.rank,
+            group,
+            into=into,
+            problems=problems,
+        )
     for name, version, meta in tensors:
         if meta.shards_on(ctx.rank):
-            ctx.store.fill_reserved(name, version, {i: t.contiguous() for i, t in shards[name].items()})
+            ctx.store.fill_reserved(
+                name, version, {i: t.contiguous() for i, t in shards[name].items()}
+            )
     ctx.progress.bytes_done = ctx.progress.bytes_total
-    log.info("rank %d loaded %s from %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
-             job.checkpoint_load.path, ctx.progress.bytes_total)
+    log.info(
+        "rank %d loaded %s from %s (%d bytes)",
+        ctx.rank,
+        [t[0] for t in tensors],
+        job.checkpoint_load.path,
+        ctx.progress.bytes_total,
+    )
 
 
 def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Write this rank's shards of the job's served versions into one DCP checkpoint."""
-    from server.rank.jobs.checkpoint_io import (
+    from shardserve.server.rank.jobs.checkpoint_io import (
         save_tensors,  # DCP costs ~0.8 s to import: only ranks that save pay it
     )
 
@@ -107,15 +129,22 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     with ExitStack() as leases:
         state = {}
         for name, version, meta in tensors:
-            def lease_shards(name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
-                             ) -> dict[int, torch.Tensor]:
+
+            def lease_shards(
+                name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
+            ) -> dict[int, torch.Tensor]:
                 local = meta.shards_on(ctx.rank)
                 entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
                 return {i: ctx.store.shard_of(entry, i) for i in local}
+
             state[name] = (meta, _noting(problems, lease_shards, {}))
         with ctx.default_world() as group:
             save_tensors(job.checkpoint_save.path, state, group, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total
-    log.info("rank %d saved %s to %s (%d bytes)", ctx.rank, [t[0] for t in tensors],
-             job.checkpoint_save.path, ctx.progress.bytes_total)
-
+    log.info(
+        "rank %d saved %s to %s (%d bytes)",
+        ctx.rank,
+        [t[0] for t in tensors],
+        job.checkpoint_save.path,
+        ctx.progress.bytes_total,
+    )

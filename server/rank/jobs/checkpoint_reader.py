@@ -14,6 +14,7 @@ Everything it cannot read that way goes through FileSystemReader's own path,
 unchanged: byte items, transformed (e.g. compressed) items, dtype casts,
 another byte order, destinations off the CPU, a torch without record offsets.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,6 +25,8 @@ import zipfile
 from typing import IO, Any
 
 import torch
+from shardserve.core.wire import byte_view
+from shardserve.server.common.dcp_metadata import load_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -33,9 +36,6 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 from torch.futures import Future
-
-from server.common.dcp_metadata import load_metadata
-from shardcore.wire import byte_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +71,9 @@ class RegionReader(FileSystemReader):
                 others.append(item)
         for relative_path, items in by_file.items():
             with open(self.fs.concat_path(self.path, relative_path), "rb", buffering=0) as file:
-                chunks: dict[MetadataIndex, StoredChunk | None] = {}  # several requests may read one chunk
+                chunks: dict[
+                    MetadataIndex, StoredChunk | None
+                ] = {}  # several requests may read one chunk
                 for item in items:
                     if not self._read_region(file, item, planner, chunks):
                         others.append(item)
@@ -81,8 +83,13 @@ class RegionReader(FileSystemReader):
         done.set_result(None)
         return done
 
-    def _read_region(self, file: IO[bytes], item: ReadItem, planner: LoadPlanner,
-                     chunks: dict[MetadataIndex, StoredChunk | None]) -> bool:
+    def _read_region(
+        self,
+        file: IO[bytes],
+        item: ReadItem,
+        planner: LoadPlanner,
+        chunks: dict[MetadataIndex, StoredChunk | None],
+    ) -> bool:
         """Read one request's region into its destination and commit it; False when it needs the general path.
         `chunks` holds the chunks of this file already looked at."""
         info = self.storage_data[item.storage_index]
@@ -91,7 +98,9 @@ class RegionReader(FileSystemReader):
             try:
                 chunks[item.storage_index] = stored_chunk(file, info.offset, info.length)
             except (zipfile.BadZipFile, RuntimeError, TypeError, pickle.UnpicklingError) as exc:
-                raise ValueError(f"checkpoint chunk {where} is damaged or not a torch.save archive: {exc}") from None
+                raise ValueError(
+                    f"checkpoint chunk {where} is damaged or not a torch.save archive: {exc}"
+                ) from None
         chunk = chunks[item.storage_index]
         if chunk is None:
             return False
@@ -99,11 +108,17 @@ class RegionReader(FileSystemReader):
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             region = region.narrow(dim, offset, length)
         target = planner.resolve_tensor(item).detach()
-        if target.dtype != region.dtype or target.device.type != "cpu" or target.shape != region.shape:
+        if (
+            target.dtype != region.dtype
+            or target.device.type != "cpu"
+            or target.shape != region.shape
+        ):
             return False
         first, count = element_span(region)
         if (first + count) * region.element_size() > chunk.storage_bytes:
-            raise ValueError(f"checkpoint chunk {where} is damaged: its region lies outside its storage")
+            raise ValueError(
+                f"checkpoint chunk {where} is damaged: its region lies outside its storage"
+            )
         start = chunk.data_start + first * region.element_size()
         if count and region.is_contiguous() and target.is_contiguous():
             read_exactly(file, byte_view(target), start, where)
@@ -156,13 +171,17 @@ def stored_chunk(file: IO[bytes], item_offset: int, item_length: int) -> StoredC
     view.seek(0)
     layout = torch.load(view, map_location="meta", weights_only=True)
     if not isinstance(layout, torch.Tensor):
-        raise TypeError(f"checkpoint item at byte {item_offset} holds a {type(layout).__name__}, not a tensor")
+        raise TypeError(
+            f"checkpoint item at byte {item_offset} holds a {type(layout).__name__}, not a tensor"
+        )
     storage = layout.untyped_storage()
     record_offset = getattr(storage, "_checkpoint_offset", None)
     if not isinstance(record_offset, int) or any(s < 0 for s in layout.stride()):
         return None
     if record_offset + storage.nbytes() > item_length:
-        raise ValueError(f"checkpoint item at byte {item_offset} is damaged: its data runs past its end")
+        raise ValueError(
+            f"checkpoint item at byte {item_offset} is damaged: its data runs past its end"
+        )
     return StoredChunk(layout, item_offset + record_offset, storage.nbytes())
 
 
@@ -191,6 +210,7 @@ def read_exactly(file: IO[bytes], out: torch.Tensor, position: int, where: str) 
     while done < len(buffer):
         count = file.readinto(buffer[done:])
         if not count:
-            raise OSError(f"checkpoint chunk {where} is truncated: the file ends {len(buffer) - done} bytes short")
+            raise OSError(
+                f"checkpoint chunk {where} is truncated: the file ends {len(buffer) - done} bytes short"
+            )
         done += count
-

@@ -1,16 +1,16 @@
 """What a collective job kind gets when it runs on the rank: store, rank, deadline, progress and its group."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.distributed as dist
-
-from protos import shardserve_pb2 as pb
-from server.rank.jobs.groups import PeerGroup, ProcessGroups
-from server.rank.store import ShardStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.rank.jobs.groups import PeerGroup, ProcessGroups
+from shardserve.server.rank.store import ShardStore
 
 
 @dataclass
@@ -45,7 +45,9 @@ class JobContext:
         groups (an in-process caller), the default world, if any, that the caller made."""
         if self.groups is None:
             return nullcontext()
-        return self.groups.default_world(self.job.epoch, self.job.ranks, self.job.seq, self.time_left())
+        return self.groups.default_world(
+            self.job.epoch, self.job.ranks, self.job.seq, self.time_left()
+        )
 
     def _groups(self) -> ProcessGroups:
         """The rank's groups; a context made without them (in-process callers) has no job group."""

@@ -22,6 +22,7 @@ c10d world for that one job (init_process_group over its own PrefixStore,
 destroyed when the job ends). Jobs run one at a time on a rank, so one default
 world at a time is enough.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -31,19 +32,20 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-
-from server.common.errors import FailedPrecondition
-from shardcore.epochs import group_prefix, group_rank, participants_of
+from shardserve.core.epochs import group_prefix, group_rank, participants_of
+from shardserve.server.common.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"  # torch's own switch: the interface(s) gloo binds and advertises
+GLOO_IFNAME_ENV = (
+    "GLOO_SOCKET_IFNAME"  # torch's own switch: the interface(s) gloo binds and advertises
+)
 _SIOCGIFADDR = 0x8915
 
 P2P = tuple[str, torch.Tensor, int]  # ("send" | "recv", tensor, peer's global rank)
@@ -60,10 +62,14 @@ class PeerGroup:
     """Point-to-point operations and a barrier over one process group whose members are `ranks` (global
     rank numbers, sorted: a member's index is its rank in the group)."""
 
-    def __init__(self, pg: dist.ProcessGroup, ranks: Sequence[int], *, registered: bool = False) -> None:
+    def __init__(
+        self, pg: dist.ProcessGroup, ranks: Sequence[int], *, registered: bool = False
+    ) -> None:
         self.pg = pg
         self.ranks = participants_of(ranks)
-        self.registered = registered  # known to c10d (the default world): CUDA batches go through it
+        self.registered = (
+            registered  # known to c10d (the default world): CUDA batches go through it
+        )
 
     @classmethod
     def world(cls) -> PeerGroup:
@@ -84,8 +90,10 @@ class PeerGroup:
         if device.type != "cuda":
             return [self._one(verb, tensor, peer, tag) for verb, tensor, peer in ops]
         if self.registered:
-            p2p = [dist.P2POp(dist.isend if verb == "send" else dist.irecv, tensor, peer, None, tag)
-                   for verb, tensor, peer in ops]
+            p2p = [
+                dist.P2POp(dist.isend if verb == "send" else dist.irecv, tensor, peer, None, tag)
+                for verb, tensor, peer in ops
+            ]
             return dist.batch_isend_irecv(p2p)
         # separate NCCL sends and receives between the same ranks could deadlock: coalesce them
         self.pg._start_coalescing(device)
@@ -104,7 +112,9 @@ class PeerGroup:
         """Every member reached this point, or TimeoutError / RuntimeError within `timeout_s`."""
         work = self.pg.barrier()
         if not work.wait(timedelta(seconds=timeout_s)):
-            raise TimeoutError(f"barrier of ranks {list(self.ranks)} did not complete within {timeout_s:.1f}s")
+            raise TimeoutError(
+                f"barrier of ranks {list(self.ranks)} did not complete within {timeout_s:.1f}s"
+            )
 
     def abort(self) -> None:
         """Give the group up: NCCL communicators are aborted; gloo operations end on their own timeout."""
@@ -114,8 +124,14 @@ class PeerGroup:
             log.debug("abort of group %s: %s", list(self.ranks), err)
 
 
-def build_group(store: dist.Store, epoch: int, ranks: Sequence[int], rank: int, device: torch.device,
-                timeout_s: float) -> dist.ProcessGroup:
+def build_group(
+    store: dist.Store,
+    epoch: int,
+    ranks: Sequence[int],
+    rank: int,
+    device: torch.device,
+    timeout_s: float,
+) -> dist.ProcessGroup:
     """The ProcessGroup of `ranks` in `epoch`, built directly over `store` (blocks until every member joins)."""
     members = participants_of(ranks)
     index, size = group_rank(members, rank), len(members)
@@ -137,7 +153,9 @@ def build_group(store: dist.Store, epoch: int, ranks: Sequence[int], rank: int, 
 class ProcessGroups:
     """This rank's groups, cached per (epoch, participants), and the coordinator's store they form over."""
 
-    def __init__(self, rank: int, device: torch.device | str = "cpu", store_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, rank: int, device: torch.device | str = "cpu", store_timeout_s: float = 120.0
+    ) -> None:
         self.rank = rank
         self.device = torch.device(device)
         self.store_timeout_s = store_timeout_s
@@ -174,7 +192,9 @@ class ProcessGroups:
         with self._lock:
             self._check_epoch(epoch)  # it may have ended while the group formed
             self._groups[(epoch, members)] = group
-        log.info("rank %d formed the group of ranks %s in epoch %d", self.rank, list(members), epoch)
+        log.info(
+            "rank %d formed the group of ranks %s in epoch %d", self.rank, list(members), epoch
+        )
         return group
 
     def end_epoch(self, epoch: int) -> None:
@@ -191,8 +211,9 @@ class ProcessGroups:
             return sorted(self._groups)
 
     @contextmanager
-    def default_world(self, epoch: int, ranks: Sequence[int], seq: int,
-                      timeout_s: float) -> Iterator[dist.ProcessGroup]:
+    def default_world(
+        self, epoch: int, ranks: Sequence[int], seq: int, timeout_s: float
+    ) -> Iterator[dist.ProcessGroup]:
         """The participants of job `seq` as c10d's default world while the block runs (for DCP); the block gets
         its group, to name explicitly: an abandoned job must never run collectives on a later job's world."""
         members = participants_of(ranks)
@@ -200,14 +221,23 @@ class ProcessGroups:
             self._check_epoch(epoch)
         if dist.is_initialized():  # left by an abandoned job
             dist.destroy_process_group()
-        store = dist.PrefixStore(f"{group_prefix(epoch, members)}/world/{seq}", self._client(timeout_s))
-        dist.init_process_group(backend=process_group_backend(), store=store, rank=group_rank(members, self.rank),
-                                world_size=len(members), timeout=timedelta(seconds=timeout_s))
+        store = dist.PrefixStore(
+            f"{group_prefix(epoch, members)}/world/{seq}", self._client(timeout_s)
+        )
+        dist.init_process_group(
+            backend=process_group_backend(),
+            store=store,
+            rank=group_rank(members, self.rank),
+            world_size=len(members),
+            timeout=timedelta(seconds=timeout_s),
+        )
         mine = dist.group.WORLD
         try:
             yield mine
         finally:
-            if dist.is_initialized() and dist.group.WORLD is mine:  # not a later job's, if this one was abandoned
+            if (
+                dist.is_initialized() and dist.group.WORLD is mine
+            ):  # not a later job's, if this one was abandoned
                 dist.destroy_process_group()
 
     def _client(self, timeout_s: float) -> dist.Store:
@@ -215,16 +245,22 @@ class ProcessGroups:
         with self._lock:
             address = self._address
         if address is None:
-            raise FailedPrecondition(f"rank {self.rank} knows no rendezvous store yet (it has not registered "
-                                     f"with the coordinator)")
+            raise FailedPrecondition(
+                f"rank {self.rank} knows no rendezvous store yet (it has not registered "
+                f"with the coordinator)"
+            )
         timeout = timedelta(seconds=min(timeout_s, self.store_timeout_s))
-        return dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(
+            address[0], address[1], is_master=False, timeout=timeout, wait_for_workers=False
+        )
 
     def _check_epoch(self, epoch: int) -> None:
         """FailedPrecondition for an epoch that has ended here (lock held)."""
         if epoch in self._ended:
-            raise FailedPrecondition(f"epoch {epoch} has ended on rank {self.rank} (a job of it failed); the "
-                                     f"coordinator runs later jobs in a new epoch")
+            raise FailedPrecondition(
+                f"epoch {epoch} has ended on rank {self.rank} (a job of it failed); the "
+                f"coordinator runs later jobs in a new epoch"
+            )
 
     def _drop_before(self, epoch: int) -> list[PeerGroup]:
         """Forget the groups of epochs before `epoch` (lock held): a job of a newer epoch means they ended."""
@@ -244,8 +280,11 @@ def choose_gloo_interface(host: str, port: int) -> None:
     interface = interface_towards(host, port)
     if interface and interface != "lo":
         os.environ[GLOO_IFNAME_ENV] = interface
-        log.info("collective jobs use interface %s (the route to the rendezvous store; set %s to choose)",
-                 interface, GLOO_IFNAME_ENV)
+        log.info(
+            "collective jobs use interface %s (the route to the rendezvous store; set %s to choose)",
+            interface,
+            GLOO_IFNAME_ENV,
+        )
 
 
 def interface_towards(host: str, port: int) -> str:
@@ -269,7 +308,9 @@ def _ipv4_address(interface: str) -> str:
     """The IPv4 address of `interface` ("" when it has none)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         try:
-            answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+            answer = fcntl.ioctl(
+                sock.fileno(), _SIOCGIFADDR, struct.pack("256s", interface.encode()[:15])
+            )
         except OSError:
             return ""
     return socket.inet_ntoa(answer[20:24])

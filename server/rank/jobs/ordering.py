@@ -9,14 +9,16 @@ timeout, then fails and releases its successors; `cancel(seq)` does the same
 for a job that has not started. `CollectiveExecutor` is the same chain for
 densely numbered jobs (n runs after n - 1), as in-process tools use it.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
 import threading
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from server.rank.jobs.arguments import non_negative_int, positive_seconds
+from shardserve.server.rank.jobs.arguments import non_negative_int, positive_seconds
 
 T = TypeVar("T")
 
@@ -47,12 +49,16 @@ class JobChain:
         self._ready_seqs: set[int] = set()
         self._parked: dict[int, list[_Parked]] = {}
         self._cancelled: set[int] = set()
-        self._ready: queue.SimpleQueue[tuple[int, Callable[[], Any], cf.Future] | None] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[tuple[int, Callable[[], Any], cf.Future] | None] = (
+            queue.SimpleQueue()
+        )
         self._closed = False
         self._thread = threading.Thread(target=self._run_ready, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, seq: int, after_seq: int, fn: Callable[[], T], timeout_s: float) -> "cf.Future[T]":
+    def submit(
+        self, seq: int, after_seq: int, fn: Callable[[], T], timeout_s: float
+    ) -> cf.Future[T]:
         """Run `fn` after job `after_seq`; the future holds its result or exception."""
         future: cf.Future = cf.Future()
         with self._lock:
@@ -85,16 +91,22 @@ class JobChain:
     def is_known(self, seq: int) -> bool:
         """Whether job `seq` was submitted or cancelled here."""
         with self._lock:
-            return seq in self._ready_seqs or seq in self._cancelled or any(
-                item[0] == seq for waiting in self._parked.values() for item in waiting)
+            return (
+                seq in self._ready_seqs
+                or seq in self._cancelled
+                or any(item[0] == seq for waiting in self._parked.values() for item in waiting)
+            )
 
     def _expire(self, seq: int, after_seq: int) -> None:
         with self._lock:
             for item in self._parked.get(after_seq, []):
                 if item[0] == seq:
                     self._parked[after_seq].remove(item)
-                    item[2].set_exception(SequenceTimeoutError(
-                        f"job {seq} timed out waiting for job {after_seq} to arrive"))
+                    item[2].set_exception(
+                        SequenceTimeoutError(
+                            f"job {seq} timed out waiting for job {after_seq} to arrive"
+                        )
+                    )
                     self._cancelled.add(seq)
                     self._make_ready(seq, _nothing, cf.Future())
                     return
@@ -162,7 +174,7 @@ class CollectiveExecutor:
         with self._lock:
             return self._next_seq
 
-    def submit(self, seq: int, fn: Callable[[], T], *, wait_timeout_s: float) -> "cf.Future[T]":
+    def submit(self, seq: int, fn: Callable[[], T], *, wait_timeout_s: float) -> cf.Future[T]:
         """Queue `fn` as job `seq`; its future holds fn's result or exception."""
         seq = self._check_new_seq(seq)
         if not callable(fn):

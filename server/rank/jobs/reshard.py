@@ -49,6 +49,7 @@ polling an event recorded after the NCCL work; the GPU side of a hung NCCL
 operation is left to the process group's own timeout/watchdog, and the
 communicator is aborted when the group's epoch ends.
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -60,22 +61,22 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument
-from server.common.requests import check_name, check_version, parse_metadata
-from server.rank.jobs.arguments import non_negative_int, positive_seconds
-from server.rank.jobs.context import JobContext
-from server.rank.jobs.groups import P2P, PeerGroup
-from shardcore.executor import copy_box, pack_bucket, unpack_bucket
-from shardcore.metadata import ShardedTensorMetadata
-from shardcore.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard
+from shardserve.core.executor import copy_box, pack_bucket, unpack_bucket
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument
+from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.rank.jobs.arguments import non_negative_int, positive_seconds
+from shardserve.server.rank.jobs.context import JobContext
+from shardserve.server.rank.jobs.groups import P2P, PeerGroup
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,6 @@ class ReshardStats:
     peak_staging_bytes: int = 0
 
 
-
 class _StagingPool:
     """Staging buffers of one capacity, reused round after round so no round faults in fresh pages."""
 
@@ -131,7 +131,9 @@ class _StagingPool:
         else:
             buffer = fresh_empty((self._capacity,), torch.uint8, device)
             self._stats.staging_bytes += self._capacity
-            self._stats.peak_staging_bytes = max(self._stats.peak_staging_bytes, self._stats.staging_bytes)
+            self._stats.peak_staging_bytes = max(
+                self._stats.peak_staging_bytes, self._stats.staging_bytes
+            )
         return buffer, buffer[:nbytes]
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
@@ -148,6 +150,7 @@ class _StagingPool:
 # One rank's part of a reshard
 # ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Posted:
     """One posted round: its waits (future, peer, verb), the receives to unpack, the staging to give back."""
@@ -158,10 +161,17 @@ class _Posted:
     staged: list[torch.Tensor]
 
 
-def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Tensor], timeout_s: float,
-                *, group: PeerGroup | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                stats: ReshardStats | None = None,
-                out: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+def run_reshard(
+    plan: ReshardPlan,
+    rank: int,
+    src_shards: Mapping[int, torch.Tensor],
+    timeout_s: float,
+    *,
+    group: PeerGroup | None = None,
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+    stats: ReshardStats | None = None,
+    out: Mapping[int, torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
     """Run `rank`'s part of `plan`: the new shards on this rank, by dst shard index.
 
     `src_shards` maps the source shard indices held by this rank
@@ -189,8 +199,13 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
 
     def copy_local() -> None:
         for t in part.local:
-            copy_box(src_shards[t.src_shard], src_boxes[t.src_shard], out[t.dst_shard], dst_boxes[t.dst_shard],
-                     t.box)
+            copy_box(
+                src_shards[t.src_shard],
+                src_boxes[t.src_shard],
+                out[t.dst_shard],
+                dst_boxes[t.dst_shard],
+                t.box,
+            )
             stats.local_bytes += t.nbytes
 
     rounds = _rounds(rank, part.sends, part.recvs)
@@ -200,8 +215,10 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
         return out
     if group is None:
         if not dist.is_initialized():
-            raise ReshardError("the plan moves data between ranks but no process group was given and "
-                               "torch.distributed is not initialized")
+            raise ReshardError(
+                "the plan moves data between ranks but no process group was given and "
+                "torch.distributed is not initialized"
+            )
         group = PeerGroup.world()
     _exchange(plan, rounds, src_shards, out, group, max_in_flight, deadline, stats, copy_local)
     return out
@@ -209,57 +226,90 @@ def run_reshard(plan: ReshardPlan, rank: int, src_shards: Mapping[int, torch.Ten
 
 def _check_src_shards(plan: ReshardPlan, part: Any, src_shards: Mapping[int, torch.Tensor]) -> None:
     if not isinstance(src_shards, Mapping):
-        raise TypeError(f"src_shards must be a mapping of shard index to tensor, got {type(src_shards).__name__}")
+        raise TypeError(
+            f"src_shards must be a mapping of shard index to tensor, got {type(src_shards).__name__}"
+        )
     needed = {t.src_shard for t in part.local}
     needed.update(t.src_shard for b in part.sends for t in b.transfers)
     for index in sorted(needed):
         tensor = src_shards.get(index)
         if tensor is None:
-            raise ValueError(f"src_shards has no tensor for source shard {index}, which this rank must send")
+            raise ValueError(
+                f"src_shards has no tensor for source shard {index}, which this rank must send"
+            )
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"src_shards[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
         expected = plan.src.shards_metadata[index].shard_sizes
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"src_shards[{index}] has shape {tuple(tensor.shape)} but shard {index} "
-                             f"has sizes {expected}")
+            raise ValueError(
+                f"src_shards[{index}] has shape {tuple(tensor.shape)} but shard {index} "
+                f"has sizes {expected}"
+            )
         if tensor.dtype != plan.src.dtype:
-            raise ValueError(f"src_shards[{index}] has dtype {tensor.dtype} but the tensor's dtype is "
-                             f"{plan.src.dtype}")
+            raise ValueError(
+                f"src_shards[{index}] has dtype {tensor.dtype} but the tensor's dtype is "
+                f"{plan.src.dtype}"
+            )
 
 
-def _destination(plan: ReshardPlan, rank: int, stats: ReshardStats, given: Mapping[int, torch.Tensor] | None,
-                 src_shards: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _destination(
+    plan: ReshardPlan,
+    rank: int,
+    stats: ReshardStats,
+    given: Mapping[int, torch.Tensor] | None,
+    src_shards: Mapping[int, torch.Tensor],
+) -> dict[int, torch.Tensor]:
     """This rank's destination shard tensors: the given ones (checked), the others newly allocated."""
     if given is not None and not isinstance(given, Mapping):
-        raise TypeError(f"out must be a mapping of shard index to tensor, got {type(given).__name__}")
+        raise TypeError(
+            f"out must be a mapping of shard index to tensor, got {type(given).__name__}"
+        )
     given = given or {}
     mine = plan.dst.shards_on(rank)
     stray = sorted(set(given) - set(mine))
     if stray:
-        raise ValueError(f"out has tensors for shards {stray}, which are not destination shards of rank {rank}")
-    source_storage = {t.untyped_storage().data_ptr() for t in src_shards.values() if isinstance(t, torch.Tensor)}
+        raise ValueError(
+            f"out has tensors for shards {stray}, which are not destination shards of rank {rank}"
+        )
+    source_storage = {
+        t.untyped_storage().data_ptr() for t in src_shards.values() if isinstance(t, torch.Tensor)
+    }
     out = {}
     for index in mine:
         shard = plan.dst.shards_metadata[index]
         device = shard.device
         if index in given:
-            out[index] = _checked_out(index, given[index], shard.shard_sizes, plan.dst.dtype, device, source_storage)
+            out[index] = _checked_out(
+                index, given[index], shard.shard_sizes, plan.dst.dtype, device, source_storage
+            )
             continue
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"dst.shards_metadata[{index}] is placed on {device} but CUDA is not available")
+            raise ValueError(
+                f"dst.shards_metadata[{index}] is placed on {device} but CUDA is not available"
+            )
         out[index] = fresh_empty(shard.shard_sizes, plan.dst.dtype, device)
         stats.new_shard_bytes += out[index].numel() * out[index].element_size()
     return out
 
 
-def _checked_out(index: int, tensor: Any, sizes: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                 source_storage: set[int]) -> torch.Tensor:
+def _checked_out(
+    index: int,
+    tensor: Any,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    source_storage: set[int],
+) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"out[{index}] is a {type(tensor).__name__}, not a torch.Tensor")
     if tuple(tensor.shape) != sizes or tensor.dtype != dtype:
-        raise ValueError(f"out[{index}] is {tuple(tensor.shape)} {tensor.dtype} but shard {index} is {sizes} {dtype}")
+        raise ValueError(
+            f"out[{index}] is {tuple(tensor.shape)} {tensor.dtype} but shard {index} is {sizes} {dtype}"
+        )
     if tensor.device != device:
-        raise ValueError(f"out[{index}] is on {tensor.device} but shard {index} is placed on {device}")
+        raise ValueError(
+            f"out[{index}] is on {tensor.device} but shard {index} is placed on {device}"
+        )
     if tensor.untyped_storage().data_ptr() in source_storage:
         raise ValueError(f"out[{index}] shares memory with a source shard")
     return tensor
@@ -299,8 +349,9 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
-def _rounds(rank: int, sends: tuple[Bucket, ...],
-            recvs: tuple[Bucket, ...]) -> list[list[tuple[str, Bucket]]]:
+def _rounds(
+    rank: int, sends: tuple[Bucket, ...], recvs: tuple[Bucket, ...]
+) -> list[list[tuple[str, Bucket]]]:
     """Round k holds the k-th bucket of every peer pair this rank is an end of."""
     per_pair: dict[tuple[int, int], list[Bucket]] = {}
     for bucket in itertools.chain(sends, recvs):
@@ -314,9 +365,17 @@ def _rounds(rank: int, sends: tuple[Bucket, ...],
     return rounds
 
 
-def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_shards: Mapping[int, torch.Tensor],
-              out: dict[int, torch.Tensor], group: PeerGroup, max_in_flight: int,
-              deadline: float, stats: ReshardStats, copy_local: Callable[[], None]) -> None:
+def _exchange(
+    plan: ReshardPlan,
+    rounds: list[list[tuple[str, Bucket]]],
+    src_shards: Mapping[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
+    group: PeerGroup,
+    max_in_flight: int,
+    deadline: float,
+    stats: ReshardStats,
+    copy_local: Callable[[], None],
+) -> None:
     """Post the rounds with at most max_in_flight outstanding; unpack each round once it is done.
 
     The local copies run once the first rounds are posted, while their bytes are on the wire.
@@ -330,7 +389,9 @@ def _exchange(plan: ReshardPlan, rounds: list[list[tuple[str, Bucket]]], src_sha
                 if k == max_in_flight:
                     copy_local()
                 _finish(posted.popleft(), posted, out, deadline, pool)
-            posted.append(_post(plan, k, round_, src_shards, out, group, waiters, deadline, stats, pool))
+            posted.append(
+                _post(plan, k, round_, src_shards, out, group, waiters, deadline, stats, pool)
+            )
         if len(rounds) <= max_in_flight:
             copy_local()
         while posted:
@@ -349,12 +410,23 @@ def _waiter_threads() -> cf.ThreadPoolExecutor:
     Each wait ends by its call's deadline at the latest, so waits abandoned by
     a failed reshard free their thread in bounded time.
     """
-    return cf.ThreadPoolExecutor(max_workers=_MAX_WAITERS, thread_name_prefix="shardserve-reshard-wait")
+    return cf.ThreadPoolExecutor(
+        max_workers=_MAX_WAITERS, thread_name_prefix="shardserve-reshard-wait"
+    )
 
 
-def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shards: Mapping[int, torch.Tensor],
-          out: dict[int, torch.Tensor], group: PeerGroup, waiters: cf.ThreadPoolExecutor,
-          deadline: float, stats: ReshardStats, pool: _StagingPool) -> _Posted:
+def _post(
+    plan: ReshardPlan,
+    k: int,
+    round_: list[tuple[str, Bucket]],
+    src_shards: Mapping[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
+    group: PeerGroup,
+    waiters: cf.ThreadPoolExecutor,
+    deadline: float,
+    stats: ReshardStats,
+    pool: _StagingPool,
+) -> _Posted:
     """Post this round's receives, then pack and post its sends; start bounded waits on them all.
 
     Over gloo (host buffers) every operation is posted as soon as it is ready,
@@ -396,20 +468,33 @@ def _post(plan: ReshardPlan, k: int, round_: list[tuple[str, Bucket]], src_shard
     return posted
 
 
-def _post_batch(group: PeerGroup, k: int, batch: list[tuple[P2P, str]], waiters: cf.ThreadPoolExecutor,
-                deadline: float, posted: _Posted) -> None:
+def _post_batch(
+    group: PeerGroup,
+    k: int,
+    batch: list[tuple[P2P, str]],
+    waiters: cf.ThreadPoolExecutor,
+    deadline: float,
+    posted: _Posted,
+) -> None:
     """Post the operations on the group (round k is the tag) and start a bounded wait on each."""
     try:
         works = group.post([op for op, _ in batch], k)
     except Exception as exc:
         peers = tuple(sorted({op[2] for op, _ in batch}))
-        raise ReshardError(f"posting round {k} with {_ranks_text(list(peers))} failed: {exc}", peers) from exc
+        raise ReshardError(
+            f"posting round {k} with {_ranks_text(list(peers))} failed: {exc}", peers
+        ) from exc
     for work, ((_, tensor, peer), what) in zip(works, batch):
         posted.waits.append((waiters.submit(_wait_work, work, tensor.device, deadline), peer, what))
 
 
-def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], deadline: float,
-            pool: _StagingPool) -> None:
+def _finish(
+    done: _Posted,
+    later: deque[_Posted],
+    out: dict[int, torch.Tensor],
+    deadline: float,
+    pool: _StagingPool,
+) -> None:
     """Wait for one round (failing fast on any failed op of any posted round), then unpack it."""
     mine = {future for future, _, _ in done.waits}
     watched = {future: (peer, what) for future, peer, what in done.waits}
@@ -417,17 +502,21 @@ def _finish(done: _Posted, later: deque[_Posted], out: dict[int, torch.Tensor], 
         watched.update({future: (peer, what) for future, peer, what in posted.waits})
     pending = set(watched)
     while mine & pending:
-        finished, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()),
-                                    return_when=cf.FIRST_COMPLETED)
+        finished, pending = cf.wait(
+            pending, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED
+        )
         for future in finished:
             if future.exception() is not None:
                 peer, what = watched[future]
-                raise ReshardError(f"reshard failed to {what} rank {peer}: {future.exception()}",
-                                   (peer,)) from future.exception()
+                raise ReshardError(
+                    f"reshard failed to {what} rank {peer}: {future.exception()}", (peer,)
+                ) from future.exception()
         if not finished:
             late = sorted({watched[f][0] for f in mine & pending})
-            raise ReshardError(f"reshard timed out waiting for {_ranks_text(late)} in round {done.round}",
-                               tuple(late))
+            raise ReshardError(
+                f"reshard timed out waiting for {_ranks_text(late)} in round {done.round}",
+                tuple(late),
+            )
     for bucket, wire in done.receives:
         unpack_bucket(bucket, wire, out)
     pool.give_back(done.staged)
@@ -456,10 +545,12 @@ def _wait_work(work: dist.Work, device: torch.device, deadline: float) -> None:
 
 
 def _wire_device(plan: ReshardPlan, bucket: Bucket) -> str:
-    """"cuda" when both ends of every transfer in the bucket are CUDA shards, else "cpu"."""
+    """ "cuda" when both ends of every transfer in the bucket are CUDA shards, else "cpu"."""
     src, dst = plan.src.shards_metadata, plan.dst.shards_metadata
-    both_cuda = all(src[t.src_shard].device.type == "cuda" and dst[t.dst_shard].device.type == "cuda"
-                    for t in bucket.transfers)
+    both_cuda = all(
+        src[t.src_shard].device.type == "cuda" and dst[t.dst_shard].device.type == "cuda"
+        for t in bucket.transfers
+    )
     return "cuda" if both_cuda else "cpu"
 
 
@@ -473,8 +564,9 @@ def _local_device(plan: ReshardPlan, bucket: Bucket, side: str) -> torch.device:
     return plan.dst.shards_metadata[first.dst_shard].device
 
 
-def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.Tensor],
-                 side: str) -> torch.Tensor | None:
+def _direct_view(
+    plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.Tensor], side: str
+) -> torch.Tensor | None:
     """The bucket's bytes as a flat view of a shard: one box, contiguous, on the wire's device type."""
     if len(bucket.transfers) != 1:
         return None
@@ -493,6 +585,7 @@ def _direct_view(plan: ReshardPlan, bucket: Bucket, tensors: Mapping[int, torch.
 # ---------------------------------------------------------------------------------------------
 # The job kind
 # ---------------------------------------------------------------------------------------------
+
 
 def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     """Stage this rank's new shards of a reshard as the reserved pending dst_version.
@@ -514,11 +607,17 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     # the per-pair size the coordinator chose
     plan = plan_reshard(src, dst, spec.bucket_bytes or DEFAULT_BUCKET_BYTES, unavailable)
     outside = sorted(set(plan.participants(dst)) - set(job.ranks))
-    if outside:  # they would never enter the exchange, and this rank would wait for them until its deadline
-        raise InvalidArgument(f"ranks {list(job.ranks)} leaves out ranks {outside} that the reshard needs")
+    if (
+        outside
+    ):  # they would never enter the exchange, and this rank would wait for them until its deadline
+        raise InvalidArgument(
+            f"ranks {list(job.ranks)} leaves out ranks {outside} that the reshard needs"
+        )
     rank = ctx.rank
     if ctx.store.device.type == "cuda":
-        torch.cuda.set_device(ctx.store.device)  # the current device is per thread; NCCL work goes to ours
+        torch.cuda.set_device(
+            ctx.store.device
+        )  # the current device is per thread; NCCL work goes to ours
     stats = ReshardStats()
     ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
     ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
@@ -527,11 +626,15 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
     # since a failed exchange may leave receives posted into them
     recycled = ctx.store.recycled_shards(dst)
-    src_local = [i for i in src.shards_on(rank) if i not in unavailable]  # a restarted rank holds none
+    src_local = [
+        i for i in src.shards_on(rank) if i not in unavailable
+    ]  # a restarted rank holds none
     if src_local:
         with ctx.store.lease(name, src_version) as entry:
             shards = {i: ctx.store.shard_of(entry, i) for i in src_local}
-            out = run_reshard(plan, rank, shards, ctx.time_left(), group=group, stats=stats, out=recycled)
+            out = run_reshard(
+                plan, rank, shards, ctx.time_left(), group=group, stats=stats, out=recycled
+            )
     else:
         out = run_reshard(plan, rank, {}, ctx.time_left(), group=group, stats=stats, out=recycled)
     if dst.shards_on(rank):
@@ -539,18 +642,29 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
     ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
-    log.info("rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes, "
-             "%d of %d new-shard bytes in recycled buffers", rank, name, dst_version, stats.local_bytes,
-             stats.received_bytes, stats.sent_bytes, stats.peak_staging_bytes, recycled_bytes,
-             ctx.progress.new_shard_bytes)
+    log.info(
+        "rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes, "
+        "%d of %d new-shard bytes in recycled buffers",
+        rank,
+        name,
+        dst_version,
+        stats.local_bytes,
+        stats.received_bytes,
+        stats.sent_bytes,
+        stats.peak_staging_bytes,
+        recycled_bytes,
+        ctx.progress.new_shard_bytes,
+    )
 
 
 def _unavailable(spec: pb.ReshardJob, src: ShardedTensorMetadata) -> frozenset[int]:
     """reshard.src_unavailable checked against the source layout."""
     for i, index in enumerate(spec.src_unavailable):
         if not 0 <= index < len(src.shards_metadata):
-            raise InvalidArgument(f"reshard.src_unavailable[{i}] {index} is not a shard index of reshard.src "
-                                  f"({len(src.shards_metadata)} shards)")
+            raise InvalidArgument(
+                f"reshard.src_unavailable[{i}] {index} is not a shard index of reshard.src "
+                f"({len(src.shards_metadata)} shards)"
+            )
     return frozenset(spec.src_unavailable)
 
 
@@ -559,5 +673,7 @@ def _debug_stall(rank: int, name: str) -> None:
     for entry in filter(None, os.environ.get(STALL_ENV, "").split(",")):
         stall_rank, seconds, stall_name = entry.split(":", 2)
         if int(stall_rank) == rank and stall_name == name:
-            log.warning("rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV)
+            log.warning(
+                "rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV
+            )
             time.sleep(float(seconds))

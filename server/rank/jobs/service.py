@@ -33,6 +33,7 @@ The protocol:
   itself, bounded, since every wait in a job is bounded by the job's deadline
   (work.wait(timeout), and the group's own gloo timeout).
 """
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -40,23 +41,24 @@ import logging
 import math
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, rpc_errors
-from server.common.tracing import carry_context, span
-from server.rank.jobs.context import JobContext
-from server.rank.jobs.groups import ProcessGroups
-from server.rank.jobs.ordering import JobChain
-from server.rank.jobs.reshard import ReshardError
-from server.rank.store import ShardStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, rpc_errors
+from shardserve.server.common.tracing import carry_context, span
+from shardserve.server.rank.jobs.context import JobContext
+from shardserve.server.rank.jobs.groups import ProcessGroups
+from shardserve.server.rank.jobs.ordering import JobChain
+from shardserve.server.rank.jobs.reshard import ReshardError
+from shardserve.server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
-ABANDON_GRACE_S = 5.0  # how long past its deadline a running job is waited for before it is abandoned
+ABANDON_GRACE_S = (
+    5.0  # how long past its deadline a running job is waited for before it is abandoned
+)
 
 
 JobFn = Callable[[pb.CollectiveJob, JobContext], None]
@@ -81,8 +83,10 @@ class JobKinds:
         """The function of `job`'s kind; InvalidArgument when none is registered."""
         kind = job.WhichOneof("kind")
         if kind is None or kind not in self._kinds:
-            raise InvalidArgument(f"kind {kind!r} is not a registered collective job kind "
-                                  f"(known: {sorted(self._kinds)})")
+            raise InvalidArgument(
+                f"kind {kind!r} is not a registered collective job kind "
+                f"(known: {sorted(self._kinds)})"
+            )
         return self._kinds[kind]
 
 
@@ -93,12 +97,16 @@ class JobAbandoned(RuntimeError):
 class CollectiveJobService:
     """The rank's RunCollective / CancelCollective: validation, ordering, progress, epochs."""
 
-    def __init__(self, store: ShardStore, kinds: JobKinds, groups: ProcessGroups | None = None) -> None:
+    def __init__(
+        self, store: ShardStore, kinds: JobKinds, groups: ProcessGroups | None = None
+    ) -> None:
         self.store = store
         self.kinds = kinds
         self.groups = groups if groups is not None else ProcessGroups(store.rank, store.device)
         self.chain = JobChain()
-        self._running: dict[int, threading.Event] = {}  # seq -> set when CancelCollective asks to abandon it
+        self._running: dict[
+            int, threading.Event
+        ] = {}  # seq -> set when CancelCollective asks to abandon it
         self._lock = threading.Lock()
 
     def _check(self, job: pb.CollectiveJob) -> JobFn:
@@ -107,7 +115,9 @@ class CollectiveJobService:
         if job.after_seq >= job.seq:
             raise InvalidArgument(f"after_seq {job.after_seq} must be < seq {job.seq}")
         if self.store.rank not in job.ranks:
-            raise InvalidArgument(f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})")
+            raise InvalidArgument(
+                f"ranks {list(job.ranks)} does not include this rank ({self.store.rank})"
+            )
         if not 0 < job.timeout_s < math.inf:  # NaN fails this too
             raise InvalidArgument(f"timeout_s must be a finite number > 0, got {job.timeout_s}")
         if job.epoch == 0:
@@ -115,18 +125,30 @@ class CollectiveJobService:
         return self.kinds.of(job)
 
     @rpc_errors
-    def RunCollective(self, job: pb.CollectiveJob, context: grpc.ServicerContext) -> Iterator[pb.CollectiveProgress]:
+    def RunCollective(
+        self, job: pb.CollectiveJob, context: grpc.ServicerContext
+    ) -> Iterator[pb.CollectiveProgress]:
         run_kind = self._check(job)
         ctx = JobContext(self.store, self.store.rank, job, deadline=0.0, groups=self.groups)
         kind = job.WhichOneof("kind") or "unknown"
 
-        def run_traced() -> None:  # on the job's own thread, in this call's trace (when tracing is on)
-            with span(f"collective {kind}", {"shardserve.job.seq": job.seq, "shardserve.job.epoch": job.epoch,
-                                             "shardserve.rank": self.store.rank}):
+        def run_traced() -> (
+            None
+        ):  # on the job's own thread, in this call's trace (when tracing is on)
+            with span(
+                f"collective {kind}",
+                {
+                    "shardserve.job.seq": job.seq,
+                    "shardserve.job.epoch": job.epoch,
+                    "shardserve.rank": self.store.rank,
+                },
+            ):
                 run_kind(job, ctx)
 
         def execute() -> None:
-            ctx.deadline = time.monotonic() + job.timeout_s  # timeout_s is the job's own run, not its queueing
+            ctx.deadline = (
+                time.monotonic() + job.timeout_s
+            )  # timeout_s is the job's own run, not its queueing
             ctx.progress.started = True
             self._run_abandonable(job, run_traced, ctx.deadline + ABANDON_GRACE_S)
 
@@ -134,8 +156,11 @@ class CollectiveJobService:
         # collectives, and they would hang until their deadline. Only CancelCollective cancels.
         started = self.store.metrics.job_started()
         future = self.chain.submit(job.seq, job.after_seq, carry_context(execute), job.timeout_s)
-        future.add_done_callback(lambda done: self.store.metrics.job_ended(
-            kind, not done.cancelled() and done.exception() is None, started))
+        future.add_done_callback(
+            lambda done: self.store.metrics.job_ended(
+                kind, not done.cancelled() and done.exception() is None, started
+            )
+        )
         while True:
             try:
                 future.result(timeout=_POLL_S)
@@ -146,7 +171,9 @@ class CollectiveJobService:
                 break
         yield self._final(job, ctx, future)
 
-    def _final(self, job: pb.CollectiveJob, ctx: JobContext, future: cf.Future) -> pb.CollectiveProgress:
+    def _final(
+        self, job: pb.CollectiveJob, ctx: JobContext, future: cf.Future
+    ) -> pb.CollectiveProgress:
         final = ctx.snapshot()
         final.done = True
         err = future.exception()
@@ -156,11 +183,18 @@ class CollectiveJobService:
         if isinstance(err, ReshardError) and err.peers:
             final.failed_peers.extend(err.peers)
         self.groups.end_epoch(job.epoch)  # its groups may hold abandoned operations
-        log.warning("collective job %d failed on rank %d, ending epoch %d: %s", job.seq, self.store.rank,
-                    job.epoch, final.error)
+        log.warning(
+            "collective job %d failed on rank %d, ending epoch %d: %s",
+            job.seq,
+            self.store.rank,
+            job.epoch,
+            final.error,
+        )
         return final
 
-    def _run_abandonable(self, job: pb.CollectiveJob, fn: Callable[[], None], give_up_at: float) -> None:
+    def _run_abandonable(
+        self, job: pb.CollectiveJob, fn: Callable[[], None], give_up_at: float
+    ) -> None:
         """Run `fn` on a thread of its own; JobAbandoned once the job is cancelled or `give_up_at` passed."""
         done: cf.Future = cf.Future()
         wake = threading.Event()  # set when fn ends, or by CancelCollective
@@ -175,7 +209,9 @@ class CollectiveJobService:
 
         with self._lock:
             self._running[job.seq] = wake
-        threading.Thread(target=carry_context(run), name=f"collective-job-{job.seq}", daemon=True).start()
+        threading.Thread(
+            target=carry_context(run), name=f"collective-job-{job.seq}", daemon=True
+        ).start()
         try:
             woken = wake.wait(max(0.0, give_up_at - time.monotonic()))
         finally:
@@ -183,14 +219,21 @@ class CollectiveJobService:
                 self._running.pop(job.seq, None)
         if not done.done():
             why = "cancelled" if woken else "still running past its deadline"
-            log.error("collective job %d %s on rank %d: abandoned (its thread ends on its own deadline)",
-                      job.seq, why, self.store.rank)
-            raise JobAbandoned(f"job {job.seq} was {why} and was abandoned on rank {self.store.rank}")
+            log.error(
+                "collective job %d %s on rank %d: abandoned (its thread ends on its own deadline)",
+                job.seq,
+                why,
+                self.store.rank,
+            )
+            raise JobAbandoned(
+                f"job {job.seq} was {why} and was abandoned on rank {self.store.rank}"
+            )
         done.result()
 
     @rpc_errors
-    def CancelCollective(self, request: pb.CancelCollectiveRequest,
-                         context: grpc.ServicerContext) -> pb.CancelCollectiveResponse:
+    def CancelCollective(
+        self, request: pb.CancelCollectiveRequest, context: grpc.ServicerContext
+    ) -> pb.CancelCollectiveResponse:
         if request.seq == 0:
             raise InvalidArgument("seq must be > 0")
         self.chain.cancel(request.seq)
@@ -205,9 +248,13 @@ def handlers(jobs: CollectiveJobService) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handlers of the collective-job RPCs."""
     return {
         "RunCollective": grpc.unary_stream_rpc_method_handler(
-            jobs.RunCollective, request_deserializer=pb.CollectiveJob.FromString,
-            response_serializer=pb.CollectiveProgress.SerializeToString),
+            jobs.RunCollective,
+            request_deserializer=pb.CollectiveJob.FromString,
+            response_serializer=pb.CollectiveProgress.SerializeToString,
+        ),
         "CancelCollective": grpc.unary_unary_rpc_method_handler(
-            jobs.CancelCollective, request_deserializer=pb.CancelCollectiveRequest.FromString,
-            response_serializer=pb.CancelCollectiveResponse.SerializeToString),
+            jobs.CancelCollective,
+            request_deserializer=pb.CancelCollectiveRequest.FromString,
+            response_serializer=pb.CancelCollectiveResponse.SerializeToString,
+        ),
     }

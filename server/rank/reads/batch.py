@@ -6,19 +6,24 @@ them together. Each region is checked as ReadRegion checks it; an error names
 the region (`regions[i]: ...`). The bulk port answers the same request as a
 KIND_READS frame (server/rank/reads/bulk.py).
 """
+
 from __future__ import annotations
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ResourceExhausted, item_errors, rpc_errors
-from server.rank.cuda_staging import host_bytes
-from server.rank.metrics import GRPC
-from server.rank.reads.region import requested_box
-from server.rank.store import ShardStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import (
+    InvalidArgument,
+    ResourceExhausted,
+    item_errors,
+    rpc_errors,
+)
+from shardserve.server.rank.cuda_staging import host_bytes
+from shardserve.server.rank.metrics import GRPC
+from shardserve.server.rank.reads.region import requested_box
+from shardserve.server.rank.store import ShardStore
 
 BATCH_READ_BYTES = 1 << 20  # the largest answer: well under gRPC's default 4 MiB message limit
-MAX_BATCH_REGIONS = 16384   # regions per call (each costs a lease and a check)
+MAX_BATCH_REGIONS = 16384  # regions per call (each costs a lease and a check)
 
 
 class BatchReads:
@@ -28,7 +33,9 @@ class BatchReads:
         self.store = store
 
     @rpc_errors
-    def ReadRegions(self, request: pb.ReadRegionsRequest, context: grpc.ServicerContext) -> pb.ReadRegionsReply:
+    def ReadRegions(
+        self, request: pb.ReadRegionsRequest, context: grpc.ServicerContext
+    ) -> pb.ReadRegionsReply:
         return self.answer(request, GRPC)
 
     def answer(self, request: pb.ReadRegionsRequest, path: str) -> pb.ReadRegionsReply:
@@ -38,8 +45,10 @@ class BatchReads:
         if not regions:
             raise InvalidArgument("regions: the request names no region")
         if len(regions) > MAX_BATCH_REGIONS:
-            raise ResourceExhausted(f"regions: {len(regions)} regions in one call, over the limit of "
-                                    f"{MAX_BATCH_REGIONS}; split the batch")
+            raise ResourceExhausted(
+                f"regions: {len(regions)} regions in one call, over the limit of "
+                f"{MAX_BATCH_REGIONS}; split the batch"
+            )
         data, offsets = bytearray(), []
         for index, region in enumerate(regions):
             offsets.append(len(data))
@@ -55,13 +64,19 @@ class BatchReads:
         with item_errors(f"regions[{index}]"), requested_box(self.store, region) as box:
             nbytes = box.numel() * box.element_size()
             if len(data) + nbytes > BATCH_READ_BYTES:
-                raise ResourceExhausted(f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
-                                        f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)")
+                raise ResourceExhausted(
+                    f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
+                    f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)"
+                )
             data += host_bytes(box)  # copied while the lease is held
 
 
 def handlers(reads: BatchReads) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handler of ReadRegions."""
-    return {"ReadRegions": grpc.unary_unary_rpc_method_handler(
-        reads.ReadRegions, request_deserializer=pb.ReadRegionsRequest.FromString,
-        response_serializer=pb.ReadRegionsReply.SerializeToString)}
+    return {
+        "ReadRegions": grpc.unary_unary_rpc_method_handler(
+            reads.ReadRegions,
+            request_deserializer=pb.ReadRegionsRequest.FromString,
+            response_serializer=pb.ReadRegionsReply.SerializeToString,
+        )
+    }

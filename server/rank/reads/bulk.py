@@ -19,6 +19,7 @@ does); the handshake runs on the connection's own thread
 within TICKET_WAIT_S, so a peer that never finishes it holds no more than a
 connection slot for that long.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,9 +35,8 @@ from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from protos import shardserve_pb2 as pb
-from protos.bulk_wire import (
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import (
     FRAME,
     HEADER,
     KIND_LOOKUP,
@@ -48,8 +48,9 @@ from protos.bulk_wire import (
     recv_exactly,
     send_parts,
 )
-from protos.chunk_codec import lookup_reply_pieces
-from server.common.errors import (
+from shardserve.protos.chunk_codec import lookup_reply_pieces
+from shardserve.server.common.access import caller
+from shardserve.server.common.errors import (
     InvalidArgument,
     ResourceExhausted,
     ServiceError,
@@ -57,24 +58,27 @@ from server.common.errors import (
     rpc_errors,
     status_of,
 )
-from server.common.access import caller
-from server.common.principals import Principal
-from server.rank.reads.batch import BatchReads
-from server.rank.reads.lookup import LookupService
-from server.rank.metrics import BULK
-from server.rank.reads.region import region_bytes
-from server.rank.store import ShardStore
-from server.rank.writes.bulk import receive_batch
+from shardserve.server.common.principals import Principal
+from shardserve.server.rank.metrics import BULK
+from shardserve.server.rank.reads.batch import BatchReads
+from shardserve.server.rank.reads.lookup import LookupService
+from shardserve.server.rank.reads.region import region_bytes
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.writes.bulk import receive_batch
 
 log = logging.getLogger(__name__)
 
 TICKET_TTL_S = 30.0
-MAX_TICKETS = 4096            # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
-IDLE_TIMEOUT_S = 300.0        # a connection idle (or a peer stalled mid-transfer) this long is closed
-TICKET_WAIT_S = 10.0          # a new connection must present its whole ticket within this (no slot held idle)
-FRAME_WAIT_S = 30.0           # a request frame whose header arrived must arrive whole within this
-MAX_CONNECTIONS = 64          # open at once, each on its own thread; more are refused UNAVAILABLE (the client
-                              # then reads over gRPC)
+MAX_TICKETS = 4096  # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
+IDLE_TIMEOUT_S = 300.0  # a connection idle (or a peer stalled mid-transfer) this long is closed
+TICKET_WAIT_S = (
+    10.0  # a new connection must present its whole ticket within this (no slot held idle)
+)
+FRAME_WAIT_S = 30.0  # a request frame whose header arrived must arrive whole within this
+MAX_CONNECTIONS = (
+    64  # open at once, each on its own thread; more are refused UNAVAILABLE (the client
+)
+# then reads over gRPC)
 
 
 class BulkReadsOff(ServiceError):
@@ -87,7 +91,9 @@ class BulkReadsOff(ServiceError):
 class _Ticket:
     peer: ipaddress.IPv4Address | ipaddress.IPv6Address | None
     deadline: float
-    principal: Principal | None  # who asked for it (None without client auth): what its connection may write
+    principal: (
+        Principal | None
+    )  # who asked for it (None without client auth): what its connection may write
 
 
 def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -121,8 +127,10 @@ class Tickets:
             for key in [k for k, t in self._tickets.items() if t.deadline <= now]:
                 del self._tickets[key]
             if len(self._tickets) >= self.capacity:
-                raise ResourceExhausted(f"this rank holds {self.capacity} unredeemed bulk-read tickets; "
-                                        f"retry later or read over ReadRegion")
+                raise ResourceExhausted(
+                    f"this rank holds {self.capacity} unredeemed bulk-read tickets; "
+                    f"retry later or read over ReadRegion"
+                )
             ticket = secrets.token_bytes(TICKET_BYTES)
             self._tickets[ticket] = _Ticket(peer_ip(peer), now + self.ttl_s, principal)
         return ticket
@@ -133,18 +141,28 @@ class Tickets:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry.deadline <= time.monotonic():
-            raise ServiceError("ticket: unknown, already used or expired", grpc.StatusCode.PERMISSION_DENIED)
+            raise ServiceError(
+                "ticket: unknown, already used or expired", grpc.StatusCode.PERMISSION_DENIED
+            )
         if entry.peer is not None and entry.peer != peer_ip(peer):
-            raise ServiceError(f"ticket: issued to {entry.peer}, presented from {peer}",
-                               grpc.StatusCode.PERMISSION_DENIED)
+            raise ServiceError(
+                f"ticket: issued to {entry.peer}, presented from {peer}",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
         return entry.principal
 
 
 class BulkReads:
     """OpenBulkSession and the bulk TCP port of one rank (host None = no port: OpenBulkSession is UNIMPLEMENTED)."""
 
-    def __init__(self, store: ShardStore, host: str | None, port: int = 0, off_reason: str = "",
-                 tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        store: ShardStore,
+        host: str | None,
+        port: int = 0,
+        off_reason: str = "",
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.store = store
         self.tls = tls
         self.lookups = LookupService(store)
@@ -158,7 +176,9 @@ class BulkReads:
         self._lock = threading.Lock()
         if host is not None:
             family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-            self._listener = socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+            self._listener = socket.create_server(
+                (host.strip("[]"), port), family=family, backlog=128
+            )
             self._port = self._listener.getsockname()[1]
             self._start_thread(self._accept_loop, (self._listener,), "bulk-accept")
 
@@ -188,12 +208,18 @@ class BulkReads:
         thread.start()
 
     @rpc_errors
-    def OpenBulkSession(self, request: pb.BulkSessionRequest, context: grpc.ServicerContext) -> pb.BulkSession:
+    def OpenBulkSession(
+        self, request: pb.BulkSessionRequest, context: grpc.ServicerContext
+    ) -> pb.BulkSession:
         port = self.port
         if port is None:
             raise BulkReadsOff(f"rank {self.store.rank} serves no bulk port: {self.off_reason}")
-        return pb.BulkSession(port=port, ticket=self.tickets.issue(context.peer(), caller()),
-                              expires_s=self.tickets.ttl_s, tls=self.tls is not None)
+        return pb.BulkSession(
+            port=port,
+            ticket=self.tickets.issue(context.peer(), caller()),
+            expires_s=self.tickets.ttl_s,
+            tls=self.tls is not None,
+        )
 
     def _accept_loop(self, listener: socket.socket) -> None:
         while True:
@@ -202,9 +228,16 @@ class BulkReads:
             except OSError:
                 return  # closed
             if not self._connections.acquire(blocking=False):
-                if self.tls is None:  # a TLS client would read the plain answer as a broken handshake
-                    _send_error(conn, address[0], Unavailable(
-                        f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"))
+                if (
+                    self.tls is None
+                ):  # a TLS client would read the plain answer as a broken handshake
+                    _send_error(
+                        conn,
+                        address[0],
+                        Unavailable(
+                            f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"
+                        ),
+                    )
                 conn.close()
                 continue
             with self._lock:
@@ -226,7 +259,9 @@ class BulkReads:
                 return
             with conn:
                 try:
-                    principal = self.tickets.redeem(_recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer)
+                    principal = self.tickets.redeem(
+                        _recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer
+                    )
                 except ServiceError as err:
                     _send_error(conn, peer, err)
                     return
@@ -260,21 +295,33 @@ class BulkReads:
             return None
         return conn
 
-    def _answer(self, conn: socket.socket, peer: str, kind: int, message: bytes,
-                principal: Principal | None = None) -> None:
+    def _answer(
+        self,
+        conn: socket.socket,
+        peer: str,
+        kind: int,
+        message: bytes,
+        principal: Principal | None = None,
+    ) -> None:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
             if kind == KIND_WRITE:
-                written = receive_batch(conn, self.store, _write_request(conn, peer, message), principal)
+                written = receive_batch(
+                    conn, self.store, _write_request(conn, peer, message), principal
+                )
                 body = written.SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_READS:
-                body = self.batch_reads.answer(_parse(pb.ReadRegionsRequest, message), BULK).SerializeToString()
+                body = self.batch_reads.answer(
+                    _parse(pb.ReadRegionsRequest, message), BULK
+                ).SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_LOOKUP:
-                reply = lookup_reply_pieces(self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK))
+                reply = lookup_reply_pieces(
+                    self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK)
+                )
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
                 return
             request = _parse(pb.ReadRegionRequest, message)
@@ -300,10 +347,12 @@ def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
     recv_exactly(conn, memoryview(frame)[first:], deadline)
     kind, length = FRAME.unpack(frame)
     if kind not in (KIND_READ, KIND_LOOKUP, KIND_WRITE, KIND_READS) or length > MAX_REQUEST_BYTES:
-        what = f"kind {kind} is none of {KIND_READ} (read), {KIND_LOOKUP} (lookup), {KIND_WRITE} (write), " \
-            f"{KIND_READS} (reads)" \
-            if length <= MAX_REQUEST_BYTES \
+        what = (
+            f"kind {kind} is none of {KIND_READ} (read), {KIND_LOOKUP} (lookup), {KIND_WRITE} (write), "
+            f"{KIND_READS} (reads)"
+            if length <= MAX_REQUEST_BYTES
             else f"a frame of {length} bytes is over the bulk port's {MAX_REQUEST_BYTES}-byte limit"
+        )
         _send_error(conn, peer, InvalidArgument(f"request: {what}"))
         raise ConnectionAbortedError(what)
     message = _recv_bytes(conn, length, max(deadline - time.monotonic(), 1e-3))
@@ -352,6 +401,10 @@ def _recv_bytes(conn: socket.socket, nbytes: int, within_s: float) -> bytes:
 
 def handlers(reads: BulkReads) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handler of OpenBulkSession."""
-    return {"OpenBulkSession": grpc.unary_unary_rpc_method_handler(
-        reads.OpenBulkSession, request_deserializer=pb.BulkSessionRequest.FromString,
-        response_serializer=pb.BulkSession.SerializeToString)}
+    return {
+        "OpenBulkSession": grpc.unary_unary_rpc_method_handler(
+            reads.OpenBulkSession,
+            request_deserializer=pb.BulkSessionRequest.FromString,
+            response_serializer=pb.BulkSession.SerializeToString,
+        )
+    }

@@ -8,27 +8,29 @@ pooled rows travel. Answers stream item by item in chunks of about 1 MiB; the
 first chunk of an item says the version it was served at. WriteRows overwrites
 rows of a PENDING version, which is how update_rows builds a new version.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
-
-from protos import shardserve_pb2 as pb
-from protos.chunk_codec import LookupPart
-from server.common.errors import InvalidArgument, ResourceExhausted
-from server.common.requests import check_name, check_version
-from server.rank.metrics import GRPC
-from server.rank.store import ShardStore, StoredVersion
-from shardcore.dtypes import dtype_to_wire
-from shardcore.embedding import partial_pool
-from shardcore.wire import tensor_bytes
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.core.embedding import partial_pool
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.chunk_codec import LookupPart
+from shardserve.server.common.errors import InvalidArgument, ResourceExhausted
+from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.rank.metrics import GRPC
+from shardserve.server.rank.store import ShardStore, StoredVersion
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
-MIN_CHUNK_BYTES = 4096  # a floor, so a hostile chunk_bytes=1 cannot turn one answer into millions of messages
+MIN_CHUNK_BYTES = (
+    4096  # a floor, so a hostile chunk_bytes=1 cannot turn one answer into millions of messages
+)
 SMALL_REPLY_BYTES = 4 << 20  # LookupSmall answers at most this many data bytes in its one message
 _ID_BYTES = 8
 
@@ -50,7 +52,9 @@ def parse_ids(raw: bytes, field: str) -> np.ndarray:
     Ids are handled with numpy: a lookup's few small steps cost ~1 us each that way, against ~5-10 us per
     torch call, which for one-id lookups was most of the rank's time."""
     if len(raw) % _ID_BYTES:
-        raise InvalidArgument(f"{field} has {len(raw)} bytes, not a multiple of 8 (ids are raw int64)")
+        raise InvalidArgument(
+            f"{field} has {len(raw)} bytes, not a multiple of 8 (ids are raw int64)"
+        )
     return np.frombuffer(raw, dtype="<i8")
 
 
@@ -58,8 +62,10 @@ def _parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: s
     itemsize = torch.empty(0, dtype=dtype).element_size()
     expected = shape[0] * shape[1] * itemsize
     if len(raw) != expected:
-        raise InvalidArgument(f"{field} has {len(raw)} bytes; {shape[0]} x {shape[1]} {dtype} values are "
-                              f"{expected} bytes")
+        raise InvalidArgument(
+            f"{field} has {len(raw)} bytes; {shape[0]} x {shape[1]} {dtype} values are "
+            f"{expected} bytes"
+        )
     if not expected:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
@@ -78,8 +84,11 @@ def _local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: 
         return ids - start
     position = int(np.flatnonzero((ids < start) | (ids >= start + rows))[0])
     value = int(ids[position])
-    where = (f"out of range for a table of {meta.size[0]} rows" if not 0 <= value < meta.size[0]
-             else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})")
+    where = (
+        f"out of range for a table of {meta.size[0]} rows"
+        if not 0 <= value < meta.size[0]
+        else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})"
+    )
     raise InvalidArgument(f"{field}[{position}]={value} is {where}")
 
 
@@ -94,7 +103,9 @@ class LookupService:
         """Check the whole request first (nothing streams for a bad one), then answer item by item."""
         if request.chunk_bytes < 0:
             raise InvalidArgument(f"chunk_bytes {request.chunk_bytes} is negative")
-        chunk_bytes = max(MIN_CHUNK_BYTES, min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES))
+        chunk_bytes = max(
+            MIN_CHUNK_BYTES, min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
+        )
         self._check_request_size(request)
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         self._count(request, answers, GRPC)
@@ -108,10 +119,15 @@ class LookupService:
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         total = sum(len(a.data) for a in answers)
         if total > SMALL_REPLY_BYTES:
-            raise ResourceExhausted(f"items: the answer is {total} bytes, over LookupSmall's {SMALL_REPLY_BYTES}; "
-                                    f"use the streaming Lookup")
+            raise ResourceExhausted(
+                f"items: the answer is {total} bytes, over LookupSmall's {SMALL_REPLY_BYTES}; "
+                f"use the streaming Lookup"
+            )
         self._count(request, answers, path)
-        return [next(_chunks(index, answer, max(SMALL_REPLY_BYTES, 1))) for index, answer in enumerate(answers)]
+        return [
+            next(_chunks(index, answer, max(SMALL_REPLY_BYTES, 1)))
+            for index, answer in enumerate(answers)
+        ]
 
     def _count(self, request: pb.LookupRequest, answers: list[ItemAnswer], path: str) -> None:
         """Record the items, ids and answer bytes of one lookup call (once per call, not per row)."""
@@ -128,7 +144,9 @@ class LookupService:
             return
         ids = sum(len(item.ids) for item in request.items)
         if ids > limit:
-            raise ResourceExhausted(f"items[].ids: {ids} bytes of ids, over this rank's max_request_bytes {limit}")
+            raise ResourceExhausted(
+                f"items[].ids: {ids} bytes of ids, over this rank's max_request_bytes {limit}"
+            )
 
     def _answer(self, index: int, item: pb.LookupItem) -> ItemAnswer:
         field = f"items[{index}]"
@@ -138,26 +156,45 @@ class LookupService:
         with self.store.lease(name, version) as entry:
             shard = self.store.shard_of(entry, item.shard_index)
             local = _local_rows(entry, item.shard_index, ids, f"{field}.ids")
-            out_bytes = (len(item.offsets) // _ID_BYTES if item.pooled else ids.size) \
-                * shard.shape[1] * shard.element_size()
+            out_bytes = (
+                (len(item.offsets) // _ID_BYTES if item.pooled else ids.size)
+                * shard.shape[1]
+                * shard.element_size()
+            )
             limit = self.store.max_request_bytes
             if limit and out_bytes > limit:
-                raise ResourceExhausted(f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
-                                        f"max_request_bytes {limit}")
+                raise ResourceExhausted(
+                    f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
+                    f"max_request_bytes {limit}"
+                )
             if not item.pooled:
                 if item.offsets or item.per_sample_weights:
-                    raise InvalidArgument(f"{field}.offsets/per_sample_weights are only for pooled items")
+                    raise InvalidArgument(
+                        f"{field}.offsets/per_sample_weights are only for pooled items"
+                    )
                 return ItemAnswer(entry.version, shard.dtype, row_bytes(shard, local))
             rows = shard.index_select(0, torch.from_numpy(local).to(shard.device))
             sums, counts = self._pool(rows, item, field)
-            return ItemAnswer(entry.version, sums.dtype, tensor_bytes(sums), bytes(tensor_bytes(counts)))
+            return ItemAnswer(
+                entry.version, sums.dtype, tensor_bytes(sums), bytes(tensor_bytes(counts))
+            )
 
-    def _pool(self, rows: torch.Tensor, item: pb.LookupItem, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pool(
+        self, rows: torch.Tensor, item: pb.LookupItem, field: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = torch.from_numpy(parse_ids(item.offsets, f"{field}.offsets").copy())
         weights = None
         if item.per_sample_weights:
-            weights = _parse_rows(item.per_sample_weights, rows.dtype, (rows.shape[0], 1),
-                                  f"{field}.per_sample_weights").view(-1).to(rows.device)
+            weights = (
+                _parse_rows(
+                    item.per_sample_weights,
+                    rows.dtype,
+                    (rows.shape[0], 1),
+                    f"{field}.per_sample_weights",
+                )
+                .view(-1)
+                .to(rows.device)
+            )
         try:
             partial = partial_pool(rows, offsets.to(rows.device), weights)
         except (ValueError, TypeError) as err:
@@ -170,12 +207,16 @@ class LookupService:
         version = check_version(request.version)
         ids = parse_ids(request.ids, "ids")
         with self.store.lease(name, version, served=False) as entry:
-            shard = self.store.shard_of(entry, request.shard_index)  # InvalidArgument unless held here
+            shard = self.store.shard_of(
+                entry, request.shard_index
+            )  # InvalidArgument unless held here
             local = _local_rows(entry, request.shard_index, ids, "ids")
             values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
-        self.store.log_rows(name, version, request.shard_index, local, values)  # durable order: log, then write
+        self.store.log_rows(
+            name, version, request.shard_index, local, values
+        )  # durable order: log, then write
         rows = torch.from_numpy(local)
         # checked above: no refusal leaves the shard torn
         with self.store.rewrite(name, version, request.shard_index, rows) as shard:
@@ -197,8 +238,16 @@ def _chunks(index: int, answer: ItemAnswer, chunk_bytes: int) -> Iterator[Lookup
     """The item's answer as LookupChunks of up to `chunk_bytes` of data, serialized by protos.chunk_codec (the
     data is copied once, into the message)."""
     data = answer.data
-    header = pb.LookupChunk(item=index, version=answer.version, dtype=dtype_to_wire(answer.dtype),
-                            nbytes=len(data), counts=answer.counts, offset=0)
+    header = pb.LookupChunk(
+        item=index,
+        version=answer.version,
+        dtype=dtype_to_wire(answer.dtype),
+        nbytes=len(data),
+        counts=answer.counts,
+        offset=0,
+    )
     yield LookupPart(header, data[:chunk_bytes])
     for offset in range(chunk_bytes, len(data), chunk_bytes):
-        yield LookupPart(pb.LookupChunk(item=index, offset=offset), data[offset:offset + chunk_bytes])
+        yield LookupPart(
+            pb.LookupChunk(item=index, offset=offset), data[offset : offset + chunk_bytes]
+        )

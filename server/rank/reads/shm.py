@@ -6,20 +6,20 @@ as /proc/<pid>/fd/<fd>, or, for a CUDA shard and a client that asks, a CUDA IPC
 handle. The lease keeps the version (its tensor, mapping and fd) alive until
 ReleaseShard or expiry, so the fd cannot name other data meanwhile.
 """
+
 from __future__ import annotations
 
 import logging
 
 import grpc
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, ServiceError, rpc_errors
-from server.common.requests import check_name, check_version
-from server.rank.metrics import SHM
-from server.rank.shared_memory import Leases, lease_seconds
-from server.rank.store import ShardStore
-from shardcore.dtypes import dtype_to_wire
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, ServiceError, rpc_errors
+from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.rank.metrics import SHM
+from shardserve.server.rank.shared_memory import Leases, lease_seconds
+from shardserve.server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ class SharedMemoryService:
         self.leases = Leases()
 
     @rpc_errors
-    def OpenShard(self, request: pb.OpenShardRequest, context: grpc.ServicerContext) -> pb.OpenShardResponse:
+    def OpenShard(
+        self, request: pb.OpenShardRequest, context: grpc.ServicerContext
+    ) -> pb.OpenShardResponse:
         name = check_name(request.name)
         version = check_version(request.version)
         try:
@@ -67,32 +69,54 @@ class SharedMemoryService:
 
     def _describe(self, entry, request: pb.OpenShardRequest) -> pb.OpenShardResponse:  # type: ignore[no-untyped-def]
         shard = self.store.shard_of(entry, request.shard_index)
-        reply = pb.OpenShardResponse(nbytes=shard.numel() * shard.element_size(), dtype=dtype_to_wire(shard.dtype),
-                                     shard_sizes=list(shard.shape), version=entry.version,
-                                     max_request_bytes=self.store.max_request_bytes)
+        reply = pb.OpenShardResponse(
+            nbytes=shard.numel() * shard.element_size(),
+            dtype=dtype_to_wire(shard.dtype),
+            shard_sizes=list(shard.shape),
+            version=entry.version,
+            max_request_bytes=self.store.max_request_bytes,
+        )
         if self.store.blocks.is_composed(shard):
-            segment = self.store.state_header(entry, request.shard_index)  # the state word; the data in blocks
-            reply.extents.extend(pb.ShardExtent(fd=e.fd, inode=e.inode, device_id=e.device_id, offset=e.offset,
-                                                nbytes=e.nbytes) for e in self.store.blocks.extents(shard))
+            segment = self.store.state_header(
+                entry, request.shard_index
+            )  # the state word; the data in blocks
+            reply.extents.extend(
+                pb.ShardExtent(
+                    fd=e.fd, inode=e.inode, device_id=e.device_id, offset=e.offset, nbytes=e.nbytes
+                )
+                for e in self.store.blocks.extents(shard)
+            )
         elif shard.device.type == "cuda":
             if not request.cuda_ipc:
-                raise SharedMemoryUnavailable(f"shard_index {request.shard_index} of {entry.name!r} is on "
-                                              f"{shard.device}; ask with cuda_ipc or read it over ReadRegion")
+                raise SharedMemoryUnavailable(
+                    f"shard_index {request.shard_index} of {entry.name!r} is on "
+                    f"{shard.device}; ask with cuda_ipc or read it over ReadRegion"
+                )
             reply.cuda.CopyFrom(cuda_ipc_handle(shard))
-            segment = self.store.state_header(entry, request.shard_index)  # the state word alone, no data
+            segment = self.store.state_header(
+                entry, request.shard_index
+            )  # the state word alone, no data
         else:
             segment = self.store.shared_segment(entry, request.shard_index)
         if segment is None:
             if reply.nbytes == 0:
                 return reply
-            raise SharedMemoryUnavailable(f"rank {self.store.rank} does not serve shards through shared memory")
-        reply.pid, reply.fd, reply.inode, reply.device_id = segment.pid, segment.fd, segment.inode, segment.device_id
+            raise SharedMemoryUnavailable(
+                f"rank {self.store.rank} does not serve shards through shared memory"
+            )
+        reply.pid, reply.fd, reply.inode, reply.device_id = (
+            segment.pid,
+            segment.fd,
+            segment.inode,
+            segment.device_id,
+        )
         reply.data_offset = segment.data_offset
         return reply
 
     @rpc_errors
-    def ReleaseShard(self, request: pb.ReleaseShardRequest,
-                     context: grpc.ServicerContext) -> pb.ReleaseShardResponse:
+    def ReleaseShard(
+        self, request: pb.ReleaseShardRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseShardResponse:
         return pb.ReleaseShardResponse(released=self.leases.release(list(request.lease_ids)))
 
 
@@ -101,21 +125,33 @@ def cuda_ipc_handle(shard: torch.Tensor) -> pb.CudaIpcHandle:
     every write into it on any stream of its device is complete (a failed device raises: no handle to half-written
     memory)."""
     torch.cuda.synchronize(shard.device)
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = shard.untyped_storage()._share_cuda_()
-    return pb.CudaIpcHandle(device=device, handle=handle, storage_size_bytes=size_bytes,
-                            storage_offset_bytes=offset_bytes, ref_counter_handle=ref_handle,
-                            ref_counter_offset=ref_offset, event_handle=event_handle or b"",
-                            event_sync_required=bool(event_sync), tensor_offset=shard.storage_offset())
+    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
+        shard.untyped_storage()._share_cuda_()
+    )
+    return pb.CudaIpcHandle(
+        device=device,
+        handle=handle,
+        storage_size_bytes=size_bytes,
+        storage_offset_bytes=offset_bytes,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event_handle or b"",
+        event_sync_required=bool(event_sync),
+        tensor_offset=shard.storage_offset(),
+    )
 
 
 def handlers(service: SharedMemoryService) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handlers of the same-host data plane RPCs."""
     return {
         "OpenShard": grpc.unary_unary_rpc_method_handler(
-            service.OpenShard, request_deserializer=pb.OpenShardRequest.FromString,
-            response_serializer=pb.OpenShardResponse.SerializeToString),
+            service.OpenShard,
+            request_deserializer=pb.OpenShardRequest.FromString,
+            response_serializer=pb.OpenShardResponse.SerializeToString,
+        ),
         "ReleaseShard": grpc.unary_unary_rpc_method_handler(
-            service.ReleaseShard, request_deserializer=pb.ReleaseShardRequest.FromString,
-            response_serializer=pb.ReleaseShardResponse.SerializeToString),
+            service.ReleaseShard,
+            request_deserializer=pb.ReleaseShardRequest.FromString,
+            response_serializer=pb.ReleaseShardResponse.SerializeToString,
+        ),
     }

@@ -4,17 +4,17 @@ A server-streaming call costs about twice a unary one in Python gRPC; for
 small boxes that per-call cost is most of the read (1 MiB: ~3.5 ms streamed
 against ~1.6 ms for torch.distributed.rpc on the loaded 2-core host).
 """
+
 from __future__ import annotations
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from protos.chunk_codec import RawChunk, encode_chunk
-from server.common.errors import ResourceExhausted, rpc_errors
-from server.rank.cuda_staging import host_bytes
-from server.rank.metrics import GRPC
-from server.rank.reads.region import requested_box
-from server.rank.store import ShardStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.chunk_codec import RawChunk, encode_chunk
+from shardserve.server.common.errors import ResourceExhausted, rpc_errors
+from shardserve.server.rank.cuda_staging import host_bytes
+from shardserve.server.rank.metrics import GRPC
+from shardserve.server.rank.reads.region import requested_box
+from shardserve.server.rank.store import ShardStore
 
 SMALL_READ_BYTES = 1 << 20
 
@@ -26,17 +26,28 @@ class SmallReads:
         self.store = store
 
     @rpc_errors
-    def ReadRegionSmall(self, request: pb.ReadRegionRequest, context: grpc.ServicerContext) -> bytes:
+    def ReadRegionSmall(
+        self, request: pb.ReadRegionRequest, context: grpc.ServicerContext
+    ) -> bytes:
         with requested_box(self.store, request) as box:
             nbytes = box.numel() * box.element_size()
             if nbytes > SMALL_READ_BYTES:
-                raise ResourceExhausted(f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
-                                        f"most {SMALL_READ_BYTES} (use ReadRegion)")
+                raise ResourceExhausted(
+                    f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
+                    f"most {SMALL_READ_BYTES} (use ReadRegion)"
+                )
             self.store.metrics.served(GRPC, request.name, nbytes)
-            return encode_chunk(RawChunk(0, host_bytes(box)))  # serialized (one copy) while the lease is held
+            return encode_chunk(
+                RawChunk(0, host_bytes(box))
+            )  # serialized (one copy) while the lease is held
 
 
 def handlers(reads: SmallReads) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handler of ReadRegionSmall (the reply comes serialized by protos.chunk_codec)."""
-    return {"ReadRegionSmall": grpc.unary_unary_rpc_method_handler(
-        reads.ReadRegionSmall, request_deserializer=pb.ReadRegionRequest.FromString, response_serializer=None)}
+    return {
+        "ReadRegionSmall": grpc.unary_unary_rpc_method_handler(
+            reads.ReadRegionSmall,
+            request_deserializer=pb.ReadRegionRequest.FromString,
+            response_serializer=None,
+        )
+    }

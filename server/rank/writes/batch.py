@@ -8,21 +8,23 @@ the source's business: inline in the request (gRPC), a same-host writer's memfd
 lease like a WriteShard stream: a shard whose bytes do not all arrive is left
 torn, and a promote refuses it until it is written again.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, item_errors, rpc_errors
-from server.common.requests import check_name, check_version, parse_dtype
-from server.rank.store import ShardStore
-from server.rank.writes.shared import SharedSource
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, item_errors, rpc_errors
+from shardserve.server.common.requests import check_name, check_version, parse_dtype
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.writes.shared import SharedSource
 
 MAX_BATCH_SHARDS = 1 << 16
-MAX_BATCH_BYTES = 1 << 40  # what one batch may declare (a refused bulk-port batch's bytes are drained)
+MAX_BATCH_BYTES = (
+    1 << 40
+)  # what one batch may declare (a refused bulk-port batch's bytes are drained)
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,9 @@ def checked_batch(headers: Sequence[pb.WriteShardHeader]) -> list[ShardBytes]:
     if not headers:
         raise InvalidArgument("shards: a WriteShards batch names no shard")
     if len(headers) > MAX_BATCH_SHARDS:
-        raise InvalidArgument(f"shards: {len(headers)} shards in one batch, over the limit of {MAX_BATCH_SHARDS}")
+        raise InvalidArgument(
+            f"shards: {len(headers)} shards in one batch, over the limit of {MAX_BATCH_SHARDS}"
+        )
     out, seen, offset = [], set(), 0
     for i, header in enumerate(headers):
         name = check_name(header.name, f"shards[{i}].name")
@@ -56,13 +60,17 @@ def checked_batch(headers: Sequence[pb.WriteShardHeader]) -> list[ShardBytes]:
             raise InvalidArgument(f"shards[{i}].nbytes {header.nbytes} is negative")
         key = (name, version, header.shard_index)
         if key in seen:
-            raise InvalidArgument(f"shards[{i}]: shard {header.shard_index} of {name!r} version {version} appears "
-                                  f"twice in the batch")
+            raise InvalidArgument(
+                f"shards[{i}]: shard {header.shard_index} of {name!r} version {version} appears "
+                f"twice in the batch"
+            )
         seen.add(key)
         out.append(ShardBytes(name, version, header.shard_index, header, offset))
         offset += header.nbytes
     if offset > MAX_BATCH_BYTES:
-        raise InvalidArgument(f"shards: the batch declares {offset} bytes, over the limit of {MAX_BATCH_BYTES}")
+        raise InvalidArgument(
+            f"shards: the batch declares {offset} bytes, over the limit of {MAX_BATCH_BYTES}"
+        )
     return out
 
 
@@ -71,15 +79,20 @@ def batch_bytes(shards: Sequence[ShardBytes]) -> int:
     return shards[-1].offset + shards[-1].nbytes if shards else 0
 
 
-def write_batch(store: ShardStore, shards: Sequence[ShardBytes],
-                fill: Callable[[ShardBytes, memoryview], None]) -> int:
+def write_batch(
+    store: ShardStore, shards: Sequence[ShardBytes], fill: Callable[[ShardBytes, memoryview], None]
+) -> int:
     """Write each shard of the batch in order, `fill(shard, view)` putting its bytes into `view`; returns the
     bytes written. Stops at the first failure (the shards written before it stay written)."""
     written = 0
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
-        with item_errors(f"shards[{i}]"), \
-                store.write(shard.name, shard.version, shard.shard_index, dtype, shard.nbytes) as writer:
+        with (
+            item_errors(f"shards[{i}]"),
+            store.write(
+                shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
+            ) as writer,
+        ):
             writer.fill(lambda view, shard=shard: fill(shard, view))
         store.metrics.written(shard.name, shard.nbytes)
         written += shard.nbytes
@@ -93,30 +106,46 @@ class ShardWrites:
         self.store = store
 
     @rpc_errors
-    def WriteShards(self, request: pb.WriteShardsRequest, context: grpc.ServicerContext) -> pb.WriteShardsResponse:
+    def WriteShards(
+        self, request: pb.WriteShardsRequest, context: grpc.ServicerContext
+    ) -> pb.WriteShardsResponse:
         shards = checked_batch(request.shards)
         source = request.WhichOneof("source")
         if source == "data":
             return pb.WriteShardsResponse(bytes_written=self._from_inline(shards, request.data))
         if source == "shared":
-            with SharedSource.open(request.shared, batch_bytes(shards), self.store.shared.enabled) as shared:
-                return pb.WriteShardsResponse(bytes_written=write_batch(
-                    self.store, shards, lambda shard, view: shared.read_into(shard.offset, view)))
-        raise InvalidArgument("source: a WriteShards call carries its bytes inline (data) or names a same-host "
-                              "memfd (shared); only the bulk port sends them after the request")
+            with SharedSource.open(
+                request.shared, batch_bytes(shards), self.store.shared.enabled
+            ) as shared:
+                return pb.WriteShardsResponse(
+                    bytes_written=write_batch(
+                        self.store, shards, lambda shard, view: shared.read_into(shard.offset, view)
+                    )
+                )
+        raise InvalidArgument(
+            "source: a WriteShards call carries its bytes inline (data) or names a same-host "
+            "memfd (shared); only the bulk port sends them after the request"
+        )
 
     def _from_inline(self, shards: Sequence[ShardBytes], data: bytes) -> int:
         if len(data) != batch_bytes(shards):
-            raise InvalidArgument(f"data: {len(data)} bytes for shards of {batch_bytes(shards)} bytes in all")
+            raise InvalidArgument(
+                f"data: {len(data)} bytes for shards of {batch_bytes(shards)} bytes in all"
+            )
         view = memoryview(data)
 
         def fill(shard: ShardBytes, target: memoryview) -> None:
-            target[:] = view[shard.offset:shard.offset + shard.nbytes]
+            target[:] = view[shard.offset : shard.offset + shard.nbytes]
+
         return write_batch(self.store, shards, fill)
 
 
 def handlers(writes: ShardWrites) -> dict[str, grpc.RpcMethodHandler]:
     """The ShardServer method handler of WriteShards."""
-    return {"WriteShards": grpc.unary_unary_rpc_method_handler(
-        writes.WriteShards, request_deserializer=pb.WriteShardsRequest.FromString,
-        response_serializer=pb.WriteShardsResponse.SerializeToString)}
+    return {
+        "WriteShards": grpc.unary_unary_rpc_method_handler(
+            writes.WriteShards,
+            request_deserializer=pb.WriteShardsRequest.FromString,
+            response_serializer=pb.WriteShardsResponse.SerializeToString,
+        )
+    }

@@ -7,31 +7,37 @@ gRPC requires. The bytes are received straight into each shard's memory. When
 the batch fails part way (a shard refused), the rest of its bytes are read and
 discarded, so the answer reaches the writer and the connection stays in step.
 """
+
 from __future__ import annotations
 
 import socket
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from protos.bulk_wire import recv_exactly
-from server.common.errors import ServiceError
-from server.common.principals import WRITE, Principal
-from server.rank.store import ShardStore
-from server.rank.writes.batch import ShardBytes, checked_batch, write_batch
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import recv_exactly
+from shardserve.server.common.errors import ServiceError
+from shardserve.server.common.principals import WRITE, Principal
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.writes.batch import ShardBytes, checked_batch, write_batch
 
 DRAIN_BYTES = 1 << 20
 
 
-def receive_batch(conn: socket.socket, store: ShardStore, request: pb.WriteShardsRequest,
-                  principal: Principal | None) -> pb.WriteShardsResponse:
+def receive_batch(
+    conn: socket.socket,
+    store: ShardStore,
+    request: pb.WriteShardsRequest,
+    principal: Principal | None,
+) -> pb.WriteShardsResponse:
     """Write the batch whose bytes follow on `conn`; on a failure of the batch (not of the connection) its
     remaining bytes are drained first and the failure raised (a ConnectionError when the peer stops sending)."""
     received = 0
     try:
         if request.WhichOneof("source") is not None:
-            raise ServiceError("source: a bulk-port batch sends its bytes after the request, not in it",
-                               grpc.StatusCode.INVALID_ARGUMENT)
+            raise ServiceError(
+                "source: a bulk-port batch sends its bytes after the request, not in it",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
         shards = checked_batch(request.shards)
         _authorize(principal, shards)
 
@@ -39,6 +45,7 @@ def receive_batch(conn: socket.socket, store: ShardStore, request: pb.WriteShard
             nonlocal received
             recv_exactly(conn, view)
             received += len(view)
+
         return pb.WriteShardsResponse(bytes_written=write_batch(store, shards, fill))
     except OSError:
         raise  # the connection itself failed: nothing left to keep in step
@@ -52,12 +59,18 @@ def _authorize(principal: Principal | None, shards: list[ShardBytes]) -> None:
     if principal is None:
         return
     if not principal.may(WRITE):
-        raise ServiceError(f"principal {principal.name!r} (role {principal.role}) lacks the 'write' right that "
-                           f"WriteShards needs", grpc.StatusCode.PERMISSION_DENIED)
+        raise ServiceError(
+            f"principal {principal.name!r} (role {principal.role}) lacks the 'write' right that "
+            f"WriteShards needs",
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
     for name in sorted({shard.name for shard in shards}):
         if not principal.may_write(name):
-            raise ServiceError(f"principal {principal.name!r} lacks the 'write' right on tensor {name!r} "
-                               f"(WriteShards)", grpc.StatusCode.PERMISSION_DENIED)
+            raise ServiceError(
+                f"principal {principal.name!r} lacks the 'write' right on tensor {name!r} "
+                f"(WriteShards)",
+                grpc.StatusCode.PERMISSION_DENIED,
+            )
 
 
 def _declared(request: pb.WriteShardsRequest) -> int:
@@ -69,6 +82,6 @@ def _drain(conn: socket.socket, nbytes: int) -> None:
     """Read and discard `nbytes` from `conn`."""
     scratch = memoryview(bytearray(min(max(nbytes, 0), DRAIN_BYTES)))
     while nbytes > 0:
-        chunk = scratch[:min(nbytes, len(scratch))]
+        chunk = scratch[: min(nbytes, len(scratch))]
         recv_exactly(conn, chunk)
         nbytes -= len(chunk)

@@ -11,6 +11,7 @@ read another process's files by naming its pid and fd. A source the rank cannot
 use (other host, shared memory off, the fd cannot be opened) is UNIMPLEMENTED:
 the writer falls back to the network.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,10 +20,9 @@ import stat
 from types import TracebackType
 
 import grpc
-
-from protos import shardserve_pb2 as pb
-from protos.same_host import STAGING_NAME, host_id
-from server.common.errors import InvalidArgument, ServiceError
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import STAGING_NAME, host_id
+from shardserve.server.common.errors import InvalidArgument, ServiceError
 
 _SECRET = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
@@ -41,23 +41,30 @@ class SharedSource:
         self.nbytes = nbytes
 
     @classmethod
-    def open(cls, source: pb.SharedMemorySource, needed: int, enabled: bool) -> "SharedSource":
+    def open(cls, source: pb.SharedMemorySource, needed: int, enabled: bool) -> SharedSource:
         """The writer's file, checked; `needed`: the bytes the batch's shards take (they must lie within it)."""
         if not enabled:
-            raise SharedWritesUnavailable("shared: this rank does not use shared memory; write over the network")
+            raise SharedWritesUnavailable(
+                "shared: this rank does not use shared memory; write over the network"
+            )
         if source.host_id != host_id():
-            raise SharedWritesUnavailable("shared.host_id: the writer is not on this rank's host (or in another "
-                                          "network or PID namespace); write over the network")
+            raise SharedWritesUnavailable(
+                "shared.host_id: the writer is not on this rank's host (or in another "
+                "network or PID namespace); write over the network"
+            )
         if not _SECRET.fullmatch(source.name_secret):
             raise InvalidArgument("shared.name_secret must be 16-64 letters, digits, '-' or '_'")
         if source.nbytes < needed:
-            raise InvalidArgument(f"shared.nbytes {source.nbytes} is less than the {needed} bytes of the "
-                                  f"batch's shards")
+            raise InvalidArgument(
+                f"shared.nbytes {source.nbytes} is less than the {needed} bytes of the "
+                f"batch's shards"
+            )
         try:
             fd = os.open(f"/proc/{source.pid}/fd/{source.fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
-            raise SharedWritesUnavailable(f"shared: cannot open fd {source.fd} of process {source.pid}: "
-                                          f"{err.strerror}") from None
+            raise SharedWritesUnavailable(
+                f"shared: cannot open fd {source.fd} of process {source.pid}: {err.strerror}"
+            ) from None
         try:
             _check_file(fd, source)
         except BaseException:
@@ -71,15 +78,20 @@ class SharedSource:
         while done < len(view):
             count = os.preadv(self._fd, [view[done:]], offset + done)
             if count <= 0:
-                raise InvalidArgument(f"shared: the file ended at byte {offset + done}, before the batch's "
-                                      f"bytes did")
+                raise InvalidArgument(
+                    f"shared: the file ended at byte {offset + done}, before the batch's bytes did"
+                )
             done += count
 
-    def __enter__(self) -> "SharedSource":
+    def __enter__(self) -> SharedSource:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         os.close(self._fd)
 
 
@@ -88,9 +100,17 @@ def _check_file(fd: int, source: pb.SharedMemorySource) -> None:
     info = os.fstat(fd)
     link = os.readlink(f"/proc/self/fd/{fd}")
     expected = f"/memfd:{STAGING_NAME}{source.name_secret} (deleted)"
-    if (info.st_ino, info.st_dev) != (source.inode, source.device_id) or link != expected \
-            or not stat.S_ISREG(info.st_mode):
-        raise ServiceError(f"shared: fd {source.fd} of process {source.pid} is not the staging memfd the request "
-                           f"describes (inode, device or name differ)", grpc.StatusCode.PERMISSION_DENIED)
+    if (
+        (info.st_ino, info.st_dev) != (source.inode, source.device_id)
+        or link != expected
+        or not stat.S_ISREG(info.st_mode)
+    ):
+        raise ServiceError(
+            f"shared: fd {source.fd} of process {source.pid} is not the staging memfd the request "
+            f"describes (inode, device or name differ)",
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
     if info.st_size != source.nbytes:
-        raise InvalidArgument(f"shared.nbytes {source.nbytes} is not the file's size of {info.st_size} bytes")
+        raise InvalidArgument(
+            f"shared.nbytes {source.nbytes} is not the file's size of {info.st_size} bytes"
+        )

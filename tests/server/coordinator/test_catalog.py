@@ -1,17 +1,22 @@
 """SQLiteCatalog: versions only grow across reopen, commit replaces older READY rows in one step, WAL mode."""
+
 from __future__ import annotations
 
 import sqlite3
 
 import pytest
-
-from protos import shardserve_pb2 as pb
-from server.coordinator.catalog import SQLiteCatalog
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.catalog import SQLiteCatalog
 
 
 def row(name: str, version: int, state: int = pb.PENDING) -> pb.TensorInfo:
-    return pb.TensorInfo(name=name, version=version, state=state, nbytes=version * 10,
-                         metadata=pb.ShardedTensorMetadata(size=[version]))
+    return pb.TensorInfo(
+        name=name,
+        version=version,
+        state=state,
+        nbytes=version * 10,
+        metadata=pb.ShardedTensorMetadata(size=[version]),
+    )
 
 
 @pytest.fixture
@@ -29,7 +34,9 @@ def test_version_counter_only_grows_and_survives_reopen(tmp_path):
     assert again.next_version() == 4
     mode = sqlite3.connect(tmp_path / "c.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
-    assert again._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL: a commit survives a power cut
+    assert (
+        again._db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    )  # FULL: a commit survives a power cut
     again.close()
 
 
@@ -40,7 +47,10 @@ def test_commit_marks_ready_and_removes_older_ready_versions(catalog):
     catalog.add(row("t", 2))
     assert catalog.ready("t").version == 1
     assert [i.version for i in catalog.list()] == [1]
-    assert [(i.version, i.state) for i in catalog.list(include_pending=True)] == [(1, pb.READY), (2, pb.PENDING)]
+    assert [(i.version, i.state) for i in catalog.list(include_pending=True)] == [
+        (1, pb.READY),
+        (2, pb.PENDING),
+    ]
     ready, older = catalog.commit("t", 2)
     assert (ready.version, [o.version for o in older]) == (2, [1])
     assert [i.version for i in catalog.versions("t")] == [2]
@@ -68,11 +78,19 @@ def test_commit_all_is_all_or_nothing(catalog):
     catalog.commit("a", 1)
     with pytest.raises(KeyError, match="'c' version 9"):
         catalog.commit_all([("a", 3), ("c", 9)])
-    assert catalog.ready("a").version == 1 and catalog.get("a", 3).state == pb.PENDING  # rolled back
+    assert (
+        catalog.ready("a").version == 1 and catalog.get("a", 3).state == pb.PENDING
+    )  # rolled back
     done = catalog.commit_all([("a", 3), ("b", 2)])
-    assert [(info.name, info.version, [o.version for o in older]) for info, older in done] == [("a", 3, [1]),
-                                                                                               ("b", 2, [])]
-    assert catalog.ready("a").version == 3 and catalog.ready("b").version == 2 and catalog.get("a", 1) is None
+    assert [(info.name, info.version, [o.version for o in older]) for info, older in done] == [
+        ("a", 3, [1]),
+        ("b", 2, []),
+    ]
+    assert (
+        catalog.ready("a").version == 3
+        and catalog.ready("b").version == 2
+        and catalog.get("a", 1) is None
+    )
 
 
 def test_next_versions_hands_out_a_block_that_only_grows(catalog):
@@ -85,5 +103,7 @@ def test_add_all_is_all_or_nothing(catalog):
     catalog.add_all([row("a", 1), row("b", 2)])
     assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}
     with pytest.raises(sqlite3.IntegrityError):
-        catalog.add_all([row("c", 3), row("a", 1)])  # the second row exists: the first is not kept either
+        catalog.add_all(
+            [row("c", 3), row("a", 1)]
+        )  # the second row exists: the first is not kept either
     assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}

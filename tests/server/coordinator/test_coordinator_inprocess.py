@@ -6,6 +6,7 @@ version it lost is kept, its copies marked lost; a version put on the rank
 after its snapshot of what it holds must not be taken for lost (it is READY in
 the catalog, yet not in the snapshot).
 """
+
 from __future__ import annotations
 
 import os
@@ -14,14 +15,13 @@ import time
 import grpc
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.coordinator.catalog import SQLiteCatalog
-from server.coordinator.lifecycle import Coordinator
-from server.coordinator.registry import RankEntry
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
-from shardcore.wire import metadata_to_proto
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.lifecycle import Coordinator
+from shardserve.server.coordinator.registry import RankEntry
 
 
 class RankStub:
@@ -32,7 +32,9 @@ class RankStub:
         self.calls: list[tuple[str, str, int]] = []
 
     def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
-        return pb.GetStatsResponse(held=[pb.HeldVersion(name=n, version=v) for n, v in sorted(self.held)])
+        return pb.GetStatsResponse(
+            held=[pb.HeldVersion(name=n, version=v) for n, v in sorted(self.held)]
+        )
 
     def DropVersion(self, request, timeout):  # noqa: N802
         self.calls.append(("drop", request.name, request.version))
@@ -70,33 +72,59 @@ def coordinator(tmp_path):
 
 
 def _metadata() -> pb.ShardedTensorMetadata:
-    return metadata_to_proto(ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
-        (4, 4), TensorProperties(dtype=torch.float32)))
+    return metadata_to_proto(
+        ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+            (4, 4), TensorProperties(dtype=torch.float32)
+        )
+    )
 
 
 def _ready(coord: Coordinator, name: str) -> pb.TensorInfo:
-    info = pb.TensorInfo(name=name, version=coord.catalog.next_version(), metadata=_metadata(),
-                         state=pb.PENDING, nbytes=64, created_unix=time.time())
+    info = pb.TensorInfo(
+        name=name,
+        version=coord.catalog.next_version(),
+        metadata=_metadata(),
+        state=pb.PENDING,
+        nbytes=64,
+        created_unix=time.time(),
+    )
     coord.catalog.add(info)
     return coord.catalog.commit(name, info.version)[0]
 
 
 def _rank(coord: Coordinator, stub: RankStub) -> None:
-    coord.registry._ranks[0] = RankEntry(pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"), time.monotonic(),
-                                grpc.insecure_channel("127.0.0.1:1"), stub)  # type: ignore[arg-type]
+    coord.registry._ranks[0] = RankEntry(
+        pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"),
+        time.monotonic(),
+        grpc.insecure_channel("127.0.0.1:1"),
+        stub,
+    )  # type: ignore[arg-type]
 
 
 def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinator):
-    put_meanwhile, lost, kept = _ready(coordinator, "new"), _ready(coordinator, "lost"), _ready(coordinator, "kept")
+    put_meanwhile, lost, kept = (
+        _ready(coordinator, "new"),
+        _ready(coordinator, "lost"),
+        _ready(coordinator, "kept"),
+    )
     stray = ("stray", 999)
-    stub = RankStub({("new", put_meanwhile.version), ("kept", kept.version), stray})  # asked again: the rank now
+    stub = RankStub(
+        {("new", put_meanwhile.version), ("kept", kept.version), stray}
+    )  # asked again: the rank now
     _rank(coordinator, stub)
-    snapshot = {("kept", kept.version), stray}  # what it said when it registered, before "new" was put
+    snapshot = {
+        ("kept", kept.version),
+        stray,
+    }  # what it said when it registered, before "new" was put
     coordinator._reconcile(0, snapshot)
     names = {info.name for info in coordinator.catalog.list()}
     assert names == {"new", "kept", "lost"}  # a tensor is never forgotten because a rank lost it
     lost_shards = {info.name: list(info.lost_shards) for info in coordinator.catalog.list()}
-    assert lost_shards == {"new": [], "kept": [], "lost": [0]}  # only the one the rank still does not hold
+    assert lost_shards == {
+        "new": [],
+        "kept": [],
+        "lost": [0],
+    }  # only the one the rank still does not hold
     assert coordinator.get("lost").health == "lost" and coordinator.get("kept").health == "healthy"
     assert ("drop", "stray", 999) in stub.calls and ("drop", "lost", lost.version) not in stub.calls
     assert ("promote", "kept", kept.version) in stub.calls
@@ -119,7 +147,7 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):
     """The ranks write into a staging directory inside the path; a job that fails half way (one rank's file
     written) is removed whole, and the old checkpoint's files are untouched."""
-    from server.coordinator.collectives import CollectiveJobError
+    from shardserve.server.coordinator.collectives import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
     coordinator.registry._ranks[0].info.world_size = 1
@@ -132,7 +160,9 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
     def failing_job(job, ranks, what):  # type: ignore[no-untyped-def]
         staging = job.checkpoint_save.path
-        assert os.path.dirname(staging) == str(path) and os.path.basename(staging).startswith(".saving-")
+        assert os.path.dirname(staging) == str(path) and os.path.basename(staging).startswith(
+            ".saving-"
+        )
         with open(os.path.join(staging, "__0_0.distcp"), "wb") as f:
             f.write(b"half of the new data")
         yield 1, 2
@@ -145,18 +175,30 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
 
 def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
-    from server.coordinator.checkpoint import publish_checkpoint
+    from shardserve.server.coordinator.checkpoint import publish_checkpoint
 
     path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
     staging.mkdir(parents=True)
-    for name, data in {".metadata": b"old", "__0_0.distcp": b"old 0", "__2_0.distcp": b"old 2",
-                       "notes.txt": b"mine"}.items():
+    for name, data in {
+        ".metadata": b"old",
+        "__0_0.distcp": b"old 0",
+        "__2_0.distcp": b"old 2",
+        "notes.txt": b"mine",
+    }.items():
         (path / name).write_bytes(data)
-    for name, data in {".metadata": b"new", "__0_0.distcp": b"new 0", "__1_0.distcp": b"new 1"}.items():
+    for name, data in {
+        ".metadata": b"new",
+        "__0_0.distcp": b"new 0",
+        "__1_0.distcp": b"new 1",
+    }.items():
         (staging / name).write_bytes(data)
     publish_checkpoint(str(staging), str(path))
     assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == {
-        ".metadata": b"new", "__0_0.distcp": b"new 0", "__1_0.distcp": b"new 1", "notes.txt": b"mine"}
+        ".metadata": b"new",
+        "__0_0.distcp": b"new 0",
+        "__1_0.distcp": b"new 1",
+        "notes.txt": b"mine",
+    }
     assert list(staging.iterdir()) == []
 
 
@@ -165,8 +207,8 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     NAME_LOCK_WAIT_S instead of holding a gRPC worker without bound, and goes through once the lock is free."""
     import threading
 
-    import server.coordinator.locks as coordinator_module
-    from server.common.errors import Aborted
+    import shardserve.server.coordinator.locks as coordinator_module
+    from shardserve.server.common.errors import Aborted
 
     _rank(coordinator, RankStub(set()))
     _ready(coordinator, "busy")
@@ -194,8 +236,8 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
 def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs: bool = True):  # type: ignore[no-untyped-def]
     """A client Session whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
     (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False)."""
-    from client.errors import DeadlineExceededError
-    from client.session import Session
+    from shardserve.client.errors import DeadlineExceededError
+    from shardserve.client.session import Session
 
     def call(method, request):  # type: ignore[no-untyped-def]
         if method == "CreateTensor":
@@ -215,13 +257,15 @@ def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs
 def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator):
     """The client cannot know the version a lost CreateTensor made; its put token finds and aborts it, so no
     pending version holds the ranks' memory (and blocks puts of the name) until the pending timeout."""
-    from client.errors import DeadlineExceededError
+    from shardserve.client.errors import DeadlineExceededError
 
     stub = RankStub(set())
     _rank(coordinator, stub)
     cluster = _client_of(coordinator, lose_create_answer=True)
     with pytest.raises(DeadlineExceededError):
-        cluster.create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE))
+        cluster.create_tensor(
+            pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
+        )
     assert coordinator.catalog.versions("t") == []
     (allocated,) = [call for call in stub.calls if call[0] == "allocate"]
     assert ("drop", "t", allocated[2]) in stub.calls
@@ -230,8 +274,8 @@ def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator)
 def test_an_abort_that_overtakes_its_create_wins(coordinator):
     """When the deadline passes before the coordinator ran CreateTensor, the abort comes first: the late
     CreateTensor with that token is refused, and allocates nothing."""
-    from client.errors import DeadlineExceededError
-    from server.common.errors import Aborted
+    from shardserve.client.errors import DeadlineExceededError
+    from shardserve.server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)
@@ -242,30 +286,40 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     with pytest.raises(Aborted, match="put_token"):
         coordinator.create(request)  # the call, arriving late
     assert coordinator.catalog.versions("t") == [] and stub.calls == []
-    fresh = _client_of(coordinator).create_tensor(pb.CreateTensorRequest(name="t", metadata=_metadata()))
+    fresh = _client_of(coordinator).create_tensor(
+        pb.CreateTensorRequest(name="t", metadata=_metadata())
+    )
     assert fresh.state == pb.PENDING and fresh.put_token and fresh.put_token != request.put_token
 
 
 def test_put_tokens_are_checked(coordinator):
-    from server.common.errors import InvalidArgument
+    from shardserve.server.common.errors import InvalidArgument
 
     _rank(coordinator, RankStub(set()))
     assert coordinator.abort_put("t", "no-such-put") == 0
-    for token, message in (("", "put_token is empty"), ("x" * 129, "129 characters"), ("caf\u00e9", "ASCII")):
+    for token, message in (
+        ("", "put_token is empty"),
+        ("x" * 129, "129 characters"),
+        ("caf\u00e9", "ASCII"),
+    ):
         with pytest.raises(InvalidArgument, match=message):
             coordinator.abort_put("t", token)
     with pytest.raises(InvalidArgument, match="put_token"):
         coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="\n"))
-    made = coordinator.create(pb.CreateTensorRequest(name="r", metadata=_metadata(), put_token="tok"))
+    made = coordinator.create(
+        pb.CreateTensorRequest(name="r", metadata=_metadata(), put_token="tok")
+    )
     ready = coordinator.commit("r", made.version)
-    assert ready.put_token == "tok" and coordinator.abort_put("r", "tok") == 0  # a READY version is never aborted
+    assert (
+        ready.put_token == "tok" and coordinator.abort_put("r", "tok") == 0
+    )  # a READY version is never aborted
     assert coordinator.catalog.get("r", ready.version).state == pb.READY
 
 
 def test_name_locks_are_forgotten_once_unused(coordinator):
     """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
     names included) would grow the coordinator without bound."""
-    from server.common.errors import NotFound
+    from shardserve.server.common.errors import NotFound
 
     _rank(coordinator, RankStub(set()))
     for i in range(50):
@@ -281,33 +335,54 @@ def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordina
     """A reshard or checkpoint load commits a newer version while a put's version is pending: committing the
     put would answer success yet never be served (readers take the newest READY version), so it is ABORTED
     and its shards dropped."""
-    from server.common.errors import Aborted
+    from shardserve.server.common.errors import Aborted
 
     stub = RankStub(set())
     _rank(coordinator, stub)
     put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata()))
     newer = _ready(coordinator, "t")  # the reshard's version, committed meanwhile
-    with pytest.raises(Aborted, match=f"version {put.version} was overtaken while pending: version {newer.version}"):
+    with pytest.raises(
+        Aborted, match=f"version {put.version} was overtaken while pending: version {newer.version}"
+    ):
         coordinator.commit("t", put.version)
-    assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [(newer.version, pb.READY)]
-    assert ("drop", "t", put.version) in stub.calls and ("promote", "t", put.version) not in stub.calls
+    assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [
+        (newer.version, pb.READY)
+    ]
+    assert ("drop", "t", put.version) in stub.calls and (
+        "promote",
+        "t",
+        put.version,
+    ) not in stub.calls
 
 
 @pytest.mark.parametrize("replaced_by", ["put", "delete"])
-def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpromoted(coordinator, replaced_by):
+def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpromoted(
+    coordinator, replaced_by
+):
     """A reshard committed version b over a, and b's promotion is unfinished (a rank failed PromoteVersion):
     only the promotion would drop a. When b leaves the catalog first (a put commits over it, or a delete), a is
     dropped too instead of staying served on the ranks with no catalog row."""
     stub = RankStub(set())
     _rank(coordinator, stub)
     a = _ready(coordinator, "t")
-    b = pb.TensorInfo(name="t", version=coordinator.catalog.next_version(), metadata=_metadata(), state=pb.PENDING,
-                      nbytes=64, created_unix=time.time(), promoting=True)
+    b = pb.TensorInfo(
+        name="t",
+        version=coordinator.catalog.next_version(),
+        metadata=_metadata(),
+        state=pb.PENDING,
+        nbytes=64,
+        created_unix=time.time(),
+        promoting=True,
+    )
     coordinator.catalog.add(b)
-    coordinator.catalog.commit("t", b.version)  # the reshard's catalog commit; its promotion then failed
+    coordinator.catalog.commit(
+        "t", b.version
+    )  # the reshard's catalog commit; its promotion then failed
     coordinator.reshards._old_versions["t"] = a
     if replaced_by == "put":
-        put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), overwrite=True))
+        put = coordinator.create(
+            pb.CreateTensorRequest(name="t", metadata=_metadata(), overwrite=True)
+        )
         coordinator.commit("t", put.version)
     else:
         coordinator.delete("t")

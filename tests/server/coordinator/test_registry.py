@@ -1,23 +1,29 @@
 """RankRegistry re-admission in-process: a restarted rank (new pid, new address) is refused while its old
 incarnation still looks alive, admitted once that one is known dead (exited or out of heartbeats), and counted
 as a restart; the same process registering again is not."""
+
 from __future__ import annotations
 
 import time
 
 import pytest
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import InvalidArgument, Unavailable
-from server.coordinator.registry import RankRegistry
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, Unavailable
+from shardserve.server.coordinator.registry import RankRegistry
 
 DEAD_AFTER = 0.3
 WAIT_S = 10.0
 
 
 def incarnation(pid: int, port: int, rank: int = 0) -> pb.RankInfo:
-    return pb.RankInfo(rank=rank, address=f"127.0.0.1:{port}", device="cpu", hostname="node-a", world_size=2,
-                       pid=pid)
+    return pb.RankInfo(
+        rank=rank,
+        address=f"127.0.0.1:{port}",
+        device="cpu",
+        hostname="node-a",
+        world_size=2,
+        pid=pid,
+    )
 
 
 def restarts_of(registry: RankRegistry, rank: int = 0) -> int:
@@ -49,7 +55,9 @@ def test_an_exited_rank_is_replaced_at_once_and_each_new_process_counts(registry
     registry.mark_exited(0, "process 100 was killed by SIGKILL")
     registry.register(incarnation(pid=200, port=7002), [])
     assert restarts_of(registry) == 1
-    registry.register(incarnation(pid=200, port=7002), [])  # the same process again (e.g. after NOT_FOUND)
+    registry.register(
+        incarnation(pid=200, port=7002), []
+    )  # the same process again (e.g. after NOT_FOUND)
     assert restarts_of(registry) == 1
     registry.mark_exited(0, "process 200 exited with code 1")
     registry.register(incarnation(pid=300, port=7003), [])
@@ -57,17 +65,43 @@ def test_an_exited_rank_is_replaced_at_once_and_each_new_process_counts(registry
 
 
 def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(registry):
-    registry.report_restore(pb.RestoreProgress(rank=1, pid=300, hostname="node-b", done_bytes=10, total_bytes=40,
-                                               done_tensors=1, total_tensors=4))
+    registry.report_restore(
+        pb.RestoreProgress(
+            rank=1,
+            pid=300,
+            hostname="node-b",
+            done_bytes=10,
+            total_bytes=40,
+            done_tensors=1,
+            total_tensors=4,
+        )
+    )
     listed = {r.rank: r for r in registry.ranks()}
     assert registry.restoring(1) and not registry.rank_alive(1) and not listed[1].alive
-    assert (listed[1].pid, listed[1].restore.done_bytes, listed[1].restore.total_tensors) == (300, 10, 4)
-    registry.report_restore(pb.RestoreProgress(rank=1, pid=300, done_bytes=40, total_bytes=40, done_tensors=4,
-                                               total_tensors=4, loaded=True))
+    assert (listed[1].pid, listed[1].restore.done_bytes, listed[1].restore.total_tensors) == (
+        300,
+        10,
+        4,
+    )
+    registry.report_restore(
+        pb.RestoreProgress(
+            rank=1,
+            pid=300,
+            done_bytes=40,
+            total_bytes=40,
+            done_tensors=4,
+            total_tensors=4,
+            loaded=True,
+        )
+    )
     registry.register(incarnation(pid=300, port=7003, rank=1), [])
-    assert next(r for r in registry.ranks() if r.rank == 1).restore.loaded  # until its versions are re-promoted
+    assert next(
+        r for r in registry.ranks() if r.rank == 1
+    ).restore.loaded  # until its versions are re-promoted
     registry.restore_done(1)
-    assert not registry.restoring(1) and not next(r for r in registry.ranks() if r.rank == 1).HasField("restore")
+    assert not registry.restoring(1) and not next(
+        r for r in registry.ranks() if r.rank == 1
+    ).HasField("restore")
     registry.report_restore(pb.RestoreProgress(rank=2, pid=400, total_bytes=8, total_tensors=1))
     registry.mark_exited(2, "killed while restoring")  # its restore ended with its process
     assert not registry.restoring(2) and 2 not in {r.rank for r in registry.ranks()}

@@ -1,4 +1,5 @@
 """server.coordinator.rendezvous: the store the coordinator hosts and its epoch counter."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,8 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
-from server.coordinator.rendezvous import Epochs, RendezvousStore
+from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
 
 
 def test_an_epoch_ends_once_however_many_jobs_of_it_fail():
@@ -29,8 +29,13 @@ def test_epochs_come_from_the_growing_counter():
 def test_the_store_listens_and_clients_share_its_keys():
     rendezvous = RendezvousStore(0)
     assert rendezvous.port > 0
-    client = dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=10),
-                           wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1",
+        rendezvous.port,
+        is_master=False,
+        timeout=timedelta(seconds=10),
+        wait_for_workers=False,
+    )
     client.set("k", "v")
     assert rendezvous.store.get("k") == b"v"
 
@@ -54,8 +59,13 @@ def non_loopback_ipv4() -> str | None:
 def test_the_store_listens_on_its_host_only():
     """TCPStore alone listens on every interface whatever host it is given; ours only on the coordinator's."""
     rendezvous = RendezvousStore(0, "127.0.0.1")
-    client = dist.TCPStore("127.0.0.1", rendezvous.port, is_master=False, timeout=timedelta(seconds=10),
-                           wait_for_workers=False)
+    client = dist.TCPStore(
+        "127.0.0.1",
+        rendezvous.port,
+        is_master=False,
+        timeout=timedelta(seconds=10),
+        wait_for_workers=False,
+    )
     client.set("k", "v")
     assert rendezvous.store.get("k") == b"v"
     outside = non_loopback_ipv4()

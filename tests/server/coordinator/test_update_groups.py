@@ -1,16 +1,16 @@
 """UpdateGroups in-process: updates of one table join the collecting version, write in join order, and are
 committed once by the last member; failures answer ABORTED to every member. Threads stand for gRPC workers."""
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent import futures
-from typing import Callable
 
 import pytest
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted
-from server.coordinator.update_groups import UpdateGroups
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import Aborted
+from shardserve.server.coordinator.update_groups import UpdateGroups
 
 WAIT_S = 30.0  # bound on every wait of a test thread
 
@@ -40,14 +40,22 @@ def _pending(pool: futures.ThreadPoolExecutor, call: Callable[[], object]) -> fu
 
 def test_updates_join_the_collecting_version_and_commit_once_in_join_order() -> None:
     groups, commits = UpdateGroups(), _Commits(7)
-    assert groups.enter("t", "a", _never_abort) is None  # member 0 claims the table and makes the version
+    assert (
+        groups.enter("t", "a", _never_abort) is None
+    )  # member 0 claims the table and makes the version
     groups.bind("t", 7)
     with futures.ThreadPoolExecutor(4) as pool:
-        second = _pending(pool, lambda: groups.enter("t", "b", _never_abort))  # waits for member 0's writes
+        second = _pending(
+            pool, lambda: groups.enter("t", "b", _never_abort)
+        )  # waits for member 0's writes
         first_commit = pool.submit(groups.finish, "t", 7, commits, _never_abort)
         assert second.result(timeout=WAIT_S) == (7, 1)
-        third = _pending(pool, lambda: groups.enter("t", "c", _never_abort))  # joins while member 1 writes
-        assert not first_commit.done() and commits.calls == 0  # committed only once everyone has written
+        third = _pending(
+            pool, lambda: groups.enter("t", "c", _never_abort)
+        )  # joins while member 1 writes
+        assert (
+            not first_commit.done() and commits.calls == 0
+        )  # committed only once everyone has written
         second_commit = pool.submit(groups.finish, "t", 7, commits, _never_abort)
         assert third.result(timeout=WAIT_S) == (7, 2)
         assert groups.version_of_token("t", "c") == 7
@@ -115,7 +123,9 @@ def test_a_member_whose_client_is_gone_has_the_version_aborted_by_the_next_one()
     groups.bind("t", 9)
     done = threading.Event()
     with futures.ThreadPoolExecutor(1) as pool:
-        joiner = _pending(pool, lambda: groups.enter("t", "b", lambda n, v: (aborted.append((n, v)), done.set())))
+        joiner = _pending(
+            pool, lambda: groups.enter("t", "b", lambda n, v: (aborted.append((n, v)), done.set()))
+        )
         now[0] = 11.0  # member 0 never finished writing
         assert done.wait(WAIT_S)
         with pytest.raises(Aborted, match="did not finish writing"):

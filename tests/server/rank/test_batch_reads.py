@@ -7,6 +7,7 @@ batches refused with their status code and `regions[i]`; the rank answering
 again after each refusal. The bulk port answers the same batch as a
 KIND_READS frame, its refusals leaving the connection in step.
 """
+
 from __future__ import annotations
 
 import socket
@@ -15,24 +16,25 @@ import struct
 import grpc
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from protos.bulk_wire import HEADER, KIND_READS
-from server.rank.reads.batch import BATCH_READ_BYTES, MAX_BATCH_REGIONS, BatchReads
-from server.rank.reads.bulk import BulkReads
-from server.rank.store import ShardStore
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
-from shardcore.wire import tensor_bytes
 from server_helpers import Aborted, ServicerContext, recv_exactly
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import HEADER, KIND_READS
+from shardserve.server.rank.reads.batch import BATCH_READ_BYTES, MAX_BATCH_REGIONS, BatchReads
+from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.store import ShardStore
 
 SOURCES = {
     "a": torch.arange(24, dtype=torch.float32).reshape(6, 4),
     "b": torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16),
     "c": torch.tensor([True, False, True, True, False]),
     "d": torch.tensor([1 + 2j, -3j], dtype=torch.complex64),
-    "two": torch.arange(40, dtype=torch.int64).reshape(8, 5),       # two shards of 4 rows, both on this rank
-    "big": torch.arange(300_000, dtype=torch.float32),              # 1.2 MB: over one batch
+    "two": torch.arange(40, dtype=torch.int64).reshape(
+        8, 5
+    ),  # two shards of 4 rows, both on this rank
+    "big": torch.arange(300_000, dtype=torch.float32),  # 1.2 MB: over one batch
 }
 
 
@@ -41,11 +43,14 @@ def store() -> ShardStore:
     store = ShardStore(0, max_request_bytes=1 << 20, version_grace=0.0)
     for name, source in SOURCES.items():
         placements = ["rank:0/cpu"] * (2 if name == "two" else 1)
-        meta = ChunkShardingSpec(0, placements).build_metadata(tuple(source.shape),
-                                                               TensorProperties(dtype=source.dtype))
+        meta = ChunkShardingSpec(0, placements).build_metadata(
+            tuple(source.shape), TensorProperties(dtype=source.dtype)
+        )
         store.allocate(name, 1, meta)
         for index, shard in enumerate(meta.shards_metadata):
-            part = source[tuple(slice(o, o + s) for o, s in zip(shard.shard_offsets, shard.shard_sizes))]
+            part = source[
+                tuple(slice(o, o + s) for o, s in zip(shard.shard_offsets, shard.shard_sizes))
+            ]
             data = tensor_bytes(part.contiguous())
             with store.write(name, 1, index, source.dtype, len(data)) as writer:
                 writer.write(0, data)
@@ -53,9 +58,16 @@ def store() -> ShardStore:
     return store
 
 
-def region(name: str, offsets: tuple[int, ...], sizes: tuple[int, ...], shard_index: int = 0,
-           version: int = 1) -> pb.ReadRegionRequest:
-    return pb.ReadRegionRequest(name=name, version=version, shard_index=shard_index, offsets=offsets, sizes=sizes)
+def region(
+    name: str,
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    shard_index: int = 0,
+    version: int = 1,
+) -> pb.ReadRegionRequest:
+    return pb.ReadRegionRequest(
+        name=name, version=version, shard_index=shard_index, offsets=offsets, sizes=sizes
+    )
 
 
 def expected(request: pb.ReadRegionRequest) -> bytes:
@@ -69,9 +81,16 @@ def refused(store: ShardStore, regions: list[pb.ReadRegionRequest]) -> Aborted:
     return caught.value
 
 
-GOOD = [region("a", (1, 1), (3, 2)), region("b", (0,), (3,)), region("c", (1,), (3,)), region("d", (0,), (2,)),
-        region("a", (0, 0), (6, 4)), region("two", (5, 1), (2, 3), shard_index=1), region("a", (2, 2), (0, 2)),
-        region("two", (0, 0), (4, 5), version=0)]
+GOOD = [
+    region("a", (1, 1), (3, 2)),
+    region("b", (0,), (3,)),
+    region("c", (1,), (3,)),
+    region("d", (0,), (2,)),
+    region("a", (0, 0), (6, 4)),
+    region("two", (5, 1), (2, 3), shard_index=1),
+    region("a", (2, 2), (0, 2)),
+    region("two", (0, 0), (4, 5), version=0),
+]
 
 
 def test_every_region_comes_bit_for_bit_in_request_order(store):
@@ -81,17 +100,24 @@ def test_every_region_comes_bit_for_bit_in_request_order(store):
     assert list(reply.offsets) == [sum(len(p) for p in parts[:i]) for i in range(len(parts))]
 
 
-@pytest.mark.parametrize("bad, code, words", [
-    (region("", (0,), (1,)), grpc.StatusCode.INVALID_ARGUMENT, "name is empty"),
-    (region("a", (0,), (1,)), grpc.StatusCode.INVALID_ARGUMENT, "offsets has 1 dims"),
-    (region("a", (0, -1), (1, 1)), grpc.StatusCode.INVALID_ARGUMENT, "offsets[1]=-1"),
-    (region("a", (5, 0), (2, 4)), grpc.StatusCode.INVALID_ARGUMENT, "not inside the shard"),
-    (region("two", (4, 0), (1, 5)), grpc.StatusCode.INVALID_ARGUMENT, "not inside the shard"),
-    (region("two", (0, 0), (1, 5), shard_index=2), grpc.StatusCode.INVALID_ARGUMENT, "shard_index 2"),
-    (region("a", (0, 0), (1, 1), version=7), grpc.StatusCode.FAILED_PRECONDITION, "version 7"),
-    (region("nope", (0,), (1,)), grpc.StatusCode.NOT_FOUND, "'nope'"),
-    (region("big", (0,), (300_000,)), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_request_bytes"),
-])
+@pytest.mark.parametrize(
+    "bad, code, words",
+    [
+        (region("", (0,), (1,)), grpc.StatusCode.INVALID_ARGUMENT, "name is empty"),
+        (region("a", (0,), (1,)), grpc.StatusCode.INVALID_ARGUMENT, "offsets has 1 dims"),
+        (region("a", (0, -1), (1, 1)), grpc.StatusCode.INVALID_ARGUMENT, "offsets[1]=-1"),
+        (region("a", (5, 0), (2, 4)), grpc.StatusCode.INVALID_ARGUMENT, "not inside the shard"),
+        (region("two", (4, 0), (1, 5)), grpc.StatusCode.INVALID_ARGUMENT, "not inside the shard"),
+        (
+            region("two", (0, 0), (1, 5), shard_index=2),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shard_index 2",
+        ),
+        (region("a", (0, 0), (1, 1), version=7), grpc.StatusCode.FAILED_PRECONDITION, "version 7"),
+        (region("nope", (0,), (1,)), grpc.StatusCode.NOT_FOUND, "'nope'"),
+        (region("big", (0,), (300_000,)), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_request_bytes"),
+    ],
+)
 def test_a_bad_region_is_named_with_its_code_and_the_rank_serves_on(store, bad, code, words):
     caught = refused(store, [GOOD[0], bad, GOOD[1]])
     assert caught.code == code, caught
@@ -109,18 +135,28 @@ def test_a_dropped_version_is_refused_by_name(store):
 
 def test_an_answer_over_one_mebibyte_is_refused_at_the_region_that_passes_it(store):
     quarter = BATCH_READ_BYTES // 4 // 4  # elements of a quarter MiB of float32
-    regions = [region("big", (i * quarter,), (quarter,)) for i in range(4)] + [region("big", (0,), (1,))]
-    reply = BatchReads(store).ReadRegions(pb.ReadRegionsRequest(regions=regions[:4]), ServicerContext())
+    regions = [region("big", (i * quarter,), (quarter,)) for i in range(4)] + [
+        region("big", (0,), (1,))
+    ]
+    reply = BatchReads(store).ReadRegions(
+        pb.ReadRegionsRequest(regions=regions[:4]), ServicerContext()
+    )
     assert len(reply.data) == BATCH_READ_BYTES
     caught = refused(store, regions)
-    assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith("regions[4]: "), caught
+    assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith(
+        "regions[4]: "
+    ), caught
 
 
 def test_an_empty_or_too_long_batch_is_refused(store):
     caught = refused(store, [])
-    assert caught.code == grpc.StatusCode.INVALID_ARGUMENT and caught.details.startswith("regions:"), caught
+    assert caught.code == grpc.StatusCode.INVALID_ARGUMENT and caught.details.startswith(
+        "regions:"
+    ), caught
     caught = refused(store, [region("b", (0,), (1,))] * (MAX_BATCH_REGIONS + 1))
-    assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith("regions:"), caught
+    assert caught.code == grpc.StatusCode.RESOURCE_EXHAUSTED and caught.details.startswith(
+        "regions:"
+    ), caught
 
 
 # ---------------------------------------------------------------- the bulk port

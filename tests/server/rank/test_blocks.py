@@ -1,17 +1,17 @@
 """Copy-on-write blocks in the store: row updates share what they do not change, and free what nobody uses."""
+
 import errno
 import mmap
 import os
 
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import FailedPrecondition
-from server.rank.blocks import BLOCK_BYTES
-from server.rank.store import ShardStore
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.rank.blocks import BLOCK_BYTES
+from shardserve.server.rank.store import ShardStore
 
 COLUMNS = 64
 
@@ -22,7 +22,9 @@ def _meta(rows: int) -> ShardedTensorMetadata:
 
 def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.Tensor) -> None:
     """What CreateTensor(INIT_COPY) + WriteRows + commit do on one rank."""
-    store.allocate_copy("t", version, _meta(store.local_tensor("t", version - 1, 0).shape[0]), version - 1)
+    store.allocate_copy(
+        "t", version, _meta(store.local_tensor("t", version - 1, 0).shape[0]), version - 1
+    )
     with store.rewrite("t", version, 0, rows) as shard:
         shard.index_copy_(0, rows, values)
     store.promote("t", version)
@@ -40,18 +42,26 @@ def test_an_update_copies_only_the_blocks_it_touches_and_leaves_the_old_version_
     expected = before.clone()
     expected[ids] = values
     assert torch.equal(store.local_tensor("t", 2, 0), expected)
-    assert torch.equal(store.local_tensor("t", 1, 0), before)  # still served in its grace period, unchanged
-    assert store.memory_used == before.numel() * 4 + 2 * BLOCK_BYTES  # the table and its two copied blocks
+    assert torch.equal(
+        store.local_tensor("t", 1, 0), before
+    )  # still served in its grace period, unchanged
+    assert (
+        store.memory_used == before.numel() * 4 + 2 * BLOCK_BYTES
+    )  # the table and its two copied blocks
     store.version_grace = 0
     store.end_graces()
     store.drop("t", 1)
     assert store.held() == [("t", 2, store.held()[0][2])]
     # version 1's two replaced blocks stay with its segment, which is sealed against writes (no hole punched)
     assert store.memory_used == before.numel() * 4 + 2 * BLOCK_BYTES
-    _update(store, 3, torch.tensor([0]), torch.zeros(1, COLUMNS))  # half the segment unused: its blocks leave it
+    _update(
+        store, 3, torch.tensor([0]), torch.zeros(1, COLUMNS)
+    )  # half the segment unused: its blocks leave it
     expected[0] = 0
     assert torch.equal(store.local_tensor("t", 3, 0), expected)
-    assert store.memory_used == before.numel() * 4  # the segment went with version 2: four blocks of their own
+    assert (
+        store.memory_used == before.numel() * 4
+    )  # the segment went with version 2: four blocks of their own
 
 
 def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates():
@@ -70,9 +80,13 @@ def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates()
         # the segment the table was put in is freed whole once half of it is unused (its blocks are copied out
         # by the next update): at most half of it, plus the blocks of the update that passed half, is unused
         assert store.memory_used <= table_bytes + table_bytes // 2 + 3 * BLOCK_BYTES
-        assert store.blocks.resident_bytes() <= table_bytes + table_bytes // 2 + 3 * BLOCK_BYTES + 4096
+        assert (
+            store.blocks.resident_bytes() <= table_bytes + table_bytes // 2 + 3 * BLOCK_BYTES + 4096
+        )
     assert torch.equal(store.local_tensor("t", 101, 0), expected)
-    assert store.memory_used == store.blocks.resident_bytes() == table_bytes  # every block alone, none unused
+    assert (
+        store.memory_used == store.blocks.resident_bytes() == table_bytes
+    )  # every block alone, none unused
 
 
 def test_blocks_of_served_versions_are_sealed_against_other_writers():
@@ -93,7 +107,13 @@ def test_blocks_of_served_versions_are_sealed_against_other_writers():
                 os.pwrite(fd, b"\x07" * 16, extent.offset)
             assert write.value.errno == errno.EPERM
             with pytest.raises(OSError):
-                mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=extent.offset)
+                mmap.mmap(
+                    fd,
+                    mmap.PAGESIZE,
+                    mmap.MAP_SHARED,
+                    mmap.PROT_READ | mmap.PROT_WRITE,
+                    offset=extent.offset,
+                )
         finally:
             os.close(fd)
     assert store.local_tensor("t", 2, 0)[0].eq(1).all()
@@ -114,7 +134,10 @@ def test_without_shared_memory_an_update_copies_the_shard():
     store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
     store.promote("t", 1)
     _update(store, 2, torch.tensor([1]), torch.zeros(1, COLUMNS))
-    assert store.local_tensor("t", 2, 0)[1].sum() == 0 and store.local_tensor("t", 2, 0).sum() == 7 * COLUMNS
+    assert (
+        store.local_tensor("t", 2, 0)[1].sum() == 0
+        and store.local_tensor("t", 2, 0).sum() == 7 * COLUMNS
+    )
 
 
 def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
@@ -130,10 +153,16 @@ def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
     _update(store, 2, ids, values)
     expected[ids] = values
     inodes = [e.inode for e in store.blocks.extents(store.local_tensor("t", 2, 0))]
-    assert len(inodes) == 3 and inodes[0] == inodes[2] != inodes[1]  # first and last block, then the segment
+    assert (
+        len(inodes) == 3 and inodes[0] == inodes[2] != inodes[1]
+    )  # first and last block, then the segment
     assert store.blocks.open_files == 1
     assert torch.equal(store.local_tensor("t", 2, 0), expected)
     store.blocks.max_files = 1 << 20
-    _update(store, 3, torch.tensor([0, rows - 1]), values)  # both blocks copied again: the shared file goes
-    assert store.blocks.open_files == 4  # those two, and the two the half-unused segment was left by
+    _update(
+        store, 3, torch.tensor([0, rows - 1]), values
+    )  # both blocks copied again: the shared file goes
+    assert (
+        store.blocks.open_files == 4
+    )  # those two, and the two the half-unused segment was left by
     assert torch.equal(store.local_tensor("t", 3, 0), expected)

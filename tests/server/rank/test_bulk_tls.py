@@ -6,6 +6,7 @@ self-signed certificate as server certificate, client certificate and CA
 every connection without the right certificate refused before any byte of
 data. The whole path through connect() is in tests/client/test_client_tls.py.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -13,37 +14,59 @@ import socket
 import ssl
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
+import shardserve.server.rank.reads.bulk as bulk_reads
 import torch
-
-import server.rank.reads.bulk as bulk_reads
-from client.channel import Credentials
-from protos import shardserve_pb2 as pb
-from protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ
-from protos.chunk_codec import decode_lookup_reply
-from server.common.auth import TlsFiles, server_ssl_context
-from server.rank.reads.bulk import BulkReads
-from server.rank.store import ShardStore
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve.client.channel import Credentials
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ
+from shardserve.protos.chunk_codec import decode_lookup_reply
+from shardserve.server.common.auth import TlsFiles, server_ssl_context
+from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.store import ShardStore
 
 TIMEOUT_S = 10.0
 ROWS, COLS = 3000, 512  # 6 MiB of float32: hundreds of TLS records
-SOURCE = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)  # what INIT_ARANGE fills
+SOURCE = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(
+    ROWS, COLS
+)  # what INIT_ARANGE fills
 
 
 def self_signed(directory: Path) -> TlsFiles:
     """A self-signed certificate for 127.0.0.1 in `directory` (its own CA)."""
     directory.mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-keyout", str(directory / "key.pem"), "-out", str(directory / "cert.pem"),
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True, timeout=60)
-    return TlsFiles(str(directory / "cert.pem"), str(directory / "key.pem"), str(directory / "cert.pem"))
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(directory / "key.pem"),
+            "-out",
+            str(directory / "cert.pem"),
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return TlsFiles(
+        str(directory / "cert.pem"), str(directory / "key.pem"), str(directory / "cert.pem")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +80,9 @@ def rogue(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 @pytest.fixture
 def port(tls_files: TlsFiles):
     store = ShardStore(0)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((ROWS, COLS), TensorProperties(dtype=torch.float32))
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (ROWS, COLS), TensorProperties(dtype=torch.float32)
+    )
     store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
     store.promote("t", 1)
     reads = BulkReads(store, "127.0.0.1", tls=server_ssl_context(tls_files))
@@ -67,8 +92,9 @@ def port(tls_files: TlsFiles):
 
 def client_context(ca: str | None, cert: TlsFiles | None) -> ssl.SSLContext:
     """The client's own bulk-port TLS context (client.channel.Credentials.ssl_context)."""
-    return Credentials(tls_ca=ca, tls_cert=cert.cert if cert else None,
-                       tls_key=cert.key if cert else None).ssl_context()
+    return Credentials(
+        tls_ca=ca, tls_cert=cert.cert if cert else None, tls_key=cert.key if cert else None
+    ).ssl_context()
 
 
 def open_tls(reads: BulkReads, context: ssl.SSLContext) -> ssl.SSLSocket:
@@ -94,7 +120,9 @@ def ask(sock: socket.socket, message: bytes, kind: int = KIND_READ) -> tuple[int
 
 
 def read_request(offsets=(0, 0), sizes=(ROWS, COLS)) -> bytes:
-    return pb.ReadRegionRequest(name="t", version=1, shard_index=0, offsets=offsets, sizes=sizes).SerializeToString()
+    return pb.ReadRegionRequest(
+        name="t", version=1, shard_index=0, offsets=offsets, sizes=sizes
+    ).SerializeToString()
 
 
 def refused(connect: Callable[[], socket.socket]) -> bool:
@@ -113,22 +141,31 @@ def test_boxes_and_lookups_bit_for_bit_over_mutual_tls(port, tls_files):
     with open_tls(port, client_context(tls_files.ca, tls_files)) as sock:
         assert sock.version() in ("TLSv1.2", "TLSv1.3")
         status, data = ask(sock, read_request())
-        assert status == 0 and torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(ROWS, COLS),
-                                           SOURCE)
+        assert status == 0 and torch.equal(
+            torch.frombuffer(bytearray(data), dtype=torch.float32).view(ROWS, COLS), SOURCE
+        )
         status, data = ask(sock, read_request((7, 100), (5, 3)))
-        assert status == 0 and torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).view(5, 3),
-                                           SOURCE[7:12, 100:103])
+        assert status == 0 and torch.equal(
+            torch.frombuffer(bytearray(data), dtype=torch.float32).view(5, 3), SOURCE[7:12, 100:103]
+        )
         ids = torch.tensor([2999, 0, 17, 17], dtype=torch.int64)
-        lookup = pb.LookupRequest(items=[pb.LookupItem(name="t", version=1, shard_index=0,
-                                                       ids=ids.numpy().tobytes())])
+        lookup = pb.LookupRequest(
+            items=[pb.LookupItem(name="t", version=1, shard_index=0, ids=ids.numpy().tobytes())]
+        )
         status, reply = ask(sock, lookup.SerializeToString(), KIND_LOOKUP)
         assert status == 0
         (chunk,) = decode_lookup_reply(reply)
         rows = torch.frombuffer(bytearray(chunk.data), dtype=torch.float32).view(-1, COLS)
         assert torch.equal(rows, SOURCE[ids])
-        status, message = ask(sock, pb.ReadRegionRequest(name="missing", version=1, shard_index=0, offsets=(0, 0),
-                                                         sizes=(1, 1)).SerializeToString())
-        assert grpc.StatusCode.NOT_FOUND.value[0] == status and b"missing" in message  # the connection goes on
+        status, message = ask(
+            sock,
+            pb.ReadRegionRequest(
+                name="missing", version=1, shard_index=0, offsets=(0, 0), sizes=(1, 1)
+            ).SerializeToString(),
+        )
+        assert (
+            grpc.StatusCode.NOT_FOUND.value[0] == status and b"missing" in message
+        )  # the connection goes on
         assert ask(sock, read_request((0, 0), (1, 1)))[0] == 0
 
 
@@ -165,7 +202,9 @@ def test_the_client_refuses_a_rank_its_ca_did_not_sign(port, rogue):
 
 def test_a_peer_that_never_finishes_its_handshake_frees_its_slot(port, tls_files, monkeypatch):
     monkeypatch.setattr(bulk_reads, "TICKET_WAIT_S", 0.5)
-    silent = socket.create_connection(("127.0.0.1", port.port), timeout=TIMEOUT_S)  # connects, sends nothing
+    silent = socket.create_connection(
+        ("127.0.0.1", port.port), timeout=TIMEOUT_S
+    )  # connects, sends nothing
     try:
         ended = threading.Event()
 
@@ -179,7 +218,9 @@ def test_a_peer_that_never_finishes_its_handshake_frees_its_slot(port, tls_files
         waiter = threading.Thread(target=wait_closed, daemon=True)
         waiter.start()
         assert ended.wait(TIMEOUT_S), "the rank kept a connection that never started its handshake"
-        with open_tls(port, client_context(tls_files.ca, tls_files)) as sock:  # others are served meanwhile
+        with open_tls(
+            port, client_context(tls_files.ca, tls_files)
+        ) as sock:  # others are served meanwhile
             assert ask(sock, read_request((0, 0), (2, 2)))[0] == 0
     finally:
         silent.close()

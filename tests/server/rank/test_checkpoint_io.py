@@ -1,4 +1,5 @@
 """server.rank.jobs.checkpoint_io in real gloo worlds (2 and 3 ranks on 127.0.0.1): DCP round trips bit for bit."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,14 +8,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-
-from server.common.dcp_metadata import checkpoint_tensors
-from server.rank.jobs.checkpoint_io import CheckpointError, load_shards, load_tensors, save_shards, save_tensors
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
-from shardcore.specs import ChunkShardingSpec
-
 from gloo_world import World
 from reference import shards_of
+from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.common.dcp_metadata import checkpoint_tensors
+from shardserve.server.rank.jobs.checkpoint_io import (
+    CheckpointError,
+    load_shards,
+    load_tensors,
+    save_shards,
+    save_tensors,
+)
 
 SIZE = (51, 12)
 
@@ -28,24 +33,40 @@ def layout(size, boxes, dtype=torch.float32) -> ShardedTensorMetadata:
     """Metadata from (row0, rows, col0, cols, rank) tuples (1-D tensors: (start, length, rank))."""
     if len(size) == 1:
         return make_metadata(size, [((r0,), (n,), rank) for r0, n, rank in boxes], dtype)
-    return make_metadata(size, [((r0, c0), (nr, nc), rank) for r0, nr, c0, nc, rank in boxes], dtype)
+    return make_metadata(
+        size, [((r0, c0), (nr, nc), rank) for r0, nr, c0, nc, rank in boxes], dtype
+    )
 
 
 UNEVEN_ROWS = layout(SIZE, [(0, 7, 0, 12, 0), (7, 30, 0, 12, 1), (37, 14, 0, 12, 2)])
 COLUMNS = layout(SIZE, [(0, 51, 0, 5, 0), (0, 51, 5, 1, 1), (0, 51, 6, 6, 2)])
-GRID = layout(SIZE, [(r0, nr, c0, nc, (i * 3 + j) % 3)
-                     for i, (r0, nr) in enumerate([(0, 20), (20, 31)])
-                     for j, (c0, nc) in enumerate([(0, 4), (4, 5), (9, 3)])])
-REPLICATED = layout(SIZE, [(0, 26, 0, 12, 0), (0, 26, 0, 12, 2), (26, 25, 0, 6, 1), (26, 25, 6, 6, 2),
-                           (26, 25, 6, 6, 0)])
-THREE_RANK_LAYOUTS = {"uneven_rows": UNEVEN_ROWS, "columns": COLUMNS, "grid": GRID, "replicated": REPLICATED}
+GRID = layout(
+    SIZE,
+    [
+        (r0, nr, c0, nc, (i * 3 + j) % 3)
+        for i, (r0, nr) in enumerate([(0, 20), (20, 31)])
+        for j, (c0, nc) in enumerate([(0, 4), (4, 5), (9, 3)])
+    ],
+)
+REPLICATED = layout(
+    SIZE,
+    [(0, 26, 0, 12, 0), (0, 26, 0, 12, 2), (26, 25, 0, 6, 1), (26, 25, 6, 6, 2), (26, 25, 6, 6, 0)],
+)
+THREE_RANK_LAYOUTS = {
+    "uneven_rows": UNEVEN_ROWS,
+    "columns": COLUMNS,
+    "grid": GRID,
+    "replicated": REPLICATED,
+}
 
 
 def as_dtype(meta: ShardedTensorMetadata, dtype: torch.dtype) -> ShardedTensorMetadata:
     return dataclasses.replace(meta, tensor_properties=TensorProperties(dtype=dtype))
 
 
-def expected_shards(full: torch.Tensor, meta: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
+def expected_shards(
+    full: torch.Tensor, meta: ShardedTensorMetadata, rank: int
+) -> dict[int, torch.Tensor]:
     views = shards_of(full, meta)
     return {i: views[i] for i in meta.shards_on(rank)}
 
@@ -53,9 +74,9 @@ def expected_shards(full: torch.Tensor, meta: ShardedTensorMetadata, rank: int) 
 def assert_same_shards(got: dict[int, torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
     assert sorted(got) == sorted(expected)
     for index, tensor in expected.items():
-        assert got[index].dtype == tensor.dtype and torch.equal(got[index], tensor), f"shard {index} differs"
-
-
+        assert got[index].dtype == tensor.dtype and torch.equal(got[index], tensor), (
+            f"shard {index} differs"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +95,19 @@ def world2():
 
 # --- what the ranks run ----------------------------------------------------------------------------
 
-def _load(rank: int, path: str, layouts: dict[str, ShardedTensorMetadata]) -> dict[str, dict[int, torch.Tensor]]:
+
+def _load(
+    rank: int, path: str, layouts: dict[str, ShardedTensorMetadata]
+) -> dict[str, dict[int, torch.Tensor]]:
     return load_tensors(path, layouts, rank, dist.group.WORLD)
 
 
-def _save(rank: int, path: str, tables: dict[str, tuple[ShardedTensorMetadata, int, torch.dtype]],
-          spoil_rank: int | None = None) -> None:
+def _save(
+    rank: int,
+    path: str,
+    tables: dict[str, tuple[ShardedTensorMetadata, int, torch.dtype]],
+    spoil_rank: int | None = None,
+) -> None:
     """Every rank saves its own shards (cut from a table it builds from the seed); spoil_rank sends a bad one."""
     request = {}
     for key, (meta, seed, dtype) in tables.items():
@@ -92,7 +120,9 @@ def _save(rank: int, path: str, tables: dict[str, tuple[ShardedTensorMetadata, i
     save_tensors(path, request, None)
 
 
-def _load_expecting_error(rank: int, path: str, key: str, meta: ShardedTensorMetadata) -> tuple[str, str]:
+def _load_expecting_error(
+    rank: int, path: str, key: str, meta: ShardedTensorMetadata
+) -> tuple[str, str]:
     try:
         load_shards(path, key, meta, rank)
     except CheckpointError as exc:
@@ -100,7 +130,9 @@ def _load_expecting_error(rank: int, path: str, key: str, meta: ShardedTensorMet
     return "no error", ""
 
 
-def _load_seeing_path(rank: int, paths: dict[int, str], key: str, meta: ShardedTensorMetadata) -> tuple[str, str]:
+def _load_seeing_path(
+    rank: int, paths: dict[int, str], key: str, meta: ShardedTensorMetadata
+) -> tuple[str, str]:
     """Like _load_expecting_error, but each rank sees its own path (a filesystem that is not shared)."""
     return _load_expecting_error(rank, paths[rank], key, meta)
 
@@ -117,19 +149,28 @@ def _save_job_without_the_version_on(rank: int, path: str, missing_rank: int) ->
     """The rank side of a checkpoint_save job, where `missing_rank` does not hold the version to save."""
     import time
 
-    from protos import shardserve_pb2 as pb
-    from server.rank.jobs.checkpoint import run_checkpoint_save
-    from server.rank.jobs.context import JobContext
-    from server.rank.store import ShardStore
-    from shardcore.wire import metadata_to_proto
+    from shardserve.core.wire import metadata_to_proto
+    from shardserve.protos import shardserve_pb2 as pb
+    from shardserve.server.rank.jobs.checkpoint import run_checkpoint_save
+    from shardserve.server.rank.jobs.context import JobContext
+    from shardserve.server.rank.store import ShardStore
 
     store = ShardStore(rank, shared_memory=False)
     if rank != missing_rank:
         shards = expected_shards(make_table(3), UNEVEN_ROWS, rank)
         store.install("emb", 1, UNEVEN_ROWS, {i: t.clone() for i, t in shards.items()})
         store.promote("emb", 1)
-    job = pb.CollectiveJob(seq=1, ranks=[0, 1, 2], timeout_s=60, checkpoint_save=pb.CheckpointJob(
-        path=path, tensors=[pb.CheckpointTensor(name="emb", version=1, metadata=metadata_to_proto(UNEVEN_ROWS))]))
+    job = pb.CollectiveJob(
+        seq=1,
+        ranks=[0, 1, 2],
+        timeout_s=60,
+        checkpoint_save=pb.CheckpointJob(
+            path=path,
+            tensors=[
+                pb.CheckpointTensor(name="emb", version=1, metadata=metadata_to_proto(UNEVEN_ROWS))
+            ],
+        ),
+    )
     try:
         run_checkpoint_save(job, JobContext(store, rank, job, deadline=time.monotonic() + 60))
     except CheckpointError as exc:
@@ -139,22 +180,29 @@ def _save_job_without_the_version_on(rank: int, path: str, missing_rank: int) ->
 
 def _row_chunks_spec(dim: int):
     from torch.distributed._shard.sharding_spec import ChunkShardingSpec
-    return ChunkShardingSpec(dim=dim, placements=[f"rank:{r}/cpu" for r in range(dist.get_world_size())])
+
+    return ChunkShardingSpec(
+        dim=dim, placements=[f"rank:{r}/cpu" for r in range(dist.get_world_size())]
+    )
 
 
 def _save_sharded_tensor(rank: int, path: str, seed: int) -> None:
     """torch's own way: a ShardedTensor over the world, saved with dcp.save."""
     from torch.distributed._shard import sharded_tensor
+
     full = make_table(seed)
     st = sharded_tensor.empty(_row_chunks_spec(0), *SIZE)
     for shard in st.local_shards():
         (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-        shard.tensor.copy_(full[r0:r0 + nr, c0:c0 + nc])
+        shard.tensor.copy_(full[r0 : r0 + nr, c0 : c0 + nc])
     dcp.save({"emb": st}, storage_writer=dcp.FileSystemWriter(path))
 
 
-def _load_into_sharded_tensor(rank: int, path: str, key: str, dim: int) -> dict[tuple, torch.Tensor]:
+def _load_into_sharded_tensor(
+    rank: int, path: str, key: str, dim: int
+) -> dict[tuple, torch.Tensor]:
     from torch.distributed._shard import sharded_tensor
+
     st = sharded_tensor.empty(_row_chunks_spec(dim), *SIZE)
     dcp.load({key: st}, checkpoint_id=path)
     return {tuple(s.metadata.shard_offsets): s.tensor.clone() for s in st.local_shards()}
@@ -163,16 +211,21 @@ def _load_into_sharded_tensor(rank: int, path: str, key: str, dim: int) -> dict[
 def _load_into_dtensor(rank: int, path: str, key: str) -> torch.Tensor:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
+
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    local = torch.empty(torch.chunk(torch.empty(SIZE), dist.get_world_size(), dim=1)[rank].shape,
-                        dtype=torch.float16)
-    dtensor = DTensor.from_local(local, mesh, [Shard(1)], run_check=False, shape=torch.Size(SIZE),
-                                 stride=(SIZE[1], 1))
+    local = torch.empty(
+        torch.chunk(torch.empty(SIZE), dist.get_world_size(), dim=1)[rank].shape,
+        dtype=torch.float16,
+    )
+    dtensor = DTensor.from_local(
+        local, mesh, [Shard(1)], run_check=False, shape=torch.Size(SIZE), stride=(SIZE[1], 1)
+    )
     dcp.load({key: dtensor}, checkpoint_id=path)
     return dtensor.to_local().clone()
 
 
 # --- tests -------------------------------------------------------------------------------------------
+
 
 def test_plain_dcp_checkpoint_loads_into_three_rank_layouts(world3, tmp_path):
     """dcp.save with no process group (one process, plain tensors) -> every rank reads its own shards."""
@@ -198,10 +251,19 @@ def test_sharded_tensor_saved_on_two_ranks_loads_into_three_rank_layouts(world2,
 def test_save_shards_output_loads_with_plain_dcp_load(world2, world3, tmp_path):
     """save_tensors from 3 ranks (replicas, grid) -> plain tensors, a 2-rank ShardedTensor and a DTensor."""
     path = str(tmp_path)
-    world3.run(_save, path, {"emb": (REPLICATED, 4, torch.float32),
-                          "small": (as_dtype(GRID, torch.float16), 5, torch.float16)})
+    world3.run(
+        _save,
+        path,
+        {
+            "emb": (REPLICATED, 4, torch.float32),
+            "small": (as_dtype(GRID, torch.float16), 5, torch.float16),
+        },
+    )
     full, small = make_table(4), make_table(5, SIZE, torch.float16)
-    assert checkpoint_tensors(path) == {"emb": (SIZE, torch.float32), "small": (SIZE, torch.float16)}
+    assert checkpoint_tensors(path) == {
+        "emb": (SIZE, torch.float32),
+        "small": (SIZE, torch.float16),
+    }
 
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["emb"]
     assert len(stored.chunks) == 3  # five shards, two of them replicas: written once each
@@ -223,9 +285,13 @@ def test_save_shards_output_loads_with_plain_dcp_load(world2, world3, tmp_path):
 
 
 def test_save_then_load_round_trip_into_another_layout(world3, tmp_path):
-    world3.run(_save, str(tmp_path), {"emb": (as_dtype(COLUMNS, torch.bfloat16), 6, torch.bfloat16)})
+    world3.run(
+        _save, str(tmp_path), {"emb": (as_dtype(COLUMNS, torch.bfloat16), 6, torch.bfloat16)}
+    )
     full = make_table(6, SIZE, torch.bfloat16)
-    meta = layout(SIZE, [(0, 51, 0, 12, 1), (0, 51, 0, 12, 2)], torch.bfloat16)  # replicas on ranks 1, 2
+    meta = layout(
+        SIZE, [(0, 51, 0, 12, 1), (0, 51, 0, 12, 2)], torch.bfloat16
+    )  # replicas on ranks 1, 2
     for rank, loaded in world3.run(_load, str(tmp_path), {"emb": meta}).items():
         assert_same_shards(loaded["emb"], expected_shards(full, meta, rank))
 
@@ -237,13 +303,22 @@ def test_failed_loads_and_saves_raise_on_every_rank_without_hanging(world3, tmp_
     answers = world3.run(_load_expecting_error, path, "missing", UNEVEN_ROWS)
     for kind, message in answers.values():
         assert kind == "KeyError"
-        assert "failed on ranks [0, 1, 2]" in message and "holds no tensor 'missing' (it holds: emb)" in message
+        assert (
+            "failed on ranks [0, 1, 2]" in message
+            and "holds no tensor 'missing' (it holds: emb)" in message
+        )
 
     wrong = layout((51, 13), [(0, 51, 0, 13, 0)])
     for kind, message in world3.run(_load_expecting_error, path, "emb", wrong).values():
-        assert kind == "ValueError" and "'emb' is (51, 12) in checkpoint" in message and "(51, 13)" in message
+        assert (
+            kind == "ValueError"
+            and "'emb' is (51, 12) in checkpoint" in message
+            and "(51, 13)" in message
+        )
 
-    for kind, message in world3.run(_load_expecting_error, str(tmp_path / "nowhere"), "emb", GRID).values():
+    for kind, message in world3.run(
+        _load_expecting_error, str(tmp_path / "nowhere"), "emb", GRID
+    ).values():
         assert kind == "FileNotFoundError" and "failed on ranks [0, 1, 2]" in message
         assert "nowhere is not a DCP checkpoint" in message
 
@@ -251,14 +326,26 @@ def test_failed_loads_and_saves_raise_on_every_rank_without_hanging(world3, tmp_
     for kind, message in world3.run(_load_seeing_path, paths, "emb", GRID).values():
         assert kind == "FileNotFoundError" and "failed on ranks [1]" in message
 
-    answers = world3.run(_save_expecting_error, str(tmp_path / "spoilt"), {"emb": (GRID, 8, torch.float32)}, 1)
+    answers = world3.run(
+        _save_expecting_error, str(tmp_path / "spoilt"), {"emb": (GRID, 8, torch.float32)}, 1
+    )
     for kind, message in answers.values():
-        assert kind == "ValueError" and "failed on ranks [1]" in message and "has shape (19, 5)" in message
+        assert (
+            kind == "ValueError"
+            and "failed on ranks [1]" in message
+            and "has shape (19, 5)" in message
+        )
 
     answers = world3.run(_save_job_without_the_version_on, str(tmp_path / "unleased"), 1)
-    for kind, message in answers.values():  # rank 1 failed before DCP's collectives, yet nobody waits for it
+    for (
+        kind,
+        message,
+    ) in answers.values():  # rank 1 failed before DCP's collectives, yet nobody waits for it
         assert kind == "ValueError" and "failed on ranks [1]" in message
-        assert "rank failed before the checkpoint's collectives" in message and "not found on rank 1" in message
+        assert (
+            "rank failed before the checkpoint's collectives" in message
+            and "not found on rank 1" in message
+        )
 
     for rank, loaded in world3.run(_load, path, {"emb": GRID}).items():  # the world still works
         assert_same_shards(loaded["emb"], expected_shards(make_table(7), GRID, rank))
@@ -277,7 +364,9 @@ def test_single_process_round_trip_and_argument_errors(tmp_path):
         load_shards(tmp_path, "emb", "rows", 0)
     with pytest.raises(ValueError, match="overlap|gap|cover"):
         save_shards(tmp_path / "gap", "emb", layout(SIZE, [(0, 20, 0, 12, 0)]), {})
-    with pytest.raises(CheckpointError, match="has dtype torch.float64 but the layout's dtype is torch.float32"):
+    with pytest.raises(
+        CheckpointError, match="has dtype torch.float64 but the layout's dtype is torch.float32"
+    ):
         save_shards(tmp_path / "dtype", "emb", meta, {0: torch.zeros(20, 12, dtype=torch.float64)})
     with pytest.raises(CheckpointError, match=r"local_shards\[7\] of 'emb': index is not a shard"):
         save_shards(tmp_path / "index", "emb", meta, {7: torch.zeros(1)})
@@ -286,9 +375,13 @@ def test_single_process_round_trip_and_argument_errors(tmp_path):
 def test_single_process_replicas_on_one_rank_subset_of_keys_and_nested_checkpoints(tmp_path):
     """A layout holding one box twice on a rank fills both; a nested state dict's keys are its DCP FQNs."""
     full, other = make_table(10), make_table(11, (4, 3))
-    dcp.save({"model": {"emb.weight": full, "other": other}}, checkpoint_id=str(tmp_path), no_dist=True)
-    assert checkpoint_tensors(tmp_path) == {"model.emb.weight": (SIZE, torch.float32),
-                                            "model.other": ((4, 3), torch.float32)}
+    dcp.save(
+        {"model": {"emb.weight": full, "other": other}}, checkpoint_id=str(tmp_path), no_dist=True
+    )
+    assert checkpoint_tensors(tmp_path) == {
+        "model.emb.weight": (SIZE, torch.float32),
+        "model.other": ((4, 3), torch.float32),
+    }
     twice = layout(SIZE, [(0, 51, 0, 6, 0), (0, 51, 0, 6, 0), (0, 51, 6, 6, 0)])
     loaded = load_shards(tmp_path, "model.emb.weight", twice, 0)
     assert_same_shards(loaded, expected_shards(full, twice, 0))
@@ -299,8 +392,12 @@ def test_load_writes_into_given_buffers_in_one_process(tmp_path):
     """`into` (a rank's recycled buffers) is filled in place; shards without a fitting buffer are allocated."""
     full = torch.randn(12, 5, generator=torch.Generator().manual_seed(3))
     dcp.save({"emb": full}, checkpoint_id=str(tmp_path), no_dist=True)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:0/cpu"]).build_metadata((12, 5), TensorProperties())
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:0/cpu"]).build_metadata(
+        (12, 5), TensorProperties()
+    )
     given = torch.full((6, 5), float("nan"))
-    shards = load_tensors(tmp_path, {"emb": meta}, 0, into={"emb": {0: given, 1: torch.empty(5, 6)}})["emb"]
+    shards = load_tensors(
+        tmp_path, {"emb": meta}, 0, into={"emb": {0: given, 1: torch.empty(5, 6)}}
+    )["emb"]
     assert shards[0] is given and torch.equal(given, full[:6])
     assert shards[1].shape == (6, 5) and torch.equal(shards[1], full[6:])

@@ -1,10 +1,11 @@
 """server.rank.jobs.checkpoint_reader: DCP loads that read only each shard's region, checked bit for bit
 in one process."""
+
 from __future__ import annotations
 
 import itertools
-import re
 import os
+import re
 import warnings
 
 import pytest
@@ -12,13 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.checkpoint import FileSystemReader
-
-from server.rank.jobs.checkpoint_io import CheckpointError, load_tensors, save_tensors
-from server.rank.jobs.checkpoint_reader import element_span, stored_chunk
-from shardcore.metadata import ShardedTensorMetadata, make_metadata
-
 from reference import shards_of
+from shardserve.core.metadata import ShardedTensorMetadata, make_metadata
+from shardserve.server.rank.jobs.checkpoint_io import CheckpointError, load_tensors, save_tensors
+from shardserve.server.rank.jobs.checkpoint_reader import element_span, stored_chunk
+from torch.distributed.checkpoint import FileSystemReader
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 
@@ -39,7 +38,11 @@ def grid(size: tuple[int, ...], cuts: list[list[int]], dtype: torch.dtype) -> Sh
     bounds = [[0, *cut, n] for cut, n in zip(cuts, size)]
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]] = [((), (), 0)]
     for edges in bounds:
-        boxes = [((*o, lo), (*s, hi - lo), 0) for o, s, _ in boxes for lo, hi in itertools.pairwise(edges)]
+        boxes = [
+            ((*o, lo), (*s, hi - lo), 0)
+            for o, s, _ in boxes
+            for lo, hi in itertools.pairwise(edges)
+        ]
     return make_metadata(size, boxes, dtype)
 
 
@@ -48,14 +51,18 @@ def assert_loaded(path: str, key: str, full: torch.Tensor, meta: ShardedTensorMe
     expected = shards_of(full.to(meta.dtype), meta)
     assert sorted(got) == sorted(meta.shards_on(0))
     for index, tensor in got.items():
-        assert tensor.dtype == meta.dtype and torch.equal(tensor, expected[index]), f"shard {index} differs"
+        assert tensor.dtype == meta.dtype and torch.equal(tensor, expected[index]), (
+            f"shard {index} differs"
+        )
 
 
 @pytest.fixture
 def no_general_path(monkeypatch):
     """Make FileSystemReader's own read path fail, so a test proves RegionReader read every item itself."""
+
     def refuse(self, plan, planner):
         raise AssertionError(f"FileSystemReader.read_data was asked for {len(plan.items)} items")
+
     monkeypatch.setattr(FileSystemReader, "read_data", refuse)
 
 
@@ -63,18 +70,28 @@ def no_general_path(monkeypatch):
 def cases(draw):
     size = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
     dtype = draw(st.sampled_from(DTYPES))
+
     def cuts():
-        return [sorted(draw(st.sets(st.integers(1, n - 1), max_size=2))) if n > 1 else [] for n in size]
+        return [
+            sorted(draw(st.sets(st.integers(1, n - 1), max_size=2))) if n > 1 else [] for n in size
+        ]
+
     return size, dtype, cuts(), cuts(), draw(st.booleans())
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(cases())
-def test_any_saved_layout_loads_into_any_layout_bit_for_bit(tmp_path_factory, no_general_path, case):
+def test_any_saved_layout_loads_into_any_layout_bit_for_bit(
+    tmp_path_factory, no_general_path, case
+):
     size, dtype, saved_cuts, loaded_cuts, transposed = case
     path = str(tmp_path_factory.mktemp("ckpt"))
     full = source(size, dtype)
-    if transposed and len(size) >= 2:  # a saved chunk with other strides: read through a span buffer
+    if (
+        transposed and len(size) >= 2
+    ):  # a saved chunk with other strides: read through a span buffer
         plain_save(path, {"t": full.transpose(0, 1).contiguous().transpose(0, 1)})
     else:
         saved = grid(size, saved_cuts, dtype)
@@ -131,7 +148,9 @@ def test_truncated_checkpoint_fails_with_a_clear_error(tmp_path):
     (data_file,) = [f for f in os.listdir(path) if f.endswith(".distcp")]
     with open(os.path.join(path, data_file), "r+b") as file:
         file.truncate(1000)
-    with pytest.raises(CheckpointError, match=r"checkpoint chunk 't' at \(0, 0\) in __0_0.distcp is damaged"):
+    with pytest.raises(
+        CheckpointError, match=r"checkpoint chunk 't' at \(0, 0\) in __0_0.distcp is damaged"
+    ):
         load_tensors(path, {"t": grid((256, 64), [[100], []], torch.float32)}, 0)
 
 
@@ -148,37 +167,56 @@ def _malformed_metadata(kind: str) -> bytes:
     """Pickles of allow-listed DCP classes holding the wrong contents."""
     import pickle
 
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     def tensor(size, chunks=None, properties=TensorProperties(dtype=torch.float32)):  # type: ignore[no-untyped-def]
-        return TensorStorageMetadata(properties=properties, size=size, chunks=chunks if chunks is not None else [])
+        return TensorStorageMetadata(
+            properties=properties, size=size, chunks=chunks if chunks is not None else []
+        )
+
     entries = {
-        "list": [], "none": None,
+        "list": [],
+        "none": None,
         "no dtype": {"t": tensor(torch.Size([4]), properties=None)},
         "huge size": {"t": tensor(torch.Size([2**70]))},
         "negative size": {"t": tensor(torch.Size([-5]))},
         "string size": {"t": tensor("abc")},
         "int key": {5: tensor(torch.Size([4]))},
         "empty key": {"": tensor(torch.Size([4]))},
-        "chunk dims": {"t": tensor(torch.Size([4, 4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])},
+        "chunk dims": {
+            "t": tensor(
+                torch.Size([4, 4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))]
+            )
+        },
     }[kind]
     return pickle.dumps(Metadata(state_dict_metadata=entries))
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("list", "state_dict_metadata is a list, not a dict"), ("none", "state_dict_metadata is a NoneType"),
-    ("no dtype", "entry 't': properties hold no dtype"), ("huge size", "entry 't': size is not a tuple"),
-    ("negative size", "entry 't': size is not"), ("string size", "entry 't': size is not"),
-    ("int key", "key 5 is not a non-empty printable string"), ("empty key", "key '' is not"),
-    ("chunk dims", "chunks[0] is not offsets and sizes of the tensor's 2 dims"),
-])
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("list", "state_dict_metadata is a list, not a dict"),
+        ("none", "state_dict_metadata is a NoneType"),
+        ("no dtype", "entry 't': properties hold no dtype"),
+        ("huge size", "entry 't': size is not a tuple"),
+        ("negative size", "entry 't': size is not"),
+        ("string size", "entry 't': size is not"),
+        ("int key", "key 5 is not a non-empty printable string"),
+        ("empty key", "key '' is not"),
+        ("chunk dims", "chunks[0] is not offsets and sizes of the tensor's 2 dims"),
+    ],
+)
 def test_metadata_of_the_right_classes_but_wrong_contents_is_refused(kind, message):
     """The allow-list admits DCP's classes; their contents are checked too (they reached code that failed with
     AttributeError or OverflowError, an INTERNAL answer)."""
     import io
 
-    from server.common.dcp_metadata import CheckpointMetadataError, load_metadata
+    from shardserve.server.common.dcp_metadata import CheckpointMetadataError, load_metadata
 
     with pytest.raises(CheckpointMetadataError, match=re.escape(message)):
         load_metadata(io.BytesIO(_malformed_metadata(kind)), "ck")

@@ -1,5 +1,6 @@
 """server.rank.jobs.groups: groups per (epoch, participants) over a TCPStore, formed by threads of this process
 standing in for ranks (gloo on 127.0.0.1)."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -8,9 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
-from server.common.errors import FailedPrecondition
-from server.rank.jobs.groups import PeerGroup, ProcessGroups
+from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.rank.jobs.groups import PeerGroup, ProcessGroups
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 30.0
@@ -18,7 +18,9 @@ TIMEOUT_S = 30.0
 
 @pytest.fixture(scope="module")
 def store_port():
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
     yield store.port
     del store
 
@@ -38,7 +40,9 @@ def _on_each(groups: list[ProcessGroups], fn) -> list:
 
 def _exchange(group: PeerGroup, rank: int, tag: int) -> torch.Tensor:
     """Rank 0 sends [1, 2, 3] * tag to the last member, which receives it."""
-    tensor = torch.arange(1, 4, dtype=torch.float32) * tag if rank == group.ranks[0] else torch.zeros(3)
+    tensor = (
+        torch.arange(1, 4, dtype=torch.float32) * tag if rank == group.ranks[0] else torch.zeros(3)
+    )
     peer = group.ranks[-1] if rank == group.ranks[0] else group.ranks[0]
     (work,) = group.post([("send" if rank == group.ranks[0] else "recv", tensor, peer)], tag)
     assert work.wait(timedelta(seconds=TIMEOUT_S))
@@ -65,7 +69,9 @@ def test_a_failed_epoch_is_refused_and_the_next_one_forms_new_groups(store_port)
             groups.for_job(4, [0, 1], TIMEOUT_S)
     received = _on_each(ranks, lambda g: _exchange(g.for_job(5, [0, 1], TIMEOUT_S), g.rank, 3))
     assert torch.equal(received[1], torch.tensor([3.0, 6.0, 9.0]))
-    _on_each(ranks, lambda g: g.for_job(6, [0, 1], TIMEOUT_S))  # a newer epoch drops the older groups
+    _on_each(
+        ranks, lambda g: g.for_job(6, [0, 1], TIMEOUT_S)
+    )  # a newer epoch drops the older groups
     assert [g.cached() for g in ranks] == [[(6, (0, 1))]] * 2
 
 
@@ -82,7 +88,9 @@ def test_ranks_outside_a_job_never_join_its_group(store_port):
 
 def test_a_member_that_never_comes_fails_the_formation_within_the_timeout(store_port):
     (alone,) = _ranks(store_port, 1)
-    with pytest.raises(Exception) as err:  # DistStoreError / RuntimeError, depending on where gloo waits
+    with pytest.raises(
+        Exception
+    ) as err:  # DistStoreError / RuntimeError, depending on where gloo waits
         alone.for_job(9, [0, 1], 2.0)
     assert not isinstance(err.value, AssertionError)
     assert alone.cached() == []

@@ -1,13 +1,13 @@
 """JobChain: jobs run in (seq, after_seq) chain order on one thread, whatever order they arrive in."""
+
 from __future__ import annotations
 
 import threading
 
 import pytest
-
-from server.rank.jobs.ordering import JobCancelled, JobChain
-from server.rank.jobs.service import JobKinds
-from server.coordinator.collectives import JobSequencer
+from shardserve.server.coordinator.collectives import JobSequencer
+from shardserve.server.rank.jobs.ordering import JobCancelled, JobChain
+from shardserve.server.rank.jobs.service import JobKinds
 
 
 @pytest.fixture
@@ -84,8 +84,8 @@ def test_register_job_kind_checks_the_kind_is_in_the_proto():
 def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):
     """A job queued behind a rank's earlier jobs is not given up while the rank keeps streaming (however long
     the queue); once it started it has run_s; a silent rank is given up after SILENCE_S."""
-    import server.coordinator.collectives as driver
-    from protos import shardserve_pb2 as pb
+    import shardserve.server.coordinator.collectives as driver
+    from shardserve.protos import shardserve_pb2 as pb
 
     now = [1000.0]
     monkeypatch.setattr(driver.time, "monotonic", lambda: now[0])
@@ -97,11 +97,17 @@ def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_
         watch.heard(1, pb.CollectiveProgress())
         assert watch.seconds_left(set()) == pytest.approx(silence)
     watch.heard(0, pb.CollectiveProgress(started=True))
-    assert watch.seconds_left(set()) == pytest.approx(5.0)  # rank 0 runs now: its run time bounds the wait
+    assert watch.seconds_left(set()) == pytest.approx(
+        5.0
+    )  # rank 0 runs now: its run time bounds the wait
     now[0] += 4
-    watch.heard(0, pb.CollectiveProgress(started=True, bytes_done=1))  # progress does not extend a run
+    watch.heard(
+        0, pb.CollectiveProgress(started=True, bytes_done=1)
+    )  # progress does not extend a run
     assert watch.seconds_left(set()) == pytest.approx(1.0)
-    assert watch.seconds_left({0}) == pytest.approx(silence - 4)  # rank 1 is still queued, heard 4 s ago
+    assert watch.seconds_left({0}) == pytest.approx(
+        silence - 4
+    )  # rank 1 is still queued, heard 4 s ago
     now[0] += silence
     assert watch.seconds_left({0}) == 0.0  # and then silent too long
     watch.failed()

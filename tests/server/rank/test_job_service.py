@@ -1,23 +1,29 @@
 """server.rank.jobs.service in-process: a running job that is cancelled is abandoned, its epoch ends here, and
 the next job runs at once while the abandoned thread is still blocked."""
+
 from __future__ import annotations
 
 import threading
 import time
 
 import pytest
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import FailedPrecondition
-from server.rank.jobs.service import CollectiveJobService, JobKinds
-from server.rank.store import ShardStore
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
+from shardserve.server.rank.store import ShardStore
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _job(seq: int, after: int, epoch: int, name: str) -> pb.CollectiveJob:
-    return pb.CollectiveJob(seq=seq, after_seq=after, ranks=[0], timeout_s=30, epoch=epoch,
-                            reshard=pb.ReshardJob(name=name))
+    return pb.CollectiveJob(
+        seq=seq,
+        after_seq=after,
+        ranks=[0],
+        timeout_s=30,
+        epoch=epoch,
+        reshard=pb.ReshardJob(name=name),
+    )
 
 
 def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
@@ -32,7 +38,9 @@ def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
     kinds.register("reshard", kind)
     service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
     finals: list[pb.CollectiveProgress] = []
-    first = threading.Thread(target=lambda: finals.extend(service.RunCollective(_job(1, 0, 3, "stuck"), None)))
+    first = threading.Thread(
+        target=lambda: finals.extend(service.RunCollective(_job(1, 0, 3, "stuck"), None))
+    )
     first.start()
     time.sleep(0.5)
     started = time.monotonic()

@@ -1,10 +1,15 @@
 """server/rank/memory_budget.py: ranks sharing a host split a fraction of its memory by default."""
+
 from __future__ import annotations
 
 import pytest
-
-from server.rank.memory_budget import HOST_MEMORY_FRACTION, default_memory_limit, host_memory_bytes, ranks_on_host
-from server.rank.main import resolve_memory_limit
+from shardserve.server.rank.main import resolve_memory_limit
+from shardserve.server.rank.memory_budget import (
+    HOST_MEMORY_FRACTION,
+    default_memory_limit,
+    host_memory_bytes,
+    ranks_on_host,
+)
 
 GIB = 1 << 30
 

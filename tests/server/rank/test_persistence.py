@@ -1,5 +1,6 @@
 """A rank's persistence in-process: snapshots and the update log restore bit for bit; torn logs, corrupt or
 truncated shard files and a full disk are detected and named."""
+
 import json
 import logging
 import os
@@ -11,27 +12,31 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.common.errors import ResourceExhausted
-from server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
-from server.rank.store import ShardStore, VersionState
-from shardcore.metadata import ShardedTensorMetadata, TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
+from shardserve.server.rank.store import ShardStore, VersionState
 
 ROWS, COLUMNS = 64, 8
 
 
 def _meta(rows: int = ROWS, ranks: int = 1) -> ShardedTensorMetadata:
     return ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in range(ranks)]).build_metadata(
-        (rows, COLUMNS), TensorProperties())
+        (rows, COLUMNS), TensorProperties()
+    )
 
 
 def _store(root: Path, policy: FsyncPolicy = FsyncPolicy.ALWAYS) -> ShardStore:
-    return ShardStore(0, shared_memory=True, version_grace=0, persistence=Persistence(0, root, policy))
+    return ShardStore(
+        0, shared_memory=True, version_grace=0, persistence=Persistence(0, root, policy)
+    )
 
 
-def _update(store: ShardStore, version: int, rows: list[int], values: torch.Tensor, promote: bool = True) -> None:
+def _update(
+    store: ShardStore, version: int, rows: list[int], values: torch.Tensor, promote: bool = True
+) -> None:
     """What CreateTensor(INIT_COPY) + WriteRows (log, then write) + commit do on one rank."""
     store.allocate_copy("t", version, _meta(), version - 1)
     local = np.array(rows, dtype=np.int64)
@@ -51,8 +56,12 @@ def _restored(root: Path) -> ShardStore:
 
 
 def _put(store: ShardStore, table: torch.Tensor, version: int = 1) -> None:
-    store.install("t", version, _meta(table.shape[0]), {0: store.empty_shard(tuple(table.shape), table.dtype,
-                                                                             True).copy_(table)})
+    store.install(
+        "t",
+        version,
+        _meta(table.shape[0]),
+        {0: store.empty_shard(tuple(table.shape), table.dtype, True).copy_(table)},
+    )
     store.promote("t", version)
 
 
@@ -78,10 +87,17 @@ def test_the_shard_file_is_safetensors_with_its_checksum(tmp_path):
     _put(store, table)
     raw = (tmp_path / "t" / "v1.s0.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
-    assert header["shard"] == {"dtype": "F32", "shape": [ROWS, COLUMNS], "data_offsets": [0, table.nbytes]}
+    header = json.loads(raw[8 : 8 + length])
+    assert header["shard"] == {
+        "dtype": "F32",
+        "shape": [ROWS, COLUMNS],
+        "data_offsets": [0, table.nbytes],
+    }
     assert header["__metadata__"]["name"] == "t" and header["__metadata__"]["version"] == "1"
-    assert torch.equal(torch.frombuffer(bytearray(raw[8 + length:]), dtype=torch.float32).view(ROWS, COLUMNS), table)
+    assert torch.equal(
+        torch.frombuffer(bytearray(raw[8 + length :]), dtype=torch.float32).view(ROWS, COLUMNS),
+        table,
+    )
     safetensors = pytest.importorskip("safetensors.torch")
     assert torch.equal(safetensors.load_file(tmp_path / "t" / "v1.s0.safetensors")["shard"], table)
 
@@ -102,7 +118,9 @@ def test_a_torn_log_tail_is_ignored(tmp_path):
     _put(store, table)
     _update(store, 2, [5], torch.ones(1, COLUMNS))
     store.persistence.close()
-    with open(tmp_path / "t" / LOG_NAME, "ab") as f:  # half of a record, as a crash mid-append leaves it
+    with open(
+        tmp_path / "t" / LOG_NAME, "ab"
+    ) as f:  # half of a record, as a crash mid-append leaves it
         f.write(b"GLSS" + struct.pack("<I", 1000) + b"\x00" * 10)
     expected = table.clone()
     expected[5] = 1
@@ -131,7 +149,9 @@ def test_a_damaged_shard_file_is_named_and_not_served(tmp_path, caplog, damage):
 
 
 def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
-    rows = 40_000  # 1.28 MB: each update below logs every row, so the log outgrows the table at once
+    rows = (
+        40_000  # 1.28 MB: each update below logs every row, so the log outgrows the table at once
+    )
     big = torch.randn(rows, COLUMNS)
     store = _store(tmp_path)
     _put(store, big, version=1)
@@ -146,7 +166,9 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
             shard.copy_(big)
         store.promote("t", version)
         store.drop("t", version - 1)
-    _wait_for(lambda: (tmp_path / "t" / "v23.json").exists() and not store.persistence.compacting("t"))
+    _wait_for(
+        lambda: (tmp_path / "t" / "v23.json").exists() and not store.persistence.compacting("t")
+    )
     store.persistence.close()
     assert not (tmp_path / "t" / "v20.json").exists()  # the compaction's snapshot replaced it
     assert (tmp_path / "t" / LOG_NAME).stat().st_size < big.nbytes
@@ -167,8 +189,13 @@ def small_disk(tmp_path):
     """A 256 KiB tmpfs (needs root and mount); unmounted after the test."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (needs root)")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
@@ -181,8 +208,11 @@ def test_a_full_disk_fails_the_promote_and_nothing_is_served(small_disk):
     store.install("big", 1, _meta(4096), {0: big.clone()})
     store.install("big2", 1, _meta(4096), {0: big.clone()})
     store.promote("big", 1)
-    with pytest.raises(ResourceExhausted, match=rf"rank 0 could not persist {small_disk}/big2/v1.s0.safetensors"
-                                                r".*disk full"):
+    with pytest.raises(
+        ResourceExhausted,
+        match=rf"rank 0 could not persist {small_disk}/big2/v1.s0.safetensors"
+        r".*disk full",
+    ):
         store.promote("big2", 1)
     assert ("big2", 1, VersionState.PENDING) in store.held()  # never served, so never acknowledged
     with pytest.raises(ResourceExhausted, match="updates.log"):
@@ -196,7 +226,9 @@ def _fill_log(store: ShardStore) -> None:
 
 def test_options_survive(tmp_path):
     store = _store(tmp_path)
-    store.install("t", 1, _meta(), {0: torch.zeros(ROWS, COLUMNS)}, pb.TensorOptions(default_row=b"\x01\x02"))
+    store.install(
+        "t", 1, _meta(), {0: torch.zeros(ROWS, COLUMNS)}, pb.TensorOptions(default_row=b"\x01\x02")
+    )
     store.promote("t", 1)
     again = _store(tmp_path)
     again.restore()

@@ -1,19 +1,19 @@
 """Recycling of freed versions' memory (server/rank/recycling.py): the pool's bounds, shared-memory segments handed
 over with a new generation, and the store keeping only what no lease holds. In-process, no cluster."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
 import torch
-
-from protos import shardserve_pb2 as pb
-from server.rank.recycling import Buffer, RecycledBuffers
-from protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
-from server.rank.shared_memory import SharedMemory
-from server.rank.store import ShardStore
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
+from shardserve.server.rank.recycling import Buffer, RecycledBuffers
+from shardserve.server.rank.shared_memory import SharedMemory
+from shardserve.server.rank.store import ShardStore
 
 
 class Clock:
@@ -88,9 +88,15 @@ def test_a_recycled_segment_gets_a_new_generation_and_keeps_its_fd():
     assert _header(segment) == [HEADER_MAGIC, STATE_SERVED, 0]
     shared.recycle([old])
     del old
-    assert _header(segment) == [HEADER_MAGIC, STATE_DROPPED, 0]  # the fd outlives the first tensor over it
+    assert _header(segment) == [
+        HEADER_MAGIC,
+        STATE_DROPPED,
+        0,
+    ]  # the fd outlives the first tensor over it
     kept = shared.empty((16, 16), torch.float32, overwrite=True)
-    assert shared.segment_of(kept) == segment and bool((kept == 7).all())  # not zeroed: the caller overwrites
+    assert shared.segment_of(kept) == segment and bool(
+        (kept == 7).all()
+    )  # not zeroed: the caller overwrites
     assert _header(segment) == [HEADER_MAGIC, STATE_PENDING, 1]
     shared.recycle([kept])
     zeroed = shared.empty((256,), torch.int32)
@@ -101,7 +107,9 @@ def test_a_recycled_segment_gets_a_new_generation_and_keeps_its_fd():
 def test_views_and_plain_tensors():
     shared = SharedMemory(enabled=False)
     whole = torch.ones(100)
-    shared.recycle([whole[:50], whole.view(10, 10).t()])  # a part of a bigger buffer, a non-contiguous one
+    shared.recycle(
+        [whole[:50], whole.view(10, 10).t()]
+    )  # a part of a bigger buffer, a non-contiguous one
     assert shared.recycled.nbytes == 0
     shared.recycle([whole])
     reused = shared.recycled_empty((50,), torch.float64)
@@ -148,7 +156,9 @@ def test_update_copies_share_blocks_instead_of_copying():
         store.promote("t", version)
         store.drop("t", version - 1)
     assert store.shared.recycled.reused == 0
-    assert torch.equal(store.local_tensor("t", 3, 0), torch.arange(64 * 8, dtype=torch.float32).view(64, 8))
+    assert torch.equal(
+        store.local_tensor("t", 3, 0), torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
+    )
     assert store.memory_used == 64 * 8 * 4
 
 
@@ -157,41 +167,57 @@ def test_checkpoint_loads_land_in_shared_memory_and_reuse_the_replaced_version(t
     and into a dropped version's buffers when one is kept."""
     import time
 
-    from server.rank.jobs.checkpoint_io import save_tensors
-    from server.rank.jobs.checkpoint import run_checkpoint_load
-    from server.rank.jobs.context import JobContext
-    from shardcore.wire import metadata_to_proto
+    from shardserve.core.wire import metadata_to_proto
+    from shardserve.server.rank.jobs.checkpoint import run_checkpoint_load
+    from shardserve.server.rank.jobs.checkpoint_io import save_tensors
+    from shardserve.server.rank.jobs.context import JobContext
 
     meta = _meta(64)
     table = torch.randn(64, 8)
     save_tensors(str(tmp_path / "ckpt"), {"t": (meta, {0: table})})
-    store = ShardStore(0, shared_memory=True, version_grace=0)  # no grace: version 1 is freed when 2 replaces it
+    store = ShardStore(
+        0, shared_memory=True, version_grace=0
+    )  # no grace: version 1 is freed when 2 replaces it
     for version in (1, 2, 3):
         store.reserve("t", version, meta)
-        job = pb.CollectiveJob(checkpoint_load=pb.CheckpointJob(path=str(tmp_path / "ckpt"), tensors=[
-            pb.CheckpointTensor(name="t", version=version, metadata=metadata_to_proto(meta))]))
+        job = pb.CollectiveJob(
+            checkpoint_load=pb.CheckpointJob(
+                path=str(tmp_path / "ckpt"),
+                tensors=[
+                    pb.CheckpointTensor(name="t", version=version, metadata=metadata_to_proto(meta))
+                ],
+            )
+        )
         run_checkpoint_load(job, JobContext(store, 0, job, time.monotonic() + 60))
         store.promote("t", version)
         if version > 1:
             store.drop("t", version - 1)
         loaded = store.local_tensor("t", version, 0)
         assert torch.equal(loaded, table) and store.shared.segment_of(loaded) is not None
-    assert store.shared.recycled.reused == 1  # version 3 went into version 1's segment (1 was served during 2)
+    assert (
+        store.shared.recycled.reused == 1
+    )  # version 3 went into version 1's segment (1 was served during 2)
 
 
 def test_shards_past_the_open_file_budget_go_to_private_memory():
     """Thousands of tiny shards must not take the fds a rank's sockets need: past its budget, `empty` hands
     out plain memory (read over the network instead of mapped)."""
-    from server.rank.shared_memory import _segment_budget
+    from shardserve.server.rank.shared_memory import _segment_budget
 
-    assert _segment_budget(20000) == (20000 - 4096) // 2 and _segment_budget(1024) == 256 and _segment_budget(1) == 0
+    assert (
+        _segment_budget(20000) == (20000 - 4096) // 2
+        and _segment_budget(1024) == 256
+        and _segment_budget(1) == 0
+    )
     shared = SharedMemory()
     shared.max_segments = 3
     tensors = [shared.empty((4,), torch.float32) for _ in range(5)]
     assert [shared.segment_of(t) is not None for t in tensors] == [True, True, True, False, False]
     assert all(not t.any() for t in tensors)
     del tensors[0]
-    assert shared.segment_of(shared.empty((4,), torch.float32)) is not None  # room again once one is freed
+    assert (
+        shared.segment_of(shared.empty((4,), torch.float32)) is not None
+    )  # room again once one is freed
 
 
 def test_segments_are_sealed_against_other_writers():

@@ -4,6 +4,7 @@ One 4-rank world is started per module and fed every layout pair through
 queues; a separate 3-rank world is used for the peer that hangs and the peer
 that dies mid-reshard, since those leave its process group unusable.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -18,16 +19,19 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from server.rank.jobs.groups import PeerGroup
-from server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
-from server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
-from shardcore.executor import apply_plan
-from shardcore.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties, make_metadata
-from shardcore.planner import plan_reshard
-from shardcore.specs import ChunkShardingSpec, chunk_bounds
-
 from reference import shards_of
+from shardserve.core.executor import apply_plan
+from shardserve.core.metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    make_metadata,
+)
+from shardserve.core.planner import plan_reshard
+from shardserve.core.specs import ChunkShardingSpec, chunk_bounds
+from shardserve.server.rank.jobs.groups import PeerGroup
+from shardserve.server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
+from shardserve.server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
 
 WORLD = 4
 FAULT_WORLD = 3
@@ -36,22 +40,32 @@ RESHARD_TIMEOUT_S = 30.0
 FAULT_TIMEOUT_S = 3.0
 DEAD_PEER_TIMEOUT_S = 40.0
 HANG_GUARD_S = 60.0
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
 
 
 # --- layouts -----------------------------------------------------------------------------------
 
+
 def chunk(size, dim, ranks, dtype):
     return ChunkShardingSpec(dim, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
-        size, TensorProperties(dtype=dtype))
+        size, TensorProperties(dtype=dtype)
+    )
 
 
 def grid(size, dims, row_cut, col_cut, ranks, dtype):
     """A 2x2 grid over two dims, cut at row_cut/col_cut, the four blocks on `ranks` (row-major)."""
     a, b = dims
     blocks = []
-    for (ao, asz), (bo, bsz) in [(r, c) for r in ((0, row_cut), (row_cut, size[a] - row_cut))
-                                 for c in ((0, col_cut), (col_cut, size[b] - col_cut))]:
+    for (ao, asz), (bo, bsz) in [
+        (r, c)
+        for r in ((0, row_cut), (row_cut, size[a] - row_cut))
+        for c in ((0, col_cut), (col_cut, size[b] - col_cut))
+    ]:
         offsets, sizes = [0] * len(size), list(size)
         offsets[a], sizes[a], offsets[b], sizes[b] = ao, asz, bo, bsz
         blocks.append((offsets, sizes))
@@ -66,8 +80,14 @@ def even_grid(size, dims, ranks, dtype):
 
 def uneven_rows(size, dtype):
     cuts = [(0, 1), (1, 8), (9, 1), (10, size[0] - 10)]
-    return make_metadata(size, [((o,) + (0,) * (len(size) - 1), (n,) + tuple(size[1:]), r)
-                                for r, (o, n) in enumerate(cuts)], dtype)
+    return make_metadata(
+        size,
+        [
+            ((o,) + (0,) * (len(size) - 1), (n,) + tuple(size[1:]), r)
+            for r, (o, n) in enumerate(cuts)
+        ],
+        dtype,
+    )
 
 
 def replicated(size, ranks, dtype):
@@ -79,13 +99,31 @@ def random_grid(size, seed, dtype):
     gen = torch.Generator().manual_seed(seed)
     bounds = []
     for n in size:
-        cuts = sorted({int(c) for c in torch.randint(1, n, (int(torch.randint(1, 4, (1,), generator=gen)),),
-                                                     generator=gen)} if n > 1 else set())
+        cuts = sorted(
+            {
+                int(c)
+                for c in torch.randint(
+                    1, n, (int(torch.randint(1, 4, (1,), generator=gen)),), generator=gen
+                )
+            }
+            if n > 1
+            else set()
+        )
         edges = [0, *cuts, n]
         bounds.append([(a, b - a) for a, b in zip(edges, edges[1:])])
     blocks = itertools.product(*bounds)
-    return make_metadata(size, [(tuple(o for o, _ in block), tuple(n for _, n in block),
-                                 int(torch.randint(0, WORLD, (1,), generator=gen))) for block in blocks], dtype)
+    return make_metadata(
+        size,
+        [
+            (
+                tuple(o for o, _ in block),
+                tuple(n for _, n in block),
+                int(torch.randint(0, WORLD, (1,), generator=gen)),
+            )
+            for block in blocks
+        ],
+        dtype,
+    )
 
 
 def layout(name, size, dtype):
@@ -138,19 +176,25 @@ def full_tensor(size, dtype, seed):
     if dtype == torch.bool:
         return torch.randint(0, 2, size, generator=gen).bool()
     if dtype == torch.int64:
-        return torch.randint(-2**62, 2**62, size, generator=gen, dtype=torch.int64)
+        return torch.randint(-(2**62), 2**62, size, generator=gen, dtype=torch.int64)
     return torch.randn(size, generator=gen).to(dtype)
 
 
 # --- the worker processes ----------------------------------------------------------------------
+
 
 def _worker(rank: int, world: int, port: int, backend: str, commands, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     if "nccl" in backend:
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
     executor = CollectiveExecutor()
     while True:
         command = commands.get()
@@ -175,14 +219,20 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
     dst = on_cuda(layout(command["dst"], size, dtype), command.get("cuda", False))
     full = full_tensor(size, dtype, command["seed"])
     plan = plan_reshard(src, dst, command["bucket_bytes"])
-    src_shards = {i: t.to(src.shards_metadata[i].device, copy=True) for i, t in enumerate(shards_of(full, src))
-                  if src.shards_metadata[i].rank == rank}
+    src_shards = {
+        i: t.to(src.shards_metadata[i].device, copy=True)
+        for i, t in enumerate(shards_of(full, src))
+        if src.shards_metadata[i].rank == rank
+    }
     if role == "die":
         _exit_on_second_post()
     stats = ReshardStats()
     started = time.monotonic()
-    future = executor.submit(command["seq"], lambda: run_reshard(plan, rank, src_shards, command["timeout_s"],
-                                                                 stats=stats), wait_timeout_s=60)
+    future = executor.submit(
+        command["seq"],
+        lambda: run_reshard(plan, rank, src_shards, command["timeout_s"], stats=stats),
+        wait_timeout_s=60,
+    )
     try:
         out = future.result(timeout=RESULT_TIMEOUT_S)
     except ReshardError as exc:
@@ -193,13 +243,16 @@ def _handle(rank: int, executor: CollectiveExecutor, command: dict) -> dict:
     return {
         "keys": sorted(out),
         "expected_keys": dst.shards_on(rank),
-        "equal": {i: bool(torch.equal(t.cpu(), expected[i])) and t.dtype == dtype for i, t in out.items()},
+        "equal": {
+            i: bool(torch.equal(t.cpu(), expected[i])) and t.dtype == dtype for i, t in out.items()
+        },
         "equal_apply_plan": {i: bool(torch.equal(t.cpu(), reference[i])) for i, t in out.items()},
         "devices": {i: str(t.device) for i, t in out.items()},
         "stats": vars(stats),
         "plan_sent": sum(b.nbytes for b in part.sends),
         "plan_received": sum(b.nbytes for b in part.recvs),
-        "peer_directions": len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs}),
+        "peer_directions": len({b.dst_rank for b in part.sends})
+        + len({b.src_rank for b in part.recvs}),
         "max_bucket": max((b.nbytes for b in part.sends + part.recvs), default=0),
     }
 
@@ -208,8 +261,10 @@ def on_cuda(meta: ShardedTensorMetadata, cuda: bool) -> ShardedTensorMetadata:
     """The same layout with every shard on its rank's GPU (cuda:rank) when `cuda`."""
     if not cuda:
         return meta
-    shards = tuple(ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.rank}/cuda:{s.rank}")
-                   for s in meta.shards_metadata)
+    shards = tuple(
+        ShardMetadata(s.shard_offsets, s.shard_sizes, f"rank:{s.rank}/cuda:{s.rank}")
+        for s in meta.shards_metadata
+    )
     return ShardedTensorMetadata(shards, meta.size, meta.tensor_properties)
 
 
@@ -236,8 +291,14 @@ class World:
         self.port = _free_port()
         self.commands = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, size, self.port, backend, self.commands[r], self.results),
-                                  daemon=True) for r in range(size)]
+        self.procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, size, self.port, backend, self.commands[r], self.results),
+                daemon=True,
+            )
+            for r in range(size)
+        ]
         for p in self.procs:
             p.start()
         self.seq = 0
@@ -306,17 +367,24 @@ def check_answers(answers: dict[int, dict], bucket_bytes: int) -> None:
     for rank, a in answers.items():
         assert "error" not in a, f"rank {rank}: {a.get('error')}"
         assert a["keys"] == a["expected_keys"], f"rank {rank} returned shards {a['keys']}"
-        assert all(a["equal"].values()), f"rank {rank}: shards differ from the cut source {a['equal']}"
+        assert all(a["equal"].values()), (
+            f"rank {rank}: shards differ from the cut source {a['equal']}"
+        )
         assert all(a["equal_apply_plan"].values()), f"rank {rank}: shards differ from apply_plan"
         stats = a["stats"]
-        assert stats["sent_bytes"] == a["plan_sent"] and stats["received_bytes"] == a["plan_received"]
+        assert (
+            stats["sent_bytes"] == a["plan_sent"] and stats["received_bytes"] == a["plan_received"]
+        )
         bound = 2 * a["max_bucket"] * a["peer_directions"]
-        assert stats["peak_staging_bytes"] <= bound, f"rank {rank} staged {stats['peak_staging_bytes']} > {bound}"
+        assert stats["peak_staging_bytes"] <= bound, (
+            f"rank {rank} staged {stats['peak_staging_bytes']} > {bound}"
+        )
         assert stats["peak_staging_bytes"] <= 2 * bucket_bytes * a["peer_directions"]
         assert stats["staging_bytes"] == 0
 
 
 # --- layout pairs over a 4-rank world ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("bucket_bytes", [24, 1 << 20], ids=["tiny_buckets", "1MiB_buckets"])
 @pytest.mark.parametrize("name,size,src,dst", CASES, ids=[c[0] for c in CASES])
@@ -339,8 +407,13 @@ def test_every_dtype_across_dims_with_many_buckets(world, dtype):
 def test_random_grids(world, seed):
     size = M2 if seed % 2 else M3
     dtype = list(DTYPES)[seed % len(DTYPES)]
-    answers = world.run(size=size, src=f"random:{2 * seed}", dst=f"random:{2 * seed + 1}", dtype=dtype,
-                        bucket_bytes=16 << seed)
+    answers = world.run(
+        size=size,
+        src=f"random:{2 * seed}",
+        dst=f"random:{2 * seed + 1}",
+        dtype=dtype,
+        bucket_bytes=16 << seed,
+    )
     check_answers(answers, 16 << seed)
 
 
@@ -348,18 +421,28 @@ def test_zero_copy_when_boxes_are_contiguous(world):
     # cols -> rows: every received box is whole rows of a row shard, so it lands in place.
     answers = world.run(size=M2, src="cols", dst="rows", dtype="float32", bucket_bytes=1 << 20)
     check_answers(answers, 1 << 20)
-    assert all(a["stats"]["zero_copy_buckets"] >= a["stats"]["buckets_received"] for a in answers.values())
+    assert all(
+        a["stats"]["zero_copy_buckets"] >= a["stats"]["buckets_received"] for a in answers.values()
+    )
 
 
 def test_ranks_outside_the_plan_take_no_part(world):
     # Only ranks 0 and 1 hold source or destination shards; ranks 2 and 3 skip the job without
     # running anything, so 0 and 1 finish without them (no barrier, no all-ranks collective).
-    answers = world.run(size=M2, src="rows_subset01", dst="cols_subset01", dtype="int64", bucket_bytes=64,
-                        roles={2: "absent", 3: "absent"})
+    answers = world.run(
+        size=M2,
+        src="rows_subset01",
+        dst="cols_subset01",
+        dtype="int64",
+        bucket_bytes=64,
+        roles={2: "absent", 3: "absent"},
+    )
     assert answers[2] == answers[3] == {"absent": True}
     check_answers({r: answers[r] for r in (0, 1)}, 64)
     assert all(answers[r]["stats"]["buckets_received"] > 0 for r in (0, 1))
-    check_answers(world.run(size=M2, src="rows", dst="cols", dtype="float32", bucket_bytes=1 << 20), 1 << 20)
+    check_answers(
+        world.run(size=M2, src="rows", dst="cols", dtype="float32", bucket_bytes=1 << 20), 1 << 20
+    )
 
 
 # --- failure: a hung peer and a dead peer (3-rank world) ---------------------------------------
@@ -371,29 +454,48 @@ LAYOUTS["cols_fault"] = lambda s, d: chunk(s, 1, list(range(FAULT_WORLD)), d)
 
 def test_hung_peer_is_named_within_the_timeout(fault_world):
     started = time.monotonic()
-    answers = fault_world.run(size=M2, dtype="float32", bucket_bytes=64, timeout_s=FAULT_TIMEOUT_S,
-                              expect=[0, 1], roles={2: "absent"}, **FAULT_LAYOUTS)
+    answers = fault_world.run(
+        size=M2,
+        dtype="float32",
+        bucket_bytes=64,
+        timeout_s=FAULT_TIMEOUT_S,
+        expect=[0, 1],
+        roles={2: "absent"},
+        **FAULT_LAYOUTS,
+    )
     for rank in (0, 1):
         assert answers[rank]["peers"] == (2,), answers[rank]
         assert "rank 2" in answers[rank]["error"]
-        assert answers[rank]["elapsed"] >= FAULT_TIMEOUT_S * 0.95  # it did wait out the timeout it was given
+        assert (
+            answers[rank]["elapsed"] >= FAULT_TIMEOUT_S * 0.95
+        )  # it did wait out the timeout it was given
     assert time.monotonic() - started < HANG_GUARD_S
 
 
 def test_peer_that_dies_mid_reshard_is_named(fault_world):
     started = time.monotonic()
-    answers = fault_world.run(expect=[0, 1], size=(64, 63), dtype="float32", bucket_bytes=64,
-                              timeout_s=DEAD_PEER_TIMEOUT_S, roles={2: "die"}, **FAULT_LAYOUTS)
+    answers = fault_world.run(
+        expect=[0, 1],
+        size=(64, 63),
+        dtype="float32",
+        bucket_bytes=64,
+        timeout_s=DEAD_PEER_TIMEOUT_S,
+        roles={2: "die"},
+        **FAULT_LAYOUTS,
+    )
     for rank in (0, 1):
         assert answers[rank]["peers"] == (2,), answers[rank]
         assert "rank 2" in answers[rank]["error"]
-        assert answers[rank]["elapsed"] < DEAD_PEER_TIMEOUT_S  # the closed connection fails it, not the timeout
+        assert (
+            answers[rank]["elapsed"] < DEAD_PEER_TIMEOUT_S
+        )  # the closed connection fails it, not the timeout
     assert time.monotonic() - started < HANG_GUARD_S
     fault_world.procs[2].join(timeout=10)
     assert fault_world.procs[2].exitcode == 3
 
 
 # --- in-process: the collective thread and input validation ------------------------------------
+
 
 def test_executor_runs_jobs_in_sequence_order_whatever_the_submission_order():
     order, lock = [], threading.Lock()
@@ -403,20 +505,25 @@ def test_executor_runs_jobs_in_sequence_order_whatever_the_submission_order():
             with lock:
                 order.append((n, threading.current_thread().name))
             return n
+
         return run
 
     with CollectiveExecutor(first_seq=5) as ex:
         futures = [ex.submit(seq, job(seq), wait_timeout_s=10) for seq in (7, 6, 9, 5, 8)]
         assert [f.result(timeout=10) for f in futures] == [7, 6, 9, 5, 8]
         assert [n for n, _ in order] == [5, 6, 7, 8, 9]
-        assert len({name for _, name in order}) == 1 and order[0][1] != threading.current_thread().name
+        assert (
+            len({name for _, name in order}) == 1 and order[0][1] != threading.current_thread().name
+        )
         assert ex.next_seq == 10
 
 
 def test_executor_failed_job_does_not_block_the_next():
     with CollectiveExecutor() as ex:
+
         def boom():
             raise ReshardError("peer 3 gone", (3,))
+
         first = ex.submit(0, boom, wait_timeout_s=5)
         second = ex.submit(1, lambda: "ok", wait_timeout_s=5)
         with pytest.raises(ReshardError, match="peer 3 gone"):
@@ -469,7 +576,11 @@ def test_local_only_plan_needs_no_process_group():
     assert sorted(out) == [0, 1]
     for i, expected in enumerate(shards_of(full, dst)):
         assert torch.equal(out[i], expected)
-    assert stats.local_bytes == full.numel() * 4 and stats.sent_bytes == 0 and stats.peak_staging_bytes == 0
+    assert (
+        stats.local_bytes == full.numel() * 4
+        and stats.sent_bytes == 0
+        and stats.peak_staging_bytes == 0
+    )
 
 
 def test_bad_inputs_are_named():
@@ -505,7 +616,9 @@ def test_given_out_tensors_are_written_in_place():
 def test_bad_out_tensors_are_named():
     src, dst, plan = _single_rank_plan()
     shards = dict(enumerate(shards_of(full_tensor(M2, torch.float32, 3), src)))
-    with pytest.raises(ValueError, match=r"out\[1\] is \(13, 10\) torch.float32 but shard 1 is \(13, 11\)"):
+    with pytest.raises(
+        ValueError, match=r"out\[1\] is \(13, 10\) torch.float32 but shard 1 is \(13, 11\)"
+    ):
         run_reshard(plan, 0, shards, 5.0, out={1: torch.empty(13, 10)})
     with pytest.raises(ValueError, match="out has tensors for shards \\[5\\]"):
         run_reshard(plan, 0, shards, 5.0, out={5: torch.empty(13, 11)})
@@ -528,7 +641,9 @@ def test_remote_plan_without_process_group_is_a_reshard_error():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_local_plan_allocates_on_the_destination_device():
     src = make_metadata(M2, [((0, 0), (13, 21), "rank:0/cuda:0")])
-    dst = make_metadata(M2, [((0, 0), (13, 10), "rank:0/cuda:0"), ((0, 10), (13, 11), "rank:0/cpu")])
+    dst = make_metadata(
+        M2, [((0, 0), (13, 10), "rank:0/cuda:0"), ((0, 10), (13, 11), "rank:0/cpu")]
+    )
     plan = plan_reshard(src, dst, 64)
     full = full_tensor(M2, torch.float32, 2)
     out = run_reshard(plan, 0, {0: full.cuda()}, 10.0)
@@ -541,15 +656,25 @@ LAYOUTS["cols_cuda_pair"] = lambda s, d: chunk(s, 1, [1, 0, 1], d)
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 CUDA GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or not dist.is_nccl_available(), reason="needs 2 CUDA GPUs"
+)
 @pytest.mark.parametrize("bucket_bytes", [24, 1 << 20], ids=["tiny_buckets", "1MiB_buckets"])
 def test_cuda_shards_move_over_nccl(bucket_bytes):
     w = World(2, backend="cpu:gloo,cuda:nccl")
     try:
         for dtype in DTYPES:
-            answers = w.run(size=M2, src="rows_cuda_pair", dst="cols_cuda_pair", dtype=dtype,
-                            bucket_bytes=bucket_bytes, cuda=True)
+            answers = w.run(
+                size=M2,
+                src="rows_cuda_pair",
+                dst="cols_cuda_pair",
+                dtype=dtype,
+                bucket_bytes=bucket_bytes,
+                cuda=True,
+            )
             check_answers(answers, bucket_bytes)
-            assert all(d.startswith("cuda") for a in answers.values() for d in a["devices"].values())
+            assert all(
+                d.startswith("cuda") for a in answers.values() for d in a["devices"].values()
+            )
     finally:
         w.kill()

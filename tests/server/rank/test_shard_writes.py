@@ -6,6 +6,7 @@ field named, the memfd checks refusing what is not the writer's staging file,
 the bulk port keeping the connection in step after a refused batch, and the
 ticket's principal deciding what its connection may write.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,21 +18,20 @@ import time
 import grpc
 import pytest
 import torch
-
-from client.paths.staging import StagingFile
-from client.paths.writes import shard_write, write_request
-from protos import shardserve_pb2 as pb
-from protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
-from server.common.errors import FailedPrecondition
-from server.common.principals import READ, WRITE, Principal
-from server.rank.reads.bulk import BulkReads
-from protos.same_host import host_id
-from server.rank.store import ShardStore
-from server.rank.writes.batch import ShardWrites
-from shardcore.metadata import TensorProperties
-from shardcore.specs import ChunkShardingSpec
-from shardcore.wire import tensor_bytes
 from server_helpers import Aborted, ServicerContext, recv_exactly
+from shardserve.client.paths.staging import StagingFile
+from shardserve.client.paths.writes import shard_write, write_request
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.wire import tensor_bytes
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
+from shardserve.protos.same_host import host_id
+from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.common.principals import READ, WRITE, Principal
+from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.writes.batch import ShardWrites
 
 TIMEOUT_S = 10.0
 SOURCES = {
@@ -45,8 +45,9 @@ SOURCES = {
 def new_store(shared_memory: bool = True) -> ShardStore:
     store = ShardStore(0, shared_memory=shared_memory)
     for name, source in SOURCES.items():
-        meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(tuple(source.shape),
-                                                                   TensorProperties(dtype=source.dtype))
+        meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+            tuple(source.shape), TensorProperties(dtype=source.dtype)
+        )
         store.allocate(name, 1, meta)
     return store
 
@@ -86,7 +87,9 @@ def test_an_inline_batch_writes_every_shard_bit_for_bit(store):
 
 def test_a_staging_memfd_is_read_bit_for_bit(store):
     batch = writes()
-    with StagingFile(sum(w.nbytes for w in batch) + 64) as staging:  # a kept file may be larger than its batch
+    with StagingFile(
+        sum(w.nbytes for w in batch) + 64
+    ) as staging:  # a kept file may be larger than its batch
         staging.pack(batch)
         request = write_request(batch)
         request.shared.CopyFrom(staging.source(host_id()))
@@ -108,16 +111,39 @@ def test_a_strided_source_is_packed_as_its_box():
     assert packed == bytes(tensor_bytes(view.contiguous()))
 
 
-@pytest.mark.parametrize("change, code, field", [
-    (lambda s: s.__setattr__("host_id", "another-host"), grpc.StatusCode.UNIMPLEMENTED, "shared.host_id"),
-    (lambda s: s.__setattr__("name_secret", "short"), grpc.StatusCode.INVALID_ARGUMENT, "shared.name_secret"),
-    (lambda s: s.__setattr__("name_secret", "x" * 32), grpc.StatusCode.PERMISSION_DENIED, "not the staging memfd"),
-    (lambda s: s.__setattr__("inode", s.inode + 1), grpc.StatusCode.PERMISSION_DENIED, "not the staging memfd"),
-    (lambda s: s.__setattr__("nbytes", 3), grpc.StatusCode.INVALID_ARGUMENT, "shared.nbytes"),
-    (lambda s: s.__setattr__("nbytes", s.nbytes + 8), grpc.StatusCode.INVALID_ARGUMENT, "shared.nbytes"),
-    (lambda s: s.__setattr__("fd", 1 << 20), grpc.StatusCode.UNIMPLEMENTED, "cannot open fd"),
-    (lambda s: s.__setattr__("pid", 1 << 22), grpc.StatusCode.UNIMPLEMENTED, "cannot open fd"),
-])
+@pytest.mark.parametrize(
+    "change, code, field",
+    [
+        (
+            lambda s: s.__setattr__("host_id", "another-host"),
+            grpc.StatusCode.UNIMPLEMENTED,
+            "shared.host_id",
+        ),
+        (
+            lambda s: s.__setattr__("name_secret", "short"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shared.name_secret",
+        ),
+        (
+            lambda s: s.__setattr__("name_secret", "x" * 32),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "not the staging memfd",
+        ),
+        (
+            lambda s: s.__setattr__("inode", s.inode + 1),
+            grpc.StatusCode.PERMISSION_DENIED,
+            "not the staging memfd",
+        ),
+        (lambda s: s.__setattr__("nbytes", 3), grpc.StatusCode.INVALID_ARGUMENT, "shared.nbytes"),
+        (
+            lambda s: s.__setattr__("nbytes", s.nbytes + 8),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shared.nbytes",
+        ),
+        (lambda s: s.__setattr__("fd", 1 << 20), grpc.StatusCode.UNIMPLEMENTED, "cannot open fd"),
+        (lambda s: s.__setattr__("pid", 1 << 22), grpc.StatusCode.UNIMPLEMENTED, "cannot open fd"),
+    ],
+)
 def test_a_memfd_that_is_not_as_described_is_refused(store, change, code, field):
     batch = writes()
     with StagingFile(sum(w.nbytes for w in batch)) as staging:
@@ -127,7 +153,9 @@ def test_a_memfd_that_is_not_as_described_is_refused(store, change, code, field)
         change(request.shared)
         err = refused(store, request)
     assert err.code == code and field in err.details, err
-    assert ShardWrites(store).WriteShards(inline(writes()), ServicerContext()).bytes_written  # still serving
+    assert (
+        ShardWrites(store).WriteShards(inline(writes()), ServicerContext()).bytes_written
+    )  # still serving
 
 
 def test_another_file_of_the_writer_is_not_read(store):
@@ -139,9 +167,17 @@ def test_another_file_of_the_writer_is_not_read(store):
         other.flush()
         info = os.fstat(other.fileno())
         request = write_request(batch)
-        request.shared.CopyFrom(pb.SharedMemorySource(
-            pid=os.getpid(), fd=other.fileno(), inode=info.st_ino, device_id=info.st_dev, nbytes=info.st_size,
-            host_id=host_id(), name_secret="s" * 32))
+        request.shared.CopyFrom(
+            pb.SharedMemorySource(
+                pid=os.getpid(),
+                fd=other.fileno(),
+                inode=info.st_ino,
+                device_id=info.st_dev,
+                nbytes=info.st_size,
+                host_id=host_id(),
+                name_secret="s" * 32,
+            )
+        )
         err = refused(store, request)
     assert err.code == grpc.StatusCode.PERMISSION_DENIED, err
 
@@ -164,20 +200,52 @@ def header(source="a", **changes) -> pb.WriteShardHeader:
     return base
 
 
-@pytest.mark.parametrize("headers, data, code, field", [
-    ([], b"", grpc.StatusCode.INVALID_ARGUMENT, "shards"),
-    ([header(), header("b", name="")], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[1].name"),
-    ([header(), header("b", version=0)], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[1].version"),
-    ([header(dtype=999)], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[0].dtype"),
-    ([header(nbytes=-1)], b"", grpc.StatusCode.INVALID_ARGUMENT, "shards[0].nbytes"),
-    ([header(), header()], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[1]: shard 0 of 'a' version 1 appears"),
-    ([header("b"), header(dtype=header("c").dtype)], None, grpc.StatusCode.INVALID_ARGUMENT,
-     "shards[1]: header.dtype"),
-    ([header(nbytes=8)], b"\0" * 8, grpc.StatusCode.INVALID_ARGUMENT, "shards[0]: header.nbytes 8"),
-    ([header(shard_index=3)], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[0]: shard_index 3"),
-    ([header(name="missing")], None, grpc.StatusCode.NOT_FOUND, "shards[0]"),
-    ([header()], b"\0" * 5, grpc.StatusCode.INVALID_ARGUMENT, "data: 5 bytes"),
-])
+@pytest.mark.parametrize(
+    "headers, data, code, field",
+    [
+        ([], b"", grpc.StatusCode.INVALID_ARGUMENT, "shards"),
+        (
+            [header(), header("b", name="")],
+            None,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[1].name",
+        ),
+        (
+            [header(), header("b", version=0)],
+            None,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[1].version",
+        ),
+        ([header(dtype=999)], None, grpc.StatusCode.INVALID_ARGUMENT, "shards[0].dtype"),
+        ([header(nbytes=-1)], b"", grpc.StatusCode.INVALID_ARGUMENT, "shards[0].nbytes"),
+        (
+            [header(), header()],
+            None,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[1]: shard 0 of 'a' version 1 appears",
+        ),
+        (
+            [header("b"), header(dtype=header("c").dtype)],
+            None,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[1]: header.dtype",
+        ),
+        (
+            [header(nbytes=8)],
+            b"\0" * 8,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[0]: header.nbytes 8",
+        ),
+        (
+            [header(shard_index=3)],
+            None,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "shards[0]: shard_index 3",
+        ),
+        ([header(name="missing")], None, grpc.StatusCode.NOT_FOUND, "shards[0]"),
+        ([header()], b"\0" * 5, grpc.StatusCode.INVALID_ARGUMENT, "data: 5 bytes"),
+    ],
+)
 def test_bad_batches_name_the_field_and_leave_the_rank_serving(store, headers, data, code, field):
     request = pb.WriteShardsRequest(shards=headers)
     request.data = data if data is not None else b"\0" * sum(max(h.nbytes, 0) for h in headers)
@@ -215,7 +283,9 @@ def connect_with(reads: BulkReads, principal: Principal | None = None) -> socket
     return sock
 
 
-def send_write(sock: socket.socket, batch, payload: bytes | None = None) -> tuple[grpc.StatusCode, bytes]:
+def send_write(
+    sock: socket.socket, batch, payload: bytes | None = None
+) -> tuple[grpc.StatusCode, bytes]:
     message = write_request(batch).SerializeToString()
     payload = b"".join(tensor_bytes(w.data) for w in batch) if payload is None else payload
     sock.sendall(struct.pack("<II", KIND_WRITE, len(message)) + message + payload)
@@ -242,7 +312,9 @@ def test_a_refused_bulk_batch_is_drained_and_the_connection_stays_in_step(store,
         code, _ = send_write(sock, writes(["c"]))
         assert code == grpc.StatusCode.OK
         store.promote("c", 1)
-        read = pb.ReadRegionRequest(name="c", version=1, shard_index=0, offsets=[0], sizes=[5]).SerializeToString()
+        read = pb.ReadRegionRequest(
+            name="c", version=1, shard_index=0, offsets=[0], sizes=[5]
+        ).SerializeToString()
         sock.sendall(struct.pack("<II", KIND_READ, len(read)) + read)
         status, _, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
         assert status == 0 and recv_exactly(sock, length) == bytes(tensor_bytes(SOURCES["c"]))
@@ -252,16 +324,23 @@ def test_an_undecodable_write_frame_ends_the_connection(port):
     with connect_with(port) as sock:
         sock.sendall(struct.pack("<II", KIND_WRITE, 3) + b"\xff\xff\xff")
         status, _, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
-        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"WriteShardsRequest" in recv_exactly(sock,
-                                                                                                              length)
+        assert status == grpc.StatusCode.INVALID_ARGUMENT.value[
+            0
+        ] and b"WriteShardsRequest" in recv_exactly(sock, length)
         assert sock.recv(1) == b""
 
 
-@pytest.mark.parametrize("principal, allowed", [
-    (Principal("reader", "reader", frozenset({READ})), False),
-    (Principal("writer", "writer", frozenset({READ, WRITE}), tensors=("other*",)), False),
-    (Principal("writer", "writer", frozenset({READ, WRITE}), tensors=("a", "b", "c", "d")), True),
-])
+@pytest.mark.parametrize(
+    "principal, allowed",
+    [
+        (Principal("reader", "reader", frozenset({READ})), False),
+        (Principal("writer", "writer", frozenset({READ, WRITE}), tensors=("other*",)), False),
+        (
+            Principal("writer", "writer", frozenset({READ, WRITE}), tensors=("a", "b", "c", "d")),
+            True,
+        ),
+    ],
+)
 def test_the_tickets_principal_decides_what_its_connection_writes(store, port, principal, allowed):
     with connect_with(port, principal) as sock:
         code, body = send_write(sock, writes())
@@ -278,12 +357,17 @@ def test_a_writer_cut_off_mid_batch_leaves_its_shard_torn_until_written_again(st
     batch = writes(["a", "b"])
     message = write_request(batch).SerializeToString()
     with connect_with(port) as sock:
-        sock.sendall(struct.pack("<II", KIND_WRITE, len(message)) + message +
-                     bytes(tensor_bytes(SOURCES["a"]))[:40])
+        sock.sendall(
+            struct.pack("<II", KIND_WRITE, len(message))
+            + message
+            + bytes(tensor_bytes(SOURCES["a"]))[:40]
+        )
     with pytest.raises(FailedPrecondition, match="not fully written"):
         store.promote("a", 1)  # never published half written
     deadline = time.monotonic() + TIMEOUT_S
-    while True:  # until the rank's connection thread has seen the cut (the shard is then torn, not busy)
+    while (
+        True
+    ):  # until the rank's connection thread has seen the cut (the shard is then torn, not busy)
         with connect_with(port) as sock:
             code, body = send_write(sock, writes(["a"]))
         if code == grpc.StatusCode.OK:

@@ -1,23 +1,33 @@
 """ShardStore alone (no network): versions, promotion, leases, memory accounting, install of built shards."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from shardserve.core.metadata import TensorProperties, make_metadata
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from shardserve.server.rank.store import ShardStore
 
-from protos import shardserve_pb2 as pb
-from server.common.errors import Aborted, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from server.rank.store import ShardStore
-from shardcore.metadata import TensorProperties, make_metadata
-from shardcore.specs import ChunkShardingSpec
-
-META = make_metadata((6, 4), [((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((0, 0), (3, 4), 1)])  # shard 2: replica
+META = make_metadata(
+    (6, 4), [((0, 0), (3, 4), 0), ((3, 0), (3, 4), 1), ((0, 0), (3, 4), 1)]
+)  # shard 2: replica
 
 
 def test_allocate_counts_only_local_shards_and_frees_on_drop():
     store = ShardStore(rank=1)
     assert store.allocate("t", 1, META, pb.INIT_ARANGE) == 2 * 3 * 4 * 4
     assert store.memory_used == 96 and sorted(store.local_shards("t", 1)) == [1, 2]
-    assert torch.equal(store.local_tensor("t", 1, 1), torch.arange(12, 24, dtype=torch.float32).view(3, 4))
+    assert torch.equal(
+        store.local_tensor("t", 1, 1), torch.arange(12, 24, dtype=torch.float32).view(3, 4)
+    )
     assert store.drop("t", 1) == 1 and store.memory_used == 0
     assert store.drop("t", 1) == 0  # idempotent
 
@@ -73,7 +83,9 @@ def test_write_in_order_then_promote():
     raw = data.numpy().tobytes()
     with store.write("w", 1, 0, torch.float32, 48) as writer:
         writer.write(0, raw[:20])
-        with pytest.raises(InvalidArgument, match="chunk.offset 0 is not where the stream is: expected 20"):
+        with pytest.raises(
+            InvalidArgument, match="chunk.offset 0 is not where the stream is: expected 20"
+        ):
             writer.write(0, raw[:4])
         writer.write(20, memoryview(raw)[20:])
     store.promote("w", 1)
@@ -90,10 +102,14 @@ def test_a_second_stream_of_a_shard_being_written_is_refused():
     store.allocate("race", 1, META)
     with store.write("race", 1, 0, torch.float32, 48) as first:
         first.write(0, b"\xaa" * 8)
-        with pytest.raises(Aborted, match="shard_index 0 of 'race' version 1 is being written by another stream"):
+        with pytest.raises(
+            Aborted, match="shard_index 0 of 'race' version 1 is being written by another stream"
+        ):
             with store.write("race", 1, 0, torch.float32, 48):
                 pass
-        with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
+        with pytest.raises(
+            FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"
+        ):
             store.promote("race", 1)
         first.write(8, b"\xaa" * 40)
     store.promote("race", 1)
@@ -116,7 +132,9 @@ def test_install_adds_a_complete_pending_version_checked_against_the_layout():
 def test_a_shard_being_rewritten_cannot_be_promoted():
     """WriteRows changes a pending copy in place; while it does, that shard counts as not fully written."""
     store = ShardStore(0)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 2), TensorProperties(dtype=torch.float32))
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4, 2), TensorProperties(dtype=torch.float32)
+    )
     store.install("t", 1, meta, {0: torch.zeros(4, 2)})
     with store.rewrite("t", 1, 0) as shard:
         shard[1] = 5.0
@@ -134,9 +152,13 @@ def test_an_allocation_overtaken_by_its_drop_is_refused():
     """An abort's DropVersion can reach a rank before the AllocateShards it aborts; versions never come back,
     so the late allocation is refused instead of holding memory nobody will free."""
     store = ShardStore(0)
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata((4, 2), TensorProperties(dtype=torch.float32))
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4, 2), TensorProperties(dtype=torch.float32)
+    )
     assert store.drop("t", 7) == 0  # nothing there yet
-    with pytest.raises(FailedPrecondition, match="was dropped on rank 0 before this allocation arrived"):
+    with pytest.raises(
+        FailedPrecondition, match="was dropped on rank 0 before this allocation arrived"
+    ):
         store.allocate("t", 7, meta)
     with pytest.raises(FailedPrecondition, match="was dropped"):
         store.reserve("t", 7, meta)
@@ -150,7 +172,9 @@ def test_a_reserved_version_is_not_written_by_streams():
     FAILED_PRECONDITION saying so, not an INVALID_ARGUMENT claiming the rank holds no such shard."""
     store = ShardStore(rank=0)
     store.reserve("r", 1, META)
-    with pytest.raises(FailedPrecondition, match="shard_index 0 of tensor 'r' version 1 is reserved"):
+    with pytest.raises(
+        FailedPrecondition, match="shard_index 0 of tensor 'r' version 1 is reserved"
+    ):
         with store.write("r", 1, 0, torch.float32, 48):
             pass
     with pytest.raises(InvalidArgument, match="shard_index 1 of tensor 'r' is not held by rank 0"):
@@ -167,13 +191,17 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
     failing = store.write("t", 1, 0, torch.float32, 48)
     writer = failing.__enter__()
     writer.write(0, twos[:24])
-    with store.rewrite("t", 1, 0) as shard:  # a WriteRows batch of the same shard, done in full meanwhile
+    with store.rewrite(
+        "t", 1, 0
+    ) as shard:  # a WriteRows batch of the same shard, done in full meanwhile
         shard.copy_(torch.ones(3, 4))
     with pytest.raises(InvalidArgument, match="ended after 24 of 48 bytes"):
         failing.__exit__(None, None, None)  # the stream ends early
     with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
         store.promote("t", 1)
-    with store.write("t", 1, 0, torch.float32, 48) as again:  # a retry of the shard alone makes it whole
+    with store.write(
+        "t", 1, 0, torch.float32, 48
+    ) as again:  # a retry of the shard alone makes it whole
         again.write(0, ones)
     store.promote("t", 1)
     assert torch.equal(store.local_tensor("t", 1, 0), torch.ones(3, 4))
@@ -199,8 +227,7 @@ def test_a_request_stream_the_client_ended_is_cancelled_not_internal():
     """grpc raises a bare RpcError from the request iterator of a stream the client cancelled or let time out: it
     is the client's doing (CANCELLED, logged at INFO), not a server failure (INTERNAL with a traceback)."""
     import grpc
-
-    from server.common.errors import status_of
+    from shardserve.server.common.errors import status_of
 
     code, message = status_of(grpc.RpcError())
     assert code == grpc.StatusCode.CANCELLED and "ended the request stream" in message

@@ -1,0 +1,66 @@
+"""shardserve: serve sharded PyTorch tensors over gRPC.
+
+The public API: `connect()` to a cluster, the `spmd` helpers for SPMD jobs, the
+`RemoteEmbedding` / `RemoteEmbeddingBag` modules, and every client exception.
+The folders of the repository map to import names as `client/` ->
+`shardserve.client`, `server/` -> `shardserve.server`, `protos/` ->
+`shardserve.protos` and `shardcore/` -> `shardserve.core`.
+"""
+
+from shardserve.client import (
+    AbortedError,
+    AuthenticationError,
+    BulkReadError,
+    Cluster,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RankStatus,
+    RankUnavailableError,
+    RemoteEmbedding,
+    RemoteEmbeddingBag,
+    RemoteShard,
+    RemoteShardedTensor,
+    RepairProgress,
+    ReshardRefusedError,
+    ResourceExhaustedError,
+    ShardServeError,
+    ShardsLostError,
+    SharedMemoryError,
+    StaleVersionError,
+    TensorExistsError,
+    TensorNotFoundError,
+    TensorSummary,
+    connect,
+    metrics,
+    serve_metrics,
+    spmd,
+)
+
+__all__ = [
+    "connect",
+    "spmd",
+    "Cluster",
+    "RemoteShardedTensor",
+    "RemoteShard",
+    "RemoteEmbedding",
+    "RemoteEmbeddingBag",
+    "RankStatus",
+    "RepairProgress",
+    "TensorSummary",
+    "metrics",
+    "serve_metrics",
+    "ShardServeError",
+    "TensorNotFoundError",
+    "InvalidArgumentError",
+    "TensorExistsError",
+    "StaleVersionError",
+    "ResourceExhaustedError",
+    "AuthenticationError",
+    "RankUnavailableError",
+    "DeadlineExceededError",
+    "AbortedError",
+    "ShardsLostError",
+    "ReshardRefusedError",
+    "SharedMemoryError",
+    "BulkReadError",
+]
