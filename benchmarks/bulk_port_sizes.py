@@ -31,9 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     boxes = [
         (1, 1024),

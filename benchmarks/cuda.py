@@ -63,9 +63,8 @@ def cuda_scenario(ctx: Context) -> list[Row]:
     rows: list[Row] = []
     with ExitStack() as stack:
         cluster = ctx.start_cluster(stack, 1, device="cuda")
-        from shardserve.core.specs import ChunkShardingSpec
-
         from shardserve import connect
+        from shardserve.core.specs import ChunkShardingSpec
 
         grpc_client = stack.enter_context(
             connect(cluster.address, timeout=CALL_TIMEOUT_S, transport="grpc")

@@ -352,9 +352,9 @@ def lookups_scenario(ctx: Context) -> list[Row]:
 )
 def checkpoint_scenario(ctx: Context) -> list[Row]:
     import torch.distributed.checkpoint as dcp
-    from shardserve.server.rank.jobs.checkpoint_reader import RegionReader
 
     from shardserve import connect
+    from shardserve.server.rank.jobs.checkpoint_reader import RegionReader
 
     rows_n = QUICK_ROWS if ctx.quick else ROWS
     source = table(rows_n)

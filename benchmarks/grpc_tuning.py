@@ -33,12 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    from shardserve import connect
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.core.wire import byte_view
     from shardserve.protos import shardserve_pb2 as pb
     from shardserve.server.launcher import LocalCluster
-
-    from shardserve import connect
 
     rows = (args.mib << 20) // (COLUMNS * 4)
     source = torch.randn(rows, COLUMNS)

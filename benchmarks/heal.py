@@ -143,9 +143,8 @@ def run(
     """Start a cluster, put the replicas=2 table, read it from `readers` processes, SIGKILL rank `victim`
     `kill_at` seconds in, and measure until the table is healthy again; the readers go on `after` seconds more
     (everything bounded by `timeout` seconds after the kill)."""
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     report = HealReport(rows, dim, readers)
     data = table(rows, dim, seed=7)

@@ -31,11 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
+    from shardserve import connect
     from shardserve.core.metadata import ShardMetadata
     from shardserve.core.specs import EnumerableShardingSpec
     from shardserve.server.launcher import LocalCluster
-
-    from shardserve import connect
 
     half = ROWS // 2
     spec = EnumerableShardingSpec(

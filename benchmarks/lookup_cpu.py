@@ -79,9 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.ids, args.calls, args.rows) < 1:
         parser.error("--ids, --calls and --rows must be >= 1")
 
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     generator = torch.Generator().manual_seed(1)
     source = torch.randn(args.rows, DIM, generator=generator)

@@ -27,9 +27,8 @@ FETCH_ROWS = ROWS  # the whole table: 64 MiB
 
 def scrape_every(address: str, stop: threading.Event, period_s: float = 1.0) -> threading.Thread:
     """Scrape every metrics endpoint of the cluster at `address` each `period_s` until `stop`."""
-    from shardserve.client.cli.top import take_frame
-
     from shardserve import connect
+    from shardserve.client.cli.top import take_frame
 
     def run() -> None:
         with connect(address) as cluster:
@@ -67,9 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.fetch_rounds < 1:
         parser.error("--rounds and --fetch-rounds must be >= 1")
 
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     table = torch.randn(ROWS, COLUMNS)
     ids = torch.randint(0, ROWS, (64,), generator=torch.Generator().manual_seed(0))

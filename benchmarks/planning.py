@@ -23,6 +23,7 @@ from bisect import bisect_right
 from collections.abc import Callable
 
 import torch
+
 from shardserve.core import (
     ChunkShardingSpec,
     RowIndex,
@@ -75,9 +76,10 @@ def all_pairs(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> int:
 
 def dcp_read_items(src: ShardedTensorMetadata, dst: ShardedTensorMetadata) -> int:
     """PyTorch DCP's load planner for all destination chunks at once."""
-    from shardserve.core.interop import to_dcp_storage_metadata
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from shardserve.core.interop import to_dcp_storage_metadata
 
     storage = to_dcp_storage_metadata(src)
     chunks = [

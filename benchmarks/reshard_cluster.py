@@ -30,10 +30,9 @@ def cluster_times(
 ) -> dict:
     """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report;
     `recycle_bytes` as the ranks' --recycle-bytes (None: their default, 0: recycling off)."""
+    from shardserve import connect
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.server.launcher import LocalCluster
-
-    from shardserve import connect
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
     specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]

@@ -163,6 +163,7 @@ def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]
     """Per case: seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket
     transfer, the write path and whether every shard came back right (one 4-process world for all cases)."""
     import torch.multiprocessing as mp
+
     from shardserve.server.launcher import free_port
 
     ctx = mp.get_context("spawn")

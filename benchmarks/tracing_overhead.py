@@ -53,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     table = torch.randn(ROWS, COLUMNS)
     ids = torch.randint(0, ROWS, (64,), generator=torch.Generator().manual_seed(0))

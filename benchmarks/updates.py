@@ -185,9 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def rates_only(seconds: float) -> dict:
     """The update rates with 1 and 4 writers, each measured twice (the host's load moves single runs)."""
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     with (
         tempfile.TemporaryDirectory() as state,
@@ -207,9 +206,8 @@ def rates_only(seconds: float) -> dict:
 
 def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
     """Update cost by table size, update rates, and lookups with and without updates."""
-    from shardserve.server.launcher import LocalCluster
-
     from shardserve import connect
+    from shardserve.server.launcher import LocalCluster
 
     results: dict = {"sizes_mib": sizes}
     with (

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
 from shardserve.client.errors import InvalidArgumentError
 
 MAX_SECONDS = 365 * 86400.0  # longer deadlines overflow gRPC's clock arithmetic (and mean "never")

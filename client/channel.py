@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import grpc
+
 from shardserve.client.errors import ShardServeError, error_from_rpc
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from shardserve.client import arguments
 from shardserve.client.channel import (
     CHUNK_BYTES,

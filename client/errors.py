@@ -1,4 +1,5 @@
-"""Client exceptions: one class per gRPC status code, keeping the server's message.
+"""Client exceptions: one class per gRPC status code (and per reason where callers act on it), keeping the
+server's message, its ErrorInfo reason and metadata.
 
 Each class also subclasses the built-in exception a Python caller expects
 (KeyError for an unknown tensor, ValueError for bad input, ...), so callers can
@@ -7,19 +8,36 @@ catch either the shardserve class or the built-in one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
+
+from shardserve.protos.errors import ErrorDetail, Reason, error_detail_of
 
 
 class ShardServeError(Exception):
-    """Base of every error raised by the shardserve client."""
+    """Base of every error raised by the shardserve client: `code` (the gRPC status), `reason` (the
+    ErrorInfo reason the server gave, shardserve.protos.errors.Reason) and `metadata` (tensor, rank,
+    field ...); retries key on `reason`."""
 
     code: grpc.StatusCode | None = None
+    reason: Reason | None = None
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        code: grpc.StatusCode | None = None,
+        *,
+        reason: Reason | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        if reason is not None:
+            self.reason = reason
+        self.metadata: dict[str, str] = dict(metadata or {})
 
     def __str__(self) -> str:  # KeyError would otherwise print repr(message)
         return self.message
@@ -29,71 +47,99 @@ class TensorNotFoundError(ShardServeError, KeyError):
     """No tensor of that name (NOT_FOUND)."""
 
     code = grpc.StatusCode.NOT_FOUND
+    reason = Reason.TENSOR_NOT_FOUND
 
 
 class InvalidArgumentError(ShardServeError, ValueError):
     """A request field is malformed or out of range (INVALID_ARGUMENT); the message names it."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = Reason.INVALID_ARGUMENT
 
 
 class TensorExistsError(ShardServeError, ValueError):
     """A tensor of that name already exists and overwrite was not asked for (ALREADY_EXISTS)."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
+    reason = Reason.TENSOR_EXISTS
 
 
-class StaleVersionError(ShardServeError):
-    """The version the client holds is no longer served (FAILED_PRECONDITION)."""
+class PreconditionError(ShardServeError):
+    """The tensor or cluster is not in the state the call needs (FAILED_PRECONDITION); `reason` says which
+    (INVALID_STATE, WRITE_INCOMPLETE, WORLD_MISMATCH, EPOCH_ENDED, STALE_VERSION)."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.INVALID_STATE
+
+
+class StaleVersionError(PreconditionError):
+    """The version the client holds is no longer served (FAILED_PRECONDITION, STALE_VERSION)."""
+
+    reason = Reason.STALE_VERSION
 
 
 class ResourceExhaustedError(ShardServeError):
-    """A request is over a configured byte or memory limit (RESOURCE_EXHAUSTED)."""
+    """A request is over a limit (RESOURCE_EXHAUSTED); `reason` says which: QUOTA_EXCEEDED, MEMORY_LIMIT,
+    DISK_FULL, REQUEST_TOO_LARGE or OVERLOADED."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.OVERLOADED
 
 
 class AuthenticationError(ShardServeError, PermissionError):
-    """Missing or wrong token (UNAUTHENTICATED or PERMISSION_DENIED)."""
+    """Missing or wrong token (UNAUTHENTICATED)."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+    reason = Reason.UNAUTHENTICATED
+
+
+class PermissionDeniedError(ShardServeError, PermissionError):
+    """The caller is known but not allowed (PERMISSION_DENIED): its role lacks the right, or the tensor is
+    outside its patterns; `metadata` names the principal and the tensor or right."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = Reason.PERMISSION_DENIED
 
 
 class RankUnavailableError(ShardServeError, ConnectionError):
-    """A coordinator or rank cannot be reached (UNAVAILABLE)."""
+    """A coordinator or rank cannot be reached, or is hung, partitioned or restoring (UNAVAILABLE,
+    RANK_UNAVAILABLE): retryable."""
 
     code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.RANK_UNAVAILABLE
 
 
 class ShardsLostError(RankUnavailableError):
-    """A read needs a box with no live copy (DATA_LOSS): every rank holding it is dead or lost it (restarted
-    empty). `boxes` are the lost boxes the read touches as (offsets, sizes), `ranks` the ranks that held them.
-    Other boxes of the tensor stay readable; a new put (overwrite) or a repair brings the box back. Also a
-    RankUnavailableError (and so a ConnectionError), which is what such a read raised before boxes were
-    tracked."""
+    """A read needs a box with no live copy (DATA_LOSS, SHARDS_LOST): every rank holding it is dead or lost it
+    (restarted empty). `boxes` are the lost boxes the read touches as (offsets, sizes), `ranks` the ranks that
+    held them. Other boxes of the tensor stay readable; a new put (overwrite) or a repair brings the box back.
+    Never retried. Also a RankUnavailableError (and so a ConnectionError)."""
 
     code = grpc.StatusCode.DATA_LOSS
+    reason = Reason.SHARDS_LOST
 
     def __init__(
         self,
         message: str,
         code: grpc.StatusCode | None = None,
+        *,
+        reason: Reason | None = None,
+        metadata: Mapping[str, str] | None = None,
         boxes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = (),
         ranks: tuple[int, ...] = (),
     ) -> None:
-        super().__init__(message, code)
+        super().__init__(message, code, reason=reason, metadata=metadata)
         self.boxes = boxes
         self.ranks = ranks
 
 
 class AbortedError(ShardServeError):
-    """The coordinator gave the call up over other work (ABORTED): the tensor stayed busy in a reshard or
-    checkpoint past the wait (retry once it has ended), or a collective job failed on a rank; the message says
-    which."""
+    """The coordinator gave the call up over other work (ABORTED): `reason` TENSOR_BUSY when the tensor stayed
+    busy in a reshard or checkpoint past the wait (retry once it has ended), JOB_FAILED when a collective job
+    failed on a rank; the message says which."""
 
     code = grpc.StatusCode.ABORTED
+    reason = Reason.TENSOR_BUSY
 
 
 class DeadlineExceededError(ShardServeError, TimeoutError):
@@ -102,15 +148,20 @@ class DeadlineExceededError(ShardServeError, TimeoutError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+_BY_REASON: dict[Reason, type[ShardServeError]] = {
+    Reason.STALE_VERSION: StaleVersionError,
+    Reason.SHARDS_LOST: ShardsLostError,
+}
+
 _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
     grpc.StatusCode.NOT_FOUND: TensorNotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
     grpc.StatusCode.ALREADY_EXISTS: TensorExistsError,
-    grpc.StatusCode.FAILED_PRECONDITION: StaleVersionError,
+    grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthenticationError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNAVAILABLE: RankUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.ABORTED: AbortedError,
@@ -118,19 +169,31 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
 }
 
 
+def error_class(code: grpc.StatusCode | None, reason: Reason | None) -> type[ShardServeError]:
+    """The exception class for a status: by reason where one has its own class, else by code."""
+    if reason is not None and reason in _BY_REASON:
+        return _BY_REASON[reason]
+    return _BY_CODE.get(code, ShardServeError) if code is not None else ShardServeError
+
+
 def error_from_status(
-    code: grpc.StatusCode | None, details: str | None, where: str = ""
+    code: grpc.StatusCode | None,
+    details: str | None,
+    where: str = "",
+    *,
+    detail: ErrorDetail | None = None,
 ) -> ShardServeError:
-    """The client exception for a gRPC status, keeping the server's message."""
+    """The client exception for a gRPC status and its ErrorInfo `detail`, keeping the server's message."""
     message = details or (code.name if code is not None else "unknown error")
     if where and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         message = f"{where}: {message}"
-    cls = _BY_CODE.get(code, ShardServeError) if code is not None else ShardServeError
-    return cls(message, code)
+    detail = detail or ErrorDetail(None)
+    cls = error_class(code, detail.reason)
+    return cls(message, code, reason=detail.reason, metadata=detail.metadata)
 
 
 def error_from_rpc(err: grpc.RpcError, where: str = "") -> ShardServeError:
     """The client exception for a failed gRPC call (`where` names the peer for connection errors)."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
-    return error_from_status(code, details, where)
+    return error_from_status(code, details, where, detail=error_detail_of(err))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.core.metadata import Box
 
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from shardserve.client.errors import ShardServeError
 from shardserve.core.health import LayoutHealth, layout_health
 from shardserve.core.metadata import ShardedTensorMetadata

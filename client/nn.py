@@ -11,11 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
+
 from shardserve.client.arguments import tensor_name
 from shardserve.client.cluster import Cluster
 from shardserve.client.embedding.ids import POOLINGS, as_ids
 from shardserve.client.errors import InvalidArgumentError
-from torch import nn
 
 
 class RemoteEmbedding(nn.Module):

@@ -5,7 +5,7 @@ A read names the version its metadata is at; when a rank no longer serves it
 a result never mixes versions. Writers may publish several versions while one
 read is in flight (ranks keep a replaced version readable for their
 --version-grace, so this is rare), so the read is retried until its deadline
-(the client's timeout) while the error is StaleVersionError, MIN_ATTEMPTS times for the other retryable
+(the client's timeout) while the error's reason is STALE_VERSION, MIN_ATTEMPTS times for the other retryable
 errors (a rank gone, the tensor not found): at once when a refresh
 brings a newer version, and after a pause (SAME_VERSION_PAUSE_S, doubling up
 to MAX_PAUSE_S) when it brings the same one, as a new version is READY in the
@@ -21,20 +21,27 @@ from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 from shardserve.client import counters
-from shardserve.client.errors import (
-    RankUnavailableError,
-    ShardsLostError,
-    StaleVersionError,
-    TensorNotFoundError,
-)
+from shardserve.client.errors import ShardServeError
+from shardserve.protos.errors import Reason
 
 T = TypeVar("T")
 
-RETRYABLE = (StaleVersionError, TensorNotFoundError, RankUnavailableError)
+# Retried until the deadline: a newer version is being promoted (the refresh finds it).
+RETRY_UNTIL_DEADLINE = frozenset({Reason.STALE_VERSION})
+# Retried MIN_ATTEMPTS times after a refresh: a rank gone (another copy, or it comes back), a name not found
+# (deleted and put again meanwhile). SHARDS_LOST and every other reason are raised at once.
+RETRY_A_FEW = frozenset({Reason.RANK_UNAVAILABLE, Reason.TENSOR_NOT_FOUND})
 MIN_ATTEMPTS = 5
 DEFAULT_DEADLINE_S = 30.0
 SAME_VERSION_PAUSE_S = 0.05  # then 0.1, 0.2, 0.2, ...
 MAX_PAUSE_S = 0.2
+
+
+def retryable(err: ShardServeError, *, tries: int, past_deadline: bool) -> bool:
+    """Whether a read that failed with `err` on its `tries`-th attempt is tried again, by its reason."""
+    if err.reason in RETRY_UNTIL_DEADLINE:
+        return tries < MIN_ATTEMPTS or not past_deadline
+    return err.reason in RETRY_A_FEW and tries < MIN_ATTEMPTS
 
 
 def read_with_refresh(
@@ -52,12 +59,8 @@ def read_with_refresh(
         tries += 1
         try:
             return attempt()
-        except ShardsLostError:
-            raise  # no live copy: asking again does not bring one back
-        except RETRYABLE as err:
-            if tries >= MIN_ATTEMPTS and (
-                not isinstance(err, StaleVersionError) or time.monotonic() >= give_up
-            ):
+        except ShardServeError as err:
+            if not retryable(err, tries=tries, past_deadline=time.monotonic() >= give_up):
                 raise
             counters.count("retries")
             versions = refresh()

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
+
 from shardserve.client import arguments
 from shardserve.client.channel import Channel
 from shardserve.client.errors import (
@@ -91,12 +92,12 @@ class Session:
         request: Any,
         work_timeout: float,
         report: Callable[[Any], None],
-        refused: Callable[[str], ShardServeError] | None = None,
+        refused: Callable[[ShardServeError], ShardServeError] | None = None,
     ) -> list[Any]:
         """The coordinator's progress stream `method`: report(message) for every message, in order; returns them.
 
-        The stream's deadline is `work_timeout` plus slack for the coordinator's own steps; a FAILED_PRECONDITION
-        becomes refused(details) when given. The call is cancelled however it ends (Ctrl-C in `report` too),
+        The stream's deadline is `work_timeout` plus slack for the coordinator's own steps; an error is raised
+        as `refused(error)` returns it, when given. The call is cancelled however it ends (Ctrl-C in `report` too),
         which aborts the work on the coordinator."""
         self.check_open()
         call = getattr(self._coordinator, method)(
@@ -108,9 +109,8 @@ class Session:
                 messages.append(message)
                 report(message)
         except grpc.RpcError as err:
-            if refused is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise refused(err.details()) from None
-            raise error_from_rpc(err, f"coordinator at {self.address}") from None
+            error = error_from_rpc(err, f"coordinator at {self.address}")
+            raise (refused(error) if refused is not None else error) from None
         finally:
             call.cancel()
         return messages

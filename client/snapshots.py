@@ -10,6 +10,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
 from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.ops.snapshots import SnapshotSummary
 from shardserve.client.session import Session

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from shardserve.client import arguments
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from shardserve.client import counters
 from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.errors import InvalidArgumentError

@@ -17,9 +17,10 @@ KIND_READ, KIND_LOOKUP = (
 KIND_WRITE = 3  # a WriteShardsRequest, its shards' bytes after it (answer: a WriteShardsResponse)
 KIND_READS = 4  # a ReadRegionsRequest (answer: a ReadRegionsReply)
 MAX_REQUEST_BYTES = 8 << 20  # one request frame (a lookup of ~1M ids)
-HEADER = struct.Struct(
-    "<IIQ"
-)  # before each answer: status (gRPC code, 0 = OK), reserved (0), length
+# Before each answer: status (gRPC code, 0 = OK), body kind (0, or STATUS_BODY for an error whose body
+# is a serialized google.rpc.Status with its ErrorInfo), length.
+HEADER = struct.Struct("<IIQ")
+STATUS_BODY = 1
 _MAX_IOV = 1024  # buffers per sendmsg (Linux IOV_MAX)
 _JOIN_UNDER = (
     256 << 10

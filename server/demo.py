@@ -20,6 +20,7 @@ from shardserve.protos import shardserve_pb2 as pb
 
 if TYPE_CHECKING:
     import torch
+
     from shardserve.server.coordinator.lifecycle import Coordinator
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> str:
 def load_demo(coordinator: Coordinator, state_dir: str | Path) -> pb.TensorInfo:
     """Write the demo checkpoint if needed and load it as "demo", row-wise over every rank."""
     import torch
+
     from shardserve.core.metadata import TensorProperties
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.core.wire import metadata_to_proto

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from shardserve.core.routing import unique_ids
 
 OOV_POLICIES: tuple[str, ...] = ("error", "zero", "default")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.planner import Bucket, ReshardPlan, Transfer
 from shardserve.core.regions import local_view

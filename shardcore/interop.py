@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
 from shardserve.core.metadata import (
     Box,
     RemoteDevice,

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from shardserve.core.dtypes import dtype_to_wire, itemsize
 
 _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only

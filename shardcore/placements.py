@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.core.specs import chunk_bound
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 
 import torch
+
 from shardserve.core.health import pick_copy
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from shardserve.core.health import pick_copy
 from shardserve.core.metadata import ShardedTensorMetadata
 

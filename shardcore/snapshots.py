@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from shardserve.core.metadata import Box, ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.core.regions import intersect
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import torch
+
 from shardserve.core.dtypes import dtype_from_wire, dtype_to_wire
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb

@@ -1,7 +1,8 @@
 """shardserve: serve sharded PyTorch tensors over gRPC.
 
 The public API: `connect()` to a cluster, the `spmd` helpers for SPMD jobs, the
-`RemoteEmbedding` / `RemoteEmbeddingBag` modules, and every client exception.
+`RemoteEmbedding` / `RemoteEmbeddingBag` modules, every client exception and the `Reason` an
+exception's `.reason` holds.
 The folders of the repository map to import names as `client/` ->
 `shardserve.client`, `server/` -> `shardserve.server`, `protos/` ->
 `shardserve.protos` and `shardcore/` -> `shardserve.core`.
@@ -14,6 +15,8 @@ from shardserve.client import (
     Cluster,
     DeadlineExceededError,
     InvalidArgumentError,
+    PermissionDeniedError,
+    PreconditionError,
     RankStatus,
     RankUnavailableError,
     RemoteEmbedding,
@@ -35,9 +38,11 @@ from shardserve.client import (
     serve_metrics,
     spmd,
 )
+from shardserve.protos.errors import Reason
 
 __all__ = [
     "connect",
+    "Reason",
     "spmd",
     "Cluster",
     "RemoteShardedTensor",
@@ -56,6 +61,8 @@ __all__ = [
     "StaleVersionError",
     "ResourceExhaustedError",
     "AuthenticationError",
+    "PermissionDeniedError",
+    "PreconditionError",
     "RankUnavailableError",
     "DeadlineExceededError",
     "AbortedError",

@@ -7,6 +7,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+
 from shardserve.server.common.auth import TlsFiles
 from shardserve.server.launcher import LocalCluster
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata
 from shardserve.core.specs import EnumerableShardingSpec
 

@@ -6,12 +6,16 @@ import socket
 
 import grpc
 import torch
+from google.rpc import status_pb2
+from grpc_status.rpc_status import GRPC_DETAILS_METADATA_KEY as GRPC_DETAILS_KEY
 from reference import shards_of
+
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.errors import ErrorDetail, detail_of_status
 
 TIMEOUT = 30.0
 OPTIONS = [
@@ -239,11 +243,15 @@ def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
 
 
 class Aborted(Exception):
-    """What ServicerContext.abort raises: a servicer called in-process refused the request."""
+    """What ServicerContext.abort raises: a servicer called in-process refused the request. `reason` and
+    `metadata` are those of the status's ErrorInfo (None and {} for a plain abort)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, details: str, detail: ErrorDetail = ErrorDetail(None)
+    ) -> None:
         super().__init__(f"{code.name}: {details}")
         self.code, self.details = code, details
+        self.reason, self.metadata = detail.reason, detail.metadata
 
 
 class ServicerContext:
@@ -251,6 +259,10 @@ class ServicerContext:
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise Aborted(code, details)
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        proto = status_pb2.Status.FromString(dict(status.trailing_metadata)[GRPC_DETAILS_KEY])
+        raise Aborted(status.code, status.details, detail_of_status(proto))
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:4242"

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import IO
 
 import grpc
+
+from shardserve import ShardServeError
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.launcher import PROJECT_ROOT
-
-from shardserve import ShardServeError
 
 
 @functools.cache

@@ -247,6 +247,7 @@ def _human_bytes(n: int) -> str:
 def _status(cluster) -> None:
     from rich.console import Console
     from rich.table import Table
+
     from shardserve.client.info import health_summary, layout_summary
     from shardserve.core.dtypes import dtype_name
 
@@ -379,6 +380,7 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
         TimeElapsedColumn,
         TransferSpeedColumn,
     )
+
     from shardserve.client.info import layout_summary
     from shardserve.client.ops.reshard import layout_from_options
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
 from shardserve.protos import shardserve_pb2 as pb
 
 SCRAPE_TIMEOUT_S = 2.0

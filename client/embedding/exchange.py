@@ -19,6 +19,7 @@ from functools import partial
 
 import grpc
 import torch
+
 from shardserve.client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
 from shardserve.client.errors import RankUnavailableError, ShardServeError, StaleVersionError
 from shardserve.client.paths.grpc import answers_in_one_message

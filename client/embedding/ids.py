@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.client.arguments import dense_tensor
 from shardserve.client.embedding.views import TableView
 from shardserve.client.errors import InvalidArgumentError

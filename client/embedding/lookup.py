@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
 from shardserve.client import counters
 from shardserve.client.embedding.exchange import CPU_TURN, call_ranks, send_calls
 from shardserve.client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype

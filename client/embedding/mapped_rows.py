@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+
 from shardserve.client.embedding.views import TableView
 from shardserve.client.errors import RankUnavailableError, StaleVersionError
 from shardserve.client.paths.shm import HostMapping, SharedMemoryError

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.client.embedding.ids import BagRequest
 from shardserve.client.embedding.views import TableView
 from shardserve.core.embedding import PartialBags, accumulation_dtype, bag_subset

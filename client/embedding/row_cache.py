@@ -13,6 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
 from shardserve.client import counters
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+
 from shardserve.client.arguments import dense_tensor
 from shardserve.client.embedding.row_cache import RowCache
 from shardserve.client.errors import InvalidArgumentError, StaleVersionError

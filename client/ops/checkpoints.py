@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import torch
+
 from shardserve.client import arguments
 from shardserve.client.errors import InvalidArgumentError, ShardServeError, TensorNotFoundError
 from shardserve.client.info import TensorSummary

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import torch
+
 from shardserve.client import arguments
 from shardserve.client.errors import InvalidArgumentError, ShardServeError
 from shardserve.client.info import TensorSummary
@@ -25,6 +25,7 @@ from shardserve.core.placements import Replicate, Shard, metadata_from_placement
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
 
 DEFAULT_TIMEOUT_S = 300.0
 PHASES = {
@@ -36,9 +37,12 @@ PHASES = {
 
 
 class ReshardRefusedError(ShardServeError, RuntimeError):
-    """The coordinator refused or could not finish a reshard (FAILED_PRECONDITION): one is running, a rank is down."""
+    """The coordinator refused or could not finish a reshard: one is running (TENSOR_BUSY), a rank is down
+    (RankUnavailableError instead), a box has no live copy (SHARDS_LOST) or a promotion is unfinished; `reason`
+    says which."""
 
-    code = grpc.StatusCode.FAILED_PRECONDITION
+
+REFUSED_REASONS = frozenset({Reason.TENSOR_BUSY, Reason.SHARDS_LOST, Reason.INVALID_STATE})
 
 
 @dataclass(frozen=True)
@@ -102,8 +106,11 @@ def reshard(
     return TensorSummary.from_proto(done[-1].tensor)
 
 
-def _refused(details: str) -> ReshardRefusedError:
-    return ReshardRefusedError(details or "reshard refused", grpc.StatusCode.FAILED_PRECONDITION)
+def _refused(err: ShardServeError) -> ShardServeError:
+    """`err` as a ReshardRefusedError when its reason is one a reshard is refused for."""
+    if err.reason not in REFUSED_REASONS:
+        return err
+    return ReshardRefusedError(err.message, err.code, reason=err.reason, metadata=err.metadata)
 
 
 def layout_from_options(

@@ -35,6 +35,7 @@ from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+
 from shardserve.client.embedding.ids import validate_update
 from shardserve.client.embedding.views import TableView, TableViews
 from shardserve.client.errors import AbortedError, ShardServeError

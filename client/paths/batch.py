@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+
 from shardserve.client import counters
 from shardserve.client.errors import (
     DeadlineExceededError,

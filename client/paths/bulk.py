@@ -24,11 +24,15 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
+
 from shardserve.client.channel import Channel
 from shardserve.client.errors import (
     DeadlineExceededError,
@@ -49,9 +53,11 @@ from shardserve.protos.bulk_wire import (
     KIND_READS,
     KIND_WRITE,
     MAX_REQUEST_BYTES,
+    STATUS_BODY,
     recv_exactly,
     send_parts,
 )
+from shardserve.protos.errors import detail_of_status
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8  # idle connections kept per rank
@@ -64,6 +70,26 @@ _PATH_FAILURES = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAVAILABLE,
 )
+
+
+@dataclass(frozen=True)
+class _ErrorAnswer:
+    """The header of an error answer: its gRPC code, the kind of body that follows and its length."""
+
+    status: int
+    body_kind: int
+    length: int
+
+
+def _error_of(code: grpc.StatusCode, body_kind: int, body: bytes, where: str) -> ShardServeError:
+    """The client exception for an error answer's body: a google.rpc.Status (STATUS_BODY) or plain text."""
+    if body_kind == STATUS_BODY:
+        try:
+            status = status_pb2.Status.FromString(body)
+        except DecodeError:
+            return error_from_status(code, "undecodable error status", where)
+        return error_from_status(code, status.message, where, detail=detail_of_status(status))
+    return error_from_status(code, body.decode("utf-8", "replace"), where)
 
 
 class BulkReadError(ShardServeError):
@@ -358,9 +384,10 @@ class BulkPath:
             raise _NothingReceived(str(err)) from None
         try:
             recv_exactly(sock, memoryview(header)[first:], deadline)
-            status, _, length = HEADER.unpack(header)
+            status, body_kind, length = HEADER.unpack(header)
             if status:
-                self._raise_status(connection, address, status, length, deadline)
+                answer = _ErrorAnswer(status, body_kind, length)
+                self._raise_status(connection, address, answer, deadline)
             result = receive(sock, length, deadline)
         except OSError as err:
             sock.close()
@@ -373,16 +400,16 @@ class BulkPath:
         return result
 
     def _raise_status(
-        self, connection: _Connection, address: str, status: int, length: int, deadline: float
+        self, connection: _Connection, address: str, answer: _ErrorAnswer, deadline: float
     ) -> None:
-        """Read the error message that follows a non-OK header and raise it (the connection stays usable
-        after an error about the request)."""
+        """Read the error (a google.rpc.Status) that follows a non-OK header and raise it (the connection stays
+        usable after an error about the request)."""
         where = f"rank at {address}"
-        message = bytearray(min(length, MAX_ERROR_BYTES))
-        recv_exactly(connection.sock, memoryview(message), deadline)
-        code = _STATUS_BY_VALUE.get(status, grpc.StatusCode.UNKNOWN)
-        error = error_from_status(code, message.decode("utf-8", "replace"), where)
-        if code in _PATH_FAILURES or length > MAX_ERROR_BYTES:
+        body = bytearray(min(answer.length, MAX_ERROR_BYTES))
+        recv_exactly(connection.sock, memoryview(body), deadline)
+        code = _STATUS_BY_VALUE.get(answer.status, grpc.StatusCode.UNKNOWN)
+        error = _error_of(code, answer.body_kind, bytes(body), where)
+        if code in _PATH_FAILURES or answer.length > MAX_ERROR_BYTES:
             raise BulkReadError(f"{where}: {error.message}", code)
         self._give_back(address, connection)
         raise error

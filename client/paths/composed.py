@@ -16,6 +16,7 @@ import os
 import weakref
 
 import torch
+
 from shardserve.protos import shardserve_pb2 as pb
 
 MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000

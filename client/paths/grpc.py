@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+
 from shardserve.client.channel import Channel
 from shardserve.client.errors import ShardServeError, error_from_rpc
 from shardserve.client.paths.hedging import Cancellation

@@ -31,6 +31,7 @@ from functools import partial
 from typing import TypeVar
 
 import torch
+
 from shardserve.client.channel import Channel
 from shardserve.client.errors import RankUnavailableError, ShardsLostError
 from shardserve.client.info import RankStatus, TensorSummary

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+
 from shardserve.client.channel import Channel
 from shardserve.client.errors import (
     ResourceExhaustedError,

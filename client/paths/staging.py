@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 import torch
+
 from shardserve.client.paths.writes import ShardWrite
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb

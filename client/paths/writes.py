@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from shardserve.client.channel import CHUNK_BYTES
 from shardserve.client.info import RankStatus
 from shardserve.core.dtypes import dtype_to_wire

@@ -18,6 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from shardserve.server.common.errors import (
+    PermissionDenied,
+    ServiceError,
+    Unauthenticated,
+    abort_for,
+)
 from shardserve.server.common.principals import (
     ADMIN,
     ANONYMOUS_ADMIN,
@@ -123,14 +130,6 @@ ACCESS_RULES: dict[str, Rule] = {
 }
 
 
-class Denied(Exception):
-    """A call refused: its status code and the message naming the principal and the missing right."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass(frozen=True)
 class AccessPolicy:
     """How a server authenticates callers: client principals (None: no client auth, every client is an
@@ -154,58 +153,51 @@ class AccessPolicy:
         return self.authenticate("")
 
     def authenticate(self, authorization: str) -> Principal:
-        """The principal an "authorization" value stands for; Denied(UNAUTHENTICATED) when it stands for none."""
+        """The principal an "authorization" value stands for; Unauthenticated when it stands for none."""
         if authorization.startswith(CLUSTER_SCHEME):
             if self.cluster is not None and self.cluster.matches(
                 authorization[len(CLUSTER_SCHEME) :]
             ):
                 return CLUSTER_MEMBER
-            raise Denied(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong cluster credential in the 'authorization' metadata",
-            )
+            raise Unauthenticated("wrong cluster credential in the 'authorization' metadata")
         if self.principals is None:
             return ANONYMOUS_ADMIN
         if not authorization:
-            raise Denied(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing bearer token in the 'authorization' metadata",
-            )
+            raise Unauthenticated("missing bearer token in the 'authorization' metadata")
         principal = (
             self.principals.find(authorization[len(BEARER) :])
             if authorization.startswith(BEARER)
             else None
         )
         if principal is None:
-            raise Denied(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "wrong bearer token in the 'authorization' metadata (no principal holds it)",
+            raise Unauthenticated(
+                "wrong bearer token in the 'authorization' metadata (no principal holds it)"
             )
         return principal
 
     def authorize(self, principal: Principal, method: str, rule: Rule | None) -> None:
-        """Denied(PERMISSION_DENIED) naming the principal and the right it lacks for `method`."""
+        """PermissionDenied naming the principal and the right it lacks for `method`."""
         if rule is None:
-            raise Denied(grpc.StatusCode.PERMISSION_DENIED, f"{method} has no access rule; refused")
+            raise PermissionDenied(f"{method} has no access rule; refused")
         if rule.right == CLUSTER and self.cluster is None and self.cluster_cert is None:
             return
         if not principal.may(rule.right):
-            raise Denied(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise PermissionDenied(
                 f"principal {principal.name!r} (role "
                 f"{principal.role}) lacks the '{rule.right}' right that {_short(method)} needs",
+                metadata={"principal": principal.name, "right": rule.right},
             )
 
 
 def check_tensor(principal: Principal, method: str, tensor: str | Sequence[str] | None) -> None:
-    """Denied(PERMISSION_DENIED) when `principal`'s tensor patterns do not cover the tensor (or every tensor of
+    """PermissionDenied when `principal`'s tensor patterns do not cover the tensor (or every tensor of
     a batch) it writes."""
     for name in [tensor] if isinstance(tensor, str) else tensor or ():
         if not principal.may_write(name):
-            raise Denied(
-                grpc.StatusCode.PERMISSION_DENIED,
+            raise PermissionDenied(
                 f"principal {principal.name!r} lacks the 'write' right "
                 f"on tensor {name!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})",
+                metadata={"principal": principal.name, "tensor": name},
             )
 
 
@@ -249,9 +241,9 @@ class AccessInterceptor(grpc.ServerInterceptor):
         try:
             principal = self.policy.authenticate(authorization)
             self.policy.authorize(principal, method, rule)
-        except Denied as denied:
+        except ServiceError as denied:
             log.warning("refused %s: %s", method, denied)
-            return denying_handler(handler, denied.code, str(denied))
+            return denying_handler(handler, denied)
         if handler is None:
             return None
         return self._admitted(handler, principal, method, rule)
@@ -266,9 +258,9 @@ class AccessInterceptor(grpc.ServerInterceptor):
             try:
                 principal = self.policy.authenticate_peer(context.auth_context())
                 self.policy.authorize(principal, method, rule)
-            except Denied as denied:
+            except ServiceError as denied:
                 log.warning("refused %s: %s", method, denied)
-                context.abort(denied.code, str(denied))
+                abort_for(context, method, denied)
             return behavior_of(self._admitted(handler, principal, method, rule))(request, context)
 
         return replace_behavior(handler, run)
@@ -295,9 +287,9 @@ def _checking_tensor(
         if rule.tensor is not None:
             try:
                 check_tensor(principal, method, tensor)
-            except Denied as denied:
+            except ServiceError as denied:
                 log.warning("refused %s: %s", method, denied)
-                context.abort(denied.code, str(denied))
+                abort_for(context, method, denied)
         if rule.logged:
             target = tensor if tensor is not None else getattr(request, "path", "")
             log.info(
@@ -375,12 +367,12 @@ def replace_behavior(
 
 
 def denying_handler(
-    handler: grpc.RpcMethodHandler | None, code: grpc.StatusCode, message: str
+    handler: grpc.RpcMethodHandler | None, denied: ServiceError
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that answers `code` with `message`."""
+    """A handler of the same kind as `handler` that answers with the status of `denied`."""
 
     def deny(request: Any, context: grpc.ServicerContext) -> None:
-        context.abort(code, message)
+        abort_for(context, "", denied)
 
     if handler is None:
         return grpc.unary_unary_rpc_method_handler(deny)

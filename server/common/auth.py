@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
 from shardserve.server.common.access import CLUSTER_SCHEME, AccessPolicy
 from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from shardserve.server.common.tracing import traced_channel

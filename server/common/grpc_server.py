@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from shardserve.server.common.access import AccessInterceptor
 from shardserve.server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
 from shardserve.server.common.metrics import MetricsInterceptor, ServerMetrics

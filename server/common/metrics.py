@@ -20,6 +20,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
 from shardserve.server.common.access import replace_behavior
 
 LATENCY_BUCKETS = (

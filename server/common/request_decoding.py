@@ -14,6 +14,9 @@ from typing import Any
 
 import grpc
 
+from shardserve.protos.errors import Reason
+from shardserve.server.common.errors import abort
+
 
 class _Undecodable:
     """What a request that did not decode becomes: the reason, for the status message."""
@@ -77,7 +80,12 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                request.reason,
+                reason=Reason.INVALID_ARGUMENT,
+            )
         return behavior(request, context)
 
     make = (
@@ -91,5 +99,10 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     for request in requests:
         if isinstance(request, _Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                request.reason,
+                reason=Reason.INVALID_ARGUMENT,
+            )
         yield request

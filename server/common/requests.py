@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from shardserve.core.dtypes import dtype_from_wire, dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.validation import validate_metadata

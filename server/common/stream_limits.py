@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from shardserve.protos.errors import Reason
 from shardserve.server.common.access import replace_behavior
+from shardserve.server.common.errors import abort
 from shardserve.server.common.principals import ANONYMOUS, CLUSTER_PRINCIPAL, Principal
 
 log = logging.getLogger(__name__)
@@ -171,7 +174,13 @@ class StreamLimits:
             else f"too many streaming calls: this server runs {self._running} of its {self.settings.max_streams}"
         )
         log.warning("refused %s: %s", method, message)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message + "; retry later")
+        abort(
+            context,
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            message + "; retry later",
+            reason=Reason.OVERLOADED,
+            metadata={"peer": key},
+        )
 
     def release_slot(self, key: str, entry: _Watched | None) -> None:
         with self._lock:

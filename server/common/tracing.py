@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+
 from shardserve.protos.trace_context import UNTRACED_METHODS
 
 log = logging.getLogger(__name__)

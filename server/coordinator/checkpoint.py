@@ -38,9 +38,10 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
+    InvalidState,
     NotFound,
+    TensorBusy,
     Unavailable,
 )
 from shardserve.server.common.requests import check_name, parse_metadata
@@ -271,7 +272,7 @@ class CheckpointDriver:
         timeout_s = self._timeout(request.timeout_s)
         names = list(request.names) or [info.name for info in self.catalog.list()]
         if not names:
-            raise FailedPrecondition("there is no tensor to save")
+            raise InvalidState("there is no tensor to save")
         if len(set(names)) != len(names):
             raise InvalidArgument("names holds duplicates")
         for i, name in enumerate(names):
@@ -293,7 +294,7 @@ class CheckpointDriver:
                     raise NotFound(f"tensor {name!r} not found")
                 infos.append(info)
             if any(info.promoting for info in infos):
-                raise FailedPrecondition(
+                raise TensorBusy(
                     f"tensor {next(i.name for i in infos if i.promoting)!r}: its last "
                     f"reshard's promotion is unfinished on some rank; save once it is done"
                 )

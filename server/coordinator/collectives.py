@@ -22,7 +22,9 @@ import time
 from collections.abc import Callable, Generator, Sequence
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.tracing import carry_context
 from shardserve.server.coordinator.metrics import JobTracker
@@ -43,9 +45,18 @@ class CollectiveJobError(ServiceError):
     """A collective job failed; `culprits` are the ranks that are down or hung (empty: a plain failure)."""
 
     code = grpc.StatusCode.ABORTED
+    reason = Reason.JOB_FAILED
 
     def __init__(self, message: str, culprits: Sequence[int] = ()) -> None:
-        super().__init__(message, grpc.StatusCode.UNAVAILABLE if culprits else None)
+        if culprits:
+            super().__init__(
+                message,
+                grpc.StatusCode.UNAVAILABLE,
+                reason=Reason.RANK_UNAVAILABLE,
+                metadata={"ranks": ",".join(map(str, culprits))},
+            )
+        else:
+            super().__init__(message)
         self.culprits = tuple(culprits)
 
 

@@ -19,19 +19,21 @@ from collections.abc import Callable, Iterable
 from concurrent import futures
 
 import grpc
+
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.auth import Security
 from shardserve.server.common.errors import (
-    Aborted,
     AlreadyExists,
     DataLoss,
-    FailedPrecondition,
     InvalidArgument,
+    InvalidState,
     NotFound,
     ServiceError,
+    StaleVersion,
+    TensorBusy,
 )
 from shardserve.server.common.metrics import MetricsEndpoint
 from shardserve.server.common.requests import (
@@ -156,7 +158,7 @@ class Coordinator:
         version, order = joined
         info = self.catalog.get(name, version)
         if info is None:
-            raise Aborted(
+            raise TensorBusy(
                 f"update version {version} of tensor {name!r} was aborted while joining it; ask again"
             )
         answer = self.describe(info)
@@ -197,7 +199,7 @@ class Coordinator:
     ) -> pb.TensorInfo:
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
-                raise Aborted(
+                raise TensorBusy(
                     f"put_token {token!r} of {name!r} was aborted (AbortTensor) before this "
                     f"CreateTensor ran"
                 )
@@ -305,7 +307,7 @@ class Coordinator:
         if info is None:
             raise NotFound(f"tensor {name!r} version {version} not found")
         if info.state == pb.READY:
-            raise FailedPrecondition(
+            raise InvalidState(
                 f"tensor {name!r} version {version} is committed; use DeleteTensor to remove it"
             )
         self.discard(info)
@@ -366,7 +368,7 @@ class Coordinator:
             newer
         ):  # committing below it would be acknowledged yet never served: the newer version wins
             self.discard(info)
-            raise Aborted(
+            raise TensorBusy(
                 f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
                 f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
                 f"make the change again"
@@ -400,7 +402,7 @@ class Coordinator:
                 )
             return source
         if request.source_version != source.version:
-            raise FailedPrecondition(
+            raise StaleVersion(
                 f"source_version {request.source_version} of {name!r} is not the READY "
                 f"version; the READY version is {source.version}"
             )

@@ -7,7 +7,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from shardserve.server.common.errors import Aborted
+from shardserve.server.common.errors import TensorBusy
 
 NAME_LOCK_WAIT_S = 10.0  # how long a change of a tensor waits for another one of it (under the clients' 30 s deadline)
 
@@ -31,7 +31,7 @@ class NameLocks:
             self._locks[name] = (lock, users + 1)
         try:
             if not lock.acquire(timeout=NAME_LOCK_WAIT_S if wait_s is None else wait_s):
-                raise Aborted(
+                raise TensorBusy(
                     f"tensor {name!r} is busy: a reshard, checkpoint or other change of it is running; "
                     f"retry once it has ended"
                 )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
 

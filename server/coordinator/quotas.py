@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.common.errors import QuotaExceeded
 from shardserve.server.common.principals import Principal
 from shardserve.server.coordinator.catalog import Catalog
 
@@ -52,7 +52,7 @@ class ByteQuotas:
                 held = self.held_by(principal.name, frozenset(adding))
                 wanted = sum(adding.values())
                 if held + wanted > principal.max_bytes:
-                    raise ResourceExhausted(
+                    raise QuotaExceeded(
                         f"principal {principal.name!r} would hold {held + wanted} bytes, over its quota max_bytes = "
                         f"{principal.max_bytes} (it holds {held} in other tensors; these need {wanted}): delete "
                         f"some of its tensors or raise max_bytes in the tokens file"

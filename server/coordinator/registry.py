@@ -16,16 +16,19 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
+
 from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.auth import Security, make_channel
 from shardserve.server.common.errors import (
-    FailedPrecondition,
     InvalidArgument,
+    InvalidState,
     NotFound,
     ServiceError,
     Unavailable,
+    WorldMismatch,
+    relayed,
 )
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.common.tracing import carry_context
@@ -115,7 +118,7 @@ class RankRegistry:
             if live is not None and self.is_alive(
                 live
             ):  # a serving process restores nothing; its successor
-                raise FailedPrecondition(
+                raise InvalidState(
                     f"rank {progress.rank} is registered (pid {live.info.pid}) and alive; a "
                     f"restore is reported by its next process, once this one is dead"
                 )
@@ -160,12 +163,12 @@ class RankRegistry:
             if rank == info.rank or not self.is_alive(entry):
                 continue
             if entry.info.world_size != info.world_size:
-                raise FailedPrecondition(
+                raise WorldMismatch(
                     f"rank.world_size {info.world_size} differs from the world size "
                     f"{entry.info.world_size} of registered rank {rank}"
                 )
             if entry.info.address == info.address:
-                raise FailedPrecondition(
+                raise InvalidState(
                     f"rank.address {info.address} is registered by rank {rank}, which is alive"
                 )
         own = self._ranks.get(info.rank)
@@ -466,8 +469,10 @@ def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(f"rank {rank} ({address}) is unavailable: {details}")
-    return ServiceError(f"rank {rank}: {details}", code)
+        return Unavailable(
+            f"rank {rank} ({address}) is unavailable: {details}", metadata={"rank": rank}
+        )
+    return relayed(err, f"rank {rank}: {details}", metadata={"rank": rank})
 
 
 def _check_restore(progress: pb.RestoreProgress) -> None:

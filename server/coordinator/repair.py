@@ -24,7 +24,7 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
 from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import Aborted, ServiceError
+from shardserve.server.common.errors import ServiceError, TensorBusy
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import job_timeout
 from shardserve.server.coordinator.registry import RankRegistry
@@ -192,7 +192,7 @@ class RepairDriver:
                 )
                 with self._lock:
                     self._states[info.name] = _copy(state)
-        except Aborted as err:  # the name is busy (a reshard, a put): the next round tries again
+        except TensorBusy as err:  # the name is busy (a reshard, a put): the next round tries again
             log.info("repair of %r put off: %s", info.name, err.message)
             return False
         except Exception as err:  # noqa: BLE001 - any failure leaves the old version whole; try again later

@@ -40,11 +40,11 @@ from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_resh
 from shardserve.core.wire import metadata_from_proto, metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
-    Aborted,
-    FailedPrecondition,
+    DataLoss,
     InvalidArgument,
     NotFound,
     ServiceError,
+    TensorBusy,
     Unavailable,
 )
 from shardserve.server.common.requests import check_name, parse_metadata
@@ -88,7 +88,7 @@ class ReshardDriver:
     def _claim(self, name: str) -> Iterator[None]:
         with self._running_lock:
             if name in self._running:
-                raise FailedPrecondition(
+                raise TensorBusy(
                     f"reshard of {name!r} already in progress (a second reshard is refused, "
                     f"not queued: retry once it has finished)"
                 )
@@ -119,11 +119,11 @@ class ReshardDriver:
     ) -> Iterator[pb.ReshardProgress]:
         """Turn the READY version `info` into the repaired layout `dst`, reading only copies outside
         `unavailable`, as a reshard does (new version, reads on the old one meanwhile, commit or abort).
-        Aborted (busy) when a reshard of the name runs or its lock is held; nothing then happens."""
+        TensorBusy when a reshard of the name runs or its lock is held; nothing then happens."""
         with self._claim(info.name), self.locks.hold(info.name, wait_s=0.5):
             current = self._current_version(info.name)
             if current.version != info.version:
-                raise Aborted(
+                raise TensorBusy(
                     f"tensor {info.name!r} changed (version {current.version}) before its repair began"
                 )
             yield from self._run(current, dst, unavailable, DEFAULT_BUCKET_BYTES, timeout_s)
@@ -134,7 +134,7 @@ class ReshardDriver:
         unavailable = frozenset(unavailable_shards(info, self.registry.rank_unreadable))
         lost = boxes_without_copy(info, unavailable)
         if lost:
-            raise FailedPrecondition(
+            raise DataLoss(
                 f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
                 f"resharded: delete it or put it again"
             )
@@ -207,7 +207,7 @@ class ReshardDriver:
             self._finish_one(info)
             info = self.catalog.ready(name)
             if info is None or info.promoting:
-                raise FailedPrecondition(
+                raise TensorBusy(
                     f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
                     f" is unfinished on some rank (see the coordinator's log); it is "
                     f"retried every few seconds, reshard once it is done"
@@ -334,7 +334,7 @@ class ReshardDriver:
                 try:
                     with self.locks.hold(info.name, wait_s=0.1):
                         self._finish_one(info)
-                except Aborted:
+                except TensorBusy:
                     continue  # busy: the next round finishes it
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("finishing reshard promotions failed")
@@ -374,12 +374,12 @@ class ReshardDriver:
                     raise InvalidArgument(
                         f"metadata: rank {rank} is not a registered rank"
                     ) from None
-                raise FailedPrecondition(
+                raise Unavailable(
                     f"rank {rank}, which holds the current version, is not registered "
                     f"(it has not come back since the coordinator started)"
                 ) from None
             if not self.registry.is_alive(entry):
-                raise FailedPrecondition(
+                raise Unavailable(
                     f"rank {rank} is down; resharding onto/from it is impossible until it "
                     f"is back (restart that rank if it died: it rejoins under its rank number)"
                 )

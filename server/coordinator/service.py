@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.errors import InvalidArgument, rpc_errors

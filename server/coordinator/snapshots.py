@@ -19,7 +19,7 @@ from typing import Protocol
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import Aborted, InvalidArgument, NotFound, ServiceError
+from shardserve.server.common.errors import InvalidArgument, NotFound, ServiceError, TensorBusy
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog, holding_ranks
 from shardserve.server.coordinator.locks import NameLocks
@@ -133,7 +133,7 @@ class SnapshotDriver:
                 try:
                     committed, removed = self.catalog.commit_snapshot(snapshot)
                 except KeyError as err:
-                    raise Aborted(
+                    raise TensorBusy(
                         f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
                         f"{self.pending_timeout:.0f} s?): {err}"
                     ) from None

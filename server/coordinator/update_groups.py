@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import Aborted, ServiceError
+from shardserve.server.common.errors import JobFailed, ServiceError, TensorBusy
 
 CLAIM_WAIT_S = 1.0  # how long an update waits for a group it cannot join (being made, or committing): then ABORTED
 UPDATE_TURN_S = 30.0  # a member writing this long (its client is gone) has the version aborted by a waiting member
@@ -82,7 +82,7 @@ class UpdateGroups:
                     return group.version, self._join(name, group, token, abort)
                 left = give_up - self._clock()
                 if left <= 0:
-                    raise Aborted(
+                    raise TensorBusy(
                         f"tensor {name!r} has an update being made or committed (version "
                         f"{group.version}); ask again"
                     )
@@ -150,7 +150,7 @@ class UpdateGroups:
                 self._fail(
                     name,
                     group,
-                    Aborted(
+                    TensorBusy(
                         f"update version {group.version} of tensor {name!r} was aborted "
                         f"before its commit (a member failed, or a reshard, load or "
                         f"delete replaced it); make the update again"
@@ -182,7 +182,7 @@ class UpdateGroups:
             failure = (
                 err
                 if isinstance(err, ServiceError)
-                else Aborted(
+                else JobFailed(
                     f"update version {group.version} of tensor {name!r} failed to commit: {err}"
                 )
             )
@@ -213,7 +213,7 @@ class UpdateGroups:
         self._fail(
             name,
             group,
-            Aborted(
+            TensorBusy(
                 f"update version {version} of tensor {name!r} was aborted: member "
                 f"{group.turn} did not finish writing within {self._turn_timeout_s:g} s "
                 f"(its client is gone); make the update again"

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from shardserve.server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10

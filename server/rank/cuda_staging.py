@@ -8,6 +8,7 @@ allocator reuses pinned blocks, so repeated reads do not pay cudaHostAlloc.
 from __future__ import annotations
 
 import torch
+
 from shardserve.core.wire import tensor_bytes
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import torch
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.same_host import host_id

@@ -13,6 +13,7 @@ import time
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
+
 from shardserve.server.common.metrics import Gauge, GaugeCollector, ServerMetrics
 
 JOB_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)

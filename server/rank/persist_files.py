@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from shardserve.server.common.errors import ResourceExhausted, Unavailable
+
+from shardserve.server.common.errors import DiskFull, Unavailable
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -54,7 +55,7 @@ def disk_error(rank: int, path: Path, err: OSError) -> Exception:
     both name the rank and the path."""
     what = f"rank {rank} could not persist {path}: {err.strerror or err}"
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return ResourceExhausted(f"{what} (disk full); nothing was acknowledged")
+        return DiskFull(f"{what} (disk full); nothing was acknowledged")
     return Unavailable(f"{what}; nothing was acknowledged")
 
 

@@ -45,10 +45,11 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_from_proto, metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardserve.server.common.errors import InvalidArgument, NotFound, StaleVersion
 from shardserve.server.rank.persist_files import (
     CorruptFile,
     LogRecord,
@@ -376,7 +377,7 @@ class Persistence:
                     with self._snapshot_source(name, version) as (meta, options, shards):
                         self.snapshot(name, version, meta, options, shards)
                 except (
-                    FailedPrecondition,
+                    StaleVersion,
                     NotFound,
                 ):  # replaced (or deleted) meanwhile: a newer one is served
                     done = version

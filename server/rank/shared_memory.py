@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+
 from shardserve.core.dtypes import itemsize
 from shardserve.core.wire import byte_view
 from shardserve.protos.same_host import (
@@ -38,7 +39,7 @@ from shardserve.protos.same_host import (
     STATE_REPLACED,
     STATE_SERVED,
 )
-from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.common.errors import Overloaded
 from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 
 log = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ class Leases:
         """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
         with self._lock:
             if len(self._held) >= MAX_LEASES:
-                raise ResourceExhausted(
+                raise Overloaded(
                     f"this rank holds {MAX_LEASES} shared-memory leases already; release "
                     f"some (ReleaseShard) or wait for them to expire"
                 )

@@ -27,17 +27,21 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.regions import local_view
 from shardserve.core.wire import byte_view
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
-    Aborted,
-    FailedPrecondition,
     InvalidArgument,
+    InvalidState,
+    MemoryLimit,
     NotFound,
-    ResourceExhausted,
+    RequestTooLarge,
+    StaleVersion,
+    TensorBusy,
+    WriteIncomplete,
 )
 from shardserve.server.common.requests import check_init
 from shardserve.server.rank.blocks import Blocks
@@ -247,7 +251,7 @@ class ShardStore:
                 entry.shards[i] = make_shard(meta, i, init, seed, self.device, self.empty_shard)
         except (RuntimeError, MemoryError) as err:
             self._forget(entry)
-            raise ResourceExhausted(
+            raise MemoryLimit(
                 f"rank {self.rank} could not allocate {nbytes} bytes: {err}"
             ) from None
         if init != pb.INIT_NONE:
@@ -352,25 +356,25 @@ class ShardStore:
         with self._lock:
             key = (entry.name, entry.version)
             if key in self._versions:
-                raise FailedPrecondition(
+                raise InvalidState(
                     f"tensor {entry.name!r} version {entry.version} is already "
                     f"allocated on rank {self.rank}"
                 )
             if (
                 key in self._dropped
             ):  # versions never come back: this allocation lost a race with its abort
-                raise FailedPrecondition(
+                raise TensorBusy(
                     f"tensor {entry.name!r} version {entry.version} was dropped on rank "
                     f"{self.rank} before this allocation arrived (aborted)"
                 )
             self._make_room(entry.nbytes)
             if self.memory_limit and self._memory_used + entry.nbytes > self.memory_limit:
-                raise ResourceExhausted(
+                raise MemoryLimit(
                     f"rank {self.rank} memory limit: {entry.nbytes} bytes requested, "
                     f"{self.memory_limit - self._memory_used} of {self.memory_limit} free"
                 )
             if self._memory_used + entry.nbytes > self._capacity:
-                raise ResourceExhausted(
+                raise MemoryLimit(
                     f"rank {self.rank} memory: {entry.nbytes} bytes requested, more than the "
                     f"{self._capacity - self._memory_used} bytes left of {self.device}'s {self._capacity}"
                 )
@@ -453,7 +457,7 @@ class ShardStore:
             (set(entry.metadata.shards_on(self.rank)) - entry.complete) | changing | entry.torn
         )
         if missing:
-            raise FailedPrecondition(
+            raise WriteIncomplete(
                 f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
                 f"are not fully written"
             )
@@ -537,17 +541,17 @@ class ShardStore:
             return entry
         if not any(k[0] == name and not e.dropped for k, e in self._versions.items()):
             raise NotFound(f"tensor {name!r} not found on rank {self.rank}")
-        raise FailedPrecondition(
+        raise StaleVersion(
             f"tensor {name!r} version {version} is not held on rank {self.rank}; "
             f"{self._served_phrase(name)}"
         )
 
     def _pending(self, name: str, version: int) -> StoredVersion:
-        """(lock held) The pending (name, version): FailedPrecondition once it is served, as served versions never
+        """(lock held) The pending (name, version): InvalidState once it is served, as served versions never
         change."""
         entry = self._get(name, version)
         if entry.state is VersionState.SERVED:
-            raise FailedPrecondition(
+            raise InvalidState(
                 f"tensor {name!r} version {version} is already committed; "
                 f"create a new version to change it"
             )
@@ -625,7 +629,7 @@ class ShardStore:
                 return max(served, key=lambda e: e.version)
         entry = self._get(name, version)
         if entry.state is not VersionState.SERVED:
-            raise FailedPrecondition(
+            raise StaleVersion(
                 f"tensor {name!r} version {version} is not served here; {self._served_phrase(name)}"
             )
         return entry
@@ -655,7 +659,7 @@ class ShardStore:
             if shard_index in entry.metadata.shards_on(
                 self.rank
             ):  # reserved: a collective job brings its shards
-                raise FailedPrecondition(
+                raise InvalidState(
                     f"shard_index {shard_index} of tensor {entry.name!r} version "
                     f"{entry.version} is reserved for a reshard or checkpoint load on rank "
                     f"{self.rank}; its data arrives with that job, not by a write"
@@ -684,7 +688,7 @@ class ShardStore:
             box = _checked_box(entry.metadata.shards_metadata[shard_index].box, offsets, sizes)
             nbytes = box.numel() * entry.metadata.tensor_properties.itemsize
             if self.max_request_bytes and nbytes > self.max_request_bytes:
-                raise ResourceExhausted(
+                raise RequestTooLarge(
                     f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
                     f"max_request_bytes {self.max_request_bytes}"
                 )
@@ -708,14 +712,14 @@ class ShardStore:
                     f"of {entry.metadata.shard_nbytes(shard_index)} bytes"
                 )
             if self.blocks.is_composed(entry.shards.get(shard_index, torch.empty(0))):
-                raise FailedPrecondition(
+                raise InvalidState(
                     f"shard_index {shard_index} of {name!r} version {version} is a row "
                     f"update's copy; change its rows with WriteRows"
                 )
             if entry.changing[
                 shard_index
             ]:  # two streams would interleave their bytes, each "complete"
-                raise Aborted(
+                raise TensorBusy(
                     f"shard_index {shard_index} of {name!r} version {version} is being written by "
                     f"another stream on rank {self.rank}; write each shard once"
                 )
@@ -808,7 +812,7 @@ class ShardStore:
                         ).copy_(shard)
             except (RuntimeError, MemoryError) as err:
                 self._forget(entry)
-                raise ResourceExhausted(
+                raise MemoryLimit(
                     f"rank {self.rank} could not copy {entry.nbytes} bytes: {err}"
                 ) from None
         self._mark_filled(entry, list(entry.shards))

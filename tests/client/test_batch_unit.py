@@ -4,6 +4,7 @@ its view of the output whatever its offset in the reply and the output's strides
 from __future__ import annotations
 
 import torch
+
 from shardserve.client.info import TensorSummary
 from shardserve.client.paths.batch import RegionRead, batches, copy_region, region_reads
 from shardserve.core.metadata import Box, TensorProperties

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.client import (
     AuthenticationError,
     InvalidArgumentError,
+    PreconditionError,
     RankUnavailableError,
     ResourceExhaustedError,
     ShardServeError,
@@ -26,6 +28,7 @@ from shardserve.core.metadata import ShardMetadata, make_metadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -289,8 +292,9 @@ def test_raw_writes_with_wrong_headers_are_refused(cl):
     header = pb.WriteShardHeader(
         name="base", version=committed, shard_index=0, dtype=pb.FLOAT32, nbytes=80
     )
-    with pytest.raises(StaleVersionError):  # a committed version never changes
+    with pytest.raises(PreconditionError) as refused:  # a committed version never changes
         cl.session.channel.write_shard(address, header, memoryview(bytes(80)))
+    assert refused.value.reason == Reason.INVALID_STATE
     meta = make_metadata((4, 5), [((0, 0), (4, 5), 0)])
     pending = cl.session.call(
         "CreateTensor", pb.CreateTensorRequest(name="raw", metadata=metadata_to_proto(meta))
@@ -313,10 +317,11 @@ def test_raw_writes_with_wrong_headers_are_refused(cl):
             )
             with pytest.raises(InvalidArgumentError, match=field):
                 cl.session.channel.write_shard(address, header, memoryview(bytes(header.nbytes)))
-        with pytest.raises(StaleVersionError):  # nothing written: the commit is refused
+        with pytest.raises(PreconditionError) as refused:  # nothing written: the commit is refused
             cl.session.call(
                 "CommitTensor", pb.CommitTensorRequest(name="raw", version=pending.version)
             )
+        assert refused.value.reason == Reason.WRITE_INCOMPLETE
     finally:
         cl.session.abort("raw", pending.version)
     assert "raw" not in [t.name for t in cl.list(include_pending=True)]

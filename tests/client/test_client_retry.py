@@ -1,6 +1,7 @@
 """read_with_refresh: retried while refreshes bring newer versions, raised when they stop."""
 
 import pytest
+
 from shardserve.client.errors import RankUnavailableError, StaleVersionError
 from shardserve.client.retry import MIN_ATTEMPTS, read_with_refresh
 

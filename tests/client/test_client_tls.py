@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from shardserve.protos import shardserve_pb2 as pb
 
 from shardserve import AuthenticationError, RankUnavailableError, connect
+from shardserve.protos import shardserve_pb2 as pb
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "tls-token"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.client import errors
 from shardserve.client.channel import Credentials, check_address
 from shardserve.client.cli.main import _ints, build_parser
@@ -41,7 +42,8 @@ class _FakeRpcError(grpc.RpcError):
         (grpc.StatusCode.NOT_FOUND, errors.TensorNotFoundError, KeyError),
         (grpc.StatusCode.INVALID_ARGUMENT, errors.InvalidArgumentError, ValueError),
         (grpc.StatusCode.ALREADY_EXISTS, errors.TensorExistsError, ValueError),
-        (grpc.StatusCode.FAILED_PRECONDITION, errors.StaleVersionError, errors.ShardServeError),
+        (grpc.StatusCode.FAILED_PRECONDITION, errors.PreconditionError, errors.ShardServeError),
+        (grpc.StatusCode.PERMISSION_DENIED, errors.PermissionDeniedError, PermissionError),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, errors.ResourceExhaustedError, errors.ShardServeError),
         (grpc.StatusCode.UNAUTHENTICATED, errors.AuthenticationError, PermissionError),
         (grpc.StatusCode.UNAVAILABLE, errors.RankUnavailableError, ConnectionError),

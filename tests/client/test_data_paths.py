@@ -20,8 +20,11 @@ from functools import partial
 
 import grpc
 import pytest
-import shardserve.client.paths.shm as shm_transport
 import torch
+from server_helpers import Aborted, ServicerContext
+
+import shardserve.client.paths.shm as shm_transport
+from shardserve import connect
 from shardserve.client.errors import StaleVersionError, TensorNotFoundError
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.bands import bands
@@ -31,12 +34,11 @@ from shardserve.client.paths.shm import SharedMemoryError
 from shardserve.core.metadata import Box, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import FailedPrecondition
+from shardserve.protos.errors import Reason
+from shardserve.server.common.errors import InvalidState
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
 from shardserve.server.rank.store import ShardStore
-
-from shardserve import connect
 
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
 DTYPES = [
@@ -830,20 +832,17 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     MAX_LEASES, OpenShard is RESOURCE_EXHAUSTED and the version it leased is let go again."""
     from shardserve.server.rank import shared_memory
 
-    class Context:
-        def abort(self, code, message):  # type: ignore[no-untyped-def]
-            raise RuntimeError(f"{code.name}: {message}")
-
     monkeypatch.setattr(shared_memory, "MAX_LEASES", 2)
     store = _served_store()
     service = SharedMemoryService(store)
     request = pb.OpenShardRequest(name="t", version=1, shard_index=0)
     for _ in range(2):
-        assert service.OpenShard(request, Context()).lease_id
+        assert service.OpenShard(request, ServicerContext()).lease_id
     with pytest.raises(
-        RuntimeError, match="RESOURCE_EXHAUSTED: this rank holds 2 shared-memory leases already"
-    ):
-        service.OpenShard(request, Context())
+        Aborted, match="RESOURCE_EXHAUSTED: this rank holds 2 shared-memory leases already"
+    ) as refused:
+        service.OpenShard(request, ServicerContext())
+    assert refused.value.reason == Reason.OVERLOADED
     store.drop("t", 1)
     assert store.memory_used > 0  # the two leases granted still hold it
     service.leases.release(list(service.leases._held))
@@ -852,10 +851,10 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
 
 def test_served_versions_are_immutable():
     store = _served_store()
-    with pytest.raises(FailedPrecondition, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.write("t", 1, 0, torch.float32, 6 * 4 * 4):
             pass
-    with pytest.raises(FailedPrecondition, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.lease("t", 1, served=False):
             pass
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+
 from shardserve.client.errors import RankUnavailableError, ShardServeError
 from shardserve.client.paths.hedging import Cancellation, Race, Watchdog, hedge_delay, other_copies
 from shardserve.core.metadata import ShardMetadata, TensorProperties

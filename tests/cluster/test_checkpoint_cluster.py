@@ -14,9 +14,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from gloo_world import World
-from shardserve.core.metadata import ShardMetadata
-from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardserve.server.launcher import LocalCluster
 from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
 
@@ -28,6 +25,9 @@ from shardserve import (
     TensorNotFoundError,
     connect,
 )
+from shardserve.core.metadata import ShardMetadata
+from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.launcher import LocalCluster
 
 SIZE = (61, 10)
 GRID = EnumerableShardingSpec(

@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from shardserve.core.specs import ChunkShardingSpec
 
 from shardserve import connect
+from shardserve.core.specs import ChunkShardingSpec
 
 pytestmark = [
     pytest.mark.cuda,

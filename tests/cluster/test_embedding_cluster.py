@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from shardserve.client import (
     Cluster,
     InvalidArgumentError,
@@ -23,7 +25,6 @@ from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.launcher import LocalCluster
-from torch import nn
 
 ROWS, DIM = 50, 12
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from torch.distributed._shard import sharding_spec as torch_specs
+
 from shardserve.client import (
     RankUnavailableError,
     RemoteShardedTensor,
@@ -20,7 +22,6 @@ from shardserve.client import (
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.server.rank.memory_budget import default_memory_limit, host_memory_bytes
-from torch.distributed._shard import sharding_spec as torch_specs
 
 pytestmark = pytest.mark.timeout(300)
 

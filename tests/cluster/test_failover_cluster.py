@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from reference import mirrored
 from server_processes import wait_until
+
+from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.client.ops.reshard import ReshardRefusedError
 from shardserve.core.metadata import Box
@@ -23,8 +25,6 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.launcher import LocalCluster
-
-from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
 ROWS, DIM, DEAD = 12, 6, 1

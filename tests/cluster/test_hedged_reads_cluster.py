@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from reference import mirrored
 from server_processes import wait_until
-from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.launcher import LocalCluster
 
 from shardserve import Cluster, RankUnavailableError, connect
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.launcher import LocalCluster
 
 ROWS, DIM, STOPPED = 12, 6, 1
 DEADLINE_S = 30.0  # the clients' call deadline

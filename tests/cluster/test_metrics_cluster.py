@@ -15,14 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+
+import client
+from shardserve import TensorNotFoundError, connect
 from shardserve.client.cli.top import Samples, scrape, total
 from shardserve.core import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
-
-import client
-from shardserve import TensorNotFoundError, connect
 
 ROWS, DIM = 4096, 16
 TABLE_BYTES = ROWS * DIM * 4

@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from server_processes import wait_until
+
+from shardserve import connect
 from shardserve.client.errors import ShardsLostError
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.server.launcher import LocalCluster
-
-from shardserve import connect
 
 ROWS, DIM = 256, 16
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])

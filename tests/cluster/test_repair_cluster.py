@@ -16,6 +16,8 @@ import pytest
 import torch
 from reference import mirrored
 from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+
+from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.client.ops.reshard import ReshardRefusedError
 from shardserve.core.specs import ChunkShardingSpec
@@ -23,8 +25,6 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
-
-from shardserve import RankUnavailableError, ShardsLostError, connect
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,12 +16,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from server_processes import wait_until
+
+from shardserve import Cluster, InvalidArgumentError, RemoteShardedTensor, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.health import copies_by_box
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.launcher import LocalCluster
-
-from shardserve import Cluster, InvalidArgumentError, RemoteShardedTensor, connect
 
 ROWS, DIM = 12, 5
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]

@@ -19,6 +19,8 @@ import pytest
 import torch
 from reference import shards_of
 from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+
+from shardserve import connect
 from shardserve.client.errors import (
     InvalidArgumentError,
     RankUnavailableError,
@@ -33,8 +35,6 @@ from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardserve.server.launcher import free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
-
-from shardserve import connect
 
 pytestmark = pytest.mark.timeout(300)
 

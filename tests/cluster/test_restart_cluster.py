@@ -16,12 +16,12 @@ from collections.abc import Callable
 import pytest
 import torch
 from server_processes import wait_until
+
+from shardserve import ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.metadata import Box
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.launcher import LocalCluster
-
-from shardserve import ShardsLostError, connect
 
 ROWS, DIM, RESTARTED = 12, 6, 2
 PLAIN = ChunkShardingSpec(

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_world import World
-from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.launcher import LocalCluster
 
 from shardserve import connect, spmd
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.launcher import LocalCluster
 
 DTYPES = [
     torch.float32,
@@ -306,6 +306,7 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 def rank_calls(address: str) -> dict[str, float]:
     """The calls every rank has handled so far, summed over the ranks, by method."""
     import grpc
+
     from shardserve.client.cli.top import by_label, scrape
     from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
@@ -470,6 +471,7 @@ def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_
 def rank_holdings(address: str) -> list[tuple[int, list[str]]]:
     """(memory used, names held) of every rank, as its GetStats says."""
     import grpc
+
     from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(address) as channel:

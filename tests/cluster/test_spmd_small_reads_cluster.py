@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from gloo_world import World
+
 from shardserve.client import connect, counters, spmd
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.server.launcher import LocalCluster

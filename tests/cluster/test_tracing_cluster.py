@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from shardserve import connect
 from shardserve.core import ChunkShardingSpec
 from shardserve.server.common import tracing
 from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
 from shardserve.server.node import node_launches
-
-from shardserve import connect
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402

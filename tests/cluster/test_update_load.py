@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 import update_load_client as load
 from server_processes import server_env
-from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
 
 from shardserve import connect
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
 
 RUN_S = 3.0
 START_TIMEOUT_S = 240.0  # 16 interpreters importing torch on a busy 2-core host

@@ -18,14 +18,14 @@ import grpc
 import pytest
 import torch
 from server_processes import server_env
+
+from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
 from shardserve.server.rank.blocks import BLOCK_BYTES
 from shardserve.server.rank.shared_memory import HEADER_BYTES
-
-from shardserve import connect
 
 ROWS, COLUMNS = 240, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from shardserve.core import ChunkShardingSpec
 
 from shardserve import RankUnavailableError, connect
+from shardserve.core import ChunkShardingSpec
 
 PLACEMENTS = ["rank:0/cpu", "rank:1/cpu"]
 

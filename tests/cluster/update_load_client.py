@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from shardserve.core import ChunkShardingSpec
 
 from shardserve import connect
+from shardserve.core import ChunkShardingSpec
 
 TABLE, SQUARE = "load-table", "load-square"
 ROWS, COLUMNS = (

@@ -8,6 +8,7 @@ import torch
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import (
     LookupPart,

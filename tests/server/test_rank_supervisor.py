@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+
 from shardserve.server.node import parse_args as parse_node_args
 from shardserve.server.supervisor import (
     RankLaunch,

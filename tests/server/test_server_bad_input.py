@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 from server_helpers import TIMEOUT, Stubs, put, read_full, rpc_error, write_requests
+
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto

@@ -19,6 +19,7 @@ from server_helpers import (
     rpc_error,
     write_shards,
 )
+
 from shardserve.core.metadata import Box, ShardMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb

@@ -15,6 +15,8 @@ import pytest
 import torch
 from server_helpers import TIMEOUT, rpc_error
 from server_processes import server_env, spawn_server, stop_all, wait_until
+
+from shardserve import AuthenticationError, connect
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
@@ -27,8 +29,6 @@ from shardserve.server.common.cli_args import (
 )
 from shardserve.server.common.principals import ClusterCertificate, token_sha256
 from shardserve.server.launcher import free_port
-
-from shardserve import AuthenticationError, connect
 
 pytestmark = pytest.mark.timeout(300)
 CLUSTER_NAME = "shardserve-cluster.internal"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from server_helpers import Stubs, put, read_full
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 

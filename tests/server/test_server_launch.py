@@ -18,6 +18,7 @@ import pytest
 import torch
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 from server_processes import server_env
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from shardserve import ResourceExhaustedError, connect
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.server.common.principals import parse_tokens_file, token_sha256
-
-from shardserve import ResourceExhaustedError, connect
 
 pytestmark = pytest.mark.timeout(300)
 QUOTA = 64 << 10

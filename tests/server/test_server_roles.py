@@ -15,16 +15,17 @@ import pytest
 import torch
 from server_helpers import TIMEOUT
 from server_processes import wait_until
+
+from shardserve import AuthenticationError, PermissionDeniedError, connect
 from shardserve.client.paths.bulk import BulkReadError
 from shardserve.client.paths.writes import shard_write, write_request
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.errors import Reason
 from shardserve.server.common.access import ACCESS_RULES
 from shardserve.server.common.principals import token_sha256
-
-from shardserve import AuthenticationError, connect
 
 TOKENS = {
     "reader": "reader-token-1",
@@ -162,13 +163,17 @@ def test_a_denial_names_the_principal_and_the_missing_right(cluster):
     tensor = torch.arange(12.0).view(4, 3)
     with connect(cluster.address, token=TOKENS["reader"]) as reader:
         with pytest.raises(
-            AuthenticationError, match="principal 'reader' .*lacks the 'write' right .*CreateTensor"
-        ):
+            PermissionDeniedError,
+            match="principal 'reader' .*lacks the 'write' right .*CreateTensor",
+        ) as denied:
             reader.put("by-reader", tensor)
+        assert isinstance(denied.value, PermissionError)
+        assert denied.value.reason == Reason.PERMISSION_DENIED
+        assert denied.value.metadata == {"principal": "reader", "right": "write"}
     with connect(cluster.address, token=TOKENS["writer"]) as writer:
         remote = writer.put("by-writer", tensor)
         with pytest.raises(
-            AuthenticationError, match="principal 'writer' .*lacks the 'admin' right .*Reshard"
+            PermissionDeniedError, match="principal 'writer' .*lacks the 'admin' right .*Reshard"
         ):
             remote.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))
     with connect(cluster.address, token=TOKENS["reader"]) as reader:
@@ -182,13 +187,13 @@ def test_tensor_patterns_limit_what_a_writer_may_change(cluster, caplog):
             writer.put("emb_users", table)
             writer.update_rows("emb_users", torch.tensor([1, 5]), torch.ones(2, 4))
             with pytest.raises(
-                AuthenticationError,
+                PermissionDeniedError,
                 match="principal 'emb-writer' lacks the 'write' right on tensor 'dense'",
             ):
                 writer.put("dense", table)
             with connect(cluster.address, token=TOKENS["admin"]) as admin:
                 admin.put("dense", table)
-            with pytest.raises(AuthenticationError, match="on tensor 'dense'"):
+            with pytest.raises(PermissionDeniedError, match="on tensor 'dense'"):
                 writer.delete("dense")
             writer.delete("emb_users")
     logged = caplog.text

@@ -17,12 +17,12 @@ from server_helpers import (
     rpc_error,
     write_requests,
 )
+
+from shardserve import AuthenticationError, ResourceExhaustedError, connect
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-
-from shardserve import AuthenticationError, ResourceExhaustedError, connect
 
 TOKEN = "s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from server_helpers import TIMEOUT
 from server_processes import wait_until
+
+from shardserve import connect
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.principals import token_sha256
 from shardserve.server.common.stream_limits import StreamLimitSettings
-
-from shardserve import connect
 
 STALL_TIMEOUT = 3.0
 ENDED_WITHIN = STALL_TIMEOUT + 20.0  # the watchdog's period and a loaded 2-core host on top

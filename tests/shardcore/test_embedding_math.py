@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.core.embedding import (
     PartialBags,
     bag_of_ids,

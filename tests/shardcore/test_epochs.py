@@ -1,6 +1,7 @@
 """Group naming per (epoch, participants): every participant derives the same prefix and its own index."""
 
 import pytest
+
 from shardserve.core.epochs import group_prefix, group_rank, participants_of
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.core.health import (
     DEGRADED,
     HEALTHY,

@@ -9,6 +9,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata as TorchMeta
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchProperties
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec as TorchEnumerableSpec
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _check_box_bounds, _validate_global_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import _StridedShard
+
 from shardserve.core import (
     Box,
     ChunkShardingSpec,
@@ -36,20 +51,6 @@ from shardserve.core import (
     to_dcp_storage_metadata,
     validate_metadata,
 )
-from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata as TorchMeta
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchProperties
-from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec as TorchEnumerableSpec
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import _check_box_bounds, _validate_global_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor import Replicate as TorchReplicate
-from torch.distributed.tensor import Shard as TorchShard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import _StridedShard
 
 PROPS = TensorProperties(dtype=torch.float64, requires_grad=True, pin_memory=True)
 

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import shards_of
+
 from shardserve.core import (
     ChunkShardingSpec,
     Replicate,

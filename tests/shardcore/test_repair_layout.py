@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.core.executor import copy_box
 from shardserve.core.health import HEALTHY, layout_health
 from shardserve.core.metadata import make_metadata

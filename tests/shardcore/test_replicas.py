@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from shardserve.core.health import copies_by_box, layout_health
 from shardserve.core.metadata import ShardMetadata, TensorProperties
 from shardserve.core.replicas import CandidateRank, replicate_layout

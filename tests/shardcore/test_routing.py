@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from shardserve.core import (
     ChunkShardingSpec,
     Replicate,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.core.metadata import Box
 from shardserve.core.snapshots import (
     balanced_layouts,

@@ -9,6 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference import shards_of
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchProperties
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
 from shardserve.core import (
     ChunkShardingSpec,
     EnumerableShardingSpec,
@@ -23,14 +32,6 @@ from shardserve.core import (
     metadata_from_placements,
     validate_metadata,
 )
-from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as TorchProperties
-from torch.distributed._shard.sharding_spec import ChunkShardingSpec as TorchChunkSpec
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Partial
-from torch.distributed.tensor import Replicate as TorchReplicate
-from torch.distributed.tensor import Shard as TorchShard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def _triples(meta):
@@ -453,6 +454,7 @@ def test_random_placements_validate_and_round_trip_data(size, data):
 
 def test_box_holds_plain_int_tuples_and_refuses_non_integers():
     import numpy as np
+
     from shardserve.core.metadata import Box
 
     box = Box([np.int64(2), torch.tensor(3)], (4, 5))

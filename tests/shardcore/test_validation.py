@@ -9,6 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed._shard.sharding_spec._internals import (
+    check_tensor,
+    validate_non_overlapping_shards_metadata,
+)
+
 from shardserve.core import (
     Box,
     LayoutError,
@@ -19,10 +24,6 @@ from shardserve.core import (
     validate_metadata,
 )
 from shardserve.core.interop import metadata_to_torch
-from torch.distributed._shard.sharding_spec._internals import (
-    check_tensor,
-    validate_non_overlapping_shards_metadata,
-)
 
 
 def rows(size, cuts, ranks=None):

@@ -25,6 +25,7 @@ from contextlib import ExitStack
 from typing import TypeVar
 
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, ServiceError

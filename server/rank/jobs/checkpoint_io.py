@@ -40,10 +40,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from shardserve.core.metadata import Box, ShardedTensorMetadata
-from shardserve.core.validation import validate_metadata
-from shardserve.server.common.dcp_metadata import checkpoint_dir, tensor_entries
-from shardserve.server.rank.jobs.checkpoint_reader import RegionReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
@@ -61,6 +57,11 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+
+from shardserve.core.metadata import Box, ShardedTensorMetadata
+from shardserve.core.validation import validate_metadata
+from shardserve.server.common.dcp_metadata import checkpoint_dir, tensor_entries
+from shardserve.server.rank.jobs.checkpoint_reader import RegionReader
 
 TensorLayouts = Mapping[str, ShardedTensorMetadata]
 LocalShards = Mapping[int, torch.Tensor]

@@ -25,8 +25,6 @@ import zipfile
 from typing import IO, Any
 
 import torch
-from shardserve.core.wire import byte_view
-from shardserve.server.common.dcp_metadata import load_metadata
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import (
@@ -36,6 +34,9 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
 )
 from torch.futures import Future
+
+from shardserve.core.wire import byte_view
+from shardserve.server.common.dcp_metadata import load_metadata
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.rank.jobs.groups import PeerGroup, ProcessGroups
 from shardserve.server.rank.store import ShardStore

@@ -38,8 +38,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from shardserve.core.epochs import group_prefix, group_rank, participants_of
-from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.common.errors import EpochEnded, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class ProcessGroups:
         with self._lock:
             address = self._address
         if address is None:
-            raise FailedPrecondition(
+            raise Unavailable(
                 f"rank {self.rank} knows no rendezvous store yet (it has not registered "
                 f"with the coordinator)"
             )
@@ -255,9 +256,9 @@ class ProcessGroups:
         )
 
     def _check_epoch(self, epoch: int) -> None:
-        """FailedPrecondition for an epoch that has ended here (lock held)."""
+        """EpochEnded for an epoch that has ended here (lock held)."""
         if epoch in self._ended:
-            raise FailedPrecondition(
+            raise EpochEnded(
                 f"epoch {epoch} has ended on rank {self.rank} (a job of it failed); the "
                 f"coordinator runs later jobs in a new epoch"
             )

@@ -68,6 +68,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
 from shardserve.core.executor import copy_box, pack_bucket, unpack_bucket
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.planner import DEFAULT_BUCKET_BYTES, Bucket, ReshardPlan, plan_reshard

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, rpc_errors
 from shardserve.server.common.tracing import carry_context, span

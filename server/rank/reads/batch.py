@@ -10,10 +10,11 @@ KIND_READS frame (server/rank/reads/bulk.py).
 from __future__ import annotations
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
-    ResourceExhausted,
+    RequestTooLarge,
     item_errors,
     rpc_errors,
 )
@@ -45,7 +46,7 @@ class BatchReads:
         if not regions:
             raise InvalidArgument("regions: the request names no region")
         if len(regions) > MAX_BATCH_REGIONS:
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"regions: {len(regions)} regions in one call, over the limit of "
                 f"{MAX_BATCH_REGIONS}; split the batch"
             )
@@ -64,7 +65,7 @@ class BatchReads:
         with item_errors(f"regions[{index}]"), requested_box(self.store, region) as box:
             nbytes = box.numel() * box.element_size()
             if len(data) + nbytes > BATCH_READ_BYTES:
-                raise ResourceExhausted(
+                raise RequestTooLarge(
                     f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
                     f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)"
                 )

@@ -35,6 +35,7 @@ from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import (
     FRAME,
@@ -44,17 +45,22 @@ from shardserve.protos.bulk_wire import (
     KIND_READS,
     KIND_WRITE,
     MAX_REQUEST_BYTES,
+    STATUS_BODY,
     TICKET_BYTES,
     recv_exactly,
     send_parts,
 )
 from shardserve.protos.chunk_codec import lookup_reply_pieces
+from shardserve.protos.errors import status_proto
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
     InvalidArgument,
-    ResourceExhausted,
+    Overloaded,
+    PathUnavailable,
+    PermissionDenied,
     ServiceError,
     Unavailable,
+    bounded_message,
     rpc_errors,
     status_of,
 )
@@ -81,10 +87,8 @@ MAX_CONNECTIONS = (
 # then reads over gRPC)
 
 
-class BulkReadsOff(ServiceError):
+class BulkReadsOff(PathUnavailable):
     """This rank serves no bulk port (turned off)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class Tickets:
             for key in [k for k, t in self._tickets.items() if t.deadline <= now]:
                 del self._tickets[key]
             if len(self._tickets) >= self.capacity:
-                raise ResourceExhausted(
+                raise Overloaded(
                     f"this rank holds {self.capacity} unredeemed bulk-read tickets; "
                     f"retry later or read over ReadRegion"
                 )
@@ -141,13 +145,13 @@ class Tickets:
         with self._lock:
             entry = self._tickets.pop(ticket, None)
         if entry is None or entry.deadline <= time.monotonic():
-            raise ServiceError(
-                "ticket: unknown, already used or expired", grpc.StatusCode.PERMISSION_DENIED
+            raise PermissionDenied(
+                "ticket: unknown, already used or expired", metadata={"field": "ticket"}
             )
         if entry.peer is not None and entry.peer != peer_ip(peer):
-            raise ServiceError(
+            raise PermissionDenied(
                 f"ticket: issued to {entry.peer}, presented from {peer}",
-                grpc.StatusCode.PERMISSION_DENIED,
+                metadata={"field": "ticket"},
             )
         return entry.principal
 
@@ -380,14 +384,15 @@ def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
 
 def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
     """Answer `err` as a status header and message (what rpc_errors does for a gRPC call)."""
-    code, message = status_of(err)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("bulk read for %s failed: %s", peer, message, exc_info=err)
+    status = status_of(err)
+    if status.code == grpc.StatusCode.INTERNAL:
+        log.error("bulk read for %s failed: %s", peer, status.message, exc_info=err)
     else:
-        log.info("bulk read for %s -> %s: %s", peer, code.name, message)
-    body = message.encode("utf-8", "replace")
+        log.info("bulk read for %s -> %s: %s", peer, status.code.name, status.message)
+    message = bounded_message(status.message)
+    body = status_proto(status.code, message, status.reason, status.metadata).SerializeToString()
     with contextlib.suppress(OSError):
-        send_parts(conn, [HEADER.pack(code.value[0], 0, len(body)), body])
+        send_parts(conn, [HEADER.pack(status.code.value[0], STATUS_BODY, len(body)), body])
 
 
 def _recv_bytes(conn: socket.socket, nbytes: int, within_s: float) -> bytes:

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.core.embedding import partial_pool
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import LookupPart
-from shardserve.server.common.errors import InvalidArgument, ResourceExhausted
+from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.metrics import GRPC
 from shardserve.server.rank.store import ShardStore, StoredVersion
@@ -119,7 +120,7 @@ class LookupService:
         answers = [self._answer(i, item) for i, item in enumerate(request.items)]
         total = sum(len(a.data) for a in answers)
         if total > SMALL_REPLY_BYTES:
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"items: the answer is {total} bytes, over LookupSmall's {SMALL_REPLY_BYTES}; "
                 f"use the streaming Lookup"
             )
@@ -144,7 +145,7 @@ class LookupService:
             return
         ids = sum(len(item.ids) for item in request.items)
         if ids > limit:
-            raise ResourceExhausted(
+            raise RequestTooLarge(
                 f"items[].ids: {ids} bytes of ids, over this rank's max_request_bytes {limit}"
             )
 
@@ -163,7 +164,7 @@ class LookupService:
             )
             limit = self.store.max_request_bytes
             if limit and out_bytes > limit:
-                raise ResourceExhausted(
+                raise RequestTooLarge(
                     f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
                     f"max_request_bytes {limit}"
                 )

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.cuda_staging import host_bytes

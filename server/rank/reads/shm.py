@@ -13,9 +13,14 @@ import logging
 
 import grpc
 import torch
+
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, ServiceError, rpc_errors
+from shardserve.server.common.errors import (
+    InvalidArgument,
+    PathUnavailable,
+    rpc_errors,
+)
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.metrics import SHM
 from shardserve.server.rank.shared_memory import Leases, lease_seconds
@@ -24,10 +29,8 @@ from shardserve.server.rank.store import ShardStore
 log = logging.getLogger(__name__)
 
 
-class SharedMemoryUnavailable(ServiceError):
+class SharedMemoryUnavailable(PathUnavailable):
     """This rank cannot hand that shard over by reference (shared memory off, or a CUDA shard without IPC)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class SharedMemoryService:

@@ -8,9 +8,10 @@ against ~1.6 ms for torch.distributed.rpc on the loaded 2-core host).
 from __future__ import annotations
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import RawChunk, encode_chunk
-from shardserve.server.common.errors import ResourceExhausted, rpc_errors
+from shardserve.server.common.errors import RequestTooLarge, rpc_errors
 from shardserve.server.rank.cuda_staging import host_bytes
 from shardserve.server.rank.metrics import GRPC
 from shardserve.server.rank.reads.region import requested_box
@@ -32,7 +33,7 @@ class SmallReads:
         with requested_box(self.store, request) as box:
             nbytes = box.numel() * box.element_size()
             if nbytes > SMALL_READ_BYTES:
-                raise ResourceExhausted(
+                raise RequestTooLarge(
                     f"offsets/sizes: the box is {nbytes} bytes; ReadRegionSmall answers at "
                     f"most {SMALL_READ_BYTES} (use ReadRegion)"
                 )

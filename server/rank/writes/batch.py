@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, item_errors, rpc_errors
 from shardserve.server.common.requests import check_name, check_version, parse_dtype

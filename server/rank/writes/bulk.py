@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import socket
 
-import grpc
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import recv_exactly
-from shardserve.server.common.errors import ServiceError
+from shardserve.server.common.errors import InvalidArgument, PermissionDenied
 from shardserve.server.common.principals import WRITE, Principal
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.batch import ShardBytes, checked_batch, write_batch
@@ -34,9 +33,9 @@ def receive_batch(
     received = 0
     try:
         if request.WhichOneof("source") is not None:
-            raise ServiceError(
+            raise InvalidArgument(
                 "source: a bulk-port batch sends its bytes after the request, not in it",
-                grpc.StatusCode.INVALID_ARGUMENT,
+                metadata={"field": "source"},
             )
         shards = checked_batch(request.shards)
         _authorize(principal, shards)
@@ -59,17 +58,17 @@ def _authorize(principal: Principal | None, shards: list[ShardBytes]) -> None:
     if principal is None:
         return
     if not principal.may(WRITE):
-        raise ServiceError(
+        raise PermissionDenied(
             f"principal {principal.name!r} (role {principal.role}) lacks the 'write' right that "
             f"WriteShards needs",
-            grpc.StatusCode.PERMISSION_DENIED,
+            metadata={"principal": principal.name, "right": WRITE},
         )
     for name in sorted({shard.name for shard in shards}):
         if not principal.may_write(name):
-            raise ServiceError(
+            raise PermissionDenied(
                 f"principal {principal.name!r} lacks the 'write' right on tensor {name!r} "
                 f"(WriteShards)",
-                grpc.StatusCode.PERMISSION_DENIED,
+                metadata={"principal": principal.name, "tensor": name},
             )
 
 

@@ -19,18 +19,19 @@ import re
 import stat
 from types import TracebackType
 
-import grpc
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import STAGING_NAME, host_id
-from shardserve.server.common.errors import InvalidArgument, ServiceError
+from shardserve.server.common.errors import (
+    InvalidArgument,
+    PathUnavailable,
+    PermissionDenied,
+)
 
 _SECRET = re.compile(r"[A-Za-z0-9_-]{16,64}")
 
 
-class SharedWritesUnavailable(ServiceError):
+class SharedWritesUnavailable(PathUnavailable):
     """This rank cannot read that writer's memfd (another host, shared memory off, the file out of reach)."""
-
-    code = grpc.StatusCode.UNIMPLEMENTED
 
 
 class SharedSource:
@@ -105,10 +106,10 @@ def _check_file(fd: int, source: pb.SharedMemorySource) -> None:
         or link != expected
         or not stat.S_ISREG(info.st_mode)
     ):
-        raise ServiceError(
+        raise PermissionDenied(
             f"shared: fd {source.fd} of process {source.pid} is not the staging memfd the request "
             f"describes (inode, device or name differ)",
-            grpc.StatusCode.PERMISSION_DENIED,
+            metadata={"field": "shared"},
         )
     if info.st_size != source.nbytes:
         raise InvalidArgument(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 import pytest
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog import SQLiteCatalog
 

@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 import torch
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
@@ -208,7 +209,7 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     import threading
 
     import shardserve.server.coordinator.locks as coordinator_module
-    from shardserve.server.common.errors import Aborted
+    from shardserve.server.common.errors import TensorBusy
 
     _rank(coordinator, RankStub(set()))
     _ready(coordinator, "busy")
@@ -224,7 +225,7 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     worker.start()
     assert held.wait(10)
     started = time.monotonic()
-    with pytest.raises(Aborted, match="tensor 'busy' is busy") as err:
+    with pytest.raises(TensorBusy, match="tensor 'busy' is busy") as err:
         coordinator.delete("busy")
     assert err.value.code == grpc.StatusCode.ABORTED and time.monotonic() - started < 5
     release.set()
@@ -275,7 +276,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     """When the deadline passes before the coordinator ran CreateTensor, the abort comes first: the late
     CreateTensor with that token is refused, and allocates nothing."""
     from shardserve.client.errors import DeadlineExceededError
-    from shardserve.server.common.errors import Aborted
+    from shardserve.server.common.errors import TensorBusy
 
     stub = RankStub(set())
     _rank(coordinator, stub)
@@ -283,7 +284,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     request = pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
     with pytest.raises(DeadlineExceededError):
         cluster.create_tensor(request)
-    with pytest.raises(Aborted, match="put_token"):
+    with pytest.raises(TensorBusy, match="put_token"):
         coordinator.create(request)  # the call, arriving late
     assert coordinator.catalog.versions("t") == [] and stub.calls == []
     fresh = _client_of(coordinator).create_tensor(
@@ -335,14 +336,15 @@ def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordina
     """A reshard or checkpoint load commits a newer version while a put's version is pending: committing the
     put would answer success yet never be served (readers take the newest READY version), so it is ABORTED
     and its shards dropped."""
-    from shardserve.server.common.errors import Aborted
+    from shardserve.server.common.errors import TensorBusy
 
     stub = RankStub(set())
     _rank(coordinator, stub)
     put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata()))
     newer = _ready(coordinator, "t")  # the reshard's version, committed meanwhile
     with pytest.raises(
-        Aborted, match=f"version {put.version} was overtaken while pending: version {newer.version}"
+        TensorBusy,
+        match=f"version {put.version} was overtaken while pending: version {newer.version}",
     ):
         coordinator.commit("t", put.version)
     assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [

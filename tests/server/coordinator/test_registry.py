@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, Unavailable
 from shardserve.server.coordinator.registry import RankRegistry

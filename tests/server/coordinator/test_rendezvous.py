@@ -8,6 +8,7 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+
 from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
 
 

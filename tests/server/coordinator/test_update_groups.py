@@ -8,8 +8,9 @@ from collections.abc import Callable
 from concurrent import futures
 
 import pytest
+
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import Aborted
+from shardserve.server.common.errors import TensorBusy
 from shardserve.server.coordinator.update_groups import UpdateGroups
 
 WAIT_S = 30.0  # bound on every wait of a test thread
@@ -69,14 +70,14 @@ def test_updates_join_the_collecting_version_and_commit_once_in_join_order() -> 
 def test_a_version_being_made_or_committing_is_not_joined_and_a_full_one_neither() -> None:
     groups = UpdateGroups(claim_wait_s=0.3, max_members=2)
     assert groups.enter("t", "a", _never_abort) is None
-    with pytest.raises(Aborted, match="update being made or committed"):
+    with pytest.raises(TensorBusy, match="update being made or committed"):
         groups.enter("t", "b", _never_abort)  # member 0 is still making the version
     groups.bind("t", 3)
-    with pytest.raises(Aborted, match="being made or committed"):
+    with pytest.raises(TensorBusy, match="being made or committed"):
         groups.enter("t", "c", _never_abort, join=False)  # a copy of a given version makes its own
     with futures.ThreadPoolExecutor(2) as pool:
         second = _pending(pool, lambda: groups.enter("t", "b", _never_abort))
-        with pytest.raises(Aborted):
+        with pytest.raises(TensorBusy):
             groups.enter("t", "c", _never_abort)  # two members: full
         first_commit = pool.submit(groups.finish, "t", 3, _Commits(3), _never_abort)
         assert second.result(timeout=WAIT_S) == (3, 1)
@@ -92,7 +93,7 @@ def test_an_aborted_version_answers_aborted_to_every_waiting_member() -> None:
     with futures.ThreadPoolExecutor(2) as pool:
         joiner = _pending(pool, lambda: groups.enter("t", "b", _never_abort))
         groups.end("t", 4)  # member 0 aborted it (or a reshard, load or delete replaced it)
-        with pytest.raises(Aborted, match="make the update again"):
+        with pytest.raises(TensorBusy, match="make the update again"):
             joiner.result(timeout=WAIT_S)
     assert groups.enter("t", "c", _never_abort) is None
 
@@ -103,15 +104,15 @@ def test_a_failed_commit_answers_every_member_with_its_error() -> None:
     groups.bind("t", 4)
 
     def overtaken() -> pb.TensorInfo:
-        raise Aborted("overtaken by a reshard")
+        raise TensorBusy("overtaken by a reshard")
 
     with futures.ThreadPoolExecutor(2) as pool:
         joiner = _pending(pool, lambda: groups.enter("t", "b", _never_abort))
         first_commit = pool.submit(groups.finish, "t", 4, overtaken, _never_abort)
         assert joiner.result(timeout=WAIT_S) == (4, 1)
-        with pytest.raises(Aborted, match="overtaken"):
+        with pytest.raises(TensorBusy, match="overtaken"):
             groups.finish("t", 4, overtaken, _never_abort)
-        with pytest.raises(Aborted, match="overtaken"):
+        with pytest.raises(TensorBusy, match="overtaken"):
             first_commit.result(timeout=WAIT_S)
 
 
@@ -128,7 +129,7 @@ def test_a_member_whose_client_is_gone_has_the_version_aborted_by_the_next_one()
         )
         now[0] = 11.0  # member 0 never finished writing
         assert done.wait(WAIT_S)
-        with pytest.raises(Aborted, match="did not finish writing"):
+        with pytest.raises(TensorBusy, match="did not finish writing"):
             joiner.result(timeout=WAIT_S)
     assert aborted == [("t", 9)]
     assert groups.enter("t", "c", _never_abort) is None

@@ -16,12 +16,15 @@ import struct
 import grpc
 import pytest
 import torch
+from google.rpc import status_pb2
 from server_helpers import Aborted, ServicerContext, recv_exactly
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import HEADER, KIND_READS
+from shardserve.protos.errors import Reason, detail_of_status
 from shardserve.server.rank.reads.batch import BATCH_READ_BYTES, MAX_BATCH_REGIONS, BatchReads
 from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.store import ShardStore
@@ -183,7 +186,12 @@ def test_the_bulk_port_answers_a_batch_and_names_a_bad_region(port):
         assert code == grpc.StatusCode.OK
         assert pb.ReadRegionsReply.FromString(body).data == b"".join(expected(r) for r in GOOD)
         code, body = ask(sock, [GOOD[0], region("a", (5, 0), (2, 4))])
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and body.startswith(b"regions[1]: "), body
+        status = status_pb2.Status.FromString(body)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and status.message.startswith(
+            "regions[1]: "
+        )
+        detail = detail_of_status(status)
+        assert detail.reason == Reason.INVALID_ARGUMENT and detail.metadata["item"] == "regions[1]"
         code, body = ask(sock, GOOD[:2])
         assert code == grpc.StatusCode.OK
         assert pb.ReadRegionsReply.FromString(body).data == b"".join(expected(r) for r in GOOD[:2])

@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 from server_helpers import Aborted, ServicerContext
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto

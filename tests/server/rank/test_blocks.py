@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import FailedPrecondition
+from shardserve.server.common.errors import InvalidState
 from shardserve.server.rank.blocks import BLOCK_BYTES
 from shardserve.server.rank.store import ShardStore
 
@@ -124,7 +125,7 @@ def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
     store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
     store.promote("t", 1)
     store.allocate_copy("t", 2, _meta(8), 1)
-    with pytest.raises(FailedPrecondition, match="WriteRows"):
+    with pytest.raises(InvalidState, match="WriteRows"):
         with store.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
             pass
 

@@ -17,15 +17,25 @@ import time
 
 import grpc
 import pytest
-import shardserve.server.rank.reads.bulk as bulk_reads
 import torch
+from google.rpc import status_pb2
 from server_helpers import recv_exactly
+
+import shardserve.server.rank.reads.bulk as bulk_reads
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import bulk_wire
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.protos.bulk_wire import HEADER, KIND_LOOKUP, KIND_READ, KIND_READS, send_parts
+from shardserve.protos.bulk_wire import (
+    HEADER,
+    KIND_LOOKUP,
+    KIND_READ,
+    KIND_READS,
+    STATUS_BODY,
+    send_parts,
+)
 from shardserve.protos.chunk_codec import decode_lookup_reply
+from shardserve.protos.errors import detail_of_status
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.rank.reads.bulk import BulkReads, Tickets, peer_ip
 from shardserve.server.rank.store import ShardStore
@@ -54,9 +64,17 @@ def open_connection(reads: BulkReads, ticket: bytes | None = None) -> socket.soc
 
 
 def answer(sock: socket.socket) -> tuple[int, bytes]:
-    status, reserved, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
-    assert reserved == 0
-    return status, recv_exactly(sock, length)
+    """An answer's status and body: for an error, the message of the google.rpc.Status that follows, which
+    must carry a shardserve ErrorInfo."""
+    status, body_kind, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
+    body = recv_exactly(sock, length)
+    if status == 0:
+        assert body_kind == 0
+        return status, body
+    assert body_kind == STATUS_BODY
+    error = status_pb2.Status.FromString(body)
+    assert error.code == status and detail_of_status(error).reason is not None
+    return status, error.message.encode()
 
 
 def ask(sock: socket.socket, frame: bytes, kind: int = KIND_READ) -> tuple[int, bytes]:

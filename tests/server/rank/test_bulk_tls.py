@@ -19,8 +19,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import shardserve.server.rank.reads.bulk as bulk_reads
 import torch
+
+import shardserve.server.rank.reads.bulk as bulk_reads
 from shardserve.client.channel import Credentials
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec

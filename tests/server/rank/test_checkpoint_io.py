@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gloo_world import World
 from reference import shards_of
+
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties, make_metadata
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.common.dcp_metadata import checkpoint_tensors

@@ -14,10 +14,11 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import shards_of
+from torch.distributed.checkpoint import FileSystemReader
+
 from shardserve.core.metadata import ShardedTensorMetadata, make_metadata
 from shardserve.server.rank.jobs.checkpoint_io import CheckpointError, load_tensors, save_tensors
 from shardserve.server.rank.jobs.checkpoint_reader import element_span, stored_chunk
-from torch.distributed.checkpoint import FileSystemReader
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8, torch.bool]
 

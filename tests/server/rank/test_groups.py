@@ -9,7 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from shardserve.server.common.errors import FailedPrecondition
+
+from shardserve.server.common.errors import EpochEnded, Unavailable
 from shardserve.server.rank.jobs.groups import PeerGroup, ProcessGroups
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +66,7 @@ def test_a_failed_epoch_is_refused_and_the_next_one_forms_new_groups(store_port)
     for groups in ranks:
         groups.end_epoch(4)
         assert groups.cached() == []
-        with pytest.raises(FailedPrecondition, match="epoch 4 has ended on rank"):
+        with pytest.raises(EpochEnded, match="epoch 4 has ended on rank"):
             groups.for_job(4, [0, 1], TIMEOUT_S)
     received = _on_each(ranks, lambda g: _exchange(g.for_job(5, [0, 1], TIMEOUT_S), g.rank, 3))
     assert torch.equal(received[1], torch.tensor([3.0, 6.0, 9.0]))
@@ -97,7 +98,7 @@ def test_a_member_that_never_comes_fails_the_formation_within_the_timeout(store_
 
 
 def test_without_a_store_address_a_job_is_refused():
-    with pytest.raises(FailedPrecondition, match="knows no rendezvous store yet"):
+    with pytest.raises(Unavailable, match="knows no rendezvous store yet"):
         ProcessGroups(0).for_job(1, [0, 1], 5.0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from shardserve.server.coordinator.collectives import JobSequencer
 from shardserve.server.rank.jobs.ordering import JobCancelled, JobChain
 from shardserve.server.rank.jobs.service import JobKinds

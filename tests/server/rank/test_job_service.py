@@ -7,8 +7,11 @@ import threading
 import time
 
 import pytest
+from server_helpers import Aborted, ServicerContext
+
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import FailedPrecondition
+from shardserve.protos.errors import Reason
+from shardserve.server.common.errors import EpochEnded
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
 from shardserve.server.rank.store import ShardStore
 
@@ -51,7 +54,7 @@ def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
     second = list(service.RunCollective(_job(2, 1, 4, "next"), None))[-1]
     assert second.done and not second.error and ran == [2]
     assert time.monotonic() - started < 2  # not held by the stuck job, which still waits
-    with pytest.raises(FailedPrecondition, match="epoch 3 has ended"):
+    with pytest.raises(EpochEnded, match="epoch 3 has ended"):
         service.groups.for_job(3, [0], 1.0)
     release.set()
 
@@ -62,9 +65,6 @@ def test_a_job_without_an_epoch_is_refused():
     service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
     job = _job(1, 0, 0, "x")
 
-    class Context:
-        def abort(self, code, details):
-            raise RuntimeError(f"{code.name}: {details}")
-
-    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT: epoch must be > 0"):
-        list(service.RunCollective(job, Context()))
+    with pytest.raises(Aborted, match="INVALID_ARGUMENT: epoch must be > 0") as refused:
+        list(service.RunCollective(job, ServicerContext()))
+    assert refused.value.reason == Reason.INVALID_ARGUMENT

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 
 import pytest
+
 from shardserve.server.rank.malloc_tuning import SETTINGS, tune_malloc
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from shardserve.server.rank.main import resolve_memory_limit
 from shardserve.server.rank.memory_budget import (
     HOST_MEMORY_FRACTION,

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import ResourceExhausted
+from shardserve.server.common.errors import DiskFull
 from shardserve.server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
 from shardserve.server.rank.store import ShardStore, VersionState
 
@@ -209,13 +210,13 @@ def test_a_full_disk_fails_the_promote_and_nothing_is_served(small_disk):
     store.install("big2", 1, _meta(4096), {0: big.clone()})
     store.promote("big", 1)
     with pytest.raises(
-        ResourceExhausted,
+        DiskFull,
         match=rf"rank 0 could not persist {small_disk}/big2/v1.s0.safetensors"
         r".*disk full",
     ):
         store.promote("big2", 1)
     assert ("big2", 1, VersionState.PENDING) in store.held()  # never served, so never acknowledged
-    with pytest.raises(ResourceExhausted, match="updates.log"):
+    with pytest.raises(DiskFull, match="updates.log"):
         _fill_log(store)
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from reference import shards_of
+
 from shardserve.core.executor import apply_plan
 from shardserve.core.metadata import (
     ShardedTensorMetadata,

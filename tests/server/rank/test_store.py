@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from shardserve.core.metadata import TensorProperties, make_metadata
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
-    Aborted,
-    FailedPrecondition,
     InvalidArgument,
+    InvalidState,
+    MemoryLimit,
     NotFound,
-    ResourceExhausted,
+    RequestTooLarge,
+    StaleVersion,
+    TensorBusy,
+    WriteIncomplete,
 )
 from shardserve.server.rank.store import ShardStore
 
@@ -42,7 +46,7 @@ def test_normal_replicas_hold_the_same_numbers():
 def test_read_needs_a_promoted_version_and_a_lease_delays_freeing():
     store = ShardStore(rank=0, max_request_bytes=48)
     store.allocate("t", 1, META, pb.INIT_ONES)
-    with pytest.raises(FailedPrecondition, match="not served here; no version is served yet"):
+    with pytest.raises(StaleVersion, match="not served here; no version is served yet"):
         with store.read("t", 1, 0, (0, 0), (1, 1)):
             pass
     store.promote("t", 1)
@@ -60,7 +64,7 @@ def test_read_over_max_request_bytes_is_refused():
     store = ShardStore(rank=0, max_request_bytes=16)
     store.allocate("t", 1, META, pb.INIT_ONES)
     store.promote("t", 1)
-    with pytest.raises(ResourceExhausted, match="max_request_bytes 16"):
+    with pytest.raises(RequestTooLarge, match="max_request_bytes 16"):
         with store.read("t", 1, 0, (0, 0), (2, 4)):
             pass
 
@@ -68,7 +72,7 @@ def test_read_over_max_request_bytes_is_refused():
 def test_memory_limit_counts_pending_versions():
     store = ShardStore(rank=0, memory_limit=60)
     store.allocate("a", 1, META)
-    with pytest.raises(ResourceExhausted, match="memory limit: 48 bytes requested, 12 of 60 free"):
+    with pytest.raises(MemoryLimit, match="memory limit: 48 bytes requested, 12 of 60 free"):
         store.allocate("b", 2, META)
     store.drop("a")
     store.allocate("b", 2, META)
@@ -77,7 +81,7 @@ def test_memory_limit_counts_pending_versions():
 def test_write_in_order_then_promote():
     store = ShardStore(rank=0)
     store.allocate("w", 1, META)
-    with pytest.raises(FailedPrecondition, match="not fully written"):
+    with pytest.raises(WriteIncomplete, match="not fully written"):
         store.promote("w", 1)
     data = torch.arange(12, dtype=torch.float32).view(3, 4)
     raw = data.numpy().tobytes()
@@ -90,7 +94,7 @@ def test_write_in_order_then_promote():
         writer.write(20, memoryview(raw)[20:])
     store.promote("w", 1)
     assert torch.equal(store.local_tensor("w", 1, 0), data)
-    with pytest.raises(FailedPrecondition, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.write("w", 1, 0, torch.float32, 48):
             pass
 
@@ -103,13 +107,11 @@ def test_a_second_stream_of_a_shard_being_written_is_refused():
     with store.write("race", 1, 0, torch.float32, 48) as first:
         first.write(0, b"\xaa" * 8)
         with pytest.raises(
-            Aborted, match="shard_index 0 of 'race' version 1 is being written by another stream"
+            TensorBusy, match="shard_index 0 of 'race' version 1 is being written by another stream"
         ):
             with store.write("race", 1, 0, torch.float32, 48):
                 pass
-        with pytest.raises(
-            FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"
-        ):
+        with pytest.raises(WriteIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
             store.promote("race", 1)
         first.write(8, b"\xaa" * 40)
     store.promote("race", 1)
@@ -138,12 +140,12 @@ def test_a_shard_being_rewritten_cannot_be_promoted():
     store.install("t", 1, meta, {0: torch.zeros(4, 2)})
     with store.rewrite("t", 1, 0) as shard:
         shard[1] = 5.0
-        with pytest.raises(FailedPrecondition, match="not fully written"):
+        with pytest.raises(WriteIncomplete, match="not fully written"):
             store.promote("t", 1)
     store.promote("t", 1)
     with store.read("t", 1, 0, (0, 0), (4, 2)) as view:
         assert view[1].tolist() == [5.0, 5.0]
-    with pytest.raises(FailedPrecondition, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.rewrite("t", 1, 0):
             pass
 
@@ -156,11 +158,9 @@ def test_an_allocation_overtaken_by_its_drop_is_refused():
         (4, 2), TensorProperties(dtype=torch.float32)
     )
     assert store.drop("t", 7) == 0  # nothing there yet
-    with pytest.raises(
-        FailedPrecondition, match="was dropped on rank 0 before this allocation arrived"
-    ):
+    with pytest.raises(TensorBusy, match="was dropped on rank 0 before this allocation arrived"):
         store.allocate("t", 7, meta)
-    with pytest.raises(FailedPrecondition, match="was dropped"):
+    with pytest.raises(TensorBusy, match="was dropped"):
         store.reserve("t", 7, meta)
     assert store.memory_used == 0
     store.allocate("t", 8, meta)  # other versions are not affected
@@ -172,9 +172,7 @@ def test_a_reserved_version_is_not_written_by_streams():
     FAILED_PRECONDITION saying so, not an INVALID_ARGUMENT claiming the rank holds no such shard."""
     store = ShardStore(rank=0)
     store.reserve("r", 1, META)
-    with pytest.raises(
-        FailedPrecondition, match="shard_index 0 of tensor 'r' version 1 is reserved"
-    ):
+    with pytest.raises(InvalidState, match="shard_index 0 of tensor 'r' version 1 is reserved"):
         with store.write("r", 1, 0, torch.float32, 48):
             pass
     with pytest.raises(InvalidArgument, match="shard_index 1 of tensor 'r' is not held by rank 0"):
@@ -197,7 +195,7 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
         shard.copy_(torch.ones(3, 4))
     with pytest.raises(InvalidArgument, match="ended after 24 of 48 bytes"):
         failing.__exit__(None, None, None)  # the stream ends early
-    with pytest.raises(FailedPrecondition, match=r"shards \[0\] on rank 0 are not fully written"):
+    with pytest.raises(WriteIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
         store.promote("t", 1)
     with store.write(
         "t", 1, 0, torch.float32, 48
@@ -215,11 +213,11 @@ def test_a_failed_rewrite_is_not_published_and_a_write_waits_for_it():
     with pytest.raises(RuntimeError, match="connection lost"):
         with store.rewrite("u", 1, 0) as shard:
             shard[0] = 7.0
-            with pytest.raises(Aborted, match="being written by another stream"):
+            with pytest.raises(TensorBusy, match="being written by another stream"):
                 with store.write("u", 1, 0, torch.float32, 48):
                     pass
             raise RuntimeError("connection lost")
-    with pytest.raises(FailedPrecondition, match="not fully written"):
+    with pytest.raises(WriteIncomplete, match="not fully written"):
         store.promote("u", 1)
 
 
@@ -227,7 +225,8 @@ def test_a_request_stream_the_client_ended_is_cancelled_not_internal():
     """grpc raises a bare RpcError from the request iterator of a stream the client cancelled or let time out: it
     is the client's doing (CANCELLED, logged at INFO), not a server failure (INTERNAL with a traceback)."""
     import grpc
+
     from shardserve.server.common.errors import status_of
 
-    code, message = status_of(grpc.RpcError())
-    assert code == grpc.StatusCode.CANCELLED and "ended the request stream" in message
+    status = status_of(grpc.RpcError())
+    assert status.code == grpc.StatusCode.CANCELLED and "ended the request stream" in status.message
