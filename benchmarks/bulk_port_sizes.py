@@ -1,4 +1,4 @@
-"""Bulk port against gRPC per read size (issue 6): why transport="auto" sends every remote read to the bulk port.
+"""Bulk port against gRPC per read size: why transport="auto" sends every remote read to the bulk port.
 
 Reads boxes of 4 KiB to 2 MiB inside one shard of a 2-rank cluster, once
 over the bulk port and once over gRPC per round, the two taking turns, and
