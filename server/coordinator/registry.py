@@ -312,7 +312,10 @@ class RankRegistry:
                     f"(registered: {sorted(entries)})"
                 )
             if not self.is_alive(entry):
-                raise Unavailable(f"{field} {shard.placement}: rank {shard.rank} is not alive")
+                raise Unavailable(
+                    f"{field} {shard.placement}: rank {shard.rank} is not alive",
+                    metadata={"rank": shard.rank, "field": field},
+                )
             if shard.device != RemoteDevice(f"rank:{shard.rank}/{entry.info.device}").device():
                 raise InvalidArgument(
                     f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"
