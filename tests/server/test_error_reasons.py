@@ -26,7 +26,6 @@ from shardserve.client.errors import (
     TensorExistsError,
     TensorNotFoundError,
 )
-from shardserve.core.dtypes import dtype_to_wire
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
@@ -143,7 +142,7 @@ def test_invalid_state(stubs, served):
         name="good",
         version=served.version,
         shard_index=0,
-        dtype=dtype_to_wire(torch.float32),
+        dtype=pb.FLOAT32,
         nbytes=3 * 5 * 4,
     )
     err = rpc_error(

@@ -90,8 +90,8 @@ def still_serving(stubs, served):
     assert torch.equal(read_full(stubs, info), SMALL)
 
 
-def client_of(cluster, name: str, **options: object):
-    return connect(cluster.address, token=TOKENS[name], timeout=30, **options)
+def client_of(cluster, name: str, transport: str = "auto"):
+    return connect(cluster.address, token=TOKENS[name], timeout=30, transport=transport)
 
 
 def test_unauthenticated(cluster, stubs):
