@@ -309,7 +309,9 @@ class BulkPath:
                 grpc.StatusCode.UNIMPLEMENTED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             ):  # none, or busy
-                raise BulkReadError(f"{where}: {err.message}", err.code) from None
+                raise BulkReadError(
+                    f"{where}: {err.message}", err.code, reason=err.reason, metadata=err.metadata
+                ) from None
             raise
         host = address.rpartition(":")[0].strip("[]")
         try:
