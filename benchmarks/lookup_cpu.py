@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.ids, args.calls, args.rows) < 1:
         parser.error("--ids, --calls and --rows must be >= 1")
 
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     from shardserve import connect
@@ -90,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
     ):
         with connect(cluster.address, transport="grpc") as writer:
             writer.put("lookup-cpu", source)

@@ -31,6 +31,7 @@ def cluster_times(
     """Median seconds of client-side reshards Shard(0) <-> Shard(1) on a local cluster, and the memory report;
     `recycle_bytes` as the ranks' --recycle-bytes (None: their default, 0: recycling off)."""
     from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     from shardserve import connect
@@ -39,7 +40,9 @@ def cluster_times(
     specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]
     with (
         LocalCluster(
-            world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-"), recycle_bytes=recycle_bytes
+            world,
+            state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
+            rank_options=RankOptions(recycle_bytes=recycle_bytes),
         ) as cluster,
         connect(cluster.address, timeout=600) as client,
     ):

@@ -117,6 +117,9 @@ def time_fetch(remote, source: torch.Tensor, path: str, rounds: int) -> float:
 def measure(quick: bool, start_cluster) -> dict:
     """Every figure of the scenario: lookups p50/p99 by auth, fetch seconds by path. `start_cluster(stack,
     **kwargs)` starts a 1-rank cluster stopped when `stack` closes."""
+    from shardserve.server.common.auth import Security
+    from shardserve.server.common.principals import PrincipalBook
+
     from shardserve import connect
 
     rounds, fetch_rounds = (200, 3) if quick else (2000, 5)
@@ -137,7 +140,7 @@ def measure(quick: bool, start_cluster) -> dict:
         tokens = tokens_file(files)
         tls = certificate(files)
         plain = start_cluster(stack)
-        checked = start_cluster(stack, tokens_file=tokens)
+        checked = start_cluster(stack, security=Security(principals=PrincipalBook(tokens)))
         none_client = stack.enter_context(connect(plain.address, transport="grpc"))
         checked_client = stack.enter_context(
             connect(checked.address, token=READ_TOKEN, transport="grpc")
@@ -162,7 +165,9 @@ def measure(quick: bool, start_cluster) -> dict:
                     client.tensor("fetched"), source, path, fetch_rounds
                 )
         if tls is not None:
-            secure = start_cluster(stack, tokens_file=tokens, tls=tls)
+            secure = start_cluster(
+                stack, security=Security(tls=tls, principals=PrincipalBook(tokens))
+            )
             credentials = dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
             with connect(secure.address, token=ADMIN_TOKEN, **credentials) as writer:
                 writer.put("fetched", source)

@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
 
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     from shardserve import connect
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                 LocalCluster(
                     ranks=2,
                     state_dir=state,
-                    log_level="WARNING",
-                    tracing=f"file:{spans}" if mode == "on" else None,
+                    rank_options=RankOptions(
+                        log_level="WARNING", tracing=f"file:{spans}" if mode == "on" else None
+                    ),
                 )
             )
             with connect(clusters[mode].address, tracing=False) as writer:

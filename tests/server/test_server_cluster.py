@@ -22,13 +22,14 @@ from server_helpers import (
 from shardserve.core.metadata import Box, ShardMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.rank.store import arange_box
 
 
 @pytest.fixture(scope="module")
 def cluster3(make_cluster):
     """Ranks without a grace period: these tests check at the RPC level that a replaced version is dropped."""
-    return make_cluster(ranks=3, version_grace=0)
+    return make_cluster(ranks=3, rank_options=RankOptions(version_grace=0))
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +81,9 @@ def test_put_then_read_random_boxes_bit_for_bit(stubs, dtype, dim):
             info.name,
             info.version,
             index,
-            offsets,
-            sizes,
-            dtype,
+            offsets=offsets,
+            sizes=sizes,
+            dtype=dtype,
             chunk_bytes=rng.choice([0, 1, 7, 64]),
         )
         expected = tensor[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
@@ -102,7 +103,9 @@ def test_enumerable_grid_with_several_shards_per_rank_and_replicas(stubs):
     tensor = source((5, 8), torch.float64, seed=3)
     info = put(stubs, "grid", tensor, meta)
     assert torch.equal(read_full(stubs, info), tensor)
-    replica = read_region(stubs, 2, "grid", info.version, 4, [0, 1], [2, 2], torch.float64)
+    replica = read_region(
+        stubs, 2, "grid", info.version, 4, offsets=[0, 1], sizes=[2, 2], dtype=torch.float64
+    )
     assert torch.equal(replica, tensor[0:2, 1:3])
 
 

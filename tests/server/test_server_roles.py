@@ -22,7 +22,8 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.access import ACCESS_RULES
-from shardserve.server.common.principals import token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, token_sha256
 
 from shardserve import AuthenticationError, connect
 
@@ -78,7 +79,7 @@ def tokens_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster, tokens_file):
-    return make_cluster(ranks=2, tokens_file=str(tokens_file))
+    return make_cluster(ranks=2, security=Security(principals=PrincipalBook(str(tokens_file))))
 
 
 def bearer(name):
