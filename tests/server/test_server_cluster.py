@@ -155,7 +155,17 @@ def test_pending_tensor_is_invisible_until_commit(stubs):
         pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT
     ).tensors
     assert [t.state for t in with_pending if t.name == "pending"] == [pb.PENDING]
-    err = rpc_error(read_region, stubs, 0, "pending", info.version, 0, [0, 0], [1, 1], torch.int32)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "pending",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[1, 1],
+        dtype=torch.int32,
+    )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not served" in err.details()
     write_shards(stubs, info, tensor, only=[0])
     err = rpc_error(
@@ -231,7 +241,15 @@ def test_overwrite_makes_a_new_version_and_old_reads_fail_precondition(stubs):
     second = put(stubs, "versioned", torch.ones(4, 4), meta, overwrite=True)
     assert second.version > first.version
     err = rpc_error(
-        read_region, stubs, 0, "versioned", first.version, 0, [0, 0], [2, 4], torch.float32
+        read_region,
+        stubs,
+        0,
+        "versioned",
+        first.version,
+        0,
+        offsets=[0, 0],
+        sizes=[2, 4],
+        dtype=torch.float32,
     )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"served version is {second.version}" in err.details()
@@ -284,7 +302,17 @@ def test_delete_frees_memory_and_then_not_found(stubs):
         (stubs.coord.DeleteTensor, pb.DeleteTensorRequest(name="doomed")),
     ]:
         assert rpc_error(call, request, timeout=TIMEOUT).code() == grpc.StatusCode.NOT_FOUND
-    err = rpc_error(read_region, stubs, 0, "doomed", info.version, 0, [0, 0], [1, 1], torch.int64)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "doomed",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[1, 1],
+        dtype=torch.int64,
+    )
     assert err.code() == grpc.StatusCode.NOT_FOUND and "not found on rank 0" in err.details()
 
 

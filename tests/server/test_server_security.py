@@ -142,7 +142,17 @@ def test_max_request_bytes(stubs):
         stubs, 0, "wide", info.version, 0, offsets=[0, 0], sizes=[2, 2048], dtype=torch.uint8
     )
     assert torch.equal(ok, (torch.arange(2 * 2048) % 256).to(torch.uint8).view(2, 2048))
-    err = rpc_error(read_region, stubs, 0, "wide", info.version, 0, [0, 0], [3, 2048], torch.uint8)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "wide",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[3, 2048],
+        dtype=torch.uint8,
+    )
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "offsets/sizes" in err.details() and "max_request_bytes 4096" in err.details()
 
