@@ -7,6 +7,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    """Run the process `argv` names: `up`, `coordinator`, `node`, else one rank."""
     if argv and argv[0] == "up":
         from shardserve.server.up import main_up
 

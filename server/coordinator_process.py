@@ -97,6 +97,7 @@ def start_coordinator(
     )
 
     def add(server: object) -> list[str]:
+        """Add the Coordinator service to `server`; its name, for health checks and reflection."""
         pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
 

@@ -157,6 +157,7 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
+        """HOST:PORT clients dial the coordinator at (127.0.0.1 when bound to every interface)."""
         if self._server is None:
             raise RuntimeError("the cluster is not started")
         return f"{self._dial_host()}:{self._server.port}"

@@ -7,7 +7,7 @@ backoff (1 s doubling to 30 s, back to 1 s once an incarnation stayed up for a
 minute), at most `max_restarts` times; one out of restarts stays dead. A
 restarted rank registers with the coordinator again and comes back empty: the
 coordinator records the copies it lost (server/coordinator/lifecycle.py).
-What a rank is started with is server/rank_launch.py's.
+A rank's command line and environment come from server/rank_launch.py.
 """
 
 from __future__ import annotations
@@ -156,6 +156,7 @@ class RankSupervisor:
 
     @property
     def ranks(self) -> list[int]:
+        """The rank numbers supervised here, sorted."""
         return sorted(self._slots)
 
     def process(self, rank: int) -> subprocess.Popen:

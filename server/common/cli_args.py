@@ -1,5 +1,5 @@
-"""Command-line flags shared by `up`, `coordinator`, `node` and the rank process: security, logging, metrics,
-stream limits."""
+"""Command-line flags shared by `up`, `coordinator`, `node` and the rank process: security, logging, metrics
+(a rank's own settings are server/common/rank_options.py's)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit 
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
+    """--token, --tokens-file, the cluster credential and --tls-* (docs/operations.md#auth-and-tls)."""
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,

@@ -76,6 +76,7 @@ class CoordinatorLink:
         )
 
     def start(self) -> None:
+        """Start heartbeating (after register() succeeded)."""
         self._thread.start()
 
     def _heartbeat_loop(self) -> None:
@@ -106,6 +107,7 @@ class CoordinatorLink:
             log.warning("registering again failed: %s %s", err.code().name, err.details())
 
     def stop(self) -> None:
+        """Stop heartbeating and close the channel (the thread may never have started)."""
         self._stop.set()
         if self._thread.is_alive():  # not started when registering failed
             self._thread.join(timeout=5.0)

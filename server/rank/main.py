@@ -112,6 +112,7 @@ def watch_parent(stop: threading.Event) -> None:
         return
 
     def watch() -> None:
+        """Set `stop` once this process's parent is no longer the launcher."""
         while not stop.wait(0.5):
             if os.getppid() != parent:
                 log.error("the launcher (pid %d) is gone; stopping", parent)
@@ -121,6 +122,7 @@ def watch_parent(stop: threading.Event) -> None:
 
 
 def advertised_address(running: RunningServer, advertise: str | None) -> str:
+    """HOST:PORT clients dial this rank at: --advertise, else the bound address (this host's name on 0.0.0.0)."""
     if advertise:
         return advertise
     host = socket.gethostname() if running.host in ("0.0.0.0", "[::]") else running.host
