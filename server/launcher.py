@@ -30,10 +30,7 @@ from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.rank_options import DEFAULT_LISTEN, RankOptions
 from shardserve.server.common.tracing import disable_tracing, enable_tracing, tracing_enabled
 from shardserve.server.coordinator_process import CoordinatorOptions, start_coordinator
-from shardserve.server.rank_launch import (  # noqa: F401 - PROJECT_ROOT is read from here by tests
-    PROJECT_ROOT,
-    rank_launches,
-)
+from shardserve.server.rank_launch import rank_launches
 from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason
 
 if TYPE_CHECKING:  # imported lazily: it pulls in torch, which the ranks import meanwhile

@@ -16,8 +16,8 @@ from shardserve.core import ChunkShardingSpec
 from shardserve.server.common import tracing
 from shardserve.server.common.auth import Security
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
-from shardserve.server.rank_launch import rank_launches
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT, rank_launches
 
 from shardserve import connect
 

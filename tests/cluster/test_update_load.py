@@ -18,7 +18,8 @@ import torch
 import update_load_client as load
 from server_processes import server_env
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 from shardserve import connect
 

@@ -22,9 +22,10 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.blocks import BLOCK_BYTES
 from shardserve.server.rank.shared_memory import HEADER_BYTES
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 from shardserve import connect
 
