@@ -7,6 +7,7 @@ import torch
 
 from shardserve import AuthenticationError, RankUnavailableError, connect
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.auth import Security
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "tls-token"
@@ -14,7 +15,7 @@ TOKEN = "tls-token"
 
 @pytest.fixture(scope="module")
 def tls_cluster(make_cluster, tls_files):
-    return make_cluster(ranks=1, tls=tls_files, token=TOKEN)
+    return make_cluster(ranks=1, security=Security(token=TOKEN, tls=tls_files))
 
 
 def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):

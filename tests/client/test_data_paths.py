@@ -36,6 +36,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import InvalidState
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
 from shardserve.server.rank.store import ShardStore
@@ -88,7 +89,7 @@ def cluster(make_cluster):
 @pytest.fixture(scope="module")
 def no_shm_cluster(make_cluster):
     with env(ENV_SWITCH, "0"):
-        return make_cluster(ranks=2, bulk_reads=False)
+        return make_cluster(ranks=2, rank_options=RankOptions(bulk_reads=False))
 
 
 @pytest.fixture(scope="module")
@@ -877,7 +878,7 @@ def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_shards_through_ipc_and_grpc(make_cluster):
-    gpu = make_cluster(ranks=1, device="cuda")
+    gpu = make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
     spec = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:0/cuda:0"])
     source = random_tensor((33, 17), torch.bfloat16, seed=11)
     with connect(gpu.address, transport="grpc") as c:

@@ -22,7 +22,8 @@ from shardserve.client.cli.top import Samples, scrape, total
 from shardserve.core import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 ROWS, DIM = 4096, 16
 TABLE_BYTES = ROWS * DIM * 4

@@ -35,6 +35,8 @@ from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import EpochEnded, rpc_errors
+from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
 from shardserve.server.rank.store import ShardStore
 
@@ -57,7 +59,7 @@ def layout(spec: ChunkShardingSpec, tensor: torch.Tensor) -> pb.ShardedTensorMet
 @pytest.fixture(scope="module")
 def broken(make_cluster):
     """A 2-rank cluster whose rank 1 was killed for good after "rows" was put on both ranks."""
-    cluster = make_cluster(ranks=2, max_restarts=0, heartbeat_interval=0.5)
+    cluster = make_cluster(ranks=2, coordinator_options=CoordinatorOptions(heartbeat_interval=0.5))
     with connect(cluster.address, timeout=30) as client:
         client.put("rows", TABLE, spec=ROWS)
         cluster.kill_rank(DEAD, signal.SIGKILL)
@@ -140,7 +142,7 @@ def small_disk(tmp_path):
 def test_disk_full(make_cluster, small_disk):
     """A rank that persists to a 256 KiB tmpfs: a 512 KiB commit is refused and nothing is served; a small put
     still succeeds."""
-    cluster = make_cluster(ranks=1, persist_dir=small_disk)
+    cluster = make_cluster(ranks=1, rank_options=RankOptions(persist_dir=small_disk))
     big = torch.randn(512, 256)
     meta = ON_RANK_0.build_metadata(tuple(big.shape), TensorProperties(dtype=big.dtype))
     stubs = Stubs(cluster.address, default_metadata=cluster.cluster_metadata)

@@ -27,7 +27,9 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
-from shardserve.server.common.principals import token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, token_sha256
+from shardserve.server.common.rank_options import RankOptions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,10 +64,10 @@ def cluster(make_cluster, tmp_path_factory):
     )
     return make_cluster(
         ranks=1,
-        tokens_file=str(path),
-        memory_limit=MEMORY_LIMIT,
-        max_request_bytes=REQUEST_LIMIT,
-        bulk_reads=False,
+        security=Security(principals=PrincipalBook(str(path))),
+        rank_options=RankOptions(
+            memory_limit=MEMORY_LIMIT, max_request_bytes=REQUEST_LIMIT, bulk_reads=False
+        ),
     )
 
 

@@ -25,7 +25,8 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason, error_detail_of
 from shardserve.server.common.access import ACCESS_RULES
-from shardserve.server.common.principals import token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, token_sha256
 
 TOKENS = {
     "reader": "reader-token-1",
@@ -79,7 +80,7 @@ def tokens_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster, tokens_file):
-    return make_cluster(ranks=2, tokens_file=str(tokens_file))
+    return make_cluster(ranks=2, security=Security(principals=PrincipalBook(str(tokens_file))))
 
 
 def bearer(name):
