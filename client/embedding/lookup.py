@@ -198,6 +198,7 @@ class Lookups:
         offsets: Any,
         mode: str = "mean",
         per_sample_weights: torch.Tensor | None = None,
+        *,
         dtype: torch.dtype | None = None,
         pooling: str = "auto",
     ) -> torch.Tensor:

@@ -63,6 +63,7 @@ def reshard(
     shape: Sequence[int],
     dtype: torch.dtype,
     spec: Any,
+    *,
     bucket_bytes: int | None = None,
     timeout: float | None = None,
     progress: Callable[[ReshardProgress], None] | None = None,
@@ -76,7 +77,7 @@ def reshard(
     if timeout is not None:
         timeout = arguments.seconds(timeout, "timeout")
     arguments.callback(progress, "progress")
-    meta = session.layout(tuple(shape), dtype, spec, replicas)
+    meta = session.layouts.layout(tuple(shape), dtype, spec, replicas)
     request = pb.ReshardRequest(
         name=name,
         metadata=metadata_to_proto(meta),
@@ -117,6 +118,7 @@ def layout_from_options(
     shape: Sequence[int],
     dtype: Any,
     devices: dict[int, str],
+    *,
     dim: int | None = None,
     ranks: Sequence[int] | None = None,
     grid: str | None = None,

@@ -21,13 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from shardserve.client.errors import RankUnavailableError
-from shardserve.core.health import copies_by_box, pick_copy
-from shardserve.core.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +80,6 @@ def _run_hook(hook: Callable[[], None]) -> None:
 def hedge_delay(hedge_after: float, nbytes: int) -> float:
     """How long a part of `nbytes` may stay silent before it is hedged."""
     return hedge_after + nbytes / HEDGE_BYTES_PER_S
-
-
-def other_copies(
-    meta: ShardedTensorMetadata,
-    index: int,
-    unavailable: Set[int] = frozenset(),
-    suspect: Set[int] = frozenset(),
-) -> list[int]:
-    """The other available copies of shard `index`'s box on other ranks, the best first (unsuspected ones, in
-    layout order), for a hedge."""
-    shard = meta.shards_metadata[index]
-    copies = [
-        i
-        for i in copies_by_box(meta).get(shard.box, [])
-        if i != index and i not in unavailable and meta.shards_metadata[i].rank != shard.rank
-    ]
-    ordered = []
-    while copies:
-        best = pick_copy(meta, copies, suspect=suspect)
-        ordered.append(best)
-        copies.remove(best)
-    return ordered
 
 
 @dataclass(eq=False)
