@@ -8,6 +8,7 @@ any failure aborts the pending version so no half tensor is ever visible.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import numbers
 from collections.abc import Callable, Sequence
@@ -355,7 +356,7 @@ class Cluster:
         """Committed snapshot `number` of `prefix` (None: the newest): its tensors, every one at that snapshot."""
         return Snapshot(self.session, self.lookups, get_snapshot(self.session, prefix, number))
 
-    def snapshots(self, prefix: str) -> list[SnapshotSummary]:
+    def snapshots(self, prefix: str) -> builtins.list[SnapshotSummary]:
         """The kept snapshots of `prefix`, oldest first: number, tensors, bytes, age."""
         return list_snapshots(self.session, prefix)
 
@@ -431,7 +432,7 @@ class Cluster:
         names: Sequence[str] | str | None = None,
         progress: Callable[[int, int], None] | None = None,
         timeout: float = 600.0,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Write READY tensors (all by default) as one DCP checkpoint at `path`; torch's dcp.load reads it."""
         return checkpoints.save_checkpoint(self.session, path, names, progress, timeout)
 

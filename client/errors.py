@@ -14,7 +14,6 @@ import grpc
 
 from shardserve.protos.errors import ErrorDetail, Reason, error_detail_of
 
-
 # The reason of a status that came without an ErrorInfo, where its code alone names one (as the servers read it:
 # server/common/errors.py): a peer without the method does not offer that path; exhausted is overloaded.
 _REASON_OF_CODE = {

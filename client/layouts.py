@@ -78,12 +78,10 @@ class Layouts:
             raise RankUnavailableError(
                 f"no live rank is registered with the coordinator at {self.ranks.where}"
             )
-        placements = [f"rank:{r.rank}/{r.device}" for r in live]
-        return (
-            ChunkShardingSpec(0, placements)
-            if len(shape)
-            else EnumerableShardingSpec([ShardMetadata((), (), placements[0])])
-        )
+        placements = tuple(f"rank:{r.rank}/{r.device}" for r in live)
+        if not len(shape):
+            return EnumerableShardingSpec((ShardMetadata((), (), placements[0]),))  # type: ignore[arg-type]
+        return ChunkShardingSpec(0, placements)  # type: ignore[arg-type]
 
 
 def _resolve_spec(spec: Any) -> Any:

@@ -143,7 +143,7 @@ def _local_pieces(
         return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
     if isinstance(value, ShardedTensor):
         return tuple(value.size()), [
-            (Box(s.metadata.shard_offsets, s.metadata.shard_sizes), s.tensor)
+            (Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor)
             for s in value.local_shards()
         ]
     if isinstance(value, LocalShardsWrapper):
@@ -403,7 +403,8 @@ def get_state_dict(
             job.agree(
                 lambda: _read_mine(
                     cluster,
-                    found.pop(number, None) or get_snapshot(cluster.session, prefix, number),
+                    (found.pop(number) if number in found else None)
+                    or get_snapshot(cluster.session, prefix, number),
                     targets,
                 ),
                 f"reading snapshot {number}",

@@ -373,12 +373,9 @@ def _run(args: argparse.Namespace) -> None:
             from shardserve.core.specs import ChunkShardingSpec
 
             live = [r for r in cluster.ranks() if r.alive]
-            spec = (
-                ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live])
-                if live
-                else None
-            )
-            t = cluster.create(
+            placements = tuple(f"rank:{r.rank}/{r.device}" for r in live)
+            spec = ChunkShardingSpec(args.dim, placements) if live else None  # type: ignore[arg-type]
+            created = cluster.create(
                 args.name,
                 args.shape,
                 dtype=args.dtype,
@@ -389,7 +386,8 @@ def _run(args: argparse.Namespace) -> None:
                 replicas=args.replicas,
             )
             print(
-                f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}"
+                f"created {created.name} version {created.version}: {tuple(created.shape)} {created.dtype}, "
+                f"{layout_summary(created.metadata())}"
             )
         elif args.command == "fetch":
             _fetch(cluster, args)

@@ -255,7 +255,7 @@ class Receiver:
     def take_reply(self) -> None:
         """Add the chunks of a whole reply taken off the bulk port, if there is one."""
         if self.reply is not None:
-            for chunk in decode_lookup_reply(self.reply):
+            for chunk in decode_lookup_reply(self.reply):  # type: ignore[arg-type]
                 self.add(chunk)
             self.reply = None
 

@@ -184,7 +184,7 @@ class TableViews:
             unavailable,
             suspect,
         )
-        view = old if same else TableView.from_info(info, unavailable, suspect)
+        view = old if same and old is not None else TableView.from_info(info, unavailable, suspect)
         with self._lock:
             old = self._views.get(name)
             if (

@@ -149,14 +149,14 @@ def layout_from_options(
     elif replicate:
         meta = _build(lambda: metadata_from_placements(shape, ranks, [Replicate()], dtype))
     else:
-        placements = [f"rank:{r}/{devices[r]}" for r in ranks]
+        placements = tuple(f"rank:{r}/{devices[r]}" for r in ranks)
         return _build(
-            lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
+            lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(  # type: ignore[arg-type]
                 tuple(shape), TensorProperties(dtype=dtype)
             )
         )
     shards = tuple(
-        dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}")
+        dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}")  # type: ignore[arg-type]
         for s in meta.shards_metadata
     )
     return dataclasses.replace(meta, shards_metadata=shards)

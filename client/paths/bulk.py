@@ -162,7 +162,7 @@ class BulkPath:
                     f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region"
                 )
             if length:
-                recv_exactly(sock, memoryview(dest.numpy()), deadline)
+                recv_exactly(sock, memoryview(dest.numpy()), deadline)  # type: ignore[arg-type]
 
         return self._send(
             address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel=cancel

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from shardserve.client.errors import RankUnavailableError
 
@@ -176,10 +177,11 @@ class Watchdog:
     def start(self, rank: int, nbytes: int, hedge: Hedge | None) -> Race:
         """A race for one part of `nbytes` on `rank`, watched until finish()."""
         now = time.monotonic()
-        hedge = hedge if self.hedge_after else None
-        hedge_at = (
-            now + hedge_delay(self.hedge_after, nbytes) if hedge is not None else float("inf")
-        )
+        hedge_at = float("inf")
+        if self.hedge_after and hedge is not None:
+            hedge_at = now + hedge_delay(self.hedge_after, nbytes)
+        else:
+            hedge = None
         race = Race(rank, hedge, now, hedge_at, now + CHECK_EVERY_S)
         with self._cond:
             if self._closed:
@@ -240,7 +242,7 @@ class Watchdog:
                 self._submit(race.run_hedge)
             if not race.checking and race.check_at <= now:
                 race.checking = True
-                self._submit(lambda race=race: self._check(race))
+                self._submit(partial(self._check, race))
 
     def _submit(self, job: Callable[[], None]) -> None:
         assert self._pool is not None

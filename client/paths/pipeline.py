@@ -134,7 +134,7 @@ class SentCalls:
                     self.inline.append(index)
             else:
                 self.races[index].primary_done()
-        runs = [
+        runs: list[tuple[int, Callable[[], object]]] = [
             *(
                 (index, partial(self.calls[index].over_grpc, self.races[index].primary))
                 for index in self.inline
