@@ -58,7 +58,7 @@ def transport_paths() -> tuple[str, ...]:
     if "transport" not in inspect.signature(connect).parameters:
         return ("grpc",)
     try:
-        from shardserve.client.paths.policy import TRANSPORTS
+        from shardserve.client.paths.kinds import TRANSPORTS
     except ImportError:
         return ("grpc", "shm")
     return tuple(path for path in TRANSPORTS if path != "auto")

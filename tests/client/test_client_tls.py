@@ -43,7 +43,7 @@ def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
     with connect(tls_cluster.address, **credentials) as cluster:
         remote = cluster.put("secret-large", source)
         monkeypatch.setattr(
-            cluster.session.paths, "host", ("elsewhere", "another-boot-id")
+            cluster.session.paths.shm, "host", ("elsewhere", "another-boot-id")
         )  # no shared memory
         assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "tcp"
         stub = cluster.session.channel.shard_server(cluster.session.address_of(0))

@@ -244,7 +244,7 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
 ):
     """A restarted rank held in the middle of its restore (debug hook) is listed as restoring with its progress,
     `shardserve status` says so and its tensors are not served; once released they are, bit for bit."""
-    from shardserve.client.cli.main import _status
+    from shardserve.client.cli.status import show_status
 
     hold = tmp_path / "hold-restore"
     monkeypatch.setenv("SHARDSERVE_DEBUG_RESTORE_HOLD", str(hold))
@@ -268,7 +268,7 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
             assert client.tensor(name).health == "lost"
             with pytest.raises(ShardsLostError):
                 client.tensor(name).full_tensor()
-        _status(client)
+        show_status(client)
         shown = capsys.readouterr().out
         assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
         hold.unlink()

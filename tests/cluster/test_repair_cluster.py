@@ -97,9 +97,7 @@ def test_copies_on_a_rank_that_stays_dead_are_repaired_onto_live_ranks(world, cl
                 for (
                     other
                 ) in others:  # the read must come from `shard`: mark the other copies unreachable
-                    reader.session.paths.note_failure(
-                        reader.session.rank_status(other.rank), _unreachable(other.rank)
-                    )
+                    reader.session.health.note_failure(other.rank, _unreachable(other.rank))
                 assert torch.equal(remote[rows], world["data"]["mirrored"][rows])
 
 
