@@ -38,7 +38,6 @@ from shardserve.server.common.cli_args import (
     with_state_dir_secret,
 )
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
-from shardserve.server.common.metrics import serve_metrics
 from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from shardserve.server.common.stop_signals import (
     Stop,
@@ -69,8 +68,8 @@ from shardserve.server.supervisor import (  # noqa: F401 - PROJECT_ROOT is read 
 )
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
-    from shardserve.server.coordinator.lifecycle import Coordinator
     from shardserve.server.coordinator.metrics import CoordinatorMetrics
+    from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
 
@@ -97,26 +96,28 @@ def start_coordinator(
     store_port: int = 0,
     repair_after: float = 30.0,
     metrics_port: int | None = None,
-) -> tuple[Coordinator, RunningServer]:
-    """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
+) -> tuple[CoordinatorServer, RunningServer]:
+    """A CoordinatorServer over the SQLite catalog in `state_dir`, served on `listen`, hosting the rendezvous store
     of collective jobs on `store_port` (0 = any free port) of the `listen` host, repairing copies dead for
     `repair_after` s; with `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
     from shardserve.server.coordinator.catalog import SQLiteCatalog
-    from shardserve.server.coordinator.lifecycle import Coordinator
     from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
+    from shardserve.server.coordinator.server import CoordinatorServer, CoordinatorSettings
     from shardserve.server.coordinator.service import CoordinatorServicer
 
     catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
     metrics = CoordinatorMetrics() if metrics_port is not None else None
-    coordinator = Coordinator(
+    coordinator = CoordinatorServer(
         TimedCatalog(catalog, metrics.catalog_latency) if metrics else catalog,
         security,
-        heartbeat_interval=heartbeat_interval,
-        rpc_timeout=rpc_timeout,
-        pending_timeout=pending_timeout,
-        store_port=store_port,
-        store_host=split_address(listen)[0],
-        repair_after=repair_after,
+        CoordinatorSettings(
+            heartbeat_interval=heartbeat_interval,
+            rpc_timeout=rpc_timeout,
+            pending_timeout=pending_timeout,
+            store_port=store_port,
+            store_host=split_address(listen)[0],
+            repair_after=repair_after,
+        ),
     )
 
     def add(server: object) -> list[str]:
@@ -124,6 +125,7 @@ def start_coordinator(
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
 
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
+        coordinator.start()
         if metrics is not None:
             serve_coordinator_metrics(coordinator, metrics, listen, metrics_port or 0)
         running = start_server(
@@ -136,22 +138,10 @@ def start_coordinator(
 
 
 def serve_coordinator_metrics(
-    coordinator: Coordinator, metrics: CoordinatorMetrics, listen: str, port: int
+    coordinator: CoordinatorServer, metrics: CoordinatorMetrics, listen: str, port: int
 ) -> None:
     """Serve `metrics` (watching `coordinator`) on the `listen` host at `port`; ListRanks tells its address."""
-    collectives = coordinator.collectives
-    collectives.tracker.metrics = metrics
-    metrics.watch(
-        coordinator.registry.ranks,
-        coordinator,
-        collectives.tracker,
-        lambda: collectives.epochs.current,
-    )
-    host = split_address(listen)[0]
-    coordinator.metrics_endpoint = serve_metrics(metrics, host, port)
-    shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
-    coordinator.metrics_address = f"{shown}:{coordinator.metrics_endpoint.port}"
-    log.info("coordinator metrics on http://%s/metrics", coordinator.metrics_address)
+    coordinator.serve_metrics(metrics, split_address(listen)[0], port)
 
 
 class LocalCluster:
@@ -240,7 +230,7 @@ class LocalCluster:
         self.restart_policy = RestartPolicy(
             max_restarts, restart_backoff, max(30.0, restart_backoff)
         )
-        self.coordinator: Coordinator | None = None
+        self.coordinator: CoordinatorServer | None = None
         self._server: RunningServer | None = None
         self._supervisor: RankSupervisor | None = None
         self._lock = threading.Lock()
@@ -343,7 +333,7 @@ class LocalCluster:
         restarted once this began. Idempotent."""
         with self._lock:
             if self.coordinator is not None:
-                self.coordinator.stop_monitor()
+                self.coordinator.stop()
             if self._supervisor is not None:
                 self._supervisor.stop(grace)
             if self._server is not None:
