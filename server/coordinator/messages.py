@@ -32,6 +32,7 @@ _OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_D
 
 
 def state_to_proto(state: TensorState) -> pb.TensorState:
+    """The TensorState value of a state."""
     return _STATES[state]
 
 
@@ -44,6 +45,7 @@ def state_from_proto(value: int) -> TensorState:
 
 
 def init_to_proto(init: Init) -> pb.InitKind:
+    """The InitKind value of an Init."""
     return _INITS[init]
 
 
@@ -53,6 +55,7 @@ def init_from_proto(value: int) -> Init:
 
 
 def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
+    """The TensorOptions message of a table's options."""
     return pb.TensorOptions(oov=_OOV_POLICIES[options.oov], default_row=options.default_row)
 
 
@@ -111,6 +114,7 @@ def snapshot_to_proto(
 
 
 def snapshot_from_proto(info: pb.SnapshotInfo) -> SnapshotRecord:
+    """The record of a SnapshotInfo, each tensor's stored fields only."""
     return SnapshotRecord(
         prefix=info.prefix,
         number=info.number,

@@ -70,6 +70,7 @@ class TensorRecord:
 
     @property
     def ready(self) -> bool:
+        """Whether the version is READY (committed and served)."""
         return self.state is TensorState.READY
 
     @property
@@ -122,4 +123,5 @@ class SnapshotRecord:
         return sum(entry.tensor.nbytes for entry in self.entries)
 
     def tensors(self) -> list[TensorRecord]:
+        """The snapshot's tensor versions, in entry order."""
         return [entry.tensor for entry in self.entries]

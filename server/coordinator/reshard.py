@@ -103,6 +103,7 @@ class _Move:
 
     @property
     def total(self) -> int:
+        """The bytes of every shard of the new version: what the ranks move and stage in all."""
         return self.new.metadata.shards_nbytes()
 
 
