@@ -222,7 +222,7 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
     dead, registered again, and the table healthy at a newer version; then the repair's own record."""
     coordinator = cluster.coordinator
     version, recovery, done_before = (
-        coordinator.get(TABLE).version,
+        coordinator.lifecycle.get(TABLE).version,
         Recovery(),
         len(coordinator.repairs.completed()),
     )
@@ -235,7 +235,7 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
             recovery.detect_s = now
         if recovery.detect_s is not None and recovery.readmit_s is None and alive:
             recovery.readmit_s = now
-        info = coordinator.get(TABLE)
+        info = coordinator.answers.tensor(coordinator.lifecycle.get(TABLE))
         if recovery.readmit_s is not None and info.health == "healthy" and info.version > version:
             recovery.healthy_s = now
             break

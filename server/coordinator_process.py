@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ from shardserve.server.common.cli_args import (
     with_state_dir_secret,
 )
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
-from shardserve.server.common.metrics import serve_metrics
 from shardserve.server.common.stop_signals import (
     Stop,
     handle_reload_signal,
@@ -34,8 +32,7 @@ from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
-    from shardserve.server.coordinator.lifecycle import Coordinator
-    from shardserve.server.coordinator.metrics import CoordinatorMetrics
+    from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
 
@@ -73,27 +70,29 @@ def start_coordinator(
     options: CoordinatorOptions = CoordinatorOptions(),
     *,
     metrics_port: int | None = None,
-) -> tuple[Coordinator, RunningServer]:
-    """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`; with `metrics_port` (0 = any
-    free port), its Prometheus metrics served on the `listen` host."""
+) -> tuple[CoordinatorServer, RunningServer]:
+    """A CoordinatorServer over the SQLite catalog in `state_dir`, started and served on `listen`; with
+    `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
     from shardserve.server.coordinator.catalog import Catalog, SQLiteCatalog
-    from shardserve.server.coordinator.lifecycle import Coordinator
     from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
+    from shardserve.server.coordinator.server import CoordinatorServer, CoordinatorSettings
     from shardserve.server.coordinator.service import CoordinatorServicer
 
     catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
     metrics = CoordinatorMetrics() if metrics_port is not None else None
     if metrics is not None:  # a proxy that times every Catalog call
         catalog = cast(Catalog, TimedCatalog(catalog, metrics.catalog_latency))
-    coordinator = Coordinator(
+    coordinator = CoordinatorServer(
         catalog,
         security,
-        heartbeat_interval=options.heartbeat_interval,
-        rpc_timeout=options.rpc_timeout,
-        pending_timeout=options.pending_timeout,
-        store_port=options.store_port,
-        store_host=split_address(listen)[0],
-        repair_after=options.repair_after,
+        CoordinatorSettings(
+            heartbeat_interval=options.heartbeat_interval,
+            rpc_timeout=options.rpc_timeout,
+            pending_timeout=options.pending_timeout,
+            store_port=options.store_port,
+            store_host=split_address(listen)[0],
+            repair_after=options.repair_after,
+        ),
     )
 
     def add(server: object) -> list[str]:
@@ -102,8 +101,9 @@ def start_coordinator(
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
 
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
+        coordinator.start()
         if metrics is not None:
-            serve_coordinator_metrics(coordinator, metrics, listen, metrics_port or 0)
+            coordinator.serve_metrics(metrics, split_address(listen)[0], metrics_port or 0)
         running = start_server(
             listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), metrics
         )
@@ -111,25 +111,6 @@ def start_coordinator(
         coordinator.close()
         raise
     return coordinator, running
-
-
-def serve_coordinator_metrics(
-    coordinator: Coordinator, metrics: CoordinatorMetrics, listen: str, port: int
-) -> None:
-    """Serve `metrics` (watching `coordinator`) on the `listen` host at `port`; ListRanks tells its address."""
-    collectives = coordinator.collectives
-    collectives.tracker.metrics = metrics
-    metrics.watch(
-        coordinator.registry.ranks,
-        coordinator,
-        collectives.tracker,
-        lambda: collectives.epochs.current,
-    )
-    host = split_address(listen)[0]
-    coordinator.metrics_endpoint = serve_metrics(metrics, host, port)
-    shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
-    coordinator.metrics_address = f"{shown}:{coordinator.metrics_endpoint.port}"
-    log.info("coordinator metrics on http://%s/metrics", coordinator.metrics_address)
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,7 @@ from shardserve.protos import shardserve_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
-    from shardserve.server.coordinator.lifecycle import Coordinator
+    from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def ensure_demo_checkpoint(state_dir: str | Path) -> str:
     return str(path)
 
 
-def load_demo(coordinator: Coordinator, state_dir: str | Path) -> pb.TensorInfo:
+def load_demo(coordinator: CoordinatorServer, state_dir: str | Path) -> pb.TensorInfo:
     """Write the demo checkpoint if needed and load it as "demo", row-wise over every rank."""
     import torch
 
@@ -77,6 +77,6 @@ def load_demo(coordinator: Coordinator, state_dir: str | Path) -> pb.TensorInfo:
     for message in coordinator.checkpoints.load(request):
         final = message
     assert final is not None and final.done
-    info = final.tensors[0]
+    info = coordinator.answers.tensor(final.tensors[0])
     log.info("demo tensor %r version %d loaded from %s", DEMO_NAME, info.version, path)
     return info

@@ -34,7 +34,7 @@ from shardserve.server.rank_launch import rank_launches
 from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason
 
 if TYPE_CHECKING:  # imported lazily: it pulls in torch, which the ranks import meanwhile
-    from shardserve.server.coordinator.lifecycle import Coordinator
+    from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class LocalCluster:
         self._traces = (
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
-        self.coordinator: Coordinator | None = None
+        self.coordinator: CoordinatorServer | None = None
         self._server: RunningServer | None = None
         self._supervisor: RankSupervisor | None = None
         self._lock = threading.Lock()
@@ -189,7 +189,7 @@ class LocalCluster:
         restarted once this began. Idempotent."""
         with self._lock:
             if self.coordinator is not None:
-                self.coordinator.stop_monitor()
+                self.coordinator.stop()
             if self._supervisor is not None:
                 self._supervisor.stop(grace)
             if self._server is not None:

@@ -1,2 +1,3 @@
-"""The coordinator process: rank registry, name locks, catalog, tensor lifecycle, collective jobs, and the
-reshard and checkpoint drivers behind its thin gRPC servicer. It never imports server.rank."""
+"""The coordinator process: CoordinatorServer (server.py) builds its parts: the catalog of records, the rank
+registry and calls to ranks, the tensor lifecycle, collective jobs, the reshard, checkpoint, snapshot and repair
+drivers, and the upkeep, behind its thin gRPC servicer. It never imports server.rank."""

@@ -1,94 +1,109 @@
-"""The coordinator's tensor catalog: a small interface and its SQLite implementation.
+"""The coordinator's tensor catalog: a small interface over records, and its SQLite implementation.
 
-Rows are (name, version) with a state (PENDING or READY) and the TensorInfo
-as serialized protobuf bytes (never pickle). Versions come from one counter
-over the whole catalog that only grows. Keeping the catalog behind `Catalog`
-lets a networked store replace SQLite for a highly available coordinator.
+The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/records.py) in its own schema,
+whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
+it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
+earlier shardserve (TensorInfo protobuf blobs, user_version 0) is migrated when it is opened, in one
+transaction. Versions come from one counter over the whole catalog that only grows. Keeping the catalog behind
+`Catalog` lets a networked store replace SQLite for a highly available coordinator.
 """
 
 from __future__ import annotations
 
 import abc
+import base64
+import json
 import logging
 import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
-from shardserve.core.metadata import RemoteDevice
+from shardserve.core.dtypes import dtype_from_name, dtype_name
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
+from shardserve.server.coordinator.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorOptions,
+    TensorRecord,
+    TensorState,
+)
 
 log = logging.getLogger(__name__)
 
+SCHEMA_VERSION = (
+    1  # PRAGMA user_version; 0: the TensorInfo blobs of earlier versions (migrated on open)
+)
+
 
 class Catalog(abc.ABC):
-    """Where the coordinator keeps tensors, versions and their metadata."""
+    """Where the coordinator keeps tensors, versions and snapshots."""
 
     @abc.abstractmethod
-    def next_version(self) -> int:
-        """A version number never handed out before (the counter survives restarts)."""
-
     def next_versions(self, count: int) -> list[int]:
-        """`count` version numbers never handed out before, increasing (one transaction where it can)."""
-        return [self.next_version() for _ in range(count)]
+        """`count` version numbers never handed out before, increasing (the counter survives restarts)."""
+
+    def next_version(self) -> int:
+        """A version number never handed out before."""
+        return self.next_versions(1)[0]
 
     @abc.abstractmethod
-    def add(self, info: pb.TensorInfo) -> None:
-        """Record a new (name, version) row in the state `info.state`."""
+    def add_all(self, records: list[TensorRecord]) -> None:
+        """Record new (name, version) rows in one transaction: all of them or, on an error, none."""
 
-    def add_all(self, infos: list[pb.TensorInfo]) -> None:
-        """add() of several rows in one transaction: all of them or, on an error, none."""
-        for info in infos:
-            self.add(info)
-
-    def commit(self, name: str, version: int) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
-        """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed)."""
-        return self.commit_all([(name, version)])[0]
+    def add(self, record: TensorRecord) -> None:
+        """Record a new (name, version) row in the state `record.state`."""
+        self.add_all([record])
 
     @abc.abstractmethod
     def commit_all(
         self, versions: list[tuple[str, int]]
-    ) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
+    ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
         """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
 
+    def commit(self, name: str, version: int) -> tuple[TensorRecord, list[TensorRecord]]:
+        """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed).
+        KeyError when the row is not in the catalog."""
+        return self.commit_all([(name, version)])[0]
+
     @abc.abstractmethod
-    def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
+    def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
         """Remove one version (0 = every version) of `name`; return the removed rows."""
 
     @abc.abstractmethod
-    def get(self, name: str, version: int) -> pb.TensorInfo | None:
+    def get(self, name: str, version: int) -> TensorRecord | None:
         """The row (name, version) in any state, or None."""
 
     @abc.abstractmethod
-    def versions(self, name: str) -> list[pb.TensorInfo]:
+    def versions(self, name: str) -> list[TensorRecord]:
         """Every row of `name`, oldest version first."""
 
     @abc.abstractmethod
-    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
-        """READY rows (and PENDING ones when asked), by name then version."""
+    def update(self, record: TensorRecord) -> None:
+        """Replace the existing row (record.name, record.version), state included; KeyError when absent."""
 
-    @abc.abstractmethod
-    def update(self, info: pb.TensorInfo) -> None:
-        """Replace the stored TensorInfo of the existing row (info.name, info.version), state included."""
-
-    def ready(self, name: str) -> pb.TensorInfo | None:
+    def ready(self, name: str) -> TensorRecord | None:
         """The READY version of `name`, or None."""
-        ready = [info for info in self.versions(name) if info.state == pb.READY]
+        ready = [record for record in self.versions(name) if record.ready]
         return ready[-1] if ready else None
 
     @abc.abstractmethod
     def commit_snapshot(
-        self, snapshot: pb.SnapshotInfo
-    ) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
+        self, snapshot: SnapshotRecord
+    ) -> tuple[SnapshotRecord, list[TensorRecord]]:
         """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
         prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows)."""
 
     @abc.abstractmethod
-    def snapshots(self, prefix: str) -> list[pb.SnapshotInfo]:
+    def snapshots(self, prefix: str) -> list[SnapshotRecord]:
         """The committed snapshots of `prefix`, oldest first."""
 
-    def snapshot(self, prefix: str, number: int = 0) -> pb.SnapshotInfo | None:
+    def snapshot(self, prefix: str, number: int = 0) -> SnapshotRecord | None:
         """Committed snapshot `number` of `prefix` (0: the newest), or None."""
         kept = self.snapshots(prefix)
         if number == 0:
@@ -98,27 +113,29 @@ class Catalog(abc.ABC):
     def close(self) -> None:
         """Release resources."""
 
+    # defined last: below it, `list` in this class body would name the method, not the builtin
+    @abc.abstractmethod
+    def list(self, include_pending: bool = False) -> list[TensorRecord]:
+        """READY rows (and PENDING ones when asked), by name then version."""
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tensors (
-    name TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    state INTEGER NOT NULL,
-    info BLOB NOT NULL,
-    PRIMARY KEY (name, version)
-);
-CREATE TABLE IF NOT EXISTS counters (
-    name TEXT PRIMARY KEY,
-    value INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS snapshots (
-    prefix TEXT NOT NULL,
-    number INTEGER NOT NULL,
-    info BLOB NOT NULL,
-    PRIMARY KEY (prefix, number)
-);
-INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0);
-"""
+
+_TABLES = (
+    """CREATE TABLE tensors (
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        record TEXT NOT NULL,
+        PRIMARY KEY (name, version)
+    )""",
+    """CREATE TABLE snapshots (
+        prefix TEXT NOT NULL,
+        number INTEGER NOT NULL,
+        record TEXT NOT NULL,
+        PRIMARY KEY (prefix, number)
+    )""",
+    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    "INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0)",
+)
 
 
 class SQLiteCatalog(Catalog):
@@ -132,11 +149,11 @@ class SQLiteCatalog(Catalog):
             str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
         )
         self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "PRAGMA synchronous=FULL"
-        )  # NORMAL may lose the last commits to a power cut: a commit
-        # the ranks acted on (an old version dropped) must survive, and catalog writes are few
-        self._db.executescript(_SCHEMA)
+        # FULL: NORMAL may lose the last commits to a power cut, and a commit the ranks acted on (an old
+        # version dropped) must survive; catalog writes are few
+        self._db.execute("PRAGMA synchronous=FULL")
+        with self._transaction() as db:
+            _upgrade(db, self.path)
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
 
     @contextmanager
@@ -150,13 +167,6 @@ class SQLiteCatalog(Catalog):
                 raise
             self._db.execute("COMMIT")
 
-    def next_version(self) -> int:
-        with self._transaction() as db:
-            db.execute("UPDATE counters SET value = value + 1 WHERE name = 'version'")
-            return int(
-                db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
-            )
-
     def next_versions(self, count: int) -> list[int]:
         with self._transaction() as db:
             db.execute("UPDATE counters SET value = value + ? WHERE name = 'version'", (count,))
@@ -165,134 +175,125 @@ class SQLiteCatalog(Catalog):
             )
         return list(range(last - count + 1, last + 1))
 
-    def add(self, info: pb.TensorInfo) -> None:
-        self.add_all([info])
-
-    def add_all(self, infos: list[pb.TensorInfo]) -> None:
+    def add_all(self, records: list[TensorRecord]) -> None:
         with self._transaction() as db:
             db.executemany(
-                "INSERT INTO tensors (name, version, state, info) VALUES (?, ?, ?, ?)",
-                [(info.name, info.version, info.state, info.SerializeToString()) for info in infos],
+                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
+                [(r.name, r.version, r.state.value, _tensor_json(r)) for r in records],
             )
 
     def commit_all(
         self, versions: list[tuple[str, int]]
-    ) -> list[tuple[pb.TensorInfo, list[pb.TensorInfo]]]:
+    ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
         with self._transaction() as db:
             return [_commit_in(db, name, version) for name, version in versions]
 
     def commit_snapshot(
-        self, snapshot: pb.SnapshotInfo
-    ) -> tuple[pb.SnapshotInfo, list[pb.TensorInfo]]:
-        committed = pb.SnapshotInfo()
-        committed.CopyFrom(snapshot)
-        committed.state = pb.READY
+        self, snapshot: SnapshotRecord
+    ) -> tuple[SnapshotRecord, list[TensorRecord]]:
         with self._transaction() as db:
-            for entry in committed.entries:
-                ready, _ = _commit_in(db, entry.tensor.name, entry.tensor.version)
-                entry.tensor.CopyFrom(ready)
+            entries = tuple(
+                SnapshotEntry(e.key, _commit_in(db, e.tensor.name, e.tensor.version)[0])
+                for e in snapshot.entries
+            )
+            committed = replace(snapshot, state=TensorState.READY, entries=entries)
             db.execute(
-                "INSERT INTO snapshots (prefix, number, info) VALUES (?, ?, ?)",
-                (committed.prefix, committed.number, committed.SerializeToString()),
+                "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
+                (committed.prefix, committed.number, _snapshot_json(committed)),
             )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
         return committed, removed
 
-    def snapshots(self, prefix: str) -> list[pb.SnapshotInfo]:
+    def snapshots(self, prefix: str) -> list[SnapshotRecord]:
         with self._lock:
             rows = self._db.execute(
-                "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number", (prefix,)
+                "SELECT record FROM snapshots WHERE prefix = ? ORDER BY number", (prefix,)
             ).fetchall()
-        return [pb.SnapshotInfo.FromString(r[0]) for r in rows]
+        return [_snapshot_of(r[0]) for r in rows]
 
-    def update(self, info: pb.TensorInfo) -> None:
+    def update(self, record: TensorRecord) -> None:
         with self._transaction() as db:
             cursor = db.execute(
-                "UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
-                (info.state, info.SerializeToString(), info.name, info.version),
+                "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
+                (record.state.value, _tensor_json(record), record.name, record.version),
             )
             if cursor.rowcount != 1:
-                raise KeyError(f"tensor {info.name!r} version {info.version} is not in the catalog")
+                raise KeyError(
+                    f"tensor {record.name!r} version {record.version} is not in the catalog"
+                )
 
-    def remove(self, name: str, version: int = 0) -> list[pb.TensorInfo]:
+    def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
         where, args = (
             ("name = ?", (name,)) if version == 0 else ("name = ? AND version = ?", (name, version))
         )
         with self._transaction() as db:
-            removed = [
-                _parse(r[0]) for r in db.execute(f"SELECT info FROM tensors WHERE {where}", args)
-            ]
+            removed = _tensors_where(db, where, args)
             db.execute(f"DELETE FROM tensors WHERE {where}", args)
         return removed
 
-    def get(self, name: str, version: int) -> pb.TensorInfo | None:
+    def get(self, name: str, version: int) -> TensorRecord | None:
         with self._lock:
-            row = self._db.execute(
-                "SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)
-            ).fetchone()
-        return _parse(row[0]) if row else None
+            found = _tensors_where(self._db, "name = ? AND version = ?", (name, version))
+        return found[0] if found else None
 
-    def versions(self, name: str) -> list[pb.TensorInfo]:
+    def versions(self, name: str) -> list[TensorRecord]:
         with self._lock:
-            rows = self._db.execute(
-                "SELECT info FROM tensors WHERE name = ? ORDER BY version", (name,)
-            ).fetchall()
-        return [_parse(r[0]) for r in rows]
-
-    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]:
-        query = "SELECT info FROM tensors"
-        args: tuple[int, ...] = ()
-        if not include_pending:
-            query, args = query + " WHERE state = ?", (pb.READY,)
-        with self._lock:
-            rows = self._db.execute(query + " ORDER BY name, version", args).fetchall()
-        return [_parse(r[0]) for r in rows]
+            return _tensors_where(self._db, "name = ?", (name,))
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-
-def _parse(blob: bytes) -> pb.TensorInfo:
-    info = pb.TensorInfo()
-    info.ParseFromString(blob)
-    return info
-
-
-def ranks_of(info: pb.TensorInfo) -> list[int]:
-    """Distinct ranks holding shards of a catalog row."""
-    return sorted({RemoteDevice(s.placement).rank() for s in info.metadata.shards_metadata})
+    # defined last: below it, `list` in this class body would name the method, not the builtin
+    def list(self, include_pending: bool = False) -> list[TensorRecord]:
+        where, args = ("1", ()) if include_pending else ("state = ?", (TensorState.READY.value,))
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT record FROM tensors WHERE {where} ORDER BY name, version", args
+            ).fetchall()
+        return [_tensor_of(r[0]) for r in rows]
 
 
-def holding_ranks(info: pb.TensorInfo) -> list[int]:
-    """Distinct ranks holding a copy of a catalog row that is not lost (those that allocate and promote it)."""
-    lost = set(info.lost_shards)
-    return sorted(
-        {
-            RemoteDevice(s.placement).rank()
-            for i, s in enumerate(info.metadata.shards_metadata)
-            if i not in lost
-        }
+# ---------------------------------------------------------------- rows within a transaction
+
+
+def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
+    rows = db.execute(f"SELECT record FROM tensors WHERE {where} ORDER BY version", args)
+    return [_tensor_of(r[0]) for r in rows]
+
+
+def _commit_in(
+    db: sqlite3.Connection, name: str, version: int
+) -> tuple[TensorRecord, list[TensorRecord]]:
+    """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
+    found = _tensors_where(db, "name = ? AND version = ?", (name, version))
+    if not found:
+        raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
+    ready = replace(found[0], state=TensorState.READY)
+    older_ready = ("name = ? AND version < ? AND state = ?", (name, version, ready.state.value))
+    older = _tensors_where(db, *older_ready)
+    db.execute(f"DELETE FROM tensors WHERE {older_ready[0]}", older_ready[1])
+    db.execute(
+        "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
+        (ready.state.value, _tensor_json(ready), name, version),
     )
+    return ready, older
 
 
-def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[pb.TensorInfo]:
+def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[TensorRecord]:
     """Within an open transaction: remove the snapshots of `prefix` beyond the newest `keep` and their tensor
     rows; return the rows removed."""
     old = [
-        pb.SnapshotInfo.FromString(r[0])
+        _snapshot_of(r[0])
         for r in db.execute(
-            "SELECT info FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
+            "SELECT record FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
             (prefix, keep),
         )
     ]
     removed = []
     for snapshot in old:
         for entry in snapshot.entries:
-            removed += [
-                _parse(r[0])
-                for r in db.execute("SELECT info FROM tensors WHERE name = ?", (entry.tensor.name,))
-            ]
+            removed += _tensors_where(db, "name = ?", (entry.tensor.name,))
             db.execute("DELETE FROM tensors WHERE name = ?", (entry.tensor.name,))
         db.execute(
             "DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, snapshot.number)
@@ -300,30 +301,169 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[
     return removed
 
 
-def _commit_in(
-    db: sqlite3.Connection, name: str, version: int
-) -> tuple[pb.TensorInfo, list[pb.TensorInfo]]:
-    """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
-    row = db.execute(
-        "SELECT info FROM tensors WHERE name = ? AND version = ?", (name, version)
-    ).fetchone()
-    if row is None:
-        raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
-    info = _parse(row[0])
-    info.state = pb.READY
-    older = [
-        _parse(r[0])
-        for r in db.execute(
-            "SELECT info FROM tensors WHERE name = ? AND version < ? AND state = ?",
-            (name, version, pb.READY),
+# ---------------------------------------------------------------- the schema and its migration
+
+
+def _upgrade(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: make the tables of SCHEMA_VERSION, migrating those of an earlier version (the
+    TensorInfo/SnapshotInfo protobuf blobs of user_version 0). Nothing to do when the schema is current."""
+    found = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if found == SCHEMA_VERSION:
+        return
+    if found > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"catalog {path} has schema version {found}, newer than this shardserve's "
+            f"({SCHEMA_VERSION}): run the shardserve that wrote it"
         )
+    legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
+    if legacy:
+        db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
+        if _columns(db, "snapshots"):
+            db.execute("ALTER TABLE snapshots RENAME TO snapshots_v0")
+    for statement in _TABLES:
+        db.execute(statement)
+    if legacy:
+        _migrate_blobs(db, path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _migrate_blobs(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: the rows of tensors_v0 and snapshots_v0 (protobuf blobs) as records in the
+    current tables; then the old tables go."""
+    tensors = [
+        _legacy(lambda blob: tensor_from_proto(pb.TensorInfo.FromString(blob)), key, blob)
+        for *key, blob in db.execute("SELECT name, version, info FROM tensors_v0")
     ]
-    db.execute(
-        "DELETE FROM tensors WHERE name = ? AND version < ? AND state = ?",
-        (name, version, pb.READY),
+    db.executemany(
+        "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
+        [(r.name, r.version, r.state.value, _tensor_json(r)) for r in tensors],
     )
-    db.execute(
-        "UPDATE tensors SET state = ?, info = ? WHERE name = ? AND version = ?",
-        (pb.READY, info.SerializeToString(), name, version),
+    snapshots = []
+    if _columns(db, "snapshots_v0"):
+        snapshots = [
+            _legacy(lambda blob: snapshot_from_proto(pb.SnapshotInfo.FromString(blob)), key, blob)
+            for *key, blob in db.execute("SELECT prefix, number, info FROM snapshots_v0")
+        ]
+        db.execute("DROP TABLE snapshots_v0")
+    db.executemany(
+        "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
+        [(s.prefix, s.number, _snapshot_json(s)) for s in snapshots],
     )
-    return info, older
+    db.execute("DROP TABLE tensors_v0")
+    log.warning(
+        "catalog %s migrated to schema version %d: %d tensor versions, %d snapshots",
+        path,
+        SCHEMA_VERSION,
+        len(tensors),
+        len(snapshots),
+    )
+
+
+def _legacy(parse: Any, key: list[object], blob: bytes) -> Any:
+    """`parse(blob)` of one old row; a row that does not parse fails the migration naming it."""
+    try:
+        return parse(blob)
+    except Exception as err:  # noqa: BLE001 - DecodeError, ValueError: the row is named, nothing migrated
+        raise RuntimeError(f"catalog row {tuple(key)} cannot be migrated: {err}") from err
+
+
+# ---------------------------------------------------------------- records as JSON documents
+
+
+def _tensor_json(record: TensorRecord) -> str:
+    return json.dumps(_tensor_document(record), sort_keys=True, separators=(",", ":"))
+
+
+def _tensor_of(text: str) -> TensorRecord:
+    return _tensor_from_document(json.loads(text))
+
+
+def _snapshot_json(snapshot: SnapshotRecord) -> str:
+    document = {
+        "prefix": snapshot.prefix,
+        "number": snapshot.number,
+        "keep": snapshot.keep,
+        "state": snapshot.state.value,
+        "created_unix": snapshot.created_unix,
+        "entries": [{"key": e.key, "tensor": _tensor_document(e.tensor)} for e in snapshot.entries],
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def _snapshot_of(text: str) -> SnapshotRecord:
+    document = json.loads(text)
+    return SnapshotRecord(
+        prefix=document["prefix"],
+        number=document["number"],
+        keep=document["keep"],
+        entries=tuple(
+            SnapshotEntry(e["key"], _tensor_from_document(e["tensor"])) for e in document["entries"]
+        ),
+        state=TensorState(document["state"]),
+        created_unix=document["created_unix"],
+    )
+
+
+def _tensor_document(record: TensorRecord) -> dict[str, Any]:
+    meta = record.metadata
+    return {
+        "name": record.name,
+        "version": record.version,
+        "state": record.state.value,
+        "metadata": {
+            "size": list(meta.size),
+            "dtype": dtype_name(meta.dtype),
+            "requires_grad": meta.tensor_properties.requires_grad,
+            "pin_memory": meta.tensor_properties.pin_memory,
+            "shards": [
+                {
+                    "offsets": list(s.shard_offsets),
+                    "sizes": list(s.shard_sizes),
+                    "placement": None if s.placement is None else str(s.placement),
+                }
+                for s in meta.shards_metadata
+            ],
+        },
+        "options": {
+            "oov": record.options.oov,
+            "default_row": base64.b64encode(record.options.default_row).decode("ascii"),
+        },
+        "created_unix": record.created_unix,
+        "put_token": record.put_token,
+        "owner": record.owner,
+        "promoting": record.promoting,
+        "lost_shards": list(record.lost_shards),
+    }
+
+
+def _tensor_from_document(document: dict[str, Any]) -> TensorRecord:
+    layout = document["metadata"]
+    metadata = ShardedTensorMetadata(
+        tuple(
+            ShardMetadata(tuple(s["offsets"]), tuple(s["sizes"]), s["placement"])
+            for s in layout["shards"]
+        ),
+        tuple(layout["size"]),
+        TensorProperties(
+            dtype=dtype_from_name(layout["dtype"]),
+            requires_grad=layout["requires_grad"],
+            pin_memory=layout["pin_memory"],
+        ),
+    )
+    options = document["options"]
+    return TensorRecord(
+        name=document["name"],
+        version=document["version"],
+        metadata=metadata,
+        state=TensorState(document["state"]),
+        options=TensorOptions(options["oov"], base64.b64decode(options["default_row"])),
+        created_unix=document["created_unix"],
+        put_token=document["put_token"],
+        owner=document["owner"],
+        promoting=document["promoting"],
+        lost_shards=tuple(document["lost_shards"]),
+    )

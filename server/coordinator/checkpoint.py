@@ -29,11 +29,13 @@ import tempfile
 import time
 from collections.abc import Generator, Iterable, Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from typing import Protocol
 
-from shardserve.core.dtypes import dtype_to_wire
+import torch
+
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
@@ -45,10 +47,12 @@ from shardserve.server.common.errors import (
     Unavailable,
 )
 from shardserve.server.common.requests import check_name, parse_metadata
-from shardserve.server.coordinator.catalog import Catalog, ranks_of
+from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.quotas import ByteQuotas
+from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.records import TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
@@ -76,8 +80,18 @@ def _check_path(path: str) -> str:
     return path
 
 
-def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
-    """The tensors of the DCP checkpoint at `path`: name, size, dtype."""
+@dataclass(frozen=True)
+class CheckpointStep:
+    """A load's or save's progress: bytes moved of the total over all ranks; once done, the tensors."""
+
+    bytes_done: int
+    bytes_total: int
+    done: bool = False
+    tensors: tuple[TensorRecord, ...] = ()
+
+
+def checkpoint_contents(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of the DCP checkpoint at `path`: {name: (size, dtype)}."""
     from shardserve.server.common.dcp_metadata import (
         checkpoint_tensors,  # DCP is imported on first use, not at start-up
     )
@@ -88,12 +102,7 @@ def inspect_checkpoint(path: str) -> pb.InspectCheckpointResponse:
         raise NotFound(str(err)) from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"path {path!r}: {err}") from None
-    return pb.InspectCheckpointResponse(
-        tensors=[
-            pb.CheckpointEntry(name=key, size=size, dtype=dtype_to_wire(dtype))
-            for key, (size, dtype) in sorted(entries.items())
-        ]
-    )
+    return {key: (tuple(size), dtype) for key, (size, dtype) in sorted(entries.items())}
 
 
 class VersionLifecycle(Protocol):
@@ -101,9 +110,9 @@ class VersionLifecycle(Protocol):
 
     def make_room(self, name: str, overwrite: bool) -> None: ...
 
-    def discard(self, info: pb.TensorInfo) -> None: ...
+    def discard(self, record: TensorRecord) -> None: ...
 
-    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None: ...
+    def drop_rows(self, records: Iterable[TensorRecord]) -> None: ...
 
 
 class CheckpointDriver:
@@ -112,16 +121,19 @@ class CheckpointDriver:
     def __init__(
         self,
         catalog: Catalog,
+        *,
         registry: RankRegistry,
+        calls: RankCalls,
         locks: NameLocks,
         collectives: CollectiveRunner,
         versions: VersionLifecycle,
+        quotas: ByteQuotas,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
-        quotas: ByteQuotas | None = None,
     ) -> None:
         self.catalog = catalog
-        self.quotas = quotas if quotas is not None else ByteQuotas(catalog)
+        self.quotas = quotas
         self.registry = registry
+        self.calls = calls
         self.locks = locks
         self.collectives = collectives
         self.versions = versions
@@ -145,13 +157,13 @@ class CheckpointDriver:
     def _timeout(self, value: float) -> float:
         return job_timeout(value, self.default_timeout_s)
 
-    def load(self, request: pb.LoadCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
+    def load(self, request: pb.LoadCheckpointRequest) -> Iterator[CheckpointStep]:
         """Load tensors as new versions: all READY at the end, or none visible after a failure."""
         path = _check_path(request.path)
         timeout_s = self._timeout(request.timeout_s)
         if not request.tensors:
             raise InvalidArgument("tensors is empty: name at least one tensor to load")
-        saved = {t.name: t for t in inspect_checkpoint(path).tensors}
+        saved = checkpoint_contents(path)
         layouts = {}
         for i, tensor in enumerate(request.tensors):
             name = check_name(tensor.name, f"tensors[{i}].name")
@@ -163,10 +175,10 @@ class CheckpointDriver:
                     f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
                     f"(it holds {sorted(saved)})"
                 )
-            if tuple(saved[name].size) != meta.size:
+            if saved[name][0] != meta.size:
                 raise InvalidArgument(
                     f"tensors[{i}].metadata: size {meta.size} but {name!r} is "
-                    f"{tuple(saved[name].size)} in the checkpoint"
+                    f"{saved[name][0]} in the checkpoint"
                 )
             self.registry.check_placements(meta)
             layouts[name] = meta
@@ -184,46 +196,42 @@ class CheckpointDriver:
             new = self._record(layouts)
             try:
                 yield from self._run_load(path, new, world, timeout_s)
-                for info in new:
-                    self.registry.promote_on(
-                        ranks_of(info),
-                        info.name,
-                        info.version,
-                        f"promote {info.name!r} version {info.version}",
+                for record in new:
+                    self.calls.promote(
+                        record.ranks(),
+                        record.name,
+                        record.version,
+                        f"promote {record.name!r} version {record.version}",
                     )
             except BaseException:
-                for info in new:
-                    self.versions.discard(info)
+                for record in new:
+                    self.versions.discard(record)
                 log.warning(
                     "checkpoint load from %s failed; versions %s dropped",
                     path,
-                    [(i.name, i.version) for i in new],
+                    [(r.name, r.version) for r in new],
                 )
                 raise
             ready = []
-            for committed, older in self.catalog.commit_all(
-                [(info.name, info.version) for info in new]
-            ):
+            for committed, older in self.catalog.commit_all([(r.name, r.version) for r in new]):
                 ready.append(committed)  # every tensor READY in one transaction, or none
                 self.versions.drop_rows(older)
-        log.info("loaded %s from %s", [(i.name, i.version) for i in ready], path)
-        total = sum(i.nbytes for i in ready)
-        yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=ready)
+        log.info("loaded %s from %s", [(r.name, r.version) for r in ready], path)
+        total = sum(r.nbytes for r in ready)
+        yield CheckpointStep(total, total, done=True, tensors=tuple(ready))
 
-    def _record(self, layouts: dict[str, ShardedTensorMetadata]) -> list[pb.TensorInfo]:
+    def _record(self, layouts: dict[str, ShardedTensorMetadata]) -> list[TensorRecord]:
         """Catalog rows (PENDING) and reserved memory on the ranks for every new version, once the caller's byte
         quota admits them all."""
-        new = []
+        new: list[TensorRecord] = []
         principal = caller()
         owner = principal.name if principal is not None else ""
         try:
             for name, meta in layouts.items():
-                info = pb.TensorInfo(
+                record = TensorRecord(
                     name=name,
                     version=self.catalog.next_version(),
-                    metadata=metadata_to_proto(meta),
-                    state=pb.PENDING,
-                    nbytes=meta.nbytes,
+                    metadata=meta,
                     created_unix=time.time(),
                     owner=owner,
                 )
@@ -232,52 +240,46 @@ class CheckpointDriver:
                     {
                         n: m.shards_nbytes()
                         for n, m in layouts.items()
-                        if n not in {i.name for i in new}
+                        if n not in {r.name for r in new}
                     },
                 ):
-                    self.catalog.add(info)
-                new.append(info)
-                reserve = pb.AllocateShardsRequest(
-                    name=name, version=info.version, metadata=info.metadata, reserve_only=True
-                )
-                self.registry.allocate_on(
-                    meta.ranks(), reserve, f"reserve {name!r} version {info.version}"
+                    self.catalog.add(record)
+                new.append(record)
+                self.calls.allocate(
+                    meta.ranks(),
+                    record,
+                    Allocation(reserve_only=True),
+                    f"reserve {name!r} version {record.version}",
                 )
         except BaseException:
-            for info in new:
-                self.versions.discard(info)
+            for record in new:
+                self.versions.discard(record)
             raise
         return new
 
     def _run_load(
-        self, path: str, new: list[pb.TensorInfo], world: list[int], timeout_s: float
-    ) -> Iterator[pb.CheckpointProgress]:
+        self, path: str, new: list[TensorRecord], world: list[int], timeout_s: float
+    ) -> Iterator[CheckpointStep]:
         job = pb.CollectiveJob(
             timeout_s=timeout_s,
-            checkpoint_load=pb.CheckpointJob(
-                path=path,
-                tensors=[
-                    pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata)
-                    for i in new
-                ],
-            ),
+            checkpoint_load=pb.CheckpointJob(path=path, tensors=_job_tensors(new)),
         )
         yield from _progress(
             self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new)
         )
 
-    def save(self, request: pb.SaveCheckpointRequest) -> Iterator[pb.CheckpointProgress]:
+    def save(self, request: pb.SaveCheckpointRequest) -> Iterator[CheckpointStep]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
         path = _check_path(request.path)
         timeout_s = self._timeout(request.timeout_s)
-        names = list(request.names) or [info.name for info in self.catalog.list()]
+        names = list(request.names) or [record.name for record in self.catalog.list()]
         if not names:
             raise InvalidState("there is no tensor to save")
         if len(set(names)) != len(names):
             raise InvalidArgument("names holds duplicates")
         for i, name in enumerate(names):
             check_name(name, f"names[{i}]")
-        known = {info.name for info in self.catalog.list()}
+        known = {record.name for record in self.catalog.list()}
         unknown = next((name for name in names if name not in known), None)
         if (
             unknown is not None
@@ -287,15 +289,15 @@ class CheckpointDriver:
         with ExitStack() as locks:
             for name in sorted(names):
                 locks.enter_context(self.locks.hold(name))
-            infos = []
+            records = []
             for name in names:
-                info = self.catalog.ready(name)
-                if info is None:
+                record = self.catalog.ready(name)
+                if record is None:
                     raise NotFound(f"tensor {name!r} not found")
-                infos.append(info)
-            if any(info.promoting for info in infos):
+                records.append(record)
+            if any(record.promoting for record in records):
                 raise TensorBusy(
-                    f"tensor {next(i.name for i in infos if i.promoting)!r}: its last "
+                    f"tensor {next(r.name for r in records if r.promoting)!r}: its last "
                     f"reshard's promotion is unfinished on some rank; save once it is done"
                 )
             try:
@@ -305,25 +307,19 @@ class CheckpointDriver:
                 raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
             job = pb.CollectiveJob(
                 timeout_s=timeout_s,
-                checkpoint_save=pb.CheckpointJob(
-                    path=staging,
-                    tensors=[
-                        pb.CheckpointTensor(name=i.name, version=i.version, metadata=i.metadata)
-                        for i in infos
-                    ],
-                ),
+                checkpoint_save=pb.CheckpointJob(path=staging, tensors=_job_tensors(records)),
             )
             try:
                 yield from _progress(
                     self.collectives.run(job, world, f"checkpoint save to {path}"),
-                    _job_bytes(infos),
+                    _job_bytes(records),
                 )
                 publish_checkpoint(staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-        log.info("saved %s to %s", [(i.name, i.version) for i in infos], path)
-        total = sum(i.nbytes for i in infos)
-        yield pb.CheckpointProgress(bytes_done=total, bytes_total=total, done=True, tensors=infos)
+        log.info("saved %s to %s", [(r.name, r.version) for r in records], path)
+        total = sum(r.nbytes for r in records)
+        yield CheckpointStep(total, total, done=True, tensors=tuple(records))
 
 
 def publish_checkpoint(staging: str, path: str) -> None:
@@ -344,22 +340,28 @@ def publish_checkpoint(staging: str, path: str) -> None:
     os.replace(os.path.join(staging, _METADATA), old_metadata)
 
 
-def _job_bytes(infos: list[pb.TensorInfo]) -> int:
+def _job_tensors(records: list[TensorRecord]) -> list[pb.CheckpointTensor]:
+    """The tensors a checkpoint job reads or writes, as the ranks are told them."""
+    return [
+        pb.CheckpointTensor(name=r.name, version=r.version, metadata=metadata_to_proto(r.metadata))
+        for r in records
+    ]
+
+
+def _job_bytes(records: list[TensorRecord]) -> int:
     """The bytes a checkpoint job moves over all ranks: every shard of every tensor (each rank reports its own;
     a rank still queued behind another job has not said yet)."""
-    return sum(
-        metadata_from_proto(info.metadata).shards_nbytes() for info in infos
-    )  # the catalog's: valid
+    return sum(record.held_bytes for record in records)
 
 
 def _progress(
     runner: Generator[tuple[int, int], None, object], total: int
-) -> Iterator[pb.CheckpointProgress]:
+) -> Iterator[CheckpointStep]:
     """Progress messages from a CollectiveRunner.run generator (its return value is dropped), out of the job's
     `total` bytes from the first message on."""
     try:
         while True:
             done, _ = next(runner)
-            yield pb.CheckpointProgress(bytes_done=min(done, total), bytes_total=total)
+            yield CheckpointStep(min(done, total), total)
     except StopIteration:
         return

@@ -95,13 +95,26 @@ class CollectiveRunner:
         self.registry = registry
         self.sequencer = JobSequencer(next_number)
         self.epochs = Epochs(next_number)
-        self.rendezvous = RendezvousStore(store_port, store_host)
         self.tracker = JobTracker()
+        self._store_port, self._store_host = store_port, store_host
+        self._rendezvous: RendezvousStore | None = None
         self._assign_lock = threading.Lock()
+
+    def start(self) -> None:
+        """Open the rendezvous store, on `store_port` of `store_host`."""
+        self._rendezvous = RendezvousStore(self._store_port, self._store_host)
+
+    @property
+    def store_port(self) -> int:
+        """The port of the rendezvous store (ranks learn it when they register)."""
+        if self._rendezvous is None:
+            raise RuntimeError("the collective runner is not started")
+        return self._rendezvous.port
 
     def close(self) -> None:
         """Stop the rendezvous store."""
-        self.rendezvous.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
 
     def rank_joined(self, rank: int) -> None:
         """A rank (re)registered: a new process, which holds none of the current epoch's groups and has run none

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import Counter, Histogram
 
@@ -69,12 +69,6 @@ class JobTracker:
             return [job for job, _ in self._jobs.values()]
 
 
-class CoordinatorState(Protocol):
-    """What the gauges read from the coordinator (server/coordinator/lifecycle.py Coordinator)."""
-
-    def list(self, include_pending: bool = False) -> list[pb.TensorInfo]: ...
-
-
 class CoordinatorMetrics(ServerMetrics):
     """The metrics of a coordinator."""
 
@@ -106,16 +100,17 @@ class CoordinatorMetrics(ServerMetrics):
     def watch(
         self,
         ranks: Callable[[], list[pb.RankInfo]],
-        tensors: CoordinatorState,
+        tensors: Callable[[], list[pb.TensorInfo]],
         jobs: JobTracker,
         epoch: Callable[[], int],
     ) -> None:
-        """Report ranks, tensors, jobs in flight and the epoch at every scrape."""
+        """Report ranks, tensors (every version, as answered: with its health), jobs in flight and the epoch at
+        every scrape."""
         self.add_collector(
             GaugeCollector(
                 lambda: [
                     *_rank_gauges(ranks()),
-                    _tensor_gauge(tensors.list(include_pending=True)),
+                    _tensor_gauge(tensors()),
                     *_job_gauges(jobs.in_flight()),
                     Gauge(
                         "shardserve_coordinator_epoch",

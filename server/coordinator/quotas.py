@@ -1,7 +1,7 @@
 """Per-principal byte quotas: what the tensors a principal made may hold, over all ranks, at once.
 
 A principal's `max_bytes` (tokens file) bounds the bytes of the tensors whose
-owner it is (TensorInfo.owner: the principal whose CreateTensor or
+owner it is (TensorRecord.owner: the principal whose CreateTensor or
 LoadCheckpoint made them), every shard counted, replicas each, pending
 versions included. A put, create or load that would go over it is refused
 with RESOURCE_EXHAUSTED naming the quota, before anything is allocated. A new
@@ -16,16 +16,9 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-from shardserve.core.wire import metadata_from_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import QuotaExceeded
 from shardserve.server.common.principals import Principal
 from shardserve.server.coordinator.catalog import Catalog
-
-
-def held_bytes(info: pb.TensorInfo) -> int:
-    """The bytes one catalog version holds over all its ranks (replicas counted each)."""
-    return metadata_from_proto(info.metadata).shards_nbytes()
 
 
 class ByteQuotas:
@@ -38,9 +31,9 @@ class ByteQuotas:
     def held_by(self, owner: str, excluding: frozenset[str] = frozenset()) -> int:
         """Bytes of every version (pending ones too) that `owner` owns, of tensors not named in `excluding`."""
         return sum(
-            held_bytes(info)
-            for info in self.catalog.list(include_pending=True)
-            if info.owner == owner and info.name not in excluding
+            record.held_bytes
+            for record in self.catalog.list(include_pending=True)
+            if record.owner == owner and record.name not in excluding
         )
 
     @contextmanager

@@ -1,8 +1,7 @@
-"""The coordinator's rank registry: who is registered, who is alive, and calls to them.
+"""The coordinator's rank registry: who is registered, who is alive, and who is restoring its persist dir.
 
-Every call to ranks goes through here (with a deadline, fanned out in
-parallel), so liveness checks, error naming and dropping versions are written
-once for the lifecycle and the reshard and checkpoint drivers.
+Calls to the registered ranks go through server/coordinator/rank_calls.py, which asks the registry for each
+rank's stub and liveness.
 """
 
 from __future__ import annotations
@@ -10,10 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Set
-from concurrent import futures
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
-from typing import TypeVar
 
 import grpc
 
@@ -28,14 +25,10 @@ from shardserve.server.common.errors import (
     ServiceError,
     Unavailable,
     WorldMismatch,
-    relayed,
 )
 from shardserve.server.common.requests import check_name, check_version
-from shardserve.server.common.tracing import carry_context
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 UNREGISTERED_GRACE_S = 10.0  # ranks re-register within a heartbeat of a coordinator restart
 
@@ -54,17 +47,13 @@ class RankEntry:
 
 
 class RankRegistry:
-    """Registered ranks with their liveness; parallel calls to them that name the rank that failed."""
+    """Registered ranks with their liveness and restore progress, and a channel to each."""
 
-    def __init__(
-        self, security: Security = Security(), dead_after: float = 3.0, rpc_timeout: float = 60.0
-    ) -> None:
+    def __init__(self, security: Security = Security(), dead_after: float = 3.0) -> None:
         self.security = security
         self.dead_after = dead_after
-        self.rpc_timeout = rpc_timeout
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
-        self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
         self._started = time.monotonic()
         self._restoring: dict[
             int, pb.RestoreProgress
@@ -222,6 +211,7 @@ class RankRegistry:
                     )
 
     def is_alive(self, entry: RankEntry) -> bool:
+        """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""
         return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
 
     def rank_alive(self, rank: int) -> bool:
@@ -321,141 +311,8 @@ class RankRegistry:
                     f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"
                 )
 
-    # ------------------------------------------------------------ calls to ranks
-
-    def fan_out(
-        self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str
-    ) -> dict[int, T]:
-        """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
-        return self.fan_out_each({rank: call for rank in ranks}, what)
-
-    def fan_out_each(
-        self, calls: Mapping[int, Callable[[pb_grpc.ShardServerStub], T]], what: str
-    ) -> dict[int, T]:
-        """Run each rank's call in parallel; raise the first failure as a ServiceError naming the rank."""
-        entries = {r: self.entry(r) for r in calls}
-        results, failures = {}, []
-        for rank, entry in entries.items():
-            if not self.is_alive(
-                entry
-            ):  # fail fast: a stopped rank would hold the call until its deadline
-                failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        jobs = {
-            r: self._pool.submit(carry_context(calls[r]), e.stub)
-            for r, e in entries.items()
-            if self.is_alive(e)
-        }
-        deadline = (
-            time.monotonic() + self.rpc_timeout + 5.0
-        )  # the calls carry their own deadline too
-        for rank, job in jobs.items():
-            try:
-                results[rank] = job.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.RpcError as err:
-                failures.append(_rank_error(rank, entries[rank].info.address, err))
-            except futures.TimeoutError:
-                failures.append(
-                    Unavailable(
-                        f"rank {rank} ({entries[rank].info.address}) did not answer "
-                        f"within {self.rpc_timeout:.0f}s"
-                    )
-                )
-        if failures:
-            log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
-            raise failures[0]
-        return results
-
-    def allocate_on(
-        self, ranks: Iterable[int], request: pb.AllocateShardsRequest, what: str
-    ) -> None:
-        """AllocateShards on `ranks` at once; the first failure raised, naming the rank."""
-        self.fan_out(
-            ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what
-        )
-
-    def promote_on(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
-        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
-        request = pb.PromoteVersionRequest(name=name, version=version)
-        self.fan_out(
-            ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what
-        )
-
-    def allocate_many_on(
-        self, requests: Mapping[int, list[pb.AllocateShardsRequest]], what: str
-    ) -> None:
-        """AllocateMany of each rank's requests, one call per rank, ranks at once; the first failure raised."""
-        self.fan_out_each(
-            {
-                rank: lambda stub, mine=mine: stub.AllocateMany(
-                    pb.AllocateManyRequest(tensors=mine), timeout=self.rpc_timeout
-                )
-                for rank, mine in requests.items()
-            },
-            what,
-        )
-
-    def promote_many_on(self, versions: Mapping[int, list[tuple[str, int]]], what: str) -> None:
-        """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once."""
-        self.fan_out_each(
-            {
-                rank: lambda stub, mine=mine: stub.PromoteMany(
-                    pb.PromoteManyRequest(
-                        versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]
-                    ),
-                    timeout=self.rpc_timeout,
-                )
-                for rank, mine in versions.items()
-            },
-            what,
-        )
-
-    def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
-        """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
-        live = {rank: mine for rank, mine in versions.items() if self.rank_alive(rank)}
-        try:
-            self.fan_out_each(
-                {
-                    rank: lambda stub, mine=mine: stub.DropMany(
-                        pb.DropManyRequest(
-                            versions=[pb.DropVersionRequest(name=n, version=v) for n, v in mine]
-                        ),
-                        timeout=self.rpc_timeout,
-                    )
-                    for rank, mine in live.items()
-                },
-                f"drop {sum(map(len, live.values()))} versions",
-            )
-        except ServiceError as err:
-            log.warning("could not drop every version everywhere: %s", err.message)
-
-    def drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
-        """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
-        already right, and a rank that is down drops the version when it registers again (reconcile)."""
-        request = pb.DropVersionRequest(name=name, version=version)
-        ranks = [
-            r for r in ranks if self.rank_alive(r)
-        ]  # a dead rank's copy is dropped when it registers again
-        try:
-            self.fan_out(
-                ranks,
-                lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
-                f"drop {name!r} version {version}",
-            )
-        except ServiceError as err:
-            log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
-
-    def held_by(self, rank: int) -> set[tuple[str, int]] | None:
-        """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""
-        try:
-            stats = self.entry(rank).stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
-        except (grpc.RpcError, ServiceError) as err:
-            log.warning("could not ask rank %d what it holds: %s", rank, err)
-            return None
-        return {(h.name, h.version) for h in stats.held}
-
     def close(self) -> None:
-        """Stop the fan-out pool and close the rank channels."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Close the rank channels."""
         with self._ranks_changed:
             for entry in self._ranks.values():
                 entry.channel.close()
@@ -468,16 +325,6 @@ def _restarts_after(old: RankEntry | None, info: pb.RankInfo) -> int:
         return 0
     same_process = old.info.pid == info.pid and old.info.hostname == info.hostname
     return old.info.restarts + (0 if same_process else 1)
-
-
-def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
-    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
-    details = err.details() if hasattr(err, "details") else str(err)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(
-            f"rank {rank} ({address}) is unavailable: {details}", metadata={"rank": rank}
-        )
-    return relayed(err, f"rank {rank}: {details}", metadata={"rank": rank})
 
 
 def _check_restore(progress: pb.RestoreProgress) -> None:
@@ -505,14 +352,3 @@ def _check_rank_info(info: pb.RankInfo) -> None:
         raise InvalidArgument(f"rank.device {info.device!r} is not 'cpu' or 'cuda:K'") from None
     if info.memory_limit_bytes < 0:
         raise InvalidArgument(f"rank.memory_limit_bytes {info.memory_limit_bytes} is negative")
-
-
-def versions_by_rank(
-    rows: Iterable[pb.TensorInfo], ranks: Callable[[pb.TensorInfo], Iterable[int]]
-) -> dict[int, list[tuple[str, int]]]:
-    """{rank: [(name, version), ...]} of `rows`, each row under every rank `ranks(row)` names."""
-    out: dict[int, list[tuple[str, int]]] = {}
-    for row in rows:
-        for rank in ranks(row):
-            out.setdefault(rank, []).append((row.name, row.version))
-    return out

@@ -18,15 +18,14 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
-from shardserve.core.wire import metadata_from_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import ServiceError, TensorBusy
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import job_timeout
+from shardserve.server.coordinator.records import TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.reshard import ReshardDriver
 
@@ -34,7 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPAIR_AFTER_S = 30.0
 CHECK_EVERY_S = 0.5
-RECORDS_KEPT = 100
+FINISHED_KEPT = 100
 RETRY_BACKOFF_S = (
     2.0,
     60.0,
@@ -42,7 +41,19 @@ RETRY_BACKOFF_S = (
 
 
 @dataclass(frozen=True)
-class RepairRecord:
+class RepairInFlight:
+    """A repair running now: the version being made, the bytes copied so far (local copies included), when
+    it began, and the ranks the lost copies are copied to."""
+
+    version: int
+    bytes_done: int
+    bytes_total: int
+    started_unix: float
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinishedRepair:
     """A finished repair: the tensor, the versions, the bytes of copies rebuilt, how long it took, onto which
     ranks."""
 
@@ -60,6 +71,7 @@ class RepairDriver:
     def __init__(
         self,
         catalog: Catalog,
+        *,
         registry: RankRegistry,
         reshards: ReshardDriver,
         repair_after: float = DEFAULT_REPAIR_AFTER_S,
@@ -72,12 +84,10 @@ class RepairDriver:
         self.reshards = reshards
         self.repair_after = repair_after
         self.job_timeout_s = job_timeout(job_timeout_s, reshards.default_timeout_s)
-        self._states: dict[str, pb.RepairState] = {}
-        self._retry_at: dict[
-            str, tuple[float, float]
-        ] = {}  # name -> (monotonic time of next try, backoff)
+        self._states: dict[str, RepairInFlight] = {}
+        self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic next try, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
-        self._completed: deque[RepairRecord] = deque(maxlen=RECORDS_KEPT)
+        self._completed: deque[FinishedRepair] = deque(maxlen=FINISHED_KEPT)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="coord-repair", daemon=True)
@@ -90,14 +100,13 @@ class RepairDriver:
         """Stop starting repairs (the cluster is shutting down, or the coordinator closes)."""
         self._stop.set()
 
-    def state(self, name: str) -> pb.RepairState | None:
+    def state(self, name: str) -> RepairInFlight | None:
         """The repair of `name` in flight, if any."""
         with self._lock:
-            state = self._states.get(name)
-            return None if state is None else _copy(state)
+            return self._states.get(name)
 
-    def completed(self) -> list[RepairRecord]:
-        """The latest finished repairs (RECORDS_KEPT at most), oldest first."""
+    def completed(self) -> list[FinishedRepair]:
+        """The latest finished repairs (FINISHED_KEPT at most), oldest first."""
         with self._lock:
             return list(self._completed)
 
@@ -111,28 +120,28 @@ class RepairDriver:
     def run_once(self) -> list[str]:
         """Repair every tensor whose copies are due now; the names repaired."""
         repaired = []
-        for info in self.catalog.list():
+        for record in self.catalog.list():
             if self._stop.is_set():
                 break
-            due = self._due(info)
-            if due is not None and self._repair(info, *due):
-                repaired.append(info.name)
+            due = self._due(record)
+            if due is not None and self._repair(record, *due):
+                repaired.append(record.name)
         return repaired
 
     # ------------------------------------------------------------ deciding
 
-    def _due(self, info: pb.TensorInfo) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
-        """The repaired layout of `info` and the copies it must not read, when all its unavailable copies are
+    def _due(self, record: TensorRecord) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
+        """The repaired layout of `record` and the copies it must not read, when all its unavailable copies are
         due and a live rank can take each; None otherwise."""
-        if info.state != pb.READY or info.promoting or self.reshards.is_running(info.name):
+        if not record.ready or record.promoting or self.reshards.is_running(record.name):
             return None
-        retry = self._retry_at.get(info.name)
+        retry = self._retry_at.get(record.name)
         if retry is not None and time.monotonic() < retry[0]:
             return None
-        meta = metadata_from_proto(info.metadata)
-        unavailable, waiting = self._unavailable(info, meta)
+        meta = record.metadata
+        unavailable, waiting = self._unavailable(record, meta)
         if not unavailable or waiting:
-            self._refused.pop(info.name, None)
+            self._refused.pop(record.name, None)
             return None
         ranks = self.registry.ranks()
         live = [
@@ -142,18 +151,21 @@ class RepairDriver:
         try:
             return repaired_layout(meta, unavailable, live, load), unavailable
         except RepairImpossible as err:
-            if self._refused.get(info.name) != str(err):
-                self._refused[info.name] = str(err)
+            if self._refused.get(record.name) != str(err):
+                self._refused[record.name] = str(err)
                 log.error(
-                    "tensor %r version %d cannot be repaired now: %s", info.name, info.version, err
+                    "tensor %r version %d cannot be repaired now: %s",
+                    record.name,
+                    record.version,
+                    err,
                 )
             return None
 
     def _unavailable(
-        self, info: pb.TensorInfo, meta: ShardedTensorMetadata
+        self, record: TensorRecord, meta: ShardedTensorMetadata
     ) -> tuple[frozenset[int], bool]:
-        """The copies of `info` that cannot be read, and whether any of them is not due for repair yet."""
-        lost = set(info.lost_shards)
+        """The copies of `record` that cannot be read, and whether any of them is not due for repair yet."""
+        lost = set(record.lost_shards)
         unavailable, waiting = set(), False
         dead_for = {rank: self.registry.dead_for(rank) for rank in meta.ranks()}
         for index, shard in enumerate(meta.shards_metadata):
@@ -168,57 +180,58 @@ class RepairDriver:
     # ------------------------------------------------------------ repairing
 
     def _repair(
-        self, info: pb.TensorInfo, dst: ShardedTensorMetadata, unavailable: frozenset[int]
+        self, record: TensorRecord, dst: ShardedTensorMetadata, unavailable: frozenset[int]
     ) -> bool:
         """Run one tensor's repair, keeping its progress for answers; whether it committed."""
         targets = ranks_receiving(dst, unavailable)
         nbytes = sum(dst.shard_nbytes(i) for i in unavailable)
         log.warning(
             "repairing %r version %d: %d lost copies (%d bytes) onto ranks %s",
-            info.name,
-            info.version,
+            record.name,
+            record.version,
             len(unavailable),
             nbytes,
             targets,
         )
         started = time.time()
-        state = pb.RepairState(started_unix=started, ranks=targets)
+        state = RepairInFlight(0, 0, 0, started, tuple(targets))
         try:
-            for progress in self.reshards.repair(info, dst, unavailable, self.job_timeout_s):
-                state.version, state.bytes_done, state.bytes_total = (
-                    progress.version,
-                    progress.bytes_done,
-                    progress.bytes_total,
+            for step in self.reshards.repair(record, dst, unavailable, self.job_timeout_s):
+                state = replace(
+                    state,
+                    version=step.version,
+                    bytes_done=step.bytes_done,
+                    bytes_total=step.bytes_total,
                 )
                 with self._lock:
-                    self._states[info.name] = _copy(state)
+                    self._states[record.name] = state
         except TensorBusy as err:  # the name is busy (a reshard, a put): the next round tries again
-            log.info("repair of %r put off: %s", info.name, err.message)
+            log.info("repair of %r put off: %s", record.name, err.message)
             return False
         except Exception as err:  # noqa: BLE001 - any failure leaves the old version whole; try again later
-            self._back_off(info.name)
+            self._back_off(record.name)
             log.error(
                 "repair of %r version %d failed (tried again in %.0f s): %s",
-                info.name,
-                info.version,
-                self._retry_at[info.name][1],
+                record.name,
+                record.version,
+                self._retry_at[record.name][1],
                 err.message if isinstance(err, ServiceError) else err,
             )
             return False
         finally:
             with self._lock:
-                self._states.pop(info.name, None)
-        self._retry_at.pop(info.name, None)
+                self._states.pop(record.name, None)
+        self._retry_at.pop(record.name, None)
         seconds = time.time() - started
         with self._lock:
             self._completed.append(
-                RepairRecord(
-                    info.name, info.version, state.version, nbytes, seconds, tuple(targets)
+                FinishedRepair(
+                    record.name, record.version, state.version, nbytes, seconds, tuple(targets)
                 )
             )
         log.warning(
             "repaired %r: version %d holds every copy again (%d bytes copied to ranks %s in %.2f s)",
-            info.name,
+            record.name,
             state.version,
             nbytes,
             targets,
@@ -230,9 +243,3 @@ class RepairDriver:
         _, last = self._retry_at.get(name, (0.0, RETRY_BACKOFF_S[0] / 2))
         backoff = min(RETRY_BACKOFF_S[1], last * 2)
         self._retry_at[name] = (time.monotonic() + backoff, backoff)
-
-
-def _copy(state: pb.RepairState) -> pb.RepairState:
-    out = pb.RepairState()
-    out.CopyFrom(state)
-    return out

@@ -28,16 +28,18 @@ process groups over the live ranks.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
-from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     DataLoss,
@@ -48,10 +50,12 @@ from shardserve.server.common.errors import (
     Unavailable,
 )
 from shardserve.server.common.requests import check_name, parse_metadata
-from shardserve.server.coordinator.catalog import Catalog, ranks_of
+from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.health import boxes_without_copy, unavailable_shards
 from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.records import TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
@@ -62,25 +66,69 @@ EXIT_AFTER_COMMIT_ENV = "SHARDSERVE_DEBUG_EXIT_AFTER_RESHARD_COMMIT"
 EXIT_AFTER_COMMIT_CODE = 17
 
 
+class ReshardPhase(enum.Enum):
+    """Where a reshard is: reserving memory, moving data, committing, or done."""
+
+    PREPARING = "preparing"
+    MOVING = "moving"
+    COMMITTING = "committing"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """A reshard's progress: its phase, the new version, bytes moved of the total; once DONE, the READY
+    record and the largest new shard and staging buffer on any rank."""
+
+    phase: ReshardPhase
+    version: int
+    bytes_done: int = 0
+    bytes_total: int = 0
+    tensor: TensorRecord | None = None
+    max_new_shard_bytes: int = 0
+    max_staging_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One reshard being run: the READY version `old`, its new version, the plan and its participants, and the
+    copies of `old` it must not read."""
+
+    old: TensorRecord
+    new: TensorRecord
+    plan: ReshardPlan
+    participants: list[int]
+    unavailable: frozenset[int]
+    timeout_s: float
+
+    @property
+    def total(self) -> int:
+        """The bytes of every shard of the new version: what the ranks move and stage in all."""
+        return self.new.metadata.shards_nbytes()
+
+
 class ReshardDriver:
     """The Reshard RPC's logic; one per coordinator."""
 
     def __init__(
         self,
         catalog: Catalog,
+        *,
         registry: RankRegistry,
+        calls: RankCalls,
         locks: NameLocks,
         collectives: CollectiveRunner,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.catalog = catalog
         self.registry = registry
+        self.calls = calls
         self.locks = locks
         self.collectives = collectives
         self.default_timeout_s = default_timeout_s
         self._running: set[str] = set()
         self._old_versions: dict[
-            str, pb.TensorInfo
+            str, TensorRecord
         ] = {}  # committed, to drop once the new one is promoted
         self._running_lock = threading.Lock()
 
@@ -99,154 +147,134 @@ class ReshardDriver:
             with self._running_lock:
                 self._running.discard(name)
 
-    def reshard(self, request: pb.ReshardRequest) -> Iterator[pb.ReshardProgress]:
-        """Run one reshard, streaming its progress; the last message carries the new READY TensorInfo."""
+    def reshard(self, request: pb.ReshardRequest) -> Iterator[ReshardStep]:
+        """Run one reshard, streaming its progress; the last step carries the new READY record."""
         name = check_name(request.name)
         dst = parse_metadata(request.metadata)
         bucket_bytes = _bucket_bytes(request.bucket_bytes)
         timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
         with self._claim(name), self.locks.hold(name):
-            info = self._current_version(name)
-            unavailable = self._readable(info)
-            yield from self._run(info, dst, unavailable, bucket_bytes, timeout_s)
+            record = self._current_version(name)
+            unavailable = self._readable(record)
+            yield from self._run(record, dst, unavailable, bucket_bytes, timeout_s)
 
     def repair(
         self,
-        info: pb.TensorInfo,
+        record: TensorRecord,
         dst: ShardedTensorMetadata,
         unavailable: frozenset[int],
         timeout_s: float,
-    ) -> Iterator[pb.ReshardProgress]:
-        """Turn the READY version `info` into the repaired layout `dst`, reading only copies outside
+    ) -> Iterator[ReshardStep]:
+        """Turn the READY version `record` into the repaired layout `dst`, reading only copies outside
         `unavailable`, as a reshard does (new version, reads on the old one meanwhile, commit or abort).
         TensorBusy when a reshard of the name runs or its lock is held; nothing then happens."""
-        with self._claim(info.name), self.locks.hold(info.name, wait_s=0.5):
-            current = self._current_version(info.name)
-            if current.version != info.version:
+        with self._claim(record.name), self.locks.hold(record.name, wait_s=0.5):
+            current = self._current_version(record.name)
+            if current.version != record.version:
                 raise TensorBusy(
-                    f"tensor {info.name!r} changed (version {current.version}) before its repair began"
+                    f"tensor {record.name!r} changed (version {current.version}) before its repair began"
                 )
             yield from self._run(current, dst, unavailable, DEFAULT_BUCKET_BYTES, timeout_s)
 
-    def _readable(self, info: pb.TensorInfo) -> frozenset[int]:
-        """The shards of `info` a reshard must not read (lost, or on dead or restoring ranks); FAILED_PRECONDITION
-        when a box has no copy left to read."""
-        unavailable = frozenset(unavailable_shards(info, self.registry.rank_unreadable))
-        lost = boxes_without_copy(info, unavailable)
+    def _readable(self, record: TensorRecord) -> frozenset[int]:
+        """The shards of `record` a reshard must not read (lost, or on dead or restoring ranks);
+        FAILED_PRECONDITION when a box has no copy left to read."""
+        unavailable = frozenset(unavailable_shards(record, self.registry.rank_unreadable))
+        lost = boxes_without_copy(record, unavailable)
         if lost:
             raise DataLoss(
-                f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
+                f"tensor {record.name!r} has boxes with no live copy ({lost}); it cannot be "
                 f"resharded: delete it or put it again",
-                metadata={"tensor": info.name},
+                metadata={"tensor": record.name},
             )
         return unavailable
 
     def _run(
         self,
-        info: pb.TensorInfo,
+        old: TensorRecord,
         dst: ShardedTensorMetadata,
         unavailable: frozenset[int],
         bucket_bytes: int,
         timeout_s: float,
-    ) -> Iterator[pb.ReshardProgress]:
-        """(claim and name lock held) PREPARE, COMMIT or ABORT of `info` into layout `dst`."""
-        name = info.name
-        src = metadata_from_proto(info.metadata)
-        plan = _plan(src, dst, bucket_bytes, unavailable)
+    ) -> Iterator[ReshardStep]:
+        """(claim and name lock held) PREPARE, COMMIT or ABORT of `old` into layout `dst`."""
+        plan = _plan(old.metadata, dst, bucket_bytes, unavailable)
         participants = list(plan.participants(dst))
         self._check_ranks(participants, dst.ranks())
         self.registry.check_placements(dst)
-        new = pb.TensorInfo(
-            name=name,
+        new = TensorRecord(
+            name=old.name,
             version=self.catalog.next_version(),
-            metadata=metadata_to_proto(dst),
-            options=info.options,
-            state=pb.PENDING,
-            nbytes=dst.nbytes,
+            metadata=dst,
+            options=old.options,
             created_unix=time.time(),
             promoting=True,
-            owner=info.owner,
+            owner=old.owner,
         )
-        total = dst.shards_nbytes()
-        yield pb.ReshardProgress(phase=pb.RESHARD_PREPARING, bytes_total=total, version=new.version)
+        move = _Move(old, new, plan, participants, unavailable, timeout_s)
+        total = move.total
+        yield ReshardStep(ReshardPhase.PREPARING, new.version, bytes_total=total)
         self.catalog.add(new)
         try:
-            finals = yield from self._prepare(
-                info, new, dst, plan, participants, timeout_s, total, unavailable
-            )
-            yield pb.ReshardProgress(
-                phase=pb.RESHARD_COMMITTING,
-                bytes_done=total,
-                bytes_total=total,
-                version=new.version,
-            )
+            finals = yield from self._prepare(move)
+            yield ReshardStep(ReshardPhase.COMMITTING, new.version, total, total)
         except (
             BaseException
         ):  # failures, timeouts, and the client cancelling the stream (GeneratorExit)
             self._abort(new, participants)
             raise
         ready = self._commit(
-            new, info
+            new, old
         )  # no yield from here to the promotion: a cancel cannot cut it
-        self._promote(ready)
-        yield pb.ReshardProgress(
-            phase=pb.RESHARD_DONE,
-            bytes_done=total,
-            bytes_total=total,
-            version=ready.version,
+        ready = self._promote(ready) or ready
+        yield ReshardStep(
+            ReshardPhase.DONE,
+            ready.version,
+            total,
+            total,
             tensor=ready,
             max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
             max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0),
         )
 
-    def _current_version(self, name: str) -> pb.TensorInfo:
+    def _current_version(self, name: str) -> TensorRecord:
         """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
-        info = self.catalog.ready(name)
-        if info is None:
+        record = self.catalog.ready(name)
+        if record is None:
             raise NotFound(f"tensor {name!r} not found")
-        if info.promoting:  # the last reshard's promotion failed on some rank: finish it first
-            self._finish_one(info)
-            info = self.catalog.ready(name)
-            if info is None or info.promoting:
+        if record.promoting:  # the last reshard's promotion failed on some rank: finish it first
+            self._finish_one(record)
+            current = self.catalog.ready(name)
+            if current is None or current.promoting:
                 raise TensorBusy(
-                    f"tensor {name!r}: the promotion of version {info.version if info else '?'}"
+                    f"tensor {name!r}: the promotion of version {current.version if current else '?'}"
                     f" is unfinished on some rank (see the coordinator's log); it is "
                     f"retried every few seconds, reshard once it is done"
                 )
-        return info
+            record = current
+        return record
 
     def _prepare(
-        self,
-        old: pb.TensorInfo,
-        new: pb.TensorInfo,
-        dst: ShardedTensorMetadata,
-        plan: ReshardPlan,
-        participants: list[int],
-        timeout_s: float,
-        total: int,
-        unavailable: frozenset[int],
-    ) -> Generator[pb.ReshardProgress, None, dict[int, pb.CollectiveProgress]]:
+        self, move: _Move
+    ) -> Generator[ReshardStep, None, dict[int, pb.CollectiveProgress]]:
         """Reserve the new version's memory, then run the reshard job on every participant."""
-        reserve = pb.AllocateShardsRequest(
-            name=new.name,
-            version=new.version,
-            metadata=new.metadata,
-            options=new.options,
-            reserve_only=True,
-        )
-        self.registry.allocate_on(
-            dst.ranks(), reserve, f"reserve {new.name!r} version {new.version}"
+        old, new, total = move.old, move.new, move.total
+        self.calls.allocate(
+            new.metadata.ranks(),
+            new,
+            Allocation(reserve_only=True),
+            f"reserve {new.name!r} version {new.version}",
         )
         job = pb.CollectiveJob(
-            timeout_s=timeout_s,
+            timeout_s=move.timeout_s,
             reshard=pb.ReshardJob(
                 name=new.name,
                 src_version=old.version,
-                src=old.metadata,
+                src=metadata_to_proto(old.metadata),
                 dst_version=new.version,
-                dst=new.metadata,
-                bucket_bytes=plan.bucket_bytes,
-                src_unavailable=sorted(unavailable),
+                dst=metadata_to_proto(new.metadata),
+                bucket_bytes=move.plan.bucket_bytes,
+                src_unavailable=sorted(move.unavailable),
             ),
         )
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
@@ -254,29 +282,24 @@ class ReshardDriver:
             "%s: %d bytes over ranks %s, buckets of %d bytes",
             what,
             total,
-            participants,
-            plan.bucket_bytes,
+            move.participants,
+            move.plan.bucket_bytes,
         )
-        runner = self.collectives.run(job, participants, what)
+        runner = self.collectives.run(job, move.participants, what)
         try:
             while True:
                 done, _ = next(runner)
-                yield pb.ReshardProgress(
-                    phase=pb.RESHARD_MOVING,
-                    bytes_done=min(done, total),
-                    bytes_total=total,
-                    version=new.version,
-                )
+                yield ReshardStep(ReshardPhase.MOVING, new.version, min(done, total), total)
         except StopIteration as stop:
             return stop.value
 
-    def _abort(self, new: pb.TensorInfo, participants: list[int]) -> None:
-        """Forget the new version: catalog row removed, staged shards dropped on every participant."""
+    def _abort(self, new: TensorRecord, participants: list[int]) -> None:
+        """Forget the new version: catalog record removed, staged shards dropped on every participant."""
         self.catalog.remove(new.name, new.version)
-        self.registry.drop_quietly(new.name, new.version, participants)
+        self.calls.drop_quietly(new.name, new.version, participants)
         log.warning("reshard of %r aborted; version %d dropped", new.name, new.version)
 
-    def _commit(self, new: pb.TensorInfo, old: pb.TensorInfo) -> pb.TensorInfo:
+    def _commit(self, new: TensorRecord, old: TensorRecord) -> TensorRecord:
         """The catalog's one transaction: the new version READY (marker still set), older READY rows gone."""
         ready, _ = self.catalog.commit(new.name, new.version)
         log.info(
@@ -292,11 +315,12 @@ class ReshardDriver:
         self._old_versions[new.name] = old
         return ready
 
-    def _promote(self, ready: pb.TensorInfo) -> bool:
-        """PromoteVersion on the new version's ranks, drop the old version, clear the marker."""
-        ranks = ranks_of(ready)
+    def _promote(self, ready: TensorRecord) -> TensorRecord | None:
+        """PromoteVersion on the new version's ranks, drop the old version, clear the marker: the promoted
+        record, or None when a rank failed (retried later)."""
+        ranks = ready.ranks()
         try:
-            self.registry.promote_on(
+            self.calls.promote(
                 ranks, ready.name, ready.version, f"promote {ready.name!r} version {ready.version}"
             )
         except ServiceError as err:
@@ -306,19 +330,19 @@ class ReshardDriver:
                 ready.version,
                 err.message,
             )
-            return False
+            return None
         self.drop_replaced(ready.name)
-        ready.promoting = False
-        self.catalog.update(ready)
+        promoted = replace(ready, promoting=False)
+        self.catalog.update(promoted)
         log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
-        return True
+        return promoted
 
     def drop_replaced(self, name: str) -> None:
         """Drop the version a committed reshard of `name` replaced, on its ranks (name lock held): at the
         promotion, or when the reshard's own version leaves the catalog before its promotion finished."""
         old = self._old_versions.pop(name, None)
         if old is not None:
-            self.registry.drop_quietly(name, old.version, ranks_of(old))
+            self.calls.drop_quietly(name, old.version, old.ranks())
 
     def is_running(self, name: str) -> bool:
         """Whether a reshard of `name` runs now."""
@@ -329,35 +353,31 @@ class ReshardDriver:
         """Promote committed reshards whose promotion is unfinished (a coordinator restart, a rank that failed
         PromoteVersion), abort ones that never committed; run at registrations and every few seconds."""
         try:
-            for info in self.catalog.list(include_pending=True):
-                if not info.promoting or self.is_running(info.name):
+            for record in self.catalog.list(include_pending=True):
+                if not record.promoting or self.is_running(record.name):
                     continue
                 try:
-                    with self.locks.hold(info.name, wait_s=0.1):
-                        self._finish_one(info)
+                    with self.locks.hold(record.name, wait_s=0.1):
+                        self._finish_one(record)
                 except TensorBusy:
                     continue  # busy: the next round finishes it
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("finishing reshard promotions failed")
 
-    def _finish_one(self, info: pb.TensorInfo) -> None:
-        current = self.catalog.get(info.name, info.version)
+    def _finish_one(self, record: TensorRecord) -> None:
+        current = self.catalog.get(record.name, record.version)
         if current is None or not current.promoting:
             return
-        if current.state != pb.READY:
+        if not current.ready:
             log.warning(
                 "reshard of %r to version %d never committed (coordinator restarted); aborting it",
                 current.name,
                 current.version,
             )
             self.catalog.remove(current.name, current.version)
-            self.registry.drop_quietly(
-                current.name,
-                current.version,
-                [r for r in ranks_of(current) if self.registry.rank_alive(r)],
-            )
+            self.calls.drop_quietly(current.name, current.version, current.ranks())
             return
-        if all(self.registry.rank_alive(r) for r in ranks_of(current)) and self._promote(current):
+        if all(self.registry.rank_alive(r) for r in current.ranks()) and self._promote(current):
             log.info(
                 "finished the promotion of %r version %d after a coordinator restart",
                 current.name,

@@ -1,5 +1,5 @@
-"""The Coordinator gRPC service: decodes each request and delegates to the `Coordinator` (lifecycle) or its
-reshard and checkpoint drivers."""
+"""The Coordinator gRPC service: decodes each request, delegates to the coordinator's parts
+(server/coordinator/server.py), and makes each answer from the records they return (answers.py)."""
 
 from __future__ import annotations
 
@@ -7,35 +7,77 @@ from collections.abc import Iterator
 
 import grpc
 
+from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.errors import InvalidArgument, rpc_errors
-from shardserve.server.coordinator.checkpoint import inspect_checkpoint
-from shardserve.server.coordinator.lifecycle import Coordinator
+from shardserve.server.common.requests import (
+    check_init,
+    check_name,
+    check_options,
+    check_put_token,
+    parse_metadata,
+)
+from shardserve.server.coordinator.checkpoint import CheckpointStep, checkpoint_contents
+from shardserve.server.coordinator.lifecycle import NewTensor
+from shardserve.server.coordinator.messages import (
+    init_from_proto,
+    options_from_proto,
+    snapshot_to_proto,
+)
+from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
+from shardserve.server.coordinator.server import CoordinatorServer
+
+_PHASES = {
+    ReshardPhase.PREPARING: pb.RESHARD_PREPARING,
+    ReshardPhase.MOVING: pb.RESHARD_MOVING,
+    ReshardPhase.COMMITTING: pb.RESHARD_COMMITTING,
+    ReshardPhase.DONE: pb.RESHARD_DONE,
+}
+
+
+def new_tensor(request: pb.CreateTensorRequest) -> NewTensor:
+    """A CreateTensor request, checked field by field (InvalidArgument names the first bad one)."""
+    name = check_name(request.name)
+    meta = parse_metadata(request.metadata)
+    check_init(request.init, meta.dtype)
+    check_options(request.options, meta)
+    return NewTensor(
+        name=name,
+        metadata=meta,
+        init=init_from_proto(request.init),
+        seed=request.seed,
+        options=options_from_proto(request.options),
+        overwrite=request.overwrite,
+        source_version=request.source_version,
+        put_token=check_put_token(request.put_token),
+    )
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    """The Coordinator gRPC service: a thin layer over `Coordinator`."""
+    """The Coordinator gRPC service: a thin layer over the parts of a `CoordinatorServer`."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: CoordinatorServer) -> None:
         self.coordinator = coordinator
+        self.answers = coordinator.answers
 
     @rpc_errors
     def RegisterRank(
         self, request: pb.RegisterRankRequest, context: grpc.ServicerContext
     ) -> pb.RegisterRankResponse:
-        interval = self.coordinator.register(request.rank, request.held)
-        collectives = self.coordinator.collectives
-        collectives.rank_joined(request.rank.rank)
+        coordinator = self.coordinator
+        coordinator.upkeep.register(request.rank, request.held)
+        coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
-            heartbeat_interval_s=interval, store_port=collectives.rendezvous.port
+            heartbeat_interval_s=coordinator.settings.heartbeat_interval,
+            store_port=coordinator.collectives.store_port,
         )
 
     @rpc_errors
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self.coordinator.heartbeat(request.rank, request.memory_used_bytes)
+        self.coordinator.upkeep.heartbeat(request.rank, request.memory_used_bytes)
         return pb.HeartbeatResponse()
 
     @rpc_errors
@@ -59,81 +101,94 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def CreateTensor(
         self, request: pb.CreateTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
-        return self.coordinator.create(request)
+        made = self.coordinator.lifecycle.create(new_tensor(request))
+        return self.answers.tensor(made.value, made.update_order)
 
     @rpc_errors
     def CommitTensor(
         self, request: pb.CommitTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
-        return self.coordinator.commit(request.name, request.version)
+        committed = self.coordinator.lifecycle.commit(request.name, request.version)
+        return self.answers.tensor(committed.value, committed.update_order)
 
     @rpc_errors
     def AbortTensor(
         self, request: pb.AbortTensorRequest, context: grpc.ServicerContext
     ) -> pb.AbortTensorResponse:
+        lifecycle = self.coordinator.lifecycle
         if request.put_token and request.version:
             raise InvalidArgument("give either version or put_token, not both")
         if request.put_token:
             return pb.AbortTensorResponse(
-                version=self.coordinator.abort_put(request.name, request.put_token)
+                version=lifecycle.abort_put(request.name, request.put_token)
             )
-        self.coordinator.abort(request.name, request.version)
+        lifecycle.abort(request.name, request.version)
         return pb.AbortTensorResponse(version=request.version)
 
     @rpc_errors
     def GetTensor(
         self, request: pb.GetTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
-        return self.coordinator.get(request.name)
+        return self.answers.tensor(self.coordinator.lifecycle.get(request.name))
 
     @rpc_errors
     def ListTensors(
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
-        return pb.ListTensorsResponse(tensors=self.coordinator.list(request.include_pending))
+        records = self.coordinator.lifecycle.list(request.include_pending)
+        return pb.ListTensorsResponse(tensors=[self.answers.tensor(r) for r in records])
 
     @rpc_errors
     def Reshard(
         self, request: pb.ReshardRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ReshardProgress]:
-        yield from self.coordinator.reshards.reshard(request)
+        for step in self.coordinator.reshards.reshard(request):
+            yield self._reshard_progress(step)
 
     @rpc_errors
     def InspectCheckpoint(
         self, request: pb.InspectCheckpointRequest, context: grpc.ServicerContext
     ) -> pb.InspectCheckpointResponse:
-        return inspect_checkpoint(request.path)
+        return pb.InspectCheckpointResponse(
+            tensors=[
+                pb.CheckpointEntry(name=name, size=size, dtype=pb.DType.Name(dtype_to_wire(dtype)))
+                for name, (size, dtype) in checkpoint_contents(request.path).items()
+            ]
+        )
 
     @rpc_errors
     def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        yield from self.coordinator.checkpoints.load(request)
+        for step in self.coordinator.checkpoints.load(request):
+            yield self._checkpoint_progress(step)
 
     @rpc_errors
     def SaveCheckpoint(
         self, request: pb.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        yield from self.coordinator.checkpoints.save(request)
+        for step in self.coordinator.checkpoints.save(request):
+            yield self._checkpoint_progress(step)
 
     @rpc_errors
     def DeleteTensor(
         self, request: pb.DeleteTensorRequest, context: grpc.ServicerContext
     ) -> pb.DeleteTensorResponse:
-        self.coordinator.delete(request.name)
+        self.coordinator.lifecycle.delete(request.name)
         return pb.DeleteTensorResponse()
 
     @rpc_errors
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
-        return self.coordinator.snapshots.create(request)
+        return snapshot_to_proto(self.coordinator.snapshots.create(request))
 
     @rpc_errors
     def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
-        return self.coordinator.snapshots.commit(request.prefix, request.number)
+        committed = self.coordinator.snapshots.commit(request.prefix, request.number)
+        return self.answers.snapshot(committed)
 
     @rpc_errors
     def AbortSnapshot(
@@ -146,10 +201,33 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
-        return self.coordinator.snapshots.get(request.prefix, request.number)
+        snapshot = self.coordinator.snapshots.get(request.prefix, request.number)
+        return self.answers.snapshot(snapshot)
 
     @rpc_errors
     def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
     ) -> pb.ListSnapshotsResponse:
-        return pb.ListSnapshotsResponse(snapshots=self.coordinator.snapshots.list(request.prefix))
+        snapshots = self.coordinator.snapshots.list(request.prefix)
+        return pb.ListSnapshotsResponse(snapshots=[self.answers.snapshot(s) for s in snapshots])
+
+    def _reshard_progress(self, step: ReshardStep) -> pb.ReshardProgress:
+        progress = pb.ReshardProgress(
+            phase=_PHASES[step.phase],
+            bytes_done=step.bytes_done,
+            bytes_total=step.bytes_total,
+            version=step.version,
+            max_new_shard_bytes=step.max_new_shard_bytes,
+            max_staging_bytes=step.max_staging_bytes,
+        )
+        if step.tensor is not None:
+            progress.tensor.CopyFrom(self.answers.tensor(step.tensor))
+        return progress
+
+    def _checkpoint_progress(self, step: CheckpointStep) -> pb.CheckpointProgress:
+        return pb.CheckpointProgress(
+            bytes_done=step.bytes_done,
+            bytes_total=step.bytes_total,
+            done=step.done,
+            tensors=[self.answers.tensor(r) for r in step.tensors],
+        )

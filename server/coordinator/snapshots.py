@@ -17,13 +17,19 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, NotFound, ServiceError, TensorBusy
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
-from shardserve.server.coordinator.catalog import Catalog, holding_ranks
+from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.locks import NameLocks
-from shardserve.server.coordinator.registry import RankRegistry, versions_by_rank
+from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
+from shardserve.server.coordinator.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorRecord,
+    TensorState,
+)
+from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +41,11 @@ MAX_SNAPSHOT_TENSORS = 1 << 16
 
 
 class Versions(Protocol):
-    """What the driver needs of the coordinator's lifecycle."""
+    """What the driver needs of the tensor lifecycle: forgetting versions, and freeing them on the ranks."""
 
-    def discard_all(self, rows: list[pb.TensorInfo]) -> None: ...
+    def discard_all(self, records: list[TensorRecord]) -> None: ...
 
-    def drop_rows(self, rows: Iterable[pb.TensorInfo]) -> None: ...
-
-    def describe(self, info: pb.TensorInfo) -> pb.TensorInfo: ...
+    def drop_rows(self, records: Iterable[TensorRecord]) -> None: ...
 
 
 def snapshot_tensor_name(prefix: str, number: int, key: str) -> str:
@@ -55,20 +59,23 @@ class SnapshotDriver:
     def __init__(
         self,
         catalog: Catalog,
+        *,
         registry: RankRegistry,
+        calls: RankCalls,
         locks: NameLocks,
         versions: Versions,
         pending_timeout: float,
     ) -> None:
         self.catalog = catalog
         self.registry = registry
+        self.calls = calls
         self.locks = locks
         self.versions = versions
         self.pending_timeout = pending_timeout
-        self._pending: dict[tuple[str, int], pb.SnapshotInfo] = {}
+        self._pending: dict[tuple[str, int], SnapshotRecord] = {}
         self._guard = threading.Lock()
 
-    def create(self, request: pb.CreateSnapshotRequest) -> pb.SnapshotInfo:
+    def create(self, request: pb.CreateSnapshotRequest) -> SnapshotRecord:
         """Record every tensor PENDING and allocate it on its ranks; all or none."""
         prefix = check_name(request.prefix, "prefix")
         keep = request.keep or DEFAULT_KEEP
@@ -82,30 +89,24 @@ class SnapshotDriver:
                 raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
         self._forget_stale()
         number, *versions = self.catalog.next_versions(1 + len(layouts))
-        snapshot = pb.SnapshotInfo(
-            prefix=prefix,
-            number=number,
-            state=pb.PENDING,
-            created_unix=time.time(),
-            keep=keep,
-            nbytes=sum(meta.nbytes for meta in layouts.values()),
-        )
-        for (key, meta), version in zip(layouts.items(), versions):
-            snapshot.entries.add(
-                key=key,
-                tensor=pb.TensorInfo(
+        created = time.time()
+        entries = tuple(
+            SnapshotEntry(
+                key,
+                TensorRecord(
                     name=snapshot_tensor_name(prefix, number, key),
                     version=version,
-                    metadata=metadata_to_proto(meta),
-                    state=pb.PENDING,
-                    nbytes=meta.nbytes,
-                    created_unix=snapshot.created_unix,
+                    metadata=meta,
+                    created_unix=created,
                 ),
             )
-        self.catalog.add_all([entry.tensor for entry in snapshot.entries])
+            for (key, meta), version in zip(layouts.items(), versions)
+        )
+        snapshot = SnapshotRecord(prefix, number, keep, entries, created_unix=created)
+        self.catalog.add_all(snapshot.tensors())
         try:
-            self.registry.allocate_many_on(
-                _allocations_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}"
+            self.calls.allocate_many(
+                _tensors_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}"
             )
         except BaseException:
             self._discard(snapshot)
@@ -121,13 +122,13 @@ class SnapshotDriver:
         )
         return snapshot
 
-    def commit(self, prefix: str, number: int) -> pb.SnapshotInfo:
+    def commit(self, prefix: str, number: int) -> SnapshotRecord:
         """Promote every tensor on its ranks, then commit all of them and the snapshot in one transaction."""
         snapshot = self._take(prefix, number)
         try:
             with self.locks.hold(f"{prefix}@"):
-                self.registry.promote_many_on(
-                    versions_by_rank(_tensors(snapshot), holding_ranks),
+                self.calls.promote_many(
+                    versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
                     f"promote snapshot {prefix!r} {number}",
                 )
                 try:
@@ -148,30 +149,30 @@ class SnapshotDriver:
             len(committed.entries),
             f", dropping {len(removed)} tensors of older snapshots" if removed else "",
         )
-        return self._described(committed)
+        return committed
 
     def abort(self, prefix: str, number: int) -> None:
         """Forget a pending snapshot and free its tensors."""
         self._discard(self._take(prefix, number))
         log.info("aborted snapshot %r %d", prefix, number)
 
-    def get(self, prefix: str, number: int) -> pb.SnapshotInfo:
-        """Committed snapshot `number` of `prefix` (0: the newest), with each tensor's health."""
+    def get(self, prefix: str, number: int) -> SnapshotRecord:
+        """Committed snapshot `number` of `prefix` (0: the newest)."""
         prefix = check_name(prefix, "prefix")
         snapshot = self.catalog.snapshot(prefix, number)
         if snapshot is None:
             kept = [s.number for s in self.catalog.snapshots(prefix)]
             which = "no snapshot" if number == 0 else f"no snapshot {number}"
             raise NotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
-        return self._described(snapshot)
+        return snapshot
 
-    def list(self, prefix: str) -> list[pb.SnapshotInfo]:
+    def list(self, prefix: str) -> list[SnapshotRecord]:
         """The committed snapshots of `prefix`, oldest first."""
-        return [self._described(s) for s in self.catalog.snapshots(check_name(prefix, "prefix"))]
+        return self.catalog.snapshots(check_name(prefix, "prefix"))
 
     # ------------------------------------------------------------ helpers
 
-    def _take(self, prefix: str, number: int) -> pb.SnapshotInfo:
+    def _take(self, prefix: str, number: int) -> SnapshotRecord:
         prefix = check_name(prefix, "prefix")
         number = check_version(number, "number")
         with self._guard:
@@ -198,14 +199,12 @@ class SnapshotDriver:
             )
             self._discard(snapshot)
 
-    def _discard(self, snapshot: pb.SnapshotInfo) -> None:
+    def _discard(self, snapshot: SnapshotRecord) -> None:
         """Remove every pending tensor of the snapshot from the catalog and free it on its ranks."""
         pending = [
-            info
-            for info in (
-                self.catalog.get(e.tensor.name, e.tensor.version) for e in snapshot.entries
-            )
-            if info is not None and info.state != pb.READY
+            record
+            for record in (self.catalog.get(t.name, t.version) for t in snapshot.tensors())
+            if record is not None and record.state is TensorState.PENDING
         ]
         try:
             self.versions.discard_all(pending)
@@ -213,13 +212,6 @@ class SnapshotDriver:
             log.warning(
                 "discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message
             )
-
-    def _described(self, snapshot: pb.SnapshotInfo) -> pb.SnapshotInfo:
-        out = pb.SnapshotInfo()
-        out.CopyFrom(snapshot)
-        for entry in out.entries:
-            entry.tensor.CopyFrom(self.versions.describe(entry.tensor))
-        return out
 
 
 def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedTensorMetadata]:
@@ -240,17 +232,10 @@ def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedT
     return layouts
 
 
-def _tensors(snapshot: pb.SnapshotInfo) -> list[pb.TensorInfo]:
-    return [entry.tensor for entry in snapshot.entries]
-
-
-def _allocations_by_rank(snapshot: pb.SnapshotInfo) -> dict[int, list[pb.AllocateShardsRequest]]:
-    """{rank: the AllocateShardsRequest of every snapshot tensor it holds shards of}."""
-    out: dict[int, list[pb.AllocateShardsRequest]] = {}
-    for info in _tensors(snapshot):
-        request = pb.AllocateShardsRequest(
-            name=info.name, version=info.version, metadata=info.metadata, init=pb.INIT_NONE
-        )
-        for rank in holding_ranks(info):
-            out.setdefault(rank, []).append(request)
+def _tensors_by_rank(snapshot: SnapshotRecord) -> dict[int, list[TensorRecord]]:
+    """{rank: every snapshot tensor it holds shards of}."""
+    out: dict[int, list[TensorRecord]] = {}
+    for record in snapshot.tensors():
+        for rank in record.holding_ranks():
+            out.setdefault(rank, []).append(record)
     return out

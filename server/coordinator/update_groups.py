@@ -18,9 +18,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import JobFailed, ServiceError, TensorBusy
+
+R = TypeVar("R")
 
 CLAIM_WAIT_S = 1.0  # how long an update waits for a group it cannot join (being made, or committing): then ABORTED
 UPDATE_TURN_S = 30.0  # a member writing this long (its client is gone) has the version aborted by a waiting member
@@ -28,8 +30,17 @@ MAX_MEMBERS = 16  # updates joined into one version; the next ones wait for the 
 WAKE_S = 0.5  # how often a waiting member looks for a stalled turn
 
 
+@dataclass(frozen=True)
+class Ordered(Generic[R]):
+    """A version as one caller sees it: `value` (the version made or committed) and the caller's place in the
+    version's update group (`update_order`; 0 outside a group)."""
+
+    value: R
+    update_order: int = 0
+
+
 @dataclass
-class _Group:
+class _Group(Generic[R]):
     """The pending update version of one table and its members (member 0 made it)."""
 
     since: float  # when the current turn began (the claim, until the version is bound)
@@ -38,12 +49,13 @@ class _Group:
     turn: int = 0  # the member writing now: the ones before it have finished
     closed: bool = False  # its commit has begun: no one joins any more
     tokens: set[str] = field(default_factory=set)  # put_tokens of the members' CreateTensor calls
-    outcome: pb.TensorInfo | None = None  # the committed version, once promoted
+    outcome: R | None = None  # the committed version, once promoted
     error: ServiceError | None = None  # why it ended uncommitted
 
 
-class UpdateGroups:
-    """The update group of every table being updated, behind one condition variable."""
+class UpdateGroups(Generic[R]):
+    """The update group of every table being updated, behind one condition variable; a group's commit
+    answers an R (the committed version) to every member."""
 
     def __init__(
         self,
@@ -56,7 +68,7 @@ class UpdateGroups:
         self._claim_wait_s = claim_wait_s
         self._turn_timeout_s = turn_timeout_s
         self._max_members = max_members
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, _Group[R]] = {}
         self._changed = threading.Condition()
 
     def enter(
@@ -107,9 +119,9 @@ class UpdateGroups:
         self,
         name: str,
         version: int,
-        commit: Callable[[], pb.TensorInfo],
+        commit: Callable[[], R],
         abort: Callable[[str, int], None],
-    ) -> pb.TensorInfo:
+    ) -> Ordered[R]:
         """The member writing `version` of `name` has written: pass the turn on, and commit the version (by
         `commit`) when it was the last member; every member answers with the committed version and its own
         order. A version no group holds is simply committed."""
@@ -124,7 +136,7 @@ class UpdateGroups:
                 last = group.closed = group.turn == group.members
                 self._changed.notify_all()
         if group is None:
-            return commit()
+            return Ordered(commit())
         if last:
             self._commit(name, group, commit)
         with self._changed:
@@ -132,10 +144,8 @@ class UpdateGroups:
                 self._wait(name, group, abort, WAKE_S)
         if group.error is not None:
             raise group.error
-        answer = pb.TensorInfo()
-        answer.CopyFrom(group.outcome)
-        answer.update_order = order
-        return answer
+        assert group.outcome is not None
+        return Ordered(group.outcome, order)
 
     def end(self, name: str, version: int | None = None) -> None:
         """`version` of `name` was aborted, discarded or deleted (None: whatever version, for a delete): its
@@ -163,7 +173,9 @@ class UpdateGroups:
             group = self._groups.get(name)
             return group.version if group is not None and token in group.tokens else 0
 
-    def _join(self, name: str, group: _Group, token: str, abort: Callable[[str, int], None]) -> int:
+    def _join(
+        self, name: str, group: _Group[R], token: str, abort: Callable[[str, int], None]
+    ) -> int:
         """(condition held) Add a member to `group` and wait for its turn; its order."""
         order = group.members
         group.members += 1
@@ -174,7 +186,7 @@ class UpdateGroups:
             raise group.error
         return order
 
-    def _commit(self, name: str, group: _Group, commit: Callable[[], pb.TensorInfo]) -> None:
+    def _commit(self, name: str, group: _Group[R], commit: Callable[[], R]) -> None:
         """Promote the closed `group`'s version and hand every member the outcome."""
         try:
             outcome = commit()
@@ -196,7 +208,7 @@ class UpdateGroups:
             self._changed.notify_all()
 
     def _wait(
-        self, name: str, group: _Group, abort: Callable[[str, int], None], wait_s: float
+        self, name: str, group: _Group[R], abort: Callable[[str, int], None], wait_s: float
     ) -> None:
         """(condition held) Wait up to `wait_s` for a change; abort `group`'s version when its turn stalled."""
         stalled = (
@@ -225,7 +237,7 @@ class UpdateGroups:
         finally:
             self._changed.acquire()
 
-    def _fail(self, name: str, group: _Group, error: ServiceError) -> None:
+    def _fail(self, name: str, group: _Group[R], error: ServiceError) -> None:
         """(condition held) End `group` uncommitted with `error` for its waiting members."""
         if group.error is None and group.outcome is None:
             group.error = error

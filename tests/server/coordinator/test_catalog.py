@@ -1,22 +1,31 @@
-"""SQLiteCatalog: versions only grow across reopen, commit replaces older READY rows in one step, WAL mode."""
+"""SQLiteCatalog: versions only grow across reopen, commit replaces older READY rows in one step, WAL mode;
+records read back equal from the catalog's own schema."""
 
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 
 import pytest
+import torch
 
-from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.server.coordinator.catalog import SCHEMA_VERSION, SQLiteCatalog
+from shardserve.server.coordinator.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorOptions,
+    TensorRecord,
+    TensorState,
+)
 
 
-def row(name: str, version: int, state: int = pb.PENDING) -> pb.TensorInfo:
-    return pb.TensorInfo(
+def row(name: str, version: int, state: TensorState = TensorState.PENDING) -> TensorRecord:
+    return TensorRecord(
         name=name,
         version=version,
         state=state,
-        nbytes=version * 10,
-        metadata=pb.ShardedTensorMetadata(size=[version]),
+        metadata=ShardedTensorMetadata(size=(version,)),
     )
 
 
@@ -44,22 +53,22 @@ def test_version_counter_only_grows_and_survives_reopen(tmp_path):
 def test_commit_marks_ready_and_removes_older_ready_versions(catalog):
     catalog.add(row("t", 1))
     ready, older = catalog.commit("t", 1)
-    assert ready.state == pb.READY and older == []
+    assert ready.state == TensorState.READY and older == []
     catalog.add(row("t", 2))
     assert catalog.ready("t").version == 1
     assert [i.version for i in catalog.list()] == [1]
     assert [(i.version, i.state) for i in catalog.list(include_pending=True)] == [
-        (1, pb.READY),
-        (2, pb.PENDING),
+        (1, TensorState.READY),
+        (2, TensorState.PENDING),
     ]
     ready, older = catalog.commit("t", 2)
     assert (ready.version, [o.version for o in older]) == (2, [1])
     assert [i.version for i in catalog.versions("t")] == [2]
-    assert catalog.get("t", 2).metadata.size == [2]  # stored as protobuf bytes, read back whole
+    assert catalog.get("t", 2).metadata.size == (2,)  # stored as a JSON document, read back whole
 
 
 def test_commit_of_a_missing_row_changes_nothing(catalog):
-    catalog.add(row("t", 1, pb.READY))
+    catalog.add(row("t", 1, TensorState.READY))
     with pytest.raises(KeyError, match="version 9"):
         catalog.commit("t", 9)
     assert catalog.ready("t").version == 1
@@ -80,7 +89,7 @@ def test_commit_all_is_all_or_nothing(catalog):
     with pytest.raises(KeyError, match="'c' version 9"):
         catalog.commit_all([("a", 3), ("c", 9)])
     assert (
-        catalog.ready("a").version == 1 and catalog.get("a", 3).state == pb.PENDING
+        catalog.ready("a").version == 1 and catalog.get("a", 3).state == TensorState.PENDING
     )  # rolled back
     done = catalog.commit_all([("a", 3), ("b", 2)])
     assert [(info.name, info.version, [o.version for o in older]) for info, older in done] == [
@@ -108,3 +117,70 @@ def test_add_all_is_all_or_nothing(catalog):
             [row("c", 3), row("a", 1)]
         )  # the second row exists: the first is not kept either
     assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}
+
+
+def _full_record(name: str, version: int) -> TensorRecord:
+    """A record with every field set: a replicated bfloat16 table with options, lost copies and a reshard's
+    marker."""
+    metadata = ShardedTensorMetadata(
+        (
+            ShardMetadata((0, 0), (2, 3), "rank:0/cpu"),
+            ShardMetadata((0, 0), (2, 3), "rank:1/cuda:1"),
+            ShardMetadata((2, 0), (2, 3), "rank:1/cpu"),
+            ShardMetadata((2, 0), (2, 3), "rank:0/cpu"),
+        ),
+        (4, 3),
+        TensorProperties(dtype=torch.bfloat16, requires_grad=True),
+    )
+    return TensorRecord(
+        name=name,
+        version=version,
+        metadata=metadata,
+        state=TensorState.READY,
+        options=TensorOptions("default", b"\x00\x01" * 3),
+        created_unix=1700000000.25,
+        put_token="tok-7",
+        owner="alice",
+        promoting=True,
+        lost_shards=(1, 3),
+    )
+
+
+def test_records_read_back_equal_across_reopen(tmp_path):
+    """Every field of a record and a snapshot survives the catalog's own schema, also after a reopen."""
+    path = tmp_path / "c.sqlite"
+    first = SQLiteCatalog(path)
+    record = _full_record("t", 3)
+    first.add(record)
+    assert first.get("t", 3) == record and first.list() == [record]
+    snapshot = SnapshotRecord(
+        "p",
+        10,
+        2,
+        (
+            SnapshotEntry("w", replace(_full_record("p@10/w", 11), state=TensorState.PENDING)),
+            SnapshotEntry("opt.step", row("p@10/opt.step", 12)),
+        ),
+        created_unix=5.5,
+    )
+    first.add_all(snapshot.tensors())
+    committed, removed = first.commit_snapshot(snapshot)
+    assert removed == [] and committed.state == TensorState.READY
+    assert [e.tensor.state for e in committed.entries] == [TensorState.READY] * 2
+    first.close()
+    again = SQLiteCatalog(path)
+    assert again.get("t", 3) == record
+    assert again.snapshots("p") == [committed] and again.snapshot("p") == committed
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    again.close()
+
+
+def test_a_catalog_of_a_newer_schema_is_refused(tmp_path):
+    path = tmp_path / "c.sqlite"
+    SQLiteCatalog(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    db.commit()
+    db.close()
+    with pytest.raises(RuntimeError, match="newer than this shardserve"):
+        SQLiteCatalog(path)

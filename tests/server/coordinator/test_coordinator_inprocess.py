@@ -16,13 +16,15 @@ import grpc
 import pytest
 import torch
 
-from shardserve.core.metadata import TensorProperties
+from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.lifecycle import Coordinator
+from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankEntry
+from shardserve.server.coordinator.server import CoordinatorServer
+from shardserve.server.coordinator.service import new_tensor
 
 
 class RankStub:
@@ -67,33 +69,43 @@ class RankStub:
 
 @pytest.fixture
 def coordinator(tmp_path):
-    coord = Coordinator(SQLiteCatalog(tmp_path / "catalog.sqlite"))
+    coord = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite")).start()
     yield coord
     coord.close()
 
 
-def _metadata() -> pb.ShardedTensorMetadata:
-    return metadata_to_proto(
-        ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
-            (4, 4), TensorProperties(dtype=torch.float32)
-        )
+def _layout() -> ShardedTensorMetadata:
+    return ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4, 4), TensorProperties(dtype=torch.float32)
     )
 
 
-def _ready(coord: Coordinator, name: str) -> pb.TensorInfo:
-    info = pb.TensorInfo(
+def _metadata() -> pb.ShardedTensorMetadata:
+    return metadata_to_proto(_layout())
+
+
+def _ready(coord: CoordinatorServer, name: str) -> TensorRecord:
+    record = TensorRecord(
         name=name,
         version=coord.catalog.next_version(),
-        metadata=_metadata(),
-        state=pb.PENDING,
-        nbytes=64,
+        metadata=_layout(),
         created_unix=time.time(),
     )
-    coord.catalog.add(info)
-    return coord.catalog.commit(name, info.version)[0]
+    coord.catalog.add(record)
+    return coord.catalog.commit(name, record.version)[0]
 
 
-def _rank(coord: Coordinator, stub: RankStub) -> None:
+def _create(coord: CoordinatorServer, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+    """CreateTensor as the servicer runs it, errors raised rather than answered."""
+    made = coord.lifecycle.create(new_tensor(request))
+    return coord.answers.tensor(made.value, made.update_order)
+
+
+def _health(coord: CoordinatorServer, name: str) -> str:
+    return coord.answers.tensor(coord.lifecycle.get(name)).health
+
+
+def _rank(coord: CoordinatorServer, stub: RankStub) -> None:
     coord.registry._ranks[0] = RankEntry(
         pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"),
         time.monotonic(),
@@ -117,7 +129,7 @@ def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinato
         ("kept", kept.version),
         stray,
     }  # what it said when it registered, before "new" was put
-    coordinator._reconcile(0, snapshot)
+    coordinator.upkeep.reconciler.reconcile(0, snapshot)
     names = {info.name for info in coordinator.catalog.list()}
     assert names == {"new", "kept", "lost"}  # a tensor is never forgotten because a rank lost it
     lost_shards = {info.name: list(info.lost_shards) for info in coordinator.catalog.list()}
@@ -126,7 +138,7 @@ def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinato
         "kept": [],
         "lost": [0],
     }  # only the one the rank still does not hold
-    assert coordinator.get("lost").health == "lost" and coordinator.get("kept").health == "healthy"
+    assert _health(coordinator, "lost") == "lost" and _health(coordinator, "kept") == "healthy"
     assert ("drop", "stray", 999) in stub.calls and ("drop", "lost", lost.version) not in stub.calls
     assert ("promote", "kept", kept.version) in stub.calls
     assert not any(call[1] == "new" for call in stub.calls)
@@ -141,7 +153,7 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
 
     stub = Silent(set())
     _rank(coordinator, stub)
-    coordinator._reconcile(0, set())
+    coordinator.upkeep.reconciler.reconcile(0, set())
     assert coordinator.catalog.get("t", info.version) is not None and stub.calls == []
 
 
@@ -226,15 +238,17 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     assert held.wait(10)
     started = time.monotonic()
     with pytest.raises(TensorBusy, match="tensor 'busy' is busy") as err:
-        coordinator.delete("busy")
+        coordinator.lifecycle.delete("busy")
     assert err.value.code == grpc.StatusCode.ABORTED and time.monotonic() - started < 5
     release.set()
     worker.join(10)
-    coordinator.delete("busy")
+    coordinator.lifecycle.delete("busy")
     assert coordinator.catalog.ready("busy") is None
 
 
-def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs: bool = True):  # type: ignore[no-untyped-def]
+def _client_of(
+    coord: CoordinatorServer, lose_create_answer: bool = False, create_runs: bool = True
+):  # type: ignore[no-untyped-def]
     """A client Session whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
     (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False)."""
     from shardserve.client.errors import DeadlineExceededError
@@ -242,12 +256,14 @@ def _client_of(coord: Coordinator, lose_create_answer: bool = False, create_runs
 
     def call(method, request):  # type: ignore[no-untyped-def]
         if method == "CreateTensor":
-            info = coord.create(request) if create_runs else None
+            info = _create(coord, request) if create_runs else None
             if lose_create_answer:
                 raise DeadlineExceededError("coordinator: deadline exceeded")
             return info
         if method == "AbortTensor":
-            return pb.AbortTensorResponse(version=coord.abort_put(request.name, request.put_token))
+            return pb.AbortTensorResponse(
+                version=coord.lifecycle.abort_put(request.name, request.put_token)
+            )
         raise AssertionError(method)
 
     session = Session.__new__(Session)
@@ -285,7 +301,7 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     with pytest.raises(DeadlineExceededError):
         cluster.create_tensor(request)
     with pytest.raises(TensorBusy, match="put_token"):
-        coordinator.create(request)  # the call, arriving late
+        _create(coordinator, request)  # the call, arriving late
     assert coordinator.catalog.versions("t") == [] and stub.calls == []
     fresh = _client_of(coordinator).create_tensor(
         pb.CreateTensorRequest(name="t", metadata=_metadata())
@@ -297,24 +313,24 @@ def test_put_tokens_are_checked(coordinator):
     from shardserve.server.common.errors import InvalidArgument
 
     _rank(coordinator, RankStub(set()))
-    assert coordinator.abort_put("t", "no-such-put") == 0
+    assert coordinator.lifecycle.abort_put("t", "no-such-put") == 0
     for token, message in (
         ("", "put_token is empty"),
         ("x" * 129, "129 characters"),
         ("caf\u00e9", "ASCII"),
     ):
         with pytest.raises(InvalidArgument, match=message):
-            coordinator.abort_put("t", token)
+            coordinator.lifecycle.abort_put("t", token)
     with pytest.raises(InvalidArgument, match="put_token"):
-        coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="\n"))
-    made = coordinator.create(
-        pb.CreateTensorRequest(name="r", metadata=_metadata(), put_token="tok")
+        _create(coordinator, pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="\n"))
+    made = _create(
+        coordinator, pb.CreateTensorRequest(name="r", metadata=_metadata(), put_token="tok")
     )
-    ready = coordinator.commit("r", made.version)
+    ready = coordinator.lifecycle.commit("r", made.version).value
     assert (
-        ready.put_token == "tok" and coordinator.abort_put("r", "tok") == 0
+        ready.put_token == "tok" and coordinator.lifecycle.abort_put("r", "tok") == 0
     )  # a READY version is never aborted
-    assert coordinator.catalog.get("r", ready.version).state == pb.READY
+    assert coordinator.catalog.get("r", ready.version).state == TensorState.READY
 
 
 def test_name_locks_are_forgotten_once_unused(coordinator):
@@ -325,7 +341,7 @@ def test_name_locks_are_forgotten_once_unused(coordinator):
     _rank(coordinator, RankStub(set()))
     for i in range(50):
         with pytest.raises(NotFound):
-            coordinator.commit(f"unknown-{i}", 1)
+            coordinator.lifecycle.commit(f"unknown-{i}", 1)
     assert coordinator.locks._locks == {}
     with coordinator.locks.hold("held"):
         assert set(coordinator.locks._locks) == {"held"}
@@ -340,15 +356,15 @@ def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordina
 
     stub = RankStub(set())
     _rank(coordinator, stub)
-    put = coordinator.create(pb.CreateTensorRequest(name="t", metadata=_metadata()))
+    put = _create(coordinator, pb.CreateTensorRequest(name="t", metadata=_metadata()))
     newer = _ready(coordinator, "t")  # the reshard's version, committed meanwhile
     with pytest.raises(
         TensorBusy,
         match=f"version {put.version} was overtaken while pending: version {newer.version}",
     ):
-        coordinator.commit("t", put.version)
+        coordinator.lifecycle.commit("t", put.version)
     assert [(r.version, r.state) for r in coordinator.catalog.versions("t")] == [
-        (newer.version, pb.READY)
+        (newer.version, TensorState.READY)
     ]
     assert ("drop", "t", put.version) in stub.calls and (
         "promote",
@@ -367,12 +383,10 @@ def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpro
     stub = RankStub(set())
     _rank(coordinator, stub)
     a = _ready(coordinator, "t")
-    b = pb.TensorInfo(
+    b = TensorRecord(
         name="t",
         version=coordinator.catalog.next_version(),
-        metadata=_metadata(),
-        state=pb.PENDING,
-        nbytes=64,
+        metadata=_layout(),
         created_unix=time.time(),
         promoting=True,
     )
@@ -382,10 +396,10 @@ def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpro
     )  # the reshard's catalog commit; its promotion then failed
     coordinator.reshards._old_versions["t"] = a
     if replaced_by == "put":
-        put = coordinator.create(
-            pb.CreateTensorRequest(name="t", metadata=_metadata(), overwrite=True)
+        put = _create(
+            coordinator, pb.CreateTensorRequest(name="t", metadata=_metadata(), overwrite=True)
         )
-        coordinator.commit("t", put.version)
+        coordinator.lifecycle.commit("t", put.version)
     else:
-        coordinator.delete("t")
+        coordinator.lifecycle.delete("t")
     assert ("drop", "t", a.version) in stub.calls and "t" not in coordinator.reshards._old_versions

@@ -63,7 +63,7 @@ def test_updates_join_the_collecting_version_and_commit_once_in_join_order() -> 
         last = groups.finish("t", 7, commits, _never_abort)
         answers = [first_commit.result(timeout=WAIT_S), second_commit.result(timeout=WAIT_S), last]
     assert commits.calls == 1
-    assert [(a.version, a.update_order) for a in answers] == [(7, 0), (7, 1), (7, 2)]
+    assert [(a.value.version, a.update_order) for a in answers] == [(7, 0), (7, 1), (7, 2)]
     assert groups.enter("t", "d", _never_abort) is None  # the next update makes the next version
 
 
@@ -137,5 +137,5 @@ def test_a_member_whose_client_is_gone_has_the_version_aborted_by_the_next_one()
 
 def test_a_version_no_group_holds_is_committed_directly() -> None:
     commits = _Commits(2)
-    assert UpdateGroups().finish("t", 2, commits, _never_abort).version == 2
+    assert UpdateGroups().finish("t", 2, commits, _never_abort).value.version == 2
     assert commits.calls == 1

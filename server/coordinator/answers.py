@@ -1,0 +1,55 @@
+"""The coordinator's answers: TensorInfo and SnapshotInfo messages made from records plus live state.
+
+A record holds what the catalog keeps; an answer adds what is true now and is never stored: the shards
+whose copy cannot be read (lost, on dead ranks, or on ranks still restoring: reads are admitted only once
+every shard is back), the health and replicas that gives, and the repair in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.health import health_of, unavailable_shards
+from shardserve.server.coordinator.messages import snapshot_to_proto, tensor_to_proto
+from shardserve.server.coordinator.records import SnapshotRecord, TensorRecord
+from shardserve.server.coordinator.repair import RepairInFlight
+
+
+class Answers:
+    """Makes answers from records, asking the registry which ranks cannot be read and the repair driver what
+    it repairs."""
+
+    def __init__(
+        self,
+        rank_unreadable: Callable[[int], bool],
+        repair: Callable[[str], RepairInFlight | None],
+    ) -> None:
+        self._rank_unreadable = rank_unreadable
+        self._repair = repair
+
+    def tensor(self, record: TensorRecord, update_order: int = 0) -> pb.TensorInfo:
+        """`record` as answered: its stored fields, its health now, and `update_order` (row updates)."""
+        out = tensor_to_proto(record)
+        unavailable = unavailable_shards(record, self._rank_unreadable)
+        out.unavailable_shards.extend(unavailable)
+        out.update_order = update_order
+        health = health_of(record, unavailable)
+        if health is not None:
+            out.health, out.replicas = health.state, health.replicas
+        repair = self._repair(record.name)
+        if repair is not None:
+            out.repair.CopyFrom(
+                pb.RepairState(
+                    version=repair.version,
+                    bytes_done=repair.bytes_done,
+                    bytes_total=repair.bytes_total,
+                    started_unix=repair.started_unix,
+                    ranks=repair.ranks,
+                )
+            )
+        return out
+
+    def snapshot(self, record: SnapshotRecord) -> pb.SnapshotInfo:
+        """`record` as answered, each tensor with its health now."""
+        return snapshot_to_proto(record, self.tensor)

@@ -1,0 +1,125 @@
+"""Records <-> protobuf messages: the one place that knows both the coordinator's records and their wire shapes.
+
+Used at the edges only: the servicer's requests and answers (server/coordinator/service.py, answers.py), the
+calls to ranks (rank_calls.py), and the catalog's migration of TensorInfo blobs written by earlier versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.records import (
+    Init,
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorOptions,
+    TensorRecord,
+    TensorState,
+)
+
+_STATES = {TensorState.PENDING: pb.PENDING, TensorState.READY: pb.READY}
+_INITS = {
+    Init.NONE: pb.INIT_NONE,
+    Init.ZEROS: pb.INIT_ZEROS,
+    Init.ONES: pb.INIT_ONES,
+    Init.NORMAL: pb.INIT_NORMAL,
+    Init.ARANGE: pb.INIT_ARANGE,
+    Init.COPY: pb.INIT_COPY,
+}
+_OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_DEFAULT}
+
+
+def state_to_proto(state: TensorState) -> pb.TensorState:
+    """The TensorState value of a state."""
+    return _STATES[state]
+
+
+def state_from_proto(value: int) -> TensorState:
+    """The state of a TensorState value; ValueError for TENSOR_STATE_UNSPECIFIED or an unknown one."""
+    for state, number in _STATES.items():
+        if number == value:
+            return state
+    raise ValueError(f"state {value} is neither PENDING nor READY")
+
+
+def init_to_proto(init: Init) -> pb.InitKind:
+    """The InitKind value of an Init."""
+    return _INITS[init]
+
+
+def init_from_proto(value: int) -> Init:
+    """The Init of an InitKind value (checked before: server/common/requests.check_init)."""
+    return next(init for init, number in _INITS.items() if number == value)
+
+
+def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
+    """The TensorOptions message of a table's options."""
+    return pb.TensorOptions(oov=_OOV_POLICIES[options.oov], default_row=options.default_row)
+
+
+def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
+    """The options of a TensorOptions message (checked before: server/common/requests.check_options)."""
+    oov = next(name for name, number in _OOV_POLICIES.items() if number == msg.oov)
+    return TensorOptions(oov=oov, default_row=bytes(msg.default_row))
+
+
+def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:
+    """The stored fields of a TensorInfo; those describing live state (health, repair) are left unset."""
+    return pb.TensorInfo(
+        name=record.name,
+        version=record.version,
+        metadata=metadata_to_proto(record.metadata),
+        options=options_to_proto(record.options),
+        state=state_to_proto(record.state),
+        nbytes=record.nbytes,
+        created_unix=record.created_unix,
+        promoting=record.promoting,
+        put_token=record.put_token,
+        lost_shards=record.lost_shards,
+        owner=record.owner,
+    )
+
+
+def tensor_from_proto(info: pb.TensorInfo) -> TensorRecord:
+    """The record of a TensorInfo's stored fields (its answer-only fields are dropped)."""
+    return TensorRecord(
+        name=info.name,
+        version=info.version,
+        metadata=metadata_from_proto(info.metadata),
+        state=state_from_proto(info.state),
+        options=options_from_proto(info.options),
+        created_unix=info.created_unix,
+        put_token=info.put_token,
+        owner=info.owner,
+        promoting=info.promoting,
+        lost_shards=tuple(info.lost_shards),
+    )
+
+
+def snapshot_to_proto(
+    record: SnapshotRecord, tensor: Callable[[TensorRecord], pb.TensorInfo] = tensor_to_proto
+) -> pb.SnapshotInfo:
+    """A SnapshotInfo, each tensor made by `tensor` (an answer's describes its health)."""
+    return pb.SnapshotInfo(
+        prefix=record.prefix,
+        number=record.number,
+        state=state_to_proto(record.state),
+        created_unix=record.created_unix,
+        nbytes=record.nbytes,
+        keep=record.keep,
+        entries=[pb.SnapshotEntry(key=e.key, tensor=tensor(e.tensor)) for e in record.entries],
+    )
+
+
+def snapshot_from_proto(info: pb.SnapshotInfo) -> SnapshotRecord:
+    """The record of a SnapshotInfo, each tensor's stored fields only."""
+    return SnapshotRecord(
+        prefix=info.prefix,
+        number=info.number,
+        keep=info.keep,
+        entries=tuple(SnapshotEntry(e.key, tensor_from_proto(e.tensor)) for e in info.entries),
+        state=state_from_proto(info.state),
+        created_unix=info.created_unix,
+    )

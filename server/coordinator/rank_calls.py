@@ -1,0 +1,231 @@
+"""Calls from the coordinator to its ranks: fanned out in parallel, with a deadline, naming the rank that failed.
+
+Every lifecycle call to ranks goes through `RankCalls` (allocate, promote, drop, what a rank holds), so liveness
+checks, error naming and quiet drops are written once for the lifecycle, the snapshots and the reshard and
+checkpoint drivers. The records they name become the ranks' request messages here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent import futures
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
+
+import grpc
+
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.errors import ServiceError, Unavailable, relayed
+from shardserve.server.common.tracing import carry_context
+from shardserve.server.coordinator.messages import init_to_proto, options_to_proto
+from shardserve.server.coordinator.records import Init, TensorRecord
+from shardserve.server.coordinator.registry import RankRegistry
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """How ranks allocate a new version: filled by `init` (seeded by `seed`; a copy of `source_version`), or
+    only its memory reserved (`reserve_only`: a job writes it)."""
+
+    init: Init = Init.NONE
+    seed: int = 0
+    source_version: int = 0
+    reserve_only: bool = False
+
+
+class RankCalls:
+    """Parallel calls to registered ranks, each with a deadline of `rpc_timeout` seconds."""
+
+    def __init__(self, registry: RankRegistry, rpc_timeout: float = 60.0) -> None:
+        self.registry = registry
+        self.rpc_timeout = rpc_timeout
+        self._pool = futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="coord-fanout")
+
+    def fan_out(
+        self, ranks: Iterable[int], call: Callable[[pb_grpc.ShardServerStub], T], what: str
+    ) -> dict[int, T]:
+        """Run `call` on every rank in parallel; raise the first failure as a ServiceError naming the rank."""
+        return self.fan_out_each({rank: call for rank in ranks}, what)
+
+    def fan_out_each(
+        self, calls: Mapping[int, Callable[[pb_grpc.ShardServerStub], T]], what: str
+    ) -> dict[int, T]:
+        """Run each rank's call in parallel; raise the first failure as a ServiceError naming the rank."""
+        registry = self.registry
+        entries = {r: registry.entry(r) for r in calls}
+        results: dict[int, T] = {}
+        failures: list[ServiceError] = []
+        for rank, entry in entries.items():
+            if not registry.is_alive(
+                entry
+            ):  # fail fast: a stopped rank would hold the call until its deadline
+                failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
+        jobs = {
+            r: self._pool.submit(carry_context(calls[r]), e.stub)
+            for r, e in entries.items()
+            if registry.is_alive(e)
+        }
+        deadline = (
+            time.monotonic() + self.rpc_timeout + 5.0
+        )  # the calls carry their own deadline too
+        for rank, job in jobs.items():
+            try:
+                results[rank] = job.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.RpcError as err:
+                failures.append(_rank_error(rank, entries[rank].info.address, err))
+            except futures.TimeoutError:
+                failures.append(
+                    Unavailable(
+                        f"rank {rank} ({entries[rank].info.address}) did not answer "
+                        f"within {self.rpc_timeout:.0f}s"
+                    )
+                )
+        if failures:
+            log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
+            raise failures[0]
+        return results
+
+    def allocate(
+        self, ranks: Iterable[int], record: TensorRecord, allocation: Allocation, what: str
+    ) -> None:
+        """AllocateShards of `record` on `ranks` at once; the first failure raised, naming the rank."""
+        request = self._allocation(record, allocation)
+        self.fan_out(
+            ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what
+        )
+
+    def allocate_many(self, records: Mapping[int, list[TensorRecord]], what: str) -> None:
+        """AllocateMany of each rank's records (filled by their writers), one call per rank, ranks at once; the
+        first failure raised."""
+        requests = {
+            rank: pb.AllocateManyRequest(tensors=[self._allocation(r, Allocation()) for r in mine])
+            for rank, mine in records.items()
+        }
+        self.fan_out_each(
+            {r: partial(_allocate_many, q, self.rpc_timeout) for r, q in requests.items()}, what
+        )
+
+    def promote(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
+        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
+        request = pb.PromoteVersionRequest(name=name, version=version)
+        self.fan_out(
+            ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what
+        )
+
+    def promote_many(self, versions: Mapping[int, list[tuple[str, int]]], what: str) -> None:
+        """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once."""
+        requests = {
+            rank: pb.PromoteManyRequest(
+                versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]
+            )
+            for rank, mine in versions.items()
+        }
+        self.fan_out_each(
+            {r: partial(_promote_many, q, self.rpc_timeout) for r, q in requests.items()}, what
+        )
+
+    def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
+        """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
+        requests = {
+            rank: pb.DropManyRequest(
+                versions=[pb.DropVersionRequest(name=n, version=v) for n, v in mine]
+            )
+            for rank, mine in versions.items()
+            if self.registry.rank_alive(rank)
+        }
+        try:
+            self.fan_out_each(
+                {r: partial(_drop_many, q, self.rpc_timeout) for r, q in requests.items()},
+                f"drop {sum(len(q.versions) for q in requests.values())} versions",
+            )
+        except ServiceError as err:
+            log.warning("could not drop every version everywhere: %s", err.message)
+
+    def drop_quietly(self, name: str, version: int, ranks: Iterable[int]) -> None:
+        """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
+        already right, and a rank that is down drops the version when it registers again (reconcile)."""
+        request = pb.DropVersionRequest(name=name, version=version)
+        live = [r for r in ranks if self.registry.rank_alive(r)]
+        try:
+            self.fan_out(
+                live,
+                lambda stub: stub.DropVersion(request, timeout=self.rpc_timeout),
+                f"drop {name!r} version {version}",
+            )
+        except ServiceError as err:
+            log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
+
+    def held_by(self, rank: int) -> set[tuple[str, int]] | None:
+        """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""
+        try:
+            stub = self.registry.entry(rank).stub
+            stats = stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
+        except (grpc.RpcError, ServiceError) as err:
+            log.warning("could not ask rank %d what it holds: %s", rank, err)
+            return None
+        return {(h.name, h.version) for h in stats.held}
+
+    def close(self) -> None:
+        """Stop the fan-out pool."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @staticmethod
+    def _allocation(record: TensorRecord, allocation: Allocation) -> pb.AllocateShardsRequest:
+        return pb.AllocateShardsRequest(
+            name=record.name,
+            version=record.version,
+            metadata=metadata_to_proto(record.metadata),
+            init=init_to_proto(allocation.init),
+            seed=allocation.seed,
+            options=options_to_proto(record.options),
+            source_version=allocation.source_version,
+            reserve_only=allocation.reserve_only,
+        )
+
+
+def versions_by_rank(
+    records: Iterable[TensorRecord], ranks: Callable[[TensorRecord], Iterable[int]]
+) -> dict[int, list[tuple[str, int]]]:
+    """{rank: [(name, version), ...]} of `records`, each under every rank `ranks(record)` names."""
+    out: dict[int, list[tuple[str, int]]] = {}
+    for record in records:
+        for rank in ranks(record):
+            out.setdefault(rank, []).append((record.name, record.version))
+    return out
+
+
+def _allocate_many(
+    request: pb.AllocateManyRequest, timeout: float, stub: pb_grpc.ShardServerStub
+) -> pb.AllocateManyResponse:
+    return stub.AllocateMany(request, timeout=timeout)
+
+
+def _promote_many(
+    request: pb.PromoteManyRequest, timeout: float, stub: pb_grpc.ShardServerStub
+) -> pb.PromoteManyResponse:
+    return stub.PromoteMany(request, timeout=timeout)
+
+
+def _drop_many(
+    request: pb.DropManyRequest, timeout: float, stub: pb_grpc.ShardServerStub
+) -> pb.DropManyResponse:
+    return stub.DropMany(request, timeout=timeout)
+
+
+def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(
+            f"rank {rank} ({address}) is unavailable: {details}", metadata={"rank": rank}
+        )
+    return relayed(err, f"rank {rank}: {details}", metadata={"rank": rank})

@@ -1,0 +1,129 @@
+"""Reconciling what a rank holds with the catalog, after it (re)registers or comes back from the dead.
+
+A version the rank no longer holds has lost its copies there: they are recorded in the catalog record
+(`lost_shards`) and the tensor stays (read from other copies, repaired, or reported lost). A version the rank
+holds that the catalog does not know is dropped; a READY one it holds is promoted again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from shardserve.server.common.errors import ServiceError
+from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.health import health_of, unavailable_shards
+from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.rank_calls import RankCalls
+from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.registry import RankRegistry
+
+log = logging.getLogger(__name__)
+
+RECONCILE_ATTEMPTS = 4  # GetStats tries for a rank that is alive again
+
+
+class Reconciler:
+    """Compares a rank's versions with the catalog and acts on the difference."""
+
+    def __init__(
+        self, catalog: Catalog, *, registry: RankRegistry, calls: RankCalls, locks: NameLocks
+    ) -> None:
+        self.catalog = catalog
+        self.registry = registry
+        self.calls = calls
+        self.locks = locks
+
+    def reconcile_from_stats(self, rank: int, wait: Callable[[float], bool]) -> None:
+        """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped. Its first answer
+        after a cut link may fail (a connection reset), so GetStats is asked a few times, `wait`ing between
+        tries (it returns True when the coordinator stops)."""
+        for attempt in range(RECONCILE_ATTEMPTS):
+            held = self.calls.held_by(rank)
+            if held is not None:
+                self.reconcile(rank, held)
+                return
+            if wait(1.0 + attempt):
+                return
+        log.error(
+            "rank %d could not be reconciled: GetStats failed %d times", rank, RECONCILE_ATTEMPTS
+        )
+
+    def reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
+        """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.
+
+        `held` was taken before the catalog is listed here, so a version put on the rank in between is
+        READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
+        the listing, still does not hold it. Each record is reconciled on its own (one failure is logged)."""
+        try:
+            known, missing = set(), []
+            for record in self.catalog.list(include_pending=True):
+                if rank not in record.ranks():
+                    continue
+                known.add((record.name, record.version))
+                if (record.name, record.version) in held:
+                    if record.ready:
+                        self._step(rank, record, "re-promote", self._promote)
+                elif record.ready:
+                    missing.append(record)
+            # None: cannot tell, nothing forgotten
+            held_now = self.calls.held_by(rank) if missing else set()
+            if held_now is not None:
+                for record in missing:
+                    if (record.name, record.version) not in held_now:
+                        self._step(rank, record, "mark lost", self._mark_lost)
+            for name, version in held - known:
+                self.calls.drop_quietly(name, version, [rank])
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reconciling rank %d failed", rank)
+        finally:
+            self.registry.restore_done(
+                rank
+            )  # its restored versions are promoted (or reported lost)
+
+    def _promote(self, rank: int, record: TensorRecord) -> None:
+        self.calls.promote([rank], record.name, record.version, f"re-promote {record.name!r}")
+
+    def _mark_lost(self, rank: int, record: TensorRecord) -> None:
+        """Record that `rank` lost its copies of a READY version (it came back without them), if it is still that
+        record: the tensor stays in the catalog, its boxes read from other copies or reported lost."""
+        with self.locks.hold(record.name):
+            current = self.catalog.get(record.name, record.version)
+            if current is None or not current.ready:
+                return
+            shards = current.metadata.shards_on(rank)
+            if set(shards) <= set(current.lost_shards):
+                return
+            marked = current.with_lost(shards)
+            self.catalog.update(marked)
+            health = health_of(marked, unavailable_shards(marked, self.registry.rank_unreadable))
+            log.warning(
+                "rank %d lost its copies of tensor %r version %d (restarted?): shards %s; the tensor is "
+                "now %s",
+                rank,
+                record.name,
+                record.version,
+                shards,
+                health.state if health is not None else "",
+            )
+
+    def _step(
+        self,
+        rank: int,
+        record: TensorRecord,
+        what: str,
+        step: Callable[[int, TensorRecord], None],
+    ) -> None:
+        try:
+            step(rank, record)
+        except (ServiceError, grpc.RpcError) as err:
+            log.warning(
+                "reconciling rank %d: could not %s %r version %d: %s",
+                rank,
+                what,
+                record.name,
+                record.version,
+                err,
+            )

@@ -1,0 +1,127 @@
+"""What the coordinator keeps: tensor versions and snapshots as frozen dataclasses, apart from the wire types.
+
+The catalog stores these records in its own schema (server/coordinator/catalog.py) and the coordinator's
+logic works on them; protobuf messages are made from them only at the edges: the servicer's answers
+(server/coordinator/answers.py, with the fields that describe live state) and the calls to ranks
+(server/coordinator/rank_calls.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from shardserve.core.embedding import OOV_POLICIES
+from shardserve.core.metadata import ShardedTensorMetadata
+
+
+class TensorState(enum.Enum):
+    """A version's state: PENDING (allocated, being written, invisible to readers) or READY (served)."""
+
+    PENDING = "pending"
+    READY = "ready"
+
+
+class Init(enum.Enum):
+    """How a new version's shards are filled on the ranks: written by the client (NONE), a constant or
+    generated fill, or a copy of the READY version (COPY: row updates)."""
+
+    NONE = "none"
+    ZEROS = "zeros"
+    ONES = "ones"
+    NORMAL = "normal"
+    ARANGE = "arange"
+    COPY = "copy"
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    """An embedding table's answer to out-of-range ids: `oov` is one of shardcore's OOV_POLICIES, and
+    `default_row` the raw bytes of the row looked up with "default"."""
+
+    oov: str = "error"
+    default_row: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.oov not in OOV_POLICIES:
+            raise ValueError(f"oov must be one of {OOV_POLICIES}, got {self.oov!r}")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One version of a tensor as the catalog keeps it.
+
+    `promoting`: READY in the catalog, not yet promoted on every rank (a reshard's commit in flight).
+    `lost_shards`: indices of the shards whose copy a rank lost (it registered again without them).
+    `owner`: the principal whose bytes quota the version counts against.
+    """
+
+    name: str
+    version: int
+    metadata: ShardedTensorMetadata
+    state: TensorState = TensorState.PENDING
+    options: TensorOptions = field(default_factory=TensorOptions)
+    created_unix: float = 0.0
+    put_token: str = ""
+    owner: str = ""
+    promoting: bool = False
+    lost_shards: tuple[int, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the version is READY (committed and served)."""
+        return self.state is TensorState.READY
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one copy of the tensor."""
+        return self.metadata.nbytes
+
+    @property
+    def held_bytes(self) -> int:
+        """The bytes the version holds over all its ranks (replicas counted each)."""
+        return self.metadata.shards_nbytes()
+
+    def ranks(self) -> list[int]:
+        """Distinct ranks holding shards of the version."""
+        return list(self.metadata.ranks())
+
+    def holding_ranks(self) -> list[int]:
+        """Distinct ranks holding a copy that is not lost (those that allocate and promote it)."""
+        lost = set(self.lost_shards)
+        shards = self.metadata.shards_metadata
+        return sorted({s.rank for i, s in enumerate(shards) if i not in lost})
+
+    def with_lost(self, shards: Iterable[int]) -> TensorRecord:
+        """This version with `shards` added to its lost copies."""
+        return replace(self, lost_shards=tuple(sorted(set(self.lost_shards) | set(shards))))
+
+
+@dataclass(frozen=True)
+class SnapshotEntry:
+    """One tensor of a snapshot: its key in the state dict and its version (named PREFIX@NUMBER/KEY)."""
+
+    key: str
+    tensor: TensorRecord
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    """Many tensors of one prefix committed together; `keep` snapshots of the prefix are kept."""
+
+    prefix: str
+    number: int
+    keep: int
+    entries: tuple[SnapshotEntry, ...]
+    state: TensorState = TensorState.PENDING
+    created_unix: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of one copy of every tensor."""
+        return sum(entry.tensor.nbytes for entry in self.entries)
+
+    def tensors(self) -> list[TensorRecord]:
+        """The snapshot's tensor versions, in entry order."""
+        return [entry.tensor for entry in self.entries]

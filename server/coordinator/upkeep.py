@@ -1,0 +1,120 @@
+"""The coordinator's background work: ranks arriving and heartbeating, and the chores of every few seconds.
+
+A rank that registers (or comes back from the dead) is reconciled with the catalog off the caller's thread;
+a monitor thread logs ranks that stop heartbeating and starts the chores: aborting puts left PENDING past the
+pending timeout and finishing reshard promotions left unfinished. Nothing runs before `start()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent import futures
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import ServiceError
+from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.lifecycle import TensorLifecycle
+from shardserve.server.coordinator.reconcile import Reconciler
+from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.reshard import ReshardDriver
+
+log = logging.getLogger(__name__)
+
+
+class Upkeep:
+    """Reconciles ranks that (re)register and runs the periodic chores, on threads of its own."""
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        *,
+        registry: RankRegistry,
+        lifecycle: TensorLifecycle,
+        reconciler: Reconciler,
+        reshards: ReshardDriver,
+        heartbeat_interval: float,
+        pending_timeout: float,
+    ) -> None:
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+        self.catalog = catalog
+        self.registry = registry
+        self.lifecycle = lifecycle
+        self.reconciler = reconciler
+        self.reshards = reshards
+        self.heartbeat_interval = heartbeat_interval
+        self.pending_timeout = pending_timeout
+        # background work that takes name locks gets its own pool, so it never starves the fan-out
+        self._background = futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="coord-background"
+        )
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
+
+    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> None:
+        """Add (or replace) a rank; reconcile what it holds with the catalog in the background."""
+        held_pairs = self.registry.register(info, held)
+        self._background.submit(self.reconciler.reconcile, info.rank, held_pairs)
+        self._background.submit(self.reshards.finish_promotions)
+
+    def heartbeat(self, rank: int, memory_used: int) -> None:
+        """Record that `rank` is alive; one that had been reported dead is reconciled."""
+        if self.registry.heartbeat(rank, memory_used):
+            log.info("rank %d is alive again; reconciling what it holds", rank)
+            self._background.submit(self.reconciler.reconcile_from_stats, rank, self._stop.wait)
+
+    def start(self) -> None:
+        """Start the monitor thread."""
+        self._monitor.start()
+
+    def stop(self) -> None:
+        """Stop watching heartbeats and starting chores (the cluster is shutting down on purpose)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop, wait for the monitor, and drop the background work not yet begun."""
+        self._stop.set()
+        if self._monitor.is_alive():
+            self._monitor.join(timeout=5)
+        self._background.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        """Log ranks that stop heartbeating; every few seconds, start the chores (off this thread, which must
+        not wait on a name lock or a rank)."""
+        last_chores: float = time.monotonic()
+        chores: futures.Future[None] | None = None
+        while not self._stop.wait(min(self.heartbeat_interval, 1.0)):
+            self.registry.report_dead()
+            if time.monotonic() - last_chores >= min(5.0, self.pending_timeout) and (
+                chores is None or chores.done()
+            ):
+                last_chores = time.monotonic()
+                chores = self._background.submit(self._chores)
+
+    def _chores(self) -> None:
+        """Abort puts left PENDING past the timeout; finish reshard promotions left unfinished."""
+        try:
+            self._reap_pending()
+        except Exception:  # noqa: BLE001 - a background task must log, not vanish
+            log.exception("reaping pending versions failed")
+        self.reshards.finish_promotions()
+
+    def _reap_pending(self) -> None:
+        cutoff = time.time() - self.pending_timeout
+        for record in self.catalog.list(include_pending=True):
+            if self.reshards.is_running(record.name):
+                continue  # a reshard's own new version: its timeout bounds it
+            if not record.ready and record.created_unix < cutoff:
+                log.warning(
+                    "aborting %r version %d: pending for more than %.0fs",
+                    record.name,
+                    record.version,
+                    self.pending_timeout,
+                )
+                try:
+                    self.lifecycle.abort(record.name, record.version)
+                except ServiceError as err:
+                    log.info("reaping %r version %d: %s", record.name, record.version, err.message)

@@ -1,0 +1,40 @@
+"""CoordinatorServer, the composition root: building the parts starts nothing; start() starts the monitor, the
+repair loop and the rendezvous store; close() ends them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.server import CoordinatorServer, CoordinatorSettings
+
+
+def _threads() -> set[str]:
+    return {thread.name for thread in threading.enumerate() if thread.is_alive()}
+
+
+def test_building_starts_no_thread_and_start_does(tmp_path):
+    before = _threads()
+    coordinator = CoordinatorServer(
+        SQLiteCatalog(tmp_path / "catalog.sqlite"),
+        settings=CoordinatorSettings(heartbeat_interval=0.05),
+    )
+    try:
+        assert _threads() == before
+        with pytest.raises(RuntimeError, match="not started"):
+            _ = coordinator.collectives.store_port  # the rendezvous store is not open yet
+        coordinator.start()
+        assert {"coord-monitor", "coord-repair"} <= _threads() - before
+        assert coordinator.collectives.store_port > 0
+    finally:
+        coordinator.close()
+    assert "coord-monitor" not in _threads()
+
+
+def test_a_bad_heartbeat_interval_is_refused_when_building(tmp_path):
+    catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
+    with pytest.raises(ValueError, match="heartbeat_interval must be > 0"):
+        CoordinatorServer(catalog, settings=CoordinatorSettings(heartbeat_interval=0))
+    catalog.close()
