@@ -59,7 +59,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
         tables = list(tables)
         for config in tables:
             if not isinstance(config, EmbeddingBagConfig):
-                raise TypeError(f"tables must hold EmbeddingBagConfigs, got {type(config).__name__}")
+                raise TypeError(
+                    f"tables must hold EmbeddingBagConfigs, got {type(config).__name__}"
+                )
             if config.pooling not in MODES:
                 raise InvalidArgumentError(
                     f"table {config.name!r} has pooling {config.pooling.name}; served: SUM and MEAN"
@@ -138,7 +140,9 @@ class RemoteEmbeddingBagCollection(nn.Module):
         requests: dict[str, BagRequest] = {}
         for table in self.tables:
             ids = table_ids(features, table.features, self.is_weighted, index)
-            weights = None if ids.weights is None else ids.weights.to(DTYPES[table.config.data_type])
+            weights = (
+                None if ids.weights is None else ids.weights.to(DTYPES[table.config.data_type])
+            )
             requests[table.name] = bag_request(
                 as_ids(ids.ids, "features.values()"),
                 as_ids(ids.offsets, "features.offsets()"),

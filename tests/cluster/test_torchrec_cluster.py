@@ -11,7 +11,10 @@ cluster of its own loses a rank to SIGKILL under replicas=2 tables.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,9 +332,7 @@ def survivor(make_cluster: Callable[..., LocalCluster]) -> Iterator[dict]:
     clients = {t: connect(cluster.address, transport=t) for t in TRANSPORTS}
     try:
         RemoteEmbeddingBagCollection.from_module(clients["auto"], local, "r2", replicas=2)
-        remotes = {
-            t: RemoteEmbeddingBagCollection(c, _configs(), "r2") for t, c in clients.items()
-        }
+        remotes = {t: RemoteEmbeddingBagCollection(c, _configs(), "r2") for t, c in clients.items()}
         kjt = _kjt(local, 50, seed=11)
         for remote in remotes.values():
             _assert_same(remote(kjt), local(kjt))
@@ -355,3 +356,23 @@ def test_replicated_tables_serve_after_a_rank_is_killed(survivor: dict, transpor
     for seed in range(2):
         kjt = _kjt(local, 200, seed=20 + seed)
         _assert_same(remote(kjt), local(kjt))
+
+
+# ---------------------------------------------------------------- the example: train with DMP, serve from the cluster
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrec_serving.py"
+EXAMPLE_TIMEOUT_S = 400
+
+
+def test_the_dmp_example_serves_what_it_trained(cluster3: LocalCluster) -> None:
+    """examples/torchrec_serving.py: a 2-process DMP trainer (table-wise, column-wise, table-column-wise) puts
+    its state dict; an inference process serves the trainer's batches from the cluster, equal to its forward."""
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), cluster3.address, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=EXAMPLE_TIMEOUT_S,
+    )
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
+    assert result.stdout.count("equal to the trainer's forward") == 2, result.stdout
+    assert "MISMATCH" not in result.stdout
