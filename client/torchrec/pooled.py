@@ -164,7 +164,7 @@ class RemoteEmbeddingBagCollection(nn.Module):
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         """The table configs served, as EmbeddingBagCollection.embedding_bag_configs gives them."""
-        return [table.config for table in self.tables]  # type: ignore[misc]
+        return [table.config for table in self.tables]
 
     def extra_repr(self) -> str:
         served = ", ".join(f"{t.config.name}->{t.name!r}" for t in self.tables)

@@ -136,7 +136,7 @@ class RemoteEmbeddingCollection(nn.Module):
 
     def embedding_configs(self) -> list[EmbeddingConfig]:
         """The table configs served, as EmbeddingCollection.embedding_configs gives them."""
-        return [table.config for table in self.tables]  # type: ignore[misc]
+        return [table.config for table in self.tables]
 
     def extra_repr(self) -> str:
         return ", ".join(f"{t.config.name}->{t.name!r}" for t in self.tables)
