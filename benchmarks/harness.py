@@ -48,6 +48,7 @@ SCENARIO_MODULES = (
     "benchmarks.security",
     "benchmarks.statedict",
     "benchmarks.persist",
+    "benchmarks.torchrec_serving",
 )
 ROLES = ("subject", "baseline")
 

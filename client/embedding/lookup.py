@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from shardserve.client import counters
-from shardserve.client.embedding.exchange import CPU_TURN, call_ranks, send_calls
+from shardserve.client.embedding.exchange import CPU_TURN, send_calls
 from shardserve.client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
 from shardserve.client.embedding.mapped_rows import MappedRows
 from shardserve.client.embedding.plan import ItemPlan, RowPlan, bag_items, split_columns
@@ -86,10 +86,14 @@ class Lookups:
         return self._with_retry(list(ids), lambda views: self._lookup_once(views, ids, dtype))
 
     def _lookup_once(
-        self, views: dict[str, TableView], ids: dict[str, torch.Tensor], dtype: torch.dtype | None
+        self,
+        views: dict[str, TableView],
+        ids: dict[str, torch.Tensor],
+        dtype: torch.dtype | None,
+        also: Sequence[ItemPlan] = (),
     ) -> dict[str, torch.Tensor]:
         """Each table from its mapped shards when it can (client.embedding.mapped_rows), the rest by routed
-        Lookup calls."""
+        Lookup calls; `also` (pooled items of other tables) rides in the same calls and gets its answers."""
         results, rest = {}, {}
         for name, table_ids in ids.items():
             mapped = self._mapped_rows(
@@ -102,8 +106,8 @@ class Lookups:
                 continue
             results[name] = rows if dtype is None else rows.to(dtype)
             self.last_paths.update((rank, "shm") for rank in views[name].ranks)
-        if rest:
-            results.update(self._lookup_routed(views, rest, dtype))
+        if rest or also:
+            results.update(self._lookup_routed(views, rest, dtype, also))
         return {name: results[name] for name in ids}
 
     def _mapped_rows(self, view: TableView) -> MappedRows | None:
@@ -129,9 +133,13 @@ class Lookups:
         return known is not None and known[1] is not None
 
     def _lookup_routed(
-        self, views: dict[str, TableView], ids: dict[str, torch.Tensor], dtype: torch.dtype | None
+        self,
+        views: dict[str, TableView],
+        ids: dict[str, torch.Tensor],
+        dtype: torch.dtype | None,
+        also: Sequence[ItemPlan] = (),
     ) -> dict[str, torch.Tensor]:
-        items: list[ItemPlan] = []
+        items: list[ItemPlan] = list(also)
         with CPU_TURN:
             plans = {name: RowPlan.of(views[name], table_ids) for name, table_ids in ids.items()}
         for plan in plans.values():
@@ -203,19 +211,59 @@ class Lookups:
         pooling: str = "auto",
     ) -> torch.Tensor:
         """Pooled bags [len(offsets), dim] with nn.EmbeddingBag semantics (include_last_offset=False)."""
+        request = bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
+        return self.lookup_bags({name: request}, dtype, pooling)[name]
+
+    def lookup_bags(
+        self,
+        requests: Mapping[str, BagRequest],
+        dtype: torch.dtype | None = None,
+        pooling: str = "auto",
+    ) -> dict[str, torch.Tensor]:
+        """Pooled bags of several tables, {name: bag_request(...)} -> {name: [bags, dim]}, one Lookup call per
+        rank for all of them (what lookup_bag does for one table)."""
         self._session.check_open()
         if pooling not in POOLINGS:
             raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         check_dtype(dtype)
-        request = bag_request(as_ids(ids), as_ids(offsets, "offsets"), mode, per_sample_weights)
         counters.count("lookups")
-        counters.count("lookup_ids", int(request.ids.numel()))
+        counters.count("lookup_ids", sum(int(r.ids.numel()) for r in requests.values()))
         pooled = self._with_retry(
-            [name], lambda views: self._bag_once(views[name], request, pooling)
+            list(requests), lambda views: self._bags_once(views, requests, pooling)
         )
-        return pooled if dtype is None else pooled.to(dtype)
+        return pooled if dtype is None else {name: p.to(dtype) for name, p in pooled.items()}
 
-    def _bag_once(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
+    def _bags_once(
+        self, views: dict[str, TableView], requests: Mapping[str, BagRequest], pooling: str
+    ) -> dict[str, torch.Tensor]:
+        """Bags pooled here from looked-up rows where _pools_here says so, by the ranks otherwise; the row
+        lookups and the pooled items of every table share one round of calls."""
+        here = {
+            name: r for name, r in requests.items() if self._pools_here(views[name], r, pooling)
+        }
+        on_ranks = {
+            name: bag_items(views[name], r) for name, r in requests.items() if name not in here
+        }
+        for name, items in on_ranks.items():
+            views[name].check_routed([item.message.shard_index for item in items])
+        rows = self._lookup_once(
+            {name: views[name] for name in here},
+            {name: r.ids for name, r in here.items()},
+            None,
+            [item for items in on_ranks.values() for item in items],
+        )
+        with CPU_TURN:
+            pooled = {
+                name: pool_bags(rows[name], r.offsets, r.mode, r.weights)
+                for name, r in here.items()
+            }
+            for name, items in on_ranks.items():
+                pooled[name] = self._combined(views[name], requests[name], items)
+        return {name: pooled[name] for name in requests}
+
+    def _pools_here(self, view: TableView, request: BagRequest, pooling: str) -> bool:
+        """Whether `request`'s bags are pooled on this side (bit for bit F.embedding_bag): asked for, ids out of
+        range answered with zero/default rows, a row cache on, or every rank read through shared memory."""
         weights = request.weights
         if weights is not None and weights.dtype != view.dtype:
             raise InvalidArgumentError(
@@ -227,27 +275,18 @@ class Lookups:
             self.views.recheck_bad_ids(view)
             if view.oov == "error":
                 raise bad_id_error(view, request.ids, bad)
-        if (
+        return (
             pooling == "client"
             or bool(bad.any())
             or (pooling == "auto" and (self.cache is not None or self._all_mapped(view)))
-        ):
-            return self._pool_here(view, request)
-        return self._pool_on_ranks(view, request)
+        )
 
-    def _pool_here(self, view: TableView, request: BagRequest) -> torch.Tensor:
-        """Bags pooled on this side from the looked-up rows: bit for bit F.embedding_bag."""
-        rows = self._lookup_once({view.name: view}, {view.name: request.ids}, None)[view.name]
-        with CPU_TURN:
-            return pool_bags(rows, request.offsets, request.mode, request.weights)
-
-    def _pool_on_ranks(self, view: TableView, request: BagRequest) -> torch.Tensor:
-        """Bags pooled by the ranks into per-shard partial sums, added up here."""
-        items = bag_items(view, request)
-        view.check_routed([item.message.shard_index for item in items])
+    def _combined(
+        self, view: TableView, request: BagRequest, items: list[ItemPlan]
+    ) -> torch.Tensor:
+        """Bags pooled by the ranks into per-shard partial sums (the items' answers), added up here."""
         if not items:
             return torch.zeros((request.offsets.numel(), view.dim), dtype=view.dtype)
-        call_ranks(self._session, items, self.last_paths)
         sizes = torch.diff(
             request.offsets, append=request.offsets.new_tensor([request.ids.numel()])
         )
