@@ -225,22 +225,45 @@ def _shards_on(summary: TensorSummary, ranks: Set[int]) -> frozenset[int]:
 
 
 def check_readable(summary: TensorSummary, box: Box, unavailable: Set[int]) -> None:
-    """ShardsLostError when part of `box` lies in a box of `summary` with no readable copy."""
-    lost = lost_boxes_in(summary.metadata, box, unavailable)
-    if lost:
-        raise shards_lost(summary, lost)
+    """The error of `unreadable` when part of `box` lies in a box of `summary` with no readable copy."""
+    without_copy = lost_boxes_in(summary.metadata, box, unavailable)
+    if without_copy:
+        raise unreadable(summary, without_copy)
+
+
+def unreadable(summary: TensorSummary, boxes: Sequence[Box]) -> RankUnavailableError:
+    """The error for a read that needs `boxes` of `summary`, which have no readable copy: ShardsLostError
+    (DATA_LOSS) for those whose every copy is known gone, else RankUnavailableError (UNAVAILABLE: their ranks
+    are down, hung, partitioned or restoring, and the read is retried until its deadline)."""
+    gone = [b for b in boxes if b in lost_boxes_in(summary.metadata, b, summary.lost)]
+    if gone:
+        return shards_lost(summary, gone)
+    ranks = ranks_of_copies(summary.metadata, boxes)
+    return RankUnavailableError(
+        f"tensor {summary.name!r} version {summary.version}: {len(boxes)} box(es) {_named(boxes)} have no "
+        f"copy on a live rank ({_ranks(ranks)} holding them down, hung, partitioned or restoring)",
+        grpc.StatusCode.UNAVAILABLE,
+        metadata={"tensor": summary.name, "ranks": ",".join(map(str, ranks))},
+    )
 
 
 def shards_lost(summary: TensorSummary, boxes: Sequence[Box]) -> ShardsLostError:
-    """The error for a read that needs `boxes` of `summary`, which have no live copy."""
+    """The error for a read that needs `boxes` of `summary`, whose every copy is known gone."""
     ranks = ranks_of_copies(summary.metadata, boxes)
-    named = ", ".join(f"(offsets={b.offsets}, sizes={b.sizes})" for b in boxes[:BOXES_NAMED])
-    more = f" and {len(boxes) - BOXES_NAMED} more" if len(boxes) > BOXES_NAMED else ""
-    noun = "rank" if len(ranks) == 1 else "ranks"
     return ShardsLostError(
-        f"tensor {summary.name!r} version {summary.version}: {len(boxes)} box(es) {named}{more} have no live copy "
-        f"({noun} {', '.join(map(str, ranks))} holding them died or lost them in a restart); the tensor's other "
-        f"boxes stay readable, and a put with overwrite=True replaces the tensor",
+        f"tensor {summary.name!r} version {summary.version}: {len(boxes)} box(es) {_named(boxes)} have no copy "
+        f"left ({_ranks(ranks)} holding them restarted without them); the tensor's other boxes stay "
+        f"readable, and a put with overwrite=True replaces the tensor",
+        metadata={"tensor": summary.name, "ranks": ",".join(map(str, ranks))},
         boxes=tuple((b.offsets, b.sizes) for b in boxes),
         ranks=tuple(ranks),
     )
+
+
+def _named(boxes: Sequence[Box]) -> str:
+    named = ", ".join(f"(offsets={b.offsets}, sizes={b.sizes})" for b in boxes[:BOXES_NAMED])
+    return named + (f" and {len(boxes) - BOXES_NAMED} more" if len(boxes) > BOXES_NAMED else "")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"

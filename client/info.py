@@ -105,9 +105,10 @@ class TensorSummary:
     state: str
     nbytes: int
     created_unix: float
-    unavailable: frozenset[int] = field(
-        default=frozenset(), repr=False
-    )  # shards whose copy cannot be read
+    # shards whose copy cannot be read now (on ranks down, hung or restoring, or lost)
+    unavailable: frozenset[int] = field(default=frozenset(), repr=False)
+    # shards whose copy is known gone (their rank restarted without them): a subset of `unavailable`
+    lost: frozenset[int] = field(default=frozenset(), repr=False)
     repair: RepairProgress | None = field(
         default=None, repr=False
     )  # the coordinator repairing lost copies
@@ -118,11 +119,12 @@ class TensorSummary:
     @functools.cached_property
     def layout_health(self) -> LayoutHealth:
         """Health, lost boxes and replicas as the coordinator's answer had them (shardcore.health)."""
-        return layout_health(self.metadata, self.unavailable)
+        return layout_health(self.metadata, self.unavailable, self.lost)
 
     @property
     def health(self) -> str:
-        """ "healthy", "degraded" (a box has fewer live copies than replicas) or "lost" (a box has none)."""
+        """ "healthy", "degraded" (a box has fewer live copies than replicas), "unavailable" (a box has no
+        copy on a live rank now) or "lost" (a box's every copy is known gone)."""
         return self.layout_health.state
 
     @property
@@ -153,7 +155,8 @@ class TensorSummary:
             state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
             nbytes=msg.nbytes or metadata.nbytes,
             created_unix=msg.created_unix,
-            unavailable=frozenset(msg.unavailable_shards),
+            unavailable=frozenset(msg.unavailable_shards) | frozenset(msg.lost_shards),
+            lost=frozenset(msg.lost_shards),
             repair=_repair(msg),
         )
 
@@ -170,7 +173,7 @@ def health_summary(summary: TensorSummary) -> str:
     "lost (2 boxes, ranks 1)"."""
     health = summary.layout_health
     repair = summary.repair
-    if health.state != "lost":
+    if health.state not in ("lost", "unavailable"):
         if repair is None:
             return health.state
         onto = f"rank{'s' if len(repair.ranks) > 1 else ''} {','.join(map(str, repair.ranks))}"
@@ -178,7 +181,7 @@ def health_summary(summary: TensorSummary) -> str:
     ranks = sorted({summary.metadata.shards_metadata[i].rank for i in summary.unavailable})
     count = len(health.lost_boxes)
     return (
-        f"lost ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} "
+        f"{health.state} ({count} box{'es' if count > 1 else ''}, rank{'s' if len(ranks) > 1 else ''} "
         f"{','.join(map(str, ranks))})"
     )
 

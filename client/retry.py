@@ -2,16 +2,16 @@
 
 A read names the version its metadata is at; when a rank no longer serves it
 (stale, not found, rank gone), the caller refreshes and reads again, whole, so
-a result never mixes versions. Writers may publish several versions while one
-read is in flight (ranks keep a replaced version readable for their
---version-grace, so this is rare), so the read is retried until its deadline
-(the client's timeout) while the error's reason is STALE_VERSION, MIN_ATTEMPTS times for the other retryable
-errors (a rank gone, the tensor not found): at once when a refresh
-brings a newer version, and after a pause (SAME_VERSION_PAUSE_S, doubling up
-to MAX_PAUSE_S) when it brings the same one, as a new version is READY in the
-catalog a moment before its ranks serve it. An error that outlasts the
-deadline is raised. A read that finds a box lost (ShardsLostError) is not retried,
-and a refresh that finds the tensor deleted raises TensorNotFoundError.
+a result never mixes versions. The read is retried until its deadline (the
+client's timeout) while the error's reason is STALE_VERSION (writers may publish
+several versions while one read is in flight) or RANK_UNAVAILABLE (a rank down,
+hung, partitioned or restoring may come back, or the refresh finds another
+copy), and MIN_ATTEMPTS times for TENSOR_NOT_FOUND: at once when a refresh
+brings a newer version, and after a pause (SAME_VERSION_PAUSE_S, doubling up to
+MAX_PAUSE_S) when it brings the same one. An error that outlasts the deadline
+is raised. A read that finds a box whose every copy is gone (ShardsLostError,
+SHARDS_LOST) is not retried, and a refresh that finds the tensor deleted raises
+TensorNotFoundError.
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ from shardserve.protos.errors import Reason
 
 T = TypeVar("T")
 
-# Retried until the deadline: a newer version is being promoted (the refresh finds it).
-RETRY_UNTIL_DEADLINE = frozenset({Reason.STALE_VERSION})
-# Retried MIN_ATTEMPTS times after a refresh: a rank gone (another copy, or it comes back), a name not found
-# (deleted and put again meanwhile). SHARDS_LOST and every other reason are raised at once.
-RETRY_A_FEW = frozenset({Reason.RANK_UNAVAILABLE, Reason.TENSOR_NOT_FOUND})
+# Retried until the deadline: a newer version is being promoted (the refresh finds it); a rank down, hung,
+# partitioned or restoring (it may come back, or the refresh finds another copy).
+RETRY_UNTIL_DEADLINE = frozenset({Reason.STALE_VERSION, Reason.RANK_UNAVAILABLE})
+# Retried MIN_ATTEMPTS times after a refresh: a name not found (deleted and put again meanwhile).
+# SHARDS_LOST (every copy known gone) and every other reason are raised at once.
+RETRY_A_FEW = frozenset({Reason.TENSOR_NOT_FOUND})
 MIN_ATTEMPTS = 5
 DEFAULT_DEADLINE_S = 30.0
 SAME_VERSION_PAUSE_S = 0.05  # then 0.1, 0.2, 0.2, ...

@@ -79,13 +79,15 @@ class RemoteShardedTensor(TensorDescription):
 
     @property
     def health(self) -> str:
-        """ "healthy", "degraded" (some box has fewer live copies than replicas) or "lost" (some box has no live
-        copy), as the coordinator says now (asks it: the proxy then follows the latest version)."""
+        """ "healthy", "degraded" (some box has fewer live copies than replicas), "unavailable" (some box has no
+        copy on a live rank now: reads of it wait for one) or "lost" (some box's every copy is known gone), as the
+        coordinator says now (asks it: the proxy then follows the latest version)."""
         return self.refresh()._summary.health
 
     @property
     def lost_boxes(self) -> list[Box]:
-        """The boxes with no live copy (reads touching them raise ShardsLostError), as the coordinator says now."""
+        """The boxes with no copy on a live rank (reads touching them raise RankUnavailableError, or
+        ShardsLostError once every copy is known gone), as the coordinator says now."""
         return list(self.refresh()._summary.layout_health.lost_boxes)
 
     @property

@@ -1,9 +1,12 @@
 """Health of a layout whose copies may be unavailable: which boxes are lost, how many replicas, which copy to read.
 
 A layout may hold the same box on several ranks (replicas). A copy is
-*unavailable* when its rank is dead or lost it (restarted empty); a box with no
-available copy is *lost*. The coordinator and the client both decide with
-these functions, so they agree on health and on which copy a read may use.
+*unavailable* when it cannot be read now (its rank is down, hung, partitioned
+or restoring) and *lost* when it is known gone (its rank restarted without it).
+A box with no available copy is unavailable (a read of it is retried, it may
+come back); a box whose every copy is lost is lost (a read of it fails for
+good). The coordinator and the client both decide with these functions, so they
+agree on health and on which copy a read may use.
 """
 
 from __future__ import annotations
@@ -13,17 +16,20 @@ from dataclasses import dataclass
 
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 
-HEALTHY, DEGRADED, LOST = "healthy", "degraded", "lost"
-HEALTH_STATES = (HEALTHY, DEGRADED, LOST)
+HEALTHY, DEGRADED, UNAVAILABLE, LOST = "healthy", "degraded", "unavailable", "lost"
+HEALTH_STATES = (HEALTHY, DEGRADED, UNAVAILABLE, LOST)
 
 
 @dataclass(frozen=True)
 class LayoutHealth:
-    """A layout's health: "healthy", "degraded" (a box has lost copies) or "lost" (a box has none left)."""
+    """A layout's health: "healthy"; "degraded" (a box has unavailable copies, not all); "unavailable" (a
+    box has no available copy now); "lost" (a box's every copy is known gone). `lost_boxes`: the boxes with
+    no available copy, lost or only unavailable; `gone_boxes`: those of them whose every copy is lost."""
 
     state: str
     lost_boxes: tuple[Box, ...]
     replicas: int  # copies of each box: the minimum over the layout's non-empty boxes
+    gone_boxes: tuple[Box, ...] = ()
 
 
 def copies_by_box(meta: ShardedTensorMetadata) -> dict[Box, list[int]]:
@@ -35,21 +41,28 @@ def copies_by_box(meta: ShardedTensorMetadata) -> dict[Box, list[int]]:
     return copies
 
 
-def layout_health(meta: ShardedTensorMetadata, unavailable: Iterable[int]) -> LayoutHealth:
-    """The health of `meta` when the shards (copies) at indices `unavailable` cannot be read."""
-    gone = frozenset(unavailable)
-    lost, degraded, replicas = [], False, None
+def layout_health(
+    meta: ShardedTensorMetadata, unavailable: Iterable[int], lost: Iterable[int] = ()
+) -> LayoutHealth:
+    """The health of `meta` when the shards (copies) at indices `unavailable` cannot be read, `lost` of them
+    (a subset) for good."""
+    down, known_gone = frozenset(unavailable), frozenset(lost)
+    without_copy, gone, degraded, replicas = [], [], False, None
     for box, copies in copies_by_box(meta).items():
-        live = sum(index not in gone for index in copies)
+        live = sum(index not in down and index not in known_gone for index in copies)
         replicas = len(copies) if replicas is None else min(replicas, len(copies))
         if live == 0:
-            lost.append(box)
+            without_copy.append(box)
+            if all(index in known_gone for index in copies):
+                gone.append(box)
         elif live < len(copies):
             degraded = True
-    state = LOST if lost else DEGRADED if degraded else HEALTHY
-    return LayoutHealth(
-        state, tuple(sorted(lost, key=lambda b: (b.offsets, b.sizes))), replicas or 1
-    )
+    state = LOST if gone else UNAVAILABLE if without_copy else DEGRADED if degraded else HEALTHY
+    return LayoutHealth(state, _sorted(without_copy), replicas or 1, _sorted(gone))
+
+
+def _sorted(boxes: list[Box]) -> tuple[Box, ...]:
+    return tuple(sorted(boxes, key=lambda b: (b.offsets, b.sizes)))
 
 
 def lost_boxes_in(meta: ShardedTensorMetadata, box: Box, unavailable: Set[int]) -> list[Box]:

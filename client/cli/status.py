@@ -72,7 +72,7 @@ def show_status(cluster: Cluster) -> None:
         "bytes",
     ):
         tensors.add_column(column)
-    colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
+    colors = {"healthy": "green", "degraded": "yellow", "unavailable": "red", "lost": "red"}
     for t in cluster.list(include_pending=True):
         health = f"[{colors[t.health]}]{health_summary(t)}[/{colors[t.health]}]"
         waiting = sorted({t.metadata.shards_metadata[i].rank for i in t.unavailable} & restoring)

@@ -22,7 +22,7 @@ import torch
 from shardserve.client.arguments import dense_tensor
 from shardserve.client.embedding.row_cache import RowCache
 from shardserve.client.errors import InvalidArgumentError, StaleVersionError
-from shardserve.client.health import shards_lost
+from shardserve.client.health import unreadable
 from shardserve.client.info import TensorSummary
 from shardserve.client.session import Session
 from shardserve.core.routing import RowIndex
@@ -107,13 +107,14 @@ class TableView:
         return frozenset(box.shard for box in self.index.boxes if box.shard in self.unavailable)
 
     def check_routed(self, shards: Sequence[int]) -> None:
-        """ShardsLostError when a lookup was routed to a shard whose box has no readable copy."""
+        """ShardsLostError or RankUnavailableError (client.health.unreadable) when a lookup was routed to a
+        shard whose box has no readable copy."""
         if not self.lost_shards:
             return
         lost = sorted({shard for shard in shards if shard in self.lost_shards})
         if lost:
             meta = self.summary.metadata
-            raise shards_lost(self.summary, [meta.shards_metadata[shard].box for shard in lost])
+            raise unreadable(self.summary, [meta.shards_metadata[shard].box for shard in lost])
 
     @property
     def complete(self) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from shardserve.core.health import LayoutHealth, layout_health, name_ranks, ranks_of_copies
+from shardserve.core.metadata import Box
+from shardserve.server.common.errors import DataLoss, Unavailable
 from shardserve.server.coordinator.records import TensorRecord
 
 
@@ -23,24 +25,39 @@ def unavailable_shards(record: TensorRecord, rank_dead: Callable[[int], bool]) -
     return sorted(set(record.lost_shards) | set(on_dead))
 
 
-def boxes_without_copy(record: TensorRecord, unavailable: Iterable[int]) -> str:
-    """ "" when every box of `record` keeps a copy outside `unavailable`; else the boxes with none and the ranks
-    their copies were on, for an error message."""
-    unavailable = list(unavailable)
-    if not unavailable:
-        return ""
-    lost = layout_health(record.metadata, unavailable).lost_boxes
-    if not lost:
-        return ""
-    boxes = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in lost)
-    ranks = name_ranks(ranks_of_copies(record.metadata, lost))
-    return f"{boxes}; their copies were on {ranks}: down, or restarted without them"
+def check_copies(record: TensorRecord, unavailable: Iterable[int], *, doing: str) -> None:
+    """Nothing when every box of `record` keeps a copy outside `unavailable`. Else DataLoss (SHARDS_LOST) when
+    a box's every copy is known gone (its ranks restarted without it), or Unavailable (RANK_UNAVAILABLE) when
+    its copies are only on ranks that are down, hung or restoring and may come back; `doing` says what
+    cannot be done ("resharded")."""
+    health = layout_health(record.metadata, list(unavailable), record.lost_shards)
+    if health.gone_boxes:
+        raise DataLoss(
+            f"tensor {record.name!r} has boxes whose every copy is gone "
+            f"({_named(record, health.gone_boxes)}: restarted without them); it cannot be {doing}: "
+            f"delete it or put it again",
+            metadata={"tensor": record.name},
+        )
+    if health.lost_boxes:
+        ranks = ranks_of_copies(record.metadata, health.lost_boxes)
+        raise Unavailable(
+            f"tensor {record.name!r} has boxes with no copy on a live rank "
+            f"({_named(record, health.lost_boxes)}: down, hung or restoring); it cannot be {doing} "
+            f"until one of them is back",
+            metadata={"tensor": record.name, "ranks": ",".join(map(str, ranks))},
+        )
+
+
+def _named(record: TensorRecord, boxes: Iterable[Box]) -> str:
+    boxes = list(boxes)
+    named = ", ".join(f"offsets {b.offsets} sizes {b.sizes}" for b in boxes)
+    return f"{named}; their copies were on {name_ranks(ranks_of_copies(record.metadata, boxes))}"
 
 
 def health_of(record: TensorRecord, unavailable: Iterable[int]) -> LayoutHealth | None:
     """The health of `record` with the copies `unavailable` unreadable; None for a layout it cannot be told of
     (a record the catalog holds was validated when made: an answer must never fail on it)."""
     try:
-        return layout_health(record.metadata, list(unavailable))
+        return layout_health(record.metadata, list(unavailable), record.lost_shards)
     except (ValueError, TypeError):
         return None

@@ -19,7 +19,6 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
     AlreadyExists,
-    DataLoss,
     InvalidArgument,
     InvalidState,
     NotFound,
@@ -29,7 +28,7 @@ from shardserve.server.common.errors import (
 )
 from shardserve.server.common.requests import check_name, check_put_token, check_version
 from shardserve.server.coordinator.catalog import Catalog
-from shardserve.server.coordinator.health import boxes_without_copy, unavailable_shards
+from shardserve.server.coordinator.health import check_copies, unavailable_shards
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.quotas import ByteQuotas
 from shardserve.server.coordinator.rank_calls import Allocation, RankCalls, versions_by_rank
@@ -321,14 +320,9 @@ class TensorLifecycle:
 
     def _missing_copies(self, source: TensorRecord) -> list[int]:
         """The copies of `source` an Init.COPY version starts without (lost, or on dead ranks: written to the
-        live copies only, repaired later); DATA_LOSS when a box has no live copy to copy."""
+        live copies only, repaired later); DATA_LOSS or UNAVAILABLE when a box has no live copy to copy."""
         missing = unavailable_shards(source, self.registry.rank_unreadable)
-        lost = boxes_without_copy(source, missing)
-        if lost:
-            raise DataLoss(
-                f"tensor {source.name!r} has boxes with no live copy ({lost}); it cannot be updated: "
-                f"delete it or put it again"
-            )
+        check_copies(source, missing, doing="updated")
         if missing:
             log.warning(
                 "%r: the new version starts without copies %s (their ranks are down or lost them); the "

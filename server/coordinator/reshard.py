@@ -42,7 +42,6 @@ from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_resh
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
-    DataLoss,
     InvalidArgument,
     NotFound,
     ServiceError,
@@ -52,7 +51,7 @@ from shardserve.server.common.errors import (
 from shardserve.server.common.requests import check_name, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
-from shardserve.server.coordinator.health import boxes_without_copy, unavailable_shards
+from shardserve.server.coordinator.health import check_copies, unavailable_shards
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
 from shardserve.server.coordinator.records import TensorRecord
@@ -178,15 +177,9 @@ class ReshardDriver:
 
     def _readable(self, record: TensorRecord) -> frozenset[int]:
         """The shards of `record` a reshard must not read (lost, or on dead or restoring ranks);
-        FAILED_PRECONDITION when a box has no copy left to read."""
+        DATA_LOSS or UNAVAILABLE (health.check_copies) when a box has no copy left to read."""
         unavailable = frozenset(unavailable_shards(record, self.registry.rank_unreadable))
-        lost = boxes_without_copy(record, unavailable)
-        if lost:
-            raise DataLoss(
-                f"tensor {record.name!r} has boxes with no live copy ({lost}); it cannot be "
-                f"resharded: delete it or put it again",
-                metadata={"tensor": record.name},
-            )
+        check_copies(record, unavailable, doing="resharded")
         return unavailable
 
     def _run(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardserve.client.errors import RankUnavailableError, StaleVersionError
+from shardserve.client.errors import RankUnavailableError, StaleVersionError, TensorNotFoundError
 from shardserve.client.retry import MIN_ATTEMPTS, read_with_refresh
 
 
@@ -30,8 +30,8 @@ def test_a_refresh_that_changes_nothing_is_retried_after_a_pause_then_raised(mon
 
     pauses: list[float] = []
     monkeypatch.setattr(retry.time, "sleep", pauses.append)
-    attempt, calls = _reader(5, RankUnavailableError("rank 1 down"))
-    with pytest.raises(RankUnavailableError, match="rank 1 down"):
+    attempt, calls = _reader(5, TensorNotFoundError("no tensor 't'"))  # deleted, maybe put again
+    with pytest.raises(TensorNotFoundError, match="no tensor"):
         read_with_refresh(attempt, lambda: 7)
     assert calls["attempts"] == MIN_ATTEMPTS and pauses == [
         0.05,
@@ -64,6 +64,25 @@ def test_a_stale_version_is_retried_until_the_deadline_then_raised(monkeypatch) 
     versions = iter(range(100))
     assert read_with_refresh(attempt, lambda: next(versions), deadline_s=60.0) == "data"
     assert calls["attempts"] == 31
+
+
+def test_a_rank_unavailable_is_retried_until_the_deadline_then_raised(monkeypatch) -> None:
+    """A rank down, hung or restoring may come back: the read waits for it, within its deadline."""
+    import shardserve.client.retry as retry
+
+    now = [0.0]
+    monkeypatch.setattr(retry.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(retry.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+
+    def attempt() -> str:
+        now[0] += 0.5
+        raise RankUnavailableError("rank 1 down")
+
+    with pytest.raises(RankUnavailableError, match="rank 1 down"):
+        read_with_refresh(attempt, lambda: 7, deadline_s=10.0)
+    assert 10.0 <= now[0] <= 11.0  # past MIN_ATTEMPTS, until the deadline
+    attempt, calls = _reader(12, RankUnavailableError("rank 1 restoring"))
+    assert read_with_refresh(attempt, lambda: 7, deadline_s=60.0) == "data"
 
 
 def test_other_errors_are_not_retried() -> None:

@@ -1,5 +1,6 @@
-"""A dead rank on a real 3-rank cluster: surviving boxes read on every path, lost ones raise ShardsLostError,
-replicated boxes fail over to a live copy, and a rank that registers again empty never makes a tensor vanish.
+"""A dead rank on a real 3-rank cluster: surviving boxes read on every path, its boxes raise RankUnavailableError
+(UNAVAILABLE: it may come back) once the read's deadline passes, replicated boxes fail over to a live copy, and a
+rank that registers again empty makes its boxes lost (ShardsLostError, DATA_LOSS) but never makes a tensor vanish.
 
 One cluster for the module; its rank 1 is killed (SIGKILL) once, after every client has read through it.
 """
@@ -7,6 +8,7 @@ One cluster for the module; its rank 1 is killed (SIGKILL) once, after every cli
 from __future__ import annotations
 
 import signal
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 
@@ -19,11 +21,11 @@ from server_processes import wait_until
 
 from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
-from shardserve.client.ops.reshard import ReshardRefusedError
 from shardserve.core.metadata import Box
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.errors import Reason
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 
@@ -35,6 +37,7 @@ PLAIN = ChunkShardingSpec(
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it lives)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 WAIT_S = 20.0
+READ_TIMEOUT_S = 2.0  # the clients' deadline: a read of the dead rank's box waits this long for it
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
@@ -68,7 +71,9 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
             plain_version = writer.tensor("plain").version
         for transport in TRANSPORTS:
             for name in data:
-                client = clients[(transport, name)] = connect(cluster.address, transport=transport)
+                client = clients[(transport, name)] = connect(
+                    cluster.address, transport=transport, timeout=READ_TIMEOUT_S
+                )
                 remote = client.tensor(name)
                 assert torch.equal(remote.full_tensor(), data[name])
                 assert torch.equal(remote.lookup(torch.arange(ROWS)), data[name])
@@ -106,26 +111,34 @@ def test_a_replicated_tensor_reads_every_box_from_live_copies(world, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_surviving_boxes_read_bit_for_bit_and_lost_ones_raise(world, transport):
+def test_surviving_boxes_read_bit_for_bit_and_the_dead_ranks_ones_are_unavailable(world, transport):
     table, client = world["data"]["plain"], world["clients"][(transport, "plain")]
     remote = client.tensor("plain")
-    with pytest.raises(ShardsLostError, match=r"offsets=\(4, 0\), sizes=\(4, 6\).*rank 1 ") as lost:
+    start = time.monotonic()
+    with pytest.raises(
+        RankUnavailableError, match=r"offsets=\(4, 0\), sizes=\(4, 6\).*rank 1 "
+    ) as down:
         remote[4:8]
-    assert lost.value.boxes == (((4, 0), (4, DIM)),) and lost.value.ranks == (DEAD,)
-    assert lost.value.code == grpc.StatusCode.DATA_LOSS and isinstance(
-        lost.value, RankUnavailableError
+    assert (
+        time.monotonic() - start >= READ_TIMEOUT_S * 0.9
+    )  # retried until the deadline: it may come back
+    assert not isinstance(down.value, ShardsLostError)  # alive or not, its data is not known gone
+    assert (
+        down.value.code == grpc.StatusCode.UNAVAILABLE
+        and down.value.reason == Reason.RANK_UNAVAILABLE
     )
+    assert down.value.metadata == {"tensor": "plain", "ranks": str(DEAD)}
     assert torch.equal(remote[0:4], table[0:4])
     assert torch.equal(remote.fetch((8, 2), (4, 3)), table[8:12, 2:5])
-    with pytest.raises(ShardsLostError):
+    with pytest.raises(RankUnavailableError):
         remote.full_tensor()
-    with pytest.raises(ShardsLostError, match="rank 1"):
-        remote.fetch((3, 0), (2, DIM))  # one row of a live box, one of the lost box
+    with pytest.raises(RankUnavailableError, match="rank 1"):
+        remote.fetch((3, 0), (2, DIM))  # one row of a live box, one of the dead rank's box
     ids = torch.tensor([9, 0, 3, 11, 0])
     assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
-    with pytest.raises(ShardsLostError, match=r"offsets=\(4, 0\)"):
+    with pytest.raises(RankUnavailableError, match=r"offsets=\(4, 0\)"):
         remote.lookup(torch.tensor([0, 6]))
-    with pytest.raises(ShardsLostError):
+    with pytest.raises(RankUnavailableError):
         remote.lookup_bag(torch.tensor([1, 5]), torch.tensor([0]), mode="sum")
     assert torch.equal(
         remote.lookup(torch.tensor([10, 1])), table[[10, 1]]
@@ -136,9 +149,9 @@ def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cl
     with connect(cluster.address) as client:
         _wait_until(lambda: not client.ranks()[DEAD].alive, "rank 1 to be marked dead")
         listed = {t.name: t for t in client.list()}
-        assert listed["plain"].health == "lost" and listed["mirrored"].health == "degraded"
+        assert listed["plain"].health == "unavailable" and listed["mirrored"].health == "degraded"
         plain = client.tensor("plain")
-        assert plain.health == "lost" and plain.replicas == 1
+        assert plain.health == "unavailable" and plain.replicas == 1
         assert plain.lost_boxes == [Box((4, 0), (4, DIM))]
         info = client.session.call("GetTensor", pb.GetTensorRequest(name="mirrored"))
         assert (info.health, info.replicas, list(info.unavailable_shards)) == (
@@ -151,12 +164,11 @@ def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cl
 def test_cli_status_and_list_show_health(world, cluster, capsys):
     assert cli_main(["--coordinator", cluster.address, "list"]) == 0
     lines = {line.split("\t")[0]: line for line in capsys.readouterr().out.splitlines()}
-    assert lines["plain"].endswith("lost (1 box, rank 1)") and lines["mirrored"].endswith(
-        "degraded"
-    )
+    assert lines["plain"].endswith("unavailable (1 box, rank 1)")
+    assert lines["mirrored"].endswith("degraded")
     assert cli_main(["--coordinator", cluster.address, "status"]) == 0
     out = capsys.readouterr().out
-    assert "lost (1 box, rank 1)" in out and "degraded" in out
+    assert "unavailable (1 box, rank 1)" in out and "degraded" in out
 
 
 def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
@@ -171,13 +183,14 @@ def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
         )
         assert remote.health == "healthy" and remote.metadata().ranks() == (0, 2)
         assert torch.equal(remote.full_tensor(), world["data"]["reshardable"])
-        with pytest.raises(ReshardRefusedError, match="no live copy"):
+        with pytest.raises(RankUnavailableError, match="no copy on a live rank") as refused:
             client.tensor("plain").reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:2/cpu"]))
+        assert refused.value.reason == Reason.RANK_UNAVAILABLE
 
 
 def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster):
     """update_rows while a replica's rank is dead: the new version starts without that copy (lost, repaired later),
-    every live copy gets the rows; a table with a box on no live rank refuses the update (DATA_LOSS)."""
+    every live copy gets the rows; a table with a box on no live rank refuses the update (UNAVAILABLE)."""
     with connect(cluster.address) as client:
         _wait_until(
             lambda: client.tensor("mirrored").health == "degraded",
@@ -195,8 +208,9 @@ def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster)
         assert torch.equal(remote.full_tensor(), expected)
         assert torch.equal(remote.lookup(torch.arange(ROWS)), expected)
         world["data"]["mirrored"] = expected
-        with pytest.raises(ShardsLostError, match="on rank 1:"):
+        with pytest.raises(RankUnavailableError, match="on rank 1:") as refused:
             client.update_rows("plain", torch.tensor([0]), torch.zeros(1, DIM))
+        assert not isinstance(refused.value, ShardsLostError)
         assert client.tensor("plain").version == world["plain_version"]
 
 
@@ -255,8 +269,10 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
             assert remote.health == "degraded"
             assert torch.equal(remote.full_tensor(), table)
             assert torch.equal(remote.lookup(torch.arange(ROWS)), table)
-            with pytest.raises(ShardsLostError, match="rank 1"):
+            with pytest.raises(ShardsLostError, match="rank 1") as lost:  # known gone: at once
                 client.tensor("plain")[5]
+            assert lost.value.code == grpc.StatusCode.DATA_LOSS
+            assert lost.value.reason == Reason.SHARDS_LOST and lost.value.ranks == (DEAD,)
             assert torch.equal(client.tensor("plain")[8:], world["data"]["plain"][8:])
     finally:
         channel.close()

@@ -18,8 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from server_processes import wait_until
 
-from shardserve import connect
-from shardserve.client.errors import ShardsLostError
+from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.server.common.rank_options import RankOptions
@@ -264,10 +263,12 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
         restore = client.ranks()[1].restore
         assert (restore.done_tensors, restore.total_tensors, restore.loaded) == (1, 2, False)
         assert 0 < restore.done_bytes < restore.total_bytes and not client.ranks()[1].alive
-        for name in tables:  # rank 1's boxes have no copy to read until it is back
-            assert client.tensor(name).health == "lost"
-            with pytest.raises(ShardsLostError):
-                client.tensor(name).full_tensor()
+        with connect(cluster.address, timeout=1.0) as waiting:
+            for name in tables:  # rank 1's boxes have no copy to read until it is back: UNAVAILABLE
+                assert waiting.tensor(name).health == "unavailable"
+                with pytest.raises(RankUnavailableError) as down:
+                    waiting.tensor(name).full_tensor()
+                assert not isinstance(down.value, ShardsLostError)
         show_status(client)
         shown = capsys.readouterr().out
         assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown

@@ -19,7 +19,6 @@ from server_processes import rank_env, server_env, spawn_server, stop_all, wait_
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
-from shardserve.client.ops.reshard import ReshardRefusedError
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
@@ -129,15 +128,16 @@ def test_repair_progress_shows_while_it_runs(world, cluster, capsys):
         assert torch.equal(client.tensor("slow").full_tensor(), world["data"]["slow"])
 
 
-def test_a_box_with_no_copy_left_is_reported_lost_never_repaired(world, cluster):
-    with connect(cluster.address) as client:
+def test_a_box_with_no_copy_left_is_reported_unavailable_never_repaired(world, cluster):
+    with connect(cluster.address, timeout=2.0) as client:
         wait_until(lambda: _repaired(client.tensor("mirrored")), WAIT_S, "the other repairs")
         single = client.tensor("single")
-        assert single.health == "lost" and single.version == world["versions"]["single"]
+        assert single.health == "unavailable" and single.version == world["versions"]["single"]
         assert torch.equal(single[: ROWS * 3 // 4], world["data"]["single"][: ROWS * 3 // 4])
-        with pytest.raises(ShardsLostError):
+        with pytest.raises(RankUnavailableError) as down:  # its rank is dead, not known to be empty
             single.full_tensor()
-        with pytest.raises(ReshardRefusedError, match=f"on rank {DEAD}:"):
+        assert not isinstance(down.value, ShardsLostError)
+        with pytest.raises(RankUnavailableError, match=f"on rank {DEAD}:"):
             single.reshard(ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"]))
 
 

@@ -85,6 +85,23 @@ class Driver:
         )
         return {"version": remote.version, "dim": _split_dim(remote)}
 
+    def first_good_read(
+        self, name: str, offsets: list[int], sizes: list[int], transport: str, limit: float
+    ) -> dict:
+        """Read the box again and again (every 20 ms) with this long-lived client until a read is whole and
+        equal, at most `limit` seconds: how long the client takes to read a returned rank again."""
+        start, deadline = time.monotonic(), time.monotonic() + limit
+        want = self.expected[name][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
+        while True:
+            try:
+                if torch.equal(self._client(transport).tensor(name).fetch(offsets, sizes), want):
+                    return {"reached": True, "after": time.monotonic() - start}
+            except Exception:  # noqa: BLE001 - any failure means "not yet"
+                pass
+            if time.monotonic() > deadline:
+                return {"reached": False, "after": time.monotonic() - start}
+            time.sleep(0.02)
+
     def ranks(self) -> dict:
         return {"alive": {str(r.rank): r.alive for r in self.cluster.ranks()}}
 

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -39,6 +40,7 @@ from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
 from shardserve.server.rank.store import ShardStore
+from shardserve.server.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -105,19 +107,66 @@ def test_rank_unavailable_for_a_dead_rank(stubs, client):
     assert raised.value.metadata["rank"] == str(DEAD)
 
 
-def test_shards_lost(stubs, client):
-    """A reshard of a tensor whose only copy of rows 4-7 was on the dead rank; a read of those rows."""
+def test_rank_unavailable_for_a_box_whose_only_copy_is_on_a_dead_rank(stubs, broken):
+    """A reshard of a tensor whose only copy of rows 4-7 is on the dead rank, and a read of those rows: the
+    rank may come back, so UNAVAILABLE (the read after retrying until its deadline), never DATA_LOSS."""
     request = pb.ReshardRequest(
         name="rows", metadata=layout(ChunkShardingSpec(1, ["rank:0/cpu"]), TABLE)
     )
     err = rpc_error(stubs.coord.Reshard, request, timeout=TIMEOUT)
-    assert_status(err, grpc.StatusCode.DATA_LOSS, Reason.SHARDS_LOST, tensor="rows")
-    with pytest.raises(ShardServeError) as raised:
-        client.tensor("rows").reshard(ChunkShardingSpec(1, ["rank:0/cpu"]))
-    assert raised.value.reason == Reason.SHARDS_LOST
-    with pytest.raises(ShardsLostError) as lost:
-        client.tensor("rows")[4:]
-    assert lost.value.reason == Reason.SHARDS_LOST and lost.value.ranks == (DEAD,)
+    assert_status(err, grpc.StatusCode.UNAVAILABLE, Reason.RANK_UNAVAILABLE, tensor="rows")
+    with connect(broken.address, timeout=2.0) as client:
+        with pytest.raises(RankUnavailableError) as down:
+            client.tensor("rows")[4:]
+        assert down.value.reason == Reason.RANK_UNAVAILABLE and not isinstance(
+            down.value, ShardsLostError
+        )
+        assert torch.equal(client.tensor("rows")[0:4], TABLE[0:4])
+
+
+@pytest.fixture(scope="module")
+def restarted_empty(make_cluster):
+    """A 2-rank cluster without persistence whose rank 1 was killed and restarted: it came back without its
+    copy of "rows", which is now known gone."""
+    cluster = make_cluster(
+        ranks=2,
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600.0),
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+    )
+    with connect(cluster.address, timeout=30) as client:
+        client.put("rows", TABLE, spec=ROWS)
+        old = cluster.rank_pids[DEAD]
+        cluster.kill_rank(DEAD, signal.SIGKILL)
+        wait_until(
+            lambda: cluster.rank_pids[DEAD] != old and client.tensor("rows").health == "lost",
+            WAIT_S * 2,
+            "rank 1 to come back without its copy",
+        )
+    return cluster
+
+
+def test_shards_lost(restarted_empty):
+    """Rows 4-7 had one copy, on a rank that restarted without it: DATA_LOSS for a reshard and for a read, at
+    once (asking again cannot bring it back); the other rows stay readable."""
+    stubs = Stubs(restarted_empty.address, default_metadata=restarted_empty.cluster_metadata)
+    try:
+        request = pb.ReshardRequest(
+            name="rows", metadata=layout(ChunkShardingSpec(1, ["rank:0/cpu"]), TABLE)
+        )
+        err = rpc_error(stubs.coord.Reshard, request, timeout=TIMEOUT)
+        assert_status(err, grpc.StatusCode.DATA_LOSS, Reason.SHARDS_LOST, tensor="rows")
+    finally:
+        stubs.close()
+    with connect(restarted_empty.address, timeout=30) as client:
+        with pytest.raises(ShardServeError) as raised:
+            client.tensor("rows").reshard(ChunkShardingSpec(1, ["rank:0/cpu"]))
+        assert raised.value.reason == Reason.SHARDS_LOST
+        start = time.monotonic()
+        with pytest.raises(ShardsLostError) as lost:
+            client.tensor("rows")[4:]
+        assert time.monotonic() - start < 5.0  # not retried
+        assert lost.value.reason == Reason.SHARDS_LOST and lost.value.ranks == (DEAD,)
+        assert torch.equal(client.tensor("rows")[0:4], TABLE[0:4])
 
 
 @pytest.fixture

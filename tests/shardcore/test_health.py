@@ -10,6 +10,7 @@ from shardserve.core.health import (
     DEGRADED,
     HEALTHY,
     LOST,
+    UNAVAILABLE,
     copies_by_box,
     layout_health,
     lost_boxes_in,
@@ -41,17 +42,26 @@ def test_a_plain_layout_is_healthy_with_one_replica():
     assert (health.state, health.lost_boxes, health.replicas) == (HEALTHY, (), 1)
 
 
-def test_a_plain_layout_loses_the_boxes_of_its_dead_rank():
+def test_a_plain_layout_cannot_read_the_boxes_of_its_dead_rank_until_it_is_back():
     health = layout_health(PLAIN, [1])
-    assert health.state == LOST and health.lost_boxes == (Box((4, 0), (2, 4)),)
+    assert health.state == UNAVAILABLE and health.lost_boxes == (Box((4, 0), (2, 4)),)
+    assert health.gone_boxes == ()  # the rank may come back with them
     assert ranks_of_copies(PLAIN, health.lost_boxes) == [1]
+
+
+def test_a_box_is_lost_only_when_every_copy_is_known_gone():
+    health = layout_health(PLAIN, [1], lost=[1])  # rank 1 restarted without its copy
+    assert health.state == LOST and health.gone_boxes == health.lost_boxes == (Box((4, 0), (2, 4)),)
+    mirrored = layout_health(MIRRORED, [2, 3], lost=[2])  # one copy gone, the other on a dead rank
+    assert mirrored.state == UNAVAILABLE and mirrored.gone_boxes == ()
+    assert layout_health(MIRRORED, [2, 3], lost=[2, 3]).state == LOST
 
 
 def test_a_mirrored_layout_is_degraded_until_both_copies_of_a_box_are_gone():
     assert layout_health(MIRRORED, []).replicas == 2
     assert layout_health(MIRRORED, [1, 2]).state == DEGRADED  # rank 1 dead: each box keeps one copy
     health = layout_health(MIRRORED, [2, 3])
-    assert health.state == LOST and health.lost_boxes == (Box((4, 0), (4, 4)),)
+    assert health.state == UNAVAILABLE and health.lost_boxes == (Box((4, 0), (4, 4)),)
     assert ranks_of_copies(MIRRORED, health.lost_boxes) == [1, 2]
 
 
@@ -119,7 +129,7 @@ def test_health_agrees_with_the_copies_a_read_can_use(case):
     parts = shards_for_box(meta, whole, unavailable=unavailable)
     used_dead = {meta.shards_metadata[i].box for i, _ in parts if i in unavailable}
     assert used_dead == set(health.lost_boxes) == set(lost_boxes_in(meta, whole, unavailable))
-    assert (health.state == LOST) == bool(health.lost_boxes)
+    assert (health.state == UNAVAILABLE) == bool(health.lost_boxes)  # none known gone here
     copies = copies_by_box(meta)
     assert health.replicas == min(len(c) for c in copies.values())
     some_copy_gone = any(i in unavailable for c in copies.values() for i in c)
