@@ -30,6 +30,7 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.rank.errors import RankError
 from shardserve.server.rank.jobs.context import JobContext
 
 log = logging.getLogger(__name__)
@@ -63,11 +64,11 @@ def _destinations(ctx: JobContext, meta: ShardedTensorMetadata) -> dict[int, tor
     right sizes first (no first-touch page faults), then new shard memory from the store, which for CPU shards
     is shared memory, so a same-host reader maps the loaded shard as it is rather than a copy made on its
     first read."""
-    buffers = ctx.store.recycled_shards(meta)
+    buffers = ctx.store.memory.recycled(meta, ctx.rank)
     for i in meta.shards_on(ctx.rank):
         shard = meta.shards_metadata[i]
         if i not in buffers and shard.device == ctx.store.device:
-            buffers[i] = ctx.store.empty_shard(shard.shard_sizes, meta.dtype, overwrite=True)
+            buffers[i] = ctx.store.memory.empty(shard.shard_sizes, meta.dtype, overwrite=True)
     return buffers
 
 
@@ -76,7 +77,7 @@ def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
     collectives (the others would wait in them), so its failure is raised on every rank in DCP's planning."""
     try:
         return make()
-    except (ServiceError, RuntimeError, ValueError) as err:
+    except (RankError, ServiceError, RuntimeError, ValueError) as err:
         problems.append(f"rank failed before the checkpoint's collectives: {err}")
         return instead
 
@@ -135,8 +136,10 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
                 name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
             ) -> dict[int, torch.Tensor]:
                 local = meta.shards_on(ctx.rank)
-                entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
-                return {i: ctx.store.shard_of(entry, i) for i in local}
+                entry = (
+                    leases.enter_context(ctx.store.access.lease(name, version)) if local else None
+                )
+                return {i: ctx.store.access.shard_of(entry, i) for i in local}
 
             state[name] = (meta, _noting(problems, lease_shards, {}))
         with ctx.default_world() as group:

@@ -1,12 +1,12 @@
-"""Embedding lookups and row writes on one rank: the work behind ShardServer.Lookup and WriteRows.
+"""Embedding lookups on one rank: the work behind ShardServer.Lookup and LookupSmall.
 
 A Lookup request holds several items, each (tensor, version, shard, ids). For
 every item the rank leases the served version, checks the ids (raw int64, every
 one a row of that shard) and answers either the rows (the shard's columns) or,
 for pooled items, per-bag partial sums and counts (shardcore.embedding), so only
 pooled rows travel. Answers stream item by item in chunks of about 1 MiB; the
-first chunk of an item says the version it was served at. WriteRows overwrites
-rows of a PENDING version, which is how update_rows builds a new version.
+first chunk of an item says the version it was served at. The id and row parsing
+here serves WriteRows too (server/rank/writes/path.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from shardserve.protos.chunk_codec import LookupPart
 from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.metrics import GRPC
-from shardserve.server.rank.store import ShardStore, StoredVersion
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.version_table import StoredVersion
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -59,7 +60,7 @@ def parse_ids(raw: bytes, field: str) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i8")
 
 
-def _parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
+def parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     expected = shape[0] * shape[1] * itemsize
     if len(raw) != expected:
@@ -72,7 +73,7 @@ def _parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: s
     return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
 
 
-def _local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: str) -> np.ndarray:
+def local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: str) -> np.ndarray:
     """Shard-local row numbers of global `ids`; InvalidArgument naming the first id the shard does not hold."""
     meta = entry.metadata
     if meta.ndim != 2:
@@ -94,7 +95,7 @@ def _local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: 
 
 
 class LookupService:
-    """Answers Lookup and WriteRows against one rank's ShardStore."""
+    """Answers Lookup and LookupSmall against one rank's ShardStore."""
 
     def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.store = store
@@ -140,7 +141,7 @@ class LookupService:
             metrics.served(path, item.name, len(answer.data))
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
-        limit = self.store.max_request_bytes
+        limit = self.store.access.max_request_bytes
         if not limit:
             return
         ids = sum(len(item.ids) for item in request.items)
@@ -154,15 +155,15 @@ class LookupService:
         name = check_name(item.name, f"{field}.name")
         version = check_version(item.version, f"{field}.version")
         ids = parse_ids(item.ids, f"{field}.ids")
-        with self.store.lease(name, version) as entry:
-            shard = self.store.shard_of(entry, item.shard_index)
-            local = _local_rows(entry, item.shard_index, ids, f"{field}.ids")
+        with self.store.access.lease(name, version) as entry:
+            shard = self.store.access.shard_of(entry, item.shard_index)
+            local = local_rows(entry, item.shard_index, ids, f"{field}.ids")
             out_bytes = (
                 (len(item.offsets) // _ID_BYTES if item.pooled else ids.size)
                 * shard.shape[1]
                 * shard.element_size()
             )
-            limit = self.store.max_request_bytes
+            limit = self.store.access.max_request_bytes
             if limit and out_bytes > limit:
                 raise RequestTooLarge(
                     f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
@@ -187,7 +188,7 @@ class LookupService:
         weights = None
         if item.per_sample_weights:
             weights = (
-                _parse_rows(
+                parse_rows(
                     item.per_sample_weights,
                     rows.dtype,
                     (rows.shape[0], 1),
@@ -201,28 +202,6 @@ class LookupService:
         except (ValueError, TypeError) as err:
             raise InvalidArgument(f"{field}: {err}") from None
         return partial.sums.cpu(), partial.counts.cpu()
-
-    def write_rows(self, request: pb.WriteRowsRequest) -> int:
-        """Overwrite rows of one local shard of a PENDING version; returns the number of rows written."""
-        name = check_name(request.name)
-        version = check_version(request.version)
-        ids = parse_ids(request.ids, "ids")
-        with self.store.lease(name, version, served=False) as entry:
-            shard = self.store.shard_of(
-                entry, request.shard_index
-            )  # InvalidArgument unless held here
-            local = _local_rows(entry, request.shard_index, ids, "ids")
-            values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
-        if np.unique(local).size != local.size:
-            raise InvalidArgument("ids holds duplicates; send each row once")
-        self.store.log_rows(
-            name, version, request.shard_index, local, values
-        )  # durable order: log, then write
-        rows = torch.from_numpy(local)
-        # checked above: no refusal leaves the shard torn
-        with self.store.rewrite(name, version, request.shard_index, rows) as shard:
-            shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
-        return int(ids.size)
 
 
 def row_bytes(shard: torch.Tensor, rows: np.ndarray) -> memoryview:
