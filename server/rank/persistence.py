@@ -40,6 +40,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import quote
 
 import numpy as np
@@ -84,7 +85,7 @@ class _Table:
     """What this process knows of one tensor's folder: its log (open for appends) and the versions in it."""
 
     path: Path
-    log_file: object = None
+    log_file: BinaryIO | None = None
     log_bytes: int = 0
     dirty: bool = False
     copies: dict[int, int] = field(default_factory=dict)  # update version -> its source version
@@ -162,10 +163,10 @@ class Persistence:
     def flush(self) -> None:
         """fsync every log written since the last flush (the interval policy's thread calls this)."""
         with self._lock:
-            dirty = [t for t in self._tables.values() if t.dirty and t.log_file is not None]
-            for table in dirty:
+            dirty = [(t, t.log_file) for t in self._tables.values() if t.dirty and t.log_file]
+            for table, log_file in dirty:
                 try:
-                    os.fsync(table.log_file.fileno())
+                    os.fsync(log_file.fileno())
                     table.dirty = False
                 except OSError as err:
                     log.error(

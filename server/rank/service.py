@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -280,7 +281,7 @@ def check_batch_size(count: int, field: str) -> None:
 def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     """Register the ShardServer service, with the bulk messages going through chunk_codec; return its name."""
 
-    def unary(method, request_type, response_type):  # type: ignore[no-untyped-def]
+    def unary(method: Any, request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
             method,
             request_deserializer=request_type.FromString,

@@ -46,7 +46,7 @@ class ShardWriter:
         self.written = 0
         self._bytes = byte_view(shard)
         self._host = shard.device.type == "cpu"
-        self._view = memoryview(self._bytes.numpy()) if self._host and nbytes else None
+        self._view = self._bytes.numpy().data if self._host and nbytes else None
 
     def write(self, offset: int, data: bytes) -> None:
         """Copy one chunk to its offset; chunks must arrive in order without gaps or overlap."""
@@ -80,6 +80,6 @@ class ShardWriter:
             receive(self._view)
         elif self.nbytes:
             staging = torch.empty(self.nbytes, dtype=torch.uint8)
-            receive(memoryview(staging.numpy()))
+            receive(staging.numpy().data)
             self._bytes.copy_(staging)
         self.written = self.nbytes

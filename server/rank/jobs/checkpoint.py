@@ -19,6 +19,7 @@ Every rank gets the same job, so checks that fail, fail on every rank alike.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -92,7 +93,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     into = {
-        name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {})
+        name: _noting(
+            problems, functools.partial(_destinations, ctx, meta), dict[int, torch.Tensor]()
+        )
         for name, _, meta in tensors
     }
     with ctx.default_world() as group:
@@ -129,19 +132,24 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     with ExitStack() as leases:
-        state = {}
+        state: dict[str, tuple[ShardedTensorMetadata, dict[int, torch.Tensor]]] = {}
+
+        def lease_shards(
+            name: str, version: int, meta: ShardedTensorMetadata
+        ) -> dict[int, torch.Tensor]:
+            local = meta.shards_on(ctx.rank)
+            if not local:
+                return {}
+            entry = leases.enter_context(ctx.store.access.lease(name, version))
+            return {i: ctx.store.access.shard_of(entry, i) for i in local}
+
         for name, version, meta in tensors:
-
-            def lease_shards(
-                name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
-            ) -> dict[int, torch.Tensor]:
-                local = meta.shards_on(ctx.rank)
-                entry = (
-                    leases.enter_context(ctx.store.access.lease(name, version)) if local else None
-                )
-                return {i: ctx.store.access.shard_of(entry, i) for i in local}
-
-            state[name] = (meta, _noting(problems, lease_shards, {}))
+            shards = _noting(
+                problems,
+                functools.partial(lease_shards, name, version, meta),
+                dict[int, torch.Tensor](),
+            )
+            state[name] = (meta, shards)
         with ctx.default_world() as group:
             save_tensors(job.checkpoint_save.path, state, group, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total

@@ -93,7 +93,10 @@ class PeerGroup:
         """The default c10d world (in-process tools and tests that called init_process_group)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized")
-        return cls(dist.group.WORLD, range(dist.get_world_size()), registered=True)
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("torch.distributed has no default group")
+        return cls(world, range(dist.get_world_size()), registered=True)
 
     def index(self, rank: int) -> int:
         """`rank`'s rank inside the group."""
@@ -255,6 +258,8 @@ class ProcessGroups:
             timeout=timedelta(seconds=timeout_s),
         )
         mine = dist.group.WORLD
+        if mine is None:
+            raise RuntimeError("torch.distributed has no default group")
         try:
             yield mine
         finally:

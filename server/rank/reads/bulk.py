@@ -33,11 +33,13 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import unquote
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import (
@@ -73,6 +75,8 @@ from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.path import WritePath
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
 
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096  # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
@@ -205,7 +209,7 @@ class BulkReads:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _start_thread(self, target, args: tuple, name: str) -> None:  # type: ignore[no-untyped-def]
+    def _start_thread(self, target: Callable[..., None], args: tuple, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -255,7 +259,7 @@ class BulkReads:
     def _serve(self, raw: socket.socket, peer: str) -> None:
         """One connection: the TLS handshake when on, the ticket, then boxes asked for until the peer closes or
         idles out."""
-        conn = raw
+        conn: socket.socket | None = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self._secure(raw, peer)
@@ -369,7 +373,7 @@ def _write_request(conn: socket.socket, peer: str, message: bytes) -> pb.WriteSh
         raise ConnectionAbortedError(err.message) from None
 
 
-def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
+def _parse(message_type: type[M], data: bytes) -> M:
     """`data` parsed as `message_type`; INVALID_ARGUMENT naming the type when it is not one."""
     try:
         return message_type.FromString(data)

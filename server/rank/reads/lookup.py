@@ -26,7 +26,7 @@ from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.metrics import GRPC
 from shardserve.server.rank.store import ShardStore
-from shardserve.server.rank.version_table import StoredVersion
+from shardserve.server.rank.table_rows import ID_BYTES, local_rows, parse_ids, parse_rows
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -34,7 +34,6 @@ MIN_CHUNK_BYTES = (
     4096  # a floor, so a hostile chunk_bytes=1 cannot turn one answer into millions of messages
 )
 SMALL_REPLY_BYTES = 4 << 20  # LookupSmall answers at most this many data bytes in its one message
-_ID_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -46,52 +45,6 @@ class ItemAnswer:
     dtype: torch.dtype
     data: memoryview
     counts: bytes = b""
-
-
-def parse_ids(raw: bytes, field: str) -> np.ndarray:
-    """Raw little-endian int64 bytes as a read-only 1-D int64 array over the request's bytes (no copy).
-
-    Ids are handled with numpy: a lookup's few small steps cost ~1 us each that way, against ~5-10 us per
-    torch call, which for one-id lookups was most of the rank's time."""
-    if len(raw) % _ID_BYTES:
-        raise InvalidArgument(
-            f"{field} has {len(raw)} bytes, not a multiple of 8 (ids are raw int64)"
-        )
-    return np.frombuffer(raw, dtype="<i8")
-
-
-def parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    expected = shape[0] * shape[1] * itemsize
-    if len(raw) != expected:
-        raise InvalidArgument(
-            f"{field} has {len(raw)} bytes; {shape[0]} x {shape[1]} {dtype} values are "
-            f"{expected} bytes"
-        )
-    if not expected:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
-
-
-def local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: str) -> np.ndarray:
-    """Shard-local row numbers of global `ids`; InvalidArgument naming the first id the shard does not hold."""
-    meta = entry.metadata
-    if meta.ndim != 2:
-        raise InvalidArgument(f"tensor {entry.name!r} is {meta.ndim}-D; lookups need a 2-D table")
-    shard = meta.shards_metadata[shard_index]
-    start, rows = shard.shard_offsets[0], shard.shard_sizes[0]
-    if not ids.size:
-        return ids
-    if start <= int(ids.min()) and int(ids.max()) < start + rows:
-        return ids - start
-    position = int(np.flatnonzero((ids < start) | (ids >= start + rows))[0])
-    value = int(ids[position])
-    where = (
-        f"out of range for a table of {meta.size[0]} rows"
-        if not 0 <= value < meta.size[0]
-        else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})"
-    )
-    raise InvalidArgument(f"{field}[{position}]={value} is {where}")
 
 
 class LookupService:
@@ -137,7 +90,7 @@ class LookupService:
         if not metrics.enabled:
             return
         for item, answer in zip(request.items, answers):
-            metrics.looked_up(item.name, len(item.ids) // _ID_BYTES)
+            metrics.looked_up(item.name, len(item.ids) // ID_BYTES)
             metrics.served(path, item.name, len(answer.data))
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
@@ -159,7 +112,7 @@ class LookupService:
             shard = self.store.access.shard_of(entry, item.shard_index)
             local = local_rows(entry, item.shard_index, ids, f"{field}.ids")
             out_bytes = (
-                (len(item.offsets) // _ID_BYTES if item.pooled else ids.size)
+                (len(item.offsets) // ID_BYTES if item.pooled else ids.size)
                 * shard.shape[1]
                 * shard.element_size()
             )
@@ -211,7 +164,7 @@ def row_bytes(shard: torch.Tensor, rows: np.ndarray) -> memoryview:
         return tensor_bytes(shard.index_select(0, torch.from_numpy(rows).to(shard.device)))
     if not rows.size or not shard.shape[1]:
         return memoryview(b"")
-    return memoryview(shard.view(torch.uint8).numpy().take(rows, axis=0)).cast("B")
+    return shard.view(torch.uint8).numpy().take(rows, axis=0).data.cast("B")
 
 
 def _chunks(index: int, answer: ItemAnswer, chunk_bytes: int) -> Iterator[LookupPart]:
