@@ -1,4 +1,4 @@
-"""Bulk port against gRPC per read size (issue 6): why transport="auto" sends every remote read to the bulk port.
+"""Bulk port against gRPC per read size: why transport="auto" sends every remote read to the bulk port.
 
 Reads boxes of 4 KiB to 2 MiB inside one shard of a 2-rank cluster, once
 over the bulk port and once over gRPC per round, the two taking turns, and
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
 
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     boxes = [
@@ -45,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
         connect(cluster.address, transport="tcp") as bulk,
         connect(cluster.address, transport="grpc") as plain,
     ):

@@ -1,4 +1,4 @@
-"""Scenario "cuda": CUDA shards on a 1-rank LocalCluster (issue 4 item 7, issue 6 item 4).
+"""Scenario "cuda": CUDA shards on a 1-rank LocalCluster (fetch into CUDA, CUDA IPC, pinned staging).
 
 In the same run and on the same values:
 - fetch of 1/64/256 MiB boxes into host memory over gRPC (the rank stages each

@@ -275,9 +275,7 @@ def lookups_scenario(ctx: Context) -> list[Row]:
         )
         ours = {}
         with ctx.rss(cluster.rank_pids) as peaks:
-            for (
-                transport
-            ) in TRANSPORTS:  # issue 6: every data path, labelled with the one that answered
+            for transport in TRANSPORTS:  # every data path, labelled with the one that answered
                 reader = stack.enter_context(connect(cluster.address, transport=transport))
                 remote = reader.tensor("bench")
                 clients = [

@@ -58,7 +58,7 @@ def transport_paths() -> tuple[str, ...]:
     if "transport" not in inspect.signature(connect).parameters:
         return ("grpc",)
     try:
-        from shardserve.client.paths.policy import TRANSPORTS
+        from shardserve.client.paths.kinds import TRANSPORTS
     except ImportError:
         return ("grpc", "shm")
     return tuple(path for path in TRANSPORTS if path != "auto")
@@ -126,7 +126,15 @@ def fetch_scenario(ctx: Context) -> list[Row]:
             client = stack.enter_context(connect_to(cluster.address, path))
             remotes[path] = client.tensor("bench") if remotes else client.put("bench", source)
         for mib in sizes:
-            rows += fetch_rows(ctx, mib, source, shard_rows, remotes, cluster.rank_pids, sock)
+            rows += fetch_rows(
+                ctx,
+                mib,
+                source=source,
+                shard_rows=shard_rows,
+                remotes=remotes,
+                rank_pids=cluster.rank_pids,
+                sock=sock,
+            )
             rows.append(rpc_rows[mib])
     return rows
 
@@ -169,6 +177,7 @@ def rpc_fetch_rows(ctx: Context, sizes: tuple[int, ...], shard_rows: int) -> dic
 def fetch_rows(
     ctx: Context,
     mib: int,
+    *,
     source: torch.Tensor,
     shard_rows: int,
     remotes: dict,

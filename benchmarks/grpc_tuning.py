@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.core.wire import byte_view
     from shardserve.protos import shardserve_pb2 as pb
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     rows = (args.mib << 20) // (COLUMNS * 4)
@@ -45,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = source.numel() * 4
     results = []
     with tempfile.TemporaryDirectory(prefix="shardserve-tuning-") as state:
-        cluster = LocalCluster(ranks=1, state_dir=state, log_level="WARNING").start(timeout=180)
+        cluster = LocalCluster(
+            ranks=1, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ).start(timeout=180)
         try:
             with connect(cluster.address, timeout=120, transport="grpc") as c:
                 c.put("tune", source, ChunkShardingSpec(0, ["rank:0/cpu"]))

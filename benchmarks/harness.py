@@ -115,15 +115,14 @@ class Context:
         **options,
     ):
         """A LocalCluster of `ranks` in a temporary state dir (`options`: more LocalCluster arguments, e.g.
-        tokens_file, tls), stopped when `stack` closes, its ranks labelled for the RSS sampler."""
-        from shardserve.server.launcher import (
-            LocalCluster,  # the harness itself stays free of torch and gRPC
-        )
+        security), stopped when `stack` closes, its ranks labelled for the RSS sampler."""
+        # imported here: the harness itself stays free of torch and gRPC
+        from shardserve.server.common.rank_options import RankOptions
+        from shardserve.server.launcher import LocalCluster
 
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
-        cluster = LocalCluster(
-            ranks=ranks, state_dir=state, log_level="WARNING", device=device, **options
-        )
+        rank_options = RankOptions(log_level="WARNING", device=device)
+        cluster = LocalCluster(ranks, state_dir=state, rank_options=rank_options, **options)
         stack.callback(cluster.stop)
         cluster.start(timeout=timeout)
         for rank, pid in enumerate(cluster.rank_pids):

@@ -42,7 +42,7 @@ def table(rows: int, dim: int, seed: int) -> torch.Tensor:
 
 
 def read_loop(
-    address: str, name: str, rows: int, dim: int, seed: int, seconds: float, out: str
+    address: str, name: str, *, rows: int, dim: int, seed: int, seconds: float, out: str
 ) -> None:
     """Alternate lookups of LOOKUP_IDS random ids and fetches of FETCH_ROWS-row bands until the file `out`.stop
     exists (at most `seconds`), recording for each read (wall start, latency s, kind, outcome) where outcome is
@@ -131,6 +131,7 @@ class HealReport:
 def run(
     rows: int = 200_000,
     dim: int = 64,
+    *,
     ranks: int = 3,
     readers: int = 8,
     kill_at: float = 8.0,
@@ -144,7 +145,9 @@ def run(
     `kill_at` seconds in, and measure until the table is healthy again; the readers go on `after` seconds more
     (everything bounded by `timeout` seconds after the kill)."""
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
+    from shardserve.server.supervisor import RestartPolicy
 
     report = HealReport(rows, dim, readers)
     data = table(rows, dim, seed=7)
@@ -152,9 +155,8 @@ def run(
         cluster = LocalCluster(
             ranks=ranks,
             state_dir=Path(tmp) / "state",
-            log_level="WARNING",
-            max_restarts=3,
-            restart_backoff=0.5,
+            rank_options=RankOptions(log_level="WARNING"),
+            restart_policy=RestartPolicy(max_restarts=3, initial_backoff=0.5),
         )
         try:
             cluster.start(timeout=180)
@@ -393,7 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["reader"]:
         address, name, rows, dim, seed, seconds, out = argv[1:8]
-        read_loop(address, name, int(rows), int(dim), int(seed), float(seconds), out)
+        read_loop(
+            address,
+            name,
+            rows=int(rows),
+            dim=int(dim),
+            seed=int(seed),
+            seconds=float(seconds),
+            out=out,
+        )
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)

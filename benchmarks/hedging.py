@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from shardserve import connect
     from shardserve.core.metadata import ShardMetadata
     from shardserve.core.specs import EnumerableShardingSpec
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     half = ROWS // 2
@@ -49,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
     ):
         with connect(cluster.address) as writer:
             writer.put("hedging", torch.randn(ROWS, COLUMNS), spec=spec)

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ids, --calls and --rows must be >= 1")
 
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     generator = torch.Generator().manual_seed(1)
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ]
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
     ):
         with connect(cluster.address, transport="grpc") as writer:
             writer.put("lookup-cpu", source)

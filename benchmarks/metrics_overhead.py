@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds and --fetch-rounds must be >= 1")
 
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     table = torch.randn(ROWS, COLUMNS)
@@ -77,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         for mode, port in (("on", 0), ("off", None)):
             state = stack.enter_context(tempfile.TemporaryDirectory())
             clusters[mode] = stack.enter_context(
-                LocalCluster(ranks=2, state_dir=state, log_level="WARNING", metrics_port=port)
+                LocalCluster(
+                    ranks=2,
+                    state_dir=state,
+                    rank_options=RankOptions(log_level="WARNING"),
+                    metrics_port=port,
+                )
             )
             with connect(clusters[mode].address) as writer:
                 writer.put("overhead", table)

@@ -38,15 +38,16 @@ def _rows(nbytes: int) -> int:
 
 
 def _start(state: Path, mode: str):  # type: ignore[no-untyped-def]
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     persist = None if mode == "off" else state / "data"
     cluster = LocalCluster(
         2,
         state_dir=state,
-        log_level="WARNING",
-        persist_dir=persist,
-        fsync=None if mode == "off" else mode,
+        rank_options=RankOptions(
+            log_level="WARNING", persist_dir=persist, fsync=None if mode == "off" else mode
+        ),
     )
     return cluster.start(timeout=SERVE_TIMEOUT_S)
 

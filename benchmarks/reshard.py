@@ -111,6 +111,7 @@ def shardserve_reshard(
     local: torch.Tensor,
     n: int,
     world: int,
+    *,
     bucket_bytes: int,
     executor,
     seqs,
@@ -211,7 +212,9 @@ def worker(rank: int, world: int, port: int, args: dict, results) -> None:
     seqs = iter(range(1 << 30))
     try:
         rss_growth = peak_rss_growth(
-            shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs)[0]
+            shardserve_reshard(
+                local, n, world, bucket_bytes=args["bucket_bytes"], executor=executor, seqs=seqs
+            )[0]
         )
         rows_out = run_methods(local, n, world, args, executor, seqs)
     finally:
@@ -278,13 +281,21 @@ def run_methods(local: torch.Tensor, n: int, world: int, args: dict, executor, s
         (
             OURS,
             "",
-            lambda: shardserve_reshard(local, n, world, args["bucket_bytes"], executor, seqs),
+            lambda: shardserve_reshard(
+                local, n, world, bucket_bytes=args["bucket_bytes"], executor=executor, seqs=seqs
+            ),
         ),
         (
             OURS_RECYCLED,
             "",
             lambda: shardserve_reshard(
-                local, n, world, args["bucket_bytes"], executor, seqs, recycle=True
+                local,
+                n,
+                world,
+                bucket_bytes=args["bucket_bytes"],
+                executor=executor,
+                seqs=seqs,
+                recycle=True,
             ),
         ),
         (DTENSOR, "", lambda: dtensor_redistribute(local, world)),

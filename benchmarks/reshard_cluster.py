@@ -32,13 +32,16 @@ def cluster_times(
     `recycle_bytes` as the ranks' --recycle-bytes (None: their default, 0: recycling off)."""
     from shardserve import connect
     from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
     specs = [ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements)]
     with (
         LocalCluster(
-            world, state_dir=tempfile.mkdtemp(prefix="bench-reshard-"), recycle_bytes=recycle_bytes
+            world,
+            state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
+            rank_options=RankOptions(recycle_bytes=recycle_bytes),
         ) as cluster,
         connect(cluster.address, timeout=600) as client,
     ):

@@ -118,6 +118,8 @@ def measure(quick: bool, start_cluster) -> dict:
     """Every figure of the scenario: lookups p50/p99 by auth, fetch seconds by path. `start_cluster(stack,
     **kwargs)` starts a 1-rank cluster stopped when `stack` closes."""
     from shardserve import connect
+    from shardserve.server.common.auth import Security
+    from shardserve.server.common.principals import PrincipalBook
 
     rounds, fetch_rounds = (200, 3) if quick else (2000, 5)
     fetch_rows = (8 << 20 if quick else 64 << 20) // (4 * FETCH_COLUMNS)
@@ -137,7 +139,7 @@ def measure(quick: bool, start_cluster) -> dict:
         tokens = tokens_file(files)
         tls = certificate(files)
         plain = start_cluster(stack)
-        checked = start_cluster(stack, tokens_file=tokens)
+        checked = start_cluster(stack, security=Security(principals=PrincipalBook(tokens)))
         none_client = stack.enter_context(connect(plain.address, transport="grpc"))
         checked_client = stack.enter_context(
             connect(checked.address, token=READ_TOKEN, transport="grpc")
@@ -162,7 +164,9 @@ def measure(quick: bool, start_cluster) -> dict:
                     client.tensor("fetched"), source, path, fetch_rounds
                 )
         if tls is not None:
-            secure = start_cluster(stack, tokens_file=tokens, tls=tls)
+            secure = start_cluster(
+                stack, security=Security(tls=tls, principals=PrincipalBook(tokens))
+            )
             credentials = dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
             with connect(secure.address, token=ADMIN_TOKEN, **credentials) as writer:
                 writer.put("fetched", source)

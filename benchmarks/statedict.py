@@ -70,7 +70,14 @@ def _job(
     for index, (count, total_bytes) in enumerate(cases):
         paths.clear()
         times, ok = _case(
-            rank, cluster, f"bench{index}", count, total_bytes, f"{folder}/{index}", groups, meshes
+            rank,
+            cluster,
+            prefix=f"bench{index}",
+            count=count,
+            total_bytes=total_bytes,
+            folder=f"{folder}/{index}",
+            groups=groups,
+            meshes=meshes,
         )
         results.put((index, rank, times, ok, "+".join(sorted(paths))))
     cluster.close()
@@ -80,6 +87,7 @@ def _job(
 def _case(
     rank: int,
     cluster: Any,
+    *,
     prefix: str,
     count: int,
     total_bytes: int,

@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
 
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     table = torch.randn(ROWS, COLUMNS)
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                 LocalCluster(
                     ranks=2,
                     state_dir=state,
-                    log_level="WARNING",
-                    tracing=f"file:{spans}" if mode == "on" else None,
+                    rank_options=RankOptions(
+                        log_level="WARNING", tracing=f"file:{spans}" if mode == "on" else None
+                    ),
                 )
             )
             with connect(clusters[mode].address, tracing=False) as writer:

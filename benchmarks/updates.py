@@ -186,11 +186,14 @@ def main(argv: list[str] | None = None) -> dict:
 def rates_only(seconds: float) -> dict:
     """The update rates with 1 and 4 writers, each measured twice (the host's load moves single runs)."""
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
     ):
         name, rows = "updates_rate", rows_of(16)
         with connect(cluster.address) as client:
@@ -207,12 +210,15 @@ def rates_only(seconds: float) -> dict:
 def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
     """Update cost by table size, update rates, and lookups with and without updates."""
     from shardserve import connect
+    from shardserve.server.common.rank_options import RankOptions
     from shardserve.server.launcher import LocalCluster
 
     results: dict = {"sizes_mib": sizes}
     with (
         tempfile.TemporaryDirectory() as state,
-        LocalCluster(ranks=2, state_dir=state, log_level="WARNING") as cluster,
+        LocalCluster(
+            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+        ) as cluster,
     ):
         results["update_cost"] = update_cost(cluster.address, sizes, repeats)
         small = results["update_cost"][f"{sizes[0]} MiB"]["median_s"]

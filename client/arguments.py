@@ -26,7 +26,9 @@ def seconds(value: Any, field: str, allow_zero: bool = False) -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
-        or not ((value >= 0 if allow_zero else value > 0) and value <= MAX_SECONDS)
+        or not (
+            (float(value) >= 0 if allow_zero else float(value) > 0) and float(value) <= MAX_SECONDS
+        )
     ):  # NaN fails both
         raise InvalidArgumentError(
             f"{field} must be a number of seconds with {low} {field} <= {MAX_SECONDS:g} "

@@ -291,7 +291,8 @@ def run_here_and_on(
     """Run the callables in `jobs`, the first on this thread and the rest through `submit` (one thread hand-off
     fewer per call), wait for all, raise the first failure in job order once every job has ended."""
     futures = [submit(job) for job in jobs[1:]]
-    results, first_error = [], None
+    results: list[Any] = []
+    first_error: BaseException | None = None
     for run in [jobs[0], *(future.result for future in futures)] if jobs else []:
         try:
             results.append(run())

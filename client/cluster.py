@@ -8,6 +8,7 @@ any failure aborts the pending version so no half tensor is ever visible.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import numbers
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ from shardserve.client.ops import checkpoints
 from shardserve.client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
 from shardserve.client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
 from shardserve.client.paths.hedging import HEDGE_AFTER_S
-from shardserve.client.paths.policy import PathPolicy, check_transport
+from shardserve.client.paths.kinds import PathKind, parse_transport
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.session import Session
 from shardserve.client.snapshots import Snapshot
@@ -62,6 +63,7 @@ INIT_KINDS = {
 
 def connect(
     address: str,
+    *,
     token: str | None = None,
     timeout: float = 30.0,
     tls_ca: str | None = None,
@@ -89,7 +91,7 @@ def connect(
     TracerProvider, False (off), or None (the default: on when $SHARDSERVE_TRACING is set, not 0/off).
     """
     check_address(address)
-    check_transport(transport)
+    forced = parse_transport(transport)
     timeout = arguments.seconds(timeout, "timeout")
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
     hedge_after = (
@@ -105,7 +107,14 @@ def connect(
         timeout,
         interceptor=call_interceptor(tracing),
     )
-    cluster = Cluster(address, channel, cache, row_cache_max_age, transport, hedge_after)
+    cluster = Cluster(
+        address,
+        channel,
+        row_cache=cache,
+        row_cache_max_age=row_cache_max_age,
+        forced=forced,
+        hedge_after=hedge_after,
+    )
     try:
         cluster.session.refresh_ranks()
     except RankUnavailableError as err:
@@ -145,13 +154,14 @@ class Cluster:
         self,
         address: str,
         channel: Channel,
+        *,
         row_cache: RowCache | None = None,
         row_cache_max_age: float = 1.0,
-        transport: str = "auto",
+        forced: PathKind | None = None,
         hedge_after: float | None = HEDGE_AFTER_S,
     ) -> None:
         self.address = address
-        self.session = Session(address, channel, PathPolicy(transport, channel, hedge_after))
+        self.session = Session(address, channel, forced=forced, hedge_after=hedge_after)
         self.lookups = Lookups(self.session, row_cache, row_cache_max_age)
 
     # ------------------------------------------------------------ lifecycle
@@ -168,7 +178,7 @@ class Cluster:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Cluster(address={self.address!r}, ranks={self.session.known_ranks()})"
+        return f"Cluster(address={self.address!r}, ranks={self.session.ranks.known()})"
 
     # ------------------------------------------------------------ the catalog
 
@@ -213,6 +223,7 @@ class Cluster:
         shape: Sequence[int],
         dtype: torch.dtype | str = torch.float32,
         spec: Any = None,
+        *,
         init: str = "zeros",
         seed: int = 0,
         overwrite: bool = False,
@@ -242,7 +253,7 @@ class Cluster:
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype: {err}") from None
         shape = _shape(shape)
-        meta = self.session.layout(shape, dtype, spec, replicas)
+        meta = self.session.layouts.layout(shape, dtype, spec, replicas)
         options = table_options(oov, default_row, shape, dtype)
         info = self.session.create_tensor(
             pb.CreateTensorRequest(
@@ -262,6 +273,7 @@ class Cluster:
         name: str,
         tensor: torch.Tensor,
         spec: Any = None,
+        *,
         overwrite: bool = False,
         chunk_bytes: int = CHUNK_BYTES,
         oov: str = "error",
@@ -291,7 +303,7 @@ class Cluster:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
-        meta = self.session.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
+        meta = self.session.layouts.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
@@ -344,7 +356,7 @@ class Cluster:
         """Committed snapshot `number` of `prefix` (None: the newest): its tensors, every one at that snapshot."""
         return Snapshot(self.session, self.lookups, get_snapshot(self.session, prefix, number))
 
-    def snapshots(self, prefix: str) -> list[SnapshotSummary]:
+    def snapshots(self, prefix: str) -> builtins.list[SnapshotSummary]:
         """The kept snapshots of `prefix`, oldest first: number, tensors, bytes, age."""
         return list_snapshots(self.session, prefix)
 
@@ -386,6 +398,7 @@ class Cluster:
         self,
         path: str,
         names: Sequence[str] | str | None = None,
+        *,
         spec: Any = None,
         dtype: torch.dtype | str | None = None,
         overwrite: bool = False,
@@ -399,7 +412,15 @@ class Cluster:
         `replicas` live ranks; `progress(bytes_done, bytes_total)` is called as the ranks report.
         """
         loaded = checkpoints.load_checkpoint(
-            self.session, path, names, spec, dtype, overwrite, progress, timeout, replicas
+            self.session,
+            path,
+            names,
+            spec=spec,
+            dtype=dtype,
+            overwrite=overwrite,
+            progress=progress,
+            timeout=timeout,
+            replicas=replicas,
         )
         for summary in loaded:
             self.lookups.views.forget(summary.name)
@@ -411,7 +432,7 @@ class Cluster:
         names: Sequence[str] | str | None = None,
         progress: Callable[[int, int], None] | None = None,
         timeout: float = 600.0,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Write READY tensors (all by default) as one DCP checkpoint at `path`; torch's dcp.load reads it."""
         return checkpoints.save_checkpoint(self.session, path, names, progress, timeout)
 

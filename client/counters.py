@@ -76,6 +76,6 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     if not 0 <= port < 65536:
         raise ValueError(f"port {port} is not a TCP port (0-65535)")
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_ClientCollector())  # type: ignore[arg-type]
+    registry.register(_ClientCollector())
     server, _ = start_http_server(port, addr=host, registry=registry)
     return server.server_port

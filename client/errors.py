@@ -14,6 +14,13 @@ import grpc
 
 from shardserve.protos.errors import ErrorDetail, Reason, error_detail_of
 
+# The reason of a status that came without an ErrorInfo, where its code alone names one (as the servers read it:
+# server/common/errors.py): a peer without the method does not offer that path; exhausted is overloaded.
+_REASON_OF_CODE = {
+    grpc.StatusCode.UNIMPLEMENTED: Reason.PATH_UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.OVERLOADED,
+}
+
 
 class ShardServeError(Exception):
     """Base of every error raised by the shardserve client: `code` (the gRPC status), `reason` (the
@@ -35,6 +42,8 @@ class ShardServeError(Exception):
         self.message = message
         if code is not None:
             self.code = code
+        if reason is None and self.reason is None and code is not None:
+            reason = _REASON_OF_CODE.get(code)
         if reason is not None:
             self.reason = reason
         self.metadata: dict[str, str] = dict(metadata or {})

@@ -15,7 +15,7 @@ from shardserve.core.metadata import Box
 def _as_int(value: Any) -> int | None:
     """`value` as an int when it is one (numpy/torch integer scalars too), else None."""
     if isinstance(value, bool) or getattr(
-        value, "ndim", 0
+        value, "ndim", None
     ):  # a 1-element tensor is advanced indexing
         return None
     if getattr(value, "dtype", None) in (

@@ -99,7 +99,13 @@ class RemoteEmbeddingBag(nn.Module):
                 f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}"
             )
         pooled = self.cluster.lookups.lookup_bag(
-            self.name, input, offsets, self.mode, per_sample_weights, self.dtype, self.pooling
+            self.name,
+            input,
+            offsets,
+            self.mode,
+            per_sample_weights,
+            dtype=self.dtype,
+            pooling=self.pooling,
         )
         return pooled.to(input.device)
 

@@ -33,6 +33,7 @@ from shardserve.client.ops.snapshots import (
     get_snapshot,
 )
 from shardserve.client.paths.batch import batches, read_batch, region_reads
+from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.snapshots import READ_THREADS
 from shardserve.client.tensor import RemoteShardedTensor
@@ -142,7 +143,7 @@ def _local_pieces(
         return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
     if isinstance(value, ShardedTensor):
         return tuple(value.size()), [
-            (Box(s.metadata.shard_offsets, s.metadata.shard_sizes), s.tensor)
+            (Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor)
             for s in value.local_shards()
         ]
     if isinstance(value, LocalShardsWrapper):
@@ -230,6 +231,7 @@ def put_state_dict(
     state_dict: Mapping[str, Any],
     prefix: str,
     spec: Any = None,
+    *,
     replicas: int = 1,
     keep: int = DEFAULT_KEEP,
     group: Any = None,
@@ -304,13 +306,15 @@ def _create(
             )
         layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
         if replicas > 1:
-            candidates = session.replica_candidates()
+            candidates = session.layouts.replica_candidates()
             layouts = {
                 key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()
             }
     else:
         layouts = {
-            key: refine_layout(session.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t)
+            key: refine_layout(
+                session.layouts.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t
+            )
             for key, t in tensors.items()
         }
     return create_snapshot(session, prefix, layouts, keep)
@@ -399,7 +403,8 @@ def get_state_dict(
             job.agree(
                 lambda: _read_mine(
                     cluster,
-                    found.pop(number, None) or get_snapshot(cluster.session, prefix, number),
+                    (found.pop(number) if number in found else None)
+                    or get_snapshot(cluster.session, prefix, number),
                     targets,
                 ),
                 f"reading snapshot {number}",
@@ -466,10 +471,8 @@ def _read_batched(
     returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
     rank failed, or all of them with transport="shm"."""
     session = cluster.session
-    if (
-        session.paths.transport == "shm"
-    ):  # shared memory only, as the caller asked: every piece by itself
-        return list(small)
+    if session.paths.forced is PathKind.SHARED_MEMORY:
+        return list(small)  # shared memory only, as the caller asked: every piece by itself
     regions, alone = [], set()
     for piece, (proxy, box, out) in enumerate(small):
         try:

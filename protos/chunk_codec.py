@@ -72,7 +72,8 @@ def _chunk_head(offset: int, size: int) -> bytes:
 def encode_chunk(chunk: pb.TensorChunk | RawChunk) -> bytes:
     """Serialized TensorChunk; a RawChunk's memoryview is copied once, into the message."""
     if isinstance(chunk, pb.TensorChunk):
-        return chunk.SerializeToString()
+        serialized: bytes = chunk.SerializeToString()
+        return serialized
     return b"".join((_chunk_head(chunk.offset, len(chunk.data)), chunk.data))
 
 
@@ -191,14 +192,24 @@ _LOOKUP_BYTES = {5: "counts", 7: "data"}
 
 def decode_lookup_chunk(message: bytes | memoryview) -> RawLookupChunk:
     """A serialized LookupChunk, its byte fields as views into `message` (the last value of a field wins)."""
-    values: dict[str, int | memoryview] = {}
+    ints: dict[str, int] = {}
+    views: dict[str, memoryview] = {}
     for field, value in _fields(memoryview(message), "LookupChunk"):
         if isinstance(value, int) and field in _LOOKUP_INTS:
             name, bits = _LOOKUP_INTS[field]
-            values[name] = _signed(value, bits) if bits else value
+            ints[name] = _signed(value, bits) if bits else value
         elif isinstance(value, memoryview) and field in _LOOKUP_BYTES:
-            values[_LOOKUP_BYTES[field]] = value
-    return RawLookupChunk(**values)
+            views[_LOOKUP_BYTES[field]] = value
+    empty = memoryview(b"")
+    return RawLookupChunk(
+        item=ints.get("item", 0),
+        version=ints.get("version", 0),
+        dtype=ints.get("dtype", 0),
+        nbytes=ints.get("nbytes", 0),
+        counts=views.get("counts", empty),
+        offset=ints.get("offset", 0),
+        data=views.get("data", empty),
+    )
 
 
 def decode_lookup_reply(message: bytes) -> list[RawLookupChunk]:
@@ -242,4 +253,5 @@ def decode_write_request(message: bytes) -> pb.WriteShardRequest | RawWriteReque
     try:
         return _raw_write_request(memoryview(message))
     except ValueError:
-        return pb.WriteShardRequest.FromString(message)
+        request: pb.WriteShardRequest = pb.WriteShardRequest.FromString(message)
+        return request

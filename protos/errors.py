@@ -131,7 +131,7 @@ def detail_of_status(status: status_pb2.Status) -> ErrorDetail:
 def error_detail_of(err: grpc.RpcError) -> ErrorDetail:
     """The ErrorInfo a failed call carried (reason None for a status from gRPC itself, e.g. a deadline)."""
     try:
-        status = rpc_status.from_call(err)  # type: ignore[arg-type]
+        status = rpc_status.from_call(err)
     except (ValueError, AttributeError):  # details whose code or message disagree, or not a call
         return ErrorDetail(None)
     return detail_of_status(status) if status is not None else ErrorDetail(None)

@@ -117,15 +117,17 @@ class ShardedTensorMetadata(_message.Message):
     def __init__(self, shards_metadata: _Optional[_Iterable[_Union[ShardMetadata, _Mapping]]] = ..., size: _Optional[_Iterable[int]] = ..., tensor_properties: _Optional[_Union[TensorProperties, _Mapping]] = ...) -> None: ...
 
 class TensorOptions(_message.Message):
-    __slots__ = ("oov", "default_row")
+    __slots__ = ("oov", "default_row", "not_durable")
     OOV_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_ROW_FIELD_NUMBER: _ClassVar[int]
+    NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     oov: OovPolicy
     default_row: bytes
-    def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ...) -> None: ...
+    not_durable: bool
+    def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ..., not_durable: _Optional[bool] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address", "restore")
+    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address", "restore", "memory_limit_source")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +143,7 @@ class RankInfo(_message.Message):
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     address: str
     device: str
@@ -156,7 +159,8 @@ class RankInfo(_message.Message):
     restarts: int
     metrics_address: str
     restore: RestoreProgress
-    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ..., restore: _Optional[_Union[RestoreProgress, _Mapping]] = ...) -> None: ...
+    memory_limit_source: str
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ..., restore: _Optional[_Union[RestoreProgress, _Mapping]] = ..., memory_limit_source: _Optional[str] = ...) -> None: ...
 
 class RestoreProgress(_message.Message):
     __slots__ = ("rank", "pid", "done_bytes", "total_bytes", "done_tensors", "total_tensors", "loaded", "hostname")
@@ -375,14 +379,18 @@ class SnapshotTensor(_message.Message):
     def __init__(self, key: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
 
 class CreateSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "tensors", "keep")
+    __slots__ = ("prefix", "tensors", "keep", "skeleton", "not_durable")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    SKELETON_FIELD_NUMBER: _ClassVar[int]
+    NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     tensors: _containers.RepeatedCompositeFieldContainer[SnapshotTensor]
     keep: int
-    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ...) -> None: ...
+    skeleton: str
+    not_durable: bool
+    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ..., skeleton: _Optional[str] = ..., not_durable: _Optional[bool] = ...) -> None: ...
 
 class SnapshotEntry(_message.Message):
     __slots__ = ("key", "tensor")
@@ -393,7 +401,7 @@ class SnapshotEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries")
+    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries", "skeleton")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +409,7 @@ class SnapshotInfo(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SKELETON_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
     state: TensorState
@@ -408,7 +417,8 @@ class SnapshotInfo(_message.Message):
     nbytes: int
     keep: int
     entries: _containers.RepeatedCompositeFieldContainer[SnapshotEntry]
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ...) -> None: ...
+    skeleton: str
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number")
@@ -659,16 +669,18 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("rank", "memory_used_bytes", "memory_limit_bytes", "held")
+    __slots__ = ("rank", "memory_used_bytes", "memory_limit_bytes", "held", "memory_limit_source")
     RANK_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_SOURCE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     memory_used_bytes: int
     memory_limit_bytes: int
     held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
-    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...
+    memory_limit_source: str
+    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ..., memory_limit_source: _Optional[str] = ...) -> None: ...
 
 class LookupItem(_message.Message):
     __slots__ = ("name", "version", "shard_index", "ids", "pooled", "offsets", "per_sample_weights")

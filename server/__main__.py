@@ -7,12 +7,13 @@ import sys
 
 
 def main(argv: list[str]) -> int:
+    """Run the process `argv` names: `up`, `coordinator`, `node`, else one rank."""
     if argv and argv[0] == "up":
-        from shardserve.server.launcher import main_up
+        from shardserve.server.up import main_up
 
         return main_up(argv[1:])
     if argv and argv[0] == "coordinator":
-        from shardserve.server.launcher import main_coordinator
+        from shardserve.server.coordinator_process import main_coordinator
 
         return main_coordinator(argv[1:])
     if argv and argv[0] == "node":

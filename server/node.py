@@ -15,27 +15,23 @@ import logging
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 from shardserve.server.common.cli_args import (
     add_security_args,
     configure_logging,
     security_from_args,
-    stream_limits_from_args,
 )
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.stop_signals import Stop, handle_reload_signal, handle_stop_signals
-from shardserve.server.common.tracing import tracing_flags
-from shardserve.server.supervisor import (
-    RankLaunch,
-    RankSupervisor,
-    add_rank_args,
-    check_rank_args,
-    parse_rank_list,
-    rank_command,
-    rank_env,
-    rank_metrics_flags,
-    restart_policy_from_args,
+from shardserve.server.rank_launch import (
+    add_rank_launch_args,
+    check_rank_launch_args,
+    rank_launches,
 )
+from shardserve.server.supervisor import RankSupervisor, restart_policy_from_args
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +66,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
         help="interface the ranks bind; on 0.0.0.0 they advertise "
         "this host's name (default %(default)s)",
     )
-    add_rank_args(parser)
+    add_rank_launch_args(parser)
     add_security_args(parser)
     args = parser.parse_args(argv)
     if not args.coordinator:
@@ -80,7 +76,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")
     if not args.host.strip():
         parser.error("--host is empty (an interface address, e.g. 0.0.0.0)")
-    check_rank_args(parser, args)
+    check_rank_launch_args(parser, args)
     try:
         ranks = parse_rank_list(args.ranks, args.world_size)
     except ValueError as err:
@@ -94,18 +90,28 @@ def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
         parser.error(f"--coordinator {address!r} is not HOST:PORT with a port 1-65535")
 
 
-def node_launches(
-    args: argparse.Namespace, ranks: Sequence[int], token: str | None, command: Sequence[str]
-) -> list[RankLaunch]:
-    """One launch per rank: LOCAL_RANK is its position on this node, LOCAL_WORLD_SIZE the node's rank count."""
-    return [
-        RankLaunch(
-            rank,
-            [*command, *rank_metrics_flags(args.metrics_port, rank), *tracing_flags(args.tracing)],
-            rank_env(rank, local, len(ranks), args.world_size, token),
-        )
-        for local, rank in enumerate(ranks)
-    ]
+def parse_rank_list(text: str, world_size: int) -> list[int]:
+    """ "0-3" or "0,2,5" or "0-1,4" into sorted distinct rank numbers below `world_size`; ValueError says why."""
+    ranks: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        first, dash, last = part.partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(
+                f"--ranks {text!r}: {part!r} is not a rank or a range like 0-3"
+            ) from None
+        if low < 0 or high < low:
+            raise ValueError(f"--ranks {text!r}: {part!r} is not a range of ranks >= 0 (low-high)")
+        if high >= world_size:
+            raise ValueError(
+                f"--ranks {text!r}: rank {high} is not below --world-size {world_size}"
+            )
+        ranks.extend(range(low, high + 1))
+    duplicates = sorted(rank for rank, count in Counter(ranks).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"--ranks {text!r} names ranks {duplicates} more than once")
+    return sorted(ranks)
 
 
 def main_node(argv: Sequence[str]) -> int:
@@ -123,24 +129,15 @@ def main_node(argv: Sequence[str]) -> int:
     except ValueError as err:
         log.error("%s", err)
         return 2
-    command = rank_command(
+    launches = rank_launches(
         args.coordinator,
-        args.host,
-        args.device,
-        args.max_request_bytes,
-        args.log_level,
+        replace(RankOptions.from_launcher_args(args), listen=f"{args.host}:0"),
         security,
-        args.memory_limit,
-        args.recycle_bytes,
-        not args.no_bulk_reads,
-        args.version_grace,
-        stream_limits_from_args(args),
-        args.persist_dir,
-        args.fsync,
+        ranks=ranks,
+        world_size=args.world_size,
+        metrics_port=args.metrics_port,
     )
-    supervisor = RankSupervisor(
-        node_launches(args, ranks, security.token, command), restart_policy_from_args(args)
-    )
+    supervisor = RankSupervisor(launches, restart_policy_from_args(args))
     handle_stop_signals()
     handle_reload_signal(lambda: supervisor.signal_all(signal.SIGHUP))
     try:

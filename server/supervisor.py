@@ -7,6 +7,7 @@ backoff (1 s doubling to 30 s, back to 1 s once an incarnation stayed up for a
 minute), at most `max_restarts` times; one out of restarts stays dead. A
 restarted rank registers with the coordinator again and comes back empty: the
 coordinator records the copies it lost (server/coordinator/lifecycle.py).
+A rank's command line and environment come from server/rank_launch.py.
 """
 
 from __future__ import annotations
@@ -18,28 +19,13 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from shardserve.server.common.auth import Security
-from shardserve.server.common.cli_args import (
-    PARENT_PID_ENV,
-    TOKEN_ENV,
-    add_stream_limit_args,
-    stream_limit_flags,
-    stream_limits_from_args,
-)
-from shardserve.server.common.stream_limits import StreamLimitSettings
-from shardserve.server.common.tracing import add_tracing_args, check_exporter
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MAX_RESTARTS = 10
 POLL_INTERVAL = 0.2  # seconds between checks of the rank processes
 
@@ -80,155 +66,8 @@ class RankLaunch:
     env: dict[str, str]
 
 
-def rank_command(
-    coordinator: str,
-    host: str,
-    device: str,
-    max_request_bytes: int,
-    log_level: str,
-    security: Security,
-    memory_limit: int | None = None,
-    recycle_bytes: int | None = None,
-    bulk_reads: bool = True,
-    version_grace: float | None = None,
-    limits: StreamLimitSettings = StreamLimitSettings(),
-    persist_dir: str | Path | None = None,
-    fsync: str | None = None,
-) -> list[str]:
-    """`python -m shardserve.server --coordinator ...`: one rank's command line (the token travels
-    in its environment)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "shardserve.server",
-        "--coordinator",
-        coordinator,
-        "--listen",
-        f"{host}:0",
-        "--device",
-        device,
-        "--max-request-bytes",
-        str(max_request_bytes),
-        "--log-level",
-        log_level,
-    ]
-    if memory_limit is not None:
-        cmd += ["--memory-limit", str(memory_limit)]
-    if recycle_bytes is not None:
-        cmd += ["--recycle-bytes", str(recycle_bytes)]
-    if version_grace is not None:
-        cmd += ["--version-grace", repr(float(version_grace))]
-    if not bulk_reads:
-        cmd.append("--no-bulk-reads")
-    if persist_dir is not None:
-        cmd += ["--persist-dir", str(Path(persist_dir).resolve())]
-    if fsync is not None:
-        cmd += ["--fsync", fsync]
-    cmd += stream_limit_flags(limits)
-    tls = security.tls
-    if tls is not None:
-        cmd += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (
-            ["--tls-ca", tls.ca] if tls.ca else []
-        )
-    if security.principals is not None and security.principals.tokens_file is not None:
-        cmd += ["--tokens-file", str(Path(security.principals.tokens_file).resolve())]
-    if security.cluster is not None and security.cluster.path is not None:
-        cmd += ["--cluster-secret-file", str(Path(security.cluster.path).resolve())]
-    if security.cluster_cert is not None:
-        cmd += ["--cluster-cert-name", security.cluster_cert.name]
-    return cmd
-
-
-def rank_metrics_flags(metrics_port: int | None, rank: int) -> list[str]:
-    """The --metrics-port of `rank` when its launcher was given `metrics_port`: port+1+rank (the launcher's own
-    coordinator, if any, takes `metrics_port` itself), 0 for 0 (any free port), nothing for None."""
-    if metrics_port is None:
-        return []
-    return ["--metrics-port", str(metrics_port + 1 + rank if metrics_port else 0)]
-
-
-def rank_env(
-    rank: int,
-    local_rank: int,
-    local_world_size: int,
-    world_size: int,
-    token: str | None,
-    node_rank: int = 0,
-) -> dict[str, str]:
-    """torchrun's variables but MASTER_ADDR/PORT (ranks form their groups over the coordinator's store), and the
-    supervisor's pid: the rank exits when its supervisor is gone."""
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(local_world_size),
-        GROUP_RANK=str(node_rank),
-    )
-    env[PARENT_PID_ENV] = str(os.getpid())
-    # As torchrun does: ranks sharing a host split its cores instead of each taking all of them.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // local_world_size)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-    env.pop(TOKEN_ENV, None)
-    if token:
-        env[TOKEN_ENV] = token
-    return env
-
-
-def add_rank_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `up` and `node` that go to every rank they start, and the restart flags."""
-    parser.add_argument(
-        "--device", default="cpu", help="cpu or cuda (each rank takes cuda:LOCAL_RANK)"
-    )
-    parser.add_argument(
-        "--memory-limit",
-        type=int,
-        default=None,
-        help="bytes of shards per rank (0 = unlimited; "
-        "default: on CPU, 0.8 of the host's memory split among the ranks)",
-    )
-    parser.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=0,
-        help="largest ReadRegion box in bytes (0 = unlimited)",
-    )
-    parser.add_argument(
-        "--recycle-bytes",
-        type=int,
-        default=None,
-        help="bytes of freed versions' memory each "
-        "rank keeps for reuse (0 = off; default: the rank's, 1 GiB)",
-    )
-    parser.add_argument(
-        "--version-grace",
-        type=float,
-        default=None,
-        help="seconds a replaced version stays "
-        "readable on each rank after a newer one is served (0 = drop at once; default: the "
-        "rank's, 2)",
-    )
-    parser.add_argument(
-        "--no-bulk-reads",
-        action="store_true",
-        help="ranks serve no bulk TCP port; remote "
-        "clients read over gRPC only (always so with TLS)",
-    )
-    parser.add_argument(
-        "--persist-dir",
-        default=None,
-        help="directory under which each rank persists its shards "
-        "and update log (in rank-N/) and restores them from when it starts (`up`: default "
-        "STATE_DIR/data; `node`: default none, memory only)",
-    )
-    parser.add_argument(
-        "--fsync",
-        choices=("always", "interval", "none"),
-        default=None,
-        help="when each rank "
-        "fsyncs its update log: always (before a commit is acknowledged), interval (every 100 ms) "
-        "or none (default: the rank's, always)",
-    )
+def add_restart_args(parser: argparse.ArgumentParser) -> None:
+    """--max-restarts and --restart-backoff (of `up` and `node`)."""
     parser.add_argument(
         "--max-restarts",
         type=int,
@@ -246,72 +85,25 @@ def add_rank_args(parser: argparse.ArgumentParser) -> None:
         f"{RestartPolicy.max_backoff:.0f} s and reset once a rank stayed up "
         f"{RestartPolicy.stable_after:.0f} s (default %(default)s)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics: the coordinator "
-        "(under `up`) on this port, rank r on port+1+r (0 = any free port each; default: off; "
-        "`shardserve status` lists the addresses)",
-    )
-    add_tracing_args(parser)
-    add_stream_limit_args(parser)
 
 
-def check_rank_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Usage errors (exit 2) naming the flag of add_rank_args that is out of range."""
-    for flag in (
-        "memory_limit",
-        "max_request_bytes",
-        "recycle_bytes",
-        "max_restarts",
-        "metrics_port",
-    ):
-        if (getattr(args, flag) or 0) < 0:
-            parser.error(f"--{flag.replace('_', '-')} must be >= 0")
+def check_restart_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit 2) naming --max-restarts or --restart-backoff when out of range."""
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     if not 0 <= args.restart_backoff < math.inf:
         parser.error(
             f"--restart-backoff must be a number of seconds >= 0, got {args.restart_backoff}"
         )
-    try:
-        if args.tracing:
-            check_exporter(args.tracing)
-        stream_limits_from_args(args)
-    except ValueError as err:
-        parser.error(str(err))
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
-    """The RestartPolicy of --max-restarts and --restart-backoff (checked by check_rank_args)."""
+    """The RestartPolicy of --max-restarts and --restart-backoff (checked by check_restart_args)."""
     return RestartPolicy(
         args.max_restarts,
         args.restart_backoff,
         max(RestartPolicy.max_backoff, args.restart_backoff),
     )
-
-
-def parse_rank_list(text: str, world_size: int) -> list[int]:
-    """ "0-3" or "0,2,5" or "0-1,4" into sorted distinct rank numbers below `world_size`; ValueError says why."""
-    ranks: list[int] = []
-    for part in (p.strip() for p in text.split(",")):
-        first, dash, last = part.partition("-")
-        try:
-            low, high = int(first), int(last if dash else first)
-        except ValueError:
-            raise ValueError(
-                f"--ranks {text!r}: {part!r} is not a rank or a range like 0-3"
-            ) from None
-        if low < 0 or high < low:
-            raise ValueError(f"--ranks {text!r}: {part!r} is not a range of ranks >= 0 (low-high)")
-        if high >= world_size:
-            raise ValueError(
-                f"--ranks {text!r}: rank {high} is not below --world-size {world_size}"
-            )
-        ranks.extend(range(low, high + 1))
-    duplicates = sorted(rank for rank, count in Counter(ranks).items() if count > 1)
-    if duplicates:
-        raise ValueError(f"--ranks {text!r} names ranks {duplicates} more than once")
-    return sorted(ranks)
 
 
 def exit_reason(code: int) -> str:
@@ -364,6 +156,7 @@ class RankSupervisor:
 
     @property
     def ranks(self) -> list[int]:
+        """The rank numbers supervised here, sorted."""
         return sorted(self._slots)
 
     def process(self, rank: int) -> subprocess.Popen:

@@ -235,6 +235,7 @@ def combine_partials(
             )
         counts = group_counts
         blocks.append(total)
+    assert counts is not None  # partials is not empty, so there is at least one column group
     if expected_counts is not None:
         _check_counts(counts, _as_index_tensor(expected_counts, "expected_counts"))
     pooled = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)).to(dtype)

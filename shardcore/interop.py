@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -152,7 +152,10 @@ def spec_from_torch(spec: Any) -> Spec:
     from torch.distributed._shard import sharding_spec as torch_specs
 
     if isinstance(spec, torch_specs.ChunkShardingSpec):
-        return ChunkShardingSpec(spec.dim, tuple(str(p) for p in spec.placements))
+        return ChunkShardingSpec(
+            cast(int, spec.dim),  # a named (str) dim is refused by ChunkShardingSpec
+            tuple(RemoteDevice(str(p)) for p in spec.placements),
+        )
     if isinstance(spec, torch_specs.EnumerableShardingSpec):
         return EnumerableShardingSpec(tuple(shard_metadata_from_torch(s) for s in spec.shards))
     raise TypeError(

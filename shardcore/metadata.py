@@ -27,6 +27,8 @@ class RemoteDevice:
     """A placement "rank:N/<device>", with torch `_remote_device`'s accessors."""
 
     __slots__ = ("_rank", "_device")
+    _rank: int
+    _device: torch.device
 
     def __init__(self, spec: str | RemoteDevice | tuple[int, str]) -> None:
         if isinstance(spec, RemoteDevice):
@@ -246,7 +248,7 @@ def make_metadata(
 ) -> ShardedTensorMetadata:
     """Shorthand: metadata from (offsets, sizes, placement) triples."""
     return ShardedTensorMetadata(
-        tuple(ShardMetadata(o, s, p) for o, s, p in shards),
+        tuple(ShardMetadata(tuple(o), tuple(s), as_placement(p)) for o, s, p in shards),
         tuple(size),
         TensorProperties(dtype=dtype),
     )

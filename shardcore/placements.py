@@ -14,11 +14,16 @@ import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    RemoteDevice,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
 from shardserve.core.specs import chunk_bound
 
 
@@ -135,7 +140,9 @@ def metadata_from_placements(
     for rank, coordinate in zip(ranks, itertools.product(*(range(n) for n in shape))):
         offsets, sizes = local_box(size, shape, coordinate, rules, explicit)
         shards.append(
-            ShardMetadata(offsets, sizes, placement_string(rank, device, devices_per_host))
+            ShardMetadata(
+                offsets, sizes, RemoteDevice(placement_string(rank, device, devices_per_host))
+            )
         )
     return ShardedTensorMetadata(tuple(shards), size, TensorProperties(dtype=dtype))
 
@@ -233,7 +240,7 @@ def _chunk_length(
     try:
         if isinstance(entry, bool):
             raise TypeError
-        entry = operator.index(entry)  # numpy and torch integers too, as for `size`
+        entry = operator.index(cast(SupportsIndex, entry))  # raises TypeError for a non-integer
     except TypeError:
         raise ValueError(f"{where} must be a non-negative int or a shape, got {entry!r}") from None
     if entry < 0:

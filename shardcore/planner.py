@@ -222,11 +222,11 @@ class _SourceIndex:
             intervals: dict[tuple[int, int], list[int]] = {}
             for g, (offsets, sizes) in enumerate(self.boxes):
                 intervals.setdefault((offsets[d], offsets[d] + sizes[d]), []).append(g)
-            index = _IntervalIndex(intervals)
-            for position, members in enumerate(index.members):
+            interval_index = _IntervalIndex(intervals)
+            for position, members in enumerate(interval_index.members):
                 for g in members:
                     keys[g].append(position)
-            self.dims.append(index)
+            self.dims.append(interval_index)
         self.by_key = {tuple(key): g for g, key in enumerate(keys)}
 
     def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:

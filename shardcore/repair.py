@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
 from shardserve.core.health import copies_by_box
-from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,9 @@ def repaired_layout(
                 )
             holders.add(target.rank)
             load[target.rank] = load.get(target.rank, 0) + meta.shard_nbytes(index)
-            shards[index] = replace(shards[index], placement=f"rank:{target.rank}/{target.device}")
-    return replace(meta, shards_metadata=shards)
+            placement = RemoteDevice(f"rank:{target.rank}/{target.device}")
+            shards[index] = replace(shards[index], placement=placement)
+    return replace(meta, shards_metadata=tuple(shards))
 
 
 def _target(

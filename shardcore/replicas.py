@@ -17,6 +17,7 @@ import operator
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import SupportsIndex, cast
 
 from shardserve.core.health import copies_by_box
 from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata, ShardMetadata
@@ -49,7 +50,7 @@ def replicate_layout(
     for index, shard in enumerate(meta.shards_metadata):
         shards.append(shard)
         shards.extend(
-            dataclasses.replace(shard, placement=str(RemoteDevice((c.rank, c.device))))
+            dataclasses.replace(shard, placement=RemoteDevice((c.rank, c.device)))
             for c in copies.get(index, ())
         )
     return dataclasses.replace(meta, shards_metadata=tuple(shards))
@@ -60,7 +61,9 @@ def _checked_replicas(replicas: object, candidates: Sequence[CandidateRank]) -> 
     if isinstance(replicas, bool):
         raise ValueError(f"replicas must be an int, got {replicas!r}")
     try:
-        replicas = operator.index(replicas)
+        replicas = operator.index(
+            cast(SupportsIndex, replicas)
+        )  # raises TypeError for a non-integer
     except TypeError:
         raise ValueError(f"replicas must be an int, got {replicas!r}") from None
     if replicas < 1:

@@ -295,8 +295,8 @@ def stable_sort(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if values.size < LARGE_SORT:
         order = np.argsort(values, kind="stable")
         return values[order], order
-    sorted_ids, order = torch.sort(torch.from_numpy(values), stable=True)
-    return sorted_ids.numpy(), order.numpy()
+    sorted_ids, positions = torch.sort(torch.from_numpy(values), stable=True)
+    return sorted_ids.numpy(), positions.numpy()
 
 
 def distinct_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -312,4 +312,5 @@ def distinct_ids(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted distinct ids and, per id, its index in them (ids == unique[inverse])."""
     ids = _check_ids(ids)
-    return torch.unique(ids, sorted=True, return_inverse=True)
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    return unique, inverse

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-from shardserve.core.metadata import Box, ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    Box,
+    RemoteDevice,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+)
 from shardserve.core.regions import intersect
 
 
@@ -103,12 +109,14 @@ def balanced_layouts(
     layouts = {}
     for key, tensor in tensors.items():
         shards = [
-            ShardMetadata(box.offsets, box.sizes, chosen[(key, box)])
+            ShardMetadata(box.offsets, box.sizes, RemoteDevice(chosen[(key, box)]))
             for box, _ in tensor.writers
             if (key, box) in chosen
         ]
         if not shards:
-            shards = [ShardMetadata((0,) * len(tensor.size), tensor.size, placements[0])]
+            shards = [
+                ShardMetadata((0,) * len(tensor.size), tensor.size, RemoteDevice(placements[0]))
+            ]
         layouts[key] = ShardedTensorMetadata(
             tuple(shards), tensor.size, TensorProperties(dtype=tensor.dtype)
         )

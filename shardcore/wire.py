@@ -7,11 +7,17 @@ data travels as raw little-endian C-contiguous bytes; nothing is pickled.
 from __future__ import annotations
 
 import sys
+from typing import cast
 
 import torch
 
 from shardserve.core.dtypes import dtype_from_wire, dtype_to_wire
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    as_placement,
+)
 from shardserve.protos import shardserve_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
@@ -20,7 +26,7 @@ if sys.byteorder != "little":  # pragma: no cover - every platform torch ships o
 
 def properties_to_proto(props: TensorProperties) -> pb.TensorProperties:
     return pb.TensorProperties(
-        dtype=dtype_to_wire(props.dtype),
+        dtype=cast(pb.DType, dtype_to_wire(props.dtype)),  # the wire enum's number
         requires_grad=props.requires_grad,
         layout="strided",
         memory_format="contiguous_format",
@@ -51,7 +57,7 @@ def shard_to_proto(shard: ShardMetadata) -> pb.ShardMetadata:
 def shard_from_proto(msg: pb.ShardMetadata, index: int = 0) -> ShardMetadata:
     try:
         return ShardMetadata(
-            tuple(msg.shard_offsets), tuple(msg.shard_sizes), msg.placement or None
+            tuple(msg.shard_offsets), tuple(msg.shard_sizes), as_placement(msg.placement or None)
         )
     except (ValueError, TypeError) as err:
         raise ValueError(f"shards_metadata[{index}]: {err}") from None
@@ -84,8 +90,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     )  # a lazily conjugated or negated view has no such bytes
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(
-        t.reshape(-1).view(torch.uint8).numpy()
+    return (
+        t.reshape(-1).view(torch.uint8).numpy().data
     )  # flat first: a 0-d tensor has no dim to view
 
 

@@ -98,6 +98,7 @@ def write_requests(
     version: int,
     index: int,
     data: torch.Tensor,
+    *,
     chunk: int = 1 << 20,
     dtype: int | None = None,
     nbytes: int | None = None,
@@ -149,7 +150,7 @@ def write_shards(
             continue
         rank = meta.shards_metadata[index].rank
         stubs.ranks[rank].WriteShard(
-            write_requests(info.name, info.version, index, part, chunk),
+            write_requests(info.name, info.version, index, part, chunk=chunk),
             timeout=TIMEOUT,
             metadata=stubs.metadata,
         )
@@ -179,6 +180,7 @@ def read_region(
     name: str,
     version: int,
     shard_index: int,
+    *,
     offsets,
     sizes,
     dtype: torch.dtype,
@@ -219,9 +221,9 @@ def read_full(stubs: Stubs, info: pb.TensorInfo) -> torch.Tensor:
             info.name,
             info.version,
             index,
-            shard.shard_offsets,
-            shard.shard_sizes,
-            meta.dtype,
+            offsets=shard.shard_offsets,
+            sizes=shard.shard_sizes,
+            dtype=meta.dtype,
         )
         view = out
         for d, (o, s) in enumerate(zip(shard.shard_offsets, shard.shard_sizes)):

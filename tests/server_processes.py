@@ -21,7 +21,7 @@ import grpc
 from shardserve import ShardServeError
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
-from shardserve.server.launcher import PROJECT_ROOT
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 
 @functools.cache

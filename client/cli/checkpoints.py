@@ -104,4 +104,5 @@ def _row_spec(cluster: Any, dim: int) -> Any:
     from shardserve.core.specs import ChunkShardingSpec
 
     live = [r for r in cluster.ranks() if r.alive]
-    return ChunkShardingSpec(dim, [f"rank:{r.rank}/{r.device}" for r in live]) if live else None
+    placements = tuple(f"rank:{r.rank}/{r.device}" for r in live)
+    return ChunkShardingSpec(dim, placements) if live else None  # type: ignore[arg-type]

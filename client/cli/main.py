@@ -19,9 +19,10 @@ from shardserve.client.cli.checkpoints import (
     add_replicas_flag,
     run_checkpoint_command,
 )
+from shardserve.client.cli.status import show_snapshots, show_status
 
 if TYPE_CHECKING:
-    from shardserve.client.cluster import Cluster
+    pass
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -236,113 +237,6 @@ def _exec_server(command: str, args: Sequence[str]) -> None:
     os.execv(sys.executable, argv)
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _status(cluster) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from shardserve.client.info import health_summary, layout_summary
-    from shardserve.core.dtypes import dtype_name
-
-    ranks = Table(title=f"ranks of {cluster.address}")
-    for column in (
-        "rank",
-        "address",
-        "device",
-        "host",
-        "pid",
-        "restarts",
-        "alive",
-        "memory used",
-        "memory limit",
-        "metrics",
-        "restore",
-    ):
-        ranks.add_column(column)
-    statuses = cluster.ranks()
-    for r in statuses:
-        ranks.add_row(
-            str(r.rank),
-            r.address or "-",
-            r.device,
-            r.hostname,
-            str(r.pid),
-            str(r.restarts),
-            "[green]yes[/green]" if r.alive else "[red]no[/red]",
-            _human_bytes(r.memory_used_bytes),
-            _human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-",
-            r.metrics_address or "-",
-            _restore_summary(r.restore),
-        )
-    restoring = {r.rank for r in statuses if r.restore is not None}
-    tensors = Table(title="tensors")
-    for column in (
-        "name",
-        "version",
-        "state",
-        "health",
-        "replicas",
-        "shape",
-        "dtype",
-        "layout",
-        "bytes",
-    ):
-        tensors.add_column(column)
-    colors = {"healthy": "green", "degraded": "yellow", "lost": "red"}
-    for t in cluster.list(include_pending=True):
-        health = f"[{colors[t.health]}]{health_summary(t)}[/{colors[t.health]}]"
-        waiting = sorted({t.metadata.shards_metadata[i].rank for i in t.unavailable} & restoring)
-        if waiting:
-            health = f"[yellow]restoring (rank{'s' if len(waiting) > 1 else ''} {','.join(map(str, waiting))})[/yellow]"
-        tensors.add_row(
-            t.name,
-            str(t.version),
-            t.state,
-            health,
-            str(t.replicas),
-            "x".join(map(str, t.shape)) or "()",
-            dtype_name(t.dtype),
-            layout_summary(t.metadata),
-            _human_bytes(t.nbytes),
-        )
-    console = (
-        Console() if sys.stdout.isatty() else Console(width=200)
-    )  # pipes: no truncated columns
-    console.print(ranks)
-    _print_epoch(cluster, console)
-    console.print(tensors)
-
-
-def _restore_summary(restore) -> str:
-    """A rank's restore for people: "-", "42% (1.2 GiB of 2.9 GiB, 3 of 7 tensors)" or "loaded, re-promoting"."""
-    if restore is None:
-        return "-"
-    if restore.loaded:
-        return "loaded, re-promoting"
-    return (
-        f"{restore.fraction:.0%} ({_human_bytes(restore.done_bytes)} of {_human_bytes(restore.total_bytes)}, "
-        f"{restore.done_tensors} of {restore.total_tensors} tensors)"
-    )
-
-
-def _print_epoch(cluster, console) -> None:
-    """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
-    from shardserve.protos import shardserve_pb2 as pb
-
-    answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
-    console.print(f"collective jobs: epoch {answer.epoch}")
-    console.print(
-        f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}"
-    )
-
-
 def _fetch(cluster, args: argparse.Namespace) -> None:
     import torch
 
@@ -465,7 +359,7 @@ def _run(args: argparse.Namespace) -> None:
         tls_key=args.tls_key,
     ) as cluster:
         if args.command == "status":
-            _status(cluster)
+            show_status(cluster)
         elif args.command == "list":
             from shardserve.client.info import health_summary
 
@@ -479,12 +373,9 @@ def _run(args: argparse.Namespace) -> None:
             from shardserve.core.specs import ChunkShardingSpec
 
             live = [r for r in cluster.ranks() if r.alive]
-            spec = (
-                ChunkShardingSpec(args.dim, [f"rank:{r.rank}/{r.device}" for r in live])
-                if live
-                else None
-            )
-            t = cluster.create(
+            placements = tuple(f"rank:{r.rank}/{r.device}" for r in live)
+            spec = ChunkShardingSpec(args.dim, placements) if live else None  # type: ignore[arg-type]
+            created = cluster.create(
                 args.name,
                 args.shape,
                 dtype=args.dtype,
@@ -495,7 +386,8 @@ def _run(args: argparse.Namespace) -> None:
                 replicas=args.replicas,
             )
             print(
-                f"created {t.name} version {t.version}: {tuple(t.shape)} {t.dtype}, {layout_summary(t.metadata())}"
+                f"created {created.name} version {created.version}: {tuple(created.shape)} {created.dtype}, "
+                f"{layout_summary(created.metadata())}"
             )
         elif args.command == "fetch":
             _fetch(cluster, args)
@@ -509,23 +401,9 @@ def _run(args: argparse.Namespace) -> None:
             cluster.delete(args.name)
             print(f"deleted {args.name}")
         elif args.command == "snapshots":
-            _snapshots(cluster, args.prefix, args.tensors)
+            show_snapshots(cluster, args.prefix, args.tensors)
         else:
             run_checkpoint_command(cluster, args)
-
-
-def _snapshots(cluster: Cluster, prefix: str, tensors: bool) -> None:
-    """One line per kept snapshot of `prefix` (and one per tensor with `tensors`)."""
-    kept = cluster.snapshots(prefix)
-    if not kept:
-        print(f"no snapshots of {prefix}")
-    for snapshot in kept:
-        print(
-            f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t{snapshot.nbytes} bytes\t"
-            f"age {snapshot.age_s:.1f}s"
-        )
-        for key, t in snapshot.tensors.items() if tensors else ():
-            print(f"  {key}\t{tuple(t.shape)}\t{t.dtype}\t{t.nbytes} bytes\t{t.health}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,8 @@ from shardserve.client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
 from shardserve.client.errors import RankUnavailableError, ShardServeError, StaleVersionError
 from shardserve.client.paths.grpc import answers_in_one_message
 from shardserve.client.paths.hedging import Cancellation, Landing
-from shardserve.client.paths.policy import NetworkCall, SentCalls
+from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.pipeline import NetworkCall, SentCalls
 from shardserve.client.session import Session
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.embedding import PartialBags
@@ -51,7 +52,7 @@ class Exchange:
     receivers: list[Receiver] = field(default_factory=list)
     calls: list[NetworkCall] = field(default_factory=list)
     sent: SentCalls | None = None
-    paths: list[str] = field(default_factory=list)
+    paths: list[PathKind | None] = field(default_factory=list)
 
     def wait(self) -> None:
         """Every answer received (raises the first failure once all calls ended)."""
@@ -63,7 +64,7 @@ class Exchange:
         for receiver in self.receivers:
             receiver.finish()
         for (rank, mapped), path in zip(self.ranks, self.paths):
-            self.last_paths[rank] = f"shm+{path}" if mapped else path
+            self.last_paths[rank] = f"shm+{path}" if mapped else str(path)
 
 
 def call_ranks(session: Session, items: list[ItemPlan], last_paths: dict[int, str]) -> None:
@@ -136,7 +137,7 @@ def hedge_call(session: Session, receiver: Receiver, cancel: Cancellation) -> tu
     take these answers."""
     by_rank: dict[int, list[tuple[int, ItemPlan]]] = defaultdict(list)
     for position, item in enumerate(receiver.items):
-        others = session.other_copies(item.view.summary, item.message.shard_index)
+        others = session.health.other_copies(item.view.summary, item.message.shard_index)
         if not others:
             raise RankUnavailableError(
                 f"{receiver.where}: shard {item.message.shard_index} of "
@@ -170,7 +171,7 @@ def hedge_call(session: Session, receiver: Receiver, cancel: Cancellation) -> tu
         for positions, hedge in hedges:
             receiver.adopt(hedge, positions)
 
-    return paths[-1], land
+    return str(paths[-1]), land
 
 
 def answer_through_shared_memory(
@@ -254,7 +255,7 @@ class Receiver:
     def take_reply(self) -> None:
         """Add the chunks of a whole reply taken off the bulk port, if there is one."""
         if self.reply is not None:
-            for chunk in decode_lookup_reply(self.reply):
+            for chunk in decode_lookup_reply(self.reply):  # type: ignore[arg-type]
                 self.add(chunk)
             self.reply = None
 

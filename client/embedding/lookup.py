@@ -159,7 +159,7 @@ class Lookups:
     ) -> torch.Tensor:
         """The rows asked of one table, in the caller's order, from its answered items (and into the cache)."""
         rows = plan.distinct_rows(items)
-        if self.cache is not None and plan.wanted.size:
+        if self.cache is not None and plan.wanted is not None and plan.wanted.size:
             self.cache.put_many(
                 plan.view.name,
                 plan.view.version,
@@ -198,6 +198,7 @@ class Lookups:
         offsets: Any,
         mode: str = "mean",
         per_sample_weights: torch.Tensor | None = None,
+        *,
         dtype: torch.dtype | None = None,
         pooling: str = "auto",
     ) -> torch.Tensor:

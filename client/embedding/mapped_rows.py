@@ -27,7 +27,8 @@ import torch
 
 from shardserve.client.embedding.views import TableView
 from shardserve.client.errors import RankUnavailableError, StaleVersionError
-from shardserve.client.paths.shm import HostMapping, SharedMemoryError
+from shardserve.client.paths.segments import HostMapping
+from shardserve.client.paths.shm import SharedMemoryError
 from shardserve.client.session import Session
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class MappedRows:
             except SharedMemoryError:
                 return None
             except RankUnavailableError as err:  # the rank died: later views route to another copy
-                session.paths.note_failure(status, err)
+                session.health.note_failure(status.rank, err)
                 raise
             if mapping is None:
                 return None

@@ -122,6 +122,7 @@ class RowPlan:
             and self.bad is None
             and len(items) == 1
             and items[0].width == self.view.dim
+            and items[0].positions is not None
             and items[0].positions.size == self.unique.size
             and items[0].answer.dtype == self.view.dtype
         ):

@@ -159,11 +159,12 @@ class TableViews:
         """
         with self._lock:
             view = self._views.get(name)
-            if (
-                self.cache is not None
-                and time.monotonic() - self._fetched.get(name, 0.0) > self.cache_max_age
-            ):
+            age = time.monotonic() - self._fetched.get(name, 0.0)
+            if self.cache is not None and age > self.cache_max_age:
                 refresh = True
+            if view is not None and (view.unavailable or view.suspect):
+                # copies avoided are a lease (client.health): asked again once it is old
+                refresh = refresh or age >= self._session.health.lease_s
         if view is None or refresh or view.version < self._session.newest_seen(name):
             view = self._fetch(name)
         return view
@@ -174,8 +175,8 @@ class TableViews:
         info = self._session.call("GetTensor", pb.GetTensorRequest(name=name))
         self._session.saw_version(info.name, info.version)
         summary = TensorSummary.from_proto(info)
-        unavailable = self._session.unavailable_shards(summary)
-        suspect = self._session.suspect_shards(summary)
+        unavailable = self._session.health.unavailable_shards(summary)
+        suspect = self._session.health.suspect_shards(summary)
         with self._lock:
             old = self._views.get(name)
         same = old is not None and (old.version, old.unavailable, old.suspect) == (
@@ -183,7 +184,7 @@ class TableViews:
             unavailable,
             suspect,
         )
-        view = old if same else TableView.from_info(info, unavailable, suspect)
+        view = old if same and old is not None else TableView.from_info(info, unavailable, suspect)
         with self._lock:
             old = self._views.get(name)
             if (

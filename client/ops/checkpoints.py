@@ -64,6 +64,7 @@ def load_checkpoint(
     session: Session,
     path: Any,
     names: Sequence[str] | str | None = None,
+    *,
     spec: Any = None,
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
@@ -94,7 +95,7 @@ def load_checkpoint(
             want = saved_dtype if dtype is None else dtype_from_name(dtype)
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"dtype: {err}") from None
-        meta = session.layout(size, want, layout_spec, replicas)
+        meta = session.layouts.layout(size, want, layout_spec, replicas)
         tensors.append(pb.CheckpointTensor(name=name, metadata=metadata_to_proto(meta)))
     request = pb.LoadCheckpointRequest(
         path=path, tensors=tensors, overwrite=overwrite, timeout_s=timeout

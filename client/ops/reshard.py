@@ -63,6 +63,7 @@ def reshard(
     shape: Sequence[int],
     dtype: torch.dtype,
     spec: Any,
+    *,
     bucket_bytes: int | None = None,
     timeout: float | None = None,
     progress: Callable[[ReshardProgress], None] | None = None,
@@ -76,7 +77,7 @@ def reshard(
     if timeout is not None:
         timeout = arguments.seconds(timeout, "timeout")
     arguments.callback(progress, "progress")
-    meta = session.layout(tuple(shape), dtype, spec, replicas)
+    meta = session.layouts.layout(tuple(shape), dtype, spec, replicas)
     request = pb.ReshardRequest(
         name=name,
         metadata=metadata_to_proto(meta),
@@ -117,6 +118,7 @@ def layout_from_options(
     shape: Sequence[int],
     dtype: Any,
     devices: dict[int, str],
+    *,
     dim: int | None = None,
     ranks: Sequence[int] | None = None,
     grid: str | None = None,
@@ -147,14 +149,14 @@ def layout_from_options(
     elif replicate:
         meta = _build(lambda: metadata_from_placements(shape, ranks, [Replicate()], dtype))
     else:
-        placements = [f"rank:{r}/{devices[r]}" for r in ranks]
+        placements = tuple(f"rank:{r}/{devices[r]}" for r in ranks)
         return _build(
-            lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(
+            lambda: ChunkShardingSpec(dim or 0, placements).build_metadata(  # type: ignore[arg-type]
                 tuple(shape), TensorProperties(dtype=dtype)
             )
         )
     shards = tuple(
-        dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}")
+        dataclasses.replace(s, placement=f"rank:{s.rank}/{devices[s.rank]}")  # type: ignore[arg-type]
         for s in meta.shards_metadata
     )
     return dataclasses.replace(meta, shards_metadata=shards)

@@ -171,7 +171,16 @@ def _apply_once(
             info.unavailable_shards
         )  # copies on dead ranks: the coordinator repairs them
         jobs = [
-            partial(_write_batch, session, view, name, info.version, index, batch_ids, batch_rows)
+            partial(
+                _write_batch,
+                session,
+                view,
+                name=name,
+                version=info.version,
+                index=index,
+                ids=batch_ids,
+                rows=batch_rows,
+            )
             for index, batch_ids, batch_rows in _shard_batches(view, unique, rows, missing)
         ]
         session.run_all(jobs)
@@ -206,6 +215,7 @@ def _shard_batches(
 def _write_batch(
     session: Session,
     view: TableView,
+    *,
     name: str,
     version: int,
     index: int,

@@ -25,10 +25,13 @@ from shardserve.client.errors import (
     error_from_rpc,
 )
 from shardserve.client.info import RankStatus, TensorSummary
-from shardserve.client.paths.policy import PathPolicy, read_request
+from shardserve.client.paths.kinds import DataPath, PathKind
+from shardserve.client.paths.network import read_request
+from shardserve.client.paths.policy import PathPolicy
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
 
 BATCH_READ_BYTES = 1 << 20  # the largest answer of one call (the ranks' BATCH_READ_BYTES)
 MAX_BATCH_REGIONS = 16384  # regions of one call (the ranks' MAX_BATCH_REGIONS)
@@ -112,8 +115,8 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
     bytes read."""
     request = pb.ReadRegionsRequest(regions=[read.request for read in reads])
     expected = sum(read.nbytes for read in reads)
-    reply, path = policy.over_network(
-        rank, lambda path: _ask(policy, path, rank.address, request, expected)
+    reply, path = policy.network.run(
+        rank, lambda data_path: _ask(policy, data_path, rank.address, request, expected)
     )
     _check_reply(rank.address, reads, reply)
     if expected:
@@ -126,10 +129,10 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
 
 
 def _ask(
-    policy: PathPolicy, path: str, address: str, request: pb.ReadRegionsRequest, expected: int
+    policy: PathPolicy, path: DataPath, address: str, request: pb.ReadRegionsRequest, expected: int
 ) -> pb.ReadRegionsReply:
-    """ReadRegions' reply over `path` ("tcp": the bulk port's KIND_READS frame; "grpc": the RPC)."""
-    if path == "tcp":
+    """ReadRegions' reply over `path` (the bulk port's KIND_READS frame, or the RPC)."""
+    if path.kind is PathKind.BULK:
         return policy.bulk.read_regions(
             address,
             request,
@@ -168,7 +171,7 @@ def _check_reply(address: str, reads: Sequence[RegionRead], reply: pb.ReadRegion
 def read_alone_after(err: BaseException) -> bool:
     """Whether a failed batch is worth reading again box by box (its rank unreachable, slow, or without
     ReadRegions), rather than an error of the request itself."""
-    unimplemented = isinstance(err, ShardServeError) and err.code == grpc.StatusCode.UNIMPLEMENTED
+    unimplemented = isinstance(err, ShardServeError) and err.reason == Reason.PATH_UNAVAILABLE
     return isinstance(err, (RankUnavailableError, DeadlineExceededError)) or unimplemented
 
 
@@ -183,6 +186,6 @@ def read_batch(
     except ShardServeError as err:
         if not read_alone_after(err):
             raise
-        policy.note_failure(rank, err)
+        policy.health.note_failure(rank.rank, err)
         return {read.piece for read in batch}
     return set()

@@ -40,8 +40,11 @@ from shardserve.client.errors import (
     error_from_rpc,
     error_from_status,
 )
+from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.kinds import PartRead, PathKind
+from shardserve.client.paths.network import read_part
 from shardserve.client.paths.writes import ShardWrite, write_request
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
@@ -57,18 +60,17 @@ from shardserve.protos.bulk_wire import (
     recv_exactly,
     send_parts,
 )
-from shardserve.protos.errors import detail_of_status
+from shardserve.protos.errors import Reason, detail_of_status
 
 MAX_ERROR_BYTES = 64 << 10
 IDLE_KEPT = 8  # idle connections kept per rank
 IDLE_KEEP_S = 60.0  # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
 T = TypeVar("T")
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-# Codes that say the path cannot serve us (not that the request is wrong): the data plane falls back to gRPC.
-_PATH_FAILURES = (
-    grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAVAILABLE,
+# Reasons of an answer on the port that say the path cannot serve us (not that the request is wrong): the port
+# is off, the ticket's rights refused, the rank going away; the fallback chain goes on to gRPC.
+_PATH_FAILURES = frozenset(
+    {Reason.PATH_UNAVAILABLE, Reason.PERMISSION_DENIED, Reason.RANK_UNAVAILABLE}
 )
 
 
@@ -93,7 +95,10 @@ def _error_of(code: grpc.StatusCode, body_kind: int, body: bytes, where: str) ->
 
 
 class BulkReadError(ShardServeError):
-    """The bulk TCP path cannot serve this read (no bulk port, ticket refused, connection broken)."""
+    """The bulk TCP path cannot serve this read (no bulk port, ticket refused, connection broken):
+    PATH_UNAVAILABLE, so the fallback chain tries the next path."""
+
+    reason = Reason.PATH_UNAVAILABLE
 
 
 class _Connection:
@@ -106,9 +111,10 @@ class _Connection:
 
 
 class BulkPath:
-    """Reads and lookups over the ranks' bulk ports; connections opened on demand and kept for reuse."""
+    """Reads, lookups and writes over the ranks' bulk ports (a DataPath: client.paths.kinds); connections
+    opened on demand and kept for reuse."""
 
-    name = "tcp"
+    kind = PathKind.BULK
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -117,7 +123,19 @@ class BulkPath:
         self._closed = False
         self._tls: ssl.SSLContext | None = None  # made on the first TLS connection
 
-    def read(
+    def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
+        """Whether `rank` may be tried over its bulk port (whether it serves one shows when asked: BulkReadError,
+        PATH_UNAVAILABLE)."""
+        return bool(rank.address)
+
+    def refusal(self, rank: RankStatus) -> ShardServeError:
+        return BulkReadError(f"rank {rank.rank} has no address")
+
+    def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
+        """One part into its region over the bulk port (client.paths.network: bands, landing)."""
+        read_part(self.read_box, address, read, cancel)
+
+    def read_box(
         self,
         address: str,
         request: pb.ReadRegionRequest,
@@ -144,10 +162,10 @@ class BulkPath:
                     f"rank at {address} sends {length} bytes for a {dest.numel()}-byte region"
                 )
             if length:
-                recv_exactly(sock, memoryview(dest.numpy()), deadline)
+                recv_exactly(sock, memoryview(dest.numpy()), deadline)  # type: ignore[arg-type]
 
         return self._send(
-            address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel
+            address, KIND_READ, request.SerializeToString(), dest.numel(), into_dest, cancel=cancel
         )
 
     def send_lookup(
@@ -167,7 +185,7 @@ class BulkPath:
             request.SerializeToString(),
             reply_bytes,
             _bounded_answer(address, "lookup answer", reply_bytes),
-            cancel,
+            cancel=cancel,
         )
 
     def read_regions(
@@ -204,6 +222,7 @@ class BulkPath:
         message: bytes,
         nbytes: int,
         receive: Callable[..., T],
+        *,
         cancel: Cancellation | None = None,
         payload: Sequence[memoryview] = (),
     ) -> Callable[[], T]:
@@ -305,11 +324,10 @@ class BulkPath:
         try:
             session = self._open_session(address, cancel)
         except ShardServeError as err:
-            if err.code in (
-                grpc.StatusCode.UNIMPLEMENTED,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-            ):  # none, or busy
-                raise BulkReadError(f"{where}: {err.message}", err.code) from None
+            if err.reason in (Reason.PATH_UNAVAILABLE, Reason.OVERLOADED):  # none, or busy
+                raise BulkReadError(
+                    f"{where}: {err.message}", err.code, reason=err.reason, metadata=err.metadata
+                ) from None
             raise
         host = address.rpartition(":")[0].strip("[]")
         try:
@@ -409,7 +427,7 @@ class BulkPath:
         recv_exactly(connection.sock, memoryview(body), deadline)
         code = _STATUS_BY_VALUE.get(answer.status, grpc.StatusCode.UNKNOWN)
         error = _error_of(code, answer.body_kind, bytes(body), where)
-        if code in _PATH_FAILURES or answer.length > MAX_ERROR_BYTES:
+        if error.reason in _PATH_FAILURES or answer.length > MAX_ERROR_BYTES:
             raise BulkReadError(f"{where}: {error.message}", code)
         self._give_back(address, connection)
         raise error

@@ -88,7 +88,7 @@ def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
         for fd in fds.values():
             os.close(fd)
     array = (ctypes.c_char * reply.nbytes).from_address(space.address)
-    array.keeps = space
+    setattr(array, "keeps", space)  # noqa: B010 - the range lives as long as the array
     return torch.frombuffer(array, dtype=torch.uint8)
 
 

@@ -17,8 +17,11 @@ import numpy as np
 import torch
 
 from shardserve.client.channel import Channel
-from shardserve.client.errors import ShardServeError, error_from_rpc
+from shardserve.client.errors import RankUnavailableError, ShardServeError, error_from_rpc
+from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.kinds import PartRead, PathKind
+from shardserve.client.paths.network import read_part
 from shardserve.client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
@@ -37,14 +40,26 @@ def answers_in_one_message(answer_bytes: int) -> bool:
 
 
 class GrpcPath:
-    """Reads and lookups as gRPC calls to the ranks."""
+    """Reads, lookups and writes as gRPC calls to the ranks (a DataPath: client.paths.kinds); it serves every
+    rank."""
 
-    name = "grpc"
+    kind = PathKind.GRPC
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
-    def read(
+    def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
+        """Every registered rank serves gRPC."""
+        return bool(rank.address)
+
+    def refusal(self, rank: RankStatus) -> ShardServeError:
+        return RankUnavailableError(f"rank {rank.rank} has no address")
+
+    def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
+        """One part into its region (client.paths.network: bands, landing)."""
+        read_part(self.read_box, address, read, cancel)
+
+    def read_box(
         self,
         address: str,
         request: pb.ReadRegionRequest,

@@ -21,13 +21,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 from shardserve.client.errors import RankUnavailableError
-from shardserve.core.health import copies_by_box, pick_copy
-from shardserve.core.metadata import ShardedTensorMetadata
 
 log = logging.getLogger(__name__)
 
@@ -82,28 +81,6 @@ def _run_hook(hook: Callable[[], None]) -> None:
 def hedge_delay(hedge_after: float, nbytes: int) -> float:
     """How long a part of `nbytes` may stay silent before it is hedged."""
     return hedge_after + nbytes / HEDGE_BYTES_PER_S
-
-
-def other_copies(
-    meta: ShardedTensorMetadata,
-    index: int,
-    unavailable: Set[int] = frozenset(),
-    suspect: Set[int] = frozenset(),
-) -> list[int]:
-    """The other available copies of shard `index`'s box on other ranks, the best first (unsuspected ones, in
-    layout order), for a hedge."""
-    shard = meta.shards_metadata[index]
-    copies = [
-        i
-        for i in copies_by_box(meta).get(shard.box, [])
-        if i != index and i not in unavailable and meta.shards_metadata[i].rank != shard.rank
-    ]
-    ordered = []
-    while copies:
-        best = pick_copy(meta, copies, suspect=suspect)
-        ordered.append(best)
-        copies.remove(best)
-    return ordered
 
 
 @dataclass(eq=False)
@@ -200,10 +177,11 @@ class Watchdog:
     def start(self, rank: int, nbytes: int, hedge: Hedge | None) -> Race:
         """A race for one part of `nbytes` on `rank`, watched until finish()."""
         now = time.monotonic()
-        hedge = hedge if self.hedge_after else None
-        hedge_at = (
-            now + hedge_delay(self.hedge_after, nbytes) if hedge is not None else float("inf")
-        )
+        hedge_at = float("inf")
+        if self.hedge_after and hedge is not None:
+            hedge_at = now + hedge_delay(self.hedge_after, nbytes)
+        else:
+            hedge = None
         race = Race(rank, hedge, now, hedge_at, now + CHECK_EVERY_S)
         with self._cond:
             if self._closed:
@@ -264,7 +242,7 @@ class Watchdog:
                 self._submit(race.run_hedge)
             if not race.checking and race.check_at <= now:
                 race.checking = True
-                self._submit(lambda race=race: self._check(race))
+                self._submit(partial(self._check, race))
 
     def _submit(self, job: Callable[[], None]) -> None:
         assert self._pool is not None

@@ -51,7 +51,7 @@ def shard_write(
         name=name,
         version=version,
         shard_index=shard_index,
-        dtype=dtype_to_wire(data.dtype),
+        dtype=dtype_to_wire(data.dtype),  # type: ignore[arg-type]
         nbytes=data.numel() * data.element_size(),
     )
     return ShardWrite(header, data, chunk_bytes)

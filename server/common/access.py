@@ -66,6 +66,18 @@ def _shard_names(request: Any) -> list[str]:
     return sorted({header.name for header in request.shards})
 
 
+def _region_names(request: Any) -> list[str]:
+    return sorted({region.name for region in request.regions})
+
+
+def _item_names(request: Any) -> list[str]:
+    return sorted({item.name for item in request.items})
+
+
+def _prefix_if_any(request: Any) -> str | None:
+    return request.prefix or None
+
+
 def _header_name(request: Any) -> str | None:
     header = getattr(request, "header", None)
     return header.name if header is not None and request.HasField("header") else None
@@ -73,8 +85,9 @@ def _header_name(request: Any) -> str | None:
 
 @dataclass(frozen=True)
 class Rule:
-    """The right a method needs; `tensor`: where its request names the tensor it writes; `logged`: a change;
-    `needs_caller`: the servicer asks caller() who called."""
+    """The right a method needs; `tensor`: where its request names the tensor it reads or writes (checked
+    against the principal's patterns); `logged`: a change; `needs_caller`: the servicer asks caller() who
+    called (to filter a listing by the patterns, or to remember the principal in a bulk-port ticket)."""
 
     right: str
     tensor: Callable[[Any], str | Sequence[str] | None] | None = (
@@ -94,8 +107,8 @@ ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "CreateTensor": Rule(WRITE, _field_name, logged=True),
     COORDINATOR + "CommitTensor": Rule(WRITE, _field_name, logged=True),
     COORDINATOR + "AbortTensor": Rule(WRITE, _field_name, logged=True),
-    COORDINATOR + "GetTensor": Rule(READ),
-    COORDINATOR + "ListTensors": Rule(READ),
+    COORDINATOR + "GetTensor": Rule(READ, _field_name),
+    COORDINATOR + "ListTensors": Rule(READ, needs_caller=True),
     COORDINATOR + "DeleteTensor": Rule(WRITE, _field_name, logged=True),
     COORDINATOR + "Reshard": Rule(ADMIN, logged=True),
     COORDINATOR + "InspectCheckpoint": Rule(ADMIN),
@@ -104,8 +117,8 @@ ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "CreateSnapshot": Rule(WRITE, _field_prefix, logged=True),
     COORDINATOR + "CommitSnapshot": Rule(WRITE, _field_prefix, logged=True),
     COORDINATOR + "AbortSnapshot": Rule(WRITE, _field_prefix, logged=True),
-    COORDINATOR + "GetSnapshot": Rule(READ),
-    COORDINATOR + "ListSnapshots": Rule(READ),
+    COORDINATOR + "GetSnapshot": Rule(READ, _field_prefix),
+    COORDINATOR + "ListSnapshots": Rule(READ, _prefix_if_any, needs_caller=True),
     SHARD_SERVER + "AllocateShards": Rule(CLUSTER),
     SHARD_SERVER + "PromoteVersion": Rule(CLUSTER),
     SHARD_SERVER + "DropVersion": Rule(CLUSTER),
@@ -113,17 +126,17 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "PromoteMany": Rule(CLUSTER),
     SHARD_SERVER + "DropMany": Rule(CLUSTER),
     SHARD_SERVER + "WriteShard": Rule(WRITE, _header_name),
-    SHARD_SERVER + "ReadRegion": Rule(READ),
+    SHARD_SERVER + "ReadRegion": Rule(READ, _field_name),
     SHARD_SERVER + "GetStats": Rule(READ),
-    SHARD_SERVER + "Lookup": Rule(READ),
-    SHARD_SERVER + "LookupSmall": Rule(READ),
+    SHARD_SERVER + "Lookup": Rule(READ, _item_names),
+    SHARD_SERVER + "LookupSmall": Rule(READ, _item_names),
     SHARD_SERVER + "WriteRows": Rule(WRITE, _field_name),
     SHARD_SERVER + "RunCollective": Rule(CLUSTER),
     SHARD_SERVER + "CancelCollective": Rule(CLUSTER),
-    SHARD_SERVER + "OpenShard": Rule(READ),
+    SHARD_SERVER + "OpenShard": Rule(READ, _field_name),
     SHARD_SERVER + "ReleaseShard": Rule(READ),
-    SHARD_SERVER + "ReadRegionSmall": Rule(READ),
-    SHARD_SERVER + "ReadRegions": Rule(READ),
+    SHARD_SERVER + "ReadRegionSmall": Rule(READ, _field_name),
+    SHARD_SERVER + "ReadRegions": Rule(READ, _region_names),
     SHARD_SERVER + "OpenBulkSession": Rule(READ, needs_caller=True),
     SHARD_SERVER + "WriteShards": Rule(WRITE, _shard_names),
     REFLECTION_METHOD: Rule(READ),
@@ -189,15 +202,17 @@ class AccessPolicy:
             )
 
 
-def check_tensor(principal: Principal, method: str, tensor: str | Sequence[str] | None) -> None:
+def check_tensor(
+    principal: Principal, method: str, tensor: str | Sequence[str] | None, *, right: str = WRITE
+) -> None:
     """PermissionDenied when `principal`'s tensor patterns do not cover the tensor (or every tensor of
-    a batch) it writes."""
+    a batch) it reads or writes (`right`)."""
     for name in [tensor] if isinstance(tensor, str) else tensor or ():
-        if not principal.may_write(name):
+        if not principal.covers(name):
             raise PermissionDenied(
-                f"principal {principal.name!r} lacks the 'write' right "
+                f"principal {principal.name!r} lacks the '{right}' right "
                 f"on tensor {name!r} ({_short(method)}; its patterns: {', '.join(principal.tensors)})",
-                metadata={"principal": principal.name, "tensor": name},
+                metadata={"principal": principal.name, "tensor": name, "right": right},
             )
 
 
@@ -286,7 +301,7 @@ def _checking_tensor(
         tensor = rule.tensor(request) if rule.tensor is not None else _field_name(request)
         if rule.tensor is not None:
             try:
-                check_tensor(principal, method, tensor)
+                check_tensor(principal, method, tensor, right=rule.right)
             except ServiceError as denied:
                 log.warning("refused %s: %s", method, denied)
                 abort_for(context, method, denied)

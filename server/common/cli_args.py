@@ -1,4 +1,5 @@
-"""Command-line flags shared by `up`, `coordinator` and the rank process."""
+"""Command-line flags shared by `up`, `coordinator`, `node` and the rank process: security, logging, metrics
+(a rank's own settings are server/common/rank_options.py's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 from shardserve.server.common.auth import Security, TlsFiles
 from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
-from shardserve.server.common.stream_limits import StreamLimitSettings
 
 TOKEN_ENV = "SHARDSERVE_TOKEN"
 TOKENS_FILE_ENV = "SHARDSERVE_TOKENS_FILE"
@@ -19,10 +19,12 @@ CLUSTER_CERT_NAME_ENV = "SHARDSERVE_CLUSTER_CERT_NAME"
 CLUSTER_SECRET_FILE = (
     "cluster-secret"  # under the state dir, where `up` and `coordinator` keep theirs
 )
+LOG_LEVEL_ENV = "SHARDSERVE_LOG_LEVEL"
 PARENT_PID_ENV = "SHARDSERVE_PARENT_PID"  # set by the launcher: its ranks exit when it is gone
 
 
 def add_security_args(parser: argparse.ArgumentParser) -> None:
+    """--token, --tokens-file, the cluster credential and --tls-* (docs/operations.md#auth-and-tls)."""
     parser.add_argument(
         "--token",
         default=os.environ.get(TOKEN_ENV) or None,
@@ -59,9 +61,13 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
         help="PEM CA bundle: require client certificates "
         "signed by it (mTLS) and trust peers signed by it",
     )
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """--log-level (default $SHARDSERVE_LOG_LEVEL, else INFO)."""
     parser.add_argument(
         "--log-level",
-        default=os.environ.get("SHARDSERVE_LOG_LEVEL", "INFO"),
+        default=os.environ.get(LOG_LEVEL_ENV, "INFO"),
         help="logging level (default %(default)s)",
     )
 
@@ -91,6 +97,24 @@ def security_from_args(args: argparse.Namespace) -> Security:
     )
 
 
+def security_flags(security: Security) -> list[str]:
+    """The flags that give a rank launched by `up` or `node` the files of `security` (its token travels in the
+    rank's environment, TOKEN_ENV)."""
+    flags: list[str] = []
+    tls = security.tls
+    if tls is not None:
+        flags += ["--tls-cert", tls.cert, "--tls-key", tls.key] + (
+            ["--tls-ca", tls.ca] if tls.ca else []
+        )
+    if security.principals is not None and security.principals.tokens_file is not None:
+        flags += ["--tokens-file", str(Path(security.principals.tokens_file).resolve())]
+    if security.cluster is not None and security.cluster.path is not None:
+        flags += ["--cluster-secret-file", str(Path(security.cluster.path).resolve())]
+    if security.cluster_cert is not None:
+        flags += ["--cluster-cert-name", security.cluster_cert.name]
+    return flags
+
+
 def with_state_dir_secret(security: Security, state_dir: str | Path) -> Security:
     """`security` with STATE_DIR/cluster-secret (made when missing) where no cluster credential was given (no
     --cluster-secret-file, no --cluster-cert-name)."""
@@ -117,43 +141,3 @@ def add_metrics_args(parser: argparse.ArgumentParser) -> None:
         "http://HOST:PORT/metrics on the listen host (0 = any free port; default: no metrics, "
         "and nothing recorded)",
     )
-
-
-def add_stream_limit_args(parser: argparse.ArgumentParser) -> None:
-    """--stall-timeout and --streams-per-principal (server/common/stream_limits.py)."""
-    defaults = StreamLimitSettings()
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=defaults.stall_timeout,
-        help="seconds a ReadRegion, "
-        "Lookup or WriteShard stream may move no message (a reader that stopped reading, a writer "
-        "that stopped sending) before the rank cancels it (default %(default)s)",
-    )
-    parser.add_argument(
-        "--streams-per-principal",
-        type=int,
-        default=defaults.per_principal,
-        help="streaming "
-        "calls one principal (without client auth: one peer IP) may run at once on one rank; a "
-        "principal's max_streams in the tokens file overrides it (default %(default)s)",
-    )
-
-
-def stream_limits_from_args(args: argparse.Namespace) -> StreamLimitSettings:
-    """The limits of --stall-timeout/--streams-per-principal; ValueError names the flag that is out of range."""
-    if args.streams_per_principal < 1:
-        raise ValueError(f"--streams-per-principal must be >= 1, got {args.streams_per_principal}")
-    return StreamLimitSettings(
-        per_principal=args.streams_per_principal, stall_timeout=args.stall_timeout
-    )
-
-
-def stream_limit_flags(limits: StreamLimitSettings) -> list[str]:
-    """The command-line flags that give a rank `limits`."""
-    return [
-        "--stall-timeout",
-        repr(limits.stall_timeout),
-        "--streams-per-principal",
-        str(limits.per_principal),
-    ]

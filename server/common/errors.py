@@ -274,14 +274,24 @@ def abort(
     context.abort_with_status(rich_status(code, bounded_message(message), reason, metadata))
 
 
-def abort_for(context: grpc.ServicerContext, method: str, err: BaseException) -> None:
-    """End the call with the status of `err`, logged (with the traceback for an INTERNAL error)."""
+def request_metadata(request: object) -> dict[str, object]:
+    """The ErrorInfo metadata a request implies: the tensor its top-level `name` field names."""
+    name = getattr(request, "name", None)
+    return {"tensor": name} if isinstance(name, str) and name else {}
+
+
+def abort_for(
+    context: grpc.ServicerContext, method: str, err: BaseException, *, request: object = None
+) -> None:
+    """End the call with the status of `err`, logged (with the traceback for an INTERNAL error); the
+    metadata names the tensor of `request` unless the error names one itself."""
     status = status_of(err)
     if status.code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method)
     else:
         log.info("%s -> %s (%s): %s", method, status.code.name, status.reason.value, status.message)
-    abort(context, status.code, status.message, reason=status.reason, metadata=status.metadata)
+    metadata = {**request_metadata(request), **status.metadata}
+    abort(context, status.code, status.message, reason=status.reason, metadata=metadata)
 
 
 def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -296,7 +306,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as err:  # noqa: BLE001 - every error becomes a status code
                 if _is_abort(err):
                     raise
-                abort_for(context, name, err)
+                abort_for(context, name, err, request=request)
 
         return streaming
 
@@ -307,7 +317,7 @@ def rpc_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as err:  # noqa: BLE001 - every error becomes a status code
             if _is_abort(err):
                 raise
-            abort_for(context, name, err)
+            abort_for(context, name, err, request=request)
 
     return unary
 

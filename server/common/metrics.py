@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import replace_behavior
 
 LATENCY_BUCKETS = (
@@ -41,9 +42,8 @@ LATENCY_BUCKETS = (
     30.0,
     120.0,
 )
-MAX_TENSOR_LABELS = (
-    64  # distinct tensor names a process labels its series with; later names count as OTHER_TENSOR
-)
+# Distinct tensor names a process labels its series with; later names count as OTHER_TENSOR.
+MAX_TENSOR_LABELS = 64
 OTHER_TENSOR = "_other"
 
 
@@ -68,6 +68,29 @@ class TensorLabels:
         return OTHER_TENSOR
 
 
+# The services each role serves: their methods' series exist at 0 from the start, so a dashboard's rate()
+# sees the first error of a method too (a counter born at 1 has no earlier sample to differ from).
+SERVICES = {"coordinator": "Coordinator", "rank": "ShardServer"}
+# The codes whose per-method error series are made at start: the ones servers answer with.
+ANSWERED_CODES = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL,
+)
+# Not errors of the server: the caller ended the call (a stream closed early, a cancel).
+CALLER_ENDED = frozenset({grpc.StatusCode.OK, grpc.StatusCode.CANCELLED})
+
+
 class ServerMetrics:
     """A process's registry and the RPC metrics every server records."""
 
@@ -83,8 +106,16 @@ class ServerMetrics:
         )
         self.rpc_errors = Counter(
             "shardserve_rpc_errors",
-            "gRPC calls that ended with a status other than OK, by method and status code",
+            "gRPC calls that ended with an error status (not OK, not CANCELLED by the caller), "
+            "by method and status code",
             ["method", "code"],
+            registry=self.registry,
+        )
+        self.rpc_failed = Counter(
+            "shardserve_rpc_failed",
+            "gRPC calls that ended with an error status (the sum of shardserve_rpc_errors over codes), "
+            "by method",
+            ["method"],
             registry=self.registry,
         )
         self.rpc_latency = Histogram(
@@ -94,9 +125,19 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self._rpc_children: dict[
-            str, tuple[Any, Any]
-        ] = {}  # method -> its (counter, histogram) children
+        # method -> its (requests counter, latency histogram) children
+        self._rpc_children: dict[str, tuple[Any, Any]] = {}
+        self._start_at_zero(SERVICES.get(role))
+
+    def _start_at_zero(self, service: str | None) -> None:
+        """Make the request and error series of every method of `service` (a name in the proto), at 0."""
+        if service is None:
+            return
+        for method in pb.DESCRIPTOR.services_by_name[service].methods_by_name:
+            self.rpc_requests.labels(method)
+            self.rpc_failed.labels(method)
+            for code in ANSWERED_CODES:
+                self.rpc_errors.labels(method, code.name)
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector whose values are read at scrape time (gauges of live state)."""
@@ -114,8 +155,9 @@ class ServerMetrics:
             )
         children[0].inc()
         children[1].observe(seconds)
-        if code is not None and code != grpc.StatusCode.OK:
+        if code is not None and code not in CALLER_ENDED:
             self.rpc_errors.labels(method, code.name).inc()
+            self.rpc_failed.labels(method).inc()
 
 
 class GaugeCollector(Collector):
@@ -183,6 +225,9 @@ def _timed(
             try:
                 yield from behavior(request, context)
                 code = _code_of(context)
+            except GeneratorExit:  # the caller closed the stream before its end: not an error
+                code = grpc.StatusCode.CANCELLED
+                raise
             except Exception:
                 code = _code_of(context, grpc.StatusCode.UNKNOWN)
                 raise

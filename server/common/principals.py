@@ -6,7 +6,7 @@ A tokens file is TOML, one `[[principal]]` table per principal:
     name = "trainer"
     token_sha256 = "<hex SHA-256 of the token>"
     role = "write"                 # read | write | admin
-    tensors = ["emb_*"]            # optional glob patterns of the tensors it may write (default: any)
+    tensors = ["emb_*"]            # optional glob patterns of the tensors it may read and write (default: any)
     max_streams = 8                # optional: streaming calls it may hold open on one server at once
     max_bytes = 1073741824         # optional: bytes of the tensors it may hold (replicas counted each)
 
@@ -68,8 +68,9 @@ class Principal:
     def may(self, right: str) -> bool:
         return right in self.rights
 
-    def may_write(self, tensor: str) -> bool:
-        """Whether its patterns cover `tensor` (admins and principals without patterns write any name)."""
+    def covers(self, tensor: str) -> bool:
+        """Whether its patterns cover `tensor`, for reads and writes alike (admins and principals without
+        patterns reach any name)."""
         if self.role == ADMIN or not self.tensors:
             return True
         return any(fnmatch.fnmatchcase(tensor, pattern) for pattern in self.tensors)

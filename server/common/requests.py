@@ -17,13 +17,16 @@ MAX_NAME_LENGTH = 256
 def check_name(name: str, field: str = "name") -> str:
     """A tensor name: 1..256 printable characters."""
     if not name:
-        raise InvalidArgument(f"{field} is empty")
+        raise InvalidArgument(f"{field} is empty", metadata={"field": field})
     if len(name) > MAX_NAME_LENGTH:
         raise InvalidArgument(
-            f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}"
+            f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}",
+            metadata={"field": field},
         )
     if not name.isprintable():
-        raise InvalidArgument(f"{field} {name!r} contains non-printable characters")
+        raise InvalidArgument(
+            f"{field} {name!r} contains non-printable characters", metadata={"field": field}
+        )
     return name
 
 
@@ -37,19 +40,25 @@ def check_put_token(token: str, field: str = "put_token") -> str:
     """A client's put token: empty (none) or up to 128 printable ASCII characters."""
     if len(token) > MAX_PUT_TOKEN_LENGTH:
         raise InvalidArgument(
-            f"{field} is {len(token)} characters long; the limit is {MAX_PUT_TOKEN_LENGTH}"
+            f"{field} is {len(token)} characters long; the limit is {MAX_PUT_TOKEN_LENGTH}",
+            metadata={"field": field},
         )
     if not (token.isascii() and token.isprintable()):
-        raise InvalidArgument(f"{field} {token!r} must be printable ASCII")
+        raise InvalidArgument(
+            f"{field} {token!r} must be printable ASCII", metadata={"field": field}
+        )
     return token
 
 
 def check_version(version: int, field: str = "version", allow_zero: bool = False) -> int:
     """A version number: > 0 (or 0 when the RPC gives 0 a meaning), and below 2**63 (the catalog's integers)."""
     if version == 0 and not allow_zero:
-        raise InvalidArgument(f"{field} must be > 0")
+        raise InvalidArgument(f"{field} must be > 0", metadata={"field": field})
     if version >= MAX_VERSION:
-        raise InvalidArgument(f"{field} {version} is out of range (versions are below 2**63)")
+        raise InvalidArgument(
+            f"{field} {version} is out of range (versions are below 2**63)",
+            metadata={"field": field},
+        )
     return version
 
 
@@ -75,7 +84,7 @@ def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> Sh
                 raise ValueError(f"shards_metadata[{i}].placement is empty")
         validate_metadata(meta)
     except (ValueError, TypeError) as err:
-        raise InvalidArgument(f"{field}: {err}") from None
+        raise InvalidArgument(f"{field}: {err}", metadata={"field": field}) from None
     return meta
 
 
@@ -101,7 +110,7 @@ def parse_dtype(number: int, field: str) -> torch.dtype:
     try:
         return dtype_from_wire(number)
     except ValueError as err:
-        raise InvalidArgument(f"{field}: {err}") from None
+        raise InvalidArgument(f"{field}: {err}", metadata={"field": field}) from None
 
 
 def check_init(init: int, dtype: torch.dtype) -> None:

@@ -55,11 +55,6 @@ def check_exporter(exporter: str) -> str:
     raise ValueError(f"--tracing {exporter!r} is not one of {', '.join(EXPORTERS)}")
 
 
-def tracing_flags(exporter: str | None) -> list[str]:
-    """The command-line flags that give a rank the same tracing."""
-    return ["--tracing", exporter] if exporter else []
-
-
 def enable_tracing(exporter: str, service: str, attributes: dict[str, Any] | None = None) -> bool:
     """Trace this process's RPCs as `service` (unless OTEL_SERVICE_NAME names it), exporting to `exporter`.
 

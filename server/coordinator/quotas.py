@@ -55,6 +55,7 @@ class ByteQuotas:
                     raise QuotaExceeded(
                         f"principal {principal.name!r} would hold {held + wanted} bytes, over its quota max_bytes = "
                         f"{principal.max_bytes} (it holds {held} in other tensors; these need {wanted}): delete "
-                        f"some of its tensors or raise max_bytes in the tokens file"
+                        f"some of its tensors or raise max_bytes in the tokens file",
+                        metadata={"principal": principal.name},
                     )
             yield

@@ -165,7 +165,8 @@ class RankRegistry:
             if entry.info.world_size != info.world_size:
                 raise WorldMismatch(
                     f"rank.world_size {info.world_size} differs from the world size "
-                    f"{entry.info.world_size} of registered rank {rank}"
+                    f"{entry.info.world_size} of registered rank {rank}",
+                    metadata={"field": "rank.world_size", "rank": info.rank},
                 )
             if entry.info.address == info.address:
                 raise InvalidState(
@@ -175,7 +176,8 @@ class RankRegistry:
         if own is not None and self.is_alive(own) and own.info.address != info.address:
             raise Unavailable(
                 f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
-                f"from rank.address {info.address} is taken once that one stops heartbeating"
+                f"from rank.address {info.address} is taken once that one stops heartbeating",
+                metadata={"rank": info.rank},
             )
 
     def heartbeat(self, rank: int, memory_used: int) -> bool:
@@ -310,7 +312,10 @@ class RankRegistry:
                     f"(registered: {sorted(entries)})"
                 )
             if not self.is_alive(entry):
-                raise Unavailable(f"{field} {shard.placement}: rank {shard.rank} is not alive")
+                raise Unavailable(
+                    f"{field} {shard.placement}: rank {shard.rank} is not alive",
+                    metadata={"rank": shard.rank, "field": field},
+                )
             if shard.device != RemoteDevice(f"rank:{shard.rank}/{entry.info.device}").device():
                 raise InvalidArgument(
                     f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"

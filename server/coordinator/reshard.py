@@ -136,7 +136,8 @@ class ReshardDriver:
         if lost:
             raise DataLoss(
                 f"tensor {info.name!r} has boxes with no live copy ({lost}); it cannot be "
-                f"resharded: delete it or put it again"
+                f"resharded: delete it or put it again",
+                metadata={"tensor": info.name},
             )
         return unavailable
 

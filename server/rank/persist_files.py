@@ -93,14 +93,18 @@ def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str],
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for start in range(0, len(data), _COPY_BYTES):
-            f.write(data[start : start + _COPY_BYTES])
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for start in range(0, len(data), _COPY_BYTES):
+                f.write(data[start : start + _COPY_BYTES])
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a partial file of a full disk would keep it full
+        raise
     os.replace(tmp, path)
     return crc
 

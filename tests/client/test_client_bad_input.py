@@ -29,6 +29,8 @@ from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
+from shardserve.server.common.auth import Security
+from shardserve.server.common.rank_options import RankOptions
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -41,7 +43,9 @@ MAX_REQUEST = 1 << 20
 def guarded(make_cluster):
     """A 2-rank cluster with a token, a per-rank memory limit and a request byte limit."""
     return make_cluster(
-        ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST
+        ranks=2,
+        security=Security(token=TOKEN),
+        rank_options=RankOptions(memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST),
     )
 
 

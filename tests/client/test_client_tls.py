@@ -7,6 +7,7 @@ import torch
 
 from shardserve import AuthenticationError, RankUnavailableError, connect
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.auth import Security
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "tls-token"
@@ -14,7 +15,7 @@ TOKEN = "tls-token"
 
 @pytest.fixture(scope="module")
 def tls_cluster(make_cluster, tls_files):
-    return make_cluster(ranks=1, tls=tls_files, token=TOKEN)
+    return make_cluster(ranks=1, security=Security(token=TOKEN, tls=tls_files))
 
 
 def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):
@@ -42,7 +43,7 @@ def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
     with connect(tls_cluster.address, **credentials) as cluster:
         remote = cluster.put("secret-large", source)
         monkeypatch.setattr(
-            cluster.session.paths, "host", ("elsewhere", "another-boot-id")
+            cluster.session.paths.shm, "host", ("elsewhere", "another-boot-id")
         )  # no shared memory
         assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "tcp"
         stub = cluster.session.channel.shard_server(cluster.session.address_of(0))

@@ -23,18 +23,21 @@ import pytest
 import torch
 from server_helpers import Aborted, ServicerContext
 
-import shardserve.client.paths.shm as shm_transport
+import shardserve.client.paths.segments as segments
 from shardserve import connect
 from shardserve.client.errors import StaleVersionError, TensorNotFoundError
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.bands import bands
 from shardserve.client.paths.bulk import BulkReadError
-from shardserve.client.paths.policy import NetworkCall, PathPolicy
+from shardserve.client.paths.kinds import parse_transport
+from shardserve.client.paths.pipeline import NetworkCall
+from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.shm import SharedMemoryError
 from shardserve.core.metadata import Box, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.rank.errors import VersionCommitted
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shard_fill import InitFill
@@ -89,7 +92,7 @@ def cluster(make_cluster):
 @pytest.fixture(scope="module")
 def no_shm_cluster(make_cluster):
     with env(ENV_SWITCH, "0"):
-        return make_cluster(ranks=2, bulk_reads=False)
+        return make_cluster(ranks=2, rank_options=RankOptions(bulk_reads=False))
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +232,7 @@ def test_large_lookups_through_shared_memory(cluster, transport, caplog):
 def test_process_watch_sees_a_rank_process_exit():
     """Cached mapped reads ask a pidfd whether the rank still lives (a killed rank's header still says served)."""
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    watch = shm_transport._ProcessWatch()
+    watch = segments.ProcessWatch()
     try:
         rank = watch.watch(process.pid)
         assert rank.alive() is True
@@ -243,7 +246,7 @@ def test_process_watch_sees_a_rank_process_exit():
 def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
     """A pid seen again after its process exited (a rank restarted under a reused pid) gets a fresh pidfd, while
     mappings of the old process keep seeing it dead; the old pidfd closes once nothing refers to it."""
-    watch = shm_transport._ProcessWatch()
+    watch = segments.ProcessWatch()
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         old = watch.watch(process.pid)
@@ -302,7 +305,7 @@ def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, mon
     table = random_tensor((1100, 512), torch.float32, seed=12)
     ids = torch.tensor([0, 1099, 549, 550, 550, 3])
     with connect(cluster.address) as c:
-        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
@@ -329,7 +332,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
             raise PermissionError(13, "Permission denied")
         return real_open(path, *args, **kwargs)
 
-    monkeypatch.setattr(shm_transport.os, "open", refuse_proc)
+    monkeypatch.setattr(segments.os, "open", refuse_proc)
     with (
         caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
         connect(cluster.address) as c,
@@ -365,7 +368,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
         caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
         connect(cluster.address) as c,
     ):
-        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor("dp-firewalled")
         assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
         tried = len(dialed)
@@ -435,7 +438,7 @@ def _run_now(job):  # type: ignore[no-untyped-def]
 
 def test_bulk_requests_all_go_out_before_any_answer_is_taken():
     events: list[str] = []
-    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
+    plane = PathPolicy(parse_transport("auto"), channel=None)
     sent = plane.send_all(_calls(events, {}), _run_now)
     assert events == ["send 0", "send 1"]  # nothing awaited yet
     assert sent.wait() == ["tcp", "tcp"]
@@ -445,7 +448,7 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
-    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
+    plane = PathPolicy(parse_transport("auto"), channel=None)
     with caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"):
         assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
@@ -461,7 +464,7 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     events: list[str] = []
-    plane = PathPolicy("tcp", channel=None)  # type: ignore[arg-type]
+    plane = PathPolicy(parse_transport("tcp"), channel=None)
     with pytest.raises(BulkReadError, match="rank 0"):
         plane.send_all(_calls(events, {0: step}), _run_now).wait()
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
@@ -475,7 +478,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
         raise StaleVersionError("rank 0: ticket refused")
 
     calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
-    plane = PathPolicy("auto", channel=None)  # type: ignore[arg-type]
+    plane = PathPolicy(parse_transport("auto"), channel=None)
     sent = plane.send_all(calls, _run_now)
     with pytest.raises(StaleVersionError, match="ticket refused"):
         sent.wait()
@@ -484,7 +487,7 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
 
 def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
-    plane = PathPolicy("grpc", channel=None)  # type: ignore[arg-type]
+    plane = PathPolicy(parse_transport("grpc"), channel=None)
 
     def record(n: int, cancel: object = None) -> None:
         threads[n] = threading.current_thread().name
@@ -514,7 +517,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
         connect(cluster.address) as c,
     ):
-        monkeypatch.setattr(c.session.paths, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
         remote = c.tensor(name)
         got, expected, paths = run(remote)
         assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
@@ -587,7 +590,9 @@ def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
         monkeypatch.setattr(
             c.session.paths, "maps", lambda rank: rank.address != rank1 and maps(rank)
         )
-        monkeypatch.setattr(c.session.paths, "_shm_usable", lambda rank: rank.address != rank1)
+        monkeypatch.setattr(
+            c.session.paths.shm, "supports", lambda rank, summary=None: rank.address != rank1
+        )
         mapped: list[str] = []
         monkeypatch.setattr(
             c.session.paths.shm,
@@ -655,7 +660,6 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
 ):
     """OpenShard keeps no lease when the client already maps the segment; if that segment's header says the
     version went between the reply and its use, the client does not map it again unleased: the read refreshes."""
-    import shardserve.client.paths.shm as shm
 
     table = random_tensor((12, 4), torch.float32, seed=18)
     with connect(cluster.address) as c:
@@ -667,12 +671,14 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
             [True, False]
         )  # serving at the first check, gone by the time the reply is used
         turned = next(iter(first.values()))
-        monkeypatch.setattr(shm, "_still_held", lambda mapping: False)  # so the read asks OpenShard
+        monkeypatch.setattr(
+            segments, "still_held", lambda mapping: False
+        )  # so the read asks OpenShard
         monkeypatch.setattr(turned, "serves", lambda: next(answers, True))
         leases: list[int] = []
-        real_map = shm._map_segment
+        real_map = segments.map_segment
         monkeypatch.setattr(
-            shm, "_map_segment", lambda reply: leases.append(reply.lease_id) or real_map(reply)
+            segments, "map_segment", lambda reply: leases.append(reply.lease_id) or real_map(reply)
         )
         assert torch.equal(remote[:], table)
         assert leases and all(
@@ -878,7 +884,7 @@ def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_shards_through_ipc_and_grpc(make_cluster):
-    gpu = make_cluster(ranks=1, device="cuda")
+    gpu = make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
     spec = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:0/cuda:0"])
     source = random_tensor((33, 17), torch.bfloat16, seed=11)
     with connect(gpu.address, transport="grpc") as c:
@@ -952,7 +958,7 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
         remote = c.put("dp-mapped-fallback", table, SPEC)
         monkeypatch.setattr(MappedRows, "rows", lambda self, ids: None)
         monkeypatch.setattr(c.session.paths, "lookup_rows", lambda *args: None)
-        monkeypatch.setattr(c.session.paths, "_tcp_usable", lambda rank: False)
+        monkeypatch.setattr(c.session.paths.bulk, "supports", lambda rank, summary=None: False)
         result: list[torch.Tensor] = []
         worker = threading.Thread(target=lambda: result.append(remote.lookup(ids)), daemon=True)
         worker.start()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shardserve.client.errors import RankUnavailableError, ShardServeError
-from shardserve.client.paths.hedging import Cancellation, Race, Watchdog, hedge_delay, other_copies
+from shardserve.client.health import other_copies
+from shardserve.client.paths.hedging import Cancellation, Race, Watchdog, hedge_delay
 from shardserve.core.metadata import ShardMetadata, TensorProperties
 from shardserve.core.specs import EnumerableShardingSpec
 

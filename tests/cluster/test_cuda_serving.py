@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.common.rank_options import RankOptions
 
 pytestmark = [
     pytest.mark.cuda,
@@ -29,7 +30,7 @@ GPU_ROWS = ChunkShardingSpec(0, ["rank:0/cuda:0"] * 3)
 
 @pytest.fixture(scope="module")
 def gpu(make_cluster):
-    return make_cluster(ranks=1, device="cuda")
+    return make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
 
 
 def table(rows: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
 
 ROWS, DIM = 50, 12
@@ -438,7 +439,7 @@ def test_hostile_write_rows(cluster3: LocalCluster, cl: Cluster, tables: dict) -
 def test_request_over_the_limit_is_resource_exhausted(
     make_cluster: Callable[..., LocalCluster],
 ) -> None:
-    small = make_cluster(ranks=2, max_request_bytes=4096)
+    small = make_cluster(ranks=2, rank_options=RankOptions(max_request_bytes=4096))
     with connect(small.address) as cluster:
         table = torch.randn(1000, 4)
         remote = cluster.put("limited", table)

@@ -24,6 +24,7 @@ from shardserve.core.metadata import Box
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
@@ -43,7 +44,7 @@ def _wait_until(condition: Callable[[], bool], what: str) -> None:
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(
-        ranks=3, repair_after=3600.0
+        ranks=3, coordinator_options=CoordinatorOptions(repair_after=3600.0)
     )  # the dead rank's copies stay unavailable: no repair
 
 

@@ -16,13 +16,14 @@ import grpc
 import pytest
 import torch
 
-import client
+import shardserve
 from shardserve import TensorNotFoundError, connect
 from shardserve.client.cli.top import Samples, scrape, total
 from shardserve.core import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 ROWS, DIM = 4096, 16
 TABLE_BYTES = ROWS * DIM * 4
@@ -89,11 +90,11 @@ def run_workload(address: str) -> None:
 
 @pytest.fixture(scope="module")
 def scrapes(metrics_cluster: LocalCluster) -> Scrapes:
-    client_before = client.metrics()
+    client_before = shardserve.metrics()
     before = scrape_all(metrics_cluster.address)
     run_workload(metrics_cluster.address)
     after = scrape_all(metrics_cluster.address)
-    return Scrapes(before, after, {name for name, _ in after}, client_before, client.metrics())
+    return Scrapes(before, after, {name for name, _ in after}, client_before, shardserve.metrics())
 
 
 def test_status_lists_every_process_metrics_address(metrics_cluster: LocalCluster) -> None:
@@ -146,6 +147,27 @@ def test_rpc_counts_errors_and_latency(scrapes: Scrapes) -> None:
         == 1
     )
     assert scrapes.moved("shardserve_rpc_errors_total", code="INTERNAL") == 0
+    assert scrapes.moved("shardserve_rpc_failed_total", method="GetTensor") == 1
+
+
+def test_error_series_exist_at_zero_before_the_first_error(scrapes: Scrapes) -> None:
+    """rate() needs a sample before the first error: every method's error series is there from the start."""
+    for method in ("GetTensor", "CreateTensor", "Reshard"):  # coordinator methods
+        assert ("shardserve_rpc_failed_total", (("method", method),)) in scrapes.before
+        key = ("shardserve_rpc_errors_total", (("code", "ALREADY_EXISTS"), ("method", method)))
+        assert key in scrapes.before and scrapes.before[key] == 0
+    for method in ("ReadRegion", "Lookup", "WriteShards"):  # rank methods, summed over both ranks
+        assert scrapes.before[("shardserve_rpc_failed_total", (("method", method),))] == 0
+
+
+def test_streams_the_client_closed_after_their_last_message_are_not_errors(
+    scrapes: Scrapes,
+) -> None:
+    """The workload's reshard, checkpoint-like collective jobs and progress streams are closed by their
+    callers once the last message arrived (GeneratorExit in the servicer): no process counts an error."""
+    assert scrapes.moved("shardserve_rpc_requests_total", method="RunCollective") >= 2
+    assert scrapes.moved("shardserve_rpc_errors_total", code="UNKNOWN") == 0
+    assert scrapes.moved("shardserve_rpc_errors_total", code="CANCELLED") == 0
 
 
 def test_reshard_counted_as_a_job_on_the_coordinator_and_each_rank(scrapes: Scrapes) -> None:

@@ -22,7 +22,10 @@ from shardserve import connect
 from shardserve.client.errors import ShardsLostError
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
+from shardserve.server.supervisor import RestartPolicy
 
 ROWS, DIM = 256, 16
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
@@ -52,11 +55,9 @@ def _read(client, name: str) -> torch.Tensor:
 def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_path):
     cluster = make_cluster(
         ranks=2,
-        max_restarts=1,
-        restart_backoff=0.2,
-        heartbeat_interval=0.5,
-        persist_dir=tmp_path / "data",
-        repair_after=3600,
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600),
+        rank_options=RankOptions(persist_dir=tmp_path / "data"),
     )
     table = torch.randn(ROWS, DIM)
     with connect(cluster.address) as client:
@@ -105,7 +106,9 @@ def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(t
     acked = {"table": [table.clone()], "other": [other.clone()]}
     checkpoints = _checkpoints(tmp_path / "checkpoints", sorted(acked), rng)
     for point in range(KILL_POINTS):
-        cluster = LocalCluster(2, state_dir=state, persist_dir=state / "data").start(timeout=WAIT_S)
+        cluster = LocalCluster(
+            2, state_dir=state, rank_options=RankOptions(persist_dir=state / "data")
+        ).start(timeout=WAIT_S)
         try:
             with connect(cluster.address) as client:
                 if point == 0:
@@ -205,11 +208,9 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
     data = tmp_path / "data"
     cluster = make_cluster(
         ranks=3,
-        max_restarts=1,
-        restart_backoff=0.2,
-        heartbeat_interval=0.5,
-        persist_dir=data,
-        repair_after=0.5,
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=0.5),
+        rank_options=RankOptions(persist_dir=data),
     )
     table = torch.randn(ROWS, DIM)
     mirrored = EnumerableShardingSpec(
@@ -243,17 +244,15 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
 ):
     """A restarted rank held in the middle of its restore (debug hook) is listed as restoring with its progress,
     `shardserve status` says so and its tensors are not served; once released they are, bit for bit."""
-    from shardserve.client.cli.main import _status
+    from shardserve.client.cli.status import show_status
 
     hold = tmp_path / "hold-restore"
     monkeypatch.setenv("SHARDSERVE_DEBUG_RESTORE_HOLD", str(hold))
     cluster = make_cluster(
         ranks=2,
-        max_restarts=1,
-        restart_backoff=0.2,
-        heartbeat_interval=0.5,
-        persist_dir=tmp_path / "data",
-        repair_after=3600,
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600),
+        rank_options=RankOptions(persist_dir=tmp_path / "data"),
     )
     tables = {name: torch.randn(ROWS, DIM) for name in ("first", "second")}
     with connect(cluster.address) as client:
@@ -269,7 +268,7 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
             assert client.tensor(name).health == "lost"
             with pytest.raises(ShardsLostError):
                 client.tensor(name).full_tensor()
-        _status(client)
+        show_status(client)
         shown = capsys.readouterr().out
         assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
         hold.unlink()

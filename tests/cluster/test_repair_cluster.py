@@ -23,6 +23,7 @@ from shardserve.client.ops.reshard import ReshardRefusedError
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
 
@@ -38,7 +39,7 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> Iterator[LocalCluster]
         patch.setenv(
             STALL_ENV, "0:4:slow"
         )  # rank 0 sleeps 4 s in every reshard job of "slow": a window to look in
-        yield make_cluster(ranks=4, repair_after=2.0)
+        yield make_cluster(ranks=4, coordinator_options=CoordinatorOptions(repair_after=2.0))
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +97,7 @@ def test_copies_on_a_rank_that_stays_dead_are_repaired_onto_live_ranks(world, cl
                 for (
                     other
                 ) in others:  # the read must come from `shard`: mark the other copies unreachable
-                    reader.session.paths.note_failure(
-                        reader.session.rank_status(other.rank), _unreachable(other.rank)
-                    )
+                    reader.session.health.note_failure(other.rank, _unreachable(other.rank))
                 assert torch.equal(remote[rows], world["data"]["mirrored"][rows])
 
 

@@ -32,6 +32,7 @@ from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, Tenso
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
 from shardserve.server.launcher import free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
@@ -723,7 +724,7 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_shards_reshard_on_the_gpu(make_cluster):
-    cluster = make_cluster(ranks=1, device="cuda")
+    cluster = make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
     tensor = source((13, 21), torch.float32, seed=31)
     with connect(cluster.address) as client:
         proxy = client.put("gpu", tensor, spec=ChunkShardingSpec(0, ["rank:0/cuda:0"] * 3))

@@ -21,7 +21,9 @@ from shardserve import ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.metadata import Box
 from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
+from shardserve.server.supervisor import RestartPolicy
 
 ROWS, DIM, RESTARTED = 12, 6, 2
 PLAIN = ChunkShardingSpec(
@@ -47,7 +49,11 @@ def _gone(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=3, max_restarts=1, restart_backoff=0.2, heartbeat_interval=0.5)
+    return make_cluster(
+        ranks=3,
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5),
+    )
 
 
 def test_a_killed_rank_is_restarted_empty_and_serves_again(cluster, capsys):
@@ -117,7 +123,7 @@ def test_a_rank_out_of_restarts_stays_dead(cluster, caplog):
 
 
 def test_max_restarts_zero_leaves_a_killed_rank_dead(make_cluster):
-    single = make_cluster(ranks=1, max_restarts=0)
+    single = make_cluster(ranks=1, restart_policy=RestartPolicy(max_restarts=0))
     pid = single.rank_pids[0]
     single.kill_rank(0, signal.SIGKILL)
     _wait_until(lambda: single.stays_dead(0), "rank 0 to be declared dead")

@@ -24,6 +24,7 @@ from gloo_world import World
 
 from shardserve import connect, spmd
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
 
 DTYPES = [
@@ -491,7 +492,7 @@ def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(
     rank and the tensor, and the tensors the other ranks allocated are dropped again (one DropMany each)."""
     from shardserve.core.specs import ChunkShardingSpec
 
-    small = make_cluster(ranks=3, memory_limit=1 << 20)
+    small = make_cluster(ranks=3, rank_options=RankOptions(memory_limit=1 << 20))
     on = {r: ChunkShardingSpec(0, [f"rank:{r}/cpu"]) for r in range(3)}
     state = {f"s{i}": torch.full((64,), float(i)) for i in range(40)} | {
         "big": torch.zeros(1 << 19)

@@ -3,7 +3,6 @@ every rank's RPCs and the collective job each rank ran; with tracing off nothing
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -17,8 +16,10 @@ import torch
 from shardserve import connect
 from shardserve.core import ChunkShardingSpec
 from shardserve.server.common import tracing
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
-from shardserve.server.node import node_launches
+from shardserve.server.common.auth import Security
+from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT, rank_launches
 
 pytest.importorskip("opentelemetry.sdk.trace")
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
@@ -40,7 +41,7 @@ def span_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def traced_cluster(make_cluster, span_dir: Path) -> LocalCluster:
-    return make_cluster(ranks=RANKS, tracing=f"file:{span_dir}")
+    return make_cluster(ranks=RANKS, rank_options=RankOptions(tracing=f"file:{span_dir}"))
 
 
 def read_spans(span_dir: Path, service: str) -> list[dict]:
@@ -163,7 +164,7 @@ print("untraced ok")
 
 def test_bad_exporter_is_refused_naming_the_flag() -> None:
     with pytest.raises(ValueError, match="--tracing 'zipkin'"):
-        LocalCluster(ranks=1, tracing="zipkin")
+        LocalCluster(ranks=1, rank_options=RankOptions(tracing="zipkin"))
     with pytest.raises(ValueError, match="tracing must be"):
         connect("127.0.0.1:1", tracing="yes")
     rank = subprocess.run(
@@ -185,6 +186,6 @@ def test_bad_exporter_is_refused_naming_the_flag() -> None:
 
 
 def test_node_hands_tracing_to_its_ranks() -> None:
-    args = argparse.Namespace(metrics_port=None, tracing="file:/spans", world_size=4)
-    launches = node_launches(args, [2, 3], None, ["python", "-m", "shardserve.server"])
+    options = RankOptions(tracing="file:/spans")
+    launches = rank_launches("127.0.0.1:1", options, Security(), ranks=[2, 3], world_size=4)
     assert [list(launch.command[-2:]) for launch in launches] == [["--tracing", "file:/spans"]] * 2

@@ -20,7 +20,8 @@ from server_processes import server_env
 
 from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.launcher import LocalCluster
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 RUN_S = 3.0
 START_TIMEOUT_S = 240.0  # 16 interpreters importing torch on a busy 2-core host

@@ -23,9 +23,11 @@ from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.launcher import PROJECT_ROOT, LocalCluster
+from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.blocks import BLOCK_BYTES
 from shardserve.server.rank.shared_memory import HEADER_BYTES
+from shardserve.server.rank_launch import PROJECT_ROOT
 
 ROWS, COLUMNS = 240, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
@@ -38,7 +40,7 @@ PROCESS_TIMEOUT_S = 240.0  # interpreters importing torch on a busy 2-core host
 @pytest.fixture(scope="module")
 def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     """A long grace period, so that a test can read a replaced version without racing its end."""
-    return make_cluster(ranks=3, version_grace=60.0)
+    return make_cluster(ranks=3, rank_options=RankOptions(version_grace=60.0))
 
 
 def _states(

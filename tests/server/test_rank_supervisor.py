@@ -13,13 +13,8 @@ from collections.abc import Callable
 import pytest
 
 from shardserve.server.node import parse_args as parse_node_args
-from shardserve.server.supervisor import (
-    RankLaunch,
-    RankSupervisor,
-    RestartPolicy,
-    exit_reason,
-    parse_rank_list,
-)
+from shardserve.server.node import parse_rank_list
+from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 WAIT_S = 20.0

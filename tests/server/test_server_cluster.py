@@ -23,13 +23,14 @@ from server_helpers import (
 from shardserve.core.metadata import Box, ShardMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.rank.shard_fill import arange_box
 
 
 @pytest.fixture(scope="module")
 def cluster3(make_cluster):
     """Ranks without a grace period: these tests check at the RPC level that a replaced version is dropped."""
-    return make_cluster(ranks=3, version_grace=0)
+    return make_cluster(ranks=3, rank_options=RankOptions(version_grace=0))
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +82,9 @@ def test_put_then_read_random_boxes_bit_for_bit(stubs, dtype, dim):
             info.name,
             info.version,
             index,
-            offsets,
-            sizes,
-            dtype,
+            offsets=offsets,
+            sizes=sizes,
+            dtype=dtype,
             chunk_bytes=rng.choice([0, 1, 7, 64]),
         )
         expected = tensor[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]]
@@ -103,7 +104,9 @@ def test_enumerable_grid_with_several_shards_per_rank_and_replicas(stubs):
     tensor = source((5, 8), torch.float64, seed=3)
     info = put(stubs, "grid", tensor, meta)
     assert torch.equal(read_full(stubs, info), tensor)
-    replica = read_region(stubs, 2, "grid", info.version, 4, [0, 1], [2, 2], torch.float64)
+    replica = read_region(
+        stubs, 2, "grid", info.version, 4, offsets=[0, 1], sizes=[2, 2], dtype=torch.float64
+    )
     assert torch.equal(replica, tensor[0:2, 1:3])
 
 
@@ -153,7 +156,17 @@ def test_pending_tensor_is_invisible_until_commit(stubs):
         pb.ListTensorsRequest(include_pending=True), timeout=TIMEOUT
     ).tensors
     assert [t.state for t in with_pending if t.name == "pending"] == [pb.PENDING]
-    err = rpc_error(read_region, stubs, 0, "pending", info.version, 0, [0, 0], [1, 1], torch.int32)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "pending",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[1, 1],
+        dtype=torch.int32,
+    )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "not served" in err.details()
     write_shards(stubs, info, tensor, only=[0])
     err = rpc_error(
@@ -229,7 +242,15 @@ def test_overwrite_makes_a_new_version_and_old_reads_fail_precondition(stubs):
     second = put(stubs, "versioned", torch.ones(4, 4), meta, overwrite=True)
     assert second.version > first.version
     err = rpc_error(
-        read_region, stubs, 0, "versioned", first.version, 0, [0, 0], [2, 4], torch.float32
+        read_region,
+        stubs,
+        0,
+        "versioned",
+        first.version,
+        0,
+        offsets=[0, 0],
+        sizes=[2, 4],
+        dtype=torch.float32,
     )
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert f"served version is {second.version}" in err.details()
@@ -282,7 +303,17 @@ def test_delete_frees_memory_and_then_not_found(stubs):
         (stubs.coord.DeleteTensor, pb.DeleteTensorRequest(name="doomed")),
     ]:
         assert rpc_error(call, request, timeout=TIMEOUT).code() == grpc.StatusCode.NOT_FOUND
-    err = rpc_error(read_region, stubs, 0, "doomed", info.version, 0, [0, 0], [1, 1], torch.int64)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "doomed",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[1, 1],
+        dtype=torch.int64,
+    )
     assert err.code() == grpc.StatusCode.NOT_FOUND and "not found on rank 0" in err.details()
 
 

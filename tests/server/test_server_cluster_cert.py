@@ -20,15 +20,16 @@ from shardserve import AuthenticationError, connect
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.common.auth import TlsFiles
+from shardserve.server.common.auth import Security, TlsFiles
 from shardserve.server.common.cli_args import (
     CLUSTER_SECRET_FILE,
     CLUSTER_SECRET_FILE_ENV,
     add_security_args,
     security_from_args,
 )
-from shardserve.server.common.principals import ClusterCertificate, token_sha256
+from shardserve.server.common.principals import ClusterCertificate, PrincipalBook, token_sha256
 from shardserve.server.launcher import free_port
+from shardserve.server.supervisor import RestartPolicy
 
 pytestmark = pytest.mark.timeout(300)
 CLUSTER_NAME = "shardserve-cluster.internal"
@@ -107,11 +108,12 @@ def cert_cluster(make_cluster, certificates, tmp_path_factory):
     )
     return make_cluster(
         ranks=2,
-        tls=certificates["cluster"],
-        tokens_file=str(tokens),
-        cluster_cert_name=CLUSTER_NAME,
-        max_restarts=1,
-        restart_backoff=0.1,
+        security=Security(
+            tls=certificates["cluster"],
+            principals=PrincipalBook(str(tokens)),
+            cluster_cert=ClusterCertificate(CLUSTER_NAME),
+        ),
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.1),
     )
 
 

@@ -8,6 +8,7 @@ from server_helpers import Stubs, put, read_full
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
+from shardserve.server.common.rank_options import RankOptions
 
 pytestmark = [
     pytest.mark.cuda,
@@ -16,7 +17,7 @@ pytestmark = [
 
 
 def test_cuda_shards_round_trip(make_cluster):
-    cluster = make_cluster(ranks=1, device="cuda")
+    cluster = make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
     stubs = Stubs(cluster.address)
     try:
         meta = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:0/cuda:0"]).build_metadata(

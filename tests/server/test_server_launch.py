@@ -23,6 +23,7 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +131,10 @@ def alive(stubs: Stubs) -> dict[int, bool]:
 
 @pytest.fixture(scope="module")
 def watched(make_cluster):
-    return make_cluster(ranks=2, heartbeat_interval=0.3, pending_timeout=1.0)
+    return make_cluster(
+        ranks=2,
+        coordinator_options=CoordinatorOptions(heartbeat_interval=0.3, pending_timeout=1.0),
+    )
 
 
 def test_a_put_left_pending_is_aborted_after_the_timeout(watched):
@@ -373,7 +377,7 @@ def test_a_link_that_never_registered_stops_cleanly():
     hiding the first: the heartbeat thread was never started."""
     from shardserve.protos import shardserve_pb2 as pb
     from shardserve.server.common.auth import Security
-    from shardserve.server.rank.main import CoordinatorLink
+    from shardserve.server.rank.coordinator_link import CoordinatorLink
     from shardserve.server.rank.store import ShardStore
 
     link = CoordinatorLink(

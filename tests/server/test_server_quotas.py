@@ -14,7 +14,8 @@ import torch
 from shardserve import ResourceExhaustedError, connect
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardserve.server.common.principals import parse_tokens_file, token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, parse_tokens_file, token_sha256
 
 pytestmark = pytest.mark.timeout(300)
 QUOTA = 64 << 10
@@ -47,7 +48,7 @@ def tokens_toml() -> str:
 def cluster(make_cluster, tmp_path_factory):
     path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
     path.write_text(tokens_toml())
-    return make_cluster(ranks=2, tokens_file=str(path))
+    return make_cluster(ranks=2, security=Security(principals=PrincipalBook(str(path))))
 
 
 def client(cluster, name: str):

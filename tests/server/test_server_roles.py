@@ -23,9 +23,10 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.protos.errors import Reason
+from shardserve.protos.errors import Reason, error_detail_of
 from shardserve.server.common.access import ACCESS_RULES
-from shardserve.server.common.principals import token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, token_sha256
 
 TOKENS = {
     "reader": "reader-token-1",
@@ -79,7 +80,7 @@ def tokens_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster, tokens_file):
-    return make_cluster(ranks=2, tokens_file=str(tokens_file))
+    return make_cluster(ranks=2, security=Security(principals=PrincipalBook(str(tokens_file))))
 
 
 def bearer(name):
@@ -200,6 +201,53 @@ def test_tensor_patterns_limit_what_a_writer_may_change(cluster, caplog):
     assert "principal 'emb-writer' (write" in logged and "CreateTensor 'emb_users'" in logged
     assert "CommitTensor 'emb_users'" in logged and "DeleteTensor 'emb_users'" in logged
     assert "principal 'admin' (admin" in logged and "CreateTensor 'dense'" in logged
+
+
+def test_tensor_patterns_scope_reads_too(cluster):
+    """A principal reads only the tensors its patterns cover: get, fetch, lookup and shared-memory opens of
+    another tensor are PERMISSION_DENIED naming the principal and the tensor, on the coordinator and on the
+    ranks (a raw call that skips the coordinator is refused there too)."""
+    table = torch.arange(32.0).view(8, 4)
+    with connect(cluster.address, token=TOKENS["admin"]) as admin:
+        admin.put("dense-secret", table)
+        admin.put("emb_shared", table)
+        rank0 = admin.ranks()[0].address
+    for transport in ("grpc", "shm"):
+        with connect(cluster.address, token=TOKENS["emb-writer"], transport=transport) as reader:
+            assert torch.equal(reader.tensor("emb_shared")[:], table)
+            assert torch.equal(
+                reader.tensor("emb_shared").lookup(torch.tensor([1, 7])), table[[1, 7]]
+            )
+            with pytest.raises(
+                PermissionDeniedError, match="'read' right on tensor 'dense-secret'"
+            ) as no:
+                reader.tensor("dense-secret")
+            assert no.value.reason == Reason.PERMISSION_DENIED
+            assert no.value.metadata["principal"] == "emb-writer"
+            assert no.value.metadata["tensor"] == "dense-secret"
+    requests = {
+        "ReadRegion": pb.ReadRegionRequest(
+            name="dense-secret", version=1, offsets=[0, 0], sizes=[1, 4]
+        ),
+        "ReadRegionSmall": pb.ReadRegionRequest(
+            name="dense-secret", version=1, offsets=[0, 0], sizes=[1, 4]
+        ),
+        "ReadRegions": pb.ReadRegionsRequest(regions=[pb.ReadRegionRequest(name="dense-secret")]),
+        "LookupSmall": pb.LookupRequest(items=[pb.LookupItem(name="dense-secret")]),
+        "OpenShard": pb.OpenShardRequest(name="dense-secret", version=1),
+    }
+    with grpc.insecure_channel(rank0) as channel:
+        stub = pb_grpc.ShardServerStub(channel)
+        for method, request in requests.items():
+            with pytest.raises(grpc.RpcError) as err:
+                answer = getattr(stub, method)(
+                    request, timeout=TIMEOUT, metadata=bearer("emb-writer")
+                )
+                list(answer) if method == "ReadRegion" else answer
+            assert err.value.code() == PERMISSION_DENIED, method
+            detail = error_detail_of(err.value)
+            assert detail.reason == Reason.PERMISSION_DENIED, method
+            assert detail.metadata["tensor"] == "dense-secret", method
 
 
 def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):

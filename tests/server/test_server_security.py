@@ -23,6 +23,8 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.auth import Security
+from shardserve.server.common.rank_options import RankOptions
 
 TOKEN = "s3cret-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -39,7 +41,9 @@ def meta_for(size, ranks, dtype=torch.float32):
 @pytest.fixture(scope="module")
 def guarded(make_cluster):
     return make_cluster(
-        ranks=2, token=TOKEN, memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST
+        ranks=2,
+        security=Security(token=TOKEN),
+        rank_options=RankOptions(memory_limit=MEMORY_LIMIT, max_request_bytes=MAX_REQUEST),
     )
 
 
@@ -134,9 +138,21 @@ def test_memory_limit_refuses_allocation_and_leaves_nothing(stubs):
 
 def test_max_request_bytes(stubs):
     info = create(stubs, "wide", meta_for((4, 2048), (0,), torch.uint8), init=pb.INIT_ARANGE)
-    ok = read_region(stubs, 0, "wide", info.version, 0, [0, 0], [2, 2048], torch.uint8)
+    ok = read_region(
+        stubs, 0, "wide", info.version, 0, offsets=[0, 0], sizes=[2, 2048], dtype=torch.uint8
+    )
     assert torch.equal(ok, (torch.arange(2 * 2048) % 256).to(torch.uint8).view(2, 2048))
-    err = rpc_error(read_region, stubs, 0, "wide", info.version, 0, [0, 0], [3, 2048], torch.uint8)
+    err = rpc_error(
+        read_region,
+        stubs,
+        0,
+        "wide",
+        info.version,
+        0,
+        offsets=[0, 0],
+        sizes=[3, 2048],
+        dtype=torch.uint8,
+    )
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "offsets/sizes" in err.details() and "max_request_bytes 4096" in err.details()
 
@@ -156,7 +172,7 @@ def test_bulk_port_reads_with_the_token_and_keeps_the_limits(guarded):
 
 @pytest.fixture(scope="module")
 def tls_cluster(make_cluster, tls_files):
-    return make_cluster(ranks=1, tls=tls_files, token=TOKEN)
+    return make_cluster(ranks=1, security=Security(token=TOKEN, tls=tls_files))
 
 
 def test_mtls_cluster_serves_only_clients_with_a_certificate(tls_cluster, tls_files):

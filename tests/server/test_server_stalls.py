@@ -17,7 +17,9 @@ from shardserve import connect
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.common.principals import token_sha256
+from shardserve.server.common.auth import Security
+from shardserve.server.common.principals import PrincipalBook, token_sha256
+from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.stream_limits import StreamLimitSettings
 
 STALL_TIMEOUT = 3.0
@@ -40,7 +42,9 @@ def cluster(make_cluster, tmp_path_factory):
         )
     )
     return make_cluster(
-        ranks=1, tokens_file=str(path), rank_limits=StreamLimitSettings(stall_timeout=STALL_TIMEOUT)
+        ranks=1,
+        security=Security(principals=PrincipalBook(str(path))),
+        rank_options=RankOptions(stall_timeout=STALL_TIMEOUT),
     )
 
 

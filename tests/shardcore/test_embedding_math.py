@@ -159,7 +159,7 @@ bag_size_lists = st.lists(st.integers(0, 7), min_size=0, max_size=12)
     seed=st.integers(0, 2**16),
 )
 def test_pool_bags_equals_f_embedding_bag_bit_for_bit(
-    dtype, num_rows, dim, bag_sizes, mode, weighted, seed
+    *, dtype, num_rows, dim, bag_sizes, mode, weighted, seed
 ):
     table = random_table(num_rows, dim, dtype, seed)
     ids, offsets = random_bags(num_rows, bag_sizes, seed)
@@ -368,7 +368,7 @@ layouts = st.tuples(st.integers(1, 4), st.integers(1, 3))  # row pieces, column 
     seed=st.integers(0, 2**16),
 )
 def test_partial_pooling_over_random_grids_matches_embedding_bag(
-    dtype, num_rows, dim, pieces, bag_sizes, mode, weighted, seed
+    *, dtype, num_rows, dim, pieces, bag_sizes, mode, weighted, seed
 ):
     row_pieces, col_pieces = pieces
     col_pieces = min(col_pieces, dim)

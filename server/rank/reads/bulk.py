@@ -221,7 +221,10 @@ class BulkReads:
     ) -> pb.BulkSession:
         port = self.port
         if port is None:
-            raise BulkReadsOff(f"rank {self.store.rank} serves no bulk port: {self.off_reason}")
+            raise BulkReadsOff(
+                f"rank {self.store.rank} serves no bulk port: {self.off_reason}",
+                metadata={"rank": self.store.rank},
+            )
         return pb.BulkSession(
             port=port,
             ticket=self.tickets.issue(context.peer(), caller()),

@@ -65,7 +65,8 @@ class ReadPath:
         if len(regions) > MAX_BATCH_REGIONS:
             raise RequestTooLarge(
                 f"regions: {len(regions)} regions in one call, over the limit of "
-                f"{MAX_BATCH_REGIONS}; split the batch"
+                f"{MAX_BATCH_REGIONS}; split the batch",
+                metadata={"field": "regions"},
             )
         data, offsets = bytearray(), []
         for index, region in enumerate(regions):

@@ -64,7 +64,7 @@ def _authorize(principal: Principal | None, shards: list[ShardBytes]) -> None:
             metadata={"principal": principal.name, "right": WRITE},
         )
     for name in sorted({shard.name for shard in shards}):
-        if not principal.may_write(name):
+        if not principal.covers(name):
             raise PermissionDenied(
                 f"principal {principal.name!r} lacks the 'write' right on tensor {name!r} "
                 f"(WriteShards)",

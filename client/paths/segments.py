@@ -1,0 +1,232 @@
+"""The client's view of a rank's shared-memory segment: mapping it, its header words, its owning process.
+
+A rank hands a shard over as /proc/<pid>/fd/<fd> of a memfd (or a CUDA IPC handle); the client maps it
+read-only after checking it is the file described (inode and device), reads the header words (magic, state,
+generation) the rank keeps current, and watches the rank's process through a pidfd, so a mapping is read only
+while the rank that serves it lives and still serves that version (client.paths.shm asks).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.client.paths.composed import CompositionError, map_extents
+from shardserve.core.dtypes import dtype_from_wire
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import HEADER_MAGIC, STATE_REPLACED, STATE_SERVED
+
+# The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
+HEADER_WORDS_BYTES = 24  # magic, state, generation
+
+
+class SegmentError(Exception):
+    """A segment or CUDA handle could not be opened, checked or mapped (the shared-memory path cannot serve)."""
+
+
+@dataclass
+class SegmentMapping:
+    process: RankProcess  # the rank process that handed the segment over
+    inode: int
+    device_id: int
+    flat: torch.Tensor  # uint8 over the shard's bytes in the segment (CPU), or in its CUDA storage
+    state: torch.Tensor | None = (
+        None  # int64 header words (magic, state, generation) of the segment/CUDA header
+    )
+    fd: int = -1
+    cuda_handle: tuple[bytes, int] | None = (
+        None  # (IPC handle, storage offset) of a CUDA shard's mapping
+    )
+    generation: int = 0  # the header's generation when mapped (a recycled segment has a higher one)
+
+    def __post_init__(self) -> None:
+        # the header words as numpy: reading one is ~10x cheaper than indexing the torch tensor, on every read
+        self._words = self.state.numpy() if self.state is not None else None
+
+    def serves(self) -> bool:
+        """Whether the segment holds the version it was mapped for, served and not replaced by a newer one: ask
+        before a read (a replaced version is read anew at the newest one)."""
+        words = self._words
+        return words is None or (int(words[1]) == STATE_SERVED and int(words[2]) == self.generation)
+
+    def readable(self) -> bool:
+        """Whether the segment still holds the version it was mapped for (served, or replaced but in the rank's
+        grace period) and was not recycled: ask after a read, which then was of that version whole."""
+        words = self._words
+        return words is None or (
+            int(words[1]) in (STATE_SERVED, STATE_REPLACED) and int(words[2]) == self.generation
+        )
+
+
+class HostMapping:
+    """A mapped host shard and the questions a reader asks before each read of it."""
+
+    def __init__(self, mapping: SegmentMapping) -> None:
+        self._mapping = mapping
+        self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
+
+    def serves(self) -> bool:
+        """Whether the segment still holds this version, not replaced (served, not recycled): ask before a read."""
+        return self._mapping.serves()
+
+    def readable(self) -> bool:
+        """Whether the segment still holds this version (maybe replaced, in its grace): ask after a read."""
+        return self._mapping.readable()
+
+    def held(self) -> bool:
+        """Whether the rank process that serves it is still alive."""
+        return still_held(self._mapping)
+
+
+def still_held(mapping: SegmentMapping) -> bool:
+    """Whether the rank still holds the segment (a killed rank's last header would still say served).
+
+    A rank marks a segment dropped before closing it, so while the header says served the segment is held
+    exactly as long as the rank's process lives; a pidfd answers that in one poll (no /proc path walk)."""
+    alive = mapping.process.alive()
+    if alive is not None:
+        return alive
+    try:
+        stat = os.stat(f"/proc/{mapping.process.pid}/fd/{mapping.fd}")
+    except OSError:
+        return False
+    return (stat.st_ino, stat.st_dev) == (mapping.inode, mapping.device_id)
+
+
+class RankProcess:
+    """One rank process, watched through a pidfd (Linux 5.3+): readable once that process has exited, whatever
+    later process reuses its pid. The pidfd closes when no mapping refers to the process any more."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd = _pidfd(pid)
+        self._closer = (
+            weakref.finalize(self, os.close, self._pidfd) if self._pidfd is not None else None
+        )
+
+    def alive(self) -> bool | None:
+        """Whether the process is running; None where pidfds are unavailable."""
+        if self._pidfd is None:
+            return None
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return not poller.poll(0)
+
+
+class ProcessWatch:
+    """The latest RankProcess per pid: an exited one is replaced when a rank that reused its pid answers, and
+    forgotten (its pidfd closed once its mappings are gone) instead of kept for the client's lifetime."""
+
+    def __init__(self) -> None:
+        self._processes: dict[int, RankProcess] = {}
+        self._lock = threading.Lock()
+
+    def watch(self, pid: int) -> RankProcess:
+        """Rank process `pid`: callers ask right after the rank answered, so a pidfd opened now names that
+        process and not a later one that reused its pid."""
+        with self._lock:
+            process = self._processes.get(pid)
+            if process is None or process.alive() is False:
+                self._forget_exited()
+                process = self._processes[pid] = RankProcess(pid)
+            return process
+
+    def _forget_exited(self) -> None:
+        for pid in [pid for pid, process in self._processes.items() if process.alive() is False]:
+            del self._processes[pid]
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+RANK_PROCESSES = ProcessWatch()
+
+
+def map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
+    (the shard's bytes, the header's int64 words or None when the segment has no header)."""
+    if reply.extents:  # a row update's version: its blocks, shared with earlier versions
+        try:
+            return map_extents(reply), map_state_header(reply)
+        except CompositionError as err:
+            raise SegmentError(str(err)) from None
+    whole = _map_file(reply, reply.data_offset + reply.nbytes)
+    if reply.data_offset < HEADER_WORDS_BYTES:
+        return whole[reply.data_offset :], None
+    return whole[reply.data_offset :], _header_words(whole, reply)
+
+
+def map_state_header(reply: pb.OpenShardResponse) -> torch.Tensor:
+    """The int64 header words (magic, state, generation) of a CUDA shard's header-only segment."""
+    return _header_words(_map_file(reply, HEADER_WORDS_BYTES), reply)
+
+
+def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Tensor:
+    header = whole[:HEADER_WORDS_BYTES].view(torch.int64)
+    if int(header[0]) != HEADER_MAGIC:
+        raise SegmentError(
+            f"/proc/{reply.pid}/fd/{reply.fd} does not start with a shardserve segment header"
+        )
+    return header
+
+
+def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
+    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8."""
+    path = f"/proc/{reply.pid}/fd/{reply.fd}"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise SegmentError(
+            f"cannot open the shard's shared memory {path}: {err.strerror}"
+        ) from None
+    try:
+        stat = os.fstat(fd)
+        if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < size:
+            raise SegmentError(
+                f"{path} is not the segment the rank described (another process or "
+                f"another pid namespace)"
+            )
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    except OSError as err:
+        raise SegmentError(f"cannot map {path}: {err}") from None
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
+    """Open the CUDA IPC handle of a CUDA shard: the shard's bytes as a uint8 CUDA tensor (no copy)."""
+    h = reply.cuda
+    try:
+        torch.cuda.init()  # opening a handle needs this process's CUDA context
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device,
+            h.handle,
+            h.storage_size_bytes,
+            h.storage_offset_bytes,
+            h.ref_counter_handle,
+            h.ref_counter_offset,
+            h.event_handle or None,
+            h.event_sync_required,
+        )
+    except (RuntimeError, AttributeError) as err:
+        raise SegmentError(f"cannot open the CUDA IPC handle of the shard: {err}") from None
+    dtype = dtype_from_wire(reply.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
+    flat.set_(storage, h.tensor_offset * itemsize, (reply.nbytes,), (1,))
+    return flat

@@ -1,0 +1,223 @@
+"""A coordinator served by this process: `start_coordinator` (for LocalCluster and `coordinator`), its options
+and flags, and the `coordinator` command that runs it alone (ranks join with torchrun or `node`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.auth import Security
+from shardserve.server.common.cli_args import (
+    add_log_level_arg,
+    add_metrics_args,
+    add_security_args,
+    configure_logging,
+    security_from_args,
+    with_state_dir_secret,
+)
+from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
+from shardserve.server.common.metrics import serve_metrics
+from shardserve.server.common.stop_signals import (
+    Stop,
+    handle_reload_signal,
+    handle_stop_signals,
+    wait_for_stop_signal,
+)
+from shardserve.server.common.stream_limits import StreamLimitSettings
+from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+
+if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
+    from shardserve.server.coordinator.lifecycle import Coordinator
+    from shardserve.server.coordinator.metrics import CoordinatorMetrics
+
+log = logging.getLogger(__name__)
+
+CATALOG_FILE = "catalog.sqlite"
+COORDINATOR_WORKERS = (
+    64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
+)
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """The coordinator's timings (seconds) and the port of the rendezvous store it hosts for collective jobs.
+
+    `repair_after`: how long a rank stays dead before its copies are rebuilt from live replicas; `store_port`
+    0 = any free port of the listen host. ValueError names the flag of a value out of range.
+    """
+
+    heartbeat_interval: float = 1.0
+    rpc_timeout: float = 60.0
+    pending_timeout: float = 600.0
+    repair_after: float = 30.0
+    store_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0:
+            raise ValueError("--heartbeat-interval must be > 0")
+        if not self.repair_after >= 0:
+            raise ValueError("--repair-after must be >= 0 seconds")
+
+
+def start_coordinator(
+    listen: str,
+    state_dir: str | Path,
+    security: Security,
+    options: CoordinatorOptions = CoordinatorOptions(),
+    *,
+    metrics_port: int | None = None,
+) -> tuple[Coordinator, RunningServer]:
+    """A Coordinator over the SQLite catalog in `state_dir`, served on `listen`; with `metrics_port` (0 = any
+    free port), its Prometheus metrics served on the `listen` host."""
+    from shardserve.server.coordinator.catalog import Catalog, SQLiteCatalog
+    from shardserve.server.coordinator.lifecycle import Coordinator
+    from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
+    from shardserve.server.coordinator.service import CoordinatorServicer
+
+    catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
+    metrics = CoordinatorMetrics() if metrics_port is not None else None
+    if metrics is not None:  # a proxy that times every Catalog call
+        catalog = cast(Catalog, TimedCatalog(catalog, metrics.catalog_latency))
+    coordinator = Coordinator(
+        catalog,
+        security,
+        heartbeat_interval=options.heartbeat_interval,
+        rpc_timeout=options.rpc_timeout,
+        pending_timeout=options.pending_timeout,
+        store_port=options.store_port,
+        store_host=split_address(listen)[0],
+        repair_after=options.repair_after,
+    )
+
+    def add(server: object) -> list[str]:
+        """Add the Coordinator service to `server`; its name, for health checks and reflection."""
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+        return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+
+    try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
+        if metrics is not None:
+            serve_coordinator_metrics(coordinator, metrics, listen, metrics_port or 0)
+        running = start_server(
+            listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), metrics
+        )
+    except Exception:
+        coordinator.close()
+        raise
+    return coordinator, running
+
+
+def serve_coordinator_metrics(
+    coordinator: Coordinator, metrics: CoordinatorMetrics, listen: str, port: int
+) -> None:
+    """Serve `metrics` (watching `coordinator`) on the `listen` host at `port`; ListRanks tells its address."""
+    collectives = coordinator.collectives
+    collectives.tracker.metrics = metrics
+    metrics.watch(
+        coordinator.registry.ranks,
+        coordinator,
+        collectives.tracker,
+        lambda: collectives.epochs.current,
+    )
+    host = split_address(listen)[0]
+    coordinator.metrics_endpoint = serve_metrics(metrics, host, port)
+    shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
+    coordinator.metrics_address = f"{shown}:{coordinator.metrics_endpoint.port}"
+    log.info("coordinator metrics on http://%s/metrics", coordinator.metrics_address)
+
+
+def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `up` and `coordinator` for the coordinator: its state dir, timings and security."""
+    parser.add_argument(
+        "--state-dir",
+        default=".shardserve",
+        help="directory of the SQLite catalog (default %(default)s)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=CoordinatorOptions.heartbeat_interval,
+        help="seconds between rank heartbeats; a rank is dead after 3 missed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--repair-after",
+        type=float,
+        default=CoordinatorOptions.repair_after,
+        help="seconds a rank stays dead before the "
+        "coordinator copies its shards' boxes from live replicas onto other ranks; copies a "
+        "restarted rank came back without are repaired at once (default %(default)s)",
+    )
+    add_security_args(parser)
+
+
+def coordinator_options_from_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, *, store_port: int = 0
+) -> CoordinatorOptions:
+    """The CoordinatorOptions of the flags of add_coordinator_args; a usage error (exit 2) names a bad one."""
+    try:
+        return CoordinatorOptions(
+            heartbeat_interval=args.heartbeat_interval,
+            repair_after=args.repair_after,
+            store_port=store_port,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+
+
+def main_coordinator(argv: Sequence[str]) -> int:
+    """`coordinator`: run the coordinator alone (ranks join with torchrun ... -m shardserve.server --coordinator)."""
+    parser = argparse.ArgumentParser(
+        prog="shardserve coordinator",
+        description="Run the coordinator alone; prints 'coordinator: HOST:PORT' once serving.",
+    )
+    parser.add_argument(
+        "--listen", default="0.0.0.0:50051", help="HOST:PORT to bind (default %(default)s)"
+    )
+    parser.add_argument(
+        "--store-port",
+        type=int,
+        default=0,
+        help="TCP port of the rendezvous store (a "
+        "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
+        "groups over; ranks learn it when they register (0 = any free port; default %(default)s)",
+    )
+    add_metrics_args(parser)
+    add_tracing_args(parser)
+    add_log_level_arg(parser)
+    add_coordinator_args(parser)
+    args = parser.parse_args(argv)
+    options = coordinator_options_from_args(parser, args, store_port=args.store_port)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
+    configure_logging(args.log_level)
+    try:
+        security = with_state_dir_secret(security_from_args(args), args.state_dir)
+        if args.tracing:
+            enable_tracing(args.tracing, "shardserve-coordinator")
+    except (OSError, ValueError) as err:
+        parser.error(str(err))
+    handle_stop_signals()
+    if security.principals is not None:
+        handle_reload_signal(security.principals.reload)
+    try:
+        coordinator, running = start_coordinator(
+            args.listen, args.state_dir, security, options, metrics_port=args.metrics_port
+        )
+    except (OSError, RuntimeError, ValueError) as err:
+        log.error("the coordinator could not start: %s", err)
+        return 1
+    try:
+        print(f"coordinator: {running.address}", flush=True)
+        wait_for_stop_signal()
+    except Stop as stop:
+        log.info("%s received; stopping the coordinator", stop)
+    finally:
+        running.stop(grace=1.0)
+        coordinator.close()
+    return 0

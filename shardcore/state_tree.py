@@ -1,0 +1,221 @@
+"""A state dict as a tree: its tensors under flat keys, and everything else in a typed JSON document.
+
+torch's state dicts are nested containers whose leaves are tensors and plain values: an optimizer state dict
+holds `param_groups` (floats, tuples such as `betas`, bools, lists of parameter names or ids) and int or float
+`step`s, under str or int keys. `split_state_dict` cuts one into its tensors, each under the dotted path of
+keys that leads to it ("state.layer.weight.exp_avg", the names DCP uses), and a skeleton: the same tree with
+every tensor replaced by a reference to its key, encoded as JSON in which each value keeps its Python type
+(a tuple stays a tuple, an int an int, nan a float). Nothing in it is executable and nothing is unpickled.
+`join_state_dict` rebuilds the tree from the skeleton and the tensors; `fill_state_dict` writes a stored
+tree's plain values into a caller's state dict, whose tensors the caller fills in place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+FORMAT = 1  # the skeleton's format version, stored with it
+Key = str | int | bool | float | None | tuple[Any, ...]
+_PLAIN_KEYS = (str, int, bool, float, type(None), tuple)
+
+
+class StateTreeError(ValueError):
+    """A state dict entry that cannot be stored or restored; the message names its key path and type."""
+
+
+@dataclass(frozen=True)
+class SplitStateDict:
+    """A state dict cut in two: `tensors` by flat key, in the tree's order, and `skeleton`, the typed JSON
+    document of the rest (tensors as references to their keys)."""
+
+    tensors: dict[str, Any]
+    skeleton: str
+
+
+def split_state_dict(
+    state_dict: Mapping[Any, Any], *, is_tensor: Callable[[Any], bool]
+) -> SplitStateDict:
+    """Cut `state_dict` into its tensors (`is_tensor(value)` true: tensors, DTensors, ShardedTensors) and the
+    typed document of everything else. StateTreeError names the path of a value of another type (an object,
+    a callable), and of two tensors whose paths flatten to the same key."""
+    if not isinstance(state_dict, Mapping):
+        raise StateTreeError(f"a state dict must be a dict, got {type(state_dict).__name__}")
+    tensors: dict[str, Any] = {}
+    paths: dict[str, tuple[Key, ...]] = {}
+
+    def encode(value: Any, path: tuple[Key, ...]) -> Any:
+        if is_tensor(value):
+            key = flat_key(path)
+            if key in tensors:
+                raise StateTreeError(
+                    f"state dict entries {_shown(paths[key])} and {_shown(path)} both flatten to the "
+                    f"key {key!r}; rename one"
+                )
+            tensors[key], paths[key] = value, path
+            return {"tensor": key}
+        if isinstance(value, Mapping):
+            return {
+                "dict": [[_encode_key(k, path), encode(v, (*path, k))] for k, v in value.items()]
+            }
+        if type(value) is list:
+            return [encode(v, (*path, i)) for i, v in enumerate(value)]
+        if type(value) is tuple:
+            return {"tuple": [encode(v, (*path, i)) for i, v in enumerate(value)]}
+        return _encode_plain(value, path)
+
+    document = {"format": FORMAT, "tree": encode(state_dict, ())}
+    return SplitStateDict(tensors, json.dumps(document, separators=(",", ":"), allow_nan=False))
+
+
+def join_state_dict(skeleton: str, tensors: Mapping[str, Any]) -> dict[Any, Any]:
+    """The tree `skeleton` describes, with each tensor reference replaced by `tensors[key]`."""
+    tree = _decode(_parse(skeleton), tensors)
+    if not isinstance(tree, dict):
+        raise StateTreeError("the stored state dict is not a dict")
+    return tree
+
+
+def tensor_keys(skeleton: str) -> list[str]:
+    """The flat keys of the tensors `skeleton` refers to, in its order."""
+    keys: list[str] = []
+    _decode(_parse(skeleton), _Recorder(keys))
+    return keys
+
+
+def fill_state_dict(into: MutableMapping[Any, Any], skeleton: str) -> None:
+    """Set every plain value of `into` (not its tensors, which the caller fills in place) to the value the
+    stored tree holds at the same path: the optimizer's param_groups and steps of a get_state_dict. A path the
+    stored tree lacks is left as it is; a container the stored tree holds where `into` has none is added."""
+    stored = join_state_dict(skeleton, _Recorder([]))
+    _fill(into, stored)
+
+
+def flat_key(path: tuple[Key, ...]) -> str:
+    """The dotted key of a tensor's path of dict keys and list indexes ("state.0.exp_avg")."""
+    return ".".join(str(part) for part in path)
+
+
+def _fill(into: MutableMapping[Any, Any], stored: Mapping[Any, Any]) -> None:
+    for key, value in stored.items():
+        if isinstance(value, _TensorRef):
+            continue
+        current = into.get(key)
+        if isinstance(value, dict) and isinstance(current, MutableMapping):
+            _fill(current, value)
+        elif not _holds_tensor(value):
+            into[key] = value
+        elif isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
+            _fill_list(current, value)
+
+
+def _fill_list(into: list[Any], stored: list[Any]) -> None:
+    for i, value in enumerate(stored):
+        if isinstance(value, dict) and isinstance(into[i], MutableMapping):
+            _fill(into[i], value)
+        elif not _holds_tensor(value):
+            into[i] = value
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, _TensorRef):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+class _TensorRef(str):
+    """A tensor's key where a tree is rebuilt without its tensors."""
+
+
+class _Recorder(dict[str, Any]):
+    """A mapping that answers every key with a _TensorRef and remembers the keys asked for."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.keys_asked = keys
+
+    def __missing__(self, key: str) -> _TensorRef:
+        self.keys_asked.append(key)
+        return _TensorRef(key)
+
+
+def _encode_key(key: Any, path: tuple[Key, ...]) -> Any:
+    if type(key) not in _PLAIN_KEYS:
+        raise StateTreeError(
+            f"state dict key {key!r} under {_shown(path)} is a {type(key).__name__}; keys must be "
+            f"str, int, bool, float, None or tuples of these"
+        )
+    return (
+        _encode_plain(key, path)
+        if type(key) is not tuple
+        else {"tuple": [_encode_key(k, path) for k in key]}
+    )
+
+
+def _encode_plain(value: Any, path: tuple[Key, ...]) -> Any:
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        return {"float": value.hex() if math.isfinite(value) else repr(value)}
+    raise StateTreeError(
+        f"state dict entry {_shown(path)} is a {type(value).__module__}.{type(value).__qualname__}; "
+        f"only tensors, None, bool, int, float, str and lists, tuples and dicts of these can be stored"
+    )
+
+
+def _parse(skeleton: str) -> Any:
+    try:
+        document = json.loads(skeleton)
+    except json.JSONDecodeError as err:
+        raise StateTreeError(f"the stored state dict skeleton is not JSON: {err}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT or "tree" not in document:
+        raise StateTreeError(f"the stored state dict skeleton is not of format {FORMAT}")
+    return document["tree"]
+
+
+def _decode(node: Any, tensors: Mapping[str, Any]) -> Any:
+    if node is None or type(node) in (bool, int, str):
+        return node
+    if type(node) is list:
+        return [_decode(v, tensors) for v in node]
+    if type(node) is dict and len(node) == 1:
+        ((tag, body),) = node.items()
+        if tag == "tensor" and type(body) is str:
+            if body not in tensors and not isinstance(tensors, _Recorder):
+                raise StateTreeError(
+                    f"the stored state dict refers to tensor {body!r}, which is missing"
+                )
+            return tensors[body]
+        if tag == "float" and type(body) is str:
+            return _float(body)
+        if tag == "tuple" and type(body) is list:
+            return tuple(_decode(v, tensors) for v in body)
+        if (
+            tag == "dict"
+            and type(body) is list
+            and all(type(p) is list and len(p) == 2 for p in body)
+        ):
+            return {_decode(k, tensors): _decode(v, tensors) for k, v in body}
+    raise StateTreeError(f"the stored state dict skeleton holds an unknown node {str(node)[:80]!r}")
+
+
+def _float(text: str) -> float:
+    if text in ("nan", "inf", "-inf"):
+        return float(text)
+    try:
+        return float.fromhex(text)
+    except ValueError:
+        raise StateTreeError(
+            f"the stored state dict skeleton holds a bad float {text[:40]!r}"
+        ) from None
+
+
+def _shown(path: tuple[Key, ...]) -> str:
+    return repr(flat_key(path)) if path else "the top"
