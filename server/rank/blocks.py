@@ -105,7 +105,7 @@ class AddressRange:
     def tensor(self, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of the range as a flat uint8 tensor (which keeps the range alive)."""
         array = (ctypes.c_char * nbytes).from_address(self.address)
-        array.keeps = self  # the tensor holds the array, the array the range
+        setattr(array, "keeps", self)  # noqa: B010 - the tensor holds the array, the array the range
         return torch.frombuffer(array, dtype=torch.uint8)
 
 
@@ -410,7 +410,7 @@ def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor
                 break
             done += copied
     if done < block.nbytes:
-        os.pwrite(file.fd, memoryview(mapped[done:].numpy()), offset + done)
+        os.pwrite(file.fd, mapped[done:].numpy().data, offset + done)
 
 
 def _runs(blocks: list[Block]) -> list[tuple[int, int]]:

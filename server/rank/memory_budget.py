@@ -1,11 +1,20 @@
-"""A rank's default memory limit: its share of the host's memory, so that ranks sharing a host refuse
-allocations (RESOURCE_EXHAUSTED) instead of each admitting the whole host's RAM and being OOM-killed together."""
+"""A rank's memory budget: the bytes of shards it holds against its limit and its device's capacity.
+
+`MemoryBudget` does the accounting (reserve, release, room); the default limit is the rank's share of the
+host's memory, so that ranks sharing a host refuse allocations (RESOURCE_EXHAUSTED) instead of each admitting
+the whole host's RAM and being OOM-killed together.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
+
+import torch
+
+from shardserve.server.rank.errors import OverMemory
 
 HOST_MEMORY_FRACTION = (
     0.8  # of the host's (or cgroup's) memory, split evenly among the ranks on the host
@@ -41,3 +50,67 @@ def default_memory_limit(
     if not device.startswith("cpu"):
         return 0
     return max(1, int(host_bytes * fraction) // max(1, ranks))
+
+
+def device_capacity(device: torch.device) -> int:
+    """Total memory of the device (physical RAM for cpu): no allocation may exceed it, limit or not."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+class MemoryBudget:
+    """The bytes of shards one rank holds, against its limit (0 = none) and its device's capacity.
+
+    Thread-safe on its own: a reservation checks and takes its room in one step."""
+
+    def __init__(self, limit: int, capacity: int, *, rank: int = 0, device: str = "cpu") -> None:
+        if limit < 0:
+            raise ValueError(f"memory_limit must be >= 0 (0 = unlimited), got {limit}")
+        self.limit = limit
+        self.capacity = capacity
+        self.rank = rank
+        self.device = device
+        self._used = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def room(self, nbytes: int) -> int:
+        """Bytes left under the limit and the capacity once `nbytes` more are held (negative: over by that)."""
+        room = self.capacity - self._used - nbytes
+        if self.limit:
+            room = min(room, self.limit - self._used - nbytes)
+        return room
+
+    def reserve(self, nbytes: int) -> None:
+        """Hold `nbytes` more, or OverMemory naming the limit (or the device's capacity) that has no room."""
+        with self._lock:
+            if self.limit and self._used + nbytes > self.limit:
+                raise OverMemory(
+                    f"rank {self.rank} memory limit: {nbytes} bytes requested, "
+                    f"{self.limit - self._used} of {self.limit} free",
+                    metadata={"rank": self.rank},
+                )
+            if self._used + nbytes > self.capacity:
+                raise OverMemory(
+                    f"rank {self.rank} memory: {nbytes} bytes requested, more than the "
+                    f"{self.capacity - self._used} bytes left of {self.device}'s {self.capacity}",
+                    metadata={"rank": self.rank},
+                )
+            self._used += nbytes
+
+    def add(self, nbytes: int) -> None:
+        """Hold `nbytes` more whatever the limit: memory already taken (blocks an update copied)."""
+        with self._lock:
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Give back `nbytes` held."""
+        with self._lock:
+            self._used -= nbytes

@@ -72,7 +72,7 @@ def tensor_memory(tensor: torch.Tensor) -> memoryview:
     host = tensor.detach().cpu().contiguous()
     if host.numel() == 0:
         return memoryview(b"")
-    return memoryview(host.view(-1).view(torch.uint8).numpy())
+    return host.view(-1).view(torch.uint8).numpy().data
 
 
 def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str], sync: bool) -> int:

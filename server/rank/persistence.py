@@ -36,41 +36,42 @@ import logging
 import os
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, unquote
+from typing import BinaryIO
+from urllib.parse import quote
 
 import numpy as np
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_from_proto, metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, NotFound, StaleVersion
+from shardserve.core.wire import metadata_to_proto
+from shardserve.server.common.errors import InvalidArgument
+from shardserve.server.rank.errors import TensorUnknown, VersionNotServed
+from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persist_files import (
-    CorruptFile,
     LogRecord,
     disk_error,
     encode_record,
     fsync_dir,
-    read_json,
     read_log,
-    read_shard_file,
     tensor_memory,
     write_json,
     write_shard_file,
 )
+from shardserve.server.rank.persist_restore import (
+    LOG_NAME,
+    RestoreCount,
+    RestoredVersion,
+    restore_dir,
+)
+from shardserve.server.rank.wire import options_message
 
 log = logging.getLogger(__name__)
 
 FSYNC_INTERVAL_S = 0.1  # --fsync interval: the most a crash can lose of acknowledged updates
-LOG_NAME = "updates.log"
-# Promoted update versions restored per table, newest first: a rank promotes (and logs) an update before the
-# coordinator's catalog commits it, so a crash in between leaves the catalog one version behind the log.
-RESTORED_UPDATES = 2
 
 
 class FsyncPolicy(enum.Enum):
@@ -80,32 +81,11 @@ class FsyncPolicy(enum.Enum):
 
 
 @dataclass
-class RestoredVersion:
-    """A version read back from disk, every local shard whole, ready to install as PENDING."""
-
-    name: str
-    version: int
-    metadata: ShardedTensorMetadata
-    options: pb.TensorOptions
-    shards: dict[int, torch.Tensor]
-
-
-@dataclass
-class RestoreCount:
-    """How far a restore is: bytes of the persist dir read of all, tensors (folders) done of all."""
-
-    done_bytes: int = 0
-    total_bytes: int = 0
-    done_tensors: int = 0
-    total_tensors: int = 0
-
-
-@dataclass
 class _Table:
     """What this process knows of one tensor's folder: its log (open for appends) and the versions in it."""
 
     path: Path
-    log_file: object = None
+    log_file: BinaryIO | None = None
     log_bytes: int = 0
     dirty: bool = False
     copies: dict[int, int] = field(default_factory=dict)  # update version -> its source version
@@ -183,10 +163,10 @@ class Persistence:
     def flush(self) -> None:
         """fsync every log written since the last flush (the interval policy's thread calls this)."""
         with self._lock:
-            dirty = [t for t in self._tables.values() if t.dirty and t.log_file is not None]
-            for table in dirty:
+            dirty = [(t, t.log_file) for t in self._tables.values() if t.dirty and t.log_file]
+            for table, log_file in dirty:
                 try:
-                    os.fsync(table.log_file.fileno())
+                    os.fsync(log_file.fileno())
                     table.dirty = False
                 except OSError as err:
                     log.error(
@@ -228,7 +208,7 @@ class Persistence:
         name: str,
         version: int,
         meta: ShardedTensorMetadata,
-        options: pb.TensorOptions,
+        options: TensorOptions,
         shards: dict[int, torch.Tensor],
     ) -> None:
         """Make (name, version) durable before it is served: "promote" in the log for an update, else a
@@ -243,7 +223,7 @@ class Persistence:
         name: str,
         version: int,
         meta: ShardedTensorMetadata,
-        options: pb.TensorOptions,
+        options: TensorOptions,
         shards: dict[int, torch.Tensor],
     ) -> None:
         """Write every local shard of a whole version and then its manifest (the commit point on disk)."""
@@ -277,7 +257,7 @@ class Persistence:
                     "version": version,
                     "shards": files,
                     "metadata": metadata_to_proto(meta).SerializeToString().hex(),
-                    "options": options.SerializeToString().hex(),
+                    "options": options_message(options).SerializeToString().hex(),
                 },
                 self.sync_snapshots,
             )
@@ -376,10 +356,7 @@ class Persistence:
                 try:
                     with self._snapshot_source(name, version) as (meta, options, shards):
                         self.snapshot(name, version, meta, options, shards)
-                except (
-                    StaleVersion,
-                    NotFound,
-                ):  # replaced (or deleted) meanwhile: a newer one is served
+                except (VersionNotServed, TensorUnknown):  # replaced or deleted meanwhile
                     done = version
                     continue
                 self._restart_log(name, version)
@@ -437,166 +414,16 @@ class Persistence:
         device: torch.device,
         progress: Callable[[RestoreCount], None] | None = None,
     ) -> list[RestoredVersion]:
-        """Every version to hold again, read from disk (`empty(sizes, dtype)` allocates each host shard); a
-        tensor whose files are corrupt is named in the log and left out. `progress` sees the bytes and tensors
-        read so far, before the first tensor and after each."""
+        """Every version to hold again, read from disk (server/rank/persist_restore.py); the tables learn
+        which snapshots and update copies their folders hold."""
         out: list[RestoredVersion] = []
-        if not self.root.is_dir():
-            return out
-        folders = sorted(p for p in self.root.iterdir() if p.is_dir())
-        count = RestoreCount(
-            total_bytes=sum(_folder_bytes(f) for f in folders), total_tensors=len(folders)
-        )
-        if progress is not None:
-            progress(count)
-        for folder in folders:
-            self._restore_folder(folder, empty, device, out)
-            count.done_bytes += _folder_bytes(folder)
-            count.done_tensors += 1
-            if progress is not None:
-                progress(count)
+        for restored in restore_dir(self.root, self.rank, empty, device, progress):
+            with self._lock:
+                table = self._table(restored.name)
+                table.snapshots = set(restored.snapshots)
+                table.copies = dict(restored.copies)
+            out.extend(restored.versions)
         return out
-
-    def _restore_folder(
-        self,
-        folder: Path,
-        empty: Callable[..., torch.Tensor],
-        device: torch.device,
-        out: list[RestoredVersion],
-    ) -> None:
-        """Restore one tensor's folder into `out`; corrupt files are named in the log and the tensor skipped."""
-        name = unquote(folder.name)
-        started = time.monotonic()
-        try:
-            versions = self._restore_table(name, folder, empty, device)
-        except CorruptFile as err:
-            log.error(
-                "rank %d refuses to serve %r: %s (the coordinator marks its copies lost and repairs "
-                "them from a replica, if any)",
-                self.rank,
-                name,
-                err,
-            )
-            return
-        out.extend(versions)
-        for restored in versions:
-            log.info(
-                "rank %d restored %r version %d (%d shards) from %s in %.2fs",
-                self.rank,
-                name,
-                restored.version,
-                len(restored.shards),
-                folder,
-                time.monotonic() - started,
-            )
-
-    def _restore_table(
-        self, name: str, folder: Path, empty: Callable[..., torch.Tensor], device: torch.device
-    ) -> list[RestoredVersion]:
-        table = self._table(name)
-        manifests = {int(p.stem[1:]): p for p in folder.glob("v*.json") if p.stem[1:].isdigit()}
-        copies, rows, promoted, dropped = _replay_index(read_log(folder / LOG_NAME))
-        table.snapshots = set(manifests)
-        table.copies = dict(copies)
-        wanted = [v for v in manifests if v not in dropped]
-        updates = sorted(v for v in promoted if v not in dropped and v in copies)
-        wanted.extend(
-            updates[-RESTORED_UPDATES:]
-        )  # the catalog may still be at the one before the newest
-        out = []
-        for version in sorted(set(wanted)):
-            chain = _chain(version, copies, manifests, name)
-            base = self._load_snapshot(manifests[chain[0]], empty, device)
-            for step in chain[1:]:
-                _apply_rows(base.shards, rows.get(step, []), name, step)
-            base.version = version
-            out.append(base)
-        return out
-
-    def _load_snapshot(
-        self, manifest_path: Path, empty: Callable[..., torch.Tensor], device: torch.device
-    ) -> RestoredVersion:
-        manifest = read_json(manifest_path)
-        meta = metadata_from_proto(
-            pb.ShardedTensorMetadata.FromString(bytes.fromhex(manifest["metadata"]))
-        )
-        options = pb.TensorOptions.FromString(bytes.fromhex(manifest["options"]))
-        expected = set(meta.shards_on(self.rank))
-        if {int(i) for i in manifest["shards"]} != expected:
-            raise CorruptFile(
-                f"{manifest_path}: lists shards {sorted(manifest['shards'])}, this rank holds "
-                f"{sorted(expected)}"
-            )
-        shards = {}
-        for index in sorted(expected):
-            entry = manifest["shards"][str(index)]
-            host = empty(meta.shards_metadata[index].shard_sizes, meta.dtype)
-            read_shard_file(manifest_path.parent / entry["file"], host, int(entry["crc32"]))
-            shards[index] = host if device.type == "cpu" else host.to(device)
-        return RestoredVersion(manifest["name"], int(manifest["version"]), meta, options, shards)
-
-
-def _folder_bytes(folder: Path) -> int:
-    """Bytes of the files of one tensor's folder (what its restore reads, at most)."""
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-
-
-def _replay_index(
-    records: object,
-) -> tuple[dict[int, int], dict[int, list[LogRecord]], set[int], set[int]]:
-    """The log's copies (version -> source), rows per version in order, promoted and dropped versions."""
-    copies: dict[int, int] = {}
-    rows: dict[int, list[LogRecord]] = {}
-    promoted: set[int] = set()
-    dropped: set[int] = set()
-    for record in records:  # type: ignore[attr-defined]
-        kind, version = record.header["kind"], int(record.header["version"])
-        if kind == "copy":
-            copies[version] = int(record.header["source"])
-        elif kind == "rows":
-            rows.setdefault(version, []).append(record)
-        elif kind == "promote":
-            promoted.add(version)
-        elif kind == "drop":
-            dropped.add(version)
-    return copies, rows, promoted, dropped
-
-
-def _chain(
-    version: int, copies: dict[int, int], manifests: dict[int, Path], name: str
-) -> list[int]:
-    """Versions from a snapshot to `version` through the log's copies, oldest first."""
-    chain = [version]
-    while chain[-1] not in manifests:
-        source = copies.get(chain[-1])
-        if source is None or len(chain) > len(copies) + 1:
-            raise CorruptFile(
-                f"{name!r} version {version}: no snapshot to rebuild it from (version {chain[-1]} "
-                f"has neither a manifest nor a source in the update log)"
-            )
-        chain.append(source)
-    return chain[::-1]
-
-
-def _apply_rows(
-    shards: dict[int, torch.Tensor], records: list[LogRecord], name: str, version: int
-) -> None:
-    for record in records:
-        index, count = int(record.header["shard"]), int(record.header["count"])
-        shard = shards.get(index)
-        if shard is None:
-            raise CorruptFile(
-                f"update log of {name!r} version {version}: rows of shard {index}, not held here"
-            )
-        ids = torch.from_numpy(np.frombuffer(record.data[: 8 * count], dtype="<i8").copy())
-        values = torch.frombuffer(bytearray(record.data[8 * count :]), dtype=torch.uint8)
-        if shard.dim() != 2 or values.numel() != count * shard.shape[1] * shard.element_size():
-            raise CorruptFile(
-                f"update log of {name!r} version {version}: a rows record does not fit shard {index}"
-            )
-        shard.index_copy_(
-            0, ids.to(shard.device), values.view(shard.dtype).view(count, -1).to(shard.device)
-        )
 
 
 def parse_policy(text: str) -> FsyncPolicy:

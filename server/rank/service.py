@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -19,14 +20,15 @@ from shardserve.protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from shardserve.server.common.errors import InvalidArgument, item_errors, rpc_errors
+from shardserve.server.common.errors import InvalidArgument, item_errors
 from shardserve.server.common.requests import (
+    check_init,
     check_name,
     check_options,
     check_version,
-    parse_dtype,
     parse_metadata,
 )
+from shardserve.server.rank.error_status import rank_rpc, service_errors
 from shardserve.server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.jobs.reshard import run_reshard_job
@@ -37,15 +39,16 @@ from shardserve.server.rank.reads.batch import BatchReads
 from shardserve.server.rank.reads.batch import handlers as batch_read_handlers
 from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.reads.bulk import handlers as bulk_read_handlers
-from shardserve.server.rank.reads.lookup import LookupService
-from shardserve.server.rank.reads.region import region_bytes
+from shardserve.server.rank.reads.path import ReadPath
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.wire import init_fill, tensor_options
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
+from shardserve.server.rank.writes.path import WritePath
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,8 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     ) -> None:
         self.store = store
         self.chunk_bytes = chunk_bytes
-        self.lookups = LookupService(store)
+        self.reads = ReadPath(store)
+        self.writes = WritePath(store)
         self.collectives = CollectiveJobService(store, job_kinds(), groups)
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
@@ -88,7 +92,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             store, None, off_reason="this server was built without one"
         )
 
-    @rpc_errors
+    @rank_rpc
     def AllocateShards(
         self, request: pb.AllocateShardsRequest, context: grpc.ServicerContext
     ) -> pb.AllocateShardsResponse:
@@ -96,7 +100,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             allocated_bytes=self._allocate(checked_allocation(request))
         )
 
-    @rpc_errors
+    @rank_rpc
     def AllocateMany(
         self, request: pb.AllocateManyRequest, context: grpc.ServicerContext
     ) -> pb.AllocateManyResponse:
@@ -108,8 +112,11 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         made, total = [], 0
         try:
             for index, allocation in enumerate(allocations):
-                with item_errors(
-                    f"tensors[{index}] ({allocation.name!r} version {allocation.version})"
+                with (
+                    item_errors(
+                        f"tensors[{index}] ({allocation.name!r} version {allocation.version})"
+                    ),
+                    service_errors(),
                 ):
                     total += self._allocate(allocation)
                 made.append(allocation)
@@ -126,43 +133,46 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             allocation.version,
             allocation.meta,
         )
+        options = tensor_options(request.options)
         if request.init == pb.INIT_COPY:
             return self.store.allocate_copy(
                 name,
                 version,
                 meta,
                 check_version(request.source_version, "source_version"),
-                request.options,
+                options,
             )
         if request.reserve_only:  # a collective job (reshard) installs the shards later
-            return self.store.reserve(name, version, meta, request.options)
-        return self.store.allocate(name, version, meta, request.init, request.seed, request.options)
+            return self.store.reserve(name, version, meta, options)
+        check_init(request.init, meta.dtype)
+        fill = init_fill(request.init)
+        return self.store.allocate(name, version, meta, fill, request.seed, options)
 
-    @rpc_errors
+    @rank_rpc
     def PromoteVersion(
         self, request: pb.PromoteVersionRequest, context: grpc.ServicerContext
     ) -> pb.PromoteVersionResponse:
         self.store.promote(check_name(request.name), check_version(request.version))
         return pb.PromoteVersionResponse()
 
-    @rpc_errors
+    @rank_rpc
     def PromoteMany(
         self, request: pb.PromoteManyRequest, context: grpc.ServicerContext
     ) -> pb.PromoteManyResponse:
         """Promote the versions in order, stopping at the first failure (the coordinator then drops them all)."""
         for index, version in enumerate(checked_versions(request.versions)):
-            with item_errors(f"versions[{index}]"):
+            with item_errors(f"versions[{index}]"), service_errors():
                 self.store.promote(*version)
         return pb.PromoteManyResponse()
 
-    @rpc_errors
+    @rank_rpc
     def DropVersion(
         self, request: pb.DropVersionRequest, context: grpc.ServicerContext
     ) -> pb.DropVersionResponse:
         self.store.drop(check_name(request.name), check_version(request.version, allow_zero=True))
         return pb.DropVersionResponse()
 
-    @rpc_errors
+    @rank_rpc
     def DropMany(
         self, request: pb.DropManyRequest, context: grpc.ServicerContext
     ) -> pb.DropManyResponse:
@@ -170,72 +180,47 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             self.store.drop(name, version)
         return pb.DropManyResponse()
 
-    @rpc_errors
+    @rank_rpc
     def WriteShard(
         self, request_iterator: Iterable[pb.WriteShardRequest], context: grpc.ServicerContext
     ) -> pb.WriteShardResponse:
-        requests = iter(request_iterator)
-        first = next(requests, None)
-        if first is None or not first.HasField("header"):
-            raise InvalidArgument("header: the first WriteShard message must carry the header")
-        header = first.header
-        name = check_name(header.name, "header.name")
-        version = check_version(header.version, "header.version")
-        dtype = parse_dtype(header.dtype, "header.dtype")
-        with self.store.write(name, version, header.shard_index, dtype, header.nbytes) as writer:
-            for message in requests:
-                part = message.WhichOneof("part")
-                if part == "chunk":
-                    writer.write(message.chunk.offset, message.chunk.data)
-                elif part == "header":
-                    raise InvalidArgument(
-                        "header: only the first WriteShard message may carry a header"
-                    )
-                else:
-                    raise InvalidArgument(
-                        "part: a WriteShard message carries neither header nor chunk"
-                    )
-        self.store.metrics.written(name, writer.written)
-        return pb.WriteShardResponse(bytes_written=writer.written)
+        return pb.WriteShardResponse(bytes_written=self.writes.stream(request_iterator))
 
-    @rpc_errors
+    @rank_rpc
     def ReadRegion(
         self, request: pb.ReadRegionRequest, context: grpc.ServicerContext
     ) -> Iterator[RawChunk]:
         chunk_bytes = self._chunk_bytes(request.chunk_bytes)
-        with region_bytes(self.store, request) as data:
+        with self.reads.region(request, GRPC) as data:
             for offset in range(0, len(data), chunk_bytes):
                 yield RawChunk(
                     offset, data[offset : offset + chunk_bytes]
                 )  # encoded by encode_chunk
-        self.store.metrics.served(GRPC, request.name, len(data))
 
     def _chunk_bytes(self, requested: int) -> int:
         if requested < 0:
             raise InvalidArgument(f"chunk_bytes {requested} is negative")
         return max(MIN_CHUNK_BYTES, min(requested or self.chunk_bytes, MAX_CHUNK_BYTES))
 
-    @rpc_errors
+    @rank_rpc
     def Lookup(
         self, request: pb.LookupRequest, context: grpc.ServicerContext
     ) -> Iterator[LookupPart]:
-        yield from self.lookups.lookup(request)
+        yield from self.reads.lookup(request)
 
-    @rpc_errors
+    @rank_rpc
     def LookupSmall(
         self, request: pb.LookupRequest, context: grpc.ServicerContext
     ) -> list[LookupPart]:
-        return self.lookups.lookup_small(request)
+        return self.reads.lookup_small(request, GRPC)
 
-    @rpc_errors
+    @rank_rpc
     def WriteRows(
         self, request: pb.WriteRowsRequest, context: grpc.ServicerContext
     ) -> pb.WriteRowsResponse:
-        rows = self.lookups.write_rows(request)
-        self.store.metrics.written(request.name, len(request.values))
-        return pb.WriteRowsResponse(rows_written=rows)
+        return pb.WriteRowsResponse(rows_written=self.writes.rows(request))
 
-    @rpc_errors
+    @rank_rpc
     def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.ServicerContext
     ) -> pb.GetStatsResponse:
@@ -296,7 +281,7 @@ def check_batch_size(count: int, field: str) -> None:
 def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
     """Register the ShardServer service, with the bulk messages going through chunk_codec; return its name."""
 
-    def unary(method, request_type, response_type):  # type: ignore[no-untyped-def]
+    def unary(method: Any, request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
             method,
             request_deserializer=request_type.FromString,

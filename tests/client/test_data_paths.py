@@ -37,9 +37,10 @@ from shardserve.core.metadata import Box, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
-from shardserve.server.common.errors import InvalidState
 from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.rank.errors import VersionCommitted
 from shardserve.server.rank.reads.shm import SharedMemoryService
+from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
 from shardserve.server.rank.store import ShardStore
 
@@ -694,8 +695,8 @@ def test_segment_header_follows_promote_and_drop():
     from shardserve.server.rank.shared_memory import HEADER_BYTES
 
     store = _served_store()
-    with store.lease("t", 1) as entry:
-        segment = store.shared_segment(entry, 0)
+    with store.access.lease("t", 1) as entry:
+        segment = store.access.shared_segment(entry, 0)
     assert segment.data_offset == HEADER_BYTES
 
     def header() -> list[int]:
@@ -703,7 +704,7 @@ def test_segment_header_follows_promote_and_drop():
             return torch.frombuffer(bytearray(f.read(24)), dtype=torch.int64).tolist()
 
     assert header() == [HEADER_MAGIC, STATE_SERVED, 0]
-    with store.lease("t", 1):
+    with store.access.lease("t", 1):
         store.drop("t", 1)
         assert header() == [HEADER_MAGIC, STATE_DROPPED, 0]
 
@@ -771,7 +772,7 @@ def _served_store(dtype: torch.dtype = torch.float32) -> ShardStore:
     meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
         (6, 4), TensorProperties(dtype=dtype)
     )
-    store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
+    store.allocate("t", 1, meta, fill=InitFill.ARANGE)
     store.promote("t", 1)
     return store
 
@@ -807,7 +808,7 @@ def test_leases_expire():
     now = [0.0]
     leases = Leases(clock=lambda: now[0])
     store = _served_store()
-    lease = store.lease("t", 1)
+    lease = store.access.lease("t", 1)
     lease.__enter__()
     leases.hold(lease, 5.0)
     store.drop("t", 1)
@@ -822,7 +823,7 @@ def test_lease_ids_cannot_be_guessed():
     leases, store = Leases(), _served_store()
     ids = []
     for _ in range(3):
-        lease = store.lease("t", 1)
+        lease = store.access.lease("t", 1)
         lease.__enter__()
         ids.append(leases.hold(lease, 30.0))
     assert (
@@ -857,11 +858,11 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
 
 def test_served_versions_are_immutable():
     store = _served_store()
-    with pytest.raises(InvalidState, match="already committed"):
-        with store.write("t", 1, 0, torch.float32, 6 * 4 * 4):
+    with pytest.raises(VersionCommitted, match="already committed"):
+        with store.access.write("t", 1, 0, torch.float32, 6 * 4 * 4):
             pass
-    with pytest.raises(InvalidState, match="already committed"):
-        with store.lease("t", 1, served=False):
+    with pytest.raises(VersionCommitted, match="already committed"):
+        with store.access.lease("t", 1, served=False):
             pass
 
 
@@ -873,11 +874,11 @@ def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
     built = random_tensor((3, 2), torch.bfloat16, seed=3)
     store.install("t", 1, meta, {0: built.clone()})
     store.promote("t", 1)
-    with store.lease("t", 1) as entry:
-        segment = store.shared_segment(entry, 0)
+    with store.access.lease("t", 1) as entry:
+        segment = store.access.shared_segment(entry, 0)
         assert segment is not None
-        assert torch.equal(store.shard_of(entry, 0), built)
-        assert store.shared.segment_of(store.shard_of(entry, 0)) == segment
+        assert torch.equal(store.access.shard_of(entry, 0), built)
+        assert store.shared.segment_of(store.access.shard_of(entry, 0)) == segment
 
 
 @pytest.mark.cuda

@@ -24,7 +24,7 @@ from shardserve.core.metadata import Box, ShardMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.rank.store import arange_box
+from shardserve.server.rank.shard_fill import arange_box
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ Every rank gets the same job, so checks that fail, fail on every rank alike.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -30,6 +31,7 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.rank.errors import RankError
 from shardserve.server.rank.jobs.context import JobContext
 
 log = logging.getLogger(__name__)
@@ -63,11 +65,11 @@ def _destinations(ctx: JobContext, meta: ShardedTensorMetadata) -> dict[int, tor
     right sizes first (no first-touch page faults), then new shard memory from the store, which for CPU shards
     is shared memory, so a same-host reader maps the loaded shard as it is rather than a copy made on its
     first read."""
-    buffers = ctx.store.recycled_shards(meta)
+    buffers = ctx.store.memory.recycled(meta, ctx.rank)
     for i in meta.shards_on(ctx.rank):
         shard = meta.shards_metadata[i]
         if i not in buffers and shard.device == ctx.store.device:
-            buffers[i] = ctx.store.empty_shard(shard.shard_sizes, meta.dtype, overwrite=True)
+            buffers[i] = ctx.store.memory.empty(shard.shard_sizes, meta.dtype, overwrite=True)
     return buffers
 
 
@@ -76,7 +78,7 @@ def _noting(problems: list[str], make: Callable[[], T], instead: T) -> T:
     collectives (the others would wait in them), so its failure is raised on every rank in DCP's planning."""
     try:
         return make()
-    except (ServiceError, RuntimeError, ValueError) as err:
+    except (RankError, ServiceError, RuntimeError, ValueError) as err:
         problems.append(f"rank failed before the checkpoint's collectives: {err}")
         return instead
 
@@ -91,7 +93,9 @@ def run_checkpoint_load(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     into = {
-        name: _noting(problems, lambda meta=meta: _destinations(ctx, meta), {})
+        name: _noting(
+            problems, functools.partial(_destinations, ctx, meta), dict[int, torch.Tensor]()
+        )
         for name, _, meta in tensors
     }
     with ctx.default_world() as group:
@@ -128,17 +132,24 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
     ctx.progress.bytes_total = _local_bytes(tensors, ctx.rank)
     problems: list[str] = []
     with ExitStack() as leases:
-        state = {}
+        state: dict[str, tuple[ShardedTensorMetadata, dict[int, torch.Tensor]]] = {}
+
+        def lease_shards(
+            name: str, version: int, meta: ShardedTensorMetadata
+        ) -> dict[int, torch.Tensor]:
+            local = meta.shards_on(ctx.rank)
+            if not local:
+                return {}
+            entry = leases.enter_context(ctx.store.access.lease(name, version))
+            return {i: ctx.store.access.shard_of(entry, i) for i in local}
+
         for name, version, meta in tensors:
-
-            def lease_shards(
-                name: str = name, version: int = version, meta: ShardedTensorMetadata = meta
-            ) -> dict[int, torch.Tensor]:
-                local = meta.shards_on(ctx.rank)
-                entry = leases.enter_context(ctx.store.lease(name, version)) if local else None
-                return {i: ctx.store.shard_of(entry, i) for i in local}
-
-            state[name] = (meta, _noting(problems, lease_shards, {}))
+            shards = _noting(
+                problems,
+                functools.partial(lease_shards, name, version, meta),
+                dict[int, torch.Tensor](),
+            )
+            state[name] = (meta, shards)
         with ctx.default_world() as group:
             save_tensors(job.checkpoint_save.path, state, group, problems=problems)
     ctx.progress.bytes_done = ctx.progress.bytes_total

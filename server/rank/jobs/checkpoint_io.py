@@ -112,7 +112,9 @@ class _LocalShards(torch.Tensor):
         return wrapper
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(  # type: ignore[override]
+        cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         raise NotImplementedError(f"{func} is not supported on a rank's checkpoint shards")
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
@@ -324,7 +326,7 @@ def _require_checkpoint_on_every_rank(
     """Raise on every rank, naming the ranks, unless every rank sees the checkpoint's `.metadata`."""
     missing = not os.path.isfile(os.path.join(directory, ".metadata"))
     if _single_process(process_group):
-        flags = [missing]
+        flags: list[bool | None] = [missing]
     else:
         flags = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(flags, missing, group=process_group)

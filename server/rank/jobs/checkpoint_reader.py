@@ -22,7 +22,7 @@ import io
 import pickle
 import sys
 import zipfile
-from typing import IO, Any
+from typing import IO, Any, Protocol, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -86,7 +86,7 @@ class RegionReader(FileSystemReader):
 
     def _read_region(
         self,
-        file: IO[bytes],
+        file: ReadableFile,
         item: ReadItem,
         planner: LoadPlanner,
         chunks: dict[MetadataIndex, StoredChunk | None],
@@ -131,10 +131,18 @@ class RegionReader(FileSystemReader):
         return True
 
 
+class ReadableFile(Protocol):
+    """A file read by position: what a checkpoint's data is read from."""
+
+    def seek(self, offset: int, whence: int = ..., /) -> int: ...
+
+    def readinto(self, buffer: Any, /) -> int | None: ...
+
+
 class FileSlice(io.RawIOBase):
     """Bytes [start, start + length) of an open file, as a seekable read-only file of their own."""
 
-    def __init__(self, file: IO[bytes], start: int, length: int) -> None:
+    def __init__(self, file: ReadableFile, start: int, length: int) -> None:
         super().__init__()
         self._file, self._start, self._length, self._position = file, start, length, 0
 
@@ -152,7 +160,7 @@ class FileSlice(io.RawIOBase):
         self._position = max(0, base + offset)
         return self._position
 
-    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+    def readinto(self, buffer: Any) -> int:
         count = min(len(buffer), self._length - self._position)
         if count <= 0:
             return 0
@@ -162,12 +170,13 @@ class FileSlice(io.RawIOBase):
         return got
 
 
-def stored_chunk(file: IO[bytes], item_offset: int, item_length: int) -> StoredChunk | None:
+def stored_chunk(file: ReadableFile, item_offset: int, item_length: int) -> StoredChunk | None:
     """The layout and data position of the torch.save archive stored in `file` at bytes [item_offset,
     item_offset + item_length) (one item of a .distcp file); None when its bytes cannot be read as they lie
     (another byte order, or a torch that does not report record offsets)."""
-    view = FileSlice(file, item_offset, item_length)
-    if _byte_order(view) not in (None, sys.byteorder):
+    view = cast(IO[bytes], FileSlice(file, item_offset, item_length))
+    order = _byte_order(view)
+    if order is not None and order != sys.byteorder:
         return None
     view.seek(0)
     layout = torch.load(view, map_location="meta", weights_only=True)
@@ -198,14 +207,14 @@ def element_span(region: torch.Tensor) -> tuple[int, int]:
     """(first element, element count) of the smallest run of storage that holds every element of `region`
     (non-negative strides); (offset, 0) when it is empty."""
     if region.numel() == 0:
-        return region.storage_offset(), 0
+        return int(region.storage_offset()), 0
     last = sum((size - 1) * stride for size, stride in zip(region.shape, region.stride()))
-    return region.storage_offset(), last + 1
+    return int(region.storage_offset()), int(last) + 1
 
 
-def read_exactly(file: IO[bytes], out: torch.Tensor, position: int, where: str) -> None:
+def read_exactly(file: ReadableFile, out: torch.Tensor, position: int, where: str) -> None:
     """Fill the uint8 tensor `out` with the file's bytes from `position` on (unbuffered reads, no copy)."""
-    buffer = memoryview(out.numpy())
+    buffer = out.numpy().data
     file.seek(position)
     done = 0
     while done < len(buffer):

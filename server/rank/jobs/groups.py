@@ -25,6 +25,7 @@ world at a time is enough.
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import ipaddress
 import logging
@@ -34,6 +35,7 @@ import struct
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -49,7 +51,21 @@ GLOO_IFNAME_ENV = (
 )
 _SIOCGIFADDR = 0x8915
 
-P2P = tuple[str, torch.Tensor, int]  # ("send" | "recv", tensor, peer's global rank)
+
+class Verb(enum.Enum):
+    """Which way a point-to-point operation moves its tensor."""
+
+    SEND = "send to"
+    RECEIVE = "receive from"
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point operation of a job: send or receive `tensor` with `peer` (its global rank)."""
+
+    verb: Verb
+    tensor: torch.Tensor
+    peer: int
 
 
 def process_group_backend() -> str:
@@ -77,7 +93,10 @@ class PeerGroup:
         """The default c10d world (in-process tools and tests that called init_process_group)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("torch.distributed is not initialized")
-        return cls(dist.group.WORLD, range(dist.get_world_size()), registered=True)
+        world = dist.group.WORLD
+        if world is None:
+            raise RuntimeError("torch.distributed has no default group")
+        return cls(world, range(dist.get_world_size()), registered=True)
 
     def index(self, rank: int) -> int:
         """`rank`'s rank inside the group."""
@@ -87,27 +106,33 @@ class PeerGroup:
         """Post sends and receives with `tag`, one Work per op; CUDA ops of one call go in one NCCL group."""
         if not ops:
             return []
-        device = ops[0][1].device
+        device = ops[0].tensor.device
         if device.type != "cuda":
-            return [self._one(verb, tensor, peer, tag) for verb, tensor, peer in ops]
+            return [self._one(op, tag) for op in ops]
         if self.registered:
             p2p = [
-                dist.P2POp(dist.isend if verb == "send" else dist.irecv, tensor, peer, None, tag)
-                for verb, tensor, peer in ops
+                dist.P2POp(
+                    dist.isend if op.verb is Verb.SEND else dist.irecv,
+                    op.tensor,
+                    op.peer,
+                    None,
+                    tag,
+                )
+                for op in ops
             ]
             return dist.batch_isend_irecv(p2p)
         # separate NCCL sends and receives between the same ranks could deadlock: coalesce them
         self.pg._start_coalescing(device)
-        for verb, tensor, peer in ops:
-            self._one(verb, tensor, peer, tag)
+        for op in ops:
+            self._one(op, tag)
         work = self.pg._end_coalescing(device)
         return [work] * len(ops)
 
-    def _one(self, verb: str, tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    def _one(self, op: P2P, tag: int) -> dist.Work:
         """One send or receive on the group itself, the peer named by its index in the group."""
-        if verb == "send":
-            return self.pg.send([tensor], self.index(peer), tag)
-        return self.pg.recv([tensor], self.index(peer), tag)
+        if op.verb is Verb.SEND:
+            return self.pg.send([op.tensor], self.index(op.peer), tag)
+        return self.pg.recv([op.tensor], self.index(op.peer), tag)
 
     def barrier(self, timeout_s: float) -> None:
         """Every member reached this point, or TimeoutError / RuntimeError within `timeout_s`."""
@@ -233,6 +258,8 @@ class ProcessGroups:
             timeout=timedelta(seconds=timeout_s),
         )
         mine = dist.group.WORLD
+        if mine is None:
+            raise RuntimeError("torch.distributed has no default group")
         try:
             yield mine
         finally:

@@ -46,8 +46,9 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, rpc_errors
+from shardserve.server.common.errors import InvalidArgument
 from shardserve.server.common.tracing import carry_context, span
+from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.jobs.context import JobContext
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.jobs.ordering import JobChain
@@ -125,7 +126,7 @@ class CollectiveJobService:
             raise InvalidArgument("epoch must be > 0")
         return self.kinds.of(job)
 
-    @rpc_errors
+    @rank_rpc
     def RunCollective(
         self, job: pb.CollectiveJob, context: grpc.ServicerContext
     ) -> Iterator[pb.CollectiveProgress]:
@@ -231,7 +232,7 @@ class CollectiveJobService:
             )
         done.result()
 
-    @rpc_errors
+    @rank_rpc
     def CancelCollective(
         self, request: pb.CancelCollectiveRequest, context: grpc.ServicerContext
     ) -> pb.CancelCollectiveResponse:

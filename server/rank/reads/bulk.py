@@ -13,7 +13,10 @@ ReadRegionRequest, ReadRegionsRequest or LookupRequest checked as ReadRegion,
 ReadRegions and LookupSmall check them, and receives a status header and the
 box's bytes or the serialized ReadRegionsReply or LookupReply (protocol in
 protos/shardserve.proto, BulkSession). The version stays leased while its
-bytes are sent (store.read). A rank with TLS serves the port over TLS with
+bytes are sent. Every request kind goes through the rank's ReadPath or
+WritePath, the same code its gRPC method runs (server/rank/reads/path.py,
+server/rank/writes/path.py), and errors answer as gRPC's do
+(server/rank/error_status.py). A rank with TLS serves the port over TLS with
 the same certificates (and, with a CA, requires client certificates as gRPC
 does); the handshake runs on the connection's own thread
 within TICKET_WAIT_S, so a peer that never finishes it holds no more than a
@@ -30,11 +33,13 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 from urllib.parse import unquote
 
 import grpc
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import (
@@ -61,18 +66,17 @@ from shardserve.server.common.errors import (
     ServiceError,
     Unavailable,
     bounded_message,
-    rpc_errors,
-    status_of,
 )
 from shardserve.server.common.principals import Principal
+from shardserve.server.rank.error_status import error_status, rank_rpc
 from shardserve.server.rank.metrics import BULK
-from shardserve.server.rank.reads.batch import BatchReads
-from shardserve.server.rank.reads.lookup import LookupService
-from shardserve.server.rank.reads.region import region_bytes
+from shardserve.server.rank.reads.path import ReadPath
 from shardserve.server.rank.store import ShardStore
-from shardserve.server.rank.writes.bulk import receive_batch
+from shardserve.server.rank.writes.path import WritePath
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
 
 TICKET_TTL_S = 30.0
 MAX_TICKETS = 4096  # unredeemed tickets one rank keeps; more is RESOURCE_EXHAUSTED
@@ -169,8 +173,8 @@ class BulkReads:
     ) -> None:
         self.store = store
         self.tls = tls
-        self.lookups = LookupService(store)
-        self.batch_reads = BatchReads(store)
+        self.reads = ReadPath(store)
+        self.writes = WritePath(store)
         self.tickets = Tickets()
         self.off_reason = off_reason or "bulk reads are turned off (--no-bulk-reads)"
         self._listener: socket.socket | None = None
@@ -205,13 +209,13 @@ class BulkReads:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _start_thread(self, target, args: tuple, name: str) -> None:  # type: ignore[no-untyped-def]
+    def _start_thread(self, target: Callable[..., None], args: tuple, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
-    @rpc_errors
+    @rank_rpc
     def OpenBulkSession(
         self, request: pb.BulkSessionRequest, context: grpc.ServicerContext
     ) -> pb.BulkSession:
@@ -258,7 +262,7 @@ class BulkReads:
     def _serve(self, raw: socket.socket, peer: str) -> None:
         """One connection: the TLS handshake when on, the ticket, then boxes asked for until the peer closes or
         idles out."""
-        conn = raw
+        conn: socket.socket | None = raw
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = self._secure(raw, peer)
@@ -313,28 +317,23 @@ class BulkReads:
         """Send the answer to one request, or its error (the connection stays usable after an error)."""
         try:
             if kind == KIND_WRITE:
-                written = receive_batch(
-                    conn, self.store, _write_request(conn, peer, message), principal
-                )
+                written = self.writes.receive(conn, _write_request(conn, peer, message), principal)
                 body = written.SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_READS:
-                body = self.batch_reads.answer(
-                    _parse(pb.ReadRegionsRequest, message), BULK
-                ).SerializeToString()
+                reply = self.reads.regions(_parse(pb.ReadRegionsRequest, message), BULK)
+                body = reply.SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_LOOKUP:
-                reply = lookup_reply_pieces(
-                    self.lookups.lookup_small(_parse(pb.LookupRequest, message), BULK)
+                pieces = lookup_reply_pieces(
+                    self.reads.lookup_small(_parse(pb.LookupRequest, message), BULK)
                 )
-                send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in reply)), *reply])
+                send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in pieces)), *pieces])
                 return
-            request = _parse(pb.ReadRegionRequest, message)
-            with region_bytes(self.store, request) as data:
+            with self.reads.region(_parse(pb.ReadRegionRequest, message), BULK) as data:
                 send_parts(conn, [HEADER.pack(0, 0, len(data)), data])
-            self.store.metrics.served(BULK, request.name, len(data))
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001 - answered to the peer, as rpc_errors does for gRPC
@@ -377,7 +376,7 @@ def _write_request(conn: socket.socket, peer: str, message: bytes) -> pb.WriteSh
         raise ConnectionAbortedError(err.message) from None
 
 
-def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
+def _parse(message_type: type[M], data: bytes) -> M:
     """`data` parsed as `message_type`; INVALID_ARGUMENT naming the type when it is not one."""
     try:
         return message_type.FromString(data)
@@ -387,7 +386,7 @@ def _parse(message_type, data: bytes):  # type: ignore[no-untyped-def]
 
 def _send_error(conn: socket.socket, peer: str, err: Exception) -> None:
     """Answer `err` as a status header and message (what rpc_errors does for a gRPC call)."""
-    status = status_of(err)
+    status = error_status(err)
     if status.code == grpc.StatusCode.INTERNAL:
         log.error("bulk read for %s failed: %s", peer, status.message, exc_info=err)
     else:

@@ -1,12 +1,12 @@
-"""Embedding lookups and row writes on one rank: the work behind ShardServer.Lookup and WriteRows.
+"""Embedding lookups on one rank: the work behind ShardServer.Lookup and LookupSmall.
 
 A Lookup request holds several items, each (tensor, version, shard, ids). For
 every item the rank leases the served version, checks the ids (raw int64, every
 one a row of that shard) and answers either the rows (the shard's columns) or,
 for pooled items, per-bag partial sums and counts (shardcore.embedding), so only
 pooled rows travel. Answers stream item by item in chunks of about 1 MiB; the
-first chunk of an item says the version it was served at. WriteRows overwrites
-rows of a PENDING version, which is how update_rows builds a new version.
+first chunk of an item says the version it was served at. The id and row parsing
+here serves WriteRows too (server/rank/writes/path.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from shardserve.protos.chunk_codec import LookupPart
 from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.metrics import GRPC
-from shardserve.server.rank.store import ShardStore, StoredVersion
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.table_rows import ID_BYTES, local_rows, parse_ids, parse_rows
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 16 << 20
@@ -33,7 +34,6 @@ MIN_CHUNK_BYTES = (
     4096  # a floor, so a hostile chunk_bytes=1 cannot turn one answer into millions of messages
 )
 SMALL_REPLY_BYTES = 4 << 20  # LookupSmall answers at most this many data bytes in its one message
-_ID_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -47,54 +47,8 @@ class ItemAnswer:
     counts: bytes = b""
 
 
-def parse_ids(raw: bytes, field: str) -> np.ndarray:
-    """Raw little-endian int64 bytes as a read-only 1-D int64 array over the request's bytes (no copy).
-
-    Ids are handled with numpy: a lookup's few small steps cost ~1 us each that way, against ~5-10 us per
-    torch call, which for one-id lookups was most of the rank's time."""
-    if len(raw) % _ID_BYTES:
-        raise InvalidArgument(
-            f"{field} has {len(raw)} bytes, not a multiple of 8 (ids are raw int64)"
-        )
-    return np.frombuffer(raw, dtype="<i8")
-
-
-def _parse_rows(raw: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    expected = shape[0] * shape[1] * itemsize
-    if len(raw) != expected:
-        raise InvalidArgument(
-            f"{field} has {len(raw)} bytes; {shape[0]} x {shape[1]} {dtype} values are "
-            f"{expected} bytes"
-        )
-    if not expected:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=dtype).view(shape)
-
-
-def _local_rows(entry: StoredVersion, shard_index: int, ids: np.ndarray, field: str) -> np.ndarray:
-    """Shard-local row numbers of global `ids`; InvalidArgument naming the first id the shard does not hold."""
-    meta = entry.metadata
-    if meta.ndim != 2:
-        raise InvalidArgument(f"tensor {entry.name!r} is {meta.ndim}-D; lookups need a 2-D table")
-    shard = meta.shards_metadata[shard_index]
-    start, rows = shard.shard_offsets[0], shard.shard_sizes[0]
-    if not ids.size:
-        return ids
-    if start <= int(ids.min()) and int(ids.max()) < start + rows:
-        return ids - start
-    position = int(np.flatnonzero((ids < start) | (ids >= start + rows))[0])
-    value = int(ids[position])
-    where = (
-        f"out of range for a table of {meta.size[0]} rows"
-        if not 0 <= value < meta.size[0]
-        else f"not held by shard {shard_index} (rows {start}..{start + rows - 1})"
-    )
-    raise InvalidArgument(f"{field}[{position}]={value} is {where}")
-
-
 class LookupService:
-    """Answers Lookup and WriteRows against one rank's ShardStore."""
+    """Answers Lookup and LookupSmall against one rank's ShardStore."""
 
     def __init__(self, store: ShardStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
         self.store = store
@@ -136,11 +90,11 @@ class LookupService:
         if not metrics.enabled:
             return
         for item, answer in zip(request.items, answers):
-            metrics.looked_up(item.name, len(item.ids) // _ID_BYTES)
+            metrics.looked_up(item.name, len(item.ids) // ID_BYTES)
             metrics.served(path, item.name, len(answer.data))
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
-        limit = self.store.max_request_bytes
+        limit = self.store.access.max_request_bytes
         if not limit:
             return
         ids = sum(len(item.ids) for item in request.items)
@@ -154,15 +108,15 @@ class LookupService:
         name = check_name(item.name, f"{field}.name")
         version = check_version(item.version, f"{field}.version")
         ids = parse_ids(item.ids, f"{field}.ids")
-        with self.store.lease(name, version) as entry:
-            shard = self.store.shard_of(entry, item.shard_index)
-            local = _local_rows(entry, item.shard_index, ids, f"{field}.ids")
+        with self.store.access.lease(name, version) as entry:
+            shard = self.store.access.shard_of(entry, item.shard_index)
+            local = local_rows(entry, item.shard_index, ids, f"{field}.ids")
             out_bytes = (
-                (len(item.offsets) // _ID_BYTES if item.pooled else ids.size)
+                (len(item.offsets) // ID_BYTES if item.pooled else ids.size)
                 * shard.shape[1]
                 * shard.element_size()
             )
-            limit = self.store.max_request_bytes
+            limit = self.store.access.max_request_bytes
             if limit and out_bytes > limit:
                 raise RequestTooLarge(
                     f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "
@@ -187,7 +141,7 @@ class LookupService:
         weights = None
         if item.per_sample_weights:
             weights = (
-                _parse_rows(
+                parse_rows(
                     item.per_sample_weights,
                     rows.dtype,
                     (rows.shape[0], 1),
@@ -202,28 +156,6 @@ class LookupService:
             raise InvalidArgument(f"{field}: {err}") from None
         return partial.sums.cpu(), partial.counts.cpu()
 
-    def write_rows(self, request: pb.WriteRowsRequest) -> int:
-        """Overwrite rows of one local shard of a PENDING version; returns the number of rows written."""
-        name = check_name(request.name)
-        version = check_version(request.version)
-        ids = parse_ids(request.ids, "ids")
-        with self.store.lease(name, version, served=False) as entry:
-            shard = self.store.shard_of(
-                entry, request.shard_index
-            )  # InvalidArgument unless held here
-            local = _local_rows(entry, request.shard_index, ids, "ids")
-            values = _parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
-        if np.unique(local).size != local.size:
-            raise InvalidArgument("ids holds duplicates; send each row once")
-        self.store.log_rows(
-            name, version, request.shard_index, local, values
-        )  # durable order: log, then write
-        rows = torch.from_numpy(local)
-        # checked above: no refusal leaves the shard torn
-        with self.store.rewrite(name, version, request.shard_index, rows) as shard:
-            shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
-        return int(ids.size)
-
 
 def row_bytes(shard: torch.Tensor, rows: np.ndarray) -> memoryview:
     """The bytes of shard[rows] on the host: numpy's take of the byte rows for a CPU shard (one thread, no
@@ -232,7 +164,7 @@ def row_bytes(shard: torch.Tensor, rows: np.ndarray) -> memoryview:
         return tensor_bytes(shard.index_select(0, torch.from_numpy(rows).to(shard.device)))
     if not rows.size or not shard.shape[1]:
         return memoryview(b"")
-    return memoryview(shard.view(torch.uint8).numpy().take(rows, axis=0)).cast("B")
+    return shard.view(torch.uint8).numpy().take(rows, axis=0).data.cast("B")
 
 
 def _chunks(index: int, answer: ItemAnswer, chunk_bytes: int) -> Iterator[LookupPart]:

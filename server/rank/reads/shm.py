@@ -16,15 +16,13 @@ import torch
 
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import (
-    InvalidArgument,
-    PathUnavailable,
-    rpc_errors,
-)
+from shardserve.server.common.errors import InvalidArgument, PathUnavailable
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.metrics import SHM
 from shardserve.server.rank.shared_memory import Leases, lease_seconds
 from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.version_table import StoredVersion
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +38,7 @@ class SharedMemoryService:
         self.store = store
         self.leases = Leases()
 
-    @rpc_errors
+    @rank_rpc
     def OpenShard(
         self, request: pb.OpenShardRequest, context: grpc.ServicerContext
     ) -> pb.OpenShardResponse:
@@ -51,7 +49,7 @@ class SharedMemoryService:
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         self.leases.expire()
-        lease = self.store.lease(name, version)
+        lease = self.store.access.lease(name, version)
         entry = lease.__enter__()
         try:
             reply = self._describe(entry, request)
@@ -70,17 +68,17 @@ class SharedMemoryService:
             reply.lease_expires_s = seconds
         return reply
 
-    def _describe(self, entry, request: pb.OpenShardRequest) -> pb.OpenShardResponse:  # type: ignore[no-untyped-def]
-        shard = self.store.shard_of(entry, request.shard_index)
+    def _describe(self, entry: StoredVersion, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
+        shard = self.store.access.shard_of(entry, request.shard_index)
         reply = pb.OpenShardResponse(
             nbytes=shard.numel() * shard.element_size(),
             dtype=dtype_to_wire(shard.dtype),
             shard_sizes=list(shard.shape),
             version=entry.version,
-            max_request_bytes=self.store.max_request_bytes,
+            max_request_bytes=self.store.access.max_request_bytes,
         )
         if self.store.blocks.is_composed(shard):
-            segment = self.store.state_header(
+            segment = self.store.access.state_header(
                 entry, request.shard_index
             )  # the state word; the data in blocks
             reply.extents.extend(
@@ -96,11 +94,11 @@ class SharedMemoryService:
                     f"{shard.device}; ask with cuda_ipc or read it over ReadRegion"
                 )
             reply.cuda.CopyFrom(cuda_ipc_handle(shard))
-            segment = self.store.state_header(
+            segment = self.store.access.state_header(
                 entry, request.shard_index
             )  # the state word alone, no data
         else:
-            segment = self.store.shared_segment(entry, request.shard_index)
+            segment = self.store.access.shared_segment(entry, request.shard_index)
         if segment is None:
             if reply.nbytes == 0:
                 return reply
@@ -116,7 +114,7 @@ class SharedMemoryService:
         reply.data_offset = segment.data_offset
         return reply
 
-    @rpc_errors
+    @rank_rpc
     def ReleaseShard(
         self, request: pb.ReleaseShardRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseShardResponse:

@@ -11,10 +11,11 @@ import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import RawChunk, encode_chunk
-from shardserve.server.common.errors import RequestTooLarge, rpc_errors
+from shardserve.server.common.errors import RequestTooLarge
 from shardserve.server.rank.cuda_staging import host_bytes
+from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.metrics import GRPC
-from shardserve.server.rank.reads.region import requested_box
+from shardserve.server.rank.reads.path import ReadPath
 from shardserve.server.rank.store import ShardStore
 
 SMALL_READ_BYTES = 1 << 20
@@ -25,12 +26,13 @@ class SmallReads:
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
+        self.reads = ReadPath(store)
 
-    @rpc_errors
+    @rank_rpc
     def ReadRegionSmall(
         self, request: pb.ReadRegionRequest, context: grpc.ServicerContext
     ) -> bytes:
-        with requested_box(self.store, request) as box:
+        with self.reads.box(request) as box:
             nbytes = box.numel() * box.element_size()
             if nbytes > SMALL_READ_BYTES:
                 raise RequestTooLarge(

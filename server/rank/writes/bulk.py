@@ -17,7 +17,7 @@ from shardserve.protos.bulk_wire import recv_exactly
 from shardserve.server.common.errors import InvalidArgument, PermissionDenied
 from shardserve.server.common.principals import WRITE, Principal
 from shardserve.server.rank.store import ShardStore
-from shardserve.server.rank.writes.batch import ShardBytes, checked_batch, write_batch
+from shardserve.server.rank.writes.shards import ShardBytes, checked_batch, write_batch
 
 DRAIN_BYTES = 1 << 20
 

@@ -25,8 +25,9 @@ from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import HEADER, KIND_READS
 from shardserve.protos.errors import Reason, detail_of_status
-from shardserve.server.rank.reads.batch import BATCH_READ_BYTES, MAX_BATCH_REGIONS, BatchReads
+from shardserve.server.rank.reads.batch import BatchReads
 from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.reads.path import BATCH_READ_BYTES, MAX_BATCH_REGIONS
 from shardserve.server.rank.store import ShardStore
 
 SOURCES = {
@@ -55,7 +56,7 @@ def store() -> ShardStore:
                 tuple(slice(o, o + s) for o, s in zip(shard.shard_offsets, shard.shard_sizes))
             ]
             data = tensor_bytes(part.contiguous())
-            with store.write(name, 1, index, source.dtype, len(data)) as writer:
+            with store.access.write(name, 1, index, source.dtype, len(data)) as writer:
                 writer.write(0, data)
         store.promote(name, 1)
     return store

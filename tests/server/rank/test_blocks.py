@@ -9,9 +9,9 @@ import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidState
 from shardserve.server.rank.blocks import BLOCK_BYTES
+from shardserve.server.rank.errors import RowsOnly
+from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
 
 COLUMNS = 64
@@ -26,7 +26,7 @@ def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.T
     store.allocate_copy(
         "t", version, _meta(store.local_tensor("t", version - 1, 0).shape[0]), version - 1
     )
-    with store.rewrite("t", version, 0, rows) as shard:
+    with store.access.rewrite("t", version, 0, rows) as shard:
         shard.index_copy_(0, rows, values)
     store.promote("t", version)
     store.drop("t", version - 1)
@@ -35,7 +35,7 @@ def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.T
 def test_an_update_copies_only_the_blocks_it_touches_and_leaves_the_old_version_whole():
     rows = 4 * BLOCK_BYTES // (COLUMNS * 4)  # four blocks
     store = ShardStore(0, shared_memory=True, version_grace=60)
-    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
     store.promote("t", 1)
     before = store.local_tensor("t", 1, 0).clone()
     ids, values = torch.tensor([3, rows - 1]), torch.randn(2, COLUMNS)
@@ -68,7 +68,7 @@ def test_an_update_copies_only_the_blocks_it_touches_and_leaves_the_old_version_
 def test_memory_stays_within_the_table_and_the_pinned_blocks_over_many_updates():
     rows = 16 * BLOCK_BYTES // (COLUMNS * 4)  # 4 MiB, sixteen blocks
     store = ShardStore(0, shared_memory=True, version_grace=0)
-    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
     store.promote("t", 1)
     expected = store.local_tensor("t", 1, 0).clone()
     table_bytes = expected.numel() * 4
@@ -96,7 +96,7 @@ def test_blocks_of_served_versions_are_sealed_against_other_writers():
     update copied; the store's own writes go through its earlier mappings."""
     rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
     store = ShardStore(0, shared_memory=True, version_grace=60)
-    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
     store.promote("t", 1)
     _update(store, 2, torch.tensor([0]), torch.ones(1, COLUMNS))
     extents = store.blocks.extents(store.local_tensor("t", 2, 0))
@@ -122,17 +122,17 @@ def test_blocks_of_served_versions_are_sealed_against_other_writers():
 
 def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
     store = ShardStore(0, shared_memory=True)
-    store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
+    store.allocate("t", 1, _meta(8), fill=InitFill.ONES)
     store.promote("t", 1)
     store.allocate_copy("t", 2, _meta(8), 1)
-    with pytest.raises(InvalidState, match="WriteRows"):
-        with store.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
+    with pytest.raises(RowsOnly, match="WriteRows"):
+        with store.access.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
             pass
 
 
 def test_without_shared_memory_an_update_copies_the_shard():
     store = ShardStore(0, shared_memory=False)
-    store.allocate("t", 1, _meta(8), init=pb.INIT_ONES)
+    store.allocate("t", 1, _meta(8), fill=InitFill.ONES)
     store.promote("t", 1)
     _update(store, 2, torch.tensor([1]), torch.zeros(1, COLUMNS))
     assert (
@@ -146,7 +146,7 @@ def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
     blocks go into one memfd together, freed when none of them is used."""
     rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
     store = ShardStore(0, shared_memory=True, version_grace=0)
-    store.allocate("t", 1, _meta(rows), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
     store.promote("t", 1)
     expected = store.local_tensor("t", 1, 0).clone()
     store.blocks.max_files = store.blocks.open_files

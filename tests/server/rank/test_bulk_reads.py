@@ -38,6 +38,7 @@ from shardserve.protos.chunk_codec import decode_lookup_reply
 from shardserve.protos.errors import detail_of_status
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.rank.reads.bulk import BulkReads, Tickets, peer_ip
+from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
 
 TIMEOUT_S = 10.0
@@ -50,7 +51,7 @@ def port():
     meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
         (6, 4), TensorProperties(dtype=torch.float32)
     )
-    store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
+    store.allocate("t", 1, meta, fill=InitFill.ARANGE)
     store.promote("t", 1)
     reads = BulkReads(store, "127.0.0.1")
     yield reads

@@ -30,6 +30,7 @@ from shardserve.protos.bulk_wire import FRAME, HEADER, KIND_LOOKUP, KIND_READ
 from shardserve.protos.chunk_codec import decode_lookup_reply
 from shardserve.server.common.auth import TlsFiles, server_ssl_context
 from shardserve.server.rank.reads.bulk import BulkReads
+from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
 
 TIMEOUT_S = 10.0
@@ -84,7 +85,7 @@ def port(tls_files: TlsFiles):
     meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
         (ROWS, COLS), TensorProperties(dtype=torch.float32)
     )
-    store.allocate("t", 1, meta, init=pb.INIT_ARANGE)
+    store.allocate("t", 1, meta, fill=InitFill.ARANGE)
     store.promote("t", 1)
     reads = BulkReads(store, "127.0.0.1", tls=server_ssl_context(tls_files))
     yield reads

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from shardserve.server.common.errors import EpochEnded, Unavailable
-from shardserve.server.rank.jobs.groups import PeerGroup, ProcessGroups
+from shardserve.server.rank.jobs.groups import P2P, PeerGroup, ProcessGroups, Verb
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT_S = 30.0
@@ -45,7 +45,8 @@ def _exchange(group: PeerGroup, rank: int, tag: int) -> torch.Tensor:
         torch.arange(1, 4, dtype=torch.float32) * tag if rank == group.ranks[0] else torch.zeros(3)
     )
     peer = group.ranks[-1] if rank == group.ranks[0] else group.ranks[0]
-    (work,) = group.post([("send" if rank == group.ranks[0] else "recv", tensor, peer)], tag)
+    verb = Verb.SEND if rank == group.ranks[0] else Verb.RECEIVE
+    (work,) = group.post([P2P(verb, tensor, peer)], tag)
     assert work.wait(timedelta(seconds=TIMEOUT_S))
     return tensor
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from shardserve.server.rank.errors import OverMemory
 from shardserve.server.rank.main import resolve_memory_limit
 from shardserve.server.rank.memory_budget import (
     HOST_MEMORY_FRACTION,
+    MemoryBudget,
     default_memory_limit,
+    device_capacity,
     host_memory_bytes,
     ranks_on_host,
 )
@@ -43,3 +47,31 @@ def test_a_given_limit_wins_and_zero_stays_unlimited(monkeypatch):
     assert resolve_memory_limit(1234, "cpu") == 1234
     assert resolve_memory_limit(0, "cpu") == 0
     assert resolve_memory_limit(None, "cpu") == default_memory_limit("cpu", host_memory_bytes(), 2)
+
+
+def test_a_budget_reserves_and_releases_within_its_limit():
+    budget = MemoryBudget(100, 1000, rank=3)
+    budget.reserve(60)
+    assert budget.used == 60 and budget.room(40) == 0 and budget.room(41) == -1
+    with pytest.raises(OverMemory, match="rank 3 memory limit: 41 bytes requested, 40 of 100 free"):
+        budget.reserve(41)
+    assert budget.used == 60  # a refused reservation holds nothing
+    budget.release(60)
+    budget.reserve(100)
+    assert budget.used == 100
+
+
+def test_without_a_limit_the_device_capacity_bounds_a_budget():
+    budget = MemoryBudget(0, 64, rank=0, device="cuda:0")
+    budget.reserve(64)
+    with pytest.raises(OverMemory, match="more than the 0 bytes left of cuda:0's 64"):
+        budget.reserve(1)
+    budget.add(8)  # memory already taken (copied blocks) is accounted whatever the limit
+    assert budget.used == 72 and budget.room(0) == -8
+    assert MemoryBudget(0, 64).room(10) == 54
+    with pytest.raises(ValueError, match="memory_limit must be >= 0"):
+        MemoryBudget(-1, 64)
+
+
+def test_the_capacity_of_the_cpu_is_its_physical_memory():
+    assert device_capacity(torch.device("cpu")) > 0

@@ -15,8 +15,8 @@ import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import DiskFull
+from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
 from shardserve.server.rank.store import ShardStore, VersionState
 
@@ -41,8 +41,8 @@ def _update(
     """What CreateTensor(INIT_COPY) + WriteRows (log, then write) + commit do on one rank."""
     store.allocate_copy("t", version, _meta(), version - 1)
     local = np.array(rows, dtype=np.int64)
-    store.log_rows("t", version, 0, local, values)
-    with store.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
+    store.persistence.log_rows("t", version, 0, local, values)
+    with store.access.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
         shard.index_copy_(0, torch.from_numpy(local), values)
     if promote:
         store.promote("t", version)
@@ -61,7 +61,7 @@ def _put(store: ShardStore, table: torch.Tensor, version: int = 1) -> None:
         "t",
         version,
         _meta(table.shape[0]),
-        {0: store.empty_shard(tuple(table.shape), table.dtype, True).copy_(table)},
+        {0: store.memory.empty(tuple(table.shape), table.dtype, True).copy_(table)},
     )
     store.promote("t", version)
 
@@ -162,8 +162,8 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
         store.allocate_copy("t", version, _meta(rows), version - 1)
         local = np.arange(rows, dtype=np.int64)
         big.add_(1)
-        store.log_rows("t", version, 0, local, big)
-        with store.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
+        store.persistence.log_rows("t", version, 0, local, big)
+        with store.access.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
             shard.copy_(big)
         store.promote("t", version)
         store.drop("t", version - 1)
@@ -228,10 +228,10 @@ def _fill_log(store: ShardStore) -> None:
 def test_options_survive(tmp_path):
     store = _store(tmp_path)
     store.install(
-        "t", 1, _meta(), {0: torch.zeros(ROWS, COLUMNS)}, pb.TensorOptions(default_row=b"\x01\x02")
+        "t", 1, _meta(), {0: torch.zeros(ROWS, COLUMNS)}, TensorOptions(default_row=b"\x01\x02")
     )
     store.promote("t", 1)
     again = _store(tmp_path)
     again.restore()
-    with again.lease("t", 1, served=False) as entry:
+    with again.access.lease("t", 1, served=False) as entry:
         assert entry.options.default_row == b"\x01\x02"

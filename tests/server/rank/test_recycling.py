@@ -13,6 +13,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
 from shardserve.server.rank.recycling import Buffer, RecycledBuffers
+from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.shared_memory import SharedMemory
 from shardserve.server.rank.store import ShardStore
 
@@ -123,21 +124,21 @@ def _meta(rows: int, cols: int = 8):
 
 def test_store_recycles_a_dropped_version_once_no_lease_holds_it():
     store = ShardStore(0, shared_memory=True)
-    store.allocate("t", 1, _meta(64), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(64), fill=InitFill.ARANGE)
     store.promote("t", 1)
-    with store.lease("t", 1) as entry:
-        shard = store.shard_of(entry, 0)
+    with store.access.lease("t", 1) as entry:
+        shard = store.access.shard_of(entry, 0)
         store.drop("t", 1)
         assert store.shared.recycled.nbytes == 0  # a reader still holds it
         assert torch.equal(shard[3], torch.arange(24.0, 32.0))
     assert store.shared.recycled.nbytes == 64 * 8 * 4
-    assert set(store.recycled_shards(_meta(32, 16))) == {0}  # same bytes, other shape
-    assert store.recycled_shards(_meta(64)) == {} and store.shared.recycled.reused == 1
+    assert set(store.memory.recycled(_meta(32, 16), 0)) == {0}  # same bytes, other shape
+    assert store.memory.recycled(_meta(64), 0) == {} and store.shared.recycled.reused == 1
 
 
 def test_store_lets_recycled_memory_go_when_a_reservation_needs_it():
     store = ShardStore(0, shared_memory=True, memory_limit=64 * 8 * 4 + 100)
-    store.allocate("t", 1, _meta(64), init=pb.INIT_ONES)
+    store.allocate("t", 1, _meta(64), fill=InitFill.ONES)
     store.promote("t", 1)
     store.drop("t", 1)
     assert store.shared.recycled.nbytes == 64 * 8 * 4
@@ -150,7 +151,7 @@ def test_update_copies_share_blocks_instead_of_copying():
     """A row update's version shares its source's blocks (server/rank/blocks.py): nothing is copied or recycled,
     and the dropped versions' blocks stay alive for the newest one."""
     store = ShardStore(0, shared_memory=True, version_grace=0)
-    store.allocate("t", 1, _meta(64), init=pb.INIT_ARANGE)
+    store.allocate("t", 1, _meta(64), fill=InitFill.ARANGE)
     store.promote("t", 1)
     for version in (2, 3):
         assert store.allocate_copy("t", version, _meta(64), version - 1) == 0  # no bytes copied

@@ -28,8 +28,8 @@ from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
 from shardserve.protos.same_host import host_id
-from shardserve.server.common.errors import WriteIncomplete
 from shardserve.server.common.principals import READ, WRITE, Principal
+from shardserve.server.rank.errors import ShardsIncomplete
 from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.batch import ShardWrites
@@ -363,7 +363,7 @@ def test_a_writer_cut_off_mid_batch_leaves_its_shard_torn_until_written_again(st
             + message
             + bytes(tensor_bytes(SOURCES["a"]))[:40]
         )
-    with pytest.raises(WriteIncomplete, match="not fully written"):
+    with pytest.raises(ShardsIncomplete, match="not fully written"):
         store.promote("a", 1)  # never published half written
     deadline = time.monotonic() + TIMEOUT_S
     while (

@@ -1,0 +1,231 @@
+"""Leases on a rank's versions: the reads and changes in flight, each holding its version until it ends.
+
+A served version is leased for reads (a box of it, an OpenShard, a lookup, a copy, a checkpoint save); a
+pending one for changes of one local shard (a write stream, a row rewrite), which count in its ShardProgress
+so that no promote publishes a shard half changed. A dropped version keeps its memory until its last lease
+ends; then it is freed (server/rank/version_table.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from shardserve.core.dtypes import dtype_name
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.regions import local_view
+from shardserve.server.rank.errors import BadRequest, BoxTooLarge, RowsOnly, VersionBusy
+from shardserve.server.rank.options import TensorOptions
+from shardserve.server.rank.shard_memory import ShardMemory
+from shardserve.server.rank.shard_writer import ShardWriter, checked_box
+from shardserve.server.rank.shared_memory import Segment
+from shardserve.server.rank.version_table import StoredVersion, VersionState, VersionTable
+
+
+class VersionAccess:
+    """Reads and changes of one rank's versions under leases; shares the store's lock and version table."""
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        versions: VersionTable,
+        memory: ShardMemory,
+        *,
+        max_request_bytes: int = 0,
+    ) -> None:
+        if max_request_bytes < 0:
+            raise ValueError(
+                f"max_request_bytes must be >= 0 (0 = unlimited), got {max_request_bytes}"
+            )
+        self.rank = versions.rank
+        self.max_request_bytes = max_request_bytes
+        self._lock = lock
+        self._versions = versions
+        self._memory = memory
+
+    @contextmanager
+    def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
+        """Lease (name, version), served (or, with served=False, pending): reads that go on outside a stream
+        (OpenShard, lookups, copies, checkpoint jobs)."""
+        with self._lock:
+            if served:
+                record = self._versions.served(name, version)
+            else:
+                record = self._versions.pending(name, version)
+            self._versions.lease(record)
+        with self._held(record):
+            yield record
+
+    @contextmanager
+    def read(
+        self,
+        name: str,
+        version: int,
+        shard_index: int,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> Iterator[torch.Tensor]:
+        """Lease a served version and yield the global box as a view of its local shard."""
+        with self.lease(name, version) as record:
+            shard_tensor = record.local_shard(shard_index, self.rank)
+            shard_box = record.metadata.shards_metadata[shard_index].box
+            wanted = checked_box(shard_box, offsets, sizes)
+            nbytes = wanted.numel() * record.metadata.tensor_properties.itemsize
+            if self.max_request_bytes and nbytes > self.max_request_bytes:
+                raise BoxTooLarge(
+                    f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
+                    f"max_request_bytes {self.max_request_bytes}",
+                    metadata={"tensor": name, "rank": self.rank, "field": "sizes"},
+                )
+            yield local_view(shard_tensor, shard_box, wanted)
+
+    @contextmanager
+    def write(
+        self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
+    ) -> Iterator[ShardWriter]:
+        """Lease a pending version and yield a writer that fills shard `shard_index` in order."""
+
+        def check(record: StoredVersion) -> None:
+            meta = record.metadata
+            if dtype != meta.dtype:
+                raise BadRequest(
+                    f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
+                    f"dtype {dtype_name(meta.dtype)}",
+                    metadata={"tensor": name, "field": "header.dtype"},
+                )
+            if nbytes != meta.shard_nbytes(shard_index):
+                raise BadRequest(
+                    f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
+                    f"of {meta.shard_nbytes(shard_index)} bytes",
+                    metadata={"tensor": name, "field": "header.nbytes"},
+                )
+            if self._memory.blocks.is_composed(record.shards.get(shard_index, torch.empty(0))):
+                raise RowsOnly(
+                    f"shard_index {shard_index} of {name!r} version {version} is a row "
+                    f"update's copy; change its rows with WriteRows",
+                    metadata={"tensor": name, "field": "shard_index"},
+                )
+            if record.progress.is_changing(shard_index):  # two streams would interleave their bytes
+                raise VersionBusy(
+                    f"shard_index {shard_index} of {name!r} version {version} is being written by "
+                    f"another stream on rank {self.rank}; write each shard once",
+                    metadata={"tensor": name, "rank": self.rank},
+                )
+
+        record, shard_tensor, _ = self._open_change(name, version, shard_index, check)
+        with self._changing(record, shard_index) as done:
+            writer = ShardWriter(shard_tensor, nbytes)
+            yield writer
+            if writer.written != nbytes:
+                raise BadRequest(
+                    f"the stream ended after {writer.written} of {nbytes} bytes of "
+                    f"shard {shard_index}",
+                    metadata={"tensor": name},
+                )
+            done(True)
+
+    @contextmanager
+    def rewrite(
+        self, name: str, version: int, shard_index: int, rows: torch.Tensor | None = None
+    ) -> Iterator[torch.Tensor]:
+        """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
+        not fully written meanwhile, so a promote cannot publish it half changed. A version made by a row
+        update shares its blocks with its source: only the blocks holding local `rows` (dim 0) of it may be
+        changed, and they get copies of their own first."""
+        record, shard, was_complete = self._open_change(name, version, shard_index)
+        with self._changing(record, shard_index) as done:
+            if self._memory.blocks.is_composed(shard):
+                self._memory.own_rows(shard, rows)
+            yield shard
+            done(was_complete)
+
+    def shard_of(self, record: StoredVersion, shard_index: int) -> torch.Tensor:
+        """The local tensor of shard `shard_index` of a leased version (BadRequest if not held here)."""
+        return record.local_shard(shard_index, self.rank)
+
+    def shared_segment(self, record: StoredVersion, shard_index: int) -> Segment | None:
+        """The shared-memory Segment of a leased served shard, moving the shard into shared memory first
+        when it was built elsewhere (a reshard, a checkpoint load); None when shared memory is off."""
+        shared = self._memory.shared
+        shard = record.local_shard(shard_index, self.rank)
+        segment = shared.segment_of(shard)
+        if segment is not None or not shared.enabled or shard.device.type != "cpu":
+            return segment
+        if self._memory.blocks.is_composed(shard):
+            return None
+        copy = shared.export(shard)  # same bytes; the served version is immutable
+        with self._lock:
+            if record.shards.get(shard_index) is shard:
+                record.shards[shard_index] = copy
+                shared.mark([copy], **_header_state(record))
+            current = record.shards.get(shard_index)
+        return shared.segment_of(current) if current is not None else None
+
+    def state_header(self, record: StoredVersion, shard_index: int) -> Segment:
+        """The header-only segment whose state word tells same-host clients whether a leased served CUDA
+        shard is still served (server/rank/shared_memory.py SharedMemory.attach_header)."""
+        shard = record.local_shard(shard_index, self.rank)
+        with self._lock:
+            return self._memory.shared.attach_header(shard, **_header_state(record))
+
+    @contextmanager
+    def served_shards(
+        self, name: str, version: int
+    ) -> Iterator[tuple[ShardedTensorMetadata, TensorOptions, dict[int, torch.Tensor]]]:
+        """A served version's layout, options and shards, leased meanwhile (what persistence snapshots)."""
+        with self.lease(name, version) as record:
+            yield record.metadata, record.options, dict(record.shards)
+
+    def _open_change(
+        self,
+        name: str,
+        version: int,
+        shard_index: int,
+        check: Callable[[StoredVersion], None] = lambda record: None,
+    ) -> tuple[StoredVersion, torch.Tensor, bool]:
+        """Lease pending (name, version) for a change of local shard `shard_index`, after `check(record)`, and
+        count the change, all in one step under the lock so no promote comes in between. Returns (the record,
+        whose lease and change the caller ends with _changing; the shard; whether it was complete)."""
+        with self._lock:
+            record = self._versions.pending(name, version)
+            shard = record.local_shard(shard_index, self.rank)
+            check(record)
+            was_complete = record.progress.open_change(shard_index)
+            self._versions.lease(record)
+        return record, shard, was_complete
+
+    @contextmanager
+    def _changing(
+        self, record: StoredVersion, shard_index: int
+    ) -> Iterator[Callable[[bool], None]]:
+        """End the lease and change opened by _open_change on exit; yields `done(complete)`, which the caller
+        calls once its change is whole (`complete`: the shard then counts as fully written); a change that
+        ends without it leaves the shard torn."""
+        outcome: list[bool] = []
+        with self._held(record):
+            try:
+                yield outcome.append
+            finally:
+                with self._lock:
+                    record.progress.close_change(shard_index, outcome[0] if outcome else None)
+
+    @contextmanager
+    def _held(self, record: StoredVersion) -> Iterator[StoredVersion]:
+        """End a lease taken under the lock on exit, freeing a dropped version whose last lease it was."""
+        try:
+            yield record
+        finally:
+            with self._lock:
+                if self._versions.unlease(record):
+                    self._memory.reclaim(record)
+
+
+def _header_state(record: StoredVersion) -> dict[str, bool]:
+    """The state word same-host readers see for a leased version: served, and replaced when graced."""
+    return {
+        "served": record.state.is_served,
+        "replaced": record.state is VersionState.GRACED,
+    }

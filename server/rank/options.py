@@ -1,0 +1,22 @@
+"""A table's options as the rank keeps them: what a lookup of an id outside the table answers."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class OovPolicy(enum.Enum):
+    """What a lookup answers for an id outside the table (the client applies it; the rank keeps it)."""
+
+    ERROR = 0
+    ZERO = 1
+    DEFAULT = 2
+
+
+@dataclass(frozen=True)
+class TensorOptions:
+    """A tensor's options: its out-of-table policy and, for OovPolicy.DEFAULT, the raw bytes of its default row."""
+
+    oov: OovPolicy = OovPolicy.ERROR
+    default_row: bytes = b""

@@ -1,0 +1,111 @@
+"""Where a rank's shard bytes come from and go back to, and what they cost.
+
+New shards are taken from shared memory (CPU shards, same-host data plane; server/rank/shared_memory.py), from
+a freed version's buffer when one fits (server/rank/recycling.py), or from the device; a version made by a row
+update shares its source's copy-on-write blocks (server/rank/blocks.py). Every byte is accounted in the
+MemoryBudget (server/rank/memory_budget.py): a version's own bytes while it is held, shared blocks while any
+version uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.server.rank.blocks import Blocks
+from shardserve.server.rank.memory_budget import MemoryBudget
+from shardserve.server.rank.shared_memory import SharedMemory
+from shardserve.server.rank.version_table import StoredVersion
+
+
+class ShardMemory:
+    """Allocation, sharing and reclaiming of one rank's shard tensors, accounted in its budget."""
+
+    def __init__(
+        self, device: torch.device, budget: MemoryBudget, shared: SharedMemory, blocks: Blocks
+    ) -> None:
+        self.device = device
+        self.budget = budget
+        self.shared = shared
+        self.blocks = blocks
+
+    def empty(
+        self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False
+    ) -> torch.Tensor:
+        """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
+        shared memory for CPU shards when enabled, from a freed version's buffer when one fits."""
+        if self.device.type == "cpu":
+            return self.shared.empty(tuple(sizes), dtype, overwrite=overwrite)
+        return torch.zeros(sizes, dtype=dtype, device=self.device)
+
+    def recycled(self, meta: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
+        """Freed buffers for the local shards of `meta` that a caller will overwrite whole (a reshard's
+        destination): one per shard for which a buffer of its size is kept; the others are left out."""
+        if self.device.type != "cpu":
+            return {}
+        out = {}
+        for i in meta.shards_on(rank):
+            tensor = self.shared.recycled_empty(meta.shards_metadata[i].shard_sizes, meta.dtype)
+            if tensor is not None:
+                out[i] = tensor
+        return out
+
+    def trim_recycled(self, nbytes: int) -> None:
+        """Let go of kept buffers that a reservation of `nbytes` needs the room of."""
+        room = self.budget.room(nbytes)
+        if self.shared.recycled.nbytes > room:
+            self.shared.recycled.trim(room)
+
+    def reclaim(self, record: StoredVersion) -> None:
+        """Give back the memory of a freed version: its bytes, the blocks no other version uses, and its whole
+        CPU buffers kept for reuse."""
+        self.budget.release(record.nbytes)
+        whole = []
+        for shard in record.shards.values():
+            freed = self.blocks.release(shard)
+            if freed is None:
+                whole.append(shard)
+            else:
+                self.budget.release(freed)
+        self.shared.recycle(whole)
+        record.shards.clear()
+
+    def release_blocks(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Let go of the blocks of tensors that never became a version."""
+        self.budget.release(sum(self.blocks.release(t) or 0 for t in tensors))
+
+    def share_blocks(self, source: StoredVersion) -> dict[int, torch.Tensor]:
+        """New tensors over the same blocks as the leased source's shards, for those in shared memory. A shard
+        cut into blocks for the first time moves its bytes from the source's account to its blocks'; blocks
+        copied out of a half-unused segment are accounted as they are made."""
+        if not self.shared.enabled:
+            return {}
+        out = {}
+        for i, shard in source.shards.items():
+            adopted = self.blocks.table(shard) is None
+            shared = self.blocks.share(shard, self.shared.segment_of(shard))
+            if shared is None:
+                continue
+            out[i], copied = shared
+            self.budget.add(copied)  # blocks of a half-unused segment, copied to let it go
+            if adopted:
+                source.nbytes -= shard.numel() * shard.element_size()
+        return out
+
+    def own_rows(self, shard: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Copy the blocks of composed `shard` that `rows` (dim 0; all rows when None) lie in, so that they may
+        be written, accounting their memory."""
+        if rows is None:
+            rows = torch.arange(shard.shape[0] if shard.dim() else 1)
+        row_bytes = shard[0].numel() * shard.element_size() if shard.dim() else shard.element_size()
+        starts = (rows.to(torch.int64).unique() * row_bytes).tolist()
+        added, freed = self.blocks.make_own(shard, [(start, start + row_bytes) for start in starts])
+        self.budget.add(added - freed)
+
+    def publish(self, record: StoredVersion) -> None:
+        """Make a served version's shards read-only and tell same-host readers it is served."""
+        for shard in record.shards.values():
+            self.blocks.publish(shard)
+        self.shared.mark(record.shards.values(), served=True)

@@ -1,0 +1,31 @@
+"""Conversions between the wire's messages and the rank's own types (tensor options, initial fill): the
+servicers and the persisted manifests speak protobuf, the store does not."""
+
+from __future__ import annotations
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.rank.options import OovPolicy, TensorOptions
+from shardserve.server.rank.shard_fill import InitFill
+
+_INIT_FILLS = {
+    pb.INIT_NONE: InitFill.NONE,
+    pb.INIT_ZEROS: InitFill.ZEROS,
+    pb.INIT_ONES: InitFill.ONES,
+    pb.INIT_NORMAL: InitFill.NORMAL,
+    pb.INIT_ARANGE: InitFill.ARANGE,
+}
+
+
+def init_fill(init: int) -> InitFill:
+    """The fill of a checked InitKind other than INIT_COPY (which is a copy, not a fill)."""
+    return _INIT_FILLS[init]
+
+
+def tensor_options(message: pb.TensorOptions) -> TensorOptions:
+    """The options of a checked TensorOptions message."""
+    return TensorOptions(OovPolicy(message.oov), bytes(message.default_row))
+
+
+def options_message(options: TensorOptions) -> pb.TensorOptions:
+    """The TensorOptions message of `options`."""
+    return pb.TensorOptions(oov=options.oov.value, default_row=options.default_row)
