@@ -37,6 +37,7 @@ from shardserve.server.common.principals import (
     Principal,
     PrincipalBook,
 )
+from shardserve.server.common.request_decoding import Undecodable
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +299,8 @@ def _checking_tensor(
     change with the principal's name, and lets the servicer see the principal (caller())."""
 
     def check(request: Any, context: grpc.ServicerContext) -> None:
+        if isinstance(request, Undecodable):  # RequestDecodingInterceptor answers INVALID_ARGUMENT
+            return
         tensor = rule.tensor(request) if rule.tensor is not None else _field_name(request)
         if rule.tensor is not None:
             try:

@@ -18,7 +18,7 @@ from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import abort
 
 
-class _Undecodable:
+class Undecodable:
     """What a request that did not decode becomes: the reason, for the status message."""
 
     __slots__ = ("reason",)
@@ -58,7 +58,7 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
         try:
             return decode(data)
         except Exception as err:  # noqa: BLE001 - any parse failure is the caller's bad bytes
-            return _Undecodable(f"request: not a serialized {what} ({type(err).__name__}: {err})")
+            return Undecodable(f"request: not a serialized {what} ({type(err).__name__}: {err})")
 
     kwargs = {
         "request_deserializer": tolerant_decode,
@@ -79,7 +79,7 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
     behavior = handler.unary_stream or handler.unary_unary
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
+        if isinstance(request, Undecodable):
             abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -98,7 +98,7 @@ def _tolerant(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHand
 
 def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
     for request in requests:
-        if isinstance(request, _Undecodable):
+        if isinstance(request, Undecodable):
             abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
