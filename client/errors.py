@@ -121,8 +121,9 @@ class RankUnavailableError(ShardServeError, ConnectionError):
 class ShardsLostError(RankUnavailableError):
     """A read needs a box whose every copy is known gone (DATA_LOSS, SHARDS_LOST): the ranks holding it
     restarted without it (a rank that is only down, hung or partitioned is RankUnavailableError). `boxes` are
-    the lost boxes the read touches as (offsets, sizes), `ranks` the ranks that held them. Other boxes of the tensor stay readable; a new put (overwrite) or a repair brings the box back.
-    Never retried. Also a RankUnavailableError (and so a ConnectionError)."""
+    the lost boxes the read touches as (offsets, sizes), `ranks` the ranks that held them. Other boxes of the
+    tensor stay readable; a new put (overwrite) or a repair brings the box back. Never retried. Also a
+    RankUnavailableError (and so a ConnectionError)."""
 
     code = grpc.StatusCode.DATA_LOSS
     reason = Reason.SHARDS_LOST
