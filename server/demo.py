@@ -60,13 +60,13 @@ def load_demo(coordinator: CoordinatorServer, state_dir: str | Path) -> pb.Tenso
     """Write the demo checkpoint if needed and load it as "demo", row-wise over every rank."""
     import torch
 
-    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.metadata import RemoteDevice, TensorProperties
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.core.wire import metadata_to_proto
 
     path = ensure_demo_checkpoint(state_dir)
     ranks = coordinator.registry.ranks()
-    spec = ChunkShardingSpec(0, [f"rank:{r.rank}/{r.device}" for r in ranks])
+    spec = ChunkShardingSpec(0, tuple(RemoteDevice((r.rank, r.device)) for r in ranks))
     meta = spec.build_metadata((DEMO_ROWS, DEMO_DIM), TensorProperties(dtype=torch.float32))
     request = pb.LoadCheckpointRequest(
         path=path,

@@ -364,7 +364,7 @@ def behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     """The function `handler` runs, whatever its kind."""
     return (
         handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )  # type: ignore[return-value]
+    )
 
 
 def replace_behavior(

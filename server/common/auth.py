@@ -153,16 +153,16 @@ class _TokenCallInterceptor(
     def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         return _CallDetails(details, self._metadata)
 
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_unary(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    def intercept_unary_stream(self, continuation, details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_stream(self, continuation, details, request):
         return continuation(self._details(details), request)
 
-    def intercept_stream_unary(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_unary(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_stream(self, continuation, details, request_iterator):
         return continuation(self._details(details), request_iterator)
 
 

@@ -169,7 +169,7 @@ class GaugeCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for gauge in self._read():
             family = GaugeMetricFamily(gauge.name, gauge.help, labels=list(gauge.labels))
-            for values, value in gauge.samples:
+            for values, value in gauge.samples or ():
                 family.add_metric(list(values), value)
             yield family
 

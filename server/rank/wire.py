@@ -3,11 +3,13 @@ servicers and the persisted manifests speak protobuf, the store does not."""
 
 from __future__ import annotations
 
+from typing import cast
+
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.rank.options import OovPolicy, TensorOptions
 from shardserve.server.rank.shard_fill import InitFill
 
-_INIT_FILLS = {
+_INIT_FILLS: dict[int, InitFill] = {
     pb.INIT_NONE: InitFill.NONE,
     pb.INIT_ZEROS: InitFill.ZEROS,
     pb.INIT_ONES: InitFill.ONES,
@@ -28,4 +30,5 @@ def tensor_options(message: pb.TensorOptions) -> TensorOptions:
 
 def options_message(options: TensorOptions) -> pb.TensorOptions:
     """The TensorOptions message of `options`."""
-    return pb.TensorOptions(oov=options.oov.value, default_row=options.default_row)
+    oov = cast(pb.OovPolicy, options.oov.value)  # the wire enum's number
+    return pb.TensorOptions(oov=oov, default_row=options.default_row)

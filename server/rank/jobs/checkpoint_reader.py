@@ -56,8 +56,9 @@ class RegionReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(stream, self.path)
-        metadata.storage_meta.load_id = self.load_id
+            metadata = load_metadata(cast(IO[bytes], stream), self.path)
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -174,7 +175,7 @@ def _chunks(index: int, answer: ItemAnswer, chunk_bytes: int) -> Iterator[Lookup
     header = pb.LookupChunk(
         item=index,
         version=answer.version,
-        dtype=dtype_to_wire(answer.dtype),
+        dtype=cast(pb.DType, dtype_to_wire(answer.dtype)),  # the wire enum's number
         nbytes=len(data),
         counts=answer.counts,
         offset=0,

@@ -10,6 +10,7 @@ ReleaseShard or expiry, so the fd cannot name other data meanwhile.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import grpc
 import torch
@@ -20,7 +21,7 @@ from shardserve.server.common.errors import InvalidArgument, PathUnavailable
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.metrics import SHM
-from shardserve.server.rank.shared_memory import Leases, lease_seconds
+from shardserve.server.rank.shared_memory import Leases, Segment, lease_seconds
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.version_table import StoredVersion
 
@@ -72,11 +73,12 @@ class SharedMemoryService:
         shard = self.store.access.shard_of(entry, request.shard_index)
         reply = pb.OpenShardResponse(
             nbytes=shard.numel() * shard.element_size(),
-            dtype=dtype_to_wire(shard.dtype),
+            dtype=cast(pb.DType, dtype_to_wire(shard.dtype)),  # the wire enum's number
             shard_sizes=list(shard.shape),
             version=entry.version,
             max_request_bytes=self.store.access.max_request_bytes,
         )
+        segment: Segment | None
         if self.store.blocks.is_composed(shard):
             segment = self.store.access.state_header(
                 entry, request.shard_index
@@ -94,9 +96,8 @@ class SharedMemoryService:
                     f"{shard.device}; ask with cuda_ipc or read it over ReadRegion"
                 )
             reply.cuda.CopyFrom(cuda_ipc_handle(shard))
-            segment = self.store.access.state_header(
-                entry, request.shard_index
-            )  # the state word alone, no data
+            # the state word alone, no data
+            segment = self.store.access.state_header(entry, request.shard_index)
         else:
             segment = self.store.access.shared_segment(entry, request.shard_index)
         if segment is None:
@@ -138,7 +139,7 @@ def cuda_ipc_handle(shard: torch.Tensor) -> pb.CudaIpcHandle:
         ref_counter_offset=ref_offset,
         event_handle=event_handle or b"",
         event_sync_required=bool(event_sync),
-        tensor_offset=shard.storage_offset(),
+        tensor_offset=int(shard.storage_offset()),
     )
 
 

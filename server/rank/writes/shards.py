@@ -11,6 +11,7 @@ torn, and a promote refuses it until it is written again.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ def write_batch(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             ) as writer,
         ):
-            writer.fill(lambda view, shard=shard: fill(shard, view))
+            writer.fill(functools.partial(fill, shard))
         store.metrics.written(shard.name, shard.nbytes)
         written += shard.nbytes
     return written
