@@ -10,6 +10,7 @@ import grpc
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.access import caller
 from shardserve.server.common.errors import InvalidArgument, rpc_errors
 from shardserve.server.common.requests import (
     check_init,
@@ -136,7 +137,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
         records = self.coordinator.lifecycle.list(request.include_pending)
-        return pb.ListTensorsResponse(tensors=[self.answers.tensor(r) for r in records])
+        visible = [r for r in records if _covers(r.name)]
+        return pb.ListTensorsResponse(tensors=[self.answers.tensor(r) for r in visible])
 
     @rpc_errors
     def Reshard(
@@ -208,7 +210,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
     ) -> pb.ListSnapshotsResponse:
-        snapshots = self.coordinator.snapshots.list(request.prefix)
+        snapshots = [
+            s for s in self.coordinator.snapshots.list(request.prefix) if _covers(s.prefix)
+        ]
         return pb.ListSnapshotsResponse(snapshots=[self.answers.snapshot(s) for s in snapshots])
 
     def _reshard_progress(self, step: ReshardStep) -> pb.ReshardProgress:
@@ -231,3 +235,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             done=step.done,
             tensors=[self.answers.tensor(r) for r in step.tensors],
         )
+
+
+def _covers(name: str) -> bool:
+    """Whether the calling principal's tensor patterns cover `name`: listings show only those (a server
+    without client auth, or a call without the interceptor, lists everything)."""
+    principal = caller()
+    return principal is None or principal.covers(name)

@@ -8,12 +8,14 @@ and the cluster credential.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 import grpc
 import pytest
 import torch
-from server_helpers import TIMEOUT
+from google.rpc import status_pb2
+from server_helpers import TIMEOUT, recv_exactly
 from server_processes import wait_until
 
 from shardserve import AuthenticationError, PermissionDeniedError, connect
@@ -23,7 +25,8 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.protos.errors import Reason, error_detail_of
+from shardserve.protos.bulk_wire import FRAME, HEADER, KIND_READ, STATUS_BODY
+from shardserve.protos.errors import Reason, detail_of_status, error_detail_of
 from shardserve.server.common.access import ACCESS_RULES
 from shardserve.server.common.auth import Security
 from shardserve.server.common.principals import PrincipalBook, token_sha256
@@ -236,8 +239,26 @@ def test_tensor_patterns_scope_reads_too(cluster):
         "LookupSmall": pb.LookupRequest(items=[pb.LookupItem(name="dense-secret")]),
         "OpenShard": pb.OpenShardRequest(name="dense-secret", version=1),
     }
+    with connect(cluster.address, token=TOKENS["emb-writer"]) as reader:
+        listed = {
+            t.name for t in reader.list()
+        }  # listings show only the tensors its patterns cover
+        assert "emb_shared" in listed and all(name.startswith("emb_") for name in listed)
     with grpc.insecure_channel(rank0) as channel:
         stub = pb_grpc.ShardServerStub(channel)
+        session = stub.OpenBulkSession(
+            pb.BulkSessionRequest(), timeout=TIMEOUT, metadata=bearer("emb-writer")
+        )
+        with socket.create_connection(("127.0.0.1", session.port), timeout=TIMEOUT) as sock:
+            sock.sendall(session.ticket)  # the bulk port checks the ticket's principal the same way
+            frame = requests["ReadRegion"].SerializeToString()
+            sock.sendall(FRAME.pack(KIND_READ, len(frame)) + frame)
+            status, body_kind, length = HEADER.unpack(recv_exactly(sock, HEADER.size))
+            refusal = status_pb2.Status.FromString(recv_exactly(sock, length))
+            assert status == PERMISSION_DENIED.value[0] and body_kind == STATUS_BODY
+            detail = detail_of_status(refusal)
+            assert detail.reason == Reason.PERMISSION_DENIED
+            assert detail.metadata["tensor"] == "dense-secret"
         for method, request in requests.items():
             with pytest.raises(grpc.RpcError) as err:
                 answer = getattr(stub, method)(

@@ -57,7 +57,7 @@ from shardserve.protos.bulk_wire import (
 )
 from shardserve.protos.chunk_codec import lookup_reply_pieces
 from shardserve.protos.errors import status_proto
-from shardserve.server.common.access import caller
+from shardserve.server.common.access import caller, check_tensor
 from shardserve.server.common.errors import (
     InvalidArgument,
     Overloaded,
@@ -67,7 +67,7 @@ from shardserve.server.common.errors import (
     Unavailable,
     bounded_message,
 )
-from shardserve.server.common.principals import Principal
+from shardserve.server.common.principals import READ, Principal
 from shardserve.server.rank.error_status import error_status, rank_rpc
 from shardserve.server.rank.metrics import BULK
 from shardserve.server.rank.reads.path import ReadPath
@@ -322,22 +322,32 @@ class BulkReads:
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_READS:
-                reply = self.reads.regions(_parse(pb.ReadRegionsRequest, message), BULK)
-                body = reply.SerializeToString()
+                batch = _parse(pb.ReadRegionsRequest, message)
+                _may_read(principal, "ReadRegions", [region.name for region in batch.regions])
+                body = self.reads.regions(batch, BULK).SerializeToString()
                 send_parts(conn, [HEADER.pack(0, 0, len(body)), body])
                 return
             if kind == KIND_LOOKUP:
-                pieces = lookup_reply_pieces(
-                    self.reads.lookup_small(_parse(pb.LookupRequest, message), BULK)
-                )
+                lookup = _parse(pb.LookupRequest, message)
+                _may_read(principal, "Lookup", [item.name for item in lookup.items])
+                pieces = lookup_reply_pieces(self.reads.lookup_small(lookup, BULK))
                 send_parts(conn, [HEADER.pack(0, 0, sum(len(piece) for piece in pieces)), *pieces])
                 return
-            with self.reads.region(_parse(pb.ReadRegionRequest, message), BULK) as data:
+            region = _parse(pb.ReadRegionRequest, message)
+            _may_read(principal, "ReadRegion", [region.name])
+            with self.reads.region(region, BULK) as data:
                 send_parts(conn, [HEADER.pack(0, 0, len(data)), data])
         except OSError:
             raise
         except Exception as err:  # noqa: BLE001 - answered to the peer, as rpc_errors does for gRPC
             _send_error(conn, peer, err)
+
+
+def _may_read(principal: Principal | None, method: str, names: list[str]) -> None:
+    """PERMISSION_DENIED when the ticket's principal's tensor patterns do not cover every tensor read, as
+    the access interceptor checks a gRPC read (no principal: a server without client auth)."""
+    if principal is not None:
+        check_tensor(principal, method, sorted(set(names)), right=READ)
 
 
 def _read_request(conn: socket.socket, peer: str) -> tuple[int, bytes] | None:
