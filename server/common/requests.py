@@ -11,21 +11,26 @@ from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument
 
-MAX_NAME_LENGTH = 256
+# The rule for tensor and snapshot names (docs/operations.md#names): 1 to MAX_NAME_BYTES bytes of UTF-8, all
+# printable. Names are data: they reach the filesystem only through server.common.names.file_name.
+MAX_NAME_BYTES = 1024
+NAME_RULE = f"names hold 1 to {MAX_NAME_BYTES} bytes of UTF-8, printable characters only"
 
 
 def check_name(name: str, field: str = "name") -> str:
-    """A tensor name: 1..256 printable characters."""
+    """A tensor (or snapshot prefix) name that keeps the name rule; INVALID_ARGUMENT naming the rule else."""
     if not name:
-        raise InvalidArgument(f"{field} is empty", metadata={"field": field})
-    if len(name) > MAX_NAME_LENGTH:
+        raise InvalidArgument(f"{field} is empty ({NAME_RULE})", metadata={"field": field})
+    size = len(name.encode("utf-8", "surrogatepass"))
+    if size > MAX_NAME_BYTES:
         raise InvalidArgument(
-            f"{field} is {len(name)} characters long; the limit is {MAX_NAME_LENGTH}",
+            f"{field} is {size} bytes of UTF-8; the limit is {MAX_NAME_BYTES} ({NAME_RULE})",
             metadata={"field": field},
         )
     if not name.isprintable():
         raise InvalidArgument(
-            f"{field} {name!r} contains non-printable characters", metadata={"field": field}
+            f"{field} {name[:80]!r} contains non-printable characters ({NAME_RULE})",
+            metadata={"field": field},
         )
     return name
 

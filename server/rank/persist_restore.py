@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -33,6 +32,9 @@ from shardserve.server.rank.wire import tensor_options
 log = logging.getLogger(__name__)
 
 LOG_NAME = "updates.log"
+NAME_FILE = (
+    "tensor.json"  # the tensor's name: folders are named by a hash of it (server.common.names)
+)
 # Promoted update versions restored per table, newest first: a rank promotes (and logs) an update before the
 # coordinator's catalog commits it, so a crash in between leaves the catalog one version behind the log.
 RESTORED_UPDATES = 2
@@ -67,6 +69,7 @@ class RestoredTable:
     to hold again (none when its files are corrupt)."""
 
     name: str
+    folder: Path
     snapshots: set[int] = field(default_factory=set)
     copies: dict[int, int] = field(default_factory=dict)
     versions: list[RestoredVersion] = field(default_factory=list)
@@ -91,7 +94,9 @@ def restore_dir(
     if progress is not None:
         progress(count)
     for folder in folders:
-        out.append(_restore_folder(folder, rank, empty, device))
+        restored = _restore_folder(folder, rank, empty, device)
+        if restored is not None:
+            out.append(restored)
         count.done_bytes += _folder_bytes(folder)
         count.done_tensors += 1
         if progress is not None:
@@ -99,9 +104,16 @@ def restore_dir(
     return out
 
 
-def _restore_folder(folder: Path, rank: int, empty: Empty, device: torch.device) -> RestoredTable:
-    """Restore one tensor's folder; corrupt files are named in the log and its versions left out."""
-    table = RestoredTable(unquote(folder.name))
+def _restore_folder(
+    folder: Path, rank: int, empty: Empty, device: torch.device
+) -> RestoredTable | None:
+    """Restore one tensor's folder; corrupt files are named in the log and its versions left out (None for
+    a folder that names no tensor)."""
+    name = _name_of(folder)
+    if name is None:
+        log.warning("rank %d skips %s: it holds no tensor.json and no manifest", rank, folder)
+        return None
+    table = RestoredTable(name, folder)
     started = time.monotonic()
     try:
         _restore_table(table, folder, rank, empty, device)
@@ -170,6 +182,18 @@ def _load_snapshot(
         read_shard_file(manifest_path.parent / entry["file"], host, int(entry["crc32"]))
         shards[index] = host if device.type == "cpu" else host.to(device)
     return RestoredVersion(manifest["name"], int(manifest["version"]), meta, options, shards)
+
+
+def _name_of(folder: Path) -> str | None:
+    """The tensor a folder holds: from its NAME_FILE, else from a manifest (folders made before NAME_FILE)."""
+    for path in [folder / NAME_FILE, *sorted(folder.glob("v*.json"))]:
+        try:
+            name = read_json(path).get("name") if path.is_file() else None
+        except CorruptFile:
+            continue
+        if isinstance(name, str) and name:
+            return name
+    return None
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -1,11 +1,13 @@
 """A rank's persistence: its shards as safetensors files, its row updates as a per-table log, and restore.
 
-Layout under the rank's persist dir, one folder per tensor (its name quoted):
+Layout under the rank's persist dir, one folder per tensor, named by server.common.names.file_name (names
+are data: a hash with a readable prefix, never the name itself, which lives in its tensor.json):
 
-    <name>/v<V>.json                  manifest of version V: metadata, options, per shard its file and CRC-32;
-                                      written last, so a version without one was never whole on disk
-    <name>/v<V>.s<I>.safetensors      local shard I of version V
-    <name>/updates.log                row updates since the newest snapshot: "copy" (V from source S),
+    <folder>/tensor.json              {"name": the tensor's name}, written when the folder is made
+    <folder>/v<V>.json                manifest of version V: name, metadata, options, per shard its file and
+                                      CRC-32; written last, so a version without one was never whole on disk
+    <folder>/v<V>.s<I>.safetensors    local shard I of version V
+    <folder>/updates.log              row updates since the newest snapshot: "copy" (V from source S),
                                       "rows" (ids + values of V), "promote" V, "drop" V
 
 What is durable when: a snapshot (every version made by a put, reshard or
@@ -41,7 +43,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import quote
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ import torch
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_to_proto
 from shardserve.server.common.errors import InvalidArgument
+from shardserve.server.common.names import file_name
 from shardserve.server.rank.errors import TensorUnknown, VersionNotServed
 from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persist_files import (
@@ -63,6 +65,7 @@ from shardserve.server.rank.persist_files import (
 )
 from shardserve.server.rank.persist_restore import (
     LOG_NAME,
+    NAME_FILE,
     RestoreCount,
     RestoredVersion,
     restore_dir,
@@ -133,8 +136,14 @@ class Persistence:
         with self._lock:
             table = self._tables.get(name)
             if table is None:
-                table = self._tables[name] = _Table(self.root / quote(name, safe=""))
+                table = self._tables[name] = _Table(self.root / file_name(name))
             return table
+
+    def _make_folder(self, table: _Table, name: str) -> None:
+        """The tensor's folder, made with its NAME_FILE (the real name: the folder's own name is a hash)."""
+        table.path.mkdir(parents=True, exist_ok=True)
+        if not (table.path / NAME_FILE).exists():
+            write_json(table.path / NAME_FILE, {"name": name}, sync=self.sync_snapshots)
 
     def _append(self, name: str, record: LogRecord, sync: bool = False) -> None:
         """Append one record to the table's log; fsync it now when `sync` and the policy is always."""
@@ -142,7 +151,7 @@ class Persistence:
         with self._lock:
             try:
                 if table.log_file is None:
-                    table.path.mkdir(parents=True, exist_ok=True)
+                    self._make_folder(table, name)
                     table.log_file = open(table.path / LOG_NAME, "ab")
                     table.log_bytes = table.log_file.tell()
                 encoded = encode_record(record)
@@ -233,7 +242,7 @@ class Persistence:
                 return
         path = table.path
         try:
-            path.mkdir(parents=True, exist_ok=True)
+            self._make_folder(table, name)
             files = {}
             for index, tensor in sorted(shards.items()):
                 path = table.path / f"v{version}.s{index}.safetensors"
@@ -419,7 +428,7 @@ class Persistence:
         out: list[RestoredVersion] = []
         for restored in restore_dir(self.root, self.rank, empty, device, progress):
             with self._lock:
-                table = self._table(restored.name)
+                table = self._tables.setdefault(restored.name, _Table(restored.folder))
                 table.snapshots = set(restored.snapshots)
                 table.copies = dict(restored.copies)
             out.extend(restored.versions)

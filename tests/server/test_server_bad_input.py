@@ -54,7 +54,8 @@ def read(stubs, served, **fields):
     [
         (dict(name="nope"), grpc.StatusCode.NOT_FOUND, "'nope' not found on rank 0"),
         (dict(name=""), INVALID, "name is empty"),
-        (dict(name="x" * 300), INVALID, "name is 300 characters"),
+        (dict(name="x" * 1025), INVALID, "name is 1025 bytes of UTF-8; the limit is 1024"),
+        (dict(name="é" * 513), INVALID, "name is 1026 bytes of UTF-8"),
         (dict(shard_index=7), INVALID, "shard_index 7 is out of range"),
         (dict(shard_index=-1), INVALID, "shard_index -1"),
         (dict(shard_index=1), INVALID, "shard_index 1 of tensor 'good' is not held by rank 0"),

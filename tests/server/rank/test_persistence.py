@@ -16,6 +16,7 @@ import torch
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.common.errors import DiskFull
+from shardserve.server.common.names import file_name
 from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
 from shardserve.server.rank.store import ShardStore, VersionState
@@ -86,7 +87,7 @@ def test_the_shard_file_is_safetensors_with_its_checksum(tmp_path):
     table = torch.arange(ROWS * COLUMNS, dtype=torch.float32).view(ROWS, COLUMNS)
     store = _store(tmp_path)
     _put(store, table)
-    raw = (tmp_path / "t" / "v1.s0.safetensors").read_bytes()
+    raw = (tmp_path / file_name("t") / "v1.s0.safetensors").read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + length])
     assert header["shard"] == {
@@ -100,7 +101,9 @@ def test_the_shard_file_is_safetensors_with_its_checksum(tmp_path):
         table,
     )
     safetensors = pytest.importorskip("safetensors.torch")
-    assert torch.equal(safetensors.load_file(tmp_path / "t" / "v1.s0.safetensors")["shard"], table)
+    assert torch.equal(
+        safetensors.load_file(tmp_path / file_name("t") / "v1.s0.safetensors")["shard"], table
+    )
 
 
 def test_an_update_never_promoted_is_not_restored(tmp_path):
@@ -120,7 +123,7 @@ def test_a_torn_log_tail_is_ignored(tmp_path):
     _update(store, 2, [5], torch.ones(1, COLUMNS))
     store.persistence.close()
     with open(
-        tmp_path / "t" / LOG_NAME, "ab"
+        tmp_path / file_name("t") / LOG_NAME, "ab"
     ) as f:  # half of a record, as a crash mid-append leaves it
         f.write(b"GLSS" + struct.pack("<I", 1000) + b"\x00" * 10)
     expected = table.clone()
@@ -132,7 +135,7 @@ def test_a_torn_log_tail_is_ignored(tmp_path):
 def test_a_damaged_shard_file_is_named_and_not_served(tmp_path, caplog, damage):
     store = _store(tmp_path)
     _put(store, torch.randn(ROWS, COLUMNS))
-    path = tmp_path / "t" / "v1.s0.safetensors"
+    path = tmp_path / file_name("t") / "v1.s0.safetensors"
     size = path.stat().st_size
     with open(path, "r+b") as f:
         if damage == "flip":
@@ -168,11 +171,16 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
         store.promote("t", version)
         store.drop("t", version - 1)
     _wait_for(
-        lambda: (tmp_path / "t" / "v23.json").exists() and not store.persistence.compacting("t")
+        lambda: (
+            (tmp_path / file_name("t") / "v23.json").exists()
+            and not store.persistence.compacting("t")
+        )
     )
     store.persistence.close()
-    assert not (tmp_path / "t" / "v20.json").exists()  # the compaction's snapshot replaced it
-    assert (tmp_path / "t" / LOG_NAME).stat().st_size < big.nbytes
+    assert not (
+        tmp_path / file_name("t") / "v20.json"
+    ).exists()  # the compaction's snapshot replaced it
+    assert (tmp_path / file_name("t") / LOG_NAME).stat().st_size < big.nbytes
     again = _restored(tmp_path)
     assert [(n, v) for n, v, _ in again.held()] == [("t", 23)]
     assert torch.equal(again.local_tensor("t", 23, 0), big)
@@ -211,7 +219,7 @@ def test_a_full_disk_fails_the_promote_and_nothing_is_served(small_disk):
     store.promote("big", 1)
     with pytest.raises(
         DiskFull,
-        match=rf"rank 0 could not persist {small_disk}/big2/v1.s0.safetensors"
+        match=rf"rank 0 could not persist {small_disk}/{file_name('big2')}/v1.s0.safetensors"
         r".*disk full",
     ):
         store.promote("big2", 1)
