@@ -59,6 +59,8 @@ class RankStatus:
     restore: RestoreStatus | None = (
         None  # while it restores its persist dir (then not alive, or not re-promoted)
     )
+    # where memory_limit_bytes came from: --memory-limit, a cgroup's limit file, the host's memory
+    memory_limit_source: str = ""
 
     @classmethod
     def from_proto(cls, msg: pb.RankInfo) -> RankStatus:
@@ -77,6 +79,7 @@ class RankStatus:
             restarts=msg.restarts,
             metrics_address=msg.metrics_address,
             restore=RestoreStatus.from_proto(msg.restore) if msg.HasField("restore") else None,
+            memory_limit_source=msg.memory_limit_source,
         )
 
 

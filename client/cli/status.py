@@ -39,6 +39,7 @@ def show_status(cluster: Cluster) -> None:
         "alive",
         "memory used",
         "memory limit",
+        "limit from",
         "metrics",
         "restore",
     ):
@@ -55,6 +56,7 @@ def show_status(cluster: Cluster) -> None:
             "[green]yes[/green]" if r.alive else "[red]no[/red]",
             human_bytes(r.memory_used_bytes),
             human_bytes(r.memory_limit_bytes) if r.memory_limit_bytes else "-",
+            r.memory_limit_source or "-",
             r.metrics_address or "-",
             _restore_summary(r.restore),
         )

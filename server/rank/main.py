@@ -35,6 +35,7 @@ from shardserve.server.common.cli_args import (
 )
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
+from shardserve.server.common.memory_limits import MemoryLimit, effective_memory
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.tracing import enable_tracing
@@ -44,8 +45,8 @@ from shardserve.server.rank.malloc_tuning import tune_malloc
 from shardserve.server.rank.memory_budget import (
     HOST_MEMORY_FRACTION,
     default_memory_limit,
-    host_memory_bytes,
     ranks_on_host,
+    reserved_bytes,
 )
 from shardserve.server.rank.persistence import FsyncPolicy, Persistence
 from shardserve.server.rank.reads.bulk import BulkReads
@@ -90,20 +91,22 @@ def resolve_device(device: str, local_rank: int) -> str:
     return device
 
 
-def resolve_memory_limit(given: int | None, device: str) -> int:
-    """--memory-limit as given, else this rank's share of the host's memory (server/rank/memory_budget.py)."""
+def resolve_memory_limit(given: int | None, device: str) -> MemoryLimit:
+    """--memory-limit as given, else this rank's share of the memory this process may use (the host's, or
+    its cgroup's when smaller; server/rank/memory_budget.py), with where it came from."""
     if given is not None:
-        return given
-    limit = default_memory_limit(device, host_memory_bytes(), ranks_on_host(os.environ))
-    if limit:
-        log.info(
-            "memory limit %d bytes: %.0f%% of this host's memory over %s rank(s) on it (--memory-limit "
-            "to change; 0 = unlimited)",
-            limit,
-            HOST_MEMORY_FRACTION * 100,
-            os.environ.get("LOCAL_WORLD_SIZE", "1"),
-        )
-    return limit
+        return MemoryLimit(given, "--memory-limit")
+    if not device.startswith("cpu"):
+        return MemoryLimit(0, f"unlimited: a {device} rank (the device refuses what does not fit)")
+    memory = effective_memory()
+    ranks = ranks_on_host(os.environ)
+    limit = default_memory_limit(device, memory.nbytes, ranks)
+    source = (
+        f"{HOST_MEMORY_FRACTION:.0%} of {memory.nbytes} bytes ({memory.source}) less "
+        f"{reserved_bytes(memory.nbytes)} reserved, over {ranks} rank(s) on this host"
+    )
+    log.info("memory limit %d bytes: %s (--memory-limit to change; 0 = unlimited)", limit, source)
+    return MemoryLimit(limit, source)
 
 
 def watch_parent(stop: threading.Event) -> None:
@@ -158,7 +161,7 @@ def main(argv: Sequence[str]) -> int:
     signal.signal(signal.SIGHUP, lambda *_: principals.reload() if principals is not None else None)
     log.debug("malloc settings: %s", tune_malloc() or "glibc defaults")
     try:
-        memory_limit = resolve_memory_limit(options.memory_limit, device)
+        limit = resolve_memory_limit(options.memory_limit, device)
     except ValueError as err:
         log.error("%s", err)
         return 2
@@ -167,7 +170,7 @@ def main(argv: Sequence[str]) -> int:
     except ServiceError as err:
         log.error("--persist-dir: %s", err.message)
         return 2
-    store = open_store(options, rank, device, memory_limit=memory_limit, persistence=persistence)
+    store = open_store(options, rank, device, memory_limit=limit.nbytes, persistence=persistence)
     restore(store, RestoreReporter(args.coordinator, security, rank))
     try:
         bulk_reads = open_bulk_reads(options, security, store)
@@ -186,7 +189,10 @@ def main(argv: Sequence[str]) -> int:
         security,
         lambda server: [
             add_shard_server(
-                server, ShardServerServicer(store, bulk_reads=bulk_reads, groups=groups)
+                server,
+                ShardServerServicer(
+                    store, bulk_reads=bulk_reads, groups=groups, memory_limit_source=limit.source
+                ),
             )
         ],
         options.stream_limits,
@@ -197,7 +203,8 @@ def main(argv: Sequence[str]) -> int:
         address=advertised_address(running, options.advertise),
         device=device,
         hostname=socket.gethostname(),
-        memory_limit_bytes=memory_limit,
+        memory_limit_bytes=limit.nbytes,
+        memory_limit_source=limit.source,
         world_size=world_size,
         pid=os.getpid(),
         host_id=host_id(),

@@ -1,8 +1,10 @@
 """A rank's memory budget: the bytes of shards it holds against its limit and its device's capacity.
 
 `MemoryBudget` does the accounting (reserve, release, room); the default limit is the rank's share of the
-host's memory, so that ranks sharing a host refuse allocations (RESOURCE_EXHAUSTED) instead of each admitting
-the whole host's RAM and being OOM-killed together.
+memory this process may use (the host's, or its cgroup's when smaller: server/common/memory_limits.py), less
+room for the coordinator, the processes themselves and clients' staging, so that ranks sharing a host or a
+container refuse allocations (RESOURCE_EXHAUSTED) instead of each admitting more than there is and being
+OOM-killed together.
 """
 
 from __future__ import annotations
@@ -10,26 +12,21 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from shardserve.server.rank.errors import OverMemory
 
-HOST_MEMORY_FRACTION = (
-    0.8  # of the host's (or cgroup's) memory, split evenly among the ranks on the host
-)
-CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
+# Of the memory left after the reserve, split evenly among the ranks on the host (or in the container).
+HOST_MEMORY_FRACTION = 0.8
+# Kept out of the ranks' shares, at most: the coordinator, the rank processes themselves (torch, gRPC) and
+# the staging of clients on the same host; a quarter of the memory where that is less than 4 GiB.
+RESERVED_BYTES = 1 << 30
 
 
-def host_memory_bytes() -> int:
-    """Physical memory, or the cgroup v2 limit of this process's group when that is smaller."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = CGROUP_MEMORY_MAX.read_text().strip()
-    except OSError:
-        return physical
-    return min(physical, int(limit)) if limit.isdigit() else physical
+def reserved_bytes(memory: int) -> int:
+    """The bytes of `memory` no rank's default limit counts on."""
+    return min(RESERVED_BYTES, memory // 4)
 
 
 def ranks_on_host(env: Mapping[str, str]) -> int:
@@ -41,15 +38,17 @@ def ranks_on_host(env: Mapping[str, str]) -> int:
 
 
 def default_memory_limit(
-    device: str, host_bytes: int, ranks: int, fraction: float = HOST_MEMORY_FRACTION
+    device: str, memory_bytes: int, ranks: int, fraction: float = HOST_MEMORY_FRACTION
 ) -> int:
     """Bytes of shards a rank may hold when --memory-limit is not given (0 = unlimited).
 
-    CPU ranks get `fraction` of the host's memory divided by the ranks on the host; CUDA ranks are unlimited
-    here, since a full GPU fails the allocation itself instead of killing the process."""
+    CPU ranks get `fraction` of `memory_bytes` (what the process may use: host or cgroup) less the reserve,
+    divided by the ranks on the host; CUDA ranks are unlimited here, since a full GPU fails the allocation
+    itself instead of killing the process."""
     if not device.startswith("cpu"):
         return 0
-    return max(1, int(host_bytes * fraction) // max(1, ranks))
+    usable = memory_bytes - reserved_bytes(memory_bytes)
+    return max(1, int(usable * fraction) // max(1, ranks))
 
 
 def device_capacity(device: torch.device) -> int:

@@ -78,8 +78,13 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         bulk_reads: BulkReads | None = None,
         groups: ProcessGroups | None = None,
+        *,
+        memory_limit_source: str = "",
     ) -> None:
         self.store = store
+        self.memory_limit_source = (
+            memory_limit_source  # where the store's limit came from, for GetStats
+        )
         self.chunk_bytes = chunk_bytes
         self.reads = ReadPath(store)
         self.writes = WritePath(store)
@@ -228,6 +233,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             rank=self.store.rank,
             memory_used_bytes=self.store.memory_used,
             memory_limit_bytes=self.store.memory_limit,
+            memory_limit_source=self.memory_limit_source,
             held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()],
         )
 

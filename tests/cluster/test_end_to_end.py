@@ -21,7 +21,8 @@ from shardserve.client import (
 )
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
-from shardserve.server.rank.memory_budget import default_memory_limit, host_memory_bytes
+from shardserve.server.common.memory_limits import effective_memory
+from shardserve.server.rank.memory_budget import default_memory_limit
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,9 +109,11 @@ def test_cluster_has_three_live_ranks(cl):
 
 
 def test_ranks_sharing_a_host_split_its_memory_by_default(cl):
-    """No --memory-limit: each of the 3 local ranks may hold 0.8 of the host's memory / 3, not all of it."""
-    share = default_memory_limit("cpu", host_memory_bytes(), 3)
+    """No --memory-limit: each of the 3 local ranks may hold 0.8 of the memory left after the reserve / 3,
+    and says where that came from."""
+    share = default_memory_limit("cpu", effective_memory().nbytes, 3)
     assert [r.memory_limit_bytes for r in cl.ranks()] == [share] * 3
+    assert all(r.memory_limit_source.endswith("over 3 rank(s) on this host") for r in cl.ranks())
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

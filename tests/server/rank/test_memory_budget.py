@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardserve.server.common.memory_limits import effective_memory
 from shardserve.server.rank.errors import OverMemory
 from shardserve.server.rank.main import resolve_memory_limit
 from shardserve.server.rank.memory_budget import (
@@ -12,16 +13,19 @@ from shardserve.server.rank.memory_budget import (
     MemoryBudget,
     default_memory_limit,
     device_capacity,
-    host_memory_bytes,
     ranks_on_host,
+    reserved_bytes,
 )
 
 GIB = 1 << 30
 
 
-def test_cpu_ranks_split_the_host_fraction_evenly():
-    assert default_memory_limit("cpu", 24 * GIB, 2) == int(24 * GIB * HOST_MEMORY_FRACTION) // 2
-    assert 4 * default_memory_limit("cpu", 24 * GIB, 4) <= 24 * GIB * HOST_MEMORY_FRACTION
+def test_cpu_ranks_split_the_fraction_of_what_is_left_after_the_reserve_evenly():
+    assert reserved_bytes(24 * GIB) == GIB and reserved_bytes(2 * GIB) == GIB // 2
+    assert default_memory_limit("cpu", 24 * GIB, 2) == int(23 * GIB * HOST_MEMORY_FRACTION) // 2
+    assert 4 * default_memory_limit("cpu", 24 * GIB, 4) <= 23 * GIB * HOST_MEMORY_FRACTION
+    # a 4 GiB container with 2 ranks: 1.2 GiB each, room left for the processes themselves
+    assert default_memory_limit("cpu", 4 * GIB, 2) == int(3 * GIB * HOST_MEMORY_FRACTION) // 2
 
 
 def test_cuda_ranks_are_unlimited_by_default():
@@ -36,17 +40,14 @@ def test_ranks_on_host_reads_local_world_size():
             ranks_on_host({"LOCAL_WORLD_SIZE": bad})
 
 
-def test_host_memory_is_positive_and_at_most_physical():
-    import os
-
-    assert 0 < host_memory_bytes() <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def test_a_given_limit_wins_and_zero_stays_unlimited(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert resolve_memory_limit(1234, "cpu") == 1234
-    assert resolve_memory_limit(0, "cpu") == 0
-    assert resolve_memory_limit(None, "cpu") == default_memory_limit("cpu", host_memory_bytes(), 2)
+    assert resolve_memory_limit(1234, "cpu").nbytes == 1234
+    assert resolve_memory_limit(1234, "cpu").source == "--memory-limit"
+    assert resolve_memory_limit(0, "cpu").nbytes == 0
+    default = resolve_memory_limit(None, "cpu")
+    assert default.nbytes == default_memory_limit("cpu", effective_memory().nbytes, 2)
+    assert effective_memory().source in default.source and "over 2 rank(s)" in default.source
 
 
 def test_a_budget_reserves_and_releases_within_its_limit():
