@@ -15,7 +15,7 @@ the server layout, every tensor from one snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,18 +36,29 @@ from shardserve.client.paths.batch import batches, read_batch, region_reads
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.snapshots import READ_THREADS
+from shardserve.client.spmd_pieces import (
+    Piece,
+    is_distributed,
+    local_pieces,
+    report_pieces,
+    resolved_sizes,
+)
 from shardserve.client.tensor import RemoteShardedTensor
-from shardserve.core.dtypes import dtype_name, dtype_to_wire
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
 from shardserve.core.replicas import replicate_layout
 from shardserve.core.snapshots import (
     JobTensor,
     balanced_layouts,
-    flatten_state_dict,
     job_tensors,
     refine_layout,
     writer_of,
+)
+from shardserve.core.state_tree import (
+    SplitStateDict,
+    StateTreeError,
+    fill_state_dict,
+    split_state_dict,
 )
 from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
@@ -57,10 +68,6 @@ SMALL_PIECE_BYTES = (
     64 << 10
 )  # pieces up to this size are read in per-rank batches, larger ones by themselves
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
-
-Piece = tuple[
-    Box, torch.Tensor
-]  # a box of the global tensor and the local tensor holding exactly it
 
 
 class SpmdError(ShardServeError):
@@ -128,101 +135,6 @@ def _raise_first(errors: Sequence[tuple[int, str | None]], what: str) -> None:
         raise SpmdError(f"{what} failed on job rank {rank}{more}: {error}")
 
 
-# ---------------------------------------------------------------- what a rank holds
-
-
-def _local_pieces(
-    value: Any, key: str, rank: int, plain_writer: int
-) -> tuple[tuple[int, ...] | None, list[Piece]]:
-    """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-    if isinstance(value, DTensor):
-        return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
-    if isinstance(value, ShardedTensor):
-        return tuple(value.size()), [
-            (Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor)
-            for s in value.local_shards()
-        ]
-    if isinstance(value, LocalShardsWrapper):
-        return None, _wrapper_pieces(value)
-    if isinstance(value, torch.Tensor):
-        arguments.dense_tensor(value, key)
-        whole = Box((0,) * value.dim(), tuple(value.shape))
-        return tuple(value.shape), [(whole, value)] if rank == plain_writer else []
-    raise InvalidArgumentError(
-        f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
-        f"ShardedTensor or LocalShardsWrapper"
-    )
-
-
-def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if value.device_mesh.get_coordinate() is None:
-        return []  # this rank is not in the tensor's mesh
-    local = value.to_local()
-    if isinstance(local, wrapper_type):
-        return _wrapper_pieces(local)
-    shape, offset = compute_local_shape_and_global_offset(
-        value.shape, value.device_mesh, value.placements
-    )
-    return [(Box(tuple(offset), tuple(shape)), local)]
-
-
-def _wrapper_pieces(wrapper: Any) -> list[Piece]:
-    return [
-        (Box(tuple(offset), tuple(shard.shape)), shard)
-        for shard, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
-    ]
-
-
-def _report(
-    flat: Mapping[str, Any], rank: int, plain_writer: int
-) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
-    """This rank's report {key: (size, dtype name, boxes)} and its pieces {key: [(box, tensor)]}."""
-    report, pieces = {}, {}
-    for key, value in flat.items():
-        size, held = _local_pieces(value, key, rank, plain_writer)
-        dtype = _dtype_of(value)
-        dtype_to_wire(dtype)
-        for box, tensor in held:
-            if tuple(tensor.shape) != box.sizes:
-                raise InvalidArgumentError(
-                    f"{key!r}: a local shard of shape {tuple(tensor.shape)} stands for a box "
-                    f"of sizes {box.sizes}"
-                )
-        report[key] = (size, dtype_name(dtype).replace("torch.", ""), [box for box, _ in held])
-        pieces[key] = held
-    return report, pieces
-
-
-def _resolved_sizes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Reports whose unknown sizes (a bare LocalShardsWrapper) are the bounding extent of every rank's boxes."""
-    for key, (size, _, _) in reports[0].items():
-        if size is None:
-            boxes = [box for report in reports for box in report[key][2]]
-            if not boxes:
-                raise InvalidArgumentError(
-                    f"{key!r}: no rank holds a shard of it, so its size is unknown"
-                )
-            extent = tuple(
-                max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(boxes[0].ndim)
-            )
-            for report in reports:
-                report[key] = (extent, report[key][1], report[key][2])
-    return reports
-
-
-def _dtype_of(value: Any) -> torch.dtype:
-    """The element type of a tensor, DTensor, LocalShardsWrapper or ShardedTensor."""
-    if isinstance(value, torch.Tensor):
-        return value.dtype
-    return value.metadata().tensor_properties.dtype
-
-
 # ---------------------------------------------------------------- put
 
 
@@ -258,19 +170,23 @@ def put_state_dict(
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     local: dict[str, list[Piece]] = {}
+    skeleton = [""]  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
 
     def report() -> dict[str, Any]:
-        flat = flatten_state_dict(state_dict)
-        if not flat:
+        split = _split(state_dict)
+        if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
-        mine, pieces = _report(flat, job.rank, plain_writer)
+        skeleton[0] = split.skeleton
+        mine, pieces = report_pieces(split.tensors, job.rank, plain_writer)
         local.update(pieces)
         return mine
 
-    reports = _resolved_sizes(job.agree(report, "describing the state dict"))
+    reports = resolved_sizes(job.agree(report, "describing the state dict"))
     tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
     created = job.from_rank0(
-        lambda: _create(cluster, prefix, tensors, spec, replicas, keep).SerializeToString(),
+        lambda: _create(
+            cluster, prefix, tensors, spec, replicas, keep, skeleton=skeleton[0]
+        ).SerializeToString(),
         "creating the snapshot",
     )
     snapshot = pb.SnapshotInfo.FromString(created)
@@ -295,8 +211,11 @@ def _create(
     spec: Any,
     replicas: int,
     keep: int,
+    *,
+    skeleton: str,
 ) -> pb.SnapshotInfo:
-    """Job rank 0: the server layout of every tensor, recorded as a pending snapshot."""
+    """Job rank 0: the server layout of every tensor, recorded as a pending snapshot with the state dict's
+    non-tensor tree."""
     session = cluster.session
     if spec is None:
         live = [r for r in sorted(session.refresh_ranks(), key=lambda r: r.rank) if r.alive]
@@ -317,7 +236,7 @@ def _create(
             )
             for key, t in tensors.items()
         }
-    return create_snapshot(session, prefix, layouts, keep)
+    return create_snapshot(session, prefix, layouts, keep, skeleton=skeleton)
 
 
 def _spec_of(spec: Any, key: str) -> Any:
@@ -382,10 +301,10 @@ def get_state_dict(
     targets: dict[str, list[Piece]] = {}
 
     def describe() -> None:
-        for key, value in flatten_state_dict(into).items():
+        for key, value in _split(into).tensors.items():
             targets[key] = (
-                _local_pieces(value, key, 0, 0)[1]
-                if not isinstance(value, torch.Tensor) or _is_distributed(value)
+                local_pieces(value, key, 0, 0)[1]
+                if not isinstance(value, torch.Tensor) or is_distributed(value)
                 else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
             )
 
@@ -399,16 +318,17 @@ def get_state_dict(
 
     for attempt in range(1, GET_ATTEMPTS + 1):
         number = job.from_rank0(find, "finding the snapshot")
-        try:
-            job.agree(
-                lambda: _read_mine(
-                    cluster,
-                    (found.pop(number) if number in found else None)
-                    or get_snapshot(cluster.session, prefix, number),
-                    targets,
-                ),
-                f"reading snapshot {number}",
+
+        def read() -> None:
+            summary = (found.pop(number) if number in found else None) or get_snapshot(
+                cluster.session, prefix, number
             )
+            _read_mine(cluster, summary, targets)
+            if summary.skeleton and isinstance(into, MutableMapping):
+                fill_state_dict(into, summary.skeleton)
+
+        try:
+            job.agree(read, f"reading snapshot {number}")
             return number
         except SpmdError:
             if pinned is not None or attempt == GET_ATTEMPTS:
@@ -416,12 +336,13 @@ def get_state_dict(
     raise AssertionError("unreachable")
 
 
-def _is_distributed(value: torch.Tensor) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-    return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
+def _split(state_dict: Mapping[str, Any]) -> SplitStateDict:
+    """`state_dict`'s tensors by dotted key and its typed non-tensor tree; INVALID_ARGUMENT naming the key
+    and type of a value that cannot be stored (shardserve.core.state_tree)."""
+    try:
+        return split_state_dict(state_dict, is_tensor=lambda value: isinstance(value, torch.Tensor))
+    except StateTreeError as err:
+        raise InvalidArgumentError(str(err)) from None
 
 
 def _read_mine(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -38,22 +37,6 @@ class JobTensor:
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
-
-
-def flatten_state_dict(state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts flattened to dotted keys ("layers.0.weight"), in insertion order."""
-    flat: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        if not isinstance(key, str) or not key:
-            raise ValueError(
-                f"state dict key {key!r} under {prefix or 'the top'!r} is not a non-empty string"
-            )
-        name = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, Mapping):
-            flat.update(flatten_state_dict(value, name))
-        else:
-            flat[name] = value
-    return flat
 
 
 def job_tensors(

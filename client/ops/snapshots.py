@@ -30,6 +30,9 @@ class SnapshotSummary:
     created_unix: float
     nbytes: int
     tensors: dict[str, TensorSummary] = field(repr=False)
+    skeleton: str = field(
+        default="", repr=False
+    )  # the state dict's non-tensor tree (core.state_tree)
 
     @property
     def age_s(self) -> float:
@@ -43,14 +46,23 @@ class SnapshotSummary:
             created_unix=msg.created_unix,
             nbytes=msg.nbytes,
             tensors={entry.key: TensorSummary.from_proto(entry.tensor) for entry in msg.entries},
+            skeleton=msg.skeleton,
         )
 
 
 def create_snapshot(
-    session: Session, prefix: str, layouts: Mapping[str, ShardedTensorMetadata], keep: int
+    session: Session,
+    prefix: str,
+    layouts: Mapping[str, ShardedTensorMetadata],
+    keep: int,
+    *,
+    skeleton: str = "",
 ) -> pb.SnapshotInfo:
-    """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks."""
-    request = pb.CreateSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), keep=keep)
+    """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks; `skeleton`
+    keeps the state dict's non-tensor tree with it."""
+    request = pb.CreateSnapshotRequest(
+        prefix=arguments.tensor_name(prefix, "prefix"), keep=keep, skeleton=skeleton
+    )
     for key, meta in layouts.items():
         request.tensors.add(key=key, metadata=metadata_to_proto(meta))
     return session.call("CreateSnapshot", request)

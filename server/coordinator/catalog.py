@@ -390,6 +390,7 @@ def _snapshot_json(snapshot: SnapshotRecord) -> str:
         "state": snapshot.state.value,
         "created_unix": snapshot.created_unix,
         "entries": [{"key": e.key, "tensor": _tensor_document(e.tensor)} for e in snapshot.entries],
+        "skeleton": snapshot.skeleton,
     }
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
@@ -405,6 +406,7 @@ def _snapshot_of(text: str) -> SnapshotRecord:
         ),
         state=TensorState(document["state"]),
         created_unix=document["created_unix"],
+        skeleton=document.get("skeleton", ""),
     )
 
 

@@ -110,6 +110,7 @@ def snapshot_to_proto(
         nbytes=record.nbytes,
         keep=record.keep,
         entries=[pb.SnapshotEntry(key=e.key, tensor=tensor(e.tensor)) for e in record.entries],
+        skeleton=record.skeleton,
     )
 
 
@@ -122,4 +123,5 @@ def snapshot_from_proto(info: pb.SnapshotInfo) -> SnapshotRecord:
         entries=tuple(SnapshotEntry(e.key, tensor_from_proto(e.tensor)) for e in info.entries),
         state=state_from_proto(info.state),
         created_unix=info.created_unix,
+        skeleton=info.skeleton,
     )

@@ -116,6 +116,8 @@ class SnapshotRecord:
     entries: tuple[SnapshotEntry, ...]
     state: TensorState = TensorState.PENDING
     created_unix: float = 0.0
+    # The state dict's tree besides its tensors (typed JSON; shardserve.core.state_tree), "" for tensors only.
+    skeleton: str = ""
 
     @property
     def nbytes(self) -> int:

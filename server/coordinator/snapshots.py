@@ -13,12 +13,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.state_tree import StateTreeError, tensor_keys
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, NotFound, ServiceError, TensorBusy
+from shardserve.server.common.errors import (
+    InvalidArgument,
+    NotFound,
+    RequestTooLarge,
+    ServiceError,
+    TensorBusy,
+)
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.locks import NameLocks
@@ -38,6 +45,9 @@ DEFAULT_KEEP = (
 )
 MAX_KEEP = 1024
 MAX_SNAPSHOT_TENSORS = 1 << 16
+MAX_SKELETON_BYTES = (
+    4 << 20
+)  # a state dict's non-tensor tree: an optimizer's param_groups, steps, names
 
 
 class Versions(Protocol):
@@ -82,6 +92,7 @@ class SnapshotDriver:
         if keep > MAX_KEEP:
             raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
         layouts = _checked_tensors(request.tensors)
+        skeleton = _checked_skeleton(request.skeleton, layouts)
         for key, meta in layouts.items():
             try:
                 self.registry.check_placements(meta)
@@ -102,7 +113,9 @@ class SnapshotDriver:
             )
             for (key, meta), version in zip(layouts.items(), versions)
         )
-        snapshot = SnapshotRecord(prefix, number, keep, entries, created_unix=created)
+        snapshot = SnapshotRecord(
+            prefix, number, keep, entries, created_unix=created, skeleton=skeleton
+        )
         self.catalog.add_all(snapshot.tensors())
         try:
             self.calls.allocate_many(
@@ -230,6 +243,32 @@ def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedT
     if not layouts:
         raise InvalidArgument("tensors is empty: a snapshot holds at least one tensor")
     return layouts
+
+
+def _checked_skeleton(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata]) -> str:
+    """The request's state dict skeleton: "" (tensors only), or typed JSON (shardserve.core.state_tree) of at
+    most MAX_SKELETON_BYTES whose tensor references are exactly the snapshot's tensors."""
+    if not skeleton:
+        return ""
+    if len(skeleton.encode()) > MAX_SKELETON_BYTES:
+        raise RequestTooLarge(
+            f"skeleton: {len(skeleton.encode())} bytes, over the limit of {MAX_SKELETON_BYTES}",
+            metadata={"field": "skeleton"},
+        )
+    try:
+        referenced = tensor_keys(skeleton)
+    except StateTreeError as err:
+        raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
+    if sorted(referenced) != sorted(layouts):
+        extra, missing = (
+            sorted(set(referenced) - set(layouts)),
+            sorted(set(layouts) - set(referenced)),
+        )
+        raise InvalidArgument(
+            f"skeleton: refers to tensors {extra} the snapshot lacks and misses {missing}",
+            metadata={"field": "skeleton"},
+        )
+    return skeleton
 
 
 def _tensors_by_rank(snapshot: SnapshotRecord) -> dict[int, list[TensorRecord]]:

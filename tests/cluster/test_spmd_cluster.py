@@ -23,6 +23,7 @@ import torch.distributed as dist
 from gloo_world import World
 
 from shardserve import connect, spmd
+from shardserve.core.state_tree import split_state_dict
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
@@ -180,7 +181,8 @@ def mismatches(state: dict[str, Any], value: int | None) -> list[str]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    flat, bad, seen = spmd.flatten_state_dict(state), [], set()
+    flat = split_state_dict(state, is_tensor=lambda v: isinstance(v, torch.Tensor)).tensors
+    bad, seen = [], set()
     for key, shape, dtype, _ in entries():
         got = flat[key]
         if isinstance(got, DTensor):
@@ -543,7 +545,9 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
     from shardserve import InvalidArgumentError
 
     with connect(cluster.address) as client:
-        with pytest.raises(spmd.SpmdError, match="'a.b' is a str"):
+        with pytest.raises(spmd.SpmdError, match=r"entry 'a\.b' is a builtins\.object"):
+            spmd.put_state_dict(client, {"w": torch.ones(1), "a": {"b": object()}}, "bad")
+        with pytest.raises(spmd.SpmdError, match="holds no tensor"):
             spmd.put_state_dict(client, {"a": {"b": "text"}}, "bad")
         with pytest.raises(InvalidArgumentError, match="prefix"):
             spmd.put_state_dict(client, {"a": torch.ones(1)}, "")

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shardserve.core.metadata import Box
 from shardserve.core.snapshots import (
     balanced_layouts,
-    flatten_state_dict,
     job_tensors,
     refine_layout,
     writer_of,
@@ -64,12 +62,3 @@ def test_a_given_layout_is_cut_by_the_job_boxes() -> None:
         ((3, 2), (2, 2), 0),
     ]
     assert writer_of(Box((3, 2), (2, 2)), tensors["w"]) == (1, Box((3, 0), (2, 4)))
-
-
-def test_nested_dicts_flatten_to_dotted_keys() -> None:
-    flat = flatten_state_dict(
-        {"a": {"b": torch.ones(1), "c": {"d": torch.zeros(1)}}, "e": torch.ones(2)}
-    )
-    assert list(flat) == ["a.b", "a.c.d", "e"]
-    with pytest.raises(ValueError, match="key 3"):
-        flatten_state_dict({"a": {3: torch.ones(1)}})

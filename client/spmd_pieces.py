@@ -1,0 +1,117 @@
+"""What one rank of an SPMD job holds of each tensor of a state dict: its boxes of the global tensor and the
+local tensors holding exactly them (DTensors, ShardedTensors, LocalShardsWrappers, plain tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from shardserve.client import arguments
+from shardserve.client.errors import InvalidArgumentError
+from shardserve.core.dtypes import dtype_name, dtype_to_wire
+from shardserve.core.metadata import Box
+
+# a box of the global tensor and the local tensor holding exactly it
+Piece = tuple[Box, torch.Tensor]
+
+
+def local_pieces(
+    value: Any, key: str, rank: int, plain_writer: int
+) -> tuple[tuple[int, ...] | None, list[Piece]]:
+    """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    if isinstance(value, DTensor):
+        return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
+    if isinstance(value, ShardedTensor):
+        return tuple(value.size()), [
+            (Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor)
+            for s in value.local_shards()
+        ]
+    if isinstance(value, LocalShardsWrapper):
+        return None, _wrapper_pieces(value)
+    if isinstance(value, torch.Tensor):
+        arguments.dense_tensor(value, key)
+        whole = Box((0,) * value.dim(), tuple(value.shape))
+        return tuple(value.shape), [(whole, value)] if rank == plain_writer else []
+    raise InvalidArgumentError(
+        f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
+        f"ShardedTensor or LocalShardsWrapper"
+    )
+
+
+def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if value.device_mesh.get_coordinate() is None:
+        return []  # this rank is not in the tensor's mesh
+    local = value.to_local()
+    if isinstance(local, wrapper_type):
+        return _wrapper_pieces(local)
+    shape, offset = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return [(Box(tuple(offset), tuple(shape)), local)]
+
+
+def _wrapper_pieces(wrapper: Any) -> list[Piece]:
+    return [
+        (Box(tuple(offset), tuple(shard.shape)), shard)
+        for shard, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
+    ]
+
+
+def report_pieces(
+    flat: Mapping[str, Any], rank: int, plain_writer: int
+) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
+    """This rank's report {key: (size, dtype name, boxes)} and its pieces {key: [(box, tensor)]}."""
+    report, pieces = {}, {}
+    for key, value in flat.items():
+        size, held = local_pieces(value, key, rank, plain_writer)
+        dtype = dtype_of(value)
+        dtype_to_wire(dtype)
+        for box, tensor in held:
+            if tuple(tensor.shape) != box.sizes:
+                raise InvalidArgumentError(
+                    f"{key!r}: a local shard of shape {tuple(tensor.shape)} stands for a box "
+                    f"of sizes {box.sizes}"
+                )
+        report[key] = (size, dtype_name(dtype).replace("torch.", ""), [box for box, _ in held])
+        pieces[key] = held
+    return report, pieces
+
+
+def resolved_sizes(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Reports whose unknown sizes (a bare LocalShardsWrapper) are the bounding extent of every rank's boxes."""
+    for key, (size, _, _) in reports[0].items():
+        if size is None:
+            boxes = [box for report in reports for box in report[key][2]]
+            if not boxes:
+                raise InvalidArgumentError(
+                    f"{key!r}: no rank holds a shard of it, so its size is unknown"
+                )
+            extent = tuple(
+                max(b.offsets[d] + b.sizes[d] for b in boxes) for d in range(boxes[0].ndim)
+            )
+            for report in reports:
+                report[key] = (extent, report[key][1], report[key][2])
+    return reports
+
+
+def dtype_of(value: Any) -> torch.dtype:
+    """The element type of a tensor, DTensor, LocalShardsWrapper or ShardedTensor."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return value.metadata().tensor_properties.dtype
+
+
+def is_distributed(value: torch.Tensor) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+    return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
