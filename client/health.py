@@ -6,8 +6,10 @@ did not answer in time (its copies are read last), and a fast path that failed f
 it). RankHealth holds every such conclusion as a lease with an expiry, never for the life of the client: the
 coordinator's word is asked again once it is LEASE_S old while it names a dead rank (or a lease of this client
 ran out), so a rank that comes back is read again within about LEASE_S + a heartbeat of the coordinator seeing
-it alive, with no new connect(). A read or lookup touching a box the coordinator reports with no live copy
-raises ShardsLostError before any rank is asked; the rest of the tensor reads as usual, from live copies.
+it alive, with no new connect(). A read or lookup touching a box the coordinator reports with no readable copy
+raises before any rank is asked (`unreadable`): RankUnavailableError, retried until the call's deadline, while
+its ranks may come back; ShardsLostError only once every copy is known gone. The rest of the tensor reads as
+usual, from live copies.
 """
 
 from __future__ import annotations

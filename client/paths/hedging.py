@@ -1,5 +1,6 @@
 """Hedged, fail-fast reads: a part that has not answered in time is sent to another copy, or ends once its rank is
-reported dead, instead of waiting out its deadline ("The Tail at Scale", Dean and Barroso).
+reported dead instead of waiting out its call's deadline (the read is then retried from the refreshed
+layout until the read's own deadline; "The Tail at Scale", Dean and Barroso).
 
 Every part of a read (one rank's part of a fetch, one rank's lookup request) runs as a Race: its primary call
 runs on the caller's thread, writing straight into the output, while one Watchdog thread per client looks at the

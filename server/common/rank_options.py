@@ -216,9 +216,10 @@ def add_rank_setting_args(parser: argparse.ArgumentParser) -> None:
         "--memory-limit",
         type=int,
         default=None,
-        help="bytes of shards each rank may hold (0 = unlimited; default: on CPU, 0.8 of the host's "
-        "memory divided by LOCAL_WORLD_SIZE, so ranks sharing a host refuse allocations instead of being "
-        "OOM-killed together)",
+        help="bytes of shards each rank may hold (0 = unlimited; default: on CPU, 0.8 of what is left of the "
+        "smaller of host memory and the process's cgroup limit after a reserve of min(1 GiB, a quarter), "
+        "divided by LOCAL_WORLD_SIZE, so ranks sharing a host or a container refuse allocations instead of "
+        "being OOM-killed together)",
     )
     parser.add_argument(
         "--max-request-bytes",

@@ -22,6 +22,10 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
 
 JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
+EPOCH_HELP = (
+    "the current epoch of collective jobs (a new one after a failed job, a rank's registration or a "
+    "coordinator start; drawn from the catalog's counter, so it grows by more than one)"
+)
 JOB_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0)
 
 
@@ -114,7 +118,7 @@ class CoordinatorMetrics(ServerMetrics):
                     *_job_gauges(jobs.in_flight()),
                     Gauge(
                         "shardserve_coordinator_epoch",
-                        "the current epoch of collective jobs (one more after every failed job)",
+                        EPOCH_HELP,
                     ).add(epoch()),
                 ]
             )
@@ -151,7 +155,7 @@ def _tensor_gauge(tensors: Iterable[pb.TensorInfo]) -> Gauge:
     gauge = Gauge(
         "shardserve_coordinator_tensors",
         "tensor versions in the catalog, by state (ready, pending) and "
-        "health (healthy, degraded, lost)",
+        "health (healthy, degraded, unavailable, lost)",
         ("state", "health"),
     )
     for (state, health), count in sorted(counts.items()):

@@ -379,7 +379,7 @@ class ReshardDriver:
 
     def _check_ranks(self, participants: Sequence[int], dst_ranks: Sequence[int]) -> None:
         """The first rank of the reshard that is not alive, named: a requested one that is not registered is
-        INVALID_ARGUMENT (metadata), one holding the current version or down is FAILED_PRECONDITION."""
+        INVALID_ARGUMENT (metadata), one holding the current version or down is UNAVAILABLE."""
         for rank in sorted(set(participants) | set(dst_ranks)):
             try:
                 entry = self.registry.entry(rank)
