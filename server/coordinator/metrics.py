@@ -57,9 +57,15 @@ class JobTracker:
         return job_id
 
     def progress(self, job_id: int, bytes_done: int, bytes_total: int) -> None:
+        """A job's bytes moved so far of its total; the bytes new since its last report are counted in
+        shardserve_coordinator_job_bytes_moved_total (rate() of it plots progress even between scrapes)."""
         job = self._jobs.get(job_id)
-        if job is not None:
-            job[0].bytes_done, job[0].bytes_total = bytes_done, bytes_total
+        if job is None:
+            return
+        moved = max(0, bytes_done - job[0].bytes_done)
+        job[0].bytes_done, job[0].bytes_total = bytes_done, bytes_total
+        if moved and self.metrics is not None:
+            self.metrics.job_bytes_moved.labels(job[0].kind).inc(moved)
 
     def end(self, job_id: int, ok: bool) -> None:
         with self._lock:
@@ -86,6 +92,14 @@ class CoordinatorMetrics(ServerMetrics):
             ["kind", "outcome"],
             registry=self.registry,
         )
+        self.job_bytes_moved = Counter(
+            "shardserve_coordinator_job_bytes_moved",
+            "bytes collective jobs moved between ranks, by kind (at 0 from the start for every kind)",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind in sorted(JOB_KINDS):
+            self.job_bytes_moved.labels(kind)
         self.job_duration = Histogram(
             "shardserve_coordinator_job_duration_seconds",
             "wall time of a collective job on its ranks, by kind",

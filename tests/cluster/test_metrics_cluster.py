@@ -175,6 +175,12 @@ def test_reshard_counted_as_a_job_on_the_coordinator_and_each_rank(scrapes: Scra
     assert scrapes.moved("shardserve_rank_jobs_total", kind="reshard", outcome="ok") == 2
     assert scrapes.moved("shardserve_rank_job_duration_seconds_count", kind="reshard") == 2
     assert total(scrapes.after, "shardserve_coordinator_jobs_in_flight") == 0
+    # the bytes a reshard moved, as a counter at 0 from the start: rate() plots progress between scrapes
+    assert (
+        "shardserve_coordinator_job_bytes_moved_total",
+        (("kind", "reshard"),),
+    ) in scrapes.before
+    assert scrapes.moved("shardserve_coordinator_job_bytes_moved_total", kind="reshard") > 0
 
 
 def test_gauges_show_ranks_tensors_memory_and_catalog(scrapes: Scrapes) -> None:
