@@ -102,8 +102,8 @@ def resolve_memory_limit(given: int | None, device: str) -> MemoryLimit:
     ranks = ranks_on_host(os.environ)
     limit = default_memory_limit(device, memory.nbytes, ranks)
     source = (
-        f"{HOST_MEMORY_FRACTION:.0%} of ({memory.nbytes} bytes ({memory.source}) less "
-        f"{reserved_bytes(memory.nbytes)} reserved), over {ranks} rank(s) on this host"
+        f"{HOST_MEMORY_FRACTION:.0%} of ({memory.nbytes / 2**30:.1f} GiB from {memory.source} less "
+        f"{reserved_bytes(memory.nbytes) / 2**30:.1f} GiB reserved), over {ranks} rank(s) on this host"
     )
     log.info("memory limit %d bytes: %s (--memory-limit to change; 0 = unlimited)", limit, source)
     return MemoryLimit(limit, source)
