@@ -40,11 +40,11 @@ from shardserve.client.errors import (
     error_from_rpc,
     error_from_status,
 )
-from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.info import RankStatus
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
-from shardserve.client.paths.kinds import PartRead, PathKind
-from shardserve.client.paths.network import read_part
+from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.network import NetworkPath
 from shardserve.client.paths.writes import ShardWrite, write_request
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
@@ -110,7 +110,7 @@ class _Connection:
         self.idle_since = time.monotonic()
 
 
-class BulkPath:
+class BulkPath(NetworkPath):
     """Reads, lookups and writes over the ranks' bulk ports (a DataPath: client.paths.kinds); connections
     opened on demand and kept for reuse."""
 
@@ -123,17 +123,8 @@ class BulkPath:
         self._closed = False
         self._tls: ssl.SSLContext | None = None  # made on the first TLS connection
 
-    def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
-        """Whether `rank` may be tried over its bulk port (whether it serves one shows when asked: BulkReadError,
-        PATH_UNAVAILABLE)."""
-        return bool(rank.address)
-
     def refusal(self, rank: RankStatus) -> ShardServeError:
         return BulkReadError(f"rank {rank.rank} has no address")
-
-    def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
-        """One part into its region over the bulk port (client.paths.network: bands, landing)."""
-        read_part(self.read_box, address, read, cancel)
 
     def read_box(
         self,

@@ -18,10 +18,10 @@ import torch
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import RankUnavailableError, ShardServeError, error_from_rpc
-from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.info import RankStatus
 from shardserve.client.paths.hedging import Cancellation
-from shardserve.client.paths.kinds import PartRead, PathKind
-from shardserve.client.paths.network import read_part
+from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.network import NetworkPath
 from shardserve.client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
@@ -39,7 +39,7 @@ def answers_in_one_message(answer_bytes: int) -> bool:
     return answer_bytes <= SMALL_ANSWER_BYTES
 
 
-class GrpcPath:
+class GrpcPath(NetworkPath):
     """Reads, lookups and writes as gRPC calls to the ranks (a DataPath: client.paths.kinds); it serves every
     rank."""
 
@@ -48,16 +48,8 @@ class GrpcPath:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
-    def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
-        """Every registered rank serves gRPC."""
-        return bool(rank.address)
-
     def refusal(self, rank: RankStatus) -> ShardServeError:
         return RankUnavailableError(f"rank {rank.rank} has no address")
-
-    def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
-        """One part into its region (client.paths.network: bands, landing)."""
-        read_part(self.read_box, address, read, cancel)
 
     def read_box(
         self,

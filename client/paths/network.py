@@ -7,11 +7,12 @@ its read's only one as parallel row bands (client.paths.bands).
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable
 
 import torch
 
-from shardserve.client.info import TensorSummary
+from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.bands import bands, read_bands
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.kinds import PartRead
@@ -65,3 +66,26 @@ def read_part(
         bands(read.part, read.region.element_size()) if read.only_part else [read.part],
     )
     land()
+
+
+class NetworkPath(abc.ABC):
+    """What the bulk-port and gRPC paths share: any rank with an address may be tried, and a part is read
+    around the path's own one-box call (`read_box`) by read_part."""
+
+    def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
+        """Whether `rank` may be tried on this path (whether it serves it shows when asked)."""
+        return bool(rank.address)
+
+    def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
+        """One part into its region (bands, landing: read_part)."""
+        read_part(self.read_box, address, read, cancel)
+
+    @abc.abstractmethod
+    def read_box(
+        self,
+        address: str,
+        request: pb.ReadRegionRequest,
+        dest: torch.Tensor,
+        cancel: Cancellation | None = None,
+    ) -> None:
+        """The box of `request` into `dest` (a flat contiguous uint8 CPU tensor of its size)."""
