@@ -236,6 +236,7 @@ def put_state_dict(
     keep: int = DEFAULT_KEEP,
     group: Any = None,
     plain_writer: int = 0,
+    durable: bool = True,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -243,11 +244,13 @@ def put_state_dict(
     tensors (written once, by job rank `plain_writer`); nested dicts flatten to dotted keys. The server layout
     is the job's own boxes placed over the live ranks, balanced by bytes; or `spec` (one spec for every tensor,
     or {key: spec}), whose shards are cut by the job's boxes so that every rank writes only what it holds.
-    `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). Returns the snapshot
-    number. On any failure nothing is visible and every rank raises SpmdError.
+    `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). `durable` False keeps
+    the snapshot off the ranks' persist dirs (weights republished every step: a rank's restart loses it).
+    Returns the snapshot number. On any failure nothing is visible and every rank raises SpmdError.
     """
     job = _Group(group)
     arguments.tensor_name(prefix, "prefix")
+    durable = arguments.flag(durable, "durable")
     replicas = arguments.count(replicas, "replicas", minimum=1)
     keep = arguments.count(keep, "keep", minimum=1)
     plain_writer = arguments.count(plain_writer, "plain_writer")
@@ -270,7 +273,9 @@ def put_state_dict(
     reports = _resolved_sizes(job.agree(report, "describing the state dict"))
     tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
     created = job.from_rank0(
-        lambda: _create(cluster, prefix, tensors, spec, replicas, keep).SerializeToString(),
+        lambda: _create(
+            cluster, prefix, tensors, spec, replicas, keep, durable=durable
+        ).SerializeToString(),
         "creating the snapshot",
     )
     snapshot = pb.SnapshotInfo.FromString(created)
@@ -295,6 +300,8 @@ def _create(
     spec: Any,
     replicas: int,
     keep: int,
+    *,
+    durable: bool = True,
 ) -> pb.SnapshotInfo:
     """Job rank 0: the server layout of every tensor, recorded as a pending snapshot."""
     session = cluster.session
@@ -317,7 +324,7 @@ def _create(
             )
             for key, t in tensors.items()
         }
-    return create_snapshot(session, prefix, layouts, keep)
+    return create_snapshot(session, prefix, layouts, keep, durable=durable)
 
 
 def _spec_of(spec: Any, key: str) -> Any:

@@ -47,10 +47,20 @@ class SnapshotSummary:
 
 
 def create_snapshot(
-    session: Session, prefix: str, layouts: Mapping[str, ShardedTensorMetadata], keep: int
+    session: Session,
+    prefix: str,
+    layouts: Mapping[str, ShardedTensorMetadata],
+    keep: int,
+    *,
+    durable: bool = True,
 ) -> pb.SnapshotInfo:
-    """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks."""
-    request = pb.CreateSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), keep=keep)
+    """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks (kept off the
+    ranks' disks unless `durable`)."""
+    request = pb.CreateSnapshotRequest(
+        prefix=arguments.tensor_name(prefix, "prefix"),
+        keep=keep,
+        not_durable=not arguments.flag(durable, "durable"),
+    )
     for key, meta in layouts.items():
         request.tensors.add(key=key, metadata=metadata_to_proto(meta))
     return session.call("CreateSnapshot", request)
