@@ -279,6 +279,7 @@ class ShardStore:
     def promote_many(
         self,
         versions: Sequence[tuple[str, int]],
+        *,
         item_errors: Callable[[int], AbstractContextManager[None]] | None = None,
     ) -> None:
         """Promote every (name, version), persisting the batch first with one sync round; a version that is not
