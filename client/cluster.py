@@ -230,12 +230,13 @@ class Cluster:
         oov: str = "error",
         default_row: torch.Tensor | None = None,
         replicas: int = 1,
+        durable: bool = True,
     ) -> RemoteShardedTensor:
         """Create a tensor filled on the ranks by `init` ("zeros", "ones", "normal" or "arange").
 
         `oov` says how embedding lookups answer ids out of range: "error", "zero" or "default" (`default_row`).
         `replicas` > 1 holds every box of the layout on that many live ranks (shardcore.replicas), each copy
-        filled alike.
+        filled alike. `durable` False keeps the tensor (and its row updates) off the ranks' persist dirs.
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -255,6 +256,7 @@ class Cluster:
         shape = _shape(shape)
         meta = self.session.layouts.layout(shape, dtype, spec, replicas)
         options = table_options(oov, default_row, shape, dtype)
+        options.not_durable = not arguments.flag(durable, "durable")
         info = self.session.create_tensor(
             pb.CreateTensorRequest(
                 name=name,
@@ -279,11 +281,14 @@ class Cluster:
         oov: str = "error",
         default_row: torch.Tensor | None = None,
         replicas: int = 1,
+        durable: bool = True,
     ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
 
         `replicas` > 1 holds every box on that many live ranks (shardcore.replicas); every copy is written.
+        `durable` (default True) persists the tensor on ranks with a persist dir before the put returns; False
+        keeps it in memory only (weights republished every step: a rank's restart loses it).
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -305,6 +310,7 @@ class Cluster:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
         meta = self.session.layouts.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
+        options.not_durable = not arguments.flag(durable, "durable")
         source = tensor.detach().cpu()
         shards = cut_tensor(source, meta)
         info = self.session.create_tensor(

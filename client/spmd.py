@@ -148,6 +148,7 @@ def put_state_dict(
     keep: int = DEFAULT_KEEP,
     group: Any = None,
     plain_writer: int = 0,
+    durable: bool = True,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -155,11 +156,13 @@ def put_state_dict(
     tensors (written once, by job rank `plain_writer`); nested dicts flatten to dotted keys. The server layout
     is the job's own boxes placed over the live ranks, balanced by bytes; or `spec` (one spec for every tensor,
     or {key: spec}), whose shards are cut by the job's boxes so that every rank writes only what it holds.
-    `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). Returns the snapshot
-    number. On any failure nothing is visible and every rank raises SpmdError.
+    `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). `durable` False keeps
+    the snapshot off the ranks' persist dirs (weights republished every step: a rank's restart loses it).
+    Returns the snapshot number. On any failure nothing is visible and every rank raises SpmdError.
     """
     job = _Group(group)
     arguments.tensor_name(prefix, "prefix")
+    durable = arguments.flag(durable, "durable")
     replicas = arguments.count(replicas, "replicas", minimum=1)
     keep = arguments.count(keep, "keep", minimum=1)
     plain_writer = arguments.count(plain_writer, "plain_writer")
@@ -185,7 +188,7 @@ def put_state_dict(
     tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
     created = job.from_rank0(
         lambda: _create(
-            cluster, prefix, tensors, spec, replicas, keep, skeleton=skeleton[0]
+            cluster, prefix, tensors, spec, replicas, keep, skeleton=skeleton[0], durable=durable
         ).SerializeToString(),
         "creating the snapshot",
     )
@@ -213,6 +216,7 @@ def _create(
     keep: int,
     *,
     skeleton: str,
+    durable: bool = True,
 ) -> pb.SnapshotInfo:
     """Job rank 0: the server layout of every tensor, recorded as a pending snapshot with the state dict's
     non-tensor tree."""
@@ -236,7 +240,7 @@ def _create(
             )
             for key, t in tensors.items()
         }
-    return create_snapshot(session, prefix, layouts, keep, skeleton=skeleton)
+    return create_snapshot(session, prefix, layouts, keep, skeleton=skeleton, durable=durable)
 
 
 def _spec_of(spec: Any, key: str) -> Any:

@@ -57,11 +57,15 @@ def create_snapshot(
     keep: int,
     *,
     skeleton: str = "",
+    durable: bool = True,
 ) -> pb.SnapshotInfo:
     """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks; `skeleton`
-    keeps the state dict's non-tensor tree with it."""
+    keeps the state dict's non-tensor tree with it; kept off the ranks' disks unless `durable`."""
     request = pb.CreateSnapshotRequest(
-        prefix=arguments.tensor_name(prefix, "prefix"), keep=keep, skeleton=skeleton
+        prefix=arguments.tensor_name(prefix, "prefix"),
+        keep=keep,
+        skeleton=skeleton,
+        not_durable=not arguments.flag(durable, "durable"),
     )
     for key, meta in layouts.items():
         request.tensors.add(key=key, metadata=metadata_to_proto(meta))

@@ -433,6 +433,7 @@ def _tensor_document(record: TensorRecord) -> dict[str, Any]:
         "options": {
             "oov": record.options.oov,
             "default_row": base64.b64encode(record.options.default_row).decode("ascii"),
+            "durable": record.options.durable,
         },
         "created_unix": record.created_unix,
         "put_token": record.put_token,
@@ -462,7 +463,11 @@ def _tensor_from_document(document: dict[str, Any]) -> TensorRecord:
         version=document["version"],
         metadata=metadata,
         state=TensorState(document["state"]),
-        options=TensorOptions(options["oov"], base64.b64decode(options["default_row"])),
+        options=TensorOptions(
+            options["oov"],
+            base64.b64decode(options["default_row"]),
+            durable=options.get("durable", True),  # catalogs written before the field: durable
+        ),
         created_unix=document["created_unix"],
         put_token=document["put_token"],
         owner=document["owner"],

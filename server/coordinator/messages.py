@@ -56,13 +56,17 @@ def init_from_proto(value: int) -> Init:
 
 def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
     """The TensorOptions message of a table's options."""
-    return pb.TensorOptions(oov=_OOV_POLICIES[options.oov], default_row=options.default_row)
+    return pb.TensorOptions(
+        oov=_OOV_POLICIES[options.oov],
+        default_row=options.default_row,
+        not_durable=not options.durable,
+    )
 
 
 def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
     """The options of a TensorOptions message (checked before: server/common/requests.check_options)."""
     oov = next(name for name, number in _OOV_POLICIES.items() if number == msg.oov)
-    return TensorOptions(oov=oov, default_row=bytes(msg.default_row))
+    return TensorOptions(oov=oov, default_row=bytes(msg.default_row), durable=not msg.not_durable)
 
 
 def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:

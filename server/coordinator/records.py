@@ -37,11 +37,12 @@ class Init(enum.Enum):
 
 @dataclass(frozen=True)
 class TensorOptions:
-    """An embedding table's answer to out-of-range ids: `oov` is one of shardcore's OOV_POLICIES, and
-    `default_row` the raw bytes of the row looked up with "default"."""
+    """A version's options: `oov` (one of shardcore's OOV_POLICIES) and `default_row` (the raw bytes of the
+    row looked up with "default") answer out-of-range ids; `durable` False keeps it off the ranks' disks."""
 
     oov: str = "error"
     default_row: bytes = b""
+    durable: bool = True
 
     def __post_init__(self) -> None:
         if self.oov not in OOV_POLICIES:

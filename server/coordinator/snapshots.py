@@ -33,6 +33,7 @@ from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,
+    TensorOptions,
     TensorRecord,
     TensorState,
 )
@@ -101,6 +102,7 @@ class SnapshotDriver:
         self._forget_stale()
         number, *versions = self.catalog.next_versions(1 + len(layouts))
         created = time.time()
+        options = TensorOptions(durable=not request.not_durable)
         entries = tuple(
             SnapshotEntry(
                 key,
@@ -108,6 +110,7 @@ class SnapshotDriver:
                     name=snapshot_tensor_name(prefix, number, key),
                     version=version,
                     metadata=meta,
+                    options=options,
                     created_unix=created,
                 ),
             )

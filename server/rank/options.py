@@ -1,4 +1,5 @@
-"""A table's options as the rank keeps them: what a lookup of an id outside the table answers."""
+"""A table's options as the rank keeps them: what a lookup of an id outside the table answers, and
+whether the version is persisted."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ class OovPolicy(enum.Enum):
 
 @dataclass(frozen=True)
 class TensorOptions:
-    """A tensor's options: its out-of-table policy and, for OovPolicy.DEFAULT, the raw bytes of its default row."""
+    """A tensor's options: its out-of-table policy, for OovPolicy.DEFAULT the raw bytes of its default row,
+    and whether a persisting rank writes the version to disk (`durable`)."""
 
     oov: OovPolicy = OovPolicy.ERROR
     default_row: bytes = b""
+    durable: bool = True

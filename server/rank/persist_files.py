@@ -13,19 +13,24 @@ bytes is corruption.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
 from shardserve.server.common.errors import DiskFull, Unavailable
+from shardserve.server.rank.options import TensorOptions
+from shardserve.server.rank.wire import options_message
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -63,6 +68,31 @@ def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_syncfs() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):  # not Linux: sync_filesystem falls back on sync(2)
+        return None
+
+
+_SYNCFS = _libc_syncfs()
+
+
+def sync_filesystem(path: Path) -> None:
+    """Flush every file and folder written on the filesystem that holds `path`: one syncfs(2) (which reports
+    write-back errors since Linux 5.8), or sync(2) where there is none. A batch's one sync round."""
+    if _SYNCFS is None:
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _SYNCFS(fd) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), str(path))
     finally:
         os.close(fd)
 
@@ -107,6 +137,61 @@ def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str],
         raise
     os.replace(tmp, path)
     return crc
+
+
+@dataclass(frozen=True)
+class PromoteItem:
+    """One version of a PromoteMany batch: its layout, options and local shards (leased by the caller)."""
+
+    name: str
+    version: int
+    meta: ShardedTensorMetadata
+    options: TensorOptions
+    shards: dict[int, torch.Tensor]
+
+
+def write_version_shards(
+    folder: Path, rank: int, name: str, version: int, shards: dict[int, torch.Tensor], sync: bool
+) -> dict[str, dict]:
+    """Write every local shard of (name, version) into `folder`; returns the manifest's "shards" entry. An
+    OSError names the file that failed (its `filename`)."""
+    files = {}
+    for index, tensor in sorted(shards.items()):
+        path = folder / f"v{version}.s{index}.safetensors"
+        metadata = {"name": name, "version": str(version), "shard_index": str(index)}
+        try:
+            crc = write_shard_file(path, tensor, {**metadata, "rank": str(rank)}, sync)
+        except OSError as err:
+            err.filename = err.filename or str(path)
+            raise
+        files[str(index)] = {"file": path.name, "crc32": crc}
+    return files
+
+
+def write_manifest(
+    folder: Path,
+    name: str,
+    version: int,
+    files: dict[str, dict],
+    *,
+    meta: ShardedTensorMetadata,
+    options: TensorOptions,
+    sync: bool,
+) -> None:
+    """Write the manifest of (name, version), the commit point on disk (after its shard files)."""
+    path = folder / f"v{version}.json"
+    document = {
+        "name": name,
+        "version": version,
+        "shards": files,
+        "metadata": metadata_to_proto(meta).SerializeToString().hex(),
+        "options": options_message(options).SerializeToString().hex(),
+    }
+    try:
+        write_json(path, document, sync)
+    except OSError as err:
+        err.filename = err.filename or str(path)
+        raise
 
 
 def read_shard_file(path: Path, into: torch.Tensor, crc: int) -> None:

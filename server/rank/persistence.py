@@ -19,7 +19,11 @@ blocks would write k x 256 KiB) before WriteRows applies it; PromoteVersion
 appends "promote" and, under --fsync always, fsyncs the log before answering;
 under interval a background thread fsyncs every 100 ms; under none the kernel
 decides. Once the log holds more than a table's size in rows, the served
-version is snapshotted in the background and the log restarts.
+version is snapshotted in the background and the log restarts. A PromoteMany
+batch writes every file first and then syncs the filesystem once (twice: shard
+files, then manifests and log records), one round per rank however many tensors.
+A version whose options say not durable (put(..., durable=False)) writes no
+file at all: no shards, no manifest, no log record; a restart loses it.
 
 Restore (at rank start, before registering): every version with a manifest not
 dropped since, and the newest promoted update version (its snapshot ancestor
@@ -38,7 +42,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,20 +52,22 @@ import numpy as np
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
 from shardserve.server.common.errors import InvalidArgument
 from shardserve.server.common.names import file_name
 from shardserve.server.rank.errors import TensorUnknown, VersionNotServed
 from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persist_files import (
     LogRecord,
+    PromoteItem,
     disk_error,
     encode_record,
     fsync_dir,
     read_log,
+    sync_filesystem,
     tensor_memory,
     write_json,
-    write_shard_file,
+    write_manifest,
+    write_version_shards,
 )
 from shardserve.server.rank.persist_restore import (
     LOG_NAME,
@@ -70,7 +76,6 @@ from shardserve.server.rank.persist_restore import (
     RestoredVersion,
     restore_dir,
 )
-from shardserve.server.rank.wire import options_message
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +144,12 @@ class Persistence:
                 table = self._tables[name] = _Table(self.root / file_name(name))
             return table
 
-    def _make_folder(self, table: _Table, name: str) -> None:
-        """The tensor's folder, made with its NAME_FILE (the real name: the folder's own name is a hash)."""
+    def _make_folder(self, table: _Table, name: str, sync: bool = True) -> None:
+        """The tensor's folder, made with its NAME_FILE (the real name: the folder's own name is a hash);
+        `sync` False leaves the fsync to the caller's sync of the batch."""
         table.path.mkdir(parents=True, exist_ok=True)
         if not (table.path / NAME_FILE).exists():
-            write_json(table.path / NAME_FILE, {"name": name}, sync=self.sync_snapshots)
+            write_json(table.path / NAME_FILE, {"name": name}, sync=sync and self.sync_snapshots)
 
     def _append(self, name: str, record: LogRecord, sync: bool = False) -> None:
         """Append one record to the table's log; fsync it now when `sync` and the policy is always."""
@@ -221,7 +227,9 @@ class Persistence:
         shards: dict[int, torch.Tensor],
     ) -> None:
         """Make (name, version) durable before it is served: "promote" in the log for an update, else a
-        snapshot (when it has none yet)."""
+        snapshot (when it has none yet); nothing for a version that is not durable."""
+        if not options.durable:
+            return
         if self.is_update(name, version):
             self._append(name, LogRecord({"kind": "promote", "version": version}), sync=True)
             return
@@ -235,43 +243,31 @@ class Persistence:
         options: TensorOptions,
         shards: dict[int, torch.Tensor],
     ) -> None:
-        """Write every local shard of a whole version and then its manifest (the commit point on disk)."""
+        """Write every local shard of a whole version and then its manifest (the commit point on disk);
+        nothing for a version that is not durable."""
         table = self._table(name)
         with self._lock:
-            if version in table.snapshots:
+            if version in table.snapshots or not options.durable:
                 return
-        path = table.path
         try:
             self._make_folder(table, name)
-            files = {}
-            for index, tensor in sorted(shards.items()):
-                path = table.path / f"v{version}.s{index}.safetensors"
-                crc = write_shard_file(
-                    path,
-                    tensor,
-                    {
-                        "name": name,
-                        "version": str(version),
-                        "shard_index": str(index),
-                        "rank": str(self.rank),
-                    },
-                    self.sync_snapshots,
-                )
-                files[str(index)] = {"file": path.name, "crc32": crc}
-            path = table.path / f"v{version}.json"
-            write_json(
-                path,
-                {
-                    "name": name,
-                    "version": version,
-                    "shards": files,
-                    "metadata": metadata_to_proto(meta).SerializeToString().hex(),
-                    "options": options_message(options).SerializeToString().hex(),
-                },
-                self.sync_snapshots,
+            files = write_version_shards(
+                table.path, self.rank, name, version, shards, self.sync_snapshots
+            )
+            write_manifest(
+                table.path,
+                name,
+                version,
+                files,
+                meta=meta,
+                options=options,
+                sync=self.sync_snapshots,
             )
         except OSError as err:
-            raise disk_error(self.rank, path, err) from None
+            raise disk_error(self.rank, Path(err.filename or table.path), err) from None
+        self._snapshotted(table, name, version, len(shards))
+
+    def _snapshotted(self, table: _Table, name: str, version: int, shards: int) -> None:
         with self._lock:
             table.snapshots.add(version)
         log.info(
@@ -279,9 +275,58 @@ class Persistence:
             self.rank,
             name,
             version,
-            len(shards),
+            shards,
             table.path,
         )
+
+    def promote_many(self, items: Sequence[PromoteItem]) -> None:
+        """Make a batch of versions durable before any is served, with one sync round for the batch, not one
+        per file: every shard file written, one sync of the filesystem, then every manifest and "promote"
+        record, one sync more (the manifest stays the commit point). Not-durable versions write nothing."""
+        durable = [item for item in items if item.options.durable]
+        if len(durable) <= 1:
+            for item in durable:
+                self.promote(item.name, item.version, item.meta, item.options, item.shards)
+            return
+        updates = [item for item in durable if self.is_update(item.name, item.version)]
+        fresh: dict[tuple[str, int], PromoteItem] = {}
+        for item in durable:
+            table = self._table(item.name)
+            with self._lock:
+                if item.version not in table.snapshots and item.version not in table.copies:
+                    fresh[(item.name, item.version)] = item
+        try:
+            written = []
+            for item in fresh.values():
+                table = self._table(item.name)
+                self._make_folder(table, item.name, sync=False)
+                files = write_version_shards(
+                    table.path, self.rank, item.name, item.version, item.shards, sync=False
+                )
+                written.append((table, item, files))
+            self._sync_batch()
+            for table, item, files in written:
+                write_manifest(
+                    table.path,
+                    item.name,
+                    item.version,
+                    files,
+                    meta=item.meta,
+                    options=item.options,
+                    sync=False,
+                )
+            for item in updates:
+                self._append(item.name, LogRecord({"kind": "promote", "version": item.version}))
+            self._sync_batch()
+        except OSError as err:
+            raise disk_error(self.rank, Path(err.filename or self.root), err) from None
+        for table, item, _ in written:
+            self._snapshotted(table, item.name, item.version, len(item.shards))
+
+    def _sync_batch(self) -> None:
+        """One sync of every file written so far (not under --fsync none)."""
+        if self.sync_snapshots:
+            sync_filesystem(self.root)
 
     def drop(self, name: str, version: int) -> None:
         """Forget a dropped version on disk (0: the whole tensor). A snapshot an update's log still builds on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,10 +165,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def PromoteMany(
         self, request: pb.PromoteManyRequest, context: grpc.ServicerContext
     ) -> pb.PromoteManyResponse:
-        """Promote the versions in order, stopping at the first failure (the coordinator then drops them all)."""
-        for index, version in enumerate(checked_versions(request.versions)):
-            with item_errors(f"versions[{index}]"), service_errors():
-                self.store.promote(*version)
+        """Promote the versions, persisted with one sync round for all; the first version that is not
+        promotable fails the batch before any is served (the coordinator then drops them all)."""
+        self.store.promote_many(list(checked_versions(request.versions)), item_errors=_item_errors)
         return pb.PromoteManyResponse()
 
     @rank_rpc
@@ -261,6 +261,13 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
     except InvalidArgument as err:
         raise InvalidArgument(f"{prefix}{err.message}") from None
     return Allocation(request, name, version, meta)
+
+
+@contextmanager
+def _item_errors(index: int) -> Iterator[None]:
+    """Errors of versions[index] of a batch, as the service errors that answer them, naming the entry."""
+    with item_errors(f"versions[{index}]"), service_errors():
+        yield
 
 
 def checked_versions(

@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from shardserve.server.rank.errors import BadRequest, OverMemory
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
 from shardserve.server.rank.options import TensorOptions
-from shardserve.server.rank.persistence import Persistence, RestoreCount
+from shardserve.server.rank.persistence import Persistence, PromoteItem, RestoreCount
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers
 from shardserve.server.rank.shard_fill import InitFill, make_shard
@@ -230,7 +231,7 @@ class ShardStore:
                     f"than the new version's metadata",
                     metadata={"tensor": name, "field": "source_version"},
                 )
-            if self.persistence is not None:
+            if self.persistence is not None and (options is None or options.durable):
                 self.persistence.note_copy(name, version, source_version)
             shared = self.memory.share_blocks(source)
             copied = sum(
@@ -273,23 +274,42 @@ class ShardStore:
 
     def promote(self, name: str, version: int) -> None:
         """Serve (name, version) once every local shard is fully written (and, with persistence, durable)."""
-        with self._lock:
-            record = self.versions.promotable(name, version)
-            persist = self.persistence is not None and record.state.is_pending
-        if persist:
-            assert self.persistence is not None
-            with self.access.lease(name, version, served=False) as record:
-                self.persistence.promote(
-                    name, version, record.metadata, record.options, dict(record.shards)
+        self.promote_many([(name, version)])
+
+    def promote_many(
+        self,
+        versions: Sequence[tuple[str, int]],
+        *,
+        item_errors: Callable[[int], AbstractContextManager[None]] | None = None,
+    ) -> None:
+        """Promote every (name, version), persisting the batch first with one sync round; a version that is not
+        promotable fails the batch before any is served, inside `item_errors(its index)` when given."""
+        errors = item_errors or (lambda index: nullcontext())
+        persist = []
+        with ExitStack() as leases:
+            for index, (name, version) in enumerate(versions):
+                with errors(index), self._lock:
+                    record = self.versions.promotable(name, version)
+                    if self.persistence is None or not record.state.is_pending:
+                        continue
+                with errors(index):
+                    record = leases.enter_context(self.access.lease(name, version, served=False))
+                persist.append(
+                    PromoteItem(name, version, record.metadata, record.options, dict(record.shards))
                 )
-        with self._lock:
-            record = self.versions.promotable(name, version)
-            record.apply(VersionEvent.PROMOTE)
-            self.memory.publish(record)
-        if persist:
+            if persist:
+                assert self.persistence is not None
+                self.persistence.promote_many(persist)
+        for index, (name, version) in enumerate(versions):
+            with errors(index), self._lock:
+                record = self.versions.promotable(name, version)
+                record.apply(VersionEvent.PROMOTE)
+                self.memory.publish(record)
+        for item in persist:
             assert self.persistence is not None
-            self.persistence.served(name, version, record.metadata)
-        log.info("rank %d serves %r version %d", self.rank, name, version)
+            self.persistence.served(item.name, item.version, item.meta)
+        for name, version in versions:
+            log.info("rank %d serves %r version %d", self.rank, name, version)
 
     def drop(self, name: str, version: int = 0) -> int:
         """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served

@@ -25,10 +25,14 @@ def init_fill(init: int) -> InitFill:
 
 def tensor_options(message: pb.TensorOptions) -> TensorOptions:
     """The options of a checked TensorOptions message."""
-    return TensorOptions(OovPolicy(message.oov), bytes(message.default_row))
+    return TensorOptions(
+        OovPolicy(message.oov), bytes(message.default_row), durable=not message.not_durable
+    )
 
 
 def options_message(options: TensorOptions) -> pb.TensorOptions:
     """The TensorOptions message of `options`."""
     oov = cast(pb.OovPolicy, options.oov.value)  # the wire enum's number
-    return pb.TensorOptions(oov=oov, default_row=options.default_row)
+    return pb.TensorOptions(
+        oov=oov, default_row=options.default_row, not_durable=not options.durable
+    )

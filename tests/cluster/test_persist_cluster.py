@@ -21,6 +21,7 @@ from server_processes import wait_until
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
+from shardserve.server.common.names import file_name
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
@@ -217,7 +218,7 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
     )
     with connect(cluster.address) as client:
         put = client.put("copies", table, spec=mirrored)
-        shard_file = next((data / "rank-1" / "copies").glob("v*.s*.safetensors"))
+        shard_file = next((data / "rank-1" / file_name("copies")).glob("v*.s*.safetensors"))
         with open(shard_file, "r+b") as f:
             f.seek(-3, 2)
             f.write(b"\xff\xff\xff")

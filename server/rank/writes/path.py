@@ -95,9 +95,10 @@ class WritePath:
             shard = access.shard_of(record, request.shard_index)  # refused unless held here
             local = local_rows(record, request.shard_index, ids, "ids")
             values = parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
+            durable = record.options.durable
         if np.unique(local).size != local.size:
             raise InvalidArgument("ids holds duplicates; send each row once")
-        if self.store.persistence is not None:  # durable order: log, then write
+        if self.store.persistence is not None and durable:  # durable order: log, then write
             self.store.persistence.log_rows(name, version, request.shard_index, local, values)
         rows = torch.from_numpy(local)
         # checked above: no refusal leaves the shard torn

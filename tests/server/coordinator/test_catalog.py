@@ -3,6 +3,7 @@ records read back equal from the catalog's own schema."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from dataclasses import replace
 
@@ -184,3 +185,24 @@ def test_a_catalog_of_a_newer_schema_is_refused(tmp_path):
     db.close()
     with pytest.raises(RuntimeError, match="newer than this shardserve"):
         SQLiteCatalog(path)
+
+
+def test_durability_is_stored_and_a_document_without_it_reads_as_durable(tmp_path):
+    """options.durable survives the catalog; a document written before the field existed means durable."""
+    path = tmp_path / "c.sqlite"
+    catalog = SQLiteCatalog(path)
+    weights = replace(_full_record("w", 1), options=TensorOptions(durable=False))
+    catalog.add(weights)
+    catalog.add(_full_record("t", 2))
+    catalog.close()
+    db = sqlite3.connect(path)
+    (text,) = db.execute("SELECT record FROM tensors WHERE name = 't'").fetchone()
+    document = json.loads(text)
+    del document["options"]["durable"]
+    db.execute("UPDATE tensors SET record = ? WHERE name = 't'", (json.dumps(document),))
+    db.commit()
+    db.close()
+    again = SQLiteCatalog(path)
+    assert again.get("w", 1) == weights and not again.get("w", 1).options.durable
+    assert again.get("t", 2).options.durable
+    again.close()
