@@ -126,7 +126,7 @@ def kjt(part: dict) -> Any:
 
 
 def _local_models(model_file: str, scale: int) -> dict[str, Any]:
-    state = torch.load(model_file, mmap=True)
+    state = torch.load(model_file)
     built = models(scale)
     for kind, module in built.items():
         module.load_state_dict(state[kind], assign=True)
@@ -183,7 +183,8 @@ def _worker(address: str, model_file: str, scale: int, jobs: Any, results: Any) 
             runners[key] = _forward(method, address, transport, local, scale)
         run = runners[key]
         batches = torch.load(batches_file)
-        got, want = run(batches[0]), {k: local[k](kjt(batches[0][k])).values() for k in local}
+        want = {k: local[k](kjt(batches[0][k])).values().clone() for k in local}
+        got = {k: v.clone() for k, v in run(batches[0]).items()}
         ok = all(torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
         run(batches[1])
         results.put("ready")

@@ -37,7 +37,7 @@ PLAIN = ChunkShardingSpec(
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it lives)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 WAIT_S = 20.0
-READ_TIMEOUT_S = 2.0  # the clients' deadline: a read of the dead rank's box waits this long for it
+READ_TIMEOUT_S = 1.0  # the clients' deadline: a read of the dead rank's box waits this long for it
 
 
 def _wait_until(condition: Callable[[], bool], what: str) -> None:
