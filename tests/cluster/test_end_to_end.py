@@ -333,7 +333,9 @@ def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, lay
         "chunk-dim0-uneven"
     ]  # rows 0-3 on rank 0, 4-7 on rank 1, 8-9 on rank 2
     cluster3.kill_rank(2, signal.SIGKILL)
-    with connect(cluster3.address, timeout=2.0) as short:  # a read waits its deadline for rank 2 to return
+    with connect(
+        cluster3.address, timeout=2.0
+    ) as short:  # a read waits its deadline for rank 2 to return
         dead = short.tensor(remote.name)
         with pytest.raises(RankUnavailableError, match="rank"):
             dead[8:10]
