@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 DOMAIN = "shardserve"
@@ -135,8 +135,3 @@ def error_detail_of(err: grpc.RpcError) -> ErrorDetail:
     except (ValueError, AttributeError):  # details whose code or message disagree, or not a call
         return ErrorDetail(None)
     return detail_of_status(status) if status is not None else ErrorDetail(None)
-
-
-def code_name(value: int) -> str:
-    """The name of a google.rpc.Code value (for messages)."""
-    return code_pb2.Code.Name(value) if value in code_pb2.Code.values() else str(value)

@@ -99,25 +99,22 @@ def flat_key(path: tuple[Key, ...]) -> str:
     return ".".join(str(part) for part in path)
 
 
-def _fill(into: MutableMapping[Any, Any], stored: Mapping[Any, Any]) -> None:
-    for key, value in stored.items():
-        if isinstance(value, _TensorRef):
-            continue
-        current = into.get(key)
-        if isinstance(value, dict) and isinstance(current, MutableMapping):
+def _fill(into: Any, stored: dict[Any, Any] | list[Any]) -> None:
+    """Write `stored`'s plain values into `into`, the caller's container of the same kind (a mutable mapping,
+    or a list of the same length), going down into the containers both hold."""
+    pairs = stored.items() if isinstance(stored, dict) else enumerate(stored)
+    for key, value in pairs:
+        current = into.get(key) if isinstance(into, MutableMapping) else into[key]
+        if _same_container(current, value):
             _fill(current, value)
         elif not _holds_tensor(value):
             into[key] = value
-        elif isinstance(current, list) and isinstance(value, list) and len(current) == len(value):
-            _fill_list(current, value)
 
 
-def _fill_list(into: list[Any], stored: list[Any]) -> None:
-    for i, value in enumerate(stored):
-        if isinstance(value, dict) and isinstance(into[i], MutableMapping):
-            _fill(into[i], value)
-        elif not _holds_tensor(value):
-            into[i] = value
+def _same_container(current: Any, value: Any) -> bool:
+    if isinstance(value, dict):
+        return isinstance(current, MutableMapping)
+    return isinstance(value, list) and isinstance(current, list) and len(current) == len(value)
 
 
 def _holds_tensor(value: Any) -> bool:

@@ -114,8 +114,11 @@ def cgroup_limit(
 
 
 def host_memory() -> MemoryLimit:
-    """Physical memory of the host."""
-    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """Physical memory of the host (a bound no process reaches where the platform cannot tell it)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return MemoryLimit(1 << 62, "host memory (unknown)")
     return MemoryLimit(physical, "host memory (/proc/meminfo)")
 
 

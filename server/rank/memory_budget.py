@@ -9,12 +9,12 @@ OOM-killed together.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
 
 import torch
 
+from shardserve.server.common.memory_limits import host_memory
 from shardserve.server.rank.errors import OverMemory
 
 # Of the memory left after the reserve, split evenly among the ranks on the host (or in the container).
@@ -55,10 +55,7 @@ def device_capacity(device: torch.device) -> int:
     """Total memory of the device (physical RAM for cpu): no allocation may exceed it, limit or not."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
+    return host_memory().nbytes
 
 
 class MemoryBudget:
