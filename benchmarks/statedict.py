@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Context, Row, scenario
+from benchmarks.statedict_host import host_rows
 
 CASES = ((64, 1 << 30), (512, 512 * 8192))  # (tensors, bytes in all)
 QUICK_CASES = ((64, 4 << 20), (128, 128 * 8192))
@@ -219,6 +220,11 @@ def statedict_scenario(ctx: Context) -> list[Row]:
         cluster = ctx.start_cluster(stack, ranks=2)
         with ctx.rss() as peaks:
             measured = run(cluster.address, cases)
+        with ctx.rss() as host_peaks:
+            host = host_rows(cluster, quick=ctx.quick, peaks={})
+        for row in host:
+            if row.role == "subject":
+                row.peak_rss = host_peaks
     rows = []
     for (count, total), r in zip(cases, measured):
         case = f"{count} tensors, {total >> 10} KiB"
@@ -302,4 +308,4 @@ def statedict_scenario(ctx: Context) -> list[Row]:
                 nbytes=total,
             ),
         ]
-    return rows
+    return rows + host

@@ -601,14 +601,16 @@ class WriteShardResponse(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class WriteShardsRequest(_message.Message):
-    __slots__ = ("shards", "data", "shared")
+    __slots__ = ("shards", "data", "shared", "written_in_place")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
     data: bytes
     shared: SharedMemorySource
-    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ...) -> None: ...
+    written_in_place: bool
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
 
 class SharedMemorySource(_message.Message):
     __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "host_id", "name_secret")
@@ -633,6 +635,38 @@ class WriteShardsResponse(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     bytes_written: int
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
+class OpenShardsForWriteRequest(_message.Message):
+    __slots__ = ("shards", "host_id")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
+    host_id: str
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+
+class WritableSegment(_message.Message):
+    __slots__ = ("pid", "fd", "inode", "device_id", "data_offset", "nbytes", "sealed")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
+    INODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEALED_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    fd: int
+    inode: int
+    device_id: int
+    data_offset: int
+    nbytes: int
+    sealed: bool
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., data_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
+
+class OpenShardsForWriteResponse(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[WritableSegment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[WritableSegment, _Mapping]]] = ...) -> None: ...
 
 class ReadRegionRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "offsets", "sizes", "chunk_bytes")

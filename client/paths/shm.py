@@ -39,6 +39,7 @@ from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
 from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.staging import StagingFiles
 from shardserve.client.paths.writes import ShardWrite, write_request
@@ -101,6 +102,10 @@ class SharedMemoryPath:
         self._staging = (
             StagingFiles()
         )  # the memfds writes stage their bytes in (client/paths/staging.py)
+        self.in_place = InPlaceWriter(channel, self.host[1])
+        self._in_place_refused: set[str] = (
+            set()
+        )  # ranks that write no shard in place for this client
 
     def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
         """Whether `rank` may be read through shared memory: on this host, offering it."""
@@ -282,9 +287,20 @@ class SharedMemoryPath:
                 self._cached_bytes -= old.flat.numel()
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
-        """Write whole shards to the same-host rank at `address`: their bytes packed into a staging memfd
-        that the rank reads (WriteShards with a shared source); returns the bytes written. SharedMemoryError when
-        the rank cannot read it (not the same host for it, shared memory off)."""
+        """Write whole shards to the same-host rank at `address`: copied straight into its shard memory
+        (client/paths/in_place.py), else packed into a staging memfd that the rank reads (WriteShards with a
+        shared source); returns the bytes written. SharedMemoryError when the rank can do neither (not the same
+        host for it, shared memory off)."""
+        if address not in self._in_place_refused:
+            try:
+                return self.in_place.write(address, writes)
+            except InPlaceUnavailable as err:
+                log.debug("writing in place to %s: %s; staging the bytes", address, err)
+                if err.refused:
+                    self._in_place_refused.add(address)
+        return self._write_staged(address, writes)
+
+    def _write_staged(self, address: str, writes: Sequence[ShardWrite]) -> int:
         total = sum(write.nbytes for write in writes)
         staging = self._staging.take(total)
         try:
@@ -312,6 +328,7 @@ class SharedMemoryPath:
             self._cache.clear()
             self._cached_bytes = 0
         self._staging.close()
+        self.in_place.close()
 
     def _open_shard(
         self, address: str, request: pb.OpenShardRequest, cancel: Cancellation | None = None

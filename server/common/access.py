@@ -140,6 +140,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "ReadRegions": Rule(READ, _region_names),
     SHARD_SERVER + "OpenBulkSession": Rule(READ, needs_caller=True),
     SHARD_SERVER + "WriteShards": Rule(WRITE, _shard_names),
+    SHARD_SERVER + "OpenShardsForWrite": Rule(WRITE, _shard_names),
     REFLECTION_METHOD: Rule(READ),
 }
 

@@ -89,31 +89,7 @@ class VersionAccess:
         """Lease a pending version and yield a writer that fills shard `shard_index` in order."""
 
         def check(record: StoredVersion) -> None:
-            meta = record.metadata
-            if dtype != meta.dtype:
-                raise BadRequest(
-                    f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
-                    f"dtype {dtype_name(meta.dtype)}",
-                    metadata={"tensor": name, "field": "header.dtype"},
-                )
-            if nbytes != meta.shard_nbytes(shard_index):
-                raise BadRequest(
-                    f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
-                    f"of {meta.shard_nbytes(shard_index)} bytes",
-                    metadata={"tensor": name, "field": "header.nbytes"},
-                )
-            if self._memory.blocks.is_composed(record.shards.get(shard_index, torch.empty(0))):
-                raise RowsOnly(
-                    f"shard_index {shard_index} of {name!r} version {version} is a row "
-                    f"update's copy; change its rows with WriteRows",
-                    metadata={"tensor": name, "field": "shard_index"},
-                )
-            if record.progress.is_changing(shard_index):  # two streams would interleave their bytes
-                raise VersionBusy(
-                    f"shard_index {shard_index} of {name!r} version {version} is being written by "
-                    f"another stream on rank {self.rank}; write each shard once",
-                    metadata={"tensor": name, "rank": self.rank},
-                )
+            self._check_whole_write(record, shard_index, dtype, nbytes)
 
         record, shard_tensor, _ = self._open_change(name, version, shard_index, check)
         with self._changing(record, shard_index) as done:
@@ -126,6 +102,68 @@ class VersionAccess:
                     metadata={"tensor": name},
                 )
             done(True)
+
+    def open_in_place(
+        self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
+    ) -> tuple[Segment, bool] | None:
+        """Hand pending shard `shard_index` to a same-host writer that fills its memory itself: its Segment and
+        whether its writes are sealed (SharedMemory.writable_segment); None when it is not in shared memory. The
+        shard stays torn until `finish_in_place`."""
+        with self._lock:
+            record = self._versions.pending(name, version)
+            shard = record.local_shard(shard_index, self.rank)
+            self._check_whole_write(record, shard_index, dtype, nbytes)
+            found = self._memory.shared.writable_segment(shard)
+            if found is not None:
+                record.progress.open_in_place(shard_index)
+        return found
+
+    def finish_in_place(
+        self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
+    ) -> None:
+        """Count pending shard `shard_index`, filled in place by the writer it was handed to, as written."""
+        with self._lock:
+            record = self._versions.pending(name, version)
+            record.local_shard(shard_index, self.rank)
+            self._check_whole_write(record, shard_index, dtype, nbytes)
+            if not record.progress.finish_in_place(shard_index):
+                raise BadRequest(
+                    f"shard_index {shard_index} of {name!r} version {version} was not opened for an "
+                    f"in-place write on rank {self.rank} (OpenShardsForWrite), or bytes were sent for "
+                    f"it since",
+                    metadata={"tensor": name, "field": "shard_index"},
+                )
+
+    def _check_whole_write(
+        self, record: StoredVersion, shard_index: int, dtype: torch.dtype, nbytes: int
+    ) -> None:
+        """A write of all of shard `shard_index` in `dtype`, `nbytes` long, must match the version's layout, not
+        be a row update's copy, and not race another write of it."""
+        meta, name, version = record.metadata, record.name, record.version
+        if dtype != meta.dtype:
+            raise BadRequest(
+                f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
+                f"dtype {dtype_name(meta.dtype)}",
+                metadata={"tensor": name, "field": "header.dtype"},
+            )
+        if nbytes != meta.shard_nbytes(shard_index):
+            raise BadRequest(
+                f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
+                f"of {meta.shard_nbytes(shard_index)} bytes",
+                metadata={"tensor": name, "field": "header.nbytes"},
+            )
+        if self._memory.blocks.is_composed(record.shards.get(shard_index, torch.empty(0))):
+            raise RowsOnly(
+                f"shard_index {shard_index} of {name!r} version {version} is a row "
+                f"update's copy; change its rows with WriteRows",
+                metadata={"tensor": name, "field": "shard_index"},
+            )
+        if record.progress.is_changing(shard_index):  # two streams would interleave their bytes
+            raise VersionBusy(
+                f"shard_index {shard_index} of {name!r} version {version} is being written by "
+                f"another stream on rank {self.rank}; write each shard once",
+                metadata={"tensor": name, "rank": self.rank},
+            )
 
     @contextmanager
     def rewrite(

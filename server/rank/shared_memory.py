@@ -178,6 +178,7 @@ class SharedMemory:
             )
             state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
             self._track(tensor, segment, _new_header(flat, state))
+            seal_writes(segment.fd)
         return segment
 
     def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
@@ -201,7 +202,19 @@ class SharedMemory:
             for tensor in tensors:
                 header = self._headers.get(id(tensor))
                 if header is not None:
+                    if served:
+                        seal_writes(self._segments[id(tensor)].fd)
                     header[1] = state
+
+    def writable_segment(self, tensor: torch.Tensor) -> tuple[Segment, bool] | None:
+        """The Segment of a pending shard made by `empty`, for a same-host writer to fill in place, and whether its
+        writes are sealed already (reused memory of a served version: only a writer that mapped it before may
+        write it); None for a tensor outside shared memory."""
+        with self._lock:
+            segment = self._segments.get(id(tensor))
+        if segment is None or segment.data_offset != HEADER_BYTES:
+            return None
+        return segment, is_write_sealed(segment.fd)
 
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""
@@ -257,20 +270,26 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
     )
 
 
-def _seal(fd: int) -> None:
-    """Seal a mapped segment against other processes: readers open it by /proc/PID/fd/N, where a same-user
-    process could otherwise truncate the segment (every later touch of the lost pages is SIGBUS in this rank) or
-    write a served version's bytes. The rank writes through its own earlier mapping. The write seal forbids
-    punching holes too, so a segment whose blocks later versions share is freed whole, once none of its blocks is
-    used (server/rank/blocks.py)."""
+def _seal_size(fd: int) -> None:
+    """Seal a new segment against resizing: readers open it by /proc/PID/fd/N, where a same-user process could
+    otherwise truncate it (every later touch of the lost pages is SIGBUS in this rank). Its writes are sealed when
+    its version is first served (`seal_writes`): until then a same-host writer may map it to fill it in place."""
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    seal_writes(fd)
+
+
+def is_write_sealed(fd: int) -> bool:
+    """Whether memfd `fd`'s seals are final (`seal_writes` ran): no new writable mapping of it can be made."""
+    return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL)
 
 
 def seal_writes(fd: int) -> None:
     """No write, and no new writable mapping, of memfd `fd` through any handle from now on (mappings made before
-    stay writable), and no seal changed any more. F_SEAL_FUTURE_WRITE is Linux 5.1; older kernels get the
-    final seal alone."""
+    stay writable: the rank's own, and an in-place writer's), and no seal changed any more; once only.
+    F_SEAL_FUTURE_WRITE is Linux 5.1; older kernels get the final seal alone. The write seal forbids punching
+    holes too, so a segment whose blocks later versions share is freed whole, once none of its blocks is used
+    (server/rank/blocks.py)."""
+    if is_write_sealed(fd):
+        return
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
     except OSError as err:
@@ -287,7 +306,7 @@ def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
         os.ftruncate(fd, nbytes)
         os.posix_fallocate(fd, 0, nbytes)
         mapped = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        _seal(fd)
+        _seal_size(fd)
         stat = os.fstat(fd)
     except BaseException:
         os.close(fd)

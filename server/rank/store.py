@@ -12,6 +12,7 @@ threads, so every method is thread-safe. Errors are the rank's own (server/rank/
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -121,9 +122,11 @@ class ShardStore:
         """Allocate (and fill, unless InitFill.NONE) the shards of `meta` placed on this rank."""
         record = self._record(name, version, meta, options)
         self._add(record)
+        # NONE: every shard is written whole before it counts (ShardProgress), so reused memory need not be zeroed
+        empty = functools.partial(self.memory.empty, overwrite=not fill.writes_all)
         try:
             for i in meta.shards_on(self.rank):
-                record.shards[i] = make_shard(meta, i, fill, seed, self.device, self.memory.empty)
+                record.shards[i] = make_shard(meta, i, fill, seed, self.device, empty)
         except (RuntimeError, MemoryError) as err:
             self._forget(record)
             raise OverMemory(

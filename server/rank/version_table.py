@@ -116,6 +116,9 @@ class ShardProgress:
         default_factory=Counter
     )  # shard -> open writes or rewrites of it
     torn: set[int] = field(default_factory=set)
+    in_place: set[int] = field(
+        default_factory=set
+    )  # handed to a same-host writer that fills them itself
 
     def is_changing(self, index: int) -> bool:
         return self.changing[index] > 0
@@ -124,6 +127,7 @@ class ShardProgress:
         """Count one more change of shard `index` (not complete meanwhile); whether it was complete."""
         if not self.changing[index]:  # a fresh round of changes: earlier failures are overwritten
             self.torn.discard(index)
+        self.in_place.discard(index)  # bytes sent now win over an in-place writer's
         was_complete = index in self.complete
         self.complete.discard(index)
         self.changing[index] += 1
@@ -138,6 +142,23 @@ class ShardProgress:
             self.complete.discard(index)
         elif outcome:
             self.complete.add(index)
+
+    def open_in_place(self, index: int) -> None:
+        """Hand shard `index` to a writer that fills its memory directly: torn (never published) until that
+        writer says it is done (`finish_in_place`), so a writer that dies half way publishes nothing."""
+        self.complete.discard(index)
+        self.torn.add(index)
+        self.in_place.add(index)
+
+    def finish_in_place(self, index: int) -> bool:
+        """Count shard `index`, handed to an in-place writer, as fully written; False when it was not handed
+        to one (or bytes sent since then took it back)."""
+        if index not in self.in_place:
+            return False
+        self.in_place.discard(index)
+        self.torn.discard(index)
+        self.complete.add(index)
+        return True
 
     def mark_filled(self, indexes: Iterable[int]) -> None:
         """Count shards an allocation filled as complete, unless a change of them is open or failed meanwhile."""

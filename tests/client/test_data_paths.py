@@ -1082,8 +1082,16 @@ def test_writes_fall_back_when_the_rank_refuses_the_memfd(cluster, monkeypatch, 
         staging.StagingFile, "source", lambda self, host_id: real(self, "another-host")
     )  # the rank refuses: UNIMPLEMENTED
     with connect(cluster.address) as client, caplog.at_level(logging.WARNING):
+        client.session.paths.shm.in_place.host_id = "another-host"  # refused in place too
         assert set(put_and_check(client, "refused-memfd")) == {"tcp"}
     assert "shared-memory write to rank" in caplog.text and "not on this rank's host" in caplog.text
+
+
+def test_writes_stage_their_bytes_when_the_rank_refuses_to_be_written_in_place(cluster):
+    with connect(cluster.address) as client:
+        client.session.paths.shm.in_place.host_id = "another-host"
+        assert set(put_and_check(client, "staged")) == {"shm"}
+        assert client.session.paths.shm.in_place.mapped_segments == 0
 
 
 def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):

@@ -30,13 +30,24 @@ class ShardWrites:
     ) -> pb.WriteShardsResponse:
         return self.writes.batch(request)
 
+    @rank_rpc
+    def OpenShardsForWrite(
+        self, request: pb.OpenShardsForWriteRequest, context: grpc.ServicerContext
+    ) -> pb.OpenShardsForWriteResponse:
+        return self.writes.open_in_place(request)
+
 
 def handlers(writes: ShardWrites) -> dict[str, grpc.RpcMethodHandler]:
-    """The ShardServer method handler of WriteShards."""
+    """The ShardServer method handlers of WriteShards and OpenShardsForWrite."""
     return {
         "WriteShards": grpc.unary_unary_rpc_method_handler(
             writes.WriteShards,
             request_deserializer=pb.WriteShardsRequest.FromString,
             response_serializer=pb.WriteShardsResponse.SerializeToString,
-        )
+        ),
+        "OpenShardsForWrite": grpc.unary_unary_rpc_method_handler(
+            writes.OpenShardsForWrite,
+            request_deserializer=pb.OpenShardsForWriteRequest.FromString,
+            response_serializer=pb.OpenShardsForWriteResponse.SerializeToString,
+        ),
     }

@@ -1,6 +1,7 @@
 """The write half of a rank's data paths: one entry per kind of write, whatever carries the bytes.
 
-WriteShard (a gRPC stream of chunks), WriteShards (bytes inline, or a same-host writer's memfd), the bulk
+WriteShard (a gRPC stream of chunks), WriteShards (bytes inline, a same-host writer's memfd, or written in
+place), the bulk
 port's write frame (bytes following on its connection) and WriteRows all come through `WritePath`: each
 shard is written under the store's write lease (a shard whose bytes do not all arrive is left torn, and a
 promote refuses it until it is written again) and its bytes counted once.
@@ -21,6 +22,7 @@ from shardserve.server.common.requests import check_name, check_version, parse_d
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.table_rows import local_rows, parse_ids, parse_rows
 from shardserve.server.rank.writes.bulk import receive_batch
+from shardserve.server.rank.writes.in_place import finish_written, open_for_write
 from shardserve.server.rank.writes.shards import ShardBytes, batch_bytes, checked_batch, write_batch
 from shardserve.server.rank.writes.shared import SharedSource
 
@@ -74,10 +76,17 @@ class WritePath:
                         self.store, shards, lambda shard, view: shared.read_into(shard.offset, view)
                     )
                 )
+        if source == "written_in_place":
+            return pb.WriteShardsResponse(bytes_written=finish_written(self.store, shards))
         raise InvalidArgument(
-            "source: a WriteShards call carries its bytes inline (data) or names a same-host "
-            "memfd (shared); only the bulk port sends them after the request"
+            "source: a WriteShards call carries its bytes inline (data), names a same-host "
+            "memfd (shared) or says they were written in place; only the bulk port sends them "
+            "after the request"
         )
+
+    def open_in_place(self, request: pb.OpenShardsForWriteRequest) -> pb.OpenShardsForWriteResponse:
+        """Where a same-host writer finds the requested pending shards' memory to fill it itself."""
+        return pb.OpenShardsForWriteResponse(segments=open_for_write(self.store, request))
 
     def receive(
         self, conn: socket.socket, request: pb.WriteShardsRequest, principal: Principal | None

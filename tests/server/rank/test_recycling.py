@@ -222,24 +222,35 @@ def test_shards_past_the_open_file_budget_go_to_private_memory():
     )  # room again once one is freed
 
 
-def test_segments_are_sealed_against_other_writers():
+def test_segments_are_sealed_against_other_writers_once_served():
     """A reader maps /proc/PID/fd/N; a same-user process that opened it for writing could change a served
-    version or truncate the segment (SIGBUS in the rank). Writes and resizes through any new handle fail, while
-    the rank's own mapping stays writable."""
+    version or truncate the segment (SIGBUS in the rank). Resizes always fail; a pending segment takes writes
+    (an in-place writer fills it), a served one no write and no new writable mapping through any new handle,
+    while the rank's own mapping stays writable."""
     import errno
+    import mmap
 
     shared = SharedMemory()
     tensor = shared.empty((4,), torch.float32)
     tensor.fill_(1.0)
     segment = shared.segment_of(tensor)
+    assert shared.writable_segment(tensor) == (segment, False)
     fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDWR)
     try:
         with pytest.raises(OSError) as resize:
             os.ftruncate(fd, 0)
         assert resize.value.errno == errno.EPERM
+        os.pwrite(fd, b"\x00" * 16, segment.data_offset)  # pending: an in-place writer's copy
+        assert torch.equal(tensor, torch.zeros(4))
+        shared.mark([tensor], served=True)
+        assert shared.writable_segment(tensor) == (segment, True)
         with pytest.raises(OSError) as write:
             os.pwrite(fd, b"\x07" * 16, segment.data_offset)
         assert write.value.errno == errno.EPERM
+        with pytest.raises(OSError) as mapping:
+            mmap.mmap(fd, segment.data_offset + 16, mmap.MAP_SHARED, mmap.PROT_WRITE)
+        assert mapping.value.errno == errno.EPERM
+        shared.mark([tensor], served=True)  # sealing again is a no-op
     finally:
         os.close(fd)
     tensor.fill_(2.0)  # the rank still writes through its own mapping

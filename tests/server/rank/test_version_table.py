@@ -126,6 +126,26 @@ def test_shard_progress_counts_overlapping_changes_and_torn_ones():
     assert progress.unfinished([0]) == []
 
 
+def test_a_shard_handed_to_an_in_place_writer_is_torn_until_it_says_done():
+    progress = ShardProgress()
+    progress.mark_filled([0, 1])
+    assert progress.finish_in_place(0) is False  # never handed over: refused
+    progress.open_in_place(0)
+    assert progress.unfinished([0, 1]) == [0]  # a writer dying now publishes nothing
+    assert progress.finish_in_place(0) is True
+    assert progress.unfinished([0, 1]) == []
+    assert progress.finish_in_place(0) is False  # once
+
+
+def test_bytes_sent_for_a_shard_take_it_back_from_its_in_place_writer():
+    progress = ShardProgress()
+    progress.open_in_place(0)
+    progress.open_change(0)
+    progress.close_change(0, None)  # the sent bytes failed half way
+    assert progress.finish_in_place(0) is False  # the in-place writer cannot complete it now
+    assert progress.unfinished([0]) == [0]
+
+
 def _record(name: str, version: int, state: VersionState) -> StoredVersion:
     shards = {1: torch.zeros(2, 2)}
     return StoredVersion(name, version, META, TensorOptions(), 16, shards, state=state)

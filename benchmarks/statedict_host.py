@@ -1,0 +1,219 @@
+"""Weight sync on one host at the memory limit: one process puts and gets a state dict through a 2-rank
+cluster (shared memory both ways, durable=False, keep=1), against the limit, torch's copy_ of the same tensors
+into already-touched destinations in one process, and against dcp.save / dcp.load to /dev/shm.
+
+Cases: 64 x 16 MiB (bandwidth) and 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then the
+median of steady puts (into the memory the previous snapshot freed) and of gets into preallocated tensors; one
+64 MiB tensor put (Cluster.put) and fetched whole into a preallocated tensor; a 1 MiB row slice of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.harness import Row
+
+MiB = 1 << 20
+CASES = ((64, 16 * MiB), (512, 8 << 10))  # (tensors, bytes each)
+QUICK_CASES = ((16, MiB), (128, 8 << 10))
+SINGLE_BYTES, SLICE_BYTES = 64 * MiB, MiB
+QUICK_SINGLE_BYTES, QUICK_SLICE_BYTES = 4 * MiB, 64 << 10
+REPEATS, QUICK_REPEATS = 5, 3
+SHM = "/dev/shm"
+
+
+def _median_s(step: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of `repeats` runs of `step`."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _state(count: int, each: int, seed: float) -> dict[str, torch.Tensor]:
+    rows = each // 4 // 256
+    return {
+        f"layer{i}.w": torch.full((rows, 256), seed + i, dtype=torch.float32) for i in range(count)
+    }
+
+
+def _copy_all(sources: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
+    for key, source in sources.items():
+        targets[key].copy_(source)
+
+
+def _dcp_s(state: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
+    """Median seconds of dcp.save and of dcp.load of `state` to and from a folder in /dev/shm."""
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-", dir=SHM) as folder:
+        counter = iter(range(1 << 30))
+        save_s = _median_s(
+            lambda: dcp.save(state, checkpoint_id=f"{folder}/{next(counter)}", no_dist=True),
+            repeats,
+        )
+        load_s = _median_s(
+            lambda: dcp.load(state, checkpoint_id=f"{folder}/0", no_dist=True), repeats
+        )
+    return save_s, load_s
+
+
+def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, Any]:
+    """Seconds of the first and steady put, steady get, copy_ and dcp of one state dict; whether it matched."""
+    from shardserve import spmd
+
+    prefix = f"host{count}x{each}"
+    state, into = _state(count, each, 1.0), _state(count, each, 0.0)
+    put = lambda: spmd.put_state_dict(cluster, state, prefix, keep=1, durable=False)  # noqa: E731
+    start = time.perf_counter()
+    put()
+    first_s = time.perf_counter() - start
+    put()  # the second put's memory is new too; from the third on, puts reuse what the one before freed
+    out = {
+        "first put": first_s,
+        "put": _median_s(put, repeats),
+        "get": _median_s(lambda: spmd.get_state_dict(cluster, prefix, into=into), repeats),
+        "copy_": _median_s(lambda: _copy_all(state, into), repeats),
+    }
+    out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
+    spmd.get_state_dict(cluster, prefix, into=into)
+    out["ok"] = all(torch.equal(into[key], state[key]) for key in state)
+    return out
+
+
+def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> dict[str, Any]:
+    """Seconds of a one-tensor put and whole fetch, a row-slice fetch, copy_ of each, and dcp."""
+    from shardserve.core.specs import ChunkShardingSpec
+
+    spec = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+    tensor = torch.randn(nbytes // 4 // 1024, 1024)
+    whole, rows = torch.empty_like(tensor), slice_bytes // 4 // 1024
+    part = torch.empty(rows, 1024)
+    first = tensor.shape[0] // 2 - rows // 2  # across both ranks' shards
+    put = lambda: cluster.put("single", tensor, spec, overwrite=True, durable=False)  # noqa: E731
+    put()
+    put()
+    remote = cluster.tensor("single")
+    out = {
+        "put": _median_s(put, repeats),
+        "fetch": _median_s(lambda: remote.fetch((0, 0), tuple(tensor.shape), out=whole), repeats),
+        "slice": _median_s(lambda: remote.fetch((first, 0), (rows, 1024), out=part), repeats),
+        "copy_": _median_s(lambda: whole.copy_(tensor), repeats),
+        "slice copy_": _median_s(lambda: part.copy_(tensor[first : first + rows]), repeats),
+    }
+    out["dcp.save"], out["dcp.load"] = _dcp_s({"single": tensor}, repeats)
+    remote.fetch((0, 0), tuple(tensor.shape), out=whole)
+    remote.fetch((first, 0), (rows, 1024), out=part)
+    out["ok"] = torch.equal(whole, tensor) and torch.equal(part, tensor[first : first + rows])
+    return out
+
+
+def host_rows(cluster: Any, *, quick: bool, peaks: dict[str, int]) -> list[Row]:
+    """Every one-host case, measured through `cluster` (a 2-rank LocalCluster on this host)."""
+    from shardserve import connect
+
+    repeats = QUICK_REPEATS if quick else REPEATS
+    rows: list[Row] = []
+    with connect(cluster.address) as client:
+        for count, each in QUICK_CASES if quick else CASES:
+            rows += _state_dict_rows(
+                _state_dict_case(client, count, each, repeats), count, each, peaks
+            )
+        single, sliced = (
+            (QUICK_SINGLE_BYTES, QUICK_SLICE_BYTES) if quick else (SINGLE_BYTES, SLICE_BYTES)
+        )
+        rows += _single_rows(_single_case(client, single, sliced, repeats), single, sliced, peaks)
+    return rows
+
+
+def _row(case: str, name: str, seconds: float, nbytes: int, **fields: Any) -> Row:
+    return Row("statedict_host", case, name, seconds, nbytes=nbytes, **fields)
+
+
+def _state_dict_rows(r: dict[str, Any], count: int, each: int, peaks: dict[str, int]) -> list[Row]:
+    case, total = f"{count} x {_size(each)}, one process", count * each
+    subject = {"path": "shm", "ok": r["ok"], "peak_rss": peaks}
+    return [
+        _row(
+            case,
+            "put_state_dict (first)",
+            r["first put"],
+            total,
+            baseline="copy_",
+            note="new rank memory",
+            **subject,
+        ),
+        _row(
+            case,
+            "put_state_dict",
+            r["put"],
+            total,
+            baseline="copy_",
+            note="steady, keep=1, durable=False",
+            **subject,
+        ),
+        _row(
+            case,
+            "get_state_dict",
+            r["get"],
+            total,
+            baseline="copy_",
+            note="into preallocated tensors",
+            **subject,
+        ),
+        _row(
+            case,
+            "copy_",
+            r["copy_"],
+            total,
+            role="baseline",
+            path="memory",
+            note="into touched tensors",
+        ),
+        _row(case, "dcp.save", r["dcp.save"], total, role="baseline", path=SHM),
+        _row(case, "dcp.load", r["dcp.load"], total, role="baseline", path=SHM),
+    ]
+
+
+def _single_rows(
+    r: dict[str, Any], nbytes: int, slice_bytes: int, peaks: dict[str, int]
+) -> list[Row]:
+    case, sliced = f"one {_size(nbytes)} tensor", f"{_size(slice_bytes)} row slice"
+    subject = {"path": "shm", "ok": r["ok"], "peak_rss": peaks}
+    return [
+        _row(
+            case,
+            "Cluster.put",
+            r["put"],
+            nbytes,
+            baseline="copy_",
+            note="steady, durable=False",
+            **subject,
+        ),
+        _row(
+            case,
+            "fetch whole",
+            r["fetch"],
+            nbytes,
+            baseline="copy_",
+            note="into a preallocated tensor",
+            **subject,
+        ),
+        _row(case, "copy_", r["copy_"], nbytes, role="baseline", path="memory"),
+        _row(case, "dcp.save", r["dcp.save"], nbytes, role="baseline", path=SHM),
+        _row(case, "dcp.load", r["dcp.load"], nbytes, role="baseline", path=SHM),
+        _row(sliced, "fetch slice", r["slice"], slice_bytes, baseline="copy_", **subject),
+        _row(sliced, "copy_", r["slice copy_"], slice_bytes, role="baseline", path="memory"),
+    ]
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes >> 10} KiB"

@@ -1,0 +1,217 @@
+"""The writer's half of same-host writes in place: map a rank's pending shards and copy each tensor in once.
+
+OpenShardsForWrite answers where each pending shard's memory is (a memfd of the
+rank, /proc/<pid>/fd/<fd>); the writer maps it writable, checks it is that file
+(inode and device), copies its tensor in with torch's parallel copy, then a
+WriteShards with `written_in_place` makes the rank count the shards written
+(server/rank/writes/in_place.py). The mappings are kept (up to MAPPED_BYTES):
+a rank reuses a freed version's memory for the next put, and that memory is
+sealed against new writable mappings once served, so a weight sync that puts
+every step fills the same mapped pages each time, with no page fault and no
+second copy. A segment this writer never mapped and can no longer map, like a
+rank that refuses, makes the batch go by the staging path instead
+(InPlaceUnavailable).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+from shardserve.client.channel import Channel
+from shardserve.client.errors import error_from_rpc
+from shardserve.client.paths.writes import ShardWrite, write_request
+from shardserve.core.wire import byte_view
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
+
+PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
+MAPPED_BYTES = (
+    4 << 30
+)  # writable mappings kept between writes: two versions of a 2 GiB state dict per host
+
+
+class InPlaceUnavailable(Exception):
+    """This batch cannot be written in place: the rank refuses (`refused`: it will for every batch of this
+    client), or a segment cannot be mapped writable."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+@dataclass
+class WritableMapping:
+    """A rank's segment mapped writable into this process."""
+
+    mapped: mmap.mmap
+    flat: torch.Tensor  # uint8 over the whole segment, header included
+
+    def close(self) -> None:
+        del self.flat
+        try:
+            self.mapped.close()
+        except BufferError:  # a tensor still views it: unmapped when that goes
+            pass
+
+
+class InPlaceWriter:
+    """Writes batches of whole shards straight into same-host ranks' pending shard memory."""
+
+    def __init__(self, channel: Channel, host_id: str, mapped_bytes: int = MAPPED_BYTES) -> None:
+        self.channel = channel
+        self.host_id = host_id
+        self.mapped_bytes = mapped_bytes
+        self._mappings: OrderedDict[tuple[str, int, int, int], WritableMapping] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def mapped_segments(self) -> int:
+        """How many ranks' segments this writer keeps mapped."""
+        with self._lock:
+            return len(self._mappings)
+
+    def write(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        """Fill the shards of `writes` on the rank at `address` in place, then tell it; the bytes written.
+        InPlaceUnavailable when this batch must go another way (nothing was written then)."""
+        segments = self._open(address, writes)
+        targets = [self._target(address, segment) for segment in segments]
+        for write, target in zip(writes, targets):
+            if write.nbytes:
+                copy_into(target, write.data)
+        request = write_request(writes)
+        request.written_in_place = True
+        try:
+            reply = self.channel.shard_methods(address).write_shards(
+                request, timeout=self.channel.timeout, metadata=self.channel.metadata
+            )
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"rank at {address}") from None
+        return reply.bytes_written
+
+    def close(self) -> None:
+        """Unmap every kept mapping (the rank's memory goes once it drops it too)."""
+        with self._lock:
+            kept, self._mappings, self._nbytes = list(self._mappings.values()), OrderedDict(), 0
+        for mapping in kept:
+            mapping.close()
+
+    def _open(self, address: str, writes: Sequence[ShardWrite]) -> list[pb.WritableSegment]:
+        request = pb.OpenShardsForWriteRequest(
+            shards=[write.header for write in writes], host_id=self.host_id
+        )
+        try:
+            reply = self.channel.shard_server(address).OpenShardsForWrite(
+                request, timeout=self.channel.timeout, metadata=self.channel.metadata
+            )
+        except grpc.RpcError as err:
+            error = error_from_rpc(err, f"rank at {address}")
+            if (
+                error.reason == Reason.PATH_UNAVAILABLE
+                or err.code() == grpc.StatusCode.UNIMPLEMENTED
+            ):
+                raise InPlaceUnavailable(
+                    f"rank at {address}: {err.details()}", refused=_refuses_every_batch(error)
+                ) from None
+            raise error from None
+        if len(reply.segments) != len(writes):
+            raise InPlaceUnavailable(
+                f"rank at {address} answered {len(reply.segments)} segments for {len(writes)} shards"
+            )
+        for write, segment in zip(writes, reply.segments):
+            if segment.nbytes != write.nbytes:
+                raise InPlaceUnavailable(
+                    f"rank at {address}: a segment of {segment.nbytes} bytes for a shard of "
+                    f"{write.nbytes}"
+                )
+        return list(reply.segments)
+
+    def _target(self, address: str, segment: pb.WritableSegment) -> torch.Tensor:
+        """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one."""
+        key = (address, segment.pid, segment.inode, segment.device_id)
+        with self._lock:
+            mapping = self._mappings.get(key)
+            if mapping is not None:
+                self._mappings.move_to_end(key)
+        if mapping is None:
+            if segment.sealed:
+                raise InPlaceUnavailable(
+                    f"rank at {address} reuses memory this writer never mapped (sealed since)"
+                )
+            mapping = _map_writable(segment)
+            self._keep(key, mapping)
+        end = segment.data_offset + segment.nbytes
+        if end > mapping.flat.numel():
+            raise InPlaceUnavailable(f"rank at {address}: a segment shorter than its shard")
+        return mapping.flat[segment.data_offset : end]
+
+    def _keep(self, key: tuple[str, int, int, int], mapping: WritableMapping) -> None:
+        evicted = []
+        with self._lock:
+            self._mappings[key] = mapping
+            self._nbytes += mapping.flat.numel()
+            while len(self._mappings) > 1 and self._nbytes > self.mapped_bytes:
+                _, old = self._mappings.popitem(last=False)
+                self._nbytes -= old.flat.numel()
+                evicted.append(old)
+        for old in evicted:
+            old.close()
+
+
+def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
+    """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes: one memcpy below
+    PARALLEL_COPY_BYTES (torch's copy_ would wake its thread pool per small tensor), torch's multi-threaded
+    copy_ above, and for strided or device tensors."""
+    if data.is_contiguous() and data.device.type == "cpu":
+        source = byte_view(data)
+        if source.numel() < PARALLEL_COPY_BYTES:
+            np.copyto(target.numpy(), source.numpy())
+        else:
+            target.copy_(source)
+    else:
+        target.view(data.dtype).view(data.shape).copy_(data)
+
+
+def _map_writable(segment: pb.WritableSegment) -> WritableMapping:
+    """Map /proc/<pid>/fd/<fd> writable after checking it is the segment described (its pages populated at
+    once: one call instead of a fault per page on the first copy)."""
+    try:
+        fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as err:
+        raise InPlaceUnavailable(
+            f"cannot open fd {segment.fd} of process {segment.pid}: {err.strerror}"
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if (info.st_ino, info.st_dev) != (segment.inode, segment.device_id):
+            raise InPlaceUnavailable(
+                f"fd {segment.fd} of process {segment.pid} is another file now"
+            )
+        size = segment.data_offset + segment.nbytes
+        mapped = mmap.mmap(
+            fd,
+            size,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        )
+    except OSError as err:  # sealed meanwhile (EPERM), or gone
+        raise InPlaceUnavailable(f"cannot map the segment writable: {err.strerror}") from None
+    finally:
+        os.close(fd)
+    return WritableMapping(mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+
+
+def _refuses_every_batch(error: Exception) -> bool:
+    """Whether a rank's refusal holds for every batch (its host, its shared memory, its authentication), not
+    only for shards outside shared memory."""
+    field = getattr(error, "metadata", {}).get("field", "")
+    return not field.startswith("shards[")

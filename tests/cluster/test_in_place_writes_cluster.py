@@ -1,0 +1,218 @@
+"""Same-host writes in place: a writer maps the ranks' pending shard memory and copies each tensor in once.
+
+On a 2-rank cluster: every dtype and strided or non-contiguous sources come back bit for bit and were written
+in place; a writer SIGKILLed in the middle of its copies leaves nothing visible (the snapshot before it is still
+served whole, and the next put commits); a reader of an older snapshot keeps reading exactly its bytes while
+puts with keep=1 go on and reuse freed memory; a rank refuses to count a shard written in place that was not
+opened for it, and refuses a writer from another host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import torch
+from grpc_status import rpc_status
+
+from shardserve import connect, spmd
+from shardserve.core.dtypes import dtype_to_wire
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import LocalCluster
+
+SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(ranks=2)
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if dtype.is_complex or dtype.is_floating_point:
+        return (torch.randn(shape, generator=generator) * 1e3).to(dtype)
+    return torch.randint(0, 100, shape, generator=generator).to(dtype)
+
+
+def test_every_dtype_and_strided_sources_are_written_in_place_bit_for_bit(cluster):
+    state = {f"t{i}": _sample(dtype, (16, 9), i) for i, dtype in enumerate(DTYPES)}
+    state["transposed"] = torch.randn(24, 16).t()  # non-contiguous
+    state["stepped"] = torch.arange(400, dtype=torch.int32).reshape(20, 20)[::2, 1::3]
+    state["expanded"] = torch.randn(1, 7).expand(12, 7)
+    with connect(cluster.address) as client:
+        mapped_before = client.session.paths.shm.in_place.mapped_segments
+        for _ in range(3):  # the third put fills memory the first one freed, through kept mappings
+            spmd.put_state_dict(client, state, "dtypes", keep=1, durable=False)
+        assert client.session.paths.shm.in_place.mapped_segments > mapped_before
+        into = {key: torch.zeros_like(value.contiguous()) for key, value in state.items()}
+        spmd.get_state_dict(client, "dtypes", into=into)
+        for key, value in state.items():
+            assert into[key].dtype == value.dtype
+            assert torch.equal(into[key].view(torch.uint8), value.contiguous().view(torch.uint8)), (
+                key
+            )
+        tensor = _sample(torch.bfloat16, (33, 5), 99)
+        client.put("single", tensor.t(), SPEC, durable=False)
+        assert torch.equal(client.tensor("single").full_tensor(), tensor.t())
+
+
+WRITER = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    from shardserve import connect, spmd
+    from shardserve.client.paths import in_place
+
+    address, marker = sys.argv[1], sys.argv[2]
+    copied = []
+    real_copy = in_place.copy_into
+
+    def copy_then_stall(target, data):
+        real_copy(target, data)
+        copied.append(1)
+        if len(copied) == 3:  # some shards of the snapshot filled, the others not
+            open(marker, "w").close()
+            time.sleep(600)
+
+    in_place.copy_into = copy_then_stall
+    state = {f"w{i}": torch.full((64, 64), 7.0) for i in range(8)}
+    with connect(address) as client:
+        spmd.put_state_dict(client, state, "killed", keep=1, durable=False)
+    """
+)
+
+
+def test_a_writer_killed_mid_copy_leaves_nothing_visible(cluster, tmp_path):
+    state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(8)}
+    with connect(cluster.address) as client:
+        first = spmd.put_state_dict(client, state, "killed", keep=1, durable=False)
+        marker = tmp_path / "copying"
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, cluster.address, str(marker)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not marker.exists():
+                assert writer.poll() is None, writer.stderr.read().decode()[-2000:]
+                assert time.monotonic() < deadline, "the writer never started copying"
+                time.sleep(0.05)
+            os.kill(writer.pid, signal.SIGKILL)
+        finally:
+            writer.kill()
+            writer.wait(timeout=30)
+        into = {key: torch.zeros(64, 64) for key in state}
+        assert spmd.get_state_dict(client, "killed", into=into) == first
+        assert all(torch.equal(into[key], state[key]) for key in state)
+        visible = {info.name for info in client.list()}
+        assert not any(
+            name.startswith("killed@") and name.split("/")[0] != f"killed@{first}"
+            for name in visible
+        ), sorted(visible)
+        fresh = {key: value + 10 for key, value in state.items()}
+        later = spmd.put_state_dict(client, fresh, "killed", keep=1, durable=False)
+        assert later > first
+        spmd.get_state_dict(client, "killed", into=into)
+        assert all(torch.equal(into[key], fresh[key]) for key in state)
+
+
+def test_a_reader_of_an_older_snapshot_reads_its_bytes_while_puts_reuse_memory(cluster):
+    state = {f"w{i}": torch.full((128, 256), float(i)) for i in range(4)}
+    wrong: list[str] = []
+    reads = [0]
+    with connect(cluster.address) as writer, connect(cluster.address) as reader:
+        old = spmd.put_state_dict(writer, state, "pinned", keep=2, durable=False)
+        tensors = {key: reader.tensor(f"pinned@{old}/{key}") for key in state}
+        stop = threading.Event()
+
+        def read_old() -> None:
+            out = torch.empty(128, 256)
+            while not stop.is_set():
+                for i, (key, remote) in enumerate(tensors.items()):
+                    try:
+                        remote.fetch((0, 0), (128, 256), out=out)
+                    except Exception:  # noqa: BLE001 - dropped once it leaves keep: a clean error is fine
+                        continue
+                    reads[0] += 1
+                    if not torch.equal(out, torch.full((128, 256), float(i))):
+                        wrong.append(key)
+
+        thread = threading.Thread(target=read_old)
+        thread.start()
+        try:
+            for step in range(1, 6):
+                fresh = {key: value + 100 * step for key, value in state.items()}
+                number = spmd.put_state_dict(writer, fresh, "pinned", keep=2, durable=False)
+                into = {key: torch.empty(128, 256) for key in state}
+                spmd.get_state_dict(writer, "pinned", into=into)
+                assert all(torch.equal(into[key], fresh[key]) for key in state), step
+        finally:
+            stop.set()
+            thread.join(timeout=WAIT_S)
+        assert number > old
+        assert reads[0] > 0 and not wrong, (reads[0], wrong)
+
+
+def _header(name: str, version: int, shard: int, nbytes: int) -> pb.WriteShardHeader:
+    return pb.WriteShardHeader(
+        name=name,
+        version=version,
+        shard_index=shard,
+        dtype=dtype_to_wire(torch.float32),
+        nbytes=nbytes,
+    )
+
+
+def test_a_rank_refuses_unopened_in_place_shards_and_other_hosts(cluster):
+    with connect(cluster.address) as client:
+        client.put("served", torch.ones(8, 4), SPEC)
+        version = client.tensor("served").version
+        rank0 = client.session.rank_status(0).address
+    stub = pb_grpc.ShardServerStub(grpc.insecure_channel(rank0))
+    request = pb.WriteShardsRequest(
+        shards=[_header("served", version, 0, 64)], written_in_place=True
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.WriteShards(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION or (
+        caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ), caught.value.details()
+    assert "shards[0]" in caught.value.details()
+    status = rpc_status.from_call(caught.value)
+    assert status is not None
+    request = pb.OpenShardsForWriteRequest(
+        shards=[_header("served", version, 0, 64)], host_id="elsewhere"
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.OpenShardsForWrite(request, timeout=10)
+    assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "host_id" in caught.value.details()
+    with connect(cluster.address) as client:  # still serving
+        assert torch.equal(client.tensor("served").full_tensor(), torch.ones(8, 4))
