@@ -13,7 +13,7 @@ lint: venv
 	./scripts/lint.sh
 
 test: lint
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 protos: venv
 	./scripts/gen-protos.sh

@@ -135,7 +135,7 @@ def host_rows(cluster: Any, *, quick: bool, peaks: dict[str, int]) -> list[Row]:
 
 
 def _row(case: str, name: str, seconds: float, nbytes: int, **fields: Any) -> Row:
-    return Row("statedict_host", case, name, seconds, nbytes=nbytes, **fields)
+    return Row("statedict-host", case, name, seconds, nbytes=nbytes, **fields)
 
 
 def _state_dict_rows(r: dict[str, Any], count: int, each: int, peaks: dict[str, int]) -> list[Row]:

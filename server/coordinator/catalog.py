@@ -53,8 +53,9 @@ class Catalog(abc.ABC):
         return self.next_versions(1)[0]
 
     @abc.abstractmethod
-    def add_all(self, records: list[TensorRecord]) -> None:
-        """Record new (name, version) rows in one transaction: all of them or, on an error, none."""
+    def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
+        """Record new (name, version) rows in one transaction: all of them or, on an error, none (`durable`
+        False: of data that does not outlive a restart, so the commit need not wait for the disk)."""
 
     def add(self, record: TensorRecord) -> None:
         """Record a new (name, version) row in the state `record.state`."""
@@ -94,7 +95,7 @@ class Catalog(abc.ABC):
 
     @abc.abstractmethod
     def commit_snapshot(
-        self, snapshot: SnapshotRecord
+        self, snapshot: SnapshotRecord, *, durable: bool = True
     ) -> tuple[SnapshotRecord, list[TensorRecord]]:
         """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
         prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows)."""
@@ -157,15 +158,23 @@ class SQLiteCatalog(Catalog):
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
 
     @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
+    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction; `durable` False commits it without waiting for the disk (WAL order is kept: the
+        next durable commit syncs it too), for records of data that is not durable either."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def next_versions(self, count: int) -> list[int]:
         with self._transaction() as db:
@@ -175,8 +184,8 @@ class SQLiteCatalog(Catalog):
             )
         return list(range(last - count + 1, last + 1))
 
-    def add_all(self, records: list[TensorRecord]) -> None:
-        with self._transaction() as db:
+    def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
+        with self._transaction(durable) as db:
             db.executemany(
                 "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
                 [(r.name, r.version, r.state.value, _tensor_json(r)) for r in records],
@@ -189,9 +198,9 @@ class SQLiteCatalog(Catalog):
             return [_commit_in(db, name, version) for name, version in versions]
 
     def commit_snapshot(
-        self, snapshot: SnapshotRecord
+        self, snapshot: SnapshotRecord, *, durable: bool = True
     ) -> tuple[SnapshotRecord, list[TensorRecord]]:
-        with self._transaction() as db:
+        with self._transaction(durable) as db:
             entries = tuple(
                 SnapshotEntry(e.key, _commit_in(db, e.tensor.name, e.tensor.version)[0])
                 for e in snapshot.entries

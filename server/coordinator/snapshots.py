@@ -119,7 +119,7 @@ class SnapshotDriver:
         snapshot = SnapshotRecord(
             prefix, number, keep, entries, created_unix=created, skeleton=skeleton
         )
-        self.catalog.add_all(snapshot.tensors())
+        self.catalog.add_all(snapshot.tensors(), durable=options.durable)
         try:
             self.calls.allocate_many(
                 _tensors_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}"
@@ -148,7 +148,9 @@ class SnapshotDriver:
                     f"promote snapshot {prefix!r} {number}",
                 )
                 try:
-                    committed, removed = self.catalog.commit_snapshot(snapshot)
+                    committed, removed = self.catalog.commit_snapshot(
+                        snapshot, durable=_durable(snapshot)
+                    )
                 except KeyError as err:
                     raise TensorBusy(
                         f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
@@ -281,3 +283,8 @@ def _tensors_by_rank(snapshot: SnapshotRecord) -> dict[int, list[TensorRecord]]:
         for rank in record.holding_ranks():
             out.setdefault(rank, []).append(record)
     return out
+
+
+def _durable(snapshot: SnapshotRecord) -> bool:
+    """Whether the snapshot's data outlives a restart, so its catalog records must outlive a power cut."""
+    return all(entry.tensor.options.durable for entry in snapshot.entries)

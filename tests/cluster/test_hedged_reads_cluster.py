@@ -113,6 +113,7 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(
                 assert torch.equal(result, expected), transport
                 assert took < WELL_WITHIN_S, f"{transport}: a read took {took:.1f} s"
             assert fetched.last_transport == transport
+        _wait_until(lambda: not coordinator.registry.rank_alive(STOPPED), "rank 1 reported dead")
         for transport in TRANSPORTS:
             start = time.monotonic()
             with connect(cluster.address, timeout=SHORT_S, transport=transport) as short:

@@ -120,6 +120,27 @@ def test_add_all_is_all_or_nothing(catalog):
     assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}
 
 
+def test_records_of_data_that_is_not_durable_commit_without_full_sync_and_read_back(tmp_path):
+    catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
+    synchronous = []
+    catalog._db.set_trace_callback(  # the statements the catalog sends, to see its sync mode around them
+        lambda sql: synchronous.append(sql) if "synchronous" in sql else None
+    )
+    catalog.add_all([row("a", 1)], durable=False)
+    with pytest.raises(sqlite3.IntegrityError):
+        catalog.add_all([row("a", 1)], durable=False)  # a failed one puts the sync mode back too
+    catalog.add_all([row("b", 2)])
+    assert synchronous == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"] * 2
+    assert catalog._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    catalog.close()
+    reopened = SQLiteCatalog(tmp_path / "catalog.sqlite")
+    assert {(r.name, r.version) for r in reopened.list(include_pending=True)} == {
+        ("a", 1),
+        ("b", 2),
+    }
+    reopened.close()
+
+
 def _full_record(name: str, version: int) -> TensorRecord:
     """A record with every field set: a replicated bfloat16 table with options, lost copies and a reshard's
     marker."""
