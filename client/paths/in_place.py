@@ -70,7 +70,8 @@ class InPlaceWriter:
         self.channel = channel
         self.host_id = host_id
         self.mapped_bytes = mapped_bytes
-        self._mappings: OrderedDict[tuple[str, int, int, int], WritableMapping] = OrderedDict()
+        # (address, pid, fd, inode, device) -> mapping
+        self._mappings: OrderedDict[tuple[str, int, int, int, int], WritableMapping] = OrderedDict()
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -96,6 +97,7 @@ class InPlaceWriter:
             )
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"rank at {address}") from None
+        self._unmap_released(address, {_key(address, segment) for segment in segments})
         return reply.bytes_written
 
     def close(self) -> None:
@@ -135,9 +137,21 @@ class InPlaceWriter:
                 )
         return list(reply.segments)
 
+    def _unmap_released(self, address: str, used: set[tuple[str, int, int, int, int]]) -> None:
+        """Unmap the kept mappings of `address`'s segments that the rank no longer holds (freed for good, not
+        kept for reuse): only this mapping would keep their memory."""
+        with self._lock:
+            others = [key for key in self._mappings if key[0] == address and key not in used]
+        released = [key for key in others if not _held(key)]
+        with self._lock:
+            gone = [self._mappings.pop(key) for key in released if key in self._mappings]
+            self._nbytes -= sum(mapping.flat.numel() for mapping in gone)
+        for mapping in gone:
+            mapping.close()
+
     def _target(self, address: str, segment: pb.WritableSegment) -> torch.Tensor:
         """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one."""
-        key = (address, segment.pid, segment.inode, segment.device_id)
+        key = _key(address, segment)
         with self._lock:
             mapping = self._mappings.get(key)
             if mapping is not None:
@@ -154,7 +168,7 @@ class InPlaceWriter:
             raise InPlaceUnavailable(f"rank at {address}: a segment shorter than its shard")
         return mapping.flat[segment.data_offset : end]
 
-    def _keep(self, key: tuple[str, int, int, int], mapping: WritableMapping) -> None:
+    def _keep(self, key: tuple[str, int, int, int, int], mapping: WritableMapping) -> None:
         evicted = []
         with self._lock:
             self._mappings[key] = mapping
@@ -165,6 +179,20 @@ class InPlaceWriter:
                 evicted.append(old)
         for old in evicted:
             old.close()
+
+
+def _key(address: str, segment: pb.WritableSegment) -> tuple[str, int, int, int, int]:
+    return (address, segment.pid, segment.fd, segment.inode, segment.device_id)
+
+
+def _held(key: tuple[str, int, int, int, int]) -> bool:
+    """Whether the rank process still holds the segment open (the fd names the same file)."""
+    _, pid, fd, inode, device_id = key
+    try:
+        info = os.stat(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return False
+    return (info.st_ino, info.st_dev) == (inode, device_id)
 
 
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:

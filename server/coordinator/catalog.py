@@ -59,18 +59,20 @@ class Catalog(abc.ABC):
 
     def add(self, record: TensorRecord) -> None:
         """Record a new (name, version) row in the state `record.state`."""
-        self.add_all([record])
+        self.add_all([record], durable=record.options.durable)
 
     @abc.abstractmethod
     def commit_all(
-        self, versions: list[tuple[str, int]]
+        self, versions: list[tuple[str, int]], *, durable: bool = True
     ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
         """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
 
-    def commit(self, name: str, version: int) -> tuple[TensorRecord, list[TensorRecord]]:
+    def commit(
+        self, name: str, version: int, *, durable: bool = True
+    ) -> tuple[TensorRecord, list[TensorRecord]]:
         """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed).
         KeyError when the row is not in the catalog."""
-        return self.commit_all([(name, version)])[0]
+        return self.commit_all([(name, version)], durable=durable)[0]
 
     @abc.abstractmethod
     def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
@@ -192,9 +194,9 @@ class SQLiteCatalog(Catalog):
             )
 
     def commit_all(
-        self, versions: list[tuple[str, int]]
+        self, versions: list[tuple[str, int]], *, durable: bool = True
     ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
-        with self._transaction() as db:
+        with self._transaction(durable) as db:
             return [_commit_in(db, name, version) for name, version in versions]
 
     def commit_snapshot(
@@ -292,21 +294,16 @@ def _commit_in(
 def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[TensorRecord]:
     """Within an open transaction: remove the snapshots of `prefix` beyond the newest `keep` and their tensor
     rows; return the rows removed."""
-    old = [
-        _snapshot_of(r[0])
-        for r in db.execute(
-            "SELECT record FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
-            (prefix, keep),
-        )
-    ]
+    old = db.execute(
+        "SELECT number, record FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
+        (prefix, keep),
+    ).fetchall()
     removed = []
-    for snapshot in old:
-        for entry in snapshot.entries:
-            removed += _tensors_where(db, "name = ?", (entry.tensor.name,))
-            db.execute("DELETE FROM tensors WHERE name = ?", (entry.tensor.name,))
-        db.execute(
-            "DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, snapshot.number)
-        )
+    for number, text in old:
+        for name in _entry_names(text):
+            removed += _tensors_where(db, "name = ?", (name,))
+            db.execute("DELETE FROM tensors WHERE name = ?", (name,))
+        db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
     return removed
 
 
@@ -402,6 +399,11 @@ def _snapshot_json(snapshot: SnapshotRecord) -> str:
         "skeleton": snapshot.skeleton,
     }
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def _entry_names(text: str) -> list[str]:
+    """The tensor names of a snapshot document, without building its records (a dropped snapshot's)."""
+    return [entry["tensor"]["name"] for entry in json.loads(text)["entries"]]
 
 
 def _snapshot_of(text: str) -> SnapshotRecord:

@@ -278,7 +278,7 @@ class TensorLifecycle:
         self.calls.promote(
             record.holding_ranks(), name, version, f"commit {name!r} version {version}"
         )
-        ready, older = self.catalog.commit(name, version)
+        ready, older = self.catalog.commit(name, version, durable=record.options.durable)
         self.drop_rows(older)
         log.info(
             "committed %r version %d%s",

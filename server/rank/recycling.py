@@ -60,7 +60,8 @@ class RecycledBuffers:
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._clock = clock
-        self._buffers: list[Buffer] = []
+        self._buffers: list[Buffer] = []  # oldest first
+        self._by_size: dict[int, list[Buffer]] = {}  # the same buffers by their size, for take()
         self._bytes = 0
         self._lock = threading.Lock()
         self.reused = 0  # buffers handed out again, for logs and tests
@@ -77,6 +78,7 @@ class RecycledBuffers:
         buffer.since = self._clock()
         with self._lock:
             self._buffers.append(buffer)
+            self._by_size.setdefault(buffer.nbytes, []).append(buffer)
             self._bytes += buffer.nbytes
             self._trim_locked(self.max_bytes)
 
@@ -87,13 +89,14 @@ class RecycledBuffers:
             self._trim_locked(self.max_bytes)
             fits = [
                 b
-                for b in self._buffers
-                if b.nbytes == nbytes and (shared is None or (b.segment is not None) == shared)
+                for b in self._by_size.get(nbytes, ())
+                if shared is None or (b.segment is not None) == shared
             ]
             if not fits:
                 return None
             chosen = max(fits, key=lambda b: (b.segment is not None, b.since))
             self._buffers.remove(chosen)
+            self._by_size[nbytes].remove(chosen)
             self._bytes -= chosen.nbytes
             self.reused += 1
             return chosen
@@ -109,6 +112,8 @@ class RecycledBuffers:
 
     def _trim_locked(self, keep_bytes: int) -> int:
         too_old = self._clock() - self.max_age_s
+        if self._bytes <= keep_bytes and (not self._buffers or self._buffers[0].since >= too_old):
+            return 0  # nothing to let go of: no scan (take runs this once per shard)
         kept, freed = [], 0
         total = self._bytes
         for buffer in self._buffers:  # oldest first
@@ -118,4 +123,7 @@ class RecycledBuffers:
             else:
                 kept.append(buffer)
         self._buffers, self._bytes = kept, total
+        self._by_size = {}
+        for buffer in kept:
+            self._by_size.setdefault(buffer.nbytes, []).append(buffer)
         return freed
