@@ -45,7 +45,12 @@ from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.network import NetworkPath
-from shardserve.client.paths.writes import ShardWrite, write_request
+from shardserve.client.paths.writes import (
+    DIRECT_BATCH_BYTES,
+    ShardWrite,
+    batched,
+    write_request,
+)
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import (
@@ -193,8 +198,14 @@ class BulkPath(NetworkPath):
         return pb.ReadRegionsReply.FromString(bytes(answer))
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
-        """Write whole shards to the rank at `address`: one WriteShardsRequest frame, then their bytes straight
-        from each tensor (a contiguous copy only of those that are not); returns the bytes written."""
+        """Write whole shards to the rank at `address`: per batch of at most DIRECT_BATCH_BYTES, one
+        WriteShardsRequest frame, then their bytes straight from each tensor (a contiguous copy only of those
+        that are not); returns the bytes written."""
+        return sum(
+            self._write_batch(address, batch) for batch in batched(writes, DIRECT_BATCH_BYTES)
+        )
+
+    def _write_batch(self, address: str, writes: Sequence[ShardWrite]) -> int:
         payload = [tensor_bytes(write.data) for write in writes]
         answer = self._send(
             address,

@@ -42,7 +42,12 @@ from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
 from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.staging import StagingFiles
-from shardserve.client.paths.writes import ShardWrite, write_request
+from shardserve.client.paths.writes import (
+    DIRECT_BATCH_BYTES,
+    ShardWrite,
+    batched,
+    write_request,
+)
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.regions import local_view
 from shardserve.core.wire import byte_view
@@ -301,6 +306,12 @@ class SharedMemoryPath:
         return self._write_staged(address, writes)
 
     def _write_staged(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        return sum(
+            self._write_staged_batch(address, batch)
+            for batch in batched(writes, DIRECT_BATCH_BYTES)
+        )
+
+    def _write_staged_batch(self, address: str, writes: Sequence[ShardWrite]) -> int:
         total = sum(write.nbytes for write in writes)
         staging = self._staging.take(total)
         try:

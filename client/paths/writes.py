@@ -2,12 +2,13 @@
 used by Cluster.put and spmd.put_state_dict.
 
 A write names a shard of a pending version and the tensor holding exactly its
-box. Writes to one rank travel together in batches of at most
-DIRECT_BATCH_BYTES: one staging memfd per batch on the same host
-(client/paths/staging.py), one request frame and its bytes on the bulk port,
-or inline gRPC requests of at most INLINE_BATCH_BYTES (larger shards stream
-over WriteShard). PathPolicy.write picks the path per rank; write_shards runs
-every rank at once, each rank's batches in turn.
+box. Writes to one rank travel together: all of them in place on the same host
+(client/paths/in_place.py); else in batches of at most DIRECT_BATCH_BYTES, one
+staging memfd per batch on the same host (client/paths/staging.py) or one
+request frame and its bytes on the bulk port; or inline gRPC requests of at
+most INLINE_BATCH_BYTES (larger shards stream over WriteShard).
+PathPolicy.write picks the path per rank; write_shards runs every rank at once,
+each rank's batches in turn.
 """
 
 from __future__ import annotations
@@ -84,16 +85,15 @@ def write_shards(
     writes: Sequence[tuple[int, ShardWrite]],
     run_all: Callable[[Sequence[Callable[[], Written]]], list[Written]],
 ) -> dict[str, int]:
-    """Write every (rank, write), all ranks at once through `run_all` and each rank's batches in turn, each by
-    `write_batch(rank, batch)` (PathPolicy.write: the fastest path that serves the rank); returns the bytes
-    written per path ("shm", "tcp", "grpc")."""
+    """Write every (rank, write), all ranks at once through `run_all`, each rank's writes by
+    `write_batch(rank, writes)` (PathPolicy.write: the fastest path that serves the rank, which cuts them into
+    its batches); returns the bytes written per path ("shm", "tcp", "grpc")."""
     by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
     for rank, write in writes:
         by_rank[rank].append(write)
 
     def write_rank(rank: int, mine: list[ShardWrite]) -> Written:
-        status = rank_of(rank)
-        return [write_batch(status, batch) for batch in batched(mine, DIRECT_BATCH_BYTES)]
+        return [write_batch(rank_of(rank), mine)]  # each path cuts its own batches
 
     jobs = [
         lambda rank=rank, mine=mine: write_rank(rank, mine)

@@ -203,8 +203,9 @@ class SQLiteCatalog(Catalog):
         self, snapshot: SnapshotRecord, *, durable: bool = True
     ) -> tuple[SnapshotRecord, list[TensorRecord]]:
         with self._transaction(durable) as db:
+            _mark_ready(db, [(e.tensor.name, e.tensor.version) for e in snapshot.entries])
             entries = tuple(
-                SnapshotEntry(e.key, _commit_in(db, e.tensor.name, e.tensor.version)[0])
+                SnapshotEntry(e.key, replace(e.tensor, state=TensorState.READY))
                 for e in snapshot.entries
             )
             committed = replace(snapshot, state=TensorState.READY, entries=entries)
@@ -289,6 +290,24 @@ def _commit_in(
         (ready.state.value, _tensor_json(ready), name, version),
     )
     return ready, older
+
+
+def _mark_ready(db: sqlite3.Connection, versions: list[tuple[str, int]]) -> None:
+    """Within an open transaction: the PENDING rows (name, version) READY, their documents changed in place (no
+    decoding: a snapshot's names are its own, so no older READY row of them exists); KeyError if one is gone."""
+    ready, pending = TensorState.READY.value, TensorState.PENDING.value
+    cursor = db.executemany(
+        "UPDATE tensors SET state = ?, record = json_set(record, '$.state', ?) "
+        "WHERE name = ? AND version = ? AND state = ?",
+        [(ready, ready, name, version, pending) for name, version in versions],
+    )
+    if cursor.rowcount != len(versions):
+        missing = [
+            (name, version)
+            for name, version in versions
+            if not _tensors_where(db, "name = ? AND version = ?", (name, version))
+        ]
+        raise KeyError(f"tensor versions {missing or versions} are not pending in the catalog")
 
 
 def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[TensorRecord]:

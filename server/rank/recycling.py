@@ -87,14 +87,9 @@ class RecycledBuffers:
         private ones, when True or False), or None."""
         with self._lock:
             self._trim_locked(self.max_bytes)
-            fits = [
-                b
-                for b in self._by_size.get(nbytes, ())
-                if shared is None or (b.segment is not None) == shared
-            ]
-            if not fits:
+            chosen = _newest(self._by_size.get(nbytes, []), shared)
+            if chosen is None:
                 return None
-            chosen = max(fits, key=lambda b: (b.segment is not None, b.since))
             self._buffers.remove(chosen)
             self._by_size[nbytes].remove(chosen)
             self._bytes -= chosen.nbytes
@@ -127,3 +122,13 @@ class RecycledBuffers:
         for buffer in kept:
             self._by_size.setdefault(buffer.nbytes, []).append(buffer)
         return freed
+
+
+def _newest(buffers: list[Buffer], shared: bool | None) -> Buffer | None:
+    """The newest of `buffers` (kept oldest first) in shared memory or not as `shared` asks; for None, the
+    newest shared one, else the newest private one. Scans from the newest end: one step when they agree."""
+    wanted = True if shared is None else shared
+    for buffer in reversed(buffers):
+        if (buffer.segment is not None) == wanted:
+            return buffer
+    return buffers[-1] if shared is None and buffers else None
