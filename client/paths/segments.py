@@ -70,7 +70,8 @@ class HostMapping:
 
     def __init__(self, mapping: SegmentMapping) -> None:
         self._mapping = mapping
-        self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
+        self.tensor = mapping.flat  # the shard's bytes (uint8), read-only in practice
+        self.data = mapping.flat.numpy()  # the same bytes as numpy
 
     def serves(self) -> bool:
         """Whether the segment still holds this version, not replaced (served, not recycled): ask before a read."""
