@@ -15,7 +15,10 @@
   that by itself when a request holds out-of-range ids answered with
   zero/default rows, and (with pooling="auto") when a row cache is on or
   every rank of the table is read through shared memory (same host: the rows
-  cost no transfer, so pooling here is both exact and cheapest).
+  cost no transfer). With pooling="auto" a table whose every shard is mapped
+  is pooled on the mappings themselves, no row copied out
+  (client.embedding.mapped_rows): bit for bit where its shards hold whole
+  rows, else summed shard by shard as the ranks do.
 
 The server side of these calls is server/rank/reads/lookup.py.
 """

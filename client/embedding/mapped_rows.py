@@ -8,16 +8,19 @@ When every shard of a table is a CPU shard of a same-host rank mapped through sh
   few numpy calls over the mapped bytes: no dedup (a duplicate costs one row copy either way), no route
   objects, no torch dispatch per step (each torch call hands the GIL around, which is what made 8
   concurrent callers slow);
-- bags (any layout whose shards tile the table in row bands, column-split ones included): each shard's
-  rows are pooled by one `F.embedding_bag` on the mapping itself and the partial sums added
-  (shardcore.band_pooling), so no looked-up row is copied out of the shards.
+- bags: no looked-up row is copied out of the shards. Whole-row shards are mapped once more side by side
+  in one tensor (client.paths.stitched), so a request is one `F.embedding_bag` over it with the ids
+  shifted to their shard's place: bit for bit torch's on the whole table. Other layouts whose shards
+  tile the table in row bands (column-split ones included, or shards that cannot be stitched) pool each
+  shard's rows with one `F.embedding_bag` on its mapping and add the partial sums
+  (shardcore.band_pooling).
 
 Before and after each read every shard's header must say served at the generation it was mapped at (else
 StaleVersionError, so the caller refreshes its view: the rank dropped the version, or recycled its memory
 for another one), and its rank must be alive before it.
 Anything else (out-of-range ids, CUDA shards, a dead rank, an answer over a rank's max_request_bytes, a
-float16/bfloat16 request spread over several row bands) gets None and the general path answers with its
-own errors and precision.
+float16/bfloat16 request spread over several row bands that are not stitched) gets None and the general
+path answers with its own errors and precision.
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from shardserve.client.embedding.views import TableView
 from shardserve.client.errors import RankUnavailableError, StaleVersionError
-from shardserve.client.paths.segments import HostMapping
+from shardserve.client.paths.segments import HostMapping, SegmentError
 from shardserve.client.paths.shm import SharedMemoryError
+from shardserve.client.paths.stitched import StitchedRows, stitch
 from shardserve.client.session import Session
 from shardserve.core.band_pooling import RowBand, pool_from_bands
 from shardserve.core.embedding import accumulation_dtype
@@ -71,6 +76,27 @@ class MappedRows:
         self._row_arrays = [
             piece.mapping.data.reshape(piece.end - piece.start, -1) for piece in self._rows or ()
         ]
+        self._stitched: StitchedRows | None = None
+        self._shifts = np.zeros(len(self._starts), dtype=np.int64)
+
+    def stitch(self) -> None:
+        """Map the shards' rows side by side once more (client.paths.stitched), so that bags over several
+        shards are one kernel call; left unstitched where the segments do not allow it."""
+        sources = [piece.mapping.source for piece in self._rows or ()]
+        if len(sources) < 2 or any(source is None for source in sources):
+            return
+        try:
+            stitched = stitch(
+                [s for s in sources if s is not None],
+                row_bytes=self._row_bytes,
+                dtype=self.view.dtype,
+            )
+        except SegmentError as err:
+            log.debug("shards of %r not stitched: %s", self.view.name, err)
+            return
+        if stitched is not None:
+            self._stitched = stitched
+            self._shifts = np.asarray(stitched.first_rows, dtype=np.int64) - self._starts_np
 
     @classmethod
     def build(cls, view: TableView, session: Session) -> MappedRows | None:
@@ -97,7 +123,10 @@ class MappedRows:
             pieces.append(_Piece(box.row_start, box.row_start + rows, col, width, mapping, table))
             limits.append(reader.limit(address))
         built = cls(view, pieces, min((limit for limit in limits if limit), default=0))
-        return built if built.serves_rows or built._bands is not None else None
+        if not built.serves_rows and built._bands is None:
+            return None
+        built.stitch()
+        return built
 
     @property
     def serves_rows(self) -> bool:
@@ -141,11 +170,25 @@ class MappedRows:
             return None
         first = bisect_right(self._band_starts, span[0]) - 1
         last = bisect_right(self._band_starts, span[1])
-        if last - first > 1 and self._exact_only:
+        if last - first > 1 and self._stitched is not None:
+            table, rows = self._stitched.table, self._stitched_ids(values, first, last)
+            pooled = F.embedding_bag(rows, table, offsets, mode=mode, per_sample_weights=weights)
+        elif last - first > 1 and self._exact_only:
             return None  # float16/bfloat16 partial sums would lose precision: the rows are pooled whole
-        pooled = pool_from_bands(self._bands[first:last], ids, offsets, mode=mode, weights=weights)
+        else:
+            pooled = pool_from_bands(
+                self._bands[first:last], ids, offsets, mode=mode, weights=weights
+            )
         self._confirm()
         return pooled
+
+    def _stitched_ids(self, values: np.ndarray, first: int, last: int) -> torch.Tensor:
+        """Ids of bands [first, last) as rows of the stitched tensor: each id plus its band's shift."""
+        shifts, starts = self._shifts, self._starts
+        rows = values + shifts[first] if shifts[first] else values.copy()
+        for band in range(first + 1, last):
+            rows += (values >= starts[band]) * (shifts[band] - shifts[band - 1])
+        return torch.from_numpy(rows)
 
     def _span(self, values: np.ndarray, count: int) -> tuple[int, int] | None:
         """The lowest and highest id, once checked readable here (in range, under the rank's limit, every
