@@ -8,10 +8,14 @@ by three methods, each in client processes of their own:
 
 - RemoteEmbeddingBagCollection (the subject): every table's bags of a batch
   in one lookup round per rank;
-- the same bags feature by feature with RemoteEmbeddingBag (today's path,
-  one lookup per feature), baseline "feature by feature";
-- TorchRec's own EmbeddingBagCollection forward on the weights in the
-  process (memory-mapped from a file: the lower bound), baseline "local EBC".
+- the same bags feature by feature with RemoteEmbeddingBag (the KJT split
+  once with to_dict, then one lookup per feature; the same pooling on the
+  mapped shards), baseline "feature by feature";
+- TorchRec's own EmbeddingBagCollection forward on the weights loaded into
+  the process (the lower bound), baseline "local EBC".
+
+The weights are drawn by each table config's init_fn (TorchRec's uniform), so
+every method's answer is checked against the local EBC's on real values.
 
 Cases: batch 512 and 2,048; shared memory ("auto": the ranks are on this
 host) and the bulk TCP port ("tcp"); 1 client process (seconds: p50 latency
@@ -82,6 +86,14 @@ def models(scale: int) -> dict[str, Any]:
         )
         for kind in ("plain", "weighted")
     }
+
+
+def init_weights(module: Any) -> None:
+    """Each table's weight drawn by its config's init_fn (TorchRec's uniform). reset_parameters() does nothing
+    on a collection built on the meta device, which would serve to_empty's uninitialized (all-zero) pages."""
+    with torch.no_grad():
+        for config in module.embedding_bag_configs():
+            config.init_fn(module.embedding_bags[config.name].weight)
 
 
 def make_batches(scale: int, batch: int, count: int, seed: int) -> list[dict[str, dict]]:
@@ -156,14 +168,13 @@ def _forward(method: str, address: str, transport: str, local: dict, scale: int)
     }
 
     def by_feature(batch: dict) -> dict[str, torch.Tensor]:
+        """The KJT split once (TorchRec's to_dict), then one RemoteEmbeddingBag call per feature."""
         pooled = {}
         for kind, part in batch.items():
-            features = kjt(part)
-            columns = []
-            for key in part["keys"]:
-                bag = features[key]
-                weights = bag.weights() if part["weights"] is not None else None
-                columns.append(bags[key](bag.values(), bag.offsets()[:-1], weights))
+            columns = [
+                bags[key](bag.values(), bag.offsets()[:-1], bag.weights_or_none())
+                for key, bag in kjt(part).to_dict().items()
+            ]
             pooled[kind] = torch.cat(columns, dim=1)
         return pooled
 
@@ -279,7 +290,7 @@ def torchrec_serving(ctx: Context) -> list[Row]:
         with connect(cluster.address) as writer:
             for kind, module in built.items():
                 module.to_empty(device="cpu")
-                module.reset_parameters()
+                init_weights(module)
                 RemoteEmbeddingBagCollection.from_module(writer, module, "bench")
                 state[kind] = module.state_dict()
         torch.save(state, folder / "model.pt")

@@ -15,7 +15,10 @@
   that by itself when a request holds out-of-range ids answered with
   zero/default rows, and (with pooling="auto") when a row cache is on or
   every rank of the table is read through shared memory (same host: the rows
-  cost no transfer, so pooling here is both exact and cheapest).
+  cost no transfer). With pooling="auto" a table whose every shard is mapped
+  is pooled on the mappings themselves, no row copied out
+  (client.embedding.mapped_rows): bit for bit where its shards hold whole
+  rows, else summed shard by shard as the ranks do.
 
 The server side of these calls is server/rank/reads/lookup.py.
 """
@@ -128,9 +131,10 @@ class Lookups:
         return built
 
     def is_mapped(self, name: str) -> bool:
-        """Whether the latest view of `name` is answered from mapped shards (client.embedding.mapped_rows)."""
+        """Whether the rows of the latest view of `name` are gathered from mapped shards
+        (client.embedding.mapped_rows; column-split tables pool their bags there but route their rows)."""
         known = self._mapped.get(name)
-        return known is not None and known[1] is not None
+        return known is not None and known[1] is not None and known[1].serves_rows
 
     def _lookup_routed(
         self,
@@ -236,13 +240,19 @@ class Lookups:
     def _bags_once(
         self, views: dict[str, TableView], requests: Mapping[str, BagRequest], pooling: str
     ) -> dict[str, torch.Tensor]:
-        """Bags pooled here from looked-up rows where _pools_here says so, by the ranks otherwise; the row
-        lookups and the pooled items of every table share one round of calls."""
+        """Bags pooled on mapped shards where they can be (pooling="auto"), else pooled here from looked-up rows
+        where _pools_here says so, by the ranks otherwise; the row lookups and the pooled items of every table
+        share one round of calls."""
+        pooled = self._mapped_bags(views, requests) if pooling == "auto" else {}
         here = {
-            name: r for name, r in requests.items() if self._pools_here(views[name], r, pooling)
+            name: r
+            for name, r in requests.items()
+            if name not in pooled and self._pools_here(views[name], r, pooling)
         }
         on_ranks = {
-            name: bag_items(views[name], r) for name, r in requests.items() if name not in here
+            name: bag_items(views[name], r)
+            for name, r in requests.items()
+            if name not in here and name not in pooled
         }
         for name, items in on_ranks.items():
             views[name].check_routed([item.message.shard_index for item in items])
@@ -253,13 +263,31 @@ class Lookups:
             [item for items in on_ranks.values() for item in items],
         )
         with CPU_TURN:
-            pooled = {
-                name: pool_bags(rows[name], r.offsets, r.mode, r.weights)
-                for name, r in here.items()
-            }
+            for name, r in here.items():
+                pooled[name] = pool_bags(rows[name], r.offsets, r.mode, r.weights)
             for name, items in on_ranks.items():
                 pooled[name] = self._combined(views[name], requests[name], items)
         return {name: pooled[name] for name in requests}
+
+    def _mapped_bags(
+        self, views: dict[str, TableView], requests: Mapping[str, BagRequest]
+    ) -> dict[str, torch.Tensor]:
+        """The requests whose bags are pooled straight from the table's mapped shards
+        (client.embedding.mapped_rows: one embedding_bag per shard, no row copied out)."""
+        pooled = {}
+        for name, r in requests.items():
+            view = views[name]
+            if r.weights is not None and r.weights.dtype != view.dtype:
+                continue  # _pools_here names the mismatch
+            mapped = self._mapped_rows(view)  # may map shards (an OpenShard call): outside the turn
+            if mapped is None:
+                continue
+            with CPU_TURN:
+                bags = mapped.bags(r.ids, r.offsets, mode=r.mode, weights=r.weights)
+            if bags is not None:
+                pooled[name] = bags
+                self.last_paths.update((rank, "shm") for rank in view.ranks)
+        return pooled
 
     def _pools_here(self, view: TableView, request: BagRequest, pooling: str) -> bool:
         """Whether `request`'s bags are pooled on this side (bit for bit F.embedding_bag): asked for, ids out of

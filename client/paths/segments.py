@@ -45,6 +45,7 @@ class SegmentMapping:
         None  # (IPC handle, storage offset) of a CUDA shard's mapping
     )
     generation: int = 0  # the header's generation when mapped (a recycled segment has a higher one)
+    data_offset: int = -1  # where the shard's bytes start in the memfd (-1: not one memfd's bytes)
 
     def __post_init__(self) -> None:
         # the header words as numpy: reading one is ~10x cheaper than indexing the torch tensor, on every read
@@ -70,7 +71,8 @@ class HostMapping:
 
     def __init__(self, mapping: SegmentMapping) -> None:
         self._mapping = mapping
-        self.data = mapping.flat.numpy()  # the shard's bytes (uint8), read-only in practice
+        self.tensor = mapping.flat  # the shard's bytes (uint8), read-only in practice
+        self.data = mapping.flat.numpy()  # the same bytes as numpy
 
     def serves(self) -> bool:
         """Whether the segment still holds this version, not replaced (served, not recycled): ask before a read."""
@@ -83,6 +85,34 @@ class HostMapping:
     def held(self) -> bool:
         """Whether the rank process that serves it is still alive."""
         return still_held(self._mapping)
+
+    @property
+    def source(self) -> SegmentSource | None:
+        """Where the shard's bytes are in the rank's memfd, to map them again elsewhere (client.paths.stitched);
+        None for a shard made of several blocks."""
+        mapping = self._mapping
+        if mapping.data_offset < 0 or mapping.fd < 0:
+            return None
+        return SegmentSource(
+            mapping.process.pid,
+            mapping.fd,
+            mapping.inode,
+            mapping.device_id,
+            mapping.data_offset,
+            int(mapping.flat.numel()),
+        )
+
+
+@dataclass(frozen=True)
+class SegmentSource:
+    """A shard's bytes in a rank's memfd: /proc/PID/fd/FD (checked by inode and device), from data_offset."""
+
+    pid: int
+    fd: int
+    inode: int
+    device_id: int
+    data_offset: int
+    nbytes: int
 
 
 def still_held(mapping: SegmentMapping) -> bool:

@@ -227,6 +227,7 @@ class SharedMemoryPath:
                     header,
                     reply.fd,
                     generation=int(header[2]) if header is not None else 0,
+                    data_offset=-1 if reply.extents else reply.data_offset,
                 )
                 self._remember(key, mapping)
         except segments.SegmentError as err:

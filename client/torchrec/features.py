@@ -1,10 +1,11 @@
 """A KeyedJaggedTensor cut into one request per table: every feature of a table put one after the other.
 
 TorchRec lays a KJT out feature by feature (the ids of feature 0's B bags,
-then feature 1's...). A table's request holds its features' bags in the
-order of its config's feature_names: one slice of the KJT when they are
-neighbours in that order, else the pieces joined. Answers come back as
-[features * B, ...] per table and are split at multiples of B.
+then feature 1's...). The KJT's ids, offsets and weights are made plain and
+checked once per forward (FeatureBatch); a table's request then holds its
+features' bags in the order of its config's feature_names: one slice of them
+when they are neighbours in that order, else the pieces joined. Answers come
+back as [features * B, ...] per table and are split at multiples of B.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from shardserve.client.arguments import dense_tensor
+from shardserve.client.embedding.ids import as_ids
 from shardserve.client.errors import InvalidArgumentError
 
 
@@ -26,7 +29,7 @@ class TableIds:
     ids: torch.Tensor
     offsets: torch.Tensor
     weights: torch.Tensor | None
-    lengths: list[torch.Tensor]  # per feature, its bags' lengths
+    positions: list[int]  # the features' positions among the KJT's keys
 
 
 def check_features(features: object) -> KeyedJaggedTensor:
@@ -40,47 +43,85 @@ def check_features(features: object) -> KeyedJaggedTensor:
     return features
 
 
-def table_ids(
-    features: KeyedJaggedTensor, names: Sequence[str], weighted: bool, index: dict[str, int]
-) -> TableIds:
-    """The ids of the features `names` (one table's), `index` being the KJT's {key: position}."""
-    missing = [name for name in names if name not in index]
-    if missing:
-        raise InvalidArgumentError(
-            f"features has no key {missing[0]!r}; its keys are {list(index)}"
-        )
-    stride = features.stride()
-    values, offsets = features.values(), features.offsets()
-    weights = features.weights() if weighted else None
-    value_bounds = features.offset_per_key()
-    positions = [index[name] for name in names]
-    lengths = [features.lengths()[p * stride : (p + 1) * stride] for p in positions]
-    if positions == list(range(positions[0], positions[0] + len(positions))):
+class FeatureBatch:
+    """One KJT's ids (1-D int64), bag offsets (checked once for all its features) and weights, cut per table."""
+
+    def __init__(self, features: KeyedJaggedTensor, *, weighted: bool) -> None:
+        self.features = check_features(features)
+        self.index = {key: position for position, key in enumerate(features.keys())}
+        self.stride = features.stride()
+        self.values = as_ids(features.values(), "features.values()")
+        self.offsets = as_ids(features.offsets(), "features.offsets()")
+        self.weights = _checked_weights(features.weights(), self.values) if weighted else None
+        self.bounds = _key_bounds(self.offsets, self.values.numel(), len(self.index), self.stride)
+
+    def positions(self, names: Sequence[str]) -> list[int]:
+        """The positions of features `names` among the KJT's keys (InvalidArgumentError for a missing one)."""
+        try:
+            return [self.index[name] for name in names]
+        except KeyError as err:
+            raise InvalidArgumentError(
+                f"features has no key {err.args[0]!r}; its keys are {list(self.index)}"
+            ) from None
+
+    def table(self, names: Sequence[str]) -> TableIds:
+        """The ids of the features `names` (one table's), feature after feature."""
+        positions = self.positions(names)
+        stride, bounds, offsets = self.stride, self.bounds, self.offsets
         first, last = positions[0], positions[-1] + 1
-        start, stop = value_bounds[first], value_bounds[last]
+        if positions == list(range(first, last)):
+            start, stop = bounds[first], bounds[last]
+            return TableIds(
+                self.values[start:stop],
+                offsets[first * stride : last * stride] - start,
+                None if self.weights is None else self.weights[start:stop],
+                positions,
+            )
+        spans = [(bounds[p], bounds[p + 1]) for p in positions]
+        bag_starts, base = [], 0
+        for p, (start, stop) in zip(positions, spans):
+            bag_starts.append(offsets[p * stride : (p + 1) * stride] - (start - base))
+            base += stop - start
         return TableIds(
-            values[start:stop],
-            offsets[first * stride : last * stride] - start,
-            None if weights is None else weights[start:stop],
-            lengths,
+            torch.cat([self.values[a:b] for a, b in spans]),
+            torch.cat(bag_starts),
+            None if self.weights is None else torch.cat([self.weights[a:b] for a, b in spans]),
+            positions,
         )
-    pieces, bag_starts, base = [], [], 0
-    for p in positions:
-        start, stop = value_bounds[p], value_bounds[p + 1]
-        pieces.append((start, stop))
-        bag_starts.append(offsets[p * stride : (p + 1) * stride] - start + base)
-        base += stop - start
-    return TableIds(
-        torch.cat([values[a:b] for a, b in pieces]),
-        torch.cat(bag_starts),
-        None if weights is None else torch.cat([weights[a:b] for a, b in pieces]),
-        lengths,
-    )
+
+    def lengths(self, position: int) -> torch.Tensor:
+        """The bag lengths of the feature at `position`."""
+        return self.features.lengths()[position * self.stride : (position + 1) * self.stride]
 
 
-def key_index(features: KeyedJaggedTensor) -> dict[str, int]:
-    """{key: position} of the KJT's keys."""
-    return {key: position for position, key in enumerate(features.keys())}
+def _key_bounds(offsets: torch.Tensor, num_ids: int, num_keys: int, stride: int) -> list[int]:
+    """Where each key's ids start in the KJT's values (and where the last ends), its offsets checked to cut
+    the `num_ids` ids into num_keys * stride bags, from 0 to num_ids and non-decreasing (InvalidArgumentError
+    otherwise)."""
+    if offsets.numel() != num_keys * stride + 1:
+        raise InvalidArgumentError(
+            f"features.offsets() has {offsets.numel()} entries; {num_keys} keys of {stride} bags "
+            f"need {num_keys * stride + 1}"
+        )
+    bounds = offsets[::stride].tolist() if stride else [0] * (num_keys + 1)
+    steps = offsets.numpy()
+    if bounds[0] != 0 or bounds[-1] != num_ids or bool((steps[1:] < steps[:-1]).any()):
+        raise InvalidArgumentError(
+            f"features.offsets() must run from 0 to len(values())={num_ids}, non-decreasing "
+            f"(lengths >= 0)"
+        )
+    return bounds
+
+
+def _checked_weights(weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The KJT's per-id weights, one per id as nn.EmbeddingBag wants per_sample_weights, on the CPU."""
+    dense_tensor(weights, "features.weights()")
+    if weights.shape != values.shape:
+        raise InvalidArgumentError(
+            f"features.weights() must have shape {tuple(values.shape)} (one weight per id), "
+            f"got {tuple(weights.shape)}"
+        )
+    return weights.detach().cpu().contiguous()
 
 
 def per_feature(answer: torch.Tensor, count: int, stride: int) -> list[torch.Tensor]:

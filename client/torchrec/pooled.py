@@ -22,9 +22,9 @@ from torchrec.modules.embedding_modules import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from shardserve.client.cluster import Cluster
-from shardserve.client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request
+from shardserve.client.embedding.ids import POOLINGS, BagRequest
 from shardserve.client.errors import InvalidArgumentError
-from shardserve.client.torchrec.features import check_features, key_index, per_feature, table_ids
+from shardserve.client.torchrec.features import FeatureBatch, per_feature
 from shardserve.client.torchrec.tables import (
     DTYPES,
     bind_tables,
@@ -135,21 +135,18 @@ class RemoteEmbeddingBagCollection(nn.Module):
         return cls(cluster, configs, is_weighted=is_weighted, names=names, pooling=pooling)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        features = check_features(features)
-        stride, index = features.stride(), key_index(features)
+        batch = FeatureBatch(features, weighted=self.is_weighted)
         requests: dict[str, BagRequest] = {}
         for table in self.tables:
-            ids = table_ids(features, table.features, self.is_weighted, index)
+            ids = batch.table(table.features)
             weights = (
                 None if ids.weights is None else ids.weights.to(DTYPES[table.config.data_type])
             )
-            requests[table.name] = bag_request(
-                as_ids(ids.ids, "features.values()"),
-                as_ids(ids.offsets, "features.offsets()"),
-                MODES[table.config.pooling],
-                weights,
+            requests[table.name] = BagRequest(
+                ids.ids, ids.offsets, MODES[table.config.pooling], weights
             )
         pooled = self.cluster.lookups.lookup_bags(requests, pooling=self.pooling)
+        stride = batch.stride
         columns = [
             bags
             for table in self.tables

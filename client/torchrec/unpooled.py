@@ -18,8 +18,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection, get_embeddin
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from shardserve.client.cluster import Cluster
-from shardserve.client.embedding.ids import as_ids
-from shardserve.client.torchrec.features import check_features, key_index, table_ids
+from shardserve.client.torchrec.features import FeatureBatch
 from shardserve.client.torchrec.tables import (
     bind_tables,
     snapshot_names,
@@ -112,24 +111,20 @@ class RemoteEmbeddingCollection(nn.Module):
         return cls(cluster, configs, need_indices=need_indices, names=names)
 
     def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
-        features = check_features(features)
-        index = key_index(features)
-        asked = {
-            table.name: table_ids(features, table.features, False, index) for table in self.tables
-        }
-        rows = self.cluster.lookups.lookup(
-            {name: as_ids(ids.ids, "features.values()") for name, ids in asked.items()}
-        )
+        batch = FeatureBatch(features, weighted=False)
+        asked = {table.name: batch.table(table.features) for table in self.tables}
+        rows = self.cluster.lookups.lookup({name: ids.ids for name, ids in asked.items()})
         out: dict[str, JaggedTensor] = {}
         for table, names in zip(self.tables, self.embedding_names_by_table):
             ids = asked[table.name]
-            counts = [int(lengths.sum()) for lengths in ids.lengths]
+            lengths = [batch.lengths(position) for position in ids.positions]
+            counts = [batch.bounds[p + 1] - batch.bounds[p] for p in ids.positions]
             pieces = torch.split(rows[table.name].float(), counts)
-            values = torch.split(ids.ids, counts)
-            for name, lengths, piece, feature_ids in zip(names, ids.lengths, pieces, values):
+            values = torch.split(ids.ids.to(features.values().dtype), counts)  # the KJT's own dtype
+            for name, length, piece, feature_ids in zip(names, lengths, pieces, values):
                 out[name] = JaggedTensor(
                     values=piece.to(features.device()),
-                    lengths=lengths,
+                    lengths=length,
                     weights=feature_ids if self.need_indices else None,
                 )
         return out

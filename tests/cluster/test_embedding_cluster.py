@@ -188,6 +188,34 @@ def test_whole_row_layouts_are_read_from_mapped_shards(
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_bags_are_pooled_on_the_mapped_shards(
+    cl: Cluster, tables: dict, layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Same host: bags are pooled on the mapped shards with no Lookup call, bit for bit F.embedding_bag where
+    one kernel call sees every row (whole-row shards stitched side by side, one row band); a grid's float32
+    bags over two row bands are summed band by band, its float16/bfloat16 ones gathered and pooled whole."""
+    import shardserve.client.embedding.exchange as exchange
+
+    table, remote = tables[(layout, dtype)], cl.tensor(_name(layout, dtype))
+    banded = layout == "grid"
+    if not (banded and dtype != torch.float32):
+        monkeypatch.setattr(
+            exchange,
+            "network_call",
+            lambda session, rank, receiver: pytest.fail(f"Lookup call to {rank}"),
+        )
+    weights = torch.linspace(-1, 2, IDS.numel()).to(dtype)
+    for mode, per_id in (("sum", None), ("mean", None), ("sum", weights)):
+        got = remote.lookup_bag(IDS, OFFSETS, mode, per_id)
+        want = F.embedding_bag(IDS, table, OFFSETS, mode=mode, per_sample_weights=per_id)
+        if banded and dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(got, want), (mode, per_id is not None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_lookup_bag_is_f_embedding_bag(
     cl: Cluster, tables: dict, layout: str, dtype: torch.dtype, mode: str
