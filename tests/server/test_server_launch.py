@@ -110,7 +110,7 @@ def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
         pids = rank_pids(coordinator_line(proc, lines))
         proc.kill()
         proc.wait(timeout=10)
-        wait_until(lambda: all(gone(p) for p in pids), 20, "orphaned ranks to exit")
+        wait_until(lambda: all(gone(p) for p in pids), 45, "orphaned ranks to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
