@@ -116,12 +116,41 @@ def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> d
     return out
 
 
+def _first_put_s(address: str) -> tuple[float, float, bool]:
+    """Seconds of a new client's first put of 16 x 1 MiB into new rank memory, and of copy_ of the same."""
+    from shardserve import connect, spmd
+
+    state, into = _state(16, MiB, 3.0), _state(16, MiB, 0.0)
+    with connect(address) as client:
+        start = time.perf_counter()
+        spmd.put_state_dict(client, state, "first", keep=1, durable=False)
+        seconds = time.perf_counter() - start
+        spmd.get_state_dict(client, "first", into=into)
+    copy_s = _median_s(lambda: _copy_all(state, into), 3)
+    return seconds, copy_s, all(torch.equal(into[key], state[key]) for key in state)
+
+
 def host_rows(cluster: Any, *, quick: bool, peaks: dict[str, int]) -> list[Row]:
     """Every one-host case, measured through `cluster` (a 2-rank LocalCluster on this host)."""
     from shardserve import connect
 
     repeats = QUICK_REPEATS if quick else REPEATS
-    rows: list[Row] = []
+    first_s, first_copy_s, first_ok = _first_put_s(cluster.address)
+    case = "16 x 1 MiB, a new client's first put"
+    rows: list[Row] = [
+        _row(
+            case,
+            "put_state_dict (first)",
+            first_s,
+            16 * MiB,
+            baseline="copy_",
+            path="shm",
+            ok=first_ok,
+            peak_rss=peaks,
+            note="new connection, new rank memory",
+        ),
+        _row(case, "copy_", first_copy_s, 16 * MiB, role="baseline", path="memory"),
+    ]
     with connect(cluster.address) as client:
         for count, each in QUICK_CASES if quick else CASES:
             rows += _state_dict_rows(

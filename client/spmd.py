@@ -185,12 +185,16 @@ def put_state_dict(
         return mine
 
     reports = resolved_sizes(job.agree(report, "describing the state dict"))
-    tensors = job.from_rank0(lambda: job_tensors(reports), "checking the state dict")
-    created = job.from_rank0(
-        lambda: _create(
+
+    def check_and_create() -> tuple[dict[str, JobTensor], bytes]:
+        tensors = job_tensors(reports)
+        snapshot = _create(
             cluster, prefix, tensors, spec, replicas, keep, skeleton=skeleton[0], durable=durable
-        ).SerializeToString(),
-        "creating the snapshot",
+        )
+        return tensors, snapshot.SerializeToString()
+
+    tensors, created = job.from_rank0(
+        check_and_create, "checking the state dict and creating the snapshot"
     )
     snapshot = pb.SnapshotInfo.FromString(created)
     try:

@@ -3,6 +3,7 @@ local tensors holding exactly them (DTensors, ShardedTensors, LocalShardsWrapper
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,18 +22,20 @@ def local_pieces(
     value: Any, key: str, rank: int, plain_writer: int
 ) -> tuple[tuple[int, ...] | None, list[Piece]]:
     """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+    DTensor = _loaded_type("torch.distributed.tensor", "DTensor")  # noqa: N806
+    ShardedTensor = _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")  # noqa: N806
+    LocalShardsWrapper = _loaded_type(
+        "torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper"
+    )  # noqa: N806
 
-    if isinstance(value, DTensor):
+    if DTensor is not None and isinstance(value, DTensor):
         return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
-    if isinstance(value, ShardedTensor):
+    if ShardedTensor is not None and isinstance(value, ShardedTensor):
         return tuple(value.size()), [
             (Box(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)), s.tensor)
             for s in value.local_shards()
         ]
-    if isinstance(value, LocalShardsWrapper):
+    if LocalShardsWrapper is not None and isinstance(value, LocalShardsWrapper):
         return None, _wrapper_pieces(value)
     if isinstance(value, torch.Tensor):
         arguments.dense_tensor(value, key)
@@ -44,13 +47,21 @@ def local_pieces(
     )
 
 
-def _dtensor_pieces(value: Any, wrapper_type: type) -> list[Piece]:
+def _loaded_type(module: str, name: str) -> Any:
+    """`module.name` if that module is imported already, else None: a value cannot be of a type whose module no
+    one imported, and importing torch.distributed.tensor costs ~0.8 s, which a state dict of plain tensors (a
+    world of one) should not pay on its first put."""
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def _dtensor_pieces(value: Any, wrapper_type: type | None) -> list[Piece]:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if value.device_mesh.get_coordinate() is None:
         return []  # this rank is not in the tensor's mesh
     local = value.to_local()
-    if isinstance(local, wrapper_type):
+    if wrapper_type is not None and isinstance(local, wrapper_type):
         return _wrapper_pieces(local)
     shape, offset = compute_local_shape_and_global_offset(
         value.shape, value.device_mesh, value.placements

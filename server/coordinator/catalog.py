@@ -36,6 +36,9 @@ from shardserve.server.coordinator.records import (
 
 log = logging.getLogger(__name__)
 
+VERSION_BLOCK = (
+    1024  # version numbers reserved per durable counter update (one fsync per block, not per put)
+)
 SCHEMA_VERSION = (
     1  # PRAGMA user_version; 0: the TensorInfo blobs of earlier versions (migrated on open)
 )
@@ -148,6 +151,8 @@ class SQLiteCatalog(Catalog):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
+        self._block_next = self._block_end = 0
         self._db = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
         )
@@ -179,12 +184,24 @@ class SQLiteCatalog(Catalog):
                     self._db.execute("PRAGMA synchronous=FULL")
 
     def next_versions(self, count: int) -> list[int]:
-        with self._transaction() as db:
-            db.execute("UPDATE counters SET value = value + ? WHERE name = 'version'", (count,))
-            last = int(
-                db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[0]
-            )
-        return list(range(last - count + 1, last + 1))
+        """`count` new version numbers, from a block reserved in one durable transaction per VERSION_BLOCK
+        numbers (a restart skips the rest of a block: numbers only grow, never repeat)."""
+        with self._block_lock:
+            if self._block_next + count > self._block_end:
+                reserve = max(count, VERSION_BLOCK)
+                with self._transaction() as db:
+                    db.execute(
+                        "UPDATE counters SET value = value + ? WHERE name = 'version'", (reserve,)
+                    )
+                    end = int(
+                        db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()[
+                            0
+                        ]
+                    )
+                self._block_next, self._block_end = end - reserve + 1, end + 1
+            first = self._block_next
+            self._block_next += count
+        return list(range(first, first + count))
 
     def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
         with self._transaction(durable) as db:

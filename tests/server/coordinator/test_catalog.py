@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardserve.server.coordinator.catalog import SCHEMA_VERSION, SQLiteCatalog
+from shardserve.server.coordinator.catalog import SCHEMA_VERSION, VERSION_BLOCK, SQLiteCatalog
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -40,9 +40,13 @@ def catalog(tmp_path):
 def test_version_counter_only_grows_and_survives_reopen(tmp_path):
     first = SQLiteCatalog(tmp_path / "c.sqlite")
     assert [first.next_version() for _ in range(3)] == [1, 2, 3]
+    more = first.next_versions(VERSION_BLOCK)  # past the first reserved block
+    assert more == list(range(more[0], more[0] + VERSION_BLOCK)) and more[0] > 3
     first.close()
     again = SQLiteCatalog(tmp_path / "c.sqlite")
-    assert again.next_version() == 4
+    assert (
+        again.next_version() > more[-1]
+    )  # the rest of a reserved block is skipped, never repeated
     mode = sqlite3.connect(tmp_path / "c.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
     assert (
