@@ -11,8 +11,6 @@ transaction. Versions come from one counter over the whole catalog that only gro
 from __future__ import annotations
 
 import abc
-import base64
-import json
 import logging
 import sqlite3
 import threading
@@ -22,14 +20,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from shardserve.core.dtypes import dtype_from_name, dtype_name
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.catalog_documents import (
+    entry_names,
+    snapshot_json,
+    snapshot_of,
+    tensor_json,
+    tensor_of,
+)
 from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,
-    TensorOptions,
     TensorRecord,
     TensorState,
 )
@@ -207,7 +209,7 @@ class SQLiteCatalog(Catalog):
         with self._transaction(durable) as db:
             db.executemany(
                 "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-                [(r.name, r.version, r.state.value, _tensor_json(r)) for r in records],
+                [(r.name, r.version, r.state.value, tensor_json(r)) for r in records],
             )
 
     def commit_all(
@@ -228,7 +230,7 @@ class SQLiteCatalog(Catalog):
             committed = replace(snapshot, state=TensorState.READY, entries=entries)
             db.execute(
                 "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
-                (committed.prefix, committed.number, _snapshot_json(committed)),
+                (committed.prefix, committed.number, snapshot_json(committed)),
             )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
         return committed, removed
@@ -238,13 +240,13 @@ class SQLiteCatalog(Catalog):
             rows = self._db.execute(
                 "SELECT record FROM snapshots WHERE prefix = ? ORDER BY number", (prefix,)
             ).fetchall()
-        return [_snapshot_of(r[0]) for r in rows]
+        return [snapshot_of(r[0]) for r in rows]
 
     def update(self, record: TensorRecord) -> None:
         with self._transaction() as db:
             cursor = db.execute(
                 "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-                (record.state.value, _tensor_json(record), record.name, record.version),
+                (record.state.value, tensor_json(record), record.name, record.version),
             )
             if cursor.rowcount != 1:
                 raise KeyError(
@@ -280,7 +282,7 @@ class SQLiteCatalog(Catalog):
             rows = self._db.execute(
                 f"SELECT record FROM tensors WHERE {where} ORDER BY name, version", args
             ).fetchall()
-        return [_tensor_of(r[0]) for r in rows]
+        return [tensor_of(r[0]) for r in rows]
 
 
 # ---------------------------------------------------------------- rows within a transaction
@@ -288,7 +290,7 @@ class SQLiteCatalog(Catalog):
 
 def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
     rows = db.execute(f"SELECT record FROM tensors WHERE {where} ORDER BY version", args)
-    return [_tensor_of(r[0]) for r in rows]
+    return [tensor_of(r[0]) for r in rows]
 
 
 def _commit_in(
@@ -304,7 +306,7 @@ def _commit_in(
     db.execute(f"DELETE FROM tensors WHERE {older_ready[0]}", older_ready[1])
     db.execute(
         "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-        (ready.state.value, _tensor_json(ready), name, version),
+        (ready.state.value, tensor_json(ready), name, version),
     )
     return ready, older
 
@@ -336,7 +338,7 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[
     ).fetchall()
     removed = []
     for number, text in old:
-        for name in _entry_names(text):
+        for name in entry_names(text):
             removed += _tensors_where(db, "name = ?", (name,))
             db.execute("DELETE FROM tensors WHERE name = ?", (name,))
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
@@ -382,7 +384,7 @@ def _migrate_blobs(db: sqlite3.Connection, path: Path) -> None:
     ]
     db.executemany(
         "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-        [(r.name, r.version, r.state.value, _tensor_json(r)) for r in tensors],
+        [(r.name, r.version, r.state.value, tensor_json(r)) for r in tensors],
     )
     snapshots = []
     if _columns(db, "snapshots_v0"):
@@ -393,7 +395,7 @@ def _migrate_blobs(db: sqlite3.Connection, path: Path) -> None:
         db.execute("DROP TABLE snapshots_v0")
     db.executemany(
         "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
-        [(s.prefix, s.number, _snapshot_json(s)) for s in snapshots],
+        [(s.prefix, s.number, snapshot_json(s)) for s in snapshots],
     )
     db.execute("DROP TABLE tensors_v0")
     log.warning(
@@ -411,113 +413,3 @@ def _legacy(parse: Any, key: list[object], blob: bytes) -> Any:
         return parse(blob)
     except Exception as err:  # noqa: BLE001 - DecodeError, ValueError: the row is named, nothing migrated
         raise RuntimeError(f"catalog row {tuple(key)} cannot be migrated: {err}") from err
-
-
-# ---------------------------------------------------------------- records as JSON documents
-
-
-def _tensor_json(record: TensorRecord) -> str:
-    return json.dumps(_tensor_document(record), sort_keys=True, separators=(",", ":"))
-
-
-def _tensor_of(text: str) -> TensorRecord:
-    return _tensor_from_document(json.loads(text))
-
-
-def _snapshot_json(snapshot: SnapshotRecord) -> str:
-    document = {
-        "prefix": snapshot.prefix,
-        "number": snapshot.number,
-        "keep": snapshot.keep,
-        "state": snapshot.state.value,
-        "created_unix": snapshot.created_unix,
-        "entries": [{"key": e.key, "tensor": _tensor_document(e.tensor)} for e in snapshot.entries],
-        "skeleton": snapshot.skeleton,
-    }
-    return json.dumps(document, sort_keys=True, separators=(",", ":"))
-
-
-def _entry_names(text: str) -> list[str]:
-    """The tensor names of a snapshot document, without building its records (a dropped snapshot's)."""
-    return [entry["tensor"]["name"] for entry in json.loads(text)["entries"]]
-
-
-def _snapshot_of(text: str) -> SnapshotRecord:
-    document = json.loads(text)
-    return SnapshotRecord(
-        prefix=document["prefix"],
-        number=document["number"],
-        keep=document["keep"],
-        entries=tuple(
-            SnapshotEntry(e["key"], _tensor_from_document(e["tensor"])) for e in document["entries"]
-        ),
-        state=TensorState(document["state"]),
-        created_unix=document["created_unix"],
-        skeleton=document.get("skeleton", ""),
-    )
-
-
-def _tensor_document(record: TensorRecord) -> dict[str, Any]:
-    meta = record.metadata
-    return {
-        "name": record.name,
-        "version": record.version,
-        "state": record.state.value,
-        "metadata": {
-            "size": list(meta.size),
-            "dtype": dtype_name(meta.dtype),
-            "requires_grad": meta.tensor_properties.requires_grad,
-            "pin_memory": meta.tensor_properties.pin_memory,
-            "shards": [
-                {
-                    "offsets": list(s.shard_offsets),
-                    "sizes": list(s.shard_sizes),
-                    "placement": None if s.placement is None else str(s.placement),
-                }
-                for s in meta.shards_metadata
-            ],
-        },
-        "options": {
-            "oov": record.options.oov,
-            "default_row": base64.b64encode(record.options.default_row).decode("ascii"),
-            "durable": record.options.durable,
-        },
-        "created_unix": record.created_unix,
-        "put_token": record.put_token,
-        "owner": record.owner,
-        "promoting": record.promoting,
-        "lost_shards": list(record.lost_shards),
-    }
-
-
-def _tensor_from_document(document: dict[str, Any]) -> TensorRecord:
-    layout = document["metadata"]
-    metadata = ShardedTensorMetadata(
-        tuple(
-            ShardMetadata(tuple(s["offsets"]), tuple(s["sizes"]), s["placement"])
-            for s in layout["shards"]
-        ),
-        tuple(layout["size"]),
-        TensorProperties(
-            dtype=dtype_from_name(layout["dtype"]),
-            requires_grad=layout["requires_grad"],
-            pin_memory=layout["pin_memory"],
-        ),
-    )
-    options = document["options"]
-    return TensorRecord(
-        name=document["name"],
-        version=document["version"],
-        metadata=metadata,
-        state=TensorState(document["state"]),
-        options=TensorOptions(
-            options["oov"],
-            base64.b64decode(options["default_row"]),
-            durable=options.get("durable", True),  # catalogs written before the field: durable
-        ),
-        created_unix=document["created_unix"],
-        put_token=document["put_token"],
-        owner=document["owner"],
-        promoting=document["promoting"],
-        lost_shards=tuple(document["lost_shards"]),
-    )

@@ -48,11 +48,11 @@ from shardserve.server.common.errors import (
     TensorBusy,
     Unavailable,
 )
-from shardserve.server.common.requests import check_name, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
 from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.orders import ReshardOrder
 from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
 from shardserve.server.coordinator.records import TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
@@ -146,16 +146,13 @@ class ReshardDriver:
             with self._running_lock:
                 self._running.discard(name)
 
-    def reshard(self, request: pb.ReshardRequest) -> Iterator[ReshardStep]:
+    def reshard(self, order: ReshardOrder) -> Iterator[ReshardStep]:
         """Run one reshard, streaming its progress; the last step carries the new READY record."""
-        name = check_name(request.name)
-        dst = parse_metadata(request.metadata)
-        bucket_bytes = _bucket_bytes(request.bucket_bytes)
-        timeout_s = job_timeout(request.timeout_s, self.default_timeout_s)
-        with self._claim(name), self.locks.hold(name):
-            record = self._current_version(name)
+        timeout_s = job_timeout(order.timeout_s, self.default_timeout_s)
+        with self._claim(order.name), self.locks.hold(order.name):
+            record = self._current_version(order.name)
             unavailable = self._readable(record)
-            yield from self._run(record, dst, unavailable, bucket_bytes, timeout_s)
+            yield from self._run(record, order.layout, unavailable, order.bucket_bytes, timeout_s)
 
     def repair(
         self,
@@ -416,9 +413,3 @@ def _plan(
         return plan_reshard_per_round(src, dst, bucket_bytes, unavailable)
     except ValueError as err:
         raise InvalidArgument(f"metadata: {err}") from None
-
-
-def _bucket_bytes(value: int) -> int:
-    if value < 0:
-        raise InvalidArgument(f"bucket_bytes {value} is negative (0 = default)")
-    return value or DEFAULT_BUCKET_BYTES

@@ -26,6 +26,7 @@ from shardserve.server.coordinator.messages import (
     options_from_proto,
     snapshot_to_proto,
 )
+from shardserve.server.coordinator.orders import reshard_order, snapshot_order
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
 
@@ -144,7 +145,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Reshard(
         self, request: pb.ReshardRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ReshardProgress]:
-        for step in self.coordinator.reshards.reshard(request):
+        for step in self.coordinator.reshards.reshard(reshard_order(request)):
             yield self._reshard_progress(step)
 
     @rpc_errors
@@ -183,7 +184,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
-        return snapshot_to_proto(self.coordinator.snapshots.create(request))
+        return snapshot_to_proto(self.coordinator.snapshots.create(snapshot_order(request)))
 
     @rpc_errors
     def CommitSnapshot(

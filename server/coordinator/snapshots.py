@@ -13,22 +13,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Protocol
 
-from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.state_tree import StateTreeError, tensor_keys
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
     NotFound,
-    RequestTooLarge,
     ServiceError,
     TensorBusy,
 )
-from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.orders import SnapshotOrder
 from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
@@ -40,15 +37,6 @@ from shardserve.server.coordinator.records import (
 from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
-
-DEFAULT_KEEP = (
-    2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
-)
-MAX_KEEP = 1024
-MAX_SNAPSHOT_TENSORS = 1 << 16
-MAX_SKELETON_BYTES = (
-    4 << 20
-)  # a state dict's non-tensor tree: an optimizer's param_groups, steps, names
 
 
 class Versions(Protocol):
@@ -86,14 +74,9 @@ class SnapshotDriver:
         self._pending: dict[tuple[str, int], SnapshotRecord] = {}
         self._guard = threading.Lock()
 
-    def create(self, request: pb.CreateSnapshotRequest) -> SnapshotRecord:
+    def create(self, order: SnapshotOrder) -> SnapshotRecord:
         """Record every tensor PENDING and allocate it on its ranks; all or none."""
-        prefix = check_name(request.prefix, "prefix")
-        keep = request.keep or DEFAULT_KEEP
-        if keep > MAX_KEEP:
-            raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
-        layouts = _checked_tensors(request.tensors)
-        skeleton = _checked_skeleton(request.skeleton, layouts)
+        prefix, keep, layouts, skeleton = order.prefix, order.keep, order.layouts, order.skeleton
         for key, meta in layouts.items():
             try:
                 self.registry.check_placements(meta)
@@ -102,7 +85,7 @@ class SnapshotDriver:
         self._forget_stale()
         number, *versions = self.catalog.next_versions(1 + len(layouts))
         created = time.time()
-        options = TensorOptions(durable=not request.not_durable)
+        options = TensorOptions(durable=order.durable)
         entries = tuple(
             SnapshotEntry(
                 key,
@@ -230,50 +213,6 @@ class SnapshotDriver:
             log.warning(
                 "discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message
             )
-
-
-def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedTensorMetadata]:
-    """{key: metadata} of the request, keys unique and non-empty, each layout valid."""
-    layouts: dict[str, ShardedTensorMetadata] = {}
-    for i, tensor in enumerate(tensors):
-        key = check_name(tensor.key, f"tensors[{i}].key")
-        if key in layouts:
-            raise InvalidArgument(f"tensors[{i}].key {key!r} appears twice")
-        try:
-            layouts[key] = parse_metadata(tensor.metadata)
-        except InvalidArgument as err:
-            raise InvalidArgument(f"tensors[{i}] ({key!r}): {err.message}") from None
-        if len(layouts) > MAX_SNAPSHOT_TENSORS:
-            raise InvalidArgument(f"tensors: more than {MAX_SNAPSHOT_TENSORS}")
-    if not layouts:
-        raise InvalidArgument("tensors is empty: a snapshot holds at least one tensor")
-    return layouts
-
-
-def _checked_skeleton(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata]) -> str:
-    """The request's state dict skeleton: "" (tensors only), or typed JSON (shardserve.core.state_tree) of at
-    most MAX_SKELETON_BYTES whose tensor references are exactly the snapshot's tensors."""
-    if not skeleton:
-        return ""
-    if len(skeleton.encode()) > MAX_SKELETON_BYTES:
-        raise RequestTooLarge(
-            f"skeleton: {len(skeleton.encode())} bytes, over the limit of {MAX_SKELETON_BYTES}",
-            metadata={"field": "skeleton"},
-        )
-    try:
-        referenced = tensor_keys(skeleton)
-    except StateTreeError as err:
-        raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
-    if sorted(referenced) != sorted(layouts):
-        extra, missing = (
-            sorted(set(referenced) - set(layouts)),
-            sorted(set(layouts) - set(referenced)),
-        )
-        raise InvalidArgument(
-            f"skeleton: refers to tensors {extra} the snapshot lacks and misses {missing}",
-            metadata={"field": "skeleton"},
-        )
-    return skeleton
 
 
 def _tensors_by_rank(snapshot: SnapshotRecord) -> dict[int, list[TensorRecord]]:

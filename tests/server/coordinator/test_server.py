@@ -22,7 +22,7 @@ def test_building_starts_no_thread_and_start_does(tmp_path):
         settings=CoordinatorSettings(heartbeat_interval=0.05),
     )
     try:
-        assert _threads() == before
+        assert _threads() - before == set()  # threads of earlier tests may end meanwhile
         with pytest.raises(RuntimeError, match="not started"):
             _ = coordinator.collectives.store_port  # the rendezvous store is not open yet
         coordinator.start()

@@ -1,0 +1,114 @@
+"""The drivers' orders: CreateSnapshot and Reshard requests checked and turned into domain values at the service
+edge (server/coordinator/service.py), so the drivers (snapshots.py, reshard.py) never see a protobuf message.
+
+Every check here is of the request alone; what depends on the cluster's state (placements on live ranks, a
+tensor's current version) is the driver's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.planner import DEFAULT_BUCKET_BYTES
+from shardserve.core.state_tree import StateTreeError, tensor_keys
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
+from shardserve.server.common.requests import check_name, parse_metadata
+
+DEFAULT_KEEP = (
+    2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
+)
+MAX_KEEP = 1024
+MAX_SNAPSHOT_TENSORS = 1 << 16
+MAX_SKELETON_BYTES = (
+    4 << 20
+)  # a state dict's non-tensor tree: an optimizer's param_groups, steps, names
+
+
+@dataclass(frozen=True)
+class SnapshotOrder:
+    """A snapshot to create: its prefix, how many to keep, each key's layout, the non-tensor tree."""
+
+    prefix: str
+    keep: int
+    layouts: Mapping[str, ShardedTensorMetadata]
+    skeleton: str
+    durable: bool
+
+
+@dataclass(frozen=True)
+class ReshardOrder:
+    """A reshard to run: the tensor, its new layout, the round size, the job timeout (0: the default)."""
+
+    name: str
+    layout: ShardedTensorMetadata
+    bucket_bytes: int
+    timeout_s: float
+
+
+def snapshot_order(request: pb.CreateSnapshotRequest) -> SnapshotOrder:
+    """The checked order of a CreateSnapshot request; INVALID_ARGUMENT naming the field."""
+    prefix = check_name(request.prefix, "prefix")
+    keep = request.keep or DEFAULT_KEEP
+    if keep > MAX_KEEP:
+        raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
+    layouts = _checked_tensors(request.tensors)
+    skeleton = _checked_skeleton(request.skeleton, layouts)
+    return SnapshotOrder(prefix, keep, layouts, skeleton, durable=not request.not_durable)
+
+
+def reshard_order(request: pb.ReshardRequest) -> ReshardOrder:
+    """The checked order of a Reshard request; INVALID_ARGUMENT naming the field."""
+    name = check_name(request.name)
+    layout = parse_metadata(request.metadata)
+    if request.bucket_bytes < 0:
+        raise InvalidArgument(f"bucket_bytes {request.bucket_bytes} is negative (0 = default)")
+    return ReshardOrder(
+        name, layout, request.bucket_bytes or DEFAULT_BUCKET_BYTES, request.timeout_s
+    )
+
+
+def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedTensorMetadata]:
+    """{key: metadata} of the request, keys unique and non-empty, each layout valid."""
+    layouts: dict[str, ShardedTensorMetadata] = {}
+    for i, tensor in enumerate(tensors):
+        key = check_name(tensor.key, f"tensors[{i}].key")
+        if key in layouts:
+            raise InvalidArgument(f"tensors[{i}].key {key!r} appears twice")
+        try:
+            layouts[key] = parse_metadata(tensor.metadata)
+        except InvalidArgument as err:
+            raise InvalidArgument(f"tensors[{i}] ({key!r}): {err.message}") from None
+        if len(layouts) > MAX_SNAPSHOT_TENSORS:
+            raise InvalidArgument(f"tensors: more than {MAX_SNAPSHOT_TENSORS}")
+    if not layouts:
+        raise InvalidArgument("tensors is empty: a snapshot holds at least one tensor")
+    return layouts
+
+
+def _checked_skeleton(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata]) -> str:
+    """The request's state dict skeleton: "" (tensors only), or typed JSON (shardserve.core.state_tree) of at
+    most MAX_SKELETON_BYTES whose tensor references are exactly the snapshot's tensors."""
+    if not skeleton:
+        return ""
+    if len(skeleton.encode()) > MAX_SKELETON_BYTES:
+        raise RequestTooLarge(
+            f"skeleton: {len(skeleton.encode())} bytes, over the limit of {MAX_SKELETON_BYTES}",
+            metadata={"field": "skeleton"},
+        )
+    try:
+        referenced = tensor_keys(skeleton)
+    except StateTreeError as err:
+        raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
+    if sorted(referenced) != sorted(layouts):
+        extra, missing = (
+            sorted(set(referenced) - set(layouts)),
+            sorted(set(layouts) - set(referenced)),
+        )
+        raise InvalidArgument(
+            f"skeleton: refers to tensors {extra} the snapshot lacks and misses {missing}",
+            metadata={"field": "skeleton"},
+        )
+    return skeleton
