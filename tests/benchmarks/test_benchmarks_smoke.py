@@ -1,5 +1,6 @@
-"""The benchmark suite as a smoke test: `python -m benchmarks --quick --only NAME` per scenario
-writes JSON of the agreed shape.
+"""The benchmark suite as a smoke test, first half: `python -m benchmarks --quick --only NAME` per scenario writes
+JSON of the agreed shape (checks in tests/benchmark_smoke.py; the other half of the scenarios in
+test_benchmarks_smoke_second.py), and the harness's own pieces.
 
 Never asserts a timing: only that every scenario ran, that rows carry the
 fields the README and plots rely on, that the figures are consistent with each
@@ -10,147 +11,24 @@ every method's result matched its source.
 from __future__ import annotations
 
 import json
-import math
-import os
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
+from benchmark_smoke import SCENARIOS, check_scenario, run_in_session
 
 from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
 from benchmarks.rss import RssSampler
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 120  # hard limit per `--quick --only NAME` run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
-SCENARIOS = sorted(load_scenarios())
-ROW_FIELDS = {
-    "scenario",
-    "group",
-    "case",
-    "name",
-    "path",
-    "role",
-    "nbytes",
-    "seconds",
-    "gb_per_s",
-    "baseline",
-    "ratio",
-    "ratios",
-    "peak_rss",
-    "peak_rss_max_bytes",
-    "ok",
-    "note",
-}
-MACHINE_FIELDS = {
-    "cpu_count",
-    "cpu_model",
-    "memory_bytes",
-    "torch",
-    "grpc",
-    "python",
-    "load_average",
-}
-
-
-def run_in_session(argv: list[str], what: str, timeout_s: float = RUN_TIMEOUT_S) -> tuple[str, str]:
-    """Run `python -m ARGV` in a session of its own under a hard timeout, then kill the whole session (its ranks
-    and baseline servers too); its exit must be 0: (stdout, stderr)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *argv],
-        cwd=PROJECT_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"{what} took over {timeout_s}s; output:\n{stdout[-3000:]}\n{stderr[-3000:]}")
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\nstdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-3000:]}"
-    )
-    return stdout, stderr
-
-
-def run_quick(name: str, out: Path) -> tuple[dict, Path, str]:
-    """`python -m benchmarks --quick --only NAME --json F --plots D` under a hard timeout: (JSON, plots dir, stdout)."""
-    json_path, plots = out / "bench.json", out / "plots"
-    stdout, _ = run_in_session(
-        ["benchmarks", "--quick", "--only", name, "--json", str(json_path), "--plots", str(plots)],
-        f"python -m benchmarks --quick --only {name}",
-    )
-    return json.loads(json_path.read_text()), plots, stdout
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Callable[[str], tuple[dict, Path, str]]:
-    """Each scenario's quick run, made on first use and shared by the tests of this module."""
-    cache: dict[str, tuple[dict, Path, str]] = {}
-
-    def get(name: str) -> tuple[dict, Path, str]:
-        if name not in cache:
-            cache[name] = run_quick(name, tmp_path_factory.mktemp(f"bench-{name}"))
-        return cache[name]
-
-    return get
 
 
 def test_the_suite_has_the_issue_scenarios() -> None:
     assert {"fetch", "planning", "reshard"} <= set(SCENARIOS)
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", SCENARIOS[::2])
 def test_scenario_runs_quick_with_machine_info_and_rows(runs, name: str) -> None:
-    doc, plots, stdout = runs(name)
-    assert MACHINE_FIELDS <= set(doc["machine"])
-    assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["memory_bytes"] > 0
-    assert doc["quick"] is True and doc["command"].startswith(
-        f"python -m benchmarks --quick --only {name}"
-    )
-    assert [(r["name"], r["status"]) for r in doc["scenarios"]] == [(name, "ok")], doc["scenarios"]
-    assert doc["rows"] and all(row["scenario"] == name for row in doc["rows"])
-    check_rows(doc["rows"])
-    for group in {r["group"] for r in doc["rows"]}:
-        assert f"{group}: ratio" in stdout
-        png = plots / f"{group}.png"
-        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
-
-
-def check_rows(rows: list[dict]) -> None:
-    """Fields present; GB/s = bytes / seconds; ratio = its baseline's seconds / seconds; results matched."""
-    by_case: dict[tuple[str, str], dict[str, dict]] = {}
-    for row in rows:
-        assert ROW_FIELDS <= set(row), row
-        by_case.setdefault((row["group"], row["case"]), {})[row["name"]] = row
-    for (group, case), rows in by_case.items():
-        for row in rows.values():
-            if row["nbytes"] and row["seconds"]:
-                assert math.isclose(
-                    row["gb_per_s"], row["nbytes"] / row["seconds"] / 1e9, rel_tol=1e-9
-                )
-            base = rows.get(row["baseline"])
-            if row["ratio"] is not None:
-                assert base is not None and base["role"] == "baseline", (group, case, row["name"])
-                assert math.isclose(row["ratio"], base["seconds"] / row["seconds"], rel_tol=1e-9)
-            assert row["ok"] is not False, (
-                f"{group} {case} {row['name']}: result differs from the source"
-            )
-            if row["role"] == "subject" and group in (
-                "fetch",
-                "lookups",
-                "reshard",
-            ):  # these compare their data
-                assert row["ok"] is True, f"{group} {case} {row['name']}: result never compared"
-            assert all(isinstance(v, int) and v > 0 for v in row["peak_rss"].values()), row[
-                "peak_rss"
-            ]
+    check_scenario(*runs(name), name)
 
 
 def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:

@@ -1,0 +1,14 @@
+"""The benchmark smoke tests' shared fixture: each scenario's quick run, made once per module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from benchmark_smoke import make_runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, Path, str]]:
+    return make_runs(tmp_path_factory)
