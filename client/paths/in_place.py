@@ -48,19 +48,13 @@ class InPlaceUnavailable(Exception):
         self.refused = refused
 
 
-@dataclass
+@dataclass(frozen=True)
 class WritableMapping:
-    """A rank's segment mapped writable into this process."""
+    """A rank's segment mapped writable into this process; unmapped once nothing refers to it (this object and
+    every view of `flat`, such as a copy in flight on another thread)."""
 
     mapped: mmap.mmap
     flat: torch.Tensor  # uint8 over the whole segment, header included
-
-    def close(self) -> None:
-        del self.flat
-        try:
-            self.mapped.close()
-        except BufferError:  # a tensor still views it: unmapped when that goes
-            pass
 
 
 class InPlaceWriter:
@@ -101,11 +95,9 @@ class InPlaceWriter:
         return reply.bytes_written
 
     def close(self) -> None:
-        """Unmap every kept mapping (the rank's memory goes once it drops it too)."""
+        """Let go of every kept mapping (the rank's memory goes once it drops it too)."""
         with self._lock:
-            kept, self._mappings, self._nbytes = list(self._mappings.values()), OrderedDict(), 0
-        for mapping in kept:
-            mapping.close()
+            self._mappings, self._nbytes = OrderedDict(), 0
 
     def _open(self, address: str, writes: Sequence[ShardWrite]) -> list[pb.WritableSegment]:
         request = pb.OpenShardsForWriteRequest(
@@ -146,8 +138,6 @@ class InPlaceWriter:
         with self._lock:
             gone = [self._mappings.pop(key) for key in released if key in self._mappings]
             self._nbytes -= sum(mapping.flat.numel() for mapping in gone)
-        for mapping in gone:
-            mapping.close()
 
     def _target(self, address: str, segment: pb.WritableSegment) -> torch.Tensor:
         """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one."""
@@ -169,16 +159,17 @@ class InPlaceWriter:
         return mapping.flat[segment.data_offset : end]
 
     def _keep(self, key: tuple[str, int, int, int, int], mapping: WritableMapping) -> None:
-        evicted = []
+        """Keep `mapping` (another thread's of the same segment is replaced), the oldest let go past
+        mapped_bytes."""
         with self._lock:
+            replaced = self._mappings.pop(key, None)
+            if replaced is not None:
+                self._nbytes -= replaced.flat.numel()
             self._mappings[key] = mapping
             self._nbytes += mapping.flat.numel()
             while len(self._mappings) > 1 and self._nbytes > self.mapped_bytes:
                 _, old = self._mappings.popitem(last=False)
                 self._nbytes -= old.flat.numel()
-                evicted.append(old)
-        for old in evicted:
-            old.close()
 
 
 def _key(address: str, segment: pb.WritableSegment) -> tuple[str, int, int, int, int]:
