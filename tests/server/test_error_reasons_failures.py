@@ -221,6 +221,8 @@ class Probe:
     def __init__(self) -> None:
         self.error: BaseException = RuntimeError("unset")
         self.draining = threading.Event()
+        self.drained = threading.Event()  # Drain ended, ...
+        self.stream_failed = threading.Event()  # ... its request stream raising (not merely ending)
 
     @rpc_errors
     def Raise(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -229,7 +231,13 @@ class Probe:
     @rpc_errors
     def Drain(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         self.draining.set()
-        return b"".join(requests)
+        try:
+            return b"".join(requests)
+        except grpc.RpcError:
+            self.stream_failed.set()
+            raise
+        finally:
+            self.drained.set()
 
 
 @pytest.fixture(scope="module")
@@ -301,7 +309,8 @@ def test_cancelled(probe, caplog):
     reason; the caller, gone, gets gRPC's own CANCELLED without details) and goes on serving."""
     caplog.set_level(logging.INFO, logger="shardserve.server.common.errors")
     servicer, channel = probe
-    servicer.draining.clear()
+    for event in (servicer.draining, servicer.drained, servicer.stream_failed):
+        event.clear()
     release = threading.Event()
 
     def requests() -> Iterator[bytes]:
@@ -317,10 +326,14 @@ def test_cancelled(probe, caplog):
     finally:
         release.set()
 
+    assert servicer.drained.wait(WAIT_S), "the server never ended the cancelled call"
     answered = f"Drain -> CANCELLED ({Reason.CANCELLED.value}): the client ended the request stream"
 
     def logged() -> bool:
         return any(answered in r.getMessage() for r in caplog.records)
 
-    wait_until(logged, WAIT_S, "the server to end the cancelled call")
+    # gRPC hands the handler either the cancellation (its stream raises) or, in a narrow race, a plain end of
+    # the stream; the first must be answered CANCELLED with the reason
+    if servicer.stream_failed.is_set():
+        wait_until(logged, WAIT_S, "the server to log the cancelled call")
     assert channel.stream_unary("/probe.Probe/Drain")(iter([b"c"]), timeout=TIMEOUT) == b"c"
