@@ -1,1 +1,1 @@
-"""The `shardserve` command line (client.cli.main:main)."""
+"""The `shardserve` command line (client.cli.main:run, which runs main and exits)."""

@@ -9,6 +9,7 @@ print one line on stderr and exit non-zero, without a traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -404,6 +405,17 @@ def _run(args: argparse.Namespace) -> None:
             show_snapshots(cluster, args.prefix, args.tensors)
         else:
             run_checkpoint_command(cluster, args)
+
+
+def run() -> None:
+    """The console script: main(), then an exit that skips the interpreter's teardown once every output is
+    flushed (the work is done; under load, gRPC's native threads could abort the teardown with SIGABRT after
+    a command had succeeded)."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
