@@ -28,6 +28,7 @@ import torch
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import error_from_rpc
+from shardserve.client.paths.segments import SegmentError, names_file, open_rank_file
 from shardserve.client.paths.writes import ShardWrite, write_request
 from shardserve.core.wire import byte_view
 from shardserve.protos import shardserve_pb2 as pb
@@ -111,8 +112,7 @@ class InPlaceWriter:
             error = error_from_rpc(err, f"rank at {address}")
             if (
                 error.reason == Reason.PATH_UNAVAILABLE
-                or err.code() == grpc.StatusCode.UNIMPLEMENTED
-            ):
+            ):  # UNIMPLEMENTED (an older rank) reads as that
                 raise InPlaceUnavailable(
                     f"rank at {address}: {err.details()}", refused=_refuses_every_batch(error)
                 ) from None
@@ -134,7 +134,7 @@ class InPlaceWriter:
         kept for reuse): only this mapping would keep their memory."""
         with self._lock:
             others = [key for key in self._mappings if key[0] == address and key not in used]
-        released = [key for key in others if not _held(key)]
+        released = [key for key in others if not names_file(*key[1:])]
         with self._lock:
             gone = [self._mappings.pop(key) for key in released if key in self._mappings]
             self._nbytes -= sum(mapping.flat.numel() for mapping in gone)
@@ -176,16 +176,6 @@ def _key(address: str, segment: pb.WritableSegment) -> tuple[str, int, int, int,
     return (address, segment.pid, segment.fd, segment.inode, segment.device_id)
 
 
-def _held(key: tuple[str, int, int, int, int]) -> bool:
-    """Whether the rank process still holds the segment open (the fd names the same file)."""
-    _, pid, fd, inode, device_id = key
-    try:
-        info = os.stat(f"/proc/{pid}/fd/{fd}")
-    except OSError:
-        return False
-    return (info.st_ino, info.st_dev) == (inode, device_id)
-
-
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
     """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes: one memcpy below
     PARALLEL_COPY_BYTES (torch's copy_ would wake its thread pool per small tensor), torch's multi-threaded
@@ -203,19 +193,19 @@ def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
 def _map_writable(segment: pb.WritableSegment) -> WritableMapping:
     """Map /proc/<pid>/fd/<fd> writable after checking it is the segment described (its pages populated at
     once: one call instead of a fault per page on the first copy)."""
+    size = segment.data_offset + segment.nbytes
     try:
-        fd = os.open(f"/proc/{segment.pid}/fd/{segment.fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as err:
-        raise InPlaceUnavailable(
-            f"cannot open fd {segment.fd} of process {segment.pid}: {err.strerror}"
-        ) from None
+        fd = open_rank_file(
+            segment.pid,
+            segment.fd,
+            segment.inode,
+            segment.device_id,
+            min_size=size,
+            flags=os.O_RDWR,
+        )
+    except SegmentError as err:
+        raise InPlaceUnavailable(str(err)) from None
     try:
-        info = os.fstat(fd)
-        if (info.st_ino, info.st_dev) != (segment.inode, segment.device_id):
-            raise InPlaceUnavailable(
-                f"fd {segment.fd} of process {segment.pid} is another file now"
-            )
-        size = segment.data_offset + segment.nbytes
         mapped = mmap.mmap(
             fd,
             size,

@@ -123,11 +123,35 @@ def still_held(mapping: SegmentMapping) -> bool:
     alive = mapping.process.alive()
     if alive is not None:
         return alive
+    return names_file(mapping.process.pid, mapping.fd, mapping.inode, mapping.device_id)
+
+
+def names_file(pid: int, fd: int, inode: int, device_id: int) -> bool:
+    """Whether fd `fd` of process `pid` still names the file (inode, device): the rank holds it open."""
     try:
-        stat = os.stat(f"/proc/{mapping.process.pid}/fd/{mapping.fd}")
+        stat = os.stat(f"/proc/{pid}/fd/{fd}")
     except OSError:
         return False
-    return (stat.st_ino, stat.st_dev) == (mapping.inode, mapping.device_id)
+    return (stat.st_ino, stat.st_dev) == (inode, device_id)
+
+
+def open_rank_file(  # noqa: PLR0913 - a file's four coordinates and how much of it is needed
+    pid: int, fd: int, inode: int, device_id: int, *, min_size: int, flags: int = os.O_RDONLY
+) -> int:
+    """Open /proc/<pid>/fd/<fd> (`flags`) and check it is the file the rank described (inode, device) and at
+    least `min_size` bytes; the caller closes the fd. SegmentError naming the path otherwise."""
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        opened = os.open(path, flags | os.O_CLOEXEC)
+    except OSError as err:
+        raise SegmentError(f"cannot open {path}: {err.strerror}") from None
+    stat = os.fstat(opened)
+    if (stat.st_ino, stat.st_dev) != (inode, device_id) or stat.st_size < min_size:
+        os.close(opened)
+        raise SegmentError(
+            f"{path} is no longer the segment the rank described (another file, process or pid namespace)"
+        )
+    return opened
 
 
 class RankProcess:
@@ -214,19 +238,8 @@ def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Ten
 def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
     """The first `size` bytes of the memfd the reply names, mapped read-only as uint8."""
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
+    fd = open_rank_file(reply.pid, reply.fd, reply.inode, reply.device_id, min_size=size)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as err:
-        raise SegmentError(
-            f"cannot open the shard's shared memory {path}: {err.strerror}"
-        ) from None
-    try:
-        stat = os.fstat(fd)
-        if (stat.st_ino, stat.st_dev) != (reply.inode, reply.device_id) or stat.st_size < size:
-            raise SegmentError(
-                f"{path} is not the segment the rank described (another process or "
-                f"another pid namespace)"
-            )
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
     except OSError as err:

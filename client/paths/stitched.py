@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.client.paths.composed import _MAP_FAILED, MAP_FIXED, _libc, _Range, _round_up
-from shardserve.client.paths.segments import SegmentError, SegmentSource
+from shardserve.client.paths.segments import SegmentError, SegmentSource, open_rank_file
 
 MAX_GAP_BYTES = 1 << 30  # a row size whose page-aligned multiples are further apart is not stitched
 
@@ -64,16 +64,14 @@ def stitch(
 def _map_into(space: _Range, start: int, source: SegmentSource) -> None:
     """Map the shard's bytes read-only at `start` of the reserved range."""
     path = f"/proc/{source.pid}/fd/{source.fd}"
+    fd = open_rank_file(
+        source.pid,
+        source.fd,
+        source.inode,
+        source.device_id,
+        min_size=source.data_offset + source.nbytes,
+    )
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as err:
-        raise SegmentError(f"cannot open {path}: {err.strerror}") from None
-    try:
-        stat = os.fstat(fd)
-        if (stat.st_ino, stat.st_dev) != (source.inode, source.device_id) or (
-            stat.st_size < source.data_offset + source.nbytes
-        ):
-            raise SegmentError(f"{path} is no longer the segment the rank described")
         result = _libc.mmap(
             space.address + start,
             _round_up(source.nbytes, mmap.PAGESIZE),
