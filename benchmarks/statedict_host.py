@@ -2,21 +2,21 @@
 cluster (shared memory both ways, durable=False, keep=1), against the limit, torch's copy_ of the same tensors
 into already-touched destinations in one process, and against dcp.save / dcp.load to /dev/shm.
 
-Cases: 64 x 16 MiB (bandwidth) and 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then the
-median of steady puts (into the memory the previous snapshot freed) and of gets into preallocated tensors; one
-64 MiB tensor put (Cluster.put) and fetched whole into a preallocated tensor; a 1 MiB row slice of it.
+Cases: 64 x 16 MiB (bandwidth) and 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
+the median after one warm-up round (benchmarks.baselines.median_seconds) of steady puts (into the memory the
+previous snapshot freed) and of gets into preallocated tensors; one 64 MiB tensor put (Cluster.put) and
+fetched whole into a preallocated tensor; a 1 MiB row slice of it.
 """
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from benchmarks.baselines import median_seconds
 from benchmarks.harness import Row
 
 MiB = 1 << 20
@@ -26,16 +26,6 @@ SINGLE_BYTES, SLICE_BYTES = 64 * MiB, MiB
 QUICK_SINGLE_BYTES, QUICK_SLICE_BYTES = 4 * MiB, 64 << 10
 REPEATS, QUICK_REPEATS = 5, 3
 SHM = "/dev/shm"
-
-
-def _median_s(step: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of `repeats` runs of `step`."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _state(count: int, each: int, seed: float) -> dict[str, torch.Tensor]:
@@ -56,11 +46,11 @@ def _dcp_s(state: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
 
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-", dir=SHM) as folder:
         counter = iter(range(1 << 30))
-        save_s = _median_s(
+        save_s = median_seconds(
             lambda: dcp.save(state, checkpoint_id=f"{folder}/{next(counter)}", no_dist=True),
             repeats,
         )
-        load_s = _median_s(
+        load_s = median_seconds(
             lambda: dcp.load(state, checkpoint_id=f"{folder}/0", no_dist=True), repeats
         )
     return save_s, load_s
@@ -79,9 +69,9 @@ def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[
     put()  # the second put's memory is new too; from the third on, puts reuse what the one before freed
     out = {
         "first put": first_s,
-        "put": _median_s(put, repeats),
-        "get": _median_s(lambda: spmd.get_state_dict(cluster, prefix, into=into), repeats),
-        "copy_": _median_s(lambda: _copy_all(state, into), repeats),
+        "put": median_seconds(put, repeats),
+        "get": median_seconds(lambda: spmd.get_state_dict(cluster, prefix, into=into), repeats),
+        "copy_": median_seconds(lambda: _copy_all(state, into), repeats),
     }
     out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
     spmd.get_state_dict(cluster, prefix, into=into)
@@ -103,11 +93,13 @@ def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> d
     put()
     remote = cluster.tensor("single")
     out = {
-        "put": _median_s(put, repeats),
-        "fetch": _median_s(lambda: remote.fetch((0, 0), tuple(tensor.shape), out=whole), repeats),
-        "slice": _median_s(lambda: remote.fetch((first, 0), (rows, 1024), out=part), repeats),
-        "copy_": _median_s(lambda: whole.copy_(tensor), repeats),
-        "slice copy_": _median_s(lambda: part.copy_(tensor[first : first + rows]), repeats),
+        "put": median_seconds(put, repeats),
+        "fetch": median_seconds(
+            lambda: remote.fetch((0, 0), tuple(tensor.shape), out=whole), repeats
+        ),
+        "slice": median_seconds(lambda: remote.fetch((first, 0), (rows, 1024), out=part), repeats),
+        "copy_": median_seconds(lambda: whole.copy_(tensor), repeats),
+        "slice copy_": median_seconds(lambda: part.copy_(tensor[first : first + rows]), repeats),
     }
     out["dcp.save"], out["dcp.load"] = _dcp_s({"single": tensor}, repeats)
     remote.fetch((0, 0), tuple(tensor.shape), out=whole)
@@ -126,7 +118,7 @@ def _first_put_s(address: str) -> tuple[float, float, bool]:
         spmd.put_state_dict(client, state, "first", keep=1, durable=False)
         seconds = time.perf_counter() - start
         spmd.get_state_dict(client, "first", into=into)
-    copy_s = _median_s(lambda: _copy_all(state, into), 3)
+    copy_s = median_seconds(lambda: _copy_all(state, into), 3)
     return seconds, copy_s, all(torch.equal(into[key], state[key]) for key in state)
 
 

@@ -22,9 +22,9 @@ from shardserve.protos import shardserve_pb2 as pb
 MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
 PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [
     ctypes.c_void_p,
     ctypes.c_size_t,
     ctypes.c_int,
@@ -32,36 +32,36 @@ _libc.mmap.argtypes = [
     ctypes.c_int,
     ctypes.c_long,
 ]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class CompositionError(OSError):
     """The blocks the rank described could not be opened or mapped."""
 
 
-def _round_up(n: int, to: int) -> int:
+def round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-class _Range:
+class AddressRange:
     """A reserved address range, unmapped when collected (with every tensor over it)."""
 
     def __init__(self, nbytes: int) -> None:
-        self.size = _round_up(max(nbytes, 1), mmap.PAGESIZE)
-        address = _libc.mmap(
+        self.size = round_up(max(nbytes, 1), mmap.PAGESIZE)
+        address = LIBC.mmap(
             None, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
         )
-        if address in (None, _MAP_FAILED):
+        if address in (None, MAP_FAILED):
             raise CompositionError(ctypes.get_errno(), "cannot reserve address space for a shard")
         self.address = address
-        weakref.finalize(self, _libc.munmap, address, self.size)
+        weakref.finalize(self, LIBC.munmap, address, self.size)
 
 
 def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
     """The shard's bytes as one read-only uint8 tensor over its blocks' memfds (CompositionError if one is not
     the file the rank described, or cannot be mapped)."""
-    space = _Range(reply.nbytes)
+    space = AddressRange(reply.nbytes)
     fds: dict[int, int] = {}
     try:
         position = 0
@@ -69,15 +69,15 @@ def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
             fd = fds.get(extent.fd)
             if fd is None:
                 fd = fds[extent.fd] = _open(reply.pid, extent)
-            result = _libc.mmap(
+            result = LIBC.mmap(
                 space.address + position,
-                _round_up(extent.nbytes, mmap.PAGESIZE),
+                round_up(extent.nbytes, mmap.PAGESIZE),
                 mmap.PROT_READ,
                 mmap.MAP_SHARED | MAP_FIXED,
                 fd,
                 extent.offset,
             )
-            if result in (None, _MAP_FAILED):
+            if result in (None, MAP_FAILED):
                 raise CompositionError(
                     ctypes.get_errno(), f"cannot map a block of /proc/{reply.pid}/fd/{extent.fd}"
                 )

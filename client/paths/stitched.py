@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.client.paths.composed import _MAP_FAILED, MAP_FIXED, _libc, _Range, _round_up
+from shardserve.client.paths.composed import LIBC, MAP_FAILED, MAP_FIXED, AddressRange, round_up
 from shardserve.client.paths.segments import SegmentError, SegmentSource, open_rank_file
 
 MAX_GAP_BYTES = 1 << 30  # a row size whose page-aligned multiples are further apart is not stitched
@@ -49,9 +49,9 @@ def stitch(
     for source in sources:
         if source.data_offset % mmap.PAGESIZE or source.nbytes % row_bytes:
             return None
-        starts.append(_round_up(end, step))
+        starts.append(round_up(end, step))
         end = starts[-1] + source.nbytes
-    space = _Range(end)
+    space = AddressRange(end)
     for source, start in zip(sources, starts):
         _map_into(space, start, source)
     array = (ctypes.c_char * end).from_address(space.address)
@@ -61,7 +61,7 @@ def stitch(
     return StitchedRows(table, [start // row_bytes for start in starts])
 
 
-def _map_into(space: _Range, start: int, source: SegmentSource) -> None:
+def _map_into(space: AddressRange, start: int, source: SegmentSource) -> None:
     """Map the shard's bytes read-only at `start` of the reserved range."""
     path = f"/proc/{source.pid}/fd/{source.fd}"
     fd = open_rank_file(
@@ -72,9 +72,9 @@ def _map_into(space: _Range, start: int, source: SegmentSource) -> None:
         min_size=source.data_offset + source.nbytes,
     )
     try:
-        result = _libc.mmap(
+        result = LIBC.mmap(
             space.address + start,
-            _round_up(source.nbytes, mmap.PAGESIZE),
+            round_up(source.nbytes, mmap.PAGESIZE),
             mmap.PROT_READ,
             mmap.MAP_SHARED
             | MAP_FIXED
@@ -82,7 +82,7 @@ def _map_into(space: _Range, start: int, source: SegmentSource) -> None:
             fd,
             source.data_offset,
         )
-        if result in (None, _MAP_FAILED):
+        if result in (None, MAP_FAILED):
             raise SegmentError(f"cannot map {path}: errno {ctypes.get_errno()}")
     finally:
         os.close(fd)
