@@ -205,9 +205,7 @@ def put_state_dict(
         if job.rank == 0:
             abort_snapshot(cluster.session, prefix, snapshot.number)
         raise
-    job.from_rank0(
-        lambda: commit_snapshot(cluster.session, prefix, snapshot.number).number, "committing"
-    )
+    job.from_rank0(lambda: commit_snapshot(cluster.session, snapshot), "committing")
     return snapshot.number
 
 

@@ -44,6 +44,12 @@ class InitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     INIT_ARANGE: _ClassVar[InitKind]
     INIT_COPY: _ClassVar[InitKind]
 
+class SnapshotView(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SNAPSHOT_VIEW_UNSPECIFIED: _ClassVar[SnapshotView]
+    SNAPSHOT_VIEW_BASIC: _ClassVar[SnapshotView]
+    SNAPSHOT_VIEW_FULL: _ClassVar[SnapshotView]
+
 class ReshardPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RESHARD_PHASE_UNSPECIFIED: _ClassVar[ReshardPhase]
@@ -76,6 +82,9 @@ INIT_ONES: InitKind
 INIT_NORMAL: InitKind
 INIT_ARANGE: InitKind
 INIT_COPY: InitKind
+SNAPSHOT_VIEW_UNSPECIFIED: SnapshotView
+SNAPSHOT_VIEW_BASIC: SnapshotView
+SNAPSHOT_VIEW_FULL: SnapshotView
 RESHARD_PHASE_UNSPECIFIED: ReshardPhase
 RESHARD_PREPARING: ReshardPhase
 RESHARD_MOVING: ReshardPhase
@@ -421,12 +430,14 @@ class SnapshotInfo(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "number")
+    __slots__ = ("prefix", "number", "view")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ...) -> None: ...
+    view: SnapshotView
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ...) -> None: ...
 
 class AbortSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number")

@@ -72,14 +72,18 @@ def create_snapshot(
     return session.call("CreateSnapshot", request)
 
 
-def commit_snapshot(session: Session, prefix: str, number: int) -> SnapshotSummary:
-    """CommitSnapshot: every tensor READY at once; older snapshots beyond `keep` dropped."""
+def commit_snapshot(session: Session, created: pb.SnapshotInfo) -> int:
+    """CommitSnapshot of the snapshot `created` answered: every tensor READY at once, older snapshots beyond
+    `keep` dropped; returns its number. The answer leaves out the entries the writer already has."""
     committed = session.call(
-        "CommitSnapshot", pb.CommitSnapshotRequest(prefix=prefix, number=number)
+        "CommitSnapshot",
+        pb.CommitSnapshotRequest(
+            prefix=created.prefix, number=created.number, view=pb.SNAPSHOT_VIEW_BASIC
+        ),
     )
-    for entry in committed.entries:
+    for entry in created.entries:
         session.saw_version(entry.tensor.name, entry.tensor.version)
-    return SnapshotSummary.from_proto(committed)
+    return committed.number
 
 
 def abort_snapshot(session: Session, prefix: str, number: int) -> None:

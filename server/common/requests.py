@@ -7,7 +7,7 @@ import torch
 from shardserve.core.dtypes import dtype_from_wire, dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.validation import validate_metadata
-from shardserve.core.wire import metadata_from_proto
+from shardserve.core.wire import decoded_once, metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument
 
@@ -79,17 +79,21 @@ def parse_metadata(msg: pb.ShardedTensorMetadata, field: str = "metadata") -> Sh
             f"{MAX_SHARDS}"
         )
     try:
-        meta = metadata_from_proto(msg)
-        if meta.nbytes >= 1 << 63:
-            raise ValueError(f"size {list(meta.size)} of {meta.dtype} is 2**63 bytes or more")
-        if not meta.shards_metadata:
-            raise ValueError("shards_metadata is empty")
-        for i, shard in enumerate(meta.shards_metadata):
-            if shard.placement is None:
-                raise ValueError(f"shards_metadata[{i}].placement is empty")
-        validate_metadata(meta)
+        return decoded_once(_valid_layout, msg)
     except (ValueError, TypeError) as err:
         raise InvalidArgument(f"{field}: {err}", metadata={"field": field}) from None
+
+
+def _valid_layout(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
+    meta = metadata_from_proto(msg)
+    if meta.nbytes >= 1 << 63:
+        raise ValueError(f"size {list(meta.size)} of {meta.dtype} is 2**63 bytes or more")
+    if not meta.shards_metadata:
+        raise ValueError("shards_metadata is empty")
+    for i, shard in enumerate(meta.shards_metadata):
+        if shard.placement is None:
+            raise ValueError(f"shards_metadata[{i}].placement is empty")
+    validate_metadata(meta)
     return meta
 
 

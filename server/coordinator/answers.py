@@ -8,6 +8,7 @@ every shard is back), the health and replicas that gives, and the repair in flig
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.health import health_of, unavailable_shards
@@ -50,6 +51,12 @@ class Answers:
             )
         return out
 
-    def snapshot(self, record: SnapshotRecord) -> pb.SnapshotInfo:
-        """`record` as answered, each tensor with its health now."""
+    def snapshot(
+        self, record: SnapshotRecord, view: pb.SnapshotView = pb.SNAPSHOT_VIEW_FULL
+    ) -> pb.SnapshotInfo:
+        """`record` as answered, each tensor with its health now; without entries in the BASIC view."""
+        if view == pb.SNAPSHOT_VIEW_BASIC:
+            basic = snapshot_to_proto(replace(record, entries=()))
+            basic.nbytes = record.nbytes
+            return basic
         return snapshot_to_proto(record, self.tensor)

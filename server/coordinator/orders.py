@@ -59,6 +59,15 @@ def snapshot_order(request: pb.CreateSnapshotRequest) -> SnapshotOrder:
     return SnapshotOrder(prefix, keep, layouts, skeleton, durable=not request.not_durable)
 
 
+def snapshot_view(view: pb.SnapshotView) -> pb.SnapshotView:
+    """A request's SnapshotView (UNSPECIFIED: FULL); INVALID_ARGUMENT naming `view` for an unknown one."""
+    if view not in pb.SnapshotView.values():
+        raise InvalidArgument(
+            f"view {view} is not a known SnapshotView", metadata={"field": "view"}
+        )
+    return pb.SNAPSHOT_VIEW_FULL if view == pb.SNAPSHOT_VIEW_UNSPECIFIED else view
+
+
 def reshard_order(request: pb.ReshardRequest) -> ReshardOrder:
     """The checked order of a Reshard request; INVALID_ARGUMENT naming the field."""
     name = check_name(request.name)

@@ -26,7 +26,7 @@ from shardserve.server.coordinator.messages import (
     options_from_proto,
     snapshot_to_proto,
 )
-from shardserve.server.coordinator.orders import reshard_order, snapshot_order
+from shardserve.server.coordinator.orders import reshard_order, snapshot_order, snapshot_view
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
 
@@ -190,8 +190,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
+        view = snapshot_view(request.view)
         committed = self.coordinator.snapshots.commit(request.prefix, request.number)
-        return self.answers.snapshot(committed)
+        return self.answers.snapshot(committed, view)
 
     @rpc_errors
     def AbortSnapshot(

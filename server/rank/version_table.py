@@ -225,6 +225,7 @@ class VersionTable:
     def __init__(self, rank: int, dropped_kept: int = DROPPED_KEPT) -> None:
         self.rank = rank
         self._records: dict[tuple[str, int], StoredVersion] = {}
+        self._by_name: dict[str, dict[int, StoredVersion]] = {}  # the same records, found by name
         self._dropped: OrderedDict[tuple[str, int], None] = OrderedDict()
         self._dropped_kept = dropped_kept
 
@@ -244,12 +245,17 @@ class VersionTable:
                 metadata={"tensor": record.name, "rank": self.rank},
             )
         self._records[record.key] = record
+        self._by_name.setdefault(record.name, {})[record.version] = record
 
     def discard(self, record: StoredVersion) -> bool:
         """Forget `record` (an allocation that failed, or a freed version); whether it was held."""
         if self._records.get(record.key) is not record:
             return False
         del self._records[record.key]
+        versions = self._by_name[record.name]
+        del versions[record.version]
+        if not versions:
+            del self._by_name[record.name]
         return True
 
     def remember_dropped(self, name: str, version: int) -> None:
@@ -261,7 +267,10 @@ class VersionTable:
 
     def matching(self, name: str, version: int) -> list[StoredVersion]:
         """Every held record of `name` (dropped ones still leased included), or of one version (0 = all)."""
-        return [r for k, r in self._records.items() if k[0] == name and version in (0, k[1])]
+        versions = self._by_name.get(name, {})
+        if version == 0:
+            return list(versions.values())
+        return [versions[version]] if version in versions else []
 
     def records(self) -> list[StoredVersion]:
         return list(self._records.values())
@@ -278,7 +287,7 @@ class VersionTable:
         record = self._records.get((name, version))
         if record is not None and record.state.is_live:
             return record
-        if not any(k[0] == name and r.state.is_live for k, r in self._records.items()):
+        if not any(r.state.is_live for r in self._by_name.get(name, {}).values()):
             raise TensorUnknown(
                 f"tensor {name!r} not found on rank {self.rank}",
                 metadata={"tensor": name, "rank": self.rank},
@@ -350,7 +359,7 @@ class VersionTable:
         return True
 
     def _newest_served(self, name: str) -> StoredVersion | None:
-        served = [r for k, r in self._records.items() if k[0] == name and r.state.is_served]
+        served = [r for r in self._by_name.get(name, {}).values() if r.state.is_served]
         return max(served, key=lambda r: r.version) if served else None
 
     def _served_phrase(self, name: str) -> str:

@@ -101,6 +101,25 @@ def test_lookups_name_what_is_wrong():
         table.add(_record("t", 9, S.PENDING))
 
 
+def test_lookups_by_name_see_only_that_name_and_forget_freed_versions():
+    table = VersionTable(0)
+    for name in ("t", "u"):
+        for version, state in ((1, S.SERVED), (2, S.PENDING)):
+            table.add(_record(name, version, state))
+    assert [r.version for r in table.matching("t", 0)] == [1, 2]
+    assert [r.key for r in table.matching("u", 2)] == [("u", 2)]
+    assert table.matching("t", 3) == [] and table.matching("v", 0) == []
+    for record in table.matching("t", 0):
+        record.apply(E.DROP)
+        assert table.free_if_unleased(record)
+    assert table.matching("t", 0) == []
+    with pytest.raises(TensorUnknown, match="'t' not found"):
+        table.get("t", 1)
+    assert table.served("u", 0).key == ("u", 1)
+    table.add(_record("t", 5, S.SERVED))  # the name comes back with a new version
+    assert table.served("t", 0).version == 5
+
+
 def test_a_version_is_promotable_once_every_local_shard_is_whole():
     table = VersionTable(1)
     record = _record("t", 1, S.PENDING)

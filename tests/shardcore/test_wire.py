@@ -1,0 +1,49 @@
+"""Wire decoding: small layouts are decoded once and shared, large ones every time, and a bad message is
+refused every time it comes (failures are never kept)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.wire import CACHED_MESSAGE_BYTES, metadata_from_proto, metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+
+
+def _layout(shards: int) -> ShardedTensorMetadata:
+    return ShardedTensorMetadata(
+        tuple(ShardMetadata((i, 0), (1, 4), f"rank:{i % 2}/cpu") for i in range(shards)),
+        (shards, 4),
+        TensorProperties(dtype=torch.bfloat16),
+    )
+
+
+def test_a_small_layout_is_decoded_once_and_equals_the_original() -> None:
+    layout = _layout(2)
+    first = metadata_from_proto(metadata_to_proto(layout))
+    again = metadata_from_proto(metadata_to_proto(layout))
+    assert first == layout
+    assert again is first  # shared: the dataclasses are frozen
+
+
+def test_a_large_layout_is_decoded_every_time() -> None:
+    layout = _layout(400)
+    message = metadata_to_proto(layout)
+    assert message.ByteSize() > CACHED_MESSAGE_BYTES
+    first, again = metadata_from_proto(message), metadata_from_proto(message)
+    assert first == again == layout
+    assert again is not first
+
+
+def test_a_bad_layout_is_refused_each_time() -> None:
+    message = metadata_to_proto(_layout(1))
+    message.shards_metadata[0].placement = "nowhere"
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"shards_metadata\[0\]"):
+            metadata_from_proto(message)
+    message.shards_metadata[0].placement = "rank:0/cpu"
+    assert metadata_from_proto(message) == _layout(1)
+    message.tensor_properties.CopyFrom(pb.TensorProperties(dtype=999))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tensor_properties.dtype"):
+        metadata_from_proto(message)
