@@ -53,6 +53,13 @@ class RankDirectory:
             self._view = view
         return ranks
 
+    def recent(self, max_age_s: float) -> list[RankStatus]:
+        """Every registered rank as answered at most `max_age_s` ago: the kept answer, else a new one."""
+        view = self._view
+        if self._clock() - view.answered_at <= max_age_s:
+            return list(view.statuses.values())
+        return self.refresh()
+
     def view(self) -> RanksView:
         """The latest answer (no call)."""
         return self._view

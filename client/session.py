@@ -35,6 +35,9 @@ from shardserve.client.ranks import RankDirectory
 from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
+RECENT_RANKS_S = (
+    1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
+)
 _STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
 
 
@@ -141,6 +144,11 @@ class Session:
     def refresh_ranks(self) -> list[RankStatus]:
         """Every registered rank, fetched from the coordinator now (and kept for rank_status)."""
         return self.ranks.refresh()
+
+    def recent_ranks(self, max_age_s: float = RECENT_RANKS_S) -> list[RankStatus]:
+        """Every registered rank as the coordinator listed it at most `max_age_s` ago (a call only when
+        older): for back-to-back puts that place their layouts over the live ranks."""
+        return self.ranks.recent(max_age_s)
 
     def rank_status(self, rank: int) -> RankStatus:
         """The registered status of `rank` (address, host, shared memory), refreshed once if unknown."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from shardserve.client import arguments
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from shardserve.client.info import RankStatus
 from shardserve.client.ops.snapshots import (
     SnapshotSummary,
     abort_snapshot,
@@ -35,6 +36,7 @@ from shardserve.client.ops.snapshots import (
 from shardserve.client.paths.batch import batches, read_batch, region_reads
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
+from shardserve.client.session import Session
 from shardserve.client.snapshots import READ_THREADS
 from shardserve.client.spmd_pieces import (
     Piece,
@@ -44,7 +46,7 @@ from shardserve.client.spmd_pieces import (
     resolved_sizes,
 )
 from shardserve.client.tensor import RemoteShardedTensor
-from shardserve.core.metadata import Box
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.regions import local_view
 from shardserve.core.replicas import replicate_layout
 from shardserve.core.snapshots import (
@@ -224,25 +226,43 @@ def _create(
     non-tensor tree."""
     session = cluster.session
     if spec is None:
-        live = [r for r in sorted(session.refresh_ranks(), key=lambda r: r.rank) if r.alive]
-        if not live:
-            raise InvalidArgumentError(
-                f"no live rank is registered with the coordinator at {session.address}"
-            )
-        layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
-        if replicas > 1:
-            candidates = session.layouts.replica_candidates()
-            layouts = {
-                key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()
-            }
-    else:
-        layouts = {
-            key: refine_layout(
-                session.layouts.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t
-            )
-            for key, t in tensors.items()
-        }
+        create = lambda ranks: create_snapshot(  # noqa: E731
+            session,
+            prefix,
+            _balanced(session, tensors, replicas, ranks),
+            keep,
+            skeleton=skeleton,
+            durable=durable,
+        )
+        try:
+            return create(session.recent_ranks())
+        except RankUnavailableError:  # the kept rank list may be a second old: ask again, once
+            return create(session.refresh_ranks())
+    layouts = {
+        key: refine_layout(
+            session.layouts.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t
+        )
+        for key, t in tensors.items()
+    }
     return create_snapshot(session, prefix, layouts, keep, skeleton=skeleton, durable=durable)
+
+
+def _balanced(
+    session: Session, tensors: Mapping[str, JobTensor], replicas: int, ranks: Sequence[RankStatus]
+) -> dict[str, ShardedTensorMetadata]:
+    """Each tensor's layout: the job's boxes over the live `ranks`, balanced by bytes, with `replicas`."""
+    live = [r for r in sorted(ranks, key=lambda r: r.rank) if r.alive]
+    if not live:
+        raise InvalidArgumentError(
+            f"no live rank is registered with the coordinator at {session.address}"
+        )
+    layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
+    if replicas > 1:
+        candidates = session.layouts.replica_candidates()
+        layouts = {
+            key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()
+        }
+    return layouts
 
 
 def _spec_of(spec: Any, key: str) -> Any:

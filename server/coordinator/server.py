@@ -149,6 +149,7 @@ class CoordinatorServer:
         """Stop, then end the calls to ranks and the rendezvous store; close the catalog."""
         self.stop()
         self.upkeep.close()
+        self.snapshots.drops.close()
         self.calls.close()
         self.registry.close()
         self.collectives.close()

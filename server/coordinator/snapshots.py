@@ -4,7 +4,8 @@ CreateSnapshot records every tensor PENDING under "PREFIX@NUMBER/KEY" and
 allocates it on its ranks; the job's ranks write their own shards; CommitSnapshot
 promotes every tensor on its ranks, then marks all of them READY and records the
 snapshot in one transaction, which also removes the snapshots of the prefix
-beyond the newest `keep`. A snapshot never committed stays invisible: it is
+beyond the newest `keep` (freed on their ranks once the commit has answered:
+server/coordinator/deferred_drops.py). A snapshot never committed stays invisible: it is
 aborted by its writer, or its tensors are reaped as any pending put.
 """
 
@@ -24,6 +25,7 @@ from shardserve.server.common.errors import (
 )
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.deferred_drops import DeferredDrops
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.orders import SnapshotOrder
 from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
@@ -73,6 +75,7 @@ class SnapshotDriver:
         self.pending_timeout = pending_timeout
         self._pending: dict[tuple[str, int], SnapshotRecord] = {}
         self._guard = threading.Lock()
+        self.drops = DeferredDrops(versions.drop_rows)
 
     def create(self, order: SnapshotOrder) -> SnapshotRecord:
         """Record every tensor PENDING and allocate it on its ranks; all or none."""
@@ -83,6 +86,9 @@ class SnapshotDriver:
             except InvalidArgument as err:
                 raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
         self._forget_stale()
+        self.drops.wait(
+            prefix
+        )  # the memory of the snapshots the last commit removed, free to reuse
         number, *versions = self.catalog.next_versions(1 + len(layouts))
         created = time.time()
         options = TensorOptions(durable=order.durable)
@@ -142,7 +148,7 @@ class SnapshotDriver:
         except BaseException:
             self._discard(snapshot)
             raise
-        self.versions.drop_rows(removed)
+        self.drops.submit(prefix, removed)
         log.info(
             "committed snapshot %r %d (%d tensors)%s",
             prefix,

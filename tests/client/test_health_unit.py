@@ -210,3 +210,17 @@ def test_transport_strings_parse_into_path_kinds():
     assert str(PathKind.SHARED_MEMORY) == "shm" and f"{PathKind.GRPC}" == "grpc"
     with pytest.raises(ValueError, match="transport must be one of"):
         parse_transport("rdma")
+
+
+def test_a_recent_rank_list_is_reused_and_an_old_one_asked_again():
+    clock, coordinator = Clock(), Coordinator({0: True, 1: True})
+    directory = RankDirectory(coordinator.list_ranks, "coordinator:1", clock=clock)
+    assert [r.rank for r in directory.recent(1.0)] == [0, 1]  # never asked: asks
+    assert coordinator.calls == 1
+    coordinator.alive[1] = False
+    clock.now += 0.5
+    assert all(r.alive for r in directory.recent(1.0))  # half a second old: kept
+    assert coordinator.calls == 1
+    clock.now += 0.6
+    assert [r.alive for r in directory.recent(1.0)] == [True, False]
+    assert coordinator.calls == 2

@@ -1,0 +1,64 @@
+"""DeferredDrops: a commit's removed versions are freed after it answers, in order, and a prefix's next
+snapshot waits for its drops; a failing drop is logged and later ones still run."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from shardserve.core.metadata import make_metadata
+from shardserve.server.coordinator.deferred_drops import DeferredDrops
+from shardserve.server.coordinator.records import TensorRecord
+
+META = make_metadata((4,), [((0,), (4,), 0)], dtype=torch.float32)
+
+
+def _records(*names: str) -> list[TensorRecord]:
+    return [TensorRecord(name=name, version=1, metadata=META) for name in names]
+
+
+def test_wait_returns_once_the_prefix_drops_are_done_and_they_run_in_order() -> None:
+    release, dropped = threading.Event(), []
+
+    def drop_rows(records: list[TensorRecord]) -> None:
+        release.wait(10)
+        dropped.extend(r.name for r in records)
+
+    drops = DeferredDrops(drop_rows)
+    try:
+        drops.submit("m", _records("m@1/a"))
+        drops.submit("other", _records("other@1/a"))
+        drops.submit("m", _records("m@2/a", "m@2/b"))
+        drops.wait("m", timeout=0.2)  # still held: the wait gives up and says so
+        assert dropped == []
+        release.set()
+        drops.wait("m")
+        assert dropped[:1] == ["m@1/a"] and {"m@2/a", "m@2/b"} <= set(dropped)
+        drops.wait("never-submitted")  # nothing to wait for
+    finally:
+        release.set()
+        drops.close()
+    assert dropped == ["m@1/a", "other@1/a", "m@2/a", "m@2/b"]
+
+
+def test_a_failed_drop_is_logged_and_the_next_still_runs(caplog: pytest.LogCaptureFixture) -> None:
+    dropped: list[str] = []
+
+    def drop_rows(records: list[TensorRecord]) -> None:
+        if records[0].name == "bad@1/a":
+            raise RuntimeError("rank gone")
+        dropped.extend(r.name for r in records)
+
+    drops = DeferredDrops(drop_rows)
+    with caplog.at_level(logging.ERROR):
+        drops.submit("bad", _records("bad@1/a"))
+        drops.submit("bad", _records("bad@2/a"))
+        drops.submit("empty", [])  # nothing removed: nothing to run
+        drops.wait("bad")
+        drops.close()
+    assert dropped == ["bad@2/a"]
+    assert "dropping 1 versions of older snapshots of 'bad'" in caplog.text
+    assert "rank gone" in caplog.text
