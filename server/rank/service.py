@@ -45,7 +45,7 @@ from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
-from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.store import ShardStore, versions_phrase
 from shardserve.server.rank.wire import init_fill, tensor_options
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
@@ -124,15 +124,21 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                     ),
                     service_errors(),
                 ):
-                    total += self._allocate(allocation)
+                    total += self._allocate(allocation, log_level=logging.DEBUG)
                 made.append(allocation)
         except BaseException:
             for done in made:
                 self.store.drop(done.name, done.version)
             raise
+        log.info(
+            "rank %d allocated %d bytes for %s",
+            self.store.rank,
+            total,
+            versions_phrase([(a.name, a.version) for a in allocations]),
+        )
         return pb.AllocateManyResponse(allocated_bytes=total)
 
-    def _allocate(self, allocation: Allocation) -> int:
+    def _allocate(self, allocation: Allocation, *, log_level: int = logging.INFO) -> int:
         request, name, version, meta = (
             allocation.request,
             allocation.name,
@@ -152,7 +158,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             return self.store.reserve(name, version, meta, options)
         check_init(request.init, meta.dtype)
         fill = init_fill(request.init)
-        return self.store.allocate(name, version, meta, fill, request.seed, options)
+        return self.store.allocate(
+            name, version, meta, fill, request.seed, options, log_level=log_level
+        )
 
     @rank_rpc
     def PromoteVersion(
@@ -181,8 +189,17 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def DropMany(
         self, request: pb.DropManyRequest, context: grpc.ServicerContext
     ) -> pb.DropManyResponse:
-        for name, version in checked_versions(request.versions, allow_zero=True):
-            self.store.drop(name, version)
+        versions = list(checked_versions(request.versions, allow_zero=True))
+        dropped = sum(
+            self.store.drop(name, version, log_level=logging.DEBUG) for name, version in versions
+        )
+        if dropped:
+            log.info(
+                "rank %d dropped %d held versions of %s",
+                self.store.rank,
+                dropped,
+                versions_phrase(versions),
+            )
         return pb.DropManyResponse()
 
     @rank_rpc

@@ -118,8 +118,11 @@ class ShardStore:
         fill: InitFill = InitFill.NONE,
         seed: int = 0,
         options: TensorOptions | None = None,
+        *,
+        log_level: int = logging.INFO,
     ) -> int:
-        """Allocate (and fill, unless InitFill.NONE) the shards of `meta` placed on this rank."""
+        """Allocate (and fill, unless InitFill.NONE) the shards of `meta` placed on this rank (logged at
+        `log_level`: a batch logs one line of its own instead)."""
         record = self._record(name, version, meta, options)
         self._add(record)
         # NONE: every shard is written whole before it counts (ShardProgress), so reused memory need not be zeroed
@@ -136,7 +139,8 @@ class ShardStore:
         if fill.writes_all:
             with self._lock:
                 record.progress.mark_filled(record.shards)
-        log.info(
+        log.log(
+            log_level,
             "rank %d allocated %r version %d: %d shards, %d bytes",
             self.rank,
             name,
@@ -311,10 +315,9 @@ class ShardStore:
         for item in persist:
             assert self.persistence is not None
             self.persistence.served(item.name, item.version, item.meta)
-        for name, version in versions:
-            log.info("rank %d serves %r version %d", self.rank, name, version)
+        log.info("rank %d serves %s", self.rank, versions_phrase(versions))
 
-    def drop(self, name: str, version: int = 0) -> int:
+    def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
         """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
         version that a newer served one replaced stays served for the grace period first (end_graces drops
         it); dropping all versions (a delete) drops at once."""
@@ -335,7 +338,8 @@ class ShardStore:
         if self.persistence is not None and (records or version == 0):
             self.persistence.drop(name, version)
         if records:
-            log.info(
+            log.log(
+                log_level,
                 "rank %d dropped %r versions %s%s",
                 self.rank,
                 name,
@@ -464,3 +468,10 @@ class ShardStore:
         """The local tensor of one shard (for in-process extensions and tests)."""
         with self._lock:
             return self.versions.get(name, version).local_shard(shard_index, self.rank)
+
+
+def versions_phrase(versions: Sequence[tuple[str, int]], shown: int = 3) -> str:
+    """(name, version) pairs for a log line: all of a few, the first `shown` and a count of many."""
+    named = ", ".join(f"{name!r} version {version}" for name, version in versions[:shown])
+    more = len(versions) - shown
+    return f"{named} and {more} more" if more > 0 else named

@@ -7,6 +7,7 @@ persistence each promoted version is durable and restores bit for bit.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import grpc
@@ -82,6 +83,29 @@ def test_a_batch_is_allocated_promoted_and_dropped_in_one_call_each():
     assert all(torch.equal(rank.store.local_tensor(n, 1, 0), expected) for n in names)
     rank.DropMany(drop_many(names), ServicerContext())
     assert rank.store.held() == [] and rank.store.memory_used == 0
+
+
+def test_a_batch_logs_one_line_per_call_and_a_single_tensor_its_own(caplog):
+    rank = servicer()
+    names = [f"t{i}" for i in range(50)]
+    with caplog.at_level(logging.DEBUG, logger="shardserve.server.rank"):
+        rank.AllocateMany(
+            pb.AllocateManyRequest(tensors=[allocation(n) for n in names]), ServicerContext()
+        )
+        rank.PromoteMany(promote_many(names), ServicerContext())
+        rank.DropMany(drop_many(names), ServicerContext())
+        rank.AllocateShards(allocation("alone"), ServicerContext())
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert info == [
+        "rank 0 allocated 6400 bytes for 't0' version 1, 't1' version 1, 't2' version 1 "
+        "and 47 more",
+        "rank 0 serves 't0' version 1, 't1' version 1, 't2' version 1 and 47 more",
+        "rank 0 dropped 50 held versions of 't0' version 1, 't1' version 1, 't2' version 1 "
+        "and 47 more",
+        "rank 0 allocated 'alone' version 1: 1 shards, 128 bytes",
+    ]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert sum("allocated 't" in m for m in debug) == 50  # each tensor still there at DEBUG
 
 
 def test_a_tensor_over_the_memory_limit_leaves_nothing_allocated():
