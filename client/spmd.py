@@ -225,6 +225,7 @@ def _create(
     """Job rank 0: the server layout of every tensor, recorded as a pending snapshot with the state dict's
     non-tensor tree."""
     session = cluster.session
+    writer_host_id = session.paths.in_place_host()
     if spec is None:
         create = lambda ranks: create_snapshot(  # noqa: E731
             session,
@@ -233,6 +234,7 @@ def _create(
             keep,
             skeleton=skeleton,
             durable=durable,
+            writer_host_id=writer_host_id,
         )
         try:
             return create(session.recent_ranks())
@@ -244,7 +246,15 @@ def _create(
         )
         for key, t in tensors.items()
     }
-    return create_snapshot(session, prefix, layouts, keep, skeleton=skeleton, durable=durable)
+    return create_snapshot(
+        session,
+        prefix,
+        layouts,
+        keep,
+        skeleton=skeleton,
+        durable=durable,
+        writer_host_id=writer_host_id,
+    )
 
 
 def _balanced(
@@ -283,11 +293,12 @@ def _write_mine(
     rank: int,
 ) -> dict[str, int]:
     """Write every server shard whose writer is this job rank, each server rank's shards batched together on its
-    fastest path; returns the bytes written per path."""
+    fastest path (into the memory the create opened for it, where it did); returns the bytes written per path."""
     writes = []
     for entry in snapshot.entries:
         meta = metadata_from_proto(entry.tensor.metadata)
         held = dict(local[entry.key])
+        opened = {shard.shard_index: shard.segment for shard in entry.writable}
         for index, shard in enumerate(meta.shards_metadata):
             writer, job_box = writer_of(shard.box, tensors[entry.key])
             if writer != rank:
@@ -297,9 +308,10 @@ def _write_mine(
                 if not shard.box.is_empty()
                 else torch.empty(shard.box.sizes, dtype=meta.dtype)
             )
-            writes.append(
-                (shard.rank, shard_write(entry.tensor.name, entry.tensor.version, index, data))
+            write = shard_write(
+                entry.tensor.name, entry.tensor.version, index, data, segment=opened.get(index)
             )
+            writes.append((shard.rank, write))
     return cluster.session.write_shards(writes)
 
 

@@ -388,26 +388,30 @@ class SnapshotTensor(_message.Message):
     def __init__(self, key: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
 
 class CreateSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "tensors", "keep", "skeleton", "not_durable")
+    __slots__ = ("prefix", "tensors", "keep", "skeleton", "not_durable", "writer_host_id")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     SKELETON_FIELD_NUMBER: _ClassVar[int]
     NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
+    WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     tensors: _containers.RepeatedCompositeFieldContainer[SnapshotTensor]
     keep: int
     skeleton: str
     not_durable: bool
-    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ..., skeleton: _Optional[str] = ..., not_durable: _Optional[bool] = ...) -> None: ...
+    writer_host_id: str
+    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ..., skeleton: _Optional[str] = ..., not_durable: _Optional[bool] = ..., writer_host_id: _Optional[str] = ...) -> None: ...
 
 class SnapshotEntry(_message.Message):
-    __slots__ = ("key", "tensor")
+    __slots__ = ("key", "tensor", "writable")
     KEY_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     key: str
     tensor: TensorInfo
-    def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
+    writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
+    def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
     __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries", "skeleton")
@@ -430,14 +434,16 @@ class SnapshotInfo(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "number", "view")
+    __slots__ = ("prefix", "number", "view", "written_in_place")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
     view: SnapshotView
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ...) -> None: ...
+    written_in_place: bool
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
 
 class AbortSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number")
@@ -552,22 +558,28 @@ class DropVersionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AllocateManyRequest(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "writer_host_id")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[AllocateShardsRequest]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ...) -> None: ...
+    writer_host_id: str
+    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ..., writer_host_id: _Optional[str] = ...) -> None: ...
 
 class AllocateManyResponse(_message.Message):
-    __slots__ = ("allocated_bytes",)
+    __slots__ = ("allocated_bytes", "writable")
     ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     allocated_bytes: int
-    def __init__(self, allocated_bytes: _Optional[int] = ...) -> None: ...
+    writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
+    def __init__(self, allocated_bytes: _Optional[int] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class PromoteManyRequest(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "finish_in_place")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[PromoteVersionRequest]
-    def __init__(self, versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ...) -> None: ...
+    finish_in_place: bool
+    def __init__(self, versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ..., finish_in_place: _Optional[bool] = ...) -> None: ...
 
 class PromoteManyResponse(_message.Message):
     __slots__ = ()
@@ -678,6 +690,18 @@ class OpenShardsForWriteResponse(_message.Message):
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[WritableSegment]
     def __init__(self, segments: _Optional[_Iterable[_Union[WritableSegment, _Mapping]]] = ...) -> None: ...
+
+class WritableShard(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "segment")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    segment: WritableSegment
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., segment: _Optional[_Union[WritableSegment, _Mapping]] = ...) -> None: ...
 
 class ReadRegionRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "offsets", "sizes", "chunk_bytes")

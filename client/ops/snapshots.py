@@ -58,14 +58,18 @@ def create_snapshot(
     *,
     skeleton: str = "",
     durable: bool = True,
+    writer_host_id: str = "",
 ) -> pb.SnapshotInfo:
     """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks; `skeleton`
-    keeps the state dict's non-tensor tree with it; kept off the ranks' disks unless `durable`."""
+    keeps the state dict's non-tensor tree with it; kept off the ranks' disks unless `durable`. With
+    `writer_host_id` (client.paths.policy.PathPolicy.in_place_host), ranks on that host open their shards
+    for in-place writes and the answer's entries carry them (SnapshotEntry.writable)."""
     request = pb.CreateSnapshotRequest(
         prefix=arguments.tensor_name(prefix, "prefix"),
         keep=keep,
         skeleton=skeleton,
         not_durable=not arguments.flag(durable, "durable"),
+        writer_host_id=writer_host_id,
     )
     for key, meta in layouts.items():
         request.tensors.add(key=key, metadata=metadata_to_proto(meta))
@@ -74,11 +78,15 @@ def create_snapshot(
 
 def commit_snapshot(session: Session, created: pb.SnapshotInfo) -> int:
     """CommitSnapshot of the snapshot `created` answered: every tensor READY at once, older snapshots beyond
-    `keep` dropped; returns its number. The answer leaves out the entries the writer already has."""
+    `keep` dropped; returns its number. The shards `created` handed out for in-place writes count as written
+    (call it only once every writer is done). The answer leaves out the entries the writer already has."""
     committed = session.call(
         "CommitSnapshot",
         pb.CommitSnapshotRequest(
-            prefix=created.prefix, number=created.number, view=pb.SNAPSHOT_VIEW_BASIC
+            prefix=created.prefix,
+            number=created.number,
+            view=pb.SNAPSHOT_VIEW_BASIC,
+            written_in_place=any(entry.writable for entry in created.entries),
         ),
     )
     for entry in created.entries:

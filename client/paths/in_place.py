@@ -4,7 +4,8 @@ OpenShardsForWrite answers where each pending shard's memory is (a memfd of the
 rank, /proc/<pid>/fd/<fd>); the writer maps it writable, checks it is that file
 (inode and device), copies its tensor in with torch's parallel copy, then a
 WriteShards with `written_in_place` makes the rank count the shards written
-(server/rank/writes/in_place.py). The mappings are kept (up to MAPPED_BYTES):
+(server/rank/writes/in_place.py). A snapshot's writer is handed the segments
+with CreateSnapshot's answer and skips both calls: its commit counts them. The mappings are kept (up to MAPPED_BYTES):
 a rank reuses a freed version's memory for the next put, and that memory is
 sealed against new writable mappings once served, so a weight sync that puts
 every step fills the same mapped pages each time, with no page fault and no
@@ -78,12 +79,25 @@ class InPlaceWriter:
 
     def write(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Fill the shards of `writes` on the rank at `address` in place, then tell it; the bytes written.
-        InPlaceUnavailable when this batch must go another way (nothing was written then)."""
-        segments = self._open(address, writes)
+        Writes that all carry the segment their allocation opened are neither opened nor told: the snapshot's
+        commit counts them written. InPlaceUnavailable when this batch must go another way (nothing was
+        written then)."""
+        opened = [write.segment for write in writes if write.segment is not None]
+        told = len(opened) < len(
+            writes
+        )  # not all opened with their allocation: open them now, tell after
+        segments = self._open(address, writes) if told else opened
+        self._check_sizes(address, writes, segments)
         targets = [self._target(address, segment) for segment in segments]
         for write, target in zip(writes, targets):
             if write.nbytes:
                 copy_into(target, write.data)
+        written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
+        self._unmap_released(address, {_key(address, segment) for segment in segments})
+        return written
+
+    def _tell_written(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        """WriteShards with `written_in_place`: the rank counts the shards written; the bytes it counted."""
         request = write_request(writes)
         request.written_in_place = True
         try:
@@ -92,8 +106,7 @@ class InPlaceWriter:
             )
         except grpc.RpcError as err:
             raise error_from_rpc(err, f"rank at {address}") from None
-        self._unmap_released(address, {_key(address, segment) for segment in segments})
-        return reply.bytes_written
+        return int(reply.bytes_written)
 
     def close(self) -> None:
         """Let go of every kept mapping (the rank's memory goes once it drops it too)."""
@@ -117,17 +130,22 @@ class InPlaceWriter:
                     f"rank at {address}: {err.details()}", refused=_refuses_every_batch(error)
                 ) from None
             raise error from None
-        if len(reply.segments) != len(writes):
+        return list(reply.segments)
+
+    @staticmethod
+    def _check_sizes(
+        address: str, writes: Sequence[ShardWrite], segments: Sequence[pb.WritableSegment]
+    ) -> None:
+        if len(segments) != len(writes):
             raise InPlaceUnavailable(
-                f"rank at {address} answered {len(reply.segments)} segments for {len(writes)} shards"
+                f"rank at {address} answered {len(segments)} segments for {len(writes)} shards"
             )
-        for write, segment in zip(writes, reply.segments):
+        for write, segment in zip(writes, segments):
             if segment.nbytes != write.nbytes:
                 raise InPlaceUnavailable(
                     f"rank at {address}: a segment of {segment.nbytes} bytes for a shard of "
                     f"{write.nbytes}"
                 )
-        return list(reply.segments)
 
     def _unmap_released(self, address: str, used: set[tuple[str, int, int, int, int]]) -> None:
         """Unmap the kept mappings of `address`'s segments that the rank no longer holds (freed for good, not

@@ -272,6 +272,13 @@ class PathPolicy:
 
     # ------------------------------------------------------------ writes, lookups
 
+    def in_place_host(self) -> str:
+        """The host id under which ranks may open shards for this client's in-place writes at allocation
+        (CreateSnapshot's writer_host_id): this process's, "" when a forced transport leaves out shared memory."""
+        if self.forced not in (None, PathKind.SHARED_MEMORY):
+            return ""
+        return self.shm.in_place.host_id
+
     def write(self, rank: RankStatus, writes: Sequence[ShardWrite]) -> tuple[PathKind, int]:
         """Write whole shards to `rank` by the fastest path that serves it: a staging memfd the rank reads on
         the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes written)."""

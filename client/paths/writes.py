@@ -38,6 +38,9 @@ class ShardWrite:
     header: pb.WriteShardHeader
     data: torch.Tensor
     chunk_bytes: int = CHUNK_BYTES  # the message size when it streams over gRPC (WriteShard)
+    # the shard's memory, opened for this writer with its allocation (CreateSnapshot's answer): filled in
+    # place with no call to the rank, counted written by the snapshot's commit
+    segment: pb.WritableSegment | None = None
 
     @property
     def nbytes(self) -> int:
@@ -45,9 +48,15 @@ class ShardWrite:
 
 
 def shard_write(
-    name: str, version: int, shard_index: int, data: torch.Tensor, chunk_bytes: int = CHUNK_BYTES
+    name: str,
+    version: int,
+    shard_index: int,
+    data: torch.Tensor,
+    chunk_bytes: int = CHUNK_BYTES,
+    *,
+    segment: pb.WritableSegment | None = None,
 ) -> ShardWrite:
-    """The write of `data` as shard `shard_index` of (name, version)."""
+    """The write of `data` as shard `shard_index` of (name, version) (into `segment`, opened already, if given)."""
     header = pb.WriteShardHeader(
         name=name,
         version=version,
@@ -55,7 +64,7 @@ def shard_write(
         dtype=dtype_to_wire(data.dtype),  # type: ignore[arg-type]
         nbytes=data.numel() * data.element_size(),
     )
-    return ShardWrite(header, data, chunk_bytes)
+    return ShardWrite(header, data, chunk_bytes, segment)
 
 
 def batched(writes: Sequence[ShardWrite], max_bytes: int) -> list[list[ShardWrite]]:

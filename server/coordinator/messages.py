@@ -6,7 +6,7 @@ calls to ranks (rank_calls.py), and the catalog's migration of TensorInfo blobs 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from shardserve.core.wire import metadata_from_proto, metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
@@ -116,6 +116,14 @@ def snapshot_to_proto(
         entries=[pb.SnapshotEntry(key=e.key, tensor=tensor(e.tensor)) for e in record.entries],
         skeleton=record.skeleton,
     )
+
+
+def with_writable(info: pb.SnapshotInfo, writable: Iterable[pb.WritableShard]) -> pb.SnapshotInfo:
+    """`info` with each shard its ranks opened for in-place writes under its entry (CreateSnapshot's answer)."""
+    entries = {entry.tensor.name: entry for entry in info.entries}
+    for shard in writable:
+        entries[shard.name].writable.append(shard)
+    return info
 
 
 def snapshot_from_proto(info: pb.SnapshotInfo) -> SnapshotRecord:

@@ -25,6 +25,7 @@ MAX_SNAPSHOT_TENSORS = 1 << 16
 MAX_SKELETON_BYTES = (
     4 << 20
 )  # a state dict's non-tensor tree: an optimizer's param_groups, steps, names
+MAX_HOST_ID_BYTES = 256  # a boot id and a few namespace inodes (protos/same_host.py)
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class SnapshotOrder:
     layouts: Mapping[str, ShardedTensorMetadata]
     skeleton: str
     durable: bool
+    writer_host_id: str = (
+        ""  # a same-host writer whose shards the ranks open for in-place writes, if any
+    )
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,32 @@ class ReshardOrder:
     timeout_s: float
 
 
-def snapshot_order(request: pb.CreateSnapshotRequest) -> SnapshotOrder:
-    """The checked order of a CreateSnapshot request; INVALID_ARGUMENT naming the field."""
+def snapshot_order(
+    request: pb.CreateSnapshotRequest, *, authenticated: bool = False
+) -> SnapshotOrder:
+    """The checked order of a CreateSnapshot request; INVALID_ARGUMENT naming the field. An `authenticated`
+    caller's writer_host_id is dropped: in-place writes are for unauthenticated clusters (a mapping outlives
+    its right to the tensor: server/rank/writes/in_place.py)."""
     prefix = check_name(request.prefix, "prefix")
     keep = request.keep or DEFAULT_KEEP
     if keep > MAX_KEEP:
         raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
     layouts = _checked_tensors(request.tensors)
     skeleton = _checked_skeleton(request.skeleton, layouts)
-    return SnapshotOrder(prefix, keep, layouts, skeleton, durable=not request.not_durable)
+    if len(request.writer_host_id.encode()) > MAX_HOST_ID_BYTES:
+        raise InvalidArgument(
+            f"writer_host_id: {len(request.writer_host_id.encode())} bytes, over the limit of "
+            f"{MAX_HOST_ID_BYTES}",
+            metadata={"field": "writer_host_id"},
+        )
+    return SnapshotOrder(
+        prefix,
+        keep,
+        layouts,
+        skeleton,
+        durable=not request.not_durable,
+        writer_host_id="" if authenticated else request.writer_host_id,
+    )
 
 
 def snapshot_view(view: pb.SnapshotView) -> pb.SnapshotView:

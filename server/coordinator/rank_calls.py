@@ -103,16 +103,22 @@ class RankCalls:
             ranks, lambda stub: stub.AllocateShards(request, timeout=self.rpc_timeout), what
         )
 
-    def allocate_many(self, records: Mapping[int, list[TensorRecord]], what: str) -> None:
+    def allocate_many(
+        self, records: Mapping[int, list[TensorRecord]], what: str, *, writer_host_id: str = ""
+    ) -> list[pb.WritableShard]:
         """AllocateMany of each rank's records (filled by their writers), one call per rank, ranks at once; the
-        first failure raised."""
+        first failure raised. With `writer_host_id`, the shards each rank opened for that same-host writer."""
         requests = {
-            rank: pb.AllocateManyRequest(tensors=[self._allocation(r, Allocation()) for r in mine])
+            rank: pb.AllocateManyRequest(
+                tensors=[self._allocation(r, Allocation()) for r in mine],
+                writer_host_id=writer_host_id,
+            )
             for rank, mine in records.items()
         }
-        self.fan_out_each(
+        answers = self.fan_out_each(
             {r: partial(_allocate_many, q, self.rpc_timeout) for r, q in requests.items()}, what
         )
+        return [shard for answer in answers.values() for shard in answer.writable]
 
     def promote(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
         """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
@@ -121,11 +127,19 @@ class RankCalls:
             ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what
         )
 
-    def promote_many(self, versions: Mapping[int, list[tuple[str, int]]], what: str) -> None:
-        """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once."""
+    def promote_many(
+        self,
+        versions: Mapping[int, list[tuple[str, int]]],
+        what: str,
+        *,
+        finish_in_place: bool = False,
+    ) -> None:
+        """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once; with
+        `finish_in_place`, the shards their writers filled in place count as written first."""
         requests = {
             rank: pb.PromoteManyRequest(
-                versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine]
+                versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine],
+                finish_in_place=finish_in_place,
             )
             for rank, mine in versions.items()
         }

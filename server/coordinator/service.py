@@ -12,6 +12,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import InvalidArgument, rpc_errors
+from shardserve.server.common.principals import ANONYMOUS
 from shardserve.server.common.requests import (
     check_init,
     check_name,
@@ -25,6 +26,7 @@ from shardserve.server.coordinator.messages import (
     init_from_proto,
     options_from_proto,
     snapshot_to_proto,
+    with_writable,
 )
 from shardserve.server.coordinator.orders import reshard_order, snapshot_order, snapshot_view
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
@@ -184,14 +186,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
-        return snapshot_to_proto(self.coordinator.snapshots.create(snapshot_order(request)))
+        order = snapshot_order(request, authenticated=not _anonymous())
+        created = self.coordinator.snapshots.create(order)
+        return with_writable(snapshot_to_proto(created.record), created.writable)
 
     @rpc_errors
     def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
         view = snapshot_view(request.view)
-        committed = self.coordinator.snapshots.commit(request.prefix, request.number)
+        committed = self.coordinator.snapshots.commit(
+            request.prefix, request.number, written_in_place=request.written_in_place
+        )
         return self.answers.snapshot(committed, view)
 
     @rpc_errors
@@ -237,6 +243,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             done=step.done,
             tensors=[self.answers.tensor(r) for r in step.tensors],
         )
+
+
+def _anonymous() -> bool:
+    """Whether the caller is not authenticated (a server without client auth, or no interceptor)."""
+    principal = caller()
+    return principal is None or principal.name == ANONYMOUS
 
 
 def _covers(name: str) -> bool:

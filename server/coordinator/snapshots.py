@@ -14,9 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
     NotFound,
@@ -54,6 +56,15 @@ def snapshot_tensor_name(prefix: str, number: int, key: str) -> str:
     return f"{prefix}@{number}/{key}"
 
 
+@dataclass(frozen=True)
+class CreatedSnapshot:
+    """A pending snapshot and the shards its ranks opened for the writer's in-place writes (their answers,
+    relayed to the writer as they are)."""
+
+    record: SnapshotRecord
+    writable: Sequence[pb.WritableShard] = ()
+
+
 class SnapshotDriver:
     """Create, commit, abort and read snapshots; pending ones are kept in memory until committed or aborted."""
 
@@ -77,8 +88,9 @@ class SnapshotDriver:
         self._guard = threading.Lock()
         self.drops = DeferredDrops(versions.drop_rows)
 
-    def create(self, order: SnapshotOrder) -> SnapshotRecord:
-        """Record every tensor PENDING and allocate it on its ranks; all or none."""
+    def create(self, order: SnapshotOrder) -> CreatedSnapshot:
+        """Record every tensor PENDING and allocate it on its ranks (opening its shards for the order's same-host
+        writer, if any); all or none."""
         prefix, keep, layouts, skeleton = order.prefix, order.keep, order.layouts, order.skeleton
         for key, meta in layouts.items():
             try:
@@ -110,8 +122,10 @@ class SnapshotDriver:
         )
         self.catalog.add_all(snapshot.tensors(), durable=options.durable)
         try:
-            self.calls.allocate_many(
-                _tensors_by_rank(snapshot), f"allocate snapshot {prefix!r} {number}"
+            writable = self.calls.allocate_many(
+                _tensors_by_rank(snapshot),
+                f"allocate snapshot {prefix!r} {number}",
+                writer_host_id=order.writer_host_id,
             )
         except BaseException:
             self._discard(snapshot)
@@ -125,16 +139,18 @@ class SnapshotDriver:
             len(layouts),
             snapshot.nbytes,
         )
-        return snapshot
+        return CreatedSnapshot(snapshot, writable)
 
-    def commit(self, prefix: str, number: int) -> SnapshotRecord:
-        """Promote every tensor on its ranks, then commit all of them and the snapshot in one transaction."""
+    def commit(self, prefix: str, number: int, *, written_in_place: bool = False) -> SnapshotRecord:
+        """Promote every tensor on its ranks (`written_in_place`: the shards create opened for in-place writes
+        count as written first), then commit all of them and the snapshot in one transaction."""
         snapshot = self._take(prefix, number)
         try:
             with self.locks.hold(f"{prefix}@"):
                 self.calls.promote_many(
                     versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
                     f"promote snapshot {prefix!r} {number}",
+                    finish_in_place=written_in_place,
                 )
                 try:
                     committed, removed = self.catalog.commit_snapshot(

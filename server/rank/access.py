@@ -118,6 +118,31 @@ class VersionAccess:
                 record.progress.open_in_place(shard_index)
         return found
 
+    def open_allocated_in_place(self, name: str, version: int) -> list[tuple[int, Segment, bool]]:
+        """Hand every local shard of the newly allocated pending (name, version) that lies in shared memory to
+        a same-host writer, as open_in_place does one: (shard index, Segment, sealed) each."""
+        opened = []
+        with self._lock:
+            record = self._versions.pending(name, version)
+            for shard_index, shard in sorted(record.shards.items()):
+                found = self._memory.shared.writable_segment(shard)
+                if found is not None:
+                    record.progress.open_in_place(shard_index)
+                    opened.append((shard_index, *found))
+        return opened
+
+    def finish_all_in_place(self, name: str, version: int) -> int:
+        """Count every shard of pending (name, version) still handed to an in-place writer as written (its
+        writers said they filled them all); how many there were."""
+        with self._lock:
+            record = self._versions.get(name, version)
+            if not record.state.is_pending:
+                return 0  # promoted already: a commit retried
+            handed = sorted(record.progress.in_place)
+            for shard_index in handed:
+                record.progress.finish_in_place(shard_index)
+        return len(handed)
+
     def finish_in_place(
         self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
     ) -> None:

@@ -49,6 +49,7 @@ from shardserve.server.rank.store import ShardStore, versions_phrase
 from shardserve.server.rank.wire import init_fill, tensor_options
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
+from shardserve.server.rank.writes.in_place import open_allocated
 from shardserve.server.rank.writes.path import WritePath
 
 log = logging.getLogger(__name__)
@@ -130,13 +131,16 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             for done in made:
                 self.store.drop(done.name, done.version)
             raise
+        versions = [(a.name, a.version) for a in allocations]
         log.info(
-            "rank %d allocated %d bytes for %s",
-            self.store.rank,
-            total,
-            versions_phrase([(a.name, a.version) for a in allocations]),
+            "rank %d allocated %d bytes for %s", self.store.rank, total, versions_phrase(versions)
         )
-        return pb.AllocateManyResponse(allocated_bytes=total)
+        writable = (
+            open_allocated(self.store, versions, request.writer_host_id)
+            if request.writer_host_id
+            else []
+        )
+        return pb.AllocateManyResponse(allocated_bytes=total, writable=writable)
 
     def _allocate(self, allocation: Allocation, *, log_level: int = logging.INFO) -> int:
         request, name, version, meta = (
@@ -174,8 +178,14 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self, request: pb.PromoteManyRequest, context: grpc.ServicerContext
     ) -> pb.PromoteManyResponse:
         """Promote the versions, persisted with one sync round for all; the first version that is not
-        promotable fails the batch before any is served (the coordinator then drops them all)."""
-        self.store.promote_many(list(checked_versions(request.versions)), item_errors=_item_errors)
+        promotable fails the batch before any is served (the coordinator then drops them all). With
+        `finish_in_place`, the shards their writers filled in place count as written first."""
+        versions = list(checked_versions(request.versions))
+        if request.finish_in_place:
+            for index, (name, version) in enumerate(versions):
+                with _item_errors(index):
+                    self.store.access.finish_all_in_place(name, version)
+        self.store.promote_many(versions, item_errors=_item_errors)
         return pb.PromoteManyResponse()
 
     @rank_rpc

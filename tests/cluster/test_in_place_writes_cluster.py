@@ -216,3 +216,63 @@ def test_a_rank_refuses_unopened_in_place_shards_and_other_hosts(cluster):
     assert "host_id" in caught.value.details()
     with connect(cluster.address) as client:  # still serving
         assert torch.equal(client.tensor("served").full_tensor(), torch.ones(8, 4))
+
+
+def test_a_snapshot_writer_fills_the_shards_its_create_opened_with_no_call_to_the_ranks(
+    cluster, monkeypatch
+):
+    """put_state_dict on one host: CreateSnapshot's answer hands out every shard's segment and the commit
+    counts them written, so the writer neither opens them (OpenShardsForWrite) nor tells the ranks
+    (WriteShards): one create and one commit whatever the number of tensors."""
+    from shardserve.client.paths.in_place import InPlaceWriter
+
+    def no_call(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a snapshot writer called the rank")
+
+    monkeypatch.setattr(InPlaceWriter, "_open", no_call)
+    monkeypatch.setattr(InPlaceWriter, "_tell_written", no_call)
+    state = {f"layer{i}.w": _sample(DTYPES[i % len(DTYPES)], (33, 17), i) for i in range(24)}
+    with connect(cluster.address) as client:
+        for step in range(3):  # new memory, then memory the snapshot before freed
+            fresh = {
+                key: value if value.dtype == torch.bool else value + step
+                for key, value in state.items()
+            }
+            spmd.put_state_dict(client, fresh, "opened", keep=1, durable=False)
+            into = {key: torch.empty_like(value) for key, value in fresh.items()}
+            spmd.get_state_dict(client, "opened", into=into)
+            assert all(torch.equal(into[key], fresh[key]) for key in fresh), step
+        assert client.session.paths.shm.in_place.mapped_segments > 0
+
+
+def _create_request(prefix: str, writer_host_id: str) -> pb.CreateSnapshotRequest:
+    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.wire import metadata_to_proto
+
+    meta = SPEC.build_metadata((8, 4), TensorProperties(dtype=torch.float32))
+    request = pb.CreateSnapshotRequest(prefix=prefix, keep=1, writer_host_id=writer_host_id)
+    request.tensors.add(key="w", metadata=metadata_to_proto(meta))
+    return request
+
+
+def test_opened_shards_count_only_when_the_commit_says_they_were_written(cluster):
+    """A commit without written_in_place refuses shards that CreateSnapshot opened for in-place writes (they
+    are torn until then) and publishes nothing; a writer on another host is opened nothing."""
+    from shardserve.protos.same_host import host_id
+
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(cluster.address))
+    elsewhere = stub.CreateSnapshot(_create_request("unopened", "elsewhere"), timeout=WAIT_S)
+    assert [list(entry.writable) for entry in elsewhere.entries] == [[]]
+    stub.AbortSnapshot(pb.AbortSnapshotRequest(prefix="unopened", number=elsewhere.number))
+    created = stub.CreateSnapshot(_create_request("opened-raw", host_id()), timeout=WAIT_S)
+    (entry,) = created.entries
+    assert sorted(shard.shard_index for shard in entry.writable) == [0, 1]
+    assert all(shard.segment.nbytes == 4 * 4 * 4 for shard in entry.writable)
+    commit = pb.CommitSnapshotRequest(prefix="opened-raw", number=created.number)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CommitSnapshot(commit, timeout=WAIT_S)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+    assert rpc_status.from_call(caught.value) is not None
+    assert "not fully written" in caught.value.details() or "torn" in caught.value.details()
+    with connect(cluster.address) as client:
+        assert not any(info.name.startswith("opened-raw@") for info in client.list())

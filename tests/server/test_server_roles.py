@@ -324,6 +324,36 @@ def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
             writer.session.paths.bulk.write_shards(rank0, batch)
 
 
+def test_an_authenticated_snapshot_writer_is_opened_no_shard_and_stages_its_bytes(cluster):
+    """In-place writes are for unauthenticated clusters: the coordinator drops an authenticated caller's
+    writer_host_id, so no rank opens its shards, and put_state_dict stages the bytes instead, bit for bit."""
+    from shardserve import spmd
+    from shardserve.core.wire import metadata_to_proto
+    from shardserve.protos.same_host import host_id
+
+    meta = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]).build_metadata(
+        (8, 4), TensorProperties(dtype=torch.float32)
+    )
+    request = pb.CreateSnapshotRequest(prefix="authed", keep=1, writer_host_id=host_id())
+    request.tensors.add(key="w", metadata=metadata_to_proto(meta))
+    with grpc.insecure_channel(cluster.address) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        created = stub.CreateSnapshot(request, timeout=TIMEOUT, metadata=bearer("writer"))
+        assert [list(entry.writable) for entry in created.entries] == [[]]
+        stub.AbortSnapshot(
+            pb.AbortSnapshotRequest(prefix="authed", number=created.number),
+            timeout=TIMEOUT,
+            metadata=bearer("writer"),
+        )
+    state = {f"w{i}": torch.full((16, 8), float(i)) for i in range(4)}
+    with connect(cluster.address, token=TOKENS["writer"]) as writer:
+        spmd.put_state_dict(writer, state, "authed", keep=1, durable=False)
+        into = {key: torch.zeros(16, 8) for key in state}
+        spmd.get_state_dict(writer, "authed", into=into)
+        assert all(torch.equal(into[key], state[key]) for key in state)
+        assert writer.session.paths.shm.in_place.mapped_segments == 0
+
+
 def test_collective_disabling_requests_from_an_admin_client_are_refused(cluster):
     """The fuzz findings: a cancel of a future job, a job sent to one rank only, and a junk job squatting the next
     sequence number. An admin token is not the cluster credential: all are refused and reshards keep working."""
