@@ -116,6 +116,47 @@ class _Group:
         _raise_first([(rank, e) for rank, (_, e) in enumerate(gathered)], what)
         return [r for r, _ in gathered]
 
+    def all_done(self, step: Callable[[], Any], what: str) -> None:
+        """Run `step` on every rank; every rank raises SpmdError if any rank failed. One reduction of a flag when
+        all went well (the messages are gathered only after a failure)."""
+        try:
+            step()
+            error = None
+        except Exception as err:  # noqa: BLE001 - every rank must reach the collective, then all raise
+            error = f"{type(err).__name__}: {err}"
+        if not self.distributed:
+            _raise_first([(0, error)], what)
+            return
+        failed = torch.tensor([0 if error is None else 1], device=self._device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if failed.item():
+            errors = self.all_gather(error)
+            _raise_first(list(enumerate(errors)), what)
+
+    def count_from_rank0(self, step: Callable[[], int], what: str) -> int:
+        """`step` (a count >= 0) run on job rank 0 only, its result (or its failure) on every rank: one
+        broadcast of two numbers when it succeeded."""
+        if not self.distributed:
+            return int(self.from_rank0(step, what))
+        result, error = 0, None
+        if self.rank == 0:
+            try:
+                result = int(step())
+            except Exception as err:  # noqa: BLE001 - rank 0's failure is every rank's
+                error = f"{type(err).__name__}: {err}"
+        answer = torch.tensor([int(error is None), result], device=self._device())
+        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(answer, src=source, group=self.group)
+        if not answer[0].item():
+            _raise_first([(0, self.broadcast(error))], what)
+        return int(answer[1].item())
+
+    def _device(self) -> torch.device:
+        """Where this group's tensor collectives run: the current GPU for NCCL, else the CPU."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def from_rank0(self, step: Callable[[], Any], what: str) -> Any:
         """`step` run on job rank 0 only, its result (or its failure) on every rank."""
         result, error = None, None
@@ -200,14 +241,14 @@ def put_state_dict(
     )
     snapshot = pb.SnapshotInfo.FromString(created)
     try:
-        job.agree(
+        job.all_done(
             lambda: _write_mine(cluster, snapshot, tensors, local, job.rank), "writing shards"
         )
     except SpmdError:
         if job.rank == 0:
             abort_snapshot(cluster.session, prefix, snapshot.number)
         raise
-    job.from_rank0(lambda: commit_snapshot(cluster.session, snapshot), "committing")
+    job.count_from_rank0(lambda: commit_snapshot(cluster.session, snapshot), "committing")
     return snapshot.number
 
 
@@ -346,7 +387,7 @@ def get_state_dict(
                 else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
             )
 
-    job.agree(describe, "describing the state dict")
+    job.all_done(describe, "describing the state dict")
     found: dict[int, SnapshotSummary] = {}  # job rank 0's answer, read again by no one there
 
     def find() -> int:
@@ -355,7 +396,7 @@ def get_state_dict(
         return summary.number
 
     for attempt in range(1, GET_ATTEMPTS + 1):
-        number = job.from_rank0(find, "finding the snapshot")
+        number = job.count_from_rank0(find, "finding the snapshot")
 
         def read() -> None:
             summary = (found.pop(number) if number in found else None) or get_snapshot(
@@ -366,7 +407,7 @@ def get_state_dict(
                 fill_state_dict(into, summary.skeleton)
 
         try:
-            job.agree(read, f"reading snapshot {number}")
+            job.all_done(read, f"reading snapshot {number}")
             return number
         except SpmdError:
             if pinned is not None or attempt == GET_ATTEMPTS:

@@ -324,6 +324,33 @@ def rank_calls(address: str) -> dict[str, float]:
     return out
 
 
+def job_put_failing(rank: int, address: str, failing: int, step: str) -> tuple[str, int]:
+    """A 4-process put in which job rank `failing` fails `step` ("write": its shard writes; "commit": the
+    commit, which only job rank 0 makes): what every rank raised, and the snapshots of the prefix after."""
+    import shardserve.client.spmd as spmd_module
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"injected {step} failure")
+
+    name = "_write_mine" if step == "write" else "commit_snapshot"
+    real = getattr(spmd_module, name)
+    if rank == failing:
+        setattr(spmd_module, name, fail)
+    state = {f"w{i}": torch.full((8, 4), float(rank)) for i in range(4)}
+    try:
+        with connect(address) as cluster:
+            try:
+                spmd.put_state_dict(cluster, state, f"failing-{step}", keep=1, durable=False)
+            except spmd.SpmdError as err:
+                raised = str(err)
+            else:
+                raised = ""
+            kept = len(cluster.snapshots(f"failing-{step}"))
+    finally:
+        setattr(spmd_module, name, real)
+    return raised, kept
+
+
 @pytest.fixture(scope="module")
 def world4() -> Iterator[World]:
     world = World(4)
@@ -349,6 +376,21 @@ def test_four_process_put_read_by_three_two_and_one_process_jobs(
         whole = snapshot.read()
         for key, shape, dtype, _ in entries():
             assert torch.equal(whole[key], global_value(key, shape, dtype, 3)), key
+
+
+@pytest.mark.parametrize("step, failing", [("write", 2), ("commit", 0)])
+def test_a_step_failing_on_one_job_rank_is_raised_on_every_rank(
+    cluster: LocalCluster, world4: World, step: str, failing: int
+) -> None:
+    """Writes end in one reduction of a failure flag and the commit's number comes in one broadcast; a failure
+    on one job rank still reaches every rank with its message, and nothing of the put is visible."""
+    answers = world4.run(job_put_failing, cluster.address, failing, step, timeout=120)
+    what = "writing shards" if step == "write" else "committing"
+    expected = f"{what} failed on job rank {failing}: RuntimeError: injected {step} failure"
+    assert {rank: raised for rank, (raised, _) in answers.items()} == dict.fromkeys(
+        range(4), expected
+    )
+    assert {kept for _, kept in answers.values()} == {0}
 
 
 def test_reads_while_writing_see_one_snapshot_each(cluster: LocalCluster, world4: World) -> None:
