@@ -24,11 +24,25 @@ STAGING_NAME = (
 )
 
 
+_KNOWN: tuple[int, str] | None = (
+    None  # (pid, host id): read once per process, asked on every write batch
+)
+
+
 def host_id() -> str:
     """This process's host as the same-host data path sees it: the kernel's boot id and the process's network and
     PID namespaces ("" when the boot id is unknown). Equal hostnames and host ids mean one host: one kernel,
     /proc/<pid> naming the same process, and one network (processes in other network namespaces, as containers
-    or test rigs, talk over the network, so a cut link isolates them for the data plane too)."""
+    or test rigs, talk over the network, so a cut link isolates them for the data plane too). Read once per
+    process (a forked child reads its own)."""
+    global _KNOWN
+    known = _KNOWN
+    if known is None or known[0] != os.getpid():
+        known = _KNOWN = (os.getpid(), _read_host_id())
+    return known[1]
+
+
+def _read_host_id() -> str:
     try:
         with open(BOOT_ID_FILE) as f:
             boot_id = f.read().strip()
