@@ -55,6 +55,9 @@ class RankRegistry:
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
         self._started = time.monotonic()
+        self._changed_at = (
+            self._started
+        )  # the last registration, exit, return from the dead or restore
         self._restoring: dict[
             int, pb.RestoreProgress
         ] = {}  # rank -> its restore, until re-promoted
@@ -81,6 +84,7 @@ class RankRegistry:
                 old = self._ranks.get(info.rank)
                 entry.info.restarts = _restarts_after(old, info)
                 self._ranks[info.rank] = entry
+                self._changed_at = time.monotonic()
                 self._ranks_changed.notify_all()
         except ServiceError:
             channel.close()
@@ -135,6 +139,7 @@ class RankRegistry:
         """`rank`'s restored versions are promoted again: its shards serve reads from now on."""
         with self._ranks_changed:
             done = self._restoring.pop(rank, None)
+            self._changed_at = time.monotonic()
         if done is not None:
             log.info(
                 "rank %d is restored: %d bytes, %d tensors",
@@ -184,6 +189,7 @@ class RankRegistry:
             entry.info.last_heartbeat_unix = time.time()
             if was_dead:
                 entry.reported_dead = False
+                self._changed_at = entry.last_heartbeat
         return was_dead
 
     def mark_exited(self, rank: int, reason: str) -> None:
@@ -194,7 +200,7 @@ class RankRegistry:
             if entry is None or entry.exited:
                 return
             entry.exited = entry.reported_dead = True
-            entry.exited_at = time.monotonic()
+            entry.exited_at = self._changed_at = time.monotonic()
         log.error("rank %d is dead: %s", rank, reason)
 
     def report_dead(self) -> None:
@@ -209,6 +215,14 @@ class RankRegistry:
                         entry.info.address,
                         time.monotonic() - entry.last_heartbeat,
                     )
+
+    def settled_for(self) -> float:
+        """Seconds since a rank last registered, exited, came back from the dead or finished restoring; 0 while a
+        registered rank is not alive. While it grows, no copy can have become unavailable."""
+        with self._ranks_changed:
+            if not all(self.is_alive(entry) for entry in self._ranks.values()):
+                return 0.0
+            return time.monotonic() - self._changed_at
 
     def is_alive(self, entry: RankEntry) -> bool:
         """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""

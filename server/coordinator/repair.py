@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_REPAIR_AFTER_S = 30.0
 CHECK_EVERY_S = 0.5
+SETTLED_S = 10.0
+"""Once every rank has been alive this long with no registration or exit, and the last scan found every copy
+available, the catalog is scanned only every SETTLED_S (not every CHECK_EVERY_S): a scan decodes every row."""
 FINISHED_KEPT = 100
 RETRY_BACKOFF_S = (
     2.0,
@@ -88,6 +91,8 @@ class RepairDriver:
         self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic next try, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
         self._completed: deque[FinishedRepair] = deque(maxlen=FINISHED_KEPT)
+        self._unavailable_seen = True  # by the last scan: a copy could not be read
+        self._scanned_at = float("-inf")  # time.monotonic() of the last scan
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="coord-repair", daemon=True)
@@ -112,14 +117,28 @@ class RepairDriver:
 
     def _loop(self) -> None:
         while not self._stop.wait(CHECK_EVERY_S):
+            if not self.scan_due():
+                continue
             try:
                 self.run_once()
             except Exception:  # noqa: BLE001 - a background loop must log, not vanish
                 log.exception("the repair round failed")
 
+    def scan_due(self) -> bool:
+        """Whether a copy may be unavailable now: a rank is not alive or changed in the last SETTLED_S, the last
+        scan found one, a failed repair waits for its retry, or SETTLED_S passed since the last scan (ranks the
+        coordinator never heard of count dead late)."""
+        return (
+            self._unavailable_seen
+            or bool(self._retry_at)
+            or self.registry.settled_for() < SETTLED_S
+            or time.monotonic() - self._scanned_at >= SETTLED_S
+        )
+
     def run_once(self) -> list[str]:
         """Repair every tensor whose copies are due now; the names repaired."""
         repaired = []
+        self._scanned_at, self._unavailable_seen = time.monotonic(), False
         for record in self.catalog.list():
             if self._stop.is_set():
                 break
@@ -140,6 +159,7 @@ class RepairDriver:
             return None
         meta = record.metadata
         unavailable, waiting = self._unavailable(record, meta)
+        self._unavailable_seen |= bool(unavailable)
         if not unavailable or waiting:
             self._refused.pop(record.name, None)
             return None

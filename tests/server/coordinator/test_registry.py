@@ -108,3 +108,26 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
     assert not registry.restoring(2) and 2 not in {r.rank for r in registry.ranks()}
     with pytest.raises(InvalidArgument, match="done_tensors must be between 0 and total_tensors"):
         registry.report_restore(pb.RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
+
+
+def test_settled_for_counts_from_the_last_change_and_is_zero_while_a_rank_is_down(registry):
+    registry.register(incarnation(pid=100, port=7001), [])
+    time.sleep(0.05)
+    settled = registry.settled_for()
+    assert 0.04 < settled < WAIT_S
+    registry.heartbeat(0, 0)  # a live rank's heartbeat changes nothing
+    assert registry.settled_for() >= settled
+    registry.register(incarnation(pid=101, port=7003, rank=1), [])
+    assert registry.settled_for() < settled
+    registry.mark_exited(1, "process 101 was killed by SIGKILL")
+    assert registry.settled_for() == 0.0
+    registry.register(incarnation(pid=102, port=7004, rank=1), [])
+    assert 0.0 < registry.settled_for() < settled
+    deadline = time.monotonic() + WAIT_S
+    while registry.rank_alive(0):  # rank 0 stops heartbeating
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert registry.settled_for() == 0.0
+    registry.heartbeat(0, 0)
+    registry.heartbeat(1, 0)
+    assert 0.0 < registry.settled_for() < DEAD_AFTER  # rank 0 came back from the dead just now

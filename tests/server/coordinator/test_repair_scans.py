@@ -1,0 +1,91 @@
+"""The repair loop's catalog scans: every round while a copy may be unavailable (a rank down or changed lately,
+an unavailable copy seen), else once per SETTLED_S, since a scan decodes every row of the catalog."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator import repair
+from shardserve.server.coordinator.records import TensorRecord, TensorState
+from shardserve.server.coordinator.registry import RankRegistry
+
+SETTLED_S = 0.2
+
+
+class Catalog:
+    """The rows the loop scans, and how many scans there were."""
+
+    def __init__(self, records: list[TensorRecord]) -> None:
+        self.records, self.scans = records, 0
+
+    def list(self) -> list[TensorRecord]:
+        self.scans += 1
+        return self.records
+
+
+class Reshards:
+    default_timeout_s = 60.0
+
+    def is_running(self, name: str) -> bool:
+        return False
+
+
+def record(lost: tuple[int, ...] = ()) -> TensorRecord:
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (4, 2), TensorProperties(dtype=torch.float32)
+    )
+    return TensorRecord(
+        name="t", version=1, metadata=meta, state=TensorState.READY, lost_shards=lost
+    )
+
+
+@pytest.fixture
+def registry():
+    registry = RankRegistry(dead_after=60.0)
+    info = pb.RankInfo(
+        rank=0, address="127.0.0.1:7001", device="cpu", hostname="node-a", world_size=1, pid=100
+    )
+    registry.register(info, [])
+    yield registry
+    registry.close()
+
+
+def driver(catalog: Catalog, registry: RankRegistry) -> repair.RepairDriver:
+    return repair.RepairDriver(catalog, registry=registry, reshards=Reshards())  # type: ignore[arg-type]
+
+
+def test_a_settled_cluster_with_every_copy_available_is_scanned_once_per_settled_period(
+    registry, monkeypatch
+):
+    monkeypatch.setattr(repair, "SETTLED_S", SETTLED_S)
+    loop = driver(Catalog([record()]), registry)
+    assert loop.scan_due()  # nothing scanned yet, and rank 0 registered just now
+    time.sleep(SETTLED_S * 1.5)
+    assert loop.scan_due()  # settled, but never scanned
+    loop.run_once()
+    assert not loop.scan_due()
+    time.sleep(SETTLED_S * 1.5)
+    assert loop.scan_due()  # the periodic scan
+    loop.run_once()
+    registry.mark_exited(0, "process 100 was killed by SIGKILL")
+    assert loop.scan_due()  # a rank is down: every round
+
+
+def test_an_unavailable_copy_keeps_every_round_scanning(registry, monkeypatch):
+    monkeypatch.setattr(repair, "SETTLED_S", SETTLED_S)
+    catalog = Catalog(
+        [record(lost=(0,))]
+    )  # its only copy lost: cannot be repaired, stays unavailable
+    loop = driver(catalog, registry)
+    time.sleep(SETTLED_S * 1.5)
+    loop.run_once()
+    assert loop.scan_due() and catalog.scans == 1
+    catalog.records = [record()]
+    loop.run_once()
+    assert not loop.scan_due()
