@@ -118,6 +118,14 @@ class Catalog(abc.ABC):
             return kept[-1] if kept else None
         return next((s for s in kept if s.number == number), None)
 
+    @abc.abstractmethod
+    def pending(self) -> list[TensorRecord]:
+        """PENDING rows only (puts and snapshots not committed yet), oldest version first."""
+
+    @abc.abstractmethod
+    def promoting(self) -> list[TensorRecord]:
+        """READY rows whose promotion on the ranks is unfinished (a reshard's commit), oldest version first."""
+
     def close(self) -> None:
         """Release resources."""
 
@@ -270,6 +278,14 @@ class SQLiteCatalog(Catalog):
     def versions(self, name: str) -> list[TensorRecord]:
         with self._lock:
             return _tensors_where(self._db, "name = ?", (name,))
+
+    def pending(self) -> list[TensorRecord]:
+        with self._lock:
+            return _tensors_where(self._db, "state = ?", (TensorState.PENDING.value,))
+
+    def promoting(self) -> list[TensorRecord]:
+        with self._lock:  # a JSON field, read by SQLite: only the rows that match are decoded here
+            return _tensors_where(self._db, "json_extract(record, '$.promoting')", ())
 
     def close(self) -> None:
         with self._lock:

@@ -343,8 +343,8 @@ class ReshardDriver:
         """Promote committed reshards whose promotion is unfinished (a coordinator restart, a rank that failed
         PromoteVersion), abort ones that never committed; run at registrations and every few seconds."""
         try:
-            for record in self.catalog.list(include_pending=True):
-                if not record.promoting or self.is_running(record.name):
+            for record in self.catalog.promoting():
+                if self.is_running(record.name):
                     continue
                 try:
                     with self.locks.hold(record.name, wait_s=0.1):

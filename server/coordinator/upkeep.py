@@ -104,10 +104,10 @@ class Upkeep:
 
     def _reap_pending(self) -> None:
         cutoff = time.time() - self.pending_timeout
-        for record in self.catalog.list(include_pending=True):
+        for record in self.catalog.pending():
             if self.reshards.is_running(record.name):
                 continue  # a reshard's own new version: its timeout bounds it
-            if not record.ready and record.created_unix < cutoff:
+            if record.created_unix < cutoff:
                 log.warning(
                     "aborting %r version %d: pending for more than %.0fs",
                     record.name,

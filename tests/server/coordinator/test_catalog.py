@@ -231,3 +231,13 @@ def test_durability_is_stored_and_a_document_without_it_reads_as_durable(tmp_pat
     assert again.get("w", 1) == weights and not again.get("w", 1).options.durable
     assert again.get("t", 2).options.durable
     again.close()
+
+
+def test_pending_and_promoting_rows_are_found_without_listing_every_row(catalog):
+    catalog.add_all([row("a", 1), row("b", 2), row("c", 3, TensorState.READY)])
+    catalog.add(replace(row("d", 4, TensorState.READY), promoting=True))
+    assert [(r.name, r.version) for r in catalog.pending()] == [("a", 1), ("b", 2)]
+    assert [(r.name, r.version) for r in catalog.promoting()] == [("d", 4)]
+    catalog.commit("a", 1)
+    catalog.update(replace(catalog.get("d", 4), promoting=False))
+    assert [r.name for r in catalog.pending()] == ["b"] and catalog.promoting() == []
