@@ -14,15 +14,14 @@ import abc
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog_documents import (
-    entry_names,
     snapshot_json,
     snapshot_of,
     tensor_json,
@@ -103,9 +102,10 @@ class Catalog(abc.ABC):
     @abc.abstractmethod
     def commit_snapshot(
         self, snapshot: SnapshotRecord, *, durable: bool = True
-    ) -> tuple[SnapshotRecord, list[TensorRecord]]:
+    ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
         """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
-        prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows)."""
+        prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows, which
+        may be decoded only when first read)."""
 
     @abc.abstractmethod
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
@@ -228,7 +228,7 @@ class SQLiteCatalog(Catalog):
 
     def commit_snapshot(
         self, snapshot: SnapshotRecord, *, durable: bool = True
-    ) -> tuple[SnapshotRecord, list[TensorRecord]]:
+    ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
         with self._transaction(durable) as db:
             _mark_ready(db, [(e.tensor.name, e.tensor.version) for e in snapshot.entries])
             entries = tuple(
@@ -345,20 +345,49 @@ def _mark_ready(db: sqlite3.Connection, versions: list[tuple[str, int]]) -> None
         raise KeyError(f"tensor versions {missing or versions} are not pending in the catalog")
 
 
-def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> list[TensorRecord]:
+def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> RemovedRows:
     """Within an open transaction: remove the snapshots of `prefix` beyond the newest `keep` and their tensor
-    rows; return the rows removed."""
+    rows; return the rows removed (not decoded yet)."""
     old = db.execute(
         "SELECT number, record FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
         (prefix, keep),
     ).fetchall()
-    removed = []
+    documents: list[str] = []
     for number, text in old:
-        for name in entry_names(text):
-            removed += _tensors_where(db, "name = ?", (name,))
-            db.execute("DELETE FROM tensors WHERE name = ?", (name,))
+        rows = (
+            db.execute(  # SQLite reads the names out of the snapshot's document: no decoding here
+                "DELETE FROM tensors WHERE name IN "
+                "(SELECT json_extract(value, '$.tensor.name') FROM json_each(?, '$.entries')) "
+                "RETURNING record",
+                (text,),
+            ).fetchall()
+        )
+        documents += (row[0] for row in rows)
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
-    return removed
+    return RemovedRows(documents)
+
+
+class RemovedRows(Sequence[TensorRecord]):
+    """Rows a transaction removed, kept as their stored documents and decoded on first read: a snapshot commit
+    that removes hundreds of rows answers without decoding them; the drop that frees them reads them later."""
+
+    def __init__(self, documents: list[str]) -> None:
+        self._documents = documents
+        self._records: list[TensorRecord] | None = None
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    @overload
+    def __getitem__(self, index: int) -> TensorRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TensorRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> TensorRecord | list[TensorRecord]:
+        if self._records is None:
+            self._records = [tensor_of(document) for document in self._documents]
+        return self._records[index]
 
 
 # ---------------------------------------------------------------- the schema and its migration

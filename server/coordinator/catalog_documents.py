@@ -42,11 +42,6 @@ def snapshot_json(snapshot: SnapshotRecord) -> str:
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
-def entry_names(text: str) -> list[str]:
-    """The tensor names of a snapshot document, without building its records (a dropped snapshot's)."""
-    return [entry["tensor"]["name"] for entry in json.loads(text)["entries"]]
-
-
 def snapshot_of(text: str) -> SnapshotRecord:
     document = json.loads(text)
     return SnapshotRecord(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent import futures
 
 from shardserve.server.coordinator.records import TensorRecord
@@ -24,14 +24,15 @@ WAIT_S = 30.0
 class DeferredDrops:
     """Runs `drop_rows` on one background thread, in order, and lets a prefix's next snapshot wait for it."""
 
-    def __init__(self, drop_rows: Callable[[list[TensorRecord]], None]) -> None:
+    def __init__(self, drop_rows: Callable[[Sequence[TensorRecord]], None]) -> None:
         self._drop_rows = drop_rows
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coord-drops")
         self._latest: dict[str, futures.Future[None]] = {}
         self._lock = threading.Lock()
 
-    def submit(self, prefix: str, records: list[TensorRecord]) -> None:
-        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon."""
+    def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
+        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon (read on the
+        drop thread: they may be decoded only then)."""
         if not records:
             return
         with self._lock:
@@ -57,7 +58,7 @@ class DeferredDrops:
         """Finish the drops submitted, then stop the thread."""
         self._pool.shutdown(wait=True)
 
-    def _drop(self, prefix: str, records: list[TensorRecord]) -> None:
+    def _drop(self, prefix: str, records: Sequence[TensorRecord]) -> None:
         try:
             self._drop_rows(records)
         except Exception:  # noqa: BLE001 - a failed drop is logged; the reconciler frees what is left

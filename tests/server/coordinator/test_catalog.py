@@ -191,7 +191,7 @@ def test_records_read_back_equal_across_reopen(tmp_path):
     )
     first.add_all(snapshot.tensors())
     committed, removed = first.commit_snapshot(snapshot)
-    assert removed == [] and committed.state == TensorState.READY
+    assert list(removed) == [] and committed.state == TensorState.READY
     assert [e.tensor.state for e in committed.entries] == [TensorState.READY] * 2
     first.close()
     again = SQLiteCatalog(path)
@@ -241,3 +241,23 @@ def test_pending_and_promoting_rows_are_found_without_listing_every_row(catalog)
     catalog.commit("a", 1)
     catalog.update(replace(catalog.get("d", 4), promoting=False))
     assert [r.name for r in catalog.pending()] == ["b"] and catalog.promoting() == []
+
+
+def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog):
+    def snapshot(number: int) -> SnapshotRecord:
+        entries = tuple(
+            SnapshotEntry(key, row(f"p@{number}/{key}", number * 10 + i))
+            for i, key in enumerate(("w", "b"))
+        )
+        catalog.add_all([entry.tensor for entry in entries])
+        return SnapshotRecord("p", number, 1, entries, created_unix=float(number))
+
+    _, removed = catalog.commit_snapshot(snapshot(1))
+    assert len(removed) == 0
+    committed, removed = catalog.commit_snapshot(snapshot(2))
+    assert len(removed) == 2  # counted before they are decoded
+    assert sorted((r.name, r.version, r.state) for r in removed) == [
+        ("p@1/b", 11, TensorState.READY),
+        ("p@1/w", 10, TensorState.READY),
+    ]
+    assert catalog.get("p@1/w", 10) is None and catalog.snapshots("p") == [committed]
