@@ -39,6 +39,11 @@ if TYPE_CHECKING:  # imported lazily: it pulls in torch, which the ranks import 
 log = logging.getLogger(__name__)
 
 
+PORT_ATTEMPTS = 3
+"""Ports a cluster with port=0 tries: one chosen free can be taken (another process's bind to any port) before
+the coordinator binds it, after the ranks were told it."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -110,28 +115,40 @@ class LocalCluster:
             if not self.security.has_cluster_credential:
                 secret = ClusterSecret.generate().write(self.state_dir / CLUSTER_SECRET_FILE)
                 self.security = dataclasses.replace(self.security, cluster=secret)
-            port = self.port or free_port(self.host)
-            self._supervisor = RankSupervisor(
-                self._launches(f"{self._dial_host()}:{port}"),
-                self.restart_policy,
-                on_exit=self._report_exit,
-            )
-            self._supervisor.spawn_all()
-            self._start_tracing()
-            self.coordinator, self._server = start_coordinator(
-                f"{self.host}:{port}",
-                self.state_dir,
-                self.security,
-                self.coordinator_options,
-                metrics_port=self.metrics_port,
-            )
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                port = self.port or free_port(self.host)
+                try:
+                    self._start_at(port)
+                    break
+                except RuntimeError as err:  # grpcio's own, when it cannot bind
+                    if self.port or attempt == PORT_ATTEMPTS or "Failed to bind" not in str(err):
+                        raise
+                    log.warning("port %d was taken before the coordinator bound it; another", port)
+                    self._started().stop(grace=1.0)
             self._wait_ready(timeout)
-            self._supervisor.watch()
+            self._started().watch()
         except BaseException:
             self.stop()
             raise
         log.info("cluster of %d ranks ready at %s", self.ranks, self.address)
         return self
+
+    def _start_at(self, port: int) -> None:
+        """Spawn the ranks to register at `port`, then start the coordinator there."""
+        self._supervisor = RankSupervisor(
+            self._launches(f"{self._dial_host()}:{port}"),
+            self.restart_policy,
+            on_exit=self._report_exit,
+        )
+        self._supervisor.spawn_all()
+        self._start_tracing()
+        self.coordinator, self._server = start_coordinator(
+            f"{self.host}:{port}",
+            self.state_dir,
+            self.security,
+            self.coordinator_options,
+            metrics_port=self.metrics_port,
+        )
 
     def _start_tracing(self) -> None:
         """Trace the coordinator's RPCs in this process (unless something here already traces)."""

@@ -464,3 +464,31 @@ def test_node_restarts_a_killed_rank_and_sigterm_stops_them_all(tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=30)
+
+
+def test_a_cluster_whose_chosen_port_is_taken_before_it_binds_starts_on_another(
+    tmp_path, monkeypatch
+):
+    """port=0: the port chosen free can be bound by another process before the coordinator binds it (the ranks
+    were told it already); the cluster stops those ranks and starts again on another port."""
+    import socket
+
+    import shardserve.server.launcher as launcher
+    from shardserve import connect
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    chosen = iter([taken.getsockname()[1]])
+    real = launcher.free_port
+    monkeypatch.setattr(
+        launcher, "free_port", lambda host="127.0.0.1": next(chosen, None) or real(host)
+    )
+    try:
+        with launcher.LocalCluster(1, state_dir=tmp_path) as cluster:
+            assert cluster.address != f"127.0.0.1:{taken.getsockname()[1]}"
+            with connect(cluster.address) as client:
+                client.put("after-retry", torch.arange(4.0))
+                assert torch.equal(client.tensor("after-retry").full_tensor(), torch.arange(4.0))
+    finally:
+        taken.close()
