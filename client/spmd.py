@@ -102,54 +102,48 @@ class _Group:
         if not self.distributed:
             return value
         box = [value]
-        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast_object_list(box, src=source, group=self.group)
+        dist.broadcast_object_list(box, src=self._rank0(), group=self.group)
         return box[0]
 
     def agree(self, step: Callable[[], Any], what: str) -> list[Any]:
         """Run `step` on every rank and gather the results; every rank raises SpmdError if any rank failed."""
-        try:
-            result, error = step(), None
-        except Exception as err:  # noqa: BLE001 - every rank must reach the collective, then all raise
-            result, error = None, f"{type(err).__name__}: {err}"
-        gathered = self.all_gather((result, error))
+        gathered = self.all_gather(_attempt(step))
         _raise_first([(rank, e) for rank, (_, e) in enumerate(gathered)], what)
         return [r for r, _ in gathered]
 
     def all_done(self, step: Callable[[], Any], what: str) -> None:
         """Run `step` on every rank; every rank raises SpmdError if any rank failed. One reduction of a flag when
         all went well (the messages are gathered only after a failure)."""
-        try:
-            step()
-            error = None
-        except Exception as err:  # noqa: BLE001 - every rank must reach the collective, then all raise
-            error = f"{type(err).__name__}: {err}"
+        _, error = _attempt(step)
         if not self.distributed:
             _raise_first([(0, error)], what)
             return
         failed = torch.tensor([0 if error is None else 1], device=self._device())
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
         if failed.item():
-            errors = self.all_gather(error)
-            _raise_first(list(enumerate(errors)), what)
+            _raise_first(list(enumerate(self.all_gather(error))), what)
 
     def count_from_rank0(self, step: Callable[[], int], what: str) -> int:
         """`step` (a count >= 0) run on job rank 0 only, its result (or its failure) on every rank: one
         broadcast of two numbers when it succeeded."""
         if not self.distributed:
             return int(self.from_rank0(step, what))
-        result, error = 0, None
-        if self.rank == 0:
-            try:
-                result = int(step())
-            except Exception as err:  # noqa: BLE001 - rank 0's failure is every rank's
-                error = f"{type(err).__name__}: {err}"
-        answer = torch.tensor([int(error is None), result], device=self._device())
-        source = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast(answer, src=source, group=self.group)
+        result, error = _attempt(step) if self.rank == 0 else (0, None)
+        answer = torch.tensor([int(error is None), result or 0], device=self._device())
+        dist.broadcast(answer, src=self._rank0(), group=self.group)
         if not answer[0].item():
             _raise_first([(0, self.broadcast(error))], what)
         return int(answer[1].item())
+
+    def from_rank0(self, step: Callable[[], Any], what: str) -> Any:
+        """`step` run on job rank 0 only, its result (or its failure) on every rank."""
+        result, error = self.broadcast(_attempt(step) if self.rank == 0 else (None, None))
+        _raise_first([(0, error)], what)
+        return result
+
+    def _rank0(self) -> int:
+        """Job rank 0's global rank (broadcasts name their source by it)."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
     def _device(self) -> torch.device:
         """Where this group's tensor collectives run: the current GPU for NCCL, else the CPU."""
@@ -157,17 +151,14 @@ class _Group:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def from_rank0(self, step: Callable[[], Any], what: str) -> Any:
-        """`step` run on job rank 0 only, its result (or its failure) on every rank."""
-        result, error = None, None
-        if self.rank == 0:
-            try:
-                result = step()
-            except Exception as err:  # noqa: BLE001 - rank 0's failure is every rank's
-                error = f"{type(err).__name__}: {err}"
-        result, error = self.broadcast((result, error))
-        _raise_first([(0, error)], what)
-        return result
+
+def _attempt(step: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(step's result, None), or (None, its failure as "Type: message"): every rank must reach the collective
+    that follows, then all raise."""
+    try:
+        return step(), None
+    except Exception as err:  # noqa: BLE001 - reported to every rank of the job, then raised there
+        return None, f"{type(err).__name__}: {err}"
 
 
 def _raise_first(errors: Sequence[tuple[int, str | None]], what: str) -> None:
