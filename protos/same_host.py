@@ -24,9 +24,8 @@ STAGING_NAME = (
 )
 
 
-_KNOWN: tuple[int, str] | None = (
-    None  # (pid, host id): read once per process, asked on every write batch
-)
+# (pid, host id): read once per process, asked on every write batch
+_KNOWN: tuple[int, str] | None = None
 
 
 def host_id() -> str:

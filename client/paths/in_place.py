@@ -5,13 +5,13 @@ rank, /proc/<pid>/fd/<fd>); the writer maps it writable, checks it is that file
 (inode and device), copies its tensor in with torch's parallel copy, then a
 WriteShards with `written_in_place` makes the rank count the shards written
 (server/rank/writes/in_place.py). A snapshot's writer is handed the segments
-with CreateSnapshot's answer and skips both calls: its commit counts them. The mappings are kept (up to MAPPED_BYTES):
-a rank reuses a freed version's memory for the next put, and that memory is
-sealed against new writable mappings once served, so a weight sync that puts
-every step fills the same mapped pages each time, with no page fault and no
-second copy. A segment this writer never mapped and can no longer map, like a
-rank that refuses, makes the batch go by the staging path instead
-(InPlaceUnavailable).
+with CreateSnapshot's answer and skips both calls: its commit counts them.
+The mappings are kept (up to MAPPED_BYTES): a rank reuses a freed version's
+memory for the next put, and that memory is sealed against new writable
+mappings once served, so a weight sync that puts every step fills the same
+mapped pages each time, with no page fault and no second copy. A segment
+this writer never mapped and can no longer map, like a rank that refuses,
+makes the batch go by the staging path instead (InPlaceUnavailable).
 """
 
 from __future__ import annotations
@@ -83,9 +83,8 @@ class InPlaceWriter:
         commit counts them written. InPlaceUnavailable when this batch must go another way (nothing was
         written then)."""
         opened = [write.segment for write in writes if write.segment is not None]
-        told = len(opened) < len(
-            writes
-        )  # not all opened with their allocation: open them now, tell after
+        # not all opened with their allocation: open them now, and tell the rank once they are filled
+        told = len(opened) < len(writes)
         segments = self._open(address, writes) if told else opened
         self._check_sizes(address, writes, segments)
         targets = [self._target(address, segment) for segment in segments]

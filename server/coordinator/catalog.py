@@ -354,14 +354,13 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> Remov
     ).fetchall()
     documents: list[str] = []
     for number, text in old:
-        rows = (
-            db.execute(  # SQLite reads the names out of the snapshot's document: no decoding here
-                "DELETE FROM tensors WHERE name IN "
-                "(SELECT json_extract(value, '$.tensor.name') FROM json_each(?, '$.entries')) "
-                "RETURNING record",
-                (text,),
-            ).fetchall()
-        )
+        # SQLite reads the names out of the snapshot's document: no decoding here
+        rows = db.execute(
+            "DELETE FROM tensors WHERE name IN "
+            "(SELECT json_extract(value, '$.tensor.name') FROM json_each(?, '$.entries')) "
+            "RETURNING record",
+            (text,),
+        ).fetchall()
         documents += (row[0] for row in rows)
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
     return RemovedRows(documents)

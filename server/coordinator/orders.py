@@ -37,9 +37,8 @@ class SnapshotOrder:
     layouts: Mapping[str, ShardedTensorMetadata]
     skeleton: str
     durable: bool
-    writer_host_id: str = (
-        ""  # a same-host writer whose shards the ranks open for in-place writes, if any
-    )
+    # a same-host writer whose shards the ranks open for in-place writes, if any
+    writer_host_id: str = ""
 
 
 @dataclass(frozen=True)

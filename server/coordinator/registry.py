@@ -55,9 +55,8 @@ class RankRegistry:
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
         self._started = time.monotonic()
-        self._changed_at = (
-            self._started
-        )  # the last registration, exit, return from the dead or restore
+        # the last registration, exit, return from the dead or restore
+        self._changed_at = self._started
         self._restoring: dict[
             int, pb.RestoreProgress
         ] = {}  # rank -> its restore, until re-promoted
