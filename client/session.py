@@ -32,6 +32,7 @@ from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.writes import ShardWrite, write_shards
 from shardserve.client.ranks import RankDirectory
+from shardserve.client.reservations import Reservations
 from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
@@ -39,6 +40,7 @@ RECENT_RANKS_S = (
     1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
 )
 _STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
+RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
 
 
 class SeenVersions:
@@ -78,11 +80,24 @@ class Session:
         self.paths = PathPolicy(forced, channel, health=self.health, hedge_after=hedge_after)
         self.layouts = Layouts(self.ranks)
         self.versions = SeenVersions()
+        self.reservations = Reservations()
 
     def close(self) -> None:
-        """Close every bulk connection, shared-memory mapping (unmapped once no tensor uses it) and channel."""
+        """Abort the snapshots reserved for this client's next puts (their memory is freed now, not at the
+        pending timeout), then close every bulk connection, shared-memory mapping (unmapped once no tensor uses
+        it) and channel."""
+        self.reservations.release_all(self._abort_reserved)
         self.paths.close()
         self.channel.close()
+
+    def _abort_reserved(self, prefix: str, number: int) -> None:
+        with contextlib.suppress(ShardServeError):
+            self.channel.unary(
+                self._coordinator.AbortSnapshot,
+                pb.AbortSnapshotRequest(prefix=prefix, number=number),
+                f"coordinator at {self.address}",
+                timeout=RELEASE_TIMEOUT_S,
+            )
 
     def check_open(self) -> None:
         """ShardServeError once close() ran."""

@@ -15,6 +15,7 @@ the server layout, every tensor from one snapshot.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,6 +37,7 @@ from shardserve.client.ops.snapshots import (
 from shardserve.client.paths.batch import batches, read_batch, region_reads
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
+from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
 from shardserve.client.snapshots import READ_THREADS
 from shardserve.client.spmd_pieces import (
@@ -64,6 +66,8 @@ from shardserve.core.state_tree import (
 )
 from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
 SMALL_PIECE_BYTES = (
@@ -105,23 +109,21 @@ class _Group:
         dist.broadcast_object_list(box, src=self._rank0(), group=self.group)
         return box[0]
 
-    def agree(self, step: Callable[[], Any], what: str) -> list[Any]:
-        """Run `step` on every rank and gather the results; every rank raises SpmdError if any rank failed."""
-        gathered = self.all_gather(_attempt(step))
-        _raise_first([(rank, e) for rank, (_, e) in enumerate(gathered)], what)
-        return [r for r, _ in gathered]
-
     def all_done(self, step: Callable[[], Any], what: str) -> None:
-        """Run `step` on every rank; every rank raises SpmdError if any rank failed. One reduction of a flag when
-        all went well (the messages are gathered only after a failure)."""
-        _, error = _attempt(step)
+        """Run `step` on every rank; every rank raises SpmdError if any rank failed."""
+        self.all_succeed(_attempt(step)[1], what)
+
+    def all_succeed(self, error: str | None, what: str, *, also: bool = True) -> bool:
+        """Every rank raises SpmdError if any rank's step failed (its `error`); else whether `also` holds on every
+        rank. One reduction of two flags when all went well (the messages are gathered only after a failure)."""
         if not self.distributed:
             _raise_first([(0, error)], what)
-            return
-        failed = torch.tensor([0 if error is None else 1], device=self._device())
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if failed.item():
+            return also
+        flags = torch.tensor([int(error is not None), int(not also)], device=self._device())
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        if flags[0].item():
             _raise_first(list(enumerate(self.all_gather(error))), what)
+        return not flags[1].item()
 
     def count_from_rank0(self, step: Callable[[], int], what: str) -> int:
         """`step` (a count >= 0) run on job rank 0 only, its result (or its failure) on every rank: one
@@ -183,6 +185,7 @@ def put_state_dict(
     group: Any = None,
     plain_writer: int = 0,
     durable: bool = True,
+    reserve_next: bool = True,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -192,13 +195,13 @@ def put_state_dict(
     or {key: spec}), whose shards are cut by the job's boxes so that every rank writes only what it holds.
     `keep`: snapshots of the prefix kept once this one commits (older ones are dropped). `durable` False keeps
     the snapshot off the ranks' persist dirs (weights republished every step: a rank's restart loses it).
+    `reserve_next`: the commit also reserves the prefix's next snapshot with the same layouts (its memory held
+    until then, or the coordinator's pending timeout, or this client's close), so that the next put of the
+    same layouts skips creating one; a put whose layouts changed aborts the reservation and creates anew.
     Returns the snapshot number. On any failure nothing is visible and every rank raises SpmdError.
     """
     job = _Group(group)
     arguments.tensor_name(prefix, "prefix")
-    durable = arguments.flag(durable, "durable")
-    replicas = arguments.count(replicas, "replicas", minimum=1)
-    keep = arguments.count(keep, "keep", minimum=1)
     plain_writer = arguments.count(plain_writer, "plain_writer")
     if plain_writer >= job.size:
         raise InvalidArgumentError(
@@ -206,41 +209,139 @@ def put_state_dict(
         )
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    local: dict[str, list[Piece]] = {}
-    skeleton = [""]  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
+    put = _StatePut(
+        cluster,
+        job,
+        prefix,
+        spec=spec,
+        replicas=arguments.count(replicas, "replicas", minimum=1),
+        keep=arguments.count(keep, "keep", minimum=1),
+        plain_writer=plain_writer,
+        durable=arguments.flag(durable, "durable"),
+        reserve_next=arguments.flag(reserve_next, "reserve_next"),
+    )
+    return put.run(state_dict)
 
-    def report() -> dict[str, Any]:
+
+class _StatePut:
+    """One collective put of a state dict as a snapshot of `prefix`: describe, then fill the snapshot reserved
+    by the last put when it was made for the same layouts on every rank, else create one and fill that."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        job: _Group,
+        prefix: str,
+        *,
+        spec: Any,
+        replicas: int,
+        keep: int,
+        plain_writer: int,
+        durable: bool,
+        reserve_next: bool,
+    ) -> None:
+        self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
+        self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
+        self.plain_writer, self.reserve_next = plain_writer, reserve_next
+        self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
+        self.mine: dict[str, Any] = {}  # this rank's report of them
+        self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
+
+    def run(self, state_dict: Mapping[str, Any]) -> int:
+        _, error = _attempt(lambda: self._describe(state_dict))
+        reservation = self.session.reservations.take(self.prefix)
+        basis = self._basis() if error is None else None
+        fits = reservation is not None and basis is not None and reservation.basis == basis
+        if self.job.all_succeed(error, "describing the state dict", also=fits):
+            assert reservation is not None
+            try:
+                return self._fill(reservation.snapshot, reservation.tensors, basis)
+            except SpmdError as err:
+                log.info("%r: the reserved snapshot failed (%s); creating one", self.prefix, err)
+        elif reservation is not None and reservation.owned:
+            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
+        reports = resolved_sizes(self.job.all_gather(self.mine))
+        tensors, created = self.job.from_rank0(
+            lambda: self._create(job_tensors(reports)),
+            "checking the state dict and creating the snapshot",
+        )
+        return self._fill(pb.SnapshotInfo.FromString(created), tensors, basis)
+
+    def _describe(self, state_dict: Mapping[str, Any]) -> None:
         split = _split(state_dict)
         if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
-        skeleton[0] = split.skeleton
-        mine, pieces = report_pieces(split.tensors, job.rank, plain_writer)
-        local.update(pieces)
-        return mine
+        self.skeleton = split.skeleton
+        self.mine, self.local = report_pieces(split.tensors, self.job.rank, self.plain_writer)
 
-    reports = resolved_sizes(job.agree(report, "describing the state dict"))
-
-    def check_and_create() -> tuple[dict[str, JobTensor], bytes]:
-        tensors = job_tensors(reports)
-        snapshot = _create(
-            cluster, prefix, tensors, spec, replicas, keep, skeleton=skeleton[0], durable=durable
+    def _basis(self) -> tuple[Any, ...]:
+        """What this rank's part of the layouts is made from: a reservation made from the same serves this put.
+        Job rank 0 places balanced layouts over the live ranks, so their list is part of its basis."""
+        ranks = ()
+        if self.job.rank == 0 and self.spec is None:
+            ranks = tuple(r.rank for r in self.session.recent_ranks() if r.alive)
+        return (
+            self.mine,
+            self.job.size,
+            self.spec,
+            self.replicas,
+            self.keep,
+            self.durable,
+            self.plain_writer,
+            ranks,
         )
-        return tensors, snapshot.SerializeToString()
 
-    tensors, created = job.from_rank0(
-        check_and_create, "checking the state dict and creating the snapshot"
-    )
-    snapshot = pb.SnapshotInfo.FromString(created)
-    try:
-        job.all_done(
-            lambda: _write_mine(cluster, snapshot, tensors, local, job.rank), "writing shards"
+    def _create(self, tensors: dict[str, JobTensor]) -> tuple[dict[str, JobTensor], bytes]:
+        """Job rank 0: the snapshot created for the job's `tensors` (as bytes, for the broadcast)."""
+        created = _create(
+            self.cluster,
+            self.prefix,
+            tensors,
+            self.spec,
+            self.replicas,
+            self.keep,
+            skeleton=self.skeleton,
+            durable=self.durable,
         )
-    except SpmdError:
-        if job.rank == 0:
-            abort_snapshot(cluster.session, prefix, snapshot.number)
-        raise
-    job.count_from_rank0(lambda: commit_snapshot(cluster.session, snapshot), "committing")
-    return snapshot.number
+        return tensors, created.SerializeToString()
+
+    def _fill(self, snapshot: pb.SnapshotInfo, tensors: Mapping[str, JobTensor], basis: Any) -> int:
+        """Write every rank's shards into the pending `snapshot` and commit it, keeping the next one if the
+        commit reserved it; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
+        job = self.job
+        try:
+            job.all_done(
+                lambda: _write_mine(self.cluster, snapshot, tensors, self.local, job.rank),
+                "writing shards",
+            )
+            number, reserved = job.from_rank0(lambda: self._commit(snapshot), "committing")
+        except SpmdError:
+            if job.rank == 0:
+                abort_snapshot(self.session, self.prefix, snapshot.number)
+            raise
+        if reserved is not None:
+            self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
+        return number
+
+    def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
+        """Job rank 0: commit with this put's non-tensor tree; the number, and the reserved next snapshot."""
+        committed = commit_snapshot(
+            self.session, snapshot, skeleton=self.skeleton, reserve_next=self.reserve_next
+        )
+        reserved = committed.next.SerializeToString() if committed.next is not None else None
+        return committed.number, reserved
+
+    def _keep(
+        self, reserved: pb.SnapshotInfo, tensors: Mapping[str, JobTensor], basis: Any
+    ) -> None:
+        owned = self.job.rank == 0
+        replaced = self.session.reservations.keep(
+            self.prefix, Reservation(basis, reserved, tensors, owned=owned)
+        )
+        if (
+            replaced is not None and replaced.owned
+        ):  # another put of the prefix on this client, meanwhile
+            abort_snapshot(self.session, self.prefix, replaced.snapshot.number)
 
 
 def _create(

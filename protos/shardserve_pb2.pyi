@@ -434,16 +434,28 @@ class SnapshotInfo(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "number", "view", "written_in_place")
+    __slots__ = ("prefix", "number", "view", "written_in_place", "skeleton", "reserve_next")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
+    SKELETON_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
     view: SnapshotView
     written_in_place: bool
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
+    skeleton: str
+    reserve_next: bool
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ..., skeleton: _Optional[str] = ..., reserve_next: _Optional[bool] = ...) -> None: ...
+
+class CommitSnapshotResponse(_message.Message):
+    __slots__ = ("committed", "next")
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    committed: SnapshotInfo
+    next: SnapshotInfo
+    def __init__(self, committed: _Optional[_Union[SnapshotInfo, _Mapping]] = ..., next: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
 
 class AbortSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number")
@@ -558,12 +570,14 @@ class DropVersionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AllocateManyRequest(_message.Message):
-    __slots__ = ("tensors", "writer_host_id")
+    __slots__ = ("tensors", "writer_host_id", "drop_first")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIRST_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[AllocateShardsRequest]
     writer_host_id: str
-    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ..., writer_host_id: _Optional[str] = ...) -> None: ...
+    drop_first: _containers.RepeatedCompositeFieldContainer[DropVersionRequest]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ..., writer_host_id: _Optional[str] = ..., drop_first: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...) -> None: ...
 
 class AllocateManyResponse(_message.Message):
     __slots__ = ("allocated_bytes", "writable")

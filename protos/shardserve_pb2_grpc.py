@@ -114,7 +114,7 @@ class CoordinatorStub:
         self.CommitSnapshot = channel.unary_unary(
                 '/shardserve.v1.Coordinator/CommitSnapshot',
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotRequest.SerializeToString,
-                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotResponse.FromString,
                 _registered_method=True)
         self.AbortSnapshot = channel.unary_unary(
                 '/shardserve.v1.Coordinator/AbortSnapshot',
@@ -348,7 +348,7 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'CommitSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitSnapshot,
                     request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotRequest.FromString,
-                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.SerializeToString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotResponse.SerializeToString,
             ),
             'AbortSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.AbortSnapshot,
@@ -799,7 +799,7 @@ class Coordinator:
             target,
             '/shardserve.v1.Coordinator/CommitSnapshot',
             shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotRequest.SerializeToString,
-            shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+            shardserve_dot_protos_dot_shardserve__pb2.CommitSnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,22 +76,41 @@ def create_snapshot(
     return session.call("CreateSnapshot", request)
 
 
-def commit_snapshot(session: Session, created: pb.SnapshotInfo) -> int:
+@dataclass(frozen=True)
+class CommittedSnapshot:
+    """A commit's answer: the snapshot's number, and the prefix's next snapshot if the commit reserved it (as
+    create_snapshot answers one)."""
+
+    number: int
+    next: pb.SnapshotInfo | None = None
+
+
+def commit_snapshot(
+    session: Session,
+    created: pb.SnapshotInfo,
+    *,
+    skeleton: str | None = None,
+    reserve_next: bool = False,
+) -> CommittedSnapshot:
     """CommitSnapshot of the snapshot `created` answered: every tensor READY at once, older snapshots beyond
-    `keep` dropped; returns its number. The shards `created` handed out for in-place writes count as written
-    (call it only once every writer is done). The answer leaves out the entries the writer already has."""
-    committed = session.call(
-        "CommitSnapshot",
-        pb.CommitSnapshotRequest(
-            prefix=created.prefix,
-            number=created.number,
-            view=pb.SNAPSHOT_VIEW_BASIC,
-            written_in_place=any(entry.writable for entry in created.entries),
-        ),
+    `keep` dropped. The shards `created` handed out for in-place writes count as written (call it only once
+    every writer is done). `skeleton` replaces the non-tensor tree it was created with; `reserve_next` has the
+    coordinator create the prefix's next snapshot with the same layouts, for the next put to fill."""
+    request = pb.CommitSnapshotRequest(
+        prefix=created.prefix,
+        number=created.number,
+        view=pb.SNAPSHOT_VIEW_BASIC,
+        written_in_place=any(entry.writable for entry in created.entries),
+        reserve_next=reserve_next,
     )
+    if skeleton is not None:
+        request.skeleton = skeleton
+    committed = session.call("CommitSnapshot", request)
     for entry in created.entries:
         session.saw_version(entry.tensor.name, entry.tensor.version)
-    return committed.number
+    return CommittedSnapshot(
+        committed.committed.number, committed.next if committed.HasField("next") else None
+    )
 
 
 def abort_snapshot(session: Session, prefix: str, number: int) -> None:

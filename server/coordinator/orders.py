@@ -15,7 +15,7 @@ from shardserve.core.planner import DEFAULT_BUCKET_BYTES
 from shardserve.core.state_tree import StateTreeError, tensor_keys
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
-from shardserve.server.common.requests import check_name, parse_metadata
+from shardserve.server.common.requests import check_name, check_version, parse_metadata
 
 DEFAULT_KEEP = (
     2  # committed snapshots kept per prefix: the newest, and the one readers pinned before it
@@ -39,6 +39,19 @@ class SnapshotOrder:
     durable: bool
     # a same-host writer whose shards the ranks open for in-place writes, if any
     writer_host_id: str = ""
+
+
+@dataclass(frozen=True)
+class CommitOrder:
+    """A pending snapshot to commit: whether its in-place writes are done, the non-tensor tree replacing the
+    one it was created with (None: kept), and whether to reserve the prefix's next snapshot."""
+
+    prefix: str
+    number: int
+    written_in_place: bool = False
+    skeleton: str | None = None
+    skeleton_keys: tuple[str, ...] = ()  # the tensor keys `skeleton` refers to
+    reserve_next: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,20 @@ def snapshot_order(
         skeleton,
         durable=not request.not_durable,
         writer_host_id="" if authenticated else request.writer_host_id,
+    )
+
+
+def commit_order(request: pb.CommitSnapshotRequest) -> CommitOrder:
+    """The checked order of a CommitSnapshot request; INVALID_ARGUMENT naming the field. A skeleton's tensor
+    references are checked against the pending snapshot's keys by the driver (check_skeleton_keys)."""
+    skeleton = request.skeleton if request.HasField("skeleton") else None
+    return CommitOrder(
+        check_name(request.prefix, "prefix"),
+        check_version(request.number, "number"),
+        written_in_place=request.written_in_place,
+        skeleton=skeleton,
+        skeleton_keys=tuple(_skeleton_keys(skeleton or "")),
+        reserve_next=request.reserve_next,
     )
 
 
@@ -120,24 +147,33 @@ def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedT
 def _checked_skeleton(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata]) -> str:
     """The request's state dict skeleton: "" (tensors only), or typed JSON (shardserve.core.state_tree) of at
     most MAX_SKELETON_BYTES whose tensor references are exactly the snapshot's tensors."""
+    if skeleton:
+        check_skeleton_keys(_skeleton_keys(skeleton), layouts)
+    return skeleton
+
+
+def _skeleton_keys(skeleton: str) -> list[str]:
+    """The tensor keys a non-empty skeleton refers to; RESOURCE_EXHAUSTED past MAX_SKELETON_BYTES,
+    INVALID_ARGUMENT naming `skeleton` when it does not parse."""
     if not skeleton:
-        return ""
+        return []
     if len(skeleton.encode()) > MAX_SKELETON_BYTES:
         raise RequestTooLarge(
             f"skeleton: {len(skeleton.encode())} bytes, over the limit of {MAX_SKELETON_BYTES}",
             metadata={"field": "skeleton"},
         )
     try:
-        referenced = tensor_keys(skeleton)
+        return tensor_keys(skeleton)
     except StateTreeError as err:
         raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
-    if sorted(referenced) != sorted(layouts):
-        extra, missing = (
-            sorted(set(referenced) - set(layouts)),
-            sorted(set(layouts) - set(referenced)),
-        )
+
+
+def check_skeleton_keys(referenced: Iterable[str], keys: Iterable[str]) -> None:
+    """INVALID_ARGUMENT naming `skeleton` unless it refers to exactly the snapshot's tensor `keys`."""
+    referenced, keys = sorted(referenced), sorted(keys)
+    if referenced != keys:
+        extra, missing = sorted(set(referenced) - set(keys)), sorted(set(keys) - set(referenced))
         raise InvalidArgument(
             f"skeleton: refers to tensors {extra} the snapshot lacks and misses {missing}",
             metadata={"field": "skeleton"},
         )
-    return skeleton

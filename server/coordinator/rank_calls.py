@@ -104,17 +104,30 @@ class RankCalls:
         )
 
     def allocate_many(
-        self, records: Mapping[int, list[TensorRecord]], what: str, *, writer_host_id: str = ""
+        self,
+        records: Mapping[int, list[TensorRecord]],
+        what: str,
+        *,
+        writer_host_id: str = "",
+        dropping: Mapping[int, list[tuple[str, int]]] | None = None,
     ) -> list[pb.WritableShard]:
         """AllocateMany of each rank's records (filled by their writers), one call per rank, ranks at once; the
-        first failure raised. With `writer_host_id`, the shards each rank opened for that same-host writer."""
+        first failure raised. With `writer_host_id`, the shards each rank opened for that same-host writer.
+        `dropping`: versions each rank drops first, in the same call (another rank's are dropped quietly)."""
+        dropping = dropping or {}
         requests = {
             rank: pb.AllocateManyRequest(
                 tensors=[self._allocation(r, Allocation()) for r in mine],
                 writer_host_id=writer_host_id,
+                drop_first=[
+                    pb.DropVersionRequest(name=n, version=v) for n, v in dropping.get(rank, ())
+                ],
             )
             for rank, mine in records.items()
         }
+        elsewhere = {rank: v for rank, v in dropping.items() if rank not in requests}
+        if elsewhere:
+            self.drop_many_quietly(elsewhere)
         answers = self.fan_out_each(
             {r: partial(_allocate_many, q, self.rpc_timeout) for r, q in requests.items()}, what
         )

@@ -28,9 +28,15 @@ from shardserve.server.coordinator.messages import (
     snapshot_to_proto,
     with_writable,
 )
-from shardserve.server.coordinator.orders import reshard_order, snapshot_order, snapshot_view
+from shardserve.server.coordinator.orders import (
+    commit_order,
+    reshard_order,
+    snapshot_order,
+    snapshot_view,
+)
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
+from shardserve.server.coordinator.snapshots import CreatedSnapshot
 
 _PHASES = {
     ReshardPhase.PREPARING: pb.RESHARD_PREPARING,
@@ -187,18 +193,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
         order = snapshot_order(request, authenticated=not _anonymous())
-        created = self.coordinator.snapshots.create(order)
-        return with_writable(snapshot_to_proto(created.record), created.writable)
+        return _created(self.coordinator.snapshots.create(order))
 
     @rpc_errors
     def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext
-    ) -> pb.SnapshotInfo:
+    ) -> pb.CommitSnapshotResponse:
         view = snapshot_view(request.view)
-        committed = self.coordinator.snapshots.commit(
-            request.prefix, request.number, written_in_place=request.written_in_place
-        )
-        return self.answers.snapshot(committed, view)
+        committed = self.coordinator.snapshots.commit(commit_order(request))
+        answer = pb.CommitSnapshotResponse(committed=self.answers.snapshot(committed.record, view))
+        if committed.next is not None:
+            answer.next.CopyFrom(_created(committed.next))
+        return answer
 
     @rpc_errors
     def AbortSnapshot(
@@ -256,3 +262,8 @@ def _covers(name: str) -> bool:
     without client auth, or a call without the interceptor, lists everything)."""
     principal = caller()
     return principal is None or principal.covers(name)
+
+
+def _created(created: CreatedSnapshot) -> pb.SnapshotInfo:
+    """A pending snapshot as CreateSnapshot answers it: every entry, with the shards opened for its writer."""
+    return with_writable(snapshot_to_proto(created.record), created.writable)

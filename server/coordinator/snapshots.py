@@ -7,6 +7,10 @@ snapshot in one transaction, which also removes the snapshots of the prefix
 beyond the newest `keep` (freed on their ranks once the commit has answered:
 server/coordinator/deferred_drops.py). A snapshot never committed stays invisible: it is
 aborted by its writer, or its tensors are reaped as any pending put.
+
+A commit may also reserve the prefix's next snapshot: created as CreateSnapshot
+would with the same layouts, in the memory the commit just freed. A writer that
+puts the same layouts every step commits it next and skips the create.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from shardserve.protos import shardserve_pb2 as pb
@@ -29,7 +33,7 @@ from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.deferred_drops import DeferredDrops
 from shardserve.server.coordinator.locks import NameLocks
-from shardserve.server.coordinator.orders import SnapshotOrder
+from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder, check_skeleton_keys
 from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
@@ -65,6 +69,22 @@ class CreatedSnapshot:
     writable: Sequence[pb.WritableShard] = ()
 
 
+@dataclass(frozen=True)
+class CommittedSnapshot:
+    """A committed snapshot, and the prefix's next one if the commit reserved it."""
+
+    record: SnapshotRecord
+    next: CreatedSnapshot | None = None
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A pending snapshot and the same-host writer its shards were opened for ("" for none)."""
+
+    record: SnapshotRecord
+    writer_host_id: str
+
+
 class SnapshotDriver:
     """Create, commit, abort and read snapshots; pending ones are kept in memory until committed or aborted."""
 
@@ -84,13 +104,16 @@ class SnapshotDriver:
         self.locks = locks
         self.versions = versions
         self.pending_timeout = pending_timeout
-        self._pending: dict[tuple[str, int], SnapshotRecord] = {}
+        self._pending: dict[tuple[str, int], _Pending] = {}
         self._guard = threading.Lock()
         self.drops = DeferredDrops(versions.drop_rows)
 
-    def create(self, order: SnapshotOrder) -> CreatedSnapshot:
+    def create(
+        self, order: SnapshotOrder, *, dropping: Sequence[TensorRecord] = ()
+    ) -> CreatedSnapshot:
         """Record every tensor PENDING and allocate it on its ranks (opening its shards for the order's same-host
-        writer, if any); all or none."""
+        writer, if any); all or none. `dropping`: versions removed from the catalog that the ranks drop in the
+        same calls, first (their memory is the new snapshot's)."""
         prefix, keep, layouts, skeleton = order.prefix, order.keep, order.layouts, order.skeleton
         for key, meta in layouts.items():
             try:
@@ -126,12 +149,13 @@ class SnapshotDriver:
                 _tensors_by_rank(snapshot),
                 f"allocate snapshot {prefix!r} {number}",
                 writer_host_id=order.writer_host_id,
+                dropping=versions_by_rank(dropping, TensorRecord.ranks),
             )
         except BaseException:
             self._discard(snapshot)
             raise
         with self._guard:
-            self._pending[(prefix, number)] = snapshot
+            self._pending[(prefix, number)] = _Pending(snapshot, order.writer_host_id)
         log.info(
             "snapshot %r %d: %d tensors, %d bytes pending",
             prefix,
@@ -141,30 +165,49 @@ class SnapshotDriver:
         )
         return CreatedSnapshot(snapshot, writable)
 
-    def commit(self, prefix: str, number: int, *, written_in_place: bool = False) -> SnapshotRecord:
+    def commit(self, order: CommitOrder) -> CommittedSnapshot:
         """Promote every tensor on its ranks (`written_in_place`: the shards create opened for in-place writes
-        count as written first), then commit all of them and the snapshot in one transaction."""
-        snapshot = self._take(prefix, number)
+        count as written first), then commit all of them and the snapshot in one transaction; then reserve the
+        next snapshot if the order asks (a failure to reserve leaves the commit done, with no next)."""
+        prefix, number = order.prefix, order.number
+        pending = self._take(prefix, number)
+        snapshot = pending.record
         try:
-            with self.locks.hold(f"{prefix}@"):
-                self.calls.promote_many(
-                    versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
-                    f"promote snapshot {prefix!r} {number}",
-                    finish_in_place=written_in_place,
-                )
-                try:
-                    committed, removed = self.catalog.commit_snapshot(
-                        snapshot, durable=_durable(snapshot)
-                    )
-                except KeyError as err:
-                    raise TensorBusy(
-                        f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
-                        f"{self.pending_timeout:.0f} s?): {err}"
-                    ) from None
+            if order.skeleton is not None:
+                if order.skeleton:
+                    check_skeleton_keys(order.skeleton_keys, (e.key for e in snapshot.entries))
+                snapshot = replace(snapshot, skeleton=order.skeleton)
+            committed, removed = self._commit(snapshot, written_in_place=order.written_in_place)
         except BaseException:
             self._discard(snapshot)
             raise
-        self.drops.submit(prefix, removed)
+        if not order.reserve_next:
+            self.drops.submit(prefix, removed)
+            return CommittedSnapshot(committed)
+        return CommittedSnapshot(
+            committed, self._reserve_next(committed, list(removed), pending.writer_host_id)
+        )
+
+    def _commit(
+        self, snapshot: SnapshotRecord, *, written_in_place: bool
+    ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
+        """Promote on the ranks, then commit in the catalog; the committed record and the versions it removed."""
+        prefix, number = snapshot.prefix, snapshot.number
+        with self.locks.hold(f"{prefix}@"):
+            self.calls.promote_many(
+                versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
+                f"promote snapshot {prefix!r} {number}",
+                finish_in_place=written_in_place,
+            )
+            try:
+                committed, removed = self.catalog.commit_snapshot(
+                    snapshot, durable=_durable(snapshot)
+                )
+            except KeyError as err:
+                raise TensorBusy(
+                    f"snapshot {prefix!r} {number} lost a tensor while pending (reaped after "
+                    f"{self.pending_timeout:.0f} s?): {err}"
+                ) from None
         log.info(
             "committed snapshot %r %d (%d tensors)%s",
             prefix,
@@ -172,11 +215,40 @@ class SnapshotDriver:
             len(committed.entries),
             f", dropping {len(removed)} tensors of older snapshots" if removed else "",
         )
-        return committed
+        return committed, removed
+
+    def _reserve_next(
+        self, committed: SnapshotRecord, removed: list[TensorRecord], writer_host_id: str
+    ) -> CreatedSnapshot | None:
+        """The prefix's next snapshot, created with `committed`'s layouts, keep, tree and durability for the
+        same writer, in the memory of the versions the commit `removed` (dropped by the same rank calls; a
+        reshard's unfinished promotion is left to the deferred drops, which also free its replaced version).
+        None (logged) when its ranks cannot allocate it: the removed versions are dropped as after any commit."""
+        order = SnapshotOrder(
+            committed.prefix,
+            committed.keep,
+            {entry.key: entry.tensor.metadata for entry in committed.entries},
+            committed.skeleton,
+            durable=_durable(committed),
+            writer_host_id=writer_host_id,
+        )
+        promoting = [record for record in removed if record.promoting]
+        self.drops.submit(committed.prefix, promoting)
+        try:
+            return self.create(order, dropping=[r for r in removed if not r.promoting])
+        except ServiceError as err:
+            self.drops.submit(committed.prefix, removed)
+            log.warning(
+                "snapshot %r %d committed; its next not reserved: %s",
+                committed.prefix,
+                committed.number,
+                err.message,
+            )
+            return None
 
     def abort(self, prefix: str, number: int) -> None:
         """Forget a pending snapshot and free its tensors."""
-        self._discard(self._take(prefix, number))
+        self._discard(self._take(prefix, number).record)
         log.info("aborted snapshot %r %d", prefix, number)
 
     def get(self, prefix: str, number: int) -> SnapshotRecord:
@@ -195,7 +267,7 @@ class SnapshotDriver:
 
     # ------------------------------------------------------------ helpers
 
-    def _take(self, prefix: str, number: int) -> SnapshotRecord:
+    def _take(self, prefix: str, number: int) -> _Pending:
         prefix = check_name(prefix, "prefix")
         number = check_version(number, "number")
         with self._guard:
@@ -211,8 +283,8 @@ class SnapshotDriver:
         """Drop pending snapshots older than the pending timeout (their writers are gone)."""
         cutoff = time.time() - self.pending_timeout
         with self._guard:
-            stale = [key for key, s in self._pending.items() if s.created_unix < cutoff]
-            snapshots = [self._pending.pop(key) for key in stale]
+            stale = [key for key, p in self._pending.items() if p.record.created_unix < cutoff]
+            snapshots = [self._pending.pop(key).record for key in stale]
         for snapshot in snapshots:
             log.warning(
                 "aborting snapshot %r %d: pending for more than %.0f s",

@@ -116,6 +116,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         allocations = [
             checked_allocation(t, f"tensors[{i}].") for i, t in enumerate(request.tensors)
         ]
+        self._drop_quietly(
+            checked_versions(request.drop_first, allow_zero=True, field="drop_first")
+        )
         made, total = [], 0
         try:
             for index, allocation in enumerate(allocations):
@@ -199,7 +202,11 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def DropMany(
         self, request: pb.DropManyRequest, context: grpc.ServicerContext
     ) -> pb.DropManyResponse:
-        versions = list(checked_versions(request.versions, allow_zero=True))
+        self._drop_quietly(checked_versions(request.versions, allow_zero=True))
+        return pb.DropManyResponse()
+
+    def _drop_quietly(self, versions: list[tuple[str, int]]) -> None:
+        """Drop each version this rank holds (one log line for all; a version not held is no error)."""
         dropped = sum(
             self.store.drop(name, version, log_level=logging.DEBUG) for name, version in versions
         )
@@ -210,7 +217,6 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                 dropped,
                 versions_phrase(versions),
             )
-        return pb.DropManyResponse()
 
     @rank_rpc
     def WriteShard(
@@ -298,14 +304,17 @@ def _item_errors(index: int) -> Iterator[None]:
 
 
 def checked_versions(
-    requests: Sequence[pb.PromoteVersionRequest | pb.DropVersionRequest], allow_zero: bool = False
+    requests: Sequence[pb.PromoteVersionRequest | pb.DropVersionRequest],
+    allow_zero: bool = False,
+    *,
+    field: str = "versions",
 ) -> list[tuple[str, int]]:
-    """(name, version) of each request of a batch, checked; INVALID_ARGUMENT names `versions[i]`."""
-    check_batch_size(len(requests), "versions")
+    """(name, version) of each request of a batch, checked; INVALID_ARGUMENT names `<field>[i]`."""
+    check_batch_size(len(requests), field)
     return [
         (
-            check_name(r.name, f"versions[{i}].name"),
-            check_version(r.version, f"versions[{i}].version", allow_zero=allow_zero),
+            check_name(r.name, f"{field}[{i}].name"),
+            check_version(r.version, f"{field}[{i}].version", allow_zero=allow_zero),
         )
         for i, r in enumerate(requests)
     ]

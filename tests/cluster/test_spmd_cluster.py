@@ -476,8 +476,10 @@ def test_single_process_keeps_the_newest_snapshots_and_pins_one(
 def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_bit(
     cluster: LocalCluster,
 ) -> None:
-    """300 small tensors of every dtype: create and commit make one AllocateMany and one PromoteMany per rank,
-    the next put drops the older snapshot with one DropMany per rank, and every tensor reads back bit for bit."""
+    """300 small tensors of every dtype: create and commit make one AllocateMany and one PromoteMany per rank;
+    each commit reserves the next snapshot with one more AllocateMany per rank, which also drops the older
+    snapshot; the client's close aborts the last reservation (one DropMany per rank); every tensor reads back
+    bit for bit."""
     keys = [
         (f"layer{i // 10}.p{i % 10}", SHAPES[i % len(SHAPES)], DTYPES[i % len(DTYPES)])
         for i in range(300)
@@ -508,8 +510,8 @@ def test_hundreds_of_small_tensors_cost_one_call_per_rank_and_read_back_bit_for_
         assert got.dtype == dtype and torch.equal(got, global_value(key, shape, dtype, 2)), key
     for per_tensor in ("AllocateShards", "PromoteVersion", "DropVersion"):
         assert moved.get(per_tensor, 0.0) == 0, (per_tensor, moved)
-    for batched in ("AllocateMany", "PromoteMany"):
-        assert 2 <= moved.get(batched, 0.0) <= 2 * cluster.ranks, (batched, moved)
+    assert 3 <= moved.get("AllocateMany", 0.0) <= 3 * cluster.ranks, moved
+    assert 2 <= moved.get("PromoteMany", 0.0) <= 2 * cluster.ranks, moved
     assert 1 <= moved.get("DropMany", 0.0) <= cluster.ranks, moved
 
 
