@@ -277,7 +277,7 @@ class _StatePut:
     def _basis(self) -> tuple[Any, ...]:
         """What this rank's part of the layouts is made from: a reservation made from the same serves this put.
         Job rank 0 places balanced layouts over the live ranks, so their list is part of its basis."""
-        ranks = ()
+        ranks: tuple[int, ...] = ()
         if self.job.rank == 0 and self.spec is None:
             ranks = tuple(r.rank for r in self.session.recent_ranks() if r.alive)
         return (

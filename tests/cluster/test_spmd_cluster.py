@@ -617,12 +617,14 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
             with pytest.raises(Exception) as caught:
                 stub.call(method, request)
             assert caught.value.code == code, (method, caught.value)
-        with pytest.raises(InvalidArgumentError) as caught:
-            stub.call(
-                "CommitSnapshot",
-                pb.CommitSnapshotRequest(prefix="bad", number=12345, view=99),  # type: ignore[arg-type]
-            )
-        assert caught.value.metadata.get("field") == "view", caught.value
+        for request, field in [
+            (pb.CommitSnapshotRequest(prefix="bad", number=12345, view=99), "view"),  # type: ignore[arg-type]
+            (pb.CommitSnapshotRequest(prefix="bad", number=0), "number"),
+            (pb.CommitSnapshotRequest(prefix="bad", number=1, skeleton="{not json"), "skeleton"),
+        ]:
+            with pytest.raises(InvalidArgumentError) as caught:
+                stub.call("CommitSnapshot", request)
+            assert caught.value.metadata.get("field") == field, caught.value
 
 
 def test_the_trainer_to_inference_example_runs_bit_for_bit(cluster: LocalCluster) -> None:

@@ -1,0 +1,234 @@
+"""Steady puts of a prefix fill the snapshot the previous commit reserved (CommitSnapshotRequest.reserve_next):
+no CreateSnapshot while the layouts stay the same, a new one when they change or the reservation is gone, the
+reservation's memory given back by a changed put and by the client's close, and every put read back bit for
+bit with its own non-tensor values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from shardserve import connect, spmd
+from shardserve.client import spmd as spmd_module
+from shardserve.client.cluster import Cluster
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.launcher import LocalCluster
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(ranks=2)
+
+
+@pytest.fixture
+def creates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The prefixes of every CreateSnapshot the client's puts make."""
+    made: list[str] = []
+    real = spmd_module.create_snapshot
+
+    def counted(session: Any, prefix: str, *args: Any, **kwargs: Any) -> pb.SnapshotInfo:
+        made.append(prefix)
+        return real(session, prefix, *args, **kwargs)
+
+    monkeypatch.setattr(spmd_module, "create_snapshot", counted)
+    return made
+
+
+def state(step: int, width: int = 8) -> dict[str, Any]:
+    """A model and optimizer-like state dict whose tensors and plain values change with `step`."""
+    torch.manual_seed(step)
+    return {
+        "model": {"w": torch.randn(16, width), "b": torch.arange(16, dtype=torch.int64) * step},
+        "optim": {"step": step, "lr": 0.1 / step, "betas": (0.9, 0.95), "name": f"step-{step}"},
+    }
+
+
+def zeros_like(tree: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: zeros_like(value)
+        if isinstance(value, dict)
+        else torch.zeros_like(value)
+        if isinstance(value, torch.Tensor)
+        else None
+        for key, value in tree.items()
+    }
+
+
+def assert_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert_equal(got[key], value)
+        elif isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value and type(got[key]) is type(value), key
+
+
+def held_numbers(address: str, prefix: str) -> set[int]:
+    """The snapshot numbers of `prefix` whose tensors some rank holds (committed, pending or reserved)."""
+    with grpc.insecure_channel(address) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
+    numbers = set()
+    for rank in ranks:
+        with grpc.insecure_channel(rank.address) as channel:
+            stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        numbers |= {
+            int(h.name.split("@")[1].split("/")[0])
+            for h in stats.held
+            if h.name.startswith(f"{prefix}@")
+        }
+    return numbers
+
+
+def reserved_number(client: Cluster, prefix: str) -> int:
+    """The number of the snapshot reserved for the client's next put of `prefix` (left reserved)."""
+    reservation = client.session.reservations.take(prefix)
+    assert reservation is not None, f"no snapshot of {prefix!r} is reserved"
+    client.session.reservations.keep(prefix, reservation)
+    return reservation.snapshot.number
+
+
+def test_steady_puts_fill_the_reserved_snapshot_and_read_back_with_their_own_values(
+    cluster: LocalCluster, creates: list[str]
+) -> None:
+    with connect(cluster.address) as client:
+        numbers = []
+        for step in range(1, 5):
+            numbers.append(spmd.put_state_dict(client, state(step), "steady", keep=2))
+            reserved = reserved_number(client, "steady")
+            into = zeros_like(state(step))
+            assert spmd.get_state_dict(client, "steady", into=into) == numbers[-1]
+            assert_equal(into, state(step))
+        assert creates == ["steady"]  # the first put only
+        assert numbers == sorted(numbers) and reserved > numbers[-1]
+        # two committed snapshots kept, and the reserved one: nothing else held
+        assert held_numbers(cluster.address, "steady") == {numbers[-2], numbers[-1], reserved}
+        older = zeros_like(state(3))
+        assert (
+            spmd.get_state_dict(client, "steady", into=older, snapshot=numbers[-2]) == numbers[-2]
+        )
+        assert_equal(older, state(3))
+    # the client's close aborted the reservation: its memory is given back now, not at the pending timeout
+    assert held_numbers(cluster.address, "steady") == {numbers[-2], numbers[-1]}
+
+
+def test_a_changed_layout_gives_the_reservation_back_and_creates_anew(
+    cluster: LocalCluster, creates: list[str]
+) -> None:
+    with connect(cluster.address) as client:
+        spmd.put_state_dict(client, state(1), "changed", keep=1)
+        unused = reserved_number(client, "changed")
+        number = spmd.put_state_dict(client, state(2, width=12), "changed", keep=1)
+        assert creates == ["changed", "changed"]
+        assert unused not in held_numbers(cluster.address, "changed")
+        into = zeros_like(state(2, width=12))
+        assert spmd.get_state_dict(client, "changed", into=into) == number
+        assert_equal(into, state(2, width=12))
+        reserved = reserved_number(client, "changed")
+        assert held_numbers(cluster.address, "changed") == {number, reserved}
+
+
+def test_a_reservation_aborted_by_someone_else_makes_the_next_put_create_one(
+    cluster: LocalCluster, creates: list[str]
+) -> None:
+    with connect(cluster.address) as client, connect(cluster.address) as other:
+        spmd.put_state_dict(client, state(1), "lost", keep=1)
+        other.session.call(
+            "AbortSnapshot",
+            pb.AbortSnapshotRequest(prefix="lost", number=reserved_number(client, "lost")),
+        )
+        number = spmd.put_state_dict(client, state(2), "lost", keep=1)
+        assert creates == ["lost", "lost"]
+        into = zeros_like(state(2))
+        assert spmd.get_state_dict(client, "lost", into=into) == number
+        assert_equal(into, state(2))
+
+
+def test_without_reserve_next_nothing_is_held_between_puts(
+    cluster: LocalCluster, creates: list[str]
+) -> None:
+    with connect(cluster.address) as client:
+        for step in (1, 2):
+            number = spmd.put_state_dict(client, state(step), "plain", keep=1, reserve_next=False)
+        assert creates == ["plain", "plain"]
+        assert client.session.reservations.take("plain") is None
+        assert held_numbers(cluster.address, "plain") == {number}
+
+
+def test_a_commit_with_a_skeleton_naming_other_tensors_is_refused_and_nothing_is_visible(
+    cluster: LocalCluster,
+) -> None:
+    from shardserve.client.errors import InvalidArgumentError
+    from shardserve.client.ops.snapshots import commit_snapshot, create_snapshot
+    from shardserve.core.metadata import ShardedTensorMetadata
+
+    with connect(cluster.address) as client:
+        layout: ShardedTensorMetadata = client.session.layouts.layout((4,), torch.float32, None, 1)
+        created = create_snapshot(client.session, "refused", {"w": layout}, keep=1)
+        skeleton = '{"format":1,"tree":{"dict":[["w",{"tensor":"other"}]]}}'
+        with pytest.raises(InvalidArgumentError, match="skeleton") as raised:
+            commit_snapshot(client.session, created, skeleton=skeleton)
+        assert raised.value.metadata.get("field") == "skeleton"
+        assert not client.session.call(
+            "ListSnapshots", pb.ListSnapshotsRequest(prefix="refused")
+        ).snapshots
+        assert held_numbers(cluster.address, "refused") == set()
+
+
+def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
+    make_cluster: Callable[..., LocalCluster], creates: list[str]
+) -> None:
+    import os
+    import signal
+    import time
+
+    from shardserve.server.common.rank_options import RankOptions
+
+    doomed = make_cluster(ranks=3, rank_options=RankOptions(log_level="WARNING"))
+    with connect(doomed.address) as client:
+        spmd.put_state_dict(client, state(1), "survivor", keep=1)
+        os.kill(doomed.rank_pids[2], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while any(r.rank == 2 and r.alive for r in client.session.refresh_ranks()):
+            assert time.monotonic() < deadline, "the coordinator never saw rank 2 die"
+            time.sleep(0.2)
+        number = spmd.put_state_dict(client, state(2), "survivor", keep=1)
+        assert creates == ["survivor", "survivor"]
+        summary = client.snapshot("survivor").summary
+        assert summary.number == number
+        assert all(
+            2 not in {shard.rank for shard in tensor.metadata.shards_metadata}
+            for tensor in summary.tensors.values()
+        )
+        into = zeros_like(state(2))
+        assert spmd.get_state_dict(client, "survivor", into=into) == number
+        assert_equal(into, state(2))
+
+
+def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
+    cluster: LocalCluster, creates: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = spmd_module._write_mine
+    failures = [RuntimeError("injected write failure")]
+
+    def fail_once(*args: Any, **kwargs: Any) -> dict[str, int]:
+        if failures:
+            raise failures.pop()
+        return real(*args, **kwargs)
+
+    with connect(cluster.address) as client:
+        spmd.put_state_dict(client, state(1), "retried", keep=1)
+        failed = reserved_number(client, "retried")
+        monkeypatch.setattr(spmd_module, "_write_mine", fail_once)
+        number = spmd.put_state_dict(client, state(2), "retried", keep=1)
+        assert not failures and creates == ["retried", "retried"]
+        assert failed not in held_numbers(cluster.address, "retried")
+        into = zeros_like(state(2))
+        assert spmd.get_state_dict(client, "retried", into=into) == number
+        assert_equal(into, state(2))
