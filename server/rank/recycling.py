@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -35,7 +36,7 @@ class Buffer:
     """One kept buffer: its bytes, and (for a shared-memory segment) the segment and its header words."""
 
     flat: torch.Tensor  # uint8, 1-D, the whole buffer
-    header: torch.Tensor | None = None
+    header: np.ndarray | None = None  # int64 words (server/rank/shared_memory.py)
     segment: Any = None
     since: float = 0.0
 

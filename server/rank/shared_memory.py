@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shardserve.core.dtypes import itemsize
@@ -90,7 +91,9 @@ class SharedMemory:
         self._segments: dict[
             int, Segment
         ] = {}  # by id() of a live tensor made by `empty` or given a header
-        self._headers: dict[int, torch.Tensor] = {}  # the int64 header words of those segments
+        # the int64 header words of those segments, as numpy: a word set through numpy costs ~1/50 of torch's
+        # indexing, once per shard on every allocation, promotion and drop
+        self._headers: dict[int, np.ndarray] = {}
         # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
         # whenever a collection happens, also inside a hold in this thread
         self._lock = threading.RLock()
@@ -181,7 +184,7 @@ class SharedMemory:
             seal_writes(segment.fd)
         return segment
 
-    def _track(self, tensor: torch.Tensor, segment: Segment, header: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, segment: Segment, header: np.ndarray) -> None:
         """Remember the segment and header words of `tensor` while that tensor lives."""
         key = id(tensor)
         with self._lock:
@@ -248,10 +251,10 @@ def _raise_fd_limit() -> int:
         return 1024
 
 
-def _new_header(flat: torch.Tensor, state: int) -> torch.Tensor:
+def _new_header(flat: torch.Tensor, state: int) -> np.ndarray:
     """Write the header (magic, state, generation 0) at the start of a segment's bytes; returns its int64
-    words."""
-    header = flat[:24].view(torch.int64)
+    words (a numpy view of them)."""
+    header = flat[:24].view(torch.int64).numpy()
     header[0] = HEADER_MAGIC
     header[1] = state
     header[2] = 0
