@@ -89,4 +89,4 @@ def dtype_names() -> str:
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element."""
     dtype_to_wire(dtype)
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

@@ -36,7 +36,7 @@ class JobTensor:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def job_tensors(

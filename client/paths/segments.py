@@ -269,7 +269,7 @@ def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
     except (RuntimeError, AttributeError) as err:
         raise SegmentError(f"cannot open the CUDA IPC handle of the shard: {err}") from None
     dtype = dtype_from_wire(reply.dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
     flat.set_(storage, h.tensor_offset * itemsize, (reply.nbytes,), (1,))
     return flat

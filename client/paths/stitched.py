@@ -41,7 +41,7 @@ def stitch(
     """The shards `sources` (each whole rows of `row_bytes` bytes) in one tensor of `dtype`, or None where a
     row size is no whole number of `dtype` items or its page-aligned multiples are too far apart; SegmentError
     when a memfd is gone or another file."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     step = math.lcm(mmap.PAGESIZE, row_bytes)
     if row_bytes % itemsize or step > MAX_GAP_BYTES:
         return None
