@@ -124,6 +124,18 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     )  # flat first: a 0-d tensor has no dim to view
 
 
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def word_views(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two flat uint8 runs of the same length (byte_view's) as the widest integer words that both their
+    lengths and addresses allow: torch copies 8-byte words ~10% faster than bytes on large runs."""
+    for width, dtype in _WORDS:
+        if (a.numel() | a.data_ptr() | b.data_ptr()) % width == 0:
+            return a.view(dtype), b.view(dtype)
+    return a, b
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a C-contiguous CPU tensor, for writing received chunks into."""
     if not tensor.is_contiguous():

@@ -24,18 +24,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 import torch
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import error_from_rpc
+from shardserve.client.paths.copies import copy_tensor
 from shardserve.client.paths.segments import SegmentError, names_file, open_rank_file
 from shardserve.client.paths.writes import ShardWrite, write_request
-from shardserve.core.wire import byte_view
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 
-PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
 MAPPED_BYTES = (
     4 << 30
 )  # writable mappings kept between writes: two versions of a 2 GiB state dict per host
@@ -194,17 +192,9 @@ def _key(address: str, segment: pb.WritableSegment) -> tuple[str, int, int, int,
 
 
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
-    """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes: one memcpy below
-    PARALLEL_COPY_BYTES (torch's copy_ would wake its thread pool per small tensor), torch's multi-threaded
-    copy_ above, and for strided or device tensors."""
-    if data.is_contiguous() and data.device.type == "cpu":
-        source = byte_view(data)
-        if source.numel() < PARALLEL_COPY_BYTES:
-            np.copyto(target.numpy(), source.numpy())
-        else:
-            target.copy_(source)
-    else:
-        target.view(data.dtype).view(data.shape).copy_(data)
+    """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes (as reads copy out
+    of segments)."""
+    copy_tensor(target.view(data.dtype).view(data.shape), data)
 
 
 def _map_writable(segment: pb.WritableSegment) -> WritableMapping:

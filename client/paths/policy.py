@@ -34,6 +34,7 @@ from shardserve.client.health import RankHealth
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.bulk import BulkPath
 from shardserve.client.paths.chain import FallbackChain
+from shardserve.client.paths.copies import copy_tensor
 from shardserve.client.paths.grpc import GrpcPath
 from shardserve.client.paths.hedging import (
     HEDGE_AFTER_S,
@@ -46,7 +47,7 @@ from shardserve.client.paths.hedging import (
 from shardserve.client.paths.kinds import DataPath, PartRead, PathKind
 from shardserve.client.paths.network import landing, read_request
 from shardserve.client.paths.pipeline import CallPipeline, NetworkCall, SentCalls
-from shardserve.client.paths.shm import SharedMemoryPath, copy_box
+from shardserve.client.paths.shm import SharedMemoryPath
 from shardserve.client.paths.writes import ShardWrite
 from shardserve.client.ranks import RankDirectory
 from shardserve.core.metadata import Box
@@ -222,7 +223,7 @@ class PathPolicy:
                 rank.rank,
                 path,
             )
-            return path.value, partial(copy_box, read.region, buffer)
+            return path.value, partial(copy_tensor, read.region, buffer)
 
         return hedge
 

@@ -25,7 +25,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import grpc
-import numpy as np
 import torch
 
 from shardserve.client.channel import Channel
@@ -37,6 +36,7 @@ from shardserve.client.errors import (
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
+from shardserve.client.paths.copies import copy_tensor
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
@@ -50,7 +50,6 @@ from shardserve.client.paths.writes import (
 )
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.regions import local_view
-from shardserve.core.wire import byte_view
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.protos.same_host import host_id
@@ -128,7 +127,7 @@ class SharedMemoryPath:
         self.check_limit(address, read.nbytes, "offsets/sizes: the box")
         if shard is not None:
             box = summary.metadata.shards_metadata[index].box
-            copy_box(read.region, local_view(shard, box, read.part))
+            copy_tensor(read.region, local_view(shard, box, read.part))
             _confirm(mapping, summary, address)
 
     def read_rows(
@@ -393,26 +392,6 @@ class SharedMemoryPath:
             ):
                 _, evicted = self._cache.popitem(last=False)
                 self._cached_bytes -= evicted.flat.numel()
-
-
-PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
-
-
-def copy_box(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors below
-    PARALLEL_COPY_BYTES (torch's copy_ wakes its thread pool, which on a loaded 2-core host cost milliseconds
-    per small read), else torch's copy_ (multi-threaded, any strides and devices)."""
-    small = dst.numel() * dst.element_size() < PARALLEL_COPY_BYTES
-    if (
-        small
-        and dst.device.type == src.device.type == "cpu"
-        and dst.is_contiguous()
-        and src.is_contiguous()
-    ):
-        if dst.numel():
-            np.copyto(byte_view(dst).numpy(), byte_view(src).numpy())
-        return
-    dst.copy_(src)
 
 
 def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int) -> None:

@@ -1,0 +1,45 @@
+"""copy_tensor: the same-host paths' copy, bit for bit for every dtype, length and alignment, on the single
+memcpy path and on torch's copy of whole words."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.client.paths import copies
+from shardserve.client.paths.copies import copy_tensor
+from shardserve.core.wire import byte_view, word_views
+
+DTYPES = [torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.complex128]
+
+
+@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("count", [1, 7, 4099])
+def test_copies_every_dtype_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, words: bool, dtype: torch.dtype, count: int
+) -> None:
+    monkeypatch.setattr(copies, "PARALLEL_COPY_BYTES", 0 if words else 1 << 30)
+    source = torch.randint(0, 255, (count * dtype.itemsize,), dtype=torch.uint8).view(dtype)
+    target = torch.zeros_like(source)
+    copy_tensor(target, source)
+    assert torch.equal(byte_view(target), byte_view(source))
+
+
+def test_word_views_take_the_widest_words_both_runs_allow() -> None:
+    run = torch.zeros(64, dtype=torch.uint8)
+    assert word_views(run[:16], run[16:32])[0].dtype == torch.int64
+    assert word_views(run[:12], run[16:28])[0].dtype == torch.int32
+    assert word_views(run[2:8], run[16:22])[0].dtype == torch.int16
+    odd, other = word_views(run[1:8], run[16:23])
+    assert odd.dtype == other.dtype == torch.uint8
+
+
+def test_strided_and_differently_typed_sources_are_copied_by_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(copies, "PARALLEL_COPY_BYTES", 0)
+    source = torch.arange(24, dtype=torch.float32).view(4, 6)
+    target = torch.zeros(6, 4, dtype=torch.float64)
+    copy_tensor(target, source.t())
+    assert torch.equal(target, source.t().double())
