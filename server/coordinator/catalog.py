@@ -250,6 +250,13 @@ class SQLiteCatalog(Catalog):
             ).fetchall()
         return [snapshot_of(r[0]) for r in rows]
 
+    def snapshot(self, prefix: str, number: int = 0) -> SnapshotRecord | None:
+        query = "SELECT record FROM snapshots WHERE prefix = ? "
+        query += "ORDER BY number DESC LIMIT 1" if number == 0 else "AND number = ?"
+        with self._lock:
+            row = self._db.execute(query, (prefix,) if number == 0 else (prefix, number)).fetchone()
+        return snapshot_of(row[0]) if row is not None else None
+
     def update(self, record: TensorRecord) -> None:
         with self._transaction() as db:
             cursor = db.execute(

@@ -7,6 +7,7 @@ Plain JSON of the domain records (server/coordinator/records.py), versioned by t
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from typing import Any
 
@@ -42,6 +43,13 @@ def snapshot_json(snapshot: SnapshotRecord) -> str:
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
+DECODED_SNAPSHOTS = 16
+"""Snapshot documents whose records are kept decoded (records are immutable, and a document that changes is
+another key): every reader of a weight sync's snapshot asks for the same one, and decoding hundreds of
+tensors costs milliseconds."""
+
+
+@functools.lru_cache(maxsize=DECODED_SNAPSHOTS)
 def snapshot_of(text: str) -> SnapshotRecord:
     document = json.loads(text)
     return SnapshotRecord(

@@ -261,3 +261,21 @@ def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog
         ("p@1/w", 10, TensorState.READY),
     ]
     assert catalog.get("p@1/w", 10) is None and catalog.snapshots("p") == [committed]
+
+
+def test_snapshot_reads_the_newest_or_the_numbered_one_and_none_for_others(catalog):
+    def commit(number: int) -> SnapshotRecord:
+        entry = SnapshotEntry("w", row(f"q@{number}/w", number * 10))
+        catalog.add_all([entry.tensor])
+        committed, _ = catalog.commit_snapshot(
+            SnapshotRecord("q", number, 2, (entry,), created_unix=float(number))
+        )
+        return committed
+
+    assert catalog.snapshot("q") is None
+    first, second = commit(1), commit(2)
+    assert catalog.snapshot("q") == second and catalog.snapshot("q", 1) == first
+    assert catalog.snapshot("q", 2) == second and catalog.snapshot("q", 3) is None
+    assert catalog.snapshot("other") is None
+    third = commit(3)  # keep=2: the first is gone
+    assert catalog.snapshot("q") == third and catalog.snapshot("q", 1) is None
