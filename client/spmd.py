@@ -16,16 +16,15 @@ the server layout, every tensor from one snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from shardserve.client import arguments
 from shardserve.client.cluster import Cluster
-from shardserve.client.errors import InvalidArgumentError, RankUnavailableError, ShardServeError
+from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import RankStatus
 from shardserve.client.ops.snapshots import (
     SnapshotSummary,
@@ -40,6 +39,7 @@ from shardserve.client.paths.writes import shard_write
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
 from shardserve.client.snapshots import READ_THREADS
+from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
 from shardserve.client.spmd_pieces import (
     Piece,
     is_distributed,
@@ -76,101 +76,6 @@ SMALL_PIECE_BYTES = (
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 
-class SpmdError(ShardServeError):
-    """A put or get failed on some rank of the job; every rank raises it with the same message."""
-
-
-# ---------------------------------------------------------------- the job's group
-
-
-class _Group:
-    """The job's process group (or a world of one without torch.distributed): rank, size, object collectives."""
-
-    def __init__(self, group: Any) -> None:
-        self.distributed = dist.is_available() and dist.is_initialized()
-        if group is not None and not self.distributed:
-            raise InvalidArgumentError("group was given but torch.distributed is not initialized")
-        self.group = group
-        self.rank = dist.get_rank(group) if self.distributed else 0
-        self.size = dist.get_world_size(group) if self.distributed else 1
-
-    def all_gather(self, value: Any) -> list[Any]:
-        if not self.distributed:
-            return [value]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
-
-    def broadcast(self, value: Any) -> Any:
-        """job rank 0's `value` on every rank."""
-        if not self.distributed:
-            return value
-        box = [value]
-        dist.broadcast_object_list(box, src=self._rank0(), group=self.group)
-        return box[0]
-
-    def all_done(self, step: Callable[[], Any], what: str) -> None:
-        """Run `step` on every rank; every rank raises SpmdError if any rank failed."""
-        self.all_succeed(_attempt(step)[1], what)
-
-    def all_succeed(self, error: str | None, what: str, *, also: bool = True) -> bool:
-        """Every rank raises SpmdError if any rank's step failed (its `error`); else whether `also` holds on every
-        rank. One reduction of two flags when all went well (the messages are gathered only after a failure)."""
-        if not self.distributed:
-            _raise_first([(0, error)], what)
-            return also
-        flags = torch.tensor([int(error is not None), int(not also)], device=self._device())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        if flags[0].item():
-            _raise_first(list(enumerate(self.all_gather(error))), what)
-        return not flags[1].item()
-
-    def count_from_rank0(self, step: Callable[[], int], what: str) -> int:
-        """`step` (a count >= 0) run on job rank 0 only, its result (or its failure) on every rank: one
-        broadcast of two numbers when it succeeded."""
-        if not self.distributed:
-            return int(self.from_rank0(step, what))
-        result, error = _attempt(step) if self.rank == 0 else (0, None)
-        answer = torch.tensor([int(error is None), result or 0], device=self._device())
-        dist.broadcast(answer, src=self._rank0(), group=self.group)
-        if not answer[0].item():
-            _raise_first([(0, self.broadcast(error))], what)
-        return int(answer[1].item())
-
-    def from_rank0(self, step: Callable[[], Any], what: str) -> Any:
-        """`step` run on job rank 0 only, its result (or its failure) on every rank."""
-        result, error = self.broadcast(_attempt(step) if self.rank == 0 else (None, None))
-        _raise_first([(0, error)], what)
-        return result
-
-    def _rank0(self) -> int:
-        """Job rank 0's global rank (broadcasts name their source by it)."""
-        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
-
-    def _device(self) -> torch.device:
-        """Where this group's tensor collectives run: the current GPU for NCCL, else the CPU."""
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-
-def _attempt(step: Callable[[], Any]) -> tuple[Any, str | None]:
-    """(step's result, None), or (None, its failure as "Type: message"): every rank must reach the collective
-    that follows, then all raise."""
-    try:
-        return step(), None
-    except Exception as err:  # noqa: BLE001 - reported to every rank of the job, then raised there
-        return None, f"{type(err).__name__}: {err}"
-
-
-def _raise_first(errors: Sequence[tuple[int, str | None]], what: str) -> None:
-    failed = [(rank, error) for rank, error in errors if error]
-    if failed:
-        rank, error = failed[0]
-        more = f" (and on {len(failed) - 1} more ranks)" if len(failed) > 1 else ""
-        raise SpmdError(f"{what} failed on job rank {rank}{more}: {error}")
-
-
 # ---------------------------------------------------------------- put
 
 
@@ -200,7 +105,7 @@ def put_state_dict(
     same layouts skips creating one; a put whose layouts changed aborts the reservation and creates anew.
     Returns the snapshot number. On any failure nothing is visible and every rank raises SpmdError.
     """
-    job = _Group(group)
+    job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
     plain_writer = arguments.count(plain_writer, "plain_writer")
     if plain_writer >= job.size:
@@ -230,7 +135,7 @@ class _StatePut:
     def __init__(
         self,
         cluster: Cluster,
-        job: _Group,
+        job: JobGroup,
         prefix: str,
         *,
         spec: Any,
@@ -248,7 +153,7 @@ class _StatePut:
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
 
     def run(self, state_dict: Mapping[str, Any]) -> int:
-        _, error = _attempt(lambda: self._describe(state_dict))
+        _, error = attempt_step(lambda: self._describe(state_dict))
         reservation = self.session.reservations.take(self.prefix)
         basis = self._basis() if error is None else None
         fits = reservation is not None and basis is not None and reservation.basis == basis
@@ -464,7 +369,7 @@ def get_state_dict(
     tensor, whatever layout the snapshot was put with. `snapshot` pins one kept snapshot; without it the newest
     is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times).
     """
-    job = _Group(group)
+    job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
     pinned = None if snapshot is None else arguments.count(snapshot, "snapshot", minimum=1)
     if not isinstance(into, Mapping):
