@@ -12,6 +12,7 @@ import contextlib
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -41,6 +42,9 @@ RECENT_RANKS_S = (
 )
 _STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
 RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
+READ_THREADS = (
+    8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
+)
 
 
 class SeenVersions:
@@ -81,12 +85,17 @@ class Session:
         self.layouts = Layouts(self.ranks)
         self.versions = SeenVersions()
         self.reservations = Reservations()
+        # reads of many tensors at once: a pool of its own, since each read waits on the channel's pool
+        self.read_pool = ThreadPoolExecutor(
+            max_workers=READ_THREADS, thread_name_prefix="shardserve-read"
+        )
 
     def close(self) -> None:
         """Abort the snapshots reserved for this client's next puts (their memory is freed now, not at the
         pending timeout), then close every bulk connection, shared-memory mapping (unmapped once no tensor uses
         it) and channel."""
         self.reservations.release_all(self._abort_reserved)
+        self.read_pool.shutdown(wait=False, cancel_futures=True)
         self.paths.close()
         self.channel.close()
 

@@ -7,7 +7,7 @@ put replaces; they are dropped only once `keep` newer snapshots are committed.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
 
 import torch
 
@@ -16,15 +16,12 @@ from shardserve.client.ops.snapshots import SnapshotSummary
 from shardserve.client.session import Session
 from shardserve.client.tensor import RemoteShardedTensor
 
-READ_THREADS = (
-    8  # tensors of a snapshot read at once (each read fans out over its ranks on the client's pool)
-)
-
 
 class Snapshot:
     """One committed snapshot of a prefix, read as a whole: every tensor is a proxy pinned to this snapshot."""
 
     def __init__(self, session: Session, lookups: Lookups, summary: SnapshotSummary) -> None:
+        self._session = session
         self.summary = summary
         self.tensors = {
             key: RemoteShardedTensor(session, lookups, s) for key, s in summary.tensors.items()
@@ -42,11 +39,10 @@ class Snapshot:
 
     def read(self) -> dict[str, torch.Tensor]:
         """Every tensor of the snapshot, whole, as plain tensors (several read at once)."""
-        with ThreadPoolExecutor(
-            max_workers=READ_THREADS, thread_name_prefix="shardserve-snapshot"
-        ) as pool:
-            tensors = {key: pool.submit(proxy.full_tensor) for key, proxy in self.tensors.items()}
-            return {key: future.result() for key, future in tensors.items()}
+        pool = self._session.read_pool
+        tensors = {key: pool.submit(proxy.full_tensor) for key, proxy in self.tensors.items()}
+        futures.wait(tensors.values())
+        return {key: future.result() for key, future in tensors.items()}
 
     def __repr__(self) -> str:
         return f"Snapshot(prefix={self.summary.prefix!r}, number={self.number}, tensors={len(self.tensors)})"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +39,6 @@ from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
-from shardserve.client.snapshots import READ_THREADS
 from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
 from shardserve.client.spmd_pieces import (
     Piece,
@@ -442,16 +442,17 @@ def _read_mine(
             )
     pieces = [read for read in reads if not read[1].is_empty()]
     small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
-    with ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="shardserve-spmd") as pool:
-        done = [
-            pool.submit(proxy.fetch, box.offsets, box.sizes, out)
-            for proxy, box, out in pieces
-            if _nbytes(out) > SMALL_PIECE_BYTES
-        ]
-        alone = _read_batched(cluster, small, pool)
-        done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
-        for future in done:
-            future.result()
+    pool = cluster.session.read_pool
+    done = [
+        pool.submit(proxy.fetch, box.offsets, box.sizes, out)
+        for proxy, box, out in pieces
+        if _nbytes(out) > SMALL_PIECE_BYTES
+    ]
+    alone = _read_batched(cluster, small, pool)
+    done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
+    futures.wait(done)  # every read ended before any failure is raised: none writes `into` after
+    for future in done:
+        future.result()
     return sum(_nbytes(out) for _, _, out in reads)
 
 
@@ -484,6 +485,7 @@ def _read_batched(
         pool.submit(read_batch, session.paths, session.rank_status, batch)
         for batch in batches(regions)
     ]
+    futures.wait(jobs)
     for job in jobs:
         alone |= job.result()
     return [small[piece] for piece in sorted(alone)]
