@@ -206,7 +206,7 @@ class SharedMemory:
                 header = self._headers.get(id(tensor))
                 if header is not None:
                     if served:
-                        seal_writes(self._segments[id(tensor)].fd)
+                        _seal_segment(self._segments[id(tensor)].fd)
                     header[1] = state
 
     def writable_segment(self, tensor: torch.Tensor) -> tuple[Segment, bool] | None:
@@ -217,7 +217,7 @@ class SharedMemory:
             segment = self._segments.get(id(tensor))
         if segment is None or segment.data_offset != HEADER_BYTES:
             return None
-        return segment, is_write_sealed(segment.fd)
+        return segment, segment.fd in _SEALED_SEGMENTS or is_write_sealed(segment.fd)
 
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""
@@ -280,6 +280,24 @@ def _seal_size(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
 
 
+_SEALED_SEGMENTS: set[int] = set()
+"""fds of this process's shard segments (_memfd_bytes) sealed by `_seal_segment`, each until it is closed:
+seals are final, and a reused segment is asked on every allocation and promotion (an fcntl each)."""
+
+
+def _seal_segment(fd: int) -> None:
+    """seal_writes of one of this process's shard segments, remembered until the segment is closed."""
+    if fd not in _SEALED_SEGMENTS:
+        seal_writes(fd)
+        _SEALED_SEGMENTS.add(fd)
+
+
+def _close_segment(fd: int) -> None:
+    # forgotten before the close: after it, the fd number is free for another file
+    _SEALED_SEGMENTS.discard(fd)
+    os.close(fd)
+
+
 def is_write_sealed(fd: int) -> bool:
     """Whether memfd `fd`'s seals are final (`seal_writes` ran): no new writable mapping of it can be made."""
     return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL)
@@ -316,7 +334,7 @@ def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
         raise
     segment = Segment(os.getpid(), fd, stat.st_ino, stat.st_dev, nbytes)
     weakref.finalize(
-        mapped, os.close, fd
+        mapped, _close_segment, fd
     )  # the fd lives exactly as long as the memory (any view of it)
     return torch.frombuffer(mapped, dtype=torch.uint8), segment
 

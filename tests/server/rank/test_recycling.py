@@ -255,3 +255,21 @@ def test_segments_are_sealed_against_other_writers_once_served():
         os.close(fd)
     tensor.fill_(2.0)  # the rank still writes through its own mapping
     assert torch.equal(tensor, torch.full((4,), 2.0))
+
+
+def test_a_new_segment_on_the_fd_of_a_closed_sealed_one_is_not_taken_for_sealed():
+    """The rank remembers which of its segments it sealed (seals are final) until the segment's fd closes: a
+    new segment that gets the same fd number is pending, and offered writable."""
+    import gc
+
+    shared = SharedMemory(recycled=RecycledBuffers(max_bytes=0))
+    served = shared.empty((4,), torch.float32)
+    fd = shared.segment_of(served).fd
+    shared.mark([served], served=True)
+    assert shared.writable_segment(served)[1] is True
+    del served
+    gc.collect()
+    fresh = [shared.empty((4,), torch.float32) for _ in range(4)]
+    reused = [t for t in fresh if shared.segment_of(t).fd == fd]
+    assert reused, "no new segment got the closed segment's fd number"
+    assert shared.writable_segment(reused[0])[1] is False
