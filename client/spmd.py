@@ -157,8 +157,8 @@ class _StatePut:
         reservation = self.session.reservations.take(self.prefix)
         basis = self._basis() if error is None else None
         fits = reservation is not None and basis is not None and reservation.basis == basis
-        if self.job.all_succeed(error, "describing the state dict", also=fits):
-            assert reservation is not None
+        all_fit = self.job.all_succeed(error, "describing the state dict", also=fits)
+        if all_fit and reservation is not None:
             try:
                 return self._fill(reservation.snapshot, reservation.tensors, basis)
             except SpmdError as err:
@@ -239,13 +239,13 @@ class _StatePut:
     def _keep(
         self, reserved: pb.SnapshotInfo, tensors: Mapping[str, JobTensor], basis: Any
     ) -> None:
+        """Keep the snapshot the commit reserved for this prefix's next put (job rank 0 owns it)."""
         owned = self.job.rank == 0
         replaced = self.session.reservations.keep(
             self.prefix, Reservation(basis, reserved, tensors, owned=owned)
         )
-        if (
-            replaced is not None and replaced.owned
-        ):  # another put of the prefix on this client, meanwhile
+        # another put of the prefix on this client reserved one meanwhile
+        if replaced is not None and replaced.owned:
             abort_snapshot(self.session, self.prefix, replaced.snapshot.number)
 
 

@@ -21,6 +21,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder
 from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankEntry
 from shardserve.server.coordinator.server import CoordinatorServer
@@ -33,6 +34,7 @@ class RankStub:
     def __init__(self, held: set[tuple[str, int]]) -> None:
         self.held = held
         self.calls: list[tuple[str, str, int]] = []
+        self.refuse_allocations = False
 
     def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
         return pb.GetStatsResponse(
@@ -62,9 +64,23 @@ class RankStub:
         return pb.PromoteManyResponse()
 
     def AllocateMany(self, request, timeout):  # noqa: N802
+        for one in request.drop_first:
+            self.DropVersion(one, timeout)
+        if self.refuse_allocations:
+            raise RankRefusal()
         for one in request.tensors:
             self.AllocateShards(one, timeout)
         return pb.AllocateManyResponse()
+
+
+class RankRefusal(grpc.RpcError):
+    """A rank's RESOURCE_EXHAUSTED answer, as the stub raises it."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self) -> str:
+        return "rank 0 memory limit"
 
 
 @pytest.fixture
@@ -403,3 +419,49 @@ def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpro
     else:
         coordinator.lifecycle.delete("t")
     assert ("drop", "t", a.version) in stub.calls and "t" not in coordinator.reshards._old_versions
+
+
+def _snapshot_order(prefix: str) -> SnapshotOrder:
+    return SnapshotOrder(prefix, 1, {"w": _layout(), "b": _layout()}, "", durable=False)
+
+
+def test_a_commit_reserves_the_next_snapshot_in_the_memory_it_frees(coordinator):
+    """The reservation's AllocateMany drops the versions the commit removed, then allocates the next ones; the
+    reserved snapshot has the committed one's layouts and is pending until committed in its turn."""
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    snapshots = coordinator.snapshots
+    first = snapshots.create(_snapshot_order("r")).record
+    reserved = snapshots.commit(CommitOrder("r", first.number, reserve_next=True)).next
+    assert reserved is not None
+    second = snapshots.commit(CommitOrder("r", reserved.record.number, reserve_next=True))
+    assert second.record.number == reserved.record.number and second.next is not None
+    dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
+    assert dropped == {(t.name, t.version) for t in first.tensors()}
+    allocations = [call for call in stub.calls if call[0] == "allocate"]
+    assert [name for _, name, _ in allocations[-2:]] == [
+        t.name for t in second.next.record.tensors()
+    ]
+    assert [e.tensor.metadata for e in second.next.record.entries] == [
+        e.tensor.metadata for e in first.entries
+    ]
+    assert [s.number for s in snapshots.list("r")] == [second.record.number]
+
+
+def test_a_reservation_the_ranks_refuse_leaves_the_commit_done_and_drops_the_old_snapshot(
+    coordinator,
+):
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    snapshots = coordinator.snapshots
+    first = snapshots.create(_snapshot_order("q")).record
+    second = snapshots.create(_snapshot_order("q")).record
+    snapshots.commit(CommitOrder("q", first.number))
+    stub.refuse_allocations = True
+    committed = snapshots.commit(CommitOrder("q", second.number, reserve_next=True))
+    assert committed.next is None and committed.record.number == second.number
+    assert [s.number for s in snapshots.list("q")] == [second.number]
+    snapshots.drops.wait("q")
+    dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
+    assert {(t.name, t.version) for t in first.tensors()} <= dropped
+    assert all(record.name.startswith("q@") is False for record in coordinator.catalog.pending())
