@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -236,3 +237,51 @@ def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
         into = zeros_like(state(2))
         assert spmd.get_state_dict(client, "retried", into=into) == number
         assert_equal(into, state(2))
+
+
+def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_put_creates(
+    tmp_path: Path, creates: list[str]
+) -> None:
+    """kill -9 of the coordinator between two steady puts, restarted on the same port and catalog: the client,
+    connected throughout, holds a reservation the new coordinator never heard of; its put creates a snapshot
+    and reads back bit for bit, and the snapshot put before the kill is still served."""
+    from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+
+    from shardserve.server.launcher import free_port
+
+    port, env = free_port(), server_env()
+    coordinator_args = ["coordinator", "--listen", f"127.0.0.1:{port}"]
+    coordinator_args += ["--state-dir", str(tmp_path / "state"), "--heartbeat-interval", "0.5"]
+    address = f"127.0.0.1:{port}"
+    procs = []
+    with open(tmp_path / "log.txt", "w") as log:
+        try:
+            procs.append(spawn_server(coordinator_args, env, log))
+            for rank in range(2):
+                procs.append(spawn_server(["--coordinator", address], rank_env(env, rank, 2), log))
+
+            def ranks_alive(count: int) -> Callable[[], bool]:
+                def alive() -> bool:
+                    with connect(address) as probe:
+                        return len([r for r in probe.ranks() if r.alive]) == count
+
+                return alive
+
+            wait_until(ranks_alive(2), 120, "two ranks")
+            with connect(address) as client:
+                for step in (1, 2):
+                    before = spmd.put_state_dict(client, state(step), "restarted", durable=True)
+                reserved_number(client, "restarted")
+                procs[0].kill()
+                procs[0].wait(30)
+                procs[0] = spawn_server(coordinator_args, env, log)
+                wait_until(ranks_alive(2), 120, "the ranks registered again")
+                number = spmd.put_state_dict(client, state(3), "restarted", durable=True)
+                assert creates == ["restarted", "restarted"] and number > before
+                for step, pinned in ((2, before), (3, number)):
+                    into = zeros_like(state(step))
+                    got = spmd.get_state_dict(client, "restarted", into=into, snapshot=pinned)
+                    assert got == pinned
+                    assert_equal(into, state(step))
+        finally:
+            stop_all(procs)
