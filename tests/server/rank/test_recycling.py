@@ -267,9 +267,27 @@ def test_a_new_segment_on_the_fd_of_a_closed_sealed_one_is_not_taken_for_sealed(
     fd = shared.segment_of(served).fd
     shared.mark([served], served=True)
     assert shared.writable_segment(served)[1] is True
-    del served
-    gc.collect()
-    fresh = [shared.empty((4,), torch.float32) for _ in range(4)]
-    reused = [t for t in fresh if shared.segment_of(t).fd == fd]
-    assert reused, "no new segment got the closed segment's fd number"
-    assert shared.writable_segment(reused[0])[1] is False
+    gc.collect()  # the files of earlier garbage closed first, not while this segment goes
+    # a new file takes the lowest free fd number: fill the free ones below this segment's
+    placeholders = [os.open(os.devnull, os.O_RDONLY) for _ in range(_free_fds_below(fd))]
+    try:
+        del served
+        gc.collect()
+        fresh = shared.empty((4,), torch.float32)
+    finally:
+        for placeholder in placeholders:
+            os.close(placeholder)
+    assert shared.segment_of(fresh).fd == fd, (
+        "the new segment did not get the closed one's fd number"
+    )
+    assert shared.writable_segment(fresh)[1] is False
+
+
+def _free_fds_below(limit: int) -> int:
+    free = 0
+    for number in range(limit):
+        try:
+            os.fstat(number)
+        except OSError:
+            free += 1
+    return free
