@@ -229,9 +229,11 @@ class _StatePut:
         return number
 
     def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
-        """Job rank 0: commit with this put's non-tensor tree; the number, and the reserved next snapshot."""
+        """Job rank 0: commit with this put's non-tensor tree (sent only where it differs from the one the
+        snapshot holds: a reservation's is the put before's); the number, and the reserved next snapshot."""
+        changed = self.skeleton if self.skeleton != snapshot.skeleton else None
         committed = commit_snapshot(
-            self.session, snapshot, skeleton=self.skeleton, reserve_next=self.reserve_next
+            self.session, snapshot, skeleton=changed, reserve_next=self.reserve_next
         )
         reserved = committed.next.SerializeToString() if committed.next is not None else None
         return committed.number, reserved
