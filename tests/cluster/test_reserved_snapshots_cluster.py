@@ -72,6 +72,17 @@ def assert_equal(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert got[key] == value and type(got[key]) is type(value), key
 
 
+def assert_reads_back(
+    client: Cluster, prefix: str, step: int, number: int, *, pinned: bool = False, **state_args: Any
+) -> None:
+    """get_state_dict of `prefix` (the newest, or snapshot `number` when `pinned`) answers snapshot `number` and
+    fills state(step) bit for bit."""
+    into = zeros_like(state(step, **state_args))
+    snapshot = number if pinned else None
+    assert spmd.get_state_dict(client, prefix, into=into, snapshot=snapshot) == number
+    assert_equal(into, state(step, **state_args))
+
+
 def held_numbers(address: str, prefix: str) -> set[int]:
     """The snapshot numbers of `prefix` whose tensors some rank holds (committed, pending or reserved)."""
     with grpc.insecure_channel(address) as channel:
@@ -104,18 +115,12 @@ def test_steady_puts_fill_the_reserved_snapshot_and_read_back_with_their_own_val
         for step in range(1, 5):
             numbers.append(spmd.put_state_dict(client, state(step), "steady", keep=2))
             reserved = reserved_number(client, "steady")
-            into = zeros_like(state(step))
-            assert spmd.get_state_dict(client, "steady", into=into) == numbers[-1]
-            assert_equal(into, state(step))
+            assert_reads_back(client, "steady", step, numbers[-1])
         assert creates == ["steady"]  # the first put only
         assert numbers == sorted(numbers) and reserved > numbers[-1]
         # two committed snapshots kept, and the reserved one: nothing else held
         assert held_numbers(cluster.address, "steady") == {numbers[-2], numbers[-1], reserved}
-        older = zeros_like(state(3))
-        assert (
-            spmd.get_state_dict(client, "steady", into=older, snapshot=numbers[-2]) == numbers[-2]
-        )
-        assert_equal(older, state(3))
+        assert_reads_back(client, "steady", 3, numbers[-2], pinned=True)
     # the client's close aborted the reservation: its memory is given back now, not at the pending timeout
     assert held_numbers(cluster.address, "steady") == {numbers[-2], numbers[-1]}
 
@@ -129,9 +134,7 @@ def test_a_changed_layout_gives_the_reservation_back_and_creates_anew(
         number = spmd.put_state_dict(client, state(2, width=12), "changed", keep=1)
         assert creates == ["changed", "changed"]
         assert unused not in held_numbers(cluster.address, "changed")
-        into = zeros_like(state(2, width=12))
-        assert spmd.get_state_dict(client, "changed", into=into) == number
-        assert_equal(into, state(2, width=12))
+        assert_reads_back(client, "changed", 2, number, width=12)
         reserved = reserved_number(client, "changed")
         assert held_numbers(cluster.address, "changed") == {number, reserved}
 
@@ -147,9 +150,7 @@ def test_a_reservation_aborted_by_someone_else_makes_the_next_put_create_one(
         )
         number = spmd.put_state_dict(client, state(2), "lost", keep=1)
         assert creates == ["lost", "lost"]
-        into = zeros_like(state(2))
-        assert spmd.get_state_dict(client, "lost", into=into) == number
-        assert_equal(into, state(2))
+        assert_reads_back(client, "lost", 2, number)
 
 
 def test_without_reserve_next_nothing_is_held_between_puts(
@@ -211,9 +212,7 @@ def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
             2 not in {shard.rank for shard in tensor.metadata.shards_metadata}
             for tensor in summary.tensors.values()
         )
-        into = zeros_like(state(2))
-        assert spmd.get_state_dict(client, "survivor", into=into) == number
-        assert_equal(into, state(2))
+        assert_reads_back(client, "survivor", 2, number)
 
 
 def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
@@ -234,9 +233,7 @@ def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
         number = spmd.put_state_dict(client, state(2), "retried", keep=1)
         assert not failures and creates == ["retried", "retried"]
         assert failed not in held_numbers(cluster.address, "retried")
-        into = zeros_like(state(2))
-        assert spmd.get_state_dict(client, "retried", into=into) == number
-        assert_equal(into, state(2))
+        assert_reads_back(client, "retried", 2, number)
 
 
 def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_put_creates(
@@ -278,10 +275,7 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
                 wait_until(ranks_alive(2), 120, "the ranks registered again")
                 number = spmd.put_state_dict(client, state(3), "restarted", durable=True)
                 assert creates == ["restarted", "restarted"] and number > before
-                for step, pinned in ((2, before), (3, number)):
-                    into = zeros_like(state(step))
-                    got = spmd.get_state_dict(client, "restarted", into=into, snapshot=pinned)
-                    assert got == pinned
-                    assert_equal(into, state(step))
+                assert_reads_back(client, "restarted", 2, before, pinned=True)
+                assert_reads_back(client, "restarted", 3, number, pinned=True)
         finally:
             stop_all(procs)
