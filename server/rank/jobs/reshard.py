@@ -56,7 +56,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -71,6 +73,8 @@ from shardserve.server.common.requests import check_name, check_version, parse_m
 from shardserve.server.rank.jobs.arguments import non_negative_int, positive_seconds
 from shardserve.server.rank.jobs.context import JobContext
 from shardserve.server.rank.jobs.groups import PeerGroup
+from shardserve.server.rank.jobs.peer_memory import enabled_by_env as peer_memory_enabled
+from shardserve.server.rank.jobs.peer_memory import local_export
 from shardserve.server.rank.jobs.reshard_exchange import (
     Exchange,
     ReshardError,
@@ -80,12 +84,21 @@ from shardserve.server.rank.jobs.reshard_exchange import (
     fresh_empty,
 )
 from shardserve.server.rank.jobs.reshard_rounds import plan_rounds
+from shardserve.server.rank.jobs.same_host import (
+    PeerMemory,
+    copy_mapped,
+    settle,
+    split_part,
+    swap_exports,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_IN_FLIGHT = 2
 # Test hook: "RANK:SECONDS:NAME[,...]" makes RANK sleep SECONDS before moving data in a reshard of NAME.
 STALL_ENV = "SHARDSERVE_DEBUG_RESHARD_STALL"
+# Test hook, the same format: RANK sleeps once it has mapped its same-host sources, before it copies from them.
+MAPPED_STALL_ENV = "SHARDSERVE_DEBUG_MAPPED_COPY_STALL"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,6 +116,7 @@ def run_reshard(
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     stats: ReshardStats | None = None,
     out: Mapping[int, torch.Tensor] | None = None,
+    peer_memory: PeerMemory | None = None,
 ) -> dict[int, torch.Tensor]:
     """Run `rank`'s part of `plan`: the new shards on this rank, by dst shard index.
 
@@ -112,7 +126,9 @@ def run_reshard(
     shards are allocated, except those given in `out` (by dst shard index), which
     are written in place: recycled buffers no reader can see (a failed reshard
     leaves them partly written) that share no memory with the source shards.
-    `group` is the job's group of ranks (the default c10d world when None).
+    `group` is the job's group of ranks (the default c10d world when None). With `peer_memory` (this rank's
+    export of its source shards), buckets between ranks of one host are copied through each other's memory
+    instead of the wire (server/rank/jobs/same_host.py).
     """
     if not isinstance(plan, ReshardPlan):
         raise TypeError(f"plan must be a ReshardPlan, got {type(plan).__name__}")
@@ -126,10 +142,65 @@ def run_reshard(
     part = plan.for_rank(rank)
     _check_src_shards(plan, part, src_shards)
     out = _destination(plan, rank, stats, out, src_shards)
+    if peer_memory is None or not part.peers:
+        return _exchange_wire(
+            plan,
+            part,
+            src_shards,
+            out,
+            group=group,
+            deadline=deadline,
+            stats=stats,
+            max_in_flight=max_in_flight,
+        )
+    group = group or _world_group()
+    exports = swap_exports(group, part.peers, peer_memory.export, deadline)
+    split = split_part(part, peer_memory.export, exports)
+    copied = False
+    try:
+        _exchange_wire(
+            plan,
+            split.wire,
+            src_shards,
+            out,
+            group=group,
+            deadline=deadline,
+            stats=stats,
+            max_in_flight=max_in_flight,
+            also_local=lambda: copy_mapped(
+                plan,
+                split,
+                exports,
+                out,
+                stats=stats,
+                after_mapping=peer_memory.after_mapping,
+            ),
+        )
+        copied = True
+    finally:
+        settle(group, split, copied=copied, deadline=deadline)
+    return out
+
+
+def _exchange_wire(  # noqa: PLR0913 - the parts of one rank's exchange, passed on as they are
+    plan: ReshardPlan,
+    part: RankPlan,
+    src_shards: Mapping[int, torch.Tensor],
+    out: dict[int, torch.Tensor],
+    *,
+    group: PeerGroup | None,
+    deadline: float,
+    stats: ReshardStats,
+    max_in_flight: int,
+    also_local: Callable[[], None] = lambda: None,
+) -> dict[int, torch.Tensor]:
+    """The local copies of `part` (and `also_local`, copies that need no wire either) and its buckets over
+    the group's rounds."""
     src_boxes = [s.box for s in plan.src.shards_metadata]
     dst_boxes = [s.box for s in plan.dst.shards_metadata]
 
     def copy_local() -> None:
+        also_local()
         for t in part.local:
             copy_box(
                 src_shards[t.src_shard],
@@ -140,22 +211,26 @@ def run_reshard(
             )
             stats.local_bytes += t.nbytes
 
-    rounds = plan_rounds(rank, part.sends, part.recvs)
+    rounds = plan_rounds(part.rank, part.sends, part.recvs)
     stats.rounds = len(rounds)
     if not rounds:
         copy_local()
         return out
-    if group is None:
-        if not dist.is_initialized():
-            raise ReshardError(
-                "the plan moves data between ranks but no process group was given and "
-                "torch.distributed is not initialized"
-            )
-        group = PeerGroup.world()
+    group = group or _world_group()
     pool = StagingPool(max(op.bucket.nbytes for round_ in rounds for op in round_), stats)
     setup = Exchange(plan, src_shards, out, group, deadline, stats, pool)
     exchange(setup, rounds, max_in_flight=max_in_flight, copy_local=copy_local)
     return out
+
+
+def _world_group() -> PeerGroup:
+    """The default c10d world, for in-process callers that give no group."""
+    if not dist.is_initialized():
+        raise ReshardError(
+            "the plan moves data between ranks but no process group was given and "
+            "torch.distributed is not initialized"
+        )
+    return PeerGroup.world()
 
 
 def _check_src_shards(
@@ -289,35 +364,43 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
         )  # the current device is per thread; NCCL work goes to ours
     stats = ReshardStats()
     ctx.progress.bytes_total = sum(dst.shard_nbytes(i) for i in dst.shards_on(rank))
-    ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes
+    ctx.live_bytes_done = lambda: stats.local_bytes + stats.received_bytes + stats.mapped_bytes
     group = ctx.peer_group()
-    _debug_stall(rank, name)
+    _debug_stall(STALL_ENV, rank, name)
     # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
     # since a failed exchange may leave receives posted into them
     recycled = ctx.store.memory.recycled(dst, ctx.rank)
     src_local = [
         i for i in src.shards_on(rank) if i not in unavailable
     ]  # a restarted rank holds none
-    if src_local:
-        with ctx.store.access.lease(name, src_version) as entry:
-            shards = {i: ctx.store.access.shard_of(entry, i) for i in src_local}
-            out = run_reshard(
-                plan, rank, shards, ctx.time_left(), group=group, stats=stats, out=recycled
-            )
-    else:
-        out = run_reshard(plan, rank, {}, ctx.time_left(), group=group, stats=stats, out=recycled)
+    with _leased_sources(ctx, name, src_version, src_local) as shards:
+        lent = PeerMemory(
+            local_export(shards, ctx.store.shared.segment_of),
+            after_mapping=partial(_debug_stall, MAPPED_STALL_ENV, rank, name),
+        )
+        out = run_reshard(
+            plan,
+            rank,
+            shards,
+            ctx.time_left(),
+            group=group,
+            stats=stats,
+            out=recycled,
+            peer_memory=lent,
+        )
     if dst.shards_on(rank):
         ctx.store.fill_reserved(name, dst_version, out)
     recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
     ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
     log.info(
-        "rank %d staged %r version %d: %d bytes local, %d received, %d sent, peak staging %d bytes, "
-        "%d of %d new-shard bytes in recycled buffers",
+        "rank %d staged %r version %d: %d bytes local, %d copied from same-host ranks, %d received, "
+        "%d sent, peak staging %d bytes, %d of %d new-shard bytes in recycled buffers",
         rank,
         name,
         dst_version,
         stats.local_bytes,
+        stats.mapped_bytes,
         stats.received_bytes,
         stats.sent_bytes,
         stats.peak_staging_bytes,
@@ -337,12 +420,29 @@ def _unavailable(spec: pb.ReshardJob, src: ShardedTensorMetadata) -> frozenset[i
     return frozenset(spec.src_unavailable)
 
 
-def _debug_stall(rank: int, name: str) -> None:
-    """Sleep when STALL_ENV names this rank and tensor (tests make a reshard window to kill a rank in)."""
-    for entry in filter(None, os.environ.get(STALL_ENV, "").split(",")):
+@contextmanager
+def _leased_sources(
+    ctx: JobContext, name: str, version: int, indices: list[int]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """This rank's source shards `indices` of (name, version), leased while the block runs so they stay whole
+    (for same-host peers that map them too); a CPU shard built outside shared memory is moved into it first
+    when same-host peers may map it (server/rank/access.py shared_segment)."""
+    if not indices:
+        yield {}
+        return
+    access = ctx.store.access
+    with access.lease(name, version) as entry:
+        if peer_memory_enabled():
+            for i in indices:
+                access.shared_segment(entry, i)
+        yield {i: access.shard_of(entry, i) for i in indices}
+
+
+def _debug_stall(env: str, rank: int, name: str) -> None:
+    """Sleep when `env` (STALL_ENV, MAPPED_STALL_ENV) names this rank and tensor: tests make a window in a
+    reshard to kill a rank in."""
+    for entry in filter(None, os.environ.get(env, "").split(",")):
         stall_rank, seconds, stall_name = entry.split(":", 2)
         if int(stall_rank) == rank and stall_name == name:
-            log.warning(
-                "rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, STALL_ENV
-            )
+            log.warning("rank %d stalls %ss in the reshard of %r (%s)", rank, seconds, name, env)
             time.sleep(float(seconds))

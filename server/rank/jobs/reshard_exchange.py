@@ -55,6 +55,8 @@ class ReshardStats:
     buckets_sent: int = 0
     buckets_received: int = 0
     zero_copy_buckets: int = 0
+    mapped_bytes: int = 0  # copied out of a same-host peer's memory (server/rank/jobs/same_host.py)
+    mapped_buckets: int = 0
     rounds: int = 0
     new_shard_bytes: int = 0
     staging_bytes: int = 0
