@@ -72,8 +72,9 @@ class Target:
         if self.max_seconds is not None:
             return f"<= {self.max_seconds * 1e3:g} ms"
         assert self.min_ratio is not None
-        if self.min_ratio < 1:
-            return f">= {self.min_ratio:.2f}x (within {1 / self.min_ratio:.3g}x)"
+        slowdown = 1 / self.min_ratio
+        if slowdown > 1 and abs(slowdown - round(slowdown)) < 1e-9:  # asked as "within Nx"
+            return f">= {self.min_ratio:.2f}x (within {round(slowdown)}x)"
         return f">= {self.min_ratio:.2f}x"
 
     def met(self, seconds: float | None, ratio: float | None) -> bool | None:

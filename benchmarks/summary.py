@@ -24,7 +24,7 @@ KILLED = 137
 COUNTS = ("tests", "failures", "errors", "skipped")
 
 
-def test_counts(junit: Path) -> dict[str, int] | None:
+def pytest_counts(junit: Path) -> dict[str, int] | None:
     """{tests, failures, errors, skipped, passed} summed over the XML's test suites; None without a file."""
     if not junit.is_file():
         return None
@@ -54,7 +54,7 @@ def stage_result(status: int, ok_text: str) -> str:
 
 
 def tests_line(junit: Path, status: int) -> tuple[str, ...]:
-    counts = test_counts(junit)
+    counts = pytest_counts(junit)
     if counts is None:
         return (
             "pytest",
@@ -91,7 +91,7 @@ def row_line(row: dict, baselines: dict[tuple[str, str, str], dict]) -> tuple[st
         limit,
         fmt_ratio(row["ratio"]),
         target.get("text", "-"),
-        met + (f"; {row['note']}" if row["note"] else ""),
+        "; ".join(part for part in (met if target else "", row["note"]) if part) or "-",
     )
 
 

@@ -70,8 +70,8 @@ PYTHON
 }
 
 # Imports every package pyproject lists, from the repository root with the root first on PYTHONPATH (as the
-# ranks are started), and starts `python -m shardserve --help` as a child meanwhile. A package that needs an
-# optional extra which is not installed (torchrec) is reported, not failed.
+# ranks are started), and checks that a child process started so finds the same package. A package that needs
+# an optional extra which is not installed (torchrec) is reported, not failed.
 check_imports() {
   PYTHONPATH="$REPO:$PYTHONPATH" "$PY" - "$REPO" <<'PYTHON'
 import importlib
@@ -90,8 +90,13 @@ optional = {
     if group != "dev"
     for requirement in re.findall(r'"([^"]+)"', body)
 }
+# A child started as the ranks are (its cwd and PYTHONPATH led by the root) must find the tree's `shardserve`.
+where_child_finds = (
+    "import importlib.util, pathlib; spec = importlib.util.find_spec('shardserve'); "
+    "print(pathlib.Path(spec.submodule_search_locations[0], 'client').resolve())"
+)
 child = subprocess.Popen(
-    [sys.executable, "-m", "shardserve", "--help"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    [sys.executable, "-c", where_child_finds], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
 )
 failed = []
 for name in packages:
@@ -115,11 +120,11 @@ for name in packages:
             print(f"  {name}: {where.relative_to(repo)}")
         else:
             failed.append(f"{name}: imported from {where}, not from this checkout")
-_, stderr = child.communicate(timeout=120)
-if child.returncode != 0:
-    failed.append(f"python -m shardserve --help (a child process): exit {child.returncode}: {stderr[-1500:]}")
+stdout, stderr = child.communicate(timeout=120)
+if child.returncode != 0 or stdout.strip() != str(repo / "client"):
+    failed.append(f"a child process finds shardserve.client at {stdout.strip()!r}, not in {repo}: {stderr[-1500:]}")
 for line in failed:
-    print(f"IMPORT FAILED {line}", file=sys.stderr)
+    print(f"IMPORT FAILED {line}")
 print(f"imports: {len(packages) - len(failed)} of {len(packages)} packages checked, {len(failed)} failed")
 sys.exit(1 if failed else 0)
 PYTHON
@@ -132,6 +137,7 @@ if [ "${1:-}" = "--check-imports" ]; then
 fi
 if [ "$CHECK_IMPORTS_ONLY" = 0 ]; then
   mkdir -p "$OUT"
+  rm -f "$OUT/cuda-tests.xml" "$OUT/cuda-bench.json"  # a stage that leaves none is reported, not an old one
   # Installed into python's own environment (not a --target dir) so that the processes tests start see them too.
   if ls .whl/*.whl >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade .whl/*.whl || exit 2
@@ -143,7 +149,7 @@ build_import_tree "$TREE" || { echo "could not build the import tree in $TREE" >
 export PYTHONPATH="$TREE:$REPO:$REPO/tests${PYTHONPATH:+:$PYTHONPATH}"
 echo "== imports (PYTHONPATH=$PYTHONPATH)"
 if ! check_imports; then
-  echo "FAILED: the shardserve import names do not work from $REPO without an install (see above)" >&2
+  echo "FAILED: not every shardserve package imports from $REPO with $PY (see above)" >&2
   exit 2
 fi
 if [ "$CHECK_IMPORTS_ONLY" = 1 ]; then
