@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from benchmarks.harness import Row, Target, document, failure_row, fill_ratios
-from benchmarks.summary import summary_table, pytest_counts
+from benchmarks.summary import pytest_counts, summary_table
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="0" failures="1" skipped="2" tests="5">
@@ -66,7 +66,13 @@ def test_summary_table_holds_the_tests_and_every_measured_row(tmp_path: Path) ->
     junit.write_text(JUNIT)
     report = {"name": "cuda", "status": "ok", "error": None, "wall_seconds": 1.0, "rows": 3}
     bench.write_text(json.dumps(document(sample_rows(), [report], False, "python -m benchmarks")))
-    assert pytest_counts(junit) == {"tests": 5, "failures": 1, "errors": 0, "skipped": 2, "passed": 2}
+    assert pytest_counts(junit) == {
+        "tests": 5,
+        "failures": 1,
+        "errors": 0,
+        "skipped": 2,
+        "passed": 2,
+    }
     table, lines = summary_table(junit, 1, bench, 0)
     out = Console(file=io.StringIO(), width=240)
     out.print(table)
