@@ -22,7 +22,9 @@ largest box) for a short run. On a machine without a CUDA GPU it returns one row
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +43,8 @@ from benchmarks.fetch import (
 )
 from benchmarks.harness import Context, Row, Target, failure_row, scenario
 
+log = logging.getLogger(__name__)
+
 GROUP_FETCH = "cuda-fetch"
 GROUP_RESHARD = "cuda-reshard"
 SHARDS = 3
@@ -50,6 +54,8 @@ FETCH_TARGET = Target(min_ratio=0.5)  # of the device-to-device copy, at the lar
 ONE_RANK_RESHARD_TARGET = Target(min_ratio=0.5)  # of the in-process column copies
 TWO_RANK_RESHARD_TARGET = Target(min_ratio=1 / 3)  # within 3x of the in-process column copies
 ONE_GPU = "cuda:0"
+ONE_RANK, TWO_RANKS = "1 rank on cuda:0", "2 ranks on cuda:0"
+RESHARD_TIMEOUT_S = 30.0  # a reshard that hangs fails its row, not the whole run's time limit
 
 
 @dataclass(frozen=True)
@@ -105,9 +111,18 @@ def cuda_scenario(ctx: Context) -> list[Row]:
     source = torch.randn(total_rows, COLUMNS, generator=torch.Generator().manual_seed(7))
     on_gpu = source.cuda()
     table = bag_table(sizes.bag_rows, sizes.bag_dim)
-    rows = one_cuda_rank_rows(ctx, sizes, source, on_gpu, table)
-    rows += cpu_rank_rows(ctx, sizes, source, table)
-    rows += two_ranks_one_gpu_rows(ctx, source, on_gpu)
+    phases: list[tuple[str, Callable[[], list[Row]]]] = [
+        (ONE_RANK, lambda: one_cuda_rank_rows(ctx, sizes, source, on_gpu, table)),
+        ("2 CPU ranks", lambda: cpu_rank_rows(ctx, sizes, source, table)),
+        (TWO_RANKS, lambda: two_ranks_one_gpu_rows(ctx, source, on_gpu)),
+    ]
+    rows: list[Row] = []
+    for cluster, phase in phases:  # a cluster that fails is a row; the other clusters' rows stay
+        try:
+            rows += phase()
+        except Exception as exc:
+            log.exception("cuda scenario: the %s cluster failed", cluster)
+            rows.append(failure_row(GROUP_FETCH, cluster, "cluster", exc))
     return rows
 
 
@@ -141,6 +156,7 @@ def one_cuda_rank_rows(
                 remote,
                 layouts,
                 name="shardserve reshard (1 rank, CUDA)",
+                ranks=ONE_RANK,
                 target=ONE_RANK_RESHARD_TARGET,
                 quick=ctx.quick,
                 peaks=peaks,
@@ -197,7 +213,7 @@ def two_ranks_one_gpu_rows(ctx: Context, source: torch.Tensor, on_gpu: torch.Ten
         try:
             remote = client.put("gpu2", source, ChunkShardingSpec(0, placements))
         except Exception as exc:
-            case = reshard_case(on_gpu)
+            case = reshard_case(on_gpu, TWO_RANKS)
             return [failure_row(GROUP_RESHARD, case, name, exc, target=TWO_RANK_RESHARD_TARGET)]
         layouts = (ChunkShardingSpec(1, placements), ChunkShardingSpec(0, placements))
         with ctx.rss(cluster.rank_pids) as peaks:
@@ -206,6 +222,7 @@ def two_ranks_one_gpu_rows(ctx: Context, source: torch.Tensor, on_gpu: torch.Ten
                 remote,
                 layouts,
                 name=name,
+                ranks=TWO_RANKS,
                 target=TWO_RANK_RESHARD_TARGET,
                 quick=ctx.quick,
                 peaks=peaks,
@@ -349,8 +366,9 @@ def cpu_shard_fetch_rows(
     ]
 
 
-def reshard_case(on_gpu: torch.Tensor) -> str:
-    return f"{on_gpu.numel() * on_gpu.element_size() >> 20} MiB rows->cols"
+def reshard_case(on_gpu: torch.Tensor, ranks: str) -> str:
+    """The case of a reshard of `on_gpu`'s bytes on `ranks` (each case has its own in-process limit)."""
+    return f"{on_gpu.numel() * on_gpu.element_size() >> 20} MiB rows->cols, {ranks}"
 
 
 def reshard_rows(
@@ -359,6 +377,7 @@ def reshard_rows(
     layouts: tuple[Any, Any],
     *,
     name: str,
+    ranks: str,
     target: Target,
     quick: bool,
     peaks: dict[str, int],
@@ -367,7 +386,7 @@ def reshard_rows(
     column copies in-process; a reshard that fails is a row holding its error. `peaks`: the ranks' RSS
     window."""
     nbytes = on_gpu.numel() * on_gpu.element_size()
-    case = reshard_case(on_gpu)
+    case = reshard_case(on_gpu, ranks)
     halves = torch.tensor_split(torch.arange(on_gpu.shape[1]), 2)
     repeats = 2 if quick else 4
 
@@ -379,7 +398,8 @@ def reshard_rows(
     current = {"remote": remote, "turn": 0}
 
     def through_cluster() -> None:
-        current["remote"] = current["remote"].reshard(layouts[current["turn"] % 2])
+        turn = layouts[current["turn"] % 2]
+        current["remote"] = current["remote"].reshard(turn, timeout=RESHARD_TIMEOUT_S)
         current["turn"] += 1
 
     limit = Row(
