@@ -53,6 +53,37 @@ SCENARIO_MODULES = (
 ROLES = ("subject", "baseline")
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a row is asked to reach, reported beside it and never asserted: at least `min_ratio` (its
+    baseline's seconds over its own; "within 3x of the baseline" is 1/3), or at most `max_seconds`."""
+
+    min_ratio: float | None = None
+    max_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.min_ratio is None) == (self.max_seconds is None):
+            raise ValueError("a target is either min_ratio or max_seconds")
+        if not (self.min_ratio or self.max_seconds or 0) > 0:
+            raise ValueError(f"a target must be > 0, got {self}")
+
+    @property
+    def text(self) -> str:
+        if self.max_seconds is not None:
+            return f"<= {self.max_seconds * 1e3:g} ms"
+        assert self.min_ratio is not None
+        slowdown = 1 / self.min_ratio
+        if slowdown > 1 and abs(slowdown - round(slowdown)) < 1e-9:  # asked as "within Nx"
+            return f">= {self.min_ratio:.2f}x (within {round(slowdown)}x)"
+        return f">= {self.min_ratio:.2f}x"
+
+    def met(self, seconds: float | None, ratio: float | None) -> bool | None:
+        """Whether a row with these figures reaches the target; None when it has no figure to judge."""
+        if self.max_seconds is not None:
+            return None if seconds is None else seconds <= self.max_seconds
+        return None if ratio is None else ratio >= (self.min_ratio or 0)
+
+
 @dataclass
 class Row:
     """One measured method in one case of a scenario group; `seconds` None means it did not run (see note)."""
@@ -69,6 +100,7 @@ class Row:
     ok: bool | None = None
     note: str = ""
     extra: dict = field(default_factory=dict)
+    target: Target | None = None
     scenario: str = ""
     ratio: float | None = None
     ratios: dict[str, float] = field(default_factory=dict)
@@ -89,11 +121,24 @@ class Row:
             return None
         return self.nbytes / self.seconds / 1e9
 
+    @property
+    def target_met(self) -> bool | None:
+        """Whether the row reaches its target (None: no target, or no figure)."""
+        return None if self.target is None else self.target.met(self.seconds, self.ratio)
+
     def to_json(self) -> dict:
         out = asdict(self)
         out["gb_per_s"] = self.gb_per_s
         out["peak_rss_max_bytes"] = max(self.peak_rss.values(), default=None)
+        if self.target is not None:
+            out["target"].update(text=self.target.text, met=self.target_met)
         return out
+
+
+def failure_row(group: str, case: str, name: str, error: BaseException, **fields) -> Row:
+    """A row for a method that raised: no figure, its error's first line as the note (the run goes on)."""
+    first = (str(error).strip().splitlines() or [""])[0][:160]
+    return Row(group, case, name, None, note=f"failed: {type(error).__name__}: {first}", **fields)
 
 
 @dataclass

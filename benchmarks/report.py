@@ -28,6 +28,15 @@ def fmt_mib(nbytes: int | None) -> str:
     return "-" if not nbytes else f"{nbytes / (1 << 20):,.0f}"
 
 
+def fmt_target(row: Row) -> str:
+    """The row's target and whether this run reached it."""
+    if row.target is None:
+        return "-"
+    return (
+        f"{row.target.text}: {({True: 'met', False: 'NOT met', None: 'no figure'})[row.target_met]}"
+    )
+
+
 def console() -> Console:
     """A console as wide as the terminal, or wide enough for the tables when piped."""
     return Console() if sys.stdout.isatty() else Console(width=200)
@@ -63,6 +72,7 @@ def group_table(group: str, rows: list[Row]) -> Table:
         "x each baseline",
         "peak RSS MiB",
         "ok",
+        "target",
         "note",
     ):
         numeric = column in ("MiB", "seconds", "GB/s", "x baseline", "peak RSS MiB")
@@ -82,6 +92,7 @@ def group_table(group: str, rows: list[Row]) -> Table:
             each or "-",
             fmt_mib(rss),
             {True: "yes", False: "NO", None: "-"}[row.ok],
+            fmt_target(row),
             row.note,
         )
     return table

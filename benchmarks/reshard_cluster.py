@@ -8,7 +8,8 @@ included), once with the ranks' default --recycle-bytes (each reshard writes
 into the buffers of the version dropped before it) and once with recycling
 off (fresh memory each time). In the same run, `benchmarks.reshard.run_world`
 measures the bare gloo transfer of the same bytes and `run_reshard` alone in a
-plain world.
+plain world. `cluster_reshard_rows` is the same cluster reshard as a row of the suite's "reshard" scenario,
+against one in-process copy_ of the bytes it moves.
 
     python -m benchmarks.reshard_cluster [--size-mib 64] [--ranks 2] [--bucket-mib 16] [--repeats 3] [--json FILE]
 """
@@ -22,7 +23,16 @@ import statistics
 import tempfile
 import time
 
+import torch
+
 from benchmarks import reshard as raw
+from benchmarks.baselines import median_seconds
+from benchmarks.harness import Row, Target
+
+GROUP = "reshard"
+COPY = "copy_ of the bytes moved"
+TARGET = Target(min_ratio=0.5)  # within 2x of the in-process copy
+BUCKET_BYTES = 16 << 20
 
 
 def cluster_times(
@@ -58,11 +68,47 @@ def cluster_times(
             if i:
                 times.append(time.perf_counter() - start)
         done = reports[-1]
+        expected = (
+            torch.arange(n * n).reshape(n, n).to(torch.float32)
+        )  # init="arange", as the ranks make it
         return {
             "seconds": statistics.median(times),
             "max_new_shard_bytes": done.max_new_shard_bytes,
             "max_staging_bytes": done.max_staging_bytes,
+            "ok": bool(torch.equal(tensor.fetch((0, 0), (n, n)), expected)),
         }
+
+
+def cluster_reshard_rows(
+    *, size_mib: float, repeats: int, bucket_bytes: int = BUCKET_BYTES
+) -> list[Row]:
+    """Rows -> columns of a `size_mib` MiB float32 tensor on a 2-rank LocalCluster (half of the bytes cross
+    ranks), against one in-process copy_ of the bytes moved; the row's note holds the load average."""
+    n = raw.square_side(size_mib)
+    moved = torch.ones(n * n // 2, dtype=torch.float32)
+    into = torch.zeros_like(moved)  # touched: the copy pays no page faults
+    copy_s = median_seconds(lambda: into.copy_(moved), repeats)
+    result = cluster_times(2, n, bucket_bytes, repeats)
+    case = f"2-rank cluster, {n * n * 4 >> 20} MiB rows<->cols"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return [
+        Row(
+            GROUP,
+            case,
+            "shardserve cluster reshard",
+            result["seconds"],
+            path="gloo",
+            nbytes=moved.numel() * 4,
+            baseline=COPY,
+            ok=result["ok"],
+            target=TARGET,
+            note=f"load average {load}; each run alternates rows->cols and cols->rows",
+            extra={k: result[k] for k in ("max_new_shard_bytes", "max_staging_bytes")},
+        ),
+        Row(
+            GROUP, case, COPY, copy_s, path="in-process", role="baseline", nbytes=moved.numel() * 4
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from benchmarks.harness import Context, Row, scenario
 from benchmarks.rss import SELF_LABEL
 
+CLUSTER_RESHARD_MIB = 256
+
 
 def run_module_main(main: Callable[[list[str]], object], argv: list[str]) -> dict:
     """Call a benchmark module's main(argv + ["--json", FILE]) quietly and return the JSON it wrote."""
@@ -125,11 +127,14 @@ def routing_rows(results: list[dict], peaks: dict[str, int]) -> list[Row]:
 
 @scenario(
     "reshard",
-    help="Shard(0)->Shard(1) on gloo ranks: shardserve vs bare all_to_all, DTensor, ShardedTensor",
+    help="Shard(0)->Shard(1) on gloo ranks: shardserve vs bare all_to_all, DTensor, ShardedTensor; "
+    "a 2-rank cluster's reshard vs a copy_ of the bytes moved",
 )
 def reshard_scenario(ctx: Context) -> list[Row]:
-    """benchmarks.reshard, as rows: one case per world size, peak RSS of every rank process of the worlds."""
+    """benchmarks.reshard, as rows: one case per world size, peak RSS of every rank process of the worlds;
+    then benchmarks.reshard_cluster's 2-rank cluster reshard against an in-process copy_."""
     from benchmarks import reshard
+    from benchmarks.reshard_cluster import cluster_reshard_rows
 
     argv = (
         ["--size-mib", "4", "--ranks", "2", "--repeats", "1", "--timeout", "120"]
@@ -166,7 +171,8 @@ def reshard_scenario(ctx: Context) -> list[Row]:
                     extra=extra,
                 )
             )
-    return rows
+    size_mib, repeats = (4, 1) if ctx.quick else (CLUSTER_RESHARD_MIB, 3)
+    return rows + cluster_reshard_rows(size_mib=size_mib, repeats=repeats)
 
 
 @scenario(
