@@ -129,12 +129,10 @@ class SharedMemoryPath:
         if shard is not None:
             box = summary.metadata.shards_metadata[index].box
             if read.region.device.type == "cuda" and mapping and mapping.data_offset >= 0:
-                PAGES.pin(
-                    mapping, mapping.flat, read_only=True
-                )  # a host segment: copied at pinned speed
-            copy_all(
-                [(read.region, local_view(shard, box, read.part))]
-            )  # finished before the check
+                # a host segment into a CUDA region: registered once, copied at pinned speed
+                PAGES.pin(mapping, mapping.flat, read_only=True)
+            # finished before _confirm looks at the header again
+            copy_all([(read.region, local_view(shard, box, read.part))])
             _confirm(mapping, summary, address)
 
     def read_rows(

@@ -53,8 +53,8 @@ def open_for_write(
     opened = []
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
+        _check_device(store, shard, i, request.cuda_ipc)
         with item_errors(f"shards[{i}]"), service_errors():
-            _check_device(store, shard, i, request.cuda_ipc)
             found = store.access.open_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             )
