@@ -36,8 +36,8 @@ from shardserve.server.common.errors import item_errors
 from shardserve.server.common.principals import ANONYMOUS
 from shardserve.server.common.requests import parse_dtype
 from shardserve.server.rank.access import InPlace
+from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import service_errors
-from shardserve.server.rank.reads.shm import cuda_ipc_handle
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.shards import ShardBytes, checked_batch
 from shardserve.server.rank.writes.shared import SharedWritesUnavailable
