@@ -311,8 +311,9 @@ class Cluster:
         meta = self.session.layouts.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
         options.not_durable = not arguments.flag(durable, "durable")
-        source = tensor.detach().cpu()
-        shards = cut_tensor(source, meta)
+        # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
+        # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
+        shards = cut_tensor(tensor.detach(), meta)
         info = self.session.create_tensor(
             pb.CreateTensorRequest(
                 name=name,

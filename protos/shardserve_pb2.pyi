@@ -674,15 +674,17 @@ class WriteShardsResponse(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class OpenShardsForWriteRequest(_message.Message):
-    __slots__ = ("shards", "host_id")
+    __slots__ = ("shards", "host_id", "cuda_ipc")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
     host_id: str
-    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    cuda_ipc: bool
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class WritableSegment(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "device_id", "data_offset", "nbytes", "sealed")
+    __slots__ = ("pid", "fd", "inode", "device_id", "data_offset", "nbytes", "sealed", "cuda")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +692,7 @@ class WritableSegment(_message.Message):
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SEALED_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -697,7 +700,8 @@ class WritableSegment(_message.Message):
     data_offset: int
     nbytes: int
     sealed: bool
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., data_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., sealed: _Optional[bool] = ...) -> None: ...
+    cuda: CudaIpcHandle
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., data_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., sealed: _Optional[bool] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class OpenShardsForWriteResponse(_message.Message):
     __slots__ = ("segments",)

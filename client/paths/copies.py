@@ -1,8 +1,11 @@
 """Copies between tensors in this process's memory, shared by the same-host paths: reads out of mapped
 segments into the caller's tensors (client.paths.shm) and writes of the caller's tensors into them
-(client.paths.in_place)."""
+(client.paths.in_place). A copy that touches a CUDA device is queued on that device's current stream
+(asynchronous from registered or device memory) and `copy_all` waits for each such stream once at the end."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -12,11 +15,34 @@ from shardserve.core.wire import byte_view, word_views
 PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """dst[...] = src for each (dst, src) in order, every byte in place on return: copies that touch a CUDA
+    device are queued without waiting, then the current stream of each device they touched is synchronized once
+    (a rank is told of, or a caller handed, only finished bytes)."""
+    devices: set[torch.device] = set()
+    for dst, src in pairs:
+        touched = cuda_devices(dst, src)
+        copy_tensor(dst, src, non_blocking=bool(touched))
+        devices |= touched
+    synchronize(devices)
+
+
+def cuda_devices(*tensors: torch.Tensor) -> set[torch.device]:
+    """The CUDA devices `tensors` are on (none for CPU tensors)."""
+    return {t.device for t in tensors if t.device.type == "cuda"}
+
+
+def synchronize(devices: Iterable[torch.device]) -> None:
+    """Wait for every copy queued on the current stream of each of `devices`."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
     """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors below
     PARALLEL_COPY_BYTES (torch's copy_ wakes its thread pool, which on a loaded 2-core host cost milliseconds
     per small read), torch's multi-threaded copy_ of whole words above, else torch's copy_ (any strides and
-    devices)."""
+    devices; `non_blocking` queues a copy that touches a CUDA device, which the caller then waits for)."""
     if not (
         dst.device.type == src.device.type == "cpu"
         and dst.dtype == src.dtype
@@ -24,7 +50,7 @@ def copy_tensor(dst: torch.Tensor, src: torch.Tensor) -> None:
         and dst.is_contiguous()
         and src.is_contiguous()
     ):
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)
         return
     if not dst.numel():
         return

@@ -12,6 +12,16 @@ mappings once served, so a weight sync that puts every step fills the same
 mapped pages each time, with no page fault and no second copy. A segment
 this writer never mapped and can no longer map, like a rank that refuses,
 makes the batch go by the staging path instead (InPlaceUnavailable).
+
+A rank holding CUDA shards answers CUDA IPC handles instead of memfds (to a
+writer that has CUDA): the writer opens each handle once, keeps it like a
+mapping (keyed by the shard's header-only segment, which the rank closes when
+it lets the shard go, so the handle is released then and the rank's memory
+with it), and copies device to device, or host to device, straight in. A CPU
+segment that a CUDA tensor is copied into is registered with CUDA once
+(client/paths/registered.py), so the device copies into it at pinned speed.
+Copies touching a device are queued asynchronously and each device's stream is
+synchronized once per batch, before the rank is told the shards are written.
 """
 
 from __future__ import annotations
@@ -28,8 +38,15 @@ import torch
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import error_from_rpc
-from shardserve.client.paths.copies import copy_tensor
-from shardserve.client.paths.segments import SegmentError, names_file, open_rank_file
+from shardserve.client.paths.copies import copy_tensor, cuda_devices, synchronize
+from shardserve.client.paths.registered import PAGES, RegisteredPages
+from shardserve.client.paths.segments import (
+    SegmentError,
+    names_file,
+    open_cuda_handle,
+    open_rank_file,
+    release_cuda_count,
+)
 from shardserve.client.paths.writes import ShardWrite, write_request
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
@@ -50,20 +67,32 @@ class InPlaceUnavailable(Exception):
 
 @dataclass(frozen=True)
 class WritableMapping:
-    """A rank's segment mapped writable into this process; unmapped once nothing refers to it (this object and
-    every view of `flat`, such as a copy in flight on another thread)."""
+    """A rank's segment mapped writable into this process, or a CUDA shard's opened IPC handle; unmapped (closed)
+    once nothing refers to it (this object and every view of `flat`, such as a copy in flight on another
+    thread)."""
 
-    mapped: mmap.mmap
-    flat: torch.Tensor  # uint8 over the whole segment, header included
+    mapped: mmap.mmap | None  # None for a CUDA shard
+    flat: (
+        torch.Tensor
+    )  # uint8 over the whole segment, header included; or over the CUDA shard's bytes
+    cuda_handle: bytes = b""  # the IPC handle and offsets a CUDA shard's mapping was opened from
 
 
 class InPlaceWriter:
     """Writes batches of whole shards straight into same-host ranks' pending shard memory."""
 
-    def __init__(self, channel: Channel, host_id: str, mapped_bytes: int = MAPPED_BYTES) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        host_id: str,
+        mapped_bytes: int = MAPPED_BYTES,
+        *,
+        pages: RegisteredPages = PAGES,
+    ) -> None:
         self.channel = channel
         self.host_id = host_id
         self.mapped_bytes = mapped_bytes
+        self.pages = pages  # CPU mappings registered with CUDA for copies from CUDA tensors
         # (address, pid, fd, inode, device) -> mapping
         self._mappings: OrderedDict[tuple[str, int, int, int, int], WritableMapping] = OrderedDict()
         self._nbytes = 0
@@ -84,14 +113,43 @@ class InPlaceWriter:
         # not all opened with their allocation: open them now, and tell the rank once they are filled
         told = len(opened) < len(writes)
         segments = self._open(address, writes) if told else opened
-        self._check_sizes(address, writes, segments)
-        targets = [self._target(address, segment) for segment in segments]
+        targets = self._targets(address, writes, segments)
+        devices = set()
         for write, target in zip(writes, targets):
             if write.nbytes:
                 copy_into(target, write.data)
+                devices |= cuda_devices(target, write.data)
+        synchronize(devices)  # every byte in place before the rank counts the shards written
         written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
         self._unmap_released(address, {_key(address, segment) for segment in segments})
         return written
+
+    def _targets(
+        self, address: str, writes: Sequence[ShardWrite], segments: Sequence[pb.WritableSegment]
+    ) -> list[torch.Tensor]:
+        """Each write's bytes in its segment's mapping; a failure gives back the CUDA handles not opened yet."""
+        try:
+            self._check_sizes(address, writes, segments)
+        except InPlaceUnavailable:
+            _give_back(segments)
+            raise
+        targets = []
+        for i, (write, segment) in enumerate(zip(writes, segments)):
+            try:
+                targets.append(self._target(address, segment, itemsize=write.data.element_size()))
+            except BaseException:
+                _give_back(segments[i + 1 :])
+                raise
+            if write.data.device.type == "cuda" and targets[-1].device.type == "cpu":
+                self._pin(address, segment)
+        return targets
+
+    def _pin(self, address: str, segment: pb.WritableSegment) -> None:
+        """Register the kept mapping of `segment` with CUDA (once), for the copy from a CUDA tensor into it."""
+        with self._lock:
+            mapping = self._mappings.get(_key(address, segment))
+        if mapping is not None:
+            self.pages.pin(mapping, mapping.flat)
 
     def _tell_written(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """WriteShards with `written_in_place`: the rank counts the shards written; the bytes it counted."""
@@ -112,7 +170,9 @@ class InPlaceWriter:
 
     def _open(self, address: str, writes: Sequence[ShardWrite]) -> list[pb.WritableSegment]:
         request = pb.OpenShardsForWriteRequest(
-            shards=[write.header for write in writes], host_id=self.host_id
+            shards=[write.header for write in writes],
+            host_id=self.host_id,
+            cuda_ipc=torch.cuda.is_available(),
         )
         try:
             reply = self.channel.shard_server(address).OpenShardsForWrite(
@@ -154,20 +214,32 @@ class InPlaceWriter:
             gone = [self._mappings.pop(key) for key in released if key in self._mappings]
             self._nbytes -= sum(mapping.flat.numel() for mapping in gone)
 
-    def _target(self, address: str, segment: pb.WritableSegment) -> torch.Tensor:
-        """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one."""
+    def _target(
+        self, address: str, segment: pb.WritableSegment, *, itemsize: int = 1
+    ) -> torch.Tensor:
+        """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one (`itemsize`: the
+        bytes of the shard's elements, which a CUDA handle counts its offset in)."""
         key = _key(address, segment)
+        cuda = _cuda_identity(segment)
         with self._lock:
             mapping = self._mappings.get(key)
+            if mapping is not None and mapping.cuda_handle != cuda:
+                mapping = None  # another CUDA shard behind a reused header: opened anew
             if mapping is not None:
                 self._mappings.move_to_end(key)
+        if mapping is not None and segment.HasField("cuda"):
+            release_cuda_count(
+                segment.cuda
+            )  # the rank counted us again; the kept handle holds its memory
         if mapping is None:
             if segment.sealed:
                 raise InPlaceUnavailable(
                     f"rank at {address} reuses memory this writer never mapped (sealed since)"
                 )
-            mapping = _map_writable(segment)
+            mapping = _open_cuda(segment, itemsize) if cuda else _map_writable(segment)
             self._keep(key, mapping)
+        if cuda:
+            return mapping.flat
         end = segment.data_offset + segment.nbytes
         if end > mapping.flat.numel():
             raise InPlaceUnavailable(f"rank at {address}: a segment shorter than its shard")
@@ -191,10 +263,40 @@ def _key(address: str, segment: pb.WritableSegment) -> tuple[str, int, int, int,
     return (address, segment.pid, segment.fd, segment.inode, segment.device_id)
 
 
+def _give_back(segments: Sequence[pb.WritableSegment]) -> None:
+    """Give back the user each CUDA handle among `segments` counted, for handles this writer will not open."""
+    for segment in segments:
+        if segment.HasField("cuda"):
+            release_cuda_count(segment.cuda)
+
+
+def _cuda_identity(segment: pb.WritableSegment) -> bytes:
+    """What tells one CUDA shard's memory from another's (b"" for a memfd segment)."""
+    if not segment.HasField("cuda"):
+        return b""
+    h = segment.cuda
+    return b"%s:%d:%d" % (h.handle, h.storage_offset_bytes, h.tensor_offset)
+
+
 def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
     """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes (as reads copy out
-    of segments)."""
-    copy_tensor(target.view(data.dtype).view(data.shape), data)
+    of segments); queued without waiting when a CUDA device takes part (the batch synchronizes)."""
+    copy_tensor(
+        target.view(data.dtype).view(data.shape),
+        data,
+        non_blocking=bool(cuda_devices(target, data)),
+    )
+
+
+def _open_cuda(segment: pb.WritableSegment, itemsize: int) -> WritableMapping:
+    """Open a CUDA shard's IPC handle for writing: its bytes on the rank's device, kept while mapped."""
+    h = segment.cuda
+    try:
+        flat = open_cuda_handle(h, h.tensor_offset * itemsize, segment.nbytes)
+    except SegmentError as err:
+        release_cuda_count(h)
+        raise InPlaceUnavailable(str(err)) from None
+    return WritableMapping(None, flat, _cuda_identity(segment))
 
 
 def _map_writable(segment: pb.WritableSegment) -> WritableMapping:

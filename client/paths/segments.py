@@ -253,7 +253,19 @@ def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
 
 def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
     """Open the CUDA IPC handle of a CUDA shard: the shard's bytes as a uint8 CUDA tensor (no copy)."""
-    h = reply.cuda
+    itemsize = dtype_from_wire(reply.dtype).itemsize
+    return open_cuda_handle(reply.cuda, reply.cuda.tensor_offset * itemsize, reply.nbytes)
+
+
+def open_cuda_handle(h: pb.CudaIpcHandle, byte_offset: int, nbytes: int) -> torch.Tensor:
+    """The `nbytes` from `byte_offset` of the storage a rank shared as `h`, as a uint8 CUDA tensor over its memory
+    (no copy). The rank's memory stays allocated while this tensor's storage lives (its IPC reference count);
+    SegmentError, the handle left unopened, when it cannot be opened."""
+    if byte_offset < 0 or byte_offset + nbytes > h.storage_size_bytes:
+        raise SegmentError(
+            f"the shard's {nbytes} bytes at {byte_offset} lie outside its CUDA storage of "
+            f"{h.storage_size_bytes} bytes"
+        )
     try:
         torch.cuda.init()  # opening a handle needs this process's CUDA context
         storage = torch.UntypedStorage._new_shared_cuda(
@@ -268,8 +280,17 @@ def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
         )
     except (RuntimeError, AttributeError) as err:
         raise SegmentError(f"cannot open the CUDA IPC handle of the shard: {err}") from None
-    dtype = dtype_from_wire(reply.dtype)
-    itemsize = dtype.itemsize
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
-    flat.set_(storage, h.tensor_offset * itemsize, (reply.nbytes,), (1,))
+    flat.set_(storage, byte_offset, (nbytes,), (1,))
     return flat
+
+
+def release_cuda_count(h: pb.CudaIpcHandle) -> None:
+    """Give back the one user a rank counted for handing out `h` when this process will not open it (it holds
+    that storage open already, or cannot open it), so the rank's memory is freed once it lets it go."""
+    try:
+        torch.UntypedStorage._release_ipc_counter(
+            h.ref_counter_handle, h.ref_counter_offset, device=h.device
+        )
+    except (RuntimeError, AttributeError) as err:
+        warnings.warn(f"could not release a CUDA IPC reference of a rank: {err}", stacklevel=2)

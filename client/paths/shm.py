@@ -36,11 +36,12 @@ from shardserve.client.errors import (
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
-from shardserve.client.paths.copies import copy_tensor
+from shardserve.client.paths.copies import copy_all
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
 from shardserve.client.paths.kinds import PartRead, PathKind
+from shardserve.client.paths.registered import PAGES
 from shardserve.client.paths.staging import StagingFiles
 from shardserve.client.paths.writes import (
     DIRECT_BATCH_BYTES,
@@ -127,7 +128,11 @@ class SharedMemoryPath:
         self.check_limit(address, read.nbytes, "offsets/sizes: the box")
         if shard is not None:
             box = summary.metadata.shards_metadata[index].box
-            copy_tensor(read.region, local_view(shard, box, read.part))
+            if read.region.device.type == "cuda" and mapping and mapping.data_offset >= 0:
+                # a host segment into a CUDA region: registered once, copied at pinned speed
+                PAGES.pin(mapping, mapping.flat, read_only=True)
+            # finished before _confirm looks at the header again
+            copy_all([(read.region, local_view(shard, box, read.part))])
             _confirm(mapping, summary, address)
 
     def read_rows(

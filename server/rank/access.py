@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +24,17 @@ from shardserve.server.rank.shard_memory import ShardMemory
 from shardserve.server.rank.shard_writer import ShardWriter, checked_box
 from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.version_table import StoredVersion, VersionState, VersionTable
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A pending shard handed to a same-host writer: the Segment to find it by (for a CUDA shard its header-only
+    one), whether its writes are sealed, and the CUDA shard whose IPC handle the writer opens (None for a shard
+    in shared memory)."""
+
+    segment: Segment
+    sealed: bool
+    cuda: torch.Tensor | None = None
 
 
 class VersionAccess:
@@ -105,18 +117,27 @@ class VersionAccess:
 
     def open_in_place(
         self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
-    ) -> tuple[Segment, bool] | None:
-        """Hand pending shard `shard_index` to a same-host writer that fills its memory itself: its Segment and
-        whether its writes are sealed (SharedMemory.writable_segment); None when it is not in shared memory. The
-        shard stays torn until `finish_in_place`."""
+    ) -> InPlace | None:
+        """Hand pending shard `shard_index` to a same-host writer that fills its memory itself: its shared-memory
+        Segment and whether its writes are sealed (SharedMemory.writable_segment), or, for a CUDA shard, the
+        shard itself and its header-only segment (the writer opens its CUDA IPC handle); None when it is in
+        neither. The shard stays torn until `finish_in_place`."""
         with self._lock:
             record = self._versions.pending(name, version)
             shard = record.local_shard(shard_index, self.rank)
             self._check_whole_write(record, shard_index, dtype, nbytes)
-            found = self._memory.shared.writable_segment(shard)
+            found = self._in_place(record, shard)
             if found is not None:
                 record.progress.open_in_place(shard_index)
         return found
+
+    def _in_place(self, record: StoredVersion, shard: torch.Tensor) -> InPlace | None:
+        """Where a writer fills pending `shard` in place (under the lock); None when it cannot."""
+        shared = self._memory.shared
+        if shard.device.type == "cuda":
+            return InPlace(shared.attach_header(shard, **_header_state(record)), False, shard)
+        found = shared.writable_segment(shard)
+        return InPlace(*found) if found is not None else None
 
     def open_allocated_in_place(self, name: str, version: int) -> list[tuple[int, Segment, bool]]:
         """Hand every local shard of the newly allocated pending (name, version) that lies in shared memory to
@@ -125,7 +146,9 @@ class VersionAccess:
         with self._lock:
             record = self._versions.pending(name, version)
             for shard_index, shard in sorted(record.shards.items()):
-                found = self._memory.shared.writable_segment(shard)
+                found = self._memory.shared.writable_segment(
+                    shard
+                )  # CUDA shards: OpenShardsForWrite
                 if found is not None:
                     record.progress.open_in_place(shard_index)
                     opened.append((shard_index, *found))

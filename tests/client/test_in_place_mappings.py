@@ -1,14 +1,18 @@
 """The in-place writer's kept mappings: segments their rank still holds stay mapped, segments it let go of are
 unmapped after the next batch, and the kept bytes stay within their bound. Real memfds of this process stand
-for a rank's segments (/proc/<pid>/fd/<fd>, checked by inode as a rank's are)."""
+for a rank's segments (/proc/<pid>/fd/<fd>, checked by inode as a rank's are). CUDA shards' handles are kept
+the same way (opened once; the rank's extra count given back); here they open as CPU bytes."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
+from shardserve.client.paths import in_place
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter, _map_writable
+from shardserve.client.paths.writes import shard_write
 from shardserve.protos import shardserve_pb2 as pb
 
 ADDRESS = "127.0.0.1:1"
@@ -74,3 +78,69 @@ def test_a_sealed_segment_never_mapped_and_another_file_are_refused():
     finally:
         os.close(fd)
         os.close(other_fd)
+
+
+def _cuda_segment(header_fd: int, handle: bytes, nbytes: int = 64) -> pb.WritableSegment:
+    """A CUDA shard's answer: its header-only segment (a memfd of this process) and an IPC handle."""
+    info = os.fstat(header_fd)
+    segment = pb.WritableSegment(
+        pid=os.getpid(), fd=header_fd, inode=info.st_ino, device_id=info.st_dev, nbytes=nbytes
+    )
+    segment.cuda.CopyFrom(
+        pb.CudaIpcHandle(handle=handle, storage_size_bytes=4 * nbytes, tensor_offset=4)
+    )
+    return segment
+
+
+@pytest.fixture
+def ipc(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """CUDA handles opened as CPU bytes, and the IPC counts given back, recorded."""
+    calls: dict[str, list] = {"opened": [], "released": []}
+
+    def open_handle(h: pb.CudaIpcHandle, byte_offset: int, nbytes: int) -> torch.Tensor:
+        calls["opened"].append((h.handle, byte_offset))
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+    monkeypatch.setattr(in_place, "open_cuda_handle", open_handle)
+    monkeypatch.setattr(
+        in_place, "release_cuda_count", lambda h: calls["released"].append(h.handle)
+    )
+    return calls
+
+
+def test_a_cuda_handle_is_opened_once_and_the_ranks_extra_count_given_back(ipc) -> None:
+    writer = InPlaceWriter(None, "host")  # type: ignore[arg-type]
+    fd = os.memfd_create("header", os.MFD_CLOEXEC)
+    try:
+        first = writer._target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
+        assert first.numel() == 64 and ipc["opened"] == [
+            (b"h1", 8)
+        ]  # tensor_offset 4 elements of 2 bytes
+        again = writer._target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
+        assert again is first and ipc["released"] == [b"h1"]  # kept; the rank's new count returned
+        writer._target(
+            ADDRESS, _cuda_segment(fd, b"h2"), itemsize=2
+        )  # another shard behind the header
+        assert [h for h, _ in ipc["opened"]] == [b"h1", b"h2"] and writer.mapped_segments == 1
+    finally:
+        os.close(fd)
+    writer._unmap_released(ADDRESS, used=set())  # the rank closed the header: the handle goes
+    assert writer.mapped_segments == 0
+
+
+def test_handles_not_opened_are_given_back_when_a_batch_fails(ipc) -> None:
+    writer = InPlaceWriter(None, "host")  # type: ignore[arg-type]
+    fd = os.memfd_create("header", os.MFD_CLOEXEC)
+    try:
+        segments = [_cuda_segment(fd, b"a"), _cuda_segment(fd, b"b")]
+        writes = [shard_write("t", 1, i, torch.zeros(16, dtype=torch.float32)) for i in range(2)]
+        with pytest.raises(InPlaceUnavailable, match="answered 2 segments for 1 shards"):
+            writer._targets(ADDRESS, writes[:1], segments)
+        assert ipc["released"] == [b"a", b"b"] and ipc["opened"] == []
+        segments[0].sealed = True  # refused before it is opened: the later handle is given back
+        ipc["released"].clear()
+        with pytest.raises(InPlaceUnavailable, match="never mapped"):
+            writer._targets(ADDRESS, writes, segments)
+        assert ipc["released"] == [b"b"]
+    finally:
+        os.close(fd)

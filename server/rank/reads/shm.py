@@ -13,12 +13,12 @@ import logging
 from typing import cast
 
 import grpc
-import torch
 
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import InvalidArgument, PathUnavailable
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.metrics import SHM
 from shardserve.server.rank.shared_memory import Leases, Segment, lease_seconds
@@ -120,27 +120,6 @@ class SharedMemoryService:
         self, request: pb.ReleaseShardRequest, context: grpc.ServicerContext
     ) -> pb.ReleaseShardResponse:
         return pb.ReleaseShardResponse(released=self.leases.release(list(request.lease_ids)))
-
-
-def cuda_ipc_handle(shard: torch.Tensor) -> pb.CudaIpcHandle:
-    """The CUDA IPC description of a shard's storage (torch.multiprocessing's reduction, without pickle), once
-    every write into it on any stream of its device is complete (a failed device raises: no handle to half-written
-    memory)."""
-    torch.cuda.synchronize(shard.device)
-    (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle, event_sync) = (
-        shard.untyped_storage()._share_cuda_()
-    )
-    return pb.CudaIpcHandle(
-        device=device,
-        handle=handle,
-        storage_size_bytes=size_bytes,
-        storage_offset_bytes=offset_bytes,
-        ref_counter_handle=ref_handle,
-        ref_counter_offset=ref_offset,
-        event_handle=event_handle or b"",
-        event_sync_required=bool(event_sync),
-        tensor_offset=int(shard.storage_offset()),
-    )
 
 
 def handlers(service: SharedMemoryService) -> dict[str, grpc.RpcMethodHandler]:

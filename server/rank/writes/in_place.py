@@ -8,6 +8,12 @@ written. A snapshot's writers skip both calls: the coordinator's AllocateMany
 opens the shards with the allocation (`open_allocated`), and its PromoteMany
 counts them written (`finish_in_place`) once every writer said it is done.
 Until then a shard is torn, so a writer that dies half way publishes nothing.
+A CUDA shard is handed over as a CUDA IPC handle instead (only to a writer that
+asks with `cuda_ipc`, and never with an allocation): the writer copies device
+to device, or host to device, straight into it. Each handle handed out counts
+one user of the shard's memory in torch's IPC reference counter, which the
+writer's closing it ends: a dropped version's memory is not reused while a
+writer still holds it.
 A segment's writes are sealed once its version is served; memory a later
 version reuses stays writable only through mappings made before, which is how
 a writer republishing weights fills the same memory every step.
@@ -29,8 +35,9 @@ from shardserve.server.common.access import caller
 from shardserve.server.common.errors import item_errors
 from shardserve.server.common.principals import ANONYMOUS
 from shardserve.server.common.requests import parse_dtype
+from shardserve.server.rank.access import InPlace
+from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import service_errors
-from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.shards import ShardBytes, checked_batch
 from shardserve.server.rank.writes.shared import SharedWritesUnavailable
@@ -43,9 +50,10 @@ def open_for_write(
     this caller (the writer then sends the bytes)."""
     _check_available(store, request.host_id)
     shards = checked_batch(request.shards)
-    segments = []
+    opened = []
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
+        _check_device(store, shard, i, request.cuda_ipc)
         with item_errors(f"shards[{i}]"), service_errors():
             found = store.access.open_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
@@ -56,20 +64,37 @@ def open_for_write(
                 f"on this rank; send its bytes",
                 metadata={"tensor": shard.name, "field": f"shards[{i}]"},
             )
-        segments.append(_writable(*found))
-    return segments
+        opened.append(found)
+    # handles last, once every shard is opened: each one handed out counts a user of the shard's memory that
+    # only the writer's opening it ends
+    return [_writable(found) for found in opened]
 
 
-def _writable(segment: Segment, sealed: bool) -> pb.WritableSegment:
-    return pb.WritableSegment(
+def _check_device(store: ShardStore, shard: ShardBytes, i: int, cuda_ipc: bool) -> None:
+    """A rank holding CUDA shards hands them only to a writer that opens CUDA IPC handles."""
+    if store.device.type == "cuda" and not cuda_ipc:
+        raise SharedWritesUnavailable(
+            f"shards[{i}]: shard {shard.shard_index} of {shard.name!r} is on {store.device}; ask "
+            f"with cuda_ipc or send its bytes",
+            metadata={"tensor": shard.name, "field": f"shards[{i}]"},
+        )
+
+
+def _writable(found: InPlace) -> pb.WritableSegment:
+    segment = found.segment
+    writable = pb.WritableSegment(
         pid=segment.pid,
         fd=segment.fd,
         inode=segment.inode,
         device_id=segment.device_id,
         data_offset=segment.data_offset,
         nbytes=segment.nbytes,
-        sealed=sealed,
+        sealed=found.sealed,
     )
+    if found.cuda is not None:
+        writable.nbytes = found.cuda.numel() * found.cuda.element_size()
+        writable.cuda.CopyFrom(cuda_ipc_handle(found.cuda))
+    return writable
 
 
 def open_allocated(
@@ -84,7 +109,10 @@ def open_allocated(
         return []
     return [
         pb.WritableShard(
-            name=name, version=version, shard_index=index, segment=_writable(segment, sealed)
+            name=name,
+            version=version,
+            shard_index=index,
+            segment=_writable(InPlace(segment, sealed)),
         )
         for name, version in versions
         for index, segment, sealed in store.access.open_allocated_in_place(name, version)
@@ -116,7 +144,7 @@ def _check_available(store: ShardStore, writer_host: str) -> None:
 
 
 def _check_host(store: ShardStore, writer_host: str) -> None:
-    if not store.shared.enabled:
+    if not store.hands_over_by_reference:
         raise SharedWritesUnavailable(
             "shared: this rank does not use shared memory; send the bytes"
         )
