@@ -1,8 +1,8 @@
 """Row lookups and pooled bags answered straight from mapped shards: the same-host fast path of
 client.embedding.lookup.
 
-When every shard of a table is a CPU shard of a same-host rank mapped through shared memory
-(client.paths.shm), the shards are read in place:
+When every shard of a table is a CPU shard of a rank whose first path reads rows from its mappings (a
+same-host rank mapped through shared memory: client.paths.shm), the shards are read in place:
 
 - rows (layouts holding every row whole: row-wise, table-wise, uneven): a batch of ids is gathered with a
   few numpy calls over the mapped bytes: no dedup (a duplicate costs one row copy either way), no route
@@ -104,10 +104,13 @@ class MappedRows:
         bags from their mappings)."""
         if not view.complete or view.dim == 0:
             return None
-        reader, pieces, limits = session.paths.shm, [], []
+        pieces, limits = [], []
         for box in view.index.boxes:
             status = session.rank_status(box.rank)
             address = status.address
+            reader = session.paths.row_reader(status)
+            if reader is None:
+                return None
             try:
                 mapping = reader.host_mapping(address, view.summary, box.shard)
             except SharedMemoryError:
