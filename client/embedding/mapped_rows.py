@@ -136,8 +136,9 @@ class MappedRows:
         """Whether rows are gathered here (every shard holds whole rows), not only bags pooled."""
         return self._rows is not None
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Rows `ids` (1-D int64 CPU) [len(ids), dim] in the table's dtype, or None to use the general path."""
+    def rows(self, ids: torch.Tensor, *, pinned: bool = False) -> torch.Tensor | None:
+        """Rows `ids` (1-D int64 CPU) [len(ids), dim] in the table's dtype, or None to use the general path;
+        gathered into pinned memory when asked (the rows then go to a GPU without another copy)."""
         if self._rows is None:
             return None
         values = ids.numpy()
@@ -146,14 +147,17 @@ class MappedRows:
         if span is None:
             return None
         low, high = span
+        out = torch.empty((count, self._row_bytes), dtype=torch.uint8, pin_memory=pinned)
         first = bisect_right(self._starts, low) - 1
         if high < self._rows[first].end:
-            out = self._row_arrays[first].take(values - self._starts[first], axis=0)
+            self._row_arrays[first].take(
+                values - self._starts[first], axis=0, out=out.numpy(), mode="clip"
+            )
         else:
-            out = self._gather_rows(values)
+            self._gather_rows(values, out.numpy())
         self._confirm()
         log.debug("looked up %d rows of %r from mapped shards", count, self.view.name)
-        return torch.from_numpy(out).view(self.view.dtype)
+        return out.view(self.view.dtype)
 
     def bags(
         self,
@@ -203,13 +207,12 @@ class MappedRows:
             return None
         return low, high
 
-    def _gather_rows(self, values: np.ndarray) -> np.ndarray:
-        out = np.empty((values.size, self._row_bytes), dtype=np.uint8)
+    def _gather_rows(self, values: np.ndarray, out: np.ndarray) -> None:
+        """Rows `values` (every one inside some shard) into `out` [len(values), row bytes], shard by shard."""
         owner = np.searchsorted(self._starts_np, values, side="right") - 1
         for index in np.unique(owner).tolist():
             where = np.flatnonzero(owner == index)
             out[where] = self._row_arrays[index].take(values[where] - self._starts[index], axis=0)
-        return out
 
     def _usable(self) -> bool:
         """Every shard still served (StaleVersionError once one is dropped or recycled) and its rank alive."""

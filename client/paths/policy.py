@@ -263,7 +263,9 @@ class PathPolicy:
         _, path = self.reads.run(
             rank, lambda data_path: data_path.read(rank.address, read, cancel), cancel=cancel
         )
-        how = "through shared memory" if self.path(path).capabilities.maps_memory else f"over {path}"
+        how = (
+            "through shared memory" if self.path(path).capabilities.maps_memory else f"over {path}"
+        )
         log.debug("read %r shard %d from rank %d %s", read.summary.name, read.index, rank.rank, how)
         return path
 
