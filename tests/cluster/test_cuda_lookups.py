@@ -1,6 +1,7 @@
 """GPU lookups (on a GPU; skipped without one): RemoteEmbedding / RemoteEmbeddingBag with CUDA ids over CUDA
 ranks on this host are answered on the GPU from the shards' CUDA IPC mappings, and over CPU ranks from the
-mapped rows with only the result copied up; bit for bit nn.Embedding / nn.EmbeddingBag on the same GPU."""
+mapped rows with only the result copied up: rows bit for bit nn.Embedding on the GPU; bags bit for bit
+nn.EmbeddingBag on the device that pooled them (the GPU for CUDA ranks, the CPU for CPU ranks)."""
 
 from __future__ import annotations
 
@@ -39,22 +40,28 @@ def _table(dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(101, 12, generator=torch.Generator().manual_seed(7)).to(dtype)
 
 
-def _check_modules(client, name: str, weights: torch.Tensor) -> None:  # type: ignore[no-untyped-def]
+def _check_modules(  # type: ignore[no-untyped-def]
+    client, name: str, weights: torch.Tensor, *, pooled_on: str
+) -> None:
     device = torch.device("cuda:0")
-    local = weights.to(device)
+    local, pooling = weights.to(device), weights.to(pooled_on)
     for values in (IDS, ONE_SHARD):
         ids = torch.tensor(values, device=device)
         rows = RemoteEmbedding(client, name)(ids)
         assert rows.device == device and torch.equal(rows, F.embedding(ids, local))
     ids, offsets = torch.tensor(IDS, device=device), torch.tensor(OFFSETS, device=device)
+    there = {"input": ids.to(pooled_on), "offsets": offsets.to(pooled_on)}
     for mode in ("sum", "mean"):
         pooled = RemoteEmbeddingBag(client, name, mode=mode)(ids, offsets)
         assert pooled.device == device
-        assert torch.equal(pooled, F.embedding_bag(ids, local, offsets, mode=mode))
+        expected = F.embedding_bag(weight=pooling, mode=mode, **there)
+        assert torch.equal(pooled, expected.to(device))
     weights_per_id = torch.rand(ids.numel(), device=device).to(weights.dtype)
     weighted = RemoteEmbeddingBag(client, name, mode="sum")(ids, offsets, weights_per_id)
-    expected = F.embedding_bag(ids, local, offsets, mode="sum", per_sample_weights=weights_per_id)
-    assert torch.equal(weighted, expected)
+    expected = F.embedding_bag(
+        weight=pooling, mode="sum", per_sample_weights=weights_per_id.to(pooled_on), **there
+    )
+    assert torch.equal(weighted, expected.to(device))
     empty = torch.empty(0, dtype=torch.int64, device=device)
     bags = RemoteEmbeddingBag(client, name, mode="sum")(empty, torch.zeros(3, dtype=torch.int64))
     assert torch.equal(bags, torch.zeros(3, 12, dtype=weights.dtype, device=device))
@@ -68,7 +75,7 @@ def test_cuda_ids_over_cuda_ranks_are_looked_up_on_the_gpu(gpu, dtype: torch.dty
         weights = _table(dtype)
         client.put(name, weights, spec)
         assert client.lookups.route(name, "cuda") is Route.CUDA_MAPPED
-        _check_modules(client, name, weights)
+        _check_modules(client, name, weights, pooled_on="cuda:0")
         assert client.lookups.last_paths == {0: "shm"}
 
 
@@ -80,4 +87,4 @@ def test_cuda_ids_over_cpu_ranks_gather_mapped_rows_and_copy_the_result(cpu, dty
         weights = _table(dtype)
         client.put(name, weights, spec)
         assert client.lookups.route(name, "cuda") is Route.HOST_MAPPED
-        _check_modules(client, name, weights)
+        _check_modules(client, name, weights, pooled_on="cpu")
