@@ -29,7 +29,8 @@ import torch.nn.functional as F
 
 from shardserve.client.embedding.views import TableView
 from shardserve.client.errors import RankUnavailableError, StaleVersionError
-from shardserve.client.paths.shm import DeviceMapping, SharedMemoryError
+from shardserve.client.paths.device_mapping import DeviceMapping
+from shardserve.client.paths.shm import SharedMemoryError
 from shardserve.client.session import Session
 from shardserve.core.embedding import pool_bags
 

@@ -25,9 +25,9 @@ from shardserve.core.metadata import Box
 from shardserve.protos.errors import Reason
 
 if TYPE_CHECKING:
+    from shardserve.client.paths.device_mapping import DeviceMapping
     from shardserve.client.paths.hedging import Cancellation
     from shardserve.client.paths.segments import HostMapping
-    from shardserve.client.paths.shm import DeviceMapping
     from shardserve.client.paths.writes import ShardWrite
     from shardserve.protos import shardserve_pb2 as pb
 

@@ -38,6 +38,7 @@ from shardserve.client.errors import (
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
 from shardserve.client.paths.copies import copy_tensor
+from shardserve.client.paths.device_mapping import DeviceMapping
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
@@ -93,28 +94,6 @@ def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
             f"rank {rank.rank} runs on host {rank.hostname!r} or in other namespaces, not this one"
         )
     return ""
-
-
-class DeviceMapping:
-    """A CUDA shard mapped through its IPC handle (`tensor`, of the shard's dtype and sizes on its device) and
-    the questions a reader asks of it: before a read (`serves`, `held`) and once the read has run (`readable`:
-    the caller synchronizes its stream first, the gather being asynchronous)."""
-
-    def __init__(self, mapping: segments.SegmentMapping, tensor: torch.Tensor) -> None:
-        self._mapping = mapping
-        self.tensor = tensor
-
-    def serves(self) -> bool:
-        """Whether the rank still serves this version (not replaced, not recycled)."""
-        return self._mapping.serves()
-
-    def readable(self) -> bool:
-        """Whether the memory still holds this version (maybe replaced, in its grace)."""
-        return self._mapping.readable()
-
-    def held(self) -> bool:
-        """Whether the rank process that serves it is still alive."""
-        return segments.still_held(self._mapping)
 
 
 class SharedMemoryPath:
