@@ -983,7 +983,7 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
     ids = torch.tensor([0, 39, 20, 19])
     with connect(cluster.address) as c:
         remote = c.put("dp-mapped-fallback", table, SPEC)
-        monkeypatch.setattr(MappedRows, "rows", lambda self, ids: None)
+        monkeypatch.setattr(MappedRows, "rows", lambda self, ids, pinned=False: None)
         monkeypatch.setattr(c.session.paths, "lookup_rows", lambda *args: None)
         monkeypatch.setattr(
             c.session.paths.path(PathKind.BULK), "supports", lambda rank, summary=None: False
