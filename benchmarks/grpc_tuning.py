@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from shardserve import connect
+    from shardserve.client.paths.kinds import PathKind
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.core.wire import byte_view
     from shardserve.protos import shardserve_pb2 as pb
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                             sizes=(n, COLUMNS),
                             chunk_bytes=chunk,
                         )
-                        session.paths.grpc.read_stream(
+                        session.paths.path(PathKind.GRPC).read_stream(
                             address, request, byte_view(out[start : start + n])
                         )
 

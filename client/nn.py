@@ -3,7 +3,9 @@
 Their forward gives what nn.Embedding / nn.EmbeddingBag holding the cluster's
 table would give (the same input forms: any-shape ids for Embedding; 2-D ids,
 or 1-D ids with offsets, for EmbeddingBag), so inference code swaps one line.
-No parameters, no gradients: the weights stay on the cluster.
+No parameters, no gradients: the weights stay on the cluster. Ids on a GPU are answered on
+that GPU: looked up and pooled there against CUDA shards mapped on this host, else gathered from mapped rows
+on the CPU with only the result copied up (client.embedding.routes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import nn
 
 from shardserve.client.arguments import tensor_name
 from shardserve.client.cluster import Cluster
-from shardserve.client.embedding.ids import POOLINGS, as_ids
+from shardserve.client.embedding.ids import POOLINGS, as_device_ids
 from shardserve.client.errors import InvalidArgumentError
 
 
@@ -33,10 +35,10 @@ class RemoteEmbedding(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor):
             raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
-        ids = as_ids(
+        ids = as_device_ids(
             input.reshape(-1), "input"
         )  # errors name the module's argument, not the table's request
-        rows = self.cluster.lookups.lookup({self.name: ids}, self.dtype)[self.name]
+        rows = self.cluster.lookups.lookup_on(self.name, ids, self.dtype)
         return rows.view(*input.shape, rows.shape[1]).to(input.device)
 
     def extra_repr(self) -> str:
@@ -89,7 +91,7 @@ class RemoteEmbeddingBag(nn.Module):
                     )
                 per_sample_weights = per_sample_weights.reshape(-1)
             bags, length = input.shape
-            offsets = torch.arange(bags, dtype=torch.int64) * length
+            offsets = torch.arange(bags, dtype=torch.int64, device=input.device) * length
             input = input.reshape(-1)
         elif input.dim() == 1:
             if offsets is None:
@@ -98,7 +100,7 @@ class RemoteEmbeddingBag(nn.Module):
             raise InvalidArgumentError(
                 f"input has to be 1-D or 2-D, got shape {tuple(input.shape)}"
             )
-        pooled = self.cluster.lookups.lookup_bag(
+        pooled = self.cluster.lookups.lookup_bag_on(
             self.name,
             input,
             offsets,

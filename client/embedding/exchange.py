@@ -24,7 +24,7 @@ from shardserve.client.embedding.plan import ItemPlan, answer_bytes, reply_bytes
 from shardserve.client.errors import RankUnavailableError, ShardServeError, StaleVersionError
 from shardserve.client.paths.grpc import answers_in_one_message
 from shardserve.client.paths.hedging import Cancellation, Landing
-from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.kinds import PathKind, PipelinedCalls, StreamedCalls
 from shardserve.client.paths.pipeline import NetworkCall, SentCalls
 from shardserve.client.session import Session
 from shardserve.core.dtypes import dtype_from_wire
@@ -99,33 +99,28 @@ def send_calls(session: Session, items: list[ItemPlan], last_paths: dict[int, st
 
 
 def network_call(session: Session, rank: int, receiver: Receiver) -> NetworkCall:
-    """One lookup call to `rank` for the receiver's items, over the bulk port or gRPC. Either way an answer
-    up to SMALL_ANSWER_BYTES (client.paths.grpc) comes in one message; over gRPC a larger one streams (and so
-    does not take the bulk port). A bulk answer is kept whole and decoded in finish()."""
+    """One lookup call to `rank` for the receiver's items, pipelined (the bulk port) or streamed (gRPC). Either
+    way an answer up to SMALL_ANSWER_BYTES (client.paths.grpc) comes in one message; a larger one streams (and
+    so is not pipelined). A pipelined answer is kept whole and decoded in finish()."""
     status = session.rank_status(rank)
     request = pb.LookupRequest(items=[item.wire_message() for item in receiver.items])
     expected = sum(answer_bytes(item) for item in receiver.items)
-    paths = session.paths
 
-    def send_bulk(cancel: Cancellation) -> Callable[[], None]:
-        answer = paths.bulk.send_lookup(
-            status.address, request, reply_bytes(receiver.items), cancel
-        )
+    def send(path: PipelinedCalls, cancel: Cancellation) -> Callable[[], None]:
+        answer = path.send_lookup(status.address, request, reply_bytes(receiver.items), cancel)
 
         def take_answer() -> None:
             receiver.reply = answer()
 
         return take_answer
 
-    def over_grpc(cancel: Cancellation) -> None:
-        paths.grpc.lookup(
-            status.address, request, expected, receiver.add_in_turn, receiver.where, cancel
-        )
+    def call(path: StreamedCalls, cancel: Cancellation) -> None:
+        path.lookup(status.address, request, expected, receiver.add_in_turn, receiver.where, cancel)
 
     return NetworkCall(
         status,
-        send_bulk if answers_in_one_message(expected) else None,
-        over_grpc,
+        send if answers_in_one_message(expected) else None,
+        call,
         partial(hedge_call, session, receiver),
         expected,
     )
@@ -177,7 +172,7 @@ def hedge_call(session: Session, receiver: Receiver, cancel: Cancellation) -> tu
 def answer_through_shared_memory(
     session: Session, rank: int, items: list[ItemPlan]
 ) -> list[ItemPlan]:
-    """Answer row items of a same-host rank from its mapped shards (client.paths.shm); return the rest.
+    """Answer row items of a rank whose first path reads rows (same host: client.paths.shm); return the rest.
 
     Any size: a mapped read skips the round trip, 3-4x faster than gRPC even for one id."""
     if all(item.message.pooled for item in items):

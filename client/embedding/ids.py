@@ -34,18 +34,7 @@ def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
     """1-D int64 CPU ids from a tensor, a numpy array or a sequence of ints; InvalidArgumentError/TypeError name
     the field."""
     if isinstance(ids, torch.Tensor):
-        dense_tensor(ids, field_name)
-        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-            raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
-        if ids.dim() != 1:
-            raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.dtype == torch.uint64 and bool(
-            (ids.view(torch.int64) < 0).any()
-        ):  # 2**63 and up, seen as int64
-            raise InvalidArgumentError(
-                f"{field_name} holds values of 2**63 or more, past the int64 range of row ids"
-            )
-        return ids.detach().to("cpu", torch.int64).contiguous()
+        return _checked_ids(ids, field_name).to("cpu", torch.int64).contiguous()
     if isinstance(
         ids, (str, bytes, bytearray, dict, set, frozenset)
     ):  # unordered, or not ids at all
@@ -69,6 +58,27 @@ def as_ids(ids: Any, field_name: str = "ids") -> torch.Tensor:
     return torch.from_numpy(array.astype(np.int64))
 
 
+def as_device_ids(ids: torch.Tensor, field_name: str = "ids") -> torch.Tensor:
+    """1-D int64 ids on the device of tensor `ids` (no copy to the host), checked as as_ids checks them."""
+    return _checked_ids(ids, field_name).to(torch.int64).contiguous()
+
+
+def _checked_ids(ids: torch.Tensor, field_name: str) -> torch.Tensor:
+    """`ids` detached, once checked to be a dense 1-D tensor of integers in the int64 range."""
+    dense_tensor(ids, field_name)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"{field_name} must hold integers, got dtype {ids.dtype}")
+    if ids.dim() != 1:
+        raise InvalidArgumentError(f"{field_name} must be 1-D, got shape {tuple(ids.shape)}")
+    if ids.dtype == torch.uint64 and bool(
+        (ids.view(torch.int64) < 0).any()
+    ):  # 2**63 and up, seen as int64
+        raise InvalidArgumentError(
+            f"{field_name} holds values of 2**63 or more, past the int64 range of row ids"
+        )
+    return ids.detach()
+
+
 def check_dtype(dtype: torch.dtype | None) -> None:
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
@@ -77,7 +87,8 @@ def check_dtype(dtype: torch.dtype | None) -> None:
 def bag_request(
     ids: torch.Tensor, offsets: torch.Tensor, mode: str, weights: torch.Tensor | None
 ) -> BagRequest:
-    """Check bag arguments the way nn.EmbeddingBag does; errors name the argument."""
+    """Check bag arguments the way nn.EmbeddingBag does; errors name the argument. The weights go to the ids'
+    device."""
     if mode not in ("sum", "mean"):
         raise InvalidArgumentError(f"mode must be 'sum' or 'mean', got {mode!r}")
     if offsets.numel():
@@ -101,7 +112,7 @@ def bag_request(
             raise InvalidArgumentError(
                 f"per_sample_weights must have shape ({ids.numel()},), got {shape}"
             )
-        weights = dense_tensor(weights, "per_sample_weights").detach().cpu().contiguous()
+        weights = dense_tensor(weights, "per_sample_weights").detach().to(ids.device).contiguous()
     return BagRequest(ids, offsets, mode, weights)
 
 

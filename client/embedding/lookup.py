@@ -20,6 +20,11 @@
   (client.embedding.mapped_rows): bit for bit where its shards hold whole
   rows, else summed shard by shard as the ranks do.
 
+Ids on a GPU (lookup_on, lookup_bag_on: what RemoteEmbedding and RemoteEmbeddingBag call) go the route
+client.embedding.routes chooses from where the shards are and what their paths map: on the GPU against the
+CUDA shards mapped on this host (client.embedding.cuda_rows), gathered on the CPU from mapped rows into pinned
+memory with only the result copied up, or as a CPU lookup whose result is copied up.
+
 The server side of these calls is server/rank/reads/lookup.py.
 """
 
@@ -32,10 +37,19 @@ import numpy as np
 import torch
 
 from shardserve.client import counters
+from shardserve.client.embedding.cuda_rows import CudaRows
 from shardserve.client.embedding.exchange import CPU_TURN, send_calls
-from shardserve.client.embedding.ids import POOLINGS, BagRequest, as_ids, bag_request, check_dtype
+from shardserve.client.embedding.ids import (
+    POOLINGS,
+    BagRequest,
+    as_device_ids,
+    as_ids,
+    bag_request,
+    check_dtype,
+)
 from shardserve.client.embedding.mapped_rows import MappedRows
 from shardserve.client.embedding.plan import ItemPlan, RowPlan, bag_items, split_columns
+from shardserve.client.embedding.routes import Route, choose_route
 from shardserve.client.embedding.row_cache import RowCache
 from shardserve.client.embedding.views import TableView, TableViews, bad_id_error
 from shardserve.client.errors import InvalidArgumentError, ShardServeError
@@ -61,6 +75,9 @@ class Lookups:
         self._mapped: dict[
             str, tuple[TableView, MappedRows | None]
         ] = {}  # name -> the fast path of its view
+        self._cuda: dict[
+            str, tuple[TableView, CudaRows | None]
+        ] = {}  # name -> its view's GPU route
 
     def _with_retry(self, names: Sequence[str], run: Callable[[dict[str, TableView]], T]) -> T:
         """run(views) at the cached versions; on a stale version refresh every table and retry."""
@@ -94,16 +111,19 @@ class Lookups:
         ids: dict[str, torch.Tensor],
         dtype: torch.dtype | None,
         also: Sequence[ItemPlan] = (),
+        *,
+        pinned: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Each table from its mapped shards when it can (client.embedding.mapped_rows), the rest by routed
-        Lookup calls; `also` (pooled items of other tables) rides in the same calls and gets its answers."""
+        """Each table from its mapped shards when it can (client.embedding.mapped_rows; into pinned memory when
+        asked), the rest by routed Lookup calls; `also` (pooled items of other tables) rides in the same calls
+        and gets its answers."""
         results, rest = {}, {}
         for name, table_ids in ids.items():
             mapped = self._mapped_rows(
                 views[name]
             )  # may map shards (an OpenShard call): outside the turn
             with CPU_TURN:
-                rows = mapped.rows(table_ids) if mapped is not None else None
+                rows = mapped.rows(table_ids, pinned=pinned) if mapped is not None else None
             if rows is None:
                 rest[name] = table_ids
                 continue
@@ -128,6 +148,17 @@ class Lookups:
             return known[1]
         built = MappedRows.build(view, self._session) if self._all_mapped(view) else None
         self._mapped[view.name] = (view, built)
+        return built
+
+    def _cuda_rows(self, view: TableView) -> CudaRows | None:
+        """The GPU route of `view` (built once per version), None where its shards allow none."""
+        if self.cache is not None or view.lost_shards:
+            return None  # as _mapped_rows: the general path keeps the row cache exact and names lost shards
+        known = self._cuda.get(view.name)
+        if known is not None and known[0] is view:
+            return known[1]
+        built = CudaRows.build(view, self._session)
+        self._cuda[view.name] = (view, built)
         return built
 
     def is_mapped(self, name: str) -> bool:
@@ -331,3 +362,113 @@ class Lookups:
         """Whether every rank holding `view` is read through shared memory now (then pooling on this side costs
         no transfer and is bit for bit F.embedding_bag)."""
         return all(self._session.paths.maps(self._session.rank_status(rank)) for rank in view.ranks)
+
+    # ------------------------------------------------------------ ids on a device
+
+    def route(self, name: str, device: torch.device | str) -> Route:
+        """The way a lookup of `name` whose ids are on `device` goes now (client.embedding.routes)."""
+        return self._route(self.views.view(name), torch.device(device).type)
+
+    def _route(self, view: TableView, device_type: str) -> Route:
+        paths, shards = self._session.paths, view.summary.metadata.shards_metadata
+        return choose_route(
+            device_type,
+            [
+                (
+                    shards[box.shard].device.type,
+                    paths.mapped_devices(self._session.rank_status(box.rank)),
+                )
+                for box in view.index.boxes
+            ],
+        )
+
+    def lookup_on(
+        self, name: str, ids: torch.Tensor, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Rows [len(ids), dim] of table `name` for 1-D integer `ids` on any device, on that device: a CPU
+        lookup (lookup) for CPU ids, else by the route client.embedding.routes chooses."""
+        if ids.device.type != "cuda":
+            return self.lookup({name: ids}, dtype)[name]
+        self._session.check_open()
+        check_dtype(dtype)
+        ids = as_device_ids(ids)
+        counters.count("lookups")
+        counters.count("lookup_ids", int(ids.numel()))
+        return self._with_retry([name], lambda views: self._rows_on(views[name], ids, dtype))
+
+    def _rows_on(
+        self, view: TableView, ids: torch.Tensor, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        """lookup_on's work for CUDA ids at the view's version."""
+        route = self._route(view, ids.device.type)
+        if route is Route.CUDA_MAPPED:
+            cuda = self._cuda_rows(view)  # may map shards (an OpenShard call): outside the turn
+            rows = cuda.rows(ids) if cuda is not None else None
+            if rows is not None:
+                self.last_paths.update((rank, "shm") for rank in view.ranks)
+                return rows if dtype is None else rows.to(dtype)
+        rows = self._lookup_once(
+            {view.name: view}, {view.name: ids.cpu()}, dtype, pinned=route is Route.HOST_MAPPED
+        )[view.name]
+        return rows.to(ids.device, non_blocking=True)
+
+    def lookup_bag_on(
+        self,
+        name: str,
+        ids: torch.Tensor,
+        offsets: Any,
+        mode: str = "mean",
+        per_sample_weights: torch.Tensor | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        pooling: str = "auto",
+    ) -> torch.Tensor:
+        """Pooled bags [len(offsets), dim] as lookup_bag gives them, for 1-D integer `ids` on any device, on that
+        device: lookup_bag for CPU ids, else by the route client.embedding.routes chooses (with
+        pooling="auto" the GPU route pools on the GPU; another pooling goes as lookup_bag does)."""
+        if ids.device.type != "cuda":
+            return self.lookup_bag(
+                name, ids, offsets, mode, per_sample_weights, dtype=dtype, pooling=pooling
+            )
+        self._session.check_open()
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        check_dtype(dtype)
+        ids = as_device_ids(ids)
+        if isinstance(offsets, torch.Tensor):
+            offsets = as_device_ids(offsets, "offsets").to(ids.device)
+        else:
+            offsets = as_ids(offsets, "offsets").to(ids.device)
+        request = bag_request(ids, offsets, mode, per_sample_weights)
+        counters.count("lookups")
+        counters.count("lookup_ids", int(ids.numel()))
+        pooled = self._with_retry(
+            [name], lambda views: self._bags_on(views[name], request, pooling)
+        )
+        return pooled if dtype is None else pooled.to(dtype)
+
+    def _bags_on(self, view: TableView, request: BagRequest, pooling: str) -> torch.Tensor:
+        """lookup_bag_on's work for CUDA ids at the view's version."""
+        weights = request.weights
+        if (
+            pooling == "auto"
+            and (weights is None or weights.dtype == view.dtype)
+            and self._route(view, request.ids.device.type) is Route.CUDA_MAPPED
+        ):
+            cuda = self._cuda_rows(view)
+            pooled = (
+                cuda.bags(request.ids, request.offsets, mode=request.mode, weights=weights)
+                if cuda is not None
+                else None
+            )
+            if pooled is not None:
+                self.last_paths.update((rank, "shm") for rank in view.ranks)
+                return pooled
+        on_host = BagRequest(
+            request.ids.cpu(),
+            request.offsets.cpu(),
+            request.mode,
+            None if weights is None else weights.cpu(),
+        )
+        pooled = self._bags_once({view.name: view}, {view.name: on_host}, pooling)[view.name]
+        return pooled.to(request.ids.device, non_blocking=True)

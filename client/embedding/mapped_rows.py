@@ -1,8 +1,8 @@
 """Row lookups and pooled bags answered straight from mapped shards: the same-host fast path of
 client.embedding.lookup.
 
-When every shard of a table is a CPU shard of a same-host rank mapped through shared memory
-(client.paths.shm), the shards are read in place:
+When every shard of a table is a CPU shard of a rank whose first path reads rows from its mappings (a
+same-host rank mapped through shared memory: client.paths.shm), the shards are read in place:
 
 - rows (layouts holding every row whole: row-wise, table-wise, uneven): a batch of ids is gathered with a
   few numpy calls over the mapped bytes: no dedup (a duplicate costs one row copy either way), no route
@@ -104,10 +104,13 @@ class MappedRows:
         bags from their mappings)."""
         if not view.complete or view.dim == 0:
             return None
-        reader, pieces, limits = session.paths.shm, [], []
+        pieces, limits = [], []
         for box in view.index.boxes:
             status = session.rank_status(box.rank)
             address = status.address
+            reader = session.paths.row_reader(status)
+            if reader is None:
+                return None
             try:
                 mapping = reader.host_mapping(address, view.summary, box.shard)
             except SharedMemoryError:
@@ -133,8 +136,9 @@ class MappedRows:
         """Whether rows are gathered here (every shard holds whole rows), not only bags pooled."""
         return self._rows is not None
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """Rows `ids` (1-D int64 CPU) [len(ids), dim] in the table's dtype, or None to use the general path."""
+    def rows(self, ids: torch.Tensor, *, pinned: bool = False) -> torch.Tensor | None:
+        """Rows `ids` (1-D int64 CPU) [len(ids), dim] in the table's dtype, or None to use the general path;
+        gathered into pinned memory when asked (the rows then go to a GPU without another copy)."""
         if self._rows is None:
             return None
         values = ids.numpy()
@@ -143,14 +147,17 @@ class MappedRows:
         if span is None:
             return None
         low, high = span
+        out = torch.empty((count, self._row_bytes), dtype=torch.uint8, pin_memory=pinned)
         first = bisect_right(self._starts, low) - 1
         if high < self._rows[first].end:
-            out = self._row_arrays[first].take(values - self._starts[first], axis=0)
+            self._row_arrays[first].take(
+                values - self._starts[first], axis=0, out=out.numpy(), mode="clip"
+            )
         else:
-            out = self._gather_rows(values)
+            self._gather_rows(values, out.numpy())
         self._confirm()
         log.debug("looked up %d rows of %r from mapped shards", count, self.view.name)
-        return torch.from_numpy(out).view(self.view.dtype)
+        return out.view(self.view.dtype)
 
     def bags(
         self,
@@ -200,13 +207,12 @@ class MappedRows:
             return None
         return low, high
 
-    def _gather_rows(self, values: np.ndarray) -> np.ndarray:
-        out = np.empty((values.size, self._row_bytes), dtype=np.uint8)
+    def _gather_rows(self, values: np.ndarray, out: np.ndarray) -> None:
+        """Rows `values` (every one inside some shard) into `out` [len(values), row bytes], shard by shard."""
         owner = np.searchsorted(self._starts_np, values, side="right") - 1
         for index in np.unique(owner).tolist():
             where = np.flatnonzero(owner == index)
             out[where] = self._row_arrays[index].take(values[where] - self._starts[index], axis=0)
-        return out
 
     def _usable(self) -> bool:
         """Every shard still served (StaleVersionError once one is dropped or recycled) and its rank alive."""

@@ -5,7 +5,8 @@ For hundreds of small tensors (a state dict) the per-read cost of a box read
 by itself (its path choice, its race, its call) is most of the time; one call
 per rank and batch of at most BATCH_READ_BYTES pays it once. A batch goes on
 the rank's bulk TCP port (a KIND_READS frame) where reads may use it, else,
-and when the port fails, over gRPC; shared memory is not used for batches.
+and when the port fails, over gRPC: the network chain, whose every path takes rank calls; shared memory is not
+used for batches.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from shardserve.client import counters
@@ -22,10 +22,9 @@ from shardserve.client.errors import (
     DeadlineExceededError,
     RankUnavailableError,
     ShardServeError,
-    error_from_rpc,
 )
 from shardserve.client.info import RankStatus, TensorSummary
-from shardserve.client.paths.kinds import DataPath, PathKind
+from shardserve.client.paths.kinds import DataPath, rank_calls
 from shardserve.client.paths.network import read_request
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.core.metadata import Box
@@ -116,7 +115,7 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
     request = pb.ReadRegionsRequest(regions=[read.request for read in reads])
     expected = sum(read.nbytes for read in reads)
     reply, path = policy.network.run(
-        rank, lambda data_path: _ask(policy, data_path, rank.address, request, expected)
+        rank, lambda data_path: _ask(data_path, rank.address, request, expected)
     )
     _check_reply(rank.address, reads, reply)
     if expected:
@@ -129,23 +128,11 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
 
 
 def _ask(
-    policy: PathPolicy, path: DataPath, address: str, request: pb.ReadRegionsRequest, expected: int
+    path: DataPath, address: str, request: pb.ReadRegionsRequest, expected: int
 ) -> pb.ReadRegionsReply:
-    """ReadRegions' reply over `path` (the bulk port's KIND_READS frame, or the RPC)."""
-    if path.kind is PathKind.BULK:
-        return policy.bulk.read_regions(
-            address,
-            request,
-            expected + REPLY_OVERHEAD_BYTES + REGION_OVERHEAD_BYTES * len(request.regions),
-        )
-    channel = policy.channel
-    assert channel is not None
-    try:
-        return channel.shard_methods(address).read_regions(
-            request, timeout=channel.data_timeout(expected), metadata=channel.metadata
-        )
-    except grpc.RpcError as err:
-        raise error_from_rpc(err, f"rank at {address}") from None
+    """ReadRegions' reply over `path`, a path of the network chain: all of them take rank calls."""
+    reply_bytes = expected + REPLY_OVERHEAD_BYTES + REGION_OVERHEAD_BYTES * len(request.regions)
+    return rank_calls(path).read_regions(address, request, reply_bytes)
 
 
 def copy_region(dest: torch.Tensor, raw: torch.Tensor) -> None:

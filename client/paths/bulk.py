@@ -43,7 +43,7 @@ from shardserve.client.errors import (
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
-from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.kinds import CPU_AND_CUDA, Capabilities, PathKind
 from shardserve.client.paths.network import NetworkPath
 from shardserve.client.paths.writes import (
     DIRECT_BATCH_BYTES,
@@ -120,6 +120,8 @@ class BulkPath(NetworkPath):
     opened on demand and kept for reuse."""
 
     kind = PathKind.BULK
+    # the rank copies CUDA shards out itself; answers bounded in size, requests sent before answers are taken
+    capabilities = Capabilities(devices=CPU_AND_CUDA, rank_calls=True, pipelined=True)
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel

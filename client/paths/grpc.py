@@ -20,7 +20,7 @@ from shardserve.client.channel import Channel
 from shardserve.client.errors import RankUnavailableError, ShardServeError, error_from_rpc
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.hedging import Cancellation
-from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.kinds import CPU_AND_CUDA, Capabilities, PathKind
 from shardserve.client.paths.network import NetworkPath
 from shardserve.client.paths.writes import INLINE_BATCH_BYTES, ShardWrite, batched, write_request
 from shardserve.core.wire import tensor_bytes
@@ -44,9 +44,14 @@ class GrpcPath(NetworkPath):
     rank."""
 
     kind = PathKind.GRPC
+    # the rank copies CUDA shards out itself; every call can also be a stream, so any answer fits
+    capabilities = Capabilities(devices=CPU_AND_CUDA, rank_calls=True, streamed=True)
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
+
+    def close(self) -> None:
+        """Nothing to let go of: the channel is the client's."""
 
     def refusal(self, rank: RankStatus) -> ShardServeError:
         return RankUnavailableError(f"rank {rank.rank} has no address")
@@ -146,6 +151,19 @@ class GrpcPath(NetworkPath):
                     address, write.header, tensor_bytes(write.data), write.chunk_bytes
                 )
         return written
+
+    def read_regions(
+        self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int
+    ) -> pb.ReadRegionsReply:
+        """ReadRegions' answer to `request` as one RPC (at most `reply_bytes` serialized)."""
+        try:
+            return self.channel.shard_methods(address).read_regions(
+                request,
+                timeout=self.channel.data_timeout(reply_bytes),
+                metadata=self.channel.metadata,
+            )
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, f"rank at {address}") from None
 
     def lookup(
         self,

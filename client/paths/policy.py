@@ -1,5 +1,9 @@
 """The client's choice of data path per read, lookup or write: shared memory, the bulk TCP port, or gRPC.
 
+The policy holds the paths client.paths.factory builds and asks each for what it needs by the capabilities it
+declares (client.paths.kinds): the first path of a rank's chain that maps memory, reads rows or writes in
+place; the paths that take rank calls, pipelined or streamed. It never names a concrete path.
+
 transport="auto" reads through an ordered fallback chain (client.paths.chain) of what may serve the rank:
 shared memory when it runs on this host (client.paths.shm), the rank's bulk TCP port (client.paths.bulk: 2-3x
 faster than a gRPC call at any size once its connection is open; a TLS mismatch falls back), else gRPC
@@ -7,7 +11,8 @@ faster than a gRPC call at any size once its connection is open; a TLS mismatch 
 rank is then served by the next path for RETRY_AFTER_S (a lease in client.health) before the fast path is
 tried again. "grpc", "shm" and "tcp" force one path (parsed into a PathKind at connect()); a forced fast path
 that cannot serve raises instead of falling back. Network-only calls (pooled lookups, ReadRegions batches) take
-the network part of the chain: the bulk port, then gRPC.
+the network part of the chain (the paths that take rank calls: the bulk port, then gRPC), or the streamed path
+(gRPC) where the forced one takes none.
 
 A rank that fails a call as unreachable (RankUnavailableError, on any path) is read last for a while
 (client.health.RankHealth): reads and lookups then choose another copy of its boxes where the layout has one,
@@ -32,10 +37,9 @@ from shardserve.client.channel import Channel
 from shardserve.client.errors import RankUnavailableError, ShardServeError
 from shardserve.client.health import RankHealth
 from shardserve.client.info import RankStatus, TensorSummary
-from shardserve.client.paths.bulk import BulkPath
 from shardserve.client.paths.chain import FallbackChain
 from shardserve.client.paths.copies import copy_tensor
-from shardserve.client.paths.grpc import GrpcPath
+from shardserve.client.paths.factory import data_paths
 from shardserve.client.paths.hedging import (
     HEDGE_AFTER_S,
     Cancellation,
@@ -44,10 +48,19 @@ from shardserve.client.paths.hedging import (
     Race,
     Watchdog,
 )
-from shardserve.client.paths.kinds import DataPath, PartRead, PathKind
+from shardserve.client.paths.kinds import (
+    DataPath,
+    PartRead,
+    PathKind,
+    PipelinedCalls,
+    RowReads,
+    StreamedCalls,
+    in_place_writes,
+    row_reads,
+    streamed,
+)
 from shardserve.client.paths.network import landing, read_request
 from shardserve.client.paths.pipeline import CallPipeline, NetworkCall, SentCalls
-from shardserve.client.paths.shm import SharedMemoryPath
 from shardserve.client.paths.writes import ShardWrite
 from shardserve.client.ranks import RankDirectory
 from shardserve.core.metadata import Box
@@ -66,7 +79,8 @@ CopiesOf = Callable[[int], Sequence[int]]  # shard index -> its other copies, th
 
 class PathPolicy:
     """The data paths of one client and the chains that choose among them per rank (`forced`: the PathKind of
-    transport="grpc"|"shm"|"tcp", None for "auto"), with the races that hedge their calls."""
+    transport="grpc"|"shm"|"tcp", None for "auto"), with the races that hedge their calls. `paths`: the data
+    paths, the fastest first (default: client.paths.factory's)."""
 
     def __init__(
         self,
@@ -75,37 +89,49 @@ class PathPolicy:
         *,
         health: RankHealth | None = None,
         hedge_after: float | None = HEDGE_AFTER_S,
+        paths: Sequence[DataPath] | None = None,
     ) -> None:
         self.forced = forced
         self.channel = channel
         self.health = health or RankHealth(RankDirectory(list, "no coordinator"))
-        self.grpc = GrpcPath(channel)  # type: ignore[arg-type]
-        self.bulk = BulkPath(channel)  # type: ignore[arg-type]
-        self.shm = SharedMemoryPath(channel)  # type: ignore[arg-type]
+        self.paths = tuple(data_paths(channel) if paths is None else paths)
+        self.direct = self._streamed_path()
         self.reads, self.network = self._chains(forced)
         self.watchdog = Watchdog(hedge_after, self.health.rank_reported_dead)
-        self.pipeline = CallPipeline(self.network, self.bulk, self.watchdog, self.settle)
+        self.pipeline = CallPipeline(self.network, self.direct, self.watchdog, self.settle)
+
+    def path(self, kind: PathKind) -> DataPath:
+        """The path a user names by `kind` (transport=...); KeyError when this client has none of that kind."""
+        for path in self.paths:
+            if path.kind is kind:
+                return path
+        raise KeyError(f"this client has no {kind} path")
+
+    def _streamed_path(self) -> StreamedCalls:
+        """The path whole calls are made on where no pipelined one serves: the first declaring streamed calls."""
+        for path in self.paths:
+            found = streamed(path)
+            if found is not None:
+                return found
+        raise ValueError("a client needs a data path that declares streamed rank calls")
 
     def _chains(self, forced: PathKind | None) -> tuple[FallbackChain, FallbackChain]:
-        """(the chain of reads and writes, the chain of network-only calls) for `forced`."""
-        by_kind: dict[PathKind, DataPath] = {
-            PathKind.SHARED_MEMORY: self.shm,
-            PathKind.BULK: self.bulk,
-            PathKind.GRPC: self.grpc,
-        }
+        """(the chain of reads and writes, the chain of network-only calls) for `forced`: the network chain is
+        the reads chain's paths that take rank calls, else (a forced path that takes none) the streamed path."""
         if forced is None:
-            reads = FallbackChain([self.shm, self.bulk, self.grpc], self.health)
-            return reads, FallbackChain([self.bulk, self.grpc], self.health)
-        reads = FallbackChain([by_kind[forced]], self.health, forced=True)
-        if forced is PathKind.SHARED_MEMORY:
-            return reads, FallbackChain([self.grpc], self.health)
-        return reads, reads
+            reads = FallbackChain(self.paths, self.health)
+        else:
+            reads = FallbackChain([self.path(forced)], self.health, forced=True)
+        calls = [path for path in reads.paths if path.capabilities.rank_calls]
+        if len(calls) == len(reads.paths):
+            return reads, reads
+        return reads, FallbackChain(calls or [self.direct], self.health)
 
     def close(self) -> None:
-        """Close the kept bulk connections and forget the shared-memory mappings (unmapped once unused)."""
+        """Close every path: kept connections closed, mappings forgotten (unmapped once unused)."""
         self.watchdog.close()
-        self.bulk.close()
-        self.shm.clear()
+        for path in self.paths:
+            path.close()
 
     # ------------------------------------------------------------ reads
 
@@ -124,7 +150,8 @@ class PathPolicy:
         names the other copies of a shard, the best first, that a silent part is hedged to.
 
         Several network parts of a small read are pipelined: every request sent first (send_all), the mapped
-        parts copied meanwhile, then the answers taken."""
+        parts (and those no path serves, which fail as the chain says) copied meanwhile, then the answers
+        taken."""
         if box.is_empty():
             return None
         assert self.channel is not None
@@ -143,13 +170,15 @@ class PathPolicy:
         mapped: list[tuple[int, Box]] = []
         networked: list[tuple[int, Box]] = []
         for index, part in parts:
-            (mapped if self.maps(rank_of(index)) else networked).append((index, part))
+            first = self.reads.first(rank_of(index))
+            if first is None or first.capabilities.maps_memory:
+                mapped.append(
+                    (index, part)
+                )  # copied here, or refused by read_part as the chain says
+            else:
+                networked.append((index, part))
         network_bytes = sum(part.numel() for _, part in networked) * out.element_size()
-        if (
-            len(networked) < 2
-            or self.forced is PathKind.SHARED_MEMORY
-            or network_bytes > PIPELINED_READ_BYTES
-        ):
+        if len(networked) < 2 or network_bytes > PIPELINED_READ_BYTES:
             return each_by_its_path(parts)
         calls = []
         for index, part in networked:
@@ -234,31 +263,20 @@ class PathPolicy:
         _, path = self.reads.run(
             rank, lambda data_path: data_path.read(rank.address, read, cancel), cancel=cancel
         )
-        if path is PathKind.SHARED_MEMORY:
-            log.debug(
-                "read %r shard %d from rank %d through shared memory",
-                read.summary.name,
-                read.index,
-                rank.rank,
-            )
-        else:
-            log.debug(
-                "read %r shard %d from rank %d over %s",
-                read.summary.name,
-                read.index,
-                rank.rank,
-                path,
-            )
+        how = (
+            "through shared memory" if self.path(path).capabilities.maps_memory else f"over {path}"
+        )
+        log.debug("read %r shard %d from rank %d %s", read.summary.name, read.index, rank.rank, how)
         return path
 
     def _read_call(self, rank: RankStatus, read: PartRead, hedge: Hedge | None) -> NetworkCall:
-        """One shard's part of a pipelined read: its request sent on the bulk port now and its bytes taken
-        into its region later (send_all), or read over gRPC."""
+        """One shard's part of a pipelined read: its request sent on a pipelined path now and its bytes taken
+        into its region later (send_all), or read whole on the streamed path."""
         request = read_request(read.summary, read.index, read.part)
 
-        def send_bulk(cancel: Cancellation) -> Callable[[], None]:
+        def send(path: PipelinedCalls, cancel: Cancellation) -> Callable[[], None]:
             target, land = landing(read.part, read.region)
-            answer = self.bulk.send_read(rank.address, request, byte_view(target), cancel)
+            answer = path.send_read(rank.address, request, byte_view(target), cancel)
 
             def take() -> None:
                 answer()
@@ -266,23 +284,27 @@ class PathPolicy:
 
             return take
 
-        def over_grpc(cancel: Cancellation) -> None:
-            self.grpc.read(rank.address, read, cancel)
+        def call(path: StreamedCalls, cancel: Cancellation) -> None:
+            path.read(rank.address, read, cancel)
 
-        return NetworkCall(rank, send_bulk, over_grpc, hedge, read.nbytes)
+        return NetworkCall(rank, send, call, hedge, read.nbytes)
 
     # ------------------------------------------------------------ writes, lookups
 
     def in_place_host(self) -> str:
         """The host id under which ranks may open shards for this client's in-place writes at allocation
-        (CreateSnapshot's writer_host_id): this process's, "" when a forced transport leaves out shared memory."""
-        if self.forced not in (None, PathKind.SHARED_MEMORY):
-            return ""
-        return self.shm.in_place.host_id
+        (CreateSnapshot's writer_host_id): that of the first path of the read chain that writes in place, ""
+        when none does (a forced transport that leaves out shared memory)."""
+        for path in self.reads.paths:
+            writer = in_place_writes(path)
+            if writer is not None:
+                return writer.in_place_host_id
+        return ""
 
     def write(self, rank: RankStatus, writes: Sequence[ShardWrite]) -> tuple[PathKind, int]:
-        """Write whole shards to `rank` by the fastest path that serves it: a staging memfd the rank reads on
-        the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes written)."""
+        """Write whole shards to `rank` by the fastest path that serves it: in place or through a staging memfd
+        on the same host, its bulk port, else gRPC (falling back as reads do); returns (the path, bytes
+        written)."""
         written, path = self.reads.run(
             rank, lambda data_path: data_path.write_shards(rank.address, writes), doing="write"
         )
@@ -291,38 +313,53 @@ class PathPolicy:
     def send_all(
         self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]
     ) -> SentCalls:
-        """Start every call, the bulk port's requests all sent before any answer is awaited
+        """Start every call, the pipelined requests all sent before any answer is awaited
         (client.paths.pipeline)."""
         return self.pipeline.send_all(calls, submit)
 
     def lookup_rows(
         self, rank: RankStatus, summary: TensorSummary, index: int, ids: torch.Tensor
     ) -> torch.Tensor | None:
-        """Rows `ids` (global row ids inside shard `index`) of a 2-D table through shared memory, as a CPU tensor
-        [len(ids), shard columns]; None when the lookup should go over the network (same rules and fallback as
-        reads)."""
+        """Rows `ids` (global row ids inside shard `index`) of a 2-D table read by the path `rank` is read by
+        first, where that path reads rows (shared memory), as a CPU tensor [len(ids), shard columns]; None when
+        the lookup should go over the network (same rules and fallback as reads)."""
         paths = self.reads.paths_for(rank)
-        if not paths or paths[0] is not self.shm:
+        reader = row_reads(paths[0]) if paths else None
+        if reader is None:
             return None
         first_row = summary.metadata.shards_metadata[index].shard_offsets[0]
         try:
-            rows = self.shm.read_rows(rank.address, summary, index, ids - first_row)
+            rows = reader.read_rows(rank.address, summary, index, ids - first_row)
         except RankUnavailableError as err:
             self.health.note_failure(rank.rank, err)
             raise
         except ShardServeError as err:
-            if self.reads.falls_back(self.shm, rank, err):
+            if self.reads.falls_back(reader, rank, err):
                 return None
             raise
         log.debug(
-            "looked up %d rows of %r shard %d on rank %d through shared memory",
+            "looked up %d rows of %r shard %d on rank %d over %s",
             ids.numel(),
             summary.name,
             index,
             rank.rank,
+            reader.kind,
         )
         return rows
 
+    def row_reader(self, rank: RankStatus) -> RowReads | None:
+        """The path reads of `rank` go through first now where it reads rows in place (its mappings), else
+        None (no error, no log: a planning question)."""
+        return row_reads(self.reads.first(rank))
+
     def maps(self, rank: RankStatus) -> bool:
-        """Whether reads of `rank` go through shared memory now (no error, no log: a planning question)."""
-        return self.reads.first(rank) is self.shm
+        """Whether reads of `rank` go through mapped memory now (no error, no log: a planning question)."""
+        first = self.reads.first(rank)
+        return first is not None and first.capabilities.maps_memory
+
+    def mapped_devices(self, rank: RankStatus) -> frozenset[str]:
+        """The device types whose shards reads of `rank` map now (empty when its first path maps none)."""
+        first = self.reads.first(rank)
+        if first is None or not first.capabilities.maps_memory:
+            return frozenset()
+        return first.capabilities.devices

@@ -12,7 +12,8 @@ served version never changes, and a segment's header page (state and
 generation words, checked before and after every copy) says when the rank
 dropped the version or reused the segment for another one. A segment is
 mapped anew only under an OpenShard lease. A CUDA shard comes as a CUDA IPC handle when this process has
-CUDA. A read this path cannot serve raises SharedMemoryError; client.paths.policy
+CUDA: reaching CUDA shards is a capability of this path (its Capabilities.devices), cached per version like
+the segments. A read this path cannot serve raises SharedMemoryError; client.paths.policy
 then falls back (transport="auto") or passes it on (transport="shm").
 """
 
@@ -37,10 +38,17 @@ from shardserve.client.errors import (
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
 from shardserve.client.paths.copies import copy_all
+from shardserve.client.paths.device_mapping import DeviceMapping
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
-from shardserve.client.paths.kinds import PartRead, PathKind
+from shardserve.client.paths.kinds import (
+    CPU_AND_CUDA,
+    CPU_ONLY,
+    Capabilities,
+    PartRead,
+    PathKind,
+)
 from shardserve.client.paths.registered import PAGES
 from shardserve.client.paths.staging import StagingFiles
 from shardserve.client.paths.writes import (
@@ -90,8 +98,9 @@ def same_host_reason(rank: RankStatus, host: tuple[str, str]) -> str:
 
 
 class SharedMemoryPath:
-    """Reads parts and rows of shards from same-host ranks through mapped shared memory, and writes whole shards
-    through staging memfds they read (a DataPath: client.paths.kinds)."""
+    """Reads parts and rows of shards from same-host ranks through mapped shared memory (CUDA shards through
+    their IPC handles), and writes whole shards straight into shard memory or through staging memfds they read
+    (a DataPath: client.paths.kinds)."""
 
     kind = PathKind.SHARED_MEMORY
 
@@ -111,6 +120,21 @@ class SharedMemoryPath:
         self._in_place_refused: set[str] = (
             set()
         )  # ranks that write no shard in place for this client
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Mapped reads, row reads and writes in place; CUDA shards too where this process has CUDA (IPC)."""
+        return Capabilities(
+            devices=CPU_AND_CUDA if torch.cuda.is_available() else CPU_ONLY,
+            maps_memory=True,
+            row_reads=True,
+            in_place_writes=True,
+        )
+
+    @property
+    def in_place_host_id(self) -> str:
+        """The host id under which ranks open shards for this path's writes in place."""
+        return self.in_place.host_id
 
     def supports(self, rank: RankStatus, summary: TensorSummary | None = None) -> bool:
         """Whether `rank` may be read through shared memory: on this host, offering it."""
@@ -257,6 +281,16 @@ class SharedMemoryPath:
             return None
         return segments.HostMapping(mapping)
 
+    def device_mapping(
+        self, address: str, summary: TensorSummary, index: int
+    ) -> DeviceMapping | None:
+        """Shard `index` mapped on its CUDA device through its IPC handle (cached per version), for gathers on
+        the GPU (client.embedding.cuda_rows); None for host shards and empty shards."""
+        mapping, shard = self._open(address, summary, index)
+        if shard is None or mapping is None or mapping.cuda_handle is None:
+            return None
+        return DeviceMapping(mapping, shard)
+
     def _cuda_mapping(
         self,
         key: tuple,
@@ -338,7 +372,7 @@ class SharedMemoryPath:
         self._staging.give_back(staging)
         return reply.bytes_written
 
-    def clear(self) -> None:
+    def close(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""
         with self._lock:
             self._cache.clear()

@@ -23,6 +23,7 @@ from shardserve.client import (
     connect,
 )
 from shardserve.client.paths.grpc import GrpcPath
+from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.core.metadata import ShardMetadata, make_metadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
@@ -269,7 +270,7 @@ def test_raw_requests_get_the_server_answers(cl):
             sizes=[1, 5],
         )
         request.update(fields)
-        cl.session.paths.grpc.read_stream(
+        cl.session.paths.path(PathKind.GRPC).read_stream(
             address, pb.ReadRegionRequest(**request), torch.empty(20, dtype=torch.uint8)
         )
 

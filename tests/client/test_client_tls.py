@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardserve import AuthenticationError, RankUnavailableError, connect
+from shardserve.client.paths.kinds import PathKind
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.auth import Security
 
@@ -43,7 +44,9 @@ def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
     with connect(tls_cluster.address, **credentials) as cluster:
         remote = cluster.put("secret-large", source)
         monkeypatch.setattr(
-            cluster.session.paths.shm, "host", ("elsewhere", "another-boot-id")
+            cluster.session.paths.path(PathKind.SHARED_MEMORY),
+            "host",
+            ("elsewhere", "another-boot-id"),
         )  # no shared memory
         assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "tcp"
         stub = cluster.session.channel.shard_server(cluster.session.address_of(0))

@@ -29,7 +29,7 @@ from shardserve.client.errors import StaleVersionError, TensorNotFoundError
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.bands import bands
 from shardserve.client.paths.bulk import BulkReadError
-from shardserve.client.paths.kinds import parse_transport
+from shardserve.client.paths.kinds import PathKind, parse_transport
 from shardserve.client.paths.pipeline import NetworkCall
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.shm import SharedMemoryError
@@ -145,13 +145,13 @@ def test_large_parts_over_grpc_in_parallel_bands(cluster):
     with connect(cluster.address, transport="grpc") as c:
         remote = c.put("dp-bands", source, SPEC)
         streams: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        stream = c.session.paths.grpc.read_stream
+        stream = c.session.paths.path(PathKind.GRPC).read_stream
 
         def spy(address, request, dest, cancel=None):  # type: ignore[no-untyped-def]
             streams.append((request.shard_index, tuple(request.offsets), tuple(request.sizes)))
             return stream(address, request, dest)
 
-        c.session.paths.grpc.read_stream = spy  # type: ignore[method-assign]
+        c.session.paths.path(PathKind.GRPC).read_stream = spy  # type: ignore[method-assign]
         assert torch.equal(
             remote.fetch((0, 0), (2048, 1024)), source[:2048]
         )  # one 8 MiB part: two bands
@@ -305,7 +305,9 @@ def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, mon
     table = random_tensor((1100, 512), torch.float32, seed=12)
     ids = torch.tensor([0, 1099, 549, 550, 550, 3])
     with connect(cluster.address) as c:
-        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(
+            c.session.paths.path(PathKind.SHARED_MEMORY), "host", ("elsewhere", "another-boot-id")
+        )
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
@@ -368,7 +370,9 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
         caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
         connect(cluster.address) as c,
     ):
-        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(
+            c.session.paths.path(PathKind.SHARED_MEMORY), "host", ("elsewhere", "another-boot-id")
+        )
         remote = c.tensor("dp-firewalled")
         assert torch.equal(remote.full_tensor(), large) and remote.last_transport == "grpc"
         tried = len(dialed)
@@ -394,14 +398,25 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
     with connect(cluster.address, transport="tcp") as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        kept = [conn for conns in c.session.paths.bulk._idle.values() for conn in conns]
+        kept = [
+            conn for conns in c.session.paths.path(PathKind.BULK)._idle.values() for conn in conns
+        ]
         assert len(kept) == 2  # one per rank, kept for the next read
         for conn in kept:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
-        assert len([conn for conns in c.session.paths.bulk._idle.values() for conn in conns]) == 2
+        assert (
+            len(
+                [
+                    conn
+                    for conns in c.session.paths.path(PathKind.BULK)._idle.values()
+                    for conn in conns
+                ]
+            )
+            == 2
+        )
 
 
 def _rank(number: int) -> RankStatus:
@@ -412,7 +427,7 @@ def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
     """Two ranks' calls recording what happens; `fail` maps a rank to the step whose bulk port fails
     ("send" or "answer")."""
 
-    def send_bulk(number: int, cancel: object = None):  # type: ignore[no-untyped-def]
+    def send_bulk(number: int, path: object, cancel: object = None):  # type: ignore[no-untyped-def]
         if fail.get(number) == "send":
             raise BulkReadError(f"rank {number}: no bulk port")
         events.append(f"send {number}")
@@ -424,7 +439,7 @@ def _calls(events: list[str], fail: dict[int, str]) -> list[NetworkCall]:
 
         return answer
 
-    def over_grpc(number: int, cancel: object = None) -> None:
+    def over_grpc(number: int, path: object, cancel: object = None) -> None:
         events.append(f"grpc {number}")
 
     return [NetworkCall(_rank(n), partial(send_bulk, n), partial(over_grpc, n)) for n in (0, 1)]
@@ -474,10 +489,10 @@ def test_an_error_sending_one_call_is_raised_after_the_others_answered():
     events: list[str] = []
     calls = _calls(events, {})
 
-    def refused(cancel: object = None):  # type: ignore[no-untyped-def]
+    def refused(path: object, cancel: object = None):  # type: ignore[no-untyped-def]
         raise StaleVersionError("rank 0: ticket refused")
 
-    calls[0] = NetworkCall(calls[0].rank, refused, calls[0].over_grpc)
+    calls[0] = NetworkCall(calls[0].rank, refused, calls[0].call)
     plane = PathPolicy(parse_transport("auto"), channel=None)
     sent = plane.send_all(calls, _run_now)
     with pytest.raises(StaleVersionError, match="ticket refused"):
@@ -489,7 +504,7 @@ def test_grpc_only_calls_run_the_first_on_this_thread():
     threads: dict[int, str] = {}
     plane = PathPolicy(parse_transport("grpc"), channel=None)
 
-    def record(n: int, cancel: object = None) -> None:
+    def record(n: int, path: object, cancel: object = None) -> None:
         threads[n] = threading.current_thread().name
 
     calls = [NetworkCall(_rank(n), None, partial(record, n)) for n in (0, 1)]
@@ -517,12 +532,18 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"),
         connect(cluster.address) as c,
     ):
-        monkeypatch.setattr(c.session.paths.shm, "host", ("elsewhere", "another-boot-id"))
+        monkeypatch.setattr(
+            c.session.paths.path(PathKind.SHARED_MEMORY), "host", ("elsewhere", "another-boot-id")
+        )
         remote = c.tensor(name)
         got, expected, paths = run(remote)
         assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
         real_recv = tcp_reads.recv_exactly
-        rank1_port = c.session.paths.bulk._idle[c.session.address_of(1)][0].sock.getpeername()[1]
+        rank1_port = (
+            c.session.paths.path(PathKind.BULK)
+            ._idle[c.session.address_of(1)][0]
+            .sock.getpeername()[1]
+        )
 
         def reset_rank1(sock, view, deadline):  # type: ignore[no-untyped-def]
             if sock.getpeername()[1] == rank1_port:
@@ -543,7 +564,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
 def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-def]
     """Events "send PORT" / "answer PORT" of the client's bulk-port reads, in the order they happen."""
     events: list[str] = []
-    real_send = c.session.paths.bulk.send_read
+    real_send = c.session.paths.path(PathKind.BULK).send_read
 
     def send_read(address, request, dest, cancel=None):  # type: ignore[no-untyped-def]
         answer = real_send(address, request, dest)
@@ -555,7 +576,7 @@ def _record_bulk_reads(c, monkeypatch) -> list[str]:  # type: ignore[no-untyped-
 
         return take
 
-    monkeypatch.setattr(c.session.paths.bulk, "send_read", send_read)
+    monkeypatch.setattr(c.session.paths.path(PathKind.BULK), "send_read", send_read)
     return events
 
 
@@ -586,16 +607,18 @@ def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
     with connect(cluster.address) as c:
         events = _record_bulk_reads(c, monkeypatch)
         rank1 = c.session.address_of(1)
-        maps, reads = c.session.paths.maps, c.session.paths.shm.read
+        maps, reads = c.session.paths.maps, c.session.paths.path(PathKind.SHARED_MEMORY).read
         monkeypatch.setattr(
             c.session.paths, "maps", lambda rank: rank.address != rank1 and maps(rank)
         )
         monkeypatch.setattr(
-            c.session.paths.shm, "supports", lambda rank, summary=None: rank.address != rank1
+            c.session.paths.path(PathKind.SHARED_MEMORY),
+            "supports",
+            lambda rank, summary=None: rank.address != rank1,
         )
         mapped: list[str] = []
         monkeypatch.setattr(
-            c.session.paths.shm,
+            c.session.paths.path(PathKind.SHARED_MEMORY),
             "read",
             lambda address, *args: mapped.append(address) or reads(address, *args),
         )
@@ -636,7 +659,11 @@ def test_cached_mapping_of_a_replaced_version_is_not_read_for_new_reads(cluster)
         writer.put("dp-recycle", table, SPEC)
         remote = reader.tensor("dp-recycle")
         assert torch.equal(remote.lookup(ids), table[ids]) and torch.equal(remote[:], table)
-        mappings = [m for k, m in reader.session.paths.shm._cache.items() if k[1] == "dp-recycle"]
+        mappings = [
+            m
+            for k, m in reader.session.paths.path(PathKind.SHARED_MEMORY)._cache.items()
+            if k[1] == "dp-recycle"
+        ]
         assert mappings and all(int(m.state[2]) == m.generation for m in mappings)
         first = remote.version
         for k in (1, 2):
@@ -665,7 +692,7 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
     with connect(cluster.address) as c:
         remote = c.put("dp-turned", table, SPEC)
         assert torch.equal(remote[:], table) and remote.last_transport == "shm"
-        reader = c.session.paths.shm
+        reader = c.session.paths.path(PathKind.SHARED_MEMORY)
         first = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
         answers = iter(
             [True, False]
@@ -906,7 +933,7 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
-        reader, opened = c.session.paths.shm, []
+        reader, opened = c.session.paths.path(PathKind.SHARED_MEMORY), []
         open_shard = reader._open_shard
         reader._open_shard = lambda address, request, *rest: (
             opened.append(request.shard_index) or open_shard(address, request, *rest)
@@ -956,9 +983,11 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
     ids = torch.tensor([0, 39, 20, 19])
     with connect(cluster.address) as c:
         remote = c.put("dp-mapped-fallback", table, SPEC)
-        monkeypatch.setattr(MappedRows, "rows", lambda self, ids: None)
+        monkeypatch.setattr(MappedRows, "rows", lambda self, ids, pinned=False: None)
         monkeypatch.setattr(c.session.paths, "lookup_rows", lambda *args: None)
-        monkeypatch.setattr(c.session.paths.bulk, "supports", lambda rank, summary=None: False)
+        monkeypatch.setattr(
+            c.session.paths.path(PathKind.BULK), "supports", lambda rank, summary=None: False
+        )
         result: list[torch.Tensor] = []
         worker = threading.Thread(target=lambda: result.append(remote.lookup(ids)), daemon=True)
         worker.start()
@@ -1082,16 +1111,18 @@ def test_writes_fall_back_when_the_rank_refuses_the_memfd(cluster, monkeypatch, 
         staging.StagingFile, "source", lambda self, host_id: real(self, "another-host")
     )  # the rank refuses: UNIMPLEMENTED
     with connect(cluster.address) as client, caplog.at_level(logging.WARNING):
-        client.session.paths.shm.in_place.host_id = "another-host"  # refused in place too
+        client.session.paths.path(
+            PathKind.SHARED_MEMORY
+        ).in_place.host_id = "another-host"  # refused in place too
         assert set(put_and_check(client, "refused-memfd")) == {"tcp"}
     assert "shared-memory write to rank" in caplog.text and "not on this rank's host" in caplog.text
 
 
 def test_writes_stage_their_bytes_when_the_rank_refuses_to_be_written_in_place(cluster):
     with connect(cluster.address) as client:
-        client.session.paths.shm.in_place.host_id = "another-host"
+        client.session.paths.path(PathKind.SHARED_MEMORY).in_place.host_id = "another-host"
         assert set(put_and_check(client, "staged")) == {"shm"}
-        assert client.session.paths.shm.in_place.mapped_segments == 0
+        assert client.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments == 0
 
 
 def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):

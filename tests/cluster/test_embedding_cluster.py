@@ -20,6 +20,7 @@ from shardserve.client import (
     ResourceExhaustedError,
     connect,
 )
+from shardserve.client.embedding.routes import Route
 from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
@@ -712,3 +713,22 @@ def test_lookups_follow_a_replaced_table(
         monkeypatch.setattr(views_module, "OOV_RECHECK_S", 0.0)
         assert torch.equal(mine.lookup({name: [10, 1]})[name], bigger[[10, 1]])
         mine.delete(name)
+
+
+def test_ids_on_a_gpu_would_be_gathered_from_mapped_cpu_rows(cl, tables, cluster3) -> None:
+    """The route of ids on a device, from what each rank's path maps: CPU ranks on this host are read from
+    their mapped rows (the result copied up), over the network they are looked up as CPU ids are."""
+    name = _name("rows-uneven", torch.float32)
+    assert cl.lookups.route(name, "cuda") is Route.HOST_MAPPED
+    assert cl.lookups.route(name, "cpu") is Route.HOST_MAPPED
+    with connect(cluster3.address, transport="grpc") as over_grpc:
+        assert over_grpc.lookups.route(name, "cuda") is Route.GENERAL
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lookups_on_the_ids_device_match_the_modules(cl, tables, dtype: torch.dtype) -> None:
+    name, table = _name("rows-uneven", dtype), tables[("rows-uneven", dtype)]
+    assert torch.equal(cl.lookups.lookup_on(name, IDS), F.embedding(IDS, table))
+    for mode in ("sum", "mean"):
+        pooled = cl.lookups.lookup_bag_on(name, IDS, OFFSETS, mode)
+        assert torch.equal(pooled, F.embedding_bag(IDS, table, OFFSETS, mode=mode))

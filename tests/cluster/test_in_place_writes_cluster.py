@@ -24,6 +24,7 @@ import torch
 from grpc_status import rpc_status
 
 from shardserve import connect, spmd
+from shardserve.client.paths.kinds import PathKind
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
@@ -67,10 +68,13 @@ def test_every_dtype_and_strided_sources_are_written_in_place_bit_for_bit(cluste
     state["stepped"] = torch.arange(400, dtype=torch.int32).reshape(20, 20)[::2, 1::3]
     state["expanded"] = torch.randn(1, 7).expand(12, 7)
     with connect(cluster.address) as client:
-        mapped_before = client.session.paths.shm.in_place.mapped_segments
+        mapped_before = client.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments
         for _ in range(3):  # the third put fills memory the first one freed, through kept mappings
             spmd.put_state_dict(client, state, "dtypes", keep=1, durable=False)
-        assert client.session.paths.shm.in_place.mapped_segments > mapped_before
+        assert (
+            client.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments
+            > mapped_before
+        )
         into = {key: torch.zeros_like(value.contiguous()) for key, value in state.items()}
         spmd.get_state_dict(client, "dtypes", into=into)
         for key, value in state.items():
@@ -242,7 +246,7 @@ def test_a_snapshot_writer_fills_the_shards_its_create_opened_with_no_call_to_th
             into = {key: torch.empty_like(value) for key, value in fresh.items()}
             spmd.get_state_dict(client, "opened", into=into)
             assert all(torch.equal(into[key], fresh[key]) for key in fresh), step
-        assert client.session.paths.shm.in_place.mapped_segments > 0
+        assert client.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments > 0
 
 
 def _create_request(prefix: str, writer_host_id: str) -> pb.CreateSnapshotRequest:

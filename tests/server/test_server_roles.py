@@ -20,6 +20,7 @@ from server_processes import wait_until
 
 from shardserve import AuthenticationError, PermissionDeniedError, connect
 from shardserve.client.paths.bulk import BulkReadError
+from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write, write_request
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -321,7 +322,7 @@ def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
         with pytest.raises(
             BulkReadError, match="lacks the 'write' right on tensor 'pending-dense'"
         ):
-            writer.session.paths.bulk.write_shards(rank0, batch)
+            writer.session.paths.path(PathKind.BULK).write_shards(rank0, batch)
 
 
 def test_an_authenticated_snapshot_writer_is_opened_no_shard_and_stages_its_bytes(cluster):
@@ -351,7 +352,7 @@ def test_an_authenticated_snapshot_writer_is_opened_no_shard_and_stages_its_byte
         into = {key: torch.zeros(16, 8) for key in state}
         spmd.get_state_dict(writer, "authed", into=into)
         assert all(torch.equal(into[key], state[key]) for key in state)
-        assert writer.session.paths.shm.in_place.mapped_segments == 0
+        assert writer.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments == 0
 
 
 def test_collective_disabling_requests_from_an_admin_client_are_refused(cluster):
