@@ -26,7 +26,7 @@ import torch
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
-from shardserve.server.rank.reads.shm import cuda_ipc_handle
+from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.shared_memory import Segment
 
 ENV_SWITCH = (
