@@ -15,19 +15,23 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import mmap
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from google.protobuf.message import DecodeError
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.shared_memory import Segment
+
+log = logging.getLogger(__name__)
 
 ENV_SWITCH = (
     "SHARDSERVE_SAME_HOST_EXCHANGE"  # "0": a rank sends every box over gloo / NCCL, as across hosts
@@ -55,14 +59,15 @@ class SegmentHandle:
 
 
 @dataclass(frozen=True)
-class CudaHandle:
-    """A CUDA shard as a CUDA IPC handle (pb.CudaIpcHandle's fields, encoded by protobuf, never pickled)."""
+class CudaShard:
+    """A CUDA shard the exporting rank lends by CUDA IPC. Its handle is made only for a peer that will open it
+    (`cuda_handles`): each handle counts one user of the allocation in torch's IPC reference counter, which only
+    the opener (or `release_handle`) gives back, and until then the memory is never reused."""
 
-    handle: bytes  # a serialized pb.CudaIpcHandle
     nbytes: int
 
 
-ShardHandle = SegmentHandle | CudaHandle
+ShardHandle = SegmentHandle | CudaShard
 
 
 @dataclass(frozen=True)
@@ -85,10 +90,7 @@ class PeerExport:
             if isinstance(handle, SegmentHandle):
                 shards[str(index)] = {"segment": vars(handle)}
             else:
-                shards[str(index)] = {
-                    "cuda": base64.b64encode(handle.handle).decode(),
-                    "nbytes": handle.nbytes,
-                }
+                shards[str(index)] = {"cuda": handle.nbytes}
         return json.dumps(
             {"host": self.host, "uid": self.uid, "pid": self.pid, "shards": shards}
         ).encode()
@@ -116,28 +118,59 @@ def _handle(raw: dict) -> ShardHandle:
         return SegmentHandle(
             **{name: _int(fields[name]) for name in SegmentHandle.__dataclass_fields__}
         )
-    return CudaHandle(base64.b64decode(raw["cuda"], validate=True), _int(raw["nbytes"]))
+    return CudaShard(_int(raw["cuda"]))
+
+
+def encode_handles(handles: Mapping[int, bytes]) -> bytes:
+    """CUDA IPC handles by source shard index (`cuda_handles`), as JSON bytes."""
+    return json.dumps({str(i): base64.b64encode(h).decode() for i, h in handles.items()}).encode()
+
+
+def decode_handles(data: bytes) -> dict[int, bytes]:
+    """The handles of `encode_handles`; PeerMemoryError when malformed."""
+    try:
+        raw = json.loads(data.decode())
+        return {int(i): base64.b64decode(h, validate=True) for i, h in raw.items()}
+    except (ValueError, TypeError, AttributeError) as err:
+        raise PeerMemoryError(f"a peer's CUDA IPC handles are malformed: {err!r}") from None
+
+
+def cuda_handles(shards: Mapping[int, torch.Tensor], indices: Iterable[int]) -> dict[int, bytes]:
+    """A CUDA IPC handle (a serialized pb.CudaIpcHandle) of each of `indices`, for one peer that opens each once."""
+    return {i: cuda_ipc_handle(shards[i]).SerializeToString() for i in indices}
+
+
+def release_handle(handle: bytes) -> None:
+    """Give back the user that a handle this process will not open counted (a failed job's), so the lending
+    rank's memory can be reused once it drops it."""
+    try:
+        ipc = pb.CudaIpcHandle.FromString(handle)
+        torch.UntypedStorage._release_ipc_counter(
+            ipc.ref_counter_handle, ipc.ref_counter_offset, device=ipc.device
+        )
+    except (RuntimeError, AttributeError, DecodeError) as err:
+        log.warning("could not give back a CUDA IPC reference of a peer: %s", err)
 
 
 def local_export(
     shards: Mapping[int, torch.Tensor], segment_of: Callable[[torch.Tensor], Segment | None]
 ) -> PeerExport:
     """This rank's export of `shards` (source shard index -> tensor): CPU shards that live in a whole memfd
-    (`segment_of`), every CUDA shard by IPC; the others (private memory, composed blocks) are left out and go over
-    the network. Nothing when the exchange is switched off."""
+    (`segment_of`), and every CUDA shard (announced: its handle is made for a peer that maps it); the others
+    (private memory, composed blocks) are left out and go over the network. Nothing when switched off."""
     mine = PeerExport(host_id(), os.getuid(), os.getpid())
     if not enabled_by_env():
         return mine
     handles: dict[int, ShardHandle] = {}
     for index, shard in shards.items():
         nbytes = shard.numel() * shard.element_size()
-        if nbytes == 0:
+        if nbytes == 0 or not shard.is_contiguous():
             continue
         if shard.device.type == "cuda":
-            handles[index] = CudaHandle(cuda_ipc_handle(shard).SerializeToString(), nbytes)
+            handles[index] = CudaShard(nbytes)
             continue
         segment = segment_of(shard)
-        if segment is not None and segment.nbytes == nbytes and shard.is_contiguous():
+        if segment is not None and segment.nbytes == nbytes:
             handles[index] = SegmentHandle(
                 segment.fd, segment.inode, segment.device_id, segment.data_offset, nbytes
             )
@@ -145,10 +178,16 @@ def local_export(
 
 
 def open_shard(
-    export: PeerExport, index: int, *, sizes: tuple[int, ...], dtype: torch.dtype
+    export: PeerExport,
+    index: int,
+    *,
+    sizes: tuple[int, ...],
+    dtype: torch.dtype,
+    cuda_handle: bytes | None = None,
 ) -> torch.Tensor:
     """Source shard `index` of the rank that made `export`, mapped here (no copy) as a tensor of `sizes` and
-    `dtype`: read-only memfd pages for a CPU shard, the IPC-opened allocation for a CUDA one."""
+    `dtype`: read-only memfd pages for a CPU shard; for a CUDA one, the allocation of `cuda_handle` (the handle
+    its rank made for this process) opened."""
     handle = export.shards.get(index)
     if handle is None:
         raise PeerMemoryError(f"shard {index} is not exported by process {export.pid}")
@@ -159,8 +198,10 @@ def open_shard(
         )
     if isinstance(handle, SegmentHandle):
         flat = _map_segment(export.pid, handle)
+    elif cuda_handle is None:
+        raise PeerMemoryError(f"no CUDA IPC handle came for shard {index} of process {export.pid}")
     else:
-        flat = _open_cuda(handle, dtype.itemsize)
+        flat = _open_cuda(cuda_handle, handle.nbytes, dtype.itemsize)
     return flat.view(dtype).view(sizes)
 
 
@@ -189,11 +230,11 @@ def _map_segment(pid: int, handle: SegmentHandle) -> torch.Tensor:
     return whole[handle.data_offset : size]
 
 
-def _open_cuda(handle: CudaHandle, itemsize: int) -> torch.Tensor:
+def _open_cuda(handle: bytes, nbytes: int, itemsize: int) -> torch.Tensor:
     """The shard's bytes as a uint8 CUDA tensor over the opened IPC allocation (torch caches opened handles, so a
     storage opened twice in one process maps once)."""
-    ipc = pb.CudaIpcHandle.FromString(handle.handle)
     try:
+        ipc = pb.CudaIpcHandle.FromString(handle)
         storage = torch.UntypedStorage._new_shared_cuda(
             ipc.device,
             ipc.handle,
@@ -204,13 +245,13 @@ def _open_cuda(handle: CudaHandle, itemsize: int) -> torch.Tensor:
             ipc.event_handle or None,
             ipc.event_sync_required,
         )
-    except (RuntimeError, AttributeError) as err:
+    except (RuntimeError, AttributeError, DecodeError) as err:
         raise PeerMemoryError(f"cannot open a peer's CUDA IPC handle: {err}") from None
     start = (
         ipc.tensor_offset * itemsize
     )  # the shard's offset in its storage, in elements of its dtype
-    if start + handle.nbytes > storage.nbytes():
+    if start + nbytes > storage.nbytes():
         raise PeerMemoryError("a peer's CUDA IPC handle names a storage shorter than its shard")
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ipc.device}")
-    flat.set_(storage, start, (handle.nbytes,), (1,))
+    flat.set_(storage, start, (nbytes,), (1,))
     return flat

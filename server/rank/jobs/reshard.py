@@ -89,6 +89,7 @@ from shardserve.server.rank.jobs.same_host import (
     copy_mapped,
     settle,
     split_part,
+    swap_cuda_handles,
     swap_exports,
 )
 
@@ -158,6 +159,7 @@ def run_reshard(
     split = split_part(part, peer_memory.export, exports)
     copied = False
     try:
+        handles = swap_cuda_handles(group, split, src_shards, deadline)
         _exchange_wire(
             plan,
             split.wire,
@@ -172,6 +174,7 @@ def run_reshard(
                 split,
                 exports,
                 out,
+                handles=handles,
                 stats=stats,
                 after_mapping=peer_memory.after_mapping,
             ),

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,20 +32,26 @@ from shardserve.core.executor import copy_box
 from shardserve.core.planner import Bucket, RankPlan, ReshardPlan
 from shardserve.server.rank.jobs.groups import P2P, PeerGroup, Verb
 from shardserve.server.rank.jobs.peer_memory import (
+    CudaShard,
     PeerExport,
     PeerMemoryError,
+    cuda_handles,
+    decode_handles,
+    encode_handles,
     open_shard,
+    release_handle,
 )
 from shardserve.server.rank.jobs.reshard_exchange import ReshardError, ReshardStats
 
 # Tags of the handshake and the notices: above any round's tag (a round is a bucket's position within its pair).
-EXPORT_SIZE_TAG = 1 << 24
-EXPORT_TAG = EXPORT_SIZE_TAG + 1
-NOTICE_TAG = EXPORT_SIZE_TAG + 2
+EXPORT_TAGS = (1 << 24, (1 << 24) + 1)  # (sizes, bytes)
+HANDLE_TAGS = ((1 << 24) + 2, (1 << 24) + 3)
+NOTICE_TAG = (1 << 24) + 4
 _COPIED, _FAILED = 0, 1
 FAILURE_WORD_S = 2.0  # how long a failed rank tries to tell its sources so
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,9 @@ class SameHostPart:
     wire: RankPlan
     mapped_recvs: tuple[Bucket, ...] = ()
     mapped_sends: tuple[Bucket, ...] = ()
+    # CUDA source shards lent by IPC: this rank's, by the destination that opens them; and the peers', by source
+    lent_by_ipc: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    borrowed_by_ipc: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sources(self) -> tuple[int, ...]:
@@ -86,47 +96,98 @@ def split_part(part: RankPlan, mine: PeerExport, exports: Mapping[int, PeerExpor
         src, dst = export_of(bucket.src_rank), export_of(bucket.dst_rank)
         return dst.maps(src) and all(t.src_shard in src.shards for t in bucket.transfers)
 
-    sends = [b for b in part.sends if not mapped(b)]
-    recvs = [b for b in part.recvs if not mapped(b)]
-    wire = RankPlan(part.rank, part.local, tuple(sends), tuple(recvs))
+    def by_ipc(
+        buckets: tuple[Bucket, ...], peer_of: Callable[[Bucket], int]
+    ) -> dict[int, tuple[int, ...]]:
+        shards: dict[int, set[int]] = {}
+        for bucket in buckets:
+            lender = export_of(bucket.src_rank)
+            for t in bucket.transfers:
+                if isinstance(lender.shards[t.src_shard], CudaShard):
+                    shards.setdefault(peer_of(bucket), set()).add(t.src_shard)
+        return {peer: tuple(sorted(indices)) for peer, indices in sorted(shards.items())}
+
+    mapped_sends = tuple(b for b in part.sends if mapped(b))
+    mapped_recvs = tuple(b for b in part.recvs if mapped(b))
+    wire_sends = tuple(b for b in part.sends if not mapped(b))
+    wire_recvs = tuple(b for b in part.recvs if not mapped(b))
     return SameHostPart(
-        wire,
-        mapped_recvs=tuple(b for b in part.recvs if mapped(b)),
-        mapped_sends=tuple(b for b in part.sends if mapped(b)),
+        RankPlan(part.rank, part.local, wire_sends, wire_recvs),
+        mapped_recvs=mapped_recvs,
+        mapped_sends=mapped_sends,
+        lent_by_ipc=by_ipc(mapped_sends, lambda b: b.dst_rank),
+        borrowed_by_ipc=by_ipc(mapped_recvs, lambda b: b.src_rank),
     )
 
 
 def swap_exports(
     group: PeerGroup, peers: tuple[int, ...], mine: PeerExport, deadline: float
 ) -> dict[int, PeerExport]:
-    """Send this rank's export to each peer and take theirs (sizes first, then the bytes)."""
-    payload = torch.frombuffer(bytearray(mine.encode()), dtype=torch.uint8)
-    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in peers}
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    """Send this rank's export to each peer and take theirs."""
+    encoded = mine.encode()
+    received = _swap_bytes(
+        group, {peer: encoded for peer in peers}, peers, EXPORT_TAGS, deadline, "swap exports with"
+    )
+    return {peer: _decoded(peer, PeerExport.decode, data) for peer, data in received.items()}
+
+
+def swap_cuda_handles(
+    group: PeerGroup, part: SameHostPart, src_shards: Mapping[int, torch.Tensor], deadline: float
+) -> dict[int, dict[int, bytes]]:
+    """Hand each destination a CUDA IPC handle of each CUDA shard it copies from (made for it alone) and take
+    those of the sources this rank copies from: the handles by source rank and shard."""
+    if not part.lent_by_ipc and not part.borrowed_by_ipc:
+        return {}
+    outgoing = {
+        peer: encode_handles(cuda_handles(src_shards, indices))
+        for peer, indices in part.lent_by_ipc.items()
+    }
+    received = _swap_bytes(
+        group, outgoing, tuple(part.borrowed_by_ipc), HANDLE_TAGS, deadline, "swap handles with"
+    )
+    return {peer: _decoded(peer, decode_handles, data) for peer, data in received.items()}
+
+
+def _decoded(peer: int, decode: Callable[[bytes], T], data: bytes) -> T:
+    try:
+        return decode(data)
+    except PeerMemoryError as err:
+        raise ReshardError(f"rank {peer}: {err}", (peer,)) from None
+
+
+def _swap_bytes(  # noqa: PLR0913 - one exchange: what goes where, what comes from where, its tags
+    group: PeerGroup,
+    outgoing: Mapping[int, bytes],
+    incoming: tuple[int, ...],
+    tags: tuple[int, int],
+    deadline: float,
+    doing: str,
+) -> dict[int, bytes]:
+    """Send each peer of `outgoing` its bytes and take bytes from each peer of `incoming`: the sizes first (one
+    int64 each), then the bytes."""
+    payloads = {
+        peer: torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for peer, data in outgoing.items()
+    }
+    sizes = {peer: torch.zeros(1, dtype=torch.int64) for peer in incoming}
     _run(
         group,
-        [P2P(Verb.SEND, size, peer) for peer in peers]
-        + [P2P(Verb.RECEIVE, sizes[peer], peer) for peer in peers],
-        EXPORT_SIZE_TAG,
+        [P2P(Verb.SEND, torch.tensor([p.numel()]), peer) for peer, p in payloads.items()]
+        + [P2P(Verb.RECEIVE, size, peer) for peer, size in sizes.items()],
+        tags[0],
         deadline,
-        "swap shard exports with",
+        doing,
     )
-    received = {peer: torch.empty(int(sizes[peer]), dtype=torch.uint8) for peer in peers}
+    received = {peer: torch.empty(int(size), dtype=torch.uint8) for peer, size in sizes.items()}
     _run(
         group,
-        [P2P(Verb.SEND, payload, peer) for peer in peers]
-        + [P2P(Verb.RECEIVE, received[peer], peer) for peer in peers],
-        EXPORT_TAG,
+        [P2P(Verb.SEND, payload, peer) for peer, payload in payloads.items()]
+        + [P2P(Verb.RECEIVE, data, peer) for peer, data in received.items()],
+        tags[1],
         deadline,
-        "swap shard exports with",
+        doing,
     )
-    exports = {}
-    for peer, data in received.items():
-        try:
-            exports[peer] = PeerExport.decode(data.numpy().tobytes())
-        except PeerMemoryError as err:
-            raise ReshardError(f"rank {peer}: {err}", (peer,)) from None
-    return exports
+    return {peer: data.numpy().tobytes() for peer, data in received.items()}
 
 
 def copy_mapped(
@@ -135,29 +196,15 @@ def copy_mapped(
     exports: Mapping[int, PeerExport],
     out: Mapping[int, torch.Tensor],
     *,
+    handles: Mapping[int, Mapping[int, bytes]],
     stats: ReshardStats,
     after_mapping: Callable[[], None],
 ) -> None:
-    """Map the source shards of this rank's mapped buckets and copy their boxes into `out` (new shards); CUDA
-    copies are complete when this returns. ReshardError naming a source whose memory cannot be mapped."""
+    """Map the source shards of this rank's mapped buckets (CUDA ones by their `handles`, by source rank and
+    shard) and copy their boxes into `out` (new shards); CUDA copies are complete when this returns.
+    ReshardError naming a source whose memory cannot be mapped."""
     src_meta, dst_meta = plan.src.shards_metadata, plan.dst.shards_metadata
-    sources: dict[tuple[int, int], torch.Tensor] = {}
-    for bucket in part.mapped_recvs:
-        for t in bucket.transfers:
-            key = (bucket.src_rank, t.src_shard)
-            if key not in sources:
-                try:
-                    sources[key] = open_shard(
-                        exports[bucket.src_rank],
-                        t.src_shard,
-                        sizes=src_meta[t.src_shard].shard_sizes,
-                        dtype=plan.src.dtype,
-                    )
-                except PeerMemoryError as err:
-                    raise ReshardError(
-                        f"cannot map the memory of rank {bucket.src_rank}: {err}",
-                        (bucket.src_rank,),
-                    ) from None
+    sources = _open_sources(plan, part, exports, handles)
     after_mapping()
     devices = set()
     for bucket in part.mapped_recvs:
@@ -176,6 +223,34 @@ def copy_mapped(
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+
+def _open_sources(
+    plan: ReshardPlan,
+    part: SameHostPart,
+    exports: Mapping[int, PeerExport],
+    handles: Mapping[int, Mapping[int, bytes]],
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Every source shard this rank copies from, mapped, by (source rank, shard); on a failure the CUDA handles
+    not opened yet are given back."""
+    needed = sorted({(b.src_rank, t.src_shard) for b in part.mapped_recvs for t in b.transfers})
+    sources: dict[tuple[int, int], torch.Tensor] = {}
+    for rank, index in needed:
+        try:
+            sources[(rank, index)] = open_shard(
+                exports[rank],
+                index,
+                sizes=plan.src.shards_metadata[index].shard_sizes,
+                dtype=plan.src.dtype,
+                cuda_handle=handles.get(rank, {}).get(index),
+            )
+        except PeerMemoryError as err:
+            for later_rank, later in needed[len(sources) + 1 :]:
+                handle = handles.get(later_rank, {}).get(later)
+                if handle is not None:
+                    release_handle(handle)
+            raise ReshardError(f"cannot map the memory of rank {rank}: {err}", (rank,)) from None
+    return sources
 
 
 def settle(group: PeerGroup, part: SameHostPart, *, copied: bool, deadline: float) -> None:

@@ -28,10 +28,12 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos.same_host import host_id
 from shardserve.server.rank.jobs import peer_memory
 from shardserve.server.rank.jobs.peer_memory import (
-    CudaHandle,
+    CudaShard,
     PeerExport,
     PeerMemoryError,
     SegmentHandle,
+    decode_handles,
+    encode_handles,
     local_export,
     open_shard,
 )
@@ -67,7 +69,7 @@ def export(host="h", uid=1000, shards=(0, 1)):
 
 
 def test_an_export_round_trips_and_a_malformed_one_is_refused():
-    cuda = CudaHandle(b"\x00\x01handle", 64)
+    cuda = CudaShard(64)
     original = PeerExport(
         "boot;net:1;pid:2", 1000, 77, {0: SegmentHandle(5, 6, 7, 4096, 64), 3: cuda}
     )
@@ -112,6 +114,22 @@ def test_both_ends_split_a_plan_alike_by_host_and_exported_shards():
     for r in (0, 1):
         split = split_part(parts[r], apart[r], {1 - r: apart[1 - r]})
         assert split.wire == parts[r] and not split.mapped_sends and not split.mapped_recvs
+
+
+def test_cuda_shards_are_lent_by_ipc_to_the_destinations_that_copy_them():
+    plan = plan_reshard(chunked(0, torch.float32), chunked(1, torch.float32), 1024)
+    on_gpu = {0: PeerExport("h", 1000, 1, {0: CudaShard(6144)}), 1: export(shards=[1])}
+    split_0 = split_part(plan.for_rank(0), on_gpu[0], {1: on_gpu[1]})
+    split_1 = split_part(plan.for_rank(1), on_gpu[1], {0: on_gpu[0]})
+    # rank 0's shard is on its GPU: it makes a handle for rank 1 alone; rank 1's is a memfd, no handle
+    assert split_0.lent_by_ipc == {1: (0,)} and split_0.borrowed_by_ipc == {}
+    assert split_1.borrowed_by_ipc == {0: (0,)} and split_1.lent_by_ipc == {}
+    handles = {3: b"\x00handle", 5: b""}
+    assert decode_handles(encode_handles(handles)) == handles
+    with pytest.raises(PeerMemoryError, match="malformed"):
+        decode_handles(b'{"3": "not base64!"}')
+    with pytest.raises(PeerMemoryError, match="no CUDA IPC handle came"):
+        open_shard(on_gpu[0], 0, sizes=(32, 48), dtype=torch.float32)
 
 
 def test_only_whole_segments_are_exported_and_the_switch_turns_it_off(monkeypatch):
@@ -397,3 +415,52 @@ def test_a_peer_whose_memory_cannot_be_mapped_fails_the_job_at_once_on_both_ends
     message, peers, elapsed, _ = value
     assert peers == (0,) and "rank 0 failed to copy" in message
     assert elapsed < FAULT_TIMEOUT_S / 2
+
+
+# --- two ranks on one GPU (never on NCCL, which refuses them) ---------------------------------------
+
+
+def _reshard_on_one_gpu(rank: int, dtype_name: str, strided: bool) -> dict:
+    """Rows -> columns between two ranks whose shards are all on cuda:0, through CUDA IPC."""
+    dtype = getattr(torch, dtype_name)
+    on_gpu = ChunkShardingSpec(0, ["rank:0/cuda:0", "rank:1/cuda:0"])
+    src = on_gpu.build_metadata(SIZE, TensorProperties(dtype=dtype))
+    dst = ChunkShardingSpec(1, ["rank:0/cuda:0", "rank:1/cuda:0"]).build_metadata(
+        SIZE, TensorProperties(dtype=dtype)
+    )
+    full = full_tensor(dtype, seed=3)
+    shards = {}
+    for i in src.shards_on(rank):
+        piece = shards_of(full, src)[i]
+        # a shard that is a view into a bigger allocation: its handle must name its offset
+        backing = torch.zeros((2 * piece.numel(),), dtype=dtype, device="cuda:0")
+        shards[i] = (
+            backing[piece.numel() :].view(piece.shape)
+            if strided
+            else backing[: piece.numel()].view(piece.shape)
+        )
+        shards[i].copy_(piece)
+    stats = ReshardStats()
+    lent = PeerMemory(local_export(shards, lambda tensor: None))
+    out = run_reshard(
+        plan_reshard(src, dst, 1024), rank, shards, TIMEOUT_S, stats=stats, peer_memory=lent
+    )
+    expected = shards_of(full, dst)
+    return {
+        "equal": all(
+            torch.equal(t.cpu(), expected[i]) and t.device.type == "cuda" for i, t in out.items()
+        ),
+        "stats": vars(stats),
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("strided", [False, True], ids=["storage_start", "storage_offset"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_two_ranks_on_one_gpu_reshard_through_cuda_ipc(pair, dtype, strided):
+    answers = pair.run(_reshard_on_one_gpu, dtype, strided)
+    for answer in answers.values():
+        assert answer["equal"]
+        assert answer["stats"]["sent_bytes"] == answer["stats"]["received_bytes"] == 0
+        assert answer["stats"]["mapped_bytes"] > 0
