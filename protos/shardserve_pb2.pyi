@@ -502,7 +502,7 @@ class ReshardRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReshardProgress(_message.Message):
-    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "tensor", "max_new_shard_bytes", "max_staging_bytes")
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "tensor", "max_new_shard_bytes", "max_staging_bytes", "mapped_bytes", "sent_bytes")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -510,6 +510,8 @@ class ReshardProgress(_message.Message):
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     phase: ReshardPhase
     bytes_done: int
     bytes_total: int
@@ -517,7 +519,9 @@ class ReshardProgress(_message.Message):
     tensor: TensorInfo
     max_new_shard_bytes: int
     max_staging_bytes: int
-    def __init__(self, phase: _Optional[_Union[ReshardPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[int] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., max_new_shard_bytes: _Optional[int] = ..., max_staging_bytes: _Optional[int] = ...) -> None: ...
+    mapped_bytes: int
+    sent_bytes: int
+    def __init__(self, phase: _Optional[_Union[ReshardPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[int] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., max_new_shard_bytes: _Optional[int] = ..., max_staging_bytes: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocateShardsRequest(_message.Message):
     __slots__ = ("name", "version", "metadata", "init", "seed", "options", "source_version", "reserve_only")
@@ -878,7 +882,7 @@ class ReshardJob(_message.Message):
     def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., src_unavailable: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveProgress(_message.Message):
-    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes", "started")
+    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes", "started", "mapped_bytes", "sent_bytes")
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -887,6 +891,8 @@ class CollectiveProgress(_message.Message):
     NEW_SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     bytes_done: int
     bytes_total: int
     done: bool
@@ -895,7 +901,9 @@ class CollectiveProgress(_message.Message):
     new_shard_bytes: int
     peak_staging_bytes: int
     started: bool
-    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ..., started: _Optional[bool] = ...) -> None: ...
+    mapped_bytes: int
+    sent_bytes: int
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ..., started: _Optional[bool] = ..., mapped_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class CancelCollectiveRequest(_message.Message):
     __slots__ = ("seq",)

@@ -47,7 +47,9 @@ REFUSED_REASONS = frozenset({Reason.TENSOR_BUSY, Reason.SHARDS_LOST, Reason.INVA
 
 @dataclass(frozen=True)
 class ReshardProgress:
-    """One progress report: phase ("preparing", "moving", "committing", "done"), bytes moved of the total."""
+    """One progress report: phase ("preparing", "moving", "committing", "done"), bytes moved of the total; with
+    "done", the bytes the ranks copied out of each other's memory on one host (`mapped_bytes`) and sent over
+    gloo / NCCL (`sent_bytes`)."""
 
     phase: str
     bytes_done: int
@@ -55,6 +57,8 @@ class ReshardProgress:
     version: int
     max_new_shard_bytes: int = 0
     max_staging_bytes: int = 0
+    mapped_bytes: int = 0
+    sent_bytes: int = 0
 
 
 def reshard(
@@ -95,6 +99,8 @@ def reshard(
                     message.version,
                     message.max_new_shard_bytes,
                     message.max_staging_bytes,
+                    message.mapped_bytes,
+                    message.sent_bytes,
                 )
             )
 

@@ -77,7 +77,8 @@ class ReshardPhase(enum.Enum):
 @dataclass(frozen=True)
 class ReshardStep:
     """A reshard's progress: its phase, the new version, bytes moved of the total; once DONE, the READY
-    record and the largest new shard and staging buffer on any rank."""
+    record, the largest new shard and staging buffer on any rank, and the bytes moved without and over the
+    network."""
 
     phase: ReshardPhase
     version: int
@@ -86,6 +87,8 @@ class ReshardStep:
     tensor: TensorRecord | None = None
     max_new_shard_bytes: int = 0
     max_staging_bytes: int = 0
+    mapped_bytes: int = 0  # copied out of same-host ranks' memory, all ranks together
+    sent_bytes: int = 0  # sent over gloo / NCCL, all ranks together
 
 
 @dataclass(frozen=True)
@@ -225,6 +228,8 @@ class ReshardDriver:
             tensor=ready,
             max_new_shard_bytes=max((f.new_shard_bytes for f in finals.values()), default=0),
             max_staging_bytes=max((f.peak_staging_bytes for f in finals.values()), default=0),
+            mapped_bytes=sum(f.mapped_bytes for f in finals.values()),
+            sent_bytes=sum(f.sent_bytes for f in finals.values()),
         )
 
     def _current_version(self, name: str) -> TensorRecord:

@@ -237,6 +237,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             version=step.version,
             max_new_shard_bytes=step.max_new_shard_bytes,
             max_staging_bytes=step.max_staging_bytes,
+            mapped_bytes=step.mapped_bytes,
+            sent_bytes=step.sent_bytes,
         )
         if step.tensor is not None:
             progress.tensor.CopyFrom(self.answers.tensor(step.tensor))

@@ -396,6 +396,8 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
     ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
+    ctx.progress.mapped_bytes = stats.mapped_bytes
+    ctx.progress.sent_bytes = stats.sent_bytes
     log.info(
         "rank %d staged %r version %d: %d bytes local, %d copied from same-host ranks, %d received, "
         "%d sent, peak staging %d bytes, %d of %d new-shard bytes in recycled buffers",
