@@ -260,7 +260,10 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
             client.put(name, table, spec=SPEC)
         hold.touch()
         cluster.kill_rank(1, signal.SIGKILL)
-        _wait_until(lambda: client.ranks()[1].restore is not None, "rank 1 to report its restore")
+        # the rank reports its restore from its start (0 of 2 tensors); the hook holds it after its first tensor
+        _wait_until(
+            lambda: _restored_tensors(client, 1) >= 1, "rank 1 to report its first tensor restored"
+        )
         restore = client.ranks()[1].restore
         assert (restore.done_tensors, restore.total_tensors, restore.loaded) == (1, 2, False)
         assert 0 < restore.done_bytes < restore.total_bytes and not client.ranks()[1].alive
@@ -282,3 +285,9 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
             info = client.tensor(name)
             assert info.health == "healthy" and not info.lost_boxes
             assert torch.equal(info.full_tensor(), table)
+
+
+def _restored_tensors(client, rank: int) -> int:
+    """How many tensors `rank` reports restored (-1 while it reports no restore)."""
+    restore = client.ranks()[rank].restore
+    return -1 if restore is None else restore.done_tensors

@@ -219,8 +219,10 @@ def test_old_version_is_freed_and_memory_stays_within_new_shards_plus_buckets(cl
     done = reports[-1]
     new_shard = 256 * 256 * 4
     assert done.max_new_shard_bytes == new_shard
-    # staging: at most 2 rounds in flight, a round's buckets (3 peers, send + receive) share one bucket_bytes
-    assert 0 < done.max_staging_bytes <= 2 * bucket
+    # ranks of one host copy out of each other's memory: no bucket is staged or sent (over gloo, staging is
+    # bounded by two rounds in flight: tests/server/rank/test_reshard_job.py)
+    assert done.max_staging_bytes == 0 and done.sent_bytes == 0
+    assert done.mapped_bytes == tensor.numel() * tensor.element_size() * 3 // 4
     print(
         f"\nreshard 1 MiB over 4 ranks, bucket {bucket}: new shards {done.max_new_shard_bytes} B/rank, "
         f"peak staging {done.max_staging_bytes} B/rank"
