@@ -75,6 +75,8 @@ def cluster_times(
             "seconds": statistics.median(times),
             "max_new_shard_bytes": done.max_new_shard_bytes,
             "max_staging_bytes": done.max_staging_bytes,
+            "mapped_bytes": done.mapped_bytes,
+            "sent_bytes": done.sent_bytes,
             "ok": bool(torch.equal(tensor.fetch((0, 0), (n, n)), expected)),
         }
 
@@ -97,13 +99,16 @@ def cluster_reshard_rows(
             case,
             "shardserve cluster reshard",
             result["seconds"],
-            path="gloo",
+            path="gloo" if result["sent_bytes"] else "same-host memory",
             nbytes=moved.numel() * 4,
             baseline=COPY,
             ok=result["ok"],
             target=TARGET,
             note=f"load average {load}; each run alternates rows->cols and cols->rows",
-            extra={k: result[k] for k in ("max_new_shard_bytes", "max_staging_bytes")},
+            extra={
+                k: result[k]
+                for k in ("max_new_shard_bytes", "max_staging_bytes", "mapped_bytes", "sent_bytes")
+            },
         ),
         Row(
             GROUP, case, COPY, copy_s, path="in-process", role="baseline", nbytes=moved.numel() * 4
