@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 CACHE_BYTES = (
     4 << 30
 )  # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
-CACHE_ENTRIES = 256
+CACHE_ENTRIES = 256  # each mapping holds an open file (Python's mmap keeps a duplicate of the fd)
 
 
 class SharedMemoryError(ShardServeError):
@@ -108,6 +108,9 @@ class SharedMemoryPath:
         self.channel = channel
         self.host = local_host()  # (hostname, host id) of this process
         self._cache: OrderedDict[tuple, segments.SegmentMapping] = OrderedDict()
+        # the key of each cached memfd mapping by (address, pid, inode, device): a rank that reuses a segment for
+        # a later version (steady puts alternate between two) is read through the mapping already made
+        self._by_segment: dict[tuple, tuple] = {}
         self._cached_bytes = 0
         self._lock = threading.Lock()
         self._limits: dict[
@@ -246,7 +249,7 @@ class SharedMemoryPath:
                 # asked again without it: a mapping made under a lease
                 return self._open(address, summary, index, cancel)
             else:
-                flat, header = segments.map_segment(reply)
+                flat, header = self._segment_bytes(address, reply)
                 mapping = segments.SegmentMapping(
                     process,
                     reply.inode,
@@ -324,11 +327,41 @@ class SharedMemoryPath:
         self._remember(key, mapping)
         return mapping
 
+    def _segment_bytes(
+        self, address: str, reply: pb.OpenShardResponse
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the shard's bytes, its header words) of the memfd `reply` names: the mapping made for an earlier
+        version when the rank reuses the segment it held (its entry, which the rank's newer generation made
+        stale, is dropped), else a new mapping."""
+        segment = (address, reply.pid, reply.inode, reply.device_id)
+        with self._lock:
+            earlier_key = self._by_segment.get(segment)
+            earlier = self._cache.get(earlier_key) if earlier_key is not None else None
+        if (
+            earlier_key is not None
+            and earlier is not None
+            and not reply.extents
+            and (earlier.fd, earlier.data_offset) == (reply.fd, reply.data_offset)
+            and earlier.flat.numel() == reply.nbytes
+            and earlier.state is not None
+        ):
+            self._forget(earlier_key)
+            return earlier.flat, earlier.state
+        return segments.map_segment(reply)
+
     def _forget(self, key: tuple) -> None:
         with self._lock:
-            old = self._cache.pop(key, None)
-            if old is not None:
-                self._cached_bytes -= old.flat.numel()
+            self._drop(key)
+
+    def _drop(self, key: tuple) -> segments.SegmentMapping | None:
+        """Take `key` out of the cache and the segment index (lock held)."""
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cached_bytes -= old.flat.numel()
+            segment = _segment_key(key[0], old)
+            if self._by_segment.get(segment) == key:
+                del self._by_segment[segment]
+        return old
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the same-host rank at `address`: copied straight into its shard memory
@@ -376,6 +409,7 @@ class SharedMemoryPath:
         """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""
         with self._lock:
             self._cache.clear()
+            self._by_segment.clear()
             self._cached_bytes = 0
         self._staging.close()
         self.in_place.close()
@@ -419,18 +453,20 @@ class SharedMemoryPath:
         self.channel.submit(release)
 
     def _remember(self, key: tuple, mapping: segments.SegmentMapping) -> None:
-        size = mapping.flat.numel()
         with self._lock:
-            old = self._cache.pop(key, None)
-            if old is not None:
-                self._cached_bytes -= old.flat.numel()
+            self._drop(key)
             self._cache[key] = mapping
-            self._cached_bytes += size
+            self._cached_bytes += mapping.flat.numel()
+            if mapping.data_offset >= 0 and mapping.cuda_handle is None:
+                self._by_segment[_segment_key(key[0], mapping)] = key
             while self._cache and (
                 self._cached_bytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES
             ):
-                _, evicted = self._cache.popitem(last=False)
-                self._cached_bytes -= evicted.flat.numel()
+                self._drop(next(iter(self._cache)))
+
+
+def _segment_key(address: str, mapping: segments.SegmentMapping) -> tuple:
+    return (address, mapping.process.pid, mapping.inode, mapping.device_id)
 
 
 def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int) -> None:

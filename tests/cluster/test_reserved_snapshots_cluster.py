@@ -279,3 +279,30 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
                 assert_reads_back(client, "restarted", 3, number, pinned=True)
         finally:
             stop_all(procs)
+
+
+def _segment_mappings() -> int:
+    """How many mappings of rank shard segments (memfds) this process holds."""
+    with open("/proc/self/maps") as maps:
+        return sum("shardserve-shard" in line for line in maps)
+
+
+def test_a_reader_of_steady_puts_maps_each_segment_once(cluster: LocalCluster) -> None:
+    """Steady puts alternate between two sets of segments (the committed snapshot's and the reservation's);
+    a get after each put reads the new snapshot through the mappings made for the one before last, instead of
+    mapping the same memory again."""
+    with connect(cluster.address) as client:
+        counts = []
+        for step in range(1, 7):
+            torch.manual_seed(step)
+            weights = {
+                "a": torch.randn(256, 256),
+                "b": torch.randn(128, 512),
+            }  # read through mappings
+            spmd.put_state_dict(client, weights, "mapped_once", keep=1)
+            into = {key: torch.zeros_like(value) for key, value in weights.items()}
+            spmd.get_state_dict(client, "mapped_once", into=into)
+            assert all(torch.equal(into[key], weights[key]) for key in weights)
+            counts.append(_segment_mappings())
+        assert counts[1] > counts[0] > 0  # the writer's and the reader's mappings of both sets
+        assert counts[2:] == [counts[1]] * 4, counts
