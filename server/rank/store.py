@@ -124,6 +124,7 @@ class ShardStore:
         """Allocate (and fill, unless InitFill.NONE) the shards of `meta` placed on this rank (logged at
         `log_level`: a batch logs one line of its own instead)."""
         record = self._record(name, version, meta, options)
+        self._end_graces_of(name)
         self._add(record)
         # NONE: every shard is written whole before it counts (ShardProgress), so reused memory need not be zeroed
         empty = functools.partial(self.memory.empty, overwrite=not fill.writes_all)
@@ -351,6 +352,17 @@ class ShardStore:
     def _gets_grace(self, record: StoredVersion) -> bool:
         """(lock held) Whether a drop of `record` starts a grace period: a newer version is served."""
         return bool(self.version_grace) and self.versions.replaced(record)
+
+    def _end_graces_of(self, name: str) -> None:
+        """End the grace of every replaced version of `name` now that a newer version is being made: the grace
+        is for readers of the version just replaced, and the version before it (replaced since) hands its memory
+        to the new one. A tensor put every step then cycles through two sets of buffers that the same-host writer
+        and readers keep mapped, instead of fresh memory each step. A reader still on an ended version sees it
+        dropped (or its segment's generation moved) and reads the served one."""
+        with self._lock:
+            for record in self.versions.matching(name, 0):
+                if record.state is VersionState.GRACED:
+                    self._drop_locked(record)
 
     def end_graces(self) -> int:
         """Drop the replaced versions whose grace period is over (the rank's main loop calls this); how many."""

@@ -280,3 +280,55 @@ def test_opened_shards_count_only_when_the_commit_says_they_were_written(cluster
     assert "not fully written" in caught.value.details() or "torn" in caught.value.details()
     with connect(cluster.address) as client:
         assert not any(info.name.startswith("opened-raw@") for info in client.list())
+
+
+def _segment_mappings() -> int:
+    """How many mappings of rank shard segments (memfds) this process holds."""
+    with open("/proc/self/maps") as maps:
+        return sum("shardserve-shard" in line for line in maps)
+
+
+def test_a_tensor_put_every_step_cycles_through_two_sets_of_buffers(cluster):
+    """put(overwrite=True) of the same tensor every step: each new version takes the memory of the version
+    before the served one (its grace ends), which the writer and the reader keep mapped: no new mapping after
+    the second step, and every fetch bit for bit."""
+    counts = []
+    with connect(cluster.address) as client:
+        out = torch.empty(512, 256)
+        for step in range(6):
+            weights = torch.full((512, 256), float(step))
+            client.put("every_step", weights, overwrite=True, durable=False)
+            client.tensor("every_step").fetch((0, 0), (512, 256), out=out)
+            assert torch.equal(out, weights), step
+            counts.append(_segment_mappings())
+    assert counts[2:] == [counts[1]] * 4, counts
+
+
+def test_readers_of_a_tensor_put_every_step_read_whole_versions(cluster):
+    """A reader fetching while a writer puts the tensor every step (versions reusing the memory of the one
+    before last) reads one put's values whole, each time."""
+    torn: list[float] = []
+    reads = [0]
+    with connect(cluster.address) as writer, connect(cluster.address) as reader:
+        writer.put("reused", torch.zeros(512, 256), overwrite=True, durable=False)
+        stop = threading.Event()
+
+        def read() -> None:
+            out = torch.empty(512, 256)
+            while not stop.is_set():
+                reader.tensor("reused").fetch((0, 0), (512, 256), out=out)
+                reads[0] += 1
+                if not torch.equal(out, torch.full_like(out, float(out[0, 0]))):
+                    torn.append(float(out[0, 0]))
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        try:
+            for step in range(1, 12):
+                writer.put(
+                    "reused", torch.full((512, 256), float(step)), overwrite=True, durable=False
+                )
+        finally:
+            stop.set()
+            thread.join(timeout=WAIT_S)
+        assert reads[0] > 0 and not torn, (reads[0], torn)
