@@ -128,7 +128,7 @@ def routing_rows(results: list[dict], peaks: dict[str, int]) -> list[Row]:
 @scenario(
     "reshard",
     help="Shard(0)->Shard(1) on gloo ranks: shardserve vs bare all_to_all, DTensor, ShardedTensor; "
-    "a 2-rank cluster's reshard vs a copy_ of the bytes moved",
+    "a 2-rank cluster's reshard vs the same column copies in one process",
 )
 def reshard_scenario(ctx: Context) -> list[Row]:
     """benchmarks.reshard, as rows: one case per world size, peak RSS of every rank process of the worlds;

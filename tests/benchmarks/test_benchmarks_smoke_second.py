@@ -17,7 +17,7 @@ def test_reshard_scenario_has_the_cluster_row_against_a_copy_of_the_bytes_moved(
     half the tensor (rows -> columns between 2 ranks), and it carries its target and the load average."""
     doc, _, _ = runs("reshard")
     rows = {r["name"]: r for r in doc["rows"] if r["case"].startswith("2-rank cluster")}
-    ours, copy = rows["shardserve cluster reshard"], rows["copy_ of the bytes moved"]
+    ours, copy = rows["shardserve cluster reshard"], rows["in-process column copies"]
     assert ours["ok"] is True and ours["baseline"] == copy["name"] and copy["role"] == "baseline"
     assert ours["nbytes"] == copy["nbytes"] > 0
     assert ours["target"]["text"] == ">= 0.50x (within 2x)"
