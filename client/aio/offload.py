@@ -17,10 +17,10 @@ from typing import TypeVar
 
 import grpc
 
-from shardserve.client.errors import DeadlineExceededError
+from shardserve.client.errors import DeadlineExceededError, ShardServeError
 
 T = TypeVar("T")
-OFFLOAD_THREADS = 8  # operations of one asyncio client running at once (each fans out on the client's pool)
+OFFLOAD_THREADS = 4  # operations of one asyncio client running at once (each fans out on the client's pool)
 
 
 class Offload:
@@ -33,16 +33,14 @@ class Offload:
         """`job()` on the pool; DeadlineExceededError naming `what` once `deadline` seconds have passed first."""
         future = asyncio.get_running_loop().run_in_executor(self._pool, job)
         try:
-            done, _ = await asyncio.wait({future}, timeout=deadline)
-        finally:
-            if not future.done():  # the deadline, or the awaiting task cancelled: a queued job never starts
-                future.cancel()
-        if not done:
+            return await asyncio.wait_for(future, deadline)  # cancels a queued job at the deadline too
+        except TimeoutError as err:
+            if isinstance(err, ShardServeError):  # the job's own DeadlineExceededError
+                raise
             raise DeadlineExceededError(
                 f"{what} did not finish within its deadline of {deadline:.1f} s",
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-            )
-        return future.result()
+            ) from None
 
     def close(self) -> None:
         """Drop the queued jobs; running ones end at their own deadlines."""

@@ -38,9 +38,12 @@ ROWS, DIM = 64, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])  # rows 32.. only on rank 1
 COLUMN_WISE = ChunkShardingSpec(1, ["rank:0/cpu", "rank:1/cpu"])
 TICK_S = 0.005
-# the loop may be late by this much at most; more only when other processes load every core
-STALL_LIMIT_S = 0.020 if os.getloadavg()[0] < (os.cpu_count() or 1) else 0.060
-BLOCKING_CALL_S = 0.25  # the deliberate stall the detector must see
+# the loop may be late by this much at most on a quiet machine; when other processes load every core more than
+# twice over, the OS alone delays the loop's thread by 100-300 ms, and the bound is generous (yet below the
+# deliberate stall that the detector test shows it catches)
+LOADED = os.getloadavg()[0] > 2 * (os.cpu_count() or 1)
+STALL_LIMIT_S = 0.5 if LOADED else 0.020
+BLOCKING_CALL_S = 1.0  # the deliberate stall the detector must see
 SHORT_S = 3.0  # the deadline of callers that meet the stopped rank
 LONG_S = 30.0  # the deadline of callers that outlast the stop
 WELL_WITHIN_S = 5.0
@@ -160,7 +163,7 @@ def test_reshard_snapshots_and_state_dicts(blocking: Cluster) -> None:
             assert resharded.metadata() == blocking.tensor("aio-moved").metadata()
             assert torch.equal(await resharded.full_tensor(), moved)
             number = await cluster.put_state_dict(state, "aio-state")
-            into = {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.int32), "nested": {}}
+            into = _empty_state()
             assert await cluster.get_state_dict("aio-state", into) == number
             snapshot = await cluster.snapshot("aio-state")
             assert snapshot.number == number
@@ -175,9 +178,17 @@ def test_reshard_snapshots_and_state_dicts(blocking: Cluster) -> None:
     assert all(torch.equal(read[key], expected[key]) for key in expected)
     assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
     assert into["nested"]["lr"] == 0.5 and torch.equal(into["nested"]["steps"], torch.tensor(7))
-    again = {"w": torch.zeros(6, 4), "b": torch.zeros(4, dtype=torch.int32), "nested": {}}
+    again = _empty_state()
     spmd.get_state_dict(blocking, "aio-state", again)
     assert torch.equal(again["w"], into["w"])
+
+
+def _empty_state() -> dict[str, Any]:
+    return {
+        "w": torch.zeros(6, 4),
+        "b": torch.zeros(4, dtype=torch.int32),
+        "nested": {"steps": torch.zeros((), dtype=torch.int64)},
+    }
 
 
 # ---------------------------------------------------------------- errors
@@ -310,7 +321,7 @@ async def _handle(table: Any, reader: asyncio.StreamReader, writer: asyncio.Stre
         ids = torch.tensor([int(i) for i in target.partition("ids=")[2].split(",")])
         status, body = "200 OK", {"rows": (await table.lookup(ids)).tolist()}
     except ShardServeError as err:
-        status, body = "400 Bad Request", {"error": str(err), "reason": str(err.reason)}
+        status, body = "400 Bad Request", {"error": str(err), "reason": err.reason.name if err.reason else None}
     payload = json.dumps(body).encode()
     writer.write(f"HTTP/1.1 {status}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
     await writer.drain()
