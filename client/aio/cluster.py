@@ -31,7 +31,9 @@ from shardserve.client.nn import RemoteEmbeddingBag
 from shardserve.client.ops.snapshots import SnapshotSummary, snapshot_request, snapshots_listed
 from shardserve.protos import shardserve_pb2 as pb
 
-CONNECT_SLACK_S = 1.0  # connect's await outlasts the blocking connect's own deadline, which then cleans up
+CONNECT_SLACK_S = (
+    1.0  # connect's await outlasts the blocking connect's own deadline, which then cleans up
+)
 
 
 async def connect(

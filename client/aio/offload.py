@@ -20,7 +20,9 @@ import grpc
 from shardserve.client.errors import DeadlineExceededError, ShardServeError
 
 T = TypeVar("T")
-OFFLOAD_THREADS = 4  # operations of one asyncio client running at once (each fans out on the client's pool)
+OFFLOAD_THREADS = (
+    4  # operations of one asyncio client running at once (each fans out on the client's pool)
+)
 
 
 class Offload:
@@ -33,7 +35,9 @@ class Offload:
         """`job()` on the pool; DeadlineExceededError naming `what` once `deadline` seconds have passed first."""
         future = asyncio.get_running_loop().run_in_executor(self._pool, job)
         try:
-            return await asyncio.wait_for(future, deadline)  # cancels a queued job at the deadline too
+            return await asyncio.wait_for(
+                future, deadline
+            )  # cancels a queued job at the deadline too
         except TimeoutError as err:
             if isinstance(err, ShardServeError):  # the job's own DeadlineExceededError
                 raise

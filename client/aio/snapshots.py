@@ -31,10 +31,14 @@ class AsyncSnapshot:
 
     async def read(self) -> dict[str, torch.Tensor]:
         """Every tensor of the snapshot, whole, as plain tensors (Snapshot.read: several read at once)."""
-        blocking = Snapshot(self._session.blocking.session, self._session.blocking.lookups, self.summary)
+        blocking = Snapshot(
+            self._session.blocking.session, self._session.blocking.lookups, self.summary
+        )
         nbytes = sum(tensor.nbytes for tensor in self.tensors.values())
         return await self._session.run(
-            blocking.read, f"read of snapshot {self.number} of {self.summary.prefix!r}", nbytes=nbytes
+            blocking.read,
+            f"read of snapshot {self.number} of {self.summary.prefix!r}",
+            nbytes=nbytes,
         )
 
     def __repr__(self) -> str:

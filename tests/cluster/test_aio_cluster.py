@@ -291,9 +291,14 @@ def test_200_concurrent_reads_never_stall_the_loop(blocking: Cluster, table: tor
     """100 fetches and 100 lookups awaited at once on one loop (shared memory and gRPC both): every result bit for
     bit, and the ticker beside them never woke more than STALL_LIMIT_S late."""
     reads = [(int(n) % (ROWS - 4), int(n) % 5 + 1) for n in torch.randint(0, 1000, (100,))]
-    ids = [torch.randint(0, ROWS, (16,), generator=torch.Generator().manual_seed(n)) for n in range(100)]
+    ids = [
+        torch.randint(0, ROWS, (16,), generator=torch.Generator().manual_seed(n))
+        for n in range(100)
+    ]
 
-    async def main(transport: str) -> tuple[list[torch.Tensor], list[torch.Tensor], Ticker, str | None]:
+    async def main(
+        transport: str,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], Ticker, str | None]:
         async with await aio.connect(blocking.address, transport=transport) as cluster:
             remote = await cluster.tensor("table")
             await remote.fetch((0, 0), (1, DIM))  # the first mapping and connections
@@ -321,7 +326,10 @@ async def _handle(table: Any, reader: asyncio.StreamReader, writer: asyncio.Stre
         ids = torch.tensor([int(i) for i in target.partition("ids=")[2].split(",")])
         status, body = "200 OK", {"rows": (await table.lookup(ids)).tolist()}
     except ShardServeError as err:
-        status, body = "400 Bad Request", {"error": str(err), "reason": err.reason.name if err.reason else None}
+        status, body = (
+            "400 Bad Request",
+            {"error": str(err), "reason": err.reason.name if err.reason else None},
+        )
     payload = json.dumps(body).encode()
     writer.write(f"HTTP/1.1 {status}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
     await writer.drain()
@@ -340,14 +348,14 @@ async def _get(port: int, target: str) -> tuple[int, Any]:
 def test_an_asyncio_http_handler_serves_lookups(blocking: Cluster, table: torch.Tensor) -> None:
     """An HTTP server on the loop answers 40 concurrent requests from the table (bit for bit through JSON) and a
     bad one with 400 and the reason, the loop never stalled."""
-    batches = [torch.randint(0, ROWS, (8,), generator=torch.Generator().manual_seed(n)) for n in range(40)]
+    batches = [
+        torch.randint(0, ROWS, (8,), generator=torch.Generator().manual_seed(n)) for n in range(40)
+    ]
 
     async def main() -> tuple[list[tuple[int, Any]], tuple[int, Any], Ticker]:
         async with await aio.connect(blocking.address) as cluster:
             remote = await cluster.tensor("table")
-            server = await asyncio.start_server(
-                lambda r, w: _handle(remote, r, w), "127.0.0.1", 0
-            )
+            server = await asyncio.start_server(lambda r, w: _handle(remote, r, w), "127.0.0.1", 0)
             port = server.sockets[0].getsockname()[1]
             async with server, ticking() as ticker:
                 answers = await asyncio.gather(
@@ -375,7 +383,9 @@ async def _timed(call: Awaitable[torch.Tensor]) -> tuple[torch.Tensor | BaseExce
         return err, time.monotonic() - start
 
 
-def test_callers_of_a_stopped_rank(cluster: LocalCluster, blocking: Cluster, table: torch.Tensor) -> None:
+def test_callers_of_a_stopped_rank(
+    cluster: LocalCluster, blocking: Cluster, table: torch.Tensor
+) -> None:
     """Rank 1 stopped (SIGSTOP) while callers await its rows: with a short deadline they get
     RankUnavailableError or DeadlineExceededError at that deadline; with a long one they get the rows once it
     is continued (SIGCONT); the loop ticks on throughout."""
@@ -389,8 +399,12 @@ def test_callers_of_a_stopped_rank(cluster: LocalCluster, blocking: Cluster, tab
         ]
 
     async def main() -> None:
-        short = await aio.connect(blocking.address, timeout=SHORT_S, transport="grpc", hedge_after=None)
-        long = await aio.connect(blocking.address, timeout=LONG_S, transport="grpc", hedge_after=None)
+        short = await aio.connect(
+            blocking.address, timeout=SHORT_S, transport="grpc", hedge_after=None
+        )
+        long = await aio.connect(
+            blocking.address, timeout=LONG_S, transport="grpc", hedge_after=None
+        )
         async with short, long, ticking() as ticker:
             short_table, long_table = await short.tensor("table"), await long.tensor("table")
             assert torch.equal(await short_table.lookup(ids), F.embedding(ids, table))  # connected
@@ -411,7 +425,9 @@ def test_callers_of_a_stopped_rank(cluster: LocalCluster, blocking: Cluster, tab
             answers = await waiting
             for (fetched, _), (rows, _) in zip(answers[0::2], answers[1::2]):
                 assert isinstance(fetched, torch.Tensor) and isinstance(rows, torch.Tensor)
-                assert torch.equal(fetched, table[32:40]) and torch.equal(rows, F.embedding(ids, table))
+                assert torch.equal(fetched, table[32:40]) and torch.equal(
+                    rows, F.embedding(ids, table)
+                )
             assert max(took for _, took in answers) < LONG_S
             assert ticker.worst < STALL_LIMIT_S, ticker.worst
 
