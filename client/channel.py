@@ -35,7 +35,7 @@ MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fi
 _SLOWEST_BYTES_PER_S = 20e6
 T = TypeVar("T")
 SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
-_CHANNEL_OPTIONS = (
+CHANNEL_OPTIONS = (  # every channel of a client, blocking or asyncio
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
@@ -150,10 +150,10 @@ class Channel:
             if channel is None:
                 if self.credentials.uses_tls:
                     channel = grpc.secure_channel(
-                        address, self.credentials.channel_credentials(), options=_CHANNEL_OPTIONS
+                        address, self.credentials.channel_credentials(), options=CHANNEL_OPTIONS
                     )
                 else:
-                    channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 if self.interceptor is not None:
                     channel = grpc.intercept_channel(channel, self.interceptor)
                 self._channels[address] = channel

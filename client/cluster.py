@@ -195,10 +195,7 @@ class Cluster:
         reply = self.session.call(
             "ListTensors", pb.ListTensorsRequest(include_pending=include_pending)
         )
-        tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
-        return sorted(
-            (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
-        )
+        return catalog_listed(reply, include_pending)
 
     def tensor(self, name: str) -> RemoteShardedTensor:
         """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
@@ -446,6 +443,16 @@ class Cluster:
     def inspect_checkpoint(self, path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (size, dtype)} of the tensors of the DCP checkpoint at `path`."""
         return checkpoints.inspect_checkpoint(self.session, path)
+
+
+def catalog_listed(
+    reply: pb.ListTensorsResponse, include_pending: bool
+) -> builtins.list[TensorSummary]:
+    """The tensors of a ListTensors answer, sorted by name: READY ones (and PENDING ones when asked)."""
+    tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
+    return sorted(
+        (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
+    )
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

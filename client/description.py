@@ -17,6 +17,11 @@ class TensorDescription:
         self._summary = summary
 
     @property
+    def summary(self) -> TensorSummary:
+        """The catalog entry this proxy is cached at."""
+        return self._summary
+
+    @property
     def name(self) -> str:
         return self._summary.name
 

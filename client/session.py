@@ -40,7 +40,7 @@ T = TypeVar("T")
 RECENT_RANKS_S = (
     1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
 )
-_STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
+STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
 RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
 READ_THREADS = (
     8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
@@ -144,7 +144,7 @@ class Session:
         which aborts the work on the coordinator."""
         self.check_open()
         call = getattr(self._coordinator, method)(
-            request, timeout=work_timeout + _STREAM_SLACK_S, metadata=self.channel.metadata
+            request, timeout=work_timeout + STREAM_SLACK_S, metadata=self.channel.metadata
         )
         messages = []
         try:

@@ -75,19 +75,54 @@ def reshard(
 ) -> TensorSummary:
     """Move tensor `name` into the layout `spec` (new version), each box on `replicas` live ranks; `progress` is
     called with every report."""
+    arguments.callback(progress, "progress")
+    request = reshard_request(
+        session,
+        name,
+        shape,
+        dtype,
+        spec,
+        bucket_bytes=bucket_bytes,
+        timeout=timeout,
+        replicas=replicas,
+    )
+    messages = session.follow(
+        "Reshard", request, timeout or DEFAULT_TIMEOUT_S, reporter(progress), refused=refused
+    )
+    return reshard_result(name, messages)
+
+
+def reshard_request(
+    session: Session,
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    spec: Any,
+    *,
+    bucket_bytes: int | None = None,
+    timeout: float | None = None,
+    replicas: int = 1,
+) -> pb.ReshardRequest:
+    """The validated Reshard request moving `name` into `spec` (its layout over the live ranks, asked of the
+    coordinator: a blocking call); the blocking and the asyncio clients both send it."""
     replicas = arguments.count(replicas, "replicas", minimum=1)
     if bucket_bytes is not None:
         bucket_bytes = arguments.count(bucket_bytes, "bucket_bytes", minimum=1)
     if timeout is not None:
         timeout = arguments.seconds(timeout, "timeout")
-    arguments.callback(progress, "progress")
     meta = session.layouts.layout(tuple(shape), dtype, spec, replicas)
-    request = pb.ReshardRequest(
+    return pb.ReshardRequest(
         name=name,
         metadata=metadata_to_proto(meta),
         bucket_bytes=bucket_bytes or 0,
         timeout_s=float(timeout or 0),
     )
+
+
+def reporter(
+    progress: Callable[[ReshardProgress], None] | None,
+) -> Callable[[pb.ReshardProgress], None]:
+    """The callback a progress stream calls with each message: `progress(ReshardProgress)`, when given."""
 
     def report(message: pb.ReshardProgress) -> None:
         if progress is not None:
@@ -104,16 +139,18 @@ def reshard(
                 )
             )
 
-    messages = session.follow(
-        "Reshard", request, timeout or DEFAULT_TIMEOUT_S, report, refused=_refused
-    )
+    return report
+
+
+def reshard_result(name: str, messages: Sequence[pb.ReshardProgress]) -> TensorSummary:
+    """The new version's catalog entry from a finished progress stream's messages."""
     done = [message for message in messages if message.phase == pb.RESHARD_DONE]
     if not done:
         raise ShardServeError(f"the reshard of {name!r} ended without a result")
     return TensorSummary.from_proto(done[-1].tensor)
 
 
-def _refused(err: ShardServeError) -> ShardServeError:
+def refused(err: ShardServeError) -> ShardServeError:
     """`err` as a ReshardRefusedError when its reason is one a reshard is refused for."""
     if err.reason not in REFUSED_REASONS:
         return err

@@ -121,12 +121,13 @@ def abort_snapshot(session: Session, prefix: str, number: int) -> None:
 
 def get_snapshot(session: Session, prefix: str, number: int | None = None) -> SnapshotSummary:
     """Committed snapshot `number` of `prefix` (None: the newest); TensorNotFoundError when it is not kept."""
+    return SnapshotSummary.from_proto(session.call("GetSnapshot", snapshot_request(prefix, number)))
+
+
+def snapshot_request(prefix: str, number: int | None = None) -> pb.GetSnapshotRequest:
+    """The validated GetSnapshot request of snapshot `number` of `prefix` (None: the newest)."""
     number = 0 if number is None else arguments.count(number, "snapshot", minimum=1)
-    reply = session.call(
-        "GetSnapshot",
-        pb.GetSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), number=number),
-    )
-    return SnapshotSummary.from_proto(reply)
+    return pb.GetSnapshotRequest(prefix=arguments.tensor_name(prefix, "prefix"), number=number)
 
 
 def list_snapshots(session: Session, prefix: str) -> list[SnapshotSummary]:
@@ -134,4 +135,9 @@ def list_snapshots(session: Session, prefix: str) -> list[SnapshotSummary]:
     reply = session.call(
         "ListSnapshots", pb.ListSnapshotsRequest(prefix=arguments.tensor_name(prefix, "prefix"))
     )
+    return snapshots_listed(reply)
+
+
+def snapshots_listed(reply: pb.ListSnapshotsResponse) -> list[SnapshotSummary]:
+    """The snapshots of a ListSnapshots answer, oldest first."""
     return [SnapshotSummary.from_proto(s) for s in reply.snapshots]

@@ -84,7 +84,8 @@ def test_generic_names_are_not_importable_outside_the_repository(tmp_path):
     code = (
         "import importlib.util, sys\n"
         "from shardserve import connect, spmd, RemoteEmbedding, RemoteEmbeddingBag, TensorNotFoundError\n"
-        "import shardserve.server, shardserve.core, shardserve.protos\n"
+        "import shardserve.server, shardserve.core, shardserve.protos, shardserve.aio\n"
+        "from shardserve import aio\n"
         "missing = [n for n in ('client', 'server', 'protos', 'shardcore', 'benchmarks')\n"
         "           if importlib.util.find_spec(n) is not None]\n"
         "print('importable:', missing)\n"
