@@ -33,4 +33,6 @@ def check_read_cast(stored: torch.dtype, out: torch.dtype, key: str) -> None:
     """InvalidArgumentError naming the key unless the tensor `key` stored as `stored` reads into `out`'s dtype."""
     problem = read_cast_problem(stored, out)
     if problem:
-        raise InvalidArgumentError(f"{key!r} cannot be read into a {out} tensor: {problem}")
+        raise InvalidArgumentError(
+            f"{key!r} is {stored} in the snapshot, {out} in `into`: it cannot be read into it ({problem})"
+        )

@@ -89,7 +89,9 @@ class TensorReader:
         )
         if path is not None:
             self.last_transport = str(path)
-            counters.count_read(str(path), box.numel() * summary.metadata.itemsize)
+            counters.count_read(
+                str(path), box.numel() * summary.metadata.tensor_properties.itemsize
+            )
 
     def _parts(self, summary: TensorSummary, box: Box) -> list[tuple[int, Box]]:
         """The part of `box` each chosen copy serves (ShardsLostError for a box with no live copy)."""
@@ -136,7 +138,9 @@ def check_request(summary: TensorSummary, box: Box, out: torch.Tensor | None) ->
         raise InvalidArgumentError(f"out has shape {tuple(out.shape)} but sizes are {box.sizes}")
     cast = read_cast_problem(summary.metadata.dtype, out.dtype)
     if cast:
-        raise InvalidArgumentError(f"out has dtype {out.dtype} but tensor {summary.name!r}: {cast}")
+        raise InvalidArgumentError(
+            f"out has dtype {out.dtype} but tensor {summary.name!r} is {summary.metadata.dtype} ({cast})"
+        )
     problem = _unwritable(out)
     if problem:
         raise InvalidArgumentError(f"out {problem}; pass a plain dense tensor to read into")

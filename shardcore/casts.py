@@ -49,4 +49,4 @@ def read_cast_problem(stored: torch.dtype, out: torch.dtype) -> str:
     dtype, or two floating dtypes, converted while copying)."""
     if stored == out or (castable(stored) and castable(out)):
         return ""
-    return f"it is stored as {stored}: only floating dtypes convert while reading"
+    return "only floating dtypes convert while reading"

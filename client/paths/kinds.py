@@ -76,7 +76,7 @@ class PartRead:
     @property
     def nbytes(self) -> int:
         """The bytes the part moves (of the tensor's dtype, whatever the region's)."""
-        return self.part.numel() * self.summary.metadata.itemsize
+        return self.part.numel() * self.summary.metadata.tensor_properties.itemsize
 
 
 CPU_ONLY = frozenset({"cpu"})

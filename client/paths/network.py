@@ -16,6 +16,7 @@ import torch
 
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.bands import (
+    STAGED_BAND_BYTES,
     STREAMS,
     bands,
     read_bands,
@@ -85,13 +86,19 @@ def read_part(
 
 
 def read_cast_part(
-    read_box: ReadBox, address: str, read: PartRead, cancel: Cancellation | None = None
+    read_box: ReadBox,
+    address: str,
+    read: PartRead,
+    cancel: Cancellation | None = None,
+    *,
+    band_bytes: int = STAGED_BAND_BYTES,
 ) -> None:
     """One part into a region of another dtype: its bands (client.paths.bands.staged_bands) land in staging
-    buffers of the tensor's dtype, at most STREAMS at once when the part is its read's only one, and each is
-    converted into its place in the region by `copy_` (no buffer the size of the part)."""
+    buffers of the tensor's dtype (of at most `band_bytes` each, but for a single larger row), at most STREAMS
+    at once when the part is its read's only one, and each is converted into its place in the region by `copy_`
+    (no buffer the size of the part)."""
     dtype = read.summary.metadata.dtype
-    cut = staged_bands(read.part, dtype.itemsize)
+    cut = staged_bands(read.part, dtype.itemsize, band_bytes)
     slots = min(STREAMS if read.only_part else 1, len(cut))
     size = max(band.numel() for band in cut) * dtype.itemsize
     on_gpu = read.region.device.type == "cuda"

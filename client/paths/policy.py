@@ -177,7 +177,9 @@ class PathPolicy:
                 )  # copied here, or refused by read_part as the chain says
             else:
                 networked.append((index, part))
-        network_bytes = sum(part.numel() for _, part in networked) * summary.metadata.itemsize
+        network_bytes = (
+            sum(part.numel() for _, part in networked) * summary.metadata.tensor_properties.itemsize
+        )
         if len(networked) < 2 or network_bytes > PIPELINED_READ_BYTES:
             return each_by_its_path(parts)
         calls = []
