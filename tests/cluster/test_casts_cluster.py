@@ -247,13 +247,19 @@ def test_put_state_dict_with_dtype_stores_floating_tensors_cast(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_cluster_put_with_dtype_stores_the_cast_and_keeps_ints(
-    cluster: LocalCluster, transport: str
+    cluster: LocalCluster, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with connect(cluster.address, transport=transport) as client:
+        moved: list[dict[str, int]] = []
+        real = client.session.write_shards
+        monkeypatch.setattr(
+            client.session, "write_shards", lambda w: moved.append(real(w)) or moved[-1]
+        )
         for source, target in PAIRS:
             tensor = floats((40, 33), source, seed=3)
             put = client.put(f"cast-{transport}", tensor.t(), dtype=target, overwrite=True)
             assert put.dtype == target
+            assert moved.pop() == {transport: 40 * 33 * target.itemsize}  # the stored bytes moved
             assert same_bits(stored_bytes(client, put.name), tensor.t().to(target)), (
                 source,
                 target,
