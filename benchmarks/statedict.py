@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Context, Row, scenario
-from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_casts import cast_rows
+from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_host import host_rows
 
 CASES = ((64, 1 << 30), (512, 512 * 8192))  # (tensors, bytes in all)
