@@ -14,8 +14,6 @@ import torch
 from gloo_world import World
 
 from shardserve import InvalidArgumentError, connect, spmd
-from shardserve.client import spmd as spmd_module
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.launcher import LocalCluster
 
 FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -184,20 +182,6 @@ def test_a_get_into_a_non_floating_tensor_is_refused_naming_the_key(cluster: Loc
 
 
 # ---------------------------------------------------------------- puts that store a cast copy
-
-
-@pytest.fixture
-def creates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The prefixes of every CreateSnapshot the client's puts make."""
-    made: list[str] = []
-    real = spmd_module.create_snapshot
-
-    def counted(session: Any, prefix: str, *args: Any, **kwargs: Any) -> pb.SnapshotInfo:
-        made.append(prefix)
-        return real(session, prefix, *args, **kwargs)
-
-    monkeypatch.setattr(spmd_module, "create_snapshot", counted)
-    return made
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
