@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Context, Row, scenario
+from benchmarks.statedict_casts import cast_rows
 from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_host import host_rows
 
@@ -228,6 +229,7 @@ def statedict_scenario(ctx: Context) -> list[Row]:
         with ctx.rss() as host_peaks:
             host = host_rows(cluster, quick=ctx.quick, peaks={})
             host += fsdp_rows(cluster.address, quick=ctx.quick, peaks={})
+            host += cast_rows(cluster, quick=ctx.quick)
         for row in host:
             if row.role == "subject":
                 row.peak_rss = host_peaks

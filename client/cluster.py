@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from shardserve.client import arguments
+from shardserve.client.casts import put_dtype, stored_as
 from shardserve.client.channel import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
@@ -279,6 +280,7 @@ class Cluster:
         default_row: torch.Tensor | None = None,
         replicas: int = 1,
         durable: bool = True,
+        dtype: torch.dtype | str | None = None,
     ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
@@ -286,6 +288,9 @@ class Cluster:
         `replicas` > 1 holds every box on that many live ranks (shardcore.replicas); every copy is written.
         `durable` (default True) persists the tensor on ranks with a persist dir before the put returns; False
         keeps it in memory only (weights republished every step: a rank's restart loses it).
+        `dtype` (a floating dtype) stores a floating `tensor` converted to it, bit for bit `tensor.to(dtype)`,
+        converted while copying into the ranks' memory or into the bytes sent; an integer or bool tensor is
+        stored as it is.
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -305,8 +310,9 @@ class Cluster:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
-        meta = self.session.layouts.layout(tuple(tensor.shape), tensor.dtype, spec, replicas)
-        options = table_options(oov, default_row, tuple(tensor.shape), tensor.dtype)
+        stored = stored_as(tensor.dtype, put_dtype(dtype), name)
+        meta = self.session.layouts.layout(tuple(tensor.shape), stored, spec, replicas)
+        options = table_options(oov, default_row, tuple(tensor.shape), stored)
         options.not_durable = not arguments.flag(durable, "durable")
         # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
         # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
@@ -324,7 +330,7 @@ class Cluster:
             writes = [
                 (
                     meta.shards_metadata[index].rank,
-                    shard_write(name, info.version, index, shard, chunk_bytes),
+                    shard_write(name, info.version, index, shard, chunk_bytes, dtype=stored),
                 )
                 for index, shard in enumerate(shards)
             ]

@@ -20,6 +20,7 @@ from shardserve.client.health import check_readable
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.retry import read_with_refresh
 from shardserve.client.session import Session
+from shardserve.core.casts import read_cast_problem
 from shardserve.core.metadata import Box
 from shardserve.core.regions import check_box, shards_for_box
 
@@ -88,7 +89,9 @@ class TensorReader:
         )
         if path is not None:
             self.last_transport = str(path)
-            counters.count_read(str(path), box.numel() * out.element_size())
+            counters.count_read(
+                str(path), box.numel() * summary.metadata.tensor_properties.itemsize
+            )
 
     def _parts(self, summary: TensorSummary, box: Box) -> list[tuple[int, Box]]:
         """The part of `box` each chosen copy serves (ShardsLostError for a box with no live copy)."""
@@ -133,9 +136,10 @@ def check_request(summary: TensorSummary, box: Box, out: torch.Tensor | None) ->
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != box.sizes:
         raise InvalidArgumentError(f"out has shape {tuple(out.shape)} but sizes are {box.sizes}")
-    if out.dtype != summary.metadata.dtype:
+    cast = read_cast_problem(summary.metadata.dtype, out.dtype)
+    if cast:
         raise InvalidArgumentError(
-            f"out has dtype {out.dtype} but tensor {summary.name!r} is {summary.metadata.dtype}"
+            f"out has dtype {out.dtype} but tensor {summary.name!r} is {summary.metadata.dtype} ({cast})"
         )
     problem = _unwritable(out)
     if problem:

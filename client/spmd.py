@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping, Sequence
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from shardserve.client import arguments
+from shardserve.client.casts import put_dtype
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import RankStatus
@@ -34,8 +33,6 @@ from shardserve.client.ops.snapshots import (
     create_snapshot,
     get_snapshot,
 )
-from shardserve.client.paths.batch import batches, read_batch, region_reads
-from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
@@ -47,7 +44,7 @@ from shardserve.client.spmd_pieces import (
     report_pieces,
     resolved_sizes,
 )
-from shardserve.client.tensor import RemoteShardedTensor
+from shardserve.client.spmd_reads import read_pieces
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.regions import local_view
 from shardserve.core.replicas import replicate_layout
@@ -70,9 +67,6 @@ from shardserve.protos import shardserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
-SMALL_PIECE_BYTES = (
-    64 << 10
-)  # pieces up to this size are read in per-rank batches, larger ones by themselves
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 
@@ -91,6 +85,7 @@ def put_state_dict(
     plain_writer: int = 0,
     durable: bool = True,
     reserve_next: bool = True,
+    dtype: torch.dtype | str | None = None,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -103,7 +98,9 @@ def put_state_dict(
     `reserve_next`: the commit also reserves the prefix's next snapshot with the same layouts (its memory held
     until then, or the coordinator's pending timeout, or this client's close), so that the next put of the
     same layouts skips creating one; a put whose layouts changed aborts the reservation and creates anew.
-    Returns the snapshot number. On any failure nothing is visible and every rank raises SpmdError.
+    `dtype` (a floating dtype) stores every floating tensor converted to it (bit for bit `.to(dtype)`, converted
+    while copying); integer and bool tensors are stored as they are. Returns the snapshot number. On any
+    failure nothing is visible and every rank raises SpmdError.
     """
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
@@ -124,6 +121,7 @@ def put_state_dict(
         plain_writer=plain_writer,
         durable=arguments.flag(durable, "durable"),
         reserve_next=arguments.flag(reserve_next, "reserve_next"),
+        cast=put_dtype(dtype),
     )
     return put.run(state_dict)
 
@@ -144,10 +142,11 @@ class _StatePut:
         plain_writer: int,
         durable: bool,
         reserve_next: bool,
+        cast: torch.dtype | None,
     ) -> None:
         self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
         self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
-        self.plain_writer, self.reserve_next = plain_writer, reserve_next
+        self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
@@ -177,7 +176,9 @@ class _StatePut:
         if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
         self.skeleton = split.skeleton
-        self.mine, self.local = report_pieces(split.tensors, self.job.rank, self.plain_writer)
+        self.mine, self.local = report_pieces(
+            split.tensors, self.job.rank, self.plain_writer, cast=self.cast
+        )
 
     def _basis(self) -> tuple[Any, ...]:
         """What this rank's part of the layouts is made from: a reservation made from the same serves this put.
@@ -349,7 +350,12 @@ def _write_mine(
                 else torch.empty(shard.box.sizes, dtype=meta.dtype)
             )
             write = shard_write(
-                entry.tensor.name, entry.tensor.version, index, data, segment=opened.get(index)
+                entry.tensor.name,
+                entry.tensor.version,
+                index,
+                data,
+                segment=opened.get(index),
+                dtype=meta.dtype,
             )
             writes.append((shard.rank, write))
     return cluster.session.write_shards(writes)
@@ -368,7 +374,9 @@ def get_state_dict(
     """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
 
     Each DTensor / ShardedTensor / LocalShardsWrapper gets exactly its local boxes, plain tensors the whole
-    tensor, whatever layout the snapshot was put with. `snapshot` pins one kept snapshot; without it the newest
+    tensor, whatever layout the snapshot was put with. A floating tensor of `into` of another floating dtype
+    than the stored one is converted while copying (bit for bit `stored.to(dtype)`); any other dtype
+    mismatch is INVALID_ARGUMENT naming the key. `snapshot` pins one kept snapshot; without it the newest
     is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times).
     """
     job = JobGroup(group)
@@ -401,7 +409,7 @@ def get_state_dict(
             summary = (found.pop(number) if number in found else None) or get_snapshot(
                 cluster.session, prefix, number
             )
-            _read_mine(cluster, summary, targets)
+            read_pieces(cluster, summary, targets)
             if summary.skeleton and isinstance(into, MutableMapping):
                 fill_state_dict(into, summary.skeleton)
 
@@ -421,73 +429,3 @@ def _split(state_dict: Mapping[str, Any]) -> SplitStateDict:
         return split_state_dict(state_dict, is_tensor=lambda value: isinstance(value, torch.Tensor))
     except StateTreeError as err:
         raise InvalidArgumentError(str(err)) from None
-
-
-def _read_mine(
-    cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]
-) -> int:
-    """Read every local piece of `targets` from the snapshot, small ones batched per rank, the others several at
-    once; returns bytes read."""
-    proxies = {}
-    for key in targets:
-        if key not in summary.tensors:
-            raise InvalidArgumentError(
-                f"{key!r} is not in snapshot {summary.number} of {summary.prefix!r} "
-                f"(it holds {len(summary.tensors)} tensors)"
-            )
-        proxies[key] = RemoteShardedTensor(cluster.session, cluster.lookups, summary.tensors[key])
-    reads = [(proxies[key], box, out) for key, pieces in targets.items() for box, out in pieces]
-    for proxy, box, out in reads:
-        if out.dtype != proxy.dtype:
-            raise InvalidArgumentError(
-                f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`"
-            )
-    pieces = [read for read in reads if not read[1].is_empty()]
-    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
-    pool = cluster.session.read_pool
-    done = [
-        pool.submit(proxy.fetch, box.offsets, box.sizes, out)
-        for proxy, box, out in pieces
-        if _nbytes(out) > SMALL_PIECE_BYTES
-    ]
-    alone = _read_batched(cluster, small, pool)
-    done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
-    futures.wait(done)  # every read ended before any failure is raised: none writes `into` after
-    for future in done:
-        future.result()
-    return sum(_nbytes(out) for _, _, out in reads)
-
-
-def _nbytes(out: torch.Tensor) -> int:
-    return out.numel() * out.element_size()
-
-
-def _read_batched(
-    cluster: Cluster,
-    small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
-    pool: ThreadPoolExecutor,
-) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
-    """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
-    returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
-    rank failed, or all of them with transport="shm"."""
-    session = cluster.session
-    if session.paths.forced is PathKind.SHARED_MEMORY:
-        return list(small)  # shared memory only, as the caller asked: every piece by itself
-    regions, alone = [], set()
-    for piece, (proxy, box, out) in enumerate(small):
-        try:
-            summary, parts = proxy.read_plan(box, out)
-        except (
-            RankUnavailableError
-        ):  # copies lost or unreachable: fetch refreshes, waits and fails over
-            alone.add(piece)
-            continue
-        regions += region_reads(piece, summary, parts, box, out)
-    jobs = [
-        pool.submit(read_batch, session.paths, session.rank_status, batch)
-        for batch in batches(regions)
-    ]
-    futures.wait(jobs)
-    for job in jobs:
-        alone |= job.result()
-    return [small[piece] for piece in sorted(alone)]

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardserve.client import arguments
+from shardserve.client.casts import stored_as
 from shardserve.client.errors import InvalidArgumentError
 from shardserve.core.dtypes import dtype_name, dtype_to_wire
 from shardserve.core.metadata import Box
@@ -83,14 +84,16 @@ def _wrapper_pieces(wrapper: Any) -> list[Piece]:
 
 
 def report_pieces(
-    flat: Mapping[str, Any], rank: int, plain_writer: int
+    flat: Mapping[str, Any], rank: int, plain_writer: int, *, cast: torch.dtype | None = None
 ) -> tuple[dict[str, Any], dict[str, list[Piece]]]:
-    """This rank's report {key: (size, dtype name, boxes)} and its pieces {key: [(box, tensor)]}."""
+    """This rank's report {key: (size, stored dtype name, boxes)} and its pieces {key: [(box, tensor)]}; the
+    stored dtype is `cast` for floating tensors when given (client.casts), else the tensor's own."""
     report, pieces = {}, {}
     for key, value in flat.items():
         size, held = local_pieces(value, key, rank, plain_writer)
-        dtype = dtype_of(value)
-        dtype_to_wire(dtype)
+        source = dtype_of(value)
+        dtype_to_wire(source)
+        dtype = stored_as(source, cast, key)
         for box, tensor in held:
             if tuple(tensor.shape) != box.sizes:
                 raise InvalidArgumentError(

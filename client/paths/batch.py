@@ -46,16 +46,19 @@ REQUEST_OVERHEAD_BYTES = (
 @dataclass(frozen=True)
 class RegionRead:
     """One box of one shard (`request`) and where its bytes go (`dest`: a view of the box's shape, any
-    strides or device); `piece` names the caller's piece it belongs to."""
+    strides or device, converted when it is not of the tensor's `dtype`); `piece` names the caller's piece it
+    belongs to."""
 
     rank: int
     request: pb.ReadRegionRequest
     dest: torch.Tensor
     piece: int
+    dtype: torch.dtype  # the tensor's: what the rank answers
 
     @property
     def nbytes(self) -> int:
-        return self.dest.numel() * self.dest.element_size()
+        """The bytes the rank answers for it."""
+        return self.dest.numel() * self.dtype.itemsize
 
 
 def region_reads(
@@ -73,6 +76,7 @@ def region_reads(
             read_request(summary, index, part),
             local_view(out, box, part),
             piece,
+            summary.metadata.dtype,
         )
         for index, part in parts
         if not part.is_empty()
@@ -122,7 +126,7 @@ def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRea
         data = torch.frombuffer(bytearray(reply.data), dtype=torch.uint8)
         for read, start in zip(reads, reply.offsets):
             if read.nbytes:
-                copy_region(read.dest, data[start : start + read.nbytes])
+                copy_region(read.dest, data[start : start + read.nbytes], read.dtype)
     counters.count_read(path, expected)
     return expected
 
@@ -135,13 +139,14 @@ def _ask(
     return rank_calls(path).read_regions(address, request, reply_bytes)
 
 
-def copy_region(dest: torch.Tensor, raw: torch.Tensor) -> None:
-    """The region's bytes `raw` (uint8, at any offset of the reply) into `dest`: straight into a contiguous CPU
-    `dest`, else through an aligned copy (a dtype view needs an element-aligned start)."""
-    if dest.is_contiguous() and dest.device.type == "cpu":
+def copy_region(dest: torch.Tensor, raw: torch.Tensor, dtype: torch.dtype) -> None:
+    """The region's bytes `raw` (uint8 elements of `dtype`, at any offset of the reply) into `dest`: straight
+    into a contiguous CPU `dest` of that dtype, else through an aligned copy (a dtype view needs an
+    element-aligned start), converted by `copy_` when `dest` is of another dtype."""
+    if dest.dtype == dtype and dest.is_contiguous() and dest.device.type == "cpu":
         dest.view(-1).view(torch.uint8).copy_(raw)
     else:
-        dest.copy_(raw.clone().view(dest.dtype).view(dest.shape))
+        dest.copy_(raw.clone().view(dtype).view(dest.shape))
 
 
 def _check_reply(address: str, reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> None:

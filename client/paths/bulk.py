@@ -208,7 +208,7 @@ class BulkPath(NetworkPath):
         )
 
     def _write_batch(self, address: str, writes: Sequence[ShardWrite]) -> int:
-        payload = [tensor_bytes(write.data) for write in writes]
+        payload = [tensor_bytes(write.stored()) for write in writes]
         answer = self._send(
             address,
             KIND_WRITE,

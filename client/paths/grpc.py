@@ -137,7 +137,7 @@ class GrpcPath(NetworkPath):
         written = 0
         for batch in batched(small, INLINE_BATCH_BYTES):
             request = write_request(batch)
-            request.data = b"".join(tensor_bytes(write.data) for write in batch)
+            request.data = b"".join(tensor_bytes(write.stored()) for write in batch)
             reply = self.channel.unary(
                 self.channel.shard_methods(address).write_shards,
                 request,
@@ -148,7 +148,7 @@ class GrpcPath(NetworkPath):
         for write in writes:
             if write.nbytes > INLINE_BATCH_BYTES:
                 written += self.channel.write_shard(
-                    address, write.header, tensor_bytes(write.data), write.chunk_bytes
+                    address, write.header, tensor_bytes(write.stored()), write.chunk_bytes
                 )
         return written
 

@@ -117,7 +117,7 @@ class InPlaceWriter:
         devices = set()
         for write, target in zip(writes, targets):
             if write.nbytes:
-                copy_into(target, write.data)
+                copy_into(target, write.data, write.dtype)
                 devices |= cuda_devices(target, write.data)
         synchronize(devices)  # every byte in place before the rank counts the shards written
         written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
@@ -136,7 +136,7 @@ class InPlaceWriter:
         targets = []
         for i, (write, segment) in enumerate(zip(writes, segments)):
             try:
-                targets.append(self._target(address, segment, itemsize=write.data.element_size()))
+                targets.append(self._target(address, segment, itemsize=write.dtype.itemsize))
             except BaseException:
                 _give_back(segments[i + 1 :])
                 raise
@@ -278,11 +278,12 @@ def _cuda_identity(segment: pb.WritableSegment) -> bytes:
     return b"%s:%d:%d" % (h.handle, h.storage_offset_bytes, h.tensor_offset)
 
 
-def copy_into(target: torch.Tensor, data: torch.Tensor) -> None:
-    """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes (as reads copy out
-    of segments); queued without waiting when a CUDA device takes part (the batch synchronizes)."""
+def copy_into(target: torch.Tensor, data: torch.Tensor, dtype: torch.dtype) -> None:
+    """Copy `data` (any strides, any device) into `target`, a uint8 run of exactly its bytes as `dtype` (as
+    reads copy out of segments; converted while copying when `data` is of another dtype); queued without waiting
+    when a CUDA device takes part (the batch synchronizes)."""
     copy_tensor(
-        target.view(data.dtype).view(data.shape),
+        target.view(dtype).view(data.shape),
         data,
         non_blocking=bool(cuda_devices(target, data)),
     )

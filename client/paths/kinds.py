@@ -64,8 +64,8 @@ def path_refused(err: BaseException) -> bool:
 @dataclass(frozen=True)
 class PartRead:
     """One part of a read: global box `part` of shard `index` of `summary`, landing in `region` (its place in the
-    output, any strides or device); `only_part` when it is the read's only part (a large one may then be read
-    as parallel bands)."""
+    output, any strides or device, of the tensor's dtype or, for a cast in flight, another floating one);
+    `only_part` when it is the read's only part (a large one may then be read as parallel bands)."""
 
     summary: TensorSummary
     index: int
@@ -75,7 +75,8 @@ class PartRead:
 
     @property
     def nbytes(self) -> int:
-        return self.part.numel() * self.region.element_size()
+        """The bytes the part moves (of the tensor's dtype, whatever the region's)."""
+        return self.part.numel() * self.summary.metadata.tensor_properties.itemsize
 
 
 CPU_ONLY = frozenset({"cpu"})

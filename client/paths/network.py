@@ -1,8 +1,10 @@
 """A part read over the network (the bulk port or gRPC): its request, where its bytes land, its bands.
 
 Both network paths read a part the same way around their own one-box call: straight into the region when it is
-contiguous on the CPU, else into a buffer copied in afterwards (pinned for a CUDA region); a large part that is
-its read's only one as parallel row bands (client.paths.bands).
+contiguous on the CPU and of the tensor's dtype, else into a buffer copied in afterwards (pinned for a CUDA
+region); a large part that is its read's only one as parallel row bands (client.paths.bands). A region of
+another floating dtype (a cast in flight) takes its part band by band through bounded staging buffers of the
+tensor's dtype, each converted into the region by `copy_` (bit for bit `src.to(dtype)`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ from collections.abc import Callable
 import torch
 
 from shardserve.client.info import RankStatus, TensorSummary
-from shardserve.client.paths.bands import bands, read_bands
+from shardserve.client.paths.bands import (
+    STAGED_BAND_BYTES,
+    STREAMS,
+    bands,
+    read_bands,
+    read_in_turns,
+    staged_bands,
+)
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.kinds import PartRead
 from shardserve.core.metadata import Box
@@ -36,13 +45,16 @@ def read_request(summary: TensorSummary, index: int, box: Box) -> pb.ReadRegionR
     )
 
 
-def landing(part: Box, region: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Where a part's bytes land (`region` itself when contiguous on the CPU, else a buffer of its own: pinned
-    for a CUDA region, one DMA up) and the call that moves them into `region` once they arrived."""
-    if region.is_contiguous() and region.device.type == "cpu":
+def landing(
+    part: Box, region: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Where a part's bytes of `dtype` (the tensor's) land (`region` itself when contiguous on the CPU and of
+    that dtype, else a buffer of its own: pinned for a CUDA region, one DMA up) and the call that moves them into
+    `region` once they arrived (converting them when `region` is of another dtype)."""
+    if region.dtype == dtype and region.is_contiguous() and region.device.type == "cpu":
         return region, lambda: None
     on_gpu = region.device.type == "cuda"
-    target = torch.empty(part.sizes, dtype=region.dtype, pin_memory=on_gpu)
+    target = torch.empty(part.sizes, dtype=dtype, pin_memory=on_gpu)
 
     def land() -> None:
         region.copy_(target, non_blocking=on_gpu)
@@ -54,8 +66,13 @@ def read_part(
     read_box: ReadBox, address: str, read: PartRead, cancel: Cancellation | None = None
 ) -> None:
     """One part by `read_box`: straight into its region when contiguous (a large part that is the read's only
-    one as parallel row bands), else via one buffer."""
-    target, land = landing(read.part, read.region)
+    one as parallel row bands), else via one buffer, or through staging bands when the region's dtype is not
+    the tensor's."""
+    dtype = read.summary.metadata.dtype
+    if read.region.dtype != dtype:
+        read_cast_part(read_box, address, read, cancel)
+        return
+    target, land = landing(read.part, read.region, dtype)
     read_bands(
         lambda band: read_box(
             address,
@@ -66,6 +83,36 @@ def read_part(
         bands(read.part, read.region.element_size()) if read.only_part else [read.part],
     )
     land()
+
+
+def read_cast_part(
+    read_box: ReadBox,
+    address: str,
+    read: PartRead,
+    cancel: Cancellation | None = None,
+    *,
+    band_bytes: int = STAGED_BAND_BYTES,
+) -> None:
+    """One part into a region of another dtype: its bands (client.paths.bands.staged_bands) land in staging
+    buffers of the tensor's dtype (of at most `band_bytes` each, but for a single larger row), at most STREAMS
+    at once when the part is its read's only one, and each is converted into its place in the region by `copy_`
+    (no buffer the size of the part)."""
+    dtype = read.summary.metadata.dtype
+    cut = staged_bands(read.part, dtype.itemsize, band_bytes)
+    slots = min(STREAMS if read.only_part else 1, len(cut))
+    size = max(band.numel() for band in cut) * dtype.itemsize
+    on_gpu = read.region.device.type == "cuda"
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=on_gpu) for _ in range(slots)]
+
+    def read_band(band: Box, slot: int) -> None:
+        staged = buffers[slot][: band.numel() * dtype.itemsize]
+        read_box(address, read_request(read.summary, read.index, band), staged, cancel)
+        place = local_view(read.region, read.part, band)
+        place.copy_(staged.view(dtype).view(band.sizes))
+        if on_gpu:  # the next band reuses the buffer only once this copy has left it
+            torch.cuda.current_stream(read.region.device).synchronize()
+
+    read_in_turns(read_band, cut, slots)
 
 
 class NetworkPath(abc.ABC):

@@ -177,7 +177,9 @@ class PathPolicy:
                 )  # copied here, or refused by read_part as the chain says
             else:
                 networked.append((index, part))
-        network_bytes = sum(part.numel() for _, part in networked) * out.element_size()
+        network_bytes = (
+            sum(part.numel() for _, part in networked) * summary.metadata.tensor_properties.itemsize
+        )
         if len(networked) < 2 or network_bytes > PIPELINED_READ_BYTES:
             return each_by_its_path(parts)
         calls = []
@@ -275,7 +277,7 @@ class PathPolicy:
         request = read_request(read.summary, read.index, read.part)
 
         def send(path: PipelinedCalls, cancel: Cancellation) -> Callable[[], None]:
-            target, land = landing(read.part, read.region)
+            target, land = landing(read.part, read.region, read.summary.metadata.dtype)
             answer = path.send_read(rank.address, request, byte_view(target), cancel)
 
             def take() -> None:

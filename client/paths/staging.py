@@ -52,14 +52,18 @@ class StagingFile:
     def pack(self, writes: Sequence[ShardWrite]) -> None:
         """Copy each write's bytes into the file, back to back in order: one copy of a contiguous CPU tensor
         (another first of a strided or device one). Bytes, not elements: a shard's place in the file need not
-        be aligned to its element type."""
+        be aligned to its element type. A shard stored as another dtype converts while copying where its place
+        is aligned to the stored dtype, else through one converted copy of it."""
         offset = 0
         for write in writes:
             if write.nbytes:
                 target = torch.frombuffer(
                     self._map, dtype=torch.uint8, count=write.nbytes, offset=offset
                 )
-                target.copy_(torch.frombuffer(tensor_bytes(write.data), dtype=torch.uint8))
+                if write.data.dtype != write.dtype and offset % write.dtype.itemsize == 0:
+                    target.view(write.dtype).view(write.data.shape).copy_(write.data)
+                else:
+                    target.copy_(torch.frombuffer(tensor_bytes(write.stored()), dtype=torch.uint8))
                 del target
             offset += write.nbytes
 

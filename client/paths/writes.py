@@ -9,6 +9,10 @@ request frame and its bytes on the bulk port; or inline gRPC requests of at
 most INLINE_BATCH_BYTES (larger shards stream over WriteShard).
 PathPolicy.write picks the path per rank; write_shards runs every rank at once,
 each rank's batches in turn.
+
+A write may store its shard as another floating dtype than its tensor's (a put's `dtype=`): the header names
+the stored dtype and its size. Copies into memory (in place, a staging file) convert while copying (`copy_`);
+the network paths send `stored()`, each shard converted as its batch is sent.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from shardserve.client.channel import CHUNK_BYTES
 from shardserve.client.info import RankStatus
-from shardserve.core.dtypes import dtype_to_wire
+from shardserve.core.dtypes import dtype_from_wire, dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
 
 INLINE_BATCH_BYTES = 1 << 20  # one gRPC WriteShards request carries at most this many bytes inline
@@ -44,7 +48,18 @@ class ShardWrite:
 
     @property
     def nbytes(self) -> int:
+        """The bytes stored (of the stored dtype)."""
         return self.header.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the shard is stored as (the header's; `data`'s own unless the put casts)."""
+        return dtype_from_wire(self.header.dtype)
+
+    def stored(self) -> torch.Tensor:
+        """`data` as the shard is stored: itself, or converted to the stored dtype (a tensor of the shard's
+        size, for paths that send bytes)."""
+        return self.data if self.data.dtype == self.dtype else self.data.to(self.dtype)
 
 
 def shard_write(
@@ -55,14 +70,17 @@ def shard_write(
     chunk_bytes: int = CHUNK_BYTES,
     *,
     segment: pb.WritableSegment | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ShardWrite:
-    """The write of `data` as shard `shard_index` of (name, version) (into `segment`, opened already, if given)."""
+    """The write of `data` as shard `shard_index` of (name, version) (into `segment`, opened already, if given),
+    stored as `dtype` (None: data's own; else a floating dtype that data's floating elements convert to)."""
+    stored = data.dtype if dtype is None else dtype
     header = pb.WriteShardHeader(
         name=name,
         version=version,
         shard_index=shard_index,
-        dtype=dtype_to_wire(data.dtype),  # type: ignore[arg-type]
-        nbytes=data.numel() * data.element_size(),
+        dtype=dtype_to_wire(stored),  # type: ignore[arg-type]
+        nbytes=data.numel() * stored.itemsize,
     )
     return ShardWrite(header, data, chunk_bytes, segment)
 

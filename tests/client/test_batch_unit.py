@@ -18,6 +18,7 @@ def read(rank: int, nbytes: int, piece: int = 0, name: str = "t") -> RegionRead:
         pb.ReadRegionRequest(name=name, version=1, offsets=[0], sizes=[nbytes]),
         torch.empty(nbytes, dtype=torch.uint8),
         piece,
+        torch.uint8,
     )
 
 
@@ -59,6 +60,20 @@ def test_bytes_at_any_offset_land_in_contiguous_and_strided_outputs():
         torch.zeros(3, 4, dtype=torch.int64),
         torch.zeros(4, 3, dtype=torch.int64).t(),
     )
-    copy_region(contiguous, raw)
-    copy_region(strided, raw)
+    copy_region(contiguous, raw, torch.int64)
+    copy_region(strided, raw, torch.int64)
     assert torch.equal(contiguous, source) and torch.equal(strided, source)
+
+
+def test_a_region_of_another_floating_dtype_is_converted_as_copy_does():
+    source = torch.randn(3, 4, dtype=torch.float32) * 1e3
+    reply = torch.cat([torch.zeros(3, dtype=torch.uint8), source.view(-1).view(torch.uint8)])
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        contiguous, strided = torch.empty(3, 4, dtype=dtype), torch.empty(4, 3, dtype=dtype).t()
+        copy_region(contiguous, reply[3:], torch.float32)
+        copy_region(strided, reply[3:], torch.float32)
+        expected = source.to(dtype)
+        assert torch.equal(
+            contiguous.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8)
+        )
+        assert torch.equal(strided, expected)

@@ -97,8 +97,8 @@ WRITER = textwrap.dedent(
     copied = []
     real_copy = in_place.copy_into
 
-    def copy_then_stall(target, data):
-        real_copy(target, data)
+    def copy_then_stall(*args):
+        real_copy(*args)
         copied.append(1)
         if len(copied) == 3:  # some shards of the snapshot filled, the others not
             open(marker, "w").close()

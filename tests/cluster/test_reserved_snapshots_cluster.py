@@ -27,20 +27,6 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(ranks=2)
 
 
-@pytest.fixture
-def creates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The prefixes of every CreateSnapshot the client's puts make."""
-    made: list[str] = []
-    real = spmd_module.create_snapshot
-
-    def counted(session: Any, prefix: str, *args: Any, **kwargs: Any) -> pb.SnapshotInfo:
-        made.append(prefix)
-        return real(session, prefix, *args, **kwargs)
-
-    monkeypatch.setattr(spmd_module, "create_snapshot", counted)
-    return made
-
-
 def state(step: int, width: int = 8) -> dict[str, Any]:
     """A model and optimizer-like state dict whose tensors and plain values change with `step`."""
     torch.manual_seed(step)
