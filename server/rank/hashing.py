@@ -1,0 +1,37 @@
+"""The rank's shard checksums: computed once per version when it is promoted, on a pool shared by the rank.
+
+A version's local shards are hashed (shardserve.core.checksums: xxh3-64 of the raw bytes) after every byte is
+written and before it is persisted or served, one shard per pool thread (xxhash releases the GIL), so a promote
+of many shards costs about their bytes over the cores. A shard keeps its checksum for its life on the rank: a
+promote retried, a re-promote after a coordinator restart and a restore answer the same value.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from shardserve.core.checksums import shard_checksums
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="shard-hash"
+            )
+        return _pool
+
+
+def missing_checksums(shards: Mapping[int, torch.Tensor], known: Mapping[int, int]) -> dict[int, int]:
+    """The checksums of the shards not in `known`, hashed in parallel."""
+    todo = {index: tensor for index, tensor in shards.items() if index not in known}
+    return shard_checksums(todo, _hash_pool()) if todo else {}
