@@ -364,13 +364,18 @@ def get_state_dict(
     into: Mapping[str, Any],
     snapshot: int | None = None,
     group: Any = None,
+    *,
+    verify: bool = False,
 ) -> int:
     """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
 
     Each DTensor / ShardedTensor / LocalShardsWrapper gets exactly its local boxes, plain tensors the whole
     tensor, whatever layout the snapshot was put with. `snapshot` pins one kept snapshot; without it the newest
-    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times).
+    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times). `verify`
+    checks every byte read against the shards' checksums (fetch's verify: another copy is read where one does
+    not match; ChecksumMismatchError when none does).
     """
+    verify = arguments.flag(verify, "verify")
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
     pinned = None if snapshot is None else arguments.count(snapshot, "snapshot", minimum=1)
@@ -401,7 +406,7 @@ def get_state_dict(
             summary = (found.pop(number) if number in found else None) or get_snapshot(
                 cluster.session, prefix, number
             )
-            _read_mine(cluster, summary, targets)
+            _read_mine(cluster, summary, targets, verify=verify)
             if summary.skeleton and isinstance(into, MutableMapping):
                 fill_state_dict(into, summary.skeleton)
 
@@ -424,10 +429,14 @@ def _split(state_dict: Mapping[str, Any]) -> SplitStateDict:
 
 
 def _read_mine(
-    cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]
+    cluster: Cluster,
+    summary: SnapshotSummary,
+    targets: Mapping[str, list[Piece]],
+    *,
+    verify: bool = False,
 ) -> int:
-    """Read every local piece of `targets` from the snapshot, small ones batched per rank, the others several at
-    once; returns bytes read."""
+    """Read every local piece of `targets` from the snapshot, small ones batched per rank (not with `verify`:
+    each piece is then fetched and checked by itself), the others several at once; returns bytes read."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
@@ -443,12 +452,12 @@ def _read_mine(
                 f"{proxy.name!r} is {proxy.dtype} in the snapshot, {out.dtype} in `into`"
             )
     pieces = [read for read in reads if not read[1].is_empty()]
-    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
+    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES and not verify]
     pool = cluster.session.read_pool
     done = [
-        pool.submit(proxy.fetch, box.offsets, box.sizes, out)
+        pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
         for proxy, box, out in pieces
-        if _nbytes(out) > SMALL_PIECE_BYTES
+        if _nbytes(out) > SMALL_PIECE_BYTES or verify
     ]
     alone = _read_batched(cluster, small, pool)
     done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
