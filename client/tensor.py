@@ -212,5 +212,7 @@ class RemoteShardedTensor(TensorDescription):
     def full_tensor(self, *, verify: bool = False) -> torch.Tensor:
         """The whole tensor as one local CPU tensor (checked against its checksums with `verify`)."""
         return self.reader.read(
-            lambda shape: Box((0,) * len(shape), shape), None, verify=arguments.flag(verify, "verify")
+            lambda shape: Box((0,) * len(shape), shape),
+            None,
+            verify=arguments.flag(verify, "verify"),
         )

@@ -59,7 +59,9 @@ def verify_parts(
     """Check every (shard index, part) that a read of `box` put in `out`; a part that does not match is read
     again from another copy (`other_copies(index)`, through `read_part`) and checked. Returns the parts checked;
     raises ChecksumMismatchError when a part's every copy fails."""
-    checked = [(index, part) for index, part in parts if expected_checksum(summary, index) != UNKNOWN]
+    checked = [
+        (index, part) for index, part in parts if expected_checksum(summary, index) != UNKNOWN
+    ]
     pool = _hash_pool()
     # whole shards are hashed on the pool; a part of a shard reads the rest on this thread (reads may use
     # the caller's pools, which a pool thread must not wait on)

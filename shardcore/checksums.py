@@ -31,10 +31,12 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
         host = host.to("cpu").contiguous()
     if host.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(host.reshape(-1).view(torch.uint8).numpy())
+    return xxhash.xxh3_64_intdigest(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
 
 
-def shard_checksums(shards: Mapping[int, torch.Tensor], pool: Executor | None = None) -> dict[int, int]:
+def shard_checksums(
+    shards: Mapping[int, torch.Tensor], pool: Executor | None = None
+) -> dict[int, int]:
     """The checksum of every shard by its index; with `pool`, the shards are hashed in parallel (one per task)."""
     if pool is None or len(shards) <= 1:
         return {index: tensor_checksum(tensor) for index, tensor in shards.items()}

@@ -4,8 +4,9 @@ The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/reco
 whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
 it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
 earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard checksums, user_version 1)
-is migrated when it is opened, in one transaction. Versions come from one counter over the whole catalog that only grows. Keeping the catalog behind
-`Catalog` lets a networked store replace SQLite for a highly available coordinator.
+is migrated when it is opened, in one transaction. Versions come from one counter over the whole catalog that
+only grows. Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a highly available
+coordinator.
 """
 
 from __future__ import annotations
@@ -120,9 +121,9 @@ class Catalog(abc.ABC):
         durable: bool = True,
         checksums: ShardChecksums | None = None,
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
-        """In one transaction: every tensor of `snapshot` READY with its shards' `checksums`, the snapshot recorded, and the snapshots of its
-        prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows, which
-        may be decoded only when first read)."""
+        """In one transaction: every tensor of `snapshot` READY with its shards' `checksums`, the snapshot
+        recorded, and the snapshots of its prefix beyond the newest `snapshot.keep` removed with their tensors;
+        return (committed, removed rows, which may be decoded only when first read)."""
 
     @abc.abstractmethod
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
@@ -246,7 +247,10 @@ class SQLiteCatalog(Catalog):
     ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
         sums = checksums or {}
         with self._transaction(durable) as db:
-            return [_commit_in(db, name, version, sums.get((name, version), {})) for name, version in versions]
+            return [
+                _commit_in(db, name, version, sums.get((name, version), {}))
+                for name, version in versions
+            ]
 
     def commit_snapshot(
         self,
@@ -376,7 +380,14 @@ def _mark_ready(db: sqlite3.Connection, records: Sequence[TensorRecord]) -> None
         "UPDATE tensors SET state = ?, record = json_set(record, '$.state', ?, '$.checksums', json(?)) "
         "WHERE name = ? AND version = ? AND state = ?",
         [
-            (ready, ready, json.dumps([f"{c:016x}" for c in r.checksums]), r.name, r.version, pending)
+            (
+                ready,
+                ready,
+                json.dumps([f"{c:016x}" for c in r.checksums]),
+                r.name,
+                r.version,
+                pending,
+            )
             for r in records
         ],
     )

@@ -12,8 +12,8 @@ import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from shardserve.core.embedding import OOV_POLICIES
 from shardserve.core.checksums import UNKNOWN
+from shardserve.core.embedding import OOV_POLICIES
 from shardserve.core.metadata import ShardedTensorMetadata
 
 # What ranks answer a promote with: the checksum of each shard, by (name, version) then shard index.

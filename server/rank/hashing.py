@@ -31,7 +31,9 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def missing_checksums(shards: Mapping[int, torch.Tensor], known: Mapping[int, int]) -> dict[int, int]:
+def missing_checksums(
+    shards: Mapping[int, torch.Tensor], known: Mapping[int, int]
+) -> dict[int, int]:
     """The checksums of the shards not in `known`, hashed in parallel."""
     todo = {index: tensor for index, tensor in shards.items() if index not in known}
     return shard_checksums(todo, _hash_pool()) if todo else {}

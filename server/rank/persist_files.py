@@ -110,7 +110,11 @@ def tensor_memory(tensor: torch.Tensor) -> memoryview:
 
 
 def write_shard_file(
-    path: Path, tensor: torch.Tensor, metadata: dict[str, str], sync: bool, checksum: int | None = None
+    path: Path,
+    tensor: torch.Tensor,
+    metadata: dict[str, str],
+    sync: bool,
+    checksum: int | None = None,
 ) -> int:
     """Write `tensor` as a one-tensor safetensors file at `path` (temporary name, fsync, rename); returns its
     checksum (`checksum` when the caller knows it already, else hashed here), also in the header's
@@ -164,6 +168,7 @@ def write_version_shards(
     name: str,
     version: int,
     shards: dict[int, torch.Tensor],
+    *,
     sync: bool,
     checksums: dict[int, int] | None = None,
 ) -> dict[str, dict]:

@@ -53,7 +53,9 @@ class RestoredVersion:
     metadata: ShardedTensorMetadata
     options: TensorOptions
     shards: dict[int, torch.Tensor]
-    checksums: dict[int, int] = field(default_factory=dict)  # the checked ones (none after logged rows)
+    checksums: dict[int, int] = field(
+        default_factory=dict
+    )  # the checked ones (none after logged rows)
 
 
 @dataclass

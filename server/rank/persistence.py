@@ -5,7 +5,8 @@ are data: a hash with a readable prefix, never the name itself, which lives in i
 
     <folder>/tensor.json              {"name": the tensor's name}, written when the folder is made
     <folder>/v<V>.json                manifest of version V: name, metadata, options, per shard its file and
-                                      checksum (xxh3-64, the catalog's); written last, so a version without one was never whole on disk
+                                      checksum (xxh3-64, the catalog's); written last, so a version
+                                      without one was never whole on disk
     <folder>/v<V>.s<I>.safetensors    local shard I of version V
     <folder>/updates.log              row updates since the newest snapshot: "copy" (V from source S),
                                       "rows" (ids + values of V), "promote" V, "drop" V
@@ -259,7 +260,13 @@ class Persistence:
         try:
             self._make_folder(table, name)
             files = write_version_shards(
-                table.path, self.rank, name, version, shards, self.sync_snapshots, checksums
+                table.path,
+                self.rank,
+                name,
+                version,
+                shards,
+                sync=self.sync_snapshots,
+                checksums=checksums,
             )
             write_manifest(
                 table.path,

@@ -309,7 +309,12 @@ class ShardStore:
                         continue
                 with errors(index):
                     record = leases.enter_context(self.access.lease(name, version, served=False))
-                pending.append((record, {**record.checksums, **missing_checksums(record.shards, record.checksums)}))
+                pending.append(
+                    (
+                        record,
+                        {**record.checksums, **missing_checksums(record.shards, record.checksums)},
+                    )
+                )
             persist = [
                 PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)
                 for r, sums in pending

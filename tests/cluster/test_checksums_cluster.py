@@ -40,7 +40,10 @@ MIRRORED = EnumerableShardingSpec(  # the first listed copy, on rank 2, is the o
     [ShardMetadata((0, 0), (ROWS, DIM), f"rank:{r}/cpu") for r in (2, 0)]
 )
 WAIT_S = 120.0
-TABLES = {name: torch.randn(ROWS, DIM) for name in ("mirrored", "single", "on-disk-copies", "on-disk-alone")}
+TABLES = {
+    name: torch.randn(ROWS, DIM)
+    for name in ("mirrored", "single", "on-disk-copies", "on-disk-alone")
+}
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,10 @@ def corrupted(cluster, client, data):
         "rank 2 to come back",
     )
     wait_until(
-        lambda: client.tensor("on-disk-copies").health == "healthy"
-        and client.tensor("mirrored").health == "healthy",
+        lambda: (
+            client.tensor("on-disk-copies").health == "healthy"
+            and client.tensor("mirrored").health == "healthy"
+        ),
         WAIT_S,
         "rank 2's copies to be served or repaired",
     )
@@ -163,7 +168,9 @@ def test_a_verify_read_fails_over_from_a_corrupted_copy_to_its_replica(cluster, 
         out = torch.empty(ROWS, DIM)
         _, parts = proxy.read_plan(Box((0, 0), (ROWS, DIM)), out)
         assert [index for index, _ in parts] == [0]  # the copy on rank 2
-        assert not torch.equal(proxy.fetch((0, 0), (ROWS, DIM)), table)  # a plain read gets the flipped byte
+        assert not torch.equal(
+            proxy.fetch((0, 0), (ROWS, DIM)), table
+        )  # a plain read gets the flipped byte
         assert torch.equal(proxy.fetch((0, 0), (ROWS, DIM), out=out, verify=True), table)
         assert torch.equal(proxy.fetch((0, 0), (ROWS // 2, DIM), verify=True), table[: ROWS // 2])
 
@@ -180,7 +187,9 @@ def test_a_verify_read_of_a_corrupted_copy_without_replica_is_data_loss(client, 
     assert torch.equal(proxy.fetch((0, 0), (ROWS // 2, DIM), verify=True), table[: ROWS // 2])
 
 
-def test_shardserve_verify_passes_a_healthy_tensor_and_names_a_corrupted_copy(client, corrupted, capsys):
+def test_shardserve_verify_passes_a_healthy_tensor_and_names_a_corrupted_copy(
+    client, corrupted, capsys
+):
     client.put("healthy", TABLES["single"], spec=ROWWISE)
     assert cli_main(["--coordinator", client.address, "verify", "healthy"]) == 0
     shown = capsys.readouterr()
@@ -196,8 +205,12 @@ def test_a_shard_file_corrupted_on_disk_is_repaired_from_a_replica(client, corru
     assert repaired.version > corrupted["on-disk-copies"]
     table = TABLES["on-disk-copies"]
     assert torch.equal(repaired.fetch((0, 0), (ROWS, DIM), verify=True), table)
-    assert [s.checksum for ss in repaired.remote_shards().values() for s in ss] == [tensor_checksum(table)] * 2
-    assert all(torch.equal(s.fetch(), table) for ss in repaired.remote_shards().values() for s in ss)
+    assert [s.checksum for ss in repaired.remote_shards().values() for s in ss] == [
+        tensor_checksum(table)
+    ] * 2
+    assert all(
+        torch.equal(s.fetch(), table) for ss in repaired.remote_shards().values() for s in ss
+    )
 
 
 def test_a_shard_file_corrupted_on_disk_without_replica_is_reported_lost(client, corrupted):
@@ -206,4 +219,6 @@ def test_a_shard_file_corrupted_on_disk_without_replica_is_reported_lost(client,
     with pytest.raises(ShardsLostError) as raised:
         lost.fetch((0, 0), (ROWS, DIM), verify=True)
     assert raised.value.code == grpc.StatusCode.DATA_LOSS and raised.value.ranks == (2,)
-    assert torch.equal(lost.fetch((0, 0), (ROWS // 2, DIM), verify=True), TABLES["on-disk-alone"][: ROWS // 2])
+    assert torch.equal(
+        lost.fetch((0, 0), (ROWS // 2, DIM), verify=True), TABLES["on-disk-alone"][: ROWS // 2]
+    )
