@@ -31,7 +31,7 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
         host = host.to("cpu").contiguous()
     if host.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+    return xxhash.xxh3_64_intdigest(host.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def shard_checksums(
