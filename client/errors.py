@@ -151,18 +151,17 @@ class ChecksumMismatchError(ShardServeError):
     code = grpc.StatusCode.DATA_LOSS
     reason = Reason.CHECKSUM_MISMATCH
 
-    def __init__(
-        self,
-        message: str,
-        code: grpc.StatusCode | None = None,
-        *,
-        reason: Reason | None = None,
-        metadata: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message, code, reason=reason, metadata=metadata)
-        self.tensor = self.metadata.get("tensor", "")
-        self.shard = int(self.metadata.get("shard", "-1"))
-        self.rank = int(self.metadata.get("rank", "-1"))
+    @property
+    def tensor(self) -> str:
+        return self.metadata.get("tensor", "")
+
+    @property
+    def shard(self) -> int:
+        return int(self.metadata.get("shard", "-1"))
+
+    @property
+    def rank(self) -> int:
+        return int(self.metadata.get("rank", "-1"))
 
 
 class AbortedError(ShardServeError):

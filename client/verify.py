@@ -11,35 +11,19 @@ of the first copy. Shards whose checksum is not known (versions made before chec
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from shardserve.client.errors import ChecksumMismatchError
 from shardserve.client.info import TensorSummary
-from shardserve.core.checksums import UNKNOWN, checksum_text, tensor_checksum
+from shardserve.core.checksums import UNKNOWN, checksum_text, hashing_pool, tensor_checksum
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
 
 # read_part(shard index, part, part's box of `into`, into): read `part` of that shard's copy into `into`
 ReadPart = Callable[[int, Box, Box, torch.Tensor], None]
 OtherCopies = Callable[[int], list[int]]
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="verify-hash"
-            )
-        return _pool
 
 
 def expected_checksum(summary: TensorSummary, index: int) -> int:
@@ -62,7 +46,7 @@ def verify_parts(
     checked = [
         (index, part) for index, part in parts if expected_checksum(summary, index) != UNKNOWN
     ]
-    pool = _hash_pool()
+    pool = hashing_pool()
     # whole shards are hashed on the pool; a part of a shard reads the rest on this thread (reads may use
     # the caller's pools, which a pool thread must not wait on)
     hashed = {

@@ -10,14 +10,31 @@ chance that a real shard hashes to 0 is 2^-64.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 import xxhash
 
 ALGORITHM = "xxh3_64"
 UNKNOWN = 0  # a shard whose checksum is not known
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def hashing_pool() -> ThreadPoolExecutor:
+    """The process's pool of hashing threads (one per core, at most 8), made on first use. Only hashing runs
+    on it: a task never waits on another pool, so callers on any thread may wait on it."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(
+                max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="shard-hash"
+            )
+        return _pool
 
 
 def tensor_checksum(tensor: torch.Tensor) -> int:

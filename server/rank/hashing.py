@@ -8,27 +8,11 @@ promote retried, a re-promote after a coordinator restart and a restore answer t
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from shardserve.core.checksums import shard_checksums
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(
-                max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="shard-hash"
-            )
-        return _pool
+from shardserve.core.checksums import hashing_pool, shard_checksums
 
 
 def missing_checksums(
@@ -36,4 +20,4 @@ def missing_checksums(
 ) -> dict[int, int]:
     """The checksums of the shards not in `known`, hashed in parallel."""
     todo = {index: tensor for index, tensor in shards.items() if index not in known}
-    return shard_checksums(todo, _hash_pool()) if todo else {}
+    return shard_checksums(todo, hashing_pool()) if todo else {}
