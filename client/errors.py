@@ -143,6 +143,27 @@ class ShardsLostError(RankUnavailableError):
         self.ranks = ranks
 
 
+class ChecksumMismatchError(ShardServeError):
+    """A read with verify=True got bytes whose checksum is not the shard's (DATA_LOSS, CHECKSUM_MISMATCH), and
+    no other copy of the box read right either. `tensor`, `shard` (its index in the layout) and `rank` name the
+    copy (the first one tried); the metadata holds them too. Never retried."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    reason = Reason.CHECKSUM_MISMATCH
+
+    @property
+    def tensor(self) -> str:
+        return self.metadata.get("tensor", "")
+
+    @property
+    def shard(self) -> int:
+        return int(self.metadata.get("shard", "-1"))
+
+    @property
+    def rank(self) -> int:
+        return int(self.metadata.get("rank", "-1"))
+
+
 class AbortedError(ShardServeError):
     """The coordinator gave the call up over other work (ABORTED): `reason` TENSOR_BUSY when the tensor stayed
     busy in a reshard or checkpoint past the wait (retry once it has ended), JOB_FAILED when a collective job
@@ -161,6 +182,7 @@ class DeadlineExceededError(ShardServeError, TimeoutError):
 _BY_REASON: dict[Reason, type[ShardServeError]] = {
     Reason.STALE_VERSION: StaleVersionError,
     Reason.SHARDS_LOST: ShardsLostError,
+    Reason.CHECKSUM_MISMATCH: ChecksumMismatchError,
 }
 
 _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {

@@ -115,6 +115,8 @@ class TensorSummary:
     repair: RepairProgress | None = field(
         default=None, repr=False
     )  # the coordinator repairing lost copies
+    # each shard's xxh3-64 by index (shardserve.core.checksums; UNKNOWN or empty where not known)
+    checksums: tuple[int, ...] = field(default=(), repr=False)
     answered_at: float = field(
         default_factory=time.monotonic, repr=False, compare=False
     )  # when the answer came
@@ -161,6 +163,7 @@ class TensorSummary:
             unavailable=frozenset(msg.unavailable_shards) | frozenset(msg.lost_shards),
             lost=frozenset(msg.lost_shards),
             repair=_repair(msg),
+            checksums=tuple(msg.shard_checksums),
         )
 
 

@@ -20,6 +20,7 @@ from shardserve.client.health import check_readable
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.retry import read_with_refresh
 from shardserve.client.session import Session
+from shardserve.client.verify import verify_parts
 from shardserve.core.casts import read_cast_problem
 from shardserve.core.metadata import Box
 from shardserve.core.regions import check_box, shards_for_box
@@ -43,9 +44,12 @@ class TensorReader:
             None  # "shm", "tcp" or "grpc": the path of the latest part read
         )
 
-    def read(self, resolve: Resolve, out: torch.Tensor | None) -> torch.Tensor:
+    def read(
+        self, resolve: Resolve, out: torch.Tensor | None, *, verify: bool = False
+    ) -> torch.Tensor:
         """Read the box `resolve(shape)` at the cached version; if that version is gone, refresh and retry the
-        whole read (the box is resolved again against the new shape)."""
+        whole read (the box is resolved again against the new shape). With `verify`, the bytes read are checked
+        against the shards' checksums (client.verify)."""
         self._session.check_open()
         summary = self._summary()
         if (
@@ -57,7 +61,7 @@ class TensorReader:
         ):
             self._refresh()
         return read_with_refresh(
-            lambda: self._read_once(resolve, out),
+            lambda: self._read_once(resolve, out, verify),
             self._refresh_for_retry,
             self._session.channel.timeout,
         )
@@ -109,7 +113,7 @@ class TensorReader:
         self._session.refresh_ranks()
         return self._refresh().version
 
-    def _read_once(self, resolve: Resolve, out: torch.Tensor | None) -> torch.Tensor:
+    def _read_once(self, resolve: Resolve, out: torch.Tensor | None, verify: bool) -> torch.Tensor:
         summary = self._summary()
         box = resolve(summary.metadata.size)
         check_request(summary, box, out)
@@ -119,6 +123,17 @@ class TensorReader:
         if target.device.type == "cuda":
             # the parts' copies (made on pool threads' streams) are done
             torch.cuda.synchronize(target.device)
+        if verify:
+            verify_parts(
+                summary,
+                parts,
+                box,
+                target,
+                read_part=lambda index, part, within, into: self.read_parts(
+                    summary, [(index, part)], within, into
+                ),
+                other_copies=lambda index: self._session.health.other_copies(summary, index),
+            )
         return target
 
 

@@ -370,6 +370,8 @@ def get_state_dict(
     into: Mapping[str, Any],
     snapshot: int | None = None,
     group: Any = None,
+    *,
+    verify: bool = False,
 ) -> int:
     """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
 
@@ -377,8 +379,11 @@ def get_state_dict(
     tensor, whatever layout the snapshot was put with. A floating tensor of `into` of another floating dtype
     than the stored one is converted while copying (bit for bit `stored.to(dtype)`); any other dtype
     mismatch is INVALID_ARGUMENT naming the key. `snapshot` pins one kept snapshot; without it the newest
-    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times).
+    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times). `verify`
+    checks every byte read against the shards' checksums (fetch's verify: another copy is read where one does
+    not match; ChecksumMismatchError when none does).
     """
+    verify = arguments.flag(verify, "verify")
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
     pinned = None if snapshot is None else arguments.count(snapshot, "snapshot", minimum=1)
@@ -409,7 +414,7 @@ def get_state_dict(
             summary = (found.pop(number) if number in found else None) or get_snapshot(
                 cluster.session, prefix, number
             )
-            read_pieces(cluster, summary, targets)
+            read_pieces(cluster, summary, targets, verify=verify)
             if summary.skeleton and isinstance(into, MutableMapping):
                 fill_state_dict(into, summary.skeleton)
 

@@ -26,10 +26,14 @@ SMALL_PIECE_BYTES = (
 
 
 def read_pieces(
-    cluster: Cluster, summary: SnapshotSummary, targets: Mapping[str, list[Piece]]
+    cluster: Cluster,
+    summary: SnapshotSummary,
+    targets: Mapping[str, list[Piece]],
+    *,
+    verify: bool = False,
 ) -> int:
-    """Read every local piece of `targets` from the snapshot, small ones batched per rank, the others several at
-    once; returns bytes read."""
+    """Read every local piece of `targets` from the snapshot, small ones batched per rank (not with `verify`:
+    each piece is then fetched and checked by itself), the others several at once; returns bytes read."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
@@ -43,12 +47,12 @@ def read_pieces(
         for _, out in pieces_of_key:
             check_read_cast(proxies[key].dtype, out.dtype, key)
     pieces = [read for read in reads if not read[1].is_empty()]
-    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES]
+    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES and not verify]
     pool = cluster.session.read_pool
     done = [
-        pool.submit(proxy.fetch, box.offsets, box.sizes, out)
+        pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
         for proxy, box, out in pieces
-        if _nbytes(out) > SMALL_PIECE_BYTES
+        if _nbytes(out) > SMALL_PIECE_BYTES or verify
     ]
     alone = _read_batched(cluster, small, pool)
     done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]

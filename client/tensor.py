@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from shardserve.client import arguments
 from shardserve.client.description import TensorDescription
 from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.errors import InvalidArgumentError
@@ -23,6 +24,7 @@ from shardserve.client.ops.reshard import reshard as reshard_tensor
 from shardserve.client.ops.row_updates import update_rows
 from shardserve.client.reads import TensorReader
 from shardserve.client.session import Session
+from shardserve.client.verify import expected_checksum
 from shardserve.core.metadata import Box, ShardMetadata
 
 
@@ -45,6 +47,11 @@ class RemoteShard:
     @property
     def rank(self) -> int:
         return self.metadata.rank
+
+    @property
+    def checksum(self) -> int:
+        """The xxh3-64 of the shard's bytes as the catalog keeps it (shardserve.core.checksums; 0: not known)."""
+        return expected_checksum(self.summary, self.index)
 
     def __repr__(self) -> str:
         return (
@@ -166,14 +173,21 @@ class RemoteShardedTensor(TensorDescription):
     # ------------------------------------------------------------ reads (client.reads)
 
     def fetch(
-        self, offsets: Sequence[int], sizes: Sequence[int], out: torch.Tensor | None = None
+        self,
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        out: torch.Tensor | None = None,
+        *,
+        verify: bool = False,
     ) -> torch.Tensor:
-        """The global box at `offsets` of `sizes`, into `out` (any strides, any device) or a new tensor."""
+        """The global box at `offsets` of `sizes`, into `out` (any strides, any device) or a new tensor. With
+        `verify`, the bytes read are checked against the shards' checksums, another copy read where one does not
+        match (ChecksumMismatchError when none does; client.verify)."""
         try:
             box = Box(tuple(offsets), tuple(sizes))
         except (TypeError, ValueError) as err:
             raise InvalidArgumentError(f"offsets/sizes: {err}") from None
-        return self.reader.read(lambda shape: box, out)
+        return self.reader.read(lambda shape: box, out, verify=arguments.flag(verify, "verify"))
 
     def read_plan(self, box: Box, out: torch.Tensor) -> tuple[TensorSummary, list[tuple[int, Box]]]:
         """The summary and the (shard index, global part) of each shard that a fetch of `box` into `out` would read,
@@ -195,6 +209,10 @@ class RemoteShardedTensor(TensorDescription):
             result = result.reshape([n for d, n in enumerate(box.sizes) if d not in dropped])
         return result
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole tensor as one local CPU tensor."""
-        return self.reader.read(lambda shape: Box((0,) * len(shape), shape), None)
+    def full_tensor(self, *, verify: bool = False) -> torch.Tensor:
+        """The whole tensor as one local CPU tensor (checked against its checksums with `verify`)."""
+        return self.reader.read(
+            lambda shape: Box((0,) * len(shape), shape),
+            None,
+            verify=arguments.flag(verify, "verify"),
+        )

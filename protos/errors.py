@@ -46,6 +46,7 @@ class Reason(str, enum.Enum):
         "RANK_UNAVAILABLE"  # a rank is down, hung, partitioned or restoring: retryable
     )
     SHARDS_LOST = "SHARDS_LOST"  # every copy of a box is known gone: not retryable
+    CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # bytes read differ from their shard's checksum
     EPOCH_ENDED = (
         "EPOCH_ENDED"  # a collective job's epoch ended (a participant failed): run the job again
     )

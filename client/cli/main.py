@@ -21,6 +21,7 @@ from shardserve.client.cli.checkpoints import (
     run_checkpoint_command,
 )
 from shardserve.client.cli.status import show_snapshots, show_status
+from shardserve.client.cli.verify import add_verify_command, run_verify
 
 if TYPE_CHECKING:
     pass
@@ -206,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensors", action="store_true", help="also list each snapshot's tensors"
     )
     add_checkpoint_commands(sub)
+    add_verify_command(sub)
     return parser
 
 
@@ -403,6 +405,8 @@ def _run(args: argparse.Namespace) -> None:
             print(f"deleted {args.name}")
         elif args.command == "snapshots":
             show_snapshots(cluster, args.prefix, args.tensors)
+        elif args.command == "verify":
+            run_verify(cluster, args)
         else:
             run_checkpoint_command(cluster, args)
 

@@ -3,14 +3,16 @@
 The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/records.py) in its own schema,
 whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
 it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
-earlier shardserve (TensorInfo protobuf blobs, user_version 0) is migrated when it is opened, in one
-transaction. Versions come from one counter over the whole catalog that only grows. Keeping the catalog behind
-`Catalog` lets a networked store replace SQLite for a highly available coordinator.
+earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard checksums, user_version 1)
+is migrated when it is opened, in one transaction. Versions come from one counter over the whole catalog that
+only grows. Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a highly available
+coordinator.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import logging
 import sqlite3
 import threading
@@ -29,6 +31,7 @@ from shardserve.server.coordinator.catalog_documents import (
 )
 from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
 from shardserve.server.coordinator.records import (
+    ShardChecksums,
     SnapshotEntry,
     SnapshotRecord,
     TensorRecord,
@@ -40,9 +43,9 @@ log = logging.getLogger(__name__)
 VERSION_BLOCK = (
     1024  # version numbers reserved per durable counter update (one fsync per block, not per put)
 )
-SCHEMA_VERSION = (
-    1  # PRAGMA user_version; 0: the TensorInfo blobs of earlier versions (migrated on open)
-)
+# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
+# migrated on open)
+SCHEMA_VERSION = 2
 
 
 class Catalog(abc.ABC):
@@ -67,16 +70,27 @@ class Catalog(abc.ABC):
 
     @abc.abstractmethod
     def commit_all(
-        self, versions: list[tuple[str, int]], *, durable: bool = True
+        self,
+        versions: list[tuple[str, int]],
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
     ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
         """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
 
     def commit(
-        self, name: str, version: int, *, durable: bool = True
+        self,
+        name: str,
+        version: int,
+        *,
+        durable: bool = True,
+        checksums: dict[int, int] | None = None,
     ) -> tuple[TensorRecord, list[TensorRecord]]:
-        """In one transaction: mark (name, version) READY, remove older READY rows; return (new, removed).
-        KeyError when the row is not in the catalog."""
-        return self.commit_all([(name, version)], durable=durable)[0]
+        """In one transaction: mark (name, version) READY with its shards' `checksums` (as its ranks' promote
+        answered them), remove older READY rows; return (new, removed). KeyError when the row is not in the
+        catalog."""
+        sums = {(name, version): checksums} if checksums else None
+        return self.commit_all([(name, version)], durable=durable, checksums=sums)[0]
 
     @abc.abstractmethod
     def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
@@ -101,11 +115,15 @@ class Catalog(abc.ABC):
 
     @abc.abstractmethod
     def commit_snapshot(
-        self, snapshot: SnapshotRecord, *, durable: bool = True
+        self,
+        snapshot: SnapshotRecord,
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
-        """In one transaction: every tensor of `snapshot` READY, the snapshot recorded, and the snapshots of its
-        prefix beyond the newest `snapshot.keep` removed with their tensors; return (committed, removed rows, which
-        may be decoded only when first read)."""
+        """In one transaction: every tensor of `snapshot` READY with its shards' `checksums`, the snapshot
+        recorded, and the snapshots of its prefix beyond the newest `snapshot.keep` removed with their tensors;
+        return (committed, removed rows, which may be decoded only when first read)."""
 
     @abc.abstractmethod
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
@@ -221,20 +239,38 @@ class SQLiteCatalog(Catalog):
             )
 
     def commit_all(
-        self, versions: list[tuple[str, int]], *, durable: bool = True
+        self,
+        versions: list[tuple[str, int]],
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
     ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
+        sums = checksums or {}
         with self._transaction(durable) as db:
-            return [_commit_in(db, name, version) for name, version in versions]
+            return [
+                _commit_in(db, name, version, sums.get((name, version), {}))
+                for name, version in versions
+            ]
 
     def commit_snapshot(
-        self, snapshot: SnapshotRecord, *, durable: bool = True
+        self,
+        snapshot: SnapshotRecord,
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
-        with self._transaction(durable) as db:
-            _mark_ready(db, [(e.tensor.name, e.tensor.version) for e in snapshot.entries])
-            entries = tuple(
-                SnapshotEntry(e.key, replace(e.tensor, state=TensorState.READY))
-                for e in snapshot.entries
+        sums = checksums or {}
+        entries = tuple(
+            SnapshotEntry(
+                e.key,
+                replace(e.tensor, state=TensorState.READY).with_checksums(
+                    sums.get((e.tensor.name, e.tensor.version), {})
+                ),
             )
+            for e in snapshot.entries
+        )
+        with self._transaction(durable) as db:
+            _mark_ready(db, [e.tensor for e in entries])
             committed = replace(snapshot, state=TensorState.READY, entries=entries)
             db.execute(
                 "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
@@ -317,13 +353,13 @@ def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) ->
 
 
 def _commit_in(
-    db: sqlite3.Connection, name: str, version: int
+    db: sqlite3.Connection, name: str, version: int, checksums: dict[int, int]
 ) -> tuple[TensorRecord, list[TensorRecord]]:
-    """Within an open transaction: (name, version) READY, older READY rows of `name` removed."""
+    """Within an open transaction: (name, version) READY with `checksums`, older READY rows of `name` removed."""
     found = _tensors_where(db, "name = ? AND version = ?", (name, version))
     if not found:
         raise KeyError(f"tensor {name!r} version {version} is not in the catalog")
-    ready = replace(found[0], state=TensorState.READY)
+    ready = replace(found[0], state=TensorState.READY).with_checksums(checksums)
     older_ready = ("name = ? AND version < ? AND state = ?", (name, version, ready.state.value))
     older = _tensors_where(db, *older_ready)
     db.execute(f"DELETE FROM tensors WHERE {older_ready[0]}", older_ready[1])
@@ -334,14 +370,26 @@ def _commit_in(
     return ready, older
 
 
-def _mark_ready(db: sqlite3.Connection, versions: list[tuple[str, int]]) -> None:
-    """Within an open transaction: the PENDING rows (name, version) READY, their documents changed in place (no
-    decoding: a snapshot's names are its own, so no older READY row of them exists); KeyError if one is gone."""
+def _mark_ready(db: sqlite3.Connection, records: Sequence[TensorRecord]) -> None:
+    """Within an open transaction: the PENDING rows of `records` READY with their checksums, their documents
+    changed in place (no decoding: a snapshot's names are its own, so no older READY row of them exists);
+    KeyError if one is gone."""
     ready, pending = TensorState.READY.value, TensorState.PENDING.value
+    versions = [(r.name, r.version) for r in records]
     cursor = db.executemany(
-        "UPDATE tensors SET state = ?, record = json_set(record, '$.state', ?) "
+        "UPDATE tensors SET state = ?, record = json_set(record, '$.state', ?, '$.checksums', json(?)) "
         "WHERE name = ? AND version = ? AND state = ?",
-        [(ready, ready, name, version, pending) for name, version in versions],
+        [
+            (
+                ready,
+                ready,
+                json.dumps([f"{c:016x}" for c in r.checksums]),
+                r.name,
+                r.version,
+                pending,
+            )
+            for r in records
+        ],
     )
     if cursor.rowcount != len(versions):
         missing = [
@@ -410,6 +458,10 @@ def _upgrade(db: sqlite3.Connection, path: Path) -> None:
             f"catalog {path} has schema version {found}, newer than this shardserve's "
             f"({SCHEMA_VERSION}): run the shardserve that wrote it"
         )
+    if found == 1:
+        _add_checksums(db, path)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        return
     legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
     if legacy:
         db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
@@ -420,6 +472,26 @@ def _upgrade(db: sqlite3.Connection, path: Path) -> None:
     if legacy:
         _migrate_blobs(db, path)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: schema 1 to 2, every tensor record (of the tensors table and inside each
+    snapshot's entries) given an empty `checksums` (not known for versions made before them)."""
+    db.execute("UPDATE tensors SET record = json_set(record, '$.checksums', json('[]'))")
+    rows = db.execute("SELECT prefix, number, record FROM snapshots").fetchall()
+    for prefix, number, text in rows:
+        document = json.loads(text)
+        for entry in document.get("entries", []):
+            entry["tensor"].setdefault("checksums", [])
+        db.execute(
+            "UPDATE snapshots SET record = ? WHERE prefix = ? AND number = ?",
+            (json.dumps(document, sort_keys=True, separators=(",", ":")), prefix, number),
+        )
+    log.warning(
+        "catalog %s migrated to schema version %d: shard checksums (none known for existing versions)",
+        path,
+        SCHEMA_VERSION,
+    )
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:

@@ -95,6 +95,7 @@ def tensor_document(record: TensorRecord) -> dict[str, Any]:
         "owner": record.owner,
         "promoting": record.promoting,
         "lost_shards": list(record.lost_shards),
+        "checksums": [f"{value:016x}" for value in record.checksums],
     }
 
 
@@ -128,4 +129,5 @@ def tensor_from_document(document: dict[str, Any]) -> TensorRecord:
         owner=document["owner"],
         promoting=document["promoting"],
         lost_shards=tuple(document["lost_shards"]),
+        checksums=tuple(int(value, 16) for value in document["checksums"]),
     )

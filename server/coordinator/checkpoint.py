@@ -194,10 +194,11 @@ class CheckpointDriver:
             for name in layouts:
                 self.versions.make_room(name, request.overwrite)
             new = self._record(layouts)
+            checksums = {}
             try:
                 yield from self._run_load(path, new, world, timeout_s)
                 for record in new:
-                    self.calls.promote(
+                    checksums[record.key] = self.calls.promote(
                         record.ranks(),
                         record.name,
                         record.version,
@@ -213,7 +214,9 @@ class CheckpointDriver:
                 )
                 raise
             ready = []
-            for committed, older in self.catalog.commit_all([(r.name, r.version) for r in new]):
+            for committed, older in self.catalog.commit_all(
+                [(r.name, r.version) for r in new], checksums=checksums
+            ):
                 ready.append(committed)  # every tensor READY in one transaction, or none
                 self.versions.drop_rows(older)
         log.info("loaded %s from %s", [(r.name, r.version) for r in ready], path)

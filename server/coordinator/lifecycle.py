@@ -275,10 +275,12 @@ class TensorLifecycle:
                 f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
                 f"make the change again"
             )
-        self.calls.promote(
+        checksums = self.calls.promote(
             record.holding_ranks(), name, version, f"commit {name!r} version {version}"
         )
-        ready, older = self.catalog.commit(name, version, durable=record.options.durable)
+        ready, older = self.catalog.commit(
+            name, version, durable=record.options.durable, checksums=checksums
+        )
         self.drop_rows(older)
         log.info(
             "committed %r version %d%s",

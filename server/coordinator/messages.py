@@ -83,6 +83,7 @@ def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:
         put_token=record.put_token,
         lost_shards=record.lost_shards,
         owner=record.owner,
+        shard_checksums=record.checksums,
     )
 
 
@@ -99,6 +100,7 @@ def tensor_from_proto(info: pb.TensorInfo) -> TensorRecord:
         owner=info.owner,
         promoting=info.promoting,
         lost_shards=tuple(info.lost_shards),
+        checksums=tuple(info.shard_checksums),
     )
 
 

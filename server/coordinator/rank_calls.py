@@ -23,7 +23,7 @@ from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.errors import ServiceError, Unavailable, relayed
 from shardserve.server.common.tracing import carry_context
 from shardserve.server.coordinator.messages import init_to_proto, options_to_proto
-from shardserve.server.coordinator.records import Init, TensorRecord
+from shardserve.server.coordinator.records import Init, ShardChecksums, TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
@@ -133,12 +133,14 @@ class RankCalls:
         )
         return [shard for answer in answers.values() for shard in answer.writable]
 
-    def promote(self, ranks: Iterable[int], name: str, version: int, what: str) -> None:
-        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank."""
+    def promote(self, ranks: Iterable[int], name: str, version: int, what: str) -> dict[int, int]:
+        """PromoteVersion of (name, version) on `ranks` at once; the first failure raised, naming the rank.
+        Returns the checksum of each shard the ranks hold, by shard index."""
         request = pb.PromoteVersionRequest(name=name, version=version)
-        self.fan_out(
+        answers = self.fan_out(
             ranks, lambda stub: stub.PromoteVersion(request, timeout=self.rpc_timeout), what
         )
+        return checksums_of(answers.values()).get((name, version), {})
 
     def promote_many(
         self,
@@ -146,9 +148,10 @@ class RankCalls:
         what: str,
         *,
         finish_in_place: bool = False,
-    ) -> None:
+    ) -> ShardChecksums:
         """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once; with
-        `finish_in_place`, the shards their writers filled in place count as written first."""
+        `finish_in_place`, the shards their writers filled in place count as written first. Returns the
+        checksums of the shards the ranks hold."""
         requests = {
             rank: pb.PromoteManyRequest(
                 versions=[pb.PromoteVersionRequest(name=n, version=v) for n, v in mine],
@@ -156,9 +159,10 @@ class RankCalls:
             )
             for rank, mine in versions.items()
         }
-        self.fan_out_each(
+        answers = self.fan_out_each(
             {r: partial(_promote_many, q, self.rpc_timeout) for r, q in requests.items()}, what
         )
+        return checksums_of(answers.values())
 
     def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
         """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
@@ -234,6 +238,17 @@ def _allocate_many(
     request: pb.AllocateManyRequest, timeout: float, stub: pb_grpc.ShardServerStub
 ) -> pb.AllocateManyResponse:
     return stub.AllocateMany(request, timeout=timeout)
+
+
+def checksums_of(
+    answers: Iterable[pb.PromoteVersionResponse | pb.PromoteManyResponse],
+) -> ShardChecksums:
+    """The shard checksums of promote answers, by (name, version) then shard index."""
+    out: ShardChecksums = {}
+    for answer in answers:
+        for item in answer.checksums:
+            out.setdefault((item.name, item.version), {})[item.shard_index] = item.checksum
+    return out
 
 
 def _promote_many(

@@ -9,11 +9,15 @@ logic works on them; protobuf messages are made from them only at the edges: the
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from shardserve.core.checksums import UNKNOWN
 from shardserve.core.embedding import OOV_POLICIES
 from shardserve.core.metadata import ShardedTensorMetadata
+
+# What ranks answer a promote with: the checksum of each shard, by (name, version) then shard index.
+ShardChecksums = dict[tuple[str, int], dict[int, int]]
 
 
 class TensorState(enum.Enum):
@@ -56,6 +60,8 @@ class TensorRecord:
     `promoting`: READY in the catalog, not yet promoted on every rank (a reshard's commit in flight).
     `lost_shards`: indices of the shards whose copy a rank lost (it registered again without them).
     `owner`: the principal whose bytes quota the version counts against.
+    `checksums`: the xxh3-64 of each shard's bytes by shard index, as its rank reported it when promoting
+    (shardserve.core.checksums); empty, or UNKNOWN for one shard, where not known.
     """
 
     name: str
@@ -68,6 +74,12 @@ class TensorRecord:
     owner: str = ""
     promoting: bool = False
     lost_shards: tuple[int, ...] = ()
+    checksums: tuple[int, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(name, version): the version's key in promote answers (ShardChecksums)."""
+        return (self.name, self.version)
 
     @property
     def ready(self) -> bool:
@@ -93,6 +105,17 @@ class TensorRecord:
         lost = set(self.lost_shards)
         shards = self.metadata.shards_metadata
         return sorted({s.rank for i, s in enumerate(shards) if i not in lost})
+
+    def with_checksums(self, found: Mapping[int, int]) -> TensorRecord:
+        """This version with the checksums its ranks reported (by shard index) added to those it had."""
+        if not found:
+            return self
+        count = len(self.metadata.shards_metadata)
+        known = list(self.checksums) or [UNKNOWN] * count
+        for index, value in found.items():
+            if 0 <= index < count:
+                known[index] = value
+        return replace(self, checksums=tuple(known))
 
     def with_lost(self, shards: Iterable[int]) -> TensorRecord:
         """This version with `shards` added to its lost copies."""

@@ -315,7 +315,7 @@ class ReshardDriver:
         record, or None when a rank failed (retried later)."""
         ranks = ready.ranks()
         try:
-            self.calls.promote(
+            checksums = self.calls.promote(
                 ranks, ready.name, ready.version, f"promote {ready.name!r} version {ready.version}"
             )
         except ServiceError as err:
@@ -327,7 +327,7 @@ class ReshardDriver:
             )
             return None
         self.drop_replaced(ready.name)
-        promoted = replace(ready, promoting=False)
+        promoted = replace(ready, promoting=False).with_checksums(checksums)
         self.catalog.update(promoted)
         log.info("%r version %d promoted on ranks %s", ready.name, ready.version, ranks)
         return promoted

@@ -194,14 +194,14 @@ class SnapshotDriver:
         """Promote on the ranks, then commit in the catalog; the committed record and the versions it removed."""
         prefix, number = snapshot.prefix, snapshot.number
         with self.locks.hold(f"{prefix}@"):
-            self.calls.promote_many(
+            checksums = self.calls.promote_many(
                 versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
                 f"promote snapshot {prefix!r} {number}",
                 finish_in_place=written_in_place,
             )
             try:
                 committed, removed = self.catalog.commit_snapshot(
-                    snapshot, durable=_durable(snapshot)
+                    snapshot, durable=_durable(snapshot), checksums=checksums
                 )
             except KeyError as err:
                 raise TensorBusy(

@@ -52,6 +52,12 @@ class RankMetrics(ServerMetrics):
             ["tensor"],
             registry=registry,
         )
+        self.corrupt_files = Counter(
+            "shardserve_rank_corrupt_files",
+            "tensors a restore left out because a persisted shard file failed its checksum (or format) "
+            "check; their copies are reported lost and repaired from a replica",
+            registry=registry,
+        )
         self.lookups = Counter(
             "shardserve_rank_lookups",
             "lookup items answered (one per table shard of a Lookup/LookupSmall call), by tensor",
@@ -92,6 +98,11 @@ class RankMetrics(ServerMetrics):
                     path, self.tensor_label(tensor)
                 )
             child.inc(nbytes)
+
+    def corrupt_file(self) -> None:
+        """A restore left a tensor out for a corrupt file: counted even before enable(), since restores run
+        before the metrics endpoint opens."""
+        self.corrupt_files.inc()
 
     def written(self, tensor: str, nbytes: int) -> None:
         if self.enabled:

@@ -3,7 +3,9 @@
 Shard files are safetensors (one tensor, "shard", per file) so any tool reads
 them (`safetensors.torch.load_file`, or by hand: an 8-byte header length, a
 JSON header, raw little-endian bytes); the header's `__metadata__` names the
-tensor, version, shard and its CRC-32. Every file is written to a temporary
+tensor, version, shard and its checksum (xxh3-64 of the data bytes, the shard's
+checksum in the catalog: shardserve.core.checksums; files written before
+checksums carry a CRC-32 instead, still checked on restore). Every file is written to a temporary
 name, fsynced, renamed into place and its directory fsynced: a crash leaves
 either the old file or the new one, never half of one. The update log is a
 sequence of framed records (magic, length, CRC-32, payload); a torn tail (a
@@ -20,12 +22,14 @@ import os
 import struct
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+import xxhash
 
+from shardserve.core.checksums import tensor_checksum
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_to_proto
 from shardserve.server.common.errors import DiskFull, Unavailable
@@ -105,15 +109,21 @@ def tensor_memory(tensor: torch.Tensor) -> memoryview:
     return host.view(-1).view(torch.uint8).numpy().data
 
 
-def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str], sync: bool) -> int:
+def write_shard_file(
+    path: Path,
+    tensor: torch.Tensor,
+    metadata: dict[str, str],
+    sync: bool,
+    checksum: int | None = None,
+) -> int:
     """Write `tensor` as a one-tensor safetensors file at `path` (temporary name, fsync, rename); returns its
-    CRC-32, which is also in the header's __metadata__["crc32"]."""
+    checksum (`checksum` when the caller knows it already, else hashed here), also in the header's
+    __metadata__["xxh3_64"]."""
     data = tensor_memory(tensor)
-    crc = 0
-    for start in range(0, len(data), _COPY_BYTES):
-        crc = zlib.crc32(data[start : start + _COPY_BYTES], crc)
+    if checksum is None:
+        checksum = tensor_checksum(tensor)
     header = {
-        "__metadata__": {**metadata, "crc32": str(crc)},
+        "__metadata__": {**metadata, "xxh3_64": f"{checksum:016x}"},
         "shard": {
             "dtype": SAFETENSORS_DTYPES[tensor.dtype],
             "shape": list(tensor.shape),
@@ -136,35 +146,47 @@ def write_shard_file(path: Path, tensor: torch.Tensor, metadata: dict[str, str],
         tmp.unlink(missing_ok=True)  # a partial file of a full disk would keep it full
         raise
     os.replace(tmp, path)
-    return crc
+    return checksum
 
 
 @dataclass(frozen=True)
 class PromoteItem:
-    """One version of a PromoteMany batch: its layout, options and local shards (leased by the caller)."""
+    """One version of a PromoteMany batch: its layout, options, local shards (leased by the caller) and their
+    checksums (written beside each shard; hashed when writing for a shard missing here)."""
 
     name: str
     version: int
     meta: ShardedTensorMetadata
     options: TensorOptions
     shards: dict[int, torch.Tensor]
+    checksums: dict[int, int] = field(default_factory=dict)
 
 
 def write_version_shards(
-    folder: Path, rank: int, name: str, version: int, shards: dict[int, torch.Tensor], sync: bool
+    folder: Path,
+    rank: int,
+    name: str,
+    version: int,
+    shards: dict[int, torch.Tensor],
+    *,
+    sync: bool,
+    checksums: dict[int, int] | None = None,
 ) -> dict[str, dict]:
-    """Write every local shard of (name, version) into `folder`; returns the manifest's "shards" entry. An
-    OSError names the file that failed (its `filename`)."""
+    """Write every local shard of (name, version) into `folder`; returns the manifest's "shards" entry (each
+    shard's file and checksum). An OSError names the file that failed (its `filename`)."""
     files = {}
+    known = checksums or {}
     for index, tensor in sorted(shards.items()):
         path = folder / f"v{version}.s{index}.safetensors"
         metadata = {"name": name, "version": str(version), "shard_index": str(index)}
         try:
-            crc = write_shard_file(path, tensor, {**metadata, "rank": str(rank)}, sync)
+            checksum = write_shard_file(
+                path, tensor, {**metadata, "rank": str(rank)}, sync, known.get(index)
+            )
         except OSError as err:
             err.filename = err.filename or str(path)
             raise
-        files[str(index)] = {"file": path.name, "crc32": crc}
+        files[str(index)] = {"file": path.name, "xxh3_64": f"{checksum:016x}"}
     return files
 
 
@@ -194,36 +216,65 @@ def write_manifest(
         raise
 
 
-def read_shard_file(path: Path, into: torch.Tensor, crc: int) -> None:
+def read_shard_file(path: Path, into: torch.Tensor, entry: dict) -> int:
     """Read the safetensors file at `path` into the preallocated host tensor `into`, checking its shape, dtype
-    and CRC-32 against `crc` (the manifest's); CorruptFile naming the path otherwise."""
+    and bytes against the manifest's `entry` (its "xxh3_64", or the "crc32" of files written before
+    checksums); returns the shard's checksum. CorruptFile naming the path and the checksums otherwise."""
+    expected, hasher = _expected_sum(path, entry)
     try:
         with open(path, "rb") as f:
             header = _read_header(f, path)
-            entry = header.get("shard") or {}
-            if entry.get("dtype") != SAFETENSORS_DTYPES[into.dtype] or entry.get("shape") != list(
+            shard = header.get("shard") or {}
+            if shard.get("dtype") != SAFETENSORS_DTYPES[into.dtype] or shard.get("shape") != list(
                 into.shape
             ):
                 raise CorruptFile(
-                    f"{path}: holds {entry.get('dtype')} {entry.get('shape')}, expected "
+                    f"{path}: holds {shard.get('dtype')} {shard.get('shape')}, expected "
                     f"{SAFETENSORS_DTYPES[into.dtype]} {list(into.shape)}"
                 )
             view = tensor_memory(into) if into.numel() else memoryview(bytearray())
-            got, crc_seen = 0, 0
+            got = 0
             while got < len(view):
                 n = f.readinto(view[got : got + _COPY_BYTES])
                 if not n:
                     raise CorruptFile(f"{path}: truncated: {got} of {len(view)} data bytes")
-                crc_seen = zlib.crc32(view[got : got + n], crc_seen)
+                hasher.update(view[got : got + n])
                 got += n
             if f.read(1):
                 raise CorruptFile(f"{path}: bytes past the end of the tensor")
     except OSError as err:
         raise CorruptFile(f"{path}: {err.strerror or err}") from None
-    if crc_seen != crc:
+    seen = hasher.intdigest()
+    if seen != expected:
+        kind = "CRC-32" if isinstance(hasher, _Crc32) else "xxh3-64"
         raise CorruptFile(
-            f"{path}: checksum mismatch (CRC-32 {crc_seen:#010x}, expected {crc:#010x})"
+            f"{path}: checksum mismatch ({kind} {seen:x}, expected {expected:x}): the file changed "
+            f"on disk since it was written"
         )
+    return seen if not isinstance(hasher, _Crc32) else tensor_checksum(into)
+
+
+class _Crc32:
+    """zlib's CRC-32 with xxhash's streaming interface (files written before xxh3-64 checksums)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def intdigest(self) -> int:
+        return self.value
+
+
+def _expected_sum(path: Path, entry: dict) -> tuple[int, xxhash.xxh3_64 | _Crc32]:
+    """The checksum a manifest entry gives a shard file, and a hasher of the same kind."""
+    try:
+        if "xxh3_64" in entry:
+            return int(entry["xxh3_64"], 16), xxhash.xxh3_64()
+        return int(entry["crc32"]), _Crc32()
+    except (KeyError, TypeError, ValueError):
+        raise CorruptFile(f"{path}: its manifest entry has no readable checksum") from None
 
 
 def _read_header(f: BinaryIO, path: Path) -> dict:

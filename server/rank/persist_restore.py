@@ -1,8 +1,9 @@
 """Reading a rank's persist dir back at start: every version to hold again, and what each tensor's folder holds.
 
 Every version with a manifest not dropped since, and the newest promoted update versions (their snapshot
-ancestor plus the logged rows, replayed in order), is read back whole; a tensor whose files are corrupt is
-named in the log and left out (server/rank/persistence.py describes the layout).
+ancestor plus the logged rows, replayed in order), is read back whole, every shard file checked against the
+checksum beside it in its manifest; a tensor whose files are corrupt is named in the log, reported to
+`corrupt`, and left out (server/rank/persistence.py describes the layout).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ NAME_FILE = (
 RESTORED_UPDATES = 2
 
 Empty = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+Corrupt = Callable[[str, str], None]  # (tensor name, what is wrong with which file)
 
 
 @dataclass
@@ -51,6 +53,9 @@ class RestoredVersion:
     metadata: ShardedTensorMetadata
     options: TensorOptions
     shards: dict[int, torch.Tensor]
+    checksums: dict[int, int] = field(
+        default_factory=dict
+    )  # the checked ones (none after logged rows)
 
 
 @dataclass
@@ -81,9 +86,11 @@ def restore_dir(
     empty: Empty,
     device: torch.device,
     progress: Callable[[RestoreCount], None] | None = None,
+    corrupt: Corrupt | None = None,
 ) -> list[RestoredTable]:
     """Every tensor folder under `root` read back (`empty(sizes, dtype)` allocates each host shard); `progress`
-    sees the bytes and tensors read so far, before the first tensor and after each."""
+    sees the bytes and tensors read so far, before the first tensor and after each; `corrupt` hears of each
+    tensor left out for a corrupt file."""
     out: list[RestoredTable] = []
     if not root.is_dir():
         return out
@@ -94,7 +101,7 @@ def restore_dir(
     if progress is not None:
         progress(count)
     for folder in folders:
-        restored = _restore_folder(folder, rank, empty, device)
+        restored = _restore_folder(folder, rank, empty, device, corrupt)
         if restored is not None:
             out.append(restored)
         count.done_bytes += _folder_bytes(folder)
@@ -105,7 +112,7 @@ def restore_dir(
 
 
 def _restore_folder(
-    folder: Path, rank: int, empty: Empty, device: torch.device
+    folder: Path, rank: int, empty: Empty, device: torch.device, corrupt: Corrupt | None
 ) -> RestoredTable | None:
     """Restore one tensor's folder; corrupt files are named in the log and its versions left out (None for
     a folder that names no tensor)."""
@@ -125,6 +132,8 @@ def _restore_folder(
             table.name,
             err,
         )
+        if corrupt is not None:
+            corrupt(table.name, str(err))
         table.versions = []
         return table
     for restored in table.versions:
@@ -157,6 +166,7 @@ def _restore_table(
         base = _load_snapshot(manifests[chain[0]], rank, empty, device)
         for step in chain[1:]:
             _apply_rows(base.shards, rows.get(step, []), table.name, step)
+            base.checksums = {}  # rows changed the bytes: the promote hashes them again
         base.version = version
         table.versions.append(base)
 
@@ -175,13 +185,15 @@ def _load_snapshot(
             f"{manifest_path}: lists shards {sorted(manifest['shards'])}, this rank holds "
             f"{sorted(expected)}"
         )
-    shards = {}
+    shards, checksums = {}, {}
     for index in sorted(expected):
         entry = manifest["shards"][str(index)]
         host = empty(meta.shards_metadata[index].shard_sizes, meta.dtype)
-        read_shard_file(manifest_path.parent / entry["file"], host, int(entry["crc32"]))
+        checksums[index] = read_shard_file(manifest_path.parent / entry["file"], host, entry)
         shards[index] = host if device.type == "cpu" else host.to(device)
-    return RestoredVersion(manifest["name"], int(manifest["version"]), meta, options, shards)
+    return RestoredVersion(
+        manifest["name"], int(manifest["version"]), meta, options, shards, checksums
+    )
 
 
 def _name_of(folder: Path) -> str | None:

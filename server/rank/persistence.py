@@ -5,7 +5,8 @@ are data: a hash with a readable prefix, never the name itself, which lives in i
 
     <folder>/tensor.json              {"name": the tensor's name}, written when the folder is made
     <folder>/v<V>.json                manifest of version V: name, metadata, options, per shard its file and
-                                      CRC-32; written last, so a version without one was never whole on disk
+                                      checksum (xxh3-64, the catalog's); written last, so a version
+                                      without one was never whole on disk
     <folder>/v<V>.s<I>.safetensors    local shard I of version V
     <folder>/updates.log              row updates since the newest snapshot: "copy" (V from source S),
                                       "rows" (ids + values of V), "promote" V, "drop" V
@@ -30,9 +31,12 @@ dropped since, and the newest promoted update version (its snapshot ancestor
 plus the logged rows, replayed in order) and the one before it (the catalog may not have committed the newest),
 is loaded as PENDING; the rank
 registers holding them and the coordinator's reconcile re-promotes the ones the
-catalog has READY and drops the rest. A shard file whose CRC-32 or size is
-wrong is named in the log and its version is not loaded: the coordinator then
-marks those copies lost and repairs them from a replica, if any.
+catalog has READY and drops the rest. Every shard file is hashed as it is read
+and checked against the checksum beside it in the manifest (the version's
+checksum in the catalog); a file whose checksum or size is wrong is named in the
+log and counted (shardserve_rank_corrupt_files_total), and nothing of its tensor
+is loaded: the rank registers without it, the coordinator marks those copies
+lost and repairs them from a replica, if any (else the box is reported lost).
 """
 
 from __future__ import annotations
@@ -225,15 +229,17 @@ class Persistence:
         meta: ShardedTensorMetadata,
         options: TensorOptions,
         shards: dict[int, torch.Tensor],
+        checksums: dict[int, int] | None = None,
     ) -> None:
         """Make (name, version) durable before it is served: "promote" in the log for an update, else a
-        snapshot (when it has none yet); nothing for a version that is not durable."""
+        snapshot (when it has none yet) with the shards' `checksums`; nothing for a version that is not
+        durable."""
         if not options.durable:
             return
         if self.is_update(name, version):
             self._append(name, LogRecord({"kind": "promote", "version": version}), sync=True)
             return
-        self.snapshot(name, version, meta, options, shards)
+        self.snapshot(name, version, meta, options, shards, checksums)
 
     def snapshot(
         self,
@@ -242,9 +248,11 @@ class Persistence:
         meta: ShardedTensorMetadata,
         options: TensorOptions,
         shards: dict[int, torch.Tensor],
+        checksums: dict[int, int] | None = None,
     ) -> None:
-        """Write every local shard of a whole version and then its manifest (the commit point on disk);
-        nothing for a version that is not durable."""
+        """Write every local shard of a whole version and then its manifest (the commit point on disk), each
+        shard with its checksum (hashed here where `checksums` lacks it); nothing for a version that is not
+        durable."""
         table = self._table(name)
         with self._lock:
             if version in table.snapshots or not options.durable:
@@ -252,7 +260,13 @@ class Persistence:
         try:
             self._make_folder(table, name)
             files = write_version_shards(
-                table.path, self.rank, name, version, shards, self.sync_snapshots
+                table.path,
+                self.rank,
+                name,
+                version,
+                shards,
+                sync=self.sync_snapshots,
+                checksums=checksums,
             )
             write_manifest(
                 table.path,
@@ -286,7 +300,9 @@ class Persistence:
         durable = [item for item in items if item.options.durable]
         if len(durable) <= 1:
             for item in durable:
-                self.promote(item.name, item.version, item.meta, item.options, item.shards)
+                self.promote(
+                    item.name, item.version, item.meta, item.options, item.shards, item.checksums
+                )
             return
         updates = [item for item in durable if self.is_update(item.name, item.version)]
         fresh: dict[tuple[str, int], PromoteItem] = {}
@@ -301,7 +317,13 @@ class Persistence:
                 table = self._table(item.name)
                 self._make_folder(table, item.name, sync=False)
                 files = write_version_shards(
-                    table.path, self.rank, item.name, item.version, item.shards, sync=False
+                    table.path,
+                    self.rank,
+                    item.name,
+                    item.version,
+                    item.shards,
+                    sync=False,
+                    checksums=item.checksums,
                 )
                 written.append((table, item, files))
             self._sync_batch()
@@ -467,11 +489,13 @@ class Persistence:
         empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
         device: torch.device,
         progress: Callable[[RestoreCount], None] | None = None,
+        corrupt: Callable[[str, str], None] | None = None,
     ) -> list[RestoredVersion]:
-        """Every version to hold again, read from disk (server/rank/persist_restore.py); the tables learn
-        which snapshots and update copies their folders hold."""
+        """Every version to hold again, read from disk and checked against its checksums
+        (server/rank/persist_restore.py; `corrupt` hears of each tensor left out); the tables learn which
+        snapshots and update copies their folders hold."""
         out: list[RestoredVersion] = []
-        for restored in restore_dir(self.root, self.rank, empty, device, progress):
+        for restored in restore_dir(self.root, self.rank, empty, device, progress, corrupt):
             with self._lock:
                 table = self._tables.setdefault(restored.name, _Table(restored.folder))
                 table.snapshots = set(restored.snapshots)

@@ -46,7 +46,7 @@ from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore, versions_phrase
-from shardserve.server.rank.wire import init_fill, tensor_options
+from shardserve.server.rank.wire import checksum_messages, init_fill, tensor_options
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 from shardserve.server.rank.writes.in_place import open_allocated
@@ -173,8 +173,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
     def PromoteVersion(
         self, request: pb.PromoteVersionRequest, context: grpc.ServicerContext
     ) -> pb.PromoteVersionResponse:
-        self.store.promote(check_name(request.name), check_version(request.version))
-        return pb.PromoteVersionResponse()
+        name, version = check_name(request.name), check_version(request.version)
+        checksums = self.store.promote(name, version)
+        return pb.PromoteVersionResponse(checksums=checksum_messages({(name, version): checksums}))
 
     @rank_rpc
     def PromoteMany(
@@ -188,8 +189,8 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             for index, (name, version) in enumerate(versions):
                 with _item_errors(index):
                     self.store.access.finish_all_in_place(name, version)
-        self.store.promote_many(versions, item_errors=_item_errors)
-        return pb.PromoteManyResponse()
+        checksums = self.store.promote_many(versions, item_errors=_item_errors)
+        return pb.PromoteManyResponse(checksums=checksum_messages(checksums))
 
     @rank_rpc
     def DropVersion(

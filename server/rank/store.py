@@ -6,8 +6,9 @@ for `version_grace` seconds more when a newer one replaces it (reads that began 
 failing; the grace ends early when its memory is needed), then DROPPED, and FREED once no read or write holds
 a lease on it. Memory is accounted in a MemoryBudget (server/rank/memory_budget.py) when a version is
 allocated and given back when it is freed (server/rank/shard_memory.py). Reads and changes go through
-`access` (server/rank/access.py). No network, no threads of its own: the servicers call in from gRPC worker
-threads, so every method is thread-safe. Errors are the rank's own (server/rank/errors.py).
+`access` (server/rank/access.py). A promote hashes the version's shards (their checksums, server/rank/hashing.py)
+on a shared pool. No network, no threads of its own: the servicers call in from gRPC worker threads, so every
+method is thread-safe. Errors are the rank's own (server/rank/errors.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.server.rank.access import VersionAccess
 from shardserve.server.rank.blocks import Blocks
 from shardserve.server.rank.errors import BadRequest, OverMemory
+from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
 from shardserve.server.rank.options import TensorOptions
@@ -193,9 +195,12 @@ class ShardStore:
         meta: ShardedTensorMetadata,
         shards: dict[int, torch.Tensor],
         options: TensorOptions | None = None,
+        *,
+        checksums: dict[int, int] | None = None,
     ) -> int:
         """Add a PENDING version from shards built elsewhere, all written (restore, in-process extensions and
-        tests; the reshard and checkpoint jobs fill a reservation instead)."""
+        tests; the reshard and checkpoint jobs fill a reservation instead). `checksums`: those already known
+        (a restore checked its files against them); the promote hashes the others."""
         local = set(meta.shards_on(self.rank))
         if set(shards) != local:
             raise BadRequest(
@@ -218,6 +223,7 @@ class ShardStore:
                 )
         record = self._record(name, version, meta, options)
         record.shards = dict(shards)
+        record.checksums = {i: c for i, c in (checksums or {}).items() if i in local}
         record.progress.complete = set(local)
         self._add(record)
         return record.nbytes
@@ -280,43 +286,57 @@ class ShardStore:
                 metadata={"tensor": record.name, "rank": self.rank},
             ) from None
 
-    def promote(self, name: str, version: int) -> None:
-        """Serve (name, version) once every local shard is fully written (and, with persistence, durable)."""
-        self.promote_many([(name, version)])
+    def promote(self, name: str, version: int) -> dict[int, int]:
+        """Serve (name, version) once every local shard is fully written (and, with persistence, durable);
+        returns the checksum of each local shard."""
+        return self.promote_many([(name, version)])[(name, version)]
 
     def promote_many(
         self,
         versions: Sequence[tuple[str, int]],
         *,
         item_errors: Callable[[int], AbstractContextManager[None]] | None = None,
-    ) -> None:
-        """Promote every (name, version), persisting the batch first with one sync round; a version that is not
-        promotable fails the batch before any is served, inside `item_errors(its index)` when given."""
+    ) -> dict[tuple[str, int], dict[int, int]]:
+        """Promote every (name, version), hashing the shards of the pending ones and persisting the batch first
+        with one sync round; a version that is not promotable fails the batch before any is served, inside
+        `item_errors(its index)` when given. Returns each version's local shard checksums."""
         errors = item_errors or (lambda index: nullcontext())
-        persist = []
+        pending: list[tuple[StoredVersion, dict[int, int]]] = []
         with ExitStack() as leases:
             for index, (name, version) in enumerate(versions):
                 with errors(index), self._lock:
                     record = self.versions.promotable(name, version)
-                    if self.persistence is None or not record.state.is_pending:
+                    if not record.state.is_pending:
                         continue
                 with errors(index):
                     record = leases.enter_context(self.access.lease(name, version, served=False))
-                persist.append(
-                    PromoteItem(name, version, record.metadata, record.options, dict(record.shards))
+                pending.append(
+                    (
+                        record,
+                        {**record.checksums, **missing_checksums(record.shards, record.checksums)},
+                    )
                 )
-            if persist:
-                assert self.persistence is not None
+            persist = [
+                PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)
+                for r, sums in pending
+            ]
+            if persist and self.persistence is not None:
                 self.persistence.promote_many(persist)
+        computed = {record.key: sums for record, sums in pending}
+        out: dict[tuple[str, int], dict[int, int]] = {}
         for index, (name, version) in enumerate(versions):
             with errors(index), self._lock:
                 record = self.versions.promotable(name, version)
+                if record.key in computed:
+                    record.checksums = computed[record.key]
                 record.apply(VersionEvent.PROMOTE)
                 self.memory.publish(record)
-        for item in persist:
-            assert self.persistence is not None
-            self.persistence.served(item.name, item.version, item.meta)
+                out[(name, version)] = dict(record.checksums)
+        if self.persistence is not None:
+            for item in persist:
+                self.persistence.served(item.name, item.version, item.meta)
         log.info("rank %d serves %s", self.rank, versions_phrase(versions))
+        return out
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
         """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
@@ -392,9 +412,17 @@ class ShardStore:
             ),
             self.device,
             progress,
+            corrupt=lambda name, what: self.metrics.corrupt_file(),
         )
         for item in restored:
-            self.install(item.name, item.version, item.metadata, item.shards, item.options)
+            self.install(
+                item.name,
+                item.version,
+                item.metadata,
+                item.shards,
+                item.options,
+                checksums=item.checksums,
+            )
         return [(item.name, item.version) for item in restored]
 
     # ------------------------------------------------------------ the table and the budget

@@ -184,6 +184,9 @@ class StoredVersion:
     state: VersionState = VersionState.PENDING
     leases: int = 0
     grace_until: float | None = None  # GRACED until then (monotonic seconds)
+    checksums: dict[int, int] = field(
+        default_factory=dict
+    )  # local shard -> xxh3-64, set when promoted
 
     @property
     def key(self) -> tuple[str, int]:

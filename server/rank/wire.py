@@ -3,6 +3,7 @@ servicers and the persisted manifests speak protobuf, the store does not."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import cast
 
 from shardserve.protos import shardserve_pb2 as pb
@@ -36,3 +37,14 @@ def options_message(options: TensorOptions) -> pb.TensorOptions:
     return pb.TensorOptions(
         oov=oov, default_row=options.default_row, not_durable=not options.durable
     )
+
+
+def checksum_messages(
+    checksums: Mapping[tuple[str, int], Mapping[int, int]],
+) -> list[pb.ShardChecksum]:
+    """A promote's answer: the checksum of every local shard of every version, by (name, version)."""
+    return [
+        pb.ShardChecksum(name=name, version=version, shard_index=index, checksum=value)
+        for (name, version), sums in checksums.items()
+        for index, value in sorted(sums.items())
+    ]

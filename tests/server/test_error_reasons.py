@@ -42,6 +42,7 @@ MODULES = (
     "test_error_reasons.py",
     "test_error_reasons_limits.py",
     "test_error_reasons_failures.py",
+    "../cluster/test_checksums_cluster.py",  # CHECKSUM_MISMATCH needs a shard corrupted in a rank's memory
 )
 
 
