@@ -33,9 +33,18 @@ from shardserve.client.ops.snapshots import (
     create_snapshot,
     get_snapshot,
 )
-from shardserve.client.paths.writes import shard_write
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
+from shardserve.client.spmd_delta import (
+    PreviousPut,
+    create_delta,
+    hash_shards,
+    my_shards,
+    previous_puts,
+    snapshot_layouts,
+    write_changed,
+    write_whole,
+)
 from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
 from shardserve.client.spmd_pieces import (
     Piece,
@@ -46,14 +55,12 @@ from shardserve.client.spmd_pieces import (
 )
 from shardserve.client.spmd_reads import read_pieces
 from shardserve.core.metadata import Box, ShardedTensorMetadata
-from shardserve.core.regions import local_view
 from shardserve.core.replicas import replicate_layout
 from shardserve.core.snapshots import (
     JobTensor,
     balanced_layouts,
     job_tensors,
     refine_layout,
-    writer_of,
 )
 from shardserve.core.state_tree import (
     SplitStateDict,
@@ -61,7 +68,6 @@ from shardserve.core.state_tree import (
     fill_state_dict,
     split_state_dict,
 )
-from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,7 @@ def put_state_dict(
     durable: bool = True,
     reserve_next: bool = True,
     dtype: torch.dtype | str | None = None,
+    delta: bool = False,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -99,8 +106,12 @@ def put_state_dict(
     until then, or the coordinator's pending timeout, or this client's close), so that the next put of the
     same layouts skips creating one; a put whose layouts changed aborts the reservation and creates anew.
     `dtype` (a floating dtype) stores every floating tensor converted to it (bit for bit `.to(dtype)`, converted
-    while copying); integer and bool tensors are stored as they are. Returns the snapshot number. On any
-    failure nothing is visible and every rank raises SpmdError.
+    while copying); integer and bool tensors are stored as they are. `delta`: send and store only the blocks
+    (about 1 MiB of rows each) whose bytes changed since this client's previous delta put of the prefix, the
+    rest shared with that snapshot on the ranks (client/spmd_delta.py); in full when there is none, the layouts
+    changed, or it is no longer the prefix's newest. A delta put neither uses nor makes a reservation (it aborts
+    the prefix's). Returns the snapshot number. On any failure nothing is visible and every rank raises
+    SpmdError.
     """
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
@@ -122,6 +133,7 @@ def put_state_dict(
         durable=arguments.flag(durable, "durable"),
         reserve_next=arguments.flag(reserve_next, "reserve_next"),
         cast=put_dtype(dtype),
+        delta=arguments.flag(delta, "delta"),
     )
     return put.run(state_dict)
 
@@ -143,10 +155,12 @@ class _StatePut:
         durable: bool,
         reserve_next: bool,
         cast: torch.dtype | None,
+        delta: bool = False,
     ) -> None:
         self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
         self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
         self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
+        self.delta = delta
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
@@ -155,6 +169,8 @@ class _StatePut:
         _, error = attempt_step(lambda: self._describe(state_dict))
         reservation = self.session.reservations.take(self.prefix)
         basis = self._basis() if error is None else None
+        if self.delta:
+            return self._run_delta(reservation, error, basis)
         fits = reservation is not None and basis is not None and reservation.basis == basis
         all_fit = self.job.all_succeed(error, "describing the state dict", also=fits)
         if all_fit and reservation is not None:
@@ -164,6 +180,39 @@ class _StatePut:
                 log.info("%r: the reserved snapshot failed (%s); creating one", self.prefix, err)
         elif reservation is not None and reservation.owned:
             abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
+        reports = resolved_sizes(self.job.all_gather(self.mine))
+        tensors, created = self.job.from_rank0(
+            lambda: self._create(job_tensors(reports)),
+            "checking the state dict and creating the snapshot",
+        )
+        return self._fill(pb.SnapshotInfo.FromString(created), tensors, basis)
+
+    def _run_delta(
+        self, reservation: Reservation | None, error: str | None, basis: Any
+    ) -> int:
+        """A delta put: the prefix's reservation aborted (a delta snapshot copies the previous one instead);
+        only the changed blocks written when every rank's previous put of the prefix had this basis and the
+        coordinator copies that snapshot, else a put in full (its hashes kept for the next delta put)."""
+        if reservation is not None and reservation.owned:
+            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
+        previous = previous_puts(self.session).take(self.prefix)
+        fits = previous is not None and previous.basis == basis
+        if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
+            created = self.job.from_rank0(
+                lambda: create_delta(
+                    self.session,
+                    previous,
+                    self.prefix,
+                    keep=self.keep,
+                    skeleton=self.skeleton,
+                    durable=self.durable,
+                ),
+                "creating the delta snapshot",
+            )
+            if created is not None:
+                return self._fill(
+                    pb.SnapshotInfo.FromString(created), previous.tensors, basis, previous=previous
+                )
         reports = resolved_sizes(self.job.all_gather(self.mine))
         tensors, created = self.job.from_rank0(
             lambda: self._create(job_tensors(reports)),
@@ -211,14 +260,22 @@ class _StatePut:
         )
         return tensors, created.SerializeToString()
 
-    def _fill(self, snapshot: pb.SnapshotInfo, tensors: Mapping[str, JobTensor], basis: Any) -> int:
-        """Write every rank's shards into the pending `snapshot` and commit it, keeping the next one if the
-        commit reserved it; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
+    def _fill(
+        self,
+        snapshot: pb.SnapshotInfo,
+        tensors: Mapping[str, JobTensor],
+        basis: Any,
+        *,
+        previous: PreviousPut | None = None,
+    ) -> int:
+        """Write every rank's shards into the pending `snapshot` (only their blocks changed since `previous`,
+        for a delta snapshot) and commit it, keeping the next one if the commit reserved it, and a delta put's
+        block hashes; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
         job = self.job
+        hashes: dict[tuple[str, int], tuple[int, ...]] = {}
         try:
             job.all_done(
-                lambda: _write_mine(self.cluster, snapshot, tensors, self.local, job.rank),
-                "writing shards",
+                lambda: hashes.update(self._write(snapshot, tensors, previous)), "writing shards"
             )
             number, reserved = job.from_rank0(lambda: self._commit(snapshot), "committing")
         except SpmdError:
@@ -227,14 +284,36 @@ class _StatePut:
             raise
         if reserved is not None:
             self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
+        if self.delta:
+            kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, hashes)
+            previous_puts(self.session).keep(self.prefix, kept)
         return number
+
+    def _write(
+        self,
+        snapshot: pb.SnapshotInfo,
+        tensors: Mapping[str, JobTensor],
+        previous: PreviousPut | None,
+    ) -> dict[tuple[str, int], tuple[int, ...]]:
+        """Write this rank's shards: the blocks changed since `previous` into a delta snapshot's copies, else
+        whole; a delta put's block hashes of them."""
+        shards = list(my_shards(snapshot, tensors, self.local, self.job.rank))
+        if previous is not None:
+            hashes = hash_shards(shards)
+            write_changed(self.session, shards, hashes, previous.hashes)
+            return hashes
+        write_whole(self.session, shards)
+        return hash_shards(shards) if self.delta else {}
 
     def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
         """Job rank 0: commit with this put's non-tensor tree (sent only where it differs from the one the
         snapshot holds: a reservation's is the put before's); the number, and the reserved next snapshot."""
         changed = self.skeleton if self.skeleton != snapshot.skeleton else None
         committed = commit_snapshot(
-            self.session, snapshot, skeleton=changed, reserve_next=self.reserve_next
+            self.session,
+            snapshot,
+            skeleton=changed,
+            reserve_next=self.reserve_next and not self.delta,
         )
         reserved = committed.next.SerializeToString() if committed.next is not None else None
         return committed.number, reserved
@@ -324,41 +403,6 @@ def _spec_of(spec: Any, key: str) -> Any:
             )
         return spec[key]
     return spec
-
-
-def _write_mine(
-    cluster: Cluster,
-    snapshot: pb.SnapshotInfo,
-    tensors: Mapping[str, JobTensor],
-    local: Mapping[str, list[Piece]],
-    rank: int,
-) -> dict[str, int]:
-    """Write every server shard whose writer is this job rank, each server rank's shards batched together on its
-    fastest path (into the memory the create opened for it, where it did); returns the bytes written per path."""
-    writes = []
-    for entry in snapshot.entries:
-        meta = metadata_from_proto(entry.tensor.metadata)
-        held = dict(local[entry.key])
-        opened = {shard.shard_index: shard.segment for shard in entry.writable}
-        for index, shard in enumerate(meta.shards_metadata):
-            writer, job_box = writer_of(shard.box, tensors[entry.key])
-            if writer != rank:
-                continue
-            data = (
-                local_view(held[job_box], job_box, shard.box)
-                if not shard.box.is_empty()
-                else torch.empty(shard.box.sizes, dtype=meta.dtype)
-            )
-            write = shard_write(
-                entry.tensor.name,
-                entry.tensor.version,
-                index,
-                data,
-                segment=opened.get(index),
-                dtype=meta.dtype,
-            )
-            writes.append((shard.rank, write))
-    return cluster.session.write_shards(writes)
 
 
 # ---------------------------------------------------------------- get

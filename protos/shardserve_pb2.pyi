@@ -57,7 +57,6 @@ class ReshardPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RESHARD_MOVING: _ClassVar[ReshardPhase]
     RESHARD_COMMITTING: _ClassVar[ReshardPhase]
     RESHARD_DONE: _ClassVar[ReshardPhase]
-
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT64: DType
@@ -104,14 +103,7 @@ class TensorProperties(_message.Message):
     layout: str
     memory_format: str
     pin_memory: bool
-    def __init__(
-        self,
-        dtype: _Optional[_Union[DType, str]] = ...,
-        requires_grad: _Optional[bool] = ...,
-        layout: _Optional[str] = ...,
-        memory_format: _Optional[str] = ...,
-        pin_memory: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., requires_grad: _Optional[bool] = ..., layout: _Optional[str] = ..., memory_format: _Optional[str] = ..., pin_memory: _Optional[bool] = ...) -> None: ...
 
 class ShardMetadata(_message.Message):
     __slots__ = ("shard_offsets", "shard_sizes", "placement")
@@ -121,12 +113,7 @@ class ShardMetadata(_message.Message):
     shard_offsets: _containers.RepeatedScalarFieldContainer[int]
     shard_sizes: _containers.RepeatedScalarFieldContainer[int]
     placement: str
-    def __init__(
-        self,
-        shard_offsets: _Optional[_Iterable[int]] = ...,
-        shard_sizes: _Optional[_Iterable[int]] = ...,
-        placement: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, shard_offsets: _Optional[_Iterable[int]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., placement: _Optional[str] = ...) -> None: ...
 
 class ShardedTensorMetadata(_message.Message):
     __slots__ = ("shards_metadata", "size", "tensor_properties")
@@ -136,12 +123,7 @@ class ShardedTensorMetadata(_message.Message):
     shards_metadata: _containers.RepeatedCompositeFieldContainer[ShardMetadata]
     size: _containers.RepeatedScalarFieldContainer[int]
     tensor_properties: TensorProperties
-    def __init__(
-        self,
-        shards_metadata: _Optional[_Iterable[_Union[ShardMetadata, _Mapping]]] = ...,
-        size: _Optional[_Iterable[int]] = ...,
-        tensor_properties: _Optional[_Union[TensorProperties, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, shards_metadata: _Optional[_Iterable[_Union[ShardMetadata, _Mapping]]] = ..., size: _Optional[_Iterable[int]] = ..., tensor_properties: _Optional[_Union[TensorProperties, _Mapping]] = ...) -> None: ...
 
 class TensorOptions(_message.Message):
     __slots__ = ("oov", "default_row", "not_durable")
@@ -151,32 +133,10 @@ class TensorOptions(_message.Message):
     oov: OovPolicy
     default_row: bytes
     not_durable: bool
-    def __init__(
-        self,
-        oov: _Optional[_Union[OovPolicy, str]] = ...,
-        default_row: _Optional[bytes] = ...,
-        not_durable: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, oov: _Optional[_Union[OovPolicy, str]] = ..., default_row: _Optional[bytes] = ..., not_durable: _Optional[bool] = ...) -> None: ...
 
 class RankInfo(_message.Message):
-    __slots__ = (
-        "rank",
-        "address",
-        "device",
-        "hostname",
-        "memory_limit_bytes",
-        "memory_used_bytes",
-        "alive",
-        "last_heartbeat_unix",
-        "world_size",
-        "pid",
-        "host_id",
-        "shared_memory",
-        "restarts",
-        "metrics_address",
-        "restore",
-        "memory_limit_source",
-    )
+    __slots__ = ("rank", "address", "device", "hostname", "memory_limit_bytes", "memory_used_bytes", "alive", "last_heartbeat_unix", "world_size", "pid", "host_id", "shared_memory", "restarts", "metrics_address", "restore", "memory_limit_source")
     RANK_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -209,37 +169,10 @@ class RankInfo(_message.Message):
     metrics_address: str
     restore: RestoreProgress
     memory_limit_source: str
-    def __init__(
-        self,
-        rank: _Optional[int] = ...,
-        address: _Optional[str] = ...,
-        device: _Optional[str] = ...,
-        hostname: _Optional[str] = ...,
-        memory_limit_bytes: _Optional[int] = ...,
-        memory_used_bytes: _Optional[int] = ...,
-        alive: _Optional[bool] = ...,
-        last_heartbeat_unix: _Optional[float] = ...,
-        world_size: _Optional[int] = ...,
-        pid: _Optional[int] = ...,
-        host_id: _Optional[str] = ...,
-        shared_memory: _Optional[bool] = ...,
-        restarts: _Optional[int] = ...,
-        metrics_address: _Optional[str] = ...,
-        restore: _Optional[_Union[RestoreProgress, _Mapping]] = ...,
-        memory_limit_source: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., address: _Optional[str] = ..., device: _Optional[str] = ..., hostname: _Optional[str] = ..., memory_limit_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., alive: _Optional[bool] = ..., last_heartbeat_unix: _Optional[float] = ..., world_size: _Optional[int] = ..., pid: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., restarts: _Optional[int] = ..., metrics_address: _Optional[str] = ..., restore: _Optional[_Union[RestoreProgress, _Mapping]] = ..., memory_limit_source: _Optional[str] = ...) -> None: ...
 
 class RestoreProgress(_message.Message):
-    __slots__ = (
-        "rank",
-        "pid",
-        "done_bytes",
-        "total_bytes",
-        "done_tensors",
-        "total_tensors",
-        "loaded",
-        "hostname",
-    )
+    __slots__ = ("rank", "pid", "done_bytes", "total_bytes", "done_tensors", "total_tensors", "loaded", "hostname")
     RANK_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     DONE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -256,42 +189,14 @@ class RestoreProgress(_message.Message):
     total_tensors: int
     loaded: bool
     hostname: str
-    def __init__(
-        self,
-        rank: _Optional[int] = ...,
-        pid: _Optional[int] = ...,
-        done_bytes: _Optional[int] = ...,
-        total_bytes: _Optional[int] = ...,
-        done_tensors: _Optional[int] = ...,
-        total_tensors: _Optional[int] = ...,
-        loaded: _Optional[bool] = ...,
-        hostname: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., pid: _Optional[int] = ..., done_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., done_tensors: _Optional[int] = ..., total_tensors: _Optional[int] = ..., loaded: _Optional[bool] = ..., hostname: _Optional[str] = ...) -> None: ...
 
 class ReportRestoreResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = (
-        "name",
-        "version",
-        "metadata",
-        "options",
-        "state",
-        "nbytes",
-        "created_unix",
-        "promoting",
-        "put_token",
-        "lost_shards",
-        "unavailable_shards",
-        "health",
-        "replicas",
-        "repair",
-        "owner",
-        "update_order",
-        "shard_checksums",
-    )
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order", "shard_checksums")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -326,26 +231,7 @@ class TensorInfo(_message.Message):
     owner: str
     update_order: int
     shard_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        options: _Optional[_Union[TensorOptions, _Mapping]] = ...,
-        state: _Optional[_Union[TensorState, str]] = ...,
-        nbytes: _Optional[int] = ...,
-        created_unix: _Optional[float] = ...,
-        promoting: _Optional[bool] = ...,
-        put_token: _Optional[str] = ...,
-        lost_shards: _Optional[_Iterable[int]] = ...,
-        unavailable_shards: _Optional[_Iterable[int]] = ...,
-        health: _Optional[str] = ...,
-        replicas: _Optional[int] = ...,
-        repair: _Optional[_Union[RepairState, _Mapping]] = ...,
-        owner: _Optional[str] = ...,
-        update_order: _Optional[int] = ...,
-        shard_checksums: _Optional[_Iterable[int]] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ..., shard_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RepairState(_message.Message):
     __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")
@@ -359,14 +245,7 @@ class RepairState(_message.Message):
     bytes_total: int
     started_unix: float
     ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        version: _Optional[int] = ...,
-        bytes_done: _Optional[int] = ...,
-        bytes_total: _Optional[int] = ...,
-        started_unix: _Optional[float] = ...,
-        ranks: _Optional[_Iterable[int]] = ...,
-    ) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., started_unix: _Optional[float] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -382,11 +261,7 @@ class RegisterRankRequest(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
-    def __init__(
-        self,
-        rank: _Optional[_Union[RankInfo, _Mapping]] = ...,
-        held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...
 
 class HeldVersion(_message.Message):
     __slots__ = ("name", "version")
@@ -404,12 +279,7 @@ class RegisterRankResponse(_message.Message):
     heartbeat_interval_s: float
     store_host: str
     store_port: int
-    def __init__(
-        self,
-        heartbeat_interval_s: _Optional[float] = ...,
-        store_host: _Optional[str] = ...,
-        store_port: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "memory_used_bytes")
@@ -417,9 +287,7 @@ class HeartbeatRequest(_message.Message):
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     memory_used_bytes: int
-    def __init__(
-        self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ...
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()
@@ -439,25 +307,10 @@ class ListRanksResponse(_message.Message):
     collectives_error: str
     epoch: int
     metrics_address: str
-    def __init__(
-        self,
-        ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ...,
-        collectives_error: _Optional[str] = ...,
-        epoch: _Optional[int] = ...,
-        metrics_address: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
-    __slots__ = (
-        "name",
-        "metadata",
-        "init",
-        "seed",
-        "options",
-        "overwrite",
-        "source_version",
-        "put_token",
-    )
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -474,17 +327,7 @@ class CreateTensorRequest(_message.Message):
     overwrite: bool
     source_version: int
     put_token: str
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        init: _Optional[_Union[InitKind, str]] = ...,
-        seed: _Optional[int] = ...,
-        options: _Optional[_Union[TensorOptions, _Mapping]] = ...,
-        overwrite: _Optional[bool] = ...,
-        source_version: _Optional[int] = ...,
-        put_token: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ...) -> None: ...
 
 class CommitTensorRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -502,12 +345,7 @@ class AbortTensorRequest(_message.Message):
     name: str
     version: int
     put_token: str
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        put_token: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., put_token: _Optional[str] = ...) -> None: ...
 
 class AbortTensorResponse(_message.Message):
     __slots__ = ("version",)
@@ -531,9 +369,7 @@ class ListTensorsResponse(_message.Message):
     __slots__ = ("tensors",)
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(
-        self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name",)
@@ -551,35 +387,25 @@ class SnapshotTensor(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     key: str
     metadata: ShardedTensorMetadata
-    def __init__(
-        self,
-        key: _Optional[str] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
 
 class CreateSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "tensors", "keep", "skeleton", "not_durable", "writer_host_id")
+    __slots__ = ("prefix", "tensors", "keep", "skeleton", "not_durable", "writer_host_id", "delta_of")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     SKELETON_FIELD_NUMBER: _ClassVar[int]
     NOT_DURABLE_FIELD_NUMBER: _ClassVar[int]
     WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_OF_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     tensors: _containers.RepeatedCompositeFieldContainer[SnapshotTensor]
     keep: int
     skeleton: str
     not_durable: bool
     writer_host_id: str
-    def __init__(
-        self,
-        prefix: _Optional[str] = ...,
-        tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ...,
-        keep: _Optional[int] = ...,
-        skeleton: _Optional[str] = ...,
-        not_durable: _Optional[bool] = ...,
-        writer_host_id: _Optional[str] = ...,
-    ) -> None: ...
+    delta_of: int
+    def __init__(self, prefix: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[SnapshotTensor, _Mapping]]] = ..., keep: _Optional[int] = ..., skeleton: _Optional[str] = ..., not_durable: _Optional[bool] = ..., writer_host_id: _Optional[str] = ..., delta_of: _Optional[int] = ...) -> None: ...
 
 class SnapshotEntry(_message.Message):
     __slots__ = ("key", "tensor", "writable")
@@ -589,24 +415,10 @@ class SnapshotEntry(_message.Message):
     key: str
     tensor: TensorInfo
     writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
-    def __init__(
-        self,
-        key: _Optional[str] = ...,
-        tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...,
-        writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = (
-        "prefix",
-        "number",
-        "state",
-        "created_unix",
-        "nbytes",
-        "keep",
-        "entries",
-        "skeleton",
-    )
+    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries", "skeleton")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -623,17 +435,7 @@ class SnapshotInfo(_message.Message):
     keep: int
     entries: _containers.RepeatedCompositeFieldContainer[SnapshotEntry]
     skeleton: str
-    def __init__(
-        self,
-        prefix: _Optional[str] = ...,
-        number: _Optional[int] = ...,
-        state: _Optional[_Union[TensorState, str]] = ...,
-        created_unix: _Optional[float] = ...,
-        nbytes: _Optional[int] = ...,
-        keep: _Optional[int] = ...,
-        entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ...,
-        skeleton: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number", "view", "written_in_place", "skeleton", "reserve_next")
@@ -649,15 +451,7 @@ class CommitSnapshotRequest(_message.Message):
     written_in_place: bool
     skeleton: str
     reserve_next: bool
-    def __init__(
-        self,
-        prefix: _Optional[str] = ...,
-        number: _Optional[int] = ...,
-        view: _Optional[_Union[SnapshotView, str]] = ...,
-        written_in_place: _Optional[bool] = ...,
-        skeleton: _Optional[str] = ...,
-        reserve_next: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ..., skeleton: _Optional[str] = ..., reserve_next: _Optional[bool] = ...) -> None: ...
 
 class CommitSnapshotResponse(_message.Message):
     __slots__ = ("committed", "next")
@@ -665,11 +459,7 @@ class CommitSnapshotResponse(_message.Message):
     NEXT_FIELD_NUMBER: _ClassVar[int]
     committed: SnapshotInfo
     next: SnapshotInfo
-    def __init__(
-        self,
-        committed: _Optional[_Union[SnapshotInfo, _Mapping]] = ...,
-        next: _Optional[_Union[SnapshotInfo, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, committed: _Optional[_Union[SnapshotInfo, _Mapping]] = ..., next: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
 
 class AbortSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number")
@@ -701,9 +491,7 @@ class ListSnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
-    def __init__(
-        self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
 class ReshardRequest(_message.Message):
     __slots__ = ("name", "metadata", "bucket_bytes", "timeout_s")
@@ -715,26 +503,10 @@ class ReshardRequest(_message.Message):
     metadata: ShardedTensorMetadata
     bucket_bytes: int
     timeout_s: float
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        bucket_bytes: _Optional[int] = ...,
-        timeout_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReshardProgress(_message.Message):
-    __slots__ = (
-        "phase",
-        "bytes_done",
-        "bytes_total",
-        "version",
-        "tensor",
-        "max_new_shard_bytes",
-        "max_staging_bytes",
-        "mapped_bytes",
-        "sent_bytes",
-    )
+    __slots__ = ("phase", "bytes_done", "bytes_total", "version", "tensor", "max_new_shard_bytes", "max_staging_bytes", "mapped_bytes", "sent_bytes")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -753,30 +525,10 @@ class ReshardProgress(_message.Message):
     max_staging_bytes: int
     mapped_bytes: int
     sent_bytes: int
-    def __init__(
-        self,
-        phase: _Optional[_Union[ReshardPhase, str]] = ...,
-        bytes_done: _Optional[int] = ...,
-        bytes_total: _Optional[int] = ...,
-        version: _Optional[int] = ...,
-        tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...,
-        max_new_shard_bytes: _Optional[int] = ...,
-        max_staging_bytes: _Optional[int] = ...,
-        mapped_bytes: _Optional[int] = ...,
-        sent_bytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, phase: _Optional[_Union[ReshardPhase, str]] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., version: _Optional[int] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., max_new_shard_bytes: _Optional[int] = ..., max_staging_bytes: _Optional[int] = ..., mapped_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocateShardsRequest(_message.Message):
-    __slots__ = (
-        "name",
-        "version",
-        "metadata",
-        "init",
-        "seed",
-        "options",
-        "source_version",
-        "reserve_only",
-    )
+    __slots__ = ("name", "version", "metadata", "init", "seed", "options", "source_version", "reserve_only", "source_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -785,6 +537,7 @@ class AllocateShardsRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESERVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -793,17 +546,8 @@ class AllocateShardsRequest(_message.Message):
     options: TensorOptions
     source_version: int
     reserve_only: bool
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        init: _Optional[_Union[InitKind, str]] = ...,
-        seed: _Optional[int] = ...,
-        options: _Optional[_Union[TensorOptions, _Mapping]] = ...,
-        source_version: _Optional[int] = ...,
-        reserve_only: _Optional[bool] = ...,
-    ) -> None: ...
+    source_name: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., source_version: _Optional[int] = ..., reserve_only: _Optional[bool] = ..., source_name: _Optional[str] = ...) -> None: ...
 
 class AllocateShardsResponse(_message.Message):
     __slots__ = ("allocated_bytes",)
@@ -829,21 +573,13 @@ class ShardChecksum(_message.Message):
     version: int
     shard_index: int
     checksum: int
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        checksum: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class PromoteVersionResponse(_message.Message):
     __slots__ = ("checksums",)
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
-    def __init__(
-        self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
 
 class DropVersionRequest(_message.Message):
     __slots__ = ("name", "version")
@@ -865,12 +601,7 @@ class AllocateManyRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[AllocateShardsRequest]
     writer_host_id: str
     drop_first: _containers.RepeatedCompositeFieldContainer[DropVersionRequest]
-    def __init__(
-        self,
-        tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ...,
-        writer_host_id: _Optional[str] = ...,
-        drop_first: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[AllocateShardsRequest, _Mapping]]] = ..., writer_host_id: _Optional[str] = ..., drop_first: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...) -> None: ...
 
 class AllocateManyResponse(_message.Message):
     __slots__ = ("allocated_bytes", "writable")
@@ -878,11 +609,7 @@ class AllocateManyResponse(_message.Message):
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
     allocated_bytes: int
     writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
-    def __init__(
-        self,
-        allocated_bytes: _Optional[int] = ...,
-        writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, allocated_bytes: _Optional[int] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class PromoteManyRequest(_message.Message):
     __slots__ = ("versions", "finish_in_place")
@@ -890,27 +617,19 @@ class PromoteManyRequest(_message.Message):
     FINISH_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[PromoteVersionRequest]
     finish_in_place: bool
-    def __init__(
-        self,
-        versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ...,
-        finish_in_place: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ..., finish_in_place: _Optional[bool] = ...) -> None: ...
 
 class PromoteManyResponse(_message.Message):
     __slots__ = ("checksums",)
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
-    def __init__(
-        self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
 
 class DropManyRequest(_message.Message):
     __slots__ = ("versions",)
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[DropVersionRequest]
-    def __init__(
-        self, versions: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, versions: _Optional[_Iterable[_Union[DropVersionRequest, _Mapping]]] = ...) -> None: ...
 
 class DropManyResponse(_message.Message):
     __slots__ = ()
@@ -922,11 +641,7 @@ class WriteShardRequest(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     header: WriteShardHeader
     chunk: TensorChunk
-    def __init__(
-        self,
-        header: _Optional[_Union[WriteShardHeader, _Mapping]] = ...,
-        chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, header: _Optional[_Union[WriteShardHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class WriteShardHeader(_message.Message):
     __slots__ = ("name", "version", "shard_index", "dtype", "nbytes")
@@ -940,14 +655,7 @@ class WriteShardHeader(_message.Message):
     shard_index: int
     dtype: DType
     nbytes: int
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        dtype: _Optional[_Union[DType, str]] = ...,
-        nbytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WriteShardResponse(_message.Message):
     __slots__ = ("bytes_written",)
@@ -965,13 +673,7 @@ class WriteShardsRequest(_message.Message):
     data: bytes
     shared: SharedMemorySource
     written_in_place: bool
-    def __init__(
-        self,
-        shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ...,
-        data: _Optional[bytes] = ...,
-        shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ...,
-        written_in_place: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
 
 class SharedMemorySource(_message.Message):
     __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "host_id", "name_secret")
@@ -989,16 +691,7 @@ class SharedMemorySource(_message.Message):
     nbytes: int
     host_id: str
     name_secret: str
-    def __init__(
-        self,
-        pid: _Optional[int] = ...,
-        fd: _Optional[int] = ...,
-        inode: _Optional[int] = ...,
-        device_id: _Optional[int] = ...,
-        nbytes: _Optional[int] = ...,
-        host_id: _Optional[str] = ...,
-        name_secret: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., host_id: _Optional[str] = ..., name_secret: _Optional[str] = ...) -> None: ...
 
 class WriteShardsResponse(_message.Message):
     __slots__ = ("bytes_written",)
@@ -1014,12 +707,7 @@ class OpenShardsForWriteRequest(_message.Message):
     shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
     host_id: str
     cuda_ipc: bool
-    def __init__(
-        self,
-        shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ...,
-        host_id: _Optional[str] = ...,
-        cuda_ipc: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class WritableSegment(_message.Message):
     __slots__ = ("pid", "fd", "inode", "device_id", "data_offset", "nbytes", "sealed", "cuda")
@@ -1039,25 +727,13 @@ class WritableSegment(_message.Message):
     nbytes: int
     sealed: bool
     cuda: CudaIpcHandle
-    def __init__(
-        self,
-        pid: _Optional[int] = ...,
-        fd: _Optional[int] = ...,
-        inode: _Optional[int] = ...,
-        device_id: _Optional[int] = ...,
-        data_offset: _Optional[int] = ...,
-        nbytes: _Optional[int] = ...,
-        sealed: _Optional[bool] = ...,
-        cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., data_offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., sealed: _Optional[bool] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class OpenShardsForWriteResponse(_message.Message):
     __slots__ = ("segments",)
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[WritableSegment]
-    def __init__(
-        self, segments: _Optional[_Iterable[_Union[WritableSegment, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, segments: _Optional[_Iterable[_Union[WritableSegment, _Mapping]]] = ...) -> None: ...
 
 class WritableShard(_message.Message):
     __slots__ = ("name", "version", "shard_index", "segment")
@@ -1069,13 +745,7 @@ class WritableShard(_message.Message):
     version: int
     shard_index: int
     segment: WritableSegment
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        segment: _Optional[_Union[WritableSegment, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., segment: _Optional[_Union[WritableSegment, _Mapping]] = ...) -> None: ...
 
 class ReadRegionRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "offsets", "sizes", "chunk_bytes")
@@ -1091,23 +761,13 @@ class ReadRegionRequest(_message.Message):
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
     chunk_bytes: int
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        offsets: _Optional[_Iterable[int]] = ...,
-        sizes: _Optional[_Iterable[int]] = ...,
-        chunk_bytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class ReadRegionsRequest(_message.Message):
     __slots__ = ("regions",)
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     regions: _containers.RepeatedCompositeFieldContainer[ReadRegionRequest]
-    def __init__(
-        self, regions: _Optional[_Iterable[_Union[ReadRegionRequest, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, regions: _Optional[_Iterable[_Union[ReadRegionRequest, _Mapping]]] = ...) -> None: ...
 
 class ReadRegionsReply(_message.Message):
     __slots__ = ("data", "offsets")
@@ -1115,9 +775,7 @@ class ReadRegionsReply(_message.Message):
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     offsets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self, data: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ...
-    ) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
@@ -1135,14 +793,7 @@ class GetStatsResponse(_message.Message):
     memory_limit_bytes: int
     held: _containers.RepeatedCompositeFieldContainer[HeldVersion]
     memory_limit_source: str
-    def __init__(
-        self,
-        rank: _Optional[int] = ...,
-        memory_used_bytes: _Optional[int] = ...,
-        memory_limit_bytes: _Optional[int] = ...,
-        held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...,
-        memory_limit_source: _Optional[str] = ...,
-    ) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ..., memory_limit_source: _Optional[str] = ...) -> None: ...
 
 class LookupItem(_message.Message):
     __slots__ = ("name", "version", "shard_index", "ids", "pooled", "offsets", "per_sample_weights")
@@ -1160,16 +811,7 @@ class LookupItem(_message.Message):
     pooled: bool
     offsets: bytes
     per_sample_weights: bytes
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        ids: _Optional[bytes] = ...,
-        pooled: _Optional[bool] = ...,
-        offsets: _Optional[bytes] = ...,
-        per_sample_weights: _Optional[bytes] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., ids: _Optional[bytes] = ..., pooled: _Optional[bool] = ..., offsets: _Optional[bytes] = ..., per_sample_weights: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("items", "chunk_bytes")
@@ -1177,11 +819,7 @@ class LookupRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[LookupItem]
     chunk_bytes: int
-    def __init__(
-        self,
-        items: _Optional[_Iterable[_Union[LookupItem, _Mapping]]] = ...,
-        chunk_bytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[LookupItem, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class LookupChunk(_message.Message):
     __slots__ = ("item", "version", "dtype", "nbytes", "counts", "offset", "data")
@@ -1199,24 +837,13 @@ class LookupChunk(_message.Message):
     counts: bytes
     offset: int
     data: bytes
-    def __init__(
-        self,
-        item: _Optional[int] = ...,
-        version: _Optional[int] = ...,
-        dtype: _Optional[_Union[DType, str]] = ...,
-        nbytes: _Optional[int] = ...,
-        counts: _Optional[bytes] = ...,
-        offset: _Optional[int] = ...,
-        data: _Optional[bytes] = ...,
-    ) -> None: ...
+    def __init__(self, item: _Optional[int] = ..., version: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., nbytes: _Optional[int] = ..., counts: _Optional[bytes] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LookupReply(_message.Message):
     __slots__ = ("items",)
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[LookupChunk]
-    def __init__(
-        self, items: _Optional[_Iterable[_Union[LookupChunk, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, items: _Optional[_Iterable[_Union[LookupChunk, _Mapping]]] = ...) -> None: ...
 
 class WriteRowsRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "ids", "values")
@@ -1230,14 +857,7 @@ class WriteRowsRequest(_message.Message):
     shard_index: int
     ids: bytes
     values: bytes
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        ids: _Optional[bytes] = ...,
-        values: _Optional[bytes] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., ids: _Optional[bytes] = ..., values: _Optional[bytes] = ...) -> None: ...
 
 class WriteRowsResponse(_message.Message):
     __slots__ = ("rows_written",)
@@ -1245,17 +865,30 @@ class WriteRowsResponse(_message.Message):
     rows_written: int
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
 
+class WriteBytesRequest(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "starts", "lengths", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STARTS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    starts: _containers.RepeatedScalarFieldContainer[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteBytesResponse(_message.Message):
+    __slots__ = ("bytes_written",)
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    bytes_written: int
+    def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
+
 class CollectiveJob(_message.Message):
-    __slots__ = (
-        "seq",
-        "after_seq",
-        "ranks",
-        "timeout_s",
-        "epoch",
-        "reshard",
-        "checkpoint_load",
-        "checkpoint_save",
-    )
+    __slots__ = ("seq", "after_seq", "ranks", "timeout_s", "epoch", "reshard", "checkpoint_load", "checkpoint_save")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -1272,28 +905,10 @@ class CollectiveJob(_message.Message):
     reshard: ReshardJob
     checkpoint_load: CheckpointJob
     checkpoint_save: CheckpointJob
-    def __init__(
-        self,
-        seq: _Optional[int] = ...,
-        after_seq: _Optional[int] = ...,
-        ranks: _Optional[_Iterable[int]] = ...,
-        timeout_s: _Optional[float] = ...,
-        epoch: _Optional[int] = ...,
-        reshard: _Optional[_Union[ReshardJob, _Mapping]] = ...,
-        checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ...,
-        checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., after_seq: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ..., reshard: _Optional[_Union[ReshardJob, _Mapping]] = ..., checkpoint_load: _Optional[_Union[CheckpointJob, _Mapping]] = ..., checkpoint_save: _Optional[_Union[CheckpointJob, _Mapping]] = ...) -> None: ...
 
 class ReshardJob(_message.Message):
-    __slots__ = (
-        "name",
-        "src_version",
-        "src",
-        "dst_version",
-        "dst",
-        "bucket_bytes",
-        "src_unavailable",
-    )
+    __slots__ = ("name", "src_version", "src", "dst_version", "dst", "bucket_bytes", "src_unavailable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SRC_VERSION_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
@@ -1308,30 +923,10 @@ class ReshardJob(_message.Message):
     dst: ShardedTensorMetadata
     bucket_bytes: int
     src_unavailable: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        src_version: _Optional[int] = ...,
-        src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        dst_version: _Optional[int] = ...,
-        dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-        bucket_bytes: _Optional[int] = ...,
-        src_unavailable: _Optional[_Iterable[int]] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., src_version: _Optional[int] = ..., src: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., dst_version: _Optional[int] = ..., dst: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., bucket_bytes: _Optional[int] = ..., src_unavailable: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveProgress(_message.Message):
-    __slots__ = (
-        "bytes_done",
-        "bytes_total",
-        "done",
-        "error",
-        "failed_peers",
-        "new_shard_bytes",
-        "peak_staging_bytes",
-        "started",
-        "mapped_bytes",
-        "sent_bytes",
-    )
+    __slots__ = ("bytes_done", "bytes_total", "done", "error", "failed_peers", "new_shard_bytes", "peak_staging_bytes", "started", "mapped_bytes", "sent_bytes")
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -1352,19 +947,7 @@ class CollectiveProgress(_message.Message):
     started: bool
     mapped_bytes: int
     sent_bytes: int
-    def __init__(
-        self,
-        bytes_done: _Optional[int] = ...,
-        bytes_total: _Optional[int] = ...,
-        done: _Optional[bool] = ...,
-        error: _Optional[str] = ...,
-        failed_peers: _Optional[_Iterable[int]] = ...,
-        new_shard_bytes: _Optional[int] = ...,
-        peak_staging_bytes: _Optional[int] = ...,
-        started: _Optional[bool] = ...,
-        mapped_bytes: _Optional[int] = ...,
-        sent_bytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ..., failed_peers: _Optional[_Iterable[int]] = ..., new_shard_bytes: _Optional[int] = ..., peak_staging_bytes: _Optional[int] = ..., started: _Optional[bool] = ..., mapped_bytes: _Optional[int] = ..., sent_bytes: _Optional[int] = ...) -> None: ...
 
 class CancelCollectiveRequest(_message.Message):
     __slots__ = ("seq",)
@@ -1384,12 +967,7 @@ class CheckpointTensor(_message.Message):
     name: str
     version: int
     metadata: ShardedTensorMetadata
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ...) -> None: ...
 
 class CheckpointJob(_message.Message):
     __slots__ = ("path", "tensors")
@@ -1397,11 +975,7 @@ class CheckpointJob(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     path: str
     tensors: _containers.RepeatedCompositeFieldContainer[CheckpointTensor]
-    def __init__(
-        self,
-        path: _Optional[str] = ...,
-        tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ...) -> None: ...
 
 class InspectCheckpointRequest(_message.Message):
     __slots__ = ("path",)
@@ -1417,20 +991,13 @@ class CheckpointEntry(_message.Message):
     name: str
     size: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        size: _Optional[_Iterable[int]] = ...,
-        dtype: _Optional[_Union[DType, str]] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class InspectCheckpointResponse(_message.Message):
     __slots__ = ("tensors",)
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[CheckpointEntry]
-    def __init__(
-        self, tensors: _Optional[_Iterable[_Union[CheckpointEntry, _Mapping]]] = ...
-    ) -> None: ...
+    def __init__(self, tensors: _Optional[_Iterable[_Union[CheckpointEntry, _Mapping]]] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("path", "tensors", "overwrite", "timeout_s")
@@ -1442,13 +1009,7 @@ class LoadCheckpointRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[CheckpointTensor]
     overwrite: bool
     timeout_s: float
-    def __init__(
-        self,
-        path: _Optional[str] = ...,
-        tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ...,
-        overwrite: _Optional[bool] = ...,
-        timeout_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[CheckpointTensor, _Mapping]]] = ..., overwrite: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("path", "names", "timeout_s")
@@ -1458,12 +1019,7 @@ class SaveCheckpointRequest(_message.Message):
     path: str
     names: _containers.RepeatedScalarFieldContainer[str]
     timeout_s: float
-    def __init__(
-        self,
-        path: _Optional[str] = ...,
-        names: _Optional[_Iterable[str]] = ...,
-        timeout_s: _Optional[float] = ...,
-    ) -> None: ...
+    def __init__(self, path: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CheckpointProgress(_message.Message):
     __slots__ = ("bytes_done", "bytes_total", "done", "tensors")
@@ -1475,13 +1031,7 @@ class CheckpointProgress(_message.Message):
     bytes_total: int
     done: bool
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(
-        self,
-        bytes_done: _Optional[int] = ...,
-        bytes_total: _Optional[int] = ...,
-        done: _Optional[bool] = ...,
-        tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class OpenShardRequest(_message.Message):
     __slots__ = ("name", "version", "shard_index", "lease_s", "cached_inode", "cuda_ipc")
@@ -1497,28 +1047,10 @@ class OpenShardRequest(_message.Message):
     lease_s: float
     cached_inode: int
     cuda_ipc: bool
-    def __init__(
-        self,
-        name: _Optional[str] = ...,
-        version: _Optional[int] = ...,
-        shard_index: _Optional[int] = ...,
-        lease_s: _Optional[float] = ...,
-        cached_inode: _Optional[int] = ...,
-        cuda_ipc: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., lease_s: _Optional[float] = ..., cached_inode: _Optional[int] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
-    __slots__ = (
-        "device",
-        "handle",
-        "storage_size_bytes",
-        "storage_offset_bytes",
-        "ref_counter_handle",
-        "ref_counter_offset",
-        "event_handle",
-        "event_sync_required",
-        "tensor_offset",
-    )
+    __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -1537,36 +1069,10 @@ class CudaIpcHandle(_message.Message):
     event_handle: bytes
     event_sync_required: bool
     tensor_offset: int
-    def __init__(
-        self,
-        device: _Optional[int] = ...,
-        handle: _Optional[bytes] = ...,
-        storage_size_bytes: _Optional[int] = ...,
-        storage_offset_bytes: _Optional[int] = ...,
-        ref_counter_handle: _Optional[bytes] = ...,
-        ref_counter_offset: _Optional[int] = ...,
-        event_handle: _Optional[bytes] = ...,
-        event_sync_required: _Optional[bool] = ...,
-        tensor_offset: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class OpenShardResponse(_message.Message):
-    __slots__ = (
-        "pid",
-        "fd",
-        "inode",
-        "device_id",
-        "nbytes",
-        "dtype",
-        "shard_sizes",
-        "lease_id",
-        "lease_expires_s",
-        "version",
-        "cuda",
-        "data_offset",
-        "max_request_bytes",
-        "extents",
-    )
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes", "extents")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -1595,23 +1101,7 @@ class OpenShardResponse(_message.Message):
     data_offset: int
     max_request_bytes: int
     extents: _containers.RepeatedCompositeFieldContainer[ShardExtent]
-    def __init__(
-        self,
-        pid: _Optional[int] = ...,
-        fd: _Optional[int] = ...,
-        inode: _Optional[int] = ...,
-        device_id: _Optional[int] = ...,
-        nbytes: _Optional[int] = ...,
-        dtype: _Optional[_Union[DType, str]] = ...,
-        shard_sizes: _Optional[_Iterable[int]] = ...,
-        lease_id: _Optional[int] = ...,
-        lease_expires_s: _Optional[float] = ...,
-        version: _Optional[int] = ...,
-        cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...,
-        data_offset: _Optional[int] = ...,
-        max_request_bytes: _Optional[int] = ...,
-        extents: _Optional[_Iterable[_Union[ShardExtent, _Mapping]]] = ...,
-    ) -> None: ...
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[ShardExtent, _Mapping]]] = ...) -> None: ...
 
 class ShardExtent(_message.Message):
     __slots__ = ("fd", "inode", "device_id", "offset", "nbytes")
@@ -1625,14 +1115,7 @@ class ShardExtent(_message.Message):
     device_id: int
     offset: int
     nbytes: int
-    def __init__(
-        self,
-        fd: _Optional[int] = ...,
-        inode: _Optional[int] = ...,
-        device_id: _Optional[int] = ...,
-        offset: _Optional[int] = ...,
-        nbytes: _Optional[int] = ...,
-    ) -> None: ...
+    def __init__(self, fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BulkSessionRequest(_message.Message):
     __slots__ = ()
@@ -1648,13 +1131,7 @@ class BulkSession(_message.Message):
     ticket: bytes
     expires_s: float
     tls: bool
-    def __init__(
-        self,
-        port: _Optional[int] = ...,
-        ticket: _Optional[bytes] = ...,
-        expires_s: _Optional[float] = ...,
-        tls: _Optional[bool] = ...,
-    ) -> None: ...
+    def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)

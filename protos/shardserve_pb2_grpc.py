@@ -963,6 +963,11 @@ class ShardServerStub:
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
                 response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
                 _registered_method=True)
+        self.WriteBytes = channel.unary_unary(
+                '/shardserve.v1.ShardServer/WriteBytes',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.WriteBytesRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.WriteBytesResponse.FromString,
+                _registered_method=True)
         self.RunCollective = channel.unary_stream(
                 '/shardserve.v1.ShardServer/RunCollective',
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.CollectiveJob.SerializeToString,
@@ -1091,6 +1096,12 @@ class ShardServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WriteRows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteBytes(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1235,6 +1246,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.WriteRows,
                     request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.WriteRowsRequest.FromString,
                     response_serializer=shardserve_dot_protos_dot_shardserve__pb2.WriteRowsResponse.SerializeToString,
+            ),
+            'WriteBytes': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteBytes,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.WriteBytesRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.WriteBytesResponse.SerializeToString,
             ),
             'RunCollective': grpc.unary_stream_rpc_method_handler(
                     servicer.RunCollective,
@@ -1608,6 +1624,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/WriteRows',
             shardserve_dot_protos_dot_shardserve__pb2.WriteRowsRequest.SerializeToString,
             shardserve_dot_protos_dot_shardserve__pb2.WriteRowsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/WriteBytes',
+            shardserve_dot_protos_dot_shardserve__pb2.WriteBytesRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.WriteBytesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,17 +59,21 @@ def create_snapshot(
     skeleton: str = "",
     durable: bool = True,
     writer_host_id: str = "",
+    delta_of: int = 0,
 ) -> pb.SnapshotInfo:
     """CreateSnapshot: every tensor PENDING under the snapshot's number, allocated on its ranks; `skeleton`
     keeps the state dict's non-tensor tree with it; kept off the ranks' disks unless `durable`. With
     `writer_host_id` (client.paths.policy.PathPolicy.in_place_host), ranks on that host open their shards
-    for in-place writes and the answer's entries carry them (SnapshotEntry.writable)."""
+    for in-place writes and the answer's entries carry them (SnapshotEntry.writable). `delta_of`: the
+    prefix's newest snapshot, whose keys and `layouts` these are: every tensor starts as a copy of its own
+    there, sharing its blocks (FAILED_PRECONDITION when it is not the newest)."""
     request = pb.CreateSnapshotRequest(
         prefix=arguments.tensor_name(prefix, "prefix"),
         keep=keep,
         skeleton=skeleton,
         not_durable=not arguments.flag(durable, "durable"),
         writer_host_id=writer_host_id,
+        delta_of=delta_of,
     )
     for key, meta in layouts.items():
         request.tensors.add(key=key, metadata=metadata_to_proto(meta))

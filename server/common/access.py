@@ -132,6 +132,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "Lookup": Rule(READ, _item_names),
     SHARD_SERVER + "LookupSmall": Rule(READ, _item_names),
     SHARD_SERVER + "WriteRows": Rule(WRITE, _field_name),
+    SHARD_SERVER + "WriteBytes": Rule(WRITE, _field_name),
     SHARD_SERVER + "RunCollective": Rule(CLUSTER),
     SHARD_SERVER + "CancelCollective": Rule(CLUSTER),
     SHARD_SERVER + "OpenShard": Rule(READ, _field_name),

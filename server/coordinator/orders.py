@@ -39,6 +39,8 @@ class SnapshotOrder:
     durable: bool
     # a same-host writer whose shards the ranks open for in-place writes, if any
     writer_host_id: str = ""
+    # a delta put: the prefix's newest snapshot, each tensor a copy of its tensor of the same key (0: none)
+    delta_of: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ def snapshot_order(
         skeleton,
         durable=not request.not_durable,
         writer_host_id="" if authenticated else request.writer_host_id,
+        delta_of=check_version(request.delta_of, "delta_of", allow_zero=True),
     )
 
 

@@ -40,6 +40,7 @@ class Allocation:
     seed: int = 0
     source_version: int = 0
     reserve_only: bool = False
+    source_name: str = ""  # Init.COPY of another tensor than the allocated one ("": the same)
 
 
 class RankCalls:
@@ -110,14 +111,17 @@ class RankCalls:
         *,
         writer_host_id: str = "",
         dropping: Mapping[int, list[tuple[str, int]]] | None = None,
+        copies: Mapping[str, tuple[str, int]] | None = None,
     ) -> list[pb.WritableShard]:
         """AllocateMany of each rank's records (filled by their writers), one call per rank, ranks at once; the
         first failure raised. With `writer_host_id`, the shards each rank opened for that same-host writer.
-        `dropping`: versions each rank drops first, in the same call (another rank's are dropped quietly)."""
-        dropping = dropping or {}
+        `dropping`: versions each rank drops first, in the same call (another rank's are dropped quietly).
+        `copies`: {name: (source name, source version)} of records allocated as copies sharing the source's
+        blocks (a delta put's)."""
+        dropping, copies = dropping or {}, copies or {}
         requests = {
             rank: pb.AllocateManyRequest(
-                tensors=[self._allocation(r, Allocation()) for r in mine],
+                tensors=[self._allocation(r, _allocation_for(copies.get(r.name))) for r in mine],
                 writer_host_id=writer_host_id,
                 drop_first=[
                     pb.DropVersionRequest(name=n, version=v) for n, v in dropping.get(rank, ())
@@ -220,7 +224,15 @@ class RankCalls:
             options=options_to_proto(record.options),
             source_version=allocation.source_version,
             reserve_only=allocation.reserve_only,
+            source_name=allocation.source_name,
         )
+
+
+def _allocation_for(source: tuple[str, int] | None) -> Allocation:
+    """How a snapshot's tensor is allocated: left for its writer to fill, or a copy of `source`."""
+    if source is None:
+        return Allocation()
+    return Allocation(init=Init.COPY, source_version=source[1], source_name=source[0])
 
 
 def versions_by_rank(

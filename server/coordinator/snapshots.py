@@ -8,6 +8,11 @@ beyond the newest `keep` (freed on their ranks once the commit has answered:
 server/coordinator/deferred_drops.py). A snapshot never committed stays invisible: it is
 aborted by its writer, or its tensors are reaped as any pending put.
 
+A delta put's snapshot (SnapshotOrder.delta_of) repeats the keys and layouts of
+the prefix's newest snapshot, and each of its tensors is allocated as a copy of
+that snapshot's tensor of the same key, sharing its blocks on the ranks; its
+writer then sends only the bytes that changed.
+
 A commit may also reserve the prefix's next snapshot: created as CreateSnapshot
 would with the same layouts, in the memory the commit just freed. A writer that
 puts the same layouts every step commits it next and skips the create.
@@ -27,6 +32,7 @@ from shardserve.server.common.errors import (
     InvalidArgument,
     NotFound,
     ServiceError,
+    StaleVersion,
     TensorBusy,
 )
 from shardserve.server.common.requests import check_name, check_version
@@ -124,6 +130,7 @@ class SnapshotDriver:
         self.drops.wait(
             prefix
         )  # the memory of the snapshots the last commit removed, free to reuse
+        bases = self._delta_bases(order) if order.delta_of else {}
         number, *versions = self.catalog.next_versions(1 + len(layouts))
         created = time.time()
         options = TensorOptions(durable=order.durable)
@@ -150,6 +157,11 @@ class SnapshotDriver:
                 f"allocate snapshot {prefix!r} {number}",
                 writer_host_id=order.writer_host_id,
                 dropping=versions_by_rank(dropping, TensorRecord.ranks),
+                copies={
+                    entry.tensor.name: (bases[entry.key].name, bases[entry.key].version)
+                    for entry in entries
+                    if entry.key in bases
+                },
             )
         except BaseException:
             self._discard(snapshot)
@@ -164,6 +176,26 @@ class SnapshotDriver:
             snapshot.nbytes,
         )
         return CreatedSnapshot(snapshot, writable)
+
+    def _delta_bases(self, order: SnapshotOrder) -> dict[str, TensorRecord]:
+        """{key: the tensor of snapshot `order.delta_of` each new tensor copies}; FAILED_PRECONDITION (the
+        writer puts in full) unless that snapshot is the prefix's newest and has exactly the order's keys and
+        layouts."""
+        newest = self.catalog.snapshot(order.prefix, 0)
+        if newest is None or newest.number != order.delta_of:
+            raise StaleVersion(
+                f"delta_of {order.delta_of} is not the newest snapshot of {order.prefix!r} "
+                f"(newest: {newest.number if newest else 'none'}); put in full",
+                metadata={"field": "delta_of"},
+            )
+        bases = {entry.key: entry.tensor for entry in newest.entries}
+        if {key: t.metadata for key, t in bases.items()} != dict(order.layouts):
+            raise StaleVersion(
+                f"snapshot {order.delta_of} of {order.prefix!r} has other keys or layouts than the delta "
+                f"put's; put in full",
+                metadata={"field": "delta_of"},
+            )
+        return bases
 
     def commit(self, order: CommitOrder) -> CommittedSnapshot:
         """Promote every tensor on its ranks (`written_in_place`: the shards create opened for in-place writes

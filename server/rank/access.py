@@ -215,16 +215,25 @@ class VersionAccess:
 
     @contextmanager
     def rewrite(
-        self, name: str, version: int, shard_index: int, rows: torch.Tensor | None = None
+        self,
+        name: str,
+        version: int,
+        shard_index: int,
+        rows: torch.Tensor | None = None,
+        *,
+        byte_ranges: list[tuple[int, int]] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
         not fully written meanwhile, so a promote cannot publish it half changed. A version made by a row
-        update shares its blocks with its source: only the blocks holding local `rows` (dim 0) of it may be
-        changed, and they get copies of their own first."""
+        update or a delta put shares its blocks with its source: only the blocks holding local `rows` (dim 0)
+        of it, or its `byte_ranges` [start, stop), may be changed, and they get copies of their own first."""
         record, shard, was_complete = self._open_change(name, version, shard_index)
         with self._changing(record, shard_index) as done:
             if self._memory.blocks.is_composed(shard):
-                self._memory.own_rows(shard, rows)
+                if byte_ranges is not None:
+                    self._memory.own_bytes(shard, byte_ranges)
+                else:
+                    self._memory.own_rows(shard, rows)
             yield shard
             done(was_complete)
 

@@ -160,6 +160,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                 meta,
                 check_version(request.source_version, "source_version"),
                 options,
+                source_name=check_name(request.source_name, "source_name")
+                if request.source_name
+                else None,
             )
         if request.reserve_only:  # a collective job (reshard) installs the shards later
             return self.store.reserve(name, version, meta, options)
@@ -258,6 +261,12 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self, request: pb.WriteRowsRequest, context: grpc.ServicerContext
     ) -> pb.WriteRowsResponse:
         return pb.WriteRowsResponse(rows_written=self.writes.rows(request))
+
+    @rank_rpc
+    def WriteBytes(
+        self, request: pb.WriteBytesRequest, context: grpc.ServicerContext
+    ) -> pb.WriteBytesResponse:
+        return pb.WriteBytesResponse(bytes_written=self.writes.byte_ranges(request))
 
     @rank_rpc
     def GetStats(
@@ -363,6 +372,7 @@ def add_shard_server(server: grpc.Server, servicer: ShardServerServicer) -> str:
             response_serializer=encode_chunk,
         ),
         "WriteRows": unary(servicer.WriteRows, pb.WriteRowsRequest, pb.WriteRowsResponse),
+        "WriteBytes": unary(servicer.WriteBytes, pb.WriteBytesRequest, pb.WriteBytesResponse),
         "LookupSmall": grpc.unary_unary_rpc_method_handler(
             servicer.LookupSmall,
             request_deserializer=pb.LookupRequest.FromString,

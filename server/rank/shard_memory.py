@@ -104,6 +104,12 @@ class ShardMemory:
         added, freed = self.blocks.make_own(shard, [(start, start + row_bytes) for start in starts])
         self.budget.add(added - freed)
 
+    def own_bytes(self, shard: torch.Tensor, byte_ranges: list[tuple[int, int]]) -> None:
+        """Copy the blocks of composed `shard` that `byte_ranges` [start, stop) touch, so that they may be
+        written, accounting their memory."""
+        added, freed = self.blocks.make_own(shard, byte_ranges)
+        self.budget.add(added - freed)
+
     def publish(self, record: StoredVersion) -> None:
         """Make a served version's shards read-only and tell same-host readers it is served."""
         for shard in record.shards.values():

@@ -235,17 +235,23 @@ class ShardStore:
         meta: ShardedTensorMetadata,
         source_version: int,
         options: TensorOptions | None = None,
+        *,
+        source_name: str | None = None,
     ) -> int:
-        """Allocate (name, version) as a copy of the local shards of served version `source_version`: sharing
-        their blocks (server/rank/blocks.py) where they are in shared memory, else a copy of each shard."""
-        with self.access.lease(name, source_version) as source:
+        """Allocate (name, version) as a copy of the local shards of served version `source_version` of
+        `source_name` (None: `name`): sharing their blocks (server/rank/blocks.py) where they are in shared
+        memory, else a copy of each shard. A copy of another tensor (a delta put's) is persisted whole at its
+        promote; one of its own name by the update log."""
+        source_name = source_name or name
+        with self.access.lease(source_name, source_version) as source:
             if source.metadata != meta:
                 raise BadRequest(
-                    f"source_version {source_version} of {name!r} has another layout "
+                    f"source_version {source_version} of {source_name!r} has another layout "
                     f"than the new version's metadata",
                     metadata={"tensor": name, "field": "source_version"},
                 )
-            if self.persistence is not None and (options is None or options.durable):
+            own = source_name == name
+            if own and self.persistence is not None and (options is None or options.durable):
                 self.persistence.note_copy(name, version, source_version)
             shared = self.memory.share_blocks(source)
             copied = sum(

@@ -2,7 +2,7 @@
 
 WriteShard (a gRPC stream of chunks), WriteShards (bytes inline, a same-host writer's memfd, or written in
 place), the bulk
-port's write frame (bytes following on its connection) and WriteRows all come through `WritePath`: each
+port's write frame (bytes following on its connection), WriteRows and WriteBytes all come through `WritePath`: each
 shard is written under the store's write lease (a shard whose bytes do not all arrive is left torn, and a
 promote refuses it until it is written again) and its bytes counted once.
 """
@@ -22,6 +22,7 @@ from shardserve.server.common.requests import check_name, check_version, parse_d
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.table_rows import local_rows, parse_ids, parse_rows
 from shardserve.server.rank.writes.bulk import receive_batch
+from shardserve.server.rank.writes.byte_ranges import checked_ranges
 from shardserve.server.rank.writes.in_place import finish_written, open_for_write
 from shardserve.server.rank.writes.shards import ShardBytes, batch_bytes, checked_batch, write_batch
 from shardserve.server.rank.writes.shared import SharedSource
@@ -115,6 +116,33 @@ class WritePath:
             shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
         self.store.metrics.written(request.name, len(request.values))
         return int(ids.size)
+
+    def byte_ranges(self, request: pb.WriteBytesRequest) -> int:
+        """Overwrite byte ranges of one local shard of a PENDING version (a delta put's changed blocks); returns
+        the bytes written. A version sharing blocks with another copies only the blocks the ranges touch."""
+        name = check_name(request.name)
+        version = check_version(request.version)
+        access = self.store.access
+        with access.lease(name, version, served=False) as record:
+            shard = access.shard_of(record, request.shard_index)  # refused unless held here
+            nbytes = shard.numel() * shard.element_size()
+            durable = record.options.durable
+        persistence = self.store.persistence
+        if persistence is not None and durable and persistence.is_update(name, version):
+            raise InvalidArgument(  # its update log records rows, not byte ranges
+                f"version {version} of {name!r} is a durable row update's copy: write it with WriteRows",
+                metadata={"tensor": name},
+            )
+        ranges = checked_ranges(request.starts, request.lengths, nbytes, len(request.data))
+        data = memoryview(request.data)
+        with access.rewrite(name, version, request.shard_index, byte_ranges=ranges) as shard:
+            flat = shard.reshape(-1).view(torch.uint8)
+            at = 0
+            for start, stop in ranges:
+                flat[start:stop].numpy()[:] = np.frombuffer(data[at : at + stop - start], np.uint8)
+                at += stop - start
+        self.store.metrics.written(name, len(request.data))
+        return len(request.data)
 
     def _from_inline(self, shards: Sequence[ShardBytes], data: bytes) -> int:
         if len(data) != batch_bytes(shards):

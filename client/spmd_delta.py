@@ -1,0 +1,241 @@
+"""Delta puts of state dicts: spmd.put_state_dict(..., delta=True) sends only the blocks that changed.
+
+Each job rank keeps, per prefix, the block hashes (shardserve.core.delta) of every server shard it wrote in its
+last delta put, with that snapshot's number, layouts and what decided them (the put's basis, as reservations
+keep theirs: client/reservations.py). The next delta put with the same basis asks the coordinator for a
+snapshot whose tensors are copies of the previous snapshot's, sharing their blocks on the ranks
+(CreateSnapshotRequest.delta_of), hashes what it would write, and sends only the byte ranges of the blocks
+whose hash changed (ShardServer.WriteBytes), in batches. The coordinator refuses a previous snapshot that is
+no longer the prefix's newest (or whose tensors a rank lost), and the put is then made in full, as is one with
+no previous hashes or another basis (a changed shape, dtype, layout or set of live ranks).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from shardserve.client.errors import ShardServeError
+from shardserve.client.ops.snapshots import create_snapshot
+from shardserve.client.paths.writes import shard_write
+from shardserve.client.session import Session
+from shardserve.client.spmd_pieces import Piece
+from shardserve.core.checksums import hashing_pool
+from shardserve.core.delta import block_bytes, block_hashes, changed_ranges, split_ranges
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.regions import local_view
+from shardserve.core.snapshots import JobTensor, writer_of
+from shardserve.core.wire import metadata_from_proto
+from shardserve.protos import shardserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+WRITE_BATCH_BYTES = 4 << 20  # changed bytes per WriteBytes call
+
+ShardKey = tuple[str, int]  # (state dict key, server shard index)
+
+
+@dataclass(frozen=True)
+class MyShard:
+    """A server shard this job rank writes: where it goes and its bytes as stored (cast, contiguous)."""
+
+    key: str
+    name: str
+    version: int
+    index: int
+    rank: int
+    data: torch.Tensor  # the job's view, in the job's dtype
+    dtype: torch.dtype  # the stored dtype
+    segment: pb.WritableSegment | None
+
+
+@dataclass(frozen=True)
+class PreviousPut:
+    """What this job rank wrote in its last delta put of a prefix: the snapshot, its layouts, the basis that
+    decided them, and the block hashes of every shard it wrote."""
+
+    number: int
+    basis: Any
+    layouts: Mapping[str, ShardedTensorMetadata]
+    tensors: Mapping[str, JobTensor]
+    hashes: Mapping[ShardKey, tuple[int, ...]]
+
+
+class PreviousPuts:
+    """One client's PreviousPut per prefix; a put takes its prefix's (so two puts never share one)."""
+
+    def __init__(self) -> None:
+        self._by_prefix: dict[str, PreviousPut] = {}
+        self._lock = threading.Lock()
+
+    def take(self, prefix: str) -> PreviousPut | None:
+        with self._lock:
+            return self._by_prefix.pop(prefix, None)
+
+    def keep(self, prefix: str, previous: PreviousPut) -> None:
+        with self._lock:
+            self._by_prefix[prefix] = previous
+
+
+_puts: weakref.WeakKeyDictionary[Session, PreviousPuts] = weakref.WeakKeyDictionary()
+_puts_guard = threading.Lock()
+
+
+def previous_puts(session: Session) -> PreviousPuts:
+    """The delta puts' memory of `session` (gone with it)."""
+    with _puts_guard:
+        return _puts.setdefault(session, PreviousPuts())
+
+
+def create_delta(
+    session: Session,
+    previous: PreviousPut,
+    prefix: str,
+    *,
+    keep: int,
+    skeleton: str,
+    durable: bool,
+) -> bytes | None:
+    """Job rank 0: a snapshot of `prefix` copying `previous` on the ranks (as bytes, for the broadcast), or
+    None when the coordinator refuses it (no longer the newest, dropped, a rank lost it): the put is then in
+    full. Its shards are never opened for in-place writes: they share the previous snapshot's blocks."""
+    try:
+        created = create_snapshot(
+            session,
+            prefix,
+            previous.layouts,
+            keep,
+            skeleton=skeleton,
+            durable=durable,
+            delta_of=previous.number,
+        )
+    except ShardServeError as err:
+        log.info("%r: no delta of snapshot %d (%s); putting in full", prefix, previous.number, err)
+        return None
+    return created.SerializeToString()
+
+
+def my_shards(
+    snapshot: pb.SnapshotInfo,
+    tensors: Mapping[str, JobTensor],
+    local: Mapping[str, list[Piece]],
+    rank: int,
+) -> Iterator[MyShard]:
+    """Every server shard of `snapshot` whose writer is job `rank`, with the piece of the job's tensor it holds."""
+    for entry in snapshot.entries:
+        meta = metadata_from_proto(entry.tensor.metadata)
+        held = dict(local[entry.key])
+        opened = {shard.shard_index: shard.segment for shard in entry.writable}
+        for index, shard in enumerate(meta.shards_metadata):
+            writer, job_box = writer_of(shard.box, tensors[entry.key])
+            if writer != rank:
+                continue
+            data = (
+                local_view(held[job_box], job_box, shard.box)
+                if not shard.box.is_empty()
+                else torch.empty(shard.box.sizes, dtype=meta.dtype)
+            )
+            yield MyShard(
+                entry.key,
+                entry.tensor.name,
+                entry.tensor.version,
+                index,
+                shard.rank,
+                data,
+                meta.dtype,
+                opened.get(index),
+            )
+
+
+def stored_bytes(shard: MyShard) -> torch.Tensor:
+    """The shard's bytes as the rank stores them: cast to the stored dtype, contiguous, on the CPU."""
+    return shard.data.detach().to(device="cpu", dtype=shard.dtype).contiguous()
+
+
+def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:
+    """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL)."""
+    pool = hashing_pool()
+    futures = {
+        (s.key, s.index): pool.submit(lambda s=s: block_hashes(stored_bytes(s))) for s in shards
+    }
+    return {key: future.result() for key, future in futures.items()}
+
+
+def write_whole(session: Session, shards: list[MyShard]) -> dict[str, int]:
+    """Write every shard whole, each server rank's shards batched together on its fastest path (into the
+    memory the create opened for it, where it did); returns the bytes written per path."""
+    writes = [
+        (
+            shard.rank,
+            shard_write(
+                shard.name,
+                shard.version,
+                shard.index,
+                shard.data,
+                segment=shard.segment,
+                dtype=shard.dtype,
+            ),
+        )
+        for shard in shards
+    ]
+    return session.write_shards(writes)
+
+
+def write_changed(
+    session: Session,
+    shards: list[MyShard],
+    hashes: Mapping[ShardKey, tuple[int, ...]],
+    previous: Mapping[ShardKey, tuple[int, ...]],
+) -> int:
+    """Send the changed blocks of every shard (its new `hashes` against the `previous` ones) into the delta
+    snapshot's copies; returns the bytes sent."""
+    jobs = []
+    for shard in shards:
+        stored = stored_bytes(shard)
+        nbytes = stored.numel() * stored.element_size()
+        step = block_bytes(tuple(stored.shape), stored.element_size())
+        key = (shard.key, shard.index)
+        ranges = changed_ranges(previous.get(key), hashes[key], step=step, nbytes=nbytes)
+        for batch in split_ranges(ranges, WRITE_BATCH_BYTES):
+            jobs.append(partial(_write_bytes, session, shard, stored, batch))
+    return sum(session.run_all(jobs))
+
+
+def _write_bytes(
+    session: Session, shard: MyShard, stored: torch.Tensor, ranges: list[tuple[int, int]]
+) -> int:
+    flat = stored.reshape(-1).view(torch.uint8)
+    data = b"".join(flat[start:stop].numpy().data for start, stop in ranges)
+    address = session.address_of(shard.rank)
+    request = pb.WriteBytesRequest(
+        name=shard.name,
+        version=shard.version,
+        shard_index=shard.index,
+        starts=[start for start, _ in ranges],
+        lengths=[stop - start for start, stop in ranges],
+        data=data,
+    )
+    channel = session.channel
+    reply = channel.unary(
+        channel.shard_server(address).WriteBytes,
+        request,
+        f"rank at {address}",
+        timeout=channel.data_timeout(len(data)),
+    )
+    if reply.bytes_written != len(data):
+        raise ShardServeError(
+            f"rank at {address} wrote {reply.bytes_written} of {len(data)} bytes of {shard.name!r}"
+        )
+    return len(data)
+
+
+def snapshot_layouts(snapshot: pb.SnapshotInfo) -> dict[str, ShardedTensorMetadata]:
+    """{key: layout} of a created snapshot's entries."""
+    return {entry.key: metadata_from_proto(entry.tensor.metadata) for entry in snapshot.entries}

@@ -1,0 +1,184 @@
+"""Delta puts (spmd.put_state_dict(..., delta=True)): only the blocks that changed are sent and stored, the rest
+shared with the previous snapshot on the ranks; every snapshot reads bit for bit like a full put on every data
+path, readers pinned to the older snapshot read its bytes whole, and a put with nothing to compare against (no
+previous put, a changed shape, a newer snapshot by another writer, a dropped snapshot) is made in full."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from shardserve import connect, spmd
+from shardserve.client import spmd as spmd_module
+from shardserve.client.cluster import Cluster
+from shardserve.core.delta import DELTA_BLOCK_BYTES
+from shardserve.server.launcher import LocalCluster
+
+ROWS, WIDTH = 2048, 512  # 4 MiB of fp32: four delta blocks of 512 rows
+
+
+@pytest.fixture(scope="module")
+def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
+    return make_cluster(ranks=2)
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes each delta put's changed blocks took on the wire (one entry per delta put on this rank)."""
+    counts: list[int] = []
+    real = spmd_module.write_changed
+
+    def counted(*args: Any, **kwargs: Any) -> int:
+        counts.append(real(*args, **kwargs))
+        return counts[-1]
+
+    monkeypatch.setattr(spmd_module, "write_changed", counted)
+    return counts
+
+
+def model(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {
+        "a": torch.randn(ROWS, WIDTH),
+        "b": torch.randn(ROWS, WIDTH),
+        "ids": torch.arange(100, dtype=torch.int64),
+        "scale": torch.tensor(1.5),
+        "step": seed,
+    }
+
+
+def read(client: Cluster, prefix: str, like: dict[str, Any], number: int | None = None) -> dict[str, Any]:
+    into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+    spmd.get_state_dict(client, prefix, into=into, snapshot=number)
+    return into
+
+
+def assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def test_unchanged_sends_nothing_and_one_row_sends_one_block(
+    cluster: LocalCluster, sent: list[int]
+) -> None:
+    with connect(cluster.address) as client:
+        state = model(1)
+        first = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
+        assert sent == []  # no previous put: in full
+        second = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
+        assert second > first and sent == [0]
+        assert_same(read(client, "d/rows", state), state)
+        state["a"][700] += 1.0
+        state["step"] = 2
+        third = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
+        assert sent == [0, DELTA_BLOCK_BYTES]  # rows 512..1023 of "a"
+        assert_same(read(client, "d/rows", state), state)
+        older = read(client, "d/rows", state, second)
+        assert older["a"][700].sum() != state["a"][700].sum()
+        assert torch.equal(older["b"], state["b"]) and older["step"] == 1
+        assert [s.number for s in client.snapshots("d/rows")] == [first, second, third]
+
+
+def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list[int]) -> None:
+    with connect(cluster.address) as client:
+        state = model(3)
+        spmd.put_state_dict(client, state, "d/tensor", delta=True)
+        state["b"] = torch.randn(ROWS, WIDTH)
+        state["scale"] = torch.tensor(-2.0)
+        number = spmd.put_state_dict(client, state, "d/tensor", delta=True)
+        assert sent == [ROWS * WIDTH * 4 + 4]
+    for transport in ("shm", "tcp", "grpc"):
+        with connect(cluster.address, transport=transport) as reader:
+            assert_same(read(reader, "d/tensor", state), state)
+            view = reader.snapshot("d/tensor", number)
+            assert torch.equal(view["b"].fetch((0, 0), (ROWS, WIDTH)), state["b"]), transport
+            assert torch.equal(view["a"].fetch((600, 0), (10, WIDTH)), state["a"][600:610])
+
+
+def test_changed_shape_puts_in_full(cluster: LocalCluster, sent: list[int]) -> None:
+    with connect(cluster.address) as client:
+        state = model(4)
+        spmd.put_state_dict(client, state, "d/shape", delta=True)
+        state["a"] = torch.randn(ROWS + 1, WIDTH)
+        spmd.put_state_dict(client, state, "d/shape", delta=True)
+        assert sent == []
+        assert_same(read(client, "d/shape", state), state)
+        state["a"][0] = 0.0
+        spmd.put_state_dict(client, state, "d/shape", delta=True)
+        assert sent == [DELTA_BLOCK_BYTES]
+        assert_same(read(client, "d/shape", state), state)
+
+
+def test_newer_or_dropped_previous_snapshot_puts_in_full(
+    cluster: LocalCluster, sent: list[int]
+) -> None:
+    with connect(cluster.address) as client, connect(cluster.address) as other:
+        state = model(5)
+        spmd.put_state_dict(client, state, "d/newer", delta=True)
+        spmd.put_state_dict(other, model(6), "d/newer")  # not the newest any more
+        spmd.put_state_dict(client, state, "d/newer", delta=True)
+        assert sent == []
+        assert_same(read(client, "d/newer", state), state)
+        spmd.put_state_dict(client, state, "d/dropped", keep=1, delta=True)
+        spmd.put_state_dict(other, model(9), "d/dropped", keep=1)  # drops the client's snapshot
+        spmd.put_state_dict(client, state, "d/dropped", keep=1, delta=True)
+        assert sent == []
+        assert_same(read(client, "d/dropped", state), state)
+
+
+def test_pinned_readers_read_the_older_snapshot_whole(
+    cluster: LocalCluster, sent: list[int]
+) -> None:
+    with connect(cluster.address) as client, connect(cluster.address) as reader:
+        state = model(7)
+        pinned_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        pinned = spmd.put_state_dict(client, state, "d/pinned", keep=8, delta=True)
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def read_pinned() -> None:
+            while not stop.is_set():
+                got = read(reader, "d/pinned", pinned_state, pinned)
+                for key in ("a", "b"):
+                    if not torch.equal(got[key], pinned_state[key]):
+                        failures.append(key)
+
+        thread = threading.Thread(target=read_pinned)
+        thread.start()
+        try:
+            for row in range(0, ROWS, 300):
+                state["a"][row] = float(row)
+                spmd.put_state_dict(client, state, "d/pinned", keep=8, delta=True)
+        finally:
+            stop.set()
+            thread.join()
+        assert failures == [] and len(sent) == len(range(0, ROWS, 300))
+        assert_same(read(client, "d/pinned", state), state)
+        assert_same(read(reader, "d/pinned", pinned_state, pinned), pinned_state)
+
+
+def test_delta_with_a_cast_and_the_reservation(cluster: LocalCluster, sent: list[int]) -> None:
+    with connect(cluster.address) as client:
+        state = model(8)
+        spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16)  # reserves the next snapshot
+        spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16, delta=True)
+        state["a"][5] = 3.0
+        spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16, delta=True)
+        assert sent == [DELTA_BLOCK_BYTES]  # bf16 rows of 1 KiB: rows 0..1023 of "a"
+        cast = {
+            k: v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor)
+        }
+        got = read(client, "d/cast", {**cast, "step": None})
+        assert_same({k: got[k] for k in cast}, cast)
+        with pytest.raises(Exception, match="delta"):
+            spmd.put_state_dict(client, state, "d/cast", delta="yes")  # type: ignore[arg-type]
