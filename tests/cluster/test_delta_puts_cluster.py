@@ -51,8 +51,12 @@ def model(seed: int) -> dict[str, Any]:
     }
 
 
-def read(client: Cluster, prefix: str, like: dict[str, Any], number: int | None = None) -> dict[str, Any]:
-    into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+def read(
+    client: Cluster, prefix: str, like: dict[str, Any], number: int | None = None
+) -> dict[str, Any]:
+    into = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()
+    }
     spmd.get_state_dict(client, prefix, into=into, snapshot=number)
     return into
 
@@ -139,7 +143,9 @@ def test_pinned_readers_read_the_older_snapshot_whole(
 ) -> None:
     with connect(cluster.address) as client, connect(cluster.address) as reader:
         state = model(7)
-        pinned_state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        pinned_state = {
+            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+        }
         pinned = spmd.put_state_dict(client, state, "d/pinned", keep=8, delta=True)
         failures: list[str] = []
         stop = threading.Event()
@@ -168,7 +174,9 @@ def test_pinned_readers_read_the_older_snapshot_whole(
 def test_delta_with_a_cast_and_the_reservation(cluster: LocalCluster, sent: list[int]) -> None:
     with connect(cluster.address) as client:
         state = model(8)
-        spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16)  # reserves the next snapshot
+        spmd.put_state_dict(
+            client, state, "d/cast", dtype=torch.bfloat16
+        )  # reserves the next snapshot
         spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16, delta=True)
         state["a"][5] = 3.0
         spmd.put_state_dict(client, state, "d/cast", dtype=torch.bfloat16, delta=True)

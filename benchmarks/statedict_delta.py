@@ -1,0 +1,133 @@
+"""Delta puts in the weight-sync loop: a 1 GiB state dict of which one 16 MiB tensor changed between puts.
+
+One process puts 64 x 16 MiB of fp32 (1 GiB; --quick: 16 x 1 MiB) through a 2-rank cluster (shared memory,
+durable=False, keep=2): the steady full put (the reserved snapshot filled in place) against the delta put
+(spmd.put_state_dict(..., delta=True)), each after a different tensor was changed, best and median of the
+repeats after one warm-up put. The load average is printed and kept in each row's note: the delta put hashes
+every block of the state dict (xxh3 on every core), so on a loaded machine the ratio says little.
+
+    python -m benchmarks.statedict_delta [--tensors 64] [--each-mib 16] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from benchmarks.harness import Row
+from benchmarks.statedict_casts import _load, _state
+
+MiB = 1 << 20
+TENSORS, EACH = 64, 16 * MiB
+QUICK_TENSORS, QUICK_EACH = 16, MiB
+REPEATS, QUICK_REPEATS = 7, 3
+
+
+def _timed_puts(
+    cluster: Any, state: dict[str, torch.Tensor], prefix: str, *, delta: bool, repeats: int
+) -> list[float]:
+    """Seconds of each put after the warm-up ones, a different tensor changed before each."""
+    from shardserve import spmd
+
+    keys = list(state)
+    for _ in range(2):  # the first full put, then the steady path (a reservation, or the hashes)
+        spmd.put_state_dict(cluster, state, prefix, keep=2, durable=False, delta=delta)
+    seconds = []
+    for k in range(repeats):
+        state[keys[k % len(keys)]].add_(1.0)
+        start = time.perf_counter()
+        spmd.put_state_dict(cluster, state, prefix, keep=2, durable=False, delta=delta)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def delta_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, Any]:
+    """Full and delta put seconds (best, median), whether the last delta snapshot read back bit for bit, and
+    the load average before and after."""
+    from shardserve import spmd
+
+    state = _state(count, each, torch.float32, seed=2)
+    load_before = _load()
+    full = _timed_puts(cluster, state, f"full{count}x{each}", delta=False, repeats=repeats)
+    delta = _timed_puts(cluster, state, f"delta{count}x{each}", delta=True, repeats=repeats)
+    back = {key: torch.zeros_like(t) for key, t in state.items()}
+    spmd.get_state_dict(cluster, f"delta{count}x{each}", into=back)
+    return {
+        "full": (min(full), statistics.median(full)),
+        "delta": (min(delta), statistics.median(delta)),
+        "ok": all(torch.equal(back[key], state[key]) for key in state),
+        "load": f"load average {load_before} before, {_load()} after",
+    }
+
+
+def delta_rows(
+    cluster: Any, *, quick: bool, count: int | None = None, each: int | None = None
+) -> list[Row]:
+    """The delta put rows, measured through `cluster` (a 2-rank LocalCluster on this host); the load average
+    printed and kept in each row's note."""
+    from shardserve import connect
+
+    count = count or (QUICK_TENSORS if quick else TENSORS)
+    each = each or (QUICK_EACH if quick else EACH)
+    with connect(cluster.address) as client:
+        r = delta_case(client, count, each, QUICK_REPEATS if quick else REPEATS)
+    (full_best, full_median), (delta_best, delta_median) = r["full"], r["delta"]
+    note = (
+        f"best {delta_best * 1e3:.1f} / median {delta_median * 1e3:.1f} ms against the full put's "
+        f"{full_best * 1e3:.1f} / {full_median * 1e3:.1f} ms; {r['load']}"
+    )
+    print(f"statedict delta, {count} x {each >> 10} KiB fp32, one changed: {note}", flush=True)
+    case, total = f"{count} x {each >> 10} KiB fp32, one tensor changed", count * each
+    return [
+        Row(
+            "statedict-delta",
+            case,
+            "put_state_dict delta",
+            delta_median,
+            nbytes=total,
+            baseline="put_state_dict full",
+            path="shm",
+            ok=r["ok"],
+            note=note,
+            extra={"best_s": delta_best},
+        ),
+        Row(
+            "statedict-delta",
+            case,
+            "put_state_dict full",
+            full_median,
+            nbytes=total,
+            role="baseline",
+            path="shm",
+            note=f"the steady full put (reserved snapshot); {r['load']}",
+            extra={"best_s": full_best},
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tensors", type=int, default=None, help="tensors in the state dict")
+    parser.add_argument("--each-mib", type=float, default=None, help="MiB of fp32 per tensor")
+    parser.add_argument("--quick", action="store_true", help="16 x 1 MiB, 3 repeats")
+    args = parser.parse_args()
+    from shardserve.server.launcher import LocalCluster
+
+    each = int(args.each_mib * MiB) if args.each_mib else None
+    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
+        cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
+        try:
+            rows = delta_rows(cluster, quick=args.quick, count=args.tensors, each=each)
+        finally:
+            cluster.stop()
+    for row in rows:
+        print(f"{row.case:48} {row.name:22} {row.seconds * 1e3:9.1f} ms  ok={row.ok}")
+
+
+if __name__ == "__main__":
+    main()
