@@ -27,6 +27,7 @@ import torch
 
 from benchmarks.harness import Context, Row, scenario
 from benchmarks.statedict_casts import cast_rows
+from benchmarks.statedict_delta import delta_rows
 from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_host import host_rows
 
@@ -230,6 +231,7 @@ def statedict_scenario(ctx: Context) -> list[Row]:
             host = host_rows(cluster, quick=ctx.quick, peaks={})
             host += fsdp_rows(cluster.address, quick=ctx.quick, peaks={})
             host += cast_rows(cluster, quick=ctx.quick)
+            host += delta_rows(cluster, quick=ctx.quick)
         for row in host:
             if row.role == "subject":
                 row.peak_rss = host_peaks
