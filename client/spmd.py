@@ -187,9 +187,7 @@ class _StatePut:
         )
         return self._fill(pb.SnapshotInfo.FromString(created), tensors, basis)
 
-    def _run_delta(
-        self, reservation: Reservation | None, error: str | None, basis: Any
-    ) -> int:
+    def _run_delta(self, reservation: Reservation | None, error: str | None, basis: Any) -> int:
         """A delta put: the prefix's reservation aborted (a delta snapshot copies the previous one instead);
         only the changed blocks written when every rank's previous put of the prefix had this basis and the
         coordinator copies that snapshot, else a put in full (its hashes kept for the next delta put)."""

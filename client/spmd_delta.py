@@ -162,10 +162,12 @@ def stored_bytes(shard: MyShard) -> torch.Tensor:
 def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:
     """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL)."""
     pool = hashing_pool()
-    futures = {
-        (s.key, s.index): pool.submit(lambda s=s: block_hashes(stored_bytes(s))) for s in shards
-    }
+    futures = {(s.key, s.index): pool.submit(_hashes_of, s) for s in shards}
     return {key: future.result() for key, future in futures.items()}
+
+
+def _hashes_of(shard: MyShard) -> tuple[int, ...]:
+    return block_hashes(stored_bytes(shard))
 
 
 def write_whole(session: Session, shards: list[MyShard]) -> dict[str, int]:
