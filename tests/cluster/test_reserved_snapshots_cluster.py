@@ -204,7 +204,7 @@ def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
 def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
     cluster: LocalCluster, creates: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = spmd_module._write_mine
+    real = spmd_module.write_whole
     failures = [RuntimeError("injected write failure")]
 
     def fail_once(*args: Any, **kwargs: Any) -> dict[str, int]:
@@ -215,7 +215,7 @@ def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
     with connect(cluster.address) as client:
         spmd.put_state_dict(client, state(1), "retried", keep=1)
         failed = reserved_number(client, "retried")
-        monkeypatch.setattr(spmd_module, "_write_mine", fail_once)
+        monkeypatch.setattr(spmd_module, "write_whole", fail_once)
         number = spmd.put_state_dict(client, state(2), "retried", keep=1)
         assert not failures and creates == ["retried", "retried"]
         assert failed not in held_numbers(cluster.address, "retried")

@@ -332,7 +332,7 @@ def job_put_failing(rank: int, address: str, failing: int, step: str) -> tuple[s
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"injected {step} failure")
 
-    name = "_write_mine" if step == "write" else "commit_snapshot"
+    name = "write_whole" if step == "write" else "commit_snapshot"
     real = getattr(spmd_module, name)
     if rank == failing:
         setattr(spmd_module, name, fail)
