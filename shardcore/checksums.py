@@ -9,9 +9,10 @@ chance that a real shard hashes to 0 is 2^-64.
 
 `copy_checksummed` copies a run of bytes and hashes it in the same pass: chunk by chunk, each chunk hashed
 right after it is copied, while it is still in cache, instead of reading the whole run again from memory
-afterwards. xxh3-64 is sequential (a streaming hasher takes the chunks in order), so the calling thread hashes
-every chunk while a helper on the hashing pool copies the chunks ahead of it (a copy and a hash of cached bytes
-overlap on two cores: the pair costs about the copy alone); the digest is exactly that of the whole run.
+afterwards; the digest is exactly that of the whole run. xxh3-64 is sequential (a streaming hasher takes the
+chunks in order), so one copy runs on one thread: a copy of host memory is bound by memory bandwidth, which one
+core nearly fills, and concurrent reads (a state dict's) fill the others. Handing chunks to a helper thread that
+copies ahead while this one hashes cost more CPU and more time than it saved on a loaded 2-core host.
 """
 
 from __future__ import annotations
@@ -74,66 +75,15 @@ def checksum_text(value: int) -> str:
     return "unknown" if value == UNKNOWN else f"{value:016x}"
 
 
-def copy_checksummed(dst: torch.Tensor, src: torch.Tensor, *, pool: Executor | None = None) -> int:
+def copy_checksummed(dst: torch.Tensor, src: torch.Tensor) -> int:
     """dst[...] = src for two flat uint8 CPU tensors of one length, returning the xxh3-64 of the bytes that
-    landed in `dst` (each chunk hashed right after its copy, in order, on this thread). With `pool`, helpers
-    there copy the chunks ahead of this thread (one per core but this one) while it hashes: a helper never
-    waits for anything, so the pool may be busy or shared; until one starts, this thread copies too."""
+    landed in `dst`: chunk by chunk, each chunk hashed right after its copy while it is still in cache."""
     if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.dim() != 1 or src.shape != dst.shape:
         raise ValueError("copy_checksummed takes two flat uint8 tensors of one length")
-    chunks = _Chunks(dst.numpy(), src.numpy())
-    helpers = max(0, min(3, (os.cpu_count() or 1) - 1)) if pool is not None and chunks.count > 1 else 0
-    for _ in range(helpers):
-        pool.submit(chunks.help)  # type: ignore[union-attr]
+    target, source = dst.numpy(), src.numpy()
     hasher = xxhash.xxh3_64()
-    for k in range(chunks.count):
-        hasher.update(chunks.copied(k))
+    for start in range(0, target.size, CHUNK_BYTES):
+        chunk = slice(start, start + CHUNK_BYTES)
+        np.copyto(target[chunk], source[chunk])
+        hasher.update(memoryview(target[chunk]))
     return hasher.intdigest()
-
-
-class _Chunks:
-    """The chunks of one fused copy: each copied exactly once, by whichever thread claims it first."""
-
-    def __init__(self, dst: np.ndarray, src: np.ndarray) -> None:
-        self._dst, self._src = dst, src
-        self.count = max(1, -(-dst.size // CHUNK_BYTES))
-        self._lock = threading.Lock()
-        self._claimed = [False] * self.count
-        self._done = [threading.Event() for _ in range(self.count)]
-        self._helped = False  # a helper started: from then on it copies every chunk not claimed yet
-        self._error: BaseException | None = None
-
-    def _span(self, k: int) -> slice:
-        return slice(k * CHUNK_BYTES, min((k + 1) * CHUNK_BYTES, self._dst.size))
-
-    def _claim(self, k: int, *, helper: bool) -> bool:
-        with self._lock:
-            self._helped = self._helped or helper
-            if self._claimed[k] or (self._helped and not helper):
-                return False
-            self._claimed[k] = True
-            return True
-
-    def _copy(self, k: int) -> None:
-        try:
-            np.copyto(self._dst[self._span(k)], self._src[self._span(k)])
-        except BaseException as err:  # noqa: BLE001 - raised on the hashing thread instead
-            self._error = err
-        finally:
-            self._done[k].set()
-
-    def help(self) -> None:
-        """Copy every chunk not claimed yet, in order (a helper's task: it never waits)."""
-        for k in range(self.count):
-            if self._claim(k, helper=True):
-                self._copy(k)
-
-    def copied(self, k: int) -> memoryview:
-        """Chunk `k` of the destination once copied (by this thread while no helper has started)."""
-        if self._claim(k, helper=False):
-            self._copy(k)
-        else:
-            self._done[k].wait()
-        if self._error is not None:
-            raise self._error
-        return memoryview(self._dst[self._span(k)])

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from shardserve.core.checksums import copy_checksummed, hashing_pool
+from shardserve.core.checksums import copy_checksummed
 from shardserve.core.wire import byte_view, word_views
 
 PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
@@ -42,12 +42,11 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int | None:
     """dst[...] = src returning the xxh3-64 of the bytes that landed in `dst`, hashed chunk by chunk as they
-    are copied (helpers on the hashing pool copy ahead, as torch's copy_ would use every core); None, with
-    nothing copied, when the copy is not one of two contiguous CPU tensors of one dtype and shape (a cast, a
+    are copied, on this thread (shardcore.checksums.copy_checksummed); None, with nothing copied, when the copy is not one of two contiguous CPU tensors of one dtype and shape (a cast, a
     strided region, a CUDA device): the caller then copies and hashes apart."""
     if not _plain_bytes(dst, src):
         return None
-    return copy_checksummed(byte_view(dst), byte_view(src), pool=hashing_pool())
+    return copy_checksummed(byte_view(dst), byte_view(src))
 
 
 def _plain_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
