@@ -56,7 +56,10 @@ def verify_case(client: Any, *, count: int, each: int, one: int, rounds: int) ->
     from shardserve import spmd
 
     generator = torch.Generator().manual_seed(3)
-    state = {f"layer{i}.w": torch.randn((each // 4 // 256, 256), generator=generator) for i in range(count)}
+    state = {
+        f"layer{i}.w": torch.randn((each // 4 // 256, 256), generator=generator)
+        for i in range(count)
+    }
     into = {key: torch.zeros_like(t) for key, t in state.items()}
     big = torch.randn((one // 4 // 1024, 1024), generator=generator)
     landed = torch.zeros_like(big)
@@ -67,7 +70,9 @@ def verify_case(client: Any, *, count: int, each: int, one: int, rounds: int) ->
     spent = alternating(
         {
             "get": lambda: spmd.get_state_dict(client, "verified-sd", into=into),
-            "get verify": lambda: spmd.get_state_dict(client, "verified-sd", into=into, verify=True),
+            "get verify": lambda: spmd.get_state_dict(
+                client, "verified-sd", into=into, verify=True
+            ),
             "fetch": lambda: proxy.fetch((0, 0), shape, out=landed),
             "fetch verify": lambda: proxy.fetch((0, 0), shape, out=landed, verify=True),
         },
@@ -95,7 +100,11 @@ def verify_rows(
     one = QUICK_ONE if quick else ONE
     with connect(cluster.address) as client:
         r = verify_case(
-            client, count=count, each=each, one=one, rounds=rounds or (QUICK_ROUNDS if quick else ROUNDS)
+            client,
+            count=count,
+            each=each,
+            one=one,
+            rounds=rounds or (QUICK_ROUNDS if quick else ROUNDS),
         )
     spent = r["spent"]
     median = {name: statistics.median(times) for name, times in spent.items()}
@@ -107,7 +116,8 @@ def verify_rows(
     for plain in ("get", "fetch"):
         ratio = median[f"{plain} verify"] / median[plain]
         print(
-            f"statedict verify: {plain} verify / {plain} = {ratio:.2f} (limit {LIMIT}) {r['load']}", flush=True
+            f"statedict verify: {plain} verify / {plain} = {ratio:.2f} (limit {LIMIT}) {r['load']}",
+            flush=True,
         )
     cases = {
         "get": (f"{count} x {each >> 10} KiB fp32, one process", count * each, "get_state_dict"),
@@ -146,7 +156,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=None, help="tensors in the state dict")
     parser.add_argument("--each-mib", type=float, default=None, help="MiB of fp32 per tensor")
-    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (plain and verify alternate)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds (plain and verify alternate)"
+    )
     parser.add_argument("--quick", action="store_true", help="16 x 1 MiB and 16 MiB, 3 rounds")
     args = parser.parse_args()
     from shardserve.server.launcher import LocalCluster
@@ -155,7 +167,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
         cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
         try:
-            rows = verify_rows(cluster, quick=args.quick, count=args.tensors, each=each, rounds=args.rounds)
+            rows = verify_rows(
+                cluster, quick=args.quick, count=args.tensors, each=each, rounds=args.rounds
+            )
         finally:
             cluster.stop()
     for row in rows:

@@ -28,7 +28,9 @@ import xxhash
 
 ALGORITHM = "xxh3_64"
 UNKNOWN = 0  # a shard whose checksum is not known
-CHUNK_BYTES = 2 << 20  # a fused copy's chunk: hashed while still in the core's cache (L2 1 MiB, L3 shared)
+CHUNK_BYTES = (
+    2 << 20
+)  # a fused copy's chunk: hashed while still in the core's cache (L2 1 MiB, L3 shared)
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -78,12 +80,17 @@ def checksum_text(value: int) -> str:
 def copy_checksummed(dst: torch.Tensor, src: torch.Tensor) -> int:
     """dst[...] = src for two flat uint8 CPU tensors of one length, returning the xxh3-64 of the bytes that
     landed in `dst`: chunk by chunk, each chunk hashed right after its copy while it is still in cache."""
-    if dst.dtype != torch.uint8 or src.dtype != torch.uint8 or dst.dim() != 1 or src.shape != dst.shape:
+    if (
+        dst.dtype != torch.uint8
+        or src.dtype != torch.uint8
+        or dst.dim() != 1
+        or src.shape != dst.shape
+    ):
         raise ValueError("copy_checksummed takes two flat uint8 tensors of one length")
     target, source = dst.numpy(), src.numpy()
     hasher = xxhash.xxh3_64()
     for start in range(0, target.size, CHUNK_BYTES):
         chunk = slice(start, start + CHUNK_BYTES)
         np.copyto(target[chunk], source[chunk])
-        hasher.update(memoryview(target[chunk]))
+        hasher.update(target[chunk].data)
     return hasher.intdigest()

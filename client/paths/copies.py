@@ -42,8 +42,9 @@ def synchronize(devices: Iterable[torch.device]) -> None:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int | None:
     """dst[...] = src returning the xxh3-64 of the bytes that landed in `dst`, hashed chunk by chunk as they
-    are copied, on this thread (shardcore.checksums.copy_checksummed); None, with nothing copied, when the copy is not one of two contiguous CPU tensors of one dtype and shape (a cast, a
-    strided region, a CUDA device): the caller then copies and hashes apart."""
+    are copied, on this thread (shardcore.checksums.copy_checksummed); None, with nothing copied, when the
+    copy is not one of two contiguous CPU tensors of one dtype and shape (a cast, a strided region, a CUDA
+    device): the caller then copies and hashes apart."""
     if not _plain_bytes(dst, src):
         return None
     return copy_checksummed(byte_view(dst), byte_view(src))

@@ -51,7 +51,9 @@ def test_strided_and_differently_typed_sources_are_copied_by_torch(
 def test_a_checked_copy_is_bit_for_bit_and_returns_the_checksum_of_what_landed(
     dtype: torch.dtype,
 ) -> None:
-    source = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)[: (3 << 20) // dtype.itemsize * dtype.itemsize]
+    source = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)[
+        : (3 << 20) // dtype.itemsize * dtype.itemsize
+    ]
     source = source.view(dtype).view(-1, 1)
     target = torch.zeros_like(source)
     assert copy_checked(target, source) == tensor_checksum(source)
