@@ -30,6 +30,7 @@ from benchmarks.statedict_casts import cast_rows
 from benchmarks.statedict_delta import delta_rows
 from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_host import host_rows
+from benchmarks.statedict_verify import verify_rows
 
 CASES = ((64, 1 << 30), (512, 512 * 8192))  # (tensors, bytes in all)
 QUICK_CASES = ((64, 4 << 20), (128, 128 * 8192))
@@ -232,6 +233,7 @@ def statedict_scenario(ctx: Context) -> list[Row]:
             host += fsdp_rows(cluster.address, quick=ctx.quick, peaks={})
             host += cast_rows(cluster, quick=ctx.quick)
             host += delta_rows(cluster, quick=ctx.quick)
+            host += verify_rows(cluster, quick=ctx.quick)
         for row in host:
             if row.role == "subject":
                 row.peak_rss = host_peaks

@@ -75,10 +75,17 @@ class TensorReader:
         return summary, self._parts(summary, box)
 
     def read_parts(
-        self, summary: TensorSummary, parts: Sequence[tuple[int, Box]], box: Box, out: torch.Tensor
+        self,
+        summary: TensorSummary,
+        parts: Sequence[tuple[int, Box]],
+        box: Box,
+        out: torch.Tensor,
+        *,
+        checksums: dict[int, int] | None = None,
     ) -> None:
         """Fetch each (shard index, global part) of `box` into its region of `out`, by the paths client.paths
-        picks per rank."""
+        picks per rank; with `checksums`, the paths that hash as they copy keep there the checksum of each whole
+        shard that landed (client.verify's `landed`)."""
 
         def rank_of(index: int) -> RankStatus:
             return self._session.rank_status(summary.metadata.shards_metadata[index].rank)
@@ -90,6 +97,7 @@ class TensorReader:
             out,
             rank_of=rank_of,
             copies=lambda index: self._session.health.other_copies(summary, index),
+            checksums=checksums,
         )
         if path is not None:
             self.last_transport = str(path)
@@ -119,16 +127,18 @@ class TensorReader:
         check_request(summary, box, out)
         parts = self._parts(summary, box)
         target = out if out is not None else torch.empty(box.sizes, dtype=summary.metadata.dtype)
-        self.read_parts(summary, parts, box, target)
+        landed: dict[int, int] | None = {} if verify else None
+        self.read_parts(summary, parts, box, target, checksums=landed)
         if target.device.type == "cuda":
             # the parts' copies (made on pool threads' streams) are done
             torch.cuda.synchronize(target.device)
-        if verify:
+        if landed is not None:
             verify_parts(
                 summary,
                 parts,
                 box,
                 target,
+                landed=landed,
                 read_part=lambda index, part, within, into: self.read_parts(
                     summary, [(index, part)], within, into
                 ),

@@ -1,9 +1,12 @@
 """Verified reads: the bytes a read put in `out` checked against the checksums of the shards they came from.
 
 After a read with verify=True, every part (a shard's share of the box) is hashed where it landed
-(shardserve.core.checksums, xxh3-64, the parts hashed in parallel) and compared with its shard's checksum from the
-tensor's metadata. A part that covers only some of its shard cannot be hashed alone: the whole shard is read
-into a scratch tensor, hashed, and the part compared with its place in it. A part that does not match is read
+(shardserve.core.checksums, xxh3-64) and compared with its shard's checksum from the tensor's metadata. A part
+that is its whole shard, copied from mapped memory into a contiguous CPU region of its dtype, was hashed as it
+was copied, chunk by chunk while in cache (client.paths.shm, the read's `landed` checksums); other whole-shard
+parts (network paths, casts, strided or CUDA regions) are hashed after the copy, in parallel. A part that covers
+only some of its shard cannot be hashed alone (a shard's checksum is over all its bytes): the whole shard is
+read into a scratch tensor, hashed, and the part compared with its place in it. A part that does not match is read
 again from another copy of its box (a replica on another rank) and checked against that copy's checksum; when
 no copy matches, ChecksumMismatchError (DATA_LOSS, CHECKSUM_MISMATCH) names the tensor, the shard and the rank
 of the first copy. Shards whose checksum is not known (versions made before checksums) are not checked.
@@ -11,7 +14,7 @@ of the first copy. Shards whose checksum is not known (versions made before chec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -39,10 +42,13 @@ def verify_parts(
     *,
     read_part: ReadPart,
     other_copies: OtherCopies,
+    landed: Mapping[int, int] | None = None,
 ) -> int:
     """Check every (shard index, part) that a read of `box` put in `out`; a part that does not match is read
-    again from another copy (`other_copies(index)`, through `read_part`) and checked. Returns the parts checked;
-    raises ChecksumMismatchError when a part's every copy fails."""
+    again from another copy (`other_copies(index)`, through `read_part`) and checked. `landed`: the checksums
+    of whole shards already hashed as they landed in `out`, by shard index (not hashed again). Returns the parts
+    checked; raises ChecksumMismatchError when a part's every copy fails."""
+    landed = landed or {}
     checked = [
         (index, part) for index, part in parts if expected_checksum(summary, index) != UNKNOWN
     ]
@@ -52,10 +58,12 @@ def verify_parts(
     hashed = {
         index: pool.submit(tensor_checksum, local_view(out, box, part))
         for index, part in checked
-        if part == summary.metadata.shards_metadata[index].box
+        if part == summary.metadata.shards_metadata[index].box and index not in landed
     }
     for index, part in checked:
-        if index in hashed:
+        if index in landed:
+            good = landed[index] == expected_checksum(summary, index)
+        elif index in hashed:
             good = hashed[index].result() == expected_checksum(summary, index)
         else:
             good = _matches(summary, index, part, box, out, read_part)

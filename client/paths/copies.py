@@ -1,7 +1,8 @@
 """Copies between tensors in this process's memory, shared by the same-host paths: reads out of mapped
 segments into the caller's tensors (client.paths.shm) and writes of the caller's tensors into them
 (client.paths.in_place). A copy that touches a CUDA device is queued on that device's current stream
-(asynchronous from registered or device memory) and `copy_all` waits for each such stream once at the end."""
+(asynchronous from registered or device memory) and `copy_all` waits for each such stream once at the end.
+`copy_checked` is the copy of a verified read: it hashes the bytes as they land (shardcore.checksums)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from shardserve.core.checksums import copy_checksummed
 from shardserve.core.wire import byte_view, word_views
 
 PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
@@ -38,18 +40,33 @@ def synchronize(devices: Iterable[torch.device]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def copy_tensor(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
-    """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors below
-    PARALLEL_COPY_BYTES (torch's copy_ wakes its thread pool, which on a loaded 2-core host cost milliseconds
-    per small read), torch's multi-threaded copy_ of whole words above, else torch's copy_ (any strides and
-    devices; `non_blocking` queues a copy that touches a CUDA device, which the caller then waits for)."""
-    if not (
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int | None:
+    """dst[...] = src returning the xxh3-64 of the bytes that landed in `dst`, hashed chunk by chunk as they
+    are copied, on this thread (shardcore.checksums.copy_checksummed); None, with nothing copied, when the
+    copy is not one of two contiguous CPU tensors of one dtype and shape (a cast, a strided region, a CUDA
+    device): the caller then copies and hashes apart."""
+    if not _plain_bytes(dst, src):
+        return None
+    return copy_checksummed(byte_view(dst), byte_view(src))
+
+
+def _plain_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether dst[...] = src is a copy of one run of CPU bytes into another."""
+    return (
         dst.device.type == src.device.type == "cpu"
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.is_contiguous()
         and src.is_contiguous()
-    ):
+    )
+
+
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, *, non_blocking: bool = False) -> None:
+    """dst[...] = src: one single-threaded memcpy when both are contiguous CPU tensors below
+    PARALLEL_COPY_BYTES (torch's copy_ wakes its thread pool, which on a loaded 2-core host cost milliseconds
+    per small read), torch's multi-threaded copy_ of whole words above, else torch's copy_ (any strides and
+    devices; `non_blocking` queues a copy that touches a CUDA device, which the caller then waits for)."""
+    if not _plain_bytes(dst, src):
         dst.copy_(src, non_blocking=non_blocking)
         return
     if not dst.numel():

@@ -65,13 +65,17 @@ def path_refused(err: BaseException) -> bool:
 class PartRead:
     """One part of a read: global box `part` of shard `index` of `summary`, landing in `region` (its place in the
     output, any strides or device, of the tensor's dtype or, for a cast in flight, another floating one);
-    `only_part` when it is the read's only part (a large one may then be read as parallel bands)."""
+    `only_part` when it is the read's only part (a large one may then be read as parallel bands). `checksums`
+    (a verified read's): where a path that hashes the bytes as it copies them keeps the checksum of the bytes
+    that landed for a part that is its whole shard, by shard index (client.verify then need not read them
+    again); a path that does not hash leaves it alone."""
 
     summary: TensorSummary
     index: int
     part: Box
     region: torch.Tensor
     only_part: bool = False
+    checksums: dict[int, int] | None = None
 
     @property
     def nbytes(self) -> int:

@@ -144,10 +144,12 @@ class PathPolicy:
         *,
         rank_of: RankOf,
         copies: CopiesOf | None = None,
+        checksums: dict[int, int] | None = None,
     ) -> PathKind | None:
         """Fetch each (shard index, global part) of `box` into its region of `out` (box's shape, any device), every
         part by its rank's path; returns the path of the last part (None when the box is empty). `copies(index)`
-        names the other copies of a shard, the best first, that a silent part is hedged to.
+        names the other copies of a shard, the best first, that a silent part is hedged to. `checksums`: where
+        paths that hash as they copy keep the checksums of the whole shards that landed (PartRead.checksums).
 
         Several network parts of a small read are pipelined: every request sent first (send_all), the mapped
         parts (and those no path serves, which fail as the chain says) copied meanwhile, then the answers
@@ -157,7 +159,9 @@ class PathPolicy:
         assert self.channel is not None
 
         def part_read(index: int, part: Box) -> PartRead:
-            return PartRead(summary, index, part, local_view(out, box, part), part == box)
+            return PartRead(
+                summary, index, part, local_view(out, box, part), part == box, checksums
+            )
 
         def each_by_its_path(group: Sequence[tuple[int, Box]]) -> PathKind:
             jobs = []

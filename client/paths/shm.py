@@ -37,7 +37,7 @@ from shardserve.client.errors import (
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
-from shardserve.client.paths.copies import copy_all
+from shardserve.client.paths.copies import copy_all, copy_checked
 from shardserve.client.paths.device_mapping import DeviceMapping
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
@@ -149,7 +149,8 @@ class SharedMemoryPath:
         )
 
     def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
-        """Copy the part into its region; `cancel` can stop an OpenShard call from another thread."""
+        """Copy the part into its region; `cancel` can stop an OpenShard call from another thread. A verified
+        read of a whole host shard hashes the bytes as they land (read.checksums)."""
         summary, index = read.summary, read.index
         mapping, shard = self._open(address, summary, index, cancel)
         self.check_limit(address, read.nbytes, "offsets/sizes: the box")
@@ -158,9 +159,14 @@ class SharedMemoryPath:
             if read.region.device.type == "cuda" and mapping and mapping.data_offset >= 0:
                 # a host segment into a CUDA region: registered once, copied at pinned speed
                 PAGES.pin(mapping, mapping.flat, read_only=True)
-            # finished before _confirm looks at the header again
-            copy_all([(read.region, local_view(shard, box, read.part))])
+            source = local_view(shard, box, read.part)
+            sums = read.checksums if read.part == box else None
+            hashed = copy_checked(read.region, source) if sums is not None else None
+            if hashed is None:  # finished before _confirm looks at the header again
+                copy_all([(read.region, source)])
             _confirm(mapping, summary, address)
+            if sums is not None and hashed is not None:  # bytes of a version still served
+                sums[index] = hashed
 
     def read_rows(
         self, address: str, summary: TensorSummary, index: int, local_rows: torch.Tensor

@@ -1,5 +1,6 @@
 """copy_tensor: the same-host paths' copy, bit for bit for every dtype, length and alignment, on the single
-memcpy path and on torch's copy of whole words."""
+memcpy path and on torch's copy of whole words; copy_checked, the verified read's copy, bit for bit with the
+xxh3-64 of what landed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from shardserve.client.paths import copies
-from shardserve.client.paths.copies import copy_tensor
+from shardserve.client.paths.copies import copy_checked, copy_tensor
+from shardserve.core.checksums import tensor_checksum
 from shardserve.core.wire import byte_view, word_views
 
 DTYPES = [torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.complex128]
@@ -43,3 +45,24 @@ def test_strided_and_differently_typed_sources_are_copied_by_torch(
     target = torch.zeros(6, 4, dtype=torch.float64)
     copy_tensor(target, source.t())
     assert torch.equal(target, source.t().double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_checked_copy_is_bit_for_bit_and_returns_the_checksum_of_what_landed(
+    dtype: torch.dtype,
+) -> None:
+    source = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8)[
+        : (3 << 20) // dtype.itemsize * dtype.itemsize
+    ]
+    source = source.view(dtype).view(-1, 1)
+    target = torch.zeros_like(source)
+    assert copy_checked(target, source) == tensor_checksum(source)
+    assert torch.equal(byte_view(target), byte_view(source))
+
+
+def test_a_checked_copy_leaves_casts_and_strided_regions_to_the_caller() -> None:
+    source = torch.arange(24, dtype=torch.float32).view(4, 6)
+    assert copy_checked(torch.zeros(4, 6, dtype=torch.float64), source) is None
+    strided = torch.zeros(6, 4).t()
+    assert copy_checked(strided, source) is None
+    assert not strided.any()  # nothing copied: the caller copies and hashes apart

@@ -160,6 +160,29 @@ def test_a_state_dict_gets_with_verify_bit_for_bit(client):
     assert all(torch.equal(into[key], state[key]) for key in state)
 
 
+def test_whole_shards_read_through_shared_memory_are_hashed_as_they_land(client):
+    """A verified read's copy out of mapped memory hashes each whole shard as it copies it: the checksums it
+    keeps are the xxh3-64 of the shards' bytes; a part of a shard is not hashed there (its checksum is over
+    the whole shard)."""
+    table = torch.randn(ROWS, DIM)
+    client.put("landed", table, spec=ROWWISE)
+    proxy = client.tensor("landed")
+    whole, out = Box((0, 0), (ROWS, DIM)), torch.empty(ROWS, DIM)
+    summary, parts = proxy.read_plan(whole, out)
+    landed: dict[int, int] = {}
+    proxy.reader.read_parts(summary, parts, whole, out, checksums=landed)
+    assert proxy.last_transport == "shm"
+    assert torch.equal(out, table)
+    assert landed == {i: tensor_checksum(v) for i, v in _boxes(table, proxy).items()}
+    half, top = Box((0, 0), (ROWS // 2 + 1, DIM)), torch.empty(ROWS // 2 + 1, DIM)
+    summary, parts = proxy.read_plan(half, top)
+    partial: dict[int, int] = {}
+    proxy.reader.read_parts(summary, parts, half, top, checksums=partial)
+    assert torch.equal(top, table[: ROWS // 2 + 1])
+    assert set(partial) == {0}  # shard 0 whole, one row of shard 1: not hashed as it landed
+    assert torch.equal(proxy.fetch((0, 0), (ROWS, DIM), verify=True), table)
+
+
 def test_a_verify_read_fails_over_from_a_corrupted_copy_to_its_replica(cluster, corrupted):
     table = TABLES["mirrored"]
     with connect(cluster.address, timeout=30) as fresh:
