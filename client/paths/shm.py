@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import grpc
@@ -49,6 +47,7 @@ from shardserve.client.paths.kinds import (
     PartRead,
     PathKind,
 )
+from shardserve.client.paths.mapping_cache import MappingCache
 from shardserve.client.paths.registered import PAGES
 from shardserve.client.paths.staging import StagingFiles
 from shardserve.client.paths.writes import (
@@ -64,11 +63,6 @@ from shardserve.protos.errors import Reason
 from shardserve.protos.same_host import host_id
 
 log = logging.getLogger(__name__)
-
-CACHE_BYTES = (
-    4 << 30
-)  # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
-CACHE_ENTRIES = 256  # each mapping holds an open file (Python's mmap keeps a duplicate of the fd)
 
 
 class SharedMemoryError(ShardServeError):
@@ -107,12 +101,7 @@ class SharedMemoryPath:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.host = local_host()  # (hostname, host id) of this process
-        self._cache: OrderedDict[tuple, segments.SegmentMapping] = OrderedDict()
-        # the key of each cached memfd mapping by (address, pid, inode, device): a rank that reuses a segment for
-        # a later version (steady puts alternate between two) is read through the mapping already made
-        self._by_segment: dict[tuple, tuple] = {}
-        self._cached_bytes = 0
-        self._lock = threading.Lock()
+        self._mappings = MappingCache()
         self._limits: dict[
             str, int
         ] = {}  # address -> the rank's max_request_bytes (from OpenShard)
@@ -206,15 +195,12 @@ class SharedMemoryPath:
         shard is empty): a cached mapping checked by its header, else one opened by OpenShard. The caller checks
         after reading that the mapping still serves (_confirm)."""
         key = (address, summary.name, summary.version, index)
-        with self._lock:
-            cached = self._cache.get(key)
-            if cached is not None:
-                self._cache.move_to_end(key)
+        cached = self._mappings.get(key)
         if (
             cached is not None and cached.state is not None
         ):  # the rank keeps the header's words current
             if not cached.serves():
-                self._forget(key)
+                self._mappings.forget(key)
                 raise _stale(summary, address)
             if segments.still_held(cached):
                 return cached, _as_shard(cached.flat, summary, index)
@@ -245,17 +231,20 @@ class SharedMemoryPath:
                 if (
                     not cached.serves()
                 ):  # the same segment: its header says the version went since the reply
-                    self._forget(key)
+                    self._mappings.forget(key)
                     raise _stale(summary, address)
                 mapping = cached
             elif (
                 not reply.lease_id
             ):  # the rank saw our inode and kept no lease, yet this is another segment
-                self._forget(key)
+                self._mappings.forget(key)
                 # asked again without it: a mapping made under a lease
                 return self._open(address, summary, index, cancel)
             else:
-                flat, header = self._segment_bytes(address, reply)
+                earlier = self._mappings.take_segment(address, reply)
+                flat, header = (
+                    (earlier.flat, earlier.state) if earlier else segments.map_segment(reply)
+                )
                 mapping = segments.SegmentMapping(
                     process,
                     reply.inode,
@@ -266,13 +255,17 @@ class SharedMemoryPath:
                     generation=int(header[2]) if header is not None else 0,
                     data_offset=-1 if reply.extents else reply.data_offset,
                 )
-                self._remember(key, mapping)
+                self._mappings.remember(key, mapping)
         except segments.SegmentError as err:
             raise SharedMemoryError(str(err)) from None
         finally:
             if reply.lease_id:
                 self._release(address, reply.lease_id)
         return mapping, _as_shard(mapping.flat, summary, index)
+
+    def cached(self, name: str) -> dict[tuple[str, str, int, int], segments.SegmentMapping]:
+        """The mappings this path keeps of tensor `name`'s shards, by (rank address, name, version, shard)."""
+        return self._mappings.of_tensor(name)
 
     def host_mapping(
         self, address: str, summary: TensorSummary, index: int
@@ -330,44 +323,8 @@ class SharedMemoryPath:
             cuda_handle=(h.handle, h.storage_offset_bytes),
             generation=int(state[2]) if state is not None else 0,
         )
-        self._remember(key, mapping)
+        self._mappings.remember(key, mapping)
         return mapping
-
-    def _segment_bytes(
-        self, address: str, reply: pb.OpenShardResponse
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(the shard's bytes, its header words) of the memfd `reply` names: the mapping made for an earlier
-        version when the rank reuses the segment it held (its entry, which the rank's newer generation made
-        stale, is dropped), else a new mapping."""
-        segment = (address, reply.pid, reply.inode, reply.device_id)
-        with self._lock:
-            earlier_key = self._by_segment.get(segment)
-            earlier = self._cache.get(earlier_key) if earlier_key is not None else None
-        if (
-            earlier_key is not None
-            and earlier is not None
-            and not reply.extents
-            and (earlier.fd, earlier.data_offset) == (reply.fd, reply.data_offset)
-            and earlier.flat.numel() == reply.nbytes
-            and earlier.state is not None
-        ):
-            self._forget(earlier_key)
-            return earlier.flat, earlier.state
-        return segments.map_segment(reply)
-
-    def _forget(self, key: tuple) -> None:
-        with self._lock:
-            self._drop(key)
-
-    def _drop(self, key: tuple) -> segments.SegmentMapping | None:
-        """Take `key` out of the cache and the segment index (lock held)."""
-        old = self._cache.pop(key, None)
-        if old is not None:
-            self._cached_bytes -= old.flat.numel()
-            segment = _segment_key(key[0], old)
-            if self._by_segment.get(segment) == key:
-                del self._by_segment[segment]
-        return old
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the same-host rank at `address`: copied straight into its shard memory
@@ -413,10 +370,7 @@ class SharedMemoryPath:
 
     def close(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""
-        with self._lock:
-            self._cache.clear()
-            self._by_segment.clear()
-            self._cached_bytes = 0
+        self._mappings.clear()
         self._staging.close()
         self.in_place.close()
 
@@ -457,22 +411,6 @@ class SharedMemoryPath:
                 )
 
         self.channel.submit(release)
-
-    def _remember(self, key: tuple, mapping: segments.SegmentMapping) -> None:
-        with self._lock:
-            self._drop(key)
-            self._cache[key] = mapping
-            self._cached_bytes += mapping.flat.numel()
-            if mapping.data_offset >= 0 and mapping.cuda_handle is None:
-                self._by_segment[_segment_key(key[0], mapping)] = key
-            while self._cache and (
-                self._cached_bytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES
-            ):
-                self._drop(next(iter(self._cache)))
-
-
-def _segment_key(address: str, mapping: segments.SegmentMapping) -> tuple:
-    return (address, mapping.process.pid, mapping.inode, mapping.device_id)
 
 
 def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int) -> None:

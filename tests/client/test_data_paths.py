@@ -659,11 +659,9 @@ def test_cached_mapping_of_a_replaced_version_is_not_read_for_new_reads(cluster)
         writer.put("dp-recycle", table, SPEC)
         remote = reader.tensor("dp-recycle")
         assert torch.equal(remote.lookup(ids), table[ids]) and torch.equal(remote[:], table)
-        mappings = [
-            m
-            for k, m in reader.session.paths.path(PathKind.SHARED_MEMORY)._cache.items()
-            if k[1] == "dp-recycle"
-        ]
+        mappings = list(
+            reader.session.paths.path(PathKind.SHARED_MEMORY).cached("dp-recycle").values()
+        )
         assert mappings and all(int(m.state[2]) == m.generation for m in mappings)
         first = remote.version
         for k in (1, 2):
@@ -693,7 +691,7 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
         remote = c.put("dp-turned", table, SPEC)
         assert torch.equal(remote[:], table) and remote.last_transport == "shm"
         reader = c.session.paths.path(PathKind.SHARED_MEMORY)
-        first = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
+        first = reader.cached("dp-turned")
         answers = iter(
             [True, False]
         )  # serving at the first check, gone by the time the reply is used
@@ -711,7 +709,7 @@ def test_a_mapping_whose_header_turns_between_openshard_and_its_use_is_never_rea
         assert leases and all(
             leases
         )  # every segment mapped again was mapped while a lease held its version
-        again = {k: m for k, m in reader._cache.items() if k[1] == "dp-turned"}
+        again = reader.cached("dp-turned")
         key = next(k for k, m in first.items() if m is turned)
         assert again[key] is not turned  # mapped anew, under a lease
         c.delete("dp-turned")

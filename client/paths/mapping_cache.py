@@ -1,0 +1,105 @@
+"""The same-host path's cache of mapped shards: by (rank, tensor, version, shard), and by the memfd they live in.
+
+A served version never changes, so its mapping is kept (bounded in bytes and entries) and later reads of it
+skip OpenShard. A rank also reuses a segment for a later version (steady puts alternate between two sets of
+segments, a tensor put every step too): the cache knows each memfd mapping by (rank, pid, inode, device), so the
+later version is read through the mapping already made instead of mapping the same memory again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+from shardserve.client.paths import segments
+from shardserve.protos import shardserve_pb2 as pb
+
+CACHE_BYTES = (
+    4 << 30
+)  # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
+CACHE_ENTRIES = 256  # each mapping holds an open file (Python's mmap keeps a duplicate of the fd)
+
+# (rank address, tensor name, version, shard index)
+Key = tuple[str, str, int, int]
+
+
+class MappingCache:
+    """Mappings of shards, least recently used first out, at most CACHE_BYTES and CACHE_ENTRIES."""
+
+    def __init__(self) -> None:
+        self._cache: OrderedDict[Key, segments.SegmentMapping] = OrderedDict()
+        # the key of each cached memfd mapping by (address, pid, inode, device)
+        self._by_segment: dict[tuple, Key] = {}
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Key) -> segments.SegmentMapping | None:
+        """The cached mapping of `key` (made the most recently used), or None."""
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+            return cached
+
+    def remember(self, key: Key, mapping: segments.SegmentMapping) -> None:
+        """Keep `mapping` under `key` (replacing any), the least recently used let go past the bounds."""
+        with self._lock:
+            self._drop(key)
+            self._cache[key] = mapping
+            self._nbytes += mapping.flat.numel()
+            if mapping.data_offset >= 0 and mapping.cuda_handle is None:
+                self._by_segment[_segment_key(key[0], mapping)] = key
+            while self._cache and (self._nbytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES):
+                self._drop(next(iter(self._cache)))
+
+    def of_tensor(self, name: str) -> dict[Key, segments.SegmentMapping]:
+        """The cached mappings of tensor `name`'s shards, by key."""
+        with self._lock:
+            return {key: mapping for key, mapping in self._cache.items() if key[1] == name}
+
+    def forget(self, key: Key) -> None:
+        with self._lock:
+            self._drop(key)
+
+    def take_segment(
+        self, address: str, reply: pb.OpenShardResponse
+    ) -> segments.SegmentMapping | None:
+        """The mapping made for an earlier version of the memfd `reply` names, when it maps exactly the bytes
+        the reply describes (the rank reuses the segment), taken out of the cache: the rank's newer generation
+        made the earlier entry stale. None when there is none."""
+        segment = (address, reply.pid, reply.inode, reply.device_id)
+        with self._lock:
+            key = self._by_segment.get(segment)
+            earlier = self._cache.get(key) if key is not None else None
+            if (
+                key is None
+                or earlier is None
+                or reply.extents
+                or (earlier.fd, earlier.data_offset) != (reply.fd, reply.data_offset)
+                or earlier.flat.numel() != reply.nbytes
+                or earlier.state is None
+            ):
+                return None
+            self._drop(key)
+            return earlier
+
+    def clear(self) -> None:
+        """Forget every mapping (each unmapped once no tensor uses it)."""
+        with self._lock:
+            self._cache.clear()
+            self._by_segment.clear()
+            self._nbytes = 0
+
+    def _drop(self, key: Key) -> None:
+        """Take `key` out of the cache and the segment index (lock held)."""
+        old = self._cache.pop(key, None)
+        if old is None:
+            return
+        self._nbytes -= old.flat.numel()
+        segment = _segment_key(key[0], old)
+        if self._by_segment.get(segment) == key:
+            del self._by_segment[segment]
+
+
+def _segment_key(address: str, mapping: segments.SegmentMapping) -> tuple:
+    return (address, mapping.process.pid, mapping.inode, mapping.device_id)
