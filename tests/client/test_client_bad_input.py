@@ -145,7 +145,9 @@ def test_bad_out_buffers(cl):
     remote = cl.tensor("base")
     with pytest.raises(InvalidArgumentError, match="shape"):
         remote.fetch((0, 0), (2, 2), out=torch.empty(2, 3))
-    with pytest.raises(InvalidArgumentError, match="dtype"):  # floating into an integer out: no cast
+    with pytest.raises(
+        InvalidArgumentError, match="dtype"
+    ):  # floating into an integer out: no cast
         remote.fetch((0, 0), (2, 2), out=torch.empty(2, 2, dtype=torch.int64))
     with pytest.raises(TypeError, match="out"):
         remote.fetch((0, 0), (2, 2), out=[[0, 0], [0, 0]])
