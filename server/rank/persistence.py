@@ -48,9 +48,7 @@ import shutil
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -64,22 +62,18 @@ from shardserve.server.rank.persist_files import (
     LogRecord,
     PromoteItem,
     disk_error,
-    encode_record,
-    fsync_dir,
-    read_log,
     sync_filesystem,
     tensor_memory,
-    write_json,
     write_manifest,
     write_version_shards,
 )
 from shardserve.server.rank.persist_restore import (
     LOG_NAME,
-    NAME_FILE,
     RestoreCount,
     RestoredVersion,
     restore_dir,
 )
+from shardserve.server.rank.persist_table import PersistTable
 
 log = logging.getLogger(__name__)
 
@@ -90,20 +84,6 @@ class FsyncPolicy(enum.Enum):
     ALWAYS = "always"
     INTERVAL = "interval"
     NONE = "none"
-
-
-@dataclass
-class _Table:
-    """What this process knows of one tensor's folder: its log (open for appends) and the versions in it."""
-
-    path: Path
-    log_file: BinaryIO | None = None
-    log_bytes: int = 0
-    dirty: bool = False
-    copies: dict[int, int] = field(default_factory=dict)  # update version -> its source version
-    snapshots: set[int] = field(default_factory=set)  # versions with a manifest on disk
-    compacting: bool = False
-    newest_served: int = 0  # the newest update version served (what compaction snapshots)
 
 
 class Persistence:
@@ -121,7 +101,7 @@ class Persistence:
         self.policy = policy
         self.interval = interval
         self._lock = threading.RLock()
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, PersistTable] = {}
         self._stop = threading.Event()
         self._flusher: threading.Thread | None = None
         self._snapshot_source: Callable[[str, int], AbstractContextManager[tuple]] | None = None
@@ -141,37 +121,20 @@ class Persistence:
 
     # ------------------------------------------------------------ tables
 
-    def _table(self, name: str) -> _Table:
+    def _table(self, name: str) -> PersistTable:
         with self._lock:
             table = self._tables.get(name)
             if table is None:
-                table = self._tables[name] = _Table(self.root / file_name(name))
+                table = self._tables[name] = PersistTable(self.root / file_name(name), self._lock)
             return table
-
-    def _make_folder(self, table: _Table, name: str, sync: bool = True) -> None:
-        """The tensor's folder, made with its NAME_FILE (the real name: the folder's own name is a hash);
-        `sync` False leaves the fsync to the caller's sync of the batch."""
-        table.path.mkdir(parents=True, exist_ok=True)
-        if not (table.path / NAME_FILE).exists():
-            write_json(table.path / NAME_FILE, {"name": name}, sync=sync and self.sync_snapshots)
 
     def _append(self, name: str, record: LogRecord, sync: bool = False) -> None:
         """Append one record to the table's log; fsync it now when `sync` and the policy is always."""
         table = self._table(name)
         with self._lock:
             try:
-                if table.log_file is None:
-                    self._make_folder(table, name)
-                    table.log_file = open(table.path / LOG_NAME, "ab")
-                    table.log_bytes = table.log_file.tell()
-                encoded = encode_record(record)
-                table.log_file.write(encoded)
-                table.log_file.flush()
-                table.log_bytes += len(encoded)
-                table.dirty = True
-                if sync and self.policy is FsyncPolicy.ALWAYS:
-                    os.fsync(table.log_file.fileno())
-                    table.dirty = False
+                fsync = sync and self.policy is FsyncPolicy.ALWAYS
+                table.append(name, record, fsync=fsync, sync_folder=self.sync_snapshots)
             except OSError as err:
                 raise disk_error(self.rank, table.path / LOG_NAME, err) from None
 
@@ -258,7 +221,7 @@ class Persistence:
             if version in table.snapshots or not options.durable:
                 return
         try:
-            self._make_folder(table, name)
+            table.make_folder(name, sync=self.sync_snapshots)
             files = write_version_shards(
                 table.path,
                 self.rank,
@@ -281,7 +244,7 @@ class Persistence:
             raise disk_error(self.rank, Path(err.filename or table.path), err) from None
         self._snapshotted(table, name, version, len(shards))
 
-    def _snapshotted(self, table: _Table, name: str, version: int, shards: int) -> None:
+    def _snapshotted(self, table: PersistTable, name: str, version: int, shards: int) -> None:
         with self._lock:
             table.snapshots.add(version)
         log.info(
@@ -315,7 +278,7 @@ class Persistence:
             written = []
             for item in fresh.values():
                 table = self._table(item.name)
-                self._make_folder(table, item.name, sync=False)
+                table.make_folder(item.name, sync=False)
                 files = write_version_shards(
                     table.path,
                     self.rank,
@@ -368,7 +331,7 @@ class Persistence:
             if version in table.copies or based_on:
                 self._append(name, LogRecord({"kind": "drop", "version": version}))
             if known and not based_on and version in table.snapshots:
-                self._remove_snapshot(table, version)
+                table.remove_snapshot(version)
         except OSError as err:
             log.warning(
                 "rank %d: forgetting %r version %d on disk failed: %s",
@@ -377,13 +340,6 @@ class Persistence:
                 version,
                 err,
             )
-
-    def _remove_snapshot(self, table: _Table, version: int) -> None:
-        (table.path / f"v{version}.json").unlink(missing_ok=True)
-        for path in table.path.glob(f"v{version}.s*.safetensors"):
-            path.unlink(missing_ok=True)
-        with self._lock:
-            table.snapshots.discard(version)
 
     # ------------------------------------------------------------ compaction
 
@@ -435,7 +391,7 @@ class Persistence:
                 except (VersionNotServed, TensorUnknown):  # replaced or deleted meanwhile
                     done = version
                     continue
-                self._restart_log(name, version)
+                self._table(name).restart_log(version)
                 done = version
                 log.info(
                     "rank %d compacted the update log of %r into version %d",
@@ -448,28 +404,6 @@ class Persistence:
         finally:
             with self._lock:
                 table.compacting = False
-
-    def _restart_log(self, name: str, version: int) -> None:
-        """Keep only the log records of versions after `version`; remove snapshots before it."""
-        table = self._table(name)
-        with self._lock:
-            path = table.path / LOG_NAME
-            if table.log_file is not None:
-                table.log_file.close()
-            kept = [r for r in read_log(path) if r.header["version"] > version]
-            tmp = path.with_name(LOG_NAME + ".tmp")
-            with open(tmp, "wb") as f:
-                for record in kept:
-                    f.write(encode_record(record))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(table.path)
-            table.log_file = open(path, "ab")
-            table.log_bytes = table.log_file.tell()
-            table.copies = {v: s for v, s in table.copies.items() if v > version}
-            for old in [v for v in table.snapshots if v < version]:
-                self._remove_snapshot(table, old)
 
     def close(self) -> None:
         self._stop.set()
@@ -497,7 +431,9 @@ class Persistence:
         out: list[RestoredVersion] = []
         for restored in restore_dir(self.root, self.rank, empty, device, progress, corrupt):
             with self._lock:
-                table = self._tables.setdefault(restored.name, _Table(restored.folder))
+                table = self._tables.setdefault(
+                    restored.name, PersistTable(restored.folder, self._lock)
+                )
                 table.snapshots = set(restored.snapshots)
                 table.copies = dict(restored.copies)
             out.extend(restored.versions)
