@@ -52,8 +52,9 @@ from shardserve.server.rank.persistence import FsyncPolicy, Persistence
 from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.restore_report import RestoreReporter, restore
+from shardserve.server.rank.retirement import DEFAULT_VERSION_GRACE_S
 from shardserve.server.rank.service import ShardServerServicer, add_shard_server
-from shardserve.server.rank.store import DEFAULT_VERSION_GRACE_S, ShardStore
+from shardserve.server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 

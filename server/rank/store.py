@@ -2,13 +2,13 @@
 
 A version goes through the states of server/rank/version_table.py: allocated PENDING (or RESERVED for a
 collective job that brings its shards), SERVED once every local shard is written and it is promoted, GRACED
-for `version_grace` seconds more when a newer one replaces it (reads that began on it finish there instead of
-failing; the grace ends early when its memory is needed), then DROPPED, and FREED once no read or write holds
-a lease on it. Memory is accounted in a MemoryBudget (server/rank/memory_budget.py) when a version is
-allocated and given back when it is freed (server/rank/shard_memory.py). Reads and changes go through
-`access` (server/rank/access.py). A promote hashes the version's shards (their checksums, server/rank/hashing.py)
-on a shared pool. No network, no threads of its own: the servicers call in from gRPC worker threads, so every
-method is thread-safe. Errors are the rank's own (server/rank/errors.py).
+for `version_grace` seconds more when a newer one replaces it, then DROPPED, and FREED once no read or write
+holds a lease on it; drops and grace periods go through `retirement` (server/rank/retirement.py). Memory is
+accounted in a MemoryBudget (server/rank/memory_budget.py) when a version is allocated and given back when it is freed
+(server/rank/shard_memory.py). Reads and changes go through `access` (server/rank/access.py). A promote hashes
+the version's shards (their checksums, server/rank/hashing.py) on a shared pool. No network, no threads of its
+own: the servicers call in from gRPC worker threads, so every method is thread-safe. Errors are the rank's own
+(server/rank/errors.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import Persistence, PromoteItem, RestoreCount
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers
+from shardserve.server.rank.retirement import DEFAULT_VERSION_GRACE_S, VersionRetirement
 from shardserve.server.rank.shard_fill import InitFill, make_shard
 from shardserve.server.rank.shard_memory import ShardMemory
 from shardserve.server.rank.shared_memory import SharedMemory, enabled_by_env
@@ -47,10 +48,6 @@ from shardserve.server.rank.version_table import (
 )
 
 log = logging.getLogger(__name__)
-
-DEFAULT_VERSION_GRACE_S = (
-    2.0  # a replaced served version stays readable this long (rank flag --version-grace)
-)
 
 
 class ShardStore:
@@ -69,15 +66,11 @@ class ShardStore:
         clock: Callable[[], float] = time.monotonic,
         persistence: Persistence | None = None,
     ) -> None:
-        if not version_grace >= 0:
-            raise ValueError(f"version_grace must be >= 0 seconds, got {version_grace}")
         self.rank = rank
         self.device = torch.device(device)
         self.budget = MemoryBudget(
             memory_limit, device_capacity(self.device), rank=rank, device=str(self.device)
         )
-        self.version_grace = version_grace
-        self._clock = clock
         self._lock = threading.Lock()
         self.versions = VersionTable(rank)
         # CPU shards live in shared memory (same-host data plane) unless turned off; see server/rank/shared_memory.py
@@ -97,6 +90,14 @@ class ShardStore:
         self.access = VersionAccess(
             self._lock, self.versions, self.memory, max_request_bytes=max_request_bytes
         )
+        self.retirement = VersionRetirement(
+            self._lock,
+            self.versions,
+            self.memory,
+            grace=version_grace,
+            clock=clock,
+            persistence=persistence,
+        )
         self.persistence = persistence  # None: memory only (server/rank/persistence.py)
         if persistence is not None:
             persistence.set_snapshot_source(self.access.served_shards)
@@ -109,6 +110,15 @@ class ShardStore:
     @property
     def memory_limit(self) -> int:
         return self.budget.limit
+
+    @property
+    def version_grace(self) -> float:
+        """Seconds a replaced served version stays served (server/rank/retirement.py)."""
+        return self.retirement.grace
+
+    @version_grace.setter
+    def version_grace(self, seconds: float) -> None:
+        self.retirement.grace = seconds
 
     # ------------------------------------------------------------ lifecycle
 
@@ -126,7 +136,7 @@ class ShardStore:
         """Allocate (and fill, unless InitFill.NONE) the shards of `meta` placed on this rank (logged at
         `log_level`: a batch logs one line of its own instead)."""
         record = self._record(name, version, meta, options)
-        self._end_graces_of(name)
+        self.retirement.end_graces_of(name)
         self._add(record)
         # NONE: every shard is written whole before it counts (ShardProgress), so reused memory need not be zeroed
         empty = functools.partial(self.memory.empty, overwrite=not fill.writes_all)
@@ -134,7 +144,7 @@ class ShardStore:
             for i in meta.shards_on(self.rank):
                 record.shards[i] = make_shard(meta, i, fill, seed, self.device, empty)
         except (RuntimeError, MemoryError) as err:
-            self._forget(record)
+            self.retirement.forget(record)
             raise OverMemory(
                 f"rank {self.rank} could not allocate {record.nbytes} bytes: {err}",
                 metadata={"tensor": name, "rank": self.rank},
@@ -286,7 +296,7 @@ class ShardStore:
                     empty = self.memory.empty(tuple(shard.shape), shard.dtype, overwrite=True)
                     record.shards[i] = empty.copy_(shard)
         except (RuntimeError, MemoryError) as err:
-            self._forget(record)
+            self.retirement.forget(record)
             raise OverMemory(
                 f"rank {self.rank} could not copy {record.nbytes} bytes: {err}",
                 metadata={"tensor": record.name, "rank": self.rank},
@@ -345,63 +355,13 @@ class ShardStore:
         return out
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
-        """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
-        version that a newer served one replaced stays served for the grace period first (end_graces drops
-        it); dropping all versions (a delete) drops at once."""
-        with self._lock:
-            records = self.versions.matching(name, version)
-            if version:
-                self.versions.remember_dropped(name, version)
-            graced = []
-            for record in records:
-                if version and self._gets_grace(record):
-                    if record.state is VersionState.SERVED:
-                        record.grace_until = self._clock() + self.version_grace
-                        self.shared.mark(record.shards.values(), served=True, replaced=True)
-                    record.apply(VersionEvent.REPLACE)
-                    graced.append(record.version)
-                else:
-                    self._drop_locked(record)
-        if self.persistence is not None and (records or version == 0):
-            self.persistence.drop(name, version)
-        if records:
-            log.log(
-                log_level,
-                "rank %d dropped %r versions %s%s",
-                self.rank,
-                name,
-                [r.version for r in records],
-                f" (served {self.version_grace:g}s more: {graced})" if graced else "",
-            )
-        return len(records)
-
-    def _gets_grace(self, record: StoredVersion) -> bool:
-        """(lock held) Whether a drop of `record` starts a grace period: a newer version is served."""
-        return bool(self.version_grace) and self.versions.replaced(record)
-
-    def _end_graces_of(self, name: str) -> None:
-        """End the grace of every replaced version of `name` now that a newer version is being made: the grace
-        is for readers of the version just replaced, and the version before it (replaced since) hands its memory
-        to the new one. A tensor put every step then cycles through two sets of buffers that the same-host writer
-        and readers keep mapped, instead of fresh memory each step. A reader still on an ended version sees it
-        dropped (or its segment's generation moved) and reads the served one."""
-        with self._lock:
-            for record in self.versions.matching(name, 0):
-                if record.state is VersionState.GRACED:
-                    self._drop_locked(record)
+        """Drop one version (0 = all) of `name`, idempotently; a replaced served one stays served for its grace
+        period first, a delete drops at once (VersionRetirement.drop). Returns how many versions it dropped."""
+        return self.retirement.drop(name, version, log_level=log_level)
 
     def end_graces(self) -> int:
         """Drop the replaced versions whose grace period is over (the rank's main loop calls this); how many."""
-        now = self._clock()
-        with self._lock:
-            over = [r for r in self.versions.graced() if (r.grace_until or 0.0) <= now]
-            for record in over:
-                self._drop_locked(record)
-        for record in over:
-            log.info(
-                "rank %d dropped %r version %d (grace over)", self.rank, record.name, record.version
-            )
-        return len(over)
+        return self.retirement.end_graces()
 
     def restore(
         self, progress: Callable[[RestoreCount], None] | None = None
@@ -453,34 +413,11 @@ class ShardStore:
         with self._lock:
             self.versions.add(record)
             try:
-                self._make_room(record.nbytes)
+                self.retirement.make_room(record.nbytes)
                 self.budget.reserve(record.nbytes)
             except BaseException:
                 self.versions.discard(record)
                 raise
-
-    def _make_room(self, nbytes: int) -> None:
-        """(lock held) Let go of versions in their grace period (oldest first), then of recycled buffers, that
-        a reservation of `nbytes` needs room for (limit or device capacity)."""
-        if self.budget.room(nbytes) < 0:
-            for record in sorted(self.versions.graced(), key=lambda r: r.grace_until or 0.0):
-                self._drop_locked(record)
-                if self.budget.room(nbytes) >= 0:
-                    break
-        self.memory.trim_recycled(nbytes)
-
-    def _forget(self, record: StoredVersion) -> None:
-        """Undo the allocation of `record` (its shards could not be made)."""
-        with self._lock:
-            if self.versions.discard(record):
-                self.budget.release(record.nbytes)
-
-    def _drop_locked(self, record: StoredVersion) -> None:
-        record.apply(VersionEvent.DROP)
-        record.grace_until = None
-        self.shared.mark(record.shards.values(), served=False)
-        if self.versions.free_if_unleased(record):
-            self.memory.reclaim(record)
 
     # ------------------------------------------------------------ introspection
 
