@@ -4,9 +4,9 @@ The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/reco
 whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
 it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
 earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard checksums, user_version 1)
-is migrated when it is opened, in one transaction. Versions come from one counter over the whole catalog that
-only grows. Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a highly available
-coordinator.
+is migrated when it is opened, in one transaction (the tables and their migrations:
+server/coordinator/catalog_schema.py). Versions come from one counter over the whole catalog that only grows.
+Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a highly available coordinator.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, overload
 
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog_documents import (
     snapshot_json,
     snapshot_of,
     tensor_json,
     tensor_of,
 )
-from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
+from shardserve.server.coordinator.catalog_schema import upgrade
 from shardserve.server.coordinator.records import (
     ShardChecksums,
     SnapshotEntry,
@@ -43,9 +42,6 @@ log = logging.getLogger(__name__)
 VERSION_BLOCK = (
     1024  # version numbers reserved per durable counter update (one fsync per block, not per put)
 )
-# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
-# migrated on open)
-SCHEMA_VERSION = 2
 
 
 class Catalog(abc.ABC):
@@ -153,25 +149,6 @@ class Catalog(abc.ABC):
         """READY rows (and PENDING ones when asked), by name then version."""
 
 
-_TABLES = (
-    """CREATE TABLE tensors (
-        name TEXT NOT NULL,
-        version INTEGER NOT NULL,
-        state TEXT NOT NULL,
-        record TEXT NOT NULL,
-        PRIMARY KEY (name, version)
-    )""",
-    """CREATE TABLE snapshots (
-        prefix TEXT NOT NULL,
-        number INTEGER NOT NULL,
-        record TEXT NOT NULL,
-        PRIMARY KEY (prefix, number)
-    )""",
-    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
-    "INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0)",
-)
-
-
 class SQLiteCatalog(Catalog):
     """The embedded default: one SQLite file under the state dir, WAL mode, one transaction per change."""
 
@@ -189,7 +166,7 @@ class SQLiteCatalog(Catalog):
         # version dropped) must survive; catalog writes are few
         self._db.execute("PRAGMA synchronous=FULL")
         with self._transaction() as db:
-            _upgrade(db, self.path)
+            upgrade(db, self.path)
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
 
     @contextmanager
@@ -442,97 +419,3 @@ class RemovedRows(Sequence[TensorRecord]):
         if self._records is None:
             self._records = [tensor_of(document) for document in self._documents]
         return self._records[index]
-
-
-# ---------------------------------------------------------------- the schema and its migration
-
-
-def _upgrade(db: sqlite3.Connection, path: Path) -> None:
-    """Within an open transaction: make the tables of SCHEMA_VERSION, migrating those of an earlier version (the
-    TensorInfo/SnapshotInfo protobuf blobs of user_version 0). Nothing to do when the schema is current."""
-    found = int(db.execute("PRAGMA user_version").fetchone()[0])
-    if found == SCHEMA_VERSION:
-        return
-    if found > SCHEMA_VERSION:
-        raise RuntimeError(
-            f"catalog {path} has schema version {found}, newer than this shardserve's "
-            f"({SCHEMA_VERSION}): run the shardserve that wrote it"
-        )
-    if found == 1:
-        _add_checksums(db, path)
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        return
-    legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
-    if legacy:
-        db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
-        if _columns(db, "snapshots"):
-            db.execute("ALTER TABLE snapshots RENAME TO snapshots_v0")
-    for statement in _TABLES:
-        db.execute(statement)
-    if legacy:
-        _migrate_blobs(db, path)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-
-def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
-    """Within an open transaction: schema 1 to 2, every tensor record (of the tensors table and inside each
-    snapshot's entries) given an empty `checksums` (not known for versions made before them)."""
-    db.execute("UPDATE tensors SET record = json_set(record, '$.checksums', json('[]'))")
-    rows = db.execute("SELECT prefix, number, record FROM snapshots").fetchall()
-    for prefix, number, text in rows:
-        document = json.loads(text)
-        for entry in document.get("entries", []):
-            entry["tensor"].setdefault("checksums", [])
-        db.execute(
-            "UPDATE snapshots SET record = ? WHERE prefix = ? AND number = ?",
-            (json.dumps(document, sort_keys=True, separators=(",", ":")), prefix, number),
-        )
-    log.warning(
-        "catalog %s migrated to schema version %d: shard checksums (none known for existing versions)",
-        path,
-        SCHEMA_VERSION,
-    )
-
-
-def _columns(db: sqlite3.Connection, table: str) -> set[str]:
-    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
-
-
-def _migrate_blobs(db: sqlite3.Connection, path: Path) -> None:
-    """Within an open transaction: the rows of tensors_v0 and snapshots_v0 (protobuf blobs) as records in the
-    current tables; then the old tables go."""
-    tensors = [
-        _legacy(lambda blob: tensor_from_proto(pb.TensorInfo.FromString(blob)), key, blob)
-        for *key, blob in db.execute("SELECT name, version, info FROM tensors_v0")
-    ]
-    db.executemany(
-        "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-        [(r.name, r.version, r.state.value, tensor_json(r)) for r in tensors],
-    )
-    snapshots = []
-    if _columns(db, "snapshots_v0"):
-        snapshots = [
-            _legacy(lambda blob: snapshot_from_proto(pb.SnapshotInfo.FromString(blob)), key, blob)
-            for *key, blob in db.execute("SELECT prefix, number, info FROM snapshots_v0")
-        ]
-        db.execute("DROP TABLE snapshots_v0")
-    db.executemany(
-        "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
-        [(s.prefix, s.number, snapshot_json(s)) for s in snapshots],
-    )
-    db.execute("DROP TABLE tensors_v0")
-    log.warning(
-        "catalog %s migrated to schema version %d: %d tensor versions, %d snapshots",
-        path,
-        SCHEMA_VERSION,
-        len(tensors),
-        len(snapshots),
-    )
-
-
-def _legacy(parse: Any, key: list[object], blob: bytes) -> Any:
-    """`parse(blob)` of one old row; a row that does not parse fails the migration naming it."""
-    try:
-        return parse(blob)
-    except Exception as err:  # noqa: BLE001 - DecodeError, ValueError: the row is named, nothing migrated
-        raise RuntimeError(f"catalog row {tuple(key)} cannot be migrated: {err}") from err

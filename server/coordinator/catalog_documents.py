@@ -1,7 +1,7 @@
 """The catalog's records as JSON documents: what a row of the tensors and snapshots tables holds.
 
 Plain JSON of the domain records (server/coordinator/records.py), versioned by the catalog's schema version
-(PRAGMA user_version, server/coordinator/catalog.py); never protobuf, never pickle.
+(PRAGMA user_version, server/coordinator/catalog_schema.py); never protobuf, never pickle.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardserve.server.coordinator.catalog import SCHEMA_VERSION, VERSION_BLOCK, SQLiteCatalog
+from shardserve.server.coordinator.catalog import VERSION_BLOCK, SQLiteCatalog
+from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,

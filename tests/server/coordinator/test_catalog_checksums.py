@@ -9,7 +9,8 @@ import sqlite3
 from dataclasses import replace
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata
-from shardserve.server.coordinator.catalog import SCHEMA_VERSION, SQLiteCatalog
+from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
 from shardserve.server.coordinator.records import SnapshotEntry, SnapshotRecord, TensorRecord
 
 TWO_SHARDS = ShardedTensorMetadata(

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog import SCHEMA_VERSION, SQLiteCatalog
+from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import CoordinatorServicer
 

@@ -1,0 +1,138 @@
+"""The catalog's SQLite schema and its migrations: the tables of SCHEMA_VERSION, and the steps that bring a
+catalog written by an earlier shardserve up to it when it is opened.
+
+The schema's version is the database's `PRAGMA user_version`: 0, the TensorInfo/SnapshotInfo protobuf blobs of
+the first versions; 1, records without shard checksums; 2, the current one. Every step runs inside the open
+transaction the catalog hands it, so a migration that fails changes nothing. Kept apart from
+server/coordinator/catalog.py so that the catalog's queries read on their own and each past layout is
+described in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.coordinator.catalog_documents import snapshot_json, tensor_json
+from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
+
+# the catalog's logger: a migration is reported as the catalog's, whichever module performs it
+log = logging.getLogger("shardserve.server.coordinator.catalog")
+
+# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
+# migrated on open)
+SCHEMA_VERSION = 2
+
+_TABLES = (
+    """CREATE TABLE tensors (
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        state TEXT NOT NULL,
+        record TEXT NOT NULL,
+        PRIMARY KEY (name, version)
+    )""",
+    """CREATE TABLE snapshots (
+        prefix TEXT NOT NULL,
+        number INTEGER NOT NULL,
+        record TEXT NOT NULL,
+        PRIMARY KEY (prefix, number)
+    )""",
+    "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    "INSERT OR IGNORE INTO counters (name, value) VALUES ('version', 0)",
+)
+
+
+def upgrade(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: make the tables of SCHEMA_VERSION, migrating those of an earlier version (the
+    TensorInfo/SnapshotInfo protobuf blobs of user_version 0). Nothing to do when the schema is current."""
+    found = int(db.execute("PRAGMA user_version").fetchone()[0])
+    if found == SCHEMA_VERSION:
+        return
+    if found > SCHEMA_VERSION:
+        raise RuntimeError(
+            f"catalog {path} has schema version {found}, newer than this shardserve's "
+            f"({SCHEMA_VERSION}): run the shardserve that wrote it"
+        )
+    if found == 1:
+        _add_checksums(db, path)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        return
+    legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
+    if legacy:
+        db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
+        if _columns(db, "snapshots"):
+            db.execute("ALTER TABLE snapshots RENAME TO snapshots_v0")
+    for statement in _TABLES:
+        db.execute(statement)
+    if legacy:
+        _migrate_blobs(db, path)
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: schema 1 to 2, every tensor record (of the tensors table and inside each
+    snapshot's entries) given an empty `checksums` (not known for versions made before them)."""
+    db.execute("UPDATE tensors SET record = json_set(record, '$.checksums', json('[]'))")
+    rows = db.execute("SELECT prefix, number, record FROM snapshots").fetchall()
+    for prefix, number, text in rows:
+        document = json.loads(text)
+        for entry in document.get("entries", []):
+            entry["tensor"].setdefault("checksums", [])
+        db.execute(
+            "UPDATE snapshots SET record = ? WHERE prefix = ? AND number = ?",
+            (json.dumps(document, sort_keys=True, separators=(",", ":")), prefix, number),
+        )
+    log.warning(
+        "catalog %s migrated to schema version %d: shard checksums (none known for existing versions)",
+        path,
+        SCHEMA_VERSION,
+    )
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    """The column names of `table` (empty when there is no such table)."""
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _migrate_blobs(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: the rows of tensors_v0 and snapshots_v0 (protobuf blobs) as records in the
+    current tables; then the old tables go."""
+    tensors = [
+        _legacy(lambda blob: tensor_from_proto(pb.TensorInfo.FromString(blob)), key, blob)
+        for *key, blob in db.execute("SELECT name, version, info FROM tensors_v0")
+    ]
+    db.executemany(
+        "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
+        [(r.name, r.version, r.state.value, tensor_json(r)) for r in tensors],
+    )
+    snapshots = []
+    if _columns(db, "snapshots_v0"):
+        snapshots = [
+            _legacy(lambda blob: snapshot_from_proto(pb.SnapshotInfo.FromString(blob)), key, blob)
+            for *key, blob in db.execute("SELECT prefix, number, info FROM snapshots_v0")
+        ]
+        db.execute("DROP TABLE snapshots_v0")
+    db.executemany(
+        "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
+        [(s.prefix, s.number, snapshot_json(s)) for s in snapshots],
+    )
+    db.execute("DROP TABLE tensors_v0")
+    log.warning(
+        "catalog %s migrated to schema version %d: %d tensor versions, %d snapshots",
+        path,
+        SCHEMA_VERSION,
+        len(tensors),
+        len(snapshots),
+    )
+
+
+def _legacy(parse: Any, key: list[object], blob: bytes) -> Any:
+    """`parse(blob)` of one old row; a row that does not parse fails the migration naming it."""
+    try:
+        return parse(blob)
+    except Exception as err:  # noqa: BLE001 - DecodeError, ValueError: the row is named, nothing migrated
+        raise RuntimeError(f"catalog row {tuple(key)} cannot be migrated: {err}") from err
