@@ -171,8 +171,10 @@ class ShardStore:
         options: TensorOptions | None = None,
     ) -> int:
         """Account (name, version) against the memory budget, allocating nothing: a collective job brings its
-        shards (`fill_reserved`). A rank that holds none of its shards has nothing to wait for."""
+        shards (`fill_reserved`). A rank that holds none of its shards has nothing to wait for. As `allocate`,
+        it ends the grace of the tensor's replaced versions, whose buffers the job then reuses."""
         record = self._record(name, version, meta, options)
+        self.retirement.end_graces_of(name)
         if meta.shards_on(self.rank):
             record.state = VersionState.RESERVED
         self._add(record)

@@ -373,6 +373,7 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
     # freed versions' buffers of the right sizes (no first-touch page faults); not given back if this fails,
     # since a failed exchange may leave receives posted into them
     recycled = ctx.store.memory.recycled(dst, ctx.rank)
+    given = _in_shard_memory(ctx, dst, recycled)
     src_local = [
         i for i in src.shards_on(rank) if i not in unavailable
     ]  # a restarted rank holds none
@@ -388,13 +389,13 @@ def run_reshard_job(job: pb.CollectiveJob, ctx: JobContext) -> None:
             ctx.time_left(),
             group=group,
             stats=stats,
-            out=recycled,
+            out=given,
             peer_memory=lent,
         )
     if dst.shards_on(rank):
         ctx.store.fill_reserved(name, dst_version, out)
     recycled_bytes = sum(dst.shard_nbytes(i) for i in recycled)
-    ctx.progress.new_shard_bytes = stats.new_shard_bytes + recycled_bytes
+    ctx.progress.new_shard_bytes = stats.new_shard_bytes + sum(dst.shard_nbytes(i) for i in given)
     ctx.progress.peak_staging_bytes = stats.peak_staging_bytes
     ctx.progress.mapped_bytes = stats.mapped_bytes
     ctx.progress.sent_bytes = stats.sent_bytes
@@ -423,6 +424,20 @@ def _unavailable(spec: pb.ReshardJob, src: ShardedTensorMetadata) -> frozenset[i
                 f"({len(src.shards_metadata)} shards)"
             )
     return frozenset(spec.src_unavailable)
+
+
+def _in_shard_memory(
+    ctx: JobContext, dst: ShardedTensorMetadata, recycled: dict[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """This rank's new shards of `dst`, each written whole by the reshard: the recycled buffers, and the others
+    from the rank's shard memory (shared memory for CPU shards), where same-host readers and the next job's
+    peers map them as they are (a shard built in private memory is copied into a segment when first mapped)."""
+    given = dict(recycled)
+    for i in dst.shards_on(ctx.rank):
+        shard = dst.shards_metadata[i]
+        if i not in given and shard.device.type == "cpu":
+            given[i] = ctx.store.memory.empty(shard.shard_sizes, dst.dtype, overwrite=True)
+    return given
 
 
 @contextmanager
