@@ -274,6 +274,9 @@ def test_readers_during_a_reshard_always_get_exact_data(client4):
     try:
         new = proxy
         for dim, ranks in ((1, range(4)), (0, (2, 3)), (1, (0, 1, 2))):
+            # ranks of one host reshard this in milliseconds: the readers read between every two reshards
+            before = reads[0]
+            wait_until(lambda: reads[0] >= before + 3 or bool(errors), 30, "the readers to read")
             new = new.reshard(chunk(dim, ranks), bucket_bytes=4096)
     finally:
         stop.set()
