@@ -11,15 +11,14 @@ in each row's note: torch's copy_ uses every core, so on a loaded machine the ra
 
 from __future__ import annotations
 
-import argparse
 import os
-import tempfile
 from typing import Any
 
 import torch
 
 from benchmarks.baselines import median_seconds
 from benchmarks.harness import Row
+from benchmarks.statedict_cli import each_bytes, run_on_two_ranks, size_parser
 
 MiB = 1 << 20
 TENSORS, EACH = 64, 16 * MiB
@@ -120,22 +119,12 @@ def cast_rows(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=None, help="tensors in the state dict")
-    parser.add_argument("--each-mib", type=float, default=None, help="MiB of fp32 per tensor")
-    parser.add_argument("--quick", action="store_true", help="16 x 1 MiB, 3 repeats")
-    args = parser.parse_args()
-    from shardserve.server.launcher import LocalCluster
-
-    each = int(args.each_mib * MiB) if args.each_mib else None
-    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
-        cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
-        try:
-            rows = cast_rows(cluster, quick=args.quick, count=args.tensors, each=each)
-        finally:
-            cluster.stop()
-    for row in rows:
-        print(f"{row.case:48} {row.name:22} {row.seconds * 1e3:9.1f} ms  ok={row.ok}")
+    args = size_parser(__doc__.splitlines()[0], quick_help="16 x 1 MiB, 3 repeats").parse_args()
+    run_on_two_ranks(
+        lambda cluster: cast_rows(
+            cluster, quick=args.quick, count=args.tensors, each=each_bytes(args)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -11,9 +11,7 @@ every block of the state dict (xxh3 on every core), so on a loaded machine the r
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -21,6 +19,7 @@ import torch
 
 from benchmarks.harness import Row
 from benchmarks.statedict_casts import _load, _state
+from benchmarks.statedict_cli import each_bytes, run_on_two_ranks, size_parser
 
 MiB = 1 << 20
 TENSORS, EACH = 64, 16 * MiB
@@ -111,22 +110,12 @@ def delta_rows(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=None, help="tensors in the state dict")
-    parser.add_argument("--each-mib", type=float, default=None, help="MiB of fp32 per tensor")
-    parser.add_argument("--quick", action="store_true", help="16 x 1 MiB, 3 repeats")
-    args = parser.parse_args()
-    from shardserve.server.launcher import LocalCluster
-
-    each = int(args.each_mib * MiB) if args.each_mib else None
-    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
-        cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
-        try:
-            rows = delta_rows(cluster, quick=args.quick, count=args.tensors, each=each)
-        finally:
-            cluster.stop()
-    for row in rows:
-        print(f"{row.case:48} {row.name:22} {row.seconds * 1e3:9.1f} ms  ok={row.ok}")
+    args = size_parser(__doc__.splitlines()[0], quick_help="16 x 1 MiB, 3 repeats").parse_args()
+    run_on_two_ranks(
+        lambda cluster: delta_rows(
+            cluster, quick=args.quick, count=args.tensors, each=each_bytes(args)
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ is the verified read within 1.3x of the plain one. The load average is printed a
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.harness import Row, Target
+from benchmarks.statedict_cli import each_bytes, run_on_two_ranks, size_parser
 
 MiB = 1 << 20
 TENSORS, EACH, ONE = 64, 16 * MiB, 256 * MiB
@@ -153,27 +152,17 @@ def verify_rows(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=None, help="tensors in the state dict")
-    parser.add_argument("--each-mib", type=float, default=None, help="MiB of fp32 per tensor")
+    parser = size_parser(__doc__.splitlines()[0], quick_help="16 x 1 MiB and 16 MiB, 3 rounds")
     parser.add_argument(
         "--rounds", type=int, default=None, help="timed rounds (plain and verify alternate)"
     )
-    parser.add_argument("--quick", action="store_true", help="16 x 1 MiB and 16 MiB, 3 rounds")
     args = parser.parse_args()
-    from shardserve.server.launcher import LocalCluster
-
-    each = int(args.each_mib * MiB) if args.each_mib else None
-    with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
-        cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
-        try:
-            rows = verify_rows(
-                cluster, quick=args.quick, count=args.tensors, each=each, rounds=args.rounds
-            )
-        finally:
-            cluster.stop()
-    for row in rows:
-        print(f"{row.case:40} {row.name:24} {row.seconds * 1e3:9.1f} ms  ok={row.ok}")
+    run_on_two_ranks(
+        lambda cluster: verify_rows(
+            cluster, quick=args.quick, count=args.tensors, each=each_bytes(args), rounds=args.rounds
+        ),
+        width=40,
+    )
 
 
 if __name__ == "__main__":

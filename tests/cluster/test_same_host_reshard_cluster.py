@@ -41,15 +41,9 @@ def source(dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def cluster(make_cluster):
-    previous = os.environ.get(MAPPED_STALL_ENV)
-    os.environ[MAPPED_STALL_ENV] = f"1:{STALL_S}:{VICTIM}"
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the ranks inherit it
+        patch.setenv(MAPPED_STALL_ENV, f"1:{STALL_S}:{VICTIM}")
         return make_cluster(ranks=2)
-    finally:
-        if previous is None:
-            del os.environ[MAPPED_STALL_ENV]
-        else:
-            os.environ[MAPPED_STALL_ENV] = previous
 
 
 def reshard_counting(proxy, spec, **kwargs):

@@ -143,32 +143,26 @@ def run_reshard(
     part = plan.for_rank(rank)
     _check_src_shards(plan, part, src_shards)
     out = _destination(plan, rank, stats, out, src_shards)
+    wire = partial(
+        _exchange_wire,
+        plan,
+        src_shards=src_shards,
+        out=out,
+        deadline=deadline,
+        stats=stats,
+        max_in_flight=max_in_flight,
+    )
     if peer_memory is None or not part.peers:
-        return _exchange_wire(
-            plan,
-            part,
-            src_shards,
-            out,
-            group=group,
-            deadline=deadline,
-            stats=stats,
-            max_in_flight=max_in_flight,
-        )
+        return wire(part, group=group)
     group = group or _world_group()
     exports = swap_exports(group, part.peers, peer_memory.export, deadline)
     split = split_part(part, peer_memory.export, exports)
     copied = False
     try:
         handles = swap_cuda_handles(group, split, src_shards, deadline)
-        _exchange_wire(
-            plan,
+        wire(
             split.wire,
-            src_shards,
-            out,
             group=group,
-            deadline=deadline,
-            stats=stats,
-            max_in_flight=max_in_flight,
             also_local=lambda: copy_mapped(
                 plan,
                 split,
@@ -188,9 +182,9 @@ def run_reshard(
 def _exchange_wire(  # noqa: PLR0913 - the parts of one rank's exchange, passed on as they are
     plan: ReshardPlan,
     part: RankPlan,
+    *,
     src_shards: Mapping[int, torch.Tensor],
     out: dict[int, torch.Tensor],
-    *,
     group: PeerGroup | None,
     deadline: float,
     stats: ReshardStats,
