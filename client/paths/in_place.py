@@ -45,9 +45,9 @@ from shardserve.client.paths.segments import (
     names_file,
     open_cuda_handle,
     open_rank_file,
-    release_cuda_count,
 )
 from shardserve.client.paths.writes import ShardWrite, write_request
+from shardserve.core.lent_memory import release_cuda_count
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 

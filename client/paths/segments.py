@@ -20,6 +20,12 @@ import torch
 
 from shardserve.client.paths.composed import CompositionError, map_extents
 from shardserve.core.dtypes import dtype_from_wire
+from shardserve.core.lent_memory import (
+    LentMemoryError,
+    NotTheFileDescribed,
+    open_cuda_storage,
+    open_lent_file,
+)
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import HEADER_MAGIC, STATE_REPLACED, STATE_SERVED
 
@@ -140,18 +146,14 @@ def open_rank_file(  # noqa: PLR0913 - a file's four coordinates and how much of
 ) -> int:
     """Open /proc/<pid>/fd/<fd> (`flags`) and check it is the file the rank described (inode, device) and at
     least `min_size` bytes; the caller closes the fd. SegmentError naming the path otherwise."""
-    path = f"/proc/{pid}/fd/{fd}"
     try:
-        opened = os.open(path, flags | os.O_CLOEXEC)
-    except OSError as err:
-        raise SegmentError(f"cannot open {path}: {err.strerror}") from None
-    stat = os.fstat(opened)
-    if (stat.st_ino, stat.st_dev) != (inode, device_id) or stat.st_size < min_size:
-        os.close(opened)
+        return open_lent_file(pid, fd, inode, device_id, min_size=min_size, flags=flags)
+    except NotTheFileDescribed as err:
         raise SegmentError(
-            f"{path} is no longer the segment the rank described (another file, process or pid namespace)"
-        )
-    return opened
+            f"{err} is no longer the segment the rank described (another file, process or pid namespace)"
+        ) from None
+    except LentMemoryError as err:
+        raise SegmentError(str(err)) from None
 
 
 class RankProcess:
@@ -259,38 +261,8 @@ def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:
 
 def open_cuda_handle(h: pb.CudaIpcHandle, byte_offset: int, nbytes: int) -> torch.Tensor:
     """The `nbytes` from `byte_offset` of the storage a rank shared as `h`, as a uint8 CUDA tensor over its memory
-    (no copy). The rank's memory stays allocated while this tensor's storage lives (its IPC reference count);
-    SegmentError, the handle left unopened, when it cannot be opened."""
-    if byte_offset < 0 or byte_offset + nbytes > h.storage_size_bytes:
-        raise SegmentError(
-            f"the shard's {nbytes} bytes at {byte_offset} lie outside its CUDA storage of "
-            f"{h.storage_size_bytes} bytes"
-        )
+    (shardserve.core.lent_memory); SegmentError, the handle left unopened, when it cannot be opened."""
     try:
-        torch.cuda.init()  # opening a handle needs this process's CUDA context
-        storage = torch.UntypedStorage._new_shared_cuda(
-            h.device,
-            h.handle,
-            h.storage_size_bytes,
-            h.storage_offset_bytes,
-            h.ref_counter_handle,
-            h.ref_counter_offset,
-            h.event_handle or None,
-            h.event_sync_required,
-        )
-    except (RuntimeError, AttributeError) as err:
-        raise SegmentError(f"cannot open the CUDA IPC handle of the shard: {err}") from None
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h.device}")
-    flat.set_(storage, byte_offset, (nbytes,), (1,))
-    return flat
-
-
-def release_cuda_count(h: pb.CudaIpcHandle) -> None:
-    """Give back the one user a rank counted for handing out `h` when this process will not open it (it holds
-    that storage open already, or cannot open it), so the rank's memory is freed once it lets it go."""
-    try:
-        torch.UntypedStorage._release_ipc_counter(
-            h.ref_counter_handle, h.ref_counter_offset, device=h.device
-        )
-    except (RuntimeError, AttributeError) as err:
-        warnings.warn(f"could not release a CUDA IPC reference of a rank: {err}", stacklevel=2)
+        return open_cuda_storage(h, byte_offset, nbytes)
+    except LentMemoryError as err:
+        raise SegmentError(str(err)) from None

@@ -57,6 +57,7 @@ from shardserve.client.paths.writes import (
     write_request,
 )
 from shardserve.core.dtypes import dtype_from_wire
+from shardserve.core.lent_memory import release_cuda_count
 from shardserve.core.regions import local_view
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
@@ -305,9 +306,7 @@ class SharedMemoryPath:
         h = reply.cuda
         if cached is not None and cached.cuda_handle == (h.handle, h.storage_offset_bytes):
             # the rank counted one more user of its memory for this reply; we already hold one
-            torch.UntypedStorage._release_ipc_counter(
-                h.ref_counter_handle, h.ref_counter_offset, device=h.device
-            )
+            release_cuda_count(h)
             return cached
         flat = segments.map_cuda(reply)
         state = (

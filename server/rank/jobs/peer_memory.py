@@ -26,6 +26,13 @@ from typing import Any
 import torch
 from google.protobuf.message import DecodeError
 
+from shardserve.core.lent_memory import (
+    LentMemoryError,
+    NotTheFileDescribed,
+    open_cuda_storage,
+    open_lent_file,
+    release_cuda_count,
+)
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
@@ -144,11 +151,8 @@ def release_handle(handle: bytes) -> None:
     """Give back the user that a handle this process will not open counted (a failed job's), so the lending
     rank's memory can be reused once it drops it."""
     try:
-        ipc = pb.CudaIpcHandle.FromString(handle)
-        torch.UntypedStorage._release_ipc_counter(
-            ipc.ref_counter_handle, ipc.ref_counter_offset, device=ipc.device
-        )
-    except (RuntimeError, AttributeError, DecodeError) as err:
+        release_cuda_count(pb.CudaIpcHandle.FromString(handle))
+    except DecodeError as err:
         log.warning("could not give back a CUDA IPC reference of a peer: %s", err)
 
 
@@ -207,21 +211,19 @@ def open_shard(
 
 def _map_segment(pid: int, handle: SegmentHandle) -> torch.Tensor:
     """The shard's bytes in a read-only mapping of /proc/<pid>/fd/<fd>, once it is checked to be that memfd."""
-    path = f"/proc/{pid}/fd/{handle.fd}"
     size = handle.data_offset + handle.nbytes
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as err:
-        raise PeerMemoryError(f"cannot open {path}: {err.strerror}") from None
+        fd = open_lent_file(pid, handle.fd, handle.inode, handle.device_id, min_size=size)
+    except NotTheFileDescribed as err:
+        raise PeerMemoryError(f"{err} is not the shard segment its rank exported") from None
+    except LentMemoryError as err:
+        raise PeerMemoryError(str(err)) from None
     try:
-        stat = os.fstat(fd)
-        if (stat.st_ino, stat.st_dev) != (handle.inode, handle.device_id) or stat.st_size < size:
-            raise PeerMemoryError(f"{path} is not the shard segment its rank exported")
         mapped = mmap.mmap(
             fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ
         )
     except OSError as err:
-        raise PeerMemoryError(f"cannot map {path}: {err.strerror}") from None
+        raise PeerMemoryError(f"cannot map /proc/{pid}/fd/{handle.fd}: {err.strerror}") from None
     finally:
         os.close(fd)
     with warnings.catch_warnings():
@@ -232,26 +234,9 @@ def _map_segment(pid: int, handle: SegmentHandle) -> torch.Tensor:
 
 def _open_cuda(handle: bytes, nbytes: int, itemsize: int) -> torch.Tensor:
     """The shard's bytes as a uint8 CUDA tensor over the opened IPC allocation (torch caches opened handles, so a
-    storage opened twice in one process maps once)."""
+    storage opened twice in one process maps once); the shard starts `tensor_offset` elements into it."""
     try:
         ipc = pb.CudaIpcHandle.FromString(handle)
-        storage = torch.UntypedStorage._new_shared_cuda(
-            ipc.device,
-            ipc.handle,
-            ipc.storage_size_bytes,
-            ipc.storage_offset_bytes,
-            ipc.ref_counter_handle,
-            ipc.ref_counter_offset,
-            ipc.event_handle or None,
-            ipc.event_sync_required,
-        )
-    except (RuntimeError, AttributeError, DecodeError) as err:
-        raise PeerMemoryError(f"cannot open a peer's CUDA IPC handle: {err}") from None
-    start = (
-        ipc.tensor_offset * itemsize
-    )  # the shard's offset in its storage, in elements of its dtype
-    if start + nbytes > storage.nbytes():
-        raise PeerMemoryError("a peer's CUDA IPC handle names a storage shorter than its shard")
-    flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ipc.device}")
-    flat.set_(storage, start, (nbytes,), (1,))
-    return flat
+        return open_cuda_storage(ipc, ipc.tensor_offset * itemsize, nbytes)
+    except (LentMemoryError, DecodeError) as err:
+        raise PeerMemoryError(f"a peer's CUDA memory: {err}") from None
