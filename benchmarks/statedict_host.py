@@ -3,13 +3,15 @@ cluster (shared memory both ways, durable=False, keep=1), against the limit, tor
 into already-touched destinations in one process, and against dcp.save / dcp.load to /dev/shm.
 
 Cases: 64 x 16 MiB (bandwidth) and 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
-the median after one warm-up round (benchmarks.baselines.median_seconds) of steady puts (into the memory the
-previous snapshot freed) and of gets into preallocated tensors; one 64 MiB tensor put (Cluster.put) and
+the weight-sync loop after a second put: put then get into preallocated tensors, alternating, each timed
+(medians; each get reads the snapshot the put before it made, the puts go into the memory the snapshot before
+freed); one 64 MiB tensor put (Cluster.put) and
 fetched whole into a preallocated tensor; a 1 MiB row slice of it.
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -67,16 +69,28 @@ def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[
     put()
     first_s = time.perf_counter() - start
     put()  # the second put's memory is new too; from the third on, puts reuse what the one before freed
+    puts, gets = [], []
+    for _ in range(
+        repeats
+    ):  # the weight-sync loop: each get reads the snapshot the put before it made
+        puts.append(_seconds(put))
+        gets.append(_seconds(lambda: spmd.get_state_dict(cluster, prefix, into=into)))
     out = {
         "first put": first_s,
-        "put": median_seconds(put, repeats),
-        "get": median_seconds(lambda: spmd.get_state_dict(cluster, prefix, into=into), repeats),
+        "put": statistics.median(puts),
+        "get": statistics.median(gets),
         "copy_": median_seconds(lambda: _copy_all(state, into), repeats),
     }
     out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
     spmd.get_state_dict(cluster, prefix, into=into)
     out["ok"] = all(torch.equal(into[key], state[key]) for key in state)
     return out
+
+
+def _seconds(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> dict[str, Any]:
