@@ -2,19 +2,23 @@
 segments into the caller's tensors (client.paths.shm) and writes of the caller's tensors into them
 (client.paths.in_place). A copy that touches a CUDA device is queued on that device's current stream
 (asynchronous from registered or device memory) and `copy_all` waits for each such stream once at the end.
-`copy_checked` is the copy of a verified read: it hashes the bytes as they land (shardcore.checksums)."""
+`copy_checked` is the copy of a verified read: it hashes the bytes as they land (shardcore.checksums);
+`copy_checked_all` copies and hashes many runs at once, spread over the hashing pool (an in-place writer's)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
-from shardserve.core.checksums import copy_checksummed
+from shardserve.core.checksums import copy_checksummed, hashing_pool
 from shardserve.core.wire import byte_view, word_views
 
 PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
+GROUP_BYTES = (
+    4 << 20
+)  # the least a task of copy_checked_all copies: a pool task costs tens of microseconds
 
 
 def copy_all(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -48,6 +52,49 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> int | None:
     if not _plain_bytes(dst, src):
         return None
     return copy_checksummed(byte_view(dst), byte_view(src))
+
+
+def copy_checked_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    """dst[...] = src for each (dst, src) of flat uint8 CPU tensors of one length, returning the xxh3-64 of each
+    copy's bytes in order: each run copied and hashed in one pass on one thread (copy_checksummed), the runs in
+    groups of at least GROUP_BYTES spread over the hashing pool (one thread per core), so the whole batch fills
+    the cores as torch's parallel copy_ would, and hashing costs little more than the copy."""
+    groups = _groups(pairs)
+    if len(groups) <= 1:
+        return [copy_checksummed(dst, src) for dst, src in pairs]
+    pool = hashing_pool()
+    futures = [pool.submit(_copy_group, group) for group in groups]
+    return [checksum for future in futures for checksum in future.result()]
+
+
+def _groups(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Consecutive pairs cut into groups of at least GROUP_BYTES (the last may be smaller)."""
+    groups: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    current: list[tuple[torch.Tensor, torch.Tensor]] = []
+    held = 0
+    for dst, src in pairs:
+        current.append((dst, src))
+        held += dst.numel()
+        if held >= GROUP_BYTES:
+            groups.append(current)
+            current, held = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _copy_group(group: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
+    return [copy_checksummed(dst, src) for dst, src in group]
+
+
+def plain_source(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`data`'s bytes as a flat uint8 view when a copy of it stored as `dtype` is one run of CPU bytes (no cast,
+    contiguous, on the CPU); else None."""
+    if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
+        return None
+    return byte_view(data)
 
 
 def _plain_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:

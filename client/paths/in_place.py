@@ -34,11 +34,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import error_from_rpc
-from shardserve.client.paths.copies import copy_tensor, cuda_devices, synchronize
+from shardserve.client.paths.copies import (
+    copy_checked_all,
+    copy_tensor,
+    cuda_devices,
+    plain_source,
+    synchronize,
+)
 from shardserve.client.paths.registered import PAGES, RegisteredPages
 from shardserve.client.paths.segments import (
     SegmentError,
@@ -50,6 +57,7 @@ from shardserve.client.paths.writes import ShardWrite, write_request
 from shardserve.core.lent_memory import release_cuda_count
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
+from shardserve.protos.same_host import HEADER_WORDS, leave_checksum
 
 MAPPED_BYTES = (
     4 << 30
@@ -114,12 +122,10 @@ class InPlaceWriter:
         told = len(opened) < len(writes)
         segments = self._open(address, writes) if told else opened
         targets = self._targets(address, writes, segments)
-        devices = set()
-        for write, target in zip(writes, targets):
-            if write.nbytes:
-                copy_into(target, write.data, write.dtype)
-                devices |= cuda_devices(target, write.data)
-        synchronize(devices)  # every byte in place before the rank counts the shards written
+        headers = [self._header(address, segment) for segment in segments]
+        synchronize(
+            fill(writes, targets, headers)
+        )  # every byte in place before the rank counts them
         written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
         self._unmap_released(address, {_key(address, segment) for segment in segments})
         return written
@@ -143,6 +149,16 @@ class InPlaceWriter:
             if write.data.device.type == "cuda" and targets[-1].device.type == "cpu":
                 self._pin(address, segment)
         return targets
+
+    def _header(self, address: str, segment: pb.WritableSegment) -> np.ndarray | None:
+        """The int64 header words of a memfd segment this writer mapped (None for a CUDA shard's)."""
+        if segment.HasField("cuda") or segment.data_offset < HEADER_WORDS * 8:
+            return None
+        with self._lock:
+            mapping = self._mappings.get(_key(address, segment))
+        if mapping is None:
+            return None
+        return mapping.flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
 
     def _pin(self, address: str, segment: pb.WritableSegment) -> None:
         """Register the kept mapping of `segment` with CUDA (once), for the copy from a CUDA tensor into it."""
@@ -276,6 +292,33 @@ def _cuda_identity(segment: pb.WritableSegment) -> bytes:
         return b""
     h = segment.cuda
     return b"%s:%d:%d" % (h.handle, h.storage_offset_bytes, h.tensor_offset)
+
+
+def fill(
+    writes: Sequence[ShardWrite],
+    targets: Sequence[torch.Tensor],
+    headers: Sequence[np.ndarray | None],
+) -> set[torch.device]:
+    """Copy each write's data into its target. A plain run of CPU bytes into a memfd segment is hashed as it is
+    copied (on the hashing pool, all such copies at once) and its checksum left in the segment's header, so the
+    rank need not hash it again; the rest (casts, strided data, CUDA) copied as torch does, the rank hashing
+    them. Returns the CUDA devices whose streams the caller must wait for."""
+    devices: set[torch.device] = set()
+    checked: list[tuple[torch.Tensor, torch.Tensor]] = []
+    checked_headers: list[np.ndarray] = []
+    for write, target, header in zip(writes, targets, headers):
+        if not write.nbytes:
+            continue
+        source = plain_source(write.data, write.dtype) if header is not None else None
+        if source is not None and header is not None:
+            checked.append((target, source))
+            checked_headers.append(header)
+            continue
+        copy_into(target, write.data, write.dtype)
+        devices |= cuda_devices(target, write.data)
+    for header, checksum in zip(checked_headers, copy_checked_all(checked)):
+        leave_checksum(header, checksum)
+    return devices
 
 
 def copy_into(target: torch.Tensor, data: torch.Tensor, dtype: torch.dtype) -> None:

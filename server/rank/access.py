@@ -129,6 +129,7 @@ class VersionAccess:
             found = self._in_place(record, shard)
             if found is not None:
                 record.progress.open_in_place(shard_index)
+                self._memory.shared.clear_left_checksum(shard)
         return found
 
     def _in_place(self, record: StoredVersion, shard: torch.Tensor) -> InPlace | None:
@@ -151,6 +152,7 @@ class VersionAccess:
                 )  # CUDA shards: OpenShardsForWrite
                 if found is not None:
                     record.progress.open_in_place(shard_index)
+                    self._memory.shared.clear_left_checksum(shard)
                     opened.append((shard_index, *found))
         return opened
 
@@ -164,6 +166,7 @@ class VersionAccess:
             handed = sorted(record.progress.in_place)
             for shard_index in handed:
                 record.progress.finish_in_place(shard_index)
+                self._take_left_checksum(record, shard_index)
         return len(handed)
 
     def finish_in_place(
@@ -181,6 +184,14 @@ class VersionAccess:
                     f"it since",
                     metadata={"tensor": name, "field": "shard_index"},
                 )
+            self._take_left_checksum(record, shard_index)
+
+    def _take_left_checksum(self, record: StoredVersion, shard_index: int) -> None:
+        """Keep the checksum the in-place writer of a shard it filled left beside it (under the lock), so the
+        promote need not hash it; none left: the promote hashes it."""
+        checksum = self._memory.shared.left_checksum(record.shards[shard_index])
+        if checksum is not None:
+            record.checksums[shard_index] = checksum
 
     def _check_whole_write(
         self, record: StoredVersion, shard_index: int, dtype: torch.dtype, nbytes: int
@@ -289,6 +300,7 @@ class VersionAccess:
             shard = record.local_shard(shard_index, self.rank)
             check(record)
             was_complete = record.progress.open_change(shard_index)
+            record.checksums.pop(shard_index, None)  # its bytes change: the promote hashes them
             self._versions.lease(record)
         return record, shard, was_complete
 

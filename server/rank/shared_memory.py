@@ -35,10 +35,13 @@ from shardserve.core.dtypes import itemsize
 from shardserve.core.wire import byte_view
 from shardserve.protos.same_host import (
     HEADER_MAGIC,
+    HEADER_WORDS,
     STATE_DROPPED,
     STATE_PENDING,
     STATE_REPLACED,
     STATE_SERVED,
+    WORD_CHECKSUM_TAG,
+    left_checksum,
 )
 from shardserve.server.common.errors import Overloaded
 from shardserve.server.rank.recycling import Buffer, RecycledBuffers
@@ -46,11 +49,12 @@ from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SHARDSERVE_SHARED_MEMORY"  # "0" turns the same-host path off on a rank
-# Each segment starts with a header page: int64 HEADER_MAGIC, int64 state, int64 generation; the shard's bytes
-# follow it. The rank sets the state SERVED when the version is promoted and DROPPED when it is dropped, so a
-# client holding a mapping sees a dropped version without asking (and then refreshes, as gRPC's stale answer
-# makes it). The generation grows each time a freed segment is taken for another version (server/rank/recycling.py),
-# before any of its bytes change: a client checks (state, generation) before and after each read, like a seqlock.
+# Each segment starts with a header page: int64 HEADER_MAGIC, int64 state, int64 generation, then the words an
+# in-place writer leaves its checksum in (protos/same_host.py); the shard's bytes follow it. The rank sets the
+# state SERVED when the version is promoted and DROPPED when it is dropped, so a client holding a mapping sees a
+# dropped version without asking (and then refreshes, as gRPC's stale answer makes it). The generation grows
+# each time a freed segment is taken for another version (server/rank/recycling.py), before any of its bytes
+# change: a client checks (state, generation) before and after each read, like a seqlock.
 HEADER_BYTES = 4096
 FDS_KEPT_FOR_SOCKETS = (
     4096  # open files left to connections, pidfds and DCP files when shards take theirs
@@ -219,6 +223,20 @@ class SharedMemory:
             return None
         return segment, segment.fd in _SEALED_SEGMENTS or is_write_sealed(segment.fd)
 
+    def clear_left_checksum(self, tensor: torch.Tensor) -> None:
+        """Forget any checksum a writer left in the header of `tensor`'s segment: it is handed to a writer now."""
+        with self._lock:
+            header = self._headers.get(id(tensor))
+            if header is not None:
+                header[WORD_CHECKSUM_TAG] = 0
+
+    def left_checksum(self, tensor: torch.Tensor) -> int | None:
+        """The checksum the in-place writer of `tensor` left in its segment's header for its bytes as they are
+        now, or None (no segment, or the writer did not hash what it wrote)."""
+        with self._lock:
+            header = self._headers.get(id(tensor))
+        return left_checksum(header) if header is not None else None
+
     def segment_of(self, tensor: torch.Tensor) -> Segment | None:
         """The Segment of a tensor made by `empty` (None for any other tensor)."""
         with self._lock:
@@ -252,12 +270,12 @@ def _raise_fd_limit() -> int:
 
 
 def _new_header(flat: torch.Tensor, state: int) -> np.ndarray:
-    """Write the header (magic, state, generation 0) at the start of a segment's bytes; returns its int64
-    words (a numpy view of them)."""
-    header = flat[:24].view(torch.int64).numpy()
+    """Write the header (magic, state, generation 0, no checksum) at the start of a segment's bytes; returns its
+    int64 words (a numpy view of them)."""
+    header = flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
+    header[:] = 0
     header[0] = HEADER_MAGIC
     header[1] = state
-    header[2] = 0
     return header
 
 

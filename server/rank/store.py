@@ -271,6 +271,9 @@ class ShardStore:
             )
             record = StoredVersion(name, version, meta, options or TensorOptions(), copied)
             record.shards = dict(shared)
+            record.checksums = dict(
+                source.checksums
+            )  # the same bytes, until a change drops a shard's
             try:
                 self._add(record)
             except BaseException:

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from shardserve.client.paths import copies
-from shardserve.client.paths.copies import copy_checked, copy_tensor
+from shardserve.client.paths.copies import (
+    copy_checked,
+    copy_checked_all,
+    copy_tensor,
+    plain_source,
+)
 from shardserve.core.checksums import tensor_checksum
 from shardserve.core.wire import byte_view, word_views
 
@@ -66,3 +71,27 @@ def test_a_checked_copy_leaves_casts_and_strided_regions_to_the_caller() -> None
     strided = torch.zeros(6, 4).t()
     assert copy_checked(strided, source) is None
     assert not strided.any()  # nothing copied: the caller copies and hashes apart
+
+
+def test_copy_checked_all_copies_and_hashes_every_run_across_the_pool():
+    sizes = [
+        1 << 20,
+        3 << 20,
+        5,
+        0,
+        2 << 20,
+        6 << 20,
+        17,
+    ]  # groups of several runs, one run, odd lengths
+    sources = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    targets = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    sums = copy_checked_all(list(zip(targets, sources)))
+    assert sums == [tensor_checksum(source) for source in sources]
+    assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+
+
+def test_plain_source_is_only_a_cpu_run_of_the_stored_dtype():
+    data = torch.randn(4, 6)
+    assert torch.equal(plain_source(data, torch.float32), data.view(-1).view(torch.uint8))
+    assert plain_source(data, torch.bfloat16) is None  # a cast
+    assert plain_source(data.t(), torch.float32) is None  # strided

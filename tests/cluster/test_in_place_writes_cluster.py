@@ -91,20 +91,21 @@ WRITER = textwrap.dedent(
     """
     import os, sys, time, torch
     from shardserve import connect, spmd
-    from shardserve.client.paths import in_place
+    from shardserve.client.paths import copies
 
     address, marker = sys.argv[1], sys.argv[2]
     copied = []
-    real_copy = in_place.copy_into
+    real_copy = copies.copy_checksummed  # each shard's copy, hashed as it lands
 
     def copy_then_stall(*args):
-        real_copy(*args)
+        checksum = real_copy(*args)
         copied.append(1)
         if len(copied) == 3:  # some shards of the snapshot filled, the others not
             open(marker, "w").close()
             time.sleep(600)
+        return checksum
 
-    in_place.copy_into = copy_then_stall
+    copies.copy_checksummed = copy_then_stall
     state = {f"w{i}": torch.full((64, 64), 7.0) for i in range(8)}
     with connect(address) as client:
         spmd.put_state_dict(client, state, "killed", keep=1, durable=False)
