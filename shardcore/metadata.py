@@ -26,13 +26,14 @@ _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  
 class RemoteDevice:
     """A placement "rank:N/<device>", with torch `_remote_device`'s accessors."""
 
-    __slots__ = ("_rank", "_device")
+    __slots__ = ("_rank", "_device", "_text")
     _rank: int
     _device: torch.device
+    _text: str  # its canonical string, made once: layouts hash and print their placements often
 
     def __init__(self, spec: str | RemoteDevice | tuple[int, str]) -> None:
         if isinstance(spec, RemoteDevice):
-            self._rank, self._device = spec._rank, spec._device
+            self._rank, self._device, self._text = spec._rank, spec._device, spec._text
             return
         if isinstance(spec, tuple):
             rank, device = spec
@@ -47,6 +48,7 @@ class RemoteDevice:
         self._rank = int(match.group(1))
         device = match.group(2)
         self._device = torch.device("cuda:0" if device == "cuda" else device)
+        self._text = f"rank:{self._rank}/{self._device}"
 
     def rank(self) -> int:
         return self._rank
@@ -58,7 +60,7 @@ class RemoteDevice:
         return None
 
     def __str__(self) -> str:
-        return f"rank:{self._rank}/{self._device}"
+        return self._text
 
     def __repr__(self) -> str:
         return f"RemoteDevice({str(self)!r})"
@@ -75,7 +77,7 @@ class RemoteDevice:
         )
 
     def __hash__(self) -> int:
-        return hash(str(self))  # as its canonical string, which it equals
+        return hash(self._text)  # as its canonical string, which it equals
 
 
 def as_placement(value: str | RemoteDevice | int | None) -> RemoteDevice | None:
@@ -207,6 +209,18 @@ class ShardedTensorMetadata:
                 raise TypeError(
                     f"shards_metadata[{i}] is a {type(shard).__name__}, not ShardMetadata"
                 )
+
+    def __hash__(self) -> int:
+        """The hash of its fields, computed once (a layout is immutable, and caches key on it)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.shards_metadata, self.size, self.tensor_properties))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, object]:
+        """Its fields without the cached hash (string hashes differ from one process to another)."""
+        return {key: value for key, value in self.__dict__.items() if key != "_hash"}
 
     @property
     def dtype(self) -> torch.dtype:

@@ -12,7 +12,6 @@ Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a
 from __future__ import annotations
 
 import abc
-import json
 import logging
 import sqlite3
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, overload
 
 from shardserve.server.coordinator.catalog_documents import (
+    dumps,
     snapshot_json,
     snapshot_of,
     tensor_json,
@@ -238,12 +238,7 @@ class SQLiteCatalog(Catalog):
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
         sums = checksums or {}
         entries = tuple(
-            SnapshotEntry(
-                e.key,
-                replace(e.tensor, state=TensorState.READY).with_checksums(
-                    sums.get((e.tensor.name, e.tensor.version), {})
-                ),
-            )
+            SnapshotEntry(e.key, e.tensor.with_checksums(sums.get(e.tensor.key, {}), ready=True))
             for e in snapshot.entries
         )
         with self._transaction(durable) as db:
@@ -360,7 +355,7 @@ def _mark_ready(db: sqlite3.Connection, records: Sequence[TensorRecord]) -> None
             (
                 ready,
                 ready,
-                json.dumps([f"{c:016x}" for c in r.checksums]),
+                dumps([f"{c:016x}" for c in r.checksums]),
                 r.name,
                 r.version,
                 pending,

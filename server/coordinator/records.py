@@ -106,16 +106,18 @@ class TensorRecord:
         shards = self.metadata.shards_metadata
         return sorted({s.rank for i, s in enumerate(shards) if i not in lost})
 
-    def with_checksums(self, found: Mapping[int, int]) -> TensorRecord:
-        """This version with the checksums its ranks reported (by shard index) added to those it had."""
+    def with_checksums(self, found: Mapping[int, int], *, ready: bool = False) -> TensorRecord:
+        """This version with the checksums its ranks reported (by shard index) added to those it had (and
+        READY, with `ready`: the record a commit writes, made in one step)."""
+        state = TensorState.READY if ready else self.state
         if not found:
-            return self
+            return self if state is self.state else replace(self, state=state)
         count = len(self.metadata.shards_metadata)
         known = list(self.checksums) or [UNKNOWN] * count
         for index, value in found.items():
             if 0 <= index < count:
                 known[index] = value
-        return replace(self, checksums=tuple(known))
+        return replace(self, checksums=tuple(known), state=state)
 
     def with_lost(self, shards: Iterable[int]) -> TensorRecord:
         """This version with `shards` added to its lost copies."""
