@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardserve.core.dtypes import dtype_to_wire, itemsize
+from shardserve.core.dtypes import dtype_to_wire
 
 _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only
 
@@ -108,7 +108,7 @@ class TensorProperties:
 
     @property
     def itemsize(self) -> int:
-        return itemsize(self.dtype)
+        return self.dtype.itemsize  # a dtype of the wire's table: checked when these were made
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
@@ -233,8 +233,9 @@ class ShardedTensorMetadata:
     def numel(self) -> int:
         return math.prod(self.size)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
+        """The bytes of one copy of the tensor (computed once: records and answers ask it for every tensor)."""
         return self.numel() * self.tensor_properties.itemsize
 
     def ranks(self) -> tuple[int, ...]:

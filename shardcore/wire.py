@@ -66,7 +66,21 @@ def shard_from_proto(msg: pb.ShardMetadata, index: int = 0) -> ShardMetadata:
         raise ValueError(f"shards_metadata[{index}]: {err}") from None
 
 
+ENCODED_LAYOUTS = 4096
+"""Layouts whose message is built once and copied after (a copy is one C call; building one from Python
+objects costs tens of microseconds): a snapshot's answers and rank calls repeat a state dict's few layouts."""
+
+
 def metadata_to_proto(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
+    """The message of a layout: a fresh copy, the caller's to change."""
+    msg = pb.ShardedTensorMetadata()
+    msg.CopyFrom(_layout_message(meta))
+    return msg
+
+
+@functools.lru_cache(maxsize=ENCODED_LAYOUTS)
+def _layout_message(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
+    """The layout's message, kept (never handed out: callers get copies)."""
     return pb.ShardedTensorMetadata(
         shards_metadata=[shard_to_proto(s) for s in meta.shards_metadata],
         size=meta.size,

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
@@ -121,11 +122,15 @@ class SnapshotDriver:
         writer, if any); all or none. `dropping`: versions removed from the catalog that the ranks drop in the
         same calls, first (their memory is the new snapshot's)."""
         prefix, keep, layouts, skeleton = order.prefix, order.keep, order.layouts, order.skeleton
+        checked: set[ShardedTensorMetadata] = set()  # a state dict's tensors share a few layouts
         for key, meta in layouts.items():
+            if meta in checked:
+                continue
             try:
                 self.registry.check_placements(meta)
             except InvalidArgument as err:
                 raise InvalidArgument(f"tensors[{key!r}]: {err.message}") from None
+            checked.add(meta)
         self._forget_stale()
         self.drops.wait(
             prefix
