@@ -9,12 +9,10 @@ any failure aborts the pending version so no half tensor is ever visible.
 from __future__ import annotations
 
 import builtins
-import contextlib
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import grpc
 import torch
 
 from shardserve.client import arguments
@@ -30,20 +28,17 @@ from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.embedding.row_cache import CacheStats, RowCache
 from shardserve.client.embedding.views import table_options
 from shardserve.client.errors import (
-    AbortedError,
     InvalidArgumentError,
     RankUnavailableError,
-    ShardServeError,
-    StaleVersionError,
-    TensorNotFoundError,
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.ops import checkpoints
+from shardserve.client.ops.puts import put_whole_tensor
 from shardserve.client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
 from shardserve.client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
 from shardserve.client.paths.hedging import HEDGE_AFTER_S
 from shardserve.client.paths.kinds import PathKind, parse_transport
-from shardserve.client.paths.writes import shard_write
+from shardserve.client.put_delta import put_delta
 from shardserve.client.session import Session
 from shardserve.client.snapshots import Snapshot
 from shardserve.client.tensor import RemoteShardedTensor
@@ -281,6 +276,7 @@ class Cluster:
         replicas: int = 1,
         durable: bool = True,
         dtype: torch.dtype | str | None = None,
+        delta: bool = False,
     ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
@@ -291,6 +287,10 @@ class Cluster:
         `dtype` (a floating dtype) stores a floating `tensor` converted to it, bit for bit `tensor.to(dtype)`,
         converted while copying into the ranks' memory or into the bytes sent; an integer or bool tensor is
         stored as it is.
+        `delta` (with `overwrite`): send and store only the blocks (about 1 MiB of rows each) whose bytes changed
+        since this client's last put of `name`, the rest shared with that version on the ranks
+        (client/put_delta.py); a full put when there is none, the layout or options changed, or another writer
+        put the name since.
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -317,48 +317,30 @@ class Cluster:
         # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
         # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
         shards = cut_tensor(tensor.detach(), meta)
-        info = self.session.create_tensor(
-            pb.CreateTensorRequest(
-                name=name,
-                metadata=metadata_to_proto(meta),
-                init=pb.INIT_NONE,
+
+        def put_whole() -> pb.TensorInfo:
+            return put_whole_tensor(
+                self.session,
+                name,
+                meta,
+                shards,
+                options,
                 overwrite=overwrite,
-                options=options,
+                chunk_bytes=chunk_bytes,
             )
-        )
-        try:
-            writes = [
-                (
-                    meta.shards_metadata[index].rank,
-                    shard_write(name, info.version, index, shard, chunk_bytes, dtype=stored),
+
+        if arguments.flag(delta, "delta"):
+            if not overwrite:
+                raise InvalidArgumentError(
+                    "delta=True needs overwrite=True (a delta replaces a version)"
                 )
-                for index, shard in enumerate(shards)
-            ]
-            try:
-                self.session.write_shards(writes)
-            except (StaleVersionError, TensorNotFoundError) as err:
-                raise self._why_writes_failed(name, info.version, err) from None
-            committed = self.session.commit(name, info.version)
-        except BaseException:
-            self.session.abort(name, info.version)
-            raise
+            committed = put_delta(
+                self.session, name, shards, layout=meta, options=options, put_whole=put_whole
+            )
+        else:
+            committed = put_whole()
         self.lookups.views.forget(name)
         return self._proxy(TensorSummary.from_proto(committed))
-
-    def _why_writes_failed(self, name: str, version: int, err: ShardServeError) -> ShardServeError:
-        """A write told "no such version": AbortedError when the version is gone from the catalog (a concurrent
-        put or create of the name with overwrite=True aborted it), else the write's own error."""
-        with contextlib.suppress(ShardServeError):
-            listed = self.session.call(
-                "ListTensors", pb.ListTensorsRequest(include_pending=True)
-            ).tensors
-            if not any(t.name == name and t.version == version for t in listed):
-                return AbortedError(
-                    f"put of {name!r} version {version} was aborted while it wrote: another put "
-                    f"or create of {name!r} with overwrite=True replaced it",
-                    grpc.StatusCode.ABORTED,
-                )
-        return err
 
     # ------------------------------------------------------------ snapshots (client.ops.snapshots, client.spmd)
 

@@ -26,14 +26,14 @@ def count_read(path: str, nbytes: int) -> None:
 
 
 def count(name: str, amount: int = 1) -> None:
-    """Add `amount` to the counter `name` (lookups, lookup_ids, retries, row_cache_hits, row_cache_misses)."""
+    """Add `amount` to the counter `name` (one of COUNTERS)."""
     with _lock:
         _counts[name] += amount
 
 
 def metrics() -> dict[str, Any]:
-    """This process's client counters: {"lookups", "lookup_ids", "retries", "row_cache_hits", "row_cache_misses":
-    int, "reads" and "read_bytes": {path: int}}, counted since the process started."""
+    """This process's client counters: {"lookups", "lookup_ids", "retries", "row_cache_hits", "row_cache_misses",
+    "delta_puts", "delta_bytes": int, "reads" and "read_bytes": {path: int}}, counted since the process started."""
     with _lock:
         out: dict[str, Any] = {name: _counts[name] for name in COUNTERS}
         out.update({name: dict(counter) for name, counter in _by_path.items()})
@@ -46,6 +46,8 @@ COUNTERS = {
     "retries": "reads and lookups asked again after a retryable error (stale version, rank gone)",
     "row_cache_hits": "rows answered by the row cache",
     "row_cache_misses": "rows the row cache did not hold",
+    "delta_puts": "delta puts that sent only the blocks that changed",
+    "delta_bytes": "bytes of changed blocks sent by delta puts",
 }
 
 

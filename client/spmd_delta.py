@@ -5,9 +5,10 @@ last delta put, with that snapshot's number, layouts and what decided them (the 
 keep theirs: client/reservations.py). The next delta put with the same basis asks the coordinator for a
 snapshot whose tensors are copies of the previous snapshot's, sharing their blocks on the ranks
 (CreateSnapshotRequest.delta_of), hashes what it would write, and sends only the byte ranges of the blocks
-whose hash changed (ShardServer.WriteBytes), in batches. The coordinator refuses a previous snapshot that is
-no longer the prefix's newest (or whose tensors a rank lost), and the put is then made in full, as is one with
-no previous hashes or another basis (a changed shape, dtype, layout or set of live ranks).
+whose hash changed (ShardServer.WriteBytes, client/delta_writes.py), in batches. The coordinator refuses a
+previous snapshot that is no longer the prefix's newest (or whose tensors a rank lost), and the put is then made
+in full, as is one with no previous hashes or another basis (a changed shape, dtype, layout or set of live
+ranks).
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ import threading
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 
+from shardserve.client.delta_writes import ChangedShard, hash_all, stored_bytes
+from shardserve.client.delta_writes import write_changed as send_changed
 from shardserve.client.errors import ShardServeError
 from shardserve.client.ops.snapshots import create_snapshot
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.session import Session
 from shardserve.client.spmd_pieces import Piece
-from shardserve.core.checksums import hashing_pool
-from shardserve.core.delta import block_bytes, block_hashes, changed_ranges, split_ranges
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.regions import local_view
 from shardserve.core.snapshots import JobTensor, writer_of
@@ -36,8 +36,6 @@ from shardserve.core.wire import metadata_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-WRITE_BATCH_BYTES = 4 << 20  # changed bytes per WriteBytes call
 
 ShardKey = tuple[str, int]  # (state dict key, server shard index)
 
@@ -154,20 +152,9 @@ def my_shards(
             )
 
 
-def stored_bytes(shard: MyShard) -> torch.Tensor:
-    """The shard's bytes as the rank stores them: cast to the stored dtype, contiguous, on the CPU."""
-    return shard.data.detach().to(device="cpu", dtype=shard.dtype).contiguous()
-
-
 def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:
     """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL)."""
-    pool = hashing_pool()
-    futures = {(s.key, s.index): pool.submit(_hashes_of, s) for s in shards}
-    return {key: future.result() for key, future in futures.items()}
-
-
-def _hashes_of(shard: MyShard) -> tuple[int, ...]:
-    return block_hashes(stored_bytes(shard))
+    return hash_all({(s.key, s.index): stored_bytes(s.data, s.dtype) for s in shards})
 
 
 def write_whole(session: Session, shards: list[MyShard]) -> dict[str, int]:
@@ -198,44 +185,19 @@ def write_changed(
 ) -> int:
     """Send the changed blocks of every shard (its new `hashes` against the `previous` ones) into the delta
     snapshot's copies; returns the bytes sent."""
-    jobs = []
-    for shard in shards:
-        stored = stored_bytes(shard)
-        nbytes = stored.numel() * stored.element_size()
-        step = block_bytes(tuple(stored.shape), stored.element_size())
-        key = (shard.key, shard.index)
-        ranges = changed_ranges(previous.get(key), hashes[key], step=step, nbytes=nbytes)
-        for batch in split_ranges(ranges, WRITE_BATCH_BYTES):
-            jobs.append(partial(_write_bytes, session, shard, stored, batch))
-    return sum(session.run_all(jobs))
-
-
-def _write_bytes(
-    session: Session, shard: MyShard, stored: torch.Tensor, ranges: list[tuple[int, int]]
-) -> int:
-    flat = stored.reshape(-1).view(torch.uint8)
-    data = b"".join(flat[start:stop].numpy().data for start, stop in ranges)
-    address = session.address_of(shard.rank)
-    request = pb.WriteBytesRequest(
-        name=shard.name,
-        version=shard.version,
-        shard_index=shard.index,
-        starts=[start for start, _ in ranges],
-        lengths=[stop - start for start, stop in ranges],
-        data=data,
-    )
-    channel = session.channel
-    reply = channel.unary(
-        channel.shard_server(address).WriteBytes,
-        request,
-        f"rank at {address}",
-        timeout=channel.data_timeout(len(data)),
-    )
-    if reply.bytes_written != len(data):
-        raise ShardServeError(
-            f"rank at {address} wrote {reply.bytes_written} of {len(data)} bytes of {shard.name!r}"
+    changed = [
+        ChangedShard(
+            rank=shard.rank,
+            name=shard.name,
+            version=shard.version,
+            index=shard.index,
+            stored=stored_bytes(shard.data, shard.dtype),
+            before=previous.get((shard.key, shard.index)),
+            after=hashes[(shard.key, shard.index)],
         )
-    return len(data)
+        for shard in shards
+    ]
+    return send_changed(session, changed)
 
 
 def snapshot_layouts(snapshot: pb.SnapshotInfo) -> dict[str, ShardedTensorMetadata]:

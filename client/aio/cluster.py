@@ -148,7 +148,8 @@ class AsyncCluster:
         self, name: str, tensor: torch.Tensor, spec: Any = None, **options: Any
     ) -> AsyncRemoteTensor:
         """Cluster.put(name, tensor, spec, **options) off the loop: every shard written, then committed; nothing
-        is visible on failure. `options`: overwrite, chunk_bytes, oov, default_row, replicas, durable."""
+        is visible on failure. `options`: overwrite, chunk_bytes, oov, default_row, replicas, durable, dtype,
+        delta."""
         proxy = await self._session.run(
             lambda: self.blocking.put(name, tensor, spec, **options),
             f"put of {name!r}",
@@ -187,7 +188,7 @@ class AsyncCluster:
     ) -> int:
         """spmd.put_state_dict(cluster, state_dict, prefix, spec, **options) for this process alone, off the
         loop: every tensor committed as one snapshot of `prefix`; returns its number. `options`: replicas, keep,
-        durable, reserve_next."""
+        durable, reserve_next, dtype, delta."""
         _check_world_of_one()
         return await self._session.run(
             lambda: spmd.put_state_dict(self.blocking, state_dict, prefix, spec, **options),

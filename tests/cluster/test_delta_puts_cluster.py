@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from shardserve import connect, spmd
+from shardserve import InvalidArgumentError, connect, spmd
+from shardserve.client import metrics as client_metrics
 from shardserve.client import spmd as spmd_module
 from shardserve.client.cluster import Cluster
 from shardserve.core.delta import DELTA_BLOCK_BYTES
@@ -190,3 +191,78 @@ def test_delta_with_a_cast_and_the_reservation(cluster: LocalCluster, sent: list
         assert_same({k: got[k] for k in cast}, cast)
         with pytest.raises(Exception, match="delta"):
             spmd.put_state_dict(client, state, "d/cast", delta="yes")  # type: ignore[arg-type]
+
+
+def _delta_counts() -> tuple[int, int]:
+    """(delta puts that sent only what changed, bytes they sent) of this process so far: the client's metrics."""
+    now = client_metrics()
+    return now["delta_puts"], now["delta_bytes"]
+
+
+def _put_delta(
+    client: Cluster, name: str, tensor: torch.Tensor, **options: Any
+) -> tuple[int, int, int]:
+    """Put `tensor` with delta=True; (its version, delta puts made by it, bytes it sent as changed blocks)."""
+    puts, sent = _delta_counts()
+    version = client.put(name, tensor, overwrite=True, delta=True, **options).version
+    after_puts, after_sent = _delta_counts()
+    return version, after_puts - puts, after_sent - sent
+
+
+def test_a_tensor_put_with_delta_sends_only_its_changed_blocks(cluster: LocalCluster) -> None:
+    with connect(cluster.address) as client, connect(cluster.address, transport="grpc") as reader:
+        table = torch.randn(ROWS, WIDTH)
+        first, deltas, _ = _put_delta(client, "d/table", table, replicas=2, durable=False)
+        assert deltas == 0  # nothing to compare with: in full
+        second, deltas, sent = _put_delta(client, "d/table", table, replicas=2, durable=False)
+        assert second > first and (deltas, sent) == (1, 0)
+        table[1500] = -1.0
+        third, deltas, sent = _put_delta(client, "d/table", table, replicas=2, durable=False)
+        assert (deltas, sent) == (1, 2 * DELTA_BLOCK_BYTES)  # one block, on both copies
+        for proxy in (client.tensor("d/table"), reader.tensor("d/table")):
+            assert proxy.version == third
+            assert torch.equal(proxy.fetch((0, 0), (ROWS, WIDTH)), table)
+
+
+def test_a_tensor_delta_puts_in_full_after_another_writer_or_a_new_layout(
+    cluster: LocalCluster,
+) -> None:
+    with connect(cluster.address) as client, connect(cluster.address) as other:
+        table = torch.randn(ROWS, WIDTH)
+        _put_delta(client, "d/shared", table, durable=False)
+        changed = table + 1
+        other.put("d/shared", changed, overwrite=True, durable=False)
+        version, deltas, _ = _put_delta(client, "d/shared", table, durable=False)
+        assert deltas == 0  # the version it would copy is not the READY one any more
+        assert torch.equal(client.tensor("d/shared").fetch((0, 0), (ROWS, WIDTH)), table)
+        wider = torch.randn(ROWS, WIDTH * 2)
+        _, deltas, _ = _put_delta(client, "d/shared", wider, durable=False)
+        assert deltas == 0
+        assert torch.equal(client.tensor("d/shared").fetch((0, 0), (ROWS, WIDTH * 2)), wider)
+        _, deltas, _ = _put_delta(client, "d/shared", wider, dtype=torch.bfloat16, durable=False)
+        assert deltas == 0  # another stored dtype: another layout
+        got = client.tensor("d/shared").fetch((0, 0), (ROWS, WIDTH * 2))
+        assert torch.equal(got, wider.to(torch.bfloat16))
+
+
+def test_a_tensor_delta_reads_like_a_full_put_while_a_reader_holds_the_older_version(
+    cluster: LocalCluster,
+) -> None:
+    with connect(cluster.address) as client, connect(cluster.address) as reader:
+        table = torch.randn(ROWS, WIDTH)
+        _put_delta(client, "d/pinned", table, durable=False)
+        pinned = reader.tensor("d/pinned")
+        before = table.clone()
+        table[:8] = 0.0
+        _, deltas, sent = _put_delta(client, "d/pinned", table, durable=False)
+        assert (deltas, sent) == (1, DELTA_BLOCK_BYTES)
+        assert torch.equal(pinned.fetch((0, 0), (ROWS, WIDTH)), before)  # its version, whole
+        assert torch.equal(reader.tensor("d/pinned").fetch((0, 0), (ROWS, WIDTH)), table)
+
+
+def test_delta_needs_overwrite(cluster: LocalCluster) -> None:
+    with connect(cluster.address) as client:
+        with pytest.raises(InvalidArgumentError, match="overwrite=True"):
+            client.put("d/bad", torch.zeros(4), delta=True)
+        with pytest.raises(InvalidArgumentError, match="delta"):
+            client.put("d/bad", torch.zeros(4), overwrite=True, delta="yes")

@@ -1,0 +1,94 @@
+"""The writer's half of delta puts, shared by state-dict and single-tensor puts: hash what would be written,
+compare it block by block with what the previous put wrote (shardserve.core.delta), and send only the changed
+blocks into the new version's copies (ShardServer.WriteBytes, in batches, every rank at once).
+
+Counted in the client's metrics: `delta_puts` (delta puts that sent only what changed) and `delta_bytes` (the
+bytes of changed blocks they sent)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from shardserve.client import counters
+from shardserve.client.errors import ShardServeError
+from shardserve.client.session import Session
+from shardserve.core.checksums import hashing_pool
+from shardserve.core.delta import block_bytes, block_hashes, changed_ranges, split_ranges
+from shardserve.protos import shardserve_pb2 as pb
+
+WRITE_BATCH_BYTES = 4 << 20  # changed bytes per WriteBytes call
+
+K = TypeVar("K", bound=Hashable)
+BlockHashes = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChangedShard:
+    """One server shard of the new version, its bytes as stored, and the block hashes of the new and the
+    previous bytes (None: not known, every block is sent)."""
+
+    rank: int
+    name: str
+    version: int
+    index: int
+    stored: torch.Tensor  # contiguous, on the CPU, in the stored dtype
+    before: BlockHashes | None
+    after: BlockHashes
+
+
+def stored_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`data` as a rank stores it: cast to `dtype`, contiguous, on the CPU (itself when it already is)."""
+    return data.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def hash_all(stored: Mapping[K, torch.Tensor]) -> dict[K, BlockHashes]:
+    """The block hashes of every tensor of `stored`, in parallel on the hashing pool (xxhash releases the GIL)."""
+    pool = hashing_pool()
+    futures = {key: pool.submit(block_hashes, tensor) for key, tensor in stored.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
+def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
+    """Send the changed blocks of every shard, all ranks at once; the bytes sent (counted in `delta_bytes`)."""
+    jobs = []
+    for shard in shards:
+        nbytes = shard.stored.numel() * shard.stored.element_size()
+        step = block_bytes(tuple(shard.stored.shape), shard.stored.element_size())
+        ranges = changed_ranges(shard.before, shard.after, step=step, nbytes=nbytes)
+        for batch in split_ranges(ranges, WRITE_BATCH_BYTES):
+            jobs.append(partial(_write_bytes, session, shard, batch))
+    sent = sum(session.run_all(jobs))
+    counters.count("delta_puts")
+    counters.count("delta_bytes", sent)
+    return sent
+
+
+def _write_bytes(session: Session, shard: ChangedShard, ranges: list[tuple[int, int]]) -> int:
+    flat = shard.stored.reshape(-1).view(torch.uint8)
+    data = b"".join(flat[start:stop].numpy().data for start, stop in ranges)
+    address = session.address_of(shard.rank)
+    request = pb.WriteBytesRequest(
+        name=shard.name,
+        version=shard.version,
+        shard_index=shard.index,
+        starts=[start for start, _ in ranges],
+        lengths=[stop - start for start, stop in ranges],
+        data=data,
+    )
+    channel = session.channel
+    reply = channel.unary(
+        channel.shard_server(address).WriteBytes,
+        request,
+        f"rank at {address}",
+        timeout=channel.data_timeout(len(data)),
+    )
+    if reply.bytes_written != len(data):
+        raise ShardServeError(
+            f"rank at {address} wrote {reply.bytes_written} of {len(data)} bytes of {shard.name!r}"
+        )
+    return len(data)

@@ -1,0 +1,80 @@
+"""A whole put of one tensor: create a PENDING version, write every shard to its ranks, commit.
+
+Cluster.put's path when it is not a delta (or a delta that must be made in full, client/put_delta.py). Nothing is
+visible on failure: the version is aborted; a write told the version is gone reads as ABORTED when another put or
+create of the name with overwrite=True replaced it meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import torch
+
+from shardserve.client.errors import (
+    AbortedError,
+    ShardServeError,
+    StaleVersionError,
+    TensorNotFoundError,
+)
+from shardserve.client.paths.writes import shard_write
+from shardserve.client.session import Session
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+
+
+def put_whole_tensor(
+    session: Session,
+    name: str,
+    meta: ShardedTensorMetadata,
+    shards: list[torch.Tensor],
+    options: pb.TensorOptions,
+    *,
+    overwrite: bool,
+    chunk_bytes: int,
+) -> pb.TensorInfo:
+    """Create a version of `name` laid out as `meta`, write every shard whole (`shards`: the tensor cut by it;
+    `chunk_bytes`: the message size of shards streamed over gRPC) and commit it; aborted on failure."""
+    info = session.create_tensor(
+        pb.CreateTensorRequest(
+            name=name,
+            metadata=metadata_to_proto(meta),
+            init=pb.INIT_NONE,
+            overwrite=overwrite,
+            options=options,
+        )
+    )
+    try:
+        writes = [
+            (
+                meta.shards_metadata[index].rank,
+                shard_write(name, info.version, index, shard, chunk_bytes, dtype=meta.dtype),
+            )
+            for index, shard in enumerate(shards)
+        ]
+        try:
+            session.write_shards(writes)
+        except (StaleVersionError, TensorNotFoundError) as err:
+            raise _why_writes_failed(session, name, info.version, err) from None
+        return session.commit(name, info.version)
+    except BaseException:
+        session.abort(name, info.version)
+        raise
+
+
+def _why_writes_failed(
+    session: Session, name: str, version: int, err: ShardServeError
+) -> ShardServeError:
+    """A write told "no such version": AbortedError when the version is gone from the catalog (a concurrent put or
+    create of the name with overwrite=True aborted it), else the write's own error."""
+    with contextlib.suppress(ShardServeError):
+        listed = session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+        if not any(t.name == name and t.version == version for t in listed):
+            return AbortedError(
+                f"put of {name!r} version {version} was aborted while it wrote: another put "
+                f"or create of {name!r} with overwrite=True replaced it",
+                grpc.StatusCode.ABORTED,
+            )
+    return err

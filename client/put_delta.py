@@ -1,0 +1,150 @@
+"""Delta puts of one tensor: Cluster.put(name, tensor, overwrite=True, delta=True) sends only the blocks whose
+bytes changed since this client's last put of `name`.
+
+The client keeps, per name, the block hashes (shardserve.core.delta) of every shard of the version it last put,
+with that version, its layout and options. The next delta put with the same layout and options makes the new
+version as a copy of that one on the ranks (CreateTensor INIT_COPY with `source_version`: the ranks share its
+blocks copy-on-write, as row updates do), sends the changed blocks into every copy (client/delta_writes.py) and
+commits it. It is a full put when there is nothing to compare with (the first put of the name on this client,
+another layout, dtype or options) or when the coordinator refuses the copy (another writer put the name since,
+it was deleted or resharded); a rank that refuses byte writes into the copy (a durable row-update copy on a
+persisting rank) makes it a full put too. Either way the new hashes are kept for the next put.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.client.delta_writes import BlockHashes, ChangedShard, hash_all, stored_bytes
+from shardserve.client.delta_writes import write_changed as send_changed
+from shardserve.client.errors import (
+    AbortedError,
+    InvalidArgumentError,
+    PreconditionError,
+    StaleVersionError,
+    TensorNotFoundError,
+)
+from shardserve.client.session import Session
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+
+# what makes the coordinator or a rank refuse a delta (the put is then made in full)
+REFUSALS = (
+    AbortedError,
+    InvalidArgumentError,
+    PreconditionError,
+    StaleVersionError,
+    TensorNotFoundError,
+)
+
+
+@dataclass(frozen=True)
+class LastPut:
+    """What this client put last as `name`: the version, its layout and options, and every shard's hashes."""
+
+    version: int
+    layout: ShardedTensorMetadata
+    options: bytes  # the TensorOptions message, serialized
+    hashes: Mapping[int, BlockHashes]
+
+
+class LastPuts:
+    """One client's LastPut per tensor name; a put takes its name's (two puts of a name never share one)."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, LastPut] = {}
+        self._lock = threading.Lock()
+
+    def take(self, name: str) -> LastPut | None:
+        with self._lock:
+            return self._by_name.pop(name, None)
+
+    def keep(self, name: str, last: LastPut) -> None:
+        with self._lock:
+            self._by_name[name] = last
+
+
+_puts: weakref.WeakKeyDictionary[Session, LastPuts] = weakref.WeakKeyDictionary()
+_puts_guard = threading.Lock()
+
+
+def last_puts(session: Session) -> LastPuts:
+    """The single-tensor delta puts' memory of `session` (gone with it)."""
+    with _puts_guard:
+        return _puts.setdefault(session, LastPuts())
+
+
+def put_delta(
+    session: Session,
+    name: str,
+    shards: list[torch.Tensor],
+    *,
+    layout: ShardedTensorMetadata,
+    options: pb.TensorOptions,
+    put_whole: Callable[[], pb.TensorInfo],
+) -> pb.TensorInfo:
+    """Put `shards` (the tensor cut by `layout`) as a new version of `name` sending only the changed blocks
+    where this client's last put of it allows, else by `put_whole()`; the committed version's TensorInfo."""
+    stored = {i: stored_bytes(shard, layout.dtype) for i, shard in enumerate(shards)}
+    hashes = hash_all(stored)
+    memory = last_puts(session)
+    last = memory.take(name)
+    committed = None
+    if last is not None and last.layout == layout and last.options == options.SerializeToString():
+        committed = _put_changed(session, name, last, stored, hashes)
+    if committed is None:
+        committed = put_whole()
+    memory.keep(name, LastPut(committed.version, layout, options.SerializeToString(), hashes))
+    return committed
+
+
+def _put_changed(
+    session: Session,
+    name: str,
+    last: LastPut,
+    stored: Mapping[int, torch.Tensor],
+    hashes: Mapping[int, BlockHashes],
+) -> pb.TensorInfo | None:
+    """A copy of `last.version` with the changed blocks written, committed; None when it is refused (nothing
+    of it is left then)."""
+    try:
+        info = session.create_tensor(
+            pb.CreateTensorRequest(
+                name=name,
+                metadata=metadata_to_proto(last.layout),
+                init=pb.INIT_COPY,
+                overwrite=True,
+                source_version=last.version,
+            )
+        )
+    except REFUSALS:
+        return None
+    missing = set(info.unavailable_shards)  # copies on dead ranks: the coordinator repairs them
+    changed = [
+        ChangedShard(
+            rank=shard.rank,
+            name=name,
+            version=info.version,
+            index=index,
+            stored=stored[index],
+            before=last.hashes.get(index),
+            after=hashes[index],
+        )
+        for index, shard in enumerate(last.layout.shards_metadata)
+        if index not in missing
+    ]
+    try:
+        send_changed(session, changed)
+        return session.commit(name, info.version)
+    except REFUSALS:
+        session.abort(name, info.version)
+        return None
+    except BaseException:
+        session.abort(name, info.version)
+        raise
