@@ -1,7 +1,7 @@
 """Delta puts of one tensor: Cluster.put(name, tensor, overwrite=True, delta=True) sends only the blocks whose
-bytes changed since this client's last put of `name`.
+bytes changed since this client's previous put of `name`.
 
-The client keeps, per name, the block hashes (shardserve.core.delta) of every shard of the version it last put,
+The client keeps, per name, the block hashes (shardserve.core.delta) of every shard of the version it previous put,
 with that version, its layout and options. The next delta put with the same layout and options makes the new
 version as a copy of that one on the ranks (CreateTensor INIT_COPY with `source_version`: the ranks share its
 blocks copy-on-write, as row updates do), sends the changed blocks into every copy (client/delta_writes.py) and
@@ -20,8 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.client.delta_writes import BlockHashes, ChangedShard, hash_all, stored_bytes
-from shardserve.client.delta_writes import write_changed as send_changed
+from shardserve.client.delta_writes import (
+    BlockHashes,
+    ChangedShard,
+    hash_all,
+    stored_bytes,
+    write_changed,
+)
 from shardserve.client.errors import (
     AbortedError,
     InvalidArgumentError,
@@ -45,8 +50,8 @@ REFUSALS = (
 
 
 @dataclass(frozen=True)
-class LastPut:
-    """What this client put last as `name`: the version, its layout and options, and every shard's hashes."""
+class PreviousTensorPut:
+    """What this client put previous as `name`: the version, its layout and options, and every shard's hashes."""
 
     version: int
     layout: ShardedTensorMetadata
@@ -54,30 +59,30 @@ class LastPut:
     hashes: Mapping[int, BlockHashes]
 
 
-class LastPuts:
-    """One client's LastPut per tensor name; a put takes its name's (two puts of a name never share one)."""
+class PreviousTensorPuts:
+    """One client's PreviousTensorPut per tensor name; a put takes its name's (two puts of a name never share one)."""
 
     def __init__(self) -> None:
-        self._by_name: dict[str, LastPut] = {}
+        self._by_name: dict[str, PreviousTensorPut] = {}
         self._lock = threading.Lock()
 
-    def take(self, name: str) -> LastPut | None:
+    def take(self, name: str) -> PreviousTensorPut | None:
         with self._lock:
             return self._by_name.pop(name, None)
 
-    def keep(self, name: str, last: LastPut) -> None:
+    def keep(self, name: str, previous: PreviousTensorPut) -> None:
         with self._lock:
-            self._by_name[name] = last
+            self._by_name[name] = previous
 
 
-_puts: weakref.WeakKeyDictionary[Session, LastPuts] = weakref.WeakKeyDictionary()
+_puts: weakref.WeakKeyDictionary[Session, PreviousTensorPuts] = weakref.WeakKeyDictionary()
 _puts_guard = threading.Lock()
 
 
-def last_puts(session: Session) -> LastPuts:
+def previous_tensor_puts(session: Session) -> PreviousTensorPuts:
     """The single-tensor delta puts' memory of `session` (gone with it)."""
     with _puts_guard:
-        return _puts.setdefault(session, LastPuts())
+        return _puts.setdefault(session, PreviousTensorPuts())
 
 
 def put_delta(
@@ -90,37 +95,43 @@ def put_delta(
     put_whole: Callable[[], pb.TensorInfo],
 ) -> pb.TensorInfo:
     """Put `shards` (the tensor cut by `layout`) as a new version of `name` sending only the changed blocks
-    where this client's last put of it allows, else by `put_whole()`; the committed version's TensorInfo."""
+    where this client's previous put of it allows, else by `put_whole()`; the committed version's TensorInfo."""
     stored = {i: stored_bytes(shard, layout.dtype) for i, shard in enumerate(shards)}
     hashes = hash_all(stored)
-    memory = last_puts(session)
-    last = memory.take(name)
+    memory = previous_tensor_puts(session)
+    previous = memory.take(name)
     committed = None
-    if last is not None and last.layout == layout and last.options == options.SerializeToString():
-        committed = _put_changed(session, name, last, stored, hashes)
+    if (
+        previous is not None
+        and previous.layout == layout
+        and previous.options == options.SerializeToString()
+    ):
+        committed = _put_changed(session, name, previous, stored, hashes)
     if committed is None:
         committed = put_whole()
-    memory.keep(name, LastPut(committed.version, layout, options.SerializeToString(), hashes))
+    memory.keep(
+        name, PreviousTensorPut(committed.version, layout, options.SerializeToString(), hashes)
+    )
     return committed
 
 
 def _put_changed(
     session: Session,
     name: str,
-    last: LastPut,
+    previous: PreviousTensorPut,
     stored: Mapping[int, torch.Tensor],
     hashes: Mapping[int, BlockHashes],
 ) -> pb.TensorInfo | None:
-    """A copy of `last.version` with the changed blocks written, committed; None when it is refused (nothing
+    """A copy of `previous.version` with the changed blocks written, committed; None when it is refused (nothing
     of it is left then)."""
     try:
         info = session.create_tensor(
             pb.CreateTensorRequest(
                 name=name,
-                metadata=metadata_to_proto(last.layout),
+                metadata=metadata_to_proto(previous.layout),
                 init=pb.INIT_COPY,
                 overwrite=True,
-                source_version=last.version,
+                source_version=previous.version,
             )
         )
     except REFUSALS:
@@ -133,14 +144,14 @@ def _put_changed(
             version=info.version,
             index=index,
             stored=stored[index],
-            before=last.hashes.get(index),
+            before=previous.hashes.get(index),
             after=hashes[index],
         )
-        for index, shard in enumerate(last.layout.shards_metadata)
+        for index, shard in enumerate(previous.layout.shards_metadata)
         if index not in missing
     ]
     try:
-        send_changed(session, changed)
+        write_changed(session, changed)
         return session.commit(name, info.version)
     except REFUSALS:
         session.abort(name, info.version)
