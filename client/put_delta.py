@@ -1,7 +1,7 @@
 """Delta puts of one tensor: Cluster.put(name, tensor, overwrite=True, delta=True) sends only the blocks whose
 bytes changed since this client's previous put of `name`.
 
-The client keeps, per name, the block hashes (shardserve.core.delta) of every shard of the version it previous put,
+The client keeps, per name, the block hashes (shardserve.core.delta) of every shard of the version it put last,
 with that version, its layout and options. The next delta put with the same layout and options makes the new
 version as a copy of that one on the ranks (CreateTensor INIT_COPY with `source_version`: the ranks share its
 blocks copy-on-write, as row updates do), sends the changed blocks into every copy (client/delta_writes.py) and
