@@ -51,7 +51,7 @@ REFUSALS = (
 
 @dataclass(frozen=True)
 class PreviousTensorPut:
-    """What this client put previous as `name`: the version, its layout and options, and every shard's hashes."""
+    """What this client put last as `name`: the version, its layout and options, and every shard's hashes."""
 
     version: int
     layout: ShardedTensorMetadata
