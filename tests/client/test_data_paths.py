@@ -720,8 +720,8 @@ def test_segment_header_follows_promote_and_drop():
     from shardserve.server.rank.shared_memory import HEADER_BYTES
 
     store = _served_store()
-    with store.access.lease("t", 1) as entry:
-        segment = store.access.shared_segment(entry, 0)
+    with store.leases.lease("t", 1) as entry:
+        segment = store.leases.shared_segment(entry, 0)
     assert segment.data_offset == HEADER_BYTES
 
     def header() -> list[int]:
@@ -729,7 +729,7 @@ def test_segment_header_follows_promote_and_drop():
             return torch.frombuffer(bytearray(f.read(24)), dtype=torch.int64).tolist()
 
     assert header() == [HEADER_MAGIC, STATE_SERVED, 0]
-    with store.access.lease("t", 1):
+    with store.leases.lease("t", 1):
         store.drop("t", 1)
         assert header() == [HEADER_MAGIC, STATE_DROPPED, 0]
 
@@ -833,7 +833,7 @@ def test_leases_expire():
     now = [0.0]
     leases = Leases(clock=lambda: now[0])
     store = _served_store()
-    lease = store.access.lease("t", 1)
+    lease = store.leases.lease("t", 1)
     lease.__enter__()
     leases.hold(lease, 5.0)
     store.drop("t", 1)
@@ -848,7 +848,7 @@ def test_lease_ids_cannot_be_guessed():
     leases, store = Leases(), _served_store()
     ids = []
     for _ in range(3):
-        lease = store.access.lease("t", 1)
+        lease = store.leases.lease("t", 1)
         lease.__enter__()
         ids.append(leases.hold(lease, 30.0))
     assert (
@@ -884,10 +884,10 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
 def test_served_versions_are_immutable():
     store = _served_store()
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.write("t", 1, 0, torch.float32, 6 * 4 * 4):
+        with store.leases.write("t", 1, 0, torch.float32, 6 * 4 * 4):
             pass
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.lease("t", 1, served=False):
+        with store.leases.lease("t", 1, served=False):
             pass
 
 
@@ -899,11 +899,11 @@ def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
     built = random_tensor((3, 2), torch.bfloat16, seed=3)
     store.install("t", 1, meta, {0: built.clone()})
     store.promote("t", 1)
-    with store.access.lease("t", 1) as entry:
-        segment = store.access.shared_segment(entry, 0)
+    with store.leases.lease("t", 1) as entry:
+        segment = store.leases.shared_segment(entry, 0)
         assert segment is not None
-        assert torch.equal(store.access.shard_of(entry, 0), built)
-        assert store.shared.segment_of(store.access.shard_of(entry, 0)) == segment
+        assert torch.equal(store.leases.shard_of(entry, 0), built)
+        assert store.shared.segment_of(store.leases.shard_of(entry, 0)) == segment
 
 
 @pytest.mark.cuda

@@ -37,7 +37,7 @@ class InPlace:
     cuda: torch.Tensor | None = None
 
 
-class VersionAccess:
+class VersionLeases:
     """Reads and changes of one rank's versions under leases; shares the store's lock and version table."""
 
     def __init__(
