@@ -351,7 +351,7 @@ class ShardStore:
                 if record.key in computed:
                     record.checksums = computed[record.key]
                 record.apply(VersionEvent.PROMOTE)
-                self.memory.publish(record)
+                self.memory.promote(record)
                 out[(name, version)] = dict(record.checksums)
         if self.persistence is not None:
             for item in persist:

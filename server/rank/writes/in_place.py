@@ -7,7 +7,7 @@ a WriteShards naming the same shards with `written_in_place` then counts them
 written. A snapshot's writers skip both calls: the coordinator's AllocateMany
 opens the shards with the allocation (`open_allocated`), and its PromoteMany
 counts them written (`finish_in_place`) once every writer said it is done.
-Until then a shard is torn, so a writer that dies half way publishes nothing.
+Until then a shard is torn, so nothing a writer that dies half way wrote is promoted.
 A CUDA shard is handed over as a CUDA IPC handle instead (only to a writer that
 asks with `cuda_ipc`, and never with an allocation): the writer copies device
 to device, or host to device, straight into it. Each handle handed out counts
