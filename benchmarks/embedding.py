@@ -247,7 +247,7 @@ def rpc_row(case: str, seconds_by_transport: dict[str, float], ok: bool) -> Row:
 
 # ---------------------------------------------------------------- scenarios
 
-TRANSPORTS = ("grpc", "tcp", "auto")  # tcp: the bulk port, what a client on another host gets
+TRANSPORTS = ("grpc", "bulk", "auto")  # bulk: the bulk port, what a client on another host gets
 
 
 def lookup_path(cluster: Any) -> str:

@@ -2,7 +2,7 @@
 
 Per box size, in the same run and on the same values: shardserve's fetch of
 a box inside one shard and of a box straddling both ranks, for every
-transport path `client.connect(..., transport=...)` offers (grpc, shm and tcp;
+transport path `client.connect(..., transport=...)` offers (grpc, shm and bulk;
 the row's path is the one the client reports in `last_transport`), against three baselines (benchmarks.baselines): a
 raw TCP socket into a preallocated tensor (the reference of `ratio`),
 torch.distributed.rpc of an RRef-held tensor's slice, and an in-process

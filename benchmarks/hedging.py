@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         with connect(cluster.address) as writer:
             writer.put("hedging", torch.randn(ROWS, COLUMNS), spec=spec)
-        for transport in ("tcp", "grpc"):
+        for transport in ("bulk", "grpc"):
             clients = {
                 mode: connect(cluster.address, transport=transport, hedge_after=after)
                 for mode, after in (("on", 0.1), ("off", None))

@@ -8,7 +8,7 @@ this process's CPU per call (every thread of it: time.process_time) and the
 ranks' CPU per call (psutil, in 10 ms ticks: use enough calls). On 2 cores,
 client + ranks CPU per call bounds the 8-thread rate.
 
-    python -m benchmarks.lookup_cpu [--transport tcp] [--ids 512] [--calls 400] [--rows N] [--json FILE]
+    python -m benchmarks.lookup_cpu [--transport bulk] [--ids 512] [--calls 400] [--rows N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.lookup_cpu", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--transport", default="tcp", choices=("auto", "grpc", "shm", "tcp"))
+    parser.add_argument("--transport", default="bulk", choices=("auto", "grpc", "shm", "bulk"))
     parser.add_argument("--ids", type=int, default=512, help="ids per lookup (default 512)")
     parser.add_argument("--calls", type=int, default=400, help="lookups per thread (default 400)")
     parser.add_argument("--rows", type=int, default=1 << 20, help="table rows (default 1048576)")

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = threading.Event()
         stack.callback(stop.set)
         scrape_every(clusters["on"].address, stop)
-        for transport in ("grpc", "tcp"):
+        for transport in ("grpc", "bulk"):
             clients = {
                 mode: stack.enter_context(connect(c.address, transport=transport))
                 for mode, c in clusters.items()

@@ -7,7 +7,7 @@ checked against its rule); a tokens file with mutual TLS (the fetch over the
 bulk port then runs TLS with the cluster's certificates). Lookups of 64 ids go
 over gRPC (the path every call of which passes the interceptor), the clients
 taking turns; fetches of the whole 64 MiB tensor (8 MiB with --quick) run over
-transport "tcp" and "grpc", checked bit for bit against the source.
+transport "bulk" and "grpc", checked bit for bit against the source.
 
     python -m benchmarks --only security           (or: python -m benchmarks.security [--quick] [--json FILE])
 """
@@ -158,7 +158,7 @@ def measure(quick: bool, start_cluster) -> dict:
             rounds,
         )
         out["fetch"] = {}
-        for path in ("tcp", "grpc"):
+        for path in ("bulk", "grpc"):
             with connect(plain.address, transport=path) as client:
                 out["fetch"][f"plaintext {path}"] = time_fetch(
                     client.tensor("fetched"), source, path, fetch_rounds
@@ -170,7 +170,7 @@ def measure(quick: bool, start_cluster) -> dict:
             credentials = dict(tls_ca=tls.ca, tls_cert=tls.cert, tls_key=tls.key)
             with connect(secure.address, token=ADMIN_TOKEN, **credentials) as writer:
                 writer.put("fetched", source)
-            for path in ("tcp", "grpc"):
+            for path in ("bulk", "grpc"):
                 with connect(
                     secure.address, token=READ_TOKEN, transport=path, **credentials
                 ) as client:
@@ -199,8 +199,8 @@ def rows_of(result: dict) -> list[Row]:
             )
     case = f"fetch of {result['fetch_bytes'] >> 20} MiB"
     labels = {
-        "plaintext tcp": ("bulk port, plaintext", "tcp"),
-        "TLS tcp": ("bulk port, TLS", "tcp"),
+        "plaintext bulk": ("bulk port, plaintext", "bulk"),
+        "TLS bulk": ("bulk port, TLS", "bulk"),
         "plaintext grpc": ("gRPC, plaintext", "grpc"),
         "TLS grpc": ("gRPC+TLS", "grpc"),
     }
@@ -215,7 +215,7 @@ def rows_of(result: dict) -> list[Row]:
                 path=path,
                 nbytes=result["fetch_bytes"],
                 ok=True,
-                role="baseline" if key == "plaintext tcp" else "subject",
+                role="baseline" if key == "plaintext bulk" else "subject",
                 note=result["openssl"] if key.startswith("TLS") else "",
             )
         )

@@ -18,7 +18,7 @@ The weights are drawn by each table config's init_fn (TorchRec's uniform), so
 every method's answer is checked against the local EBC's on real values.
 
 Cases: batch 512 and 2,048; shared memory ("auto": the ranks are on this
-host) and the bulk TCP port ("tcp"); 1 client process (seconds: p50 latency
+host) and the bulk TCP port ("bulk"); 1 client process (seconds: p50 latency
 per batch) and 8 client processes at once (seconds: wall time per batch of
 all of them, i.e. 1 / batches per second). Notes give p50/p99 and batches/s.
 --quick: tables 10x smaller, batch 256, 1 and 2 processes, few batches.
@@ -51,7 +51,7 @@ TABLES = [
     ("w1", 200_000, 32, {"g1": 3}, True),
 ]
 RANKS = 2
-PATHS = {"shm": "auto", "tcp": "tcp"}
+PATHS = {"shm": "auto", "bulk": "bulk"}
 SUBJECT, BY_FEATURE, LOCAL = "RemoteEmbeddingBagCollection", "feature by feature", "local EBC"
 START_TIMEOUT_S, RUN_TIMEOUT_S = 600.0, 600.0
 

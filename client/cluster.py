@@ -76,8 +76,9 @@ def connect(
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
     `transport` picks the data path of reads (client.paths.policy): "auto" (shared memory for ranks on this
-    host, else the ranks' bulk TCP port for parts over 1 MiB without TLS, else gRPC; each falling back to the
-    next when it fails), or one path forced: "grpc", "shm" or "tcp" (an error when a rank cannot be read that way).
+    host, else the bulk path (the ranks' bulk port) for parts over 1 MiB without TLS, else gRPC; each falling
+    back to the next when it fails), or one path forced: "grpc", "shm" or "bulk" (an error when a rank cannot be
+    read that way; "tcp", the bulk path's old name, is accepted and deprecated).
     `hedge_after` (seconds, default 0.1; None or 0: off): a part of a read or lookup that has not answered this
     long (plus 2 ms per MB) is asked of another copy of its box too, and the first answer wins
     (client.paths.hedging); a part with no other copy ends with RankUnavailableError once the coordinator

@@ -19,7 +19,7 @@ _by_path: dict[str, Counter[str]] = {"reads": Counter(), "read_bytes": Counter()
 
 
 def count_read(path: str, nbytes: int) -> None:
-    """One fetch answered by `path` (the path of its last part: shm, tcp, grpc, or a mix like shm+tcp)."""
+    """One fetch answered by `path` (the path of its last part: shm, bulk, grpc, or a mix like shm+bulk)."""
     with _lock:
         _by_path["reads"][path] += 1
         _by_path["read_bytes"][path] += nbytes

@@ -41,7 +41,7 @@ class TensorReader:
         self._summary = summary
         self._refresh = refresh
         self.last_transport: str | None = (
-            None  # "shm", "tcp" or "grpc": the path of the latest part read
+            None  # "shm", "bulk" or "grpc": the path of the latest part read
         )
 
     def read(

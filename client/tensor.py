@@ -79,7 +79,7 @@ class RemoteShardedTensor(TensorDescription):
 
     @property
     def last_transport(self) -> str | None:
-        """ "shm", "tcp" or "grpc": the path of the latest part read (None before any read)."""
+        """ "shm", "bulk" or "grpc": the path of the latest part read (None before any read)."""
         return self.reader.last_transport
 
     # ------------------------------------------------------------ health (shardcore.health)

@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING, cast
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.common.announce import (
+    add_address_file_arg,
+    announce_address,
+    check_address_file,
+    withdraw_address,
+)
 from shardserve.server.common.auth import Security
 from shardserve.server.common.cli_args import (
     add_log_level_arg,
@@ -114,7 +120,8 @@ def start_coordinator(
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `up` and `coordinator` for the coordinator: its state dir, timings and security."""
+    """The flags of `up` and `coordinator` for the coordinator: its state dir, timings, security and the
+    address file."""
     parser.add_argument(
         "--state-dir",
         default=".shardserve",
@@ -134,6 +141,7 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "coordinator copies its shards' boxes from live replicas onto other ranks; copies a "
         "restarted rank came back without are repaired at once (default %(default)s)",
     )
+    add_address_file_arg(parser)
     add_security_args(parser)
 
 
@@ -155,7 +163,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
     """`coordinator`: run the coordinator alone (ranks join with torchrun ... -m shardserve.server --coordinator)."""
     parser = argparse.ArgumentParser(
         prog="shardserve coordinator",
-        description="Run the coordinator alone; prints 'coordinator: HOST:PORT' once serving.",
+        description="Run the coordinator alone; prints 'coordinator: HOST:PORT' once serving "
+        "(and writes HOST:PORT to --address-file).",
     )
     parser.add_argument(
         "--listen", default="0.0.0.0:50051", help="HOST:PORT to bind (default %(default)s)"
@@ -174,6 +183,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
     add_coordinator_args(parser)
     args = parser.parse_args(argv)
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
+    check_address_file(parser, args.address_file)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
     configure_logging(args.log_level)
@@ -186,6 +196,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
     handle_stop_signals()
     if security.principals is not None:
         handle_reload_signal(security.principals.reload)
+    withdraw_address(args.address_file)
     try:
         coordinator, running = start_coordinator(
             args.listen, args.state_dir, security, options, metrics_port=args.metrics_port
@@ -194,11 +205,12 @@ def main_coordinator(argv: Sequence[str]) -> int:
         log.error("the coordinator could not start: %s", err)
         return 1
     try:
-        print(f"coordinator: {running.address}", flush=True)
+        announce_address(running.address, args.address_file)
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the coordinator", stop)
     finally:
+        withdraw_address(args.address_file)
         running.stop(grace=1.0)
         coordinator.close()
     return 0

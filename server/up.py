@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.announce import announce_address, check_address_file, withdraw_address
 from shardserve.server.common.cli_args import configure_logging, security_from_args
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.stop_signals import (
@@ -33,7 +34,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
     parser = argparse.ArgumentParser(
         prog="shardserve up",
         description="Run a coordinator and N shard-server "
-        "ranks on this host; prints 'coordinator: HOST:PORT' when ready.",
+        "ranks on this host; prints 'coordinator: HOST:PORT' when ready (and writes HOST:PORT to "
+        "--address-file).",
     )
     parser.add_argument(
         "--ranks", type=int, default=2, help="number of ranks (default %(default)s)"
@@ -71,6 +73,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
     if not args.host.strip():
         parser.error("--host is empty (an interface address, e.g. 127.0.0.1)")
     coordinator_options = coordinator_options_from_args(parser, args)
+    check_address_file(parser, args.address_file)
     try:
         security = security_from_args(args)
     except ValueError as err:
@@ -96,11 +99,12 @@ def main_up(argv: Sequence[str]) -> int:
     configure_logging(args.log_level)
     handle_stop_signals()
     handle_reload_signal(cluster.reload_principals)
+    withdraw_address(args.address_file)
     try:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
             create_demo(cluster)
-        print(f"coordinator: {cluster.address}", flush=True)
+        announce_address(cluster.address, args.address_file)
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the cluster", stop)
@@ -108,6 +112,7 @@ def main_up(argv: Sequence[str]) -> int:
         log.error("the cluster could not start: %s", err)
         return 1
     finally:
+        withdraw_address(args.address_file)
         cluster.stop()
     return 0
 

@@ -39,7 +39,7 @@ class AsyncRemoteTensor(TensorDescription):
 
     @property
     def last_transport(self) -> str | None:
-        """ "shm", "tcp" or "grpc": the path of the latest part read (None before any read)."""
+        """ "shm", "bulk" or "grpc": the path of the latest part read (None before any read)."""
         return self.blocking.last_transport
 
     async def refresh(self) -> AsyncRemoteTensor:

@@ -71,7 +71,7 @@ class Lookups:
         self.cache = cache
         self.last_paths: dict[
             int, str
-        ] = {}  # rank -> "shm", "tcp", "grpc" or "shm+tcp"...: its latest answer's path
+        ] = {}  # rank -> "shm", "bulk", "grpc" or "shm+bulk"...: its latest answer's path
         self._mapped: dict[
             str, tuple[TableView, MappedRows | None]
         ] = {}  # name -> the fast path of its view

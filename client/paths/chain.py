@@ -5,7 +5,7 @@ a refused mapping or ticket, a broken bulk connection; client.paths.kinds.path_r
 the next path, and that rank is served by the next one for RETRY_AFTER_S (a lease in client.health) before the
 fast path is tried again; the fallback is logged once per (path, rank) and lease. Any other error (a bad
 request, a stale version, a rank that cannot be reached) is raised: the next path would fail alike. A forced
-chain (transport="shm" | "tcp") raises instead of falling back, and a cancelled call is never tried again.
+chain (transport="shm" | "bulk") raises instead of falling back, and a cancelled call is never tried again.
 """
 
 from __future__ import annotations

@@ -6,13 +6,15 @@ as its Capabilities: each capability comes with the methods of one small protoco
 InPlaceWrites, RankCalls, PipelinedCalls), so the policy (client.paths.policy) asks for a path by what it
 can do and never by which path it is. The shared-memory (client.paths.shm), bulk-port (client.paths.bulk)
 and gRPC (client.paths.grpc) paths implement it, built by client.paths.factory; client.paths.chain tries them
-in order. `transport=` strings ("auto", "shm", "tcp", "grpc") are parsed into a PathKind once, at the API
-edge: PathKind names a path to users (transport=, last_transport, counters), it decides no behaviour.
+in order. `transport=` strings ("auto", "shm", "bulk", "grpc") are parsed into a PathKind once, at the API
+edge: PathKind names a path to users (transport=, last_transport, counters), it decides no behaviour. The
+bulk path (over a rank's bulk port) was named "tcp" at the API: transport="tcp" is still accepted, deprecated.
 """
 
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -31,7 +33,8 @@ if TYPE_CHECKING:
     from shardserve.client.paths.writes import ShardWrite
     from shardserve.protos import shardserve_pb2 as pb
 
-TRANSPORTS = ("auto", "grpc", "shm", "tcp")
+TRANSPORTS = ("auto", "grpc", "shm", "bulk")
+DEPRECATED_TRANSPORTS = {"tcp": "bulk"}  # old transport= names, still accepted
 # The reasons that say a path cannot serve us (not that the request is wrong): the chain tries the next path.
 PATH_REFUSALS = frozenset({Reason.PATH_UNAVAILABLE, Reason.OVERLOADED})
 
@@ -40,7 +43,7 @@ class PathKind(str, enum.Enum):
     """A data path, valued by its user-facing name (transport=..., last_transport, counters)."""
 
     SHARED_MEMORY = "shm"
-    BULK = "tcp"
+    BULK = "bulk"
     GRPC = "grpc"
 
     def __str__(self) -> str:
@@ -48,7 +51,16 @@ class PathKind(str, enum.Enum):
 
 
 def parse_transport(transport: object) -> PathKind | None:
-    """The forced PathKind of a `transport=` string, None for "auto"; ValueError naming the parameter otherwise."""
+    """The forced PathKind of a `transport=` string, None for "auto"; ValueError naming the parameter otherwise.
+    A deprecated name ("tcp") is taken for its new one with a DeprecationWarning."""
+    if isinstance(transport, str) and transport in DEPRECATED_TRANSPORTS:
+        renamed = DEPRECATED_TRANSPORTS[transport]
+        warnings.warn(
+            f"transport={transport!r} is deprecated; use transport={renamed!r}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        transport = renamed
     if transport not in TRANSPORTS:
         raise ValueError(
             f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got {transport!r}"

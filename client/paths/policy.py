@@ -9,7 +9,7 @@ shared memory when it runs on this host (client.paths.shm), the rank's bulk TCP 
 faster than a gRPC call at any size once its connection is open; a TLS mismatch falls back), else gRPC
 (client.paths.grpc). A fast path that fails with PATH_UNAVAILABLE is logged (WARNING, with its reason); that
 rank is then served by the next path for RETRY_AFTER_S (a lease in client.health) before the fast path is
-tried again. "grpc", "shm" and "tcp" force one path (parsed into a PathKind at connect()); a forced fast path
+tried again. "grpc", "shm" and "bulk" force one path (parsed into a PathKind at connect()); a forced fast path
 that cannot serve raises instead of falling back. Network-only calls (pooled lookups, ReadRegions batches) take
 the network part of the chain (the paths that take rank calls: the bulk port, then gRPC), or the streamed path
 (gRPC) where the forced one takes none.
@@ -79,7 +79,7 @@ CopiesOf = Callable[[int], Sequence[int]]  # shard index -> its other copies, th
 
 class PathPolicy:
     """The data paths of one client and the chains that choose among them per rank (`forced`: the PathKind of
-    transport="grpc"|"shm"|"tcp", None for "auto"), with the races that hedge their calls. `paths`: the data
+    transport="grpc"|"shm"|"bulk", None for "auto"), with the races that hedge their calls. `paths`: the data
     paths, the fastest first (default: client.paths.factory's)."""
 
     def __init__(

@@ -114,7 +114,7 @@ def write_shards(
 ) -> dict[str, int]:
     """Write every (rank, write), all ranks at once through `run_all`, each rank's writes by
     `write_batch(rank, writes)` (PathPolicy.write: the fastest path that serves the rank, which cuts them into
-    its batches); returns the bytes written per path ("shm", "tcp", "grpc")."""
+    its batches); returns the bytes written per path ("shm", "bulk", "grpc")."""
     by_rank: dict[int, list[ShardWrite]] = defaultdict(list)
     for rank, write in writes:
         by_rank[rank].append(write)

@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
 MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
-STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (publish_checkpoint)
+STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (replace_checkpoint)
 _METADATA = ".metadata"
 _DATA_SUFFIX = ".distcp"
 
@@ -110,9 +110,9 @@ class VersionLifecycle(Protocol):
 
     def make_room(self, name: str, overwrite: bool) -> None: ...
 
-    def discard(self, record: TensorRecord) -> None: ...
+    def drop_version(self, record: TensorRecord) -> None: ...
 
-    def drop_rows(self, records: Iterable[TensorRecord]) -> None: ...
+    def drop_on_ranks(self, records: Iterable[TensorRecord]) -> None: ...
 
 
 class CheckpointDriver:
@@ -206,7 +206,7 @@ class CheckpointDriver:
                     )
             except BaseException:
                 for record in new:
-                    self.versions.discard(record)
+                    self.versions.drop_version(record)
                 log.warning(
                     "checkpoint load from %s failed; versions %s dropped",
                     path,
@@ -218,7 +218,7 @@ class CheckpointDriver:
                 [(r.name, r.version) for r in new], checksums=checksums
             ):
                 ready.append(committed)  # every tensor READY in one transaction, or none
-                self.versions.drop_rows(older)
+                self.versions.drop_on_ranks(older)
         log.info("loaded %s from %s", [(r.name, r.version) for r in ready], path)
         total = sum(r.nbytes for r in ready)
         yield CheckpointStep(total, total, done=True, tensors=tuple(ready))
@@ -256,7 +256,7 @@ class CheckpointDriver:
                 )
         except BaseException:
             for record in new:
-                self.versions.discard(record)
+                self.versions.drop_version(record)
             raise
         return new
 
@@ -317,7 +317,7 @@ class CheckpointDriver:
                     self.collectives.run(job, world, f"checkpoint save to {path}"),
                     _job_bytes(records),
                 )
-                publish_checkpoint(staging, path)
+                replace_checkpoint(staging, path)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         log.info("saved %s to %s", [(r.name, r.version) for r in records], path)
@@ -325,7 +325,7 @@ class CheckpointDriver:
         yield CheckpointStep(total, total, done=True, tensors=tuple(records))
 
 
-def publish_checkpoint(staging: str, path: str) -> None:
+def replace_checkpoint(staging: str, path: str) -> None:
     """Move the finished DCP checkpoint in `staging` into `path`, replacing the checkpoint there.
 
     The old `.metadata` goes first and the new one comes last, so `path` never pairs one checkpoint's metadata

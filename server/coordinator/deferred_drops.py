@@ -22,10 +22,10 @@ WAIT_S = 30.0
 
 
 class DeferredDrops:
-    """Runs `drop_rows` on one background thread, in order, and lets a prefix's next snapshot wait for it."""
+    """Runs `drop_on_ranks` on one background thread, in order, and lets a prefix's next snapshot wait for it."""
 
-    def __init__(self, drop_rows: Callable[[Sequence[TensorRecord]], None]) -> None:
-        self._drop_rows = drop_rows
+    def __init__(self, drop_on_ranks: Callable[[Sequence[TensorRecord]], None]) -> None:
+        self._drop_on_ranks = drop_on_ranks
         self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coord-drops")
         self._latest: dict[str, futures.Future[None]] = {}
         self._lock = threading.Lock()
@@ -60,6 +60,6 @@ class DeferredDrops:
 
     def _drop(self, prefix: str, records: Sequence[TensorRecord]) -> None:
         try:
-            self._drop_rows(records)
+            self._drop_on_ranks(records)
         except Exception:  # noqa: BLE001 - a failed drop is logged; the reconciler frees what is left
             log.exception("dropping %d versions of older snapshots of %r", len(records), prefix)

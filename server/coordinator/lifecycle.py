@@ -1,4 +1,4 @@
-"""The coordinator's tensor lifecycle: create, commit, abort and delete versions of tensors.
+"""The coordinator's tensor lifecycle: create, commit, abort and drop versions of tensors.
 
 Operations on one tensor name are serialized by its name lock; different names proceed in parallel. A tensor
 becomes visible only when every rank has promoted its shards and the catalog record turns READY in one
@@ -66,7 +66,11 @@ class ReplacedVersions(Protocol):
 
 
 class TensorLifecycle:
-    """Create/commit/abort/delete of tensor versions, in the catalog and on the ranks holding them."""
+    """Create/commit/abort/drop of tensor versions, in the catalog and on the ranks holding them.
+
+    Removing is "drop" throughout: `drop` (DeleteTensor) a tensor's every version, `drop_version` /
+    `drop_versions` some versions from the catalog and their ranks, `drop_on_ranks` versions already out of
+    the catalog."""
 
     def __init__(
         self,
@@ -168,7 +172,7 @@ class TensorLifecycle:
                     f"allocate {name!r} version {record.version}",
                 )
             except ServiceError:
-                self.discard(record)
+                self.drop_version(record)
                 raise
             log.info(
                 "created %r version %d (%d bytes on ranks %s)",
@@ -231,7 +235,7 @@ class TensorLifecycle:
             raise InvalidState(
                 f"tensor {name!r} version {version} is committed; use DeleteTensor to remove it"
             )
-        self.discard(record)
+        self.drop_version(record)
         log.info("aborted %r version %d", name, version)
 
     def get(self, name: str) -> TensorRecord:
@@ -242,8 +246,8 @@ class TensorLifecycle:
             raise NotFound(f"tensor {name!r} not found")
         return record
 
-    def delete(self, name: str) -> None:
-        """Remove every version of `name` from the catalog, then free them on the ranks."""
+    def drop(self, name: str) -> None:
+        """Drop every version of `name` (DeleteTensor): out of the catalog, then freed on the ranks."""
         check_name(name)
         with self.locks.hold(name):
             if self.catalog.ready(name) is None:
@@ -269,7 +273,7 @@ class TensorLifecycle:
         if (
             newer
         ):  # committing below it would be acknowledged yet never served: the newer version wins
-            self.discard(record)
+            self.drop_version(record)
             raise TensorBusy(
                 f"tensor {name!r} version {version} was overtaken while pending: version {newer[-1]} "
                 f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
@@ -281,7 +285,7 @@ class TensorLifecycle:
         ready, older = self.catalog.commit(
             name, version, durable=record.options.durable, checksums=checksums
         )
-        self.drop_rows(older)
+        self.drop_on_ranks(older)
         log.info(
             "committed %r version %d%s",
             name,
@@ -350,20 +354,20 @@ class TensorLifecycle:
                 f"pass overwrite=True to abort it"
             )
         for record in pending:
-            self.discard(record)
+            self.drop_version(record)
 
-    def discard(self, record: TensorRecord) -> None:
-        """Remove a version from the catalog, then free it on its ranks (and its update slot, if an update's)."""
-        self.discard_all([record])
+    def drop_version(self, record: TensorRecord) -> None:
+        """Drop a version: out of the catalog, then freed on its ranks (and its update slot, if an update's)."""
+        self.drop_versions([record])
 
-    def discard_all(self, records: list[TensorRecord]) -> None:
-        """discard() of several versions, freed on their ranks with one call per rank."""
+    def drop_versions(self, records: list[TensorRecord]) -> None:
+        """drop_version() of several versions, freed on their ranks with one call per rank."""
         for record in records:
             self.catalog.remove(record.name, record.version)
             self.update_groups.end(record.name, record.version)
-        self.drop_rows(records)
+        self.drop_on_ranks(records)
 
-    def drop_rows(self, records: Iterable[TensorRecord]) -> None:
+    def drop_on_ranks(self, records: Iterable[TensorRecord]) -> None:
         """Free versions just removed from the catalog on their ranks (one DropMany per rank); for a reshard's
         version whose promotion was unfinished, also the version it replaced (only the promotion would have
         dropped that one)."""

@@ -185,7 +185,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def DeleteTensor(
         self, request: pb.DeleteTensorRequest, context: grpc.ServicerContext
     ) -> pb.DeleteTensorResponse:
-        self.coordinator.lifecycle.delete(request.name)
+        self.coordinator.lifecycle.drop(request.name)
         return pb.DeleteTensorResponse()
 
     @rpc_errors

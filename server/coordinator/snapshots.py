@@ -57,9 +57,9 @@ log = logging.getLogger(__name__)
 class Versions(Protocol):
     """What the driver needs of the tensor lifecycle: forgetting versions, and freeing them on the ranks."""
 
-    def discard_all(self, records: list[TensorRecord]) -> None: ...
+    def drop_versions(self, records: list[TensorRecord]) -> None: ...
 
-    def drop_rows(self, records: Iterable[TensorRecord]) -> None: ...
+    def drop_on_ranks(self, records: Iterable[TensorRecord]) -> None: ...
 
 
 def snapshot_tensor_name(prefix: str, number: int, key: str) -> str:
@@ -113,7 +113,7 @@ class SnapshotDriver:
         self.pending_timeout = pending_timeout
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._guard = threading.Lock()
-        self.drops = DeferredDrops(versions.drop_rows)
+        self.drops = DeferredDrops(versions.drop_on_ranks)
 
     def create(
         self, order: SnapshotOrder, *, dropping: Sequence[TensorRecord] = ()
@@ -169,7 +169,7 @@ class SnapshotDriver:
                 },
             )
         except BaseException:
-            self._discard(snapshot)
+            self._drop(snapshot)
             raise
         with self._guard:
             self._pending[(prefix, number)] = _Pending(snapshot, order.writer_host_id)
@@ -216,7 +216,7 @@ class SnapshotDriver:
                 snapshot = replace(snapshot, skeleton=order.skeleton)
             committed, removed = self._commit(snapshot, written_in_place=order.written_in_place)
         except BaseException:
-            self._discard(snapshot)
+            self._drop(snapshot)
             raise
         if not order.reserve_next:
             self.drops.submit(prefix, removed)
@@ -285,7 +285,7 @@ class SnapshotDriver:
 
     def abort(self, prefix: str, number: int) -> None:
         """Forget a pending snapshot and free its tensors."""
-        self._discard(self._take(prefix, number).record)
+        self._drop(self._take(prefix, number).record)
         log.info("aborted snapshot %r %d", prefix, number)
 
     def get(self, prefix: str, number: int) -> SnapshotRecord:
@@ -329,9 +329,9 @@ class SnapshotDriver:
                 snapshot.number,
                 self.pending_timeout,
             )
-            self._discard(snapshot)
+            self._drop(snapshot)
 
-    def _discard(self, snapshot: SnapshotRecord) -> None:
+    def _drop(self, snapshot: SnapshotRecord) -> None:
         """Remove every pending tensor of the snapshot from the catalog and free it on its ranks."""
         pending = [
             record
@@ -339,7 +339,7 @@ class SnapshotDriver:
             if record is not None and record.state is TensorState.PENDING
         ]
         try:
-            self.versions.discard_all(pending)
+            self.versions.drop_versions(pending)
         except ServiceError as err:
             log.warning(
                 "discarding snapshot %r %d: %s", snapshot.prefix, snapshot.number, err.message

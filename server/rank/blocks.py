@@ -9,7 +9,7 @@ writable in place of the shared one, and writes the rows there; the other
 blocks stay shared. So an update costs the rows and blocks it touches, plus one
 mmap per run of blocks, not a copy of the table. A served version's range is
 made read-only: a block buffer is never written once a version that uses it is
-published. Same-host clients map a version's blocks the same way
+promoted. Same-host clients map a version's blocks the same way
 (OpenShardResponse.extents, client/paths/composed.py).
 
 Every memfd is sealed against writes by other processes (F_SEAL_FUTURE_WRITE:
@@ -147,7 +147,7 @@ class BlockFile:
 
     def seal_writes(self) -> None:
         """No write or new writable mapping through any handle from now on: mappings made before (the rank's own,
-        of a pending version) stay writable until the version is published."""
+        of a pending version) stay writable until the version is promoted."""
         seal_writes(self.fd)
 
     def wasteful(self) -> bool:
@@ -350,7 +350,7 @@ class Blocks:
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
 
-    def publish(self, tensor: torch.Tensor) -> None:
+    def make_read_only(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
         with self._lock:
             table = self._tables.get(id(tensor))

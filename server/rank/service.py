@@ -191,7 +191,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         if request.finish_in_place:
             for index, (name, version) in enumerate(versions):
                 with _item_errors(index):
-                    self.store.access.finish_all_in_place(name, version)
+                    self.store.leases.finish_all_in_place(name, version)
         checksums = self.store.promote_many(versions, item_errors=_item_errors)
         return pb.PromoteManyResponse(checksums=checksum_messages(checksums))
 

@@ -110,8 +110,9 @@ class ShardMemory:
         added, freed = self.blocks.make_own(shard, byte_ranges)
         self.budget.add(added - freed)
 
-    def publish(self, record: StoredVersion) -> None:
-        """Make a served version's shards read-only and tell same-host readers it is served."""
+    def promote(self, record: StoredVersion) -> None:
+        """The memory's part of promoting a version: its shards made read-only, and same-host readers told it
+        is served."""
         for shard in record.shards.values():
-            self.blocks.publish(shard)
+            self.blocks.make_read_only(shard)
         self.shared.mark(record.shards.values(), served=True)

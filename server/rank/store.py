@@ -5,7 +5,7 @@ collective job that brings its shards), SERVED once every local shard is written
 for `version_grace` seconds more when a newer one replaces it, then DROPPED, and FREED once no read or write
 holds a lease on it; drops and grace periods go through `retirement` (server/rank/retirement.py). Memory is
 accounted in a MemoryBudget (server/rank/memory_budget.py) when a version is allocated and given back when it is freed
-(server/rank/shard_memory.py). Reads and changes go through `access` (server/rank/access.py). A promote hashes
+(server/rank/shard_memory.py). Reads and changes go through `leases` (server/rank/leases.py). A promote hashes
 the version's shards (their checksums, server/rank/hashing.py) on a shared pool. No network, no threads of its
 own: the servicers call in from gRPC worker threads, so every method is thread-safe. Errors are the rank's own
 (server/rank/errors.py).
@@ -26,10 +26,10 @@ import torch
 
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.server.rank.access import VersionAccess
 from shardserve.server.rank.blocks import Blocks
 from shardserve.server.rank.errors import BadRequest, OverMemory
 from shardserve.server.rank.hashing import missing_checksums
+from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
 from shardserve.server.rank.options import TensorOptions
@@ -87,7 +87,7 @@ class ShardStore:
         # budget shared-memory segments get too
         self.blocks = Blocks(max_files=max(1, self.shared.max_segments))
         self.memory = ShardMemory(self.device, self.budget, self.shared, self.blocks)
-        self.access = VersionAccess(
+        self.leases = VersionLeases(
             self._lock, self.versions, self.memory, max_request_bytes=max_request_bytes
         )
         self.retirement = VersionRetirement(
@@ -100,7 +100,7 @@ class ShardStore:
         )
         self.persistence = persistence  # None: memory only (server/rank/persistence.py)
         if persistence is not None:
-            persistence.set_snapshot_source(self.access.served_shards)
+            persistence.set_snapshot_source(self.leases.served_shards)
         self.metrics = RankMetrics(rank)  # records nothing until enabled (--metrics-port)
 
     @property
@@ -255,7 +255,7 @@ class ShardStore:
         memory, else a copy of each shard. A copy of another tensor (a delta put's) is persisted whole at its
         promote; one of its own name by the update log."""
         source_name = source_name or name
-        with self.access.lease(source_name, source_version) as source:
+        with self.leases.lease(source_name, source_version) as source:
             if source.metadata != meta:
                 raise BadRequest(
                     f"source_version {source_version} of {source_name!r} has another layout "
@@ -330,7 +330,7 @@ class ShardStore:
                     if not record.state.is_pending:
                         continue
                 with errors(index):
-                    record = leases.enter_context(self.access.lease(name, version, served=False))
+                    record = leases.enter_context(self.leases.lease(name, version, served=False))
                 pending.append(
                     (
                         record,
@@ -351,7 +351,7 @@ class ShardStore:
                 if record.key in computed:
                     record.checksums = computed[record.key]
                 record.apply(VersionEvent.PROMOTE)
-                self.memory.publish(record)
+                self.memory.promote(record)
                 out[(name, version)] = dict(record.checksums)
         if self.persistence is not None:
             for item in persist:

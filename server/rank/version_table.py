@@ -108,7 +108,7 @@ def next_state(state: VersionState, event: VersionEvent) -> VersionState:
 class ShardProgress:
     """Which local shards of a pending version are fully written. A promote waits for every change of every
     shard to end, and refuses a shard that a change left half done (torn) until a later change that starts
-    with the shard idle completes it: one writer finishing a shard must not publish it while, or after,
+    with the shard idle completes it: one writer finishing a shard must not promote it while, or after,
     another one wrote part of it and failed."""
 
     complete: set[int] = field(default_factory=set)
@@ -144,8 +144,8 @@ class ShardProgress:
             self.complete.add(index)
 
     def open_in_place(self, index: int) -> None:
-        """Hand shard `index` to a writer that fills its memory directly: torn (never published) until that
-        writer says it is done (`finish_in_place`), so a writer that dies half way publishes nothing."""
+        """Hand shard `index` to a writer that fills its memory directly: torn (never promoted) until that
+        writer says it is done (`finish_in_place`), so nothing a writer that dies half way wrote is promoted."""
         self.complete.discard(index)
         self.torn.add(index)
         self.in_place.add(index)

@@ -41,12 +41,12 @@ def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
         assert {"raw TCP socket", "torch.distributed.rpc", "memcpy"} <= set(rows)
         ours = [r for r in fetch if r["case"] == case and r["role"] == "subject"]
         assert sorted(r["path"] for r in ours) == [
+            "bulk",
+            "bulk",
             "grpc",
             "grpc",
             "shm",
             "shm",
-            "tcp",
-            "tcp",
         ]  # 1, 2 shards a path
         for row in ours:
             assert row["ok"] is True and row["nbytes"] == 1 << 20
@@ -153,6 +153,6 @@ def test_lookup_cpu_benchmark_runs_small(tmp_path) -> None:
     report = _run_tool(
         tmp_path, "benchmarks.lookup_cpu", "--rows", "4096", "--ids", "16", "--calls", "5"
     )
-    assert report["transport"] == "tcp" and [row["threads"] for row in report["results"]] == [1, 8]
+    assert report["transport"] == "bulk" and [row["threads"] for row in report["results"]] == [1, 8]
     for row in report["results"]:
         assert row["wall_s"] > 0 and row["client_cpu_s"] > 0 and row["ranks_cpu_s"] >= 0

@@ -36,7 +36,7 @@ def test_put_and_fetch_over_mutual_tls(tls_cluster, tls_files):
 
 def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
     """A TLS rank serves its bulk port over TLS: auto reads large parts through it, bit for bit, and so does
-    transport="tcp"; a client without TLS files cannot read from it (its gRPC is refused first)."""
+    transport="bulk"; a client without TLS files cannot read from it (its gRPC is refused first)."""
     source = torch.randn(600, 700)  # 1.6 MiB: over auto's bulk threshold
     credentials = dict(
         token=TOKEN, tls_ca=tls_files.ca, tls_cert=tls_files.cert, tls_key=tls_files.key, timeout=30
@@ -48,17 +48,17 @@ def test_bulk_port_over_tls(tls_cluster, tls_files, monkeypatch):
             "host",
             ("elsewhere", "another-boot-id"),
         )  # no shared memory
-        assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "tcp"
+        assert torch.equal(remote.full_tensor(), source) and remote.last_transport == "bulk"
         stub = cluster.session.channel.shard_server(cluster.session.address_of(0))
         session = stub.OpenBulkSession(
             pb.BulkSessionRequest(), timeout=30, metadata=(("authorization", f"Bearer {TOKEN}"),)
         )
         assert session.tls and session.port > 0
-    with connect(tls_cluster.address, transport="tcp", **credentials) as cluster:
+    with connect(tls_cluster.address, transport="bulk", **credentials) as cluster:
         remote = cluster.tensor("secret-large")
         assert (
             torch.equal(remote[100:500, 7:650], source[100:500, 7:650])
-            and remote.last_transport == "tcp"
+            and remote.last_transport == "bulk"
         )
         cluster.delete("secret-large")
 

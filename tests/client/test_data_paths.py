@@ -108,7 +108,7 @@ def tables(cluster):
     return out
 
 
-@pytest.mark.parametrize("transport", ["shm", "grpc", "tcp", "auto"])
+@pytest.mark.parametrize("transport", ["shm", "grpc", "bulk", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_every_path_bit_for_bit(cluster, tables, transport, dtype):
     source, name = tables[dtype]
@@ -294,7 +294,7 @@ def test_rank_without_shared_memory_or_bulk_port_uses_grpc(no_shm_cluster, caplo
             SharedMemoryError, match="transport='shm' is impossible: rank 0 does not offer"
         ):
             c.tensor("plain").full_tensor()
-    with connect(no_shm_cluster.address, transport="tcp") as c:
+    with connect(no_shm_cluster.address, transport="bulk") as c:
         with pytest.raises(BulkReadError, match="serves no bulk port: turned off") as err:
             c.tensor("plain").full_tensor()
         assert err.value.code == grpc.StatusCode.UNIMPLEMENTED
@@ -310,16 +310,16 @@ def test_another_host_reads_and_looks_up_over_the_bulk_port(cluster, tables, mon
         )
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == "tcp"
+        assert remote.last_transport == "bulk"
         remote = c.put("dp-remote", table, SPEC)
-        assert torch.equal(remote.full_tensor(), table) and remote.last_transport == "tcp"
+        assert torch.equal(remote.full_tensor(), table) and remote.last_transport == "bulk"
         assert torch.equal(remote.lookup(ids), table[ids])
-        assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
+        assert c.lookups.last_paths == {0: "bulk", 1: "bulk"}
         bags = remote.lookup_bag(ids, torch.tensor([0, 2, 5]), mode="sum", pooling="server")
         torch.testing.assert_close(
             bags, torch.nn.functional.embedding_bag(ids, table, torch.tensor([0, 2, 5]), mode="sum")
         )
-        assert c.lookups.last_paths == {0: "tcp", 1: "tcp"}
+        assert c.lookups.last_paths == {0: "bulk", 1: "bulk"}
         c.delete("dp-remote")
 
 
@@ -341,7 +341,7 @@ def test_unopenable_segment_falls_back_once_and_logs(cluster, tables, monkeypatc
     ):
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == "tcp"
+        assert remote.last_transport == "bulk"
         tried = len(calls)
         assert tried >= 1
         assert torch.equal(remote.full_tensor(), source)  # later reads go straight to the bulk port
@@ -385,7 +385,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc_once_and_logs(cluster, monkeyp
         assert c.lookups.last_paths == {0: "grpc", 1: "grpc"}
     assert "bulk TCP read from rank 0 failed; reading it over gRPC for 30 s" in caplog.text
     assert "Connection refused" in caplog.text
-    with connect(cluster.address, transport="tcp") as c:
+    with connect(cluster.address, transport="bulk") as c:
         with pytest.raises(BulkReadError, match="Connection refused"):
             c.tensor("dp-firewalled").full_tensor()
         c.delete("dp-firewalled")
@@ -395,7 +395,7 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
     import socket
 
     source, name = tables[torch.int32]
-    with connect(cluster.address, transport="tcp") as c:
+    with connect(cluster.address, transport="bulk") as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
         kept = [
@@ -405,7 +405,7 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
         for conn in kept:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
         assert torch.equal(remote.full_tensor(), source)
-        assert remote.last_transport == "tcp"
+        assert remote.last_transport == "bulk"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
         assert (
             len(
@@ -456,7 +456,7 @@ def test_bulk_requests_all_go_out_before_any_answer_is_taken():
     plane = PathPolicy(parse_transport("auto"), channel=None)
     sent = plane.send_all(_calls(events, {}), _run_now)
     assert events == ["send 0", "send 1"]  # nothing awaited yet
-    assert sent.wait() == ["tcp", "tcp"]
+    assert sent.wait() == ["bulk", "bulk"]
     assert events == ["send 0", "send 1", "answer 0", "answer 1"]
 
 
@@ -465,12 +465,12 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
     events: list[str] = []
     plane = PathPolicy(parse_transport("auto"), channel=None)
     with caplog.at_level(logging.WARNING, logger="shardserve.client.paths.policy"):
-        assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["tcp", "grpc"]
+        assert plane.send_all(_calls(events, {1: step}), _run_now).wait() == ["bulk", "grpc"]
     assert "grpc 1" in events and "answer 0" in events and "grpc 0" not in events
     assert "bulk TCP read from rank 1 failed" in caplog.text
     events.clear()
     assert plane.send_all(_calls(events, {}), _run_now).wait() == [
-        "tcp",
+        "bulk",
         "grpc",
     ]  # rank 1 backs off
     assert sorted(events) == ["answer 0", "grpc 1", "send 0"]
@@ -479,7 +479,7 @@ def test_a_failed_bulk_call_falls_back_to_grpc_for_its_rank_only(step, caplog):
 @pytest.mark.parametrize("step", ["send", "answer"])
 def test_forced_tcp_raises_after_the_other_ranks_answered(step):
     events: list[str] = []
-    plane = PathPolicy(parse_transport("tcp"), channel=None)
+    plane = PathPolicy(parse_transport("bulk"), channel=None)
     with pytest.raises(BulkReadError, match="rank 0"):
         plane.send_all(_calls(events, {0: step}), _run_now).wait()
     assert "answer 1" in events and not any(event.startswith("grpc") for event in events)
@@ -537,7 +537,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         )
         remote = c.tensor(name)
         got, expected, paths = run(remote)
-        assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
+        assert torch.equal(got, expected) and paths in ({0: "bulk", 1: "bulk"}, "bulk")
         real_recv = tcp_reads.recv_exactly
         rank1_port = (
             c.session.paths.path(PathKind.BULK)
@@ -554,7 +554,7 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         got, expected, paths = run(remote)
         assert torch.equal(got, expected)
         assert paths in (
-            {0: "tcp", 1: "grpc"},
+            {0: "bulk", 1: "grpc"},
             "grpc",
         )  # a read reports its last part's path: rank 1's
         c.delete(name)
@@ -584,7 +584,7 @@ def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(
     cluster, tables, monkeypatch
 ):
     source, name = tables[torch.float64]
-    with connect(cluster.address, transport="tcp") as c:
+    with connect(cluster.address, transport="bulk") as c:
         events = _record_bulk_reads(c, monkeypatch)
         remote = c.tensor(name)
         out = torch.empty(3, 5, 7, dtype=torch.float64).transpose(
@@ -599,7 +599,7 @@ def test_a_read_across_ranks_sends_every_request_before_taking_an_answer(
             f"answer {ranks[0]}",
             f"answer {ranks[1]}",
         ]
-        assert remote.last_transport == "tcp"
+        assert remote.last_transport == "bulk"
 
 
 def test_a_read_of_one_mapped_and_one_remote_rank(cluster, tables, monkeypatch):
@@ -720,8 +720,8 @@ def test_segment_header_follows_promote_and_drop():
     from shardserve.server.rank.shared_memory import HEADER_BYTES
 
     store = _served_store()
-    with store.access.lease("t", 1) as entry:
-        segment = store.access.shared_segment(entry, 0)
+    with store.leases.lease("t", 1) as entry:
+        segment = store.leases.shared_segment(entry, 0)
     assert segment.data_offset == HEADER_BYTES
 
     def header() -> list[int]:
@@ -729,7 +729,7 @@ def test_segment_header_follows_promote_and_drop():
             return torch.frombuffer(bytearray(f.read(24)), dtype=torch.int64).tolist()
 
     assert header() == [HEADER_MAGIC, STATE_SERVED, 0]
-    with store.access.lease("t", 1):
+    with store.leases.lease("t", 1):
         store.drop("t", 1)
         assert header() == [HEADER_MAGIC, STATE_DROPPED, 0]
 
@@ -738,7 +738,7 @@ def _versions_of(base: torch.Tensor, count: int) -> dict[float, torch.Tensor]:
     return {float(k): base + 1000 * k for k in range(count)}
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "bulk"])
 def test_reads_during_overwrite_delete_and_reshard_never_mix(cluster, transport):
     """Readers hammer same-host (or bulk TCP) reads while the tensor is overwritten, resharded and deleted."""
     base = torch.arange(64 * 48, dtype=torch.float64).reshape(64, 48)
@@ -833,7 +833,7 @@ def test_leases_expire():
     now = [0.0]
     leases = Leases(clock=lambda: now[0])
     store = _served_store()
-    lease = store.access.lease("t", 1)
+    lease = store.leases.lease("t", 1)
     lease.__enter__()
     leases.hold(lease, 5.0)
     store.drop("t", 1)
@@ -848,7 +848,7 @@ def test_lease_ids_cannot_be_guessed():
     leases, store = Leases(), _served_store()
     ids = []
     for _ in range(3):
-        lease = store.access.lease("t", 1)
+        lease = store.leases.lease("t", 1)
         lease.__enter__()
         ids.append(leases.hold(lease, 30.0))
     assert (
@@ -884,10 +884,10 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
 def test_served_versions_are_immutable():
     store = _served_store()
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.write("t", 1, 0, torch.float32, 6 * 4 * 4):
+        with store.leases.write("t", 1, 0, torch.float32, 6 * 4 * 4):
             pass
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.lease("t", 1, served=False):
+        with store.leases.lease("t", 1, served=False):
             pass
 
 
@@ -899,11 +899,11 @@ def test_shards_built_elsewhere_move_to_shared_memory_with_the_same_bytes():
     built = random_tensor((3, 2), torch.bfloat16, seed=3)
     store.install("t", 1, meta, {0: built.clone()})
     store.promote("t", 1)
-    with store.access.lease("t", 1) as entry:
-        segment = store.access.shared_segment(entry, 0)
+    with store.leases.lease("t", 1) as entry:
+        segment = store.leases.shared_segment(entry, 0)
         assert segment is not None
-        assert torch.equal(store.access.shard_of(entry, 0), built)
-        assert store.shared.segment_of(store.access.shard_of(entry, 0)) == segment
+        assert torch.equal(store.leases.shard_of(entry, 0), built)
+        assert store.shared.segment_of(store.leases.shard_of(entry, 0)) == segment
 
 
 @pytest.mark.cuda
@@ -915,11 +915,11 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
     with connect(gpu.address, transport="grpc") as c:
         c.put("gpu", source, spec)
         assert torch.equal(c.tensor("gpu").fetch((3, 2), (25, 10)), source[3:28, 2:12])
-    with connect(gpu.address, transport="tcp") as c:  # staged through pinned memory on the rank
+    with connect(gpu.address, transport="bulk") as c:  # staged through pinned memory on the rank
         remote = c.tensor("gpu")
         assert (
             torch.equal(remote.fetch((3, 2), (25, 10)), source[3:28, 2:12])
-            and remote.last_transport == "tcp"
+            and remote.last_transport == "bulk"
         )
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
@@ -950,9 +950,9 @@ def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(clu
     table = random_tensor((1024, 1024), torch.float32, seed=15)  # one rank, 4 MiB
     ids = torch.randperm(1024)
     assert ids.numel() * 1024 * 4 == SMALL_ANSWER_BYTES
-    with connect(cluster.address, transport="tcp") as c:
+    with connect(cluster.address, transport="bulk") as c:
         remote = c.put("dp-exact-small", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
-        assert torch.equal(remote.lookup(ids), table[ids]) and c.lookups.last_paths == {0: "tcp"}
+        assert torch.equal(remote.lookup(ids), table[ids]) and c.lookups.last_paths == {0: "bulk"}
         c.delete("dp-exact-small")
 
 
@@ -964,11 +964,11 @@ def test_pooled_answers_are_sized_in_the_accumulation_dtype(cluster):
     table = random_tensor((64, 1024), torch.float32, seed=16)
     ids = torch.arange(64).repeat(32)
     offsets = torch.arange(0, 2048, 2)
-    with connect(cluster.address, transport="tcp") as c:
+    with connect(cluster.address, transport="bulk") as c:
         c.put("dp-bags-4mib", table, ChunkShardingSpec(0, ["rank:0/cpu"]))
         got = c.tensor("dp-bags-4mib").lookup_bag(ids, offsets, mode="sum", pooling="server")
         assert torch.equal(got, F.embedding_bag(ids, table, offsets, mode="sum"))
-        assert c.lookups.last_paths == {0: "tcp"}
+        assert c.lookups.last_paths == {0: "bulk"}
         c.delete("dp-bags-4mib")
 
 
@@ -1088,7 +1088,7 @@ def put_and_check(client, prefix: str, spec=None) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "transport, path", [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp"), ("grpc", "grpc")]
+    "transport, path", [("auto", "shm"), ("shm", "shm"), ("bulk", "bulk"), ("grpc", "grpc")]
 )
 def test_state_dict_writes_go_by_each_path_bit_for_bit(cluster, transport, path):
     with connect(cluster.address, transport=transport) as client:
@@ -1112,7 +1112,7 @@ def test_writes_fall_back_when_the_rank_refuses_the_memfd(cluster, monkeypatch, 
         client.session.paths.path(
             PathKind.SHARED_MEMORY
         ).in_place.host_id = "another-host"  # refused in place too
-        assert set(put_and_check(client, "refused-memfd")) == {"tcp"}
+        assert set(put_and_check(client, "refused-memfd")) == {"bulk"}
     assert "shared-memory write to rank" in caplog.text and "not on this rank's host" in caplog.text
 
 

@@ -206,7 +206,11 @@ def test_a_forced_path_raises_its_failure_and_its_refusal():
 
 def test_transport_strings_parse_into_path_kinds():
     assert parse_transport("auto") is None
-    assert parse_transport("tcp") is PathKind.BULK and PathKind.BULK == "tcp"
+    assert parse_transport("bulk") is PathKind.BULK and PathKind.BULK == "bulk"
+    with pytest.warns(
+        DeprecationWarning, match="transport='tcp' is deprecated; use transport='bulk'"
+    ):
+        assert parse_transport("tcp") is PathKind.BULK  # the bulk path's old name
     assert str(PathKind.SHARED_MEMORY) == "shm" and f"{PathKind.GRPC}" == "grpc"
     with pytest.raises(ValueError, match="transport must be one of"):
         parse_transport("rdma")

@@ -53,7 +53,7 @@ def _race(hedge: object) -> Race:
 
 def test_a_hedge_that_answers_first_wins_and_cancels_the_primary() -> None:
     landed = []
-    race = _race(lambda cancel: ("tcp", lambda: landed.append("hedge")))
+    race = _race(lambda cancel: ("bulk", lambda: landed.append("hedge")))
     race.hedged = True
     race.run_hedge()
     assert race.hedge_won and race.primary.cancelled
@@ -61,7 +61,7 @@ def test_a_hedge_that_answers_first_wins_and_cancels_the_primary() -> None:
         ShardServeError("cancelled")
     )  # the primary's call ends once cancelled
     land()
-    assert path == "tcp" and landed == ["hedge"]
+    assert path == "bulk" and landed == ["hedge"]
 
 
 def test_a_primary_that_answers_first_wins_and_cancels_the_hedge() -> None:

@@ -140,16 +140,16 @@ def test_mapped_reads_and_the_devices_they_reach_come_from_the_first_path() -> N
 
 def test_in_place_writes_come_from_the_path_that_declares_them() -> None:
     writer = FakePath(PathKind.BULK, Capabilities(in_place_writes=True, rank_calls=True))
-    assert _policy(writer, FakePath(PathKind.GRPC, STREAMED)).in_place_host() == "host-of-tcp"
+    assert _policy(writer, FakePath(PathKind.GRPC, STREAMED)).in_place_host() == "host-of-bulk"
     assert _policy(FakePath(PathKind.GRPC, STREAMED)).in_place_host() == ""
-    assert PathPolicy(parse_transport("tcp"), channel=None).in_place_host() == ""
+    assert PathPolicy(parse_transport("bulk"), channel=None).in_place_host() == ""
 
 
 def test_the_network_chain_is_the_paths_that_take_rank_calls() -> None:
     assert PathPolicy(None, channel=None).network.kinds == (PathKind.BULK, PathKind.GRPC)
     forced_shm = PathPolicy(parse_transport("shm"), channel=None)
     assert forced_shm.network.kinds == (PathKind.GRPC,) and not forced_shm.network.forced
-    forced_tcp = PathPolicy(parse_transport("tcp"), channel=None)
+    forced_tcp = PathPolicy(parse_transport("bulk"), channel=None)
     assert forced_tcp.network.kinds == (PathKind.BULK,) and forced_tcp.network.forced
 
 

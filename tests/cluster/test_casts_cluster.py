@@ -18,7 +18,7 @@ from shardserve.server.launcher import LocalCluster
 
 FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 PAIRS = [(a, b) for a, b in itertools.product(FLOATING, FLOATING) if a != b]
-TRANSPORTS = ("shm", "tcp", "grpc")
+TRANSPORTS = ("shm", "bulk", "grpc")
 
 
 def floats(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -92,7 +92,7 @@ def test_fetch_converts_into_out_of_every_other_floating_dtype(
             assert same_bits(region, sources[source][3:44, 15:35].to(target)), (source, target)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "grpc"])
+@pytest.mark.parametrize("transport", ["bulk", "grpc"])
 def test_a_large_part_over_the_network_converts_band_by_band(
     cluster: LocalCluster, transport: str
 ) -> None:

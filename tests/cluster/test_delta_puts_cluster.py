@@ -100,7 +100,7 @@ def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list
         state["scale"] = torch.tensor(-2.0)
         number = spmd.put_state_dict(client, state, "d/tensor", delta=True)
         assert sent == [ROWS * WIDTH * 4 + 4]
-    for transport in ("shm", "tcp", "grpc"):
+    for transport in ("shm", "bulk", "grpc"):
         with connect(cluster.address, transport=transport) as reader:
             assert_same(read(reader, "d/tensor", state), state)
             view = reader.snapshot("d/tensor", number)

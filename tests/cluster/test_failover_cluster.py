@@ -29,7 +29,7 @@ from shardserve.protos.errors import Reason
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 
-TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
+TRANSPORTS = ["auto", "grpc", "bulk", "shm"]
 ROWS, DIM, DEAD = 12, 6, 1
 PLAIN = ChunkShardingSpec(
     0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]

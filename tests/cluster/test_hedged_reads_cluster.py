@@ -29,7 +29,7 @@ SHORT_S = 3.0  # the deadline of the reads that wait for the stopped rank's only
 SINGLE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # rows 4-7 only on rank 1
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it answers)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
-TRANSPORTS = ["grpc", "tcp"]
+TRANSPORTS = ["grpc", "bulk"]
 
 
 def _wait_until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
@@ -64,7 +64,7 @@ def clients(cluster: LocalCluster, data: dict[str, torch.Tensor]) -> Iterator[di
         for kind in ("fetch", "lookup")
     }
     made["unhedged"] = connect(
-        cluster.address, timeout=DEADLINE_S, transport="tcp", hedge_after=None
+        cluster.address, timeout=DEADLINE_S, transport="bulk", hedge_after=None
     )
     try:
         for client in made.values():
@@ -131,7 +131,7 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(
         result, took = _timed(lambda: clients["unhedged"].tensor("mirrored").full_tensor())
         assert torch.equal(result, table) and took < WELL_WITHIN_S
         assert torch.equal(
-            clients["tcp fetch"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4]
+            clients["bulk fetch"].tensor("single").fetch((0, 0), (4, DIM)), data["single"][:4]
         )
     finally:
         cluster.kill_rank(STOPPED, signal.SIGCONT)

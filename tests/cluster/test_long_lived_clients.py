@@ -1,4 +1,4 @@
-"""Long-lived clients across real faults: one reader per transport (auto = shared memory, tcp = the bulk port,
+"""Long-lived clients across real faults: one reader per transport (auto = shared memory, bulk = the bulk port,
 grpc) keeps reading rank 1's rows of a row-wise table every READ_EVERY_S while rank 1 is stopped (SIGSTOP for
 STOP_S, then SIGCONT) and while it is killed (kill -9) and restarted by the supervisor, which restores its
 shards from its persistence folder. During a fault a read may fail, but only with RankUnavailableError
@@ -30,7 +30,7 @@ from shardserve.server.supervisor import RestartPolicy
 ROWS, DIM = 20_000, 16
 RANK1_ROWS = (10_000, 10_000)  # rows of rank 1: offset, count
 TABLE = torch.arange(ROWS * DIM, dtype=torch.float32).reshape(ROWS, DIM)
-TRANSPORTS = ("auto", "tcp", "grpc")
+TRANSPORTS = ("auto", "bulk", "grpc")
 HEARTBEAT_S = 0.5
 READ_EVERY_S = 0.05
 CALL_TIMEOUT_S = 3.0  # each reader's deadline per call

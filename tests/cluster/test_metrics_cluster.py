@@ -77,7 +77,7 @@ def run_workload(address: str) -> None:
         assert torch.equal(rows, table[LOOKUP_IDS])
         with pytest.raises(TensorNotFoundError):
             cluster.tensor("no-such-tensor")
-    with connect(address, transport="tcp") as cluster:
+    with connect(address, transport="bulk") as cluster:
         assert torch.equal(cluster.tensor("metered").fetch(*BOX), table[100:300])
     with connect(address, transport="shm") as cluster:
         assert torch.equal(cluster.tensor("metered").full_tensor(), table)
@@ -198,9 +198,9 @@ def test_gauges_show_ranks_tensors_memory_and_catalog(scrapes: Scrapes) -> None:
 
 def test_client_counters_moved(scrapes: Scrapes) -> None:
     before, after = scrapes.client_before, scrapes.client_after
-    for path in ("grpc", "tcp", "shm"):
+    for path in ("grpc", "bulk", "shm"):
         assert after["reads"].get(path, 0) > before["reads"].get(path, 0), path
-    assert after["read_bytes"]["tcp"] - before["read_bytes"].get("tcp", 0) == BOX[1][0] * DIM * 4
+    assert after["read_bytes"]["bulk"] - before["read_bytes"].get("bulk", 0) == BOX[1][0] * DIM * 4
     assert after["lookups"] - before["lookups"] == 1
     assert after["lookup_ids"] - before["lookup_ids"] == len(LOOKUP_IDS)
 

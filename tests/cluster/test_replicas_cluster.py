@@ -24,7 +24,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.launcher import LocalCluster
 
 ROWS, DIM = 12, 5
-TRANSPORTS = ["auto", "grpc", "tcp", "shm"]
+TRANSPORTS = ["auto", "grpc", "bulk", "shm"]
 WAIT_S = 20.0
 
 

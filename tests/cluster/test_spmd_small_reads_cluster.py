@@ -58,7 +58,7 @@ def small_and_big() -> dict[str, torch.Tensor]:
 def network_reads() -> int:
     """Reads answered over the network (the batches: shared memory serves this host's single reads)."""
     reads = counters.metrics()["reads"]
-    return reads.get("grpc", 0) + reads.get("tcp", 0)
+    return reads.get("grpc", 0) + reads.get("bulk", 0)
 
 
 # ---------------------------------------------------------------- job functions (run on every world rank)

@@ -43,7 +43,7 @@ from shardserve.torchrec import (  # noqa: E402
     RemoteEmbeddingCollection,
 )
 
-TRANSPORTS = ["auto", "grpc", "tcp"]  # auto: shared memory on this host, bags pooled here
+TRANSPORTS = ["auto", "grpc", "bulk"]  # auto: shared memory on this host, bags pooled here
 RANKS = ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"]
 WAIT_S = 30.0
 

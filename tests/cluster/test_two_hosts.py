@@ -209,14 +209,14 @@ def test_reads_lookups_and_a_reshard_cross_the_hosts(hosts: tuple[Namespaces, Dr
         "1": False,
     }  # rank 1's namespace is another host
     assert client("put", name="t", seed=1, rows=1000, cols=64)["ok"]
-    for transport in ("tcp", "grpc", "auto"):
+    for transport in ("bulk", "grpc", "auto"):
         checked = client("check", name="t", transport=transport)
         assert checked["equal"] and checked["ranks"] == [0, 1] and checked["dim"] == 0, checked
-    assert client("lookup", name="t", ids=[3, 999, 3, 500, 0], transport="tcp")["equal"]
+    assert client("lookup", name="t", ids=[3, 999, 3, 500, 0], transport="bulk")["equal"]
     assert client("lookup", name="t", ids=[998, 1, 501], transport="grpc")["equal"]
     moved = client("reshard", name="t", dim=1)
     assert moved["ok"] and moved["dim"] == 1, moved
-    for transport in ("tcp", "grpc"):
+    for transport in ("bulk", "grpc"):
         assert client("check", name="t", transport=transport)["equal"]
 
 
@@ -228,14 +228,14 @@ def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
     assert client("update_rows", name="c", ids=[1, 900], seed=3)[
         "ok"
     ]  # acknowledged before the cut
-    before = client("check", name="c", transport="tcp")
+    before = client("check", name="c", transport="bulk")
     assert before["equal"], before
     cut = time.monotonic()
     namespaces.set_link(up=False)
     try:
-        rank0 = client("read", name="c", offsets=[0, 0], sizes=[10, 64], transport="tcp")
+        rank0 = client("read", name="c", offsets=[0, 0], sizes=[10, 64], transport="bulk")
         assert rank0["ok"] and rank0["equal"], rank0
-        rank1 = client("read", name="c", offsets=[990, 0], sizes=[10, 64], transport="tcp")
+        rank1 = client("read", name="c", offsets=[990, 0], sizes=[10, 64], transport="bulk")
         assert not rank1["ok"] and rank1["error"] in (
             "DeadlineExceededError",
             "RankUnavailableError",
@@ -250,14 +250,14 @@ def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
         refused = client("reshard", name="c", dim=1, within=CALL_TIMEOUT_S + 10)
         assert not refused["ok"] and "rank 1" in refused["message"], refused
         assert client("read", name="c", offsets=[0, 0], sizes=[500, 64], transport="grpc")["equal"]
-        assert client("lookup", name="c", ids=[1, 2, 499], transport="tcp")["equal"]
+        assert client("lookup", name="c", ids=[1, 2, 499], transport="bulk")["equal"]
         time.sleep(max(0.0, CUT_S - (time.monotonic() - cut)))
     finally:
         namespaces.set_link(up=True)
     back = client("wait_alive", within=35.0, rank=1, alive=True, limit=30.0)
     assert back["reached"], back
     for transport in (
-        "tcp",
+        "bulk",
         "grpc",
     ):  # the clients connected since the start read rank 1 again by themselves
         again = client(
@@ -281,10 +281,10 @@ def test_a_cut_link_and_its_return(hosts: tuple[Namespaces, Driver]) -> None:
     assert health["health"] == "healthy" and health["version"] == before["version"], (
         health
     )  # no repair ran
-    for transport in ("tcp", "grpc"):
+    for transport in ("bulk", "grpc"):
         checked = client("check", name="c", transport=transport)
         assert checked.get("equal"), checked  # the update is still there
     moved = client("reshard", name="c", dim=1)
     assert moved["ok"] and moved["dim"] == 1, moved
-    for transport in ("tcp", "grpc"):
+    for transport in ("bulk", "grpc"):
         assert client("check", name="c", transport=transport)["equal"]

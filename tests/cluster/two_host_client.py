@@ -34,12 +34,12 @@ class Driver:
 
     def __init__(self, address: str, timeout: float) -> None:
         self.cluster = connect_when_up(address, timeout)
-        self.tcp = connect(address, timeout=timeout, transport="tcp")
+        self.tcp = connect(address, timeout=timeout, transport="bulk")
         self.grpc = connect(address, timeout=timeout, transport="grpc")
         self.expected: dict[str, torch.Tensor] = {}
 
     def _client(self, transport: str) -> Any:
-        return {"auto": self.cluster, "tcp": self.tcp, "grpc": self.grpc}[transport]
+        return {"auto": self.cluster, "bulk": self.tcp, "grpc": self.grpc}[transport]
 
     def put(self, name: str, seed: int, rows: int, cols: int, dim: int = 0) -> dict:
         table = reference(seed, rows, cols)

@@ -217,7 +217,7 @@ def test_path_unavailable(cluster, stubs):
     assert_status(err, grpc.StatusCode.UNIMPLEMENTED, Reason.PATH_UNAVAILABLE, rank=0)
     with client_of(cluster, "admin", transport="auto") as admin:
         assert torch.equal(admin.tensor("small").full_tensor(), SMALL)
-    with client_of(cluster, "admin", transport="tcp") as admin:
+    with client_of(cluster, "admin", transport="bulk") as admin:
         with pytest.raises(ShardServeError) as raised:
             admin.tensor("small").full_tensor()
         assert raised.value.reason == Reason.PATH_UNAVAILABLE

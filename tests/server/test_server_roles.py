@@ -318,7 +318,7 @@ def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
             err.value.code() == PERMISSION_DENIED
             and "tensor 'pending-dense'" in err.value.details()
         )
-    with connect(cluster.address, token=TOKENS["emb-writer"], transport="tcp") as writer:
+    with connect(cluster.address, token=TOKENS["emb-writer"], transport="bulk") as writer:
         with pytest.raises(
             BulkReadError, match="lacks the 'write' right on tensor 'pending-dense'"
         ):

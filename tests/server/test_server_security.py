@@ -159,15 +159,15 @@ def test_max_request_bytes(stubs):
 
 def test_bulk_port_reads_with_the_token_and_keeps_the_limits(guarded):
     expected = (torch.arange(4 * 2048) % 251).to(torch.uint8).view(4, 2048)
-    with connect(guarded.address, token=TOKEN, transport="tcp") as c:
+    with connect(guarded.address, token=TOKEN, transport="bulk") as c:
         remote = c.put("wide-bulk", expected, ChunkShardingSpec(0, ["rank:0/cpu"]))
-        assert torch.equal(remote[:2], expected[:2]) and remote.last_transport == "tcp"
+        assert torch.equal(remote[:2], expected[:2]) and remote.last_transport == "bulk"
         with pytest.raises(ResourceExhaustedError, match="max_request_bytes 4096"):
             remote[:3]
         assert torch.equal(remote[2:4], expected[2:4])  # the kept connection still serves
         c.delete("wide-bulk")
     with pytest.raises(AuthenticationError):
-        connect(guarded.address, token="nope", transport="tcp")
+        connect(guarded.address, token="nope", transport="bulk")
 
 
 @pytest.fixture(scope="module")

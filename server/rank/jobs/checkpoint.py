@@ -140,8 +140,8 @@ def run_checkpoint_save(job: pb.CollectiveJob, ctx: JobContext) -> None:
             local = meta.shards_on(ctx.rank)
             if not local:
                 return {}
-            entry = leases.enter_context(ctx.store.access.lease(name, version))
-            return {i: ctx.store.access.shard_of(entry, i) for i in local}
+            entry = leases.enter_context(ctx.store.leases.lease(name, version))
+            return {i: ctx.store.leases.shard_of(entry, i) for i in local}
 
         for name, version, meta in tensors:
             shards = _noting(

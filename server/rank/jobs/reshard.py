@@ -440,16 +440,16 @@ def _leased_sources(
 ) -> Iterator[dict[int, torch.Tensor]]:
     """This rank's source shards `indices` of (name, version), leased while the block runs so they stay whole
     (for same-host peers that map them too); a CPU shard built outside shared memory is moved into it first
-    when same-host peers may map it (server/rank/access.py shared_segment)."""
+    when same-host peers may map it (server/rank/leases.py shared_segment)."""
     if not indices:
         yield {}
         return
-    access = ctx.store.access
-    with access.lease(name, version) as entry:
+    leases = ctx.store.leases
+    with leases.lease(name, version) as entry:
         if peer_memory_enabled():
             for i in indices:
-                access.shared_segment(entry, i)
-        yield {i: access.shard_of(entry, i) for i in indices}
+                leases.shared_segment(entry, i)
+        yield {i: leases.shard_of(entry, i) for i in indices}
 
 
 def _debug_stall(env: str, rank: int, name: str) -> None:

@@ -95,7 +95,7 @@ class LookupService:
             metrics.served(path, item.name, len(answer.data))
 
     def _check_request_size(self, request: pb.LookupRequest) -> None:
-        limit = self.store.access.max_request_bytes
+        limit = self.store.leases.max_request_bytes
         if not limit:
             return
         ids = sum(len(item.ids) for item in request.items)
@@ -109,15 +109,15 @@ class LookupService:
         name = check_name(item.name, f"{field}.name")
         version = check_version(item.version, f"{field}.version")
         ids = parse_ids(item.ids, f"{field}.ids")
-        with self.store.access.lease(name, version) as entry:
-            shard = self.store.access.shard_of(entry, item.shard_index)
+        with self.store.leases.lease(name, version) as entry:
+            shard = self.store.leases.shard_of(entry, item.shard_index)
             local = local_rows(entry, item.shard_index, ids, f"{field}.ids")
             out_bytes = (
                 (len(item.offsets) // ID_BYTES if item.pooled else ids.size)
                 * shard.shape[1]
                 * shard.element_size()
             )
-            limit = self.store.access.max_request_bytes
+            limit = self.store.leases.max_request_bytes
             if limit and out_bytes > limit:
                 raise RequestTooLarge(
                     f"{field}.ids: the answer is {out_bytes} bytes, over this rank's "

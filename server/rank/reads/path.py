@@ -38,7 +38,7 @@ class ReadPath:
     def box(self, request: pb.ReadRegionRequest) -> Iterator[torch.Tensor]:
         """The box a ReadRegionRequest names, leased meanwhile (name and version checked; version 0 = the
         served one)."""
-        with self.store.access.read(
+        with self.store.leases.read(
             check_name(request.name),
             check_version(request.version, allow_zero=True),
             request.shard_index,

@@ -50,7 +50,7 @@ class SharedMemoryService:
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
         self.leases.expire()
-        lease = self.store.access.lease(name, version)
+        lease = self.store.leases.lease(name, version)
         entry = lease.__enter__()
         try:
             reply = self._describe(entry, request)
@@ -70,17 +70,17 @@ class SharedMemoryService:
         return reply
 
     def _describe(self, entry: StoredVersion, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
-        shard = self.store.access.shard_of(entry, request.shard_index)
+        shard = self.store.leases.shard_of(entry, request.shard_index)
         reply = pb.OpenShardResponse(
             nbytes=shard.numel() * shard.element_size(),
             dtype=cast(pb.DType, dtype_to_wire(shard.dtype)),  # the wire enum's number
             shard_sizes=list(shard.shape),
             version=entry.version,
-            max_request_bytes=self.store.access.max_request_bytes,
+            max_request_bytes=self.store.leases.max_request_bytes,
         )
         segment: Segment | None
         if self.store.blocks.is_composed(shard):
-            segment = self.store.access.state_header(
+            segment = self.store.leases.state_header(
                 entry, request.shard_index
             )  # the state word; the data in blocks
             reply.extents.extend(
@@ -97,9 +97,9 @@ class SharedMemoryService:
                 )
             reply.cuda.CopyFrom(cuda_ipc_handle(shard))
             # the state word alone, no data
-            segment = self.store.access.state_header(entry, request.shard_index)
+            segment = self.store.leases.state_header(entry, request.shard_index)
         else:
-            segment = self.store.access.shared_segment(entry, request.shard_index)
+            segment = self.store.leases.shared_segment(entry, request.shard_index)
         if segment is None:
             if reply.nbytes == 0:
                 return reply

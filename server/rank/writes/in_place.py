@@ -7,7 +7,7 @@ a WriteShards naming the same shards with `written_in_place` then counts them
 written. A snapshot's writers skip both calls: the coordinator's AllocateMany
 opens the shards with the allocation (`open_allocated`), and its PromoteMany
 counts them written (`finish_in_place`) once every writer said it is done.
-Until then a shard is torn, so a writer that dies half way publishes nothing.
+Until then a shard is torn, so nothing a writer that dies half way wrote is promoted.
 A CUDA shard is handed over as a CUDA IPC handle instead (only to a writer that
 asks with `cuda_ipc`, and never with an allocation): the writer copies device
 to device, or host to device, straight into it. Each handle handed out counts
@@ -35,9 +35,9 @@ from shardserve.server.common.access import caller
 from shardserve.server.common.errors import item_errors
 from shardserve.server.common.principals import ANONYMOUS
 from shardserve.server.common.requests import parse_dtype
-from shardserve.server.rank.access import InPlace
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import service_errors
+from shardserve.server.rank.leases import InPlace
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.shards import ShardBytes, checked_batch
 from shardserve.server.rank.writes.shared import SharedWritesUnavailable
@@ -55,7 +55,7 @@ def open_for_write(
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
         _check_device(store, shard, i, request.cuda_ipc)
         with item_errors(f"shards[{i}]"), service_errors():
-            found = store.access.open_in_place(
+            found = store.leases.open_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             )
         if found is None:
@@ -115,7 +115,7 @@ def open_allocated(
             segment=_writable(InPlace(segment, sealed)),
         )
         for name, version in versions
-        for index, segment, sealed in store.access.open_allocated_in_place(name, version)
+        for index, segment, sealed in store.leases.open_allocated_in_place(name, version)
     ]
 
 
@@ -125,7 +125,7 @@ def finish_written(store: ShardStore, shards: Sequence[ShardBytes]) -> int:
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
         with item_errors(f"shards[{i}]"), service_errors():
-            store.access.finish_in_place(
+            store.leases.finish_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             )
         store.metrics.written(shard.name, shard.nbytes)

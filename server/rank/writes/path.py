@@ -44,7 +44,7 @@ class WritePath:
         name = check_name(header.name, "header.name")
         version = check_version(header.version, "header.version")
         dtype = parse_dtype(header.dtype, "header.dtype")
-        with self.store.access.write(
+        with self.store.leases.write(
             name, version, header.shard_index, dtype, header.nbytes
         ) as writer:
             for message in messages:
@@ -100,9 +100,9 @@ class WritePath:
         name = check_name(request.name)
         version = check_version(request.version)
         ids = parse_ids(request.ids, "ids")
-        access = self.store.access
-        with access.lease(name, version, served=False) as record:
-            shard = access.shard_of(record, request.shard_index)  # refused unless held here
+        leases = self.store.leases
+        with leases.lease(name, version, served=False) as record:
+            shard = leases.shard_of(record, request.shard_index)  # refused unless held here
             local = local_rows(record, request.shard_index, ids, "ids")
             values = parse_rows(request.values, shard.dtype, (ids.size, shard.shape[1]), "values")
             durable = record.options.durable
@@ -112,7 +112,7 @@ class WritePath:
             self.store.persistence.log_rows(name, version, request.shard_index, local, values)
         rows = torch.from_numpy(local)
         # checked above: no refusal leaves the shard torn
-        with access.rewrite(name, version, request.shard_index, rows) as shard:
+        with leases.rewrite(name, version, request.shard_index, rows) as shard:
             shard.index_copy_(0, rows.to(shard.device), values.to(shard.device))
         self.store.metrics.written(request.name, len(request.values))
         return int(ids.size)
@@ -122,9 +122,9 @@ class WritePath:
         the bytes written. A version sharing blocks with another copies only the blocks the ranges touch."""
         name = check_name(request.name)
         version = check_version(request.version)
-        access = self.store.access
-        with access.lease(name, version, served=False) as record:
-            shard = access.shard_of(record, request.shard_index)  # refused unless held here
+        leases = self.store.leases
+        with leases.lease(name, version, served=False) as record:
+            shard = leases.shard_of(record, request.shard_index)  # refused unless held here
             nbytes = shard.numel() * shard.element_size()
             durable = record.options.durable
         persistence = self.store.persistence
@@ -135,7 +135,7 @@ class WritePath:
             )
         ranges = checked_ranges(request.starts, request.lengths, nbytes, len(request.data))
         data = memoryview(request.data)
-        with access.rewrite(name, version, request.shard_index, byte_ranges=ranges) as shard:
+        with leases.rewrite(name, version, request.shard_index, byte_ranges=ranges) as shard:
             flat = shard.reshape(-1).view(torch.uint8)
             at = 0
             for start, stop in ranges:

@@ -90,7 +90,7 @@ def write_batch(
         with (
             item_errors(f"shards[{i}]"),
             service_errors(),
-            store.access.write(
+            store.leases.write(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             ) as writer,
         ):

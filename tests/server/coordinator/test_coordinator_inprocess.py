@@ -204,7 +204,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
 
 def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
-    from shardserve.server.coordinator.checkpoint import publish_checkpoint
+    from shardserve.server.coordinator.checkpoint import replace_checkpoint
 
     path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
     staging.mkdir(parents=True)
@@ -221,7 +221,7 @@ def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
         "__1_0.distcp": b"new 1",
     }.items():
         (staging / name).write_bytes(data)
-    publish_checkpoint(str(staging), str(path))
+    replace_checkpoint(str(staging), str(path))
     assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == {
         ".metadata": b"new",
         "__0_0.distcp": b"new 0",
@@ -254,11 +254,11 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     assert held.wait(10)
     started = time.monotonic()
     with pytest.raises(TensorBusy, match="tensor 'busy' is busy") as err:
-        coordinator.lifecycle.delete("busy")
+        coordinator.lifecycle.drop("busy")
     assert err.value.code == grpc.StatusCode.ABORTED and time.monotonic() - started < 5
     release.set()
     worker.join(10)
-    coordinator.lifecycle.delete("busy")
+    coordinator.lifecycle.drop("busy")
     assert coordinator.catalog.ready("busy") is None
 
 
@@ -417,7 +417,7 @@ def test_the_version_a_reshard_replaced_is_dropped_when_its_successor_goes_unpro
         )
         coordinator.lifecycle.commit("t", put.version)
     else:
-        coordinator.lifecycle.delete("t")
+        coordinator.lifecycle.drop("t")
     assert ("drop", "t", a.version) in stub.calls and "t" not in coordinator.reshards._old_versions
 
 

@@ -56,7 +56,7 @@ def store() -> ShardStore:
                 tuple(slice(o, o + s) for o, s in zip(shard.shard_offsets, shard.shard_sizes))
             ]
             data = tensor_bytes(part.contiguous())
-            with store.access.write(name, 1, index, source.dtype, len(data)) as writer:
+            with store.leases.write(name, 1, index, source.dtype, len(data)) as writer:
                 writer.write(0, data)
         store.promote(name, 1)
     return store

@@ -26,7 +26,7 @@ def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.T
     store.allocate_copy(
         "t", version, _meta(store.local_tensor("t", version - 1, 0).shape[0]), version - 1
     )
-    with store.access.rewrite("t", version, 0, rows) as shard:
+    with store.leases.rewrite("t", version, 0, rows) as shard:
         shard.index_copy_(0, rows, values)
     store.promote("t", version)
     store.drop("t", version - 1)
@@ -126,7 +126,7 @@ def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
     store.promote("t", 1)
     store.allocate_copy("t", 2, _meta(8), 1)
     with pytest.raises(RowsOnly, match="WriteRows"):
-        with store.access.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
+        with store.leases.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
             pass
 
 

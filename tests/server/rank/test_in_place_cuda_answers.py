@@ -15,7 +15,7 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
-from shardserve.server.rank.access import InPlace
+from shardserve.server.rank.leases import InPlace
 from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes import in_place

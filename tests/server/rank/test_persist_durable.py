@@ -45,7 +45,7 @@ def test_a_not_durable_version_writes_no_file(tmp_path):
     _install(store, "weights", NOT_DURABLE)
     store.promote("weights", 1)
     store.allocate_copy("weights", 2, _meta(), 1, NOT_DURABLE)  # a row update of it
-    with store.access.lease("weights", 2, served=False) as record:
+    with store.leases.lease("weights", 2, served=False) as record:
         assert not record.options.durable
     store.promote("weights", 2)
     store.drop("weights", 1)
@@ -109,7 +109,7 @@ def test_a_promote_many_of_updates_logs_every_promote(tmp_path):
         store.allocate_copy(name, 2, _meta(), 1)
         values = torch.randn(1, COLUMNS)
         store.persistence.log_rows(name, 2, 0, np.array([3]), values)
-        with store.access.rewrite(name, 2, 0, torch.tensor([3])) as shard:
+        with store.leases.rewrite(name, 2, 0, torch.tensor([3])) as shard:
             shard.index_copy_(0, torch.tensor([3]), values)
         table[3] = values[0]
     store.promote_many([(name, 2) for name in tables])

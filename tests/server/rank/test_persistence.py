@@ -43,7 +43,7 @@ def _update(
     store.allocate_copy("t", version, _meta(), version - 1)
     local = np.array(rows, dtype=np.int64)
     store.persistence.log_rows("t", version, 0, local, values)
-    with store.access.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
+    with store.leases.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
         shard.index_copy_(0, torch.from_numpy(local), values)
     if promote:
         store.promote("t", version)
@@ -166,7 +166,7 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
         local = np.arange(rows, dtype=np.int64)
         big.add_(1)
         store.persistence.log_rows("t", version, 0, local, big)
-        with store.access.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
+        with store.leases.rewrite("t", version, 0, torch.from_numpy(local)) as shard:
             shard.copy_(big)
         store.promote("t", version)
         store.drop("t", version - 1)
@@ -241,5 +241,5 @@ def test_options_survive(tmp_path):
     store.promote("t", 1)
     again = _store(tmp_path)
     again.restore()
-    with again.access.lease("t", 1, served=False) as entry:
+    with again.leases.lease("t", 1, served=False) as entry:
         assert entry.options.default_row == b"\x01\x02"

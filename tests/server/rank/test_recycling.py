@@ -126,8 +126,8 @@ def test_store_recycles_a_dropped_version_once_no_lease_holds_it():
     store = ShardStore(0, shared_memory=True)
     store.allocate("t", 1, _meta(64), fill=InitFill.ARANGE)
     store.promote("t", 1)
-    with store.access.lease("t", 1) as entry:
-        shard = store.access.shard_of(entry, 0)
+    with store.leases.lease("t", 1) as entry:
+        shard = store.leases.shard_of(entry, 0)
         store.drop("t", 1)
         assert store.shared.recycled.nbytes == 0  # a reader still holds it
         assert torch.equal(shard[3], torch.arange(24.0, 32.0))

@@ -48,16 +48,16 @@ def test_read_needs_a_promoted_version_and_a_lease_delays_freeing():
     store = ShardStore(rank=0, max_request_bytes=48)
     store.allocate("t", 1, META, InitFill.ONES)
     with pytest.raises(VersionNotServed, match="not served here; no version is served yet"):
-        with store.access.read("t", 1, 0, (0, 0), (1, 1)):
+        with store.leases.read("t", 1, 0, (0, 0), (1, 1)):
             pass
     store.promote("t", 1)
-    with store.access.read("t", 0, 0, (1, 0), (2, 4)) as view:  # version 0: the newest served
+    with store.leases.read("t", 0, 0, (1, 0), (2, 4)) as view:  # version 0: the newest served
         assert store.drop("t") == 1
         assert store.memory_used == 48  # still leased
         assert torch.equal(view, torch.ones(2, 4))
     assert store.memory_used == 0
     with pytest.raises(TensorUnknown, match="'t' not found on rank 0"):
-        with store.access.read("t", 1, 0, (0, 0), (1, 1)):
+        with store.leases.read("t", 1, 0, (0, 0), (1, 1)):
             pass
 
 
@@ -66,7 +66,7 @@ def test_read_over_max_request_bytes_is_refused():
     store.allocate("t", 1, META, InitFill.ONES)
     store.promote("t", 1)
     with pytest.raises(BoxTooLarge, match="max_request_bytes 16"):
-        with store.access.read("t", 1, 0, (0, 0), (2, 4)):
+        with store.leases.read("t", 1, 0, (0, 0), (2, 4)):
             pass
 
 
@@ -86,7 +86,7 @@ def test_write_in_order_then_promote():
         store.promote("w", 1)
     data = torch.arange(12, dtype=torch.float32).view(3, 4)
     raw = data.numpy().tobytes()
-    with store.access.write("w", 1, 0, torch.float32, 48) as writer:
+    with store.leases.write("w", 1, 0, torch.float32, 48) as writer:
         writer.write(0, raw[:20])
         with pytest.raises(
             BadRequest, match="chunk.offset 0 is not where the stream is: expected 20"
@@ -96,7 +96,7 @@ def test_write_in_order_then_promote():
     store.promote("w", 1)
     assert torch.equal(store.local_tensor("w", 1, 0), data)
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.write("w", 1, 0, torch.float32, 48):
+        with store.leases.write("w", 1, 0, torch.float32, 48):
             pass
 
 
@@ -105,13 +105,13 @@ def test_a_second_stream_of_a_shard_being_written_is_refused():
     ABORTED, and the shard is published only once the first completes it."""
     store = ShardStore(rank=0)
     store.allocate("race", 1, META)
-    with store.access.write("race", 1, 0, torch.float32, 48) as first:
+    with store.leases.write("race", 1, 0, torch.float32, 48) as first:
         first.write(0, b"\xaa" * 8)
         with pytest.raises(
             VersionBusy,
             match="shard_index 0 of 'race' version 1 is being written by another stream",
         ):
-            with store.access.write("race", 1, 0, torch.float32, 48):
+            with store.leases.write("race", 1, 0, torch.float32, 48):
                 pass
         with pytest.raises(ShardsIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
             store.promote("race", 1)
@@ -129,7 +129,7 @@ def test_install_adds_a_complete_pending_version_checked_against_the_layout():
         store.install("i", 5, META, {1: shards[1], 2: torch.zeros(3, 4, dtype=torch.float64)})
     assert store.install("i", 5, META, shards) == 96
     store.promote("i", 5)
-    with store.access.read("i", 5, 2, (1, 1), (2, 2)) as view:
+    with store.leases.read("i", 5, 2, (1, 1), (2, 2)) as view:
         assert torch.equal(view, torch.full((2, 2), 3.0))
 
 
@@ -140,15 +140,15 @@ def test_a_shard_being_rewritten_cannot_be_promoted():
         (4, 2), TensorProperties(dtype=torch.float32)
     )
     store.install("t", 1, meta, {0: torch.zeros(4, 2)})
-    with store.access.rewrite("t", 1, 0) as shard:
+    with store.leases.rewrite("t", 1, 0) as shard:
         shard[1] = 5.0
         with pytest.raises(ShardsIncomplete, match="not fully written"):
             store.promote("t", 1)
     store.promote("t", 1)
-    with store.access.read("t", 1, 0, (0, 0), (4, 2)) as view:
+    with store.leases.read("t", 1, 0, (0, 0), (4, 2)) as view:
         assert view[1].tolist() == [5.0, 5.0]
     with pytest.raises(VersionCommitted, match="already committed"):
-        with store.access.rewrite("t", 1, 0):
+        with store.leases.rewrite("t", 1, 0):
             pass
 
 
@@ -175,10 +175,10 @@ def test_a_reserved_version_is_not_written_by_streams():
     store = ShardStore(rank=0)
     store.reserve("r", 1, META)
     with pytest.raises(ShardReserved, match="shard_index 0 of tensor 'r' version 1 is reserved"):
-        with store.access.write("r", 1, 0, torch.float32, 48):
+        with store.leases.write("r", 1, 0, torch.float32, 48):
             pass
     with pytest.raises(BadRequest, match="shard_index 1 of tensor 'r' is not held by rank 0"):
-        with store.access.write("r", 1, 1, torch.float32, 48):
+        with store.leases.write("r", 1, 1, torch.float32, 48):
             pass
 
 
@@ -188,10 +188,10 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
     ones, twos = torch.full((12,), 1.0).numpy().tobytes(), torch.full((12,), 2.0).numpy().tobytes()
     store = ShardStore(rank=0)
     store.allocate("t", 1, META)
-    failing = store.access.write("t", 1, 0, torch.float32, 48)
+    failing = store.leases.write("t", 1, 0, torch.float32, 48)
     writer = failing.__enter__()
     writer.write(0, twos[:24])
-    with store.access.rewrite(
+    with store.leases.rewrite(
         "t", 1, 0
     ) as shard:  # a WriteRows batch of the same shard, done in full meanwhile
         shard.copy_(torch.ones(3, 4))
@@ -199,7 +199,7 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
         failing.__exit__(None, None, None)  # the stream ends early
     with pytest.raises(ShardsIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
         store.promote("t", 1)
-    with store.access.write(
+    with store.leases.write(
         "t", 1, 0, torch.float32, 48
     ) as again:  # a retry of the shard alone makes it whole
         again.write(0, ones)
@@ -213,10 +213,10 @@ def test_a_failed_rewrite_is_not_published_and_a_write_waits_for_it():
     store = ShardStore(rank=0)
     store.allocate("u", 1, META, InitFill.ZEROS)
     with pytest.raises(RuntimeError, match="connection lost"):
-        with store.access.rewrite("u", 1, 0) as shard:
+        with store.leases.rewrite("u", 1, 0) as shard:
             shard[0] = 7.0
             with pytest.raises(VersionBusy, match="being written by another stream"):
-                with store.access.write("u", 1, 0, torch.float32, 48):
+                with store.leases.write("u", 1, 0, torch.float32, 48):
                     pass
             raise RuntimeError("connection lost")
     with pytest.raises(ShardsIncomplete, match="not fully written"):

@@ -52,7 +52,7 @@ def _map(segment) -> torch.Tensor:
 
 def _write_in_place(store, name: str, version: int, data: dict[int, torch.Tensor]) -> dict:
     """Open every shard for an in-place write, copy `data` in with the writer's `fill`; the header words."""
-    opened = {index: seg for index, seg, _ in store.access.open_allocated_in_place(name, version)}
+    opened = {index: seg for index, seg, _ in store.leases.open_allocated_in_place(name, version)}
     headers = {}
     for index, tensor in data.items():
         flat = _map(opened[index])
@@ -76,7 +76,7 @@ def test_the_promote_answers_the_checksums_the_writer_left_without_hashing(store
     leave_checksum(
         headers[1], WRONG
     )  # the writer's word is the one kept: the promote does not hash
-    assert store.access.finish_all_in_place("t", 1) == 2
+    assert store.leases.finish_all_in_place("t", 1) == 2
     sums = store.promote("t", 1)
     assert sums == {0: tensor_checksum(data[0]), 1: WRONG}
     assert torch.equal(store.local_tensor("t", 1, 0), data[0])
@@ -84,13 +84,13 @@ def test_the_promote_answers_the_checksums_the_writer_left_without_hashing(store
 
 def test_a_cast_copy_leaves_no_checksum_and_the_promote_hashes_what_landed(store):
     store.allocate("c", 1, make_metadata((4, 4), [((0, 0), (4, 4), 0)], dtype=torch.bfloat16))
-    opened = {index: seg for index, seg, _ in store.access.open_allocated_in_place("c", 1)}
+    opened = {index: seg for index, seg, _ in store.leases.open_allocated_in_place("c", 1)}
     flat = _map(opened[0])
     header = flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
     source = torch.randn(4, 4)
     target = flat[opened[0].data_offset : opened[0].data_offset + opened[0].nbytes]
     fill([shard_write("c", 1, 0, source, dtype=torch.bfloat16)], [target], [header])
-    store.access.finish_all_in_place("c", 1)
+    store.leases.finish_all_in_place("c", 1)
     assert store.promote("c", 1) == {0: tensor_checksum(source.to(torch.bfloat16))}
 
 
@@ -98,10 +98,10 @@ def test_a_checksum_left_before_the_shard_was_handed_out_again_is_not_taken(stor
     store.allocate("r", 1, META)
     headers = _write_in_place(store, "r", 1, _shards())
     leave_checksum(headers[0], WRONG)
-    store.access.open_allocated_in_place(
+    store.leases.open_allocated_in_place(
         "r", 1
     )  # handed out anew: what was left before is forgotten
-    store.access.finish_all_in_place("r", 1)
+    store.leases.finish_all_in_place("r", 1)
     sums = store.promote("r", 1)
     assert sums[0] != WRONG
     assert sums[0] == tensor_checksum(store.local_tensor("r", 1, 0))
@@ -111,9 +111,9 @@ def test_bytes_sent_after_the_in_place_write_drop_its_checksum(store):
     store.allocate("s", 1, META)
     headers = _write_in_place(store, "s", 1, _shards())
     leave_checksum(headers[0], WRONG)
-    store.access.finish_all_in_place("s", 1)
+    store.leases.finish_all_in_place("s", 1)
     sent = torch.full((4, 4), 3.0)
-    with store.access.write("s", 1, 0, torch.float32, sent.numel() * 4) as writer:
+    with store.leases.write("s", 1, 0, torch.float32, sent.numel() * 4) as writer:
         writer.write(0, sent.numpy().tobytes())
     assert store.promote("s", 1)[0] == tensor_checksum(sent)
 
@@ -121,17 +121,17 @@ def test_bytes_sent_after_the_in_place_write_drop_its_checksum(store):
 def test_a_recycled_segment_ignores_the_checksum_its_last_writer_left(store):
     store.allocate("g", 1, META)
     headers = _write_in_place(store, "g", 1, _shards())  # the writer keeps these mappings
-    store.access.finish_all_in_place("g", 1)
+    store.leases.finish_all_in_place("g", 1)
     store.promote("g", 1)
     store.drop("g", 1)  # its memory is kept for reuse, header and all
     store.allocate("g", 2, META)
-    store.access.open_allocated_in_place("g", 2)
+    store.leases.open_allocated_in_place("g", 2)
     reused = [header for header in headers.values() if int(header[WORD_GENERATION]) == 1]
     assert reused, "the second version reuses the first one's segments"
     for header in reused:  # a checksum left for the segment's previous use, tagged as such
         header[WORD_CHECKSUM] = WRONG
         header[WORD_CHECKSUM_TAG] = checksum_tag(0)
-    store.access.finish_all_in_place("g", 2)
+    store.leases.finish_all_in_place("g", 2)
     sums = store.promote("g", 2)
     assert sums == {i: tensor_checksum(store.local_tensor("g", 2, i)) for i in (0, 1)}
     assert WRONG not in sums.values()

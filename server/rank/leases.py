@@ -2,7 +2,7 @@
 
 A served version is leased for reads (a box of it, an OpenShard, a lookup, a copy, a checkpoint save); a
 pending one for changes of one local shard (a write stream, a row rewrite), which count in its ShardProgress
-so that no promote publishes a shard half changed. A dropped version keeps its memory until its last lease
+so that no promote serves a shard half changed. A dropped version keeps its memory until its last lease
 ends; then it is freed (server/rank/version_table.py).
 """
 
@@ -37,7 +37,7 @@ class InPlace:
     cuda: torch.Tensor | None = None
 
 
-class VersionAccess:
+class VersionLeases:
     """Reads and changes of one rank's versions under leases; shares the store's lock and version table."""
 
     def __init__(
@@ -235,7 +235,7 @@ class VersionAccess:
         byte_ranges: list[tuple[int, int]] | None = None,
     ) -> Iterator[torch.Tensor]:
         """Lease a pending version and yield local shard `shard_index` to change in place; the shard counts as
-        not fully written meanwhile, so a promote cannot publish it half changed. A version made by a row
+        not fully written meanwhile, so a promote cannot serve it half changed. A version made by a row
         update or a delta put shares its blocks with its source: only the blocks holding local `rows` (dim 0)
         of it, or its `byte_ranges` [start, stop), may be changed, and they get copies of their own first."""
         record, shard, was_complete = self._open_change(name, version, shard_index)
