@@ -39,12 +39,12 @@ from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
-    AlreadyExists,
     InvalidArgument,
     InvalidState,
-    NotFound,
+    RankUnavailable,
     TensorBusy,
-    Unavailable,
+    TensorExists,
+    TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog
@@ -99,7 +99,7 @@ def checkpoint_contents(path: str) -> dict[str, tuple[tuple[int, ...], torch.dty
     try:
         entries = checkpoint_tensors(_check_path(path))
     except FileNotFoundError as err:
-        raise NotFound(str(err)) from None
+        raise TensorNotFound(str(err)) from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"path {path!r}: {err}") from None
     return {key: (tuple(size), dtype) for key, (size, dtype) in sorted(entries.items())}
@@ -143,12 +143,12 @@ class CheckpointDriver:
         """Every rank of the torch.distributed world, all of which must be registered and alive."""
         ranks = self.registry.ranks()
         if not ranks:
-            raise Unavailable("no rank is registered")
+            raise RankUnavailable("no rank is registered")
         world = ranks[0].world_size
         alive = {r.rank for r in ranks if r.alive}
         missing = sorted(set(range(world)) - alive)
         if missing:
-            raise Unavailable(
+            raise RankUnavailable(
                 f"checkpoints need every rank of the world ({world}); ranks {missing} are "
                 f"not registered or not alive"
             )
@@ -171,7 +171,7 @@ class CheckpointDriver:
                 raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
             meta = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
             if name not in saved:
-                raise NotFound(
+                raise TensorNotFound(
                     f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
                     f"(it holds {sorted(saved)})"
                 )
@@ -188,7 +188,7 @@ class CheckpointDriver:
                 locks.enter_context(self.locks.hold(name))
             for name in layouts:
                 if self.catalog.ready(name) is not None and not request.overwrite:
-                    raise AlreadyExists(
+                    raise TensorExists(
                         f"tensor {name!r} already exists; pass overwrite=True to replace it"
                     )
             for name in layouts:
@@ -287,7 +287,7 @@ class CheckpointDriver:
         if (
             unknown is not None
         ):  # before any lock: asking for a million unknown names must cost no more than a scan
-            raise NotFound(f"tensor {unknown!r} not found")
+            raise TensorNotFound(f"tensor {unknown!r} not found")
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(names):
@@ -296,7 +296,7 @@ class CheckpointDriver:
             for name in names:
                 record = self.catalog.ready(name)
                 if record is None:
-                    raise NotFound(f"tensor {name!r} not found")
+                    raise TensorNotFound(f"tensor {name!r} not found")
                 records.append(record)
             if any(record.promoting for record in records):
                 raise TensorBusy(

@@ -18,13 +18,13 @@ from typing import Protocol
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
-    AlreadyExists,
     InvalidArgument,
     InvalidState,
-    NotFound,
     ServiceError,
     StaleVersion,
     TensorBusy,
+    TensorExists,
+    TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_put_token, check_version
 from shardserve.server.coordinator.catalog import Catalog
@@ -210,7 +210,7 @@ class TensorLifecycle:
             raise InvalidArgument("put_token is empty; give version or put_token")
         joined = self.update_groups.version_of_token(name, token)
         if joined:  # a member of an update group: its version holds the other members' rows too
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(TensorNotFound):
                 self.abort(name, joined)
             return joined
         with self.locks.hold(name):
@@ -226,7 +226,7 @@ class TensorLifecycle:
     def _abort_locked(self, name: str, version: int) -> None:
         record = self.catalog.get(name, version)
         if record is None:
-            raise NotFound(f"tensor {name!r} version {version} not found")
+            raise TensorNotFound(f"tensor {name!r} version {version} not found")
         if record.ready:
             raise InvalidState(
                 f"tensor {name!r} version {version} is committed; use DeleteTensor to remove it"
@@ -239,7 +239,7 @@ class TensorLifecycle:
         check_name(name)
         record = self.catalog.ready(name)
         if record is None:
-            raise NotFound(f"tensor {name!r} not found")
+            raise TensorNotFound(f"tensor {name!r} not found")
         return record
 
     def delete(self, name: str) -> None:
@@ -247,7 +247,7 @@ class TensorLifecycle:
         check_name(name)
         with self.locks.hold(name):
             if self.catalog.ready(name) is None:
-                raise NotFound(f"tensor {name!r} not found")
+                raise TensorNotFound(f"tensor {name!r} not found")
             removed = self.catalog.remove(name)
             self.update_groups.end(name)
             ranks = sorted({r for record in removed for r in record.ranks()})
@@ -260,7 +260,7 @@ class TensorLifecycle:
     def _commit_locked(self, name: str, version: int) -> TensorRecord:
         record = self.catalog.get(name, version)
         if record is None:
-            raise NotFound(
+            raise TensorNotFound(
                 f"tensor {name!r} version {version} not found (never created, aborted or replaced)"
             )
         if record.ready:
@@ -296,7 +296,9 @@ class TensorLifecycle:
         name = new.name
         source = self.catalog.ready(name)
         if source is None:
-            raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
+            raise TensorNotFound(
+                f"tensor {name!r} not found (init INIT_COPY copies a READY version)"
+            )
         if not new.source_version:
             if not new.overwrite:
                 raise InvalidArgument(
@@ -340,12 +342,12 @@ class TensorLifecycle:
         ready = [r.version for r in records if r.ready]
         pending = [r for r in records if r.state is TensorState.PENDING]
         if ready and not overwrite:
-            raise AlreadyExists(
+            raise TensorExists(
                 f"tensor {name!r} already exists (version {ready[-1]}); "
                 f"pass overwrite=True to replace it"
             )
         if pending and not overwrite:
-            raise AlreadyExists(
+            raise TensorExists(
                 f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
                 f"pass overwrite=True to abort it"
             )

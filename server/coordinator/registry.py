@@ -21,9 +21,9 @@ from shardserve.server.common.auth import Security, make_channel
 from shardserve.server.common.errors import (
     InvalidArgument,
     InvalidState,
-    NotFound,
+    RankUnavailable,
     ServiceError,
-    Unavailable,
+    TensorNotFound,
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
@@ -167,21 +167,21 @@ class RankRegistry:
                 )
         own = self._ranks.get(info.rank)
         if own is not None and self.is_alive(own) and own.info.address != info.address:
-            raise Unavailable(
+            raise RankUnavailable(
                 f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
                 f"from rank.address {info.address} is taken once that one stops heartbeating",
                 metadata={"rank": info.rank},
             )
 
     def heartbeat(self, rank: int, memory_used: int) -> bool:
-        """Record that `rank` is alive (NotFound tells an unknown rank to register again); True when it had been
+        """Record that `rank` is alive (TensorNotFound tells an unknown rank to register again); True when it had been
         reported dead, so what it holds must be reconciled."""
         if memory_used < 0:
             raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
-                raise NotFound(f"rank {rank} is not registered; register again")
+                raise TensorNotFound(f"rank {rank} is not registered; register again")
             was_dead = entry.reported_dead or not self.is_alive(entry)
             entry.last_heartbeat = time.monotonic()
             entry.info.memory_used_bytes = memory_used
@@ -293,11 +293,11 @@ class RankRegistry:
         return True
 
     def entry(self, rank: int) -> RankEntry:
-        """The registered `rank`; Unavailable when it is not registered."""
+        """The registered `rank`; RankUnavailable when it is not registered."""
         with self._ranks_changed:
             entry = self._ranks.get(rank)
         if entry is None:
-            raise Unavailable(f"rank {rank} is not registered")
+            raise RankUnavailable(f"rank {rank} is not registered")
         return entry
 
     def check_placements(self, meta: ShardedTensorMetadata, skip: Set[int] = frozenset()) -> None:
@@ -315,7 +315,7 @@ class RankRegistry:
                     f"(registered: {sorted(entries)})"
                 )
             if not self.is_alive(entry):
-                raise Unavailable(
+                raise RankUnavailable(
                     f"{field} {shard.placement}: rank {shard.rank} is not alive",
                     metadata={"rank": shard.rank, "field": field},
                 )

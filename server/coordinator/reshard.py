@@ -43,10 +43,10 @@ from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
-    NotFound,
+    RankUnavailable,
     ServiceError,
     TensorBusy,
-    Unavailable,
+    TensorNotFound,
 )
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
@@ -236,7 +236,7 @@ class ReshardDriver:
         """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
         record = self.catalog.ready(name)
         if record is None:
-            raise NotFound(f"tensor {name!r} not found")
+            raise TensorNotFound(f"tensor {name!r} not found")
         if record.promoting:  # the last reshard's promotion failed on some rank: finish it first
             self._finish_one(record)
             current = self.catalog.ready(name)
@@ -385,17 +385,17 @@ class ReshardDriver:
         for rank in sorted(set(participants) | set(dst_ranks)):
             try:
                 entry = self.registry.entry(rank)
-            except Unavailable:
+            except RankUnavailable:
                 if rank in dst_ranks:
                     raise InvalidArgument(
                         f"metadata: rank {rank} is not a registered rank"
                     ) from None
-                raise Unavailable(
+                raise RankUnavailable(
                     f"rank {rank}, which holds the current version, is not registered "
                     f"(it has not come back since the coordinator started)"
                 ) from None
             if not self.registry.is_alive(entry):
-                raise Unavailable(
+                raise RankUnavailable(
                     f"rank {rank} is down; resharding onto/from it is impossible until it "
                     f"is back (restart that rank if it died: it rejoins under its rank number)"
                 )

@@ -30,10 +30,10 @@ from typing import Protocol
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
-    NotFound,
     ServiceError,
     StaleVersion,
     TensorBusy,
+    TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.coordinator.catalog import Catalog
@@ -290,7 +290,7 @@ class SnapshotDriver:
         if snapshot is None:
             kept = [s.number for s in self.catalog.snapshots(prefix)]
             which = "no snapshot" if number == 0 else f"no snapshot {number}"
-            raise NotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
+            raise TensorNotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
         return snapshot
 
     def list(self, prefix: str) -> list[SnapshotRecord]:
@@ -305,7 +305,7 @@ class SnapshotDriver:
         with self._guard:
             snapshot = self._pending.pop((prefix, number), None)
         if snapshot is None:
-            raise NotFound(
+            raise TensorNotFound(
                 f"snapshot {prefix!r} {number} is not pending (never created, committed, aborted, "
                 f"or the coordinator restarted)"
             )

@@ -21,7 +21,7 @@ from shardserve.protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from shardserve.server.common.errors import InvalidArgument, item_errors
+from shardserve.server.common import errors as service
 from shardserve.server.common.requests import (
     check_init,
     check_name,
@@ -29,7 +29,8 @@ from shardserve.server.common.requests import (
     check_version,
     parse_metadata,
 )
-from shardserve.server.rank.error_status import rank_rpc, service_errors
+from shardserve.server.rank.error_status import item_errors, rank_rpc
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.jobs.reshard import run_reshard_job
@@ -126,7 +127,6 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                     item_errors(
                         f"tensors[{index}] ({allocation.name!r} version {allocation.version})"
                     ),
-                    service_errors(),
                 ):
                     total += self._allocate(allocation, log_level=logging.DEBUG)
                 made.append(allocation)
@@ -301,7 +301,7 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
     meta = parse_metadata(request.metadata, f"{prefix}metadata")
     try:
         check_options(request.options, meta)
-    except InvalidArgument as err:
+    except service.InvalidArgument as err:
         raise InvalidArgument(f"{prefix}{err.message}") from None
     return Allocation(request, name, version, meta)
 
@@ -309,7 +309,7 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
 @contextmanager
 def _item_errors(index: int) -> Iterator[None]:
     """Errors of versions[index] of a batch, as the service errors that answer them, naming the entry."""
-    with item_errors(f"versions[{index}]"), service_errors():
+    with item_errors(f"versions[{index}]"):
         yield
 
 

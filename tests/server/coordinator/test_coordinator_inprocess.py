@@ -352,11 +352,11 @@ def test_put_tokens_are_checked(coordinator):
 def test_name_locks_are_forgotten_once_unused(coordinator):
     """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
     names included) would grow the coordinator without bound."""
-    from shardserve.server.common.errors import NotFound
+    from shardserve.server.common.errors import TensorNotFound
 
     _rank(coordinator, RankStub(set()))
     for i in range(50):
-        with pytest.raises(NotFound):
+        with pytest.raises(TensorNotFound):
             coordinator.lifecycle.commit(f"unknown-{i}", 1)
     assert coordinator.locks._locks == {}
     with coordinator.locks.hold("held"):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, Unavailable
+from shardserve.server.common.errors import InvalidArgument, RankUnavailable
 from shardserve.server.coordinator.registry import RankRegistry
 
 DEAD_AFTER = 0.3
@@ -40,7 +40,7 @@ def registry():
 
 def test_a_restarted_rank_waits_for_its_old_incarnation_to_miss_its_heartbeats(registry):
     registry.register(incarnation(pid=100, port=7001), [])
-    with pytest.raises(Unavailable, match="registered at 127.0.0.1:7001 and alive"):
+    with pytest.raises(RankUnavailable, match="registered at 127.0.0.1:7001 and alive"):
         registry.register(incarnation(pid=200, port=7002), [])
     deadline = time.monotonic() + WAIT_S
     while registry.rank_alive(0):  # no heartbeats: the old entry expires after DEAD_AFTER
