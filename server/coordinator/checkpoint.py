@@ -46,10 +46,10 @@ from shardserve.server.common.errors import (
     TensorExists,
     TensorNotFound,
 )
-from shardserve.server.common.requests import check_name, parse_metadata
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.orders import LoadOrder, SaveOrder, check_path
 from shardserve.server.coordinator.quotas import ByteQuotas
 from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
 from shardserve.server.coordinator.records import TensorRecord
@@ -58,26 +58,9 @@ from shardserve.server.coordinator.registry import RankRegistry
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
-MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (publish_checkpoint)
 _METADATA = ".metadata"
 _DATA_SUFFIX = ".distcp"
-
-
-def _check_path(path: str) -> str:
-    if not path:
-        raise InvalidArgument("path is empty")
-    if not os.path.isabs(path):
-        raise InvalidArgument(
-            f"path {path!r} must be absolute (the ranks resolve it, not the client)"
-        )
-    if "\x00" in path:
-        raise InvalidArgument(f"path {path!r} holds a NUL character")
-    if len(path.encode()) > MAX_PATH_BYTES:
-        raise InvalidArgument(
-            f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}"
-        )
-    return path
 
 
 @dataclass(frozen=True)
@@ -97,7 +80,7 @@ def checkpoint_contents(path: str) -> dict[str, tuple[tuple[int, ...], torch.dty
     )
 
     try:
-        entries = checkpoint_tensors(_check_path(path))
+        entries = checkpoint_tensors(check_path(path))
     except FileNotFoundError as err:
         raise TensorNotFound(str(err)) from None
     except (OSError, ValueError) as err:
@@ -157,19 +140,13 @@ class CheckpointDriver:
     def _timeout(self, value: float) -> float:
         return job_timeout(value, self.default_timeout_s)
 
-    def load(self, request: pb.LoadCheckpointRequest) -> Iterator[CheckpointStep]:
+    def load(self, order: LoadOrder) -> Iterator[CheckpointStep]:
         """Load tensors as new versions: all READY at the end, or none visible after a failure."""
-        path = _check_path(request.path)
-        timeout_s = self._timeout(request.timeout_s)
-        if not request.tensors:
-            raise InvalidArgument("tensors is empty: name at least one tensor to load")
+        path = order.path
+        timeout_s = self._timeout(order.timeout_s)
         saved = checkpoint_contents(path)
-        layouts = {}
-        for i, tensor in enumerate(request.tensors):
-            name = check_name(tensor.name, f"tensors[{i}].name")
-            if name in layouts:
-                raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
-            meta = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
+        layouts = dict(order.layouts)
+        for i, (name, meta) in enumerate(layouts.items()):
             if name not in saved:
                 raise TensorNotFound(
                     f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
@@ -181,18 +158,17 @@ class CheckpointDriver:
                     f"{saved[name][0]} in the checkpoint"
                 )
             self.registry.check_placements(meta)
-            layouts[name] = meta
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(layouts):
                 locks.enter_context(self.locks.hold(name))
             for name in layouts:
-                if self.catalog.ready(name) is not None and not request.overwrite:
+                if self.catalog.ready(name) is not None and not order.overwrite:
                     raise TensorExists(
                         f"tensor {name!r} already exists; pass overwrite=True to replace it"
                     )
             for name in layouts:
-                self.versions.make_room(name, request.overwrite)
+                self.versions.make_room(name, order.overwrite)
             new = self._record(layouts)
             checksums = {}
             try:
@@ -271,17 +247,13 @@ class CheckpointDriver:
             self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new)
         )
 
-    def save(self, request: pb.SaveCheckpointRequest) -> Iterator[CheckpointStep]:
+    def save(self, order: SaveOrder) -> Iterator[CheckpointStep]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
-        path = _check_path(request.path)
-        timeout_s = self._timeout(request.timeout_s)
-        names = list(request.names) or [record.name for record in self.catalog.list()]
+        path = order.path
+        timeout_s = self._timeout(order.timeout_s)
+        names = list(order.names) or [record.name for record in self.catalog.list()]
         if not names:
             raise InvalidState("there is no tensor to save")
-        if len(set(names)) != len(names):
-            raise InvalidArgument("names holds duplicates")
-        for i, name in enumerate(names):
-            check_name(name, f"names[{i}]")
         known = {record.name for record in self.catalog.list()}
         unknown = next((name for name in names if name not in known), None)
         if (

@@ -30,7 +30,9 @@ from shardserve.server.coordinator.messages import (
 )
 from shardserve.server.coordinator.orders import (
     commit_order,
+    load_order,
     reshard_order,
+    save_order,
     snapshot_order,
     snapshot_view,
 )
@@ -171,14 +173,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        for step in self.coordinator.checkpoints.load(request):
+        for step in self.coordinator.checkpoints.load(load_order(request)):
             yield self._checkpoint_progress(step)
 
     @rpc_errors
     def SaveCheckpoint(
         self, request: pb.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        for step in self.coordinator.checkpoints.save(request):
+        for step in self.coordinator.checkpoints.save(save_order(request)):
             yield self._checkpoint_progress(step)
 
     @rpc_errors

@@ -21,7 +21,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder
+from shardserve.server.coordinator.orders import CommitOrder, SaveOrder, SnapshotOrder
 from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankEntry
 from shardserve.server.coordinator.server import CoordinatorServer
@@ -199,7 +199,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
     monkeypatch.setattr(coordinator.collectives, "run", failing_job)
     with pytest.raises(CollectiveJobError, match="disk full"):
-        list(coordinator.checkpoints.save(pb.SaveCheckpointRequest(path=str(path), names=["t"])))
+        list(coordinator.checkpoints.save(SaveOrder(str(path), ("t",))))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == old
 
 
