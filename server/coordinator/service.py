@@ -36,6 +36,12 @@ from shardserve.server.coordinator.orders import (
     snapshot_order,
     snapshot_view,
 )
+from shardserve.server.coordinator.rank_messages import (
+    held_from_proto,
+    rank_from_proto,
+    rank_to_proto,
+    restore_from_proto,
+)
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.snapshots import CreatedSnapshot
@@ -78,7 +84,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RegisterRankRequest, context: grpc.ServicerContext
     ) -> pb.RegisterRankResponse:
         coordinator = self.coordinator
-        coordinator.upkeep.register(request.rank, request.held)
+        coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
             heartbeat_interval_s=coordinator.settings.heartbeat_interval,
@@ -96,7 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportRestore(
         self, request: pb.RestoreProgress, context: grpc.ServicerContext
     ) -> pb.ReportRestoreResponse:
-        self.coordinator.registry.report_restore(request)
+        self.coordinator.registry.report_restore(restore_from_proto(request))
         return pb.ReportRestoreResponse()
 
     @rpc_errors
@@ -104,7 +110,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListRanksRequest, context: grpc.ServicerContext
     ) -> pb.ListRanksResponse:
         return pb.ListRanksResponse(
-            ranks=self.coordinator.registry.ranks(),
+            ranks=[rank_to_proto(info) for info in self.coordinator.registry.ranks()],
             epoch=self.coordinator.collectives.epochs.current,
             metrics_address=self.coordinator.metrics_address,
         )
