@@ -46,14 +46,12 @@ from shardserve.server.common.errors import (
     TensorExists,
     TensorNotFound,
 )
-from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
-from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.orders import LoadOrder, SaveOrder, check_path
 from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.rank_calls import Allocation
 from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +101,20 @@ class CheckpointDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         collectives: CollectiveRunner,
         versions: VersionLifecycle,
         quotas: ByteQuotas,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.catalog = catalog
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.quotas = quotas
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
         self.collectives = collectives
         self.versions = versions
         self.default_timeout_s = default_timeout_s

@@ -27,13 +27,11 @@ from shardserve.server.common.errors import (
     TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_put_token, check_version
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls, versions_by_rank
+from shardserve.server.coordinator.rank_calls import Allocation, versions_by_rank
 from shardserve.server.coordinator.records import Init, TensorOptions, TensorRecord, TensorState
-from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.update_groups import Ordered, UpdateGroups
 
 log = logging.getLogger(__name__)
@@ -70,18 +68,17 @@ class TensorLifecycle:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         quotas: ByteQuotas,
         replaced: ReplacedVersions,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.quotas = quotas
         self.replaced = replaced
         self.update_groups: UpdateGroups[TensorRecord] = UpdateGroups()

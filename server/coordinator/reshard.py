@@ -48,14 +48,12 @@ from shardserve.server.common.errors import (
     TensorBusy,
     TensorNotFound,
 )
-from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.orders import ReshardOrder
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.rank_calls import Allocation
 from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +112,17 @@ class ReshardDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         collectives: CollectiveRunner,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.collectives = collectives
         self.default_timeout_s = default_timeout_s
         self._running: set[str] = set()

@@ -3,7 +3,8 @@
 The parts, each given only what it uses: the catalog (records), the rank registry (membership and liveness)
 and the calls to ranks, per-name locks and byte quotas, the collective-job runner (with its rendezvous store),
 the tensor lifecycle, the reshard, checkpoint, snapshot and repair drivers, the upkeep (reconciling ranks and
-the periodic chores) and the answers the servicer makes from records. Building them starts nothing: threads,
+the periodic chores) and the answers the servicer makes from records. The drivers and the reconciler share
+one DriverContext (catalog, registry, calls, locks: context.py). Building them starts nothing: threads,
 the rendezvous store and the repair loop start in `start()`, and `close()` ends them.
 """
 
@@ -19,6 +20,7 @@ from shardserve.server.coordinator.answers import Answers
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.checkpoint import CheckpointDriver
 from shardserve.server.coordinator.collectives import CollectiveRunner
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.lifecycle import TensorLifecycle
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.metrics import CoordinatorMetrics
@@ -73,43 +75,26 @@ class CoordinatorServer:
         self.collectives = CollectiveRunner(
             self.registry, catalog.next_version, settings.store_port, settings.store_host
         )
-        registry, calls, locks = self.registry, self.calls, self.locks
-        self.reshards = ReshardDriver(
-            catalog, registry=registry, calls=calls, locks=locks, collectives=self.collectives
-        )
-        self.lifecycle = TensorLifecycle(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            quotas=self.quotas,
-            replaced=self.reshards,
-        )
+        context = DriverContext(catalog, self.registry, self.calls, self.locks)
+        self.reshards = ReshardDriver(context, collectives=self.collectives)
+        self.lifecycle = TensorLifecycle(context, quotas=self.quotas, replaced=self.reshards)
         self.checkpoints = CheckpointDriver(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            collectives=self.collectives,
-            versions=self.lifecycle,
-            quotas=self.quotas,
+            context, collectives=self.collectives, versions=self.lifecycle, quotas=self.quotas
         )
         self.snapshots = SnapshotDriver(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            versions=self.lifecycle,
-            pending_timeout=settings.pending_timeout,
+            context, versions=self.lifecycle, pending_timeout=settings.pending_timeout
         )
         self.repairs = RepairDriver(
-            catalog, registry=registry, reshards=self.reshards, repair_after=settings.repair_after
+            catalog,
+            registry=self.registry,
+            reshards=self.reshards,
+            repair_after=settings.repair_after,
         )
         self.upkeep = Upkeep(
             catalog,
-            registry=registry,
+            registry=self.registry,
             lifecycle=self.lifecycle,
-            reconciler=Reconciler(catalog, registry=registry, calls=calls, locks=locks),
+            reconciler=Reconciler(context),
             reshards=self.reshards,
             heartbeat_interval=settings.heartbeat_interval,
             pending_timeout=settings.pending_timeout,

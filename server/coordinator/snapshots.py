@@ -36,11 +36,10 @@ from shardserve.server.common.errors import (
     TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_version
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.deferred_drops import DeferredDrops
-from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder, check_skeleton_keys
-from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
+from shardserve.server.coordinator.rank_calls import versions_by_rank
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -48,7 +47,6 @@ from shardserve.server.coordinator.records import (
     TensorRecord,
     TensorState,
 )
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -96,18 +94,17 @@ class SnapshotDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         versions: Versions,
         pending_timeout: float,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.versions = versions
         self.pending_timeout = pending_timeout
         self._pending: dict[tuple[str, int], _Pending] = {}
