@@ -87,7 +87,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
-            heartbeat_interval_s=coordinator.settings.heartbeat_interval,
+            heartbeat_interval_s=coordinator.options.heartbeat_interval,
             store_port=coordinator.collectives.store_port,
         )
 
