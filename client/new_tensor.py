@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 
 INITS = (
     "none",
@@ -19,16 +20,6 @@ INITS = (
     "arange",
     "copy",
 )  # how the ranks fill the new version's shards
-
-
-@dataclass(frozen=True)
-class TableOptions:
-    """A table's options: what a lookup of an id outside it answers (`oov`: "error", "zero" or "default", with
-    the raw bytes of the default row), and whether ranks with a persist dir write the version to disk."""
-
-    oov: str = "error"
-    default_row: bytes = b""
-    durable: bool = True
 
 
 @dataclass(frozen=True)
@@ -42,7 +33,7 @@ class NewTensor:
     init: str = "none"
     seed: int = 0
     overwrite: bool = False
-    options: TableOptions = field(default_factory=TableOptions)
+    options: TensorOptions = field(default_factory=TensorOptions)
     source_version: int = 0
 
     def __post_init__(self) -> None:

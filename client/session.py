@@ -28,14 +28,14 @@ from shardserve.client.errors import (
 from shardserve.client.health import RankHealth
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.layouts import Layouts
-from shardserve.client.new_tensor import NewTensor, TableOptions
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.paths.hedging import HEDGE_AFTER_S
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.writes import ShardWrite, write_shards
 from shardserve.client.ranks import RankDirectory
 from shardserve.client.reservations import Reservations
-from shardserve.core.wire import metadata_to_proto
+from shardserve.core.wire import metadata_to_proto, options_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
@@ -249,7 +249,6 @@ _INITS = {
     "arange": pb.INIT_ARANGE,
     "copy": pb.INIT_COPY,
 }
-_OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_DEFAULT}
 
 
 def create_request(new: NewTensor, *, put_token: str) -> pb.CreateTensorRequest:
@@ -263,13 +262,4 @@ def create_request(new: NewTensor, *, put_token: str) -> pb.CreateTensorRequest:
         options=options_to_proto(new.options),
         source_version=new.source_version,
         put_token=put_token,
-    )
-
-
-def options_to_proto(options: TableOptions) -> pb.TensorOptions:
-    """The TensorOptions message of a table's options."""
-    return pb.TensorOptions(
-        oov=_OOV_POLICIES[options.oov],
-        default_row=options.default_row,
-        not_durable=not options.durable,
     )

@@ -18,8 +18,8 @@ import torch
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.regions import local_view
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.errors import InvalidArgument, InvalidState, RequestTooLarge, TensorBusy
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.shard_memory import ShardMemory
 from shardserve.server.rank.shard_writer import ShardWriter, checked_box
 from shardserve.server.rank.shared_memory import Segment

@@ -54,9 +54,9 @@ import numpy as np
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.common.names import file_name
 from shardserve.server.rank.errors import InvalidArgument, StaleVersion, TensorNotFound
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persist_files import (
     LogRecord,
     PromoteItem,

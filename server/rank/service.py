@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import options_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.chunk_codec import (
@@ -47,7 +48,7 @@ from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore, versions_phrase
-from shardserve.server.rank.wire import checksum_messages, init_fill, tensor_options
+from shardserve.server.rank.wire import checksum_messages, init_fill
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 from shardserve.server.rank.writes.in_place import open_allocated
@@ -152,7 +153,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             allocation.version,
             allocation.meta,
         )
-        options = tensor_options(request.options)
+        options = options_from_proto(request.options)
         if request.init == pb.INIT_COPY:
             return self.store.allocate_copy(
                 name,

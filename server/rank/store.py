@@ -26,13 +26,13 @@ import torch
 
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.access import VersionAccess
 from shardserve.server.rank.blocks import Blocks
 from shardserve.server.rank.errors import InvalidArgument, MemoryLimit
 from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import Persistence, PromoteItem, RestoreCount
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.errors import (
     InvalidArgument,
     InvalidState,
@@ -35,7 +36,6 @@ from shardserve.server.rank.errors import (
     TensorNotFound,
     WriteIncomplete,
 )
-from shardserve.server.rank.options import TensorOptions
 
 DROPPED_KEPT = (
     4096  # (name, version) pairs remembered as dropped, so a late allocation of one is refused

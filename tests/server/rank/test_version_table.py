@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shardserve.core.metadata import make_metadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.errors import (
     InvalidState,
     StaleVersion,
@@ -15,7 +16,6 @@ from shardserve.server.rank.errors import (
     TensorNotFound,
     WriteIncomplete,
 )
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.version_table import (
     TRANSITIONS,
     ShardProgress,
