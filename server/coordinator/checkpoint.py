@@ -35,8 +35,6 @@ from typing import Protocol
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
     InvalidArgument,
@@ -48,6 +46,7 @@ from shardserve.server.common.errors import (
 )
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.context import DriverContext
+from shardserve.server.coordinator.jobs import CheckpointJob, CheckpointKind
 from shardserve.server.coordinator.orders import LoadOrder, SaveOrder, check_path
 from shardserve.server.coordinator.quotas import ByteQuotas
 from shardserve.server.coordinator.rank_calls import Allocation
@@ -236,10 +235,7 @@ class CheckpointDriver:
     def _run_load(
         self, path: str, new: list[TensorRecord], world: list[int], timeout_s: float
     ) -> Iterator[CheckpointStep]:
-        job = pb.CollectiveJob(
-            timeout_s=timeout_s,
-            checkpoint_load=pb.CheckpointJob(path=path, tensors=_job_tensors(new)),
-        )
+        job = CheckpointJob(CheckpointKind.LOAD, path, tuple(new), timeout_s)
         yield from _progress(
             self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new)
         )
@@ -277,10 +273,7 @@ class CheckpointDriver:
                 staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=path)
             except OSError as err:
                 raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
-            job = pb.CollectiveJob(
-                timeout_s=timeout_s,
-                checkpoint_save=pb.CheckpointJob(path=staging, tensors=_job_tensors(records)),
-            )
+            job = CheckpointJob(CheckpointKind.SAVE, staging, tuple(records), timeout_s)
             try:
                 yield from _progress(
                     self.collectives.run(job, world, f"checkpoint save to {path}"),
@@ -310,14 +303,6 @@ def publish_checkpoint(staging: str, path: str) -> None:
     for name in sorted(new_files):
         os.replace(os.path.join(staging, name), os.path.join(path, name))
     os.replace(os.path.join(staging, _METADATA), old_metadata)
-
-
-def _job_tensors(records: list[TensorRecord]) -> list[pb.CheckpointTensor]:
-    """The tensors a checkpoint job reads or writes, as the ranks are told them."""
-    return [
-        pb.CheckpointTensor(name=r.name, version=r.version, metadata=metadata_to_proto(r.metadata))
-        for r in records
-    ]
 
 
 def _job_bytes(records: list[TensorRecord]) -> int:

@@ -39,8 +39,6 @@ from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
-from shardserve.core.wire import metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
     RankUnavailable,
@@ -51,6 +49,7 @@ from shardserve.server.common.errors import (
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
+from shardserve.server.coordinator.jobs import JobReport, ReshardJob
 from shardserve.server.coordinator.orders import ReshardOrder
 from shardserve.server.coordinator.rank_calls import Allocation
 from shardserve.server.coordinator.records import TensorRecord
@@ -246,9 +245,7 @@ class ReshardDriver:
             record = current
         return record
 
-    def _prepare(
-        self, move: _Move
-    ) -> Generator[ReshardStep, None, dict[int, pb.CollectiveProgress]]:
+    def _prepare(self, move: _Move) -> Generator[ReshardStep, None, dict[int, JobReport]]:
         """Reserve the new version's memory, then run the reshard job on every participant."""
         old, new, total = move.old, move.new, move.total
         self.calls.allocate(
@@ -257,17 +254,12 @@ class ReshardDriver:
             Allocation(reserve_only=True),
             f"reserve {new.name!r} version {new.version}",
         )
-        job = pb.CollectiveJob(
+        job = ReshardJob(
+            old,
+            new,
+            bucket_bytes=move.plan.bucket_bytes,
             timeout_s=move.timeout_s,
-            reshard=pb.ReshardJob(
-                name=new.name,
-                src_version=old.version,
-                src=metadata_to_proto(old.metadata),
-                dst_version=new.version,
-                dst=metadata_to_proto(new.metadata),
-                bucket_bytes=move.plan.bucket_bytes,
-                src_unavailable=sorted(move.unavailable),
-            ),
+            src_unavailable=tuple(sorted(move.unavailable)),
         )
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
         log.info(

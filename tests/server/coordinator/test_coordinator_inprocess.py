@@ -192,7 +192,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
         (path / name).write_bytes(data)
 
     def failing_job(job, ranks, what):  # type: ignore[no-untyped-def]
-        staging = job.checkpoint_save.path
+        staging = job.path
         assert os.path.dirname(staging) == str(path) and os.path.basename(staging).startswith(
             ".saving-"
         )
