@@ -22,7 +22,7 @@ from shardserve.protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from shardserve.server.common import errors as service
+from shardserve.server.common import errors as common_errors
 from shardserve.server.common.requests import (
     check_init,
     check_name,
@@ -302,7 +302,7 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
     meta = parse_metadata(request.metadata, f"{prefix}metadata")
     try:
         check_options(request.options, meta)
-    except service.InvalidArgument as err:
+    except common_errors.InvalidArgument as err:
         raise InvalidArgument(f"{prefix}{err.message}") from None
     return Allocation(request, name, version, meta)
 
