@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import numbers
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from shardserve.client.errors import (
     RankUnavailableError,
 )
 from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.ops import checkpoints
 from shardserve.client.ops.puts import put_whole_tensor
 from shardserve.client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
@@ -46,15 +48,9 @@ from shardserve.client.tracing import call_interceptor
 from shardserve.core.dtypes import dtype_from_name, dtype_to_wire
 from shardserve.core.regions import cut_tensor
 from shardserve.core.specs import tensor_size
-from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
-INIT_KINDS = {
-    "zeros": pb.INIT_ZEROS,
-    "ones": pb.INIT_ONES,
-    "normal": pb.INIT_NORMAL,
-    "arange": pb.INIT_ARANGE,
-}
+INIT_KINDS = ("zeros", "ones", "normal", "arange")  # the fills `create` offers
 
 
 def connect(
@@ -250,16 +246,9 @@ class Cluster:
         shape = _shape(shape)
         meta = self.session.layouts.layout(shape, dtype, spec, replicas)
         options = table_options(oov, default_row, shape, dtype)
-        options.not_durable = not arguments.flag(durable, "durable")
+        options = replace(options, durable=arguments.flag(durable, "durable"))
         info = self.session.create_tensor(
-            pb.CreateTensorRequest(
-                name=name,
-                metadata=metadata_to_proto(meta),
-                init=INIT_KINDS[init],
-                seed=int(seed),
-                overwrite=overwrite,
-                options=options,
-            )
+            NewTensor(name, meta, init=init, seed=int(seed), overwrite=overwrite, options=options)
         )
         self.lookups.views.forget(name)
         return self._proxy(TensorSummary.from_proto(info))
@@ -314,7 +303,7 @@ class Cluster:
         stored = stored_as(tensor.dtype, put_dtype(dtype), name)
         meta = self.session.layouts.layout(tuple(tensor.shape), stored, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), stored)
-        options.not_durable = not arguments.flag(durable, "durable")
+        options = replace(options, durable=arguments.flag(durable, "durable"))
         # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
         # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
         shards = cut_tensor(tensor.detach(), meta)

@@ -1,5 +1,6 @@
-"""Client exceptions: one class per gRPC status code (and per reason where callers act on it), keeping the
-server's message, its ErrorInfo reason and metadata.
+"""Client exceptions: one class per gRPC status code, and under it one per reason, named after the reason
+(TensorBusyError for TENSOR_BUSY, as the servers name it TensorBusy), keeping the server's message, its
+ErrorInfo reason and metadata.
 
 Each class also subclasses the built-in exception a Python caller expects
 (KeyError for an unknown tensor, ValueError for bad input, ...), so callers can
@@ -87,6 +88,30 @@ class StaleVersionError(PreconditionError):
     reason = Reason.STALE_VERSION
 
 
+class InvalidStateError(PreconditionError):
+    """The tensor or version is not in the state the call needs, already committed say (INVALID_STATE)."""
+
+    reason = Reason.INVALID_STATE
+
+
+class WriteIncompleteError(PreconditionError):
+    """A commit before every shard was fully written (WRITE_INCOMPLETE)."""
+
+    reason = Reason.WRITE_INCOMPLETE
+
+
+class WorldMismatchError(PreconditionError):
+    """A rank or SPMD job disagrees about the world: its size, keys or layout (WORLD_MISMATCH)."""
+
+    reason = Reason.WORLD_MISMATCH
+
+
+class EpochEndedError(PreconditionError):
+    """A collective job of an epoch that ended on a rank (EPOCH_ENDED)."""
+
+    reason = Reason.EPOCH_ENDED
+
+
 class ResourceExhaustedError(ShardServeError):
     """A request is over a limit (RESOURCE_EXHAUSTED); `reason` says which: QUOTA_EXCEEDED, MEMORY_LIMIT,
     DISK_FULL, REQUEST_TOO_LARGE or OVERLOADED."""
@@ -95,11 +120,44 @@ class ResourceExhaustedError(ShardServeError):
     reason = Reason.OVERLOADED
 
 
-class AuthenticationError(ShardServeError, PermissionError):
+class QuotaExceededError(ResourceExhaustedError):
+    """The principal's byte quota (QUOTA_EXCEEDED)."""
+
+    reason = Reason.QUOTA_EXCEEDED
+
+
+class MemoryLimitError(ResourceExhaustedError):
+    """A rank's memory limit or its device memory (MEMORY_LIMIT)."""
+
+    reason = Reason.MEMORY_LIMIT
+
+
+class DiskFullError(ResourceExhaustedError):
+    """A rank could not persist for want of space; nothing was acknowledged (DISK_FULL)."""
+
+    reason = Reason.DISK_FULL
+
+
+class RequestTooLargeError(ResourceExhaustedError):
+    """A request or answer over a byte, id or region limit (REQUEST_TOO_LARGE)."""
+
+    reason = Reason.REQUEST_TOO_LARGE
+
+
+class OverloadedError(ResourceExhaustedError):
+    """Too many streaming calls of one principal or in all: retry later (OVERLOADED)."""
+
+    reason = Reason.OVERLOADED
+
+
+class UnauthenticatedError(ShardServeError, PermissionError):
     """Missing or wrong token (UNAUTHENTICATED)."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
     reason = Reason.UNAUTHENTICATED
+
+
+AuthenticationError = UnauthenticatedError  # its earlier name
 
 
 class PermissionDeniedError(ShardServeError, PermissionError):
@@ -173,6 +231,19 @@ class AbortedError(ShardServeError):
     reason = Reason.TENSOR_BUSY
 
 
+class TensorBusyError(AbortedError):
+    """A reshard, checkpoint or other change held the tensor past the wait: retry once it has ended
+    (TENSOR_BUSY)."""
+
+    reason = Reason.TENSOR_BUSY
+
+
+class JobFailedError(AbortedError):
+    """A collective job failed on a rank; nothing was committed (JOB_FAILED)."""
+
+    reason = Reason.JOB_FAILED
+
+
 class DeadlineExceededError(ShardServeError, TimeoutError):
     """A call ran past its deadline (DEADLINE_EXCEEDED)."""
 
@@ -192,7 +263,7 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
     grpc.StatusCode.ALREADY_EXISTS: TensorExistsError,
     grpc.StatusCode.FAILED_PRECONDITION: PreconditionError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
     grpc.StatusCode.UNAVAILABLE: RankUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
@@ -201,11 +272,39 @@ _BY_CODE: dict[grpc.StatusCode, type[ShardServeError]] = {
 }
 
 
+# The classes of the reasons a status code stands for, each under its code's class.
+_BY_CODE_AND_REASON: dict[grpc.StatusCode, dict[Reason, type[ShardServeError]]] = {
+    grpc.StatusCode.FAILED_PRECONDITION: {
+        Reason.INVALID_STATE: InvalidStateError,
+        Reason.WRITE_INCOMPLETE: WriteIncompleteError,
+        Reason.WORLD_MISMATCH: WorldMismatchError,
+        Reason.EPOCH_ENDED: EpochEndedError,
+    },
+    grpc.StatusCode.RESOURCE_EXHAUSTED: {
+        Reason.QUOTA_EXCEEDED: QuotaExceededError,
+        Reason.MEMORY_LIMIT: MemoryLimitError,
+        Reason.DISK_FULL: DiskFullError,
+        Reason.REQUEST_TOO_LARGE: RequestTooLargeError,
+        Reason.OVERLOADED: OverloadedError,
+    },
+    grpc.StatusCode.ABORTED: {
+        Reason.TENSOR_BUSY: TensorBusyError,
+        Reason.JOB_FAILED: JobFailedError,
+    },
+}
+
+
 def error_class(code: grpc.StatusCode | None, reason: Reason | None) -> type[ShardServeError]:
-    """The exception class for a status: by reason where one has its own class, else by code."""
+    """The exception class for a status: by reason where one has its own class, else the reason's class under
+    its code's, else by code."""
     if reason is not None and reason in _BY_REASON:
         return _BY_REASON[reason]
-    return _BY_CODE.get(code, ShardServeError) if code is not None else ShardServeError
+    if code is None:
+        return ShardServeError
+    by_reason = _BY_CODE_AND_REASON.get(code, {})
+    if reason is not None and reason in by_reason:
+        return by_reason[reason]
+    return _BY_CODE.get(code, ShardServeError)
 
 
 def error_from_status(

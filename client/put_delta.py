@@ -34,9 +34,10 @@ from shardserve.client.errors import (
     StaleVersionError,
     TensorNotFoundError,
 )
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.session import Session
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
 
 # what makes the coordinator or a rank refuse a delta (the put is then made in full)
@@ -55,7 +56,7 @@ class PreviousTensorPut:
 
     version: int
     layout: ShardedTensorMetadata
-    options: bytes  # the TensorOptions message, serialized
+    options: TensorOptions
     hashes: Mapping[int, BlockHashes]
 
 
@@ -91,7 +92,7 @@ def put_delta(
     shards: list[torch.Tensor],
     *,
     layout: ShardedTensorMetadata,
-    options: pb.TensorOptions,
+    options: TensorOptions,
     put_whole: Callable[[], pb.TensorInfo],
 ) -> pb.TensorInfo:
     """Put `shards` (the tensor cut by `layout`) as a new version of `name` sending only the changed blocks
@@ -101,17 +102,11 @@ def put_delta(
     memory = previous_tensor_puts(session)
     previous = memory.take(name)
     committed = None
-    if (
-        previous is not None
-        and previous.layout == layout
-        and previous.options == options.SerializeToString()
-    ):
+    if previous is not None and previous.layout == layout and previous.options == options:
         committed = _put_changed(session, name, previous, stored, hashes)
     if committed is None:
         committed = put_whole()
-    memory.keep(
-        name, PreviousTensorPut(committed.version, layout, options.SerializeToString(), hashes)
-    )
+    memory.keep(name, PreviousTensorPut(committed.version, layout, options, hashes))
     return committed
 
 
@@ -126,11 +121,12 @@ def _put_changed(
     of it is left then)."""
     try:
         info = session.create_tensor(
-            pb.CreateTensorRequest(
-                name=name,
-                metadata=metadata_to_proto(previous.layout),
-                init=pb.INIT_COPY,
+            NewTensor(
+                name,
+                previous.layout,
+                init="copy",
                 overwrite=True,
+                options=previous.options,
                 source_version=previous.version,
             )
         )

@@ -28,12 +28,14 @@ from shardserve.client.errors import (
 from shardserve.client.health import RankHealth
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.layouts import Layouts
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.paths.hedging import HEDGE_AFTER_S
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.writes import ShardWrite, write_shards
 from shardserve.client.ranks import RankDirectory
 from shardserve.client.reservations import Reservations
+from shardserve.core.wire import metadata_to_proto, options_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
@@ -199,11 +201,11 @@ class Session:
         reads the newer one instead, although ranks keep serving the older one for their grace period."""
         return self.versions.newest(name)
 
-    def create_tensor(self, request: pb.CreateTensorRequest) -> pb.TensorInfo:
+    def create_tensor(self, new: NewTensor) -> pb.TensorInfo:
         """CreateTensor under a fresh put token. When the answer is lost (deadline, connection) the version may
         have been made anyway, with no one to write or abort it: the token aborts it (or, if the coordinator
         has not run the call yet, makes it refuse the call), instead of leaving it to the pending timeout."""
-        request.put_token = uuid.uuid4().hex
+        request = create_request(new, put_token=uuid.uuid4().hex)
         try:
             return self.call("CreateTensor", request)
         except (DeadlineExceededError, RankUnavailableError):
@@ -237,3 +239,27 @@ class Session:
         """Best-effort AbortTensor of a pending version (the coordinator also times pending ones out)."""
         with contextlib.suppress(ShardServeError):
             self.call("AbortTensor", pb.AbortTensorRequest(name=name, version=version))
+
+
+_INITS = {
+    "none": pb.INIT_NONE,
+    "zeros": pb.INIT_ZEROS,
+    "ones": pb.INIT_ONES,
+    "normal": pb.INIT_NORMAL,
+    "arange": pb.INIT_ARANGE,
+    "copy": pb.INIT_COPY,
+}
+
+
+def create_request(new: NewTensor, *, put_token: str) -> pb.CreateTensorRequest:
+    """The CreateTensor request of `new`, under `put_token`."""
+    return pb.CreateTensorRequest(
+        name=new.name,
+        metadata=metadata_to_proto(new.metadata),
+        init=_INITS[new.init],
+        seed=new.seed,
+        overwrite=new.overwrite,
+        options=options_to_proto(new.options),
+        source_version=new.source_version,
+        put_token=put_token,
+    )

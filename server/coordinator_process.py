@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -36,6 +36,7 @@ from shardserve.server.common.stop_signals import (
 )
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
     from shardserve.server.coordinator.server import CoordinatorServer
@@ -46,27 +47,6 @@ CATALOG_FILE = "catalog.sqlite"
 COORDINATOR_WORKERS = (
     64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 )
-
-
-@dataclass(frozen=True)
-class CoordinatorOptions:
-    """The coordinator's timings (seconds) and the port of the rendezvous store it hosts for collective jobs.
-
-    `repair_after`: how long a rank stays dead before its copies are rebuilt from live replicas; `store_port`
-    0 = any free port of the listen host. ValueError names the flag of a value out of range.
-    """
-
-    heartbeat_interval: float = 1.0
-    rpc_timeout: float = 60.0
-    pending_timeout: float = 600.0
-    repair_after: float = 30.0
-    store_port: int = 0
-
-    def __post_init__(self) -> None:
-        if not self.heartbeat_interval > 0:
-            raise ValueError("--heartbeat-interval must be > 0")
-        if not self.repair_after >= 0:
-            raise ValueError("--repair-after must be >= 0 seconds")
 
 
 def start_coordinator(
@@ -81,7 +61,7 @@ def start_coordinator(
     `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
     from shardserve.server.coordinator.catalog import Catalog, SQLiteCatalog
     from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
-    from shardserve.server.coordinator.server import CoordinatorServer, CoordinatorSettings
+    from shardserve.server.coordinator.server import CoordinatorServer
     from shardserve.server.coordinator.service import CoordinatorServicer
 
     catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
@@ -91,14 +71,7 @@ def start_coordinator(
     coordinator = CoordinatorServer(
         catalog,
         security,
-        CoordinatorSettings(
-            heartbeat_interval=options.heartbeat_interval,
-            rpc_timeout=options.rpc_timeout,
-            pending_timeout=options.pending_timeout,
-            store_port=options.store_port,
-            store_host=split_address(listen)[0],
-            repair_after=options.repair_after,
-        ),
+        replace(options, store_host=split_address(listen)[0]),
     )
 
     def add(server: object) -> list[str]:

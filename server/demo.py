@@ -62,19 +62,15 @@ def load_demo(coordinator: CoordinatorServer, state_dir: str | Path) -> pb.Tenso
 
     from shardserve.core.metadata import RemoteDevice, TensorProperties
     from shardserve.core.specs import ChunkShardingSpec
-    from shardserve.core.wire import metadata_to_proto
+    from shardserve.server.coordinator.orders import LoadOrder
 
     path = ensure_demo_checkpoint(state_dir)
     ranks = coordinator.registry.ranks()
     spec = ChunkShardingSpec(0, tuple(RemoteDevice((r.rank, r.device)) for r in ranks))
     meta = spec.build_metadata((DEMO_ROWS, DEMO_DIM), TensorProperties(dtype=torch.float32))
-    request = pb.LoadCheckpointRequest(
-        path=path,
-        overwrite=True,
-        tensors=[pb.CheckpointTensor(name=DEMO_NAME, metadata=metadata_to_proto(meta))],
-    )
+    order = LoadOrder(path, {DEMO_NAME: meta}, overwrite=True)
     final = None
-    for message in coordinator.checkpoints.load(request):
+    for message in coordinator.checkpoints.load(order):
         final = message
     assert final is not None and final.done
     info = coordinator.answers.tensor(final.tensors[0])

@@ -21,6 +21,7 @@ from shardserve.core.metadata import (
     TensorProperties,
     as_placement,
 )
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every platform torch ships on is little-endian
@@ -121,6 +122,26 @@ def _decoded(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
         tuple(msg.size),
         properties_from_proto(msg.tensor_properties),
     )
+
+
+_OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_DEFAULT}
+
+
+def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
+    """The TensorOptions message of a tensor's options."""
+    return pb.TensorOptions(
+        oov=_OOV_POLICIES[options.oov],
+        default_row=options.default_row,
+        not_durable=not options.durable,
+    )
+
+
+def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
+    """The options of a TensorOptions message; ValueError for an OovPolicy this version does not know."""
+    oov = next((name for name, number in _OOV_POLICIES.items() if number == msg.oov), None)
+    if oov is None:
+        raise ValueError(f"{msg.oov} is not a valid OovPolicy")
+    return TensorOptions(oov=oov, default_row=bytes(msg.default_row), durable=not msg.not_durable)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -26,6 +26,7 @@ from shardserve.client.health import unreadable
 from shardserve.client.info import TensorSummary
 from shardserve.client.session import Session
 from shardserve.core.routing import RowIndex
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 
@@ -231,8 +232,8 @@ def bad_id_error(view: TableView, ids: torch.Tensor, bad: torch.Tensor) -> Inval
 
 def table_options(
     oov: str, default_row: Any, shape: Sequence[int], dtype: torch.dtype
-) -> pb.TensorOptions:
-    """TensorOptions for create/put: oov "error" (default), "zero" or "default" (needs default_row)."""
+) -> TensorOptions:
+    """Table options for create/put: oov "error" (default), "zero" or "default" (needs default_row)."""
     policies = {name: number for number, name in OOV_NAMES.items()}
     if oov not in policies:
         raise InvalidArgumentError(f"oov must be one of {sorted(policies)}, got {oov!r}")
@@ -241,7 +242,7 @@ def table_options(
             raise InvalidArgumentError(
                 f"default_row is only used with oov='default', got oov={oov!r}"
             )
-        return pb.TensorOptions(oov=policies[oov])
+        return TensorOptions(oov=oov)
     if len(shape) != 2:
         raise InvalidArgumentError(f"oov='default' needs a 2-D table, got shape {tuple(shape)}")
     if not isinstance(default_row, torch.Tensor) or tuple(default_row.shape) != (shape[1],):
@@ -260,4 +261,4 @@ def table_options(
             f"losing its kind (torch.can_cast)"
         )
     row = default_row.detach().cpu().to(dtype).contiguous()
-    return pb.TensorOptions(oov=pb.OOV_DEFAULT, default_row=bytes(tensor_bytes(row)))
+    return TensorOptions(oov="default", default_row=bytes(tensor_bytes(row)))

@@ -18,10 +18,11 @@ from shardserve.client.errors import (
     StaleVersionError,
     TensorNotFoundError,
 )
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.paths.writes import shard_write
 from shardserve.client.session import Session
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
 
 
@@ -30,22 +31,14 @@ def put_whole_tensor(
     name: str,
     meta: ShardedTensorMetadata,
     shards: list[torch.Tensor],
-    options: pb.TensorOptions,
+    options: TensorOptions,
     *,
     overwrite: bool,
     chunk_bytes: int,
 ) -> pb.TensorInfo:
     """Create a version of `name` laid out as `meta`, write every shard whole (`shards`: the tensor cut by it;
     `chunk_bytes`: the message size of shards streamed over gRPC) and commit it; aborted on failure."""
-    info = session.create_tensor(
-        pb.CreateTensorRequest(
-            name=name,
-            metadata=metadata_to_proto(meta),
-            init=pb.INIT_NONE,
-            overwrite=overwrite,
-            options=options,
-        )
-    )
+    info = session.create_tensor(NewTensor(name, meta, overwrite=overwrite, options=options))
     try:
         writes = [
             (

@@ -39,8 +39,9 @@ import torch
 from shardserve.client.embedding.ids import validate_update
 from shardserve.client.embedding.views import TableView, TableViews
 from shardserve.client.errors import AbortedError, ShardServeError
+from shardserve.client.new_tensor import NewTensor
 from shardserve.client.session import Session
-from shardserve.core.wire import metadata_from_proto, metadata_to_proto, tensor_bytes
+from shardserve.core.wire import metadata_from_proto, tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 
 WRITE_BATCH_BYTES = 4 << 20
@@ -151,14 +152,8 @@ def _apply_once(
     session: Session, views: TableViews, name: str, ids: torch.Tensor, values: torch.Tensor
 ) -> RowUpdate:
     view = views.view(name)
-    request = pb.CreateTensorRequest(
-        name=name,
-        metadata=metadata_to_proto(view.summary.metadata),
-        init=pb.INIT_COPY,
-        overwrite=True,
-        source_version=0,
-    )
-    info = session.create_tensor(request)  # a copy of whichever version is READY now, in its layout
+    new = NewTensor(name, view.summary.metadata, init="copy", overwrite=True)
+    info = session.create_tensor(new)  # a copy of whichever version is READY now, in its layout
     try:
         if metadata_from_proto(info.metadata) != view.summary.metadata:
             view = views.view(name, refresh=True)  # resharded meanwhile: route by the layout copied

@@ -10,58 +10,30 @@ by inode and device, like a segment.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
-import weakref
 
 import torch
 
+from shardserve.core.address_space import AddressRange
 from shardserve.protos import shardserve_pb2 as pb
-
-MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
-PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
-
-LIBC = ctypes.CDLL(None, use_errno=True)
-LIBC.mmap.restype = ctypes.c_void_p
-LIBC.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class CompositionError(OSError):
     """The blocks the rank described could not be opened or mapped."""
 
 
-def round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-class AddressRange:
-    """A reserved address range, unmapped when collected (with every tensor over it)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.size = round_up(max(nbytes, 1), mmap.PAGESIZE)
-        address = LIBC.mmap(
-            None, self.size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0
-        )
-        if address in (None, MAP_FAILED):
-            raise CompositionError(ctypes.get_errno(), "cannot reserve address space for a shard")
-        self.address = address
-        weakref.finalize(self, LIBC.munmap, address, self.size)
+def reserve(nbytes: int) -> AddressRange:
+    """A reserved address range of `nbytes` for a shard (CompositionError when the address space has none)."""
+    try:
+        return AddressRange(nbytes)
+    except OSError as err:
+        raise CompositionError(err.errno, "cannot reserve address space for a shard") from None
 
 
 def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
     """The shard's bytes as one read-only uint8 tensor over its blocks' memfds (CompositionError if one is not
     the file the rank described, or cannot be mapped)."""
-    space = AddressRange(reply.nbytes)
+    space = reserve(reply.nbytes)
     fds: dict[int, int] = {}
     try:
         position = 0
@@ -69,27 +41,19 @@ def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
             fd = fds.get(extent.fd)
             if fd is None:
                 fd = fds[extent.fd] = _open(reply.pid, extent)
-            result = LIBC.mmap(
-                space.address + position,
-                round_up(extent.nbytes, mmap.PAGESIZE),
-                mmap.PROT_READ,
-                mmap.MAP_SHARED | MAP_FIXED,
-                fd,
-                extent.offset,
-            )
-            if result in (None, MAP_FAILED):
+            try:
+                space.place(position, extent.nbytes, fd, extent.offset)
+            except OSError as err:
                 raise CompositionError(
-                    ctypes.get_errno(), f"cannot map a block of /proc/{reply.pid}/fd/{extent.fd}"
-                )
+                    err.errno, f"cannot map a block of /proc/{reply.pid}/fd/{extent.fd}"
+                ) from None
             position += extent.nbytes
         if position != reply.nbytes:
             raise CompositionError(0, f"the blocks hold {position} bytes, the shard {reply.nbytes}")
     finally:
         for fd in fds.values():
             os.close(fd)
-    array = (ctypes.c_char * reply.nbytes).from_address(space.address)
-    setattr(array, "keeps", space)  # noqa: B010 - the range lives as long as the array
-    return torch.frombuffer(array, dtype=torch.uint8)
+    return space.tensor(reply.nbytes)
 
 
 def _open(pid: int, extent: pb.ShardExtent) -> int:

@@ -12,7 +12,6 @@ every read, as for its first mapping.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import os
@@ -21,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.client.paths.composed import LIBC, MAP_FAILED, MAP_FIXED, AddressRange, round_up
+from shardserve.client.paths.composed import reserve
 from shardserve.client.paths.segments import SegmentError, SegmentSource, open_rank_file
+from shardserve.core.address_space import AddressRange, round_up
 
 MAX_GAP_BYTES = 1 << 30  # a row size whose page-aligned multiples are further apart is not stitched
 
@@ -51,12 +51,10 @@ def stitch(
             return None
         starts.append(round_up(end, step))
         end = starts[-1] + source.nbytes
-    space = AddressRange(end)
+    space = reserve(end)
     for source, start in zip(sources, starts):
         _map_into(space, start, source)
-    array = (ctypes.c_char * end).from_address(space.address)
-    setattr(array, "keeps", space)  # noqa: B010 - the range lives as long as the array
-    flat = torch.frombuffer(array, dtype=torch.uint8)
+    flat = space.tensor(end)
     table = flat.view(dtype).view(end // row_bytes, row_bytes // itemsize)
     return StitchedRows(table, [start // row_bytes for start in starts])
 
@@ -72,17 +70,8 @@ def _map_into(space: AddressRange, start: int, source: SegmentSource) -> None:
         min_size=source.data_offset + source.nbytes,
     )
     try:
-        result = LIBC.mmap(
-            space.address + start,
-            round_up(source.nbytes, mmap.PAGESIZE),
-            mmap.PROT_READ,
-            mmap.MAP_SHARED
-            | MAP_FIXED
-            | getattr(mmap, "MAP_POPULATE", 0),  # page tables filled now
-            fd,
-            source.data_offset,
-        )
-        if result in (None, MAP_FAILED):
-            raise SegmentError(f"cannot map {path}: errno {ctypes.get_errno()}")
+        space.place(start, source.nbytes, fd, source.data_offset, populate=True)
+    except OSError as err:
+        raise SegmentError(f"cannot map {path}: errno {err.errno}") from None
     finally:
         os.close(fd)

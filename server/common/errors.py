@@ -57,12 +57,12 @@ class InvalidArgument(ServiceError):
     reason = Reason.INVALID_ARGUMENT
 
 
-class NotFound(ServiceError):
+class TensorNotFound(ServiceError):
     code = grpc.StatusCode.NOT_FOUND
     reason = Reason.TENSOR_NOT_FOUND
 
 
-class AlreadyExists(ServiceError):
+class TensorExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
     reason = Reason.TENSOR_EXISTS
 
@@ -142,14 +142,14 @@ class Overloaded(ServiceError):
     reason = Reason.OVERLOADED
 
 
-class Unavailable(ServiceError):
+class RankUnavailable(ServiceError):
     """A rank is down, hung, partitioned or restoring: retryable."""
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = Reason.RANK_UNAVAILABLE
 
 
-class DataLoss(ServiceError):
+class ShardsLost(ServiceError):
     """The work needs a box no live rank holds (every copy is on a dead rank or was lost)."""
 
     code = grpc.StatusCode.DATA_LOSS

@@ -35,49 +35,29 @@ from typing import Protocol
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
-    AlreadyExists,
     InvalidArgument,
     InvalidState,
-    NotFound,
+    RankUnavailable,
     TensorBusy,
-    Unavailable,
+    TensorExists,
+    TensorNotFound,
 )
-from shardserve.server.common.requests import check_name, parse_metadata
-from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
-from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.context import DriverContext
+from shardserve.server.coordinator.jobs import CheckpointJob, CheckpointKind
+from shardserve.server.coordinator.orders import LoadOrder, SaveOrder, check_path
 from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.rank_calls import Allocation
 from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
-MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 STAGING_PREFIX = ".saving-"  # a save is written into PATH/.saving-XXXX, then moved into PATH (replace_checkpoint)
 _METADATA = ".metadata"
 _DATA_SUFFIX = ".distcp"
-
-
-def _check_path(path: str) -> str:
-    if not path:
-        raise InvalidArgument("path is empty")
-    if not os.path.isabs(path):
-        raise InvalidArgument(
-            f"path {path!r} must be absolute (the ranks resolve it, not the client)"
-        )
-    if "\x00" in path:
-        raise InvalidArgument(f"path {path!r} holds a NUL character")
-    if len(path.encode()) > MAX_PATH_BYTES:
-        raise InvalidArgument(
-            f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}"
-        )
-    return path
 
 
 @dataclass(frozen=True)
@@ -97,9 +77,9 @@ def checkpoint_contents(path: str) -> dict[str, tuple[tuple[int, ...], torch.dty
     )
 
     try:
-        entries = checkpoint_tensors(_check_path(path))
+        entries = checkpoint_tensors(check_path(path))
     except FileNotFoundError as err:
-        raise NotFound(str(err)) from None
+        raise TensorNotFound(str(err)) from None
     except (OSError, ValueError) as err:
         raise InvalidArgument(f"path {path!r}: {err}") from None
     return {key: (tuple(size), dtype) for key, (size, dtype) in sorted(entries.items())}
@@ -120,21 +100,20 @@ class CheckpointDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         collectives: CollectiveRunner,
         versions: VersionLifecycle,
         quotas: ByteQuotas,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.catalog = catalog
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.quotas = quotas
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
         self.collectives = collectives
         self.versions = versions
         self.default_timeout_s = default_timeout_s
@@ -143,12 +122,12 @@ class CheckpointDriver:
         """Every rank of the torch.distributed world, all of which must be registered and alive."""
         ranks = self.registry.ranks()
         if not ranks:
-            raise Unavailable("no rank is registered")
+            raise RankUnavailable("no rank is registered")
         world = ranks[0].world_size
         alive = {r.rank for r in ranks if r.alive}
         missing = sorted(set(range(world)) - alive)
         if missing:
-            raise Unavailable(
+            raise RankUnavailable(
                 f"checkpoints need every rank of the world ({world}); ranks {missing} are "
                 f"not registered or not alive"
             )
@@ -157,21 +136,15 @@ class CheckpointDriver:
     def _timeout(self, value: float) -> float:
         return job_timeout(value, self.default_timeout_s)
 
-    def load(self, request: pb.LoadCheckpointRequest) -> Iterator[CheckpointStep]:
+    def load(self, order: LoadOrder) -> Iterator[CheckpointStep]:
         """Load tensors as new versions: all READY at the end, or none visible after a failure."""
-        path = _check_path(request.path)
-        timeout_s = self._timeout(request.timeout_s)
-        if not request.tensors:
-            raise InvalidArgument("tensors is empty: name at least one tensor to load")
+        path = order.path
+        timeout_s = self._timeout(order.timeout_s)
         saved = checkpoint_contents(path)
-        layouts = {}
-        for i, tensor in enumerate(request.tensors):
-            name = check_name(tensor.name, f"tensors[{i}].name")
-            if name in layouts:
-                raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
-            meta = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
+        layouts = dict(order.layouts)
+        for i, (name, meta) in enumerate(layouts.items()):
             if name not in saved:
-                raise NotFound(
+                raise TensorNotFound(
                     f"tensors[{i}].name: tensor {name!r} is not in checkpoint {path} "
                     f"(it holds {sorted(saved)})"
                 )
@@ -181,18 +154,17 @@ class CheckpointDriver:
                     f"{saved[name][0]} in the checkpoint"
                 )
             self.registry.check_placements(meta)
-            layouts[name] = meta
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(layouts):
                 locks.enter_context(self.locks.hold(name))
             for name in layouts:
-                if self.catalog.ready(name) is not None and not request.overwrite:
-                    raise AlreadyExists(
+                if self.catalog.ready(name) is not None and not order.overwrite:
+                    raise TensorExists(
                         f"tensor {name!r} already exists; pass overwrite=True to replace it"
                     )
             for name in layouts:
-                self.versions.make_room(name, request.overwrite)
+                self.versions.make_room(name, order.overwrite)
             new = self._record(layouts)
             checksums = {}
             try:
@@ -263,31 +235,24 @@ class CheckpointDriver:
     def _run_load(
         self, path: str, new: list[TensorRecord], world: list[int], timeout_s: float
     ) -> Iterator[CheckpointStep]:
-        job = pb.CollectiveJob(
-            timeout_s=timeout_s,
-            checkpoint_load=pb.CheckpointJob(path=path, tensors=_job_tensors(new)),
-        )
+        job = CheckpointJob(CheckpointKind.LOAD, path, tuple(new), timeout_s)
         yield from _progress(
             self.collectives.run(job, world, f"checkpoint load from {path}"), _job_bytes(new)
         )
 
-    def save(self, request: pb.SaveCheckpointRequest) -> Iterator[CheckpointStep]:
+    def save(self, order: SaveOrder) -> Iterator[CheckpointStep]:
         """Write READY tensors (all when no names are given) as one DCP checkpoint at `path`."""
-        path = _check_path(request.path)
-        timeout_s = self._timeout(request.timeout_s)
-        names = list(request.names) or [record.name for record in self.catalog.list()]
+        path = order.path
+        timeout_s = self._timeout(order.timeout_s)
+        names = list(order.names) or [record.name for record in self.catalog.list()]
         if not names:
             raise InvalidState("there is no tensor to save")
-        if len(set(names)) != len(names):
-            raise InvalidArgument("names holds duplicates")
-        for i, name in enumerate(names):
-            check_name(name, f"names[{i}]")
         known = {record.name for record in self.catalog.list()}
         unknown = next((name for name in names if name not in known), None)
         if (
             unknown is not None
         ):  # before any lock: asking for a million unknown names must cost no more than a scan
-            raise NotFound(f"tensor {unknown!r} not found")
+            raise TensorNotFound(f"tensor {unknown!r} not found")
         world = self._world()
         with ExitStack() as locks:
             for name in sorted(names):
@@ -296,7 +261,7 @@ class CheckpointDriver:
             for name in names:
                 record = self.catalog.ready(name)
                 if record is None:
-                    raise NotFound(f"tensor {name!r} not found")
+                    raise TensorNotFound(f"tensor {name!r} not found")
                 records.append(record)
             if any(record.promoting for record in records):
                 raise TensorBusy(
@@ -308,10 +273,7 @@ class CheckpointDriver:
                 staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=path)
             except OSError as err:
                 raise InvalidArgument(f"path {path!r}: {err.strerror}") from None
-            job = pb.CollectiveJob(
-                timeout_s=timeout_s,
-                checkpoint_save=pb.CheckpointJob(path=staging, tensors=_job_tensors(records)),
-            )
+            job = CheckpointJob(CheckpointKind.SAVE, staging, tuple(records), timeout_s)
             try:
                 yield from _progress(
                     self.collectives.run(job, world, f"checkpoint save to {path}"),
@@ -341,14 +303,6 @@ def replace_checkpoint(staging: str, path: str) -> None:
     for name in sorted(new_files):
         os.replace(os.path.join(staging, name), os.path.join(path, name))
     os.replace(os.path.join(staging, _METADATA), old_metadata)
-
-
-def _job_tensors(records: list[TensorRecord]) -> list[pb.CheckpointTensor]:
-    """The tensors a checkpoint job reads or writes, as the ranks are told them."""
-    return [
-        pb.CheckpointTensor(name=r.name, version=r.version, metadata=metadata_to_proto(r.metadata))
-        for r in records
-    ]
 
 
 def _job_bytes(records: list[TensorRecord]) -> int:

@@ -23,10 +23,12 @@ from collections.abc import Callable, Generator, Sequence
 
 import grpc
 
+from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.tracing import carry_context
+from shardserve.server.coordinator.jobs import CollectiveJob, JobReport, ReshardJob
 from shardserve.server.coordinator.metrics import JobTracker
 from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
@@ -124,20 +126,21 @@ class CollectiveRunner:
             self.epochs.end(self.epochs.current, f"rank {rank} registered")
 
     def run(
-        self, job: pb.CollectiveJob, ranks: Sequence[int], what: str
-    ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
-        """Yield (bytes_done, bytes_total) while the job runs; return every rank's final message.
+        self, job: CollectiveJob, ranks: Sequence[int], what: str
+    ) -> Generator[tuple[int, int], None, dict[int, JobReport]]:
+        """Yield (bytes_done, bytes_total) while the job runs; return every rank's final report.
 
-        Raises CollectiveJobError naming the ranks that are down or hung. `job.seq`
-        and `job.epoch` are set here; on failure the job is cancelled on every participant and its epoch ends.
+        Raises CollectiveJobError naming the ranks that are down or hung. The job's `seq` and `epoch` are
+        assigned here; on failure the job is cancelled on every participant and its epoch ends.
         The job is tracked in `self.tracker` while it runs (metrics, `shardserve top`).
         """
-        job_id = self.tracker.start(job.WhichOneof("kind") or "unknown", len(set(ranks)))
+        message = job_message(job)
+        job_id = self.tracker.start(message.WhichOneof("kind") or "unknown", len(set(ranks)))
         ok = False
         try:
-            finals = yield from self._run(job, ranks, what, job_id)
+            finals = yield from self._run(message, ranks, what, job_id)
             ok = True
-            return finals
+            return {rank: _report(final) for rank, final in finals.items()}
         finally:
             self.tracker.end(job_id, ok)
 
@@ -314,6 +317,39 @@ def _describe(failure: object) -> str:
         return f"{failure.code().name}: {failure.details()}"
     assert isinstance(failure, pb.CollectiveProgress)
     return failure.error
+
+
+def job_message(job: CollectiveJob) -> pb.CollectiveJob:
+    """The CollectiveJob message of a job, as every participant is sent it (seq, epoch and ranks unset)."""
+    if isinstance(job, ReshardJob):
+        old, new = job.old, job.new
+        reshard = pb.ReshardJob(
+            name=new.name,
+            src_version=old.version,
+            src=metadata_to_proto(old.metadata),
+            dst_version=new.version,
+            dst=metadata_to_proto(new.metadata),
+            bucket_bytes=job.bucket_bytes,
+            src_unavailable=sorted(job.src_unavailable),
+        )
+        return pb.CollectiveJob(timeout_s=job.timeout_s, reshard=reshard)
+    tensors = [
+        pb.CheckpointTensor(name=r.name, version=r.version, metadata=metadata_to_proto(r.metadata))
+        for r in job.tensors
+    ]
+    message = pb.CollectiveJob(timeout_s=job.timeout_s)
+    getattr(message, job.kind.value).CopyFrom(pb.CheckpointJob(path=job.path, tensors=tensors))
+    return message
+
+
+def _report(final: pb.CollectiveProgress) -> JobReport:
+    """A rank's final report of its part of a job."""
+    return JobReport(
+        new_shard_bytes=final.new_shard_bytes,
+        peak_staging_bytes=final.peak_staging_bytes,
+        mapped_bytes=final.mapped_bytes,
+        sent_bytes=final.sent_bytes,
+    )
 
 
 def job_timeout(value: float, default: float) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 from shardserve.core.health import LayoutHealth, layout_health, name_ranks, ranks_of_copies
 from shardserve.core.metadata import Box
-from shardserve.server.common.errors import DataLoss, Unavailable
+from shardserve.server.common.errors import RankUnavailable, ShardsLost
 from shardserve.server.coordinator.records import TensorRecord
 
 
@@ -26,13 +26,13 @@ def unavailable_shards(record: TensorRecord, rank_dead: Callable[[int], bool]) -
 
 
 def check_copies(record: TensorRecord, unavailable: Iterable[int], *, doing: str) -> None:
-    """Nothing when every box of `record` keeps a copy outside `unavailable`. Else DataLoss (SHARDS_LOST) when
-    a box's every copy is known gone (its ranks restarted without it), or Unavailable (RANK_UNAVAILABLE) when
+    """Nothing when every box of `record` keeps a copy outside `unavailable`. Else ShardsLost (SHARDS_LOST) when
+    a box's every copy is known gone (its ranks restarted without it), or RankUnavailable (RANK_UNAVAILABLE) when
     its copies are only on ranks that are down, hung or restoring and may come back; `doing` says what
     cannot be done ("resharded")."""
     health = layout_health(record.metadata, list(unavailable), record.lost_shards)
     if health.gone_boxes:
-        raise DataLoss(
+        raise ShardsLost(
             f"tensor {record.name!r} has boxes whose every copy is gone "
             f"({_named(record, health.gone_boxes)}: restarted without them); it cannot be {doing}: "
             f"delete it or put it again",
@@ -40,7 +40,7 @@ def check_copies(record: TensorRecord, unavailable: Iterable[int], *, doing: str
         )
     if health.lost_boxes:
         ranks = ranks_of_copies(record.metadata, health.lost_boxes)
-        raise Unavailable(
+        raise RankUnavailable(
             f"tensor {record.name!r} has boxes with no copy on a live rank "
             f"({_named(record, health.lost_boxes)}: down, hung or restoring); it cannot be {doing} "
             f"until one of them is back",

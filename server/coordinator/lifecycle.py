@@ -18,22 +18,20 @@ from typing import Protocol
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.server.common.access import caller
 from shardserve.server.common.errors import (
-    AlreadyExists,
     InvalidArgument,
     InvalidState,
-    NotFound,
     ServiceError,
     StaleVersion,
     TensorBusy,
+    TensorExists,
+    TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_put_token, check_version
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls, versions_by_rank
+from shardserve.server.coordinator.rank_calls import Allocation, versions_by_rank
 from shardserve.server.coordinator.records import Init, TensorOptions, TensorRecord, TensorState
-from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.update_groups import Ordered, UpdateGroups
 
 log = logging.getLogger(__name__)
@@ -74,18 +72,17 @@ class TensorLifecycle:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         quotas: ByteQuotas,
         replaced: ReplacedVersions,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.quotas = quotas
         self.replaced = replaced
         self.update_groups: UpdateGroups[TensorRecord] = UpdateGroups()
@@ -214,7 +211,7 @@ class TensorLifecycle:
             raise InvalidArgument("put_token is empty; give version or put_token")
         joined = self.update_groups.version_of_token(name, token)
         if joined:  # a member of an update group: its version holds the other members' rows too
-            with contextlib.suppress(NotFound):
+            with contextlib.suppress(TensorNotFound):
                 self.abort(name, joined)
             return joined
         with self.locks.hold(name):
@@ -230,7 +227,7 @@ class TensorLifecycle:
     def _abort_locked(self, name: str, version: int) -> None:
         record = self.catalog.get(name, version)
         if record is None:
-            raise NotFound(f"tensor {name!r} version {version} not found")
+            raise TensorNotFound(f"tensor {name!r} version {version} not found")
         if record.ready:
             raise InvalidState(
                 f"tensor {name!r} version {version} is committed; use DeleteTensor to remove it"
@@ -243,7 +240,7 @@ class TensorLifecycle:
         check_name(name)
         record = self.catalog.ready(name)
         if record is None:
-            raise NotFound(f"tensor {name!r} not found")
+            raise TensorNotFound(f"tensor {name!r} not found")
         return record
 
     def drop(self, name: str) -> None:
@@ -251,7 +248,7 @@ class TensorLifecycle:
         check_name(name)
         with self.locks.hold(name):
             if self.catalog.ready(name) is None:
-                raise NotFound(f"tensor {name!r} not found")
+                raise TensorNotFound(f"tensor {name!r} not found")
             removed = self.catalog.remove(name)
             self.update_groups.end(name)
             ranks = sorted({r for record in removed for r in record.ranks()})
@@ -264,7 +261,7 @@ class TensorLifecycle:
     def _commit_locked(self, name: str, version: int) -> TensorRecord:
         record = self.catalog.get(name, version)
         if record is None:
-            raise NotFound(
+            raise TensorNotFound(
                 f"tensor {name!r} version {version} not found (never created, aborted or replaced)"
             )
         if record.ready:
@@ -300,7 +297,9 @@ class TensorLifecycle:
         name = new.name
         source = self.catalog.ready(name)
         if source is None:
-            raise NotFound(f"tensor {name!r} not found (init INIT_COPY copies a READY version)")
+            raise TensorNotFound(
+                f"tensor {name!r} not found (init INIT_COPY copies a READY version)"
+            )
         if not new.source_version:
             if not new.overwrite:
                 raise InvalidArgument(
@@ -344,12 +343,12 @@ class TensorLifecycle:
         ready = [r.version for r in records if r.ready]
         pending = [r for r in records if r.state is TensorState.PENDING]
         if ready and not overwrite:
-            raise AlreadyExists(
+            raise TensorExists(
                 f"tensor {name!r} already exists (version {ready[-1]}); "
                 f"pass overwrite=True to replace it"
             )
         if pending and not overwrite:
-            raise AlreadyExists(
+            raise TensorExists(
                 f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
                 f"pass overwrite=True to abort it"
             )

@@ -20,6 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
+from shardserve.server.coordinator.rank_info import RankInfo
 
 JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
 EPOCH_HELP = (
@@ -117,7 +118,7 @@ class CoordinatorMetrics(ServerMetrics):
 
     def watch(
         self,
-        ranks: Callable[[], list[pb.RankInfo]],
+        ranks: Callable[[], list[RankInfo]],
         tensors: Callable[[], list[pb.TensorInfo]],
         jobs: JobTracker,
         epoch: Callable[[], int],
@@ -139,7 +140,7 @@ class CoordinatorMetrics(ServerMetrics):
         )
 
 
-def _rank_gauges(ranks: list[pb.RankInfo]) -> list[Gauge]:
+def _rank_gauges(ranks: list[RankInfo]) -> list[Gauge]:
     states = Gauge(
         "shardserve_coordinator_ranks", "registered ranks, by state (alive, dead)", ("state",)
     )

@@ -1,5 +1,6 @@
-"""The drivers' orders: CreateSnapshot and Reshard requests checked and turned into domain values at the service
-edge (server/coordinator/service.py), so the drivers (snapshots.py, reshard.py) never see a protobuf message.
+"""The drivers' orders: CreateSnapshot, Reshard and checkpoint requests checked and turned into domain values at
+the service edge (server/coordinator/service.py), so the drivers (snapshots.py, reshard.py, checkpoint.py) never
+see a protobuf message.
 
 Every check here is of the request alone; what depends on the cluster's state (placements on live ranks, a
 tensor's current version) is the driver's.
@@ -7,6 +8,7 @@ tensor's current version) is the driver's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ MAX_SKELETON_BYTES = (
     4 << 20
 )  # a state dict's non-tensor tree: an optimizer's param_groups, steps, names
 MAX_HOST_ID_BYTES = 256  # a boot id and a few namespace inodes (protos/same_host.py)
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,27 @@ class ReshardOrder:
     layout: ShardedTensorMetadata
     bucket_bytes: int
     timeout_s: float
+
+
+@dataclass(frozen=True)
+class LoadOrder:
+    """A checkpoint load to run: the checkpoint's path, each tensor's new layout by name, whether an existing
+    tensor may be replaced, the job timeout (0: the default)."""
+
+    path: str
+    layouts: Mapping[str, ShardedTensorMetadata]
+    overwrite: bool = False
+    timeout_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SaveOrder:
+    """A checkpoint save to run: the path, the tensors by name (empty: every tensor), the job timeout (0: the
+    default)."""
+
+    path: str
+    names: tuple[str, ...] = ()
+    timeout_s: float = 0.0
 
 
 def snapshot_order(
@@ -127,6 +151,49 @@ def reshard_order(request: pb.ReshardRequest) -> ReshardOrder:
     return ReshardOrder(
         name, layout, request.bucket_bytes or DEFAULT_BUCKET_BYTES, request.timeout_s
     )
+
+
+def load_order(request: pb.LoadCheckpointRequest) -> LoadOrder:
+    """The checked order of a LoadCheckpoint request; INVALID_ARGUMENT naming the field. Whether the
+    checkpoint holds the tensors, and the ranks the layouts name, are the driver's to check."""
+    path = check_path(request.path)
+    if not request.tensors:
+        raise InvalidArgument("tensors is empty: name at least one tensor to load")
+    layouts: dict[str, ShardedTensorMetadata] = {}
+    for i, tensor in enumerate(request.tensors):
+        name = check_name(tensor.name, f"tensors[{i}].name")
+        if name in layouts:
+            raise InvalidArgument(f"tensors[{i}].name {name!r} is given twice")
+        layouts[name] = parse_metadata(tensor.metadata, f"tensors[{i}].metadata")
+    return LoadOrder(path, layouts, overwrite=request.overwrite, timeout_s=request.timeout_s)
+
+
+def save_order(request: pb.SaveCheckpointRequest) -> SaveOrder:
+    """The checked order of a SaveCheckpoint request; INVALID_ARGUMENT naming the field."""
+    path = check_path(request.path)
+    names = tuple(request.names)
+    if len(set(names)) != len(names):
+        raise InvalidArgument("names holds duplicates")
+    for i, name in enumerate(names):
+        check_name(name, f"names[{i}]")
+    return SaveOrder(path, names, timeout_s=request.timeout_s)
+
+
+def check_path(path: str) -> str:
+    """A checkpoint path the ranks can resolve: absolute, no NUL, at most MAX_PATH_BYTES; INVALID_ARGUMENT."""
+    if not path:
+        raise InvalidArgument("path is empty")
+    if not os.path.isabs(path):
+        raise InvalidArgument(
+            f"path {path!r} must be absolute (the ranks resolve it, not the client)"
+        )
+    if "\x00" in path:
+        raise InvalidArgument(f"path {path!r} holds a NUL character")
+    if len(path.encode()) > MAX_PATH_BYTES:
+        raise InvalidArgument(
+            f"path is {len(path.encode())} bytes long; the limit is {MAX_PATH_BYTES}"
+        )
+    return path
 
 
 def _checked_tensors(tensors: Iterable[pb.SnapshotTensor]) -> dict[str, ShardedTensorMetadata]:

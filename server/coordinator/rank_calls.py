@@ -20,7 +20,7 @@ import grpc
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.common.errors import ServiceError, Unavailable, relayed
+from shardserve.server.common.errors import RankUnavailable, ServiceError, relayed
 from shardserve.server.common.tracing import carry_context
 from shardserve.server.coordinator.messages import init_to_proto, options_to_proto
 from shardserve.server.coordinator.records import Init, ShardChecksums, TensorRecord
@@ -69,7 +69,7 @@ class RankCalls:
             if not registry.is_alive(
                 entry
             ):  # fail fast: a stopped rank would hold the call until its deadline
-                failures.append(Unavailable(f"rank {rank} ({entry.info.address}) is not alive"))
+                failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
         jobs = {
             r: self._pool.submit(carry_context(calls[r]), e.stub)
             for r, e in entries.items()
@@ -85,7 +85,7 @@ class RankCalls:
                 failures.append(_rank_error(rank, entries[rank].info.address, err))
             except futures.TimeoutError:
                 failures.append(
-                    Unavailable(
+                    RankUnavailable(
                         f"rank {rank} ({entries[rank].info.address}) did not answer "
                         f"within {self.rpc_timeout:.0f}s"
                     )
@@ -279,7 +279,7 @@ def _rank_error(rank: int, address: str, err: grpc.RpcError) -> ServiceError:
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(
+        return RankUnavailable(
             f"rank {rank} ({address}) is unavailable: {details}", metadata={"rank": rank}
         )
     return relayed(err, f"rank {rank}: {details}", metadata={"rank": rank})

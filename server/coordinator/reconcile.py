@@ -13,12 +13,9 @@ from collections.abc import Callable
 import grpc
 
 from shardserve.server.common.errors import ServiceError
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import health_of, unavailable_shards
-from shardserve.server.coordinator.locks import NameLocks
-from shardserve.server.coordinator.rank_calls import RankCalls
 from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +25,13 @@ RECONCILE_ATTEMPTS = 4  # GetStats tries for a rank that is alive again
 class Reconciler:
     """Compares a rank's versions with the catalog and acts on the difference."""
 
-    def __init__(
-        self, catalog: Catalog, *, registry: RankRegistry, calls: RankCalls, locks: NameLocks
-    ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+    def __init__(self, context: DriverContext) -> None:
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
 
     def reconcile_from_stats(self, rank: int, wait: Callable[[float], bool]) -> None:
         """Reconcile a rank that was unreachable for a while: drops sent meanwhile were skipped. Its first answer

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from shardserve.core.checksums import UNKNOWN
-from shardserve.core.embedding import OOV_POLICIES
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 
 # What ranks answer a promote with: the checksum of each shard, by (name, version) then shard index.
 ShardChecksums = dict[tuple[str, int], dict[int, int]]
@@ -37,20 +37,6 @@ class Init(enum.Enum):
     NORMAL = "normal"
     ARANGE = "arange"
     COPY = "copy"
-
-
-@dataclass(frozen=True)
-class TensorOptions:
-    """A version's options: `oov` (one of shardcore's OOV_POLICIES) and `default_row` (the raw bytes of the
-    row looked up with "default") answer out-of-range ids; `durable` False keeps it off the ranks' disks."""
-
-    oov: str = "error"
-    default_row: bytes = b""
-    durable: bool = True
-
-    def __post_init__(self) -> None:
-        if self.oov not in OOV_POLICIES:
-            raise ValueError(f"oov must be one of {OOV_POLICIES}, got {self.oov!r}")
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,23 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
 from shardserve.core.metadata import RemoteDevice, ShardedTensorMetadata
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.auth import Security, make_channel
 from shardserve.server.common.errors import (
     InvalidArgument,
     InvalidState,
-    NotFound,
+    RankUnavailable,
     ServiceError,
-    Unavailable,
+    TensorNotFound,
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ UNREGISTERED_GRACE_S = 10.0  # ranks re-register within a heartbeat of a coordin
 class RankEntry:
     """A registered rank: what it told us, when it last spoke, and a stub to call it."""
 
-    info: pb.RankInfo
+    info: RankInfo
     last_heartbeat: float  # time.monotonic()
     channel: grpc.Channel
     stub: pb_grpc.ShardServerStub
@@ -57,31 +57,26 @@ class RankRegistry:
         self._started = time.monotonic()
         # the last registration, exit, return from the dead or restore
         self._changed_at = self._started
-        self._restoring: dict[
-            int, pb.RestoreProgress
-        ] = {}  # rank -> its restore, until re-promoted
+        self._restoring: dict[int, RestoreProgress] = {}  # rank -> its restore, until re-promoted
 
     # ------------------------------------------------------------ membership and liveness
 
-    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> set[tuple[str, int]]:
+    def register(self, info: RankInfo, held: Iterable[tuple[str, int]]) -> set[tuple[str, int]]:
         """Add (or replace) a rank; return the (name, version) pairs it says it holds."""
         _check_rank_info(info)
         held = list(held)
-        for i, version in enumerate(
+        for i, (name, version) in enumerate(
             held
         ):  # version 0 would make the reconcile drop every version of the name
-            check_name(version.name, f"held[{i}].name")
-            check_version(version.version, f"held[{i}].version")
+            check_name(name, f"held[{i}].name")
+            check_version(version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
-        entry = RankEntry(
-            pb.RankInfo(), time.monotonic(), channel, pb_grpc.ShardServerStub(channel)
-        )
-        entry.info.CopyFrom(info)
+        entry = RankEntry(info, time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
         try:
             with self._ranks_changed:
                 self._check_fits_the_world(info)
                 old = self._ranks.get(info.rank)
-                entry.info.restarts = _restarts_after(old, info)
+                entry.info = replace(info, restarts=_restarts_after(old, info))
                 self._ranks[info.rank] = entry
                 self._changed_at = time.monotonic()
                 self._ranks_changed.notify_all()
@@ -99,9 +94,9 @@ class RankRegistry:
             info.hostname,
             f" (restart {entry.info.restarts})" if entry.info.restarts else "",
         )
-        return {(h.name, h.version) for h in held}
+        return set(held)
 
-    def report_restore(self, progress: pb.RestoreProgress) -> None:
+    def report_restore(self, progress: RestoreProgress) -> None:
         """Record a rank's restore of its persist dir (it registers once the files are read). FAILED_PRECONDITION
         while the rank's registered process is alive: its shards must never turn unavailable by a report."""
         _check_restore(progress)
@@ -115,8 +110,7 @@ class RankRegistry:
                     f"restore is reported by its next process, once this one is dead"
                 )
             first = progress.rank not in self._restoring
-            self._restoring[progress.rank] = pb.RestoreProgress()
-            self._restoring[progress.rank].CopyFrom(progress)
+            self._restoring[progress.rank] = progress
         if first or progress.loaded:
             log.info(
                 "rank %d (pid %d) %s its persist dir: %d of %d bytes, %d of %d tensors",
@@ -147,7 +141,7 @@ class RankRegistry:
                 done.total_tensors,
             )
 
-    def _check_fits_the_world(self, info: pb.RankInfo) -> None:
+    def _check_fits_the_world(self, info: RankInfo) -> None:
         """(lock held) A registration must agree with the live ranks: one world size, its own address, and not
         replace a live registration of the same rank from elsewhere (else a stray registration would take a rank
         over, or make the reconcile drop another rank's versions). A restarted rank whose old entry is still
@@ -167,25 +161,26 @@ class RankRegistry:
                 )
         own = self._ranks.get(info.rank)
         if own is not None and self.is_alive(own) and own.info.address != info.address:
-            raise Unavailable(
+            raise RankUnavailable(
                 f"rank {info.rank} is registered at {own.info.address} and alive; a registration "
                 f"from rank.address {info.address} is taken once that one stops heartbeating",
                 metadata={"rank": info.rank},
             )
 
     def heartbeat(self, rank: int, memory_used: int) -> bool:
-        """Record that `rank` is alive (NotFound tells an unknown rank to register again); True when it had been
+        """Record that `rank` is alive (TensorNotFound tells an unknown rank to register again); True when it had been
         reported dead, so what it holds must be reconciled."""
         if memory_used < 0:
             raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
-                raise NotFound(f"rank {rank} is not registered; register again")
+                raise TensorNotFound(f"rank {rank} is not registered; register again")
             was_dead = entry.reported_dead or not self.is_alive(entry)
             entry.last_heartbeat = time.monotonic()
-            entry.info.memory_used_bytes = memory_used
-            entry.info.last_heartbeat_unix = time.time()
+            entry.info = replace(
+                entry.info, memory_used_bytes=memory_used, last_heartbeat_unix=time.time()
+            )
             if was_dead:
                 entry.reported_dead = False
                 self._changed_at = entry.last_heartbeat
@@ -258,24 +253,24 @@ class RankRegistry:
             dead_since = entry.exited_at if entry.exited else entry.last_heartbeat + self.dead_after
             return max(0.0, now - dead_since)
 
-    def ranks(self) -> list[pb.RankInfo]:
+    def ranks(self) -> list[RankInfo]:
         """Every registered rank with its liveness, by rank."""
         with self._ranks_changed:
             entries = sorted(self._ranks.values(), key=lambda e: e.info.rank)
-            out = []
-            for entry in entries:
-                info = pb.RankInfo()
-                info.CopyFrom(entry.info)
-                info.alive = self.is_alive(entry)
-                if entry.info.rank in self._restoring:
-                    info.restore.CopyFrom(self._restoring[entry.info.rank])
-                out.append(info)
+            out = [
+                replace(
+                    entry.info,
+                    alive=self.is_alive(entry),
+                    restore=self._restoring.get(entry.info.rank),
+                )
+                for entry in entries
+            ]
             for rank in sorted(
                 set(self._restoring) - set(self._ranks)
             ):  # not registered yet (a cluster restart)
                 progress = self._restoring[rank]
                 out.append(
-                    pb.RankInfo(
+                    RankInfo(
                         rank=rank, pid=progress.pid, hostname=progress.hostname, restore=progress
                     )
                 )
@@ -293,11 +288,11 @@ class RankRegistry:
         return True
 
     def entry(self, rank: int) -> RankEntry:
-        """The registered `rank`; Unavailable when it is not registered."""
+        """The registered `rank`; RankUnavailable when it is not registered."""
         with self._ranks_changed:
             entry = self._ranks.get(rank)
         if entry is None:
-            raise Unavailable(f"rank {rank} is not registered")
+            raise RankUnavailable(f"rank {rank} is not registered")
         return entry
 
     def check_placements(self, meta: ShardedTensorMetadata, skip: Set[int] = frozenset()) -> None:
@@ -315,7 +310,7 @@ class RankRegistry:
                     f"(registered: {sorted(entries)})"
                 )
             if not self.is_alive(entry):
-                raise Unavailable(
+                raise RankUnavailable(
                     f"{field} {shard.placement}: rank {shard.rank} is not alive",
                     metadata={"rank": shard.rank, "field": field},
                 )
@@ -331,7 +326,7 @@ class RankRegistry:
                 entry.channel.close()
 
 
-def _restarts_after(old: RankEntry | None, info: pb.RankInfo) -> int:
+def _restarts_after(old: RankEntry | None, info: RankInfo) -> int:
     """The restart count of a registration: one more than the old entry's when a new process (another pid or
     host) registers the rank number; unchanged when the same process registers again."""
     if old is None:
@@ -340,7 +335,7 @@ def _restarts_after(old: RankEntry | None, info: pb.RankInfo) -> int:
     return old.info.restarts + (0 if same_process else 1)
 
 
-def _check_restore(progress: pb.RestoreProgress) -> None:
+def _check_restore(progress: RestoreProgress) -> None:
     """A restore report's counts: a rank number and done <= total, all non-negative."""
     if progress.rank < 0:
         raise InvalidArgument(f"rank must be >= 0, got {progress.rank}")
@@ -352,7 +347,7 @@ def _check_restore(progress: pb.RestoreProgress) -> None:
             )
 
 
-def _check_rank_info(info: pb.RankInfo) -> None:
+def _check_rank_info(info: RankInfo) -> None:
     if info.rank < 0:
         raise InvalidArgument(f"rank.rank {info.rank} is negative")
     if info.world_size <= 0 or info.rank >= info.world_size:

@@ -25,13 +25,13 @@ from shardserve.core.repair import LiveRank, RepairImpossible, ranks_receiving, 
 from shardserve.server.common.errors import ServiceError, TensorBusy
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import job_timeout
+from shardserve.server.coordinator.options import DEFAULT_REPAIR_AFTER_S
 from shardserve.server.coordinator.records import TensorRecord
 from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.reshard import ReshardDriver
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REPAIR_AFTER_S = 30.0
 CHECK_EVERY_S = 0.5
 SETTLED_S = 10.0
 """Once every rank has been alive this long with no registration or exit, and the last scan found every copy

@@ -39,23 +39,20 @@ from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.planner import DEFAULT_BUCKET_BYTES, ReshardPlan, plan_reshard_per_round
-from shardserve.core.wire import metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
-    NotFound,
+    RankUnavailable,
     ServiceError,
     TensorBusy,
-    Unavailable,
+    TensorNotFound,
 )
-from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.jobs import JobReport, ReshardJob
 from shardserve.server.coordinator.orders import ReshardOrder
-from shardserve.server.coordinator.rank_calls import Allocation, RankCalls
+from shardserve.server.coordinator.rank_calls import Allocation
 from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +111,17 @@ class ReshardDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         collectives: CollectiveRunner,
         default_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.collectives = collectives
         self.default_timeout_s = default_timeout_s
         self._running: set[str] = set()
@@ -236,7 +232,7 @@ class ReshardDriver:
         """(name lock held) The READY version to reshard from, its last reshard's promotion finished first."""
         record = self.catalog.ready(name)
         if record is None:
-            raise NotFound(f"tensor {name!r} not found")
+            raise TensorNotFound(f"tensor {name!r} not found")
         if record.promoting:  # the last reshard's promotion failed on some rank: finish it first
             self._finish_one(record)
             current = self.catalog.ready(name)
@@ -249,9 +245,7 @@ class ReshardDriver:
             record = current
         return record
 
-    def _prepare(
-        self, move: _Move
-    ) -> Generator[ReshardStep, None, dict[int, pb.CollectiveProgress]]:
+    def _prepare(self, move: _Move) -> Generator[ReshardStep, None, dict[int, JobReport]]:
         """Reserve the new version's memory, then run the reshard job on every participant."""
         old, new, total = move.old, move.new, move.total
         self.calls.allocate(
@@ -260,17 +254,12 @@ class ReshardDriver:
             Allocation(reserve_only=True),
             f"reserve {new.name!r} version {new.version}",
         )
-        job = pb.CollectiveJob(
+        job = ReshardJob(
+            old,
+            new,
+            bucket_bytes=move.plan.bucket_bytes,
             timeout_s=move.timeout_s,
-            reshard=pb.ReshardJob(
-                name=new.name,
-                src_version=old.version,
-                src=metadata_to_proto(old.metadata),
-                dst_version=new.version,
-                dst=metadata_to_proto(new.metadata),
-                bucket_bytes=move.plan.bucket_bytes,
-                src_unavailable=sorted(move.unavailable),
-            ),
+            src_unavailable=tuple(sorted(move.unavailable)),
         )
         what = f"reshard of {new.name!r} (version {old.version} -> {new.version})"
         log.info(
@@ -385,17 +374,17 @@ class ReshardDriver:
         for rank in sorted(set(participants) | set(dst_ranks)):
             try:
                 entry = self.registry.entry(rank)
-            except Unavailable:
+            except RankUnavailable:
                 if rank in dst_ranks:
                     raise InvalidArgument(
                         f"metadata: rank {rank} is not a registered rank"
                     ) from None
-                raise Unavailable(
+                raise RankUnavailable(
                     f"rank {rank}, which holds the current version, is not registered "
                     f"(it has not come back since the coordinator started)"
                 ) from None
             if not self.registry.is_alive(entry):
-                raise Unavailable(
+                raise RankUnavailable(
                     f"rank {rank} is down; resharding onto/from it is impossible until it "
                     f"is back (restart that rank if it died: it rejoins under its rank number)"
                 )

@@ -3,7 +3,8 @@
 The parts, each given only what it uses: the catalog (records), the rank registry (membership and liveness)
 and the calls to ranks, per-name locks and byte quotas, the collective-job runner (with its rendezvous store),
 the tensor lifecycle, the reshard, checkpoint, snapshot and repair drivers, the upkeep (reconciling ranks and
-the periodic chores) and the answers the servicer makes from records. Building them starts nothing: threads,
+the periodic chores) and the answers the servicer makes from records. The drivers and the reconciler share
+one DriverContext (catalog, registry, calls, locks: context.py). Building them starts nothing: threads,
 the rendezvous store and the repair loop start in `start()`, and `close()` ends them.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from dataclasses import dataclass
 
 from shardserve.server.common.auth import Security
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
@@ -19,37 +19,21 @@ from shardserve.server.coordinator.answers import Answers
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.checkpoint import CheckpointDriver
 from shardserve.server.coordinator.collectives import CollectiveRunner
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.lifecycle import TensorLifecycle
 from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.metrics import CoordinatorMetrics
+from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.quotas import ByteQuotas
 from shardserve.server.coordinator.rank_calls import RankCalls
 from shardserve.server.coordinator.reconcile import Reconciler
 from shardserve.server.coordinator.registry import RankRegistry
-from shardserve.server.coordinator.repair import DEFAULT_REPAIR_AFTER_S, RepairDriver
+from shardserve.server.coordinator.repair import RepairDriver
 from shardserve.server.coordinator.reshard import ReshardDriver
 from shardserve.server.coordinator.snapshots import SnapshotDriver
 from shardserve.server.coordinator.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CoordinatorSettings:
-    """The coordinator's timings (seconds) and where it hosts the rendezvous store of collective jobs.
-
-    `dead_after`: heartbeats missed this long mark a rank dead (None: 3 heartbeat intervals); `repair_after`:
-    how long a rank stays dead before its copies are rebuilt from live replicas; `store_port` 0 = any free
-    port of `store_host`.
-    """
-
-    heartbeat_interval: float = 1.0
-    dead_after: float | None = None
-    rpc_timeout: float = 60.0
-    pending_timeout: float = 600.0
-    store_port: int = 0
-    store_host: str = "0.0.0.0"
-    repair_after: float = DEFAULT_REPAIR_AFTER_S
 
 
 class CoordinatorServer:
@@ -59,60 +43,40 @@ class CoordinatorServer:
         self,
         catalog: Catalog,
         security: Security = Security(),
-        settings: CoordinatorSettings = CoordinatorSettings(),
+        options: CoordinatorOptions = CoordinatorOptions(),
     ) -> None:
         self.catalog = catalog
-        self.settings = settings
-        dead_after = settings.dead_after
-        self.registry = RankRegistry(
-            security, dead_after if dead_after is not None else 3 * settings.heartbeat_interval
-        )
-        self.calls = RankCalls(self.registry, settings.rpc_timeout)
+        self.options = options
+        self.registry = RankRegistry(security, options.rank_dead_after)
+        self.calls = RankCalls(self.registry, options.rpc_timeout)
         self.locks = NameLocks()
         self.quotas = ByteQuotas(catalog)
         self.collectives = CollectiveRunner(
-            self.registry, catalog.next_version, settings.store_port, settings.store_host
+            self.registry, catalog.next_version, options.store_port, options.store_host
         )
-        registry, calls, locks = self.registry, self.calls, self.locks
-        self.reshards = ReshardDriver(
-            catalog, registry=registry, calls=calls, locks=locks, collectives=self.collectives
-        )
-        self.lifecycle = TensorLifecycle(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            quotas=self.quotas,
-            replaced=self.reshards,
-        )
+        context = DriverContext(catalog, self.registry, self.calls, self.locks)
+        self.reshards = ReshardDriver(context, collectives=self.collectives)
+        self.lifecycle = TensorLifecycle(context, quotas=self.quotas, replaced=self.reshards)
         self.checkpoints = CheckpointDriver(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            collectives=self.collectives,
-            versions=self.lifecycle,
-            quotas=self.quotas,
+            context, collectives=self.collectives, versions=self.lifecycle, quotas=self.quotas
         )
         self.snapshots = SnapshotDriver(
-            catalog,
-            registry=registry,
-            calls=calls,
-            locks=locks,
-            versions=self.lifecycle,
-            pending_timeout=settings.pending_timeout,
+            context, versions=self.lifecycle, pending_timeout=options.pending_timeout
         )
         self.repairs = RepairDriver(
-            catalog, registry=registry, reshards=self.reshards, repair_after=settings.repair_after
+            catalog,
+            registry=self.registry,
+            reshards=self.reshards,
+            repair_after=options.repair_after,
         )
         self.upkeep = Upkeep(
             catalog,
-            registry=registry,
+            registry=self.registry,
             lifecycle=self.lifecycle,
-            reconciler=Reconciler(catalog, registry=registry, calls=calls, locks=locks),
+            reconciler=Reconciler(context),
             reshards=self.reshards,
-            heartbeat_interval=settings.heartbeat_interval,
-            pending_timeout=settings.pending_timeout,
+            heartbeat_interval=options.heartbeat_interval,
+            pending_timeout=options.pending_timeout,
         )
         self.answers = Answers(self.registry.rank_unreadable, self.repairs.state)
         self.metrics_address = ""  # HOST:PORT of the metrics endpoint as ListRanks tells clients

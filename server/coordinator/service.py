@@ -30,9 +30,17 @@ from shardserve.server.coordinator.messages import (
 )
 from shardserve.server.coordinator.orders import (
     commit_order,
+    load_order,
     reshard_order,
+    save_order,
     snapshot_order,
     snapshot_view,
+)
+from shardserve.server.coordinator.rank_messages import (
+    held_from_proto,
+    rank_from_proto,
+    rank_to_proto,
+    restore_from_proto,
 )
 from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
@@ -76,10 +84,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RegisterRankRequest, context: grpc.ServicerContext
     ) -> pb.RegisterRankResponse:
         coordinator = self.coordinator
-        coordinator.upkeep.register(request.rank, request.held)
+        coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
-            heartbeat_interval_s=coordinator.settings.heartbeat_interval,
+            heartbeat_interval_s=coordinator.options.heartbeat_interval,
             store_port=coordinator.collectives.store_port,
         )
 
@@ -94,7 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def ReportRestore(
         self, request: pb.RestoreProgress, context: grpc.ServicerContext
     ) -> pb.ReportRestoreResponse:
-        self.coordinator.registry.report_restore(request)
+        self.coordinator.registry.report_restore(restore_from_proto(request))
         return pb.ReportRestoreResponse()
 
     @rpc_errors
@@ -102,7 +110,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListRanksRequest, context: grpc.ServicerContext
     ) -> pb.ListRanksResponse:
         return pb.ListRanksResponse(
-            ranks=self.coordinator.registry.ranks(),
+            ranks=[rank_to_proto(info) for info in self.coordinator.registry.ranks()],
             epoch=self.coordinator.collectives.epochs.current,
             metrics_address=self.coordinator.metrics_address,
         )
@@ -171,14 +179,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        for step in self.coordinator.checkpoints.load(request):
+        for step in self.coordinator.checkpoints.load(load_order(request)):
             yield self._checkpoint_progress(step)
 
     @rpc_errors
     def SaveCheckpoint(
         self, request: pb.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
-        for step in self.coordinator.checkpoints.save(request):
+        for step in self.coordinator.checkpoints.save(save_order(request)):
             yield self._checkpoint_progress(step)
 
     @rpc_errors

@@ -31,17 +31,16 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import (
     InvalidArgument,
-    NotFound,
     ServiceError,
     StaleVersion,
     TensorBusy,
+    TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_version
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.context import DriverContext
 from shardserve.server.coordinator.deferred_drops import DeferredDrops
-from shardserve.server.coordinator.locks import NameLocks
 from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder, check_skeleton_keys
-from shardserve.server.coordinator.rank_calls import RankCalls, versions_by_rank
+from shardserve.server.coordinator.rank_calls import versions_by_rank
 from shardserve.server.coordinator.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -49,7 +48,6 @@ from shardserve.server.coordinator.records import (
     TensorRecord,
     TensorState,
 )
-from shardserve.server.coordinator.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +95,17 @@ class SnapshotDriver:
 
     def __init__(
         self,
-        catalog: Catalog,
+        context: DriverContext,
         *,
-        registry: RankRegistry,
-        calls: RankCalls,
-        locks: NameLocks,
         versions: Versions,
         pending_timeout: float,
     ) -> None:
-        self.catalog = catalog
-        self.registry = registry
-        self.calls = calls
-        self.locks = locks
+        self.catalog, self.registry, self.calls, self.locks = (
+            context.catalog,
+            context.registry,
+            context.calls,
+            context.locks,
+        )
         self.versions = versions
         self.pending_timeout = pending_timeout
         self._pending: dict[tuple[str, int], _Pending] = {}
@@ -295,7 +292,7 @@ class SnapshotDriver:
         if snapshot is None:
             kept = [s.number for s in self.catalog.snapshots(prefix)]
             which = "no snapshot" if number == 0 else f"no snapshot {number}"
-            raise NotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
+            raise TensorNotFound(f"prefix {prefix!r} has {which} (kept: {kept or 'none'})")
         return snapshot
 
     def list(self, prefix: str) -> list[SnapshotRecord]:
@@ -310,7 +307,7 @@ class SnapshotDriver:
         with self._guard:
             snapshot = self._pending.pop((prefix, number), None)
         if snapshot is None:
-            raise NotFound(
+            raise TensorNotFound(
                 f"snapshot {prefix!r} {number} is not pending (never created, committed, aborted, "
                 f"or the coordinator restarted)"
             )

@@ -13,10 +13,10 @@ import time
 from collections.abc import Iterable
 from concurrent import futures
 
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.coordinator.catalog import Catalog
 from shardserve.server.coordinator.lifecycle import TensorLifecycle
+from shardserve.server.coordinator.rank_info import RankInfo
 from shardserve.server.coordinator.reconcile import Reconciler
 from shardserve.server.coordinator.registry import RankRegistry
 from shardserve.server.coordinator.reshard import ReshardDriver
@@ -54,7 +54,7 @@ class Upkeep:
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
 
-    def register(self, info: pb.RankInfo, held: Iterable[pb.HeldVersion]) -> None:
+    def register(self, info: RankInfo, held: Iterable[tuple[str, int]]) -> None:
         """Add (or replace) a rank; reconcile what it holds with the catalog in the background."""
         held_pairs = self.registry.register(info, held)
         self._background.submit(self.reconciler.reconcile, info.rank, held_pairs)

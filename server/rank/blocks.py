@@ -29,9 +29,7 @@ reverse. A multiple of the page size, as mmap needs.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import mmap
 import os
 import threading
 import weakref
@@ -40,73 +38,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardserve.core.address_space import PAGE, AddressRange, round_up
 from shardserve.server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
-PAGE = mmap.PAGESIZE
-MAP_FIXED, MAP_NORESERVE = 0x10, 0x4000
-PROT_NONE = 0  # <sys/mman.h>; Python's mmap module does not name it
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
-
-
-def _check(result: int, what: str) -> None:
-    if result == -1 or result == _MAP_FAILED:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-class AddressRange:
-    """A reserved range of this process's address space, unmapped when the object (and every tensor over it)
-    is gone; blocks are placed into it with MAP_FIXED."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.size = _round_up(max(nbytes, 1), PAGE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
-        address = _libc.mmap(None, self.size, PROT_NONE, flags, -1, 0)
-        _check(address, "reserving address space")
-        self.address = address
-        weakref.finalize(self, _libc.munmap, address, self.size)
-
-    def place(self, offset: int, nbytes: int, fd: int, file_offset: int, writable: bool) -> None:
-        """Map `nbytes` of file `fd` from `file_offset` at `offset` of the range (replacing what was there)."""
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        result = _libc.mmap(
-            self.address + offset,
-            _round_up(nbytes, PAGE),
-            prot,
-            mmap.MAP_SHARED | MAP_FIXED,
-            fd,
-            file_offset,
-        )
-        _check(result, "mapping a block")
-
-    def protect_read_only(self) -> None:
-        _check(
-            _libc.mprotect(self.address, self.size, mmap.PROT_READ), "protecting a served version"
-        )
-
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of the range as a flat uint8 tensor (which keeps the range alive)."""
-        array = (ctypes.c_char * nbytes).from_address(self.address)
-        setattr(array, "keeps", self)  # noqa: B010 - the tensor holds the array, the array the range
-        return torch.frombuffer(array, dtype=torch.uint8)
 
 
 class BlockFile:
@@ -218,7 +153,7 @@ class Blocks:
     def _copy(self, blocks: list[Block], flat: torch.Tensor, indexes: list[int]) -> list[Block]:
         """Copies of `blocks` (at block `indexes` of `flat`, their mapped bytes): each in a new memfd of its own,
         or all in one when the rank has `max_files` open already; not sealed yet, each used by one version."""
-        slots = [_round_up(b.nbytes, PAGE) for b in blocks]
+        slots = [round_up(b.nbytes, PAGE) for b in blocks]
         alone = self.open_files + len(blocks) <= self.max_files
         files = (
             [self._new_file(n) for n in slots]

@@ -1,7 +1,8 @@
 """The one table from the rank's own errors (server/rank/errors.py) to service errors with a status and reason.
 
 Every rank servicer decorates its methods with `rank_rpc`, and the bulk port answers its errors through
-`error_status`, so a refusal reads the same (code, reason, message, metadata) on every data path.
+`error_status`, so a refusal reads the same (code, reason, message, metadata) on every data path. Both
+families name a cause alike (TensorNotFound here and there), after its `Reason`.
 """
 
 from __future__ import annotations
@@ -12,53 +13,30 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from shardserve.server.common.errors import (
-    ErrorStatus,
-    InvalidArgument,
-    InvalidState,
-    MemoryLimit,
-    NotFound,
-    RequestTooLarge,
-    ServiceError,
-    StaleVersion,
-    TensorBusy,
-    WriteIncomplete,
-    rpc_errors,
-    status_of,
-)
-from shardserve.server.rank.errors import (
-    BadRequest,
-    BoxTooLarge,
-    IllegalTransition,
-    OverMemory,
-    RankError,
-    RowsOnly,
-    ShardReserved,
-    ShardsIncomplete,
-    TensorUnknown,
-    VersionBusy,
-    VersionCommitted,
-    VersionExists,
-    VersionNotServed,
-)
+from shardserve.server.common import errors as service
+from shardserve.server.common.errors import ErrorStatus, ServiceError, rpc_errors, status_of
+from shardserve.server.common.errors import item_errors as service_item_errors
+from shardserve.server.rank import errors as rank
 
-SERVICE_ERRORS: Mapping[type[RankError], type[ServiceError]] = {
-    BadRequest: InvalidArgument,
-    TensorUnknown: NotFound,
-    VersionNotServed: StaleVersion,
-    VersionCommitted: InvalidState,
-    VersionExists: InvalidState,
-    ShardReserved: InvalidState,
-    RowsOnly: InvalidState,
-    IllegalTransition: InvalidState,
-    ShardsIncomplete: WriteIncomplete,
-    VersionBusy: TensorBusy,
-    OverMemory: MemoryLimit,
-    BoxTooLarge: RequestTooLarge,
+SERVICE_ERRORS: Mapping[type[rank.RankError], type[ServiceError]] = {
+    rank.InvalidArgument: service.InvalidArgument,
+    rank.TensorNotFound: service.TensorNotFound,
+    rank.StaleVersion: service.StaleVersion,
+    rank.InvalidState: service.InvalidState,
+    rank.WriteIncomplete: service.WriteIncomplete,
+    rank.TensorBusy: service.TensorBusy,
+    rank.MemoryLimit: service.MemoryLimit,
+    rank.DiskFull: service.DiskFull,
+    rank.RequestTooLarge: service.RequestTooLarge,
+    rank.Overloaded: service.Overloaded,
+    rank.PermissionDenied: service.PermissionDenied,
+    rank.RankUnavailable: service.RankUnavailable,
+    rank.EpochEnded: service.EpochEnded,
+    rank.PathUnavailable: service.PathUnavailable,
 }
 
 
-def service_error(err: RankError) -> ServiceError:
+def service_error(err: rank.RankError) -> ServiceError:
     """The service error (status code and reason) that answers `err`, with its message and metadata."""
     for kind in type(err).__mro__:
         if kind in SERVICE_ERRORS:
@@ -68,7 +46,7 @@ def service_error(err: RankError) -> ServiceError:
 
 def error_status(err: BaseException) -> ErrorStatus:
     """The status a rank answers for `err`, whichever layer raised it (the bulk port's error answers)."""
-    return status_of(service_error(err) if isinstance(err, RankError) else err)
+    return status_of(service_error(err) if isinstance(err, rank.RankError) else err)
 
 
 @contextmanager
@@ -77,8 +55,16 @@ def service_errors() -> Iterator[None]:
     so the entry's name is added to the translated error)."""
     try:
         yield
-    except RankError as err:
+    except rank.RankError as err:
         raise service_error(err) from err
+
+
+@contextmanager
+def item_errors(item: str) -> Iterator[None]:
+    """Errors raised inside, rank errors translated first, as errors of one entry of a batch (`item`, e.g.
+    "shards[3]"): the message prefixed "ITEM: " and `item` in the metadata (common `item_errors`)."""
+    with service_item_errors(item), service_errors():
+        yield
 
 
 def rank_rpc(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,11 @@
-"""The rank's own errors: what went wrong in its store, memory or shards, with no word of the transport.
+"""The rank's own errors: what went wrong in its store, memory, shards or data paths, with no word of the
+transport.
 
-The store and its parts raise these; the servicers turn them into gRPC statuses and reasons through one table
-(server/rank/error_status.py). `metadata` names the tensor, rank or field an error is about, where known.
+Every raise on the rank is one of these, and each class is named after the `Reason` it answers with
+(shardserve.protos.errors: TensorNotFound for TENSOR_NOT_FOUND, ...), the same name the coordinator's
+service errors (server/common/errors.py) and the docs use for that cause. The servicers turn them into gRPC
+statuses through one table (server/rank/error_status.py). `metadata` names the tensor, rank or field an
+error is about, where known.
 """
 
 from __future__ import annotations
@@ -21,49 +25,60 @@ class RankError(Exception):
         return str(self.args[0]) if self.args else ""
 
 
-class BadRequest(RankError):
-    """The call names something the tensor does not have: a shard, a box, a dtype or size that do not fit."""
+class InvalidArgument(RankError):
+    """A request field is malformed, or names something the tensor does not have: a shard, a box, a dtype or
+    size that do not fit."""
 
 
-class TensorUnknown(RankError):
+class TensorNotFound(RankError):
     """No version of the tensor is held on this rank."""
 
 
-class VersionNotServed(RankError):
-    """The version asked for is not held, or not served, here (any more, or yet)."""
+class StaleVersion(RankError):
+    """The version asked for is not held, or not served, here (any more, or yet): the caller refreshes."""
 
 
-class VersionCommitted(RankError):
-    """A served version never changes: the call needs a pending one."""
+class InvalidState(RankError):
+    """The version is not in the state the call needs: committed already, allocated already, reserved for a
+    collective job, shared with an older version (rows only), or asked for a step its state machine forbids."""
 
 
-class VersionExists(RankError):
-    """The version is allocated on this rank already."""
-
-
-class ShardReserved(RankError):
-    """The shard's bytes come with a collective job (reshard, checkpoint load), not with a write."""
-
-
-class RowsOnly(RankError):
-    """The shard shares blocks with an older version (a row update's copy): only its rows may change."""
-
-
-class ShardsIncomplete(RankError):
+class WriteIncomplete(RankError):
     """Some local shards of the version are not fully written, or a change left them torn."""
 
 
-class VersionBusy(RankError):
+class TensorBusy(RankError):
     """Another writer holds the shard, or the version was dropped before its allocation arrived."""
 
 
-class OverMemory(RankError):
+class MemoryLimit(RankError):
     """The rank's memory limit, or its device's memory, has no room for the bytes asked for."""
 
 
-class BoxTooLarge(RankError):
-    """The box asked for is over what one request may read."""
+class DiskFull(RankError):
+    """The rank could not persist for want of space; nothing was acknowledged."""
 
 
-class IllegalTransition(RankError):
-    """A version was asked to change state in a way its state machine does not allow (a bug, not a request)."""
+class RequestTooLarge(RankError):
+    """The request is over what one call may ask for (bytes, ids, regions)."""
+
+
+class Overloaded(RankError):
+    """Too many concurrent calls or connections: retry later."""
+
+
+class PermissionDenied(RankError):
+    """The caller may not read or write that tensor, or hold that memory."""
+
+
+class RankUnavailable(RankError):
+    """This rank cannot do the work now (its disk failed, a peer of a job is unreachable): retryable."""
+
+
+class EpochEnded(RankError):
+    """A collective job's epoch ended (a participant failed or a newer epoch began): run the job again."""
+
+
+class PathUnavailable(RankError):
+    """A data path (shared memory, in-place writes, the bulk port) is not offered for this call: the client
+    falls back to another."""

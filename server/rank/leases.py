@@ -18,8 +18,8 @@ import torch
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.regions import local_view
-from shardserve.server.rank.errors import BadRequest, BoxTooLarge, RowsOnly, VersionBusy
-from shardserve.server.rank.options import TensorOptions
+from shardserve.core.tensor_options import TensorOptions
+from shardserve.server.rank.errors import InvalidArgument, InvalidState, RequestTooLarge, TensorBusy
 from shardserve.server.rank.shard_memory import ShardMemory
 from shardserve.server.rank.shard_writer import ShardWriter, checked_box
 from shardserve.server.rank.shared_memory import Segment
@@ -87,7 +87,7 @@ class VersionLeases:
             wanted = checked_box(shard_box, offsets, sizes)
             nbytes = wanted.numel() * record.metadata.tensor_properties.itemsize
             if self.max_request_bytes and nbytes > self.max_request_bytes:
-                raise BoxTooLarge(
+                raise RequestTooLarge(
                     f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
                     f"max_request_bytes {self.max_request_bytes}",
                     metadata={"tensor": name, "rank": self.rank, "field": "sizes"},
@@ -108,7 +108,7 @@ class VersionLeases:
             writer = ShardWriter(shard_tensor, nbytes)
             yield writer
             if writer.written != nbytes:
-                raise BadRequest(
+                raise InvalidArgument(
                     f"the stream ended after {writer.written} of {nbytes} bytes of "
                     f"shard {shard_index}",
                     metadata={"tensor": name},
@@ -178,7 +178,7 @@ class VersionLeases:
             record.local_shard(shard_index, self.rank)
             self._check_whole_write(record, shard_index, dtype, nbytes)
             if not record.progress.finish_in_place(shard_index):
-                raise BadRequest(
+                raise InvalidArgument(
                     f"shard_index {shard_index} of {name!r} version {version} was not opened for an "
                     f"in-place write on rank {self.rank} (OpenShardsForWrite), or bytes were sent for "
                     f"it since",
@@ -200,25 +200,25 @@ class VersionLeases:
         be a row update's copy, and not race another write of it."""
         meta, name, version = record.metadata, record.name, record.version
         if dtype != meta.dtype:
-            raise BadRequest(
+            raise InvalidArgument(
                 f"header.dtype {dtype_name(dtype)} does not match tensor {name!r}'s "
                 f"dtype {dtype_name(meta.dtype)}",
                 metadata={"tensor": name, "field": "header.dtype"},
             )
         if nbytes != meta.shard_nbytes(shard_index):
-            raise BadRequest(
+            raise InvalidArgument(
                 f"header.nbytes {nbytes} does not match shard {shard_index}'s size "
                 f"of {meta.shard_nbytes(shard_index)} bytes",
                 metadata={"tensor": name, "field": "header.nbytes"},
             )
         if self._memory.blocks.is_composed(record.shards.get(shard_index, torch.empty(0))):
-            raise RowsOnly(
+            raise InvalidState(
                 f"shard_index {shard_index} of {name!r} version {version} is a row "
                 f"update's copy; change its rows with WriteRows",
                 metadata={"tensor": name, "field": "shard_index"},
             )
         if record.progress.is_changing(shard_index):  # two streams would interleave their bytes
-            raise VersionBusy(
+            raise TensorBusy(
                 f"shard_index {shard_index} of {name!r} version {version} is being written by "
                 f"another stream on rank {self.rank}; write each shard once",
                 metadata={"tensor": name, "rank": self.rank},
@@ -249,7 +249,7 @@ class VersionLeases:
             done(was_complete)
 
     def shard_of(self, record: StoredVersion, shard_index: int) -> torch.Tensor:
-        """The local tensor of shard `shard_index` of a leased version (BadRequest if not held here)."""
+        """The local tensor of shard `shard_index` of a leased version (InvalidArgument if not held here)."""
         return record.local_shard(shard_index, self.rank)
 
     def shared_segment(self, record: StoredVersion, shard_index: int) -> Segment | None:

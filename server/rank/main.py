@@ -33,13 +33,13 @@ from shardserve.server.common.cli_args import (
     configure_logging,
     security_from_args,
 )
-from shardserve.server.common.errors import ServiceError
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
 from shardserve.server.common.memory_limits import MemoryLimit, effective_memory
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.tracing import enable_tracing
 from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.errors import RankError
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.malloc_tuning import tune_malloc
 from shardserve.server.rank.memory_budget import (
@@ -168,7 +168,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     try:
         persistence = open_persistence(options, rank)
-    except ServiceError as err:
+    except RankError as err:
         log.error("--persist-dir: %s", err.message)
         return 2
     store = open_store(options, rank, device, memory_limit=limit.nbytes, persistence=persistence)

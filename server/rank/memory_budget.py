@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from shardserve.server.common.memory_limits import host_memory
-from shardserve.server.rank.errors import OverMemory
+from shardserve.server.rank.errors import MemoryLimit
 
 # Of the memory left after the reserve, split evenly among the ranks on the host (or in the container).
 HOST_MEMORY_FRACTION = 0.8
@@ -85,16 +85,16 @@ class MemoryBudget:
         return room
 
     def reserve(self, nbytes: int) -> None:
-        """Hold `nbytes` more, or OverMemory naming the limit (or the device's capacity) that has no room."""
+        """Hold `nbytes` more, or MemoryLimit naming the limit (or the device's capacity) that has no room."""
         with self._lock:
             if self.limit and self._used + nbytes > self.limit:
-                raise OverMemory(
+                raise MemoryLimit(
                     f"rank {self.rank} memory limit: {nbytes} bytes requested, "
                     f"{self.limit - self._used} of {self.limit} free",
                     metadata={"rank": self.rank},
                 )
             if self._used + nbytes > self.capacity:
-                raise OverMemory(
+                raise MemoryLimit(
                     f"rank {self.rank} memory: {nbytes} bytes requested, more than the "
                     f"{self.capacity - self._used} bytes left of {self.device}'s {self.capacity}",
                     metadata={"rank": self.rank},

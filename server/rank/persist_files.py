@@ -31,10 +31,9 @@ import xxhash
 
 from shardserve.core.checksums import tensor_checksum
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_to_proto
-from shardserve.server.common.errors import DiskFull, Unavailable
-from shardserve.server.rank.options import TensorOptions
-from shardserve.server.rank.wire import options_message
+from shardserve.core.tensor_options import TensorOptions
+from shardserve.core.wire import metadata_to_proto, options_to_proto
+from shardserve.server.rank.errors import DiskFull, RankUnavailable
 
 SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -65,7 +64,7 @@ def disk_error(rank: int, path: Path, err: OSError) -> Exception:
     what = f"rank {rank} could not persist {path}: {err.strerror or err}"
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return DiskFull(f"{what} (disk full); nothing was acknowledged")
-    return Unavailable(f"{what}; nothing was acknowledged")
+    return RankUnavailable(f"{what}; nothing was acknowledged")
 
 
 def fsync_dir(path: Path) -> None:
@@ -207,7 +206,7 @@ def write_manifest(
         "version": version,
         "shards": files,
         "metadata": metadata_to_proto(meta).SerializeToString().hex(),
-        "options": options_message(options).SerializeToString().hex(),
+        "options": options_to_proto(options).SerializeToString().hex(),
     }
     try:
         write_json(path, document, sync)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.core.wire import metadata_from_proto
+from shardserve.core.tensor_options import TensorOptions
+from shardserve.core.wire import metadata_from_proto, options_from_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persist_files import (
     CorruptFile,
     LogRecord,
@@ -28,7 +28,6 @@ from shardserve.server.rank.persist_files import (
     read_log,
     read_shard_file,
 )
-from shardserve.server.rank.wire import tensor_options
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +177,7 @@ def _load_snapshot(
     meta = metadata_from_proto(
         pb.ShardedTensorMetadata.FromString(bytes.fromhex(manifest["metadata"]))
     )
-    options = tensor_options(pb.TensorOptions.FromString(bytes.fromhex(manifest["options"])))
+    options = options_from_proto(pb.TensorOptions.FromString(bytes.fromhex(manifest["options"])))
     expected = set(meta.shards_on(rank))
     if {int(i) for i in manifest["shards"]} != expected:
         raise CorruptFile(

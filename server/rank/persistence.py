@@ -54,10 +54,9 @@ import numpy as np
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
-from shardserve.server.common.errors import InvalidArgument
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.common.names import file_name
-from shardserve.server.rank.errors import TensorUnknown, VersionNotServed
-from shardserve.server.rank.options import TensorOptions
+from shardserve.server.rank.errors import InvalidArgument, StaleVersion, TensorNotFound
 from shardserve.server.rank.persist_files import (
     LogRecord,
     PromoteItem,
@@ -388,7 +387,7 @@ class Persistence:
                 try:
                     with self._snapshot_source(name, version) as (meta, options, shards):
                         self.snapshot(name, version, meta, options, shards)
-                except (VersionNotServed, TensorUnknown):  # replaced or deleted meanwhile
+                except (StaleVersion, TensorNotFound):  # replaced or deleted meanwhile
                     done = version
                     continue
                 self._table(name).restart_log(version)

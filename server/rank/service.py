@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import options_from_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.chunk_codec import (
@@ -21,7 +22,7 @@ from shardserve.protos.chunk_codec import (
     encode_lookup_chunk,
     encode_lookup_reply,
 )
-from shardserve.server.common.errors import InvalidArgument, item_errors
+from shardserve.server.common import errors as common_errors
 from shardserve.server.common.requests import (
     check_init,
     check_name,
@@ -29,7 +30,8 @@ from shardserve.server.common.requests import (
     check_version,
     parse_metadata,
 )
-from shardserve.server.rank.error_status import rank_rpc, service_errors
+from shardserve.server.rank.error_status import item_errors, rank_rpc
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.jobs.checkpoint import run_checkpoint_load, run_checkpoint_save
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.jobs.reshard import run_reshard_job
@@ -46,7 +48,7 @@ from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore, versions_phrase
-from shardserve.server.rank.wire import checksum_messages, init_fill, tensor_options
+from shardserve.server.rank.wire import checksum_messages, init_fill
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 from shardserve.server.rank.writes.in_place import open_allocated
@@ -126,7 +128,6 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                     item_errors(
                         f"tensors[{index}] ({allocation.name!r} version {allocation.version})"
                     ),
-                    service_errors(),
                 ):
                     total += self._allocate(allocation, log_level=logging.DEBUG)
                 made.append(allocation)
@@ -152,7 +153,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             allocation.version,
             allocation.meta,
         )
-        options = tensor_options(request.options)
+        options = options_from_proto(request.options)
         if request.init == pb.INIT_COPY:
             return self.store.allocate_copy(
                 name,
@@ -301,7 +302,7 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
     meta = parse_metadata(request.metadata, f"{prefix}metadata")
     try:
         check_options(request.options, meta)
-    except InvalidArgument as err:
+    except common_errors.InvalidArgument as err:
         raise InvalidArgument(f"{prefix}{err.message}") from None
     return Allocation(request, name, version, meta)
 
@@ -309,7 +310,7 @@ def checked_allocation(request: pb.AllocateShardsRequest, prefix: str = "") -> A
 @contextmanager
 def _item_errors(index: int) -> Iterator[None]:
     """Errors of versions[index] of a batch, as the service errors that answer them, naming the entry."""
-    with item_errors(f"versions[{index}]"), service_errors():
+    with item_errors(f"versions[{index}]"):
         yield
 
 

@@ -8,29 +8,29 @@ import torch
 
 from shardserve.core.metadata import Box
 from shardserve.core.wire import byte_view
-from shardserve.server.rank.errors import BadRequest
+from shardserve.server.rank.errors import InvalidArgument
 
 
 def checked_box(shard_box: Box, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
-    """The requested box, or BadRequest naming offsets/sizes when it is not inside the shard."""
+    """The requested box, or InvalidArgument naming offsets/sizes when it is not inside the shard."""
     if len(offsets) != shard_box.ndim:
-        raise BadRequest(
+        raise InvalidArgument(
             f"offsets has {len(offsets)} dims but the tensor has {shard_box.ndim}",
             metadata={"field": "offsets"},
         )
     if len(sizes) != shard_box.ndim:
-        raise BadRequest(
+        raise InvalidArgument(
             f"sizes has {len(sizes)} dims but the tensor has {shard_box.ndim}",
             metadata={"field": "sizes"},
         )
     for d, (o, s) in enumerate(zip(offsets, sizes)):
         if o < 0:
-            raise BadRequest(f"offsets[{d}]={o} is negative", metadata={"field": "offsets"})
+            raise InvalidArgument(f"offsets[{d}]={o} is negative", metadata={"field": "offsets"})
         if s < 0:
-            raise BadRequest(f"sizes[{d}]={s} is negative", metadata={"field": "sizes"})
+            raise InvalidArgument(f"sizes[{d}]={s} is negative", metadata={"field": "sizes"})
     box = Box(offsets, sizes)
     if not shard_box.contains(box):
-        raise BadRequest(
+        raise InvalidArgument(
             f"offsets/sizes: box offsets={list(offsets)} sizes={list(sizes)} is not inside "
             f"the shard (offsets={list(shard_box.offsets)} sizes={list(shard_box.sizes)})",
             metadata={"field": "offsets"},
@@ -51,14 +51,14 @@ class ShardWriter:
     def write(self, offset: int, data: bytes) -> None:
         """Copy one chunk to its offset; chunks must arrive in order without gaps or overlap."""
         if offset != self.written:
-            raise BadRequest(
+            raise InvalidArgument(
                 f"chunk.offset {offset} is not where the stream is: expected {self.written} "
                 f"(chunks must arrive in order)",
                 metadata={"field": "chunk.offset"},
             )
         end = offset + len(data)
         if end > self.nbytes:
-            raise BadRequest(
+            raise InvalidArgument(
                 f"chunk.offset+len(chunk.data)={end} is past the end of the shard "
                 f"({self.nbytes} bytes)",
                 metadata={"field": "chunk.data"},
@@ -75,7 +75,7 @@ class ShardWriter:
         """Write the whole shard at once: `receive(view)` fills a writable byte view of it (the shard's own memory
         when it is in host memory, else a host buffer copied to the device after)."""
         if self.written:
-            raise BadRequest("the shard is being written in chunks; fill() writes it whole")
+            raise InvalidArgument("the shard is being written in chunks; fill() writes it whole")
         if self._view is not None:
             receive(self._view)
         elif self.nbytes:

@@ -43,7 +43,7 @@ from shardserve.protos.same_host import (
     WORD_CHECKSUM_TAG,
     left_checksum,
 )
-from shardserve.server.common.errors import Overloaded
+from shardserve.server.rank.errors import Overloaded
 from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 
 log = logging.getLogger(__name__)

@@ -26,13 +26,13 @@ import torch
 
 from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.blocks import Blocks
-from shardserve.server.rank.errors import BadRequest, OverMemory
+from shardserve.server.rank.errors import InvalidArgument, MemoryLimit
 from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import Persistence, PromoteItem, RestoreCount
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers
@@ -145,7 +145,7 @@ class ShardStore:
                 record.shards[i] = make_shard(meta, i, fill, seed, self.device, empty)
         except (RuntimeError, MemoryError) as err:
             self.retirement.forget(record)
-            raise OverMemory(
+            raise MemoryLimit(
                 f"rank {self.rank} could not allocate {record.nbytes} bytes: {err}",
                 metadata={"tensor": name, "rank": self.rank},
             ) from None
@@ -189,7 +189,7 @@ class ShardStore:
             record = self.versions.pending(name, version)
             expected = set(record.metadata.shards_on(self.rank))
             if set(shards) != expected:
-                raise BadRequest(
+                raise InvalidArgument(
                     f"install of {name!r} version {version}: shards {sorted(shards)} given, "
                     f"rank {self.rank} holds {sorted(expected)}",
                     metadata={"tensor": name, "rank": self.rank},
@@ -215,7 +215,7 @@ class ShardStore:
         (a restore checked its files against them); the promote hashes the others."""
         local = set(meta.shards_on(self.rank))
         if set(shards) != local:
-            raise BadRequest(
+            raise InvalidArgument(
                 f"shards {sorted(shards)} given for tensor {name!r} version {version}, but "
                 f"rank {self.rank} holds shards {sorted(local)}",
                 metadata={"tensor": name, "rank": self.rank},
@@ -228,7 +228,7 @@ class ShardStore:
                 or tensor.device != self.device
                 or not tensor.is_contiguous()
             ):
-                raise BadRequest(
+                raise InvalidArgument(
                     f"shard {i} of tensor {name!r}: expected a contiguous {shard.shard_sizes} "
                     f"{dtype_name(meta.dtype)} tensor on {self.device}",
                     metadata={"tensor": name},
@@ -257,7 +257,7 @@ class ShardStore:
         source_name = source_name or name
         with self.leases.lease(source_name, source_version) as source:
             if source.metadata != meta:
-                raise BadRequest(
+                raise InvalidArgument(
                     f"source_version {source_version} of {source_name!r} has another layout "
                     f"than the new version's metadata",
                     metadata={"tensor": name, "field": "source_version"},
@@ -302,7 +302,7 @@ class ShardStore:
                     record.shards[i] = empty.copy_(shard)
         except (RuntimeError, MemoryError) as err:
             self.retirement.forget(record)
-            raise OverMemory(
+            raise MemoryLimit(
                 f"rank {self.rank} could not copy {record.nbytes} bytes: {err}",
                 metadata={"tensor": record.name, "rank": self.rank},
             ) from None
@@ -405,7 +405,7 @@ class ShardStore:
         local = meta.shards_on(self.rank)
         for i in local:
             if meta.shards_metadata[i].device != self.device:
-                raise BadRequest(
+                raise InvalidArgument(
                     f"shards_metadata[{i}].placement {meta.shards_metadata[i].placement} does not "
                     f"match rank {self.rank}'s device {self.device}",
                     metadata={"tensor": name, "rank": self.rank, "field": "metadata"},

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shardserve.server.common.errors import InvalidArgument
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.version_table import StoredVersion
 
 ID_BYTES = 8

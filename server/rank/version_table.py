@@ -10,7 +10,7 @@ promoted, readable, never written again (promoting again changes nothing). GRACE
 version replaced it and it was dropped; still readable until its grace period ends (or its memory is
 needed). DROPPED: unreadable; its memory stays while a lease (a read in flight) holds it. FREED: its memory
 is given back and it is out of the table. Every change of state goes through `VersionEvent`s and the one
-`TRANSITIONS` table; any other change raises IllegalTransition.
+`TRANSITIONS` table; any other change raises InvalidState.
 
 Two things are counters rather than states, because they overlap freely: the leases on a version (reads and
 changes in flight, any number at once, in any live state) and, per local shard of a pending version, its
@@ -27,18 +27,15 @@ from dataclasses import dataclass, field
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.errors import (
-    BadRequest,
-    IllegalTransition,
-    ShardReserved,
-    ShardsIncomplete,
-    TensorUnknown,
-    VersionBusy,
-    VersionCommitted,
-    VersionExists,
-    VersionNotServed,
+    InvalidArgument,
+    InvalidState,
+    StaleVersion,
+    TensorBusy,
+    TensorNotFound,
+    WriteIncomplete,
 )
-from shardserve.server.rank.options import TensorOptions
 
 DROPPED_KEPT = (
     4096  # (name, version) pairs remembered as dropped, so a late allocation of one is refused
@@ -95,11 +92,11 @@ TRANSITIONS: dict[tuple[VersionState, VersionEvent], VersionState] = {
 
 
 def next_state(state: VersionState, event: VersionEvent) -> VersionState:
-    """The state `event` leads to from `state`; IllegalTransition when the table has no such step."""
+    """The state `event` leads to from `state`; InvalidState when the table has no such step."""
     try:
         return TRANSITIONS[(state, event)]
     except KeyError:
-        raise IllegalTransition(
+        raise InvalidState(
             f"a {state.value} version cannot {event.value}", metadata={"state": state.value}
         ) from None
 
@@ -193,27 +190,27 @@ class StoredVersion:
         return (self.name, self.version)
 
     def apply(self, event: VersionEvent) -> None:
-        """Move to the state `event` leads to (IllegalTransition when none)."""
+        """Move to the state `event` leads to (InvalidState when none)."""
         self.state = next_state(self.state, event)
 
     def local_shard(self, shard_index: int, rank: int) -> torch.Tensor:
-        """The tensor of local shard `shard_index`: BadRequest when the tensor has no such shard or another
-        rank holds it, ShardReserved when a collective job brings it."""
+        """The tensor of local shard `shard_index`: InvalidArgument when the tensor has no such shard or another
+        rank holds it, InvalidState when a collective job brings it."""
         count = len(self.metadata.shards_metadata)
         if not 0 <= shard_index < count:
-            raise BadRequest(
+            raise InvalidArgument(
                 f"shard_index {shard_index} is out of range: tensor {self.name!r} has {count} shards",
                 metadata={"tensor": self.name, "field": "shard_index"},
             )
         if shard_index not in self.shards:
             if shard_index in self.metadata.shards_on(rank):
-                raise ShardReserved(
+                raise InvalidState(
                     f"shard_index {shard_index} of tensor {self.name!r} version {self.version} is "
                     f"reserved for a reshard or checkpoint load on rank {rank}; its data arrives with "
                     f"that job, not by a write",
                     metadata={"tensor": self.name, "rank": rank},
                 )
-            raise BadRequest(
+            raise InvalidArgument(
                 f"shard_index {shard_index} of tensor {self.name!r} is not held by rank {rank} "
                 f"(local shards: {sorted(self.shards)})",
                 metadata={"tensor": self.name, "rank": rank, "field": "shard_index"},
@@ -233,16 +230,16 @@ class VersionTable:
         self._dropped_kept = dropped_kept
 
     def add(self, record: StoredVersion) -> None:
-        """Hold a new version: VersionExists when it is held, VersionBusy when it was dropped (an allocation
+        """Hold a new version: InvalidState when it is held, TensorBusy when it was dropped (an allocation
         that lost a race with its abort: versions never come back)."""
         if record.key in self._records:
-            raise VersionExists(
+            raise InvalidState(
                 f"tensor {record.name!r} version {record.version} is already allocated on rank "
                 f"{self.rank}",
                 metadata={"tensor": record.name, "rank": self.rank},
             )
         if record.key in self._dropped:
-            raise VersionBusy(
+            raise TensorBusy(
                 f"tensor {record.name!r} version {record.version} was dropped on rank {self.rank} "
                 f"before this allocation arrived (aborted)",
                 metadata={"tensor": record.name, "rank": self.rank},
@@ -286,26 +283,26 @@ class VersionTable:
         return [r for r in self._records.values() if r.state is VersionState.GRACED]
 
     def get(self, name: str, version: int) -> StoredVersion:
-        """The live (name, version): TensorUnknown when no version of `name` is held, else VersionNotServed."""
+        """The live (name, version): TensorNotFound when no version of `name` is held, else StaleVersion."""
         record = self._records.get((name, version))
         if record is not None and record.state.is_live:
             return record
         if not any(r.state.is_live for r in self._by_name.get(name, {}).values()):
-            raise TensorUnknown(
+            raise TensorNotFound(
                 f"tensor {name!r} not found on rank {self.rank}",
                 metadata={"tensor": name, "rank": self.rank},
             )
-        raise VersionNotServed(
+        raise StaleVersion(
             f"tensor {name!r} version {version} is not held on rank {self.rank}; "
             f"{self._served_phrase(name)}",
             metadata={"tensor": name, "rank": self.rank},
         )
 
     def pending(self, name: str, version: int) -> StoredVersion:
-        """The pending (name, version): VersionCommitted once it is served, as served versions never change."""
+        """The pending (name, version): InvalidState once it is served, as served versions never change."""
         record = self.get(name, version)
         if not record.state.is_pending:
-            raise VersionCommitted(
+            raise InvalidState(
                 f"tensor {name!r} version {version} is already committed; "
                 f"create a new version to change it",
                 metadata={"tensor": name},
@@ -313,26 +310,26 @@ class VersionTable:
         return record
 
     def served(self, name: str, version: int) -> StoredVersion:
-        """The served (name, version), version 0 meaning the newest served one; VersionNotServed otherwise."""
+        """The served (name, version), version 0 meaning the newest served one; StaleVersion otherwise."""
         if version == 0:
             newest = self._newest_served(name)
             if newest is not None:
                 return newest
         record = self.get(name, version)
         if not record.state.is_served:
-            raise VersionNotServed(
+            raise StaleVersion(
                 f"tensor {name!r} version {version} is not served here; {self._served_phrase(name)}",
                 metadata={"tensor": name, "rank": self.rank},
             )
         return record
 
     def promotable(self, name: str, version: int) -> StoredVersion:
-        """The live (name, version) with every local shard fully written and no change open (ShardsIncomplete
+        """The live (name, version) with every local shard fully written and no change open (WriteIncomplete
         naming the others)."""
         record = self.get(name, version)
         missing = record.progress.unfinished(record.metadata.shards_on(self.rank))
         if missing:
-            raise ShardsIncomplete(
+            raise WriteIncomplete(
                 f"tensor {name!r} version {version}: shards {missing} on rank {self.rank} "
                 f"are not fully written",
                 metadata={"tensor": name, "rank": self.rank},

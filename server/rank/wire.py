@@ -1,13 +1,11 @@
-"""Conversions between the wire's messages and the rank's own types (tensor options, initial fill): the
-servicers and the persisted manifests speak protobuf, the store does not."""
+"""Conversions between the wire's messages and the rank's own types (initial fill, checksums; tensor options
+convert in shardcore.wire): the servicers and the persisted manifests speak protobuf, the store does not."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.rank.options import OovPolicy, TensorOptions
 from shardserve.server.rank.shard_fill import InitFill
 
 _INIT_FILLS: dict[int, InitFill] = {
@@ -22,21 +20,6 @@ _INIT_FILLS: dict[int, InitFill] = {
 def init_fill(init: int) -> InitFill:
     """The fill of a checked InitKind other than INIT_COPY (which is a copy, not a fill)."""
     return _INIT_FILLS[init]
-
-
-def tensor_options(message: pb.TensorOptions) -> TensorOptions:
-    """The options of a checked TensorOptions message."""
-    return TensorOptions(
-        OovPolicy(message.oov), bytes(message.default_row), durable=not message.not_durable
-    )
-
-
-def options_message(options: TensorOptions) -> pb.TensorOptions:
-    """The TensorOptions message of `options`."""
-    oov = cast(pb.OovPolicy, options.oov.value)  # the wire enum's number
-    return pb.TensorOptions(
-        oov=oov, default_row=options.default_row, not_durable=not options.durable
-    )
 
 
 def checksum_messages(

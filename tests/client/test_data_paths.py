@@ -38,7 +38,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.rank.errors import VersionCommitted
+from shardserve.server.rank.errors import InvalidState
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
@@ -883,10 +883,10 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
 
 def test_served_versions_are_immutable():
     store = _served_store()
-    with pytest.raises(VersionCommitted, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.leases.write("t", 1, 0, torch.float32, 6 * 4 * 4):
             pass
-    with pytest.raises(VersionCommitted, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.leases.lease("t", 1, served=False):
             pass
 

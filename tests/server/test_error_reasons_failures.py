@@ -35,9 +35,11 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
-from shardserve.server.common.errors import EpochEnded, rpc_errors
+from shardserve.server.common.errors import rpc_errors
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.coordinator_process import CoordinatorOptions
+from shardserve.server.rank.error_status import rank_rpc
+from shardserve.server.rank.errors import EpochEnded
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.supervisor import RestartPolicy
@@ -215,8 +217,8 @@ def test_disk_full(make_cluster, small_disk):
 
 
 class Probe:
-    """A servicer of one unary and one request-streaming method, each wrapped by rpc_errors as the real
-    servicers are: `Raise` raises `error`, `Drain` reads its request stream to the end."""
+    """A servicer of one unary and one request-streaming method, each wrapped as the real servicers are: `Raise`
+    (as a rank's, so it answers rank errors too) raises `error`, `Drain` reads its request stream to the end."""
 
     def __init__(self) -> None:
         self.error: BaseException = RuntimeError("unset")
@@ -224,7 +226,7 @@ class Probe:
         self.drained = threading.Event()  # Drain ended, ...
         self.stream_failed = threading.Event()  # ... its request stream raising (not merely ending)
 
-    @rpc_errors
+    @rank_rpc
     def Raise(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         raise self.error
 

@@ -29,9 +29,9 @@ import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, ServiceError
+from shardserve.server.common.errors import ServiceError
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
-from shardserve.server.rank.errors import RankError
+from shardserve.server.rank.errors import InvalidArgument, RankError
 from shardserve.server.rank.jobs.context import JobContext
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from shardserve.core.epochs import group_prefix, group_rank, participants_of
-from shardserve.server.common.errors import EpochEnded, Unavailable
+from shardserve.server.rank.errors import EpochEnded, RankUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class ProcessGroups:
         with self._lock:
             address = self._address
         if address is None:
-            raise Unavailable(
+            raise RankUnavailable(
                 f"rank {self.rank} knows no rendezvous store yet (it has not registered "
                 f"with the coordinator)"
             )

@@ -68,8 +68,8 @@ from shardserve.core.executor import copy_box
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.planner import DEFAULT_BUCKET_BYTES, RankPlan, ReshardPlan, plan_reshard
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.jobs.arguments import non_negative_int, positive_seconds
 from shardserve.server.rank.jobs.context import JobContext
 from shardserve.server.rank.jobs.groups import PeerGroup

@@ -46,9 +46,9 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument
 from shardserve.server.common.tracing import carry_context, span
 from shardserve.server.rank.error_status import rank_rpc
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.jobs.context import JobContext
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.jobs.ordering import JobChain

@@ -58,17 +58,17 @@ from shardserve.protos.bulk_wire import (
 from shardserve.protos.chunk_codec import lookup_reply_pieces
 from shardserve.protos.errors import status_proto
 from shardserve.server.common.access import caller, check_tensor
-from shardserve.server.common.errors import (
+from shardserve.server.common.errors import ServiceError, bounded_message
+from shardserve.server.common.principals import READ, Principal
+from shardserve.server.rank.error_status import error_status, rank_rpc
+from shardserve.server.rank.errors import (
     InvalidArgument,
     Overloaded,
     PathUnavailable,
     PermissionDenied,
-    ServiceError,
-    Unavailable,
-    bounded_message,
+    RankError,
+    RankUnavailable,
 )
-from shardserve.server.common.principals import READ, Principal
-from shardserve.server.rank.error_status import error_status, rank_rpc
 from shardserve.server.rank.metrics import BULK
 from shardserve.server.rank.reads.path import ReadPath
 from shardserve.server.rank.store import ShardStore
@@ -89,10 +89,6 @@ MAX_CONNECTIONS = (
     64  # open at once, each on its own thread; more are refused UNAVAILABLE (the client
 )
 # then reads over gRPC)
-
-
-class BulkReadsOff(PathUnavailable):
-    """This rank serves no bulk port (turned off)."""
 
 
 @dataclass(frozen=True)
@@ -221,7 +217,7 @@ class BulkReads:
     ) -> pb.BulkSession:
         port = self.port
         if port is None:
-            raise BulkReadsOff(
+            raise PathUnavailable(
                 f"rank {self.store.rank} serves no bulk port: {self.off_reason}",
                 metadata={"rank": self.store.rank},
             )
@@ -245,7 +241,7 @@ class BulkReads:
                     _send_error(
                         conn,
                         address[0],
-                        Unavailable(
+                        RankUnavailable(
                             f"this rank serves {MAX_CONNECTIONS} bulk connections already; read over gRPC"
                         ),
                     )
@@ -273,7 +269,7 @@ class BulkReads:
                     principal = self.tickets.redeem(
                         _recv_bytes(conn, TICKET_BYTES, TICKET_WAIT_S), peer
                     )
-                except ServiceError as err:
+                except (RankError, ServiceError) as err:
                     _send_error(conn, peer, err)
                     return
                 conn.settimeout(IDLE_TIMEOUT_S)

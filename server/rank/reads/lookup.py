@@ -23,8 +23,8 @@ from shardserve.core.embedding import partial_pool
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import LookupPart
-from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.rank.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.rank.metrics import GRPC
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.table_rows import ID_BYTES, local_rows, parse_ids, parse_rows

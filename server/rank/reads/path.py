@@ -14,10 +14,10 @@ import torch
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import LookupPart
-from shardserve.server.common.errors import InvalidArgument, RequestTooLarge, item_errors
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.cuda_staging import host_bytes
-from shardserve.server.rank.error_status import service_errors
+from shardserve.server.rank.error_status import item_errors
+from shardserve.server.rank.errors import InvalidArgument, RequestTooLarge
 from shardserve.server.rank.reads.lookup import LookupService
 from shardserve.server.rank.store import ShardStore
 
@@ -79,7 +79,7 @@ class ReadPath:
 
     def _append(self, index: int, region: pb.ReadRegionRequest, data: bytearray) -> None:
         """Append the bytes of regions[index] to `data`, checked against the batch's size cap."""
-        with item_errors(f"regions[{index}]"), service_errors(), self.box(region) as box:
+        with item_errors(f"regions[{index}]"), self.box(region) as box:
             nbytes = box.numel() * box.element_size()
             if len(data) + nbytes > BATCH_READ_BYTES:
                 raise RequestTooLarge(

@@ -16,20 +16,16 @@ import grpc
 
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, PathUnavailable
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import rank_rpc
+from shardserve.server.rank.errors import InvalidArgument, PathUnavailable
 from shardserve.server.rank.metrics import SHM
 from shardserve.server.rank.shared_memory import Leases, Segment, lease_seconds
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.version_table import StoredVersion
 
 log = logging.getLogger(__name__)
-
-
-class SharedMemoryUnavailable(PathUnavailable):
-    """This rank cannot hand that shard over by reference (shared memory off, or a CUDA shard without IPC)."""
 
 
 class SharedMemoryService:
@@ -91,7 +87,7 @@ class SharedMemoryService:
             )
         elif shard.device.type == "cuda":
             if not request.cuda_ipc:
-                raise SharedMemoryUnavailable(
+                raise PathUnavailable(
                     f"shard_index {request.shard_index} of {entry.name!r} is on "
                     f"{shard.device}; ask with cuda_ipc or read it over ReadRegion"
                 )
@@ -103,7 +99,7 @@ class SharedMemoryService:
         if segment is None:
             if reply.nbytes == 0:
                 return reply
-            raise SharedMemoryUnavailable(
+            raise PathUnavailable(
                 f"rank {self.store.rank} does not serve shards through shared memory"
             )
         reply.pid, reply.fd, reply.inode, reply.device_id = (

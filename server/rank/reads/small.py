@@ -11,9 +11,9 @@ import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.chunk_codec import RawChunk, encode_chunk
-from shardserve.server.common.errors import RequestTooLarge
 from shardserve.server.rank.cuda_staging import host_bytes
 from shardserve.server.rank.error_status import rank_rpc
+from shardserve.server.rank.errors import RequestTooLarge
 from shardserve.server.rank.metrics import GRPC
 from shardserve.server.rank.reads.path import ReadPath
 from shardserve.server.rank.store import ShardStore

@@ -14,8 +14,8 @@ import socket
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import recv_exactly
-from shardserve.server.common.errors import InvalidArgument, PermissionDenied
 from shardserve.server.common.principals import WRITE, Principal
+from shardserve.server.rank.errors import InvalidArgument, PermissionDenied
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.shards import ShardBytes, checked_batch, write_batch
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shardserve.server.common.errors import InvalidArgument
+from shardserve.server.rank.errors import InvalidArgument
 
 
 def checked_ranges(

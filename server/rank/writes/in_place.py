@@ -32,15 +32,14 @@ from collections.abc import Sequence
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
 from shardserve.server.common.access import caller
-from shardserve.server.common.errors import item_errors
 from shardserve.server.common.principals import ANONYMOUS
 from shardserve.server.common.requests import parse_dtype
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
-from shardserve.server.rank.error_status import service_errors
+from shardserve.server.rank.error_status import item_errors
+from shardserve.server.rank.errors import PathUnavailable
 from shardserve.server.rank.leases import InPlace
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.shards import ShardBytes, checked_batch
-from shardserve.server.rank.writes.shared import SharedWritesUnavailable
 
 
 def open_for_write(
@@ -54,12 +53,12 @@ def open_for_write(
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
         _check_device(store, shard, i, request.cuda_ipc)
-        with item_errors(f"shards[{i}]"), service_errors():
+        with item_errors(f"shards[{i}]"):
             found = store.leases.open_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             )
         if found is None:
-            raise SharedWritesUnavailable(
+            raise PathUnavailable(
                 f"shards[{i}]: shard {shard.shard_index} of {shard.name!r} is not in shared memory "
                 f"on this rank; send its bytes",
                 metadata={"tensor": shard.name, "field": f"shards[{i}]"},
@@ -73,7 +72,7 @@ def open_for_write(
 def _check_device(store: ShardStore, shard: ShardBytes, i: int, cuda_ipc: bool) -> None:
     """A rank holding CUDA shards hands them only to a writer that opens CUDA IPC handles."""
     if store.device.type == "cuda" and not cuda_ipc:
-        raise SharedWritesUnavailable(
+        raise PathUnavailable(
             f"shards[{i}]: shard {shard.shard_index} of {shard.name!r} is on {store.device}; ask "
             f"with cuda_ipc or send its bytes",
             metadata={"tensor": shard.name, "field": f"shards[{i}]"},
@@ -105,7 +104,7 @@ def open_allocated(
     to that writer (it then sends the bytes, as after a refused OpenShardsForWrite)."""
     try:
         _check_host(store, writer_host)
-    except SharedWritesUnavailable:
+    except PathUnavailable:
         return []
     return [
         pb.WritableShard(
@@ -124,7 +123,7 @@ def finish_written(store: ShardStore, shards: Sequence[ShardBytes]) -> int:
     written = 0
     for i, shard in enumerate(shards):
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
-        with item_errors(f"shards[{i}]"), service_errors():
+        with item_errors(f"shards[{i}]"):
             store.leases.finish_in_place(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             )
@@ -137,7 +136,7 @@ def _check_available(store: ShardStore, writer_host: str) -> None:
     _check_host(store, writer_host)
     principal = caller()
     if principal is not None and principal.name != ANONYMOUS:
-        raise SharedWritesUnavailable(
+        raise PathUnavailable(
             "this rank authenticates its callers: in-place writes are for unauthenticated "
             "clusters; send the bytes"
         )
@@ -145,11 +144,9 @@ def _check_available(store: ShardStore, writer_host: str) -> None:
 
 def _check_host(store: ShardStore, writer_host: str) -> None:
     if not store.hands_over_by_reference:
-        raise SharedWritesUnavailable(
-            "shared: this rank does not use shared memory; send the bytes"
-        )
+        raise PathUnavailable("shared: this rank does not use shared memory; send the bytes")
     if writer_host != host_id():
-        raise SharedWritesUnavailable(
+        raise PathUnavailable(
             "host_id: the writer is not on this rank's host (or in another network or PID "
             "namespace); send the bytes"
         )

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument
 from shardserve.server.common.principals import Principal
 from shardserve.server.common.requests import check_name, check_version, parse_dtype
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.table_rows import local_rows, parse_ids, parse_rows
 from shardserve.server.rank.writes.bulk import receive_batch

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, item_errors
 from shardserve.server.common.requests import check_name, check_version, parse_dtype
-from shardserve.server.rank.error_status import service_errors
+from shardserve.server.rank.error_status import item_errors
+from shardserve.server.rank.errors import InvalidArgument
 from shardserve.server.rank.store import ShardStore
 
 MAX_BATCH_SHARDS = 1 << 16
@@ -89,7 +89,6 @@ def write_batch(
         dtype = parse_dtype(shard.header.dtype, f"shards[{i}].dtype")
         with (
             item_errors(f"shards[{i}]"),
-            service_errors(),
             store.leases.write(
                 shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
             ) as writer,

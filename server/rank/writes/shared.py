@@ -21,17 +21,9 @@ from types import TracebackType
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import STAGING_NAME, host_id
-from shardserve.server.common.errors import (
-    InvalidArgument,
-    PathUnavailable,
-    PermissionDenied,
-)
+from shardserve.server.rank.errors import InvalidArgument, PathUnavailable, PermissionDenied
 
 _SECRET = re.compile(r"[A-Za-z0-9_-]{16,64}")
-
-
-class SharedWritesUnavailable(PathUnavailable):
-    """This rank cannot read that writer's memfd (another host, shared memory off, the file out of reach)."""
 
 
 class SharedSource:
@@ -45,11 +37,11 @@ class SharedSource:
     def open(cls, source: pb.SharedMemorySource, needed: int, enabled: bool) -> SharedSource:
         """The writer's file, checked; `needed`: the bytes the batch's shards take (they must lie within it)."""
         if not enabled:
-            raise SharedWritesUnavailable(
+            raise PathUnavailable(
                 "shared: this rank does not use shared memory; write over the network"
             )
         if source.host_id != host_id():
-            raise SharedWritesUnavailable(
+            raise PathUnavailable(
                 "shared.host_id: the writer is not on this rank's host (or in another "
                 "network or PID namespace); write over the network"
             )
@@ -63,7 +55,7 @@ class SharedSource:
         try:
             fd = os.open(f"/proc/{source.pid}/fd/{source.fd}", os.O_RDONLY | os.O_CLOEXEC)
         except OSError as err:
-            raise SharedWritesUnavailable(
+            raise PathUnavailable(
                 f"shared: cannot open fd {source.fd} of process {source.pid}: {err.strerror}"
             ) from None
         try:

@@ -9,6 +9,7 @@ the catalog, yet not in the snapshot).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -16,12 +17,14 @@ import grpc
 import pytest
 import torch
 
+from shardserve.client.new_tensor import NewTensor
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder
+from shardserve.server.coordinator.orders import CommitOrder, SaveOrder, SnapshotOrder
+from shardserve.server.coordinator.rank_info import RankInfo
 from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankEntry
 from shardserve.server.coordinator.server import CoordinatorServer
@@ -123,7 +126,7 @@ def _health(coord: CoordinatorServer, name: str) -> str:
 
 def _rank(coord: CoordinatorServer, stub: RankStub) -> None:
     coord.registry._ranks[0] = RankEntry(
-        pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu"),
+        RankInfo(rank=0, address="127.0.0.1:1", device="cpu"),
         time.monotonic(),
         grpc.insecure_channel("127.0.0.1:1"),
         stub,
@@ -179,7 +182,8 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
     from shardserve.server.coordinator.collectives import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
-    coordinator.registry._ranks[0].info.world_size = 1
+    entry = coordinator.registry._ranks[0]
+    entry.info = dataclasses.replace(entry.info, world_size=1)
     _ready(coordinator, "t")
     path = tmp_path / "ck"
     path.mkdir()
@@ -188,7 +192,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
         (path / name).write_bytes(data)
 
     def failing_job(job, ranks, what):  # type: ignore[no-untyped-def]
-        staging = job.checkpoint_save.path
+        staging = job.path
         assert os.path.dirname(staging) == str(path) and os.path.basename(staging).startswith(
             ".saving-"
         )
@@ -199,7 +203,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
     monkeypatch.setattr(coordinator.collectives, "run", failing_job)
     with pytest.raises(CollectiveJobError, match="disk full"):
-        list(coordinator.checkpoints.save(pb.SaveCheckpointRequest(path=str(path), names=["t"])))
+        list(coordinator.checkpoints.save(SaveOrder(str(path), ("t",))))
     assert {p.name: p.read_bytes() for p in path.iterdir()} == old
 
 
@@ -263,15 +267,21 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
 
 
 def _client_of(
-    coord: CoordinatorServer, lose_create_answer: bool = False, create_runs: bool = True
+    coord: CoordinatorServer,
+    lose_create_answer: bool = False,
+    create_runs: bool = True,
+    sent: list | None = None,
 ):  # type: ignore[no-untyped-def]
     """A client Session whose coordinator calls go to `coord` in-process; CreateTensor's answer can be lost
-    (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False)."""
+    (DeadlineExceeded after the coordinator ran it, or before it ran when `create_runs` is False). Each
+    CreateTensor request is added to `sent`."""
     from shardserve.client.errors import DeadlineExceededError
     from shardserve.client.session import Session
 
     def call(method, request):  # type: ignore[no-untyped-def]
         if method == "CreateTensor":
+            if sent is not None:
+                sent.append(request)
             info = _create(coord, request) if create_runs else None
             if lose_create_answer:
                 raise DeadlineExceededError("coordinator: deadline exceeded")
@@ -296,9 +306,7 @@ def test_a_create_whose_answer_was_lost_is_aborted_by_its_put_token(coordinator)
     _rank(coordinator, stub)
     cluster = _client_of(coordinator, lose_create_answer=True)
     with pytest.raises(DeadlineExceededError):
-        cluster.create_tensor(
-            pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
-        )
+        cluster.create_tensor(NewTensor("t", _layout(), init="none"))
     assert coordinator.catalog.versions("t") == []
     (allocated,) = [call for call in stub.calls if call[0] == "allocate"]
     assert ("drop", "t", allocated[2]) in stub.calls
@@ -312,16 +320,15 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
 
     stub = RankStub(set())
     _rank(coordinator, stub)
-    cluster = _client_of(coordinator, lose_create_answer=True, create_runs=False)
-    request = pb.CreateTensorRequest(name="t", metadata=_metadata(), init=pb.INIT_NONE)
+    sent: list[pb.CreateTensorRequest] = []
+    cluster = _client_of(coordinator, lose_create_answer=True, create_runs=False, sent=sent)
     with pytest.raises(DeadlineExceededError):
-        cluster.create_tensor(request)
+        cluster.create_tensor(NewTensor("t", _layout(), init="none"))
+    (request,) = sent
     with pytest.raises(TensorBusy, match="put_token"):
         _create(coordinator, request)  # the call, arriving late
     assert coordinator.catalog.versions("t") == [] and stub.calls == []
-    fresh = _client_of(coordinator).create_tensor(
-        pb.CreateTensorRequest(name="t", metadata=_metadata())
-    )
+    fresh = _client_of(coordinator).create_tensor(NewTensor("t", _layout()))
     assert fresh.state == pb.PENDING and fresh.put_token and fresh.put_token != request.put_token
 
 
@@ -352,11 +359,11 @@ def test_put_tokens_are_checked(coordinator):
 def test_name_locks_are_forgotten_once_unused(coordinator):
     """Every commit, abort or save of a name takes that name's lock; a lock per name ever asked about (unknown
     names included) would grow the coordinator without bound."""
-    from shardserve.server.common.errors import NotFound
+    from shardserve.server.common.errors import TensorNotFound
 
     _rank(coordinator, RankStub(set()))
     for i in range(50):
-        with pytest.raises(NotFound):
+        with pytest.raises(TensorNotFound):
             coordinator.lifecycle.commit(f"unknown-{i}", 1)
     assert coordinator.locks._locks == {}
     with coordinator.locks.hold("held"):

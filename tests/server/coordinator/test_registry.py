@@ -8,16 +8,16 @@ import time
 
 import pytest
 
-from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.common.errors import InvalidArgument, Unavailable
+from shardserve.server.common.errors import InvalidArgument, RankUnavailable
+from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
 from shardserve.server.coordinator.registry import RankRegistry
 
 DEAD_AFTER = 0.3
 WAIT_S = 10.0
 
 
-def incarnation(pid: int, port: int, rank: int = 0) -> pb.RankInfo:
-    return pb.RankInfo(
+def incarnation(pid: int, port: int, rank: int = 0) -> RankInfo:
+    return RankInfo(
         rank=rank,
         address=f"127.0.0.1:{port}",
         device="cpu",
@@ -40,7 +40,7 @@ def registry():
 
 def test_a_restarted_rank_waits_for_its_old_incarnation_to_miss_its_heartbeats(registry):
     registry.register(incarnation(pid=100, port=7001), [])
-    with pytest.raises(Unavailable, match="registered at 127.0.0.1:7001 and alive"):
+    with pytest.raises(RankUnavailable, match="registered at 127.0.0.1:7001 and alive"):
         registry.register(incarnation(pid=200, port=7002), [])
     deadline = time.monotonic() + WAIT_S
     while registry.rank_alive(0):  # no heartbeats: the old entry expires after DEAD_AFTER
@@ -67,7 +67,7 @@ def test_an_exited_rank_is_replaced_at_once_and_each_new_process_counts(registry
 
 def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(registry):
     registry.report_restore(
-        pb.RestoreProgress(
+        RestoreProgress(
             rank=1,
             pid=300,
             hostname="node-b",
@@ -85,7 +85,7 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
         4,
     )
     registry.report_restore(
-        pb.RestoreProgress(
+        RestoreProgress(
             rank=1,
             pid=300,
             done_bytes=40,
@@ -100,14 +100,15 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
         r for r in registry.ranks() if r.rank == 1
     ).restore.loaded  # until its versions are re-promoted
     registry.restore_done(1)
-    assert not registry.restoring(1) and not next(
-        r for r in registry.ranks() if r.rank == 1
-    ).HasField("restore")
-    registry.report_restore(pb.RestoreProgress(rank=2, pid=400, total_bytes=8, total_tensors=1))
+    assert (
+        not registry.restoring(1)
+        and next(r for r in registry.ranks() if r.rank == 1).restore is None
+    )
+    registry.report_restore(RestoreProgress(rank=2, pid=400, total_bytes=8, total_tensors=1))
     registry.mark_exited(2, "killed while restoring")  # its restore ended with its process
     assert not registry.restoring(2) and 2 not in {r.rank for r in registry.ranks()}
     with pytest.raises(InvalidArgument, match="done_tensors must be between 0 and total_tensors"):
-        registry.report_restore(pb.RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
+        registry.report_restore(RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
 
 
 def test_settled_for_counts_from_the_last_change_and_is_zero_while_a_rank_is_down(registry):

@@ -10,8 +10,8 @@ import torch
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator import repair
+from shardserve.server.coordinator.rank_info import RankInfo
 from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankRegistry
 
@@ -48,7 +48,7 @@ def record(lost: tuple[int, ...] = ()) -> TensorRecord:
 @pytest.fixture
 def registry():
     registry = RankRegistry(dead_after=60.0)
-    info = pb.RankInfo(
+    info = RankInfo(
         rank=0, address="127.0.0.1:7001", device="cpu", hostname="node-a", world_size=1, pid=100
     )
     registry.register(info, [])

@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.server import CoordinatorServer, CoordinatorSettings
+from shardserve.server.coordinator.options import CoordinatorOptions
+from shardserve.server.coordinator.server import CoordinatorServer
 
 
 def _threads() -> set[str]:
@@ -19,7 +20,7 @@ def test_building_starts_no_thread_and_start_does(tmp_path):
     before = _threads()
     coordinator = CoordinatorServer(
         SQLiteCatalog(tmp_path / "catalog.sqlite"),
-        settings=CoordinatorSettings(heartbeat_interval=0.05),
+        options=CoordinatorOptions(heartbeat_interval=0.05),
     )
     try:
         assert _threads() - before == set()  # threads of earlier tests may end meanwhile
@@ -35,6 +36,6 @@ def test_building_starts_no_thread_and_start_does(tmp_path):
 
 def test_a_bad_heartbeat_interval_is_refused_when_building(tmp_path):
     catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
-    with pytest.raises(ValueError, match="heartbeat_interval must be > 0"):
-        CoordinatorServer(catalog, settings=CoordinatorSettings(heartbeat_interval=0))
+    with pytest.raises(ValueError, match="heartbeat-interval must be > 0"):
+        CoordinatorServer(catalog, options=CoordinatorOptions(heartbeat_interval=0))
     catalog.close()

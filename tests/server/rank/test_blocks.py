@@ -10,7 +10,7 @@ import torch
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.rank.blocks import BLOCK_BYTES
-from shardserve.server.rank.errors import RowsOnly
+from shardserve.server.rank.errors import InvalidState
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
 
@@ -125,7 +125,7 @@ def test_a_row_updates_copy_takes_rows_not_whole_shard_streams():
     store.allocate("t", 1, _meta(8), fill=InitFill.ONES)
     store.promote("t", 1)
     store.allocate_copy("t", 2, _meta(8), 1)
-    with pytest.raises(RowsOnly, match="WriteRows"):
+    with pytest.raises(InvalidState, match="WriteRows"):
         with store.leases.write("t", 2, 0, torch.float32, 8 * COLUMNS * 4):
             pass
 

@@ -36,7 +36,8 @@ from shardserve.protos.bulk_wire import (
 )
 from shardserve.protos.chunk_codec import decode_lookup_reply
 from shardserve.protos.errors import detail_of_status
-from shardserve.server.common.errors import ServiceError
+from shardserve.server.rank.error_status import error_status
+from shardserve.server.rank.errors import RankError
 from shardserve.server.rank.reads.bulk import BulkReads, Tickets, peer_ip
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
@@ -279,13 +280,13 @@ def test_tickets_expire_and_are_bounded():
     tickets = Tickets(ttl_s=0.05, capacity=2)
     first = tickets.issue("ipv4:127.0.0.1:1")
     tickets.issue("ipv4:127.0.0.1:1")
-    with pytest.raises(ServiceError) as err:
+    with pytest.raises(RankError) as err:
         tickets.issue("ipv4:127.0.0.1:1")
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert error_status(err.value).code == grpc.StatusCode.RESOURCE_EXHAUSTED
     time.sleep(0.1)
-    with pytest.raises(ServiceError, match="expired") as err:
+    with pytest.raises(RankError, match="expired") as err:
         tickets.redeem(first, "127.0.0.1")
-    assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert error_status(err.value).code == grpc.StatusCode.PERMISSION_DENIED
     tickets.issue("ipv4:127.0.0.1:1")  # the expired ones made room
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardserve.server.common.errors import EpochEnded, Unavailable
+from shardserve.server.rank.errors import EpochEnded, RankUnavailable
 from shardserve.server.rank.jobs.groups import P2P, PeerGroup, ProcessGroups, Verb
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,7 +99,7 @@ def test_a_member_that_never_comes_fails_the_formation_within_the_timeout(store_
 
 
 def test_without_a_store_address_a_job_is_refused():
-    with pytest.raises(Unavailable, match="knows no rendezvous store yet"):
+    with pytest.raises(RankUnavailable, match="knows no rendezvous store yet"):
         ProcessGroups(0).for_job(1, [0, 1], 5.0)
 
 

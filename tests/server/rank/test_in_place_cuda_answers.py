@@ -15,11 +15,11 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
+from shardserve.server.rank.errors import PathUnavailable
 from shardserve.server.rank.leases import InPlace
 from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes import in_place
-from shardserve.server.rank.writes.shared import SharedWritesUnavailable
 
 HANDLE = pb.CudaIpcHandle(
     device=0,
@@ -47,7 +47,7 @@ def test_a_cuda_rank_refuses_a_writer_that_does_not_open_ipc_handles() -> None:
     store = ShardStore(0, shared_memory=True)
     request = _request(store, cuda_ipc=False)
     store.device = torch.device("cuda", 0)  # as a rank on cuda:0 sees itself
-    with pytest.raises(SharedWritesUnavailable, match="ask with cuda_ipc") as caught:
+    with pytest.raises(PathUnavailable, match="ask with cuda_ipc") as caught:
         in_place.open_for_write(store, request)
     assert (
         caught.value.metadata["field"] == "shards[0]"

@@ -11,7 +11,7 @@ from server_helpers import Aborted, ServicerContext
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
-from shardserve.server.common.errors import EpochEnded
+from shardserve.server.rank.errors import EpochEnded
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
 from shardserve.server.rank.store import ShardStore
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardserve.server.common.memory_limits import effective_memory
-from shardserve.server.rank.errors import OverMemory
+from shardserve.server.rank.errors import MemoryLimit
 from shardserve.server.rank.main import resolve_memory_limit
 from shardserve.server.rank.memory_budget import (
     HOST_MEMORY_FRACTION,
@@ -54,7 +54,9 @@ def test_a_budget_reserves_and_releases_within_its_limit():
     budget = MemoryBudget(100, 1000, rank=3)
     budget.reserve(60)
     assert budget.used == 60 and budget.room(40) == 0 and budget.room(41) == -1
-    with pytest.raises(OverMemory, match="rank 3 memory limit: 41 bytes requested, 40 of 100 free"):
+    with pytest.raises(
+        MemoryLimit, match="rank 3 memory limit: 41 bytes requested, 40 of 100 free"
+    ):
         budget.reserve(41)
     assert budget.used == 60  # a refused reservation holds nothing
     budget.release(60)
@@ -65,7 +67,7 @@ def test_a_budget_reserves_and_releases_within_its_limit():
 def test_without_a_limit_the_device_capacity_bounds_a_budget():
     budget = MemoryBudget(0, 64, rank=0, device="cuda:0")
     budget.reserve(64)
-    with pytest.raises(OverMemory, match="more than the 0 bytes left of cuda:0's 64"):
+    with pytest.raises(MemoryLimit, match="more than the 0 bytes left of cuda:0's 64"):
         budget.reserve(1)
     budget.add(8)  # memory already taken (copied blocks) is accounted whatever the limit
     assert budget.used == 72 and budget.room(0) == -8

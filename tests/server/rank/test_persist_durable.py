@@ -10,8 +10,8 @@ import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank import persist_files, persistence
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.persistence import FsyncPolicy, Persistence
 from shardserve.server.rank.store import ShardStore
 

@@ -15,9 +15,9 @@ import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.common.errors import DiskFull
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.common.names import file_name
-from shardserve.server.rank.options import TensorOptions
+from shardserve.server.rank.errors import DiskFull
 from shardserve.server.rank.persistence import LOG_NAME, FsyncPolicy, Persistence
 from shardserve.server.rank.store import ShardStore, VersionState
 

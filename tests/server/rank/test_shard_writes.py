@@ -29,7 +29,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.bulk_wire import HEADER, KIND_READ, KIND_WRITE
 from shardserve.protos.same_host import host_id
 from shardserve.server.common.principals import READ, WRITE, Principal
-from shardserve.server.rank.errors import ShardsIncomplete
+from shardserve.server.rank.errors import WriteIncomplete
 from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.writes.batch import ShardWrites
@@ -356,7 +356,7 @@ def _promoted(store, name: str, version: int) -> bool:
     """Whether the version promotes now (False while a shard is not fully written)."""
     try:
         store.promote(name, version)
-    except ShardsIncomplete:
+    except WriteIncomplete:
         return False
     return True
 
@@ -372,7 +372,7 @@ def test_a_writer_cut_off_mid_batch_leaves_its_shard_torn_until_written_again(st
             + message
             + bytes(tensor_bytes(SOURCES["a"]))[:40]
         )
-    with pytest.raises(ShardsIncomplete, match="not fully written"):
+    with pytest.raises(WriteIncomplete, match="not fully written"):
         store.promote("a", 1)  # never published half written
     deadline = time.monotonic() + TIMEOUT_S
     # until a write lands after the rank's thread for the cut connection is done with it: before, the shard is

@@ -8,15 +8,14 @@ import torch
 from shardserve.core.metadata import TensorProperties, make_metadata
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.rank.errors import (
-    BadRequest,
-    BoxTooLarge,
-    OverMemory,
-    ShardReserved,
-    ShardsIncomplete,
-    TensorUnknown,
-    VersionBusy,
-    VersionCommitted,
-    VersionNotServed,
+    InvalidArgument,
+    InvalidState,
+    MemoryLimit,
+    RequestTooLarge,
+    StaleVersion,
+    TensorBusy,
+    TensorNotFound,
+    WriteIncomplete,
 )
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
@@ -47,7 +46,7 @@ def test_normal_replicas_hold_the_same_numbers():
 def test_read_needs_a_promoted_version_and_a_lease_delays_freeing():
     store = ShardStore(rank=0, max_request_bytes=48)
     store.allocate("t", 1, META, InitFill.ONES)
-    with pytest.raises(VersionNotServed, match="not served here; no version is served yet"):
+    with pytest.raises(StaleVersion, match="not served here; no version is served yet"):
         with store.leases.read("t", 1, 0, (0, 0), (1, 1)):
             pass
     store.promote("t", 1)
@@ -56,7 +55,7 @@ def test_read_needs_a_promoted_version_and_a_lease_delays_freeing():
         assert store.memory_used == 48  # still leased
         assert torch.equal(view, torch.ones(2, 4))
     assert store.memory_used == 0
-    with pytest.raises(TensorUnknown, match="'t' not found on rank 0"):
+    with pytest.raises(TensorNotFound, match="'t' not found on rank 0"):
         with store.leases.read("t", 1, 0, (0, 0), (1, 1)):
             pass
 
@@ -65,7 +64,7 @@ def test_read_over_max_request_bytes_is_refused():
     store = ShardStore(rank=0, max_request_bytes=16)
     store.allocate("t", 1, META, InitFill.ONES)
     store.promote("t", 1)
-    with pytest.raises(BoxTooLarge, match="max_request_bytes 16"):
+    with pytest.raises(RequestTooLarge, match="max_request_bytes 16"):
         with store.leases.read("t", 1, 0, (0, 0), (2, 4)):
             pass
 
@@ -73,7 +72,7 @@ def test_read_over_max_request_bytes_is_refused():
 def test_memory_limit_counts_pending_versions():
     store = ShardStore(rank=0, memory_limit=60)
     store.allocate("a", 1, META)
-    with pytest.raises(OverMemory, match="memory limit: 48 bytes requested, 12 of 60 free"):
+    with pytest.raises(MemoryLimit, match="memory limit: 48 bytes requested, 12 of 60 free"):
         store.allocate("b", 2, META)
     store.drop("a")
     store.allocate("b", 2, META)
@@ -82,20 +81,20 @@ def test_memory_limit_counts_pending_versions():
 def test_write_in_order_then_promote():
     store = ShardStore(rank=0)
     store.allocate("w", 1, META)
-    with pytest.raises(ShardsIncomplete, match="not fully written"):
+    with pytest.raises(WriteIncomplete, match="not fully written"):
         store.promote("w", 1)
     data = torch.arange(12, dtype=torch.float32).view(3, 4)
     raw = data.numpy().tobytes()
     with store.leases.write("w", 1, 0, torch.float32, 48) as writer:
         writer.write(0, raw[:20])
         with pytest.raises(
-            BadRequest, match="chunk.offset 0 is not where the stream is: expected 20"
+            InvalidArgument, match="chunk.offset 0 is not where the stream is: expected 20"
         ):
             writer.write(0, raw[:4])
         writer.write(20, memoryview(raw)[20:])
     store.promote("w", 1)
     assert torch.equal(store.local_tensor("w", 1, 0), data)
-    with pytest.raises(VersionCommitted, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.leases.write("w", 1, 0, torch.float32, 48):
             pass
 
@@ -108,12 +107,12 @@ def test_a_second_stream_of_a_shard_being_written_is_refused():
     with store.leases.write("race", 1, 0, torch.float32, 48) as first:
         first.write(0, b"\xaa" * 8)
         with pytest.raises(
-            VersionBusy,
+            TensorBusy,
             match="shard_index 0 of 'race' version 1 is being written by another stream",
         ):
             with store.leases.write("race", 1, 0, torch.float32, 48):
                 pass
-        with pytest.raises(ShardsIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
+        with pytest.raises(WriteIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
             store.promote("race", 1)
         first.write(8, b"\xaa" * 40)
     store.promote("race", 1)
@@ -123,9 +122,9 @@ def test_a_second_stream_of_a_shard_being_written_is_refused():
 def test_install_adds_a_complete_pending_version_checked_against_the_layout():
     store = ShardStore(rank=1)
     shards = {1: torch.full((3, 4), 2.0), 2: torch.full((3, 4), 3.0)}
-    with pytest.raises(BadRequest, match=r"shards \[1\] given"):
+    with pytest.raises(InvalidArgument, match=r"shards \[1\] given"):
         store.install("i", 5, META, {1: shards[1]})
-    with pytest.raises(BadRequest, match="shard 2 of tensor 'i'"):
+    with pytest.raises(InvalidArgument, match="shard 2 of tensor 'i'"):
         store.install("i", 5, META, {1: shards[1], 2: torch.zeros(3, 4, dtype=torch.float64)})
     assert store.install("i", 5, META, shards) == 96
     store.promote("i", 5)
@@ -142,12 +141,12 @@ def test_a_shard_being_rewritten_cannot_be_promoted():
     store.install("t", 1, meta, {0: torch.zeros(4, 2)})
     with store.leases.rewrite("t", 1, 0) as shard:
         shard[1] = 5.0
-        with pytest.raises(ShardsIncomplete, match="not fully written"):
+        with pytest.raises(WriteIncomplete, match="not fully written"):
             store.promote("t", 1)
     store.promote("t", 1)
     with store.leases.read("t", 1, 0, (0, 0), (4, 2)) as view:
         assert view[1].tolist() == [5.0, 5.0]
-    with pytest.raises(VersionCommitted, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         with store.leases.rewrite("t", 1, 0):
             pass
 
@@ -160,9 +159,9 @@ def test_an_allocation_overtaken_by_its_drop_is_refused():
         (4, 2), TensorProperties(dtype=torch.float32)
     )
     assert store.drop("t", 7) == 0  # nothing there yet
-    with pytest.raises(VersionBusy, match="was dropped on rank 0 before this allocation arrived"):
+    with pytest.raises(TensorBusy, match="was dropped on rank 0 before this allocation arrived"):
         store.allocate("t", 7, meta)
-    with pytest.raises(VersionBusy, match="was dropped"):
+    with pytest.raises(TensorBusy, match="was dropped"):
         store.reserve("t", 7, meta)
     assert store.memory_used == 0
     store.allocate("t", 8, meta)  # other versions are not affected
@@ -174,10 +173,10 @@ def test_a_reserved_version_is_not_written_by_streams():
     FAILED_PRECONDITION saying so, not an INVALID_ARGUMENT claiming the rank holds no such shard."""
     store = ShardStore(rank=0)
     store.reserve("r", 1, META)
-    with pytest.raises(ShardReserved, match="shard_index 0 of tensor 'r' version 1 is reserved"):
+    with pytest.raises(InvalidState, match="shard_index 0 of tensor 'r' version 1 is reserved"):
         with store.leases.write("r", 1, 0, torch.float32, 48):
             pass
-    with pytest.raises(BadRequest, match="shard_index 1 of tensor 'r' is not held by rank 0"):
+    with pytest.raises(InvalidArgument, match="shard_index 1 of tensor 'r' is not held by rank 0"):
         with store.leases.write("r", 1, 1, torch.float32, 48):
             pass
 
@@ -195,9 +194,9 @@ def test_a_shard_a_failed_change_left_half_written_is_not_published():
         "t", 1, 0
     ) as shard:  # a WriteRows batch of the same shard, done in full meanwhile
         shard.copy_(torch.ones(3, 4))
-    with pytest.raises(BadRequest, match="ended after 24 of 48 bytes"):
+    with pytest.raises(InvalidArgument, match="ended after 24 of 48 bytes"):
         failing.__exit__(None, None, None)  # the stream ends early
-    with pytest.raises(ShardsIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
+    with pytest.raises(WriteIncomplete, match=r"shards \[0\] on rank 0 are not fully written"):
         store.promote("t", 1)
     with store.leases.write(
         "t", 1, 0, torch.float32, 48
@@ -215,11 +214,11 @@ def test_a_failed_rewrite_is_not_published_and_a_write_waits_for_it():
     with pytest.raises(RuntimeError, match="connection lost"):
         with store.leases.rewrite("u", 1, 0) as shard:
             shard[0] = 7.0
-            with pytest.raises(VersionBusy, match="being written by another stream"):
+            with pytest.raises(TensorBusy, match="being written by another stream"):
                 with store.leases.write("u", 1, 0, torch.float32, 48):
                     pass
             raise RuntimeError("connection lost")
-    with pytest.raises(ShardsIncomplete, match="not fully written"):
+    with pytest.raises(WriteIncomplete, match="not fully written"):
         store.promote("u", 1)
 
 

@@ -8,16 +8,14 @@ import pytest
 import torch
 
 from shardserve.core.metadata import make_metadata
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.errors import (
-    IllegalTransition,
-    ShardsIncomplete,
-    TensorUnknown,
-    VersionBusy,
-    VersionCommitted,
-    VersionExists,
-    VersionNotServed,
+    InvalidState,
+    StaleVersion,
+    TensorBusy,
+    TensorNotFound,
+    WriteIncomplete,
 )
-from shardserve.server.rank.options import TensorOptions
 from shardserve.server.rank.version_table import (
     TRANSITIONS,
     ShardProgress,
@@ -52,15 +50,13 @@ def test_the_table_is_the_one_written_down_here():
 
 @pytest.mark.parametrize(("state", "event"), list(itertools.product(VersionState, VersionEvent)))
 def test_every_state_and_event(state: VersionState, event: VersionEvent):
-    """A legal step leads where the table says; any other raises IllegalTransition and changes nothing."""
+    """A legal step leads where the table says; any other raises InvalidState and changes nothing."""
     record = _record("t", 1, state)
     if (state, event) in LEGAL:
         record.apply(event)
         assert record.state is LEGAL[(state, event)] is next_state(state, event)
     else:
-        with pytest.raises(
-            IllegalTransition, match=f"a {state.value} version cannot {event.value}"
-        ):
+        with pytest.raises(InvalidState, match=f"a {state.value} version cannot {event.value}"):
             record.apply(event)
         assert record.state is state
 
@@ -83,21 +79,21 @@ def test_a_dropped_version_is_freed_when_its_last_lease_ends():
 
 def test_lookups_name_what_is_wrong():
     table = VersionTable(0)
-    with pytest.raises(TensorUnknown, match="'t' not found on rank 0"):
+    with pytest.raises(TensorNotFound, match="'t' not found on rank 0"):
         table.get("t", 1)
     table.add(_record("t", 1, S.PENDING))
     table.add(_record("t", 2, S.SERVED))
     table.add(_record("t", 3, S.GRACED))
     assert table.served("t", 0).version == 3  # the newest readable one
-    with pytest.raises(VersionNotServed, match="version 1 is not served here; served version is 3"):
+    with pytest.raises(StaleVersion, match="version 1 is not served here; served version is 3"):
         table.served("t", 1)
-    with pytest.raises(VersionCommitted, match="already committed"):
+    with pytest.raises(InvalidState, match="already committed"):
         table.pending("t", 2)
     assert table.replaced(table.get("t", 2)) and not table.replaced(table.get("t", 3))
-    with pytest.raises(VersionExists, match="already allocated"):
+    with pytest.raises(InvalidState, match="already allocated"):
         table.add(_record("t", 1, S.PENDING))
     table.remember_dropped("t", 9)
-    with pytest.raises(VersionBusy, match="was dropped on rank 0 before this allocation"):
+    with pytest.raises(TensorBusy, match="was dropped on rank 0 before this allocation"):
         table.add(_record("t", 9, S.PENDING))
 
 
@@ -113,7 +109,7 @@ def test_lookups_by_name_see_only_that_name_and_forget_freed_versions():
         record.apply(E.DROP)
         assert table.free_if_unleased(record)
     assert table.matching("t", 0) == []
-    with pytest.raises(TensorUnknown, match="'t' not found"):
+    with pytest.raises(TensorNotFound, match="'t' not found"):
         table.get("t", 1)
     assert table.served("u", 0).key == ("u", 1)
     table.add(_record("t", 5, S.SERVED))  # the name comes back with a new version
@@ -124,7 +120,7 @@ def test_a_version_is_promotable_once_every_local_shard_is_whole():
     table = VersionTable(1)
     record = _record("t", 1, S.PENDING)
     table.add(record)
-    with pytest.raises(ShardsIncomplete, match=r"shards \[1\] on rank 1"):
+    with pytest.raises(WriteIncomplete, match=r"shards \[1\] on rank 1"):
         table.promotable("t", 1)
     record.progress.mark_filled([1])
     assert table.promotable("t", 1) is record

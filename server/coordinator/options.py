@@ -1,0 +1,41 @@
+"""The coordinator process's one options type: its timings and where it hosts the rendezvous store.
+
+Built from the command line (server/coordinator_process.py) or by a program (LocalCluster, tests), and handed
+to the composition root (server/coordinator/server.py) as it is. Importing it costs nothing (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_REPAIR_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    """The coordinator's timings (seconds) and the rendezvous store it hosts for collective jobs.
+
+    `dead_after`: heartbeats missed this long mark a rank dead (None: 3 heartbeat intervals); `repair_after`:
+    how long a rank stays dead before its copies are rebuilt from live replicas; `store_port` 0 = any free
+    port of `store_host` (start_coordinator sets the listen host). ValueError names the flag of a value out
+    of range.
+    """
+
+    heartbeat_interval: float = 1.0
+    dead_after: float | None = None
+    rpc_timeout: float = 60.0
+    pending_timeout: float = 600.0
+    repair_after: float = DEFAULT_REPAIR_AFTER_S
+    store_port: int = 0
+    store_host: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        if not self.heartbeat_interval > 0:
+            raise ValueError("--heartbeat-interval must be > 0")
+        if not self.repair_after >= 0:
+            raise ValueError("--repair-after must be >= 0 seconds")
+
+    @property
+    def rank_dead_after(self) -> float:
+        """Seconds of missed heartbeats that mark a rank dead."""
+        return self.dead_after if self.dead_after is not None else 3 * self.heartbeat_interval
