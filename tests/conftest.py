@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from certificates import Certificates
 
 from shardserve.server.common.auth import TlsFiles
 from shardserve.server.launcher import LocalCluster
@@ -37,32 +37,14 @@ def cluster3(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 
 
 @pytest.fixture(scope="session")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
-    """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    """The maker of the session's test certificates (skips the test without the openssl CLI)."""
     if shutil.which("openssl") is None:
         pytest.skip("the openssl CLI is not installed")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(d / "key.pem"),
-            "-out",
-            str(d / "cert.pem"),
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return TlsFiles(str(d / "cert.pem"), str(d / "key.pem"), str(d / "cert.pem"))
+    return Certificates(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="session")
+def tls_files(certificates: Certificates) -> TlsFiles:
+    """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
+    return certificates.self_signed("cluster")

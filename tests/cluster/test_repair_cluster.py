@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from reference import mirrored
-from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from server_processes import rank_env, server_env, spawn_server, stop_all
+from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main

@@ -228,7 +228,8 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
     """kill -9 of the coordinator between two steady puts, restarted on the same port and catalog: the client,
     connected throughout, holds a reservation the new coordinator never heard of; its put creates a snapshot
     and reads back bit for bit, and the snapshot put before the kill is still served."""
-    from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+    from server_processes import rank_env, server_env, spawn_server, stop_all
+    from waiting import wait_until
 
     from shardserve.server.launcher import free_port
 

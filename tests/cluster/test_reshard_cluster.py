@@ -18,7 +18,8 @@ import grpc
 import pytest
 import torch
 from reference import shards_of
-from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from server_processes import rank_env, server_env, spawn_server, stop_all
+from waiting import wait_until
 
 from shardserve import Reason, connect
 from shardserve.client.errors import (

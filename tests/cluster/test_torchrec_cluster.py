@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, InvalidArgumentError, connect, spmd
 from shardserve.client.embedding import lookup as lookup_module

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ import pytest
 import torch
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 from server_processes import server_env
+from waiting import wait_until
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -63,21 +63,6 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not _holds(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _holds(predicate) -> bool:
-    try:
-        return bool(predicate())
-    except grpc.RpcError:  # a server restarting in the meantime
-        return False
 
 
 def rank_pids(address: str) -> list[int]:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 from server_helpers import TIMEOUT
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import connect
 from shardserve.core.wire import metadata_to_proto
