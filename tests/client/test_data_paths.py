@@ -21,6 +21,7 @@ from functools import partial
 import grpc
 import pytest
 import torch
+from fake_clock import FakeClock
 from server_helpers import Aborted, ServicerContext
 
 import shardserve.client.paths.segments as segments
@@ -1131,25 +1132,18 @@ def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):
 def test_staging_files_are_kept_within_their_budget_and_closed_when_idle():
     from shardserve.client.paths.staging import StagingFiles
 
-    clock = [0.0]
-    files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0)
-    import shardserve.client.paths.staging as staging
-
-    original = staging.time.monotonic
-    staging.time.monotonic = lambda: clock[0]
-    try:
-        first = files.take(1000)
-        files.give_back(first)
-        assert files.take(500) is first  # kept and big enough: reused
-        files.give_back(first)
-        big = files.take(2 << 20)  # over the budget: a new file, closed when given back
-        files.give_back(big)
-        assert big._fd == -1 and first._fd >= 0
-        clock[0] = 10.0
-        again = files.take(10)  # the kept one idled past idle_s: closed, a new one made
-        assert first._fd == -1 and again is not first
-        files.give_back(again)
-        files.close()
-        assert again._fd == -1
-    finally:
-        staging.time.monotonic = original
+    clock = FakeClock()
+    files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0, clock=clock)
+    first = files.take(1000)
+    files.give_back(first)
+    assert files.take(500) is first  # kept and big enough: reused
+    files.give_back(first)
+    big = files.take(2 << 20)  # over the budget: a new file, closed when given back
+    files.give_back(big)
+    assert big.closed and not first.closed
+    clock.advance(10.0)
+    again = files.take(10)  # the kept one idled past idle_s: closed, a new one made
+    assert first.closed and again is not first
+    files.give_back(again)
+    files.close()
+    assert again.closed
