@@ -39,6 +39,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.errors import VersionCommitted
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shard_fill import InitFill
@@ -86,8 +87,9 @@ def env(name: str, value: str):
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster):
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture(scope="module")

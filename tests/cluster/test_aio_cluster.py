@@ -51,8 +51,9 @@ WELL_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -49,8 +48,9 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

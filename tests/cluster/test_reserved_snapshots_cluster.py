@@ -23,8 +23,9 @@ from shardserve.server.launcher import LocalCluster
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 def state(step: int, width: int = 8) -> dict[str, Any]:
