@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_world import World
+from waiting import wait_until
 
 from shardserve import connect, spmd
 from shardserve.core.state_tree import split_state_dict
@@ -412,10 +413,7 @@ def test_writer_killed_mid_put_leaves_nothing_visible(cluster: LocalCluster, tmp
         marker = str(tmp_path / "stalled")
         for inbox in world.inboxes:
             inbox.put((world._commands + 1, job_put_stalled, (cluster.address, 2, marker)))
-        deadline = time.monotonic() + 120
-        while not os.path.exists(marker):
-            assert time.monotonic() < deadline, "the stalled put never reached its writes"
-            time.sleep(0.1)
+        wait_until(lambda: os.path.exists(marker), 120, "the stalled put to reach its writes")
         for process in world.processes:
             os.kill(process.pid, signal.SIGKILL)
     finally:
