@@ -369,7 +369,7 @@ def test_a_link_that_never_registered_stops_cleanly():
         "127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False)
     )
     link.stop()  # raised "cannot join thread before it is started" before the fix
-    assert not link._thread.is_alive() and link._stop.is_set()
+    assert link.stopped
 
 
 def live_ranks(stub: pb_grpc.CoordinatorStub) -> dict[int, pb.RankInfo]:
