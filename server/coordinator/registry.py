@@ -54,11 +54,14 @@ class RankRegistry:
         security: Security = Security(),
         dead_after: float = 3.0,
         clock: Callable[[], float] = time.monotonic,
+        stub_of: Callable[[grpc.Channel], pb_grpc.ShardServerStub] = pb_grpc.ShardServerStub,
     ) -> None:
-        """`clock`: what liveness and settling are measured by (seconds, monotonic; tests pass a fake one)."""
+        """`clock`: what liveness and settling are measured by (seconds, monotonic); `stub_of`: how a
+        registered rank's channel is called. Tests pass a fake clock, or stand-in stubs."""
         self.security = security
         self.dead_after = dead_after
         self._clock = clock
+        self.stub_of = stub_of
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
         self._started = self._clock()
@@ -80,7 +83,7 @@ class RankRegistry:
             check_name(version.name, f"held[{i}].name")
             check_version(version.version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
-        entry = RankEntry(pb.RankInfo(), self._clock(), channel, pb_grpc.ShardServerStub(channel))
+        entry = RankEntry(pb.RankInfo(), self._clock(), channel, self.stub_of(channel))
         entry.info.CopyFrom(info)
         try:
             with self._ranks_changed:
