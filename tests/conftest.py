@@ -114,3 +114,15 @@ def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
 def tls_files(certificates: Certificates) -> TlsFiles:
     """A self-signed certificate for 127.0.0.1, used as server cert, client cert and CA."""
     return certificates.self_signed("cluster")
+
+
+SLOW_FIXTURES = frozenset({"make_cluster", "runs"})
+"""Fixtures that make a test slow: a cluster of its own (make_cluster) or a benchmark scenario's run (runs)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `slow` every test that uses a fixture of SLOW_FIXTURES (tests that spawn server or client
+    processes otherwise carry the mark themselves), so that `-m "not slow"` is the quick loop."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

@@ -127,6 +127,7 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
     assert all(word in done.stderr for word in words), done.stderr
 
 
+@pytest.mark.slow
 def test_create_status_fetch_delete(up, tmp_path):
     _, address = up
     env = {"SHARDSERVE_COORDINATOR": address}

@@ -91,6 +91,7 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
         assert torch.equal(_read(client, "killed"), acked[-1])
 
 
+@pytest.mark.slow
 def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(tmp_path):
     """KILL_POINTS whole-cluster SIGKILLs, each landing in a run of one kind of write (puts, row updates,
     reshards, checkpoint loads, in turn); after every restart each tensor is one of its acknowledged values or

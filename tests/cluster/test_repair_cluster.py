@@ -27,7 +27,10 @@ from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.slow,
+]  # coordinator and rank processes spawned and killed
 
 ROWS, DIM, DEAD = 16, 8, 3
 WAIT_S = 60.0

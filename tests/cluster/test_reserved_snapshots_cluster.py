@@ -225,6 +225,7 @@ def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
         assert_reads_back(client, "retried", 2, number)
 
 
+@pytest.mark.slow
 def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_put_creates(
     tmp_path: Path, creates: list[str]
 ) -> None:

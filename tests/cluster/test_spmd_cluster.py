@@ -359,6 +359,7 @@ def world4() -> Iterator[World]:
     world.close()
 
 
+@pytest.mark.slow
 def test_four_process_put_read_by_three_two_and_one_process_jobs(
     cluster: LocalCluster, world4: World
 ) -> None:
@@ -625,6 +626,7 @@ def test_bad_input_names_the_field(cluster: LocalCluster) -> None:
             assert caught.value.metadata.get("field") == field, caught.value
 
 
+@pytest.mark.slow
 def test_the_trainer_to_inference_example_runs_bit_for_bit(cluster: LocalCluster) -> None:
     """examples/trainer_to_inference.py as the docs run it: a 2-process job puts, a 3-process job gets."""
     root = Path(__file__).resolve().parents[2]

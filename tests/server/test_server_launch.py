@@ -26,6 +26,8 @@ from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import free_port
 
+pytestmark = pytest.mark.slow  # spawns coordinator, node and rank processes
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
 SHARDSERVE = str(Path(sys.executable).with_name("shardserve"))
