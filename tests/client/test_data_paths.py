@@ -880,7 +880,7 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     assert refused.value.reason == Reason.OVERLOADED
     store.drop("t", 1)
     assert store.memory_used > 0  # the two leases granted still hold it
-    service.leases.release(list(service.leases._held))
+    service.leases.release(service.leases.held_ids())
     assert store.memory_used == 0  # the refused one left no hold behind
 
 
