@@ -412,8 +412,7 @@ def test_writer_killed_mid_put_leaves_nothing_visible(cluster: LocalCluster, tmp
     try:
         first = world.run(job_put_stalled, cluster.address, 1, "", timeout=120)[0]
         marker = str(tmp_path / "stalled")
-        for inbox in world.inboxes:
-            inbox.put((world._commands + 1, job_put_stalled, (cluster.address, 2, marker)))
+        world.start(job_put_stalled, cluster.address, 2, marker)
         wait_until(lambda: os.path.exists(marker), 120, "the stalled put to reach its writes")
         for process in world.processes:
             os.kill(process.pid, signal.SIGKILL)
