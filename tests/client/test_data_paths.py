@@ -1001,18 +1001,19 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from shardserve.client.paths.bulk import IDLE_KEEP_S, BulkPath, _Connection
+    from shardserve.client.paths.bulk import IDLE_KEEP_S, Connection, IdleConnections
 
-    bulk = BulkPath(channel=None)  # type: ignore[arg-type]
+    clock = FakeClock()
+    idle = IdleConnections(clock=clock)
     pairs = [socket.socketpair() for _ in range(3)]
-    connections = [_Connection(a) for a, _ in pairs]
-    for connection, age in zip(connections, (2 * IDLE_KEEP_S, IDLE_KEEP_S + 1, 0)):
-        connection.idle_since -= age
-        bulk._idle["rank"].append(connection)
-    taken = bulk._take("rank")
-    assert taken is connections[2] and taken.kept and not bulk._idle["rank"]
+    connections = [Connection(a) for a, _ in pairs]
+    for connection, wait in zip(connections, (1.0, IDLE_KEEP_S, 0.0)):
+        idle.give_back("rank", connection)
+        clock.advance(wait)  # ages IDLE_KEEP_S + 1, IDLE_KEEP_S and 0 at the take
+    taken = idle.take("rank")
+    assert taken is connections[2] and taken.kept
     assert [c.sock.fileno() for c in connections[:2]] == [-1, -1]  # closed, though under the newest
-    assert bulk._take("rank") is None
+    assert idle.take("rank") is None
     for a, b in pairs:
         a.close()
         b.close()
