@@ -147,6 +147,16 @@ class IdleConnections:
                 return
         connection.sock.close()
 
+    def kept(self, address: str | None = None) -> list[Connection]:
+        """The connections kept now (to `address`, or to every rank), oldest first."""
+        with self._lock:
+            return [
+                connection
+                for where, connections in self._idle.items()
+                if address is None or where == address
+                for connection in connections
+            ]
+
     def close(self) -> None:
         """Close every kept connection; those given back later are closed at once."""
         with self._lock:

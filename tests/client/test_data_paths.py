@@ -401,25 +401,14 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
     with connect(cluster.address, transport="tcp") as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        kept = [
-            conn for conns in c.session.paths.path(PathKind.BULK)._idle.values() for conn in conns
-        ]
+        kept = c.session.paths.path(PathKind.BULK).idle.kept()
         assert len(kept) == 2  # one per rank, kept for the next read
         for conn in kept:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "tcp"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
-        assert (
-            len(
-                [
-                    conn
-                    for conns in c.session.paths.path(PathKind.BULK)._idle.values()
-                    for conn in conns
-                ]
-            )
-            == 2
-        )
+        assert len(c.session.paths.path(PathKind.BULK).idle.kept()) == 2
 
 
 def _rank(number: int) -> RankStatus:
@@ -542,11 +531,8 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         got, expected, paths = run(remote)
         assert torch.equal(got, expected) and paths in ({0: "tcp", 1: "tcp"}, "tcp")
         real_recv = tcp_reads.recv_exactly
-        rank1_port = (
-            c.session.paths.path(PathKind.BULK)
-            ._idle[c.session.address_of(1)][0]
-            .sock.getpeername()[1]
-        )
+        kept = c.session.paths.path(PathKind.BULK).idle.kept(c.session.address_of(1))
+        rank1_port = kept[0].sock.getpeername()[1]
 
         def reset_rank1(sock, view, deadline):  # type: ignore[no-untyped-def]
             if sock.getpeername()[1] == rank1_port:
