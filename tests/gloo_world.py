@@ -67,14 +67,18 @@ class World:
             process.start()
         self._commands = 0
 
+    def start(self, function: Callable[..., Any], *args: Any) -> None:
+        """`function(rank, *args)` sent to every rank without waiting for the answers (a job a test kills)."""
+        self._commands += 1
+        for inbox in self.inboxes:
+            inbox.put((self._commands, function, args))
+
     def run(
         self, function: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT_S
     ) -> dict[int, Any]:
         """`function(rank, *args)` on every rank; the answers by rank, or a failure naming the rank. Late answers
         to an earlier command (one that failed a test) are dropped, never taken for this one's."""
-        self._commands += 1
-        for inbox in self.inboxes:
-            inbox.put((self._commands, function, args))
+        self.start(function, *args)
         answers: dict[int, Any] = {}
         while len(answers) < self.size:
             try:

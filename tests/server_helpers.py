@@ -69,14 +69,17 @@ class Stubs:
         self._credentials = credentials
         self._default_metadata = default_metadata
         self._raw_channels: list[grpc.Channel] = []
-        self._channels = [self._channel(address)]
-        self.coord = pb_grpc.CoordinatorStub(self._channels[0])
+        self.coordinator_channel = self._channel(address)
+        self.rank_channels: dict[
+            int, grpc.Channel
+        ] = {}  # for raw calls a stub cannot make (bad bytes)
+        self.coord = pb_grpc.CoordinatorStub(self.coordinator_channel)
         self.ranks: dict[int, pb_grpc.ShardServerStub] = {}
         for info in self.coord.ListRanks(
             pb.ListRanksRequest(), timeout=TIMEOUT, metadata=metadata
         ).ranks:
-            self._channels.append(self._channel(info.address))
-            self.ranks[info.rank] = pb_grpc.ShardServerStub(self._channels[-1])
+            self.rank_channels[info.rank] = self._channel(info.address)
+            self.ranks[info.rank] = pb_grpc.ShardServerStub(self.rank_channels[info.rank])
 
     def _channel(self, address: str) -> grpc.Channel:
         if self._credentials is not None:
@@ -89,7 +92,11 @@ class Stubs:
         return channel
 
     def close(self) -> None:
-        for channel in self._channels + self._raw_channels:
+        for channel in [
+            self.coordinator_channel,
+            *self.rank_channels.values(),
+            *self._raw_channels,
+        ]:
             channel.close()
 
 

@@ -11,14 +11,10 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-import grpc
-
-from shardserve import ShardServeError
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.rank_launch import PROJECT_ROOT
@@ -62,19 +58,6 @@ def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `predicate` (its gRPC and client errors count as False) until true; AssertionError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except (grpc.RpcError, ShardServeError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def stop_all(procs: Sequence[subprocess.Popen]) -> None:

@@ -106,13 +106,65 @@ class BulkReadError(ShardServeError):
     reason = Reason.PATH_UNAVAILABLE
 
 
-class _Connection:
+class Connection:
     """One open connection to a rank's bulk port."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.kept = False  # taken from the idle ones (the rank may have closed it meanwhile)
         self.idle_since = time.monotonic()
+
+
+class IdleConnections:
+    """The open connections a client keeps between calls, by rank address: at most IDLE_KEPT per rank, none
+    kept past IDLE_KEEP_S unused. `clock`: what idleness is timed by (tests pass a fake one)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._idle: dict[str, deque[Connection]] = defaultdict(deque)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self, address: str) -> Connection | None:
+        """The newest kept connection to `address` (the least likely to have been closed by the rank), marked
+        kept; the expired ones are closed first, oldest first. None when none is kept."""
+        with self._lock:
+            connections = self._idle[address]
+            while connections and self._clock() - connections[0].idle_since >= IDLE_KEEP_S:
+                connections.popleft().sock.close()
+            if not connections:
+                return None
+            connection = connections.pop()
+            connection.kept = True
+            return connection
+
+    def give_back(self, address: str, connection: Connection) -> None:
+        """Keep `connection` for the next call to `address`, or close it (IDLE_KEPT reached, or closed)."""
+        connection.idle_since = self._clock()
+        with self._lock:
+            if not self._closed and len(self._idle[address]) < IDLE_KEPT:
+                self._idle[address].append(connection)
+                return
+        connection.sock.close()
+
+    def kept(self, address: str | None = None) -> list[Connection]:
+        """The connections kept now (to `address`, or to every rank), oldest first."""
+        with self._lock:
+            return [
+                connection
+                for where, connections in self._idle.items()
+                if address is None or where == address
+                for connection in connections
+            ]
+
+    def close(self) -> None:
+        """Close every kept connection; those given back later are closed at once."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, defaultdict(deque)
+        for connections in idle.values():
+            for connection in connections:
+                connection.sock.close()
 
 
 class BulkPath(NetworkPath):
@@ -125,9 +177,8 @@ class BulkPath(NetworkPath):
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-        self._idle: dict[str, deque[_Connection]] = defaultdict(deque)
-        self._lock = threading.Lock()
-        self._closed = False
+        self.idle = IdleConnections()
+        self._lock = threading.Lock()  # guards the TLS context made once
         self._tls: ssl.SSLContext | None = None  # made on the first TLS connection
 
     def refusal(self, rank: RankStatus) -> ShardServeError:
@@ -240,7 +291,7 @@ class BulkPath(NetworkPath):
             )
         frame = FRAME.pack(kind, len(message)) + message
         deadline = time.monotonic() + self.channel.data_timeout(nbytes)
-        connection = self._take(address)
+        connection = self.idle.take(address)
         if connection is not None and not self._send_frame(connection, frame, cancel, payload):
             connection = None
         if connection is None:
@@ -261,7 +312,7 @@ class BulkPath(NetworkPath):
 
     def _send_frame(
         self,
-        connection: _Connection,
+        connection: Connection,
         frame: bytes,
         cancel: Cancellation | None = None,
         payload: Sequence[memoryview] = (),
@@ -284,7 +335,7 @@ class BulkPath(NetworkPath):
         frame: bytes,
         cancel: Cancellation | None = None,
         payload: Sequence[memoryview] = (),
-    ) -> _Connection:
+    ) -> Connection:
         connection = self._open(address, cancel)
         if not self._send_frame(connection, frame, cancel, payload):
             raise BulkReadError(
@@ -294,35 +345,9 @@ class BulkPath(NetworkPath):
 
     def close(self) -> None:
         """Close every kept connection."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, defaultdict(deque)
-        for connections in idle.values():
-            for connection in connections:
-                connection.sock.close()
+        self.idle.close()
 
-    def _take(self, address: str) -> _Connection | None:
-        with self._lock:
-            connections = self._idle[address]
-            while connections and time.monotonic() - connections[0].idle_since >= IDLE_KEEP_S:
-                connections.popleft().sock.close()  # the oldest first: none stays open past IDLE_KEEP_S unused
-            if not connections:
-                return None
-            connection = (
-                connections.pop()
-            )  # the newest: the least likely to have been closed by the rank
-            connection.kept = True
-            return connection
-
-    def _give_back(self, address: str, connection: _Connection) -> None:
-        connection.idle_since = time.monotonic()
-        with self._lock:
-            if not self._closed and len(self._idle[address]) < IDLE_KEPT:
-                self._idle[address].append(connection)
-                return
-        connection.sock.close()
-
-    def _open(self, address: str, cancel: Cancellation | None = None) -> _Connection:
+    def _open(self, address: str, cancel: Cancellation | None = None) -> Connection:
         """A new connection to the bulk port of the rank at `address`, its ticket sent."""
         where = f"rank at {address}"
         try:
@@ -345,7 +370,7 @@ class BulkPath(NetworkPath):
         except OSError as err:  # ssl.SSLError too: a certificate refused either way
             sock.close()
             raise BulkReadError(f"{where}, bulk port {session.port}: {err}") from None
-        return _Connection(sock)
+        return Connection(sock)
 
     def _secure(self, sock: socket.socket, host: str, tls: bool) -> socket.socket:
         """`sock` itself for a plaintext port, else a TLS socket over it once the rank's certificate is verified
@@ -381,7 +406,7 @@ class BulkPath(NetworkPath):
             raise error_from_rpc(err, where) from None
 
     def _answer(
-        self, connection: _Connection, address: str, receive: Callable[..., T], deadline: float
+        self, connection: Connection, address: str, receive: Callable[..., T], deadline: float
     ) -> T:
         """Take the answer of the request sent on `connection`; the connection is kept if still in step."""
         where = f"rank at {address}"
@@ -418,11 +443,11 @@ class BulkPath(NetworkPath):
             if isinstance(err, BulkReadError) or err.code is None:
                 sock.close()
             raise
-        self._give_back(address, connection)
+        self.idle.give_back(address, connection)
         return result
 
     def _raise_status(
-        self, connection: _Connection, address: str, answer: _ErrorAnswer, deadline: float
+        self, connection: Connection, address: str, answer: _ErrorAnswer, deadline: float
     ) -> None:
         """Read the error (a google.rpc.Status) that follows a non-OK header and raise it (the connection stays
         usable after an error about the request)."""
@@ -433,7 +458,7 @@ class BulkPath(NetworkPath):
         error = _error_of(code, answer.body_kind, bytes(body), where)
         if error.reason in _PATH_FAILURES or answer.length > MAX_ERROR_BYTES:
             raise BulkReadError(f"{where}: {error.message}", code)
-        self._give_back(address, connection)
+        self.idle.give_back(address, connection)
         raise error
 
 

@@ -99,18 +99,13 @@ class InPlaceWriter:
     ) -> None:
         self.channel = channel
         self.host_id = host_id
-        self.mapped_bytes = mapped_bytes
         self.pages = pages  # CPU mappings registered with CUDA for copies from CUDA tensors
-        # (address, pid, fd, inode, device) -> mapping
-        self._mappings: OrderedDict[tuple[str, int, int, int, int], WritableMapping] = OrderedDict()
-        self._nbytes = 0
-        self._lock = threading.Lock()
+        self.mappings = KeptMappings(mapped_bytes)
 
     @property
     def mapped_segments(self) -> int:
         """How many ranks' segments this writer keeps mapped."""
-        with self._lock:
-            return len(self._mappings)
+        return len(self.mappings)
 
     def write(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Fill the shards of `writes` on the rank at `address` in place, then tell it; the bytes written.
@@ -121,19 +116,20 @@ class InPlaceWriter:
         # not all opened with their allocation: open them now, and tell the rank once they are filled
         told = len(opened) < len(writes)
         segments = self._open(address, writes) if told else opened
-        targets = self._targets(address, writes, segments)
+        targets = self.targets(address, writes, segments)
         headers = [self._header(address, segment) for segment in segments]
         synchronize(
             fill(writes, targets, headers)
         )  # every byte in place before the rank counts them
         written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
-        self._unmap_released(address, {_key(address, segment) for segment in segments})
+        self.mappings.unmap_released(address, {_key(address, segment) for segment in segments})
         return written
 
-    def _targets(
+    def targets(
         self, address: str, writes: Sequence[ShardWrite], segments: Sequence[pb.WritableSegment]
     ) -> list[torch.Tensor]:
-        """Each write's bytes in its segment's mapping; a failure gives back the CUDA handles not opened yet."""
+        """Each write's bytes in its segment's mapping (InPlaceUnavailable when the rank's answer does not fit
+        `writes`); a failure gives back the CUDA handles not opened yet."""
         try:
             self._check_sizes(address, writes, segments)
         except InPlaceUnavailable:
@@ -142,7 +138,9 @@ class InPlaceWriter:
         targets = []
         for i, (write, segment) in enumerate(zip(writes, segments)):
             try:
-                targets.append(self._target(address, segment, itemsize=write.dtype.itemsize))
+                targets.append(
+                    self.mappings.target(address, segment, itemsize=write.dtype.itemsize)
+                )
             except BaseException:
                 _give_back(segments[i + 1 :])
                 raise
@@ -154,16 +152,14 @@ class InPlaceWriter:
         """The int64 header words of a memfd segment this writer mapped (None for a CUDA shard's)."""
         if segment.HasField("cuda") or segment.data_offset < HEADER_WORDS * 8:
             return None
-        with self._lock:
-            mapping = self._mappings.get(_key(address, segment))
+        mapping = self.mappings.get(address, segment)
         if mapping is None:
             return None
         return mapping.flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
 
     def _pin(self, address: str, segment: pb.WritableSegment) -> None:
         """Register the kept mapping of `segment` with CUDA (once), for the copy from a CUDA tensor into it."""
-        with self._lock:
-            mapping = self._mappings.get(_key(address, segment))
+        mapping = self.mappings.get(address, segment)
         if mapping is not None:
             self.pages.pin(mapping, mapping.flat)
 
@@ -181,8 +177,7 @@ class InPlaceWriter:
 
     def close(self) -> None:
         """Let go of every kept mapping (the rank's memory goes once it drops it too)."""
-        with self._lock:
-            self._mappings, self._nbytes = OrderedDict(), 0
+        self.mappings.clear()
 
     def _open(self, address: str, writes: Sequence[ShardWrite]) -> list[pb.WritableSegment]:
         request = pb.OpenShardsForWriteRequest(
@@ -220,7 +215,33 @@ class InPlaceWriter:
                     f"{write.nbytes}"
                 )
 
-    def _unmap_released(self, address: str, used: set[tuple[str, int, int, int, int]]) -> None:
+
+class KeptMappings:
+    """The writable mappings one writer keeps of ranks' segments, by (address, pid, fd, inode, device): a kept
+    one is reused by the next write into the same segment, the oldest are let go past `mapped_bytes`, and
+    those of segments a rank freed for good are unmapped."""
+
+    def __init__(self, mapped_bytes: int = MAPPED_BYTES) -> None:
+        self.mapped_bytes = mapped_bytes
+        self._mappings: OrderedDict[tuple[str, int, int, int, int], WritableMapping] = OrderedDict()
+        self._nbytes = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._mappings)
+
+    def get(self, address: str, segment: pb.WritableSegment) -> WritableMapping | None:
+        """The kept mapping of `segment` of the rank at `address`, if any."""
+        with self._lock:
+            return self._mappings.get(_key(address, segment))
+
+    def clear(self) -> None:
+        """Let go of every kept mapping."""
+        with self._lock:
+            self._mappings, self._nbytes = OrderedDict(), 0
+
+    def unmap_released(self, address: str, used: set[tuple[str, int, int, int, int]]) -> None:
         """Unmap the kept mappings of `address`'s segments that the rank no longer holds (freed for good, not
         kept for reuse): only this mapping would keep their memory."""
         with self._lock:
@@ -230,7 +251,7 @@ class InPlaceWriter:
             gone = [self._mappings.pop(key) for key in released if key in self._mappings]
             self._nbytes -= sum(mapping.flat.numel() for mapping in gone)
 
-    def _target(
+    def target(
         self, address: str, segment: pb.WritableSegment, *, itemsize: int = 1
     ) -> torch.Tensor:
         """The shard's bytes in a writable mapping of `segment`: a kept one, else a new one (`itemsize`: the

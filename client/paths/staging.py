@@ -15,7 +15,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import torch
@@ -80,6 +80,11 @@ class StagingFile:
             name_secret=self.secret,
         )
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() released the file (its descriptor and mapping)."""
+        return self._fd < 0
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
@@ -104,14 +109,21 @@ class StagingFiles:
     """The staging files of one client: take() one of at least `nbytes` (a kept one when it fits), give_back()
     it after the rank answered."""
 
-    def __init__(self, kept_bytes: int = KEPT_BYTES, idle_s: float = IDLE_S) -> None:
+    def __init__(
+        self,
+        kept_bytes: int = KEPT_BYTES,
+        idle_s: float = IDLE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: what idleness is timed by (seconds, monotonic; tests pass a fake one)."""
         self.kept_bytes = kept_bytes
         self.idle_s = idle_s
+        self._clock = clock
         self._idle: list[tuple[float, StagingFile]] = []
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> StagingFile:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             stale = [f for since, f in self._idle if now - since > self.idle_s]
             self._idle = [(since, f) for since, f in self._idle if now - since <= self.idle_s]
@@ -124,7 +136,7 @@ class StagingFiles:
     def give_back(self, staging: StagingFile) -> None:
         with self._lock:
             if staging.nbytes + sum(f.nbytes for _, f in self._idle) <= self.kept_bytes:
-                self._idle.append((time.monotonic(), staging))
+                self._idle.append((self._clock(), staging))
                 return
         staging.close()
 

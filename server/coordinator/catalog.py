@@ -15,7 +15,7 @@ import abc
 import logging
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -301,6 +301,17 @@ class SQLiteCatalog(Catalog):
     def promoting(self) -> list[TensorRecord]:
         with self._lock:  # a JSON field, read by SQLite: only the rows that match are decoded here
             return _tensors_where(self._db, "json_extract(record, '$.promoting')", ())
+
+    def sync_level(self) -> int:
+        """SQLite's `synchronous` setting between transactions: 2 (FULL), what a commit's durability rests on."""
+        with self._lock:
+            level: int = self._db.execute("PRAGMA synchronous").fetchone()[0]
+            return level
+
+    def trace_statements(self, callback: Callable[[str], object] | None) -> None:
+        """Call `callback` with every SQL statement this catalog sends (None: stop); for diagnosis."""
+        with self._lock:
+            self._db.set_trace_callback(callback)
 
     def close(self) -> None:
         with self._lock:

@@ -21,6 +21,11 @@ class NameLocks:
         ] = {}  # name -> (its lock, callers using it)
         self._guard = threading.Lock()
 
+    def names(self) -> set[str]:
+        """The names whose lock is in use now: held, or waited for."""
+        with self._guard:
+            return set(self._locks)
+
     @contextlib.contextmanager
     def hold(self, name: str, wait_s: float | None = None) -> Iterator[None]:
         """Hold `name`'s lock; ABORTED when another change keeps it longer than `wait_s` (default

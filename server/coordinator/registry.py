@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Set
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
 import grpc
@@ -38,23 +38,33 @@ class RankEntry:
     """A registered rank: what it told us, when it last spoke, and a stub to call it."""
 
     info: RankInfo
-    last_heartbeat: float  # time.monotonic()
+    last_heartbeat: float  # self._clock()
     channel: grpc.Channel
     stub: pb_grpc.ShardServerStub
     exited: bool = False
     reported_dead: bool = False
-    exited_at: float = 0.0  # time.monotonic() when its process was known to end
+    exited_at: float = 0.0  # self._clock() when its process was known to end
 
 
 class RankRegistry:
     """Registered ranks with their liveness and restore progress, and a channel to each."""
 
-    def __init__(self, security: Security = Security(), dead_after: float = 3.0) -> None:
+    def __init__(
+        self,
+        security: Security = Security(),
+        dead_after: float = 3.0,
+        clock: Callable[[], float] = time.monotonic,
+        stub_of: Callable[[grpc.Channel], pb_grpc.ShardServerStub] = pb_grpc.ShardServerStub,
+    ) -> None:
+        """`clock`: what liveness and settling are measured by (seconds, monotonic); `stub_of`: how a
+        registered rank's channel is called. Tests pass a fake clock, or stand-in stubs."""
         self.security = security
         self.dead_after = dead_after
+        self._clock = clock
+        self.stub_of = stub_of
         self._ranks: dict[int, RankEntry] = {}
         self._ranks_changed = threading.Condition()
-        self._started = time.monotonic()
+        self._started = self._clock()
         # the last registration, exit, return from the dead or restore
         self._changed_at = self._started
         self._restoring: dict[int, RestoreProgress] = {}  # rank -> its restore, until re-promoted
@@ -71,14 +81,14 @@ class RankRegistry:
             check_name(name, f"held[{i}].name")
             check_version(version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
-        entry = RankEntry(info, time.monotonic(), channel, pb_grpc.ShardServerStub(channel))
+        entry = RankEntry(info, self._clock(), channel, self.stub_of(channel))
         try:
             with self._ranks_changed:
                 self._check_fits_the_world(info)
                 old = self._ranks.get(info.rank)
                 entry.info = replace(info, restarts=_restarts_after(old, info))
                 self._ranks[info.rank] = entry
-                self._changed_at = time.monotonic()
+                self._changed_at = self._clock()
                 self._ranks_changed.notify_all()
         except ServiceError:
             channel.close()
@@ -132,7 +142,7 @@ class RankRegistry:
         """`rank`'s restored versions are promoted again: its shards serve reads from now on."""
         with self._ranks_changed:
             done = self._restoring.pop(rank, None)
-            self._changed_at = time.monotonic()
+            self._changed_at = self._clock()
         if done is not None:
             log.info(
                 "rank %d is restored: %d bytes, %d tensors",
@@ -177,7 +187,7 @@ class RankRegistry:
             if entry is None or entry.exited:
                 raise TensorNotFound(f"rank {rank} is not registered; register again")
             was_dead = entry.reported_dead or not self.is_alive(entry)
-            entry.last_heartbeat = time.monotonic()
+            entry.last_heartbeat = self._clock()
             entry.info = replace(
                 entry.info, memory_used_bytes=memory_used, last_heartbeat_unix=time.time()
             )
@@ -194,7 +204,7 @@ class RankRegistry:
             if entry is None or entry.exited:
                 return
             entry.exited = entry.reported_dead = True
-            entry.exited_at = self._changed_at = time.monotonic()
+            entry.exited_at = self._changed_at = self._clock()
         log.error("rank %d is dead: %s", rank, reason)
 
     def report_dead(self) -> None:
@@ -207,7 +217,7 @@ class RankRegistry:
                         "rank %d (%s) missed heartbeats for %.1fs: marked dead",
                         entry.info.rank,
                         entry.info.address,
-                        time.monotonic() - entry.last_heartbeat,
+                        self._clock() - entry.last_heartbeat,
                     )
 
     def settled_for(self) -> float:
@@ -216,11 +226,11 @@ class RankRegistry:
         with self._ranks_changed:
             if not all(self.is_alive(entry) for entry in self._ranks.values()):
                 return 0.0
-            return time.monotonic() - self._changed_at
+            return self._clock() - self._changed_at
 
     def is_alive(self, entry: RankEntry) -> bool:
         """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""
-        return not entry.exited and time.monotonic() - entry.last_heartbeat <= self.dead_after
+        return not entry.exited and self._clock() - entry.last_heartbeat <= self.dead_after
 
     def rank_alive(self, rank: int) -> bool:
         """Whether `rank` is registered and alive."""
@@ -242,7 +252,7 @@ class RankRegistry:
         """Seconds `rank` has been dead (None while alive): since its process ended or its heartbeats stopped
         counting. A rank not registered counts as dead from UNREGISTERED_GRACE_S after the registry began (a
         coordinator restarted while that rank was down never hears from it)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None:

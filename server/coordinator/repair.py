@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
@@ -79,20 +80,25 @@ class RepairDriver:
         reshards: ReshardDriver,
         repair_after: float = DEFAULT_REPAIR_AFTER_S,
         job_timeout_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what scans and retry back-offs are timed by (seconds, monotonic; tests pass a fake one)."""
         if repair_after < 0:
             raise ValueError(f"repair_after must be >= 0 seconds, got {repair_after}")
         self.catalog = catalog
         self.registry = registry
         self.reshards = reshards
         self.repair_after = repair_after
+        self._clock = clock
         self.job_timeout_s = job_timeout(job_timeout_s, reshards.default_timeout_s)
         self._states: dict[str, RepairInFlight] = {}
-        self._retry_at: dict[str, tuple[float, float]] = {}  # name -> (monotonic next try, backoff)
+        self._retry_at: dict[
+            str, tuple[float, float]
+        ] = {}  # name -> (next try by the clock, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
         self._completed: deque[FinishedRepair] = deque(maxlen=FINISHED_KEPT)
         self._unavailable_seen = True  # by the last scan: a copy could not be read
-        self._scanned_at = float("-inf")  # time.monotonic() of the last scan
+        self._scanned_at = float("-inf")  # when the last scan began, by the clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="coord-repair", daemon=True)
@@ -132,13 +138,13 @@ class RepairDriver:
             self._unavailable_seen
             or bool(self._retry_at)
             or self.registry.settled_for() < SETTLED_S
-            or time.monotonic() - self._scanned_at >= SETTLED_S
+            or self._clock() - self._scanned_at >= SETTLED_S
         )
 
     def run_once(self) -> list[str]:
         """Repair every tensor whose copies are due now; the names repaired."""
         repaired = []
-        self._scanned_at, self._unavailable_seen = time.monotonic(), False
+        self._scanned_at, self._unavailable_seen = self._clock(), False
         for record in self.catalog.list():
             if self._stop.is_set():
                 break
@@ -155,7 +161,7 @@ class RepairDriver:
         if not record.ready or record.promoting or self.reshards.is_running(record.name):
             return None
         retry = self._retry_at.get(record.name)
-        if retry is not None and time.monotonic() < retry[0]:
+        if retry is not None and self._clock() < retry[0]:
             return None
         meta = record.metadata
         unavailable, waiting = self._unavailable(record, meta)
@@ -262,4 +268,4 @@ class RepairDriver:
     def _back_off(self, name: str) -> None:
         _, last = self._retry_at.get(name, (0.0, RETRY_BACKOFF_S[0] / 2))
         backoff = min(RETRY_BACKOFF_S[1], last * 2)
-        self._retry_at[name] = (time.monotonic() + backoff, backoff)
+        self._retry_at[name] = (self._clock() + backoff, backoff)

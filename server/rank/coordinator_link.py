@@ -107,6 +107,11 @@ class CoordinatorLink:
         except grpc.RpcError as err:
             log.warning("registering again failed: %s %s", err.code().name, err.details())
 
+    @property
+    def stopped(self) -> bool:
+        """Whether stop() ran: no heartbeat is sent any more and the heartbeat thread is gone."""
+        return self._stop.is_set() and not self._thread.is_alive()
+
     def stop(self) -> None:
         """Stop heartbeating and close the channel (the thread may never have started)."""
         self._stop.set()

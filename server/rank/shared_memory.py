@@ -387,6 +387,11 @@ class Leases:
                 self._reaper.start()
         return lease_id
 
+    def held_ids(self) -> list[int]:
+        """The ids of the leases held now."""
+        with self._lock:
+            return list(self._held)
+
     def release(self, lease_ids: list[int]) -> int:
         """End the given leases (unknown or expired ids are ignored); returns how many ended."""
         with self._lock:

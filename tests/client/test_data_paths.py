@@ -21,6 +21,7 @@ from functools import partial
 import grpc
 import pytest
 import torch
+from fake_clock import FakeClock
 from server_helpers import Aborted, ServicerContext
 
 import shardserve.client.paths.segments as segments
@@ -38,6 +39,7 @@ from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.rank_options import RankOptions
+from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.errors import InvalidState
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shard_fill import InitFill
@@ -85,8 +87,9 @@ def env(name: str, value: str):
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster):
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture(scope="module")
@@ -398,25 +401,14 @@ def test_broken_kept_bulk_connection_is_replaced(cluster, tables):
     with connect(cluster.address, transport="bulk") as c:
         remote = c.tensor(name)
         assert torch.equal(remote.full_tensor(), source)
-        kept = [
-            conn for conns in c.session.paths.path(PathKind.BULK)._idle.values() for conn in conns
-        ]
+        kept = c.session.paths.path(PathKind.BULK).idle.kept()
         assert len(kept) == 2  # one per rank, kept for the next read
         for conn in kept:
             conn.sock.shutdown(socket.SHUT_RDWR)  # as if the rank had closed it
         assert torch.equal(remote.full_tensor(), source)
         assert remote.last_transport == "bulk"
         assert all(conn.sock.fileno() == -1 for conn in kept)  # replaced and closed
-        assert (
-            len(
-                [
-                    conn
-                    for conns in c.session.paths.path(PathKind.BULK)._idle.values()
-                    for conn in conns
-                ]
-            )
-            == 2
-        )
+        assert len(c.session.paths.path(PathKind.BULK).idle.kept()) == 2
 
 
 def _rank(number: int) -> RankStatus:
@@ -539,11 +531,8 @@ def test_a_bulk_answer_failing_midway_falls_back_for_that_rank(cluster, monkeypa
         got, expected, paths = run(remote)
         assert torch.equal(got, expected) and paths in ({0: "bulk", 1: "bulk"}, "bulk")
         real_recv = tcp_reads.recv_exactly
-        rank1_port = (
-            c.session.paths.path(PathKind.BULK)
-            ._idle[c.session.address_of(1)][0]
-            .sock.getpeername()[1]
-        )
+        kept = c.session.paths.path(PathKind.BULK).idle.kept(c.session.address_of(1))
+        rank1_port = kept[0].sock.getpeername()[1]
 
         def reset_rank1(sock, view, deadline):  # type: ignore[no-untyped-def]
             if sock.getpeername()[1] == rank1_port:
@@ -877,7 +866,7 @@ def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     assert refused.value.reason == Reason.OVERLOADED
     store.drop("t", 1)
     assert store.memory_used > 0  # the two leases granted still hold it
-    service.leases.release(list(service.leases._held))
+    service.leases.release(service.leases.held_ids())
     assert store.memory_used == 0  # the refused one left no hold behind
 
 
@@ -998,18 +987,19 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from shardserve.client.paths.bulk import IDLE_KEEP_S, BulkPath, _Connection
+    from shardserve.client.paths.bulk import IDLE_KEEP_S, Connection, IdleConnections
 
-    bulk = BulkPath(channel=None)  # type: ignore[arg-type]
+    clock = FakeClock()
+    idle = IdleConnections(clock=clock)
     pairs = [socket.socketpair() for _ in range(3)]
-    connections = [_Connection(a) for a, _ in pairs]
-    for connection, age in zip(connections, (2 * IDLE_KEEP_S, IDLE_KEEP_S + 1, 0)):
-        connection.idle_since -= age
-        bulk._idle["rank"].append(connection)
-    taken = bulk._take("rank")
-    assert taken is connections[2] and taken.kept and not bulk._idle["rank"]
+    connections = [Connection(a) for a, _ in pairs]
+    for connection, wait in zip(connections, (1.0, IDLE_KEEP_S, 0.0)):
+        idle.give_back("rank", connection)
+        clock.advance(wait)  # ages IDLE_KEEP_S + 1, IDLE_KEEP_S and 0 at the take
+    taken = idle.take("rank")
+    assert taken is connections[2] and taken.kept
     assert [c.sock.fileno() for c in connections[:2]] == [-1, -1]  # closed, though under the newest
-    assert bulk._take("rank") is None
+    assert idle.take("rank") is None
     for a, b in pairs:
         a.close()
         b.close()
@@ -1131,25 +1121,18 @@ def test_writes_go_over_grpc_without_shared_memory_or_bulk_port(no_shm_cluster):
 def test_staging_files_are_kept_within_their_budget_and_closed_when_idle():
     from shardserve.client.paths.staging import StagingFiles
 
-    clock = [0.0]
-    files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0)
-    import shardserve.client.paths.staging as staging
-
-    original = staging.time.monotonic
-    staging.time.monotonic = lambda: clock[0]
-    try:
-        first = files.take(1000)
-        files.give_back(first)
-        assert files.take(500) is first  # kept and big enough: reused
-        files.give_back(first)
-        big = files.take(2 << 20)  # over the budget: a new file, closed when given back
-        files.give_back(big)
-        assert big._fd == -1 and first._fd >= 0
-        clock[0] = 10.0
-        again = files.take(10)  # the kept one idled past idle_s: closed, a new one made
-        assert first._fd == -1 and again is not first
-        files.give_back(again)
-        files.close()
-        assert again._fd == -1
-    finally:
-        staging.time.monotonic = original
+    clock = FakeClock()
+    files = StagingFiles(kept_bytes=1 << 20, idle_s=5.0, clock=clock)
+    first = files.take(1000)
+    files.give_back(first)
+    assert files.take(500) is first  # kept and big enough: reused
+    files.give_back(first)
+    big = files.take(2 << 20)  # over the budget: a new file, closed when given back
+    files.give_back(big)
+    assert big.closed and not first.closed
+    clock.advance(10.0)
+    again = files.take(10)  # the kept one idled past idle_s: closed, a new one made
+    assert first.closed and again is not first
+    files.give_back(again)
+    files.close()
+    assert again.closed

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from shardserve.client.errors import (
     InvalidArgumentError,
@@ -22,14 +23,6 @@ from shardserve.client.paths.kinds import PathKind, parse_transport
 from shardserve.client.ranks import RankDirectory
 from shardserve.core.metadata import ShardMetadata, TensorProperties
 from shardserve.core.specs import EnumerableShardingSpec
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Coordinator:
@@ -48,14 +41,14 @@ def _rank(number: int, alive: bool = True) -> RankStatus:
     return RankStatus(number, f"10.0.0.{number}:1", "cpu", "elsewhere", alive, 0, 0, 1, 0.0)
 
 
-def _health(alive: dict[int, bool]) -> tuple[RankHealth, Coordinator, Clock]:
-    clock, coordinator = Clock(), Coordinator(alive)
+def _health(alive: dict[int, bool]) -> tuple[RankHealth, Coordinator, FakeClock]:
+    clock, coordinator = FakeClock(), Coordinator(alive)
     directory = RankDirectory(coordinator.list_ranks, "coordinator:1", clock=clock)
     directory.refresh()
     return RankHealth(directory, clock=clock), coordinator, clock
 
 
-def _mirrored(clock: Clock, unavailable: frozenset[int] = frozenset()) -> TensorSummary:
+def _mirrored(clock: FakeClock, unavailable: frozenset[int] = frozenset()) -> TensorSummary:
     """Rows 0-3 on ranks 0 and 1 (shards 0, 1), rows 4-7 on rank 2 alone (shard 2)."""
     shards = [
         ShardMetadata((0, 0), (4, 2), "rank:0/cpu"),
@@ -154,7 +147,7 @@ class FakePath:
         return f"bytes by {self.kind}"
 
 
-def _chain(*paths: FakePath, forced: bool = False) -> tuple[FallbackChain, Clock]:
+def _chain(*paths: FakePath, forced: bool = False) -> tuple[FallbackChain, FakeClock]:
     health, _, clock = _health({0: True})
     return FallbackChain(paths, health, forced=forced), clock  # type: ignore[arg-type]
 
@@ -217,7 +210,7 @@ def test_transport_strings_parse_into_path_kinds():
 
 
 def test_a_recent_rank_list_is_reused_and_an_old_one_asked_again():
-    clock, coordinator = Clock(), Coordinator({0: True, 1: True})
+    clock, coordinator = FakeClock(), Coordinator({0: True, 1: True})
     directory = RankDirectory(coordinator.list_ranks, "coordinator:1", clock=clock)
     assert [r.rank for r in directory.recent(1.0)] == [0, 1]  # never asked: asks
     assert coordinator.calls == 1

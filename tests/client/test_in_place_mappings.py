@@ -38,14 +38,14 @@ def test_segments_the_rank_let_go_of_are_unmapped_and_held_ones_kept():
     held_fd, held = _segment()
     freed_fd, freed = _segment()
     try:
-        writer._target(ADDRESS, held).fill_(7)
-        writer._target(ADDRESS, freed).fill_(8)
+        writer.mappings.target(ADDRESS, held).fill_(7)
+        writer.mappings.target(ADDRESS, freed).fill_(8)
         assert writer.mapped_segments == 2
         assert os.pread(held_fd, 4, 4096) == b"\x07" * 4  # the copy landed in the segment itself
         os.close(freed_fd)  # the rank frees that segment for good
-        writer._unmap_released(ADDRESS, used=set())
+        writer.mappings.unmap_released(ADDRESS, used=set())
         assert writer.mapped_segments == 1
-        writer._target(ADDRESS, held)  # kept: no new mapping
+        writer.mappings.target(ADDRESS, held)  # kept: no new mapping
         assert writer.mapped_segments == 1
     finally:
         os.close(held_fd)
@@ -58,7 +58,7 @@ def test_kept_mappings_stay_within_their_bytes():
         for _ in range(5):
             fd, segment = _segment()
             fds.append(fd)
-            writer._target(ADDRESS, segment)
+            writer.mappings.target(ADDRESS, segment)
         assert writer.mapped_segments == 3
     finally:
         for fd in fds:
@@ -71,7 +71,7 @@ def test_a_sealed_segment_never_mapped_and_another_file_are_refused():
     other_fd, other = _segment()
     try:
         with pytest.raises(InPlaceUnavailable, match="never mapped"):
-            writer._target(ADDRESS, segment)
+            writer.mappings.target(ADDRESS, segment)
         other.inode += 1  # names a file the fd is not
         with pytest.raises(InPlaceUnavailable, match="another file"):
             _map_writable(other)
@@ -112,19 +112,21 @@ def test_a_cuda_handle_is_opened_once_and_the_ranks_extra_count_given_back(ipc) 
     writer = InPlaceWriter(None, "host")  # type: ignore[arg-type]
     fd = os.memfd_create("header", os.MFD_CLOEXEC)
     try:
-        first = writer._target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
+        first = writer.mappings.target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
         assert first.numel() == 64 and ipc["opened"] == [
             (b"h1", 8)
         ]  # tensor_offset 4 elements of 2 bytes
-        again = writer._target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
+        again = writer.mappings.target(ADDRESS, _cuda_segment(fd, b"h1"), itemsize=2)
         assert again is first and ipc["released"] == [b"h1"]  # kept; the rank's new count returned
-        writer._target(
+        writer.mappings.target(
             ADDRESS, _cuda_segment(fd, b"h2"), itemsize=2
         )  # another shard behind the header
         assert [h for h, _ in ipc["opened"]] == [b"h1", b"h2"] and writer.mapped_segments == 1
     finally:
         os.close(fd)
-    writer._unmap_released(ADDRESS, used=set())  # the rank closed the header: the handle goes
+    writer.mappings.unmap_released(
+        ADDRESS, used=set()
+    )  # the rank closed the header: the handle goes
     assert writer.mapped_segments == 0
 
 
@@ -135,12 +137,12 @@ def test_handles_not_opened_are_given_back_when_a_batch_fails(ipc) -> None:
         segments = [_cuda_segment(fd, b"a"), _cuda_segment(fd, b"b")]
         writes = [shard_write("t", 1, i, torch.zeros(16, dtype=torch.float32)) for i in range(2)]
         with pytest.raises(InPlaceUnavailable, match="answered 2 segments for 1 shards"):
-            writer._targets(ADDRESS, writes[:1], segments)
+            writer.targets(ADDRESS, writes[:1], segments)
         assert ipc["released"] == [b"a", b"b"] and ipc["opened"] == []
         segments[0].sealed = True  # refused before it is opened: the later handle is given back
         ipc["released"].clear()
         with pytest.raises(InPlaceUnavailable, match="never mapped"):
-            writer._targets(ADDRESS, writes, segments)
+            writer.targets(ADDRESS, writes, segments)
         assert ipc["released"] == [b"b"]
     finally:
         os.close(fd)

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import (
     Cluster,
@@ -51,8 +51,9 @@ WELL_WITHIN_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture(scope="module")

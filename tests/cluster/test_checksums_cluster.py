@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 import xxhash
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import ShardsLostError, connect, spmd
 from shardserve.client.cli.main import main as cli_main

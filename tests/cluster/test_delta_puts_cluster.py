@@ -6,7 +6,6 @@ previous put, a changed shape, a newer snapshot by another writer, a dropped sna
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,8 +22,9 @@ ROWS, WIDTH = 2048, 512  # 4 MiB of fp32: four delta blocks of 512 rows
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import InvalidArgumentError, ShardsLostError, connect, spmd
 from shardserve.core.specs import ChunkShardingSpec

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch.distributed._shard import sharding_spec as torch_specs
+from waiting import wait_until
 
 from shardserve.client import (
     RankUnavailableError,
@@ -343,9 +343,7 @@ def test_dead_rank_is_connection_error_and_others_keep_serving(cl, cluster3, lay
             dead.full_tensor()
         assert_same(dead[0:8], source[0:8])
     assert_same(remote[0:8], source[0:8])
-    deadline = time.monotonic() + 30
-    while cl.ranks()[2].alive and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: not cl.ranks()[2].alive, 30, "rank 2 to be reported dead")
     assert [r.alive for r in cl.ranks()] == [True, True, False]
 
 

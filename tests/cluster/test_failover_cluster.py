@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import mirrored
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
@@ -38,10 +38,6 @@ PLAIN = ChunkShardingSpec(
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 WAIT_S = 20.0
 READ_TIMEOUT_S = 1.0  # the clients' deadline: a read of the dead rank's box waits this long for it
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    wait_until(condition, WAIT_S, what)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +78,10 @@ def world(cluster: LocalCluster) -> Iterator[dict]:
         assert (
             coordinator is not None
         )  # the clients still take rank 1 for alive: they have not asked since
-        _wait_until(
-            lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead"
+        wait_until(
+            lambda: not coordinator.registry.rank_alive(DEAD),
+            WAIT_S,
+            "the coordinator to mark rank 1 dead",
         )
         yield {"data": data, "clients": clients, "plain_version": plain_version}
     finally:
@@ -147,7 +145,7 @@ def test_surviving_boxes_read_bit_for_bit_and_the_dead_ranks_ones_are_unavailabl
 
 def test_health_lost_boxes_and_replicas_say_what_the_cluster_can_serve(world, cluster):
     with connect(cluster.address) as client:
-        _wait_until(lambda: not client.ranks()[DEAD].alive, "rank 1 to be marked dead")
+        wait_until(lambda: not client.ranks()[DEAD].alive, WAIT_S, "rank 1 to be marked dead")
         listed = {t.name: t for t in client.list()}
         assert listed["plain"].health == "unavailable" and listed["mirrored"].health == "degraded"
         plain = client.tensor("plain")
@@ -174,8 +172,9 @@ def test_cli_status_and_list_show_health(world, cluster, capsys):
 def test_a_degraded_tensor_reshards_from_its_live_copies(world, cluster):
     """A reshard reads each box from a live copy: the dead rank's copies are skipped, not a reason to refuse."""
     with connect(cluster.address) as client:
-        _wait_until(
+        wait_until(
             lambda: client.tensor("reshardable").health == "degraded",
+            WAIT_S,
             "rank 1's copies to be unavailable",
         )
         remote = client.tensor("reshardable").reshard(
@@ -192,8 +191,9 @@ def test_rows_of_a_degraded_table_are_written_to_its_live_copies(world, cluster)
     """update_rows while a replica's rank is dead: the new version starts without that copy (lost, repaired later),
     every live copy gets the rows; a table with a box on no live rank refuses the update (UNAVAILABLE)."""
     with connect(cluster.address) as client:
-        _wait_until(
+        wait_until(
             lambda: client.tensor("mirrored").health == "degraded",
+            WAIT_S,
             "rank 1's copies to be unavailable",
         )
         before = client.tensor("mirrored").version
@@ -258,7 +258,7 @@ def test_a_rank_that_registers_again_empty_never_makes_the_coordinator_forget_a_
             info = coordinator.GetTensor(pb.GetTensorRequest(name="plain"), timeout=10)
             return list(info.lost_shards) == [1]
 
-        _wait_until(marked_lost, "the coordinator to mark rank 1's copies lost")
+        wait_until(marked_lost, WAIT_S, "the coordinator to mark rank 1's copies lost")
         mirrored = coordinator.GetTensor(pb.GetTensorRequest(name="mirrored"), timeout=10)
         assert list(mirrored.lost_shards) == [0, 2]
         with connect(cluster.address, transport="grpc") as client:

@@ -12,7 +12,10 @@ import pytest
 
 from benchmarks import heal
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.slow,
+]  # a cluster of its own, killed and repaired under load
 
 
 def test_reads_never_fail_while_a_rank_dies_restarts_and_is_repaired():

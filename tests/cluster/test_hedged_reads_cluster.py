@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import mirrored
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, RankUnavailableError, ShardsLostError, connect
 from shardserve.core.specs import ChunkShardingSpec
@@ -30,10 +30,7 @@ SINGLE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])  # row
 # every row band on two ranks, rank 1's copy listed first where it has one (reads pick it while it answers)
 MIRRORED = mirrored([(1, 0), (1, 2), (2, 0)], ROWS, DIM)
 TRANSPORTS = ["grpc", "bulk"]
-
-
-def _wait_until(condition: Callable[[], bool], what: str, limit: float = 30.0) -> None:
-    wait_until(condition, limit, what)
+WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +110,9 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(
                 assert torch.equal(result, expected), transport
                 assert took < WELL_WITHIN_S, f"{transport}: a read took {took:.1f} s"
             assert fetched.last_transport == transport
-        _wait_until(lambda: not coordinator.registry.rank_alive(STOPPED), "rank 1 reported dead")
+        wait_until(
+            lambda: not coordinator.registry.rank_alive(STOPPED), WAIT_S, "rank 1 reported dead"
+        )
         for transport in TRANSPORTS:
             start = time.monotonic()
             with connect(cluster.address, timeout=SHORT_S, transport=transport) as short:
@@ -135,6 +134,8 @@ def test_reads_of_a_stopped_rank_end_well_within_the_deadline(
         )
     finally:
         cluster.kill_rank(STOPPED, signal.SIGCONT)
-    _wait_until(
-        lambda: coordinator.registry.rank_alive(STOPPED), "rank 1 to answer heartbeats again"
+    wait_until(
+        lambda: coordinator.registry.rank_alive(STOPPED),
+        WAIT_S,
+        "rank 1 to answer heartbeats again",
     )

@@ -15,13 +15,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
 import torch
 from grpc_status import rpc_status
+from waiting import wait_until
 
 from shardserve import connect, spmd
 from shardserve.client.paths.kinds import PathKind
@@ -49,8 +48,9 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -124,11 +124,12 @@ def test_a_writer_killed_mid_copy_leaves_nothing_visible(cluster, tmp_path):
             stderr=subprocess.PIPE,
         )
         try:
-            deadline = time.monotonic() + WAIT_S
-            while not marker.exists():
-                assert writer.poll() is None, writer.stderr.read().decode()[-2000:]
-                assert time.monotonic() < deadline, "the writer never started copying"
-                time.sleep(0.05)
+            wait_until(
+                lambda: marker.exists() or writer.poll() is not None,
+                WAIT_S,
+                "the writer to start copying",
+            )
+            assert writer.poll() is None, writer.stderr.read().decode()[-2000:]
             os.kill(writer.pid, signal.SIGKILL)
         finally:
             writer.kill()

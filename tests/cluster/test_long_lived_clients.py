@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, RankUnavailableError, Reason, ShardServeError, connect
 from shardserve.core.specs import ChunkShardingSpec

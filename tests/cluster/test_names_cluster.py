@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import InvalidArgumentError, Reason, connect
 from shardserve.core.specs import ChunkShardingSpec

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from server_processes import wait_until
+from waiting import eventually, wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.core.metadata import ShardMetadata
@@ -36,20 +36,14 @@ WAIT_S = 120.0
 KILL_POINTS = int(os.environ.get("SHARDSERVE_PERSIST_KILL_POINTS", "4"))
 
 
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    wait_until(condition, WAIT_S, what)
-
-
 def _read(client, name: str) -> torch.Tensor:
     """The whole tensor, once every shard is served again (a restored rank registers, then is re-promoted)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            return client.tensor(name).full_tensor()
-        except Exception:  # noqa: BLE001 - ranks still coming back; bounded by WAIT_S
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return eventually(
+        lambda: client.tensor(name).full_tensor(),
+        WAIT_S,
+        f"{name!r} to be served",
+        ignoring=(Exception,),
+    )
 
 
 def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_path):
@@ -81,14 +75,15 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
 
         writer = threading.Thread(target=updates)
         writer.start()
-        _wait_until(lambda: len(acked) > 5, "a few updates")
+        wait_until(lambda: len(acked) > 5, WAIT_S, "a few updates")
         old_pid = cluster.rank_pids[1]
         cluster.kill_rank(1, signal.SIGKILL)
-        _wait_until(
+        wait_until(
             lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid,
+            WAIT_S,
             "rank 1 to come back",
         )
-        _wait_until(lambda: len(acked) > 10, "updates after the restart")
+        wait_until(lambda: len(acked) > 10, WAIT_S, "updates after the restart")
         stop.set()
         writer.join(timeout=WAIT_S)
         info = client.tensor("killed")
@@ -96,6 +91,7 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
         assert torch.equal(_read(client, "killed"), acked[-1])
 
 
+@pytest.mark.slow
 def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(tmp_path):
     """KILL_POINTS whole-cluster SIGKILLs, each landing in a run of one kind of write (puts, row updates,
     reshards, checkpoint loads, in turn); after every restart each tensor is one of its acknowledged values or
@@ -224,15 +220,17 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
             f.write(b"\xff\xff\xff")
         old_pid = cluster.rank_pids[1]
         cluster.kill_rank(1, signal.SIGKILL)
-        _wait_until(
+        wait_until(
             lambda: client.ranks()[1].alive and client.ranks()[1].pid != old_pid,
+            WAIT_S,
             "rank 1 to come back",
         )
-        _wait_until(
+        wait_until(
             lambda: (
                 client.tensor("copies").version > put.version
                 and client.tensor("copies").health == "healthy"
             ),
+            WAIT_S,
             "the lost copy to be repaired",
         )
         assert client.tensor("copies").replicas == 2
@@ -261,8 +259,10 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
         hold.touch()
         cluster.kill_rank(1, signal.SIGKILL)
         # the rank reports its restore from its start (0 of 2 tensors); the hook holds it after its first tensor
-        _wait_until(
-            lambda: _restored_tensors(client, 1) >= 1, "rank 1 to report its first tensor restored"
+        wait_until(
+            lambda: _restored_tensors(client, 1) >= 1,
+            WAIT_S,
+            "rank 1 to report its first tensor restored",
         )
         restore = client.ranks()[1].restore
         assert (restore.done_tensors, restore.total_tensors, restore.loaded) == (1, 2, False)
@@ -277,8 +277,9 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
         shown = capsys.readouterr().out
         assert "% (" in shown and "1 of 2 tensors" in shown and "restoring (rank 1)" in shown
         hold.unlink()
-        _wait_until(
+        wait_until(
             lambda: client.ranks()[1].alive and client.ranks()[1].restore is None,
+            WAIT_S,
             "rank 1 to be restored",
         )
         for name, table in tables.items():

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from reference import mirrored
-from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from server_processes import rank_env, server_env, spawn_server, stop_all
+from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
@@ -26,7 +27,10 @@ from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.slow,
+]  # coordinator and rank processes spawned and killed
 
 ROWS, DIM, DEAD = 16, 8, 3
 WAIT_S = 60.0

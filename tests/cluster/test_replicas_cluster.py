@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, InvalidArgumentError, RemoteShardedTensor, connect
 from shardserve.client.cli.main import main as cli_main
@@ -30,10 +30,6 @@ WAIT_S = 20.0
 
 def _table(seed: int, rows: int = ROWS, dim: int = DIM) -> torch.Tensor:
     return torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed))
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    wait_until(condition, WAIT_S, what)
 
 
 def _assert_every_copy(remote: RemoteShardedTensor, expected: torch.Tensor, replicas: int) -> None:
@@ -227,8 +223,10 @@ def survivors(make_cluster: Callable[..., LocalCluster]) -> Iterator[dict]:
         cluster.kill_rank(DEAD, signal.SIGKILL)
         coordinator = cluster.coordinator
         assert coordinator is not None
-        _wait_until(
-            lambda: not coordinator.registry.rank_alive(DEAD), "the coordinator to mark rank 1 dead"
+        wait_until(
+            lambda: not coordinator.registry.rank_alive(DEAD),
+            WAIT_S,
+            "the coordinator to mark rank 1 dead",
         )
         yield {"data": {"kept": table, "updated": updated}, "clients": clients}
     finally:

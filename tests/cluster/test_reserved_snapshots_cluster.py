@@ -5,7 +5,6 @@ bit with its own non-tensor values."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from waiting import wait_until
 
 from shardserve import connect, spmd
 from shardserve.client import spmd as spmd_module
@@ -23,8 +23,9 @@ from shardserve.server.launcher import LocalCluster
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 def state(step: int, width: int = 8) -> dict[str, Any]:
@@ -148,10 +149,11 @@ def test_without_reserve_next_nothing_is_held_between_puts(
         assert creates == ["plain", "plain"]
         assert client.session.reservations.take("plain") is None
         # without a reservation the older snapshot is freed after the commit answered (deferred drops)
-        deadline = time.monotonic() + 30
-        while held_numbers(cluster.address, "plain") != {number}:
-            assert time.monotonic() < deadline, held_numbers(cluster.address, "plain")
-            time.sleep(0.05)
+        wait_until(
+            lambda: held_numbers(cluster.address, "plain") == {number},
+            30,
+            f"the ranks to hold snapshot {number} of 'plain' only",
+        )
 
 
 def test_a_commit_with_a_skeleton_naming_other_tensors_is_refused_and_nothing_is_visible(
@@ -186,10 +188,11 @@ def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
     with connect(doomed.address) as client:
         spmd.put_state_dict(client, state(1), "survivor", keep=1)
         os.kill(doomed.rank_pids[2], signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while any(r.rank == 2 and r.alive for r in client.session.refresh_ranks()):
-            assert time.monotonic() < deadline, "the coordinator never saw rank 2 die"
-            time.sleep(0.2)
+        wait_until(
+            lambda: not any(r.rank == 2 and r.alive for r in client.session.refresh_ranks()),
+            60,
+            "the coordinator to see rank 2 die",
+        )
         number = spmd.put_state_dict(client, state(2), "survivor", keep=1)
         assert creates == ["survivor", "survivor"]
         summary = client.snapshot("survivor").summary
@@ -222,13 +225,14 @@ def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
         assert_reads_back(client, "retried", 2, number)
 
 
+@pytest.mark.slow
 def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_put_creates(
     tmp_path: Path, creates: list[str]
 ) -> None:
     """kill -9 of the coordinator between two steady puts, restarted on the same port and catalog: the client,
     connected throughout, holds a reservation the new coordinator never heard of; its put creates a snapshot
     and reads back bit for bit, and the snapshot put before the kill is still served."""
-    from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+    from server_processes import rank_env, server_env, spawn_server, stop_all
 
     from shardserve.server.launcher import free_port
 

@@ -18,7 +18,8 @@ import grpc
 import pytest
 import torch
 from reference import shards_of
-from server_processes import rank_env, server_env, spawn_server, stop_all, wait_until
+from server_processes import rank_env, server_env, spawn_server, stop_all
+from waiting import wait_until
 
 from shardserve import Reason, connect
 from shardserve.client.errors import (
@@ -227,26 +228,11 @@ def test_old_version_is_freed_and_memory_stays_within_new_shards_plus_buckets(cl
         f"\nreshard 1 MiB over 4 ranks, bucket {bucket}: new shards {done.max_new_shard_bytes} B/rank, "
         f"peak staging {done.max_staging_bytes} B/rank"
     )
-    stubs = {
-        r.rank: pb_grpc.ShardServerStub(grpc.insecure_channel(r.address)) for r in client4.ranks()
-    }
-    deadline = time.monotonic() + 10
-    while True:  # the old version is dropped once the promotion is done
-        held = {
-            r: [
-                (h.name, h.version)
-                for h in s.GetStats(pb.GetStatsRequest(), timeout=10).held
-                if h.name == "memory"
-            ]
-            for r, s in stubs.items()
-        }
-        if (
-            all(h == [("memory", new.version)] for h in held.values())
-            or time.monotonic() > deadline
-        ):
-            break
-        time.sleep(0.1)
-    assert all(h == [("memory", new.version)] for h in held.values()), held
+    wait_until(  # the old version is dropped once the promotion is done
+        lambda: all(h == [new.version] for h in _held_versions(client4, "memory").values()),
+        10,
+        f"every rank to hold version {new.version} of 'memory' only",
+    )
     assert torch.equal(new.full_tensor(), tensor)
 
 
@@ -435,6 +421,16 @@ def test_a_reshard_queued_behind_another_tensors_gets_its_timeout_for_its_own_ru
         assert client.session.call("ListRanks", pb.ListRanksRequest()).collectives_error == ""
 
 
+def _held_versions(client, name: str) -> dict[int, list[int]]:
+    """The versions of `name` each rank holds (staged ones included), asked of the ranks themselves."""
+    held = {}
+    for rank in client.ranks():
+        with grpc.insecure_channel(rank.address) as channel:
+            stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        held[rank.rank] = [h.version for h in stats.held if h.name == name]
+    return held
+
+
 class _StopReshard(Exception):
     pass
 
@@ -459,9 +455,11 @@ def test_a_client_that_cancels_mid_reshard_aborts_it_and_the_world_stays_usable(
 
         wait_until(aborted, 20, "the reshard to be aborted")
         assert torch.equal(client.tensor("cancelme").full_tensor(), tensor)
-        time.sleep(
-            4
-        )  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
+        wait_until(  # the ranks finish the job they had started (rank 1 stalls 3 s), then drop what it staged
+            lambda: all(h == [proxy.version] for h in _held_versions(client, "cancelme").values()),
+            20,
+            "the ranks to drop the aborted reshard's version",
+        )
         new = client.tensor("cancelme").reshard(
             chunk(1, (0, 2)), timeout=60
         )  # the world was not broken

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
@@ -33,10 +33,6 @@ WAIT_S = 120.0  # a restarted rank imports torch again on a busy 2-core machine
 MOVED = torch.randn(
     ROWS, DIM, generator=torch.Generator().manual_seed(7)
 )  # "moved": resharded onto rank 2
-
-
-def _wait_until(condition: Callable[[], bool], what: str) -> None:
-    wait_until(condition, WAIT_S, what)
 
 
 def _gone(pid: int) -> bool:
@@ -72,11 +68,12 @@ def test_a_killed_rank_is_restarted_empty_and_serves_again(cluster, capsys):
             status = client.ranks()[RESTARTED]
             return status.alive and status.pid == cluster.rank_pids[RESTARTED] != old_pid
 
-        _wait_until(back, "rank 2 to be restarted and registered")
+        wait_until(back, WAIT_S, "rank 2 to be restarted and registered")
         assert cluster.restarts(RESTARTED) == 1 and client.ranks()[RESTARTED].restarts == 1
         assert [r.restarts for r in client.ranks()] == [0, 0, 1]
-        _wait_until(
+        wait_until(
             lambda: client.tensor("plain").lost_boxes == [Box((8, 0), (4, DIM))],
+            WAIT_S,
             "rank 2's box of 'plain' to be reported lost",
         )
         plain = client.tensor("plain")
@@ -104,7 +101,7 @@ def test_a_rank_out_of_restarts_stays_dead(cluster, caplog):
     caplog.set_level(logging.WARNING, logger="shardserve.server.supervisor")
     pid = cluster.rank_pids[RESTARTED]
     cluster.kill_rank(RESTARTED, signal.SIGKILL)
-    _wait_until(lambda: cluster.stays_dead(RESTARTED), "rank 2's second death to be final")
+    wait_until(lambda: cluster.stays_dead(RESTARTED), WAIT_S, "rank 2's second death to be final")
     assert cluster.restarts(RESTARTED) == 1 and cluster.rank_pids[RESTARTED] == pid and _gone(pid)
     assert any(
         "no restarts left (1 of --max-restarts 1 used): it stays dead" in r.getMessage()
@@ -127,7 +124,7 @@ def test_max_restarts_zero_leaves_a_killed_rank_dead(make_cluster):
     single = make_cluster(ranks=1, restart_policy=RestartPolicy(max_restarts=0))
     pid = single.rank_pids[0]
     single.kill_rank(0, signal.SIGKILL)
-    _wait_until(lambda: single.stays_dead(0), "rank 0 to be declared dead")
+    wait_until(lambda: single.stays_dead(0), WAIT_S, "rank 0 to be declared dead")
     assert single.restarts(0) == 0 and single.rank_pids == [pid]
     with connect(single.address) as client:
         [status] = client.ranks()

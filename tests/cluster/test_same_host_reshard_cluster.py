@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from reference import shards_of
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import connect
 from shardserve.client.errors import RankUnavailableError, ShardServeError

@@ -141,8 +141,9 @@ def job_read_tensor_parallel(rank: int, address: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster) -> LocalCluster:
-    return make_cluster(ranks=2)
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import Cluster, InvalidArgumentError, connect, spmd
 from shardserve.client.embedding import lookup as lookup_module
@@ -364,6 +364,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torchrec_serving.p
 EXAMPLE_TIMEOUT_S = 400
 
 
+@pytest.mark.slow
 def test_the_dmp_example_serves_what_it_trained(cluster3: LocalCluster) -> None:
     """examples/torchrec_serving.py: a 2-process DMP trainer (table-wise, column-wise, table-column-wise) puts
     its state dict; an inference process serves the trainer's batches from the cluster, equal to its forward."""

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 from server_processes import server_env
 
+pytestmark = pytest.mark.slow  # a cluster over two network namespaces
+
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_SCRIPT = Path(__file__).with_name("two_host_client.py")
 ADDRESS_A, ADDRESS_B = "10.77.0.1", "10.77.0.2"

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import update_load_client as load
 from server_processes import server_env
@@ -90,6 +91,7 @@ def _is_a_committed_version(
     return False
 
 
+@pytest.mark.slow
 def test_sixteen_clients_read_while_one_writes_and_reshards(
     cluster3: LocalCluster, tmp_path: Path
 ) -> None:

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
+
+pytestmark = pytest.mark.slow  # imports every listed package in a fresh process
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "device-cuda-check.sh"

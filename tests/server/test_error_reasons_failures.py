@@ -19,7 +19,7 @@ import pytest
 import torch
 from error_reasons import assert_status
 from server_helpers import TIMEOUT, Stubs, create, rpc_error, write_shards
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import connect
 from shardserve.client.errors import (

@@ -6,7 +6,6 @@ and reason, and after each a good call still succeeds."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 
 import grpc
@@ -14,6 +13,7 @@ import pytest
 import torch
 from error_reasons import assert_status
 from server_helpers import TIMEOUT, Stubs, put, read_full, rpc_error
+from waiting import eventually
 
 from shardserve import connect
 from shardserve.client.errors import (
@@ -171,14 +171,9 @@ def test_request_too_large_over_the_ranks_limit(cluster, stubs):
 
 def refused_once_held(call: Callable[[], grpc.RpcError]) -> grpc.RpcError:
     """call()'s error, asked again while it succeeds (the held stream may not have reached the rank yet)."""
-    deadline = time.monotonic() + HELD_WITHIN_S
-    while True:
-        try:
-            return call()
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    return eventually(
+        call, HELD_WITHIN_S, "the held stream to reach the rank", ignoring=(AssertionError,)
+    )
 
 
 def test_overloaded_by_one_principal(cluster, stubs, served):

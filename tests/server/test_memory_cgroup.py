@@ -23,6 +23,8 @@ from shardserve.server.common.memory_limits import cgroup_mounts, limit_files, o
 from shardserve.server.launcher import free_port
 from shardserve.server.rank.memory_budget import default_memory_limit
 
+pytestmark = pytest.mark.slow  # `up` in a memory cgroup
+
 LIMIT = (
     3 << 30
 )  # the cgroup's memory limit: smaller than this 24 GiB host, larger than 2 ranks need to start

@@ -7,10 +7,9 @@ import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable
 
 import pytest
+from waiting import wait_until
 
 from shardserve.server.node import parse_args as parse_node_args
 from shardserve.server.node import parse_rank_list
@@ -18,14 +17,6 @@ from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPoli
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 WAIT_S = 20.0
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def gone(pid: int) -> bool:
@@ -131,12 +122,12 @@ def test_a_killed_rank_is_restarted_until_its_restarts_run_out(caplog):
         supervisor.spawn_all()
         supervisor.watch()
         first = kill(supervisor, 1)
-        wait_until(lambda: supervisor.restarts(1) == 1, "rank 1 to be restarted")
+        wait_until(lambda: supervisor.restarts(1) == 1, WAIT_S, "rank 1 to be restarted")
         second = supervisor.process(1).pid
         assert second != first and supervisor.process(1).poll() is None
         assert exits == [(1, f"process {first} was killed by SIGKILL")]
         kill(supervisor, 1)
-        wait_until(lambda: supervisor.stays_dead(1), "rank 1's second death to be final")
+        wait_until(lambda: supervisor.stays_dead(1), WAIT_S, "rank 1's second death to be final")
         assert supervisor.restarts(1) == 1 and supervisor.pids()[1] == second
         assert exits[-1] == (1, f"process {second} was killed by SIGKILL")
         assert supervisor.restarts(0) == 0 and supervisor.process(0).poll() is None
@@ -156,7 +147,7 @@ def test_max_restarts_zero_leaves_a_dead_rank_dead():
         supervisor.spawn_all()
         supervisor.watch()
         pid = kill(supervisor, 3)
-        wait_until(lambda: supervisor.stays_dead(3), "rank 3 to be declared dead")
+        wait_until(lambda: supervisor.stays_dead(3), WAIT_S, "rank 3 to be declared dead")
         assert supervisor.restarts(3) == 0 and supervisor.pids() == [pid]
     finally:
         supervisor.stop(grace=1.0)
@@ -170,7 +161,9 @@ def test_no_rank_is_spawned_once_stop_began():
         supervisor.spawn_all()
         supervisor.watch()
         pid = kill(supervisor, 0)
-        wait_until(lambda: supervisor.restart_pending(0), "rank 0's restart to be scheduled")
+        wait_until(
+            lambda: supervisor.restart_pending(0), WAIT_S, "rank 0's restart to be scheduled"
+        )
     finally:
         supervisor.stop(grace=1.0)
     assert not supervisor.watching

@@ -463,8 +463,8 @@ def test_layouts_too_big_to_check_are_refused_at_once(stubs, metadata, needle):
 def test_request_bytes_that_do_not_decode_are_invalid_argument(stubs, pending):
     """grpcio would answer INTERNAL "Exception deserializing request!" (and log a traceback): the server answers
     INVALID_ARGUMENT naming the message type, for unary and streamed requests."""
-    coordinator = stubs._channels[0].unary_unary("/shardserve.v1.Coordinator/GetTensor")
-    rank = stubs._channels[1].unary_unary("/shardserve.v1.ShardServer/LookupSmall")
+    coordinator = stubs.coordinator_channel.unary_unary("/shardserve.v1.Coordinator/GetTensor")
+    rank = stubs.rank_channels[0].unary_unary("/shardserve.v1.ShardServer/LookupSmall")
     for call, data, expected in (
         (coordinator, b"\x0a\x02\xff\xfe", "shardserve.v1.GetTensorRequest"),
         (rank, b"\x0f", "shardserve.v1.LookupRequest"),
@@ -472,7 +472,7 @@ def test_request_bytes_that_do_not_decode_are_invalid_argument(stubs, pending):
         err = rpc_error(call, data, timeout=TIMEOUT)
         assert err.code() == INVALID and f"request: not a serialized {expected}" in err.details()
     good = next(write_requests("pend", pending.version, 0, TENSOR[:3]))
-    write = stubs._channels[1].stream_unary("/shardserve.v1.ShardServer/WriteShard")
+    write = stubs.rank_channels[0].stream_unary("/shardserve.v1.ShardServer/WriteShard")
     err = rpc_error(write, iter([good.SerializeToString(), b"\xff\xff"]), timeout=TIMEOUT)
     assert (
         err.code() == INVALID

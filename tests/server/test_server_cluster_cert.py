@@ -5,16 +5,15 @@ alone), while a user's certificate from the same CA, even with an admin token, g
 from __future__ import annotations
 
 import argparse
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from certificates import LOOPBACK, Certificates
 from server_helpers import TIMEOUT, rpc_error
-from server_processes import server_env, spawn_server, stop_all, wait_until
+from server_processes import server_env, spawn_server, stop_all
+from waiting import wait_until
 
 from shardserve import AuthenticationError, connect
 from shardserve.core.specs import ChunkShardingSpec
@@ -38,69 +37,20 @@ ADMIN = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 RESTART_WAIT = 120.0
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def _signed_certificate(directory: Path, stem: str, subject: str, alt_names: str) -> TlsFiles:
-    """A key and a certificate for `subject` with `alt_names`, signed by the CA in `directory`."""
-    key, request, cert = (str(directory / f"{stem}.{ext}") for ext in ("key", "csr", "pem"))
-    _openssl(
-        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", request, "-subj", subject
-    )
-    extensions = directory / f"{stem}.ext"
-    extensions.write_text(f"subjectAltName={alt_names}\n")
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        request,
-        "-CA",
-        str(directory / "ca.pem"),
-        "-CAkey",
-        str(directory / "ca.key"),
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-out",
-        cert,
-        "-extfile",
-        str(extensions),
-    )
-    return TlsFiles(cert, key, str(directory / "ca.pem"))
-
-
 @pytest.fixture(scope="module")
-def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TlsFiles]:
+def pki(certificates: Certificates) -> dict[str, TlsFiles]:
     """One CA signing the cluster's certificate (its name among the SANs) and a user's (another CN, same hosts)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed")
-    directory = tmp_path_factory.mktemp("pki")
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-keyout",
-        str(directory / "ca.key"),
-        "-out",
-        str(directory / "ca.pem"),
-        "-subj",
-        "/CN=shardserve test CA",
-    )
+    ca = certificates.self_signed("pki-ca", "/CN=shardserve test CA")
     return {
-        "cluster": _signed_certificate(
-            directory, "cluster", "/CN=rank-host", f"DNS:{CLUSTER_NAME},DNS:localhost,IP:127.0.0.1"
+        "cluster": certificates.signed(
+            "pki-cluster", ca, "/CN=rank-host", f"DNS:{CLUSTER_NAME},{LOOPBACK}"
         ),
-        "user": _signed_certificate(directory, "user", "/CN=alice", "DNS:localhost,IP:127.0.0.1"),
+        "user": certificates.signed("pki-user", ca, "/CN=alice"),
     }
 
 
 @pytest.fixture(scope="module")
-def cert_cluster(make_cluster, certificates, tmp_path_factory):
+def cert_cluster(make_cluster, pki, tmp_path_factory):
     tokens = tmp_path_factory.mktemp("tokens") / "tokens.toml"
     tokens.write_text(
         f'[[principal]]\nname = "ops"\ntoken_sha256 = "{token_sha256(ADMIN_TOKEN)}"\n'
@@ -109,7 +59,7 @@ def cert_cluster(make_cluster, certificates, tmp_path_factory):
     return make_cluster(
         ranks=2,
         security=Security(
-            tls=certificates["cluster"],
+            tls=pki["cluster"],
             principals=PrincipalBook(str(tokens)),
             cluster_cert=ClusterCertificate(CLUSTER_NAME),
         ),
@@ -141,22 +91,22 @@ def _listed(cluster, rank: int, files: TlsFiles | None = None) -> pb.RankInfo:
     return next(info for info in ranks if info.rank == rank)
 
 
-def test_the_cluster_runs_on_its_certificate_alone(cert_cluster, certificates):
+def test_the_cluster_runs_on_its_certificate_alone(cert_cluster, pki):
     """No secret was made: the ranks registered and serve writes and a reshard (collectives) by certificate."""
     assert cert_cluster.security.cluster is None
     assert not (Path(cert_cluster.state_dir) / CLUSTER_SECRET_FILE).exists()
     source = torch.randn(64, 33)
-    with _connect(cert_cluster, certificates["user"], token=ADMIN_TOKEN) as client:
+    with _connect(cert_cluster, pki["user"], token=ADMIN_TOKEN) as client:
         remote = client.put("by-cert", source)
         assert torch.equal(remote.full_tensor(), source)
         resharded = remote.reshard(ChunkShardingSpec(1, ["rank:1/cpu", "rank:0/cpu"]))
         assert torch.equal(resharded.full_tensor(), source)
 
 
-def test_a_user_certificate_gets_no_internal_right(cert_cluster, certificates):
+def test_a_user_certificate_gets_no_internal_right(cert_cluster, pki):
     """The user's certificate (same CA) with the admin token: PERMISSION_DENIED on the internal RPCs; without a
     token: UNAUTHENTICATED; the cluster's certificate alone: the internal right."""
-    user, cluster = certificates["user"], certificates["cluster"]
+    user, cluster = pki["user"], pki["cluster"]
     rank_address = _listed(cert_cluster, 0).address
     internal = [
         lambda stubs, md: stubs[0].Heartbeat(
@@ -192,18 +142,19 @@ def test_a_user_certificate_gets_no_internal_right(cert_cluster, certificates):
         _connect(cert_cluster, user)
 
 
-def test_a_killed_rank_rejoins_by_certificate(cert_cluster, certificates):
+def test_a_killed_rank_rejoins_by_certificate(cert_cluster, pki):
     """kill -9 of rank 1: its restarted process registers and heartbeats with the certificate, and serves again."""
     old_pid = _listed(cert_cluster, 1).pid
     cert_cluster.kill_rank(1)
-    deadline = time.monotonic() + RESTART_WAIT
-    while not (
-        (info := _listed(cert_cluster, 1)).alive and info.pid != old_pid and info.restarts >= 1
-    ):
-        assert time.monotonic() < deadline, f"rank 1 did not rejoin within {RESTART_WAIT}s: {info}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: (
+            (info := _listed(cert_cluster, 1)).alive and info.pid != old_pid and info.restarts >= 1
+        ),
+        RESTART_WAIT,
+        "rank 1 to rejoin",
+    )
     source = torch.arange(2000, dtype=torch.int64).view(100, 20)
-    with _connect(cert_cluster, certificates["user"], token=ADMIN_TOKEN) as client:
+    with _connect(cert_cluster, pki["user"], token=ADMIN_TOKEN) as client:
         remote = client.put("after-restart", source)
         assert torch.equal(remote.full_tensor(), source)
 
@@ -214,8 +165,8 @@ def _security(*flags: str):
     return security_from_args(parser.parse_args(list(flags)))
 
 
-def test_cluster_cert_name_is_checked_at_start(certificates):
-    cluster = certificates["cluster"]
+def test_cluster_cert_name_is_checked_at_start(pki):
+    cluster = pki["cluster"]
     files = ["--tls-cert", cluster.cert, "--tls-key", cluster.key]
     with pytest.raises(ValueError, match="--cluster-cert-name needs mutual TLS"):
         _security("--cluster-cert-name", CLUSTER_NAME, *files)
@@ -225,10 +176,10 @@ def test_cluster_cert_name_is_checked_at_start(certificates):
     assert security.call_metadata() == () and security.has_cluster_credential
 
 
-def test_coordinator_and_node_processes_need_no_secret(tmp_path, certificates):
+def test_coordinator_and_node_processes_need_no_secret(tmp_path, pki):
     """`shardserve coordinator` and `shardserve node` (the multi-host commands), with no secret in flags or the
     environment: the node's ranks register by certificate, serve a put bit for bit, and SIGTERM stops them."""
-    cluster, user = certificates["cluster"], certificates["user"]
+    cluster, user = pki["cluster"], pki["user"]
     tls = [
         "--tls-cert",
         cluster.cert,

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -18,6 +17,7 @@ import pytest
 import torch
 from server_helpers import TIMEOUT, Stubs, create, put, read_full, rpc_error
 from server_processes import server_env
+from waiting import wait_until
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -25,6 +25,8 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import free_port
+
+pytestmark = pytest.mark.slow  # spawns coordinator, node and rank processes
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 180.0
@@ -63,21 +65,6 @@ def gone(pid: int) -> bool:
     except ProcessLookupError:
         return True
     return False
-
-
-def wait_until(predicate, timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not _holds(predicate):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
-def _holds(predicate) -> bool:
-    try:
-        return bool(predicate())
-    except grpc.RpcError:  # a server restarting in the meantime
-        return False
 
 
 def rank_pids(address: str) -> list[int]:
@@ -384,7 +371,7 @@ def test_a_link_that_never_registered_stops_cleanly():
         "127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False)
     )
     link.stop()  # raised "cannot join thread before it is started" before the fix
-    assert not link._thread.is_alive() and link._stop.is_set()
+    assert link.stopped
 
 
 def live_ranks(stub: pb_grpc.CoordinatorStub) -> dict[int, pb.RankInfo]:

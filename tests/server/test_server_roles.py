@@ -16,7 +16,7 @@ import pytest
 import torch
 from google.rpc import status_pb2
 from server_helpers import TIMEOUT, recv_exactly
-from server_processes import wait_until
+from waiting import wait_until
 
 from shardserve import AuthenticationError, PermissionDeniedError, connect
 from shardserve.client.paths.bulk import BulkReadError

@@ -118,7 +118,14 @@ def peer_ip(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
 class Tickets:
     """One-time tickets: issued by OpenBulkSession, each redeemed by one connection to the bulk port."""
 
-    def __init__(self, ttl_s: float = TICKET_TTL_S, capacity: int = MAX_TICKETS) -> None:
+    def __init__(
+        self,
+        ttl_s: float = TICKET_TTL_S,
+        capacity: int = MAX_TICKETS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock`: what tickets expire by (seconds, monotonic; tests pass a fake one)."""
+        self._clock = clock
         self.ttl_s = ttl_s
         self.capacity = capacity
         self._tickets: dict[bytes, _Ticket] = {}
@@ -126,7 +133,7 @@ class Tickets:
 
     def issue(self, peer: str, principal: Principal | None = None) -> bytes:
         """A fresh ticket for `principal`, valid once from `peer`'s IP for ttl_s seconds."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             for key in [k for k, t in self._tickets.items() if t.deadline <= now]:
                 del self._tickets[key]
@@ -144,7 +151,7 @@ class Tickets:
         expired or presented from another IP."""
         with self._lock:
             entry = self._tickets.pop(ticket, None)
-        if entry is None or entry.deadline <= time.monotonic():
+        if entry is None or entry.deadline <= self._clock():
             raise PermissionDenied(
                 "ticket: unknown, already used or expired", metadata={"field": "ticket"}
             )
@@ -178,6 +185,7 @@ class BulkReads:
         self._open: set[socket.socket] = set()  # connections being served, shut down by close()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._port = 0
         if host is not None:
             family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
             self._listener = socket.create_server(
@@ -189,6 +197,17 @@ class BulkReads:
     @property
     def port(self) -> int | None:
         return self._port if self._listener is not None else None
+
+    @property
+    def bound_port(self) -> int:
+        """The port this listened on, also after close() (port is then None); 0 without a listener."""
+        return self._port
+
+    @property
+    def serving_threads(self) -> int:
+        """How many of this port's threads (accepting, serving connections) are still running."""
+        with self._lock:
+            return sum(thread.is_alive() for thread in self._threads)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop accepting, break off open connections and wait (bounded) for their threads: a thread still

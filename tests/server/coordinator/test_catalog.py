@@ -50,9 +50,7 @@ def test_version_counter_only_grows_and_survives_reopen(tmp_path):
     )  # the rest of a reserved block is skipped, never repeated
     mode = sqlite3.connect(tmp_path / "c.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
-    assert (
-        again._db.execute("PRAGMA synchronous").fetchone()[0] == 2
-    )  # FULL: a commit survives a power cut
+    assert again.sync_level() == 2  # FULL: a commit survives a power cut
     again.close()
 
 
@@ -128,7 +126,7 @@ def test_add_all_is_all_or_nothing(catalog):
 def test_records_of_data_that_is_not_durable_commit_without_full_sync_and_read_back(tmp_path):
     catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
     synchronous = []
-    catalog._db.set_trace_callback(  # the statements the catalog sends, to see its sync mode around them
+    catalog.trace_statements(  # the statements the catalog sends, to see its sync mode around them
         lambda sql: synchronous.append(sql) if "synchronous" in sql else None
     )
     catalog.add_all([row("a", 1)], durable=False)
@@ -136,7 +134,7 @@ def test_records_of_data_that_is_not_durable_commit_without_full_sync_and_read_b
         catalog.add_all([row("a", 1)], durable=False)  # a failed one puts the sync mode back too
     catalog.add_all([row("b", 2)])
     assert synchronous == ["PRAGMA synchronous=NORMAL", "PRAGMA synchronous=FULL"] * 2
-    assert catalog._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert catalog.sync_level() == 2  # FULL
     catalog.close()
     reopened = SQLiteCatalog(tmp_path / "catalog.sqlite")
     assert {(r.name, r.version) for r in reopened.list(include_pending=True)} == {

@@ -9,7 +9,6 @@ the catalog, yet not in the snapshot).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
@@ -26,7 +25,6 @@ from shardserve.server.coordinator.catalog import SQLiteCatalog
 from shardserve.server.coordinator.orders import CommitOrder, SaveOrder, SnapshotOrder
 from shardserve.server.coordinator.rank_info import RankInfo
 from shardserve.server.coordinator.records import TensorRecord, TensorState
-from shardserve.server.coordinator.registry import RankEntry
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import new_tensor
 
@@ -125,12 +123,11 @@ def _health(coord: CoordinatorServer, name: str) -> str:
 
 
 def _rank(coord: CoordinatorServer, stub: RankStub) -> None:
-    coord.registry._ranks[0] = RankEntry(
-        RankInfo(rank=0, address="127.0.0.1:1", device="cpu"),
-        time.monotonic(),
-        grpc.insecure_channel("127.0.0.1:1"),
-        stub,
-    )  # type: ignore[arg-type]
+    """Register rank 0 of a world of one, called through `stub`."""
+    coord.registry.stub_of = lambda channel: stub  # type: ignore[assignment, return-value]
+    coord.registry.register(
+        RankInfo(rank=0, address="127.0.0.1:1", device="cpu", world_size=1, pid=1), []
+    )
 
 
 def test_a_version_put_after_the_ranks_snapshot_is_not_taken_for_lost(coordinator):
@@ -182,8 +179,6 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
     from shardserve.server.coordinator.collectives import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
-    entry = coordinator.registry._ranks[0]
-    entry.info = dataclasses.replace(entry.info, world_size=1)
     _ready(coordinator, "t")
     path = tmp_path / "ck"
     path.mkdir()
@@ -365,10 +360,10 @@ def test_name_locks_are_forgotten_once_unused(coordinator):
     for i in range(50):
         with pytest.raises(TensorNotFound):
             coordinator.lifecycle.commit(f"unknown-{i}", 1)
-    assert coordinator.locks._locks == {}
+    assert coordinator.locks.names() == set()
     with coordinator.locks.hold("held"):
-        assert set(coordinator.locks._locks) == {"held"}
-    assert coordinator.locks._locks == {}
+        assert coordinator.locks.names() == {"held"}
+    assert coordinator.locks.names() == set()
 
 
 def test_a_put_overtaken_by_a_newer_ready_version_is_aborted_not_hidden(coordinator):

@@ -4,16 +4,15 @@ as a restart; the same process registering again is not."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from fake_clock import FakeClock
 
 from shardserve.server.common.errors import InvalidArgument, RankUnavailable
 from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
 from shardserve.server.coordinator.registry import RankRegistry
 
-DEAD_AFTER = 0.3
-WAIT_S = 10.0
+DEAD_AFTER = 3.0
+JUST = 0.01  # a moment past a bound
 
 
 def incarnation(pid: int, port: int, rank: int = 0) -> RankInfo:
@@ -32,20 +31,24 @@ def restarts_of(registry: RankRegistry, rank: int = 0) -> int:
 
 
 @pytest.fixture
-def registry():
-    registry = RankRegistry(dead_after=DEAD_AFTER)
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock):
+    registry = RankRegistry(dead_after=DEAD_AFTER, clock=clock)
     yield registry
     registry.close()
 
 
-def test_a_restarted_rank_waits_for_its_old_incarnation_to_miss_its_heartbeats(registry):
+def test_a_restarted_rank_waits_for_its_old_incarnation_to_miss_its_heartbeats(registry, clock):
     registry.register(incarnation(pid=100, port=7001), [])
+    clock.advance(DEAD_AFTER)  # no heartbeats: the old entry expires after DEAD_AFTER, not before
     with pytest.raises(RankUnavailable, match="registered at 127.0.0.1:7001 and alive"):
         registry.register(incarnation(pid=200, port=7002), [])
-    deadline = time.monotonic() + WAIT_S
-    while registry.rank_alive(0):  # no heartbeats: the old entry expires after DEAD_AFTER
-        assert time.monotonic() < deadline, "the old incarnation never expired"
-        time.sleep(0.05)
+    clock.advance(JUST)
+    assert not registry.rank_alive(0)
     registry.register(incarnation(pid=200, port=7002), [])
     [info] = registry.ranks()
     assert (info.pid, info.address, info.alive, info.restarts) == (200, "127.0.0.1:7002", True, 1)
@@ -111,24 +114,28 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
         registry.report_restore(RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
 
 
-def test_settled_for_counts_from_the_last_change_and_is_zero_while_a_rank_is_down(registry):
+def test_settled_for_counts_from_the_last_change_and_is_zero_while_a_rank_is_down(registry, clock):
     registry.register(incarnation(pid=100, port=7001), [])
-    time.sleep(0.05)
-    settled = registry.settled_for()
-    assert 0.04 < settled < WAIT_S
+    clock.advance(1.0)
+    assert registry.settled_for() == 1.0
     registry.heartbeat(0, 0)  # a live rank's heartbeat changes nothing
-    assert registry.settled_for() >= settled
+    clock.advance(0.5)
+    assert registry.settled_for() == 1.5
     registry.register(incarnation(pid=101, port=7003, rank=1), [])
-    assert registry.settled_for() < settled
+    clock.advance(0.25)
+    assert registry.settled_for() == 0.25
     registry.mark_exited(1, "process 101 was killed by SIGKILL")
     assert registry.settled_for() == 0.0
     registry.register(incarnation(pid=102, port=7004, rank=1), [])
-    assert 0.0 < registry.settled_for() < settled
-    deadline = time.monotonic() + WAIT_S
-    while registry.rank_alive(0):  # rank 0 stops heartbeating
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    clock.advance(0.25)
+    assert registry.settled_for() == 0.25
+    registry.heartbeat(1, 0)
+    clock.advance(
+        DEAD_AFTER - 1.0 + JUST
+    )  # rank 0 stops heartbeating: dead DEAD_AFTER after its last one
+    assert not registry.rank_alive(0) and registry.rank_alive(1)
     assert registry.settled_for() == 0.0
     registry.heartbeat(0, 0)
     registry.heartbeat(1, 0)
-    assert 0.0 < registry.settled_for() < DEAD_AFTER  # rank 0 came back from the dead just now
+    clock.advance(0.5)
+    assert registry.settled_for() == 0.5  # rank 0 came back from the dead 0.5 s ago

@@ -3,10 +3,9 @@ an unavailable copy seen), else once per SETTLED_S, since a scan decodes every r
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -15,7 +14,7 @@ from shardserve.server.coordinator.rank_info import RankInfo
 from shardserve.server.coordinator.records import TensorRecord, TensorState
 from shardserve.server.coordinator.registry import RankRegistry
 
-SETTLED_S = 0.2
+JUST = 0.01  # a moment past a bound
 
 
 class Catalog:
@@ -46,8 +45,13 @@ def record(lost: tuple[int, ...] = ()) -> TensorRecord:
 
 
 @pytest.fixture
-def registry():
-    registry = RankRegistry(dead_after=60.0)
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock):
+    registry = RankRegistry(dead_after=60.0, clock=clock)
     info = RankInfo(
         rank=0, address="127.0.0.1:7001", device="cpu", hostname="node-a", world_size=1, pid=100
     )
@@ -56,34 +60,39 @@ def registry():
     registry.close()
 
 
-def driver(catalog: Catalog, registry: RankRegistry) -> repair.RepairDriver:
-    return repair.RepairDriver(catalog, registry=registry, reshards=Reshards())  # type: ignore[arg-type]
+def driver(catalog: Catalog, registry: RankRegistry, clock: FakeClock) -> repair.RepairDriver:
+    return repair.RepairDriver(
+        catalog,  # type: ignore[arg-type]
+        registry=registry,
+        reshards=Reshards(),  # type: ignore[arg-type]
+        clock=clock,
+    )
 
 
 def test_a_settled_cluster_with_every_copy_available_is_scanned_once_per_settled_period(
-    registry, monkeypatch
+    registry, clock
 ):
-    monkeypatch.setattr(repair, "SETTLED_S", SETTLED_S)
-    loop = driver(Catalog([record()]), registry)
+    loop = driver(Catalog([record()]), registry, clock)
     assert loop.scan_due()  # nothing scanned yet, and rank 0 registered just now
-    time.sleep(SETTLED_S * 1.5)
+    clock.advance(repair.SETTLED_S + JUST)
     assert loop.scan_due()  # settled, but never scanned
     loop.run_once()
     assert not loop.scan_due()
-    time.sleep(SETTLED_S * 1.5)
+    clock.advance(repair.SETTLED_S - JUST)
+    assert not loop.scan_due()  # within the settled period
+    clock.advance(JUST)
     assert loop.scan_due()  # the periodic scan
     loop.run_once()
     registry.mark_exited(0, "process 100 was killed by SIGKILL")
     assert loop.scan_due()  # a rank is down: every round
 
 
-def test_an_unavailable_copy_keeps_every_round_scanning(registry, monkeypatch):
-    monkeypatch.setattr(repair, "SETTLED_S", SETTLED_S)
+def test_an_unavailable_copy_keeps_every_round_scanning(registry, clock):
     catalog = Catalog(
         [record(lost=(0,))]
     )  # its only copy lost: cannot be repaired, stays unavailable
-    loop = driver(catalog, registry)
-    time.sleep(SETTLED_S * 1.5)
+    loop = driver(catalog, registry, clock)
+    clock.advance(repair.SETTLED_S + JUST)
     loop.run_once()
     assert loop.scan_due() and catalog.scans == 1
     catalog.records = [record()]

@@ -12,8 +12,9 @@ from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.server import CoordinatorServer
 
 
-def _threads() -> set[str]:
-    return {thread.name for thread in threading.enumerate() if thread.is_alive()}
+def _threads() -> set[threading.Thread]:
+    """The live threads of this process (other coordinators' included: a shared cluster's runs here too)."""
+    return {thread for thread in threading.enumerate() if thread.is_alive()}
 
 
 def test_building_starts_no_thread_and_start_does(tmp_path):
@@ -27,11 +28,13 @@ def test_building_starts_no_thread_and_start_does(tmp_path):
         with pytest.raises(RuntimeError, match="not started"):
             _ = coordinator.collectives.store_port  # the rendezvous store is not open yet
         coordinator.start()
-        assert {"coord-monitor", "coord-repair"} <= _threads() - before
+        started = _threads() - before
+        assert {"coord-monitor", "coord-repair"} <= {thread.name for thread in started}
         assert coordinator.collectives.store_port > 0
     finally:
         coordinator.close()
-    assert "coord-monitor" not in _threads()
+    monitor = [thread for thread in started if thread.name == "coord-monitor"]
+    assert not any(thread.is_alive() for thread in monitor)
 
 
 def test_a_bad_heartbeat_interval_is_refused_when_building(tmp_path):

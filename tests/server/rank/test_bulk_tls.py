@@ -9,17 +9,15 @@ data. The whole path through connect() is in tests/client/test_client_tls.py.
 
 from __future__ import annotations
 
-import shutil
 import socket
 import ssl
-import subprocess
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from certificates import Certificates
 
 import shardserve.server.rank.reads.bulk as bulk_reads
 from shardserve.client.channel import Credentials
@@ -40,43 +38,10 @@ SOURCE = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(
 )  # what INIT_ARANGE fills
 
 
-def self_signed(directory: Path) -> TlsFiles:
-    """A self-signed certificate for 127.0.0.1 in `directory` (its own CA)."""
-    directory.mkdir()
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(directory / "key.pem"),
-            "-out",
-            str(directory / "cert.pem"),
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return TlsFiles(
-        str(directory / "cert.pem"), str(directory / "key.pem"), str(directory / "cert.pem")
-    )
-
-
 @pytest.fixture(scope="module")
-def rogue(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+def rogue(certificates: Certificates) -> TlsFiles:
     """A certificate the cluster's CA did not sign."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl CLI is not installed")
-    return self_signed(tmp_path_factory.mktemp("rogue") / "tls")
+    return certificates.self_signed("rogue")
 
 
 @pytest.fixture

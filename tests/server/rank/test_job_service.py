@@ -30,10 +30,11 @@ def _job(seq: int, after: int, epoch: int, name: str) -> pb.CollectiveJob:
 
 
 def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
-    release, ran = threading.Event(), []
+    release, stuck, ran = threading.Event(), threading.Event(), []
 
     def kind(job: pb.CollectiveJob, ctx) -> None:
         if job.reshard.name == "stuck":
+            stuck.set()
             release.wait(30)  # a collective that never returns, as one stuck in gloo
         ran.append(job.seq)
 
@@ -45,7 +46,7 @@ def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
         target=lambda: finals.extend(service.RunCollective(_job(1, 0, 3, "stuck"), None))
     )
     first.start()
-    time.sleep(0.5)
+    assert stuck.wait(10)  # the job runs on the job thread
     started = time.monotonic()
     service.CancelCollective(pb.CancelCollectiveRequest(seq=1), None)
     first.join(10)

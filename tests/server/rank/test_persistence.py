@@ -6,12 +6,12 @@ import logging
 import os
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -170,11 +170,13 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
             shard.copy_(big)
         store.promote("t", version)
         store.drop("t", version - 1)
-    _wait_for(
+    wait_until(
         lambda: (
             (tmp_path / file_name("t") / "v23.json").exists()
             and not store.persistence.compacting("t")
-        )
+        ),
+        30,
+        "the compaction to write version 23's snapshot",
     )
     store.persistence.close()
     assert not (
@@ -184,13 +186,6 @@ def test_a_log_larger_than_the_table_is_compacted_into_a_snapshot(tmp_path):
     again = _restored(tmp_path)
     assert [(n, v) for n, v, _ in again.held()] == [("t", 23)]
     assert torch.equal(again.local_tensor("t", 23, 0), big)
-
-
-def _wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture

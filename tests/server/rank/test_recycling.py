@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from fake_clock import FakeClock
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -16,14 +17,6 @@ from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.shared_memory import SharedMemory
 from shardserve.server.rank.store import ShardStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _bytes(n: int) -> Buffer:
@@ -40,7 +33,7 @@ def test_take_gives_a_kept_buffer_of_exactly_the_size_once():
 
 
 def test_bounds_drop_the_oldest_and_the_too_old():
-    clock = Clock()
+    clock = FakeClock()
     pool = RecycledBuffers(max_bytes=250, max_age_s=10, clock=clock)
     first, second, third = _bytes(100), _bytes(100), _bytes(100)
     for buffer in (first, second, third):
