@@ -546,7 +546,7 @@ def test_a_snapshot_one_rank_cannot_hold_leaves_nothing_on_any_rank(
         before = rank_holdings(small.address)
         with pytest.raises(
             spmd.SpmdError,
-            match=r"ResourceExhausted.*rank 2: tensors\[0\] \('toolarge@\d+/big'"
+            match=r"MemoryLimitError.*rank 2: tensors\[0\] \('toolarge@\d+/big'"
             r" version \d+\): rank 2 memory limit",
         ):
             spmd.put_state_dict(client, state, "toolarge", spec=specs)
