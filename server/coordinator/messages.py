@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from shardserve.core.wire import metadata_from_proto, metadata_to_proto
+from shardserve.core.wire import (
+    metadata_from_proto,
+    metadata_to_proto,
+    options_from_proto,
+    options_to_proto,
+)
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.records import (
     Init,
     SnapshotEntry,
     SnapshotRecord,
-    TensorOptions,
     TensorRecord,
     TensorState,
 )
@@ -28,7 +32,6 @@ _INITS = {
     Init.ARANGE: pb.INIT_ARANGE,
     Init.COPY: pb.INIT_COPY,
 }
-_OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_DEFAULT}
 
 
 def state_to_proto(state: TensorState) -> pb.TensorState:
@@ -52,21 +55,6 @@ def init_to_proto(init: Init) -> pb.InitKind:
 def init_from_proto(value: int) -> Init:
     """The Init of an InitKind value (checked before: server/common/requests.check_init)."""
     return next(init for init, number in _INITS.items() if number == value)
-
-
-def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
-    """The TensorOptions message of a table's options."""
-    return pb.TensorOptions(
-        oov=_OOV_POLICIES[options.oov],
-        default_row=options.default_row,
-        not_durable=not options.durable,
-    )
-
-
-def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
-    """The options of a TensorOptions message (checked before: server/common/requests.check_options)."""
-    oov = next(name for name, number in _OOV_POLICIES.items() if number == msg.oov)
-    return TensorOptions(oov=oov, default_row=bytes(msg.default_row), durable=not msg.not_durable)
 
 
 def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:
