@@ -7,10 +7,12 @@ bytes of changed blocks they sent)."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -24,7 +26,37 @@ from shardserve.protos import shardserve_pb2 as pb
 WRITE_BATCH_BYTES = 4 << 20  # changed bytes per WriteBytes call
 
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 BlockHashes = tuple[int, ...]
+
+
+class PreviousPuts(Generic[V]):
+    """What one client's last delta put of each key (a state dict's prefix, a tensor's name) wrote; a put takes
+    its key's record (so two puts of one key never share one) and keeps a new one when it is done."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[str, V] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> V | None:
+        with self._lock:
+            return self._by_key.pop(key, None)
+
+    def keep(self, key: str, previous: V) -> None:
+        with self._lock:
+            self._by_key[key] = previous
+
+
+_memories: weakref.WeakKeyDictionary[Session, dict[str, PreviousPuts[Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+_memories_guard = threading.Lock()
+
+
+def previous_puts_of(session: Session, kind: str) -> PreviousPuts[Any]:
+    """The delta puts' memory of `session` for one `kind` of put ("prefix", "tensor"), gone with the session."""
+    with _memories_guard:
+        return _memories.setdefault(session, {}).setdefault(kind, PreviousPuts())
 
 
 @dataclass(frozen=True)

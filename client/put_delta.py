@@ -13,8 +13,6 @@ persisting rank) makes it a full put too. Either way the new hashes are kept for
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +21,9 @@ import torch
 from shardserve.client.delta_writes import (
     BlockHashes,
     ChangedShard,
+    PreviousPuts,
     hash_all,
+    previous_puts_of,
     stored_bytes,
     write_changed,
 )
@@ -60,30 +60,9 @@ class PreviousTensorPut:
     hashes: Mapping[int, BlockHashes]
 
 
-class PreviousTensorPuts:
-    """One client's PreviousTensorPut per tensor name; a put takes its name's (two puts of a name never share one)."""
-
-    def __init__(self) -> None:
-        self._by_name: dict[str, PreviousTensorPut] = {}
-        self._lock = threading.Lock()
-
-    def take(self, name: str) -> PreviousTensorPut | None:
-        with self._lock:
-            return self._by_name.pop(name, None)
-
-    def keep(self, name: str, previous: PreviousTensorPut) -> None:
-        with self._lock:
-            self._by_name[name] = previous
-
-
-_puts: weakref.WeakKeyDictionary[Session, PreviousTensorPuts] = weakref.WeakKeyDictionary()
-_puts_guard = threading.Lock()
-
-
-def previous_tensor_puts(session: Session) -> PreviousTensorPuts:
-    """The single-tensor delta puts' memory of `session` (gone with it)."""
-    with _puts_guard:
-        return _puts.setdefault(session, PreviousTensorPuts())
+def previous_tensor_puts(session: Session) -> PreviousPuts[PreviousTensorPut]:
+    """The single-tensor delta puts' memory of `session`, by name (gone with the session)."""
+    return previous_puts_of(session, "tensor")
 
 
 def put_delta(

@@ -14,15 +14,19 @@ ranks).
 from __future__ import annotations
 
 import logging
-import threading
-import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shardserve.client.delta_writes import ChangedShard, hash_all, stored_bytes
+from shardserve.client.delta_writes import (
+    ChangedShard,
+    PreviousPuts,
+    hash_all,
+    previous_puts_of,
+    stored_bytes,
+)
 from shardserve.client.delta_writes import write_changed as send_changed
 from shardserve.client.errors import ShardServeError
 from shardserve.client.ops.snapshots import create_snapshot
@@ -66,30 +70,9 @@ class PreviousPut:
     hashes: Mapping[ShardKey, tuple[int, ...]]
 
 
-class PreviousPuts:
-    """One client's PreviousPut per prefix; a put takes its prefix's (so two puts never share one)."""
-
-    def __init__(self) -> None:
-        self._by_prefix: dict[str, PreviousPut] = {}
-        self._lock = threading.Lock()
-
-    def take(self, prefix: str) -> PreviousPut | None:
-        with self._lock:
-            return self._by_prefix.pop(prefix, None)
-
-    def keep(self, prefix: str, previous: PreviousPut) -> None:
-        with self._lock:
-            self._by_prefix[prefix] = previous
-
-
-_puts: weakref.WeakKeyDictionary[Session, PreviousPuts] = weakref.WeakKeyDictionary()
-_puts_guard = threading.Lock()
-
-
-def previous_puts(session: Session) -> PreviousPuts:
-    """The delta puts' memory of `session` (gone with it)."""
-    with _puts_guard:
-        return _puts.setdefault(session, PreviousPuts())
+def previous_puts(session: Session) -> PreviousPuts[PreviousPut]:
+    """The state-dict delta puts' memory of `session`, by prefix (gone with the session)."""
+    return previous_puts_of(session, "prefix")
 
 
 def create_delta(
