@@ -1,7 +1,7 @@
 """The client's side of rank and tensor health: which ranks, copies and paths are usable now, as leases.
 
 The coordinator says which ranks are dead (ListRanks) and which copies of a tensor cannot be read (its info,
-server/coordinator/health.py); this client adds what its own calls found: a rank that could not be reached or
+server/coordinator/ranks/health.py); this client adds what its own calls found: a rank that could not be reached or
 did not answer in time (its copies are read last), and a fast path that failed for a rank (the next path serves
 it). RankHealth holds every such conclusion as a lease with an expiry, never for the life of the client: the
 coordinator's word is asked again once it is LEASE_S old while it names a dead rank (or a lease of this client

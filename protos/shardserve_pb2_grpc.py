@@ -205,7 +205,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reshard(self, request, context):
-        """Coordinated resharding: two-phase, see server/coordinator/reshard.py.
+        """Coordinated resharding: two-phase, see server/coordinator/drivers/reshard.py.
         Streams progress; the last message has phase RESHARD_DONE and the new TensorInfo.
         A second reshard of a name while one runs is refused (FAILED_PRECONDITION), not queued.
         """

@@ -59,7 +59,8 @@ def start_coordinator(
 ) -> tuple[CoordinatorServer, RunningServer]:
     """A CoordinatorServer over the SQLite catalog in `state_dir`, started and served on `listen`; with
     `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
-    from shardserve.server.coordinator.catalog import Catalog, SQLiteCatalog
+    from shardserve.server.coordinator.catalog.interface import Catalog
+    from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
     from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
     from shardserve.server.coordinator.server import CoordinatorServer
     from shardserve.server.coordinator.service import CoordinatorServicer

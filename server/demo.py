@@ -62,7 +62,7 @@ def load_demo(coordinator: CoordinatorServer, state_dir: str | Path) -> pb.Tenso
 
     from shardserve.core.metadata import RemoteDevice, TensorProperties
     from shardserve.core.specs import ChunkShardingSpec
-    from shardserve.server.coordinator.orders import LoadOrder
+    from shardserve.server.coordinator.drivers.orders import LoadOrder
 
     path = ensure_demo_checkpoint(state_dir)
     ranks = coordinator.registry.ranks()

@@ -6,7 +6,7 @@ time: a rank that exits is restarted under the same rank number after a
 backoff (1 s doubling to 30 s, back to 1 s once an incarnation stayed up for a
 minute), at most `max_restarts` times; one out of restarts stays dead. A
 restarted rank registers with the coordinator again and comes back empty: the
-coordinator records the copies it lost (server/coordinator/reconcile.py).
+coordinator records the copies it lost (server/coordinator/drivers/reconcile.py).
 A rank's command line and environment come from server/rank_launch.py.
 """
 

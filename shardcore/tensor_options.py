@@ -2,7 +2,7 @@
 answers, and whether ranks with a persist dir keep the version on disk.
 
 The wire carries them as a TensorOptions message (an OovPolicy enum, a default row, not_durable); each side
-converts at its edge (client/session.py, server/coordinator/messages.py, server/rank/wire.py).
+converts at its edge (client/session.py, server/coordinator/catalog/messages.py, server/rank/wire.py).
 """
 
 from __future__ import annotations

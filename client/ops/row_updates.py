@@ -11,7 +11,7 @@ assignments. A copy on a rank that is down (a replica) is left out of v+1: the
 rows go to every live copy, and the coordinator repairs the missing one.
 
 Ordering and group commit: the coordinator groups the updates of one table
-from any number of clients (server/coordinator/update_groups.py). An update
+from any number of clients (server/coordinator/drivers/update_groups.py). An update
 that arrives while the table's pending version is collecting joins it: its
 CreateTensor answers with that version and its order in it once the members
 before it have written, and its CommitTensor answers once the last member has

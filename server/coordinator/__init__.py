@@ -1,3 +1,4 @@
-"""The coordinator process: CoordinatorServer (server.py) builds its parts: the catalog of records, the rank
-registry and calls to ranks, the tensor lifecycle, collective jobs, the reshard, checkpoint, snapshot and repair
-drivers, and the upkeep, behind its thin gRPC servicer. It never imports server.rank."""
+"""The coordinator process: CoordinatorServer (server.py) builds its parts behind its thin gRPC servicer
+(service.py): the catalog of records (catalog/), the rank registry and calls to ranks (ranks/), the drivers of
+the tensor lifecycle, snapshots, reshards, checkpoints and repair (drivers/), and the upkeep (upkeep.py). It
+never imports server.rank."""

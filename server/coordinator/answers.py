@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.health import health_of, unavailable_shards
-from shardserve.server.coordinator.messages import snapshot_to_proto, tensor_to_proto
-from shardserve.server.coordinator.records import SnapshotRecord, TensorRecord
-from shardserve.server.coordinator.repair import RepairInFlight
+from shardserve.server.coordinator.catalog.messages import snapshot_to_proto, tensor_to_proto
+from shardserve.server.coordinator.catalog.records import SnapshotRecord, TensorRecord
+from shardserve.server.coordinator.drivers.repair import RepairInFlight
+from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
 
 
 class Answers:

@@ -20,7 +20,7 @@ from prometheus_client import Counter, Histogram
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
-from shardserve.server.coordinator.rank_info import RankInfo
+from shardserve.server.coordinator.ranks.info import RankInfo
 
 JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
 EPOCH_HELP = (

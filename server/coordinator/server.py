@@ -16,21 +16,21 @@ import socket
 from shardserve.server.common.auth import Security
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.coordinator.answers import Answers
-from shardserve.server.coordinator.catalog import Catalog
-from shardserve.server.coordinator.checkpoint import CheckpointDriver
-from shardserve.server.coordinator.collectives import CollectiveRunner
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.lifecycle import TensorLifecycle
-from shardserve.server.coordinator.locks import NameLocks
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.drivers.checkpoint import CheckpointDriver
+from shardserve.server.coordinator.drivers.collectives import CollectiveRunner
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.drivers.lifecycle import TensorLifecycle
+from shardserve.server.coordinator.drivers.locks import NameLocks
+from shardserve.server.coordinator.drivers.quotas import ByteQuotas
+from shardserve.server.coordinator.drivers.reconcile import Reconciler
+from shardserve.server.coordinator.drivers.repair import RepairDriver
+from shardserve.server.coordinator.drivers.reshard import ReshardDriver
+from shardserve.server.coordinator.drivers.snapshots import SnapshotDriver
 from shardserve.server.coordinator.metrics import CoordinatorMetrics
 from shardserve.server.coordinator.options import CoordinatorOptions
-from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import RankCalls
-from shardserve.server.coordinator.reconcile import Reconciler
-from shardserve.server.coordinator.registry import RankRegistry
-from shardserve.server.coordinator.repair import RepairDriver
-from shardserve.server.coordinator.reshard import ReshardDriver
-from shardserve.server.coordinator.snapshots import SnapshotDriver
+from shardserve.server.coordinator.ranks.calls import RankCalls
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 from shardserve.server.coordinator.upkeep import Upkeep
 
 log = logging.getLogger(__name__)

@@ -20,15 +20,15 @@ from shardserve.server.common.requests import (
     check_put_token,
     parse_metadata,
 )
-from shardserve.server.coordinator.checkpoint import CheckpointStep, checkpoint_contents
-from shardserve.server.coordinator.lifecycle import NewTensor
-from shardserve.server.coordinator.messages import (
+from shardserve.server.coordinator.catalog.messages import (
     init_from_proto,
     options_from_proto,
     snapshot_to_proto,
     with_writable,
 )
-from shardserve.server.coordinator.orders import (
+from shardserve.server.coordinator.drivers.checkpoint import CheckpointStep, checkpoint_contents
+from shardserve.server.coordinator.drivers.lifecycle import NewTensor
+from shardserve.server.coordinator.drivers.orders import (
     commit_order,
     load_order,
     reshard_order,
@@ -36,15 +36,15 @@ from shardserve.server.coordinator.orders import (
     snapshot_order,
     snapshot_view,
 )
-from shardserve.server.coordinator.rank_messages import (
+from shardserve.server.coordinator.drivers.reshard import ReshardPhase, ReshardStep
+from shardserve.server.coordinator.drivers.snapshots import CreatedSnapshot
+from shardserve.server.coordinator.ranks.messages import (
     held_from_proto,
     rank_from_proto,
     rank_to_proto,
     restore_from_proto,
 )
-from shardserve.server.coordinator.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.server import CoordinatorServer
-from shardserve.server.coordinator.snapshots import CreatedSnapshot
 
 _PHASES = {
     ReshardPhase.PREPARING: pb.RESHARD_PREPARING,

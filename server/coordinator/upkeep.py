@@ -14,12 +14,12 @@ from collections.abc import Iterable
 from concurrent import futures
 
 from shardserve.server.common.errors import ServiceError
-from shardserve.server.coordinator.catalog import Catalog
-from shardserve.server.coordinator.lifecycle import TensorLifecycle
-from shardserve.server.coordinator.rank_info import RankInfo
-from shardserve.server.coordinator.reconcile import Reconciler
-from shardserve.server.coordinator.registry import RankRegistry
-from shardserve.server.coordinator.reshard import ReshardDriver
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.drivers.lifecycle import TensorLifecycle
+from shardserve.server.coordinator.drivers.reconcile import Reconciler
+from shardserve.server.coordinator.drivers.reshard import ReshardDriver
+from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 

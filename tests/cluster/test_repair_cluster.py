@@ -22,7 +22,10 @@ from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from shardserve.server.coordinator.drivers.reshard import (
+    EXIT_AFTER_COMMIT_CODE,
+    EXIT_AFTER_COMMIT_ENV,
+)
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV

@@ -34,7 +34,10 @@ from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator.reshard import EXIT_AFTER_COMMIT_CODE, EXIT_AFTER_COMMIT_ENV
+from shardserve.server.coordinator.drivers.reshard import (
+    EXIT_AFTER_COMMIT_CODE,
+    EXIT_AFTER_COMMIT_ENV,
+)
 from shardserve.server.launcher import free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
 

@@ -5,7 +5,7 @@ The protocol:
 - The coordinator numbers every collective job with `seq`, drawn from the
   catalog's growing counter (unique across coordinator restarts), and tells
   each participant `after_seq`: the seq of that rank's previous job (0 when it
-  knows none, e.g. after a restart). See server/coordinator/collectives.py.
+  knows none, e.g. after a restart). See server/coordinator/drivers/collectives.py.
 - Each rank runs its jobs on its one JobChain (rank/jobs/ordering.py), each
   right after its `after_seq` job. A caller that cancels the stream does not
   cancel the job (its peers may already be in its collectives): the

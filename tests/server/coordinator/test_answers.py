@@ -8,7 +8,7 @@ import torch
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.answers import Answers
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
     TensorRecord,

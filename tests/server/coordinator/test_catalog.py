@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardserve.server.coordinator.catalog import VERSION_BLOCK, SQLiteCatalog
-from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
     TensorOptions,
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.catalog.sqlite import VERSION_BLOCK, SQLiteCatalog
+from shardserve.server.coordinator.catalog.sqlite_schema import SCHEMA_VERSION
 
 
 def row(name: str, version: int, state: TensorState = TensorState.PENDING) -> TensorRecord:

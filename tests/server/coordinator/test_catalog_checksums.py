@@ -9,9 +9,13 @@ import sqlite3
 from dataclasses import replace
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata
-from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
-from shardserve.server.coordinator.records import SnapshotEntry, SnapshotRecord, TensorRecord
+from shardserve.server.coordinator.catalog.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorRecord,
+)
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+from shardserve.server.coordinator.catalog.sqlite_schema import SCHEMA_VERSION
 
 TWO_SHARDS = ShardedTensorMetadata(
     (ShardMetadata((0,), (4,), "rank:0/cpu"), ShardMetadata((4,), (4,), "rank:1/cpu")), (8,)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.catalog_schema import SCHEMA_VERSION
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+from shardserve.server.coordinator.catalog.sqlite_schema import SCHEMA_VERSION
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import CoordinatorServicer
 
@@ -87,7 +87,7 @@ def test_the_fixture_is_a_catalog_of_the_previous_schema():
 
 def test_an_old_catalog_is_migrated_and_served_with_the_same_metadata(old_catalog, caplog):
     old_tensors, old_snapshots = _old_rows(old_catalog)
-    with caplog.at_level(logging.WARNING, logger="shardserve.server.coordinator.catalog"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.server.coordinator.catalog.sqlite"):
         tensors, snapshots, next_version = _answers(old_catalog)
     assert "migrated to schema version" in caplog.text
     assert {(t.name, t.version): _stored(t) for t in tensors} == old_tensors
@@ -108,7 +108,7 @@ def test_an_old_catalog_is_migrated_and_served_with_the_same_metadata(old_catalo
 def test_a_second_start_finds_nothing_to_migrate(old_catalog, caplog):
     first = _answers(old_catalog)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="shardserve.server.coordinator.catalog"):
+    with caplog.at_level(logging.WARNING, logger="shardserve.server.coordinator.catalog.sqlite"):
         again = _answers(old_catalog)
     assert "migrated" not in caplog.text
     assert again[:2] == first[:2] and again[2] > first[2]

@@ -21,10 +21,10 @@ from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog import SQLiteCatalog
-from shardserve.server.coordinator.orders import CommitOrder, SaveOrder, SnapshotOrder
-from shardserve.server.coordinator.rank_info import RankInfo
-from shardserve.server.coordinator.records import TensorRecord, TensorState
+from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+from shardserve.server.coordinator.drivers.orders import CommitOrder, SaveOrder, SnapshotOrder
+from shardserve.server.coordinator.ranks.info import RankInfo
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import new_tensor
 
@@ -176,7 +176,7 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):
     """The ranks write into a staging directory inside the path; a job that fails half way (one rank's file
     written) is removed whole, and the old checkpoint's files are untouched."""
-    from shardserve.server.coordinator.collectives import CollectiveJobError
+    from shardserve.server.coordinator.drivers.collectives import CollectiveJobError
 
     _rank(coordinator, RankStub(set()))
     _ready(coordinator, "t")
@@ -203,7 +203,7 @@ def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_pat
 
 
 def test_publish_replaces_the_checkpoint_and_keeps_other_files(tmp_path):
-    from shardserve.server.coordinator.checkpoint import replace_checkpoint
+    from shardserve.server.coordinator.drivers.checkpoint import replace_checkpoint
 
     path, staging = tmp_path / "ck", tmp_path / "ck" / ".saving-x"
     staging.mkdir(parents=True)
@@ -235,7 +235,7 @@ def test_a_change_waits_for_a_busy_tensor_only_so_long(coordinator, monkeypatch)
     NAME_LOCK_WAIT_S instead of holding a gRPC worker without bound, and goes through once the lock is free."""
     import threading
 
-    import shardserve.server.coordinator.locks as coordinator_module
+    import shardserve.server.coordinator.drivers.locks as coordinator_module
     from shardserve.server.common.errors import TensorBusy
 
     _rank(coordinator, RankStub(set()))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shardserve.core.metadata import make_metadata
-from shardserve.server.coordinator.deferred_drops import DeferredDrops
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.drivers.deferred_drops import DeferredDrops
 
 META = make_metadata((4,), [((0,), (4,), 0)], dtype=torch.float32)
 

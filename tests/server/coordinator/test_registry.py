@@ -8,8 +8,8 @@ import pytest
 from fake_clock import FakeClock
 
 from shardserve.server.common.errors import InvalidArgument, RankUnavailable
-from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
-from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 DEAD_AFTER = 3.0
 JUST = 0.01  # a moment past a bound

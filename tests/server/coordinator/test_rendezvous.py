@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
+from shardserve.server.coordinator.drivers.rendezvous import Epochs, RendezvousStore
 
 
 def test_an_epoch_ends_once_however_many_jobs_of_it_fail():

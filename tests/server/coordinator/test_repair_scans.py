@@ -9,10 +9,10 @@ from fake_clock import FakeClock
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.coordinator import repair
-from shardserve.server.coordinator.rank_info import RankInfo
-from shardserve.server.coordinator.records import TensorRecord, TensorState
-from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
+from shardserve.server.coordinator.drivers import repair
+from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 JUST = 0.01  # a moment past a bound
 

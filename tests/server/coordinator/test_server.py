@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from shardserve.server.coordinator.catalog import SQLiteCatalog
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.server import CoordinatorServer
 

@@ -11,7 +11,7 @@ import pytest
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import TensorBusy
-from shardserve.server.coordinator.update_groups import UpdateGroups
+from shardserve.server.coordinator.drivers.update_groups import UpdateGroups
 
 WAIT_S = 30.0  # bound on every wait of a test thread
 

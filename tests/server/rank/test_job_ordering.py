@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from shardserve.server.coordinator.collectives import JobSequencer
+from shardserve.server.coordinator.drivers.collectives import JobSequencer
 from shardserve.server.rank.jobs.ordering import JobCancelled, JobChain
 from shardserve.server.rank.jobs.service import JobKinds
 
@@ -85,7 +85,7 @@ def test_register_job_kind_checks_the_kind_is_in_the_proto():
 def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):
     """A job queued behind a rank's earlier jobs is not given up while the rank keeps streaming (however long
     the queue); once it started it has run_s; a silent rank is given up after SILENCE_S."""
-    import shardserve.server.coordinator.collectives as driver
+    import shardserve.server.coordinator.drivers.collectives as driver
     from shardserve.protos import shardserve_pb2 as pb
 
     now = [1000.0]

@@ -6,7 +6,7 @@ enters the collectives of two jobs in one order. `CollectiveRunner` sends
 RunCollective to every participant in parallel, sums their progress and fails
 the job as soon as one rank fails (after a short grace to hear the others),
 naming the rank that is down or hung. Every job carries the current epoch
-(server/coordinator/rendezvous.py) and runs on the process group of (epoch,
+(server/coordinator/drivers/rendezvous.py) and runs on the process group of (epoch,
 participants); any failed job ends its epoch, so the next job forms new groups
 over the live ranks and nothing needs a restart. See
 server/rank/jobs/service.py for the rank side.
@@ -28,10 +28,10 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.tracing import carry_context
-from shardserve.server.coordinator.jobs import CollectiveJob, JobReport, ReshardJob
+from shardserve.server.coordinator.drivers.jobs import CollectiveJob, JobReport, ReshardJob
+from shardserve.server.coordinator.drivers.rendezvous import Epochs, RendezvousStore
 from shardserve.server.coordinator.metrics import JobTracker
-from shardserve.server.coordinator.registry import RankRegistry
-from shardserve.server.coordinator.rendezvous import Epochs, RendezvousStore
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from dataclasses import dataclass, replace
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.repair import LiveRank, RepairImpossible, ranks_receiving, repaired_layout
 from shardserve.server.common.errors import ServiceError, TensorBusy
-from shardserve.server.coordinator.catalog import Catalog
-from shardserve.server.coordinator.collectives import job_timeout
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.drivers.collectives import job_timeout
+from shardserve.server.coordinator.drivers.reshard import ReshardDriver
 from shardserve.server.coordinator.options import DEFAULT_REPAIR_AFTER_S
-from shardserve.server.coordinator.records import TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
-from shardserve.server.coordinator.reshard import ReshardDriver
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Records <-> protobuf messages: the one place that knows both the coordinator's records and their wire shapes.
 
 Used at the edges only: the servicer's requests and answers (server/coordinator/service.py, answers.py), the
-calls to ranks (rank_calls.py), and the catalog's migration of TensorInfo blobs written by earlier versions.
+calls to ranks (ranks/calls.py), and the catalog's migration of TensorInfo blobs written by earlier versions.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from shardserve.core.wire import (
     options_to_proto,
 )
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.records import (
     Init,
     SnapshotEntry,
     SnapshotRecord,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from shardserve.core.health import LayoutHealth, layout_health, name_ranks, ranks_of_copies
 from shardserve.core.metadata import Box
 from shardserve.server.common.errors import RankUnavailable, ShardsLost
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
 
 
 def unavailable_shards(record: TensorRecord, rank_dead: Callable[[int], bool]) -> list[int]:

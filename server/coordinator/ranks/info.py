@@ -1,6 +1,6 @@
 """What the coordinator knows of a rank: what it told when it registered, its liveness, and its restore.
 
-The registry (server/coordinator/registry.py) keeps these, apart from the wire types; rank_messages.py makes
+The registry (server/coordinator/ranks/registry.py) keeps these, apart from the wire types; ranks/messages.py makes
 them from and into protobuf messages at the service edge.
 """
 

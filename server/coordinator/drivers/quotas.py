@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from shardserve.server.common.errors import QuotaExceeded
 from shardserve.server.common.principals import Principal
-from shardserve.server.coordinator.catalog import Catalog
+from shardserve.server.coordinator.catalog.interface import Catalog
 
 
 class ByteQuotas:

@@ -1,6 +1,6 @@
 """The coordinator's rank registry: who is registered, who is alive, and who is restoring its persist dir.
 
-Calls to the registered ranks go through server/coordinator/rank_calls.py, which asks the registry for each
+Calls to the registered ranks go through server/coordinator/ranks/calls.py, which asks the registry for each
 rank's stub and liveness.
 """
 
@@ -26,7 +26,7 @@ from shardserve.server.common.errors import (
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
-from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
+from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
 log = logging.getLogger(__name__)
 

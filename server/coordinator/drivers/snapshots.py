@@ -5,7 +5,7 @@ allocates it on its ranks; the job's ranks write their own shards; CommitSnapsho
 promotes every tensor on its ranks, then marks all of them READY and records the
 snapshot in one transaction, which also removes the snapshots of the prefix
 beyond the newest `keep` (freed on their ranks once the commit has answered:
-server/coordinator/deferred_drops.py). A snapshot never committed stays invisible: it is
+server/coordinator/drivers/deferred_drops.py). A snapshot never committed stays invisible: it is
 aborted by its writer, or its tensors are reaped as any pending put.
 
 A delta put's snapshot (SnapshotOrder.delta_of) repeats the keys and layouts of
@@ -37,17 +37,21 @@ from shardserve.server.common.errors import (
     TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_version
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.deferred_drops import DeferredDrops
-from shardserve.server.coordinator.orders import CommitOrder, SnapshotOrder, check_skeleton_keys
-from shardserve.server.coordinator.rank_calls import versions_by_rank
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
     TensorOptions,
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.drivers.deferred_drops import DeferredDrops
+from shardserve.server.coordinator.drivers.orders import (
+    CommitOrder,
+    SnapshotOrder,
+    check_skeleton_keys,
+)
+from shardserve.server.coordinator.ranks.calls import versions_by_rank
 
 log = logging.getLogger(__name__)
 

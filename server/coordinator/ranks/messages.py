@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.rank_info import RankInfo, RestoreProgress
+from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
 _RESTORE_FIELDS = (
     "rank",

@@ -1,9 +1,9 @@
 """What the coordinator keeps: tensor versions and snapshots as frozen dataclasses, apart from the wire types.
 
-The catalog stores these records in its own schema (server/coordinator/catalog.py) and the coordinator's
+The catalog stores these records in its own schema (server/coordinator/catalog/sqlite.py) and the coordinator's
 logic works on them; protobuf messages are made from them only at the edges: the servicer's answers
 (server/coordinator/answers.py, with the fields that describe live state) and the calls to ranks
-(server/coordinator/rank_calls.py).
+(server/coordinator/ranks/calls.py).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import grpc
 
 from shardserve.server.common.errors import ServiceError
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.health import health_of, unavailable_shards
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
 
 log = logging.getLogger(__name__)
 

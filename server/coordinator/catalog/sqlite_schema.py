@@ -4,7 +4,7 @@ catalog written by an earlier shardserve up to it when it is opened.
 The schema's version is the database's `PRAGMA user_version`: 0, the TensorInfo/SnapshotInfo protobuf blobs of
 the first versions; 1, records without shard checksums; 2, the current one. Every step runs inside the open
 transaction the catalog hands it, so a migration that fails changes nothing. Kept apart from
-server/coordinator/catalog.py so that the catalog's queries read on their own and each past layout is
+server/coordinator/catalog/sqlite.py so that the catalog's queries read on their own and each past layout is
 described in one place.
 """
 
@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog_documents import snapshot_json, tensor_json
-from shardserve.server.coordinator.messages import snapshot_from_proto, tensor_from_proto
+from shardserve.server.coordinator.catalog.documents import snapshot_json, tensor_json
+from shardserve.server.coordinator.catalog.messages import snapshot_from_proto, tensor_from_proto
 
 # the catalog's logger: a migration is reported as the catalog's, whichever module performs it
-log = logging.getLogger("shardserve.server.coordinator.catalog")
+log = logging.getLogger("shardserve.server.coordinator.catalog.sqlite")
 
 # PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
 # migrated on open)

@@ -1,5 +1,5 @@
 """Per-tensor-name locks on the coordinator: changes of one tensor take turns, different names run in parallel
-(row updates of one table are ordered by server/coordinator/update_groups.py)."""
+(row updates of one table are ordered by server/coordinator/drivers/update_groups.py)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardserve.server.coordinator.catalog import Catalog
-from shardserve.server.coordinator.locks import NameLocks
-from shardserve.server.coordinator.rank_calls import RankCalls
-from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.drivers.locks import NameLocks
+from shardserve.server.coordinator.ranks.calls import RankCalls
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 
 @dataclass(frozen=True)

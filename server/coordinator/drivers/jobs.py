@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
 
 
 @dataclass(frozen=True)

@@ -46,13 +46,13 @@ from shardserve.server.common.errors import (
     TensorBusy,
     TensorNotFound,
 )
-from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.jobs import JobReport, ReshardJob
-from shardserve.server.coordinator.orders import ReshardOrder
-from shardserve.server.coordinator.rank_calls import Allocation
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.drivers.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.drivers.jobs import JobReport, ReshardJob
+from shardserve.server.coordinator.drivers.orders import ReshardOrder
+from shardserve.server.coordinator.ranks.calls import Allocation
+from shardserve.server.coordinator.ranks.health import check_copies, unavailable_shards
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The catalog's records as JSON documents: what a row of the tensors and snapshots tables holds.
 
-Plain JSON of the domain records (server/coordinator/records.py), versioned by the catalog's schema version
-(PRAGMA user_version, server/coordinator/catalog_schema.py); never protobuf, never pickle. Encoded and decoded by
+Plain JSON of the domain records (server/coordinator/catalog/records.py), versioned by the catalog's schema version
+(PRAGMA user_version, server/coordinator/catalog/sqlite_schema.py); never protobuf, never pickle. Encoded and decoded by
 orjson (a maintained C library, several times faster than the standard json module, same JSON): a snapshot
 commit writes and reads hundreds of these documents on a weight sync's critical path. A layout's part of the
 document is made once per layout and decoded once per distinct layout (both cached): the tensors of a state
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import base64
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import orjson
 
 from shardserve.core.dtypes import dtype_from_name, dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
     TensorOptions,
@@ -169,3 +170,26 @@ def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
             dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory
         ),
     )
+
+
+class RemovedRows(Sequence[TensorRecord]):
+    """Rows a transaction removed, kept as their stored documents and decoded on first read: a snapshot commit
+    that removes hundreds of rows answers without decoding them; the drop that frees them reads them later."""
+
+    def __init__(self, documents: list[str]) -> None:
+        self._documents = documents
+        self._records: list[TensorRecord] | None = None
+
+    def __len__(self) -> int:
+        return len(self._documents)
+
+    @overload
+    def __getitem__(self, index: int) -> TensorRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TensorRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> TensorRecord | list[TensorRecord]:
+        if self._records is None:
+            self._records = [tensor_of(document) for document in self._documents]
+        return self._records[index]

@@ -1,17 +1,15 @@
-"""The coordinator's tensor catalog: a small interface over records, and its SQLite implementation.
+"""The embedded catalog: `Catalog` (server/coordinator/catalog/interface.py) kept in one SQLite file.
 
-The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/records.py) in its own schema,
+The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/catalog/records.py) in its own schema,
 whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
 it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
 earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard checksums, user_version 1)
 is migrated when it is opened, in one transaction (the tables and their migrations:
-server/coordinator/catalog_schema.py). Versions come from one counter over the whole catalog that only grows.
-Keeping the catalog behind `Catalog` lets a networked store replace SQLite for a highly available coordinator.
+server/coordinator/catalog/sqlite_schema.py). Versions come from one counter over the whole catalog that only grows.
 """
 
 from __future__ import annotations
 
-import abc
 import logging
 import sqlite3
 import threading
@@ -19,134 +17,31 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
-from shardserve.server.coordinator.catalog_documents import (
+from shardserve.server.coordinator.catalog.documents import (
+    RemovedRows,
     dumps,
     snapshot_json,
     snapshot_of,
     tensor_json,
     tensor_of,
 )
-from shardserve.server.coordinator.catalog_schema import upgrade
-from shardserve.server.coordinator.records import (
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.records import (
     ShardChecksums,
     SnapshotEntry,
     SnapshotRecord,
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.catalog.sqlite_schema import upgrade
 
 log = logging.getLogger(__name__)
 
 VERSION_BLOCK = (
     1024  # version numbers reserved per durable counter update (one fsync per block, not per put)
 )
-
-
-class Catalog(abc.ABC):
-    """Where the coordinator keeps tensors, versions and snapshots."""
-
-    @abc.abstractmethod
-    def next_versions(self, count: int) -> list[int]:
-        """`count` version numbers never handed out before, increasing (the counter survives restarts)."""
-
-    def next_version(self) -> int:
-        """A version number never handed out before."""
-        return self.next_versions(1)[0]
-
-    @abc.abstractmethod
-    def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
-        """Record new (name, version) rows in one transaction: all of them or, on an error, none (`durable`
-        False: of data that does not outlive a restart, so the commit need not wait for the disk)."""
-
-    def add(self, record: TensorRecord) -> None:
-        """Record a new (name, version) row in the state `record.state`."""
-        self.add_all([record], durable=record.options.durable)
-
-    @abc.abstractmethod
-    def commit_all(
-        self,
-        versions: list[tuple[str, int]],
-        *,
-        durable: bool = True,
-        checksums: ShardChecksums | None = None,
-    ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
-        """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
-
-    def commit(
-        self,
-        name: str,
-        version: int,
-        *,
-        durable: bool = True,
-        checksums: dict[int, int] | None = None,
-    ) -> tuple[TensorRecord, list[TensorRecord]]:
-        """In one transaction: mark (name, version) READY with its shards' `checksums` (as its ranks' promote
-        answered them), remove older READY rows; return (new, removed). KeyError when the row is not in the
-        catalog."""
-        sums = {(name, version): checksums} if checksums else None
-        return self.commit_all([(name, version)], durable=durable, checksums=sums)[0]
-
-    @abc.abstractmethod
-    def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
-        """Remove one version (0 = every version) of `name`; return the removed rows."""
-
-    @abc.abstractmethod
-    def get(self, name: str, version: int) -> TensorRecord | None:
-        """The row (name, version) in any state, or None."""
-
-    @abc.abstractmethod
-    def versions(self, name: str) -> list[TensorRecord]:
-        """Every row of `name`, oldest version first."""
-
-    @abc.abstractmethod
-    def update(self, record: TensorRecord) -> None:
-        """Replace the existing row (record.name, record.version), state included; KeyError when absent."""
-
-    def ready(self, name: str) -> TensorRecord | None:
-        """The READY version of `name`, or None."""
-        ready = [record for record in self.versions(name) if record.ready]
-        return ready[-1] if ready else None
-
-    @abc.abstractmethod
-    def commit_snapshot(
-        self,
-        snapshot: SnapshotRecord,
-        *,
-        durable: bool = True,
-        checksums: ShardChecksums | None = None,
-    ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
-        """In one transaction: every tensor of `snapshot` READY with its shards' `checksums`, the snapshot
-        recorded, and the snapshots of its prefix beyond the newest `snapshot.keep` removed with their tensors;
-        return (committed, removed rows, which may be decoded only when first read)."""
-
-    @abc.abstractmethod
-    def snapshots(self, prefix: str) -> list[SnapshotRecord]:
-        """The committed snapshots of `prefix`, oldest first."""
-
-    def snapshot(self, prefix: str, number: int = 0) -> SnapshotRecord | None:
-        """Committed snapshot `number` of `prefix` (0: the newest), or None."""
-        kept = self.snapshots(prefix)
-        if number == 0:
-            return kept[-1] if kept else None
-        return next((s for s in kept if s.number == number), None)
-
-    @abc.abstractmethod
-    def pending(self) -> list[TensorRecord]:
-        """PENDING rows only (puts and snapshots not committed yet), oldest version first."""
-
-    @abc.abstractmethod
-    def promoting(self) -> list[TensorRecord]:
-        """READY rows whose promotion on the ranks is unfinished (a reshard's commit), oldest version first."""
-
-    def close(self) -> None:
-        """Release resources."""
-
-    # defined last: below it, `list` in this class body would name the method, not the builtin
-    @abc.abstractmethod
-    def list(self, include_pending: bool = False) -> list[TensorRecord]:
-        """READY rows (and PENDING ones when asked), by name then version."""
 
 
 class SQLiteCatalog(Catalog):
@@ -402,26 +297,3 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> Remov
         documents += (row[0] for row in rows)
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
     return RemovedRows(documents)
-
-
-class RemovedRows(Sequence[TensorRecord]):
-    """Rows a transaction removed, kept as their stored documents and decoded on first read: a snapshot commit
-    that removes hundreds of rows answers without decoding them; the drop that frees them reads them later."""
-
-    def __init__(self, documents: list[str]) -> None:
-        self._documents = documents
-        self._records: list[TensorRecord] | None = None
-
-    def __len__(self) -> int:
-        return len(self._documents)
-
-    @overload
-    def __getitem__(self, index: int) -> TensorRecord: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[TensorRecord]: ...
-
-    def __getitem__(self, index: int | slice) -> TensorRecord | list[TensorRecord]:
-        if self._records is None:
-            self._records = [tensor_of(document) for document in self._documents]
-        return self._records[index]

@@ -22,9 +22,9 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.errors import RankUnavailable, ServiceError, relayed
 from shardserve.server.common.tracing import carry_context
-from shardserve.server.coordinator.messages import init_to_proto, options_to_proto
-from shardserve.server.coordinator.records import Init, ShardChecksums, TensorRecord
-from shardserve.server.coordinator.registry import RankRegistry
+from shardserve.server.coordinator.catalog.messages import init_to_proto, options_to_proto
+from shardserve.server.coordinator.catalog.records import Init, ShardChecksums, TensorRecord
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 

@@ -44,13 +44,13 @@ from shardserve.server.common.errors import (
     TensorExists,
     TensorNotFound,
 )
-from shardserve.server.coordinator.collectives import CollectiveRunner, job_timeout
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.jobs import CheckpointJob, CheckpointKind
-from shardserve.server.coordinator.orders import LoadOrder, SaveOrder, check_path
-from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation
-from shardserve.server.coordinator.records import TensorRecord
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.drivers.collectives import CollectiveRunner, job_timeout
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.drivers.jobs import CheckpointJob, CheckpointKind
+from shardserve.server.coordinator.drivers.orders import LoadOrder, SaveOrder, check_path
+from shardserve.server.coordinator.drivers.quotas import ByteQuotas
+from shardserve.server.coordinator.ranks.calls import Allocation
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Operations on one tensor name are serialized by its name lock; different names proceed in parallel. A tensor
 becomes visible only when every rank has promoted its shards and the catalog record turns READY in one
-transaction. Row updates of one table are grouped into versions by server/coordinator/update_groups.py.
+transaction. Row updates of one table are grouped into versions by server/coordinator/drivers/update_groups.py.
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ from shardserve.server.common.errors import (
     TensorNotFound,
 )
 from shardserve.server.common.requests import check_name, check_put_token, check_version
-from shardserve.server.coordinator.context import DriverContext
-from shardserve.server.coordinator.health import check_copies, unavailable_shards
-from shardserve.server.coordinator.quotas import ByteQuotas
-from shardserve.server.coordinator.rank_calls import Allocation, versions_by_rank
-from shardserve.server.coordinator.records import Init, TensorOptions, TensorRecord, TensorState
-from shardserve.server.coordinator.update_groups import Ordered, UpdateGroups
+from shardserve.server.coordinator.catalog.records import (
+    Init,
+    TensorOptions,
+    TensorRecord,
+    TensorState,
+)
+from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.drivers.quotas import ByteQuotas
+from shardserve.server.coordinator.drivers.update_groups import Ordered, UpdateGroups
+from shardserve.server.coordinator.ranks.calls import Allocation, versions_by_rank
+from shardserve.server.coordinator.ranks.health import check_copies, unavailable_shards
 
 log = logging.getLogger(__name__)
 

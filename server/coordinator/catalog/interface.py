@@ -1,0 +1,122 @@
+"""The `Catalog` interface: where the coordinator keeps tensors, versions and snapshots, whatever the store.
+
+The drivers see only this interface and the records (server/coordinator/catalog/records.py); the embedded
+SQLite store (server/coordinator/catalog/sqlite.py) implements it, and a networked store can replace it for a
+coordinator that outlives its host.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+from shardserve.server.coordinator.catalog.records import (
+    ShardChecksums,
+    SnapshotRecord,
+    TensorRecord,
+)
+
+
+class Catalog(abc.ABC):
+    """Where the coordinator keeps tensors, versions and snapshots."""
+
+    @abc.abstractmethod
+    def next_versions(self, count: int) -> list[int]:
+        """`count` version numbers never handed out before, increasing (the counter survives restarts)."""
+
+    def next_version(self) -> int:
+        """A version number never handed out before."""
+        return self.next_versions(1)[0]
+
+    @abc.abstractmethod
+    def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
+        """Record new (name, version) rows in one transaction: all of them or, on an error, none (`durable`
+        False: of data that does not outlive a restart, so the commit need not wait for the disk)."""
+
+    def add(self, record: TensorRecord) -> None:
+        """Record a new (name, version) row in the state `record.state`."""
+        self.add_all([record], durable=record.options.durable)
+
+    @abc.abstractmethod
+    def commit_all(
+        self,
+        versions: list[tuple[str, int]],
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
+    ) -> list[tuple[TensorRecord, list[TensorRecord]]]:
+        """commit() of several (name, version) pairs in one transaction: all of them or, on an error, none."""
+
+    def commit(
+        self,
+        name: str,
+        version: int,
+        *,
+        durable: bool = True,
+        checksums: dict[int, int] | None = None,
+    ) -> tuple[TensorRecord, list[TensorRecord]]:
+        """In one transaction: mark (name, version) READY with its shards' `checksums` (as its ranks' promote
+        answered them), remove older READY rows; return (new, removed). KeyError when the row is not in the
+        catalog."""
+        sums = {(name, version): checksums} if checksums else None
+        return self.commit_all([(name, version)], durable=durable, checksums=sums)[0]
+
+    @abc.abstractmethod
+    def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
+        """Remove one version (0 = every version) of `name`; return the removed rows."""
+
+    @abc.abstractmethod
+    def get(self, name: str, version: int) -> TensorRecord | None:
+        """The row (name, version) in any state, or None."""
+
+    @abc.abstractmethod
+    def versions(self, name: str) -> list[TensorRecord]:
+        """Every row of `name`, oldest version first."""
+
+    @abc.abstractmethod
+    def update(self, record: TensorRecord) -> None:
+        """Replace the existing row (record.name, record.version), state included; KeyError when absent."""
+
+    def ready(self, name: str) -> TensorRecord | None:
+        """The READY version of `name`, or None."""
+        ready = [record for record in self.versions(name) if record.ready]
+        return ready[-1] if ready else None
+
+    @abc.abstractmethod
+    def commit_snapshot(
+        self,
+        snapshot: SnapshotRecord,
+        *,
+        durable: bool = True,
+        checksums: ShardChecksums | None = None,
+    ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
+        """In one transaction: every tensor of `snapshot` READY with its shards' `checksums`, the snapshot
+        recorded, and the snapshots of its prefix beyond the newest `snapshot.keep` removed with their tensors;
+        return (committed, removed rows, which may be decoded only when first read)."""
+
+    @abc.abstractmethod
+    def snapshots(self, prefix: str) -> list[SnapshotRecord]:
+        """The committed snapshots of `prefix`, oldest first."""
+
+    def snapshot(self, prefix: str, number: int = 0) -> SnapshotRecord | None:
+        """Committed snapshot `number` of `prefix` (0: the newest), or None."""
+        kept = self.snapshots(prefix)
+        if number == 0:
+            return kept[-1] if kept else None
+        return next((s for s in kept if s.number == number), None)
+
+    @abc.abstractmethod
+    def pending(self) -> list[TensorRecord]:
+        """PENDING rows only (puts and snapshots not committed yet), oldest version first."""
+
+    @abc.abstractmethod
+    def promoting(self) -> list[TensorRecord]:
+        """READY rows whose promotion on the ranks is unfinished (a reshard's commit), oldest version first."""
+
+    def close(self) -> None:
+        """Release resources."""
+
+    # defined last: below it, `list` in this class body would name the method, not the builtin
+    @abc.abstractmethod
+    def list(self, include_pending: bool = False) -> list[TensorRecord]:
+        """READY rows (and PENDING ones when asked), by name then version."""
