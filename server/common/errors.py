@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from shardserve.protos.errors import Reason, error_detail_of, rich_status
+from shardserve.protos.errors import LEADER_KEY, Reason, error_detail_of, rich_status
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,21 @@ class RankUnavailable(ServiceError):
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = Reason.RANK_UNAVAILABLE
+
+
+class NotLeader(ServiceError):
+    """This coordinator does not lead (a standby, or a leader whose lease ran out): the caller asks `leader`
+    (HOST:PORT; "" while no leader is known) instead, or again once one leads."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.NOT_LEADER
+
+    def __init__(self, message: str, *, leader: str, term: int = 0) -> None:
+        metadata: dict[str, object] = {LEADER_KEY: leader}
+        if term:
+            metadata["term"] = term
+        super().__init__(message, metadata=metadata)
+        self.leader = leader
 
 
 class ShardsLost(ServiceError):

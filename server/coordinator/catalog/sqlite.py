@@ -35,6 +35,7 @@ from shardserve.server.coordinator.catalog.records import (
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.catalog.sqlite_leadership import check_term
 from shardserve.server.coordinator.catalog.sqlite_schema import upgrade
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,15 @@ VERSION_BLOCK = (
 
 
 class SQLiteCatalog(Catalog):
-    """The embedded default: one SQLite file under the state dir, WAL mode, one transaction per change."""
+    """The embedded default: one SQLite file under the state dir, WAL mode, one transaction per change.
 
-    def __init__(self, path: str | Path) -> None:
+    `term`: the leadership term of the coordinator writing it, when several share the file
+    (server/coordinator/catalog/sqlite_leadership.py): every write transaction checks that the term still holds
+    the lease and writes nothing otherwise (NotLeader). None: a lone coordinator, no check."""
+
+    def __init__(self, path: str | Path, *, term: int | None = None) -> None:
         self.path = Path(path)
+        self.term = term
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
@@ -74,6 +80,8 @@ class SQLiteCatalog(Catalog):
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    if self.term is not None:
+                        check_term(self._db, self.term)
                     yield self._db
                 except BaseException:
                     self._db.execute("ROLLBACK")
