@@ -205,7 +205,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reshard(self, request, context):
-        """Coordinated resharding: two-phase, see server/coordinator/drivers/reshard.py.
+        """Coordinated resharding: two-phase, see server/coordinator/reshard.py.
         Streams progress; the last message has phase RESHARD_DONE and the new TensorInfo.
         A second reshard of a name while one runs is refused (FAILED_PRECONDITION), not queued.
         """
@@ -881,6 +881,96 @@ class Coordinator:
             '/shardserve.v1.Coordinator/ListSnapshots',
             shardserve_dot_protos_dot_shardserve__pb2.ListSnapshotsRequest.SerializeToString,
             shardserve_dot_protos_dot_shardserve__pb2.ListSnapshotsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class LeadershipStub:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetRole = channel.unary_unary(
+                '/shardserve.v1.Leadership/GetRole',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.FromString,
+                _registered_method=True)
+
+
+class LeadershipServicer:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    def GetRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LeadershipServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRole,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardserve.v1.Leadership', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardserve.v1.Leadership', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Leadership:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    @staticmethod
+    def GetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Leadership/GetRole',
+            shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.FromString,
             options,
             channel_credentials,
             insecure,

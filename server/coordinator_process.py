@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
@@ -39,7 +40,7 @@ from shardserve.server.common.tracing import add_tracing_args, enable_tracing
 from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
-    from shardserve.server.coordinator.server import CoordinatorServer
+    from shardserve.server.coordinator.process import CoordinatorProcess
 
 log = logging.getLogger(__name__)
 
@@ -56,41 +57,51 @@ def start_coordinator(
     options: CoordinatorOptions = CoordinatorOptions(),
     *,
     metrics_port: int | None = None,
-) -> tuple[CoordinatorServer, RunningServer]:
-    """A CoordinatorServer over the SQLite catalog in `state_dir`, started and served on `listen`; with
-    `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
-    from shardserve.server.coordinator.catalog.interface import Catalog
-    from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
-    from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
-    from shardserve.server.coordinator.server import CoordinatorServer
+    advertise: str | None = None,
+) -> tuple[CoordinatorProcess, RunningServer]:
+    """A coordinator over the SQLite catalog in `state_dir`, served on `listen`; with `metrics_port` (0 = any
+    free port), its Prometheus metrics served on the `listen` host. A lone coordinator (no
+    `options.lease_duration`) leads at once; one of several sharing the catalog leads once it holds the lease
+    and stands by until then, naming itself to the others as `advertise` (default: the listen address, the
+    host's name for a wildcard host)."""
+    from shardserve.server.coordinator.leadership_service import LeadershipServicer
+    from shardserve.server.coordinator.metrics import CoordinatorMetrics
+    from shardserve.server.coordinator.process import CoordinatorProcess
     from shardserve.server.coordinator.service import CoordinatorServicer
 
-    catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
-    metrics = CoordinatorMetrics() if metrics_port is not None else None
-    if metrics is not None:  # a proxy that times every Catalog call
-        catalog = cast(Catalog, TimedCatalog(catalog, metrics.catalog_latency))
-    coordinator = CoordinatorServer(
-        catalog,
+    host = split_address(listen)[0]
+    process = CoordinatorProcess(
+        Path(state_dir) / CATALOG_FILE,
         security,
-        replace(options, store_host=split_address(listen)[0]),
+        replace(options, store_host=host),
+        metrics=CoordinatorMetrics() if metrics_port is not None else None,
     )
 
     def add(server: object) -> list[str]:
-        """Add the Coordinator service to `server`; its name, for health checks and reflection."""
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
-        return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+        """Add the Coordinator and Leadership services to `server`; their names, for health and reflection."""
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(process.role), server)
+        pb_grpc.add_LeadershipServicer_to_server(LeadershipServicer(process.role), server)
+        return [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Coordinator", "Leadership")]
 
+    running: RunningServer | None = None
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
-        coordinator.start()
-        if metrics is not None:
-            coordinator.serve_metrics(metrics, split_address(listen)[0], metrics_port or 0)
+        if not process.shares_catalog:
+            process.lead_alone()
+        if process.metrics is not None:
+            process.serve_metrics(host, metrics_port or 0)
         running = start_server(
-            listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), metrics
+            listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), process.metrics
         )
+        shown = socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
+        process.role.address = advertise or f"{shown}:{running.port}"
+        if process.shares_catalog:
+            process.stand(process.role.address)
     except Exception:
-        coordinator.close()
+        if running is not None:
+            running.stop(grace=0.0)
+        process.close()
         raise
-    return coordinator, running
+    return process, running
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +144,28 @@ def coordinator_options_from_args(
         parser.error(str(err))
 
 
+def add_leadership_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of a coordinator that may share its catalog with others: the lease and how others dial it."""
+    parser.add_argument(
+        "--lease-duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="lead under a lease of this many seconds held in the catalog, so that several coordinators "
+        "may share it (the same --state-dir on one host): one leads, the others stand by and take over "
+        "within about 1.25 leases of the leader's death or hang; the leader renews every quarter lease and "
+        "stops serving three quarters of a lease after its last renewal began (default: no lease, a lone "
+        "coordinator that leads at once)",
+    )
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST:PORT",
+        help="the address the other coordinators name this one by, to clients and ranks, while it leads "
+        "(default: the --listen address, this host's name for a wildcard host)",
+    )
+
+
 def main_coordinator(argv: Sequence[str]) -> int:
     """`coordinator`: run the coordinator alone (ranks join with torchrun ... -m shardserve.server --coordinator)."""
     parser = argparse.ArgumentParser(
@@ -151,12 +184,22 @@ def main_coordinator(argv: Sequence[str]) -> int:
         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)",
     )
+    add_leadership_args(parser)
     add_metrics_args(parser)
     add_tracing_args(parser)
     add_log_level_arg(parser)
     add_coordinator_args(parser)
     args = parser.parse_args(argv)
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
+    try:
+        options = replace(options, lease_duration=args.lease_duration)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.advertise is not None:
+        try:
+            split_address(args.advertise)
+        except ValueError:
+            parser.error(f"--advertise {args.advertise!r} is not HOST:PORT")
     check_address_file(parser, args.address_file)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
@@ -172,8 +215,13 @@ def main_coordinator(argv: Sequence[str]) -> int:
         handle_reload_signal(security.principals.reload)
     withdraw_address(args.address_file)
     try:
-        coordinator, running = start_coordinator(
-            args.listen, args.state_dir, security, options, metrics_port=args.metrics_port
+        process, running = start_coordinator(
+            args.listen,
+            args.state_dir,
+            security,
+            options,
+            metrics_port=args.metrics_port,
+            advertise=args.advertise,
         )
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)
@@ -186,5 +234,5 @@ def main_coordinator(argv: Sequence[str]) -> int:
     finally:
         withdraw_address(args.address_file)
         running.stop(grace=1.0)
-        coordinator.close()
+        process.close()
     return 0

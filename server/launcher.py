@@ -33,7 +33,8 @@ from shardserve.server.coordinator_process import CoordinatorOptions, start_coor
 from shardserve.server.rank_launch import rank_launches
 from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason
 
-if TYPE_CHECKING:  # imported lazily: it pulls in torch, which the ranks import meanwhile
+if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
+    from shardserve.server.coordinator.process import CoordinatorProcess
     from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LocalCluster:
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
         self.coordinator: CoordinatorServer | None = None
+        self._process: CoordinatorProcess | None = None
         self._server: RunningServer | None = None
         self._supervisor: RankSupervisor | None = None
         self._lock = threading.Lock()
@@ -142,13 +144,14 @@ class LocalCluster:
         )
         self._supervisor.spawn_all()
         self._start_tracing()
-        self.coordinator, self._server = start_coordinator(
+        self._process, self._server = start_coordinator(
             f"{self.host}:{port}",
             self.state_dir,
             self.security,
             self.coordinator_options,
             metrics_port=self.metrics_port,
         )
+        self.coordinator = self._process.role.current()
 
     def _start_tracing(self) -> None:
         """Trace the coordinator's RPCs in this process (unless something here already traces)."""
@@ -211,9 +214,9 @@ class LocalCluster:
                 self._supervisor.stop(grace)
             if self._server is not None:
                 self._server.stop(grace=1.0)
-            if self.coordinator is not None:
-                self.coordinator.close()
-                self.coordinator = None
+            if self._process is not None:
+                self._process.close()
+                self._process = self.coordinator = None
             if self._traces:
                 disable_tracing()
                 self._traces = False

@@ -11,10 +11,8 @@ the rendezvous store and the repair loop start in `start()`, and `close()` ends 
 from __future__ import annotations
 
 import logging
-import socket
 
 from shardserve.server.common.auth import Security
-from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.coordinator.answers import Answers
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.drivers.checkpoint import CheckpointDriver
@@ -80,7 +78,6 @@ class CoordinatorServer:
         )
         self.answers = Answers(self.registry.rank_unreadable, self.repairs.state)
         self.metrics_address = ""  # HOST:PORT of the metrics endpoint as ListRanks tells clients
-        self._metrics_endpoint: MetricsEndpoint | None = None
 
     def start(self) -> CoordinatorServer:
         """Open the rendezvous store; start watching ranks, the chores and the repair loop."""
@@ -89,20 +86,9 @@ class CoordinatorServer:
         self.repairs.start()
         return self
 
-    def serve_metrics(self, metrics: CoordinatorMetrics, host: str, port: int) -> None:
-        """Serve `metrics`, watching this coordinator, on `host` at `port` (0: any free port)."""
-        tracker = self.collectives.tracker
-        tracker.metrics = metrics
-        metrics.watch(
-            self.registry.ranks,
-            lambda: [self.answers.tensor(r) for r in self.catalog.list(include_pending=True)],
-            tracker,
-            lambda: self.collectives.epochs.current,
-        )
-        self._metrics_endpoint = serve_metrics(metrics, host, port)
-        shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
-        self.metrics_address = f"{shown}:{self._metrics_endpoint.port}"
-        log.info("coordinator metrics on http://%s/metrics", self.metrics_address)
+    def count_jobs_in(self, metrics: CoordinatorMetrics) -> None:
+        """Count the collective jobs of this term in `metrics` (the process's, which outlive a term)."""
+        self.collectives.tracker.metrics = metrics
 
     def stop(self) -> None:
         """Stop watching heartbeats, the chores and repairing (the cluster is shutting down on purpose)."""
@@ -118,5 +104,3 @@ class CoordinatorServer:
         self.registry.close()
         self.collectives.close()
         self.catalog.close()
-        if self._metrics_endpoint is not None:
-            self._metrics_endpoint.close()

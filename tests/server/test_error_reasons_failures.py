@@ -1,7 +1,8 @@
 """The error reasons of failures, caused for real: a rank killed for good (RANK_UNAVAILABLE, SHARDS_LOST), a
-rank persisting to a full tmpfs (DISK_FULL), and, through a real in-process gRPC server, a collective epoch
-ended by a failed job (EPOCH_ENDED), a client that cancels its request stream (CANCELLED) and a servicer bug
-(INTERNAL). Each is read as a generic gRPC client reads it, and as the client library raises it."""
+rank persisting to a full tmpfs (DISK_FULL), a standby coordinator (NOT_LEADER), and, through a real in-process
+gRPC server, a collective epoch ended by a failed job (EPOCH_ENDED), a client that cancels its request stream
+(CANCELLED) and a servicer bug (INTERNAL). Each is read as a generic gRPC client reads it, and as the client
+library raises it."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from waiting import wait_until
 
 from shardserve import connect
 from shardserve.client.errors import (
+    NotLeaderError,
     PreconditionError,
     RankUnavailableError,
     ResourceExhaustedError,
@@ -34,10 +36,12 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
+from shardserve.server.common.auth import Security
 from shardserve.server.common.errors import rpc_errors
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
+from shardserve.server.coordinator_process import CoordinatorOptions, start_coordinator
 from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.errors import EpochEnded
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
@@ -339,3 +343,30 @@ def test_cancelled(probe, caplog):
     if servicer.stream_failed.is_set():
         wait_until(logged, WAIT_S, "the server to log the cancelled call")
     assert channel.stream_unary("/probe.Probe/Drain")(iter([b"c"]), timeout=TIMEOUT) == b"c"
+
+
+def test_not_leader(tmp_path):
+    """Two coordinators over one catalog under a lease: the standby refuses a call with UNAVAILABLE, reason
+    NOT_LEADER, metadata naming the leader's address; the client raises NotLeaderError (a
+    RankUnavailableError) carrying it."""
+    options = CoordinatorOptions(lease_duration=5.0)
+    leader, leader_server = start_coordinator("127.0.0.1:0", tmp_path, Security(), options)
+    standby, standby_server = start_coordinator("127.0.0.1:0", tmp_path, Security(), options)
+    try:
+        with grpc.insecure_channel(standby.role.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            err = rpc_error(stub.GetTensor, pb.GetTensorRequest(name="t"), timeout=TIMEOUT)
+        assert_status(
+            err, grpc.StatusCode.UNAVAILABLE, Reason.NOT_LEADER, leader=leader.role.address
+        )
+        assert f"the leader is at {leader.role.address}" in err.details()
+        client_error = error_from_rpc(err)
+        assert isinstance(client_error, NotLeaderError) and isinstance(
+            client_error, RankUnavailableError
+        )
+        assert client_error.reason == Reason.NOT_LEADER
+        assert client_error.leader == leader.role.address
+    finally:
+        for process, server in ((standby, standby_server), (leader, leader_server)):
+            server.stop(grace=0.5)
+            process.close()

@@ -62,7 +62,9 @@ class SQLiteLeadership(Leadership):
             self._db.execute("COMMIT")
 
     def try_acquire(self, holder: str, address: str) -> int | None:
-        if self.leader() is not None:  # read without the write lock: a standby's polls never block writers
+        if (
+            self.leader() is not None
+        ):  # read without the write lock: a standby's polls never block writers
             return None
         with self._transaction() as db:
             row = db.execute("SELECT term, expires_at FROM leadership WHERE id = 1").fetchone()

@@ -1,0 +1,115 @@
+"""Two coordinators served in this process over one state dir, under a lease: the first leads; the second
+stands by and answers every Coordinator call with UNAVAILABLE, reason NOT_LEADER, naming the leader's address
+(read as a generic gRPC client reads it); both answer GetRole; the leader that stops resigns and the standby
+leads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from error_reasons import assert_status
+from waiting import wait_until
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.errors import Reason
+from shardserve.server.common.auth import Security
+from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership
+from shardserve.server.coordinator_process import (
+    CATALOG_FILE,
+    CoordinatorOptions,
+    start_coordinator,
+)
+
+LEASE_S = 1.0
+TIMEOUT = 10.0
+COORDINATOR = pb.DESCRIPTOR.services_by_name["Coordinator"]
+
+
+class Served:
+    """A coordinator served here: its process parts, its gRPC server and stubs."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.process, self.running = start_coordinator(
+            "127.0.0.1:0", state_dir, Security(), CoordinatorOptions(lease_duration=LEASE_S)
+        )
+        self.address = self.process.role.address
+        self.channel = grpc.insecure_channel(self.address)
+        self.coordinator = pb_grpc.CoordinatorStub(self.channel)
+        self.leadership = pb_grpc.LeadershipStub(self.channel)
+        self.closed = False
+
+    def role(self) -> pb.RoleInfo:
+        return self.leadership.GetRole(pb.GetRoleRequest(), timeout=TIMEOUT)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.channel.close()
+        self.running.stop(grace=0.5)
+        self.process.close()
+
+
+@pytest.fixture
+def pair(tmp_path) -> Iterator[tuple[Served, Served]]:
+    first = Served(str(tmp_path))
+    second = Served(str(tmp_path))
+    yield first, second
+    second.close()
+    first.close()
+
+
+def _call(channel: grpc.Channel, method) -> grpc.RpcError:
+    """`method` of the Coordinator service called with an empty request; the error it failed with."""
+    path = f"/{COORDINATOR.full_name}/{method.name}"
+    request = getattr(pb, method.input_type.name)()
+    deserialize = getattr(pb, method.output_type.name).FromString
+    make = channel.unary_stream if method.server_streaming else channel.unary_unary
+    call = make(
+        path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=deserialize
+    )
+    with pytest.raises(grpc.RpcError) as refused:
+        answer = call(request, timeout=TIMEOUT)
+        if method.server_streaming:
+            list(answer)
+    return refused.value
+
+
+def test_the_standby_answers_every_coordinator_call_not_leader_naming_the_leader(pair):
+    leader, standby = pair
+    assert leader.role().role == pb.ROLE_LEADER and leader.role().term >= 1
+    term = leader.role().term
+    seen = standby.role()
+    assert (seen.role, seen.term, seen.leader_address, seen.leader_term) == (
+        pb.ROLE_STANDBY,
+        0,
+        leader.address,
+        term,
+    )
+    assert len(COORDINATOR.methods) >= 19
+    for method in COORDINATOR.methods:
+        err = _call(standby.channel, method)
+        assert_status(
+            err, grpc.StatusCode.UNAVAILABLE, Reason.NOT_LEADER, leader=leader.address, term=term
+        )
+    assert leader.coordinator.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks == []
+
+
+def test_a_leader_that_stops_resigns_and_the_standby_leads(pair, tmp_path):
+    leader, standby = pair
+    old_term = leader.role().term
+    leader.close()
+    lease = SQLiteLeadership(tmp_path / CATALOG_FILE, lease_duration=LEASE_S)
+    after = lease.leader()
+    lease.close()
+    assert after is None or after.address == standby.address  # resigned: not left to lapse
+
+    def leads() -> bool:
+        return standby.role().role == pb.ROLE_LEADER
+
+    wait_until(leads, 10 * LEASE_S, "the standby to lead")
+    assert standby.role().term == old_term + 1
+    assert standby.coordinator.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks == []
