@@ -28,6 +28,7 @@ from shardserve.server.coordinator.catalog.documents import (
     tensor_of,
 )
 from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
     ShardChecksums,
     SnapshotEntry,
@@ -35,6 +36,8 @@ from shardserve.server.coordinator.catalog.records import (
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.catalog.sqlite_leadership import TABLE as LEASE_TABLE
+from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership, check_term
 from shardserve.server.coordinator.catalog.sqlite_schema import upgrade
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,7 @@ class SQLiteCatalog(Catalog):
         self._lock = threading.Lock()
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
+        self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._db = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
         )
@@ -65,15 +69,20 @@ class SQLiteCatalog(Catalog):
         log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
 
     @contextmanager
-    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+    def _transaction(
+        self, durable: bool = True, *, fenced: bool = True
+    ) -> Iterator[sqlite3.Connection]:
         """One transaction; `durable` False commits it without waiting for the disk (WAL order is kept: the
-        next durable commit syncs it too), for records of data that is not durable either."""
+        next durable commit syncs it too), for records of data that is not durable either. `fenced`: first
+        check the lease term the catalog was fenced with (NotLeader, nothing written)."""
         with self._lock:
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    if fenced and self._term is not None:
+                        check_term(self._db, self._term)
                     yield self._db
                 except BaseException:
                     self._db.execute("ROLLBACK")
@@ -207,6 +216,20 @@ class SQLiteCatalog(Catalog):
         """Call `callback` with every SQL statement this catalog sends (None: stop); for diagnosis."""
         with self._lock:
             self._db.set_trace_callback(callback)
+
+    def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
+        self._make_lease_table()
+        return SQLiteLeadership(lambda: self._transaction(fenced=False), lease_duration)
+
+    def fence(self, term: int | None) -> None:
+        if term is not None:
+            self._make_lease_table()
+        with self._lock:
+            self._term = term
+
+    def _make_lease_table(self) -> None:
+        with self._transaction(fenced=False) as db:
+            db.execute(LEASE_TABLE)
 
     def close(self) -> None:
         with self._lock:
