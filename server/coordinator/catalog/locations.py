@@ -9,30 +9,15 @@ its client library are imported only when a URL asks for them.
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from typing import TYPE_CHECKING
 
-from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.urls import is_postgres_url, redacted
+
+if TYPE_CHECKING:  # the stores are imported when a catalog is opened: they pull in torch
+    from shardserve.server.coordinator.catalog.interface import Catalog
 
 CATALOG_FILE = "catalog.sqlite"
 """The SQLite catalog's file under the state dir (where a coordinator keeps its catalog by default)."""
-
-POSTGRES_SCHEMES = ("postgresql", "postgres")
-
-
-def is_postgres_url(location: str) -> bool:
-    """Whether `location` is a PostgreSQL URL (postgresql://... or postgres://...)."""
-    return location.partition("://")[0].lower() in POSTGRES_SCHEMES and "://" in location
-
-
-def redacted(location: str) -> str:
-    """`location` fit to print: a URL without its password (in the user part or a password= parameter)."""
-    if "://" not in location:
-        return location
-    parts = urlsplit(location)
-    user, at, hosts = parts.netloc.rpartition("@")
-    netloc = f"{user.partition(':')[0]}{at}{hosts}"
-    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
-    return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query), parts.fragment))
 
 
 def sqlite_path(location: str | None, state_dir: str | Path) -> Path:
@@ -47,6 +32,15 @@ def sqlite_path(location: str | None, state_dir: str | Path) -> Path:
             "(a postgresql://USER@HOST:PORT/DB URL or an SQLite file's path)"
         )
     return Path(location)
+
+
+def check_location(location: str) -> str:
+    """`location` when it can name a catalog (a PostgreSQL URL or a file path); ValueError else."""
+    if not location:
+        raise ValueError("the catalog's location is empty (a postgresql:// URL or an SQLite file)")
+    if not is_postgres_url(location):
+        sqlite_path(location, ".")
+    return location
 
 
 def open_catalog(location: str | None, state_dir: str | Path = ".shardserve") -> Catalog:

@@ -38,17 +38,18 @@ from shardserve.server.coordinator.catalog.documents import (
 )
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
-from shardserve.server.coordinator.catalog.locations import redacted
 from shardserve.server.coordinator.catalog.postgres_leadership import PostgresLeadership, check_term
 from shardserve.server.coordinator.catalog.postgres_schema import upgrade
 from shardserve.server.coordinator.catalog.records import (
+    CatalogContents,
     ShardChecksums,
     SnapshotEntry,
     SnapshotRecord,
     TensorRecord,
     TensorState,
 )
-from shardserve.server.coordinator.catalog.sqlite import VERSION_BLOCK
+from shardserve.server.coordinator.catalog.sqlite import VERSION_BLOCK, not_empty
+from shardserve.server.coordinator.catalog.urls import redacted
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +68,28 @@ _READY, _PENDING = TensorState.READY.value, TensorState.PENDING.value
 
 class PostgresCatalog(Catalog):
     """The catalog in the PostgreSQL database of libpq URL `url` (postgresql://USER@HOST:PORT/DB; a password
-    may come from the URL, PGPASSWORD or ~/.pgpass, and never shows in messages)."""
+    may come from the URL, PGPASSWORD or ~/.pgpass, and never shows in messages). `connect_timeout`: seconds a
+    call waits for a working connection before CatalogUnavailable."""
 
-    def __init__(self, url: str, *, pool_size: int = POOL_SIZE) -> None:
+    def __init__(
+        self, url: str, *, pool_size: int = POOL_SIZE, connect_timeout: float = CONNECT_TIMEOUT_S
+    ) -> None:
         self.location = redacted(url)
         self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
         self._pool = psycopg_pool.ConnectionPool(
-            connection_string(url),
+            connection_string(url, connect_timeout),
             min_size=1,
             max_size=pool_size,
             kwargs={"autocommit": True},
             check=psycopg_pool.ConnectionPool.check_connection,
-            timeout=CONNECT_TIMEOUT_S,
+            timeout=connect_timeout,
             name="shardserve-catalog",
             open=False,
         )
         try:
-            self._pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
+            self._pool.open(wait=True, timeout=connect_timeout)
             with self._transaction(fenced=False) as db:
                 upgrade(db, self.location)
         except (psycopg.Error, CatalogUnavailable) as err:
@@ -238,6 +242,50 @@ class PostgresCatalog(Catalog):
         rows = self._rows(f"SELECT record::text FROM tensors WHERE {where} ORDER BY version", args)
         return [tensor_of(r[0]) for r in rows]
 
+    def contents(self) -> CatalogContents:
+        with (
+            self._connection() as db,
+            db.transaction(),
+        ):  # one snapshot of the database for all three
+            db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            tensors = db.execute(
+                "SELECT record::text FROM tensors ORDER BY name, version"
+            ).fetchall()
+            snapshots = db.execute(
+                "SELECT record::text FROM snapshots ORDER BY prefix, number"
+            ).fetchall()
+            counter = db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()
+        assert counter is not None  # the counter's row is made with the tables
+        return CatalogContents(
+            tuple(tensor_of(r[0]) for r in tensors),
+            tuple(snapshot_of(r[0]) for r in snapshots),
+            int(counter[0]),
+        )
+
+    def restore(self, contents: CatalogContents, *, replace: bool = False) -> None:
+        with self._transaction() as db:
+            counts = db.execute(
+                "SELECT (SELECT count(*) FROM tensors), (SELECT count(*) FROM snapshots)"
+            ).fetchone()
+            assert counts is not None
+            if any(counts) and not replace:
+                raise ValueError(not_empty(self.location, int(counts[0]), int(counts[1])))
+            db.execute("DELETE FROM tensors")
+            db.execute("DELETE FROM snapshots")
+            cursor = db.cursor()
+            cursor.executemany(
+                "INSERT INTO tensors (name, version, state, record) VALUES (%s, %s, %s, %s::jsonb)",
+                [(r.name, r.version, r.state.value, tensor_json(r)) for r in contents.tensors],
+            )
+            cursor.executemany(
+                "INSERT INTO snapshots (prefix, number, record) VALUES (%s, %s, %s::jsonb)",
+                [(s.prefix, s.number, snapshot_json(s)) for s in contents.snapshots],
+            )
+            db.execute(
+                "UPDATE counters SET value = GREATEST(value, %s) WHERE name = 'version'",
+                (contents.version_counter,),
+            )
+
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
         return PostgresLeadership(self._connection, lease_duration)
 
@@ -256,13 +304,14 @@ class PostgresCatalog(Catalog):
         return [tensor_of(r[0]) for r in rows]
 
 
-def connection_string(url: str) -> str:
+def connection_string(url: str, connect_timeout: float = CONNECT_TIMEOUT_S) -> str:
     """libpq's connection string of `url`, with the settings the catalog relies on where the URL has none:
-    connecting gives up after CONNECT_TIMEOUT_S, and TCP keepalives find a database that went away while a
-    connection waited (the PG* environment variables and ~/.pgpass still apply: libpq reads them)."""
+    connecting gives up after `connect_timeout` (libpq counts whole seconds, 2 at least), and TCP keepalives
+    find a database that went away while a connection waited (the PG* environment variables and ~/.pgpass
+    still apply: libpq reads them)."""
     params: dict[str, Any] = conninfo_to_dict(url)
     defaults = {
-        "connect_timeout": max(2, round(CONNECT_TIMEOUT_S)),
+        "connect_timeout": max(2, round(connect_timeout)),
         "application_name": "shardserve-coordinator",
         "keepalives": 1,
         "keepalives_idle": 5,

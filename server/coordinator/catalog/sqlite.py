@@ -30,6 +30,7 @@ from shardserve.server.coordinator.catalog.documents import (
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
+    CatalogContents,
     ShardChecksums,
     SnapshotEntry,
     SnapshotRecord,
@@ -217,6 +218,40 @@ class SQLiteCatalog(Catalog):
         with self._lock:
             self._db.set_trace_callback(callback)
 
+    def contents(self) -> CatalogContents:
+        with self._transaction(fenced=False) as db:
+            tensors = db.execute("SELECT record FROM tensors ORDER BY name, version").fetchall()
+            snapshots = db.execute(
+                "SELECT record FROM snapshots ORDER BY prefix, number"
+            ).fetchall()
+            (counter,) = db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()
+        return CatalogContents(
+            tuple(tensor_of(r[0]) for r in tensors),
+            tuple(snapshot_of(r[0]) for r in snapshots),
+            int(counter),
+        )
+
+    def restore(self, contents: CatalogContents, *, replace: bool = False) -> None:
+        with self._transaction() as db:
+            tensors = db.execute("SELECT count(*) FROM tensors").fetchone()[0]
+            snapshots = db.execute("SELECT count(*) FROM snapshots").fetchone()[0]
+            if (tensors or snapshots) and not replace:
+                raise ValueError(not_empty(str(self.path), tensors, snapshots))
+            db.execute("DELETE FROM tensors")
+            db.execute("DELETE FROM snapshots")
+            db.executemany(
+                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
+                [(r.name, r.version, r.state.value, tensor_json(r)) for r in contents.tensors],
+            )
+            db.executemany(
+                "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
+                [(s.prefix, s.number, snapshot_json(s)) for s in contents.snapshots],
+            )
+            db.execute(
+                "UPDATE counters SET value = max(value, ?) WHERE name = 'version'",
+                (contents.version_counter,),
+            )
+
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
         self._make_lease_table()
         return SQLiteLeadership(lambda: self._transaction(fenced=False), lease_duration)
@@ -243,6 +278,11 @@ class SQLiteCatalog(Catalog):
                 f"SELECT record FROM tensors WHERE {where} ORDER BY name, version", args
             ).fetchall()
         return [tensor_of(r[0]) for r in rows]
+
+
+def not_empty(where: str, tensors: int, snapshots: int) -> str:
+    """The refusal of a restore into a catalog that holds rows."""
+    return f"catalog {where} is not empty: it holds {tensors} tensor versions and {snapshots} snapshots"
 
 
 # ---------------------------------------------------------------- rows within a transaction
