@@ -37,6 +37,7 @@ from shardserve.server.common.stop_signals import (
 )
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+from shardserve.server.coordinator.catalog.locations import check_location
 from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
@@ -44,7 +45,6 @@ if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import
 
 log = logging.getLogger(__name__)
 
-CATALOG_FILE = "catalog.sqlite"
 COORDINATOR_WORKERS = (
     64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 )
@@ -58,12 +58,13 @@ def start_coordinator(
     *,
     metrics_port: int | None = None,
     advertise: str | None = None,
+    catalog_location: str | None = None,
 ) -> tuple[CoordinatorProcess, RunningServer]:
-    """A coordinator over the SQLite catalog in `state_dir`, served on `listen`; with `metrics_port` (0 = any
-    free port), its Prometheus metrics served on the `listen` host. A lone coordinator (no
-    `options.lease_duration`) leads at once; one of several sharing the catalog leads once it holds the lease
-    and stands by until then, naming itself to the others as `advertise` (default: the listen address, the
-    host's name for a wildcard host)."""
+    """A coordinator over the catalog at `catalog_location` (None: the SQLite file in `state_dir`; a
+    postgresql:// URL: that database), served on `listen`; with `metrics_port` (0 = any free port), its
+    Prometheus metrics served on the `listen` host. A lone coordinator (no `options.lease_duration`) leads at
+    once; one of several sharing the catalog leads once it holds the lease and stands by until then, naming
+    itself to the others as `advertise` (default: the listen address, the host's name for a wildcard host)."""
     from shardserve.server.coordinator.leadership_service import LeadershipServicer
     from shardserve.server.coordinator.metrics import CoordinatorMetrics
     from shardserve.server.coordinator.process import CoordinatorProcess
@@ -71,7 +72,8 @@ def start_coordinator(
 
     host = split_address(listen)[0]
     process = CoordinatorProcess(
-        Path(state_dir) / CATALOG_FILE,
+        catalog_location,
+        state_dir,
         security,
         replace(options, store_host=host),
         metrics=CoordinatorMetrics() if metrics_port is not None else None,
@@ -110,7 +112,14 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
         default=".shardserve",
-        help="directory of the SQLite catalog (default %(default)s)",
+        help="directory of the cluster secret and the SQLite catalog (default %(default)s)",
+    )
+    parser.add_argument(
+        "--catalog",
+        metavar="URL",
+        help="where the coordinator keeps its catalog: a postgresql://USER@HOST:PORT/DB URL (a password from "
+        "the URL, PGPASSWORD or ~/.pgpass; docs/operations.md#the-catalog-on-postgresql) or an SQLite file "
+        "(default: STATE_DIR/catalog.sqlite)",
     )
     parser.add_argument(
         "--heartbeat-interval",
@@ -134,6 +143,11 @@ def coordinator_options_from_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, *, store_port: int = 0
 ) -> CoordinatorOptions:
     """The CoordinatorOptions of the flags of add_coordinator_args; a usage error (exit 2) names a bad one."""
+    if args.catalog is not None:
+        try:
+            check_location(args.catalog)
+        except ValueError as err:
+            parser.error(f"--catalog: {err}")
     try:
         return CoordinatorOptions(
             heartbeat_interval=args.heartbeat_interval,
@@ -222,6 +236,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
             options,
             metrics_port=args.metrics_port,
             advertise=args.advertise,
+            catalog_location=args.catalog,
         )
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)

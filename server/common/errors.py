@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from shardserve.protos.errors import LEADER_KEY, Reason, error_detail_of, rich_status
+from shardserve.protos.errors import Reason, error_detail_of, rich_status
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +150,20 @@ class RankUnavailable(ServiceError):
 
 
 class NotLeader(ServiceError):
-    """This coordinator does not lead (a standby, or a leader whose lease ran out): the caller asks `leader`
-    (HOST:PORT; "" while no leader is known) instead, or again once one leads."""
+    """This coordinator does not lead its cluster (a standby, or a leader deposed: its lease term no longer
+    holds): `metadata` names the leader's address ("leader") and term ("term") where known; ask the leader."""
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = Reason.NOT_LEADER
 
-    def __init__(self, message: str, *, leader: str, term: int = 0) -> None:
-        metadata: dict[str, object] = {LEADER_KEY: leader}
-        if term:
-            metadata["term"] = term
-        super().__init__(message, metadata=metadata)
-        self.leader = leader
+
+class CatalogUnavailable(ServiceError):
+    """The catalog's database cannot be reached (restarting, failing over, partitioned) or refused the call
+    for want of a connection: nothing was changed, or a commit's outcome is unknown and the caller's retry
+    finds it; retryable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.CATALOG_UNAVAILABLE
 
 
 class ShardsLost(ServiceError):

@@ -128,4 +128,3 @@ class LeaseKeeper:
         if term is not None:
             self._end_term(term, "shutting down")
             self._resign(term)
-        self.leadership.close()

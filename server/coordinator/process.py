@@ -19,8 +19,7 @@ from typing import cast
 from shardserve.server.common.auth import Security
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.coordinator.catalog.interface import Catalog
-from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
-from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership
+from shardserve.server.coordinator.catalog.locations import open_catalog
 from shardserve.server.coordinator.lease_keeper import LeaseKeeper
 from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
 from shardserve.server.coordinator.options import CoordinatorOptions
@@ -31,24 +30,30 @@ log = logging.getLogger(__name__)
 
 
 class CoordinatorProcess:
-    """The role, metrics and lease keeper of one coordinator process over the SQLite catalog at `catalog_path`;
-    `metrics`: the process's registry (None: no metrics)."""
+    """The role, metrics and lease keeper of one coordinator process over the catalog at `catalog_location`
+    (catalog/locations.py: None, the SQLite file under `state_dir`); `metrics`: the process's registry (None:
+    no metrics)."""
 
     def __init__(
         self,
-        catalog_path: Path,
+        catalog_location: str | None,
+        state_dir: str | Path,
         security: Security,
         options: CoordinatorOptions,
         *,
         metrics: CoordinatorMetrics | None = None,
     ) -> None:
-        self.catalog_path = catalog_path
+        self.catalog_location = catalog_location
+        self.state_dir = state_dir
         self.security = security
         self.options = options
         self.metrics = metrics
         self.role = CoordinatorRole("", lease_duration=options.lease_duration or 0.0)
         self.metrics_address = ""
         self._keeper: LeaseKeeper | None = None
+        self._lease_catalog: Catalog | None = (
+            None  # the connection the lease is kept over, for every term
+        )
         self._endpoint: MetricsEndpoint | None = None
 
     @property
@@ -57,9 +62,11 @@ class CoordinatorProcess:
         return self.options.lease_duration is not None
 
     def build(self, term: int) -> CoordinatorServer:
-        """The started parts of `term` (0: a lone coordinator's), over the catalog opened under it."""
-        fenced = term if self.shares_catalog else None
-        catalog: Catalog = SQLiteCatalog(self.catalog_path, term=fenced)
+        """The started parts of `term` (0: a lone coordinator's), over the catalog opened and fenced with it:
+        its writes check that the lease still holds the term."""
+        catalog = open_catalog(self.catalog_location, self.state_dir)
+        if self.shares_catalog:
+            catalog.fence(term)
         if self.metrics is not None:  # a proxy that times every Catalog call
             catalog = cast(Catalog, TimedCatalog(catalog, self.metrics.catalog_latency))
         server = CoordinatorServer(catalog, self.security, self.options)
@@ -84,7 +91,8 @@ class CoordinatorProcess:
         (one try now, then on the keeper's thread)."""
         self.role.address = address
         assert self.options.lease_duration is not None
-        leadership = SQLiteLeadership(self.catalog_path, lease_duration=self.options.lease_duration)
+        self._lease_catalog = open_catalog(self.catalog_location, self.state_dir)
+        leadership = self._lease_catalog.leadership(self.options.lease_duration)
         self._keeper = LeaseKeeper(leadership, self.role, self.build)
         if self.metrics is not None:
             self._keeper.on_lead = lambda term: self._count_takeover()
@@ -125,7 +133,9 @@ class CoordinatorProcess:
         """Stop leading (resigning the lease), close the term's parts and the metrics endpoint."""
         if self._keeper is not None:
             self._keeper.stop()
-        else:
+        if self._lease_catalog is not None:
+            self._lease_catalog.close()
+        if self._keeper is None:
             server = self.role.step_down()
             if server is not None:
                 server.close()

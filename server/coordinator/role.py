@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shardserve.server.common.errors import NotLeader
-from shardserve.server.coordinator.catalog.leadership import Leader
+from shardserve.server.coordinator.catalog.leadership import Lease
 from shardserve.server.coordinator.role_view import Role, RoleView
 
 if TYPE_CHECKING:  # the role is built before any server: a standby never imports torch for one
@@ -48,7 +48,7 @@ class CoordinatorRole:
         self.lease_duration = lease_duration
         self._clock = clock
         self._held: _Term | None = None
-        self._seen: Leader | None = None
+        self._seen: Lease | None = None
         self._takeovers = 0
         self._lock = threading.Lock()
 
@@ -94,10 +94,10 @@ class CoordinatorRole:
             if leader and seen
             else "no leader is known yet"
         )
+        metadata = {"leader": leader, "term": seen.term} if leader and seen else {"leader": ""}
         return NotLeader(
             f"the coordinator at {self.address or 'this address'} does not lead: {where}",
-            leader=leader,
-            term=seen.term if leader and seen else 0,
+            metadata=metadata,
         )
 
     # ------------------------------------------------------------ changes (the lease keeper's)
@@ -106,7 +106,7 @@ class CoordinatorRole:
         """Lead `term` through `server` until `serve_until` (monotonic seconds)."""
         with self._lock:
             self._held = _Term(term, server, serve_until)
-            self._seen = Leader(self.address, term)
+            self._seen = Lease(self.address, term)
             self._takeovers += 1 if term else 0
 
     def extend(self, term: int, *, serve_until: float) -> None:
@@ -134,7 +134,7 @@ class CoordinatorRole:
                 self._seen = None
         return held.server if held is not None else None
 
-    def saw(self, leader: Leader | None) -> None:
+    def saw(self, leader: Lease | None) -> None:
         """A standby read who leads (None: nobody): NOT_LEADER answers name it."""
         with self._lock:
             if self._held is None:

@@ -1,119 +1,80 @@
-"""The leader's lease in the SQLite catalog file: one row of its `leadership` table, for coordinators on one host.
+"""The lease of an SQLite catalog: one row of a `leader` table in the catalog's file, for coordinators that share
+one host (and so one file); the clock is SQLite's `now`, the host's wall clock.
 
-Several coordinator processes on one host may share one state dir (one catalog file, WAL mode): the row names
-the holder, the address it serves at, its term and when its lease expires (seconds of the host's wall clock,
-the one clock every process on the host shares). Taking a lapsed lease and renewing one are transactions of the
-file's own (BEGIN IMMEDIATE: one writer at a time), so two processes never both take it. `check_term` is the
-fencing of the catalog's writes (server/coordinator/catalog/sqlite.py): inside the write transaction, the
-writer's term must still be the row's.
+Every statement runs inside a transaction of the catalog (BEGIN IMMEDIATE: one writer at a time over the
+file), so a takeover and a fenced write never interleave. The table is made when it is first needed: a
+catalog that never has a lease keeps the schema it had.
 """
 
 from __future__ import annotations
 
 import sqlite3
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
-from shardserve.server.common.errors import NotLeader
-from shardserve.server.coordinator.catalog.leadership import Leader, Leadership
+from shardserve.server.coordinator.catalog.leadership import (
+    LEASE_DURATION_S,
+    Leadership,
+    Lease,
+    not_leader,
+)
+
+Transaction = Callable[[], AbstractContextManager[sqlite3.Connection]]
+
+NOW = "((julianday('now') - 2440587.5) * 86400.0)"
+"""SQLite's clock as Unix seconds (to the millisecond)."""
 
 TABLE = (
-    "CREATE TABLE IF NOT EXISTS leadership (id INTEGER PRIMARY KEY CHECK (id = 1), holder TEXT NOT NULL, "
+    "CREATE TABLE IF NOT EXISTS leader (id INTEGER PRIMARY KEY CHECK (id = 1), holder TEXT NOT NULL, "
     "address TEXT NOT NULL, term INTEGER NOT NULL, expires_at REAL NOT NULL)"
 )
 
 
 class SQLiteLeadership(Leadership):
-    """The lease row in the SQLite file at `path`; `clock`: the host's wall clock (seconds)."""
+    """The lease row of one SQLite catalog; `transaction` opens one of the catalog's write transactions."""
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        lease_duration: float,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        if not lease_duration > 0:
-            raise ValueError("--lease-duration must be > 0 seconds")
-        self.lease_duration = lease_duration
-        self._clock = clock
-        self._lock = threading.Lock()
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        # a busy file waits at most a quarter lease: a renewal stuck behind another writer must fail in time
-        self._db = sqlite3.connect(
-            str(path), isolation_level=None, check_same_thread=False, timeout=lease_duration / 4
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        with self._transaction() as db:
-            db.execute(TABLE)
-
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+    def __init__(self, transaction: Transaction, lease_duration: float = LEASE_DURATION_S) -> None:
+        super().__init__(lease_duration)
+        self._transaction = transaction
 
     def try_acquire(self, holder: str, address: str) -> int | None:
-        if (
-            self.leader() is not None
-        ):  # read without the write lock: a standby's polls never block writers
-            return None
         with self._transaction() as db:
-            row = db.execute("SELECT term, expires_at FROM leadership WHERE id = 1").fetchone()
-            now = self._clock()
-            if row is not None and row[1] > now:
-                return None  # taken meanwhile
-            term = (row[0] if row is not None else 0) + 1
+            row = db.execute(f"SELECT holder, term, expires_at > {NOW} FROM leader").fetchone()
+            if row is not None and row[2] and row[0] != holder:
+                return None
+            term = (row[1] if row is not None else 0) + 1
             db.execute(
-                "INSERT OR REPLACE INTO leadership (id, holder, address, term, expires_at) "
-                "VALUES (1, ?, ?, ?, ?)",
-                (holder, address, term, now + self.lease_duration),
+                f"INSERT OR REPLACE INTO leader (id, holder, address, term, expires_at) "
+                f"VALUES (1, ?, ?, ?, {NOW} + ?)",
+                (holder, address, term, self.lease_duration),
             )
-        return term
+            return int(term)
 
     def renew(self, term: int) -> bool:
         with self._transaction() as db:
             cursor = db.execute(
-                "UPDATE leadership SET expires_at = ? WHERE id = 1 AND term = ?",
-                (self._clock() + self.lease_duration, term),
+                f"UPDATE leader SET expires_at = {NOW} + ? WHERE term = ? AND expires_at > 0",
+                (self.lease_duration, term),
             )
             return cursor.rowcount == 1
 
-    def leader(self) -> Leader | None:
-        with self._lock:
-            row = self._db.execute(
-                "SELECT address, term FROM leadership WHERE id = 1 AND expires_at > ?",
-                (self._clock(),),
+    def leader(self) -> Lease | None:
+        with self._transaction() as db:
+            row = db.execute(
+                f"SELECT address, term FROM leader WHERE expires_at > {NOW}"
             ).fetchone()
-        return Leader(row[0], row[1]) if row is not None else None
+        return Lease(row[0], int(row[1])) if row is not None else None
 
     def resign(self, term: int) -> None:
-        with self._transaction() as db:
-            db.execute("UPDATE leadership SET expires_at = 0 WHERE id = 1 AND term = ?", (term,))
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        with self._transaction() as db:  # 0: resigned (renew refuses it), and long run out
+            db.execute("UPDATE leader SET expires_at = 0 WHERE term = ?", (term,))
 
 
 def check_term(db: sqlite3.Connection, term: int) -> None:
-    """Within a write transaction of the catalog: NotLeader unless `term` still holds the lease row (a newer
-    term took over, naming its address), so a deposed leader's write is rolled back."""
-    row = db.execute("SELECT term, address FROM leadership WHERE id = 1").fetchone()
-    if row is None or row[0] != term:
-        leader = row[1] if row is not None else ""
-        newer = row[0] if row is not None else 0
-        raise NotLeader(
-            f"this coordinator's term {term} no longer leads (term {newer} at {leader or 'none'}): "
-            "nothing was written",
-            leader=leader,
-            term=newer,
-        )
+    """Within an open write transaction: NotLeader unless the lease holds `term` and has not run out."""
+    if db.execute(
+        f"SELECT 1 FROM leader WHERE term = ? AND expires_at > {NOW}", (term,)
+    ).fetchone():
+        return
+    row = db.execute(f"SELECT address, term FROM leader WHERE expires_at > {NOW}").fetchone()
+    raise not_leader(term, Lease(row[0], int(row[1])) if row is not None else None)

@@ -16,12 +16,8 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
 from shardserve.server.common.auth import Security
-from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership
-from shardserve.server.coordinator_process import (
-    CATALOG_FILE,
-    CoordinatorOptions,
-    start_coordinator,
-)
+from shardserve.server.coordinator.catalog.locations import CATALOG_FILE, open_catalog
+from shardserve.server.coordinator_process import CoordinatorOptions, start_coordinator
 
 LEASE_S = 1.0
 TIMEOUT = 10.0
@@ -102,9 +98,9 @@ def test_a_leader_that_stops_resigns_and_the_standby_leads(pair, tmp_path):
     leader, standby = pair
     old_term = leader.role().term
     leader.close()
-    lease = SQLiteLeadership(tmp_path / CATALOG_FILE, lease_duration=LEASE_S)
-    after = lease.leader()
-    lease.close()
+    catalog = open_catalog(str(tmp_path / CATALOG_FILE))
+    after = catalog.leadership(LEASE_S).leader()
+    catalog.close()
     assert after is None or after.address == standby.address  # resigned: not left to lapse
 
     def leads() -> bool:
