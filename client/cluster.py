@@ -23,7 +23,6 @@ from shardserve.client.channel import (
     MAX_CHUNK_BYTES,
     Channel,
     Credentials,
-    check_address,
 )
 from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.embedding.row_cache import CacheStats, RowCache
@@ -45,6 +44,7 @@ from shardserve.client.session import Session
 from shardserve.client.snapshots import Snapshot
 from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.client.tracing import call_interceptor
+from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.core.dtypes import dtype_from_name, dtype_to_wire
 from shardserve.core.regions import cut_tensor
 from shardserve.core.specs import tensor_size
@@ -69,6 +69,11 @@ def connect(
 ) -> Cluster:
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
+    Several coordinators sharing one catalog are given as "HOST:PORT,HOST:PORT": the client calls the one that
+    leads, follows a standby's NOT_LEADER answer to the leader, and during a failover waits for the new leader
+    within each call's deadline (client/coordinators.py); reads of tensors it already holds go to the ranks and
+    go on meanwhile.
+
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
     `transport` picks the data path of reads (client.paths.policy): "auto" (shared memory for ranks on this
@@ -83,7 +88,7 @@ def connect(
     (docs/operations.md#tracing): True (the application's global tracer provider), an OpenTelemetry
     TracerProvider, False (off), or None (the default: on when $SHARDSERVE_TRACING is set, not 0/off).
     """
-    check_address(address)
+    parse_addresses(address, "address")
     forced = parse_transport(transport)
     timeout = arguments.seconds(timeout, "timeout")
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)

@@ -15,7 +15,14 @@ from collections.abc import Sequence
 def parse_addresses(text: str | Sequence[str], field: str = "coordinator") -> tuple[str, ...]:
     """The HOST:PORT addresses of "A,B" (or a sequence of them), in order, repeats left out; ValueError naming
     `field` when one is not HOST:PORT or none is given."""
-    words = text.split(",") if isinstance(text, str) else list(text)
+    if isinstance(text, str):
+        words = text.split(",")
+    elif isinstance(text, (list, tuple)):
+        words = list(text)
+    else:
+        raise TypeError(
+            f"{field} must be a 'HOST:PORT[,HOST:PORT...]' string, got {type(text).__name__}"
+        )
     addresses: list[str] = []
     for word in words:
         if not isinstance(word, str):
@@ -70,3 +77,18 @@ class CoordinatorAddresses:
                 else:
                     self._current = self.addresses[0]
             return self._current
+
+    def after_failure(self, address: str, *, leader: str | None, unreachable: bool) -> str | None:
+        """Where to call after a call to `address` failed: `leader` is the leader its NOT_LEADER answer named
+        ("" when it knows none; None when the answer was not NOT_LEADER), `unreachable` whether it could not be
+        reached (or did not answer in time). The named leader; the next address when none is named or
+        `address` is unreachable and there are others; None when the failure is the coordinator's answer."""
+        if leader:
+            return (
+                self.follow(leader, after=address)
+                if leader != address
+                else self.next(after=address)
+            )
+        if leader is not None or (unreachable and self.several):
+            return self.next(after=address)
+        return None

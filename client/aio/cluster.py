@@ -47,7 +47,8 @@ async def connect(
     threads: int = OFFLOAD_THREADS,
     **options: Any,
 ) -> AsyncCluster:
-    """Connect to the coordinator at HOST:PORT, as shardserve.connect() does (same arguments, same errors);
+    """Connect to the coordinator at HOST:PORT (or to whichever of several, "A,B", leads), as
+    shardserve.connect() does (same arguments, same errors);
     `options` are connect()'s others (row_cache_bytes, row_cache_max_age, transport, hedge_after, tracing).
 
     `timeout` is every awaitable's deadline, plus time for the bytes it moves (as the blocking client bounds
@@ -73,7 +74,10 @@ async def connect(
     except BaseException:
         offload.close()
         raise
-    coordinator = AioCoordinator(address, blocking.session.channel.credentials, timeout)
+    session = blocking.session
+    coordinator = AioCoordinator(
+        session.coordinators.addresses, session.channel.credentials, timeout
+    )
     return AsyncCluster(AioSession(blocking, coordinator, offload))
 
 

@@ -67,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--coordinator",
         default=os.environ.get("SHARDSERVE_COORDINATOR"),
-        metavar="HOST:PORT",
-        help="coordinator address (default: $SHARDSERVE_COORDINATOR)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="coordinator address; several that share one catalog, comma-separated: calls go to the one "
+        "that leads (default: $SHARDSERVE_COORDINATOR)",
     )
     parser.add_argument(
         "--token",
@@ -327,15 +328,15 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
-    from shardserve.client.channel import check_address
     from shardserve.client.errors import InvalidArgumentError
     from shardserve.client.ops.reshard import check_layout_flags
+    from shardserve.core.coordinator_addresses import parse_addresses
 
     if args.command == "top" and (not args.interval > 0 or args.iterations < 0):
         parser.error("top: --interval must be > 0 seconds and --iterations >= 0")
     if args.coordinator:
         try:
-            check_address(args.coordinator, "--coordinator")
+            parse_addresses(args.coordinator, "--coordinator")
         except ValueError:
             parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.command != "reshard":

@@ -365,10 +365,13 @@ def test_a_link_that_never_registered_stops_cleanly():
     from shardserve.protos import shardserve_pb2 as pb
     from shardserve.server.common.auth import Security
     from shardserve.server.rank.coordinator_link import CoordinatorLink
+    from shardserve.server.rank.coordinators import Coordinators
     from shardserve.server.rank.store import ShardStore
 
     link = CoordinatorLink(
-        "127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False)
+        Coordinators(["127.0.0.1:1"], Security()),
+        pb.RankInfo(rank=0),
+        ShardStore(0, shared_memory=False),
     )
     link.stop()  # raised "cannot join thread before it is started" before the fix
     assert link.stopped

@@ -1,0 +1,206 @@
+"""The client's calls to the coordinators: one place that finds the leader and follows it.
+
+A client is given one coordinator or several ("A,B": coordinators sharing one catalog, one of which leads). It
+calls the one it takes for the leader (shardcore/coordinator_addresses.py). A standby answers UNAVAILABLE,
+reason NOT_LEADER, naming the leader: the call goes there at once. An answer that names no leader (none is
+known yet), or a coordinator that cannot be reached when there are others, sends the call to the next
+address after a short pause, again and again within the call's deadline: so a new client's first call, and
+any call during a failover, waits for the new leader instead of failing. A call that ran out its deadline at
+one coordinator (hung, or paused) is raised, and the next call starts at the next address. With one address,
+a coordinator that cannot be reached fails the call at once, as it always did.
+
+A call refused with NOT_LEADER changed nothing; a call cut off with the connection may have been made before
+the coordinator died, so calls are repeated at the new leader at least once: the put lifecycle allows it
+(client/session.py: a commit of a committed version answers it; a create whose answer was lost leaves a
+pending version that the coordinator aborts after its pending timeout).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from shardserve.client.channel import Channel
+from shardserve.client.errors import error_from_rpc
+from shardserve.core.coordinator_addresses import CoordinatorAddresses, parse_addresses
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.errors import error_detail_of, leader_of
+
+FIRST_PAUSE_S = 0.05  # the pause before asking the next coordinator, doubling up to MAX_PAUSE_S
+MAX_PAUSE_S = 0.5
+STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
+ROLE_TIMEOUT_S = 5.0  # how long `roles()` waits for each coordinator's answer
+_ROLE_NAMES = {pb.ROLE_LEADER: "leader", pb.ROLE_STANDBY: "standby"}
+
+
+@dataclass(frozen=True)
+class CoordinatorRole:
+    """What one coordinator says it does (`shardserve status`): `role` "leader", "standby" or "unreachable"
+    (then `error` says why), the `term` it leads (0: none, or a lone coordinator without a lease), the
+    `leader` it knows, its lease's duration (0: none) and the terms it began (`takeovers`)."""
+
+    address: str
+    role: str
+    term: int = 0
+    leader: str = ""
+    lease_duration_s: float = 0.0
+    takeovers: int = 0
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Next:
+    """Where a call goes after a failure that is not the leader's answer: `address`, after `pause` seconds."""
+
+    address: str
+    pause: float
+
+
+def after_failure(
+    addresses: CoordinatorAddresses, address: str, err: grpc.RpcError, pause: float
+) -> Next | None:
+    """Where to call after the call to `address` failed with `err` (the pause so far `pause`): None when the
+    failure is the answer (raise it); the leader a NOT_LEADER answer named, at once; else the next address
+    (when no leader is known, or `address` cannot be reached and there are others), after `pause`. A deadline
+    run out is raised, and the next call starts at the next address (when there are others)."""
+    code = err.code() if hasattr(err, "code") else None
+    detail = error_detail_of(err)
+    leader = leader_of(detail)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        addresses.after_failure(address, leader=None, unreachable=True)
+        return None
+    unreachable = code == grpc.StatusCode.UNAVAILABLE and detail.reason is None
+    moved = addresses.after_failure(address, leader=leader, unreachable=unreachable)
+    if moved is None:
+        return None
+    return Next(moved, 0.0 if leader and leader != address else pause)
+
+
+class Coordinators:
+    """The coordinators of `text` ("HOST:PORT[,HOST:PORT...]"), called through `channel` (its credentials,
+    deadline and pool); ValueError naming `field` for a malformed list."""
+
+    def __init__(self, text: str, channel: Channel, *, field: str = "address") -> None:
+        self.addresses = CoordinatorAddresses(parse_addresses(text, field))
+        self.channel = channel
+        self._stubs: dict[str, pb_grpc.CoordinatorStub] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def where(self) -> str:
+        """The coordinator called now, as errors name it."""
+        return f"coordinator at {self.addresses.current}"
+
+    def stub(self, address: str) -> pb_grpc.CoordinatorStub:
+        """The (cached) Coordinator stub of `address`."""
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                stub = self._stubs[address] = self.channel.coordinator(address)
+            return stub
+
+    def roles(self) -> list[CoordinatorRole]:
+        """The role of every coordinator given (and of a leader they name that was not given), each asked
+        once (Leadership.GetRole, which standbys answer too)."""
+        asked: list[str] = list(self.addresses.addresses)
+        found: list[CoordinatorRole] = []
+        while len(found) < len(asked):
+            role = self._role(asked[len(found)])
+            found.append(role)
+            if role.leader and role.leader not in asked:
+                asked.append(role.leader)
+        return found
+
+    def _role(self, address: str) -> CoordinatorRole:
+        stub = pb_grpc.LeadershipStub(self.channel.channel(address))
+        try:
+            info = stub.GetRole(
+                pb.GetRoleRequest(), timeout=ROLE_TIMEOUT_S, metadata=self.channel.metadata
+            )
+        except grpc.RpcError as err:
+            error = error_from_rpc(err, f"coordinator at {address}")
+            return CoordinatorRole(address, "unreachable", error=str(error))
+        return CoordinatorRole(
+            address,
+            _ROLE_NAMES.get(info.role, "unknown"),
+            info.term,
+            info.leader_address,
+            info.lease_duration_s,
+            info.takeovers,
+        )
+
+    def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
+        """The unary `method` at the leader, within `timeout` (the client's deadline when None); errors as
+        ShardServeErrors."""
+        self.channel.check_open()
+        deadline = time.monotonic() + (self.channel.timeout if timeout is None else timeout)
+        return self._at_leader(
+            lambda stub, left: getattr(stub, method)(
+                request, timeout=left, metadata=self.channel.metadata
+            ),
+            deadline,
+        )
+
+    def follow(
+        self,
+        method: str,
+        request: Any,
+        work_timeout: float,
+        report: Callable[[Any], None],
+    ) -> list[Any]:
+        """The progress stream `method` at the leader: report(message) for each, in order; returns them. Its
+        deadline is `work_timeout` plus slack; a stream refused before its first message goes to the leader,
+        one that failed later is raised. The call is cancelled however it ends (Ctrl-C in `report` too),
+        which aborts the work on the coordinator."""
+        self.channel.check_open()
+        deadline = time.monotonic() + work_timeout + STREAM_SLACK_S
+        messages: list[Any] = []
+
+        def stream(stub: pb_grpc.CoordinatorStub, left: float) -> list[Any]:
+            call = getattr(stub, method)(request, timeout=left, metadata=self.channel.metadata)
+            try:
+                for message in call:
+                    messages.append(message)
+                    report(message)
+            except grpc.RpcError as err:
+                if messages:  # under way: its work ended with it, and is not made again
+                    raise _Started(err) from None
+                raise
+            finally:
+                call.cancel()
+            return messages
+
+        try:
+            return self._at_leader(stream, deadline)
+        except _Started as started:
+            raise error_from_rpc(started.err, self.where) from None
+
+    def _at_leader(self, attempt: Callable[[Any, float], Any], deadline: float) -> Any:
+        """`attempt(stub, seconds left)` at the coordinator taken for the leader, again where after_failure
+        sends it, while the deadline allows."""
+        address, pause = self.addresses.current, FIRST_PAUSE_S
+        while True:
+            try:
+                return attempt(self.stub(address), max(deadline - time.monotonic(), 0.001))
+            except grpc.RpcError as err:
+                moved = after_failure(self.addresses, address, err, pause)
+                if moved is None or time.monotonic() + moved.pause >= deadline:
+                    raise error_from_rpc(err, f"coordinator at {address}") from None
+                if moved.pause:
+                    time.sleep(moved.pause)
+                    pause = min(2 * pause, MAX_PAUSE_S)
+                address = moved.address
+
+
+class _Started(Exception):
+    """A progress stream failed after its first message (raised as it is, never made again)."""
+
+    def __init__(self, err: grpc.RpcError) -> None:
+        super().__init__(str(err))
+        self.err = err
