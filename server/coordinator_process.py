@@ -37,7 +37,9 @@ from shardserve.server.common.stop_signals import (
 )
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S
 from shardserve.server.coordinator.catalog.locations import check_location
+from shardserve.server.coordinator.catalog.urls import is_postgres_url
 from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
@@ -166,9 +168,10 @@ def add_leadership_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="lead under a lease of this many seconds held in the catalog, so that several coordinators "
-        "may share it (the same --state-dir on one host): one leads, the others stand by and take over "
-        "within about 1.25 leases of the leader's death or hang; the leader renews every quarter lease and "
-        "stops serving three quarters of a lease after its last renewal began (default: no lease, a lone "
+        "may share it (one PostgreSQL --catalog, or one SQLite file on one host): one leads, the others "
+        "stand by and take over within about 1.25 leases of the leader's death or hang; the leader renews "
+        "every quarter lease and stops serving three quarters of a lease after its last renewal began "
+        f"(default: {LEASE_DURATION_S:g} with a postgresql:// --catalog; none with SQLite: a lone "
         "coordinator that leads at once)",
     )
     parser.add_argument(
@@ -205,8 +208,11 @@ def main_coordinator(argv: Sequence[str]) -> int:
     add_coordinator_args(parser)
     args = parser.parse_args(argv)
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
+    lease = args.lease_duration
+    if lease is None and args.catalog and is_postgres_url(args.catalog):
+        lease = LEASE_DURATION_S  # a catalog in a database is there to be shared: always under a lease
     try:
-        options = replace(options, lease_duration=args.lease_duration)
+        options = replace(options, lease_duration=lease)
     except ValueError as err:
         parser.error(str(err))
     if args.advertise is not None:
