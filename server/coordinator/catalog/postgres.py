@@ -103,10 +103,11 @@ class PostgresCatalog(Catalog):
         )
 
     @contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection]:
-        """A pooled connection; a database that cannot be reached raises CatalogUnavailable."""
+    def _connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """A pooled connection, waited for up to `timeout` seconds (None: the pool's); a database that cannot
+        be reached raises CatalogUnavailable."""
         try:
-            with self._pool.connection() as db:
+            with self._pool.connection(timeout=timeout) as db:
                 yield db
         except psycopg.OperationalError as err:  # the pool's PoolTimeout is one too
             raise CatalogUnavailable(f"catalog {self.location} unavailable: {err}") from err
@@ -287,7 +288,9 @@ class PostgresCatalog(Catalog):
             )
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
-        return PostgresLeadership(self._connection, lease_duration)
+        # a renewal waits for a connection at most a third of the lease: two more may follow before it ends
+        wait = lease_duration / 3
+        return PostgresLeadership(lambda: self._connection(timeout=wait), lease_duration)
 
     def fence(self, term: int | None) -> None:
         self._term = term
