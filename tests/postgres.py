@@ -68,7 +68,9 @@ class PostgresServer:
         self.password = secrets.token_hex(12)
         self._as_user: list[str] = []
         self._names = itertools.count(1)
-        if os.geteuid() == 0:  # the server refuses root: the package's own user runs it (else nobody)
+        if (
+            os.geteuid() == 0
+        ):  # the server refuses root: the package's own user runs it (else nobody)
             owner = _unprivileged_user()
             os.chown(self.root, owner.pw_uid, owner.pw_gid)
             self._as_user = ["runuser", "-u", owner.pw_name, "--"]
