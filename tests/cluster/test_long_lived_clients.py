@@ -1,10 +1,10 @@
-"""Long-lived clients of a `shardserve up` process across real faults: one reader per transport (auto = shared memory, bulk = the bulk port,
-grpc) keeps reading rank 1's rows of a row-wise table every READ_EVERY_S while rank 1 is stopped (SIGSTOP for
-STOP_S, then SIGCONT) and while it is killed (kill -9) and restarted by the supervisor, which restores its
-shards from its persistence folder. During a fault a read may fail, but only with RankUnavailableError
-(UNAVAILABLE, reason RANK_UNAVAILABLE): never DATA_LOSS for a rank whose data is intact, never wrong data.
-After it, every reader reads rank 1's rows again within RECOVERY_S of the coordinator seeing rank 1 alive,
-without a new connect(). The recovery time per transport and fault is printed (pytest -s shows it).
+"""Long-lived clients of a `shardserve up` process across real faults: one reader per transport (auto = shared memory,
+bulk = the bulk port, grpc) keeps reading rank 1's rows of a row-wise table every READ_EVERY_S while rank 1 is
+stopped (SIGSTOP for STOP_S, then SIGCONT) and while it is killed (kill -9) and restarted by the supervisor, which
+restores its shards from its persistence folder. During a fault a read may fail, but only with RankUnavailableError
+(UNAVAILABLE, reason RANK_UNAVAILABLE): never DATA_LOSS for a rank whose data is intact, never wrong data. After
+it, every reader reads rank 1's rows again within RECOVERY_S of the coordinator seeing rank 1 alive, without a new
+connect(). The recovery time per transport and fault is printed (pytest -s shows it).
 """
 
 from __future__ import annotations
