@@ -164,7 +164,9 @@ def test_not_leader(on_postgres):
     its writes fail UNAVAILABLE with NOT_LEADER naming the new leader and term, and write nothing; reads go
     on."""
     catalog = on_postgres.coordinator.catalog
-    lease = catalog.leadership()
+    lease = catalog.leadership(
+        lease_duration=60.0
+    )  # the leader's writes never race its lease's end
     term = lease.try_acquire("this", on_postgres.address)
     catalog.fence(term)
     stubs = Stubs(on_postgres.address, default_metadata=on_postgres.cluster_metadata)
