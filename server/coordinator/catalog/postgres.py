@@ -75,6 +75,7 @@ class PostgresCatalog(Catalog):
         self, url: str, *, pool_size: int = POOL_SIZE, connect_timeout: float = CONNECT_TIMEOUT_S
     ) -> None:
         self.location = redacted(url)
+        self._connect_timeout = connect_timeout
         self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
@@ -289,7 +290,7 @@ class PostgresCatalog(Catalog):
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
         # a renewal waits for a connection at most a third of the lease: two more may follow before it ends
-        wait = lease_duration / 3
+        wait = min(lease_duration / 3, self._connect_timeout)
         return PostgresLeadership(lambda: self._connection(timeout=wait), lease_duration)
 
     def fence(self, term: int | None) -> None:
