@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from shardserve.client import arguments
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.casts import put_dtype, stored_as
 from shardserve.client.channel import (
     CHUNK_BYTES,
@@ -189,11 +190,8 @@ class Cluster:
 
     def list(self, include_pending: bool = False) -> list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
-        include_pending = arguments.flag(include_pending, "include_pending")
-        reply = self.session.call(
-            "ListTensors", pb.ListTensorsRequest(include_pending=include_pending)
-        )
-        return catalog_listed(reply, include_pending)
+        reply = self.session.call("ListTensors", catalog.list_tensors_request(include_pending))
+        return catalog.tensors_listed(reply, include_pending)
 
     def tensor(self, name: str) -> RemoteShardedTensor:
         """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
@@ -207,7 +205,7 @@ class Cluster:
 
     def delete(self, name: str) -> None:
         """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
-        self.session.call("DeleteTensor", pb.DeleteTensorRequest(name=arguments.tensor_name(name)))
+        self.session.call("DeleteTensor", catalog.delete_tensor_request(name))
         self.lookups.views.forget(name)
 
     # ------------------------------------------------------------ creating tensors
@@ -426,16 +424,6 @@ class Cluster:
     def inspect_checkpoint(self, path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (size, dtype)} of the tensors of the DCP checkpoint at `path`."""
         return checkpoints.inspect_checkpoint(self.session, path)
-
-
-def catalog_listed(
-    reply: pb.ListTensorsResponse, include_pending: bool
-) -> builtins.list[TensorSummary]:
-    """The tensors of a ListTensors answer, sorted by name: READY ones (and PENDING ones when asked)."""
-    tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
-    return sorted(
-        (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
-    )
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

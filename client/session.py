@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from shardserve.client import arguments
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.channel import Channel
 from shardserve.client.coordinators import Coordinators
 from shardserve.client.errors import (
@@ -145,9 +145,11 @@ class Session:
     # ------------------------------------------------------------ ranks (client.ranks)
 
     def _list_ranks(self) -> list[RankStatus]:
-        return [
-            RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks
-        ]
+        return catalog.ranks_listed(self.list_ranks())
+
+    def list_ranks(self) -> pb.ListRanksResponse:
+        """The coordinator's ListRanks answer now: the ranks, the epoch of collective jobs, metrics endpoints."""
+        return self.call("ListRanks", catalog.list_ranks_request())
 
     def refresh_ranks(self) -> list[RankStatus]:
         """Every registered rank, fetched from the coordinator now (and kept for rank_status)."""
@@ -170,7 +172,7 @@ class Session:
 
     def summary(self, name: str) -> TensorSummary:
         """The catalog entry of the READY tensor `name` (TensorNotFoundError if there is none)."""
-        info = self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name)))
+        info = self.call("GetTensor", catalog.get_tensor_request(name))
         self.saw_version(info.name, info.version)
         return TensorSummary.from_proto(info)
 

@@ -210,7 +210,9 @@ def main_coordinator(argv: Sequence[str]) -> int:
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
     lease = args.lease_duration
     if lease is None and args.catalog and is_postgres_url(args.catalog):
-        lease = LEASE_DURATION_S  # a catalog in a database is there to be shared: always under a lease
+        lease = (
+            LEASE_DURATION_S  # a catalog in a database is there to be shared: always under a lease
+        )
     try:
         options = replace(options, lease_duration=lease)
     except ValueError as err:

@@ -191,7 +191,7 @@ class _IntervalIndex:
         return [i for i in range(first, last) if ends[i] > lo]
 
 
-class _SourceIndex:
+class SourceIndex:
     """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index.
 
     Each box is also keyed by the positions of its intervals in the per-dim
@@ -448,7 +448,7 @@ def _plan(
 ) -> ReshardPlan:
     """plan_reshard after validation."""
     itemsize = src.tensor_properties.itemsize
-    index = _SourceIndex(src, src_ranks, unavailable)
+    index = SourceIndex(src, src_ranks, unavailable)
     load: dict[int, int] = {}
     transfers: list[Transfer] = []
     for j, shard in enumerate(dst.shards_metadata):

@@ -43,6 +43,14 @@ def server_programs() -> Path | None:
     return Path(initdb).resolve().parent if initdb else None
 
 
+def _unprivileged_user() -> pwd.struct_passwd:
+    """The user a root test process runs the server as: `postgres` (Debian's package makes it), else nobody."""
+    try:
+        return pwd.getpwnam("postgres")
+    except KeyError:
+        return pwd.getpwnam("nobody")
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -60,10 +68,12 @@ class PostgresServer:
         self.password = secrets.token_hex(12)
         self._as_user: list[str] = []
         self._names = itertools.count(1)
-        if os.geteuid() == 0:  # the server refuses root: the package's own user runs it
-            owner = pwd.getpwnam("postgres")
+        if (
+            os.geteuid() == 0
+        ):  # the server refuses root: the package's own user runs it (else nobody)
+            owner = _unprivileged_user()
             os.chown(self.root, owner.pw_uid, owner.pw_gid)
-            self._as_user = ["runuser", "-u", "postgres", "--"]
+            self._as_user = ["runuser", "-u", owner.pw_name, "--"]
 
     def _run(self, *args: str) -> None:
         subprocess.run(
@@ -80,7 +90,7 @@ class PostgresServer:
         pwfile = self.root / "pwfile"
         pwfile.write_text(self.password + "\n")
         if self._as_user:
-            shutil.chown(pwfile, "postgres")
+            shutil.chown(pwfile, self._as_user[2])
         self._run(
             str(self.programs / "initdb"),
             "-D",

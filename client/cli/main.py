@@ -235,7 +235,7 @@ def _server_options(
     return options
 
 
-def _exec_server(command: str, args: Sequence[str]) -> None:
+def exec_server_command(command: str, args: Sequence[str]) -> None:
     """Replace this process with `python -m shardserve.server COMMAND ARGS...` (same interpreter)."""
     argv = [sys.executable, "-m", "shardserve.server", command, *args]
     sys.stdout.flush()
@@ -429,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardserve` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVER_COMMANDS:
-        _exec_server(argv[0], argv[1:])
+        exec_server_command(argv[0], argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(
         argv
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in _SERVER_COMMANDS:  # global options came first
         at = argv.index(args.command)
-        _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1 :])
+        exec_server_command(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1 :])
     _check_usage(parser, args)
     try:
         from shardserve.client.errors import ShardServeError, TensorExistsError

@@ -137,9 +137,7 @@ def _restore_summary(restore: RestoreStatus | None) -> str:
 
 def _print_epoch(cluster: Cluster, console: Console) -> None:
     """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
-    from shardserve.protos import shardserve_pb2 as pb
-
-    answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
+    answer = cluster.session.list_ranks()
     console.print(f"collective jobs: epoch {answer.epoch}")
     console.print(
         f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}"

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import grpc
 import torch
 
+from shardserve.client import counters
 from shardserve.client.channel import Channel
 from shardserve.client.errors import (
     ResourceExhaustedError,
@@ -376,6 +377,7 @@ class SharedMemoryPath:
     def _open_shard(
         self, address: str, request: pb.OpenShardRequest, cancel: Cancellation | None = None
     ) -> pb.OpenShardResponse:
+        counters.count("shm_opens")
         try:
             return unary(
                 self.channel.shard_server(address).OpenShard,

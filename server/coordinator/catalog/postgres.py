@@ -75,6 +75,7 @@ class PostgresCatalog(Catalog):
         self, url: str, *, pool_size: int = POOL_SIZE, connect_timeout: float = CONNECT_TIMEOUT_S
     ) -> None:
         self.location = redacted(url)
+        self._connect_timeout = connect_timeout
         self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
@@ -103,10 +104,11 @@ class PostgresCatalog(Catalog):
         )
 
     @contextmanager
-    def _connection(self) -> Iterator[psycopg.Connection]:
-        """A pooled connection; a database that cannot be reached raises CatalogUnavailable."""
+    def _connection(self, timeout: float | None = None) -> Iterator[psycopg.Connection]:
+        """A pooled connection, waited for up to `timeout` seconds (None: the pool's); a database that cannot
+        be reached raises CatalogUnavailable."""
         try:
-            with self._pool.connection() as db:
+            with self._pool.connection(timeout=timeout) as db:
                 yield db
         except psycopg.OperationalError as err:  # the pool's PoolTimeout is one too
             raise CatalogUnavailable(f"catalog {self.location} unavailable: {err}") from err
@@ -287,7 +289,9 @@ class PostgresCatalog(Catalog):
             )
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
-        return PostgresLeadership(self._connection, lease_duration)
+        # a renewal waits for a connection at most a third of the lease: two more may follow before it ends
+        wait = min(lease_duration / 3, self._connect_timeout)
+        return PostgresLeadership(lambda: self._connection(timeout=wait), lease_duration)
 
     def fence(self, term: int | None) -> None:
         self._term = term

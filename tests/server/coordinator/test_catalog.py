@@ -5,6 +5,7 @@ the catalog's own schema. SQLite's own: WAL mode and its sync levels."""
 from __future__ import annotations
 
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -116,6 +117,29 @@ def test_next_versions_hands_out_a_block_that_only_grows(catalog):
     assert catalog.next_version() == 1
     assert catalog.next_versions(3) == [2, 3, 4]
     assert catalog.next_version() == 5
+
+
+def test_many_threads_share_one_catalog(catalog):
+    """The coordinator calls its catalog from many threads at once: versions never repeat, every commit lands
+    and replaces its name's older READY version."""
+    handed: list[list[int]] = [[] for _ in range(12)]
+
+    def writer(index: int) -> None:
+        for _ in range(15):
+            version = catalog.next_version()
+            handed[index].append(version)
+            catalog.add(row(f"n{index}", version))
+            _, older = catalog.commit(f"n{index}", version)
+            assert [r.version for r in older] == handed[index][-2:-1]
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        for done in [pool.submit(writer, i) for i in range(12)]:
+            done.result()
+    every = [v for versions in handed for v in versions]
+    assert len(set(every)) == len(every) == 12 * 15
+    assert [(r.name, r.version) for r in catalog.list(include_pending=True)] == sorted(
+        (f"n{i}", handed[i][-1]) for i in range(12)
+    )
 
 
 def test_add_all_is_all_or_nothing(store, catalog):

@@ -30,7 +30,7 @@ def test_a_restarted_database_fails_calls_as_unavailable_then_serves_them_with_n
     postgres_server, postgres_url
 ):
     catalog = PostgresCatalog(postgres_url, connect_timeout=1.0)
-    lease = catalog.leadership()
+    lease = catalog.leadership(lease_duration=60.0)  # outlasts the restart: no one else takes it
     term = lease.try_acquire("a", "a:1")
     catalog.fence(term)
     catalog.add_all([row("t", 1), row("u", 2)])
