@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from shardserve.client.channel import Channel
-from shardserve.client.errors import error_from_rpc
+from shardserve.client.errors import ShardServeError, error_from_rpc
 from shardserve.core.coordinator_addresses import CoordinatorAddresses, parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
@@ -183,19 +183,48 @@ class Coordinators:
 
     def _at_leader(self, attempt: Callable[[Any, float], Any], deadline: float) -> Any:
         """`attempt(stub, seconds left)` at the coordinator taken for the leader, again where after_failure
-        sends it, while the deadline allows."""
+        sends it, while the deadline allows; the error raised is the last NOT_LEADER answer when the last
+        failure was a leader it named not answering."""
         address, pause = self.addresses.current, FIRST_PAUSE_S
+        refusal: Refusal | None = None
         while True:
             try:
                 return attempt(self.stub(address), max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as err:
+                refusal = Refusal.of(err, address) or refusal
                 moved = after_failure(self.addresses, address, err, pause)
                 if moved is None or time.monotonic() + moved.pause >= deadline:
-                    raise error_from_rpc(err, f"coordinator at {address}") from None
+                    raise Refusal.last(err, address, refusal) from None
                 if moved.pause:
                     time.sleep(moved.pause)
                     pause = min(2 * pause, MAX_PAUSE_S)
                 address = moved.address
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A NOT_LEADER answer and the coordinator that gave it."""
+
+    err: grpc.RpcError
+    address: str
+
+    @classmethod
+    def of(cls, err: grpc.RpcError, address: str) -> Refusal | None:
+        """`err` from `address` when it is a NOT_LEADER answer, else None."""
+        return cls(err, address) if leader_of(error_detail_of(err)) is not None else None
+
+    @staticmethod
+    def last(err: grpc.RpcError, address: str, refusal: Refusal | None) -> ShardServeError:
+        """The error to raise when the calls end with `err` from `address`: `refusal` instead when `err` says
+        only that a coordinator did not answer (the leader it named, say), else `err`."""
+        detail = error_detail_of(err)
+        silent = detail.reason is None and err.code() in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+        if silent and refusal is not None:
+            return error_from_rpc(refusal.err, f"coordinator at {refusal.address}")
+        return error_from_rpc(err, f"coordinator at {address}")
 
 
 class _Started(Exception):

@@ -137,6 +137,7 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "coordinator copies its shards' boxes from live replicas onto other ranks; copies a "
         "restarted rank came back without are repaired at once (default %(default)s)",
     )
+    add_leadership_args(parser)
     add_address_file_arg(parser)
     add_security_args(parser)
 
@@ -155,13 +156,14 @@ def coordinator_options_from_args(
             heartbeat_interval=args.heartbeat_interval,
             repair_after=args.repair_after,
             store_port=store_port,
+            lease_duration=args.lease_duration,
         )
     except ValueError as err:
         parser.error(str(err))
 
 
 def add_leadership_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of a coordinator that may share its catalog with others: the lease and how others dial it."""
+    """The flag of a coordinator that may share its catalog with others: its lease."""
     parser.add_argument(
         "--lease-duration",
         type=float,
@@ -171,15 +173,8 @@ def add_leadership_args(parser: argparse.ArgumentParser) -> None:
         "may share it (one PostgreSQL --catalog, or one SQLite file on one host): one leads, the others "
         "stand by and take over within about 1.25 leases of the leader's death or hang; the leader renews "
         "every quarter lease and stops serving three quarters of a lease after its last renewal began "
-        f"(default: {LEASE_DURATION_S:g} with a postgresql:// --catalog; none with SQLite: a lone "
-        "coordinator that leads at once)",
-    )
-    parser.add_argument(
-        "--advertise",
-        default=None,
-        metavar="HOST:PORT",
-        help="the address the other coordinators name this one by, to clients and ranks, while it leads "
-        "(default: the --listen address, this host's name for a wildcard host)",
+        f"(default: `coordinator` with a postgresql:// --catalog {LEASE_DURATION_S:g}; otherwise none: a "
+        "lone coordinator that leads at once)",
     )
 
 
@@ -201,22 +196,22 @@ def main_coordinator(argv: Sequence[str]) -> int:
         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)",
     )
-    add_leadership_args(parser)
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST:PORT",
+        help="the address the other coordinators name this one by, to clients and ranks, while it leads "
+        "(default: the --listen address, this host's name for a wildcard host)",
+    )
     add_metrics_args(parser)
     add_tracing_args(parser)
     add_log_level_arg(parser)
     add_coordinator_args(parser)
     args = parser.parse_args(argv)
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
-    lease = args.lease_duration
-    if lease is None and args.catalog and is_postgres_url(args.catalog):
-        lease = (
-            LEASE_DURATION_S  # a catalog in a database is there to be shared: always under a lease
-        )
-    try:
-        options = replace(options, lease_duration=lease)
-    except ValueError as err:
-        parser.error(str(err))
+    if options.lease_duration is None and args.catalog and is_postgres_url(args.catalog):
+        # a catalog in a database is there to be shared: its coordinators lead under a lease
+        options = replace(options, lease_duration=LEASE_DURATION_S)
     if args.advertise is not None:
         try:
             split_address(args.advertise)

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,10 @@ class LocalCluster:
     a dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10).
     `metrics_port`: None, no metrics; P, the coordinator's on P and rank r's on P+1+r; 0, any free ports.
     `catalog`: where the coordinator keeps its catalog (None: STATE_DIR/catalog.sqlite; a postgresql:// URL).
+    `peers`: the other coordinators sharing that catalog (HOST:PORT each): the ranks are given them after this
+    one and follow whichever leads. Over a shared catalog (a lease: a postgresql:// catalog, or
+    `coordinator_options.lease_duration`) this coordinator must lead when the cluster starts; `coordinator` is
+    the parts of the term it led then.
     """
 
     def __init__(
@@ -79,6 +84,7 @@ class LocalCluster:
         restart_policy: RestartPolicy = RestartPolicy(max_restarts=0),
         metrics_port: int | None = None,
         catalog: str | None = None,
+        peers: Sequence[str] = (),
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -98,6 +104,7 @@ class LocalCluster:
         self.restart_policy = restart_policy
         self.metrics_port = metrics_port
         self.catalog = catalog
+        self.peers = tuple(peers)
         self._traces = (
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
@@ -141,7 +148,7 @@ class LocalCluster:
     def _start_at(self, port: int) -> None:
         """Spawn the ranks to register at `port`, then start the coordinator there."""
         self._supervisor = RankSupervisor(
-            self._launches(f"{self._dial_host()}:{port}"),
+            self._launches(",".join([f"{self._dial_host()}:{port}", *self.peers])),
             self.restart_policy,
             on_exit=self._report_exit,
         )
@@ -156,6 +163,12 @@ class LocalCluster:
             catalog_location=self.catalog,
         )
         self.coordinator = self._process.role.current()
+        if self.coordinator is None:
+            leader = self._process.role.view().leader or "another coordinator"
+            raise RuntimeError(
+                f"{leader} leads the shared catalog: this coordinator stands by, so `up` cannot start "
+                "its ranks on it (give that coordinator's address to `node --coordinator` instead)"
+            )
 
     def _start_tracing(self) -> None:
         """Trace the coordinator's RPCs in this process (unless something here already traces)."""

@@ -82,7 +82,9 @@ class CoordinatorAddresses:
         """Where to call after a call to `address` failed: `leader` is the leader its NOT_LEADER answer named
         ("" when it knows none; None when the answer was not NOT_LEADER), `unreachable` whether it could not be
         reached (or did not answer in time). The named leader; the next address when none is named or
-        `address` is unreachable and there are others; None when the failure is the coordinator's answer."""
+        `address` is unreachable and there are others; None when the failure is the coordinator's answer, or
+        when the one given cannot be reached (a named leader that cannot be reached leaves the address given
+        to be called next)."""
         if leader:
             return (
                 self.follow(leader, after=address)
@@ -91,4 +93,6 @@ class CoordinatorAddresses:
             )
         if leader is not None or (unreachable and self.several):
             return self.next(after=address)
+        if unreachable and address not in self.addresses:  # a leader named, gone: back to the one given
+            self.next(after=address)
         return None

@@ -17,6 +17,7 @@ from shardserve.client.coordinators import (
     FIRST_PAUSE_S,
     MAX_PAUSE_S,
     STREAM_SLACK_S,
+    Refusal,
     after_failure,
 )
 from shardserve.client.errors import ShardServeError, error_from_rpc
@@ -104,13 +105,15 @@ class AioCoordinator:
         self, attempt: Callable[[Any, float], Awaitable[Any]], deadline: float
     ) -> Any:
         address, pause = self.addresses.current, FIRST_PAUSE_S
+        refusal: Refusal | None = None
         while True:
             try:
                 return await attempt(self._stub(address), max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as err:
+                refusal = Refusal.of(err, address) or refusal
                 moved = after_failure(self.addresses, address, err, pause)
                 if moved is None or time.monotonic() + moved.pause >= deadline:
-                    raise error_from_rpc(err, f"coordinator at {address}") from None
+                    raise Refusal.last(err, address, refusal) from None
                 if moved.pause:
                     await asyncio.sleep(moved.pause)
                     pause = min(2 * pause, MAX_PAUSE_S)

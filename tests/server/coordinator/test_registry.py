@@ -151,7 +151,9 @@ def test_a_placement_on_a_rank_not_registered_yet_is_unavailable_then_invalid(re
     registry.register(incarnation(pid=100, port=7001), [])  # rank 0 of a world of 2
     on_rank_1 = ChunkShardingSpec(0, ["rank:1/cpu"]).build_metadata((4,))
     on_rank_5 = ChunkShardingSpec(0, ["rank:5/cpu"]).build_metadata((4,))
-    with pytest.raises(RankUnavailable, match="rank 1 has not registered with this coordinator yet"):
+    with pytest.raises(
+        RankUnavailable, match="rank 1 has not registered with this coordinator yet"
+    ):
         registry.check_placements(on_rank_1)
     with pytest.raises(InvalidArgument, match="rank 5 is not a registered rank"):
         registry.check_placements(on_rank_5)

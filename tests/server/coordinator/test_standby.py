@@ -1,10 +1,13 @@
 """Two coordinators served in this process over one state dir, under a lease: the first leads; the second
 stands by and answers every Coordinator call with UNAVAILABLE, reason NOT_LEADER, naming the leader's address
 (read as a generic gRPC client reads it); both answer GetRole; the leader that stops resigns and the standby
-leads."""
+leads; clients given both (or only the standby) follow it to the leader, and a new client's first call waits
+for the new leader; the asyncio client follows it too; the metrics show who leads, its term and the takeovers."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -12,6 +15,7 @@ import pytest
 from error_reasons import assert_status
 from waiting import wait_until
 
+from shardserve import aio, connect
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
@@ -29,7 +33,11 @@ class Served:
 
     def __init__(self, state_dir: str) -> None:
         self.process, self.running = start_coordinator(
-            "127.0.0.1:0", state_dir, Security(), CoordinatorOptions(lease_duration=LEASE_S)
+            "127.0.0.1:0",
+            state_dir,
+            Security(),
+            CoordinatorOptions(lease_duration=LEASE_S),
+            metrics_port=0,
         )
         self.address = self.process.role.address
         self.channel = grpc.insecure_channel(self.address)
@@ -109,3 +117,66 @@ def test_a_leader_that_stops_resigns_and_the_standby_leads(pair, tmp_path):
     wait_until(leads, 10 * LEASE_S, "the standby to lead")
     assert standby.role().term == old_term + 1
     assert standby.coordinator.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks == []
+
+
+def test_a_client_given_both_follows_the_standbys_answer_to_the_leader(pair):
+    leader, standby = pair
+    with connect(f"{standby.address},{leader.address}", timeout=TIMEOUT) as client:
+        assert client.ranks() == []
+        assert client.session.coordinators.addresses.current == leader.address
+        roles = {c.address: c.role for c in client.session.coordinators.roles()}
+        assert roles == {standby.address: "standby", leader.address: "leader"}
+
+
+def test_a_client_given_one_standby_follows_it_to_the_leader(pair):
+    leader, standby = pair
+    with connect(standby.address, timeout=TIMEOUT) as client:
+        assert client.ranks() == []
+        assert client.session.coordinators.addresses.current == leader.address
+
+
+def test_a_new_clients_first_call_waits_for_the_new_leader(pair):
+    leader, standby = pair
+    gone = leader.address
+    leader.close()  # the lease is handed over: the standby leads within a quarter lease
+    with connect(f"{gone},{standby.address}", timeout=TIMEOUT) as client:
+        assert client.ranks() == []  # the first call found the one that leads now
+        assert client.session.coordinators.addresses.current == standby.address
+    assert standby.role().role == pb.ROLE_LEADER
+
+
+def test_the_asyncio_client_follows_the_leader_too(pair):
+    leader, standby = pair
+
+    async def ranks() -> list:
+        async with await aio.connect(f"{standby.address},{leader.address}", timeout=TIMEOUT) as c:
+            return await c.ranks()
+
+    assert asyncio.run(ranks()) == []
+
+
+def _metric(served: Served, name: str) -> float:
+    """The value of the unlabelled metric `name` as the coordinator's /metrics endpoint shows it now."""
+    text = urllib.request.urlopen(
+        f"http://{served.process.metrics_address}/metrics", timeout=TIMEOUT
+    )
+    for line in text.read().decode().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} is not served")
+
+
+def test_the_metrics_show_who_leads_its_term_and_the_takeovers(pair):
+    leader, standby = pair
+    term = leader.role().term
+    assert _metric(leader, "shardserve_coordinator_is_leader") == 1
+    assert _metric(leader, "shardserve_coordinator_term") == term
+    assert _metric(leader, "shardserve_coordinator_takeovers_total") == 1
+    assert _metric(standby, "shardserve_coordinator_is_leader") == 0
+    assert _metric(standby, "shardserve_coordinator_term") == 0
+    assert _metric(standby, "shardserve_coordinator_takeovers_total") == 0
+    leader.close()
+    wait_until(lambda: standby.role().role == pb.ROLE_LEADER, 10 * LEASE_S, "the standby to lead")
+    assert _metric(standby, "shardserve_coordinator_is_leader") == 1
+    assert _metric(standby, "shardserve_coordinator_term") == term + 1
+    assert _metric(standby, "shardserve_coordinator_takeovers_total") == 1
