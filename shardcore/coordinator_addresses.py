@@ -93,6 +93,8 @@ class CoordinatorAddresses:
             )
         if leader is not None or (unreachable and self.several):
             return self.next(after=address)
-        if unreachable and address not in self.addresses:  # a leader named, gone: back to the one given
+        if (
+            unreachable and address not in self.addresses
+        ):  # a leader named, gone: back to the one given
             self.next(after=address)
         return None
