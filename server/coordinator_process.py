@@ -99,13 +99,27 @@ def start_coordinator(
         shown = socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
         process.role.address = advertise or f"{shown}:{running.port}"
         if process.shares_catalog:
-            process.stand(process.role.address)
+            process.stand(process.role.address, lambda leads: _serving(running, leads))
     except Exception:
         if running is not None:
             running.stop(grace=0.0)
         process.close()
         raise
     return process, running
+
+
+def _serving(running: RunningServer | None, leads: bool) -> None:
+    """The health of the Coordinator service: SERVING while this coordinator leads, NOT_SERVING while it stands
+    by (load balancers and probes send calls to the leader; the Leadership service always serves)."""
+    from grpc_health.v1 import health_pb2
+
+    if running is not None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if leads
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        running.health.set(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, status)
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:

@@ -44,7 +44,9 @@ class LeaseKeeper:
         self.role = role
         self.timing = LeaseTiming(leadership.lease_duration)
         self.holder = f"{role.address}/{uuid.uuid4().hex[:12]}"
-        self.on_lead: Callable[[int], None] = lambda term: None  # told each term begun (metrics)
+        self.on_change: Callable[[int | None], None] = lambda term: (
+            None
+        )  # told each term begun, None when one ends
         self._build = build
         self._clock = clock
         self._stop = threading.Event()
@@ -86,7 +88,7 @@ class LeaseKeeper:
             self._resign(term)
             return
         self.role.lead(term, server, serve_until=self.timing.serve_until(started))
-        self.on_lead(term)
+        self.on_change(term)
         log.info("coordinator at %s leads term %d", self.role.address, term)
 
     def _renew(self, term: int) -> None:
@@ -105,6 +107,7 @@ class LeaseKeeper:
 
     def _end_term(self, term: int, why: str) -> None:
         server = self.role.step_down()
+        self.on_change(None)
         log.warning("coordinator at %s stops leading term %d: %s", self.role.address, term, why)
         if server is not None:
             server.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import cast
@@ -86,21 +87,25 @@ class CoordinatorProcess:
         self.role.lead(0, server, serve_until=math.inf)
         return server
 
-    def stand(self, address: str) -> None:
+    def stand(self, address: str, on_change: Callable[[bool], None] = lambda leads: None) -> None:
         """Serving at `address` (as others should dial it): take the lease when it is free and keep it
-        (one try now, then on the keeper's thread)."""
+        (one try now, then on the keeper's thread); `on_change(leads)` is told each time it begins or ends a
+        term (and once now)."""
         self.role.address = address
         assert self.options.lease_duration is not None
         self._lease_catalog = open_catalog(self.catalog_location, self.state_dir)
         leadership = self._lease_catalog.leadership(self.options.lease_duration)
         self._keeper = LeaseKeeper(leadership, self.role, self.build)
-        if self.metrics is not None:
-            self._keeper.on_lead = lambda term: self._count_takeover()
-        self._keeper.start()
+        metrics = self.metrics
 
-    def _count_takeover(self) -> None:
-        assert self.metrics is not None
-        self.metrics.takeovers.inc()
+        def changed(term: int | None) -> None:
+            if term is not None and metrics is not None:
+                metrics.takeovers.inc()
+            on_change(term is not None)
+
+        self._keeper.on_change = changed
+        on_change(False)
+        self._keeper.start()
 
     def serve_metrics(self, host: str, port: int) -> None:
         """Serve the metrics on `host` at `port` (0: any free port), of whichever term leads at each scrape."""

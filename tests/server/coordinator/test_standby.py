@@ -2,7 +2,8 @@
 stands by and answers every Coordinator call with UNAVAILABLE, reason NOT_LEADER, naming the leader's address
 (read as a generic gRPC client reads it); both answer GetRole; the leader that stops resigns and the standby
 leads; clients given both (or only the standby) follow it to the leader, and a new client's first call waits
-for the new leader; the asyncio client follows it too; the metrics show who leads, its term and the takeovers."""
+for the new leader; the asyncio client follows it too; the metrics show who leads, its term and the
+takeovers; the health service says SERVING for the Coordinator service on the leader only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from error_reasons import assert_status
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from waiting import wait_until
 
 from shardserve import aio, connect
@@ -180,3 +182,21 @@ def test_the_metrics_show_who_leads_its_term_and_the_takeovers(pair):
     assert _metric(standby, "shardserve_coordinator_is_leader") == 1
     assert _metric(standby, "shardserve_coordinator_term") == term + 1
     assert _metric(standby, "shardserve_coordinator_takeovers_total") == 1
+
+
+def _health(served: Served) -> int:
+    stub = health_pb2_grpc.HealthStub(served.channel)
+    request = health_pb2.HealthCheckRequest(service=COORDINATOR.full_name)
+    return stub.Check(request, timeout=TIMEOUT).status
+
+
+def test_the_coordinator_service_is_serving_on_the_leader_only(pair):
+    leader, standby = pair
+    assert _health(leader) == health_pb2.HealthCheckResponse.SERVING
+    assert _health(standby) == health_pb2.HealthCheckResponse.NOT_SERVING
+    leader.close()
+    wait_until(
+        lambda: _health(standby) == health_pb2.HealthCheckResponse.SERVING,
+        10 * LEASE_S,
+        "the new leader's Coordinator service to serve",
+    )
