@@ -45,6 +45,10 @@ class Reason(str, enum.Enum):
     RANK_UNAVAILABLE = (
         "RANK_UNAVAILABLE"  # a rank is down, hung, partitioned or restoring: retryable
     )
+    NOT_LEADER = "NOT_LEADER"  # this coordinator does not lead (a standby, or deposed); metadata: leader, term
+    CATALOG_UNAVAILABLE = (
+        "CATALOG_UNAVAILABLE"  # the coordinator cannot reach its catalog's database: retry later
+    )
     SHARDS_LOST = "SHARDS_LOST"  # every copy of a box is known gone: not retryable
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # bytes read differ from their shard's checksum
     EPOCH_ENDED = (

@@ -36,6 +36,7 @@ from shardserve.server.common.stop_signals import (
 )
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+from shardserve.server.coordinator.catalog.locations import check_location
 from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
@@ -43,7 +44,6 @@ if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import
 
 log = logging.getLogger(__name__)
 
-CATALOG_FILE = "catalog.sqlite"
 COORDINATOR_WORKERS = (
     64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 )
@@ -56,16 +56,18 @@ def start_coordinator(
     options: CoordinatorOptions = CoordinatorOptions(),
     *,
     metrics_port: int | None = None,
+    catalog_location: str | None = None,
 ) -> tuple[CoordinatorServer, RunningServer]:
-    """A CoordinatorServer over the SQLite catalog in `state_dir`, started and served on `listen`; with
-    `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
+    """A CoordinatorServer over the catalog at `catalog_location` (None: the SQLite file in `state_dir`; a
+    postgresql:// URL: that database), started and served on `listen`; with `metrics_port` (0 = any free
+    port), its Prometheus metrics served on the `listen` host."""
     from shardserve.server.coordinator.catalog.interface import Catalog
-    from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+    from shardserve.server.coordinator.catalog.locations import open_catalog
     from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
     from shardserve.server.coordinator.server import CoordinatorServer
     from shardserve.server.coordinator.service import CoordinatorServicer
 
-    catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
+    catalog: Catalog = open_catalog(catalog_location, state_dir)
     metrics = CoordinatorMetrics() if metrics_port is not None else None
     if metrics is not None:  # a proxy that times every Catalog call
         catalog = cast(Catalog, TimedCatalog(catalog, metrics.catalog_latency))
@@ -99,7 +101,14 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
         default=".shardserve",
-        help="directory of the SQLite catalog (default %(default)s)",
+        help="directory of the cluster secret and the SQLite catalog (default %(default)s)",
+    )
+    parser.add_argument(
+        "--catalog",
+        metavar="URL",
+        help="where the coordinator keeps its catalog: a postgresql://USER@HOST:PORT/DB URL (a password from "
+        "the URL, PGPASSWORD or ~/.pgpass; docs/operations.md#the-catalog-on-postgresql) or an SQLite file "
+        "(default: STATE_DIR/catalog.sqlite)",
     )
     parser.add_argument(
         "--heartbeat-interval",
@@ -123,6 +132,11 @@ def coordinator_options_from_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, *, store_port: int = 0
 ) -> CoordinatorOptions:
     """The CoordinatorOptions of the flags of add_coordinator_args; a usage error (exit 2) names a bad one."""
+    if args.catalog is not None:
+        try:
+            check_location(args.catalog)
+        except ValueError as err:
+            parser.error(f"--catalog: {err}")
     try:
         return CoordinatorOptions(
             heartbeat_interval=args.heartbeat_interval,
@@ -173,7 +187,12 @@ def main_coordinator(argv: Sequence[str]) -> int:
     withdraw_address(args.address_file)
     try:
         coordinator, running = start_coordinator(
-            args.listen, args.state_dir, security, options, metrics_port=args.metrics_port
+            args.listen,
+            args.state_dir,
+            security,
+            options,
+            metrics_port=args.metrics_port,
+            catalog_location=args.catalog,
         )
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)

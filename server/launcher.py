@@ -62,6 +62,7 @@ class LocalCluster:
     `restart_policy`: how each rank is restarted after its process ends (max_restarts=0, the default here, keeps
     a dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10).
     `metrics_port`: None, no metrics; P, the coordinator's on P and rank r's on P+1+r; 0, any free ports.
+    `catalog`: where the coordinator keeps its catalog (None: STATE_DIR/catalog.sqlite; a postgresql:// URL).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class LocalCluster:
         coordinator_options: CoordinatorOptions = CoordinatorOptions(),
         restart_policy: RestartPolicy = RestartPolicy(max_restarts=0),
         metrics_port: int | None = None,
+        catalog: str | None = None,
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -94,6 +96,7 @@ class LocalCluster:
         self.coordinator_options = coordinator_options
         self.restart_policy = restart_policy
         self.metrics_port = metrics_port
+        self.catalog = catalog
         self._traces = (
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
@@ -148,6 +151,7 @@ class LocalCluster:
             self.security,
             self.coordinator_options,
             metrics_port=self.metrics_port,
+            catalog_location=self.catalog,
         )
 
     def _start_tracing(self) -> None:

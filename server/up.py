@@ -89,6 +89,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
         coordinator_options=coordinator_options,
         restart_policy=restart_policy_from_args(args),
         metrics_port=args.metrics_port,
+        catalog=args.catalog,
     )
     return args, cluster
 

@@ -19,6 +19,9 @@ from shardserve import TensorNotFoundError, connect
 from shardserve.server.common.auth import TlsFiles
 from shardserve.server.launcher import LocalCluster
 
+# the PostgreSQL server of the catalog's tests: postgres_server (one per test process), postgres_url (a database)
+pytest_plugins = ["postgres"]
+
 CLUSTER_START_TIMEOUT = 180.0
 
 

@@ -1,6 +1,6 @@
 """The `shardserve` command: start a cluster (up, coordinator) and inspect or use one.
 
-`up`, `coordinator` and `node` hand over to `python -m shardserve.server` (os.execv), so the
+`up`, `coordinator`, `node` and `catalog` hand over to `python -m shardserve.server` (os.execv), so the
 client never imports the server. Every other subcommand talks to a running
 coordinator given by --coordinator or SHARDSERVE_COORDINATOR. Expected errors
 print one line on stderr and exit non-zero, without a traceback.
@@ -37,6 +37,8 @@ _SERVER_COMMANDS = {
     "coordinator": "run only the coordinator (ranks join it with `shardserve node` or "
     "`torchrun ... -m shardserve.server "
     "--coordinator HOST:PORT`). See `shardserve coordinator --help`.",
+    "catalog": "work on a coordinator's catalog without a coordinator: `shardserve catalog copy SRC DST` "
+    "copies it between an SQLite file and a postgresql:// database. See `shardserve catalog --help`.",
     "node": "run and supervise some ranks of a cluster whose coordinator runs elsewhere, restarting each that "
     "exits (foreground; Ctrl-C stops them). See `shardserve node --help`.",
 }
