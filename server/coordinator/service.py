@@ -32,14 +32,6 @@ from shardserve.server.coordinator.catalog.messages import (
 )
 from shardserve.server.coordinator.drivers.checkpoint import CheckpointStep, checkpoint_contents
 from shardserve.server.coordinator.drivers.lifecycle import NewTensor
-from shardserve.server.coordinator.drivers.orders import (
-    commit_order,
-    load_order,
-    reshard_order,
-    save_order,
-    snapshot_order,
-    snapshot_view,
-)
 from shardserve.server.coordinator.drivers.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.drivers.snapshots import CreatedSnapshot
 from shardserve.server.coordinator.ranks.messages import (
@@ -47,6 +39,14 @@ from shardserve.server.coordinator.ranks.messages import (
     rank_from_proto,
     rank_to_proto,
     restore_from_proto,
+)
+from shardserve.server.coordinator.requests import (
+    commit_order,
+    load_order,
+    reshard_order,
+    save_order,
+    snapshot_order,
+    snapshot_view,
 )
 from shardserve.server.coordinator.role import CoordinatorRole, led
 from shardserve.server.coordinator.server import CoordinatorServer
