@@ -27,6 +27,7 @@ import grpc
 
 from shardserve.client.channel import Channel
 from shardserve.client.errors import ShardServeError, error_from_rpc
+from shardserve.client.info import CoordinatorStatus
 from shardserve.core.coordinator_addresses import CoordinatorAddresses, parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
@@ -36,22 +37,6 @@ FIRST_PAUSE_S = 0.05  # the pause before asking the next coordinator, doubling u
 MAX_PAUSE_S = 0.5
 STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
 ROLE_TIMEOUT_S = 5.0  # how long `roles()` waits for each coordinator's answer
-_ROLE_NAMES = {pb.ROLE_LEADER: "leader", pb.ROLE_STANDBY: "standby"}
-
-
-@dataclass(frozen=True)
-class CoordinatorRole:
-    """What one coordinator says it does (`shardserve status`): `role` "leader", "standby" or "unreachable"
-    (then `error` says why), the `term` it leads (0: none, or a lone coordinator without a lease), the
-    `leader` it knows, its lease's duration (0: none) and the terms it began (`takeovers`)."""
-
-    address: str
-    role: str
-    term: int = 0
-    leader: str = ""
-    lease_duration_s: float = 0.0
-    takeovers: int = 0
-    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -105,11 +90,11 @@ class Coordinators:
                 stub = self._stubs[address] = self.channel.coordinator(address)
             return stub
 
-    def roles(self) -> list[CoordinatorRole]:
+    def roles(self) -> list[CoordinatorStatus]:
         """The role of every coordinator given (and of a leader they name that was not given), each asked
         once (Leadership.GetRole, which standbys answer too)."""
         asked: list[str] = list(self.addresses.addresses)
-        found: list[CoordinatorRole] = []
+        found: list[CoordinatorStatus] = []
         while len(found) < len(asked):
             role = self._role(asked[len(found)])
             found.append(role)
@@ -117,7 +102,7 @@ class Coordinators:
                 asked.append(role.leader)
         return found
 
-    def _role(self, address: str) -> CoordinatorRole:
+    def _role(self, address: str) -> CoordinatorStatus:
         stub = pb_grpc.LeadershipStub(self.channel.channel(address))
         try:
             info = stub.GetRole(
@@ -125,15 +110,8 @@ class Coordinators:
             )
         except grpc.RpcError as err:
             error = error_from_rpc(err, f"coordinator at {address}")
-            return CoordinatorRole(address, "unreachable", error=str(error))
-        return CoordinatorRole(
-            address,
-            _ROLE_NAMES.get(info.role, "unknown"),
-            info.term,
-            info.leader_address,
-            info.lease_duration_s,
-            info.takeovers,
-        )
+            return CoordinatorStatus(address, "unreachable", error=str(error))
+        return CoordinatorStatus.from_proto(address, info)
 
     def call(self, method: str, request: Any, *, timeout: float | None = None) -> Any:
         """The unary `method` at the leader, within `timeout` (the client's deadline when None); errors as

@@ -13,7 +13,6 @@ import logging
 import math
 import socket
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -129,10 +128,6 @@ class CoordinatorProcess:
         if held is not None:
             held.metrics_address = self.metrics_address
         log.info("coordinator metrics on http://%s/metrics", self.metrics_address)
-
-    def with_store_host(self, host: str) -> None:
-        """Host the rendezvous store of every term on `host` (the listen host)."""
-        self.options = replace(self.options, store_host=host)
 
     def close(self) -> None:
         """Stop leading (resigning the lease), close the term's parts and the metrics endpoint."""

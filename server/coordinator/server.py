@@ -1,4 +1,8 @@
-"""The coordinator's composition root: `CoordinatorServer` builds its parts and runs their threads.
+"""The composition root of a coordinator's term: `CoordinatorServer` builds its parts and runs their threads.
+
+A lone coordinator builds one and keeps it; of several sharing a catalog, the leader builds one for every term
+it leads (server/coordinator/process.py), over the catalog fenced with that term, and closes it when the term
+ends.
 
 The parts, each given only what it uses: the catalog (records), the rank registry (membership and liveness)
 and the calls to ranks, per-name locks and byte quotas, the collective-job runner (with its rendezvous store),

@@ -8,12 +8,13 @@ fenced with a term (`Catalog.fence`) checks, in the same transaction as each wri
 that term and has not expired, and raises `NotLeader` (server/common/errors.py) otherwise, changing nothing:
 a deposed leader can never write, whatever it believes.
 
-How a coordinator uses it: `try_acquire` every RENEW_INTERVAL_S while it stands by; once it has a term, it
-fences its catalog with it and leads, calling `renew` every RENEW_INTERVAL_S. It counts its lease from the
-moment it sent the renew that succeeded (by its own monotonic clock: that moment is no later than the
-database's `now()` of the renew), so it stops serving writes when LEASE_DURATION_S have passed since then
-without a renew, before the database can let another take the lease. `resign` hands the lease back at once
-(a coordinator that stops). Database errors (it is restarting, unreachable) raise `CatalogUnavailable`.
+How a coordinator uses it (server/coordinator/lease_keeper.py, timed by shardcore/lease_timing.py):
+`try_acquire` every quarter lease while it stands by; once it has a term, it fences a catalog with it and
+leads, calling `renew` every quarter lease. It counts its lease from the moment it sent the renew that
+succeeded (by its own monotonic clock: that moment is no later than the database's `now()` of the renew),
+and stops serving three quarters of a lease after it, before the database can let another take the lease.
+`resign` hands the lease back at once (a coordinator that stops). Database errors (it is restarting,
+unreachable) raise `CatalogUnavailable`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,7 @@ from shardserve.server.common.errors import NotLeader
 
 LEASE_DURATION_S = 3.0
 """Seconds a lease lasts after it was acquired or last renewed, by the database's clock: a standby takes over
-within about this long (plus one RENEW_INTERVAL_S) after its leader dies or loses the database."""
-
-RENEW_INTERVAL_S = 1.0
-"""Seconds between a leader's renewals (and a standby's attempts to acquire): two renewals may fail before
-the lease runs out."""
+within about this long (plus a quarter of it, its next try) after its leader dies or loses the database."""
 
 
 class Lease(NamedTuple):
