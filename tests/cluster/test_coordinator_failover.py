@@ -223,7 +223,8 @@ def test_the_leader_killed_under_load_the_standby_leads_and_nothing_is_lost(pair
         pair.leader.proc.wait(10)
         wait_until(pair.standby.leads, TAKEOVER_S, "the standby to lead")
         took_over = time.monotonic() - killed
-        wait_until(lambda: _ranks_alive_at(pair.standby), 30, "the ranks to register again")
+        pair.swap()  # the killed one is the standby to restart from now on
+        wait_until(lambda: _ranks_alive_at(pair.leader), 30, "the ranks to register again")
         ready = time.monotonic()
         wait_until(
             lambda: any(s > ready and e is None for s, _, e in load.puts), 30, "a put afterwards"
@@ -244,7 +245,6 @@ def test_the_leader_killed_under_load_the_standby_leads_and_nothing_is_lost(pair
     record_property("takeover_s", round(took_over, 3))
     record_property("kill_to_first_put_s", round(first_put - killed, 3))
     print(f"takeover {took_over:.2f}s, kill -9 to first successful put {first_put - killed:.2f}s")
-    pair.swap()
     with connect(pair.addresses, timeout=CLIENT_TIMEOUT_S) as client:
         for name, data in load.acked.items():
             assert torch.equal(client.tensor(name).full_tensor(), data), name

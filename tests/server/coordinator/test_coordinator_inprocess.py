@@ -335,6 +335,25 @@ def test_an_abort_that_overtakes_its_create_wins(coordinator):
     assert fresh.state == pb.PENDING and fresh.put_token and fresh.put_token != request.put_token
 
 
+def test_a_create_made_again_with_its_put_token_replaces_the_first_attempts_version(coordinator):
+    """A CreateTensor made again with the same put token (its answer was lost: the coordinator that ran it died
+    and the client asked the next leader) aborts the version the first attempt made and makes a new one; a
+    create under another token still finds the put in progress."""
+    from shardserve.server.common.errors import TensorExists
+
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    request = pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="first-put")
+    first = _create(coordinator, request)
+    again = _create(coordinator, request)
+    assert again.version > first.version and again.state == pb.PENDING
+    assert [r.version for r in coordinator.catalog.versions("t")] == [again.version]
+    assert ("drop", "t", first.version) in stub.calls
+    other = pb.CreateTensorRequest(name="t", metadata=_metadata(), put_token="other-put")
+    with pytest.raises(TensorExists, match="has a put in progress"):
+        _create(coordinator, other)
+
+
 def test_put_tokens_are_checked(coordinator):
     from shardserve.server.common.errors import InvalidArgument
 
