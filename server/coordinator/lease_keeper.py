@@ -44,9 +44,8 @@ class LeaseKeeper:
         self.role = role
         self.timing = LeaseTiming(leadership.lease_duration)
         self.holder = f"{role.address}/{uuid.uuid4().hex[:12]}"
-        self.on_change: Callable[[int | None], None] = lambda term: (
-            None
-        )  # told each term begun, None when one ends
+        # told the term of each term begun, and None when one ends (metrics, the health service)
+        self.on_change: Callable[[int | None], None] = lambda term: None
         self._build = build
         self._clock = clock
         self._stop = threading.Event()

@@ -51,9 +51,8 @@ class CoordinatorProcess:
         self.role = CoordinatorRole("", lease_duration=options.lease_duration or 0.0)
         self.metrics_address = ""
         self._keeper: LeaseKeeper | None = None
-        self._lease_catalog: Catalog | None = (
-            None  # the connection the lease is kept over, for every term
-        )
+        # the catalog the lease is kept over, one for all terms (each term opens its own for its writes)
+        self._lease_catalog: Catalog | None = None
         self._endpoint: MetricsEndpoint | None = None
 
     @property
@@ -110,10 +109,9 @@ class CoordinatorProcess:
         """Serve the metrics on `host` at `port` (0: any free port), of whichever term leads at each scrape."""
         assert self.metrics is not None
         role = self.role
-
-        def leading() -> CoordinatorServer | None:
-            return role.current()
-
+        leading = (
+            role.current
+        )  # the term held, or None on a standby (nothing of ranks, tensors or jobs)
         self.metrics.watch(
             lambda: s.registry.ranks() if (s := leading()) else [],
             lambda: [s.answers.tensor(r) for r in s.catalog.list(True)] if (s := leading()) else [],
