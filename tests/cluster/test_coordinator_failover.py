@@ -29,6 +29,7 @@ from server_processes import rank_env, server_env, spawn_server, stop_all
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardServeError, connect
+from shardserve.client.channel import COORDINATOR_OPTIONS
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -38,7 +39,8 @@ from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
 from shardserve.server.launcher import free_port
 
-LEASE_S = 1.0  # short: the standby takes over within 1.25 leases of the leader's last renewal
+LEASE_S = 2.0  # short: the standby takes over within 1.25 leases of the last renewal (a loaded machine may stall
+# a renewal for a second)
 HEARTBEAT_S = 0.3
 TAKEOVER_S = 5.0  # the bound a takeover must meet
 START_S = 120.0  # processes import torch on a busy 2-core machine
@@ -66,7 +68,7 @@ class Coordinator:
         ]
         self.log = log
         self.proc = self.start()
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = grpc.insecure_channel(self.address, options=COORDINATOR_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def start(self) -> subprocess.Popen:

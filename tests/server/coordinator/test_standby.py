@@ -25,7 +25,7 @@ from shardserve.server.common.auth import Security
 from shardserve.server.coordinator.catalog.locations import CATALOG_FILE, open_catalog
 from shardserve.server.coordinator_process import CoordinatorOptions, start_coordinator
 
-LEASE_S = 1.0
+LEASE_S = 4.0  # long enough that a loaded machine never starves a renewal past it
 TIMEOUT = 10.0
 COORDINATOR = pb.DESCRIPTOR.services_by_name["Coordinator"]
 
