@@ -1164,6 +1164,18 @@ class BulkSession(_message.Message):
     tls: bool
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
 
+class OpenShardsRequest(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[OpenShardRequest]
+    def __init__(self, shards: _Optional[_Iterable[_Union[OpenShardRequest, _Mapping]]] = ...) -> None: ...
+
+class OpenShardsResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[OpenShardResponse]
+    def __init__(self, shards: _Optional[_Iterable[_Union[OpenShardResponse, _Mapping]]] = ...) -> None: ...
+
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)
     LEASE_IDS_FIELD_NUMBER: _ClassVar[int]

@@ -205,7 +205,7 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reshard(self, request, context):
-        """Coordinated resharding: two-phase, see server/coordinator/reshard.py.
+        """Coordinated resharding: two-phase, see server/coordinator/drivers/reshard.py.
         Streams progress; the last message has phase RESHARD_DONE and the new TensorInfo.
         A second reshard of a name while one runs is refused (FAILED_PRECONDITION), not queued.
         """
@@ -1073,6 +1073,11 @@ class ShardServerStub:
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
                 response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.FromString,
                 _registered_method=True)
+        self.OpenShards = channel.unary_unary(
+                '/shardserve.v1.ShardServer/OpenShards',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.FromString,
+                _registered_method=True)
         self.ReleaseShard = channel.unary_unary(
                 '/shardserve.v1.ShardServer/ReleaseShard',
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.ReleaseShardRequest.SerializeToString,
@@ -1221,6 +1226,15 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenShards(self, request, context):
+        """Many OpenShard at once (a reader of a new snapshot opens every shard it reads in one call per rank): the
+        answers in the request's order, every shard leased; or, when one cannot be opened, that shard's error
+        (its message and metadata name shards[i]) and no lease kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseShard(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -1356,6 +1370,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.OpenShard,
                     request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.FromString,
                     response_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.SerializeToString,
+            ),
+            'OpenShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenShards,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.SerializeToString,
             ),
             'ReleaseShard': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseShard,
@@ -1822,6 +1841,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/OpenShard',
             shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
             shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/OpenShards',
+            shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -138,6 +138,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "RunCollective": Rule(CLUSTER),
     SHARD_SERVER + "CancelCollective": Rule(CLUSTER),
     SHARD_SERVER + "OpenShard": Rule(READ, _field_name),
+    SHARD_SERVER + "OpenShards": Rule(READ, _shard_names),
     SHARD_SERVER + "ReleaseShard": Rule(READ),
     SHARD_SERVER + "ReadRegionSmall": Rule(READ, _field_name),
     SHARD_SERVER + "ReadRegions": Rule(READ, _region_names),
