@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--ranks N,N] [--json FILE] [--plots DIR] [--only NAME...]`: the whole benchmark suite.
+"""`python -m benchmarks [--quick] [--ranks N,N] [--json FILE] [--plots DIR] [--only NAME...]`: the suite.
 
 Runs every registered scenario (see benchmarks.harness) with its baselines in
 the same run, prints machine info and a table of absolute figures and ratios

@@ -57,6 +57,7 @@ TABLES, TABLE_ROWS = 100, 500  # x 2 replicas: 100,000 shards
 QUICK_TABLES, QUICK_TABLE_ROWS = 10, 100
 HEARTBEAT_S = 1.0
 IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 3.0
+STEADY_COMMITS = 2
 READ_BACK = 20  # snapshot tensors read back and compared
 GET_CALLS = 200
 REPAIR_AFTER_S = 2.0
@@ -87,6 +88,7 @@ ROWS = (  # (key, what, unit, target at 1,000 ranks)
     ("reshard_fanout", "reshard prepare/commit fan-out, all tables", "s", None),
     ("restart_serving", "coordinator restart to serving, full catalog", "s", 5.0),
     ("register_restart", "re-registration of N ranks after a restart", "s", None),
+    ("restart_settled", "restart until the coordinator is idle again (reconciled)", "s", None),
     ("dead_noticed", "a dead rank noticed (listed not alive)", "s", None),
     ("scan_cpu", "coordinator CPU with one rank lost (repair scans)", "cores", None),
     ("repaired", "lost copies of the tables repaired", "s", None),
@@ -129,7 +131,7 @@ def run_one(ctx: Context, figures: Figures) -> None:
         ctx.sampler.label(cluster.coordinator_pid, "coordinator")
         cluster.start_ranks()
         values["rank_rss"] = cluster.rank_bytes_each() / 2**20
-        values["register_cold"] = cluster.register()
+        Clock(cluster, values).time("register_cold", cluster.register)
         values["idle_cpu"] = idle_cpu(cluster, QUICK_IDLE_WINDOW_S if quick else IDLE_WINDOW_S)
         snapshot_rows(cluster, state, values, checks)
         catalog_rows(cluster, state, values)
@@ -138,6 +140,27 @@ def run_one(ctx: Context, figures: Figures) -> None:
         restart_rows(cluster, world, values)
         ctx.sampler.label(cluster.coordinator_pid, "coordinator (restarted)")
         lost_rank_rows(cluster, tables=tables, rows=rows, values=values, checks=checks)
+
+
+class Clock:
+    """Wall seconds and the coordinator's CPU seconds of the steps timed with it, summed per row key."""
+
+    def __init__(self, cluster: SimulatedCluster, values: dict) -> None:
+        self.cluster, self.values = cluster, values
+
+    def add(self, key: str, wall: float, cpu: float) -> None:
+        self.values[key] = self.values.get(key, 0.0) + wall
+        self.values[f"{key}_cpu"] = self.values.get(f"{key}_cpu", 0.0) + cpu
+
+    def time(self, key: str, fn):
+        """Run `fn()`, adding its wall and coordinator CPU seconds to row `key`; its result."""
+        cpu0, _ = self.cluster.coordinator_usage()
+        start = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            wall = time.perf_counter() - start
+            self.add(key, wall, self.cluster.coordinator_usage()[0] - cpu0)
 
 
 def idle_cpu(cluster: SimulatedCluster, window: float) -> float:
@@ -152,38 +175,40 @@ def idle_cpu(cluster: SimulatedCluster, window: float) -> float:
 
 def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, checks: dict) -> None:
     """Create + commit (first), then the commit of the reserved next snapshot (steady); read back a sample."""
-    stub = cluster.stub
-    start = time.perf_counter()
-    created = stub.CreateSnapshot(state.create_request(), timeout=CALL_TIMEOUT_S)
-    create_s = time.perf_counter() - start
+    stub, clock = cluster.stub, Clock(cluster, values)
+    request = state.create_request()
+    created = clock.time(
+        "snapshot_first", lambda: stub.CreateSnapshot(request, timeout=CALL_TIMEOUT_S)
+    )
+    values["snapshot_create"] = values["snapshot_first"]
     write_snapshot(created, cluster.rank_stub, state=state)
-    commit = pb.CommitSnapshotRequest(
-        prefix=PREFIX, number=created.number, view=pb.SNAPSHOT_VIEW_BASIC, reserve_next=True
-    )
-    start = time.perf_counter()
-    answer = stub.CommitSnapshot(commit, timeout=CALL_TIMEOUT_S)
-    values["snapshot_first"] = create_s + time.perf_counter() - start
-    values["snapshot_create"] = create_s
-    if not answer.HasField("next"):
-        raise RuntimeError("the commit reserved no next snapshot")
-    write_snapshot(answer.next, cluster.rank_stub, state=state)
-    commit = pb.CommitSnapshotRequest(
-        prefix=PREFIX, number=answer.next.number, view=pb.SNAPSHOT_VIEW_BASIC, reserve_next=True
-    )
-    start = time.perf_counter()
-    stub.CommitSnapshot(commit, timeout=CALL_TIMEOUT_S)
-    values["snapshot_steady"] = time.perf_counter() - start
+    answer = clock.time("snapshot_first", lambda: commit_snapshot(stub, created.number))
+    for _ in range(STEADY_COMMITS):
+        if not answer.HasField("next"):
+            raise RuntimeError("the commit reserved no next snapshot")
+        write_snapshot(answer.next, cluster.rank_stub, state=state)
+        number = answer.next.number
+        answer = clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
+    values["snapshot_steady"] /= STEADY_COMMITS
+    values["snapshot_steady_cpu"] /= STEADY_COMMITS
     checks["snapshot read back"] = read_back_snapshot(cluster, state)
+
+
+def commit_snapshot(stub, number: int) -> pb.CommitSnapshotResponse:
+    """Commit snapshot `number` of the prefix, reserving the next (a steady writer's commit)."""
+    request = pb.CommitSnapshotRequest(
+        prefix=PREFIX, number=number, view=pb.SNAPSHOT_VIEW_BASIC, reserve_next=True
+    )
+    return stub.CommitSnapshot(request, timeout=CALL_TIMEOUT_S)
 
 
 def read_back_snapshot(cluster: SimulatedCluster, state: StateDict) -> bool:
     """A sample of the newest snapshot's tensors read through the client, compared bit for bit."""
+    from benchmarks.scale_workload import state_value
     from shardserve import connect
 
-    from benchmarks.scale_workload import state_value
-
     sample = random.Random(0).sample(range(state.count), min(READ_BACK, state.count))
-    with connect(cluster.address, timeout=CALL_TIMEOUT_S) as client:
+    with connect(cluster.address, timeout=CALL_TIMEOUT_S, transport="grpc") as client:
         snapshot = client.snapshot(PREFIX)
         return all(
             torch.equal(snapshot[state.key(i)].full_tensor(), state_value(i)) for i in sample
@@ -194,25 +219,27 @@ def catalog_rows(cluster: SimulatedCluster, state: StateDict, values: dict) -> N
     """ListTensors, status and GetTensor with the state dict's tensors in the catalog."""
     from shardserve import connect
 
-    stub = cluster.stub
-    values["list"] = best_of(
-        lambda: stub.ListTensors(pb.ListTensorsRequest(), timeout=CALL_TIMEOUT_S), 3
+    stub, clock = cluster.stub, Clock(cluster, values)
+    best_of(
+        clock, "list", lambda: stub.ListTensors(pb.ListTensorsRequest(), timeout=CALL_TIMEOUT_S)
     )
-    with connect(cluster.address, timeout=CALL_TIMEOUT_S) as client:
+    with connect(cluster.address, timeout=CALL_TIMEOUT_S, transport="grpc") as client:
 
         def status() -> None:  # what `shardserve status` asks, without printing it
             client.ranks()
             client.list(include_pending=True)
             stub.ListRanks(pb.ListRanksRequest(), timeout=CALL_TIMEOUT_S)
 
-        values["status"] = best_of(status, 3)
-    name = f"{PREFIX}@{latest_number(cluster)}/{state.key(0)}"
+        best_of(clock, "status", status)
+    request = pb.GetTensorRequest(name=f"{PREFIX}@{latest_number(cluster)}/{state.key(0)}")
     times = []
+    cpu0, _ = cluster.coordinator_usage()
     for _ in range(GET_CALLS):
         start = time.perf_counter()
-        stub.GetTensor(pb.GetTensorRequest(name=name), timeout=CALL_TIMEOUT_S)
+        stub.GetTensor(request, timeout=CALL_TIMEOUT_S)
         times.append(time.perf_counter() - start)
     values["get_tensor"] = sorted(times)[len(times) // 2]
+    values["get_tensor_cpu"] = (cluster.coordinator_usage()[0] - cpu0) / GET_CALLS
 
 
 def latest_number(cluster: SimulatedCluster) -> int:
@@ -225,11 +252,13 @@ def reshard_rows(
 ) -> None:
     """Reshard every table one after another; the planning and fan-out seconds summed; a sample read back."""
     plan = fanout = 0.0
+    cpu0, _ = cluster.coordinator_usage()
     for index in range(tables):
         first, rest, _ = reshard_table(cluster.stub, index, rows=rows, world=cluster.world, shift=2)
         plan += first
         fanout += rest
     values["reshard_plan"], values["reshard_fanout"] = plan, fanout
+    values["reshard_fanout_cpu"] = cluster.coordinator_usage()[0] - cpu0
     checks["reshard read back"] = read_back_tables(cluster, range(min(tables, 5)), rows)
 
 
@@ -237,7 +266,7 @@ def read_back_tables(cluster: SimulatedCluster, indices, rows: int) -> bool:
     from shardserve import connect
 
     expected = table_value(rows)
-    with connect(cluster.address, timeout=CALL_TIMEOUT_S) as client:
+    with connect(cluster.address, timeout=CALL_TIMEOUT_S, transport="grpc") as client:
         return all(torch.equal(client.tensor(f"table{i}").full_tensor(), expected) for i in indices)
 
 
@@ -246,9 +275,24 @@ def restart_rows(cluster: SimulatedCluster, world: int, values: dict) -> None:
     cluster.kill_coordinator()
     start = time.perf_counter()
     values["restart_serving"] = cluster.start_coordinator()
+    values["restart_serving_cpu"] = cluster.coordinator_usage()[0]
     cluster.wait_alive(world)
     values["register_restart"] = time.perf_counter() - start
-    time.sleep(2.0)
+    values["register_restart_cpu"] = cluster.coordinator_usage()[0]
+    quiet = 1.5 * values["idle_cpu"] + 0.05
+    values["restart_settled"] = settle(cluster, quiet) + time.perf_counter() - start
+    values["restart_settled_cpu"] = cluster.coordinator_usage()[0]
+
+
+def settle(cluster: SimulatedCluster, quiet: float) -> float:
+    """Seconds until the coordinator's background work has ended: its CPU below `quiet` cores over a second."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < CALL_TIMEOUT_S * 5:
+        cpu0, _ = cluster.coordinator_usage()
+        time.sleep(1.0)
+        if cluster.coordinator_usage()[0] - cpu0 < quiet:
+            break
+    return time.perf_counter() - start
 
 
 def lost_rank_rows(
@@ -292,13 +336,14 @@ def rank_alive(cluster: SimulatedCluster, rank: int) -> bool:
     return any(r.rank == rank and r.alive for r in ranks)
 
 
-def best_of(fn, repeats: int) -> float:
-    times = []
+def best_of(clock: Clock, key: str, fn, repeats: int = 3) -> None:
+    """Row `key`: the fastest of `repeats` calls of `fn` (wall), with the coordinator's CPU of that call."""
+    best: dict = {}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        Clock(clock.cluster, best).time("run", fn)
+        if key not in clock.values or best["run"] < clock.values[key]:
+            clock.values[key], clock.values[f"{key}_cpu"] = best["run"], best["run_cpu"]
+        best.clear()
 
 
 def exponent(small: Figures, large: Figures, key: str) -> float | None:
@@ -314,7 +359,11 @@ def print_table(results: list[Figures]) -> None:
 
     from benchmarks.report import console
 
-    table = Table(title="scale: the coordinator at N simulated ranks", title_justify="left")
+    table = Table(
+        title="scale: the coordinator at N simulated ranks: wall time (the coordinator's CPU seconds in it); "
+        "exponent of wall / CPU",
+        title_justify="left",
+    )
     table.add_column("row")
     for figures in results:
         table.add_column(f"N={figures.ranks}", justify="right")
@@ -322,10 +371,10 @@ def print_table(results: list[Figures]) -> None:
         table.add_column(f"exponent {results[-2].ranks}->{results[-1].ranks}", justify="right")
     table.add_column(f"target at {RANKS[-1]:,}")
     for key, what, unit, target in ROWS:
-        cells = [format_value(f.values.get(key), unit) for f in results]
+        cells = [cell(f.values, key, unit) for f in results]
         if len(results) > 1:
-            power = exponent(results[-2], results[-1], key)
-            cells.append("-" if power is None else f"{power:.2f}")
+            powers = [exponent(results[-2], results[-1], k) for k in (key, f"{key}_cpu")]
+            cells.append(" / ".join("-" if p is None else f"{p:.2f}" for p in powers))
         table.add_row(what, *cells, "-" if target is None else f"<= {target:g} {unit}")
     loads = ", ".join(f"N={f.ranks}: {' '.join(f'{x:.2f}' for x in f.load)}" for f in results)
     out = console()
@@ -333,6 +382,13 @@ def print_table(results: list[Figures]) -> None:
     out.print(f"load average at the start of each N: {loads}")
     for f in results:
         out.print(f"N={f.ranks} checks: {f.checks}")
+
+
+def cell(values: dict, key: str, unit: str) -> str:
+    """A row's figure at one N, and the coordinator's CPU seconds in it when measured."""
+    text = format_value(values.get(key), unit)
+    cpu = values.get(f"{key}_cpu")
+    return text if cpu is None else f"{text} ({cpu:.2f} cpu-s)"
 
 
 def format_value(value: float | None, unit: str) -> str:
@@ -372,6 +428,7 @@ def rows_of(results: list[Figures]) -> list[Row]:
                         "ranks": figures.ranks,
                         "key": key,
                         "value": value,
+                        "coordinator_cpu_s": figures.values.get(f"{key}_cpu"),
                         "unit": unit,
                         "exponent": power,
                         "load_average": list(figures.load),

@@ -34,8 +34,8 @@ import torch
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.auth import Security
-from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.grpc_server import RunningServer, start_server
+from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
 from shardserve.server.common.stream_limits import StreamLimitSettings
