@@ -135,8 +135,11 @@ def run_one(ctx: Context, figures: Figures) -> None:
         values["idle_cpu"] = idle_cpu(cluster, QUICK_IDLE_WINDOW_S if quick else IDLE_WINDOW_S)
         snapshot_rows(cluster, state, values, checks)
         catalog_rows(cluster, state, values)
+        cluster.wait_alive(world)  # a rank taken for dead meanwhile (a loaded machine) is back first
         create_tables(cluster.stub, count=tables, rows=rows, world=world)
+        cluster.wait_alive(world)
         reshard_rows(cluster, tables=tables, rows=rows, values=values, checks=checks)
+        cluster.wait_alive(world)
         restart_rows(cluster, world, values)
         ctx.sampler.label(cluster.coordinator_pid, "coordinator (restarted)")
         lost_rank_rows(cluster, tables=tables, rows=rows, values=values, checks=checks)

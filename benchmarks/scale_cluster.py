@@ -24,7 +24,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-RANKS_PER_PROCESS = 250
+MAX_PROCESSES = 16  # rank instances are spread over at most this many processes (each ~300 MiB of torch)
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 CHANNEL_OPTIONS = [
@@ -110,7 +110,7 @@ class SimulatedCluster:
         *,
         heartbeat_interval: float = 1.0,
         repair_after: float = 30.0,
-        ranks_per_process: int = RANKS_PER_PROCESS,
+        processes: int = MAX_PROCESSES,
         state_dir: str | Path | None = None,
         log_level: str = "ERROR",
     ) -> None:
@@ -119,7 +119,9 @@ class SimulatedCluster:
         self.world = ranks
         self.heartbeat_interval = heartbeat_interval
         self.repair_after = repair_after
-        self.ranks_per_process = ranks_per_process
+        # as few instances in one process as the memory allows: a process's instances share one GIL, and a
+        # real rank has a process (and a core) of its own
+        self.ranks_per_process = -(-ranks // max(1, min(processes, ranks)))
         self.log_level = log_level
         self._temporary = (
             tempfile.TemporaryDirectory(prefix="shardserve-scale-") if state_dir is None else None

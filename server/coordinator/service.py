@@ -87,7 +87,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
-            heartbeat_interval_s=coordinator.options.heartbeat_interval,
+            heartbeat_interval_s=coordinator.registry.interval_of(request.rank.rank),
             store_port=coordinator.collectives.store_port,
         )
 
@@ -95,8 +95,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self.coordinator.upkeep.heartbeat(request.rank, request.memory_used_bytes)
-        return pb.HeartbeatResponse()
+        interval = self.coordinator.upkeep.heartbeat(request.rank, request.memory_used_bytes)
+        return pb.HeartbeatResponse(heartbeat_interval_s=interval)
 
     @rpc_errors
     def ReportRestore(

@@ -87,7 +87,9 @@ class CoordinatorLink:
                 rank=self.info.rank, memory_used_bytes=self.store.memory_used
             )
             try:
-                self._stub.Heartbeat(request, timeout=max(2.0, 2 * self.interval))
+                answer = self._stub.Heartbeat(request, timeout=max(2.0, 2 * self.interval))
+                # the coordinator lengthens the interval as the cluster grows
+                self.interval = answer.heartbeat_interval_s or self.interval
                 if unreachable:
                     log.info("coordinator reachable again")
                 unreachable = False

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -35,7 +35,7 @@ from shardserve.server.coordinator.catalog.records import (
     TensorRecord,
     TensorState,
 )
-from shardserve.server.coordinator.catalog.sqlite_schema import upgrade
+from shardserve.server.coordinator.catalog.sqlite_schema import placed_ranks_sql, upgrade
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,11 @@ class SQLiteCatalog(Catalog):
         self._db.execute("PRAGMA synchronous=FULL")
         with self._transaction() as db:
             upgrade(db, self.path)
-        log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
+        with (
+            self._lock
+        ):  # counted, not read: a catalog of many rows opens in the time of its schema
+            count = self._db.execute("SELECT count(*) FROM tensors").fetchone()[0]
+        log.info("catalog %s: %d tensor versions", self.path, count)
 
     @contextmanager
     def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
@@ -161,15 +165,30 @@ class SQLiteCatalog(Catalog):
         return snapshot_of(row[0]) if row is not None else None
 
     def update(self, record: TensorRecord) -> None:
+        key = (record.name, record.version)
         with self._transaction() as db:
+            # the placements of the row as it was, then as it is (the triggers see inserts and deletes only)
+            term, rank = placed_ranks_sql("t.record")
+            db.execute(
+                f"DELETE FROM placements WHERE name = ? AND version = ? AND rank IN (SELECT {rank} "
+                f"FROM tensors AS t, {term} WHERE t.name = ? AND t.version = ?)",
+                (*key, *key),
+            )
+            document = tensor_json(record)
             cursor = db.execute(
                 "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-                (record.state.value, tensor_json(record), record.name, record.version),
+                (record.state.value, document, *key),
             )
             if cursor.rowcount != 1:
                 raise KeyError(
                     f"tensor {record.name!r} version {record.version} is not in the catalog"
                 )
+            term, rank = placed_ranks_sql(":record")
+            db.execute(
+                f"INSERT OR IGNORE INTO placements (rank, name, version) SELECT DISTINCT {rank}, "
+                f":name, :version FROM {term} WHERE {rank} IS NOT NULL",
+                {"record": document, "name": record.name, "version": record.version},
+            )
 
     def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
         where, args = (
@@ -189,13 +208,41 @@ class SQLiteCatalog(Catalog):
         with self._lock:
             return _tensors_where(self._db, "name = ?", (name,))
 
-    def pending(self) -> list[TensorRecord]:
+    def pending(self, created_before: float | None = None) -> list[TensorRecord]:
+        where, args = "state = 'pending'", ()  # the literal the partial index tensors_pending names
+        if created_before is not None:
+            where += " AND json_extract(record, '$.created_unix') < ?"
+            args = (created_before,)
         with self._lock:
-            return _tensors_where(self._db, "state = ?", (TensorState.PENDING.value,))
+            return _tensors_where(self._db, where, args)
 
     def promoting(self) -> list[TensorRecord]:
-        with self._lock:  # a JSON field, read by SQLite: only the rows that match are decoded here
+        with (
+            self._lock
+        ):  # a JSON field, read by SQLite through a partial index: only matching rows decoded
             return _tensors_where(self._db, "json_extract(record, '$.promoting')", ())
+
+    def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
+        wanted = sorted(set(ranks))
+        if not wanted:
+            return []
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT record FROM tensors WHERE (name, version) IN (SELECT name, version FROM "
+                f"placements WHERE rank IN ({','.join('?' * len(wanted))})) ORDER BY version",
+                wanted,
+            ).fetchall()
+        return [tensor_of(r[0]) for r in rows]
+
+    def placed_ranks(self) -> set[int]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT DISTINCT rank FROM placements")}
+
+    def with_lost_copies(self) -> list[TensorRecord]:
+        with self._lock:  # the partial index tensors_lost: only rows with lost copies are read
+            return _tensors_where(
+                self._db, "json_array_length(record, '$.lost_shards') > 0 AND state = 'ready'", ()
+            )
 
     def sync_level(self) -> int:
         """SQLite's `synchronous` setting between transactions: 2 (FULL), what a commit's durability rests on."""

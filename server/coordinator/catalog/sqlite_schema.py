@@ -2,7 +2,8 @@
 catalog written by an earlier shardserve up to it when it is opened.
 
 The schema's version is the database's `PRAGMA user_version`: 0, the TensorInfo/SnapshotInfo protobuf blobs of
-the first versions; 1, records without shard checksums; 2, the current one. Every step runs inside the open
+the first versions; 1, records without shard checksums; 2, without the placements table and the indexes of
+the background scans; 3, the current one. Every step runs inside the open
 transaction the catalog hands it, so a migration that fails changes nothing. Kept apart from
 server/coordinator/catalog/sqlite.py so that the catalog's queries read on their own and each past layout is
 described in one place.
@@ -23,9 +24,52 @@ from shardserve.server.coordinator.catalog.messages import snapshot_from_proto, 
 # the catalog's logger: a migration is reported as the catalog's, whichever module performs it
 log = logging.getLogger("shardserve.server.coordinator.catalog.sqlite")
 
-# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
-# migrated on open)
-SCHEMA_VERSION = 2
+# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums, 2: no
+# placements table (all migrated on open)
+SCHEMA_VERSION = 3
+
+# The rank of a shard's placement "rank:N/device" (json_each over a document's metadata.shards), in SQL.
+_PLACEMENT = "json_extract({shard}.value, '$.placement')"
+_RANK = "CAST(substr({p}, 6, instr({p}, '/') - 6) AS INTEGER)"
+
+
+def placed_ranks_sql(record: str, shard: str = "shard") -> tuple[str, str]:
+    """(the FROM term, the rank expression) that list the ranks the tensor document `record` (an SQL
+    expression: a column, NEW.record, a parameter) places its shards on: one row per shard, joined as
+    `FROM ..., <term> WHERE <rank> IS NOT NULL`."""
+    placement = _PLACEMENT.format(shard=shard)
+    return f"json_each({record}, '$.metadata.shards') AS {shard}", _RANK.format(p=placement)
+
+
+_NEW_TERM, _NEW_RANK = placed_ranks_sql("NEW.record")
+_OLD_TERM, _OLD_RANK = placed_ranks_sql("OLD.record")
+
+# Which ranks hold shards of which versions, kept by triggers as rows of `tensors` come and go (a version's
+# layout never changes; SQLiteCatalog.update re-derives it anyway): the reconcile of one rank and the repair
+# scan read the versions on given ranks through it instead of decoding every row. The partial indexes serve
+# the background scans of the few rows they want (pending puts, unfinished promotions, lost copies).
+_INDEXES = (
+    """CREATE TABLE IF NOT EXISTS placements (
+        rank INTEGER NOT NULL,
+        name TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        PRIMARY KEY (rank, name, version)
+    ) WITHOUT ROWID""",
+    f"""CREATE TRIGGER IF NOT EXISTS tensors_placed AFTER INSERT ON tensors BEGIN
+        INSERT OR IGNORE INTO placements (rank, name, version)
+        SELECT DISTINCT {_NEW_RANK}, NEW.name, NEW.version FROM {_NEW_TERM} WHERE {_NEW_RANK} IS NOT NULL;
+    END""",
+    f"""CREATE TRIGGER IF NOT EXISTS tensors_unplaced AFTER DELETE ON tensors BEGIN
+        DELETE FROM placements WHERE name = OLD.name AND version = OLD.version AND rank IN
+        (SELECT {_OLD_RANK} FROM {_OLD_TERM});
+    END""",
+    "CREATE INDEX IF NOT EXISTS tensors_pending ON tensors (version) WHERE state = 'pending'",
+    "CREATE INDEX IF NOT EXISTS tensors_promoting ON tensors (version) "
+    "WHERE json_extract(record, '$.promoting')",
+    "CREATE INDEX IF NOT EXISTS tensors_lost ON tensors (name) "
+    "WHERE json_array_length(record, '$.lost_shards') > 0",
+)
+
 
 _TABLES = (
     """CREATE TABLE tensors (
@@ -57,8 +101,10 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
             f"catalog {path} has schema version {found}, newer than this shardserve's "
             f"({SCHEMA_VERSION}): run the shardserve that wrote it"
         )
-    if found == 1:
-        _add_checksums(db, path)
+    if found in (1, 2):
+        if found == 1:
+            _add_checksums(db, path)
+        _add_placements(db, path)
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         return
     legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
@@ -66,7 +112,7 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
         db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
         if _columns(db, "snapshots"):
             db.execute("ALTER TABLE snapshots RENAME TO snapshots_v0")
-    for statement in _TABLES:
+    for statement in (*_TABLES, *_INDEXES):
         db.execute(statement)
     if legacy:
         _migrate_blobs(db, path)
@@ -88,6 +134,23 @@ def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
         )
     log.warning(
         "catalog %s migrated to schema version %d: shard checksums (none known for existing versions)",
+        path,
+        SCHEMA_VERSION,
+    )
+
+
+def _add_placements(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: schema 2 to 3, the placements table (filled from every row), its triggers
+    and the partial indexes."""
+    for statement in _INDEXES:
+        db.execute(statement)
+    term, rank = placed_ranks_sql("t.record")
+    db.execute(
+        f"INSERT OR IGNORE INTO placements (rank, name, version) SELECT DISTINCT {rank}, t.name, "
+        f"t.version FROM tensors AS t, {term} WHERE {rank} IS NOT NULL"
+    )
+    log.warning(
+        "catalog %s migrated to schema version %d: which ranks hold which versions, indexed",
         path,
         SCHEMA_VERSION,
     )

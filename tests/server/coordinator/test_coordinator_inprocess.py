@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent import futures
 
 import grpc
 import pytest
@@ -74,6 +75,33 @@ class RankStub:
         return pb.AllocateManyResponse()
 
 
+class AsStub:
+    """A stand-in's methods as a gRPC stub's are: called, or issued with `.future(...)` (the coordinator fans
+    out that way), which answers a future already done."""
+
+    def __init__(self, stub: RankStub) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._stub, name))
+
+
+class _Method:
+    def __init__(self, call) -> None:  # type: ignore[no-untyped-def]
+        self._call = call
+
+    def __call__(self, request, timeout):  # type: ignore[no-untyped-def]
+        return self._call(request, timeout)
+
+    def future(self, request, timeout) -> futures.Future:  # type: ignore[no-untyped-def]
+        done: futures.Future = futures.Future()
+        try:
+            done.set_result(self._call(request, timeout))
+        except grpc.RpcError as err:
+            done.set_exception(err)
+        return done
+
+
 class RankRefusal(grpc.RpcError):
     """A rank's RESOURCE_EXHAUSTED answer, as the stub raises it."""
 
@@ -124,7 +152,7 @@ def _health(coord: CoordinatorServer, name: str) -> str:
 
 def _rank(coord: CoordinatorServer, stub: RankStub) -> None:
     """Register rank 0 of a world of one, called through `stub`."""
-    coord.registry.stub_of = lambda channel: stub  # type: ignore[assignment, return-value]
+    coord.registry.stub_of = lambda channel: AsStub(stub)  # type: ignore[assignment, return-value]
     coord.registry.register(
         RankInfo(rank=0, address="127.0.0.1:1", device="cpu", world_size=1, pid=1), []
     )
