@@ -55,9 +55,10 @@ QUICK_RANKS = (10, 40)
 TENSORS, QUICK_TENSORS = 10_000, 1_000
 TABLES, TABLE_ROWS = 100, 500  # x 2 replicas: 100,000 shards
 QUICK_TABLES, QUICK_TABLE_ROWS = 10, 100
-HEARTBEAT_S = 1.0
+HEARTBEAT_S = 2.0  # not 1 s: on a machine shared by busy processes a heartbeat can be a second late
 IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 3.0
 STEADY_COMMITS = 2
+ATTEMPTS = 3
 READ_BACK = 20  # snapshot tensors read back and compared
 GET_CALLS = 200
 REPAIR_AFTER_S = 2.0
@@ -135,8 +136,14 @@ def run_one(ctx: Context, figures: Figures) -> None:
         values["idle_cpu"] = idle_cpu(cluster, QUICK_IDLE_WINDOW_S if quick else IDLE_WINDOW_S)
         snapshot_rows(cluster, state, values, checks)
         catalog_rows(cluster, state, values)
-        cluster.wait_alive(world)  # a rank taken for dead meanwhile (a loaded machine) is back first
-        create_tables(cluster.stub, count=tables, rows=rows, world=world)
+        cluster.wait_alive(
+            world
+        )  # a rank taken for dead meanwhile (a loaded machine) is back first
+        retried(
+            cluster,
+            values,
+            lambda: create_tables(cluster.stub, count=tables, rows=rows, world=world),
+        )
         cluster.wait_alive(world)
         reshard_rows(cluster, tables=tables, rows=rows, values=values, checks=checks)
         cluster.wait_alive(world)
@@ -177,24 +184,54 @@ def idle_cpu(cluster: SimulatedCluster, window: float) -> float:
 
 
 def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, checks: dict) -> None:
-    """Create + commit (first), then the commit of the reserved next snapshot (steady); read back a sample."""
-    stub, clock = cluster.stub, Clock(cluster, values)
-    request = state.create_request()
-    created = clock.time(
-        "snapshot_first", lambda: stub.CreateSnapshot(request, timeout=CALL_TIMEOUT_S)
-    )
-    values["snapshot_create"] = values["snapshot_first"]
-    write_snapshot(created, cluster.rank_stub, state=state)
-    answer = clock.time("snapshot_first", lambda: commit_snapshot(stub, created.number))
-    for _ in range(STEADY_COMMITS):
-        if not answer.HasField("next"):
-            raise RuntimeError("the commit reserved no next snapshot")
-        write_snapshot(answer.next, cluster.rank_stub, state=state)
-        number = answer.next.number
-        answer = clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
-    values["snapshot_steady"] /= STEADY_COMMITS
-    values["snapshot_steady_cpu"] /= STEADY_COMMITS
+    """Create + commit (first), then the commits of the reserved next snapshots (steady); read back a sample.
+    A step that fails because a rank was taken for dead (a loaded machine) is done again from the create, once
+    every rank is back (counted in `retries`); its time is not counted."""
+    stub = cluster.stub
+    for attempt in range(ATTEMPTS):
+        timed: dict = {}
+        clock = Clock(cluster, timed)
+        try:
+            request = state.create_request()
+            created = clock.time(
+                "snapshot_first", lambda: stub.CreateSnapshot(request, timeout=CALL_TIMEOUT_S)
+            )
+            timed["snapshot_create"] = timed["snapshot_first"]
+            write_snapshot(created, cluster.rank_stub, state=state)
+            answer = clock.time("snapshot_first", lambda: commit_snapshot(stub, created.number))
+            for _ in range(STEADY_COMMITS):
+                if not answer.HasField("next"):
+                    raise RuntimeError("the commit reserved no next snapshot")
+                write_snapshot(answer.next, cluster.rank_stub, state=state)
+                number = answer.next.number
+                answer = clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == ATTEMPTS - 1:
+                raise
+            log.warning("snapshot rows: %s; again once every rank is alive", err.details())
+            values["retries"] = values.get("retries", 0) + 1
+            cluster.wait_alive(cluster.world)
+            continue
+        timed["snapshot_steady"] /= STEADY_COMMITS
+        timed["snapshot_steady_cpu"] /= STEADY_COMMITS
+        values.update(timed)
+        break
     checks["snapshot read back"] = read_back_snapshot(cluster, state)
+
+
+def retried(cluster: SimulatedCluster, values: dict, fn):
+    """`fn()`, done again (at most ATTEMPTS times) when it fails because a rank was taken for dead meanwhile (a
+    loaded machine), once every rank is alive again; the retries are counted in `retries`."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return fn()
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == ATTEMPTS - 1:
+                raise
+            log.warning("%s; again once every rank is alive", err.details())
+            values["retries"] = values.get("retries", 0) + 1
+            cluster.wait_alive(cluster.world)
+    raise AssertionError("unreachable")
 
 
 def commit_snapshot(stub, number: int) -> pb.CommitSnapshotResponse:
@@ -257,7 +294,11 @@ def reshard_rows(
     plan = fanout = 0.0
     cpu0, _ = cluster.coordinator_usage()
     for index in range(tables):
-        first, rest, _ = reshard_table(cluster.stub, index, rows=rows, world=cluster.world, shift=2)
+        first, rest, _ = retried(
+            cluster,
+            values,
+            lambda: reshard_table(cluster.stub, index, rows=rows, world=cluster.world, shift=2),
+        )
         plan += first
         fanout += rest
     values["reshard_plan"], values["reshard_fanout"] = plan, fanout

@@ -24,7 +24,9 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-MAX_PROCESSES = 16  # rank instances are spread over at most this many processes (each ~300 MiB of torch)
+MAX_PROCESSES = (
+    16  # rank instances are spread over at most this many processes (each ~300 MiB of torch)
+)
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 CHANNEL_OPTIONS = [

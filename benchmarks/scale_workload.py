@@ -12,6 +12,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -129,6 +130,13 @@ def create_tables(stub: pb_grpc.CoordinatorStub, *, count: int, rows: int, world
     """Create and commit `count` arange-filled replicated tables (CreateTensor with INIT_ARANGE)."""
 
     def create(index: int) -> None:
+        request = pb.GetTensorRequest(name=f"table{index}")
+        try:  # made already, by an attempt that failed on another table
+            stub.GetTensor(request, timeout=TIMEOUT_S)
+            return
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
         stub.CreateTensor(
             pb.CreateTensorRequest(
                 name=f"table{index}",

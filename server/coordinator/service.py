@@ -154,8 +154,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
         records = self.coordinator.lifecycle.list(request.include_pending)
-        visible = [r for r in records if _covers(r.name)]
-        return pb.ListTensorsResponse(tensors=[self.answers.tensor(r) for r in visible])
+        return self.answers.tensors(r for r in records if _covers(r.name))
 
     @rpc_errors
     def Reshard(

@@ -18,7 +18,12 @@ from typing import Any, overload
 import orjson
 
 from shardserve.core.dtypes import dtype_from_name, dtype_name
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    interned,
+)
 from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -163,12 +168,14 @@ def layout_from_document(layout: dict[str, Any]) -> ShardedTensorMetadata:
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
     shards, size, dtype, requires_grad, pin_memory = key
-    return ShardedTensorMetadata(
-        tuple(ShardMetadata(offsets, sizes, placement) for offsets, sizes, placement in shards),
-        size,
-        TensorProperties(
-            dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory
-        ),
+    return interned(  # the same object as the requests' and other records' of this layout
+        ShardedTensorMetadata(
+            tuple(ShardMetadata(offsets, sizes, placement) for offsets, sizes, placement in shards),
+            size,
+            TensorProperties(
+                dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory
+            ),
+        )
     )
 
 

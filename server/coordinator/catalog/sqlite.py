@@ -35,7 +35,11 @@ from shardserve.server.coordinator.catalog.records import (
     TensorRecord,
     TensorState,
 )
-from shardserve.server.coordinator.catalog.sqlite_schema import placed_ranks_sql, upgrade
+from shardserve.server.coordinator.catalog.sqlite_schema import (
+    forget_unused_layouts,
+    layout_ids,
+    upgrade,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +66,9 @@ class SQLiteCatalog(Catalog):
         self._db.execute("PRAGMA synchronous=FULL")
         with self._transaction() as db:
             upgrade(db, self.path)
-        with (
-            self._lock
-        ):  # counted, not read: a catalog of many rows opens in the time of its schema
+            forget_unused_layouts(db)
+        # counted, not read: a catalog of many rows opens in the time of its schema
+        with self._lock:
             count = self._db.execute("SELECT count(*) FROM tensors").fetchone()[0]
         log.info("catalog %s: %d tensor versions", self.path, count)
 
@@ -109,9 +113,13 @@ class SQLiteCatalog(Catalog):
 
     def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
         with self._transaction(durable) as db:
+            layouts = layout_ids(db, (r.metadata for r in records))
             db.executemany(
-                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-                [(r.name, r.version, r.state.value, tensor_json(r)) for r in records],
+                "INSERT INTO tensors (name, version, state, record, layout) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (r.name, r.version, r.state.value, tensor_json(r), layouts[r.metadata])
+                    for r in records
+                ],
             )
 
     def commit_all(
@@ -165,30 +173,16 @@ class SQLiteCatalog(Catalog):
         return snapshot_of(row[0]) if row is not None else None
 
     def update(self, record: TensorRecord) -> None:
-        key = (record.name, record.version)
         with self._transaction() as db:
-            # the placements of the row as it was, then as it is (the triggers see inserts and deletes only)
-            term, rank = placed_ranks_sql("t.record")
-            db.execute(
-                f"DELETE FROM placements WHERE name = ? AND version = ? AND rank IN (SELECT {rank} "
-                f"FROM tensors AS t, {term} WHERE t.name = ? AND t.version = ?)",
-                (*key, *key),
-            )
-            document = tensor_json(record)
+            layout = layout_ids(db, [record.metadata])[record.metadata]
             cursor = db.execute(
-                "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-                (record.state.value, document, *key),
+                "UPDATE tensors SET state = ?, record = ?, layout = ? WHERE name = ? AND version = ?",
+                (record.state.value, tensor_json(record), layout, record.name, record.version),
             )
             if cursor.rowcount != 1:
                 raise KeyError(
                     f"tensor {record.name!r} version {record.version} is not in the catalog"
                 )
-            term, rank = placed_ranks_sql(":record")
-            db.execute(
-                f"INSERT OR IGNORE INTO placements (rank, name, version) SELECT DISTINCT {rank}, "
-                f":name, :version FROM {term} WHERE {rank} IS NOT NULL",
-                {"record": document, "name": record.name, "version": record.version},
-            )
 
     def remove(self, name: str, version: int = 0) -> list[TensorRecord]:
         where, args = (
@@ -226,17 +220,17 @@ class SQLiteCatalog(Catalog):
         wanted = sorted(set(ranks))
         if not wanted:
             return []
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT record FROM tensors WHERE (name, version) IN (SELECT name, version FROM "
-                f"placements WHERE rank IN ({','.join('?' * len(wanted))})) ORDER BY version",
-                wanted,
-            ).fetchall()
-        return [tensor_of(r[0]) for r in rows]
+        with self._lock:  # the layouts on those ranks, then their rows (index tensors_layout)
+            return _tensors_where(
+                self._db,
+                "layout IN (SELECT layout FROM layout_ranks WHERE rank IN "
+                f"({','.join('?' * len(wanted))}))",
+                tuple(wanted),
+            )
 
     def placed_ranks(self) -> set[int]:
         with self._lock:
-            return {r[0] for r in self._db.execute("SELECT DISTINCT rank FROM placements")}
+            return {r[0] for r in self._db.execute("SELECT DISTINCT rank FROM layout_ranks")}
 
     def with_lost_copies(self) -> list[TensorRecord]:
         with self._lock:  # the partial index tensors_lost: only rows with lost copies are read
