@@ -29,6 +29,7 @@ MAX_PROCESSES = (
 )
 START_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 2.0
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
@@ -93,12 +94,21 @@ class RankProcess:
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
 
-    def stop(self) -> None:
+    def close_input(self) -> None:
+        """End its commands: it stops its instances and exits (`stop` waits for that)."""
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """Let it stop its instances, for `timeout` seconds; then kill it (nothing it does on the way out is
+        measured)."""
         if self.proc.poll() is None:
+            self.close_input()
             try:
-                self.proc.stdin.close()
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
 
@@ -279,8 +289,7 @@ class SimulatedCluster:
         return self._rank_stubs[rank]
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
+        """Stop the coordinator first (so that no rank is reported dead on the way out), then the ranks."""
         if self.coordinator is not None and self.coordinator.poll() is None:
             self.coordinator.send_signal(signal.SIGTERM)
             try:
@@ -288,6 +297,10 @@ class SimulatedCluster:
             except subprocess.TimeoutExpired:
                 self.coordinator.kill()
                 self.coordinator.wait(timeout=10)
+        for worker in self.workers:
+            worker.close_input()
+        for worker in self.workers:
+            worker.stop()
         self.channel.close()
         if self._temporary is not None:
             self._temporary.cleanup()

@@ -165,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve_commands(ranks)
     finally:
-        for r in ranks.values():
-            r.stop()
+        with futures.ThreadPoolExecutor(
+            REGISTER_THREADS
+        ) as pool:  # a heartbeat may be in flight in each
+            list(pool.map(SimulatedRank.stop, ranks.values()))
     return 0
 
 
