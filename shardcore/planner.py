@@ -26,6 +26,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence, Set
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 
@@ -228,9 +229,15 @@ class _SourceIndex:
                     keys[g].append(position)
             self.dims.append(interval_index)
         self.by_key = {tuple(key): g for g, key in enumerate(keys)}
+        self.by_box = {box: g for g, box in enumerate(self.boxes)}
 
     def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:
-        """Source groups that may overlap the box (a superset; exact for grid-like sources)."""
+        """Source groups that may overlap the box (a superset; exact for grid-like sources). A box that is a
+        source box itself overlaps that one only (source boxes are disjoint but for exact replicas): a reshard
+        that moves shards without cutting them again, and every repair, finds each at once."""
+        same = self.by_box.get((offsets, sizes))
+        if same is not None:
+            return (same,)
         if self.ndim == 0:
             return range(len(self.boxes))
         hits_per_dim = []
@@ -295,16 +302,15 @@ def _check_inputs(
     ranks: dict[str, list[int]] = {"src": [], "dst": []}
     for name, meta in (("src", src), ("dst", dst)):
         for i, shard in enumerate(meta.shards_metadata):
-            where = f"{name}.shards_metadata[{i}]"
             if len(shard.shard_offsets) != meta.ndim:
                 raise ValueError(
-                    f"{where}.shard_offsets has {len(shard.shard_offsets)} dims "
+                    f"{name}.shards_metadata[{i}].shard_offsets has {len(shard.shard_offsets)} dims "
                     f"but the tensor has {meta.ndim}"
                 )
             for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
                 if o < 0 or s < 0 or o + s > n:
                     raise ValueError(
-                        f"{where} is outside the tensor in dim {d}: "
+                        f"{name}.shards_metadata[{i}] is outside the tensor in dim {d}: "
                         f"offset {o}, size {s}, tensor size {n}"
                     )
             ranks[name].append(_rank_of(meta, i, name))
@@ -423,19 +429,36 @@ def plan_reshard_per_round(
     `round_bytes` on every rank: the busiest rank's (peer, direction) pairs share it.
 
     An executor that keeps two rounds in flight then stages at most two times `round_bytes` per rank,
-    however many peers a rank has. Every rank computes the same plan from the same inputs.
+    however many peers a rank has. Every rank computes the same plan from the same inputs (it equals
+    plan_reshard(src, dst, its bucket_bytes)). Which copy each piece is read from does not depend on the bucket
+    size, so it is decided once; only the cutting into buckets is done for the round's size.
     """
-    plan = plan_reshard(src, dst, round_bytes, unavailable)
-    pairs = max(
-        (
-            len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
-            for part in plan.rank_plans().values()
-        ),
-        default=1,
-    )
-    if pairs <= 1:
-        return plan
-    return plan_reshard(src, dst, max(1, round_bytes // pairs), unavailable)
+    src_ranks, dst_ranks = _check_inputs(src, dst, round_bytes)
+    with _gc_paused():
+        pieces = _assign(src, dst, src_ranks, dst_ranks, frozenset(unavailable))
+        peers: dict[int, set[tuple[int, bool]]] = defaultdict(set)
+        for piece in pieces:
+            if piece.src_rank != piece.dst_rank and piece.numel:
+                peers[piece.src_rank].add((piece.dst_rank, True))
+                peers[piece.dst_rank].add((piece.src_rank, False))
+        pairs = max((len(p) for p in peers.values()), default=1)
+        bucket_bytes = round_bytes if pairs <= 1 else max(1, round_bytes // pairs)
+        return _cut(src, dst, pieces, bucket_bytes)
+
+
+class _Piece(NamedTuple):
+    """The part of a destination shard read from one source copy, before it is cut into buckets (a tuple:
+    made once per destination shard and copy, it must be cheap to make)."""
+
+    src_shard: int
+    dst_shard: int
+    src_rank: int
+    dst_rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    numel: int
+    src_offsets: tuple[int, ...]
+    dst_offsets: tuple[int, ...]
 
 
 def _plan(
@@ -447,10 +470,21 @@ def _plan(
     unavailable: frozenset[int],
 ) -> ReshardPlan:
     """plan_reshard after validation."""
+    return _cut(src, dst, _assign(src, dst, src_ranks, dst_ranks, unavailable), bucket_bytes)
+
+
+def _assign(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    src_ranks: list[int],
+    dst_ranks: list[int],
+    unavailable: frozenset[int],
+) -> list[_Piece]:
+    """The piece of each destination shard each source copy gives (which copy: _choose_holder)."""
     itemsize = src.tensor_properties.itemsize
     index = _SourceIndex(src, src_ranks, unavailable)
     load: dict[int, int] = {}
-    transfers: list[Transfer] = []
+    pieces: list[_Piece] = []
     for j, shard in enumerate(dst.shards_metadata):
         d_off, d_size = shard.shard_offsets, shard.shard_sizes
         if 0 in d_size:
@@ -465,29 +499,46 @@ def _plan(
             src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)
             numel = math.prod(common[1])
             covered += numel
-            if src_rank == dst_rank:
-                pieces = [common]
-            else:
+            if src_rank != dst_rank:
                 load[src_rank] = load.get(src_rank, 0) + numel * itemsize
-                pieces = split_box(common[0], common[1], itemsize, bucket_bytes)
-            for offsets, sizes in pieces:
-                transfers.append(
-                    Transfer(
-                        src_shard,
-                        j,
-                        src_rank,
-                        dst_rank,
-                        offsets,
-                        sizes,
-                        math.prod(sizes) * itemsize,
-                        s_off,
-                        d_off,
-                    )
-                )
+            pieces.append(
+                _Piece(src_shard, j, src_rank, dst_rank, common[0], common[1], numel, s_off, d_off)
+            )
         if covered != math.prod(d_size):
             raise ValueError(
                 f"src shards do not cover dst.shards_metadata[{j}] (offsets {d_off}, sizes {d_size}) "
                 f"exactly once: {covered} of {math.prod(d_size)} elements found; src has gaps or overlaps"
+            )
+    return pieces
+
+
+def _cut(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    pieces: list[_Piece],
+    bucket_bytes: int,
+) -> ReshardPlan:
+    """The plan of `pieces`: remote ones split to at most `bucket_bytes`, ordered, and bucketed."""
+    itemsize = src.tensor_properties.itemsize
+    transfers: list[Transfer] = []
+    for p in pieces:
+        if p.src_rank == p.dst_rank:
+            boxes = [(p.offsets, p.sizes)]
+        else:
+            boxes = split_box(p.offsets, p.sizes, itemsize, bucket_bytes)
+        for offsets, sizes in boxes:
+            transfers.append(
+                Transfer(
+                    p.src_shard,
+                    p.dst_shard,
+                    p.src_rank,
+                    p.dst_rank,
+                    offsets,
+                    sizes,
+                    math.prod(sizes) * itemsize,
+                    p.src_offsets,
+                    p.dst_offsets,
+                )
             )
     transfers.sort(key=_order_key)
     return ReshardPlan(

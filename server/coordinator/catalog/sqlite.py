@@ -257,18 +257,20 @@ class SQLiteCatalog(Catalog):
     def list(self, include_pending: bool = False) -> list[TensorRecord]:
         where, args = ("1", ()) if include_pending else ("state = ?", (TensorState.READY.value,))
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT record FROM tensors WHERE {where} ORDER BY name, version", args
-            ).fetchall()
-        return [tensor_of(r[0]) for r in rows]
+            rows = self._db.execute(f"{_ROWS} WHERE {where} ORDER BY name, version", args).fetchall()
+        return [tensor_of(*row) for row in rows]
 
 
 # ---------------------------------------------------------------- rows within a transaction
 
 
+# A row's document and its layout's (decoded once per distinct layout: tensor_of).
+_ROWS = "SELECT record, document FROM tensors LEFT JOIN layouts ON layouts.id = tensors.layout"
+
+
 def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
-    rows = db.execute(f"SELECT record FROM tensors WHERE {where} ORDER BY version", args)
-    return [tensor_of(r[0]) for r in rows]
+    rows = db.execute(f"{_ROWS} WHERE {where} ORDER BY version", args)
+    return [tensor_of(*row) for row in rows]
 
 
 def _commit_in(

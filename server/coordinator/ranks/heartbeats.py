@@ -4,7 +4,7 @@ Every heartbeat costs the coordinator one gRPC call (about half a millisecond of
 of it gRPC's own), so a fixed interval makes the idle cost grow with the ranks: a thousand ranks at one second
 take half a core. The coordinator therefore tells each rank its interval, in the RegisterRank answer and in
 every Heartbeat answer: the configured interval, or longer, so that all registered ranks together send at
-most `rate` heartbeats a second (200 by default: 10% of a core). A rank is dead once it has been silent for
+most `rate` heartbeats a second (100 by default: about 6% of a core). A rank is dead once it has been silent for
 DEAD_AFTER_INTERVALS of the interval it was last told (unless `dead_after` fixes it): a dead rank is noticed
 within twice its interval, and a live one is taken for dead only when a heartbeat is a whole interval late.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DEFAULT_RATE = 200.0
+DEFAULT_RATE = 100.0
 DEAD_AFTER_INTERVALS = 2.0
 
 
