@@ -5,13 +5,9 @@ the plan is a pure value; server/ executes it with collectives and
 shardcore.executor.apply_plan executes it in memory.
 
 The planner is not quadratic in the number of shards: source boxes are indexed
-per dim by their distinct intervals (sorted, with bisect). A destination shard
-tests either the source boxes of its most selective dim or, for grid-like
-sources, only the product of the overlapping intervals, whichever is fewer;
-so the work follows the number of transfers produced (n + m for chunks on
-the same dim, not n * m). Limits: one very long interval in a dim widens the
-bisect window of that dim; layouts that truly intersect pairwise (rows
-against columns) produce n * m transfers by nature.
+(shardcore/source_index.py) so that the work follows the number of transfers
+produced (n + m for chunks on the same dim, not n * m); layouts that truly
+intersect pairwise (rows against columns) produce n * m transfers by nature.
 """
 
 from __future__ import annotations
@@ -22,13 +18,13 @@ import gc
 import itertools
 import math
 import operator
-from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from shardserve.core.metadata import Box, ShardedTensorMetadata
+from shardserve.core.source_index import SourceIndex, intersection
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -171,115 +167,11 @@ class ReshardPlan:
         }
 
 
-_BoxKey = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-class _IntervalIndex:
-    """The distinct intervals of one dim, sorted by start, each with the boxes spanning it."""
-
-    def __init__(self, intervals: dict[tuple[int, int], list[int]]) -> None:
-        items = sorted(intervals.items())
-        self.starts = [lo for (lo, _), _ in items]
-        self.ends = [hi for (_, hi), _ in items]
-        self.members = [ids for _, ids in items]
-        self.max_len = max((hi - lo for hi, lo in zip(self.ends, self.starts)), default=0)
-
-    def overlapping(self, lo: int, hi: int) -> list[int]:
-        """Positions of the intervals that overlap [lo, hi)."""
-        first = bisect_left(self.starts, lo - self.max_len + 1)
-        last = bisect_left(self.starts, hi)
-        ends = self.ends
-        return [i for i in range(first, last) if ends[i] > lo]
-
-
-class _SourceIndex:
-    """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index.
-
-    Each box is also keyed by the positions of its intervals in the per-dim
-    indexes, so a grid-like source answers a query by enumerating the product
-    of the overlapping intervals, and any other source by the members of the
-    most selective dim, whichever is fewer.
-    """
-
-    def __init__(
-        self,
-        src: ShardedTensorMetadata,
-        ranks: Sequence[int],
-        unavailable: frozenset[int] = frozenset(),
-    ) -> None:
-        groups: dict[_BoxKey, list[tuple[int, int]]] = {}
-        for index, shard in enumerate(src.shards_metadata):
-            if 0 in shard.shard_sizes or index in unavailable:
-                continue
-            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(
-                (index, ranks[index])
-            )
-        self.boxes = list(groups)
-        self.holders = list(groups.values())
-        self.ndim = len(src.size)
-        self.dims: list[_IntervalIndex] = []
-        keys: list[list[int]] = [[] for _ in self.boxes]
-        for d in range(self.ndim):
-            intervals: dict[tuple[int, int], list[int]] = {}
-            for g, (offsets, sizes) in enumerate(self.boxes):
-                intervals.setdefault((offsets[d], offsets[d] + sizes[d]), []).append(g)
-            interval_index = _IntervalIndex(intervals)
-            for position, members in enumerate(interval_index.members):
-                for g in members:
-                    keys[g].append(position)
-            self.dims.append(interval_index)
-        self.by_key = {tuple(key): g for g, key in enumerate(keys)}
-        self.by_box = {box: g for g, box in enumerate(self.boxes)}
-
-    def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:
-        """Source groups that may overlap the box (a superset; exact for grid-like sources). A box that is a
-        source box itself overlaps that one only (source boxes are disjoint but for exact replicas): a reshard
-        that moves shards without cutting them again, and every repair, finds each at once."""
-        same = self.by_box.get((offsets, sizes))
-        if same is not None:
-            return (same,)
-        if self.ndim == 0:
-            return range(len(self.boxes))
-        hits_per_dim = []
-        product = 1
-        best_count, best_dim = -1, 0
-        for d, index in enumerate(self.dims):
-            hits = index.overlapping(offsets[d], offsets[d] + sizes[d])
-            if not hits:
-                return ()
-            hits_per_dim.append(hits)
-            product *= len(hits)
-            count = sum(len(index.members[i]) for i in hits)
-            if best_count < 0 or count < best_count:
-                best_count, best_dim = count, d
-        if product <= best_count:
-            lookup = self.by_key
-            return [
-                g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None
-            ]
-        members = self.dims[best_dim].members
-        return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
-
-
 def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
     placement = meta.shards_metadata[index].placement
     if placement is None:
         raise ValueError(f"{which}.shards_metadata[{index}].placement is missing")
     return placement.rank()
-
-
-def _intersection(
-    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
-        lo = ao if ao > bo else bo
-        hi = min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
 
 
 def _check_inputs(
@@ -482,7 +374,7 @@ def _assign(
 ) -> list[_Piece]:
     """The piece of each destination shard each source copy gives (which copy: _choose_holder)."""
     itemsize = src.tensor_properties.itemsize
-    index = _SourceIndex(src, src_ranks, unavailable)
+    index = SourceIndex(src, src_ranks, unavailable)
     load: dict[int, int] = {}
     pieces: list[_Piece] = []
     for j, shard in enumerate(dst.shards_metadata):
@@ -493,7 +385,7 @@ def _assign(
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]
-            common = _intersection(s_off, s_size, d_off, d_size)
+            common = intersection(s_off, s_size, d_off, d_size)
             if common is None:
                 continue
             src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)

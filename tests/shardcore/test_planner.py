@@ -354,14 +354,14 @@ def test_planner_tests_few_pairs_not_all_pairs(monkeypatch, layout):
     import shardserve.core.planner as planner
 
     calls = 0
-    real = planner._intersection
+    real = planner.intersection
 
     def counting(*args):
         nonlocal calls
         calls += 1
         return real(*args)
 
-    monkeypatch.setattr(planner, "_intersection", counting)
+    monkeypatch.setattr(planner, "intersection", counting)
     if layout == "rows":
         src, dst = rows(100_000, list(range(1000)), cols=2), rows(100_000, list(range(999)), cols=2)
     else:

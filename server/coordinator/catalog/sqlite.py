@@ -203,7 +203,8 @@ class SQLiteCatalog(Catalog):
             return _tensors_where(self._db, "name = ?", (name,))
 
     def pending(self, created_before: float | None = None) -> list[TensorRecord]:
-        where, args = "state = 'pending'", ()  # the literal the partial index tensors_pending names
+        where = "state = 'pending'"  # the literal the partial index tensors_pending names
+        args: tuple[float, ...] = ()
         if created_before is not None:
             where += " AND json_extract(record, '$.created_unix') < ?"
             args = (created_before,)
@@ -257,7 +258,9 @@ class SQLiteCatalog(Catalog):
     def list(self, include_pending: bool = False) -> list[TensorRecord]:
         where, args = ("1", ()) if include_pending else ("state = ?", (TensorState.READY.value,))
         with self._lock:
-            rows = self._db.execute(f"{_ROWS} WHERE {where} ORDER BY name, version", args).fetchall()
+            rows = self._db.execute(
+                f"{_ROWS} WHERE {where} ORDER BY name, version", args
+            ).fetchall()
         return [tensor_of(*row) for row in rows]
 
 

@@ -119,12 +119,14 @@ class RankCalls:
         `copies`: {name: (source name, source version)} of records allocated as copies sharing the source's
         blocks (a delta put's)."""
         dropping, copies = dropping or {}, copies or {}
-        allocations = Entries(
+        allocations: Entries[TensorRecord] = Entries(
             pb.AllocateManyRequest,
             "tensors",
             lambda r: self._allocation(r, _allocation_for(copies.get(r.name))),
         )
-        drops = Entries(pb.AllocateManyRequest, "drop_first", _drop_request)
+        drops: Entries[tuple[str, int]] = Entries(
+            pb.AllocateManyRequest, "drop_first", _drop_request
+        )
         requests = {}
         for rank, mine in records.items():
             request = pb.AllocateManyRequest(writer_host_id=writer_host_id)
