@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
@@ -80,6 +81,8 @@ class RankRegistry:
         self._clock = clock
         self.stub_of = stub_of
         self._ranks: dict[int, RankEntry] = {}
+        self._worlds: Counter[int] = Counter()  # registered entries by world size
+        self._by_address: dict[str, int] = {}  # the rank that last registered each address
         self._ranks_changed = threading.Condition()
         self._started = self._clock()
         # the last registration, exit, return from the dead or restore
@@ -112,6 +115,12 @@ class RankRegistry:
                 old = self._ranks.get(info.rank)
                 entry.info = replace(info, restarts=_restarts_after(old, info))
                 self._ranks[info.rank] = entry
+                if old is not None:
+                    self._worlds[old.info.world_size] -= 1
+                    if not self._worlds[old.info.world_size]:
+                        del self._worlds[old.info.world_size]
+                self._worlds[info.world_size] += 1
+                self._by_address[info.address] = info.rank
                 entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
                 self._changed_at = self._clock()
                 self._ranks_changed.notify_all()
@@ -181,19 +190,28 @@ class RankRegistry:
         replace a live registration of the same rank from elsewhere (else a stray registration would take a rank
         over, or make the reconcile drop another rank's versions). A restarted rank whose old entry is still
         alive gets UNAVAILABLE, which its registration retries until that entry expires."""
-        for rank, entry in self._ranks.items():
-            if rank == info.rank or not self.is_alive(entry):
-                continue
-            if entry.info.world_size != info.world_size:
-                raise WorldMismatch(
-                    f"rank.world_size {info.world_size} differs from the world size "
-                    f"{entry.info.world_size} of registered rank {rank}",
-                    metadata={"field": "rank.world_size", "rank": info.rank},
-                )
-            if entry.info.address == info.address:
-                raise InvalidState(
-                    f"rank.address {info.address} is registered by rank {rank}, which is alive"
-                )
+        # registrations that agree with every registered rank, the usual case, are checked without a walk over
+        # all of them: a thousand ranks registering at once would make a million checks
+        if set(self._worlds) - {info.world_size}:
+            for rank, entry in self._ranks.items():
+                if rank == info.rank or not self.is_alive(entry):
+                    continue
+                if entry.info.world_size != info.world_size:
+                    raise WorldMismatch(
+                        f"rank.world_size {info.world_size} differs from the world size "
+                        f"{entry.info.world_size} of registered rank {rank}",
+                        metadata={"field": "rank.world_size", "rank": info.rank},
+                    )
+        holder = self._ranks.get(self._by_address.get(info.address, -1))
+        if (
+            holder is not None
+            and holder.info.rank != info.rank
+            and holder.info.address == info.address
+            and self.is_alive(holder)
+        ):
+            raise InvalidState(
+                f"rank.address {info.address} is registered by rank {holder.info.rank}, which is alive"
+            )
         own = self._ranks.get(info.rank)
         if own is not None and self.is_alive(own) and own.info.address != info.address:
             raise RankUnavailable(
