@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--json FILE] [--plots DIR] [--only NAME...]`: the whole benchmark suite.
+"""`python -m benchmarks [--quick] [--ranks N,N] [--json FILE] [--plots DIR] [--only NAME...]`: the suite.
 
 Runs every registered scenario (see benchmarks.harness) with its baselines in
 the same run, prints machine info and a table of absolute figures and ratios
@@ -20,12 +20,29 @@ from benchmarks.machine import machine_info
 from benchmarks.report import print_report
 
 
+def rank_counts(text: str) -> tuple[int, ...]:
+    """`--ranks 10,100`: positive rank counts, in the order given."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ranks {text!r} is not a list like 10,100") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--ranks {text!r}: every count must be >= 1")
+    return counts
+
+
 def parse_args(argv: list[str], names: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__.splitlines()[0]
     )
     parser.add_argument(
         "--quick", action="store_true", help="small sizes and few repeats (a smoke test)"
+    )
+    parser.add_argument(
+        "--ranks",
+        type=rank_counts,
+        metavar="N,N,...",
+        help="rank counts for the scenarios that simulate ranks (scale; default 10,100,1000)",
     )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario group into DIR")
@@ -46,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, list(registry))
     selected = args.only or list(registry)
     machine = machine_info()
-    rows, reports = run_scenarios(selected, args.quick)
+    rows, reports = run_scenarios(selected, args.quick, args.ranks)
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print_report(rows, reports, machine)
     doc = document(rows, reports, args.quick, " ".join(["python -m benchmarks", *argv]), machine)

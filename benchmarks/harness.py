@@ -49,6 +49,7 @@ SCENARIO_MODULES = (
     "benchmarks.statedict",
     "benchmarks.persist",
     "benchmarks.torchrec_serving",
+    "benchmarks.scale",
 )
 ROLES = ("subject", "baseline")
 
@@ -143,10 +144,12 @@ def failure_row(group: str, case: str, name: str, error: BaseException, **fields
 
 @dataclass
 class Context:
-    """What a scenario gets: the quick flag and the RSS sampler."""
+    """What a scenario gets: the quick flag, the RSS sampler, and the rank counts asked for (`--ranks`; None: the
+    scenario's own)."""
 
     quick: bool
     sampler: RssSampler
+    ranks: tuple[int, ...] | None = None
 
     def rss(self, pids: Iterable[int] | None = None):
         """Context manager yielding {label: peak RSS bytes} of `pids` (default all processes) while it is open."""
@@ -238,12 +241,14 @@ def fill_ratios(rows: list[Row]) -> None:
                 row.ratio = reference.seconds / row.seconds
 
 
-def run_scenarios(names: Iterable[str], quick: bool) -> tuple[list[Row], list[dict]]:
+def run_scenarios(
+    names: Iterable[str], quick: bool, ranks: tuple[int, ...] | None = None
+) -> tuple[list[Row], list[dict]]:
     """Run the named scenarios one after another; a failing scenario is reported, not fatal."""
     rows: list[Row] = []
     reports: list[dict] = []
     with RssSampler() as sampler:
-        ctx = Context(quick=quick, sampler=sampler)
+        ctx = Context(quick=quick, sampler=sampler, ranks=ranks)
         for name in names:
             entry = REGISTRY[name]
             start = time.perf_counter()

@@ -321,8 +321,10 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("heartbeat_interval_s",)
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_interval_s: float
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ...) -> None: ...
 
 class ListRanksRequest(_message.Message):
     __slots__ = ()

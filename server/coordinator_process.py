@@ -141,7 +141,16 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-interval",
         type=float,
         default=CoordinatorOptions.heartbeat_interval,
-        help="seconds between rank heartbeats; a rank is dead after 3 missed (default %(default)s)",
+        help="seconds between rank heartbeats, the shortest interval ranks are told (it grows with the "
+        "cluster, see --heartbeat-rate); a rank silent for twice its interval is dead (default %(default)s)",
+    )
+    parser.add_argument(
+        "--heartbeat-rate",
+        type=float,
+        default=CoordinatorOptions.heartbeat_rate,
+        help="heartbeats per second the coordinator takes from all ranks together: past "
+        "--heartbeat-interval x this many ranks, their interval grows to keep within it (0 = no limit; "
+        "default %(default)s)",
     )
     parser.add_argument(
         "--repair-after",
@@ -168,6 +177,7 @@ def coordinator_options_from_args(
     try:
         return CoordinatorOptions(
             heartbeat_interval=args.heartbeat_interval,
+            heartbeat_rate=args.heartbeat_rate,
             repair_after=args.repair_after,
             store_port=store_port,
             lease_duration=args.lease_duration,

@@ -13,6 +13,7 @@ import functools
 import math
 import operator
 import re
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -239,8 +240,12 @@ class ShardedTensorMetadata:
         return self.numel() * self.tensor_properties.itemsize
 
     def ranks(self) -> tuple[int, ...]:
-        """Sorted distinct ranks that hold at least one shard."""
-        return tuple(sorted({s.rank for s in self.shards_metadata}))
+        """Sorted distinct ranks that hold at least one shard (computed once: fan-outs ask it of every tensor)."""
+        cached = self.__dict__.get("_ranks")
+        if cached is None:
+            cached = tuple(sorted({s.rank for s in self.shards_metadata}))
+            object.__setattr__(self, "_ranks", cached)
+        return cached
 
     def shards_on(self, rank: int) -> list[int]:
         """Indices (into shards_metadata) of the shards placed on `rank`, in order."""
@@ -254,6 +259,21 @@ class ShardedTensorMetadata:
         return (
             sum(shard.numel() for shard in self.shards_metadata) * self.tensor_properties.itemsize
         )
+
+
+_INTERNED: weakref.WeakValueDictionary[ShardedTensorMetadata, ShardedTensorMetadata] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def interned(meta: ShardedTensorMetadata) -> ShardedTensorMetadata:
+    """The one live object equal to `meta` (`meta` itself when it is the first). Decoders intern what they make,
+    so that the records and requests of one layout share an object: caches keyed on layouts then find it by
+    identity, not by comparing every shard (a state dict's ten thousand tensors have a few layouts)."""
+    found = _INTERNED.get(meta)
+    if found is None:
+        _INTERNED[meta] = found = meta  # a race makes two equal objects, never a wrong one
+    return found
 
 
 def make_metadata(

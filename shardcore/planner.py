@@ -5,13 +5,9 @@ the plan is a pure value; server/ executes it with collectives and
 shardcore.executor.apply_plan executes it in memory.
 
 The planner is not quadratic in the number of shards: source boxes are indexed
-per dim by their distinct intervals (sorted, with bisect). A destination shard
-tests either the source boxes of its most selective dim or, for grid-like
-sources, only the product of the overlapping intervals, whichever is fewer;
-so the work follows the number of transfers produced (n + m for chunks on
-the same dim, not n * m). Limits: one very long interval in a dim widens the
-bisect window of that dim; layouts that truly intersect pairwise (rows
-against columns) produce n * m transfers by nature.
+(shardcore/source_index.py) so that the work follows the number of transfers
+produced (n + m for chunks on the same dim, not n * m); layouts that truly
+intersect pairwise (rows against columns) produce n * m transfers by nature.
 """
 
 from __future__ import annotations
@@ -22,12 +18,13 @@ import gc
 import itertools
 import math
 import operator
-from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence, Set
+from collections.abc import Iterator, Sequence, Set
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from shardserve.core.metadata import Box, ShardedTensorMetadata
+from shardserve.core.source_index import SourceIndex, intersection
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -170,109 +167,11 @@ class ReshardPlan:
         }
 
 
-_BoxKey = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-class _IntervalIndex:
-    """The distinct intervals of one dim, sorted by start, each with the boxes spanning it."""
-
-    def __init__(self, intervals: dict[tuple[int, int], list[int]]) -> None:
-        items = sorted(intervals.items())
-        self.starts = [lo for (lo, _), _ in items]
-        self.ends = [hi for (_, hi), _ in items]
-        self.members = [ids for _, ids in items]
-        self.max_len = max((hi - lo for hi, lo in zip(self.ends, self.starts)), default=0)
-
-    def overlapping(self, lo: int, hi: int) -> list[int]:
-        """Positions of the intervals that overlap [lo, hi)."""
-        first = bisect_left(self.starts, lo - self.max_len + 1)
-        last = bisect_left(self.starts, hi)
-        ends = self.ends
-        return [i for i in range(first, last) if ends[i] > lo]
-
-
-class SourceIndex:
-    """Distinct non-empty source boxes, their holders (shard index, rank) and a per-dim index.
-
-    Each box is also keyed by the positions of its intervals in the per-dim
-    indexes, so a grid-like source answers a query by enumerating the product
-    of the overlapping intervals, and any other source by the members of the
-    most selective dim, whichever is fewer.
-    """
-
-    def __init__(
-        self,
-        src: ShardedTensorMetadata,
-        ranks: Sequence[int],
-        unavailable: frozenset[int] = frozenset(),
-    ) -> None:
-        groups: dict[_BoxKey, list[tuple[int, int]]] = {}
-        for index, shard in enumerate(src.shards_metadata):
-            if 0 in shard.shard_sizes or index in unavailable:
-                continue
-            groups.setdefault((shard.shard_offsets, shard.shard_sizes), []).append(
-                (index, ranks[index])
-            )
-        self.boxes = list(groups)
-        self.holders = list(groups.values())
-        self.ndim = len(src.size)
-        self.dims: list[_IntervalIndex] = []
-        keys: list[list[int]] = [[] for _ in self.boxes]
-        for d in range(self.ndim):
-            intervals: dict[tuple[int, int], list[int]] = {}
-            for g, (offsets, sizes) in enumerate(self.boxes):
-                intervals.setdefault((offsets[d], offsets[d] + sizes[d]), []).append(g)
-            interval_index = _IntervalIndex(intervals)
-            for position, members in enumerate(interval_index.members):
-                for g in members:
-                    keys[g].append(position)
-            self.dims.append(interval_index)
-        self.by_key = {tuple(key): g for g, key in enumerate(keys)}
-
-    def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:
-        """Source groups that may overlap the box (a superset; exact for grid-like sources)."""
-        if self.ndim == 0:
-            return range(len(self.boxes))
-        hits_per_dim = []
-        product = 1
-        best_count, best_dim = -1, 0
-        for d, index in enumerate(self.dims):
-            hits = index.overlapping(offsets[d], offsets[d] + sizes[d])
-            if not hits:
-                return ()
-            hits_per_dim.append(hits)
-            product *= len(hits)
-            count = sum(len(index.members[i]) for i in hits)
-            if best_count < 0 or count < best_count:
-                best_count, best_dim = count, d
-        if product <= best_count:
-            lookup = self.by_key
-            return [
-                g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None
-            ]
-        members = self.dims[best_dim].members
-        return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
-
-
 def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
     placement = meta.shards_metadata[index].placement
     if placement is None:
         raise ValueError(f"{which}.shards_metadata[{index}].placement is missing")
     return placement.rank()
-
-
-def _intersection(
-    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
-        lo = ao if ao > bo else bo
-        hi = min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
 
 
 def _check_inputs(
@@ -295,16 +194,15 @@ def _check_inputs(
     ranks: dict[str, list[int]] = {"src": [], "dst": []}
     for name, meta in (("src", src), ("dst", dst)):
         for i, shard in enumerate(meta.shards_metadata):
-            where = f"{name}.shards_metadata[{i}]"
             if len(shard.shard_offsets) != meta.ndim:
                 raise ValueError(
-                    f"{where}.shard_offsets has {len(shard.shard_offsets)} dims "
+                    f"{name}.shards_metadata[{i}].shard_offsets has {len(shard.shard_offsets)} dims "
                     f"but the tensor has {meta.ndim}"
                 )
             for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
                 if o < 0 or s < 0 or o + s > n:
                     raise ValueError(
-                        f"{where} is outside the tensor in dim {d}: "
+                        f"{name}.shards_metadata[{i}] is outside the tensor in dim {d}: "
                         f"offset {o}, size {s}, tensor size {n}"
                     )
             ranks[name].append(_rank_of(meta, i, name))
@@ -423,19 +321,36 @@ def plan_reshard_per_round(
     `round_bytes` on every rank: the busiest rank's (peer, direction) pairs share it.
 
     An executor that keeps two rounds in flight then stages at most two times `round_bytes` per rank,
-    however many peers a rank has. Every rank computes the same plan from the same inputs.
+    however many peers a rank has. Every rank computes the same plan from the same inputs (it equals
+    plan_reshard(src, dst, its bucket_bytes)). Which copy each piece is read from does not depend on the bucket
+    size, so it is decided once; only the cutting into buckets is done for the round's size.
     """
-    plan = plan_reshard(src, dst, round_bytes, unavailable)
-    pairs = max(
-        (
-            len({b.dst_rank for b in part.sends}) + len({b.src_rank for b in part.recvs})
-            for part in plan.rank_plans().values()
-        ),
-        default=1,
-    )
-    if pairs <= 1:
-        return plan
-    return plan_reshard(src, dst, max(1, round_bytes // pairs), unavailable)
+    src_ranks, dst_ranks = _check_inputs(src, dst, round_bytes)
+    with _gc_paused():
+        pieces = _assign(src, dst, src_ranks, dst_ranks, frozenset(unavailable))
+        peers: dict[int, set[tuple[int, bool]]] = defaultdict(set)
+        for piece in pieces:
+            if piece.src_rank != piece.dst_rank and piece.numel:
+                peers[piece.src_rank].add((piece.dst_rank, True))
+                peers[piece.dst_rank].add((piece.src_rank, False))
+        pairs = max((len(p) for p in peers.values()), default=1)
+        bucket_bytes = round_bytes if pairs <= 1 else max(1, round_bytes // pairs)
+        return _cut(src, dst, pieces, bucket_bytes)
+
+
+class _Piece(NamedTuple):
+    """The part of a destination shard read from one source copy, before it is cut into buckets (a tuple:
+    made once per destination shard and copy, it must be cheap to make)."""
+
+    src_shard: int
+    dst_shard: int
+    src_rank: int
+    dst_rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    numel: int
+    src_offsets: tuple[int, ...]
+    dst_offsets: tuple[int, ...]
 
 
 def _plan(
@@ -447,10 +362,21 @@ def _plan(
     unavailable: frozenset[int],
 ) -> ReshardPlan:
     """plan_reshard after validation."""
+    return _cut(src, dst, _assign(src, dst, src_ranks, dst_ranks, unavailable), bucket_bytes)
+
+
+def _assign(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    src_ranks: list[int],
+    dst_ranks: list[int],
+    unavailable: frozenset[int],
+) -> list[_Piece]:
+    """The piece of each destination shard each source copy gives (which copy: _choose_holder)."""
     itemsize = src.tensor_properties.itemsize
     index = SourceIndex(src, src_ranks, unavailable)
     load: dict[int, int] = {}
-    transfers: list[Transfer] = []
+    pieces: list[_Piece] = []
     for j, shard in enumerate(dst.shards_metadata):
         d_off, d_size = shard.shard_offsets, shard.shard_sizes
         if 0 in d_size:
@@ -459,35 +385,52 @@ def _plan(
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]
-            common = _intersection(s_off, s_size, d_off, d_size)
+            common = intersection(s_off, s_size, d_off, d_size)
             if common is None:
                 continue
             src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)
             numel = math.prod(common[1])
             covered += numel
-            if src_rank == dst_rank:
-                pieces = [common]
-            else:
+            if src_rank != dst_rank:
                 load[src_rank] = load.get(src_rank, 0) + numel * itemsize
-                pieces = split_box(common[0], common[1], itemsize, bucket_bytes)
-            for offsets, sizes in pieces:
-                transfers.append(
-                    Transfer(
-                        src_shard,
-                        j,
-                        src_rank,
-                        dst_rank,
-                        offsets,
-                        sizes,
-                        math.prod(sizes) * itemsize,
-                        s_off,
-                        d_off,
-                    )
-                )
+            pieces.append(
+                _Piece(src_shard, j, src_rank, dst_rank, common[0], common[1], numel, s_off, d_off)
+            )
         if covered != math.prod(d_size):
             raise ValueError(
                 f"src shards do not cover dst.shards_metadata[{j}] (offsets {d_off}, sizes {d_size}) "
                 f"exactly once: {covered} of {math.prod(d_size)} elements found; src has gaps or overlaps"
+            )
+    return pieces
+
+
+def _cut(
+    src: ShardedTensorMetadata,
+    dst: ShardedTensorMetadata,
+    pieces: list[_Piece],
+    bucket_bytes: int,
+) -> ReshardPlan:
+    """The plan of `pieces`: remote ones split to at most `bucket_bytes`, ordered, and bucketed."""
+    itemsize = src.tensor_properties.itemsize
+    transfers: list[Transfer] = []
+    for p in pieces:
+        if p.src_rank == p.dst_rank:
+            boxes = [(p.offsets, p.sizes)]
+        else:
+            boxes = split_box(p.offsets, p.sizes, itemsize, bucket_bytes)
+        for offsets, sizes in boxes:
+            transfers.append(
+                Transfer(
+                    p.src_shard,
+                    p.dst_shard,
+                    p.src_rank,
+                    p.dst_rank,
+                    offsets,
+                    sizes,
+                    math.prod(sizes) * itemsize,
+                    p.src_offsets,
+                    p.dst_offsets,
+                )
             )
     transfers.sort(key=_order_key)
     return ReshardPlan(

@@ -20,6 +20,7 @@ from shardserve.core.metadata import (
     ShardMetadata,
     TensorProperties,
     as_placement,
+    interned,
 )
 from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
@@ -75,13 +76,20 @@ objects costs tens of microseconds): a snapshot's answers and rank calls repeat 
 def metadata_to_proto(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
     """The message of a layout: a fresh copy, the caller's to change."""
     msg = pb.ShardedTensorMetadata()
-    msg.CopyFrom(_layout_message(meta))
+    msg.CopyFrom(_layout_message(interned(meta)))
     return msg
+
+
+def metadata_into(msg: pb.ShardedTensorMetadata, meta: ShardedTensorMetadata) -> None:
+    """Set `msg` (a field of a message being built) to the layout's message: one copy, where building a
+    message with metadata_to_proto(...) as a field makes two."""
+    msg.CopyFrom(_layout_message(interned(meta)))
 
 
 @functools.lru_cache(maxsize=ENCODED_LAYOUTS)
 def _layout_message(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
-    """The layout's message, kept (never handed out: callers get copies)."""
+    """The layout's message, kept (never handed out: callers get copies). Keyed on interned layouts: a lookup
+    finds its key by identity."""
     return pb.ShardedTensorMetadata(
         shards_metadata=[shard_to_proto(s) for s in meta.shards_metadata],
         size=meta.size,
@@ -117,10 +125,12 @@ def metadata_from_proto(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
 
 
 def _decoded(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
-    return ShardedTensorMetadata(
-        tuple(shard_from_proto(s, i) for i, s in enumerate(msg.shards_metadata)),
-        tuple(msg.size),
-        properties_from_proto(msg.tensor_properties),
+    return interned(
+        ShardedTensorMetadata(
+            tuple(shard_from_proto(s, i) for i, s in enumerate(msg.shards_metadata)),
+            tuple(msg.size),
+            properties_from_proto(msg.tensor_properties),
+        )
     )
 
 

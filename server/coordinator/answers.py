@@ -7,11 +7,11 @@ every shard is back), the health and replicas that gives, and the repair in flig
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog.messages import snapshot_to_proto, tensor_to_proto
+from shardserve.server.coordinator.catalog.messages import snapshot_to_proto, tensor_into
 from shardserve.server.coordinator.catalog.records import SnapshotRecord, TensorRecord
 from shardserve.server.coordinator.drivers.repair import RepairInFlight
 from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
@@ -31,10 +31,37 @@ class Answers:
 
     def tensor(self, record: TensorRecord, update_order: int = 0) -> pb.TensorInfo:
         """`record` as answered: its stored fields, its health now, and `update_order` (row updates)."""
-        out = tensor_to_proto(record)
-        unavailable = unavailable_shards(record, self._rank_unreadable)
-        out.unavailable_shards.extend(unavailable)
+        out = self.tensor_into(pb.TensorInfo(), record, self._rank_unreadable)
         out.update_order = update_order
+        return out
+
+    def tensors(self, records: Iterable[TensorRecord]) -> pb.ListTensorsResponse:
+        """A ListTensors answer of `records`, each as `tensor` answers it; each rank's readability asked once."""
+        out = pb.ListTensorsResponse()
+        unreadable = self.unreadable_once()
+        for record in records:
+            self.tensor_into(out.tensors.add(), record, unreadable)
+        return out
+
+    def unreadable_once(self) -> Callable[[int], bool]:
+        """Whether a rank's copies cannot be read, asked of the registry once per rank (for one answer)."""
+        known: dict[int, bool] = {}
+
+        def unreadable(rank: int) -> bool:
+            found = known.get(rank)
+            if found is None:
+                found = known[rank] = self._rank_unreadable(rank)
+            return found
+
+        return unreadable
+
+    def tensor_into(
+        self, out: pb.TensorInfo, record: TensorRecord, unreadable: Callable[[int], bool]
+    ) -> pb.TensorInfo:
+        """`out` filled as `tensor` answers `record`, the ranks' readability told by `unreadable`."""
+        tensor_into(out, record)
+        unavailable = unavailable_shards(record, unreadable)
+        out.unavailable_shards.extend(unavailable)
         health = health_of(record, unavailable)
         if health is not None:
             out.health, out.replicas = health.state, health.replicas
@@ -59,4 +86,5 @@ class Answers:
             basic = snapshot_to_proto(replace(record, entries=()))
             basic.nbytes = record.nbytes
             return basic
-        return snapshot_to_proto(record, self.tensor)
+        unreadable = self.unreadable_once()
+        return snapshot_to_proto(record, lambda out, t: self.tensor_into(out, t, unreadable))

@@ -49,7 +49,7 @@ class CoordinatorServer:
     ) -> None:
         self.catalog = catalog
         self.options = options
-        self.registry = RankRegistry(security, options.rank_dead_after)
+        self.registry = RankRegistry(security, heartbeats=options.heartbeats)
         self.calls = RankCalls(self.registry, options.rpc_timeout)
         self.locks = NameLocks()
         self.quotas = ByteQuotas(catalog)
@@ -104,7 +104,6 @@ class CoordinatorServer:
         self.stop()
         self.upkeep.close()
         self.snapshots.drops.close()
-        self.calls.close()
         self.registry.close()
         self.collectives.close()
         self.catalog.close()

@@ -102,7 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
-            heartbeat_interval_s=coordinator.options.heartbeat_interval,
+            heartbeat_interval_s=coordinator.registry.interval_of(request.rank.rank),
             store_port=coordinator.collectives.store_port,
         )
 
@@ -111,8 +111,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
-        self.coordinator.upkeep.heartbeat(request.rank, request.memory_used_bytes)
-        return pb.HeartbeatResponse()
+        interval = self.coordinator.upkeep.heartbeat(request.rank, request.memory_used_bytes)
+        return pb.HeartbeatResponse(heartbeat_interval_s=interval)
 
     @rpc_errors
     @led
@@ -177,8 +177,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
         records = self.coordinator.lifecycle.list(request.include_pending)
-        visible = [r for r in records if _covers(r.name)]
-        return pb.ListTensorsResponse(tensors=[self.answers.tensor(r) for r in visible])
+        return self.answers.tensors(r for r in records if _covers(r.name))
 
     @rpc_errors
     @led

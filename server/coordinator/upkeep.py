@@ -51,20 +51,35 @@ class Upkeep:
         self._background = futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="coord-background"
         )
+        self._promotions_lock = threading.Lock()
+        self._promotions_queued = False  # a finish_promotions round waits in the background pool
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
 
     def register(self, info: RankInfo, held: Iterable[tuple[str, int]]) -> None:
-        """Add (or replace) a rank; reconcile what it holds with the catalog in the background."""
+        """Add (or replace) a rank; reconcile what it holds with the catalog in the background, and finish the
+        reshard promotions left unfinished (once for the registrations that arrive while one waits: a thousand
+        ranks registering at once ask for one, not a thousand)."""
         held_pairs = self.registry.register(info, held)
         self._background.submit(self.reconciler.reconcile, info.rank, held_pairs)
-        self._background.submit(self.reshards.finish_promotions)
+        with self._promotions_lock:
+            if self._promotions_queued:
+                return
+            self._promotions_queued = True
+        self._background.submit(self._finish_promotions)
 
-    def heartbeat(self, rank: int, memory_used: int) -> None:
-        """Record that `rank` is alive; one that had been reported dead is reconciled."""
-        if self.registry.heartbeat(rank, memory_used):
+    def _finish_promotions(self) -> None:
+        with self._promotions_lock:
+            self._promotions_queued = False  # a registration from now on asks for another round
+        self.reshards.finish_promotions()
+
+    def heartbeat(self, rank: int, memory_used: int) -> float:
+        """Record that `rank` is alive; one that had been reported dead is reconciled. The interval to tell it."""
+        was_dead, interval = self.registry.heartbeat(rank, memory_used)
+        if was_dead:
             log.info("rank %d is alive again; reconciling what it holds", rank)
             self._background.submit(self.reconciler.reconcile_from_stats, rank, self._stop.wait)
+        return interval
 
     def start(self) -> None:
         """Start the monitor thread."""
@@ -104,7 +119,9 @@ class Upkeep:
 
     def _reap_pending(self) -> None:
         cutoff = time.time() - self.pending_timeout
-        for record in self.catalog.pending():
+        for record in self.catalog.pending(
+            created_before=cutoff
+        ):  # not the others: an indexed query
             if self.reshards.is_running(record.name):
                 continue  # a reshard's own new version: its timeout bounds it
             if record.created_unix < cutoff:

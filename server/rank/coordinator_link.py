@@ -93,9 +93,11 @@ class CoordinatorLink:
                 rank=self.info.rank, memory_used_bytes=self.store.memory_used
             )
             try:
-                self.coordinators.stub(address).Heartbeat(
+                answer = self.coordinators.stub(address).Heartbeat(
                     request, timeout=max(2.0, 2 * self.interval)
                 )
+                # the coordinator lengthens the interval as the cluster grows
+                self.interval = answer.heartbeat_interval_s or self.interval
                 if unreachable:
                     log.info("coordinator at %s reachable again", address)
                 unreachable = False

@@ -84,7 +84,10 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         groups: ProcessGroups | None = None,
         *,
         memory_limit_source: str = "",
+        kinds: JobKinds | None = None,
     ) -> None:
+        """`kinds`: the collective job kinds it runs (default job_kinds(); a harness that simulates ranks
+        without collectives registers its own)."""
         self.store = store
         self.memory_limit_source = (
             memory_limit_source  # where the store's limit came from, for GetStats
@@ -92,7 +95,9 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
         self.chunk_bytes = chunk_bytes
         self.reads = ReadPath(store)
         self.writes = WritePath(store)
-        self.collectives = CollectiveJobService(store, job_kinds(), groups)
+        self.collectives = CollectiveJobService(
+            store, kinds if kinds is not None else job_kinds(), groups
+        )
         self.shared_memory = SharedMemoryService(store)
         self.small_reads = SmallReads(store)
         self.batch_reads = BatchReads(store)

@@ -1,12 +1,17 @@
-"""Wire decoding: small layouts are decoded once and shared, large ones every time, and a bad message is
-refused every time it comes (failures are never kept)."""
+"""Wire decoding: small layouts are decoded once and shared, every layout decoded is interned (equal layouts are
+one object), and a bad message is refused every time it comes (failures are never kept)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    interned,
+)
 from shardserve.core.wire import CACHED_MESSAGE_BYTES, metadata_from_proto, metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
@@ -27,13 +32,19 @@ def test_a_small_layout_is_decoded_once_and_equals_the_original() -> None:
     assert again is first  # shared: the dataclasses are frozen
 
 
-def test_a_large_layout_is_decoded_every_time() -> None:
+def test_equal_layouts_decoded_apart_are_one_object() -> None:
+    """A layout decoded from a large message (too large to be kept by its bytes) and again from another message
+    of an equal layout come back as the one interned object, which caches keyed on layouts then find by
+    identity instead of comparing every shard."""
     layout = _layout(400)
     message = metadata_to_proto(layout)
     assert message.ByteSize() > CACHED_MESSAGE_BYTES
-    first, again = metadata_from_proto(message), metadata_from_proto(message)
-    assert first == again == layout
-    assert again is not first
+    assert interned(layout) is layout  # the first one seen is the one kept
+    first = metadata_from_proto(message)
+    again = metadata_from_proto(metadata_to_proto(_layout(400)))
+    assert first is again is layout
+    small = interned(_layout(3))
+    assert small is not layout and small == _layout(3) and interned(_layout(3)) is small
 
 
 def test_a_bad_layout_is_refused_each_time() -> None:

@@ -18,7 +18,12 @@ from typing import Any, overload
 import orjson
 
 from shardserve.core.dtypes import dtype_from_name, dtype_name
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    interned,
+)
 from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -45,8 +50,16 @@ def tensor_json(record: TensorRecord) -> str:
     return dumps(tensor_document(record))
 
 
-def tensor_of(text: str) -> TensorRecord:
-    return tensor_from_document(loads(text))
+def tensor_of(text: str, layout: str | None = None) -> TensorRecord:
+    """The record of a row's document; `layout`, the document of its layout when the row names one (the
+    catalog's layouts table): decoded once per distinct layout instead of once per row."""
+    return tensor_from_document(loads(text), None if layout is None else layout_of(layout))
+
+
+@functools.lru_cache(maxsize=LAYOUTS_CACHED)
+def layout_of(text: str) -> ShardedTensorMetadata:
+    """The layout of a layout document's text (layout_document, as JSON)."""
+    return layout_from_document(loads(text))
 
 
 def snapshot_json(snapshot: SnapshotRecord) -> str:
@@ -104,8 +117,12 @@ def tensor_document(record: TensorRecord) -> dict[str, Any]:
     }
 
 
-def tensor_from_document(document: dict[str, Any]) -> TensorRecord:
-    metadata = layout_from_document(document["metadata"])
+def tensor_from_document(
+    document: dict[str, Any], metadata: ShardedTensorMetadata | None = None
+) -> TensorRecord:
+    """The record of a document; `metadata`, its layout when already known (else read from the document)."""
+    if metadata is None:
+        metadata = layout_from_document(document["metadata"])
     options = document["options"]
     return TensorRecord(
         name=document["name"],
@@ -163,12 +180,14 @@ def layout_from_document(layout: dict[str, Any]) -> ShardedTensorMetadata:
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
     shards, size, dtype, requires_grad, pin_memory = key
-    return ShardedTensorMetadata(
-        tuple(ShardMetadata(offsets, sizes, placement) for offsets, sizes, placement in shards),
-        size,
-        TensorProperties(
-            dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory
-        ),
+    return interned(  # the same object as the requests' and other records' of this layout
+        ShardedTensorMetadata(
+            tuple(ShardMetadata(offsets, sizes, placement) for offsets, sizes, placement in shards),
+            size,
+            TensorProperties(
+                dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory
+            ),
+        )
     )
 
 

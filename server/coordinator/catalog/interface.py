@@ -8,7 +8,7 @@ coordinator that outlives its host.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
@@ -108,8 +108,9 @@ class Catalog(abc.ABC):
         return next((s for s in kept if s.number == number), None)
 
     @abc.abstractmethod
-    def pending(self) -> list[TensorRecord]:
-        """PENDING rows only (puts and snapshots not committed yet), oldest version first."""
+    def pending(self, created_before: float | None = None) -> list[TensorRecord]:
+        """PENDING rows only (puts and snapshots not committed yet), oldest version first; with
+        `created_before` (Unix seconds), only those created earlier (the ones a reaper aborts)."""
 
     @abc.abstractmethod
     def promoting(self) -> list[TensorRecord]:
@@ -135,6 +136,24 @@ class Catalog(abc.ABC):
         """Make every later write (versions handed out from the database included) check, in its own
         transaction, that the lease still holds `term` and has not run out, else raise NotLeader and change
         nothing (None: writes check nothing, for a catalog with one coordinator)."""
+
+    # The queries of the background work. Each defaults to a scan of every row; a store that can index them
+    # (the SQLite one does) answers in the time of the rows found, which the coordinator relies on at scale.
+
+    def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
+        """Every row (any state) with a shard placed on one of `ranks`, oldest version first: what the reconcile of
+        a rank and the repair of dead ranks read."""
+        wanted = set(ranks)
+        rows = [r for r in self.list(include_pending=True) if wanted & set(r.metadata.ranks())]
+        return sorted(rows, key=lambda r: r.version)
+
+    def placed_ranks(self) -> set[int]:
+        """Every rank some row places a shard on."""
+        return {rank for r in self.list(include_pending=True) for rank in r.metadata.ranks()}
+
+    def with_lost_copies(self) -> list[TensorRecord]:
+        """READY rows with copies a rank lost (non-empty lost_shards), oldest version first."""
+        return sorted((r for r in self.list() if r.lost_shards), key=lambda r: r.version)
 
     def close(self) -> None:
         """Release resources."""

@@ -6,11 +6,12 @@ calls to ranks (ranks/calls.py), and the catalog's migration of TensorInfo blobs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 from shardserve.core.wire import (
     metadata_from_proto,
-    metadata_to_proto,
+    metadata_into,
     options_from_proto,
     options_to_proto,
 )
@@ -19,6 +20,7 @@ from shardserve.server.coordinator.catalog.records import (
     Init,
     SnapshotEntry,
     SnapshotRecord,
+    TensorOptions,
     TensorRecord,
     TensorState,
 )
@@ -59,20 +61,31 @@ def init_from_proto(value: int) -> Init:
 
 def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:
     """The stored fields of a TensorInfo; those describing live state (health, repair) are left unset."""
-    return pb.TensorInfo(
-        name=record.name,
-        version=record.version,
-        metadata=metadata_to_proto(record.metadata),
-        options=options_to_proto(record.options),
-        state=state_to_proto(record.state),
-        nbytes=record.nbytes,
-        created_unix=record.created_unix,
-        promoting=record.promoting,
-        put_token=record.put_token,
-        lost_shards=record.lost_shards,
-        owner=record.owner,
-        shard_checksums=record.checksums,
-    )
+    return tensor_into(pb.TensorInfo(), record)
+
+
+def tensor_into(out: pb.TensorInfo, record: TensorRecord) -> pb.TensorInfo:
+    """`out` (a new TensorInfo, or one added to a repeated field of an answer being built: no copy of it is
+    made then) with the stored fields of `record`."""
+    out.name, out.version, out.state = record.name, record.version, state_to_proto(record.state)
+    out.nbytes, out.created_unix = record.nbytes, record.created_unix
+    out.options.CopyFrom(_options(record.options))
+    metadata_into(out.metadata, record.metadata)
+    if record.promoting:
+        out.promoting = True
+    if record.put_token:
+        out.put_token = record.put_token
+    if record.owner:
+        out.owner = record.owner
+    out.lost_shards.extend(record.lost_shards)
+    out.shard_checksums.extend(record.checksums)
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _options(options: TensorOptions) -> pb.TensorOptions:
+    """The message of a tensor's options (records share a few; never changed: messages copy it in)."""
+    return options_to_proto(options)
 
 
 def tensor_from_proto(info: pb.TensorInfo) -> TensorRecord:
@@ -93,19 +106,23 @@ def tensor_from_proto(info: pb.TensorInfo) -> TensorRecord:
 
 
 def snapshot_to_proto(
-    record: SnapshotRecord, tensor: Callable[[TensorRecord], pb.TensorInfo] = tensor_to_proto
+    record: SnapshotRecord,
+    tensor: Callable[[pb.TensorInfo, TensorRecord], object] = tensor_into,
 ) -> pb.SnapshotInfo:
-    """A SnapshotInfo, each tensor made by `tensor` (an answer's describes its health)."""
-    return pb.SnapshotInfo(
+    """A SnapshotInfo, each tensor's message filled in place by `tensor(message, record)` (an answer's
+    describes its health)."""
+    out = pb.SnapshotInfo(
         prefix=record.prefix,
         number=record.number,
         state=state_to_proto(record.state),
         created_unix=record.created_unix,
         nbytes=record.nbytes,
         keep=record.keep,
-        entries=[pb.SnapshotEntry(key=e.key, tensor=tensor(e.tensor)) for e in record.entries],
         skeleton=record.skeleton,
     )
+    for entry in record.entries:
+        tensor(out.entries.add(key=entry.key).tensor, entry.tensor)
+    return out
 
 
 def with_writable(info: pb.SnapshotInfo, writable: Iterable[pb.WritableShard]) -> pb.SnapshotInfo:

@@ -234,8 +234,12 @@ class PostgresCatalog(Catalog):
     def versions(self, name: str) -> list[TensorRecord]:
         return self._tensors_where("name = %s", (name,))
 
-    def pending(self) -> list[TensorRecord]:
-        return self._tensors_where("state = %s", (_PENDING,))
+    def pending(self, created_before: float | None = None) -> list[TensorRecord]:
+        if created_before is None:
+            return self._tensors_where("state = %s", (_PENDING,))
+        return self._tensors_where(
+            "state = %s AND (record->>'created_unix')::float8 < %s", (_PENDING, created_before)
+        )
 
     def promoting(self) -> list[TensorRecord]:
         return self._tensors_where("(record->>'promoting')::boolean", ())

@@ -88,6 +88,8 @@ class TensorRecord:
 
     def holding_ranks(self) -> list[int]:
         """Distinct ranks holding a copy that is not lost (those that allocate and promote it)."""
+        if not self.lost_shards:
+            return list(self.metadata.ranks())
         lost = set(self.lost_shards)
         shards = self.metadata.shards_metadata
         return sorted({s.rank for i, s in enumerate(shards) if i not in lost})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -39,7 +39,11 @@ from shardserve.server.coordinator.catalog.records import (
 )
 from shardserve.server.coordinator.catalog.sqlite_leadership import TABLE as LEASE_TABLE
 from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership, check_term
-from shardserve.server.coordinator.catalog.sqlite_schema import upgrade
+from shardserve.server.coordinator.catalog.sqlite_schema import (
+    forget_unused_layouts,
+    layout_ids,
+    upgrade,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,11 @@ class SQLiteCatalog(Catalog):
         self._db.execute("PRAGMA synchronous=FULL")
         with self._transaction() as db:
             upgrade(db, self.path)
-        log.info("catalog %s: %d tensor versions", self.path, len(self.list(include_pending=True)))
+            forget_unused_layouts(db)
+        # counted, not read: a catalog of many rows opens in the time of its schema
+        with self._lock:
+            count = self._db.execute("SELECT count(*) FROM tensors").fetchone()[0]
+        log.info("catalog %s: %d tensor versions", self.path, count)
 
     @contextmanager
     def _transaction(
@@ -115,9 +123,13 @@ class SQLiteCatalog(Catalog):
 
     def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
         with self._transaction(durable) as db:
+            layouts = layout_ids(db, (r.metadata for r in records))
             db.executemany(
-                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-                [(r.name, r.version, r.state.value, tensor_json(r)) for r in records],
+                "INSERT INTO tensors (name, version, state, record, layout) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (r.name, r.version, r.state.value, tensor_json(r), layouts[r.metadata])
+                    for r in records
+                ],
             )
 
     def commit_all(
@@ -172,9 +184,10 @@ class SQLiteCatalog(Catalog):
 
     def update(self, record: TensorRecord) -> None:
         with self._transaction() as db:
+            layout = layout_ids(db, [record.metadata])[record.metadata]
             cursor = db.execute(
-                "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-                (record.state.value, tensor_json(record), record.name, record.version),
+                "UPDATE tensors SET state = ?, record = ?, layout = ? WHERE name = ? AND version = ?",
+                (record.state.value, tensor_json(record), layout, record.name, record.version),
             )
             if cursor.rowcount != 1:
                 raise KeyError(
@@ -199,13 +212,42 @@ class SQLiteCatalog(Catalog):
         with self._lock:
             return _tensors_where(self._db, "name = ?", (name,))
 
-    def pending(self) -> list[TensorRecord]:
+    def pending(self, created_before: float | None = None) -> list[TensorRecord]:
+        where = "state = 'pending'"  # the literal the partial index tensors_pending names
+        args: tuple[float, ...] = ()
+        if created_before is not None:
+            where += " AND json_extract(record, '$.created_unix') < ?"
+            args = (created_before,)
         with self._lock:
-            return _tensors_where(self._db, "state = ?", (TensorState.PENDING.value,))
+            return _tensors_where(self._db, where, args)
 
     def promoting(self) -> list[TensorRecord]:
-        with self._lock:  # a JSON field, read by SQLite: only the rows that match are decoded here
+        with (
+            self._lock
+        ):  # a JSON field, read by SQLite through a partial index: only matching rows decoded
             return _tensors_where(self._db, "json_extract(record, '$.promoting')", ())
+
+    def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
+        wanted = sorted(set(ranks))
+        if not wanted:
+            return []
+        with self._lock:  # the layouts on those ranks, then their rows (index tensors_layout)
+            return _tensors_where(
+                self._db,
+                "layout IN (SELECT layout FROM layout_ranks WHERE rank IN "
+                f"({','.join('?' * len(wanted))}))",
+                tuple(wanted),
+            )
+
+    def placed_ranks(self) -> set[int]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT DISTINCT rank FROM layout_ranks")}
+
+    def with_lost_copies(self) -> list[TensorRecord]:
+        with self._lock:  # the partial index tensors_lost: only rows with lost copies are read
+            return _tensors_where(
+                self._db, "json_array_length(record, '$.lost_shards') > 0 AND state = 'ready'", ()
+            )
 
     def sync_level(self) -> int:
         """SQLite's `synchronous` setting between transactions: 2 (FULL), what a commit's durability rests on."""
@@ -275,9 +317,9 @@ class SQLiteCatalog(Catalog):
         where, args = ("1", ()) if include_pending else ("state = ?", (TensorState.READY.value,))
         with self._lock:
             rows = self._db.execute(
-                f"SELECT record FROM tensors WHERE {where} ORDER BY name, version", args
+                f"{_ROWS} WHERE {where} ORDER BY name, version", args
             ).fetchall()
-        return [tensor_of(r[0]) for r in rows]
+        return [tensor_of(*row) for row in rows]
 
 
 def not_empty(where: str, tensors: int, snapshots: int) -> str:
@@ -288,9 +330,13 @@ def not_empty(where: str, tensors: int, snapshots: int) -> str:
 # ---------------------------------------------------------------- rows within a transaction
 
 
+# A row's document and its layout's (decoded once per distinct layout: tensor_of).
+_ROWS = "SELECT record, document FROM tensors LEFT JOIN layouts ON layouts.id = tensors.layout"
+
+
 def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
-    rows = db.execute(f"SELECT record FROM tensors WHERE {where} ORDER BY version", args)
-    return [tensor_of(r[0]) for r in rows]
+    rows = db.execute(f"{_ROWS} WHERE {where} ORDER BY version", args)
+    return [tensor_of(*row) for row in rows]
 
 
 def _commit_in(

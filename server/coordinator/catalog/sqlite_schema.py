@@ -2,7 +2,8 @@
 catalog written by an earlier shardserve up to it when it is opened.
 
 The schema's version is the database's `PRAGMA user_version`: 0, the TensorInfo/SnapshotInfo protobuf blobs of
-the first versions; 1, records without shard checksums; 2, the current one. Every step runs inside the open
+the first versions; 1, records without shard checksums; 2, without the layouts (which rows hold shards on which
+ranks) and the indexes of the background scans; 3, the current one. Every step runs inside the open
 transaction the catalog hands it, so a migration that fails changes nothing. Kept apart from
 server/coordinator/catalog/sqlite.py so that the catalog's queries read on their own and each past layout is
 described in one place.
@@ -13,19 +14,77 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.server.coordinator.catalog.documents import snapshot_json, tensor_json
+from shardserve.server.coordinator.catalog.documents import (
+    dumps,
+    layout_document,
+    layout_from_document,
+    loads,
+    snapshot_json,
+    tensor_json,
+)
 from shardserve.server.coordinator.catalog.messages import snapshot_from_proto, tensor_from_proto
 
 # the catalog's logger: a migration is reported as the catalog's, whichever module performs it
 log = logging.getLogger("shardserve.server.coordinator.catalog.sqlite")
 
-# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums (both
-# migrated on open)
-SCHEMA_VERSION = 2
+# PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums, 2: no
+# layouts (all migrated on open)
+SCHEMA_VERSION = 3
+
+# Which ranks each layout places shards on, and which layout each row has (the `layout` column): the reconcile
+# of one rank and the repair scan read the rows on given ranks through them instead of decoding every row.
+# A state dict's tensors share a few layouts, so a put adds an integer per row, not a row per (rank, tensor).
+# The partial indexes serve the background scans of the few rows they want (pending puts, unfinished
+# promotions, lost copies).
+_INDEXES = (
+    """CREATE TABLE IF NOT EXISTS layouts (
+        id INTEGER PRIMARY KEY,
+        document TEXT NOT NULL UNIQUE
+    )""",
+    """CREATE TABLE IF NOT EXISTS layout_ranks (
+        rank INTEGER NOT NULL,
+        layout INTEGER NOT NULL,
+        PRIMARY KEY (rank, layout)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS tensors_layout ON tensors (layout)",
+    "CREATE INDEX IF NOT EXISTS tensors_pending ON tensors (version) WHERE state = 'pending'",
+    "CREATE INDEX IF NOT EXISTS tensors_promoting ON tensors (version) "
+    "WHERE json_extract(record, '$.promoting')",
+    "CREATE INDEX IF NOT EXISTS tensors_lost ON tensors (name) "
+    "WHERE json_array_length(record, '$.lost_shards') > 0",
+)
+
+
+def layout_ids(
+    db: sqlite3.Connection, layouts: Iterable[ShardedTensorMetadata]
+) -> dict[ShardedTensorMetadata, int]:
+    """Within an open transaction: the id of each distinct layout of `layouts` in the layouts table, recorded
+    there (with the ranks it places shards on) when new."""
+    ids = {}
+    for meta in dict.fromkeys(layouts):
+        document = dumps(layout_document(meta))
+        db.execute("INSERT OR IGNORE INTO layouts (document) VALUES (?)", (document,))
+        (layout,) = db.execute("SELECT id FROM layouts WHERE document = ?", (document,)).fetchone()
+        db.executemany(
+            "INSERT OR IGNORE INTO layout_ranks (rank, layout) VALUES (?, ?)",
+            [(rank, layout) for rank in meta.ranks()],
+        )
+        ids[meta] = int(layout)
+    return ids
+
+
+def forget_unused_layouts(db: sqlite3.Connection) -> None:
+    """Within an open transaction: the layouts no row has any more, and their ranks, removed."""
+    unused = "SELECT id FROM layouts WHERE id NOT IN (SELECT layout FROM tensors WHERE layout IS NOT NULL)"
+    db.execute(f"DELETE FROM layout_ranks WHERE layout IN ({unused})")
+    db.execute(f"DELETE FROM layouts WHERE id IN ({unused})")
+
 
 _TABLES = (
     """CREATE TABLE tensors (
@@ -33,6 +92,7 @@ _TABLES = (
         version INTEGER NOT NULL,
         state TEXT NOT NULL,
         record TEXT NOT NULL,
+        layout INTEGER,
         PRIMARY KEY (name, version)
     )""",
     """CREATE TABLE snapshots (
@@ -57,8 +117,10 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
             f"catalog {path} has schema version {found}, newer than this shardserve's "
             f"({SCHEMA_VERSION}): run the shardserve that wrote it"
         )
-    if found == 1:
-        _add_checksums(db, path)
+    if found in (1, 2):
+        if found == 1:
+            _add_checksums(db, path)
+        _add_layouts(db, path)
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         return
     legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
@@ -66,10 +128,11 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
         db.execute("ALTER TABLE tensors RENAME TO tensors_v0")
         if _columns(db, "snapshots"):
             db.execute("ALTER TABLE snapshots RENAME TO snapshots_v0")
-    for statement in _TABLES:
+    for statement in (*_TABLES, *_INDEXES):
         db.execute(statement)
     if legacy:
         _migrate_blobs(db, path)
+        fill_layouts(db)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -91,6 +154,38 @@ def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
         path,
         SCHEMA_VERSION,
     )
+
+
+def _add_layouts(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: schema 2 to 3, every row given the id of its layout (the layouts table and
+    the ranks of each, filled from the rows) and the partial indexes."""
+    if "layout" not in _columns(db, "tensors"):
+        db.execute("ALTER TABLE tensors ADD COLUMN layout INTEGER")
+    for statement in _INDEXES:
+        db.execute(statement)
+    fill_layouts(db)
+    log.warning(
+        "catalog %s migrated to schema version %d: the layouts and their ranks, indexed",
+        path,
+        SCHEMA_VERSION,
+    )
+
+
+def fill_layouts(db: sqlite3.Connection) -> None:
+    """Within an open transaction: the `layout` column of every row that has none, from its document."""
+    rows = db.execute(
+        "SELECT json_extract(record, '$.metadata') AS meta, rowid FROM tensors WHERE layout IS NULL "
+        "ORDER BY meta"
+    ).fetchall()
+    by_document: dict[str, list[int]] = {}
+    for document, rowid in rows:
+        by_document.setdefault(document, []).append(rowid)
+    for document, rowids in by_document.items():
+        meta = layout_from_document(loads(document))
+        layout = layout_ids(db, [meta])[meta]
+        db.executemany(
+            "UPDATE tensors SET layout = ? WHERE rowid = ?", [(layout, r) for r in rowids]
+        )
 
 
 def _columns(db: sqlite3.Connection, table: str) -> set[str]:

@@ -51,34 +51,49 @@ class Reconciler:
     def reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
         """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.
 
-        `held` was taken before the catalog is listed here, so a version put on the rank in between is
+        `held` was taken before the catalog is read here, so a version put on the rank in between is
         READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
-        the listing, still does not hold it. Each record is reconciled on its own (one failure is logged)."""
+        the reading, still does not hold it. The catalog is read for this rank's versions only (an indexed
+        query), the READY ones it holds are promoted again in one call and the unknown ones dropped in one;
+        each lost record is marked on its own (one failure is logged)."""
         try:
-            known, missing = set(), []
-            for record in self.catalog.list(include_pending=True):
-                if rank not in record.ranks():
-                    continue
-                known.add((record.name, record.version))
-                if (record.name, record.version) in held:
+            known, missing, promote = set(), [], []
+            for record in self.catalog.holding([rank]):
+                known.add(record.key)
+                if record.key in held:
                     if record.ready:
-                        self._step(rank, record, "re-promote", self._promote)
+                        promote.append(record)
                 elif record.ready:
                     missing.append(record)
+            self._promote_all(rank, promote)
             # None: cannot tell, nothing forgotten
             held_now = self.calls.held_by(rank) if missing else set()
             if held_now is not None:
                 for record in missing:
-                    if (record.name, record.version) not in held_now:
+                    if record.key not in held_now:
                         self._step(rank, record, "mark lost", self._mark_lost)
-            for name, version in held - known:
-                self.calls.drop_quietly(name, version, [rank])
+            unknown = sorted(held - known)
+            if unknown:
+                self.calls.drop_many_quietly({rank: unknown})
         except Exception:  # noqa: BLE001 - a background task must log, not vanish
             log.exception("reconciling rank %d failed", rank)
         finally:
             self.registry.restore_done(
                 rank
             )  # its restored versions are promoted (or reported lost)
+
+    def _promote_all(self, rank: int, records: list[TensorRecord]) -> None:
+        """Promote `records` on `rank` again with one PromoteMany; when the batch fails (one version the rank
+        dropped meanwhile fails it whole), each on its own, so that one failure is logged and the others done."""
+        if not records:
+            return
+        try:
+            self.calls.promote_many(
+                {rank: [r.key for r in records]}, f"re-promote {len(records)} versions"
+            )
+        except ServiceError:
+            for record in records:
+                self._step(rank, record, "re-promote", self._promote)
 
     def _promote(self, rank: int, record: TensorRecord) -> None:
         self.calls.promote([rank], record.name, record.version, f"re-promote {record.name!r}")

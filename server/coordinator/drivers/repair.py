@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.5
 SETTLED_S = 10.0
 """Once every rank has been alive this long with no registration or exit, and the last scan found every copy
-available, the catalog is scanned only every SETTLED_S (not every CHECK_EVERY_S): a scan decodes every row."""
+available, the catalog is scanned only every SETTLED_S (not every CHECK_EVERY_S). A scan reads the versions on
+dead ranks and those with lost copies only (`candidates`: indexed catalog queries), not every row."""
 FINISHED_KEPT = 100
 RETRY_BACKOFF_S = (
     2.0,
@@ -145,19 +146,38 @@ class RepairDriver:
         """Repair every tensor whose copies are due now; the names repaired."""
         repaired = []
         self._scanned_at, self._unavailable_seen = self._clock(), False
-        for record in self.catalog.list():
+        live = self._live_ranks()
+        for record in self.candidates():
             if self._stop.is_set():
                 break
-            due = self._due(record)
+            due = self._due(record, live)
             if due is not None and self._repair(record, *due):
                 repaired.append(record.name)
         return repaired
 
+    def candidates(self) -> list[TensorRecord]:
+        """The READY versions that may have an unavailable copy: those with copies a rank lost, and those with
+        shards on a rank that is dead now (indexed catalog queries: the rows of the others are never read)."""
+        dead = [rank for rank in self.catalog.placed_ranks() if self.registry.rank_dead(rank)]
+        found = {r.key: r for r in self.catalog.with_lost_copies()}
+        found.update((r.key, r) for r in self.catalog.holding(dead) if r.ready)
+        return sorted(found.values(), key=lambda r: (r.name, r.version))
+
+    def _live_ranks(self) -> tuple[list[LiveRank], dict[int, int]]:
+        """The live ranks a repaired copy may go to, and the bytes each holds (read once per scan)."""
+        ranks = self.registry.ranks()
+        live = [
+            LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in ranks if r.alive
+        ]
+        return live, {r.rank: r.memory_used_bytes for r in ranks}
+
     # ------------------------------------------------------------ deciding
 
-    def _due(self, record: TensorRecord) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
+    def _due(
+        self, record: TensorRecord, live: tuple[list[LiveRank], dict[int, int]]
+    ) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
         """The repaired layout of `record` and the copies it must not read, when all its unavailable copies are
-        due and a live rank can take each; None otherwise."""
+        due and a live rank (of `live`: _live_ranks) can take each; None otherwise."""
         if not record.ready or record.promoting or self.reshards.is_running(record.name):
             return None
         retry = self._retry_at.get(record.name)
@@ -169,13 +189,8 @@ class RepairDriver:
         if not unavailable or waiting:
             self._refused.pop(record.name, None)
             return None
-        ranks = self.registry.ranks()
-        live = [
-            LiveRank(r.rank, r.host_id or r.hostname, r.device or "cpu") for r in ranks if r.alive
-        ]
-        load = {r.rank: r.memory_used_bytes for r in ranks}
         try:
-            return repaired_layout(meta, unavailable, live, load), unavailable
+            return repaired_layout(meta, unavailable, *live), unavailable
         except RepairImpossible as err:
             if self._refused.get(record.name) != str(err):
                 self._refused[record.name] = str(err)

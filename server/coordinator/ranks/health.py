@@ -9,10 +9,11 @@ client reads surviving boxes from live copies and reports lost ones.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 from shardserve.core.health import LayoutHealth, layout_health, name_ranks, ranks_of_copies
-from shardserve.core.metadata import Box
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.server.common.errors import RankUnavailable, ShardsLost
 from shardserve.server.coordinator.catalog.records import TensorRecord
 
@@ -57,7 +58,23 @@ def _named(record: TensorRecord, boxes: Iterable[Box]) -> str:
 def health_of(record: TensorRecord, unavailable: Iterable[int]) -> LayoutHealth | None:
     """The health of `record` with the copies `unavailable` unreadable; None for a layout it cannot be told of
     (a record the catalog holds was validated when made: an answer must never fail on it)."""
+    unavailable = list(unavailable)
+    if not unavailable and not record.lost_shards:
+        return _whole_health(record.metadata)
+    return _health(record.metadata, unavailable, record.lost_shards)
+
+
+@functools.lru_cache(maxsize=4096)
+def _whole_health(meta: ShardedTensorMetadata) -> LayoutHealth | None:
+    """The health of a layout with every copy readable: its replicas, told once per layout (a listing of ten
+    thousand tensors asks it of a few layouts)."""
+    return _health(meta, [], ())
+
+
+def _health(
+    meta: ShardedTensorMetadata, unavailable: list[int], lost: tuple[int, ...]
+) -> LayoutHealth | None:
     try:
-        return layout_health(record.metadata, list(unavailable), record.lost_shards)
+        return layout_health(meta, unavailable, lost)
     except (ValueError, TypeError):
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
@@ -26,6 +27,7 @@ from shardserve.server.common.errors import (
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
 from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
 log = logging.getLogger(__name__)
@@ -35,15 +37,25 @@ UNREGISTERED_GRACE_S = 10.0  # ranks re-register within a heartbeat of a coordin
 
 @dataclass
 class RankEntry:
-    """A registered rank: what it told us, when it last spoke, and a stub to call it."""
+    """A registered rank: what it told us, when it last spoke (and what it said then: kept here, so that a
+    heartbeat changes two fields and copies nothing), the interval it was told, and a stub to call it."""
 
     info: RankInfo
     last_heartbeat: float  # self._clock()
     channel: grpc.Channel
     stub: pb_grpc.ShardServerStub
+    interval: float = 1.0  # the heartbeat interval it was last told
+    dead_after: float = 2.0  # the silence that marks it dead, for that interval
+    memory_used_bytes: int = 0
+    last_heartbeat_unix: float = 0.0
     exited: bool = False
     reported_dead: bool = False
     exited_at: float = 0.0  # self._clock() when its process was known to end
+
+    def tell(self, interval: float, policy: HeartbeatPolicy) -> float:
+        """Record that the rank is told `interval` (and so when it is dead); `interval`."""
+        self.interval, self.dead_after = interval, policy.dead_after_for(interval)
+        return interval
 
 
 class RankRegistry:
@@ -52,17 +64,25 @@ class RankRegistry:
     def __init__(
         self,
         security: Security = Security(),
-        dead_after: float = 3.0,
+        dead_after: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         stub_of: Callable[[grpc.Channel], pb_grpc.ShardServerStub] = pb_grpc.ShardServerStub,
+        *,
+        heartbeats: HeartbeatPolicy = HeartbeatPolicy(),
     ) -> None:
-        """`clock`: what liveness and settling are measured by (seconds, monotonic); `stub_of`: how a
-        registered rank's channel is called. Tests pass a fake clock, or stand-in stubs."""
+        """`heartbeats`: the intervals ranks are told and when a silent one is dead (ranks/heartbeats.py);
+        `dead_after`, when given, fixes the latter. `clock`: what liveness and settling are measured by
+        (seconds, monotonic); `stub_of`: how a registered rank's channel is called. Tests pass a fake clock,
+        or stand-in stubs."""
         self.security = security
-        self.dead_after = dead_after
+        self.heartbeats = (
+            heartbeats if dead_after is None else replace(heartbeats, dead_after=dead_after)
+        )
         self._clock = clock
         self.stub_of = stub_of
         self._ranks: dict[int, RankEntry] = {}
+        self._worlds: Counter[int] = Counter()  # registered entries by world size
+        self._by_address: dict[str, int] = {}  # the rank that last registered each address
         self._ranks_changed = threading.Condition()
         self._started = self._clock()
         # the last registration, exit, return from the dead or restore
@@ -81,13 +101,27 @@ class RankRegistry:
             check_name(name, f"held[{i}].name")
             check_version(version, f"held[{i}].version")
         channel = make_channel(info.address, self.security)
-        entry = RankEntry(info, self._clock(), channel, self.stub_of(channel))
+        entry = RankEntry(
+            info,
+            self._clock(),
+            channel,
+            self.stub_of(channel),
+            memory_used_bytes=info.memory_used_bytes,
+            last_heartbeat_unix=info.last_heartbeat_unix,
+        )
         try:
             with self._ranks_changed:
                 self._check_fits_the_world(info)
                 old = self._ranks.get(info.rank)
                 entry.info = replace(info, restarts=_restarts_after(old, info))
                 self._ranks[info.rank] = entry
+                if old is not None:
+                    self._worlds[old.info.world_size] -= 1
+                    if not self._worlds[old.info.world_size]:
+                        del self._worlds[old.info.world_size]
+                self._worlds[info.world_size] += 1
+                self._by_address[info.address] = info.rank
+                entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
                 self._changed_at = self._clock()
                 self._ranks_changed.notify_all()
         except ServiceError:
@@ -156,19 +190,28 @@ class RankRegistry:
         replace a live registration of the same rank from elsewhere (else a stray registration would take a rank
         over, or make the reconcile drop another rank's versions). A restarted rank whose old entry is still
         alive gets UNAVAILABLE, which its registration retries until that entry expires."""
-        for rank, entry in self._ranks.items():
-            if rank == info.rank or not self.is_alive(entry):
-                continue
-            if entry.info.world_size != info.world_size:
-                raise WorldMismatch(
-                    f"rank.world_size {info.world_size} differs from the world size "
-                    f"{entry.info.world_size} of registered rank {rank}",
-                    metadata={"field": "rank.world_size", "rank": info.rank},
-                )
-            if entry.info.address == info.address:
-                raise InvalidState(
-                    f"rank.address {info.address} is registered by rank {rank}, which is alive"
-                )
+        # registrations that agree with every registered rank, the usual case, are checked without a walk over
+        # all of them: a thousand ranks registering at once would make a million checks
+        if set(self._worlds) - {info.world_size}:
+            for rank, entry in self._ranks.items():
+                if rank == info.rank or not self.is_alive(entry):
+                    continue
+                if entry.info.world_size != info.world_size:
+                    raise WorldMismatch(
+                        f"rank.world_size {info.world_size} differs from the world size "
+                        f"{entry.info.world_size} of registered rank {rank}",
+                        metadata={"field": "rank.world_size", "rank": info.rank},
+                    )
+        holder = self._ranks.get(self._by_address.get(info.address, -1))
+        if (
+            holder is not None
+            and holder.info.rank != info.rank
+            and holder.info.address == info.address
+            and self.is_alive(holder)
+        ):
+            raise InvalidState(
+                f"rank.address {info.address} is registered by rank {holder.info.rank}, which is alive"
+            )
         own = self._ranks.get(info.rank)
         if own is not None and self.is_alive(own) and own.info.address != info.address:
             raise RankUnavailable(
@@ -177,9 +220,9 @@ class RankRegistry:
                 metadata={"rank": info.rank},
             )
 
-    def heartbeat(self, rank: int, memory_used: int) -> bool:
-        """Record that `rank` is alive (TensorNotFound tells an unknown rank to register again); True when it had been
-        reported dead, so what it holds must be reconciled."""
+    def heartbeat(self, rank: int, memory_used: int) -> tuple[bool, float]:
+        """Record that `rank` is alive (TensorNotFound tells an unknown rank to register again): whether it had
+        been reported dead (what it holds must then be reconciled), and the interval to tell it."""
         if memory_used < 0:
             raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
         with self._ranks_changed:
@@ -188,13 +231,16 @@ class RankRegistry:
                 raise TensorNotFound(f"rank {rank} is not registered; register again")
             was_dead = entry.reported_dead or not self.is_alive(entry)
             entry.last_heartbeat = self._clock()
-            entry.info = replace(
-                entry.info, memory_used_bytes=memory_used, last_heartbeat_unix=time.time()
-            )
+            entry.memory_used_bytes, entry.last_heartbeat_unix = memory_used, time.time()
             if was_dead:
                 entry.reported_dead = False
                 self._changed_at = entry.last_heartbeat
-        return was_dead
+            interval = entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
+        return was_dead, interval
+
+    def interval_of(self, rank: int) -> float:
+        """The heartbeat interval `rank` was last told (RankUnavailable when it is not registered)."""
+        return self.entry(rank).interval
 
     def mark_exited(self, rank: int, reason: str) -> None:
         """Mark a rank dead at once (its process is known to have ended; a restore it reported ends with it)."""
@@ -230,7 +276,7 @@ class RankRegistry:
 
     def is_alive(self, entry: RankEntry) -> bool:
         """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""
-        return not entry.exited and self._clock() - entry.last_heartbeat <= self.dead_after
+        return not entry.exited and self._clock() - entry.last_heartbeat <= entry.dead_after
 
     def rank_alive(self, rank: int) -> bool:
         """Whether `rank` is registered and alive."""
@@ -260,7 +306,9 @@ class RankRegistry:
                 return waited if waited > 0 else None
             if self.is_alive(entry):
                 return None
-            dead_since = entry.exited_at if entry.exited else entry.last_heartbeat + self.dead_after
+            dead_since = (
+                entry.exited_at if entry.exited else entry.last_heartbeat + entry.dead_after
+            )
             return max(0.0, now - dead_since)
 
     def ranks(self) -> list[RankInfo]:
@@ -272,6 +320,8 @@ class RankRegistry:
                     entry.info,
                     alive=self.is_alive(entry),
                     restore=self._restoring.get(entry.info.rank),
+                    memory_used_bytes=entry.memory_used_bytes,
+                    last_heartbeat_unix=entry.last_heartbeat_unix,
                 )
                 for entry in entries
             ]

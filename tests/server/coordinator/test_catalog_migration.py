@@ -102,7 +102,7 @@ def test_an_old_catalog_is_migrated_and_served_with_the_same_metadata(old_catalo
     db = sqlite3.connect(old_catalog)
     tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-    assert tables == {"tensors", "snapshots", "counters"}
+    assert tables == {"tensors", "snapshots", "counters", "layouts", "layout_ranks"}
     db.close()
 
 

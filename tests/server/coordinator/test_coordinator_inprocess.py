@@ -10,11 +10,14 @@ the catalog, yet not in the snapshot).
 from __future__ import annotations
 
 import os
+import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 import torch
+from waiting import wait_until
 
 from shardserve.client.new_tensor import NewTensor
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
@@ -40,8 +43,12 @@ class RankStub:
     def __init__(self, held: set[tuple[str, int]]) -> None:
         self.held = held
         self.calls: list[tuple[str, str, int]] = []
+        self.batches: list[
+            tuple[str, int]
+        ] = []  # (method, versions) of each PromoteMany / DropMany
         self.refuse_allocations = False
         self.refuse_promotions = False
+        self.refuse_batches = False
 
     def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
         return pb.GetStatsResponse(
@@ -63,11 +70,15 @@ class RankStub:
         return pb.AllocateShardsResponse()
 
     def DropMany(self, request, timeout):  # noqa: N802
+        self.batches.append(("DropMany", len(request.versions)))
         for one in request.versions:
             self.DropVersion(one, timeout)
         return pb.DropManyResponse()
 
     def PromoteMany(self, request, timeout):  # noqa: N802
+        self.batches.append(("PromoteMany", len(request.versions)))
+        if self.refuse_batches:
+            raise RankRefusal()
         for one in request.versions:
             self.PromoteVersion(one, timeout)
         return pb.PromoteManyResponse()
@@ -80,6 +91,33 @@ class RankStub:
         for one in request.tensors:
             self.AllocateShards(one, timeout)
         return pb.AllocateManyResponse()
+
+
+class AsStub:
+    """A stand-in's methods as a gRPC stub's are: called, or issued with `.future(...)` (the coordinator fans
+    out that way), which answers a future already done."""
+
+    def __init__(self, stub: RankStub) -> None:
+        self._stub = stub
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._stub, name))
+
+
+class _Method:
+    def __init__(self, call) -> None:  # type: ignore[no-untyped-def]
+        self._call = call
+
+    def __call__(self, request, timeout):  # type: ignore[no-untyped-def]
+        return self._call(request, timeout)
+
+    def future(self, request, timeout) -> futures.Future:  # type: ignore[no-untyped-def]
+        done: futures.Future = futures.Future()
+        try:
+            done.set_result(self._call(request, timeout))
+        except grpc.RpcError as err:
+            done.set_exception(err)
+        return done
 
 
 class RankRefusal(grpc.RpcError):
@@ -132,7 +170,7 @@ def _health(coord: CoordinatorServer, name: str) -> str:
 
 def _rank(coord: CoordinatorServer, stub: RankStub) -> None:
     """Register rank 0 of a world of one, called through `stub`."""
-    coord.registry.stub_of = lambda channel: stub  # type: ignore[assignment, return-value]
+    coord.registry.stub_of = lambda channel: AsStub(stub)  # type: ignore[assignment, return-value]
     coord.registry.register(
         RankInfo(rank=0, address="127.0.0.1:1", device="cpu", world_size=1, pid=1), []
     )
@@ -179,6 +217,66 @@ def test_nothing_is_forgotten_when_the_rank_cannot_say_what_it_holds(coordinator
     _rank(coordinator, stub)
     coordinator.upkeep.reconciler.reconcile(0, set())
     assert coordinator.catalog.get("t", info.version) is not None and stub.calls == []
+
+
+def test_a_reconcile_promotes_in_one_call_and_drops_in_one_call(coordinator):
+    """The READY versions the rank holds are promoted again with one PromoteMany, the versions the catalog does
+    not know dropped with one DropMany; versions on other ranks are not read as the rank's."""
+    mine = [_ready(coordinator, f"t{i}") for i in range(20)]
+    coordinator.catalog.add(
+        TensorRecord(
+            name="elsewhere",
+            version=coordinator.catalog.next_version(),
+            metadata=ChunkShardingSpec(0, ["rank:3/cpu"]).build_metadata((4, 4)),
+        )
+    )
+    strays = {("stray", 990 + i) for i in range(5)}
+    held = {(r.name, r.version) for r in mine} | strays
+    stub = RankStub(held)
+    _rank(coordinator, stub)
+    coordinator.upkeep.reconciler.reconcile(0, held)
+    assert stub.batches == [("PromoteMany", 20), ("DropMany", 5)]
+    assert {(n, v) for what, n, v in stub.calls if what == "promote"} == held - strays
+    assert {(n, v) for what, n, v in stub.calls if what == "drop"} == strays
+
+
+def test_a_failed_batch_promotion_is_done_one_version_at_a_time(coordinator):
+    versions = [_ready(coordinator, f"t{i}") for i in range(3)]
+    held = {(r.name, r.version) for r in versions}
+    stub = RankStub(held)
+    stub.refuse_batches = True
+    _rank(coordinator, stub)
+    coordinator.upkeep.reconciler.reconcile(0, held)
+    assert stub.batches == [("PromoteMany", 3)]
+    assert {(n, v) for what, n, v in stub.calls if what == "promote"} == held
+
+
+def test_registrations_arriving_together_ask_for_few_promotion_rounds(coordinator, monkeypatch):
+    """While the background pool is busy, the registrations of many ranks queue one round of finishing reshard
+    promotions, not one each: with both workers held in a round, at most one more waits."""
+    release, rounds, reconciled = threading.Event(), [], []
+
+    def finish_promotions() -> None:
+        rounds.append(1)
+        release.wait(30.0)
+
+    monkeypatch.setattr(coordinator.reshards, "finish_promotions", finish_promotions)
+    reconcile = coordinator.upkeep.reconciler.reconcile
+    monkeypatch.setattr(
+        coordinator.upkeep.reconciler,
+        "reconcile",
+        lambda rank, held: reconcile(rank, held) or reconciled.append(rank),
+    )
+    coordinator.registry.stub_of = lambda channel: AsStub(RankStub(set()))  # type: ignore[assignment, return-value]
+    for rank in range(20):
+        coordinator.upkeep.register(
+            RankInfo(rank=rank, address=f"127.0.0.1:{7100 + rank}", device="cpu", world_size=20), []
+        )
+    release.set()
+    wait_until(
+        lambda: len(reconciled) == 20, 30.0, "every rank reconciled"
+    )  # queued with the rounds
+    assert 1 <= len(rounds) <= 3
 
 
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):

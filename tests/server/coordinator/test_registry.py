@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 from fake_clock import FakeClock
 
-from shardserve.server.common.errors import InvalidArgument, RankUnavailable
+from shardserve.server.common.errors import (
+    InvalidArgument,
+    InvalidState,
+    RankUnavailable,
+    WorldMismatch,
+)
 from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 from shardserve.server.coordinator.ranks.registry import RankRegistry
 
@@ -161,3 +166,25 @@ def test_a_placement_on_a_rank_not_registered_yet_is_unavailable_then_invalid(re
     registry.heartbeat(0, 0)
     with pytest.raises(InvalidArgument, match="rank 1 is not a registered rank"):
         registry.check_placements(on_rank_1)
+
+
+def test_a_registration_must_agree_with_the_live_ranks_world_and_addresses(registry, clock):
+    """Checked without walking every rank: a world size no live rank has is refused (a dead rank's is not held
+    against it), an address a live rank holds is refused, and an address a rank left for another is free."""
+    registry.register(incarnation(pid=100, port=7001), [])
+    with pytest.raises(WorldMismatch, match="differs from the world size 2 of registered rank 0"):
+        registry.register(
+            RankInfo(rank=1, address="127.0.0.1:7002", device="cpu", world_size=3), []
+        )
+    with pytest.raises(InvalidState, match="127.0.0.1:7001 is registered by rank 0"):
+        registry.register(incarnation(pid=200, port=7001, rank=1), [])
+    registry.mark_exited(0, "process 100 was killed by SIGKILL")
+    registry.register(incarnation(pid=101, port=7005), [])  # rank 0 again, at another address
+    registry.register(incarnation(pid=200, port=7001, rank=1), [])  # 7001 is free now
+    registry.mark_exited(0, "process 101 was killed by SIGKILL")
+    registry.mark_exited(1, "process 200 was killed by SIGKILL")
+    registry.register(RankInfo(rank=0, address="127.0.0.1:7009", device="cpu", world_size=3), [])
+    assert [(r.rank, r.world_size, r.alive) for r in registry.ranks()] == [
+        (0, 3, True),
+        (1, 2, False),
+    ]

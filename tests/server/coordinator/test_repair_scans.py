@@ -1,7 +1,9 @@
 """The repair loop's catalog scans: every round while a copy may be unavailable (a rank down or changed lately,
-an unavailable copy seen), else once per SETTLED_S, since a scan decodes every row of the catalog."""
+an unavailable copy seen), else once per SETTLED_S; a scan reads the rows of dead ranks and lost copies only."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,22 +12,22 @@ from fake_clock import FakeClock
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 from shardserve.server.coordinator.drivers import repair
 from shardserve.server.coordinator.ranks.info import RankInfo
-from shardserve.server.coordinator.ranks.registry import RankRegistry
+from shardserve.server.coordinator.ranks.registry import UNREGISTERED_GRACE_S, RankRegistry
 
 JUST = 0.01  # a moment past a bound
 
 
-class Catalog:
-    """The rows the loop scans, and how many scans there were."""
+class Catalog(SQLiteCatalog):
+    """A real catalog that counts the loop's scans (the candidate queries it starts each scan with)."""
 
-    def __init__(self, records: list[TensorRecord]) -> None:
-        self.records, self.scans = records, 0
+    scans = 0
 
-    def list(self) -> list[TensorRecord]:
+    def placed_ranks(self) -> set[int]:
         self.scans += 1
-        return self.records
+        return super().placed_ranks()
 
 
 class Reshards:
@@ -35,13 +37,30 @@ class Reshards:
         return False
 
 
-def record(lost: tuple[int, ...] = ()) -> TensorRecord:
-    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+def record(
+    lost: tuple[int, ...] = (), *, name: str = "t", version: int = 1, ranks: tuple[int, ...] = (0,)
+) -> TensorRecord:
+    meta = ChunkShardingSpec(0, [f"rank:{r}/cpu" for r in ranks]).build_metadata(
         (4, 2), TensorProperties(dtype=torch.float32)
     )
     return TensorRecord(
-        name="t", version=1, metadata=meta, state=TensorState.READY, lost_shards=lost
+        name=name, version=version, metadata=meta, state=TensorState.READY, lost_shards=lost
     )
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    catalog = Catalog(tmp_path / "catalog.sqlite")
+    yield catalog
+    catalog.close()
+
+
+def holding(catalog: Catalog, records: list[TensorRecord]) -> Catalog:
+    """`catalog` holding exactly `records`."""
+    for old in catalog.list(include_pending=True):
+        catalog.remove(old.name)
+    catalog.add_all(records)
+    return catalog
 
 
 @pytest.fixture
@@ -70,9 +89,9 @@ def driver(catalog: Catalog, registry: RankRegistry, clock: FakeClock) -> repair
 
 
 def test_a_settled_cluster_with_every_copy_available_is_scanned_once_per_settled_period(
-    registry, clock
+    catalog, registry, clock
 ):
-    loop = driver(Catalog([record()]), registry, clock)
+    loop = driver(holding(catalog, [record()]), registry, clock)
     assert loop.scan_due()  # nothing scanned yet, and rank 0 registered just now
     clock.advance(repair.SETTLED_S + JUST)
     assert loop.scan_due()  # settled, but never scanned
@@ -87,14 +106,35 @@ def test_a_settled_cluster_with_every_copy_available_is_scanned_once_per_settled
     assert loop.scan_due()  # a rank is down: every round
 
 
-def test_an_unavailable_copy_keeps_every_round_scanning(registry, clock):
-    catalog = Catalog(
-        [record(lost=(0,))]
+def test_an_unavailable_copy_keeps_every_round_scanning(catalog, registry, clock):
+    holding(
+        catalog, [record(lost=(0,))]
     )  # its only copy lost: cannot be repaired, stays unavailable
     loop = driver(catalog, registry, clock)
     clock.advance(repair.SETTLED_S + JUST)
     loop.run_once()
     assert loop.scan_due() and catalog.scans == 1
-    catalog.records = [record()]
+    holding(catalog, [record(version=2)])
     loop.run_once()
     assert not loop.scan_due()
+
+
+def test_a_scan_reads_only_the_versions_on_dead_ranks_and_those_with_lost_copies(catalog, clock):
+    """Of many tensors, the candidates are the READY ones with a shard on a rank that is dead now or a copy a
+    rank lost; a rank the coordinator never heard of counts dead once the unregistered grace is over."""
+    records = [record(name=f"on{r}", version=10 + r, ranks=(r, (r + 1) % 4)) for r in range(4)] + [
+        record(lost=(0,), name="lost", version=20, ranks=(0,))
+    ]
+    holding(catalog, records)
+    catalog.add(replace(record(name="pending", version=30, ranks=(2,)), state=TensorState.PENDING))
+    registry = RankRegistry(dead_after=60.0, clock=clock)
+    for rank in (0, 1, 2):  # rank 3 never registers
+        info = RankInfo(rank=rank, address=f"127.0.0.1:{7001 + rank}", device="cpu", world_size=4)
+        registry.register(info, [])
+    loop = driver(catalog, registry, clock)
+    assert loop.candidates() == [records[4]]  # rank 3 is not dead before the grace is over
+    clock.advance(UNREGISTERED_GRACE_S + JUST)
+    assert [r.name for r in loop.candidates()] == ["lost", "on2", "on3"]  # rank 3 never registered
+    registry.mark_exited(1, "process 101 was killed by SIGKILL")
+    assert [r.name for r in loop.candidates()] == ["lost", "on0", "on1", "on2", "on3"]
+    registry.close()

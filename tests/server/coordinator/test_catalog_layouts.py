@@ -1,0 +1,143 @@
+"""The SQLite catalog's indexed queries of the background work: the versions on given ranks (through each row's
+layout and the ranks of each layout), the ranks any layout uses, the rows with lost copies, the pending rows past
+a timeout. Each answers what a scan of every row would, through its index (checked with SQLite's query plan),
+and a catalog of the previous schema gets its layouts when opened."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import replace
+
+import pytest
+import torch
+
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorRecord,
+    TensorState,
+)
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+from shardserve.server.coordinator.catalog.sqlite_schema import SCHEMA_VERSION
+
+
+def layout(*ranks: int) -> ShardedTensorMetadata:
+    """One row per shard, shard i on ranks[i]."""
+    shards = tuple(ShardMetadata((i, 0), (1, 2), f"rank:{r}/cpu") for i, r in enumerate(ranks))
+    return ShardedTensorMetadata(shards, (len(ranks), 2), TensorProperties(dtype=torch.float32))
+
+
+def row(name: str, version: int, *ranks: int, **fields) -> TensorRecord:
+    return TensorRecord(name=name, version=version, metadata=layout(*ranks), **fields)
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    c = SQLiteCatalog(tmp_path / "catalog.sqlite")
+    yield c
+    c.close()
+
+
+def scanned(catalog: SQLiteCatalog, ranks: list[int]) -> list[tuple[str, int]]:
+    """What the interface's default (a scan of every row) finds on `ranks`."""
+    return [(r.name, r.version) for r in Catalog.holding(catalog, ranks)]
+
+
+def keys(records: list[TensorRecord]) -> list[tuple[str, int]]:
+    return [(r.name, r.version) for r in records]
+
+
+def test_the_versions_on_ranks_follow_every_change_of_the_rows(catalog):
+    catalog.add_all([row("a", 1, 0, 1), row("b", 2, 1, 2), row("c", 3, 3, 3)])
+    assert keys(catalog.holding([1])) == [("a", 1), ("b", 2)] == scanned(catalog, [1])
+    assert keys(catalog.holding([0, 3])) == [("a", 1), ("c", 3)] == scanned(catalog, [0, 3])
+    assert catalog.holding([]) == [] and catalog.holding([9]) == []
+    assert catalog.placed_ranks() == {0, 1, 2, 3}
+    catalog.add(row("a", 4, 2, 2))  # a new version of a, on another rank
+    catalog.commit("a", 4)  # no older READY row to remove: "a" 1 is pending
+    assert keys(catalog.holding([2])) == [("b", 2), ("a", 4)] == scanned(catalog, [2])
+    catalog.update(replace(catalog.get("b", 2), metadata=layout(5, 5)))  # a row's layout replaced
+    assert keys(catalog.holding([1])) == [("a", 1)] and keys(catalog.holding([5])) == [("b", 2)]
+    catalog.remove("a")
+    assert keys(catalog.holding([0, 1, 2])) == [] == scanned(catalog, [0, 1, 2])
+    entries = (SnapshotEntry("w", row("p@9/w", 9, 6, 7)),)
+    catalog.add_all([entry.tensor for entry in entries])
+    catalog.commit_snapshot(SnapshotRecord("p", 9, 1, entries))
+    assert [(r.name, r.state) for r in catalog.holding([7])] == [("p@9/w", TensorState.READY)]
+
+
+def test_rows_with_lost_copies_and_pending_rows_past_a_time(catalog):
+    catalog.add_all(
+        [
+            row("old", 1, 0, created_unix=100.0),
+            row("new", 2, 0, created_unix=200.0),
+            row("lost", 3, 0, 1, state=TensorState.READY, lost_shards=(1,)),
+            row("whole", 4, 0, 1, state=TensorState.READY),
+        ]
+    )
+    assert keys(catalog.pending(created_before=150.0)) == [("old", 1)]
+    assert keys(catalog.pending()) == [("old", 1), ("new", 2)]
+    assert (
+        keys(catalog.with_lost_copies()) == [("lost", 3)] == keys(Catalog.with_lost_copies(catalog))
+    )
+    catalog.update(replace(catalog.get("lost", 3), lost_shards=()))
+    assert catalog.with_lost_copies() == []
+
+
+def test_the_queries_of_the_background_work_are_answered_through_indexes(catalog):
+    """Every statement the queries send is planned as index searches (SQLite's EXPLAIN QUERY PLAN): none reads
+    every row of a table."""
+    catalog.add_all([row(f"t{i}", i + 1, i % 5, (i + 1) % 5) for i in range(50)])
+    statements: list[str] = []
+    catalog.trace_statements(statements.append)
+    catalog.holding([1, 2])
+    catalog.pending(created_before=1.0)
+    catalog.promoting()
+    catalog.with_lost_copies()
+    catalog.trace_statements(None)
+    db = sqlite3.connect(catalog.path)
+    for sql in statements:
+        plan = [step[3] for step in db.execute(f"EXPLAIN QUERY PLAN {sql}")]
+        full = [step for step in plan if step.startswith("SCAN") and "INDEX" not in step]
+        assert not full, (sql, plan)
+    db.close()
+
+
+def test_a_catalog_of_schema_2_gets_the_layout_of_every_row(tmp_path):
+    path = tmp_path / "catalog.sqlite"
+    catalog = SQLiteCatalog(path)
+    catalog.add_all([row("a", 1, 0, 1), row("b", 2, 1, 2), row("c", 3, 0, 1)])
+    catalog.close()
+    db = sqlite3.connect(
+        path
+    )  # as schema 2 left it: no layouts, no indexes of the background scans
+    for index in ("tensors_layout", "tensors_pending", "tensors_promoting", "tensors_lost"):
+        db.execute(f"DROP INDEX {index}")
+    db.execute("DROP TABLE layouts")
+    db.execute("DROP TABLE layout_ranks")
+    db.execute("ALTER TABLE tensors DROP COLUMN layout")
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+    migrated = SQLiteCatalog(path)
+    assert keys(migrated.holding([0])) == [("a", 1), ("c", 3)]
+    assert keys(migrated.holding([2])) == [("b", 2)] and migrated.placed_ranks() == {0, 1, 2}
+    migrated.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert db.execute("SELECT count(*) FROM layouts").fetchone()[0] == 2  # a and c share theirs
+    db.close()
+
+
+def test_layouts_no_row_has_are_forgotten_when_the_catalog_opens(tmp_path):
+    path = tmp_path / "catalog.sqlite"
+    catalog = SQLiteCatalog(path)
+    catalog.add_all([row("a", 1, 0), row("b", 2, 8)])
+    catalog.remove("b")
+    assert catalog.placed_ranks() == {0, 8}  # kept while open: one put after another shares them
+    catalog.close()
+    reopened = SQLiteCatalog(path)
+    assert reopened.placed_ranks() == {0} and keys(reopened.holding([0])) == [("a", 1)]
+    reopened.close()

@@ -1,0 +1,101 @@
+"""Heartbeat intervals that grow with the cluster: the coordinator tells each rank an interval that keeps all its
+ranks within the heartbeat rate, at registration and in every heartbeat answer; a rank is dead once silent for
+twice the interval it was told. In-process with a fake clock, and end to end with real CoordinatorLinks
+against a served coordinator."""
+
+from __future__ import annotations
+
+import pytest
+from fake_clock import FakeClock
+from waiting import wait_until
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.protos.same_host import host_id
+from shardserve.server.common.auth import Security
+from shardserve.server.common.grpc_server import start_server
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+from shardserve.server.coordinator.options import CoordinatorOptions
+from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
+from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.ranks.registry import RankRegistry
+from shardserve.server.coordinator.role import CoordinatorRole
+from shardserve.server.coordinator.server import CoordinatorServer
+from shardserve.server.coordinator.service import CoordinatorServicer
+from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.coordinators import Coordinators
+from shardserve.server.rank.store import ShardStore
+
+JUST = 0.01
+
+
+def info(rank: int, world: int = 1000) -> RankInfo:
+    return RankInfo(
+        rank=rank, address=f"127.0.0.1:{7000 + rank}", device="cpu", world_size=world, pid=rank
+    )
+
+
+def test_the_interval_keeps_the_registered_ranks_within_the_rate():
+    policy = HeartbeatPolicy(interval=1.0, rate=200.0)
+    assert [policy.interval_for(n) for n in (1, 200, 400, 1000)] == [1.0, 1.0, 2.0, 5.0]
+    assert HeartbeatPolicy(interval=1.0, rate=0).interval_for(10_000) == 1.0  # no limit
+    assert policy.dead_after_for(5.0) == 10.0
+    assert HeartbeatPolicy(dead_after=3.0).dead_after_for(5.0) == 3.0  # fixed
+    for bad in ({"interval": 0}, {"rate": -1.0}, {"dead_after": 0.0}):
+        with pytest.raises(ValueError):
+            HeartbeatPolicy(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="--heartbeat-rate"):
+        CoordinatorOptions(heartbeat_rate=-1.0)
+
+
+def test_each_rank_is_told_the_interval_of_the_cluster_as_it_grows_and_judged_by_it():
+    clock = FakeClock()
+    registry = RankRegistry(clock=clock, heartbeats=HeartbeatPolicy(interval=1.0, rate=2.0))
+    registry.register(info(0), [])
+    assert registry.interval_of(0) == 1.0  # one rank: the configured interval
+    for rank in range(1, 6):
+        registry.register(info(rank), [])
+    assert registry.interval_of(5) == 3.0  # six ranks at 2 heartbeats a second: every 3 s
+    assert registry.interval_of(0) == 1.0  # told at its registration, until it heartbeats
+    assert registry.heartbeat(0, memory_used=123) == (False, 3.0)  # its answer tells it 3 s
+    clock.advance(2 * 3.0)
+    assert registry.rank_alive(0)  # silent for twice its interval: not yet dead
+    clock.advance(JUST)
+    assert not registry.rank_alive(0) and registry.dead_for(0) == pytest.approx(JUST)
+    assert registry.heartbeat(0, memory_used=456) == (True, 3.0)  # back from the dead
+    [rank0] = [r for r in registry.ranks() if r.rank == 0]
+    assert rank0.alive and rank0.memory_used_bytes == 456 and rank0.last_heartbeat_unix > 0
+    registry.close()
+
+
+def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
+    """Real CoordinatorLinks against a served coordinator whose heartbeat rate makes the interval grow once more
+    ranks register: a link registered alone heartbeats at the configured interval, then at the longer one its
+    next heartbeat answer tells."""
+    options = CoordinatorOptions(heartbeat_interval=0.05, heartbeat_rate=20.0)
+    coordinator = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite"), options=options)
+    coordinator.start()
+
+    def add(server) -> list[str]:  # type: ignore[no-untyped-def]
+        servicer = CoordinatorServicer(CoordinatorRole.sole(coordinator))
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+
+    running = start_server("127.0.0.1:0", Security(), add)
+    store = ShardStore(0)
+    rank = pb.RankInfo(
+        rank=0, address="127.0.0.1:7000", device="cpu", world_size=4, pid=1, host_id=host_id()
+    )
+    link = CoordinatorLink(Coordinators([running.address], Security()), rank, store)
+    try:
+        link.register(timeout=30.0)
+        assert link.interval == 0.05  # alone: the configured interval
+        link.start()
+        for other in (1, 2, 3):  # four ranks at 20 heartbeats a second: every 0.2 s
+            coordinator.registry.register(info(other, world=4), [])
+        wait_until(lambda: link.interval == pytest.approx(0.2), 30.0, "the link told 0.2 s")
+        assert coordinator.registry.interval_of(0) == pytest.approx(0.2)
+    finally:
+        link.stop()
+        running.stop(grace=0.1)
+        coordinator.close()

@@ -1,0 +1,181 @@
+"""RankCalls' fan-out: every rank's call in flight at once (no pool bounding them), each rank's batch built from
+entries encoded once, and a failure named by its rank. The ranks are real gRPC servers on loopback that answer
+the ShardServer methods the fan-outs call, and record what they were asked."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.core.wire import metadata_to_proto
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import RankUnavailable
+from shardserve.server.coordinator.catalog.records import TensorRecord
+from shardserve.server.coordinator.ranks import calls as calls_module
+from shardserve.server.coordinator.ranks.calls import RankCalls, versions_by_rank
+from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
+from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.ranks.registry import RankRegistry
+
+RANKS = 48  # more than the 32 calls the fan-out pool it replaced allowed in flight
+SERVICE = "shardserve.v1.ShardServer"
+WAIT_S = 20.0
+
+
+@dataclass
+class Rank:
+    """One rank's server: what it was asked, and a barrier every rank's call must reach before any answers."""
+
+    barrier: threading.Barrier
+    refuse: bool = False
+    asked: dict[str, list] = field(default_factory=dict)
+
+    def handler(self, method: str, request_type, answer):  # type: ignore[no-untyped-def]
+        def handle(request, context):  # type: ignore[no-untyped-def]
+            self.asked.setdefault(method, []).append(request)
+            self.barrier.wait(
+                WAIT_S
+            )  # BrokenBarrierError (an UNKNOWN answer) unless all are in flight
+            if self.refuse:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "memory limit")
+            return answer(request)
+
+        return grpc.unary_unary_rpc_method_handler(
+            handle,
+            request_deserializer=request_type.FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+
+
+def _promoted(request: pb.PromoteManyRequest) -> pb.PromoteManyResponse:
+    return pb.PromoteManyResponse(
+        checksums=[
+            pb.ShardChecksum(name=v.name, version=v.version, shard_index=0, checksum=7)
+            for v in request.versions
+        ]
+    )
+
+
+@pytest.fixture
+def cluster():
+    """RANKS real servers and a registry of them: (registry, {rank: Rank})."""
+    barrier = threading.Barrier(RANKS)
+    ranks, servers = {}, []
+    registry = RankRegistry(heartbeats=HeartbeatPolicy(dead_after=600.0))
+    for rank in range(RANKS):
+        state = ranks[rank] = Rank(barrier)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        handlers = {
+            "PromoteMany": state.handler("PromoteMany", pb.PromoteManyRequest, _promoted),
+            "AllocateMany": state.handler(
+                "AllocateMany", pb.AllocateManyRequest, lambda r: pb.AllocateManyResponse()
+            ),
+            "DropMany": state.handler(
+                "DropMany", pb.DropManyRequest, lambda r: pb.DropManyResponse()
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        info = RankInfo(
+            rank=rank, address=f"127.0.0.1:{port}", device="cpu", world_size=RANKS, pid=rank
+        )
+        registry.register(info, [])
+    yield registry, ranks
+    registry.close()
+    for server in servers:
+        server.stop(0)
+
+
+def _records(count: int) -> list[TensorRecord]:
+    """`count` tensors, tensor i on ranks i, i+1 and i+2 (mod RANKS)."""
+    return [
+        TensorRecord(
+            name=f"t{i}",
+            version=100 + i,
+            metadata=ChunkShardingSpec(
+                0, [f"rank:{(i + k) % RANKS}/cpu" for k in range(3)]
+            ).build_metadata((6, 2), TensorProperties(dtype=torch.float32)),
+        )
+        for i in range(count)
+    ]
+
+
+def test_every_ranks_call_is_in_flight_at_once(cluster):
+    """Each rank's server holds its call until all RANKS calls arrived: a fan-out bounded by a pool of fewer
+    calls would break the barrier instead of answering. Each rank is asked for its own versions only."""
+    registry, ranks = cluster
+    records = _records(RANKS)
+    versions = versions_by_rank(records, TensorRecord.ranks)
+    checksums = RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+    assert checksums == {r.key: {0: 7} for r in records}
+    for rank, state in ranks.items():
+        [request] = state.asked["PromoteMany"]
+        assert [(v.name, v.version) for v in request.versions] == versions[rank]
+
+
+def test_a_batch_is_the_entries_each_made_once(cluster, monkeypatch):
+    """AllocateMany: each rank's request holds exactly the allocation of each of its records (as built field by
+    field), and a record's allocation is built once however many ranks hold it."""
+    registry, ranks = cluster
+    records = _records(RANKS)
+    built = []
+    real = calls_module.metadata_to_proto
+    monkeypatch.setattr(
+        calls_module, "metadata_to_proto", lambda meta: built.append(meta) or real(meta)
+    )
+    by_rank = {rank: [r for r in records if rank in r.ranks()] for rank in range(RANKS)}
+    dropping = {rank: [("old", rank + 1)] for rank in range(RANKS)}
+    RankCalls(registry, rpc_timeout=WAIT_S * 2).allocate_many(
+        by_rank, "allocate", writer_host_id="host-a", dropping=dropping
+    )
+    assert len(built) == len(
+        records
+    )  # one allocation message per record, not one per (rank, record)
+    for rank, state in ranks.items():
+        [request] = state.asked["AllocateMany"]
+        expected = pb.AllocateManyRequest(
+            tensors=[
+                pb.AllocateShardsRequest(
+                    name=r.name,
+                    version=r.version,
+                    metadata=metadata_to_proto(r.metadata),
+                    options=pb.TensorOptions(),
+                )
+                for r in by_rank[rank]
+            ],
+            writer_host_id="host-a",
+            drop_first=[pb.DropVersionRequest(name="old", version=rank + 1)],
+        )
+        assert request == expected
+
+
+def test_a_refusal_is_raised_naming_its_rank_after_every_call_ended(cluster):
+    registry, ranks = cluster
+    ranks[5].refuse = True
+    versions = {rank: [("t", 1)] for rank in range(RANKS)}
+    with pytest.raises(Exception, match="rank 5: memory limit") as raised:
+        RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+    assert raised.value.metadata["rank"] == 5  # type: ignore[attr-defined]
+    assert all(len(state.asked["PromoteMany"]) == 1 for state in ranks.values())
+
+
+def test_a_rank_that_is_not_alive_fails_at_once_and_the_others_are_called(cluster):
+    registry, ranks = cluster
+    registry.mark_exited(7, "process 7 was killed by SIGKILL")
+    barrier = threading.Barrier(RANKS - 1)  # the others' calls, all in flight at once
+    for state in ranks.values():
+        state.barrier = barrier
+    versions = {rank: [("t", 1)] for rank in range(RANKS)}
+    with pytest.raises(RankUnavailable, match="rank 7 .* is not alive"):
+        RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+    assert not barrier.broken and "PromoteMany" not in ranks[7].asked
+    assert all(len(ranks[r].asked["PromoteMany"]) == 1 for r in range(RANKS) if r != 7)
