@@ -36,7 +36,7 @@ import grpc
 import torch
 
 from benchmarks.harness import Context, Row, Target, scenario
-from benchmarks.scale_cluster import CALL_TIMEOUT_S, SimulatedCluster, wait_for
+from benchmarks.scale_cluster import CALL_TIMEOUT_S, MAX_PROCESSES, SimulatedCluster, wait_for
 from benchmarks.scale_workload import (
     PREFIX,
     StateDict,
@@ -51,12 +51,15 @@ log = logging.getLogger(__name__)
 
 GROUP = "scale"
 RANKS = (10, 100, 1000)
-QUICK_RANKS = (10, 40)
-TENSORS, QUICK_TENSORS = 10_000, 1_000
+QUICK_RANKS = (8,)  # one cluster: the smoke test runs every scenario within 120 s
+TENSORS, QUICK_TENSORS = 10_000, 200
 TABLES, TABLE_ROWS = 100, 500  # x 2 replicas: 100,000 shards
-QUICK_TABLES, QUICK_TABLE_ROWS = 10, 100
+QUICK_TABLES, QUICK_TABLE_ROWS = 4, 50
+QUICK_PROCESSES = 2  # rank processes of a quick run (each imports torch)
+SETTLE_TIMEOUT_S = REPAIR_TIMEOUT_S = 900.0
 HEARTBEAT_S = 2.0  # not 1 s: on a machine shared by busy processes a heartbeat can be a second late
-IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 3.0
+IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 2.0
+SCAN_WINDOW_S, QUICK_SCAN_WINDOW_S = 5.0, 1.0
 STEADY_COMMITS = 2
 ATTEMPTS = 3
 READ_BACK = 20  # snapshot tensors read back and compared
@@ -73,6 +76,7 @@ class Figures:
     values: dict[str, float] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    failure: str = ""  # the error that stopped this N before its last row ("": none)
 
 
 ROWS = (  # (key, what, unit, target at 1,000 ranks)
@@ -109,11 +113,20 @@ def scale_scenario(ctx: Context) -> list[Row]:
     for world in ranks_to_run(ctx):
         figures = Figures(world)
         with ctx.rss() as peaks:
-            run_one(ctx, figures)
+            try:
+                run_one(ctx, figures)
+            except Exception as err:  # noqa: BLE001 - the rows measured so far are kept, the failure noted
+                log.exception("scale N=%d stopped", world)
+                figures.failure = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}"
         coordinator = [rss for label, rss in peaks.items() if label.startswith("coordinator")]
         figures.values["coordinator_rss"] = max(coordinator, default=0) / 2**20
         results.append(figures)
-        log.warning("scale N=%d done: %s", world, json.dumps(figures.values))
+        log.warning(
+            "scale N=%d done%s: %s",
+            world,
+            f" (stopped: {figures.failure})" if figures.failure else "",
+            json.dumps(figures.values),
+        )
     print_table(results)
     return rows_of(results)
 
@@ -126,7 +139,10 @@ def run_one(ctx: Context, figures: Figures) -> None:
     values, checks = figures.values, figures.checks
     figures.load = os.getloadavg()
     with SimulatedCluster(
-        world, heartbeat_interval=HEARTBEAT_S, repair_after=REPAIR_AFTER_S
+        world,
+        heartbeat_interval=HEARTBEAT_S,
+        repair_after=REPAIR_AFTER_S,
+        processes=QUICK_PROCESSES if quick else MAX_PROCESSES,
     ) as cluster:
         cluster.start_coordinator()
         ctx.sampler.label(cluster.coordinator_pid, "coordinator")
@@ -149,7 +165,14 @@ def run_one(ctx: Context, figures: Figures) -> None:
         cluster.wait_alive(world)
         restart_rows(cluster, world, values)
         ctx.sampler.label(cluster.coordinator_pid, "coordinator (restarted)")
-        lost_rank_rows(cluster, tables=tables, rows=rows, values=values, checks=checks)
+        lost_rank_rows(
+            cluster,
+            tables=tables,
+            rows=rows,
+            values=values,
+            checks=checks,
+            window=QUICK_SCAN_WINDOW_S if quick else SCAN_WINDOW_S,
+        )
 
 
 class Clock:
@@ -331,7 +354,7 @@ def restart_rows(cluster: SimulatedCluster, world: int, values: dict) -> None:
 def settle(cluster: SimulatedCluster, quiet: float) -> float:
     """Seconds until the coordinator's background work has ended: its CPU below `quiet` cores over a second."""
     start = time.perf_counter()
-    while time.perf_counter() - start < CALL_TIMEOUT_S * 5:
+    while time.perf_counter() - start < SETTLE_TIMEOUT_S:
         cpu0, _ = cluster.coordinator_usage()
         time.sleep(1.0)
         if cluster.coordinator_usage()[0] - cpu0 < quiet:
@@ -340,7 +363,13 @@ def settle(cluster: SimulatedCluster, quiet: float) -> float:
 
 
 def lost_rank_rows(
-    cluster: SimulatedCluster, *, tables: int, rows: int, values: dict, checks: dict
+    cluster: SimulatedCluster,
+    *,
+    tables: int,
+    rows: int,
+    values: dict,
+    checks: dict,
+    window: float,
 ) -> None:
     """Kill one rank: until it is listed dead; the coordinator's CPU meanwhile scanning for repairs; until the
     tables it held copies of are whole again (read back bit for bit)."""
@@ -354,7 +383,7 @@ def lost_rank_rows(
     values["dead_noticed"] = time.perf_counter() - start
     wait_for(
         lambda: all(victim not in table_ranks(cluster, i) for i in held),
-        CALL_TIMEOUT_S * 5,
+        REPAIR_TIMEOUT_S,
         f"the tables rank {victim} held repaired",
         0.1,
     )
@@ -362,7 +391,7 @@ def lost_rank_rows(
     checks["repair read back"] = read_back_tables(cluster, held[:5], rows)
     cpu0, _ = cluster.coordinator_usage()
     begin = time.perf_counter()
-    time.sleep(5.0)
+    time.sleep(window)
     cpu1, _ = cluster.coordinator_usage()
     values["scan_cpu"] = (cpu1 - cpu0) / (time.perf_counter() - begin)
 
@@ -425,7 +454,9 @@ def print_table(results: list[Figures]) -> None:
     out.print(table)
     out.print(f"load average at the start of each N: {loads}")
     for f in results:
-        out.print(f"N={f.ranks} checks: {f.checks}")
+        out.print(f"N={f.ranks} checks: {f.checks}, retries: {f.values.get('retries', 0)}")
+        if f.failure:
+            out.print(f"N={f.ranks} stopped before its last row: {f.failure}")
 
 
 def cell(values: dict, key: str, unit: str) -> str:
@@ -466,7 +497,11 @@ def rows_of(results: list[Figures]) -> list[Row]:
                     f"N={figures.ranks}",
                     seconds,
                     ok=all(figures.checks.values()) if figures.checks else None,
-                    note="" if unit == "s" else format_value(value, unit),
+                    note=(
+                        ("" if unit == "s" else format_value(value, unit))
+                        if value is not None or not figures.failure
+                        else f"not reached: {figures.failure}"
+                    ),
                     target=row_target,
                     extra={
                         "ranks": figures.ranks,
