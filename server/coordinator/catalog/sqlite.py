@@ -295,18 +295,16 @@ class SQLiteCatalog(Catalog):
             )
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
-        self._make_lease_table()
+        with self._transaction(fenced=False) as db:  # the lease's table, made when first needed
+            db.execute(LEASE_TABLE)
         return SQLiteLeadership(lambda: self._transaction(fenced=False), lease_duration)
 
     def fence(self, term: int | None) -> None:
         if term is not None:
-            self._make_lease_table()
+            with self._transaction(fenced=False) as db:
+                db.execute(LEASE_TABLE)
         with self._lock:
             self._term = term
-
-    def _make_lease_table(self) -> None:
-        with self._transaction(fenced=False) as db:
-            db.execute(LEASE_TABLE)
 
     def close(self) -> None:
         with self._lock:
