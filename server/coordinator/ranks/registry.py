@@ -50,6 +50,7 @@ class RankEntry:
     last_heartbeat_unix: float = 0.0
     exited: bool = False
     reported_dead: bool = False
+    missed: bool = False  # a call to it was skipped or failed while it was taken for dead
     exited_at: float = 0.0  # self._clock() when its process was known to end
 
     def tell(self, interval: float, policy: HeartbeatPolicy) -> float:
@@ -237,6 +238,23 @@ class RankRegistry:
                 self._changed_at = entry.last_heartbeat
             interval = entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
         return was_dead, interval
+
+    def note_missed(self, rank: int) -> None:
+        """A call to `rank` was skipped (it was not alive) or failed: what it holds may differ from the catalog
+        (a drop it never got), so it is reconciled when it heartbeats again."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is not None:
+                entry.missed = True
+
+    def take_missed(self, rank: int) -> bool:
+        """Whether a call to `rank` was missed since this was last asked (and forget it)."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            missed = entry is not None and entry.missed
+            if missed:
+                entry.missed = False  # type: ignore[union-attr]
+        return missed
 
     def interval_of(self, rank: int) -> float:
         """The heartbeat interval `rank` was last told (RankUnavailable when it is not registered)."""
