@@ -272,11 +272,12 @@ class RankRegistry:
         log.error("rank %d is dead: %s", rank, reason)
 
     def report_dead(self) -> None:
-        """Log each rank that stopped heartbeating, once."""
+        """Log each rank that stopped heartbeating, once (a change of the ranks: changed_at)."""
         with self._ranks_changed:
             for entry in self._ranks.values():
                 if not entry.reported_dead and not self.is_alive(entry):
                     entry.reported_dead = True
+                    self._changed_at = self._clock()
                     log.error(
                         "rank %d (%s) missed heartbeats for %.1fs: marked dead",
                         entry.info.rank,
@@ -284,13 +285,11 @@ class RankRegistry:
                         self._clock() - entry.last_heartbeat,
                     )
 
-    def settled_for(self) -> float:
-        """Seconds since a rank last registered, exited, came back from the dead or finished restoring; 0 while a
-        registered rank is not alive. While it grows, no copy can have become unavailable."""
+    def changed_at(self) -> float:
+        """When (by the clock) a rank last registered, exited, was reported dead, came back from the dead or
+        finished restoring."""
         with self._ranks_changed:
-            if not all(self.is_alive(entry) for entry in self._ranks.values()):
-                return 0.0
-            return self._clock() - self._changed_at
+            return self._changed_at
 
     def is_alive(self, entry: RankEntry) -> bool:
         """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""
