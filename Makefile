@@ -1,4 +1,5 @@
-# The two commands of the README (`test` runs the linters first), plus regenerating the protos.
+# The two commands of the README (`test` runs the linters first and installs the PostgreSQL server its catalog
+# tests start), plus regenerating the protos.
 .PHONY: run test lint protos venv bench
 
 PORT ?= 50051
@@ -13,6 +14,7 @@ lint: venv
 	./scripts/lint.sh
 
 test: lint
+	./scripts/setup-postgres.sh
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 protos: venv

@@ -40,6 +40,7 @@ from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.jobs.context import JobContext
 from shardserve.server.rank.jobs.service import JobKinds
 from shardserve.server.rank.main import open_store
@@ -116,7 +117,8 @@ def start_rank(rank: int, *, world: int, coordinator: str, security: Security) -
         host_id=host,
         shared_memory=False,
     )
-    return SimulatedRank(rank, running, CoordinatorLink(coordinator, security, info, store))
+    link = CoordinatorLink(Coordinators([coordinator], security), info, store)
+    return SimulatedRank(rank, running, link)
 
 
 def register_all(ranks: list[SimulatedRank]) -> float:

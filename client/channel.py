@@ -39,6 +39,13 @@ CHANNEL_OPTIONS = (  # every channel of a client, blocking or asyncio
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+# A coordinator's channel tries to connect again within a second (gRPC's own backoff grows to 2 minutes): a
+# standby that was down for long is reached as soon as it takes over.
+COORDINATOR_OPTIONS = CHANNEL_OPTIONS + (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 @dataclass(frozen=True)
@@ -142,18 +149,20 @@ class Channel:
 
     # ------------------------------------------------------------ channels
 
-    def channel(self, address: str) -> grpc.Channel:
-        """The (cached) channel to `address`."""
+    def channel(
+        self, address: str, options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
+    ) -> grpc.Channel:
+        """The (cached) channel to `address`, made with `options` (the first time)."""
         with self._lock:
             self.check_open()
             channel = self._channels.get(address)
             if channel is None:
                 if self.credentials.uses_tls:
                     channel = grpc.secure_channel(
-                        address, self.credentials.channel_credentials(), options=CHANNEL_OPTIONS
+                        address, self.credentials.channel_credentials(), options=options
                     )
                 else:
-                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                    channel = grpc.insecure_channel(address, options=options)
                 if self.interceptor is not None:
                     channel = grpc.intercept_channel(channel, self.interceptor)
                 self._channels[address] = channel
@@ -165,7 +174,7 @@ class Channel:
             raise ShardServeError("the client is closed")
 
     def coordinator(self, address: str) -> pb_grpc.CoordinatorStub:
-        return pb_grpc.CoordinatorStub(self.channel(address))
+        return pb_grpc.CoordinatorStub(self.channel(address, COORDINATOR_OPTIONS))
 
     def shard_server(self, address: str) -> pb_grpc.ShardServerStub:
         return pb_grpc.ShardServerStub(self.channel(address))

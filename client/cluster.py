@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from shardserve.client import arguments
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.casts import put_dtype, stored_as
 from shardserve.client.channel import (
     CHUNK_BYTES,
     MAX_CHUNK_BYTES,
     Channel,
     Credentials,
-    check_address,
 )
 from shardserve.client.embedding.lookup import Lookups
 from shardserve.client.embedding.row_cache import CacheStats, RowCache
@@ -45,6 +45,7 @@ from shardserve.client.session import Session
 from shardserve.client.snapshots import Snapshot
 from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.client.tracing import call_interceptor
+from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.core.dtypes import dtype_from_name, dtype_to_wire
 from shardserve.core.regions import cut_tensor
 from shardserve.core.specs import tensor_size
@@ -69,6 +70,11 @@ def connect(
 ) -> Cluster:
     """Connect to the coordinator at HOST:PORT; fails fast if it cannot be reached or refuses the token.
 
+    Several coordinators sharing one catalog are given as "HOST:PORT,HOST:PORT": the client calls the one that
+    leads, follows a standby's NOT_LEADER answer to the leader, and during a failover waits for the new leader
+    within each call's deadline (client/coordinators.py); reads of tensors it already holds go to the ranks and
+    go on meanwhile.
+
     `row_cache_bytes` > 0 keeps an LRU cache of embedding rows of that many bytes (see client.embedding.row_cache);
     cached rows are used for at most `row_cache_max_age` seconds before the table's version is checked again.
     `transport` picks the data path of reads (client.paths.policy): "auto" (shared memory for ranks on this
@@ -83,7 +89,7 @@ def connect(
     (docs/operations.md#tracing): True (the application's global tracer provider), an OpenTelemetry
     TracerProvider, False (off), or None (the default: on when $SHARDSERVE_TRACING is set, not 0/off).
     """
-    check_address(address)
+    parse_addresses(address, "address")
     forced = parse_transport(transport)
     timeout = arguments.seconds(timeout, "timeout")
     row_cache_max_age = arguments.seconds(row_cache_max_age, "row_cache_max_age", allow_zero=True)
@@ -184,11 +190,8 @@ class Cluster:
 
     def list(self, include_pending: bool = False) -> list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
-        include_pending = arguments.flag(include_pending, "include_pending")
-        reply = self.session.call(
-            "ListTensors", pb.ListTensorsRequest(include_pending=include_pending)
-        )
-        return catalog_listed(reply, include_pending)
+        reply = self.session.call("ListTensors", catalog.list_tensors_request(include_pending))
+        return catalog.tensors_listed(reply, include_pending)
 
     def tensor(self, name: str) -> RemoteShardedTensor:
         """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
@@ -202,7 +205,7 @@ class Cluster:
 
     def delete(self, name: str) -> None:
         """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
-        self.session.call("DeleteTensor", pb.DeleteTensorRequest(name=arguments.tensor_name(name)))
+        self.session.call("DeleteTensor", catalog.delete_tensor_request(name))
         self.lookups.views.forget(name)
 
     # ------------------------------------------------------------ creating tensors
@@ -421,16 +424,6 @@ class Cluster:
     def inspect_checkpoint(self, path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (size, dtype)} of the tensors of the DCP checkpoint at `path`."""
         return checkpoints.inspect_checkpoint(self.session, path)
-
-
-def catalog_listed(
-    reply: pb.ListTensorsResponse, include_pending: bool
-) -> builtins.list[TensorSummary]:
-    """The tensors of a ListTensors answer, sorted by name: READY ones (and PENDING ones when asked)."""
-    tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
-    return sorted(
-        (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
-    )
 
 
 def _shape(shape: Any) -> tuple[int, ...]:

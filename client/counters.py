@@ -32,8 +32,8 @@ def count(name: str, amount: int = 1) -> None:
 
 
 def metrics() -> dict[str, Any]:
-    """This process's client counters: {"lookups", "lookup_ids", "retries", "row_cache_hits", "row_cache_misses",
-    "delta_puts", "delta_bytes": int, "reads" and "read_bytes": {path: int}}, counted since the process started."""
+    """This process's client counters since it started: each of COUNTERS (an int), and "reads" and "read_bytes"
+    ({path: int})."""
     with _lock:
         out: dict[str, Any] = {name: _counts[name] for name in COUNTERS}
         out.update({name: dict(counter) for name, counter in _by_path.items()})
@@ -48,6 +48,7 @@ COUNTERS = {
     "row_cache_misses": "rows the row cache did not hold",
     "delta_puts": "delta puts that sent only the blocks that changed",
     "delta_bytes": "bytes of changed blocks sent by delta puts",
+    "shm_opens": "shards a shared-memory read opened on their rank (OpenShard); a kept mapping opens none",
 }
 
 

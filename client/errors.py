@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from shardserve.protos.errors import ErrorDetail, Reason, error_detail_of
+from shardserve.protos.errors import LEADER_KEY, ErrorDetail, Reason, error_detail_of
 
 # The reason of a status that came without an ErrorInfo, where its code alone names one (as the servers read it:
 # server/common/errors.py): a peer without the method does not offer that path; exhausted is overloaded.
@@ -176,6 +176,18 @@ class RankUnavailableError(ShardServeError, ConnectionError):
     reason = Reason.RANK_UNAVAILABLE
 
 
+class NotLeaderError(RankUnavailableError):
+    """The coordinator asked does not lead (UNAVAILABLE, NOT_LEADER): a standby, or a leader whose lease ran
+    out. `leader` is the leader's HOST:PORT it names ("" while it knows none). The client follows it to the
+    leader within its deadline; this is raised only when no leader answered in time. Retryable."""
+
+    reason = Reason.NOT_LEADER
+
+    @property
+    def leader(self) -> str:
+        return self.metadata.get(LEADER_KEY, "")
+
+
 class ShardsLostError(RankUnavailableError):
     """A read needs a box whose every copy is known gone (DATA_LOSS, SHARDS_LOST): the ranks holding it
     restarted without it (a rank that is only down, hung or partitioned is RankUnavailableError). `boxes` are
@@ -287,6 +299,7 @@ _BY_CODE_AND_REASON: dict[grpc.StatusCode, dict[Reason, type[ShardServeError]]] 
         Reason.REQUEST_TOO_LARGE: RequestTooLargeError,
         Reason.OVERLOADED: OverloadedError,
     },
+    grpc.StatusCode.UNAVAILABLE: {Reason.NOT_LEADER: NotLeaderError},
     grpc.StatusCode.ABORTED: {
         Reason.TENSOR_BUSY: TensorBusyError,
         Reason.JOB_FAILED: JobFailedError,

@@ -206,3 +206,33 @@ def layout_summary(meta: ShardedTensorMetadata) -> str:
     )
     noun = "shard" if len(shards) == 1 else "shards"
     return f"{len(shards)} {noun} on rank{'s' if ',' in ranks else ''} {ranks}, {how}"
+
+
+_ROLE_NAMES = {pb.ROLE_LEADER: "leader", pb.ROLE_STANDBY: "standby"}
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    """What one coordinator says it does (`shardserve status`): `role` "leader", "standby" or "unreachable"
+    (then `error` says why), the `term` it leads (0: none, or a lone coordinator without a lease), the
+    `leader` it knows, its lease's duration (0: none) and the terms it began (`takeovers`)."""
+
+    address: str
+    role: str
+    term: int = 0
+    leader: str = ""
+    lease_duration_s: float = 0.0
+    takeovers: int = 0
+    error: str = ""
+
+    @classmethod
+    def from_proto(cls, address: str, info: pb.RoleInfo) -> CoordinatorStatus:
+        """The status of the coordinator at `address` from its GetRole answer."""
+        return cls(
+            address,
+            _ROLE_NAMES.get(info.role, "unknown"),
+            info.term,
+            info.leader_address,
+            info.lease_duration_s,
+            info.takeovers,
+        )

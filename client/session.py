@@ -15,15 +15,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import grpc
-
-from shardserve.client import arguments
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.channel import Channel
+from shardserve.client.coordinators import Coordinators
 from shardserve.client.errors import (
     DeadlineExceededError,
     RankUnavailableError,
     ShardServeError,
-    error_from_rpc,
 )
 from shardserve.client.health import RankHealth
 from shardserve.client.info import RankStatus, TensorSummary
@@ -42,7 +40,6 @@ T = TypeVar("T")
 RECENT_RANKS_S = (
     1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
 )
-STREAM_SLACK_S = 60.0  # a progress stream's deadline beyond the bound of the work it follows
 RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
 READ_THREADS = (
     8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
@@ -67,8 +64,9 @@ class SeenVersions:
 
 
 class Session:
-    """One client's connection: the coordinator at `address`, and the ranks, health leases and data paths
-    (`forced`: the PathKind of a forced transport, None for "auto") its helpers share."""
+    """One client's connection: the coordinators at `address` ("HOST:PORT", or several "A,B" of which one
+    leads: client/coordinators.py), and the ranks, health leases and data paths (`forced`: the PathKind of a
+    forced transport, None for "auto") its helpers share."""
 
     def __init__(
         self,
@@ -80,7 +78,7 @@ class Session:
     ) -> None:
         self.address = address
         self.channel = channel
-        self._coordinator = channel.coordinator(address)
+        self.coordinators = Coordinators(address, channel)
         self.ranks = RankDirectory(self._list_ranks, address)
         self.health = RankHealth(self.ranks)
         self.paths = PathPolicy(forced, channel, health=self.health, hedge_after=hedge_after)
@@ -103,10 +101,9 @@ class Session:
 
     def _abort_reserved(self, prefix: str, number: int) -> None:
         with contextlib.suppress(ShardServeError):
-            self.channel.unary(
-                self._coordinator.AbortSnapshot,
+            self.coordinators.call(
+                "AbortSnapshot",
                 pb.AbortSnapshotRequest(prefix=prefix, number=number),
-                f"coordinator at {self.address}",
                 timeout=RELEASE_TIMEOUT_S,
             )
 
@@ -126,10 +123,8 @@ class Session:
     # ------------------------------------------------------------ coordinator calls
 
     def call(self, method: str, request: Any) -> Any:
-        """The coordinator's unary `method` with deadline and auth; errors as ShardServeErrors."""
-        return self.channel.unary(
-            getattr(self._coordinator, method), request, f"coordinator at {self.address}"
-        )
+        """The coordinator's unary `method` at the leader, with deadline and auth; errors as ShardServeErrors."""
+        return self.coordinators.call(method, request)
 
     def follow(
         self,
@@ -139,33 +134,22 @@ class Session:
         report: Callable[[Any], None],
         refused: Callable[[ShardServeError], ShardServeError] | None = None,
     ) -> list[Any]:
-        """The coordinator's progress stream `method`: report(message) for every message, in order; returns them.
-
-        The stream's deadline is `work_timeout` plus slack for the coordinator's own steps; an error is raised
-        as `refused(error)` returns it, when given. The call is cancelled however it ends (Ctrl-C in `report` too),
-        which aborts the work on the coordinator."""
-        self.check_open()
-        call = getattr(self._coordinator, method)(
-            request, timeout=work_timeout + STREAM_SLACK_S, metadata=self.channel.metadata
-        )
-        messages = []
+        """The coordinator's progress stream `method` at the leader: report(message) for every message, in
+        order; returns them (Coordinators.follow). An error is raised as `refused(error)` returns it, when
+        given."""
         try:
-            for message in call:
-                messages.append(message)
-                report(message)
-        except grpc.RpcError as err:
-            error = error_from_rpc(err, f"coordinator at {self.address}")
+            return self.coordinators.follow(method, request, work_timeout, report)
+        except ShardServeError as error:
             raise (refused(error) if refused is not None else error) from None
-        finally:
-            call.cancel()
-        return messages
 
     # ------------------------------------------------------------ ranks (client.ranks)
 
     def _list_ranks(self) -> list[RankStatus]:
-        return [
-            RankStatus.from_proto(r) for r in self.call("ListRanks", pb.ListRanksRequest()).ranks
-        ]
+        return catalog.ranks_listed(self.list_ranks())
+
+    def list_ranks(self) -> pb.ListRanksResponse:
+        """The coordinator's ListRanks answer now: the ranks, the epoch of collective jobs, metrics endpoints."""
+        return self.call("ListRanks", catalog.list_ranks_request())
 
     def refresh_ranks(self) -> list[RankStatus]:
         """Every registered rank, fetched from the coordinator now (and kept for rank_status)."""
@@ -188,7 +172,7 @@ class Session:
 
     def summary(self, name: str) -> TensorSummary:
         """The catalog entry of the READY tensor `name` (TensorNotFoundError if there is none)."""
-        info = self.call("GetTensor", pb.GetTensorRequest(name=arguments.tensor_name(name)))
+        info = self.call("GetTensor", catalog.get_tensor_request(name))
         self.saw_version(info.name, info.version)
         return TensorSummary.from_proto(info)
 

@@ -4,6 +4,7 @@ output of another floating dtype than the stored one is converted while copying 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -13,12 +14,15 @@ import torch
 from shardserve.client.casts import check_read_cast
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
+from shardserve.client.info import TensorSummary
 from shardserve.client.ops.snapshots import SnapshotSummary
 from shardserve.client.paths.batch import batches, read_batch, region_reads
 from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.shm import SharedMemoryPath
 from shardserve.client.spmd_pieces import Piece
 from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.core.metadata import Box
+from shardserve.core.regions import intersect
 
 SMALL_PIECE_BYTES = (
     64 << 10
@@ -48,6 +52,14 @@ def read_pieces(
             check_read_cast(proxies[key].dtype, out.dtype, key)
     pieces = [read for read in reads if not read[1].is_empty()]
     small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES and not verify]
+    shm_only = cluster.session.paths.forced is PathKind.SHARED_MEMORY
+    mapped = [  # what is read through a path of its own, not in a ReadRegions batch
+        (summary.tensors[key], box)
+        for key, pieces_of_key in targets.items()
+        for box, out in pieces_of_key
+        if not box.is_empty() and (shm_only or verify or _nbytes(out) > SMALL_PIECE_BYTES)
+    ]
+    _open_shared_memory(cluster, mapped)
     pool = cluster.session.read_pool
     done = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
@@ -60,6 +72,37 @@ def read_pieces(
     for future in done:
         future.result()
     return sum(_nbytes(out) for _, _, out in reads)
+
+
+def _open_shared_memory(cluster: Cluster, reads: Sequence[tuple[TensorSummary, Box]]) -> None:
+    """Open the shards these reads will map from same-host ranks in one OpenShards call per rank, all ranks at
+    once: a snapshot read right after its put would otherwise call each rank once per shard, the round trips
+    costing more than the copies (the segments are mostly ones this client maps already). One copy per box is
+    opened; what is not (other copies, failures) each read opens by itself."""
+    session = cluster.session
+    if session.paths.forced not in (None, PathKind.SHARED_MEMORY):
+        return
+    shm = session.paths.path(PathKind.SHARED_MEMORY)
+    if not isinstance(shm, SharedMemoryPath):
+        return
+    by_address: dict[str, list[tuple[TensorSummary, int]]] = defaultdict(list)
+    chosen: set[tuple[str, Box]] = set()
+    for summary, box in reads:
+        for index, shard in enumerate(summary.metadata.shards_metadata):
+            if (summary.name, shard.box) in chosen or index in summary.unavailable:
+                continue
+            if shard.placement is None or shard.box.is_empty() or intersect(shard.box, box) is None:
+                continue
+            status = session.rank_status(shard.placement.rank())
+            if shm.supports(status):
+                chosen.add((summary.name, shard.box))
+                by_address[status.address].append((summary, index))
+    jobs = [
+        session.read_pool.submit(shm.open_all, address, shards)
+        for address, shards in by_address.items()
+        if len(shards) > 1
+    ]
+    futures.wait(jobs)
 
 
 def _nbytes(out: torch.Tensor) -> int:

@@ -45,6 +45,10 @@ class Reason(str, enum.Enum):
     RANK_UNAVAILABLE = (
         "RANK_UNAVAILABLE"  # a rank is down, hung, partitioned or restoring: retryable
     )
+    NOT_LEADER = "NOT_LEADER"  # this coordinator does not lead (a standby, or deposed); metadata: leader, term
+    CATALOG_UNAVAILABLE = (
+        "CATALOG_UNAVAILABLE"  # the coordinator cannot reach its catalog's database: retry later
+    )
     SHARDS_LOST = "SHARDS_LOST"  # every copy of a box is known gone: not retryable
     CHECKSUM_MISMATCH = "CHECKSUM_MISMATCH"  # bytes read differ from their shard's checksum
     EPOCH_ENDED = (
@@ -127,6 +131,17 @@ def detail_of_status(status: status_pb2.Status) -> ErrorDetail:
             if info.domain == DOMAIN:
                 return ErrorDetail(reason_of(info.reason), dict(info.metadata))
     return ErrorDetail(None)
+
+
+LEADER_KEY = "leader"  # the ErrorInfo metadata key of NOT_LEADER: the leader's HOST:PORT ("" while none is known)
+
+
+def leader_of(detail: ErrorDetail) -> str | None:
+    """The leader a NOT_LEADER answer names: its HOST:PORT, "" when the answering coordinator knows no leader
+    yet, None when `detail` is not NOT_LEADER."""
+    if detail.reason != Reason.NOT_LEADER:
+        return None
+    return detail.metadata.get(LEADER_KEY, "")
 
 
 def error_detail_of(err: grpc.RpcError) -> ErrorDetail:

@@ -35,6 +35,12 @@ class TensorState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PENDING: _ClassVar[TensorState]
     READY: _ClassVar[TensorState]
 
+class CoordinatorRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[CoordinatorRole]
+    ROLE_LEADER: _ClassVar[CoordinatorRole]
+    ROLE_STANDBY: _ClassVar[CoordinatorRole]
+
 class InitKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     INIT_NONE: _ClassVar[InitKind]
@@ -76,6 +82,9 @@ OOV_DEFAULT: OovPolicy
 TENSOR_STATE_UNSPECIFIED: TensorState
 PENDING: TensorState
 READY: TensorState
+ROLE_UNSPECIFIED: CoordinatorRole
+ROLE_LEADER: CoordinatorRole
+ROLE_STANDBY: CoordinatorRole
 INIT_NONE: InitKind
 INIT_ZEROS: InitKind
 INIT_ONES: InitKind
@@ -254,6 +263,28 @@ class TensorChunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetRoleRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RoleInfo(_message.Message):
+    __slots__ = ("role", "address", "term", "leader_address", "leader_term", "lease_duration_s", "takeovers")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_TERM_FIELD_NUMBER: _ClassVar[int]
+    LEASE_DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    role: CoordinatorRole
+    address: str
+    term: int
+    leader_address: str
+    leader_term: int
+    lease_duration_s: float
+    takeovers: int
+    def __init__(self, role: _Optional[_Union[CoordinatorRole, str]] = ..., address: _Optional[str] = ..., term: _Optional[int] = ..., leader_address: _Optional[str] = ..., leader_term: _Optional[int] = ..., lease_duration_s: _Optional[float] = ..., takeovers: _Optional[int] = ...) -> None: ...
 
 class RegisterRankRequest(_message.Message):
     __slots__ = ("rank", "held")
@@ -1134,6 +1165,18 @@ class BulkSession(_message.Message):
     expires_s: float
     tls: bool
     def __init__(self, port: _Optional[int] = ..., ticket: _Optional[bytes] = ..., expires_s: _Optional[float] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class OpenShardsRequest(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[OpenShardRequest]
+    def __init__(self, shards: _Optional[_Iterable[_Union[OpenShardRequest, _Mapping]]] = ...) -> None: ...
+
+class OpenShardsResponse(_message.Message):
+    __slots__ = ("shards",)
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[OpenShardResponse]
+    def __init__(self, shards: _Optional[_Iterable[_Union[OpenShardResponse, _Mapping]]] = ...) -> None: ...
 
 class ReleaseShardRequest(_message.Message):
     __slots__ = ("lease_ids",)

@@ -892,6 +892,96 @@ class Coordinator:
             _registered_method=True)
 
 
+class LeadershipStub:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetRole = channel.unary_unary(
+                '/shardserve.v1.Leadership/GetRole',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.FromString,
+                _registered_method=True)
+
+
+class LeadershipServicer:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    def GetRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LeadershipServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRole,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'shardserve.v1.Leadership', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('shardserve.v1.Leadership', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Leadership:
+    """---------------------------------------------------------------- Leadership
+
+    Several coordinators may share one catalog: one leads (holds the lease in the catalog's database), the others
+    stand by and answer every Coordinator call with UNAVAILABLE, reason NOT_LEADER, metadata `leader` naming the
+    leader's HOST:PORT. Every coordinator, leader or standby, answers this service: what it does now and whom it
+    knows to lead (what `shardserve status` shows).
+    """
+
+    @staticmethod
+    def GetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Leadership/GetRole',
+            shardserve_dot_protos_dot_shardserve__pb2.GetRoleRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.RoleInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ShardServerStub:
     """---------------------------------------------------------------- ShardServer
 
@@ -982,6 +1072,11 @@ class ShardServerStub:
                 '/shardserve.v1.ShardServer/OpenShard',
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
                 response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.FromString,
+                _registered_method=True)
+        self.OpenShards = channel.unary_unary(
+                '/shardserve.v1.ShardServer/OpenShards',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.FromString,
                 _registered_method=True)
         self.ReleaseShard = channel.unary_unary(
                 '/shardserve.v1.ShardServer/ReleaseShard',
@@ -1131,6 +1226,15 @@ class ShardServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenShards(self, request, context):
+        """Many OpenShard at once (a reader of a new snapshot opens every shard it reads in one call per rank): the
+        answers in the request's order, every shard leased; or, when one cannot be opened, that shard's error
+        (its message and metadata name shards[i]) and no lease kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseShard(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -1266,6 +1370,11 @@ def add_ShardServerServicer_to_server(servicer, server):
                     servicer.OpenShard,
                     request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.FromString,
                     response_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.SerializeToString,
+            ),
+            'OpenShards': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenShards,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.SerializeToString,
             ),
             'ReleaseShard': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseShard,
@@ -1732,6 +1841,33 @@ class ShardServer:
             '/shardserve.v1.ShardServer/OpenShard',
             shardserve_dot_protos_dot_shardserve__pb2.OpenShardRequest.SerializeToString,
             shardserve_dot_protos_dot_shardserve__pb2.OpenShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.ShardServer/OpenShards',
+            shardserve_dot_protos_dot_shardserve__pb2.OpenShardsRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.OpenShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
@@ -36,14 +37,16 @@ from shardserve.server.common.stop_signals import (
 )
 from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.common.tracing import add_tracing_args, enable_tracing
+from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S
+from shardserve.server.coordinator.catalog.locations import check_location
+from shardserve.server.coordinator.catalog.urls import is_postgres_url
 from shardserve.server.coordinator.options import CoordinatorOptions
 
 if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
-    from shardserve.server.coordinator.server import CoordinatorServer
+    from shardserve.server.coordinator.process import CoordinatorProcess
 
 log = logging.getLogger(__name__)
 
-CATALOG_FILE = "catalog.sqlite"
 COORDINATOR_WORKERS = (
     64  # gRPC threads: 16 queued reshards took all 16 and ranks were declared dead
 )
@@ -56,41 +59,67 @@ def start_coordinator(
     options: CoordinatorOptions = CoordinatorOptions(),
     *,
     metrics_port: int | None = None,
-) -> tuple[CoordinatorServer, RunningServer]:
-    """A CoordinatorServer over the SQLite catalog in `state_dir`, started and served on `listen`; with
-    `metrics_port` (0 = any free port), its Prometheus metrics served on the `listen` host."""
-    from shardserve.server.coordinator.catalog.interface import Catalog
-    from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
-    from shardserve.server.coordinator.metrics import CoordinatorMetrics, TimedCatalog
-    from shardserve.server.coordinator.server import CoordinatorServer
+    advertise: str | None = None,
+    catalog_location: str | None = None,
+) -> tuple[CoordinatorProcess, RunningServer]:
+    """A coordinator over the catalog at `catalog_location` (None: the SQLite file in `state_dir`; a
+    postgresql:// URL: that database), served on `listen`; with `metrics_port` (0 = any free port), its
+    Prometheus metrics served on the `listen` host. A lone coordinator (no `options.lease_duration`) leads at
+    once; one of several sharing the catalog leads once it holds the lease and stands by until then, naming
+    itself to the others as `advertise` (default: the listen address, the host's name for a wildcard host)."""
+    from shardserve.server.coordinator.leadership_service import LeadershipServicer
+    from shardserve.server.coordinator.metrics import CoordinatorMetrics
+    from shardserve.server.coordinator.process import CoordinatorProcess
     from shardserve.server.coordinator.service import CoordinatorServicer
 
-    catalog: Catalog = SQLiteCatalog(Path(state_dir) / CATALOG_FILE)
-    metrics = CoordinatorMetrics() if metrics_port is not None else None
-    if metrics is not None:  # a proxy that times every Catalog call
-        catalog = cast(Catalog, TimedCatalog(catalog, metrics.catalog_latency))
-    coordinator = CoordinatorServer(
-        catalog,
+    host = split_address(listen)[0]
+    process = CoordinatorProcess(
+        catalog_location,
+        state_dir,
         security,
-        replace(options, store_host=split_address(listen)[0]),
+        replace(options, store_host=host),
+        metrics=CoordinatorMetrics() if metrics_port is not None else None,
     )
 
     def add(server: object) -> list[str]:
-        """Add the Coordinator service to `server`; its name, for health checks and reflection."""
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
-        return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
+        """Add the Coordinator and Leadership services to `server`; their names, for health and reflection."""
+        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(process.role), server)
+        pb_grpc.add_LeadershipServicer_to_server(LeadershipServicer(process.role), server)
+        return [pb.DESCRIPTOR.services_by_name[s].full_name for s in ("Coordinator", "Leadership")]
 
+    running: RunningServer | None = None
     try:  # reshard and checkpoint streams hold a worker for their whole run: room left for heartbeats and reads
-        coordinator.start()
-        if metrics is not None:
-            coordinator.serve_metrics(metrics, split_address(listen)[0], metrics_port or 0)
+        if not process.shares_catalog:
+            process.lead_alone()
+        if process.metrics is not None:
+            process.serve_metrics(host, metrics_port or 0)
         running = start_server(
-            listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), metrics
+            listen, security, add, StreamLimitSettings(workers=COORDINATOR_WORKERS), process.metrics
         )
+        shown = socket.gethostname() if host in ("0.0.0.0", "[::]", "") else host
+        process.role.address = advertise or f"{shown}:{running.port}"
+        if process.shares_catalog:
+            process.stand(process.role.address, lambda leads: _serving(running, leads))
     except Exception:
-        coordinator.close()
+        if running is not None:
+            running.stop(grace=0.0)
+        process.close()
         raise
-    return coordinator, running
+    return process, running
+
+
+def _serving(running: RunningServer | None, leads: bool) -> None:
+    """The health of the Coordinator service: SERVING while this coordinator leads, NOT_SERVING while it stands
+    by (load balancers and probes send calls to the leader; the Leadership service always serves)."""
+    from grpc_health.v1 import health_pb2
+
+    if running is not None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if leads
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        running.health.set(pb.DESCRIPTOR.services_by_name["Coordinator"].full_name, status)
 
 
 def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +128,14 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-dir",
         default=".shardserve",
-        help="directory of the SQLite catalog (default %(default)s)",
+        help="directory of the cluster secret and the SQLite catalog (default %(default)s)",
+    )
+    parser.add_argument(
+        "--catalog",
+        metavar="URL",
+        help="where the coordinator keeps its catalog: a postgresql://USER@HOST:PORT/DB URL (a password from "
+        "the URL, PGPASSWORD or ~/.pgpass; docs/operations.md#the-catalog-on-postgresql) or an SQLite file "
+        "(default: STATE_DIR/catalog.sqlite)",
     )
     parser.add_argument(
         "--heartbeat-interval",
@@ -124,6 +160,7 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "coordinator copies its shards' boxes from live replicas onto other ranks; copies a "
         "restarted rank came back without are repaired at once (default %(default)s)",
     )
+    add_leadership_args(parser)
     add_address_file_arg(parser)
     add_security_args(parser)
 
@@ -132,15 +169,37 @@ def coordinator_options_from_args(
     parser: argparse.ArgumentParser, args: argparse.Namespace, *, store_port: int = 0
 ) -> CoordinatorOptions:
     """The CoordinatorOptions of the flags of add_coordinator_args; a usage error (exit 2) names a bad one."""
+    if args.catalog is not None:
+        try:
+            check_location(args.catalog)
+        except ValueError as err:
+            parser.error(f"--catalog: {err}")
     try:
         return CoordinatorOptions(
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_rate=args.heartbeat_rate,
             repair_after=args.repair_after,
             store_port=store_port,
+            lease_duration=args.lease_duration,
         )
     except ValueError as err:
         parser.error(str(err))
+
+
+def add_leadership_args(parser: argparse.ArgumentParser) -> None:
+    """The flag of a coordinator that may share its catalog with others: its lease."""
+    parser.add_argument(
+        "--lease-duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="lead under a lease of this many seconds held in the catalog, so that several coordinators "
+        "may share it (one PostgreSQL --catalog, or one SQLite file on one host): one leads, the others "
+        "stand by and take over within about 1.25 leases of the leader's death or hang; the leader renews "
+        "every quarter lease and stops serving three quarters of a lease after its last renewal began "
+        f"(default: `coordinator` with a postgresql:// --catalog {LEASE_DURATION_S:g}; otherwise none: a "
+        "lone coordinator that leads at once)",
+    )
 
 
 def main_coordinator(argv: Sequence[str]) -> int:
@@ -161,12 +220,27 @@ def main_coordinator(argv: Sequence[str]) -> int:
         "torch.distributed TCPStore, on the --listen host) that collective jobs form their process "
         "groups over; ranks learn it when they register (0 = any free port; default %(default)s)",
     )
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST:PORT",
+        help="the address the other coordinators name this one by, to clients and ranks, while it leads "
+        "(default: the --listen address, this host's name for a wildcard host)",
+    )
     add_metrics_args(parser)
     add_tracing_args(parser)
     add_log_level_arg(parser)
     add_coordinator_args(parser)
     args = parser.parse_args(argv)
     options = coordinator_options_from_args(parser, args, store_port=args.store_port)
+    if options.lease_duration is None and args.catalog and is_postgres_url(args.catalog):
+        # a catalog in a database is there to be shared: its coordinators lead under a lease
+        options = replace(options, lease_duration=LEASE_DURATION_S)
+    if args.advertise is not None:
+        try:
+            split_address(args.advertise)
+        except ValueError:
+            parser.error(f"--advertise {args.advertise!r} is not HOST:PORT")
     check_address_file(parser, args.address_file)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error(f"--metrics-port {args.metrics_port} is not a TCP port (0-65535)")
@@ -182,8 +256,14 @@ def main_coordinator(argv: Sequence[str]) -> int:
         handle_reload_signal(security.principals.reload)
     withdraw_address(args.address_file)
     try:
-        coordinator, running = start_coordinator(
-            args.listen, args.state_dir, security, options, metrics_port=args.metrics_port
+        process, running = start_coordinator(
+            args.listen,
+            args.state_dir,
+            security,
+            options,
+            metrics_port=args.metrics_port,
+            advertise=args.advertise,
+            catalog_location=args.catalog,
         )
     except (OSError, RuntimeError, ValueError) as err:
         log.error("the coordinator could not start: %s", err)
@@ -196,5 +276,5 @@ def main_coordinator(argv: Sequence[str]) -> int:
     finally:
         withdraw_address(args.address_file)
         running.stop(grace=1.0)
-        coordinator.close()
+        process.close()
     return 0

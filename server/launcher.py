@@ -20,6 +20,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,8 @@ from shardserve.server.coordinator_process import CoordinatorOptions, start_coor
 from shardserve.server.rank_launch import rank_launches
 from shardserve.server.supervisor import RankLaunch, RankSupervisor, RestartPolicy, exit_reason
 
-if TYPE_CHECKING:  # imported lazily: it pulls in torch, which the ranks import meanwhile
+if TYPE_CHECKING:  # imported lazily: they pull in torch, which the ranks import meanwhile
+    from shardserve.server.coordinator.process import CoordinatorProcess
     from shardserve.server.coordinator.server import CoordinatorServer
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,11 @@ class LocalCluster:
     `restart_policy`: how each rank is restarted after its process ends (max_restarts=0, the default here, keeps
     a dead rank dead, as tests that kill ranks expect; `shardserve up` passes its --max-restarts, default 10).
     `metrics_port`: None, no metrics; P, the coordinator's on P and rank r's on P+1+r; 0, any free ports.
+    `catalog`: where the coordinator keeps its catalog (None: STATE_DIR/catalog.sqlite; a postgresql:// URL).
+    `peers`: the other coordinators sharing that catalog (HOST:PORT each): the ranks are given them after this
+    one and follow whichever leads. Over a shared catalog (a lease: a postgresql:// catalog, or
+    `coordinator_options.lease_duration`) this coordinator must lead when the cluster starts; `coordinator` is
+    the parts of the term it led then.
     """
 
     def __init__(
@@ -76,6 +83,8 @@ class LocalCluster:
         coordinator_options: CoordinatorOptions = CoordinatorOptions(),
         restart_policy: RestartPolicy = RestartPolicy(max_restarts=0),
         metrics_port: int | None = None,
+        catalog: str | None = None,
+        peers: Sequence[str] = (),
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -94,10 +103,13 @@ class LocalCluster:
         self.coordinator_options = coordinator_options
         self.restart_policy = restart_policy
         self.metrics_port = metrics_port
+        self.catalog = catalog
+        self.peers = tuple(peers)
         self._traces = (
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
         self.coordinator: CoordinatorServer | None = None
+        self._process: CoordinatorProcess | None = None
         self._server: RunningServer | None = None
         self._supervisor: RankSupervisor | None = None
         self._lock = threading.Lock()
@@ -136,19 +148,27 @@ class LocalCluster:
     def _start_at(self, port: int) -> None:
         """Spawn the ranks to register at `port`, then start the coordinator there."""
         self._supervisor = RankSupervisor(
-            self._launches(f"{self._dial_host()}:{port}"),
+            self._launches(",".join([f"{self._dial_host()}:{port}", *self.peers])),
             self.restart_policy,
             on_exit=self._report_exit,
         )
         self._supervisor.spawn_all()
         self._start_tracing()
-        self.coordinator, self._server = start_coordinator(
+        self._process, self._server = start_coordinator(
             f"{self.host}:{port}",
             self.state_dir,
             self.security,
             self.coordinator_options,
             metrics_port=self.metrics_port,
+            catalog_location=self.catalog,
         )
+        self.coordinator = self._process.role.current()
+        if self.coordinator is None:
+            leader = self._process.role.view().leader or "another coordinator"
+            raise RuntimeError(
+                f"{leader} leads the shared catalog: this coordinator stands by, so `up` cannot start "
+                "its ranks on it (give that coordinator's address to `node --coordinator` instead)"
+            )
 
     def _start_tracing(self) -> None:
         """Trace the coordinator's RPCs in this process (unless something here already traces)."""
@@ -211,9 +231,9 @@ class LocalCluster:
                 self._supervisor.stop(grace)
             if self._server is not None:
                 self._server.stop(grace=1.0)
-            if self.coordinator is not None:
-                self.coordinator.close()
-                self.coordinator = None
+            if self._process is not None:
+                self._process.close()
+                self._process = self.coordinator = None
             if self._traces:
                 disable_tracing()
                 self._traces = False

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
+from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.server.common.cli_args import (
     add_security_args,
     configure_logging,
@@ -49,8 +50,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
     parser.add_argument(
         "--coordinator",
         default=os.environ.get(COORDINATOR_ENV),
-        metavar="HOST:PORT",
-        help=f"the coordinator's address (default: ${COORDINATOR_ENV})",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator's address; several that share one catalog, comma-separated (the ranks "
+        f"follow the leader) (default: ${COORDINATOR_ENV})",
     )
     parser.add_argument(
         "--ranks",
@@ -84,10 +86,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[int]]:
     return args, ranks
 
 
-def _check_address(parser: argparse.ArgumentParser, address: str) -> None:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        parser.error(f"--coordinator {address!r} is not HOST:PORT with a port 1-65535")
+def _check_address(parser: argparse.ArgumentParser, addresses: str) -> None:
+    try:
+        parse_addresses(addresses, "--coordinator")
+    except ValueError as err:
+        parser.error(f"{err} (HOST:PORT with a port 1-65535, several comma-separated)")
 
 
 def parse_rank_list(text: str, world_size: int) -> list[int]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.announce import announce_address, check_address_file, withdraw_address
 from shardserve.server.common.cli_args import configure_logging, security_from_args
@@ -44,6 +45,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
         "--host", default="127.0.0.1", help="interface to bind (default %(default)s)"
     )
     parser.add_argument("--port", type=int, default=0, help="coordinator port (0 = any free port)")
+    parser.add_argument(
+        "--coordinator",
+        default="",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the other coordinators that share --catalog: this one must lead when `up` starts; its ranks "
+        "are given them too and follow whichever leads later (default: none)",
+    )
     add_rank_launch_args(parser)
     parser.add_argument(
         "--startup-timeout", type=float, default=120.0, help="seconds to wait for the ranks"
@@ -73,6 +81,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
     if not args.host.strip():
         parser.error("--host is empty (an interface address, e.g. 127.0.0.1)")
     coordinator_options = coordinator_options_from_args(parser, args)
+    try:
+        peers = parse_addresses(args.coordinator, "--coordinator") if args.coordinator else ()
+    except ValueError as err:
+        parser.error(str(err))
     check_address_file(parser, args.address_file)
     try:
         security = security_from_args(args)
@@ -89,6 +101,8 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
         coordinator_options=coordinator_options,
         restart_policy=restart_policy_from_args(args),
         metrics_port=args.metrics_port,
+        catalog=args.catalog,
+        peers=peers,
     )
     return args, cluster
 

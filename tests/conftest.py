@@ -19,6 +19,9 @@ from shardserve import TensorNotFoundError, connect
 from shardserve.server.common.auth import TlsFiles
 from shardserve.server.launcher import LocalCluster
 
+# the PostgreSQL server of the catalog's tests: postgres_server (one per test process), postgres_url (a database)
+pytest_plugins = ["postgres"]
+
 CLUSTER_START_TIMEOUT = 180.0
 
 
@@ -39,7 +42,8 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 
 class SharedClusters:
-    """The default-settings clusters of this test process, one per number of ranks, started on first use."""
+    """The default-settings clusters of this test process, one per number of ranks, started on first use (their
+    metrics served on free ports: a test can count the calls a rank answered)."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp_path_factory = tmp_path_factory
@@ -54,7 +58,9 @@ class SharedClusters:
             cluster = None
         if cluster is None:
             state = self._tmp_path_factory.mktemp(f"shared{ranks}")
-            cluster = LocalCluster(ranks, state_dir=state).start(timeout=CLUSTER_START_TIMEOUT)
+            cluster = LocalCluster(ranks, state_dir=state, metrics_port=0).start(
+                timeout=CLUSTER_START_TIMEOUT
+            )
             self._clusters[ranks] = cluster
         return cluster
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
+from waiting import wait_until
+
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.rank_launch import PROJECT_ROOT
@@ -47,6 +49,29 @@ def spawn_server(args: Sequence[str], env: dict[str, str], log: IO) -> subproces
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
+
+
+def start_up(
+    args: Sequence[str], state_dir: Path, log: IO, *, timeout: float
+) -> tuple[subprocess.Popen, str]:
+    """`shardserve up *args` in its own process (as users run it), state under `state_dir`: the process and
+    the coordinator's address once it serves (read from --address-file); AssertionError if it ends first."""
+    address_file = state_dir / "coordinator.address"
+    proc = spawn_server(
+        ["up", "--state-dir", str(state_dir), "--address-file", str(address_file), *args],
+        server_env(),
+        log,
+    )
+    try:
+        wait_until(
+            lambda: address_file.exists() or proc.poll() is not None, timeout, "`up` to serve"
+        )
+        if proc.poll() is not None:
+            raise AssertionError(f"`shardserve up` exited with {proc.returncode} before serving")
+        return proc, address_file.read_text().strip()
+    except BaseException:
+        stop_all([proc])
+        raise
 
 
 def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:

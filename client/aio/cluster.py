@@ -17,19 +17,19 @@ import torch
 import torch.distributed as dist
 
 from shardserve.client import arguments, spmd
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.aio.coordinator import AioCoordinator
 from shardserve.client.aio.nn import AsyncEmbeddingBag
 from shardserve.client.aio.offload import OFFLOAD_THREADS, Offload
 from shardserve.client.aio.session import AioSession, nbytes_of
 from shardserve.client.aio.snapshots import AsyncSnapshot
 from shardserve.client.aio.tensor import AsyncRemoteTensor
-from shardserve.client.cluster import Cluster, catalog_listed
+from shardserve.client.cluster import Cluster
 from shardserve.client.cluster import connect as blocking_connect
 from shardserve.client.errors import InvalidArgumentError
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.nn import RemoteEmbeddingBag
 from shardserve.client.ops.snapshots import SnapshotSummary, snapshot_request, snapshots_listed
-from shardserve.protos import shardserve_pb2 as pb
 
 CONNECT_SLACK_S = (
     1.0  # connect's await outlasts the blocking connect's own deadline, which then cleans up
@@ -47,7 +47,8 @@ async def connect(
     threads: int = OFFLOAD_THREADS,
     **options: Any,
 ) -> AsyncCluster:
-    """Connect to the coordinator at HOST:PORT, as shardserve.connect() does (same arguments, same errors);
+    """Connect to the coordinator at HOST:PORT (or to whichever of several, "A,B", leads), as
+    shardserve.connect() does (same arguments, same errors);
     `options` are connect()'s others (row_cache_bytes, row_cache_max_age, transport, hedge_after, tracing).
 
     `timeout` is every awaitable's deadline, plus time for the bytes it moves (as the blocking client bounds
@@ -73,7 +74,10 @@ async def connect(
     except BaseException:
         offload.close()
         raise
-    coordinator = AioCoordinator(address, blocking.session.channel.credentials, timeout)
+    session = blocking.session
+    coordinator = AioCoordinator(
+        session.coordinators.addresses, session.channel.credentials, timeout
+    )
     return AsyncCluster(AioSession(blocking, coordinator, offload))
 
 
@@ -108,16 +112,14 @@ class AsyncCluster:
 
     async def ranks(self) -> builtins.list[RankStatus]:
         """Every registered rank (address, device, alive, memory), sorted by rank."""
-        reply = await self._session.coordinator.call("ListRanks", pb.ListRanksRequest())
-        return sorted((RankStatus.from_proto(r) for r in reply.ranks), key=lambda r: r.rank)
+        reply = await self._session.coordinator.call("ListRanks", catalog.list_ranks_request())
+        return catalog.ranks_listed(reply)
 
     async def list(self, include_pending: bool = False) -> builtins.list[TensorSummary]:
         """The catalog: every READY tensor (and PENDING ones when asked), sorted by name."""
-        include_pending = arguments.flag(include_pending, "include_pending")
-        reply = await self._session.coordinator.call(
-            "ListTensors", pb.ListTensorsRequest(include_pending=include_pending)
-        )
-        return catalog_listed(reply, include_pending)
+        request = catalog.list_tensors_request(include_pending)
+        reply = await self._session.coordinator.call("ListTensors", request)
+        return catalog.tensors_listed(reply, include_pending)
 
     async def tensor(self, name: str) -> AsyncRemoteTensor:
         """A proxy of the READY tensor `name` (TensorNotFoundError if there is none)."""
@@ -126,8 +128,7 @@ class AsyncCluster:
 
     async def delete(self, name: str) -> None:
         """Remove `name` from the catalog and free its shards (TensorNotFoundError if unknown)."""
-        request = pb.DeleteTensorRequest(name=arguments.tensor_name(name))
-        await self._session.coordinator.call("DeleteTensor", request)
+        await self._session.coordinator.call("DeleteTensor", catalog.delete_tensor_request(name))
         self.blocking.lookups.views.forget(name)
 
     async def snapshot(self, prefix: str, number: int | None = None) -> AsyncSnapshot:
@@ -139,7 +140,7 @@ class AsyncCluster:
 
     async def snapshots(self, prefix: str) -> builtins.list[SnapshotSummary]:
         """The kept snapshots of `prefix`, oldest first: number, tensors, bytes, age."""
-        request = pb.ListSnapshotsRequest(prefix=arguments.tensor_name(prefix, "prefix"))
+        request = catalog.list_snapshots_request(prefix)
         return snapshots_listed(await self._session.coordinator.call("ListSnapshots", request))
 
     # ------------------------------------------------------------ writes and reads, off the loop

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.aio.coordinator import AioCoordinator
 from shardserve.client.aio.offload import Offload
 from shardserve.client.cluster import Cluster
 from shardserve.client.info import TensorSummary
 from shardserve.client.tensor import RemoteShardedTensor
-from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class AioSession:
     async def summary(self, name: str) -> TensorSummary:
         """The catalog entry of the READY tensor `name`, asked on grpc.aio (as Session.summary asks it)."""
         self.blocking.session.check_open()
-        info = await self.coordinator.call("GetTensor", pb.GetTensorRequest(name=name))
+        info = await self.coordinator.call("GetTensor", catalog.get_tensor_request(name))
         self.blocking.session.saw_version(info.name, info.version)
         return TensorSummary.from_proto(info)
 

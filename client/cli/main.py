@@ -1,6 +1,6 @@
 """The `shardserve` command: start a cluster (up, coordinator) and inspect or use one.
 
-`up`, `coordinator` and `node` hand over to `python -m shardserve.server` (os.execv), so the
+`up`, `coordinator`, `node` and `catalog` hand over to `python -m shardserve.server` (os.execv), so the
 client never imports the server. Every other subcommand talks to a running
 coordinator given by --coordinator or SHARDSERVE_COORDINATOR. Expected errors
 print one line on stderr and exit non-zero, without a traceback.
@@ -37,6 +37,8 @@ _SERVER_COMMANDS = {
     "coordinator": "run only the coordinator (ranks join it with `shardserve node` or "
     "`torchrun ... -m shardserve.server "
     "--coordinator HOST:PORT`). See `shardserve coordinator --help`.",
+    "catalog": "work on a coordinator's catalog without a coordinator: `shardserve catalog copy SRC DST` "
+    "copies it between an SQLite file and a postgresql:// database. See `shardserve catalog --help`.",
     "node": "run and supervise some ranks of a cluster whose coordinator runs elsewhere, restarting each that "
     "exits (foreground; Ctrl-C stops them). See `shardserve node --help`.",
 }
@@ -65,8 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--coordinator",
         default=os.environ.get("SHARDSERVE_COORDINATOR"),
-        metavar="HOST:PORT",
-        help="coordinator address (default: $SHARDSERVE_COORDINATOR)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="coordinator address; several that share one catalog, comma-separated: calls go to the one "
+        "that leads (default: $SHARDSERVE_COORDINATOR)",
     )
     parser.add_argument(
         "--token",
@@ -232,7 +235,7 @@ def _server_options(
     return options
 
 
-def _exec_server(command: str, args: Sequence[str]) -> None:
+def exec_server_command(command: str, args: Sequence[str]) -> None:
     """Replace this process with `python -m shardserve.server COMMAND ARGS...` (same interpreter)."""
     argv = [sys.executable, "-m", "shardserve.server", command, *args]
     sys.stdout.flush()
@@ -325,15 +328,15 @@ def _reshard(cluster, args: argparse.Namespace) -> None:
 
 def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Flag combinations argparse cannot express: usage errors (exit 2) before any call."""
-    from shardserve.client.channel import check_address
     from shardserve.client.errors import InvalidArgumentError
     from shardserve.client.ops.reshard import check_layout_flags
+    from shardserve.core.coordinator_addresses import parse_addresses
 
     if args.command == "top" and (not args.interval > 0 or args.iterations < 0):
         parser.error("top: --interval must be > 0 seconds and --iterations >= 0")
     if args.coordinator:
         try:
-            check_address(args.coordinator, "--coordinator")
+            parse_addresses(args.coordinator, "--coordinator")
         except ValueError:
             parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
     if args.command != "reshard":
@@ -426,7 +429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardserve` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _SERVER_COMMANDS:
-        _exec_server(argv[0], argv[1:])
+        exec_server_command(argv[0], argv[1:])
     parser = build_parser()
     args, unknown = parser.parse_known_args(
         argv
@@ -435,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command in _SERVER_COMMANDS:  # global options came first
         at = argv.index(args.command)
-        _exec_server(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1 :])
+        exec_server_command(args.command, _server_options(parser, args, argv[:at]) + argv[at + 1 :])
     _check_usage(parser, args)
     try:
         from shardserve.client.errors import ShardServeError, TensorExistsError

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from shardserve.client.cluster import Cluster
     from shardserve.client.info import RestoreStatus
 
@@ -94,9 +96,31 @@ def show_status(cluster: Cluster) -> None:
     console = (
         Console() if sys.stdout.isatty() else Console(width=200)
     )  # pipes: no truncated columns
+    console.print(_coordinators_table(cluster))
     console.print(ranks)
     _print_epoch(cluster, console)
     console.print(tensors)
+
+
+def _coordinators_table(cluster: Cluster) -> Table:
+    """Every coordinator given (and the leader they name): its role, term, the leader it knows, its lease."""
+    from rich.table import Table
+
+    table = Table(title="coordinators")
+    for column in ("address", "role", "term", "leader", "lease", "takeovers"):
+        table.add_column(column)
+    colors = {"leader": "green", "standby": "yellow", "unreachable": "red"}
+    for c in cluster.session.coordinators.roles():
+        color = colors.get(c.role, "red")
+        table.add_row(
+            c.address,
+            f"[{color}]{c.role}[/{color}]" + (f" ({c.error})" if c.error else ""),
+            str(c.term) if c.term else "-",
+            c.leader or "-",
+            f"{c.lease_duration_s:g}s" if c.lease_duration_s else "- (lone coordinator)",
+            str(c.takeovers),
+        )
+    return table
 
 
 def _restore_summary(restore: RestoreStatus | None) -> str:
@@ -113,9 +137,7 @@ def _restore_summary(restore: RestoreStatus | None) -> str:
 
 def _print_epoch(cluster: Cluster, console: Console) -> None:
     """The epoch of collective jobs: one more after every failed job, whose groups the ranks dropped."""
-    from shardserve.protos import shardserve_pb2 as pb
-
-    answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
+    answer = cluster.session.list_ranks()
     console.print(f"collective jobs: epoch {answer.epoch}")
     console.print(
         f"coordinator metrics: {answer.metrics_address or '- (started without --metrics-port)'}"

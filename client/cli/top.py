@@ -18,8 +18,6 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.protos import shardserve_pb2 as pb
-
 SCRAPE_TIMEOUT_S = 2.0
 Samples = dict[
     tuple[str, tuple[tuple[str, str], ...]], float
@@ -123,7 +121,7 @@ def merge(parts: Iterable[Samples]) -> Samples:
 
 def take_frame(cluster: Any) -> Frame:
     """Ask the coordinator for ranks and tensors and scrape every metrics endpoint it names."""
-    answer = cluster.session.call("ListRanks", pb.ListRanksRequest())
+    answer = cluster.session.list_ranks()
     addresses = [answer.metrics_address] + [r.metrics_address for r in answer.ranks if r.alive]
     addresses = [a for a in addresses if a]
     parts, unreachable = [], []

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import torch
 
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.arguments import dense_tensor
 from shardserve.client.embedding.row_cache import RowCache
 from shardserve.client.errors import InvalidArgumentError, StaleVersionError
@@ -174,7 +175,7 @@ class TableViews:
     def _fetch(self, name: str) -> TableView:
         """The view of the READY version of `name`, routed to available copies (the cached one while the version
         and the copies to avoid are unchanged)."""
-        info = self._session.call("GetTensor", pb.GetTensorRequest(name=name))
+        info = self._session.call("GetTensor", catalog.get_tensor_request(name))
         self._session.saw_version(info.name, info.version)
         summary = TensorSummary.from_proto(info)
         unavailable = self._session.health.unavailable_shards(summary)

@@ -12,6 +12,7 @@ import contextlib
 import grpc
 import torch
 
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.errors import (
     AbortedError,
     ShardServeError,
@@ -63,7 +64,7 @@ def _why_writes_failed(
     """A write told "no such version": AbortedError when the version is gone from the catalog (a concurrent put or
     create of the name with overwrite=True aborted it), else the write's own error."""
     with contextlib.suppress(ShardServeError):
-        listed = session.call("ListTensors", pb.ListTensorsRequest(include_pending=True)).tensors
+        listed = session.call("ListTensors", catalog.list_tensors_request(True)).tensors
         if not any(t.name == name and t.version == version for t in listed):
             return AbortedError(
                 f"put of {name!r} version {version} was aborted while it wrote: another put "

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from shardserve.client import arguments
+from shardserve.client import catalog_requests as catalog
 from shardserve.client.errors import ShardServeError
 from shardserve.client.info import TensorSummary
 from shardserve.client.session import Session
@@ -136,9 +137,7 @@ def snapshot_request(prefix: str, number: int | None = None) -> pb.GetSnapshotRe
 
 def list_snapshots(session: Session, prefix: str) -> list[SnapshotSummary]:
     """The committed snapshots of `prefix`, oldest first."""
-    reply = session.call(
-        "ListSnapshots", pb.ListSnapshotsRequest(prefix=arguments.tensor_name(prefix, "prefix"))
-    )
+    reply = session.call("ListSnapshots", catalog.list_snapshots_request(prefix))
     return snapshots_listed(reply)
 
 

@@ -167,6 +167,11 @@ class RankProcess:
             weakref.finalize(self, os.close, self._pidfd) if self._pidfd is not None else None
         )
 
+    @property
+    def pidfd(self) -> int | None:
+        """The pidfd watching the process (None where pidfds are unavailable), closed when this object goes."""
+        return self._pidfd
+
     def alive(self) -> bool | None:
         """Whether the process is running; None where pidfds are unavailable."""
         if self._pidfd is None:

@@ -30,14 +30,12 @@ from shardserve.client.channel import Channel
 from shardserve.client.errors import (
     ResourceExhaustedError,
     ShardServeError,
-    StaleVersionError,
     error_from_rpc,
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
 from shardserve.client.paths.copies import copy_all, copy_checked
 from shardserve.client.paths.device_mapping import DeviceMapping
-from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
 from shardserve.client.paths.kinds import (
@@ -47,8 +45,8 @@ from shardserve.client.paths.kinds import (
     PartRead,
     PathKind,
 )
-from shardserve.client.paths.mapping_cache import MappingCache
 from shardserve.client.paths.registered import PAGES
+from shardserve.client.paths.shard_opener import ShardOpener, SharedMemoryError, stale
 from shardserve.client.paths.staging import StagingFiles
 from shardserve.client.paths.writes import (
     DIRECT_BATCH_BYTES,
@@ -56,21 +54,11 @@ from shardserve.client.paths.writes import (
     batched,
     write_request,
 )
-from shardserve.core.dtypes import dtype_from_wire
-from shardserve.core.lent_memory import release_cuda_count
 from shardserve.core.regions import local_view
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.protos.same_host import host_id
 
 log = logging.getLogger(__name__)
-
-
-class SharedMemoryError(ShardServeError):
-    """The same-host path cannot serve this read (not the same host, shared memory off, mapping refused):
-    PATH_UNAVAILABLE, so the fallback chain tries the next path."""
-
-    reason = Reason.PATH_UNAVAILABLE
 
 
 def local_host() -> tuple[str, str]:
@@ -102,10 +90,7 @@ class SharedMemoryPath:
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
         self.host = local_host()  # (hostname, host id) of this process
-        self._mappings = MappingCache()
-        self._limits: dict[
-            str, int
-        ] = {}  # address -> the rank's max_request_bytes (from OpenShard)
+        self.opener = ShardOpener(channel)
         self._staging = (
             StagingFiles()
         )  # the memfds writes stage their bytes in (client/paths/staging.py)
@@ -142,7 +127,7 @@ class SharedMemoryPath:
         """Copy the part into its region; `cancel` can stop an OpenShard call from another thread. A verified
         read of a whole host shard hashes the bytes as they land (read.checksums)."""
         summary, index = read.summary, read.index
-        mapping, shard = self._open(address, summary, index, cancel)
+        mapping, shard = self.opener.open(address, summary, index, cancel)
         self.check_limit(address, read.nbytes, "offsets/sizes: the box")
         if shard is not None:
             box = summary.metadata.shards_metadata[index].box
@@ -162,7 +147,7 @@ class SharedMemoryPath:
         self, address: str, summary: TensorSummary, index: int, local_rows: torch.Tensor
     ) -> torch.Tensor:
         """Rows `local_rows` of shard `index` of a 2-D table, as a CPU tensor [len(local_rows), shard columns]."""
-        mapping, shard = self._open(address, summary, index)
+        mapping, shard = self.opener.open(address, summary, index)
         columns = summary.metadata.shards_metadata[index].shard_sizes[1]
         self.check_limit(
             address,
@@ -177,11 +162,16 @@ class SharedMemoryPath:
 
     def limit(self, address: str) -> int:
         """The rank's max_request_bytes as its latest OpenShard said (0: no limit or not known yet)."""
-        return self._limits.get(address, 0)
+        return self.opener.limit(address)
+
+    def open_all(self, address: str, shards: Sequence[tuple[TensorSummary, int]]) -> int:
+        """Open many shards of the same-host rank at `address` at once (ShardOpener.open_all): a reader about to
+        read them saves a call per shard; returns how many were opened."""
+        return self.opener.open_all(address, shards)
 
     def check_limit(self, address: str, nbytes: int, what: str) -> None:
         """The rank's max_request_bytes holds for mapped reads too, as it does over gRPC."""
-        limit = self.limit(address)
+        limit = self.opener.limit(address)
         if limit and nbytes > limit:
             raise ResourceExhaustedError(
                 f"{what} is {nbytes} bytes, over the max_request_bytes "
@@ -189,84 +179,9 @@ class SharedMemoryPath:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
 
-    def _open(
-        self, address: str, summary: TensorSummary, index: int, cancel: Cancellation | None = None
-    ) -> tuple[segments.SegmentMapping | None, torch.Tensor | None]:
-        """(the mapping, shard `index` at the summary's version as a read-only tensor over it; both None when the
-        shard is empty): a cached mapping checked by its header, else one opened by OpenShard. The caller checks
-        after reading that the mapping still serves (_confirm)."""
-        key = (address, summary.name, summary.version, index)
-        cached = self._mappings.get(key)
-        if (
-            cached is not None and cached.state is not None
-        ):  # the rank keeps the header's words current
-            if not cached.serves():
-                self._mappings.forget(key)
-                raise _stale(summary, address)
-            if segments.still_held(cached):
-                return cached, _as_shard(cached.flat, summary, index)
-        want_cuda = torch.cuda.is_available()
-        request = pb.OpenShardRequest(
-            name=summary.name,
-            version=summary.version,
-            shard_index=index,
-            cached_inode=cached.inode if cached else 0,
-            cuda_ipc=want_cuda,
-        )
-        reply = self._open_shard(address, request, cancel)
-        process = segments.RANK_PROCESSES.watch(
-            reply.pid
-        )  # now, while the rank that just answered surely owns the pid
-        self._limits[address] = reply.max_request_bytes
-        try:  # the lease holds the version (and its segment's generation) until released below
-            _check_reply(reply, summary, index)
-            if reply.nbytes == 0:
-                return None, None
-            if reply.HasField("cuda"):
-                mapping = self._cuda_mapping(key, cached, reply, process)
-            elif cached is not None and (cached.process, cached.inode, cached.device_id) == (
-                process,
-                reply.inode,
-                reply.device_id,
-            ):
-                if (
-                    not cached.serves()
-                ):  # the same segment: its header says the version went since the reply
-                    self._mappings.forget(key)
-                    raise _stale(summary, address)
-                mapping = cached
-            elif (
-                not reply.lease_id
-            ):  # the rank saw our inode and kept no lease, yet this is another segment
-                self._mappings.forget(key)
-                # asked again without it: a mapping made under a lease
-                return self._open(address, summary, index, cancel)
-            else:
-                earlier = self._mappings.take_segment(address, reply)
-                flat, header = (
-                    (earlier.flat, earlier.state) if earlier else segments.map_segment(reply)
-                )
-                mapping = segments.SegmentMapping(
-                    process,
-                    reply.inode,
-                    reply.device_id,
-                    flat,
-                    header,
-                    reply.fd,
-                    generation=int(header[2]) if header is not None else 0,
-                    data_offset=-1 if reply.extents else reply.data_offset,
-                )
-                self._mappings.remember(key, mapping)
-        except segments.SegmentError as err:
-            raise SharedMemoryError(str(err)) from None
-        finally:
-            if reply.lease_id:
-                self._release(address, reply.lease_id)
-        return mapping, _as_shard(mapping.flat, summary, index)
-
     def cached(self, name: str) -> dict[tuple[str, str, int, int], segments.SegmentMapping]:
         """The mappings this path keeps of tensor `name`'s shards, by (rank address, name, version, shard)."""
-        return self._mappings.of_tensor(name)
+        return self.opener.mappings.of_tensor(name)
 
     def host_mapping(
         self, address: str, summary: TensorSummary, index: int
@@ -274,7 +189,7 @@ class SharedMemoryPath:
         """Shard `index` mapped from host shared memory with its header state, for callers that check the state
         themselves on every read (client.embedding.mapped_rows); None for CUDA shards, empty shards and header-less
         segments."""
-        mapping, shard = self._open(address, summary, index)
+        mapping, shard = self.opener.open(address, summary, index)
         if (
             shard is None
             or mapping is None
@@ -289,41 +204,10 @@ class SharedMemoryPath:
     ) -> DeviceMapping | None:
         """Shard `index` mapped on its CUDA device through its IPC handle (cached per version), for gathers on
         the GPU (client.embedding.cuda_rows); None for host shards and empty shards."""
-        mapping, shard = self._open(address, summary, index)
+        mapping, shard = self.opener.open(address, summary, index)
         if shard is None or mapping is None or mapping.cuda_handle is None:
             return None
         return DeviceMapping(mapping, shard)
-
-    def _cuda_mapping(
-        self,
-        key: tuple,
-        cached: segments.SegmentMapping | None,
-        reply: pb.OpenShardResponse,
-        process: segments.RankProcess,
-    ) -> segments.SegmentMapping:
-        """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
-        whole allocation, milliseconds per call), else a newly opened one."""
-        h = reply.cuda
-        if cached is not None and cached.cuda_handle == (h.handle, h.storage_offset_bytes):
-            # the rank counted one more user of its memory for this reply; we already hold one
-            release_cuda_count(h)
-            return cached
-        flat = segments.map_cuda(reply)
-        state = (
-            segments.map_state_header(reply) if reply.fd else None
-        )  # later reads check it instead of calling OpenShard
-        mapping = segments.SegmentMapping(
-            process,
-            reply.inode,
-            reply.device_id,
-            flat,
-            state,
-            reply.fd,
-            cuda_handle=(h.handle, h.storage_offset_bytes),
-            generation=int(state[2]) if state is not None else 0,
-        )
-        self._mappings.remember(key, mapping)
-        return mapping
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the same-host rank at `address`: copied straight into its shard memory
@@ -369,83 +253,13 @@ class SharedMemoryPath:
 
     def close(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""
-        self._mappings.clear()
+        self.opener.mappings.clear()
         self._staging.close()
         self.in_place.close()
-
-    def _open_shard(
-        self, address: str, request: pb.OpenShardRequest, cancel: Cancellation | None = None
-    ) -> pb.OpenShardResponse:
-        try:
-            return unary(
-                self.channel.shard_server(address).OpenShard,
-                request,
-                self.channel.timeout,
-                self.channel.metadata,
-                cancel,
-            )
-        except grpc.RpcError as err:
-            error = error_from_rpc(err, f"rank at {address}")
-            if error.reason in (Reason.PATH_UNAVAILABLE, Reason.INTERNAL):
-                raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
-            raise error from None
-
-    def _release(self, address: str, lease_id: int) -> None:
-        stub = self.channel.shard_server(address)
-        request = pb.ReleaseShardRequest(lease_ids=[lease_id])
-
-        def release() -> None:
-            try:
-                stub.ReleaseShard(
-                    request, timeout=self.channel.timeout, metadata=self.channel.metadata
-                )
-            except (
-                grpc.RpcError
-            ) as err:  # the lease then ends at its expiry, holding the version until then
-                log.info(
-                    "releasing lease %d at %s failed (%s); it expires on its own",
-                    lease_id,
-                    address,
-                    err.code().name,
-                )
-
-        self.channel.submit(release)
-
-
-def _check_reply(reply: pb.OpenShardResponse, summary: TensorSummary, index: int) -> None:
-    """SharedMemoryError unless the rank describes exactly the shard the client's metadata expects."""
-    shard = summary.metadata.shards_metadata[index]
-    expected = shard.box.numel() * summary.metadata.tensor_properties.itemsize
-    if (
-        reply.version != summary.version
-        or tuple(reply.shard_sizes) != shard.shard_sizes
-        or reply.nbytes != expected
-        or dtype_from_wire(reply.dtype) != summary.metadata.dtype
-    ):
-        raise SharedMemoryError(
-            f"rank described shard {index} of {summary.name!r} as version {reply.version}, "
-            f"sizes {tuple(reply.shard_sizes)}, {reply.nbytes} bytes; expected version "
-            f"{summary.version}, sizes {shard.shard_sizes}, {expected} bytes"
-        )
-
-
-def _as_shard(flat: torch.Tensor, summary: TensorSummary, index: int) -> torch.Tensor:
-    """The shard's bytes `flat` as a tensor of its dtype and sizes."""
-    return flat.view(summary.metadata.dtype).view(
-        summary.metadata.shards_metadata[index].shard_sizes
-    )
 
 
 def _confirm(mapping: segments.SegmentMapping | None, summary: TensorSummary, address: str) -> None:
     """After a read: StaleVersionError if the segment was recycled for another version meanwhile (the read may
     have seen its new bytes; the caller refreshes and reads again)."""
     if mapping is not None and not mapping.readable():
-        raise _stale(summary, address)
-
-
-def _stale(summary: TensorSummary, address: str) -> StaleVersionError:
-    return StaleVersionError(
-        f"tensor {summary.name!r} version {summary.version} is no longer served by the rank "
-        f"at {address}",
-        grpc.StatusCode.FAILED_PRECONDITION,
-    )
+        raise stale(summary, address)

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 REFLECTION_METHOD = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 COORDINATOR = "/shardserve.v1.Coordinator/"
+LEADERSHIP = "/shardserve.v1.Leadership/"
 SHARD_SERVER = "/shardserve.v1.ShardServer/"
 BEARER, CLUSTER_SCHEME = "Bearer ", "Cluster "
 _CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("caller", default=None)
@@ -120,6 +121,7 @@ ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "AbortSnapshot": Rule(WRITE, _field_prefix, logged=True),
     COORDINATOR + "GetSnapshot": Rule(READ, _field_prefix),
     COORDINATOR + "ListSnapshots": Rule(READ, _prefix_if_any, needs_caller=True),
+    LEADERSHIP + "GetRole": Rule(READ),
     SHARD_SERVER + "AllocateShards": Rule(CLUSTER),
     SHARD_SERVER + "PromoteVersion": Rule(CLUSTER),
     SHARD_SERVER + "DropVersion": Rule(CLUSTER),
@@ -136,6 +138,7 @@ ACCESS_RULES: dict[str, Rule] = {
     SHARD_SERVER + "RunCollective": Rule(CLUSTER),
     SHARD_SERVER + "CancelCollective": Rule(CLUSTER),
     SHARD_SERVER + "OpenShard": Rule(READ, _field_name),
+    SHARD_SERVER + "OpenShards": Rule(READ, _shard_names),
     SHARD_SERVER + "ReleaseShard": Rule(READ),
     SHARD_SERVER + "ReadRegionSmall": Rule(READ, _field_name),
     SHARD_SERVER + "ReadRegions": Rule(READ, _region_names),

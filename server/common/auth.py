@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -176,15 +178,16 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = getattr(base, "compression", None)
 
 
-def make_channel(address: str, security: Security = Security()) -> grpc.Channel:
+def make_channel(
+    address: str, security: Security = Security(), *, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
     """A channel to a peer that presents this process's token and TLS credentials (and, while tracing is on,
-    carries this process's trace on)."""
+    carries this process's trace on); `options`: gRPC channel options beside CHANNEL_OPTIONS."""
+    every = [*CHANNEL_OPTIONS, *options]
     if security.tls is not None:
-        channel = grpc.secure_channel(
-            address, channel_credentials(security.tls), options=CHANNEL_OPTIONS
-        )
+        channel = grpc.secure_channel(address, channel_credentials(security.tls), options=every)
     else:
-        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = grpc.insecure_channel(address, options=every)
     if security.call_metadata():
         channel = grpc.intercept_channel(channel, _TokenCallInterceptor(security.call_metadata()))
     return traced_channel(channel)

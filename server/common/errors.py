@@ -149,6 +149,23 @@ class RankUnavailable(ServiceError):
     reason = Reason.RANK_UNAVAILABLE
 
 
+class NotLeader(ServiceError):
+    """This coordinator does not lead its cluster (a standby, or a leader deposed: its lease term no longer
+    holds): `metadata` names the leader's address ("leader") and term ("term") where known; ask the leader."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.NOT_LEADER
+
+
+class CatalogUnavailable(ServiceError):
+    """The catalog's database cannot be reached (restarting, failing over, partitioned) or refused the call
+    for want of a connection: nothing was changed, or a commit's outcome is unknown and the caller's retry
+    finds it; retryable."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = Reason.CATALOG_UNAVAILABLE
+
+
 class ShardsLost(ServiceError):
     """The work needs a box no live rank holds (every copy is on a dead rank or was lost)."""
 

@@ -1,5 +1,6 @@
 """The coordinator's Prometheus metrics: ranks alive and dead, tensors by state and health, collective jobs in
-flight and finished, and the latency of catalog transactions.
+flight and finished, the latency of catalog transactions, and its leadership (whether it leads, its term, the
+terms it began).
 
 Gauges are read from the coordinator at scrape time; collective jobs are
 tracked by `JobTracker` (always: a few dict updates per job) and counted in
@@ -21,6 +22,7 @@ from prometheus_client import Counter, Histogram
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.metrics import LATENCY_BUCKETS, Gauge, GaugeCollector, ServerMetrics
 from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.role_view import Role, RoleView
 
 JOB_KINDS = frozenset({"reshard", "checkpoint_load", "checkpoint_save"})
 EPOCH_HELP = (
@@ -108,6 +110,12 @@ class CoordinatorMetrics(ServerMetrics):
             buckets=JOB_BUCKETS,
             registry=self.registry,
         )
+        self.takeovers = Counter(
+            "shardserve_coordinator_takeovers",
+            "terms this coordinator began: each time it took the lease (its first term included); 0 "
+            "for a lone coordinator without a lease",
+            registry=self.registry,
+        )
         self.catalog_latency = Histogram(
             "shardserve_coordinator_catalog_seconds",
             "time of one catalog transaction (SQLite), by operation",
@@ -120,21 +128,23 @@ class CoordinatorMetrics(ServerMetrics):
         self,
         ranks: Callable[[], list[RankInfo]],
         tensors: Callable[[], list[pb.TensorInfo]],
-        jobs: JobTracker,
+        jobs: Callable[[], list[JobInFlight]],
         epoch: Callable[[], int],
+        role: Callable[[], RoleView],
     ) -> None:
-        """Report ranks, tensors (every version, as answered: with its health), jobs in flight and the epoch at
-        every scrape."""
+        """Report ranks, tensors (every version, as answered: with its health), jobs in flight, the epoch and
+        the coordinator's role at every scrape (a standby: no ranks, tensors or jobs; epoch 0)."""
         self.add_collector(
             GaugeCollector(
                 lambda: [
                     *_rank_gauges(ranks()),
                     _tensor_gauge(tensors()),
-                    *_job_gauges(jobs.in_flight()),
+                    *_job_gauges(jobs()),
                     Gauge(
                         "shardserve_coordinator_epoch",
                         EPOCH_HELP,
                     ).add(epoch()),
+                    *_role_gauges(role()),
                 ]
             )
         )
@@ -160,6 +170,18 @@ def _rank_gauges(ranks: list[RankInfo]) -> list[Gauge]:
         memory.add(rank.memory_used_bytes, str(rank.rank))
         restarts.add(rank.restarts, str(rank.rank))
     return [states, memory, restarts]
+
+
+def _role_gauges(view: RoleView) -> list[Gauge]:
+    leader = Gauge(
+        "shardserve_coordinator_is_leader",
+        "1 while this coordinator leads (a lone coordinator always does), 0 while it stands by",
+    )
+    term = Gauge(
+        "shardserve_coordinator_term",
+        "the term this coordinator leads (0 while it stands by, and for a lone coordinator)",
+    )
+    return [leader.add(1 if view.role == Role.LEADER else 0), term.add(view.term)]
 
 
 def _tensor_gauge(tensors: Iterable[pb.TensorInfo]) -> Gauge:

@@ -22,8 +22,9 @@ class CoordinatorOptions:
     limit; server/coordinator/ranks/heartbeats.py); `dead_after`: heartbeats missed this long mark a rank dead
     (None: twice the interval the rank was told); `repair_after`:
     how long a rank stays dead before its copies are rebuilt from live replicas; `store_port` 0 = any free
-    port of `store_host` (start_coordinator sets the listen host). ValueError names the flag of a value out
-    of range.
+    port of `store_host` (start_coordinator sets the listen host); `lease_duration`: seconds of the leader's
+    lease when several coordinators share the catalog (None: a lone coordinator, which leads at once without
+    a lease). ValueError names the flag of a value out of range.
     """
 
     heartbeat_interval: float = 1.0
@@ -34,6 +35,7 @@ class CoordinatorOptions:
     repair_after: float = DEFAULT_REPAIR_AFTER_S
     store_port: int = 0
     store_host: str = "0.0.0.0"
+    lease_duration: float | None = None
 
     def __post_init__(self) -> None:
         if not self.heartbeat_interval > 0:
@@ -41,6 +43,8 @@ class CoordinatorOptions:
         self.heartbeats  # noqa: B018 - checks the rate too
         if not self.repair_after >= 0:
             raise ValueError("--repair-after must be >= 0 seconds")
+        if self.lease_duration is not None and not self.lease_duration > 0:
+            raise ValueError("--lease-duration must be > 0 seconds")
 
     @property
     def heartbeats(self) -> HeartbeatPolicy:

@@ -1,4 +1,8 @@
-"""The coordinator's composition root: `CoordinatorServer` builds its parts and runs their threads.
+"""The composition root of a coordinator's term: `CoordinatorServer` builds its parts and runs their threads.
+
+A lone coordinator builds one and keeps it; of several sharing a catalog, the leader builds one for every term
+it leads (server/coordinator/process.py), over the catalog fenced with that term, and closes it when the term
+ends.
 
 The parts, each given only what it uses: the catalog (records), the rank registry (membership and liveness)
 and the calls to ranks, per-name locks and byte quotas, the collective-job runner (with its rendezvous store),
@@ -11,10 +15,8 @@ the rendezvous store and the repair loop start in `start()`, and `close()` ends 
 from __future__ import annotations
 
 import logging
-import socket
 
 from shardserve.server.common.auth import Security
-from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.coordinator.answers import Answers
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.drivers.checkpoint import CheckpointDriver
@@ -80,7 +82,6 @@ class CoordinatorServer:
         )
         self.answers = Answers(self.registry.rank_unreadable, self.repairs.state)
         self.metrics_address = ""  # HOST:PORT of the metrics endpoint as ListRanks tells clients
-        self._metrics_endpoint: MetricsEndpoint | None = None
 
     def start(self) -> CoordinatorServer:
         """Open the rendezvous store; start watching ranks, the chores and the repair loop."""
@@ -89,20 +90,9 @@ class CoordinatorServer:
         self.repairs.start()
         return self
 
-    def serve_metrics(self, metrics: CoordinatorMetrics, host: str, port: int) -> None:
-        """Serve `metrics`, watching this coordinator, on `host` at `port` (0: any free port)."""
-        tracker = self.collectives.tracker
-        tracker.metrics = metrics
-        metrics.watch(
-            self.registry.ranks,
-            lambda: [self.answers.tensor(r) for r in self.catalog.list(include_pending=True)],
-            tracker,
-            lambda: self.collectives.epochs.current,
-        )
-        self._metrics_endpoint = serve_metrics(metrics, host, port)
-        shown = socket.gethostname() if host in ("0.0.0.0", "[::]") else host
-        self.metrics_address = f"{shown}:{self._metrics_endpoint.port}"
-        log.info("coordinator metrics on http://%s/metrics", self.metrics_address)
+    def count_jobs_in(self, metrics: CoordinatorMetrics) -> None:
+        """Count the collective jobs of this term in `metrics` (the process's, which outlive a term)."""
+        self.collectives.tracker.metrics = metrics
 
     def stop(self) -> None:
         """Stop watching heartbeats, the chores and repairing (the cluster is shutting down on purpose)."""
@@ -117,5 +107,3 @@ class CoordinatorServer:
         self.registry.close()
         self.collectives.close()
         self.catalog.close()
-        if self._metrics_endpoint is not None:
-            self._metrics_endpoint.close()

@@ -1,5 +1,8 @@
 """The Coordinator gRPC service: decodes each request, delegates to the coordinator's parts
-(server/coordinator/server.py), and makes each answer from the records they return (answers.py)."""
+(server/coordinator/server.py), and makes each answer from the records they return (answers.py).
+
+Only a leader serves it: every method passes the role's gate (server/coordinator/role.py), which refuses it
+with NOT_LEADER on a standby and turns the failure of a call whose term ended under it into NOT_LEADER."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from shardserve.server.common.requests import (
     check_put_token,
     parse_metadata,
 )
+from shardserve.server.coordinator.answers import Answers
 from shardserve.server.coordinator.catalog.messages import (
     init_from_proto,
     options_from_proto,
@@ -28,14 +32,6 @@ from shardserve.server.coordinator.catalog.messages import (
 )
 from shardserve.server.coordinator.drivers.checkpoint import CheckpointStep, checkpoint_contents
 from shardserve.server.coordinator.drivers.lifecycle import NewTensor
-from shardserve.server.coordinator.drivers.orders import (
-    commit_order,
-    load_order,
-    reshard_order,
-    save_order,
-    snapshot_order,
-    snapshot_view,
-)
 from shardserve.server.coordinator.drivers.reshard import ReshardPhase, ReshardStep
 from shardserve.server.coordinator.drivers.snapshots import CreatedSnapshot
 from shardserve.server.coordinator.ranks.messages import (
@@ -44,6 +40,15 @@ from shardserve.server.coordinator.ranks.messages import (
     rank_to_proto,
     restore_from_proto,
 )
+from shardserve.server.coordinator.requests import (
+    commit_order,
+    load_order,
+    reshard_order,
+    save_order,
+    snapshot_order,
+    snapshot_view,
+)
+from shardserve.server.coordinator.role import CoordinatorRole, led
 from shardserve.server.coordinator.server import CoordinatorServer
 
 _PHASES = {
@@ -73,13 +78,23 @@ def new_tensor(request: pb.CreateTensorRequest) -> NewTensor:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    """The Coordinator gRPC service: a thin layer over the parts of a `CoordinatorServer`."""
+    """The Coordinator gRPC service: a thin layer over the parts of the `CoordinatorServer` of the term `role`
+    leads."""
 
-    def __init__(self, coordinator: CoordinatorServer) -> None:
-        self.coordinator = coordinator
-        self.answers = coordinator.answers
+    def __init__(self, role: CoordinatorRole) -> None:
+        self.role = role
+
+    @property
+    def coordinator(self) -> CoordinatorServer:
+        """The parts of the term this coordinator leads (NotLeader on a standby)."""
+        return self.role.leading()
+
+    @property
+    def answers(self) -> Answers:
+        return self.role.leading().answers
 
     @rpc_errors
+    @led
     def RegisterRank(
         self, request: pb.RegisterRankRequest, context: grpc.ServicerContext
     ) -> pb.RegisterRankResponse:
@@ -92,6 +107,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     @rpc_errors
+    @led
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
@@ -99,6 +115,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatResponse(heartbeat_interval_s=interval)
 
     @rpc_errors
+    @led
     def ReportRestore(
         self, request: pb.RestoreProgress, context: grpc.ServicerContext
     ) -> pb.ReportRestoreResponse:
@@ -106,6 +123,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.ReportRestoreResponse()
 
     @rpc_errors
+    @led
     def ListRanks(
         self, request: pb.ListRanksRequest, context: grpc.ServicerContext
     ) -> pb.ListRanksResponse:
@@ -116,6 +134,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     @rpc_errors
+    @led
     def CreateTensor(
         self, request: pb.CreateTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
@@ -123,6 +142,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self.answers.tensor(made.value, made.update_order)
 
     @rpc_errors
+    @led
     def CommitTensor(
         self, request: pb.CommitTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
@@ -130,6 +150,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self.answers.tensor(committed.value, committed.update_order)
 
     @rpc_errors
+    @led
     def AbortTensor(
         self, request: pb.AbortTensorRequest, context: grpc.ServicerContext
     ) -> pb.AbortTensorResponse:
@@ -144,12 +165,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.AbortTensorResponse(version=request.version)
 
     @rpc_errors
+    @led
     def GetTensor(
         self, request: pb.GetTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
         return self.answers.tensor(self.coordinator.lifecycle.get(request.name))
 
     @rpc_errors
+    @led
     def ListTensors(
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
@@ -157,6 +180,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self.answers.tensors(r for r in records if _covers(r.name))
 
     @rpc_errors
+    @led
     def Reshard(
         self, request: pb.ReshardRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.ReshardProgress]:
@@ -164,6 +188,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield self._reshard_progress(step)
 
     @rpc_errors
+    @led
     def InspectCheckpoint(
         self, request: pb.InspectCheckpointRequest, context: grpc.ServicerContext
     ) -> pb.InspectCheckpointResponse:
@@ -175,6 +200,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         )
 
     @rpc_errors
+    @led
     def LoadCheckpoint(
         self, request: pb.LoadCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
@@ -182,6 +208,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield self._checkpoint_progress(step)
 
     @rpc_errors
+    @led
     def SaveCheckpoint(
         self, request: pb.SaveCheckpointRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.CheckpointProgress]:
@@ -189,6 +216,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             yield self._checkpoint_progress(step)
 
     @rpc_errors
+    @led
     def DeleteTensor(
         self, request: pb.DeleteTensorRequest, context: grpc.ServicerContext
     ) -> pb.DeleteTensorResponse:
@@ -196,6 +224,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.DeleteTensorResponse()
 
     @rpc_errors
+    @led
     def CreateSnapshot(
         self, request: pb.CreateSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
@@ -203,6 +232,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return _created(self.coordinator.snapshots.create(order))
 
     @rpc_errors
+    @led
     def CommitSnapshot(
         self, request: pb.CommitSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.CommitSnapshotResponse:
@@ -214,6 +244,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return answer
 
     @rpc_errors
+    @led
     def AbortSnapshot(
         self, request: pb.AbortSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.AbortSnapshotResponse:
@@ -221,6 +252,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.AbortSnapshotResponse()
 
     @rpc_errors
+    @led
     def GetSnapshot(
         self, request: pb.GetSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.SnapshotInfo:
@@ -228,6 +260,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return self.answers.snapshot(snapshot)
 
     @rpc_errors
+    @led
     def ListSnapshots(
         self, request: pb.ListSnapshotsRequest, context: grpc.ServicerContext
     ) -> pb.ListSnapshotsResponse:

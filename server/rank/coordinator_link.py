@@ -1,5 +1,11 @@
-"""A rank's link to the coordinator: it registers (retrying while the coordinator is unreachable) and heartbeats,
-registering again when the coordinator does not know it (a restarted coordinator)."""
+"""A rank's link to the coordinator: it registers (retrying while no coordinator answers) and heartbeats,
+registering again when the coordinator does not know it (a restarted coordinator, or a new leader).
+
+With several coordinators (server/rank/coordinators.py), a heartbeat that a standby refused or that found no
+one is sent again soon where it was sent (the leader named, or the next address); the new leader, which does
+not know the rank, answers NOT_FOUND, and the rank registers with it, with the versions it holds and the new
+leader's rendezvous store.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +17,23 @@ from collections.abc import Callable
 import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.common.auth import Security, make_channel
+from shardserve.server.rank.coordinators import Coordinators, host_of
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.store import ShardStore
 
 log = logging.getLogger(__name__)
 
+MOVED_PAUSE_S = (
+    0.1  # the pause before a heartbeat sent elsewhere after a failure (a failover under way)
+)
+
 
 class CoordinatorLink:
-    """Registers this rank with the coordinator and keeps it alive with heartbeats."""
+    """Registers this rank with the leader of `coordinators` and keeps it alive with heartbeats."""
 
     def __init__(
         self,
-        address: str,
-        security: Security,
+        coordinators: Coordinators,
         info: pb.RankInfo,
         store: ShardStore,
         groups: ProcessGroups | None = None,
@@ -33,46 +41,41 @@ class CoordinatorLink:
         self.info = info
         self.store = store
         self.groups = groups
-        self.coordinator_host = (
-            address.rpartition(":")[0].strip("[]") or address
-        )  # the store is on its host
         self.interval = 1.0
-        self._channel = make_channel(address, security)
-        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self.coordinators = coordinators
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
 
     def register(self, timeout: float) -> None:
-        """Register, retrying while the coordinator is unreachable, for at most `timeout` seconds."""
+        """Register with the leader, retrying while no coordinator answers as one, for at most `timeout` s."""
         deadline = time.monotonic() + timeout
         delay = 0.1
         while True:
+            address = self.coordinators.current
             try:
-                self._register_once()
+                self._register_once(address)
                 return
             except grpc.RpcError as err:
-                if (
-                    err.code()
-                    not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                    or time.monotonic() + delay > deadline
-                ):
+                retry = self.coordinators.moved(address, err)
+                if retry is None or time.monotonic() + delay > deadline:
                     raise
-                log.debug("coordinator not reachable yet (%s); retrying", err.details())
+                log.debug("no leading coordinator at %s yet (%s); retrying", address, err.details())
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    def _register_once(self) -> None:
+    def _register_once(self, address: str) -> None:
         self.info.memory_used_bytes = self.store.memory_used
         held = [pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()]
-        response = self._stub.RegisterRank(
+        response = self.coordinators.stub(address).RegisterRank(
             pb.RegisterRankRequest(rank=self.info, held=held), timeout=10.0
         )
         self.interval = response.heartbeat_interval_s or 1.0
         if self.groups is not None and response.store_port:
-            self.groups.set_store(response.store_host or self.coordinator_host, response.store_port)
+            self.groups.set_store(response.store_host or host_of(address), response.store_port)
         log.info(
-            "rank %d registered with the coordinator (heartbeat every %.2fs)",
+            "rank %d registered with the coordinator at %s (heartbeat every %.2fs)",
             self.info.rank,
+            address,
             self.interval,
         )
 
@@ -82,24 +85,34 @@ class CoordinatorLink:
 
     def _heartbeat_loop(self) -> None:
         unreachable = False
-        while not self._stop.wait(self.interval):
+        wait = self.interval
+        while not self._stop.wait(wait):
+            wait = self.interval
+            address = self.coordinators.current
             request = pb.HeartbeatRequest(
                 rank=self.info.rank, memory_used_bytes=self.store.memory_used
             )
             try:
-                answer = self._stub.Heartbeat(request, timeout=max(2.0, 2 * self.interval))
+                answer = self.coordinators.stub(address).Heartbeat(
+                    request, timeout=max(2.0, 2 * self.interval)
+                )
                 # the coordinator lengthens the interval as the cluster grows
                 self.interval = answer.heartbeat_interval_s or self.interval
                 if unreachable:
-                    log.info("coordinator reachable again")
+                    log.info("coordinator at %s reachable again", address)
                 unreachable = False
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.NOT_FOUND:
                     log.warning(
-                        "coordinator does not know rank %d; registering again", self.info.rank
+                        "coordinator at %s does not know rank %d; registering again",
+                        address,
+                        self.info.rank,
                     )
-                    self._try(self._register_once)
-                elif not unreachable:
+                    self._try(lambda: self._register_once(address))
+                    continue
+                if self.coordinators.moved(address, err) not in (None, address):
+                    wait = min(self.interval, MOVED_PAUSE_S)  # find the leader soon
+                if not unreachable:
                     unreachable = True
                     log.warning("heartbeat failed: %s %s", err.code().name, err.details())
 
@@ -108,6 +121,7 @@ class CoordinatorLink:
             action()
         except grpc.RpcError as err:
             log.warning("registering again failed: %s %s", err.code().name, err.details())
+            self.coordinators.moved(self.coordinators.current, err)
 
     @property
     def stopped(self) -> bool:
@@ -115,8 +129,8 @@ class CoordinatorLink:
         return self._stop.is_set() and not self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop heartbeating and close the channel (the thread may never have started)."""
+        """Stop heartbeating and close the channels (the thread may never have started)."""
         self._stop.set()
         if self._thread.is_alive():  # not started when registering failed
             self._thread.join(timeout=5.0)
-        self._channel.close()
+        self.coordinators.close()

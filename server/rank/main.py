@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import host_id
 from shardserve.server.common.auth import Security, server_ssl_context
@@ -39,6 +40,7 @@ from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.tracing import enable_tracing
 from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.errors import RankError
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.malloc_tuning import tune_malloc
@@ -66,11 +68,18 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, RankOptions]:
         description="Run one shard-server rank (torchrun-compatible: reads RANK, "
         "WORLD_SIZE, LOCAL_RANK; MASTER_ADDR and MASTER_PORT are not used).",
     )
-    parser.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    parser.add_argument(
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator; several that share one catalog, comma-separated: the rank registers with "
+        "the one that leads and follows a new leader",
+    )
     RankOptions.add_arguments(parser)
     add_security_args(parser)
     args = parser.parse_args(argv)
     try:
+        args.coordinators = parse_addresses(args.coordinator, "--coordinator")
         return args, RankOptions.from_args(args)
     except ValueError as err:
         parser.error(str(err))
@@ -172,7 +181,8 @@ def main(argv: Sequence[str]) -> int:
         log.error("--persist-dir: %s", err.message)
         return 2
     store = open_store(options, rank, device, memory_limit=limit.nbytes, persistence=persistence)
-    restore(store, RestoreReporter(args.coordinator, security, rank))
+    coordinators = Coordinators(args.coordinators, security)
+    restore(store, RestoreReporter(coordinators, rank))
     try:
         bulk_reads = open_bulk_reads(options, security, store)
     except OSError as err:
@@ -212,7 +222,7 @@ def main(argv: Sequence[str]) -> int:
         shared_memory=store.hands_over_by_reference,
         metrics_address=advertised_metrics(endpoint, options.advertise),
     )
-    link = CoordinatorLink(args.coordinator, security, info, store, groups)
+    link = CoordinatorLink(coordinators, info, store, groups)
     try:
         try:
             link.register(options.register_timeout)

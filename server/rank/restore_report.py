@@ -12,8 +12,7 @@ from dataclasses import replace
 import grpc
 
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.common.auth import Security, make_channel
+from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.persistence import RestoreCount
 from shardserve.server.rank.store import ShardStore
 
@@ -29,14 +28,11 @@ class RestoreReporter:
 
     REPORT_EVERY_S = 0.5
 
-    def __init__(self, address: str, security: Security, rank: int) -> None:
-        self.address = address
-        self.security = security
+    def __init__(self, coordinators: Coordinators, rank: int) -> None:
+        self.coordinators = coordinators
         self.rank = rank
         self.last = RestoreCount()
         self._reported_at = 0.0
-        self._stub: pb_grpc.CoordinatorStub | None = None
-        self._channel: grpc.Channel | None = None
 
     def __call__(self, count: RestoreCount) -> None:
         """Record `count`; report it when the last report is old enough or the restore reached its end."""
@@ -53,10 +49,8 @@ class RestoreReporter:
             self._hold_while_exists(hold)
 
     def finish(self) -> None:
-        """Report that every file is read (the rank registers next), then close the channel."""
+        """Report that every file is read (the rank registers next)."""
         self._report(loaded=True)
-        if self._channel is not None:
-            self._channel.close()
 
     def _hold_while_exists(self, path: str) -> None:
         """Debug hook of the restore tests: pause the restore while `path` exists (at most RESTORE_HOLD_MAX_S),
@@ -80,9 +74,6 @@ class RestoreReporter:
             count.done_tensors,
             count.total_tensors,
         )
-        if self._stub is None:
-            self._channel = make_channel(self.address, self.security)
-            self._stub = pb_grpc.CoordinatorStub(self._channel)
         progress = pb.RestoreProgress(
             rank=self.rank,
             pid=os.getpid(),
@@ -93,10 +84,12 @@ class RestoreReporter:
             total_tensors=count.total_tensors,
             loaded=loaded,
         )
+        address = self.coordinators.current
         try:
-            self._stub.ReportRestore(progress, timeout=2.0)
-        except grpc.RpcError as err:
+            self.coordinators.stub(address).ReportRestore(progress, timeout=2.0)
+        except grpc.RpcError as err:  # the next report goes to the leader, if this one named it
             log.debug("restore progress not reported: %s", err.details())
+            self.coordinators.moved(address, err)
 
 
 def restore(store: ShardStore, reporter: RestoreReporter) -> None:

@@ -304,7 +304,7 @@ def test_server_commands_get_the_global_token_and_their_own_options(argv, forwar
         ran.append([command, *args])
         raise SystemExit(0)
 
-    monkeypatch.setattr(cli, "_exec_server", exec_server)
+    monkeypatch.setattr(cli, "exec_server_command", exec_server)
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert ran == [forwarded]
@@ -314,7 +314,7 @@ def test_client_options_before_a_server_command_and_unknown_options_are_errors(m
     import shardserve.client.cli.main as cli
 
     monkeypatch.setattr(
-        cli, "_exec_server", lambda command, args: pytest.fail("must not start a server")
+        cli, "exec_server_command", lambda command, args: pytest.fail("must not start a server")
     )
     with pytest.raises(SystemExit) as stop:
         cli.main(["--tls-ca", "ca.pem", "up"])

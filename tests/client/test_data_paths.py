@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
@@ -26,6 +27,7 @@ from server_helpers import Aborted, ServicerContext
 
 import shardserve.client.paths.segments as segments
 from shardserve import connect
+from shardserve.client import metrics as client_metrics
 from shardserve.client.errors import StaleVersionError, TensorNotFoundError
 from shardserve.client.info import RankStatus
 from shardserve.client.paths.bands import bands
@@ -137,9 +139,12 @@ def test_larger_tensor_through_shared_memory(cluster):
     source = random_tensor((1023, 257), torch.float32, seed=99)
     with connect(cluster.address, transport="shm") as c:
         remote = c.put("dp-large", source, SPEC)
+        opens = []
         for _ in range(2):  # the second read reuses the cached mapping (no lease)
             assert torch.equal(remote.fetch((100, 3), (900, 250)), source[100:1000, 3:253])
             assert remote.last_transport == "shm"
+            opens.append(client_metrics()["shm_opens"])
+        assert opens[1] == opens[0] > 0  # each shard opened once, by the first read
 
 
 def test_large_parts_over_grpc_in_parallel_bands(cluster):
@@ -261,14 +266,15 @@ def test_process_watch_replaces_an_exited_process_and_closes_its_pidfd():
     assert old.alive() is False
     new = watch.watch(process.pid)
     assert new is not old and old.alive() is False
-    closer = old._closer
+    # the pidfd is open while the old process object is held
     assert (
-        closer is not None and closer.alive
-    )  # the pidfd is open while the old process object is held
+        old.pidfd is not None and os.readlink(f"/proc/self/fd/{old.pidfd}") == "anon_inode:[pidfd]"
+    )
+    held = weakref.ref(old)
     del old, new
     watch.watch(os.getpid())  # forgets exited processes
     gc.collect()
-    assert not closer.alive  # os.close(pidfd) ran
+    assert held() is None  # nothing refers to it: its finalizer closed the pidfd
 
 
 def test_bad_transport_is_refused(cluster):
@@ -920,16 +926,14 @@ def test_cuda_shards_through_ipc_and_grpc(make_cluster):
         out = torch.empty(33, 17, dtype=torch.bfloat16, device="cuda")
         remote.fetch((0, 0), (33, 17), out=out)
         assert torch.equal(out.cpu(), source)
-        reader, opened = c.session.paths.path(PathKind.SHARED_MEMORY), []
-        open_shard = reader._open_shard
-        reader._open_shard = lambda address, request, *rest: (
-            opened.append(request.shard_index) or open_shard(address, request, *rest)
-        )
+        opens = client_metrics()["shm_opens"]
         assert torch.equal(remote.fetch((0, 0), (33, 17)), source)
-        assert opened == []  # cached IPC mappings: the header page says "served", no OpenShard
+        # cached IPC mappings: the header page says "served", no OpenShard
+        assert client_metrics()["shm_opens"] == opens
         newer = source.flip(0).contiguous()
         c.put("gpu", newer, spec, overwrite=True)  # drops the mapped version: its header says so
-        assert torch.equal(remote.fetch((0, 0), (33, 17)), newer) and opened
+        assert torch.equal(remote.fetch((0, 0), (33, 17)), newer)
+        assert client_metrics()["shm_opens"] > opens
 
 
 def test_a_lookup_answer_of_exactly_the_small_limit_comes_over_the_bulk_port(cluster):

@@ -23,6 +23,7 @@ from grpc_status import rpc_status
 from waiting import wait_until
 
 from shardserve import connect, spmd
+from shardserve.client.cli.top import scrape, total
 from shardserve.client.paths.kinds import PathKind
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.core.specs import ChunkShardingSpec
@@ -224,19 +225,11 @@ def test_a_rank_refuses_unopened_in_place_shards_and_other_hosts(cluster):
         assert torch.equal(client.tensor("served").full_tensor(), torch.ones(8, 4))
 
 
-def test_a_snapshot_writer_fills_the_shards_its_create_opened_with_no_call_to_the_ranks(
-    cluster, monkeypatch
-):
+def test_a_snapshot_writer_fills_the_shards_its_create_opened_with_no_call_to_the_ranks(cluster):
     """put_state_dict on one host: CreateSnapshot's answer hands out every shard's segment and the commit
     counts them written, so the writer neither opens them (OpenShardsForWrite) nor tells the ranks
     (WriteShards): one create and one commit whatever the number of tensors."""
-    from shardserve.client.paths.in_place import InPlaceWriter
-
-    def no_call(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a snapshot writer called the rank")
-
-    monkeypatch.setattr(InPlaceWriter, "_open", no_call)
-    monkeypatch.setattr(InPlaceWriter, "_tell_written", no_call)
+    calls_before = _in_place_calls(cluster.address)
     state = {f"layer{i}.w": _sample(DTYPES[i % len(DTYPES)], (33, 17), i) for i in range(24)}
     with connect(cluster.address) as client:
         for step in range(3):  # new memory, then memory the snapshot before freed
@@ -249,6 +242,46 @@ def test_a_snapshot_writer_fills_the_shards_its_create_opened_with_no_call_to_th
             spmd.get_state_dict(client, "opened", into=into)
             assert all(torch.equal(into[key], fresh[key]) for key in fresh), step
         assert client.session.paths.path(PathKind.SHARED_MEMORY).in_place.mapped_segments > 0
+    assert _in_place_calls(cluster.address) == calls_before
+
+
+def _in_place_calls(address: str) -> dict[str, float]:
+    """The OpenShardsForWrite and WriteShards calls every rank of the cluster at `address` has answered."""
+    return _rank_calls(address, ("OpenShardsForWrite", "WriteShards"))
+
+
+def _rank_calls(address: str, methods: tuple[str, ...]) -> dict[str, float]:
+    """The calls of each of `methods` every rank of the cluster at `address` has answered, as its metrics
+    count them."""
+    with connect(address) as client:
+        ranks = client.session.list_ranks().ranks
+    samples = [scrape(rank.metrics_address) for rank in ranks]
+    return {
+        method: sum(total(s, "shardserve_rpc_requests_total", method=method) for s in samples)
+        for method in methods
+    }
+
+
+def test_a_state_dict_read_right_after_its_put_opens_its_shards_in_one_call_per_rank(cluster):
+    """The weight-sync loop: every get reads the snapshot the put before it made, whose shards this client has
+    not opened yet. It opens them with one OpenShards call per rank, not one OpenShard per shard, and reads
+    them bit for bit; the same get again calls no rank at all. (Tensors of over 64 KiB: smaller ones are read
+    in ReadRegions batches, with no shard opened.)"""
+    state = {f"layer{i}.w": _sample(torch.float32, (256, 129), i) for i in range(12)}
+    calls = ("OpenShard", "OpenShards")
+    with connect(cluster.address) as client:
+        for step in range(3):  # new memory, then memory the snapshot before freed
+            fresh = {key: value + step for key, value in state.items()}
+            spmd.put_state_dict(client, fresh, "opens", keep=1, durable=False)
+            into = {key: torch.empty_like(value) for key, value in fresh.items()}
+            before = _rank_calls(cluster.address, calls)
+            spmd.get_state_dict(client, "opens", into=into)
+            after = _rank_calls(cluster.address, calls)
+            assert all(torch.equal(into[key], fresh[key]) for key in fresh), step
+            assert after["OpenShard"] == before["OpenShard"], step
+            assert 1 <= after["OpenShards"] - before["OpenShards"] <= 2, step  # one per rank
+            spmd.get_state_dict(client, "opens", into=into)
+            assert _rank_calls(cluster.address, calls) == after, step
 
 
 def _create_request(prefix: str, writer_host_id: str) -> pb.CreateSnapshotRequest:

@@ -1,10 +1,10 @@
-"""Long-lived clients across real faults: one reader per transport (auto = shared memory, bulk = the bulk port,
-grpc) keeps reading rank 1's rows of a row-wise table every READ_EVERY_S while rank 1 is stopped (SIGSTOP for
-STOP_S, then SIGCONT) and while it is killed (kill -9) and restarted by the supervisor, which restores its
-shards from its persistence folder. During a fault a read may fail, but only with RankUnavailableError
-(UNAVAILABLE, reason RANK_UNAVAILABLE): never DATA_LOSS for a rank whose data is intact, never wrong data.
-After it, every reader reads rank 1's rows again within RECOVERY_S of the coordinator seeing rank 1 alive,
-without a new connect(). The recovery time per transport and fault is printed (pytest -s shows it).
+"""Long-lived clients of a `shardserve up` process across real faults: one reader per transport (auto = shared memory,
+bulk = the bulk port, grpc) keeps reading rank 1's rows of a row-wise table every READ_EVERY_S while rank 1 is
+stopped (SIGSTOP for STOP_S, then SIGCONT) and while it is killed (kill -9) and restarted by the supervisor, which
+restores its shards from its persistence folder. During a fault a read may fail, but only with RankUnavailableError
+(UNAVAILABLE, reason RANK_UNAVAILABLE): never DATA_LOSS for a rank whose data is intact, never wrong data. After
+it, every reader reads rank 1's rows again within RECOVERY_S of the coordinator seeing rank 1 alive, without a new
+connect(). The recovery time per transport and fault is printed (pytest -s shows it).
 """
 
 from __future__ import annotations
@@ -13,19 +13,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from server_processes import start_up, stop_all
 from waiting import wait_until
 
 from shardserve import Cluster, RankUnavailableError, Reason, ShardServeError, connect
+from shardserve.client.info import RankStatus
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
-from shardserve.server.launcher import LocalCluster
-from shardserve.server.supervisor import RestartPolicy
 
 ROWS, DIM = 20_000, 16
 RANK1_ROWS = (10_000, 10_000)  # rows of rank 1: offset, count
@@ -87,22 +85,30 @@ class Reader(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def cluster(make_cluster: Callable[..., LocalCluster], tmp_path_factory) -> LocalCluster:
-    cluster = make_cluster(
-        ranks=2,
-        restart_policy=RestartPolicy(max_restarts=2, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=HEARTBEAT_S),
-        rank_options=RankOptions(persist_dir=tmp_path_factory.mktemp("persist")),
-    )
-    with connect(cluster.address) as client:
-        client.put("long-lived", TABLE, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
-    return cluster
+def address(tmp_path_factory) -> Iterator[str]:
+    """A 2-rank `shardserve up` in its own process, as users run it (its coordinator shares no interpreter with
+    the readers), ranks persisting their shards and restarted when they die; the table put in it."""
+    state = tmp_path_factory.mktemp("long-lived")
+    with open(state / "up.log", "w") as log:
+        proc, address = start_up(
+            ["--ranks", "2", "--heartbeat-interval", str(HEARTBEAT_S), "--max-restarts", "2"]
+            + ["--restart-backoff", "0.2"],
+            state,
+            log,
+            timeout=FAULT_WAIT_S,
+        )
+        try:
+            with connect(address) as client:
+                client.put("long-lived", TABLE, ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"]))
+            yield address
+        finally:
+            stop_all([proc])
 
 
 @pytest.fixture
-def readers(cluster: LocalCluster) -> Iterator[dict[str, Reads]]:
+def readers(address: str) -> Iterator[dict[str, Reads]]:
     stop = threading.Event()
-    threads = [Reader(cluster.address, transport, stop) for transport in TRANSPORTS]
+    threads = [Reader(address, transport, stop) for transport in TRANSPORTS]
     for thread in threads:
         thread.start()
     try:
@@ -118,10 +124,9 @@ def readers(cluster: LocalCluster) -> Iterator[dict[str, Reads]]:
             thread.join(timeout=CALL_TIMEOUT_S * 4)
 
 
-def _alive(cluster: LocalCluster, rank: int, pid: int | None = None) -> bool:
-    with connect(cluster.address, timeout=5) as client:
-        status = client.ranks()[rank]
-    return status.alive and (pid is None or status.pid == pid)
+def _rank(address: str, rank: int) -> RankStatus:
+    with connect(address, timeout=5) as client:
+        return client.ranks()[rank]
 
 
 def _check_recovery(
@@ -161,36 +166,36 @@ def _check_recovery(
 
 
 def test_readers_of_every_transport_read_again_after_a_rank_is_stopped_and_continued(
-    cluster: LocalCluster, readers: dict[str, Reads]
+    address: str, readers: dict[str, Reads]
 ) -> None:
-    pid = cluster.rank_pids[1]
+    pid = _rank(address, 1).pid
     fault_start = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
         wait_until(
-            lambda: not _alive(cluster, 1), FAULT_WAIT_S, "the coordinator to see rank 1 dead"
+            lambda: not _rank(address, 1).alive, FAULT_WAIT_S, "the coordinator to see rank 1 dead"
         )
         time.sleep(max(0.0, STOP_S - (time.monotonic() - fault_start)))
     finally:
         os.kill(pid, signal.SIGCONT)
-    wait_until(lambda: _alive(cluster, 1), FAULT_WAIT_S, "the coordinator to see rank 1 alive")
+    wait_until(lambda: _rank(address, 1).alive, FAULT_WAIT_S, "the coordinator to see rank 1 alive")
     _check_recovery(
         readers, fault_start=fault_start, alive_at=time.monotonic(), fault="SIGSTOP 6 s"
     )
 
 
 def test_readers_of_every_transport_read_again_after_a_rank_is_killed_restarted_and_restored(
-    cluster: LocalCluster, readers: dict[str, Reads]
+    address: str, readers: dict[str, Reads]
 ) -> None:
-    old_pid = cluster.rank_pids[1]
+    old_pid = _rank(address, 1).pid
     fault_start = time.monotonic()
-    cluster.kill_rank(1, signal.SIGKILL)
+    os.kill(old_pid, signal.SIGKILL)
     wait_until(
-        lambda: cluster.rank_pids[1] != old_pid and _alive(cluster, 1, cluster.rank_pids[1]),
+        lambda: (status := _rank(address, 1)).pid != old_pid and status.alive,
         FAULT_WAIT_S,
         "rank 1 to be restarted and registered",
     )
-    with connect(cluster.address, timeout=5) as client:
+    with connect(address, timeout=5) as client:
         wait_until(
             lambda: client.tensor("long-lived").health == "healthy",
             FAULT_WAIT_S,

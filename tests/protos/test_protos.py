@@ -39,7 +39,7 @@ def test_generated_modules_import_and_define_both_services():
     from shardserve.protos import shardserve_pb2 as pb
     from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
-    assert set(pb.DESCRIPTOR.services_by_name) == {"Coordinator", "ShardServer"}
+    assert set(pb.DESCRIPTOR.services_by_name) == {"Coordinator", "ShardServer", "Leadership"}
     assert pb.DESCRIPTOR.package == "shardserve.v1"
     assert hasattr(pb_grpc, "add_CoordinatorServicer_to_server") and hasattr(
         pb_grpc, "ShardServerStub"

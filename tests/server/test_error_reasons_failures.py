@@ -1,7 +1,9 @@
 """The error reasons of failures, caused for real: a rank killed for good (RANK_UNAVAILABLE, SHARDS_LOST), a
-rank persisting to a full tmpfs (DISK_FULL), and, through a real in-process gRPC server, a collective epoch
-ended by a failed job (EPOCH_ENDED), a client that cancels its request stream (CANCELLED) and a servicer bug
-(INTERNAL). Each is read as a generic gRPC client reads it, and as the client library raises it."""
+rank persisting to a full tmpfs (DISK_FULL), the catalog's PostgreSQL stopped (CATALOG_UNAVAILABLE), a lease
+taken over by another coordinator and a standby coordinator (NOT_LEADER), and, through a real in-process gRPC
+server, a collective epoch ended by a failed job (EPOCH_ENDED), a client that cancels its request stream
+(CANCELLED) and a servicer bug (INTERNAL). Each is read as a generic gRPC client reads it, and as the client
+library raises it."""
 
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ import pytest
 import torch
 from error_reasons import assert_status
 from server_helpers import TIMEOUT, Stubs, create, rpc_error, write_shards
-from waiting import wait_until
+from waiting import eventually, wait_until
 
 from shardserve import connect
 from shardserve.client.errors import (
+    NotLeaderError,
     PreconditionError,
     RankUnavailableError,
     ResourceExhaustedError,
@@ -34,10 +37,12 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
+from shardserve.server.common.auth import Security
 from shardserve.server.common.errors import rpc_errors
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
+from shardserve.server.coordinator_process import CoordinatorOptions, start_coordinator
 from shardserve.server.rank.error_status import rank_rpc
 from shardserve.server.rank.errors import EpochEnded
 from shardserve.server.rank.jobs.service import CollectiveJobService, JobKinds
@@ -124,6 +129,74 @@ def test_rank_unavailable_for_a_box_whose_only_copy_is_on_a_dead_rank(stubs, bro
             down.value, ShardsLostError
         )
         assert torch.equal(client.tensor("rows")[0:4], TABLE[0:4])
+
+
+@pytest.fixture(scope="module")
+def on_postgres(make_cluster, postgres_server):
+    """A 1-rank cluster whose catalog is a database of the test PostgreSQL server, with "kept" put."""
+    cluster = make_cluster(ranks=1, catalog=postgres_server.url(postgres_server.create_database()))
+    with connect(cluster.address, timeout=30) as client:
+        client.put("kept", TABLE, spec=ON_RANK_0)
+    return cluster
+
+
+def test_catalog_unavailable(on_postgres, postgres_server):
+    """The database stopped under a running cluster: calls that need the catalog fail UNAVAILABLE with
+    CATALOG_UNAVAILABLE; once it is back they succeed, and what was put before reads back."""
+    stubs = Stubs(on_postgres.address, default_metadata=on_postgres.cluster_metadata)
+    request = pb.CreateTensorRequest(name="new", metadata=layout(ON_RANK_0, TABLE))
+    postgres_server.stop("immediate")
+    try:
+        err = rpc_error(stubs.coord.CreateTensor, request, timeout=TIMEOUT)
+        assert_status(err, grpc.StatusCode.UNAVAILABLE, Reason.CATALOG_UNAVAILABLE, tensor="new")
+        assert "unavailable" in err.details() and postgres_server.password not in err.details()
+        with connect(on_postgres.address, timeout=TIMEOUT) as client:
+            with pytest.raises(RankUnavailableError) as raised:
+                client.put("new", TABLE, spec=ON_RANK_0)
+            assert raised.value.reason == Reason.CATALOG_UNAVAILABLE
+    finally:
+        postgres_server.start()
+        stubs.close()
+    with connect(on_postgres.address, timeout=TIMEOUT) as client:
+        eventually(lambda: client.put("new", TABLE * 2, spec=ON_RANK_0), WAIT_S, "a put once back")
+        assert torch.equal(client.tensor("kept").full_tensor(), TABLE)
+        assert torch.equal(client.tensor("new").full_tensor(), TABLE * 2)
+
+
+def test_not_leader(on_postgres):
+    """The coordinator's catalog fenced with its lease's term, then the lease taken over by another holder:
+    its writes fail UNAVAILABLE with NOT_LEADER naming the new leader and term, and write nothing; reads go
+    on."""
+    catalog = on_postgres.coordinator.catalog
+    lease = catalog.leadership(
+        lease_duration=60.0
+    )  # the leader's writes never race its lease's end
+    term = lease.try_acquire("this", on_postgres.address)
+    catalog.fence(term)
+    stubs = Stubs(on_postgres.address, default_metadata=on_postgres.cluster_metadata)
+    try:
+        with connect(on_postgres.address, timeout=TIMEOUT) as client:
+            client.put("led", TABLE, spec=ON_RANK_0)  # the leader writes
+            lease.resign(term)
+            other = lease.try_acquire("other", "10.0.0.2:50051")
+            request = pb.CreateTensorRequest(name="refused", metadata=layout(ON_RANK_0, TABLE))
+            err = rpc_error(stubs.coord.CreateTensor, request, timeout=TIMEOUT)
+            assert_status(
+                err,
+                grpc.StatusCode.UNAVAILABLE,
+                Reason.NOT_LEADER,
+                leader="10.0.0.2:50051",
+                term=other,
+            )
+            with pytest.raises(RankUnavailableError) as raised:
+                client.put("refused", TABLE, spec=ON_RANK_0)
+            assert raised.value.reason == Reason.NOT_LEADER
+            assert "refused" not in {s.name for s in client.list(include_pending=True)}
+            assert torch.equal(client.tensor("led").full_tensor(), TABLE)  # reads go on
+            lease.resign(other)
+    finally:
+        catalog.fence(None)
+        stubs.close()
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +412,30 @@ def test_cancelled(probe, caplog):
     if servicer.stream_failed.is_set():
         wait_until(logged, WAIT_S, "the server to log the cancelled call")
     assert channel.stream_unary("/probe.Probe/Drain")(iter([b"c"]), timeout=TIMEOUT) == b"c"
+
+
+def test_not_leader_from_a_standby(tmp_path):
+    """Two coordinators over one catalog under a lease: the standby refuses a call with UNAVAILABLE, reason
+    NOT_LEADER, metadata naming the leader's address; the client raises NotLeaderError (a
+    RankUnavailableError) carrying it."""
+    options = CoordinatorOptions(lease_duration=5.0)
+    leader, leader_server = start_coordinator("127.0.0.1:0", tmp_path, Security(), options)
+    standby, standby_server = start_coordinator("127.0.0.1:0", tmp_path, Security(), options)
+    try:
+        with grpc.insecure_channel(standby.role.address) as channel:
+            stub = pb_grpc.CoordinatorStub(channel)
+            err = rpc_error(stub.GetTensor, pb.GetTensorRequest(name="t"), timeout=TIMEOUT)
+        assert_status(
+            err, grpc.StatusCode.UNAVAILABLE, Reason.NOT_LEADER, leader=leader.role.address
+        )
+        assert f"the leader is at {leader.role.address}" in err.details()
+        client_error = error_from_rpc(err)
+        assert isinstance(client_error, NotLeaderError) and isinstance(
+            client_error, RankUnavailableError
+        )
+        assert client_error.reason == Reason.NOT_LEADER
+        assert client_error.leader == leader.role.address
+    finally:
+        for process, server in ((standby, standby_server), (leader, leader_server)):
+            server.stop(grace=0.5)
+            process.close()

@@ -648,6 +648,16 @@ def test_abort_of_a_committed_version_is_refused(stubs, served):
         ),
         ("OpenShard", pb.OpenShardRequest(name="good", version=1, lease_s=-1), "lease_s -1"),
         (
+            "OpenShards",
+            pb.OpenShardsRequest(shards=[pb.OpenShardRequest(name="good", version=1, lease_s=-1)]),
+            "shards[0]: lease_s -1",
+        ),
+        (
+            "OpenShards",
+            pb.OpenShardsRequest(shards=[pb.OpenShardRequest(name="", version=1)]),
+            "shards[0]: name is empty",
+        ),
+        (
             "RunCollective",
             pb.CollectiveJob(seq=5, ranks=[1], timeout_s=float("inf"), reshard=pb.ReshardJob()),
             "timeout_s must be a finite number > 0",

@@ -289,6 +289,11 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
             ["coordinator", "--tls-cert", "missing.pem", "--tls-key", "k.pem"],
             "tls cert file 'missing.pem' does not exist",
         ),
+        (
+            ["coordinator", "--catalog", "mysql://u:pw@h/db"],
+            "--catalog: catalog 'mysql://u@h/db': mysql:// is not a catalog store",
+        ),
+        (["up", "--catalog", ""], "--catalog: the catalog's location is empty"),
     ],
 )
 def test_bad_flags_are_usage_errors(tmp_path, args, message):
@@ -328,6 +333,71 @@ def test_ranks_need_the_cluster_secret(tmp_path, args, message):
     assert message in result.stderr
 
 
+def test_a_coordinator_alone_keeps_its_catalog_in_postgresql(
+    tmp_path, postgres_server, postgres_url
+):
+    """`coordinator --catalog postgresql://...`: it answers from the database (a row written there by another
+    catalog shows in its listing), logs the URL without its password, and stops cleanly."""
+    from shardserve.core.metadata import ShardedTensorMetadata
+    from shardserve.server.coordinator.catalog.locations import open_catalog
+    from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
+
+    log = (tmp_path / "stderr").open("w")
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "shardserve.server", "coordinator", "--listen", "127.0.0.1:0"]
+        + ["--state-dir", str(tmp_path / "state"), "--catalog", postgres_url],
+        cwd=tmp_path,
+        env=server_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(
+            target=lambda: [lines.put(x) for x in coordinator.stdout], daemon=True
+        ).start()
+        address = coordinator_line(coordinator, lines)
+        beside = open_catalog(postgres_url)
+        beside.add(TensorRecord("row", 7, ShardedTensorMetadata(size=(2,)), TensorState.READY))
+        beside.close()
+        with grpc.insecure_channel(address) as channel:
+            listed = pb_grpc.CoordinatorStub(channel).ListTensors(
+                pb.ListTensorsRequest(), timeout=TIMEOUT
+            )
+        assert [(t.name, t.version) for t in listed.tensors] == [("row", 7)]
+        assert not (tmp_path / "state" / "catalog.sqlite").exists()
+    finally:
+        coordinator.send_signal(signal.SIGTERM)
+        assert coordinator.wait(timeout=30) == 0
+        log.close()
+    logged = (tmp_path / "stderr").read_text()
+    assert postgres_url.replace(f":{postgres_server.password}@", "@") in logged
+    assert postgres_server.password not in logged
+
+
+def test_a_coordinator_whose_database_cannot_be_reached_says_so_without_the_password(
+    tmp_path, postgres_server
+):
+    unreachable = postgres_server.url("postgres").replace(f":{postgres_server.port}/", ":1/")
+    result = subprocess.run(
+        [sys.executable, "-m", "shardserve.server", "coordinator", "--listen", "127.0.0.1:0"]
+        + ["--state-dir", str(tmp_path), "--catalog", unreachable],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=server_env(),
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert (
+        "the coordinator could not start: catalog postgresql://shardserve@127.0.0.1:1/postgres"
+        in (result.stderr)
+    )
+    assert postgres_server.password not in result.stdout + result.stderr
+
+
 def test_a_rank_without_a_coordinator_says_so_in_one_line(tmp_path):
     """No coordinator at the address: after --register-timeout the rank exits 1 with one error line that names
     the address and the flag, not a traceback."""
@@ -365,10 +435,13 @@ def test_a_link_that_never_registered_stops_cleanly():
     from shardserve.protos import shardserve_pb2 as pb
     from shardserve.server.common.auth import Security
     from shardserve.server.rank.coordinator_link import CoordinatorLink
+    from shardserve.server.rank.coordinators import Coordinators
     from shardserve.server.rank.store import ShardStore
 
     link = CoordinatorLink(
-        "127.0.0.1:1", Security(), pb.RankInfo(rank=0), ShardStore(0, shared_memory=False)
+        Coordinators(["127.0.0.1:1"], Security()),
+        pb.RankInfo(rank=0),
+        ShardStore(0, shared_memory=False),
     )
     link.stop()  # raised "cannot join thread before it is started" before the fix
     assert link.stopped

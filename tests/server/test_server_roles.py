@@ -58,7 +58,7 @@ RIGHTS = {
     "admin": {"read", "write", "admin"},
     "cluster": {"read", "write", "admin", "cluster"},
 }
-SERVICES = ("Coordinator", "ShardServer")
+SERVICES = ("Coordinator", "Leadership", "ShardServer")
 
 
 def tokens_toml(names) -> str:
@@ -153,7 +153,9 @@ def callers(cluster):
 def test_each_rpc_answers_each_caller_by_its_rule(cluster, service, method):
     rule = ACCESS_RULES[f"/{method.containing_service.full_name}/{method.name}"]
     rank0 = cluster.coordinator.registry.ranks()[0].address
-    with grpc.insecure_channel(cluster.address if service == "Coordinator" else rank0) as channel:
+    with grpc.insecure_channel(
+        cluster.address if service in ("Coordinator", "Leadership") else rank0
+    ) as channel:
         for who, metadata in callers(cluster).items():
             code = call_status(channel, service, method, metadata)
             if who not in RIGHTS:

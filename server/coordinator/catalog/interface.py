@@ -10,7 +10,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 
+from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
+    CatalogContents,
     ShardChecksums,
     SnapshotRecord,
     TensorRecord,
@@ -113,6 +115,27 @@ class Catalog(abc.ABC):
     @abc.abstractmethod
     def promoting(self) -> list[TensorRecord]:
         """READY rows whose promotion on the ranks is unfinished (a reshard's commit), oldest version first."""
+
+    @abc.abstractmethod
+    def contents(self) -> CatalogContents:
+        """Every tensor row, every snapshot and the version counter, read in one transaction."""
+
+    @abc.abstractmethod
+    def restore(self, contents: CatalogContents, *, replace: bool = False) -> None:
+        """In one transaction: `contents`' rows and snapshots written, and the version counter raised to
+        theirs (never lowered: numbers only grow). ValueError naming what is there when the catalog holds
+        rows or snapshots, unless `replace`: then they are removed first."""
+
+    @abc.abstractmethod
+    def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
+        """The lease of this catalog's database, taken and renewed for `lease_duration` seconds: which
+        coordinator leads over it, with which term (server/coordinator/catalog/leadership.py)."""
+
+    @abc.abstractmethod
+    def fence(self, term: int | None) -> None:
+        """Make every later write (versions handed out from the database included) check, in its own
+        transaction, that the lease still holds `term` and has not run out, else raise NotLeader and change
+        nothing (None: writes check nothing, for a catalog with one coordinator)."""
 
     # The queries of the background work. Each defaults to a scan of every row; a store that can index them
     # (the SQLite one does) answers in the time of the rows found, which the coordinator relies on at scale.

@@ -141,3 +141,14 @@ class SnapshotRecord:
     def tensors(self) -> list[TensorRecord]:
         """The snapshot's tensor versions, in entry order."""
         return [entry.tensor for entry in self.entries]
+
+
+@dataclass(frozen=True)
+class CatalogContents:
+    """Everything a catalog keeps, as `shardserve catalog copy` moves it from one store to another: every
+    tensor row (PENDING ones too), every committed snapshot, and the version counter (the highest version
+    number handed out or reserved)."""
+
+    tensors: tuple[TensorRecord, ...]
+    snapshots: tuple[SnapshotRecord, ...]
+    version_counter: int

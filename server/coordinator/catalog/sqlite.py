@@ -28,13 +28,17 @@ from shardserve.server.coordinator.catalog.documents import (
     tensor_of,
 )
 from shardserve.server.coordinator.catalog.interface import Catalog
+from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
+    CatalogContents,
     ShardChecksums,
     SnapshotEntry,
     SnapshotRecord,
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.catalog.sqlite_leadership import TABLE as LEASE_TABLE
+from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership, check_term
 from shardserve.server.coordinator.catalog.sqlite_schema import (
     forget_unused_layouts,
     layout_ids,
@@ -57,6 +61,7 @@ class SQLiteCatalog(Catalog):
         self._lock = threading.Lock()
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
+        self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._db = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
         )
@@ -73,15 +78,20 @@ class SQLiteCatalog(Catalog):
         log.info("catalog %s: %d tensor versions", self.path, count)
 
     @contextmanager
-    def _transaction(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
+    def _transaction(
+        self, durable: bool = True, *, fenced: bool = True
+    ) -> Iterator[sqlite3.Connection]:
         """One transaction; `durable` False commits it without waiting for the disk (WAL order is kept: the
-        next durable commit syncs it too), for records of data that is not durable either."""
+        next durable commit syncs it too), for records of data that is not durable either. `fenced`: first
+        check the lease term the catalog was fenced with (NotLeader, nothing written)."""
         with self._lock:
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    if fenced and self._term is not None:
+                        check_term(self._db, self._term)
                     yield self._db
                 except BaseException:
                     self._db.execute("ROLLBACK")
@@ -250,6 +260,52 @@ class SQLiteCatalog(Catalog):
         with self._lock:
             self._db.set_trace_callback(callback)
 
+    def contents(self) -> CatalogContents:
+        with self._transaction(fenced=False) as db:
+            tensors = db.execute("SELECT record FROM tensors ORDER BY name, version").fetchall()
+            snapshots = db.execute(
+                "SELECT record FROM snapshots ORDER BY prefix, number"
+            ).fetchall()
+            (counter,) = db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()
+        return CatalogContents(
+            tuple(tensor_of(r[0]) for r in tensors),
+            tuple(snapshot_of(r[0]) for r in snapshots),
+            int(counter),
+        )
+
+    def restore(self, contents: CatalogContents, *, replace: bool = False) -> None:
+        with self._transaction() as db:
+            tensors = db.execute("SELECT count(*) FROM tensors").fetchone()[0]
+            snapshots = db.execute("SELECT count(*) FROM snapshots").fetchone()[0]
+            if (tensors or snapshots) and not replace:
+                raise ValueError(not_empty(str(self.path), tensors, snapshots))
+            db.execute("DELETE FROM tensors")
+            db.execute("DELETE FROM snapshots")
+            db.executemany(
+                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
+                [(r.name, r.version, r.state.value, tensor_json(r)) for r in contents.tensors],
+            )
+            db.executemany(
+                "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
+                [(s.prefix, s.number, snapshot_json(s)) for s in contents.snapshots],
+            )
+            db.execute(
+                "UPDATE counters SET value = max(value, ?) WHERE name = 'version'",
+                (contents.version_counter,),
+            )
+
+    def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
+        with self._transaction(fenced=False) as db:  # the lease's table, made when first needed
+            db.execute(LEASE_TABLE)
+        return SQLiteLeadership(lambda: self._transaction(fenced=False), lease_duration)
+
+    def fence(self, term: int | None) -> None:
+        if term is not None:
+            with self._transaction(fenced=False) as db:
+                db.execute(LEASE_TABLE)
+        with self._lock:
+            self._term = term
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -262,6 +318,11 @@ class SQLiteCatalog(Catalog):
                 f"{_ROWS} WHERE {where} ORDER BY name, version", args
             ).fetchall()
         return [tensor_of(*row) for row in rows]
+
+
+def not_empty(where: str, tensors: int, snapshots: int) -> str:
+    """The refusal of a restore into a catalog that holds rows."""
+    return f"catalog {where} is not empty: it holds {tensors} tensor versions and {snapshots} snapshots"
 
 
 # ---------------------------------------------------------------- rows within a transaction

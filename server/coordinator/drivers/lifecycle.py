@@ -152,7 +152,7 @@ class TensorLifecycle:
                 missing, source_version = self._missing_copies(source), source.version
                 self.registry.check_placements(meta, skip=set(missing))
                 principal, owner = None, source.owner  # an update keeps the table's owner and size
-            self.make_room(name, new.overwrite)
+            self.make_room(name, new.overwrite, put_token=token)
             record = TensorRecord(
                 name=name,
                 version=self.catalog.next_version(),
@@ -342,19 +342,22 @@ class TensorLifecycle:
             )
         return missing
 
-    def make_room(self, name: str, overwrite: bool) -> None:
-        """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending."""
+    def make_room(self, name: str, overwrite: bool, *, put_token: str = "") -> None:
+        """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending. A pending version
+        made under `put_token` is the same put made again (its first answer was lost, as when the coordinator
+        that made it died and the client asked the next leader): it is aborted, overwrite or not."""
         records = self.catalog.versions(name)
         ready = [r.version for r in records if r.ready]
         pending = [r for r in records if r.state is TensorState.PENDING]
+        others = [r for r in pending if not put_token or r.put_token != put_token]
         if ready and not overwrite:
             raise TensorExists(
                 f"tensor {name!r} already exists (version {ready[-1]}); "
                 f"pass overwrite=True to replace it"
             )
-        if pending and not overwrite:
+        if others and not overwrite:
             raise TensorExists(
-                f"tensor {name!r} has a put in progress (version {pending[-1].version}); "
+                f"tensor {name!r} has a put in progress (version {others[-1].version}); "
                 f"pass overwrite=True to abort it"
             )
         for record in pending:

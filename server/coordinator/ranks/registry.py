@@ -382,10 +382,7 @@ class RankRegistry:
             entry = entries.get(shard.rank)
             field = f"metadata.shards_metadata[{i}].placement"
             if entry is None:
-                raise InvalidArgument(
-                    f"{field} {shard.placement}: rank {shard.rank} is not a registered rank "
-                    f"(registered: {sorted(entries)})"
-                )
+                raise self._unregistered(shard.rank, entries, f"{field} {shard.placement}")
             if not self.is_alive(entry):
                 raise RankUnavailable(
                     f"{field} {shard.placement}: rank {shard.rank} is not alive",
@@ -395,6 +392,24 @@ class RankRegistry:
                 raise InvalidArgument(
                     f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"
                 )
+
+    def _unregistered(
+        self, rank: int, entries: dict[int, RankEntry], where: str
+    ) -> RankUnavailable | InvalidArgument:
+        """The error of a placement on `rank`, which is not registered: RankUnavailable (retryable) while it may
+        still come (this coordinator began less than UNREGISTERED_GRACE_S ago, a new leader or a restart, and
+        the rank is inside the registered ranks' world), else InvalidArgument."""
+        worlds = {entry.info.world_size for entry in entries.values()}
+        inside = not worlds or rank < max(worlds)
+        if inside and self.dead_for(rank) is None:
+            return RankUnavailable(
+                f"{where}: rank {rank} has not registered with this coordinator yet (it began "
+                f"{self._clock() - self._started:.1f}s ago; ranks register again within a heartbeat): retry",
+                metadata={"rank": rank},
+            )
+        return InvalidArgument(
+            f"{where}: rank {rank} is not a registered rank (registered: {sorted(entries)})"
+        )
 
     def close(self) -> None:
         """Close the rank channels."""

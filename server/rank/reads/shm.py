@@ -1,4 +1,4 @@
-"""ShardServer.OpenShard / ReleaseShard: hand a served shard to a same-host client by reference.
+"""ShardServer.OpenShard(s) / ReleaseShard: hand served shards to a same-host client by reference.
 
 OpenShard leases the (name, version) in the store for a bounded time and answers
 where the shard's memory is (server/rank/shared_memory.py): a memfd the client opens
@@ -18,7 +18,7 @@ from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
-from shardserve.server.rank.error_status import rank_rpc
+from shardserve.server.rank.error_status import item_errors, rank_rpc
 from shardserve.server.rank.errors import InvalidArgument, PathUnavailable
 from shardserve.server.rank.metrics import SHM
 from shardserve.server.rank.shared_memory import Leases, Segment, lease_seconds
@@ -26,6 +26,10 @@ from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.version_table import StoredVersion
 
 log = logging.getLogger(__name__)
+
+MAX_OPEN_SHARDS = (
+    4096  # shards one OpenShards call may open: a large state dict's shards on one rank
+)
 
 
 class SharedMemoryService:
@@ -39,13 +43,37 @@ class SharedMemoryService:
     def OpenShard(
         self, request: pb.OpenShardRequest, context: grpc.ServicerContext
     ) -> pb.OpenShardResponse:
+        self.leases.expire()
+        return self._open(request)
+
+    @rank_rpc
+    def OpenShards(
+        self, request: pb.OpenShardsRequest, context: grpc.ServicerContext
+    ) -> pb.OpenShardsResponse:
+        """Every shard of the batch opened and leased, or none: the leases taken before a failure are released."""
+        if len(request.shards) > MAX_OPEN_SHARDS:
+            raise InvalidArgument(
+                f"shards: {len(request.shards)} in one call, over the limit of {MAX_OPEN_SHARDS}"
+            )
+        self.leases.expire()
+        answer = pb.OpenShardsResponse()
+        try:
+            for i, shard in enumerate(request.shards):
+                with item_errors(f"shards[{i}]"):
+                    answer.shards.append(self._open(shard))
+        except BaseException:
+            self.leases.release([s.lease_id for s in answer.shards if s.lease_id])
+            raise
+        return answer
+
+    def _open(self, request: pb.OpenShardRequest) -> pb.OpenShardResponse:
+        """One shard described and leased (no lease when the client already maps its segment)."""
         name = check_name(request.name)
         version = check_version(request.version)
         try:
             seconds = lease_seconds(request.lease_s)
         except ValueError as err:
             raise InvalidArgument(str(err)) from None
-        self.leases.expire()
         lease = self.store.leases.lease(name, version)
         entry = lease.__enter__()
         try:
@@ -125,6 +153,11 @@ def handlers(service: SharedMemoryService) -> dict[str, grpc.RpcMethodHandler]:
             service.OpenShard,
             request_deserializer=pb.OpenShardRequest.FromString,
             response_serializer=pb.OpenShardResponse.SerializeToString,
+        ),
+        "OpenShards": grpc.unary_unary_rpc_method_handler(
+            service.OpenShards,
+            request_deserializer=pb.OpenShardsRequest.FromString,
+            response_serializer=pb.OpenShardsResponse.SerializeToString,
         ),
         "ReleaseShard": grpc.unary_unary_rpc_method_handler(
             service.ReleaseShard,

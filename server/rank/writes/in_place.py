@@ -66,7 +66,7 @@ def open_for_write(
         opened.append(found)
     # handles last, once every shard is opened: each one handed out counts a user of the shard's memory that
     # only the writer's opening it ends
-    return [_writable(found) for found in opened]
+    return [writable_segment(found) for found in opened]
 
 
 def _check_device(store: ShardStore, shard: ShardBytes, i: int, cuda_ipc: bool) -> None:
@@ -79,7 +79,9 @@ def _check_device(store: ShardStore, shard: ShardBytes, i: int, cuda_ipc: bool) 
         )
 
 
-def _writable(found: InPlace) -> pb.WritableSegment:
+def writable_segment(found: InPlace) -> pb.WritableSegment:
+    """The answer handing the shard `found` to a same-host writer: its segment, and its CUDA IPC handle and
+    size when the shard is on a GPU (a proto field, never pickled)."""
     segment = found.segment
     writable = pb.WritableSegment(
         pid=segment.pid,
@@ -111,7 +113,7 @@ def open_allocated(
             name=name,
             version=version,
             shard_index=index,
-            segment=_writable(InPlace(segment, sealed)),
+            segment=writable_segment(InPlace(segment, sealed)),
         )
         for name, version in versions
         for index, segment, sealed in store.leases.open_allocated_in_place(name, version)

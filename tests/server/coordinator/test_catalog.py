@@ -1,10 +1,11 @@
-"""SQLiteCatalog: versions only grow across reopen, commit replaces older READY rows in one step, WAL mode;
-records read back equal from the catalog's own schema."""
+"""The catalog, over SQLite and over PostgreSQL alike (the `store` fixture): versions only grow across reopen,
+commit replaces older READY rows in one step, transactions are all or nothing; records read back equal from
+the catalog's own schema. SQLite's own: WAL mode and its sync levels."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -32,26 +33,31 @@ def row(name: str, version: int, state: TensorState = TensorState.PENDING) -> Te
 
 
 @pytest.fixture
-def catalog(tmp_path):
-    c = SQLiteCatalog(tmp_path / "catalog.sqlite")
+def catalog(store):
+    c = store.open()
     yield c
     c.close()
 
 
-def test_version_counter_only_grows_and_survives_reopen(tmp_path):
-    first = SQLiteCatalog(tmp_path / "c.sqlite")
+def test_version_counter_only_grows_and_survives_reopen(store):
+    first = store.open()
     assert [first.next_version() for _ in range(3)] == [1, 2, 3]
     more = first.next_versions(VERSION_BLOCK)  # past the first reserved block
     assert more == list(range(more[0], more[0] + VERSION_BLOCK)) and more[0] > 3
     first.close()
-    again = SQLiteCatalog(tmp_path / "c.sqlite")
+    again = store.open()
     assert (
         again.next_version() > more[-1]
     )  # the rest of a reserved block is skipped, never repeated
+    again.close()
+
+
+def test_sqlite_catalog_is_in_wal_mode_with_full_sync(tmp_path):
+    catalog = SQLiteCatalog(tmp_path / "c.sqlite")
     mode = sqlite3.connect(tmp_path / "c.sqlite").execute("PRAGMA journal_mode").fetchone()[0]
     assert mode == "wal"
-    assert again.sync_level() == 2  # FULL: a commit survives a power cut
-    again.close()
+    assert catalog.sync_level() == 2  # FULL: a commit survives a power cut
+    catalog.close()
 
 
 def test_commit_marks_ready_and_removes_older_ready_versions(catalog):
@@ -113,10 +119,33 @@ def test_next_versions_hands_out_a_block_that_only_grows(catalog):
     assert catalog.next_version() == 5
 
 
-def test_add_all_is_all_or_nothing(catalog):
+def test_many_threads_share_one_catalog(catalog):
+    """The coordinator calls its catalog from many threads at once: versions never repeat, every commit lands
+    and replaces its name's older READY version."""
+    handed: list[list[int]] = [[] for _ in range(12)]
+
+    def writer(index: int) -> None:
+        for _ in range(15):
+            version = catalog.next_version()
+            handed[index].append(version)
+            catalog.add(row(f"n{index}", version))
+            _, older = catalog.commit(f"n{index}", version)
+            assert [r.version for r in older] == handed[index][-2:-1]
+
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        for done in [pool.submit(writer, i) for i in range(12)]:
+            done.result()
+    every = [v for versions in handed for v in versions]
+    assert len(set(every)) == len(every) == 12 * 15
+    assert [(r.name, r.version) for r in catalog.list(include_pending=True)] == sorted(
+        (f"n{i}", handed[i][-1]) for i in range(12)
+    )
+
+
+def test_add_all_is_all_or_nothing(store, catalog):
     catalog.add_all([row("a", 1), row("b", 2)])
     assert {(r.name, r.version) for r in catalog.list(include_pending=True)} == {("a", 1), ("b", 2)}
-    with pytest.raises(sqlite3.IntegrityError):
+    with pytest.raises(store.duplicate_error):
         catalog.add_all(
             [row("c", 3), row("a", 1)]
         )  # the second row exists: the first is not kept either
@@ -142,6 +171,28 @@ def test_records_of_data_that_is_not_durable_commit_without_full_sync_and_read_b
         ("b", 2),
     }
     reopened.close()
+
+
+def test_records_of_data_that_is_not_durable_read_back_after_reopen(store):
+    catalog = store.open()
+    catalog.add_all([row("a", 1)], durable=False)
+    catalog.commit_all([("a", 1)], durable=False)
+    with pytest.raises(store.duplicate_error):
+        catalog.add_all([row("b", 2), row("a", 1)], durable=False)
+    catalog.close()
+    again = store.open()
+    assert [(r.name, r.version, r.state) for r in again.list(include_pending=True)] == [
+        ("a", 1, TensorState.READY)
+    ]
+    again.close()
+
+
+def test_rows_list_by_the_bytes_of_their_names(catalog):
+    """Names list in the order of their UTF-8 bytes in every store (capitals before small letters, '_' between
+    them, other scripts after), never by a locale's collation."""
+    names = ["b", "B", "a_b", "ab", "a-b", "é", "Z", "日本", "a"]
+    catalog.add_all([row(name, i + 1, TensorState.READY) for i, name in enumerate(names)])
+    assert [r.name for r in catalog.list()] == sorted(names, key=lambda n: n.encode())
 
 
 def _full_record(name: str, version: int) -> TensorRecord:
@@ -171,10 +222,9 @@ def _full_record(name: str, version: int) -> TensorRecord:
     )
 
 
-def test_records_read_back_equal_across_reopen(tmp_path):
+def test_records_read_back_equal_across_reopen(store):
     """Every field of a record and a snapshot survives the catalog's own schema, also after a reopen."""
-    path = tmp_path / "c.sqlite"
-    first = SQLiteCatalog(path)
+    first = store.open()
     record = _full_record("t", 3)
     first.add(record)
     assert first.get("t", 3) == record and first.list() == [record]
@@ -193,40 +243,66 @@ def test_records_read_back_equal_across_reopen(tmp_path):
     assert list(removed) == [] and committed.state == TensorState.READY
     assert [e.tensor.state for e in committed.entries] == [TensorState.READY] * 2
     first.close()
-    again = SQLiteCatalog(path)
+    again = store.open()
     assert again.get("t", 3) == record
     assert again.snapshots("p") == [committed] and again.snapshot("p") == committed
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert stored_schema_version(store) == SCHEMA_VERSION
     again.close()
 
 
-def test_a_catalog_of_a_newer_schema_is_refused(tmp_path):
-    path = tmp_path / "c.sqlite"
-    SQLiteCatalog(path).close()
-    db = sqlite3.connect(path)
-    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
-    db.commit()
-    db.close()
+def stored_schema_version(store) -> int:
+    """The schema version the store's own tables say (SQLite's user_version, PostgreSQL's schema_version)."""
+    if store.kind == "sqlite":
+        return sqlite3.connect(store.location).execute("PRAGMA user_version").fetchone()[0]
+    import psycopg
+
+    with psycopg.connect(store.location) as db:
+        return db.execute("SELECT version FROM schema_version").fetchone()[0]
+
+
+def change_stored(store, statements: dict[str, str], *args: object) -> None:
+    """Run the statement of the store's kind (a change behind the catalog's back), with `args`."""
+    if store.kind == "sqlite":
+        db = sqlite3.connect(store.location)
+        db.execute(statements["sqlite"], args)
+        db.commit()
+        db.close()
+        return
+    import psycopg
+
+    with psycopg.connect(store.location) as db:
+        db.execute(statements["postgresql"], args)
+
+
+def test_a_catalog_of_a_newer_schema_is_refused(store):
+    store.open().close()
+    change_stored(
+        store,
+        {
+            "sqlite": f"PRAGMA user_version = {SCHEMA_VERSION + 1}",
+            "postgresql": f"UPDATE schema_version SET version = {SCHEMA_VERSION + 1}",
+        },
+    )
     with pytest.raises(RuntimeError, match="newer than this shardserve"):
-        SQLiteCatalog(path)
+        store.open()
 
 
-def test_durability_is_stored_and_a_document_without_it_reads_as_durable(tmp_path):
+def test_durability_is_stored_and_a_document_without_it_reads_as_durable(store):
     """options.durable survives the catalog; a document written before the field existed means durable."""
-    path = tmp_path / "c.sqlite"
-    catalog = SQLiteCatalog(path)
+    catalog = store.open()
     weights = replace(_full_record("w", 1), options=TensorOptions(durable=False))
     catalog.add(weights)
     catalog.add(_full_record("t", 2))
     catalog.close()
-    db = sqlite3.connect(path)
-    (text,) = db.execute("SELECT record FROM tensors WHERE name = 't'").fetchone()
-    document = json.loads(text)
-    del document["options"]["durable"]
-    db.execute("UPDATE tensors SET record = ? WHERE name = 't'", (json.dumps(document),))
-    db.commit()
-    db.close()
-    again = SQLiteCatalog(path)
+    change_stored(
+        store,
+        {
+            "sqlite": "UPDATE tensors SET record = json_remove(record, '$.options.durable') "
+            "WHERE name = 't'",
+            "postgresql": "UPDATE tensors SET record = record #- '{options,durable}' WHERE name = 't'",
+        },
+    )
+    again = store.open()
     assert again.get("w", 1) == weights and not again.get("w", 1).options.durable
     assert again.get("t", 2).options.durable
     again.close()

@@ -1,6 +1,7 @@
 """The catalog keeps each version's shard checksums: committed with the version (one put, a snapshot, a
-reshard's record update), read back equal after the catalog is reopened (a coordinator restart), and a catalog
-of schema 1 (records without checksums) is migrated on open with none known."""
+reshard's record update), read back equal after the catalog is reopened (a coordinator restart), in SQLite
+and in PostgreSQL; and an SQLite catalog of schema 1 (records without checksums) is migrated on open with none
+known."""
 
 from __future__ import annotations
 
@@ -27,9 +28,8 @@ def _row(name: str, version: int) -> TensorRecord:
     return TensorRecord(name=name, version=version, metadata=TWO_SHARDS)
 
 
-def test_checksums_commit_with_the_version_and_survive_a_reopen(tmp_path):
-    path = tmp_path / "catalog.sqlite"
-    catalog = SQLiteCatalog(path)
+def test_checksums_commit_with_the_version_and_survive_a_reopen(store):
+    catalog = store.open()
     catalog.add(_row("t", 1))
     ready, _ = catalog.commit("t", 1, checksums=SUMS)
     assert ready.checksums == (SUMS[0], SUMS[1])
@@ -45,7 +45,7 @@ def test_checksums_commit_with_the_version_and_survive_a_reopen(tmp_path):
     catalog.update(replace(catalog.get("r", 3), promoting=False).with_checksums(SUMS))
     catalog.close()
 
-    again = SQLiteCatalog(path)
+    again = store.open()
     assert again.ready("t").checksums == (SUMS[0], SUMS[1])
     assert again.get("p@2/w", 2).checksums == (0, SUMS[1])
     assert again.snapshot("p").entries[0].tensor.checksums == (0, SUMS[1])

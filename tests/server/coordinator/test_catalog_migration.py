@@ -14,6 +14,7 @@ import pytest
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 from shardserve.server.coordinator.catalog.sqlite_schema import SCHEMA_VERSION
+from shardserve.server.coordinator.role import CoordinatorRole
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import CoordinatorServicer
 
@@ -69,7 +70,7 @@ def _answers(path: Path) -> tuple[list[pb.TensorInfo], list[pb.SnapshotInfo], in
     version, the snapshots of "model", and the next version number."""
     coordinator = CoordinatorServer(SQLiteCatalog(path))
     try:
-        servicer = CoordinatorServicer(coordinator)
+        servicer = CoordinatorServicer(CoordinatorRole.sole(coordinator))
         listed = servicer.ListTensors(pb.ListTensorsRequest(include_pending=True), None)
         snapshots = servicer.ListSnapshots(pb.ListSnapshotsRequest(prefix="model"), None)
         return list(listed.tensors), list(snapshots.snapshots), coordinator.catalog.next_version()

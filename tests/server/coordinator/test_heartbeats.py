@@ -19,9 +19,11 @@ from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
 from shardserve.server.coordinator.ranks.info import RankInfo
 from shardserve.server.coordinator.ranks.registry import RankRegistry
+from shardserve.server.coordinator.role import CoordinatorRole
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import CoordinatorServicer
 from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.store import ShardStore
 
 JUST = 0.01
@@ -75,7 +77,8 @@ def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
     coordinator.start()
 
     def add(server) -> list[str]:  # type: ignore[no-untyped-def]
-        pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(coordinator), server)
+        servicer = CoordinatorServicer(CoordinatorRole.sole(coordinator))
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
         return [pb.DESCRIPTOR.services_by_name["Coordinator"].full_name]
 
     running = start_server("127.0.0.1:0", Security(), add)
@@ -83,7 +86,7 @@ def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
     rank = pb.RankInfo(
         rank=0, address="127.0.0.1:7000", device="cpu", world_size=4, pid=1, host_id=host_id()
     )
-    link = CoordinatorLink(running.address, Security(), rank, store)
+    link = CoordinatorLink(Coordinators([running.address], Security()), rank, store)
     try:
         link.register(timeout=30.0)
         assert link.interval == 0.05  # alone: the configured interval

@@ -139,6 +139,28 @@ def test_changed_at_marks_registrations_exits_deaths_and_returns_not_heartbeats(
     assert registry.changed_at() == clock() and registry.rank_alive(0)
 
 
+def test_a_placement_on_a_rank_not_registered_yet_is_unavailable_then_invalid(registry, clock):
+    """A coordinator that just began (a new leader, a restart) has not heard from every rank yet: a placement on
+    one inside the registered world is RankUnavailable (retryable) for UNREGISTERED_GRACE_S, then invalid; one
+    outside the world is invalid at once."""
+    from shardserve.core.specs import ChunkShardingSpec
+    from shardserve.server.coordinator.ranks.registry import UNREGISTERED_GRACE_S
+
+    registry.register(incarnation(pid=100, port=7001), [])  # rank 0 of a world of 2
+    on_rank_1 = ChunkShardingSpec(0, ["rank:1/cpu"]).build_metadata((4,))
+    on_rank_5 = ChunkShardingSpec(0, ["rank:5/cpu"]).build_metadata((4,))
+    with pytest.raises(
+        RankUnavailable, match="rank 1 has not registered with this coordinator yet"
+    ):
+        registry.check_placements(on_rank_1)
+    with pytest.raises(InvalidArgument, match="rank 5 is not a registered rank"):
+        registry.check_placements(on_rank_5)
+    clock.advance(UNREGISTERED_GRACE_S + JUST)
+    registry.heartbeat(0, 0)
+    with pytest.raises(InvalidArgument, match="rank 1 is not a registered rank"):
+        registry.check_placements(on_rank_1)
+
+
 def test_a_registration_must_agree_with_the_live_ranks_world_and_addresses(registry, clock):
     """Checked without walking every rank: a world size no live rank has is refused (a dead rank's is not held
     against it), an address a live rank holds is refused, and an address a rank left for another is free."""

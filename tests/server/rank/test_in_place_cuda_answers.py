@@ -62,7 +62,7 @@ def test_a_cuda_shards_answer_carries_its_handle_size_and_header(
         in_place, "cuda_ipc_handle", lambda tensor: HANDLE if tensor is shard else None
     )
     header = Segment(os.getpid(), 7, 11, 13, 0, data_offset=0)
-    answer = in_place._writable(InPlace(header, False, shard))
+    answer = in_place.writable_segment(InPlace(header, False, shard))
     assert (answer.pid, answer.fd, answer.inode, answer.device_id) == (os.getpid(), 7, 11, 13)
     assert answer.data_offset == 0 and answer.nbytes == 48 and not answer.sealed
     parsed = pb.WritableSegment.FromString(answer.SerializeToString())

@@ -1,0 +1,106 @@
+"""What only the PostgreSQL catalog has to show: the database restarted under an open catalog (calls fail with
+CatalogUnavailable, UNAVAILABLE and retryable, and succeed once it is back, nothing lost), credentials from the
+environment, passwords never in messages, a database that cannot be reached refused at open."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from waiting import eventually
+
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.protos.errors import Reason
+from shardserve.server.common.errors import CatalogUnavailable
+from shardserve.server.coordinator.catalog.locations import open_catalog
+from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
+from shardserve.server.coordinator.catalog.urls import is_postgres_url, redacted
+
+pytest.importorskip("psycopg")
+
+from shardserve.server.coordinator.catalog.postgres import PostgresCatalog  # noqa: E402
+
+BACK_WITHIN_S = 60.0
+
+
+def row(name: str, version: int) -> TensorRecord:
+    return TensorRecord(name=name, version=version, metadata=ShardedTensorMetadata(size=(3,)))
+
+
+def test_a_restarted_database_fails_calls_as_unavailable_then_serves_them_with_nothing_lost(
+    postgres_server, postgres_url
+):
+    catalog = PostgresCatalog(postgres_url, connect_timeout=1.0)
+    lease = catalog.leadership(lease_duration=60.0)  # outlasts the restart: no one else takes it
+    term = lease.try_acquire("a", "a:1")
+    catalog.fence(term)
+    catalog.add_all([row("t", 1), row("u", 2)])
+    catalog.commit("t", 1)
+    before = catalog.contents()
+    postgres_server.stop("immediate")  # as if it crashed: it recovers from its WAL when started
+    try:
+        for call in (
+            lambda: catalog.get("t", 1),
+            lambda: catalog.add(row("v", 3)),
+            lambda: catalog.commit("u", 2),
+            lambda: lease.renew(term),
+        ):
+            with pytest.raises(CatalogUnavailable, match="unavailable") as failed:
+                call()
+            assert failed.value.code is grpc.StatusCode.UNAVAILABLE
+            assert failed.value.reason is Reason.CATALOG_UNAVAILABLE
+            assert postgres_server.password not in failed.value.message
+    finally:
+        postgres_server.start()
+    back = eventually(
+        catalog.contents, BACK_WITHIN_S, "the catalog back", ignoring=(CatalogUnavailable,)
+    )
+    assert back == before
+    assert lease.renew(term)  # no one took the lease meanwhile
+    catalog.commit("u", 2)  # writes go on, fenced as before
+    catalog.add(row("v", 3))
+    assert [(r.name, r.state) for r in catalog.list(include_pending=True)] == [
+        ("t", TensorState.READY),
+        ("u", TensorState.READY),
+        ("v", TensorState.PENDING),
+    ]
+    catalog.close()
+
+
+def test_the_password_may_come_from_the_environment(postgres_server, postgres_url, monkeypatch):
+    monkeypatch.setenv("PGPASSWORD", postgres_server.password)
+    bare = postgres_url.replace(f":{postgres_server.password}@", "@")
+    assert postgres_server.password not in bare
+    catalog = open_catalog(bare)
+    catalog.add(row("t", 1))
+    assert catalog.get("t", 1) == row("t", 1)
+    catalog.close()
+
+
+def test_a_database_that_cannot_be_reached_is_refused_at_open_without_its_password(
+    postgres_server,
+):
+    url = postgres_server.url("postgres").replace(f":{postgres_server.port}/", ":1/")
+    with pytest.raises(RuntimeError, match="cannot be opened") as refused:
+        PostgresCatalog(url, connect_timeout=1.0)
+    assert postgres_server.password not in str(refused.value)
+    assert "postgresql://shardserve@127.0.0.1:1/postgres" in str(refused.value)
+
+
+def test_a_wrong_password_is_refused_at_open_without_showing_it(postgres_server):
+    url = postgres_server.url("postgres").replace(postgres_server.password, "not-the-password")
+    with pytest.raises(RuntimeError, match="cannot be opened") as refused:
+        PostgresCatalog(url, connect_timeout=1.0)
+    assert "not-the-password" not in str(refused.value)
+
+
+def test_urls_print_without_their_password():
+    assert is_postgres_url("postgresql://u@h/db") and is_postgres_url("POSTGRES://h")
+    assert not is_postgres_url("/tmp/catalog.sqlite") and not is_postgres_url("mysql://h/db")
+    assert redacted("postgresql://u:s3cret@h:5432/db") == "postgresql://u@h:5432/db"
+    assert redacted("postgresql://u:s3cret@h1:5432,h2:5433/db?sslmode=require&password=s3cret") == (
+        "postgresql://u@h1:5432,h2:5433/db?sslmode=require"
+    )
+    assert (
+        redacted("postgresql:///db?host=/run/postgresql") == "postgresql:///db?host=/run/postgresql"
+    )
+    assert redacted("state/catalog.sqlite") == "state/catalog.sqlite"
