@@ -62,6 +62,7 @@ IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 2.0
 SCAN_WINDOW_S, QUICK_SCAN_WINDOW_S = 5.0, 1.0
 STEADY_COMMITS = 2
 ATTEMPTS = 3
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
 READ_BACK = 20  # snapshot tensors read back and compared
 GET_CALLS = 200
 REPAIR_AFTER_S = 2.0
@@ -228,8 +229,10 @@ def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, che
                 write_snapshot(answer.next, cluster.rank_stub, state=state)
                 number = answer.next.number
                 answer = clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == ATTEMPTS - 1:
+        except (
+            grpc.RpcError
+        ) as err:  # NOT_FOUND: a put pending past the coordinator's pending timeout
+            if err.code() not in RETRIED or attempt == ATTEMPTS - 1:
                 raise
             log.warning("snapshot rows: %s; again once every rank is alive", err.details())
             values["retries"] = values.get("retries", 0) + 1

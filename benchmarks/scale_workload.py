@@ -12,7 +12,6 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -130,18 +129,12 @@ def create_tables(stub: pb_grpc.CoordinatorStub, *, count: int, rows: int, world
     """Create and commit `count` arange-filled replicated tables (CreateTensor with INIT_ARANGE)."""
 
     def create(index: int) -> None:
-        request = pb.GetTensorRequest(name=f"table{index}")
-        try:  # made already, by an attempt that failed on another table
-            stub.GetTensor(request, timeout=TIMEOUT_S)
-            return
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-        stub.CreateTensor(
+        stub.CreateTensor(  # overwrite: an attempt that failed may have left the table, or its put pending
             pb.CreateTensorRequest(
                 name=f"table{index}",
                 metadata=metadata_to_proto(table_layout(index, world, rows)),
                 init=pb.INIT_ARANGE,
+                overwrite=True,
             ),
             timeout=TIMEOUT_S,
         )

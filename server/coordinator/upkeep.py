@@ -74,11 +74,15 @@ class Upkeep:
         self.reshards.finish_promotions()
 
     def heartbeat(self, rank: int, memory_used: int) -> float:
-        """Record that `rank` is alive; one that had been reported dead is reconciled. The interval to tell it."""
+        """Record that `rank` is alive; one that had been reported dead is reconciled if a call to it was skipped
+        or failed meanwhile (a drop it missed). The interval to tell it."""
         was_dead, interval = self.registry.heartbeat(rank, memory_used)
         if was_dead:
-            log.info("rank %d is alive again; reconciling what it holds", rank)
-            self._background.submit(self.reconciler.reconcile_from_stats, rank, self._stop.wait)
+            if self.registry.take_missed(rank):
+                log.info("rank %d is alive again; reconciling what it holds", rank)
+                self._background.submit(self.reconciler.reconcile_from_stats, rank, self._stop.wait)
+            else:  # a heartbeat late on a loaded machine: nothing to reconcile, and reading its rows costs
+                log.info("rank %d is alive again; no call to it was missed meanwhile", rank)
         return interval
 
     def start(self) -> None:

@@ -15,6 +15,7 @@ rank. A box with no copy left cannot be repaired: the tensor stays "lost".
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -98,7 +99,9 @@ class RepairDriver:
         ] = {}  # name -> (next try by the clock, backoff)
         self._refused: dict[str, str] = {}  # name -> why it cannot be repaired now (logged once)
         self._completed: deque[FinishedRepair] = deque(maxlen=FINISHED_KEPT)
-        self._unavailable_seen = True  # by the last scan: a copy could not be read
+        self._next_due = (
+            0.0  # when a copy the last scan found waiting is due, or a retry (by the clock)
+        )
         self._scanned_at = float("-inf")  # when the last scan began, by the clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -132,20 +135,24 @@ class RepairDriver:
                 log.exception("the repair round failed")
 
     def scan_due(self) -> bool:
-        """Whether a copy may be unavailable now: a rank is not alive or changed in the last SETTLED_S, the last
-        scan found one, a failed repair waits for its retry, or SETTLED_S passed since the last scan (ranks the
-        coordinator never heard of count dead late)."""
+        """Whether a scan may find a copy to repair now: the ranks changed (one registered, exited, died or came
+        back) since the last scan or in the last SETTLED_S, a copy the last scan found waits for `repair_after`
+        or a failed repair for its retry and that time has come, or SETTLED_S passed since the last scan (ranks
+        the coordinator never heard of count dead late). Copies that cannot be repaired (no live copy left to
+        read) are not scanned again every round while nothing changes: a scan reads each of their rows."""
+        now, changed = self._clock(), self.registry.changed_at()
         return (
-            self._unavailable_seen
-            or bool(self._retry_at)
-            or self.registry.settled_for() < SETTLED_S
-            or self._clock() - self._scanned_at >= SETTLED_S
+            now >= self._next_due
+            or changed > self._scanned_at
+            or now - changed < SETTLED_S
+            or now - self._scanned_at >= SETTLED_S
         )
 
     def run_once(self) -> list[str]:
         """Repair every tensor whose copies are due now; the names repaired."""
         repaired = []
-        self._scanned_at, self._unavailable_seen = self._clock(), False
+        self._scanned_at = self._clock()
+        self._next_due = min((at for at, _ in self._retry_at.values()), default=math.inf)
         live = self._live_ranks()
         for record in self.candidates():
             if self._stop.is_set():
@@ -184,10 +191,11 @@ class RepairDriver:
         if retry is not None and self._clock() < retry[0]:
             return None
         meta = record.metadata
-        unavailable, waiting = self._unavailable(record, meta)
-        self._unavailable_seen |= bool(unavailable)
-        if not unavailable or waiting:
+        unavailable, wait_s = self._unavailable(record, meta)
+        if not unavailable or wait_s > 0:
             self._refused.pop(record.name, None)
+            if unavailable:  # scanned again once its last copy is due
+                self._next_due = min(self._next_due, self._clock() + wait_s)
             return None
         try:
             return repaired_layout(meta, unavailable, *live), unavailable
@@ -204,10 +212,11 @@ class RepairDriver:
 
     def _unavailable(
         self, record: TensorRecord, meta: ShardedTensorMetadata
-    ) -> tuple[frozenset[int], bool]:
-        """The copies of `record` that cannot be read, and whether any of them is not due for repair yet."""
+    ) -> tuple[frozenset[int], float]:
+        """The copies of `record` that cannot be read, and the seconds until every one of them is due for repair
+        (0: all due now)."""
         lost = set(record.lost_shards)
-        unavailable, waiting = set(), False
+        unavailable, wait_s = set(), 0.0
         dead_for = {rank: self.registry.dead_for(rank) for rank in meta.ranks()}
         for index, shard in enumerate(meta.shards_metadata):
             dead = dead_for[shard.rank]
@@ -215,8 +224,8 @@ class RepairDriver:
                 continue
             unavailable.add(index)
             if dead is not None and dead < self.repair_after:
-                waiting = True
-        return frozenset(unavailable), waiting
+                wait_s = max(wait_s, self.repair_after - dead)
+        return frozenset(unavailable), wait_s
 
     # ------------------------------------------------------------ repairing
 

@@ -66,11 +66,11 @@ class RankCalls:
         call until its deadline)."""
         registry = self.registry
         entries = {rank: registry.entry(rank) for rank in requests}
-        failures: list[ServiceError] = [
-            RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive")
-            for rank, entry in entries.items()
-            if not registry.is_alive(entry)
-        ]
+        failures: list[ServiceError] = []
+        for rank, entry in entries.items():
+            if not registry.is_alive(entry):
+                registry.note_missed(rank)
+                failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
         calls = {
             rank: getattr(entry.stub, method).future(requests[rank], timeout=self.rpc_timeout)
             for rank, entry in entries.items()
@@ -84,8 +84,10 @@ class RankCalls:
             try:
                 results[rank] = call.result(timeout=max(0.0, deadline - time.monotonic()))
             except grpc.RpcError as err:
+                registry.note_missed(rank)
                 failures.append(_rank_error(rank, entries[rank].info.address, err))
             except (grpc.FutureTimeoutError, futures.TimeoutError):
+                registry.note_missed(rank)
                 call.cancel()
                 failures.append(
                     RankUnavailable(
@@ -168,7 +170,7 @@ class RankCalls:
         requests = {
             rank: entries.add_to(pb.DropManyRequest(), mine)
             for rank, mine in versions.items()
-            if self.registry.rank_alive(rank)
+            if self._reachable(rank)
         }
         try:
             self.fan_out_each(
@@ -183,11 +185,19 @@ class RankCalls:
         """DropVersion on the live ones of `ranks` in parallel, logging (not raising) failures: the catalog is
         already right, and a rank that is down drops the version when it registers again (reconcile)."""
         request = pb.DropVersionRequest(name=name, version=version)
-        live = [r for r in ranks if self.registry.rank_alive(r)]
+        live = [r for r in ranks if self._reachable(r)]
         try:
             self.fan_out(live, "DropVersion", request, f"drop {name!r} version {version}")
         except ServiceError as err:
             log.warning("could not drop %r version %d everywhere: %s", name, version, err.message)
+
+    def _reachable(self, rank: int) -> bool:
+        """Whether `rank` is alive; a call skipped because it is not is noted (the rank is reconciled when it
+        comes back)."""
+        if self.registry.rank_alive(rank):
+            return True
+        self.registry.note_missed(rank)
+        return False
 
     def held_by(self, rank: int) -> set[tuple[str, int]] | None:
         """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""

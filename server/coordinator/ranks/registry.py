@@ -50,6 +50,7 @@ class RankEntry:
     last_heartbeat_unix: float = 0.0
     exited: bool = False
     reported_dead: bool = False
+    missed: bool = False  # a call to it was skipped or failed while it was taken for dead
     exited_at: float = 0.0  # self._clock() when its process was known to end
 
     def tell(self, interval: float, policy: HeartbeatPolicy) -> float:
@@ -238,6 +239,23 @@ class RankRegistry:
             interval = entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
         return was_dead, interval
 
+    def note_missed(self, rank: int) -> None:
+        """A call to `rank` was skipped (it was not alive) or failed: what it holds may differ from the catalog
+        (a drop it never got), so it is reconciled when it heartbeats again."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            if entry is not None:
+                entry.missed = True
+
+    def take_missed(self, rank: int) -> bool:
+        """Whether a call to `rank` was missed since this was last asked (and forget it)."""
+        with self._ranks_changed:
+            entry = self._ranks.get(rank)
+            missed = entry is not None and entry.missed
+            if missed:
+                entry.missed = False  # type: ignore[union-attr]
+        return missed
+
     def interval_of(self, rank: int) -> float:
         """The heartbeat interval `rank` was last told (RankUnavailable when it is not registered)."""
         return self.entry(rank).interval
@@ -254,11 +272,12 @@ class RankRegistry:
         log.error("rank %d is dead: %s", rank, reason)
 
     def report_dead(self) -> None:
-        """Log each rank that stopped heartbeating, once."""
+        """Log each rank that stopped heartbeating, once (a change of the ranks: changed_at)."""
         with self._ranks_changed:
             for entry in self._ranks.values():
                 if not entry.reported_dead and not self.is_alive(entry):
                     entry.reported_dead = True
+                    self._changed_at = self._clock()
                     log.error(
                         "rank %d (%s) missed heartbeats for %.1fs: marked dead",
                         entry.info.rank,
@@ -266,13 +285,11 @@ class RankRegistry:
                         self._clock() - entry.last_heartbeat,
                     )
 
-    def settled_for(self) -> float:
-        """Seconds since a rank last registered, exited, came back from the dead or finished restoring; 0 while a
-        registered rank is not alive. While it grows, no copy can have become unavailable."""
+    def changed_at(self) -> float:
+        """When (by the clock) a rank last registered, exited, was reported dead, came back from the dead or
+        finished restoring."""
         with self._ranks_changed:
-            if not all(self.is_alive(entry) for entry in self._ranks.values()):
-                return 0.0
-            return self._clock() - self._changed_at
+            return self._changed_at
 
     def is_alive(self, entry: RankEntry) -> bool:
         """Whether the registered `entry` is alive: its process has not ended and it heartbeats."""

@@ -9,6 +9,7 @@ the catalog, yet not in the snapshot).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -32,6 +33,7 @@ from shardserve.server.coordinator.drivers.orders import (
     SaveOrder,
     SnapshotOrder,
 )
+from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.ranks.info import RankInfo
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import new_tensor
@@ -49,8 +51,10 @@ class RankStub:
         self.refuse_allocations = False
         self.refuse_promotions = False
         self.refuse_batches = False
+        self.stats_asked = 0
 
     def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
+        self.stats_asked += 1
         return pb.GetStatsResponse(
             held=[pb.HeldVersion(name=n, version=v) for n, v in sorted(self.held)]
         )
@@ -277,6 +281,29 @@ def test_registrations_arriving_together_ask_for_few_promotion_rounds(coordinato
         lambda: len(reconciled) == 20, 30.0, "every rank reconciled"
     )  # queued with the rounds
     assert 1 <= len(rounds) <= 3
+
+
+def test_a_rank_back_from_the_dead_is_reconciled_only_when_it_missed_a_call(tmp_path, caplog):
+    """A heartbeat late past dead_after (a loaded host) brings the rank back with nothing to reconcile: reading
+    its rows would cost the coordinator most when it is loaded already. A drop skipped while it was dead makes
+    its comeback reconcile it: the drop is sent then."""
+    options = CoordinatorOptions(dead_after=0.2)
+    coord = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite"), options=options).start()
+    try:
+        stub = RankStub({("gone", 5)})  # a version the catalog no longer has
+        _rank(coord, stub)
+        wait_until(lambda: not coord.registry.rank_alive(0), 10.0, "rank 0 taken for dead")
+        with caplog.at_level(logging.INFO, logger="shardserve.server.coordinator.upkeep"):
+            coord.upkeep.heartbeat(0, 0)
+        assert "no call to it was missed" in caplog.text and stub.stats_asked == 0
+        wait_until(lambda: not coord.registry.rank_alive(0), 10.0, "rank 0 taken for dead again")
+        coord.calls.drop_quietly("gone", 5, [0])  # skipped: rank 0 is not alive
+        assert stub.calls == []
+        coord.upkeep.heartbeat(0, 0)
+        wait_until(lambda: ("drop", "gone", 5) in stub.calls, 10.0, "the missed drop sent")
+        assert stub.stats_asked == 1
+    finally:
+        coord.close()
 
 
 def test_a_failed_save_leaves_the_checkpoint_that_was_there(coordinator, tmp_path, monkeypatch):

@@ -119,31 +119,24 @@ def test_a_restoring_rank_is_listed_with_its_progress_until_it_is_restored(regis
         registry.report_restore(RestoreProgress(rank=1, done_tensors=2, total_tensors=1))
 
 
-def test_settled_for_counts_from_the_last_change_and_is_zero_while_a_rank_is_down(registry, clock):
+def test_changed_at_marks_registrations_exits_deaths_and_returns_not_heartbeats(registry, clock):
     registry.register(incarnation(pid=100, port=7001), [])
+    registered = registry.changed_at()
     clock.advance(1.0)
-    assert registry.settled_for() == 1.0
     registry.heartbeat(0, 0)  # a live rank's heartbeat changes nothing
-    clock.advance(0.5)
-    assert registry.settled_for() == 1.5
+    assert registry.changed_at() == registered
     registry.register(incarnation(pid=101, port=7003, rank=1), [])
+    assert registry.changed_at() == clock()
     clock.advance(0.25)
-    assert registry.settled_for() == 0.25
     registry.mark_exited(1, "process 101 was killed by SIGKILL")
-    assert registry.settled_for() == 0.0
-    registry.register(incarnation(pid=102, port=7004, rank=1), [])
-    clock.advance(0.25)
-    assert registry.settled_for() == 0.25
-    registry.heartbeat(1, 0)
-    clock.advance(
-        DEAD_AFTER - 1.0 + JUST
-    )  # rank 0 stops heartbeating: dead DEAD_AFTER after its last one
-    assert not registry.rank_alive(0) and registry.rank_alive(1)
-    assert registry.settled_for() == 0.0
-    registry.heartbeat(0, 0)
-    registry.heartbeat(1, 0)
+    assert registry.changed_at() == clock()
+    clock.advance(DEAD_AFTER + JUST)  # rank 0 stops heartbeating: dead, which the monitor reports
+    assert registry.changed_at() < clock()
+    registry.report_dead()
+    assert registry.changed_at() == clock()
     clock.advance(0.5)
-    assert registry.settled_for() == 0.5  # rank 0 came back from the dead 0.5 s ago
+    registry.heartbeat(0, 0)  # back from the dead
+    assert registry.changed_at() == clock() and registry.rank_alive(0)
 
 
 def test_a_placement_on_a_rank_not_registered_yet_is_unavailable_then_invalid(registry, clock):

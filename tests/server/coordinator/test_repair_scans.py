@@ -106,17 +106,50 @@ def test_a_settled_cluster_with_every_copy_available_is_scanned_once_per_settled
     assert loop.scan_due()  # a rank is down: every round
 
 
-def test_an_unavailable_copy_keeps_every_round_scanning(catalog, registry, clock):
-    holding(
-        catalog, [record(lost=(0,))]
-    )  # its only copy lost: cannot be repaired, stays unavailable
+def test_a_copy_that_cannot_be_repaired_is_scanned_again_on_a_change_not_every_round(
+    catalog, registry, clock
+):
+    """Its only copy lost, a tensor cannot be repaired: scanning it every round would read its row every half
+    second for nothing. It is scanned again when the ranks change (a rank back may hold a copy) or after
+    SETTLED_S."""
+    holding(catalog, [record(lost=(0,))])
     loop = driver(catalog, registry, clock)
     clock.advance(repair.SETTLED_S + JUST)
     loop.run_once()
-    assert loop.scan_due() and catalog.scans == 1
-    holding(catalog, [record(version=2)])
+    assert not loop.scan_due() and catalog.scans == 1
+    clock.advance(repair.SETTLED_S)
+    assert loop.scan_due()  # the periodic scan
     loop.run_once()
+    registry.report_dead()  # nothing died: no change
     assert not loop.scan_due()
+    registry.mark_exited(0, "process 100 was killed by SIGKILL")
+    assert loop.scan_due()
+
+
+def test_a_copy_waiting_for_repair_after_is_scanned_again_when_it_is_due(catalog, clock):
+    """A rank dead for less than repair_after: its copies are repaired once it has been dead that long, so the
+    next scan is due then (and not every round before)."""
+    registry = RankRegistry(dead_after=600.0, clock=clock)
+    for rank in (0, 1):
+        info = RankInfo(rank=rank, address=f"127.0.0.1:{7001 + rank}", device="cpu", world_size=2)
+        registry.register(info, [])
+    holding(catalog, [record(ranks=(0, 1))])
+    loop = repair.RepairDriver(
+        catalog,  # type: ignore[arg-type]
+        registry=registry,
+        reshards=Reshards(),  # type: ignore[arg-type]
+        repair_after=repair.SETTLED_S + 5.0,
+        clock=clock,
+    )
+    registry.mark_exited(1, "process 1 was killed by SIGKILL")
+    clock.advance(repair.SETTLED_S + JUST)
+    loop.run_once()  # rank 1 dead for SETTLED_S: 5 s more to wait, sooner than the periodic scan
+    assert not loop.scan_due()
+    clock.advance(5.0 - 2 * JUST)
+    assert not loop.scan_due()
+    clock.advance(2 * JUST)
+    assert loop.scan_due()
+    registry.close()
 
 
 def test_a_scan_reads_only_the_versions_on_dead_ranks_and_those_with_lost_copies(catalog, clock):
