@@ -5,7 +5,9 @@ within 5 s, readers never fail, no acknowledged put is lost, the writer's puts s
 with the new leader, and a reshard runs in a new epoch over the new leader's rendezvous store; the killed one
 comes back as a standby; the new leader paused (SIGSTOP) past its lease, then resumed: the other took over, and
 the paused one writes nothing after it did: its call in flight is refused NOT_LEADER and the catalog holds no
-row of it.
+row of it; on PostgreSQL, the database stopped as if it crashed under the running cluster: a write fails
+UNAVAILABLE meanwhile, a held tensor reads on, and once it is back a coordinator leads, puts succeed and every
+tensor written before is there.
 
 One pair and its ranks per catalog kind for the module; the tests run in order (each leaves the next its
 leader and standby).
@@ -289,3 +291,35 @@ def test_a_paused_leader_resumed_after_the_takeover_writes_nothing(pair):
     names = {t.name for t in listed.tensors}
     assert "after-pause" in names and "read" in names
     assert not names & {"while-paused", "after-resume"}
+
+
+def test_the_database_restarted_under_the_cluster_fails_calls_then_serves_them_with_nothing_lost(
+    pair, request
+):
+    if not pair.catalog.startswith("postgresql:"):
+        pytest.skip("only a networked catalog restarts apart from its coordinators")
+    server = request.getfixturevalue("postgres_server")
+    before = torch.arange(32.0).reshape(8, 4)
+    with connect(pair.addresses, timeout=CLIENT_TIMEOUT_S) as client:
+        client.put("before-restart", before, spec=TWO_RANKS)
+        held = client.tensor("before-restart")
+        server.stop("immediate")  # as if its host crashed: it recovers from its WAL
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                pair.leader.stub.CreateTensor(_create_request("while-down"), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert torch.equal(held.full_tensor(), before)  # reads need no catalog
+        finally:
+            server.start()
+        wait_until(
+            lambda: pair.leader.leads() or pair.standby.leads(), START_S, "a leader after it"
+        )
+        if pair.standby.leads():
+            pair.swap()
+        wait_until(lambda: _ranks_alive_at(pair.leader), 60, "the ranks at the leader")
+        client.put("after-restart", torch.ones(8, 4), spec=TWO_RANKS)
+        assert torch.equal(client.tensor("before-restart").full_tensor(), before)
+        assert torch.equal(client.tensor("read").full_tensor(), READ)
+        names = {t.name for t in client.list()}
+    assert {"read", "after-pause", "before-restart", "after-restart"} <= names
+    assert "while-down" not in names

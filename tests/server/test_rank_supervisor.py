@@ -83,7 +83,10 @@ def test_rank_lists_parse_ranges_and_lists_and_name_what_is_wrong():
             ["--ranks", "0", "--world-size", "1", "--restart-backoff", "-1"],
             "--restart-backoff must be",
         ),
-        (["--ranks", "0", "--world-size", "1", "--coordinator", "nohost"], "is not of the form HOST:PORT"),
+        (
+            ["--ranks", "0", "--world-size", "1", "--coordinator", "nohost"],
+            "is not of the form HOST:PORT",
+        ),
     ],
 )
 def test_node_arguments_are_checked_with_the_flag_named(argv, message, capsys, monkeypatch):
