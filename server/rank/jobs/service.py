@@ -28,7 +28,9 @@ The protocol:
   new groups over the live ranks.
 - The job kind runs on a thread of its own, watched by the chain's thread. A
   job cancelled while it runs (CancelCollective, after it failed elsewhere),
-  or still running `ABANDON_GRACE_S` past its deadline, is abandoned: the
+  one of an earlier epoch still running when a job that follows none arrives
+  (its coordinator restarted or was replaced, and knows nothing of it), or one
+  still running `ABANDON_GRACE_S` past its deadline, is abandoned: the
   chain goes on with the next job at once, and the abandoned thread ends by
   itself, bounded, since every wait in a job is bounded by the job's deadline
   (work.wait(timeout), and the group's own gloo timeout).
@@ -107,8 +109,8 @@ class CollectiveJobService:
         self.groups = groups if groups is not None else ProcessGroups(store.rank, store.device)
         self.chain = JobChain()
         self._running: dict[
-            int, threading.Event
-        ] = {}  # seq -> set when CancelCollective asks to abandon it
+            int, tuple[int, threading.Event]
+        ] = {}  # seq -> (its epoch, set to abandon it: CancelCollective, or a coordinator that forgot it)
         self._lock = threading.Lock()
 
     def _check(self, job: pb.CollectiveJob) -> JobFn:
@@ -156,6 +158,8 @@ class CollectiveJobService:
 
         # A caller that stops listening does not cancel the job: its peers may already be in its
         # collectives, and they would hang until their deadline. Only CancelCollective cancels.
+        if job.after_seq == JobChain.NO_PREDECESSOR:
+            self._abandon_forgotten(job)
         started = self.store.metrics.job_started()
         future = self.chain.submit(job.seq, job.after_seq, carry_context(execute), job.timeout_s)
         future.add_done_callback(
@@ -210,7 +214,7 @@ class CollectiveJobService:
                 done.set_exception(exc)
 
         with self._lock:
-            self._running[job.seq] = wake
+            self._running[job.seq] = (job.epoch, wake)
         threading.Thread(
             target=carry_context(run), name=f"collective-job-{job.seq}", daemon=True
         ).start()
@@ -242,8 +246,29 @@ class CollectiveJobService:
         with self._lock:
             running = self._running.get(request.seq)
         if running is not None:
-            running.set()
+            running[1].set()
         return pb.CancelCollectiveResponse()
+
+    def _abandon_forgotten(self, job: pb.CollectiveJob) -> None:
+        """`job` follows none: its coordinator knows no earlier job of this rank (it restarted, or another one
+        leads now). Jobs of earlier epochs still running here belong to no coordinator and their peers have
+        given them up: they are abandoned, so that `job` does not wait out their deadlines behind them."""
+        with self._lock:
+            forgotten = [
+                (seq, wake)
+                for seq, (epoch, wake) in self._running.items()
+                if epoch < job.epoch and seq < job.seq
+            ]
+        for seq, wake in forgotten:
+            log.warning(
+                "collective job %d of an earlier epoch is abandoned on rank %d: job %d of epoch %d "
+                "follows none (its coordinator knows no earlier job)",
+                seq,
+                self.store.rank,
+                job.seq,
+                job.epoch,
+            )
+            wake.set()
 
 
 def handlers(jobs: CollectiveJobService) -> dict[str, grpc.RpcMethodHandler]:

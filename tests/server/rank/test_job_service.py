@@ -1,5 +1,6 @@
 """server.rank.jobs.service in-process: a running job that is cancelled is abandoned, its epoch ends here, and
-the next job runs at once while the abandoned thread is still blocked."""
+the next job runs at once while the abandoned thread is still blocked; a job that follows none abandons a
+running job of an earlier epoch (its coordinator forgot it) but waits for one of its own epoch."""
 
 from __future__ import annotations
 
@@ -69,3 +70,61 @@ def test_a_job_without_an_epoch_is_refused():
     with pytest.raises(Aborted, match="INVALID_ARGUMENT: epoch must be > 0") as refused:
         list(service.RunCollective(job, ServicerContext()))
     assert refused.value.reason == Reason.INVALID_ARGUMENT
+
+
+def test_a_job_that_follows_none_abandons_a_running_job_of_an_earlier_epoch():
+    """A restarted coordinator's first job (after_seq 0, a later epoch) does not queue behind a job its
+    predecessor started and nobody will cancel: that job is abandoned and the new one runs at once."""
+    release, stuck, ran = threading.Event(), threading.Event(), []
+
+    def kind(job: pb.CollectiveJob, ctx) -> None:
+        if job.reshard.name == "stuck":
+            stuck.set()
+            release.wait(30)
+        ran.append(job.seq)
+
+    kinds = JobKinds()
+    kinds.register("reshard", kind)
+    service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
+    finals: list[pb.CollectiveProgress] = []
+    first = threading.Thread(
+        target=lambda: finals.extend(service.RunCollective(_job(5, 0, 3, "stuck"), None))
+    )
+    first.start()
+    assert stuck.wait(10)
+    second = list(service.RunCollective(_job(9, 0, 4, "after-restart"), None))[-1]
+    first.join(10)
+    assert second.done and not second.error and ran == [9]
+    assert finals[-1].done and "abandoned" in finals[-1].error
+    release.set()
+
+
+def test_a_job_that_follows_none_leaves_a_running_job_of_its_own_epoch_alone():
+    """Two independent jobs of one epoch (each the first of its ranks here): the second waits for the first."""
+    release, stuck, ran = threading.Event(), threading.Event(), []
+
+    def kind(job: pb.CollectiveJob, ctx) -> None:
+        if job.reshard.name == "slow":
+            stuck.set()
+            release.wait(30)
+        ran.append(job.seq)
+
+    kinds = JobKinds()
+    kinds.register("reshard", kind)
+    service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
+    finals: list[pb.CollectiveProgress] = []
+    first = threading.Thread(
+        target=lambda: finals.extend(service.RunCollective(_job(5, 0, 3, "slow"), None))
+    )
+    first.start()
+    assert stuck.wait(10)
+    second: list[pb.CollectiveProgress] = []
+    follower = threading.Thread(
+        target=lambda: second.extend(service.RunCollective(_job(6, 0, 3, "next"), None))
+    )
+    follower.start()
+    assert second == [] or not second[-1].done
+    release.set()
+    first.join(10)
+    follower.join(10)
+    assert ran == [5, 6] and not finals[-1].error and not second[-1].error
