@@ -20,6 +20,10 @@ from benchmarks.harness import load_scenarios
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 120  # hard limit per `--quick --only NAME` run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
 SCENARIOS = sorted(load_scenarios())
+SECOND_HALF = {"cuda", "heal", "persist", "reshard", "security", "statedict", "torchrec"}
+"""The scenarios test_benchmarks_smoke_second.py runs (on the other worker); a scenario's own detail tests sit in
+the module that runs it, since each worker runs a scenario at most once (the `runs` fixture's cache)."""
+FIRST_HALF = [name for name in SCENARIOS if name not in SECOND_HALF]
 ROW_FIELDS = {
     "scenario",
     "group",

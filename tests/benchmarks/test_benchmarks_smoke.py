@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from benchmark_smoke import SCENARIOS, check_scenario, run_in_session
+from benchmark_smoke import FIRST_HALF, SCENARIOS, SECOND_HALF, check_scenario, run_in_session
 
 from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
 from benchmarks.rss import RssSampler
@@ -26,7 +26,11 @@ def test_the_suite_has_the_issue_scenarios() -> None:
     assert {"fetch", "planning", "reshard"} <= set(SCENARIOS)
 
 
-@pytest.mark.parametrize("name", SCENARIOS[::2])
+def test_the_halves_share_out_every_scenario() -> None:
+    assert SECOND_HALF <= set(SCENARIOS) and sorted([*FIRST_HALF, *SECOND_HALF]) == SCENARIOS
+
+
+@pytest.mark.parametrize("name", FIRST_HALF)
 def test_scenario_runs_quick_with_machine_info_and_rows(runs, name: str) -> None:
     check_scenario(*runs(name), name)
 
@@ -156,3 +160,24 @@ def test_lookup_cpu_benchmark_runs_small(tmp_path) -> None:
     assert report["transport"] == "bulk" and [row["threads"] for row in report["results"]] == [1, 8]
     for row in report["results"]:
         assert row["wall_s"] > 0 and row["client_cpu_s"] > 0 and row["ranks_cpu_s"] >= 0
+
+
+def test_scale_scenario_has_every_row_at_its_rank_count_with_the_data_read_back(runs) -> None:
+    """The quick scale run (one small simulated cluster): a row per figure, each with its rank count, figure,
+    unit and the coordinator's CPU where timed; the snapshot, the resharded and the repaired tables read back
+    bit for bit (ok); the table of figures printed with the load average."""
+    from benchmarks.scale import QUICK_RANKS, ROWS
+
+    doc, _, stdout = runs("scale")
+    rows = [r for r in doc["rows"] if r["group"] == "scale"]
+    assert {(r["extra"]["key"], r["extra"]["ranks"]) for r in rows} == {
+        (key, n) for key, *_ in ROWS for n in QUICK_RANKS
+    }
+    for row in rows:
+        assert row["ok"] is True and row["extra"]["value"] is not None, row
+        if row["extra"]["unit"] == "s":
+            assert row["seconds"] == row["extra"]["value"] > 0
+    timed = {r["extra"]["key"]: r for r in rows if r["extra"]["coordinator_cpu_s"] is not None}
+    assert {"register_cold", "snapshot_first", "snapshot_steady", "list", "status"} <= set(timed)
+    assert "scale: the coordinator at N simulated ranks" in stdout
+    assert "load average at the start of each N" in stdout
