@@ -171,6 +171,7 @@ class Context:
 
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
         rank_options = RankOptions(log_level="WARNING", device=device)
+        options.setdefault("start_method", "forkserver")  # as `shardserve up` starts its ranks
         cluster = LocalCluster(ranks, state_dir=state, rank_options=rank_options, **options)
         stack.callback(cluster.stop)
         cluster.start(timeout=timeout)

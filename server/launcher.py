@@ -69,6 +69,9 @@ class LocalCluster:
     one and follow whichever leads. Over a shared catalog (a lease: a postgresql:// catalog, or
     `coordinator_options.lease_duration`) this coordinator must lead when the cluster starts; `coordinator` is
     the parts of the term it led then.
+    `start_method`: how the rank processes start (server/rank_start.py): "spawn", a new interpreter per rank,
+    or "forkserver", forked from a process that imported torch once (a rank starts and restarts in a fraction
+    of a second after the first; the calling script's main module must be guarded, as multiprocessing asks).
     """
 
     def __init__(
@@ -85,6 +88,7 @@ class LocalCluster:
         metrics_port: int | None = None,
         catalog: str | None = None,
         peers: Sequence[str] = (),
+        start_method: str = "spawn",
     ) -> None:
         if ranks < 1:
             raise ValueError(f"ranks must be >= 1, got {ranks}")
@@ -105,6 +109,7 @@ class LocalCluster:
         self.metrics_port = metrics_port
         self.catalog = catalog
         self.peers = tuple(peers)
+        self.start_method = start_method
         self._traces = (
             False  # whether this cluster turned tracing on in this process (and turns it off)
         )
@@ -151,6 +156,7 @@ class LocalCluster:
             self._launches(",".join([f"{self._dial_host()}:{port}", *self.peers])),
             self.restart_policy,
             on_exit=self._report_exit,
+            start_method=self.start_method,
         )
         self._supervisor.spawn_all()
         self._start_tracing()

@@ -140,7 +140,9 @@ def main_node(argv: Sequence[str]) -> int:
         world_size=args.world_size,
         metrics_port=args.metrics_port,
     )
-    supervisor = RankSupervisor(launches, restart_policy_from_args(args))
+    supervisor = RankSupervisor(
+        launches, restart_policy_from_args(args), start_method=args.start_method
+    )
     handle_stop_signals()
     handle_reload_signal(lambda: supervisor.signal_all(signal.SIGHUP))
     try:

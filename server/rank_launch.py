@@ -18,6 +18,7 @@ from pathlib import Path
 from shardserve.server.common.auth import Security
 from shardserve.server.common.cli_args import PARENT_PID_ENV, TOKEN_ENV, security_flags
 from shardserve.server.common.rank_options import RankOptions, add_rank_setting_args
+from shardserve.server.rank_start import CLI_START_METHOD, START_METHODS
 from shardserve.server.supervisor import RankLaunch, add_restart_args, check_restart_args
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +110,14 @@ def add_rank_launch_args(parser: argparse.ArgumentParser) -> None:
         "`shardserve status` lists the addresses)",
     )
     add_restart_args(parser)
+    parser.add_argument(
+        "--start-method",
+        choices=START_METHODS,
+        default=CLI_START_METHOD,
+        help="how each rank process starts: forked from a process that imported torch and the rank's code "
+        "once (forkserver: a rank starts or restarts in a fraction of a second) or a new interpreter each "
+        "time (spawn, as torchrun does; 2-3 s of CPU each) (default %(default)s)",
+    )
 
 
 def check_rank_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

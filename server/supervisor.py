@@ -7,7 +7,8 @@ backoff (1 s doubling to 30 s, back to 1 s once an incarnation stayed up for a
 minute), at most `max_restarts` times; one out of restarts stays dead. A
 restarted rank registers with the coordinator again and comes back empty: the
 coordinator records the copies it lost (server/coordinator/drivers/reconcile.py).
-A rank's command line and environment come from server/rank_launch.py.
+A rank's command line and environment come from server/rank_launch.py, how its process is started (forked
+from a preloaded process, or a new interpreter) from server/rank_start.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from shardserve.server.rank_start import START_METHODS, StartedProcess, start_process
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +109,10 @@ def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
     )
 
 
-def exit_reason(code: int) -> str:
-    """'exited with code 1' or 'was killed by SIGKILL' for a Popen returncode."""
+def exit_reason(code: int | None) -> str:
+    """'exited with code 1' or 'was killed by SIGKILL' for a Popen returncode ('is running' for None)."""
+    if code is None:
+        return "is running"
     if code < 0:
         try:
             return f"was killed by {signal.Signals(-code).name}"
@@ -121,7 +126,7 @@ class _Slot:
 
     def __init__(self, launch: RankLaunch) -> None:
         self.launch = launch
-        self.proc: subprocess.Popen | None = None
+        self.proc: StartedProcess | None = None
         self.started = 0.0  # time.monotonic() of the current incarnation's start
         self.restarts = 0
         self.backoff: float | None = None  # the last backoff waited; None before the first restart
@@ -134,6 +139,7 @@ class RankSupervisor:
 
     `on_exit(rank, reason)` is called (from the watch thread) as soon as a rank's process is seen ended, before
     any restart, so a coordinator told there learns of the death at once. No rank is spawned once stop() began.
+    `start_method`: how a rank's process starts (server/rank_start.py).
     """
 
     def __init__(
@@ -141,11 +147,18 @@ class RankSupervisor:
         launches: Sequence[RankLaunch],
         policy: RestartPolicy = RestartPolicy(),
         on_exit: Callable[[int, str], None] | None = None,
+        *,
+        start_method: str = "spawn",
     ) -> None:
         ranks = [launch.rank for launch in launches]
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"ranks must be distinct, got {ranks}")
+        if start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
+            )
         self.policy = policy
+        self.start_method = start_method
         self._on_exit = on_exit
         self._slots = {launch.rank: _Slot(launch) for launch in launches}
         self._lock = threading.Lock()  # spawning and stopping: never a spawn after stop() began
@@ -159,7 +172,7 @@ class RankSupervisor:
         """The rank numbers supervised here, sorted."""
         return sorted(self._slots)
 
-    def process(self, rank: int) -> subprocess.Popen:
+    def process(self, rank: int) -> StartedProcess:
         """The current (latest) process of `rank`."""
         proc = self._slot(rank).proc
         if proc is None:
@@ -248,9 +261,7 @@ class RankSupervisor:
 
     def _spawn(self, slot: _Slot) -> None:
         """(lock held) Start `slot`'s rank."""
-        slot.proc = subprocess.Popen(
-            list(slot.launch.command), env=slot.launch.env, stdin=subprocess.DEVNULL
-        )
+        slot.proc = start_process(slot.launch.command, slot.launch.env, self.start_method)
         slot.started = time.monotonic()
         slot.restart_at = None
 

@@ -103,6 +103,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, LocalCluster]:
         metrics_port=args.metrics_port,
         catalog=args.catalog,
         peers=peers,
+        start_method=args.start_method,
     )
     return args, cluster
 

@@ -23,6 +23,9 @@ from shardserve.server.launcher import LocalCluster
 pytest_plugins = ["postgres"]
 
 CLUSTER_START_TIMEOUT = 180.0
+START_METHOD = "forkserver"
+"""How the test clusters start their ranks: forked from this test process's forkserver (torch imported once),
+as `shardserve up` does by default; tests of the other method pass start_method="spawn"."""
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +35,7 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
     def factory(**kwargs: object) -> LocalCluster:
         kwargs.setdefault("state_dir", tmp_path_factory.mktemp("state"))
+        kwargs.setdefault("start_method", START_METHOD)
         cluster = LocalCluster(**kwargs)  # type: ignore[arg-type]
         clusters.append(cluster)
         return cluster.start(timeout=CLUSTER_START_TIMEOUT)
@@ -58,9 +62,9 @@ class SharedClusters:
             cluster = None
         if cluster is None:
             state = self._tmp_path_factory.mktemp(f"shared{ranks}")
-            cluster = LocalCluster(ranks, state_dir=state, metrics_port=0).start(
-                timeout=CLUSTER_START_TIMEOUT
-            )
+            cluster = LocalCluster(
+                ranks, state_dir=state, metrics_port=0, start_method=START_METHOD
+            ).start(timeout=CLUSTER_START_TIMEOUT)
             self._clusters[ranks] = cluster
         return cluster
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import grpc
@@ -120,19 +121,44 @@ def resolve_memory_limit(given: int | None, device: str) -> MemoryLimit:
 
 
 def watch_parent(stop: threading.Event) -> None:
-    """Under the launcher: stop when the launcher process is gone (checked every 0.5 s)."""
+    """Under a launcher: stop when the launcher process is gone (checked every 0.5 s). The launcher is watched
+    by its pid, through a pidfd where the kernel has them: a rank forked from the launcher's forkserver is not
+    its child."""
     parent = int(os.environ.get(PARENT_PID_ENV, "0") or 0)
     if not parent:
         return
+    gone = _process_watch(parent)
 
     def watch() -> None:
-        """Set `stop` once this process's parent is no longer the launcher."""
+        """Set `stop` once the launcher has ended."""
         while not stop.wait(0.5):
-            if os.getppid() != parent:
+            if gone():
                 log.error("the launcher (pid %d) is gone; stopping", parent)
                 stop.set()
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _process_watch(pid: int) -> Callable[[], bool]:
+    """A check of whether process `pid` has ended: its pidfd is readable (a later process reusing the pid is
+    not it), else, without pidfds, no process has that pid."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return lambda: True
+    except (AttributeError, OSError):
+        return lambda: not _pid_exists(pid)
+    return lambda: bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def advertised_address(running: RunningServer, advertise: str | None) -> str:

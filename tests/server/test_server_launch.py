@@ -75,12 +75,21 @@ def rank_pids(address: str) -> list[int]:
     return [r.pid for r in ranks if r.alive]
 
 
-def test_up_prints_the_address_and_sigterm_stops_every_child(tmp_path):
-    proc, lines = spawn(["up", "--ranks", "2", "--state-dir", str(tmp_path / "state")], tmp_path)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_up_prints_the_address_and_sigterm_stops_every_child(tmp_path, method):
+    proc, lines = spawn(
+        ["up", "--ranks", "2", "--state-dir", str(tmp_path / "state"), "--start-method", method],
+        tmp_path,
+    )
     try:
         address = coordinator_line(proc, lines)
         pids = rank_pids(address)
         assert len(pids) == 2 and all(not gone(p) for p in pids)
+        parents = {
+            int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) for pid in pids
+        }
+        # forked ranks are children of up's forkserver, spawned ones of up itself
+        assert (parents == {proc.pid}) == (method == "spawn"), (parents, proc.pid)
         assert (tmp_path / "state" / "catalog.sqlite").exists()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -91,8 +100,12 @@ def test_up_prints_the_address_and_sigterm_stops_every_child(tmp_path):
             proc.wait(timeout=30)
 
 
-def test_ranks_exit_when_the_launcher_is_killed(tmp_path):
-    proc, lines = spawn(["up", "--ranks", "1", "--state-dir", str(tmp_path / "state")], tmp_path)
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_exit_when_the_launcher_is_killed(tmp_path, method):
+    proc, lines = spawn(
+        ["up", "--ranks", "1", "--state-dir", str(tmp_path / "state"), "--start-method", method],
+        tmp_path,
+    )
     try:
         pids = rank_pids(coordinator_line(proc, lines))
         proc.kill()
