@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_world import process_context
 from reference import shards_of
 
 from shardserve.core.executor import apply_plan
@@ -287,7 +287,7 @@ class World:
     """Worker processes of one gloo world, fed commands through per-rank queues."""
 
     def __init__(self, size: int, backend: str = "gloo") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.size = size
         self.port = _free_port()
         self.commands = [ctx.Queue() for _ in range(size)]

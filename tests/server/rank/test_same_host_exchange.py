@@ -339,7 +339,8 @@ def _rank_1_alive() -> bool:
 
 
 def run_faulty_pair(scenario: str) -> dict[int, tuple[str, object]]:
-    """Start rank 1, then rank 0 (told rank 1's pid), and collect what each ended with."""
+    """Start rank 1, then rank 0 (told rank 1's pid), and collect what each ended with. Spawned: each rank
+    reads what the test sets in its environment at its start (a forkserver's children have the server's)."""
     ctx = mp.get_context("spawn")
     results, release = ctx.Queue(), ctx.Event()
     port = _free_port()
