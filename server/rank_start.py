@@ -19,6 +19,7 @@ parent's, to stop when the launcher is gone.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import runpy
@@ -125,6 +126,7 @@ def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
+    _name_process(f"shardserve-r{env.get('RANK', '')}")
     sys.argv = [SERVER_MODULE, *args]
     threads = env.get("OMP_NUM_THREADS", "")  # torch read it at its import, before this environment
     if threads.isdigit() and int(threads) > 0:
@@ -132,3 +134,10 @@ def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:
 
         torch.set_num_threads(int(threads))
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)  # as `python -m` runs it
+
+
+def _name_process(name: str) -> None:
+    """Show `name` as this process's name (ps -o comm, top; 15 characters), not the forkserver's."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(name[:15])

@@ -55,10 +55,12 @@ def test_only_shardserve_server_commands_have_server_args():
 
 
 def test_a_forked_server_answers_like_popen_and_reports_its_kill(tmp_path):
-    proc = start_process(server(*coordinator_args(tmp_path)), dict(os.environ), "forkserver")
+    env = dict(os.environ, RANK="7")
+    proc = start_process(server(*coordinator_args(tmp_path)), env, "forkserver")
     try:
         assert isinstance(proc, ForkedProcess)
         serving(tmp_path)
+        assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "shardserve-r7"
         assert proc.poll() is None and proc.returncode is None
         with pytest.raises(subprocess.TimeoutExpired):
             proc.wait(timeout=0.1)
