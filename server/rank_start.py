@@ -13,16 +13,19 @@ script that starts a LocalCluster with it must keep its work under `if __name__ 
 torchrun starts its workers.
 
 Either way the supervisor sees the Popen calls it uses (pid, poll, wait, send_signal, kill, returncode); a
-forked rank is a child of the forkserver, which reports its exit, and it watches the launcher's pid, not its
-parent's, to stop when the launcher is gone.
+forked rank is a child of the forkserver, which reports its exit: it watches the launcher's pid, not its
+parent's, to stop when the launcher is gone, and is sent SIGTERM when the forkserver ends (which it does when
+the launcher is gone, or if it is killed).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import threading
@@ -33,6 +36,7 @@ START_METHODS = ("forkserver", "spawn")
 CLI_START_METHOD = "forkserver"
 """The default of `up` and `node`, whose main module (shardserve's own) is safe to import in every rank."""
 SERVER_MODULE = "shardserve.server"
+_PR_SET_PDEATHSIG = 1
 PRELOAD = ["torch", "shardserve.server.rank.main"]
 """What the forkserver imports once, before it forks any rank."""
 
@@ -123,6 +127,7 @@ class ForkedProcess:
 def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:
     """In the forked process: become `python -m shardserve.server ARGS` with environment `env`, in the folder
     the launcher was in when it started this rank (the forkserver's is the one of its own start)."""
+    _stop_with_parent()
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -141,3 +146,11 @@ def _name_process(name: str) -> None:
     with contextlib.suppress(OSError):
         with open("/proc/self/comm", "w") as comm:
             comm.write(name[:15])
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM this process when the forkserver ends (prctl PR_SET_PDEATHSIG), as when its launcher is gone:
+    a rank must not outlive the process that reports its exit, or its launcher would start a second one."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

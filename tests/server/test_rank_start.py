@@ -124,3 +124,35 @@ def test_a_killed_forked_rank_is_restarted(tmp_path):
 
 def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_forked_server_stops_when_its_forkserver_is_killed(tmp_path):
+    """kill -9 of the forkserver (which reports the ranks' exits) ends its ranks too, so that a supervisor that
+    sees them gone never starts a second process of a rank that still runs."""
+    command = server(*coordinator_args(tmp_path))
+    script = (
+        "import os, sys, time\n"
+        "from shardserve.server.rank_start import start_process\n"
+        f"proc = start_process({command!r}, dict(os.environ), 'forkserver')\n"
+        "print(proc.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        pid = int(launcher.stdout.readline())
+        serving(tmp_path)
+        forkserver = _parent_of(pid)
+        assert forkserver != launcher.pid
+        os.kill(forkserver, signal.SIGKILL)
+        wait_until(lambda: not _running(pid), WAIT_S, "the forked server to stop")
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=WAIT_S)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
