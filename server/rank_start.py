@@ -36,9 +36,9 @@ START_METHODS = ("forkserver", "spawn")
 CLI_START_METHOD = "forkserver"
 """The default of `up` and `node`, whose main module (shardserve's own) is safe to import in every rank."""
 SERVER_MODULE = "shardserve.server"
-_PR_SET_PDEATHSIG = 1
 PRELOAD = ["torch", "shardserve.server.rank.main"]
 """What the forkserver imports once, before it forks any rank."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class StartedProcess(Protocol):
@@ -93,9 +93,8 @@ class ForkedProcess:
             daemon=True,
         )
         self._process.start()
-        self._lock = (
-            threading.Lock()
-        )  # the exit status is read from a pipe once: one reader at a time
+        # the exit status is read once from a pipe that the forkserver writes: one reader at a time
+        self._lock = threading.Lock()
         self.pid: int = self._process.pid  # type: ignore[assignment]
 
     @property
@@ -121,7 +120,7 @@ class ForkedProcess:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        self._process.kill()
+        self.send_signal(signal.SIGKILL)
 
 
 def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:

@@ -46,6 +46,7 @@ TICK_S = 0.005
 QUIET = os.environ.get("SHARDSERVE_QUIET_MACHINE") == "1"
 STALL_LIMIT_S = 0.020 if QUIET else 0.5
 BLOCKING_CALL_S = 1.0  # the deliberate stall the detector must see
+OTHERS_WAIT_S = 0.1  # how much of it the other threads' run-queue delay may take off the stall read
 SHORT_S = 3.0  # the deadline of callers that meet the stopped rank
 LONG_S = 30.0  # the deadline of callers that outlast the stop
 WELL_WITHIN_S = 5.0
@@ -304,7 +305,8 @@ def test_the_stall_detector_sees_a_blocking_call() -> None:
             await asyncio.sleep(2 * TICK_S)
         return ticker.worst
 
-    assert run(main) >= BLOCKING_CALL_S - TICK_S > STALL_LIMIT_S
+    # the whole block, less what the process's other threads waited for a CPU meanwhile (a few ms to tens)
+    assert run(main) >= BLOCKING_CALL_S - OTHERS_WAIT_S > STALL_LIMIT_S
 
 
 def test_200_concurrent_reads_never_stall_the_loop(blocking: Cluster, table: torch.Tensor) -> None:
