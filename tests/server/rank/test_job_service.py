@@ -30,35 +30,47 @@ def _job(seq: int, after: int, epoch: int, name: str) -> pb.CollectiveJob:
     )
 
 
-def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
-    release, stuck, ran = threading.Event(), threading.Event(), []
+class Blocking:
+    """A job service whose reshard kind blocks a job named "stuck" until `release` (as a collective stuck in
+    gloo), noting the seq of every job that ran to its end in `ran`."""
 
-    def kind(job: pb.CollectiveJob, ctx) -> None:
+    def __init__(self) -> None:
+        self.release, self.stuck, self.ran = threading.Event(), threading.Event(), []
+        kinds = JobKinds()
+        kinds.register("reshard", self._kind)
+        self.service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
+
+    def _kind(self, job: pb.CollectiveJob, ctx) -> None:
         if job.reshard.name == "stuck":
-            stuck.set()
-            release.wait(30)  # a collective that never returns, as one stuck in gloo
-        ran.append(job.seq)
+            self.stuck.set()
+            self.release.wait(30)
+        self.ran.append(job.seq)
 
-    kinds = JobKinds()
-    kinds.register("reshard", kind)
-    service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
-    finals: list[pb.CollectiveProgress] = []
-    first = threading.Thread(
-        target=lambda: finals.extend(service.RunCollective(_job(1, 0, 3, "stuck"), None))
-    )
-    first.start()
-    assert stuck.wait(10)  # the job runs on the job thread
+    def start(self, job: pb.CollectiveJob) -> tuple[threading.Thread, list[pb.CollectiveProgress]]:
+        """Run `job` on a thread of its own: the thread and the progress messages it gets."""
+        messages: list[pb.CollectiveProgress] = []
+        thread = threading.Thread(
+            target=lambda: messages.extend(self.service.RunCollective(job, None))
+        )
+        thread.start()
+        return thread, messages
+
+
+def test_a_cancelled_running_job_is_abandoned_and_the_next_one_runs_at_once():
+    jobs = Blocking()
+    first, finals = jobs.start(_job(1, 0, 3, "stuck"))
+    assert jobs.stuck.wait(10)  # the job runs on the job thread
     started = time.monotonic()
-    service.CancelCollective(pb.CancelCollectiveRequest(seq=1), None)
+    jobs.service.CancelCollective(pb.CancelCollectiveRequest(seq=1), None)
     first.join(10)
     assert not first.is_alive()
     assert finals[-1].done and finals[-1].started and "abandoned" in finals[-1].error
-    second = list(service.RunCollective(_job(2, 1, 4, "next"), None))[-1]
-    assert second.done and not second.error and ran == [2]
+    second = list(jobs.service.RunCollective(_job(2, 1, 4, "next"), None))[-1]
+    assert second.done and not second.error and jobs.ran == [2]
     assert time.monotonic() - started < 2  # not held by the stuck job, which still waits
     with pytest.raises(EpochEnded, match="epoch 3 has ended"):
-        service.groups.for_job(3, [0], 1.0)
-    release.set()
+        jobs.service.groups.for_job(3, [0], 1.0)
+    jobs.release.set()
 
 
 def test_a_job_without_an_epoch_is_refused():
@@ -75,56 +87,24 @@ def test_a_job_without_an_epoch_is_refused():
 def test_a_job_that_follows_none_abandons_a_running_job_of_an_earlier_epoch():
     """A restarted coordinator's first job (after_seq 0, a later epoch) does not queue behind a job its
     predecessor started and nobody will cancel: that job is abandoned and the new one runs at once."""
-    release, stuck, ran = threading.Event(), threading.Event(), []
-
-    def kind(job: pb.CollectiveJob, ctx) -> None:
-        if job.reshard.name == "stuck":
-            stuck.set()
-            release.wait(30)
-        ran.append(job.seq)
-
-    kinds = JobKinds()
-    kinds.register("reshard", kind)
-    service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
-    finals: list[pb.CollectiveProgress] = []
-    first = threading.Thread(
-        target=lambda: finals.extend(service.RunCollective(_job(5, 0, 3, "stuck"), None))
-    )
-    first.start()
-    assert stuck.wait(10)
-    second = list(service.RunCollective(_job(9, 0, 4, "after-restart"), None))[-1]
+    jobs = Blocking()
+    first, finals = jobs.start(_job(5, 0, 3, "stuck"))
+    assert jobs.stuck.wait(10)
+    second = list(jobs.service.RunCollective(_job(9, 0, 4, "after-restart"), None))[-1]
     first.join(10)
-    assert second.done and not second.error and ran == [9]
+    assert second.done and not second.error and jobs.ran == [9]
     assert finals[-1].done and "abandoned" in finals[-1].error
-    release.set()
+    jobs.release.set()
 
 
 def test_a_job_that_follows_none_leaves_a_running_job_of_its_own_epoch_alone():
     """Two independent jobs of one epoch (each the first of its ranks here): the second waits for the first."""
-    release, stuck, ran = threading.Event(), threading.Event(), []
-
-    def kind(job: pb.CollectiveJob, ctx) -> None:
-        if job.reshard.name == "slow":
-            stuck.set()
-            release.wait(30)
-        ran.append(job.seq)
-
-    kinds = JobKinds()
-    kinds.register("reshard", kind)
-    service = CollectiveJobService(ShardStore(0, shared_memory=False), kinds)
-    finals: list[pb.CollectiveProgress] = []
-    first = threading.Thread(
-        target=lambda: finals.extend(service.RunCollective(_job(5, 0, 3, "slow"), None))
-    )
-    first.start()
-    assert stuck.wait(10)
-    second: list[pb.CollectiveProgress] = []
-    follower = threading.Thread(
-        target=lambda: second.extend(service.RunCollective(_job(6, 0, 3, "next"), None))
-    )
-    follower.start()
+    jobs = Blocking()
+    first, finals = jobs.start(_job(5, 0, 3, "stuck"))
+    assert jobs.stuck.wait(10)
+    follower, second = jobs.start(_job(6, 0, 3, "next"))
     assert second == [] or not second[-1].done
-    release.set()
+    jobs.release.set()
     first.join(10)
     follower.join(10)
-    assert ran == [5, 6] and not finals[-1].error and not second[-1].error
+    assert jobs.ran == [5, 6] and not finals[-1].error and not second[-1].error
