@@ -43,7 +43,6 @@ from shardserve.server.coordinator.catalog.postgres_schema import upgrade
 from shardserve.server.coordinator.catalog.records import (
     CatalogContents,
     ShardChecksums,
-    SnapshotEntry,
     SnapshotRecord,
     TensorRecord,
     TensorState,
@@ -180,14 +179,9 @@ class PostgresCatalog(Catalog):
         durable: bool = True,
         checksums: ShardChecksums | None = None,
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
-        sums = checksums or {}
-        entries = tuple(
-            SnapshotEntry(e.key, e.tensor.with_checksums(sums.get(e.tensor.key, {}), ready=True))
-            for e in snapshot.entries
-        )
+        committed = snapshot.committed(checksums or {})
         with self._transaction(durable) as db:
-            _mark_ready(db, [e.tensor for e in entries])
-            committed = replace(snapshot, state=TensorState.READY, entries=entries)
+            _mark_ready(db, committed.tensors())
             db.execute(
                 "INSERT INTO snapshots (prefix, number, record) VALUES (%s, %s, %s::jsonb)",
                 (committed.prefix, committed.number, snapshot_json(committed)),

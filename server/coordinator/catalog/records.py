@@ -142,6 +142,16 @@ class SnapshotRecord:
         """The snapshot's tensor versions, in entry order."""
         return [entry.tensor for entry in self.entries]
 
+    def committed(self, checksums: ShardChecksums) -> SnapshotRecord:
+        """This snapshot READY, each tensor READY with the shard checksums found for it in `checksums`."""
+        entries = tuple(
+            SnapshotEntry(
+                e.key, e.tensor.with_checksums(checksums.get(e.tensor.key, {}), ready=True)
+            )
+            for e in self.entries
+        )
+        return replace(self, state=TensorState.READY, entries=entries)
+
 
 @dataclass(frozen=True)
 class CatalogContents:
