@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, TypeVar
@@ -80,9 +80,15 @@ def stored_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def hash_all(stored: Mapping[K, torch.Tensor]) -> dict[K, BlockHashes]:
     """The block hashes of every tensor of `stored`, in parallel on the hashing pool (xxhash releases the GIL)."""
+    return start_hash_all(stored)()
+
+
+def start_hash_all(stored: Mapping[K, torch.Tensor]) -> Callable[[], dict[K, BlockHashes]]:
+    """Start hashing every tensor of `stored` on the hashing pool; returns what waits for the block hashes (the
+    caller may do other work meanwhile)."""
     pool = hashing_pool()
     futures = {key: pool.submit(block_hashes, tensor) for key, tensor in stored.items()}
-    return {key: future.result() for key, future in futures.items()}
+    return lambda: {key: future.result() for key, future in futures.items()}
 
 
 def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
@@ -102,25 +108,17 @@ def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
 
 def _write_bytes(session: Session, shard: ChangedShard, ranges: list[tuple[int, int]]) -> int:
     flat = shard.stored.reshape(-1).view(torch.uint8)
-    data = b"".join(flat[start:stop].numpy().data for start, stop in ranges)
-    address = session.address_of(shard.rank)
     request = pb.WriteBytesRequest(
         name=shard.name,
         version=shard.version,
         shard_index=shard.index,
         starts=[start for start, _ in ranges],
         lengths=[stop - start for start, stop in ranges],
-        data=data,
     )
-    channel = session.channel
-    reply = channel.unary(
-        channel.shard_server(address).WriteBytes,
-        request,
-        f"rank at {address}",
-        timeout=channel.data_timeout(len(data)),
-    )
-    if reply.bytes_written != len(data):
+    nbytes = sum(stop - start for start, stop in ranges)
+    written = session.write_bytes(shard.rank, request, [flat[start:stop] for start, stop in ranges])
+    if written != nbytes:
         raise ShardServeError(
-            f"rank at {address} wrote {reply.bytes_written} of {len(data)} bytes of {shard.name!r}"
+            f"rank {shard.rank} wrote {written} of {nbytes} bytes of {shard.name!r}"
         )
-    return len(data)
+    return nbytes

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
 from shardserve.client import catalog_requests as catalog
 from shardserve.client.channel import Channel
 from shardserve.client.coordinators import Coordinators
@@ -119,6 +121,28 @@ class Session:
         """Write whole shards of pending versions, (rank, write) each, every rank by its fastest path and all
         ranks at once; returns the bytes written per path (client.paths.writes)."""
         return write_shards(self.paths.write, self.rank_status, writes, self.run_all)
+
+    def write_bytes(
+        self, rank: int, request: pb.WriteBytesRequest, pieces: Sequence[torch.Tensor]
+    ) -> int:
+        """WriteBytes of `request`'s byte ranges to `rank`, their bytes `pieces` (flat uint8 CPU tensors, one per
+        range): through a staging memfd where the rank is on this host and reads it, else inline in the request;
+        returns the bytes written."""
+        status = self.rank_status(rank)
+        written = self.paths.write_bytes_in_memory(status, request, pieces)
+        if written is not None:
+            return written
+        inline = pb.WriteBytesRequest()
+        inline.CopyFrom(request)
+        inline.data = b"".join(piece.numpy().data for piece in pieces)
+        channel = self.channel
+        reply = channel.unary(
+            channel.shard_server(status.address).WriteBytes,
+            inline,
+            f"rank at {status.address}",
+            timeout=channel.data_timeout(len(inline.data)),
+        )
+        return reply.bytes_written
 
     # ------------------------------------------------------------ coordinator calls
 

@@ -16,7 +16,7 @@ the server layout, every tensor from one snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -37,11 +37,13 @@ from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
 from shardserve.client.spmd_delta import (
     PreviousPut,
+    ShardKey,
     create_delta,
     hash_shards,
     my_shards,
     previous_puts,
     snapshot_layouts,
+    start_hashing,
     write_changed,
     write_whole,
 )
@@ -196,6 +198,9 @@ class _StatePut:
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
+            hashes = start_hashing(
+                previous, self.local, self.job.rank
+            )  # while the snapshot is made
             created = self.job.from_rank0(
                 lambda: create_delta(
                     self.session,
@@ -209,7 +214,11 @@ class _StatePut:
             )
             if created is not None:
                 return self._fill(
-                    pb.SnapshotInfo.FromString(created), previous.tensors, basis, previous=previous
+                    pb.SnapshotInfo.FromString(created),
+                    previous.tensors,
+                    basis,
+                    previous=previous,
+                    hashes=hashes,
                 )
         reports = resolved_sizes(self.job.all_gather(self.mine))
         tensors, created = self.job.from_rank0(
@@ -265,15 +274,18 @@ class _StatePut:
         basis: Any,
         *,
         previous: PreviousPut | None = None,
+        hashes: Callable[[], dict[ShardKey, tuple[int, ...]]] | None = None,
     ) -> int:
         """Write every rank's shards into the pending `snapshot` (only their blocks changed since `previous`,
-        for a delta snapshot) and commit it, keeping the next one if the commit reserved it, and a delta put's
-        block hashes; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
+        for a delta snapshot, by the block `hashes` being made of them) and commit it, keeping the next one if
+        the commit reserved it, and a delta put's block hashes; on failure it is aborted (nothing visible) and
+        every rank raises SpmdError."""
         job = self.job
-        hashes: dict[tuple[str, int], tuple[int, ...]] = {}
+        written: dict[ShardKey, tuple[int, ...]] = {}
         try:
             job.all_done(
-                lambda: hashes.update(self._write(snapshot, tensors, previous)), "writing shards"
+                lambda: written.update(self._write(snapshot, tensors, previous, hashes)),
+                "writing shards",
             )
             number, reserved = job.from_rank0(lambda: self._commit(snapshot), "committing")
         except SpmdError:
@@ -283,7 +295,7 @@ class _StatePut:
         if reserved is not None:
             self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
         if self.delta:
-            kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, hashes)
+            kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, written)
             previous_puts(self.session).keep(self.prefix, kept)
         return number
 
@@ -292,14 +304,15 @@ class _StatePut:
         snapshot: pb.SnapshotInfo,
         tensors: Mapping[str, JobTensor],
         previous: PreviousPut | None,
-    ) -> dict[tuple[str, int], tuple[int, ...]]:
-        """Write this rank's shards: the blocks changed since `previous` into a delta snapshot's copies, else
-        whole; a delta put's block hashes of them."""
+        hashes: Callable[[], dict[ShardKey, tuple[int, ...]]] | None,
+    ) -> dict[ShardKey, tuple[int, ...]]:
+        """Write this rank's shards: the blocks changed since `previous` into a delta snapshot's copies (by
+        their block `hashes`, when already being made), else whole; a delta put's block hashes of them."""
         shards = list(my_shards(snapshot, tensors, self.local, self.job.rank))
         if previous is not None:
-            hashes = hash_shards(shards)
-            write_changed(self.session, shards, hashes, previous.hashes)
-            return hashes
+            now = hashes() if hashes is not None else hash_shards(shards)
+            write_changed(self.session, shards, now, previous.hashes)
+            return now
         write_whole(self.session, shards)
         return hash_shards(shards) if self.delta else {}
 

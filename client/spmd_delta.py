@@ -14,7 +14,7 @@ ranks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from shardserve.client.delta_writes import (
     PreviousPuts,
     hash_all,
     previous_puts_of,
+    start_hash_all,
     stored_bytes,
 )
 from shardserve.client.delta_writes import write_changed as send_changed
@@ -110,29 +111,58 @@ def my_shards(
     rank: int,
 ) -> Iterator[MyShard]:
     """Every server shard of `snapshot` whose writer is job `rank`, with the piece of the job's tensor it holds."""
-    for entry in snapshot.entries:
-        meta = metadata_from_proto(entry.tensor.metadata)
-        held = dict(local[entry.key])
+    entries = {entry.key: entry for entry in snapshot.entries}
+    layouts = {key: metadata_from_proto(entry.tensor.metadata) for key, entry in entries.items()}
+    for key, index, data in my_pieces(layouts, tensors, local, rank):
+        entry = entries[key]
         opened = {shard.shard_index: shard.segment for shard in entry.writable}
+        yield MyShard(
+            key,
+            entry.tensor.name,
+            entry.tensor.version,
+            index,
+            layouts[key].shards_metadata[index].rank,
+            data,
+            layouts[key].dtype,
+            opened.get(index),
+        )
+
+
+def my_pieces(
+    layouts: Mapping[str, ShardedTensorMetadata],
+    tensors: Mapping[str, JobTensor],
+    local: Mapping[str, list[Piece]],
+    rank: int,
+) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(key, shard index, the job's view of its box) of every server shard of `layouts` whose writer is job
+    `rank`."""
+    for key, meta in layouts.items():
+        held = dict(local[key])
         for index, shard in enumerate(meta.shards_metadata):
-            writer, job_box = writer_of(shard.box, tensors[entry.key])
+            writer, job_box = writer_of(shard.box, tensors[key])
             if writer != rank:
                 continue
-            data = (
+            yield (
+                key,
+                index,
                 local_view(held[job_box], job_box, shard.box)
                 if not shard.box.is_empty()
-                else torch.empty(shard.box.sizes, dtype=meta.dtype)
+                else torch.empty(shard.box.sizes, dtype=meta.dtype),
             )
-            yield MyShard(
-                entry.key,
-                entry.tensor.name,
-                entry.tensor.version,
-                index,
-                shard.rank,
-                data,
-                meta.dtype,
-                opened.get(index),
-            )
+
+
+def start_hashing(
+    previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int
+) -> Callable[[], dict[ShardKey, tuple[int, ...]]]:
+    """Start hashing the shards job `rank` would write into a delta snapshot of `previous` (its layouts), on the
+    hashing pool while the snapshot is created; returns what waits for the hashes."""
+    layouts = previous.layouts
+    return start_hash_all(
+        {
+            (key, index): stored_bytes(data, layouts[key].dtype)
+            for key, index, data in my_pieces(layouts, previous.tensors, local, rank)
+        }
+    )
 
 
 def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:

@@ -899,20 +899,22 @@ class WriteRowsResponse(_message.Message):
     def __init__(self, rows_written: _Optional[int] = ...) -> None: ...
 
 class WriteBytesRequest(_message.Message):
-    __slots__ = ("name", "version", "shard_index", "starts", "lengths", "data")
+    __slots__ = ("name", "version", "shard_index", "starts", "lengths", "data", "shared")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     STARTS_FIELD_NUMBER: _ClassVar[int]
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     shard_index: int
     starts: _containers.RepeatedScalarFieldContainer[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shared: SharedMemorySource
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., starts: _Optional[_Iterable[int]] = ..., lengths: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shared: _Optional[_Union[SharedMemorySource, _Mapping]] = ...) -> None: ...
 
 class WriteBytesResponse(_message.Message):
     __slots__ = ("bytes_written",)

@@ -186,6 +186,14 @@ class InPlaceWrites(DataPath, Protocol):
     @property
     def in_place_host_id(self) -> str: ...
 
+    def write_bytes(
+        self, address: str, request: pb.WriteBytesRequest, pieces: Sequence[torch.Tensor]
+    ) -> int:
+        """WriteBytes of `request`'s ranges with their bytes (`pieces`: flat uint8 CPU tensors, one per range)
+        passed through memory the rank reads; returns the bytes written. A path refusal (PATH_UNAVAILABLE) when
+        the rank cannot read it."""
+        ...
+
 
 class RankCalls(DataPath, Protocol):
     """A path with `rank_calls`: the rank answers ReadRegions (and Lookup) calls on it."""

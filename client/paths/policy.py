@@ -56,6 +56,7 @@ from shardserve.client.paths.kinds import (
     RowReads,
     StreamedCalls,
     in_place_writes,
+    path_refused,
     row_reads,
     streamed,
 )
@@ -66,6 +67,7 @@ from shardserve.client.ranks import RankDirectory
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
 from shardserve.core.wire import byte_view
+from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -315,6 +317,25 @@ class PathPolicy:
             rank, lambda data_path: data_path.write_shards(rank.address, writes), doing="write"
         )
         return path, written
+
+    def write_bytes_in_memory(
+        self, rank: RankStatus, request: pb.WriteBytesRequest, pieces: Sequence[torch.Tensor]
+    ) -> int | None:
+        """WriteBytes of `request`'s ranges (their bytes: `pieces`, flat uint8 CPU tensors) through memory the
+        rank reads, by the first path of the chain that writes in place and may serve `rank`; the bytes written,
+        or None when no such path serves it or the rank refuses (the caller sends the bytes in the request)."""
+        for path in self.reads.paths:
+            writer = in_place_writes(path)
+            if writer is None or not path.supports(rank):
+                continue
+            try:
+                return writer.write_bytes(rank.address, request, pieces)
+            except ShardServeError as err:
+                if not path_refused(err):
+                    raise
+                log.debug("byte ranges to %s through memory: %s; sending them", rank.address, err)
+            return None
+        return None
 
     def send_all(
         self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]

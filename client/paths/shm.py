@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import torch
@@ -47,7 +47,7 @@ from shardserve.client.paths.kinds import (
 )
 from shardserve.client.paths.registered import PAGES
 from shardserve.client.paths.shard_opener import ShardOpener, SharedMemoryError, stale
-from shardserve.client.paths.staging import StagingFiles
+from shardserve.client.paths.staging import StagingFile, StagingFiles
 from shardserve.client.paths.writes import (
     DIRECT_BATCH_BYTES,
     ShardWrite,
@@ -55,6 +55,7 @@ from shardserve.client.paths.writes import (
     write_request,
 )
 from shardserve.core.regions import local_view
+from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.protos.same_host import host_id
 
@@ -230,17 +231,51 @@ class SharedMemoryPath:
         )
 
     def _write_staged_batch(self, address: str, writes: Sequence[ShardWrite]) -> int:
+        def call(source: pb.SharedMemorySource, timeout: float) -> int:
+            request = write_request(writes)
+            request.shared.CopyFrom(source)
+            reply = self.channel.shard_methods(address).write_shards(
+                request, timeout=timeout, metadata=self.channel.metadata
+            )
+            return reply.bytes_written
+
         total = sum(write.nbytes for write in writes)
+        return self._staged(address, total, lambda staging: staging.pack(writes), call)
+
+    def write_bytes(
+        self, address: str, request: pb.WriteBytesRequest, pieces: Sequence[torch.Tensor]
+    ) -> int:
+        """WriteBytes to the same-host rank at `address` with the ranges' bytes (`pieces`: flat uint8 CPU tensors,
+        one per range) packed into a staging memfd the rank reads; returns the bytes written. SharedMemoryError
+        when the rank cannot read it (not the same host for it, shared memory off)."""
+
+        def call(source: pb.SharedMemorySource, timeout: float) -> int:
+            staged = pb.WriteBytesRequest()
+            staged.CopyFrom(request)
+            staged.shared.CopyFrom(source)
+            reply = self.channel.shard_server(address).WriteBytes(
+                staged, timeout=timeout, metadata=self.channel.metadata
+            )
+            return reply.bytes_written
+
+        total = sum(piece.numel() for piece in pieces)
+        return self._staged(address, total, lambda staging: staging.pack_bytes(pieces), call)
+
+    def _staged(
+        self,
+        address: str,
+        total: int,
+        pack: Callable[[StagingFile], None],
+        call: Callable[[pb.SharedMemorySource, float], int],
+    ) -> int:
+        """call(source, timeout) with `total` bytes packed into a staging file by pack(file); the file is kept for
+        the next write once the rank answered, else closed (the rank may still read it)."""
         staging = self._staging.take(total)
         try:
-            staging.pack(writes)
-            request = write_request(writes)
-            request.shared.CopyFrom(staging.source(self.host[1]))
-            reply = self.channel.shard_methods(address).write_shards(
-                request, timeout=self.channel.data_timeout(total), metadata=self.channel.metadata
-            )
+            pack(staging)
+            written = call(staging.source(self.host[1]), self.channel.data_timeout(total))
         except grpc.RpcError as err:
-            staging.close()  # the rank may still be reading it: never reused
+            staging.close()
             error = error_from_rpc(err, f"rank at {address}")
             if error.reason == Reason.PATH_UNAVAILABLE:
                 raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
@@ -249,7 +284,7 @@ class SharedMemoryPath:
             staging.close()
             raise
         self._staging.give_back(staging)
-        return reply.bytes_written
+        return written
 
     def close(self) -> None:
         """Forget every cached mapping (unmapped once no tensor uses it) and close the kept staging files."""

@@ -20,6 +20,7 @@ from types import TracebackType
 
 import torch
 
+from shardserve.client.paths.copies import copy_tensor
 from shardserve.client.paths.writes import ShardWrite
 from shardserve.core.wire import tensor_bytes
 from shardserve.protos import shardserve_pb2 as pb
@@ -66,6 +67,18 @@ class StagingFile:
                     target.copy_(torch.frombuffer(tensor_bytes(write.stored()), dtype=torch.uint8))
                 del target
             offset += write.nbytes
+
+    def pack_bytes(self, pieces: Sequence[torch.Tensor]) -> None:
+        """Copy flat uint8 CPU tensors into the file, back to back in order (a byte-range write's ranges)."""
+        offset = 0
+        for piece in pieces:
+            if piece.numel():
+                target = torch.frombuffer(
+                    self._map, dtype=torch.uint8, count=piece.numel(), offset=offset
+                )
+                copy_tensor(target, piece)
+                del target  # no view of the mapping outlives the copy: close() can unmap it
+            offset += piece.numel()
 
     def source(self, host_id: str) -> pb.SharedMemorySource:
         """The file as WriteShards' shared source, from this process on host `host_id`."""

@@ -42,6 +42,7 @@ from shardserve.core.address_space import PAGE, AddressRange, round_up
 from shardserve.server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
+RUN_BLOCKS = 8  # back-to-back blocks copied at once that share one file (2 MiB and more)
 
 
 class BlockFile:
@@ -150,24 +151,49 @@ class Blocks:
         self.max_files = max_files
         self.open_files = 0
 
-    def _copy(self, blocks: list[Block], flat: torch.Tensor, indexes: list[int]) -> list[Block]:
-        """Copies of `blocks` (at block `indexes` of `flat`, their mapped bytes): each in a new memfd of its own,
-        or all in one when the rank has `max_files` open already; not sealed yet, each used by one version."""
+    def _copy(
+        self,
+        blocks: list[Block],
+        flat: torch.Tensor,
+        indexes: list[int],
+        *,
+        overwritten: frozenset[int] = frozenset(),
+    ) -> list[Block]:
+        """Copies of `blocks` (at block `indexes` of `flat`, their mapped bytes), not sealed yet, each used by one
+        version: a run of at least RUN_BLOCKS back-to-back blocks in one new memfd (mapped with one call, freed
+        whole), every other block in a memfd of its own, and all of them in one when the rank has `max_files`
+        open already. Blocks at `overwritten` indexes are not copied (the caller writes every byte of them)."""
         slots = [round_up(b.nbytes, PAGE) for b in blocks]
-        alone = self.open_files + len(blocks) <= self.max_files
-        files = (
-            [self._new_file(n) for n in slots]
-            if alone
-            else [self._new_file(sum(slots))] * len(blocks)
-        )
-        out, offset = [], 0
-        for block, k, file, slot in zip(blocks, indexes, files, slots):
-            at = 0 if alone else offset
-            _copy_block(block, file, at, flat[k * BLOCK_BYTES : k * BLOCK_BYTES + block.nbytes])
-            file.refs[at] = 1
-            out.append(Block(file, at, block.nbytes))
-            offset += slot
+        out: list[Block] = []
+        for group in self._file_groups(indexes):
+            file = self._new_file(sum(slots[i] for i in group))
+            at = 0
+            for i in group:
+                block, k = blocks[i], indexes[i]
+                if k not in overwritten:
+                    _copy_block(
+                        block, file, at, flat[k * BLOCK_BYTES : k * BLOCK_BYTES + block.nbytes]
+                    )
+                file.refs[at] = 1
+                out.append(Block(file, at, block.nbytes))
+                at += slots[i]
         return out
+
+    def _file_groups(self, indexes: list[int]) -> list[list[int]]:
+        """Positions in `indexes` (ascending block indexes) cut into the groups that share one new file."""
+        if self.open_files + len(indexes) > self.max_files:
+            return [list(range(len(indexes)))] if indexes else []
+        groups: list[list[int]] = []
+        for i, k in enumerate(indexes):
+            if groups and indexes[groups[-1][-1]] == k - 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return [
+            piece
+            for group in groups
+            for piece in ([group] if len(group) >= RUN_BLOCKS else [[i] for i in group])
+        ]
 
     def _new_file(self, nbytes: int) -> BlockFile:
         file = BlockFile.create(nbytes, on_close=self._closed)
@@ -270,17 +296,27 @@ class Blocks:
             if not wanted:
                 return 0, 0
             copies = self._copy(
-                [table.blocks[k] for k in wanted], tensor.view(-1).view(torch.uint8), wanted
+                [table.blocks[k] for k in wanted],
+                tensor.view(-1).view(torch.uint8),
+                wanted,
+                overwritten=_covered(byte_ranges, table.blocks),
             )
             freed = 0
             for k, block in zip(wanted, copies):
                 old = table.blocks[k]
-                table.space.place(
-                    k * BLOCK_BYTES, block.nbytes, block.file.fd, block.offset, writable=True
-                )
                 freed += old.file.unref(old.offset, old.nbytes)
                 table.blocks[k] = block
                 table.owned.add(k)
+            for start, stop in _runs(table.blocks, among=set(wanted)):
+                first = table.blocks[start]
+                table.space.place(
+                    start * BLOCK_BYTES,
+                    sum(b.nbytes for b in table.blocks[start:stop]),
+                    first.file.fd,
+                    first.offset,
+                    writable=True,
+                    populate=True,  # about to be written: page tables filled in one call, not a fault a page
+                )
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
@@ -348,16 +384,40 @@ def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor
         os.pwrite(file.fd, mapped[done:].numpy().data, offset + done)
 
 
-def _runs(blocks: list[Block]) -> list[tuple[int, int]]:
-    """[start, stop) index runs of blocks that lie back to back in one file (mapped with one call)."""
-    runs, start = [], 0
-    for k in range(1, len(blocks) + 1):
-        if (
-            k == len(blocks)
-            or blocks[k].file is not blocks[k - 1].file
-            or blocks[k].offset != blocks[k - 1].offset + BLOCK_BYTES
-            or blocks[k - 1].nbytes != BLOCK_BYTES
-        ):
+def _runs(blocks: list[Block], among: set[int] | None = None) -> list[tuple[int, int]]:
+    """[start, stop) index runs of blocks that lie back to back in one file (mapped with one call); only of the
+    blocks at indexes `among`, when given."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for k in range(len(blocks) + 1):
+        inside = k < len(blocks) and (among is None or k in among)
+        joins = (
+            inside
+            and start is not None
+            and blocks[k].file is blocks[k - 1].file
+            and blocks[k].offset == blocks[k - 1].offset + BLOCK_BYTES
+            and blocks[k - 1].nbytes == BLOCK_BYTES
+        )
+        if start is not None and not joins:
             runs.append((start, k))
+            start = None
+        if inside and start is None:
             start = k
     return runs
+
+
+def _covered(byte_ranges: list[tuple[int, int]], blocks: list[Block]) -> frozenset[int]:
+    """Indexes of the blocks whose every byte the (possibly overlapping) `byte_ranges` cover."""
+    unions: list[list[int]] = []
+    for start, stop in sorted(r for r in byte_ranges if r[1] > r[0]):
+        if unions and start <= unions[-1][1]:
+            unions[-1][1] = max(unions[-1][1], stop)
+        else:
+            unions.append([start, stop])
+    covered: set[int] = set()
+    for start, stop in unions:
+        k = -(-start // BLOCK_BYTES)
+        while k < len(blocks) and k * BLOCK_BYTES + blocks[k].nbytes <= stop:
+            covered.add(k)
+            k += 1
+    return frozenset(covered)

@@ -71,25 +71,30 @@ def assert_same(got: dict[str, Any], expected: dict[str, Any]) -> None:
             assert got[key] == value, key
 
 
+@pytest.mark.parametrize(
+    "transport", ["auto", "grpc"]
+)  # changed bytes through a staging memfd, or inline
 def test_unchanged_sends_nothing_and_one_row_sends_one_block(
-    cluster: LocalCluster, sent: list[int]
+    cluster: LocalCluster, sent: list[int], transport: str
 ) -> None:
-    with connect(cluster.address) as client:
+    prefix = f"d/rows-{transport}"
+    with connect(cluster.address, transport=transport) as client:
         state = model(1)
-        first = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
+        first = spmd.put_state_dict(client, state, prefix, keep=4, delta=True)
         assert sent == []  # no previous put: in full
-        second = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
+        second = spmd.put_state_dict(client, state, prefix, keep=4, delta=True)
         assert second > first and sent == [0]
-        assert_same(read(client, "d/rows", state), state)
+        assert_same(read(client, prefix, state), state)
         state["a"][700] += 1.0
+        state["a"][1024:1536] = -1.0  # a whole delta block, four rank blocks rewritten in full
         state["step"] = 2
-        third = spmd.put_state_dict(client, state, "d/rows", keep=4, delta=True)
-        assert sent == [0, DELTA_BLOCK_BYTES]  # rows 512..1023 of "a"
-        assert_same(read(client, "d/rows", state), state)
-        older = read(client, "d/rows", state, second)
+        third = spmd.put_state_dict(client, state, prefix, keep=4, delta=True)
+        assert sent == [0, 2 * DELTA_BLOCK_BYTES]  # rows 512..1023 and 1024..1535 of "a"
+        assert_same(read(client, prefix, state), state)
+        older = read(client, prefix, state, second)
         assert older["a"][700].sum() != state["a"][700].sum()
         assert torch.equal(older["b"], state["b"]) and older["step"] == 1
-        assert [s.number for s in client.snapshots("d/rows")] == [first, second, third]
+        assert [s.number for s in client.snapshots(prefix)] == [first, second, third]
 
 
 def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list[int]) -> None:

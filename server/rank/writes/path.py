@@ -9,8 +9,9 @@ promote refuses it until it is written again) and its bytes counted once.
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -133,16 +134,39 @@ class WritePath:
                 f"version {version} of {name!r} is a durable row update's copy: write it with WriteRows",
                 metadata={"tensor": name},
             )
-        ranges = checked_ranges(request.starts, request.lengths, nbytes, len(request.data))
-        data = memoryview(request.data)
-        with leases.rewrite(name, version, request.shard_index, byte_ranges=ranges) as shard:
-            flat = shard.reshape(-1).view(torch.uint8)
-            at = 0
-            for start, stop in ranges:
-                flat[start:stop].numpy()[:] = np.frombuffer(data[at : at + stop - start], np.uint8)
-                at += stop - start
-        self.store.metrics.written(name, len(request.data))
-        return len(request.data)
+        shared = request.HasField("shared")
+        total = sum(request.lengths) if shared else len(request.data)
+        ranges = checked_ranges(request.starts, request.lengths, nbytes, total)
+        with self._byte_source(request, total) as read:
+            with leases.rewrite(name, version, request.shard_index, byte_ranges=ranges) as shard:
+                flat = shard.reshape(-1).view(torch.uint8)
+                at = 0
+                for start, stop in ranges:
+                    read(at, memoryview(flat[start:stop].numpy()))
+                    at += stop - start
+        self.store.metrics.written(name, total)
+        return total
+
+    @contextlib.contextmanager
+    def _byte_source(
+        self, request: pb.WriteBytesRequest, total: int
+    ) -> Iterator[Callable[[int, memoryview], None]]:
+        """A reader of WriteBytes' `total` bytes, read(offset, view), from its staging memfd or inline data."""
+        if not request.HasField("shared"):
+            inline = memoryview(request.data)
+
+            def read(offset: int, view: memoryview) -> None:
+                view[:] = inline[offset : offset + len(view)]
+
+            yield read
+            return
+        if request.data:
+            raise InvalidArgument(
+                "data: bytes sent inline with a shared source; send one of them",
+                metadata={"field": "data"},
+            )
+        with SharedSource.open(request.shared, total, self.store.shared.enabled) as source:
+            yield source.read_into
 
     def _from_inline(self, shards: Sequence[ShardBytes], data: bytes) -> int:
         if len(data) != batch_bytes(shards):
