@@ -142,7 +142,7 @@ class WritePath:
                 flat = shard.reshape(-1).view(torch.uint8)
                 at = 0
                 for start, stop in ranges:
-                    read(at, memoryview(flat[start:stop].numpy()))
+                    read(at, flat[start:stop].numpy().data)
                     at += stop - start
         self.store.metrics.written(name, total)
         return total
