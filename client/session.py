@@ -209,11 +209,15 @@ class Session:
         reads the newer one instead, although ranks keep serving the older one for their grace period."""
         return self.versions.newest(name)
 
-    def create_tensor(self, new: NewTensor) -> pb.TensorInfo:
+    def create_tensor(self, new: NewTensor, *, in_place: bool = False) -> pb.TensorInfo:
         """CreateTensor under a fresh put token. When the answer is lost (deadline, connection) the version may
         have been made anyway, with no one to write or abort it: the token aborts it (or, if the coordinator
-        has not run the call yet, makes it refuse the call), instead of leaving it to the pending timeout."""
+        has not run the call yet, makes it refuse the call), instead of leaving it to the pending timeout.
+        `in_place`: ranks on this host open the shards for this client's in-place writes (the answer's
+        `writable`), where this client writes in place."""
         request = create_request(new, put_token=uuid.uuid4().hex)
+        if in_place:
+            request.writer_host_id = self.paths.in_place_host()
         try:
             return self.call("CreateTensor", request)
         except (DeadlineExceededError, RankUnavailableError):
@@ -224,14 +228,16 @@ class Session:
                 )
             raise
 
-    def commit(self, name: str, version: int) -> pb.TensorInfo:
-        """CommitTensor of a pending version. When the answer is lost (deadline, connection) the commit may still
-        have happened: then the READY version says so, and it counts as done rather than being reported failed
-        while it is visible."""
+    def commit(self, name: str, version: int, *, written_in_place: bool = False) -> pb.TensorInfo:
+        """CommitTensor of a pending version (`written_in_place`: this client filled the shards its create
+        opened for it). When the answer is lost (deadline, connection) the commit may still have happened: then
+        the READY version says so, and it counts as done rather than being reported failed while it is
+        visible."""
+        request = pb.CommitTensorRequest(
+            name=name, version=version, written_in_place=written_in_place
+        )
         try:
-            committed = self.call(
-                "CommitTensor", pb.CommitTensorRequest(name=name, version=version)
-            )
+            committed = self.call("CommitTensor", request)
             self.saw_version(name, committed.version)
             return committed
         except (DeadlineExceededError, RankUnavailableError):

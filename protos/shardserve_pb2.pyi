@@ -205,7 +205,7 @@ class ReportRestoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order", "shard_checksums")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order", "shard_checksums", "writable")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,7 @@ class TensorInfo(_message.Message):
     OWNER_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     SHARD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -240,7 +241,8 @@ class TensorInfo(_message.Message):
     owner: str
     update_order: int
     shard_checksums: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ..., shard_checksums: _Optional[_Iterable[int]] = ...) -> None: ...
+    writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ..., shard_checksums: _Optional[_Iterable[int]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class RepairState(_message.Message):
     __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")
@@ -343,7 +345,7 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
-    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token")
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token", "writer_host_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +354,7 @@ class CreateTensorRequest(_message.Message):
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: ShardedTensorMetadata
     init: InitKind
@@ -360,15 +363,18 @@ class CreateTensorRequest(_message.Message):
     overwrite: bool
     source_version: int
     put_token: str
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ...) -> None: ...
+    writer_host_id: str
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ..., writer_host_id: _Optional[str] = ...) -> None: ...
 
 class CommitTensorRequest(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "written_in_place")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    written_in_place: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., written_in_place: _Optional[bool] = ...) -> None: ...
 
 class AbortTensorRequest(_message.Message):
     __slots__ = ("name", "version", "put_token")

@@ -1,5 +1,8 @@
 """A whole put of one tensor: create a PENDING version, write every shard to its ranks, commit.
 
+On the same host the create opens the shards for this client's in-place writes (as a snapshot's does): the
+writer fills them with no call to the ranks and the commit counts them written.
+
 Cluster.put's path when it is not a delta (or a delta that must be made in full, client/put_delta.py). Nothing is
 visible on failure: the version is aborted; a write told the version is gone reads as ABORTED when another put or
 create of the name with overwrite=True replaced it meanwhile.
@@ -39,12 +42,23 @@ def put_whole_tensor(
 ) -> pb.TensorInfo:
     """Create a version of `name` laid out as `meta`, write every shard whole (`shards`: the tensor cut by it;
     `chunk_bytes`: the message size of shards streamed over gRPC) and commit it; aborted on failure."""
-    info = session.create_tensor(NewTensor(name, meta, overwrite=overwrite, options=options))
+    info = session.create_tensor(
+        NewTensor(name, meta, overwrite=overwrite, options=options), in_place=True
+    )
     try:
+        opened = {shard.shard_index: shard.segment for shard in info.writable}
         writes = [
             (
                 meta.shards_metadata[index].rank,
-                shard_write(name, info.version, index, shard, chunk_bytes, dtype=meta.dtype),
+                shard_write(
+                    name,
+                    info.version,
+                    index,
+                    shard,
+                    chunk_bytes,
+                    dtype=meta.dtype,
+                    segment=opened.get(index),
+                ),
             )
             for index, shard in enumerate(shards)
         ]
@@ -52,7 +66,7 @@ def put_whole_tensor(
             session.write_shards(writes)
         except (StaleVersionError, TensorNotFoundError) as err:
             raise _why_writes_failed(session, name, info.version, err) from None
-        return session.commit(name, info.version)
+        return session.commit(name, info.version, written_in_place=bool(opened))
     except BaseException:
         session.abort(name, info.version)
         raise

@@ -41,12 +41,7 @@ def snapshot_order(
         raise InvalidArgument(f"keep {keep} is over the limit of {MAX_KEEP}")
     layouts = _checked_tensors(request.tensors)
     skeleton = _checked_skeleton(request.skeleton, layouts)
-    if len(request.writer_host_id.encode()) > MAX_HOST_ID_BYTES:
-        raise InvalidArgument(
-            f"writer_host_id: {len(request.writer_host_id.encode())} bytes, over the limit of "
-            f"{MAX_HOST_ID_BYTES}",
-            metadata={"field": "writer_host_id"},
-        )
+    check_host_id(request.writer_host_id, "writer_host_id")
     return SnapshotOrder(
         prefix,
         keep,
@@ -56,6 +51,16 @@ def snapshot_order(
         writer_host_id="" if authenticated else request.writer_host_id,
         delta_of=check_version(request.delta_of, "delta_of", allow_zero=True),
     )
+
+
+def check_host_id(value: str, field: str) -> str:
+    """A writer's host id (boot id and namespaces), at most MAX_HOST_ID_BYTES; INVALID_ARGUMENT naming `field`."""
+    if len(value.encode()) > MAX_HOST_ID_BYTES:
+        raise InvalidArgument(
+            f"{field}: {len(value.encode())} bytes, over the limit of {MAX_HOST_ID_BYTES}",
+            metadata={"field": field},
+        )
+    return value
 
 
 def commit_order(request: pb.CommitSnapshotRequest) -> CommitOrder:

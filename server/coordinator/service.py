@@ -41,6 +41,7 @@ from shardserve.server.coordinator.ranks.messages import (
     restore_from_proto,
 )
 from shardserve.server.coordinator.requests import (
+    check_host_id,
     commit_order,
     load_order,
     reshard_order,
@@ -59,12 +60,14 @@ _PHASES = {
 }
 
 
-def new_tensor(request: pb.CreateTensorRequest) -> NewTensor:
-    """A CreateTensor request, checked field by field (InvalidArgument names the first bad one)."""
+def new_tensor(request: pb.CreateTensorRequest, *, authenticated: bool = False) -> NewTensor:
+    """A CreateTensor request, checked field by field (InvalidArgument names the first bad one). An
+    `authenticated` caller's writer_host_id is dropped, as CreateSnapshot drops it."""
     name = check_name(request.name)
     meta = parse_metadata(request.metadata)
     check_init(request.init, meta.dtype)
     check_options(request.options, meta)
+    check_host_id(request.writer_host_id, "writer_host_id")
     return NewTensor(
         name=name,
         metadata=meta,
@@ -74,6 +77,7 @@ def new_tensor(request: pb.CreateTensorRequest) -> NewTensor:
         overwrite=request.overwrite,
         source_version=request.source_version,
         put_token=check_put_token(request.put_token),
+        writer_host_id="" if authenticated else request.writer_host_id,
     )
 
 
@@ -138,15 +142,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def CreateTensor(
         self, request: pb.CreateTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
-        made = self.coordinator.lifecycle.create(new_tensor(request))
-        return self.answers.tensor(made.value, made.update_order)
+        made = self.coordinator.lifecycle.create(
+            new_tensor(request, authenticated=not _anonymous())
+        )
+        answer = self.answers.tensor(made.value, made.update_order)
+        answer.writable.extend(made.writable)
+        return answer
 
     @rpc_errors
     @led
     def CommitTensor(
         self, request: pb.CommitTensorRequest, context: grpc.ServicerContext
     ) -> pb.TensorInfo:
-        committed = self.coordinator.lifecycle.commit(request.name, request.version)
+        committed = self.coordinator.lifecycle.commit(
+            request.name, request.version, written_in_place=request.written_in_place
+        )
         return self.answers.tensor(committed.value, committed.update_order)
 
     @rpc_errors

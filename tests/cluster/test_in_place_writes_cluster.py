@@ -323,6 +323,68 @@ def _segment_mappings() -> int:
         return sum("shardserve-shard" in line for line in maps)
 
 
+def test_a_tensor_put_fills_the_shards_its_create_opened_with_no_call_to_the_ranks(cluster):
+    """put(overwrite=True) on one host: CreateTensor's answer hands out the shards' segments and CommitTensor
+    counts them written, so the writer neither opens them nor tells the ranks; every dtype, every step."""
+    calls_before = _in_place_calls(cluster.address)
+    with connect(cluster.address) as client:
+        for step, dtype in enumerate(DTYPES):
+            value = _sample(dtype, (64, 33), step)
+            client.put("opened_tensor", value, overwrite=True, durable=False)
+            got = client.tensor("opened_tensor").fetch((0, 0), (64, 33))
+            assert got.dtype == dtype and torch.equal(got, value), dtype
+    assert _in_place_calls(cluster.address) == calls_before
+
+
+def test_a_tensor_create_opens_shards_only_for_a_same_host_writer_and_counts_them_when_told(
+    cluster,
+):
+    """CreateTensor with writer_host_id answers the opened shards (none for another host); CommitTensor without
+    written_in_place refuses them as not fully written and publishes nothing."""
+    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.wire import metadata_to_proto
+    from shardserve.protos.same_host import host_id
+
+    meta = metadata_to_proto(SPEC.build_metadata((8, 4), TensorProperties(dtype=torch.float32)))
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(cluster.address))
+    elsewhere = stub.CreateTensor(
+        pb.CreateTensorRequest(name="raw_opened", metadata=meta, writer_host_id="elsewhere"),
+        timeout=WAIT_S,
+    )
+    assert list(elsewhere.writable) == []
+    stub.AbortTensor(pb.AbortTensorRequest(name="raw_opened", version=elsewhere.version))
+    created = stub.CreateTensor(
+        pb.CreateTensorRequest(name="raw_opened", metadata=meta, writer_host_id=host_id()),
+        timeout=WAIT_S,
+    )
+    assert sorted(shard.shard_index for shard in created.writable) == [0, 1]
+    assert all(shard.segment.nbytes == 4 * 4 * 4 for shard in created.writable)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CommitTensor(
+            pb.CommitTensorRequest(name="raw_opened", version=created.version), timeout=WAIT_S
+        )
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+    assert rpc_status.from_call(caught.value) is not None
+    with connect(cluster.address) as client:
+        assert "raw_opened" not in {info.name for info in client.list()}
+    stub.AbortTensor(pb.AbortTensorRequest(name="raw_opened", version=created.version))
+
+
+def test_a_too_long_writer_host_id_is_refused_naming_the_field(cluster):
+    from shardserve.core.metadata import TensorProperties
+    from shardserve.core.wire import metadata_to_proto
+
+    meta = metadata_to_proto(SPEC.build_metadata((8, 4), TensorProperties(dtype=torch.float32)))
+    stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(cluster.address))
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.CreateTensor(
+            pb.CreateTensorRequest(name="long_host", metadata=meta, writer_host_id="h" * 5000),
+            timeout=WAIT_S,
+        )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("writer_host_id:")
+
+
 def test_a_tensor_put_every_step_cycles_through_two_sets_of_buffers(cluster):
     """put(overwrite=True) of the same tensor every step: each new version takes the memory of the version
     before the served one (its grace ends), which the writer and the reader keep mapped: no new mapping after

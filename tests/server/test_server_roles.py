@@ -329,7 +329,8 @@ def test_a_writer_cannot_fill_a_pending_version_outside_its_patterns(cluster):
 
 def test_an_authenticated_snapshot_writer_is_opened_no_shard_and_stages_its_bytes(cluster):
     """In-place writes are for unauthenticated clusters: the coordinator drops an authenticated caller's
-    writer_host_id, so no rank opens its shards, and put_state_dict stages the bytes instead, bit for bit."""
+    writer_host_id (of CreateSnapshot and CreateTensor), so no rank opens its shards, and put_state_dict stages
+    the bytes instead, bit for bit."""
     from shardserve import spmd
     from shardserve.core.wire import metadata_to_proto
     from shardserve.protos.same_host import host_id
@@ -343,6 +344,19 @@ def test_an_authenticated_snapshot_writer_is_opened_no_shard_and_stages_its_byte
         stub = pb_grpc.CoordinatorStub(channel)
         created = stub.CreateSnapshot(request, timeout=TIMEOUT, metadata=bearer("writer"))
         assert [list(entry.writable) for entry in created.entries] == [[]]
+        tensor = stub.CreateTensor(
+            pb.CreateTensorRequest(
+                name="authed_tensor", metadata=metadata_to_proto(meta), writer_host_id=host_id()
+            ),
+            timeout=TIMEOUT,
+            metadata=bearer("writer"),
+        )
+        assert list(tensor.writable) == []
+        stub.AbortTensor(
+            pb.AbortTensorRequest(name="authed_tensor", version=tensor.version),
+            timeout=TIMEOUT,
+            metadata=bearer("writer"),
+        )
         stub.AbortSnapshot(
             pb.AbortSnapshotRequest(prefix="authed", number=created.number),
             timeout=TIMEOUT,

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.server.common.access import caller
@@ -39,6 +39,9 @@ from shardserve.server.coordinator.drivers.update_groups import Ordered, UpdateG
 from shardserve.server.coordinator.ranks.calls import Allocation, versions_by_rank
 from shardserve.server.coordinator.ranks.health import check_copies, unavailable_shards
 
+if TYPE_CHECKING:
+    from shardserve.protos import shardserve_pb2 as pb
+
 log = logging.getLogger(__name__)
 
 ABORTED_TOKENS_KEPT = (
@@ -60,6 +63,9 @@ class NewTensor:
     overwrite: bool = False
     source_version: int = 0
     put_token: str = ""
+    writer_host_id: str = (
+        ""  # a same-host writer's: its ranks open a version it fills for in-place writes
+    )
 
 
 class ReplacedVersions(Protocol):
@@ -98,7 +104,8 @@ class TensorLifecycle:
         update joins the table's update group when one is collecting (its place is the answer's order)."""
         if new.init is not Init.COPY:
             self.registry.check_placements(new.metadata)
-            return Ordered(self._create(new))
+            writable: list[pb.WritableShard] = []
+            return Ordered(self._create(new, writable), writable=writable)
         if new.source_version:  # a copy of one given version: an update group of its own
             return Ordered(self._make_update(new))
         joined = self.update_groups.enter(new.name, new.put_token, self._abort_stale_update)
@@ -134,7 +141,11 @@ class TensorLifecycle:
         except ServiceError as err:
             log.info("aborting stale update %r version %d: %s", name, version, err.message)
 
-    def _create(self, new: NewTensor) -> TensorRecord:
+    def _create(
+        self, new: NewTensor, writable: list[pb.WritableShard] | None = None
+    ) -> TensorRecord:
+        """The new version, recorded and allocated; the shards its ranks opened for the writer's in-place
+        writes are added to `writable`."""
         name, token = new.name, new.put_token
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
@@ -166,13 +177,18 @@ class TensorLifecycle:
             with self.quotas.admit(principal, {name: record.held_bytes}):
                 self.catalog.add(record)
             allocation = Allocation(init=new.init, seed=new.seed, source_version=source_version)
+            what = f"allocate {name!r} version {record.version}"
             try:
-                self.calls.allocate(
-                    record.holding_ranks(),
-                    record,
-                    allocation,
-                    f"allocate {name!r} version {record.version}",
-                )
+                if new.writer_host_id and new.init is Init.NONE and writable is not None:
+                    writable.extend(
+                        self.calls.allocate_many(
+                            {rank: [record] for rank in record.holding_ranks()},
+                            what,
+                            writer_host_id=new.writer_host_id,
+                        )
+                    )
+                else:
+                    self.calls.allocate(record.holding_ranks(), record, allocation, what)
             except ServiceError:
                 self.drop_version(record)
                 raise
@@ -187,18 +203,24 @@ class TensorLifecycle:
                 return record
             return self._commit_locked(name, record.version)
 
-    def commit(self, name: str, version: int) -> Ordered[TensorRecord]:
-        """Promote (name, version) on every holding rank, then mark it READY and drop older versions. An
+    def commit(
+        self, name: str, version: int, *, written_in_place: bool = False
+    ) -> Ordered[TensorRecord]:
+        """Promote (name, version) on every holding rank, then mark it READY and drop older versions
+        (`written_in_place`: the shards create opened for in-place writes were filled by their writer). An
         update group's version is promoted by its last member's commit (UpdateGroups.finish)."""
         check_name(name)
         check_version(version)
         return self.update_groups.finish(
-            name, version, lambda: self._commit_named(name, version), self._abort_stale_update
+            name,
+            version,
+            lambda: self._commit_named(name, version, written_in_place),
+            self._abort_stale_update,
         )
 
-    def _commit_named(self, name: str, version: int) -> TensorRecord:
+    def _commit_named(self, name: str, version: int, written_in_place: bool) -> TensorRecord:
         with self.locks.hold(name):
-            return self._commit_locked(name, version)
+            return self._commit_locked(name, version, written_in_place=written_in_place)
 
     def abort(self, name: str, version: int) -> None:
         """Forget a PENDING version and drop its shards on the ranks."""
@@ -263,7 +285,9 @@ class TensorLifecycle:
             )  # a reshard's replaced version, if its promotion was unfinished
         log.info("deleted %r (versions %s)", name, [r.version for r in removed])
 
-    def _commit_locked(self, name: str, version: int) -> TensorRecord:
+    def _commit_locked(
+        self, name: str, version: int, *, written_in_place: bool = False
+    ) -> TensorRecord:
         record = self.catalog.get(name, version)
         if record is None:
             raise TensorNotFound(
@@ -281,9 +305,7 @@ class TensorLifecycle:
                 f"(a reshard or checkpoint load) was committed meanwhile; version {version} is aborted, "
                 f"make the change again"
             )
-        checksums = self.calls.promote(
-            record.holding_ranks(), name, version, f"commit {name!r} version {version}"
-        )
+        checksums = self._promote(record, written_in_place)
         ready, older = self.catalog.commit(
             name, version, durable=record.options.durable, checksums=checksums
         )
@@ -295,6 +317,20 @@ class TensorLifecycle:
             f", replacing versions {[o.version for o in older]}" if older else "",
         )
         return ready
+
+    def _promote(self, record: TensorRecord, written_in_place: bool) -> dict[int, int]:
+        """Promote `record` on every holding rank (its in-place shards counted written first when its writer
+        says it filled them); the checksum of each shard, by index."""
+        name, version = record.name, record.version
+        what = f"commit {name!r} version {version}"
+        if not written_in_place:
+            return self.calls.promote(record.holding_ranks(), name, version, what)
+        promoted = self.calls.promote_many(
+            {rank: [(name, version)] for rank in record.holding_ranks()},
+            what,
+            finish_in_place=True,
+        )
+        return dict(promoted.get((name, version), {}))
 
     def _copy_source(self, new: NewTensor) -> TensorRecord:
         """Init.COPY: the READY version `source_version` of the name, checked to have the same layout; with

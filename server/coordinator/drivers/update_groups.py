@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from shardserve.server.common.errors import JobFailed, ServiceError, TensorBusy
+
+if TYPE_CHECKING:
+    from shardserve.protos import shardserve_pb2 as pb
 
 R = TypeVar("R")
 
@@ -32,11 +35,13 @@ WAKE_S = 0.5  # how often a waiting member looks for a stalled turn
 
 @dataclass(frozen=True)
 class Ordered(Generic[R]):
-    """A version as one caller sees it: `value` (the version made or committed) and the caller's place in the
-    version's update group (`update_order`; 0 outside a group)."""
+    """A version as one caller sees it: `value` (the version made or committed), the caller's place in the
+    version's update group (`update_order`; 0 outside a group), and the shards its ranks opened for the caller's
+    in-place writes (`writable`: their answers, relayed to the writer as they are)."""
 
     value: R
     update_order: int = 0
+    writable: Sequence[pb.WritableShard] = ()
 
 
 @dataclass
