@@ -29,8 +29,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -59,6 +60,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.protos.same_host import HEADER_WORDS, leave_checksum
 
+SWEEP_S = 1.0  # how often a writer checks which of a rank's kept mappings the rank let go
 MAPPED_BYTES = (
     4 << 30
 )  # writable mappings kept between writes: two versions of a 2 GiB state dict per host
@@ -96,11 +98,16 @@ class InPlaceWriter:
         mapped_bytes: int = MAPPED_BYTES,
         *,
         pages: RegisteredPages = PAGES,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what the sweeps of released mappings are timed by (seconds, monotonic; tests pass a fake
+        one)."""
         self.channel = channel
         self.host_id = host_id
         self.pages = pages  # CPU mappings registered with CUDA for copies from CUDA tensors
         self.mappings = KeptMappings(mapped_bytes)
+        self._clock = clock
+        self._swept: dict[str, float] = {}  # when each rank's kept mappings were last checked
 
     @property
     def mapped_segments(self) -> int:
@@ -122,8 +129,18 @@ class InPlaceWriter:
             fill(writes, targets, headers)
         )  # every byte in place before the rank counts them
         written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
-        self.mappings.unmap_released(address, {_key(address, segment) for segment in segments})
+        self._sweep(address, segments)
         return written
+
+    def _sweep(self, address: str, used: Sequence[pb.WritableSegment]) -> None:
+        """Unmap the kept mappings of segments the rank at `address` let go, at most every SWEEP_S per rank:
+        the check costs a stat per kept segment, which a put every step of hundreds of small tensors would
+        otherwise pay each time (a released segment's memory is held that much longer)."""
+        now = self._clock()
+        if now - self._swept.get(address, -SWEEP_S) < SWEEP_S:
+            return
+        self._swept[address] = now
+        self.mappings.unmap_released(address, {_key(address, segment) for segment in used})
 
     def targets(
         self, address: str, writes: Sequence[ShardWrite], segments: Sequence[pb.WritableSegment]

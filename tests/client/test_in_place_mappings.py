@@ -51,6 +51,32 @@ def test_segments_the_rank_let_go_of_are_unmapped_and_held_ones_kept():
         os.close(held_fd)
 
 
+def test_a_writer_checks_which_segments_were_let_go_at_most_every_sweep_interval():
+    """Writes into segments opened with their allocation (no call to the rank): a segment the rank let go is
+    unmapped by the first batch written SWEEP_S or more after the last check, not by every batch (each check
+    costs a stat per kept segment)."""
+    now = [100.0]
+    writer = InPlaceWriter(None, "host", clock=lambda: now[0])  # type: ignore[arg-type]
+    held_fd, held = _segment()
+    freed_fd, freed = _segment()
+    data = torch.arange(1024, dtype=torch.int32)  # the segments' 4096 bytes
+    try:
+        for index, segment in enumerate((held, freed)):
+            write = shard_write("w", 1, index, data, segment=segment)
+            assert writer.write(ADDRESS, [write]) == 4096
+        assert os.pread(freed_fd, 4096, 4096) == data.numpy().tobytes()
+        assert writer.mapped_segments == 2
+        os.close(freed_fd)  # the rank frees that segment for good
+        now[0] += in_place.SWEEP_S / 2
+        writer.write(ADDRESS, [shard_write("w", 1, 0, data, segment=held)])
+        assert writer.mapped_segments == 2  # not checked yet
+        now[0] += in_place.SWEEP_S
+        writer.write(ADDRESS, [shard_write("w", 1, 0, data, segment=held)])
+        assert writer.mapped_segments == 1
+    finally:
+        os.close(held_fd)
+
+
 def test_kept_mappings_stay_within_their_bytes():
     writer = InPlaceWriter(None, "host", mapped_bytes=3 * 8192)  # type: ignore[arg-type]
     fds = []
