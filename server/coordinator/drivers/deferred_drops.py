@@ -1,7 +1,8 @@
-"""Versions a snapshot commit removed from the catalog, freed on their ranks after the commit has answered.
+"""Versions a commit removed from the catalog, freed on their ranks after the commit has answered.
 
-The commit's transaction already made them unreachable; freeing their memory on the ranks is not part of
-what the writer waits for. The next snapshot of the same prefix waits for it before allocating, so a steady
+The commit's transaction already made them unreachable (a snapshot commit's older snapshots, a tensor commit's
+replaced versions); freeing their memory on the ranks is not part of what the writer waits for. The next
+snapshot of the same prefix (the next version of the same tensor) waits for it before allocating, so a steady
 writer still reuses that memory. A coordinator that dies first leaves them to the reconciler, as any version
 its catalog does not hold.
 """
@@ -31,8 +32,8 @@ class DeferredDrops:
         self._lock = threading.Lock()
 
     def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
-        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon (read on the
-        drop thread: they may be decoded only then)."""
+        """Free `records` (removed from the catalog with a commit of `prefix`, a snapshot prefix or a tensor
+        name) on their ranks soon (read on the drop thread: they may be decoded only then)."""
         if not records:
             return
         with self._lock:
@@ -46,9 +47,7 @@ class DeferredDrops:
             return
         done, _ = futures.wait([latest], timeout=timeout)
         if not done:
-            log.warning(
-                "drops of older snapshots of %r still running after %.0f s", prefix, timeout
-            )
+            log.warning("drops of older versions of %r still running after %.0f s", prefix, timeout)
             return
         with self._lock:
             if self._latest.get(prefix) is latest:
@@ -62,4 +61,4 @@ class DeferredDrops:
         try:
             self._drop_on_ranks(records)
         except Exception:  # noqa: BLE001 - a failed drop is logged; the reconciler frees what is left
-            log.exception("dropping %d versions of older snapshots of %r", len(records), prefix)
+            log.exception("dropping %d older versions of %r", len(records), prefix)

@@ -22,6 +22,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import RankUnavailable, ServiceError, relayed
 from shardserve.server.coordinator.catalog.messages import init_to_proto, options_to_proto
 from shardserve.server.coordinator.catalog.records import Init, ShardChecksums, TensorRecord
+from shardserve.server.coordinator.ranks.call_threads import CallThreads
 from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,27 @@ class Allocation:
     source_name: str = ""  # Init.COPY of another tensor than the allocated one ("": the same)
 
 
+CALL_THREADS = (
+    32  # rank calls in flight at once as blocking calls on kept threads; more go as gRPC futures
+)
+
+
 class RankCalls:
     """Calls to registered ranks, each with a deadline of `rpc_timeout` seconds. A fan-out issues every rank's call
-    at once as a gRPC future (no thread per call, no pool bounding how many are in flight), then waits for
-    them all: its time is that of the slowest rank, whatever the number of ranks."""
+    at once (on a kept thread while one is free, else as a gRPC future: server/coordinator/ranks/call_threads.py;
+    no pool bounds how many are in flight), then waits for them all: its time is that of the slowest rank,
+    whatever the number of ranks."""
 
-    def __init__(self, registry: RankRegistry, rpc_timeout: float = 60.0) -> None:
+    def __init__(
+        self, registry: RankRegistry, rpc_timeout: float = 60.0, *, threads: int = CALL_THREADS
+    ) -> None:
         self.registry = registry
         self.rpc_timeout = rpc_timeout
+        self._threads = CallThreads(threads)
+
+    def close(self) -> None:
+        """End the kept call threads once their calls return (later calls go as gRPC futures)."""
+        self._threads.close()
 
     def fan_out(
         self, ranks: Iterable[int], method: str, request: Message, what: str
@@ -72,7 +86,7 @@ class RankCalls:
                 registry.note_missed(rank)
                 failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
         calls = {
-            rank: getattr(entry.stub, method).future(requests[rank], timeout=self.rpc_timeout)
+            rank: self._start(getattr(entry.stub, method), requests[rank])
             for rank, entry in entries.items()
             if registry.is_alive(entry)
         }
@@ -99,6 +113,12 @@ class RankCalls:
             log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
             raise failures[0]
         return results
+
+    def _start(self, method: Any, request: Message) -> Any:
+        """`method(request)` under way: on a kept thread (a concurrent future) when one is free, else a gRPC
+        future; either one's result() raises the call's grpc.RpcError."""
+        kept = self._threads.start(lambda: method(request, timeout=self.rpc_timeout))
+        return kept if kept is not None else method.future(request, timeout=self.rpc_timeout)
 
     def allocate(
         self, ranks: Iterable[int], record: TensorRecord, allocation: Allocation, what: str

@@ -60,5 +60,5 @@ def test_a_failed_drop_is_logged_and_the_next_still_runs(caplog: pytest.LogCaptu
         drops.wait("bad")
         drops.close()
     assert dropped == ["bad@2/a"]
-    assert "dropping 1 versions of older snapshots of 'bad'" in caplog.text
+    assert "dropping 1 older versions of 'bad'" in caplog.text
     assert "rank gone" in caplog.text
