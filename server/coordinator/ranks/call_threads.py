@@ -52,7 +52,9 @@ class CallThreads:
             else:
                 self._idle -= 1
         future: futures.Future[T] = futures.Future()
-        context = contextvars.copy_context()  # the caller's trace goes with the call (as a future's would)
+        context = (
+            contextvars.copy_context()
+        )  # the caller's trace goes with the call (as a future's would)
         self._jobs.put((future, lambda: context.run(call)))
         return future
 
