@@ -309,9 +309,32 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
         (["up", "--catalog", ""], "--catalog: the catalog's location is empty"),
     ],
 )
-def test_bad_flags_are_usage_errors(tmp_path, args, message):
+def test_bad_flags_are_usage_errors(tmp_path, monkeypatch, capsys, args, message):
+    """Checked by the entry point `python -m shardserve.server` runs, in this process (a new interpreter per
+    case would spend seconds importing torch; the command as users run it is checked below)."""
+    assert _usage_error(args, tmp_path, monkeypatch, capsys, server_env()) == 2
+    assert message in capsys.readouterr().err
+
+
+def _usage_error(args, tmp_path, monkeypatch, capsys, env: dict[str, str]) -> object:
+    """The exit code of `python -m shardserve.server *args` run in this process from `tmp_path` with `env`,
+    which must exit before it starts anything."""
+    from shardserve.server.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(list(args))
+    return exited.value.code
+
+
+def test_a_bad_flag_is_a_usage_error_from_the_command_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "shardserve.server", *args],
+        [sys.executable, "-m", "shardserve.server", "up", "--ranks", "0"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -319,7 +342,7 @@ def test_bad_flags_are_usage_errors(tmp_path, args, message):
         timeout=60,
     )
     assert result.returncode == 2
-    assert message in result.stderr
+    assert "--ranks must be >= 1" in result.stderr
 
 
 @pytest.mark.parametrize(
