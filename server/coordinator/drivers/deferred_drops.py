@@ -22,13 +22,26 @@ WAIT_S = 30.0
 """How long a new snapshot waits for the previous one's drops before allocating anyway."""
 
 
-class DeferredDrops:
-    """Runs `drop_on_ranks` on one background thread, in order, and lets a prefix's next snapshot wait for it."""
+DROP_THREADS = (
+    4  # drops that run at once: one held by a stopped rank (until its deadline) holds up no other
+)
 
-    def __init__(self, drop_on_ranks: Callable[[Sequence[TensorRecord]], None]) -> None:
+
+class DeferredDrops:
+    """Runs `drop_on_ranks` on a few background threads and lets a prefix's (a tensor's) next version wait for the
+    drops submitted for it."""
+
+    def __init__(
+        self,
+        drop_on_ranks: Callable[[Sequence[TensorRecord]], None],
+        *,
+        threads: int = DROP_THREADS,
+    ) -> None:
         self._drop_on_ranks = drop_on_ranks
-        self._pool = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coord-drops")
-        self._latest: dict[str, futures.Future[None]] = {}
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=threads, thread_name_prefix="coord-drops"
+        )
+        self._pending: dict[str, list[futures.Future[None]]] = {}
         self._lock = threading.Lock()
 
     def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
@@ -37,21 +50,26 @@ class DeferredDrops:
         if not records:
             return
         with self._lock:
-            self._latest[prefix] = self._pool.submit(self._drop, prefix, records)
+            pending = [f for f in self._pending.get(prefix, []) if not f.done()]
+            pending.append(self._pool.submit(self._drop, prefix, records))
+            self._pending[prefix] = pending
 
     def wait(self, prefix: str, timeout: float = WAIT_S) -> None:
         """Return once the drops submitted for `prefix` so far are done (or `timeout` passed)."""
         with self._lock:
-            latest = self._latest.get(prefix)
-        if latest is None:
+            pending = list(self._pending.get(prefix, []))
+        if not pending:
             return
-        done, _ = futures.wait([latest], timeout=timeout)
-        if not done:
+        _, not_done = futures.wait(pending, timeout=timeout)
+        if not_done:
             log.warning("drops of older versions of %r still running after %.0f s", prefix, timeout)
             return
         with self._lock:
-            if self._latest.get(prefix) is latest:
-                del self._latest[prefix]
+            left = [f for f in self._pending.get(prefix, []) if f not in pending]
+            if left:
+                self._pending[prefix] = left
+            else:
+                self._pending.pop(prefix, None)
 
     def close(self) -> None:
         """Finish the drops submitted, then stop the thread."""
