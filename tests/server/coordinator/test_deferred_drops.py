@@ -21,48 +21,50 @@ def _records(*names: str) -> list[TensorRecord]:
     return [TensorRecord(name=name, version=1, metadata=META) for name in names]
 
 
+class HeldRanks:
+    """The ranks' side of drops: each drop of a tensor whose name starts with one of `held` waits until
+    `release` is set (a rank that holds its calls); what was dropped, in order."""
+
+    def __init__(self, *held: str) -> None:
+        self.held, self.release, self.dropped = held, threading.Event(), []
+
+    def drop_rows(self, records: list[TensorRecord]) -> None:
+        if records[0].name.startswith(self.held):
+            self.release.wait(10)
+        self.dropped.extend(r.name for r in records)
+
+
 def test_wait_returns_once_every_drop_of_the_prefix_is_done() -> None:
-    release, dropped = threading.Event(), []
-
-    def drop_rows(records: list[TensorRecord]) -> None:
-        release.wait(10)
-        dropped.extend(r.name for r in records)
-
-    drops = DeferredDrops(drop_rows)
+    ranks = HeldRanks("m@", "other@")
+    drops = DeferredDrops(ranks.drop_rows)
     try:
         drops.submit("m", _records("m@1/a"))
         drops.submit("other", _records("other@1/a"))
         drops.submit("m", _records("m@2/a", "m@2/b"))
         drops.wait("m", timeout=0.2)  # still held: the wait gives up and says so
-        assert dropped == []
-        release.set()
+        assert ranks.dropped == []
+        ranks.release.set()
         drops.wait("m")
-        assert {"m@1/a", "m@2/a", "m@2/b"} <= set(dropped)
+        assert {"m@1/a", "m@2/a", "m@2/b"} <= set(ranks.dropped)
         drops.wait("never-submitted")  # nothing to wait for
     finally:
-        release.set()
+        ranks.release.set()
         drops.close()
-    assert sorted(dropped) == ["m@1/a", "m@2/a", "m@2/b", "other@1/a"]
+    assert sorted(ranks.dropped) == ["m@1/a", "m@2/a", "m@2/b", "other@1/a"]
 
 
 def test_a_drop_held_by_a_stopped_rank_holds_up_no_other_prefix() -> None:
     """A DropMany to a stopped rank waits for its deadline: the next version of another tensor does not wait
     for it."""
-    stuck, dropped = threading.Event(), []
-
-    def drop_rows(records: list[TensorRecord]) -> None:
-        if records[0].name.startswith("stuck"):
-            stuck.wait(10)
-        dropped.extend(r.name for r in records)
-
-    drops = DeferredDrops(drop_rows)
+    ranks = HeldRanks("stuck@")
+    drops = DeferredDrops(ranks.drop_rows)
     try:
         drops.submit("stuck", _records("stuck@1/a"))
         drops.submit("free", _records("free@1/a"))
         drops.wait("free", timeout=5)
-        assert dropped == ["free@1/a"]
+        assert ranks.dropped == ["free@1/a"]
     finally:
-        stuck.set()
+        ranks.release.set()
         drops.close()
 
 
