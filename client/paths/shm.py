@@ -275,7 +275,7 @@ class SharedMemoryPath:
             pack(staging)
             written = call(staging.source(self.host[1]), self.channel.data_timeout(total))
         except grpc.RpcError as err:
-            staging.close()
+            staging.close()  # the rank may still be reading it: never reused
             error = error_from_rpc(err, f"rank at {address}")
             if error.reason == Reason.PATH_UNAVAILABLE:
                 raise SharedMemoryError(f"rank at {address}: {err.details()}") from None
