@@ -104,7 +104,6 @@ class CoordinatorServer:
         self.stop()
         self.upkeep.close()
         self.snapshots.drops.close()
-        self.lifecycle.drops.close()
         self.registry.close()
         self.calls.close()
         self.collectives.close()

@@ -1,8 +1,7 @@
-"""Versions a commit removed from the catalog, freed on their ranks after the commit has answered.
+"""Versions a snapshot commit removed from the catalog, freed on their ranks after the commit has answered.
 
-The commit's transaction already made them unreachable (a snapshot commit's older snapshots, a tensor commit's
-replaced versions); freeing their memory on the ranks is not part of what the writer waits for. The next
-snapshot of the same prefix (the next version of the same tensor) waits for it before allocating, so a steady
+The commit's transaction already made them unreachable; freeing their memory on the ranks is not part of
+what the writer waits for. The next snapshot of the same prefix waits for it before allocating, so a steady
 writer still reuses that memory. A coordinator that dies first leaves them to the reconciler, as any version
 its catalog does not hold.
 """
@@ -23,13 +22,13 @@ WAIT_S = 30.0
 
 
 DROP_THREADS = (
-    4  # drops that run at once: one held by a stopped rank (until its deadline) holds up no other
+    4  # drops at once: one held by a stopped rank (until its deadline) holds up no other prefix's
 )
 
 
 class DeferredDrops:
-    """Runs `drop_on_ranks` on a few background threads and lets a prefix's (a tensor's) next version wait for the
-    drops submitted for it."""
+    """Runs `drop_on_ranks` on a few background threads and lets a prefix's next snapshot wait for the drops
+    submitted for it."""
 
     def __init__(
         self,
@@ -45,8 +44,8 @@ class DeferredDrops:
         self._lock = threading.Lock()
 
     def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
-        """Free `records` (removed from the catalog with a commit of `prefix`, a snapshot prefix or a tensor
-        name) on their ranks soon (read on the drop thread: they may be decoded only then)."""
+        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon (read on the
+        drop thread: they may be decoded only then)."""
         if not records:
             return
         with self._lock:
@@ -62,7 +61,9 @@ class DeferredDrops:
             return
         _, not_done = futures.wait(pending, timeout=timeout)
         if not_done:
-            log.warning("drops of older versions of %r still running after %.0f s", prefix, timeout)
+            log.warning(
+                "drops of older snapshots of %r still running after %.0f s", prefix, timeout
+            )
             return
         with self._lock:
             left = [f for f in self._pending.get(prefix, []) if f not in pending]
@@ -72,11 +73,11 @@ class DeferredDrops:
                 self._pending.pop(prefix, None)
 
     def close(self) -> None:
-        """Finish the drops submitted, then stop the thread."""
+        """Finish the drops submitted, then stop the threads."""
         self._pool.shutdown(wait=True)
 
     def _drop(self, prefix: str, records: Sequence[TensorRecord]) -> None:
         try:
             self._drop_on_ranks(records)
         except Exception:  # noqa: BLE001 - a failed drop is logged; the reconciler frees what is left
-            log.exception("dropping %d older versions of %r", len(records), prefix)
+            log.exception("dropping %d versions of older snapshots of %r", len(records), prefix)

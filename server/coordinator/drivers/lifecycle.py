@@ -34,7 +34,6 @@ from shardserve.server.coordinator.catalog.records import (
     TensorState,
 )
 from shardserve.server.coordinator.drivers.context import DriverContext
-from shardserve.server.coordinator.drivers.deferred_drops import DeferredDrops
 from shardserve.server.coordinator.drivers.quotas import ByteQuotas
 from shardserve.server.coordinator.drivers.update_groups import Ordered, UpdateGroups
 from shardserve.server.coordinator.ranks.calls import Allocation, versions_by_rank
@@ -98,8 +97,6 @@ class TensorLifecycle:
         self.quotas = quotas
         self.replaced = replaced
         self.update_groups: UpdateGroups[TensorRecord] = UpdateGroups()
-        # versions a commit replaced, freed on their ranks after it answered; the name's next version waits
-        self.drops = DeferredDrops(self.drop_on_ranks)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # newest last
 
     def create(self, new: NewTensor) -> Ordered[TensorRecord]:
@@ -167,9 +164,6 @@ class TensorLifecycle:
                 self.registry.check_placements(meta, skip=set(missing))
                 principal, owner = None, source.owner  # an update keeps the table's owner and size
             self.make_room(name, new.overwrite, put_token=token)
-            self.drops.wait(
-                name
-            )  # the memory of the versions the last commit replaced, free to reuse
             record = TensorRecord(
                 name=name,
                 version=self.catalog.next_version(),
@@ -315,9 +309,7 @@ class TensorLifecycle:
         ready, older = self.catalog.commit(
             name, version, durable=record.options.durable, checksums=checksums
         )
-        # a reshard's version whose promotion was unfinished also frees the version it replaced: under the lock
-        self.drop_on_ranks(r for r in older if r.promoting)
-        self.drops.submit(name, [r for r in older if not r.promoting])
+        self.drop_on_ranks(older)
         log.info(
             "committed %r version %d%s",
             name,

@@ -1,6 +1,5 @@
-"""DeferredDrops: a commit's removed versions are freed after it answers, a prefix's next snapshot (a tensor's
-next version) waits for its drops and for no other prefix's, and a failing drop is logged and later ones still
-run."""
+"""DeferredDrops: a snapshot commit's removed versions are freed after it answers, a prefix's next snapshot
+waits for its drops and for no other prefix's, and a failing drop is logged and later ones still run."""
 
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ def test_wait_returns_once_every_drop_of_the_prefix_is_done() -> None:
 
 
 def test_a_drop_held_by_a_stopped_rank_holds_up_no_other_prefix() -> None:
-    """A DropMany to a stopped rank waits for its deadline: the next version of another tensor does not wait
+    """A DropMany to a stopped rank waits for its deadline: the next snapshot of another prefix does not wait
     for it."""
     ranks = HeldRanks("stuck@")
     drops = DeferredDrops(ranks.drop_rows)
@@ -84,5 +83,5 @@ def test_a_failed_drop_is_logged_and_the_next_still_runs(caplog: pytest.LogCaptu
         drops.wait("bad")
         drops.close()
     assert dropped == ["bad@2/a"]
-    assert "dropping 1 older versions of 'bad'" in caplog.text
+    assert "dropping 1 versions of older snapshots of 'bad'" in caplog.text
     assert "rank gone" in caplog.text
