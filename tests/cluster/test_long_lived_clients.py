@@ -161,8 +161,28 @@ def _check_recovery(
             f"{fault}: {transport} reads again {recovery:.2f} s after the coordinator saw rank 1 alive"
         )
         if recovery > RECOVERY_S:
-            problems.append(f"{transport}: {recovery:.2f} s to read again")
+            problems.append(
+                f"{transport}: {recovery:.2f} s to read again, after {_errors_before(reads, alive_at, good)}"
+            )
     assert not problems, f"{fault}: " + "; ".join(problems)
+
+
+def _errors_before(reads: Reads, alive_at: float, good: float) -> str:
+    """What a reader's failed reads between `alive_at` and its first good read said (each message once, with the
+    times it came), so a slow recovery names its cause."""
+    seen: dict[str, list[float]] = {}
+    for when, error in reads.since(alive_at):
+        if error is not None and when < good:
+            seen.setdefault(f"{type(error).__name__}: {str(error)[:200]}", []).append(
+                when - alive_at
+            )
+    return (
+        "; ".join(
+            f"{message} ({len(times)}x, {min(times):.2f}-{max(times):.2f} s)"
+            for message, times in seen.items()
+        )
+        or "no failed read"
+    )
 
 
 def test_readers_of_every_transport_read_again_after_a_rank_is_stopped_and_continued(
