@@ -16,7 +16,7 @@ the server layout, every tensor from one snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from shardserve.client.ops.snapshots import (
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
 from shardserve.client.spmd_delta import (
+    DeltaBase,
     PreviousPut,
     ShardKey,
     create_delta,
@@ -198,9 +199,7 @@ class _StatePut:
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
-            hashes = start_hashing(
-                previous, self.local, self.job.rank
-            )  # while the snapshot is made
+            delta = start_hashing(previous, self.local, self.job.rank)  # while the snapshot is made
             created = self.job.from_rank0(
                 lambda: create_delta(
                     self.session,
@@ -217,8 +216,7 @@ class _StatePut:
                     pb.SnapshotInfo.FromString(created),
                     previous.tensors,
                     basis,
-                    previous=previous,
-                    hashes=hashes,
+                    delta=delta,
                 )
         reports = resolved_sizes(self.job.all_gather(self.mine))
         tensors, created = self.job.from_rank0(
@@ -273,18 +271,16 @@ class _StatePut:
         tensors: Mapping[str, JobTensor],
         basis: Any,
         *,
-        previous: PreviousPut | None = None,
-        hashes: Callable[[], dict[ShardKey, tuple[int, ...]]] | None = None,
+        delta: DeltaBase | None = None,
     ) -> int:
-        """Write every rank's shards into the pending `snapshot` (only their blocks changed since `previous`,
-        for a delta snapshot, by the block `hashes` being made of them) and commit it, keeping the next one if
-        the commit reserved it, and a delta put's block hashes; on failure it is aborted (nothing visible) and
-        every rank raises SpmdError."""
+        """Write every rank's shards into the pending `snapshot` (for a delta snapshot, only their blocks changed
+        since the `delta`'s previous put) and commit it, keeping the next one if the commit reserved it, and a
+        delta put's block hashes; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
         job = self.job
         written: dict[ShardKey, tuple[int, ...]] = {}
         try:
             job.all_done(
-                lambda: written.update(self._write(snapshot, tensors, previous, hashes)),
+                lambda: written.update(self._write(snapshot, tensors, delta)),
                 "writing shards",
             )
             number, reserved = job.from_rank0(lambda: self._commit(snapshot), "committing")
@@ -303,16 +299,15 @@ class _StatePut:
         self,
         snapshot: pb.SnapshotInfo,
         tensors: Mapping[str, JobTensor],
-        previous: PreviousPut | None,
-        hashes: Callable[[], dict[ShardKey, tuple[int, ...]]] | None,
+        delta: DeltaBase | None,
     ) -> dict[ShardKey, tuple[int, ...]]:
-        """Write this rank's shards: the blocks changed since `previous` into a delta snapshot's copies (by
-        their block `hashes`, when already being made), else whole; a delta put's block hashes of them."""
+        """Write this rank's shards: into a delta snapshot's copies the blocks whose hashes changed since the
+        `delta`'s previous put, else whole; a delta put's block hashes of them."""
         shards = list(my_shards(snapshot, tensors, self.local, self.job.rank))
-        if previous is not None:
-            now = hashes() if hashes is not None else hash_shards(shards)
-            write_changed(self.session, shards, now, previous.hashes)
-            return now
+        if delta is not None:
+            hashes = delta.hashes()
+            write_changed(self.session, shards, hashes, delta.previous.hashes)
+            return hashes
         write_whole(self.session, shards)
         return hash_shards(shards) if self.delta else {}
 

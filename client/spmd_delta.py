@@ -113,9 +113,12 @@ def my_shards(
     """Every server shard of `snapshot` whose writer is job `rank`, with the piece of the job's tensor it holds."""
     entries = {entry.key: entry for entry in snapshot.entries}
     layouts = {key: metadata_from_proto(entry.tensor.metadata) for key, entry in entries.items()}
+    opened = {
+        key: {shard.shard_index: shard.segment for shard in entry.writable}
+        for key, entry in entries.items()
+    }
     for key, index, data in my_pieces(layouts, tensors, local, rank):
         entry = entries[key]
-        opened = {shard.shard_index: shard.segment for shard in entry.writable}
         yield MyShard(
             key,
             entry.tensor.name,
@@ -124,7 +127,7 @@ def my_shards(
             layouts[key].shards_metadata[index].rank,
             data,
             layouts[key].dtype,
-            opened.get(index),
+            opened[key].get(index),
         )
 
 
@@ -151,18 +154,26 @@ def my_pieces(
             )
 
 
-def start_hashing(
-    previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int
-) -> Callable[[], dict[ShardKey, tuple[int, ...]]]:
+@dataclass(frozen=True)
+class DeltaBase:
+    """What a delta put writes against: this job rank's `previous` put of the prefix, and `hashes`, which waits
+    for the block hashes of the shards the rank writes now (being made while the snapshot is created)."""
+
+    previous: PreviousPut
+    hashes: Callable[[], dict[ShardKey, tuple[int, ...]]]
+
+
+def start_hashing(previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int) -> DeltaBase:
     """Start hashing the shards job `rank` would write into a delta snapshot of `previous` (its layouts), on the
-    hashing pool while the snapshot is created; returns what waits for the hashes."""
+    hashing pool, so that the hashes are made while the snapshot is created."""
     layouts = previous.layouts
-    return start_hash_all(
+    hashes = start_hash_all(
         {
             (key, index): stored_bytes(data, layouts[key].dtype)
             for key, index, data in my_pieces(layouts, previous.tensors, local, rank)
         }
     )
+    return DeltaBase(previous, hashes)
 
 
 def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:

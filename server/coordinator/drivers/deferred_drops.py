@@ -21,9 +21,8 @@ WAIT_S = 30.0
 """How long a new snapshot waits for the previous one's drops before allocating anyway."""
 
 
-DROP_THREADS = (
-    4  # drops at once: one held by a stopped rank (until its deadline) holds up no other prefix's
-)
+# drops at once: one held by a stopped rank (until its deadline) holds up no other prefix's
+DROP_THREADS = 4
 
 
 class DeferredDrops:
@@ -49,9 +48,10 @@ class DeferredDrops:
         if not records:
             return
         with self._lock:
-            pending = [f for f in self._pending.get(prefix, []) if not f.done()]
-            pending.append(self._pool.submit(self._drop, prefix, records))
-            self._pending[prefix] = pending
+            self._forget_done(prefix)
+            self._pending.setdefault(prefix, []).append(
+                self._pool.submit(self._drop, prefix, records)
+            )
 
     def wait(self, prefix: str, timeout: float = WAIT_S) -> None:
         """Return once the drops submitted for `prefix` so far are done (or `timeout` passed)."""
@@ -66,11 +66,13 @@ class DeferredDrops:
             )
             return
         with self._lock:
-            left = [f for f in self._pending.get(prefix, []) if f not in pending]
-            if left:
-                self._pending[prefix] = left
-            else:
-                self._pending.pop(prefix, None)
+            self._forget_done(prefix)
+
+    def _forget_done(self, prefix: str) -> None:
+        """Keep only the drops of `prefix` still running (lock held)."""
+        running = [f for f in self._pending.pop(prefix, []) if not f.done()]
+        if running:
+            self._pending[prefix] = running
 
     def close(self) -> None:
         """Finish the drops submitted, then stop the threads."""

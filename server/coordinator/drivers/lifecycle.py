@@ -63,9 +63,8 @@ class NewTensor:
     overwrite: bool = False
     source_version: int = 0
     put_token: str = ""
-    writer_host_id: str = (
-        ""  # a same-host writer's: its ranks open a version it fills for in-place writes
-    )
+    # a same-host writer's: its ranks open a version it fills for in-place writes
+    writer_host_id: str = ""
 
 
 class ReplacedVersions(Protocol):
@@ -104,8 +103,8 @@ class TensorLifecycle:
         update joins the table's update group when one is collecting (its place is the answer's order)."""
         if new.init is not Init.COPY:
             self.registry.check_placements(new.metadata)
-            writable: list[pb.WritableShard] = []
-            return Ordered(self._create(new, writable), writable=writable)
+            made, writable = self._create(new)
+            return Ordered(made, writable=writable)
         if new.source_version:  # a copy of one given version: an update group of its own
             return Ordered(self._make_update(new))
         joined = self.update_groups.enter(new.name, new.put_token, self._abort_stale_update)
@@ -125,7 +124,7 @@ class TensorLifecycle:
         if not claimed:
             self.update_groups.enter(new.name, new.put_token, self._abort_stale_update, join=False)
         try:
-            record = self._create(new)
+            record, _ = self._create(new)
         except BaseException:
             self.update_groups.cancel(new.name)
             raise
@@ -141,11 +140,9 @@ class TensorLifecycle:
         except ServiceError as err:
             log.info("aborting stale update %r version %d: %s", name, version, err.message)
 
-    def _create(
-        self, new: NewTensor, writable: list[pb.WritableShard] | None = None
-    ) -> TensorRecord:
-        """The new version, recorded and allocated; the shards its ranks opened for the writer's in-place
-        writes are added to `writable`."""
+    def _create(self, new: NewTensor) -> tuple[TensorRecord, list[pb.WritableShard]]:
+        """The new version, recorded and allocated, and the shards its ranks opened for the writer's in-place
+        writes (a version its writer fills, for a same-host writer)."""
         name, token = new.name, new.put_token
         with self.locks.hold(name):
             if token and (name, token) in self._aborted_tokens:
@@ -178,14 +175,13 @@ class TensorLifecycle:
                 self.catalog.add(record)
             allocation = Allocation(init=new.init, seed=new.seed, source_version=source_version)
             what = f"allocate {name!r} version {record.version}"
+            writable: list[pb.WritableShard] = []
             try:
-                if new.writer_host_id and new.init is Init.NONE and writable is not None:
-                    writable.extend(
-                        self.calls.allocate_many(
-                            {rank: [record] for rank in record.holding_ranks()},
-                            what,
-                            writer_host_id=new.writer_host_id,
-                        )
+                if new.writer_host_id and new.init is Init.NONE:
+                    writable = self.calls.allocate_many(
+                        {rank: [record] for rank in record.holding_ranks()},
+                        what,
+                        writer_host_id=new.writer_host_id,
                     )
                 else:
                     self.calls.allocate(record.holding_ranks(), record, allocation, what)
@@ -200,8 +196,8 @@ class TensorLifecycle:
                 list(meta.ranks()),
             )
             if new.init in (Init.NONE, Init.COPY):
-                return record
-            return self._commit_locked(name, record.version)
+                return record, writable
+            return self._commit_locked(name, record.version), writable
 
     def commit(
         self, name: str, version: int, *, written_in_place: bool = False

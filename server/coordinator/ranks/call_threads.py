@@ -52,9 +52,8 @@ class CallThreads:
             else:
                 self._idle -= 1
         future: futures.Future[T] = futures.Future()
-        context = (
-            contextvars.copy_context()
-        )  # the caller's trace goes with the call (as a future's would)
+        # the caller's trace goes with the call, as a future's would
+        context = contextvars.copy_context()
         self._jobs.put((future, lambda: context.run(call)))
         return future
 

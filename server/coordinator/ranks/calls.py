@@ -43,9 +43,8 @@ class Allocation:
     source_name: str = ""  # Init.COPY of another tensor than the allocated one ("": the same)
 
 
-CALL_THREADS = (
-    32  # rank calls in flight at once as blocking calls on kept threads; more go as gRPC futures
-)
+# rank calls in flight at once as blocking calls on kept threads; more go as gRPC futures
+CALL_THREADS = 32
 
 
 class RankCalls:
