@@ -35,13 +35,12 @@ MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fi
 _SLOWEST_BYTES_PER_S = 20e6
 T = TypeVar("T")
 SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
-CHANNEL_OPTIONS = (  # every channel of a client, blocking or asyncio
+# Every channel of a client, blocking or asyncio. Each tries to connect again within a second of a failed try
+# (gRPC's own backoff grows to 2 minutes): a rank restarted after a long outage, or a standby coordinator taking
+# over, is read from as soon as it listens, not at the end of a backoff that grew while it was down.
+CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
-# A coordinator's channel tries to connect again within a second (gRPC's own backoff grows to 2 minutes): a
-# standby that was down for long is reached as soon as it takes over.
-COORDINATOR_OPTIONS = CHANNEL_OPTIONS + (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -149,20 +148,18 @@ class Channel:
 
     # ------------------------------------------------------------ channels
 
-    def channel(
-        self, address: str, options: tuple[tuple[str, Any], ...] = CHANNEL_OPTIONS
-    ) -> grpc.Channel:
-        """The (cached) channel to `address`, made with `options` (the first time)."""
+    def channel(self, address: str) -> grpc.Channel:
+        """The (cached) channel to `address`, made with CHANNEL_OPTIONS."""
         with self._lock:
             self.check_open()
             channel = self._channels.get(address)
             if channel is None:
                 if self.credentials.uses_tls:
                     channel = grpc.secure_channel(
-                        address, self.credentials.channel_credentials(), options=options
+                        address, self.credentials.channel_credentials(), options=CHANNEL_OPTIONS
                     )
                 else:
-                    channel = grpc.insecure_channel(address, options=options)
+                    channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
                 if self.interceptor is not None:
                     channel = grpc.intercept_channel(channel, self.interceptor)
                 self._channels[address] = channel
@@ -174,7 +171,7 @@ class Channel:
             raise ShardServeError("the client is closed")
 
     def coordinator(self, address: str) -> pb_grpc.CoordinatorStub:
-        return pb_grpc.CoordinatorStub(self.channel(address, COORDINATOR_OPTIONS))
+        return pb_grpc.CoordinatorStub(self.channel(address))
 
     def shard_server(self, address: str) -> pb_grpc.ShardServerStub:
         return pb_grpc.ShardServerStub(self.channel(address))

@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from shardserve.client.channel import COORDINATOR_OPTIONS, Channel
+from shardserve.client.channel import Channel
 from shardserve.client.errors import ShardServeError, error_from_rpc
 from shardserve.client.info import CoordinatorStatus
 from shardserve.core.coordinator_addresses import CoordinatorAddresses, parse_addresses
@@ -103,7 +103,7 @@ class Coordinators:
         return found
 
     def _role(self, address: str) -> CoordinatorStatus:
-        stub = pb_grpc.LeadershipStub(self.channel.channel(address, COORDINATOR_OPTIONS))
+        stub = pb_grpc.LeadershipStub(self.channel.channel(address))
         try:
             info = stub.GetRole(
                 pb.GetRoleRequest(), timeout=ROLE_TIMEOUT_S, metadata=self.channel.metadata

@@ -53,6 +53,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def _wait_stopped(pid: int, *, timeout: float) -> None:
+    """Return once every thread of process `pid` is stopped (state T in /proc), it is gone, or `timeout` passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = [_thread_state(pid, task) for task in os.listdir(f"/proc/{pid}/task")]
+        except FileNotFoundError:
+            return
+        if all(state in ("T", "t", None) for state in states):
+            return
+        time.sleep(0.001)
+
+
+def _thread_state(pid: int, task: str) -> str | None:
+    """The scheduler state letter of one thread (None once it ended)."""
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 class LocalCluster:
     """A coordinator (in this process) and `ranks` rank processes on this host.
 
@@ -219,13 +241,17 @@ class LocalCluster:
         return self._started().stays_dead(rank)
 
     def kill_rank(self, rank: int, sig: int = signal.SIGKILL) -> None:
-        """Send `sig` to one rank's process (tests use it to simulate failures); SIGKILL waits until it is gone
-        (its fds closed: a same-host client's shared-memory mapping then sees the rank dead too)."""
+        """Send `sig` to one rank's process (tests use it to simulate failures). SIGKILL waits until it is gone
+        (its fds closed: a same-host client's shared-memory mapping then sees the rank dead too); SIGSTOP until
+        every thread of it has stopped (the kernel stops them one by one as each is next scheduled, so on a
+        busy host a thread may answer a call made after os.kill returned)."""
         proc = self._started().process(rank)
         os.kill(proc.pid, sig)
         if sig == signal.SIGKILL:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=30)
+        elif sig == signal.SIGSTOP:
+            _wait_stopped(proc.pid, timeout=30)
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM every rank, SIGKILL those still alive after `grace`, then stop the coordinator; no rank is

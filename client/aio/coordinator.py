@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from shardserve.client.channel import COORDINATOR_OPTIONS, Credentials
+from shardserve.client.channel import CHANNEL_OPTIONS, Credentials
 from shardserve.client.coordinators import (
     FIRST_PAUSE_S,
     MAX_PAUSE_S,
@@ -47,10 +47,10 @@ class AioCoordinator:
         if stub is None:
             if self._credentials.uses_tls:
                 channel = grpc.aio.secure_channel(
-                    address, self._credentials.channel_credentials(), options=COORDINATOR_OPTIONS
+                    address, self._credentials.channel_credentials(), options=CHANNEL_OPTIONS
                 )
             else:
-                channel = grpc.aio.insecure_channel(address, options=COORDINATOR_OPTIONS)
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             self._channels[address] = channel
             stub = self._stubs[address] = pb_grpc.CoordinatorStub(channel)
         return stub

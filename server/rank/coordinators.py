@@ -22,14 +22,6 @@ from shardserve.server.common.auth import Security, make_channel
 
 log = logging.getLogger(__name__)
 
-# gRPC waits up to 2 minutes between tries to connect to a peer that was down: a standby that was down for long
-# would then be reached only long after it took over. A coordinator is tried again within a second.
-RECONNECT_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
 
 def host_of(address: str) -> str:
     """The host of HOST:PORT (IPv6 brackets dropped)."""
@@ -55,9 +47,7 @@ class Coordinators:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                self._channels[address] = make_channel(
-                    address, self._security, options=RECONNECT_OPTIONS
-                )
+                self._channels[address] = make_channel(address, self._security)
                 stub = self._stubs[address] = pb_grpc.CoordinatorStub(self._channels[address])
             return stub
 

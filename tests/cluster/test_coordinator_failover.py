@@ -31,7 +31,7 @@ from server_processes import rank_env, server_env, spawn_server, stop_all
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardServeError, connect
-from shardserve.client.channel import COORDINATOR_OPTIONS
+from shardserve.client.channel import CHANNEL_OPTIONS
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
@@ -70,7 +70,7 @@ class Coordinator:
         ]
         self.log = log
         self.proc = self.start()
-        self.channel = grpc.insecure_channel(self.address, options=COORDINATOR_OPTIONS)
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     def start(self) -> subprocess.Popen:

@@ -179,6 +179,7 @@ def test_missed_heartbeats_mark_a_rank_dead_and_the_others_keep_serving(watched)
         spread = put(stubs, "spread", tensor, meta_on([0, 1]))
         cluster.kill_rank(1, signal.SIGSTOP)  # alive as a process, silent as a rank
         try:
+            assert _thread_states(cluster.rank_pids[1]) == {"T"}  # every thread stopped already
             wait_until(lambda: alive(stubs) == {0: True, 1: False}, 15, "rank 1 to be marked dead")
             err = rpc_error(create, stubs, "on1", meta_on([1]))
             assert (
@@ -588,3 +589,12 @@ def test_a_cluster_whose_chosen_port_is_taken_before_it_binds_starts_on_another(
                 assert torch.equal(client.tensor("after-retry").full_tensor(), torch.arange(4.0))
     finally:
         taken.close()
+
+
+def _thread_states(pid: int) -> set[str]:
+    """The scheduler state letters of every thread of process `pid` (/proc/PID/task/*/stat)."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            states.add(stat.read().rpartition(")")[2].split()[0])
+    return states
