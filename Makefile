@@ -13,8 +13,11 @@ run: venv
 lint: venv
 	./scripts/lint.sh
 
+# The project's modules are compiled once first: every process the suite starts (ranks, CLIs, benchmarks)
+# then reads them, also where PYTHONDONTWRITEBYTECODE is set, instead of compiling them again each.
 test: lint
 	./scripts/setup-postgres.sh
+	.venv/bin/python -m compileall -q shardserve client server protos shardcore benchmarks
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 protos: venv

@@ -1,6 +1,6 @@
 """Baselines for fetching bytes across processes: a raw TCP socket, torch.distributed.rpc, and memcpy.
 
-Each remote baseline runs its server in a spawned process holding
+Each remote baseline runs its server in a process of its own (forked from the preloaded forkserver) holding
 `source_tensor(rows, cols)` (the same values the shardserve scenario serves),
 and its client here, in the caller's process (rpc's excepted):
 
@@ -9,7 +9,7 @@ and its client here, in the caller's process (rpc's excepted):
 - `RpcFetchBaseline`: torch.distributed.rpc (TensorPipe, 127.0.0.1) with the
   tensor held behind an RRef on the server, fetched as a slice the way torch's
   ShardedTensor.remote_shards users did: `rpc_sync(owner, slice of rref)`. Its
-  client is a spawned process too, alive only while it is timed: TensorPipe's
+  client is a process of its own too, alive only while it is timed: TensorPipe's
   same-host transport keeps a core busy in every process of the rpc world.
 - `memcpy`: `out.copy_(src)` of the same bytes in this process.
 """
@@ -27,6 +27,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
+from benchmarks.harness import process_context
 
 REQUEST = struct.Struct("<q")  # bytes wanted; 0 ends the session
 START_TIMEOUT_S = 120.0
@@ -59,7 +61,8 @@ def loopback_env() -> None:
 
 
 def _exit_with_parent() -> None:
-    """In a server process: end it when the benchmark process that spawned it is gone (even if SIGKILLed)."""
+    """In a server process: end it when the process it was forked from is gone (the forkserver, which ends
+    with the benchmark, even a SIGKILLed one)."""
     parent = os.getppid()
 
     def watch() -> None:
@@ -108,10 +111,10 @@ def _recv_into_all(conn: socket.socket, view: memoryview) -> None:
 
 
 class SocketServer:
-    """A spawned raw-socket server of `source_tensor(rows, cols)` and this process's connection to it."""
+    """A raw-socket server process of `source_tensor(rows, cols)` and this process's connection to it."""
 
     def __init__(self, rows: int, cols: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         parent, child = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=_socket_server_main,
@@ -256,15 +259,15 @@ def _rpc_client_main(
 
 
 class RpcFetchBaseline:
-    """torch.distributed.rpc over one TensorPipe transport: a spawned server holding `source_tensor(rows, cols)`
-    and a spawned client that times `rpc_sync` fetches of its leading rows (RPC cannot receive into a given
+    """torch.distributed.rpc over one TensorPipe transport: a server process holding `source_tensor(rows, cols)`
+    and a client process that times `rpc_sync` fetches of its leading rows (RPC cannot receive into a given
     tensor, so the client keeps what it fetched)."""
 
     def __init__(self, rows: int, cols: int, transport: str, port: int) -> None:
         rpc_backend_options(port, transport)  # validates `transport` before any process starts
         self.rows, self.cols, self.transport, self.port = rows, cols, transport, port
-        self._spawn = mp.get_context("spawn")
-        self.server = self._spawn.Process(
+        self._context = process_context()
+        self.server = self._context.Process(
             target=_rpc_server_main, args=(port, transport), daemon=True, name="rpc-baseline-server"
         )
         self.server.start()
@@ -279,8 +282,8 @@ class RpcFetchBaseline:
         self, plan: list[tuple[int, int]], timeout: float = 1800.0
     ) -> list[tuple[float, bool]]:
         """(median seconds, matched the source) per (nrows, repeat) of `plan`; the rpc world ends afterwards."""
-        parent, child = self._spawn.Pipe(duplex=False)
-        self._client = self._spawn.Process(
+        parent, child = self._context.Pipe(duplex=False)
+        self._client = self._context.Process(
             target=_rpc_client_main,
             daemon=True,
             name="rpc-baseline-client",

@@ -6,7 +6,7 @@ rows): p50 and p99 latency of one client, and rows/s with 8 concurrent client
 threads. Baselines in the same run: torch.distributed.rpc serving the same
 table from two server processes holding one half each (the way torch's
 ShardedTensor reached remote shards: route ids by owner, `rpc_async` the
-owners, stitch), measured by a spawned client process so it has its own rpc
+owners, stitch), measured by a client process of its own so it has its own rpc
 agent, once per TensorPipe transport (shm, which busy-polls a core in each
 process, and uv; the faster is the row); and a local `index_select` (the
 limit).
@@ -21,7 +21,6 @@ process through server/rank/jobs/checkpoint_reader.py's RegionReader), and
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ from benchmarks.baselines import (
     loopback_env,
     rpc_backend_options,
 )
-from benchmarks.harness import Context, Row, scenario
+from benchmarks.harness import Context, Row, process_context, scenario
 
 ROWS, DIM, RANKS = 1_000_000, 64, 2
 QUICK_ROWS = 100_000
@@ -207,7 +206,7 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], transport: st
     measurements {(size, dist): (latencies, seconds per call with 8 threads, matched)}."""
     from shardserve.server.launcher import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     port = free_port()
     servers = [
         ctx.Process(target=_rpc_server, args=(r, rows, port, transport), daemon=True)

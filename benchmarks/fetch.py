@@ -9,7 +9,7 @@ torch.distributed.rpc of an RRef-held tensor's slice, and an in-process
 memcpy. shardserve, the socket and memcpy take turns call by call (median of
 each). torch rpc is timed first, in a phase of its own per TensorPipe
 transport (shm and uv, the faster one is the row; the row's path says which),
-by spawned processes that exist only while it is timed: its same-host
+by processes of their own that exist only while it is timed: its same-host
 transport busy-polls a core in each of them. Every method's result is
 checked against the source (`ok`), and each row reports the peak RSS of its
 own server processes during its timed block.

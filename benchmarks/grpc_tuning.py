@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="shardserve-tuning-") as state:
         cluster = LocalCluster(
-            ranks=1, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+            ranks=1,
+            state_dir=state,
+            rank_options=RankOptions(log_level="WARNING"),
+            start_method="forkserver",
         ).start(timeout=180)
         try:
             with connect(cluster.address, timeout=120, transport="grpc") as c:

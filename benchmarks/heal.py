@@ -157,6 +157,7 @@ def run(
             state_dir=Path(tmp) / "state",
             rank_options=RankOptions(log_level="WARNING"),
             restart_policy=RestartPolicy(max_restarts=3, initial_backoff=0.5),
+            start_method="forkserver",
         )
         try:
             cluster.start(timeout=180)
@@ -290,11 +291,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def bare_send_seconds(nbytes: int) -> float:
     """Seconds for one gloo send of `nbytes` from one process to another on 127.0.0.1 (median of 3)."""
-    import torch.multiprocessing as mp
-
+    from benchmarks.harness import process_context
     from benchmarks.reshard import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     result = ctx.Queue()
     port = free_port()
     procs = [

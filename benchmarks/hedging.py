@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     with (
         tempfile.TemporaryDirectory() as state,
         LocalCluster(
-            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+            ranks=2,
+            state_dir=state,
+            rank_options=RankOptions(log_level="WARNING"),
+            start_method="forkserver",
         ) as cluster,
     ):
         with connect(cluster.address) as writer:

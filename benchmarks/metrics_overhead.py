@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     state_dir=state,
                     rank_options=RankOptions(log_level="WARNING"),
                     metrics_port=port,
+                    start_method="forkserver",
                 )
             )
             with connect(clusters[mode].address) as writer:

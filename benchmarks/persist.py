@@ -48,6 +48,7 @@ def _start(state: Path, mode: str):  # type: ignore[no-untyped-def]
         rank_options=RankOptions(
             log_level="WARNING", persist_dir=persist, fsync=None if mode == "off" else mode
         ),
+        start_method="forkserver",
     )
     return cluster.start(timeout=SERVE_TIMEOUT_S)
 

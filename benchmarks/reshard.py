@@ -40,7 +40,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks.harness import process_context
 
 BARE = "bare transfer"
 BARE_FRESH = "bare transfer + allocation"
@@ -350,7 +351,7 @@ def free_port() -> int:
 
 
 def run_world(world: int, args: dict) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, args, results)) for r in range(world)]

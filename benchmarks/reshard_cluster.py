@@ -53,6 +53,7 @@ def cluster_times(
             world,
             state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
             rank_options=RankOptions(recycle_bytes=recycle_bytes),
+            start_method="forkserver",
         ) as cluster,
         connect(cluster.address, timeout=600) as client,
     ):

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Context, Row, scenario
+from benchmarks.harness import Context, Row, process_context, scenario
 from benchmarks.statedict_casts import cast_rows
 from benchmarks.statedict_delta import delta_rows
 from benchmarks.statedict_fsdp import fsdp_rows
@@ -175,11 +175,9 @@ def _copy_s(total_bytes: int) -> float:
 def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
     """Per case: seconds of put (trainer), get (inference), dcp.save, dcp.load, a bare copy and a socket
     transfer, the write path and whether every shard came back right (one 4-process world for all cases)."""
-    import torch.multiprocessing as mp
-
     from shardserve.server.launcher import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-") as folder:
         port = free_port()

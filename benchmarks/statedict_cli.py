@@ -32,7 +32,7 @@ def run_on_two_ranks(make_rows: Callable[[Any], list[Row]], *, width: int = 48) 
     from shardserve.server.launcher import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
-        cluster = LocalCluster(2, state_dir=state_dir).start(timeout=120)
+        cluster = LocalCluster(2, state_dir=state_dir, start_method="forkserver").start(timeout=120)
         try:
             rows = make_rows(cluster)
         finally:

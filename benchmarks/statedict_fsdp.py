@@ -11,7 +11,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from benchmarks.harness import Row
+from benchmarks.harness import Row, process_context
 
 LAYERS, WIDTH = 14, 128  # 14 x (weight, bias): 28 tensors, 0.9 MB of float32
 ROUNDS, QUICK_ROUNDS = 7, 3
@@ -79,12 +79,11 @@ def _median_s(step: Any, rounds: int) -> float:
 
 
 def fsdp_rows(address: str, *, quick: bool, peaks: dict[str, int]) -> list[Row]:
-    """The FSDP2 small-model case, two spawned processes against the cluster at `address`."""
-    import torch.multiprocessing as mp
-
+    """The FSDP2 small-model case, two processes (forked from the preloaded forkserver) against the cluster
+    at `address`."""
     from shardserve.server.launcher import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     results = ctx.Queue()
     rounds = QUICK_ROUNDS if quick else ROUNDS
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-fsdp-", dir=SHM) as folder:

@@ -26,7 +26,6 @@ all of them, i.e. 1 / batches per second). Notes give p50/p99 and batches/s.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import tempfile
 import time
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.embedding import ZIPF_S, p
-from benchmarks.harness import Context, Row, scenario
+from benchmarks.harness import Context, Row, process_context, scenario
 
 # (table, rows, dim, features and their pooling factors, weighted)
 TABLES = [
@@ -213,7 +212,7 @@ class Clients:
     """Client processes that stay up for the whole scenario (TorchRec takes seconds to import)."""
 
     def __init__(self, count: int, address: str, model_file: str, scale: int) -> None:
-        self.context = mp.get_context("spawn")
+        self.context = process_context()
         self.results = self.context.Queue()
         self.jobs = [self.context.Queue() for _ in range(count)]
         self.procs = [

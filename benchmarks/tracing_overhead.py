@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                     rank_options=RankOptions(
                         log_level="WARNING", tracing=f"file:{spans}" if mode == "on" else None
                     ),
+                    start_method="forkserver",
                 )
             )
             with connect(clusters[mode].address, tracing=False) as writer:

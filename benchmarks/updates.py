@@ -192,7 +192,10 @@ def rates_only(seconds: float) -> dict:
     with (
         tempfile.TemporaryDirectory() as state,
         LocalCluster(
-            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+            ranks=2,
+            state_dir=state,
+            rank_options=RankOptions(log_level="WARNING"),
+            start_method="forkserver",
         ) as cluster,
     ):
         name, rows = "updates_rate", rows_of(16)
@@ -217,7 +220,10 @@ def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
     with (
         tempfile.TemporaryDirectory() as state,
         LocalCluster(
-            ranks=2, state_dir=state, rank_options=RankOptions(log_level="WARNING")
+            ranks=2,
+            state_dir=state,
+            rank_options=RankOptions(log_level="WARNING"),
+            start_method="forkserver",
         ) as cluster,
     ):
         results["update_cost"] = update_cost(cluster.address, sizes, repeats)
