@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shardserve.server.coordinator.catalog.documents import (
+    DECODED,
     RemovedRows,
     dumps,
     snapshot_json,
@@ -153,13 +154,15 @@ class SQLiteCatalog(Catalog):
         checksums: ShardChecksums | None = None,
     ) -> tuple[SnapshotRecord, Sequence[TensorRecord]]:
         committed = snapshot.committed(checksums or {})
+        document = snapshot_json(committed)
         with self._transaction(durable) as db:
             _mark_ready(db, committed.tensors())
             db.execute(
                 "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
-                (committed.prefix, committed.number, snapshot_json(committed)),
+                (committed.prefix, committed.number, document),
             )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
+        DECODED.remember(document, committed)  # its readers find it decoded: the text they read is this
         return committed, removed
 
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:

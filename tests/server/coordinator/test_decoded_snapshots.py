@@ -1,0 +1,73 @@
+"""The decoded snapshot records the catalog keeps by document text: what a commit wrote is read back without
+decoding, equal to what decoding its document gives, and only the latest few are kept."""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.server.coordinator.catalog.documents import DecodedSnapshots, snapshot_json
+from shardserve.server.coordinator.catalog.records import (
+    SnapshotEntry,
+    SnapshotRecord,
+    TensorOptions,
+    TensorRecord,
+    TensorState,
+)
+from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
+
+LAYOUT = ShardedTensorMetadata(
+    (ShardMetadata((0, 0), (2, 3), "rank:0/cpu"), ShardMetadata((2, 0), (2, 3), "rank:1/cpu")),
+    (4, 3),
+    TensorProperties(torch.bfloat16),
+)
+
+
+def _snapshot(number: int, *, keys: tuple[str, ...] = ("w", "b")) -> SnapshotRecord:
+    entries = tuple(
+        SnapshotEntry(
+            key,
+            TensorRecord(
+                f"p@{number}/{key}",
+                number * 10 + i,
+                LAYOUT,
+                options=TensorOptions(durable=False),
+                created_unix=1.5 + number,
+            ),
+        )
+        for i, key in enumerate(keys)
+    )
+    return SnapshotRecord("p", number, 2, entries, created_unix=2.25 + number, skeleton='{"k": 1}')
+
+
+def test_a_remembered_record_is_read_back_without_decoding_and_equals_a_decoding() -> None:
+    committed = _snapshot(1).committed({("p@1/w", 10): {0: 7, 1: 8}, ("p@1/b", 11): {1: 9}})
+    assert committed.state is TensorState.READY
+    text = snapshot_json(committed)
+    decoded = DecodedSnapshots()
+    decoded.remember(text, committed)
+    assert decoded.get(text) is committed
+    fresh = DecodedSnapshots().get(text)
+    assert fresh == committed and fresh is not committed
+
+
+def test_only_the_latest_documents_are_kept() -> None:
+    decoded = DecodedSnapshots(size=2)
+    records = [_snapshot(n) for n in (1, 2, 3)]
+    texts = [snapshot_json(r) for r in records]
+    for text, record in zip(texts, records):
+        decoded.remember(text, record)
+    assert decoded.get(texts[2]) is records[2] and decoded.get(texts[1]) is records[1]
+    assert decoded.get(texts[0]) == records[0] and decoded.get(texts[0]) is not records[0]
+
+
+def test_a_sqlite_commit_is_read_back_as_the_record_it_returned(tmp_path) -> None:
+    catalog = SQLiteCatalog(str(tmp_path / "catalog.sqlite"))
+    try:
+        snapshot = _snapshot(1)
+        catalog.add_all(snapshot.tensors())
+        committed, _ = catalog.commit_snapshot(snapshot)
+        assert catalog.snapshot("p") is committed and catalog.snapshot("p", 1) is committed
+        assert DecodedSnapshots().get(snapshot_json(committed)) == committed
+    finally:
+        catalog.close()
