@@ -162,7 +162,9 @@ class SQLiteCatalog(Catalog):
                 (committed.prefix, committed.number, document),
             )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
-        DECODED.remember(document, committed)  # its readers find it decoded: the text they read is this
+        DECODED.remember(
+            document, committed
+        )  # its readers find it decoded: the text they read is this
         return committed, removed
 
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
