@@ -162,9 +162,8 @@ class SQLiteCatalog(Catalog):
                 (committed.prefix, committed.number, document),
             )
             removed = _drop_old_snapshots(db, committed.prefix, max(1, committed.keep))
-        DECODED.remember(
-            document, committed
-        )  # its readers find it decoded: the text they read is this
+        # its readers find it decoded: the text they read back is this one
+        DECODED.remember(document, committed)
         return committed, removed
 
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
