@@ -53,15 +53,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+_NOT_RUNNING = ("T", "t", "Z", "X", None)
+"""Thread states in /proc that run no code: stopped, traced, dead (and None: the thread ended)."""
+
+
 def _wait_stopped(pid: int, *, timeout: float) -> None:
-    """Return once every thread of process `pid` is stopped (state T in /proc), it is gone, or `timeout` passed."""
+    """Return once no thread of process `pid` can run code (stopped, or gone), or `timeout` passed."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             states = [_thread_state(pid, task) for task in os.listdir(f"/proc/{pid}/task")]
         except FileNotFoundError:
             return
-        if all(state in ("T", "t", None) for state in states):
+        if all(state in _NOT_RUNNING for state in states):
             return
         time.sleep(0.001)
 
