@@ -16,10 +16,11 @@ from shardserve.server.coordinator.catalog.records import (
 )
 from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 
-LAYOUT = ShardedTensorMetadata(
-    (ShardMetadata((0, 0), (2, 3), "rank:0/cpu"), ShardMetadata((2, 0), (2, 3), "rank:1/cpu")),
-    (4, 3),
-    TensorProperties(torch.bfloat16),
+LAYOUT = ShardedTensorMetadata(  # a row of three shards, one of them replicated
+    tuple(ShardMetadata((6 * i,), (6,), f"rank:{i}/cpu") for i in range(3))
+    + (ShardMetadata((0,), (6,), "rank:2/cpu"),),
+    (18,),
+    TensorProperties(torch.float16),
 )
 
 
