@@ -28,7 +28,7 @@ from functools import partial
 
 import torch
 
-from benchmarks.harness import process_context
+from shardserve.server.rank_start import forkserver_context
 
 REQUEST = struct.Struct("<q")  # bytes wanted; 0 ends the session
 START_TIMEOUT_S = 120.0
@@ -114,7 +114,7 @@ class SocketServer:
     """A raw-socket server process of `source_tensor(rows, cols)` and this process's connection to it."""
 
     def __init__(self, rows: int, cols: int) -> None:
-        ctx = process_context()
+        ctx = forkserver_context()
         parent, child = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=_socket_server_main,
@@ -266,7 +266,7 @@ class RpcFetchBaseline:
     def __init__(self, rows: int, cols: int, transport: str, port: int) -> None:
         rpc_backend_options(port, transport)  # validates `transport` before any process starts
         self.rows, self.cols, self.transport, self.port = rows, cols, transport, port
-        self._context = process_context()
+        self._context = forkserver_context()
         self.server = self._context.Process(
             target=_rpc_server_main, args=(port, transport), daemon=True, name="rpc-baseline-server"
         )

@@ -40,7 +40,8 @@ from benchmarks.baselines import (
     loopback_env,
     rpc_backend_options,
 )
-from benchmarks.harness import Context, Row, process_context, scenario
+from benchmarks.harness import Context, Row, scenario
+from shardserve.server.rank_start import forkserver_context
 
 ROWS, DIM, RANKS = 1_000_000, 64, 2
 QUICK_ROWS = 100_000
@@ -206,7 +207,7 @@ def run_rpc_baseline(rows: int, cases: list[tuple[int, str, int]], transport: st
     measurements {(size, dist): (latencies, seconds per call with 8 threads, matched)}."""
     from shardserve.server.launcher import free_port
 
-    ctx = process_context()
+    ctx = forkserver_context()
     port = free_port()
     servers = [
         ctx.Process(target=_rpc_server, args=(r, rows, port, transport), daemon=True)

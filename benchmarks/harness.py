@@ -136,18 +136,6 @@ class Row:
         return out
 
 
-def process_context():  # type: ignore[no-untyped-def]
-    """torch.multiprocessing's forkserver context, its server preloaded with torch and the rank's modules (the
-    one the clusters' ranks fork from): a benchmark's worker processes start without importing torch again."""
-    import torch.multiprocessing as mp
-
-    from shardserve.server.rank_start import PRELOAD
-
-    context = mp.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
-
-
 def failure_row(group: str, case: str, name: str, error: BaseException, **fields) -> Row:
     """A row for a method that raised: no figure, its error's first line as the note (the run goes on)."""
     first = (str(error).strip().splitlines() or [""])[0][:160]

@@ -291,10 +291,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def bare_send_seconds(nbytes: int) -> float:
     """Seconds for one gloo send of `nbytes` from one process to another on 127.0.0.1 (median of 3)."""
-    from benchmarks.harness import process_context
     from benchmarks.reshard import free_port
+    from shardserve.server.rank_start import forkserver_context
 
-    ctx = process_context()
+    ctx = forkserver_context()
     result = ctx.Queue()
     port = free_port()
     procs = [

@@ -41,7 +41,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import process_context
+from shardserve.server.rank_start import forkserver_context
 
 BARE = "bare transfer"
 BARE_FRESH = "bare transfer + allocation"
@@ -351,7 +351,7 @@ def free_port() -> int:
 
 
 def run_world(world: int, args: dict) -> dict:
-    ctx = process_context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, args, results)) for r in range(world)]

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Context, Row, process_context, scenario
+from benchmarks.harness import Context, Row, scenario
 from benchmarks.statedict_casts import cast_rows
 from benchmarks.statedict_delta import delta_rows
 from benchmarks.statedict_fsdp import fsdp_rows
 from benchmarks.statedict_host import host_rows
 from benchmarks.statedict_verify import verify_rows
+from shardserve.server.rank_start import forkserver_context
 
 CASES = ((64, 1 << 30), (512, 512 * 8192))  # (tensors, bytes in all)
 QUICK_CASES = ((64, 4 << 20), (128, 128 * 8192))
@@ -177,7 +178,7 @@ def run(address: str, cases: tuple[tuple[int, int], ...]) -> list[dict[str, Any]
     transfer, the write path and whether every shard came back right (one 4-process world for all cases)."""
     from shardserve.server.launcher import free_port
 
-    ctx = process_context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-dcp-") as folder:
         port = free_port()

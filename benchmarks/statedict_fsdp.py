@@ -11,7 +11,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from benchmarks.harness import Row, process_context
+from benchmarks.harness import Row
+from shardserve.server.rank_start import forkserver_context
 
 LAYERS, WIDTH = 14, 128  # 14 x (weight, bias): 28 tensors, 0.9 MB of float32
 ROUNDS, QUICK_ROUNDS = 7, 3
@@ -83,7 +84,7 @@ def fsdp_rows(address: str, *, quick: bool, peaks: dict[str, int]) -> list[Row]:
     at `address`."""
     from shardserve.server.launcher import free_port
 
-    ctx = process_context()
+    ctx = forkserver_context()
     results = ctx.Queue()
     rounds = QUICK_ROUNDS if quick else ROUNDS
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-fsdp-", dir=SHM) as folder:

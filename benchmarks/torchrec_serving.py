@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from benchmarks.embedding import ZIPF_S, p
-from benchmarks.harness import Context, Row, process_context, scenario
+from benchmarks.harness import Context, Row, scenario
+from shardserve.server.rank_start import forkserver_context
 
 # (table, rows, dim, features and their pooling factors, weighted)
 TABLES = [
@@ -212,7 +213,7 @@ class Clients:
     """Client processes that stay up for the whole scenario (TorchRec takes seconds to import)."""
 
     def __init__(self, count: int, address: str, model_file: str, scale: int) -> None:
-        self.context = process_context()
+        self.context = forkserver_context()
         self.results = self.context.Queue()
         self.jobs = [self.context.Queue() for _ in range(count)]
         self.procs = [

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from shardserve.client.errors import ShardServeError, error_from_rpc
+from shardserve.core.channel_options import MAX_MESSAGE_BYTES, MESSAGE_OPTIONS, RECONNECT_OPTIONS
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.chunk_codec import (
@@ -29,22 +30,14 @@ from shardserve.protos.chunk_codec import (
 )
 
 CHUNK_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 64 << 20
 MAX_CHUNK_BYTES = MAX_MESSAGE_BYTES - (1 << 10)  # room for the message's own fields
 # Data calls get the control deadline plus time for their bytes at this pessimistic rate.
 _SLOWEST_BYTES_PER_S = 20e6
 T = TypeVar("T")
 SHARD_SERVICE = "/" + pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
-# Every channel of a client, blocking or asyncio. Each tries to connect again within a second of a failed try
-# (gRPC's own backoff grows to 2 minutes): a rank restarted after a long outage, or a standby coordinator taking
-# over, is read from as soon as it listens, not at the end of a backoff that grew while it was down.
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
+# Every channel of a client, blocking or asyncio: the largest message, and a try to connect again within a
+# second of a failed one (shardcore.channel_options).
+CHANNEL_OPTIONS = MESSAGE_OPTIONS + RECONNECT_OPTIONS
 
 
 @dataclass(frozen=True)

@@ -80,13 +80,19 @@ def start_process(command: Sequence[str], env: dict[str, str], method: str) -> S
     return subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL)
 
 
+def forkserver_context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloaded with PRELOAD: the one every forked rank comes
+    from, and which tests and benchmarks start their worker processes from too (none imports torch again)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
 class ForkedProcess:
     """A `python -m shardserve.server ARGS` process forked from the forkserver, with Popen's calls."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)
-        self._process = context.Process(
+        self._process = forkserver_context().Process(
             target=run_server,
             args=(list(args), dict(env), os.getcwd()),
             name="shardserve-rank",

@@ -1,6 +1,6 @@
-"""A gloo world of persistent rank processes that run module-level functions on request, and the context the
-tests' worker processes start from: forked from this test process's forkserver, which imported torch once,
-as the test clusters' ranks are (each process fresh, but without 2-3 s of CPU importing torch)."""
+"""A gloo world of persistent rank processes that run module-level functions on request, forked from this test
+process's forkserver (server.rank_start.forkserver_context), which imported torch once, as the test clusters'
+ranks are (each process fresh, but without 2-3 s of CPU importing torch)."""
 
 from __future__ import annotations
 
@@ -14,21 +14,13 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from shardserve.server.rank_start import PRELOAD
+from shardserve.server.rank_start import forkserver_context
 
 PG_TIMEOUT_S = 120
 RUN_TIMEOUT_S = (
     90  # shorter than the process group's: a hang shows up as a timeout here, not as an error
 )
-
-
-def process_context() -> Any:
-    """torch.multiprocessing's forkserver context, its server preloaded with torch and the rank's modules."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
 
 
 def _serve(rank: int, world_size: int, port: int, commands: Any, results: Any) -> None:
@@ -61,7 +53,7 @@ class World:
     """`size` ranks in one gloo process group, running module-level functions on request."""
 
     def __init__(self, size: int) -> None:
-        ctx = process_context()
+        ctx = forkserver_context()
         self.size = size
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)]

@@ -18,24 +18,12 @@ from typing import Any
 
 import grpc
 
+from shardserve.core.channel_options import MESSAGE_OPTIONS, RECONNECT_OPTIONS
 from shardserve.server.common.access import CLUSTER_SCHEME, AccessPolicy
 from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
 from shardserve.server.common.tracing import traced_channel
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
-# A peer's channel tries to connect again within a second of a failed try (gRPC's own backoff grows to 2
-# minutes): a restarted rank, or a standby coordinator taking over, is called as soon as it listens.
-RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 @dataclass(frozen=True)
@@ -189,8 +177,9 @@ def make_channel(
     address: str, security: Security = Security(), *, options: Sequence[tuple[str, Any]] = ()
 ) -> grpc.Channel:
     """A channel to a peer that presents this process's token and TLS credentials (and, while tracing is on,
-    carries this process's trace on); `options`: gRPC channel options beside CHANNEL_OPTIONS and RECONNECT_OPTIONS."""
-    every = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, *options]
+    carries this process's trace on); `options`: gRPC channel options beside the message limits and the
+    reconnect backoff every channel has (shardcore.channel_options)."""
+    every = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS, *options]
     if security.tls is not None:
         channel = grpc.secure_channel(address, channel_credentials(security.tls), options=every)
     else:

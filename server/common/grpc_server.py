@@ -11,8 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shardserve.core.channel_options import MESSAGE_OPTIONS
 from shardserve.server.common.access import AccessInterceptor
-from shardserve.server.common.auth import CHANNEL_OPTIONS, Security, server_credentials
+from shardserve.server.common.auth import Security, server_credentials
 from shardserve.server.common.metrics import MetricsInterceptor, ServerMetrics
 from shardserve.server.common.request_decoding import RequestDecodingInterceptor
 from shardserve.server.common.stream_limits import StreamLimits, StreamLimitSettings
@@ -76,7 +77,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
-        options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],
+        options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)],
     )  # a port in use is an error
     names = tuple(add_servicers(server))
     health_servicer = health.HealthServicer()

@@ -18,7 +18,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_world import process_context
 from reference import shards_of
 
 from shardserve.core.executor import apply_plan
@@ -33,6 +32,7 @@ from shardserve.core.specs import ChunkShardingSpec, chunk_bounds
 from shardserve.server.rank.jobs.groups import PeerGroup
 from shardserve.server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
 from shardserve.server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
+from shardserve.server.rank_start import forkserver_context
 
 WORLD = 4
 FAULT_WORLD = 3
@@ -287,7 +287,7 @@ class World:
     """Worker processes of one gloo world, fed commands through per-rank queues."""
 
     def __init__(self, size: int, backend: str = "gloo") -> None:
-        ctx = process_context()
+        ctx = forkserver_context()
         self.size = size
         self.port = _free_port()
         self.commands = [ctx.Queue() for _ in range(size)]
