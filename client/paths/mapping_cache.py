@@ -17,7 +17,9 @@ from shardserve.protos import shardserve_pb2 as pb
 CACHE_BYTES = (
     4 << 30
 )  # mapped bytes kept for reuse (pages of dropped versions stay alive meanwhile)
-CACHE_ENTRIES = 256  # each mapping holds an open file (Python's mmap keeps a duplicate of the fd)
+# mappings kept: each is one or two of the process's memory areas (vm.max_map_count is 65530 by default) and
+# holds no open file; a state dict of thousands of small tensors read every step stays mapped
+CACHE_ENTRIES = 8192
 
 # (rank address, tensor name, version, shard index)
 Key = tuple[str, str, int, int]

@@ -8,17 +8,16 @@ while the rank that serves it lives and still serves that version (client.paths.
 
 from __future__ import annotations
 
-import mmap
 import os
 import select
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 from shardserve.client.paths.composed import CompositionError, map_extents
+from shardserve.core.address_space import AddressRange
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.lent_memory import (
     LentMemoryError,
@@ -243,19 +242,21 @@ def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Ten
 
 
 def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
-    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8."""
+    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8 (pages populated up front).
+
+    Mapped through libc (shardserve.core.address_space), the file closed right after: the mapping keeps no file
+    descriptor, so a reader may keep thousands of shards mapped (a state dict of many small tensors) where
+    Python's mmap would hold one open file each."""
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
     fd = open_rank_file(reply.pid, reply.fd, reply.inode, reply.device_id, min_size=size)
     try:
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapped = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        space = AddressRange(size)
+        space.place(0, size, fd, 0, populate=True)
     except OSError as err:
         raise SegmentError(f"cannot map {path}: {err}") from None
     finally:
         os.close(fd)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: we only ever read it
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+    return space.tensor(size)
 
 
 def map_cuda(reply: pb.OpenShardResponse) -> torch.Tensor:

@@ -5,6 +5,7 @@ bit with its own non-tensor values."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -296,3 +297,28 @@ def test_a_reader_of_steady_puts_maps_each_segment_once(cluster: LocalCluster) -
             counts.append(_segment_mappings())
         assert counts[1] > counts[0] > 0  # the writer's and the reader's mappings of both sets
         assert counts[2:] == [counts[1]] * 4, counts
+
+
+def test_a_reader_keeps_hundreds_of_shards_mapped_without_holding_their_files(
+    cluster: LocalCluster,
+) -> None:
+    """A state dict of more tensors than a few hundred (a 7B model has about 300), each read through a mapping:
+    a second read of the snapshot opens no shard again (every mapping was kept), and the mappings hold no open
+    file each (the process's descriptors do not grow with them)."""
+    from shardserve.client import metrics as client_metrics
+
+    count = 300
+    weights = {f"layer{i}.w": torch.full((96, 256), float(i)) for i in range(count)}  # 96 KiB each
+    with connect(cluster.address) as client:
+        spmd.put_state_dict(client, weights, "many_mapped", keep=1, durable=False)
+        into = {key: torch.zeros_like(value) for key, value in weights.items()}
+        files_before = len(os.listdir("/proc/self/fd"))
+        spmd.get_state_dict(client, "many_mapped", into=into)
+        assert all(torch.equal(into[key], weights[key]) for key in weights)
+        files_after = len(os.listdir("/proc/self/fd"))
+        opens = client_metrics()["shm_opens"]
+        into = {key: torch.zeros_like(value) for key, value in weights.items()}
+        spmd.get_state_dict(client, "many_mapped", into=into)
+        assert all(torch.equal(into[key], weights[key]) for key in weights)
+        assert client_metrics()["shm_opens"] == opens
+        assert files_after - files_before < count // 4, (files_before, files_after)
