@@ -11,18 +11,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from shardserve.client import counters
 from shardserve.client.casts import check_read_cast
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import TensorSummary
 from shardserve.client.ops.snapshots import SnapshotSummary
 from shardserve.client.paths.batch import batches, read_batch, region_reads
-from shardserve.client.paths.kinds import PathKind
+from shardserve.client.paths.copies import PARALLEL_COPY_BYTES
+from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.shm import SharedMemoryPath
 from shardserve.client.spmd_pieces import Piece
 from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.core.metadata import Box
-from shardserve.core.regions import intersect
+from shardserve.core.regions import intersect, local_view
 
 SMALL_PIECE_BYTES = (
     64 << 10
@@ -36,8 +38,10 @@ def read_pieces(
     *,
     verify: bool = False,
 ) -> int:
-    """Read every local piece of `targets` from the snapshot, small ones batched per rank (not with `verify`:
-    each piece is then fetched and checked by itself), the others several at once; returns bytes read."""
+    """Read every local piece of `targets` from the snapshot; returns bytes read. Small ones are batched per rank;
+    larger ones held by same-host ranks are copied out of their mapped memory one after another on this thread;
+    the largest, those no mapping serves, and with `verify` all of them (each then checked by itself), are fetched
+    several at once on the read pool."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
@@ -61,12 +65,18 @@ def read_pieces(
     ]
     _open_shared_memory(cluster, mapped)
     pool = cluster.session.read_pool
+    parallel, in_turn = [], []  # on the read pool / on this thread, one after another
+    for read in pieces:
+        if verify or _nbytes(read[2]) > PARALLEL_COPY_BYTES:
+            parallel.append(read)
+        elif _nbytes(read[2]) > SMALL_PIECE_BYTES:
+            in_turn.append(read)
     done = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
-        for proxy, box, out in pieces
-        if _nbytes(out) > SMALL_PIECE_BYTES or verify
+        for proxy, box, out in parallel
     ]
-    alone = _read_batched(cluster, small, pool)
+    alone = _read_mapped(cluster, in_turn)
+    alone += _read_batched(cluster, small, pool)
     done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
     futures.wait(done)  # every read ended before any failure is raised: none writes `into` after
     for future in done:
@@ -80,10 +90,8 @@ def _open_shared_memory(cluster: Cluster, reads: Sequence[tuple[TensorSummary, B
     costing more than the copies (the segments are mostly ones this client maps already). One copy per box is
     opened; what is not (other copies, failures) each read opens by itself."""
     session = cluster.session
-    if session.paths.forced not in (None, PathKind.SHARED_MEMORY):
-        return
-    shm = session.paths.path(PathKind.SHARED_MEMORY)
-    if not isinstance(shm, SharedMemoryPath):
+    shm = _shared_memory(cluster)
+    if shm is None:
         return
     by_address: dict[str, list[tuple[TensorSummary, int]]] = defaultdict(list)
     chosen: set[tuple[str, Box]] = set()
@@ -105,6 +113,87 @@ def _open_shared_memory(cluster: Cluster, reads: Sequence[tuple[TensorSummary, B
     futures.wait(jobs)
 
 
+def _shared_memory(cluster: Cluster) -> SharedMemoryPath | None:
+    """The client's same-host path, when reads may take it (transport "auto" or "shm")."""
+    session = cluster.session
+    if session.paths.forced not in (None, PathKind.SHARED_MEMORY):
+        return None
+    shm = session.paths.path(PathKind.SHARED_MEMORY)
+    return shm if isinstance(shm, SharedMemoryPath) else None
+
+
+def _read_mapped(
+    cluster: Cluster, pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]]
+) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
+    """Read the pieces whose every part a same-host rank holds in host memory, rank after rank on this thread
+    (SharedMemoryPath.read_many); returns the others and those whose mapped read failed, to read by themselves."""
+    mapped = _MappedParts(cluster)
+    rest = set()
+    for piece, (proxy, box, out) in enumerate(pieces):
+        try:
+            summary, parts = proxy.read_plan(box, out)
+        except (
+            RankUnavailableError
+        ):  # copies lost or unreachable: fetch refreshes, waits and fails over
+            rest.add(piece)
+            continue
+        if not mapped.take(piece, summary, parts, box, out):
+            rest.add(piece)
+    rest |= mapped.read()
+    return [pieces[piece] for piece in sorted(rest)]
+
+
+class _MappedParts:
+    """The parts of pieces that same-host ranks hold in host memory, by rank address, read through the client's
+    same-host path (none when reads may not take it)."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self._session = cluster.session
+        self._shm = _shared_memory(cluster)
+        self._parts: dict[str, list[tuple[int, PartRead]]] = defaultdict(list)
+
+    def take(
+        self,
+        piece: int,
+        summary: TensorSummary,
+        parts: Sequence[tuple[int, Box]],
+        box: Box,
+        out: torch.Tensor,
+    ) -> bool:
+        """Keep every part of `piece` (global `box`, landing in `out`) when this path reads them all."""
+        addresses = [self._address(summary, index, out) for index, _ in parts]
+        if None in addresses:
+            return False
+        for address, (index, part) in zip(addresses, parts):
+            if not part.is_empty():
+                read = PartRead(summary, index, part, local_view(out, box, part))
+                self._parts[str(address)].append((piece, read))
+        return True
+
+    def read(self) -> set[int]:
+        """Read every kept part, rank after rank; returns the pieces a part of which was not read."""
+        failed: set[int] = set()
+        for address, parts in self._parts.items():
+            assert self._shm is not None
+            missed = self._shm.read_many(address, [read for _, read in parts])
+            failed |= {parts[position][0] for position in missed}
+            read_bytes = sum(
+                read.nbytes for position, (_, read) in enumerate(parts) if position not in missed
+            )
+            counters.count_read(str(PathKind.SHARED_MEMORY), read_bytes)
+        return failed
+
+    def _address(self, summary: TensorSummary, index: int, out: torch.Tensor) -> str | None:
+        """The address of the rank of shard `index` when this path reads it into `out`: a host shard of a
+        same-host rank, into host memory."""
+        if self._shm is None or out.device.type != "cpu":
+            return None
+        status = self._session.rank_status(summary.metadata.shards_metadata[index].rank)
+        if status.device != "cpu" or not self._shm.supports(status):
+            return None
+        return status.address
+
+
 def _nbytes(out: torch.Tensor) -> int:
     return out.numel() * out.element_size()
 
@@ -119,7 +208,7 @@ def _read_batched(
     rank failed, or all of them with transport="shm"."""
     session = cluster.session
     if session.paths.forced is PathKind.SHARED_MEMORY:
-        return list(small)  # shared memory only, as the caller asked: every piece by itself
+        return _read_mapped(cluster, small)  # shared memory only, as the caller asked
     regions, alone = [], set()
     for piece, (proxy, box, out) in enumerate(small):
         try:

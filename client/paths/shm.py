@@ -144,6 +144,21 @@ class SharedMemoryPath:
             if sums is not None and hashed is not None:  # bytes of a version still served
                 sums[index] = hashed
 
+    def read_many(self, address: str, reads: Sequence[PartRead]) -> set[int]:
+        """Read many parts of host shards of the same-host rank at `address` one after another on this thread, the
+        shards not mapped yet opened first in one OpenShards call (open_all): no hand-off to a pool thread per
+        part (each hand-off waits for the GIL) and no path choice per part. Returns the positions in `reads` of
+        the parts not read; the caller reads those by themselves, whose fallbacks or errors then say why."""
+        shards = {(read.summary.name, read.summary.version, read.index): read for read in reads}
+        self.open_all(address, [(read.summary, read.index) for read in shards.values()])
+        failed = set()
+        for position, read in enumerate(reads):
+            try:
+                self.read(address, read)
+            except ShardServeError:
+                failed.add(position)
+        return failed
+
     def read_rows(
         self, address: str, summary: TensorSummary, index: int, local_rows: torch.Tensor
     ) -> torch.Tensor:
