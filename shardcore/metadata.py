@@ -248,8 +248,15 @@ class ShardedTensorMetadata:
         return cached
 
     def shards_on(self, rank: int) -> list[int]:
-        """Indices (into shards_metadata) of the shards placed on `rank`, in order."""
-        return [i for i, s in enumerate(self.shards_metadata) if s.rank == rank]
+        """Indices (into shards_metadata) of the shards placed on `rank`, in order (the index by rank computed
+        once: a rank asks it of every version it allocates, promotes and drops)."""
+        by_rank = self.__dict__.get("_by_rank")
+        if by_rank is None:
+            by_rank = {}
+            for index, shard in enumerate(self.shards_metadata):
+                by_rank.setdefault(shard.rank, []).append(index)
+            object.__setattr__(self, "_by_rank", by_rank)
+        return list(by_rank.get(rank, ()))
 
     def shard_nbytes(self, index: int) -> int:
         return self.shards_metadata[index].numel() * self.tensor_properties.itemsize

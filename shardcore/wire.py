@@ -135,6 +135,7 @@ def _decoded(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
 
 
 _OOV_POLICIES = {"error": pb.OOV_ERROR, "zero": pb.OOV_ZERO, "default": pb.OOV_DEFAULT}
+_OOV_NAMES = {number: name for name, number in _OOV_POLICIES.items()}
 
 
 def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
@@ -148,7 +149,7 @@ def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
 
 def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
     """The options of a TensorOptions message; ValueError for an OovPolicy this version does not know."""
-    oov = next((name for name, number in _OOV_POLICIES.items() if number == msg.oov), None)
+    oov = _OOV_NAMES.get(msg.oov)
     if oov is None:
         raise ValueError(f"{msg.oov} is not a valid OovPolicy")
     return TensorOptions(oov=oov, default_row=bytes(msg.default_row), durable=not msg.not_durable)

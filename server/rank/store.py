@@ -337,9 +337,10 @@ class ShardStore:
                         {**record.checksums, **missing_checksums(record.shards, record.checksums)},
                     )
                 )
-            persist = [
+            persist = [  # what outlives a restart (persistence writes nothing of the others)
                 PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)
                 for r, sums in pending
+                if r.options.durable and self.persistence is not None
             ]
             if persist and self.persistence is not None:
                 self.persistence.promote_many(persist)
