@@ -2,7 +2,8 @@
 cluster (shared memory both ways, durable=False, keep=1), against the limit, torch's copy_ of the same tensors
 into already-touched destinations in one process, and against dcp.save / dcp.load to /dev/shm.
 
-Cases: 64 x 16 MiB (bandwidth) and 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
+Cases: 64 x 16 MiB (bandwidth), 300 x 512 KiB (a 7B model's count of tensors, each read through a mapping) and
+512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
 the weight-sync loop after a second put: put then get into preallocated tensors, alternating, each timed
 (medians; each get reads the snapshot the put before it made, the puts go into the memory the snapshot before
 freed); one 64 MiB tensor put (Cluster.put) and
@@ -22,7 +23,7 @@ from benchmarks.baselines import median_seconds
 from benchmarks.harness import Row
 
 MiB = 1 << 20
-CASES = ((64, 16 * MiB), (512, 8 << 10))  # (tensors, bytes each)
+CASES = ((64, 16 * MiB), (300, 512 << 10), (512, 8 << 10))  # (tensors, bytes each)
 QUICK_CASES = ((16, MiB), (128, 8 << 10))
 SINGLE_BYTES, SLICE_BYTES = 64 * MiB, MiB
 QUICK_SINGLE_BYTES, QUICK_SLICE_BYTES = 4 * MiB, 64 << 10
