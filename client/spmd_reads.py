@@ -4,6 +4,7 @@ output of another floating dtype than the stored one is converted while copying 
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -41,7 +42,7 @@ def read_pieces(
     """Read every local piece of `targets` from the snapshot; returns bytes read. Small ones are batched per rank;
     larger ones held by same-host ranks are copied out of their mapped memory one after another on this thread;
     the largest, those no mapping serves, and with `verify` all of them (each then checked by itself), are fetched
-    several at once on the read pool."""
+    on the read pool: several at once, and those copied out of same-host memory one per core at a time."""
     proxies = {}
     for key in targets:
         if key not in summary.tensors:
@@ -71,10 +72,14 @@ def read_pieces(
             parallel.append(read)
         elif _nbytes(read[2]) > SMALL_PIECE_BYTES:
             in_turn.append(read)
+    on_host = _MappedParts(cluster)
+    copies = [read for read in parallel if on_host.holds(read[0].summary, read[2])]
     done = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
         for proxy, box, out in parallel
+        if not on_host.holds(proxy.summary, out)
     ]
+    done += _fetch_in_lanes(pool, copies, verify=verify)
     alone = _read_mapped(cluster, in_turn)
     alone += _read_batched(cluster, small, pool)
     done += [pool.submit(proxy.fetch, box.offsets, box.sizes, out) for proxy, box, out in alone]
@@ -143,6 +148,26 @@ def _read_mapped(
     return [pieces[piece] for piece in sorted(rest)]
 
 
+def _fetch_in_lanes(
+    pool: ThreadPoolExecutor,
+    pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
+    *,
+    verify: bool,
+) -> list[futures.Future[None]]:
+    """Fetch `pieces` (copies out of same-host memory, bound by the cores, not by round trips) on one pool thread
+    per core, each fetching its share one after another: more copies at once than cores only make them wait for
+    one (and for the GIL) and evict each other's cache lines, a verified read's hashing most."""
+    lanes = min(os.cpu_count() or 1, len(pieces))
+    return [pool.submit(_fetch_each, pieces[lane::lanes], verify) for lane in range(lanes)]
+
+
+def _fetch_each(
+    pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]], verify: bool
+) -> None:
+    for proxy, box, out in pieces:
+        proxy.fetch(box.offsets, box.sizes, out, verify=verify)
+
+
 class _MappedParts:
     """The parts of pieces that same-host ranks hold in host memory, by rank address, read through the client's
     same-host path (none when reads may not take it)."""
@@ -182,6 +207,13 @@ class _MappedParts:
             )
             counters.count_read(str(PathKind.SHARED_MEMORY), read_bytes)
         return failed
+
+    def holds(self, summary: TensorSummary, out: torch.Tensor) -> bool:
+        """Whether this path reads every shard of the tensor into `out`."""
+        return all(
+            self._address(summary, index, out) is not None
+            for index in range(len(summary.metadata.shards_metadata))
+        )
 
     def _address(self, summary: TensorSummary, index: int, out: torch.Tensor) -> str | None:
         """The address of the rank of shard `index` when this path reads it into `out`: a host shard of a

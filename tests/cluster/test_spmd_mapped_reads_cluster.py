@@ -99,3 +99,39 @@ def test_small_pieces_with_transport_shm_are_read_through_mappings(cluster: Loca
         spmd.get_state_dict(client, "small_shm", into=into)
         assert shm_reads() - before <= 2
     assert [key for key, t in state.items() if not torch.equal(into[key], t)] == []
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_large_same_host_pieces_are_copied_at_most_one_per_core_at_once(
+    cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    """Pieces over 8 MiB (and verified pieces) are fetched on the read pool; copies out of same-host memory go at
+    most one per core at a time. Each fetch waits (bounded) for a third to start, so more at once would show."""
+    import os
+    import threading
+
+    from shardserve.client.tensor import RemoteShardedTensor
+
+    state = {f"big{i}": torch.full((2304, 1024), float(i)) for i in range(6)}  # 9 MiB each
+    with connect(cluster.address) as client:
+        spmd.put_state_dict(client, state, "lanes", durable=False)
+    real, guard, most = RemoteShardedTensor.fetch, threading.Condition(), [0, 0]
+
+    def counted(self: RemoteShardedTensor, *args: Any, **kwargs: Any) -> Any:
+        with guard:
+            most[0] += 1
+            most[1] = max(most[1], most[0])
+            guard.notify_all()
+            guard.wait_for(lambda: most[0] > 2, timeout=0.2)
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with guard:
+                most[0] -= 1
+
+    monkeypatch.setattr(RemoteShardedTensor, "fetch", counted)
+    into = {key: torch.zeros_like(t) for key, t in state.items()}
+    with connect(cluster.address) as client:
+        spmd.get_state_dict(client, "lanes", into=into, verify=verify)
+    assert 1 <= most[1] <= (os.cpu_count() or 1)
+    assert [key for key, t in state.items() if not torch.equal(into[key], t)] == []
