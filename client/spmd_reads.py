@@ -9,6 +9,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ def read_pieces(
             in_turn.append(read)
     on_host = _MappedParts(cluster)
     copies = [read for read in parallel if on_host.holds(read[0].summary, read[2])]
-    done = [
+    done: list[futures.Future[Any]] = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
         for proxy, box, out in parallel
         if not on_host.holds(proxy.summary, out)
