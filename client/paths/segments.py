@@ -214,7 +214,7 @@ RANK_PROCESSES = ProcessWatch()
 
 
 def map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Map the rank's memfd read-only (pages populated up front), after checking it is the segment described:
+    """Map the rank's memfd read-only, after checking it is the segment described:
     (the shard's bytes, the header's int64 words or None when the segment has no header)."""
     if reply.extents:  # a row update's version: its blocks, shared with earlier versions
         try:
@@ -242,16 +242,17 @@ def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Ten
 
 
 def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
-    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8 (pages populated up front).
+    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8.
 
     Mapped through libc (shardserve.core.address_space), the file closed right after: the mapping keeps no file
     descriptor, so a reader may keep thousands of shards mapped (a state dict of many small tensors) where
-    Python's mmap would hold one open file each."""
+    Python's mmap would hold one open file each. Its pages fault in on the first copy, on the copying threads
+    (populating them here, on one thread, measured slower: 1 GiB mapped and copied in 0.18 s against 0.11 s)."""
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
     fd = open_rank_file(reply.pid, reply.fd, reply.inode, reply.device_id, min_size=size)
     try:
         space = AddressRange(size)
-        space.place(0, size, fd, 0, populate=True)
+        space.place(0, size, fd, 0)
     except OSError as err:
         raise SegmentError(f"cannot map {path}: {err}") from None
     finally:
