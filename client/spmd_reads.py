@@ -74,11 +74,12 @@ def read_pieces(
         elif _nbytes(read[2]) > SMALL_PIECE_BYTES:
             in_turn.append(read)
     on_host = _MappedParts(cluster)
-    copies = [read for read in parallel if on_host.holds(read[0].summary, read[2])]
+    copies, fetches = [], []  # copied out of same-host memory / fetched from other hosts or devices
+    for read in parallel:
+        (copies if on_host.holds(read[0].summary, read[2]) else fetches).append(read)
     done: list[futures.Future[Any]] = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
-        for proxy, box, out in parallel
-        if not on_host.holds(proxy.summary, out)
+        for proxy, box, out in fetches
     ]
     done += _fetch_in_lanes(pool, copies, verify=verify)
     alone = _read_mapped(cluster, in_turn)
@@ -221,7 +222,10 @@ class _MappedParts:
         same-host rank, into host memory."""
         if self._shm is None or out.device.type != "cpu":
             return None
-        status = self._session.rank_status(summary.metadata.shards_metadata[index].rank)
+        try:
+            status = self._session.rank_status(summary.metadata.shards_metadata[index].rank)
+        except RankUnavailableError:  # not registered now: its read by itself waits and fails over
+            return None
         if status.device != "cpu" or not self._shm.supports(status):
             return None
         return status.address
@@ -238,7 +242,7 @@ def _read_batched(
 ) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
     """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
     returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
-    rank failed, or all of them with transport="shm"."""
+    rank failed. With transport="shm" they are copied out of their mappings instead (_read_mapped)."""
     session = cluster.session
     if session.paths.forced is PathKind.SHARED_MEMORY:
         return _read_mapped(cluster, small)  # shared memory only, as the caller asked

@@ -3,7 +3,8 @@ failed try, however long the peer has been down: a rank restarted after a long o
 it listens, not at the end of gRPC's own backoff (1 s, then x1.6 each try, up to 2 minutes).
 
 The peer's port is held by a listener that accepts each connection and closes it at once: every accepted
-connection is one try of the channel, so the gaps between them are its backoff.
+connection is one try of the channel, so the gaps between them are its backoff. A try is still given gRPC's own
+20 s to finish connecting: a peer that accepts but answers its handshake late (a loaded host) is reached.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 
 import grpc
 import pytest
@@ -83,3 +85,67 @@ def test_a_channel_tries_again_within_about_a_second_however_long_its_peer_was_d
     gaps = [later - earlier for earlier, later in zip(tries, tries[1:])]
     assert len(tries) >= 5, tries
     assert max(gaps) < MAX_GAP_S, gaps
+
+
+HANDSHAKE_DELAY_S = 1.5  # longer than the longest backoff between tries (1 s and its jitter)
+
+
+class SlowPeer:
+    """A gRPC server answering /shardserve.Test/Ping behind a listener that holds every connection
+    HANDSHAKE_DELAY_S before relaying it, as a loaded host answers a new connection late."""
+
+    def __init__(self) -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "shardserve.Test", {"Ping": grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)}
+        )
+        self._server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
+        self._upstream = ("127.0.0.1", self._server.add_insecure_port("127.0.0.1:0"))
+        self._server.start()
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self._socket.settimeout(0.1)
+        self.address = f"127.0.0.1:{self._socket.getsockname()[1]}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            threading.Thread(target=self._relay, args=(connection,), daemon=True).start()
+
+    def _relay(self, connection: socket.socket) -> None:
+        if self._stop.wait(HANDSHAKE_DELAY_S):
+            connection.close()
+            return
+        upstream = socket.create_connection(self._upstream)
+        for source, sink in ((connection, upstream), (upstream, connection)):
+            threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close()
+        self._server.stop(None)
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("make", CHANNELS.values(), ids=CHANNELS.keys())
+def test_a_channel_waits_for_a_late_handshake(make: Callable[[str], grpc.Channel]) -> None:
+    slow = SlowPeer()
+    try:
+        call = make(slow.address).unary_unary("/shardserve.Test/Ping")
+        assert call(b"ping", timeout=10.0) == b"ping"
+    finally:
+        slow.close()
