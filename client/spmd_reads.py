@@ -28,6 +28,8 @@ from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.core.metadata import Box
 from shardserve.core.regions import intersect, local_view
 
+Read = tuple[RemoteShardedTensor, Box, torch.Tensor]  # a piece: its tensor, its global box, where it lands
+
 SMALL_PIECE_BYTES = (
     64 << 10
 )  # pieces up to this size are read in per-rank batches, larger ones by themselves
@@ -74,7 +76,8 @@ def read_pieces(
         elif _nbytes(read[2]) > SMALL_PIECE_BYTES:
             in_turn.append(read)
     on_host = _MappedParts(cluster)
-    copies, fetches = [], []  # copied out of same-host memory / fetched from other hosts or devices
+    copies: list[Read] = []  # copied out of same-host memory
+    fetches: list[Read] = []  # fetched from other hosts or devices
     for read in parallel:
         (copies if on_host.holds(read[0].summary, read[2]) else fetches).append(read)
     done: list[futures.Future[Any]] = [
