@@ -28,7 +28,9 @@ from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.core.metadata import Box
 from shardserve.core.regions import intersect, local_view
 
-Read = tuple[RemoteShardedTensor, Box, torch.Tensor]  # a piece: its tensor, its global box, where it lands
+Read = tuple[
+    RemoteShardedTensor, Box, torch.Tensor
+]  # a piece: its tensor, its global box, where it lands
 
 SMALL_PIECE_BYTES = (
     64 << 10
