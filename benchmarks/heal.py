@@ -159,6 +159,7 @@ def run(
             restart_policy=RestartPolicy(max_restarts=3, initial_backoff=0.5),
             start_method="forkserver",
         )
+        procs: list[tuple[subprocess.Popen, Path]] = []
         try:
             cluster.start(timeout=180)
             with connect(cluster.address) as client:
@@ -179,6 +180,7 @@ def run(
                 )  # the same, with no reads
             report.restarts = cluster.restarts(victim)
         finally:
+            _stop_readers(procs)
             cluster.stop()
     if bare_baseline and report.under_load.repair_bytes:
         report.bare_send_s = bare_send_seconds(report.under_load.repair_bytes)
@@ -214,8 +216,18 @@ def _start_readers(
     for proc, _ in procs:
         line = proc.stdout.readline() if proc.stdout else ""
         if line.strip() != READY:
+            _stop_readers(procs)
             raise RuntimeError(f"a reader did not start (pid {proc.pid}, exit {proc.poll()})")
     return procs
+
+
+def _stop_readers(procs: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Kill the readers still running (the run failed): they share this process's stderr, and whoever waits for
+    its output would wait for them too, until the end of their reading time."""
+    for proc, _ in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recovery:
