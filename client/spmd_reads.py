@@ -28,9 +28,8 @@ from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.core.metadata import Box
 from shardserve.core.regions import intersect, local_view
 
-Read = tuple[
-    RemoteShardedTensor, Box, torch.Tensor
-]  # a piece: its tensor, its global box, where it lands
+# a piece to read: its tensor, its global box, where it lands
+Read = tuple[RemoteShardedTensor, Box, torch.Tensor]
 
 SMALL_PIECE_BYTES = (
     64 << 10
@@ -134,9 +133,7 @@ def _shared_memory(cluster: Cluster) -> SharedMemoryPath | None:
     return shm if isinstance(shm, SharedMemoryPath) else None
 
 
-def _read_mapped(
-    cluster: Cluster, pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]]
-) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
+def _read_mapped(cluster: Cluster, pieces: Sequence[Read]) -> list[Read]:
     """Read the pieces whose every part a same-host rank holds in host memory, rank after rank on this thread
     (SharedMemoryPath.read_many); returns the others and those whose mapped read failed, to read by themselves."""
     mapped = _MappedParts(cluster)
@@ -157,7 +154,7 @@ def _read_mapped(
 
 def _fetch_in_lanes(
     pool: ThreadPoolExecutor,
-    pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
+    pieces: Sequence[Read],
     *,
     verify: bool,
 ) -> list[futures.Future[None]]:
@@ -168,9 +165,7 @@ def _fetch_in_lanes(
     return [pool.submit(_fetch_each, pieces[lane::lanes], verify) for lane in range(lanes)]
 
 
-def _fetch_each(
-    pieces: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]], verify: bool
-) -> None:
+def _fetch_each(pieces: Sequence[Read], verify: bool) -> None:
     for proxy, box, out in pieces:
         proxy.fetch(box.offsets, box.sizes, out, verify=verify)
 
@@ -242,9 +237,9 @@ def _nbytes(out: torch.Tensor) -> int:
 
 def _read_batched(
     cluster: Cluster,
-    small: Sequence[tuple[RemoteShardedTensor, Box, torch.Tensor]],
+    small: Sequence[Read],
     pool: ThreadPoolExecutor,
-) -> list[tuple[RemoteShardedTensor, Box, torch.Tensor]]:
+) -> list[Read]:
     """Read the small pieces as one ReadRegions call per rank and batch (client.paths.batch), every batch at once;
     returns the pieces to read by themselves (with fetch's fallbacks): those whose copies are lost or whose batch's
     rank failed. With transport="shm" they are copied out of their mappings instead (_read_mapped)."""
