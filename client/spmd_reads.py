@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,7 +19,7 @@ from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import TensorSummary
 from shardserve.client.ops.snapshots import SnapshotSummary
-from shardserve.client.paths.batch import batches, read_batch, region_reads
+from shardserve.client.paths.batch import RegionRead, batches, read_batch, region_reads
 from shardserve.client.paths.copies import PARALLEL_COPY_BYTES
 from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.shm import SharedMemoryPath
@@ -137,19 +137,27 @@ def _read_mapped(cluster: Cluster, pieces: Sequence[Read]) -> list[Read]:
     """Read the pieces whose every part a same-host rank holds in host memory, rank after rank on this thread
     (SharedMemoryPath.read_many); returns the others and those whose mapped read failed, to read by themselves."""
     mapped = _MappedParts(cluster)
-    rest = set()
-    for piece, (proxy, box, out) in enumerate(pieces):
-        try:
-            summary, parts = proxy.read_plan(box, out)
-        except (
-            RankUnavailableError
-        ):  # copies lost or unreachable: fetch refreshes, waits and fails over
-            rest.add(piece)
-            continue
+    rest: set[int] = set()
+    for piece, summary, parts, box, out in _plans(pieces, rest):
         if not mapped.take(piece, summary, parts, box, out):
             rest.add(piece)
     rest |= mapped.read()
     return [pieces[piece] for piece in sorted(rest)]
+
+
+def _plans(
+    pieces: Sequence[Read], unplanned: set[int]
+) -> Iterator[tuple[int, TensorSummary, list[tuple[int, Box]], Box, torch.Tensor]]:
+    """Each piece's read plan: its position, the summary, the part of each chosen shard copy, its box and where
+    it lands. The positions of pieces with none (their copies lost or unreachable) go into `unplanned`: read
+    by themselves, fetch refreshes, waits and fails over."""
+    for piece, (proxy, box, out) in enumerate(pieces):
+        try:
+            summary, parts = proxy.read_plan(box, out)
+        except RankUnavailableError:
+            unplanned.add(piece)
+            continue
+        yield piece, summary, parts, box, out
 
 
 def _fetch_in_lanes(
@@ -246,15 +254,9 @@ def _read_batched(
     session = cluster.session
     if session.paths.forced is PathKind.SHARED_MEMORY:
         return _read_mapped(cluster, small)  # shared memory only, as the caller asked
-    regions, alone = [], set()
-    for piece, (proxy, box, out) in enumerate(small):
-        try:
-            summary, parts = proxy.read_plan(box, out)
-        except (
-            RankUnavailableError
-        ):  # copies lost or unreachable: fetch refreshes, waits and fails over
-            alone.add(piece)
-            continue
+    regions: list[RegionRead] = []
+    alone: set[int] = set()
+    for piece, summary, parts, box, out in _plans(small, alone):
         regions += region_reads(piece, summary, parts, box, out)
     jobs = [
         pool.submit(read_batch, session.paths, session.rank_status, batch)

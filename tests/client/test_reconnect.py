@@ -26,17 +26,19 @@ CALL_EVERY_S = 0.05
 MAX_GAP_S = 1.8  # the bounded backoff's longest gap is 1.2 s (1 s and 20% jitter), plus a busy machine's delay
 
 
-class RefusingPeer:
-    """A TCP listener on a free port that closes every connection it accepts, noting when each came."""
+class Listener:
+    """A TCP listener on a free port, handing every connection it accepts to `on_connection` on its own thread."""
 
     def __init__(self) -> None:
         self._socket = socket.create_server(("127.0.0.1", 0))
         self._socket.settimeout(0.1)
         self.address = f"127.0.0.1:{self._socket.getsockname()[1]}"
-        self.tries: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
+
+    def on_connection(self, connection: socket.socket) -> None:
+        raise NotImplementedError
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -44,13 +46,24 @@ class RefusingPeer:
                 connection, _ = self._socket.accept()
             except TimeoutError:
                 continue
-            self.tries.append(time.monotonic())
-            connection.close()
+            self.on_connection(connection)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
         self._socket.close()
+
+
+class RefusingPeer(Listener):
+    """Closes every connection it accepts, noting when each came."""
+
+    def __init__(self) -> None:
+        self.tries: list[float] = []
+        super().__init__()
+
+    def on_connection(self, connection: socket.socket) -> None:
+        self.tries.append(time.monotonic())
+        connection.close()
 
 
 @pytest.fixture
@@ -90,7 +103,7 @@ def test_a_channel_tries_again_within_about_a_second_however_long_its_peer_was_d
 HANDSHAKE_DELAY_S = 1.5  # longer than the longest backoff between tries (1 s and its jitter)
 
 
-class SlowPeer:
+class SlowPeer(Listener):
     """A gRPC server answering /shardserve.Test/Ping behind a listener that holds every connection
     HANDSHAKE_DELAY_S before relaying it, as a loaded host answers a new connection late."""
 
@@ -101,20 +114,10 @@ class SlowPeer:
         self._server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
         self._upstream = ("127.0.0.1", self._server.add_insecure_port("127.0.0.1:0"))
         self._server.start()
-        self._socket = socket.create_server(("127.0.0.1", 0))
-        self._socket.settimeout(0.1)
-        self.address = f"127.0.0.1:{self._socket.getsockname()[1]}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                connection, _ = self._socket.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=self._relay, args=(connection,), daemon=True).start()
+    def on_connection(self, connection: socket.socket) -> None:
+        threading.Thread(target=self._relay, args=(connection,), daemon=True).start()
 
     def _relay(self, connection: socket.socket) -> None:
         if self._stop.wait(HANDSHAKE_DELAY_S):
@@ -125,9 +128,7 @@ class SlowPeer:
             threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._socket.close()
+        super().close()
         self._server.stop(None)
 
 
