@@ -59,28 +59,27 @@ def read_pieces(
     for key, pieces_of_key in targets.items():
         for _, out in pieces_of_key:
             check_read_cast(proxies[key].dtype, out.dtype, key)
-    pieces = [read for read in reads if not read[1].is_empty()]
-    small = [read for read in pieces if _nbytes(read[2]) <= SMALL_PIECE_BYTES and not verify]
-    shm_only = cluster.session.paths.forced is PathKind.SHARED_MEMORY
-    mapped = [  # what is read through a path of its own, not in a ReadRegions batch
-        (summary.tensors[key], box)
-        for key, pieces_of_key in targets.items()
-        for box, out in pieces_of_key
-        if not box.is_empty() and (shm_only or verify or _nbytes(out) > SMALL_PIECE_BYTES)
-    ]
-    _open_shared_memory(cluster, mapped)
-    pool = cluster.session.read_pool
-    parallel, in_turn = [], []  # on the read pool / on this thread, one after another
-    for read in pieces:
-        if verify or _nbytes(read[2]) > PARALLEL_COPY_BYTES:
-            parallel.append(read)
-        elif _nbytes(read[2]) > SMALL_PIECE_BYTES:
-            in_turn.append(read)
     on_host = _MappedParts(cluster)
-    copies: list[Read] = []  # copied out of same-host memory
-    fetches: list[Read] = []  # fetched from other hosts or devices
-    for read in parallel:
-        (copies if on_host.holds(read[0].summary, read[2]) else fetches).append(read)
+    small: list[Read] = []  # in ReadRegions batches
+    in_turn: list[Read] = []  # copied out of mappings on this thread, one after another
+    copies: list[Read] = []  # on the read pool, copied out of same-host memory one per core
+    fetches: list[Read] = []  # on the read pool, fetched from other hosts or devices
+    for read in reads:
+        if read[1].is_empty():
+            continue
+        nbytes = _nbytes(read[2])
+        if nbytes <= SMALL_PIECE_BYTES and not verify:
+            small.append(read)
+        elif nbytes <= PARALLEL_COPY_BYTES and not verify:
+            in_turn.append(read)
+        else:
+            (copies if on_host.holds(read[0].summary, read[2]) else fetches).append(read)
+    # what is read through a path of its own, not in a ReadRegions batch (with transport="shm": everything)
+    own_path = in_turn + copies + fetches
+    if cluster.session.paths.forced is PathKind.SHARED_MEMORY:
+        own_path += small
+    _open_shared_memory(cluster, [(proxy.summary, box) for proxy, box, _ in own_path])
+    pool = cluster.session.read_pool
     done: list[futures.Future[Any]] = [
         pool.submit(proxy.fetch, box.offsets, box.sizes, out, verify=verify)
         for proxy, box, out in fetches

@@ -145,12 +145,11 @@ class SharedMemoryPath:
                 sums[index] = hashed
 
     def read_many(self, address: str, reads: Sequence[PartRead]) -> set[int]:
-        """Read many parts of host shards of the same-host rank at `address` one after another on this thread, the
-        shards not mapped yet opened first in one OpenShards call (open_all): no hand-off to a pool thread per
-        part (each hand-off waits for the GIL) and no path choice per part. Returns the positions in `reads` of
-        the parts not read; the caller reads those by themselves, whose fallbacks or errors then say why."""
-        shards = {(read.summary.name, read.summary.version, read.index): read for read in reads}
-        self.open_all(address, [(read.summary, read.index) for read in shards.values()])
+        """Read many parts of host shards of the same-host rank at `address` one after another on this thread: no
+        hand-off to a pool thread per part (each hand-off waits for the GIL) and no path choice per part. The
+        caller opens the shards first in one call (open_all); one not open yet is opened by its read. Returns
+        the positions in `reads` of the parts not read; the caller reads those by themselves, whose fallbacks or
+        errors then say why."""
         failed = set()
         for position, read in enumerate(reads):
             try:
