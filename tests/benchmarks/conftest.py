@@ -1,4 +1,4 @@
-"""The benchmark smoke tests' shared fixture: each scenario's quick run, made once per module."""
+"""The benchmark smoke tests' shared fixture: the quick run of a module's scenarios (its `HALF`), made once."""
 
 from __future__ import annotations
 
@@ -10,5 +10,7 @@ from benchmark_smoke import make_runs
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[dict, Path, str]]:
-    return make_runs(tmp_path_factory)
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], tuple[dict, Path, str]]:
+    return make_runs(tmp_path_factory, request.module.HALF)

@@ -1,5 +1,5 @@
-"""The benchmark suite as a smoke test, first half: `python -m benchmarks --quick --only NAME` per scenario writes
-JSON of the agreed shape (checks in tests/benchmark_smoke.py; the other half of the scenarios in
+"""The benchmark suite as a smoke test, first half: `python -m benchmarks --quick --only NAME...` of this half's
+scenarios writes JSON of the agreed shape (checks in tests/benchmark_smoke.py; the other half of the scenarios in
 test_benchmarks_smoke_second.py), and the harness's own pieces.
 
 Never asserts a timing: only that every scenario ran, that rows carry the
@@ -16,10 +16,20 @@ import sys
 import time
 
 import pytest
-from benchmark_smoke import FIRST_HALF, SCENARIOS, SECOND_HALF, check_scenario, run_in_session
+from benchmark_smoke import (
+    FIRST_HALF,
+    SCENARIOS,
+    SECOND_HALF,
+    check_scenario,
+    run_in_session,
+    scenario_rows,
+)
 
 from benchmarks.harness import Row, fill_ratios, load_scenarios, scenario
 from benchmarks.rss import RssSampler
+
+HALF = FIRST_HALF
+"""The scenarios this module's `runs` fixture runs, in one quick run."""
 
 
 def test_the_suite_has_the_issue_scenarios() -> None:
@@ -30,14 +40,14 @@ def test_the_halves_share_out_every_scenario() -> None:
     assert SECOND_HALF <= set(SCENARIOS) and sorted([*FIRST_HALF, *SECOND_HALF]) == SCENARIOS
 
 
-@pytest.mark.parametrize("name", FIRST_HALF)
+@pytest.mark.parametrize("name", HALF)
 def test_scenario_runs_quick_with_machine_info_and_rows(runs, name: str) -> None:
     check_scenario(*runs(name), name)
 
 
 def test_fetch_rows_compare_shardserve_with_three_baselines(runs) -> None:
     doc, _, _ = runs("fetch")
-    fetch = [r for r in doc["rows"] if r["scenario"] == "fetch"]
+    fetch = scenario_rows(doc, "fetch")
     cases = {r["case"] for r in fetch}
     assert cases
     for case in cases:
@@ -72,9 +82,9 @@ def check_rpc_row_is_the_faster_transport(row: dict) -> None:
 
 
 def test_lookup_rows_take_the_faster_rpc_transport(runs) -> None:
-    doc, _, _ = runs("lookups")
-    rpc_rows = [r for r in doc["rows"] if r["name"] == "torch.distributed.rpc"]
-    assert len(rpc_rows) == len({r["case"] for r in doc["rows"]}) > 0  # one per case
+    rows = scenario_rows(runs("lookups")[0], "lookups")
+    rpc_rows = [r for r in rows if r["name"] == "torch.distributed.rpc"]
+    assert len(rpc_rows) == len({r["case"] for r in rows}) > 0  # one per case
     for row in rpc_rows:
         check_rpc_row_is_the_faster_transport(row)
 
@@ -169,7 +179,7 @@ def test_scale_scenario_has_every_row_at_its_rank_count_with_the_data_read_back(
     from benchmarks.scale import QUICK_RANKS, ROWS
 
     doc, _, stdout = runs("scale")
-    rows = [r for r in doc["rows"] if r["group"] == "scale"]
+    rows = [r for r in scenario_rows(doc, "scale") if r["group"] == "scale"]
     assert {(r["extra"]["key"], r["extra"]["ranks"]) for r in rows} == {
         (key, n) for key, *_ in ROWS for n in QUICK_RANKS
     }
