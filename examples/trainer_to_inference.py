@@ -4,7 +4,8 @@
     python examples/trainer_to_inference.py 127.0.0.1:50051
 
 Both jobs are torchrun-style gloo worlds on this host (started here with
-torch.multiprocessing): the trainer holds every weight as a DTensor sharded by
+torch.multiprocessing, each process forked from one forkserver that imported
+torch once): the trainer holds every weight as a DTensor sharded by
 rows over 2 processes and puts them as one snapshot; the inference job holds
 the same names sharded by columns over 3 processes (biases replicated) and
 gets them, each process filling exactly its own columns in place. Every
@@ -107,7 +108,8 @@ def run_job(target, size: int, coordinator: str, step: int) -> list[tuple]:
     """Start a `size`-process gloo job running `target` and return each process's answer."""
     from shardserve.server.launcher import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardserve"])
     results = ctx.Queue()
     port = free_port()
     procs = [

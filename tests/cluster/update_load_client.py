@@ -1,6 +1,7 @@
-"""One client process of the online-update load (tests/cluster/test_update_load.py).
+"""One client process of the online-update load (tests/cluster/test_update_load.py, which forks each from its
+forkserver through run_logged).
 
-Usage: update_load_client.py ROLE COORDINATOR FOLDER INDEX SECONDS, ROLE one of lookup-auto, lookup-grpc, fetch,
+By hand: update_load_client.py ROLE COORDINATOR FOLDER INDEX SECONDS, ROLE one of lookup-auto, lookup-grpc, fetch,
 writer. The process connects, writes FOLDER/ready-INDEX, waits for FOLDER/go, runs its role for SECONDS and
 saves what it saw to FOLDER/result-INDEX.pt (torch.save of a dict): readers their answers (checked by the test
 against the versions the writer committed), the writer every update it committed (version, ids, values), and
@@ -9,6 +10,7 @@ every process the errors it met. Nothing is judged here: the test compares the a
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -167,6 +169,16 @@ def main(role: str, address: str, folder: str, index: int, seconds: float) -> No
             time.sleep(0.01)
         run(client, time.monotonic() + seconds, index, out)
     torch.save(out, Path(folder, f"result-{index}.pt"))
+
+
+def run_logged(log: Path, *args: Any) -> None:
+    """main(*args) with this process's output (fds 1 and 2) in `log`; a failure's traceback too."""
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    main(*args)
 
 
 if __name__ == "__main__":
