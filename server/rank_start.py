@@ -89,12 +89,15 @@ def forkserver_context() -> multiprocessing.context.ForkServerContext:
 
 
 class ForkedProcess:
-    """A `python -m shardserve.server ARGS` process forked from the forkserver, with Popen's calls."""
+    """A `python -m shardserve.server ARGS` process forked from the forkserver, with Popen's calls; `output`, a
+    file its stdout and stderr are appended to (None: the forkserver's)."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
+    def __init__(
+        self, args: Sequence[str], env: dict[str, str], *, output: str | None = None
+    ) -> None:
         self._process = forkserver_context().Process(
             target=run_server,
-            args=(list(args), dict(env), os.getcwd()),
+            args=(list(args), dict(env), os.getcwd(), output),
             name="shardserve-rank",
             daemon=True,
         )
@@ -129,10 +132,13 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:
+def run_server(args: list[str], env: dict[str, str], cwd: str, output: str | None = None) -> None:
     """In the forked process: become `python -m shardserve.server ARGS` with environment `env`, in the folder
-    the launcher was in when it started this rank (the forkserver's is the one of its own start)."""
+    the launcher was in when it started this rank (the forkserver's is the one of its own start), writing to
+    the end of file `output` if given."""
     _stop_with_parent()
+    if output is not None:
+        _write_to(output)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -144,6 +150,17 @@ def run_server(args: list[str], env: dict[str, str], cwd: str) -> None:
 
         torch.set_num_threads(int(threads))
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)  # as `python -m` runs it
+
+
+def _write_to(path: str) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2, and Python's streams over them) appended to
+    the file at `path`."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own streams
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
 def _name_process(name: str) -> None:

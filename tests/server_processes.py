@@ -1,5 +1,6 @@
-"""Server processes for tests that must stop and restart a coordinator: spawn
-`python -m shardserve.server ...`, and wait."""
+"""Server processes for tests that must stop and restart a coordinator: `python -m shardserve.server ...`
+spawned (a new interpreter, as users start it) or forked from the preloaded forkserver (torch imported once,
+for tests whose subject is not the process start), and wait."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from waiting import wait_until
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.rank_launch import PROJECT_ROOT
+from shardserve.server.rank_start import ForkedProcess
 
 
 @functools.cache
@@ -49,6 +51,13 @@ def spawn_server(args: Sequence[str], env: dict[str, str], log: IO) -> subproces
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )
+
+
+def fork_server(args: Sequence[str], env: dict[str, str], log: IO) -> ForkedProcess:
+    """`python -m shardserve.server *args` forked from the forkserver (the ranks' own, preloaded with torch),
+    with output to the end of `log`'s file."""
+    log.flush()
+    return ForkedProcess(args, env, output=log.name)
 
 
 def start_up(
@@ -85,7 +94,7 @@ def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:
     )
 
 
-def stop_all(procs: Sequence[subprocess.Popen]) -> None:
+def stop_all(procs: Sequence[subprocess.Popen | ForkedProcess]) -> None:
     """SIGTERM every process still running, SIGKILL those not gone after 15 s."""
     for proc in procs:
         if proc.poll() is None:

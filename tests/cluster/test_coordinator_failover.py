@@ -16,7 +16,6 @@ leader and standby).
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ import grpc
 import pytest
 import torch
 from error_reasons import assert_status
-from server_processes import rank_env, server_env, spawn_server, stop_all
+from server_processes import fork_server, rank_env, server_env, stop_all
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardServeError, connect
@@ -40,6 +39,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.protos.errors import Reason
 from shardserve.server.launcher import free_port
+from shardserve.server.rank_start import ForkedProcess
 
 LEASE_S = 2.0  # short: the standby takes over within 1.25 leases of the last renewal (a loaded machine may stall
 # a renewal for a second)
@@ -73,9 +73,9 @@ class Coordinator:
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
-    def start(self) -> subprocess.Popen:
+    def start(self) -> ForkedProcess:
         with open(self.log, "a") as log:
-            return spawn_server(self.args, server_env(), log)
+            return fork_server(self.args, server_env(), log)
 
     def role(self, timeout: float = 2.0) -> pb.RoleInfo:
         return pb_grpc.LeadershipStub(self.channel).GetRole(pb.GetRoleRequest(), timeout=timeout)
@@ -94,7 +94,7 @@ class Pair:
 
     leader: Coordinator
     standby: Coordinator
-    ranks: list[subprocess.Popen]
+    ranks: list[ForkedProcess]
     catalog: str
     epoch_before: int = 0
     failover_s: list[float] = field(default_factory=list)
@@ -128,7 +128,7 @@ def pair(request, tmp_path_factory) -> Iterator[Pair]:
     env = server_env()
     with open(log, "a") as out:
         ranks = [
-            spawn_server(
+            fork_server(
                 ["--coordinator", f"{first.address},{second.address}"], rank_env(env, r, 2), out
             )
             for r in range(2)

@@ -8,14 +8,13 @@ The module's 4-rank cluster repairs after 2 s; its rank 3 is killed once (SIGKIL
 from __future__ import annotations
 
 import signal
-import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from reference import mirrored
-from server_processes import rank_env, server_env, spawn_server, stop_all
+from server_processes import fork_server, rank_env, server_env, stop_all
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
@@ -29,6 +28,7 @@ from shardserve.server.coordinator.drivers.reshard import (
 from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster, free_port
 from shardserve.server.rank.jobs.reshard import STALL_ENV
+from shardserve.server.rank_start import ForkedProcess
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -172,14 +172,14 @@ def test_a_restarted_coordinator_redoes_or_finishes_a_repair(tmp_path: Path, how
     hook = {EXIT_AFTER_COMMIT_ENV: "1"} if how.startswith("exits") else {}
     tensor = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(5))
     with open(tmp_path / "log.txt", "w") as log:
-        procs: list[subprocess.Popen] = []
+        procs: list[ForkedProcess] = []
         try:
-            procs.append(spawn_server(coordinator_args, dict(env, **hook), log))
+            procs.append(fork_server(coordinator_args, dict(env, **hook), log))
             for rank in range(
                 3
             ):  # rank 0 stalls 3 s in the repair's job: the window to kill the coordinator in
                 procs.append(
-                    spawn_server(
+                    fork_server(
                         ["--coordinator", address],
                         rank_env(dict(env, **{STALL_ENV: "0:3:r"}), rank, 3),
                         log,
@@ -195,7 +195,7 @@ def test_a_restarted_coordinator_redoes_or_finishes_a_repair(tmp_path: Path, how
                 wait_until(lambda: _pending(address, "r"), WAIT_S, "the repair to start")
                 procs[0].kill()
                 procs[0].wait(10)
-            procs[0] = spawn_server(coordinator_args, env, log)
+            procs[0] = fork_server(coordinator_args, env, log)
 
             def repaired() -> bool:
                 with connect(address) as client:

@@ -233,7 +233,7 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
     """kill -9 of the coordinator between two steady puts, restarted on the same port and catalog: the client,
     connected throughout, holds a reservation the new coordinator never heard of; its put creates a snapshot
     and reads back bit for bit, and the snapshot put before the kill is still served."""
-    from server_processes import rank_env, server_env, spawn_server, stop_all
+    from server_processes import fork_server, rank_env, server_env, stop_all
 
     from shardserve.server.launcher import free_port
 
@@ -244,9 +244,9 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
     procs = []
     with open(tmp_path / "log.txt", "w") as log:
         try:
-            procs.append(spawn_server(coordinator_args, env, log))
+            procs.append(fork_server(coordinator_args, env, log))
             for rank in range(2):
-                procs.append(spawn_server(["--coordinator", address], rank_env(env, rank, 2), log))
+                procs.append(fork_server(["--coordinator", address], rank_env(env, rank, 2), log))
 
             def ranks_alive(count: int) -> Callable[[], bool]:
                 def alive() -> bool:
@@ -262,7 +262,7 @@ def test_a_coordinator_killed_between_puts_forgets_the_reservation_and_the_next_
                 reserved_number(client, "restarted")
                 procs[0].kill()
                 procs[0].wait(30)
-                procs[0] = spawn_server(coordinator_args, env, log)
+                procs[0] = fork_server(coordinator_args, env, log)
                 wait_until(ranks_alive(2), 120, "the ranks registered again")
                 number = spmd.put_state_dict(client, state(3), "restarted", durable=True)
                 assert creates == ["restarted", "restarted"] and number > before

@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 from reference import shards_of
-from server_processes import rank_env, server_env, spawn_server, stop_all
+from server_processes import fork_server, rank_env, server_env, stop_all
 from waiting import wait_until
 
 from shardserve import Reason, connect
@@ -665,11 +665,11 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
     log = open(tmp_path / "log.txt", "w")
     procs = []
     try:
-        coord = spawn_server(coordinator_args, dict(env, **{EXIT_AFTER_COMMIT_ENV: "1"}), log)
+        coord = fork_server(coordinator_args, dict(env, **{EXIT_AFTER_COMMIT_ENV: "1"}), log)
         procs.append(coord)
         for rank in range(2):
             procs.append(
-                spawn_server(["--coordinator", f"127.0.0.1:{port}"], rank_env(env, rank, 2), log)
+                fork_server(["--coordinator", f"127.0.0.1:{port}"], rank_env(env, rank, 2), log)
             )
         address = f"127.0.0.1:{port}"
 
@@ -684,7 +684,7 @@ def test_a_coordinator_restarted_after_the_catalog_commit_finishes_the_promotion
             with pytest.raises(ShardServeError):
                 old.reshard(chunk(1, range(2)))
         assert coord.wait(30) == EXIT_AFTER_COMMIT_CODE
-        procs[0] = spawn_server(coordinator_args, env, log)  # same port, same catalog, no exit hook
+        procs[0] = fork_server(coordinator_args, env, log)  # same port, same catalog, no exit hook
 
         def promoted() -> bool:
             with connect(address) as c:

@@ -156,3 +156,13 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_forked_server_appends_its_output_to_the_file_it_was_given(tmp_path):
+    """What the server prints (here argparse's usage error, exit 2) lands after what the file held."""
+    output = tmp_path / "log.txt"
+    output.write_text("before\n")
+    proc = ForkedProcess(["coordinator", "--no-such-flag"], dict(os.environ), output=str(output))
+    assert proc.wait(timeout=WAIT_S) == 2
+    text = output.read_text()
+    assert text.startswith("before\n") and "unrecognized arguments: --no-such-flag" in text
