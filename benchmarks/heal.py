@@ -4,10 +4,10 @@ Measured in one run: time to detect the death (kill -> the coordinator marks the
 back (-> its restarted process registered), time to repair (-> the table healthy again), the repair's GB/s
 against a bare gloo send of the same bytes between two processes, and read p50/p99 before the kill, during the
 outage (kill -> healthy again) and after it; every answer is checked against the table, bit for bit. The rank is
-killed a second time once the readers are done, so the repair is also timed with no read load.
+killed a second time once the readers are done, so the repair is also timed with no read load. The readers are
+forked from the ranks' preloaded forkserver (torch imported once, not once per reader).
 
     python -m benchmarks.heal [--rows R] [--dim D] [--readers N] [--kill-at T] [--after S] [--json FILE]
-    python -m benchmarks.heal reader ADDRESS NAME ROWS DIM SEED MAX_SECONDS OUT   # one reader (until OUT.stop)
 
 The `heal` scenario of `python -m benchmarks` runs it; tests/cluster/test_heal_under_load.py runs it small.
 """
@@ -18,11 +18,11 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ import torch
 TABLE = "heal"
 LOOKUP_IDS = 256
 FETCH_ROWS = 64
-READY = "ready"
+READY_TIMEOUT_S = 120.0  # the readers connecting on a busy 2-core host
 
 
 def table(rows: int, dim: int, seed: int) -> torch.Tensor:
@@ -44,9 +44,9 @@ def table(rows: int, dim: int, seed: int) -> torch.Tensor:
 def read_loop(
     address: str, name: str, *, rows: int, dim: int, seed: int, seconds: float, out: str
 ) -> None:
-    """Alternate lookups of LOOKUP_IDS random ids and fetches of FETCH_ROWS-row bands until the file `out`.stop
-    exists (at most `seconds`), recording for each read (wall start, latency s, kind, outcome) where outcome is
-    "ok", "wrong" or the error; JSON to `out`."""
+    """Once connected (the file `out`.ready made), alternate lookups of LOOKUP_IDS random ids and fetches of
+    FETCH_ROWS-row bands until the file `out`.stop exists (at most `seconds`), recording for each read (wall
+    start, latency s, kind, outcome) where outcome is "ok", "wrong" or the error; JSON to `out`."""
     from shardserve import ShardServeError, connect
 
     expected = table(rows, dim, seed)
@@ -54,7 +54,7 @@ def read_loop(
     records = []
     with connect(address, timeout=30) as client:
         remote = client.tensor(name)
-        print(READY, flush=True)
+        Path(out + ".ready").touch()
         end, stop = time.monotonic() + seconds, Path(out + ".stop")
         while time.monotonic() < end and (len(records) % 16 or not stop.exists()):
             kind = "lookup" if len(records) % 2 == 0 else "fetch"
@@ -159,7 +159,7 @@ def run(
             restart_policy=RestartPolicy(max_restarts=3, initial_backoff=0.5),
             start_method="forkserver",
         )
-        procs: list[tuple[subprocess.Popen, Path]] = []
+        procs: list[tuple[BaseProcess, Path]] = []
         try:
             cluster.start(timeout=180)
             with connect(cluster.address) as client:
@@ -189,45 +189,40 @@ def run(
 
 def _start_readers(
     address: str, rows: int, dim: int, readers: int, seconds: float, tmp: Path
-) -> list[tuple[subprocess.Popen, Path]]:
-    """Spawn the readers and wait until each has connected (torch imports take seconds on a busy machine)."""
-    procs = []
+) -> list[tuple[BaseProcess, Path]]:
+    """Fork the readers from the preloaded forkserver (torch imported once, not once per reader) and wait until
+    each has connected."""
+    from shardserve.server.rank_start import forkserver_context
+
+    context = forkserver_context()
+    procs: list[tuple[BaseProcess, Path]] = []
     for i in range(readers):
         out = tmp / f"reader{i}.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.heal",
-            "reader",
-            address,
-            TABLE,
-            str(rows),
-            str(dim),
-            "7",
-            str(seconds),
-            str(out),
-        ]
-        procs.append(
-            (
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL),
-                out,
-            )
+        proc = context.Process(
+            target=read_loop,
+            args=(address, TABLE),
+            kwargs={"rows": rows, "dim": dim, "seed": 7, "seconds": seconds, "out": str(out)},
+            daemon=True,
         )
-    for proc, _ in procs:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if line.strip() != READY:
-            _stop_readers(procs)
-            raise RuntimeError(f"a reader did not start (pid {proc.pid}, exit {proc.poll()})")
+        proc.start()
+        procs.append((proc, out))
+    give_up = time.monotonic() + READY_TIMEOUT_S
+    for proc, out in procs:
+        while not Path(str(out) + ".ready").exists():
+            if proc.exitcode is not None or time.monotonic() > give_up:
+                _stop_readers(procs)
+                raise RuntimeError(f"a reader did not start (pid {proc.pid}, exit {proc.exitcode})")
+            time.sleep(0.02)
     return procs
 
 
-def _stop_readers(procs: list[tuple[subprocess.Popen, Path]]) -> None:
+def _stop_readers(procs: list[tuple[BaseProcess, Path]]) -> None:
     """Kill the readers still running (the run failed): they share this process's stderr, and whoever waits for
     its output would wait for them too, until the end of their reading time."""
     for proc, _ in procs:
-        if proc.poll() is None:
+        if proc.exitcode is None:
             proc.kill()
-            proc.wait(timeout=30)
+            proc.join(timeout=30)
 
 
 def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recovery:
@@ -265,12 +260,14 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
 
 
 def _collect(
-    procs: list[tuple[subprocess.Popen, Path]], tmp: Path, killed: float, report: HealReport
+    procs: list[tuple[BaseProcess, Path]], tmp: Path, killed: float, report: HealReport
 ) -> None:
     """Wait for the readers; sort their reads into before / during / after the outage."""
     records = []
     for proc, out in procs:
-        proc.wait(timeout=300)
+        proc.join(timeout=300)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"a reader exited with {proc.exitcode} (pid {proc.pid})")
         records += json.loads(out.read_text())
     healed = killed + (
         report.under_load.healthy_s if report.under_load.healthy_s is not None else float("inf")
@@ -405,18 +402,6 @@ def _f(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["reader"]:
-        address, name, rows, dim, seed, seconds, out = argv[1:8]
-        read_loop(
-            address,
-            name,
-            rows=int(rows),
-            dim=int(dim),
-            seed=int(seed),
-            seconds=float(seconds),
-            out=out,
-        )
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=64)
