@@ -156,10 +156,18 @@ def inference(coordinator: str, checks: list, results: mp.Queue) -> None:
         results.put(("served", [t.name for t in remote.tables], answers))
 
 
+def processes() -> mp.context.BaseContext:
+    """Where the trainer and inference processes come from: a forkserver that imported torch and torchrec once
+    (each process a fork of it, not a new interpreter importing them again)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torchrec", "shardserve"])
+    return ctx
+
+
 def run_trainers(coordinator: str, steps: int) -> list[tuple]:
     from shardserve.server.launcher import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -177,7 +185,7 @@ def run_trainers(coordinator: str, steps: int) -> list[tuple]:
 
 
 def run_inference(coordinator: str, checks: list) -> tuple:
-    ctx = mp.get_context("spawn")
+    ctx = processes()
     results = ctx.Queue()
     proc = ctx.Process(target=inference, args=(coordinator, checks, results))
     proc.start()
