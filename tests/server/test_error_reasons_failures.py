@@ -133,8 +133,10 @@ def test_rank_unavailable_for_a_box_whose_only_copy_is_on_a_dead_rank(stubs, bro
 
 @pytest.fixture(scope="module")
 def on_postgres(make_cluster, postgres_server):
-    """A 1-rank cluster whose catalog is a database of the test PostgreSQL server, with "kept" put."""
-    cluster = make_cluster(ranks=1, catalog=postgres_server.url(postgres_server.create_database()))
+    """A 1-rank cluster whose catalog is a database of the test PostgreSQL server, with "kept" put; a call waits
+    2 s for the database (libpq's connect_timeout in the URL), not the default 5 s."""
+    url = postgres_server.url(postgres_server.create_database())
+    cluster = make_cluster(ranks=1, catalog=f"{url}?connect_timeout=2")
     with connect(cluster.address, timeout=30) as client:
         client.put("kept", TABLE, spec=ON_RANK_0)
     return cluster

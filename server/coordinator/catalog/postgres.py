@@ -68,12 +68,17 @@ _READY, _PENDING = TensorState.READY.value, TensorState.PENDING.value
 class PostgresCatalog(Catalog):
     """The catalog in the PostgreSQL database of libpq URL `url` (postgresql://USER@HOST:PORT/DB; a password
     may come from the URL, PGPASSWORD or ~/.pgpass, and never shows in messages). `connect_timeout`: seconds a
-    call waits for a working connection before CatalogUnavailable."""
+    call waits for a working connection before CatalogUnavailable; libpq's `connect_timeout` in the URL
+    (?connect_timeout=S) sets it instead."""
 
     def __init__(
         self, url: str, *, pool_size: int = POOL_SIZE, connect_timeout: float = CONNECT_TIMEOUT_S
     ) -> None:
         self.location = redacted(url)
+        try:
+            connect_timeout = url_connect_timeout(url, connect_timeout)
+        except ValueError as err:
+            raise RuntimeError(f"catalog {self.location} cannot be opened: {err}") from None
         self._connect_timeout = connect_timeout
         self._term: int | None = None  # the lease term every write checks (fence), None: none
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
@@ -304,6 +309,21 @@ class PostgresCatalog(Catalog):
             f"SELECT record::text FROM tensors WHERE {where} ORDER BY name, version", args
         )
         return [tensor_of(r[0]) for r in rows]
+
+
+def url_connect_timeout(url: str, default: float) -> float:
+    """The seconds of libpq's `connect_timeout` in `url` (2 at least, as libpq counts them), else `default`;
+    ValueError naming the parameter when it is not a whole number of seconds."""
+    given = conninfo_to_dict(url).get("connect_timeout")
+    if given is None:
+        return default
+    try:
+        seconds = int(str(given))
+    except ValueError:
+        raise ValueError(
+            f"catalog URL parameter connect_timeout={given!r} is not a whole number of seconds"
+        ) from None
+    return float(max(2, seconds))
 
 
 def connection_string(url: str, connect_timeout: float = CONNECT_TIMEOUT_S) -> str:

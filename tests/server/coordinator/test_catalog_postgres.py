@@ -17,7 +17,10 @@ from shardserve.server.coordinator.catalog.urls import is_postgres_url, redacted
 
 pytest.importorskip("psycopg")
 
-from shardserve.server.coordinator.catalog.postgres import PostgresCatalog  # noqa: E402
+from shardserve.server.coordinator.catalog.postgres import (  # noqa: E402
+    PostgresCatalog,
+    url_connect_timeout,
+)
 
 BACK_WITHIN_S = 60.0
 
@@ -104,3 +107,16 @@ def test_urls_print_without_their_password():
         redacted("postgresql:///db?host=/run/postgresql") == "postgresql:///db?host=/run/postgresql"
     )
     assert redacted("state/catalog.sqlite") == "state/catalog.sqlite"
+
+
+def test_the_urls_connect_timeout_is_how_long_a_call_waits_for_the_database():
+    """libpq's own URL parameter sets the wait (2 s at least, as libpq counts); one that is not a number of
+    seconds is refused naming it."""
+    base = "postgresql://u@127.0.0.1:5432/db"
+    assert url_connect_timeout(base, 5.0) == 5.0
+    assert url_connect_timeout(f"{base}?connect_timeout=7", 5.0) == 7.0
+    assert url_connect_timeout(f"{base}?application_name=x&connect_timeout=1", 5.0) == 2.0
+    with pytest.raises(ValueError, match="connect_timeout='soon' is not a whole number"):
+        url_connect_timeout(f"{base}?connect_timeout=soon", 5.0)
+    with pytest.raises(RuntimeError, match="cannot be opened: .*connect_timeout"):
+        PostgresCatalog(f"{base}?connect_timeout=soon")
