@@ -20,12 +20,10 @@ import pytest
 from benchmarks.harness import load_scenarios
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-RUN_TIMEOUT_S = (
-    120  # hard limit of a tool's small run: ~10-20 s on an idle 2-core machine, ~45 s at load 12
-)
-HALF_TIMEOUT_S = (
-    480  # hard limit of a half's quick run: ~70 s on an idle 2-core machine, ~150 s in the suite
-)
+RUN_TIMEOUT_S = 120
+"""Hard limit of a tool's small run: ~10-20 s on an idle 2-core machine, ~45 s at load 12."""
+HALF_TIMEOUT_S = 480
+"""Hard limit of a half's quick run: 60-85 s on an idle 2-core machine and in the suite."""
 SCENARIOS = sorted(load_scenarios())
 SECOND_HALF = {"cuda", "heal", "persist", "reshard", "security", "statedict", "torchrec"}
 """The scenarios test_benchmarks_smoke_second.py runs (on the other worker); a scenario's own detail tests sit in
