@@ -173,7 +173,7 @@ def run(
             time.sleep(after)
             for _, out in procs:
                 Path(str(out) + ".stop").touch()
-            _collect(procs, Path(tmp), killed, report)
+            _collect(procs, killed, report)
             if quiet_repair:
                 report.quiet = _kill_and_heal(
                     cluster, victim, time.time(), timeout
@@ -259,9 +259,7 @@ def _kill_and_heal(cluster, victim: int, killed: float, timeout: float) -> Recov
     return recovery
 
 
-def _collect(
-    procs: list[tuple[BaseProcess, Path]], tmp: Path, killed: float, report: HealReport
-) -> None:
+def _collect(procs: list[tuple[BaseProcess, Path]], killed: float, report: HealReport) -> None:
     """Wait for the readers; sort their reads into before / during / after the outage."""
     records = []
     for proc, out in procs:

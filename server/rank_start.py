@@ -138,7 +138,7 @@ def run_server(args: list[str], env: dict[str, str], cwd: str, output: str | Non
     the end of file `output` if given."""
     _stop_with_parent()
     if output is not None:
-        _write_to(output)
+        write_output_to(output)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -152,9 +152,9 @@ def run_server(args: list[str], env: dict[str, str], cwd: str, output: str | Non
     runpy.run_module(SERVER_MODULE, run_name="__main__", alter_sys=True)  # as `python -m` runs it
 
 
-def _write_to(path: str) -> None:
+def write_output_to(path: str) -> None:
     """This process's stdout and stderr (file descriptors 1 and 2, and Python's streams over them) appended to
-    the file at `path`."""
+    the file at `path`: a forked server's or test worker's output kept in its log."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

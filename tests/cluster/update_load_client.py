@@ -10,7 +10,6 @@ every process the errors it met. Nothing is judged here: the test compares the a
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -22,6 +21,7 @@ import torch
 
 from shardserve import connect
 from shardserve.core import ChunkShardingSpec
+from shardserve.server.rank_start import write_output_to
 
 TABLE, SQUARE = "load-table", "load-square"
 ROWS, COLUMNS = (
@@ -173,11 +173,7 @@ def main(role: str, address: str, folder: str, index: int, seconds: float) -> No
 
 def run_logged(log: Path, *args: Any) -> None:
     """main(*args) with this process's output (fds 1 and 2) in `log`; a failure's traceback too."""
-    with open(log, "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    write_output_to(str(log))
     main(*args)
 
 
