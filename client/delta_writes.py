@@ -20,10 +20,8 @@ from shardserve.client import counters
 from shardserve.client.errors import ShardServeError
 from shardserve.client.session import Session
 from shardserve.core.checksums import hashing_pool
-from shardserve.core.delta import block_bytes, block_hashes, changed_ranges, split_ranges
+from shardserve.core.delta import block_bytes, block_hashes, changed_ranges
 from shardserve.protos import shardserve_pb2 as pb
-
-WRITE_BATCH_BYTES = 4 << 20  # changed bytes per WriteBytes call
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -92,14 +90,16 @@ def start_hash_all(stored: Mapping[K, torch.Tensor]) -> Callable[[], dict[K, Blo
 
 
 def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
-    """Send the changed blocks of every shard, all ranks at once; the bytes sent (counted in `delta_bytes`)."""
+    """Send the changed blocks of every shard, each shard's in one WriteBytes where it goes through memory (in
+    requests of a few MiB each where it travels inline: Session.write_bytes), all shards at once; the bytes sent
+    (counted in `delta_bytes`)."""
     jobs = []
     for shard in shards:
         nbytes = shard.stored.numel() * shard.stored.element_size()
         step = block_bytes(tuple(shard.stored.shape), shard.stored.element_size())
         ranges = changed_ranges(shard.before, shard.after, step=step, nbytes=nbytes)
-        for batch in split_ranges(ranges, WRITE_BATCH_BYTES):
-            jobs.append(partial(_write_bytes, session, shard, batch))
+        if ranges:
+            jobs.append(partial(_write_bytes, session, shard, ranges))
     sent = sum(session.run_all(jobs))
     counters.count("delta_puts")
     counters.count("delta_bytes", sent)

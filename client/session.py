@@ -35,6 +35,7 @@ from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.writes import ShardWrite, write_shards
 from shardserve.client.ranks import RankDirectory
 from shardserve.client.reservations import Reservations
+from shardserve.core.delta import split_pieces
 from shardserve.core.wire import metadata_to_proto, options_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
@@ -42,6 +43,7 @@ T = TypeVar("T")
 RECENT_RANKS_S = (
     1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
 )
+INLINE_BYTES_PER_CALL = 4 << 20  # WriteBytes' bytes per request where they travel inline
 RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
 READ_THREADS = (
     8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
@@ -126,15 +128,31 @@ class Session:
         self, rank: int, request: pb.WriteBytesRequest, pieces: Sequence[torch.Tensor]
     ) -> int:
         """WriteBytes of `request`'s byte ranges to `rank`, their bytes `pieces` (flat uint8 CPU tensors, one per
-        range): through a staging memfd where the rank is on this host and reads it, else inline in the request;
-        returns the bytes written."""
+        range): all in one call through a staging memfd where the rank is on this host and reads it, else inline
+        in requests of at most INLINE_BYTES_PER_CALL each, one after another; returns the bytes written."""
         status = self.rank_status(rank)
         written = self.paths.write_bytes_in_memory(status, request, pieces)
         if written is not None:
             return written
-        inline = pb.WriteBytesRequest()
-        inline.CopyFrom(request)
-        inline.data = b"".join(piece.numpy().data for piece in pieces)
+        return sum(
+            self._write_bytes_inline(status, request, batch)
+            for batch in split_pieces(list(zip(request.starts, pieces)), INLINE_BYTES_PER_CALL)
+        )
+
+    def _write_bytes_inline(
+        self,
+        status: RankStatus,
+        request: pb.WriteBytesRequest,
+        batch: list[tuple[int, torch.Tensor]],
+    ) -> int:
+        inline = pb.WriteBytesRequest(
+            name=request.name,
+            version=request.version,
+            shard_index=request.shard_index,
+            starts=[start for start, _ in batch],
+            lengths=[piece.numel() for _, piece in batch],
+            data=b"".join(piece.numpy().data for _, piece in batch),
+        )
         channel = self.channel
         reply = channel.unary(
             channel.shard_server(status.address).WriteBytes,

@@ -60,16 +60,20 @@ def changed_ranges(
     return ranges
 
 
-def split_ranges(ranges: Sequence[ByteRange], limit: int) -> list[list[ByteRange]]:
-    """`ranges` cut into batches of at most `limit` bytes each (a range longer than `limit` is cut too)."""
-    batches: list[list[ByteRange]] = []
-    current: list[ByteRange] = []
+def split_pieces(
+    pieces: Sequence[tuple[int, torch.Tensor]], limit: int
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """(start, flat bytes) pieces of a shard cut into batches of at most `limit` bytes each, in order (a piece
+    longer than `limit` is cut too): what one request carries where the bytes travel inline."""
+    batches: list[list[tuple[int, torch.Tensor]]] = []
+    current: list[tuple[int, torch.Tensor]] = []
     room = limit
-    for start, stop in ranges:
-        while start < stop:
-            take = min(stop - start, room)
-            current.append((start, start + take))
-            start += take
+    for start, data in pieces:
+        at = 0
+        while at < data.numel():
+            take = min(data.numel() - at, room)
+            current.append((start + at, data[at : at + take]))
+            at += take
             room -= take
             if room == 0:
                 batches.append(current)

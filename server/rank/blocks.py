@@ -17,7 +17,10 @@ readers open them by /proc/PID/fd/N), which forbids punching holes, so memory
 goes back a whole memfd at a time: a copied block, alone in its memfd, when no
 version uses it; a shard's segment when none of its blocks is used. Once half a
 segment is unused, the next version copies its remaining blocks out
-(`Blocks.share`), so that it goes with the versions still sharing it.
+(`Blocks.share`), so that it goes with the versions still sharing it. A memfd
+no version uses is first kept a while for the next copies of its size
+(`Blocks.spare`): the rank writes it again through the writable mapping it made
+before the seal, moved into the new version's range (AddressRange.move_in).
 
 Why 256 KiB: an update of k random rows copies at most k blocks (64 rows: 16
 MiB at most, ~3 ms), while a version of a 1 GiB shard is 4096 blocks, so mapping
@@ -38,7 +41,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardserve.core.address_space import PAGE, AddressRange, round_up
+from shardserve.core.address_space import (
+    PAGE,
+    AddressRange,
+    WritableMapping,
+    moves_supported,
+    round_up,
+)
+from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 from shardserve.server.rank.shared_memory import HEADER_BYTES, Segment, seal_writes
 
 BLOCK_BYTES = 256 << 10
@@ -46,10 +56,12 @@ RUN_BLOCKS = 8  # back-to-back blocks copied at once that share one file (2 MiB 
 
 
 class BlockFile:
-    """A memfd holding blocks (a shard's segment, or one block an update copied), and how many versions use the
+    """A memfd holding blocks (a shard's segment, or blocks an update copied), and how many versions use the
     block at each file offset. Both kinds are sealed against writes by other processes once written
     (F_SEAL_FUTURE_WRITE), which also forbids punching holes: a file's memory goes back when none of its blocks
-    is used any more (the fd is closed), so a copied block, alone in its file, is freed as soon as it is unused."""
+    is used any more. A file of copies keeps the writable mapping it was made with (`writer`, where the kernel
+    moves mappings), so that once unused it can be written again for another version (`Blocks` keeps it for a
+    while) although its writes are sealed."""
 
     def __init__(
         self,
@@ -57,15 +69,22 @@ class BlockFile:
         keep: object = None,
         nbytes: int = 0,
         on_close: Callable[[], None] | None = None,
+        writer: WritableMapping | None = None,
     ) -> None:
         self.fd = fd
-        self.on_close = on_close  # told when an fd this object owns is closed
         stat = os.fstat(fd)
         self.inode, self.device_id = stat.st_ino, stat.st_dev
         self.keep = keep  # the segment tensor that owns fd (None: this object owns it)
         self.refs: dict[int, int] = {}
         self.nbytes = nbytes  # bytes of its blocks
         self.unused = 0  # bytes of its blocks no version uses any more (held until the file goes)
+        self.writer = writer
+        self.sealed = (
+            keep is not None
+        )  # a segment is sealed when it is served, before it is cut into blocks
+        self.start = 0  # file offset of its first block (a segment's header page comes first)
+        # an fd this object owns is closed once, by close() or when the object goes (a kept file let go of)
+        self._closer = weakref.finalize(self, _close_file, fd, on_close) if keep is None else None
 
     @classmethod
     def create(cls, nbytes: int, on_close: Callable[[], None] | None = None) -> BlockFile:
@@ -76,39 +95,52 @@ class BlockFile:
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-            return cls(fd, nbytes=nbytes, on_close=on_close)
+            writer = WritableMapping(fd, nbytes) if moves_supported() else None
+            return cls(fd, nbytes=nbytes, on_close=on_close, writer=writer)
         except BaseException:
             os.close(fd)
             raise
 
     def seal_writes(self) -> None:
         """No write or new writable mapping through any handle from now on: mappings made before (the rank's own,
-        of a pending version) stay writable until the version is promoted."""
-        seal_writes(self.fd)
+        of a pending version, and `writer`) stay writable."""
+        if not self.sealed:
+            seal_writes(self.fd)
+            self.sealed = True
 
     def wasteful(self) -> bool:
         """Whether half its bytes or more are unused: a segment an update should stop sharing (`Blocks.share`)."""
         return self.nbytes > BLOCK_BYTES and 2 * self.unused >= self.nbytes
 
+    def reusable(self) -> bool:
+        """Whether this file, once unused, may be written again for another version (it has its writable
+        mapping)."""
+        return self.writer is not None and self.fd >= 0
+
     def unref(self, offset: int, nbytes: int) -> int:
-        """One version less uses the block at `offset`; returns the bytes given back (the whole file's, when this
-        was its last used block; else 0)."""
+        """One version less uses the block at `offset`; returns the bytes no version uses any more (the whole
+        file's, when this was its last used block; else 0). The owner then closes or keeps the file."""
         self.refs[offset] -= 1
         if self.refs[offset]:
             return 0
         del self.refs[offset]
         self.unused += nbytes
-        if self.refs:
-            return 0
-        self.close()
-        return self.unused
+        return 0 if self.refs else self.unused
+
+    def reset(self) -> None:
+        """Unused as a whole, taken for new blocks: no block counted."""
+        self.refs, self.unused = {}, 0
 
     def close(self) -> None:
-        if self.keep is None and self.fd >= 0:
-            os.close(self.fd)
-            if self.on_close is not None:
-                self.on_close()
-        self.fd, self.keep = -1, None
+        if self._closer is not None:
+            self._closer()
+        self.fd, self.keep, self.writer = -1, None, None
+
+
+def _close_file(fd: int, on_close: Callable[[], None] | None) -> None:
+    os.close(fd)
+    if on_close is not None:
+        on_close()
 
 
 @dataclass
@@ -143,13 +175,20 @@ class Extent:
 class Blocks:
     """The block tables of this rank's shard tensors (by id of the tensor, while it lives). Copied blocks get a
     memfd each while fewer than `max_files` are open; past that, the blocks copied at once share one memfd (freed
-    when none of them is used), so that block files never take the fds the rank's sockets need."""
+    when none of them is used), so that block files never take the fds the rank's sockets need.
 
-    def __init__(self, max_files: int = 1 << 20) -> None:
+    A file of copies no version uses any more is kept in `spare` (bounded in bytes and age, as freed shard
+    buffers are: server/rank/recycling.py) and taken again for copies of the same size: first-touching fresh
+    pages costs several times the copy (a delta put's changed 16 MiB: ~60 ms into a fresh memfd on a VM, ~3 ms
+    into a kept one). Same-host readers of the versions that used it check those versions' state words, set
+    DROPPED before the file is let go of, around every read (server/rank/shared_memory.py)."""
+
+    def __init__(self, max_files: int = 1 << 20, spare: RecycledBuffers | None = None) -> None:
         self._tables: dict[int, BlockTable] = {}
         self._lock = threading.RLock()
         self.max_files = max_files
         self.open_files = 0
+        self.spare = spare if spare is not None else RecycledBuffers()
 
     def _copy(
         self,
@@ -167,7 +206,7 @@ class Blocks:
         out: list[Block] = []
         for group in self._file_groups(indexes):
             file = self._new_file(sum(slots[i] for i in group))
-            at = 0
+            at = file.start
             for i in group:
                 block, k = blocks[i], indexes[i]
                 if k not in overwritten:
@@ -180,7 +219,10 @@ class Blocks:
         return out
 
     def _file_groups(self, indexes: list[int]) -> list[list[int]]:
-        """Positions in `indexes` (ascending block indexes) cut into the groups that share one new file."""
+        """Positions in `indexes` (ascending block indexes) cut into the groups that share one new file; spare
+        files are let go of first when their fds are what the budget lacks."""
+        if self.open_files + len(indexes) > self.max_files:
+            self.spare.trim(0)
         if self.open_files + len(indexes) > self.max_files:
             return [list(range(len(indexes)))] if indexes else []
         groups: list[list[int]] = []
@@ -196,9 +238,28 @@ class Blocks:
         ]
 
     def _new_file(self, nbytes: int) -> BlockFile:
+        """A file of `nbytes` for new copies: a spare one of that size, else a new memfd."""
+        kept = self.spare.take(nbytes)
+        if kept is not None:
+            file: BlockFile = kept.segment
+            file.reset()
+            return file
         file = BlockFile.create(nbytes, on_close=self._closed)
         self.open_files += 1
         return file
+
+    def _unref(self, block: Block) -> int:
+        """One version less uses `block`; the bytes no version uses any more. A file none of whose blocks is used
+        is kept as a spare when it can be written again, else closed."""
+        file = block.file
+        freed = file.unref(block.offset, block.nbytes)
+        if freed:
+            if file.writer is not None and file.reusable():
+                blocks = file.writer.tensor()[file.start : file.start + file.nbytes]
+                self.spare.keep(Buffer(blocks, segment=file))
+            else:
+                file.close()
+        return freed
 
     def _closed(self) -> None:
         self.open_files -= 1
@@ -258,7 +319,10 @@ class Blocks:
         if segment is None or segment.data_offset != HEADER_BYTES:
             return None
         nbytes = segment.nbytes
-        file = BlockFile(segment.fd, keep=source, nbytes=nbytes)
+        file = BlockFile(
+            segment.fd, keep=source, nbytes=nbytes, writer=_segment_writer(source, nbytes)
+        )
+        file.start = HEADER_BYTES
         blocks = [
             Block(file, HEADER_BYTES + start, min(BLOCK_BYTES, nbytes - start))
             for start in range(0, nbytes, BLOCK_BYTES)
@@ -304,18 +368,16 @@ class Blocks:
             freed = 0
             for k, block in zip(wanted, copies):
                 old = table.blocks[k]
-                freed += old.file.unref(old.offset, old.nbytes)
+                freed += self._unref(old)
                 table.blocks[k] = block
                 table.owned.add(k)
             for start, stop in _runs(table.blocks, among=set(wanted)):
                 first = table.blocks[start]
-                table.space.place(
+                _map_writable(
+                    table.space,
                     start * BLOCK_BYTES,
                     sum(b.nbytes for b in table.blocks[start:stop]),
-                    first.file.fd,
-                    first.offset,
-                    writable=True,
-                    populate=True,  # about to be written: page tables filled in one call, not a fault a page
+                    first,
                 )
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()  # the rank writes the rows through the mappings just made
@@ -336,7 +398,7 @@ class Blocks:
             table = self._tables.pop(id(tensor), None)
             if table is None:
                 return None
-            return sum(b.file.unref(b.offset, b.nbytes) for b in table.blocks)
+            return sum(self._unref(b) for b in table.blocks)
 
     def resident_bytes(self) -> int:
         """Memory the block files of live tables hold now (their allocated pages, headers included)."""
@@ -368,9 +430,41 @@ class Blocks:
             return out
 
 
+def _segment_writer(source: torch.Tensor, nbytes: int) -> WritableMapping | None:
+    """The rank's own writable mapping of the segment a shard tensor lies in (its header page, then `nbytes` of
+    data), which writes it after its writes are sealed; None where the kernel cannot move mappings or the tensor
+    is not laid out so."""
+    if not moves_supported():
+        return None
+    storage = source.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+    if (
+        whole.numel() != HEADER_BYTES + nbytes
+        or source.data_ptr() != whole.data_ptr() + HEADER_BYTES
+    ):
+        return None
+    return WritableMapping.over(whole)
+
+
+def _map_writable(space: AddressRange, offset: int, nbytes: int, first: Block) -> None:
+    """Map `nbytes` of the file of block `first` (from its offset) writable at `offset` of `space`: a window of the
+    file's own writable mapping moved in, as a spare file's writes are sealed; a new mapping where the kernel
+    cannot move one (the file is then always a new one). No page is populated: the caller's writes fault in only
+    what they touch."""
+    file = first.file
+    if file.writer is not None:
+        space.move_in(offset, nbytes, file.writer, first.offset)
+    else:
+        space.place(offset, nbytes, file.fd, first.offset, writable=True)
+
+
 def _copy_block(block: Block, file: BlockFile, offset: int, mapped: torch.Tensor) -> None:
     """Copy `block` to `offset` of `file`: file to file in the kernel (no page faults on a fresh mapping), else
-    from its mapped bytes `mapped`."""
+    from its mapped bytes `mapped`; through the file's own writable mapping once its writes are sealed (a file
+    kept and taken again)."""
+    if file.sealed and file.writer is not None:
+        file.writer.tensor()[offset : offset + block.nbytes].copy_(mapped)
+        return
     done = 0
     with contextlib.suppress(OSError):
         while done < block.nbytes:

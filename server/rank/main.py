@@ -265,7 +265,7 @@ def main(argv: Sequence[str]) -> int:
             return 1
         link.start()
         while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
-            store.shared.recycled.expire()  # an idle rank gives kept buffers back after their max age too
+            store.memory.expire_kept()  # an idle rank gives kept memory back after its max age too
             store.end_graces()  # replaced versions past --version-grace
         log.info("rank %d stopping", rank)
     finally:

@@ -53,10 +53,23 @@ class ShardMemory:
         return out
 
     def trim_recycled(self, nbytes: int) -> None:
-        """Let go of kept buffers that a reservation of `nbytes` needs the room of."""
+        """Let go of kept buffers and block files that a reservation of `nbytes` needs the room of (block files
+        first: a whole shard buffer serves the next put of the same layout)."""
         room = self.budget.room(nbytes)
+        spare = self.blocks.spare
+        if spare.nbytes + self.shared.recycled.nbytes > room:
+            spare.trim(max(0, room - self.shared.recycled.nbytes))
         if self.shared.recycled.nbytes > room:
             self.shared.recycled.trim(room)
+
+    def expire_kept(self) -> None:
+        """Let go of kept buffers and block files past their max age (the rank calls this while idle too)."""
+        self.shared.recycled.expire()
+        self.blocks.spare.expire()
+
+    def kept_bytes(self) -> int:
+        """Freed memory kept for reuse: shard buffers and block files."""
+        return self.shared.recycled.nbytes + self.blocks.spare.nbytes
 
     def reclaim(self, record: StoredVersion) -> None:
         """Give back the memory of a freed version: its bytes, the blocks no other version uses, and its whole

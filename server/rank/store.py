@@ -85,7 +85,9 @@ class ShardStore:
         )
         # copy-on-write blocks of the versions row updates make (server/rank/blocks.py), one fd each within the
         # budget shared-memory segments get too
-        self.blocks = Blocks(max_files=max(1, self.shared.max_segments))
+        self.blocks = Blocks(
+            max_files=max(1, self.shared.max_segments), spare=RecycledBuffers(recycle_bytes)
+        )
         self.memory = ShardMemory(self.device, self.budget, self.shared, self.blocks)
         self.leases = VersionLeases(
             self._lock, self.versions, self.memory, max_request_bytes=max_request_bytes
@@ -438,7 +440,7 @@ class ShardStore:
             "memory_used": self.budget.used,
             "memory_limit": self.budget.limit,
             "memory_reserved": reserved,
-            "memory_recycled": self.shared.recycled.nbytes,
+            "memory_recycled": self.memory.kept_bytes(),
             "versions": dict(states),
             "pinned": pinned,
         }

@@ -229,6 +229,24 @@ def test_a_tensor_put_with_delta_sends_only_its_changed_blocks(cluster: LocalClu
             assert torch.equal(proxy.fetch((0, 0), (ROWS, WIDTH)), table)
 
 
+@pytest.mark.parametrize("transport", ["auto", "grpc"])
+def test_a_shard_changed_whole_goes_in_one_call_through_memory_or_in_requests_of_a_few_mib(
+    cluster: LocalCluster, transport: str
+) -> None:
+    """Over the network a shard's changed bytes are cut into requests of at most 4 MiB (a 6 MiB shard: two),
+    through memory they go at once; both read back bit for bit."""
+    name = f"d/whole-{transport}"
+    with connect(cluster.address, transport=transport) as client:
+        table = torch.randn(3 * ROWS, WIDTH)  # 12 MiB: a 6 MiB shard on each rank
+        _put_delta(client, name, table, durable=False)
+        table.add_(1.0)
+        version, deltas, sent = _put_delta(client, name, table, durable=False)
+        assert (deltas, sent) == (1, table.numel() * 4)
+        proxy = client.tensor(name)
+        assert proxy.version == version
+        assert torch.equal(proxy.fetch((0, 0), (3 * ROWS, WIDTH)), table)
+
+
 def test_a_tensor_delta_puts_in_full_after_another_writer_or_a_new_layout(
     cluster: LocalCluster,
 ) -> None:

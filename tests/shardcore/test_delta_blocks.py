@@ -10,7 +10,7 @@ from shardserve.core.delta import (
     block_bytes,
     block_hashes,
     changed_ranges,
-    split_ranges,
+    split_pieces,
 )
 
 
@@ -37,4 +37,10 @@ def test_hashes_find_the_changed_block_only() -> None:
 def test_neighbours_merge_and_the_last_block_is_short() -> None:
     ranges = changed_ranges([1, 2, 3, 4], [0, 0, 3, 0], step=10, nbytes=35)
     assert ranges == [(0, 20), (30, 35)]
-    assert split_ranges([(0, 25), (30, 35)], 10) == [[(0, 10)], [(10, 20)], [(20, 25), (30, 35)]]
+    flat = torch.arange(35, dtype=torch.uint8)
+    batches = split_pieces([(0, flat[0:25]), (30, flat[30:35])], 10)
+    assert [[(start, data.tolist()) for start, data in batch] for batch in batches] == [
+        [(0, list(range(0, 10)))],
+        [(10, list(range(10, 20)))],
+        [(20, list(range(20, 25))), (30, list(range(30, 35)))],
+    ]

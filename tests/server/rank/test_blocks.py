@@ -162,8 +162,68 @@ def test_past_the_file_budget_the_blocks_of_one_update_share_a_file():
     store.blocks.max_files = 1 << 20
     _update(
         store, 3, torch.tensor([0, rows - 1]), values
-    )  # both blocks copied again: the shared file goes
+    )  # both blocks copied again: the shared file and the half-unused segment go, kept as spares
+    assert store.blocks.spare.nbytes == 2 * BLOCK_BYTES + 4 * BLOCK_BYTES
+    store.blocks.spare.trim(0)
     assert (
         store.blocks.open_files == 4
     )  # those two, and the two the half-unused segment was left by
     assert torch.equal(store.local_tensor("t", 3, 0), expected)
+
+
+def _inodes(store: ShardStore, version: int) -> list[int]:
+    return [e.inode for e in store.blocks.extents(store.local_tensor("t", version, 0))]
+
+
+def test_a_block_file_no_version_uses_is_taken_again_for_the_next_copy_of_its_size():
+    """Fresh pages cost several times a copy on first touch: a copied block's file, once unused, is kept and the
+    next update's copy of that size goes into it, sealed against other writers as before, bit for bit."""
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
+    store.promote("t", 1)
+    expected = store.local_tensor("t", 1, 0).clone()
+    ids = torch.tensor([rows - 1])  # the last block, alone in its copy's file
+    for version, value in ((2, 1.0), (3, 2.0)):
+        _update(store, version, ids, torch.full((1, COLUMNS), value))
+    copied = _inodes(store, 3)[-1]
+    assert store.blocks.spare.nbytes == BLOCK_BYTES  # version 2's copy: unused since version 2 went
+    before = store.blocks.open_files
+    _update(store, 4, ids, torch.full((1, COLUMNS), 3.0))
+    expected[ids] = 3.0
+    assert torch.equal(store.local_tensor("t", 4, 0), expected)
+    assert _inodes(store, 4)[-1] not in (
+        copied,
+        _inodes(store, 4)[0],
+    )  # version 2's file, taken again
+    assert store.blocks.spare.nbytes == BLOCK_BYTES and store.blocks.open_files == before
+    reused = store.blocks.extents(store.local_tensor("t", 4, 0))[-1]
+    fd = os.open(f"/proc/self/fd/{reused.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(OSError):
+            os.pwrite(fd, b"\x07" * 16, reused.offset)
+    finally:
+        os.close(fd)
+    assert torch.equal(store.local_tensor("t", 4, 0), expected)
+
+
+def test_a_segment_whose_blocks_all_went_is_taken_again_for_a_copy_of_its_size():
+    """A delta put that changes a whole shard copies none of it; the segment the shard was put in, once no version
+    uses it, holds the next whole-shard change (its data after its header page)."""
+    rows = 16 * BLOCK_BYTES // (COLUMNS * 4)  # a run of blocks long enough to share one file
+    nbytes = rows * COLUMNS * 4
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
+    store.promote("t", 1)
+    segment = store.shared.segment_of(store.local_tensor("t", 1, 0))
+    assert segment is not None
+    for version in (2, 3):
+        store.allocate_copy("t", version, _meta(rows), version - 1)
+        with store.leases.rewrite("t", version, 0, byte_ranges=[(0, nbytes)]) as shard:
+            shard.copy_(torch.full((rows, COLUMNS), float(version)))
+        store.promote("t", version)
+        store.drop("t", version - 1)
+    extents = store.blocks.extents(store.local_tensor("t", 3, 0))
+    assert [(e.inode, e.offset, e.nbytes) for e in extents] == [(segment.inode, 4096, nbytes)]
+    assert torch.equal(store.local_tensor("t", 3, 0), torch.full((rows, COLUMNS), 3.0))
+    assert store.blocks.spare.nbytes == nbytes  # version 2's file, unused since version 2 went
