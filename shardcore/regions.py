@@ -60,7 +60,12 @@ def shards_for_box(
         if part is not None:
             copies.setdefault(shard.box, ([], part))[0].append(index)
     return sorted(
-        (pick_copy(meta, indices, unavailable, suspect, prefer_rank), part)
+        (
+            indices[0]
+            if len(indices) == 1
+            else pick_copy(meta, indices, unavailable, suspect, prefer_rank),
+            part,
+        )
         for indices, part in copies.values()
     )
 

@@ -160,14 +160,13 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = (
-        t.resolve_conj().resolve_neg().contiguous()
-    )  # a lazily conjugated or negated view has no such bytes
+    if t.is_conj() or t.is_neg() or not t.is_contiguous():
+        # a lazily conjugated or negated view has no such bytes (checked first: each call is a dispatch)
+        t = t.resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return (
-        t.reshape(-1).view(torch.uint8).numpy().data
-    )  # flat first: a 0-d tensor has no dim to view
+    # flat first: a 0-d tensor has no dim to view
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16))

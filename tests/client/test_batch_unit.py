@@ -3,6 +3,7 @@ its view of the output whatever its offset in the reply and the output's strides
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shardserve.client.info import TensorSummary
@@ -52,9 +53,15 @@ def test_a_piece_over_two_shards_reads_one_region_of_each():
     assert reads[1].dest.data_ptr() == out[2:].data_ptr() and reads[0].request.version == 4
 
 
+def _reply(source: torch.Tensor) -> np.ndarray:
+    """Three bytes, then `source`'s: a read-only view of a reply's bytes, as ReadRegions' answer gives them."""
+    data = bytes(3) + source.view(-1).view(torch.uint8).numpy().tobytes()
+    return np.frombuffer(data, dtype=np.uint8)
+
+
 def test_bytes_at_any_offset_land_in_contiguous_and_strided_outputs():
     source = torch.arange(12, dtype=torch.int64).reshape(3, 4)
-    reply = torch.cat([torch.zeros(3, dtype=torch.uint8), source.view(-1).view(torch.uint8)])
+    reply = _reply(source)
     raw = reply[3:]  # an offset no int64 view may start at
     contiguous, strided = (
         torch.zeros(3, 4, dtype=torch.int64),
@@ -67,7 +74,7 @@ def test_bytes_at_any_offset_land_in_contiguous_and_strided_outputs():
 
 def test_a_region_of_another_floating_dtype_is_converted_as_copy_does():
     source = torch.randn(3, 4, dtype=torch.float32) * 1e3
-    reply = torch.cat([torch.zeros(3, dtype=torch.uint8), source.view(-1).view(torch.uint8)])
+    reply = _reply(source)
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         contiguous, strided = torch.empty(3, 4, dtype=dtype), torch.empty(4, 3, dtype=dtype).t()
         copy_region(contiguous, reply[3:], torch.float32)

@@ -69,12 +69,13 @@ class ReadPath:
                 metadata={"field": "regions"},
             )
         data, offsets = bytearray(), []
+        served: dict[str, int] = {}  # bytes per tensor, counted once each
         for index, region in enumerate(regions):
             offsets.append(len(data))
             self._append(index, region, data)
-        for index, region in enumerate(regions):
-            end = offsets[index + 1] if index + 1 < len(offsets) else len(data)
-            self.store.metrics.served(transport, region.name, end - offsets[index])
+            served[region.name] = served.get(region.name, 0) + len(data) - offsets[-1]
+        for name, nbytes in served.items():
+            self.store.metrics.served(transport, name, nbytes)
         return pb.ReadRegionsReply(data=bytes(data), offsets=offsets)
 
     def _append(self, index: int, region: pb.ReadRegionRequest, data: bytearray) -> None:
