@@ -13,10 +13,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
@@ -255,16 +254,36 @@ def status_of(err: BaseException) -> ErrorStatus:
     return ErrorStatus(grpc.StatusCode.INTERNAL, message, Reason.INTERNAL, {})
 
 
-@contextmanager
-def item_errors(item: str) -> Iterator[None]:
+class item_errors:  # noqa: N801 - used as a function: `with item_errors("shards[3]"):`
     """Errors raised inside, with their status, as errors of one entry of a batch (`item`, e.g. "shards[3]"):
-    the message prefixed "ITEM: " and `item` in the metadata, so the caller knows which entry failed."""
-    try:
-        yield
-    except (ServiceError, ValueError, TypeError, KeyError) as err:
+    the message prefixed "ITEM: " and `item` in the metadata, so the caller knows which entry failed.
+    `translate` first turns a layer's own errors into service errors (the rank's: error_status.py; it returns
+    any other error as it is). A class,
+    not a generator: a batch enters one per entry, and a generator's context manager costs several times
+    more."""
+
+    __slots__ = ("item", "translate")
+
+    def __init__(
+        self, item: str, translate: Callable[[BaseException], BaseException] | None = None
+    ) -> None:
+        self.item, self.translate = item, translate
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: Any
+    ) -> Literal[False]:
+        if err is None:
+            return False
+        if self.translate is not None:
+            err = self.translate(err)
+        if not isinstance(err, (ServiceError, ValueError, TypeError, KeyError)):
+            return False  # raised as it is
         status = status_of(err)
-        metadata = {**status.metadata, "item": item}
-        message = f"{item}: {status.message}"
+        metadata = {**status.metadata, "item": self.item}
+        message = f"{self.item}: {status.message}"
         raise ServiceError(message, status.code, reason=status.reason, metadata=metadata) from None
 
 

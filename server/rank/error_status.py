@@ -59,12 +59,14 @@ def service_errors() -> Iterator[None]:
         raise service_error(err) from err
 
 
-@contextmanager
-def item_errors(item: str) -> Iterator[None]:
+def item_errors(item: str) -> service_item_errors:
     """Errors raised inside, rank errors translated first, as errors of one entry of a batch (`item`, e.g.
     "shards[3]"): the message prefixed "ITEM: " and `item` in the metadata (common `item_errors`)."""
-    with service_item_errors(item), service_errors():
-        yield
+    return service_item_errors(item, _as_service_error)
+
+
+def _as_service_error(err: BaseException) -> BaseException:
+    return service_error(err) if isinstance(err, rank.RankError) else err
 
 
 def rank_rpc(method: Callable[..., Any]) -> Callable[..., Any]:
