@@ -457,7 +457,7 @@ class SnapshotEntry(_message.Message):
     def __init__(self, key: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries", "skeleton")
+    __slots__ = ("prefix", "number", "state", "created_unix", "nbytes", "keep", "entries", "skeleton", "delta_of", "shared_nbytes")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +466,8 @@ class SnapshotInfo(_message.Message):
     KEEP_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     SKELETON_FIELD_NUMBER: _ClassVar[int]
+    DELTA_OF_FIELD_NUMBER: _ClassVar[int]
+    SHARED_NBYTES_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
     state: TensorState
@@ -474,7 +476,9 @@ class SnapshotInfo(_message.Message):
     keep: int
     entries: _containers.RepeatedCompositeFieldContainer[SnapshotEntry]
     skeleton: str
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ...) -> None: ...
+    delta_of: int
+    shared_nbytes: int
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ..., delta_of: _Optional[int] = ..., shared_nbytes: _Optional[int] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
     __slots__ = ("prefix", "number", "view", "written_in_place", "skeleton", "reserve_next")
@@ -659,10 +663,24 @@ class PromoteManyRequest(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[PromoteVersionRequest, _Mapping]]] = ..., finish_in_place: _Optional[bool] = ...) -> None: ...
 
 class PromoteManyResponse(_message.Message):
-    __slots__ = ("checksums",)
+    __slots__ = ("checksums", "shared")
     CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     checksums: _containers.RepeatedCompositeFieldContainer[ShardChecksum]
-    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ...) -> None: ...
+    shared: _containers.RepeatedCompositeFieldContainer[SharedShardBytes]
+    def __init__(self, checksums: _Optional[_Iterable[_Union[ShardChecksum, _Mapping]]] = ..., shared: _Optional[_Iterable[_Union[SharedShardBytes, _Mapping]]] = ...) -> None: ...
+
+class SharedShardBytes(_message.Message):
+    __slots__ = ("name", "version", "shard_index", "nbytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    shard_index: int
+    nbytes: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class DropManyRequest(_message.Message):
     __slots__ = ("versions",)

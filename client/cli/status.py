@@ -145,14 +145,28 @@ def _print_epoch(cluster: Cluster, console: Console) -> None:
 
 
 def show_snapshots(cluster: Cluster, prefix: str, tensors: bool) -> None:
-    """One line per kept snapshot of `prefix` (and one per tensor with `tensors`)."""
+    """One line per kept snapshot of `prefix` (and one per tensor with `tensors`): a delta put's says what it
+    stores anew; with more than one, what they hold together, shared blocks counted once."""
+    from shardserve.client.ops.snapshots import held_once
+
     kept = cluster.snapshots(prefix)
     if not kept:
         print(f"no snapshots of {prefix}")
+    held = held_once(kept)
     for snapshot in kept:
+        own = held[snapshot.number]
+        sharing = (
+            f" ({own} new, the rest shared with snapshot {snapshot.delta_of})"
+            if own != snapshot.nbytes
+            else ""
+        )
         print(
-            f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t{snapshot.nbytes} bytes\t"
-            f"age {snapshot.age_s:.1f}s"
+            f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t"
+            f"{snapshot.nbytes} bytes{sharing}\tage {snapshot.age_s:.1f}s"
         )
         for key, t in snapshot.tensors.items() if tensors else ():
             print(f"  {key}\t{tuple(t.shape)}\t{t.dtype}\t{t.nbytes} bytes\t{t.health}")
+    if len(kept) > 1:
+        print(
+            f"{prefix}\theld\t{sum(held.values())} bytes (blocks shared between snapshots counted once)"
+        )

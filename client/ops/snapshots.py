@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shardserve.client import arguments
@@ -34,6 +34,8 @@ class SnapshotSummary:
     skeleton: str = field(
         default="", repr=False
     )  # the state dict's non-tensor tree (core.state_tree)
+    delta_of: int = 0  # a delta put's: the snapshot whose tensors it copied
+    shared_nbytes: int = 0  # a delta put's: bytes of one copy it shares with `delta_of`'s tensors
 
     @property
     def age_s(self) -> float:
@@ -48,7 +50,19 @@ class SnapshotSummary:
             nbytes=msg.nbytes,
             tensors={entry.key: TensorSummary.from_proto(entry.tensor) for entry in msg.entries},
             skeleton=msg.skeleton,
+            delta_of=msg.delta_of,
+            shared_nbytes=msg.shared_nbytes,
         )
+
+
+def held_once(snapshots: Sequence[SnapshotSummary]) -> dict[int, int]:
+    """{number: bytes} of the kept `snapshots` of one prefix with shared blocks counted once: a delta put's
+    snapshot counts what it shares with the snapshot it copied there when that one is kept too (its blocks are
+    held once on the ranks), else all its bytes."""
+    kept = {snapshot.number for snapshot in snapshots}
+    return {
+        s.number: s.nbytes - s.shared_nbytes if s.delta_of in kept else s.nbytes for s in snapshots
+    }
 
 
 def create_snapshot(

@@ -285,6 +285,14 @@ class Blocks:
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
 
+    def shared_bytes(self, tensor: torch.Tensor) -> int:
+        """The bytes of composed `tensor`'s blocks that other versions use too (0 for any other tensor)."""
+        with self._lock:
+            table = self._tables.get(id(tensor))
+            if table is None or table.space is None:
+                return 0
+            return sum(b.nbytes for b in table.blocks if b.file.refs.get(b.offset, 0) > 1)
+
     def make_read_only(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
         with self._lock:

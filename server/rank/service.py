@@ -48,7 +48,7 @@ from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore, versions_phrase
-from shardserve.server.rank.wire import checksum_messages, init_fill
+from shardserve.server.rank.wire import checksum_messages, init_fill, shared_messages
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 from shardserve.server.rank.writes.in_place import open_allocated
@@ -199,7 +199,10 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
                 with _item_errors(index):
                     self.store.leases.finish_all_in_place(name, version)
         checksums = self.store.promote_many(versions, item_errors=_item_errors)
-        return pb.PromoteManyResponse(checksums=checksum_messages(checksums))
+        return pb.PromoteManyResponse(
+            checksums=checksum_messages(checksums),
+            shared=shared_messages(self.store.shared_bytes(versions)),
+        )
 
     @rank_rpc
     def DropVersion(

@@ -124,8 +124,11 @@ class ShardMemory:
         self.budget.add(added - freed)
 
     def promote(self, record: StoredVersion) -> None:
-        """The memory's part of promoting a version: its shards made read-only, and same-host readers told it
-        is served."""
-        for shard in record.shards.values():
+        """The memory's part of promoting a version: the bytes each shard of a copy still shares with other
+        versions noted (`record.shared`), its shards made read-only, and same-host readers told it is served."""
+        for index, shard in record.shards.items():
+            shared = self.blocks.shared_bytes(shard)
+            if shared:
+                record.shared[index] = shared
             self.blocks.make_read_only(shard)
         self.shared.mark(record.shards.values(), served=True)

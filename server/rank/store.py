@@ -13,6 +13,7 @@ own: the servicers call in from gRPC worker threads, so every method is thread-s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -28,7 +29,7 @@ from shardserve.core.dtypes import dtype_name
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.blocks import Blocks
-from shardserve.server.rank.errors import InvalidArgument, MemoryLimit
+from shardserve.server.rank.errors import InvalidArgument, MemoryLimit, RankError
 from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
@@ -313,6 +314,20 @@ class ShardStore:
         """Serve (name, version) once every local shard is fully written (and, with persistence, durable);
         returns the checksum of each local shard."""
         return self.promote_many([(name, version)])[(name, version)]
+
+    def shared_bytes(
+        self, versions: Sequence[tuple[str, int]]
+    ) -> dict[tuple[str, int], dict[int, int]]:
+        """For each served (name, version) that is a copy sharing blocks: the bytes each local shard shared
+        with other versions when it was promoted."""
+        out = {}
+        with self._lock:
+            for name, version in versions:
+                with contextlib.suppress(RankError):  # dropped since: nothing to count
+                    record = self.versions.get(name, version)
+                    if record.shared:
+                        out[record.key] = dict(record.shared)
+        return out
 
     def promote_many(
         self,

@@ -184,6 +184,8 @@ class StoredVersion:
     checksums: dict[int, int] = field(
         default_factory=dict
     )  # local shard -> xxh3-64, set when promoted
+    # local shard of a copy -> its bytes still shared with the version it was copied from, set when promoted
+    shared: dict[int, int] = field(default_factory=dict)
 
     @property
     def key(self) -> tuple[str, int]:

@@ -31,3 +31,14 @@ def checksum_messages(
         for (name, version), sums in checksums.items()
         for index, value in sorted(sums.items())
     ]
+
+
+def shared_messages(
+    shared: Mapping[tuple[str, int], Mapping[int, int]],
+) -> list[pb.SharedShardBytes]:
+    """A promote's answer: the bytes each local shard of a copy still shares with other versions."""
+    return [
+        pb.SharedShardBytes(name=name, version=version, shard_index=index, nbytes=nbytes)
+        for (name, version), by_shard in shared.items()
+        for index, nbytes in sorted(by_shard.items())
+    ]

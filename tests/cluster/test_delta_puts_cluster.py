@@ -14,7 +14,9 @@ import torch
 from shardserve import InvalidArgumentError, connect, spmd
 from shardserve.client import metrics as client_metrics
 from shardserve.client import spmd as spmd_module
+from shardserve.client.cli.main import main as cli_main
 from shardserve.client.cluster import Cluster
+from shardserve.client.ops.snapshots import held_once
 from shardserve.core.delta import DELTA_BLOCK_BYTES
 from shardserve.server.launcher import LocalCluster
 
@@ -95,6 +97,33 @@ def test_unchanged_sends_nothing_and_one_row_sends_one_block(
         assert older["a"][700].sum() != state["a"][700].sum()
         assert torch.equal(older["b"], state["b"]) and older["step"] == 1
         assert [s.number for s in client.snapshots(prefix)] == [first, second, third]
+
+
+def test_a_delta_snapshot_counts_what_it_shares_once(
+    cluster: LocalCluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The ranks hold a delta snapshot's unchanged blocks once: its listing says what it stores anew (the
+    rewritten blocks), and what the kept snapshots hold together counts the shared bytes once."""
+    prefix = "d/sized"
+    with connect(cluster.address) as client:
+        state = model(3)
+        first = spmd.put_state_dict(client, state, prefix, keep=2, delta=True)
+        state["a"][1024:1536] = -1.0  # one delta block: four rank blocks
+        second = spmd.put_state_dict(client, state, prefix, keep=2, delta=True)
+        older, newer = client.snapshots(prefix)
+        assert (older.number, newer.number) == (first, second)
+        assert (older.delta_of, older.shared_nbytes) == (0, 0)
+        assert newer.delta_of == first
+        assert newer.shared_nbytes == newer.nbytes - DELTA_BLOCK_BYTES
+        assert held_once([older, newer]) == {first: older.nbytes, second: DELTA_BLOCK_BYTES}
+        assert held_once([newer]) == {second: newer.nbytes}  # alone, it holds every byte
+        assert cli_main(["--coordinator", client.address, "snapshots", prefix]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"({DELTA_BLOCK_BYTES} new, the rest shared with snapshot {first})" in lines[1]
+    assert lines[2] == (
+        f"{prefix}\theld\t{older.nbytes + DELTA_BLOCK_BYTES} bytes "
+        "(blocks shared between snapshots counted once)"
+    )
 
 
 def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list[int]) -> None:

@@ -74,6 +74,9 @@ def snapshot_json(snapshot: SnapshotRecord) -> str:
         "entries": [{"key": e.key, "tensor": tensor_document(e.tensor)} for e in snapshot.entries],
         "skeleton": snapshot.skeleton,
     }
+    if snapshot.delta_of:
+        document["delta_of"] = snapshot.delta_of
+        document["shared_nbytes"] = snapshot.shared_nbytes
     return dumps(document)
 
 
@@ -133,6 +136,8 @@ def _decode_snapshot(text: str) -> SnapshotRecord:
         state=TensorState(document["state"]),
         created_unix=document["created_unix"],
         skeleton=document.get("skeleton", ""),
+        delta_of=document.get("delta_of", 0),
+        shared_nbytes=document.get("shared_nbytes", 0),
     )
 
 

@@ -119,6 +119,8 @@ def snapshot_to_proto(
         nbytes=record.nbytes,
         keep=record.keep,
         skeleton=record.skeleton,
+        delta_of=record.delta_of,
+        shared_nbytes=record.shared_nbytes,
     )
     for entry in record.entries:
         tensor(out.entries.add(key=entry.key).tensor, entry.tensor)
@@ -143,4 +145,6 @@ def snapshot_from_proto(info: pb.SnapshotInfo) -> SnapshotRecord:
         state=state_from_proto(info.state),
         created_unix=info.created_unix,
         skeleton=info.skeleton,
+        delta_of=info.delta_of,
+        shared_nbytes=info.shared_nbytes,
     )

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from shardserve.core.checksums import UNKNOWN
-from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.tensor_options import TensorOptions
 
 # What ranks answer a promote with: the checksum of each shard, by (name, version) then shard index.
@@ -132,6 +132,9 @@ class SnapshotRecord:
     created_unix: float = 0.0
     # The state dict's tree besides its tensors (typed JSON; shardserve.core.state_tree), "" for tensors only.
     skeleton: str = ""
+    delta_of: int = 0  # a delta put's: the snapshot whose tensors it copied
+    # a delta put's: bytes of one copy of its tensors still shared with `delta_of`'s when it was committed
+    shared_nbytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +144,19 @@ class SnapshotRecord:
     def tensors(self) -> list[TensorRecord]:
         """The snapshot's tensor versions, in entry order."""
         return [entry.tensor for entry in self.entries]
+
+    def sharing(self, shared: Mapping[tuple[str, int], Mapping[int, int]]) -> SnapshotRecord:
+        """This snapshot with `shared_nbytes` from what the ranks' promote answered (the bytes each local shard
+        of a copy still shares, by (name, version) then shard index): each box counted once, whatever its
+        replicas."""
+        total = 0
+        for tensor in self.tensors():
+            by_shard = shared.get(tensor.key, {})
+            by_box: dict[Box, int] = {}
+            for index, shard in enumerate(tensor.metadata.shards_metadata):
+                by_box[shard.box] = max(by_box.get(shard.box, 0), by_shard.get(index, 0))
+            total += sum(by_box.values())
+        return replace(self, shared_nbytes=total)
 
     def committed(self, checksums: ShardChecksums) -> SnapshotRecord:
         """This snapshot READY, each tensor READY with the shard checksums found for it in `checksums`."""

@@ -326,7 +326,7 @@ class TensorLifecycle:
             what,
             finish_in_place=True,
         )
-        return dict(promoted.get((name, version), {}))
+        return dict(promoted.checksums.get((name, version), {}))
 
     def _copy_source(self, new: NewTensor) -> TensorRecord:
         """Init.COPY: the READY version `source_version` of the name, checked to have the same layout; with

@@ -154,7 +154,13 @@ class SnapshotDriver:
             for (key, meta), version in zip(layouts.items(), versions)
         )
         snapshot = SnapshotRecord(
-            prefix, number, keep, entries, created_unix=created, skeleton=skeleton
+            prefix,
+            number,
+            keep,
+            entries,
+            created_unix=created,
+            skeleton=skeleton,
+            delta_of=order.delta_of,
         )
         self.catalog.add_all(snapshot.tensors(), durable=options.durable)
         try:
@@ -232,14 +238,16 @@ class SnapshotDriver:
         """Promote on the ranks, then commit in the catalog; the committed record and the versions it removed."""
         prefix, number = snapshot.prefix, snapshot.number
         with self.locks.hold(f"{prefix}@"):
-            checksums = self.calls.promote_many(
+            promoted = self.calls.promote_many(
                 versions_by_rank(snapshot.tensors(), TensorRecord.holding_ranks),
                 f"promote snapshot {prefix!r} {number}",
                 finish_in_place=written_in_place,
             )
+            if snapshot.delta_of:
+                snapshot = snapshot.sharing(promoted.shared)
             try:
                 committed, removed = self.catalog.commit_snapshot(
-                    snapshot, durable=_durable(snapshot), checksums=checksums
+                    snapshot, durable=_durable(snapshot), checksums=promoted.checksums
                 )
             except KeyError as err:
                 raise TensorBusy(

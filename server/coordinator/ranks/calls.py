@@ -32,6 +32,15 @@ M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
+class Promoted:
+    """What the ranks answered a promote, both by (name, version) then shard index: each shard's checksum, and
+    the bytes each shard of a copy (a row update's, a delta put's) still shares with other versions."""
+
+    checksums: ShardChecksums
+    shared: dict[tuple[str, int], dict[int, int]]
+
+
+@dataclass(frozen=True)
 class Allocation:
     """How ranks allocate a new version: filled by `init` (seeded by `seed`; a copy of `source_version`), or
     only its memory reserved (`reserve_only`: a job writes it)."""
@@ -172,16 +181,21 @@ class RankCalls:
         what: str,
         *,
         finish_in_place: bool = False,
-    ) -> ShardChecksums:
+    ) -> Promoted:
         """PromoteMany of each rank's (name, version) pairs, one call per rank, ranks at once; with
         `finish_in_place`, the shards their writers filled in place count as written first. Returns the
-        checksums of the shards the ranks hold."""
+        checksums of the shards the ranks hold, and the bytes the shards of copies still share."""
         entries = Entries(pb.PromoteManyRequest, "versions", _promote_request)
         requests = {
             rank: entries.add_to(pb.PromoteManyRequest(finish_in_place=finish_in_place), mine)
             for rank, mine in versions.items()
         }
-        return checksums_of(self.fan_out_each("PromoteMany", requests, what).values())
+        answers = list(self.fan_out_each("PromoteMany", requests, what).values())
+        shared: ShardChecksums = {}
+        for answer in answers:
+            for item in answer.shared:
+                shared.setdefault((item.name, item.version), {})[item.shard_index] = item.nbytes
+        return Promoted(checksums_of(answers), shared)
 
     def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
         """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""

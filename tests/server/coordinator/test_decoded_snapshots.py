@@ -3,6 +3,8 @@ decoding, equal to what decoding its document gives, and only the latest few are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -72,3 +74,17 @@ def test_a_sqlite_commit_is_read_back_as_the_record_it_returned(tmp_path) -> Non
         assert DecodedSnapshots().get(snapshot_json(committed)) == committed
     finally:
         catalog.close()
+
+
+def test_a_delta_snapshot_counts_each_box_once_and_its_document_keeps_what_it_shares() -> None:
+    """The ranks answer shared bytes per local shard; a replicated box (shards 0 and 3 here) counts once, and
+    the count and the snapshot copied travel through the document and back."""
+    delta = replace(_snapshot(2), delta_of=1)
+    shared = {("p@2/w", 20): {0: 4, 3: 4, 1: 2}, ("p@2/b", 21): {2: 6}}
+    counted = delta.sharing(shared)
+    assert counted.shared_nbytes == 4 + 2 + 6
+    text = snapshot_json(counted.committed({}))
+    back = DecodedSnapshots().get(text)
+    assert (back.delta_of, back.shared_nbytes) == (1, 12)
+    plain = DecodedSnapshots().get(snapshot_json(_snapshot(3)))
+    assert (plain.delta_of, plain.shared_nbytes) == (0, 0)

@@ -115,8 +115,8 @@ def test_every_ranks_call_is_in_flight_at_once(cluster):
     registry, ranks = cluster
     records = _records(RANKS)
     versions = versions_by_rank(records, TensorRecord.ranks)
-    checksums = RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
-    assert checksums == {r.key: {0: 7} for r in records}
+    promoted = RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+    assert promoted.checksums == {r.key: {0: 7} for r in records} and promoted.shared == {}
     for rank, state in ranks.items():
         [request] = state.asked["PromoteMany"]
         assert [(v.name, v.version) for v in request.versions] == versions[rank]

@@ -227,3 +227,20 @@ def test_a_segment_whose_blocks_all_went_is_taken_again_for_a_copy_of_its_size()
     assert [(e.inode, e.offset, e.nbytes) for e in extents] == [(segment.inode, 4096, nbytes)]
     assert torch.equal(store.local_tensor("t", 3, 0), torch.full((rows, COLUMNS), 3.0))
     assert store.blocks.spare.nbytes == nbytes  # version 2's file, unused since version 2 went
+
+
+def test_a_copy_tells_at_promote_the_bytes_it_still_shares() -> None:
+    """What the coordinator counts once in a delta snapshot's size: the blocks a copy did not rewrite."""
+    rows = 16 * BLOCK_BYTES // (COLUMNS * 4)
+    nbytes = rows * COLUMNS * 4
+    store = ShardStore(0, shared_memory=True, version_grace=60)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
+    store.promote_many([("t", 1)])
+    assert store.shared_bytes([("t", 1)]) == {}  # a whole version shares nothing
+    store.allocate_copy("t", 2, _meta(rows), 1)
+    with store.leases.rewrite("t", 2, 0, byte_ranges=[(0, 3 * BLOCK_BYTES)]) as shard:
+        shard.view(-1).view(torch.uint8)[: 3 * BLOCK_BYTES] = 7
+    store.promote_many([("t", 2)])
+    assert store.shared_bytes([("t", 2), ("t", 1), ("gone", 9)]) == {
+        ("t", 2): {0: nbytes - 3 * BLOCK_BYTES}
+    }
