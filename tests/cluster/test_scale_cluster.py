@@ -49,12 +49,25 @@ def test_every_rank_registers_at_its_own_address(cluster):
     assert len({r.address for r in ranks}) == RANKS and len({r.hostname for r in ranks}) > 1
 
 
-def test_a_snapshot_commits_and_reads_back_bit_for_bit(cluster):
+@pytest.fixture(scope="module")
+def snapshot(cluster) -> tuple[StateDict, pb.CommitSnapshotResponse]:
+    """The state dict of TENSORS tensors put as a snapshot (created, written, committed reserving the next):
+    its description and the commit's answer."""
     state = StateDict(TENSORS, RANKS)
     created = cluster.stub.CreateSnapshot(state.create_request(), timeout=TIMEOUT_S)
     assert write_snapshot(created, cluster.rank_stub, state=state) == state.shards * 16
     commit = pb.CommitSnapshotRequest(prefix=PREFIX, number=created.number, reserve_next=True)
-    answer = cluster.stub.CommitSnapshot(commit, timeout=TIMEOUT_S)
+    return state, cluster.stub.CommitSnapshot(commit, timeout=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def tables(cluster) -> None:
+    """TABLES tables of ROWS rows, each row on 2 ranks of a group."""
+    create_tables(cluster.stub, count=TABLES, rows=ROWS, world=RANKS)
+
+
+def test_a_snapshot_commits_and_reads_back_bit_for_bit(cluster, snapshot):
+    state, answer = snapshot
     assert answer.committed.state == pb.READY and len(answer.committed.entries) == TENSORS
     assert answer.next.state == pb.PENDING and len(answer.next.entries) == TENSORS
     for entry in answer.committed.entries:
@@ -69,8 +82,7 @@ def test_a_snapshot_commits_and_reads_back_bit_for_bit(cluster):
         assert torch.equal(read[state.key(i)], state_value(i)), state.key(i)
 
 
-def test_a_reshard_commits_the_layout_asked_for(cluster):
-    create_tables(cluster.stub, count=TABLES, rows=ROWS, world=RANKS)
+def test_a_reshard_commits_the_layout_asked_for(cluster, tables):
     for index in range(TABLES):
         before = cluster.stub.GetTensor(
             pb.GetTensorRequest(name=f"table{index}"), timeout=TIMEOUT_S
@@ -83,10 +95,10 @@ def test_a_reshard_commits_the_layout_asked_for(cluster):
             assert torch.equal(client.tensor(f"table{index}").full_tensor(), table_value(ROWS))
 
 
-def test_a_lost_rank_is_noticed_and_its_copies_repaired(cluster):
+def test_a_lost_rank_is_noticed_and_its_copies_repaired(cluster, snapshot, tables):
     """Rank 3 is killed: the coordinator lists it dead, the tables it held copies of are repaired onto other
     ranks (read back bit for bit), and the snapshot tensors whose only copy was there are reported unavailable,
-    not lost."""
+    not lost. (Last in the module: it leaves the cluster a rank short.)"""
     victim = 3
     held = [i for i in range(TABLES) if victim in _ranks_of(cluster, f"table{i}")]
     assert held  # table 0 is on ranks 0-9

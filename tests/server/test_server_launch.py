@@ -226,16 +226,12 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
     ]
     coord, lines = spawn(coordinator_args, tmp_path)
     env = server_env()
-    torchrun = [
+    torchrun = [  # --standalone: its rendezvous store binds a port of its own choosing (a free port picked
+        # here could be taken by another test's process before torchrun binds it: EADDRINUSE)
         str(Path(sys.executable).with_name("torchrun")),
-        "--nnodes",
-        "1",
+        "--standalone",
         "--nproc-per-node",
         "1",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
         "-m",
         "shardserve.server",
         "--coordinator",
@@ -248,7 +244,7 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.CoordinatorStub(channel)
             wait_until(
-                lambda: len(stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks) == 1,
+                lambda: _registered_while_running(stub, rank),
                 START_TIMEOUT,
                 "the torchrun rank to register",
             )
@@ -273,6 +269,13 @@ def test_coordinator_alone_with_a_torchrun_rank_survives_a_coordinator_restart(t
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _registered_while_running(stub: pb_grpc.CoordinatorStub, rank: subprocess.Popen) -> bool:
+    """Whether one rank is registered; an AssertionError at once when `rank`'s launcher has exited."""
+    code = rank.poll()
+    assert code is None, f"torchrun exited with {code} before its rank registered"
+    return len(stub.ListRanks(pb.ListRanksRequest(), timeout=TIMEOUT).ranks) == 1
 
 
 @pytest.mark.parametrize(
