@@ -298,7 +298,7 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 def bare_send_seconds(nbytes: int) -> float:
     """Seconds for one gloo send of `nbytes` from one process to another on 127.0.0.1 (median of 3)."""
-    from benchmarks.reshard import free_port
+    from shardserve.server.common.ports import free_port
     from shardserve.server.rank_start import forkserver_context
 
     ctx = forkserver_context()

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import queue
-import socket
 import statistics
 import threading
 import time
@@ -41,6 +40,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shardserve.server.common.ports import free_port
 from shardserve.server.rank_start import forkserver_context
 
 BARE = "bare transfer"
@@ -342,12 +342,6 @@ def all_ranks(flag: bool) -> bool:
     value = torch.tensor([1 if flag else 0])
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
     return bool(value.item())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(world: int, args: dict) -> dict:

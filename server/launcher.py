@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 from shardserve.server.common.auth import Security
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE
 from shardserve.server.common.grpc_server import RunningServer
+from shardserve.server.common.ports import free_port
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.rank_options import DEFAULT_LISTEN, RankOptions
 from shardserve.server.common.tracing import disable_tracing, enable_tracing, tracing_enabled
@@ -44,13 +44,6 @@ log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3
 """Ports a cluster with port=0 tries: one chosen free can be taken (another process's bind to any port) before
 the coordinator binds it, after the ranks were told it."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 _NOT_RUNNING = ("T", "t", "Z", "X", None)
