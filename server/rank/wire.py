@@ -3,7 +3,7 @@ convert in shardcore.wire): the servicers and the persisted manifests speak prot
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.rank.shard_fill import InitFill
@@ -22,23 +22,29 @@ def init_fill(init: int) -> InitFill:
     return _INIT_FILLS[init]
 
 
-def checksum_messages(
-    checksums: Mapping[tuple[str, int], Mapping[int, int]],
-) -> list[pb.ShardChecksum]:
+ByShard = Mapping[
+    tuple[str, int], Mapping[int, int]
+]  # (name, version) -> local shard index -> a number
+
+
+def checksum_messages(checksums: ByShard) -> list[pb.ShardChecksum]:
     """A promote's answer: the checksum of every local shard of every version, by (name, version)."""
     return [
         pb.ShardChecksum(name=name, version=version, shard_index=index, checksum=value)
-        for (name, version), sums in checksums.items()
-        for index, value in sorted(sums.items())
+        for name, version, index, value in _each_shard(checksums)
     ]
 
 
-def shared_messages(
-    shared: Mapping[tuple[str, int], Mapping[int, int]],
-) -> list[pb.SharedShardBytes]:
+def shared_messages(shared: ByShard) -> list[pb.SharedShardBytes]:
     """A promote's answer: the bytes each local shard of a copy still shares with other versions."""
     return [
-        pb.SharedShardBytes(name=name, version=version, shard_index=index, nbytes=nbytes)
-        for (name, version), by_shard in shared.items()
-        for index, nbytes in sorted(by_shard.items())
+        pb.SharedShardBytes(name=name, version=version, shard_index=index, nbytes=value)
+        for name, version, index, value in _each_shard(shared)
     ]
+
+
+def _each_shard(values: ByShard) -> Iterator[tuple[str, int, int, int]]:
+    """(name, version, shard index, value) of every shard, versions in order given, shards by index."""
+    for (name, version), by_shard in values.items():
+        for index, value in sorted(by_shard.items()):
+            yield name, version, index, value
