@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from shardserve.server.common.ports import free_port
 from shardserve.server.rank_start import forkserver_context
 
 PG_TIMEOUT_S = 120
@@ -57,7 +57,7 @@ class World:
         self.size = size
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)]
-        port = _free_port()
+        port = free_port()
         self.processes = [
             ctx.Process(
                 target=_serve,
@@ -107,9 +107,3 @@ class World:
             if process.is_alive():
                 process.kill()
                 process.join(timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -17,13 +17,14 @@ import os
 import pwd
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from shardserve.server.common.ports import free_port
 
 USER = "shardserve"
 """The superuser the tests connect as (with a password: the URL carries it, as a user's may)."""
@@ -51,12 +52,6 @@ def _unprivileged_user() -> pwd.struct_passwd:
         return pwd.getpwnam("nobody")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class PostgresServer:
     """A PostgreSQL server of its own cluster directory on 127.0.0.1:`port`; `url(db)` names a database."""
 
@@ -64,7 +59,7 @@ class PostgresServer:
         self.programs = programs
         self.root = Path(tempfile.mkdtemp(prefix="shardserve-pg-"))
         self.data = self.root / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.password = secrets.token_hex(12)
         self._as_user: list[str] = []
         self._names = itertools.count(1)

@@ -258,9 +258,8 @@ class item_errors:  # noqa: N801 - used as a function: `with item_errors("shards
     """Errors raised inside, with their status, as errors of one entry of a batch (`item`, e.g. "shards[3]"):
     the message prefixed "ITEM: " and `item` in the metadata, so the caller knows which entry failed.
     `translate` first turns a layer's own errors into service errors (the rank's: error_status.py; it returns
-    any other error as it is). A class,
-    not a generator: a batch enters one per entry, and a generator's context manager costs several times
-    more."""
+    any other error as it is). A class, not a generator: a batch enters one per entry, and a generator's context
+    manager costs several times more."""
 
     __slots__ = ("item", "translate")
 

@@ -81,11 +81,6 @@ class BlockFile:
         """Whether half its bytes or more are unused: a segment an update should stop sharing (`Blocks.share`)."""
         return self.nbytes > BLOCK_BYTES and 2 * self.unused >= self.nbytes
 
-    def reusable(self) -> bool:
-        """Whether this file, once unused, may be written again for another version (it has its writable
-        mapping)."""
-        return self.writer is not None and self.fd >= 0
-
     def unref(self, offset: int, nbytes: int) -> int:
         """One version less uses the block at `offset`; returns the bytes no version uses any more (the whole
         file's, when this was its last used block; else 0). The owner then closes or keeps the file."""

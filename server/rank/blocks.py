@@ -156,7 +156,7 @@ class Blocks:
         file = block.file
         freed = file.unref(block.offset, block.nbytes)
         if freed:
-            if file.writer is not None and file.reusable():
+            if file.writer is not None:  # it can be written again although its writes are sealed
                 blocks = file.writer.tensor()[file.start : file.start + file.nbytes]
                 self.spare.keep(Buffer(blocks, segment=file))
             else:

@@ -191,10 +191,7 @@ class RankCalls:
             for rank, mine in versions.items()
         }
         answers = list(self.fan_out_each("PromoteMany", requests, what).values())
-        shared: ShardChecksums = {}
-        for answer in answers:
-            for item in answer.shared:
-                shared.setdefault((item.name, item.version), {})[item.shard_index] = item.nbytes
+        shared = _by_shard(item for answer in answers for item in answer.shared)
         return Promoted(checksums_of(answers), shared)
 
     def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
@@ -332,10 +329,18 @@ def checksums_of(
     answers: Iterable[pb.PromoteVersionResponse | pb.PromoteManyResponse],
 ) -> ShardChecksums:
     """The shard checksums of promote answers, by (name, version) then shard index."""
-    out: ShardChecksums = {}
-    for answer in answers:
-        for item in answer.checksums:
-            out.setdefault((item.name, item.version), {})[item.shard_index] = item.checksum
+    return _by_shard(item for answer in answers for item in answer.checksums)
+
+
+def _by_shard(
+    items: Iterable[pb.ShardChecksum | pb.SharedShardBytes],
+) -> dict[tuple[str, int], dict[int, int]]:
+    """The number each per-shard item of promote answers carries (a checksum, shared bytes), by (name, version)
+    then shard index."""
+    out: dict[tuple[str, int], dict[int, int]] = {}
+    for item in items:
+        value = item.checksum if isinstance(item, pb.ShardChecksum) else item.nbytes
+        out.setdefault((item.name, item.version), {})[item.shard_index] = value
     return out
 
 

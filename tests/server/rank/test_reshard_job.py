@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 import traceback
@@ -29,6 +28,7 @@ from shardserve.core.metadata import (
 )
 from shardserve.core.planner import plan_reshard
 from shardserve.core.specs import ChunkShardingSpec, chunk_bounds
+from shardserve.server.common.ports import free_port
 from shardserve.server.rank.jobs.groups import PeerGroup
 from shardserve.server.rank.jobs.ordering import CollectiveExecutor, SequenceTimeoutError
 from shardserve.server.rank.jobs.reshard import ReshardError, ReshardStats, run_reshard
@@ -289,7 +289,7 @@ class World:
     def __init__(self, size: int, backend: str = "gloo") -> None:
         ctx = forkserver_context()
         self.size = size
-        self.port = _free_port()
+        self.port = free_port()
         self.commands = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
         self.procs = [
@@ -341,12 +341,6 @@ class World:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

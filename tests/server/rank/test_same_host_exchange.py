@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -26,6 +25,7 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.planner import plan_reshard
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos.same_host import host_id
+from shardserve.server.common.ports import free_port
 from shardserve.server.rank.jobs import peer_memory
 from shardserve.server.rank.jobs.peer_memory import (
     CudaShard,
@@ -343,7 +343,7 @@ def run_faulty_pair(scenario: str) -> dict[int, tuple[str, object]]:
     reads what the test sets in its environment at its start (a forkserver's children have the server's)."""
     ctx = mp.get_context("spawn")
     results, release = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     procs = {
         r: ctx.Process(target=_fault_rank, args=(r, port, scenario, results, release), daemon=True)
         for r in (1, 0)
@@ -379,12 +379,6 @@ def _take(results, rank: int, kind: str):
     got_rank, got_kind, value = results.get(timeout=90)
     assert (got_rank, got_kind) == (rank, kind), (got_rank, got_kind, value)
     return value
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_source_killed_after_its_memory_was_mapped_leaves_the_copy_whole(tmp_path, monkeypatch):
