@@ -1,5 +1,5 @@
-# The two commands of the README (`test` runs the linters first and installs the PostgreSQL server its catalog
-# tests start), plus regenerating the protos.
+# The two commands of the README (`test` installs the PostgreSQL server its catalog tests start and runs the
+# linters beside the suite), plus regenerating the protos.
 .PHONY: run test lint protos venv bench
 
 PORT ?= 50051
@@ -13,12 +13,10 @@ run: venv
 lint: venv
 	./scripts/lint.sh
 
-# The project's modules are compiled once first: every process the suite starts (ranks, CLIs, benchmarks)
-# then reads them, also where PYTHONDONTWRITEBYTECODE is set, instead of compiling them again each.
-test: lint
-	./scripts/setup-postgres.sh
-	.venv/bin/python -m compileall -q shardserve client server protos shardcore benchmarks
-	.venv/bin/python -m pytest -q -n 2 --dist loadfile
+# scripts/test.sh: sets up .venv and PostgreSQL, then runs the linters beside the suite; `make test ARGS=...`
+# passes arguments to pytest.
+test:
+	./scripts/test.sh $(ARGS)
 
 protos: venv
 	./scripts/gen-protos.sh
