@@ -58,7 +58,7 @@ QUICK_TABLES, QUICK_TABLE_ROWS = 4, 50
 QUICK_PROCESSES = 2  # rank processes of a quick run (each imports torch)
 SETTLE_TIMEOUT_S = REPAIR_TIMEOUT_S = 900.0
 HEARTBEAT_S = 2.0  # not 1 s: on a machine shared by busy processes a heartbeat can be a second late
-IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 2.0
+IDLE_WINDOW_S, QUICK_IDLE_WINDOW_S = 10.0, 1.0
 SCAN_WINDOW_S, QUICK_SCAN_WINDOW_S = 5.0, 1.0
 STEADY_COMMITS = 2
 ATTEMPTS = 3

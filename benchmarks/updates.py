@@ -28,6 +28,7 @@ COLUMNS = 256
 ROWS_PER_UPDATE = 64
 LOOKUP_IDS = 256
 UPDATE_PERIOD_S = 0.05
+QUICK_SECONDS = 1.0  # each rate and latency run of --quick: enough for a smoke test's rows
 
 
 def rows_of(mib: int) -> int:
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.seconds <= 0 or args.repeats < 1:
         parser.error("--seconds must be > 0 and --repeats >= 1")
     sizes = [4, 16, 64] if args.quick else [16, 256, 1024]
-    seconds = min(args.seconds, 2.0) if args.quick else args.seconds
+    seconds = min(args.seconds, QUICK_SECONDS) if args.quick else args.seconds
     if args.rate_only:
         results = rates_only(seconds)
     else:

@@ -126,18 +126,24 @@ def test_surviving_boxes_read_bit_for_bit_and_the_dead_ranks_ones_are_unavailabl
         and down.value.reason == Reason.RANK_UNAVAILABLE
     )
     assert down.value.metadata == {"tensor": "plain", "ranks": str(DEAD)}
-    assert torch.equal(remote[0:4], table[0:4])
-    assert torch.equal(remote.fetch((8, 2), (4, 3)), table[8:12, 2:5])
-    with pytest.raises(RankUnavailableError):
-        remote.full_tensor()
-    with pytest.raises(RankUnavailableError, match="rank 1"):
-        remote.fetch((3, 0), (2, DIM))  # one row of a live box, one of the dead rank's box
-    ids = torch.tensor([9, 0, 3, 11, 0])
-    assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
-    with pytest.raises(RankUnavailableError, match=r"offsets=\(4, 0\)"):
-        remote.lookup(torch.tensor([0, 6]))
-    with pytest.raises(RankUnavailableError):
-        remote.lookup_bag(torch.tensor([1, 5]), torch.tensor([0]), mode="sum")
+    failing = {  # what: (call, what its error names); each waits out the deadline, so they run at once
+        "the full tensor": (remote.full_tensor, ""),
+        "a fetch of a live and a dead box": (lambda: remote.fetch((3, 0), (2, DIM)), "rank 1"),
+        "a lookup": (lambda: remote.lookup(torch.tensor([0, 6])), r"offsets=\(4, 0\)"),
+        "a pooled lookup": (
+            lambda: remote.lookup_bag(torch.tensor([1, 5]), torch.tensor([0]), mode="sum"),
+            "",
+        ),
+    }
+    with futures.ThreadPoolExecutor(len(failing)) as pool:
+        reads = {what: pool.submit(call) for what, (call, _) in failing.items()}
+        assert torch.equal(remote[0:4], table[0:4])
+        assert torch.equal(remote.fetch((8, 2), (4, 3)), table[8:12, 2:5])
+        ids = torch.tensor([9, 0, 3, 11, 0])
+        assert torch.equal(remote.lookup(ids), F.embedding(ids, table))
+    for what, read in reads.items():
+        with pytest.raises(RankUnavailableError, match=failing[what][1]):
+            read.result()
     assert torch.equal(
         remote.lookup(torch.tensor([10, 1])), table[[10, 1]]
     )  # still served after the errors

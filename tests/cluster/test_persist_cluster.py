@@ -103,7 +103,10 @@ def test_a_whole_cluster_killed_at_random_moments_serves_what_was_acknowledged(t
     checkpoints = _checkpoints(tmp_path / "checkpoints", sorted(acked), rng)
     for point in range(KILL_POINTS):
         cluster = LocalCluster(
-            2, state_dir=state, rank_options=RankOptions(persist_dir=state / "data")
+            2,
+            state_dir=state,
+            rank_options=RankOptions(persist_dir=state / "data"),
+            start_method="forkserver",  # as `shardserve up` starts them; torch imported once
         ).start(timeout=WAIT_S)
         try:
             with connect(cluster.address) as client:
