@@ -19,7 +19,7 @@ want=$(cat pyproject.toml scripts/setup-venv.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-.venv/bin/python -m pip install --quiet --upgrade pip 'uv>=0.9,<1'
+.venv/bin/python -m pip install --quiet 'uv>=0.9,<1'
 find_links=()
 for dir in ${PIP_FIND_LINKS:-} $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do
   find_links+=(--find-links "$dir")

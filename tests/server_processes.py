@@ -12,16 +12,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from waiting import wait_until
 
 from shardserve.server.common.cli_args import CLUSTER_SECRET_FILE_ENV
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.rank_launch import PROJECT_ROOT
-from shardserve.server.rank_start import ForkedProcess
+from shardserve.server.rank_start import ForkedProcess, forkserver_context, write_output_to
 
 
 @functools.cache
@@ -58,6 +59,21 @@ def fork_server(args: Sequence[str], env: dict[str, str], log: IO) -> ForkedProc
     with output to the end of `log`'s file."""
     log.flush()
     return ForkedProcess(args, env, output=log.name)
+
+
+def fork_client(log: Path, main: Callable[..., None], *args: Any) -> BaseProcess:
+    """`main(*args)` in a started process forked from the forkserver (torch imported once, not per client), its
+    output (fds 1 and 2, a failure's traceback too) in `log`: the clients a test runs beside each other."""
+    process = forkserver_context().Process(
+        target=_logged, args=(str(log), main, *args), daemon=True
+    )
+    process.start()
+    return process
+
+
+def _logged(log: str, main: Callable[..., None], *args: Any) -> None:
+    write_output_to(log)
+    main(*args)
 
 
 def start_up(

@@ -1,6 +1,7 @@
-"""One writer process of the cross-client group commit test (tests/cluster/test_updates_cluster.py).
+"""One writer process of the cross-client group commit test (tests/cluster/test_updates_cluster.py, which forks
+each from its forkserver through server_processes.fork_client).
 
-Usage: group_commit_writer.py COORDINATOR FOLDER INDEX UPDATES. The process connects, writes FOLDER/ready-INDEX,
+By hand: group_commit_writer.py COORDINATOR FOLDER INDEX UPDATES. The process connects, writes FOLDER/ready-INDEX,
 waits for FOLDER/go, then makes UPDATES update_rows_ordered calls on table TABLE, each of ROWS_PER_UPDATE ids
 drawn from the first HOT_ROWS rows (so writers overlap), and saves to FOLDER/result-INDEX.pt (torch.save) every
 call it made as (version, order, ids, values) and the errors it met. Nothing is judged here.

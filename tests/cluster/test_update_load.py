@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import update_load_client as load
+from server_processes import fork_client
 
 from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.launcher import LocalCluster
-from shardserve.server.rank_start import forkserver_context
 
 RUN_S = 3.0
 START_TIMEOUT_S = 240.0  # 16 processes connecting on a busy 2-core host
@@ -30,17 +30,10 @@ def _run_load(address: str, folder: Path) -> list[dict]:
     """Start the 16 clients, let them go together once all are connected, and collect what each saw. Each is a
     process of its own forked from the preloaded forkserver the ranks come from (torch imported once, not 16
     times), its output in its log file."""
-    context = forkserver_context()
     processes = [
-        context.Process(
-            target=load.run_logged,
-            args=(folder / f"log-{k}.txt", role, address, str(folder), k, RUN_S),
-            daemon=True,
-        )
+        fork_client(folder / f"log-{k}.txt", load.main, role, address, str(folder), k, RUN_S)
         for k, role in enumerate(ROLES)
     ]
-    for process in processes:
-        process.start()
     try:
         give_up = time.monotonic() + START_TIMEOUT_S
         while len(list(folder.glob("ready-*"))) < len(ROLES):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +15,7 @@ import group_commit_writer as group_writer
 import grpc
 import pytest
 import torch
-from server_processes import server_env
+from server_processes import fork_client
 
 from shardserve import Cluster, connect
 from shardserve.core.specs import ChunkShardingSpec
@@ -27,14 +25,13 @@ from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.blocks import BLOCK_BYTES
 from shardserve.server.rank.shared_memory import HEADER_BYTES
-from shardserve.server.rank_launch import PROJECT_ROOT
 
 ROWS, COLUMNS = 240, 8
 ROW_WISE = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu", "rank:2/cpu"])
 TWO_RANKS = ChunkShardingSpec(0, ["rank:2/cpu", "rank:0/cpu"])
 RUN_S = 2.0  # each concurrent run: readers and writers for this long (correctness, not timing, is asserted)
 WRITER_PROCESSES, UPDATES_PER_WRITER = 4, 12
-PROCESS_TIMEOUT_S = 240.0  # interpreters importing torch on a busy 2-core host
+PROCESS_TIMEOUT_S = 240.0  # processes connecting on a busy 2-core host
 
 
 @pytest.fixture(scope="module")
@@ -173,40 +170,28 @@ def test_calls_of_one_client_are_grouped_and_each_is_told_its_version(
 
 def _run_writers(address: str, folder: Path) -> list[dict]:
     """Start the writer processes, let them go together once all are connected, and collect what each did."""
-    logs = [open(folder / f"log-{k}.txt", "w") for k in range(WRITER_PROCESSES)]
     processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                group_writer.__file__,
-                address,
-                str(folder),
-                str(k),
-                str(UPDATES_PER_WRITER),
-            ],
-            env=server_env(),
-            cwd=PROJECT_ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        fork_client(
+            folder / f"log-{k}.txt", group_writer.main, address, folder, k, UPDATES_PER_WRITER
         )
-        for k, log in enumerate(logs)
+        for k in range(WRITER_PROCESSES)
     ]
     try:
         give_up = time.monotonic() + PROCESS_TIMEOUT_S
         while len(list(folder.glob("ready-*"))) < WRITER_PROCESSES:
-            crashed = [k for k, p in enumerate(processes) if p.poll() is not None]
+            crashed = [k for k, p in enumerate(processes) if p.exitcode is not None]
             assert not crashed, [(folder / f"log-{k}.txt").read_text() for k in crashed]
             assert time.monotonic() < give_up, "the writers did not all connect"
             time.sleep(0.05)
         (folder / "go").touch()
-        codes = [p.wait(timeout=PROCESS_TIMEOUT_S) for p in processes]
+        for process in processes:
+            process.join(PROCESS_TIMEOUT_S)
+        codes = [p.exitcode for p in processes]
     finally:
         for process in processes:
-            if process.poll() is None:
+            if process.exitcode is None:
                 process.kill()
-                process.wait()
-        for log in logs:
-            log.close()
+                process.join(30)
     assert codes == [0] * WRITER_PROCESSES, [
         (folder / f"log-{k}.txt").read_text() for k in range(len(codes))
     ]

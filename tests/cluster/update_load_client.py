@@ -1,5 +1,5 @@
 """One client process of the online-update load (tests/cluster/test_update_load.py, which forks each from its
-forkserver through run_logged).
+forkserver through server_processes.fork_client).
 
 By hand: update_load_client.py ROLE COORDINATOR FOLDER INDEX SECONDS, ROLE one of lookup-auto, lookup-grpc, fetch,
 writer. The process connects, writes FOLDER/ready-INDEX, waits for FOLDER/go, runs its role for SECONDS and
@@ -21,7 +21,6 @@ import torch
 
 from shardserve import connect
 from shardserve.core import ChunkShardingSpec
-from shardserve.server.rank_start import write_output_to
 
 TABLE, SQUARE = "load-table", "load-square"
 ROWS, COLUMNS = (
@@ -169,12 +168,6 @@ def main(role: str, address: str, folder: str, index: int, seconds: float) -> No
             time.sleep(0.01)
         run(client, time.monotonic() + seconds, index, out)
     torch.save(out, Path(folder, f"result-{index}.pt"))
-
-
-def run_logged(log: Path, *args: Any) -> None:
-    """main(*args) with this process's output (fds 1 and 2) in `log`; a failure's traceback too."""
-    write_output_to(str(log))
-    main(*args)
 
 
 if __name__ == "__main__":
