@@ -5,6 +5,7 @@ for tests whose subject is not the process start), and wait."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -111,7 +112,8 @@ def rank_env(env: dict[str, str], rank: int, world_size: int) -> dict[str, str]:
 
 
 def stop_all(procs: Sequence[subprocess.Popen | ForkedProcess]) -> None:
-    """SIGTERM every process still running, SIGKILL those not gone after 15 s."""
+    """SIGTERM every process still running, SIGKILL those not gone after 15 s: first SIGUSR1, so that the stacks
+    of what kept it (every thread's) are in its output."""
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -119,5 +121,8 @@ def stop_all(procs: Sequence[subprocess.Popen | ForkedProcess]) -> None:
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2)  # the stacks written
             proc.kill()
             proc.wait(5)

@@ -1,8 +1,9 @@
-"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node), and
-SIGHUP as "re-read the tokens file"."""
+"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node),
+SIGHUP as "re-read the tokens file", and SIGUSR1 as "print every thread's stack" (every server process)."""
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import time
 from collections.abc import Callable
@@ -19,9 +20,17 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def handle_stop_signals() -> None:
-    """From now on SIGINT and SIGTERM raise Stop in the main thread (once; later ones are ignored)."""
+    """From now on SIGINT and SIGTERM raise Stop in the main thread (once; later ones are ignored), and SIGUSR1
+    prints the stacks (handle_dump_signal)."""
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
+    handle_dump_signal()
+
+
+def handle_dump_signal() -> None:
+    """From now on SIGUSR1 writes the stack of every thread to stderr (faulthandler: in C, so it answers while
+    the main thread is blocked): what a process that does not stop, or does not answer, is doing."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def wait_for_stop_signal() -> None:

@@ -166,3 +166,31 @@ def test_a_forked_server_appends_its_output_to_the_file_it_was_given(tmp_path):
     assert proc.wait(timeout=WAIT_S) == 2
     text = output.read_text()
     assert text.startswith("before\n") and "unrecognized arguments: --no-such-flag" in text
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_server_serves_on(tmp_path):
+    """A server asked with SIGUSR1 writes each thread's stack to its output (faulthandler) and keeps running;
+    SIGTERM then stops it cleanly."""
+    output, address = tmp_path / "log.txt", tmp_path / "address"
+    args = ["coordinator", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")]
+    proc = ForkedProcess(
+        [*args, "--address-file", str(address)], dict(os.environ), output=str(output)
+    )
+    try:
+        wait_until(address.exists, WAIT_S, "the coordinator to serve")
+        proc.send_signal(signal.SIGUSR1)
+        marks = (
+            "Current thread 0x",
+            "Thread 0x",
+            "(most recent call first)",
+            "in wait_for_stop_signal",
+        )
+        wait_until(
+            lambda: all(mark in output.read_text() for mark in marks),
+            WAIT_S,
+            "every thread's stack",
+        )
+        assert proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=WAIT_S) == 0
