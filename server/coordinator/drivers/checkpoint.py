@@ -47,10 +47,10 @@ from shardserve.server.common.errors import (
 from shardserve.server.coordinator.catalog.records import TensorRecord
 from shardserve.server.coordinator.drivers.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.drivers.context import DriverContext
-from shardserve.server.coordinator.drivers.jobs import CheckpointJob, CheckpointKind
 from shardserve.server.coordinator.drivers.orders import LoadOrder, SaveOrder, check_path
 from shardserve.server.coordinator.drivers.quotas import ByteQuotas
 from shardserve.server.coordinator.ranks.calls import Allocation
+from shardserve.server.coordinator.ranks.jobs import CheckpointJob, CheckpointKind
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,21 @@ from collections.abc import Callable, Generator, Sequence
 
 import grpc
 
-from shardserve.core.wire import metadata_to_proto
-from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 from shardserve.server.common.errors import InvalidArgument, ServiceError
 from shardserve.server.common.tracing import carry_context
-from shardserve.server.coordinator.drivers.jobs import CollectiveJob, JobReport, ReshardJob
 from shardserve.server.coordinator.drivers.rendezvous import Epochs, RendezvousStore
 from shardserve.server.coordinator.metrics import JobTracker
+from shardserve.server.coordinator.ranks.collective_calls import (
+    Answer,
+    CallFailed,
+    JobNumbers,
+    RankProgress,
+    cancel_on,
+    job_kind,
+    run_on,
+)
+from shardserve.server.coordinator.ranks.jobs import CollectiveJob, JobReport
 from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
@@ -134,83 +141,68 @@ class CollectiveRunner:
         assigned here; on failure the job is cancelled on every participant and its epoch ends.
         The job is tracked in `self.tracker` while it runs (metrics, `shardserve top`).
         """
-        message = job_message(job)
-        job_id = self.tracker.start(message.WhichOneof("kind") or "unknown", len(set(ranks)))
+        job_id = self.tracker.start(job_kind(job), len(set(ranks)))
         ok = False
         try:
-            finals = yield from self._run(message, ranks, what, job_id)
+            finals = yield from self._run(job, ranks, what, job_id)
             ok = True
-            return {rank: _report(final) for rank, final in finals.items()}
+            return {rank: final.report for rank, final in finals.items()}
         finally:
             self.tracker.end(job_id, ok)
 
     def _run(
-        self, job: pb.CollectiveJob, ranks: Sequence[int], what: str, job_id: int
-    ) -> Generator[tuple[int, int], None, dict[int, pb.CollectiveProgress]]:
+        self, job: CollectiveJob, ranks: Sequence[int], what: str, job_id: int
+    ) -> Generator[tuple[int, int], None, dict[int, RankProgress]]:
         ranks = sorted(set(ranks))
         entries = {r: self.registry.entry(r) for r in ranks}
         with self._assign_lock:  # seq and epoch in one order: a later job never has an older epoch
             seq, after = self.sequencer.assign(ranks)
-            job.epoch = self.epochs.current
-        job.seq = seq
-        del job.ranks[:]
-        job.ranks.extend(ranks)
-        events: queue.Queue[tuple[int, object]] = queue.Queue()
-        calls = {}
-        for rank, entry in entries.items():
-            request = pb.CollectiveJob()
-            request.CopyFrom(job)
-            request.after_seq = after[rank]
-            calls[rank] = entry.stub.RunCollective(
-                request
-            )  # bounded by the watch below, which cancels it
-            threading.Thread(
-                target=_pump,
-                args=(rank, calls[rank], events),
-                daemon=True,
-                name=f"collective-{seq}-rank-{rank}",
-            ).start()
-        latest = {r: pb.CollectiveProgress() for r in ranks}
-        finals: dict[int, pb.CollectiveProgress] = {}
-        failures: dict[int, object] = {}
-        watch = _JobWatch(ranks, job.timeout_s + _RPC_SLACK_S)
+            epoch = self.epochs.current
+        answers: queue.Queue[tuple[int, Answer]] = queue.Queue()
+        calls = [  # each bounded by the watch below, which cancels it
+            run_on(entry.stub, rank, job, JobNumbers(seq, epoch, ranks, after[rank]), answers)
+            for rank, entry in entries.items()
+        ]
+        latest = {r: RankProgress() for r in ranks}
+        finals: dict[int, RankProgress] = {}
+        failures: dict[int, Answer] = {}
+        watch = JobWatch(ranks, job.timeout_s + _RPC_SLACK_S)
         try:
             while len(finals) + len(failures) < len(ranks):
                 try:
-                    rank, item = events.get(
+                    rank, answer = answers.get(
                         timeout=watch.seconds_left(finals.keys() | failures.keys())
                     )
                 except queue.Empty:  # the wait ran to the first limit: that rank is given up
                     break
-                watch.heard(rank, item)
-                if isinstance(item, pb.CollectiveProgress) and not (item.done and item.error):
-                    latest[rank] = item
-                    if item.done:
-                        finals[rank] = item
+                watch.heard(rank, answer)
+                if isinstance(answer, RankProgress) and not (answer.done and answer.error):
+                    latest[rank] = answer
+                    if answer.done:
+                        finals[rank] = answer
                     done = sum(p.bytes_done for p in latest.values())
                     total = sum(p.bytes_total for p in latest.values())
                     self.tracker.progress(job_id, done, total)
                     yield done, total
                     continue
-                failures[rank] = item
+                failures[rank] = answer
                 watch.failed()
         finally:
-            for call in calls.values():
+            for call in calls:
                 call.cancel()
         missing = [r for r in ranks if r not in finals and r not in failures]
         if failures or missing:
-            self.epochs.end(job.epoch, f"{what} failed")  # its groups may hold abandoned operations
+            self.epochs.end(epoch, f"{what} failed")  # its groups may hold abandoned operations
             self._cancel(seq, ranks)
             raise self._failure(what, failures, missing)
         return finals
 
     def _cancel(self, seq: int, ranks: Sequence[int]) -> None:
         """CancelCollective on every participant, in the background: a stopped rank must not delay the error."""
-        request = pb.CancelCollectiveRequest(seq=seq)
 
         def cancel(rank: int) -> None:
             try:
-                self.registry.entry(rank).stub.CancelCollective(request, timeout=_CONTROL_TIMEOUT_S)
+                cancel_on(self.registry.entry(rank).stub, seq, timeout=_CONTROL_TIMEOUT_S)
             except (grpc.RpcError, ServiceError):
                 pass  # a dead rank runs nothing
 
@@ -223,25 +215,20 @@ class CollectiveRunner:
             ).start()
 
     def _failure(
-        self, what: str, failures: dict[int, object], missing: list[int]
+        self, what: str, failures: dict[int, Answer], missing: list[int]
     ) -> CollectiveJobError:
         """The error naming the rank(s) that are down or hung, or else the ranks' own errors."""
         down = {
             r
             for r, f in failures.items()
-            if isinstance(f, grpc.RpcError) and f.code() == grpc.StatusCode.UNAVAILABLE
+            if isinstance(f, CallFailed) and f.code == grpc.StatusCode.UNAVAILABLE
         }
         down |= {r for r in set(failures) | set(missing) if not self.registry.rank_alive(r)}
         reporters = {
-            r
-            for r, f in failures.items()
-            if isinstance(f, pb.CollectiveProgress) and f.failed_peers
+            r for r, f in failures.items() if isinstance(f, RankProgress) and f.failed_peers
         }
         named = {
-            p
-            for f in failures.values()
-            if isinstance(f, pb.CollectiveProgress)
-            for p in f.failed_peers
+            p for f in failures.values() if isinstance(f, RankProgress) for p in f.failed_peers
         }
         culprits = down | (named - reporters)
         if not culprits and (named or missing):
@@ -263,7 +250,7 @@ class CollectiveRunner:
         )
 
 
-class _JobWatch:
+class JobWatch:
     """When the coordinator stops waiting for a collective job's ranks.
 
     A rank's job may first wait behind that rank's earlier jobs (another
@@ -275,8 +262,11 @@ class _JobWatch:
 
     SILENCE_S = 30.0
 
-    def __init__(self, ranks: Sequence[int], run_s: float) -> None:
-        now = time.monotonic()
+    def __init__(
+        self, ranks: Sequence[int], run_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
+        now = clock()
         self.run_s = run_s
         self.limits = {
             rank: now + self.SILENCE_S for rank in ranks
@@ -284,72 +274,27 @@ class _JobWatch:
         self.running: set[int] = set()
         self.give_up = float("inf")
 
-    def heard(self, rank: int, item: object) -> None:
-        now = time.monotonic()
-        if isinstance(item, pb.CollectiveProgress) and item.started and rank not in self.running:
+    def heard(self, rank: int, answer: Answer) -> None:
+        now = self._clock()
+        if isinstance(answer, RankProgress) and answer.started and rank not in self.running:
             self.running.add(rank)
             self.limits[rank] = now + self.run_s
         elif rank not in self.running:
             self.limits[rank] = now + self.SILENCE_S
 
     def failed(self) -> None:
-        self.give_up = min(self.give_up, time.monotonic() + _FAILURE_GRACE_S)
+        self.give_up = min(self.give_up, self._clock() + _FAILURE_GRACE_S)
 
     def seconds_left(self, ended: set[int]) -> float:
         """Seconds until a rank that has not ended is given up (0: now)."""
         pending = [limit for rank, limit in self.limits.items() if rank not in ended]
-        return max(0.0, min([self.give_up, *pending]) - time.monotonic())
+        return max(0.0, min([self.give_up, *pending]) - self._clock())
 
 
-def _pump(rank: int, call: grpc.Call, events: queue.Queue[tuple[int, object]]) -> None:
-    """Forward one rank's progress stream (or its RPC failure) into the runner's queue. A CANCELLED stream is
-    forwarded too: the runner cancels only once it stopped reading, so this one was cut elsewhere (the rank
-    re-registered and its channel was closed) and the job will not hear from that rank again."""
-    try:
-        for message in call:
-            events.put((rank, message))
-    except grpc.RpcError as err:
-        events.put((rank, err))
-
-
-def _describe(failure: object) -> str:
-    if isinstance(failure, grpc.RpcError):
-        return f"{failure.code().name}: {failure.details()}"
-    assert isinstance(failure, pb.CollectiveProgress)
+def _describe(failure: Answer) -> str:
+    if isinstance(failure, CallFailed):
+        return f"{failure.code.name}: {failure.details}"
     return failure.error
-
-
-def job_message(job: CollectiveJob) -> pb.CollectiveJob:
-    """The CollectiveJob message of a job, as every participant is sent it (seq, epoch and ranks unset)."""
-    if isinstance(job, ReshardJob):
-        old, new = job.old, job.new
-        reshard = pb.ReshardJob(
-            name=new.name,
-            src_version=old.version,
-            src=metadata_to_proto(old.metadata),
-            dst_version=new.version,
-            dst=metadata_to_proto(new.metadata),
-            bucket_bytes=job.bucket_bytes,
-            src_unavailable=sorted(job.src_unavailable),
-        )
-        return pb.CollectiveJob(timeout_s=job.timeout_s, reshard=reshard)
-    tensors = [
-        pb.CheckpointTensor(name=r.name, version=r.version, metadata=metadata_to_proto(r.metadata))
-        for r in job.tensors
-    ]
-    message = pb.CollectiveJob(timeout_s=job.timeout_s)
-    getattr(message, job.kind.value).CopyFrom(pb.CheckpointJob(path=job.path, tensors=tensors))
-    return message
-
-
-def _report(final: pb.CollectiveProgress) -> JobReport:
-    """A rank's final report of its part of a job."""
-    return JobReport(
-        new_shard_bytes=final.new_shard_bytes,
-        peak_staging_bytes=final.peak_staging_bytes,
-        mapped_bytes=final.mapped_bytes,
-        sent_bytes=final.sent_bytes,
-    )
 
 
 def job_timeout(value: float, default: float) -> float:

@@ -49,10 +49,10 @@ from shardserve.server.common.errors import (
 from shardserve.server.coordinator.catalog.records import TensorRecord
 from shardserve.server.coordinator.drivers.collectives import CollectiveRunner, job_timeout
 from shardserve.server.coordinator.drivers.context import DriverContext
-from shardserve.server.coordinator.drivers.jobs import JobReport, ReshardJob
 from shardserve.server.coordinator.drivers.orders import ReshardOrder
 from shardserve.server.coordinator.ranks.calls import Allocation
 from shardserve.server.coordinator.ranks.health import check_copies, unavailable_shards
+from shardserve.server.coordinator.ranks.jobs import JobReport, ReshardJob
 
 log = logging.getLogger(__name__)
 

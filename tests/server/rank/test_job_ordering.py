@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from shardserve.server.coordinator.drivers.collectives import JobSequencer
+from shardserve.server.coordinator.drivers.collectives import JobSequencer, JobWatch
+from shardserve.server.coordinator.ranks.collective_calls import RankProgress
 from shardserve.server.rank.jobs.ordering import JobCancelled, JobChain
 from shardserve.server.rank.jobs.service import JobKinds
 
@@ -82,29 +83,23 @@ def test_register_job_kind_checks_the_kind_is_in_the_proto():
         JobKinds().register("reshard", "not callable")  # type: ignore[arg-type]
 
 
-def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run(monkeypatch):
+def test_a_queued_rank_is_waited_for_while_it_streams_and_a_started_one_for_its_run():
     """A job queued behind a rank's earlier jobs is not given up while the rank keeps streaming (however long
     the queue); once it started it has run_s; a silent rank is given up after SILENCE_S."""
-    import shardserve.server.coordinator.drivers.collectives as driver
-    from shardserve.protos import shardserve_pb2 as pb
-
     now = [1000.0]
-    monkeypatch.setattr(driver.time, "monotonic", lambda: now[0])
-    watch = driver._JobWatch([0, 1], run_s=5.0)
-    silence = driver._JobWatch.SILENCE_S
+    watch = JobWatch([0, 1], run_s=5.0, clock=lambda: now[0])
+    silence = JobWatch.SILENCE_S
     for _ in range(10):  # 10 silences' worth of queueing, rank 0 streaming all along
         now[0] += silence - 1
-        watch.heard(0, pb.CollectiveProgress())
-        watch.heard(1, pb.CollectiveProgress())
+        watch.heard(0, RankProgress())
+        watch.heard(1, RankProgress())
         assert watch.seconds_left(set()) == pytest.approx(silence)
-    watch.heard(0, pb.CollectiveProgress(started=True))
+    watch.heard(0, RankProgress(started=True))
     assert watch.seconds_left(set()) == pytest.approx(
         5.0
     )  # rank 0 runs now: its run time bounds the wait
     now[0] += 4
-    watch.heard(
-        0, pb.CollectiveProgress(started=True, bytes_done=1)
-    )  # progress does not extend a run
+    watch.heard(0, RankProgress(started=True, bytes_done=1))  # progress does not extend a run
     assert watch.seconds_left(set()) == pytest.approx(1.0)
     assert watch.seconds_left({0}) == pytest.approx(
         silence - 4

@@ -1,9 +1,9 @@
 """Collective jobs as the drivers order them: a reshard of one tensor, a DCP checkpoint load or save, and what
 each rank reports once its part is done.
 
-The reshard and checkpoint drivers build these; the collective runner (collectives.py) numbers them, encodes
-them as CollectiveJob messages for the ranks and decodes the ranks' final reports, so the drivers never see a
-protobuf message.
+The reshard and checkpoint drivers build these; the collective runner (drivers/collectives.py) numbers them and
+runs them through collective_calls.py, which encodes them as CollectiveJob messages for the ranks and decodes
+the ranks' answers, so the drivers never see a protobuf message.
 """
 
 from __future__ import annotations
