@@ -45,6 +45,9 @@ class Reason(str, enum.Enum):
     RANK_UNAVAILABLE = (
         "RANK_UNAVAILABLE"  # a rank is down, hung, partitioned or restoring: retryable
     )
+    RANK_NOT_REGISTERED = (
+        "RANK_NOT_REGISTERED"  # a heartbeat from a rank unknown here: it registers again
+    )
     NOT_LEADER = "NOT_LEADER"  # this coordinator does not lead (a standby, or deposed); metadata: leader, term
     CATALOG_UNAVAILABLE = (
         "CATALOG_UNAVAILABLE"  # the coordinator cannot reach its catalog's database: retry later

@@ -61,6 +61,14 @@ class TensorNotFound(ServiceError):
     reason = Reason.TENSOR_NOT_FOUND
 
 
+class RankNotRegistered(ServiceError):
+    """A heartbeat from a rank this coordinator does not know (it restarted, or this one took over): the rank
+    registers again on NOT_FOUND."""
+
+    code = grpc.StatusCode.NOT_FOUND
+    reason = Reason.RANK_NOT_REGISTERED
+
+
 class TensorExists(ServiceError):
     code = grpc.StatusCode.ALREADY_EXISTS
     reason = Reason.TENSOR_EXISTS

@@ -105,6 +105,13 @@ def test_tensor_not_found(stubs, client):
     assert raised.value.metadata["tensor"] == "nope"
 
 
+def test_rank_not_registered(stubs):
+    """A heartbeat from a rank the coordinator does not know: NOT_FOUND (the rank registers again on it), with
+    the rank's own reason, not a tensor's."""
+    err = rpc_error(stubs.coord.Heartbeat, pb.HeartbeatRequest(rank=99), timeout=TIMEOUT)
+    assert_status(err, grpc.StatusCode.NOT_FOUND, Reason.RANK_NOT_REGISTERED, rank="99")
+
+
 def test_tensor_exists(stubs, served, client):
     err = rpc_error(
         stubs.coord.CreateTensor,

@@ -21,9 +21,9 @@ from shardserve.server.common.auth import Security, make_channel
 from shardserve.server.common.errors import (
     InvalidArgument,
     InvalidState,
+    RankNotRegistered,
     RankUnavailable,
     ServiceError,
-    TensorNotFound,
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
@@ -222,14 +222,16 @@ class RankRegistry:
             )
 
     def heartbeat(self, rank: int, memory_used: int) -> tuple[bool, float]:
-        """Record that `rank` is alive (TensorNotFound tells an unknown rank to register again): whether it had
+        """Record that `rank` is alive (RankNotRegistered tells an unknown rank to register again): whether it had
         been reported dead (what it holds must then be reconciled), and the interval to tell it."""
         if memory_used < 0:
             raise InvalidArgument(f"memory_used_bytes must be >= 0, got {memory_used}")
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None or entry.exited:
-                raise TensorNotFound(f"rank {rank} is not registered; register again")
+                raise RankNotRegistered(
+                    f"rank {rank} is not registered; register again", metadata={"rank": rank}
+                )
             was_dead = entry.reported_dead or not self.is_alive(entry)
             entry.last_heartbeat = self._clock()
             entry.memory_used_bytes, entry.last_heartbeat_unix = memory_used, time.time()
