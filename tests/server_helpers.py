@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -69,23 +71,35 @@ class Stubs:
         self._credentials = credentials
         self._default_metadata = default_metadata
         self._raw_channels: list[grpc.Channel] = []
+        self._own_channels: list[grpc.Channel] = []  # rank_stub's
         self.coordinator_channel = self._channel(address)
         self.rank_channels: dict[
             int, grpc.Channel
         ] = {}  # for raw calls a stub cannot make (bad bytes)
         self.coord = pb_grpc.CoordinatorStub(self.coordinator_channel)
         self.ranks: dict[int, pb_grpc.ShardServerStub] = {}
+        self._rank_addresses: dict[int, str] = {}
         for info in self.coord.ListRanks(
             pb.ListRanksRequest(), timeout=TIMEOUT, metadata=metadata
         ).ranks:
+            self._rank_addresses[info.rank] = info.address
             self.rank_channels[info.rank] = self._channel(info.address)
             self.ranks[info.rank] = pb_grpc.ShardServerStub(self.rank_channels[info.rank])
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def rank_stub(
+        self, rank: int, *, options: Sequence[tuple[str, Any]]
+    ) -> pb_grpc.ShardServerStub:
+        """A ShardServer stub of `rank` on a channel of its own, with gRPC channel `options` added (closed with
+        the others)."""
+        channel = self._channel(self._rank_addresses[rank], options)
+        self._own_channels.append(channel)
+        return pb_grpc.ShardServerStub(channel)
+
+    def _channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         if self._credentials is not None:
-            channel = grpc.secure_channel(address, self._credentials, options=OPTIONS)
+            channel = grpc.secure_channel(address, self._credentials, options=[*OPTIONS, *options])
         else:
-            channel = grpc.insecure_channel(address, options=OPTIONS)
+            channel = grpc.insecure_channel(address, options=[*OPTIONS, *options])
         if self._default_metadata:
             self._raw_channels.append(channel)
             return grpc.intercept_channel(channel, _AddMetadata(self._default_metadata))
@@ -95,6 +109,7 @@ class Stubs:
         for channel in [
             self.coordinator_channel,
             *self.rank_channels.values(),
+            *self._own_channels,
             *self._raw_channels,
         ]:
             channel.close()

@@ -264,7 +264,11 @@ def test_dropped_version_stays_whole_for_a_read_in_flight(stubs):
     tensor = source((2048, 1024), torch.float32, seed=7)
     first = put(stubs, "leased", tensor, meta)
     base = stubs.ranks[2].GetStats(pb.GetStatsRequest(), timeout=TIMEOUT).memory_used_bytes
-    stream = stubs.ranks[2].ReadRegion(
+    # The stream's flow-control window stays at its first 64 KiB (no BDP probing to widen it, as a channel
+    # that moved megabytes before may have): the rank cannot hand gRPC the whole 8 MiB before this test reads
+    # it, so its read, and its lease on the version, stay open.
+    reader = stubs.rank_stub(2, options=[("grpc.http2.bdp_probe", 0)])
+    stream = reader.ReadRegion(
         pb.ReadRegionRequest(
             name="leased",
             version=first.version,
