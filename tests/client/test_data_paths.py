@@ -1027,6 +1027,9 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
     class Refusing:
         timeout = 5.0
 
+        def data_timeout(self, nbytes):  # type: ignore[no-untyped-def]
+            return self.timeout
+
         def shard_server(self, address):  # type: ignore[no-untyped-def]
             return type("Stub", (), {"OpenBulkSession": None})()
 
@@ -1035,7 +1038,9 @@ def test_a_rank_without_a_ticket_to_spare_is_read_another_way(code):
 
     path_failure = code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED)
     with pytest.raises(ShardServeError, match="refused") as raised:
-        BulkPath(Refusing())._open("127.0.0.1:1")  # type: ignore[arg-type]
+        BulkPath(Refusing()).read_regions(  # type: ignore[arg-type]
+            "127.0.0.1:1", pb.ReadRegionsRequest(), 1 << 20
+        )  # refused at its session's opening, before any frame
     assert isinstance(raised.value, BulkReadError) == path_failure
 
 
