@@ -32,10 +32,10 @@ from shardserve.server.coordinator.ranks.collective_calls import (
     Answer,
     CallFailed,
     JobNumbers,
+    JobRequest,
     RankProgress,
     cancel_on,
     job_kind,
-    run_on,
 )
 from shardserve.server.coordinator.ranks.jobs import CollectiveJob, JobReport
 from shardserve.server.coordinator.ranks.registry import RankRegistry
@@ -158,9 +158,10 @@ class CollectiveRunner:
         with self._assign_lock:  # seq and epoch in one order: a later job never has an older epoch
             seq, after = self.sequencer.assign(ranks)
             epoch = self.epochs.current
+        request = JobRequest(job)
         answers: queue.Queue[tuple[int, Answer]] = queue.Queue()
         calls = [  # each bounded by the watch below, which cancels it
-            run_on(entry.stub, rank, job, JobNumbers(seq, epoch, ranks, after[rank]), answers)
+            request.run_on(entry.stub, rank, JobNumbers(seq, epoch, ranks, after[rank]), answers)
             for rank, entry in entries.items()
         ]
         latest = {r: RankProgress() for r in ranks}

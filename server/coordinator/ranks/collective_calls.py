@@ -63,23 +63,38 @@ def job_kind(job: CollectiveJob) -> str:
     return "reshard" if isinstance(job, ReshardJob) else job.kind.value
 
 
-def run_on(
-    stub: pb_grpc.ShardServerStub,
-    rank: int,
-    job: CollectiveJob,
-    numbers: JobNumbers,
-    answers: queue.Queue[tuple[int, Answer]],
-) -> Cancellable:
-    """Send `job` to `rank` and forward its answers, as (rank, Answer), into `answers` from a thread of their own
-    until the stream ends; the call is bounded by the caller, who cancels it."""
-    call = stub.RunCollective(job_message(job, numbers))
-    threading.Thread(
-        target=_pump,
-        args=(rank, call, answers),
-        daemon=True,
-        name=f"collective-{numbers.seq}-rank-{rank}",
-    ).start()
-    return call
+class JobRequest:
+    """A job encoded once for all its participants (its layouts can hold many shards); each participant's call
+    adds the numbers of its run to a copy."""
+
+    def __init__(self, job: CollectiveJob) -> None:
+        self._message = _job_message(job)
+
+    def run_on(
+        self,
+        stub: pb_grpc.ShardServerStub,
+        rank: int,
+        numbers: JobNumbers,
+        answers: queue.Queue[tuple[int, Answer]],
+    ) -> Cancellable:
+        """Send the job to `rank` and forward its answers, as (rank, Answer), into `answers` from a thread of
+        their own until the stream ends; the call is bounded by the caller, who cancels it."""
+        request = pb.CollectiveJob()
+        request.CopyFrom(self._message)
+        request.seq, request.epoch, request.after_seq = (
+            numbers.seq,
+            numbers.epoch,
+            numbers.after_seq,
+        )
+        request.ranks.extend(numbers.ranks)
+        call = stub.RunCollective(request)
+        threading.Thread(
+            target=_pump,
+            args=(rank, call, answers),
+            daemon=True,
+            name=f"collective-{numbers.seq}-rank-{rank}",
+        ).start()
+        return call
 
 
 def cancel_on(stub: pb_grpc.ShardServerStub, seq: int, *, timeout: float) -> None:
@@ -87,15 +102,9 @@ def cancel_on(stub: pb_grpc.ShardServerStub, seq: int, *, timeout: float) -> Non
     stub.CancelCollective(pb.CancelCollectiveRequest(seq=seq), timeout=timeout)
 
 
-def job_message(job: CollectiveJob, numbers: JobNumbers) -> pb.CollectiveJob:
-    """The CollectiveJob message of a job as one participant is sent it."""
-    message = pb.CollectiveJob(
-        timeout_s=job.timeout_s,
-        seq=numbers.seq,
-        epoch=numbers.epoch,
-        ranks=numbers.ranks,
-        after_seq=numbers.after_seq,
-    )
+def _job_message(job: CollectiveJob) -> pb.CollectiveJob:
+    """The CollectiveJob message of a job, without the numbers of a participant's run."""
+    message = pb.CollectiveJob(timeout_s=job.timeout_s)
     if isinstance(job, ReshardJob):
         old, new = job.old, job.new
         message.reshard.CopyFrom(
