@@ -77,6 +77,34 @@ def _logged(log: str, main: Callable[..., None], *args: Any) -> None:
     main(*args)
 
 
+def run_together(processes: Sequence[BaseProcess], folder: Path, timeout: float) -> None:
+    """Let `processes` (client K writes FOLDER/ready-K once connected, waits for FOLDER/go, logs to
+    FOLDER/log-K.txt) go together once all are connected, and wait for every one to exit 0: else an
+    AssertionError with the logs of those that crashed or failed. Any left running is killed."""
+
+    def all_ready() -> bool:
+        crashed = [k for k, p in enumerate(processes) if p.exitcode is not None]
+        assert not crashed, [_log_tail(folder, k) for k in crashed]
+        return len(list(folder.glob("ready-*"))) >= len(processes)
+
+    try:
+        wait_until(all_ready, timeout, "every client to connect")
+        (folder / "go").touch()
+        for process in processes:
+            process.join(timeout)
+        codes = [p.exitcode for p in processes]
+    finally:
+        for process in processes:
+            if process.exitcode is None:
+                process.kill()
+                process.join(30)
+    assert codes == [0] * len(processes), [_log_tail(folder, k) for k, c in enumerate(codes) if c]
+
+
+def _log_tail(folder: Path, index: int) -> str:
+    return (folder / f"log-{index}.txt").read_text()[-2000:]
+
+
 def start_up(
     args: Sequence[str], state_dir: Path, log: IO, *, timeout: float
 ) -> tuple[subprocess.Popen, str]:

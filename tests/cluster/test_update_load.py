@@ -9,13 +9,12 @@ them, which narrows the versions an answer can be).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import update_load_client as load
-from server_processes import fork_client
+from server_processes import fork_client, run_together
 
 from shardserve import connect
 from shardserve.core.specs import ChunkShardingSpec
@@ -34,25 +33,7 @@ def _run_load(address: str, folder: Path) -> list[dict]:
         fork_client(folder / f"log-{k}.txt", load.main, role, address, str(folder), k, RUN_S)
         for k, role in enumerate(ROLES)
     ]
-    try:
-        give_up = time.monotonic() + START_TIMEOUT_S
-        while len(list(folder.glob("ready-*"))) < len(ROLES):
-            crashed = [k for k, p in enumerate(processes) if p.exitcode is not None]
-            assert not crashed, [(folder / f"log-{k}.txt").read_text() for k in crashed]
-            assert time.monotonic() < give_up, "the clients did not all connect"
-            time.sleep(0.05)
-        (folder / "go").touch()
-        for process in processes:
-            process.join(START_TIMEOUT_S)
-        codes = [p.exitcode for p in processes]
-    finally:
-        for process in processes:
-            if process.exitcode is None:
-                process.kill()
-                process.join(30)
-    assert codes == [0] * len(ROLES), [
-        (folder / f"log-{k}.txt").read_text()[-2000:] for k, c in enumerate(codes) if c
-    ]
+    run_together(processes, folder, START_TIMEOUT_S)
     return [torch.load(folder / f"result-{k}.pt") for k in range(len(ROLES))]
 
 

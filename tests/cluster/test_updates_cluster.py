@@ -15,7 +15,7 @@ import group_commit_writer as group_writer
 import grpc
 import pytest
 import torch
-from server_processes import fork_client
+from server_processes import fork_client, run_together
 
 from shardserve import Cluster, connect
 from shardserve.core.specs import ChunkShardingSpec
@@ -176,25 +176,7 @@ def _run_writers(address: str, folder: Path) -> list[dict]:
         )
         for k in range(WRITER_PROCESSES)
     ]
-    try:
-        give_up = time.monotonic() + PROCESS_TIMEOUT_S
-        while len(list(folder.glob("ready-*"))) < WRITER_PROCESSES:
-            crashed = [k for k, p in enumerate(processes) if p.exitcode is not None]
-            assert not crashed, [(folder / f"log-{k}.txt").read_text() for k in crashed]
-            assert time.monotonic() < give_up, "the writers did not all connect"
-            time.sleep(0.05)
-        (folder / "go").touch()
-        for process in processes:
-            process.join(PROCESS_TIMEOUT_S)
-        codes = [p.exitcode for p in processes]
-    finally:
-        for process in processes:
-            if process.exitcode is None:
-                process.kill()
-                process.join(30)
-    assert codes == [0] * WRITER_PROCESSES, [
-        (folder / f"log-{k}.txt").read_text() for k in range(len(codes))
-    ]
+    run_together(processes, folder, PROCESS_TIMEOUT_S)
     return [torch.load(folder / f"result-{k}.pt") for k in range(WRITER_PROCESSES)]
 
 
