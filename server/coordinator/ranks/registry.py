@@ -32,7 +32,10 @@ from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
 log = logging.getLogger(__name__)
 
-UNREGISTERED_GRACE_S = 10.0  # ranks re-register within a heartbeat of a coordinator restart
+REREGISTER_S = 3.0
+"""What a rank that outlived a coordinator restart may take past the silence that marks a rank dead to register
+again: its channel's reconnect (about a second at most), the refused heartbeat and the registration, with room
+for a busy host."""
 
 
 @dataclass
@@ -304,9 +307,9 @@ class RankRegistry:
         return entry is not None and self.is_alive(entry)
 
     def rank_dead(self, rank: int) -> bool:
-        """Whether `rank` is known to be down: registered and not alive, or never registered UNREGISTERED_GRACE_S
-        after the registry began (right after a coordinator restart a rank is not dead until it had time to
-        register again)."""
+        """Whether `rank` is known to be down: registered and not alive, or never registered past the
+        unregistered grace (right after a coordinator restart a rank is not dead until it had time to register
+        again)."""
         return self.dead_for(rank) is not None
 
     def rank_unreadable(self, rank: int) -> bool:
@@ -315,13 +318,13 @@ class RankRegistry:
 
     def dead_for(self, rank: int) -> float | None:
         """Seconds `rank` has been dead (None while alive): since its process ended or its heartbeats stopped
-        counting. A rank not registered counts as dead from UNREGISTERED_GRACE_S after the registry began (a
-        coordinator restarted while that rank was down never hears from it)."""
+        counting. A rank not registered counts as dead from the unregistered grace after the registry began
+        (unregistered_grace; a coordinator restarted while that rank was down never hears from it)."""
         now = self._clock()
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None:
-                waited = now - self._started - UNREGISTERED_GRACE_S
+                waited = now - self._started - self._unregistered_grace()
                 return waited if waited > 0 else None
             if self.is_alive(entry):
                 return None
@@ -329,6 +332,20 @@ class RankRegistry:
                 entry.exited_at if entry.exited else entry.last_heartbeat + entry.dead_after
             )
             return max(0.0, now - dead_since)
+
+    def unregistered_grace(self) -> float:
+        """Seconds after this registry began during which a rank never heard from is not dead yet (see
+        dead_for)."""
+        with self._ranks_changed:
+            return self._unregistered_grace()
+
+    def _unregistered_grace(self) -> float:
+        """A rank that outlived a coordinator restart registers again at its next heartbeat: the grace is the
+        silence that marks a registered rank dead, at the interval the ranks of the registered world are told,
+        and REREGISTER_S more. Caller holds the lock."""
+        world = max(self._worlds, default=len(self._ranks))
+        interval = self.heartbeats.interval_for(world)
+        return self.heartbeats.dead_after_for(interval) + REREGISTER_S
 
     def ranks(self) -> list[RankInfo]:
         """Every registered rank with its liveness, by rank."""
@@ -399,7 +416,7 @@ class RankRegistry:
         self, rank: int, entries: dict[int, RankEntry], where: str
     ) -> RankUnavailable | InvalidArgument:
         """The error of a placement on `rank`, which is not registered: RankUnavailable (retryable) while it may
-        still come (this coordinator began less than UNREGISTERED_GRACE_S ago, a new leader or a restart, and
+        still come (this coordinator began less than the unregistered grace ago, a new leader or a restart, and
         the rank is inside the registered ranks' world), else InvalidArgument."""
         worlds = {entry.info.world_size for entry in entries.values()}
         inside = not worlds or rank < max(worlds)

@@ -15,7 +15,7 @@ from shardserve.server.coordinator.catalog.records import TensorRecord, TensorSt
 from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 from shardserve.server.coordinator.drivers import repair
 from shardserve.server.coordinator.ranks.info import RankInfo
-from shardserve.server.coordinator.ranks.registry import UNREGISTERED_GRACE_S, RankRegistry
+from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 JUST = 0.01  # a moment past a bound
 
@@ -166,7 +166,9 @@ def test_a_scan_reads_only_the_versions_on_dead_ranks_and_those_with_lost_copies
         registry.register(info, [])
     loop = driver(catalog, registry, clock)
     assert loop.candidates() == [records[4]]  # rank 3 is not dead before the grace is over
-    clock.advance(UNREGISTERED_GRACE_S + JUST)
+    clock.advance(registry.unregistered_grace() + JUST)
+    for rank in (0, 1, 2):
+        registry.heartbeat(rank, 0)
     assert [r.name for r in loop.candidates()] == ["lost", "on2", "on3"]  # rank 3 never registered
     registry.mark_exited(1, "process 101 was killed by SIGKILL")
     assert [r.name for r in loop.candidates()] == ["lost", "on0", "on1", "on2", "on3"]
