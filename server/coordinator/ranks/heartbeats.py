@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 DEFAULT_RATE = 100.0
 DEAD_AFTER_INTERVALS = 2.0
+REREGISTER_S = 3.0
+"""What a rank that outlived a coordinator restart may take past the silence that marks a rank dead to register
+again: its channel's reconnect (about a second at most), the refused heartbeat and the registration, with room
+for a busy host."""
 
 
 @dataclass(frozen=True)
@@ -47,3 +51,10 @@ class HeartbeatPolicy:
     def dead_after_for(self, interval: float) -> float:
         """Seconds of silence that mark dead a rank told `interval`."""
         return self.dead_after if self.dead_after is not None else DEAD_AFTER_INTERVALS * interval
+
+    def unregistered_grace(self, world: int) -> float:
+        """Seconds after a coordinator began during which a rank of a `world` that never registered with it is
+        not dead yet: a rank that outlived a coordinator restart registers again at its next heartbeat, so this
+        is the silence that marks a registered rank dead at the interval a world of that size is told, and
+        REREGISTER_S more (0 ranks known: the shortest interval)."""
+        return self.dead_after_for(self.interval_for(world)) + REREGISTER_S

@@ -32,11 +32,6 @@ from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
 log = logging.getLogger(__name__)
 
-REREGISTER_S = 3.0
-"""What a rank that outlived a coordinator restart may take past the silence that marks a rank dead to register
-again: its channel's reconnect (about a second at most), the refused heartbeat and the registration, with room
-for a busy host."""
-
 
 @dataclass
 class RankEntry:
@@ -319,12 +314,14 @@ class RankRegistry:
     def dead_for(self, rank: int) -> float | None:
         """Seconds `rank` has been dead (None while alive): since its process ended or its heartbeats stopped
         counting. A rank not registered counts as dead from the unregistered grace after the registry began
-        (unregistered_grace; a coordinator restarted while that rank was down never hears from it)."""
+        (HeartbeatPolicy.unregistered_grace; a coordinator restarted while that rank was down never hears from
+        it)."""
         now = self._clock()
         with self._ranks_changed:
             entry = self._ranks.get(rank)
             if entry is None:
-                waited = now - self._started - self._unregistered_grace()
+                grace = self.heartbeats.unregistered_grace(max(self._worlds, default=0))
+                waited = now - self._started - grace
                 return waited if waited > 0 else None
             if self.is_alive(entry):
                 return None
@@ -332,20 +329,6 @@ class RankRegistry:
                 entry.exited_at if entry.exited else entry.last_heartbeat + entry.dead_after
             )
             return max(0.0, now - dead_since)
-
-    def unregistered_grace(self) -> float:
-        """Seconds after this registry began during which a rank never heard from is not dead yet (see
-        dead_for)."""
-        with self._ranks_changed:
-            return self._unregistered_grace()
-
-    def _unregistered_grace(self) -> float:
-        """A rank that outlived a coordinator restart registers again at its next heartbeat: the grace is the
-        silence that marks a registered rank dead, at the interval the ranks of the registered world are told,
-        and REREGISTER_S more. Caller holds the lock."""
-        world = max(self._worlds, default=len(self._ranks))
-        interval = self.heartbeats.interval_for(world)
-        return self.heartbeats.dead_after_for(interval) + REREGISTER_S
 
     def ranks(self) -> list[RankInfo]:
         """Every registered rank with its liveness, by rank."""

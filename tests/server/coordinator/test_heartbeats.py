@@ -68,6 +68,29 @@ def test_each_rank_is_told_the_interval_of_the_cluster_as_it_grows_and_judged_by
     registry.close()
 
 
+def test_a_rank_a_restarted_coordinator_never_heard_from_is_dead_after_the_worlds_silence_and_a_reregistration():
+    """A rank that outlived a coordinator restart registers again at its next heartbeat: one that does not is
+    dead once the silence that marks a registered rank dead has passed, at the interval the registered world
+    is told (longer for a large world under the rate), and REREGISTER_S more."""
+    from shardserve.server.coordinator.ranks.heartbeats import REREGISTER_S
+
+    policy = HeartbeatPolicy(interval=0.5, rate=100.0)
+    assert policy.unregistered_grace(0) == policy.unregistered_grace(3) == 2 * 0.5 + REREGISTER_S
+    assert (
+        policy.unregistered_grace(1000) == 2 * 10.0 + REREGISTER_S
+    )  # told 10 s at 100 heartbeats/s
+    clock = FakeClock()
+    registry = RankRegistry(clock=clock, heartbeats=policy)
+    registry.register(info(0), [])  # rank 0 of 1,000
+    clock.advance(2 * 10.0 + REREGISTER_S - JUST)
+    registry.heartbeat(0, memory_used=0)
+    assert registry.dead_for(999) is None and not registry.rank_dead(999)
+    clock.advance(2 * JUST)
+    assert registry.dead_for(999) == pytest.approx(JUST) and registry.rank_dead(999)
+    assert registry.rank_alive(0)
+    registry.close()
+
+
 def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
     """Real CoordinatorLinks against a served coordinator whose heartbeat rate makes the interval grow once more
     ranks register: a link registered alone heartbeats at the configured interval, then at the longer one its

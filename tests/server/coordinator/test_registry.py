@@ -154,35 +154,10 @@ def test_a_placement_on_a_rank_not_registered_yet_is_unavailable_then_invalid(re
         registry.check_placements(on_rank_1)
     with pytest.raises(InvalidArgument, match="rank 5 is not a registered rank"):
         registry.check_placements(on_rank_5)
-    clock.advance(registry.unregistered_grace() + JUST)
+    clock.advance(registry.heartbeats.unregistered_grace(2) + JUST)
     registry.heartbeat(0, 0)
     with pytest.raises(InvalidArgument, match="rank 1 is not a registered rank"):
         registry.check_placements(on_rank_1)
-
-
-def test_the_unregistered_grace_is_a_dead_ranks_silence_at_the_worlds_interval_and_a_reregistration(
-    clock,
-):
-    """A rank that outlived a coordinator restart registers again at its next heartbeat: it is not taken for
-    dead before the silence that marks a registered rank dead, at the interval ranks of the registered world
-    are told (longer for a large world under the heartbeat rate), and REREGISTER_S more."""
-    from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
-    from shardserve.server.coordinator.ranks.registry import REREGISTER_S
-
-    registry = RankRegistry(clock=clock, heartbeats=HeartbeatPolicy(interval=0.5, rate=100.0))
-    try:
-        assert registry.unregistered_grace() == 2 * 0.5 + REREGISTER_S
-        info = RankInfo(rank=0, address="127.0.0.1:7001", device="cpu", world_size=1000)
-        registry.register(info, [])  # a world of 1,000 ranks is told 10 s at 100 heartbeats/s
-        assert registry.unregistered_grace() == 2 * 10.0 + REREGISTER_S
-        clock.advance(2 * 10.0 + REREGISTER_S - JUST)
-        registry.heartbeat(0, 0)
-        assert registry.dead_for(999) is None and not registry.rank_dead(999)
-        clock.advance(2 * JUST)
-        registry.heartbeat(0, 0)
-        assert registry.dead_for(999) == pytest.approx(JUST) and registry.rank_dead(999)
-    finally:
-        registry.close()
 
 
 def test_a_registration_must_agree_with_the_live_ranks_world_and_addresses(registry, clock):

@@ -166,7 +166,7 @@ def test_a_scan_reads_only_the_versions_on_dead_ranks_and_those_with_lost_copies
         registry.register(info, [])
     loop = driver(catalog, registry, clock)
     assert loop.candidates() == [records[4]]  # rank 3 is not dead before the grace is over
-    clock.advance(registry.unregistered_grace() + JUST)
+    clock.advance(registry.heartbeats.unregistered_grace(4) + JUST)
     for rank in (0, 1, 2):
         registry.heartbeat(rank, 0)
     assert [r.name for r in loop.candidates()] == ["lost", "on2", "on3"]  # rank 3 never registered
