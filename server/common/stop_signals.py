@@ -1,10 +1,13 @@
-"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node),
-SIGHUP as "re-read the tokens file", and SIGUSR1 as "print every thread's stack" (every server process)."""
+"""SIGINT/SIGTERM as an exception in the main thread, for the foreground commands (up, coordinator, node), or
+relayed to a callback on a thread of its own (a rank); SIGHUP as "re-read the tokens file", and SIGUSR1 as
+"print every thread's stack" (every server process)."""
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -25,6 +28,32 @@ def handle_stop_signals() -> None:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, _raise_stop)
     handle_dump_signal()
+
+
+def relay_stop_signals(on_stop: Callable[[], object]) -> None:
+    """From now on SIGINT and SIGTERM call `on_stop` once, on a thread of its own.
+
+    A Python signal handler runs in the main thread between two bytecodes, possibly while that thread holds a
+    lock `on_stop` takes: `threading.Event.set` from a handler deadlocks when the signal lands inside the main
+    thread's own `Event.wait` (which holds the event's lock around its sleep), and the process then ignores
+    every later SIGTERM. So the handler only writes a byte to a pipe (no lock), and a daemon thread that reads
+    the pipe calls `on_stop`."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+
+    def note_signal(signum: int, frame: object) -> None:
+        try:
+            os.write(write_end, b"\0")
+        except BlockingIOError:  # bytes are already waiting: the stop is on its way
+            pass
+
+    def relay() -> None:
+        os.read(read_end, 1)
+        on_stop()
+
+    threading.Thread(target=relay, name="stop-signal", daemon=True).start()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, note_signal)
 
 
 def handle_dump_signal() -> None:

@@ -39,7 +39,7 @@ from shardserve.server.common.grpc_server import RunningServer, split_address, s
 from shardserve.server.common.memory_limits import MemoryLimit, effective_memory
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.common.stop_signals import handle_dump_signal
+from shardserve.server.common.stop_signals import handle_dump_signal, relay_stop_signals
 from shardserve.server.common.tracing import enable_tracing
 from shardserve.server.rank.coordinator_link import CoordinatorLink
 from shardserve.server.rank.coordinators import Coordinators
@@ -175,8 +175,7 @@ def main(argv: Sequence[str]) -> int:
     args, options = parse_args(argv)
     configure_logging(options.log_level)
     stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    relay_stop_signals(stop.set)
     handle_dump_signal()
     watch_parent(stop)
     rank = int(os.environ.get("RANK", "0"))
