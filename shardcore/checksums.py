@@ -28,9 +28,10 @@ import xxhash
 
 ALGORITHM = "xxh3_64"
 UNKNOWN = 0  # a shard whose checksum is not known
-CHUNK_BYTES = (
-    2 << 20
-)  # a fused copy's chunk: hashed while still in the core's cache (L2 1 MiB, L3 shared)
+CHUNK_BYTES = 512 << 10
+"""A fused copy's chunk: hashed while still in the core's L2 (1 MiB per core on this project's EPYC hosts, 512
+KiB to 2 MiB on current x86 server cores), which the chunk's source and destination pass through together. With
+2 MiB chunks the hash read the destination back from L3: a 1 GiB put's copies took 8% longer."""
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
