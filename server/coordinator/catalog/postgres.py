@@ -12,6 +12,14 @@ Connections come from a pool (psycopg_pool), each checked before it is lent, so 
 share a few and a restarted database is reconnected to on the next call. A call that cannot reach the
 database raises CatalogUnavailable (UNAVAILABLE, retryable); `durable` False commits without waiting for the
 WAL flush (`synchronous_commit = off`).
+
+A fenced write holds the lease row `FOR SHARE` until its transaction ends, so a standby's acquisition waits for
+it. A leader frozen inside such a transaction (SIGSTOP, a VM paused, a hung host) would hold that lock, and
+with it every takeover, for as long as its connection lives: each fenced write therefore runs with
+`idle_in_transaction_session_timeout` of one lease, and the database ends the session of a leader that stalls
+that long between two statements (its locks released, its write rolled back; the leader, if it resumes, finds
+the connection gone and the call fails as CatalogUnavailable). A write transaction that idle could not have
+kept the lease anyway: the leader's own renewal waits for the same row lock.
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ class PostgresCatalog(Catalog):
             raise RuntimeError(f"catalog {self.location} cannot be opened: {err}") from None
         self._connect_timeout = connect_timeout
         self._term: int | None = None  # the lease term every write checks (fence), None: none
+        self._lease_ms = round(
+            LEASE_DURATION_S * 1000
+        )  # a fenced write's idle limit (leadership sets it)
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
         self._pool = psycopg_pool.ConnectionPool(
@@ -126,9 +137,15 @@ class PostgresCatalog(Catalog):
         with self._connection() as db, db.transaction():
             if not durable:
                 db.execute("SET LOCAL synchronous_commit = off")
-            db.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
-            term = self._term
-            if fenced and term is not None:
+            term = self._term if fenced else None
+            if term is None:
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (WRITE_LOCK,))
+            else:  # see the module docstring: a leader stalled mid-write must not hold off a takeover
+                db.execute(
+                    "SELECT pg_advisory_xact_lock(%s), "
+                    "set_config('idle_in_transaction_session_timeout', %s, true)",
+                    (WRITE_LOCK, str(self._lease_ms)),
+                )
                 check_term(db, term)
             yield db
 
@@ -292,6 +309,7 @@ class PostgresCatalog(Catalog):
             )
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
+        self._lease_ms = max(1, round(lease_duration * 1000))
         # a renewal waits for a connection at most a third of the lease: two more may follow before it ends
         wait = min(lease_duration / 3, self._connect_timeout)
         return PostgresLeadership(lambda: self._connection(timeout=wait), lease_duration)

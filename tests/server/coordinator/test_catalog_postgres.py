@@ -1,12 +1,16 @@
 """What only the PostgreSQL catalog has to show: the database restarted under an open catalog (calls fail with
-CatalogUnavailable, UNAVAILABLE and retryable, and succeed once it is back, nothing lost), credentials from the
-environment, passwords never in messages, a database that cannot be reached refused at open."""
+CatalogUnavailable, UNAVAILABLE and retryable, and succeed once it is back, nothing lost), a leader frozen inside
+a write holding off no takeover, credentials from the environment, passwords never in messages, a database that
+cannot be reached refused at open."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import grpc
 import pytest
-from waiting import eventually
+from waiting import eventually, wait_until
 
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos.errors import Reason
@@ -17,6 +21,7 @@ from shardserve.server.coordinator.catalog.urls import is_postgres_url, redacted
 
 pytest.importorskip("psycopg")
 
+import shardserve.server.coordinator.catalog.postgres as postgres_catalog  # noqa: E402
 from shardserve.server.coordinator.catalog.postgres import (  # noqa: E402
     PostgresCatalog,
     url_connect_timeout,
@@ -67,6 +72,63 @@ def test_a_restarted_database_fails_calls_as_unavailable_then_serves_them_with_n
         ("v", TensorState.PENDING),
     ]
     catalog.close()
+
+
+def test_a_leader_frozen_inside_a_write_past_its_lease_holds_off_no_takeover(
+    postgres_url, monkeypatch
+):
+    """A fenced write holds the lease row FOR SHARE, and a standby's acquisition waits for that lock: a leader
+    frozen mid-write (SIGSTOP, a paused VM) held every takeover off for as long as it stayed frozen. The
+    database now ends such a session one lease after its last statement: the standby takes over within a few
+    leases, and the frozen write, once the leader runs again, fails as CatalogUnavailable and left nothing."""
+    lease_s = 1.0
+    leader, standby = open_catalog(postgres_url), open_catalog(postgres_url)
+    frozen, thawed, took = threading.Event(), threading.Event(), threading.Event()
+    check_term = postgres_catalog.check_term
+
+    def check_then_freeze(db, term: int) -> None:
+        check_term(db, term)  # the lease row is locked FOR SHARE from here to the transaction's end
+        frozen.set()
+        thawed.wait(60)
+
+    outcome: dict[str, object] = {}
+
+    def write() -> None:
+        try:
+            leader.add(row("frozen", 1))
+        except CatalogUnavailable as err:
+            outcome["error"] = err
+
+    def take_over() -> None:
+        lease, terms = standby.leadership(lease_duration=lease_s), []
+        wait_until(
+            lambda: terms.append(lease.try_acquire("b", "b:1")) or terms[-1] is not None,
+            60,
+            "the standby to take the lease",
+        )
+        outcome["term"], outcome["after_s"] = terms[-1], time.monotonic() - started
+        took.set()
+
+    writer = threading.Thread(target=write)
+    try:
+        leader.fence(leader.leadership(lease_duration=lease_s).try_acquire("a", "a:1"))
+        monkeypatch.setattr(postgres_catalog, "check_term", check_then_freeze)
+        writer.start()
+        assert frozen.wait(30)
+        monkeypatch.setattr(postgres_catalog, "check_term", check_term)
+        started = time.monotonic()
+        threading.Thread(target=take_over, daemon=True).start()
+        assert took.wait(5 * lease_s), (
+            "the standby could not take over from a leader frozen mid-write"
+        )
+        assert outcome["term"] == 2 and outcome["after_s"] < 5 * lease_s
+    finally:
+        thawed.set()
+        writer.join(30)
+    assert isinstance(outcome.get("error"), CatalogUnavailable)
+    assert standby.get("frozen", 1) is None  # the frozen write was rolled back
+    leader.close()
+    standby.close()
 
 
 def test_the_password_may_come_from_the_environment(postgres_server, postgres_url, monkeypatch):
