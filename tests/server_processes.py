@@ -154,3 +154,20 @@ def stop_all(procs: Sequence[subprocess.Popen | ForkedProcess]) -> None:
                 proc.wait(2)  # the stacks written
             proc.kill()
             proc.wait(5)
+
+
+def pause(proc: subprocess.Popen | ForkedProcess, timeout: float = 10.0) -> None:
+    """SIGSTOP `proc` and return once every one of its threads is stopped: the kernel stops a busy process's
+    threads only as each is next scheduled (milliseconds on a loaded host), and a test that sends a request
+    right after the signal must not see it served."""
+    proc.send_signal(signal.SIGSTOP)
+    wait_until(lambda: _all_threads_stopped(proc.pid), timeout, f"process {proc.pid} to stop")
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            stat = (task / "stat").read_text()
+            states.append(stat[stat.rindex(")") + 2])  # the state follows the parenthesised name
+    return bool(states) and all(state in "tT" for state in states)

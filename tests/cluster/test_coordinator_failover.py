@@ -26,7 +26,7 @@ import grpc
 import pytest
 import torch
 from error_reasons import assert_status
-from server_processes import fork_server, rank_env, server_env, stop_all
+from server_processes import fork_server, pause, rank_env, server_env, stop_all
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardServeError, connect
@@ -268,8 +268,8 @@ def test_a_paused_leader_resumed_after_the_takeover_writes_nothing(pair):
     wait_until(lambda: pair.standby.stands_by_for(pair.leader), START_S, "the restarted standby")
     paused = pair.leader
     paused.stub.ListTensors(pb.ListTensorsRequest(), timeout=5.0)  # connected before the pause
-    paused.proc.send_signal(signal.SIGSTOP)
     try:
+        pause(paused.proc)  # stopped before the request below: it waits, unread, in the socket
         in_flight = paused.stub.CreateTensor.future(_create_request("while-paused"), timeout=120)
         wait_until(pair.standby.leads, TAKEOVER_S, "the standby to take over")
         wait_until(lambda: _ranks_alive_at(pair.standby), 60, "the ranks at the new leader")
