@@ -16,6 +16,7 @@ import pytest
 import torch
 from waiting import wait_until
 
+from shardserve.client.cli.main import main as cli_main
 from shardserve.server.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,10 +123,21 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
     assert all(word in done.stderr for word in words), done.stderr
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`shardserve ARGS` run by the console script's main() in this process (what a command does once the
+    interpreter is up, without paying for one that imports torch): its exit code and output."""
+    capsys.readouterr()
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["shardserve", *args], code, out, err)
+
+
 @pytest.mark.slow
-def test_create_status_fetch_delete(up, tmp_path):
+def test_create_status_fetch_delete(up, tmp_path, capsys):
+    """The commands as processes, their refusals (one line each) through main() in this process."""
     _, address = up
     env = {"SHARDSERVE_COORDINATOR": address}
+    on = ("--coordinator", address)
     created = shardserve(
         "create", "cli-t", "--shape", "6,4", "--init", "arange", "--dim", "1", env=env
     )
@@ -144,20 +156,20 @@ def test_create_status_fetch_delete(up, tmp_path):
     shardserve("fetch", "cli-t", "--offsets", "2,0", "--sizes", "3,4", "-o", str(out), env=env)
     assert torch.equal(torch.load(out), expected[2:5])
     one_line_error(
-        shardserve("fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2", env=env, check=False),
+        in_process(capsys, *on, "fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2"),
         "sizes",
         "exceeds",
     )
     one_line_error(
-        shardserve("fetch", "cli-t", "--offsets=7,0", env=env, check=False), "offsets"
+        in_process(capsys, *on, "fetch", "cli-t", "--offsets=7,0"), "offsets"
     )  # no sizes given
     one_line_error(
-        shardserve("fetch", "cli-t", "-o", str(tmp_path / "no" / "dir.pt"), env=env, check=False),
+        in_process(capsys, *on, "fetch", "cli-t", "-o", str(tmp_path / "no" / "dir.pt")),
         "-o ",
         "does not exist",
     )
     one_line_error(
-        shardserve("create", "cli-t", "--shape", "6,4", env=env, check=False),
+        in_process(capsys, *on, "create", "cli-t", "--shape", "6,4"),
         "already exists",
         "pass --overwrite",
     )
