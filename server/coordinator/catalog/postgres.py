@@ -89,9 +89,8 @@ class PostgresCatalog(Catalog):
             raise RuntimeError(f"catalog {self.location} cannot be opened: {err}") from None
         self._connect_timeout = connect_timeout
         self._term: int | None = None  # the lease term every write checks (fence), None: none
-        self._lease_ms = round(
-            LEASE_DURATION_S * 1000
-        )  # a fenced write's idle limit (leadership sets it)
+        # a fenced write's idle limit: the lease, as leadership() was last given it
+        self._lease_duration = LEASE_DURATION_S
         self._block_lock = threading.Lock()  # the reserved block of version numbers: [next, end)
         self._block_next = self._block_end = 0
         self._pool = psycopg_pool.ConnectionPool(
@@ -144,7 +143,7 @@ class PostgresCatalog(Catalog):
                 db.execute(
                     "SELECT pg_advisory_xact_lock(%s), "
                     "set_config('idle_in_transaction_session_timeout', %s, true)",
-                    (WRITE_LOCK, str(self._lease_ms)),
+                    (WRITE_LOCK, str(max(1, round(self._lease_duration * 1000)))),
                 )
                 check_term(db, term)
             yield db
@@ -309,7 +308,7 @@ class PostgresCatalog(Catalog):
             )
 
     def leadership(self, lease_duration: float = LEASE_DURATION_S) -> Leadership:
-        self._lease_ms = max(1, round(lease_duration * 1000))
+        self._lease_duration = lease_duration
         # a renewal waits for a connection at most a third of the lease: two more may follow before it ends
         wait = min(lease_duration / 3, self._connect_timeout)
         return PostgresLeadership(lambda: self._connection(timeout=wait), lease_duration)
