@@ -122,13 +122,16 @@ def test_a_leader_frozen_inside_a_write_past_its_lease_holds_off_no_takeover(
             "the standby could not take over from a leader frozen mid-write"
         )
         assert outcome["term"] == 2 and outcome["after_s"] < 5 * lease_s
-    finally:
         thawed.set()
         writer.join(30)
-    assert isinstance(outcome.get("error"), CatalogUnavailable)
-    assert standby.get("frozen", 1) is None  # the frozen write was rolled back
-    leader.close()
-    standby.close()
+        assert isinstance(outcome.get("error"), CatalogUnavailable)
+        assert standby.get("frozen", 1) is None  # the frozen write was rolled back
+    finally:
+        thawed.set()
+        if writer.is_alive():
+            writer.join(30)
+        leader.close()
+        standby.close()
 
 
 def test_the_password_may_come_from_the_environment(postgres_server, postgres_url, monkeypatch):
