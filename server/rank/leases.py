@@ -82,17 +82,55 @@ class VersionLeases:
     ) -> Iterator[torch.Tensor]:
         """Lease a served version and yield the global box as a view of its local shard."""
         with self.lease(name, version) as record:
-            shard_tensor = record.local_shard(shard_index, self.rank)
-            shard_box = record.metadata.shards_metadata[shard_index].box
-            wanted = checked_box(shard_box, offsets, sizes)
-            nbytes = wanted.numel() * record.metadata.tensor_properties.itemsize
-            if self.max_request_bytes and nbytes > self.max_request_bytes:
-                raise RequestTooLarge(
-                    f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
-                    f"max_request_bytes {self.max_request_bytes}",
-                    metadata={"tensor": name, "rank": self.rank, "field": "sizes"},
-                )
-            yield local_view(shard_tensor, shard_box, wanted)
+            yield self.box_of(record, shard_index, offsets, sizes)
+
+    @contextmanager
+    def reads(self) -> Iterator[LeasedReads]:
+        """Leases for a batch of reads (ReadRegions): each served version leased at its first box and held
+        until the batch ends, so that many small boxes pay one lease per version, not one per box."""
+        batch = LeasedReads(self._take_served, self.box_of)
+        try:
+            yield batch
+        finally:
+            self._release(batch.records())
+
+    def box_of(
+        self,
+        record: StoredVersion,
+        shard_index: int,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The global box of a leased version as a view of its local shard (InvalidArgument naming
+        offsets/sizes when it is not inside the shard, RequestTooLarge over max_request_bytes)."""
+        shard_tensor = record.local_shard(shard_index, self.rank)
+        shard_box = record.metadata.shards_metadata[shard_index].box
+        whole = offsets == shard_box.offsets and sizes == shard_box.sizes  # checked as it is
+        wanted = shard_box if whole else checked_box(shard_box, offsets, sizes)
+        nbytes = wanted.numel() * record.metadata.tensor_properties.itemsize
+        if self.max_request_bytes and nbytes > self.max_request_bytes:
+            raise RequestTooLarge(
+                f"offsets/sizes: the box is {nbytes} bytes, over this rank's "
+                f"max_request_bytes {self.max_request_bytes}",
+                metadata={"tensor": record.name, "rank": self.rank, "field": "sizes"},
+            )
+        return local_view(shard_tensor, shard_box, wanted)
+
+    def _take_served(self, name: str, version: int) -> StoredVersion:
+        """The served (name, version) (0: the newest), leased; the caller releases it."""
+        with self._lock:
+            record = self._versions.served(name, version)
+            self._versions.lease(record)
+        return record
+
+    def _release(self, records: list[StoredVersion]) -> None:
+        """End one lease of each of `records`, freeing a dropped version whose last lease it was."""
+        if not records:
+            return
+        with self._lock:
+            for record in records:
+                if self._versions.unlease(record):
+                    self._memory.reclaim(record)
 
     @contextmanager
     def write(
@@ -325,9 +363,39 @@ class VersionLeases:
         try:
             yield record
         finally:
-            with self._lock:
-                if self._versions.unlease(record):
-                    self._memory.reclaim(record)
+            self._release([record])
+
+
+class LeasedReads:
+    """The leases of one batch of reads: `box` leases a (name, version) the first time the batch names it (by
+    `take`) and keeps it until VersionLeases.reads ends the batch."""
+
+    def __init__(
+        self,
+        take: Callable[[str, int], StoredVersion],
+        box_of: Callable[[StoredVersion, int, tuple[int, ...], tuple[int, ...]], torch.Tensor],
+    ) -> None:
+        self._take, self._box_of = take, box_of
+        self._held: dict[tuple[str, int], StoredVersion] = {}
+
+    def box(
+        self,
+        name: str,
+        version: int,
+        shard_index: int,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The global box of served (name, version) (0: the newest) as a view of its local shard, valid until
+        the batch ends."""
+        record = self._held.get((name, version))
+        if record is None:
+            record = self._held[(name, version)] = self._take(name, version)
+        return self._box_of(record, shard_index, offsets, sizes)
+
+    def records(self) -> list[StoredVersion]:
+        """The versions this batch leased, once each."""
+        return list(self._held.values())
 
 
 def _header_state(record: StoredVersion) -> dict[str, bool]:

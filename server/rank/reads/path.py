@@ -18,6 +18,7 @@ from shardserve.server.common.requests import check_name, check_version
 from shardserve.server.rank.cuda_staging import host_bytes
 from shardserve.server.rank.error_status import item_errors
 from shardserve.server.rank.errors import InvalidArgument, RequestTooLarge
+from shardserve.server.rank.leases import LeasedReads
 from shardserve.server.rank.reads.lookup import LookupService
 from shardserve.server.rank.store import ShardStore
 
@@ -70,24 +71,36 @@ class ReadPath:
             )
         data, offsets = bytearray(), []
         served: dict[str, int] = {}  # bytes per tensor, counted once each
-        for index, region in enumerate(regions):
-            offsets.append(len(data))
-            self._append(index, region, data)
-            served[region.name] = served.get(region.name, 0) + len(data) - offsets[-1]
+        with self.store.leases.reads() as leased:  # every byte copied before the leases end
+            for index, region in enumerate(regions):
+                offsets.append(len(data))
+                try:
+                    self._append(leased, region, data)
+                except Exception as err:  # noqa: BLE001 - raised again as the error of regions[index]
+                    with item_errors(f"regions[{index}]"):
+                        raise err from None
+                served[region.name] = served.get(region.name, 0) + len(data) - offsets[-1]
         for name, nbytes in served.items():
             self.store.metrics.served(transport, name, nbytes)
         return pb.ReadRegionsReply(data=bytes(data), offsets=offsets)
 
-    def _append(self, index: int, region: pb.ReadRegionRequest, data: bytearray) -> None:
-        """Append the bytes of regions[index] to `data`, checked against the batch's size cap."""
-        with item_errors(f"regions[{index}]"), self.box(region) as box:
-            nbytes = box.numel() * box.element_size()
-            if len(data) + nbytes > BATCH_READ_BYTES:
-                raise RequestTooLarge(
-                    f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
-                    f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)"
-                )
-            data += host_bytes(box)  # copied while the lease is held
+    @staticmethod
+    def _append(leased: LeasedReads, region: pb.ReadRegionRequest, data: bytearray) -> None:
+        """Append the bytes of one region of a batch to `data`, checked against the batch's size cap."""
+        box = leased.box(
+            check_name(region.name),
+            check_version(region.version, allow_zero=True),
+            region.shard_index,
+            tuple(region.offsets),
+            tuple(region.sizes),
+        )
+        nbytes = box.numel() * box.element_size()
+        if len(data) + nbytes > BATCH_READ_BYTES:
+            raise RequestTooLarge(
+                f"offsets/sizes: the answer would reach {len(data) + nbytes} bytes; "
+                f"ReadRegions answers at most {BATCH_READ_BYTES} (split the batch)"
+            )
+        data += host_bytes(box)
 
     def lookup_small(self, request: pb.LookupRequest, transport: str) -> list[LookupPart]:
         """The whole answer to a lookup in one message (LookupSmall, the bulk port's lookups)."""

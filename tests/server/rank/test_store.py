@@ -151,6 +151,32 @@ def test_a_shard_being_rewritten_cannot_be_promoted():
             pass
 
 
+def test_a_batch_of_reads_leases_each_version_once_until_it_ends():
+    store = ShardStore(rank=0)
+    store.allocate("t", 1, META, InitFill.ONES)
+    store.promote("t", 1)
+    with store.leases.reads() as batch:
+        first = batch.box("t", 1, 0, (0, 0), (1, 4))
+        whole = batch.box("t", 0, 0, (0, 0), (2, 4))  # version 0: the newest served, leased apart
+        assert [r.version for r in batch.records()] == [1, 1]
+        assert len(batch.records()) == 2 and batch.box("t", 1, 0, (1, 0), (1, 4)) is not None
+        assert len(batch.records()) == 2  # a version named again is not leased again
+        assert store.drop("t") == 1 and store.memory_used == 48  # held until the batch ends
+        assert torch.equal(first, torch.ones(1, 4)) and torch.equal(whole, torch.ones(2, 4))
+    assert store.memory_used == 0
+
+
+def test_a_batch_of_reads_that_fails_ends_its_leases():
+    store = ShardStore(rank=0)
+    store.allocate("t", 1, META, InitFill.ONES)
+    store.promote("t", 1)
+    with pytest.raises(InvalidArgument, match="not inside the shard"):
+        with store.leases.reads() as batch:
+            batch.box("t", 1, 0, (0, 0), (1, 4))
+            batch.box("t", 1, 0, (2, 0), (2, 4))
+    assert store.drop("t") == 1 and store.memory_used == 0
+
+
 def test_an_allocation_overtaken_by_its_drop_is_refused():
     """An abort's DropVersion can reach a rank before the AllocateShards it aborts; versions never come back,
     so the late allocation is refused instead of holding memory nobody will free."""
