@@ -19,7 +19,7 @@ from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import TensorSummary
 from shardserve.client.ops.snapshots import SnapshotSummary
-from shardserve.client.paths.batch import RegionRead, batches, read_batch, region_reads
+from shardserve.client.paths.batch import RegionRead, batches, read_batches, region_reads
 from shardserve.client.paths.copies import PARALLEL_COPY_BYTES
 from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.shm import SharedMemoryPath
@@ -257,11 +257,6 @@ def _read_batched(
     alone: set[int] = set()
     for piece, summary, parts, box, out in _plans(small, alone):
         regions += region_reads(piece, summary, parts, box, out)
-    jobs = [
-        pool.submit(read_batch, session.paths, session.rank_status, batch)
-        for batch in batches(regions)
-    ]
-    futures.wait(jobs)
-    for job in jobs:
-        alone |= job.result()
+    if regions:
+        alone |= read_batches(session.paths, session.rank_status, batches(regions), pool.submit)
     return [small[piece] for piece in sorted(alone)]

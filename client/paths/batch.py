@@ -6,7 +6,8 @@ by itself (its path choice, its race, its call) is most of the time; one call
 per rank and batch of at most BATCH_READ_BYTES pays it once. A batch goes on
 the rank's bulk TCP port (a KIND_READS frame) where reads may use it, else,
 and when the port fails, over gRPC: the network chain, whose every path takes rank calls; shared memory is not
-used for batches.
+used for batches. The bulk port's requests of all batches go out before any answer is taken
+(client.paths.pipeline), so the ranks answer at once while this thread copies what came.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import ctypes
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -26,8 +29,10 @@ from shardserve.client.errors import (
     ShardServeError,
 )
 from shardserve.client.info import RankStatus, TensorSummary
-from shardserve.client.paths.kinds import DataPath, rank_calls
+from shardserve.client.paths.hedging import Cancellation
+from shardserve.client.paths.kinds import PathKind, PipelinedCalls, StreamedCalls
 from shardserve.client.paths.network import read_request
+from shardserve.client.paths.pipeline import NetworkCall
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
@@ -114,38 +119,95 @@ def batches(
     return cut
 
 
-def read_regions(policy: PathPolicy, rank: RankStatus, reads: Sequence[RegionRead]) -> int:
-    """One ReadRegions call to `rank` for every read of `reads` (one rank's batch), on its bulk port where that
-    may serve it (falling back to gRPC as reads do), each region's bytes copied into its `dest`; returns the
-    bytes read."""
+def read_batches(
+    policy: PathPolicy,
+    rank_of: Callable[[int], RankStatus],
+    cut: Sequence[Sequence[RegionRead]],
+    submit: Callable[[Callable[[], object]], Future[object]],
+) -> set[int]:
+    """Read every batch of `cut` (one rank's regions each) as one ReadRegions call: the requests of those going
+    on a bulk port all sent before any answer is taken (client.paths.pipeline: the ranks work at once while
+    this thread copies the answers that came), gRPC calls on `submit`'s threads; falling back as reads do.
+    Returns the pieces to read again by themselves: those of batches whose rank failed as read_alone_after
+    says (the policy notes it); any other failure of a batch is raised once every batch has ended."""
+    # the last error of each batch's call, by position in `cut`
+    errors: dict[int, BaseException] = {}
+    calls = [
+        _batch_call(rank_of(batch[0].rank), batch, partial(errors.__setitem__, position))
+        for position, batch in enumerate(cut)
+    ]
+    sent = policy.send_all(calls, submit)
+    try:
+        sent.wait()
+    except Exception:  # noqa: BLE001 - each failed batch is judged below by its own error
+        unexplained = [p for p, path in enumerate(sent.paths) if path is None and p not in errors]
+        if unexplained:
+            raise
+    alone: set[int] = set()
+    for position, path in enumerate(sent.paths):
+        if path is not None:
+            continue
+        if not read_alone_after(errors[position]):
+            raise errors[position]
+        alone |= {read.piece for read in cut[position]}
+    return alone
+
+
+def _batch_call(
+    rank: RankStatus, reads: Sequence[RegionRead], note: Callable[[BaseException], None]
+) -> NetworkCall:
+    """One batch's ReadRegions call to `rank`: sent on a pipelined path (its answer landed when taken) or made
+    whole on a streamed one; `note` keeps the error of each attempt that failed."""
     request = pb.ReadRegionsRequest(regions=[read.request for read in reads])
     expected = sum(read.nbytes for read in reads)
-    reply, path = policy.network.run(
-        rank, lambda data_path: _ask(data_path, rank.address, request, expected)
-    )
-    _check_reply(rank.address, reads, reply)
-    if expected:
-        data = np.frombuffer(reply.data, dtype=np.uint8)  # a view of the reply's bytes, read-only
-        address = data.ctypes.data
-        for read, start in zip(reads, reply.offsets):
-            if not read.nbytes:
-                continue
-            if _lands_as_is(
-                read
-            ):  # one memmove: a numpy or torch copy's dispatch costs more than 8 KiB
-                ctypes.memmove(read.dest.data_ptr(), address + start, read.nbytes)
-            else:
-                copy_region(read.dest, data[start : start + read.nbytes], read.dtype)
-    counters.count_read(path, expected)
-    return expected
+    reply_bytes = expected + REPLY_OVERHEAD_BYTES + REGION_OVERHEAD_BYTES * len(reads)
+
+    def land(reply: pb.ReadRegionsReply, path: PathKind) -> None:
+        _check_reply(rank.address, reads, reply)
+        _copy_regions(reads, reply)
+        counters.count_read(str(path), expected)
+
+    def send(path: PipelinedCalls, cancel: Cancellation) -> Callable[[], None]:
+        try:
+            answer = path.send_read_regions(rank.address, request, reply_bytes, cancel)
+        except BaseException as err:
+            note(err)
+            raise
+
+        def take() -> None:
+            try:
+                land(answer(), path.kind)
+            except BaseException as err:
+                note(err)
+                raise
+
+        return take
+
+    def call(path: StreamedCalls, cancel: Cancellation) -> None:
+        try:
+            land(path.read_regions(rank.address, request, reply_bytes), path.kind)
+        except BaseException as err:
+            note(err)
+            raise
+
+    return NetworkCall(rank, send, call, None, expected)
 
 
-def _ask(
-    path: DataPath, address: str, request: pb.ReadRegionsRequest, expected: int
-) -> pb.ReadRegionsReply:
-    """ReadRegions' reply over `path`, a path of the network chain: all of them take rank calls."""
-    reply_bytes = expected + REPLY_OVERHEAD_BYTES + REGION_OVERHEAD_BYTES * len(request.regions)
-    return rank_calls(path).read_regions(address, request, reply_bytes)
+def _copy_regions(reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> None:
+    """Each region's bytes of a checked reply into its `dest`."""
+    if not reply.data:
+        return
+    data = np.frombuffer(reply.data, dtype=np.uint8)  # a view of the reply's bytes, read-only
+    address = data.ctypes.data
+    for read, start in zip(reads, reply.offsets):
+        if not read.nbytes:
+            continue
+        if _lands_as_is(
+            read
+        ):  # one memmove: a numpy or torch copy's dispatch costs more than 8 KiB
+            ctypes.memmove(read.dest.data_ptr(), address + start, read.nbytes)
+        else:
+            copy_region(read.dest, data[start : start + read.nbytes], read.dtype)
 
 
 def copy_region(dest: torch.Tensor, raw: np.ndarray, dtype: torch.dtype) -> None:
@@ -182,19 +244,3 @@ def read_alone_after(err: BaseException) -> bool:
     ReadRegions), rather than an error of the request itself."""
     unimplemented = isinstance(err, ShardServeError) and err.reason == Reason.PATH_UNAVAILABLE
     return isinstance(err, (RankUnavailableError, DeadlineExceededError)) or unimplemented
-
-
-def read_batch(
-    policy: PathPolicy, rank_of: Callable[[int], RankStatus], batch: Sequence[RegionRead]
-) -> set[int]:
-    """Read one rank's batch; returns the pieces to read again by themselves (all of them when the rank failed
-    as read_alone_after says, which the policy notes), else raises the batch's error."""
-    rank = rank_of(batch[0].rank)
-    try:
-        read_regions(policy, rank, batch)
-    except ShardServeError as err:
-        if not read_alone_after(err):
-            raise
-        policy.health.note_failure(rank.rank, err)
-        return {read.piece for read in batch}
-    return set()

@@ -241,14 +241,26 @@ class BulkPath(NetworkPath):
         self, address: str, request: pb.ReadRegionsRequest, reply_bytes: int
     ) -> pb.ReadRegionsReply:
         """ReadRegions' answer to `request` (at most `reply_bytes` serialized) as one KIND_READS frame."""
+        return self.send_read_regions(address, request, reply_bytes)()
+
+    def send_read_regions(
+        self,
+        address: str,
+        request: pb.ReadRegionsRequest,
+        reply_bytes: int,
+        cancel: Cancellation | None = None,
+    ) -> Callable[[], pb.ReadRegionsReply]:
+        """Send `request` now as one KIND_READS frame and return the call that takes its answer (as
+        send_lookup does for lookups); the returned call must be made, or the connection is not reused."""
         answer = self._send(
             address,
             KIND_READS,
             request.SerializeToString(),
             reply_bytes,
             _bounded_answer(address, "ReadRegions answer", reply_bytes),
-        )()
-        return pb.ReadRegionsReply.FromString(bytes(answer))
+            cancel=cancel,
+        )
+        return lambda: pb.ReadRegionsReply.FromString(bytes(answer()))
 
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the rank at `address`: per batch of at most DIRECT_BATCH_BYTES, one

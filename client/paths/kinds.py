@@ -244,6 +244,17 @@ class PipelinedCalls(RankCalls, Protocol):
         """Send `request` now; the call returned takes its serialized LookupReply."""
         ...
 
+    def send_read_regions(
+        self,
+        address: str,
+        request: pb.ReadRegionsRequest,
+        reply_bytes: int,
+        cancel: Cancellation | None = None,
+    ) -> Callable[[], pb.ReadRegionsReply]:
+        """Send `request` now; the call returned takes its ReadRegions answer (at most `reply_bytes`
+        serialized)."""
+        ...
+
 
 def row_reads(path: DataPath | None) -> RowReads | None:
     """`path` as a RowReads when it declares row reads, else None."""

@@ -152,23 +152,43 @@ def test_a_two_process_job_reads_rows_of_column_shards(cluster: LocalCluster) ->
     assert answers == {0: [], 1: []}
 
 
+def refusing(method: Any, refuse: Any) -> Any:
+    """`method` (a network path's ReadRegions call, sent or whole) raising `refuse(address)`'s error where
+    it gives one, else calling through."""
+
+    def call(self: Any, address: str, request: Any, *args: Any, **kwargs: Any) -> Any:
+        error = refuse(address, request)
+        if error is not None:
+            raise error
+        return method(self, address, request, *args, **kwargs)
+
+    return call
+
+
+def refuse_batches(monkeypatch: pytest.MonkeyPatch, refuse: Any) -> None:
+    """Make every ReadRegions call, on the bulk port and over gRPC, go through `refuse` first."""
+    from shardserve.client.paths.bulk import BulkPath
+    from shardserve.client.paths.grpc import GrpcPath
+
+    monkeypatch.setattr(BulkPath, "send_read_regions", refusing(BulkPath.send_read_regions, refuse))
+    monkeypatch.setattr(GrpcPath, "read_regions", refusing(GrpcPath.read_regions, refuse))
+
+
 def test_a_batch_whose_rank_fails_is_read_piece_by_piece(
     cluster: LocalCluster, spans: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardserve.client.paths import batch
-
-    real = batch.read_regions
     failed = []
-
-    def rank1_down(policy: Any, rank: Any, reads: Any) -> int:
-        if rank.rank == 1:
-            failed.append(len(reads))
-            raise RankUnavailableError(f"rank at {rank.address}: connection refused")
-        return real(policy, rank, reads)
-
-    monkeypatch.setattr(batch, "read_regions", rank1_down)
     into = {key: torch.zeros_like(t) for key, t in spans.items()}
     with connect(cluster.address) as client:
+        down = next(r.address for r in client.ranks() if r.rank == 1)
+
+        def rank1_down(address: str, request: Any) -> Exception | None:
+            if address != down:
+                return None
+            failed.append(len(request.regions))
+            return RankUnavailableError(f"rank at {address}: connection refused")
+
+        refuse_batches(monkeypatch, rank1_down)
         spmd.get_state_dict(client, "spans", into=into)
     assert failed, "no batch went to rank 1"
     assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
@@ -179,10 +199,12 @@ def test_a_batch_whose_bulk_port_fails_goes_over_grpc(
 ) -> None:
     from shardserve.client.paths.bulk import BulkPath, BulkReadError
 
-    def port_down(self: Any, address: str, request: Any, reply_bytes: int) -> Any:
-        raise BulkReadError(f"rank at {address}, bulk port: connection refused")
+    def port_down(address: str, request: Any) -> Exception:
+        return BulkReadError(f"rank at {address}, bulk port: connection refused")
 
-    monkeypatch.setattr(BulkPath, "read_regions", port_down)
+    monkeypatch.setattr(
+        BulkPath, "send_read_regions", refusing(BulkPath.send_read_regions, port_down)
+    )
     into = {key: torch.zeros_like(t) for key, t in spans.items()}
     with connect(cluster.address) as client:
         before = counters.metrics()["reads"].get("grpc", 0)
@@ -194,12 +216,10 @@ def test_a_batch_whose_bulk_port_fails_goes_over_grpc(
 def test_a_batch_refused_as_a_bad_request_fails_the_get(
     cluster: LocalCluster, put: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardserve.client.paths import batch
+    def refused(address: str, request: Any) -> Exception:
+        return InvalidArgumentError("regions[0]: offsets/sizes: box is not inside the shard")
 
-    def refused(policy: Any, rank: Any, reads: Any) -> int:
-        raise InvalidArgumentError("regions[0]: offsets/sizes: box is not inside the shard")
-
-    monkeypatch.setattr(batch, "read_regions", refused)
+    refuse_batches(monkeypatch, refused)
     with connect(cluster.address) as client:
         with pytest.raises(spmd.SpmdError, match=r"regions\[0\]"):
             spmd.get_state_dict(client, "small", into={"block0.p0": torch.zeros(16, 16)})
