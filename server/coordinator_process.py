@@ -29,6 +29,7 @@ from shardserve.server.common.cli_args import (
     with_state_dir_secret,
 )
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
+from shardserve.server.common.heap import freeze_startup_heap
 from shardserve.server.common.stop_signals import (
     Stop,
     handle_reload_signal,
@@ -270,6 +271,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
         return 1
     try:
         announce_address(running.address, args.address_file)
+        freeze_startup_heap("coordinator")
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the coordinator", stop)

@@ -12,6 +12,7 @@ from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.announce import announce_address, check_address_file, withdraw_address
 from shardserve.server.common.cli_args import configure_logging, security_from_args
+from shardserve.server.common.heap import freeze_startup_heap
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.stop_signals import (
     Stop,
@@ -120,6 +121,7 @@ def main_up(argv: Sequence[str]) -> int:
         if args.demo:
             create_demo(cluster)
         announce_address(cluster.address, args.address_file)
+        freeze_startup_heap("up")
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the cluster", stop)
