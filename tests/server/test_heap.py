@@ -26,7 +26,9 @@ def test_start_up_objects_are_frozen_and_later_cycles_still_collected(unfrozen) 
     kept = Node()
     frozen = freeze_startup_heap("test")
     assert frozen == gc.get_freeze_count() > 0
-    assert not any(obj is kept for obj in gc.get_objects())  # out of every generation the collector walks
+    assert not any(
+        obj is kept for obj in gc.get_objects()
+    )  # out of every generation the collector walks
     a, b = Node(), Node()
     a.other, b.other = b, a  # a cycle only the collector frees
     gone = weakref.ref(a)
