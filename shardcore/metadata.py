@@ -24,6 +24,10 @@ from shardserve.core.dtypes import dtype_to_wire
 _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only
 
 
+PLACEMENTS_CACHED = 65536
+"""Distinct placement texts kept parsed (one per rank and device of the clusters a process has seen)."""
+
+
 class RemoteDevice:
     """A placement "rank:N/<device>", with torch `_remote_device`'s accessors."""
 
@@ -86,8 +90,15 @@ def as_placement(value: str | RemoteDevice | int | None) -> RemoteDevice | None:
     if value is None or isinstance(value, RemoteDevice):
         return value
     if isinstance(value, int):
-        return RemoteDevice(f"rank:{value}/cpu")
-    return RemoteDevice(str(value))
+        return _parsed_placement(f"rank:{value}/cpu")
+    return _parsed_placement(str(value))
+
+
+@functools.lru_cache(maxsize=PLACEMENTS_CACHED)
+def _parsed_placement(text: str) -> RemoteDevice:
+    """The RemoteDevice of a placement's text, parsed once per distinct text: a layout of a thousand shards names
+    a few ranks (RemoteDevice is never changed after it is made, so one object serves every shard)."""
+    return RemoteDevice(text)
 
 
 @dataclass(frozen=True)

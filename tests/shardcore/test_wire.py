@@ -10,6 +10,7 @@ from shardserve.core.metadata import (
     ShardedTensorMetadata,
     ShardMetadata,
     TensorProperties,
+    as_placement,
     interned,
 )
 from shardserve.core.wire import CACHED_MESSAGE_BYTES, metadata_from_proto, metadata_to_proto
@@ -58,3 +59,16 @@ def test_a_bad_layout_is_refused_each_time() -> None:
     message.tensor_properties.CopyFrom(pb.TensorProperties(dtype=999))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tensor_properties.dtype"):
         metadata_from_proto(message)
+
+
+def test_a_large_layout_parses_each_placement_text_once() -> None:
+    """A thousand shards on two ranks share two parsed placements; a placement refused is refused again."""
+    decoded = metadata_from_proto(metadata_to_proto(_layout(1000)))
+    placements = {id(shard.placement) for shard in decoded.shards_metadata}
+    assert len(placements) == 2
+    assert [shard.rank for shard in decoded.shards_metadata[:3]] == [0, 1, 0]
+    assert as_placement("rank:1/cpu") is as_placement("rank:1/cpu") == "rank:1/cpu"
+    assert as_placement(1) is as_placement("rank:1/cpu")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not of the form"):
+            as_placement("rank:x/cpu")
