@@ -33,6 +33,9 @@ DIRECT_BATCH_BYTES = (
     64 << 20
 )  # one staging memfd or bulk-port batch carries at most this many: a rank's batches
 # go one after another, reusing one staging file (warm pages)
+SMALL_IN_PLACE_BYTES = (
+    64 << 10
+)  # in-place writes this small on average are made on the calling thread
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,21 @@ def write_shards(
         lambda rank=rank, mine=mine: write_rank(rank, mine)
         for rank, mine in sorted(by_rank.items())
     ]
+    run = run_all if not _small_in_place([write for _, write in writes]) else _one_after_another
     per_path: dict[str, int] = defaultdict(int)
-    for path, nbytes in [done for batches in (run_all(jobs) if jobs else []) for done in batches]:
+    for path, nbytes in [done for batches in (run(jobs) if jobs else []) for done in batches]:
         per_path[path] += nbytes
     return dict(per_path)
+
+
+def _small_in_place(writes: Sequence[ShardWrite]) -> bool:
+    """Whether every write fills memory its allocation opened on this host (no call to wait for) and they
+    average at most SMALL_IN_PLACE_BYTES: their cost is Python's per write, which threads only make wait for
+    each other (the GIL), where large copies run on all cores and network writes overlap their round trips."""
+    return all(write.segment is not None for write in writes) and sum(
+        write.nbytes for write in writes
+    ) <= SMALL_IN_PLACE_BYTES * len(writes)
+
+
+def _one_after_another(jobs: Sequence[Callable[[], Written]]) -> list[Written]:
+    return [job() for job in jobs]
