@@ -270,8 +270,8 @@ def main_coordinator(argv: Sequence[str]) -> int:
         log.error("the coordinator could not start: %s", err)
         return 1
     try:
+        freeze_startup_heap("coordinator")  # before the address is out: then it only serves
         announce_address(running.address, args.address_file)
-        freeze_startup_heap("coordinator")
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the coordinator", stop)

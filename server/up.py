@@ -120,8 +120,8 @@ def main_up(argv: Sequence[str]) -> int:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
             create_demo(cluster)
+        freeze_startup_heap("up")  # before the address is out: then it only serves
         announce_address(cluster.address, args.address_file)
-        freeze_startup_heap("up")
         wait_for_stop_signal()
     except Stop as stop:
         log.info("%s received; stopping the cluster", stop)

@@ -4,7 +4,7 @@ A connection to a rank's bulk port is opened with a ticket from
 OpenBulkSession, which goes over gRPC (token, TLS, deadline), after a TLS
 handshake with the client's certificate files when the rank says its port
 speaks TLS (it does whenever its gRPC does), and kept for
-later calls (at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
+later calls (client.paths.bulk_connections: at most IDLE_KEPT per rank, each for at most IDLE_KEEP_S). A read
 sends one framed ReadRegionRequest, reads the 16-byte header and `recv_into`s
 the bytes into the preallocated output: no protobuf around the data, no
 intermediate buffer. A lookup sends a LookupRequest and gets LookupSmall's
@@ -22,7 +22,6 @@ import socket
 import ssl
 import threading
 import time
-from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -41,6 +40,7 @@ from shardserve.client.errors import (
     error_from_status,
 )
 from shardserve.client.info import RankStatus
+from shardserve.client.paths.bulk_connections import Connection, IdleConnections
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.kinds import CPU_AND_CUDA, Capabilities, PathKind
@@ -68,8 +68,6 @@ from shardserve.protos.bulk_wire import (
 from shardserve.protos.errors import Reason, detail_of_status
 
 MAX_ERROR_BYTES = 64 << 10
-IDLE_KEPT = 8  # idle connections kept per rank
-IDLE_KEEP_S = 60.0  # an idle connection older than this is closed rather than reused (the rank's limit: 300 s)
 T = TypeVar("T")
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 # Reasons of an answer on the port that say the path cannot serve us (not that the request is wrong): the port
@@ -104,67 +102,6 @@ class BulkReadError(ShardServeError):
     PATH_UNAVAILABLE, so the fallback chain tries the next path."""
 
     reason = Reason.PATH_UNAVAILABLE
-
-
-class Connection:
-    """One open connection to a rank's bulk port."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.kept = False  # taken from the idle ones (the rank may have closed it meanwhile)
-        self.idle_since = time.monotonic()
-
-
-class IdleConnections:
-    """The open connections a client keeps between calls, by rank address: at most IDLE_KEPT per rank, none
-    kept past IDLE_KEEP_S unused. `clock`: what idleness is timed by (tests pass a fake one)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._idle: dict[str, deque[Connection]] = defaultdict(deque)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def take(self, address: str) -> Connection | None:
-        """The newest kept connection to `address` (the least likely to have been closed by the rank), marked
-        kept; the expired ones are closed first, oldest first. None when none is kept."""
-        with self._lock:
-            connections = self._idle[address]
-            while connections and self._clock() - connections[0].idle_since >= IDLE_KEEP_S:
-                connections.popleft().sock.close()
-            if not connections:
-                return None
-            connection = connections.pop()
-            connection.kept = True
-            return connection
-
-    def give_back(self, address: str, connection: Connection) -> None:
-        """Keep `connection` for the next call to `address`, or close it (IDLE_KEPT reached, or closed)."""
-        connection.idle_since = self._clock()
-        with self._lock:
-            if not self._closed and len(self._idle[address]) < IDLE_KEPT:
-                self._idle[address].append(connection)
-                return
-        connection.sock.close()
-
-    def kept(self, address: str | None = None) -> list[Connection]:
-        """The connections kept now (to `address`, or to every rank), oldest first."""
-        with self._lock:
-            return [
-                connection
-                for where, connections in self._idle.items()
-                if address is None or where == address
-                for connection in connections
-            ]
-
-    def close(self) -> None:
-        """Close every kept connection; those given back later are closed at once."""
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, defaultdict(deque)
-        for connections in idle.values():
-            for connection in connections:
-                connection.sock.close()
 
 
 class BulkPath(NetworkPath):

@@ -991,7 +991,7 @@ def test_mapped_tables_falling_back_to_grpc_calls_do_not_deadlock(cluster, monke
 def test_expired_idle_connections_are_closed_oldest_first():
     import socket
 
-    from shardserve.client.paths.bulk import IDLE_KEEP_S, Connection, IdleConnections
+    from shardserve.client.paths.bulk_connections import IDLE_KEEP_S, Connection, IdleConnections
 
     clock = FakeClock()
     idle = IdleConnections(clock=clock)
