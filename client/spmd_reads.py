@@ -19,7 +19,7 @@ from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import TensorSummary
 from shardserve.client.ops.snapshots import SnapshotSummary
-from shardserve.client.paths.batch import RegionRead, batches, read_batches, region_reads
+from shardserve.client.paths.batch import filled_batches, read_batches, region_reads
 from shardserve.client.paths.copies import PARALLEL_COPY_BYTES
 from shardserve.client.paths.kinds import PartRead, PathKind
 from shardserve.client.paths.shm import SharedMemoryPath
@@ -253,10 +253,12 @@ def _read_batched(
     session = cluster.session
     if session.paths.forced is PathKind.SHARED_MEMORY:
         return _read_mapped(cluster, small)  # shared memory only, as the caller asked
-    regions: list[RegionRead] = []
     alone: set[int] = set()
-    for piece, summary, parts, box, out in _plans(small, alone):
-        regions += region_reads(piece, summary, parts, box, out)
-    if regions:
-        alone |= read_batches(session.paths, session.rank_status, batches(regions), pool.submit)
+    regions = (
+        region
+        for piece, summary, parts, box, out in _plans(small, alone)
+        for region in region_reads(piece, summary, parts, box, out)
+    )
+    # each batch sent as soon as it is full: the ranks answer while the rest is planned
+    alone |= read_batches(session.paths, session.rank_status, filled_batches(regions), pool.submit)
     return [small[piece] for piece in sorted(alone)]

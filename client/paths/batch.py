@@ -13,9 +13,9 @@ used for batches. The bulk port's requests of all batches go out before any answ
 from __future__ import annotations
 
 import ctypes
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -32,7 +32,7 @@ from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.kinds import PathKind, PipelinedCalls, StreamedCalls
 from shardserve.client.paths.network import read_request
-from shardserve.client.paths.pipeline import NetworkCall
+from shardserve.client.paths.pipeline import NetworkCall, SentCalls
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.core.metadata import Box
 from shardserve.core.regions import local_view
@@ -96,60 +96,89 @@ def batches(
     limit_regions: int = MAX_BATCH_REGIONS,
 ) -> list[list[RegionRead]]:
     """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` of answer, as many of
-    request, and `limit_regions` regions."""
-    per_rank: dict[int, list[RegionRead]] = defaultdict(list)
+    request, and `limit_regions` regions; rank by rank."""
+    return sorted(
+        filled_batches(reads, limit_bytes, limit_regions), key=lambda batch: batch[0].rank
+    )
+
+
+def filled_batches(
+    reads: Iterable[RegionRead],
+    limit_bytes: int = BATCH_READ_BYTES,
+    limit_regions: int = MAX_BATCH_REGIONS,
+) -> Iterator[list[RegionRead]]:
+    """The batches of `batches`, each given as soon as it is full (a caller can send it while `reads` is still
+    being made), then the rest rank by rank."""
+    open_batches: dict[
+        int, tuple[list[RegionRead], list[int]]
+    ] = {}  # rank -> (batch, [answer, asked])
     for read in reads:
-        per_rank[read.rank].append(read)
-    cut: list[list[RegionRead]] = []
-    for rank in sorted(per_rank):
-        batch: list[RegionRead] = []
-        answer = asked = 0
-        for read in per_rank[rank]:
-            request = read.request.ByteSize() + REQUEST_OVERHEAD_BYTES
-            if batch and (
-                answer + read.nbytes > limit_bytes
-                or asked + request > limit_bytes
-                or len(batch) == limit_regions
-            ):
-                cut.append(batch)
-                batch, answer, asked = [], 0, 0
-            batch.append(read)
-            answer, asked = answer + read.nbytes, asked + request
-        cut.append(batch)
-    return cut
+        batch, sizes = open_batches.setdefault(read.rank, ([], [0, 0]))
+        request = read.request.ByteSize() + REQUEST_OVERHEAD_BYTES
+        if batch and (
+            sizes[0] + read.nbytes > limit_bytes
+            or sizes[1] + request > limit_bytes
+            or len(batch) == limit_regions
+        ):
+            yield batch
+            batch, sizes = open_batches[read.rank] = ([], [0, 0])
+        batch.append(read)
+        sizes[0] += read.nbytes
+        sizes[1] += request
+    for rank in sorted(open_batches):
+        yield open_batches[rank][0]
 
 
 def read_batches(
     policy: PathPolicy,
     rank_of: Callable[[int], RankStatus],
-    cut: Sequence[Sequence[RegionRead]],
+    cut: Iterable[Sequence[RegionRead]],
     submit: Callable[[Callable[[], object]], Future[object]],
 ) -> set[int]:
-    """Read every batch of `cut` (one rank's regions each) as one ReadRegions call: the requests of those going
-    on a bulk port all sent before any answer is taken (client.paths.pipeline: the ranks work at once while
-    this thread copies the answers that came), gRPC calls on `submit`'s threads; falling back as reads do.
-    Returns the pieces to read again by themselves: those of batches whose rank failed as read_alone_after
-    says (the policy notes it); any other failure of a batch is raised once every batch has ended."""
+    """Read every batch of `cut` (one rank's regions each) as one ReadRegions call: a batch going on a bulk port
+    is sent as soon as `cut` gives it (client.paths.pipeline: the ranks answer while the caller still plans
+    and this thread copies the answers that came), the gRPC calls all at once on `submit`'s threads once `cut`
+    is done; falling back as reads do. Returns the pieces to read again by themselves: those of batches whose
+    rank failed as read_alone_after says (the policy notes it); any other failure of a batch is raised once
+    every batch has ended."""
     # the last error of each batch's call, by position in `cut`
     errors: dict[int, BaseException] = {}
-    calls = [
-        _batch_call(rank_of(batch[0].rank), batch, partial(errors.__setitem__, position))
-        for position, batch in enumerate(cut)
-    ]
-    sent = policy.send_all(calls, submit)
+    sent: list[tuple[list[int], SentCalls]] = []
+    streamed: list[tuple[int, NetworkCall]] = []
+    taken: list[Sequence[RegionRead]] = []
     try:
-        sent.wait()
-    except Exception:  # noqa: BLE001 - each failed batch is judged below by its own error
-        unexplained = [p for p, path in enumerate(sent.paths) if path is None and p not in errors]
-        if unexplained:
-            raise
+        for position, batch in enumerate(cut):
+            taken.append(batch)
+            rank = rank_of(batch[0].rank)
+            call = _batch_call(rank, batch, partial(errors.__setitem__, position))
+            if policy.sends_now(rank):
+                sent.append(([position], policy.send_all([call], submit)))
+            else:
+                streamed.append((position, call))
+    except BaseException:  # the batches out are answered before this is raised: none lands after
+        for _, calls in sent:
+            with suppress(Exception):
+                calls.wait()
+        raise
+    if streamed:
+        sent.append(([p for p, _ in streamed], policy.send_all([c for _, c in streamed], submit)))
+    paths: dict[int, PathKind | None] = {}
+    failure: Exception | None = None
+    for positions, calls in sent:
+        try:
+            calls.wait()
+        except Exception as err:  # noqa: BLE001 - each failed batch is judged below by its own error
+            failure = failure or err
+        paths.update(zip(positions, calls.paths))
+    if failure is not None and any(paths[p] is None and p not in errors for p in paths):
+        raise failure
     alone: set[int] = set()
-    for position, path in enumerate(sent.paths):
+    for position, path in sorted(paths.items()):
         if path is not None:
             continue
         if not read_alone_after(errors[position]):
             raise errors[position]
-        alone |= {read.piece for read in cut[position]}
+        alone |= {read.piece for read in taken[position]}
     return alone
 
 

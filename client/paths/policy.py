@@ -57,6 +57,7 @@ from shardserve.client.paths.kinds import (
     StreamedCalls,
     in_place_writes,
     path_refused,
+    pipelined,
     row_reads,
     streamed,
 )
@@ -336,6 +337,10 @@ class PathPolicy:
                 log.debug("byte ranges to %s through memory: %s; sending them", rank.address, err)
             return None
         return None
+
+    def sends_now(self, rank: RankStatus) -> bool:
+        """Whether a call to `rank` goes out on a pipelined path (send_all sends it at once, without a thread)."""
+        return pipelined(self.network.first(rank)) is not None
 
     def send_all(
         self, calls: Sequence[NetworkCall], submit: Callable[[Callable[[], object]], Future]
