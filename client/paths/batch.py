@@ -109,24 +109,31 @@ def filled_batches(
 ) -> Iterator[list[RegionRead]]:
     """The batches of `batches`, each given as soon as it is full (a caller can send it while `reads` is still
     being made), then the rest rank by rank."""
-    open_batches: dict[
-        int, tuple[list[RegionRead], list[int]]
-    ] = {}  # rank -> (batch, [answer, asked])
+    filling: dict[int, _Filling] = {}
     for read in reads:
-        batch, sizes = open_batches.setdefault(read.rank, ([], [0, 0]))
+        batch = filling.setdefault(read.rank, _Filling())
         request = read.request.ByteSize() + REQUEST_OVERHEAD_BYTES
-        if batch and (
-            sizes[0] + read.nbytes > limit_bytes
-            or sizes[1] + request > limit_bytes
-            or len(batch) == limit_regions
+        if batch.reads and (
+            batch.answer + read.nbytes > limit_bytes
+            or batch.asked + request > limit_bytes
+            or len(batch.reads) == limit_regions
         ):
-            yield batch
-            batch, sizes = open_batches[read.rank] = ([], [0, 0])
-        batch.append(read)
-        sizes[0] += read.nbytes
-        sizes[1] += request
-    for rank in sorted(open_batches):
-        yield open_batches[rank][0]
+            yield batch.reads
+            batch = filling[read.rank] = _Filling()
+        batch.reads.append(read)
+        batch.answer += read.nbytes
+        batch.asked += request
+    for rank in sorted(filling):
+        yield filling[rank].reads
+
+
+@dataclass
+class _Filling:
+    """One rank's batch being filled: its regions, and the bytes of its answer and of its request so far."""
+
+    reads: list[RegionRead] = field(default_factory=list)
+    answer: int = 0
+    asked: int = 0
 
 
 def read_batches(
@@ -141,45 +148,72 @@ def read_batches(
     is done; falling back as reads do. Returns the pieces to read again by themselves: those of batches whose
     rank failed as read_alone_after says (the policy notes it); any other failure of a batch is raised once
     every batch has ended."""
-    # the last error of each batch's call, by position in `cut`
-    errors: dict[int, BaseException] = {}
-    sent: list[tuple[list[int], SentCalls]] = []
-    streamed: list[tuple[int, NetworkCall]] = []
-    taken: list[Sequence[RegionRead]] = []
+    batches_sent = _BatchesSent()
     try:
-        for position, batch in enumerate(cut):
-            taken.append(batch)
-            rank = rank_of(batch[0].rank)
-            call = _batch_call(rank, batch, partial(errors.__setitem__, position))
-            if policy.sends_now(rank):
-                sent.append(([position], policy.send_all([call], submit)))
-            else:
-                streamed.append((position, call))
+        for batch in cut:
+            batches_sent.add(policy, rank_of(batch[0].rank), batch, submit)
     except BaseException:  # the batches out are answered before this is raised: none lands after
-        for _, calls in sent:
+        batches_sent.wait_quietly()
+        raise
+    return batches_sent.wait(policy, submit)
+
+
+class _BatchesSent:
+    """The batches of one read: those on a pipelined path sent as they come, the others kept to be called at
+    once; each batch's last error by its position."""
+
+    def __init__(self) -> None:
+        self.batches: list[Sequence[RegionRead]] = []
+        self.errors: dict[int, BaseException] = {}
+        self.sent: list[tuple[list[int], SentCalls]] = []
+        self.streamed: list[tuple[int, NetworkCall]] = []
+
+    def add(
+        self,
+        policy: PathPolicy,
+        rank: RankStatus,
+        batch: Sequence[RegionRead],
+        submit: Callable[[Callable[[], object]], Future[object]],
+    ) -> None:
+        position = len(self.batches)
+        self.batches.append(batch)
+        call = _batch_call(rank, batch, partial(self.errors.__setitem__, position))
+        if policy.sends_now(rank):
+            self.sent.append(([position], policy.send_all([call], submit)))
+        else:
+            self.streamed.append((position, call))
+
+    def wait_quietly(self) -> None:
+        """Wait for every batch sent, whatever its outcome."""
+        for _, calls in self.sent:
             with suppress(Exception):
                 calls.wait()
-        raise
-    if streamed:
-        sent.append(([p for p, _ in streamed], policy.send_all([c for _, c in streamed], submit)))
-    paths: dict[int, PathKind | None] = {}
-    failure: Exception | None = None
-    for positions, calls in sent:
-        try:
-            calls.wait()
-        except Exception as err:  # noqa: BLE001 - each failed batch is judged below by its own error
-            failure = failure or err
-        paths.update(zip(positions, calls.paths))
-    if failure is not None and any(paths[p] is None and p not in errors for p in paths):
-        raise failure
-    alone: set[int] = set()
-    for position, path in sorted(paths.items()):
-        if path is not None:
-            continue
-        if not read_alone_after(errors[position]):
-            raise errors[position]
-        alone |= {read.piece for read in taken[position]}
-    return alone
+
+    def wait(
+        self, policy: PathPolicy, submit: Callable[[Callable[[], object]], Future[object]]
+    ) -> set[int]:
+        """Call the kept batches, wait for every batch; the pieces of those whose rank failed (read_alone_after),
+        else the first other failure raised."""
+        if self.streamed:
+            positions, calls = zip(*self.streamed)
+            self.sent.append((list(positions), policy.send_all(list(calls), submit)))
+        paths: dict[int, PathKind | None] = {}
+        failure: Exception | None = None
+        for positions_sent, calls_sent in self.sent:
+            try:
+                calls_sent.wait()
+            except Exception as err:  # noqa: BLE001 - each failed batch is judged below by its own error
+                failure = failure or err
+            paths.update(zip(positions_sent, calls_sent.paths))
+        failed = sorted(position for position, path in paths.items() if path is None)
+        if failure is not None and any(position not in self.errors for position in failed):
+            raise failure
+        alone: set[int] = set()
+        for position in failed:
+            if not read_alone_after(self.errors[position]):
+                raise self.errors[position]
+            alone |= {read.piece for read in self.batches[position]}
+        return alone
 
 
 def _batch_call(
