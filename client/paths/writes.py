@@ -33,9 +33,8 @@ DIRECT_BATCH_BYTES = (
     64 << 20
 )  # one staging memfd or bulk-port batch carries at most this many: a rank's batches
 # go one after another, reusing one staging file (warm pages)
-SMALL_IN_PLACE_BYTES = (
-    64 << 10
-)  # in-place writes this small on average are made on the calling thread
+# in-place writes this small on average are made on the calling thread, one rank after another
+SMALL_IN_PLACE_BYTES = 64 << 10
 
 
 @dataclass(frozen=True)
