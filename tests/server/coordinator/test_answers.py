@@ -14,6 +14,7 @@ from shardserve.server.coordinator.catalog.records import (
     TensorRecord,
     TensorState,
 )
+from shardserve.server.coordinator.drivers.repair import RepairInFlight
 
 
 def _snapshot(count: int) -> SnapshotRecord:
@@ -45,3 +46,29 @@ def test_the_basic_view_leaves_out_the_entries_and_keeps_the_rest() -> None:
         '{"t":"d"}',
     )
     assert basic.nbytes == full.nbytes == 3 * 8 * 4
+
+
+def test_a_full_answer_is_kept_for_its_record_and_the_ranks_that_cannot_be_read() -> None:
+    down: set[int] = set()
+    repairing: dict[str, RepairInFlight] = {}
+    answers = Answers(rank_unreadable=lambda rank: rank in down, repair=repairing.get)
+    record = _snapshot(3)
+    first = answers.snapshot(record)
+    first.entries[
+        0
+    ].tensor.health = "changed by the caller"  # a copy: the kept answer is not touched
+    again = answers.snapshot(record)
+    assert again is not first and again.entries[0].tensor.health == "healthy"
+    assert [list(e.tensor.unavailable_shards) for e in again.entries] == [[], [], []]
+    down.add(1)  # rank 1 goes down: its shards are answered unavailable at once
+    assert [list(e.tensor.unavailable_shards) for e in answers.snapshot(record).entries] == [
+        [1]
+    ] * 3
+    down.clear()
+    assert answers.snapshot(record) == again
+    repairing["m@7/w1"] = RepairInFlight(9, 4, 16, 0.0, (0,))
+    assert answers.snapshot(record).entries[1].tensor.repair.bytes_done == 4
+    repairing["m@7/w1"] = RepairInFlight(9, 12, 16, 0.0, (0,))
+    assert (
+        answers.snapshot(record).entries[1].tensor.repair.bytes_done == 12
+    )  # never kept meanwhile
