@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -40,6 +41,7 @@ from shardserve.core.wire import byte_view
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.errors import Reason
 
+T = TypeVar("T")
 BATCH_READ_BYTES = 1 << 20  # the largest answer of one call (the ranks' BATCH_READ_BYTES)
 MAX_BATCH_REGIONS = 16384  # regions of one call (the ranks' MAX_BATCH_REGIONS)
 REPLY_OVERHEAD_BYTES = 16  # a ReadRegionsReply's framing beyond its data and offsets
@@ -90,25 +92,14 @@ def region_reads(
     ]
 
 
-def batches(
-    reads: Iterable[RegionRead],
-    limit_bytes: int = BATCH_READ_BYTES,
-    limit_regions: int = MAX_BATCH_REGIONS,
-) -> list[list[RegionRead]]:
-    """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` of answer, as many of
-    request, and `limit_regions` regions; rank by rank."""
-    return sorted(
-        filled_batches(reads, limit_bytes, limit_regions), key=lambda batch: batch[0].rank
-    )
-
-
 def filled_batches(
     reads: Iterable[RegionRead],
     limit_bytes: int = BATCH_READ_BYTES,
     limit_regions: int = MAX_BATCH_REGIONS,
 ) -> Iterator[list[RegionRead]]:
-    """The batches of `batches`, each given as soon as it is full (a caller can send it while `reads` is still
-    being made), then the rest rank by rank."""
+    """`reads` grouped per rank and cut, in order, into batches of at most `limit_bytes` of answer, as many of
+    request, and `limit_regions` regions: each batch given as soon as it is full (a caller can send it while
+    `reads` is still being made), then the rest rank by rank."""
     filling: dict[int, _Filling] = {}
     for read in reads:
         batch = filling.setdefault(read.rank, _Filling())
@@ -231,29 +222,24 @@ def _batch_call(
         counters.count_read(str(path), expected)
 
     def send(path: PipelinedCalls, cancel: Cancellation) -> Callable[[], None]:
-        try:
-            answer = path.send_read_regions(rank.address, request, reply_bytes, cancel)
-        except BaseException as err:
-            note(err)
-            raise
-
-        def take() -> None:
-            try:
-                land(answer(), path.kind)
-            except BaseException as err:
-                note(err)
-                raise
-
-        return take
+        answer = _noted(
+            note, partial(path.send_read_regions, rank.address, request, reply_bytes, cancel)
+        )
+        return lambda: _noted(note, lambda: land(answer(), path.kind))
 
     def call(path: StreamedCalls, cancel: Cancellation) -> None:
-        try:
-            land(path.read_regions(rank.address, request, reply_bytes), path.kind)
-        except BaseException as err:
-            note(err)
-            raise
+        _noted(note, lambda: land(path.read_regions(rank.address, request, reply_bytes), path.kind))
 
     return NetworkCall(rank, send, call, None, expected)
+
+
+def _noted(note: Callable[[BaseException], None], action: Callable[[], T]) -> T:
+    """`action()`, its error given to `note` before it is raised."""
+    try:
+        return action()
+    except BaseException as err:
+        note(err)
+        raise
 
 
 def _copy_regions(reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> None:
@@ -265,9 +251,8 @@ def _copy_regions(reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> No
     for read, start in zip(reads, reply.offsets):
         if not read.nbytes:
             continue
-        if _lands_as_is(
-            read
-        ):  # one memmove: a numpy or torch copy's dispatch costs more than 8 KiB
+        if _lands_as_is(read.dest, read.dtype):
+            # one memmove: a numpy or torch copy's dispatch costs more than copying 8 KiB
             ctypes.memmove(read.dest.data_ptr(), address + start, read.nbytes)
         else:
             copy_region(read.dest, data[start : start + read.nbytes], read.dtype)
@@ -278,17 +263,16 @@ def copy_region(dest: torch.Tensor, raw: np.ndarray, dtype: torch.dtype) -> None
     into a contiguous CPU `dest` of that dtype (one numpy copy: a small region costs a microsecond, not torch's
     dispatch), else through an aligned copy (a dtype view needs an element-aligned start), converted by
     `copy_` when `dest` is of another dtype."""
-    if dest.dtype == dtype and dest.is_contiguous() and dest.device.type == "cpu":
+    if _lands_as_is(dest, dtype):
         np.copyto(byte_view(dest).numpy(), raw)
     else:
         dest.copy_(torch.from_numpy(raw.copy()).view(dtype).view(dest.shape))
 
 
-def _lands_as_is(read: RegionRead) -> bool:
-    """Whether the region's bytes go unchanged into one run of host memory: `dest` of the tensor's dtype,
-    contiguous, on the CPU."""
-    dest = read.dest
-    return dest.dtype == read.dtype and dest.device.type == "cpu" and dest.is_contiguous()
+def _lands_as_is(dest: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a region's bytes of `dtype` go unchanged into `dest`, one run of host memory: `dest` of that
+    dtype, contiguous, on the CPU."""
+    return dest.dtype == dtype and dest.device.type == "cpu" and dest.is_contiguous()
 
 
 def _check_reply(address: str, reads: Sequence[RegionRead], reply: pb.ReadRegionsReply) -> None:

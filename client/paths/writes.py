@@ -128,7 +128,7 @@ def write_shards(
         lambda rank=rank, mine=mine: write_rank(rank, mine)
         for rank, mine in sorted(by_rank.items())
     ]
-    run = run_all if not _small_in_place([write for _, write in writes]) else _one_after_another
+    run = _one_after_another if _small_in_place([write for _, write in writes]) else run_all
     per_path: dict[str, int] = defaultdict(int)
     for path, nbytes in [done for batches in (run(jobs) if jobs else []) for done in batches]:
         per_path[path] += nbytes

@@ -105,14 +105,20 @@ class Answers:
         kept, unless a tensor of it is being repaired)."""
         unreadable = self.unreadable_once()
         tensors = record.tensors()
-        if any(self._repair(t.name) is not None for t in tensors):  # its progress moves: not kept
+
+        def build() -> pb.SnapshotInfo:
             return snapshot_to_proto(record, lambda out, t: self.tensor_into(out, t, unreadable))
+
+        if any(self._repair(t.name) is not None for t in tensors):  # its progress moves: not kept
+            return build()
+        # by the record's id: the entry holds the record, so no other object takes that id while it is kept
         key = (id(record), frozenset(rank for rank in _ranks_of(tensors) if unreadable(rank)))
         with self._lock:
             kept = self._kept_snapshots.get(key)
-        if kept is None or kept[0] is not record:
-            answer = snapshot_to_proto(record, lambda out, t: self.tensor_into(out, t, unreadable))
-            kept = (record, answer)
+            if kept is not None:
+                self._kept_snapshots.move_to_end(key)
+        if kept is None:
+            kept = (record, build())
             with self._lock:
                 self._kept_snapshots[key] = kept
                 while len(self._kept_snapshots) > KEPT_SNAPSHOT_ANSWERS:

@@ -62,12 +62,7 @@ class VersionLeases:
     def lease(self, name: str, version: int, served: bool = True) -> Iterator[StoredVersion]:
         """Lease (name, version), served (or, with served=False, pending): reads that go on outside a stream
         (OpenShard, lookups, copies, checkpoint jobs)."""
-        with self._lock:
-            if served:
-                record = self._versions.served(name, version)
-            else:
-                record = self._versions.pending(name, version)
-            self._versions.lease(record)
+        record = self._take(name, version, served=served)
         with self._held(record):
             yield record
 
@@ -88,7 +83,7 @@ class VersionLeases:
     def reads(self) -> Iterator[LeasedReads]:
         """Leases for a batch of reads (ReadRegions): each served version leased at its first box and held
         until the batch ends, so that many small boxes pay one lease per version, not one per box."""
-        batch = LeasedReads(self._take_served, self.box_of)
+        batch = LeasedReads(self._take, self.box_of)
         try:
             yield batch
         finally:
@@ -116,10 +111,14 @@ class VersionLeases:
             )
         return local_view(shard_tensor, shard_box, wanted)
 
-    def _take_served(self, name: str, version: int) -> StoredVersion:
-        """The served (name, version) (0: the newest), leased; the caller releases it."""
+    def _take(self, name: str, version: int, *, served: bool = True) -> StoredVersion:
+        """(name, version) leased: served (0: the newest), or with served=False pending; the caller releases it
+        (_release)."""
         with self._lock:
-            record = self._versions.served(name, version)
+            if served:
+                record = self._versions.served(name, version)
+            else:
+                record = self._versions.pending(name, version)
             self._versions.lease(record)
         return record
 

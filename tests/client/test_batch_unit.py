@@ -11,7 +11,6 @@ from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths.batch import (
     RegionRead,
-    batches,
     copy_region,
     filled_batches,
     read_batches,
@@ -31,6 +30,11 @@ def read(rank: int, nbytes: int, piece: int = 0, name: str = "t") -> RegionRead:
         piece,
         torch.uint8,
     )
+
+
+def batches(reads, **limits):
+    """Every batch filled_batches gives, rank by rank (each rank's in the order given)."""
+    return sorted(filled_batches(reads, **limits), key=lambda batch: batch[0].rank)
 
 
 def test_batches_are_per_rank_in_order_and_cut_by_answer_bytes_and_region_count():
