@@ -1,5 +1,5 @@
-"""server.common.metrics without processes: a stream its caller closes early is no error, and every method's
-series exist at 0 from the start."""
+"""server.common.metrics without processes: a stream its caller closes early is no error, every method's
+series exist at 0 from the start, and a gauge collector reads its state at scrapes only."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shardserve.server.common.metrics import ServerMetrics, _timed
+from shardserve.server.common.metrics import Gauge, GaugeCollector, ServerMetrics, _timed
 
 
 class Context:
@@ -74,3 +74,17 @@ def test_every_method_has_its_error_series_at_zero_from_the_start(role: str, met
     assert got[("shardserve_rpc_failed_total", (("method", method),))] == 0
     for code in ("NOT_FOUND", "ALREADY_EXISTS", "INVALID_ARGUMENT", "UNAVAILABLE"):
         assert got[("shardserve_rpc_errors_total", (("code", code), ("method", method)))] == 0
+
+
+def test_a_gauge_collector_reads_its_state_at_each_scrape_and_not_when_registered() -> None:
+    metrics = ServerMetrics("coordinator")
+    reads: list[int] = []
+
+    def read() -> list[Gauge]:
+        reads.append(1)
+        return [Gauge("shardserve_test_items", "items held").add(len(reads))]
+
+    metrics.add_collector(GaugeCollector(read))
+    assert reads == []
+    assert samples(metrics)[("shardserve_test_items", ())] == 1.0
+    assert samples(metrics)[("shardserve_test_items", ())] == 2.0
