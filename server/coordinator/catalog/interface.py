@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
     CatalogContents,
+    PlacedVersion,
     ShardChecksums,
     SnapshotRecord,
     TensorRecord,
@@ -146,6 +147,10 @@ class Catalog(abc.ABC):
         wanted = set(ranks)
         rows = [r for r in self.list(include_pending=True) if wanted & set(r.metadata.ranks())]
         return sorted(rows, key=lambda r: r.version)
+
+    def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
+        """The name, version and state of every row `holding(ranks)` returns, in its order."""
+        return [PlacedVersion(r.name, r.version, r.state) for r in self.holding(ranks)]
 
     def placed_ranks(self) -> set[int]:
         """Every rank some row places a shard on."""

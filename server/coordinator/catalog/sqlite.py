@@ -32,6 +32,7 @@ from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.records import (
     CatalogContents,
+    PlacedVersion,
     ShardChecksums,
     SnapshotRecord,
     TensorRecord,
@@ -236,6 +237,18 @@ class SQLiteCatalog(Catalog):
                 f"({','.join('?' * len(wanted))}))",
                 tuple(wanted),
             )
+
+    def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
+        wanted = sorted(set(ranks))
+        if not wanted:
+            return []
+        with self._lock:  # the same rows as holding(), their documents left undecoded
+            rows = self._db.execute(
+                "SELECT name, version, state FROM tensors WHERE layout IN (SELECT layout FROM "
+                f"layout_ranks WHERE rank IN ({','.join('?' * len(wanted))})) ORDER BY version",
+                tuple(wanted),
+            ).fetchall()
+        return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
         with self._lock:

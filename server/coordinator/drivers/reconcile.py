@@ -13,7 +13,6 @@ from collections.abc import Callable
 import grpc
 
 from shardserve.server.common.errors import ServiceError
-from shardserve.server.coordinator.catalog.records import TensorRecord
 from shardserve.server.coordinator.drivers.context import DriverContext
 from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
 
@@ -58,20 +57,20 @@ class Reconciler:
         each lost record is marked on its own (one failure is logged)."""
         try:
             known, missing, promote = set(), [], []
-            for record in self.catalog.holding([rank]):
-                known.add(record.key)
-                if record.key in held:
-                    if record.ready:
-                        promote.append(record)
-                elif record.ready:
-                    missing.append(record)
+            for placed in self.catalog.placed_versions([rank]):
+                known.add(placed.key)
+                if placed.key in held:
+                    if placed.ready:
+                        promote.append(placed.key)
+                elif placed.ready:
+                    missing.append(placed.key)
             self._promote_all(rank, promote)
             # None: cannot tell, nothing forgotten
             held_now = self.calls.held_by(rank) if missing else set()
             if held_now is not None:
-                for record in missing:
-                    if record.key not in held_now:
-                        self._step(rank, record, "mark lost", self._mark_lost)
+                for key in missing:
+                    if key not in held_now:
+                        self._step(rank, key, "mark lost", self._mark_lost)
             unknown = sorted(held - known)
             if unknown:
                 self.calls.drop_many_quietly({rank: unknown})
@@ -82,27 +81,28 @@ class Reconciler:
                 rank
             )  # its restored versions are promoted (or reported lost)
 
-    def _promote_all(self, rank: int, records: list[TensorRecord]) -> None:
-        """Promote `records` on `rank` again with one PromoteMany; when the batch fails (one version the rank
-        dropped meanwhile fails it whole), each on its own, so that one failure is logged and the others done."""
-        if not records:
+    def _promote_all(self, rank: int, keys: list[tuple[str, int]]) -> None:
+        """Promote the versions `keys` on `rank` again with one PromoteMany; when the batch fails (one version the
+        rank dropped meanwhile fails it whole), each on its own, so that one failure is logged and the others
+        done."""
+        if not keys:
             return
         try:
-            self.calls.promote_many(
-                {rank: [r.key for r in records]}, f"re-promote {len(records)} versions"
-            )
+            self.calls.promote_many({rank: keys}, f"re-promote {len(keys)} versions")
         except ServiceError:
-            for record in records:
-                self._step(rank, record, "re-promote", self._promote)
+            for key in keys:
+                self._step(rank, key, "re-promote", self._promote)
 
-    def _promote(self, rank: int, record: TensorRecord) -> None:
-        self.calls.promote([rank], record.name, record.version, f"re-promote {record.name!r}")
+    def _promote(self, rank: int, key: tuple[str, int]) -> None:
+        name, version = key
+        self.calls.promote([rank], name, version, f"re-promote {name!r}")
 
-    def _mark_lost(self, rank: int, record: TensorRecord) -> None:
+    def _mark_lost(self, rank: int, key: tuple[str, int]) -> None:
         """Record that `rank` lost its copies of a READY version (it came back without them), if it is still that
         record: the tensor stays in the catalog, its boxes read from other copies or reported lost."""
-        with self.locks.hold(record.name):
-            current = self.catalog.get(record.name, record.version)
+        name, version = key
+        with self.locks.hold(name):
+            current = self.catalog.get(name, version)
             if current is None or not current.ready:
                 return
             shards = current.metadata.shards_on(rank)
@@ -115,8 +115,8 @@ class Reconciler:
                 "rank %d lost its copies of tensor %r version %d (restarted?): shards %s; the tensor is "
                 "now %s",
                 rank,
-                record.name,
-                record.version,
+                name,
+                version,
                 shards,
                 health.state if health is not None else "",
             )
@@ -124,18 +124,18 @@ class Reconciler:
     def _step(
         self,
         rank: int,
-        record: TensorRecord,
+        key: tuple[str, int],
         what: str,
-        step: Callable[[int, TensorRecord], None],
+        step: Callable[[int, tuple[str, int]], None],
     ) -> None:
         try:
-            step(rank, record)
+            step(rank, key)
         except (ServiceError, grpc.RpcError) as err:
             log.warning(
                 "reconciling rank %d: could not %s %r version %d: %s",
                 rank,
                 what,
-                record.name,
-                record.version,
+                key[0],
+                key[1],
                 err,
             )

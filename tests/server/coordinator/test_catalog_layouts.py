@@ -1,7 +1,8 @@
-"""The SQLite catalog's indexed queries of the background work: the versions on given ranks (through each row's
-layout and the ranks of each layout), the ranks any layout uses, the rows with lost copies, the pending rows past
-a timeout. Each answers what a scan of every row would, through its index (checked with SQLite's query plan),
-and a catalog of the previous schema gets its layouts when opened."""
+"""The SQLite catalog's indexed queries of the background work: the versions on given ranks (their records, or
+only their names, versions and states), through each row's layout and the ranks of each layout; the ranks any
+layout uses, the rows with lost copies, the pending rows past a timeout. Each answers what a scan of every row
+would, through its index (checked with SQLite's query plan), and a catalog of the previous schema gets its
+layouts when opened."""
 
 from __future__ import annotations
 
@@ -49,15 +50,25 @@ def keys(records: list[TensorRecord]) -> list[tuple[str, int]]:
     return [(r.name, r.version) for r in records]
 
 
+def placed(catalog: SQLiteCatalog, ranks: list[int]) -> list[tuple[str, int, TensorState]]:
+    """The indexed name, version and state of the versions on `ranks`, checked against a scan's."""
+    found = [tuple(p) for p in catalog.placed_versions(ranks)]
+    assert found == [(r.name, r.version, r.state) for r in Catalog.holding(catalog, ranks)]
+    return found
+
+
 def test_the_versions_on_ranks_follow_every_change_of_the_rows(catalog):
     catalog.add_all([row("a", 1, 0, 1), row("b", 2, 1, 2), row("c", 3, 3, 3)])
     assert keys(catalog.holding([1])) == [("a", 1), ("b", 2)] == scanned(catalog, [1])
     assert keys(catalog.holding([0, 3])) == [("a", 1), ("c", 3)] == scanned(catalog, [0, 3])
     assert catalog.holding([]) == [] and catalog.holding([9]) == []
+    assert placed(catalog, [1]) == [("a", 1, TensorState.PENDING), ("b", 2, TensorState.PENDING)]
+    assert placed(catalog, []) == [] and placed(catalog, [9]) == []
     assert catalog.placed_ranks() == {0, 1, 2, 3}
     catalog.add(row("a", 4, 2, 2))  # a new version of a, on another rank
     catalog.commit("a", 4)  # no older READY row to remove: "a" 1 is pending
     assert keys(catalog.holding([2])) == [("b", 2), ("a", 4)] == scanned(catalog, [2])
+    assert placed(catalog, [2]) == [("b", 2, TensorState.PENDING), ("a", 4, TensorState.READY)]
     catalog.update(replace(catalog.get("b", 2), metadata=layout(5, 5)))  # a row's layout replaced
     assert keys(catalog.holding([1])) == [("a", 1)] and keys(catalog.holding([5])) == [("b", 2)]
     catalog.remove("a")
@@ -66,6 +77,7 @@ def test_the_versions_on_ranks_follow_every_change_of_the_rows(catalog):
     catalog.add_all([entry.tensor for entry in entries])
     catalog.commit_snapshot(SnapshotRecord("p", 9, 1, entries))
     assert [(r.name, r.state) for r in catalog.holding([7])] == [("p@9/w", TensorState.READY)]
+    assert placed(catalog, [6, 7]) == [("p@9/w", 9, TensorState.READY)]
 
 
 def test_rows_with_lost_copies_and_pending_rows_past_a_time(catalog):
@@ -93,6 +105,7 @@ def test_the_queries_of_the_background_work_are_answered_through_indexes(catalog
     statements: list[str] = []
     catalog.trace_statements(statements.append)
     catalog.holding([1, 2])
+    catalog.placed_versions([1, 2])
     catalog.pending(created_before=1.0)
     catalog.promoting()
     catalog.with_lost_copies()
