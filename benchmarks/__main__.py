@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--ranks N,N] [--json FILE] [--plots DIR] [--only NAME...]`: the suite.
+"""`python -m benchmarks [--quick] [--ranks N,N] [--shards N] [--json FILE] [--plots DIR] [--only NAME...]`: the suite.
 
 Runs every registered scenario (see benchmarks.harness) with its baselines in
 the same run, prints machine info and a table of absolute figures and ratios
@@ -18,6 +18,7 @@ from pathlib import Path
 from benchmarks.harness import document, load_scenarios, run_scenarios
 from benchmarks.machine import machine_info
 from benchmarks.report import print_report
+from benchmarks.scale import SHARDS, SHARDS_STEP
 
 
 def rank_counts(text: str) -> tuple[int, ...]:
@@ -29,6 +30,17 @@ def rank_counts(text: str) -> tuple[int, ...]:
     if not counts or min(counts) < 1:
         raise argparse.ArgumentTypeError(f"--ranks {text!r}: every count must be >= 1")
     return counts
+
+
+def shard_count(text: str) -> int:
+    """`--shards 10000`: a positive count of whole tables (multiples of SHARDS_STEP)."""
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shards {text!r} is not a number") from None
+    if count < SHARDS_STEP or count % SHARDS_STEP:
+        raise argparse.ArgumentTypeError(f"--shards {count}: a positive multiple of {SHARDS_STEP}")
+    return count
 
 
 def parse_args(argv: list[str], names: list[str]) -> argparse.Namespace:
@@ -43,6 +55,13 @@ def parse_args(argv: list[str], names: list[str]) -> argparse.Namespace:
         type=rank_counts,
         metavar="N,N,...",
         help="rank counts for the scenarios that simulate ranks (scale; default 10,100,1000)",
+    )
+    parser.add_argument(
+        "--shards",
+        type=shard_count,
+        metavar="N",
+        help=f"shards of the scale scenario's state dict, and of its tables (default {SHARDS:,}; the same at "
+        f"every rank count, so that the growth from one count to the next is the coordinator's)",
     )
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON to FILE")
     parser.add_argument("--plots", metavar="DIR", help="write one PNG per scenario group into DIR")
@@ -63,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv, list(registry))
     selected = args.only or list(registry)
     machine = machine_info()
-    rows, reports = run_scenarios(selected, args.quick, args.ranks)
+    rows, reports = run_scenarios(selected, args.quick, args.ranks, shards=args.shards)
     machine["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print_report(rows, reports, machine)
     doc = document(rows, reports, args.quick, " ".join(["python -m benchmarks", *argv]), machine)

@@ -144,12 +144,13 @@ def failure_row(group: str, case: str, name: str, error: BaseException, **fields
 
 @dataclass
 class Context:
-    """What a scenario gets: the quick flag, the RSS sampler, and the rank counts asked for (`--ranks`; None: the
-    scenario's own)."""
+    """What a scenario gets: the quick flag, the RSS sampler, and the rank counts and shards asked for (`--ranks`,
+    `--shards`; None: the scenario's own)."""
 
     quick: bool
     sampler: RssSampler
     ranks: tuple[int, ...] | None = None
+    shards: int | None = None
 
     def rss(self, pids: Iterable[int] | None = None):
         """Context manager yielding {label: peak RSS bytes} of `pids` (default all processes) while it is open."""
@@ -243,13 +244,17 @@ def fill_ratios(rows: list[Row]) -> None:
 
 
 def run_scenarios(
-    names: Iterable[str], quick: bool, ranks: tuple[int, ...] | None = None
+    names: Iterable[str],
+    quick: bool,
+    ranks: tuple[int, ...] | None = None,
+    *,
+    shards: int | None = None,
 ) -> tuple[list[Row], list[dict]]:
     """Run the named scenarios one after another; a failing scenario is reported, not fatal."""
     rows: list[Row] = []
     reports: list[dict] = []
     with RssSampler() as sampler:
-        ctx = Context(quick=quick, sampler=sampler, ranks=ranks)
+        ctx = Context(quick=quick, sampler=sampler, ranks=ranks, shards=shards)
         for name in names:
             entry = REGISTRY[name]
             start = time.perf_counter()

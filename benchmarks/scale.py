@@ -5,10 +5,10 @@ For each N (10, 100 and 1,000; `--ranks 10,100` to choose, `--quick` for a smoke
 code in a few processes (benchmarks/scale_ranks.py; tiny shards, no collectives), then, in order:
 
 - registration of N ranks at once (cold), and the coordinator's CPU and memory with N idle ranks heartbeating;
-- CreateSnapshot + CommitSnapshot of a state dict of TENSORS tensors of 10 shards (100,000 shards), first and
+- CreateSnapshot + CommitSnapshot of a state dict of tensors of 10 shards (SHARDS in all: 100,000), first and
   steady (a commit that reserves the next snapshot, then the commit of that reservation), read back bit for bit;
 - `list` (ListTensors), `status` (what `shardserve status` asks) and GetTensor with that catalog;
-- TABLES replicated tables of TABLE_SHARDS shards (100,000 in all) resharded: the coordinator's planning (to
+- replicated tables of 1,000 shards (SHARDS in all) resharded: the coordinator's planning (to
   the first progress message) and its prepare/commit fan-out (from there to DONE), read back bit for bit;
 - the coordinator killed and started again: seconds to serving with the full catalog, and until the N ranks
   are registered again;
@@ -19,7 +19,10 @@ Every row prints its figure at each N and the growth exponent between the last t
 of the rank ratio: 0 flat, 1 linear in ranks). The machine is shared: the load average is printed with every
 run; exponents matter more than absolute times.
 
-    python -m benchmarks --only scale [--ranks 10,100,1000] [--quick]
+    python -m benchmarks --only scale [--ranks 10,100,1000] [--shards 100000] [--quick]
+
+`--shards` makes both workloads smaller (or larger), the same at every N: on a machine too small for 100,000
+shards over 1,000 simulated ranks, the growth exponents can still be read at fewer shards.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from benchmarks.scale_workload import (
     table_value,
     write_snapshot,
 )
+from benchmarks.scale_workload import (
+    ROWS as SHARD_ROWS,
+)
 from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -52,8 +58,10 @@ log = logging.getLogger(__name__)
 GROUP = "scale"
 RANKS = (10, 100, 1000)
 QUICK_RANKS = (8,)  # one cluster: the smoke test runs every scenario within 120 s
-TENSORS, QUICK_TENSORS = 10_000, 200
-TABLES, TABLE_ROWS = 100, 500  # x 2 replicas: 100,000 shards
+SHARDS = 100_000  # of the state dict (10 per tensor), and of the tables
+TABLE_ROWS = 500  # x 2 replicas
+SHARDS_STEP = 2 * TABLE_ROWS  # one table's shards: --shards counts whole tables
+QUICK_TENSORS = 200
 QUICK_TABLES, QUICK_TABLE_ROWS = 4, 50
 QUICK_PROCESSES = 2  # rank processes of a quick run (each imports torch)
 SETTLE_TIMEOUT_S = REPAIR_TIMEOUT_S = 900.0
@@ -77,7 +85,8 @@ class Figures:
     values: dict[str, float] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    failure: str = ""  # the error that stopped this N before its last row ("": none)
+    failure: str = ""
+    work: str = ""  # the workloads' sizes, as the table names them  # the error that stopped this N before its last row ("": none)
 
 
 ROWS = (  # (key, what, unit, target at 1,000 ranks)
@@ -135,10 +144,14 @@ def scale_scenario(ctx: Context) -> list[Row]:
 def run_one(ctx: Context, figures: Figures) -> None:
     """Every row at one N, in the order the module docstring gives."""
     world, quick = figures.ranks, ctx.quick
-    state = StateDict(QUICK_TENSORS if quick else TENSORS, world)
-    tables, rows = (QUICK_TABLES, QUICK_TABLE_ROWS) if quick else (TABLES, TABLE_ROWS)
+    shards = ctx.shards or SHARDS
+    state = StateDict(QUICK_TENSORS if quick else shards // SHARD_ROWS, world)
+    tables, rows = (
+        (QUICK_TABLES, QUICK_TABLE_ROWS) if quick else (shards // SHARDS_STEP, TABLE_ROWS)
+    )
     values, checks = figures.values, figures.checks
     figures.load = os.getloadavg()
+    figures.work = f"state dict {state.shards:,} shards, tables {tables * rows * 2:,} shards"
     with SimulatedCluster(
         world,
         heartbeat_interval=HEARTBEAT_S,
@@ -455,6 +468,7 @@ def print_table(results: list[Figures]) -> None:
     loads = ", ".join(f"N={f.ranks}: {' '.join(f'{x:.2f}' for x in f.load)}" for f in results)
     out = console()
     out.print(table)
+    out.print(f"workloads: {results[0].work} (the targets are for 100,000 shards each)")
     out.print(f"load average at the start of each N: {loads}")
     for f in results:
         out.print(f"N={f.ranks} checks: {f.checks}, retries: {f.values.get('retries', 0)}")

@@ -190,4 +190,5 @@ def test_scale_scenario_has_every_row_at_its_rank_count_with_the_data_read_back(
     timed = {r["extra"]["key"]: r for r in rows if r["extra"]["coordinator_cpu_s"] is not None}
     assert {"register_cold", "snapshot_first", "snapshot_steady", "list", "status"} <= set(timed)
     assert "scale: the coordinator at N simulated ranks" in stdout
+    assert "workloads: state dict 2,000 shards, tables 400 shards" in stdout
     assert "load average at the start of each N" in stdout
