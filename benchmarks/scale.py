@@ -85,8 +85,8 @@ class Figures:
     values: dict[str, float] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     load: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    failure: str = ""
-    work: str = ""  # the workloads' sizes, as the table names them  # the error that stopped this N before its last row ("": none)
+    failure: str = ""  # the error that stopped this N before its last row ("": none)
+    work: str = ""  # the workloads' sizes, as the table names them
 
 
 ROWS = (  # (key, what, unit, target at 1,000 ranks)
