@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -47,9 +47,10 @@ from shardserve.server.coordinator.catalog.documents import (
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.postgres_leadership import PostgresLeadership, check_term
-from shardserve.server.coordinator.catalog.postgres_schema import upgrade
+from shardserve.server.coordinator.catalog.postgres_schema import RANKS_OF, upgrade
 from shardserve.server.coordinator.catalog.records import (
     CatalogContents,
+    PlacedVersion,
     ShardChecksums,
     SnapshotRecord,
     TensorRecord,
@@ -258,6 +259,25 @@ class PostgresCatalog(Catalog):
 
     def promoting(self) -> list[TensorRecord]:
         return self._tensors_where("(record->>'promoting')::boolean", ())
+
+    def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
+        return self._tensors_where(f"{RANKS_OF} && %s::integer[]", (sorted(set(ranks)),))
+
+    def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
+        rows = self._rows(
+            f"SELECT name, version, state FROM tensors WHERE {RANKS_OF} && %s::integer[] "
+            "ORDER BY version",
+            (sorted(set(ranks)),),
+        )
+        return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
+
+    def placed_ranks(self) -> set[int]:
+        return {r[0] for r in self._rows(f"SELECT DISTINCT unnest({RANKS_OF}) FROM tensors")}
+
+    def with_lost_copies(self) -> list[TensorRecord]:
+        return self._tensors_where(  # the partial index tensors_lost: only rows with lost copies are read
+            "jsonb_array_length(record->'lost_shards') > 0 AND state = %s", (_READY,)
+        )
 
     def _tensors_where(self, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
         rows = self._rows(f"SELECT record::text FROM tensors WHERE {where} ORDER BY version", args)

@@ -251,8 +251,13 @@ class SQLiteCatalog(Catalog):
         return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
-        with self._lock:
-            return {r[0] for r in self._db.execute("SELECT DISTINCT rank FROM layout_ranks")}
+        with (
+            self._lock
+        ):  # of the layouts rows have now (one replaced stays in the table until a reopen)
+            rows = self._db.execute(
+                "SELECT DISTINCT rank FROM layout_ranks WHERE layout IN (SELECT layout FROM tensors)"
+            )
+            return {r[0] for r in rows}
 
     def with_lost_copies(self) -> list[TensorRecord]:
         with self._lock:  # the partial index tensors_lost: only rows with lost copies are read
