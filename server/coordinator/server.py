@@ -54,7 +54,10 @@ class CoordinatorServer:
         self.locks = NameLocks()
         self.quotas = ByteQuotas(catalog)
         self.collectives = CollectiveRunner(
-            self.registry, catalog.next_version, options.store_port, options.store_host
+            self.registry,
+            lambda: catalog.next_versions(1)[0],
+            options.store_port,
+            options.store_host,
         )
         context = DriverContext(catalog, self.registry, self.calls, self.locks)
         self.reshards = ReshardDriver(context, collectives=self.collectives)

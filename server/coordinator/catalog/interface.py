@@ -27,10 +27,6 @@ class Catalog(abc.ABC):
     def next_versions(self, count: int) -> list[int]:
         """`count` version numbers never handed out before, increasing (the counter survives restarts)."""
 
-    def next_version(self) -> int:
-        """A version number never handed out before."""
-        return self.next_versions(1)[0]
-
     @abc.abstractmethod
     def add_all(self, records: list[TensorRecord], *, durable: bool = True) -> None:
         """Record new (name, version) rows in one transaction: all of them or, on an error, none (`durable`

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -149,11 +149,6 @@ class PostgresCatalog(Catalog):
                 check_term(db, term)
             yield db
 
-    def _rows(self, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        """The rows of one read (outside any transaction: it sees what was committed)."""
-        with self._connection() as db:
-            return db.execute(query, args).fetchall()
-
     def next_versions(self, count: int) -> list[int]:
         """`count` new version numbers, from a block reserved in one transaction per VERSION_BLOCK numbers (a
         restart skips the rest of a block: numbers only grow, never repeat)."""
@@ -212,15 +207,17 @@ class PostgresCatalog(Catalog):
         return committed, removed
 
     def snapshots(self, prefix: str) -> list[SnapshotRecord]:
-        rows = self._rows(
-            "SELECT record::text FROM snapshots WHERE prefix = %s ORDER BY number", (prefix,)
+        rows = _read(
+            self._connection,
+            "SELECT record::text FROM snapshots WHERE prefix = %s ORDER BY number",
+            (prefix,),
         )
         return [snapshot_of(r[0]) for r in rows]
 
     def snapshot(self, prefix: str, number: int = 0) -> SnapshotRecord | None:
         query = "SELECT record::text FROM snapshots WHERE prefix = %s "
         query += "ORDER BY number DESC LIMIT 1" if number == 0 else "AND number = %s"
-        rows = self._rows(query, (prefix,) if number == 0 else (prefix, number))
+        rows = _read(self._connection, query, (prefix,) if number == 0 else (prefix, number))
         return snapshot_of(rows[0][0]) if rows else None
 
     def update(self, record: TensorRecord) -> None:
@@ -244,27 +241,32 @@ class PostgresCatalog(Catalog):
             return _deleted(db, f"DELETE FROM tensors WHERE {where}", args)
 
     def get(self, name: str, version: int) -> TensorRecord | None:
-        found = self._tensors_where("name = %s AND version = %s", (name, version))
+        found = _records_where(self._connection, "name = %s AND version = %s", (name, version))
         return found[0] if found else None
 
     def versions(self, name: str) -> list[TensorRecord]:
-        return self._tensors_where("name = %s", (name,))
+        return _records_where(self._connection, "name = %s", (name,))
 
     def pending(self, created_before: float | None = None) -> list[TensorRecord]:
         if created_before is None:
-            return self._tensors_where("state = %s", (_PENDING,))
-        return self._tensors_where(
-            "state = %s AND (record->>'created_unix')::float8 < %s", (_PENDING, created_before)
+            return _records_where(self._connection, "state = %s", (_PENDING,))
+        return _records_where(
+            self._connection,
+            "state = %s AND (record->>'created_unix')::float8 < %s",
+            (_PENDING, created_before),
         )
 
     def promoting(self) -> list[TensorRecord]:
-        return self._tensors_where("(record->>'promoting')::boolean", ())
+        return _records_where(self._connection, "(record->>'promoting')::boolean", ())
 
     def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
-        return self._tensors_where(f"{RANKS_OF} && %s::integer[]", (sorted(set(ranks)),))
+        return _records_where(
+            self._connection, f"{RANKS_OF} && %s::integer[]", (sorted(set(ranks)),)
+        )
 
     def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
-        rows = self._rows(
+        rows = _read(
+            self._connection,
             f"SELECT name, version, state FROM tensors WHERE {RANKS_OF} && %s::integer[] "
             "ORDER BY version",
             (sorted(set(ranks)),),
@@ -272,16 +274,17 @@ class PostgresCatalog(Catalog):
         return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
-        return {r[0] for r in self._rows(f"SELECT DISTINCT unnest({RANKS_OF}) FROM tensors")}
+        return {
+            r[0]
+            for r in _read(self._connection, f"SELECT DISTINCT unnest({RANKS_OF}) FROM tensors")
+        }
 
     def with_lost_copies(self) -> list[TensorRecord]:
-        return self._tensors_where(  # the partial index tensors_lost: only rows with lost copies are read
-            "jsonb_array_length(record->'lost_shards') > 0 AND state = %s", (_READY,)
+        return _records_where(
+            self._connection,  # the partial index tensors_lost: only rows with lost copies are read
+            "jsonb_array_length(record->'lost_shards') > 0 AND state = %s",
+            (_READY,),
         )
-
-    def _tensors_where(self, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
-        rows = self._rows(f"SELECT record::text FROM tensors WHERE {where} ORDER BY version", args)
-        return [tensor_of(r[0]) for r in rows]
 
     def contents(self) -> CatalogContents:
         with (
@@ -342,8 +345,10 @@ class PostgresCatalog(Catalog):
     # defined last: below it, `list` in this class body would name the method, not the builtin
     def list(self, include_pending: bool = False) -> list[TensorRecord]:
         where, args = ("true", ()) if include_pending else ("state = %s", (_READY,))
-        rows = self._rows(
-            f"SELECT record::text FROM tensors WHERE {where} ORDER BY name, version", args
+        rows = _read(
+            self._connection,
+            f"SELECT record::text FROM tensors WHERE {where} ORDER BY name, version",
+            args,
         )
         return [tensor_of(r[0]) for r in rows]
 
@@ -464,3 +469,21 @@ def _drop_old_snapshots(db: psycopg.Connection, prefix: str, keep: int) -> Remov
     ).fetchall()
     db.execute("DELETE FROM snapshots WHERE prefix = %s AND number = ANY(%s)", (prefix, old))
     return RemovedRows([row[0] for row in rows])
+
+
+Connect = Callable[[], AbstractContextManager[psycopg.Connection]]
+"""A catalog's pooled connection (PostgresCatalog._connection, bound)."""
+
+
+def _read(connection: Connect, query: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The rows of one read (outside any transaction: it sees what was committed)."""
+    with connection() as db:
+        return db.execute(query, args).fetchall()
+
+
+def _records_where(connection: Connect, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
+    """The records of the rows `where` selects, oldest version first."""
+    rows = _read(
+        connection, f"SELECT record::text FROM tensors WHERE {where} ORDER BY version", args
+    )
+    return [tensor_of(r[0]) for r in rows]

@@ -56,7 +56,8 @@ VERSION_BLOCK = (
 class SQLiteCatalog(Catalog):
     """The embedded default: one SQLite file under the state dir, WAL mode, one transaction per change."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, trace: Callable[[str], object] | None = None) -> None:
+        """`trace`: called with every SQL statement the catalog sends (for diagnosis)."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -66,6 +67,7 @@ class SQLiteCatalog(Catalog):
         self._db = sqlite3.connect(
             str(self.path), isolation_level=None, check_same_thread=False, timeout=10.0
         )
+        self._db.set_trace_callback(trace)
         self._db.execute("PRAGMA journal_mode=WAL")
         # FULL: NORMAL may lose the last commits to a power cut, and a commit the ranks acted on (an old
         # version dropped) must survive; catalog writes are few
@@ -270,11 +272,6 @@ class SQLiteCatalog(Catalog):
         with self._lock:
             level: int = self._db.execute("PRAGMA synchronous").fetchone()[0]
             return level
-
-    def trace_statements(self, callback: Callable[[str], object] | None) -> None:
-        """Call `callback` with every SQL statement this catalog sends (None: stop); for diagnosis."""
-        with self._lock:
-            self._db.set_trace_callback(callback)
 
     def contents(self) -> CatalogContents:
         with self._transaction(fenced=False) as db:

@@ -205,7 +205,7 @@ class CheckpointDriver:
             for name, meta in layouts.items():
                 record = TensorRecord(
                     name=name,
-                    version=self.catalog.next_version(),
+                    version=self.catalog.next_versions(1)[0],
                     metadata=meta,
                     created_unix=time.time(),
                     owner=owner,

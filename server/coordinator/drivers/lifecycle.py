@@ -163,7 +163,7 @@ class TensorLifecycle:
             self.make_room(name, new.overwrite, put_token=token)
             record = TensorRecord(
                 name=name,
-                version=self.catalog.next_version(),
+                version=self.catalog.next_versions(1)[0],
                 metadata=meta,
                 options=options,
                 created_unix=time.time(),

@@ -193,7 +193,7 @@ class ReshardDriver:
         self.registry.check_placements(dst)
         new = TensorRecord(
             name=old.name,
-            version=self.catalog.next_version(),
+            version=self.catalog.next_versions(1)[0],
             metadata=dst,
             options=old.options,
             created_unix=time.time(),

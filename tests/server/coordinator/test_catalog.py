@@ -41,13 +41,13 @@ def catalog(store):
 
 def test_version_counter_only_grows_and_survives_reopen(store):
     first = store.open()
-    assert [first.next_version() for _ in range(3)] == [1, 2, 3]
+    assert [first.next_versions(1)[0] for _ in range(3)] == [1, 2, 3]
     more = first.next_versions(VERSION_BLOCK)  # past the first reserved block
     assert more == list(range(more[0], more[0] + VERSION_BLOCK)) and more[0] > 3
     first.close()
     again = store.open()
     assert (
-        again.next_version() > more[-1]
+        again.next_versions(1)[0] > more[-1]
     )  # the rest of a reserved block is skipped, never repeated
     again.close()
 
@@ -114,9 +114,9 @@ def test_commit_all_is_all_or_nothing(catalog):
 
 
 def test_next_versions_hands_out_a_block_that_only_grows(catalog):
-    assert catalog.next_version() == 1
+    assert catalog.next_versions(1)[0] == 1
     assert catalog.next_versions(3) == [2, 3, 4]
-    assert catalog.next_version() == 5
+    assert catalog.next_versions(1)[0] == 5
 
 
 def test_many_threads_share_one_catalog(catalog):
@@ -126,7 +126,7 @@ def test_many_threads_share_one_catalog(catalog):
 
     def writer(index: int) -> None:
         for _ in range(15):
-            version = catalog.next_version()
+            version = catalog.next_versions(1)[0]
             handed[index].append(version)
             catalog.add(row(f"n{index}", version))
             _, older = catalog.commit(f"n{index}", version)
@@ -153,11 +153,13 @@ def test_add_all_is_all_or_nothing(store, catalog):
 
 
 def test_records_of_data_that_is_not_durable_commit_without_full_sync_and_read_back(tmp_path):
-    catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
-    synchronous = []
-    catalog.trace_statements(  # the statements the catalog sends, to see its sync mode around them
-        lambda sql: synchronous.append(sql) if "synchronous" in sql else None
+    synchronous: list[str] = []
+    catalog = SQLiteCatalog(  # the statements the catalog sends, to see its sync mode around them
+        tmp_path / "catalog.sqlite",
+        trace=lambda sql: synchronous.append(sql) if "synchronous" in sql else None,
     )
+    assert synchronous == ["PRAGMA synchronous=FULL"]  # at open
+    synchronous.clear()
     catalog.add_all([row("a", 1)], durable=False)
     with pytest.raises(sqlite3.IntegrityError):
         catalog.add_all([row("a", 1)], durable=False)  # a failed one puts the sync mode back too

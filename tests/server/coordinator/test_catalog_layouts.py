@@ -98,18 +98,19 @@ def test_rows_with_lost_copies_and_pending_rows_past_a_time(catalog):
     assert catalog.with_lost_copies() == []
 
 
-def test_the_queries_of_the_background_work_are_answered_through_indexes(catalog):
+def test_the_queries_of_the_background_work_are_answered_through_indexes(tmp_path):
     """Every statement the queries send is planned as index searches (SQLite's EXPLAIN QUERY PLAN): none reads
     every row of a table."""
-    catalog.add_all([row(f"t{i}", i + 1, i % 5, (i + 1) % 5) for i in range(50)])
     statements: list[str] = []
-    catalog.trace_statements(statements.append)
+    catalog = SQLiteCatalog(tmp_path / "catalog.sqlite", trace=statements.append)
+    catalog.add_all([row(f"t{i}", i + 1, i % 5, (i + 1) % 5) for i in range(50)])
+    statements.clear()
     catalog.holding([1, 2])
     catalog.placed_versions([1, 2])
     catalog.pending(created_before=1.0)
     catalog.promoting()
     catalog.with_lost_copies()
-    catalog.trace_statements(None)
+    catalog.close()
     db = sqlite3.connect(catalog.path)
     for sql in statements:
         plan = [step[3] for step in db.execute(f"EXPLAIN QUERY PLAN {sql}")]

@@ -73,7 +73,11 @@ def _answers(path: Path) -> tuple[list[pb.TensorInfo], list[pb.SnapshotInfo], in
         servicer = CoordinatorServicer(CoordinatorRole.sole(coordinator))
         listed = servicer.ListTensors(pb.ListTensorsRequest(include_pending=True), None)
         snapshots = servicer.ListSnapshots(pb.ListSnapshotsRequest(prefix="model"), None)
-        return list(listed.tensors), list(snapshots.snapshots), coordinator.catalog.next_version()
+        return (
+            list(listed.tensors),
+            list(snapshots.snapshots),
+            coordinator.catalog.next_versions(1)[0],
+        )
     finally:
         coordinator.close()
 

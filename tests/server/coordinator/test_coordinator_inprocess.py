@@ -154,7 +154,7 @@ def _metadata() -> pb.ShardedTensorMetadata:
 def _ready(coord: CoordinatorServer, name: str) -> TensorRecord:
     record = TensorRecord(
         name=name,
-        version=coord.catalog.next_version(),
+        version=coord.catalog.next_versions(1)[0],
         metadata=_layout(),
         created_unix=time.time(),
     )
@@ -230,7 +230,7 @@ def test_a_reconcile_promotes_in_one_call_and_drops_in_one_call(coordinator):
     coordinator.catalog.add(
         TensorRecord(
             name="elsewhere",
-            version=coordinator.catalog.next_version(),
+            version=coordinator.catalog.next_versions(1)[0],
             metadata=ChunkShardingSpec(0, ["rank:3/cpu"]).build_metadata((4, 4)),
         )
     )
