@@ -3,10 +3,12 @@
 Every heartbeat costs the coordinator one gRPC call (about half a millisecond of CPU on one core, almost all
 of it gRPC's own), so a fixed interval makes the idle cost grow with the ranks: a thousand ranks at one second
 take half a core. The coordinator therefore tells each rank its interval, in the RegisterRank answer and in
-every Heartbeat answer: the configured interval, or longer, so that all registered ranks together send at
-most `rate` heartbeats a second (100 by default: about 6% of a core). A rank is dead once it has been silent for
-DEAD_AFTER_INTERVALS of the interval it was last told (unless `dead_after` fixes it): a dead rank is noticed
-within twice its interval, and a live one is taken for dead only when a heartbeat is a whole interval late.
+every Heartbeat answer: the configured interval, or longer, so that all the ranks of the world together (the
+world size they declare, or the registered ranks where there are more) send at most `rate` heartbeats a second
+(100 by default: about 6% of a core); the first ranks of a large world are told its interval from the start.
+A rank is dead once it has been silent for DEAD_AFTER_INTERVALS of the interval it was last told (unless
+`dead_after` fixes it): a dead rank is noticed within twice its interval, and a live one is taken for dead only
+when a heartbeat is a whole interval late.
 """
 
 from __future__ import annotations

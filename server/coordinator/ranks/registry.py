@@ -120,7 +120,10 @@ class RankRegistry:
                         del self._worlds[old.info.world_size]
                 self._worlds[info.world_size] += 1
                 self._by_address[info.address] = info.rank
-                entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
+                entry.tell(
+                    self.heartbeats.interval_for(_cluster_size(len(self._ranks), self._worlds)),
+                    self.heartbeats,
+                )
                 self._changed_at = self._clock()
                 self._ranks_changed.notify_all()
         except ServiceError:
@@ -236,7 +239,10 @@ class RankRegistry:
             if was_dead:
                 entry.reported_dead = False
                 self._changed_at = entry.last_heartbeat
-            interval = entry.tell(self.heartbeats.interval_for(len(self._ranks)), self.heartbeats)
+            interval = entry.tell(
+                self.heartbeats.interval_for(_cluster_size(len(self._ranks), self._worlds)),
+                self.heartbeats,
+            )
         return was_dead, interval
 
     def note_missed(self, rank: int) -> None:
@@ -439,6 +445,13 @@ def _check_restore(progress: RestoreProgress) -> None:
                 f"{done} must be between 0 and {total} ({getattr(progress, total)}), got "
                 f"{getattr(progress, done)}"
             )
+
+
+def _cluster_size(registered: int, worlds: Counter[int]) -> int:
+    """The ranks the heartbeat intervals are told for: the world the ranks declare (every one of them will
+    register: the first are told the interval of all from the start, so that a thousand registering at once stay
+    within the rate), or the registered ranks where there are more (dead ones of an older world)."""
+    return max(registered, max(worlds, default=0))
 
 
 def _check_rank_info(info: RankInfo) -> None:

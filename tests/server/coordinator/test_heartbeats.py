@@ -48,16 +48,18 @@ def test_the_interval_keeps_the_registered_ranks_within_the_rate():
         CoordinatorOptions(heartbeat_rate=-1.0)
 
 
-def test_each_rank_is_told_the_interval_of_the_cluster_as_it_grows_and_judged_by_it():
+def test_each_rank_is_told_the_interval_of_its_whole_world_from_its_registration_and_judged_by_it():
+    """The first ranks of a world registering at once are told the interval of all of them (so that the
+    heartbeats of a thousand ranks starting together stay within the rate from the start), not that of the
+    few registered so far."""
     clock = FakeClock()
     registry = RankRegistry(clock=clock, heartbeats=HeartbeatPolicy(interval=1.0, rate=2.0))
-    registry.register(info(0), [])
-    assert registry.interval_of(0) == 1.0  # one rank: the configured interval
+    registry.register(info(0, world=6), [])
+    assert registry.interval_of(0) == 3.0  # six ranks at 2 heartbeats a second: every 3 s
     for rank in range(1, 6):
-        registry.register(info(rank), [])
-    assert registry.interval_of(5) == 3.0  # six ranks at 2 heartbeats a second: every 3 s
-    assert registry.interval_of(0) == 1.0  # told at its registration, until it heartbeats
-    assert registry.heartbeat(0, memory_used=123) == (False, 3.0)  # its answer tells it 3 s
+        registry.register(info(rank, world=6), [])
+    assert registry.interval_of(5) == registry.interval_of(0) == 3.0
+    assert registry.heartbeat(0, memory_used=123) == (False, 3.0)
     clock.advance(2 * 3.0)
     assert registry.rank_alive(0)  # silent for twice its interval: not yet dead
     clock.advance(JUST)
@@ -65,6 +67,20 @@ def test_each_rank_is_told_the_interval_of_the_cluster_as_it_grows_and_judged_by
     assert registry.heartbeat(0, memory_used=456) == (True, 3.0)  # back from the dead
     [rank0] = [r for r in registry.ranks() if r.rank == 0]
     assert rank0.alive and rank0.memory_used_bytes == 456 and rank0.last_heartbeat_unix > 0
+    registry.close()
+
+
+def test_more_registered_ranks_than_the_world_declares_lengthen_the_interval():
+    """Ranks of an older, larger world still registered (dead ones that have not expired) count until they go:
+    the coordinator takes their heartbeats too should they come back."""
+    clock = FakeClock()
+    registry = RankRegistry(clock=clock, heartbeats=HeartbeatPolicy(interval=1.0, rate=2.0))
+    for rank in range(8):
+        registry.register(info(rank, world=8), [])
+    assert registry.interval_of(7) == 4.0
+    clock.advance(2 * 4.0 + JUST)  # all silent: dead, and a world of 2 may register
+    registry.register(info(0, world=2), [])
+    assert registry.interval_of(0) == 4.0  # eight registered ranks, not the 2 declared
     registry.close()
 
 
@@ -92,9 +108,8 @@ def test_a_rank_a_restarted_coordinator_never_heard_from_is_dead_after_the_world
 
 
 def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
-    """Real CoordinatorLinks against a served coordinator whose heartbeat rate makes the interval grow once more
-    ranks register: a link registered alone heartbeats at the configured interval, then at the longer one its
-    next heartbeat answer tells."""
+    """Real CoordinatorLinks against a served coordinator: a link is told the interval of its world when it
+    registers, and heartbeats at the longer one a heartbeat answer tells once the coordinator's rate is lower."""
     options = CoordinatorOptions(heartbeat_interval=0.05, heartbeat_rate=20.0)
     coordinator = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite"), options=options)
     coordinator.start()
@@ -112,12 +127,15 @@ def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
     link = CoordinatorLink(Coordinators([running.address], Security()), rank, store)
     try:
         link.register(timeout=30.0)
-        assert link.interval == 0.05  # alone: the configured interval
+        assert link.interval == pytest.approx(
+            0.2
+        )  # a world of four at 20 heartbeats a second: every 0.2 s
         link.start()
-        for other in (1, 2, 3):  # four ranks at 20 heartbeats a second: every 0.2 s
+        for other in (1, 2, 3):
             coordinator.registry.register(info(other, world=4), [])
-        wait_until(lambda: link.interval == pytest.approx(0.2), 30.0, "the link told 0.2 s")
-        assert coordinator.registry.interval_of(0) == pytest.approx(0.2)
+        coordinator.registry.heartbeats = HeartbeatPolicy(interval=0.05, rate=10.0)  # every 0.4 s
+        wait_until(lambda: link.interval == pytest.approx(0.4), 30.0, "the link told 0.4 s")
+        assert coordinator.registry.interval_of(0) == pytest.approx(0.4)
     finally:
         link.stop()
         running.stop(grace=0.1)
