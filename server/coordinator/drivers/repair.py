@@ -150,11 +150,16 @@ class RepairDriver:
 
     def run_once(self) -> list[str]:
         """Repair every tensor whose copies are due now; the names repaired."""
-        repaired = []
+        repaired: list[str] = []
         self._scanned_at = self._clock()
         self._next_due = min((at for at, _ in self._retry_at.values()), default=math.inf)
+        candidates = self.candidates()
+        if (
+            not candidates
+        ):  # the usual scan: no rank's listing read (a thousand ranks registering scan often)
+            return repaired
         live = self._live_ranks()
-        for record in self.candidates():
+        for record in candidates:
             if self._stop.is_set():
                 break
             due = self._due(record, live)

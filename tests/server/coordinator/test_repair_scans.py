@@ -173,3 +173,39 @@ def test_a_scan_reads_only_the_versions_on_dead_ranks_and_those_with_lost_copies
     registry.mark_exited(1, "process 101 was killed by SIGKILL")
     assert [r.name for r in loop.candidates()] == ["lost", "on0", "on1", "on2", "on3"]
     registry.close()
+
+
+class CountingRegistry(RankRegistry):
+    """A real registry that counts the listings of every rank asked of it."""
+
+    listings = 0
+
+    def ranks(self) -> list[RankInfo]:
+        self.listings += 1
+        return super().ranks()
+
+
+def test_a_scan_that_finds_nothing_to_repair_lists_no_rank(catalog, clock):
+    """The ranks' listing (where a repaired copy may go) is read only when a copy needs repairing: a thousand
+    ranks registering make the loop scan every round, and each listing costs the coordinator all of them."""
+    registry = CountingRegistry(dead_after=60.0, clock=clock)
+    for rank in range(2):
+        registry.register(
+            RankInfo(
+                rank=rank,
+                address=f"127.0.0.1:{7001 + rank}",
+                device="cpu",
+                world_size=2,
+                pid=100 + rank,
+            ),
+            [],
+        )
+    try:
+        loop = driver(holding(catalog, [record(ranks=(0, 1))]), registry, clock)
+        loop.run_once()
+        assert registry.listings == 0  # every copy available
+        registry.mark_exited(1, "process 101 was killed by SIGKILL")
+        loop.run_once()
+        assert registry.listings == 1  # rank 1's copy is due: where may it go
+    finally:
+        registry.close()
