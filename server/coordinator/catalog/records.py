@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 from shardserve.core.checksums import UNKNOWN
 from shardserve.core.metadata import Box, ShardedTensorMetadata
@@ -28,9 +27,8 @@ class TensorState(enum.Enum):
     READY = "ready"
 
 
-class PlacedVersion(NamedTuple):
-    """A row's name, version and state, without its record: what the reconcile of a rank reads of every
-    version placed on it (decoding each record would cost ~10 times as much)."""
+class Versioned:
+    """What a row's name, version and state say of it (TensorRecord and PlacedVersion have them)."""
 
     name: str
     version: int
@@ -38,11 +36,23 @@ class PlacedVersion(NamedTuple):
 
     @property
     def key(self) -> tuple[str, int]:
+        """(name, version): the version's key in promote answers (ShardChecksums)."""
         return (self.name, self.version)
 
     @property
     def ready(self) -> bool:
+        """Whether the version is READY (committed and served)."""
         return self.state is TensorState.READY
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedVersion(Versioned):
+    """A row's name, version and state, without its record: what the reconcile of a rank reads of every
+    version placed on it (decoding each record would cost ~10 times as much)."""
+
+    name: str
+    version: int
+    state: TensorState
 
 
 class Init(enum.Enum):
@@ -58,7 +68,7 @@ class Init(enum.Enum):
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(Versioned):
     """One version of a tensor as the catalog keeps it.
 
     `promoting`: READY in the catalog, not yet promoted on every rank (a reshard's commit in flight).
@@ -79,16 +89,6 @@ class TensorRecord:
     promoting: bool = False
     lost_shards: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """(name, version): the version's key in promote answers (ShardChecksums)."""
-        return (self.name, self.version)
-
-    @property
-    def ready(self) -> bool:
-        """Whether the version is READY (committed and served)."""
-        return self.state is TensorState.READY
 
     @property
     def nbytes(self) -> int:

@@ -52,7 +52,7 @@ def keys(records: list[TensorRecord]) -> list[tuple[str, int]]:
 
 def placed(catalog: SQLiteCatalog, ranks: list[int]) -> list[tuple[str, int, TensorState]]:
     """The indexed name, version and state of the versions on `ranks`, checked against a scan's."""
-    found = [tuple(p) for p in catalog.placed_versions(ranks)]
+    found = [(p.name, p.version, p.state) for p in catalog.placed_versions(ranks)]
     assert found == [(r.name, r.version, r.state) for r in Catalog.holding(catalog, ranks)]
     return found
 
