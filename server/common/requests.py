@@ -17,6 +17,11 @@ MAX_NAME_BYTES = 1024
 NAME_RULE = f"names hold 1 to {MAX_NAME_BYTES} bytes of UTF-8, printable characters only"
 
 
+# the enums' numbers, made once: EnumTypeWrapper.values() builds a list at every call (every allocation checks)
+_OOV_POLICIES = frozenset(pb.OovPolicy.values())
+_INIT_KINDS = frozenset(pb.InitKind.values())
+
+
 def check_name(name: str, field: str = "name") -> str:
     """A tensor (or snapshot prefix) name that keeps the name rule; INVALID_ARGUMENT naming the rule else."""
     if not name:
@@ -99,7 +104,7 @@ def _valid_layout(msg: pb.ShardedTensorMetadata) -> ShardedTensorMetadata:
 
 def check_options(options: pb.TensorOptions, meta: ShardedTensorMetadata) -> None:
     """A table's options: a known OovPolicy, and a default_row of one row's bytes exactly when OOV_DEFAULT."""
-    if options.oov not in pb.OovPolicy.values():
+    if options.oov not in _OOV_POLICIES:
         raise InvalidArgument(f"options.oov {options.oov} is not a known OovPolicy")
     if options.oov == pb.OOV_DEFAULT:
         if meta.ndim != 2:
@@ -124,7 +129,7 @@ def parse_dtype(number: int, field: str) -> torch.dtype:
 
 def check_init(init: int, dtype: torch.dtype) -> None:
     """Raise InvalidArgument naming `init` when it cannot fill a tensor of `dtype`."""
-    if init not in pb.InitKind.values():
+    if init not in _INIT_KINDS:
         raise InvalidArgument(f"init {init} is not a known InitKind")
     if init == pb.INIT_NORMAL and not (dtype.is_floating_point or dtype.is_complex):
         raise InvalidArgument(
