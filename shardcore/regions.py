@@ -11,16 +11,25 @@ from shardserve.core.metadata import Box, ShardedTensorMetadata
 
 
 def intersect(a: Box, b: Box) -> Box | None:
-    """The common part of two boxes, or None when they do not overlap (or either is empty)."""
+    """The common part of two boxes, or None when they do not overlap (or either is empty). When it is one of
+    them whole (a read of a whole shard, every shard of a state dict's get), that box itself is returned: no
+    new box is made."""
     if a.ndim != b.ndim:
         raise ValueError(f"cannot intersect a {a.ndim}-D box with a {b.ndim}-D box")
     offsets, sizes = [], []
+    is_a = is_b = True
     for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes):
         lo, hi = max(oa, ob), min(oa + sa, ob + sb)
         if hi <= lo:
             return None
+        is_a = is_a and lo == oa and hi - lo == sa
+        is_b = is_b and lo == ob and hi - lo == sb
         offsets.append(lo)
         sizes.append(hi - lo)
+    if is_a:
+        return a
+    if is_b:
+        return b
     return Box(tuple(offsets), tuple(sizes))
 
 

@@ -339,3 +339,29 @@ def test_overlap_found_exactly_when_some_pair_overlaps(boxes):
         assert str(err).startswith("overlap in shards")
         found = True
     assert found == expected
+
+
+boxes_2d = st.tuples(
+    st.tuples(st.integers(0, 6), st.integers(0, 6)), st.tuples(st.integers(0, 6), st.integers(0, 6))
+)
+
+
+@given(boxes_2d, boxes_2d)
+def test_intersect_is_the_common_elements_and_a_whole_box_is_that_box(a_fields, b_fields) -> None:
+    """Against the elements each box covers: the common ones form the answer's box (None: none, or an empty
+    box); an answer equal to one of the boxes is that box itself."""
+    a, b = Box(*a_fields), Box(*b_fields)
+
+    def elements(box: Box) -> set[tuple[int, int]]:
+        (o0, o1), (s0, s1) = box.offsets, box.sizes
+        return {(i, j) for i in range(o0, o0 + s0) for j in range(o1, o1 + s1)}
+
+    common = intersect(a, b)
+    if not elements(a) & elements(b):
+        assert common is None
+        return
+    assert common is not None and elements(common) == elements(a) & elements(b)
+    if common == a:
+        assert common is a
+    elif common == b:
+        assert common is b
