@@ -153,18 +153,28 @@ class TensorSummary:
             raise ShardServeError(
                 f"the coordinator sent bad metadata for tensor {msg.name!r}: {err}"
             ) from None
+        lost = frozenset(msg.lost_shards) if msg.lost_shards else _NONE
         return cls(
             name=msg.name,
             version=msg.version,
             metadata=metadata,
-            state=pb.TensorState.Name(msg.state).replace("TENSOR_STATE_", ""),
+            state=_STATE_NAMES.get(msg.state, str(msg.state)),  # a newer server's: its number
             nbytes=msg.nbytes or metadata.nbytes,
             created_unix=msg.created_unix,
-            unavailable=frozenset(msg.unavailable_shards) | frozenset(msg.lost_shards),
-            lost=frozenset(msg.lost_shards),
+            unavailable=frozenset(msg.unavailable_shards) | lost
+            if msg.unavailable_shards
+            else lost,
+            lost=lost,
             repair=_repair(msg),
             checksums=tuple(msg.shard_checksums),
         )
+
+
+# made once: a snapshot's answer brings one TensorInfo per tensor (hundreds per get of a state dict)
+_STATE_NAMES = {
+    number: name.replace("TENSOR_STATE_", "") for name, number in pb.TensorState.items()
+}
+_NONE: frozenset[int] = frozenset()
 
 
 def _repair(msg: pb.TensorInfo) -> RepairProgress | None:
