@@ -384,8 +384,11 @@ class RankRegistry:
         """Every shard of `meta` (but those at indices `skip`) on a registered, live rank, on that rank's device."""
         with self._ranks_changed:
             entries = dict(self._ranks)
+        checked: set[RemoteDevice | None] = (
+            set()
+        )  # a layout names a few placements, each checked once
         for i, shard in enumerate(meta.shards_metadata):
-            if i in skip:
+            if i in skip or shard.placement in checked:
                 continue
             entry = entries.get(shard.rank)
             field = f"metadata.shards_metadata[{i}].placement"
@@ -400,6 +403,7 @@ class RankRegistry:
                 raise InvalidArgument(
                     f"{field} {shard.placement}: rank {shard.rank}'s device is {entry.info.device}"
                 )
+            checked.add(shard.placement)
 
     def _unregistered(
         self, rank: int, entries: dict[int, RankEntry], where: str

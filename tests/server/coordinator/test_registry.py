@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from fake_clock import FakeClock
 
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata
 from shardserve.server.common.errors import (
     InvalidArgument,
     InvalidState,
@@ -180,3 +181,27 @@ def test_a_registration_must_agree_with_the_live_ranks_world_and_addresses(regis
         (0, 3, True),
         (1, 2, False),
     ]
+
+
+def test_placements_are_checked_once_each_and_a_bad_one_named_by_its_first_shard(registry):
+    """A layout repeats a few placements over many shards: each is checked once, and the error names the first
+    shard with a placement that fails (a dead rank, another device), whichever placements came before."""
+    registry.register(incarnation(pid=100, port=7001), [])
+    registry.register(incarnation(pid=200, port=7002, rank=1), [])
+
+    def layout(*placements: str) -> ShardedTensorMetadata:
+        return ShardedTensorMetadata(
+            tuple(ShardMetadata((i,), (1,), p) for i, p in enumerate(placements)),
+            (len(placements),),
+        )
+
+    fine = layout(*["rank:0/cpu", "rank:1/cpu"] * 50)
+    registry.check_placements(fine)
+    with pytest.raises(InvalidArgument, match=r"shards_metadata\[7\]\.placement rank:0/cuda:0"):
+        registry.check_placements(layout(*["rank:0/cpu"] * 7, "rank:0/cuda:0", "rank:1/cpu"))
+    registry.mark_exited(1, "process 200 was killed by SIGKILL")
+    with pytest.raises(RankUnavailable, match=r"shards_metadata\[1\]\.placement rank:1/cpu"):
+        registry.check_placements(fine)
+    registry.check_placements(
+        fine, skip=frozenset(range(1, 100, 2))
+    )  # every shard on rank 1 skipped
