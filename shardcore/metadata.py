@@ -167,6 +167,11 @@ class Box:
         )
 
 
+def _check_dims(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+    if len(offsets) != len(sizes):
+        raise ValueError(f"shard_offsets has {len(offsets)} dims but shard_sizes has {len(sizes)}")
+
+
 @dataclass(frozen=True)
 class ShardMetadata:
     """One shard: a box of the global tensor and the rank/device that holds it."""
@@ -179,11 +184,24 @@ class ShardMetadata:
         object.__setattr__(self, "shard_offsets", _int_tuple(self.shard_offsets, "shard_offsets"))
         object.__setattr__(self, "shard_sizes", _int_tuple(self.shard_sizes, "shard_sizes"))
         object.__setattr__(self, "placement", as_placement(self.placement))
-        if len(self.shard_offsets) != len(self.shard_sizes):
-            raise ValueError(
-                f"shard_offsets has {len(self.shard_offsets)} dims but shard_sizes has "
-                f"{len(self.shard_sizes)}"
-            )
+        _check_dims(self.shard_offsets, self.shard_sizes)
+
+    @classmethod
+    def of_ints(
+        cls,
+        offsets: tuple[int, ...],
+        sizes: tuple[int, ...],
+        placement: RemoteDevice | None,
+    ) -> ShardMetadata:
+        """A shard made from values that are tuples of ints already (a protobuf message's int64 fields): only
+        their dims are checked. The coercions of the constructor cost twice the decode itself, and a reshard
+        decodes every shard of the layout it is asked for."""
+        _check_dims(offsets, sizes)
+        shard = object.__new__(cls)
+        object.__setattr__(shard, "shard_offsets", offsets)
+        object.__setattr__(shard, "shard_sizes", sizes)
+        object.__setattr__(shard, "placement", placement)
+        return shard
 
     @functools.cached_property
     def box(self) -> Box:

@@ -61,7 +61,7 @@ def shard_to_proto(shard: ShardMetadata) -> pb.ShardMetadata:
 
 def shard_from_proto(msg: pb.ShardMetadata, index: int = 0) -> ShardMetadata:
     try:
-        return ShardMetadata(
+        return ShardMetadata.of_ints(
             tuple(msg.shard_offsets), tuple(msg.shard_sizes), as_placement(msg.placement or None)
         )
     except (ValueError, TypeError) as err:

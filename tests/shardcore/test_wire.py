@@ -1,5 +1,6 @@
 """Wire decoding: small layouts are decoded once and shared, every layout decoded is interned (equal layouts are
-one object), and a bad message is refused every time it comes (failures are never kept)."""
+one object), a bad message is refused every time it comes (failures are never kept), and decoded shards are
+the constructed ones."""
 
 from __future__ import annotations
 
@@ -72,3 +73,22 @@ def test_a_large_layout_parses_each_placement_text_once() -> None:
     for _ in range(2):
         with pytest.raises(ValueError, match="not of the form"):
             as_placement("rank:x/cpu")
+
+
+def test_decoded_shards_equal_constructed_ones_and_mismatched_dims_are_refused() -> None:
+    """Shards decoded from the wire (made from its int tuples without the constructor's coercions) are equal to,
+    hash as and box as the ones the constructor makes; offsets and sizes of different dims are refused, naming
+    the shard, as the constructor refuses them."""
+    layout = _layout(300)
+    decoded = metadata_from_proto(metadata_to_proto(layout)).shards_metadata
+    for mine, theirs in zip(layout.shards_metadata, decoded):
+        assert mine == theirs and hash(mine) == hash(theirs) and mine.box == theirs.box
+        assert type(theirs.shard_offsets) is tuple and type(theirs.shard_offsets[0]) is int
+    message = metadata_to_proto(_layout(2))
+    message.shards_metadata[1].shard_sizes.append(7)
+    with pytest.raises(
+        ValueError, match=r"shards_metadata\[1\]: shard_offsets has 2 dims but shard_sizes has 3"
+    ):
+        metadata_from_proto(message)
+    with pytest.raises(ValueError, match="shard_offsets has 2 dims but shard_sizes has 3"):
+        ShardMetadata((0, 0), (1, 4, 7), "rank:0/cpu")
