@@ -385,7 +385,12 @@ def _assign(
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]
-            common = intersection(s_off, s_size, d_off, d_size)
+            if (
+                s_off == d_off and s_size == d_size
+            ):  # the box moves whole (a shard moved to another rank)
+                common: tuple[tuple[int, ...], tuple[int, ...]] | None = (d_off, d_size)
+            else:
+                common = intersection(s_off, s_size, d_off, d_size)
             if common is None:
                 continue
             src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)
