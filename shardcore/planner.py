@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shardserve.core.metadata import Box, ShardedTensorMetadata
-from shardserve.core.source_index import SourceIndex, intersection
+from shardserve.core.regions import intersection
+from shardserve.core.source_index import SourceIndex
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -385,12 +386,7 @@ def _assign(
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]
-            if (
-                s_off == d_off and s_size == d_size
-            ):  # the box moves whole (a shard moved to another rank)
-                common: tuple[tuple[int, ...], tuple[int, ...]] | None = (d_off, d_size)
-            else:
-                common = intersection(s_off, s_size, d_off, d_size)
+            common = intersection(s_off, s_size, d_off, d_size)
             if common is None:
                 continue
             src_shard, src_rank = _choose_holder(index.holders[g], dst_rank, load)

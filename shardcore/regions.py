@@ -10,27 +10,38 @@ from shardserve.core.health import pick_copy
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 
 
+def intersection(
+    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The common box of two boxes (offsets, sizes), or None when they do not overlap (or either is empty). Two
+    equal boxes are their own common box (a shard moved whole, a whole shard read), found without the loop."""
+    if a_off == b_off and a_size == b_size:
+        return (a_off, a_size) if min(a_size, default=1) > 0 else None
+    offsets, sizes = [], []
+    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
+        lo = ao if ao > bo else bo
+        hi = min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offsets.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offsets), tuple(sizes)
+
+
 def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes, or None when they do not overlap (or either is empty). When it is one of
     them whole (a read of a whole shard, every shard of a state dict's get), that box itself is returned: no
     new box is made."""
     if a.ndim != b.ndim:
         raise ValueError(f"cannot intersect a {a.ndim}-D box with a {b.ndim}-D box")
-    offsets, sizes = [], []
-    is_a = is_b = True
-    for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes):
-        lo, hi = max(oa, ob), min(oa + sa, ob + sb)
-        if hi <= lo:
-            return None
-        is_a = is_a and lo == oa and hi - lo == sa
-        is_b = is_b and lo == ob and hi - lo == sb
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    if is_a:
+    common = intersection(a.offsets, a.sizes, b.offsets, b.sizes)
+    if common is None:
+        return None
+    if common == (a.offsets, a.sizes):
         return a
-    if is_b:
+    if common == (b.offsets, b.sizes):
         return b
-    return Box(tuple(offsets), tuple(sizes))
+    return Box(*common)
 
 
 def check_box(size: Sequence[int], box: Box) -> None:

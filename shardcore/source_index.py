@@ -103,18 +103,3 @@ class SourceIndex:
             ]
         members = self.dims[best_dim].members
         return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
-
-
-def intersection(
-    a_off: tuple[int, ...], a_size: tuple[int, ...], b_off: tuple[int, ...], b_size: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The common box of two boxes (offsets, sizes), or None when they do not overlap."""
-    offsets, sizes = [], []
-    for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
-        lo = ao if ao > bo else bo
-        hi = min(ao + asz, bo + bsz)
-        if hi <= lo:
-            return None
-        offsets.append(lo)
-        sizes.append(hi - lo)
-    return tuple(offsets), tuple(sizes)
