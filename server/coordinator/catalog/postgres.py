@@ -47,7 +47,7 @@ from shardserve.server.coordinator.catalog.documents import (
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
 from shardserve.server.coordinator.catalog.postgres_leadership import PostgresLeadership, check_term
-from shardserve.server.coordinator.catalog.postgres_schema import RANKS_OF, upgrade
+from shardserve.server.coordinator.catalog.postgres_schema import ON_RANKS, upgrade
 from shardserve.server.coordinator.catalog.records import (
     CatalogContents,
     PlacedVersion,
@@ -260,24 +260,18 @@ class PostgresCatalog(Catalog):
         return _records_where(self._connection, "(record->>'promoting')::boolean", ())
 
     def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
-        return _records_where(
-            self._connection, f"{RANKS_OF} && %s::integer[]", (sorted(set(ranks)),)
-        )
+        return _records_where(self._connection, ON_RANKS, (sorted(set(ranks)),))
 
     def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
         rows = _read(
             self._connection,
-            f"SELECT name, version, state FROM tensors WHERE {RANKS_OF} && %s::integer[] "
-            "ORDER BY version",
+            f"SELECT name, version, state FROM tensors WHERE {ON_RANKS} ORDER BY version",
             (sorted(set(ranks)),),
         )
         return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
-        return {
-            r[0]
-            for r in _read(self._connection, f"SELECT DISTINCT unnest({RANKS_OF}) FROM tensors")
-        }
+        return {r[0] for r in _read(self._connection, "SELECT DISTINCT unnest(ranks) FROM tensors")}
 
     def with_lost_copies(self) -> list[TensorRecord]:
         return _records_where(

@@ -229,33 +229,25 @@ class SQLiteCatalog(Catalog):
             return _tensors_where(self._db, "json_extract(record, '$.promoting')", ())
 
     def holding(self, ranks: Iterable[int]) -> list[TensorRecord]:
-        wanted = sorted(set(ranks))
+        where, wanted = _on_ranks(ranks)
         if not wanted:
             return []
-        with self._lock:  # the layouts on those ranks, then their rows (index tensors_layout)
-            return _tensors_where(
-                self._db,
-                "layout IN (SELECT layout FROM layout_ranks WHERE rank IN "
-                f"({','.join('?' * len(wanted))}))",
-                tuple(wanted),
-            )
+        with self._lock:
+            return _tensors_where(self._db, where, wanted)
 
     def placed_versions(self, ranks: Iterable[int]) -> list[PlacedVersion]:
-        wanted = sorted(set(ranks))
+        where, wanted = _on_ranks(ranks)
         if not wanted:
             return []
-        with self._lock:  # the same rows as holding(), their documents left undecoded
+        with self._lock:  # the rows holding() reads, their documents left undecoded
             rows = self._db.execute(
-                "SELECT name, version, state FROM tensors WHERE layout IN (SELECT layout FROM "
-                f"layout_ranks WHERE rank IN ({','.join('?' * len(wanted))})) ORDER BY version",
-                tuple(wanted),
+                f"SELECT name, version, state FROM tensors WHERE {where} ORDER BY version", wanted
             ).fetchall()
         return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
-        with (
-            self._lock
-        ):  # of the layouts rows have now (one replaced stays in the table until a reopen)
+        # of the layouts rows have now (one replaced stays in the layouts table until a reopen)
+        with self._lock:
             rows = self._db.execute(
                 "SELECT DISTINCT rank FROM layout_ranks WHERE layout IN (SELECT layout FROM tensors)"
             )
@@ -343,6 +335,14 @@ def not_empty(where: str, tensors: int, snapshots: int) -> str:
 
 # A row's document and its layout's (decoded once per distinct layout: tensor_of).
 _ROWS = "SELECT record, document FROM tensors LEFT JOIN layouts ON layouts.id = tensors.layout"
+
+
+def _on_ranks(ranks: Iterable[int]) -> tuple[str, tuple[int, ...]]:
+    """The condition that selects the rows with a shard on one of `ranks`, and its arguments: the layouts on
+    those ranks, then their rows (index tensors_layout), never every row."""
+    wanted = tuple(sorted(set(ranks)))
+    marks = ",".join("?" * len(wanted))
+    return f"layout IN (SELECT layout FROM layout_ranks WHERE rank IN ({marks}))", wanted
 
 
 def _tensors_where(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> list[TensorRecord]:
