@@ -161,7 +161,7 @@ class TensorSummary:
             state=_STATE_NAMES.get(msg.state, str(msg.state)),  # a newer server's: its number
             nbytes=msg.nbytes or metadata.nbytes,
             created_unix=msg.created_unix,
-            unavailable=frozenset(msg.unavailable_shards) | lost
+            unavailable=(frozenset(msg.unavailable_shards) | lost)
             if msg.unavailable_shards
             else lost,
             lost=lost,

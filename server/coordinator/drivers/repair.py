@@ -154,9 +154,8 @@ class RepairDriver:
         self._scanned_at = self._clock()
         self._next_due = min((at for at, _ in self._retry_at.values()), default=math.inf)
         candidates = self.candidates()
-        if (
-            not candidates
-        ):  # the usual scan: no rank's listing read (a thousand ranks registering scan often)
+        # the usual scan finds none: then no rank's listing is read (a thousand ranks registering scan often)
+        if not candidates:
             return repaired
         live = self._live_ranks()
         for record in candidates:

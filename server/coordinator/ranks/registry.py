@@ -384,9 +384,8 @@ class RankRegistry:
         """Every shard of `meta` (but those at indices `skip`) on a registered, live rank, on that rank's device."""
         with self._ranks_changed:
             entries = dict(self._ranks)
-        checked: set[RemoteDevice | None] = (
-            set()
-        )  # a layout names a few placements, each checked once
+        # a layout names a few placements (a thousand shards, ten ranks): each is checked once
+        checked: set[RemoteDevice | None] = set()
         for i, shard in enumerate(meta.shards_metadata):
             if i in skip or shard.placement in checked:
                 continue
