@@ -40,6 +40,52 @@ class _CallDetails(grpc.ClientCallDetails):
         self.compression = getattr(details, "compression", None)
 
 
+class ClientSpans:
+    """The CLIENT span of a call (named by its full method) and the metadata that carries its context on."""
+
+    def __init__(
+        self, tracer_provider: Any = None, untraced: Iterable[str] = UNTRACED_METHODS
+    ) -> None:
+        from opentelemetry import trace
+
+        self._trace = trace
+        self._tracer = trace.get_tracer("shardserve.grpc", tracer_provider=tracer_provider)
+        self._untraced = frozenset(untraced)
+
+    def start(self, full_method: str) -> tuple[Any, dict[str, str]] | None:
+        """The span of a call to `full_method` begun, and the `traceparent` metadata to send; None for an untraced
+        method."""
+        if full_method in self._untraced:
+            return None
+        from opentelemetry.propagate import inject
+
+        service, _, method = full_method.lstrip("/").partition("/")
+        span = self._tracer.start_span(
+            full_method,
+            kind=self._trace.SpanKind.CLIENT,
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+        )
+        carrier: dict[str, str] = {}
+        with self._trace.use_span(span, end_on_exit=False):
+            inject(carrier)
+        return span, carrier
+
+    def failed(self, span: Any, err: BaseException) -> None:
+        """End `span` of a call that could not start."""
+        span.record_exception(err)
+        span.end()
+
+    def end(self, span: Any, code: grpc.StatusCode | None, details: str | None) -> None:
+        """Record the call's status code on its span and end it."""
+        from opentelemetry.trace import Status, StatusCode
+
+        if code is not None:
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            if code != grpc.StatusCode.OK:
+                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+        span.end()
+
+
 class TraceContextInterceptor(
     grpc.UnaryUnaryClientInterceptor,
     grpc.UnaryStreamClientInterceptor,
@@ -51,49 +97,24 @@ class TraceContextInterceptor(
     def __init__(
         self, tracer_provider: Any = None, untraced: Iterable[str] = UNTRACED_METHODS
     ) -> None:
-        from opentelemetry import trace
-
-        self._trace = trace
-        self._tracer = trace.get_tracer("shardserve.grpc", tracer_provider=tracer_provider)
-        self._untraced = frozenset(untraced)
+        self._spans = ClientSpans(tracer_provider, untraced)
 
     def _call(
         self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
     ) -> Any:
-        if details.method in self._untraced:
+        started = self._spans.start(details.method)
+        if started is None:
             return continuation(details, request)
-        from opentelemetry.propagate import inject
-
-        service, _, method = details.method.lstrip("/").partition("/")
-        span = self._tracer.start_span(
-            details.method,
-            kind=self._trace.SpanKind.CLIENT,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-        )
-        carrier: dict[str, str] = {}
-        with self._trace.use_span(span, end_on_exit=False):
-            inject(carrier)
+        span, carrier = started
         try:
             call = continuation(
                 _CallDetails(details, (*(details.metadata or ()), *carrier.items())), request
             )
         except BaseException as err:
-            span.record_exception(err)
-            span.end()
+            self._spans.failed(span, err)
             raise
-        call.add_done_callback(lambda done: self._end(span, done))
+        call.add_done_callback(lambda done: self._spans.end(span, done.code(), done.details()))
         return call
-
-    def _end(self, span: Any, call: Any) -> None:
-        """Record the call's status code on its span and end it."""
-        from opentelemetry.trace import Status, StatusCode
-
-        code = call.code()
-        if code is not None:
-            span.set_attribute("rpc.grpc.status_code", code.value[0])
-            if code != grpc.StatusCode.OK:
-                span.set_status(Status(StatusCode.ERROR, f"{code.name}: {call.details()}"))
-        span.end()
 
     def intercept_unary_unary(
         self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any
@@ -114,3 +135,30 @@ class TraceContextInterceptor(
         self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, requests: Any
     ) -> Any:
         return self._call(continuation, details, requests)
+
+
+class AioTraceContextInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """The same CLIENT span and `traceparent` for the unary calls of a grpc.aio channel (the coordinator's
+    fan-outs to its ranks); the span ends when the call does."""
+
+    def __init__(
+        self, tracer_provider: Any = None, untraced: Iterable[str] = UNTRACED_METHODS
+    ) -> None:
+        self._spans = ClientSpans(tracer_provider, untraced)
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        started = self._spans.start(method)
+        if started is None:
+            return await continuation(details, request)
+        span, carrier = started
+        metadata = grpc.aio.Metadata(*(details.metadata or ()), *carrier.items())
+        try:
+            call = await continuation(details._replace(metadata=metadata), request)
+        except BaseException as err:
+            self._spans.failed(span, err)
+            raise
+        self._spans.end(span, await call.code(), await call.details())
+        return call

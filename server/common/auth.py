@@ -21,7 +21,7 @@ import grpc
 from shardserve.core.channel_options import MESSAGE_OPTIONS, RECONNECT_OPTIONS
 from shardserve.server.common.access import CLUSTER_SCHEME, AccessPolicy
 from shardserve.server.common.principals import ClusterCertificate, ClusterSecret, PrincipalBook
-from shardserve.server.common.tracing import traced_channel
+from shardserve.server.common.tracing import aio_interceptors, traced_channel
 
 log = logging.getLogger(__name__)
 
@@ -187,3 +187,18 @@ def make_channel(
     if security.call_metadata():
         channel = grpc.intercept_channel(channel, _TokenCallInterceptor(security.call_metadata()))
     return traced_channel(channel)
+
+
+def make_aio_channel(address: str, security: Security = Security()) -> grpc.aio.Channel:
+    """A grpc.aio channel to a peer, made on the running loop, with the TLS credentials, options and (while
+    tracing is on) trace context of make_channel's; its calls pass `security.call_metadata()` themselves (an aio
+    interceptor would cost every call a coroutine more)."""
+    every = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
+    if security.tls is not None:
+        return grpc.aio.secure_channel(
+            address,
+            channel_credentials(security.tls),
+            options=every,
+            interceptors=aio_interceptors(),
+        )
+    return grpc.aio.insecure_channel(address, options=every, interceptors=aio_interceptors())

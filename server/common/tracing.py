@@ -164,6 +164,16 @@ def traced_channel(channel: grpc.Channel) -> grpc.Channel:
     return grpc.intercept_channel(channel, TraceContextInterceptor(_provider))
 
 
+def aio_interceptors() -> list[Any]:
+    """The client interceptor of a grpc.aio channel that carries this process's trace on while tracing is on;
+    none otherwise."""
+    if _provider is None:
+        return []
+    from shardserve.protos.trace_context import AioTraceContextInterceptor
+
+    return [AioTraceContextInterceptor(_provider)]
+
+
 def carry_context(fn: Callable[..., T]) -> Callable[..., T]:
     """`fn` run, on whatever thread, in the context current now (its trace): for work handed to a pool or thread.
     Each returned callable may run once at a time."""

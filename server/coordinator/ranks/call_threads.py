@@ -1,12 +1,12 @@
-"""Kept threads for the coordinator's calls to its ranks.
+"""Kept threads for the coordinator's calls to a few ranks.
 
 A gRPC future (`stub.Method.future`) on a channel with no other call in flight first starts that channel's
 polling thread and waits for it to run: one new thread per rank per fan-out, which on a loaded host costs
 milliseconds each (a third of a small put's commit, measured). A blocking call polls on the thread that makes
-it, so a fan-out to a few ranks runs its calls as blocking calls on threads kept for it. There are at most
-`size` of them, taken without waiting: a call that finds none free is made a gRPC future instead, so ranks
-that hold their calls until the deadline (a stopped process) never hold up calls to other ranks, and a fan-out
-to a thousand ranks still has every call in flight at once.
+it, so a fan-out to a few ranks runs its calls as blocking calls on threads kept for it: quicker for one or two
+ranks than the call loop's grpc.aio (0.85 against 1.0 ms for two, measured). There are at most `size` of
+them, taken without waiting: a call that finds none free goes to the call loop instead (call_loop.py), so ranks
+that hold their calls until the deadline (a stopped process) never hold up calls to other ranks.
 """
 
 from __future__ import annotations

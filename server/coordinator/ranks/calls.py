@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -22,8 +23,9 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.errors import RankUnavailable, ServiceError, relayed
 from shardserve.server.coordinator.catalog.messages import init_to_proto, options_to_proto
 from shardserve.server.coordinator.catalog.records import Init, ShardChecksums, TensorRecord
+from shardserve.server.coordinator.ranks.call_loop import CallLoop
 from shardserve.server.coordinator.ranks.call_threads import CallThreads
-from shardserve.server.coordinator.ranks.registry import RankRegistry
+from shardserve.server.coordinator.ranks.registry import RankEntry, RankRegistry
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +54,17 @@ class Allocation:
     source_name: str = ""  # Init.COPY of another tensor than the allocated one ("": the same)
 
 
-# rank calls in flight at once as blocking calls on kept threads; more go as gRPC futures
+# a fan-out to at most this many ranks runs its calls as blocking calls on kept threads; a larger one on grpc.aio
 CALL_THREADS = 32
 
 
 class RankCalls:
     """Calls to registered ranks, each with a deadline of `rpc_timeout` seconds. A fan-out issues every rank's call
-    at once (on a kept thread while one is free, else as a gRPC future: server/coordinator/ranks/call_threads.py;
-    no pool bounds how many are in flight), then waits for them all: its time is that of the slowest rank,
-    whatever the number of ranks."""
+    at once, then waits for them all: its time is that of the slowest rank, whatever the number of ranks. A few
+    calls run as blocking calls on kept threads (server/coordinator/ranks/call_threads.py: the quickest for the
+    one or two ranks of most puts); many, and any that find no kept thread free, run on the call loop's grpc.aio
+    channels (server/coordinator/ranks/call_loop.py: the cheapest per call for a thousand). No pool bounds how
+    many are in flight."""
 
     def __init__(
         self, registry: RankRegistry, rpc_timeout: float = 60.0, *, threads: int = CALL_THREADS
@@ -68,10 +72,12 @@ class RankCalls:
         self.registry = registry
         self.rpc_timeout = rpc_timeout
         self._threads = CallThreads(threads)
+        self.loop = CallLoop(registry.security)
 
     def close(self) -> None:
-        """End the kept call threads once their calls return (later calls go as gRPC futures)."""
+        """End the kept call threads once their calls return, and the call loop (its calls cancelled)."""
         self._threads.close()
+        self.loop.close()
 
     def fan_out(
         self, ranks: Iterable[int], method: str, request: Message, what: str
@@ -93,11 +99,8 @@ class RankCalls:
             if not registry.is_alive(entry):
                 registry.note_missed(rank)
                 failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        calls = {
-            rank: self._start(getattr(entry.stub, method), requests[rank])
-            for rank, entry in entries.items()
-            if registry.is_alive(entry)
-        }
+        live = {rank: entry for rank, entry in entries.items() if registry.is_alive(entry)}
+        calls = self._issue(method, {rank: requests[rank] for rank in live}, live)
         results: dict[int, Any] = {}
         deadline = (
             time.monotonic() + self.rpc_timeout + 5.0
@@ -108,7 +111,7 @@ class RankCalls:
             except grpc.RpcError as err:
                 registry.note_missed(rank)
                 failures.append(_rank_error(rank, entries[rank].info.address, err))
-            except (grpc.FutureTimeoutError, futures.TimeoutError):
+            except futures.TimeoutError:
                 registry.note_missed(rank)
                 call.cancel()
                 failures.append(
@@ -122,11 +125,28 @@ class RankCalls:
             raise failures[0]
         return results
 
-    def _start(self, method: Any, request: Message) -> Any:
-        """`method(request)` under way: on a kept thread (a concurrent future) when one is free, else a gRPC
-        future; either one's result() raises the call's grpc.RpcError."""
-        kept = self._threads.start(lambda: method(request, timeout=self.rpc_timeout))
-        return kept if kept is not None else method.future(request, timeout=self.rpc_timeout)
+    def _issue(
+        self, method: str, requests: Mapping[int, Message], entries: Mapping[int, RankEntry]
+    ) -> dict[int, futures.Future[Any]]:
+        """Each rank's call under way: on a kept thread while the fan-out is small and one is free, else (every
+        call of a large fan-out) on the call loop; {rank: a future whose result() raises the call's
+        grpc.RpcError}."""
+        calls: dict[int, futures.Future[Any]] = {}
+        if len(requests) <= self._threads.size:
+            for rank, request in requests.items():
+                kept = self._threads.start(
+                    partial(getattr(entries[rank].stub, method), request, timeout=self.rpc_timeout)
+                )
+                if kept is not None:
+                    calls[rank] = kept
+        rest = {
+            rank: (entries[rank].info.address, request)
+            for rank, request in requests.items()
+            if rank not in calls
+        }
+        if rest:
+            calls.update(self.loop.call_all(method, rest, timeout=self.rpc_timeout))
+        return calls
 
     def allocate(
         self, ranks: Iterable[int], record: TensorRecord, allocation: Allocation, what: str

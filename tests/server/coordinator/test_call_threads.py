@@ -1,5 +1,5 @@
 """The coordinator's kept call threads: calls run on threads started once and reused, never more than `size` at
-once (past that the caller is told to make a gRPC future instead), failures reach the caller, and closed
+once (past that the caller is told to make the call elsewhere: the call loop), failures reach the caller, and closed
 threads end."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_sequential_calls_reuse_one_thread():
 
 def test_past_size_busy_threads_a_call_is_refused_not_queued():
     """A call that would wait for a busy thread (a rank holding its calls until their deadline) is refused, so
-    the caller makes it a gRPC future at once; a thread freed takes calls again."""
+    the caller makes it on the call loop at once; a thread freed takes calls again."""
     threads = CallThreads(2)
     release = threading.Event()
     try:

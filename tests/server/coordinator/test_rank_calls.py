@@ -5,6 +5,7 @@ the ShardServer methods the fan-outs call, and record what they were asked."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ class Rank:
 
     barrier: threading.Barrier
     refuse: bool = False
+    hold: threading.Event | None = (
+        None  # set: the call waits for it (a rank that stopped), then answers
+    )
     asked: dict[str, list] = field(default_factory=dict)
 
     def handler(self, method: str, request_type, answer):  # type: ignore[no-untyped-def]
@@ -43,6 +47,8 @@ class Rank:
             self.barrier.wait(
                 WAIT_S
             )  # BrokenBarrierError (an UNKNOWN answer) unless all are in flight
+            if self.hold is not None:
+                self.hold.wait(WAIT_S)
             if self.refuse:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "memory limit")
             return answer(request)
@@ -95,6 +101,14 @@ def cluster():
         server.stop(0)
 
 
+@pytest.fixture
+def calls(cluster):
+    """The fan-out of the cluster's registry, closed after the test."""
+    made = RankCalls(cluster[0], rpc_timeout=WAIT_S * 2)
+    yield made
+    made.close()
+
+
 def _records(count: int) -> list[TensorRecord]:
     """`count` tensors, tensor i on ranks i, i+1 and i+2 (mod RANKS)."""
     return [
@@ -109,20 +123,20 @@ def _records(count: int) -> list[TensorRecord]:
     ]
 
 
-def test_every_ranks_call_is_in_flight_at_once(cluster):
+def test_every_ranks_call_is_in_flight_at_once(cluster, calls):
     """Each rank's server holds its call until all RANKS calls arrived: a fan-out bounded by a pool of fewer
     calls would break the barrier instead of answering. Each rank is asked for its own versions only."""
     registry, ranks = cluster
     records = _records(RANKS)
     versions = versions_by_rank(records, TensorRecord.ranks)
-    promoted = RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+    promoted = calls.promote_many(versions, "promote")
     assert promoted.checksums == {r.key: {0: 7} for r in records} and promoted.shared == {}
     for rank, state in ranks.items():
         [request] = state.asked["PromoteMany"]
         assert [(v.name, v.version) for v in request.versions] == versions[rank]
 
 
-def test_a_batch_is_the_entries_each_made_once(cluster, monkeypatch):
+def test_a_batch_is_the_entries_each_made_once(cluster, calls, monkeypatch):
     """AllocateMany: each rank's request holds exactly the allocation of each of its records (as built field by
     field), and a record's allocation is built once however many ranks hold it."""
     registry, ranks = cluster
@@ -134,9 +148,7 @@ def test_a_batch_is_the_entries_each_made_once(cluster, monkeypatch):
     )
     by_rank = {rank: [r for r in records if rank in r.ranks()] for rank in range(RANKS)}
     dropping = {rank: [("old", rank + 1)] for rank in range(RANKS)}
-    RankCalls(registry, rpc_timeout=WAIT_S * 2).allocate_many(
-        by_rank, "allocate", writer_host_id="host-a", dropping=dropping
-    )
+    calls.allocate_many(by_rank, "allocate", writer_host_id="host-a", dropping=dropping)
     assert len(built) == len(
         records
     )  # one allocation message per record, not one per (rank, record)
@@ -158,17 +170,17 @@ def test_a_batch_is_the_entries_each_made_once(cluster, monkeypatch):
         assert request == expected
 
 
-def test_a_refusal_is_raised_naming_its_rank_after_every_call_ended(cluster):
+def test_a_refusal_is_raised_naming_its_rank_after_every_call_ended(cluster, calls):
     registry, ranks = cluster
     ranks[5].refuse = True
     versions = {rank: [("t", 1)] for rank in range(RANKS)}
     with pytest.raises(Exception, match="rank 5: memory limit") as raised:
-        RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+        calls.promote_many(versions, "promote")
     assert raised.value.metadata["rank"] == 5  # type: ignore[attr-defined]
     assert all(len(state.asked["PromoteMany"]) == 1 for state in ranks.values())
 
 
-def test_a_rank_that_is_not_alive_fails_at_once_and_the_others_are_called(cluster):
+def test_a_rank_that_is_not_alive_fails_at_once_and_the_others_are_called(cluster, calls):
     registry, ranks = cluster
     registry.mark_exited(7, "process 7 was killed by SIGKILL")
     barrier = threading.Barrier(RANKS - 1)  # the others' calls, all in flight at once
@@ -176,6 +188,44 @@ def test_a_rank_that_is_not_alive_fails_at_once_and_the_others_are_called(cluste
         state.barrier = barrier
     versions = {rank: [("t", 1)] for rank in range(RANKS)}
     with pytest.raises(RankUnavailable, match="rank 7 .* is not alive"):
-        RankCalls(registry, rpc_timeout=WAIT_S * 2).promote_many(versions, "promote")
+        calls.promote_many(versions, "promote")
     assert not barrier.broken and "PromoteMany" not in ranks[7].asked
     assert all(len(ranks[r].asked["PromoteMany"]) == 1 for r in range(RANKS) if r != 7)
+
+
+def test_a_rank_past_its_deadline_is_named_and_the_others_answered(cluster):
+    """A large fan-out (on the call loop): the rank that holds its call past the deadline fails unavailable,
+    named; every other rank's answer came."""
+    registry, ranks = cluster
+    ranks[9].hold = release = threading.Event()
+    calls = RankCalls(registry, rpc_timeout=1.0)
+    try:
+        with pytest.raises(RankUnavailable, match="rank 9 .* unavailable: Deadline Exceeded"):
+            calls.promote_many({rank: [("t", 1)] for rank in range(RANKS)}, "promote")
+    finally:
+        release.set()
+        calls.close()
+    assert all(len(state.asked["PromoteMany"]) == 1 for state in ranks.values())
+
+
+def test_a_call_that_finds_no_kept_thread_free_goes_on_the_loop(cluster):
+    """With its one kept thread held by a stopped rank's call, a fan-out to another rank still answers (on the
+    call loop) while the first waits."""
+    registry, ranks = cluster
+    lone = threading.Barrier(1)
+    for state in ranks.values():
+        state.barrier = lone
+    ranks[0].hold = release = threading.Event()
+    calls = RankCalls(registry, rpc_timeout=WAIT_S * 2, threads=1)
+    held = futures.ThreadPoolExecutor(1).submit(calls.promote_many, {0: [("t", 1)]}, "held")
+    try:
+        deadline = time.monotonic() + WAIT_S  # rank 0's call under way: the kept thread is taken
+        while "PromoteMany" not in ranks[0].asked and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "PromoteMany" in ranks[0].asked
+        promoted = calls.promote_many({1: [("u", 2)]}, "promote")
+        assert promoted.checksums == {("u", 2): {0: 7}} and not held.done()
+    finally:
+        release.set()
+        held.result(WAIT_S)
+        calls.close()
