@@ -54,6 +54,8 @@ class Allocation:
     source_name: str = ""  # Init.COPY of another tensor than the allocated one ("": the same)
 
 
+_NO_ANSWER = object()  # a rank's outcome when its call did not end in time
+
 # a fan-out to at most this many ranks runs its calls as blocking calls on kept threads; a larger one on grpc.aio
 CALL_THREADS = 32
 
@@ -100,53 +102,62 @@ class RankCalls:
                 registry.note_missed(rank)
                 failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
         live = {rank: entry for rank, entry in entries.items() if registry.is_alive(entry)}
-        calls = self._issue(method, {rank: requests[rank] for rank in live}, live)
+        outcomes = self._outcomes(method, {rank: requests[rank] for rank in live}, live)
         results: dict[int, Any] = {}
-        deadline = (
-            time.monotonic() + self.rpc_timeout + 5.0
-        )  # the calls carry their own deadline too
-        for rank, call in calls.items():
-            try:
-                results[rank] = call.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.RpcError as err:
+        for rank, entry in live.items():
+            outcome = outcomes.get(rank, _NO_ANSWER)
+            if isinstance(outcome, grpc.RpcError):
                 registry.note_missed(rank)
-                failures.append(_rank_error(rank, entries[rank].info.address, err))
-            except futures.TimeoutError:
+                failures.append(_rank_error(rank, entry.info.address, outcome))
+            elif outcome is _NO_ANSWER:
                 registry.note_missed(rank)
-                call.cancel()
                 failures.append(
                     RankUnavailable(
-                        f"rank {rank} ({entries[rank].info.address}) did not answer "
+                        f"rank {rank} ({entry.info.address}) did not answer "
                         f"within {self.rpc_timeout:.0f}s"
                     )
                 )
+            elif isinstance(outcome, Exception):
+                raise outcome
+            else:
+                results[rank] = outcome
         if failures:
             log.warning("%s failed: %s", what, "; ".join(f.message for f in failures))
             raise failures[0]
         return results
 
-    def _issue(
+    def _outcomes(
         self, method: str, requests: Mapping[int, Message], entries: Mapping[int, RankEntry]
-    ) -> dict[int, futures.Future[Any]]:
-        """Each rank's call under way: on a kept thread while the fan-out is small and one is free, else (every
-        call of a large fan-out) on the call loop; {rank: a future whose result() raises the call's
-        grpc.RpcError}."""
-        calls: dict[int, futures.Future[Any]] = {}
+    ) -> dict[int, Any]:
+        """Each rank's answer, or the exception its call failed with; a rank is missing when its call had not
+        ended a few seconds past its deadline. The calls run on kept threads while the fan-out is small and one
+        is free, else (every call of a large fan-out) on the call loop."""
+        deadline = time.monotonic() + self.rpc_timeout + 5.0  # the calls carry their own too
+        kept: dict[int, futures.Future[Any]] = {}
         if len(requests) <= self._threads.size:
             for rank, request in requests.items():
-                kept = self._threads.start(
+                call = self._threads.start(
                     partial(getattr(entries[rank].stub, method), request, timeout=self.rpc_timeout)
                 )
-                if kept is not None:
-                    calls[rank] = kept
+                if call is not None:
+                    kept[rank] = call
         rest = {
             rank: (entries[rank].info.address, request)
             for rank, request in requests.items()
-            if rank not in calls
+            if rank not in kept
         }
-        if rest:
-            calls.update(self.loop.call_all(method, rest, timeout=self.rpc_timeout))
-        return calls
+        looped = self.loop.call_all(method, rest, timeout=self.rpc_timeout) if rest else None
+        outcomes: dict[int, Any] = {}
+        for rank, call in kept.items():
+            try:
+                outcomes[rank] = call.result(timeout=max(0.0, deadline - time.monotonic()))
+            except futures.TimeoutError:
+                call.cancel()
+            except Exception as err:  # noqa: BLE001 - the rank's outcome, judged by the caller
+                outcomes[rank] = err
+        if looped is not None:
+            outcomes.update(looped.wait(max(0.0, deadline - time.monotonic())))
+        return outcomes
 
     def allocate(
         self, ranks: Iterable[int], record: TensorRecord, allocation: Allocation, what: str
