@@ -5,7 +5,8 @@ memory budget), the ShardServer servicer on a gRPC server of its own, and a Coor
 heartbeats. What differs, so that a few processes on a small machine hold a thousand of them:
 
 - small thread pools (PROCESS_WORKERS gRPC threads that all of a process's instances share) and no bulk port,
-  metrics endpoint or persistence; CPU shards in private memory (the same-host path is off: its memfds would be one per shard);
+  metrics endpoint or persistence; CPU shards in private memory (the same-host path is off: its memfds would be
+  one per shard);
 - collective jobs run no collectives: the "reshard" kind writes each new local shard as the arange fill of its
   box (shard_fill.InitFill.ARANGE), which is what moving the data of an arange-filled tensor gives, then fills
   the reservation as the real job does. The calls (AllocateShards, RunCollective, PromoteVersion, DropVersion)
