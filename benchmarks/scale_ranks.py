@@ -4,9 +4,8 @@ Each instance is assembled as server/rank/main.py assembles a rank: a ShardStore
 memory budget), the ShardServer servicer on a gRPC server of its own, and a CoordinatorLink that registers and
 heartbeats. What differs, so that a few processes on a small machine hold a thousand of them:
 
-- small thread pools (PROCESS_WORKERS gRPC threads that all of a process's instances share) and no bulk port,
-  metrics endpoint or persistence; CPU shards in private memory (the same-host path is off: its memfds would be
-  one per shard);
+- small thread pools (SERVER_WORKERS gRPC threads per instance) and no bulk port, metrics endpoint or
+  persistence; CPU shards in private memory (the same-host path is off: its memfds would be one per shard);
 - collective jobs run no collectives: the "reshard" kind writes each new local shard as the arange fill of its
   box (shard_fill.InitFill.ARANGE), which is what moving the data of an arange-filled tensor gives, then fills
   the reservation as the real job does. The calls (AllocateShards, RunCollective, PromoteVersion, DropVersion)
@@ -50,10 +49,6 @@ from shardserve.server.rank.service import ShardServerServicer, add_shard_server
 from shardserve.server.rank.shard_fill import InitFill, make_shard
 
 SERVER_WORKERS = StreamLimitSettings(workers=6, small_calls=2, max_waiting=2)
-# the threads that run the calls of all of a process's instances: one pool, as one host has its cores (a pool of
-# SERVER_WORKERS threads per instance woke hundreds of threads in each process when a fan-out reached all its
-# instances at once, and the GIL handoffs among them doubled the processes' CPU)
-PROCESS_WORKERS = 8
 MEMORY_LIMIT = 64 << 20  # bytes each instance may hold (tiny shards)
 RANKS_PER_HOST = 8  # instances that share a simulated host name (repairs prefer another host)
 REGISTER_THREADS = 64
@@ -97,16 +92,8 @@ class SimulatedRank:
         self.running.limits.close()
 
 
-def start_rank(
-    rank: int,
-    *,
-    world: int,
-    coordinator: str,
-    security: Security,
-    executor: futures.Executor,
-) -> SimulatedRank:
-    """One rank instance serving on a free loopback port (its calls run on `executor`, the process's), not yet
-    registered."""
+def start_rank(rank: int, *, world: int, coordinator: str, security: Security) -> SimulatedRank:
+    """One rank instance serving on a free loopback port, not yet registered."""
     options = RankOptions(listen="127.0.0.1:0", bulk_reads=False, log_level="WARNING")
     store = open_store(options, rank, "cpu", memory_limit=MEMORY_LIMIT, persistence=None)
     bulk = BulkReads(store, None, off_reason="a simulated rank has no bulk port")
@@ -116,7 +103,6 @@ def start_rank(
         security,
         lambda server: [add_shard_server(server, servicer)],
         SERVER_WORKERS,
-        executor=executor,
     )
     host = f"sim-host-{rank // RANKS_PER_HOST}"
     info = pb.RankInfo(
@@ -173,15 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     security = Security(cluster=ClusterSecret.from_file(args.secret_file))
     before = psutil.Process().memory_info().rss
-    calls = futures.ThreadPoolExecutor(PROCESS_WORKERS, thread_name_prefix="grpc")
     ranks = {
-        rank: start_rank(
-            rank,
-            world=args.world,
-            coordinator=args.coordinator,
-            security=security,
-            executor=calls,
-        )
+        rank: start_rank(rank, world=args.world, coordinator=args.coordinator, security=security)
         for rank in range(args.first, args.first + args.count)
     }
     print(f"ready {len(ranks)} {before} {psutil.Process().memory_info().rss}", flush=True)

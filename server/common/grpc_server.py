@@ -58,14 +58,11 @@ def start_server(
     add_servicers: Callable[[grpc.Server], list[str]],
     limits: StreamLimitSettings = StreamLimitSettings(),
     metrics: ServerMetrics | None = None,
-    *,
-    executor: futures.Executor | None = None,
 ) -> RunningServer:
     """Serve the services `add_servicers` registers (it returns their full names) plus health and reflection,
-    on `limits.workers` threads of its own (or `executor`'s: a process serving many servers shares one),
-    checking every call's access and the stream limits; with `metrics`, every call's count, status and latency
-    are recorded there too; while tracing is on (server.common.tracing), every call continues its caller's
-    trace."""
+    on `limits.workers` threads, checking every call's access and the stream limits; with `metrics`, every
+    call's count, status and latency are recorded there too; while tracing is on (server.common.tracing), every
+    call continues its caller's trace."""
     host, _ = split_address(listen)
     stream_limits = StreamLimits(limits)
     interceptors = [
@@ -78,8 +75,7 @@ def start_server(
         )  # outermost: refused calls are counted too
     interceptors = [*server_interceptors(), *interceptors]  # refused calls are traced too
     server = grpc.server(
-        executor
-        or futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
+        futures.ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
         options=[*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)],
     )  # a port in use is an error
