@@ -1,6 +1,6 @@
 """The coordinator's call loop (grpc.aio): calls to real loopback servers over mutual TLS carrying the cluster
-secret, answers and failures on each rank's future, a rank that registers at another address called there, a
-closed loop that refuses calls, and the trace context carried on and recorded as a CLIENT span."""
+secret, answers and failures by rank, a rank that registers at another address called there, a closed loop that
+refuses calls, and the caller's trace continued on the loop thread, carried on and recorded as a CLIENT span."""
 
 from __future__ import annotations
 
@@ -191,3 +191,36 @@ def test_the_trace_context_is_carried_on_and_the_call_recorded():
         assert (
             f"{span.context.trace_id:032x}-{span.context.span_id:016x}" in metadata["traceparent"]
         )
+
+
+def test_a_fan_out_on_the_loop_continues_the_callers_trace(tmp_path):
+    """With this process's tracing on, a call the loop makes for a caller inside a span is that span's child
+    (the caller's context crosses to the loop thread), and its traceparent reaches the rank."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    import json
+
+    from shardserve.server.common import tracing
+
+    peer = Peer()
+    server = _serve(peer, tls=None)
+    assert tracing.enable_tracing(f"file:{tmp_path}", "call-loop-test")
+    loop = CallLoop()
+    try:
+        with tracing.span("caller"):
+            assert _promote(loop, peer.address).checksums[0].name == "t"
+    finally:
+        loop.close()
+        tracing.disable_tracing()  # flushes the spans to the file
+        server.stop(0)
+    spans = {
+        s["name"]: s
+        for path in tmp_path.glob("*.jsonl")
+        for s in map(json.loads, path.read_text().splitlines())
+    }
+    caller, call = spans["caller"], spans[f"/{SERVICE}/PromoteMany"]
+    assert call["kind"] == "SpanKind.CLIENT"
+    assert call["parent_id"] == caller["context"]["span_id"]
+    assert call["context"]["trace_id"] == caller["context"]["trace_id"]
+    [metadata] = peer.metadata
+    trace_id, span_id = call["context"]["trace_id"][2:], call["context"]["span_id"][2:]
+    assert metadata["traceparent"].startswith(f"00-{trace_id}-{span_id}-")
