@@ -34,6 +34,7 @@ GROUP = "reshard"
 COPY = "in-process column copies"
 TARGET = Target(min_ratio=0.5)  # within 2x of the in-process copy
 BUCKET_BYTES = 16 << 20
+DEAD_AFTER_S = 10.0  # heartbeats missed this long mark a rank dead in the benchmark's clusters
 
 
 def cluster_times(
@@ -44,6 +45,7 @@ def cluster_times(
     from shardserve import connect
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.server.common.rank_options import RankOptions
+    from shardserve.server.coordinator.options import CoordinatorOptions
     from shardserve.server.launcher import LocalCluster
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
@@ -53,6 +55,9 @@ def cluster_times(
             world,
             state_dir=tempfile.mkdtemp(prefix="bench-reshard-"),
             rank_options=RankOptions(recycle_bytes=recycle_bytes),
+            # it times reshards, not liveness: ranks starting while the last cluster's processes end, on a
+            # loaded machine, are not taken for dead for two late heartbeats (the default 2 s)
+            coordinator_options=CoordinatorOptions(dead_after=DEAD_AFTER_S),
             start_method="forkserver",
         ) as cluster,
         connect(cluster.address, timeout=600) as client,
