@@ -162,6 +162,18 @@ def test_cluster_reshard_benchmark_runs_small(tmp_path) -> None:
     assert row["world"] == 2 and row["max_new_shard_bytes"] == 512 * 256 * 4
 
 
+def test_fanout_benchmark_runs_small(tmp_path) -> None:
+    """benchmarks.fanout (not a suite scenario) past the kept call threads (40 ranks: the call loop) and within
+    them (2 ranks): every figure measured, the load average beside it."""
+    rows = _run_tool(
+        tmp_path, "benchmarks.fanout", "--ranks", "40,2", "--processes", "2", "--repeats", "2"
+    )["rows"]
+    assert [row["ranks"] for row in rows] == [40, 2]
+    for row in rows:
+        assert row["caller_cpu_s"] > 0 and row["wall_s"] > 0 and row["servers_cpu_s"] >= 0
+        assert len(row["load_average"]) == 3
+
+
 def test_lookup_cpu_benchmark_runs_small(tmp_path) -> None:
     """benchmarks.lookup_cpu (not a suite scenario) on a small table: 1 and 8 threads, each figure measured."""
     report = _run_tool(
