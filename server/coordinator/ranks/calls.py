@@ -74,12 +74,12 @@ class RankCalls:
         self.registry = registry
         self.rpc_timeout = rpc_timeout
         self._threads = CallThreads(threads)
-        self.loop = CallLoop(registry.security)
+        self._loop = CallLoop(registry.security)
 
     def close(self) -> None:
         """End the kept call threads once their calls return, and the call loop (its calls cancelled)."""
         self._threads.close()
-        self.loop.close()
+        self._loop.close()
 
     def fan_out(
         self, ranks: Iterable[int], method: str, request: Message, what: str
@@ -97,11 +97,13 @@ class RankCalls:
         registry = self.registry
         entries = {rank: registry.entry(rank) for rank in requests}
         failures: list[ServiceError] = []
+        live: dict[int, RankEntry] = {}
         for rank, entry in entries.items():
-            if not registry.is_alive(entry):
+            if registry.is_alive(entry):  # judged once: a rank is either called or failed
+                live[rank] = entry
+            else:
                 registry.note_missed(rank)
                 failures.append(RankUnavailable(f"rank {rank} ({entry.info.address}) is not alive"))
-        live = {rank: entry for rank, entry in entries.items() if registry.is_alive(entry)}
         outcomes = self._outcomes(method, {rank: requests[rank] for rank in live}, live)
         results: dict[int, Any] = {}
         for rank, entry in live.items():
@@ -146,7 +148,7 @@ class RankCalls:
             for rank, request in requests.items()
             if rank not in kept
         }
-        looped = self.loop.call_all(method, rest, timeout=self.rpc_timeout) if rest else None
+        looped = self._loop.call_all(method, rest, timeout=self.rpc_timeout) if rest else None
         outcomes: dict[int, Any] = {}
         for rank, call in kept.items():
             try:
