@@ -12,6 +12,7 @@ to the loop that made it), one per rank, with the credentials, options and trace
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,11 @@ from google.protobuf.message import Message
 
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.auth import Security, make_aio_channel
+
+log = logging.getLogger(__name__)
+
+# how long close() waits for the channels to close and the loop's thread to end
+CLOSE_TIMEOUT_S = 10.0
 
 
 class CallOutcomes:
@@ -78,10 +84,16 @@ class CallLoop:
             loop, thread = self._loop, self._thread
         if loop is None or thread is None:
             return
-        asyncio.run_coroutine_threadsafe(self._close_channels(), loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(self._close_channels(), loop).result(CLOSE_TIMEOUT_S)
+        except TimeoutError:
+            log.warning(
+                "the rank call loop's channels did not close within %.0f s", CLOSE_TIMEOUT_S
+            )
         loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        loop.close()
+        thread.join(CLOSE_TIMEOUT_S)
+        if not thread.is_alive():
+            loop.close()
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
