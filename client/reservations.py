@@ -5,12 +5,17 @@ CreateSnapshot. A reservation serves only a put that would have created the same
 what decided them (this process's report of its pieces, its job, the put's options), compared with ==.
 The process that commits a reservation owns it and aborts it when it is not used (client close included);
 the other ranks of an SPMD job hold a copy to find their shards in.
+
+A process that puts alone (a job of one) has the coordinator reserve after its commit answered
+(CommitSnapshotRequest.reserve_later) and takes the reservation on a thread of its own
+(TakeReservedSnapshot) while it goes on: its next put waits for it only if it is not there yet.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,29 +35,81 @@ class Reservation:
     owned: bool  # this process commits it, and aborts it when it goes unused
 
 
+@dataclass(frozen=True)
+class LaterReservation:
+    """A reservation the coordinator makes after the commit answered: its snapshot comes with `snapshot` (None:
+    none was made), owned by this process."""
+
+    basis: Any
+    snapshot: Future[pb.SnapshotInfo | None]
+    tensors: Mapping[str, JobTensor]
+
+    def resolved(self) -> Reservation | None:
+        """The reservation once its snapshot is here (waiting for it), or None when none was made."""
+        snapshot = self.snapshot.result()
+        return (
+            None
+            if snapshot is None
+            else Reservation(self.basis, snapshot, self.tensors, owned=True)
+        )
+
+
 class Reservations:
     """This client's reservations, one per prefix; a put takes its prefix's (so two puts never share one)."""
 
     def __init__(self) -> None:
-        self._by_prefix: dict[str, Reservation] = {}
+        self._by_prefix: dict[str, Reservation | LaterReservation] = {}
         self._lock = threading.Lock()
+        self._takers: ThreadPoolExecutor | None = None
 
     def take(self, prefix: str) -> Reservation | None:
-        """The prefix's reservation, no longer kept here."""
+        """The prefix's reservation, no longer kept here (waiting for one still being made)."""
         with self._lock:
-            return self._by_prefix.pop(prefix, None)
+            kept = self._by_prefix.pop(prefix, None)
+        return _resolved(kept)
 
     def keep(self, prefix: str, reservation: Reservation) -> Reservation | None:
         """Keep `reservation` for the prefix's next put; returns the one it replaces (to abort), if any."""
+        return _resolved(self._swap(prefix, reservation))
+
+    def keep_later(
+        self,
+        prefix: str,
+        basis: Any,
+        tensors: Mapping[str, JobTensor],
+        take: Callable[[], pb.SnapshotInfo | None],
+    ) -> Reservation | None:
+        """Keep the reservation `take()` answers (run on this client's reservation thread now) for the prefix's
+        next put; returns the one it replaces (to abort), if any."""
         with self._lock:
-            replaced = self._by_prefix.get(prefix)
-            self._by_prefix[prefix] = reservation
-            return replaced
+            if self._takers is None:
+                self._takers = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="shardserve-reserve"
+                )
+            later = LaterReservation(basis, self._takers.submit(take), tensors)
+        return _resolved(self._swap(prefix, later))
 
     def release_all(self, abort: Callable[[str, int], None]) -> None:
-        """Forget every reservation, `abort(prefix, number)` of each one owned here."""
+        """Forget every reservation, `abort(prefix, number)` of each one owned here (once taken, for those still
+        being made), and stop the reservation thread."""
         with self._lock:
             held, self._by_prefix = list(self._by_prefix.items()), {}
-        for prefix, reservation in held:
-            if reservation.owned:
+            takers, self._takers = self._takers, None
+        for prefix, kept in held:
+            reservation = _resolved(kept)
+            if reservation is not None and reservation.owned:
                 abort(prefix, reservation.snapshot.number)
+        if takers is not None:
+            takers.shutdown(wait=True)
+
+    def _swap(
+        self, prefix: str, kept: Reservation | LaterReservation
+    ) -> Reservation | LaterReservation | None:
+        with self._lock:
+            replaced = self._by_prefix.get(prefix)
+            self._by_prefix[prefix] = kept
+            return replaced
+
+
+def _resolved(kept: Reservation | LaterReservation | None) -> Reservation | None:
+    return kept.resolved() if isinstance(kept, LaterReservation) else kept

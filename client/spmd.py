@@ -32,6 +32,7 @@ from shardserve.client.ops.snapshots import (
     commit_snapshot,
     create_snapshot,
     get_snapshot,
+    take_reserved_snapshot,
 )
 from shardserve.client.reservations import Reservation
 from shardserve.client.session import Session
@@ -290,6 +291,8 @@ class _StatePut:
             raise
         if reserved is not None:
             self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
+        elif self._reserves_later():
+            self._keep_later(number, tensors, basis)
         if self.delta:
             kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, written)
             previous_puts(self.session).keep(self.prefix, kept)
@@ -320,6 +323,7 @@ class _StatePut:
             snapshot,
             skeleton=changed,
             reserve_next=self.reserve_next and not self.delta,
+            reserve_later=self._reserves_later(),
         )
         reserved = committed.next.SerializeToString() if committed.next is not None else None
         return committed.number, reserved
@@ -329,10 +333,29 @@ class _StatePut:
     ) -> None:
         """Keep the snapshot the commit reserved for this prefix's next put (job rank 0 owns it)."""
         owned = self.job.rank == 0
-        replaced = self.session.reservations.keep(
-            self.prefix, Reservation(basis, reserved, tensors, owned=owned)
+        self._abort_replaced(
+            self.session.reservations.keep(
+                self.prefix, Reservation(basis, reserved, tensors, owned=owned)
+            )
         )
-        # another put of the prefix on this client reserved one meanwhile
+
+    def _reserves_later(self) -> bool:
+        """Whether the commit reserves the next snapshot after it answered: a job of one takes it on the client's
+        reservation thread meanwhile; every rank of a larger job needs it, so it comes with the commit's answer."""
+        return self.reserve_next and not self.delta and self.job.size == 1
+
+    def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
+        """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's
+        next put (taken on the client's reservation thread, which that put waits for)."""
+        session, prefix = self.session, self.prefix
+        self._abort_replaced(
+            session.reservations.keep_later(
+                prefix, basis, tensors, lambda: take_reserved_snapshot(session, prefix, committed)
+            )
+        )
+
+    def _abort_replaced(self, replaced: Reservation | None) -> None:
+        """Abort a reservation this process owned that another put of the prefix on this client replaced."""
         if replaced is not None and replaced.owned:
             abort_snapshot(self.session, self.prefix, replaced.snapshot.number)
 

@@ -481,20 +481,30 @@ class SnapshotInfo(_message.Message):
     def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., state: _Optional[_Union[TensorState, str]] = ..., created_unix: _Optional[float] = ..., nbytes: _Optional[int] = ..., keep: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[SnapshotEntry, _Mapping]]] = ..., skeleton: _Optional[str] = ..., delta_of: _Optional[int] = ..., shared_nbytes: _Optional[int] = ...) -> None: ...
 
 class CommitSnapshotRequest(_message.Message):
-    __slots__ = ("prefix", "number", "view", "written_in_place", "skeleton", "reserve_next")
+    __slots__ = ("prefix", "number", "view", "written_in_place", "skeleton", "reserve_next", "reserve_later")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     NUMBER_FIELD_NUMBER: _ClassVar[int]
     VIEW_FIELD_NUMBER: _ClassVar[int]
     WRITTEN_IN_PLACE_FIELD_NUMBER: _ClassVar[int]
     SKELETON_FIELD_NUMBER: _ClassVar[int]
     RESERVE_NEXT_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_LATER_FIELD_NUMBER: _ClassVar[int]
     prefix: str
     number: int
     view: SnapshotView
     written_in_place: bool
     skeleton: str
     reserve_next: bool
-    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ..., skeleton: _Optional[str] = ..., reserve_next: _Optional[bool] = ...) -> None: ...
+    reserve_later: bool
+    def __init__(self, prefix: _Optional[str] = ..., number: _Optional[int] = ..., view: _Optional[_Union[SnapshotView, str]] = ..., written_in_place: _Optional[bool] = ..., skeleton: _Optional[str] = ..., reserve_next: _Optional[bool] = ..., reserve_later: _Optional[bool] = ...) -> None: ...
+
+class TakeReservedSnapshotRequest(_message.Message):
+    __slots__ = ("prefix", "committed")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    committed: int
+    def __init__(self, prefix: _Optional[str] = ..., committed: _Optional[int] = ...) -> None: ...
 
 class CommitSnapshotResponse(_message.Message):
     __slots__ = ("committed", "next")

@@ -121,6 +121,11 @@ class CoordinatorStub:
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotRequest.SerializeToString,
                 response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotResponse.FromString,
                 _registered_method=True)
+        self.TakeReservedSnapshot = channel.unary_unary(
+                '/shardserve.v1.Coordinator/TakeReservedSnapshot',
+                request_serializer=shardserve_dot_protos_dot_shardserve__pb2.TakeReservedSnapshotRequest.SerializeToString,
+                response_deserializer=shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
         self.GetSnapshot = channel.unary_unary(
                 '/shardserve.v1.Coordinator/GetSnapshot',
                 request_serializer=shardserve_dot_protos_dot_shardserve__pb2.GetSnapshotRequest.SerializeToString,
@@ -255,6 +260,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TakeReservedSnapshot(self, request, context):
+        """The snapshot a CommitSnapshot with reserve_later reserves after it answered (waiting until it is made).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSnapshot(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -354,6 +366,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.AbortSnapshot,
                     request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotRequest.FromString,
                     response_serializer=shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotResponse.SerializeToString,
+            ),
+            'TakeReservedSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeReservedSnapshot,
+                    request_deserializer=shardserve_dot_protos_dot_shardserve__pb2.TakeReservedSnapshotRequest.FromString,
+                    response_serializer=shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.SerializeToString,
             ),
             'GetSnapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSnapshot,
@@ -827,6 +844,33 @@ class Coordinator:
             '/shardserve.v1.Coordinator/AbortSnapshot',
             shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotRequest.SerializeToString,
             shardserve_dot_protos_dot_shardserve__pb2.AbortSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeReservedSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/shardserve.v1.Coordinator/TakeReservedSnapshot',
+            shardserve_dot_protos_dot_shardserve__pb2.TakeReservedSnapshotRequest.SerializeToString,
+            shardserve_dot_protos_dot_shardserve__pb2.SnapshotInfo.FromString,
             options,
             channel_credentials,
             insecure,

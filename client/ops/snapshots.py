@@ -8,6 +8,7 @@ collective put and get of SPMD jobs are in client/spmd.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from shardserve.client.session import Session
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -110,17 +113,20 @@ def commit_snapshot(
     *,
     skeleton: str | None = None,
     reserve_next: bool = False,
+    reserve_later: bool = False,
 ) -> CommittedSnapshot:
     """CommitSnapshot of the snapshot `created` answered: every tensor READY at once, older snapshots beyond
     `keep` dropped. The shards `created` handed out for in-place writes count as written (call it only once
     every writer is done). `skeleton` replaces the non-tensor tree it was created with; `reserve_next` has the
-    coordinator create the prefix's next snapshot with the same layouts, for the next put to fill."""
+    coordinator create the prefix's next snapshot with the same layouts, for the next put to fill: in the
+    answer, or with `reserve_later` after it (take it with take_reserved_snapshot)."""
     request = pb.CommitSnapshotRequest(
         prefix=created.prefix,
         number=created.number,
         view=pb.SNAPSHOT_VIEW_BASIC,
         written_in_place=any(entry.writable for entry in created.entries),
         reserve_next=reserve_next,
+        reserve_later=reserve_next and reserve_later,
     )
     if skeleton is not None:
         request.skeleton = skeleton
@@ -130,6 +136,22 @@ def commit_snapshot(
     return CommittedSnapshot(
         committed.committed.number, committed.next if committed.HasField("next") else None
     )
+
+
+def take_reserved_snapshot(session: Session, prefix: str, committed: int) -> pb.SnapshotInfo | None:
+    """TakeReservedSnapshot: the snapshot the commit of `committed` (with reserve_later) reserved, once made;
+    None when there is none (not made, the coordinator restarted or another took the lead: logged)."""
+    request = pb.TakeReservedSnapshotRequest(prefix=prefix, committed=committed)
+    try:
+        return session.call("TakeReservedSnapshot", request)
+    except ShardServeError as err:
+        log.info(
+            "%r: no snapshot reserved after %d (%s); the next put creates one",
+            prefix,
+            committed,
+            err,
+        )
+        return None
 
 
 def abort_snapshot(session: Session, prefix: str, number: int) -> None:

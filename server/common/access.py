@@ -119,6 +119,7 @@ ACCESS_RULES: dict[str, Rule] = {
     COORDINATOR + "CreateSnapshot": Rule(WRITE, _field_prefix, logged=True),
     COORDINATOR + "CommitSnapshot": Rule(WRITE, _field_prefix, logged=True),
     COORDINATOR + "AbortSnapshot": Rule(WRITE, _field_prefix, logged=True),
+    COORDINATOR + "TakeReservedSnapshot": Rule(WRITE, _field_prefix),
     COORDINATOR + "GetSnapshot": Rule(READ, _field_prefix),
     COORDINATOR + "ListSnapshots": Rule(READ, _prefix_if_any, needs_caller=True),
     LEADERSHIP + "GetRole": Rule(READ),

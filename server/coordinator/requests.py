@@ -67,6 +67,11 @@ def commit_order(request: pb.CommitSnapshotRequest) -> CommitOrder:
     """The checked order of a CommitSnapshot request; INVALID_ARGUMENT naming the field. A skeleton's tensor
     references are checked against the pending snapshot's keys by the driver (check_skeleton_keys)."""
     skeleton = request.skeleton if request.HasField("skeleton") else None
+    if request.reserve_later and not request.reserve_next:
+        raise InvalidArgument(
+            "reserve_later is set without reserve_next: nothing is reserved",
+            metadata={"field": "reserve_later"},
+        )
     return CommitOrder(
         check_name(request.prefix, "prefix"),
         check_version(request.number, "number"),
@@ -74,6 +79,7 @@ def commit_order(request: pb.CommitSnapshotRequest) -> CommitOrder:
         skeleton=skeleton,
         skeleton_keys=tuple(skeleton_keys(skeleton or "")),
         reserve_next=request.reserve_next,
+        reserve_later=request.reserve_later,
     )
 
 

@@ -106,6 +106,7 @@ class CoordinatorServer:
         """Stop, then end the calls to ranks and the rendezvous store; close the catalog."""
         self.stop()
         self.upkeep.close()
+        self.snapshots.later.close()  # before the drops: a reservation that could not be made submits some
         self.snapshots.drops.close()
         self.registry.close()
         self.calls.close()

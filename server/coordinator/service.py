@@ -255,6 +255,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @rpc_errors
     @led
+    def TakeReservedSnapshot(
+        self, request: pb.TakeReservedSnapshotRequest, context: grpc.ServicerContext
+    ) -> pb.SnapshotInfo:
+        return _created(self.coordinator.snapshots.take_reserved(request.prefix, request.committed))
+
+    @rpc_errors
+    @led
     def AbortSnapshot(
         self, request: pb.AbortSnapshotRequest, context: grpc.ServicerContext
     ) -> pb.AbortSnapshotResponse:

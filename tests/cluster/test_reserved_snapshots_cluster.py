@@ -177,6 +177,63 @@ def test_a_commit_with_a_skeleton_naming_other_tensors_is_refused_and_nothing_is
         assert held_numbers(cluster.address, "refused") == set()
 
 
+def test_a_job_of_one_takes_each_reservation_after_its_commit_answered(
+    cluster: LocalCluster, creates: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process putting alone commits with reserve_later and takes the next snapshot with TakeReservedSnapshot
+    on its reservation thread: one create for all its steady puts, one take per commit."""
+    taken: list[int] = []
+    real = spmd_module.take_reserved_snapshot
+
+    def counted(session: Any, prefix: str, committed: int) -> pb.SnapshotInfo | None:
+        taken.append(committed)
+        return real(session, prefix, committed)
+
+    monkeypatch.setattr(spmd_module, "take_reserved_snapshot", counted)
+    with connect(cluster.address) as client:
+        numbers = [spmd.put_state_dict(client, state(step), "taken", keep=1) for step in (1, 2, 3)]
+        reserved = reserved_number(client, "taken")
+        assert creates == ["taken"] and taken == numbers
+        assert numbers == sorted(numbers) and reserved > numbers[-1]
+        assert_reads_back(client, "taken", 3, numbers[-1])
+        assert held_numbers(cluster.address, "taken") == {numbers[-1], reserved}
+
+
+def test_take_reserved_snapshot_answers_once_and_refuses_what_is_not_reserved(
+    cluster: LocalCluster,
+) -> None:
+    from shardserve.client.errors import InvalidArgumentError, TensorNotFoundError
+    from shardserve.client.ops.snapshots import create_snapshot
+
+    with connect(cluster.address) as client:
+        session = client.session
+        layout = session.layouts.layout((4,), torch.float32, None, 1)
+        created = create_snapshot(
+            session, "wire", {"w": layout}, keep=1, writer_host_id=session.paths.in_place_host()
+        )
+        assert created.entries[
+            0
+        ].writable  # its shards count as written at the commit (never read here)
+        commit = pb.CommitSnapshotRequest(
+            prefix="wire", number=created.number, reserve_later=True, written_in_place=True
+        )
+        with pytest.raises(InvalidArgumentError, match="reserve_later") as refused:
+            session.call("CommitSnapshot", commit)
+        assert refused.value.metadata.get("field") == "reserve_later"
+        commit.reserve_next = True
+        assert not session.call("CommitSnapshot", commit).HasField("next")
+        take = pb.TakeReservedSnapshotRequest(prefix="wire", committed=created.number)
+        reserved = session.call("TakeReservedSnapshot", take)
+        assert reserved.number > created.number and [e.key for e in reserved.entries] == ["w"]
+        with pytest.raises(TensorNotFoundError) as again:
+            session.call("TakeReservedSnapshot", take)
+        assert again.value.metadata.get("field") == "committed"
+        session.call(
+            "AbortSnapshot", pb.AbortSnapshotRequest(prefix="wire", number=reserved.number)
+        )
+        assert held_numbers(cluster.address, "wire") == {created.number}
+
+
 def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
     make_cluster: Callable[..., LocalCluster], creates: list[str]
 ) -> None:

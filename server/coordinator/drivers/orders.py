@@ -45,7 +45,8 @@ class SnapshotOrder:
 @dataclass(frozen=True)
 class CommitOrder:
     """A pending snapshot to commit: whether its in-place writes are done, the non-tensor tree replacing the
-    one it was created with (None: kept), and whether to reserve the prefix's next snapshot."""
+    one it was created with (None: kept), and whether to reserve the prefix's next snapshot (before or after
+    the commit answers)."""
 
     prefix: str
     number: int
@@ -53,6 +54,7 @@ class CommitOrder:
     skeleton: str | None = None
     skeleton_keys: tuple[str, ...] = ()  # the tensor keys `skeleton` refers to
     reserve_next: bool = False
+    reserve_later: bool = False  # with reserve_next: after the commit answered (LaterReservations)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,10 @@ writer then sends only the bytes that changed.
 
 A commit may also reserve the prefix's next snapshot: created as CreateSnapshot
 would with the same layouts, in the memory the commit just freed. A writer that
-puts the same layouts every step commits it next and skips the create.
+puts the same layouts every step commits it next and skips the create. The
+reservation is made before the commit answers, or after it (reserve_later:
+server/coordinator/drivers/later_reservations.py), the writer then taking it with
+TakeReservedSnapshot.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from shardserve.server.coordinator.catalog.records import (
 )
 from shardserve.server.coordinator.drivers.context import DriverContext
 from shardserve.server.coordinator.drivers.deferred_drops import DeferredDrops
+from shardserve.server.coordinator.drivers.later_reservations import LaterReservations
 from shardserve.server.coordinator.drivers.orders import (
     CommitOrder,
     SnapshotOrder,
@@ -115,6 +119,7 @@ class SnapshotDriver:
         self._pending: dict[tuple[str, int], _Pending] = {}
         self._guard = threading.Lock()
         self.drops = DeferredDrops(versions.drop_on_ranks)
+        self.later: LaterReservations[CreatedSnapshot] = LaterReservations()
 
     def create(
         self, order: SnapshotOrder, *, dropping: Sequence[TensorRecord] = ()
@@ -228,9 +233,25 @@ class SnapshotDriver:
         if not order.reserve_next:
             self.drops.submit(prefix, removed)
             return CommittedSnapshot(committed)
-        return CommittedSnapshot(
-            committed, self._reserve_next(committed, list(removed), pending.writer_host_id)
-        )
+        reserve = lambda: self._reserve_next(committed, list(removed), pending.writer_host_id)  # noqa: E731
+        if order.reserve_later:
+            self.later.start(prefix, committed.number, reserve)
+            return CommittedSnapshot(committed)
+        return CommittedSnapshot(committed, reserve())
+
+    def take_reserved(self, prefix: str, committed: int) -> CreatedSnapshot:
+        """The snapshot the commit of `committed` reserved after it answered (reserve_later), once made;
+        NOT_FOUND when none was asked for, it was taken already, or its ranks could not allocate it."""
+        prefix = check_name(prefix, "prefix")
+        committed = check_version(committed, "committed")
+        reserved = self.later.take(prefix, committed)
+        if reserved is None:
+            raise TensorNotFound(
+                f"no snapshot of {prefix!r} is reserved after snapshot {committed} (not asked for with "
+                f"reserve_later, taken already, or not made: the coordinator's log says why)",
+                metadata={"field": "committed"},
+            )
+        return reserved
 
     def _commit(
         self, snapshot: SnapshotRecord, *, written_in_place: bool
@@ -327,6 +348,7 @@ class SnapshotDriver:
 
     def _forget_stale(self) -> None:
         """Drop pending snapshots older than the pending timeout (their writers are gone)."""
+        self.later.forget_older(self.pending_timeout)
         cutoff = time.time() - self.pending_timeout
         with self._guard:
             stale = [key for key, p in self._pending.items() if p.record.created_unix < cutoff]

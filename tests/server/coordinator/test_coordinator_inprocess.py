@@ -25,6 +25,7 @@ from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.core.wire import metadata_to_proto
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.common.errors import TensorNotFound
 from shardserve.server.coordinator.catalog.records import TensorRecord, TensorState
 from shardserve.server.coordinator.catalog.sqlite import SQLiteCatalog
 from shardserve.server.coordinator.drivers.orders import (
@@ -621,3 +622,47 @@ def test_a_reservation_the_ranks_refuse_leaves_the_commit_done_and_drops_the_old
     dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
     assert {(t.name, t.version) for t in first.tensors()} <= dropped
     assert all(record.name.startswith("q@") is False for record in coordinator.catalog.pending())
+
+
+def test_a_commit_that_reserves_later_answers_first_and_the_writer_takes_the_reservation(
+    coordinator,
+):
+    """With reserve_later the commit's answer carries no next snapshot; the reservation (the same drops and
+    allocations as one made before the answer) is taken once with take_reserved, then NOT_FOUND."""
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    snapshots = coordinator.snapshots
+    first = snapshots.create(_snapshot_order("later")).record
+    committed = snapshots.commit(
+        CommitOrder("later", first.number, reserve_next=True, reserve_later=True)
+    )
+    assert committed.next is None
+    reserved = snapshots.take_reserved("later", first.number)
+    assert [e.tensor.metadata for e in reserved.record.entries] == [
+        e.tensor.metadata for e in first.entries
+    ]
+    allocations = [call for call in stub.calls if call[0] == "allocate"]
+    assert [name for _, name, _ in allocations[-2:]] == [t.name for t in reserved.record.tensors()]
+    with pytest.raises(TensorNotFound) as taken_again:
+        snapshots.take_reserved("later", first.number)
+    assert taken_again.value.metadata == {"field": "committed"}
+    second = snapshots.commit(CommitOrder("later", reserved.record.number))
+    assert [s.number for s in snapshots.list("later")] == [second.record.number]
+
+
+def test_a_reservation_made_later_that_the_ranks_refuse_is_not_found_and_the_old_snapshot_goes(
+    coordinator,
+):
+    stub = RankStub(set())
+    _rank(coordinator, stub)
+    snapshots = coordinator.snapshots
+    first = snapshots.create(_snapshot_order("refused")).record
+    second = snapshots.create(_snapshot_order("refused")).record
+    snapshots.commit(CommitOrder("refused", first.number))
+    stub.refuse_allocations = True
+    snapshots.commit(CommitOrder("refused", second.number, reserve_next=True, reserve_later=True))
+    with pytest.raises(TensorNotFound):
+        snapshots.take_reserved("refused", second.number)
+    snapshots.drops.wait("refused")
+    dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
+    assert {(t.name, t.version) for t in first.tensors()} <= dropped
