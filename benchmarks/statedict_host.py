@@ -6,7 +6,7 @@ Cases: 64 x 16 MiB (bandwidth), 300 x 512 KiB (a 7B model's count of tensors, ea
 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
 the weight-sync loop after a second put: put then get into preallocated tensors, alternating, each timed
 (medians; each get reads the snapshot the put before it made, the puts go into the memory the snapshot before
-freed); one 64 MiB tensor put (Cluster.put) and
+freed), and the same loop with reserve_next="later"; one 64 MiB tensor put (Cluster.put) and
 fetched whole into a preallocated tensor; a 1 MiB row slice of it.
 """
 
@@ -82,10 +82,33 @@ def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[
         "get": statistics.median(gets),
         "copy_": median_seconds(lambda: _copy_all(state, into), repeats),
     }
+    out["put later"], out["get after later"] = _later_loop(cluster, state, into, prefix, repeats)
     out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
     spmd.get_state_dict(cluster, prefix, into=into)
     out["ok"] = all(torch.equal(into[key], state[key]) for key in state)
     return out
+
+
+def _later_loop(
+    cluster: Any,
+    state: dict[str, torch.Tensor],
+    into: dict[str, torch.Tensor],
+    prefix: str,
+    repeats: int,
+) -> tuple[float, float]:
+    """Median seconds of the steady put with reserve_next="later" and of the get right after it (which the
+    reservation, made meanwhile, competes with on this host's cores)."""
+    from shardserve import spmd
+
+    put = lambda: spmd.put_state_dict(  # noqa: E731
+        cluster, state, prefix, keep=1, durable=False, reserve_next="later"
+    )
+    put()  # the first commits with reserve_later; from the second on, puts fill what it reserved
+    puts, gets = [], []
+    for _ in range(repeats):
+        puts.append(_seconds(put))
+        gets.append(_seconds(lambda: spmd.get_state_dict(cluster, prefix, into=into)))
+    return statistics.median(puts), statistics.median(gets)
 
 
 def _seconds(fn: Any) -> float:
@@ -203,6 +226,24 @@ def _state_dict_rows(r: dict[str, Any], count: int, each: int, peaks: dict[str, 
             total,
             baseline="copy_",
             note="into preallocated tensors",
+            **subject,
+        ),
+        _row(
+            case,
+            "put_state_dict later",
+            r["put later"],
+            total,
+            baseline="copy_",
+            note='steady, reserve_next="later": the commit answers before the next snapshot is reserved',
+            **subject,
+        ),
+        _row(
+            case,
+            "get_state_dict after it",
+            r["get after later"],
+            total,
+            baseline="copy_",
+            note="right after that put: the reservation is made meanwhile, on the same cores",
             **subject,
         ),
         _row(

@@ -6,8 +6,8 @@ what decided them (this process's report of its pieces, its job, the put's optio
 The process that commits a reservation owns it and aborts it when it is not used (client close included);
 the other ranks of an SPMD job hold a copy to find their shards in.
 
-A process that puts alone (a job of one) has the coordinator reserve after its commit answered
-(CommitSnapshotRequest.reserve_later) and takes the reservation on a thread of its own
+A process that puts alone (a job of one) with reserve_next="later" has the coordinator reserve after its commit
+answered (CommitSnapshotRequest.reserve_later) and takes the reservation on a thread of its own
 (TakeReservedSnapshot) while it goes on: its next put waits for it only if it is not there yet.
 """
 

@@ -77,6 +77,7 @@ from shardserve.protos import shardserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
+LATER = "later"  # put_state_dict(..., reserve_next=LATER): reserve after the commit answered
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 
@@ -94,7 +95,7 @@ def put_state_dict(
     group: Any = None,
     plain_writer: int = 0,
     durable: bool = True,
-    reserve_next: bool = True,
+    reserve_next: bool | str = True,
     dtype: torch.dtype | str | None = None,
     delta: bool = False,
 ) -> int:
@@ -109,6 +110,10 @@ def put_state_dict(
     `reserve_next`: the commit also reserves the prefix's next snapshot with the same layouts (its memory held
     until then, or the coordinator's pending timeout, or this client's close), so that the next put of the
     same layouts skips creating one; a put whose layouts changed aborts the reservation and creates anew.
+    `reserve_next="later"`: the commit answers first and the coordinator reserves after it, while this process
+    goes on (its next put waits for the reservation only if it is not made yet): the put returns sooner where
+    the host has cores to spare for the reservation, and whatever runs right after it competes with it where
+    not; a job of several processes gets its reservation with the commit's answer whatever this says.
     `dtype` (a floating dtype) stores every floating tensor converted to it (bit for bit `.to(dtype)`, converted
     while copying); integer and bool tensors are stored as they are. `delta`: send and store only the blocks
     (about 1 MiB of rows each) whose bytes changed since this client's previous delta put of the prefix, the
@@ -135,11 +140,22 @@ def put_state_dict(
         keep=arguments.count(keep, "keep", minimum=1),
         plain_writer=plain_writer,
         durable=arguments.flag(durable, "durable"),
-        reserve_next=arguments.flag(reserve_next, "reserve_next"),
+        reserve_next=reserve_next is not False and _reserve_mode(reserve_next),
+        reserve_later=reserve_next == LATER,
         cast=put_dtype(dtype),
         delta=arguments.flag(delta, "delta"),
     )
     return put.run(state_dict)
+
+
+def _reserve_mode(value: Any) -> bool:
+    """True for reserve_next=True or "later" (which put_state_dict tells apart); INVALID_ARGUMENT for others."""
+    if value is True or value == LATER:
+        return True
+    raise InvalidArgumentError(
+        f"reserve_next must be True, False or {LATER!r}, got {value!r}",
+        metadata={"field": "reserve_next"},
+    )
 
 
 class _StatePut:
@@ -160,11 +176,12 @@ class _StatePut:
         reserve_next: bool,
         cast: torch.dtype | None,
         delta: bool = False,
+        reserve_later: bool = False,
     ) -> None:
         self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
         self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
         self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
-        self.delta = delta
+        self.delta, self.reserve_later = delta, reserve_later
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
@@ -340,9 +357,10 @@ class _StatePut:
         )
 
     def _reserves_later(self) -> bool:
-        """Whether the commit reserves the next snapshot after it answered: a job of one takes it on the client's
-        reservation thread meanwhile; every rank of a larger job needs it, so it comes with the commit's answer."""
-        return self.reserve_next and not self.delta and self.job.size == 1
+        """Whether the commit reserves the next snapshot after it answered (reserve_next="later"): a job of one
+        takes it on the client's reservation thread meanwhile; every rank of a larger job needs it, so it comes
+        with the commit's answer."""
+        return self.reserve_next and self.reserve_later and not self.delta and self.job.size == 1
 
     def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
         """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's

@@ -180,8 +180,11 @@ def test_a_commit_with_a_skeleton_naming_other_tensors_is_refused_and_nothing_is
 def test_a_job_of_one_takes_each_reservation_after_its_commit_answered(
     cluster: LocalCluster, creates: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process putting alone commits with reserve_later and takes the next snapshot with TakeReservedSnapshot
-    on its reservation thread: one create for all its steady puts, one take per commit."""
+    from shardserve.client.errors import InvalidArgumentError
+
+    """A process putting alone with reserve_next="later" commits with reserve_later and takes the next snapshot
+    with TakeReservedSnapshot on its reservation thread: one create for all its steady puts, one take per
+    commit; any other value of reserve_next is refused naming it."""
     taken: list[int] = []
     real = spmd_module.take_reserved_snapshot
 
@@ -191,12 +194,20 @@ def test_a_job_of_one_takes_each_reservation_after_its_commit_answered(
 
     monkeypatch.setattr(spmd_module, "take_reserved_snapshot", counted)
     with connect(cluster.address) as client:
-        numbers = [spmd.put_state_dict(client, state(step), "taken", keep=1) for step in (1, 2, 3)]
+        numbers = [
+            spmd.put_state_dict(client, state(step), "taken", keep=1, reserve_next="later")
+            for step in (1, 2, 3)
+        ]
         reserved = reserved_number(client, "taken")
         assert creates == ["taken"] and taken == numbers
         assert numbers == sorted(numbers) and reserved > numbers[-1]
         assert_reads_back(client, "taken", 3, numbers[-1])
         assert held_numbers(cluster.address, "taken") == {numbers[-1], reserved}
+        for wrong in ("soon", 1, None):
+            with pytest.raises(InvalidArgumentError, match="reserve_next") as refused:
+                spmd.put_state_dict(client, state(4), "taken", keep=1, reserve_next=wrong)
+            assert refused.value.metadata.get("field") == "reserve_next"
+        assert creates == ["taken"] and len(taken) == 3
 
 
 def test_take_reserved_snapshot_answers_once_and_refuses_what_is_not_reserved(
