@@ -1,9 +1,10 @@
-"""Versions a snapshot commit removed from the catalog, freed on their ranks after the commit has answered.
+"""Versions a commit removed from the catalog, freed on their ranks after the commit has answered.
 
-The commit's transaction already made them unreachable; freeing their memory on the ranks is not part of
-what the writer waits for. The next snapshot of the same prefix waits for it before allocating, so a steady
-writer still reuses that memory. A coordinator that dies first leaves them to the reconciler, as any version
-its catalog does not hold.
+A snapshot's commit removes the snapshots of its prefix beyond `keep`; a tensor's commit, the versions of its
+name it replaces. The commit's transaction already made them unreachable; freeing their memory on the ranks is
+not part of what the writer waits for. The next snapshot of the same prefix (the next version of the same name)
+waits for it before allocating, so a steady writer still reuses that memory. A coordinator that dies first
+leaves them to the reconciler, as any version its catalog does not hold.
 """
 
 from __future__ import annotations
@@ -43,15 +44,15 @@ class DeferredDrops:
         self._lock = threading.Lock()
 
     def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
-        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon (read on the
-        drop thread: they may be decoded only then)."""
+        """Free `records` (removed from the catalog with a commit of `prefix`: a snapshot prefix or a tensor
+        name) on their ranks soon (read on the drop thread: they may be decoded only then)."""
         if not records:
             return
+        future = self._pool.submit(self._drop, prefix, records)
         with self._lock:
             self._forget_done(prefix)
-            self._pending.setdefault(prefix, []).append(
-                self._pool.submit(self._drop, prefix, records)
-            )
+            self._pending.setdefault(prefix, []).append(future)
+        future.add_done_callback(lambda _: self._settle(prefix))  # no entry outlives its drops
 
     def wait(self, prefix: str, timeout: float = WAIT_S) -> None:
         """Return once the drops submitted for `prefix` so far are done (or `timeout` passed)."""
@@ -65,6 +66,15 @@ class DeferredDrops:
                 "drops of older snapshots of %r still running after %.0f s", prefix, timeout
             )
             return
+        with self._lock:
+            self._forget_done(prefix)
+
+    def __len__(self) -> int:
+        """How many prefixes have drops running."""
+        with self._lock:
+            return len(self._pending)
+
+    def _settle(self, prefix: str) -> None:
         with self._lock:
             self._forget_done(prefix)
 
@@ -82,4 +92,4 @@ class DeferredDrops:
         try:
             self._drop_on_ranks(records)
         except Exception:  # noqa: BLE001 - a failed drop is logged; the reconciler frees what is left
-            log.exception("dropping %d versions of older snapshots of %r", len(records), prefix)
+            log.exception("dropping %d versions a commit of %r removed", len(records), prefix)

@@ -1,5 +1,6 @@
-"""DeferredDrops: a snapshot commit's removed versions are freed after it answers, a prefix's next snapshot
-waits for its drops and for no other prefix's, and a failing drop is logged and later ones still run."""
+"""DeferredDrops: a commit's removed versions are freed after it answers, a prefix's next snapshot (a name's
+next version) waits for its drops and for no other's, a failing drop is logged and later ones still run, and
+nothing is kept of drops that are done."""
 
 from __future__ import annotations
 
@@ -83,5 +84,25 @@ def test_a_failed_drop_is_logged_and_the_next_still_runs(caplog: pytest.LogCaptu
         drops.wait("bad")
         drops.close()
     assert dropped == ["bad@2/a"]
-    assert "dropping 1 versions of older snapshots of 'bad'" in caplog.text
+    assert "dropping 1 versions a commit of 'bad' removed" in caplog.text
     assert "rank gone" in caplog.text
+
+
+def test_nothing_is_kept_of_a_prefix_whose_drops_are_done() -> None:
+    """A tensor name's drops are keyed by name: a coordinator that replaced versions of a hundred thousand names
+    keeps no entry for any of them once their drops are done."""
+    ranks = HeldRanks("held/")
+    drops = DeferredDrops(ranks.drop_rows)
+    try:
+        for i in range(50):
+            drops.submit(f"t{i}", _records(f"t{i}"))
+        drops.submit("held/x", _records("held/x"))
+        for i in range(50):
+            drops.wait(f"t{i}")
+        assert len(drops) == 1  # only the one still held
+        ranks.release.set()
+        drops.wait("held/x")
+    finally:
+        ranks.release.set()
+        drops.close()
+    assert len(drops) == 0
