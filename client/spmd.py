@@ -16,7 +16,7 @@ the server layout, every tensor from one snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -25,7 +25,6 @@ from shardserve.client import arguments
 from shardserve.client.casts import put_dtype
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
-from shardserve.client.info import RankStatus
 from shardserve.client.ops.snapshots import (
     SnapshotSummary,
     abort_snapshot,
@@ -35,7 +34,6 @@ from shardserve.client.ops.snapshots import (
     take_reserved_snapshot,
 )
 from shardserve.client.reservations import Reservation
-from shardserve.client.session import Session
 from shardserve.client.spmd_delta import (
     DeltaBase,
     PreviousPut,
@@ -50,6 +48,7 @@ from shardserve.client.spmd_delta import (
     write_whole,
 )
 from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
+from shardserve.client.spmd_layouts import balanced, from_spec
 from shardserve.client.spmd_pieces import (
     Piece,
     is_distributed,
@@ -58,14 +57,8 @@ from shardserve.client.spmd_pieces import (
     resolved_sizes,
 )
 from shardserve.client.spmd_reads import read_pieces
-from shardserve.core.metadata import Box, ShardedTensorMetadata
-from shardserve.core.replicas import replicate_layout
-from shardserve.core.snapshots import (
-    JobTensor,
-    balanced_layouts,
-    job_tensors,
-    refine_layout,
-)
+from shardserve.core.metadata import Box
+from shardserve.core.snapshots import JobTensor, job_tensors
 from shardserve.core.state_tree import (
     SplitStateDict,
     StateTreeError,
@@ -397,7 +390,7 @@ def _create(
         create = lambda ranks: create_snapshot(  # noqa: E731
             session,
             prefix,
-            _balanced(session, tensors, replicas, ranks),
+            balanced(session, tensors, replicas, ranks),
             keep,
             skeleton=skeleton,
             durable=durable,
@@ -407,49 +400,15 @@ def _create(
             return create(session.recent_ranks())
         except RankUnavailableError:  # the kept rank list may be a second old: ask again, once
             return create(session.refresh_ranks())
-    layouts = {
-        key: refine_layout(
-            session.layouts.layout(t.size, t.dtype, _spec_of(spec, key), replicas), t
-        )
-        for key, t in tensors.items()
-    }
     return create_snapshot(
         session,
         prefix,
-        layouts,
+        from_spec(session, tensors, spec, replicas),
         keep,
         skeleton=skeleton,
         durable=durable,
         writer_host_id=writer_host_id,
     )
-
-
-def _balanced(
-    session: Session, tensors: Mapping[str, JobTensor], replicas: int, ranks: Sequence[RankStatus]
-) -> dict[str, ShardedTensorMetadata]:
-    """Each tensor's layout: the job's boxes over the live `ranks`, balanced by bytes, with `replicas`."""
-    live = [r for r in sorted(ranks, key=lambda r: r.rank) if r.alive]
-    if not live:
-        raise InvalidArgumentError(
-            f"no live rank is registered with the coordinator at {session.address}"
-        )
-    layouts = balanced_layouts(tensors, [f"rank:{r.rank}/{r.device}" for r in live])
-    if replicas > 1:
-        candidates = session.layouts.replica_candidates()
-        layouts = {
-            key: replicate_layout(meta, replicas, candidates) for key, meta in layouts.items()
-        }
-    return layouts
-
-
-def _spec_of(spec: Any, key: str) -> Any:
-    if isinstance(spec, Mapping):
-        if key not in spec:
-            raise InvalidArgumentError(
-                f"spec has no entry for {key!r} (give one spec for all tensors, or one per key)"
-            )
-        return spec[key]
-    return spec
 
 
 # ---------------------------------------------------------------- get
