@@ -605,9 +605,11 @@ def test_a_commit_reserves_the_next_snapshot_in_the_memory_it_frees(coordinator)
     assert [s.number for s in snapshots.list("r")] == [second.record.number]
 
 
+@pytest.mark.parametrize("later", [False, True], ids=["in the answer", "after it"])
 def test_a_reservation_the_ranks_refuse_leaves_the_commit_done_and_drops_the_old_snapshot(
-    coordinator,
+    coordinator, later
 ):
+    """Reserved before the commit answers (no next in the answer) or after it (NOT_FOUND to the taker)."""
     stub = RankStub(set())
     _rank(coordinator, stub)
     snapshots = coordinator.snapshots
@@ -615,8 +617,12 @@ def test_a_reservation_the_ranks_refuse_leaves_the_commit_done_and_drops_the_old
     second = snapshots.create(_snapshot_order("q")).record
     snapshots.commit(CommitOrder("q", first.number))
     stub.refuse_allocations = True
-    committed = snapshots.commit(CommitOrder("q", second.number, reserve_next=True))
+    order = CommitOrder("q", second.number, reserve_next=True, reserve_later=later)
+    committed = snapshots.commit(order)
     assert committed.next is None and committed.record.number == second.number
+    if later:
+        with pytest.raises(TensorNotFound):
+            snapshots.take_reserved("q", second.number)
     assert [s.number for s in snapshots.list("q")] == [second.number]
     snapshots.drops.wait("q")
     dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
@@ -648,21 +654,3 @@ def test_a_commit_that_reserves_later_answers_first_and_the_writer_takes_the_res
     assert taken_again.value.metadata == {"field": "committed"}
     second = snapshots.commit(CommitOrder("later", reserved.record.number))
     assert [s.number for s in snapshots.list("later")] == [second.record.number]
-
-
-def test_a_reservation_made_later_that_the_ranks_refuse_is_not_found_and_the_old_snapshot_goes(
-    coordinator,
-):
-    stub = RankStub(set())
-    _rank(coordinator, stub)
-    snapshots = coordinator.snapshots
-    first = snapshots.create(_snapshot_order("refused")).record
-    second = snapshots.create(_snapshot_order("refused")).record
-    snapshots.commit(CommitOrder("refused", first.number))
-    stub.refuse_allocations = True
-    snapshots.commit(CommitOrder("refused", second.number, reserve_next=True, reserve_later=True))
-    with pytest.raises(TensorNotFound):
-        snapshots.take_reserved("refused", second.number)
-    snapshots.drops.wait("refused")
-    dropped = {(name, version) for kind, name, version in stub.calls if kind == "drop"}
-    assert {(t.name, t.version) for t in first.tensors()} <= dropped
