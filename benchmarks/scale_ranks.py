@@ -4,8 +4,9 @@ Each instance is assembled as server/rank/main.py assembles a rank: a ShardStore
 memory budget), the ShardServer servicer on a gRPC server of its own, and a CoordinatorLink that registers and
 heartbeats. What differs, so that a few processes on a small machine hold a thousand of them:
 
-- small thread pools (SERVER_WORKERS gRPC threads per instance) and no bulk port, metrics endpoint or
-  persistence; CPU shards in private memory (the same-host path is off: its memfds would be one per shard);
+- small thread pools (SERVER_WORKERS gRPC threads per instance), a longer GIL switch interval for the process
+  (SWITCH_INTERVAL_S), and no bulk port, metrics endpoint or persistence; CPU shards in private memory (the
+  same-host path is off: its memfds would be one per shard);
 - collective jobs run no collectives: the "reshard" kind writes each new local shard as the arange fill of its
   box (shard_fill.InitFill.ARANGE), which is what moving the data of an arange-filled tensor gives, then fills
   the reservation as the real job does. The calls (AllocateShards, RunCollective, PromoteVersion, DropVersion)
@@ -52,6 +53,12 @@ SERVER_WORKERS = StreamLimitSettings(workers=6, small_calls=2, max_waiting=2)
 MEMORY_LIMIT = 64 << 20  # bytes each instance may hold (tiny shards)
 RANKS_PER_HOST = 8  # instances that share a simulated host name (repairs prefer another host)
 REGISTER_THREADS = 64
+SWITCH_INTERVAL_S = 0.05
+"""How long a thread of an instances' process holds the GIL before another may take it (Python's default is
+5 ms). A fan-out wakes dozens of instances' threads of one process at once; at 5 ms they handed the GIL to each
+other so often that half of the process's CPU went to futex waits (perf) and a steady commit at 1,000 ranks cost
+the instances 12-19 s of CPU; at 50 ms, 7.5-11 s (a rank's handlers release the GIL within a millisecond or two
+anyway)."""
 REGISTER_TIMEOUT_S = 120.0
 
 log = logging.getLogger(__name__)
@@ -157,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     os.environ["SHARDSERVE_SHARED_MEMORY"] = "0"
     torch.set_num_threads(1)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     security = Security(cluster=ClusterSecret.from_file(args.secret_file))
     before = psutil.Process().memory_info().rss
     ranks = {
