@@ -4,9 +4,10 @@ Each instance is assembled as server/rank/main.py assembles a rank: a ShardStore
 memory budget), the ShardServer servicer on a gRPC server of its own, and a CoordinatorLink that registers and
 heartbeats. What differs, so that a few processes on a small machine hold a thousand of them:
 
-- small thread pools (SERVER_WORKERS gRPC threads per instance), a longer GIL switch interval for the process
-  (SWITCH_INTERVAL_S), and no bulk port, metrics endpoint or persistence; CPU shards in private memory (the
-  same-host path is off: its memfds would be one per shard);
+- every instance's gRPC server is a grpc.aio server on the process's one event loop, the real servicer called
+  on it (benchmarks/scale_hosting.py; without the rank's server interceptors), a longer GIL switch interval
+  for the process (SWITCH_INTERVAL_S), and no bulk port, metrics endpoint or persistence; CPU shards in
+  private memory (the same-host path is off: its memfds would be one per shard);
 - collective jobs run no collectives: the "reshard" kind writes each new local shard as the arange fill of its
   box (shard_fill.InitFill.ARANGE), which is what moving the data of an arange-filled tensor gives, then fills
   the reservation as the real job does. The calls (AllocateShards, RunCollective, PromoteVersion, DropVersion)
@@ -29,17 +30,17 @@ import sys
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
 
+from benchmarks.scale_hosting import AioHosting
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.auth import Security
-from shardserve.server.common.grpc_server import RunningServer, start_server
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
-from shardserve.server.common.stream_limits import StreamLimitSettings
 from shardserve.server.rank.coordinator_link import CoordinatorLink
 from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.jobs.context import JobContext
@@ -49,7 +50,6 @@ from shardserve.server.rank.reads.bulk import BulkReads
 from shardserve.server.rank.service import ShardServerServicer, add_shard_server
 from shardserve.server.rank.shard_fill import InitFill, make_shard
 
-SERVER_WORKERS = StreamLimitSettings(workers=6, small_calls=2, max_waiting=2)
 MEMORY_LIMIT = 64 << 20  # bytes each instance may hold (tiny shards)
 RANKS_PER_HOST = 8  # instances that share a simulated host name (repairs prefer another host)
 REGISTER_THREADS = 64
@@ -86,35 +86,32 @@ def simulated_kinds() -> JobKinds:
 
 @dataclass
 class SimulatedRank:
-    """One rank instance: its store, its gRPC server and its link to the coordinator."""
+    """One rank instance: its store, its gRPC server (on the process's loop) and its link to the coordinator."""
 
     rank: int
-    running: RunningServer
+    server: Any
     link: CoordinatorLink
+    hosting: AioHosting
 
     def stop(self) -> None:
         """Stop as a crash would: heartbeats and server gone at once, nothing told to the coordinator."""
         self.link.stop()
-        self.running.server.stop(0)
-        self.running.limits.close()
+        self.hosting.stop(self.server)
 
 
-def start_rank(rank: int, *, world: int, coordinator: str, security: Security) -> SimulatedRank:
-    """One rank instance serving on a free loopback port, not yet registered."""
+def start_rank(
+    rank: int, *, world: int, coordinator: str, security: Security, hosting: AioHosting
+) -> SimulatedRank:
+    """One rank instance serving on a free loopback port of the process's loop, not yet registered."""
     options = RankOptions(listen="127.0.0.1:0", bulk_reads=False, log_level="WARNING")
     store = open_store(options, rank, "cpu", memory_limit=MEMORY_LIMIT, persistence=None)
     bulk = BulkReads(store, None, off_reason="a simulated rank has no bulk port")
     servicer = ShardServerServicer(store, bulk_reads=bulk, kinds=simulated_kinds())
-    running = start_server(
-        options.listen,
-        security,
-        lambda server: [add_shard_server(server, servicer)],
-        SERVER_WORKERS,
-    )
+    server, port = hosting.serve(lambda server: add_shard_server(server, servicer))
     host = f"sim-host-{rank // RANKS_PER_HOST}"
     info = pb.RankInfo(
         rank=rank,
-        address=f"127.0.0.1:{running.port}",
+        address=f"127.0.0.1:{port}",
         device="cpu",
         hostname=host,
         memory_limit_bytes=MEMORY_LIMIT,
@@ -125,7 +122,7 @@ def start_rank(rank: int, *, world: int, coordinator: str, security: Security) -
         shared_memory=False,
     )
     link = CoordinatorLink(Coordinators([coordinator], security), info, store)
-    return SimulatedRank(rank, running, link)
+    return SimulatedRank(rank, server, link, hosting)
 
 
 def register_all(ranks: list[SimulatedRank]) -> float:
@@ -167,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     security = Security(cluster=ClusterSecret.from_file(args.secret_file))
     before = psutil.Process().memory_info().rss
+    hosting = AioHosting()
     ranks = {
-        rank: start_rank(rank, world=args.world, coordinator=args.coordinator, security=security)
+        rank: start_rank(
+            rank, world=args.world, coordinator=args.coordinator, security=security, hosting=hosting
+        )
         for rank in range(args.first, args.first + args.count)
     }
     print(f"ready {len(ranks)} {before} {psutil.Process().memory_info().rss}", flush=True)
@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             REGISTER_THREADS
         ) as pool:  # a heartbeat may be in flight in each
             list(pool.map(SimulatedRank.stop, ranks.values()))
+        hosting.close()
     return 0
 
 
