@@ -108,7 +108,6 @@ class CoordinatorServer:
         self.upkeep.close()
         self.snapshots.later.close()  # before the drops: a reservation that could not be made submits some
         self.snapshots.drops.close()
-        self.lifecycle.drops.close()
         self.registry.close()
         self.calls.close()
         self.collectives.close()

@@ -1,10 +1,9 @@
 """Versions a commit removed from the catalog, freed on their ranks after the commit has answered.
 
-A snapshot's commit removes the snapshots of its prefix beyond `keep`; a tensor's commit, the versions of its
-name it replaces. The commit's transaction already made them unreachable; freeing their memory on the ranks is
-not part of what the writer waits for. The next snapshot of the same prefix (the next version of the same name)
-waits for it before allocating, so a steady writer still reuses that memory. A coordinator that dies first
-leaves them to the reconciler, as any version its catalog does not hold.
+A snapshot's commit removes the snapshots of its prefix beyond `keep`. The commit's transaction already made
+them unreachable; freeing their memory on the ranks is not part of what the writer waits for. The next snapshot
+of the same prefix waits for it before allocating, so a steady writer still reuses that memory. A coordinator
+that dies first leaves them to the reconciler, as any version its catalog does not hold.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ class DeferredDrops:
         self._lock = threading.Lock()
 
     def submit(self, prefix: str, records: Sequence[TensorRecord]) -> None:
-        """Free `records` (removed from the catalog with a commit of `prefix`: a snapshot prefix or a tensor
-        name) on their ranks soon (read on the drop thread: they may be decoded only then)."""
+        """Free `records` (removed from the catalog with a commit of `prefix`) on their ranks soon (read on the
+        drop thread: they may be decoded only then)."""
         if not records:
             return
         future = self._pool.submit(self._drop, prefix, records)

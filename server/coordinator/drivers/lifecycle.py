@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,7 +34,6 @@ from shardserve.server.coordinator.catalog.records import (
     TensorState,
 )
 from shardserve.server.coordinator.drivers.context import DriverContext
-from shardserve.server.coordinator.drivers.deferred_drops import DeferredDrops
 from shardserve.server.coordinator.drivers.quotas import ByteQuotas
 from shardserve.server.coordinator.drivers.update_groups import Ordered, UpdateGroups
 from shardserve.server.coordinator.ranks.calls import Allocation, versions_by_rank
@@ -97,8 +96,6 @@ class TensorLifecycle:
         self.quotas = quotas
         self.replaced = replaced
         self.update_groups: UpdateGroups[TensorRecord] = UpdateGroups()
-        # the versions a commit replaced, freed on their ranks after the commit answered (by name)
-        self.drops = DeferredDrops(self._drop_many)
         self._aborted_tokens: OrderedDict[tuple[str, str], None] = OrderedDict()  # newest last
 
     def create(self, new: NewTensor) -> Ordered[TensorRecord]:
@@ -164,9 +161,6 @@ class TensorLifecycle:
                 self.registry.check_placements(meta, skip=set(missing))
                 principal, owner = None, source.owner  # an update keeps the table's owner and size
             self.make_room(name, new.overwrite, put_token=token)
-            self.drops.wait(
-                name
-            )  # the memory of the versions the last commit replaced, free to reuse
             record = TensorRecord(
                 name=name,
                 version=self.catalog.next_versions(1)[0],
@@ -311,11 +305,7 @@ class TensorLifecycle:
         ready, older = self.catalog.commit(
             name, version, durable=record.options.durable, checksums=checksums
         )
-        promoting = [record for record in older if record.promoting]
-        self.drop_on_ranks(
-            promoting
-        )  # at once: the version a reshard replaced goes under the name lock
-        self.drops.submit(name, [record for record in older if not record.promoting])
+        self.drop_on_ranks(older)
         log.info(
             "committed %r version %d%s",
             name,
@@ -415,10 +405,6 @@ class TensorLifecycle:
             self.catalog.remove(record.name, record.version)
             self.update_groups.end(record.name, record.version)
         self.drop_on_ranks(records)
-
-    def _drop_many(self, records: Sequence[TensorRecord]) -> None:
-        """Free versions a commit replaced on their ranks (one DropMany per rank; a deferred drop)."""
-        self.calls.drop_many_quietly(versions_by_rank(records, TensorRecord.ranks))
 
     def drop_on_ranks(self, records: Iterable[TensorRecord]) -> None:
         """Free versions just removed from the catalog on their ranks (one DropMany per rank); for a reshard's

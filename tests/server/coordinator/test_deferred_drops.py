@@ -1,6 +1,6 @@
-"""DeferredDrops: a commit's removed versions are freed after it answers, a prefix's next snapshot (a name's
-next version) waits for its drops and for no other's, a failing drop is logged and later ones still run, and
-nothing is kept of drops that are done."""
+"""DeferredDrops: a snapshot commit's removed versions are freed after it answers, a prefix's next snapshot
+waits for its drops and for no other prefix's, a failing drop is logged and later ones still run, and nothing
+is kept of drops that are done."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_a_failed_drop_is_logged_and_the_next_still_runs(caplog: pytest.LogCaptu
 
 
 def test_nothing_is_kept_of_a_prefix_whose_drops_are_done() -> None:
-    """A tensor name's drops are keyed by name: a coordinator that replaced versions of a hundred thousand names
+    """Drops are kept by prefix only while they run: a coordinator that committed snapshots of many prefixes
     keeps no entry for any of them once their drops are done."""
     ranks = HeldRanks("held/")
     drops = DeferredDrops(ranks.drop_rows)
