@@ -152,7 +152,7 @@ class _AioHandlers(grpc.GenericRpcHandler):
                 answers = await call(
                     lambda: list(streaming(request, _SyncContext(context))), context
                 )
-                for answer in answers or ():
+                for answer in answers:
                     yield answer
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, **codec)

@@ -70,40 +70,27 @@ def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[
     put()
     first_s = time.perf_counter() - start
     put()  # the second put's memory is new too; from the third on, puts reuse what the one before freed
-    puts, gets = [], []
-    for _ in range(
-        repeats
-    ):  # the weight-sync loop: each get reads the snapshot the put before it made
-        puts.append(_seconds(put))
-        gets.append(_seconds(lambda: spmd.get_state_dict(cluster, prefix, into=into)))
-    out = {
-        "first put": first_s,
-        "put": statistics.median(puts),
-        "get": statistics.median(gets),
-        "copy_": median_seconds(lambda: _copy_all(state, into), repeats),
-    }
-    out["put later"], out["get after later"] = _later_loop(cluster, state, into, prefix, repeats)
+    out = {"first put": first_s}
+    out["put"], out["get"] = _sync_loop(cluster, put, prefix, into, repeats)
+    out["copy_"] = median_seconds(lambda: _copy_all(state, into), repeats)
+    put_later = lambda: spmd.put_state_dict(  # noqa: E731
+        cluster, state, prefix, keep=1, durable=False, reserve_next="later"
+    )
+    put_later()  # the first commits with reserve_later; from the second on, puts fill what it reserved
+    out["put later"], out["get after later"] = _sync_loop(cluster, put_later, prefix, into, repeats)
     out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
     spmd.get_state_dict(cluster, prefix, into=into)
     out["ok"] = all(torch.equal(into[key], state[key]) for key in state)
     return out
 
 
-def _later_loop(
-    cluster: Any,
-    state: dict[str, torch.Tensor],
-    into: dict[str, torch.Tensor],
-    prefix: str,
-    repeats: int,
+def _sync_loop(
+    cluster: Any, put: Any, prefix: str, into: dict[str, torch.Tensor], repeats: int
 ) -> tuple[float, float]:
-    """Median seconds of the steady put with reserve_next="later" and of the get right after it (which the
-    reservation, made meanwhile, competes with on this host's cores)."""
+    """The weight-sync loop, `repeats` times: `put`, then a get of the snapshot it made into `into` (with
+    reserve_next="later", while the next snapshot is reserved); the median seconds of each."""
     from shardserve import spmd
 
-    put = lambda: spmd.put_state_dict(  # noqa: E731
-        cluster, state, prefix, keep=1, durable=False, reserve_next="later"
-    )
-    put()  # the first commits with reserve_later; from the second on, puts fill what it reserved
     puts, gets = [], []
     for _ in range(repeats):
         puts.append(_seconds(put))

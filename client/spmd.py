@@ -124,6 +124,7 @@ def put_state_dict(
         )
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    reserve, later = _reserve_mode(reserve_next)
     put = _StatePut(
         cluster,
         job,
@@ -133,18 +134,21 @@ def put_state_dict(
         keep=arguments.count(keep, "keep", minimum=1),
         plain_writer=plain_writer,
         durable=arguments.flag(durable, "durable"),
-        reserve_next=reserve_next is not False and _reserve_mode(reserve_next),
-        reserve_later=reserve_next == LATER,
+        reserve_next=reserve,
+        reserve_later=later,
         cast=put_dtype(dtype),
         delta=arguments.flag(delta, "delta"),
     )
     return put.run(state_dict)
 
 
-def _reserve_mode(value: Any) -> bool:
-    """True for reserve_next=True or "later" (which put_state_dict tells apart); INVALID_ARGUMENT for others."""
-    if value is True or value == LATER:
-        return True
+def _reserve_mode(value: Any) -> tuple[bool, bool]:
+    """(whether the commit reserves the next snapshot, whether after it answered) of put_state_dict's
+    reserve_next: True, False or "later"; INVALID_ARGUMENT for any other value."""
+    if value is True or value is False:
+        return value, False
+    if isinstance(value, str) and value == LATER:
+        return True, True
     raise InvalidArgumentError(
         f"reserve_next must be True, False or {LATER!r}, got {value!r}",
         metadata={"field": "reserve_next"},
@@ -353,7 +357,7 @@ class _StatePut:
         """Whether the commit reserves the next snapshot after it answered (reserve_next="later"): a job of one
         takes it on the client's reservation thread meanwhile; every rank of a larger job needs it, so it comes
         with the commit's answer."""
-        return self.reserve_next and self.reserve_later and not self.delta and self.job.size == 1
+        return self.reserve_later and not self.delta and self.job.size == 1
 
     def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
         """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's

@@ -126,7 +126,7 @@ def commit_snapshot(
         view=pb.SNAPSHOT_VIEW_BASIC,
         written_in_place=any(entry.writable for entry in created.entries),
         reserve_next=reserve_next,
-        reserve_later=reserve_next and reserve_later,
+        reserve_later=reserve_later,
     )
     if skeleton is not None:
         request.skeleton = skeleton

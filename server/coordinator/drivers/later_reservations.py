@@ -63,9 +63,8 @@ class LaterReservations(Generic[Made]):
                 committed,
                 timeout,
             )
-        except (
-            Exception
-        ):  # the writer creates its next snapshot instead; the cause is the coordinator's to log
+        # any other failure: the writer creates its next snapshot instead, the cause is the coordinator's to log
+        except Exception:
             log.exception("the reservation after snapshot %r %d failed", prefix, committed)
         return None
 
