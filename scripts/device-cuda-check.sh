@@ -6,6 +6,7 @@
 #   bash scripts/device-cuda-check.sh                  imports, `pytest -m cuda`, `python -m benchmarks --only cuda`
 #   bash scripts/device-cuda-check.sh --check-imports  only the import stage (no GPU needed)
 #   bash scripts/device-cuda-check.sh -q -n 8          pytest arguments replace `-m cuda -v`
+#   bash scripts/device-cuda-check.sh --exec CMD ...   runs CMD with the import names (a profile, one benchmark)
 #
 # Exits 2 when a package does not import, else pytest's status when a test failed or a stage timed out (124),
 # else the benchmark's. Each stage has a time limit, so the whole run ends within 6 minutes.
@@ -131,8 +132,12 @@ PYTHON
 }
 
 CHECK_IMPORTS_ONLY=0
+EXEC=0
 if [ "${1:-}" = "--check-imports" ]; then
   CHECK_IMPORTS_ONLY=1
+  shift
+elif [ "${1:-}" = "--exec" ]; then
+  EXEC=1
   shift
 fi
 if [ "$CHECK_IMPORTS_ONLY" = 0 ]; then
@@ -154,6 +159,10 @@ if ! check_imports; then
 fi
 if [ "$CHECK_IMPORTS_ONLY" = 1 ]; then
   exit 0
+fi
+if [ "$EXEC" = 1 ]; then
+  "$@"  # not exec: the trap removes the import tree once the command is done
+  exit $?
 fi
 
 echo "== machine"

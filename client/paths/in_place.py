@@ -42,8 +42,10 @@ from shardserve.client.channel import Channel
 from shardserve.client.errors import error_from_rpc
 from shardserve.client.paths.copies import (
     copy_checked_all,
+    copy_down_checked_all,
     copy_tensor,
     cuda_devices,
+    device_source,
     plain_source,
     synchronize,
 )
@@ -337,23 +339,34 @@ def fill(
     targets: Sequence[torch.Tensor],
     headers: Sequence[np.ndarray | None],
 ) -> set[torch.device]:
-    """Copy each write's data into its target. A plain run of CPU bytes into a memfd segment is hashed as it is
-    copied (on the hashing pool, all such copies at once) and its checksum left in the segment's header, so the
-    rank need not hash it again; the rest (casts, strided data, CUDA) copied as torch does, the rank hashing
-    them. Returns the CUDA devices whose streams the caller must wait for."""
+    """Copy each write's data into its target. A plain run of bytes (no cast, contiguous) into a memfd segment is
+    hashed as it lands and its checksum left in the segment's header, so the rank need not read it again: CPU
+    bytes copied and hashed in one pass, CUDA bytes hashed run by run behind the device's copies (on the
+    hashing pool, all such copies at once). The rest (casts, strided data, CUDA shards) is copied as torch does,
+    the rank hashing it. Returns the CUDA devices whose streams the caller must wait for."""
     devices: set[torch.device] = set()
     checked: list[tuple[torch.Tensor, torch.Tensor]] = []
     checked_headers: list[np.ndarray] = []
+    down: list[tuple[torch.Tensor, torch.Tensor]] = []
+    down_headers: list[np.ndarray] = []
     for write, target, header in zip(writes, targets, headers):
         if not write.nbytes:
             continue
-        source = plain_source(write.data, write.dtype) if header is not None else None
-        if source is not None and header is not None:
-            checked.append((target, source))
-            checked_headers.append(header)
-            continue
+        if header is not None:
+            source = plain_source(write.data, write.dtype)
+            if source is not None:
+                checked.append((target, source))
+                checked_headers.append(header)
+                continue
+            source = device_source(write.data, write.dtype)
+            if source is not None:
+                down.append((target, source))
+                down_headers.append(header)
+                continue
         copy_into(target, write.data, write.dtype)
         devices |= cuda_devices(target, write.data)
+    for header, checksum in zip(down_headers, copy_down_checked_all(down)):
+        leave_checksum(header, checksum)
     for header, checksum in zip(checked_headers, copy_checked_all(checked)):
         leave_checksum(header, checksum)
     return devices

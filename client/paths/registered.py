@@ -69,6 +69,7 @@ class RegisteredPages:
     def __init__(self, registrar: Registrar | None = None) -> None:
         self._registrar: Registrar = registrar if registrar is not None else CudaRegistrar()
         self._by_owner: dict[int, tuple[int, int]] = {}  # id(owner) -> (address, bytes) registered
+        self._releases: dict[int, weakref.finalize] = {}  # id(owner) -> its registration's release
         self._refused: set[int] = set()  # id(owner) of mappings the driver would not register
         self._lock = threading.Lock()
 
@@ -109,12 +110,31 @@ class RegisteredPages:
             )
             weakref.finalize(owner, self._forget_refusal, key)
             return False
-        weakref.finalize(owner, self._release, key, flat)
+        with self._lock:
+            self._releases[key] = weakref.finalize(owner, self._release, key, flat)
         return True
+
+    def hand_over(self, old: object, new: object) -> None:
+        """The registration of `old`'s pages, if any, now lasts as long as `new`: a later mapping object over
+        the same memory (a reader's mapping of a segment the rank reuses for a newer version). Registering
+        anew costs ~40 ms per GiB, and unregistering waits for every device."""
+        with self._lock:
+            release = self._releases.pop(id(old), None)
+            span = self._by_owner.pop(id(old), None)
+            if release is None or span is None:
+                return
+            detached = release.detach()  # (owner, callback, (key, flat), kwargs); None once it ran
+            if detached is None:
+                return
+            flat = detached[2][1]
+            key = id(new)
+            self._by_owner[key] = span
+            self._releases[key] = weakref.finalize(new, self._release, key, flat)
 
     def _release(self, key: int, flat: torch.Tensor) -> None:
         """Unregister the owner's pages; `flat` (held until now) keeps them mapped until this returns."""
         with self._lock:
+            self._releases.pop(key, None)
             span = self._by_owner.pop(key, None)
         if span is not None:
             self._registrar.unregister(span[0])

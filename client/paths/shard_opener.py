@@ -24,6 +24,7 @@ from shardserve.client.paths import segments
 from shardserve.client.paths.grpc import unary
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.mapping_cache import MappingCache
+from shardserve.client.paths.registered import PAGES
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.lent_memory import release_cuda_count
 from shardserve.protos import shardserve_pb2 as pb
@@ -197,6 +198,8 @@ class ShardOpener:
                 generation=int(header[2]) if header is not None else 0,
                 data_offset=-1 if reply.extents else reply.data_offset,
             )
+            if earlier is not None:  # the same pages: their registration with CUDA goes on
+                PAGES.hand_over(earlier, mapping)
         except segments.SegmentError as err:
             raise SharedMemoryError(str(err)) from None
         self.mappings.remember(key, mapping)

@@ -11,10 +11,12 @@ from shardserve.client.paths import copies
 from shardserve.client.paths.copies import (
     copy_checked,
     copy_checked_all,
+    copy_down_checked_all,
     copy_tensor,
+    device_source,
     plain_source,
 )
-from shardserve.core.checksums import tensor_checksum
+from shardserve.core.checksums import STAGE_BYTES, tensor_checksum
 from shardserve.core.wire import byte_view, word_views
 
 DTYPES = [torch.bool, torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.complex128]
@@ -95,3 +97,29 @@ def test_plain_source_is_only_a_cpu_run_of_the_stored_dtype():
     assert torch.equal(plain_source(data, torch.float32), data.view(-1).view(torch.uint8))
     assert plain_source(data, torch.bfloat16) is None  # a cast
     assert plain_source(data.t(), torch.float32) is None  # strided
+
+
+def test_device_source_is_only_a_cuda_run_of_the_stored_dtype():
+    assert device_source(torch.randn(4, 6), torch.float32) is None  # CPU bytes: plain_source's
+    if torch.cuda.is_available():
+        data = torch.randn(4, 6, device="cuda")
+        assert torch.equal(device_source(data, torch.float32), data.view(-1).view(torch.uint8))
+        assert device_source(data, torch.bfloat16) is None  # a cast
+        assert device_source(data.t(), torch.float32) is None  # strided
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("pinned", [True, False])
+def test_copy_down_checked_all_lands_every_byte_and_hashes_it(pinned):
+    """Runs of several stages, one stage, odd lengths and none, into pinned and pageable host memory, from
+    sources written on the current stream just before (the side stream must wait for them)."""
+    sizes = [2 * STAGE_BYTES + 13, STAGE_BYTES, 5, 0, 3 << 20]
+    expected = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    sources = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    for source, host in zip(sources, expected):
+        source.copy_(host.pin_memory(), non_blocking=True)
+    targets = [torch.zeros(n, dtype=torch.uint8, pin_memory=pinned) for n in sizes]
+    sums = copy_down_checked_all(list(zip(targets, sources)))
+    assert sums == [tensor_checksum(host) for host in expected]
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected))

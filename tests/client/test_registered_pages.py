@@ -63,6 +63,35 @@ def test_a_mapping_is_registered_once_and_unregistered_when_its_owner_goes() -> 
     assert pages.registered == {}
 
 
+def test_a_registration_handed_over_lasts_as_long_as_the_new_owner() -> None:
+    """A reader's later mapping object over the same pages (a segment reused for a newer version) keeps their
+    registration: nothing registered again, nothing unregistered when the earlier object goes."""
+    recorder = Recorder()
+    pages = RegisteredPages(recorder)
+    earlier = Owner(_mapped(2 * mmap.PAGESIZE))
+    assert pages.pin(earlier, earlier.flat)
+    later = Owner(earlier.flat)
+    pages.hand_over(earlier, later)
+    del earlier
+    gc.collect()
+    assert recorder.unregistered == []
+    assert pages.pin(later, later.flat)  # registered already
+    assert len(recorder.registered) == 1
+    start = later.flat.data_ptr()
+    del later
+    gc.collect()
+    assert recorder.unregistered == [start]
+    assert pages.registered == {}
+
+
+def test_handing_over_an_unregistered_owner_does_nothing() -> None:
+    pages = RegisteredPages(Recorder())
+    earlier = Owner(_mapped(mmap.PAGESIZE))
+    later = Owner(earlier.flat)
+    pages.hand_over(earlier, later)
+    assert pages.registered == {}
+
+
 def test_a_writable_mapping_is_registered_without_the_read_only_flag() -> None:
     recorder = Recorder()
     owner = Owner(_mapped(mmap.PAGESIZE))

@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from shardserve.client.paths.copies import synchronize
 from shardserve.client.paths.in_place import fill
 from shardserve.client.paths.writes import shard_write
 from shardserve.core.checksums import tensor_checksum
@@ -25,6 +26,7 @@ from shardserve.protos.same_host import (
     WORD_GENERATION,
     checksum_tag,
     leave_checksum,
+    left_checksum,
 )
 from shardserve.server.rank.store import ShardStore
 
@@ -60,7 +62,7 @@ def _write_in_place(store, name: str, version: int, data: dict[int, torch.Tensor
         target = flat[segment.data_offset : segment.data_offset + segment.nbytes]
         header = flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
         write = shard_write(name, version, index, tensor)
-        fill([write], [target], [header])
+        synchronize(fill([write], [target], [header]))
         headers[index] = header
     return headers
 
@@ -80,6 +82,19 @@ def test_the_promote_answers_the_checksums_the_writer_left_without_hashing(store
     sums = store.promote("t", 1)
     assert sums == {0: tensor_checksum(data[0]), 1: WRONG}
     assert torch.equal(store.local_tensor("t", 1, 0), data[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_tensor_copied_down_leaves_the_checksum_of_what_landed(store):
+    store.allocate("g", 1, META)
+    data = {0: torch.randn(4, 4, device="cuda"), 1: torch.randn(4, 4, device="cuda").t()}
+    headers = _write_in_place(store, "g", 1, data)
+    assert left_checksum(headers[0]) == tensor_checksum(data[0])
+    assert left_checksum(headers[1]) is None  # strided: copied by torch, hashed by the rank
+    assert store.leases.finish_all_in_place("g", 1) == 2
+    assert store.promote("g", 1) == {0: tensor_checksum(data[0]), 1: tensor_checksum(data[1])}
+    assert torch.equal(store.local_tensor("g", 1, 1), data[1].cpu())
 
 
 def test_a_cast_copy_leaves_no_checksum_and_the_promote_hashes_what_landed(store):
