@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
@@ -33,6 +33,10 @@ UNKNOWN = 0  # a shard whose checksum is not known
 STAGE_BYTES = 8 << 20
 """A CUDA tensor's run through pinned host memory on its way to the hash: large enough that a copy's fixed cost
 (~10 us) is noise beside its ~150 us at 55 GB/s, small enough that two per hashing thread stay cheap."""
+WINDOW_BYTES = 256 << 20
+"""The pinned host memory CUDA shards pass through on their way to the hash at promote (cuda_checksums), held by
+torch's caching host allocator once used: 64 shards of 16 MiB hashed one by one through two 8 MiB buffers each
+took 45-55 ms per GiB on an H200 host, all queued at once into one window and hashed as they land 22.5 ms."""
 CHUNK_BYTES = 512 << 10
 """A fused copy's chunk: hashed while still in the core's L2 (1 MiB per core on this project's EPYC hosts, 512
 KiB to 2 MiB on current x86 server cores), which the chunk's source and destination pass through together. With
@@ -112,14 +116,99 @@ def cuda_checksum(tensor: torch.Tensor, stage_bytes: int = STAGE_BYTES) -> int:
     return hasher.intdigest()
 
 
+def copy_down_checksummed(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], pool: Executor
+) -> list[int]:
+    """dst[...] = src for each (dst, src), `dst` a flat uint8 CPU tensor (pinned or registered with CUDA, else
+    the copies run at pageable speed) and `src` a flat uint8 CUDA tensor of one length, returning the xxh3-64
+    of each copy's bytes in order. Every copy is queued at once on a side stream of its device (after the work
+    queued on the device's current stream) in runs of STAGE_BYTES with an event behind each run; a task per
+    copy on `pool` (never the caller's own pool thread) hashes its runs as their events complete, so the copy
+    engine never waits for the hash. 1 GiB in 64 tensors on an H200 host: 22.5 ms, the plain copy alone 19.6.
+    Every byte has landed when this returns."""
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+    queued: list[tuple[torch.Tensor, list[tuple[int, int, torch.cuda.Event]]]] = []
+    for dst, src in pairs:
+        stream = streams.get(src.device)
+        if stream is None:
+            stream = streams[src.device] = torch.cuda.Stream(src.device)
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+        runs = []
+        with torch.cuda.stream(stream):
+            for start in range(0, dst.numel(), STAGE_BYTES):
+                end = min(start + STAGE_BYTES, dst.numel())
+                dst[start:end].copy_(src[start:end], non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+                runs.append((start, end, landed))
+        queued.append((dst, runs))
+    futures = [pool.submit(_hash_as_landed, dst, runs) for dst, runs in queued]
+    return [future.result() for future in futures]
+
+
+def _hash_as_landed(dst: torch.Tensor, runs: list[tuple[int, int, torch.cuda.Event]]) -> int:
+    """The xxh3-64 of `dst`'s bytes, each run hashed once its copy's event completed."""
+    hasher = xxhash.xxh3_64()
+    target = dst.numpy()
+    for start, end, landed in runs:
+        landed.synchronize()
+        hasher.update(target[start:end].data)
+    return hasher.intdigest()
+
+
 def shard_checksums(
     shards: Mapping[int, torch.Tensor], pool: Executor | None = None
 ) -> dict[int, int]:
-    """The checksum of every shard by its index; with `pool`, the shards are hashed in parallel (one per task)."""
+    """The checksum of every shard by its index; with `pool`, the shards are hashed in parallel (one per task)
+    and CUDA shards go down through pinned windows (cuda_checksums)."""
     if pool is None or len(shards) <= 1:
         return {index: tensor_checksum(tensor) for index, tensor in shards.items()}
-    futures = {index: pool.submit(tensor_checksum, tensor) for index, tensor in shards.items()}
-    return {index: future.result() for index, future in futures.items()}
+    on_cuda = {i: t for i, t in shards.items() if t.device.type == "cuda" and t.numel()}
+    futures = {
+        index: pool.submit(tensor_checksum, tensor)
+        for index, tensor in shards.items()
+        if index not in on_cuda
+    }
+    found = cuda_checksums(on_cuda, pool) if on_cuda else {}
+    return {**found, **{index: future.result() for index, future in futures.items()}}
+
+
+def cuda_checksums(
+    shards: Mapping[int, torch.Tensor], pool: Executor, *, window_bytes: int = WINDOW_BYTES
+) -> dict[int, int]:
+    """The checksums of CUDA `shards` by index, as tensor_checksum gives them: consecutive shards go down
+    together into one pinned window of at most `window_bytes` (copy_down_checksummed), window after window; a
+    shard larger than a window is hashed alone (cuda_checksum). Called from outside `pool`'s threads."""
+    found: dict[int, int] = {}
+    window: list[tuple[int, torch.Tensor]] = []
+    held = 0
+    for index, shard in shards.items():
+        flat = shard.detach().contiguous().reshape(-1).view(torch.uint8)
+        if flat.numel() > window_bytes:
+            found[index] = cuda_checksum(flat)
+            continue
+        if held + flat.numel() > window_bytes:
+            found.update(_window_checksums(window, held, pool))
+            window, held = [], 0
+        window.append((index, flat))
+        held += flat.numel()
+    if window:
+        found.update(_window_checksums(window, held, pool))
+    return found
+
+
+def _window_checksums(
+    window: Sequence[tuple[int, torch.Tensor]], nbytes: int, pool: Executor
+) -> dict[int, int]:
+    """The checksums of `window`'s flat CUDA bytes, copied down into one pinned buffer of `nbytes` (from torch's
+    caching host allocator: the next window reuses it) and hashed as they land."""
+    staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    pairs, offset = [], 0
+    for _, flat in window:
+        pairs.append((staging[offset : offset + flat.numel()], flat))
+        offset += flat.numel()
+    sums = copy_down_checksummed(pairs, pool)
+    return {index: checksum for (index, _), checksum in zip(window, sums)}
 
 
 def checksum_text(value: int) -> str:

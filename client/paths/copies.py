@@ -13,9 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-import xxhash
 
-from shardserve.core.checksums import STAGE_BYTES, copy_checksummed, hashing_pool
+from shardserve.core.checksums import copy_checksummed, copy_down_checksummed, hashing_pool
 from shardserve.core.wire import byte_view, word_views
 
 PARALLEL_COPY_BYTES = 8 << 20  # from this size torch's multi-threaded copy_ beats one memcpy
@@ -73,38 +72,9 @@ def copy_checked_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list
 def copy_down_checked_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
     """dst[...] = src for each (dst, src), `dst` a flat uint8 CPU tensor (registered with CUDA, or the copies
     run at pageable speed) and `src` a flat uint8 CUDA tensor of one length, returning the xxh3-64 of each
-    copy's bytes in order. Every copy is queued at once on a side stream of its device (after the work queued
-    on the device's current stream) in runs of STAGE_BYTES with an event behind each run; a task per copy on
-    the hashing pool hashes its runs as their events complete. Every byte has landed when this returns."""
-    streams: dict[torch.device, torch.cuda.Stream] = {}
-    queued: list[tuple[torch.Tensor, list[tuple[int, int, torch.cuda.Event]]]] = []
-    for dst, src in pairs:
-        stream = streams.get(src.device)
-        if stream is None:
-            stream = streams[src.device] = torch.cuda.Stream(src.device)
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-        runs = []
-        with torch.cuda.stream(stream):
-            for start in range(0, dst.numel(), STAGE_BYTES):
-                end = min(start + STAGE_BYTES, dst.numel())
-                dst[start:end].copy_(src[start:end], non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(stream)
-                runs.append((start, end, landed))
-        queued.append((dst, runs))
-    pool = hashing_pool()
-    futures = [pool.submit(_hash_as_landed, dst, runs) for dst, runs in queued]
-    return [future.result() for future in futures]
-
-
-def _hash_as_landed(dst: torch.Tensor, runs: list[tuple[int, int, torch.cuda.Event]]) -> int:
-    """The xxh3-64 of `dst`'s bytes, each run hashed once its copy's event completed."""
-    hasher = xxhash.xxh3_64()
-    target = dst.numpy()
-    for start, end, landed in runs:
-        landed.synchronize()
-        hasher.update(target[start:end].data)
-    return hasher.intdigest()
+    copy's bytes in order, each run hashed on the hashing pool as soon as it lands
+    (shardcore.checksums.copy_down_checksummed). Every byte has landed when this returns."""
+    return copy_down_checksummed(pairs, hashing_pool())
 
 
 def device_source(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardserve.core.checksums import cuda_checksum, tensor_checksum
+from shardserve.core.checksums import (
+    cuda_checksum,
+    cuda_checksums,
+    hashing_pool,
+    shard_checksums,
+    tensor_checksum,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -52,3 +58,20 @@ def test_bytes_queued_on_the_current_stream_are_hashed_once_landed():
     torch.cuda._sleep(50_000_000)  # the copy below lands well after the hash could have started
     device.copy_(host, non_blocking=True)
     assert cuda_checksum(device) == tensor_checksum(host)
+
+
+def test_shards_hashed_through_pinned_windows_match_their_host_copies():
+    """Windows of several shards, a shard larger than a window (hashed alone), an empty shard, every dtype."""
+    hosts = {i: _host(dtype, 1000 + 777 * i) for i, dtype in enumerate(DTYPES)}
+    hosts[len(hosts)] = _host(torch.uint8, 3 * 4096)  # larger than the window below
+    on_cuda = {i: t.cuda() for i, t in hosts.items()}
+    found = cuda_checksums(on_cuda, hashing_pool(), window_bytes=2 * 4096)
+    assert found == {i: tensor_checksum(t) for i, t in hosts.items()}
+
+
+def test_shard_checksums_mixes_cpu_and_cuda_shards():
+    hosts = {0: torch.randn(100, 3), 1: torch.randn(7), 2: torch.empty(0), 3: torch.randn(5, 5)}
+    shards = {0: hosts[0], 1: hosts[1].cuda(), 2: hosts[2].cuda(), 3: hosts[3].cuda().t()}
+    expected = {i: tensor_checksum(t) for i, t in hosts.items()}
+    expected[3] = tensor_checksum(hosts[3].t().contiguous())
+    assert shard_checksums(shards, hashing_pool()) == expected
