@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -34,7 +35,12 @@ from shardserve.client.errors import (
 )
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.paths import segments
-from shardserve.client.paths.copies import copy_all, copy_checked
+from shardserve.client.paths.copies import (
+    copy_checked,
+    copy_tensor,
+    cuda_devices,
+    synchronize,
+)
 from shardserve.client.paths.device_mapping import DeviceMapping
 from shardserve.client.paths.hedging import Cancellation
 from shardserve.client.paths.in_place import InPlaceUnavailable, InPlaceWriter
@@ -127,36 +133,57 @@ class SharedMemoryPath:
     def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
         """Copy the part into its region; `cancel` can stop an OpenShard call from another thread. A verified
         read of a whole host shard hashes the bytes as they land (read.checksums)."""
-        summary, index = read.summary, read.index
-        mapping, shard = self.opener.open(address, summary, index, cancel)
-        self.check_limit(address, read.nbytes, "offsets/sizes: the box")
-        if shard is not None:
-            box = summary.metadata.shards_metadata[index].box
-            if read.region.device.type == "cuda" and mapping and mapping.data_offset >= 0:
-                # a host segment into a CUDA region: registered once, copied at pinned speed
-                PAGES.pin(mapping, mapping.flat, read_only=True)
-            source = local_view(shard, box, read.part)
-            sums = read.checksums if read.part == box else None
-            hashed = copy_checked(read.region, source) if sums is not None else None
-            if hashed is None:  # finished before _confirm looks at the header again
-                copy_all([(read.region, source)])
-            _confirm(mapping, summary, address)
-            if sums is not None and hashed is not None:  # bytes of a version still served
-                sums[index] = hashed
+        landing = self._copy(address, read, cancel)
+        if landing is not None:
+            synchronize(landing.devices)
+            landing.confirm()
 
     def read_many(self, address: str, reads: Sequence[PartRead]) -> set[int]:
         """Read many parts of host shards of the same-host rank at `address` one after another on this thread: no
-        hand-off to a pool thread per part (each hand-off waits for the GIL) and no path choice per part. The
-        caller opens the shards first in one call (open_all); one not open yet is opened by its read. Returns
-        the positions in `reads` of the parts not read; the caller reads those by themselves, whose fallbacks or
-        errors then say why."""
+        hand-off to a pool thread per part (each hand-off waits for the GIL) and no path choice per part. Copies
+        that touch a CUDA device are all queued before any is waited for, so the device copies one part while
+        this thread opens the next; each part is confirmed once every copy landed. The caller opens the shards
+        first in one call (open_all); one not open yet is opened by its read. Returns the positions in `reads` of
+        the parts not read; the caller reads those by themselves, whose fallbacks or errors then say why."""
         failed = set()
+        landings: list[tuple[int, Landing]] = []
         for position, read in enumerate(reads):
             try:
-                self.read(address, read)
+                landing = self._copy(address, read)
+            except ShardServeError:
+                failed.add(position)
+                continue
+            if landing is not None:
+                landings.append((position, landing))
+        synchronize({device for _, landing in landings for device in landing.devices})
+        for position, landing in landings:
+            try:
+                landing.confirm()
             except ShardServeError:
                 failed.add(position)
         return failed
+
+    def _copy(
+        self, address: str, read: PartRead, cancel: Cancellation | None = None
+    ) -> Landing | None:
+        """Queue the part's copy into its region (done at once unless a CUDA device takes part); what to wait
+        for and confirm, or None when the shard holds no bytes."""
+        summary, index = read.summary, read.index
+        mapping, shard = self.opener.open(address, summary, index, cancel)
+        self.check_limit(address, read.nbytes, "offsets/sizes: the box")
+        if shard is None:
+            return None
+        box = summary.metadata.shards_metadata[index].box
+        if read.region.device.type == "cuda" and mapping and mapping.data_offset >= 0:
+            # a host segment into a CUDA region: registered once, copied at pinned speed
+            PAGES.pin(mapping, mapping.flat, read_only=True)
+        source = local_view(shard, box, read.part)
+        sums = read.checksums if read.part == box else None
+        hashed = copy_checked(read.region, source) if sums is not None else None
+        devices = cuda_devices(read.region, source) if hashed is None else set()
+        if hashed is None:
+            copy_tensor(read.region, source, non_blocking=bool(devices))
+        return Landing(address, read, mapping, source, devices, hashed)
 
     def read_rows(
         self, address: str, summary: TensorSummary, index: int, local_rows: torch.Tensor
@@ -305,6 +332,27 @@ class SharedMemoryPath:
         self.opener.mappings.clear()
         self._staging.close()
         self.in_place.close()
+
+
+@dataclass(frozen=True)
+class Landing:
+    """A part's copy out of a mapped shard, queued: the devices to wait for, then the confirmation that the
+    segment still held that version while it was read (`source` keeps the mapped bytes alive until then)."""
+
+    address: str
+    read: PartRead
+    mapping: segments.SegmentMapping | None
+    source: torch.Tensor
+    devices: set[torch.device]
+    hashed: int | None  # the checksum of a verified whole-shard read's bytes, hashed as they landed
+
+    def confirm(self) -> None:
+        """StaleVersionError if the segment was recycled meanwhile; else the verified read's checksum kept.
+        Every copy of the part has landed (the caller waited for `devices`)."""
+        _confirm(self.mapping, self.read.summary, self.address)
+        sums = self.read.checksums
+        if sums is not None and self.hashed is not None:  # bytes of a version still served
+            sums[self.read.index] = self.hashed
 
 
 def _confirm(mapping: segments.SegmentMapping | None, summary: TensorSummary, address: str) -> None:
