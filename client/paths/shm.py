@@ -133,7 +133,7 @@ class SharedMemoryPath:
     def read(self, address: str, read: PartRead, cancel: Cancellation | None = None) -> None:
         """Copy the part into its region; `cancel` can stop an OpenShard call from another thread. A verified
         read of a whole host shard hashes the bytes as they land (read.checksums)."""
-        landing = self._copy(address, read, cancel)
+        landing = self.start_read(address, read, cancel)
         if landing is not None:
             synchronize(landing.devices)
             landing.confirm()
@@ -149,7 +149,7 @@ class SharedMemoryPath:
         landings: list[tuple[int, Landing]] = []
         for position, read in enumerate(reads):
             try:
-                landing = self._copy(address, read)
+                landing = self.start_read(address, read)
             except ShardServeError:
                 failed.add(position)
                 continue
@@ -163,11 +163,12 @@ class SharedMemoryPath:
                 failed.add(position)
         return failed
 
-    def _copy(
+    def start_read(
         self, address: str, read: PartRead, cancel: Cancellation | None = None
     ) -> Landing | None:
-        """Queue the part's copy into its region (done at once unless a CUDA device takes part); what to wait
-        for and confirm, or None when the shard holds no bytes."""
+        """Open the part's shard and queue its copy into the region (done at once unless a CUDA device takes
+        part); the Landing to wait for and confirm, or None when the shard holds no bytes. read() and read_many()
+        read every part through this."""
         summary, index = read.summary, read.index
         mapping, shard = self.opener.open(address, summary, index, cancel)
         self.check_limit(address, read.nbytes, "offsets/sizes: the box")

@@ -72,16 +72,16 @@ def test_mid_size_pieces_are_read_through_mappings_rank_by_rank(
 def test_a_mapped_read_that_fails_is_read_again_by_itself(
     cluster: LocalCluster, put: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real, failed = SharedMemoryPath.read, []
+    real, failed = SharedMemoryPath.start_read, []
 
-    def every_third_refused(self: SharedMemoryPath, address: str, read: Any, *args: Any) -> None:
+    def every_third_refused(self: SharedMemoryPath, address: str, read: Any, *args: Any) -> Any:
         if not failed or len(failed) % 3:
             failed.append(read.summary.name)
             raise SharedMemoryError(f"rank at {address}: mapping refused")
         failed.append("")
-        real(self, address, read, *args)
+        return real(self, address, read, *args)
 
-    monkeypatch.setattr(SharedMemoryPath, "read", every_third_refused)
+    monkeypatch.setattr(SharedMemoryPath, "start_read", every_third_refused)
     into = {key: torch.zeros_like(t) for key, t in put.items()}
     with connect(cluster.address, transport="auto") as client:
         spmd.get_state_dict(client, "mid", into=into)
