@@ -22,6 +22,7 @@ from google.protobuf.message import Message
 
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.common.auth import Security, make_aio_channel
+from shardserve.server.coordinator.ranks.encoded import Encoded, rank_stub
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class CallLoop:
         self._closing: set[asyncio.Task[None]] = set()
 
     def call_all(
-        self, method: str, calls: Mapping[int, tuple[str, Message]], *, timeout: float
+        self, method: str, calls: Mapping[int, tuple[str, Message | Encoded]], *, timeout: float
     ) -> CallOutcomes:
         """Issue `method` to every rank of `calls` ({rank: (its address, its request)}) at once, each with a
         deadline of `timeout` seconds; their outcomes as they come. The calls run in the caller's context
@@ -110,7 +111,7 @@ class CallLoop:
     async def _issue(
         self,
         method: str,
-        calls: Mapping[int, tuple[str, Message]],
+        calls: Mapping[int, tuple[str, Message | Encoded]],
         outcomes: CallOutcomes,
         timeout: float,
     ) -> None:
@@ -128,7 +129,12 @@ class CallLoop:
             outcomes.finish()
 
     async def _call(
-        self, rank: int, method: Any, request: Message, timeout: float, outcomes: CallOutcomes
+        self,
+        rank: int,
+        method: Any,
+        request: Message | Encoded,
+        timeout: float,
+        outcomes: CallOutcomes,
     ) -> None:
         try:
             outcomes.add(rank, await method(request, timeout=timeout, metadata=self._metadata))
@@ -146,7 +152,7 @@ class CallLoop:
             self._closing.add(closing)  # kept until done: the loop holds only a weak reference
             closing.add_done_callback(self._closing.discard)
         channel = make_aio_channel(address, self._security)
-        stub = pb_grpc.ShardServerStub(channel)
+        stub = rank_stub(channel)
         self._channels[rank] = (address, channel, stub)
         return stub
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -25,12 +25,10 @@ from shardserve.server.coordinator.catalog.messages import init_to_proto, option
 from shardserve.server.coordinator.catalog.records import Init, ShardChecksums, TensorRecord
 from shardserve.server.coordinator.ranks.call_loop import CallLoop
 from shardserve.server.coordinator.ranks.call_threads import CallThreads
+from shardserve.server.coordinator.ranks.encoded import Encoded, Entries
 from shardserve.server.coordinator.ranks.registry import RankEntry, RankRegistry
 
 log = logging.getLogger(__name__)
-
-K = TypeVar("K")
-M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ class RankCalls:
         return self.fan_out_each(method, {rank: request for rank in ranks}, what)
 
     def fan_out_each(
-        self, method: str, requests: Mapping[int, Message], what: str
+        self, method: str, requests: Mapping[int, Message | Encoded], what: str
     ) -> dict[int, Any]:
         """Call `method` on each rank with its own request, all at once; raise the first failure as a
         ServiceError naming the rank. A rank that is not alive fails at once (a stopped rank would hold the
@@ -190,11 +188,15 @@ class RankCalls:
         drops: Entries[tuple[str, int]] = Entries(
             pb.AllocateManyRequest, "drop_first", _drop_request
         )
-        requests = {}
-        for rank, mine in records.items():
-            request = pb.AllocateManyRequest(writer_host_id=writer_host_id)
-            allocations.add_to(request, mine, key=lambda r: r.key)
-            requests[rank] = drops.add_to(request, dropping.get(rank, ()))
+        fields = pb.AllocateManyRequest(writer_host_id=writer_host_id).SerializeToString()
+        requests = {
+            rank: Encoded(
+                fields
+                + allocations.joined(mine, key=lambda r: r.key)
+                + drops.joined(dropping.get(rank, ()))
+            )
+            for rank, mine in records.items()
+        }
         elsewhere = {rank: v for rank, v in dropping.items() if rank not in requests}
         if elsewhere:
             self.drop_many_quietly(elsewhere)
@@ -219,10 +221,8 @@ class RankCalls:
         `finish_in_place`, the shards their writers filled in place count as written first. Returns the
         checksums of the shards the ranks hold, and the bytes the shards of copies still share."""
         entries = Entries(pb.PromoteManyRequest, "versions", _promote_request)
-        requests = {
-            rank: entries.add_to(pb.PromoteManyRequest(finish_in_place=finish_in_place), mine)
-            for rank, mine in versions.items()
-        }
+        fields = pb.PromoteManyRequest(finish_in_place=finish_in_place).SerializeToString()
+        requests = {rank: Encoded(fields + entries.joined(mine)) for rank, mine in versions.items()}
         answers = list(self.fan_out_each("PromoteMany", requests, what).values())
         shared = _by_shard(item for answer in answers for item in answer.shared)
         return Promoted(checksums_of(answers), shared)
@@ -231,16 +231,13 @@ class RankCalls:
         """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
         entries = Entries(pb.DropManyRequest, "versions", _drop_request)
         requests = {
-            rank: entries.add_to(pb.DropManyRequest(), mine)
+            rank: Encoded(entries.joined(mine))
             for rank, mine in versions.items()
             if self._reachable(rank)
         }
+        count = sum(len(mine) for rank, mine in versions.items() if rank in requests)
         try:
-            self.fan_out_each(
-                "DropMany",
-                requests,
-                f"drop {sum(len(q.versions) for q in requests.values())} versions",
-            )
+            self.fan_out_each("DropMany", requests, f"drop {count} versions")
         except ServiceError as err:
             log.warning("could not drop every version everywhere: %s", err.message)
 
@@ -285,51 +282,6 @@ class RankCalls:
             reserve_only=allocation.reserve_only,
             source_name=allocation.source_name,
         )
-
-
-class Entries(Generic[K]):
-    """The entries of one repeated message field of a fan-out's batch requests, each encoded once: a rank's
-    request gets its entries as their bytes joined and parsed in one C call. Building a request of thousands
-    of entries from Python objects costs tens of microseconds an entry, and ranks repeat entries (every rank
-    of a tensor allocates and promotes it)."""
-
-    def __init__(
-        self, request_type: type[Message], field: str, make: Callable[[K], Message]
-    ) -> None:
-        number = request_type.DESCRIPTOR.fields_by_name[field].number
-        self._tag = _varint(number << 3 | 2)  # length-delimited
-        self._make = make
-        self._encoded: dict[Hashable, bytes] = {}
-
-    def add_to(
-        self,
-        request: M,
-        items: Iterable[K],
-        *,
-        key: Callable[[K], Hashable] = lambda item: item,
-    ) -> M:
-        """`request` with the entry of each of `items` appended to the field (`key`: what an item is known by
-        across ranks)."""
-        parts = []
-        for item in items:
-            k = key(item)
-            encoded = self._encoded.get(k)
-            if encoded is None:
-                body = self._make(item).SerializeToString()
-                encoded = self._encoded[k] = self._tag + _varint(len(body)) + body
-            parts.append(encoded)
-        request.MergeFromString(b"".join(parts))
-        return request
-
-
-def _varint(value: int) -> bytes:
-    """`value` (>= 0) as a protobuf varint."""
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def _promote_request(version: tuple[str, int]) -> pb.PromoteVersionRequest:

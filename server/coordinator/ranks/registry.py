@@ -27,6 +27,7 @@ from shardserve.server.common.errors import (
     WorldMismatch,
 )
 from shardserve.server.common.requests import check_name, check_version
+from shardserve.server.coordinator.ranks.encoded import rank_stub
 from shardserve.server.coordinator.ranks.heartbeats import HeartbeatPolicy
 from shardserve.server.coordinator.ranks.info import RankInfo, RestoreProgress
 
@@ -65,7 +66,7 @@ class RankRegistry:
         security: Security = Security(),
         dead_after: float | None = None,
         clock: Callable[[], float] = time.monotonic,
-        stub_of: Callable[[grpc.Channel], pb_grpc.ShardServerStub] = pb_grpc.ShardServerStub,
+        stub_of: Callable[[grpc.Channel], pb_grpc.ShardServerStub] = rank_stub,
         *,
         heartbeats: HeartbeatPolicy = HeartbeatPolicy(),
     ) -> None:

@@ -35,6 +35,7 @@ from shardserve.server.coordinator.drivers.orders import (
     SnapshotOrder,
 )
 from shardserve.server.coordinator.options import CoordinatorOptions
+from shardserve.server.coordinator.ranks.encoded import Encoded
 from shardserve.server.coordinator.ranks.info import RankInfo
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import new_tensor
@@ -75,12 +76,14 @@ class RankStub:
         return pb.AllocateShardsResponse()
 
     def DropMany(self, request, timeout):  # noqa: N802
+        request = _parsed(request, pb.DropManyRequest)
         self.batches.append(("DropMany", len(request.versions)))
         for one in request.versions:
             self.DropVersion(one, timeout)
         return pb.DropManyResponse()
 
     def PromoteMany(self, request, timeout):  # noqa: N802
+        request = _parsed(request, pb.PromoteManyRequest)
         self.batches.append(("PromoteMany", len(request.versions)))
         if self.refuse_batches:
             raise RankRefusal()
@@ -89,6 +92,7 @@ class RankStub:
         return pb.PromoteManyResponse()
 
     def AllocateMany(self, request, timeout):  # noqa: N802
+        request = _parsed(request, pb.AllocateManyRequest)
         for one in request.drop_first:
             self.DropVersion(one, timeout)
         if self.refuse_allocations:
@@ -96,6 +100,11 @@ class RankStub:
         for one in request.tensors:
             self.AllocateShards(one, timeout)
         return pb.AllocateManyResponse()
+
+
+def _parsed(request, kind):  # type: ignore[no-untyped-def]
+    """A batch request as a rank reads it off the wire: the coordinator sends those as encoded bytes."""
+    return kind.FromString(request.data) if isinstance(request, Encoded) else request
 
 
 class AsStub:

@@ -1,0 +1,112 @@
+"""Batch requests to ranks built from bytes: the joined entries parse to exactly the message built field by
+field, each entry is encoded once for every rank that repeats it, and the rank stub's batch methods send such
+bytes as they are (and plain messages as before) to a real gRPC server, blocking and on grpc.aio."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent import futures
+
+import grpc
+
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos import shardserve_pb2_grpc as pb_grpc
+from shardserve.server.coordinator.ranks.encoded import Encoded, Entries, rank_stub
+
+
+def _promote(version: tuple[str, int]) -> pb.PromoteVersionRequest:
+    return pb.PromoteVersionRequest(name=version[0], version=version[1])
+
+
+def _drop(version: tuple[str, int]) -> pb.DropVersionRequest:
+    return pb.DropVersionRequest(name=version[0], version=version[1])
+
+
+def _allocate(version: tuple[str, int]) -> pb.AllocateShardsRequest:
+    return pb.AllocateShardsRequest(name=version[0], version=version[1], reserve_only=True)
+
+
+def test_joined_entries_parse_to_the_message_built_field_by_field():
+    versions = [
+        ("layer.w", 3),
+        ("layer.b", 1 << 40),
+        ("é" * 70, 2),
+    ]  # a long name: a two-byte length
+    tensors = Entries(pb.AllocateManyRequest, "tensors", _allocate)
+    drops = Entries(pb.AllocateManyRequest, "drop_first", _drop)
+    fields = pb.AllocateManyRequest(writer_host_id="host-1").SerializeToString()
+    encoded = Encoded(fields + tensors.joined(versions) + drops.joined(versions[:1]))
+    expected = pb.AllocateManyRequest(
+        writer_host_id="host-1",
+        tensors=[_allocate(v) for v in versions],
+        drop_first=[_drop(versions[0])],
+    )
+    assert pb.AllocateManyRequest.FromString(encoded.data) == expected
+    assert pb.PromoteManyRequest.FromString(
+        Entries(pb.PromoteManyRequest, "versions", _promote).joined([])
+    ) == (pb.PromoteManyRequest())
+
+
+def test_an_entry_repeated_across_ranks_is_encoded_once():
+    made: list[tuple[str, int]] = []
+
+    def make(version: tuple[str, int]) -> pb.PromoteVersionRequest:
+        made.append(version)
+        return _promote(version)
+
+    entries = Entries(pb.PromoteManyRequest, "versions", make)
+    first = entries.joined([("a", 1), ("b", 1)])
+    second = entries.joined([("b", 1), ("a", 1)])
+    assert made == [("a", 1), ("b", 1)]
+    assert [v.name for v in pb.PromoteManyRequest.FromString(second).versions] == ["b", "a"]
+    assert pb.PromoteManyRequest.FromString(first).versions[0].name == "a"
+
+
+class Recorder(pb_grpc.ShardServerServicer):
+    """Records the PromoteMany requests it parsed and answers one checksum per entry."""
+
+    def __init__(self) -> None:
+        self.seen: list[pb.PromoteManyRequest] = []
+
+    def PromoteMany(self, request, context):  # noqa: N802 - the service's name
+        self.seen.append(request)
+        return pb.PromoteManyResponse(
+            checksums=[
+                pb.ShardChecksum(name=v.name, version=v.version, checksum=7)
+                for v in request.versions
+            ]
+        )
+
+
+def _serve(recorder: Recorder) -> tuple[grpc.Server, str]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ShardServerServicer_to_server(recorder, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def test_the_rank_stub_sends_encoded_requests_and_messages_alike():
+    recorder = Recorder()
+    server, address = _serve(recorder)
+    entries = Entries(pb.PromoteManyRequest, "versions", _promote)
+    fields = pb.PromoteManyRequest(finish_in_place=True).SerializeToString()
+    encoded = Encoded(fields + entries.joined([("t", 1), ("u", 2)]))
+    expected = pb.PromoteManyRequest(
+        finish_in_place=True, versions=[_promote(("t", 1)), _promote(("u", 2))]
+    )
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = rank_stub(channel)
+            answer = stub.PromoteMany(encoded, timeout=10)
+            stub.PromoteMany(expected, timeout=10)
+        assert [c.name for c in answer.checksums] == ["t", "u"]
+
+        async def on_aio() -> pb.PromoteManyResponse:
+            async with grpc.aio.insecure_channel(address) as channel:
+                return await rank_stub(channel).PromoteMany(encoded, timeout=10)
+
+        assert asyncio.run(on_aio()) == answer
+        assert recorder.seen == [expected, expected, expected]
+    finally:
+        server.stop(None)
