@@ -329,7 +329,8 @@ def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog
         catalog.add_all([entry.tensor for entry in entries])
         return SnapshotRecord("p", number, 1, entries, created_unix=float(number))
 
-    _, removed = catalog.commit_snapshot(snapshot(1))
+    first = snapshot(1)
+    _, removed = catalog.commit_snapshot(first)
     assert len(removed) == 0
     committed, removed = catalog.commit_snapshot(snapshot(2))
     assert len(removed) == 2  # counted before they are decoded
@@ -337,6 +338,10 @@ def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog
         ("p@1/b", 11, TensorState.READY),
         ("p@1/w", 10, TensorState.READY),
     ]
+    # their layouts read back whole (from the layouts table where the catalog keeps one)
+    assert {r.name: r.metadata for r in removed} == {
+        e.tensor.name: e.tensor.metadata for e in first.entries
+    }
     assert catalog.get("p@1/w", 10) is None and catalog.snapshots("p") == [committed]
 
 
