@@ -77,14 +77,6 @@ def copy_down_checked_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) ->
     return copy_down_checksummed(pairs, hashing_pool())
 
 
-def device_source(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """`data`'s bytes as a flat uint8 view when a copy of it stored as `dtype` is one run of a CUDA device's
-    bytes (no cast, contiguous); else None."""
-    if data.device.type != "cuda" or data.dtype != dtype or not data.is_contiguous():
-        return None
-    return byte_view(data)
-
-
 def _groups(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
 ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -110,7 +102,18 @@ def _copy_group(group: list[tuple[torch.Tensor, torch.Tensor]]) -> list[int]:
 def plain_source(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """`data`'s bytes as a flat uint8 view when a copy of it stored as `dtype` is one run of CPU bytes (no cast,
     contiguous, on the CPU); else None."""
-    if data.device.type != "cpu" or data.dtype != dtype or not data.is_contiguous():
+    return _one_run(data, dtype, "cpu")
+
+
+def device_source(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`data`'s bytes as a flat uint8 view when a copy of it stored as `dtype` is one run of a CUDA device's
+    bytes (no cast, contiguous); else None."""
+    return _one_run(data, dtype, "cuda")
+
+
+def _one_run(data: torch.Tensor, dtype: torch.dtype, device_type: str) -> torch.Tensor | None:
+    """`data`'s bytes as a flat uint8 view when it is on a `device_type` device, of `dtype`, contiguous."""
+    if data.device.type != device_type or data.dtype != dtype or not data.is_contiguous():
         return None
     return byte_view(data)
 

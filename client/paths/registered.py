@@ -16,6 +16,7 @@ import logging
 import mmap
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -63,13 +64,23 @@ class CudaRegistrar:
             log.warning("cudaHostUnregister(%#x) failed with CUDA error %d", address, error)
 
 
+@dataclass
+class _Registration:
+    """Pages registered for one owner: [address, address + nbytes), kept mapped by `flat` until unregistered,
+    and the release that unregisters them when the owner goes."""
+
+    address: int
+    nbytes: int
+    flat: torch.Tensor
+    release: weakref.finalize
+
+
 class RegisteredPages:
     """Which mappings' pages are registered with the device: each once, each until its owner goes."""
 
     def __init__(self, registrar: Registrar | None = None) -> None:
         self._registrar: Registrar = registrar if registrar is not None else CudaRegistrar()
-        self._by_owner: dict[int, tuple[int, int]] = {}  # id(owner) -> (address, bytes) registered
-        self._releases: dict[int, weakref.finalize] = {}  # id(owner) -> its registration's release
+        self._registered: dict[int, _Registration] = {}  # by id(owner)
         self._refused: set[int] = set()  # id(owner) of mappings the driver would not register
         self._lock = threading.Lock()
 
@@ -77,7 +88,7 @@ class RegisteredPages:
     def registered(self) -> dict[int, int]:
         """Address -> bytes of every range registered now."""
         with self._lock:
-            return dict(self._by_owner.values())
+            return {r.address: r.nbytes for r in self._registered.values()}
 
     def pin(self, owner: object, flat: torch.Tensor, *, read_only: bool = False) -> bool:
         """Register the pages under `flat` (CPU bytes of a mapping that `owner` keeps) once for as long as
@@ -87,7 +98,7 @@ class RegisteredPages:
             return False
         key = id(owner)
         with self._lock:
-            if key in self._by_owner:
+            if key in self._registered:
                 return True
             if key in self._refused:
                 return False
@@ -95,13 +106,15 @@ class RegisteredPages:
             return False
         address, nbytes = page_span(flat.data_ptr(), flat.numel() * flat.element_size())
         with self._lock:
-            if key in self._by_owner:  # another thread registered it meanwhile
+            if key in self._registered:  # another thread registered it meanwhile
                 return True
             done = self._registrar.register(
                 address, nbytes, PORTABLE | (READ_ONLY if read_only else 0)
             )
-            if done:
-                self._by_owner[key] = (address, nbytes)
+            if done:  # kept and released together: hand_over never sees one without the other
+                self._registered[key] = _Registration(
+                    address, nbytes, flat, weakref.finalize(owner, self._release, key)
+                )
             else:
                 self._refused.add(key)
         if not done:
@@ -109,36 +122,27 @@ class RegisteredPages:
                 "registering %d mapped bytes with CUDA failed; copying at pageable speed", nbytes
             )
             weakref.finalize(owner, self._forget_refusal, key)
-            return False
-        with self._lock:
-            self._releases[key] = weakref.finalize(owner, self._release, key, flat)
-        return True
+        return done
 
     def hand_over(self, old: object, new: object) -> None:
         """The registration of `old`'s pages, if any, now lasts as long as `new`: a later mapping object over
         the same memory (a reader's mapping of a segment the rank reuses for a newer version). Registering
         anew costs ~40 ms per GiB, and unregistering waits for every device."""
         with self._lock:
-            release = self._releases.pop(id(old), None)
-            span = self._by_owner.pop(id(old), None)
-            if release is None or span is None:
-                return
-            detached = release.detach()  # (owner, callback, (key, flat), kwargs); None once it ran
-            if detached is None:
-                return
-            flat = detached[2][1]
+            registration = self._registered.get(id(old))
+            if registration is None or registration.release.detach() is None:
+                return  # none, or its release ran already (it unregisters them)
+            del self._registered[id(old)]
             key = id(new)
-            self._by_owner[key] = span
-            self._releases[key] = weakref.finalize(new, self._release, key, flat)
+            registration.release = weakref.finalize(new, self._release, key)
+            self._registered[key] = registration
 
-    def _release(self, key: int, flat: torch.Tensor) -> None:
-        """Unregister the owner's pages; `flat` (held until now) keeps them mapped until this returns."""
+    def _release(self, key: int) -> None:
+        """Unregister the owner's pages; the registration's `flat` keeps them mapped until this returns."""
         with self._lock:
-            self._releases.pop(key, None)
-            span = self._by_owner.pop(key, None)
-        if span is not None:
-            self._registrar.unregister(span[0])
-        del flat
+            registration = self._registered.pop(key, None)
+        if registration is not None:
+            self._registrar.unregister(registration.address)
 
     def _forget_refusal(self, key: int) -> None:
         with self._lock:

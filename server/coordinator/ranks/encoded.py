@@ -6,8 +6,8 @@ a rank's request is the bytes of its scalar fields followed by its entries' byte
 message is the concatenation of its fields' encodings, a repeated field's entries in order), and the batch
 methods of `rank_stub` send such `Encoded` bytes as they are. Parsing the joined bytes into a message, only for
 gRPC to serialize it again, took 153-269 ms per AllocateMany fan-out of 100,000 entries of 10-shard tensors
-(28 MB; joining them: 4 ms), and steady commits of 100,000 shards at 1,000 simulated ranks went from 3.9-5.0 s
-of coordinator CPU to 3.1-3.7 s.
+(28 MB; joining them: 4 ms), and steady commits of 100,000 shards at 1,000 simulated ranks went from 3.3-5.0 s
+of coordinator CPU to 2.9-3.7 s (two runs each).
 """
 
 from __future__ import annotations
