@@ -64,27 +64,32 @@ class Entries(Generic[K]):
     request of thousands of entries from Python objects costs tens of microseconds an entry."""
 
     def __init__(
-        self, request_type: type[Message], field: str, make: Callable[[K], Message]
+        self, request_type: type[Message], field: str, encode: Callable[[K], bytes]
     ) -> None:
+        """`encode`: an item's entry message, serialized (`serialized(make)` for a function making the message)."""
         number = request_type.DESCRIPTOR.fields_by_name[field].number
         self._tag = _varint(number << 3 | 2)  # length-delimited
-        self._make = make
+        self._encode = encode
         self._encoded: dict[Hashable, bytes] = {}
 
-    def joined(
-        self, items: Iterable[K], *, key: Callable[[K], Hashable] = lambda item: item
-    ) -> bytes:
-        """The field's entries for `items`, as bytes to append to a request's (`key`: what an item is known by
-        across ranks)."""
-        parts = []
+    def joined(self, items: Iterable[K], *, key: Callable[[K], Hashable] | None = None) -> bytes:
+        """The field's entries for `items`, as bytes to append to a request's. `key`: what an item is known by
+        across ranks (the item itself by default; `id` where the same objects recur in every rank's list and
+        live as long as these entries)."""
+        encoded, parts = self._encoded, []
         for item in items:
-            k = key(item)
-            encoded = self._encoded.get(k)
-            if encoded is None:
-                body = self._make(item).SerializeToString()
-                encoded = self._encoded[k] = self._tag + _varint(len(body)) + body
-            parts.append(encoded)
+            k = item if key is None else key(item)
+            entry = encoded.get(k)
+            if entry is None:
+                body = self._encode(item)
+                entry = encoded[k] = self._tag + _varint(len(body)) + body
+            parts.append(entry)
         return b"".join(parts)
+
+
+def serialized(make: Callable[[K], Message]) -> Callable[[K], bytes]:
+    """An `Entries` encoder from a function that makes an item's entry message."""
+    return lambda item: make(item).SerializeToString()
 
 
 def _varint(value: int) -> bytes:

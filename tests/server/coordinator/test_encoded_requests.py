@@ -1,6 +1,7 @@
 """Batch requests to ranks built from bytes: the joined entries parse to exactly the message built field by
-field, each entry is encoded once for every rank that repeats it, and the rank stub's batch methods send such
-bytes as they are (and plain messages as before) to a real gRPC server, blocking and on grpc.aio."""
+field, each entry is encoded once for every rank that repeats it, an allocation's entry (its name and version
+joined to the fields its layout shares) parses to the request built whole, and the rank stub's batch methods send
+such bytes as they are (and plain messages as before) to a real gRPC server, blocking and on grpc.aio."""
 
 from __future__ import annotations
 
@@ -9,9 +10,17 @@ from concurrent import futures
 
 import grpc
 
+from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos import shardserve_pb2_grpc as pb_grpc
-from shardserve.server.coordinator.ranks.encoded import Encoded, Entries, rank_stub
+from shardserve.server.coordinator.catalog.records import Init, TensorRecord
+from shardserve.server.coordinator.ranks.calls import (
+    Allocation,
+    allocation_entry,
+    allocation_request,
+)
+from shardserve.server.coordinator.ranks.encoded import Encoded, Entries, rank_stub, serialized
 
 
 def _promote(version: tuple[str, int]) -> pb.PromoteVersionRequest:
@@ -32,8 +41,8 @@ def test_joined_entries_parse_to_the_message_built_field_by_field():
         ("layer.b", 1 << 40),
         ("é" * 70, 2),
     ]  # a long name: a two-byte length
-    tensors = Entries(pb.AllocateManyRequest, "tensors", _allocate)
-    drops = Entries(pb.AllocateManyRequest, "drop_first", _drop)
+    tensors = Entries(pb.AllocateManyRequest, "tensors", serialized(_allocate))
+    drops = Entries(pb.AllocateManyRequest, "drop_first", serialized(_drop))
     fields = pb.AllocateManyRequest(writer_host_id="host-1").SerializeToString()
     encoded = Encoded(fields + tensors.joined(versions) + drops.joined(versions[:1]))
     expected = pb.AllocateManyRequest(
@@ -43,7 +52,7 @@ def test_joined_entries_parse_to_the_message_built_field_by_field():
     )
     assert pb.AllocateManyRequest.FromString(encoded.data) == expected
     assert pb.PromoteManyRequest.FromString(
-        Entries(pb.PromoteManyRequest, "versions", _promote).joined([])
+        Entries(pb.PromoteManyRequest, "versions", serialized(_promote)).joined([])
     ) == (pb.PromoteManyRequest())
 
 
@@ -54,7 +63,7 @@ def test_an_entry_repeated_across_ranks_is_encoded_once():
         made.append(version)
         return _promote(version)
 
-    entries = Entries(pb.PromoteManyRequest, "versions", make)
+    entries = Entries(pb.PromoteManyRequest, "versions", serialized(make))
     first = entries.joined([("a", 1), ("b", 1)])
     second = entries.joined([("b", 1), ("a", 1)])
     assert made == [("a", 1), ("b", 1)]
@@ -89,7 +98,7 @@ def _serve(recorder: Recorder) -> tuple[grpc.Server, str]:
 def test_the_rank_stub_sends_encoded_requests_and_messages_alike():
     recorder = Recorder()
     server, address = _serve(recorder)
-    entries = Entries(pb.PromoteManyRequest, "versions", _promote)
+    entries = Entries(pb.PromoteManyRequest, "versions", serialized(_promote))
     fields = pb.PromoteManyRequest(finish_in_place=True).SerializeToString()
     encoded = Encoded(fields + entries.joined([("t", 1), ("u", 2)]))
     expected = pb.PromoteManyRequest(
@@ -110,3 +119,25 @@ def test_the_rank_stub_sends_encoded_requests_and_messages_alike():
         assert recorder.seen == [expected, expected, expected]
     finally:
         server.stop(None)
+
+
+def test_an_allocation_entry_parses_to_the_request_built_field_by_field():
+    def layout(*ranks: int) -> ShardedTensorMetadata:
+        shards = tuple(ShardMetadata((i,), (2,), f"rank:{r}/cpu") for i, r in enumerate(ranks))
+        return ShardedTensorMetadata(shards, (2 * len(ranks),), TensorProperties())
+
+    records = [
+        TensorRecord("a", 1, layout(0, 1)),
+        TensorRecord("b", 1 << 40, layout(0, 1)),  # the same layout: its shared fields reused
+        TensorRecord("c", 7, layout(1, 0), options=TensorOptions("default", b"\x01\x02")),
+    ]
+    allocations = [
+        Allocation(),
+        Allocation(init=Init.COPY, source_version=5, source_name="p@1/k"),
+        Allocation(init=Init.NORMAL, seed=11),
+        Allocation(reserve_only=True),
+    ]
+    for record in records:
+        for allocation in allocations:
+            entry = pb.AllocateShardsRequest.FromString(allocation_entry(record, allocation))
+            assert entry == allocation_request(record, allocation)
