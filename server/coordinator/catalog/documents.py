@@ -107,6 +107,16 @@ class DecodedSnapshots:
         self.remember(text, record)
         return record
 
+    def peek(self, text: str) -> SnapshotRecord | None:
+        """The record of document `text` if kept decoded, else None (nothing decoded)."""
+        with self._lock:
+            return self._records.get(text)
+
+    def forget(self) -> None:
+        """Keep nothing decoded (what a new process starts with)."""
+        with self._lock:
+            self._records.clear()
+
     def remember(self, text: str, record: SnapshotRecord) -> None:
         """Keep `record` as the decoding of `text` (what snapshot_json(record) wrote)."""
         with self._lock:

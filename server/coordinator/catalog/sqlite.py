@@ -407,13 +407,21 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> Remov
     ).fetchall()
     documents: list[str] = []
     for number, text in old:
-        # SQLite reads the names out of the snapshot's document: no decoding here
+        names, parameter = _names_of(text)
         rows = db.execute(
-            "DELETE FROM tensors WHERE name IN "
-            "(SELECT json_extract(value, '$.tensor.name') FROM json_each(?, '$.entries')) "
-            "RETURNING record",
-            (text,),
+            f"DELETE FROM tensors WHERE name IN ({names}) RETURNING record", (parameter,)
         ).fetchall()
         documents += (row[0] for row in rows)
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
     return RemovedRows(documents)
+
+
+def _names_of(text: str) -> tuple[str, str]:
+    """A query of the tensor names of the snapshot whose document is `text`, and its one parameter: a JSON array
+    of the names from the snapshot's record when this process keeps it decoded (a weight sync's commit removes
+    a snapshot it committed a few steps before), else the document, read by SQLite (parsing a 10,000-tensor
+    document there takes 90 ms, a list of its names 6 ms)."""
+    kept = DECODED.peek(text)
+    if kept is None:
+        return "SELECT json_extract(value, '$.tensor.name') FROM json_each(?, '$.entries')", text
+    return "SELECT value FROM json_each(?)", dumps([entry.tensor.name for entry in kept.entries])

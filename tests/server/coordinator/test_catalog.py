@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.server.coordinator.catalog.documents import DECODED
 from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -320,7 +321,11 @@ def test_pending_and_promoting_rows_are_found_without_listing_every_row(catalog)
     assert [r.name for r in catalog.pending()] == ["b"] and catalog.promoting() == []
 
 
-def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog):
+@pytest.mark.parametrize("decoded", ["kept", "forgotten"])
+def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog, decoded):
+    """The removed snapshot's rows are found by its tensors' names, whether this process still keeps its
+    document decoded (the names from the record) or not (a restarted coordinator: from the document)."""
+
     def snapshot(number: int) -> SnapshotRecord:
         entries = tuple(
             SnapshotEntry(key, row(f"p@{number}/{key}", number * 10 + i))
@@ -332,14 +337,22 @@ def test_a_snapshot_commit_returns_the_rows_of_the_snapshots_beyond_keep(catalog
     first = snapshot(1)
     _, removed = catalog.commit_snapshot(first)
     assert len(removed) == 0
+    catalog.add(
+        row("p@1/w", 15, TensorState.READY)
+    )  # another version of a snapshot tensor (a reshard's)
+    catalog.add(row("p@1/x", 16, TensorState.READY))  # not the snapshot's: kept
+    if decoded == "forgotten":
+        DECODED.forget()
     committed, removed = catalog.commit_snapshot(snapshot(2))
-    assert len(removed) == 2  # counted before they are decoded
+    assert len(removed) == 3  # counted before they are decoded
     assert sorted((r.name, r.version, r.state) for r in removed) == [
         ("p@1/b", 11, TensorState.READY),
         ("p@1/w", 10, TensorState.READY),
+        ("p@1/w", 15, TensorState.READY),
     ]
+    assert catalog.get("p@1/x", 16) is not None
     # their layouts read back whole (from the layouts table where the catalog keeps one)
-    assert {r.name: r.metadata for r in removed} == {
+    assert {r.name: r.metadata for r in removed if r.version != 15} == {
         e.tensor.name: e.tensor.metadata for e in first.entries
     }
     assert catalog.get("p@1/w", 10) is None and catalog.snapshots("p") == [committed]
@@ -361,3 +374,23 @@ def test_snapshot_reads_the_newest_or_the_numbered_one_and_none_for_others(catal
     assert catalog.snapshot("other") is None
     third = commit(3)  # keep=2: the first is gone
     assert catalog.snapshot("q") == third and catalog.snapshot("q", 1) is None
+
+
+@pytest.mark.parametrize("decoded", ["kept", "forgotten"])
+def test_the_removed_snapshots_names_come_from_its_kept_record_without_parsing_its_document(
+    tmp_path, decoded
+):
+    statements: list[str] = []
+    catalog = SQLiteCatalog(tmp_path / "catalog.sqlite", trace=statements.append)
+    for number in (1, 2):
+        entry = SnapshotEntry("w", row(f"s@{number}/w", number))
+        catalog.add_all([entry.tensor])
+        if number == 2 and decoded == "forgotten":
+            DECODED.forget()
+        statements.clear()
+        catalog.commit_snapshot(SnapshotRecord("s", number, 1, (entry,)))
+    deletes = [s for s in statements if s.startswith("DELETE FROM tensors")]
+    assert len(deletes) == 1
+    assert ("'$.entries'" in deletes[0]) == (decoded == "forgotten")
+    assert catalog.get("s@1/w", 1) is None and catalog.get("s@2/w", 2) is not None
+    catalog.close()
