@@ -85,15 +85,22 @@ DECODED_SNAPSHOTS = 16
 another key): every reader of a weight sync's snapshot asks for the same one, and decoding hundreds of
 tensors costs milliseconds (5,000 tensors: 0.2 s)."""
 
+DECODED_TENSORS = 32768
+"""The most tensors those records hold together (the newest snapshot is kept whatever its size): every record
+kept is an object the cyclic collector walks in each full collection, and sixteen snapshots of 10,000 tensors
+(480,000 objects) made each of a commit's one or two full collections cost ~80 ms."""
+
 
 class DecodedSnapshots:
-    """The records of the latest DECODED_SNAPSHOTS snapshot documents, by document text: those read back, and
-    those a commit wrote (so that the first reader of a new snapshot, every step of a weight sync, does not
-    decode what the commit had in hand)."""
+    """The records of the latest DECODED_SNAPSHOTS snapshot documents, holding DECODED_TENSORS tensors at most,
+    by document text: those read back, and those a commit wrote (so that the first reader of a new snapshot,
+    every step of a weight sync, does not decode what the commit had in hand)."""
 
-    def __init__(self, size: int = DECODED_SNAPSHOTS) -> None:
+    def __init__(self, size: int = DECODED_SNAPSHOTS, *, tensors: int = DECODED_TENSORS) -> None:
         self.size = size
+        self.tensors = tensors
         self._records: OrderedDict[str, SnapshotRecord] = OrderedDict()
+        self._held = 0  # tensors of the records kept
         self._lock = threading.Lock()
 
     def get(self, text: str) -> SnapshotRecord:
@@ -116,14 +123,21 @@ class DecodedSnapshots:
         """Keep nothing decoded (what a new process starts with)."""
         with self._lock:
             self._records.clear()
+            self._held = 0
 
     def remember(self, text: str, record: SnapshotRecord) -> None:
-        """Keep `record` as the decoding of `text` (what snapshot_json(record) wrote)."""
+        """Keep `record` as the decoding of `text` (what snapshot_json(record) wrote), letting go of the oldest
+        records past the bounds."""
         with self._lock:
+            if text not in self._records:
+                self._held += len(record.entries)
             self._records[text] = record
             self._records.move_to_end(text)
-            while len(self._records) > self.size:
-                self._records.popitem(last=False)
+            while len(self._records) > 1 and (
+                len(self._records) > self.size or self._held > self.tensors
+            ):
+                _, oldest = self._records.popitem(last=False)
+                self._held -= len(oldest.entries)
 
 
 DECODED = DecodedSnapshots()

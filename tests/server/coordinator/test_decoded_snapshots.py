@@ -1,5 +1,6 @@
 """The decoded snapshot records the catalog keeps by document text: what a commit wrote is read back without
-decoding, equal to what decoding its document gives, and only the latest few are kept."""
+decoding, equal to what decoding its document gives, and only the latest few are kept, holding a bounded number
+of tensors."""
 
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ def test_only_the_latest_documents_are_kept() -> None:
         decoded.remember(text, record)
     assert decoded.get(texts[2]) is records[2] and decoded.get(texts[1]) is records[1]
     assert decoded.get(texts[0]) == records[0] and decoded.get(texts[0]) is not records[0]
+
+
+def test_the_records_kept_hold_a_bounded_number_of_tensors_the_newest_whatever_its_size() -> None:
+    decoded = DecodedSnapshots(size=16, tensors=5)
+    small = [_snapshot(n) for n in (1, 2)]  # 2 tensors each
+    large = _snapshot(3, keys=tuple(f"k{i}" for i in range(7)))
+    texts = [snapshot_json(r) for r in (*small, large)]
+    for text, record in zip(texts[:2], small):
+        decoded.remember(text, record)
+    assert all(decoded.peek(text) is not None for text in texts[:2])
+    decoded.remember(texts[1], small[1])  # remembered again: counted once
+    decoded.remember(texts[2], large)  # 7 tensors alone: the others go, it stays
+    assert [decoded.peek(text) for text in texts] == [None, None, large]
+    decoded.remember(texts[0], small[0])
+    assert [decoded.peek(text) for text in texts] == [small[0], None, None]
 
 
 def test_a_sqlite_commit_is_read_back_as_the_record_it_returned(tmp_path) -> None:
