@@ -38,7 +38,7 @@ import torch
 from benchmarks.scale_hosting import AioHosting
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.auth import Security
-from shardserve.server.common.heap import freeze_startup_heap
+from shardserve.server.common.heap import prepare_collector
 from shardserve.server.common.principals import ClusterSecret
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.requests import check_name, check_version, parse_metadata
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for rank in range(args.first, args.first + args.count)
     }
-    freeze_startup_heap("simulated ranks")  # as a rank does once serving (server/common/heap.py)
+    prepare_collector("simulated ranks")  # as a rank does once serving (server/common/heap.py)
     print(f"ready {len(ranks)} {before} {psutil.Process().memory_info().rss}", flush=True)
     try:
         serve_commands(ranks)

@@ -24,6 +24,7 @@ import torch
 from shardserve.client import arguments
 from shardserve.client.casts import put_dtype
 from shardserve.client.cluster import Cluster
+from shardserve.client.collector import collector_paused
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.ops.snapshots import (
     SnapshotSummary,
@@ -77,6 +78,7 @@ GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped mean
 # ---------------------------------------------------------------- put
 
 
+@collector_paused
 def put_state_dict(
     cluster: Cluster,
     state_dict: Mapping[str, Any],
@@ -113,7 +115,7 @@ def put_state_dict(
     rest shared with that snapshot on the ranks (client/spmd_delta.py); in full when there is none, the layouts
     changed, or it is no longer the prefix's newest. A delta put neither uses nor makes a reservation (it aborts
     the prefix's). Returns the snapshot number. On any failure nothing is visible and every rank raises
-    SpmdError.
+    SpmdError. The process's cyclic garbage collector is paused during the call (client/collector.py).
     """
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
@@ -418,6 +420,7 @@ def _create(
 # ---------------------------------------------------------------- get
 
 
+@collector_paused
 def get_state_dict(
     cluster: Cluster,
     prefix: str,
@@ -435,7 +438,8 @@ def get_state_dict(
     mismatch is INVALID_ARGUMENT naming the key. `snapshot` pins one kept snapshot; without it the newest
     is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times). `verify`
     checks every byte read against the shards' checksums (fetch's verify: another copy is read where one does
-    not match; ChecksumMismatchError when none does).
+    not match; ChecksumMismatchError when none does). The process's cyclic garbage collector is paused during
+    the call (client/collector.py).
     """
     verify = arguments.flag(verify, "verify")
     job = JobGroup(group)

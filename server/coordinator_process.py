@@ -29,7 +29,7 @@ from shardserve.server.common.cli_args import (
     with_state_dir_secret,
 )
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
-from shardserve.server.common.heap import freeze_startup_heap
+from shardserve.server.common.heap import prepare_collector
 from shardserve.server.common.stop_signals import (
     Stop,
     handle_reload_signal,
@@ -270,7 +270,7 @@ def main_coordinator(argv: Sequence[str]) -> int:
         log.error("the coordinator could not start: %s", err)
         return 1
     try:
-        freeze_startup_heap("coordinator")  # before the address is out: then it only serves
+        prepare_collector("coordinator")  # before the address is out: then it only serves
         announce_address(running.address, args.address_file)
         wait_for_stop_signal()
     except Stop as stop:

@@ -12,7 +12,7 @@ from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.common.announce import announce_address, check_address_file, withdraw_address
 from shardserve.server.common.cli_args import configure_logging, security_from_args
-from shardserve.server.common.heap import freeze_startup_heap
+from shardserve.server.common.heap import prepare_collector
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.common.stop_signals import (
     Stop,
@@ -120,7 +120,7 @@ def main_up(argv: Sequence[str]) -> int:
         cluster.start(timeout=args.startup_timeout)
         if args.demo:
             create_demo(cluster)
-        freeze_startup_heap("up")  # before the address is out: then it only serves
+        prepare_collector("up")  # before the address is out: then it only serves
         announce_address(cluster.address, args.address_file)
         wait_for_stop_signal()
     except Stop as stop:

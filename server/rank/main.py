@@ -36,7 +36,7 @@ from shardserve.server.common.cli_args import (
     security_from_args,
 )
 from shardserve.server.common.grpc_server import RunningServer, split_address, start_server
-from shardserve.server.common.heap import freeze_startup_heap
+from shardserve.server.common.heap import prepare_collector
 from shardserve.server.common.memory_limits import MemoryLimit, effective_memory
 from shardserve.server.common.metrics import MetricsEndpoint, serve_metrics
 from shardserve.server.common.rank_options import RankOptions
@@ -266,7 +266,7 @@ def main(argv: Sequence[str]) -> int:
             )
             return 1
         link.start()
-        freeze_startup_heap(f"rank {rank}")
+        prepare_collector(f"rank {rank}")
         while not stop.wait(0.2):  # a short wait: signals may land on a non-main thread
             store.memory.expire_kept()  # an idle rank gives kept memory back after its max age too
             store.end_graces()  # replaced versions past --version-grace

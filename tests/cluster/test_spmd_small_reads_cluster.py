@@ -8,6 +8,8 @@ Every piece is compared bit for bit with plain torch.
 
 from __future__ import annotations
 
+import gc
+import threading
 from typing import Any
 
 import pytest
@@ -223,3 +225,40 @@ def test_a_batch_refused_as_a_bad_request_fails_the_get(
     with connect(cluster.address) as client:
         with pytest.raises(spmd.SpmdError, match=r"regions\[0\]"):
             spmd.get_state_dict(client, "small", into={"block0.p0": torch.zeros(16, 16)})
+
+
+def test_a_state_dict_put_and_get_run_with_the_cyclic_collector_paused(
+    cluster: LocalCluster, put: dict
+) -> None:
+    """With a young-generation threshold low enough that the calls' undecorated bodies collect dozens of times
+    on the calling thread, the calls themselves collect there at most once or twice (the young generation swept
+    right after the collector is back on), and leave it on."""
+    into = {key: torch.zeros_like(t) for key, t in put.items()}
+    caller, counting, counted = threading.get_ident(), [False], [0]
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start" and counting[0] and threading.get_ident() == caller:
+            counted[0] += 1
+
+    def collections_in(call) -> int:  # type: ignore[no-untyped-def]
+        counted[0], counting[0] = 0, True
+        call()
+        counting[0] = False
+        return counted[0]
+
+    threshold = gc.get_threshold()
+    gc.set_threshold(50, 10, 10)
+    gc.callbacks.append(count)
+    try:
+        with connect(cluster.address) as client:
+            paused = collections_in(lambda: spmd.put_state_dict(client, put, "paused"))
+            paused += collections_in(lambda: spmd.get_state_dict(client, "paused", into=into))
+            assert gc.isenabled()
+            plain = collections_in(
+                lambda: spmd.put_state_dict.__wrapped__(client, put, "paused")  # type: ignore[attr-defined]
+            )
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*threshold)
+    assert paused <= 4 and plain >= 20, (paused, plain)
+    assert [key for key, t in put.items() if not torch.equal(into[key], t)] == []

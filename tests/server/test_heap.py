@@ -1,5 +1,5 @@
-"""freeze_startup_heap (server/common/heap.py): what lives at start-up leaves the collector's reach, what
-comes later is collected as before."""
+"""prepare_collector (server/common/heap.py): what lives at start-up leaves the collector's reach, what
+comes later is collected as before, its youngest generation every YOUNG_THRESHOLD allocations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from shardserve.server.common.heap import freeze_startup_heap
+from shardserve.server.common.heap import YOUNG_THRESHOLD, prepare_collector
 
 
 class Node:
@@ -18,13 +18,17 @@ class Node:
 
 @pytest.fixture
 def unfrozen():
+    threshold = gc.get_threshold()
     yield
     gc.unfreeze()
+    gc.set_threshold(*threshold)
 
 
 def test_start_up_objects_are_frozen_and_later_cycles_still_collected(unfrozen) -> None:
     kept = Node()
-    frozen = freeze_startup_heap("test")
+    _, middle, oldest = gc.get_threshold()
+    frozen = prepare_collector("test")
+    assert gc.get_threshold() == (YOUNG_THRESHOLD, middle, oldest)
     assert frozen > 0 and gc.get_freeze_count() > 0  # (frozen objects freed later leave the count)
     assert not any(
         obj is kept for obj in gc.get_objects()
