@@ -15,10 +15,11 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import statistics
 import time
 from concurrent import futures
-from multiprocessing.synchronize import Event
+from multiprocessing.queues import Queue
 
 import grpc
 import psutil
@@ -42,38 +43,26 @@ def _promoted(
     )
 
 
-def _serve(ports: list[int], ready: Event) -> None:
-    """Serve PromoteMany on each of `ports` (a server of 2 threads each) until killed."""
+def _serve(count: int, bound: Queue) -> None:
+    """Serve PromoteMany on `count` loopback ports the system picks (a server of 2 threads each), put the ports
+    on `bound`, and serve until killed (picking a port free in the parent and binding it here raced other
+    processes for it: a server that failed to bind left the tool waiting)."""
     handler = grpc.unary_unary_rpc_method_handler(
         _promoted,
         request_deserializer=pb.PromoteManyRequest.FromString,
         response_serializer=pb.PromoteManyResponse.SerializeToString,
     )
-    servers = []
-    for port in ports:
+    servers, ports = [], []
+    for _ in range(count):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"PromoteMany": handler}),)
         )
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        ports.append(server.add_insecure_port("127.0.0.1:0"))
         server.start()
         servers.append(server)
-    ready.set()
+    bound.put(ports)
     servers[0].wait_for_termination()
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` loopback ports free now (bound, then released together)."""
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _cpu_seconds(processes: list[multiprocessing.Process]) -> float:
@@ -91,21 +80,23 @@ def measure(ranks: int, *, processes: int, repeats: int) -> dict:
     from shardserve.server.coordinator.ranks.info import RankInfo
     from shardserve.server.coordinator.ranks.registry import RankRegistry
 
-    ports = _free_ports(ranks)
     context = multiprocessing.get_context("spawn")
-    servers, readies = [], []
+    bound: Queue = context.Queue()
+    servers = []
     for first in range(min(processes, ranks)):
-        ready = context.Event()
-        server = context.Process(target=_serve, args=(ports[first::processes], ready), daemon=True)
+        count = len(range(first, ranks, processes))
+        server = context.Process(target=_serve, args=(count, bound), daemon=True)
         server.start()
         servers.append(server)
-        readies.append(ready)
     registry = RankRegistry(heartbeats=HeartbeatPolicy(dead_after=3600.0))
     calls = RankCalls(registry, rpc_timeout=60.0)
     try:
-        for ready in readies:
-            if not ready.wait(START_TIMEOUT_S):
-                raise RuntimeError("a server process did not start")
+        ports: list[int] = []
+        for _ in servers:
+            try:
+                ports += bound.get(timeout=START_TIMEOUT_S)
+            except queue.Empty:
+                raise RuntimeError("a server process did not start") from None
         for rank, port in enumerate(ports):
             registry.register(
                 RankInfo(
