@@ -138,7 +138,8 @@ def test_every_ranks_call_is_in_flight_at_once(cluster, calls):
 
 def test_a_batch_is_the_entries_each_made_once(cluster, calls, monkeypatch):
     """AllocateMany: each rank's request holds exactly the allocation of each of its records (as built field by
-    field), and a record's allocation is built once however many ranks hold it."""
+    field), and a layout is encoded at most once however many records and ranks hold it (the process keeps
+    what earlier calls encoded, so other tests may have encoded some already)."""
     registry, ranks = cluster
     records = _records(RANKS)
     built = []
@@ -149,9 +150,7 @@ def test_a_batch_is_the_entries_each_made_once(cluster, calls, monkeypatch):
     by_rank = {rank: [r for r in records if rank in r.ranks()] for rank in range(RANKS)}
     dropping = {rank: [("old", rank + 1)] for rank in range(RANKS)}
     calls.allocate_many(by_rank, "allocate", writer_host_id="host-a", dropping=dropping)
-    assert len(built) == len(
-        records
-    )  # one allocation message per record, not one per (rank, record)
+    assert len(built) <= len({r.metadata for r in records})  # not one per (rank, record)
     for rank, state in ranks.items():
         [request] = state.asked["AllocateMany"]
         expected = pb.AllocateManyRequest(
