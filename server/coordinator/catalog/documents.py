@@ -208,10 +208,16 @@ def tensor_from_document(
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
+def layout_json(meta: ShardedTensorMetadata) -> str:
+    """A layout's document as JSON text (the layouts table's rows), encoded once per layout."""
+    return dumps(layout_document(meta))
+
+
+@functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout_fragment(meta: ShardedTensorMetadata) -> orjson.Fragment:
     """A layout's document as JSON text to embed in a tensor's document as it is: encoded once per layout, not
     once per row (a 10-shard layout was most of encoding a 10,000-tensor snapshot's documents)."""
-    return orjson.Fragment(dumps(layout_document(meta)))
+    return orjson.Fragment(layout_json(meta))
 
 
 @functools.lru_cache(maxsize=64)

@@ -21,9 +21,8 @@ from typing import Any
 from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog.documents import (
-    dumps,
-    layout_document,
     layout_from_document,
+    layout_json,
     loads,
     snapshot_json,
     tensor_json,
@@ -68,7 +67,7 @@ def layout_ids(
     there (with the ranks it places shards on) when new."""
     ids = {}
     for meta in dict.fromkeys(layouts):
-        document = dumps(layout_document(meta))
+        document = layout_json(meta)
         db.execute("INSERT OR IGNORE INTO layouts (document) VALUES (?)", (document,))
         (layout,) = db.execute("SELECT id FROM layouts WHERE document = ?", (document,)).fetchone()
         db.executemany(
