@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from certificates import Certificates
+from loaded_host import coordinator_options
 
 from shardserve import TensorNotFoundError, connect
 from shardserve.server.common.auth import TlsFiles
@@ -47,7 +48,8 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
 
 class SharedClusters:
     """The default-settings clusters of this test process, one per number of ranks, started on first use (their
-    metrics served on free ports: a test can count the calls a rank answered)."""
+    metrics served on free ports: a test can count the calls a rank answered; a rank dead after the loaded
+    host's silence, loaded_host.SILENCE_S)."""
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp_path_factory = tmp_path_factory
@@ -63,7 +65,11 @@ class SharedClusters:
         if cluster is None:
             state = self._tmp_path_factory.mktemp(f"shared{ranks}")
             cluster = LocalCluster(
-                ranks, state_dir=state, metrics_port=0, start_method=START_METHOD
+                ranks,
+                state_dir=state,
+                metrics_port=0,
+                start_method=START_METHOD,
+                coordinator_options=coordinator_options(),
             ).start(timeout=CLUSTER_START_TIMEOUT)
             self._clusters[ranks] = cluster
         return cluster

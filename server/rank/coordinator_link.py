@@ -28,6 +28,13 @@ MOVED_PAUSE_S = (
 )
 
 
+def wait_before_next(sent_at: float, now: float, interval: float) -> float:
+    """Seconds to wait before the next heartbeat: heartbeats start `interval` apart, however long the last one
+    took to be answered (waiting a whole interval after a slow answer would make a loaded coordinator see gaps
+    of the interval plus its own delay, and take a live rank for dead sooner)."""
+    return min(max(sent_at + interval - now, 0.0), interval)
+
+
 class CoordinatorLink:
     """Registers this rank with the leader of `coordinators` and keeps it alive with heartbeats."""
 
@@ -87,7 +94,7 @@ class CoordinatorLink:
         unreachable = False
         wait = self.interval
         while not self._stop.wait(wait):
-            wait = self.interval
+            sent_at, wait = time.monotonic(), self.interval
             address = self.coordinators.current
             request = pb.HeartbeatRequest(
                 rank=self.info.rank, memory_used_bytes=self.store.memory_used
@@ -98,6 +105,7 @@ class CoordinatorLink:
                 )
                 # the coordinator lengthens the interval as the cluster grows
                 self.interval = answer.heartbeat_interval_s or self.interval
+                wait = wait_before_next(sent_at, time.monotonic(), self.interval)
                 if unreachable:
                     log.info("coordinator at %s reachable again", address)
                 unreachable = False

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 import xxhash
+from loaded_host import coordinator_options
 from waiting import wait_until
 
 from shardserve import ShardsLostError, connect, spmd
@@ -30,7 +31,6 @@ from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.protos.errors import Reason
 from shardserve.server.common.names import file_name
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.supervisor import RestartPolicy
 
 ROWS, DIM = 64, 16
@@ -57,7 +57,7 @@ def cluster(make_cluster, data):
     return make_cluster(
         ranks=3,
         restart_policy=RestartPolicy(max_restarts=2, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=3600),
         rank_options=RankOptions(persist_dir=data),
     )
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from loaded_host import coordinator_options
 from waiting import wait_until
 
 from shardserve import InvalidArgumentError, ShardsLostError, connect, spmd
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.common.names import file_name
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 from shardserve.server.supervisor import RestartPolicy
 
@@ -31,7 +31,7 @@ def persisting(make_cluster: Callable[..., LocalCluster], tmp_path_factory) -> L
         ranks=2,
         state_dir=root / "state",
         rank_options=RankOptions(persist_dir=root / "state" / "data"),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600.0),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=3600.0),
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
     )
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from loaded_host import coordinator_options
 from waiting import eventually, wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
@@ -23,7 +24,6 @@ from shardserve.core.metadata import ShardMetadata
 from shardserve.core.specs import ChunkShardingSpec, EnumerableShardingSpec
 from shardserve.server.common.names import file_name
 from shardserve.server.common.rank_options import RankOptions
-from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 from shardserve.server.supervisor import RestartPolicy
 
@@ -50,7 +50,7 @@ def test_a_rank_killed_mid_update_comes_back_with_its_data(make_cluster, tmp_pat
     cluster = make_cluster(
         ranks=2,
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=3600),
         rank_options=RankOptions(persist_dir=tmp_path / "data"),
     )
     table = torch.randn(ROWS, DIM)
@@ -208,7 +208,7 @@ def test_a_corrupted_shard_file_is_refused_and_repaired_from_a_replica(make_clus
     cluster = make_cluster(
         ranks=3,
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=0.5),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=0.5),
         rank_options=RankOptions(persist_dir=data),
     )
     table = torch.randn(ROWS, DIM)
@@ -252,7 +252,7 @@ def test_a_restoring_rank_shows_its_progress_and_its_tensors_wait_for_it(
     cluster = make_cluster(
         ranks=2,
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=3600),
         rank_options=RankOptions(persist_dir=tmp_path / "data"),
     )
     tables = {name: torch.randn(ROWS, DIM) for name in ("first", "second")}

@@ -15,13 +15,13 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from loaded_host import coordinator_options
 from waiting import wait_until
 
 from shardserve import RankUnavailableError, ShardsLostError, connect
 from shardserve.client.cli.main import main as cli_main
 from shardserve.core.metadata import Box
 from shardserve.core.specs import ChunkShardingSpec
-from shardserve.server.coordinator_process import CoordinatorOptions
 from shardserve.server.launcher import LocalCluster
 from shardserve.server.supervisor import RestartPolicy
 
@@ -48,7 +48,7 @@ def cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
     return make_cluster(
         ranks=3,
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5),
     )
 
 

@@ -20,6 +20,7 @@ import grpc
 import pytest
 import torch
 from error_reasons import assert_status
+from loaded_host import coordinator_options
 from server_helpers import TIMEOUT, Stubs, create, rpc_error, write_shards
 from waiting import eventually, wait_until
 
@@ -68,7 +69,7 @@ def layout(spec: ChunkShardingSpec, tensor: torch.Tensor) -> pb.ShardedTensorMet
 @pytest.fixture(scope="module")
 def broken(make_cluster):
     """A 2-rank cluster whose rank 1 was killed for good after "rows" was put on both ranks."""
-    cluster = make_cluster(ranks=2, coordinator_options=CoordinatorOptions(heartbeat_interval=0.5))
+    cluster = make_cluster(ranks=2, coordinator_options=coordinator_options(heartbeat_interval=0.5))
     with connect(cluster.address, timeout=30) as client:
         client.put("rows", TABLE, spec=ROWS)
         cluster.kill_rank(DEAD, signal.SIGKILL)
@@ -207,7 +208,7 @@ def restarted_empty(make_cluster):
     copy of "rows", which is now known gone."""
     cluster = make_cluster(
         ranks=2,
-        coordinator_options=CoordinatorOptions(heartbeat_interval=0.5, repair_after=3600.0),
+        coordinator_options=coordinator_options(heartbeat_interval=0.5, repair_after=3600.0),
         restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
     )
     with connect(cluster.address, timeout=30) as client:

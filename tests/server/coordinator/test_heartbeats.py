@@ -22,7 +22,7 @@ from shardserve.server.coordinator.ranks.registry import RankRegistry
 from shardserve.server.coordinator.role import CoordinatorRole
 from shardserve.server.coordinator.server import CoordinatorServer
 from shardserve.server.coordinator.service import CoordinatorServicer
-from shardserve.server.rank.coordinator_link import CoordinatorLink
+from shardserve.server.rank.coordinator_link import CoordinatorLink, wait_before_next
 from shardserve.server.rank.coordinators import Coordinators
 from shardserve.server.rank.store import ShardStore
 
@@ -140,3 +140,13 @@ def test_links_adopt_the_interval_their_heartbeat_answers_tell(tmp_path):
         link.stop()
         running.stop(grace=0.1)
         coordinator.close()
+
+
+def test_heartbeats_start_an_interval_apart_however_long_the_answer_took():
+    """A rank waits what is left of its interval after an answer, not a whole interval more: a coordinator
+    slow to answer (a loaded host) still hears from it every interval."""
+    assert wait_before_next(sent_at=10.0, now=10.1, interval=0.5) == pytest.approx(0.4)
+    assert wait_before_next(sent_at=10.0, now=10.7, interval=0.5) == 0.0  # late: at once
+    assert (
+        wait_before_next(sent_at=10.0, now=9.0, interval=0.5) == 0.5
+    )  # never more than an interval
