@@ -767,14 +767,16 @@ class WriteShardsResponse(_message.Message):
     def __init__(self, bytes_written: _Optional[int] = ...) -> None: ...
 
 class OpenShardsForWriteRequest(_message.Message):
-    __slots__ = ("shards", "host_id", "cuda_ipc")
+    __slots__ = ("shards", "host_id", "cuda_ipc", "fresh")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[WriteShardHeader]
     host_id: str
     cuda_ipc: bool
-    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    fresh: bool
+    def __init__(self, shards: _Optional[_Iterable[_Union[WriteShardHeader, _Mapping]]] = ..., host_id: _Optional[str] = ..., cuda_ipc: _Optional[bool] = ..., fresh: _Optional[bool] = ...) -> None: ...
 
 class WritableSegment(_message.Message):
     __slots__ = ("pid", "fd", "inode", "device_id", "data_offset", "nbytes", "sealed", "cuda")

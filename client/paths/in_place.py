@@ -10,8 +10,12 @@ The mappings are kept (up to MAPPED_BYTES): a rank reuses a freed version's
 memory for the next put, and that memory is sealed against new writable
 mappings once served, so a weight sync that puts every step fills the same
 mapped pages each time, with no page fault and no second copy. A segment
-this writer never mapped and can no longer map, like a rank that refuses,
-makes the batch go by the staging path instead (InPlaceUnavailable).
+this writer never mapped and can no longer map (another writer's, reused) is
+asked for again with `fresh`: the rank moves that shard into new memory, which
+this writer maps and keeps, so a new writer fills every shard in place from its
+first put. One the rank cannot move goes by the staging path (NeverMapped), the
+rest of its batch in place; a rank that refuses sends the whole batch that way
+(InPlaceUnavailable).
 
 A rank holding CUDA shards answers CUDA IPC handles instead of memfds (to a
 writer that has CUDA): the writer opens each handle once, keeps it like a
@@ -77,6 +81,11 @@ class InPlaceUnavailable(Exception):
         self.refused = refused
 
 
+class NeverMapped(InPlaceUnavailable):
+    """A segment of memory the rank reuses, sealed against new writable mappings since it was served, that this
+    writer never mapped: its shard goes another way (the rest of the batch is still written in place)."""
+
+
 @dataclass(frozen=True)
 class WritableMapping:
     """A rank's segment mapped writable into this process, or a CUDA shard's opened IPC handle; unmapped (closed)
@@ -116,8 +125,9 @@ class InPlaceWriter:
         """How many ranks' segments this writer keeps mapped."""
         return len(self.mappings)
 
-    def write(self, address: str, writes: Sequence[ShardWrite]) -> int:
-        """Fill the shards of `writes` on the rank at `address` in place, then tell it; the bytes written.
+    def write(self, address: str, writes: Sequence[ShardWrite]) -> tuple[int, list[ShardWrite]]:
+        """Fill the shards of `writes` on the rank at `address` in place, then tell it: (the bytes written, the
+        writes left for another path, those whose memory this writer never mapped and can no longer map).
         Writes that all carry the segment their allocation opened are neither opened nor told: the snapshot's
         commit counts them written. InPlaceUnavailable when this batch must go another way (nothing was
         written then)."""
@@ -126,13 +136,38 @@ class InPlaceWriter:
         told = len(opened) < len(writes)
         segments = self._open(address, writes) if told else opened
         targets = self.targets(address, writes, segments)
-        headers = [self._header(address, segment) for segment in segments]
+        self._renew(address, writes, segments, targets)
+        placed = [i for i, target in enumerate(targets) if target is not None]
+        in_place = [writes[i] for i in placed]
+        headers = [self._header(address, segments[i]) for i in placed]
         synchronize(
-            fill(writes, targets, headers)
+            fill(in_place, [targets[i] for i in placed], headers)
         )  # every byte in place before the rank counts them
-        written = self._tell_written(address, writes) if told else sum(w.nbytes for w in writes)
-        self._sweep(address, segments)
-        return written
+        if told and in_place:
+            written = self._tell_written(address, in_place)
+        else:
+            written = sum(w.nbytes for w in in_place)
+        self._sweep(address, [segments[i] for i in placed])
+        return written, [write for write, target in zip(writes, targets) if target is None]
+
+    def _renew(
+        self,
+        address: str,
+        writes: Sequence[ShardWrite],
+        segments: list[pb.WritableSegment],
+        targets: list[torch.Tensor | None],
+    ) -> None:
+        """Ask the rank to move the shards whose memory this writer never mapped (targets None) into fresh
+        memory, and map that: `segments` and `targets` updated in place. A shard the rank could not move stays
+        None (an older rank answers the same sealed memory), and goes another way."""
+        left = [i for i, target in enumerate(targets) if target is None]
+        if not left:
+            return
+        renewed = self._open(address, [writes[i] for i in left], fresh=True)
+        for i, segment, target in zip(
+            left, renewed, self.targets(address, [writes[i] for i in left], renewed)
+        ):
+            segments[i], targets[i] = segment, target
 
     def _sweep(self, address: str, used: Sequence[pb.WritableSegment]) -> None:
         """Unmap the kept mappings of segments the rank at `address` let go, at most every SWEEP_S per rank:
@@ -146,20 +181,25 @@ class InPlaceWriter:
 
     def targets(
         self, address: str, writes: Sequence[ShardWrite], segments: Sequence[pb.WritableSegment]
-    ) -> list[torch.Tensor]:
-        """Each write's bytes in its segment's mapping (InPlaceUnavailable when the rank's answer does not fit
-        `writes`); a failure gives back the CUDA handles not opened yet."""
+    ) -> list[torch.Tensor | None]:
+        """Each write's bytes in its segment's mapping, None for a segment this writer never mapped and can no
+        longer map (InPlaceUnavailable when the rank's answer does not fit `writes`); a failure gives back the
+        CUDA handles not opened yet."""
         try:
             self._check_sizes(address, writes, segments)
         except InPlaceUnavailable:
             _give_back(segments)
             raise
-        targets = []
+        targets: list[torch.Tensor | None] = []
         for i, (write, segment) in enumerate(zip(writes, segments)):
             try:
                 targets.append(
                     self.mappings.target(address, segment, itemsize=write.dtype.itemsize)
                 )
+            except NeverMapped:
+                _give_back([segment])
+                targets.append(None)
+                continue
             except BaseException:
                 _give_back(segments[i + 1 :])
                 raise
@@ -198,11 +238,14 @@ class InPlaceWriter:
         """Let go of every kept mapping (the rank's memory goes once it drops it too)."""
         self.mappings.clear()
 
-    def _open(self, address: str, writes: Sequence[ShardWrite]) -> list[pb.WritableSegment]:
+    def _open(
+        self, address: str, writes: Sequence[ShardWrite], *, fresh: bool = False
+    ) -> list[pb.WritableSegment]:
         request = pb.OpenShardsForWriteRequest(
             shards=[write.header for write in writes],
             host_id=self.host_id,
             cuda_ipc=torch.cuda.is_available(),
+            fresh=fresh,
         )
         try:
             reply = self.channel.shard_server(address).OpenShardsForWrite(
@@ -289,7 +332,7 @@ class KeptMappings:
             )  # the rank counted us again; the kept handle holds its memory
         if mapping is None:
             if segment.sealed:
-                raise InPlaceUnavailable(
+                raise NeverMapped(
                     f"rank at {address} reuses memory this writer never mapped (sealed since)"
                 )
             mapping = _open_cuda(segment, itemsize) if cuda else _map_writable(segment)

@@ -153,21 +153,40 @@ class VersionLeases:
             done(True)
 
     def open_in_place(
-        self, name: str, version: int, shard_index: int, dtype: torch.dtype, nbytes: int
+        self,
+        name: str,
+        version: int,
+        shard_index: int,
+        dtype: torch.dtype,
+        nbytes: int,
+        *,
+        fresh: bool = False,
     ) -> InPlace | None:
         """Hand pending shard `shard_index` to a same-host writer that fills its memory itself: its shared-memory
         Segment and whether its writes are sealed (SharedMemory.writable_segment), or, for a CUDA shard, the
         shard itself and its header-only segment (the writer opens its CUDA IPC handle); None when it is in
-        neither. The shard stays torn until `finish_in_place`."""
+        neither. `fresh`: a sealed segment is first replaced by fresh memory (ShardMemory.renewed; a shard being
+        written is refused before that). The shard stays torn until `finish_in_place`."""
         with self._lock:
             record = self._versions.pending(name, version)
             shard = record.local_shard(shard_index, self.rank)
             self._check_whole_write(record, shard_index, dtype, nbytes)
+            if fresh:
+                shard = self._renew(record, shard_index, shard)
             found = self._in_place(record, shard)
             if found is not None:
                 record.progress.open_in_place(shard_index)
                 self._memory.shared.clear_left_checksum(shard)
         return found
+
+    def _renew(self, record: StoredVersion, shard_index: int, shard: torch.Tensor) -> torch.Tensor:
+        """The shard of `record` at `shard_index`, moved into fresh memory when its segment is sealed (under
+        the lock, checked idle)."""
+        renewed = self._memory.renewed(shard)
+        if renewed is None:
+            return shard
+        record.shards[shard_index] = renewed
+        return renewed
 
     def _in_place(self, record: StoredVersion, shard: torch.Tensor) -> InPlace | None:
         """Where a writer fills pending `shard` in place (under the lock); None when it cannot."""

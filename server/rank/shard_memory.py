@@ -40,6 +40,17 @@ class ShardMemory:
             return self.shared.empty(tuple(sizes), dtype, overwrite=overwrite)
         return torch.zeros(sizes, dtype=dtype, device=self.device)
 
+    def renewed(self, shard: torch.Tensor) -> torch.Tensor | None:
+        """Fresh shared memory in place of a pending CPU shard's sealed segment, which a same-host writer cannot
+        map (it never mapped it before the seal); None when `shard` is not such a segment or none can be made.
+        The caller puts the result in the shard's place; the sealed buffer goes back to the system when the
+        shard lets go of it, not to the recycled ones (the next allocation would hand it to the same writer).
+        The bytes are the same: the budget is unchanged."""
+        found = self.shared.writable_segment(shard)
+        if found is None or not found[1] or self.blocks.table(shard) is not None:
+            return None
+        return self.shared.fresh(tuple(shard.shape), shard.dtype)
+
     def recycled(self, meta: ShardedTensorMetadata, rank: int) -> dict[int, torch.Tensor]:
         """Freed buffers for the local shards of `meta` that a caller will overwrite whole (a reshard's
         destination): one per shard for which a buffer of its size is kept; the others are left out."""

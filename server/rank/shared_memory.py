@@ -113,6 +113,21 @@ class SharedMemory:
         tensor = self._reuse(sizes, dtype, shared=True)
         if tensor is not None:
             return tensor if overwrite else tensor.zero_()
+        return self._new(sizes, dtype)
+
+    def fresh(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A zero-filled tensor in a new memfd, never a recycled one (its writes not sealed: any same-host
+        writer can map it), or None when shared memory is off or over its budget."""
+        nbytes = _nbytes(sizes, dtype)
+        if not self.enabled or nbytes == 0 or len(self._segments) >= self.max_segments:
+            return None
+        tensor = self._new(sizes, dtype)
+        return tensor if self.segment_of(tensor) is not None else None
+
+    def _new(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled tensor in a new memfd, or in private memory past the segment budget or when the memfd
+        cannot be made."""
+        nbytes = _nbytes(sizes, dtype)
         if len(self._segments) >= self.max_segments:
             if not self._over_budget_logged:
                 self._over_budget_logged = True

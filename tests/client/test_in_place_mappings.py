@@ -63,7 +63,7 @@ def test_a_writer_checks_which_segments_were_let_go_at_most_every_sweep_interval
     try:
         for index, segment in enumerate((held, freed)):
             write = shard_write("w", 1, index, data, segment=segment)
-            assert writer.write(ADDRESS, [write]) == 4096
+            assert writer.write(ADDRESS, [write]) == (4096, [])
         assert os.pread(freed_fd, 4096, 4096) == data.numpy().tobytes()
         assert writer.mapped_segments == 2
         os.close(freed_fd)  # the rank frees that segment for good
@@ -75,6 +75,68 @@ def test_a_writer_checks_which_segments_were_let_go_at_most_every_sweep_interval
         assert writer.mapped_segments == 1
     finally:
         os.close(held_fd)
+
+
+class _Rank:
+    """The OpenShardsForWrite of a rank, answering `answers` in turn; the requests kept."""
+
+    timeout, metadata = 5.0, ()
+
+    def __init__(self, *answers: list[pb.WritableSegment]) -> None:
+        self.answers = list(answers)
+        self.requests: list[pb.OpenShardsForWriteRequest] = []
+
+    def shard_server(self, address: str) -> _Rank:
+        return self
+
+    def OpenShardsForWrite(self, request, timeout, metadata):  # noqa: N802 - the gRPC method's name
+        self.requests.append(request)
+        return pb.OpenShardsForWriteResponse(segments=self.answers.pop(0))
+
+
+def test_memory_a_writer_never_mapped_is_asked_for_fresh_and_filled_in_place():
+    """One segment of a snapshot's batch is memory this writer never mapped, sealed since: the writer asks the
+    rank for that shard `fresh` and fills the new segment in place, the other one where it was."""
+    mappable_fd, mappable = _segment()
+    sealed_fd, sealed = _segment(sealed=True)
+    fresh_fd, fresh = _segment()
+    rank = _Rank([fresh])
+    writer = InPlaceWriter(rank, "host")  # type: ignore[arg-type]
+    data = torch.arange(1024, dtype=torch.int32)
+    try:
+        writes = [
+            shard_write("w", 1, index, data + index, segment=segment)
+            for index, segment in enumerate((mappable, sealed))
+        ]
+        assert writer.write(ADDRESS, writes) == (8192, [])
+        [request] = rank.requests
+        assert request.fresh and [h.shard_index for h in request.shards] == [1]
+        assert os.pread(mappable_fd, 4096, 4096) == data.numpy().tobytes()
+        assert os.pread(fresh_fd, 4096, 4096) == (data + 1).numpy().tobytes()
+        assert os.pread(sealed_fd, 4096, 4096) == bytes(4096)  # untouched
+        assert writer.mapped_segments == 2
+    finally:
+        for fd in (mappable_fd, sealed_fd, fresh_fd):
+            os.close(fd)
+
+
+def test_memory_the_rank_does_not_renew_is_left_for_another_path():
+    """A rank that answers the same sealed memory (one that cannot move the shard): that write is left, the rest
+    of the batch written in place."""
+    mappable_fd, mappable = _segment()
+    sealed_fd, sealed = _segment(sealed=True)
+    writer = InPlaceWriter(_Rank([sealed]), "host")  # type: ignore[arg-type]
+    data = torch.arange(1024, dtype=torch.int32)
+    try:
+        writes = [
+            shard_write("w", 1, index, data, segment=segment)
+            for index, segment in enumerate((mappable, sealed))
+        ]
+        assert writer.write(ADDRESS, writes) == (4096, [writes[1]])
+        assert os.pread(sealed_fd, 4096, 4096) == bytes(4096)
+    finally:
+        os.close(mappable_fd)
+        os.close(sealed_fd)
 
 
 def test_kept_mappings_stay_within_their_bytes():
@@ -156,7 +218,7 @@ def test_a_cuda_handle_is_opened_once_and_the_ranks_extra_count_given_back(ipc) 
     assert writer.mapped_segments == 0
 
 
-def test_handles_not_opened_are_given_back_when_a_batch_fails(ipc) -> None:
+def test_handles_not_opened_are_given_back_when_a_batch_fails_or_a_shard_is_left(ipc) -> None:
     writer = InPlaceWriter(None, "host")  # type: ignore[arg-type]
     fd = os.memfd_create("header", os.MFD_CLOEXEC)
     try:
@@ -165,10 +227,10 @@ def test_handles_not_opened_are_given_back_when_a_batch_fails(ipc) -> None:
         with pytest.raises(InPlaceUnavailable, match="answered 2 segments for 1 shards"):
             writer.targets(ADDRESS, writes[:1], segments)
         assert ipc["released"] == [b"a", b"b"] and ipc["opened"] == []
-        segments[0].sealed = True  # refused before it is opened: the later handle is given back
+        segments[0].sealed = True  # never mapped: left for another path, its count given back
         ipc["released"].clear()
-        with pytest.raises(InPlaceUnavailable, match="never mapped"):
-            writer.targets(ADDRESS, writes, segments)
-        assert ipc["released"] == [b"b"]
+        first, second = writer.targets(ADDRESS, writes, segments)
+        assert first is None and second is not None
+        assert ipc["released"] == [b"a"] and ipc["opened"] == [(b"b", 4 * 4)]
     finally:
         os.close(fd)

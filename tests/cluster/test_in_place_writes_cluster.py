@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import grpc
 import pytest
@@ -282,6 +283,35 @@ def test_a_state_dict_read_right_after_its_put_opens_its_shards_in_one_call_per_
             assert 1 <= after["OpenShards"] - before["OpenShards"] <= 2, step  # one per rank
             spmd.get_state_dict(client, "opens", into=into)
             assert _rank_calls(cluster.address, calls) == after, step
+
+
+def test_a_restarted_writer_fills_the_memory_its_predecessor_left_in_place(cluster):
+    """A trainer restarted (a new client) publishes to the prefix its predecessor published to: the ranks reuse
+    memory the predecessor filled, sealed since it was served, which the new writer never mapped. It asks for
+    those shards fresh (OpenShardsForWrite) and fills every shard in place from its first put: no shard's bytes
+    go by the staging path (WriteShards), its later puts call no rank but the create's and commit's, and every
+    get reads bit for bit."""
+    state = {f"layer{i}.w": _sample(torch.float32, (256, 129), i) for i in range(8)}
+
+    def sync(client: Any, step: int) -> None:
+        fresh = {key: value + step for key, value in state.items()}
+        spmd.put_state_dict(client, fresh, "restarted", keep=1, durable=False)
+        into = {key: torch.empty_like(value) for key, value in fresh.items()}
+        spmd.get_state_dict(client, "restarted", into=into)
+        assert all(torch.equal(into[key], fresh[key]) for key in fresh), step
+
+    with connect(cluster.address) as first:
+        for step in range(3):
+            sync(first, step)
+    before = _in_place_calls(cluster.address)
+    with connect(cluster.address) as second:
+        for step in range(3, 5):  # the predecessor's memory, reserved and freed by its last puts
+            sync(second, step)
+        renewing = _in_place_calls(cluster.address)
+        sync(second, 5)
+    assert renewing["WriteShards"] == before["WriteShards"]
+    assert renewing["OpenShardsForWrite"] > before["OpenShardsForWrite"]
+    assert _in_place_calls(cluster.address) == renewing
 
 
 def _create_request(prefix: str, writer_host_id: str) -> pb.CreateSnapshotRequest:

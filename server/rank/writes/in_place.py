@@ -16,7 +16,10 @@ writer's closing it ends: a dropped version's memory is not reused while a
 writer still holds it.
 A segment's writes are sealed once its version is served; memory a later
 version reuses stays writable only through mappings made before, which is how
-a writer republishing weights fills the same memory every step.
+a writer republishing weights fills the same memory every step. A writer handed
+sealed memory it never mapped (another writer's, reused) asks for those shards
+again with `fresh`: the rank moves them into new memory, which that writer maps
+and keeps, and lets the sealed memory go.
 
 Authenticated callers are refused (PATH_UNAVAILABLE; they send their bytes, which
 the rank copies): a writer's mapping outlives its version, and a recycled
@@ -55,7 +58,12 @@ def open_for_write(
         _check_device(store, shard, i, request.cuda_ipc)
         with item_errors(f"shards[{i}]"):
             found = store.leases.open_in_place(
-                shard.name, shard.version, shard.shard_index, dtype, shard.nbytes
+                shard.name,
+                shard.version,
+                shard.shard_index,
+                dtype,
+                shard.nbytes,
+                fresh=request.fresh,
             )
         if found is None:
             raise PathUnavailable(

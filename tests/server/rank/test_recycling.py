@@ -13,9 +13,10 @@ from shardserve.core.metadata import TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
+from shardserve.server.rank.errors import TensorBusy
 from shardserve.server.rank.recycling import Buffer, RecycledBuffers
 from shardserve.server.rank.shard_fill import InitFill
-from shardserve.server.rank.shared_memory import SharedMemory
+from shardserve.server.rank.shared_memory import Segment, SharedMemory
 from shardserve.server.rank.store import ShardStore
 
 
@@ -138,6 +139,58 @@ def test_store_lets_recycled_memory_go_when_a_reservation_needs_it():
     store.allocate("u", 1, _meta(60))  # fits the limit only without the kept buffer
     assert store.shared.recycled.nbytes == 0 and store.memory_used == 60 * 8 * 4
     assert not store.local_tensor("u", 1, 0).any()
+
+
+def _served_then_reused(store: ShardStore) -> Segment:
+    """Version 1 of "t" served (its segment sealed) and dropped, version 2 allocated in its memory: that
+    segment."""
+    store.allocate("t", 1, _meta(64), fill=InitFill.ONES)
+    store.promote("t", 1)
+    store.drop("t", 1)
+    store.allocate("t", 2, _meta(64))
+    segment = store.shared.segment_of(store.local_tensor("t", 2, 0))
+    assert segment is not None and store.shared.recycled.reused == 1
+    return segment
+
+
+def _open(store: ShardStore, *, fresh: bool) -> tuple[Segment, bool]:
+    found = store.leases.open_in_place("t", 2, 0, torch.float32, 64 * 8 * 4, fresh=fresh)
+    assert found is not None
+    return found.segment, found.sealed
+
+
+def test_a_writer_that_cannot_map_reused_memory_gets_the_shard_in_fresh_memory():
+    """Sealed memory of a served version, reused: opened `fresh`, the shard moves into a new segment a writer can
+    map, that is the version's shard from then on, and the sealed memory is let go, not kept for reuse."""
+    store = ShardStore(0, shared_memory=True)
+    reused = _served_then_reused(store)
+    assert _open(store, fresh=False) == (reused, True)
+    renewed, sealed = _open(store, fresh=True)
+    assert not sealed and renewed.inode != reused.inode
+    shard = store.local_tensor("t", 2, 0)
+    assert store.shared.segment_of(shard) == renewed and not shard.any()
+    shard.fill_(7.0)  # what the writer copies in
+    assert store.leases.finish_all_in_place("t", 2) == 1
+    store.promote("t", 2)
+    assert torch.equal(store.local_tensor("t", 2, 0), torch.full((64, 8), 7.0))
+    assert store.shared.recycled.nbytes == 0  # the sealed memory went
+    store.drop("t", 2)  # the fresh memory is kept for the next version, which the writer has mapped
+    store.allocate("t", 3, _meta(64))
+    assert store.shared.segment_of(store.local_tensor("t", 3, 0)) == renewed
+
+
+def test_fresh_leaves_unsealed_memory_and_a_shard_being_written_as_they_are():
+    store = ShardStore(0, shared_memory=True)
+    store.allocate("t", 2, _meta(64))
+    new = store.shared.segment_of(store.local_tensor("t", 2, 0))
+    assert _open(store, fresh=True) == (new, False)  # never served: mappable already
+    busy = ShardStore(0, shared_memory=True)
+    reused = _served_then_reused(busy)
+    with busy.leases.write("t", 2, 0, torch.float32, 64 * 8 * 4) as writer:
+        with pytest.raises(TensorBusy):
+            _open(busy, fresh=True)
+        writer.fill(lambda view: None)
+    assert busy.shared.segment_of(busy.local_tensor("t", 2, 0)) == reused
 
 
 def test_update_copies_share_blocks_instead_of_copying():
