@@ -255,8 +255,8 @@ class SharedMemoryPath:
     def write_shards(self, address: str, writes: Sequence[ShardWrite]) -> int:
         """Write whole shards to the same-host rank at `address`: copied straight into its shard memory
         (client/paths/in_place.py), else (the batch, or its shards in memory this writer cannot map) packed into
-        a staging memfd that the rank reads (WriteShards with a shared source); returns the bytes written. SharedMemoryError when the rank can do neither (not the same
-        host for it, shared memory off)."""
+        a staging memfd that the rank reads (WriteShards with a shared source); returns the bytes written.
+        SharedMemoryError when the rank can do neither (not the same host for it, shared memory off)."""
         written, left = 0, writes
         if address not in self._in_place_refused:
             try:
