@@ -137,17 +137,17 @@ class InPlaceWriter:
         segments = self._open(address, writes) if told else opened
         targets = self.targets(address, writes, segments)
         self._renew(address, writes, segments, targets)
-        placed = [i for i, target in enumerate(targets) if target is not None]
-        in_place = [writes[i] for i in placed]
-        headers = [self._header(address, segments[i]) for i in placed]
+        placed = [(i, target) for i, target in enumerate(targets) if target is not None]
+        in_place = [writes[i] for i, _ in placed]
+        headers = [self._header(address, segments[i]) for i, _ in placed]
         synchronize(
-            fill(in_place, [targets[i] for i in placed], headers)
+            fill(in_place, [target for _, target in placed], headers)
         )  # every byte in place before the rank counts them
         if told and in_place:
             written = self._tell_written(address, in_place)
         else:
             written = sum(w.nbytes for w in in_place)
-        self._sweep(address, [segments[i] for i in placed])
+        self._sweep(address, [segments[i] for i, _ in placed])
         return written, [write for write, target in zip(writes, targets) if target is None]
 
     def _renew(
@@ -193,9 +193,7 @@ class InPlaceWriter:
         targets: list[torch.Tensor | None] = []
         for i, (write, segment) in enumerate(zip(writes, segments)):
             try:
-                targets.append(
-                    self.mappings.target(address, segment, itemsize=write.dtype.itemsize)
-                )
+                target = self.mappings.target(address, segment, itemsize=write.dtype.itemsize)
             except NeverMapped:
                 _give_back([segment])
                 targets.append(None)
@@ -203,8 +201,9 @@ class InPlaceWriter:
             except BaseException:
                 _give_back(segments[i + 1 :])
                 raise
-            if write.data.device.type == "cuda" and targets[-1].device.type == "cpu":
+            if write.data.device.type == "cuda" and target.device.type == "cpu":
                 self._pin(address, segment)
+            targets.append(target)
         return targets
 
     def _header(self, address: str, segment: pb.WritableSegment) -> np.ndarray | None:
