@@ -146,6 +146,15 @@ def add_coordinator_args(parser: argparse.ArgumentParser) -> None:
         "cluster, see --heartbeat-rate); a rank silent for twice its interval is dead (default %(default)s)",
     )
     parser.add_argument(
+        "--dead-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds of silence that mark a rank dead, whatever its interval (default: twice the interval "
+        "it was told); on a host whose CPU is oversubscribed, where heartbeats arrive late, a longer silence "
+        "keeps live ranks alive without slowing the heartbeats",
+    )
+    parser.add_argument(
         "--heartbeat-rate",
         type=float,
         default=CoordinatorOptions.heartbeat_rate,
@@ -179,6 +188,7 @@ def coordinator_options_from_args(
         return CoordinatorOptions(
             heartbeat_interval=args.heartbeat_interval,
             heartbeat_rate=args.heartbeat_rate,
+            dead_after=args.dead_after,
             repair_after=args.repair_after,
             store_port=store_port,
             lease_duration=args.lease_duration,

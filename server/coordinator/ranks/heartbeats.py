@@ -42,7 +42,7 @@ class HeartbeatPolicy:
         if not 0 <= self.rate < math.inf:
             raise ValueError(f"--heartbeat-rate must be >= 0 (0: no limit), got {self.rate}")
         if self.dead_after is not None and not 0 < self.dead_after < math.inf:
-            raise ValueError(f"dead_after must be > 0 seconds, got {self.dead_after}")
+            raise ValueError(f"--dead-after must be > 0 seconds, got {self.dead_after}")
 
     def interval_for(self, ranks: int) -> float:
         """The interval to tell each of `ranks` registered ranks."""

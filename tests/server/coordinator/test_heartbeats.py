@@ -150,3 +150,23 @@ def test_heartbeats_start_an_interval_apart_however_long_the_answer_took():
     assert (
         wait_before_next(sent_at=10.0, now=9.0, interval=0.5) == 0.5
     )  # never more than an interval
+
+
+def test_dead_after_is_a_coordinator_flag(capsys: pytest.CaptureFixture[str]):
+    """`--dead-after` fixes the silence that marks a rank dead; a bad value is a usage error naming the flag."""
+    import argparse
+
+    from shardserve.server.coordinator_process import (
+        add_coordinator_args,
+        coordinator_options_from_args,
+    )
+
+    parser = argparse.ArgumentParser()
+    add_coordinator_args(parser)
+    options = coordinator_options_from_args(parser, parser.parse_args(["--dead-after", "6"]))
+    assert options.heartbeats.dead_after_for(0.5) == 6.0
+    default = coordinator_options_from_args(parser, parser.parse_args([]))
+    assert default.heartbeats.dead_after_for(0.5) == 1.0
+    with pytest.raises(SystemExit):
+        coordinator_options_from_args(parser, parser.parse_args(["--dead-after", "0"]))
+    assert "--dead-after must be > 0 seconds" in capsys.readouterr().err
