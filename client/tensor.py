@@ -8,7 +8,8 @@ row updates through client.ops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +76,7 @@ class RemoteShardedTensor(TensorDescription):
         super().__init__(summary)
         self._session = session
         self._lookups = lookups
-        self.reader = TensorReader(session, lambda: self._summary, lambda: self.refresh()._summary)
+        self.reader = TensorReader(session, *_summaries_of(self))
 
     @property
     def last_transport(self) -> str | None:
@@ -216,3 +217,13 @@ class RemoteShardedTensor(TensorDescription):
             None,
             verify=arguments.flag(verify, "verify"),
         )
+
+
+def _summaries_of(
+    tensor: RemoteShardedTensor,
+) -> tuple[Callable[[], TensorSummary], Callable[[], TensorSummary]]:
+    """`tensor`'s summary as its reader sees it, cached and refreshed, through a weak reference: the proxy holds
+    its reader, and a reader holding its proxy would be a reference cycle that only the cyclic collector frees
+    (a state-dict get makes one proxy per tensor, hundreds every step)."""
+    proxy = weakref.proxy(tensor)
+    return (lambda: proxy._summary, lambda: proxy.refresh()._summary)

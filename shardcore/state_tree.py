@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = 1  # the skeleton's format version, stored with it
@@ -44,31 +44,43 @@ def split_state_dict(
     a callable), and of two tensors whose paths flatten to the same key."""
     if not isinstance(state_dict, Mapping):
         raise StateTreeError(f"a state dict must be a dict, got {type(state_dict).__name__}")
-    tensors: dict[str, Any] = {}
-    paths: dict[str, tuple[Key, ...]] = {}
+    splitter = _Splitter(is_tensor)
+    document = {"format": FORMAT, "tree": splitter.encode(state_dict, ())}
+    return SplitStateDict(
+        splitter.tensors, json.dumps(document, separators=(",", ":"), allow_nan=False)
+    )
 
-    def encode(value: Any, path: tuple[Key, ...]) -> Any:
-        if is_tensor(value):
+
+@dataclass
+class _Splitter:
+    """The tensors met so far and their paths, while a tree is encoded (an object rather than a recursive
+    closure, which would be a reference cycle left for the cyclic collector at every put)."""
+
+    is_tensor: Callable[[Any], bool]
+    tensors: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, tuple[Key, ...]] = field(default_factory=dict)
+
+    def encode(self, value: Any, path: tuple[Key, ...]) -> Any:
+        if self.is_tensor(value):
             key = flat_key(path)
-            if key in tensors:
+            if key in self.tensors:
                 raise StateTreeError(
-                    f"state dict entries {_shown(paths[key])} and {_shown(path)} both flatten to the "
+                    f"state dict entries {_shown(self.paths[key])} and {_shown(path)} both flatten to the "
                     f"key {key!r}; rename one"
                 )
-            tensors[key], paths[key] = value, path
+            self.tensors[key], self.paths[key] = value, path
             return {"tensor": key}
         if isinstance(value, Mapping):
             return {
-                "dict": [[_encode_key(k, path), encode(v, (*path, k))] for k, v in value.items()]
+                "dict": [
+                    [_encode_key(k, path), self.encode(v, (*path, k))] for k, v in value.items()
+                ]
             }
         if type(value) is list:
-            return [encode(v, (*path, i)) for i, v in enumerate(value)]
+            return [self.encode(v, (*path, i)) for i, v in enumerate(value)]
         if type(value) is tuple:
-            return {"tuple": [encode(v, (*path, i)) for i, v in enumerate(value)]}
+            return {"tuple": [self.encode(v, (*path, i)) for i, v in enumerate(value)]}
         return _encode_plain(value, path)
-
-    document = {"format": FORMAT, "tree": encode(state_dict, ())}
-    return SplitStateDict(tensors, json.dumps(document, separators=(",", ":"), allow_nan=False))
 
 
 def join_state_dict(skeleton: str, tensors: Mapping[str, Any]) -> dict[Any, Any]:

@@ -169,3 +169,29 @@ def test_a_tampered_skeleton_is_refused_not_evaluated() -> None:
             join_state_dict(skeleton, {})
     with pytest.raises(StateTreeError, match="missing"):
         join_state_dict('{"format":1,"tree":{"dict":[["w",{"tensor":"w"}]]}}', {})
+
+
+def test_splitting_leaves_no_reference_cycle():
+    """Everything a split makes is freed by reference counting as soon as it returns, its test of tensors
+    included (a recursive closure would be a cycle that only the cyclic collector frees, at every put)."""
+    import gc
+    import weakref
+
+    class IsTensor:
+        def __call__(self, value: object) -> bool:
+            return isinstance(value, torch.Tensor)
+
+    is_tensor = IsTensor()
+    gone = weakref.ref(is_tensor)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        split = split_state_dict(
+            {"a": {"b": torch.ones(2), "c": [1, (2.0, "x")]}}, is_tensor=is_tensor
+        )
+        del is_tensor
+        assert gone() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert list(split.tensors) == ["a.b"]
