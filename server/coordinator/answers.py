@@ -7,9 +7,11 @@ every shard is back), the health and replicas that gives, and the repair in flig
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
 from shardserve.protos import shardserve_pb2 as pb
@@ -21,7 +23,9 @@ from shardserve.server.coordinator.ranks.health import health_of, unavailable_sh
 KEPT_SNAPSHOT_ANSWERS = 8
 """FULL snapshot answers kept built: every reader of a weight sync's snapshot asks for the same one, and building
 it costs ~10 us per tensor (a copy of the kept one, 0.2 us). An answer is kept for one record object and one set
-of its ranks that cannot be read (their health is in it), and never while a tensor of it is being repaired."""
+of its ranks that cannot be read (their health is in it), and never while a tensor of it is being repaired. A
+commit has the answer of the snapshot it committed built after it answers (prepare_snapshot), so that the get
+that follows a put finds it as a repeated get does."""
 
 
 class Answers:
@@ -39,6 +43,9 @@ class Answers:
         self._kept_snapshots: OrderedDict[
             tuple[int, frozenset[int]], tuple[SnapshotRecord, pb.SnapshotInfo]
         ] = OrderedDict()
+        # the builds under way, by the same keys: a second caller waits for the first one's answer
+        self._building: dict[tuple[int, frozenset[int]], Future[pb.SnapshotInfo]] = {}
+        self._preparing = ThreadPoolExecutor(1, thread_name_prefix="snapshot-answers")
         self._lock = threading.Lock()
 
     def tensor(self, record: TensorRecord, update_order: int = 0) -> pb.TensorInfo:
@@ -100,9 +107,30 @@ class Answers:
             return basic
         return self._full_snapshot(record)
 
+    def prepare_snapshot(self, record: SnapshotRecord) -> None:
+        """Build and keep the FULL answer of a snapshot just committed, on a thread of its own: its readers ask
+        for it right after the commit (the weight-sync loop's get), and find it kept, or wait for this build
+        rather than make another."""
+        with contextlib.suppress(RuntimeError):  # closed: the coordinator is stopping
+            self._preparing.submit(self._kept_snapshot, record)
+
+    def close(self) -> None:
+        """Let the answer being prepared finish; prepare no more."""
+        self._preparing.shutdown(wait=True, cancel_futures=True)
+
     def _full_snapshot(self, record: SnapshotRecord) -> pb.SnapshotInfo:
         """The FULL answer of `record`: a copy of the one kept for its ranks' readability now, else built (and
         kept, unless a tensor of it is being repaired)."""
+        out = pb.SnapshotInfo()
+        out.CopyFrom(
+            self._kept_snapshot(record)
+        )  # one C copy (0.1 ms for 512 tensors); a build ~5 ms
+        return out
+
+    def _kept_snapshot(self, record: SnapshotRecord) -> pb.SnapshotInfo:
+        """The FULL answer of `record` kept for its ranks' readability now (never to be changed: callers copy
+        it), built by this call or by the one building it already; built and not kept while a tensor of it is
+        being repaired."""
         unreadable = self.unreadable_once()
         tensors = record.tensors()
 
@@ -117,15 +145,28 @@ class Answers:
             kept = self._kept_snapshots.get(key)
             if kept is not None:
                 self._kept_snapshots.move_to_end(key)
-        if kept is None:
-            kept = (record, build())
+                return kept[1]
+            building = self._building.get(key)
+            mine = building is None
+            if mine:
+                building = self._building[key] = Future()
+        assert building is not None
+        if not mine:
+            return building.result()
+        try:
+            answer = build()
+        except BaseException as err:
             with self._lock:
-                self._kept_snapshots[key] = kept
-                while len(self._kept_snapshots) > KEPT_SNAPSHOT_ANSWERS:
-                    self._kept_snapshots.popitem(last=False)
-        out = pb.SnapshotInfo()
-        out.CopyFrom(kept[1])  # one C copy (0.1 ms for 512 tensors) where building it costs ~5 ms
-        return out
+                self._building.pop(key, None)
+            building.set_exception(err)
+            raise
+        with self._lock:
+            self._building.pop(key, None)
+            self._kept_snapshots[key] = (record, answer)
+            while len(self._kept_snapshots) > KEPT_SNAPSHOT_ANSWERS:
+                self._kept_snapshots.popitem(last=False)
+        building.set_result(answer)
+        return answer
 
 
 def _ranks_of(tensors: Sequence[TensorRecord]) -> set[int]:

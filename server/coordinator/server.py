@@ -111,4 +111,5 @@ class CoordinatorServer:
         self.registry.close()
         self.calls.close()
         self.collectives.close()
+        self.answers.close()
         self.catalog.close()

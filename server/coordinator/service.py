@@ -251,6 +251,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         answer = pb.CommitSnapshotResponse(committed=self.answers.snapshot(committed.record, view))
         if committed.next is not None:
             answer.next.CopyFrom(_created(committed.next))
+        if view != pb.SNAPSHOT_VIEW_FULL:
+            self.answers.prepare_snapshot(committed.record)
         return answer
 
     @rpc_errors

@@ -1,9 +1,13 @@
 """The coordinator's snapshot answers: the FULL view carries every entry with its health, the BASIC view (a
-writer's commit) none, with the same number, state and sizes."""
+writer's commit) none, with the same number, state and sizes; a committed snapshot's FULL answer is prepared
+for its readers, built once."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from waiting import wait_until
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb
@@ -72,3 +76,49 @@ def test_a_full_answer_is_kept_for_its_record_and_the_ranks_that_cannot_be_read(
     assert (
         answers.snapshot(record).entries[1].tensor.repair.bytes_done == 12
     )  # never kept meanwhile
+
+
+class _CountedRepairs:
+    """The repair driver's answer (none in flight), counting the calls: each tensor is asked once to see whether
+    an answer may be kept, and once more in each build of the answer."""
+
+    def __init__(self, block_at: int = 0) -> None:
+        self.calls = 0
+        self.block_at = block_at
+        self.release = threading.Event()
+
+    def __call__(self, name: str) -> RepairInFlight | None:
+        self.calls += 1
+        if self.calls == self.block_at:
+            assert self.release.wait(30.0)
+        return None
+
+
+def test_a_committed_snapshots_answer_is_prepared_for_its_readers() -> None:
+    """prepare_snapshot builds and keeps the FULL answer on its own thread: the reader's call after it only
+    copies it (its tensors asked once each, to see whether it may be kept, not twice)."""
+    repairs = _CountedRepairs()
+    answers = Answers(rank_unreadable=lambda rank: False, repair=repairs)
+    record = _snapshot(4)
+    answers.prepare_snapshot(record)
+    answers.close()  # the preparation finished
+    repairs.calls = 0
+    assert [e.key for e in answers.snapshot(record).entries] == ["w0", "w1", "w2", "w3"]
+    assert repairs.calls == 4
+    answers.prepare_snapshot(_snapshot(4))  # once closed, nothing is prepared (and nothing fails)
+
+
+def test_a_reader_waits_for_the_answer_being_built_rather_than_build_another() -> None:
+    repairs = _CountedRepairs(block_at=4 + 1)  # the first build's first tensor
+    answers = Answers(rank_unreadable=lambda rank: False, repair=repairs)
+    record = _snapshot(4)
+    answers.prepare_snapshot(record)
+    read: list[pb.SnapshotInfo] = []
+    reader = threading.Thread(target=lambda: read.append(answers.snapshot(record)))
+    reader.start()
+    wait_until(lambda: repairs.calls >= 4 + 1 + 4, 30.0, "the reader to ask about its tensors")
+    repairs.release.set()
+    reader.join(30.0)
+    answers.close()
+    assert [e.key for e in read[0].entries] == ["w0", "w1", "w2", "w3"]
+    assert repairs.calls == 4 + 4 + 4  # two checks, one build
