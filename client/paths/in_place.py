@@ -163,10 +163,9 @@ class InPlaceWriter:
         left = [i for i, target in enumerate(targets) if target is None]
         if not left:
             return
-        renewed = self._open(address, [writes[i] for i in left], fresh=True)
-        for i, segment, target in zip(
-            left, renewed, self.targets(address, [writes[i] for i in left], renewed)
-        ):
+        asked = [writes[i] for i in left]
+        renewed = self._open(address, asked, fresh=True)
+        for i, segment, target in zip(left, renewed, self.targets(address, asked, renewed)):
             segments[i], targets[i] = segment, target
 
     def _sweep(self, address: str, used: Sequence[pb.WritableSegment]) -> None:
