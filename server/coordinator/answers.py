@@ -24,8 +24,8 @@ KEPT_SNAPSHOT_ANSWERS = 8
 """FULL snapshot answers kept built: every reader of a weight sync's snapshot asks for the same one, and building
 it costs ~10 us per tensor (a copy of the kept one, 0.2 us). An answer is kept for one record object and one set
 of its ranks that cannot be read (their health is in it), and never while a tensor of it is being repaired. A
-commit has the answer of the snapshot it committed built after it answers (prepare_snapshot), so that the get
-that follows a put finds it as a repeated get does."""
+commit has the answer of the snapshot it committed built after it answers when its prefix has readers
+(prepare_snapshot), so that the get that follows a put finds it as a repeated get does."""
 
 
 class Answers:
@@ -108,11 +108,15 @@ class Answers:
         return self._full_snapshot(record)
 
     def prepare_snapshot(self, record: SnapshotRecord) -> None:
-        """Build and keep the FULL answer of a snapshot just committed, on a thread of its own: its readers ask
-        for it right after the commit (the weight-sync loop's get), and find it kept, or wait for this build
-        rather than make another."""
-        with contextlib.suppress(RuntimeError):  # closed: the coordinator is stopping
-            self._preparing.submit(self._kept_snapshot, record)
+        """Build and keep the FULL answer of a snapshot just committed, on a thread of its own, when its prefix
+        has readers (the FULL answer of an earlier snapshot of it is kept): they ask for it right after the
+        commit (the weight-sync loop's get), and find it kept, or wait for this build rather than make another.
+        A prefix nobody reads costs nothing (a 10,000-tensor answer takes ~100 ms to build)."""
+        with self._lock:
+            read = any(kept.prefix == record.prefix for kept, _ in self._kept_snapshots.values())
+        if read:
+            with contextlib.suppress(RuntimeError):  # closed: the coordinator is stopping
+                self._preparing.submit(self._kept_snapshot, record)
 
     def close(self) -> None:
         """Let the answer being prepared finish; prepare no more."""

@@ -21,7 +21,7 @@ from shardserve.server.coordinator.catalog.records import (
 from shardserve.server.coordinator.drivers.repair import RepairInFlight
 
 
-def _snapshot(count: int) -> SnapshotRecord:
+def _snapshot(count: int, number: int = 7) -> SnapshotRecord:
     meta = ShardedTensorMetadata(
         (ShardMetadata((0,), (4,), "rank:0/cpu"), ShardMetadata((4,), (4,), "rank:1/cpu")),
         (8,),
@@ -31,7 +31,7 @@ def _snapshot(count: int) -> SnapshotRecord:
         SnapshotEntry(f"w{i}", TensorRecord(name=f"m@7/w{i}", version=8 + i, metadata=meta))
         for i in range(count)
     )
-    return SnapshotRecord("m", 7, 1, entries, state=TensorState.READY, skeleton='{"t":"d"}')
+    return SnapshotRecord("m", number, 1, entries, state=TensorState.READY, skeleton='{"t":"d"}')
 
 
 def test_the_basic_view_leaves_out_the_entries_and_keeps_the_rest() -> None:
@@ -95,22 +95,32 @@ class _CountedRepairs:
 
 
 def test_a_committed_snapshots_answer_is_prepared_for_its_readers() -> None:
-    """prepare_snapshot builds and keeps the FULL answer on its own thread: the reader's call after it only
-    copies it (its tensors asked once each, to see whether it may be kept, not twice)."""
+    """prepare_snapshot builds and keeps the FULL answer on its own thread once its prefix has readers: the
+    reader's call after it only copies it (its tensors asked once each, to see whether it may be kept, not
+    twice); a prefix nobody has read gets nothing prepared."""
     repairs = _CountedRepairs()
     answers = Answers(rank_unreadable=lambda rank: False, repair=repairs)
+    unread = _snapshot(4, number=6)
+    answers.prepare_snapshot(unread)
+    answers.snapshot(_snapshot(4, number=5))  # a reader of the prefix, after that commit
     record = _snapshot(4)
     answers.prepare_snapshot(record)
     answers.close()  # the preparation finished
     repairs.calls = 0
     assert [e.key for e in answers.snapshot(record).entries] == ["w0", "w1", "w2", "w3"]
     assert repairs.calls == 4
-    answers.prepare_snapshot(_snapshot(4))  # once closed, nothing is prepared (and nothing fails)
+    answers.snapshot(unread)
+    assert repairs.calls == 4 + 4 + 4  # built by its reader: not prepared
+    answers.prepare_snapshot(
+        _snapshot(4, number=8)
+    )  # once closed, nothing is prepared (nothing fails)
 
 
 def test_a_reader_waits_for_the_answer_being_built_rather_than_build_another() -> None:
-    repairs = _CountedRepairs(block_at=4 + 1)  # the first build's first tensor
+    repairs = _CountedRepairs()  # blocks at the prepared build's first tensor, below
     answers = Answers(rank_unreadable=lambda rank: False, repair=repairs)
+    answers.snapshot(_snapshot(4, number=6))  # a reader of the prefix
+    repairs.calls, repairs.block_at = 0, 4 + 1
     record = _snapshot(4)
     answers.prepare_snapshot(record)
     read: list[pb.SnapshotInfo] = []
