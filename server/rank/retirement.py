@@ -12,6 +12,7 @@ it, so that the store is about making and serving versions.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -55,6 +56,9 @@ class VersionRetirement:
         self._lock = lock
         self._versions = versions
         self._memory = memory
+        # the GRACED records, in the order their graces end (each starts `grace` after its REPLACE): the rank's
+        # main loop checks them five times a second, which must not walk every version the rank holds
+        self._graced: dict[tuple[str, int], StoredVersion] = {}
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
         """Drop one version (0 = all) of `name`; memory is freed once its leases end. Idempotent. A served
@@ -71,6 +75,7 @@ class VersionRetirement:
                         record.grace_until = self._clock() + self.grace
                         self._memory.shared.mark(record.shards.values(), served=True, replaced=True)
                     record.apply(VersionEvent.REPLACE)
+                    self._graced[record.key] = record
                     graced.append(record.version)
                 else:
                     self._drop_locked(record)
@@ -102,7 +107,7 @@ class VersionRetirement:
         """Drop the replaced versions whose grace period is over; how many."""
         now = self._clock()
         with self._lock:
-            over = [r for r in self._versions.graced() if (r.grace_until or 0.0) <= now]
+            over = list(itertools.takewhile(lambda r: (r.grace_until or 0.0) <= now, self._graced.values()))
             for record in over:
                 self._drop_locked(record)
         for record in over:
@@ -122,7 +127,7 @@ class VersionRetirement:
         a reservation of `nbytes` needs room for (limit or device capacity)."""
         budget = self._memory.budget
         if budget.room(nbytes) < 0:
-            for record in sorted(self._versions.graced(), key=lambda r: r.grace_until or 0.0):
+            for record in list(self._graced.values()):
                 self._drop_locked(record)
                 if budget.room(nbytes) >= 0:
                     break
@@ -136,6 +141,7 @@ class VersionRetirement:
         """(lock held) Drop `record` for good, freeing its memory unless a lease still holds it."""
         record.apply(VersionEvent.DROP)
         record.grace_until = None
+        self._graced.pop(record.key, None)
         self._memory.shared.mark(record.shards.values(), served=False)
         if self._versions.free_if_unleased(record):
             self._memory.reclaim(record)

@@ -281,9 +281,6 @@ class VersionTable:
         """The records not dropped."""
         return [r for r in self._records.values() if r.state.is_live]
 
-    def graced(self) -> list[StoredVersion]:
-        return [r for r in self._records.values() if r.state is VersionState.GRACED]
-
     def get(self, name: str, version: int) -> StoredVersion:
         """The live (name, version): TensorNotFound when no version of `name` is held, else StaleVersion."""
         record = self._records.get((name, version))
