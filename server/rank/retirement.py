@@ -107,7 +107,9 @@ class VersionRetirement:
         """Drop the replaced versions whose grace period is over; how many."""
         now = self._clock()
         with self._lock:
-            over = list(itertools.takewhile(lambda r: (r.grace_until or 0.0) <= now, self._graced.values()))
+            over = list(
+                itertools.takewhile(lambda r: (r.grace_until or 0.0) <= now, self._graced.values())
+            )
             for record in over:
                 self._drop_locked(record)
         for record in over:
