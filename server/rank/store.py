@@ -339,6 +339,58 @@ class ShardStore:
         with one sync round; a version that is not promotable fails the batch before any is served, inside
         `item_errors(its index)` when given. Returns each version's local shard checksums."""
         errors = item_errors or (lambda index: nullcontext())
+        with self._lock:
+            records = self._promotable(versions, errors)
+            # every checksum known (the writers left them) and nothing to persist: served at once
+            served = (
+                None
+                if any(self._work_before_serving(record) for record in records)
+                else self._serve(records, errors)
+            )
+        out = served if served is not None else self._hash_persist_and_serve(versions, errors)
+        log.info("rank %d serves %s", self.rank, versions_phrase(versions))
+        return out
+
+    def _promotable(
+        self,
+        versions: Sequence[tuple[str, int]],
+        errors: Callable[[int], AbstractContextManager[None]],
+    ) -> list[StoredVersion]:
+        """(lock held) The record of every (name, version), each checked promotable."""
+        records = []
+        for index, (name, version) in enumerate(versions):
+            with errors(index):
+                records.append(self.versions.promotable(name, version))
+        return records
+
+    def _work_before_serving(self, record: StoredVersion) -> bool:
+        """Whether pending `record` has shards to hash or is to be persisted before it is served."""
+        if not record.state.is_pending:
+            return False
+        durable = record.options.durable and self.persistence is not None
+        return durable or any(index not in record.checksums for index in record.shards)
+
+    def _serve(
+        self,
+        records: Sequence[StoredVersion],
+        errors: Callable[[int], AbstractContextManager[None]],
+    ) -> dict[tuple[str, int], dict[int, int]]:
+        """(lock held) Serve every promotable record; each one's local shard checksums."""
+        out: dict[tuple[str, int], dict[int, int]] = {}
+        for index, record in enumerate(records):
+            with errors(index):
+                record.apply(VersionEvent.PROMOTE)
+                self.memory.promote(record)
+                out[record.key] = dict(record.checksums)
+        return out
+
+    def _hash_persist_and_serve(
+        self,
+        versions: Sequence[tuple[str, int]],
+        errors: Callable[[int], AbstractContextManager[None]],
+    ) -> dict[tuple[str, int], dict[int, int]]:
+        """Hash the pending versions' unhashed shards and persist the durable ones outside the lock (each
+        version leased meanwhile), then serve them all."""
         pending: list[tuple[StoredVersion, dict[int, int]]] = []
         with ExitStack() as leases:
             for index, (name, version) in enumerate(versions):
@@ -362,19 +414,15 @@ class ShardStore:
             if persist and self.persistence is not None:
                 self.persistence.promote_many(persist)
         computed = {record.key: sums for record, sums in pending}
-        out: dict[tuple[str, int], dict[int, int]] = {}
-        for index, (name, version) in enumerate(versions):
-            with errors(index), self._lock:
-                record = self.versions.promotable(name, version)
+        with self._lock:
+            records = self._promotable(versions, errors)
+            for record in records:
                 if record.key in computed:
                     record.checksums = computed[record.key]
-                record.apply(VersionEvent.PROMOTE)
-                self.memory.promote(record)
-                out[(name, version)] = dict(record.checksums)
+            out = self._serve(records, errors)
         if self.persistence is not None:
             for item in persist:
                 self.persistence.served(item.name, item.version, item.meta)
-        log.info("rank %d serves %s", self.rank, versions_phrase(versions))
         return out
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
