@@ -84,15 +84,17 @@ class ShardMemory:
 
     def reclaim(self, record: StoredVersion) -> None:
         """Give back the memory of a freed version: its bytes, the blocks no other version uses, and its whole
-        CPU buffers kept for reuse."""
+        CPU buffers kept for reuse, except those still handed to a same-host writer that never said it filled
+        them (an aborted or reaped reservation): that writer may still copy into its mapping, so the buffer
+        goes back to the system instead of becoming another version's memory."""
         self.budget.release(record.nbytes)
         whole = []
-        for shard in record.shards.values():
+        for index, shard in record.shards.items():
             freed = self.blocks.release(shard)
-            if freed is None:
-                whole.append(shard)
-            else:
+            if freed is not None:
                 self.budget.release(freed)
+            elif index not in record.progress.in_place:
+                whole.append(shard)
         self.shared.recycle(whole)
         record.shards.clear()
 

@@ -141,6 +141,44 @@ def test_a_reservation_aborted_by_someone_else_makes_the_next_put_create_one(
         assert_reads_back(client, "lost", 2, number)
 
 
+def test_a_put_into_an_aborted_reservation_never_writes_into_another_snapshot(
+    cluster: LocalCluster,
+) -> None:
+    """A steady reservation lies in memory its writer mapped for an earlier put. Aborted under it (by another
+    client here; the pending timeout does the same), the writer still copies its next put into that mapping
+    before the commit tells it the reservation is gone: the memory must not have become another snapshot's
+    meanwhile, here the writer's own next snapshot of another prefix (the ranks give it back to the system
+    instead of reusing it)."""
+
+    def tensors(
+        step: int,
+    ) -> dict[str, torch.Tensor]:  # one size: any freed buffer fits any of them
+        return {f"t{i}": torch.full((16, 8), float(100 * step + i)) for i in range(8)}
+
+    def reads_back(client: Cluster, prefix: str, step: int) -> None:
+        into = {key: torch.zeros(16, 8) for key in tensors(step)}
+        spmd.get_state_dict(client, prefix, into=into)
+        assert all(torch.equal(into[key], value) for key, value in tensors(step).items()), prefix
+
+    with connect(cluster.address) as client, connect(cluster.address) as other:
+        for step in (
+            1,
+            2,
+            3,
+        ):  # from the third on, the reservation reuses memory this writer mapped
+            spmd.put_state_dict(client, tensors(step), "aborted", keep=1)
+        other.session.call(
+            "AbortSnapshot",
+            pb.AbortSnapshotRequest(prefix="aborted", number=reserved_number(client, "aborted")),
+        )
+        spmd.put_state_dict(client, tensors(7), "bystander", keep=1, reserve_next=False)
+        spmd.put_state_dict(
+            client, tensors(4), "aborted", keep=1
+        )  # copied into the aborted one first
+        reads_back(other, "bystander", 7)
+        reads_back(other, "aborted", 4)
+
+
 def test_without_reserve_next_nothing_is_held_between_puts(
     cluster: LocalCluster, creates: list[str]
 ) -> None:

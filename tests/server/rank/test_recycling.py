@@ -141,6 +141,26 @@ def test_store_lets_recycled_memory_go_when_a_reservation_needs_it():
     assert not store.local_tensor("u", 1, 0).any()
 
 
+def test_memory_handed_to_a_writer_that_never_finished_is_not_given_to_another_version():
+    """A reservation handed to a same-host writer and aborted (or reaped) before that writer said it filled it:
+    the writer may still copy into its mapping, so the memory goes back to the system, never to the next
+    allocation; memory of a version its writer finished is reused as before."""
+    store = ShardStore(0, shared_memory=True)
+    store.allocate("t", 1, _meta(64))
+    [(_, handed, _)] = store.leases.open_allocated_in_place("t", 1)
+    store.drop("t", 1)  # the reservation aborted while its writer holds the segment
+    assert store.shared.recycled.nbytes == 0
+    store.allocate("u", 1, _meta(64))
+    assert store.shared.segment_of(store.local_tensor("u", 1, 0)).inode != handed.inode
+
+    store.leases.open_allocated_in_place("u", 1)
+    store.local_tensor("u", 1, 0).fill_(3.0)  # what the writer copies in
+    assert store.leases.finish_all_in_place("u", 1) == 1
+    store.promote("u", 1)
+    store.drop("u", 1)
+    assert store.shared.recycled.nbytes == 64 * 8 * 4  # finished and served: kept for reuse
+
+
 def _served_then_reused(store: ShardStore) -> Segment:
     """Version 1 of "t" served (its segment sealed) and dropped, version 2 allocated in its memory: that
     segment."""
