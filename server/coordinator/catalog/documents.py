@@ -284,10 +284,13 @@ def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
 
 class RemovedRows(Sequence[TensorRecord]):
     """Rows a transaction removed, kept as their stored documents and decoded on first read: a snapshot commit
-    that removes hundreds of rows answers without decoding them; the drop that frees them reads them later."""
+    that removes hundreds of rows answers without decoding them; the drop that frees them reads them later.
+    `layouts`: each row's layout document where the catalog keeps layouts apart (tensor_of: decoded once per
+    distinct layout, not once per row)."""
 
-    def __init__(self, documents: list[str]) -> None:
+    def __init__(self, documents: list[str], layouts: Sequence[str | None] = ()) -> None:
         self._documents = documents
+        self._layouts = layouts or [None] * len(documents)
         self._records: list[TensorRecord] | None = None
 
     def __len__(self) -> int:
@@ -301,5 +304,8 @@ class RemovedRows(Sequence[TensorRecord]):
 
     def __getitem__(self, index: int | slice) -> TensorRecord | list[TensorRecord]:
         if self._records is None:
-            self._records = [tensor_of(document) for document in self._documents]
+            self._records = [
+                tensor_of(document, layout)
+                for document, layout in zip(self._documents, self._layouts)
+            ]
         return self._records[index]

@@ -405,15 +405,24 @@ def _drop_old_snapshots(db: sqlite3.Connection, prefix: str, keep: int) -> Remov
         "SELECT number, record FROM snapshots WHERE prefix = ? ORDER BY number DESC LIMIT -1 OFFSET ?",
         (prefix, keep),
     ).fetchall()
-    documents: list[str] = []
+    rows: list[tuple[str, int | None]] = []
     for number, text in old:
         names, parameter = _names_of(text)
-        rows = db.execute(
-            f"DELETE FROM tensors WHERE name IN ({names}) RETURNING record", (parameter,)
+        rows += db.execute(
+            f"DELETE FROM tensors WHERE name IN ({names}) RETURNING record, layout", (parameter,)
         ).fetchall()
-        documents += (row[0] for row in rows)
         db.execute("DELETE FROM snapshots WHERE prefix = ? AND number = ?", (prefix, number))
-    return RemovedRows(documents)
+    layouts = _layout_documents(db, {layout for _, layout in rows if layout is not None})
+    return RemovedRows([row[0] for row in rows], [layouts.get(row[1]) for row in rows])
+
+
+def _layout_documents(db: sqlite3.Connection, ids: set[int]) -> dict[int | None, str]:
+    """The documents of the layouts `ids` by id (the rows naming them may be gone: layouts stay until a reopen)."""
+    if not ids:
+        return {}
+    marks = ",".join("?" * len(ids))
+    found = db.execute(f"SELECT id, document FROM layouts WHERE id IN ({marks})", tuple(ids))
+    return dict(found.fetchall())
 
 
 def _names_of(text: str) -> tuple[str, str]:
