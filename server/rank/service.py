@@ -47,7 +47,8 @@ from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
-from shardserve.server.rank.store import ShardStore, versions_phrase
+from shardserve.server.rank.store import ShardStore
+from shardserve.server.rank.version_table import versions_phrase
 from shardserve.server.rank.wire import checksum_messages, init_fill, shared_messages
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers

@@ -5,8 +5,9 @@ collective job that brings its shards), SERVED once every local shard is written
 for `version_grace` seconds more when a newer one replaces it, then DROPPED, and FREED once no read or write
 holds a lease on it; drops and grace periods go through `retirement` (server/rank/retirement.py). Memory is
 accounted in a MemoryBudget (server/rank/memory_budget.py) when a version is allocated and given back when it is freed
-(server/rank/shard_memory.py). Reads and changes go through `leases` (server/rank/leases.py). A promote hashes
-the version's shards (their checksums, server/rank/hashing.py) on a shared pool. No network, no threads of its
+(server/rank/shard_memory.py). Reads and changes go through `leases` (server/rank/leases.py), promotions
+through `promotion` (server/rank/promotion.py: shards the writer left no checksum for are hashed on a shared
+pool, durable versions persisted, then all served). No network, no threads of its
 own: the servicers call in from gRPC worker threads, so every method is thread-safe. Errors are the rank's own
 (server/rank/errors.py).
 """
@@ -20,7 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -30,11 +31,11 @@ from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.tensor_options import TensorOptions
 from shardserve.server.rank.blocks import Blocks
 from shardserve.server.rank.errors import InvalidArgument, MemoryLimit, RankError
-from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
-from shardserve.server.rank.persistence import Persistence, PromoteItem, RestoreCount
+from shardserve.server.rank.persistence import Persistence, RestoreCount
+from shardserve.server.rank.promotion import VersionPromotion
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers
 from shardserve.server.rank.retirement import DEFAULT_VERSION_GRACE_S, VersionRetirement
@@ -100,6 +101,9 @@ class ShardStore:
             grace=version_grace,
             clock=clock,
             persistence=persistence,
+        )
+        self.promotion = VersionPromotion(
+            self._lock, self.versions, self.memory, self.leases, persistence=persistence
         )
         self.persistence = persistence  # None: memory only (server/rank/persistence.py)
         if persistence is not None:
@@ -335,95 +339,8 @@ class ShardStore:
         *,
         item_errors: Callable[[int], AbstractContextManager[None]] | None = None,
     ) -> dict[tuple[str, int], dict[int, int]]:
-        """Promote every (name, version), hashing the shards of the pending ones and persisting the batch first
-        with one sync round; a version that is not promotable fails the batch before any is served, inside
-        `item_errors(its index)` when given. Returns each version's local shard checksums."""
-        errors = item_errors or (lambda index: nullcontext())
-        with self._lock:
-            records = self._promotable(versions, errors)
-            # every checksum known (the writers left them) and nothing to persist: served at once
-            served = (
-                None
-                if any(self._work_before_serving(record) for record in records)
-                else self._serve(records, errors)
-            )
-        out = served if served is not None else self._hash_persist_and_serve(versions, errors)
-        log.info("rank %d serves %s", self.rank, versions_phrase(versions))
-        return out
-
-    def _promotable(
-        self,
-        versions: Sequence[tuple[str, int]],
-        errors: Callable[[int], AbstractContextManager[None]],
-    ) -> list[StoredVersion]:
-        """(lock held) The record of every (name, version), each checked promotable."""
-        records = []
-        for index, (name, version) in enumerate(versions):
-            with errors(index):
-                records.append(self.versions.promotable(name, version))
-        return records
-
-    def _work_before_serving(self, record: StoredVersion) -> bool:
-        """Whether pending `record` has shards to hash or is to be persisted before it is served."""
-        if not record.state.is_pending:
-            return False
-        durable = record.options.durable and self.persistence is not None
-        return durable or any(index not in record.checksums for index in record.shards)
-
-    def _serve(
-        self,
-        records: Sequence[StoredVersion],
-        errors: Callable[[int], AbstractContextManager[None]],
-    ) -> dict[tuple[str, int], dict[int, int]]:
-        """(lock held) Serve every promotable record; each one's local shard checksums."""
-        out: dict[tuple[str, int], dict[int, int]] = {}
-        for index, record in enumerate(records):
-            with errors(index):
-                record.apply(VersionEvent.PROMOTE)
-                self.memory.promote(record)
-                out[record.key] = dict(record.checksums)
-        return out
-
-    def _hash_persist_and_serve(
-        self,
-        versions: Sequence[tuple[str, int]],
-        errors: Callable[[int], AbstractContextManager[None]],
-    ) -> dict[tuple[str, int], dict[int, int]]:
-        """Hash the pending versions' unhashed shards and persist the durable ones outside the lock (each
-        version leased meanwhile), then serve them all."""
-        pending: list[tuple[StoredVersion, dict[int, int]]] = []
-        with ExitStack() as leases:
-            for index, (name, version) in enumerate(versions):
-                with errors(index), self._lock:
-                    record = self.versions.promotable(name, version)
-                    if not record.state.is_pending:
-                        continue
-                with errors(index):
-                    record = leases.enter_context(self.leases.lease(name, version, served=False))
-                pending.append(
-                    (
-                        record,
-                        {**record.checksums, **missing_checksums(record.shards, record.checksums)},
-                    )
-                )
-            persist = [  # what outlives a restart (persistence writes nothing of the others)
-                PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)
-                for r, sums in pending
-                if r.options.durable and self.persistence is not None
-            ]
-            if persist and self.persistence is not None:
-                self.persistence.promote_many(persist)
-        computed = {record.key: sums for record, sums in pending}
-        with self._lock:
-            records = self._promotable(versions, errors)
-            for record in records:
-                if record.key in computed:
-                    record.checksums = computed[record.key]
-            out = self._serve(records, errors)
-        if self.persistence is not None:
-            for item in persist:
-                self.persistence.served(item.name, item.version, item.meta)
-        return out
+        """Promote every (name, version) (VersionPromotion.promote_many); each one's local shard checksums."""
+        return self.promotion.promote_many(versions, item_errors=item_errors)
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
         """Drop one version (0 = all) of `name`, idempotently; a replaced served one stays served for its grace
@@ -522,10 +439,3 @@ class ShardStore:
         """The local tensor of one shard (for in-process extensions and tests)."""
         with self._lock:
             return self.versions.get(name, version).local_shard(shard_index, self.rank)
-
-
-def versions_phrase(versions: Sequence[tuple[str, int]], shown: int = 3) -> str:
-    """(name, version) pairs for a log line: all of a few, the first `shown` and a count of many."""
-    named = ", ".join(f"{name!r} version {version}" for name, version in versions[:shown])
-    more = len(versions) - shown
-    return f"{named} and {more} more" if more > 0 else named
