@@ -12,7 +12,6 @@ it, so that the store is about making and serving versions.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
@@ -56,8 +55,8 @@ class VersionRetirement:
         self._lock = lock
         self._versions = versions
         self._memory = memory
-        # the GRACED records, in the order their graces end (each starts `grace` after its REPLACE): the rank's
-        # main loop checks them five times a second, which must not walk every version the rank holds
+        # the GRACED records (the versions replaced within the last `grace` seconds): the rank's main loop
+        # checks them five times a second, which must not walk every version the rank holds
         self._graced: dict[tuple[str, int], StoredVersion] = {}
 
     def drop(self, name: str, version: int = 0, *, log_level: int = logging.INFO) -> int:
@@ -107,9 +106,7 @@ class VersionRetirement:
         """Drop the replaced versions whose grace period is over; how many."""
         now = self._clock()
         with self._lock:
-            over = list(
-                itertools.takewhile(lambda r: (r.grace_until or 0.0) <= now, self._graced.values())
-            )
+            over = [r for r in self._graced.values() if (r.grace_until or 0.0) <= now]
             for record in over:
                 self._drop_locked(record)
         for record in over:
@@ -129,7 +126,7 @@ class VersionRetirement:
         a reservation of `nbytes` needs room for (limit or device capacity)."""
         budget = self._memory.budget
         if budget.room(nbytes) < 0:
-            for record in list(self._graced.values()):
+            for record in sorted(self._graced.values(), key=lambda r: r.grace_until or 0.0):
                 self._drop_locked(record)
                 if budget.room(nbytes) >= 0:
                     break

@@ -83,3 +83,18 @@ def test_a_reservation_ends_the_oldest_graces_first_and_only_as_many_as_it_needs
     store.allocate("e", 1, _meta())  # then a's
     assert {key for key, state in _states(store).items() if state is S.GRACED} == {("c", 1)}
     assert store.memory_used == 6 * NBYTES
+
+
+def test_a_shorter_grace_begun_later_ends_first():
+    """The grace in force when a version is replaced is its own: one replaced later under a shorter grace ends
+    before one replaced earlier under a longer one."""
+    clock = FakeClock()
+    store = ShardStore(0, version_grace=60.0, clock=clock)
+    for name in ("long", "short"):
+        _served(store, name, 1)
+    _replace(store, "long")
+    store.version_grace = 1.0
+    _replace(store, "short")
+    clock.advance(2.0)
+    assert store.end_graces() == 1
+    assert ("short", 1) not in _states(store) and _states(store)[("long", 1)] is S.GRACED
