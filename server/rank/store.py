@@ -21,7 +21,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.memory_budget import MemoryBudget, device_capacity
 from shardserve.server.rank.metrics import RankMetrics
 from shardserve.server.rank.persistence import Persistence, RestoreCount
-from shardserve.server.rank.promotion import VersionPromotion
+from shardserve.server.rank.promotion import ItemErrors, VersionPromotion
 from shardserve.server.rank.recycling import DEFAULT_MAX_BYTES as DEFAULT_RECYCLE_BYTES
 from shardserve.server.rank.recycling import RecycledBuffers
 from shardserve.server.rank.retirement import DEFAULT_VERSION_GRACE_S, VersionRetirement
@@ -337,7 +336,7 @@ class ShardStore:
         self,
         versions: Sequence[tuple[str, int]],
         *,
-        item_errors: Callable[[int], AbstractContextManager[None]] | None = None,
+        item_errors: ItemErrors | None = None,
     ) -> dict[tuple[str, int], dict[int, int]]:
         """Promote every (name, version) (VersionPromotion.promote_many); each one's local shard checksums."""
         return self.promotion.promote_many(versions, item_errors=item_errors)
