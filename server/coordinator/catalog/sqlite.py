@@ -2,10 +2,12 @@
 
 The catalog keeps `TensorRecord`s and `SnapshotRecord`s (server/coordinator/catalog/records.py) in its own schema,
 whatever the API's messages look like. In SQLite each row is one JSON document of a record beside the columns
-it is looked up by; the schema's version is the database's `PRAGMA user_version`. A catalog written by an
-earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard checksums, user_version 1)
-is migrated when it is opened, in one transaction (the tables and their migrations:
-server/coordinator/catalog/sqlite_schema.py). Versions come from one counter over the whole catalog that only grows.
+it is looked up by, its layout apart in the layouts table (the row's `layout` column names it: a state dict's
+ten thousand tensors have a few layouts); the schema's version is the database's `PRAGMA user_version`. A
+catalog written by an earlier shardserve (TensorInfo protobuf blobs, user_version 0; records without shard
+checksums, user_version 1; ...) is migrated when it is opened, in one transaction (the tables and their
+migrations: server/coordinator/catalog/sqlite_schema.py). Versions come from one counter over the whole catalog
+that only grows.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from shardserve.server.coordinator.catalog.documents import (
     dumps,
     snapshot_json,
     snapshot_of,
-    tensor_json,
     tensor_of,
+    tensor_row_json,
 )
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.catalog.leadership import LEASE_DURATION_S, Leadership
@@ -130,7 +132,7 @@ class SQLiteCatalog(Catalog):
             db.executemany(
                 "INSERT INTO tensors (name, version, state, record, layout) VALUES (?, ?, ?, ?, ?)",
                 [
-                    (r.name, r.version, r.state.value, tensor_json(r), layouts[r.metadata])
+                    (r.name, r.version, r.state.value, tensor_row_json(r), layouts[r.metadata])
                     for r in records
                 ],
             )
@@ -188,7 +190,7 @@ class SQLiteCatalog(Catalog):
             layout = layout_ids(db, [record.metadata])[record.metadata]
             cursor = db.execute(
                 "UPDATE tensors SET state = ?, record = ?, layout = ? WHERE name = ? AND version = ?",
-                (record.state.value, tensor_json(record), layout, record.name, record.version),
+                (record.state.value, tensor_row_json(record), layout, record.name, record.version),
             )
             if cursor.rowcount != 1:
                 raise KeyError(
@@ -267,13 +269,13 @@ class SQLiteCatalog(Catalog):
 
     def contents(self) -> CatalogContents:
         with self._transaction(fenced=False) as db:
-            tensors = db.execute("SELECT record FROM tensors ORDER BY name, version").fetchall()
+            tensors = db.execute(f"{_ROWS} ORDER BY name, version").fetchall()
             snapshots = db.execute(
                 "SELECT record FROM snapshots ORDER BY prefix, number"
             ).fetchall()
             (counter,) = db.execute("SELECT value FROM counters WHERE name = 'version'").fetchone()
         return CatalogContents(
-            tuple(tensor_of(r[0]) for r in tensors),
+            tuple(tensor_of(*row) for row in tensors),
             tuple(snapshot_of(r[0]) for r in snapshots),
             int(counter),
         )
@@ -286,9 +288,13 @@ class SQLiteCatalog(Catalog):
                 raise ValueError(not_empty(str(self.path), tensors, snapshots))
             db.execute("DELETE FROM tensors")
             db.execute("DELETE FROM snapshots")
+            layouts = layout_ids(db, (r.metadata for r in contents.tensors))
             db.executemany(
-                "INSERT INTO tensors (name, version, state, record) VALUES (?, ?, ?, ?)",
-                [(r.name, r.version, r.state.value, tensor_json(r)) for r in contents.tensors],
+                "INSERT INTO tensors (name, version, state, record, layout) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (r.name, r.version, r.state.value, tensor_row_json(r), layouts[r.metadata])
+                    for r in contents.tensors
+                ],
             )
             db.executemany(
                 "INSERT INTO snapshots (prefix, number, record) VALUES (?, ?, ?)",
@@ -363,7 +369,7 @@ def _commit_in(
     db.execute(f"DELETE FROM tensors WHERE {older_ready[0]}", older_ready[1])
     db.execute(
         "UPDATE tensors SET state = ?, record = ? WHERE name = ? AND version = ?",
-        (ready.state.value, tensor_json(ready), name, version),
+        (ready.state.value, tensor_row_json(ready), name, version),
     )
     return ready, older
 

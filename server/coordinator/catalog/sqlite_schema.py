@@ -3,7 +3,8 @@ catalog written by an earlier shardserve up to it when it is opened.
 
 The schema's version is the database's `PRAGMA user_version`: 0, the TensorInfo/SnapshotInfo protobuf blobs of
 the first versions; 1, records without shard checksums; 2, without the layouts (which rows hold shards on which
-ranks) and the indexes of the background scans; 3, the current one. Every step runs inside the open
+ranks) and the indexes of the background scans; 3, rows holding their layout in their own document too; 4, the
+current one: a row's layout only in the layouts table. Every step runs inside the open
 transaction the catalog hands it, so a migration that fails changes nothing. Kept apart from
 server/coordinator/catalog/sqlite.py so that the catalog's queries read on their own and each past layout is
 described in one place.
@@ -33,8 +34,8 @@ from shardserve.server.coordinator.catalog.messages import snapshot_from_proto, 
 log = logging.getLogger("shardserve.server.coordinator.catalog.sqlite")
 
 # PRAGMA user_version; 0: the TensorInfo blobs of earlier versions, 1: records without shard checksums, 2: no
-# layouts (all migrated on open)
-SCHEMA_VERSION = 3
+# layouts, 3: layouts in the rows' documents too (all migrated on open)
+SCHEMA_VERSION = 4
 
 # Which ranks each layout places shards on, and which layout each row has (the `layout` column): the reconcile
 # of one rank and the repair scan read the rows on given ranks through them instead of decoding every row.
@@ -116,10 +117,12 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
             f"catalog {path} has schema version {found}, newer than this shardserve's "
             f"({SCHEMA_VERSION}): run the shardserve that wrote it"
         )
-    if found in (1, 2):
+    if found in (1, 2, 3):
         if found == 1:
             _add_checksums(db, path)
-        _add_layouts(db, path)
+        if found in (1, 2):
+            _add_layouts(db, path)
+        _layouts_apart(db, path)
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         return
     legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
@@ -132,6 +135,7 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
     if legacy:
         _migrate_blobs(db, path)
         fill_layouts(db)
+        _drop_inline_layouts(db)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -167,6 +171,29 @@ def _add_layouts(db: sqlite3.Connection, path: Path) -> None:
         "catalog %s migrated to schema version %d: the layouts and their ranks, indexed",
         path,
         SCHEMA_VERSION,
+    )
+
+
+def _layouts_apart(db: sqlite3.Connection, path: Path) -> None:
+    """Within an open transaction: schema 3 to 4, every row's layout only in the layouts table. Rows that had
+    no `layout` (restored by `shardserve catalog copy` before this version, which the scans of a rank's rows
+    then missed) are given theirs first."""
+    unplaced = db.execute("SELECT count(*) FROM tensors WHERE layout IS NULL").fetchone()[0]
+    fill_layouts(db)
+    _drop_inline_layouts(db)
+    log.warning(
+        "catalog %s migrated to schema version %d: rows without their layouts (%d given theirs)",
+        path,
+        SCHEMA_VERSION,
+        unplaced,
+    )
+
+
+def _drop_inline_layouts(db: sqlite3.Connection) -> None:
+    """Within an open transaction: the layout taken out of the document of every row that names its layout."""
+    db.execute(
+        "UPDATE tensors SET record = json_remove(record, '$.metadata') "
+        "WHERE layout IS NOT NULL AND json_type(record, '$.metadata') IS NOT NULL"
     )
 
 

@@ -82,4 +82,4 @@ def test_a_schema_1_catalog_is_migrated_with_no_checksums_known(tmp_path):
     assert migrated.ready("old").checksums == ()
     assert migrated.snapshot("p").entries[0].tensor.checksums == ()
     migrated.close()
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4

@@ -126,7 +126,8 @@ def test_a_catalog_of_schema_2_gets_the_layout_of_every_row(tmp_path):
     catalog.close()
     db = sqlite3.connect(
         path
-    )  # as schema 2 left it: no layouts, no indexes of the background scans
+    )  # as schema 2 left it: each row's layout in its document, no layouts table, no indexes of the scans
+    with_inline_layouts(db)
     for index in ("tensors_layout", "tensors_pending", "tensors_promoting", "tensors_lost"):
         db.execute(f"DROP INDEX {index}")
     db.execute("DROP TABLE layouts")
@@ -140,9 +141,81 @@ def test_a_catalog_of_schema_2_gets_the_layout_of_every_row(tmp_path):
     assert keys(migrated.holding([2])) == [("b", 2)] and migrated.placed_ranks() == {0, 1, 2}
     migrated.close()
     db = sqlite3.connect(path)
-    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     assert db.execute("SELECT count(*) FROM layouts").fetchone()[0] == 2  # a and c share theirs
+    assert inline_layouts(db) == 0
     db.close()
+
+
+def test_rows_hold_no_layout_of_their_own_and_read_back_whole(catalog):
+    """A row's document leaves its layout to the layouts table; every query gives the record that was put."""
+    records = [row("a", 1, 0, 1), row("b", 2, 1, 2, state=TensorState.READY), row("c", 3, 0, 1)]
+    catalog.add_all(records)
+    catalog.update(replace(records[0], metadata=layout(3, 1)))
+    db = sqlite3.connect(catalog.path)
+    assert inline_layouts(db) == 0
+    db.close()
+    expected = [replace(records[0], metadata=layout(3, 1)), *records[1:]]
+    assert catalog.list(include_pending=True) == expected
+    assert catalog.holding([1]) == expected and catalog.holding([3]) == expected[:1]
+    assert catalog.contents().tensors == tuple(expected)
+    assert catalog.remove("b") == [records[1]]
+
+
+def test_a_catalog_of_schema_3_keeps_each_layout_once_and_places_rows_restored_without_one(
+    tmp_path,
+):
+    """Schema 3 kept each row's layout in its document too, and a restore (`shardserve catalog copy` into
+    SQLite) left the rows' layout unset, so the scans of a rank's rows missed them: both are mended on open."""
+    path = tmp_path / "catalog.sqlite"
+    catalog = SQLiteCatalog(path)
+    records = [row("a", 1, 0, 1), row("b", 2, 1, 2), row("c", 3, 0, 1)]
+    catalog.add_all(records)
+    catalog.close()
+    db = sqlite3.connect(path)
+    with_inline_layouts(db)
+    db.execute(
+        "UPDATE tensors SET layout = NULL WHERE name = 'b'"
+    )  # as a restore of schema 3 left it
+    db.execute("PRAGMA user_version = 3")
+    db.commit()
+    db.close()
+    migrated = SQLiteCatalog(path)
+    assert keys(migrated.holding([2])) == [("b", 2)] and migrated.placed_ranks() == {0, 1, 2}
+    assert migrated.list(include_pending=True) == records
+    migrated.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert inline_layouts(db) == 0
+    db.close()
+
+
+def test_a_restored_catalog_finds_the_rows_on_each_rank(tmp_path):
+    """A catalog copied into SQLite (restore) names each row's layout: a rank's rows are found through it."""
+    source = SQLiteCatalog(tmp_path / "source.sqlite")
+    source.add_all([row("a", 1, 0, 1), row("b", 2, 1, 2)])
+    copy = SQLiteCatalog(tmp_path / "copy.sqlite")
+    copy.restore(source.contents())
+    assert keys(copy.holding([2])) == [("b", 2)] and keys(copy.holding([1])) == [("a", 1), ("b", 2)]
+    assert copy.placed_ranks() == {0, 1, 2}
+    assert copy.list(include_pending=True) == source.list(include_pending=True)
+    source.close()
+    copy.close()
+
+
+def with_inline_layouts(db: sqlite3.Connection) -> None:
+    """Every row's layout put back into its document, as schemas before 4 kept it."""
+    db.execute(
+        "UPDATE tensors SET record = json_set(tensors.record, '$.metadata', json(layouts.document)) "
+        "FROM layouts WHERE layouts.id = tensors.layout"
+    )
+
+
+def inline_layouts(db: sqlite3.Connection) -> int:
+    """How many rows hold a layout in their own document."""
+    return db.execute(
+        "SELECT count(*) FROM tensors WHERE json_type(record, '$.metadata') IS NOT NULL"
+    ).fetchone()[0]
 
 
 def test_layouts_no_row_has_are_forgotten_when_the_catalog_opens(tmp_path):
