@@ -8,18 +8,28 @@ turned into the client's own types, so that neither client builds a protobuf mes
 from __future__ import annotations
 
 from shardserve.client import arguments
-from shardserve.client.info import RankStatus, TensorSummary
+from shardserve.client.info import RankStatus, TensorSummary, layout_of
 from shardserve.protos import shardserve_pb2 as pb
 
 
 def list_tensors_request(include_pending: bool) -> pb.ListTensorsRequest:
-    """ListTensors of every READY tensor (and the PENDING ones with `include_pending`)."""
-    return pb.ListTensorsRequest(include_pending=arguments.flag(include_pending, "include_pending"))
+    """ListTensors of every READY tensor (and the PENDING ones with `include_pending`), each distinct layout
+    sent once."""
+    return pb.ListTensorsRequest(
+        include_pending=arguments.flag(include_pending, "include_pending"), layouts_apart=True
+    )
 
 
 def tensors_listed(reply: pb.ListTensorsResponse, include_pending: bool) -> list[TensorSummary]:
-    """The tensors of a ListTensors answer, sorted by name: READY ones (and PENDING ones when asked)."""
-    tensors = [TensorSummary.from_proto(t) for t in reply.tensors]
+    """The tensors of a ListTensors answer, sorted by name: READY ones (and PENDING ones when asked). Each of
+    the answer's layouts is decoded once; an answer without any (a coordinator that sends each tensor's layout
+    in full) is read as well."""
+    layouts = (
+        [layout_of(msg, f"layout {index}") for index, msg in enumerate(reply.layouts)]
+        if len(reply.layouts)
+        else None
+    )
+    tensors = [TensorSummary.from_proto(t, layouts) for t in reply.tensors]
     return sorted(
         (t for t in tensors if include_pending or t.state == "READY"), key=lambda t: t.name
     )

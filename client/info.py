@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -146,13 +147,20 @@ class TensorSummary:
         return self.metadata.dtype
 
     @classmethod
-    def from_proto(cls, msg: pb.TensorInfo) -> TensorSummary:
-        try:
-            metadata = metadata_from_proto(msg.metadata)
-        except (ValueError, TypeError) as err:
-            raise ShardServeError(
-                f"the coordinator sent bad metadata for tensor {msg.name!r}: {err}"
-            ) from None
+    def from_proto(
+        cls, msg: pb.TensorInfo, layouts: Sequence[ShardedTensorMetadata] | None = None
+    ) -> TensorSummary:
+        """The summary of an answer's TensorInfo; `layouts`, the answer's own decoded layouts when it keeps
+        them apart (ListTensorsRequest.layouts_apart: the tensor names its layout by index)."""
+        if layouts is not None:
+            if msg.layout >= len(layouts):
+                raise ShardServeError(
+                    f"the coordinator sent layout {msg.layout} for tensor {msg.name!r}, "
+                    f"of {len(layouts)} layouts"
+                )
+            metadata = layouts[msg.layout]
+        else:
+            metadata = layout_of(msg.metadata, f"tensor {msg.name!r}")
         lost = frozenset(msg.lost_shards) if msg.lost_shards else _NONE
         return cls(
             name=msg.name,
@@ -175,6 +183,14 @@ _STATE_NAMES = {
     number: name.replace("TENSOR_STATE_", "") for name, number in pb.TensorState.items()
 }
 _NONE: frozenset[int] = frozenset()
+
+
+def layout_of(msg: pb.ShardedTensorMetadata, what: str) -> ShardedTensorMetadata:
+    """The layout an answer sent for `what` ("tensor 'w'", "layout 3"); ShardServeError when it is not one."""
+    try:
+        return metadata_from_proto(msg)
+    except (ValueError, TypeError) as err:
+        raise ShardServeError(f"the coordinator sent bad metadata for {what}: {err}") from None
 
 
 def _repair(msg: pb.TensorInfo) -> RepairProgress | None:

@@ -205,7 +205,7 @@ class ReportRestoreResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order", "shard_checksums", "writable")
+    __slots__ = ("name", "version", "metadata", "options", "state", "nbytes", "created_unix", "promoting", "put_token", "lost_shards", "unavailable_shards", "health", "replicas", "repair", "owner", "update_order", "shard_checksums", "writable", "layout")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -224,6 +224,7 @@ class TensorInfo(_message.Message):
     UPDATE_ORDER_FIELD_NUMBER: _ClassVar[int]
     SHARD_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     metadata: ShardedTensorMetadata
@@ -242,7 +243,8 @@ class TensorInfo(_message.Message):
     update_order: int
     shard_checksums: _containers.RepeatedScalarFieldContainer[int]
     writable: _containers.RepeatedCompositeFieldContainer[WritableShard]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ..., shard_checksums: _Optional[_Iterable[int]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ...) -> None: ...
+    layout: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., state: _Optional[_Union[TensorState, str]] = ..., nbytes: _Optional[int] = ..., created_unix: _Optional[float] = ..., promoting: _Optional[bool] = ..., put_token: _Optional[str] = ..., lost_shards: _Optional[_Iterable[int]] = ..., unavailable_shards: _Optional[_Iterable[int]] = ..., health: _Optional[str] = ..., replicas: _Optional[int] = ..., repair: _Optional[_Union[RepairState, _Mapping]] = ..., owner: _Optional[str] = ..., update_order: _Optional[int] = ..., shard_checksums: _Optional[_Iterable[int]] = ..., writable: _Optional[_Iterable[_Union[WritableShard, _Mapping]]] = ..., layout: _Optional[int] = ...) -> None: ...
 
 class RepairState(_message.Message):
     __slots__ = ("version", "bytes_done", "bytes_total", "started_unix", "ranks")
@@ -399,16 +401,20 @@ class GetTensorRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListTensorsRequest(_message.Message):
-    __slots__ = ("include_pending",)
+    __slots__ = ("include_pending", "layouts_apart")
     INCLUDE_PENDING_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_APART_FIELD_NUMBER: _ClassVar[int]
     include_pending: bool
-    def __init__(self, include_pending: _Optional[bool] = ...) -> None: ...
+    layouts_apart: bool
+    def __init__(self, include_pending: _Optional[bool] = ..., layouts_apart: _Optional[bool] = ...) -> None: ...
 
 class ListTensorsResponse(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "layouts")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[TensorInfo]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[ShardedTensorMetadata]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[ShardedTensorMetadata, _Mapping]]] = ...) -> None: ...
 
 class DeleteTensorRequest(_message.Message):
     __slots__ = ("name",)

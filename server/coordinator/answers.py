@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 
+from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.wire import metadata_into
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.catalog.messages import snapshot_to_proto, tensor_into
 from shardserve.server.coordinator.catalog.records import SnapshotRecord, TensorRecord
 from shardserve.server.coordinator.drivers.repair import RepairInFlight
-from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
+from shardserve.server.coordinator.ranks.health import UnreadableShards, health_of
 
 KEPT_SNAPSHOT_ANSWERS = 8
 """FULL snapshot answers kept built: every reader of a weight sync's snapshot asks for the same one, and building
@@ -50,36 +52,45 @@ class Answers:
 
     def tensor(self, record: TensorRecord, update_order: int = 0) -> pb.TensorInfo:
         """`record` as answered: its stored fields, its health now, and `update_order` (row updates)."""
-        out = self.tensor_into(pb.TensorInfo(), record, self._rank_unreadable)
+        out = self.tensor_into(pb.TensorInfo(), record, self.unreadable_once())
         out.update_order = update_order
         return out
 
-    def tensors(self, records: Iterable[TensorRecord]) -> pb.ListTensorsResponse:
-        """A ListTensors answer of `records`, each as `tensor` answers it; each rank's readability asked once."""
+    def tensors(
+        self, records: Iterable[TensorRecord], *, layouts_apart: bool = False
+    ) -> pb.ListTensorsResponse:
+        """A ListTensors answer of `records`, each as `tensor` answers it; each rank's readability asked once.
+        With `layouts_apart`, each distinct layout is in the answer's `layouts` once and each tensor names it."""
         out = pb.ListTensorsResponse()
         unreadable = self.unreadable_once()
+        layouts: dict[ShardedTensorMetadata, int] | None = {} if layouts_apart else None
         for record in records:
-            self.tensor_into(out.tensors.add(), record, unreadable)
+            layout = None
+            if layouts is not None:
+                layout = layouts.get(record.metadata)
+                if layout is None:
+                    layout = layouts[record.metadata] = len(out.layouts)
+                    metadata_into(out.layouts.add(), record.metadata)
+            self.tensor_into(out.tensors.add(), record, unreadable, layout=layout)
         return out
 
-    def unreadable_once(self) -> Callable[[int], bool]:
-        """Whether a rank's copies cannot be read, asked of the registry once per rank (for one answer)."""
-        known: dict[int, bool] = {}
-
-        def unreadable(rank: int) -> bool:
-            found = known.get(rank)
-            if found is None:
-                found = known[rank] = self._rank_unreadable(rank)
-            return found
-
-        return unreadable
+    def unreadable_once(self) -> UnreadableShards:
+        """The shards that cannot be read, for one answer: each rank's readability asked of the registry once,
+        each layout's shards on unreadable ranks found once."""
+        return UnreadableShards(self._rank_unreadable)
 
     def tensor_into(
-        self, out: pb.TensorInfo, record: TensorRecord, unreadable: Callable[[int], bool]
+        self,
+        out: pb.TensorInfo,
+        record: TensorRecord,
+        unreadable: UnreadableShards,
+        *,
+        layout: int | None = None,
     ) -> pb.TensorInfo:
-        """`out` filled as `tensor` answers `record`, the ranks' readability told by `unreadable`."""
-        tensor_into(out, record)
-        unavailable = unavailable_shards(record, unreadable)
+        """`out` filled as `tensor` answers `record`, the shards that cannot be read told by `unreadable`; its
+        layout as the index `layout` into the answer's layouts when given (else in full)."""
+        tensor_into(out, record, layout=layout)
+        unavailable = unreadable.of(record)
         out.unavailable_shards.extend(unavailable)
         health = health_of(record, unavailable)
         if health is not None:
@@ -144,7 +155,7 @@ class Answers:
         if any(self._repair(t.name) is not None for t in tensors):  # its progress moves: not kept
             return build()
         # by the record's id: the entry holds the record, so no other object takes that id while it is kept
-        key = (id(record), frozenset(rank for rank in _ranks_of(tensors) if unreadable(rank)))
+        key = (id(record), frozenset(rank for rank in _ranks_of(tensors) if unreadable.rank(rank)))
         with self._lock:
             kept = self._kept_snapshots.get(key)
             if kept is not None:

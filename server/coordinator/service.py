@@ -187,7 +187,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.ListTensorsRequest, context: grpc.ServicerContext
     ) -> pb.ListTensorsResponse:
         records = self.coordinator.lifecycle.list(request.include_pending)
-        return self.answers.tensors(r for r in records if _covers(r.name))
+        return self.answers.tensors(
+            (r for r in records if _covers(r.name)), layouts_apart=request.layouts_apart
+        )
 
     @rpc_errors
     @led

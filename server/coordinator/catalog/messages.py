@@ -64,13 +64,19 @@ def tensor_to_proto(record: TensorRecord) -> pb.TensorInfo:
     return tensor_into(pb.TensorInfo(), record)
 
 
-def tensor_into(out: pb.TensorInfo, record: TensorRecord) -> pb.TensorInfo:
+def tensor_into(
+    out: pb.TensorInfo, record: TensorRecord, *, layout: int | None = None
+) -> pb.TensorInfo:
     """`out` (a new TensorInfo, or one added to a repeated field of an answer being built: no copy of it is
-    made then) with the stored fields of `record`."""
+    made then) with the stored fields of `record`; its layout as `layout`, an index into the answer's own
+    layouts, when given (ListTensorsRequest.layouts_apart), else in full."""
     out.name, out.version, out.state = record.name, record.version, state_to_proto(record.state)
     out.nbytes, out.created_unix = record.nbytes, record.created_unix
     out.options.CopyFrom(_options(record.options))
-    metadata_into(out.metadata, record.metadata)
+    if layout is None:
+        metadata_into(out.metadata, record.metadata)
+    else:
+        out.layout = layout
     if record.promoting:
         out.promoting = True
     if record.put_token:

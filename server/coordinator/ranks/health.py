@@ -20,10 +20,37 @@ from shardserve.server.coordinator.catalog.records import TensorRecord
 
 def unavailable_shards(record: TensorRecord, rank_dead: Callable[[int], bool]) -> list[int]:
     """The shards of `record` whose copy cannot be read now: lost, or on a rank known to be dead."""
-    dead = {rank for rank in record.ranks() if rank_dead(rank)}
-    shards = record.metadata.shards_metadata
-    on_dead = [index for index, shard in enumerate(shards) if shard.rank in dead]
-    return sorted(set(record.lost_shards) | set(on_dead))
+    return UnreadableShards(rank_dead).of(record)
+
+
+class UnreadableShards:
+    """The shards whose copy cannot be read now, for the records of one answer: each rank asked of `rank_dead`
+    once, and each layout's shards on those ranks found once (a listing of ten thousand tensors has a few
+    layouts)."""
+
+    def __init__(self, rank_dead: Callable[[int], bool]) -> None:
+        self._rank_dead = rank_dead
+        self._ranks: dict[int, bool] = {}
+        self._layouts: dict[ShardedTensorMetadata, tuple[int, ...]] = {}
+
+    def rank(self, rank: int) -> bool:
+        """Whether `rank`'s copies cannot be read (asked once per rank)."""
+        found = self._ranks.get(rank)
+        if found is None:
+            found = self._ranks[rank] = self._rank_dead(rank)
+        return found
+
+    def of(self, record: TensorRecord) -> list[int]:
+        """The shards of `record` whose copy cannot be read now: lost, or on a rank known to be dead; sorted."""
+        meta = record.metadata
+        on_dead = self._layouts.get(meta)
+        if on_dead is None:
+            on_dead = self._layouts[meta] = tuple(
+                index for index, shard in enumerate(meta.shards_metadata) if self.rank(shard.rank)
+            )
+        if not record.lost_shards:
+            return list(on_dead)
+        return sorted(set(record.lost_shards) | set(on_dead))
 
 
 def check_copies(record: TensorRecord, unavailable: Iterable[int], *, doing: str) -> None:

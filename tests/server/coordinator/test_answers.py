@@ -1,14 +1,18 @@
 """The coordinator's snapshot answers: the FULL view carries every entry with its health, the BASIC view (a
 writer's commit) none, with the same number, state and sizes; a committed snapshot's FULL answer is prepared
-for its readers, built once."""
+for its readers, built once. A listing with its layouts apart sends each layout once and reads as the full
+one."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from waiting import wait_until
 
+from shardserve.client.catalog_requests import tensors_listed
+from shardserve.client.errors import ShardServeError
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.coordinator.answers import Answers
@@ -21,12 +25,17 @@ from shardserve.server.coordinator.catalog.records import (
 from shardserve.server.coordinator.drivers.repair import RepairInFlight
 
 
-def _snapshot(count: int, number: int = 7) -> SnapshotRecord:
-    meta = ShardedTensorMetadata(
-        (ShardMetadata((0,), (4,), "rank:0/cpu"), ShardMetadata((4,), (4,), "rank:1/cpu")),
-        (8,),
+def _layout(*ranks: int) -> ShardedTensorMetadata:
+    """Shards of 4 elements, shard i on ranks[i]."""
+    return ShardedTensorMetadata(
+        tuple(ShardMetadata((4 * i,), (4,), f"rank:{r}/cpu") for i, r in enumerate(ranks)),
+        (4 * len(ranks),),
         TensorProperties(dtype=torch.float32),
     )
+
+
+def _snapshot(count: int, number: int = 7) -> SnapshotRecord:
+    meta = _layout(0, 1)
     entries = tuple(
         SnapshotEntry(f"w{i}", TensorRecord(name=f"m@7/w{i}", version=8 + i, metadata=meta))
         for i in range(count)
@@ -132,3 +141,36 @@ def test_a_reader_waits_for_the_answer_being_built_rather_than_build_another() -
     answers.close()
     assert [e.key for e in read[0].entries] == ["w0", "w1", "w2", "w3"]
     assert repairs.calls == 4 + 4 + 4  # two checks, one build
+
+
+def test_a_listing_with_its_layouts_apart_sends_each_once_and_reads_as_the_full_one() -> None:
+    """Each distinct layout is in the answer once, each tensor names it by index and carries no copy; the
+    shards that cannot be read (on a dead rank, or lost) are each tensor's own; the client reads both answers
+    into the same summaries."""
+    records = [
+        TensorRecord(name=f"t{i}", version=i + 1, metadata=_layout(*ranks), lost_shards=lost)
+        for i, (ranks, lost) in enumerate(
+            [((0, 1), ()), ((1, 2, 3), ()), ((0, 1), (0,)), ((1, 2, 3), (2,)), ((2, 0), ())]
+        )
+    ]
+    answers = Answers(rank_unreadable=lambda rank: rank == 1, repair=lambda name: None)
+    full = answers.tensors(records)
+    apart = answers.tensors(records, layouts_apart=True)
+    assert len(full.layouts) == 0 and all(t.HasField("metadata") for t in full.tensors)
+    assert len(apart.layouts) == 3 and not any(t.HasField("metadata") for t in apart.tensors)
+    assert [t.layout for t in apart.tensors] == [0, 1, 0, 1, 2]
+    assert [list(t.unavailable_shards) for t in apart.tensors] == [[1], [0], [0, 1], [0, 2], []]
+    assert [t.health for t in apart.tensors] == [t.health for t in full.tensors]
+    listed = tensors_listed(apart, include_pending=True)
+    assert listed == tensors_listed(full, include_pending=True)
+    assert [s.metadata for s in listed] == [r.metadata for r in records]
+
+
+def test_a_listing_that_names_a_layout_it_does_not_hold_is_refused() -> None:
+    answers = Answers(rank_unreadable=lambda rank: False, repair=lambda name: None)
+    apart = answers.tensors(
+        [TensorRecord(name="t", version=1, metadata=_layout(0))], layouts_apart=True
+    )
+    apart.tensors[0].layout = 1
+    with pytest.raises(ShardServeError, match="layout 1 for tensor 't', of 1 layouts"):
+        tensors_listed(apart, include_pending=True)
