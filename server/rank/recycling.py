@@ -21,11 +21,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from shardserve.core.wire import byte_view
 
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_MAX_AGE_S = 60.0
@@ -33,16 +35,25 @@ DEFAULT_MAX_AGE_S = 60.0
 
 @dataclass(eq=False)
 class Buffer:
-    """One kept buffer: its bytes, and (for a shared-memory segment) the segment and its header words."""
+    """One kept buffer: the C-contiguous tensor it was kept as (a freed shard, or a file's bytes), and (for a
+    shared-memory segment) the segment and its header words."""
 
-    flat: torch.Tensor  # uint8, 1-D, the whole buffer
+    tensor: torch.Tensor
     header: np.ndarray | None = None  # int64 words (server/rank/shared_memory.py)
     segment: Any = None
     since: float = 0.0
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat.numel()
+    def __post_init__(self) -> None:
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+    def shaped(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Its bytes as a tensor of `sizes` and `dtype`: the tensor it was kept as when that one fits (a tensor
+        put every step takes back its own shape: no new views, ~5 us each), else a view of its bytes."""
+        tensor = self.tensor
+        if tensor.dtype == dtype and tuple(tensor.shape) == sizes:
+            return tensor
+        return byte_view(tensor).view(dtype).view(sizes)
 
 
 class RecycledBuffers:

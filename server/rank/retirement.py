@@ -80,7 +80,7 @@ class VersionRetirement:
                     self._drop_locked(record)
         if self.persistence is not None and (records or version == 0):
             self.persistence.drop(name, version)
-        if records:
+        if records and log.isEnabledFor(log_level):
             log.log(
                 log_level,
                 "rank %d dropped %r versions %s%s",

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from shardserve.core.dtypes import itemsize
-from shardserve.core.wire import byte_view
 from shardserve.protos.same_host import (
     HEADER_MAGIC,
     HEADER_WORDS,
@@ -166,9 +165,9 @@ class SharedMemory:
                 segment, header = self._segments.get(id(tensor)), self._headers.get(id(tensor))
             if segment is not None and segment.data_offset == HEADER_BYTES and header is not None:
                 header[1] = STATE_DROPPED
-                self.recycled.keep(Buffer(byte_view(tensor), header, segment))
+                self.recycled.keep(Buffer(tensor, header, segment))
             elif segment is None and _owns_storage(tensor):
-                self.recycled.keep(Buffer(byte_view(tensor)))
+                self.recycled.keep(Buffer(tensor))
 
     def _reuse(
         self, sizes: tuple[int, ...], dtype: torch.dtype, shared: bool | None
@@ -177,11 +176,12 @@ class SharedMemory:
         buffer = self.recycled.take(_nbytes(sizes, dtype), shared)
         if buffer is None:
             return None
-        tensor = buffer.flat.view(dtype).view(sizes)
+        tensor = buffer.shaped(sizes, dtype)
         if buffer.header is not None:
             buffer.header[1] = STATE_PENDING
             buffer.header[2] += 1
-            self._track(tensor, buffer.segment, buffer.header)
+            if tensor is not buffer.tensor:  # the kept tensor is tracked still: it has lived on
+                self._track(tensor, buffer.segment, buffer.header)
         return tensor
 
     def attach_header(self, tensor: torch.Tensor, served: bool, replaced: bool = False) -> Segment:

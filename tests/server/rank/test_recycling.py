@@ -100,6 +100,23 @@ def test_a_recycled_segment_gets_a_new_generation_and_keeps_its_fd():
     assert _header(segment)[2] == 2
 
 
+def test_a_segment_taken_back_in_its_own_shape_is_the_tensor_kept_and_stays_tracked():
+    """The next version of a tensor put every step takes back its shape: the kept tensor itself (no new views),
+    its segment still found and its generation moved; another shape of the same bytes gets a view of them."""
+    shared = SharedMemory()
+    first = shared.empty((32, 8), torch.float32)
+    segment = shared.segment_of(first)
+    shared.recycle([first])
+    again = shared.empty((32, 8), torch.float32, overwrite=True)
+    assert again is first and shared.segment_of(again) == segment
+    assert _header(segment) == [HEADER_MAGIC, STATE_PENDING, 1]
+    shared.recycle([again])
+    del first, again
+    other = shared.empty((8, 32), torch.float32, overwrite=True)
+    assert tuple(other.shape) == (8, 32) and shared.segment_of(other) == segment
+    assert _header(segment) == [HEADER_MAGIC, STATE_PENDING, 2]
+
+
 def test_views_and_plain_tensors():
     shared = SharedMemory(enabled=False)
     whole = torch.ones(100)
