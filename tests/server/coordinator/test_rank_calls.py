@@ -228,3 +228,25 @@ def test_a_call_that_finds_no_kept_thread_free_goes_on_the_loop(cluster):
         release.set()
         held.result(WAIT_S)
         calls.close()
+
+
+def test_promote_answers_give_each_versions_checksums_by_shard_in_any_order():
+    """The checksums of several ranks' answers, a version's items interleaved with another's and split over
+    answers, come out by (name, version) then shard index."""
+    first = pb.PromoteManyResponse(
+        checksums=[
+            pb.ShardChecksum(name="a", version=1, shard_index=0, checksum=10),
+            pb.ShardChecksum(name="a", version=1, shard_index=1, checksum=11),
+            pb.ShardChecksum(name="b", version=1, shard_index=0, checksum=20),
+            pb.ShardChecksum(name="a", version=1, shard_index=2, checksum=12),
+            pb.ShardChecksum(name="a", version=2, shard_index=0, checksum=30),
+        ]
+    )
+    second = pb.PromoteManyResponse(
+        checksums=[pb.ShardChecksum(name="b", version=1, shard_index=1, checksum=21)]
+    )
+    assert calls_module.checksums_of([first, second]) == {
+        ("a", 1): {0: 10, 1: 11, 2: 12},
+        ("b", 1): {0: 20, 1: 21},
+        ("a", 2): {0: 30},
+    }
