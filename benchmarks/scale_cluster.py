@@ -184,7 +184,7 @@ class SimulatedCluster:
         if self.coordinator is not None and self.coordinator.poll() is not None:
             raise RuntimeError(f"the coordinator exited with code {self.coordinator.returncode}")
         try:
-            self.stub.ListTensors(pb.ListTensorsRequest(), timeout=CALL_TIMEOUT_S)
+            self.stub.ListTensors(pb.ListTensorsRequest(layouts_apart=True), timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as err:
             if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 return False
