@@ -84,7 +84,13 @@ def _create(db: psycopg.Connection) -> int:
     return SCHEMA_VERSION
 
 
-_STEPS: dict[int, Callable[[psycopg.Connection], int]] = {0: _create}
+def _sqlite_rows_changed(db: psycopg.Connection) -> int:
+    """Schema 3 to 4: nothing here. Version 4 took the layouts out of SQLite's rows (its layouts table holds
+    them); PostgreSQL's rows keep theirs, which the generated `ranks` column reads."""
+    return 4
+
+
+_STEPS: dict[int, Callable[[psycopg.Connection], int]] = {0: _create, 3: _sqlite_rows_changed}
 """The step from each earlier version: it changes the tables and returns the version it brought them to."""
 
 
