@@ -122,7 +122,13 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
             _add_checksums(db, path)
         if found in (1, 2):
             _add_layouts(db, path)
-        _layouts_apart(db, path)
+        unplaced = _layouts_apart(db)
+        log.warning(
+            "catalog %s migrated to schema version %d: rows without their layouts (%d given theirs)",
+            path,
+            SCHEMA_VERSION,
+            unplaced,
+        )
         db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         return
     legacy = _columns(db, "tensors") == {"name", "version", "state", "info"}
@@ -134,8 +140,7 @@ def upgrade(db: sqlite3.Connection, path: Path) -> None:
         db.execute(statement)
     if legacy:
         _migrate_blobs(db, path)
-        fill_layouts(db)
-        _drop_inline_layouts(db)
+        _layouts_apart(db)
     db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
 
@@ -160,13 +165,12 @@ def _add_checksums(db: sqlite3.Connection, path: Path) -> None:
 
 
 def _add_layouts(db: sqlite3.Connection, path: Path) -> None:
-    """Within an open transaction: schema 2 to 3, every row given the id of its layout (the layouts table and
-    the ranks of each, filled from the rows) and the partial indexes."""
+    """Within an open transaction: schema 2 to 3, the rows' `layout` column and the partial indexes (each row is
+    given its layout by the step to 4 that follows, `_layouts_apart`)."""
     if "layout" not in _columns(db, "tensors"):
         db.execute("ALTER TABLE tensors ADD COLUMN layout INTEGER")
     for statement in _INDEXES:
         db.execute(statement)
-    fill_layouts(db)
     log.warning(
         "catalog %s migrated to schema version %d: the layouts and their ranks, indexed",
         path,
@@ -174,19 +178,14 @@ def _add_layouts(db: sqlite3.Connection, path: Path) -> None:
     )
 
 
-def _layouts_apart(db: sqlite3.Connection, path: Path) -> None:
-    """Within an open transaction: schema 3 to 4, every row's layout only in the layouts table. Rows that had
-    no `layout` (restored by `shardserve catalog copy` before this version, which the scans of a rank's rows
-    then missed) are given theirs first."""
-    unplaced = db.execute("SELECT count(*) FROM tensors WHERE layout IS NULL").fetchone()[0]
+def _layouts_apart(db: sqlite3.Connection) -> int:
+    """Within an open transaction: schema 3 to 4, every row's layout only in the layouts table; how many rows had
+    no `layout` and were given theirs first (rows migrated from earlier schemas, and rows restored by
+    `shardserve catalog copy` before this version, which the scans of a rank's rows then missed)."""
+    unplaced: int = db.execute("SELECT count(*) FROM tensors WHERE layout IS NULL").fetchone()[0]
     fill_layouts(db)
     _drop_inline_layouts(db)
-    log.warning(
-        "catalog %s migrated to schema version %d: rows without their layouts (%d given theirs)",
-        path,
-        SCHEMA_VERSION,
-        unplaced,
-    )
+    return unplaced
 
 
 def _drop_inline_layouts(db: sqlite3.Connection) -> None:
