@@ -19,7 +19,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from shardserve.core.metadata import ShardedTensorMetadata
@@ -40,6 +40,9 @@ SETTLED_S = 10.0
 available, the catalog is scanned only every SETTLED_S (not every CHECK_EVERY_S). A scan reads the versions on
 dead ranks and those with lost copies only (`candidates`: indexed catalog queries), not every row."""
 FINISHED_KEPT = 100
+REFUSALS_NAMED = 5
+"""The tensors a scan's one log line about copies that cannot be repaired names with their reason; it counts the
+rest (a rank lost without replicas leaves every one of its tensors so, and a line each would flood the log)."""
 RETRY_BACKOFF_S = (
     2.0,
     60.0,
@@ -158,12 +161,14 @@ class RepairDriver:
         if not candidates:
             return repaired
         live = self._live_ranks()
+        refused: list[tuple[TensorRecord, str]] = []
         for record in candidates:
             if self._stop.is_set():
                 break
-            due = self._due(record, live)
+            due = self._due(record, live, refused)
             if due is not None and self._repair(record, *due):
                 repaired.append(record.name)
+        _log_refused(refused)
         return repaired
 
     def candidates(self) -> list[TensorRecord]:
@@ -185,10 +190,14 @@ class RepairDriver:
     # ------------------------------------------------------------ deciding
 
     def _due(
-        self, record: TensorRecord, live: tuple[list[LiveRank], dict[int, int]]
+        self,
+        record: TensorRecord,
+        live: tuple[list[LiveRank], dict[int, int]],
+        refused: list[tuple[TensorRecord, str]],
     ) -> tuple[ShardedTensorMetadata, frozenset[int]] | None:
         """The repaired layout of `record` and the copies it must not read, when all its unavailable copies are
-        due and a live rank (of `live`: _live_ranks) can take each; None otherwise."""
+        due and a live rank (of `live`: _live_ranks) can take each; None otherwise. A tensor that cannot be
+        repaired for a reason not seen before for it is added to `refused` (to be logged once)."""
         if not record.ready or record.promoting or self.reshards.is_running(record.name):
             return None
         retry = self._retry_at.get(record.name)
@@ -206,12 +215,7 @@ class RepairDriver:
         except RepairImpossible as err:
             if self._refused.get(record.name) != str(err):
                 self._refused[record.name] = str(err)
-                log.error(
-                    "tensor %r version %d cannot be repaired now: %s",
-                    record.name,
-                    record.version,
-                    err,
-                )
+                refused.append((record, str(err)))
             return None
 
     def _unavailable(
@@ -297,3 +301,28 @@ class RepairDriver:
         _, last = self._retry_at.get(name, (0.0, RETRY_BACKOFF_S[0] / 2))
         backoff = min(RETRY_BACKOFF_S[1], last * 2)
         self._retry_at[name] = (self._clock() + backoff, backoff)
+
+
+def _log_refused(refused: Sequence[tuple[TensorRecord, str]]) -> None:
+    """One ERROR line for the tensors a scan found newly impossible to repair: the first REFUSALS_NAMED with
+    their reason, the others counted (each is logged at DEBUG)."""
+    if not refused:
+        return
+    if len(refused) == 1:
+        record, why = refused[0]
+        log.error(
+            "tensor %r version %d cannot be repaired now: %s", record.name, record.version, why
+        )
+        return
+    named = "; ".join(
+        f"{record.name!r} version {record.version}: {why}"
+        for record, why in refused[:REFUSALS_NAMED]
+    )
+    rest = len(refused) - REFUSALS_NAMED
+    more = f"; and {rest} more (`shardserve status` shows the health of each)" if rest > 0 else ""
+    log.error("%d tensors cannot be repaired now: %s%s", len(refused), named, more)
+    if log.isEnabledFor(logging.DEBUG):
+        for record, why in refused:
+            log.debug(
+                "tensor %r version %d cannot be repaired now: %s", record.name, record.version, why
+            )

@@ -209,3 +209,24 @@ def test_a_scan_that_finds_nothing_to_repair_lists_no_rank(catalog, clock):
         assert registry.listings == 1  # rank 1's copy is due: where may it go
     finally:
         registry.close()
+
+
+def test_tensors_that_cannot_be_repaired_are_logged_in_one_line_per_scan_and_once(
+    catalog, registry, clock, caplog
+):
+    """A rank lost without replicas leaves each of its tensors beyond repair: one ERROR line names the first few
+    with their reason and counts the rest, and a later scan that finds nothing new logs nothing."""
+    count = repair.REFUSALS_NAMED + 2
+    holding(catalog, [record(lost=(0,), name=f"t{i}", version=i + 1) for i in range(count)])
+    loop = driver(catalog, registry, clock)
+    clock.advance(repair.SETTLED_S + JUST)
+    with caplog.at_level("ERROR", logger=repair.__name__):
+        loop.run_once()
+        [line] = [r.getMessage() for r in caplog.records]
+        assert line.startswith(f"{count} tensors cannot be repaired now: 't0' version 1: ")
+        assert "'t4' version 5" in line and "'t5'" not in line
+        assert line.endswith("; and 2 more (`shardserve status` shows the health of each)")
+        caplog.clear()
+        clock.advance(repair.SETTLED_S)
+        loop.run_once()  # the periodic scan: the same tensors, for the same reasons
+        assert not caplog.records
