@@ -31,7 +31,7 @@ from shardserve.server.coordinator.catalog.records import (
     SnapshotRecord,
     TensorOptions,
     TensorRecord,
-    TensorState,
+    state_of,
 )
 
 LAYOUTS_CACHED = 4096
@@ -167,7 +167,7 @@ def _decode_snapshot(text: str) -> SnapshotRecord:
         entries=tuple(
             SnapshotEntry(e["key"], tensor_from_document(e["tensor"])) for e in document["entries"]
         ),
-        state=TensorState(document["state"]),
+        state=state_of(document["state"]),
         created_unix=document["created_unix"],
         skeleton=document.get("skeleton", ""),
         delta_of=document.get("delta_of", 0),
@@ -202,7 +202,7 @@ def tensor_from_document(
         name=document["name"],
         version=document["version"],
         metadata=metadata,
-        state=_state_of(document["state"]),
+        state=state_of(document["state"]),
         options=_options_of(
             options["oov"],
             options["default_row"],
@@ -215,17 +215,6 @@ def tensor_from_document(
         lost_shards=tuple(document["lost_shards"]),
         checksums=tuple([int(value, 16) for value in document["checksums"]]),
     )
-
-
-_STATES = {state.value: state for state in TensorState}
-
-
-def _state_of(value: str) -> TensorState:
-    """The state a document names (a lookup: listing ten thousand rows asks it ten thousand times)."""
-    state = _STATES.get(value)
-    if state is None:
-        raise ValueError(f"{value!r} is not a TensorState")
-    return state
 
 
 @functools.lru_cache(maxsize=64)

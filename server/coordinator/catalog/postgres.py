@@ -55,6 +55,7 @@ from shardserve.server.coordinator.catalog.records import (
     SnapshotRecord,
     TensorRecord,
     TensorState,
+    state_of,
 )
 from shardserve.server.coordinator.catalog.sqlite import VERSION_BLOCK, not_empty
 from shardserve.server.coordinator.catalog.urls import redacted
@@ -268,7 +269,7 @@ class PostgresCatalog(Catalog):
             f"SELECT name, version, state FROM tensors WHERE {ON_RANKS} ORDER BY version",
             (sorted(set(ranks)),),
         )
-        return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
+        return [PlacedVersion(name, version, state_of(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
         return {r[0] for r in _read(self._connection, "SELECT DISTINCT unnest(ranks) FROM tensors")}

@@ -27,6 +27,18 @@ class TensorState(enum.Enum):
     READY = "ready"
 
 
+_STATES = {state.value: state for state in TensorState}
+
+
+def state_of(value: str) -> TensorState:
+    """The state a row names (a dict lookup: TensorState(value) costs several times as much, and listing or
+    reconciling ten thousand rows asks it ten thousand times); ValueError for a value that is no state."""
+    state = _STATES.get(value)
+    if state is None:
+        raise ValueError(f"{value!r} is not a TensorState")
+    return state
+
+
 class Versioned:
     """What a row's name, version and state say of it (TensorRecord and PlacedVersion have them)."""
 

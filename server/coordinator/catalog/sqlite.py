@@ -39,6 +39,7 @@ from shardserve.server.coordinator.catalog.records import (
     SnapshotRecord,
     TensorRecord,
     TensorState,
+    state_of,
 )
 from shardserve.server.coordinator.catalog.sqlite_leadership import TABLE as LEASE_TABLE
 from shardserve.server.coordinator.catalog.sqlite_leadership import SQLiteLeadership, check_term
@@ -245,7 +246,7 @@ class SQLiteCatalog(Catalog):
             rows = self._db.execute(
                 f"SELECT name, version, state FROM tensors WHERE {where} ORDER BY version", wanted
             ).fetchall()
-        return [PlacedVersion(name, version, TensorState(state)) for name, version, state in rows]
+        return [PlacedVersion(name, version, state_of(state)) for name, version, state in rows]
 
     def placed_ranks(self) -> set[int]:
         # of the layouts rows have now (one replaced stays in the layouts table until a reopen)

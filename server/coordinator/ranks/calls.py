@@ -41,8 +41,14 @@ class Promoted:
     """What the ranks answered a promote, both by (name, version) then shard index: each shard's checksum, and
     the bytes each shard of a copy (a row update's, a delta put's) still shares with other versions."""
 
-    checksums: ShardChecksums
+    answers: tuple[pb.PromoteManyResponse, ...]
     shared: dict[tuple[str, int], dict[int, int]]
+
+    @functools.cached_property
+    def checksums(self) -> ShardChecksums:
+        """Each shard's checksum, decoded on first use: a commit records them, a rank's reconcile (which
+        promotes again every version the rank holds) never reads them."""
+        return checksums_of(self.answers)
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,7 @@ class RankCalls:
         shared: dict[tuple[str, int], dict[int, int]] = {}
         for answer in answers:
             _by_shard(answer.shared, "nbytes", shared)
-        return Promoted(checksums_of(answers), shared)
+        return Promoted(tuple(answers), shared)
 
     def drop_many_quietly(self, versions: Mapping[int, list[tuple[str, int]]]) -> None:
         """DropMany on the live ranks, logging (not raising) failures, as drop_quietly does for one version."""
