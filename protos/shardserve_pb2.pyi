@@ -299,12 +299,14 @@ class RegisterRankRequest(_message.Message):
     def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., held: _Optional[_Iterable[_Union[HeldVersion, _Mapping]]] = ...) -> None: ...
 
 class HeldVersion(_message.Message):
-    __slots__ = ("name", "version")
+    __slots__ = ("name", "version", "served")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    served: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., served: _Optional[bool] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s", "store_host", "store_port")

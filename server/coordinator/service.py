@@ -39,6 +39,7 @@ from shardserve.server.coordinator.ranks.messages import (
     rank_from_proto,
     rank_to_proto,
     restore_from_proto,
+    served_from_proto,
 )
 from shardserve.server.coordinator.requests import (
     check_host_id,
@@ -103,7 +104,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self, request: pb.RegisterRankRequest, context: grpc.ServicerContext
     ) -> pb.RegisterRankResponse:
         coordinator = self.coordinator
-        coordinator.upkeep.register(rank_from_proto(request.rank), held_from_proto(request.held))
+        coordinator.upkeep.register(
+            rank_from_proto(request.rank),
+            held_from_proto(request.held),
+            served=served_from_proto(request.held),
+        )
         coordinator.collectives.rank_joined(request.rank.rank)
         return pb.RegisterRankResponse(
             heartbeat_interval_s=coordinator.registry.interval_of(request.rank.rank),

@@ -56,12 +56,18 @@ class Upkeep:
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
 
-    def register(self, info: RankInfo, held: Iterable[tuple[str, int]]) -> None:
-        """Add (or replace) a rank; reconcile what it holds with the catalog in the background, and finish the
-        reshard promotions left unfinished (once for the registrations that arrive while one waits: a thousand
-        ranks registering at once ask for one, not a thousand)."""
+    def register(
+        self,
+        info: RankInfo,
+        held: Iterable[tuple[str, int]],
+        *,
+        served: frozenset[tuple[str, int]] = frozenset(),
+    ) -> None:
+        """Add (or replace) a rank; reconcile what it holds (`served`: those of them it serves already) with the
+        catalog in the background, and finish the reshard promotions left unfinished (once for the registrations
+        that arrive while one waits: a thousand ranks registering at once ask for one, not a thousand)."""
         held_pairs = self.registry.register(info, held)
-        self._background.submit(self.reconciler.reconcile, info.rank, held_pairs)
+        self._background.submit(self.reconciler.reconcile, info.rank, held_pairs, served=served)
         with self._promotions_lock:
             if self._promotions_queued:
                 return

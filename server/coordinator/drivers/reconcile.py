@@ -47,8 +47,16 @@ class Reconciler:
             "rank %d could not be reconciled: GetStats failed %d times", rank, RECONCILE_ATTEMPTS
         )
 
-    def reconcile(self, rank: int, held: set[tuple[str, int]]) -> None:
-        """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know.
+    def reconcile(
+        self,
+        rank: int,
+        held: set[tuple[str, int]],
+        *,
+        served: frozenset[tuple[str, int]] = frozenset(),
+    ) -> None:
+        """After a (re)registration: mark the copies the rank lost, drop what the catalog does not know, promote
+        again the READY versions it holds but does not serve (`served`: those it said it serves already; after a
+        coordinator's restart, all of them).
 
         `held` was taken before the catalog is read here, so a version put on the rank in between is
         READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
@@ -60,7 +68,7 @@ class Reconciler:
             for placed in self.catalog.placed_versions([rank]):
                 known.add(placed.key)
                 if placed.key in held:
-                    if placed.ready:
+                    if placed.ready and placed.key not in served:
                         promote.append(placed.key)
                 elif placed.ready:
                     missing.append(placed.key)

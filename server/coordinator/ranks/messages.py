@@ -68,3 +68,8 @@ def rank_to_proto(info: RankInfo) -> pb.RankInfo:
 def held_from_proto(held: Iterable[pb.HeldVersion]) -> list[tuple[str, int]]:
     """The (name, version) pairs a registering rank says it holds, in its order (checked by the registry)."""
     return [(version.name, version.version) for version in held]
+
+
+def served_from_proto(held: Iterable[pb.HeldVersion]) -> frozenset[tuple[str, int]]:
+    """The (name, version) pairs of those a registering rank says it serves already (HeldVersion.served)."""
+    return frozenset((version.name, version.version) for version in held if version.served)

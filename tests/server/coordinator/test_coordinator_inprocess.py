@@ -37,8 +37,9 @@ from shardserve.server.coordinator.drivers.orders import (
 from shardserve.server.coordinator.options import CoordinatorOptions
 from shardserve.server.coordinator.ranks.encoded import Encoded
 from shardserve.server.coordinator.ranks.info import RankInfo
+from shardserve.server.coordinator.role import CoordinatorRole
 from shardserve.server.coordinator.server import CoordinatorServer
-from shardserve.server.coordinator.service import new_tensor
+from shardserve.server.coordinator.service import CoordinatorServicer, new_tensor
 
 
 class RankStub:
@@ -254,6 +255,23 @@ def test_a_reconcile_promotes_in_one_call_and_drops_in_one_call(coordinator):
     assert {(n, v) for what, n, v in stub.calls if what == "drop"} == strays
 
 
+def test_a_registering_rank_has_only_the_versions_it_does_not_serve_promoted_again(coordinator):
+    """After a coordinator's restart its ranks register serving what they held (HeldVersion.served): the
+    reconcile promotes again only the READY versions a rank holds without serving them (restored from its disk,
+    or a commit the coordinator died in), where it used to promote every one."""
+    held = sorted((r.name, r.version) for r in (_ready(coordinator, f"t{i}") for i in range(4)))
+    stub = RankStub(set(held))
+    coordinator.registry.stub_of = lambda channel: AsStub(stub)  # type: ignore[assignment, return-value]
+    request = pb.RegisterRankRequest(
+        rank=pb.RankInfo(rank=0, address="127.0.0.1:1", device="cpu", world_size=1, pid=1),
+        held=[pb.HeldVersion(name=n, version=v, served=i < 3) for i, (n, v) in enumerate(held)],
+    )
+    CoordinatorServicer(CoordinatorRole.sole(coordinator)).RegisterRank(request, None)  # type: ignore[arg-type]
+    wait_until(lambda: stub.batches, 30.0, "the reconcile's promotion")
+    assert stub.batches == [("PromoteMany", 1)]
+    assert [(n, v) for what, n, v in stub.calls if what == "promote"] == [held[3]]
+
+
 def test_a_failed_batch_promotion_is_done_one_version_at_a_time(coordinator):
     versions = [_ready(coordinator, f"t{i}") for i in range(3)]
     held = {(r.name, r.version) for r in versions}
@@ -279,7 +297,7 @@ def test_registrations_arriving_together_ask_for_few_promotion_rounds(coordinato
     monkeypatch.setattr(
         coordinator.upkeep.reconciler,
         "reconcile",
-        lambda rank, held: reconcile(rank, held) or reconciled.append(rank),
+        lambda rank, held, **served: reconcile(rank, held, **served) or reconciled.append(rank),
     )
     coordinator.registry.stub_of = lambda channel: AsStub(RankStub(set()))  # type: ignore[assignment, return-value]
     for rank in range(20):
