@@ -2,7 +2,7 @@
 
 A version the rank no longer holds has lost its copies there: they are recorded in the catalog record
 (`lost_shards`) and the tensor stays (read from other copies, repaired, or reported lost). A version the rank
-holds that the catalog does not know is dropped; a READY one it holds is promoted again.
+holds that the catalog does not know is dropped; a READY one it holds but does not serve yet is promoted again.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Reconciler:
         `held` was taken before the catalog is read here, so a version put on the rank in between is
         READY in the catalog yet not in `held`: a version looks lost only if the rank, asked again after
         the reading, still does not hold it. The catalog is read for this rank's versions only (an indexed
-        query), the READY ones it holds are promoted again in one call and the unknown ones dropped in one;
+        query), the READY ones it holds unserved are promoted again in one call and the unknown ones dropped in one;
         each lost record is marked on its own (one failure is logged)."""
         try:
             known, missing, promote = set(), [], []

@@ -47,7 +47,7 @@ class Promoted:
     @functools.cached_property
     def checksums(self) -> ShardChecksums:
         """Each shard's checksum, decoded on first use: a commit records them, a rank's reconcile (which
-        promotes again every version the rank holds) never reads them."""
+        promotes again the versions the rank holds unserved) never reads them."""
         return checksums_of(self.answers)
 
 
