@@ -24,6 +24,7 @@ from shardserve.core.metadata import (
     ShardedTensorMetadata,
     ShardMetadata,
     TensorProperties,
+    as_placement,
     interned,
 )
 from shardserve.server.coordinator.catalog.records import (
@@ -70,8 +71,21 @@ def tensor_of(text: str, layout: str | None = None) -> TensorRecord:
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def layout_of(text: str) -> ShardedTensorMetadata:
-    """The layout of a layout document's text (layout_document, as JSON)."""
-    return layout_from_document(loads(text))
+    """The layout of a layout document's text (layout_document, as JSON): made from the document at once, the
+    text being the cache's key (a restarted coordinator's first listing decodes every distinct layout)."""
+    document = loads(text)
+    return _made_layout(
+        tuple(
+            ShardMetadata.of_ints(
+                tuple(s["offsets"]), tuple(s["sizes"]), as_placement(s["placement"])
+            )
+            for s in document["shards"]
+        ),
+        tuple(document["size"]),
+        document["dtype"],
+        document["requires_grad"],
+        document["pin_memory"],
+    )
 
 
 def snapshot_json(snapshot: SnapshotRecord) -> str:
@@ -286,10 +300,29 @@ def layout_from_document(layout: dict[str, Any]) -> ShardedTensorMetadata:
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
-    shards, size, dtype, requires_grad, pin_memory = key
-    return interned(  # the same object as the requests' and other records' of this layout
+    shards, *rest = key
+    return _made_layout(
+        tuple(
+            ShardMetadata.of_ints(offsets, sizes, as_placement(placement))
+            for offsets, sizes, placement in shards
+        ),
+        *rest,
+    )
+
+
+def _made_layout(
+    shards: tuple[ShardMetadata, ...],
+    size: tuple[int, ...],
+    dtype: str,
+    requires_grad: bool,
+    pin_memory: bool,
+) -> ShardedTensorMetadata:
+    """The layout of a document's values, the one object of it (interned: the requests' and other records'
+    of this layout share it). Callers make its shards without the constructor's coercions (a third of the
+    cost): the catalog wrote their offsets and sizes as ints, from a layout validated when it was made."""
+    return interned(
         ShardedTensorMetadata(
-            tuple(ShardMetadata(offsets, sizes, placement) for offsets, sizes, placement in shards),
+            shards,
             size,
             TensorProperties(
                 dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory

@@ -9,9 +9,21 @@ import json
 
 import torch
 
-from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
+from shardserve.core.metadata import (
+    Box,
+    ShardedTensorMetadata,
+    ShardMetadata,
+    TensorProperties,
+    interned,
+)
 from shardserve.core.tensor_options import TensorOptions
-from shardserve.server.coordinator.catalog.documents import snapshot_json, tensor_json, tensor_of
+from shardserve.server.coordinator.catalog.documents import (
+    layout_json,
+    layout_of,
+    snapshot_json,
+    tensor_json,
+    tensor_of,
+)
 from shardserve.server.coordinator.catalog.records import (
     SnapshotEntry,
     SnapshotRecord,
@@ -94,3 +106,34 @@ def test_a_snapshot_document_embeds_its_tensors_documents():
         json.dumps(e["tensor"], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         for e in entries
     ] == [_expected(r) for r in RECORDS]
+
+
+def test_a_layout_read_from_its_text_is_the_layout_written_with_shards_as_the_constructor_makes_them():
+    """A layout read from the layouts table's text (made without the constructor's coercions) equals the one
+    written field by field, its offsets and sizes tuples of ints, its placements parsed, None kept; and it
+    is the one live object of that layout (interned), so caches keyed on layouts find it."""
+    original = ShardedTensorMetadata(
+        (
+            ShardMetadata((0, 0, 0), (2, 3, 4), "rank:0/cpu"),
+            ShardMetadata((2, 0, 0), (0, 3, 4), "rank:1/cuda:1"),
+            ShardMetadata((2, 0, 0), (2, 3, 4), None),
+        ),
+        (4, 3, 4),
+        TensorProperties(dtype=torch.float16, pin_memory=True),
+    )
+    text = layout_json(original)
+    layout_of.cache_clear()
+    read = layout_of(text)
+    assert read == original and hash(read) == hash(original)
+    assert read is interned(original)
+    for got, want in zip(read.shards_metadata, original.shards_metadata, strict=True):
+        assert (got.shard_offsets, got.shard_sizes, got.placement) == (
+            want.shard_offsets,
+            want.shard_sizes,
+            want.placement,
+        )
+        assert all(type(v) is int for v in got.shard_offsets + got.shard_sizes)
+        assert got.box == Box(want.shard_offsets, want.shard_sizes)
+        assert hash(got.box) == hash(Box(want.shard_offsets, want.shard_sizes))
+    assert [s.rank for s in read.shards_metadata[:2]] == [0, 1]
+    assert str(read.shards_metadata[1].device) == "cuda:1"
