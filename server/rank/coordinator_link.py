@@ -20,7 +20,7 @@ from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.rank.coordinators import Coordinators, host_of
 from shardserve.server.rank.jobs.groups import ProcessGroups
 from shardserve.server.rank.store import ShardStore
-from shardserve.server.rank.version_table import VersionState
+from shardserve.server.rank.wire import held_messages
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +73,9 @@ class CoordinatorLink:
 
     def _register_once(self, address: str) -> None:
         self.info.memory_used_bytes = self.store.memory_used
-        held = [
-            pb.HeldVersion(name=n, version=v, served=state is VersionState.SERVED)
-            for n, v, state in self.store.held()
-        ]
         response = self.coordinators.stub(address).RegisterRank(
-            pb.RegisterRankRequest(rank=self.info, held=held), timeout=10.0
+            pb.RegisterRankRequest(rank=self.info, held=held_messages(self.store.held())),
+            timeout=10.0,
         )
         self.interval = response.heartbeat_interval_s or 1.0
         if self.groups is not None and response.store_port:

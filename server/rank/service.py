@@ -49,7 +49,12 @@ from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.version_table import versions_phrase
-from shardserve.server.rank.wire import checksum_messages, init_fill, shared_messages
+from shardserve.server.rank.wire import (
+    checksum_messages,
+    held_messages,
+    init_fill,
+    shared_messages,
+)
 from shardserve.server.rank.writes.batch import ShardWrites
 from shardserve.server.rank.writes.batch import handlers as shard_write_handlers
 from shardserve.server.rank.writes.in_place import open_allocated
@@ -287,7 +292,7 @@ class ShardServerServicer(pb_grpc.ShardServerServicer):
             memory_used_bytes=self.store.memory_used,
             memory_limit_bytes=self.store.memory_limit,
             memory_limit_source=self.memory_limit_source,
-            held=[pb.HeldVersion(name=n, version=v) for n, v, _ in self.store.held()],
+            held=held_messages(self.store.held()),
         )
 
 

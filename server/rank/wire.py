@@ -3,10 +3,11 @@ convert in shardcore.wire): the servicers and the persisted manifests speak prot
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.rank.shard_fill import InitFill
+from shardserve.server.rank.version_table import VersionState
 
 _INIT_FILLS: dict[int, InitFill] = {
     pb.INIT_NONE: InitFill.NONE,
@@ -20,6 +21,15 @@ _INIT_FILLS: dict[int, InitFill] = {
 def init_fill(init: int) -> InitFill:
     """The fill of a checked InitKind other than INIT_COPY (which is a copy, not a fill)."""
     return _INIT_FILLS[init]
+
+
+def held_messages(held: Iterable[tuple[str, int, VersionState]]) -> list[pb.HeldVersion]:
+    """The versions a rank holds, as its registration and GetStats tell the coordinator: each marked `served`
+    when the rank serves it (the coordinator promotes again only the others)."""
+    return [
+        pb.HeldVersion(name=name, version=version, served=state is VersionState.SERVED)
+        for name, version, state in held
+    ]
 
 
 ByShard = Mapping[

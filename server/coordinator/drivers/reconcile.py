@@ -14,6 +14,7 @@ import grpc
 
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.coordinator.drivers.context import DriverContext
+from shardserve.server.coordinator.ranks.calls import Holdings
 from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,9 @@ class Reconciler:
         after a cut link may fail (a connection reset), so GetStats is asked a few times, `wait`ing between
         tries (it returns True when the coordinator stops)."""
         for attempt in range(RECONCILE_ATTEMPTS):
-            held = self.calls.held_by(rank)
-            if held is not None:
-                self.reconcile(rank, held)
+            holdings = self.calls.held_by(rank)
+            if holdings is not None:
+                self.reconcile(rank, holdings.held, served=holdings.served)
                 return
             if wait(1.0 + attempt):
                 return
@@ -74,10 +75,10 @@ class Reconciler:
                     missing.append(placed.key)
             self._promote_all(rank, promote)
             # None: cannot tell, nothing forgotten
-            held_now = self.calls.held_by(rank) if missing else set()
-            if held_now is not None:
+            now = self.calls.held_by(rank) if missing else Holdings(set(), frozenset())
+            if now is not None:
                 for key in missing:
-                    if key not in held_now:
+                    if key not in now.held:
                         self._step(rank, key, "mark lost", self._mark_lost)
             unknown = sorted(held - known)
             if unknown:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import Message
@@ -34,6 +34,13 @@ from shardserve.server.coordinator.ranks.encoded import Encoded, Entries, serial
 from shardserve.server.coordinator.ranks.registry import RankEntry, RankRegistry
 
 log = logging.getLogger(__name__)
+
+
+class Holdings(NamedTuple):
+    """The (name, version) pairs a rank holds, and those of them it serves."""
+
+    held: set[tuple[str, int]]
+    served: frozenset[tuple[str, int]]
 
 
 @dataclass(frozen=True)
@@ -270,15 +277,18 @@ class RankCalls:
         self.registry.note_missed(rank)
         return False
 
-    def held_by(self, rank: int) -> set[tuple[str, int]] | None:
-        """The (name, version) pairs `rank` holds now (GetStats); None, logged, when it cannot tell."""
+    def held_by(self, rank: int) -> Holdings | None:
+        """What `rank` holds now (GetStats); None, logged, when it cannot tell."""
         try:
             stub = self.registry.entry(rank).stub
             stats = stub.GetStats(pb.GetStatsRequest(), timeout=self.rpc_timeout)
         except (grpc.RpcError, ServiceError) as err:
             log.warning("could not ask rank %d what it holds: %s", rank, err)
             return None
-        return {(h.name, h.version) for h in stats.held}
+        return Holdings(
+            {(h.name, h.version) for h in stats.held},
+            frozenset((h.name, h.version) for h in stats.held if h.served),
+        )
 
 
 def allocation_request(record: TensorRecord, allocation: Allocation) -> pb.AllocateShardsRequest:

@@ -45,8 +45,11 @@ from shardserve.server.coordinator.service import CoordinatorServicer, new_tenso
 class RankStub:
     """What rank 0 answers: GetStats from `held`, and a record of the drops and promotions asked of it."""
 
-    def __init__(self, held: set[tuple[str, int]]) -> None:
+    def __init__(
+        self, held: set[tuple[str, int]], served: frozenset[tuple[str, int]] = frozenset()
+    ) -> None:
         self.held = held
+        self.served = served  # of `held`, those GetStats says it serves
         self.calls: list[tuple[str, str, int]] = []
         self.batches: list[
             tuple[str, int]
@@ -59,7 +62,10 @@ class RankStub:
     def GetStats(self, request, timeout):  # noqa: N802 - the stub's names
         self.stats_asked += 1
         return pb.GetStatsResponse(
-            held=[pb.HeldVersion(name=n, version=v) for n, v in sorted(self.held)]
+            held=[
+                pb.HeldVersion(name=n, version=v, served=(n, v) in self.served)
+                for n, v in sorted(self.held)
+            ]
         )
 
     def DropVersion(self, request, timeout):  # noqa: N802
@@ -330,6 +336,26 @@ def test_a_rank_back_from_the_dead_is_reconciled_only_when_it_missed_a_call(tmp_
         coord.upkeep.heartbeat(0, 0)
         wait_until(lambda: ("drop", "gone", 5) in stub.calls, 10.0, "the missed drop sent")
         assert stub.stats_asked == 1
+    finally:
+        coord.close()
+
+
+def test_a_rank_back_from_the_dead_has_only_the_versions_it_does_not_serve_promoted_again(tmp_path):
+    """A rank that was taken for dead and missed a call is reconciled from what GetStats says it holds: the
+    READY versions it serves are left alone (a SIGSTOPped rank serves all it held), the one it holds unserved is
+    promoted again, and the unknown one it missed the drop of is dropped."""
+    options = CoordinatorOptions(dead_after=0.2)
+    coord = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite"), options=options).start()
+    try:
+        ready = sorted((r.name, r.version) for r in (_ready(coord, f"t{i}") for i in range(3)))
+        stub = RankStub({*ready, ("gone", 5)}, served=frozenset(ready[:2]))
+        _rank(coord, stub)
+        wait_until(lambda: not coord.registry.rank_alive(0), 10.0, "rank 0 taken for dead")
+        coord.calls.drop_quietly("gone", 5, [0])  # skipped: rank 0 is not alive
+        coord.upkeep.heartbeat(0, 0)
+        wait_until(lambda: ("drop", "gone", 5) in stub.calls, 10.0, "the missed drop sent")
+        assert [(n, v) for what, n, v in stub.calls if what == "promote"] == [ready[2]]
+        assert stub.batches == [("PromoteMany", 1), ("DropMany", 1)]
     finally:
         coord.close()
 
