@@ -329,18 +329,26 @@ def reshard_rows(
     cluster: SimulatedCluster, *, tables: int, rows: int, values: dict, checks: dict
 ) -> None:
     """Reshard every table one after another; the planning and fan-out seconds summed; a sample read back."""
-    plan = fanout = 0.0
+    plan = plan_cpu = fanout = 0.0
     cpu0, _ = cluster.coordinator_usage()
+
+    def coordinator_cpu() -> float:
+        return cluster.coordinator_usage()[0]
+
     for index in range(tables):
-        first, rest, _ = retried(
+        run = retried(
             cluster,
             values,
-            lambda: reshard_table(cluster.stub, index, rows=rows, world=cluster.world, shift=2),
+            lambda: reshard_table(
+                cluster.stub, index, rows=rows, world=cluster.world, shift=2, cpu=coordinator_cpu
+            ),
         )
-        plan += first
-        fanout += rest
+        plan += run.plan_s
+        plan_cpu += run.plan_cpu_s
+        fanout += run.fanout_s
     values["reshard_plan"], values["reshard_fanout"] = plan, fanout
-    values["reshard_fanout_cpu"] = cluster.coordinator_usage()[0] - cpu0
+    values["reshard_plan_cpu"] = plan_cpu
+    values["reshard_fanout_cpu"] = cluster.coordinator_usage()[0] - cpu0 - plan_cpu
     checks["reshard read back"] = read_back_tables(cluster, range(min(tables, 5)), rows)
 
 

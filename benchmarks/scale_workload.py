@@ -9,8 +9,10 @@ number of ranks, so a cost that grows with the ranks is the coordinator's own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -143,23 +145,39 @@ def create_tables(stub: pb_grpc.CoordinatorStub, *, count: int, rows: int, world
         list(pool.map(create, range(count)))
 
 
+class ReshardRun(NamedTuple):
+    """One table's reshard as the harness saw it."""
+
+    plan_s: float  # to the first progress message, which comes once the plan is made and checked
+    plan_cpu_s: float  # the coordinator's CPU seconds meanwhile (its other threads' too)
+    fanout_s: float  # from there to DONE
+    tensor: pb.TensorInfo  # the new version
+
+
 def reshard_table(
-    stub: pb_grpc.CoordinatorStub, index: int, *, rows: int, world: int, shift: int
-) -> tuple[float, float, pb.TensorInfo]:
-    """Reshard table `index` to its layout shifted by `shift` ranks: (seconds to the first progress message,
-    which comes once the plan is made and checked; seconds from there to DONE; the new TensorInfo)."""
+    stub: pb_grpc.CoordinatorStub,
+    index: int,
+    *,
+    rows: int,
+    world: int,
+    shift: int,
+    cpu: Callable[[], float] = lambda: 0.0,
+) -> ReshardRun:
+    """Reshard table `index` to its layout shifted by `shift` ranks; `cpu`: the coordinator's CPU seconds so
+    far (planning's share of the coordinator's time apart from the simulated ranks', which share its cores)."""
     request = pb.ReshardRequest(
         name=f"table{index}", metadata=metadata_to_proto(table_layout(index, world, rows, shift))
     )
+    cpu0 = cpu()
     start = time.perf_counter()
-    first = None
+    first = plan_cpu = None
     done = None
     for progress in stub.Reshard(request, timeout=TIMEOUT_S):
         if first is None:
-            first = time.perf_counter()
+            first, plan_cpu = time.perf_counter(), cpu() - cpu0
         if progress.phase == pb.RESHARD_DONE:
             done = progress.tensor
     end = time.perf_counter()
-    if done is None or first is None:
+    if done is None or first is None or plan_cpu is None:
         raise RuntimeError(f"reshard of table{index} ended without RESHARD_DONE")
-    return first - start, end - first, done
+    return ReshardRun(first - start, plan_cpu, end - first, done)

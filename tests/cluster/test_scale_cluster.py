@@ -87,7 +87,7 @@ def test_a_reshard_commits_the_layout_asked_for(cluster, tables):
         before = cluster.stub.GetTensor(
             pb.GetTensorRequest(name=f"table{index}"), timeout=TIMEOUT_S
         )
-        _, _, done = reshard_table(cluster.stub, index, rows=ROWS, world=RANKS, shift=2)
+        done = reshard_table(cluster.stub, index, rows=ROWS, world=RANKS, shift=2).tensor
         assert done.version > before.version and done.health == "healthy" and done.replicas == 2
         assert metadata_from_proto(done.metadata) == table_layout(index, RANKS, ROWS, shift=2)
     with connect(cluster.address, timeout=TIMEOUT_S, transport="grpc") as client:
