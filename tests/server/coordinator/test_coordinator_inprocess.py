@@ -340,22 +340,28 @@ def test_a_rank_back_from_the_dead_is_reconciled_only_when_it_missed_a_call(tmp_
         coord.close()
 
 
-def test_a_rank_back_from_the_dead_has_only_the_versions_it_does_not_serve_promoted_again(tmp_path):
+@pytest.mark.parametrize("marks_served", [True, False], ids=["served marked", "an older rank"])
+def test_a_rank_back_from_the_dead_has_only_the_versions_it_does_not_serve_promoted_again(
+    tmp_path, marks_served
+):
     """A rank that was taken for dead and missed a call is reconciled from what GetStats says it holds: the
     READY versions it serves are left alone (a SIGSTOPped rank serves all it held), the one it holds unserved is
-    promoted again, and the unknown one it missed the drop of is dropped."""
+    promoted again, and the unknown one it missed the drop of is dropped. A rank that marks none served (one
+    from before the flag) has every READY version it holds promoted again, as before."""
     options = CoordinatorOptions(dead_after=0.2)
     coord = CoordinatorServer(SQLiteCatalog(tmp_path / "catalog.sqlite"), options=options).start()
     try:
         ready = sorted((r.name, r.version) for r in (_ready(coord, f"t{i}") for i in range(3)))
-        stub = RankStub({*ready, ("gone", 5)}, served=frozenset(ready[:2]))
+        served = frozenset(ready[:2]) if marks_served else frozenset()
+        stub = RankStub({*ready, ("gone", 5)}, served=served)
         _rank(coord, stub)
         wait_until(lambda: not coord.registry.rank_alive(0), 10.0, "rank 0 taken for dead")
         coord.calls.drop_quietly("gone", 5, [0])  # skipped: rank 0 is not alive
         coord.upkeep.heartbeat(0, 0)
         wait_until(lambda: ("drop", "gone", 5) in stub.calls, 10.0, "the missed drop sent")
-        assert [(n, v) for what, n, v in stub.calls if what == "promote"] == [ready[2]]
-        assert stub.batches == [("PromoteMany", 1), ("DropMany", 1)]
+        promoted = [(n, v) for what, n, v in stub.calls if what == "promote"]
+        assert sorted(promoted) == ([ready[2]] if marks_served else ready)
+        assert stub.batches == [("PromoteMany", len(promoted)), ("DropMany", 1)]
     finally:
         coord.close()
 
