@@ -59,16 +59,15 @@ def layout_health(
     out = down | known_gone
     copies_of = _copies_by_extent(meta)
     without_copy, gone, degraded = [], [], False
-    for extent, copies in (
-        copies_of.items() if out else ()
-    ):  # every copy readable: nothing to look at
-        live = sum(index not in out for index in copies)
-        if live == 0:
-            without_copy.append(Box.of_ints(*extent))
-            if all(index in known_gone for index in copies):
-                gone.append(Box.of_ints(*extent))
-        elif live < len(copies):
-            degraded = True
+    if out:  # else every copy is readable: nothing to look at
+        for extent, copies in copies_of.items():
+            live = sum(index not in out for index in copies)
+            if live == 0:
+                without_copy.append(Box.of_ints(*extent))
+                if all(index in known_gone for index in copies):
+                    gone.append(Box.of_ints(*extent))
+            elif live < len(copies):
+                degraded = True
     state = LOST if gone else UNAVAILABLE if without_copy else DEGRADED if degraded else HEALTHY
     replicas = min(map(len, copies_of.values()), default=1)
     return LayoutHealth(state, _sorted(without_copy), replicas, _sorted(gone))

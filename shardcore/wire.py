@@ -51,12 +51,12 @@ def properties_from_proto(msg: pb.TensorProperties) -> TensorProperties:
     return TensorProperties(dtype=dtype, requires_grad=msg.requires_grad, pin_memory=msg.pin_memory)
 
 
-def shard_to_proto(shard: ShardMetadata) -> pb.ShardMetadata:
-    return pb.ShardMetadata(
-        shard_offsets=shard.shard_offsets,
-        shard_sizes=shard.shard_sizes,
-        placement=str(shard.placement) if shard.placement is not None else "",
-    )
+def shard_into(msg: pb.ShardMetadata, shard: ShardMetadata) -> None:
+    """Fill `msg` (a fresh shard message, added in place to its layout's) with `shard`."""
+    msg.shard_offsets.extend(shard.shard_offsets)
+    msg.shard_sizes.extend(shard.shard_sizes)
+    if shard.placement is not None:
+        msg.placement = str(shard.placement)
 
 
 def shard_from_proto(msg: pb.ShardMetadata, index: int = 0) -> ShardMetadata:
@@ -96,11 +96,7 @@ def _layout_message(meta: ShardedTensorMetadata) -> pb.ShardedTensorMetadata:
     )
     add = msg.shards_metadata.add
     for shard in meta.shards_metadata:
-        out = add()
-        out.shard_offsets.extend(shard.shard_offsets)
-        out.shard_sizes.extend(shard.shard_sizes)
-        if shard.placement is not None:
-            out.placement = str(shard.placement)
+        shard_into(add(), shard)
     return msg
 
 

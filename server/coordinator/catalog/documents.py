@@ -14,7 +14,7 @@ import base64
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
 import orjson
@@ -75,12 +75,7 @@ def layout_of(text: str) -> ShardedTensorMetadata:
     text being the cache's key (a restarted coordinator's first listing decodes every distinct layout)."""
     document = loads(text)
     return _made_layout(
-        tuple(
-            ShardMetadata.of_ints(
-                tuple(s["offsets"]), tuple(s["sizes"]), as_placement(s["placement"])
-            )
-            for s in document["shards"]
-        ),
+        ((tuple(s["offsets"]), tuple(s["sizes"]), s["placement"]) for s in document["shards"]),
         tuple(document["size"]),
         document["dtype"],
         document["requires_grad"],
@@ -300,29 +295,25 @@ def layout_from_document(layout: dict[str, Any]) -> ShardedTensorMetadata:
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)
 def _layout(key: tuple[Any, ...]) -> ShardedTensorMetadata:
-    shards, *rest = key
-    return _made_layout(
-        tuple(
-            ShardMetadata.of_ints(offsets, sizes, as_placement(placement))
-            for offsets, sizes, placement in shards
-        ),
-        *rest,
-    )
+    return _made_layout(*key)
 
 
 def _made_layout(
-    shards: tuple[ShardMetadata, ...],
+    shards: Iterable[tuple[tuple[int, ...], tuple[int, ...], str | None]],
     size: tuple[int, ...],
     dtype: str,
     requires_grad: bool,
     pin_memory: bool,
 ) -> ShardedTensorMetadata:
     """The layout of a document's values, the one object of it (interned: the requests' and other records'
-    of this layout share it). Callers make its shards without the constructor's coercions (a third of the
-    cost): the catalog wrote their offsets and sizes as ints, from a layout validated when it was made."""
+    of this layout share it). Its shards are made without the constructor's coercions (a third of the cost):
+    the catalog wrote their offsets and sizes as ints, from a layout validated when it was made."""
     return interned(
         ShardedTensorMetadata(
-            shards,
+            tuple(
+                ShardMetadata.of_ints(offsets, sizes, as_placement(placement))
+                for offsets, sizes, placement in shards
+            ),
             size,
             TensorProperties(
                 dtype=dtype_from_name(dtype), requires_grad=requires_grad, pin_memory=pin_memory

@@ -14,7 +14,6 @@ import grpc
 
 from shardserve.server.common.errors import ServiceError
 from shardserve.server.coordinator.drivers.context import DriverContext
-from shardserve.server.coordinator.ranks.calls import Holdings
 from shardserve.server.coordinator.ranks.health import health_of, unavailable_shards
 
 log = logging.getLogger(__name__)
@@ -74,8 +73,8 @@ class Reconciler:
                 elif placed.ready:
                     missing.append(placed.key)
             self._promote_all(rank, promote)
-            # None: cannot tell, nothing forgotten
-            now = self.calls.held_by(rank) if missing else Holdings(set(), frozenset())
+            # None: nothing missing, or the rank cannot tell: nothing marked lost
+            now = self.calls.held_by(rank) if missing else None
             if now is not None:
                 for key in missing:
                     if key not in now.held:

@@ -31,6 +31,7 @@ from shardserve.server.coordinator.catalog.records import Init, ShardChecksums, 
 from shardserve.server.coordinator.ranks.call_loop import CallLoop
 from shardserve.server.coordinator.ranks.call_threads import CallThreads
 from shardserve.server.coordinator.ranks.encoded import Encoded, Entries, serialized
+from shardserve.server.coordinator.ranks.messages import held_from_proto, served_from_proto
 from shardserve.server.coordinator.ranks.registry import RankEntry, RankRegistry
 
 log = logging.getLogger(__name__)
@@ -285,10 +286,7 @@ class RankCalls:
         except (grpc.RpcError, ServiceError) as err:
             log.warning("could not ask rank %d what it holds: %s", rank, err)
             return None
-        return Holdings(
-            {(h.name, h.version) for h in stats.held},
-            frozenset((h.name, h.version) for h in stats.held if h.served),
-        )
+        return Holdings(set(held_from_proto(stats.held)), served_from_proto(stats.held))
 
 
 def allocation_request(record: TensorRecord, allocation: Allocation) -> pb.AllocateShardsRequest:

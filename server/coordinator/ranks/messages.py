@@ -66,10 +66,12 @@ def rank_to_proto(info: RankInfo) -> pb.RankInfo:
 
 
 def held_from_proto(held: Iterable[pb.HeldVersion]) -> list[tuple[str, int]]:
-    """The (name, version) pairs a registering rank says it holds, in its order (checked by the registry)."""
+    """The (name, version) pairs a rank says it holds, in its order (a registration's are checked by the
+    registry)."""
     return [(version.name, version.version) for version in held]
 
 
 def served_from_proto(held: Iterable[pb.HeldVersion]) -> frozenset[tuple[str, int]]:
-    """The (name, version) pairs of those a registering rank says it serves already (HeldVersion.served)."""
+    """The (name, version) pairs of those a rank says it serves already (HeldVersion.served: its registration's
+    and its GetStats answer's)."""
     return frozenset((version.name, version.version) for version in held if version.served)
