@@ -32,14 +32,23 @@ import traceback
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 from benchmarks.machine import machine_info
 from benchmarks.rss import RssSampler
+
+if TYPE_CHECKING:
+    from shardserve.server.coordinator.options import CoordinatorOptions
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 CLUSTER_START_TIMEOUT_S = 180.0
+DEAD_AFTER_S = 10.0
+"""Heartbeats missed this long mark a rank of a benchmark's cluster dead. Benchmarks time data paths, not
+liveness (a killed rank is reported by its supervisor at once): on a loaded 2-core host a live rank's heartbeats
+can be seconds late, and the default (twice the 1 s interval) took both ranks of a smoke run for dead and
+refused its put."""
 SCENARIO_MODULES = (
     "benchmarks.fetch",
     "benchmarks.scenarios",
@@ -165,7 +174,8 @@ class Context:
         **options,
     ):
         """A LocalCluster of `ranks` in a temporary state dir (`options`: more LocalCluster arguments, e.g.
-        security), stopped when `stack` closes, its ranks labelled for the RSS sampler."""
+        security; its coordinator's by default `coordinator_options()`), stopped when `stack` closes, its ranks
+        labelled for the RSS sampler."""
         # imported here: the harness itself stays free of torch and gRPC
         from shardserve.server.common.rank_options import RankOptions
         from shardserve.server.launcher import LocalCluster
@@ -173,12 +183,20 @@ class Context:
         state = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardserve-bench-"))
         rank_options = RankOptions(log_level="WARNING", device=device)
         options.setdefault("start_method", "forkserver")  # as `shardserve up` starts its ranks
+        options.setdefault("coordinator_options", coordinator_options())
         cluster = LocalCluster(ranks, state_dir=state, rank_options=rank_options, **options)
         stack.callback(cluster.stop)
         cluster.start(timeout=timeout)
         for rank, pid in enumerate(cluster.rank_pids):
             self.sampler.label(pid, f"rank {rank} server")
         return cluster
+
+
+def coordinator_options() -> CoordinatorOptions:
+    """The coordinator options of a benchmark's LocalCluster: a rank dead after DEAD_AFTER_S of silence."""
+    from shardserve.server.coordinator.options import CoordinatorOptions
+
+    return CoordinatorOptions(dead_after=DEAD_AFTER_S)
 
 
 @dataclass(frozen=True)

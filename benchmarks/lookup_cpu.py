@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.harness import coordinator_options
+
 DIM, THREADS = 64, 8
 
 
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             ranks=2,
             state_dir=state,
             rank_options=RankOptions(log_level="WARNING"),
+            coordinator_options=coordinator_options(),
             start_method="forkserver",
         ) as cluster,
     ):

@@ -28,13 +28,12 @@ import torch
 
 from benchmarks import reshard as raw
 from benchmarks.baselines import median_seconds
-from benchmarks.harness import Row, Target
+from benchmarks.harness import Row, Target, coordinator_options
 
 GROUP = "reshard"
 COPY = "in-process column copies"
 TARGET = Target(min_ratio=0.5)  # within 2x of the in-process copy
 BUCKET_BYTES = 16 << 20
-DEAD_AFTER_S = 10.0  # heartbeats missed this long mark a rank dead in the benchmark's clusters
 
 
 def cluster_times(
@@ -45,7 +44,6 @@ def cluster_times(
     from shardserve import connect
     from shardserve.core.specs import ChunkShardingSpec
     from shardserve.server.common.rank_options import RankOptions
-    from shardserve.server.coordinator.options import CoordinatorOptions
     from shardserve.server.launcher import LocalCluster
 
     placements = [f"rank:{r}/cpu" for r in range(world)]
@@ -57,7 +55,7 @@ def cluster_times(
             rank_options=RankOptions(recycle_bytes=recycle_bytes),
             # it times reshards, not liveness: ranks starting while the last cluster's processes end, on a
             # loaded machine, are not taken for dead for two late heartbeats (the default 2 s)
-            coordinator_options=CoordinatorOptions(dead_after=DEAD_AFTER_S),
+            coordinator_options=coordinator_options(),
             start_method="forkserver",
         ) as cluster,
         connect(cluster.address, timeout=600) as client,
