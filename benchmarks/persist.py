@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Context, Row, scenario
+from benchmarks.harness import Context, Row, coordinator_options, scenario
 
 COLUMNS = 256
 ROWS_PER_UPDATE = 64
@@ -45,6 +45,7 @@ def _start(state: Path, mode: str):  # type: ignore[no-untyped-def]
     cluster = LocalCluster(
         2,
         state_dir=state,
+        coordinator_options=coordinator_options(),
         rank_options=RankOptions(
             log_level="WARNING", persist_dir=persist, fsync=None if mode == "off" else mode
         ),

@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.harness import Row
+from benchmarks.harness import Row, coordinator_options
 
 MiB = 1 << 20
 
@@ -32,7 +32,12 @@ def run_on_two_ranks(make_rows: Callable[[Any], list[Row]], *, width: int = 48) 
     from shardserve.server.launcher import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="shardserve-bench-") as state_dir:
-        cluster = LocalCluster(2, state_dir=state_dir, start_method="forkserver").start(timeout=120)
+        cluster = LocalCluster(
+            2,
+            state_dir=state_dir,
+            coordinator_options=coordinator_options(),
+            start_method="forkserver",
+        ).start(timeout=120)
         try:
             rows = make_rows(cluster)
         finally:

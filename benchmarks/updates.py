@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from benchmarks.harness import coordinator_options
 from benchmarks.latency import percentile, write_json
 
 COLUMNS = 256
@@ -196,6 +197,7 @@ def rates_only(seconds: float) -> dict:
             ranks=2,
             state_dir=state,
             rank_options=RankOptions(log_level="WARNING"),
+            coordinator_options=coordinator_options(),
             start_method="forkserver",
         ) as cluster,
     ):
@@ -224,6 +226,7 @@ def _all(sizes: list[int], seconds: float, repeats: int) -> dict:
             ranks=2,
             state_dir=state,
             rank_options=RankOptions(log_level="WARNING"),
+            coordinator_options=coordinator_options(),
             start_method="forkserver",
         ) as cluster,
     ):
