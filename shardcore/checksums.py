@@ -62,6 +62,11 @@ def hashing_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def bytes_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum of raw bytes (any buffer): what tensor_checksum answers for a tensor holding them."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """The xxh3-64 of `tensor`'s bytes in C order (its dtype's raw little-endian bytes, as the wire sends them).
 
@@ -75,8 +80,8 @@ def tensor_checksum(tensor: torch.Tensor) -> int:
     if host.device.type != "cpu" or not host.is_contiguous():
         host = host.to("cpu").contiguous()
     if host.numel() == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(host.reshape(-1).view(torch.uint8).numpy().data)
+        return bytes_checksum(b"")
+    return bytes_checksum(host.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def cuda_checksum(tensor: torch.Tensor, stage_bytes: int = STAGE_BYTES) -> int:

@@ -2,7 +2,8 @@
 
 A version's local shards are hashed (shardserve.core.checksums: xxh3-64 of the raw bytes) after every byte is
 written and before it is persisted or served, one shard per pool thread (xxhash releases the GIL), so a promote
-of many shards costs about their bytes over the cores. A shard keeps its checksum for its life on the rank: a
+of many shards costs about their bytes over the cores (a small shard sent as bytes was hashed as it landed:
+server/rank/leases.py HASHED_AS_WRITTEN_BYTES). A shard keeps its checksum for its life on the rank: a
 promote retried, a re-promote after a coordinator restart and a restore answer the same value.
 """
 

@@ -25,6 +25,12 @@ from shardserve.server.rank.shard_writer import ShardWriter, checked_box
 from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.version_table import StoredVersion, VersionState, VersionTable
 
+HASHED_AS_WRITTEN_BYTES = 1 << 20
+"""A shard written by bytes (WriteShard, WriteShards) up to this size is hashed as soon as it is whole, while
+its bytes are in cache: its promote then finds every checksum known and serves at once, without leasing the
+version and handing each shard to the hashing pool (for a batch of small shards, most of the promote's cost).
+Larger shards are hashed by the promote, in parallel on the pool."""
+
 
 @dataclass(frozen=True)
 class InPlace:
@@ -150,6 +156,10 @@ class VersionLeases:
                     f"shard {shard_index}",
                     metadata={"tensor": name},
                 )
+            if nbytes <= HASHED_AS_WRITTEN_BYTES:
+                checksum = writer.checksum()
+                if checksum is not None:  # set while the shard still counts as being written
+                    record.checksums[shard_index] = checksum
             done(True)
 
     def open_in_place(
@@ -176,6 +186,9 @@ class VersionLeases:
             found = self._in_place(record, shard)
             if found is not None:
                 record.progress.open_in_place(shard_index)
+                record.checksums.pop(
+                    shard_index, None
+                )  # its writer's bytes replace what was hashed
                 self._memory.shared.clear_left_checksum(shard)
         return found
 
@@ -208,6 +221,7 @@ class VersionLeases:
                 )  # CUDA shards: OpenShardsForWrite
                 if found is not None:
                     record.progress.open_in_place(shard_index)
+                    record.checksums.pop(shard_index, None)
                     self._memory.shared.clear_left_checksum(shard)
                     opened.append((shard_index, *found))
         return opened

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from shardserve.core.checksums import bytes_checksum
 from shardserve.core.metadata import Box
 from shardserve.core.wire import byte_view
 from shardserve.server.rank.errors import InvalidArgument
@@ -83,3 +84,10 @@ class ShardWriter:
             receive(staging.numpy().data)
             self._bytes.copy_(staging)
         self.written = self.nbytes
+
+    def checksum(self) -> int | None:
+        """The checksum of the shard once written whole (shardserve.core.checksums), read
+        from its host memory; None before, and for a shard on a device (the promote hashes those)."""
+        if self.written != self.nbytes or not self._host:
+            return None
+        return bytes_checksum(self._view if self._view is not None else b"")

@@ -1,6 +1,7 @@
 """Checksums an in-place writer leaves beside the bytes it copied: the rank keeps them when the writer says the
 shard is written (no hashing at the promote), and hashes the shard itself whenever that checksum cannot stand
-for the bytes (none left, left before the shard was handed out again, or bytes sent since by another path).
+for the bytes (none left, left before the shard was handed out again, or bytes sent since by another path). A
+small shard sent as bytes is hashed by the rank as soon as it is whole, a large one by the promote.
 
 The test plays the writer: it maps the rank's memfd segment as a same-host writer does (/proc/<pid>/fd/<fd>),
 copies a tensor in with the client's own `fill`, and leaves a checksum with the contract's `leave_checksum`.
@@ -28,6 +29,7 @@ from shardserve.protos.same_host import (
     leave_checksum,
     left_checksum,
 )
+from shardserve.server.rank.leases import HASHED_AS_WRITTEN_BYTES
 from shardserve.server.rank.store import ShardStore
 
 META = make_metadata((8, 4), [((0, 0), (4, 4), 0), ((4, 0), (4, 4), 0)])
@@ -150,3 +152,38 @@ def test_a_recycled_segment_ignores_the_checksum_its_last_writer_left(store):
     sums = store.promote("g", 2)
     assert sums == {i: tensor_checksum(store.local_tensor("g", 2, i)) for i in (0, 1)}
     assert WRONG not in sums.values()
+
+
+def _send(store, name: str, version: int, index: int, tensor: torch.Tensor) -> None:
+    """Write shard `index` whole as bytes, as WriteShard and WriteShards do."""
+    data = tensor.view(torch.uint8).numpy().tobytes()
+    with store.leases.write(name, version, index, tensor.dtype, len(data)) as writer:
+        writer.write(0, data)
+
+
+@pytest.mark.parametrize("rows", [4, (HASHED_AS_WRITTEN_BYTES // 16) + 4], ids=["small", "large"])
+def test_a_small_shard_sent_as_bytes_is_hashed_as_it_is_written_a_large_one_by_the_promote(
+    store, rows
+):
+    meta = make_metadata((rows, 4), [((0, 0), (rows, 4), 0)])
+    store.allocate("b", 1, meta)
+    sent = torch.randn(rows, 4)
+    _send(store, "b", 1, 0, sent)
+    store.local_tensor("b", 1, 0).zero_()  # changed behind the rank's back, after the write
+    small = rows * 16 <= HASHED_AS_WRITTEN_BYTES
+    expected = sent if small else torch.zeros(rows, 4)  # hashed when whole, or at the promote
+    assert store.promote("b", 1) == {0: tensor_checksum(expected)}
+
+
+def test_a_shard_sent_as_bytes_then_filled_in_place_is_hashed_again(store):
+    meta = make_metadata((4, 4), [((0, 0), (4, 4), 0)], dtype=torch.bfloat16)
+    store.allocate("w", 1, meta)
+    _send(store, "w", 1, 0, torch.zeros(4, 4, dtype=torch.bfloat16))  # hashed as written
+    opened = {index: seg for index, seg, _ in store.leases.open_allocated_in_place("w", 1)}
+    flat = _map(opened[0])
+    header = flat[: HEADER_WORDS * 8].view(torch.int64).numpy()
+    target = flat[opened[0].data_offset : opened[0].data_offset + opened[0].nbytes]
+    source = torch.randn(4, 4)
+    fill([shard_write("w", 1, 0, source, dtype=torch.bfloat16)], [target], [header])  # leaves none
+    store.leases.finish_all_in_place("w", 1)
+    assert store.promote("w", 1) == {0: tensor_checksum(source.to(torch.bfloat16))}
