@@ -281,7 +281,8 @@ class VersionLeases:
                 f"of {meta.shard_nbytes(shard_index)} bytes",
                 metadata={"tensor": name, "field": "header.nbytes"},
             )
-        if self._memory.blocks.is_composed(record.shards.get(shard_index, torch.empty(0))):
+        shard = record.shards.get(shard_index)
+        if shard is not None and self._memory.blocks.is_composed(shard):
             raise InvalidState(
                 f"shard_index {shard_index} of {name!r} version {version} is a row "
                 f"update's copy; change its rows with WriteRows",
