@@ -156,9 +156,10 @@ class VersionLeases:
                     f"shard {shard_index}",
                     metadata={"tensor": name},
                 )
-            if nbytes <= HASHED_AS_WRITTEN_BYTES:
-                checksum = writer.checksum()
-                if checksum is not None:  # set while the shard still counts as being written
+            # kept before the shard counts as written, so a promote never finds the shard whole without it
+            checksum = writer.checksum() if nbytes <= HASHED_AS_WRITTEN_BYTES else None
+            if checksum is not None:
+                with self._lock:
                     record.checksums[shard_index] = checksum
             done(True)
 
