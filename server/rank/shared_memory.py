@@ -105,14 +105,15 @@ class SharedMemory:
         self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False
     ) -> torch.Tensor:
         """A C-contiguous CPU tensor, in a memfd when enabled (else plain memory): zero-filled, unless the
-        caller will `overwrite` every byte (then a recycled segment is handed over as it is)."""
-        nbytes = _nbytes(sizes, dtype)
-        if not self.enabled or nbytes == 0:
+        caller will `overwrite` every byte. A freed version's buffer of its size is taken first (a recycled
+        segment when enabled, a private buffer when not) and then handed over as it is when overwritten: a
+        tensor put every step reuses its memory instead of faulting in and zeroing fresh pages each time."""
+        if _nbytes(sizes, dtype) == 0:
             return torch.zeros(sizes, dtype=dtype)
-        tensor = self._reuse(sizes, dtype, shared=True)
+        tensor = self._reuse(sizes, dtype, shared=self.enabled)
         if tensor is not None:
             return tensor if overwrite else tensor.zero_()
-        return self._new(sizes, dtype)
+        return self._new(sizes, dtype) if self.enabled else torch.zeros(sizes, dtype=dtype)
 
     def fresh(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """A zero-filled tensor in a new memfd, never a recycled one (its writes not sealed: any same-host

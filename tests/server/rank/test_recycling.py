@@ -147,6 +147,21 @@ def test_store_recycles_a_dropped_version_once_no_lease_holds_it():
     assert store.memory.recycled(_meta(64), 0) == {} and store.shared.recycled.reused == 1
 
 
+def test_a_store_without_shared_memory_reuses_a_dropped_versions_private_buffer():
+    store = ShardStore(0, shared_memory=False)
+    store.allocate("t", 1, _meta(64), fill=InitFill.ONES)
+    first = store.local_tensor("t", 1, 0).data_ptr()
+    store.promote("t", 1)
+    store.drop("t", 1)
+    store.allocate("t", 2, _meta(64))  # written whole before it counts: handed over as it is
+    assert store.local_tensor("t", 2, 0).data_ptr() == first
+    store.drop("t", 2)
+    store.allocate("z", 1, _meta(64), fill=InitFill.ZEROS)
+    zeros = store.local_tensor("z", 1, 0)
+    assert zeros.data_ptr() == first and not zeros.any()
+    assert store.shared.recycled.reused == 2
+
+
 def test_store_lets_recycled_memory_go_when_a_reservation_needs_it():
     store = ShardStore(0, shared_memory=True, memory_limit=64 * 8 * 4 + 100)
     store.allocate("t", 1, _meta(64), fill=InitFill.ONES)
