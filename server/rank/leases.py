@@ -26,7 +26,7 @@ from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.version_table import StoredVersion, VersionState, VersionTable
 
 HASHED_AS_WRITTEN_BYTES = 1 << 20
-"""A shard written by bytes (WriteShard, WriteShards) up to this size is hashed as soon as it is whole, while
+"""A shard written by bytes (WriteShard, WriteShards, the bulk port) up to this size is hashed as soon as it is whole, while
 its bytes are in cache: its promote then finds every checksum known and serves at once, without leasing the
 version and handing each shard to the hashing pool (for a batch of small shards, most of the promote's cost).
 Larger shards are hashed by the promote, in parallel on the pool."""
@@ -187,9 +187,8 @@ class VersionLeases:
             found = self._in_place(record, shard)
             if found is not None:
                 record.progress.open_in_place(shard_index)
-                record.checksums.pop(
-                    shard_index, None
-                )  # its writer's bytes replace what was hashed
+                # its writer's bytes replace any that were hashed as they were sent
+                record.checksums.pop(shard_index, None)
                 self._memory.shared.clear_left_checksum(shard)
         return found
 

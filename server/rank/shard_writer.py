@@ -86,8 +86,8 @@ class ShardWriter:
         self.written = self.nbytes
 
     def checksum(self) -> int | None:
-        """The checksum of the shard once written whole (shardserve.core.checksums), read
-        from its host memory; None before, and for a shard on a device (the promote hashes those)."""
+        """The checksum of the shard once written whole (shardserve.core.checksums), read from its host
+        memory; None before, and for a shard on a device (the promote hashes those)."""
         if self.written != self.nbytes or not self._host:
             return None
         return bytes_checksum(self._view if self._view is not None else b"")
