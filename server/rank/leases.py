@@ -26,10 +26,10 @@ from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.version_table import StoredVersion, VersionState, VersionTable
 
 HASHED_AS_WRITTEN_BYTES = 1 << 20
-"""A shard written by bytes (WriteShard, WriteShards, the bulk port) up to this size is hashed as soon as it is whole, while
-its bytes are in cache: its promote then finds every checksum known and serves at once, without leasing the
-version and handing each shard to the hashing pool (for a batch of small shards, most of the promote's cost).
-Larger shards are hashed by the promote, in parallel on the pool."""
+"""A shard written by bytes (WriteShard, WriteShards, the bulk port) up to this size is hashed as soon as it is
+whole, while its bytes are in cache: its promote then finds every checksum known and serves at once, without
+leasing the version and handing each shard to the hashing pool (for a batch of small shards, most of the
+promote's cost). Larger shards are hashed by the promote, in parallel on the pool."""
 
 
 @dataclass(frozen=True)
