@@ -186,10 +186,7 @@ class VersionLeases:
                 shard = self._renew(record, shard_index, shard)
             found = self._in_place(record, shard)
             if found is not None:
-                record.progress.open_in_place(shard_index)
-                # its writer's bytes replace any that were hashed as they were sent
-                record.checksums.pop(shard_index, None)
-                self._memory.shared.clear_left_checksum(shard)
+                self._hand_out(record, shard_index, shard)
         return found
 
     def _renew(self, record: StoredVersion, shard_index: int, shard: torch.Tensor) -> torch.Tensor:
@@ -200,6 +197,14 @@ class VersionLeases:
             return shard
         record.shards[shard_index] = renewed
         return renewed
+
+    def _hand_out(self, record: StoredVersion, shard_index: int, shard: torch.Tensor) -> None:
+        """(under the lock) Count pending shard `shard_index` as handed to an in-place writer, whose bytes replace
+        any hashed before: the checksum taken of bytes sent to it and the one a former writer left beside it are
+        forgotten."""
+        record.progress.open_in_place(shard_index)
+        record.checksums.pop(shard_index, None)
+        self._memory.shared.clear_left_checksum(shard)
 
     def _in_place(self, record: StoredVersion, shard: torch.Tensor) -> InPlace | None:
         """Where a writer fills pending `shard` in place (under the lock); None when it cannot."""
@@ -220,9 +225,7 @@ class VersionLeases:
                     shard
                 )  # CUDA shards: OpenShardsForWrite
                 if found is not None:
-                    record.progress.open_in_place(shard_index)
-                    record.checksums.pop(shard_index, None)
-                    self._memory.shared.clear_left_checksum(shard)
+                    self._hand_out(record, shard_index, shard)
                     opened.append((shard_index, *found))
         return opened
 
