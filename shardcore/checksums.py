@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TypeVar
 
 import numpy as np
 import torch
 import xxhash
+
+Key = TypeVar("Key", bound=Hashable)
 
 ALGORITHM = "xxh3_64"
 UNKNOWN = 0  # a shard whose checksum is not known
@@ -162,10 +165,11 @@ def _hash_as_landed(dst: torch.Tensor, runs: list[tuple[int, int, torch.cuda.Eve
 
 
 def shard_checksums(
-    shards: Mapping[int, torch.Tensor], pool: Executor | None = None
-) -> dict[int, int]:
-    """The checksum of every shard by its index; with `pool`, the shards are hashed in parallel (one per task)
-    and CUDA shards go down through pinned windows (cuda_checksums)."""
+    shards: Mapping[Key, torch.Tensor], pool: Executor | None = None
+) -> dict[Key, int]:
+    """The checksum of every shard by its key (a shard index, or anything naming a shard); with `pool`, the
+    shards are hashed in parallel (one per task) and CUDA shards go down through pinned windows together
+    (cuda_checksums)."""
     if pool is None or len(shards) <= 1:
         return {index: tensor_checksum(tensor) for index, tensor in shards.items()}
     on_cuda = {i: t for i, t in shards.items() if t.device.type == "cuda" and t.numel()}
@@ -179,13 +183,13 @@ def shard_checksums(
 
 
 def cuda_checksums(
-    shards: Mapping[int, torch.Tensor], pool: Executor, *, window_bytes: int = WINDOW_BYTES
-) -> dict[int, int]:
-    """The checksums of CUDA `shards` by index, as tensor_checksum gives them: consecutive shards go down
+    shards: Mapping[Key, torch.Tensor], pool: Executor, *, window_bytes: int = WINDOW_BYTES
+) -> dict[Key, int]:
+    """The checksums of CUDA `shards` by key, as tensor_checksum gives them: consecutive shards go down
     together into one pinned window of at most `window_bytes` (copy_down_checksummed), window after window; a
     shard larger than a window is hashed alone (cuda_checksum). Called from outside `pool`'s threads."""
-    found: dict[int, int] = {}
-    window: list[tuple[int, torch.Tensor]] = []
+    found: dict[Key, int] = {}
+    window: list[tuple[Key, torch.Tensor]] = []
     held = 0
     for index, shard in shards.items():
         flat = shard.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -203,8 +207,8 @@ def cuda_checksums(
 
 
 def _window_checksums(
-    window: Sequence[tuple[int, torch.Tensor]], nbytes: int, pool: Executor
-) -> dict[int, int]:
+    window: Sequence[tuple[Key, torch.Tensor]], nbytes: int, pool: Executor
+) -> dict[Key, int]:
     """The checksums of `window`'s flat CUDA bytes, copied down into one pinned buffer of `nbytes` (from torch's
     caching host allocator: the next window reuses it) and hashed as they land."""
     staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -110,9 +110,9 @@ class VersionPromotion:
         versions: Sequence[tuple[str, int]],
         errors: ItemErrors,
     ) -> dict[tuple[str, int], dict[int, int]]:
-        """Hash the pending versions' unhashed shards and persist the durable ones outside the lock (each
-        version leased meanwhile), then serve them all."""
-        pending: list[tuple[StoredVersion, dict[int, int]]] = []
+        """Hash the pending versions' unhashed shards (all of them together) and persist the durable ones outside
+        the lock (each version leased meanwhile), then serve them all."""
+        leased: list[StoredVersion] = []
         with ExitStack() as leases:
             for index, (name, version) in enumerate(versions):
                 with errors(index), self._lock:
@@ -120,13 +120,11 @@ class VersionPromotion:
                     if not record.state.is_pending:
                         continue
                 with errors(index):
-                    record = leases.enter_context(self._leases.lease(name, version, served=False))
-                pending.append(
-                    (
-                        record,
-                        {**record.checksums, **missing_checksums(record.shards, record.checksums)},
+                    leased.append(
+                        leases.enter_context(self._leases.lease(name, version, served=False))
                     )
-                )
+            hashed = missing_checksums([(r.shards, r.checksums) for r in leased])
+            pending = [(r, {**r.checksums, **found}) for r, found in zip(leased, hashed)]
             persist = [  # what outlives a restart (persistence writes nothing of the others)
                 PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)
                 for r, sums in pending

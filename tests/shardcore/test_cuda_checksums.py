@@ -75,3 +75,13 @@ def test_shard_checksums_mixes_cpu_and_cuda_shards():
     expected = {i: tensor_checksum(t) for i, t in hosts.items()}
     expected[3] = tensor_checksum(hosts[3].t().contiguous())
     assert shard_checksums(shards, hashing_pool()) == expected
+
+
+def test_shards_of_many_versions_keyed_by_version_and_index_share_the_windows():
+    """A promote of many one-shard versions hashes them in one call, keyed (version, shard index)."""
+    hosts = {(version, 0): torch.randn(256 + version, 4) for version in range(9)}
+    hosts[(9, 1)] = torch.randn(3)  # a CPU shard beside them
+    shards = {key: t.cuda() if key != (9, 1) else t for key, t in hosts.items()}
+    assert shard_checksums(shards, hashing_pool()) == {
+        key: tensor_checksum(t) for key, t in hosts.items()
+    }
