@@ -49,6 +49,8 @@ COUNTERS = {
     "delta_puts": "delta puts that sent only the blocks that changed",
     "delta_bytes": "bytes of changed blocks sent by delta puts",
     "shm_opens": "shards a shared-memory read opened on their rank (OpenShard); a kept mapping opens none",
+    "cuda_ipc_opens": "CUDA IPC handles of same-host ranks' CUDA shards opened, to read or write in place; "
+    "memory opened before and reused by the rank opens none",
 }
 
 

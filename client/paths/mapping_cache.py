@@ -3,7 +3,9 @@
 A served version never changes, so its mapping is kept (bounded in bytes and entries) and later reads of it
 skip OpenShard. A rank also reuses a segment for a later version (steady puts alternate between two sets of
 segments, a tensor put every step too): the cache knows each memfd mapping by (rank, pid, inode, device), so the
-later version is read through the mapping already made instead of mapping the same memory again.
+later version is read through the mapping already made instead of mapping the same memory again. A CUDA shard's
+buffer is reused with its state header, so its opened IPC handle is found the same way (by the header's
+identity) and used again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 from collections import OrderedDict
 
 from shardserve.client.paths import segments
+from shardserve.core.dtypes import dtype_from_wire
 from shardserve.protos import shardserve_pb2 as pb
 
 CACHE_BYTES = (
@@ -49,7 +52,9 @@ class MappingCache:
             self._drop(key)
             self._cache[key] = mapping
             self._nbytes += mapping.flat.numel()
-            if mapping.data_offset >= 0 and mapping.cuda_handle is None:
+            if mapping.state is not None and (
+                mapping.data_offset >= 0 or mapping.cuda_handle is not None
+            ):
                 self._by_segment[_segment_key(key[0], mapping)] = key
             while self._cache and (self._nbytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES):
                 self._drop(next(iter(self._cache)))
@@ -85,6 +90,29 @@ class MappingCache:
             self._drop(key)
             return earlier
 
+    def take_cuda(
+        self, address: str, reply: pb.OpenShardResponse
+    ) -> segments.SegmentMapping | None:
+        """The mapping of a CUDA shard's memory made for an earlier version whose state header is the one `reply`
+        names, when it maps exactly the memory the reply's IPC handle describes (the rank reuses a freed CUDA
+        buffer with its header), taken out of the cache; None when there is none."""
+        h = reply.cuda
+        segment = (address, reply.pid, reply.inode, reply.device_id)
+        with self._lock:
+            key = self._by_segment.get(segment)
+            earlier = self._cache.get(key) if key is not None else None
+            if (
+                key is None
+                or earlier is None
+                or earlier.state is None
+                or earlier.cuda_handle != (h.handle, h.storage_offset_bytes)
+                or earlier.flat.numel() != reply.nbytes
+                or earlier.flat.storage_offset() != h.tensor_offset * _itemsize(reply)
+            ):
+                return None
+            self._drop(key)
+            return earlier
+
     def clear(self) -> None:
         """Forget every mapping (each unmapped once no tensor uses it)."""
         with self._lock:
@@ -101,6 +129,10 @@ class MappingCache:
         segment = _segment_key(key[0], old)
         if self._by_segment.get(segment) == key:
             del self._by_segment[segment]
+
+
+def _itemsize(reply: pb.OpenShardResponse) -> int:
+    return dtype_from_wire(reply.dtype).itemsize
 
 
 def _segment_key(address: str, mapping: segments.SegmentMapping) -> tuple:

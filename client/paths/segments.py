@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardserve.client import counters
 from shardserve.client.paths.composed import CompositionError, map_extents
 from shardserve.core.address_space import AddressRange
 from shardserve.core.dtypes import dtype_from_wire
@@ -270,6 +271,8 @@ def open_cuda_handle(h: pb.CudaIpcHandle, byte_offset: int, nbytes: int) -> torc
     """The `nbytes` from `byte_offset` of the storage a rank shared as `h`, as a uint8 CUDA tensor over its memory
     (shardserve.core.lent_memory); SegmentError, the handle left unopened, when it cannot be opened."""
     try:
-        return open_cuda_storage(h, byte_offset, nbytes)
+        opened = open_cuda_storage(h, byte_offset, nbytes)
     except LentMemoryError as err:
         raise SegmentError(str(err)) from None
+    counters.count("cuda_ipc_opens")
+    return opened

@@ -213,16 +213,22 @@ class ShardOpener:
         process: segments.RankProcess,
     ) -> segments.SegmentMapping:
         """The shard's CUDA memory: the cached mapping when the handle is the same one (opening a handle maps the
-        whole allocation, milliseconds per call), else a newly opened one."""
+        whole allocation, milliseconds per call; closing one waits for the device), the memory opened for an
+        earlier version when the rank reused it for this one, else a newly opened one."""
         h = reply.cuda
         if cached is not None and cached.cuda_handle == (h.handle, h.storage_offset_bytes):
             # the rank counted one more user of its memory for this reply; we already hold one
             release_cuda_count(h)
             return cached
-        flat = segments.map_cuda(reply)
-        state = (
-            segments.map_state_header(reply) if reply.fd else None
-        )  # later reads check it instead of calling OpenShard
+        earlier = self.mappings.take_cuda(key[0], reply)
+        if earlier is not None:
+            release_cuda_count(h)  # as above: the earlier mapping holds the memory open
+            flat, state = earlier.flat, earlier.state
+        else:
+            flat = segments.map_cuda(reply)
+            state = (
+                segments.map_state_header(reply) if reply.fd else None
+            )  # later reads check it instead of calling OpenShard
         mapping = segments.SegmentMapping(
             process,
             reply.inode,

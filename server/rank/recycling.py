@@ -5,9 +5,13 @@ first-touching fresh pages costs several times the copy itself (128 MiB:
 ~20-30 ms into fresh THP memory, ~100 ms into a fresh memfd, 16 ms into memory
 touched before). So when the store frees a dropped version, its shard buffers
 come here instead of back to the OS, and the next allocation of the same byte
-size takes one. Bounded in bytes and in age (the rank's main loop expires
-old buffers even when nothing else happens); the store trims it whenever it
-needs the memory for a reservation.
+size on the same device takes one. A CUDA shard's buffer is kept too, with the
+header-only segment that tells same-host readers its state: a writer and a
+reader that opened its CUDA IPC handle for an earlier version use the same
+opened memory again (opening and closing a handle costs far more than the
+copy). Bounded in bytes and in age (the rank's main loop expires old buffers
+even when nothing else happens); the store trims it whenever it needs the
+memory for a reservation.
 
 Safety is the caller's: a buffer is kept only once no lease holds its version
 (no read, write or reshard in this process uses it). Same-host clients that
@@ -29,6 +33,7 @@ import torch
 
 from shardserve.core.wire import byte_view
 
+CPU = torch.device("cpu")
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_MAX_AGE_S = 60.0
 
@@ -94,12 +99,16 @@ class RecycledBuffers:
             self._bytes += buffer.nbytes
             self._trim_locked(self.max_bytes)
 
-    def take(self, nbytes: int, shared: bool | None = None) -> Buffer | None:
-        """A kept buffer of exactly `nbytes` (shared-memory ones first when `shared` is None; only those, or only
-        private ones, when True or False), or None."""
+    def take(
+        self, nbytes: int, shared: bool | None = None, *, device: torch.device = CPU
+    ) -> Buffer | None:
+        """A kept buffer of exactly `nbytes` on `device` (shared-memory ones first when `shared` is None; only
+        those, or only private ones, when True or False), or None."""
         with self._lock:
             self._trim_locked(self.max_bytes)
-            chosen = _newest(self._by_size.get(nbytes, []), shared)
+            chosen = _newest(
+                [b for b in self._by_size.get(nbytes, []) if b.tensor.device == device], shared
+            )
             if chosen is None:
                 return None
             self._buffers.remove(chosen)

@@ -35,9 +35,13 @@ class ShardMemory:
         self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False
     ) -> torch.Tensor:
         """The one allocation of shard memory: zero-filled (unless the caller will `overwrite` every byte), in
-        shared memory for CPU shards when enabled, from a freed version's buffer when one fits."""
+        shared memory for CPU shards when enabled, from a freed version's buffer when one fits (on a GPU too: a
+        weight sync's writer and readers then find the CUDA memory they opened for the version before last)."""
         if self.device.type == "cpu":
             return self.shared.empty(tuple(sizes), dtype, overwrite=overwrite)
+        kept = self.shared.recycled_empty(tuple(sizes), dtype, device=self.device)
+        if kept is not None:
+            return kept if overwrite else kept.zero_()
         return torch.zeros(sizes, dtype=dtype, device=self.device)
 
     def renewed(self, shard: torch.Tensor) -> torch.Tensor | None:
@@ -84,7 +88,7 @@ class ShardMemory:
 
     def reclaim(self, record: StoredVersion) -> None:
         """Give back the memory of a freed version: its bytes, the blocks no other version uses, and its whole
-        CPU buffers kept for reuse, except those still handed to a same-host writer that never said it filled
+        buffers kept for reuse, except those still handed to a same-host writer that never said it filled
         them (an aborted or reaped reservation): that writer may still copy into its mapping, so the buffer
         goes back to the system instead of becoming another version's memory."""
         self.budget.release(record.nbytes)

@@ -62,6 +62,7 @@ F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not 
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
+CPU = torch.device("cpu")
 
 
 def enabled_by_env() -> bool:
@@ -151,30 +152,54 @@ class SharedMemory:
         self._track(tensor, segment, _new_header(flat, STATE_PENDING))
         return tensor
 
-    def recycled_empty(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """A recycled buffer of the right size as a tensor whose every byte the caller will overwrite (shared
-        memory or private), or None when none is kept."""
-        return self._reuse(sizes, dtype, shared=None)
+    def recycled_empty(
+        self, sizes: tuple[int, ...], dtype: torch.dtype, *, device: torch.device = CPU
+    ) -> torch.Tensor | None:
+        """A recycled buffer of the right size on `device` as a tensor whose every byte the caller will overwrite
+        (shared memory or private; for a CUDA device, a freed CUDA shard's buffer), or None when none is kept."""
+        return self._reuse(sizes, dtype, shared=None, device=device)
 
     def recycle(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Keep the buffers of a freed version's CPU shards for reuse; the caller guarantees nothing in this
-        process uses them any more (no lease on their version)."""
+        """Keep the buffers of a freed version's shards for reuse (CPU buffers, and CUDA buffers with the header
+        their readers check); the caller guarantees nothing in this process uses them any more (no lease on
+        their version)."""
         for tensor in tensors:
-            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            if not tensor.is_contiguous():
                 continue
             with self._lock:
                 segment, header = self._segments.get(id(tensor)), self._headers.get(id(tensor))
-            if segment is not None and segment.data_offset == HEADER_BYTES and header is not None:
+            if tensor.device.type == "cuda":
+                self._recycle_cuda(tensor, segment, header)
+            elif tensor.device.type != "cpu":
+                continue
+            elif segment is not None and segment.data_offset == HEADER_BYTES and header is not None:
                 header[1] = STATE_DROPPED
                 self.recycled.keep(Buffer(tensor, header, segment))
             elif segment is None and _owns_storage(tensor):
                 self.recycled.keep(Buffer(tensor))
 
+    def _recycle_cuda(
+        self, tensor: torch.Tensor, segment: Segment | None, header: np.ndarray | None
+    ) -> None:
+        """Keep a freed CUDA shard's whole buffer with its header-only segment (None when no reader or writer
+        ever asked for one), the header marked DROPPED: the next version of its size reuses the memory, and
+        same-host clients the IPC handle they opened for it."""
+        if not _owns_storage(tensor):
+            return
+        if header is not None:
+            header[1] = STATE_DROPPED
+        self.recycled.keep(Buffer(tensor, header, segment))
+
     def _reuse(
-        self, sizes: tuple[int, ...], dtype: torch.dtype, shared: bool | None
+        self,
+        sizes: tuple[int, ...],
+        dtype: torch.dtype,
+        shared: bool | None,
+        *,
+        device: torch.device = CPU,
     ) -> torch.Tensor | None:
         """A kept buffer as a tensor of `sizes`; a segment gets a new generation before anything is written."""
-        buffer = self.recycled.take(_nbytes(sizes, dtype), shared)
+        buffer = self.recycled.take(_nbytes(sizes, dtype), shared, device=device)
         if buffer is None:
             return None
         tensor = buffer.shaped(sizes, dtype)

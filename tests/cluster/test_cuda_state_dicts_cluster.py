@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shardserve import connect, spmd
+from shardserve.client import metrics as client_metrics
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
@@ -112,6 +113,23 @@ def test_cuda_state_dicts_first_and_steady_puts_and_gets(ranks, transport) -> No
                 if key != "step":
                     assert into[key].device.type == "cuda"
                     assert torch.equal(bits(into[key]), bits(tensor)), (step, key)
+
+
+def test_steady_puts_into_a_cuda_rank_reuse_the_memory_writer_and_reader_opened(make_cluster):
+    """A weight sync into a CUDA rank alternates between two buffers the rank keeps: once the writer and the
+    reader opened each (the first puts and gets), later steps open no CUDA IPC handle, and read bit for bit."""
+    cluster = make_cluster(ranks=1, rank_options=RankOptions(device="cuda"))
+    spec = ChunkShardingSpec(0, ["rank:0/cuda:0"])
+    with connect(cluster.address, transport="shm") as client:
+        opened = []
+        for step in range(6):
+            state = {f"w{i}": sources(torch.float32, seed=10 * step + i)["whole"] for i in range(4)}
+            spmd.put_state_dict(client, state, "reused-cuda", spec, keep=1, durable=False)
+            into = {key: torch.zeros_like(t) for key, t in state.items()}
+            spmd.get_state_dict(client, "reused-cuda", into=into)
+            assert all(torch.equal(bits(into[k]), bits(t)) for k, t in state.items()), step
+            opened.append(client_metrics()["cuda_ipc_opens"])
+        assert opened[-1] == opened[2] > 0, opened
 
 
 FSDP_JOB = textwrap.dedent(

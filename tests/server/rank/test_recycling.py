@@ -64,6 +64,14 @@ def test_shared_buffers_are_preferred_and_can_be_asked_for():
     assert pool.take(64) is shared and pool.take(64, shared=True) is None
 
 
+def test_a_buffer_is_taken_only_for_its_own_device():
+    pool = RecycledBuffers()
+    kept = _bytes(64)
+    pool.keep(kept)
+    assert pool.take(64, device=torch.device("cuda", 0)) is None
+    assert pool.take(64, device=torch.device("cpu")) is kept
+
+
 @pytest.mark.parametrize("bad", [{"max_bytes": -1}, {"max_age_s": 0}])
 def test_bad_bounds_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
