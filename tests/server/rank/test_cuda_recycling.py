@@ -43,7 +43,7 @@ def _served_with_header(store: ShardStore, name: str, version: int):
 
 
 def test_a_cuda_rank_reuses_a_dropped_versions_buffer_and_its_header():
-    store = ShardStore(0, device="cuda", version_grace=0)
+    store = ShardStore(0, device="cuda:0", version_grace=0)
     first, segment = _served_with_header(store, "t", 1)
     assert _header(segment) == [HEADER_MAGIC, STATE_SERVED, 0]
     store.drop("t", 1)
@@ -64,7 +64,7 @@ def test_a_cuda_rank_reuses_a_dropped_versions_buffer_and_its_header():
 
 
 def test_a_cuda_buffer_of_another_size_is_not_taken():
-    store = ShardStore(0, device="cuda", version_grace=0)
+    store = ShardStore(0, device="cuda:0", version_grace=0)
     first, _ = _served_with_header(store, "t", 1)
     store.drop("t", 1)
     store.allocate("u", 1, _meta(32), fill=InitFill.ONES)
@@ -73,7 +73,7 @@ def test_a_cuda_buffer_of_another_size_is_not_taken():
 
 
 def test_cuda_memory_handed_to_a_writer_that_never_finished_is_not_reused():
-    store = ShardStore(0, device="cuda", version_grace=0)
+    store = ShardStore(0, device="cuda:0", version_grace=0)
     store.allocate("t", 1, _meta())
     handed = store.leases.open_in_place("t", 1, 0, torch.float32, NBYTES)
     assert handed is not None and handed.cuda is not None
