@@ -63,6 +63,12 @@ DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
 CPU = torch.device("cpu")
+CUDA_REUSES = 256
+"""How many versions one CUDA buffer serves before it goes back to the device. torch wraps a storage in one more
+IPC reference-counting record (a counter slot in a shared file, maybe a CUDA event) each time the rank hands its
+handle out, and frees them only with the storage: a buffer reused forever would grow them by a writer's and each
+reader's handle per step. Past this many reuses the clients open a fresh buffer's handle once (~1/256 of the
+steps), and the records of the old one go with it."""
 
 
 def enabled_by_env() -> bool:
@@ -183,8 +189,11 @@ class SharedMemory:
     ) -> None:
         """Keep a freed CUDA shard's whole buffer with its header-only segment (None when no reader or writer
         ever asked for one), the header marked DROPPED: the next version of its size reuses the memory, and
-        same-host clients the IPC handle they opened for it."""
+        same-host clients the IPC handle they opened for it. A buffer reused CUDA_REUSES times goes back to
+        the device instead (see CUDA_REUSES)."""
         if not _owns_storage(tensor):
+            return
+        if header is not None and int(header[2]) >= CUDA_REUSES:
             return
         if header is not None:
             header[1] = STATE_DROPPED

@@ -12,8 +12,12 @@ A CUDA shard is handed over as a CUDA IPC handle instead (only to a writer that
 asks with `cuda_ipc`, and never with an allocation): the writer copies device
 to device, or host to device, straight into it. Each handle handed out counts
 one user of the shard's memory in torch's IPC reference counter, which the
-writer's closing it ends: a dropped version's memory is not reused while a
-writer still holds it.
+writer's closing it ends: memory the rank lets go of is not reused by torch's
+allocator while a writer still holds it. The rank itself reuses a dropped
+version's CUDA buffer for a later version (server/rank/recycling.py), and the
+writer that kept its handle writes the later version through it, as it does a
+reused segment; memory handed to a writer that never said it finished is never
+reused.
 A segment's writes are sealed once its version is served; memory a later
 version reuses stays writable only through mappings made before, which is how
 a writer republishing weights fills the same memory every step. A writer handed

@@ -11,6 +11,7 @@ import torch
 from shardserve.core.metadata import ShardedTensorMetadata, TensorProperties
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_PENDING, STATE_SERVED
+from shardserve.server.rank import shared_memory
 from shardserve.server.rank.shard_fill import InitFill
 from shardserve.server.rank.store import ShardStore
 
@@ -81,3 +82,19 @@ def test_cuda_memory_handed_to_a_writer_that_never_finished_is_not_reused():
     assert store.memory.kept_bytes() == 0
     store.allocate("u", 1, _meta())
     assert store.local_tensor("u", 1, 0).data_ptr() != handed.cuda.data_ptr()
+
+
+def test_a_cuda_buffer_reused_cuda_reuses_times_goes_back_to_the_device(monkeypatch):
+    """torch keeps one more IPC record per handle handed out for as long as the storage lives: a buffer is
+    reused a bounded number of times, then let go."""
+    monkeypatch.setattr(shared_memory, "CUDA_REUSES", 2)
+    store = ShardStore(0, device="cuda:0", version_grace=0)
+    first, segment = _served_with_header(store, "t", 1)
+    for version in (2, 3):
+        store.drop("t", version - 1)
+        assert store.memory.kept_bytes() == NBYTES
+        reused, _ = _served_with_header(store, "t", version)
+        assert reused == first
+    assert _header(segment)[2] == 2
+    store.drop("t", 3)
+    assert store.memory.kept_bytes() == 0  # reused twice: not kept again
