@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from shardserve.client.paths import segments
 from shardserve.core.dtypes import dtype_from_wire
@@ -74,21 +75,14 @@ class MappingCache:
         """The mapping made for an earlier version of the memfd `reply` names, when it maps exactly the bytes
         the reply describes (the rank reuses the segment), taken out of the cache: the rank's newer generation
         made the earlier entry stale. None when there is none."""
-        segment = (address, reply.pid, reply.inode, reply.device_id)
-        with self._lock:
-            key = self._by_segment.get(segment)
-            earlier = self._cache.get(key) if key is not None else None
-            if (
-                key is None
-                or earlier is None
-                or reply.extents
-                or (earlier.fd, earlier.data_offset) != (reply.fd, reply.data_offset)
-                or earlier.flat.numel() != reply.nbytes
-                or earlier.state is None
-            ):
-                return None
-            self._drop(key)
-            return earlier
+        return self._take_earlier(
+            address,
+            reply,
+            lambda earlier: (
+                not reply.extents
+                and (earlier.fd, earlier.data_offset) == (reply.fd, reply.data_offset)
+            ),
+        )
 
     def take_cuda(
         self, address: str, reply: pb.OpenShardResponse
@@ -97,6 +91,23 @@ class MappingCache:
         names, when it maps exactly the memory the reply's IPC handle describes (the rank reuses a freed CUDA
         buffer with its header), taken out of the cache; None when there is none."""
         h = reply.cuda
+        return self._take_earlier(
+            address,
+            reply,
+            lambda earlier: (
+                earlier.cuda_handle == (h.handle, h.storage_offset_bytes)
+                and earlier.flat.storage_offset() == h.tensor_offset * _itemsize(reply)
+            ),
+        )
+
+    def _take_earlier(
+        self,
+        address: str,
+        reply: pb.OpenShardResponse,
+        same_memory: Callable[[segments.SegmentMapping], bool],
+    ) -> segments.SegmentMapping | None:
+        """The cached mapping of the segment (or CUDA state header) `reply` names, of the reply's length and with
+        a header, taken out of the cache when `same_memory` says it maps what the reply describes."""
         segment = (address, reply.pid, reply.inode, reply.device_id)
         with self._lock:
             key = self._by_segment.get(segment)
@@ -105,9 +116,8 @@ class MappingCache:
                 key is None
                 or earlier is None
                 or earlier.state is None
-                or earlier.cuda_handle != (h.handle, h.storage_offset_bytes)
                 or earlier.flat.numel() != reply.nbytes
-                or earlier.flat.storage_offset() != h.tensor_offset * _itemsize(reply)
+                or not same_memory(earlier)
             ):
                 return None
             self._drop(key)
