@@ -130,8 +130,15 @@ def dtype_of(value: Any) -> torch.dtype:
 
 
 def is_distributed(value: torch.Tensor) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-    return isinstance(value, (DTensor, ShardedTensor, LocalShardsWrapper))
+    """Whether `value` is a DTensor, ShardedTensor or LocalShardsWrapper (types from modules someone imported:
+    a reader's first get of plain tensors imports none of them, ~0.8 s, ~2.8 s where torch has no bytecode)."""
+    types = tuple(
+        loaded
+        for loaded in (
+            _loaded_type("torch.distributed.tensor", "DTensor"),
+            _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
+            _loaded_type("torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper"),
+        )
+        if loaded is not None
+    )
+    return bool(types) and isinstance(value, types)
