@@ -48,9 +48,11 @@ class Buffer:
     segment: Any = None
     since: float = 0.0
     nbytes: int = field(init=False)
+    device: torch.device = field(init=False)
 
     def __post_init__(self) -> None:
         self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        self.device = self.tensor.device
 
     def shaped(self, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Its bytes as a tensor of `sizes` and `dtype`: the tensor it was kept as when that one fits (a tensor
@@ -106,9 +108,7 @@ class RecycledBuffers:
         those, or only private ones, when True or False), or None."""
         with self._lock:
             self._trim_locked(self.max_bytes)
-            chosen = _newest(
-                [b for b in self._by_size.get(nbytes, []) if b.tensor.device == device], shared
-            )
+            chosen = _newest(self._by_size.get(nbytes, []), shared, device)
             if chosen is None:
                 return None
             self._buffers.remove(chosen)
@@ -145,11 +145,17 @@ class RecycledBuffers:
         return freed
 
 
-def _newest(buffers: list[Buffer], shared: bool | None) -> Buffer | None:
-    """The newest of `buffers` (kept oldest first) in shared memory or not as `shared` asks; for None, the
-    newest shared one, else the newest private one. Scans from the newest end: one step when they agree."""
+def _newest(buffers: list[Buffer], shared: bool | None, device: torch.device) -> Buffer | None:
+    """The newest of `buffers` (kept oldest first) on `device`, in shared memory or not as `shared` asks; for
+    None, the newest shared one, else the newest private one. Scans from the newest end: one step when they
+    agree (a rank takes one buffer per new shard, thousands per commit)."""
     wanted = True if shared is None else shared
+    other = None
     for buffer in reversed(buffers):
+        if buffer.device != device:
+            continue
         if (buffer.segment is not None) == wanted:
             return buffer
-    return buffers[-1] if shared is None and buffers else None
+        if other is None:
+            other = buffer
+    return other if shared is None else None
