@@ -38,6 +38,7 @@ HEDGE_BYTES_PER_S = 500e6  # plus time for its bytes at this (pessimistic, healt
 CHECK_EVERY_S = 1.0  # a part with no other copy checks its rank's liveness this often
 TICK_S = 0.02  # the watchdog looks at the races in flight this often (idle: never)
 HEDGE_THREADS = 8
+JOIN_S = 5.0  # close() waits this long at most for the watchdog thread (it ends within a tick)
 
 Landing = Callable[[], None]  # copies a hedge's buffer into the caller's output
 Hedge = Callable[
@@ -199,10 +200,16 @@ class Watchdog:
             self._races.pop(id(race), None)
 
     def close(self) -> None:
+        """Stop watching: the watchdog thread has ended when this returns (it never holds a lock for long), so
+        it cannot still be letting go of a race's buffers while the interpreter exits: a thread that frees a
+        tensor then re-takes the GIL during finalization, and is killed inside torch's C++ code, which
+        aborts the process ("terminate called without an active exception")."""
         with self._cond:
             self._closed = True
             self._races.clear()
             self._cond.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=JOIN_S)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -225,6 +232,7 @@ class Watchdog:
                     return
                 races = list(self._races.values())
             self._look_at(races, time.monotonic())
+            del races  # asleep or idle, the watchdog keeps no finished race (nor its buffers) alive
             time.sleep(TICK_S)
 
     def _look_at(self, races: list[Race], now: float) -> None:

@@ -4,6 +4,7 @@ hedge ends (client.paths.hedging)."""
 from __future__ import annotations
 
 import threading
+import weakref
 import time
 
 import pytest
@@ -123,3 +124,35 @@ def test_the_watchdog_hedges_a_silent_primary_and_checks_its_rank() -> None:
         watchdog.finish(silent)
     finally:
         watchdog.close()
+
+
+class _Buffer:
+    """Stands for what a race's hedge holds (a read's target tensor, a mapping)."""
+
+
+def test_an_idle_watchdog_keeps_no_finished_race_alive() -> None:
+    watchdog = Watchdog(60.0, lambda rank: None)
+    try:
+        held = _Buffer()
+        alive = weakref.ref(held)
+        race = watchdog.start(1, 0, lambda cancel, held=held: ("grpc", lambda: None))
+        time.sleep(0.1)  # the watchdog looks at the race at least once
+        watchdog.finish(race)
+        del race, held
+        deadline = time.monotonic() + WAIT_S
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert alive() is None
+    finally:
+        watchdog.close()
+
+
+def test_close_ends_the_watchdog_thread() -> None:
+    """A watchdog thread still letting go of buffers while the interpreter exits aborts the process."""
+    before = set(threading.enumerate())
+    watchdog = Watchdog(60.0, lambda rank: None)
+    watchdog.finish(watchdog.start(1, 0, None))
+    watchdog.close()
+    assert not [
+        t for t in threading.enumerate() if t not in before and t.name == "shardserve-watchdog"
+    ]
