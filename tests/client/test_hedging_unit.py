@@ -4,8 +4,8 @@ hedge ends (client.paths.hedging)."""
 from __future__ import annotations
 
 import threading
-import weakref
 import time
+import weakref
 
 import pytest
 import torch
