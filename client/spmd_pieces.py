@@ -24,11 +24,7 @@ def local_pieces(
     value: Any, key: str, rank: int, plain_writer: int
 ) -> tuple[tuple[int, ...] | None, list[Piece]]:
     """(global size, or None when only the boxes tell it; the boxes this rank holds with their local tensors)."""
-    DTensor = _loaded_type("torch.distributed.tensor", "DTensor")  # noqa: N806
-    ShardedTensor = _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor")  # noqa: N806
-    LocalShardsWrapper = _loaded_type(
-        "torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper"
-    )  # noqa: N806
+    DTensor, ShardedTensor, LocalShardsWrapper = _distributed_types()  # noqa: N806
 
     if DTensor is not None and isinstance(value, DTensor):
         return tuple(value.shape), _dtensor_pieces(value, LocalShardsWrapper)
@@ -46,6 +42,15 @@ def local_pieces(
     raise InvalidArgumentError(
         f"state dict entry {key!r} is a {type(value).__name__}, not a tensor, DTensor, "
         f"ShardedTensor or LocalShardsWrapper"
+    )
+
+
+def _distributed_types() -> tuple[Any, Any, Any]:
+    """DTensor, ShardedTensor and LocalShardsWrapper, each None while its module is not imported."""
+    return (
+        _loaded_type("torch.distributed.tensor", "DTensor"),
+        _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
+        _loaded_type("torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper"),
     )
 
 
@@ -132,13 +137,5 @@ def dtype_of(value: Any) -> torch.dtype:
 def is_distributed(value: torch.Tensor) -> bool:
     """Whether `value` is a DTensor, ShardedTensor or LocalShardsWrapper (types from modules someone imported:
     a reader's first get of plain tensors imports none of them, ~0.8 s, ~2.8 s where torch has no bytecode)."""
-    types = tuple(
-        loaded
-        for loaded in (
-            _loaded_type("torch.distributed.tensor", "DTensor"),
-            _loaded_type("torch.distributed._shard.sharded_tensor", "ShardedTensor"),
-            _loaded_type("torch.distributed.tensor._shards_wrapper", "LocalShardsWrapper"),
-        )
-        if loaded is not None
-    )
+    types = tuple(loaded for loaded in _distributed_types() if loaded is not None)
     return bool(types) and isinstance(value, types)

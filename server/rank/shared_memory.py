@@ -43,7 +43,7 @@ from shardserve.protos.same_host import (
     left_checksum,
 )
 from shardserve.server.rank.errors import Overloaded
-from shardserve.server.rank.recycling import Buffer, RecycledBuffers
+from shardserve.server.rank.recycling import CPU, Buffer, RecycledBuffers
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not 
 DEFAULT_LEASE_S = 30.0
 MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
 MAX_LEASE_S = 300.0
-CPU = torch.device("cpu")
 CUDA_REUSES = 256
 """How many versions one CUDA buffer serves before it goes back to the device. torch wraps a storage in one more
 IPC reference-counting record (a counter slot in a shared file, maybe a CUDA event) each time the rank hands its
