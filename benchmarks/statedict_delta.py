@@ -2,9 +2,11 @@
 
 One process puts 64 x 16 MiB of fp32 (1 GiB; --quick: 16 x 1 MiB) through a 2-rank cluster (shared memory,
 durable=False, keep=2): the steady full put (the reserved snapshot filled in place) against the delta put
-(spmd.put_state_dict(..., delta=True)), each after a different tensor was changed, best and median of the
-repeats after one warm-up put. The load average is printed and kept in each row's note: the delta put hashes
-every block of the state dict (xxh3 on every core), so on a loaded machine the ratio says little.
+(spmd.put_state_dict(..., delta=True)) and the delta put that trusts torch's version counters
+(delta="version_counters": only the tensor written since is read), each after a different tensor was changed
+in place, best and median of the repeats after the warm-up puts. The load average is printed and kept in each
+row's note: the delta put hashes every block of the state dict (xxh3 on every core), so on a loaded machine the
+ratio says little.
 
     python -m benchmarks.statedict_delta [--tensors 64] [--each-mib 16] [--quick]
 """
@@ -28,7 +30,7 @@ REPEATS, QUICK_REPEATS = 7, 3
 
 
 def _timed_puts(
-    cluster: Any, state: dict[str, torch.Tensor], prefix: str, *, delta: bool, repeats: int
+    cluster: Any, state: dict[str, torch.Tensor], prefix: str, *, delta: bool | str, repeats: int
 ) -> list[float]:
     """Seconds of each put after the warm-up ones, a different tensor changed before each."""
     from shardserve import spmd
@@ -46,22 +48,23 @@ def _timed_puts(
 
 
 def delta_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, Any]:
-    """Full and delta put seconds (best, median), whether the last delta snapshot read back bit for bit, and
-    the load average before and after."""
+    """Full, delta and trusting delta put seconds (best, median), whether the last snapshot of each delta put
+    read back bit for bit, and the load average before and after."""
     from shardserve import spmd
 
     state = _state(count, each, torch.float32, seed=2)
     load_before = _load()
-    full = _timed_puts(cluster, state, f"full{count}x{each}", delta=False, repeats=repeats)
-    delta = _timed_puts(cluster, state, f"delta{count}x{each}", delta=True, repeats=repeats)
-    back = {key: torch.zeros_like(t) for key, t in state.items()}
-    spmd.get_state_dict(cluster, f"delta{count}x{each}", into=back)
-    return {
-        "full": (min(full), statistics.median(full)),
-        "delta": (min(delta), statistics.median(delta)),
-        "ok": all(torch.equal(back[key], state[key]) for key in state),
-        "load": f"load average {load_before} before, {_load()} after",
-    }
+    out: dict[str, Any] = {}
+    ok = True
+    for kind, delta in (("full", False), ("delta", True), ("trusted", "version_counters")):
+        prefix = f"{kind}{count}x{each}"
+        seconds = _timed_puts(cluster, state, prefix, delta=delta, repeats=repeats)
+        out[kind] = (min(seconds), statistics.median(seconds))
+        if delta:
+            back = {key: torch.zeros_like(t) for key, t in state.items()}
+            spmd.get_state_dict(cluster, prefix, into=back)
+            ok = ok and all(torch.equal(back[key], state[key]) for key in state)
+    return out | {"ok": ok, "load": f"load average {load_before} before, {_load()} after"}
 
 
 def delta_rows(
@@ -75,26 +78,36 @@ def delta_rows(
     each = each or (QUICK_EACH if quick else EACH)
     with connect(cluster.address) as client:
         r = delta_case(client, count, each, QUICK_REPEATS if quick else REPEATS)
-    (full_best, full_median), (delta_best, delta_median) = r["full"], r["delta"]
-    note = (
-        f"best {delta_best * 1e3:.1f} / median {delta_median * 1e3:.1f} ms against the full put's "
-        f"{full_best * 1e3:.1f} / {full_median * 1e3:.1f} ms; {r['load']}"
-    )
-    print(f"statedict delta, {count} x {each >> 10} KiB fp32, one changed: {note}", flush=True)
+    full_best, full_median = r["full"]
     case, total = f"{count} x {each >> 10} KiB fp32, one tensor changed", count * each
-    return [
-        Row(
-            "statedict-delta",
-            case,
-            "put_state_dict delta",
-            delta_median,
-            nbytes=total,
-            baseline="put_state_dict full",
-            path="shm",
-            ok=r["ok"],
-            note=note,
-            extra={"best_s": delta_best},
-        ),
+    rows = []
+    for kind, method in (
+        ("delta", "put_state_dict delta"),
+        ("trusted", "put_state_dict delta trusted"),
+    ):
+        best, median = r[kind]
+        note = (
+            f"best {best * 1e3:.1f} / median {median * 1e3:.1f} ms against the full put's "
+            f"{full_best * 1e3:.1f} / {full_median * 1e3:.1f} ms; {r['load']}"
+        )
+        print(
+            f"statedict {method}, {count} x {each >> 10} KiB fp32, one changed: {note}", flush=True
+        )
+        rows.append(
+            Row(
+                "statedict-delta",
+                case,
+                method,
+                median,
+                nbytes=total,
+                baseline="put_state_dict full",
+                path="shm",
+                ok=r["ok"],
+                note=note,
+                extra={"best_s": best},
+            )
+        )
+    return rows + [
         Row(
             "statedict-delta",
             case,

@@ -53,6 +53,15 @@ def flag(value: Any, field: str) -> bool:
     return value
 
 
+def flag_or_word(value: Any, field: str, word: str) -> bool | str:
+    """True, False or `word`: a mode beyond yes and no (reserve_next="later", delta="version_counters")."""
+    if value is True or value is False or (isinstance(value, str) and value == word):
+        return value
+    raise InvalidArgumentError(
+        f"{field} must be True, False or {word!r}, got {value!r}", metadata={"field": field}
+    )
+
+
 def callback(value: Any, field: str) -> Callable[..., Any] | None:
     """None or a callable, checked before any work starts rather than when the first report comes."""
     if value is not None and not callable(value):

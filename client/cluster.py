@@ -43,6 +43,7 @@ from shardserve.client.paths.kinds import PathKind, parse_transport
 from shardserve.client.put_delta import put_delta
 from shardserve.client.session import Session
 from shardserve.client.snapshots import Snapshot
+from shardserve.client.stamps import delta_mode
 from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.client.tracing import call_interceptor
 from shardserve.core.coordinator_addresses import parse_addresses
@@ -269,7 +270,7 @@ class Cluster:
         replicas: int = 1,
         durable: bool = True,
         dtype: torch.dtype | str | None = None,
-        delta: bool = False,
+        delta: bool | str = False,
     ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
@@ -283,7 +284,8 @@ class Cluster:
         `delta` (with `overwrite`): send and store only the blocks (about 1 MiB of rows each) whose bytes changed
         since this client's last put of `name`, the rest shared with that version on the ranks
         (client/put_delta.py); a full put when there is none, the layout or options changed, or another writer
-        put the name since.
+        put the name since. `delta="version_counters"`: the same, except that a shard whose torch version
+        counter counted no write since that put is taken as unchanged without reading it (client/stamps.py).
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -322,13 +324,20 @@ class Cluster:
                 chunk_bytes=chunk_bytes,
             )
 
-        if arguments.flag(delta, "delta"):
+        is_delta, trusted = delta_mode(delta)
+        if is_delta:
             if not overwrite:
                 raise InvalidArgumentError(
                     "delta=True needs overwrite=True (a delta replaces a version)"
                 )
             committed = put_delta(
-                self.session, name, shards, layout=meta, options=options, put_whole=put_whole
+                self.session,
+                name,
+                shards,
+                layout=meta,
+                options=options,
+                put_whole=put_whole,
+                trusted=trusted,
             )
         else:
             committed = put_whole()

@@ -48,6 +48,8 @@ COUNTERS = {
     "row_cache_misses": "rows the row cache did not hold",
     "delta_puts": "delta puts that sent only the blocks that changed",
     "delta_bytes": "bytes of changed blocks sent by delta puts",
+    "delta_hashed_bytes": "bytes delta puts read to hash them (a source whose version counter counted no "
+    "write is not read where the put trusts version counters)",
     "shm_opens": "shards a shared-memory read opened on their rank (OpenShard); a kept mapping opens none",
     "cuda_ipc_opens": "CUDA IPC handles of same-host ranks' CUDA shards opened, to read or write in place; "
     "memory opened before and reused by the rank opens none",

@@ -1,9 +1,11 @@
 """The writer's half of delta puts, shared by state-dict and single-tensor puts: hash what would be written,
 compare it block by block with what the previous put wrote (shardserve.core.delta), and send only the changed
-blocks into the new version's copies (ShardServer.WriteBytes, in batches, every rank at once).
+blocks into the new version's copies (ShardServer.WriteBytes, in batches, every rank at once). A delta put
+that trusts version counters takes a source torch saw no write to since the previous put as unchanged without
+reading it (client/stamps.py).
 
-Counted in the client's metrics: `delta_puts` (delta puts that sent only what changed) and `delta_bytes` (the
-bytes of changed blocks they sent)."""
+Counted in the client's metrics: `delta_puts` (delta puts that sent only what changed), `delta_bytes` (the
+bytes of changed blocks they sent) and `delta_hashed_bytes` (the bytes delta puts read to hash them)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from shardserve.client import counters
 from shardserve.client.errors import ShardServeError
 from shardserve.client.session import Session
+from shardserve.client.stamps import Stamp
 from shardserve.core.checksums import hashing_pool
 from shardserve.core.delta import block_bytes, block_hashes, changed_ranges
 from shardserve.protos import shardserve_pb2 as pb
@@ -59,16 +62,31 @@ def previous_puts_of(session: Session, kind: str) -> PreviousPuts[Any]:
 
 @dataclass(frozen=True)
 class ChangedShard:
-    """One server shard of the new version, its bytes as stored, and the block hashes of the new and the
-    previous bytes (None: not known, every block is sent)."""
+    """One server shard of the new version, the writer's `data` for it and the dtype it is stored in, and the
+    block hashes of the new and the previous bytes (None: not known, every block is sent)."""
 
     rank: int
     name: str
     version: int
     index: int
-    stored: torch.Tensor  # contiguous, on the CPU, in the stored dtype
+    data: torch.Tensor  # the writer's view of the shard's box, in the writer's dtype
+    dtype: torch.dtype  # the stored dtype
     before: BlockHashes | None
     after: BlockHashes
+
+
+@dataclass(frozen=True)
+class Hashes(Generic[K]):
+    """The block hashes of the stored bytes a delta put wrote, by key, and the stamp each source had when it was
+    read (client/stamps.py)."""
+
+    blocks: Mapping[K, BlockHashes]
+    stamps: Mapping[K, Stamp | None]
+
+    def unchanged(self, key: K, stamp: Stamp | None) -> BlockHashes | None:
+        """The hashes of `key` when its source's `stamp` shows no write since they were made, else None."""
+        kept = self.stamps.get(key)
+        return self.blocks.get(key) if kept is not None and kept.matches(stamp) else None
 
 
 def stored_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,17 +94,38 @@ def stored_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return data.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
-def hash_all(stored: Mapping[K, torch.Tensor]) -> dict[K, BlockHashes]:
-    """The block hashes of every tensor of `stored`, in parallel on the hashing pool (xxhash releases the GIL)."""
-    return start_hash_all(stored)()
+def hash_all(
+    sources: Mapping[K, tuple[torch.Tensor, torch.dtype]], *, trusted: Hashes[K] | None = None
+) -> Hashes[K]:
+    """The block hashes of every source's stored bytes (start_hash_all), once made."""
+    return start_hash_all(sources, trusted=trusted)()
 
 
-def start_hash_all(stored: Mapping[K, torch.Tensor]) -> Callable[[], dict[K, BlockHashes]]:
-    """Start hashing every tensor of `stored` on the hashing pool; returns what waits for the block hashes (the
-    caller may do other work meanwhile)."""
+def start_hash_all(
+    sources: Mapping[K, tuple[torch.Tensor, torch.dtype]], *, trusted: Hashes[K] | None = None
+) -> Callable[[], Hashes[K]]:
+    """Start hashing the stored bytes of every (data, stored dtype) source in parallel on the hashing pool
+    (xxhash releases the GIL), each source's stamp taken before it is read; a source whose stamp matches the one
+    `trusted` kept takes its hashes unread. Returns what waits for the hashes (the caller may do other work
+    meanwhile); the bytes read are counted in `delta_hashed_bytes`."""
     pool = hashing_pool()
-    futures = {key: pool.submit(block_hashes, tensor) for key, tensor in stored.items()}
-    return lambda: {key: future.result() for key, future in futures.items()}
+    stamps = {key: Stamp.of(data) for key, (data, _) in sources.items()}
+    known: dict[K, BlockHashes] = {}
+    futures = {}
+    read = 0
+    for key, (data, dtype) in sources.items():
+        unchanged = trusted.unchanged(key, stamps[key]) if trusted is not None else None
+        if unchanged is not None:
+            known[key] = unchanged
+        else:
+            futures[key] = pool.submit(_stored_hashes, data, dtype)
+            read += data.numel() * dtype.itemsize
+    counters.count("delta_hashed_bytes", read)
+    return lambda: Hashes({**known, **{key: f.result() for key, f in futures.items()}}, stamps)
+
+
+def _stored_hashes(data: torch.Tensor, dtype: torch.dtype) -> BlockHashes:
+    return block_hashes(stored_bytes(data, dtype))
 
 
 def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
@@ -95,8 +134,8 @@ def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
     (counted in `delta_bytes`)."""
     jobs = []
     for shard in shards:
-        nbytes = shard.stored.numel() * shard.stored.element_size()
-        step = block_bytes(tuple(shard.stored.shape), shard.stored.element_size())
+        nbytes = shard.data.numel() * shard.dtype.itemsize
+        step = block_bytes(tuple(shard.data.shape), shard.dtype.itemsize)
         ranges = changed_ranges(shard.before, shard.after, step=step, nbytes=nbytes)
         if ranges:
             jobs.append(partial(_write_bytes, session, shard, ranges))
@@ -107,7 +146,7 @@ def write_changed(session: Session, shards: Sequence[ChangedShard]) -> int:
 
 
 def _write_bytes(session: Session, shard: ChangedShard, ranges: list[tuple[int, int]]) -> int:
-    flat = shard.stored.reshape(-1).view(torch.uint8)
+    flat = stored_bytes(shard.data, shard.dtype).reshape(-1).view(torch.uint8)
     request = pb.WriteBytesRequest(
         name=shard.name,
         version=shard.version,

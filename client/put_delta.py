@@ -19,12 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.client.delta_writes import (
-    BlockHashes,
     ChangedShard,
+    Hashes,
     PreviousPuts,
     hash_all,
     previous_puts_of,
-    stored_bytes,
     write_changed,
 )
 from shardserve.client.errors import (
@@ -52,12 +51,13 @@ REFUSALS = (
 
 @dataclass(frozen=True)
 class PreviousTensorPut:
-    """What this client put last as `name`: the version, its layout and options, and every shard's hashes."""
+    """What this client put last as `name`: the version, its layout and options, and every shard's hashes with
+    the stamps of their sources."""
 
     version: int
     layout: ShardedTensorMetadata
     options: TensorOptions
-    hashes: Mapping[int, BlockHashes]
+    hashes: Hashes[int]
 
 
 def previous_tensor_puts(session: Session) -> PreviousPuts[PreviousTensorPut]:
@@ -73,16 +73,22 @@ def put_delta(
     layout: ShardedTensorMetadata,
     options: TensorOptions,
     put_whole: Callable[[], pb.TensorInfo],
+    trusted: bool = False,
 ) -> pb.TensorInfo:
     """Put `shards` (the tensor cut by `layout`) as a new version of `name` sending only the changed blocks
-    where this client's previous put of it allows, else by `put_whole()`; the committed version's TensorInfo."""
-    stored = {i: stored_bytes(shard, layout.dtype) for i, shard in enumerate(shards)}
-    hashes = hash_all(stored)
+    where this client's previous put of it allows, else by `put_whole()`; the committed version's TensorInfo.
+    `trusted`: a shard whose version counter shows no write since the previous put keeps its hashes unread."""
     memory = previous_tensor_puts(session)
     previous = memory.take(name)
+    if previous is not None and (previous.layout != layout or previous.options != options):
+        previous = None  # nothing to compare with
+    sources = {i: (shard, layout.dtype) for i, shard in enumerate(shards)}
+    hashes = hash_all(
+        sources, trusted=previous.hashes if trusted and previous is not None else None
+    )
     committed = None
-    if previous is not None and previous.layout == layout and previous.options == options:
-        committed = _put_changed(session, name, previous, stored, hashes)
+    if previous is not None:
+        committed = _put_changed(session, name, previous, sources, hashes.blocks)
     if committed is None:
         committed = put_whole()
     memory.keep(name, PreviousTensorPut(committed.version, layout, options, hashes))
@@ -93,8 +99,8 @@ def _put_changed(
     session: Session,
     name: str,
     previous: PreviousTensorPut,
-    stored: Mapping[int, torch.Tensor],
-    hashes: Mapping[int, BlockHashes],
+    sources: Mapping[int, tuple[torch.Tensor, torch.dtype]],
+    hashes: Mapping[int, tuple[int, ...]],
 ) -> pb.TensorInfo | None:
     """A copy of `previous.version` with the changed blocks written, committed; None when it is refused (nothing
     of it is left then)."""
@@ -118,8 +124,9 @@ def _put_changed(
             name=name,
             version=info.version,
             index=index,
-            stored=stored[index],
-            before=previous.hashes.get(index),
+            data=sources[index][0],
+            dtype=sources[index][1],
+            before=previous.hashes.blocks.get(index),
             after=hashes[index],
         )
         for index, shard in enumerate(previous.layout.shards_metadata)

@@ -25,6 +25,7 @@ from shardserve.client import arguments
 from shardserve.client.casts import put_dtype
 from shardserve.client.cluster import Cluster
 from shardserve.client.collector import collector_paused
+from shardserve.client.delta_writes import Hashes
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.ops.snapshots import (
     SnapshotSummary,
@@ -58,6 +59,7 @@ from shardserve.client.spmd_pieces import (
     resolved_sizes,
 )
 from shardserve.client.spmd_reads import read_pieces
+from shardserve.client.stamps import delta_mode
 from shardserve.core.metadata import Box
 from shardserve.core.snapshots import JobTensor, job_tensors
 from shardserve.core.state_tree import (
@@ -92,7 +94,7 @@ def put_state_dict(
     durable: bool = True,
     reserve_next: bool | str = True,
     dtype: torch.dtype | str | None = None,
-    delta: bool = False,
+    delta: bool | str = False,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -113,7 +115,10 @@ def put_state_dict(
     while copying); integer and bool tensors are stored as they are. `delta`: send and store only the blocks
     (about 1 MiB of rows each) whose bytes changed since this client's previous delta put of the prefix, the
     rest shared with that snapshot on the ranks (client/spmd_delta.py); in full when there is none, the layouts
-    changed, or it is no longer the prefix's newest. A delta put neither uses nor makes a reservation (it aborts
+    changed, or it is no longer the prefix's newest. `delta="version_counters"`: the same, except that a tensor
+    whose torch version counter counted no write since the previous delta put is taken as unchanged without
+    reading it (client/stamps.py: writes torch does not count, through `.data`, numpy, collectives or raw
+    pointers, are then not sent). A delta put neither uses nor makes a reservation (it aborts
     the prefix's). Returns the snapshot number. On any failure nothing is visible and every rank raises
     SpmdError. The process's cyclic garbage collector is paused during the call (client/collector.py).
     """
@@ -127,6 +132,7 @@ def put_state_dict(
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     reserve, later = _reserve_mode(reserve_next)
+    is_delta, trusted = delta_mode(delta)
     put = _StatePut(
         cluster,
         job,
@@ -139,7 +145,8 @@ def put_state_dict(
         reserve_next=reserve,
         reserve_later=later,
         cast=put_dtype(dtype),
-        delta=arguments.flag(delta, "delta"),
+        delta=is_delta,
+        trusted=trusted,
     )
     return put.run(state_dict)
 
@@ -147,14 +154,8 @@ def put_state_dict(
 def _reserve_mode(value: Any) -> tuple[bool, bool]:
     """(whether the commit reserves the next snapshot, whether after it answered) of put_state_dict's
     reserve_next: True, False or "later"; INVALID_ARGUMENT for any other value."""
-    if value is True or value is False:
-        return value, False
-    if isinstance(value, str) and value == LATER:
-        return True, True
-    raise InvalidArgumentError(
-        f"reserve_next must be True, False or {LATER!r}, got {value!r}",
-        metadata={"field": "reserve_next"},
-    )
+    mode = arguments.flag_or_word(value, "reserve_next", LATER)
+    return mode is not False, mode == LATER
 
 
 class _StatePut:
@@ -175,12 +176,13 @@ class _StatePut:
         reserve_next: bool,
         cast: torch.dtype | None,
         delta: bool = False,
+        trusted: bool = False,
         reserve_later: bool = False,
     ) -> None:
         self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
         self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
         self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
-        self.delta, self.reserve_later = delta, reserve_later
+        self.delta, self.trusted, self.reserve_later = delta, trusted, reserve_later
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
@@ -216,7 +218,8 @@ class _StatePut:
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
-            delta = start_hashing(previous, self.local, self.job.rank)  # while the snapshot is made
+            # hashed while the snapshot is made
+            delta = start_hashing(previous, self.local, self.job.rank, trusted=self.trusted)
             created = self.job.from_rank0(
                 lambda: create_delta(
                     self.session,
@@ -294,10 +297,10 @@ class _StatePut:
         since the `delta`'s previous put) and commit it, keeping the next one if the commit reserved it, and a
         delta put's block hashes; on failure it is aborted (nothing visible) and every rank raises SpmdError."""
         job = self.job
-        written: dict[ShardKey, tuple[int, ...]] = {}
+        written: list[Hashes[ShardKey]] = []
         try:
             job.all_done(
-                lambda: written.update(self._write(snapshot, tensors, delta)),
+                lambda: written.append(self._write(snapshot, tensors, delta)),
                 "writing shards",
             )
             number, reserved = job.from_rank0(lambda: self._commit(snapshot), "committing")
@@ -310,7 +313,7 @@ class _StatePut:
         elif self._reserves_later():
             self._keep_later(number, tensors, basis)
         if self.delta:
-            kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, written)
+            kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, written[0])
             previous_puts(self.session).keep(self.prefix, kept)
         return number
 
@@ -319,16 +322,16 @@ class _StatePut:
         snapshot: pb.SnapshotInfo,
         tensors: Mapping[str, JobTensor],
         delta: DeltaBase | None,
-    ) -> dict[ShardKey, tuple[int, ...]]:
+    ) -> Hashes[ShardKey]:
         """Write this rank's shards: into a delta snapshot's copies the blocks whose hashes changed since the
-        `delta`'s previous put, else whole; a delta put's block hashes of them."""
+        `delta`'s previous put, else whole; a delta put's block hashes of them (none for another put)."""
         shards = list(my_shards(snapshot, tensors, self.local, self.job.rank))
         if delta is not None:
             hashes = delta.hashes()
-            write_changed(self.session, shards, hashes, delta.previous.hashes)
+            write_changed(self.session, shards, hashes.blocks, delta.previous.hashes.blocks)
             return hashes
         write_whole(self.session, shards)
-        return hash_shards(shards) if self.delta else {}
+        return hash_shards(shards) if self.delta else Hashes({}, {})
 
     def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
         """Job rank 0: commit with this put's non-tensor tree (sent only where it differs from the one the

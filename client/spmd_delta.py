@@ -22,11 +22,11 @@ import torch
 
 from shardserve.client.delta_writes import (
     ChangedShard,
+    Hashes,
     PreviousPuts,
     hash_all,
     previous_puts_of,
     start_hash_all,
-    stored_bytes,
 )
 from shardserve.client.delta_writes import write_changed as send_changed
 from shardserve.client.errors import ShardServeError
@@ -62,13 +62,13 @@ class MyShard:
 @dataclass(frozen=True)
 class PreviousPut:
     """What this job rank wrote in its last delta put of a prefix: the snapshot, its layouts, the basis that
-    decided them, and the block hashes of every shard it wrote."""
+    decided them, and the block hashes of every shard it wrote with the stamps of their sources."""
 
     number: int
     basis: Any
     layouts: Mapping[str, ShardedTensorMetadata]
     tensors: Mapping[str, JobTensor]
-    hashes: Mapping[ShardKey, tuple[int, ...]]
+    hashes: Hashes[ShardKey]
 
 
 def previous_puts(session: Session) -> PreviousPuts[PreviousPut]:
@@ -160,25 +160,29 @@ class DeltaBase:
     for the block hashes of the shards the rank writes now (being made while the snapshot is created)."""
 
     previous: PreviousPut
-    hashes: Callable[[], dict[ShardKey, tuple[int, ...]]]
+    hashes: Callable[[], Hashes[ShardKey]]
 
 
-def start_hashing(previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int) -> DeltaBase:
+def start_hashing(
+    previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int, *, trusted: bool
+) -> DeltaBase:
     """Start hashing the shards job `rank` would write into a delta snapshot of `previous` (its layouts), on the
-    hashing pool, so that the hashes are made while the snapshot is created."""
+    hashing pool, so that the hashes are made while the snapshot is created; `trusted`: a source whose version
+    counter shows no write since the previous put keeps its hashes unread."""
     layouts = previous.layouts
     hashes = start_hash_all(
         {
-            (key, index): stored_bytes(data, layouts[key].dtype)
+            (key, index): (data, layouts[key].dtype)
             for key, index, data in my_pieces(layouts, previous.tensors, local, rank)
-        }
+        },
+        trusted=previous.hashes if trusted else None,
     )
     return DeltaBase(previous, hashes)
 
 
-def hash_shards(shards: list[MyShard]) -> dict[ShardKey, tuple[int, ...]]:
+def hash_shards(shards: list[MyShard]) -> Hashes[ShardKey]:
     """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL)."""
-    return hash_all({(s.key, s.index): stored_bytes(s.data, s.dtype) for s in shards})
+    return hash_all({(s.key, s.index): (s.data, s.dtype) for s in shards})
 
 
 def write_whole(session: Session, shards: list[MyShard]) -> dict[str, int]:
@@ -215,7 +219,8 @@ def write_changed(
             name=shard.name,
             version=shard.version,
             index=shard.index,
-            stored=stored_bytes(shard.data, shard.dtype),
+            data=shard.data,
+            dtype=shard.dtype,
             before=previous.get((shard.key, shard.index)),
             after=hashes[(shard.key, shard.index)],
         )

@@ -234,11 +234,11 @@ def _delta_counts() -> tuple[int, int]:
 
 
 def _put_delta(
-    client: Cluster, name: str, tensor: torch.Tensor, **options: Any
+    client: Cluster, name: str, tensor: torch.Tensor, *, delta: bool | str = True, **options: Any
 ) -> tuple[int, int, int]:
-    """Put `tensor` with delta=True; (its version, delta puts made by it, bytes it sent as changed blocks)."""
+    """Put `tensor` with `delta`; (its version, delta puts made by it, bytes it sent as changed blocks)."""
     puts, sent = _delta_counts()
-    version = client.put(name, tensor, overwrite=True, delta=True, **options).version
+    version = client.put(name, tensor, overwrite=True, delta=delta, **options).version
     after_puts, after_sent = _delta_counts()
     return version, after_puts - puts, after_sent - sent
 
@@ -318,3 +318,63 @@ def test_delta_needs_overwrite(cluster: LocalCluster) -> None:
             client.put("d/bad", torch.zeros(4), delta=True)
         with pytest.raises(InvalidArgumentError, match="delta"):
             client.put("d/bad", torch.zeros(4), overwrite=True, delta="yes")
+
+
+def _hashed_bytes() -> int:
+    return int(client_metrics()["delta_hashed_bytes"])
+
+
+def test_trusting_version_counters_reads_only_what_torch_saw_written(
+    cluster: LocalCluster, sent: list[int]
+) -> None:
+    """delta="version_counters": an unchanged tensor is not read, one written in place (an optimizer's step) is
+    read and its changed blocks sent, one replaced by a new tensor of the same shape is read; every snapshot
+    reads back bit for bit. A write torch does not count (through `.data`) is not sent: the documented limit,
+    which delta=True (reading every byte) does see."""
+    layer = torch.nn.Linear(WIDTH, ROWS)  # weight: ROWS x WIDTH fp32, 4 MiB
+    state = {"w": layer.weight.detach(), "b": torch.randn(ROWS, WIDTH), "step": 0}
+    prefix, mode = "d/trusted", "version_counters"
+    with connect(cluster.address) as client:
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=mode)  # in full
+        before = _hashed_bytes()
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=mode)
+        assert _hashed_bytes() == before and sent == [0]  # nothing read, nothing sent
+        layer(torch.ones(1, WIDTH)).sum().backward()
+        torch.optim.SGD(layer.parameters(), lr=0.5).step()
+        state["w"] = (
+            layer.weight.detach()
+        )  # as state_dict() hands it out: a new tensor, the same storage
+        before = _hashed_bytes()
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=mode)
+        assert _hashed_bytes() - before == ROWS * WIDTH * 4 and sent[-1] > 0
+        assert_same(read(client, prefix, state), state)
+        state["b"] = state["b"].clone()
+        state["b"][0] = 3.0
+        before = _hashed_bytes()
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=mode)
+        assert _hashed_bytes() - before == ROWS * WIDTH * 4 and sent[-1] == DELTA_BLOCK_BYTES
+        assert_same(read(client, prefix, state), state)
+        layer.weight.data[0] = 5.0  # not counted by torch
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=mode)
+        assert sent[-1] == 0 and read(client, prefix, state)["w"][0].ne(5.0).all()
+        spmd.put_state_dict(client, state, prefix, keep=2, delta=True)
+        assert sent[-1] == DELTA_BLOCK_BYTES
+        assert_same(read(client, prefix, state), state)
+
+
+def test_a_tensor_put_trusting_version_counters(cluster: LocalCluster) -> None:
+    with connect(cluster.address) as client:
+        table = torch.randn(ROWS, WIDTH)
+        mode = "version_counters"
+        client.put("d/trusted-table", table, overwrite=True, delta=mode, durable=False)
+        before = _hashed_bytes()
+        _, deltas, sent = _put_delta(client, "d/trusted-table", table, delta=mode, durable=False)
+        assert (deltas, sent, _hashed_bytes() - before) == (1, 0, 0)
+        table[1500] = -1.0
+        version, deltas, sent = _put_delta(
+            client, "d/trusted-table", table, delta=mode, durable=False
+        )
+        assert (deltas, sent) == (1, DELTA_BLOCK_BYTES)
+        proxy = client.tensor("d/trusted-table")
+        assert proxy.version == version
+        assert torch.equal(proxy.fetch((0, 0), (ROWS, WIDTH)), table)
