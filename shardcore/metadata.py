@@ -14,12 +14,15 @@ import math
 import operator
 import re
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
 
 import torch
 
 from shardserve.core.dtypes import dtype_to_wire
+
+T = TypeVar("T")
 
 _PLACEMENT_RE = re.compile(r"^rank:(\d+)/(cpu|cuda(?::\d+)?|meta)$", re.ASCII)  # ASCII digits only
 
@@ -296,6 +299,30 @@ class ShardedTensorMetadata:
                 by_rank.setdefault(shard.rank, []).append(index)
             object.__setattr__(self, "_by_rank", by_rank)
         return list(by_rank.get(rank, ()))
+
+    def kept(self, fact: str, compute: Callable[[], T]) -> T:
+        """compute(), kept with this layout object as `fact` and answered from there after (a layout never
+        changes: a check it passed or a value derived from it holds for as long as it lives). A failure is not
+        kept: compute() runs again the next time."""
+        facts: dict[str, Any] = self.__dict__.setdefault("_facts", {})
+        if fact not in facts:
+            facts[fact] = compute()
+        return cast(T, facts[fact])
+
+    def knows(self, fact: str) -> bool:
+        """Whether `fact` was computed for this layout object (kept())."""
+        return fact in self.__dict__.get("_facts", ())
+
+    def shard_ranks(self) -> tuple[int, ...]:
+        """The rank of every shard, in order (computed once: a reshard's plan asks it of both layouts); ValueError
+        naming the first shard without a placement."""
+        return self.kept("shard_ranks", self._shard_ranks)
+
+    def _shard_ranks(self) -> tuple[int, ...]:
+        for index, shard in enumerate(self.shards_metadata):
+            if shard.placement is None:
+                raise ValueError(f"shards_metadata[{index}].placement is missing")
+        return tuple(shard.rank for shard in self.shards_metadata)
 
     def shard_nbytes(self, index: int) -> int:
         return self.shards_metadata[index].numel() * self.tensor_properties.itemsize

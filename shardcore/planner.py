@@ -26,6 +26,7 @@ from typing import NamedTuple
 from shardserve.core.metadata import Box, ShardedTensorMetadata
 from shardserve.core.regions import intersection
 from shardserve.core.source_index import SourceIndex
+from shardserve.core.validation import VALID
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -168,16 +169,9 @@ class ReshardPlan:
         }
 
 
-def _rank_of(meta: ShardedTensorMetadata, index: int, which: str) -> int:
-    placement = meta.shards_metadata[index].placement
-    if placement is None:
-        raise ValueError(f"{which}.shards_metadata[{index}].placement is missing")
-    return placement.rank()
-
-
 def _check_inputs(
     src: ShardedTensorMetadata, dst: ShardedTensorMetadata, bucket_bytes: int
-) -> tuple[list[int], list[int]]:
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Validate the arguments; the rank of every src and dst shard."""
     for name, meta in (("src", src), ("dst", dst)):
         if not isinstance(meta, ShardedTensorMetadata):
@@ -192,22 +186,34 @@ def _check_inputs(
         raise ValueError(
             f"tensor_properties.dtype differs: src has {src.dtype} but dst has {dst.dtype}"
         )
-    ranks: dict[str, list[int]] = {"src": [], "dst": []}
-    for name, meta in (("src", src), ("dst", dst)):
-        for i, shard in enumerate(meta.shards_metadata):
-            if len(shard.shard_offsets) != meta.ndim:
+    return _shards_checked(src, "src"), _shards_checked(dst, "dst")
+
+
+def _shards_checked(meta: ShardedTensorMetadata, name: str) -> tuple[int, ...]:
+    """The rank of every shard of `meta`, each shard checked to lie within the tensor, once per layout object
+    (a layout validate_metadata passed is not checked again: a coordinator validates what it is asked for)."""
+    if not meta.knows(VALID):
+        meta.kept("within_bounds", lambda: _check_bounds(meta, name))
+    try:
+        return meta.shard_ranks()
+    except ValueError as err:
+        raise ValueError(f"{name}.{err}") from None
+
+
+def _check_bounds(meta: ShardedTensorMetadata, name: str) -> bool:
+    for i, shard in enumerate(meta.shards_metadata):
+        if len(shard.shard_offsets) != meta.ndim:
+            raise ValueError(
+                f"{name}.shards_metadata[{i}].shard_offsets has {len(shard.shard_offsets)} dims "
+                f"but the tensor has {meta.ndim}"
+            )
+        for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
+            if o < 0 or s < 0 or o + s > n:
                 raise ValueError(
-                    f"{name}.shards_metadata[{i}].shard_offsets has {len(shard.shard_offsets)} dims "
-                    f"but the tensor has {meta.ndim}"
+                    f"{name}.shards_metadata[{i}] is outside the tensor in dim {d}: "
+                    f"offset {o}, size {s}, tensor size {n}"
                 )
-            for d, (o, s, n) in enumerate(zip(shard.shard_offsets, shard.shard_sizes, meta.size)):
-                if o < 0 or s < 0 or o + s > n:
-                    raise ValueError(
-                        f"{name}.shards_metadata[{i}] is outside the tensor in dim {d}: "
-                        f"offset {o}, size {s}, tensor size {n}"
-                    )
-            ranks[name].append(_rank_of(meta, i, name))
-    return ranks["src"], ranks["dst"]
+    return True
 
 
 def split_box(
@@ -358,8 +364,8 @@ def _plan(
     src: ShardedTensorMetadata,
     dst: ShardedTensorMetadata,
     bucket_bytes: int,
-    src_ranks: list[int],
-    dst_ranks: list[int],
+    src_ranks: Sequence[int],
+    dst_ranks: Sequence[int],
     unavailable: frozenset[int],
 ) -> ReshardPlan:
     """plan_reshard after validation."""
@@ -369,8 +375,8 @@ def _plan(
 def _assign(
     src: ShardedTensorMetadata,
     dst: ShardedTensorMetadata,
-    src_ranks: list[int],
-    dst_ranks: list[int],
+    src_ranks: Sequence[int],
+    dst_ranks: Sequence[int],
     unavailable: frozenset[int],
 ) -> list[_Piece]:
     """The piece of each destination shard each source copy gives (which copy: _choose_holder)."""

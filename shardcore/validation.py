@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from shardserve.core.metadata import ShardedTensorMetadata
 
 _MAX_LISTED = 8
+VALID = (
+    "valid layout"  # the fact validate_metadata keeps with a layout that passed it (a LayoutReport)
+)
 
 
 class LayoutError(ValueError):
@@ -42,9 +45,16 @@ class LayoutReport:
 def validate_metadata(
     meta: ShardedTensorMetadata, *, require_coverage: bool = True
 ) -> LayoutReport:
-    """Check `meta` is a valid layout and report its replicas; raise LayoutError naming shards."""
+    """Check `meta` is a valid layout and report its replicas; raise LayoutError naming shards. A layout that
+    passed is not checked again (the report is kept with the layout object: layouts never change)."""
     if not isinstance(meta, ShardedTensorMetadata):
         raise TypeError(f"meta must be a ShardedTensorMetadata, got {type(meta).__name__}")
+    if require_coverage:
+        return meta.kept(VALID, lambda: _validated(meta, require_coverage=True))
+    return _validated(meta, require_coverage=False)
+
+
+def _validated(meta: ShardedTensorMetadata, *, require_coverage: bool) -> LayoutReport:
     _check_tensor_size(meta.size)
     _check_each_shard(meta)
     groups = _group_identical_boxes(meta)

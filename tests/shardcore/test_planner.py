@@ -429,6 +429,22 @@ def test_missing_placement_is_named():
         plan_reshard(rows(4, [0]), dst)
 
 
+def test_a_bad_layout_is_refused_every_time_a_good_one_is_checked_once():
+    """A layout's checks are kept with the layout object only once it passed them: planning the same bad
+    layout again fails again; a good one gives the same plan when planned again from the same objects."""
+    bad = make_metadata((4, 4), [((0, 0), (5, 4), 0)])
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"src.shards_metadata\[0\] is outside the tensor"):
+            plan_reshard(bad, rows(4, [0]))
+    src, dst = rows(8, [0, 1]), rows(8, [1, 2, 3])
+    assert src.shard_ranks() == (0, 1) and dst.shard_ranks() == (1, 2, 3)
+    assert plan_reshard(src, dst) == plan_reshard(src, dst)
+    assert (
+        plan_reshard(src, dst).transfers
+        == plan_reshard(rows(8, [0, 1]), rows(8, [1, 2, 3])).transfers
+    )
+
+
 def test_apply_plan_checks_shard_tensors():
     plan = plan_reshard(rows(4, [0, 1]), rows(4, [1]))
     with pytest.raises(ValueError, match="src_shards has 1 tensors"):
