@@ -389,6 +389,18 @@ def _assign(
         if 0 in d_size:
             continue
         dst_rank = dst_ranks[j]
+        same = index.same(d_off, d_size)
+        if (
+            same is not None
+        ):  # a source box itself (a move of whole shards, every repair): one piece
+            src_shard, src_rank = _choose_holder(index.holders[same], dst_rank, load)
+            numel = math.prod(d_size)
+            if src_rank != dst_rank:
+                load[src_rank] = load.get(src_rank, 0) + numel * itemsize
+            pieces.append(
+                _Piece(src_shard, j, src_rank, dst_rank, d_off, d_size, numel, d_off, d_off)
+            )
+            continue
         covered = 0
         for g in index.candidates(d_off, d_size):
             s_off, s_size = index.boxes[g]

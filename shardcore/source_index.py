@@ -75,11 +75,16 @@ class SourceIndex:
         self.by_key = {tuple(key): g for g, key in enumerate(keys)}
         self.by_box = {box: g for g, box in enumerate(self.boxes)}
 
+    def same(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
+        """The source group whose box is this one, if any (it overlaps that one only: source boxes are disjoint
+        but for exact replicas)."""
+        return self.by_box.get((offsets, sizes))
+
     def candidates(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Iterable[int]:
         """Source groups that may overlap the box (a superset; exact for grid-like sources). A box that is a
         source box itself overlaps that one only (source boxes are disjoint but for exact replicas): a reshard
         that moves shards without cutting them again, and every repair, finds each at once."""
-        same = self.by_box.get((offsets, sizes))
+        same = self.same(offsets, sizes)
         if same is not None:
             return (same,)
         if self.ndim == 0:
