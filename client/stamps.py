@@ -36,7 +36,7 @@ class Stamp:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> Stamp | None:
-        """The stamp of `tensor` now; None for one without a counter or a storage that can be referenced."""
+        """The stamp of `tensor` now; None for one without a counter or whose storage cannot be referenced."""
         try:
             version = tensor._version
             storage = weakref.ref(tensor.untyped_storage())

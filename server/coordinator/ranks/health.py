@@ -58,7 +58,10 @@ def check_copies(record: TensorRecord, unavailable: Iterable[int], *, doing: str
     a box's every copy is known gone (its ranks restarted without it), or RankUnavailable (RANK_UNAVAILABLE) when
     its copies are only on ranks that are down, hung or restoring and may come back; `doing` says what
     cannot be done ("resharded")."""
-    health = layout_health(record.metadata, list(unavailable), record.lost_shards)
+    unavailable = list(unavailable)
+    if not unavailable and not record.lost_shards:
+        return  # every copy readable: a catalog record's layout covers its tensor (validated when made)
+    health = layout_health(record.metadata, unavailable, record.lost_shards)
     if health.gone_boxes:
         raise ShardsLost(
             f"tensor {record.name!r} has boxes whose every copy is gone "
