@@ -433,11 +433,17 @@ def _cut(
     itemsize = src.tensor_properties.itemsize
     transfers: list[Transfer] = []
     for p in pieces:
-        if p.src_rank == p.dst_rank:
-            boxes = [(p.offsets, p.sizes)]
+        nbytes = p.numel * itemsize
+        if p.src_rank == p.dst_rank or nbytes <= bucket_bytes:  # whole: most pieces of most plans
+            boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], int]] = (
+                (p.offsets, p.sizes, nbytes),
+            )
         else:
-            boxes = split_box(p.offsets, p.sizes, itemsize, bucket_bytes)
-        for offsets, sizes in boxes:
+            boxes = [
+                (offsets, sizes, math.prod(sizes) * itemsize)
+                for offsets, sizes in split_box(p.offsets, p.sizes, itemsize, bucket_bytes)
+            ]
+        for offsets, sizes, size in boxes:
             transfers.append(
                 Transfer(
                     p.src_shard,
@@ -446,7 +452,7 @@ def _cut(
                     p.dst_rank,
                     offsets,
                     sizes,
-                    math.prod(sizes) * itemsize,
+                    size,
                     p.src_offsets,
                     p.dst_offsets,
                 )

@@ -61,7 +61,18 @@ class SourceIndex:
         self.boxes = list(groups)
         self.holders = list(groups.values())
         self.ndim = len(src.size)
-        self.dims: list[_IntervalIndex] = []
+        self.by_box = {box: g for g, box in enumerate(self.boxes)}
+        self._dims: list[_IntervalIndex] | None = (
+            None  # made on the first box that is not a source box
+        )
+        self._by_key: dict[tuple[int, ...], int] = {}
+
+    def _per_dim(self) -> list[_IntervalIndex]:
+        """The per-dim interval indexes (and each box's key of interval positions), made once when first asked:
+        a reshard that only moves whole shards, and every repair, never needs them."""
+        if self._dims is not None:
+            return self._dims
+        dims: list[_IntervalIndex] = []
         keys: list[list[int]] = [[] for _ in self.boxes]
         for d in range(self.ndim):
             intervals: dict[tuple[int, int], list[int]] = {}
@@ -71,9 +82,10 @@ class SourceIndex:
             for position, members in enumerate(interval_index.members):
                 for g in members:
                     keys[g].append(position)
-            self.dims.append(interval_index)
-        self.by_key = {tuple(key): g for g, key in enumerate(keys)}
-        self.by_box = {box: g for g, box in enumerate(self.boxes)}
+            dims.append(interval_index)
+        self._by_key = {tuple(key): g for g, key in enumerate(keys)}
+        self._dims = dims
+        return dims
 
     def same(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> int | None:
         """The source group whose box is this one, if any (it overlaps that one only: source boxes are disjoint
@@ -89,10 +101,11 @@ class SourceIndex:
             return (same,)
         if self.ndim == 0:
             return range(len(self.boxes))
+        dims = self._per_dim()
         hits_per_dim = []
         product = 1
         best_count, best_dim = -1, 0
-        for d, index in enumerate(self.dims):
+        for d, index in enumerate(dims):
             hits = index.overlapping(offsets[d], offsets[d] + sizes[d])
             if not hits:
                 return ()
@@ -102,9 +115,9 @@ class SourceIndex:
             if best_count < 0 or count < best_count:
                 best_count, best_dim = count, d
         if product <= best_count:
-            lookup = self.by_key
+            lookup = self._by_key
             return [
                 g for key in itertools.product(*hits_per_dim) if (g := lookup.get(key)) is not None
             ]
-        members = self.dims[best_dim].members
+        members = dims[best_dim].members
         return itertools.chain.from_iterable(members[i] for i in hits_per_dim[best_dim])
