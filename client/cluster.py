@@ -328,7 +328,7 @@ class Cluster:
         if is_delta:
             if not overwrite:
                 raise InvalidArgumentError(
-                    "delta=True needs overwrite=True (a delta replaces a version)"
+                    f"delta={delta!r} needs overwrite=True (a delta replaces a version)"
                 )
             committed = put_delta(
                 self.session,

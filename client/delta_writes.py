@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -75,6 +75,16 @@ class ChangedShard:
     after: BlockHashes
 
 
+class Source(NamedTuple):
+    """What a delta put writes for one shard: the writer's `data` (its view of the shard's box), the dtype it is
+    stored in, and the tensor whose version counter counts writes to it besides its own (the state dict's DTensor
+    `data` is a local piece of; None for a plain tensor)."""
+
+    data: torch.Tensor
+    dtype: torch.dtype
+    counter: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class Hashes(Generic[K]):
     """The block hashes of the stored bytes a delta put wrote, by key, and the stamp each source had when it was
@@ -94,26 +104,24 @@ def stored_bytes(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return data.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
-def hash_all(
-    sources: Mapping[K, tuple[torch.Tensor, torch.dtype]], *, trusted: Hashes[K] | None = None
-) -> Hashes[K]:
+def hash_all(sources: Mapping[K, Source], *, trusted: Hashes[K] | None = None) -> Hashes[K]:
     """The block hashes of every source's stored bytes (start_hash_all), once made."""
     return start_hash_all(sources, trusted=trusted)()
 
 
 def start_hash_all(
-    sources: Mapping[K, tuple[torch.Tensor, torch.dtype]], *, trusted: Hashes[K] | None = None
+    sources: Mapping[K, Source], *, trusted: Hashes[K] | None = None
 ) -> Callable[[], Hashes[K]]:
-    """Start hashing the stored bytes of every (data, stored dtype) source in parallel on the hashing pool
+    """Start hashing the stored bytes of every source in parallel on the hashing pool
     (xxhash releases the GIL), each source's stamp taken before it is read; a source whose stamp matches the one
     `trusted` kept takes its hashes unread. Returns what waits for the hashes (the caller may do other work
     meanwhile); the bytes read are counted in `delta_hashed_bytes`."""
     pool = hashing_pool()
-    stamps = {key: Stamp.of(data) for key, (data, _) in sources.items()}
+    stamps = {key: Stamp.of(source.data, source.counter) for key, source in sources.items()}
     known: dict[K, BlockHashes] = {}
     futures = {}
     read = 0
-    for key, (data, dtype) in sources.items():
+    for key, (data, dtype, _) in sources.items():
         unchanged = trusted.unchanged(key, stamps[key]) if trusted is not None else None
         if unchanged is not None:
             known[key] = unchanged

@@ -22,6 +22,7 @@ from shardserve.client.delta_writes import (
     ChangedShard,
     Hashes,
     PreviousPuts,
+    Source,
     hash_all,
     previous_puts_of,
     write_changed,
@@ -82,7 +83,7 @@ def put_delta(
     previous = memory.take(name)
     if previous is not None and (previous.layout != layout or previous.options != options):
         previous = None  # nothing to compare with
-    sources = {i: (shard, layout.dtype) for i, shard in enumerate(shards)}
+    sources = {i: Source(shard, layout.dtype) for i, shard in enumerate(shards)}
     hashes = hash_all(
         sources, trusted=previous.hashes if trusted and previous is not None else None
     )
@@ -99,7 +100,7 @@ def _put_changed(
     session: Session,
     name: str,
     previous: PreviousTensorPut,
-    sources: Mapping[int, tuple[torch.Tensor, torch.dtype]],
+    sources: Mapping[int, Source],
     hashes: Mapping[int, tuple[int, ...]],
 ) -> pb.TensorInfo | None:
     """A copy of `previous.version` with the changed blocks written, committed; None when it is refused (nothing
@@ -124,8 +125,8 @@ def _put_changed(
             name=name,
             version=info.version,
             index=index,
-            data=sources[index][0],
-            dtype=sources[index][1],
+            data=sources[index].data,
+            dtype=sources[index].dtype,
             before=previous.hashes.blocks.get(index),
             after=hashes[index],
         )

@@ -184,6 +184,9 @@ class _StatePut:
         self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
         self.delta, self.trusted, self.reserve_later = delta, trusted, reserve_later
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
+        self.tensors: dict[
+            str, Any
+        ] = {}  # the state dict's tensors by key (their version counters)
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
 
@@ -219,7 +222,13 @@ class _StatePut:
         fits = previous is not None and previous.basis == basis
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
             # hashed while the snapshot is made
-            delta = start_hashing(previous, self.local, self.job.rank, trusted=self.trusted)
+            delta = start_hashing(
+                previous,
+                self.local,
+                self.job.rank,
+                counters=self.tensors,
+                trusted=self.trusted,
+            )
             created = self.job.from_rank0(
                 lambda: create_delta(
                     self.session,
@@ -250,6 +259,7 @@ class _StatePut:
         if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
         self.skeleton = split.skeleton
+        self.tensors = split.tensors
         self.mine, self.local = report_pieces(
             split.tensors, self.job.rank, self.plain_writer, cast=self.cast
         )
@@ -331,7 +341,7 @@ class _StatePut:
             write_changed(self.session, shards, hashes.blocks, delta.previous.hashes.blocks)
             return hashes
         write_whole(self.session, shards)
-        return hash_shards(shards) if self.delta else Hashes({}, {})
+        return hash_shards(shards, self.tensors) if self.delta else Hashes({}, {})
 
     def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
         """Job rank 0: commit with this put's non-tensor tree (sent only where it differs from the one the

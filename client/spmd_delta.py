@@ -24,6 +24,7 @@ from shardserve.client.delta_writes import (
     ChangedShard,
     Hashes,
     PreviousPuts,
+    Source,
     hash_all,
     previous_puts_of,
     start_hash_all,
@@ -164,15 +165,21 @@ class DeltaBase:
 
 
 def start_hashing(
-    previous: PreviousPut, local: Mapping[str, list[Piece]], rank: int, *, trusted: bool
+    previous: PreviousPut,
+    local: Mapping[str, list[Piece]],
+    rank: int,
+    *,
+    counters: Mapping[str, torch.Tensor],
+    trusted: bool,
 ) -> DeltaBase:
     """Start hashing the shards job `rank` would write into a delta snapshot of `previous` (its layouts), on the
     hashing pool, so that the hashes are made while the snapshot is created; `trusted`: a source whose version
-    counter shows no write since the previous put keeps its hashes unread."""
+    counters (its own and its state-dict tensor's in `counters`, by key) show no write since the previous put
+    keeps its hashes unread."""
     layouts = previous.layouts
     hashes = start_hash_all(
         {
-            (key, index): (data, layouts[key].dtype)
+            (key, index): Source(data, layouts[key].dtype, counters.get(key))
             for key, index, data in my_pieces(layouts, previous.tensors, local, rank)
         },
         trusted=previous.hashes if trusted else None,
@@ -180,9 +187,12 @@ def start_hashing(
     return DeltaBase(previous, hashes)
 
 
-def hash_shards(shards: list[MyShard]) -> Hashes[ShardKey]:
-    """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL)."""
-    return hash_all({(s.key, s.index): (s.data, s.dtype) for s in shards})
+def hash_shards(shards: list[MyShard], counters: Mapping[str, torch.Tensor]) -> Hashes[ShardKey]:
+    """The block hashes of every shard's stored bytes, shards hashed in parallel (xxhash releases the GIL), with
+    the stamps of their sources (`counters`: the state dict's tensors by key)."""
+    return hash_all(
+        {(s.key, s.index): Source(s.data, s.dtype, counters.get(s.key)) for s in shards}
+    )
 
 
 def write_whole(session: Session, shards: list[MyShard]) -> dict[str, int]:

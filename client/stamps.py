@@ -5,7 +5,10 @@ the tensor's version counter (`Tensor._version`, the counter autograd checks its
 optimizer's step, `copy_`, `load_state_dict` all count). A stamp keeps that count with the tensor's storage, by
 weak reference (a storage freed and another one made at the same address is not the same), and where the view
 lies in it. A tensor whose stamp matches the one taken when its bytes were last read has, as far as torch knows,
-the same bytes.
+the same bytes. A DTensor's in-place ops (an optimizer's step on FSDP2's or tensor parallelism's parameters)
+count in the DTensor's own counter, not in its local tensor's (the local op runs below autograd's dispatch), so
+the stamp of a local piece keeps the counts of both: the piece's and its `counter`, the tensor of the state dict
+it was cut from.
 
 Writes torch does not dispatch are not counted: through `.data` (another counter), numpy or DLPack views of the
 memory, torch.distributed collectives into the tensor (all_reduce and broadcast leave the counter as it was),
@@ -32,13 +35,15 @@ class Stamp:
 
     storage: weakref.ref[torch.UntypedStorage]
     place: tuple[Any, ...]  # data pointer, storage offset, shape, strides, dtype, device
-    version: int
+    version: tuple[int, int]  # the tensor's count and its counter's
 
     @classmethod
-    def of(cls, tensor: torch.Tensor) -> Stamp | None:
-        """The stamp of `tensor` now; None for one without a counter or whose storage cannot be referenced."""
+    def of(cls, tensor: torch.Tensor, counter: torch.Tensor | None = None) -> Stamp | None:
+        """The stamp of `tensor` now, with the count of `counter` too (the DTensor or other wrapper `tensor` is a
+        local piece of; None: `tensor` alone); None for one without a counter or whose storage cannot be
+        referenced."""
         try:
-            version = tensor._version
+            version = (tensor._version, counter._version if counter is not None else 0)
             storage = weakref.ref(tensor.untyped_storage())
         except (RuntimeError, TypeError, NotImplementedError):
             return None

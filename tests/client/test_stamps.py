@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardserve.client import metrics as client_metrics
-from shardserve.client.delta_writes import Hashes, hash_all
+from shardserve.client.delta_writes import Hashes, Source, hash_all
 from shardserve.client.errors import InvalidArgumentError
 from shardserve.client.stamps import Stamp, delta_mode
 from shardserve.core.delta import block_hashes
@@ -84,6 +84,27 @@ def test_writes_torch_does_not_count_are_not_seen() -> None:
     assert before.matches(Stamp.of(weight.detach()))
 
 
+def test_a_write_counted_by_the_wrapper_a_piece_was_cut_from_does_not_match() -> None:
+    """A DTensor's in-place ops count in its own counter, not its local tensor's: a piece's stamp keeps both."""
+    wrapper, piece = (
+        torch.zeros(8),
+        torch.zeros(4),
+    )  # stand-ins: the counter is all that is read of the wrapper
+    before = _stamp_with(piece, wrapper)
+    assert before.matches(Stamp.of(piece, wrapper))
+    wrapper.add_(1.0)
+    assert not before.matches(Stamp.of(piece, wrapper))
+    assert not _stamp_with(piece, wrapper).matches(
+        Stamp.of(piece)
+    )  # with and without a counter differ
+
+
+def _stamp_with(tensor: torch.Tensor, counter: torch.Tensor) -> Stamp:
+    stamp = Stamp.of(tensor, counter)
+    assert stamp is not None
+    return stamp
+
+
 def test_an_inference_tensor_has_no_stamp() -> None:
     with torch.inference_mode():
         tensor = torch.zeros(4)
@@ -111,7 +132,7 @@ def _hashed_bytes() -> int:
 
 def test_trusted_hashing_reads_only_the_sources_written_since() -> None:
     a, b = torch.randn(4096, 64), torch.randn(4096, 64)  # 1 MiB each
-    sources = {"a": (a, torch.float32), "b": (b, torch.float32)}
+    sources = {"a": Source(a, torch.float32), "b": Source(b, torch.float32)}
     before = _hashed_bytes()
     first = hash_all(sources)
     assert _hashed_bytes() - before == 2 << 20
@@ -127,10 +148,10 @@ def test_trusted_hashing_reads_only_the_sources_written_since() -> None:
 
 def test_a_cast_source_is_hashed_as_stored_and_trusted_by_its_own_stamp() -> None:
     weight = torch.randn(256, 32)
-    first = hash_all({"w": (weight, torch.bfloat16)})
+    first = hash_all({"w": Source(weight, torch.bfloat16)})
     assert first.blocks["w"] == block_hashes(weight.to(torch.bfloat16))
     before = _hashed_bytes()
-    again = hash_all({"w": (weight, torch.bfloat16)}, trusted=first)
+    again = hash_all({"w": Source(weight, torch.bfloat16)}, trusted=first)
     assert _hashed_bytes() == before and again.blocks == first.blocks
 
 

@@ -170,3 +170,57 @@ def test_the_next_step_after_a_get_equals_the_trainers_bit_for_bit(
     assert sorted(reader["after"]) == sorted(trainer["after"])
     for name, expected in trainer["after"].items():
         assert torch.equal(reader["after"][name], expected), name
+
+
+def job_publish_trusting_version_counters(rank: int, address: str) -> dict[str, Any]:
+    """FSDP2 with the narrow head frozen (a LoRA run's base weights): three AdamW steps, each published with
+    delta="version_counters" and read back by the same job into zeroed DTensors of its layout. Per put: the
+    bytes this rank hashed; per step: whether the snapshot read back equals the model bit for bit."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from shardserve.client import metrics as client_metrics
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = fresh_model()
+    model.narrow.requires_grad_(False)
+    fully_shard(model.wide, mesh=mesh)
+    fully_shard(model.narrow, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    half = slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)
+    hashed, same = [], []
+    with connect(address) as cluster:
+        for step in (1, 2, 3):
+            train_step(model, optim, batch(step)[half])
+            model_sd = get_model_state_dict(model)
+            before = client_metrics()["delta_hashed_bytes"]
+            spmd.put_state_dict(cluster, model_sd, "fsdp-trusted", delta="version_counters")
+            hashed.append(client_metrics()["delta_hashed_bytes"] - before)
+            into = {key: torch.zeros_like(value) for key, value in model_sd.items()}
+            spmd.get_state_dict(cluster, "fsdp-trusted", into=into)
+            same.append(
+                all(
+                    torch.equal(into[k].full_tensor(), v.full_tensor()) for k, v in model_sd.items()
+                )
+            )
+    trained = sum(
+        v.to_local().numel() * v.element_size() for k, v in model_sd.items() if k.startswith("wide")
+    )
+    everything = sum(v.to_local().numel() * v.element_size() for v in model_sd.values())
+    return {"hashed": hashed, "same": same, "trained": trained, "everything": everything}
+
+
+def test_an_fsdp2_trainer_trusting_version_counters_reads_only_what_its_optimizer_wrote(
+    cluster: LocalCluster, world: World
+) -> None:
+    """The optimizer's in-place steps on FSDP2's sharded parameters count in the version counters of the
+    DTensors get_model_state_dict hands out, every step's new ones included: after the first put (in full, every
+    byte hashed), each rank reads only its shards of the trained head, and every snapshot reads back bit for
+    bit."""
+    results = world.run(job_publish_trusting_version_counters, cluster.address, timeout=240)
+    for out in results.values():
+        assert out["same"] == [True, True, True]
+        assert out["hashed"] == [out["everything"], out["trained"], out["trained"]]
+        assert 0 < out["trained"] < out["everything"]
