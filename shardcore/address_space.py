@@ -35,6 +35,8 @@ _declare("mmap", _VOID, _VOID, _SIZE, _INT, _INT, _INT, ctypes.c_long)
 _declare("munmap", _INT, _VOID, _SIZE)
 _declare("mprotect", _INT, _VOID, _SIZE, _INT)
 _declare("mremap", _VOID, _VOID, _SIZE, _SIZE, _INT, _VOID)
+_declare("madvise", _INT, _VOID, _SIZE, _INT)
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14 and later
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4  # <linux/mman.h>
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
@@ -133,6 +135,15 @@ class WritableMapping:
         mapping = cls.__new__(cls)
         mapping.address, mapping.size, mapping._flat = flat.data_ptr(), flat.numel(), flat
         return mapping
+
+    def populate(self, offset: int, nbytes: int) -> bool:
+        """Fault the pages of [offset, offset + nbytes) in for writing now, in one call: a window moved out
+        (`AddressRange.move_in`) leaves this mapping without its pages, and writes into the window moved in after
+        would fault them in one at a time, at several times the cost. False where the kernel cannot (before
+        Linux 5.14): the writes then fault them in."""
+        start = offset - offset % PAGE
+        size = round_up(offset + nbytes - start, PAGE)
+        return bool(nbytes) and _libc.madvise(self.address + start, size, _MADV_POPULATE_WRITE) == 0
 
     def tensor(self) -> torch.Tensor:
         """The whole mapping as a flat uint8 tensor (which keeps the mapping alive)."""

@@ -107,7 +107,12 @@ class Blocks:
         slots = [round_up(b.nbytes, PAGE) for b in blocks]
         out: list[Block] = []
         for group in self._file_groups(indexes):
-            file = self._new_file(sum(slots[i] for i in group))
+            nbytes = sum(slots[i] for i in group)
+            file = self._new_file(nbytes)
+            if (
+                file.writer is not None
+            ):  # its pages mapped now: they move into the version with the window
+                file.writer.populate(file.start, nbytes)
             at = file.start
             for i in group:
                 block, k = blocks[i], indexes[i]

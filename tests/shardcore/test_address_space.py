@@ -75,3 +75,42 @@ def test_a_sealed_file_refuses_a_writable_window_placed_afresh():
             AddressRange(PAGE).place(0, PAGE, fd, 0, writable=True)
     finally:
         os.close(fd)
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """The bytes of this process's mappings within [address, address + nbytes) that have pages mapped now
+    (/proc/self/smaps Rss of the mappings there)."""
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, stop = (int(part, 16) for part in head.split("-"))
+                inside = start < address + nbytes and address < stop
+            elif inside and head == "Rss:":
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+def test_a_window_populated_before_it_is_moved_in_takes_its_pages_along():
+    """A window moved out leaves the writer without its pages; populate() maps them again in one call, and the
+    move takes them into the range (writes there fault nothing in)."""
+    nbytes = 64 * PAGE
+    fd = _memfd(nbytes)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        writer = WritableMapping(fd, nbytes)
+        space = AddressRange(nbytes)
+        space.move_in(0, nbytes, writer, 0)
+        assert _resident_bytes(writer.address, nbytes) == 0  # the pages went with the first move
+        if not writer.populate(0, nbytes):
+            pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
+        assert _resident_bytes(writer.address, nbytes) == nbytes
+        again = AddressRange(nbytes)
+        again.move_in(0, nbytes, writer, 0)
+        assert _resident_bytes(again.address, nbytes) == nbytes
+        again.tensor(nbytes).fill_(5)
+        assert os.pread(fd, nbytes, 0) == b"\x05" * nbytes
+        assert not writer.populate(0, 0)
+    finally:
+        os.close(fd)
