@@ -195,8 +195,13 @@ class Blocks:
             table = self._tables.get(id(source)) or self._adopt(source, segment)
             if table is None:
                 return None
-            wasteful = {id(b.file) for b in table.blocks if b.file.wasteful()}
-            moved = [k for k, b in enumerate(table.blocks) if id(b.file) in wasteful]
+            files = {id(b.file): b.file for b in table.blocks}  # a few: runs of blocks share a file
+            wasteful = {key for key, file in files.items() if file.wasteful()}
+            moved = (
+                [k for k, b in enumerate(table.blocks) if id(b.file) in wasteful]
+                if wasteful
+                else []
+            )
             blocks = list(table.blocks)
             copies = self._copy(
                 [blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved

@@ -288,7 +288,7 @@ class ShardStore:
             self._copy_shards(source, record)
         with self._lock:
             record.progress.mark_filled(record.shards)
-        log.info(
+        log.debug(
             "rank %d made %r version %d from version %d (%d shards sharing blocks, %d bytes copied)",
             self.rank,
             name,
