@@ -19,8 +19,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.client import arguments
 from shardserve.core.snapshots import JobTensor
 from shardserve.protos import shardserve_pb2 as pb
+
+LATER = "later"  # put_state_dict(..., reserve_next=LATER): reserve after the commit answered
+
+
+def reserve_mode(value: Any) -> tuple[bool, bool]:
+    """(whether the commit reserves the next snapshot, whether after it answered) of put_state_dict's
+    reserve_next: True, False or "later"; INVALID_ARGUMENT for any other value."""
+    mode = arguments.flag_or_word(value, "reserve_next", LATER)
+    return mode is not False, mode == LATER
 
 
 @dataclass(frozen=True)

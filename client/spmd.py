@@ -35,7 +35,7 @@ from shardserve.client.ops.snapshots import (
     get_snapshot,
     take_reserved_snapshot,
 )
-from shardserve.client.reservations import Reservation
+from shardserve.client.reservations import Reservation, reserve_mode
 from shardserve.client.spmd_delta import (
     DeltaBase,
     PreviousPut,
@@ -73,7 +73,6 @@ from shardserve.protos import shardserve_pb2 as pb
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
-LATER = "later"  # put_state_dict(..., reserve_next=LATER): reserve after the commit answered
 GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 
@@ -131,7 +130,7 @@ def put_state_dict(
         )
     if not isinstance(state_dict, Mapping):
         raise InvalidArgumentError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    reserve, later = _reserve_mode(reserve_next)
+    reserve, later = reserve_mode(reserve_next)
     is_delta, trusted = delta_mode(delta)
     put = _StatePut(
         cluster,
@@ -149,13 +148,6 @@ def put_state_dict(
         trusted=trusted,
     )
     return put.run(state_dict)
-
-
-def _reserve_mode(value: Any) -> tuple[bool, bool]:
-    """(whether the commit reserves the next snapshot, whether after it answered) of put_state_dict's
-    reserve_next: True, False or "later"; INVALID_ARGUMENT for any other value."""
-    mode = arguments.flag_or_word(value, "reserve_next", LATER)
-    return mode is not False, mode == LATER
 
 
 class _StatePut:
@@ -221,13 +213,8 @@ class _StatePut:
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
-            # hashed while the snapshot is made
-            delta = start_hashing(
-                previous,
-                self.local,
-                self.job.rank,
-                counters=self.tensors,
-                trusted=self.trusted,
+            delta = start_hashing(  # hashed while the snapshot is made
+                previous, self.local, self.job.rank, counters=self.tensors, trusted=self.trusted
             )
             created = self.job.from_rank0(
                 lambda: create_delta(

@@ -34,6 +34,7 @@ from shardserve import (
     connect,
     spmd,
 )
+from shardserve.client import metrics as client_metrics
 from shardserve.core.specs import ChunkShardingSpec
 from shardserve.server.launcher import LocalCluster
 
@@ -324,6 +325,41 @@ def _raised(call: Callable[[], Any]) -> BaseException:
     with pytest.raises(Exception) as raised:
         call()
     return raised.value
+
+
+def test_delta_puts_trusting_version_counters(blocking: Cluster) -> None:
+    """The asyncio client's state-dict and tensor puts take delta="version_counters": an unchanged tensor is not
+    read again, one written in place is (all of it: views share their tensor's counter), and both read back bit
+    for bit."""
+    state = {"a": torch.randn(256, 64), "b": torch.randn(256, 64)}
+    table = torch.randn(512, 64)
+
+    def hashed() -> int:
+        return int(client_metrics()["delta_hashed_bytes"])
+
+    async def main() -> list[int]:
+        reads = []
+        async with await aio.connect(blocking.address) as cluster:
+            for step in range(3):
+                if step == 2:
+                    state["b"].add_(1.0)
+                    table[7].fill_(3.0)
+                before = hashed()
+                await cluster.put_state_dict(state, "aio-trusted", delta="version_counters")
+                await cluster.put(
+                    "aio-trusted-table", table, overwrite=True, delta="version_counters"
+                )
+                reads.append(hashed() - before)
+        return reads
+
+    reads = run(main)
+    every = sum(t.numel() * 4 for t in state.values()) + table.numel() * 4
+    # the table's shards are views of it, which share its one counter: a write to row 7 has every shard read
+    assert reads == [every, 0, state["b"].numel() * 4 + table.numel() * 4]
+    into = {key: torch.zeros_like(t) for key, t in state.items()}
+    spmd.get_state_dict(blocking, "aio-trusted", into)
+    assert all(torch.equal(into[key], state[key]) for key in state)
+    assert torch.equal(blocking.tensor("aio-trusted-table").full_tensor(), table)
 
 
 def test_errors_are_the_blocking_clients(blocking: Cluster) -> None:
