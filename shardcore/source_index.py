@@ -62,9 +62,8 @@ class SourceIndex:
         self.holders = list(groups.values())
         self.ndim = len(src.size)
         self.by_box = {box: g for g, box in enumerate(self.boxes)}
-        self._dims: list[_IntervalIndex] | None = (
-            None  # made on the first box that is not a source box
-        )
+        # made on the first query of a box that is not a source box (_per_dim)
+        self._dims: list[_IntervalIndex] | None = None
         self._by_key: dict[tuple[int, ...], int] = {}
 
     def _per_dim(self) -> list[_IntervalIndex]:

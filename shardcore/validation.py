@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from shardserve.core.metadata import ShardedTensorMetadata
 
 _MAX_LISTED = 8
-VALID = (
-    "valid layout"  # the fact validate_metadata keeps with a layout that passed it (a LayoutReport)
-)
+# the fact validate_metadata keeps with a layout that passed it (a LayoutReport)
+VALID = "valid layout"
 
 
 class LayoutError(ValueError):

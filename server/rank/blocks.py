@@ -109,9 +109,8 @@ class Blocks:
         for group in self._file_groups(indexes):
             nbytes = sum(slots[i] for i in group)
             file = self._new_file(nbytes)
-            if (
-                file.writer is not None
-            ):  # its pages mapped now: they move into the version with the window
+            # its pages mapped now: they move into the version with the window
+            if file.writer is not None:
                 file.writer.populate(file.start, nbytes)
             at = file.start
             for i in group:
