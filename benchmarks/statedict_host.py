@@ -95,9 +95,11 @@ def _sync_loop(
     second 0.14 s, the puts settled from the fifth round on)."""
     from shardserve import spmd
 
-    def get() -> None:
-        spmd.get_state_dict(cluster, prefix, into=into)
+    return _alternating(put, lambda: spmd.get_state_dict(cluster, prefix, into=into), repeats)
 
+
+def _alternating(put: Any, get: Any, repeats: int) -> tuple[float, float]:
+    """`put` then `get`, `repeats` times after WARM_ROUNDS untimed rounds: the median seconds of each."""
     for _ in range(WARM_ROUNDS):
         put()
         get()
@@ -115,7 +117,9 @@ def _seconds(fn: Any) -> float:
 
 
 def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> dict[str, Any]:
-    """Seconds of a one-tensor put and whole fetch, a row-slice fetch, copy_ of each, and dcp."""
+    """Seconds of a one-tensor put and whole fetch (alternating, as a weight sync's loop puts and reads: each put
+    after the first two fills the version reserved after the one before), a row-slice fetch, copy_ of each, and
+    dcp."""
     from shardserve.core.specs import ChunkShardingSpec
 
     spec = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
@@ -125,13 +129,12 @@ def _single_case(cluster: Any, nbytes: int, slice_bytes: int, repeats: int) -> d
     first = tensor.shape[0] // 2 - rows // 2  # across both ranks' shards
     put = lambda: cluster.put("single", tensor, spec, overwrite=True, durable=False)  # noqa: E731
     put()
-    put()
     remote = cluster.tensor("single")
-    out = {
-        "put": median_seconds(put, repeats),
-        "fetch": median_seconds(
-            lambda: remote.fetch((0, 0), tuple(tensor.shape), out=whole), repeats
-        ),
+    out = {}
+    out["put"], out["fetch"] = _alternating(
+        put, lambda: remote.fetch((0, 0), tuple(tensor.shape), out=whole), repeats
+    )
+    out |= {
         "slice": median_seconds(lambda: remote.fetch((first, 0), (rows, 1024), out=part), repeats),
         "copy_": median_seconds(lambda: whole.copy_(tensor), repeats),
         "slice copy_": median_seconds(lambda: part.copy_(tensor[first : first + rows]), repeats),

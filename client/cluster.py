@@ -35,7 +35,7 @@ from shardserve.client.errors import (
 from shardserve.client.info import RankStatus, TensorSummary
 from shardserve.client.new_tensor import NewTensor
 from shardserve.client.ops import checkpoints
-from shardserve.client.ops.puts import put_whole_tensor
+from shardserve.client.ops.puts import forget_reserved, put_tensor, put_whole_tensor
 from shardserve.client.ops.row_updates import RowUpdate, update_rows, update_rows_ordered
 from shardserve.client.ops.snapshots import SnapshotSummary, get_snapshot, list_snapshots
 from shardserve.client.paths.hedging import HEDGE_AFTER_S
@@ -48,8 +48,10 @@ from shardserve.client.tensor import RemoteShardedTensor
 from shardserve.client.tracing import call_interceptor
 from shardserve.core.coordinator_addresses import parse_addresses
 from shardserve.core.dtypes import dtype_from_name, dtype_to_wire
+from shardserve.core.metadata import ShardedTensorMetadata
 from shardserve.core.regions import cut_tensor
 from shardserve.core.specs import tensor_size
+from shardserve.core.tensor_options import TensorOptions
 from shardserve.protos import shardserve_pb2 as pb
 
 INIT_KINDS = ("zeros", "ones", "normal", "arange")  # the fills `create` offers
@@ -271,6 +273,7 @@ class Cluster:
         durable: bool = True,
         dtype: torch.dtype | str | None = None,
         delta: bool | str = False,
+        reserve_next: bool = True,
     ) -> RemoteShardedTensor:
         """Cut `tensor` by `spec`, write every shard to its owner (each rank's by its fastest path; `chunk_bytes`:
         the message size of shards streamed over gRPC) and commit; nothing is visible on failure.
@@ -286,6 +289,11 @@ class Cluster:
         (client/put_delta.py); a full put when there is none, the layout or options changed, or another writer
         put the name since. `delta="version_counters"`: the same, except that a shard whose torch version
         counter counted no write since that put is taken as unchanged without reading it (client/stamps.py).
+        `reserve_next` (with `overwrite`, not a delta): once a name was put twice in a row by this client with
+        the same layout and options, reserve its next version after each put returns, on the client's
+        reservation thread, so that the next put fills it with no create on its path (its memory is held on
+        the ranks until then, the client's close, or the coordinator's pending timeout; another writer's put or
+        a row update of the name drops it, and the next put then creates one: client/tensor_reservations.py).
         """
         arguments.tensor_name(name)
         replicas = arguments.count(replicas, "replicas", minimum=1)
@@ -305,44 +313,71 @@ class Cluster:
             dtype_to_wire(tensor.dtype)
         except ValueError as err:
             raise InvalidArgumentError(f"tensor dtype: {err}") from None
+        reserve_next = arguments.flag(reserve_next, "reserve_next")
         stored = stored_as(tensor.dtype, put_dtype(dtype), name)
-        meta = self.session.layouts.layout(tuple(tensor.shape), stored, spec, replicas)
         options = table_options(oov, default_row, tuple(tensor.shape), stored)
         options = replace(options, durable=arguments.flag(durable, "durable"))
-        # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
-        # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
-        shards = cut_tensor(tensor.detach(), meta)
 
-        def put_whole() -> pb.TensorInfo:
-            return put_whole_tensor(
-                self.session,
-                name,
-                meta,
-                shards,
-                options,
-                overwrite=overwrite,
-                chunk_bytes=chunk_bytes,
+        def lay_out(recent: bool) -> ShardedTensorMetadata:
+            return self.session.layouts.layout(
+                tuple(tensor.shape), stored, spec, replicas, recent=recent
             )
 
+        # a CUDA tensor stays where it is: a same-host rank takes its shards device to device (CUDA ranks) or
+        # into registered segments (CPU ranks); the network paths copy each shard to the host as they send it
         is_delta, trusted = delta_mode(delta)
         if is_delta:
             if not overwrite:
                 raise InvalidArgumentError(
                     f"delta={delta!r} needs overwrite=True (a delta replaces a version)"
                 )
-            committed = put_delta(
-                self.session,
-                name,
-                shards,
-                layout=meta,
-                options=options,
-                put_whole=put_whole,
-                trusted=trusted,
+            committed = self._put_delta(
+                name, tensor.detach(), lay_out(False), options, chunk_bytes, trusted
             )
         else:
-            committed = put_whole()
+            committed = put_tensor(
+                self.session,
+                name,
+                tensor.detach(),
+                lay_out,
+                options,
+                overwrite=overwrite,
+                chunk_bytes=chunk_bytes,
+                reserve_next=reserve_next,
+            )
         self.lookups.views.forget(name)
         return self._proxy(TensorSummary.from_proto(committed))
+
+    def _put_delta(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        meta: ShardedTensorMetadata,
+        options: TensorOptions,
+        chunk_bytes: int,
+        trusted: bool,
+    ) -> pb.TensorInfo:
+        """A delta put of `tensor` laid out as `meta` (client/put_delta.py); it neither uses nor makes a
+        reservation (it gives back the name's)."""
+        forget_reserved(self.session, name)
+        shards = cut_tensor(tensor, meta)
+        return put_delta(
+            self.session,
+            name,
+            shards,
+            layout=meta,
+            options=options,
+            put_whole=lambda: put_whole_tensor(
+                self.session,
+                name,
+                meta,
+                shards,
+                options,
+                overwrite=True,
+                chunk_bytes=chunk_bytes,
+            ),
+            trusted=trusted,
+        )
 
     # ------------------------------------------------------------ snapshots (client.ops.snapshots, client.spmd)
 

@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from shardserve.client.errors import RankUnavailableError
 from shardserve.client.info import RankStatus
 
+RECENT_RANKS_S = 1.0
+"""How old a rank list a steady put may place its layouts by (a rank dead since fails the put's create, or its
+reserved version's writes, and the put tries again with the ranks listed now)."""
+
 
 @dataclass(frozen=True)
 class RanksView:

@@ -33,18 +33,18 @@ from shardserve.client.paths.hedging import HEDGE_AFTER_S
 from shardserve.client.paths.kinds import PathKind
 from shardserve.client.paths.policy import PathPolicy
 from shardserve.client.paths.writes import ShardWrite, write_shards
-from shardserve.client.ranks import RankDirectory
+from shardserve.client.ranks import RECENT_RANKS_S, RankDirectory
 from shardserve.client.reservations import Reservations
+from shardserve.client.tensor_reservations import TensorReservations
 from shardserve.core.delta import split_pieces
 from shardserve.core.wire import metadata_to_proto, options_to_proto
 from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
-RECENT_RANKS_S = (
-    1.0  # how old a rank list a put may place its layouts by (a dead rank fails the create)
-)
 INLINE_BYTES_PER_CALL = 4 << 20  # WriteBytes' bytes per request where they travel inline
-RELEASE_TIMEOUT_S = 2.0  # how long close() gives each abort of a snapshot reserved for a next put
+RELEASE_TIMEOUT_S = (
+    2.0  # how long close() gives each abort of a snapshot or version reserved for a next put
+)
 READ_THREADS = (
     8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
 )
@@ -89,27 +89,34 @@ class Session:
         self.layouts = Layouts(self.ranks)
         self.versions = SeenVersions()
         self.reservations = Reservations()
+        self.tensor_reservations = TensorReservations()
         # reads of many tensors at once: a pool of its own, since each read waits on the channel's pool
         self.read_pool = ThreadPoolExecutor(
             max_workers=READ_THREADS, thread_name_prefix="shardserve-read"
         )
 
     def close(self) -> None:
-        """Abort the snapshots reserved for this client's next puts (their memory is freed now, not at the
-        pending timeout), then close every bulk connection, shared-memory mapping (unmapped once no tensor uses
-        it) and channel."""
-        self.reservations.release_all(self._abort_reserved)
+        """Abort the snapshots and tensor versions reserved for this client's next puts (their memory is freed
+        now, not at the pending timeout), then close every bulk connection, shared-memory mapping (unmapped once
+        no tensor uses it) and channel."""
+        self.reservations.release_all(
+            lambda prefix, number: self._release(
+                "AbortSnapshot", pb.AbortSnapshotRequest(prefix=prefix, number=number)
+            )
+        )
+        self.tensor_reservations.release_all(
+            lambda name, version: self._release(
+                "AbortTensor", pb.AbortTensorRequest(name=name, version=version)
+            )
+        )
         self.read_pool.shutdown(wait=False, cancel_futures=True)
         self.paths.close()
         self.channel.close()
 
-    def _abort_reserved(self, prefix: str, number: int) -> None:
+    def _release(self, method: str, request: Any) -> None:
+        """Abort a reservation at close, within RELEASE_TIMEOUT_S (else the pending timeout frees it)."""
         with contextlib.suppress(ShardServeError):
-            self.coordinators.call(
-                "AbortSnapshot",
-                pb.AbortSnapshotRequest(prefix=prefix, number=number),
-                timeout=RELEASE_TIMEOUT_S,
-            )
+            self.coordinators.call(method, request, timeout=RELEASE_TIMEOUT_S)
 
     def check_open(self) -> None:
         """ShardServeError once close() ran."""
@@ -294,4 +301,5 @@ def create_request(new: NewTensor, *, put_token: str) -> pb.CreateTensorRequest:
         options=options_to_proto(new.options),
         source_version=new.source_version,
         put_token=put_token,
+        reserve=new.reserve,
     )

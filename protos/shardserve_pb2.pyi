@@ -349,7 +349,7 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankInfo, _Mapping]]] = ..., collectives_error: _Optional[str] = ..., epoch: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class CreateTensorRequest(_message.Message):
-    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token", "writer_host_id")
+    __slots__ = ("name", "metadata", "init", "seed", "options", "overwrite", "source_version", "put_token", "writer_host_id", "reserve")
     NAME_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +359,7 @@ class CreateTensorRequest(_message.Message):
     SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PUT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     WRITER_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_FIELD_NUMBER: _ClassVar[int]
     name: str
     metadata: ShardedTensorMetadata
     init: InitKind
@@ -368,7 +369,8 @@ class CreateTensorRequest(_message.Message):
     source_version: int
     put_token: str
     writer_host_id: str
-    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ..., writer_host_id: _Optional[str] = ...) -> None: ...
+    reserve: bool
+    def __init__(self, name: _Optional[str] = ..., metadata: _Optional[_Union[ShardedTensorMetadata, _Mapping]] = ..., init: _Optional[_Union[InitKind, str]] = ..., seed: _Optional[int] = ..., options: _Optional[_Union[TensorOptions, _Mapping]] = ..., overwrite: _Optional[bool] = ..., source_version: _Optional[int] = ..., put_token: _Optional[str] = ..., writer_host_id: _Optional[str] = ..., reserve: _Optional[bool] = ...) -> None: ...
 
 class CommitTensorRequest(_message.Message):
     __slots__ = ("name", "version", "written_in_place")

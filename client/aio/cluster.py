@@ -150,7 +150,7 @@ class AsyncCluster:
     ) -> AsyncRemoteTensor:
         """Cluster.put(name, tensor, spec, **options) off the loop: every shard written, then committed; nothing
         is visible on failure. `options`: overwrite, chunk_bytes, oov, default_row, replicas, durable, dtype,
-        delta."""
+        delta, reserve_next."""
         proxy = await self._session.run(
             lambda: self.blocking.put(name, tensor, spec, **options),
             f"put of {name!r}",

@@ -63,6 +63,17 @@ def check_host_id(value: str, field: str) -> str:
     return value
 
 
+def check_reserve(request: pb.CreateTensorRequest) -> bool:
+    """CreateTensorRequest.reserve: only for a version its writer fills (INIT_NONE) that replaces the READY one
+    (overwrite), as the put it is reserved for does."""
+    if request.reserve and (request.init != pb.INIT_NONE or not request.overwrite):
+        raise InvalidArgument(
+            "reserve is for the next put of a tensor: it needs init INIT_NONE and overwrite",
+            metadata={"field": "reserve"},
+        )
+    return request.reserve
+
+
 def commit_order(request: pb.CommitSnapshotRequest) -> CommitOrder:
     """The checked order of a CommitSnapshot request; INVALID_ARGUMENT naming the field. A skeleton's tensor
     references are checked against the pending snapshot's keys by the driver (check_skeleton_keys)."""

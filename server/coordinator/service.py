@@ -43,6 +43,7 @@ from shardserve.server.coordinator.ranks.messages import (
 )
 from shardserve.server.coordinator.requests import (
     check_host_id,
+    check_reserve,
     commit_order,
     load_order,
     reshard_order,
@@ -79,6 +80,7 @@ def new_tensor(request: pb.CreateTensorRequest, *, authenticated: bool = False) 
         source_version=request.source_version,
         put_token=check_put_token(request.put_token),
         writer_host_id="" if authenticated else request.writer_host_id,
+        reserve=check_reserve(request),
     )
 
 

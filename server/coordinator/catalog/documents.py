@@ -185,7 +185,8 @@ def _decode_snapshot(text: str) -> SnapshotRecord:
 
 
 def tensor_document(record: TensorRecord) -> dict[str, Any]:
-    return {
+    """The record's fields as JSON values; `reserved` only where set (the rare reservation of a next put)."""
+    document = {
         "name": record.name,
         "version": record.version,
         "state": record.state.value,
@@ -198,6 +199,9 @@ def tensor_document(record: TensorRecord) -> dict[str, Any]:
         "lost_shards": list(record.lost_shards),
         "checksums": [f"{value:016x}" for value in record.checksums],
     }
+    if record.reserved:
+        document["reserved"] = True
+    return document
 
 
 def tensor_from_document(
@@ -223,6 +227,7 @@ def tensor_from_document(
         promoting=document["promoting"],
         lost_shards=tuple(document["lost_shards"]),
         checksums=tuple([int(value, 16) for value in document["checksums"]]),
+        reserved=document.get("reserved", False),
     )
 
 

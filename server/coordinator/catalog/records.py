@@ -88,6 +88,8 @@ class TensorRecord(Versioned):
     `owner`: the principal whose bytes quota the version counts against.
     `checksums`: the xxh3-64 of each shard's bytes by shard index, as its rank reported it when promoting
     (shardserve.core.checksums); empty, or UNKNOWN for one shard, where not known.
+    `reserved`: made PENDING as a reservation of its writer's next put (CreateTensorRequest.reserve): any
+    create of the name drops it, and it holds no other create back.
     """
 
     name: str
@@ -101,6 +103,7 @@ class TensorRecord(Versioned):
     promoting: bool = False
     lost_shards: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
+    reserved: bool = False
 
     @property
     def nbytes(self) -> int:

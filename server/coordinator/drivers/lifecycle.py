@@ -65,6 +65,8 @@ class NewTensor:
     put_token: str = ""
     # a same-host writer's: its ranks open a version it fills for in-place writes
     writer_host_id: str = ""
+    # a reservation of the writer's next put: made only while no put is pending, dropped by any create
+    reserve: bool = False
 
 
 class ReplacedVersions(Protocol):
@@ -160,7 +162,7 @@ class TensorLifecycle:
                 missing, source_version = self._missing_copies(source), source.version
                 self.registry.check_placements(meta, skip=set(missing))
                 principal, owner = None, source.owner  # an update keeps the table's owner and size
-            self.make_room(name, new.overwrite, put_token=token)
+            self.make_room(name, new.overwrite, put_token=token, reserve=new.reserve)
             record = TensorRecord(
                 name=name,
                 version=self.catalog.next_versions(1)[0],
@@ -170,6 +172,7 @@ class TensorLifecycle:
                 put_token=token,
                 lost_shards=tuple(missing),
                 owner=owner,
+                reserved=new.reserve,
             )
             with self.quotas.admit(principal, {name: record.held_bytes}):
                 self.catalog.add(record)
@@ -374,14 +377,25 @@ class TensorLifecycle:
             )
         return missing
 
-    def make_room(self, name: str, overwrite: bool, *, put_token: str = "") -> None:
+    def make_room(
+        self, name: str, overwrite: bool, *, put_token: str = "", reserve: bool = False
+    ) -> None:
         """ALREADY_EXISTS unless `overwrite`; with it, abort any put of `name` still pending. A pending version
         made under `put_token` is the same put made again (its first answer was lost, as when the coordinator
-        that made it died and the client asked the next leader): it is aborted, overwrite or not."""
+        that made it died and the client asked the next leader): it is aborted, overwrite or not. A reservation
+        of a writer's next put is dropped by any create and never refuses one; a new reservation (`reserve`)
+        is refused (ABORTED) while another put of `name` is pending, which it must not abort."""
         records = self.catalog.versions(name)
         ready = [r.version for r in records if r.ready]
         pending = [r for r in records if r.state is TensorState.PENDING]
-        others = [r for r in pending if not put_token or r.put_token != put_token]
+        others = [
+            r for r in pending if not r.reserved and (not put_token or r.put_token != put_token)
+        ]
+        if reserve and others:
+            raise TensorBusy(
+                f"tensor {name!r} has a put in progress (version {others[-1].version}); "
+                f"its next put is not reserved"
+            )
         if ready and not overwrite:
             raise TensorExists(
                 f"tensor {name!r} already exists (version {ready[-1]}); "

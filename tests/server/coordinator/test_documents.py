@@ -72,6 +72,8 @@ def _expected(record: TensorRecord) -> str:
         "lost_shards": list(record.lost_shards),
         "checksums": [f"{c:016x}" for c in record.checksums],
     }
+    if record.reserved:
+        document["reserved"] = True
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -87,6 +89,7 @@ RECORDS = [
         lost_shards=(1,),
     ),
     TensorRecord("w", 4, _layout(2, 0, 1), promoting=True, put_token="t-1"),
+    TensorRecord("w", 5, _layout(0, 1), reserved=True),
 ]
 
 
