@@ -133,6 +133,7 @@ class Channel:
         self._metadata = credentials.metadata()
         self._channels: dict[str, grpc.Channel] = {}
         self._shard_methods: dict[str, ShardMethods] = {}
+        self._shard_servers: dict[str, pb_grpc.ShardServerStub] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="shardserve-client"
@@ -167,7 +168,12 @@ class Channel:
         return pb_grpc.CoordinatorStub(self.channel(address))
 
     def shard_server(self, address: str) -> pb_grpc.ShardServerStub:
-        return pb_grpc.ShardServerStub(self.channel(address))
+        """The (cached) stub of the rank at `address`: making one registers every method of the service, about
+        1 ms, which a read's OpenShard and ReleaseShard paid each time."""
+        stub = self._shard_servers.get(address)
+        if stub is None:
+            stub = self._shard_servers[address] = pb_grpc.ShardServerStub(self.channel(address))
+        return stub
 
     def shard_methods(self, address: str) -> ShardMethods:
         """The (cached) bulk-byte methods of the rank at `address`."""
@@ -222,7 +228,7 @@ class Channel:
         with self._lock:
             self._closed = True
             channels, self._channels = list(self._channels.values()), {}
-            self._shard_methods = {}
+            self._shard_methods, self._shard_servers = {}, {}
         self._pool.shutdown(wait=False, cancel_futures=True)
         for channel in channels:
             channel.close()
