@@ -294,6 +294,12 @@ def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
     doomed = make_cluster(ranks=3, rank_options=RankOptions(log_level="WARNING"))
     with connect(doomed.address) as client:
         spmd.put_state_dict(client, state(1), "survivor", keep=1)
+        for step in (
+            1,
+            2,
+            3,
+        ):  # a tensor put every step: its next version reserved over the three ranks
+            client.put("one", torch.full((30, 4), float(step)), overwrite=True)
         os.kill(doomed.rank_pids[2], signal.SIGKILL)
         wait_until(
             lambda: not any(r.rank == 2 and r.alive for r in client.session.refresh_ranks()),
@@ -309,6 +315,14 @@ def test_a_rank_killed_between_puts_makes_the_next_put_create_on_the_live_ranks(
             for tensor in summary.tensors.values()
         )
         assert_reads_back(client, "survivor", 2, number)
+        for step in (
+            4,
+            5,
+            6,
+        ):  # the reservation on the dead rank given back, the puts on the live ranks
+            one = client.put("one", torch.full((30, 4), float(step)), overwrite=True)
+            assert 2 not in {shard.rank for shard in one.metadata().shards_metadata}
+            assert torch.equal(client.tensor("one").full_tensor(), torch.full((30, 4), float(step)))
 
 
 def test_a_reserved_put_that_fails_is_aborted_and_put_again_in_a_new_snapshot(
