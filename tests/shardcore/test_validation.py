@@ -386,3 +386,14 @@ def test_a_valid_layout_is_checked_once_and_a_bad_one_every_time():
         with pytest.raises(LayoutError):
             validate_metadata(gap)
     assert not gap.knows(VALID)
+
+
+def test_bounds_past_int64_are_checked_shard_by_shard():
+    """Offsets and sizes too large for the vectorised check (int64) are checked by the loop that names them."""
+    half = 2**63
+    assert validate_metadata(
+        make_metadata((2 * half,), [((0,), (half,), 0), ((half,), (half,), 1)])
+    )
+    meta = make_metadata((2 * half,), [((0,), (half,), 0), ((half,), (half + 1,), 1)])
+    with pytest.raises(LayoutError, match=r"out of bounds in shards \[1\]"):
+        validate_metadata(meta)

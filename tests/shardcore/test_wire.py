@@ -90,5 +90,11 @@ def test_decoded_shards_equal_constructed_ones_and_mismatched_dims_are_refused()
         ValueError, match=r"shards_metadata\[1\]: shard_offsets has 2 dims but shard_sizes has 3"
     ):
         metadata_from_proto(message)
+    large = metadata_to_proto(
+        _layout(400)
+    )  # decoded whole, not kept by its bytes: named all the same
+    large.shards_metadata[250].placement = "rank:x/cpu"
+    with pytest.raises(ValueError, match=r"shards_metadata\[250\]: .*not of the form"):
+        metadata_from_proto(large)
     with pytest.raises(ValueError, match="shard_offsets has 2 dims but shard_sizes has 3"):
         ShardMetadata((0, 0), (1, 4, 7), "rank:0/cpu")
