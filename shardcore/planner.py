@@ -250,13 +250,19 @@ def split_box(
 def _choose_holder(
     holders: list[tuple[int, int]], dst_rank: int, load: dict[int, int]
 ) -> tuple[int, int]:
-    """The holder on dst_rank if any, else the least-loaded source rank (first listed on ties)."""
-    for holder in holders:
-        if holder[1] == dst_rank:
-            return holder
+    """The holder on dst_rank if any, else the least-loaded source rank (first listed on ties); one pass, as
+    it runs once per destination shard."""
     if len(holders) == 1:
         return holders[0]
-    return min(holders, key=lambda h: load.get(h[1], 0))
+    chosen, lowest = holders[0], load.get(holders[0][1], 0)
+    for holder in holders:
+        rank = holder[1]
+        if rank == dst_rank:
+            return holder
+        held = load.get(rank, 0)
+        if held < lowest:
+            chosen, lowest = holder, held
+    return chosen
 
 
 def _order_key(t: Transfer) -> tuple:
