@@ -6,8 +6,9 @@ Cases: 64 x 16 MiB (bandwidth), 300 x 512 KiB (a 7B model's count of tensors, ea
 512 x 8 KiB (per-tensor cost): the first put into new rank memory, then
 the weight-sync loop after a second put: put then get into preallocated tensors, alternating, each timed
 (medians; each get reads the snapshot the put before it made, the puts go into the memory the snapshot before
-freed), and the same loop with reserve_next="later"; one 64 MiB tensor put (Cluster.put) and
-fetched whole into a preallocated tensor; a 1 MiB row slice of it.
+freed), and the same loop with reserve_next="later"; one 64 MiB tensor put (Cluster.put) and fetched whole into
+a preallocated tensor, alternating as well (each put after the first two fills the version reserved after the put
+before); a 1 MiB row slice of it.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def _single_rows(
             r["put"],
             nbytes,
             baseline="copy_",
-            note="steady, durable=False",
+            note="steady, durable=False, a fetch between puts",
             **subject,
         ),
         _row(
@@ -281,7 +282,7 @@ def _single_rows(
             r["fetch"],
             nbytes,
             baseline="copy_",
-            note="into a preallocated tensor",
+            note="right after each put, into a preallocated tensor",
             **subject,
         ),
         _row(case, "copy_", r["copy_"], nbytes, role="baseline", path="memory"),
