@@ -88,8 +88,9 @@ class TensorRecord(Versioned):
     `owner`: the principal whose bytes quota the version counts against.
     `checksums`: the xxh3-64 of each shard's bytes by shard index, as its rank reported it when promoting
     (shardserve.core.checksums); empty, or UNKNOWN for one shard, where not known.
-    `reserved`: made PENDING as a reservation of its writer's next put (CreateTensorRequest.reserve): any
-    create of the name drops it, and it holds no other create back.
+    `reserved`: made PENDING as a reservation of its writer's next put (CreateTensorRequest.reserve): while
+    pending, any create of the name drops it, and it holds no other create back (the flag means nothing once the
+    version is committed).
     """
 
     name: str
