@@ -13,13 +13,12 @@ answered (CommitSnapshotRequest.reserve_later) and takes the reservation on a th
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from shardserve.client import arguments
+from shardserve.client.kept import KeptForNextPut
 from shardserve.core.snapshots import JobTensor
 from shardserve.protos import shardserve_pb2 as pb
 
@@ -45,42 +44,19 @@ class Reservation:
     owned: bool  # this process commits it, and aborts it when it goes unused
 
 
-@dataclass(frozen=True)
-class LaterReservation:
-    """A reservation the coordinator makes after the commit answered: its snapshot comes with `snapshot` (None:
-    none was made), owned by this process."""
-
-    basis: Any
-    snapshot: Future[pb.SnapshotInfo | None]
-    tensors: Mapping[str, JobTensor]
-
-    def resolved(self) -> Reservation | None:
-        """The reservation once its snapshot is here (waiting for it), or None when none was made."""
-        snapshot = self.snapshot.result()
-        return (
-            None
-            if snapshot is None
-            else Reservation(self.basis, snapshot, self.tensors, owned=True)
-        )
-
-
 class Reservations:
     """This client's reservations, one per prefix; a put takes its prefix's (so two puts never share one)."""
 
     def __init__(self) -> None:
-        self._by_prefix: dict[str, Reservation | LaterReservation] = {}
-        self._lock = threading.Lock()
-        self._takers: ThreadPoolExecutor | None = None
+        self._kept: KeptForNextPut[Reservation] = KeptForNextPut("shardserve-reserve")
 
     def take(self, prefix: str) -> Reservation | None:
         """The prefix's reservation, no longer kept here (waiting for one still being made)."""
-        with self._lock:
-            kept = self._by_prefix.pop(prefix, None)
-        return _resolved(kept)
+        return self._kept.take(prefix)
 
     def keep(self, prefix: str, reservation: Reservation) -> Reservation | None:
         """Keep `reservation` for the prefix's next put; returns the one it replaces (to abort), if any."""
-        return _resolved(self._swap(prefix, reservation))
+        return self._kept.keep(prefix, reservation)
 
     def keep_later(
         self,
@@ -89,37 +65,22 @@ class Reservations:
         tensors: Mapping[str, JobTensor],
         take: Callable[[], pb.SnapshotInfo | None],
     ) -> Reservation | None:
-        """Keep the reservation `take()` answers (run on this client's reservation thread now) for the prefix's
-        next put; returns the one it replaces (to abort), if any."""
-        with self._lock:
-            if self._takers is None:
-                self._takers = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="shardserve-reserve"
-                )
-            later = LaterReservation(basis, self._takers.submit(take), tensors)
-        return _resolved(self._swap(prefix, later))
+        """Keep the reservation `take()` answers (run on this client's reservation thread now; None: none was
+        made), owned by this process, for the prefix's next put; returns the one it replaces (to abort), if
+        any."""
+
+        def taken() -> Reservation | None:
+            snapshot = take()
+            return None if snapshot is None else Reservation(basis, snapshot, tensors, owned=True)
+
+        return self._kept.keep_later(prefix, taken)
 
     def release_all(self, abort: Callable[[str, int], None]) -> None:
         """Forget every reservation, `abort(prefix, number)` of each one owned here (once taken, for those still
         being made), and stop the reservation thread."""
-        with self._lock:
-            held, self._by_prefix = list(self._by_prefix.items()), {}
-            takers, self._takers = self._takers, None
-        for prefix, kept in held:
-            reservation = _resolved(kept)
-            if reservation is not None and reservation.owned:
+
+        def release(prefix: str, reservation: Reservation) -> None:
+            if reservation.owned:
                 abort(prefix, reservation.snapshot.number)
-        if takers is not None:
-            takers.shutdown(wait=True)
 
-    def _swap(
-        self, prefix: str, kept: Reservation | LaterReservation
-    ) -> Reservation | LaterReservation | None:
-        with self._lock:
-            replaced = self._by_prefix.get(prefix)
-            self._by_prefix[prefix] = kept
-            return replaced
-
-
-def _resolved(kept: Reservation | LaterReservation | None) -> Reservation | None:
-    return kept.resolved() if isinstance(kept, LaterReservation) else kept
+        self._kept.release_all(release)

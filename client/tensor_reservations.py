@@ -19,9 +19,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
+from shardserve.client.kept import KeptForNextPut
 from shardserve.protos import shardserve_pb2 as pb
 
 REMEMBERED_NAMES = 4096
@@ -35,32 +35,20 @@ class Reserved(NamedTuple):
     info: pb.TensorInfo
 
 
-class _Later(NamedTuple):
-    basis: Any
-    info: Future[pb.TensorInfo | None]
-
-    def resolved(self) -> Reserved | None:
-        info = self.info.result()
-        return None if info is None else Reserved(self.basis, info)
-
-
 class TensorReservations:
     """This client's reservations, one per tensor name; a put takes its name's (two puts never share one)."""
 
     def __init__(self, remembered: int = REMEMBERED_NAMES) -> None:
-        self._held: dict[str, _Later] = {}
+        self._kept: KeptForNextPut[Reserved] = KeptForNextPut("shardserve-reserve-tensor")
         self._last: OrderedDict[str, Any] = (
             OrderedDict()
         )  # each name's last put's basis, newest last
         self._remembered = remembered
         self._lock = threading.Lock()
-        self._makers: ThreadPoolExecutor | None = None
 
     def take(self, name: str) -> Reserved | None:
         """The name's reservation, no longer kept here (waiting for one still being made); None if none."""
-        with self._lock:
-            held = self._held.pop(name, None)
-        return None if held is None else held.resolved()
+        return self._kept.take(name)
 
     def repeats(self, name: str, basis: Any) -> bool:
         """Note a put of `name` made from `basis`: whether the name's last put noted had the same one."""
@@ -74,27 +62,16 @@ class TensorReservations:
     def keep_later(
         self, name: str, basis: Any, make: Callable[[], pb.TensorInfo | None]
     ) -> Reserved | None:
-        """Keep the version `make()` answers (run on this client's reservation thread now) for the name's next
-        put; returns the reservation it replaces (for the caller to abort), if any."""
-        with self._lock:
-            if self._makers is None:
-                self._makers = ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="shardserve-reserve-tensor"
-                )
-            later = _Later(basis, self._makers.submit(make))
-            replaced = self._held.get(name)
-            self._held[name] = later
-        return None if replaced is None else replaced.resolved()
+        """Keep the version `make()` answers (run on this client's reservation thread now; None: none was made)
+        for the name's next put; returns the reservation it replaces (for the caller to abort), if any."""
+
+        def made() -> Reserved | None:
+            info = make()
+            return None if info is None else Reserved(basis, info)
+
+        return self._kept.keep_later(name, made)
 
     def release_all(self, abort: Callable[[str, int], None]) -> None:
         """Forget every reservation, `abort(name, version)` of each (once made, for those still being made), and
         stop the reservation thread."""
-        with self._lock:
-            held, self._held = list(self._held.items()), {}
-            makers, self._makers = self._makers, None
-        for name, later in held:
-            reserved = later.resolved()
-            if reserved is not None:
-                abort(name, reserved.info.version)
-        if makers is not None:
-            makers.shutdown(wait=True)
+        self._kept.release_all(lambda name, reserved: abort(name, reserved.info.version))
