@@ -51,6 +51,8 @@ COUNTERS = {
     "delta_hashed_bytes": "bytes delta puts read to hash them (a source whose version counter counted no "
     "write is not read where the put trusts version counters)",
     "shm_opens": "shards a shared-memory read opened on their rank (OpenShard); a kept mapping opens none",
+    "shm_labelled": "shards of a new version a shared-memory read found by their label in a segment it maps "
+    "already (the rank recycled it for that version), opening none",
     "cuda_ipc_opens": "CUDA IPC handles of same-host ranks' CUDA shards opened, to read or write in place; "
     "memory opened before and reused by the rank opens none",
 }

@@ -7,19 +7,35 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import xxhash
 
 BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 HOST_NAMESPACES = (
     "net",
     "pid",
 )  # a process in another network or PID namespace is another host here
-# A shard segment's header: int64 words HEADER_MAGIC, state, generation, the writer's checksum and its tag
-# (OpenShardResponse.data_offset gives the header's length). A same-host writer that hashed the bytes it copied
-# in place leaves their xxh3-64 in WORD_CHECKSUM and then checksum_tag(generation) in WORD_CHECKSUM_TAG; the
-# rank takes the checksum when the writer says the shard is written, if the tag names the segment's current
-# generation (a recycled segment has a newer one), and hashes the shard itself otherwise.
-WORD_MAGIC, WORD_STATE, WORD_GENERATION, WORD_CHECKSUM, WORD_CHECKSUM_TAG = range(5)
-HEADER_WORDS = 5
+# A shard segment's header: int64 words HEADER_MAGIC, state, generation, the writer's checksum and its tag,
+# then the label of the shard it holds and the label's tag (OpenShardResponse.data_offset gives the header's
+# length). A same-host writer that hashed the bytes it copied in place leaves their xxh3-64 in WORD_CHECKSUM and
+# then generation_tag(generation) in WORD_CHECKSUM_TAG; the rank takes the checksum when the writer says the
+# shard is written, if the tag names the segment's current generation (a recycled segment has a newer one), and
+# hashes the shard itself otherwise. When the rank promotes a version it labels each of its segments with the
+# shard it now serves (the hash of the tensor's name, the version, the shard's index), then tags the label with
+# the generation: a reader that maps the segment already (the rank recycles it from one version to the next)
+# finds a newer version's shard there by its label and reads it without asking the rank (write_label,
+# labelled_generation).
+(
+    WORD_MAGIC,
+    WORD_STATE,
+    WORD_GENERATION,
+    WORD_CHECKSUM,
+    WORD_CHECKSUM_TAG,
+    WORD_LABEL_NAME,
+    WORD_LABEL_VERSION,
+    WORD_LABEL_SHARD,
+    WORD_LABEL_TAG,
+) = range(9)
+HEADER_WORDS = 9
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = (
     0,
@@ -32,22 +48,69 @@ STAGING_NAME = (
 )
 
 
-def checksum_tag(generation: int) -> int:
-    """The tag word saying WORD_CHECKSUM holds the writer's checksum of the bytes of `generation` (never 0, the
-    word of a new segment)."""
+def generation_tag(generation: int) -> int:
+    """The tag word saying the words before it hold what they hold for `generation` of the segment (never 0, the
+    word of a new segment): the writer's checksum of its bytes, or the rank's label of its shard."""
     return 2 * generation + 1
+
+
+def name_hash(name: str) -> int:
+    """The label word of a tensor name: its xxh3-64 as a signed int64 (a header word)."""
+    return int(np.uint64(xxhash.xxh3_64_intdigest(name.encode("utf-8"))).view(np.int64))
+
+
+def write_label(words: np.ndarray, name: str, version: int, index: int) -> None:
+    """The rank's half, when it promotes a version and before it marks it served: label the segment of shard
+    `index` of (`name`, `version`) in its header `words` (int64), the label first and its tag after it. The
+    generation is the segment's current one: a recycled segment gets a newer one before any of its bytes change,
+    which makes this label stale at once."""
+    words[WORD_LABEL_NAME] = name_hash(name)
+    words[WORD_LABEL_VERSION] = version
+    words[WORD_LABEL_SHARD] = index
+    words[WORD_LABEL_TAG] = generation_tag(int(words[WORD_GENERATION]))
+
+
+def read_label(words: np.ndarray) -> tuple[int, int, int] | None:
+    """The label (name hash, version, shard index) the header `words` give the shard the segment serves now, or
+    None (not served, or no label of its current generation); to find a segment by, then check it with
+    labelled_generation."""
+    if int(words[WORD_STATE]) != STATE_SERVED:
+        return None
+    if int(words[WORD_LABEL_TAG]) != generation_tag(int(words[WORD_GENERATION])):
+        return None
+    return int(words[WORD_LABEL_NAME]), int(words[WORD_LABEL_VERSION]), int(words[WORD_LABEL_SHARD])
+
+
+def labelled_generation(words: np.ndarray, name: str, version: int, index: int) -> int | None:
+    """The reader's half: the segment's generation when its header `words` say it serves shard `index` of
+    (`name`, `version`) now (state SERVED, the label tagged with the current generation), else None. Read as a
+    seqlock: state and generation before the label and again after it, so a segment recycled meanwhile is never
+    taken (the rank changes the generation before it writes a new label or any byte)."""
+    state, generation = int(words[WORD_STATE]), int(words[WORD_GENERATION])
+    if state != STATE_SERVED or int(words[WORD_LABEL_TAG]) != generation_tag(generation):
+        return None
+    label = (
+        int(words[WORD_LABEL_NAME]),
+        int(words[WORD_LABEL_VERSION]),
+        int(words[WORD_LABEL_SHARD]),
+    )
+    if label != (name_hash(name), version, index):
+        return None
+    if (int(words[WORD_STATE]), int(words[WORD_GENERATION])) != (state, generation):
+        return None
+    return generation
 
 
 def leave_checksum(words: np.ndarray, checksum: int) -> None:
     """A writer's half: leave the xxh3-64 `checksum` of the bytes it wrote in the header `words` (int64), the
     checksum first and the tag after it."""
     words[WORD_CHECKSUM] = np.uint64(checksum).view(np.int64)
-    words[WORD_CHECKSUM_TAG] = checksum_tag(int(words[WORD_GENERATION]))
+    words[WORD_CHECKSUM_TAG] = generation_tag(int(words[WORD_GENERATION]))
 
 
 def left_checksum(words: np.ndarray) -> int | None:
     """The rank's half: the checksum a writer left in the header `words` for the current generation, or None."""
-    if int(words[WORD_CHECKSUM_TAG]) != checksum_tag(int(words[WORD_GENERATION])):
+    if int(words[WORD_CHECKSUM_TAG]) != generation_tag(int(words[WORD_GENERATION])):
         return None
     return int(words[WORD_CHECKSUM : WORD_CHECKSUM + 1].view(np.uint64)[0])
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from shardserve.client.paths import segments
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import name_hash
 
 CACHE_BYTES = (
     4 << 30
@@ -50,15 +52,7 @@ class MappingCache:
     def remember(self, key: Key, mapping: segments.SegmentMapping) -> None:
         """Keep `mapping` under `key` (replacing any), the least recently used let go past the bounds."""
         with self._lock:
-            self._drop(key)
-            self._cache[key] = mapping
-            self._nbytes += mapping.flat.numel()
-            if mapping.state is not None and (
-                mapping.data_offset >= 0 or mapping.cuda_handle is not None
-            ):
-                self._by_segment[_segment_key(key[0], mapping)] = key
-            while self._cache and (self._nbytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES):
-                self._drop(next(iter(self._cache)))
+            self._keep(key, mapping)
 
     def of_tensor(self, name: str) -> dict[Key, segments.SegmentMapping]:
         """The cached mappings of tensor `name`'s shards, by key."""
@@ -83,6 +77,41 @@ class MappingCache:
                 and (earlier.fd, earlier.data_offset) == (reply.fd, reply.data_offset)
             ),
         )
+
+    def take_labelled(
+        self, address: str, shards: Sequence[tuple[Key, int]]
+    ) -> dict[Key, tuple[segments.SegmentMapping, segments.SegmentMapping]]:
+        """For each (key, nbytes) of `shards` not cached, a mapping of the rank at `address`, of `nbytes`, whose
+        segment the rank recycled for that key's shard and labelled so (SegmentMapping.labelled): that mapping
+        (taken out of the cache: its version is gone) and a new one of the same pages at the key's version, kept
+        under the key. By key, as (earlier, mapping); the rest are opened by OpenShard. One pass over the
+        rank's mappings of those sizes, whatever the number of shards asked for."""
+        found: dict[Key, tuple[segments.SegmentMapping, segments.SegmentMapping]] = {}
+        with self._lock:
+            wanted = {  # by the label the rank gives the shard's segment
+                (name_hash(key[1]), key[2], key[3]): (key, nbytes)
+                for key, nbytes in shards
+                if key not in self._cache
+            }
+            sizes = {nbytes for _, nbytes in wanted.values()}
+            held = [
+                (key, self._cache[key])
+                for segment, key in self._by_segment.items()
+                if segment[0] == address and self._cache[key].flat.numel() in sizes
+            ]
+            for earlier_key, earlier in held:
+                label = earlier.label()
+                key, nbytes = wanted.get(label, (None, 0)) if label is not None else (None, 0)
+                if key is None or nbytes != earlier.flat.numel() or key in found:
+                    continue
+                generation = earlier.labelled(key[1], key[2], key[3])
+                if generation is None or not segments.still_held(earlier):
+                    continue
+                mapping = replace(earlier, generation=generation)
+                self._drop(earlier_key)
+                self._keep(key, mapping)
+                found[key] = (earlier, mapping)
+        return found
 
     def take_cuda(
         self, address: str, reply: pb.OpenShardResponse
@@ -129,6 +158,18 @@ class MappingCache:
             self._cache.clear()
             self._by_segment.clear()
             self._nbytes = 0
+
+    def _keep(self, key: Key, mapping: segments.SegmentMapping) -> None:
+        """Keep `mapping` under `key` (lock held), as remember() says."""
+        self._drop(key)
+        self._cache[key] = mapping
+        self._nbytes += mapping.flat.numel()
+        if mapping.state is not None and (
+            mapping.data_offset >= 0 or mapping.cuda_handle is not None
+        ):
+            self._by_segment[_segment_key(key[0], mapping)] = key
+        while self._cache and (self._nbytes > CACHE_BYTES or len(self._cache) > CACHE_ENTRIES):
+            self._drop(next(iter(self._cache)))
 
     def _drop(self, key: Key) -> None:
         """Take `key` out of the cache and the segment index (lock held)."""

@@ -27,10 +27,17 @@ from shardserve.core.lent_memory import (
     open_lent_file,
 )
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.protos.same_host import HEADER_MAGIC, STATE_REPLACED, STATE_SERVED
+from shardserve.protos.same_host import (
+    HEADER_MAGIC,
+    HEADER_WORDS,
+    STATE_REPLACED,
+    STATE_SERVED,
+    labelled_generation,
+    read_label,
+)
 
 # The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
-HEADER_WORDS_BYTES = 24  # magic, state, generation
+HEADER_WORDS_BYTES = HEADER_WORDS * 8  # magic, state, generation, checksum and label words
 
 
 class SegmentError(Exception):
@@ -62,6 +69,21 @@ class SegmentMapping:
         before a read (a replaced version is read anew at the newest one)."""
         words = self._words
         return words is None or (int(words[1]) == STATE_SERVED and int(words[2]) == self.generation)
+
+    def label(self) -> tuple[int, int, int] | None:
+        """The label the rank gave the shard the segment serves now (same_host.read_label): a hint to find it by,
+        checked with labelled(); None for a mapping without a header or of a CUDA shard."""
+        if self._words is None or self.cuda_handle is not None or self.data_offset < 0:
+            return None
+        return read_label(self._words)
+
+    def labelled(self, name: str, version: int, index: int) -> int | None:
+        """The segment's generation when its header says it now serves shard `index` of (`name`, `version`) (the
+        rank recycled it for that version and labelled it: same_host.labelled_generation), else None; None for
+        a mapping without a header or of a CUDA shard."""
+        if self._words is None or self.cuda_handle is not None or self.data_offset < 0:
+            return None
+        return labelled_generation(self._words, name, version, index)
 
     def readable(self) -> bool:
         """Whether the segment still holds the version it was mapped for (served, or replaced but in the rank's

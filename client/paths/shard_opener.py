@@ -2,10 +2,12 @@
 
 A shard is opened by OpenShard (a leased reference to the rank's memory) and mapped read-only; the mapping is
 cached per (rank, tensor, version, shard) and its header page tells later reads whether the rank still serves
-that version, so a cached shard is read with no call at all. A reader about to read many shards of a new version
-(a state dict right after its put) opens them in one OpenShards call per rank (open_all) instead of one
-OpenShard per shard: the segments are usually ones it already maps (the rank recycles them), so what that call
-saves is the round trips.
+that version, so a cached shard is read with no call at all. A shard of a new version is usually in a segment
+this process maps already (the rank recycles segments from one version to the next: steady puts alternate
+between two sets): the rank labels each segment with the shard it serves when it promotes a version, and the
+reader finds the shard there by that label, with no call either (protos/same_host.py). The rest of a reader's
+shards of a new version (a state dict right after its put) are opened in one OpenShards call per rank
+(open_all) instead of one OpenShard per shard.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ class ShardOpener:
         if self._serves(key, cached, summary, address):
             assert cached is not None
             return cached, _as_shard(cached.flat, summary, index)
+        labelled = self._take_labelled(address, [(summary, index)]).get(key)
+        if labelled is not None:
+            return labelled, _as_shard(labelled.flat, summary, index)
         reply = self._open_shard(address, _request(summary, index, cached), cancel)
         try:  # the lease holds the version (and its segment's generation) until released below
             mapping = self._adopt(address, key, cached, reply, summary)
@@ -88,15 +93,45 @@ class ShardOpener:
         """Open the `shards` of the rank at `address` that no kept mapping serves, in OpenShards calls of up to
         MAX_OPEN_SHARDS, so that reading them calls the rank no more; returns how many were opened. Best effort:
         a shard it cannot open (or a call that fails) is left to open() at its read, which reports why."""
-        wanted = []
+        unserved = []
         for summary, index in shards:
             key = (address, summary.name, summary.version, index)
             if not self._serves(key, self.mappings.get(key), summary, address, quiet=True):
-                wanted.append((summary, index))
+                unserved.append((summary, index))
+        labelled = self._take_labelled(address, unserved)
+        wanted = [
+            (summary, index)
+            for summary, index in unserved
+            if (address, summary.name, summary.version, index) not in labelled
+        ]
         opened = 0
         for start in range(0, len(wanted), MAX_OPEN_SHARDS):
             opened += self._open_batch(address, wanted[start : start + MAX_OPEN_SHARDS])
         return opened
+
+    def _take_labelled(
+        self, address: str, shards: Sequence[tuple[TensorSummary, int]]
+    ) -> dict[tuple[str, str, int, int], segments.SegmentMapping]:
+        """The mappings of `shards` found in segments this process maps already, which the rank at `address`
+        recycled for them and labelled so (MappingCache.take_labelled), by key: read with no call to the rank,
+        checked by their header on every read as any kept mapping is."""
+        if not shards:
+            return {}
+        asked = [
+            (
+                (address, summary.name, summary.version, index),
+                summary.metadata.shard_nbytes(index),
+            )
+            for summary, index in shards
+        ]
+        found = self.mappings.take_labelled(address, asked)
+        for earlier, mapping in found.values():
+            PAGES.hand_over(
+                earlier, mapping
+            )  # the same pages: their registration with CUDA goes on
+        if found:
+            counters.count("shm_labelled", len(found))
+        return {key: mapping for key, (_, mapping) in found.items()}
 
     def _open_batch(self, address: str, shards: Sequence[tuple[TensorSummary, int]]) -> int:
         """One OpenShards call: each answer mapped and kept, every lease released in one ReleaseShard."""

@@ -142,10 +142,12 @@ class ShardMemory:
 
     def promote(self, record: StoredVersion) -> None:
         """The memory's part of promoting a version: the bytes each shard of a copy still shares with other
-        versions noted (`record.shared`), its shards made read-only, and same-host readers told it is served."""
+        versions noted (`record.shared`), its shards made read-only, and same-host readers told it is served (each
+        segment labelled with the shard it now holds)."""
         for index, shard in record.shards.items():
             shared = self.blocks.shared_bytes(shard)
             if shared:
                 record.shared[index] = shared
             self.blocks.make_read_only(shard)
+        self.shared.label(record.name, record.version, record.shards)
         self.shared.mark(record.shards.values(), served=True)

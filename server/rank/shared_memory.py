@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -41,6 +41,7 @@ from shardserve.protos.same_host import (
     STATE_SERVED,
     WORD_CHECKSUM_TAG,
     left_checksum,
+    write_label,
 )
 from shardserve.server.rank.errors import Overloaded
 from shardserve.server.rank.recycling import CPU, Buffer, RecycledBuffers
@@ -261,6 +262,21 @@ class SharedMemory:
                     if served:
                         _seal_segment(self._segments[id(tensor)].fd)
                     header[1] = state
+
+    def label(self, name: str, version: int, shards: Mapping[int, torch.Tensor]) -> None:
+        """Label the segment of each shard (by index) with the shard it holds (same_host.write_label), before the
+        version is marked served: a reader that maps a segment for an earlier version finds this one there by
+        its label and reads it without OpenShard. Only segments whose bytes follow their header (not CUDA
+        header-only segments)."""
+        with self._lock:
+            for index, tensor in shards.items():
+                segment, header = self._segments.get(id(tensor)), self._headers.get(id(tensor))
+                if (
+                    header is not None
+                    and segment is not None
+                    and segment.data_offset == HEADER_BYTES
+                ):
+                    write_label(header, name, version, index)
 
     def writable_segment(self, tensor: torch.Tensor) -> tuple[Segment, bool] | None:
         """The Segment of a pending shard made by `empty`, for a same-host writer to fill in place, and whether its

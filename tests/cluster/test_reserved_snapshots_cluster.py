@@ -419,6 +419,56 @@ def test_a_reader_of_steady_puts_maps_each_segment_once(cluster: LocalCluster) -
         assert counts[2:] == [counts[1]] * 4, counts
 
 
+def test_a_reader_of_steady_puts_finds_each_new_snapshot_by_its_labels_without_opening_it(
+    cluster: LocalCluster,
+) -> None:
+    """The rank labels each segment it recycles with the shard it holds now: once the reader maps both sets of
+    segments, a get after each put calls no rank to open the new snapshot's shards (OpenShard(s)), and reads
+    every step's values bit for bit. A snapshot whose segments it never mapped is opened as before."""
+    from shardserve.client import metrics as client_metrics
+
+    with connect(cluster.address, transport="shm") as client:
+        opened, labelled = [], []
+        for step in range(1, 8):
+            torch.manual_seed(step)
+            weights = {
+                f"w{i}": torch.randn(64, 32) for i in range(6)
+            }  # 8 KiB each: small pieces too
+            spmd.put_state_dict(client, weights, "labelled", keep=1, durable=False)
+            into = {key: torch.zeros_like(value) for key, value in weights.items()}
+            spmd.get_state_dict(client, "labelled", into=into)
+            assert all(torch.equal(into[key], weights[key]) for key in weights), step
+            opened.append(client_metrics()["shm_opens"])
+            labelled.append(client_metrics()["shm_labelled"])
+        assert opened[3:] == [opened[2]] * 4, opened  # nothing opened after both sets were mapped
+        assert labelled[-1] - labelled[2] >= 4 * 6, labelled  # every shard found by its label
+        spmd.put_state_dict(client, {"other": torch.randn(64, 32)}, "unlabelled", durable=False)
+        into = {"other": torch.zeros(64, 32)}
+        spmd.get_state_dict(client, "unlabelled", into=into)
+        assert client_metrics()["shm_opens"] > opened[-1]
+
+
+def test_a_tensor_put_every_step_is_fetched_after_each_put_without_opening_its_shards(
+    cluster: LocalCluster,
+) -> None:
+    """A single tensor put every step lands in segments the rank recycles (the version reserved after the one
+    before): the reader's fetch after each put finds the new version's shards by their labels, opens none, and
+    reads each step's bytes bit for bit, however often the segments were reused under its mappings."""
+    from shardserve.client import metrics as client_metrics
+
+    with connect(cluster.address, transport="shm") as client:
+        source = torch.empty(256, 1024)
+        out = torch.empty_like(source)
+        opened = []
+        for step in range(1, 9):
+            source.copy_(torch.full((256, 1024), float(step)) + torch.arange(1024))
+            client.put("labelled_one", source, overwrite=True, durable=False)
+            client.tensor("labelled_one").fetch((0, 0), (256, 1024), out=out)
+            assert torch.equal(out, source), step
+            opened.append(client_metrics()["shm_opens"])
+        assert opened[4:] == [opened[3]] * 4, opened
+
+
 def test_a_reader_keeps_hundreds_of_shards_mapped_without_holding_their_files(
     cluster: LocalCluster,
 ) -> None:

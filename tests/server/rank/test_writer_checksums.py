@@ -25,7 +25,7 @@ from shardserve.protos.same_host import (
     WORD_CHECKSUM,
     WORD_CHECKSUM_TAG,
     WORD_GENERATION,
-    checksum_tag,
+    generation_tag,
     leave_checksum,
     left_checksum,
 )
@@ -147,7 +147,7 @@ def test_a_recycled_segment_ignores_the_checksum_its_last_writer_left(store):
     assert reused, "the second version reuses the first one's segments"
     for header in reused:  # a checksum left for the segment's previous use, tagged as such
         header[WORD_CHECKSUM] = WRONG
-        header[WORD_CHECKSUM_TAG] = checksum_tag(0)
+        header[WORD_CHECKSUM_TAG] = generation_tag(0)
     store.leases.finish_all_in_place("g", 2)
     sums = store.promote("g", 2)
     assert sums == {i: tensor_checksum(store.local_tensor("g", 2, i)) for i in (0, 1)}
