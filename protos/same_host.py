@@ -4,6 +4,7 @@ keeps before each shard segment, and the name a writer gives its staging memfds.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -54,8 +55,10 @@ def generation_tag(generation: int) -> int:
     return 2 * generation + 1
 
 
+@functools.lru_cache(maxsize=65536)
 def name_hash(name: str) -> int:
-    """The label word of a tensor name: its xxh3-64 as a signed int64 (a header word)."""
+    """The label word of a tensor name: its xxh3-64 as a signed int64 (a header word); computed once per name (a
+    reader asks it of every shard of every version it reads)."""
     return int(np.uint64(xxhash.xxh3_64_intdigest(name.encode("utf-8"))).view(np.int64))
 
 
@@ -70,35 +73,31 @@ def write_label(words: np.ndarray, name: str, version: int, index: int) -> None:
     words[WORD_LABEL_TAG] = generation_tag(int(words[WORD_GENERATION]))
 
 
-def read_label(words: np.ndarray) -> tuple[int, int, int] | None:
-    """The label (name hash, version, shard index) the header `words` give the shard the segment serves now, or
-    None (not served, or no label of its current generation); to find a segment by, then check it with
-    labelled_generation."""
-    if int(words[WORD_STATE]) != STATE_SERVED:
-        return None
-    if int(words[WORD_LABEL_TAG]) != generation_tag(int(words[WORD_GENERATION])):
-        return None
-    return int(words[WORD_LABEL_NAME]), int(words[WORD_LABEL_VERSION]), int(words[WORD_LABEL_SHARD])
-
-
-def labelled_generation(words: np.ndarray, name: str, version: int, index: int) -> int | None:
-    """The reader's half: the segment's generation when its header `words` say it serves shard `index` of
-    (`name`, `version`) now (state SERVED, the label tagged with the current generation), else None. Read as a
-    seqlock: state and generation before the label and again after it, so a segment recycled meanwhile is never
-    taken (the rank changes the generation before it writes a new label or any byte)."""
+def read_label(words: np.ndarray) -> tuple[int, int, int, int] | None:
+    """The reader's half: (name hash, version, shard index, generation) of the shard the segment whose header is
+    `words` serves now, or None (not served, or no label of its current generation). Read as a seqlock: state and
+    generation before the label and again after it, so a segment recycled meanwhile is never taken (the rank
+    changes the generation before it writes a new label or any byte)."""
     state, generation = int(words[WORD_STATE]), int(words[WORD_GENERATION])
     if state != STATE_SERVED or int(words[WORD_LABEL_TAG]) != generation_tag(generation):
         return None
-    label = (
+    name, version, index = (
         int(words[WORD_LABEL_NAME]),
         int(words[WORD_LABEL_VERSION]),
         int(words[WORD_LABEL_SHARD]),
     )
-    if label != (name_hash(name), version, index):
-        return None
     if (int(words[WORD_STATE]), int(words[WORD_GENERATION])) != (state, generation):
         return None
-    return generation
+    return name, version, index, generation
+
+
+def labelled_generation(words: np.ndarray, name: str, version: int, index: int) -> int | None:
+    """The segment's generation when its header `words` say it serves shard `index` of (`name`, `version`) now
+    (read_label), else None."""
+    found = read_label(words)
+    if found is None or found[:3] != (name_hash(name), version, index):
+        return None
+    return found[3]
 
 
 def leave_checksum(words: np.ndarray, checksum: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from shardserve.client.paths import segments
 from shardserve.core.dtypes import dtype_from_wire
@@ -82,7 +81,7 @@ class MappingCache:
         self, address: str, shards: Sequence[tuple[Key, int]]
     ) -> dict[Key, tuple[segments.SegmentMapping, segments.SegmentMapping]]:
         """For each (key, nbytes) of `shards` not cached, a mapping of the rank at `address`, of `nbytes`, whose
-        segment the rank recycled for that key's shard and labelled so (SegmentMapping.labelled): that mapping
+        segment the rank recycled for that key's shard and labelled so (SegmentMapping.label): that mapping
         (taken out of the cache: its version is gone) and a new one of the same pages at the key's version, kept
         under the key. By key, as (earlier, mapping); the rest are opened by OpenShard. One pass over the
         rank's mappings of those sizes, whatever the number of shards asked for."""
@@ -99,15 +98,20 @@ class MappingCache:
                 for segment, key in self._by_segment.items()
                 if segment[0] == address and self._cache[key].flat.numel() in sizes
             ]
+            alive: dict[int, bool] = {}  # by rank process: asked once
             for earlier_key, earlier in held:
                 label = earlier.label()
-                key, nbytes = wanted.get(label, (None, 0)) if label is not None else (None, 0)
+                if label is None:
+                    continue
+                key, nbytes = wanted.get(label[:3], (None, 0))
                 if key is None or nbytes != earlier.flat.numel() or key in found:
                     continue
-                generation = earlier.labelled(key[1], key[2], key[3])
-                if generation is None or not segments.still_held(earlier):
+                process = id(earlier.process)
+                if process not in alive:
+                    alive[process] = segments.still_held(earlier)
+                if not alive[process]:
                     continue
-                mapping = replace(earlier, generation=generation)
+                mapping = earlier.at_generation(label[3])
                 self._drop(earlier_key)
                 self._keep(key, mapping)
                 found[key] = (earlier, mapping)

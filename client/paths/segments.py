@@ -32,7 +32,6 @@ from shardserve.protos.same_host import (
     HEADER_WORDS,
     STATE_REPLACED,
     STATE_SERVED,
-    labelled_generation,
     read_label,
 )
 
@@ -70,20 +69,26 @@ class SegmentMapping:
         words = self._words
         return words is None or (int(words[1]) == STATE_SERVED and int(words[2]) == self.generation)
 
-    def label(self) -> tuple[int, int, int] | None:
-        """The label the rank gave the shard the segment serves now (same_host.read_label): a hint to find it by,
-        checked with labelled(); None for a mapping without a header or of a CUDA shard."""
+    def at_generation(self, generation: int) -> SegmentMapping:
+        """The same pages, mapped for the version the segment holds at `generation` (a labelled segment)."""
+        return SegmentMapping(
+            self.process,
+            self.inode,
+            self.device_id,
+            self.flat,
+            self.state,
+            self.fd,
+            self.cuda_handle,
+            generation,
+            self.data_offset,
+        )
+
+    def label(self) -> tuple[int, int, int, int] | None:
+        """(name hash, version, shard index, generation) of the shard the rank labelled the segment as serving now
+        (same_host.read_label); None for a mapping without a header or of a CUDA shard, or a segment not served."""
         if self._words is None or self.cuda_handle is not None or self.data_offset < 0:
             return None
         return read_label(self._words)
-
-    def labelled(self, name: str, version: int, index: int) -> int | None:
-        """The segment's generation when its header says it now serves shard `index` of (`name`, `version`) (the
-        rank recycled it for that version and labelled it: same_host.labelled_generation), else None; None for
-        a mapping without a header or of a CUDA shard."""
-        if self._words is None or self.cuda_handle is not None or self.data_offset < 0:
-            return None
-        return labelled_generation(self._words, name, version, index)
 
     def readable(self) -> bool:
         """Whether the segment still holds the version it was mapped for (served, or replaced but in the rank's

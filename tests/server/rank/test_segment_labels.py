@@ -45,7 +45,7 @@ def test_a_label_names_its_shard_and_the_current_generation() -> None:
     words = _words(generation=7)
     write_label(words, "layer0.w", 42, 3)
     assert labelled_generation(words, "layer0.w", 42, 3) == 7
-    assert read_label(words) is not None and read_label(words)[1:] == (42, 3)
+    assert read_label(words) is not None and read_label(words)[1:] == (42, 3, 7)
     assert labelled_generation(words, "layer1.w", 42, 3) is None
     assert labelled_generation(words, "layer0.w", 41, 3) is None
     assert labelled_generation(words, "layer0.w", 42, 2) is None
