@@ -24,7 +24,7 @@ HOST_NAMESPACES = (
 # shard it now serves (the hash of the tensor's name, the version, the shard's index), then tags the label with
 # the generation: a reader that maps the segment already (the rank recycles it from one version to the next)
 # finds a newer version's shard there by its label and reads it without asking the rank (write_label,
-# labelled_generation).
+# read_label).
 (
     WORD_MAGIC,
     WORD_STATE,

@@ -126,9 +126,7 @@ class ShardOpener:
         ]
         found = self.mappings.take_labelled(address, asked)
         for earlier, mapping in found.values():
-            PAGES.hand_over(
-                earlier, mapping
-            )  # the same pages: their registration with CUDA goes on
+            PAGES.hand_over(earlier, mapping)  # the same pages: their CUDA registration goes on
         if found:
             counters.count("shm_labelled", len(found))
         return {key: mapping for key, (_, mapping) in found.items()}
