@@ -268,6 +268,8 @@ class SharedMemory:
         version is marked served: a reader that maps a segment for an earlier version finds this one there by
         its label and reads it without OpenShard. Only segments whose bytes follow their header (not CUDA
         header-only segments)."""
+        if not self._headers:  # no segment has a header (shared memory off, or only private shards)
+            return
         with self._lock:
             for index, tensor in shards.items():
                 segment, header = self._segments.get(id(tensor)), self._headers.get(id(tensor))
