@@ -469,6 +469,52 @@ def test_a_tensor_put_every_step_is_fetched_after_each_put_without_opening_its_s
         assert opened[4:] == [opened[3]] * 4, opened
 
 
+def test_a_reader_of_a_tensor_put_every_step_reads_through_a_rank_killed_and_restarted(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    """Rank 1 is SIGKILLed under a reader that finds each new version by its segments' labels: the killed
+    process's segments (their last headers still say served) are never read again, every fetch after each put
+    reads that step's bytes, and once the restarted rank's new segments are mapped they are found by their
+    labels too."""
+    import signal
+
+    from shardserve.client import metrics as client_metrics
+    from shardserve.server.common.rank_options import RankOptions
+    from shardserve.server.supervisor import RestartPolicy
+
+    cluster = make_cluster(
+        ranks=2,
+        rank_options=RankOptions(log_level="WARNING"),
+        restart_policy=RestartPolicy(max_restarts=1, initial_backoff=0.2),
+    )
+    source, out = torch.empty(256, 1024), torch.empty(256, 1024)
+    with connect(cluster.address) as writer, connect(cluster.address, transport="shm") as reader:
+
+        def step(value: int) -> None:
+            source.copy_(torch.full((256, 1024), float(value)) + torch.arange(1024))
+            writer.put("survives", source, overwrite=True, durable=False)
+            reader.tensor("survives").fetch((0, 0), (256, 1024), out=out)
+            assert torch.equal(out, source), value
+
+        for value in range(1, 5):
+            step(value)
+        cluster.kill_rank(1, signal.SIGKILL)
+        wait_until(
+            lambda: (
+                cluster.restarts(1) == 1 and all(r.alive for r in writer.session.refresh_ranks())
+            ),
+            60,
+            "rank 1 to be restarted and registered again",
+        )
+        for value in range(5, 9):  # the restarted rank's segments opened, then recycled
+            step(value)
+        opened, labelled = client_metrics()["shm_opens"], client_metrics()["shm_labelled"]
+        for value in range(9, 12):
+            step(value)
+        assert client_metrics()["shm_opens"] == opened  # both ranks' shards found by their labels
+        assert client_metrics()["shm_labelled"] - labelled >= 3 * 2
+
+
 def test_a_reader_keeps_hundreds_of_shards_mapped_without_holding_their_files(
     cluster: LocalCluster,
 ) -> None:
