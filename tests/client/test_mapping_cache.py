@@ -6,6 +6,8 @@ compares them)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,6 +16,15 @@ from shardserve.client.paths import segments
 from shardserve.client.paths.mapping_cache import MappingCache
 from shardserve.core.dtypes import dtype_to_wire
 from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.same_host import (
+    HEADER_WORDS,
+    STATE_PENDING,
+    STATE_REPLACED,
+    STATE_SERVED,
+    WORD_GENERATION,
+    WORD_STATE,
+    write_label,
+)
 
 ADDRESS, INODE, DEVICE, HANDLE = "127.0.0.1:1", 41, 7, b"ipc-handle"
 
@@ -67,3 +78,103 @@ def test_other_memory_is_not_taken_for_it(changes):
     assert cache.take_cuda(ADDRESS, _reply(**changes)) is None
     assert cache.take_cuda("127.0.0.1:2", _reply()) is None
     assert cache.get((ADDRESS, "w", 1, 0)) is not None
+
+
+def _host_mapping(
+    nbytes: int = 64,
+    *,
+    inode: int = INODE,
+    generation: int = 0,
+    process: segments.RankProcess | None = None,
+) -> segments.SegmentMapping:
+    """A mapping of a host memfd segment (its header words in a CPU tensor the test writes as the rank would)."""
+    header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+    header[WORD_GENERATION] = generation
+    return segments.SegmentMapping(
+        process or segments.RANK_PROCESSES.watch(os.getpid()),
+        inode,
+        DEVICE,
+        torch.zeros(nbytes, dtype=torch.uint8),
+        header,
+        fd=3,
+        generation=generation,
+        data_offset=4096,
+    )
+
+
+def _relabel(mapping: segments.SegmentMapping, name: str, version: int, index: int) -> None:
+    """The rank's side: recycle the segment (next generation), label it for a shard and mark it served."""
+    assert mapping.state is not None
+    words = mapping.state.numpy()
+    words[WORD_STATE] = STATE_PENDING
+    words[WORD_GENERATION] += 1
+    write_label(words, name, version, index)
+    words[WORD_STATE] = STATE_SERVED
+
+
+def test_a_segment_recycled_and_labelled_for_a_new_version_is_taken_for_it_in_one_pass():
+    cache = MappingCache()
+    a, b = _host_mapping(inode=41), _host_mapping(inode=42)
+    cache.remember((ADDRESS, "w", 1, 0), a)
+    cache.remember((ADDRESS, "w", 1, 1), b)
+    _relabel(a, "w", 3, 1)  # the rank put shard 1 of version 3 where shard 0 of version 1 was
+    _relabel(b, "w", 3, 0)
+    found = cache.take_labelled(ADDRESS, [((ADDRESS, "w", 3, 0), 64), ((ADDRESS, "w", 3, 1), 64)])
+    assert {key: earlier for key, (earlier, _) in found.items()} == {
+        (ADDRESS, "w", 3, 0): b,
+        (ADDRESS, "w", 3, 1): a,
+    }
+    for key, (earlier, mapping) in found.items():
+        assert mapping.flat is earlier.flat and mapping.generation == 1 and mapping.serves()
+        assert cache.get(key) is mapping
+    assert cache.get((ADDRESS, "w", 1, 0)) is None and cache.get((ADDRESS, "w", 1, 1)) is None
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        ((ADDRESS, "w", 3, 0), 32),  # another size
+        (("127.0.0.1:2", "w", 3, 0), 64),  # another rank
+        ((ADDRESS, "w", 4, 0), 64),  # another version
+        ((ADDRESS, "v", 3, 0), 64),  # another tensor
+        ((ADDRESS, "w", 3, 1), 64),  # another shard
+    ],
+    ids=["size", "rank", "version", "tensor", "shard"],
+)
+def test_a_label_of_another_shard_is_not_taken(asked):
+    cache = MappingCache()
+    mapping = _host_mapping()
+    cache.remember((ADDRESS, "w", 1, 0), mapping)
+    _relabel(mapping, "w", 3, 0)
+    bystander = (
+        (asked[0][0], "x", 9, 0),
+        64,
+    )  # a shard of the mapping's size asked in the same pass
+    assert cache.take_labelled(asked[0][0], [asked, bystander]) == {}
+    assert cache.get((ADDRESS, "w", 1, 0)) is mapping
+
+
+def test_a_segment_not_served_or_labelled_for_an_older_generation_is_not_taken():
+    cache = MappingCache()
+    mapping = _host_mapping()
+    cache.remember((ADDRESS, "w", 1, 0), mapping)
+    _relabel(mapping, "w", 3, 0)
+    assert mapping.state is not None
+    words = mapping.state.numpy()
+    words[WORD_STATE] = STATE_REPLACED  # served in its grace: new reads go to the newer version
+    assert cache.take_labelled(ADDRESS, [((ADDRESS, "w", 3, 0), 64)]) == {}
+    words[WORD_STATE], words[WORD_GENERATION] = STATE_SERVED, words[WORD_GENERATION] + 1
+    assert cache.take_labelled(ADDRESS, [((ADDRESS, "w", 3, 0), 64)]) == {}  # recycled since
+
+
+def test_a_segment_of_a_rank_process_that_died_is_not_taken():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    process = segments.RankProcess(child.pid)
+    child.communicate(b"")  # it exits: its last header still says served
+    cache = MappingCache()
+    mapping = _host_mapping(process=process)
+    cache.remember((ADDRESS, "w", 1, 0), mapping)
+    _relabel(mapping, "w", 3, 0)
+    assert cache.take_labelled(ADDRESS, [((ADDRESS, "w", 3, 0), 64)]) == {}
