@@ -37,6 +37,9 @@ class MappingCache:
         self._cache: OrderedDict[Key, segments.SegmentMapping] = OrderedDict()
         # the key of each cached memfd mapping by (address, pid, inode, device)
         self._by_segment: dict[tuple, Key] = {}
+        # the segment each label was read in by the last pass over a rank's mappings, by (address, name hash,
+        # version, shard): a hint, checked against the segment's header before it is taken (take_labelled)
+        self._labels: dict[tuple[str, int, int, int], tuple] = {}
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -83,38 +86,56 @@ class MappingCache:
         """For each (key, nbytes) of `shards` not cached, a mapping of the rank at `address`, of `nbytes`, whose
         segment the rank recycled for that key's shard and labelled so (SegmentMapping.label): that mapping
         (taken out of the cache: its version is gone) and a new one of the same pages at the key's version, kept
-        under the key. By key, as (earlier, mapping); the rest are opened by OpenShard. One pass over the
-        rank's mappings of those sizes, whatever the number of shards asked for."""
+        under the key. By key, as (earlier, mapping); the rest are opened by OpenShard. A shard is looked for
+        first where the last pass over the rank's mappings read its label, then by one pass over the rank's
+        mappings of the sizes still asked for (which notes every label it reads): shards opened one at a time
+        cost one pass per new version between them, not one each."""
         found: dict[Key, tuple[segments.SegmentMapping, segments.SegmentMapping]] = {}
+        alive: dict[int, bool] = {}  # by rank process: asked once
+
+        def take(earlier_key: Key) -> tuple[int, int, int] | None:
+            """Take the mapping cached under `earlier_key` for the shard its label names, when that one is
+            asked for, of its size, not taken yet, and its rank process lives; the label read (None: none)."""
+            earlier = self._cache.get(earlier_key)
+            label = earlier.label() if earlier is not None else None
+            if earlier is None or label is None:
+                return None
+            key, nbytes = wanted.get(label[:3], (None, 0))
+            if key is None or nbytes != earlier.flat.numel() or key in found:
+                return label[:3]
+            process = id(earlier.process)
+            if process not in alive:
+                alive[process] = segments.still_held(earlier)
+            if alive[process]:
+                mapping = earlier.at_generation(label[3])
+                self._drop(earlier_key)
+                self._keep(key, mapping)
+                found[key] = (earlier, mapping)
+            return label[:3]
+
         with self._lock:
             wanted = {  # by the label the rank gives the shard's segment
                 (name_hash(key[1]), key[2], key[3]): (key, nbytes)
                 for key, nbytes in shards
                 if key not in self._cache
             }
-            sizes = {nbytes for _, nbytes in wanted.values()}
-            held = [
-                (key, self._cache[key])
-                for segment, key in self._by_segment.items()
-                if segment[0] == address and self._cache[key].flat.numel() in sizes
-            ]
-            alive: dict[int, bool] = {}  # by rank process: asked once
-            for earlier_key, earlier in held:
-                label = earlier.label()
-                if label is None:
-                    continue
-                key, nbytes = wanted.get(label[:3], (None, 0))
-                if key is None or nbytes != earlier.flat.numel() or key in found:
-                    continue
-                process = id(earlier.process)
-                if process not in alive:
-                    alive[process] = segments.still_held(earlier)
-                if not alive[process]:
-                    continue
-                mapping = earlier.at_generation(label[3])
-                self._drop(earlier_key)
-                self._keep(key, mapping)
-                found[key] = (earlier, mapping)
+            for asked in wanted:  # first where the last pass read its label
+                earlier_key = self._by_segment.get(self._labels.get((address, *asked), ()))
+                if earlier_key is not None:
+                    take(earlier_key)
+            sizes = {nbytes for key, nbytes in wanted.values() if key not in found}
+            # the rest: one pass over the rank's mappings of their sizes, noting every label it reads
+            if sizes:
+                self._labels = {k: v for k, v in self._labels.items() if k[0] != address}
+                held = [
+                    (segment, key)
+                    for segment, key in self._by_segment.items()
+                    if segment[0] == address and self._cache[key].flat.numel() in sizes
+                ]
+                for segment, earlier_key in held:
+                    read = take(earlier_key)
+                    if read is not None:
+                        self._labels[(address, *read)] = segment
         return found
 
     def take_cuda(
@@ -161,6 +182,7 @@ class MappingCache:
         with self._lock:
             self._cache.clear()
             self._by_segment.clear()
+            self._labels.clear()
             self._nbytes = 0
 
     def _keep(self, key: Key, mapping: segments.SegmentMapping) -> None:

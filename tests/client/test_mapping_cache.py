@@ -178,3 +178,26 @@ def test_a_segment_of_a_rank_process_that_died_is_not_taken():
     cache.remember((ADDRESS, "w", 1, 0), mapping)
     _relabel(mapping, "w", 3, 0)
     assert cache.take_labelled(ADDRESS, [((ADDRESS, "w", 3, 0), 64)]) == {}
+
+
+def test_shards_taken_one_at_a_time_are_found_as_the_rank_moves_them_between_segments():
+    """A reader that opens a new version's shards one by one: each is found in the segment the rank put it in,
+    version after version, as the rank hands the same-size segments to other shards each time (a label noted by
+    an earlier pass that no longer holds is not trusted)."""
+    cache = MappingCache()
+    mappings = [_host_mapping(inode=100 + i) for i in range(8)]
+    for i, mapping in enumerate(mappings):
+        cache.remember((ADDRESS, f"t{i}", 1, 0), mapping)
+    for version, shift in (
+        (3, 0),
+        (5, 3),
+        (7, 5),
+    ):  # tensor i's shard lands in segment (i + shift) % 8
+        for i in range(8):
+            _relabel(mappings[(i + shift) % 8], f"t{i}", version, 0)
+        for i in (5, 0, 7, 2, 1, 6, 3, 4):
+            key = (ADDRESS, f"t{i}", version, 0)
+            found = cache.take_labelled(ADDRESS, [(key, 64)])
+            assert list(found) == [key], (version, i)
+            earlier, mapping = found[key]
+            assert earlier.flat is mappings[(i + shift) % 8].flat and mapping.serves()
