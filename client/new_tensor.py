@@ -35,9 +35,8 @@ class NewTensor:
     overwrite: bool = False
     options: TensorOptions = field(default_factory=TensorOptions)
     source_version: int = 0
-    reserve: bool = (
-        False  # a reservation of this client's next put of the name (client/tensor_reservations.py)
-    )
+    # a reservation of this client's next put of the name (client/tensor_reservations.py)
+    reserve: bool = False
 
     def __post_init__(self) -> None:
         if self.init not in INITS:

@@ -42,9 +42,8 @@ from shardserve.protos import shardserve_pb2 as pb
 
 T = TypeVar("T")
 INLINE_BYTES_PER_CALL = 4 << 20  # WriteBytes' bytes per request where they travel inline
-RELEASE_TIMEOUT_S = (
-    2.0  # how long close() gives each abort of a snapshot or version reserved for a next put
-)
+# how long close() gives each abort of a snapshot or version reserved for a next put
+RELEASE_TIMEOUT_S = 2.0
 READ_THREADS = (
     8  # tensors of a snapshot or state dict read at once (each read fans out on the channel's pool)
 )

@@ -40,9 +40,8 @@ class TensorReservations:
 
     def __init__(self, remembered: int = REMEMBERED_NAMES) -> None:
         self._kept: KeptForNextPut[Reserved] = KeptForNextPut("shardserve-reserve-tensor")
-        self._last: OrderedDict[str, Any] = (
-            OrderedDict()
-        )  # each name's last put's basis, newest last
+        # each name's last put's basis, newest last
+        self._last: OrderedDict[str, Any] = OrderedDict()
         self._remembered = remembered
         self._lock = threading.Lock()
 

@@ -180,9 +180,7 @@ def _reserve(
     new = NewTensor(name, meta, overwrite=True, options=options, reserve=True)
     try:
         return session.create_tensor(new, in_place=True)
-    except (
-        Exception
-    ) as err:  # a reservation that fails is only not made: the next put creates its version
+    except Exception as err:  # noqa: BLE001 - one not made only makes the next put create its version
         log.info("%r: the next put is not reserved: %s", name, err)
         return None
 
