@@ -51,6 +51,7 @@ from shardserve.client.spmd_delta import (
 )
 from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
 from shardserve.client.spmd_layouts import balanced, from_spec
+from shardserve.client.spmd_packs import PackedState, pack_state, packed_read
 from shardserve.client.spmd_pieces import (
     Piece,
     is_distributed,
@@ -94,6 +95,7 @@ def put_state_dict(
     reserve_next: bool | str = True,
     dtype: torch.dtype | str | None = None,
     delta: bool | str = False,
+    pack: bool = False,
 ) -> int:
     """Collective: write every rank's local shards of `state_dict` and commit them as one snapshot of `prefix`.
 
@@ -118,7 +120,10 @@ def put_state_dict(
     whose torch version counter counted no write since the previous delta put is taken as unchanged without
     reading it (client/stamps.py: writes torch does not count, through `.data`, numpy, collectives or raw
     pointers, are then not sent). A delta put neither uses nor makes a reservation (it aborts
-    the prefix's). Returns the snapshot number. On any failure nothing is visible and every rank raises
+    the prefix's). `pack`: the plain tensors of at most 64 KiB (on their most common device) are stored in a
+    few byte tensors, "packs" (client/spmd_packs.py): a state dict of hundreds of small tensors then costs the
+    cluster a few tensors a step; get_state_dict and Snapshot read them as before (not without `spec`). Returns
+    the snapshot number. On any failure nothing is visible and every rank raises
     SpmdError. The process's cyclic garbage collector is paused during the call (client/collector.py).
     """
     job = JobGroup(group)
@@ -146,6 +151,7 @@ def put_state_dict(
         cast=put_dtype(dtype),
         delta=is_delta,
         trusted=trusted,
+        pack=arguments.flag(pack, "pack") and spec is None,
     )
     return put.run(state_dict)
 
@@ -170,11 +176,14 @@ class _StatePut:
         delta: bool = False,
         trusted: bool = False,
         reserve_later: bool = False,
+        pack: bool = False,
     ) -> None:
         self.cluster, self.session, self.job, self.prefix = cluster, cluster.session, job, prefix
         self.spec, self.replicas, self.keep, self.durable = spec, replicas, keep, durable
         self.plain_writer, self.reserve_next, self.cast = plain_writer, reserve_next, cast
         self.delta, self.trusted, self.reserve_later = delta, trusted, reserve_later
+        self.pack = pack
+        self.packed = PackedState({}, "")  # the packs this put filled, given back when it ends
         self.local: dict[str, list[Piece]] = {}  # this rank's pieces of each tensor
         self.tensors: dict[
             str, Any
@@ -183,6 +192,12 @@ class _StatePut:
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
 
     def run(self, state_dict: Mapping[str, Any]) -> int:
+        try:
+            return self._run(state_dict)
+        finally:
+            self.packed.done()
+
+    def _run(self, state_dict: Mapping[str, Any]) -> int:
         _, error = attempt_step(lambda: self._describe(state_dict))
         reservation = self.session.reservations.take(self.prefix)
         basis = self._basis() if error is None else None
@@ -245,10 +260,19 @@ class _StatePut:
         split = _split(state_dict)
         if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
-        self.skeleton = split.skeleton
-        self.tensors = split.tensors
+        self.skeleton, self.tensors = split.skeleton, split.tensors
+        if self.pack:
+            self.packed = pack_state(
+                self.session,
+                self.prefix,
+                split.tensors,
+                split.skeleton,
+                cast=self.cast,
+                writer=self.job.rank == self.plain_writer,
+            )
+            self.skeleton, self.tensors = self.packed.skeleton, self.packed.tensors
         self.mine, self.local = report_pieces(
-            split.tensors, self.job.rank, self.plain_writer, cast=self.cast
+            self.tensors, self.job.rank, self.plain_writer, cast=self.cast
         )
 
     def _basis(self) -> tuple[Any, ...]:
@@ -472,7 +496,12 @@ def get_state_dict(
             summary = (found.pop(number) if number in found else None) or get_snapshot(
                 cluster.session, prefix, number
             )
-            read_pieces(cluster, summary, targets, verify=verify)
+            packed = packed_read(cluster.session, prefix, summary.skeleton, targets)
+            try:
+                read_pieces(cluster, summary, packed.plain, verify=verify)
+                packed.unpack()
+            finally:
+                packed.done()
             if summary.skeleton and isinstance(into, MutableMapping):
                 fill_state_dict(into, summary.skeleton)
 

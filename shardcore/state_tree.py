@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = 1  # the skeleton's format version, stored with it
+PACKED_FORMAT = 2  # the same tree, with packs listed beside it (shardcore.packs)
+READABLE_FORMATS = (FORMAT, PACKED_FORMAT)
 Key = str | int | bool | float | None | tuple[Any, ...]
 _PLAIN_KEYS = (str, int, bool, float, type(None), tuple)
 
@@ -184,8 +186,14 @@ def _parse(skeleton: str) -> Any:
         document = json.loads(skeleton)
     except json.JSONDecodeError as err:
         raise StateTreeError(f"the stored state dict skeleton is not JSON: {err}") from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT or "tree" not in document:
-        raise StateTreeError(f"the stored state dict skeleton is not of format {FORMAT}")
+    if (
+        not isinstance(document, dict)
+        or document.get("format") not in READABLE_FORMATS
+        or "tree" not in document
+    ):
+        raise StateTreeError(
+            f"the stored state dict skeleton is not of a format this client reads {READABLE_FORMATS}"
+        )
     return document["tree"]
 
 

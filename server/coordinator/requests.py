@@ -25,6 +25,7 @@ from shardserve.server.coordinator.drivers.orders import (
     SnapshotOrder,
     check_path,
     check_skeleton_keys,
+    check_skeleton_packs,
     skeleton_keys,
 )
 
@@ -163,4 +164,5 @@ def _checked_skeleton(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata
     most MAX_SKELETON_BYTES whose tensor references are exactly the snapshot's tensors."""
     if skeleton:
         check_skeleton_keys(skeleton_keys(skeleton), layouts)
+        check_skeleton_packs(skeleton, layouts)
     return skeleton

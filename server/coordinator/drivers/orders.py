@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from shardserve.core.metadata import ShardedTensorMetadata
+from shardserve.core.packs import PackError, check_pack_layouts, packs_of, stored_keys
 from shardserve.core.state_tree import StateTreeError, tensor_keys
 from shardserve.server.common.errors import InvalidArgument, RequestTooLarge
 
@@ -106,8 +107,9 @@ def check_path(path: str) -> str:
 
 
 def skeleton_keys(skeleton: str) -> list[str]:
-    """The tensor keys a non-empty skeleton refers to; RESOURCE_EXHAUSTED past MAX_SKELETON_BYTES,
-    INVALID_ARGUMENT naming `skeleton` when it does not parse."""
+    """The keys a snapshot with this skeleton holds as tensors: those its tree refers to, a packed one's pack
+    in its place (shardserve.core.packs); RESOURCE_EXHAUSTED past MAX_SKELETON_BYTES, INVALID_ARGUMENT naming
+    `skeleton` when it does not parse or its packs are not well formed."""
     if not skeleton:
         return []
     if len(skeleton.encode()) > MAX_SKELETON_BYTES:
@@ -116,8 +118,16 @@ def skeleton_keys(skeleton: str) -> list[str]:
             metadata={"field": "skeleton"},
         )
     try:
-        return tensor_keys(skeleton)
-    except StateTreeError as err:
+        return stored_keys(tensor_keys(skeleton), packs_of(skeleton))
+    except (StateTreeError, PackError) as err:
+        raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
+
+
+def check_skeleton_packs(skeleton: str, layouts: Mapping[str, ShardedTensorMetadata]) -> None:
+    """INVALID_ARGUMENT naming `skeleton` unless each pack it lists is stored as a uint8 tensor of its size."""
+    try:
+        check_pack_layouts(packs_of(skeleton), layouts)
+    except PackError as err:
         raise InvalidArgument(f"skeleton: {err}", metadata={"field": "skeleton"}) from None
 
 

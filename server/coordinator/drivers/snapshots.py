@@ -54,6 +54,7 @@ from shardserve.server.coordinator.drivers.orders import (
     CommitOrder,
     SnapshotOrder,
     check_skeleton_keys,
+    check_skeleton_packs,
 )
 from shardserve.server.coordinator.ranks.calls import versions_by_rank
 
@@ -225,6 +226,9 @@ class SnapshotDriver:
             if order.skeleton is not None:
                 if order.skeleton:
                     check_skeleton_keys(order.skeleton_keys, (e.key for e in snapshot.entries))
+                    check_skeleton_packs(
+                        order.skeleton, {e.key: e.tensor.metadata for e in snapshot.entries}
+                    )
                 snapshot = replace(snapshot, skeleton=order.skeleton)
             committed, removed = self._commit(snapshot, written_in_place=order.written_in_place)
         except BaseException:

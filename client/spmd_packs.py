@@ -1,0 +1,241 @@
+"""Packed puts and gets of a state dict's small plain tensors (shardcore.packs).
+
+`spmd.put_state_dict(..., pack=True)` stores the plain tensors of at most PACK_ITEM_BYTES each as a few 1-D
+uint8 tensors (packs of at most PACK_BYTES) and lists where each one lies in the state dict's skeleton: the
+coordinator and the ranks then hold, commit and serve a few tensors where there were hundreds. The writer
+copies the small tensors into its pack buffers in one foreach copy (converted to the put's dtype), through
+views made once and kept with the buffers for the prefix's next put. A get reads each pack it needs whole and
+copies every packed tensor's boxes out of it (converted to the output's dtype, as unpacked tensors are).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardserve.client.casts import check_read_cast, stored_as
+from shardserve.client.errors import InvalidArgumentError
+from shardserve.client.session import Session
+from shardserve.client.spmd_pieces import Piece, is_distributed
+from shardserve.core.dtypes import SUPPORTED_DTYPES
+from shardserve.core.metadata import Box
+from shardserve.core.packs import (
+    Pack,
+    Packable,
+    PackedItem,
+    PackError,
+    packs_of,
+    plan_packs,
+    with_packs,
+)
+from shardserve.core.regions import check_box, local_view
+
+PACK_ITEM_BYTES = 64 << 10  # plain tensors up to this size are packed
+PACK_BYTES = 16 << 20  # the most bytes of one pack (a larger tensor is never packed)
+
+
+@dataclass(frozen=True)
+class PackedState:
+    """A state dict's tensors with its small plain ones replaced by their packs, and the skeleton listing
+    them; `done()` gives the packs' memory back for the prefix's next put."""
+
+    tensors: dict[str, Any]
+    skeleton: str
+    done: Callable[[], None] = lambda: None
+
+
+class _Buffers:
+    """The packs of one plan, their memory and each item's view of it (made once: ~10 us a view)."""
+
+    def __init__(self, packs: tuple[Pack, ...], device: torch.device) -> None:
+        self.packs = packs
+        self.memory = {
+            pack.key: torch.empty(pack.nbytes, dtype=torch.uint8, device=device) for pack in packs
+        }
+        self.views = {
+            item.key: item_view(self.memory[pack.key], item)
+            for pack in packs
+            for item in pack.items
+        }
+
+
+class PackBuffers:
+    """One client's pack buffers by prefix, for its puts or its gets: a call takes its prefix's (two calls for
+    one prefix at once never share them) and keeps them for the next one when it is done."""
+
+    def __init__(self) -> None:
+        self._by_prefix: dict[str, _Buffers] = {}
+        self._lock = threading.Lock()
+
+    def take(self, prefix: str, packs: tuple[Pack, ...], device: torch.device) -> _Buffers:
+        with self._lock:
+            kept = self._by_prefix.pop(prefix, None)
+        if kept is not None and kept.packs == packs and _device_of(kept) == device:
+            return kept
+        return _Buffers(packs, device)
+
+    def keep(self, prefix: str, buffers: _Buffers) -> None:
+        with self._lock:
+            self._by_prefix[prefix] = buffers
+
+
+_by_session: weakref.WeakKeyDictionary[Session, dict[str, PackBuffers]] = (
+    weakref.WeakKeyDictionary()
+)
+_by_session_guard = threading.Lock()
+
+
+def pack_buffers(session: Session, use: str) -> PackBuffers:
+    """The pack buffers of `session`'s puts or gets (`use`: "put", "get"; gone with the session)."""
+    with _by_session_guard:
+        return _by_session.setdefault(session, {}).setdefault(use, PackBuffers())
+
+
+def _device_of(buffers: _Buffers) -> torch.device:
+    return next(iter(buffers.memory.values())).device
+
+
+def item_view(memory: torch.Tensor, item: PackedItem) -> torch.Tensor:
+    """The packed tensor `item` as a view of its pack's bytes."""
+    return memory[item.offset : item.offset + item.nbytes].view(item.dtype).view(item.shape)
+
+
+# ---------------------------------------------------------------- put
+
+
+def pack_state(
+    session: Session,
+    prefix: str,
+    tensors: Mapping[str, Any],
+    skeleton: str,
+    *,
+    cast: torch.dtype | None,
+    writer: bool,
+) -> PackedState:
+    """`tensors` with the small plain ones of the most common device packed (filled when this process is the
+    plain tensors' `writer`, else stood for by meta tensors of the packs' size), and `skeleton` listing them."""
+    small = _packable(tensors, cast)
+    if len(small) < 2:
+        return PackedState(dict(tensors), skeleton)
+    counts = Counter(t.device for t in small.values())
+    device = min(
+        counts, key=lambda d: (-counts[d], str(d))
+    )  # the same choice on every rank of a job
+    chosen = [
+        Packable(key, stored_as(t.dtype, cast, key), tuple(t.shape))
+        for key, t in small.items()
+        if t.device == device
+    ]
+    packs = tuple(plan_packs(chosen, taken=tensors, max_pack_bytes=PACK_BYTES))
+    packed = {item.key for pack in packs for item in pack.items}
+    out = {key: value for key, value in tensors.items() if key not in packed}
+    if not writer:
+        out.update(
+            {pack.key: torch.empty(pack.nbytes, dtype=torch.uint8, device="meta") for pack in packs}
+        )
+        return PackedState(out, with_packs(skeleton, packs))
+    kept = pack_buffers(session, "put")
+    buffers = kept.take(prefix, packs, device)
+    keys = sorted(packed)
+    torch._foreach_copy_([buffers.views[k] for k in keys], [tensors[k].detach() for k in keys])
+    out.update(buffers.memory)
+    return PackedState(out, with_packs(skeleton, packs), lambda: kept.keep(prefix, buffers))
+
+
+def _packable(tensors: Mapping[str, Any], cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The plain dense tensors of at most PACK_ITEM_BYTES (as stored, and as they are) of a supported dtype."""
+    out = {}
+    for key, value in tensors.items():
+        if not isinstance(value, torch.Tensor) or is_distributed(value):
+            continue
+        if value.layout != torch.strided or value.dtype not in SUPPORTED_DTYPES:
+            continue
+        if value.device.type not in ("cpu", "cuda"):
+            continue
+        stored = stored_as(value.dtype, cast, key)
+        if value.numel() * max(stored.itemsize, value.element_size()) <= PACK_ITEM_BYTES:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------- get
+
+
+@dataclass
+class PackedRead:
+    """A get's targets with its packed keys' pieces set aside: `plain` (every other key, and each needed pack
+    read whole into a buffer), then `unpack()` fills the packed keys' pieces from those buffers; `done()` gives
+    the buffers back for the prefix's next get."""
+
+    plain: dict[str, list[Piece]]
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # (destination, source view of a pack's buffer)
+    _release: Callable[[], None] = lambda: None
+
+    def unpack(self) -> None:
+        """Fill each destination from its pack's buffer (converted to its dtype), one foreach copy per device."""
+        by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for into, source in self.copies:
+            dests, sources = by_device.setdefault(into.device, ([], []))
+            dests.append(into)
+            sources.append(source if into.device == source.device else source.to(into.device))
+        for dests, sources in by_device.values():
+            torch._foreach_copy_(dests, sources)
+
+    def done(self) -> None:
+        self._release()
+
+
+def packed_read(
+    session: Session, prefix: str, skeleton: str, targets: Mapping[str, list[Piece]]
+) -> PackedRead:
+    """The reads and copies of a get of `targets` from a snapshot of `prefix` whose skeleton is `skeleton`; a
+    packed key whose piece does not fit it, or of a dtype it cannot be converted to, is INVALID_ARGUMENT naming
+    it."""
+    packs = _packs(skeleton)
+    where = {item.key: (pack, item) for pack in packs for item in pack.items}
+    if not any(key in where for key in targets):
+        return PackedRead(dict(targets), [])
+    kept = pack_buffers(session, "get")
+    buffers = kept.take(prefix, packs, torch.device("cpu"))
+    plain = {key: pieces for key, pieces in targets.items() if key not in where}
+    copies = []
+    for key, pieces in targets.items():
+        if key in where:
+            pack, item = where[key]
+            copies += _copies(key, item, buffers.views[key], pieces)
+            memory = buffers.memory[pack.key]
+            plain[pack.key] = [(Box((0,), (pack.nbytes,)), memory)]
+    return PackedRead(plain, copies, lambda: kept.keep(prefix, buffers))
+
+
+@functools.lru_cache(maxsize=64)
+def _packs(skeleton: str) -> tuple[Pack, ...]:
+    """The packs a stored skeleton lists (a steady get reads the same text every step)."""
+    try:
+        return tuple(packs_of(skeleton))
+    except PackError as err:
+        raise InvalidArgumentError(f"the snapshot's packs: {err}") from None
+
+
+def _copies(
+    key: str, item: PackedItem, whole: torch.Tensor, pieces: Sequence[Piece]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    full = Box((0,) * len(item.shape), item.shape)
+    out = []
+    for box, into in pieces:
+        try:
+            check_box(item.shape, box)
+        except ValueError as err:
+            raise InvalidArgumentError(
+                f"{key!r}: {err} (the stored tensor has shape {item.shape})"
+            ) from None
+        check_read_cast(item.dtype, into.dtype, key)
+        out.append((into, local_view(whole, full, box)))
+    return out
