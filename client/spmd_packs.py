@@ -198,7 +198,7 @@ def packed_read(
     """The reads and copies of a get of `targets` from a snapshot of `prefix` whose skeleton is `skeleton`; a
     packed key whose piece does not fit it, or of a dtype it cannot be converted to, is INVALID_ARGUMENT naming
     it."""
-    packs = _packs(skeleton)
+    packs = stored_packs(skeleton)
     where = {item.key: (pack, item) for pack in packs for item in pack.items}
     if not any(key in where for key in targets):
         return PackedRead(dict(targets), [])
@@ -216,8 +216,9 @@ def packed_read(
 
 
 @functools.lru_cache(maxsize=64)
-def _packs(skeleton: str) -> tuple[Pack, ...]:
-    """The packs a stored skeleton lists (a steady get reads the same text every step)."""
+def stored_packs(skeleton: str) -> tuple[Pack, ...]:
+    """The packs a stored skeleton lists (a steady get reads the same text every step); INVALID_ARGUMENT
+    when they are not well formed."""
     try:
         return tuple(packs_of(skeleton))
     except PackError as err:
