@@ -120,7 +120,8 @@ def pack_state(
     writer: bool,
 ) -> PackedState:
     """`tensors` with the small plain ones of the most common device packed (filled when this process is the
-    plain tensors' `writer`, else stood for by meta tensors of the packs' size), and `skeleton` listing them."""
+    plain tensors' `writer`, else stood for by unwritten buffers of the packs' size: their pages are never
+    touched), and `skeleton` listing them."""
     small = _packable(tensors, cast)
     if len(small) < 2:
         return PackedState(dict(tensors), skeleton)
@@ -137,9 +138,7 @@ def pack_state(
     packed = {item.key for pack in packs for item in pack.items}
     out = {key: value for key, value in tensors.items() if key not in packed}
     if not writer:
-        out.update(
-            {pack.key: torch.empty(pack.nbytes, dtype=torch.uint8, device="meta") for pack in packs}
-        )
+        out.update({pack.key: torch.empty(pack.nbytes, dtype=torch.uint8) for pack in packs})
         return PackedState(out, with_packs(skeleton, packs))
     kept = pack_buffers(session, "put")
     buffers = kept.take(prefix, packs, device)

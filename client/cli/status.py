@@ -148,6 +148,7 @@ def show_snapshots(cluster: Cluster, prefix: str, tensors: bool) -> None:
     """One line per kept snapshot of `prefix` (and one per tensor with `tensors`): a delta put's says what it
     stores anew; with more than one, what they hold together, shared blocks counted once."""
     from shardserve.client.ops.snapshots import held_once
+    from shardserve.client.spmd_packs import stored_packs
 
     kept = cluster.snapshots(prefix)
     if not kept:
@@ -160,12 +161,22 @@ def show_snapshots(cluster: Cluster, prefix: str, tensors: bool) -> None:
             if own != snapshot.nbytes
             else ""
         )
+        packs = stored_packs(snapshot.skeleton)
+        packed = sum(len(pack.items) for pack in packs)
+        count = len(snapshot.tensors) - len(packs) + packed
+        in_packs = f" ({packed} in {len(packs)} pack{'s' * (len(packs) > 1)})" if packs else ""
         print(
-            f"{prefix}\tsnapshot {snapshot.number}\t{len(snapshot.tensors)} tensors\t"
+            f"{prefix}\tsnapshot {snapshot.number}\t{count} tensors{in_packs}\t"
             f"{snapshot.nbytes} bytes{sharing}\tage {snapshot.age_s:.1f}s"
         )
         for key, t in snapshot.tensors.items() if tensors else ():
             print(f"  {key}\t{tuple(t.shape)}\t{t.dtype}\t{t.nbytes} bytes\t{t.health}")
+        for pack in packs if tensors else ():
+            for item in pack.items:
+                print(
+                    f"  {item.key}\t{item.shape}\t{item.dtype}\t{item.nbytes} bytes\t"
+                    f"packed in {pack.key}"
+                )
     if len(kept) > 1:
         print(
             f"{prefix}\theld\t{sum(held.values())} bytes (blocks shared between snapshots counted once)"

@@ -18,6 +18,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
 from shardserve.client.cluster import Cluster
 from shardserve.client.errors import InvalidArgumentError
+from shardserve.client.packed_tensor import PackedTensor
 
 DTYPES = {DataType.FP32: torch.float32, DataType.FP16: torch.float16}
 
@@ -135,5 +136,12 @@ def snapshot_names(
                 else f"snapshot {snapshot.number} of {prefix!r} has no tensor for table {table!r} "
                 f"(looked for {where})"
             )
-        names[table] = snapshot[found[0]].name
+        stored = snapshot[found[0]]
+        if isinstance(stored, PackedTensor):
+            raise InvalidArgumentError(
+                f"table {table!r} ({found[0]!r}) of snapshot {snapshot.number} of {prefix!r} is stored in "
+                f"pack {stored.pack_key!r} (put with pack=True); tables are served from tensors of their "
+                f"own: put the snapshot without pack"
+            )
+        names[table] = stored.name
     return names

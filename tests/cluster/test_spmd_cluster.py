@@ -212,15 +212,16 @@ def mismatches(state: dict[str, Any], value: int | None) -> list[str]:
 # ---------------------------------------------------------------- job functions (run on every world rank)
 
 
-def job_put_then_gets(rank: int, address: str) -> dict[str, Any]:
+def job_put_then_gets(rank: int, address: str, pack: bool = False) -> dict[str, Any]:
     meshes = _meshes()
+    prefix = "packed" if pack else "model"
     groups = {
         "r3": dist.new_group([0, 1, 2]),
         "r2": dist.new_group([2, 3]),
         "r1": dist.new_group([3]),
     }
     cluster = connect(address)
-    number = spmd.put_state_dict(cluster, writer_state(3, meshes), "model")
+    number = spmd.put_state_dict(cluster, writer_state(3, meshes), prefix, pack=pack)
     results = {"number": number}
     for job, ranks, layouts in (
         ("r3", [0, 1, 2], ["s1", "s0", "rep"]),
@@ -229,7 +230,7 @@ def job_put_then_gets(rank: int, address: str) -> dict[str, Any]:
     ):
         into = reader_state(layouts, job if job != "r1" else "w4", meshes)
         if rank in ranks:
-            got = spmd.get_state_dict(cluster, "model", into=into, group=groups[job])
+            got = spmd.get_state_dict(cluster, prefix, into=into, group=groups[job])
             results[job] = (got, mismatches(into, 3))
         dist.barrier()
     cluster.close()
@@ -360,10 +361,14 @@ def world4() -> Iterator[World]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("pack", [False, True])
 def test_four_process_put_read_by_three_two_and_one_process_jobs(
-    cluster: LocalCluster, world4: World
+    cluster: LocalCluster, world4: World, pack: bool
 ) -> None:
-    answers = world4.run(job_put_then_gets, cluster.address, timeout=240)
+    """With `pack`, the plain tensors (small, written by job rank 0 alone) are stored in packs: the other
+    ranks plan the same packs without their bytes, and readers holding them as DTensors read their boxes
+    out of the packs."""
+    answers = world4.run(job_put_then_gets, cluster.address, pack, timeout=240)
     number = answers[0]["number"]
     assert all(a["number"] == number for a in answers.values())
     for rank, answer in answers.items():
@@ -372,9 +377,19 @@ def test_four_process_put_read_by_three_two_and_one_process_jobs(
                 got, bad = answer[job]
                 assert got == number and bad == [], (rank, job, bad)
     assert {job for a in answers.values() for job in a} == {"number", "r3", "r2", "r1"}
+    plain = [key for key, _, _, layout in entries() if layout == "plain"]
     with connect(cluster.address) as client:
-        snapshot = client.snapshot("model")
+        snapshot = client.snapshot("packed" if pack else "model")
         assert snapshot.number == number and len(snapshot.keys()) == len(entries())
+        stored = {
+            entry.key
+            for entry in client.session.call(
+                "GetSnapshot", pb.GetSnapshotRequest(prefix="packed" if pack else "model")
+            ).entries
+        }
+        assert (stored & set(plain), "_packed.0" in stored) == (
+            (set(), True) if pack else (set(plain), False)
+        )
         whole = snapshot.read()
         for key, shape, dtype, _ in entries():
             assert torch.equal(whole[key], global_value(key, shape, dtype, 3)), key
