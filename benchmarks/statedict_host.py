@@ -8,7 +8,8 @@ the weight-sync loop after a second put: put then get into preallocated tensors,
 (medians; each get reads the snapshot the put before it made, the puts go into the memory the snapshot before
 freed), and the same loop with reserve_next="later"; one 64 MiB tensor put (Cluster.put) and fetched whole into
 a preallocated tensor, alternating as well (each put after the first two fills the version reserved after the put
-before); a 1 MiB row slice of it.
+before); a 1 MiB row slice of it. The small tensors' case runs the loop again with pack=True (one byte tensor
+for all of them on the cluster).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def _dcp_s(state: dict[str, torch.Tensor], repeats: int) -> tuple[float, float]:
 def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, Any]:
     """Seconds of the first and steady put, steady get, copy_ and dcp of one state dict; whether it matched."""
     from shardserve import spmd
+    from shardserve.client.spmd_packs import PACK_ITEM_BYTES
 
     prefix = f"host{count}x{each}"
     state, into = _state(count, each, 1.0), _state(count, each, 0.0)
@@ -83,6 +85,25 @@ def _state_dict_case(cluster: Any, count: int, each: int, repeats: int) -> dict[
     out["dcp.save"], out["dcp.load"] = _dcp_s(state, repeats)
     spmd.get_state_dict(cluster, prefix, into=into)
     out["ok"] = all(torch.equal(into[key], state[key]) for key in state)
+    if each <= PACK_ITEM_BYTES:
+        out.update(_packed_case(cluster, state, f"{prefix}-packed", repeats))
+    return out
+
+
+def _packed_case(
+    cluster: Any, state: dict[str, torch.Tensor], prefix: str, repeats: int
+) -> dict[str, Any]:
+    """The weight-sync loop of small tensors put with pack=True (client/spmd_packs.py); whether it matched."""
+    from shardserve import spmd
+
+    into = {key: torch.zeros_like(value) for key, value in state.items()}
+    put = lambda: spmd.put_state_dict(  # noqa: E731
+        cluster, state, prefix, keep=1, durable=False, pack=True
+    )
+    put()
+    put()
+    out = dict(zip(("put packed", "get packed"), _sync_loop(cluster, put, prefix, into, repeats)))
+    out["packed ok"] = all(torch.equal(into[key], state[key]) for key in state)
     return out
 
 
@@ -247,6 +268,7 @@ def _state_dict_rows(r: dict[str, Any], count: int, each: int, peaks: dict[str, 
             note="right after that put: the reservation is made meanwhile, on the same cores",
             **subject,
         ),
+        *_packed_rows(r, case, total, peaks),
         _row(
             case,
             "copy_",
@@ -258,6 +280,26 @@ def _state_dict_rows(r: dict[str, Any], count: int, each: int, peaks: dict[str, 
         ),
         _row(case, "dcp.save", r["dcp.save"], total, role="baseline", path=SHM),
         _row(case, "dcp.load", r["dcp.load"], total, role="baseline", path=SHM),
+    ]
+
+
+def _packed_rows(r: dict[str, Any], case: str, total: int, peaks: dict[str, int]) -> list[Row]:
+    """The packed weight-sync loop's rows, where the case's tensors are small enough to pack."""
+    if "put packed" not in r:
+        return []
+    subject = {"path": "shm", "ok": r["packed ok"], "peak_rss": peaks}
+    note = "steady, pack=True: the tensors stored in one byte tensor"
+    return [
+        _row(
+            case,
+            "put_state_dict pack=True",
+            r["put packed"],
+            total,
+            baseline="copy_",
+            note=note,
+            **subject,
+        ),
+        _row(case, "get_state_dict of it", r["get packed"], total, baseline="copy_", **subject),
     ]
 
 
