@@ -14,7 +14,7 @@ import functools
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,7 @@ class _Buffers:
     """The packs of one plan, their memory and each item's view of it (made once: ~10 us a view)."""
 
     def __init__(self, packs: tuple[Pack, ...], device: torch.device) -> None:
-        self.packs = packs
+        self.packs, self.device = packs, device
         self.memory = {
             pack.key: torch.empty(pack.nbytes, dtype=torch.uint8, device=device) for pack in packs
         }
@@ -77,7 +77,7 @@ class PackBuffers:
     def take(self, prefix: str, packs: tuple[Pack, ...], device: torch.device) -> _Buffers:
         with self._lock:
             kept = self._by_prefix.pop(prefix, None)
-        if kept is not None and kept.packs == packs and _device_of(kept) == device:
+        if kept is not None and kept.packs == packs and kept.device == device:
             return kept
         return _Buffers(packs, device)
 
@@ -98,8 +98,11 @@ def pack_buffers(session: Session, use: str) -> PackBuffers:
         return _by_session.setdefault(session, {}).setdefault(use, PackBuffers())
 
 
-def _device_of(buffers: _Buffers) -> torch.device:
-    return next(iter(buffers.memory.values())).device
+def most_common_device(devices: Iterable[torch.device]) -> torch.device:
+    """The device most of `devices` are on (ties: the first by name, the same choice on every rank of a job;
+    none: the CPU)."""
+    counts = Counter(devices)
+    return min(counts, key=lambda d: (-counts[d], str(d))) if counts else torch.device("cpu")
 
 
 def item_view(memory: torch.Tensor, item: PackedItem) -> torch.Tensor:
@@ -125,10 +128,7 @@ def pack_state(
     small = _packable(tensors, cast)
     if len(small) < 2:
         return PackedState(dict(tensors), skeleton)
-    counts = Counter(t.device for t in small.values())
-    device = min(
-        counts, key=lambda d: (-counts[d], str(d))
-    )  # the same choice on every rank of a job
+    device = most_common_device(t.device for t in small.values())
     chosen = [
         Packable(key, stored_as(t.dtype, cast, key), tuple(t.shape))
         for key, t in small.items()
@@ -202,7 +202,9 @@ def packed_read(
     if not any(key in where for key in targets):
         return PackedRead(dict(targets), [])
     kept = pack_buffers(session, "get")
-    buffers = kept.take(prefix, packs, torch.device("cpu"))
+    # where most packed pieces land: the packs are read there (a GPU reader's cross to the device once, whole)
+    outs = (out.device for key, pieces in targets.items() if key in where for _, out in pieces)
+    buffers = kept.take(prefix, packs, most_common_device(outs))
     plain = {key: pieces for key, pieces in targets.items() if key not in where}
     copies = []
     for key, pieces in targets.items():
@@ -214,7 +216,7 @@ def packed_read(
     return PackedRead(plain, copies, lambda: kept.keep(prefix, buffers))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=8)
 def stored_packs(skeleton: str) -> tuple[Pack, ...]:
     """The packs a stored skeleton lists (a steady get reads the same text every step); INVALID_ARGUMENT
     when they are not well formed."""
