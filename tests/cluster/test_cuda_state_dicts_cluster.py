@@ -115,6 +115,33 @@ def test_cuda_state_dicts_first_and_steady_puts_and_gets(ranks, transport) -> No
                     assert torch.equal(bits(into[key]), bits(tensor)), (step, key)
 
 
+@pytest.mark.parametrize("transport", ["auto", "shm"])
+def test_packed_cuda_state_dicts_are_packed_on_the_gpu_and_cut_there_on_read(
+    ranks, transport
+) -> None:
+    """pack=True with CUDA tensors: the pack is filled on the GPU, stored as one tensor, and read back whole into
+    the reader's GPU, where every tensor is cut from it (strided and transposed sources, every dtype)."""
+    from shardserve.protos import shardserve_pb2 as pb
+
+    kind, cluster = ranks
+    prefix = f"packed-{kind}-{transport}"
+    with connect(cluster.address, transport=transport) as client:
+        for step in range(3):
+            state = {
+                f"{str(dtype).split('.')[-1]}_{label}": tensor
+                for dtype in DTYPES
+                for label, tensor in sources(dtype, seed=100 * step + DTYPES.index(dtype)).items()
+            }
+            spmd.put_state_dict(client, state, prefix, durable=False, pack=True)
+            into = {key: torch.zeros_like(t) for key, t in state.items()}
+            spmd.get_state_dict(client, prefix, into=into)
+            for key, tensor in state.items():
+                assert into[key].device.type == "cuda"
+                assert torch.equal(bits(into[key]), bits(tensor)), (step, key)
+        stored = client.session.call("GetSnapshot", pb.GetSnapshotRequest(prefix=prefix))
+        assert [entry.key for entry in stored.entries] == ["_packed.0"]
+
+
 def test_steady_puts_into_a_cuda_rank_reuse_the_memory_writer_and_reader_opened(make_cluster):
     """A weight sync into a CUDA rank alternates between two buffers the rank keeps: once the writer and the
     reader opened each (the first puts and gets), later steps open no CUDA IPC handle, and read bit for bit."""
