@@ -16,7 +16,7 @@ the server layout, every tensor from one snapshot.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,11 +28,9 @@ from shardserve.client.collector import collector_paused
 from shardserve.client.delta_writes import Hashes
 from shardserve.client.errors import InvalidArgumentError, RankUnavailableError
 from shardserve.client.ops.snapshots import (
-    SnapshotSummary,
     abort_snapshot,
     commit_snapshot,
     create_snapshot,
-    get_snapshot,
     take_reserved_snapshot,
 )
 from shardserve.client.reservations import Reservation, reserve_mode
@@ -49,32 +47,20 @@ from shardserve.client.spmd_delta import (
     write_changed,
     write_whole,
 )
+from shardserve.client.spmd_get import (
+    get_state_dict as get_state_dict,  # the public name, re-exported
+)
 from shardserve.client.spmd_group import JobGroup, SpmdError, attempt_step
 from shardserve.client.spmd_layouts import balanced, from_spec
-from shardserve.client.spmd_packs import PackedState, pack_state, packed_read
-from shardserve.client.spmd_pieces import (
-    Piece,
-    is_distributed,
-    local_pieces,
-    report_pieces,
-    resolved_sizes,
-)
-from shardserve.client.spmd_reads import read_pieces
+from shardserve.client.spmd_packs import PackedState, pack_state
+from shardserve.client.spmd_pieces import Piece, report_pieces, resolved_sizes, split_tensors
 from shardserve.client.stamps import delta_mode
-from shardserve.core.metadata import Box
 from shardserve.core.snapshots import JobTensor, job_tensors
-from shardserve.core.state_tree import (
-    SplitStateDict,
-    StateTreeError,
-    fill_state_dict,
-    split_state_dict,
-)
 from shardserve.protos import shardserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KEEP = 2
-GET_ATTEMPTS = 3  # a get of the newest snapshot whose tensors were dropped meanwhile starts again at the newest
 
 
 # ---------------------------------------------------------------- put
@@ -122,8 +108,8 @@ def put_state_dict(
     pointers, are then not sent). A delta put neither uses nor makes a reservation (it aborts
     the prefix's). `pack`: the plain tensors of at most 64 KiB (on their most common device) are stored in a
     few byte tensors, "packs" (client/spmd_packs.py): a state dict of hundreds of small tensors then costs the
-    cluster a few tensors a step; get_state_dict and Snapshot read them as before (not without `spec`). Returns
-    the snapshot number. On any failure nothing is visible and every rank raises
+    cluster a few tensors a step; get_state_dict and Snapshot read them as before (a put with `spec` packs
+    nothing). Returns the snapshot number. On any failure nothing is visible and every rank raises
     SpmdError. The process's cyclic garbage collector is paused during the call (client/collector.py).
     """
     job = JobGroup(group)
@@ -257,7 +243,7 @@ class _StatePut:
         return self._fill(pb.SnapshotInfo.FromString(created), tensors, basis)
 
     def _describe(self, state_dict: Mapping[str, Any]) -> None:
-        split = _split(state_dict)
+        split = split_tensors(state_dict)
         if not split.tensors:
             raise InvalidArgumentError("state_dict holds no tensor")
         self.skeleton, self.tensors = split.skeleton, split.tensors
@@ -439,85 +425,3 @@ def _create(
         durable=durable,
         writer_host_id=writer_host_id,
     )
-
-
-# ---------------------------------------------------------------- get
-
-
-@collector_paused
-def get_state_dict(
-    cluster: Cluster,
-    prefix: str,
-    into: Mapping[str, Any],
-    snapshot: int | None = None,
-    group: Any = None,
-    *,
-    verify: bool = False,
-) -> int:
-    """Collective: fill every tensor of `into` in place from one snapshot of `prefix`; returns its number.
-
-    Each DTensor / ShardedTensor / LocalShardsWrapper gets exactly its local boxes, plain tensors the whole
-    tensor, whatever layout the snapshot was put with. A floating tensor of `into` of another floating dtype
-    than the stored one is converted while copying (bit for bit `stored.to(dtype)`); any other dtype
-    mismatch is INVALID_ARGUMENT naming the key. `snapshot` pins one kept snapshot; without it the newest
-    is read (and, if it is dropped while being read, the newest again, up to GET_ATTEMPTS times). `verify`
-    checks every byte read against the shards' checksums (fetch's verify: another copy is read where one does
-    not match; ChecksumMismatchError when none does). The process's cyclic garbage collector is paused during
-    the call (client/collector.py).
-    """
-    verify = arguments.flag(verify, "verify")
-    job = JobGroup(group)
-    arguments.tensor_name(prefix, "prefix")
-    pinned = None if snapshot is None else arguments.count(snapshot, "snapshot", minimum=1)
-    if not isinstance(into, Mapping):
-        raise InvalidArgumentError(f"into must be a dict, got {type(into).__name__}")
-    targets: dict[str, list[Piece]] = {}
-
-    def describe() -> None:
-        for key, value in _split(into).tensors.items():
-            targets[key] = (
-                local_pieces(value, key, 0, 0)[1]
-                if not isinstance(value, torch.Tensor) or is_distributed(value)
-                else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
-            )
-
-    job.all_done(describe, "describing the state dict")
-    found: dict[int, SnapshotSummary] = {}  # job rank 0's answer, read again by no one there
-
-    def find() -> int:
-        summary = get_snapshot(cluster.session, prefix, pinned)
-        found[summary.number] = summary
-        return summary.number
-
-    for attempt in range(1, GET_ATTEMPTS + 1):
-        number = job.count_from_rank0(find, "finding the snapshot")
-
-        def read() -> None:
-            summary = (found.pop(number) if number in found else None) or get_snapshot(
-                cluster.session, prefix, number
-            )
-            packed = packed_read(cluster.session, prefix, summary.skeleton, targets)
-            try:
-                read_pieces(cluster, summary, packed.plain, verify=verify)
-                packed.unpack()
-            finally:
-                packed.done()
-            if summary.skeleton and isinstance(into, MutableMapping):
-                fill_state_dict(into, summary.skeleton)
-
-        try:
-            job.all_done(read, f"reading snapshot {number}")
-            return number
-        except SpmdError:
-            if pinned is not None or attempt == GET_ATTEMPTS:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _split(state_dict: Mapping[str, Any]) -> SplitStateDict:
-    """`state_dict`'s tensors by dotted key and its typed non-tensor tree; INVALID_ARGUMENT naming the key
-    and type of a value that cannot be stored (shardserve.core.state_tree)."""
-    try:
-        return split_state_dict(state_dict, is_tensor=lambda value: isinstance(value, torch.Tensor))
-    except StateTreeError as err:
-        raise InvalidArgumentError(str(err)) from None

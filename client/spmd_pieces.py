@@ -15,6 +15,7 @@ from shardserve.client.casts import stored_as
 from shardserve.client.errors import InvalidArgumentError
 from shardserve.core.dtypes import dtype_name, dtype_to_wire
 from shardserve.core.metadata import Box
+from shardserve.core.state_tree import SplitStateDict, StateTreeError, split_state_dict
 
 # a box of the global tensor and the local tensor holding exactly it
 Piece = tuple[Box, torch.Tensor]
@@ -139,3 +140,12 @@ def is_distributed(value: torch.Tensor) -> bool:
     a reader's first get of plain tensors imports none of them, ~0.8 s, ~2.8 s where torch has no bytecode)."""
     types = tuple(loaded for loaded in _distributed_types() if loaded is not None)
     return bool(types) and isinstance(value, types)
+
+
+def split_tensors(state_dict: Mapping[str, Any]) -> SplitStateDict:
+    """`state_dict`'s tensors by dotted key and its typed non-tensor tree; INVALID_ARGUMENT naming the key
+    and type of a value that cannot be stored (shardserve.core.state_tree)."""
+    try:
+        return split_state_dict(state_dict, is_tensor=lambda value: isinstance(value, torch.Tensor))
+    except StateTreeError as err:
+        raise InvalidArgumentError(str(err)) from None
