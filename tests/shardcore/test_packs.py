@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from shardserve.core.metadata import TensorProperties
 from shardserve.core.packs import (
@@ -155,3 +157,44 @@ def test_a_pack_must_be_stored_as_uint8_bytes_of_its_size():
         check_pack_layouts(packs, {"p": spec.build_metadata((9,), props)})
     with pytest.raises(PackError, match=r"stored as float32 \(8,\)"):
         check_pack_layouts(packs, {"p": spec.build_metadata((8,), TensorProperties())})
+
+
+PACKABLE_DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.int64,
+    torch.bool,
+]
+packables = st.lists(
+    st.tuples(
+        st.sampled_from(PACKABLE_DTYPES), st.lists(st.integers(0, 9), min_size=0, max_size=3)
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+@given(packables, st.integers(1, 4096))
+def test_any_plan_reads_back_from_its_skeleton_with_every_item_aligned_inside_its_pack(
+    tensors: list, max_pack_bytes: int
+) -> None:
+    """Every tensor lies in exactly one pack, aligned, inside it, none overlapping, in order; a pack goes past
+    `max_pack_bytes` only when it holds one tensor; the skeleton gives the plan back exactly."""
+    wanted = [Packable(f"t{i}", dtype, tuple(shape)) for i, (dtype, shape) in enumerate(tensors)]
+    packs = plan_packs(wanted, taken=[t.key for t in wanted], max_pack_bytes=max_pack_bytes)
+    items = [item for pack in packs for item in pack.items]
+    assert [(i.key, i.dtype, i.shape) for i in items] == [(t.key, t.dtype, t.shape) for t in wanted]
+    for pack in packs:
+        assert pack.nbytes <= max_pack_bytes or len(pack.items) == 1
+        ends = [0]
+        for item in pack.items:
+            assert item.offset % ALIGN_BYTES == 0 and item.offset >= ends[-1]
+            ends.append(item.offset + item.nbytes)
+        assert ends[-1] == pack.nbytes
+    skeleton = json.dumps(
+        {"format": 1, "tree": {"dict": [[t.key, {"tensor": t.key}] for t in wanted]}}
+    )
+    assert packs_of(with_packs(skeleton, packs)) == packs
+    assert stored_keys([t.key for t in wanted], packs) == [p.key for p in packs]
