@@ -14,7 +14,7 @@ import functools
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from shardserve.client.casts import check_read_cast, stored_as
 from shardserve.client.errors import InvalidArgumentError
 from shardserve.client.session import Session
-from shardserve.client.spmd_pieces import Piece, is_distributed
+from shardserve.client.spmd_pieces import Piece, distributed_types
 from shardserve.core.dtypes import SUPPORTED_DTYPES
 from shardserve.core.metadata import Box
 from shardserve.core.packs import (
@@ -52,10 +52,11 @@ class PackedState:
 
 
 class _Buffers:
-    """The packs of one plan, their memory and each item's view of it (made once: ~10 us a view)."""
+    """The memory of some packs and each item's view of it (made once: ~10 us a view), kept for the next call
+    made with the same `key` (what the packs were made from); a put's also keeps its skeleton with the packs."""
 
-    def __init__(self, packs: tuple[Pack, ...], device: torch.device) -> None:
-        self.packs, self.device = packs, device
+    def __init__(self, key: Hashable, packs: Sequence[Pack], device: torch.device) -> None:
+        self.key, self.packs = key, tuple(packs)
         self.memory = {
             pack.key: torch.empty(pack.nbytes, dtype=torch.uint8, device=device) for pack in packs
         }
@@ -64,6 +65,13 @@ class _Buffers:
             for pack in packs
             for item in pack.items
         }
+        self._skeleton: tuple[str, str] = ("", "")  # a skeleton and the same listing the packs
+
+    def listed_in(self, skeleton: str) -> str:
+        """`skeleton` listing these packs (the last answer again for the same skeleton: a steady put's)."""
+        if self._skeleton[0] != skeleton:
+            self._skeleton = (skeleton, with_packs(skeleton, self.packs))
+        return self._skeleton[1]
 
 
 class PackBuffers:
@@ -74,12 +82,11 @@ class PackBuffers:
         self._by_prefix: dict[str, _Buffers] = {}
         self._lock = threading.Lock()
 
-    def take(self, prefix: str, packs: tuple[Pack, ...], device: torch.device) -> _Buffers:
+    def take(self, prefix: str, key: Hashable, make: Callable[[], _Buffers]) -> _Buffers:
+        """The prefix's kept buffers if they were made from `key`, else `make()`'s."""
         with self._lock:
             kept = self._by_prefix.pop(prefix, None)
-        if kept is not None and kept.packs == packs and kept.device == device:
-            return kept
-        return _Buffers(packs, device)
+        return kept if kept is not None and kept.key == key else make()
 
     def keep(self, prefix: str, buffers: _Buffers) -> None:
         with self._lock:
@@ -128,31 +135,39 @@ def pack_state(
     small = _packable(tensors, cast)
     if len(small) < 2:
         return PackedState(dict(tensors), skeleton)
-    device = most_common_device(t.device for t in small.values())
-    chosen = [
-        Packable(key, stored_as(t.dtype, cast, key), tuple(t.shape))
-        for key, t in small.items()
+    device = most_common_device(t.device for t, _ in small.values())
+    chosen = tuple(
+        Packable(key, stored, tuple(t.shape))
+        for key, (t, stored) in small.items()
         if t.device == device
-    ]
-    packs = tuple(plan_packs(chosen, taken=tensors, max_pack_bytes=PACK_BYTES))
-    packed = {item.key for pack in packs for item in pack.items}
-    out = {key: value for key, value in tensors.items() if key not in packed}
-    if not writer:
-        out.update({pack.key: torch.empty(pack.nbytes, dtype=torch.uint8) for pack in packs})
-        return PackedState(out, with_packs(skeleton, packs))
+    )
     kept = pack_buffers(session, "put")
-    buffers = kept.take(prefix, packs, device)
-    keys = sorted(packed)
-    torch._foreach_copy_([buffers.views[k] for k in keys], [tensors[k].detach() for k in keys])
+    buffers = kept.take(
+        prefix,
+        (chosen, device, frozenset(tensors)),  # the pack keys are moved aside from the state dict's
+        lambda: _Buffers(
+            (chosen, device, frozenset(tensors)),
+            plan_packs(chosen, taken=tensors, max_pack_bytes=PACK_BYTES),
+            device,
+        ),
+    )
+    out = {key: value for key, value in tensors.items() if key not in buffers.views}
     out.update(buffers.memory)
-    return PackedState(out, with_packs(skeleton, packs), lambda: kept.keep(prefix, buffers))
+    if writer:
+        keys = [packable.key for packable in chosen]
+        torch._foreach_copy_([buffers.views[k] for k in keys], [tensors[k].detach() for k in keys])
+    return PackedState(out, buffers.listed_in(skeleton), lambda: kept.keep(prefix, buffers))
 
 
-def _packable(tensors: Mapping[str, Any], cast: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The plain dense tensors of at most PACK_ITEM_BYTES (as stored, and as they are) of a supported dtype."""
+def _packable(
+    tensors: Mapping[str, Any], cast: torch.dtype | None
+) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """The plain dense tensors of at most PACK_ITEM_BYTES (as stored, and as they are) of a supported dtype,
+    each with the dtype it is stored in."""
+    distributed = distributed_types()
     out = {}
     for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor) or is_distributed(value):
+        if not isinstance(value, torch.Tensor) or isinstance(value, distributed):
             continue
         if value.layout != torch.strided or value.dtype not in SUPPORTED_DTYPES:
             continue
@@ -160,7 +175,7 @@ def _packable(tensors: Mapping[str, Any], cast: torch.dtype | None) -> dict[str,
             continue
         stored = stored_as(value.dtype, cast, key)
         if value.numel() * max(stored.itemsize, value.element_size()) <= PACK_ITEM_BYTES:
-            out[key] = value
+            out[key] = (value, stored)
     return out
 
 
@@ -204,15 +219,19 @@ def packed_read(
     kept = pack_buffers(session, "get")
     # where most packed pieces land: the packs are read there (a GPU reader's cross to the device once, whole)
     outs = (out.device for key, pieces in targets.items() if key in where for _, out in pieces)
-    buffers = kept.take(prefix, packs, most_common_device(outs))
+    device = most_common_device(outs)
+    buffers = kept.take(prefix, (packs, device), lambda: _Buffers((packs, device), packs, device))
     plain = {key: pieces for key, pieces in targets.items() if key not in where}
+    needed: set[str] = set()
     copies = []
     for key, pieces in targets.items():
         if key in where:
             pack, item = where[key]
             copies += _copies(key, item, buffers.views[key], pieces)
-            memory = buffers.memory[pack.key]
-            plain[pack.key] = [(Box((0,), (pack.nbytes,)), memory)]
+            needed.add(pack.key)
+    for pack in packs:
+        if pack.key in needed:
+            plain[pack.key] = [(Box((0,), (pack.nbytes,)), buffers.memory[pack.key])]
     return PackedRead(plain, copies, lambda: kept.keep(prefix, buffers))
 
 
@@ -229,7 +248,6 @@ def stored_packs(skeleton: str) -> tuple[Pack, ...]:
 def _copies(
     key: str, item: PackedItem, whole: torch.Tensor, pieces: Sequence[Piece]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    full = Box((0,) * len(item.shape), item.shape)
     out = []
     for box, into in pieces:
         try:
@@ -239,5 +257,8 @@ def _copies(
                 f"{key!r}: {err} (the stored tensor has shape {item.shape})"
             ) from None
         check_read_cast(item.dtype, into.dtype, key)
-        out.append((into, local_view(whole, full, box)))
+        if box.sizes == item.shape:  # the whole tensor (a plain tensor's piece): its view as it is
+            out.append((into, whole))
+        else:
+            out.append((into, local_view(whole, Box((0,) * len(item.shape), item.shape), box)))
     return out
