@@ -136,26 +136,30 @@ def pack_state(
     if len(small) < 2:
         return PackedState(dict(tensors), skeleton)
     device = most_common_device(t.device for t, _ in small.values())
-    chosen = tuple(
-        Packable(key, stored, tuple(t.shape))
-        for key, (t, stored) in small.items()
-        if t.device == device
-    )
+    chosen = [
+        (key, stored, tuple(t.shape)) for key, (t, stored) in small.items() if t.device == device
+    ]
+    # what a plan is made from (plain tuples: compared fast at every steady put); the pack keys are moved
+    # aside from the state dict's
+    made_from = (tuple(chosen), device, frozenset(tensors))
     kept = pack_buffers(session, "put")
     buffers = kept.take(
         prefix,
-        (chosen, device, frozenset(tensors)),  # the pack keys are moved aside from the state dict's
+        made_from,
         lambda: _Buffers(
-            (chosen, device, frozenset(tensors)),
-            plan_packs(chosen, taken=tensors, max_pack_bytes=PACK_BYTES),
+            made_from,
+            plan_packs([Packable(*c) for c in chosen], taken=tensors, max_pack_bytes=PACK_BYTES),
             device,
         ),
     )
     out = {key: value for key, value in tensors.items() if key not in buffers.views}
     out.update(buffers.memory)
     if writer:
-        keys = [packable.key for packable in chosen]
-        torch._foreach_copy_([buffers.views[k] for k in keys], [tensors[k].detach() for k in keys])
+        sources = [small[key][0] for key, _, _ in chosen]
+        torch._foreach_copy_(
+            [buffers.views[key] for key, _, _ in chosen],
+            [t.detach() if t.requires_grad else t for t in sources],
+        )
     return PackedState(out, buffers.listed_in(skeleton), lambda: kept.keep(prefix, buffers))
 
 
@@ -165,16 +169,20 @@ def _packable(
     """The plain dense tensors of at most PACK_ITEM_BYTES (as stored, and as they are) of a supported dtype,
     each with the dtype it is stored in."""
     distributed = distributed_types()
+    stored_of: dict[torch.dtype, torch.dtype] = {}  # a state dict has a few dtypes
     out = {}
     for key, value in tensors.items():
         if not isinstance(value, torch.Tensor) or isinstance(value, distributed):
             continue
-        if value.layout != torch.strided or value.dtype not in SUPPORTED_DTYPES:
+        if value.layout != torch.strided or value.device.type not in ("cpu", "cuda"):
             continue
-        if value.device.type not in ("cpu", "cuda"):
-            continue
-        stored = stored_as(value.dtype, cast, key)
-        if value.numel() * max(stored.itemsize, value.element_size()) <= PACK_ITEM_BYTES:
+        dtype = value.dtype
+        if dtype not in stored_of:
+            if dtype not in SUPPORTED_DTYPES:
+                continue
+            stored_of[dtype] = stored_as(dtype, cast, key)
+        stored = stored_of[dtype]
+        if value.numel() * max(stored.itemsize, dtype.itemsize) <= PACK_ITEM_BYTES:
             out[key] = (value, stored)
     return out
 
