@@ -19,7 +19,7 @@ from shardserve.client.errors import InvalidArgumentError
 from shardserve.client.ops.snapshots import SnapshotSummary, get_snapshot
 from shardserve.client.spmd_group import JobGroup, SpmdError
 from shardserve.client.spmd_packs import packed_read
-from shardserve.client.spmd_pieces import Piece, is_distributed, local_pieces, split_tensors
+from shardserve.client.spmd_pieces import Piece, distributed_types, local_pieces, split_tensors
 from shardserve.client.spmd_reads import read_pieces
 from shardserve.core.metadata import Box
 from shardserve.core.state_tree import fill_state_dict
@@ -57,11 +57,12 @@ def get_state_dict(
     targets: dict[str, list[Piece]] = {}
 
     def describe() -> None:
+        distributed = distributed_types()
         for key, value in split_tensors(into).tensors.items():
             targets[key] = (
                 local_pieces(value, key, 0, 0)[1]
-                if not isinstance(value, torch.Tensor) or is_distributed(value)
-                else [(Box((0,) * value.dim(), tuple(value.shape)), value)]
+                if not isinstance(value, torch.Tensor) or isinstance(value, distributed)
+                else [(Box.of_ints((0,) * value.dim(), tuple(value.shape)), value)]
             )
 
     job.all_done(describe, "describing the state dict")
