@@ -150,10 +150,11 @@ def test_a_snapshot_reads_each_packed_tensor_whole_by_box_by_index_and_verified(
     assert "  layer0.p\t(8, 4)\ttorch.float32\t128 bytes\tpacked in _packed.0" in shown
 
 
-def test_the_asyncio_snapshot_reads_packed_tensors(cluster):
-    async def read() -> tuple:
+def test_the_asyncio_client_puts_packed_and_its_snapshot_reads_packed_tensors(cluster):
+    async def put_and_read() -> tuple:
         client = await aio.connect(cluster.address)
         try:
+            await client.put_state_dict(state(6), "aio", keep=1, pack=True)
             snapshot = await client.snapshot("aio")
             return (
                 await snapshot["layer3.p"].full_tensor(),
@@ -163,12 +164,12 @@ def test_the_asyncio_snapshot_reads_packed_tensors(cluster):
         finally:
             await client.close()
 
-    with connect(cluster.address) as client:
-        spmd.put_state_dict(client, state(6), "aio", keep=1, pack=True)
-    one, part, whole = asyncio.run(read())
+    one, part, whole = asyncio.run(put_and_read())
     want = flat(state(6))
     assert torch.equal(one, want["layer3.p"]) and torch.equal(part, want["layer0.p"][:2, :2])
     assert all(torch.equal(whole[key], v) for key, v in want.items())
+    with connect(cluster.address) as client:
+        assert stored_keys(client, "aio") == {"embed", "_packed.0"}
 
 
 @pytest.mark.parametrize("delta", [True, "version_counters"])
