@@ -12,6 +12,8 @@ tree's plain values into a caller's state dict, whose tensors the caller fills i
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, MutableMapping
@@ -103,9 +105,33 @@ def tensor_keys(skeleton: str) -> list[str]:
 def fill_state_dict(into: MutableMapping[Any, Any], skeleton: str) -> None:
     """Set every plain value of `into` (not its tensors, which the caller fills in place) to the value the
     stored tree holds at the same path: the optimizer's param_groups and steps of a get_state_dict. A path the
-    stored tree lacks is left as it is; a container the stored tree holds where `into` has none is added."""
+    stored tree lacks is left as it is; a container the stored tree holds where `into` has none is added.
+    A steady get reads the same skeleton every step: its tree is decoded once, and a tree with nothing to set
+    (tensors only) is not walked."""
+    stored, sets = _stored_tree(skeleton)
+    if sets:
+        _fill(into, stored)
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_tree(skeleton: str) -> tuple[dict[Any, Any], bool]:
+    """The stored tree (its tensors as references) and whether filling a state dict from it could set anything.
+    It is shared between calls: `_fill` sets copies of its containers, never the containers themselves."""
     stored = join_state_dict(skeleton, _Recorder([]))
-    _fill(into, stored)
+    return stored, _sets_something(stored)
+
+
+def _sets_something(node: Any) -> bool:
+    """Whether `_fill` could set a value from `node` (a child of a container it walks): a plain value, an empty
+    container, or a container with such a node in it; never a tensor or a tuple holding one."""
+    if isinstance(node, _TensorRef):
+        return False
+    if isinstance(node, tuple):
+        return not _holds_tensor(node)
+    if isinstance(node, (dict, list)):
+        children = node.values() if isinstance(node, dict) else node
+        return not node or any(_sets_something(child) for child in children)
+    return True
 
 
 def flat_key(path: tuple[Key, ...]) -> str:
@@ -122,7 +148,7 @@ def _fill(into: Any, stored: dict[Any, Any] | list[Any]) -> None:
         if _same_container(current, value):
             _fill(current, value)
         elif not _holds_tensor(value):
-            into[key] = value
+            into[key] = copy.deepcopy(value)  # the stored tree is kept for the next fill
 
 
 def _same_container(current: Any, value: Any) -> bool:

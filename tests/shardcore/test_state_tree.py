@@ -158,6 +158,34 @@ def test_fill_sets_plain_values_and_leaves_tensors_to_the_caller() -> None:
     assert reader["state"][0]["exp_avg"] is exp_avg  # tensors stay the caller's, to fill in place
 
 
+def test_fills_from_one_skeleton_set_containers_of_their_own() -> None:
+    """The stored tree is decoded once per skeleton and kept: what a fill sets is a copy, so a caller that
+    changes it changes nothing the next fill sets."""
+    trainer = adamw_state_dict()
+    split = split_state_dict(trainer, is_tensor=is_tensor)
+    first, second = {"state": {}}, {"state": {}}
+    fill_state_dict(first, split.skeleton)
+    first["param_groups"][0]["params"].append("changed")
+    first["param_groups"][0]["lr"] = -1.0
+    fill_state_dict(second, split.skeleton)
+    assert second["param_groups"] == trainer["param_groups"]
+    assert second["param_groups"] is not first["param_groups"]
+
+
+def test_a_tree_of_tensors_only_sets_nothing_and_an_empty_container_is_still_added() -> None:
+    tensors_only = split_state_dict(
+        {"a": torch.ones(1), "b": {"c": torch.ones(1)}, "t": (torch.ones(1), 1)},
+        is_tensor=is_tensor,
+    )
+    into: dict = {"a": "kept"}
+    fill_state_dict(into, tensors_only.skeleton)
+    assert into == {"a": "kept"}  # no "b" (it holds tensors), no "t" (a tuple holding one)
+    with_empty = split_state_dict({"a": torch.ones(1), "state": {}}, is_tensor=is_tensor)
+    into = {}
+    fill_state_dict(into, with_empty.skeleton)
+    assert into == {"state": {}}
+
+
 def test_a_tampered_skeleton_is_refused_not_evaluated() -> None:
     for skeleton in (
         '{"format":1,"tree":{"pickle":"x"}}',
