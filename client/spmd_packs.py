@@ -258,15 +258,18 @@ def _copies(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     out = []
     for box, into in pieces:
+        if into.dtype != item.dtype:
+            check_read_cast(item.dtype, into.dtype, key)
+        if box.sizes == item.shape and not any(box.offsets):
+            out.append(
+                (into, whole)
+            )  # the whole tensor (a plain tensor's piece): its view as it is
+            continue
         try:
             check_box(item.shape, box)
         except ValueError as err:
             raise InvalidArgumentError(
                 f"{key!r}: {err} (the stored tensor has shape {item.shape})"
             ) from None
-        check_read_cast(item.dtype, into.dtype, key)
-        if box.sizes == item.shape:  # the whole tensor (a plain tensor's piece): its view as it is
-            out.append((into, whole))
-        else:
-            out.append((into, local_view(whole, Box((0,) * len(item.shape), item.shape), box)))
+        out.append((into, local_view(whole, Box((0,) * len(item.shape), item.shape), box)))
     return out
