@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from certificates import Certificates
+from gloo_world import start_forkserver
 from loaded_host import coordinator_options
 
 from shardserve import TensorNotFoundError, connect
@@ -35,6 +36,7 @@ def make_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[
     clusters: list[LocalCluster] = []
 
     def factory(**kwargs: object) -> LocalCluster:
+        start_forkserver()
         kwargs.setdefault("state_dir", tmp_path_factory.mktemp("state"))
         kwargs.setdefault("start_method", START_METHOD)
         cluster = LocalCluster(**kwargs)  # type: ignore[arg-type]
@@ -64,6 +66,7 @@ class SharedClusters:
             cluster = None
         if cluster is None:
             state = self._tmp_path_factory.mktemp(f"shared{ranks}")
+            start_forkserver()
             cluster = LocalCluster(
                 ranks,
                 state_dir=state,

@@ -4,6 +4,8 @@ ranks are (each process fresh, but without 2-3 s of CPU importing torch)."""
 
 from __future__ import annotations
 
+import multiprocessing.context
+import multiprocessing.forkserver
 import os
 import queue
 import traceback
@@ -15,12 +17,33 @@ import pytest
 import torch.distributed as dist
 
 from shardserve.server.common.ports import free_port
-from shardserve.server.rank_start import forkserver_context
+from shardserve.server.rank_start import PRELOAD, forkserver_context
 
 PG_TIMEOUT_S = 120
 RUN_TIMEOUT_S = (
     90  # shorter than the process group's: a hang shows up as a timeout here, not as an error
 )
+
+
+JOB_MODULES = (
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+)
+"""What the tests' job processes import once forked and the ranks never do: DTensor (whose first
+distribute_tensor imports torch._dynamo), DCP and FSDP2, 1-1.5 s of CPU in every job process (a profile of the
+suite: a twentieth of its CPU). This test process's forkserver imports them once, beside the ranks' PRELOAD."""
+
+
+def start_forkserver() -> multiprocessing.context.ForkServerContext:
+    """This test process's forkserver context, its server running: started here, if nothing started it yet,
+    with the ranks' PRELOAD and JOB_MODULES (a forkserver started earlier, by a cluster made outside the
+    fixtures, keeps PRELOAD alone: its job processes import the rest themselves, as they would anyway)."""
+    context = forkserver_context()
+    context.set_forkserver_preload([*PRELOAD, *JOB_MODULES])
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 def _serve(rank: int, world_size: int, port: int, commands: Any, results: Any) -> None:
@@ -53,7 +76,7 @@ class World:
     """`size` ranks in one gloo process group, running module-level functions on request."""
 
     def __init__(self, size: int) -> None:
-        ctx = forkserver_context()
+        ctx = start_forkserver()
         self.size = size
         self.results = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(size)]

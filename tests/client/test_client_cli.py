@@ -134,7 +134,8 @@ def in_process(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.Com
 
 @pytest.mark.slow
 def test_create_status_fetch_delete(up, tmp_path, capsys):
-    """The commands as processes, their refusals (one line each) through main() in this process."""
+    """Commands as processes (create, delete and a refusal, the coordinator taken from the environment) and
+    through main() in this process (status, fetches, refusals: one line each)."""
     _, address = up
     env = {"SHARDSERVE_COORDINATOR": address}
     on = ("--coordinator", address)
@@ -142,18 +143,18 @@ def test_create_status_fetch_delete(up, tmp_path, capsys):
         "create", "cli-t", "--shape", "6,4", "--init", "arange", "--dim", "1", env=env
     )
     assert "created cli-t" in created.stdout
-    status = shardserve("status", env=env).stdout
+    status = in_process(capsys, *on, "status").stdout
     assert "cli-t" in status and "6x4" in status and "float32" in status and "split dim 1" in status
     assert "healthy" in status
     assert re.search(r"collective jobs: epoch \d+", status)
     assert status.count("127.0.0.1:") >= 3 and "yes" in status
     expected = torch.arange(24.0).reshape(6, 4)
-    printed = shardserve(
-        "--coordinator", address, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2"
-    ).stdout
+    printed = in_process(capsys, *on, "fetch", "cli-t", "--offsets", "1,1", "--sizes", "2,2").stdout
     assert printed.split() == str(expected[1:3, 1:3]).split()
     out = tmp_path / "box.pt"
-    shardserve("fetch", "cli-t", "--offsets", "2,0", "--sizes", "3,4", "-o", str(out), env=env)
+    box = ("--offsets", "2,0", "--sizes", "3,4", "-o", str(out))
+    saved = in_process(capsys, *on, "fetch", "cli-t", *box)
+    assert saved.returncode == 0 and "saved cli-t" in saved.stdout, saved.stderr
     assert torch.equal(torch.load(out), expected[2:5])
     one_line_error(
         in_process(capsys, *on, "fetch", "cli-t", "--offsets", "5,3", "--sizes", "2,2"),

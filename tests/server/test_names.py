@@ -30,7 +30,7 @@ def test_hostile_names_become_plain_distinct_file_names() -> None:
         assert len(name) <= MAX_FILE_NAME_CHARS and name.isascii() and name.startswith("t-")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.text(max_size=300), st.text(max_size=300))
 def test_distinct_names_get_distinct_file_names(a: str, b: str) -> None:
     assert (file_name(a) == file_name(b)) == (a == b)

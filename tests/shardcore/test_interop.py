@@ -249,7 +249,7 @@ def test_dtensor_placements_convert_both_ways():
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (2, 3), (3, 2), (1, 4)]
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(size=st.lists(st.integers(0, 9), min_size=1, max_size=3), data=st.data())
 def test_dtensor_layout_reproduces_placement_layouts(size, data):
     mesh_shape = data.draw(st.sampled_from(MESHES))

@@ -216,7 +216,7 @@ def check_plan_structure(plan, src, dst, bucket_bytes) -> None:
     )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reshard_cases())
 def test_random_reshard_reproduces_every_destination_shard(case):
     src, dst, bucket_bytes = case

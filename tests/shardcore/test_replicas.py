@@ -46,7 +46,7 @@ def grid_layouts(draw):
     return meta, replicas, _candidates(hosts)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(grid_layouts())
 def test_every_box_gets_r_copies_on_distinct_ranks_and_hosts(case):
     meta, replicas, candidates = case
@@ -63,7 +63,7 @@ def test_every_box_gets_r_copies_on_distinct_ranks_and_hosts(case):
     assert empty == [s for s in meta.shards_metadata if s.box.is_empty()]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(grid_layouts())
 def test_each_original_shard_stays_first_among_its_copies(case):
     meta, replicas, candidates = case
@@ -78,7 +78,7 @@ def test_each_original_shard_stays_first_among_its_copies(case):
     assert replicate_layout(meta, replicas, candidates) == out  # deterministic
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.integers(0, 40), st.integers(1, 6), st.data())
 def test_chunk_layouts_balance_bytes_within_one_shard_of_ideal(rows, world, data):
     ranks = data.draw(st.lists(st.integers(0, world - 1), min_size=1, max_size=world, unique=True))

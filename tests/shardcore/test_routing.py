@@ -73,7 +73,7 @@ def gather(
     return out
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tables(), st.data())
 def test_routes_deliver_every_valid_id_exactly_once(meta, data):
     n = meta.size[0]

@@ -87,7 +87,7 @@ plain = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(tree=st.dictionaries(st.text(min_size=1, max_size=6), plain, max_size=5))
 def test_any_tree_of_plain_values_round_trips_with_its_types(tree: dict) -> None:
     assert same(round_trip(tree), tree)

@@ -220,7 +220,7 @@ def _product(spans):
     return out
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(grid_layouts(), st.data())
 def test_random_grids_validate_and_broken_ones_are_caught(layout, data):
     size, shards = layout
@@ -299,7 +299,7 @@ def broken_grids(draw):
     return size, boxes, broken
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(broken_grids())
 def test_agrees_with_torch_on_random_grids_and_broken_ones(case):
     """Both accept every valid multi-box grid, and both judge the grid with one box moved the same way."""
@@ -310,7 +310,7 @@ def test_agrees_with_torch_on_random_grids_and_broken_ones(case):
     assert _we_accept(size, broken) == _torch_accepts(size, broken)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     st.integers(1, 3).flatmap(
         lambda nd: st.lists(
