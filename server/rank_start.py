@@ -38,6 +38,8 @@ CLI_START_METHOD = "forkserver"
 SERVER_MODULE = "shardserve.server"
 PRELOAD = ["torch", "shardserve.server.rank.main"]
 """What the forkserver imports once, before it forks any rank."""
+FROZEN_HEAP = "shardserve.server.common.frozen_heap"
+"""Imported after everything else the forkserver preloads: its heap frozen before the first fork."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -80,11 +82,15 @@ def start_process(command: Sequence[str], env: dict[str, str], method: str) -> S
     return subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL)
 
 
-def forkserver_context() -> multiprocessing.context.ForkServerContext:
-    """multiprocessing's forkserver context, its server preloaded with PRELOAD: the one every forked rank comes
-    from, and which tests and benchmarks start their worker processes from too (none imports torch again)."""
+def forkserver_context(
+    also_preload: Sequence[str] = (),
+) -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server preloaded with PRELOAD, then `also_preload`, then
+    FROZEN_HEAP: the one every forked rank comes from, and which tests and benchmarks start their worker
+    processes from too (none imports torch again). The list is read when the server starts: once it runs,
+    another list takes effect only if it is restarted."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
+    context.set_forkserver_preload([*PRELOAD, *also_preload, FROZEN_HEAP])
     return context
 
 

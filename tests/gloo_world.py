@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from shardserve.server.common.ports import free_port
-from shardserve.server.rank_start import PRELOAD, forkserver_context
+from shardserve.server.rank_start import forkserver_context
 
 PG_TIMEOUT_S = 120
 RUN_TIMEOUT_S = (
@@ -40,8 +40,7 @@ def start_forkserver() -> multiprocessing.context.ForkServerContext:
     """This test process's forkserver context, its server running: started here, if nothing started it yet,
     with the ranks' PRELOAD and JOB_MODULES (a forkserver started earlier, by a cluster made outside the
     fixtures, keeps PRELOAD alone: its job processes import the rest themselves, as they would anyway)."""
-    context = forkserver_context()
-    context.set_forkserver_preload([*PRELOAD, *JOB_MODULES])
+    context = forkserver_context(also_preload=JOB_MODULES)
     multiprocessing.forkserver.ensure_running()
     return context
 
