@@ -9,7 +9,6 @@ on a 2-core host), and writing their collector headers copied their memory pages
 
 from __future__ import annotations
 
-import gc
+from shardserve.server.common.heap import freeze_heap
 
-gc.collect()
-gc.freeze()
+freeze_heap()

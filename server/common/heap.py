@@ -16,6 +16,14 @@ collected young many times over, promoted, and pushed the heap towards full coll
 this many allocations (a few MiB) before it is freed."""
 
 
+def freeze_heap() -> int:
+    """Free what is garbage now, then move every object still alive out of the cyclic collector's reach
+    (gc.freeze); returns how many objects are frozen in all."""
+    gc.collect()  # what is garbage already is freed, not kept for good
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def prepare_collector(process: str) -> int:
     """Move every object alive now out of the cyclic collector's reach (gc.freeze) and collect the youngest
     generation every YOUNG_THRESHOLD allocations; returns how many objects were frozen.
@@ -24,10 +32,8 @@ def prepare_collector(process: str) -> int:
     collection walked them all again: ~100 ms of a rank's CPU, every few thousand versions made and dropped,
     so that one step of a weight-sync loop in twenty took twice as long. Objects made later are collected as
     before. Called once, when the process (`process`, for the log) has started serving."""
-    gc.collect()  # what is garbage already is freed, not kept for good
-    gc.freeze()
+    frozen = freeze_heap()
     _, middle, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, oldest)
-    frozen = gc.get_freeze_count()
     log.debug("%s: %d objects of its start-up moved out of the collector's reach", process, frozen)
     return frozen
