@@ -70,6 +70,18 @@ def bytes_checksum(data: bytes | bytearray | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
+def views_checksum(views: Sequence[torch.Tensor]) -> int:
+    """The checksum of the bytes of flat uint8 CPU `views` one after another: tensor_checksum of their
+    concatenation, read in place (a shard whose bytes lie in several mappings, server/rank/blocks.py)."""
+    hasher = xxhash.xxh3_64()
+    for view in views:
+        if view.dtype != torch.uint8 or view.dim() != 1 or view.device.type != "cpu":
+            raise ValueError("views_checksum reads flat uint8 CPU tensors")
+        if view.numel():
+            hasher.update(view.numpy().data)
+    return hasher.intdigest()
+
+
 def tensor_checksum(tensor: torch.Tensor) -> int:
     """The xxh3-64 of `tensor`'s bytes in C order (its dtype's raw little-endian bytes, as the wire sends them).
 

@@ -302,6 +302,26 @@ class Blocks:
                 return 0
             return sum(b.nbytes for b in table.blocks if b.file.refs.get(b.offset, 0) > 1)
 
+    def stable_views(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Composed `tensor`'s bytes in order, as flat uint8 views through the long-lived mappings of its block
+        files (a segment's own mapping, a file of copies' writable one), or None when `tensor` is not composed
+        or a file has no such mapping. Reading a version once through its own new range faults in every page
+        of it afresh; these mappings keep their pages from one version to the next (512 MiB hashed: 60-100 ms
+        through a new mapping, 20 ms through one faulted in before, on a 2-core VM)."""
+        with self._lock:
+            table = self._tables.get(id(tensor))
+            if table is None or table.space is None:
+                return None
+            if any(b.file.writer is None for b in table.blocks):
+                return None
+            views = []
+            for start, stop in _runs(table.blocks):
+                first = table.blocks[start]
+                nbytes = sum(b.nbytes for b in table.blocks[start:stop])
+                assert first.file.writer is not None
+                views.append(first.file.writer.tensor()[first.offset : first.offset + nbytes])
+            return views
+
     def make_read_only(self, tensor: torch.Tensor) -> None:
         """Make a composed tensor read-only: it is served now and never written again."""
         with self._lock:

@@ -123,7 +123,9 @@ class VersionPromotion:
                     leased.append(
                         leases.enter_context(self._leases.lease(name, version, served=False))
                     )
-            hashed = missing_checksums([(r.shards, r.checksums) for r in leased])
+            hashed = missing_checksums(
+                [(r.shards, r.checksums) for r in leased], stable_views=self._memory.stable_views
+            )
             pending = [(r, {**r.checksums, **found}) for r, found in zip(leased, hashed)]
             persist = [  # what outlives a restart (persistence writes nothing of the others)
                 PromoteItem(r.name, r.version, r.metadata, r.options, dict(r.shards), sums)

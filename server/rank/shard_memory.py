@@ -140,6 +140,11 @@ class ShardMemory:
         added, freed = self.blocks.make_own(shard, byte_ranges)
         self.budget.add(added - freed)
 
+    def stable_views(self, shard: torch.Tensor) -> list[torch.Tensor] | None:
+        """A composed shard's bytes through mappings that outlive its version (Blocks.stable_views): what its
+        promote hashes, without faulting in the version's own new range; None for any other shard."""
+        return self.blocks.stable_views(shard)
+
     def promote(self, record: StoredVersion) -> None:
         """The memory's part of promoting a version: the bytes each shard of a copy still shares with other
         versions noted (`record.shared`), its shards made read-only, and same-host readers told it is served (each

@@ -43,3 +43,13 @@ def test_only_flat_uint8_runs_of_one_length_are_taken() -> None:
         copy_checksummed(torch.zeros(4), torch.zeros(4))
     with pytest.raises(ValueError):
         copy_checksummed(torch.zeros(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8))
+
+
+def test_views_hash_as_the_concatenation_of_their_bytes() -> None:
+    """A shard whose bytes lie in several mappings: its pieces in order hash as the whole would."""
+    whole = torch.randint(0, 256, (3 * 100_003,), dtype=torch.uint8)
+    pieces = [whole[:7], whole[7:7], whole[7:250_000], whole[250_000:]]
+    assert checksums.views_checksum(pieces) == tensor_checksum(whole)
+    assert checksums.views_checksum([]) == tensor_checksum(whole[:0])
+    with pytest.raises(ValueError, match="flat uint8"):
+        checksums.views_checksum([whole.view(3, -1)])

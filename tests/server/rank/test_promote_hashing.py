@@ -45,9 +45,9 @@ def test_a_promote_many_hashes_all_its_versions_shards_in_one_call(monkeypatch, 
         store.promote(names[0], 1)
     calls = []
 
-    def recording(versions):
+    def recording(versions, **options):
         calls.append([dict(shards) for shards, _ in versions])
-        return missing_checksums(versions)
+        return missing_checksums(versions, **options)
 
     monkeypatch.setattr(promotion, "missing_checksums", recording)
     answered = store.promote_many([(name, 1) for name in names])
