@@ -90,15 +90,21 @@ class AddressRange:
         writable: the pages mapped there go with it, and `source` keeps its window, to fault in again from the
         file. A move is not a new mapping, so it works on a file whose writes are sealed since `source` was
         made (what `place` is refused). Linux 5.13 or later (`moves_supported`)."""
+        self.move_from(offset, nbytes, source.address + source_offset)
+
+    def move_from(self, offset: int, nbytes: int, address: int) -> None:
+        """Move the shared file mapping at `address` (`nbytes`, within one mapping call's range) to `offset` of
+        the range, with its protection and the page tables filled there: the source keeps its window, empty, to
+        fault in again from the file. Linux 5.13 or later (`moves_supported`)."""
         size = round_up(nbytes, PAGE)
         result = _libc.mremap(
-            source.address + source_offset,
+            address,
             size,
             size,
             _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP,
             self.address + offset,
         )
-        _check(result, "moving a writable window")
+        _check(result, "moving a mapped window")
 
     def protect_read_only(self) -> None:
         """Make the whole range read-only."""

@@ -1,0 +1,113 @@
+"""A reader's mapping of a shard made of blocks: the blocks it mapped before take their filled page tables along
+(client/paths/composed.py FilePages), the others are mapped from their files; the bytes are the files' either
+way."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from shardserve.client.paths.composed import CompositionError, map_extents
+from shardserve.core.address_space import PAGE, moves_supported
+from shardserve.protos import shardserve_pb2 as pb
+
+BLOCK = 64 * PAGE
+
+pytestmark = pytest.mark.skipif(
+    not moves_supported(), reason="moving a mapping's pages needs Linux 5.13"
+)
+
+
+def _file(blocks: int, seed: int) -> tuple[int, torch.Tensor]:
+    """A memfd of `blocks` blocks of random bytes, and those bytes."""
+    data = torch.randint(
+        0, 256, (blocks * BLOCK,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+    fd = os.memfd_create("test-blocks")
+    os.write(fd, data.numpy().tobytes())
+    return fd, data
+
+
+def _reply(extents: list[tuple[int, int, int]]) -> pb.OpenShardResponse:
+    """An OpenShard answer of this process's files: (fd, first block, blocks) runs in order."""
+    reply = pb.OpenShardResponse(pid=os.getpid())
+    for fd, first, count in extents:
+        stat = os.fstat(fd)
+        reply.extents.add(
+            fd=fd,
+            inode=stat.st_ino,
+            device_id=stat.st_dev,
+            offset=first * BLOCK,
+            nbytes=count * BLOCK,
+        )
+    reply.nbytes = sum(e.nbytes for e in reply.extents)
+    return reply
+
+
+def _resident_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of `tensor`'s address range that this process's page tables map now (/proc/self/smaps Rss)."""
+    start = tensor.data_ptr()
+    stop = start + tensor.numel()
+    resident, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low < stop and high > start
+            elif head == "Rss:" and inside:
+                resident += int(line.split()[1]) * 1024
+    return resident
+
+
+def test_a_new_version_takes_the_filled_pages_of_the_blocks_mapped_before():
+    old_fd, old = _file(8, seed=0)
+    new_fd, new = _file(1, seed=1)
+    try:
+        first = map_extents(_reply([(old_fd, 0, 8)]))
+        assert torch.equal(first, old) and _resident_bytes(first) == 8 * BLOCK  # read: filled in
+        # the next version: block 3 replaced by a block of another file
+        second = map_extents(_reply([(old_fd, 0, 3), (new_fd, 0, 1), (old_fd, 4, 4)]))
+        assert (
+            _resident_bytes(second) == 7 * BLOCK
+        )  # the seven shared blocks came filled; the new one did not
+        expected = old.clone()
+        expected[3 * BLOCK : 4 * BLOCK] = new
+        assert torch.equal(second, expected)
+        assert torch.equal(
+            first, old
+        )  # the first mapping still reads its bytes, faulting them in again
+    finally:
+        os.close(old_fd)
+        os.close(new_fd)
+
+
+def test_a_mapping_that_is_gone_is_never_moved_from():
+    fd, data = _file(4, seed=2)
+    try:
+        first = map_extents(_reply([(fd, 0, 4)]))
+        assert torch.equal(first, data)
+        del first
+        gc.collect()
+        second = map_extents(_reply([(fd, 0, 4)]))
+        assert _resident_bytes(second) == 0 and torch.equal(second, data)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_that_is_not_the_one_described_is_refused_even_when_mapped_before():
+    fd, data = _file(2, seed=3)
+    other, _ = _file(2, seed=4)
+    try:
+        kept = map_extents(_reply([(fd, 0, 2)]))
+        lying = _reply([(fd, 0, 2)])
+        lying.extents[0].fd = other  # the rank names a file of another inode under that fd
+        with pytest.raises(CompositionError, match="not the block file the rank described"):
+            map_extents(lying)
+        assert torch.equal(kept, data)
+    finally:
+        os.close(fd)
+        os.close(other)
