@@ -42,20 +42,36 @@ def reserve(nbytes: int) -> AddressRange:
 
 
 @dataclass(frozen=True)
+class FileBytes:
+    """`nbytes` of the file (inode, device) from `offset`."""
+
+    file: tuple[int, int]
+    offset: int
+    nbytes: int
+
+    def within(self, other: FileBytes) -> bool:
+        """Whether these bytes are part of `other`'s."""
+        return (
+            self.file == other.file
+            and other.offset <= self.offset
+            and self.offset + self.nbytes <= other.offset + other.nbytes
+        )
+
+
+@dataclass(frozen=True)
 class _Window:
-    """`nbytes` of a file from `file_offset`, mapped read-only by one call at `position` of `space`."""
+    """`mapped` read-only by one call at `position` of `space`."""
 
     space: weakref.ref[AddressRange]
     position: int
-    file_offset: int
-    nbytes: int
+    mapped: FileBytes
 
 
 class FilePages:
-    """Where this process maps rank files read-only (by inode and device), so that a new mapping of bytes
-    mapped before takes the page tables filled there instead of faulting every page in again. The newest
-    window of a file is tried first (a move leaves the old one's tables empty); a window whose range is gone
-    is never used (a range is weakly held, and unmapped only after it is gone)."""
+    """Where this process maps rank files read-only, so that a new mapping of bytes mapped before takes the page
+    tables filled there instead of faulting every page in again. The newest window of a file is tried first (a
+    move leaves the old one's tables empty); a window whose range is gone is never used (a range is weakly
+    held, and unmapped only after it is gone)."""
 
     MAX_WINDOWS = 64
     """Windows kept per file, newest first: a file of one shard's blocks is mapped by that shard's versions."""
@@ -64,48 +80,26 @@ class FilePages:
         self._windows: dict[tuple[int, int], list[_Window]] = {}
         self._lock = threading.Lock()
 
-    def remember(
-        self,
-        space: AddressRange,
-        position: int,
-        file: tuple[int, int],
-        file_offset: int,
-        nbytes: int,
-    ) -> None:
-        """`nbytes` of `file` (inode, device) from `file_offset` are mapped read-only at `position` of `space`."""
-        window = _Window(weakref.ref(space), position, file_offset, nbytes)
+    def remember(self, space: AddressRange, position: int, mapped: FileBytes) -> None:
+        """`mapped` is mapped read-only at `position` of `space`."""
+        window = _Window(weakref.ref(space), position, mapped)
         with self._lock:
-            kept = [w for w in self._windows.get(file, []) if w.space() is not None]
-            self._windows[file] = [window, *kept][: self.MAX_WINDOWS]
+            kept = [w for w in self._windows.get(mapped.file, []) if w.space() is not None]
+            self._windows[mapped.file] = [window, *kept][: self.MAX_WINDOWS]
 
-    def move(
-        self,
-        space: AddressRange,
-        position: int,
-        file: tuple[int, int],
-        file_offset: int,
-        nbytes: int,
-    ) -> bool:
-        """Move the page tables of a window that maps these bytes of `file` to `position` of `space`; whether one
+    def move(self, space: AddressRange, position: int, wanted: FileBytes) -> bool:
+        """Move the page tables of a window that maps the `wanted` bytes to `position` of `space`; whether one
         did (else the caller maps them)."""
         if not moves_supported():
             return False
         with self._lock:
-            for window in self._windows.get(file, []):
+            for window in self._windows.get(wanted.file, []):
                 source = window.space()
-                inside = window.file_offset <= file_offset
-                if (
-                    source is None
-                    or not inside
-                    or file_offset + nbytes > window.file_offset + window.nbytes
-                ):
+                if source is None or not wanted.within(window.mapped):
                     continue
+                start = source.address + window.position + wanted.offset - window.mapped.offset
                 try:
-                    space.move_from(
-                        position,
-                        nbytes,
-                        source.address + window.position + file_offset - window.file_offset,
-                    )
+                    space.move_from(position, wanted.nbytes, start)
                 except OSError:
                     return False
                 return True
@@ -127,10 +121,10 @@ def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
                 fds[extent.fd] = _open(reply.pid, extent)
         position = 0
         for extent in reply.extents:
-            file = (extent.inode, extent.device_id)
-            if not FILE_PAGES.move(space, position, file, extent.offset, extent.nbytes):
+            wanted = FileBytes((extent.inode, extent.device_id), extent.offset, extent.nbytes)
+            if not FILE_PAGES.move(space, position, wanted):
                 _place(space, position, extent, fds[extent.fd], reply.pid)
-            FILE_PAGES.remember(space, position, file, extent.offset, extent.nbytes)
+            FILE_PAGES.remember(space, position, wanted)
             position += extent.nbytes
         if position != reply.nbytes:
             raise CompositionError(0, f"the blocks hold {position} bytes, the shard {reply.nbytes}")

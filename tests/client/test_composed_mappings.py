@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from page_tables import resident_bytes
 
 from shardserve.client.paths.composed import CompositionError, map_extents
 from shardserve.core.address_space import PAGE, moves_supported
@@ -47,32 +48,16 @@ def _reply(extents: list[tuple[int, int, int]]) -> pb.OpenShardResponse:
     return reply
 
 
-def _resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of `tensor`'s address range that this process's page tables map now (/proc/self/smaps Rss)."""
-    start = tensor.data_ptr()
-    stop = start + tensor.numel()
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < stop and high > start
-            elif head == "Rss:" and inside:
-                resident += int(line.split()[1]) * 1024
-    return resident
-
-
 def test_a_new_version_takes_the_filled_pages_of_the_blocks_mapped_before():
     old_fd, old = _file(8, seed=0)
     new_fd, new = _file(1, seed=1)
     try:
         first = map_extents(_reply([(old_fd, 0, 8)]))
-        assert torch.equal(first, old) and _resident_bytes(first) == 8 * BLOCK  # read: filled in
+        assert torch.equal(first, old) and resident_bytes(first) == 8 * BLOCK  # read: filled in
         # the next version: block 3 replaced by a block of another file
         second = map_extents(_reply([(old_fd, 0, 3), (new_fd, 0, 1), (old_fd, 4, 4)]))
         assert (
-            _resident_bytes(second) == 7 * BLOCK
+            resident_bytes(second) == 7 * BLOCK
         )  # the seven shared blocks came filled; the new one did not
         expected = old.clone()
         expected[3 * BLOCK : 4 * BLOCK] = new
@@ -93,7 +78,7 @@ def test_a_mapping_that_is_gone_is_never_moved_from():
         del first
         gc.collect()
         second = map_extents(_reply([(fd, 0, 4)]))
-        assert _resident_bytes(second) == 0 and torch.equal(second, data)
+        assert resident_bytes(second) == 0 and torch.equal(second, data)
     finally:
         os.close(fd)
 

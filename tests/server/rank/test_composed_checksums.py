@@ -3,6 +3,7 @@ version's new range: the same checksum as the bytes', without faulting the range
 
 import pytest
 import torch
+from page_tables import resident_bytes
 
 from shardserve.core.address_space import moves_supported
 from shardserve.core.checksums import tensor_checksum
@@ -28,22 +29,6 @@ def _update(store: ShardStore, version: int, rows: torch.Tensor, values: torch.T
     checksum = store.promote("t", version)[0]
     store.drop("t", version - 1)
     return checksum
-
-
-def _resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of `tensor`'s address range that this process's page tables map now (/proc/self/smaps Rss)."""
-    start = tensor.data_ptr()
-    stop = start + tensor.numel() * tensor.element_size()
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low < stop and high > start
-            elif head == "Rss:" and inside:
-                resident += int(line.split()[1]) * 1024
-    return resident
 
 
 def test_every_update_answers_the_checksum_of_its_bytes_over_many_versions():
@@ -75,4 +60,4 @@ def test_the_promote_leaves_the_new_versions_unwritten_pages_unmapped():
     ids, values = torch.tensor([0]), torch.randn(1, COLUMNS)
     expected[ids] = values
     assert _update(store, 2, ids, values) == tensor_checksum(expected)
-    assert _resident_bytes(store.local_tensor("t", 2, 0)) <= BLOCK_BYTES
+    assert resident_bytes(store.local_tensor("t", 2, 0)) <= BLOCK_BYTES
