@@ -31,25 +31,39 @@ REPEATS, QUICK_REPEATS = 7, 3
 
 def _timed_puts(
     cluster: Any, state: dict[str, torch.Tensor], prefix: str, *, delta: bool | str, repeats: int
-) -> list[float]:
-    """Seconds of each put after the warm-up ones, a different tensor changed before each."""
+) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each put after the warm-up ones, a different tensor changed before each; of the get into
+    preallocated tensors right after each put, and of the same get once more (what a repeated get costs)."""
     from shardserve import spmd
 
     keys = list(state)
+    into = {key: torch.empty_like(t) for key, t in state.items()}
     for _ in range(2):  # the first full put, then the steady path (a reservation, or the hashes)
         spmd.put_state_dict(cluster, state, prefix, keep=2, durable=False, delta=delta)
-    seconds = []
+        spmd.get_state_dict(cluster, prefix, into=into)
+    puts, gets, again = [], [], []
     for k in range(repeats):
         state[keys[k % len(keys)]].add_(1.0)
-        start = time.perf_counter()
-        spmd.put_state_dict(cluster, state, prefix, keep=2, durable=False, delta=delta)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        for seconds, step in (
+            (
+                puts,
+                lambda: spmd.put_state_dict(
+                    cluster, state, prefix, keep=2, durable=False, delta=delta
+                ),
+            ),
+            (gets, lambda: spmd.get_state_dict(cluster, prefix, into=into)),
+            (again, lambda: spmd.get_state_dict(cluster, prefix, into=into)),
+        ):
+            start = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - start)
+    return puts, gets, again
 
 
 def delta_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, Any]:
-    """Full, delta and trusting delta put seconds (best, median), whether the last snapshot of each delta put
-    read back bit for bit, and the load average before and after."""
+    """Full, delta and trusting delta put seconds (best, median), the medians of the get right after each
+    kind of put and of the same get repeated, whether the last snapshot of each delta put read back bit for
+    bit, and the load average before and after."""
     from shardserve import spmd
 
     state = _state(count, each, torch.float32, seed=2)
@@ -58,8 +72,9 @@ def delta_case(cluster: Any, count: int, each: int, repeats: int) -> dict[str, A
     ok = True
     for kind, delta in (("full", False), ("delta", True), ("trusted", "version_counters")):
         prefix = f"{kind}{count}x{each}"
-        seconds = _timed_puts(cluster, state, prefix, delta=delta, repeats=repeats)
-        out[kind] = (min(seconds), statistics.median(seconds))
+        puts, gets, again = _timed_puts(cluster, state, prefix, delta=delta, repeats=repeats)
+        out[kind] = (min(puts), statistics.median(puts))
+        out[f"{kind} get"] = (statistics.median(gets), statistics.median(again))
         if delta:
             back = {key: torch.zeros_like(t) for key, t in state.items()}
             spmd.get_state_dict(cluster, prefix, into=back)
@@ -107,6 +122,33 @@ def delta_rows(
                 extra={"best_s": best},
             )
         )
+    for kind, label in (("full", "full"), ("delta", "delta"), ("trusted", "delta trusted")):
+        after, again = r[f"{kind} get"]
+        note = f"median {after * 1e3:.1f} ms against {again * 1e3:.1f} ms repeated; {r['load']}"
+        print(f"statedict get_state_dict after a {label} put: {note}", flush=True)
+        rows += [
+            Row(
+                "statedict-delta",
+                case,
+                f"get_state_dict after a {label} put",
+                after,
+                nbytes=total,
+                baseline=f"get_state_dict again ({label})",
+                path="shm",
+                ok=r["ok"],
+                note=note,
+            ),
+            Row(
+                "statedict-delta",
+                case,
+                f"get_state_dict again ({label})",
+                again,
+                nbytes=total,
+                role="baseline",
+                path="shm",
+                note="the same get once more: its mappings and leases all kept",
+            ),
+        ]
     return rows + [
         Row(
             "statedict-delta",
