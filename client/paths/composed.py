@@ -76,9 +76,13 @@ class FilePages:
     MAX_WINDOWS = 64
     """Windows kept per file, newest first: a file of one shard's blocks is mapped by that shard's versions."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sweep_files: int = 1024) -> None:
+        """`sweep_files`: files known before the first sweep of those whose windows are all gone (each delta
+        put's changed blocks come in new files); the files kept stay within twice the number that still has a
+        live window, and at least this many."""
         self._windows: dict[tuple[int, int], list[_Window]] = {}
         self._lock = threading.Lock()
+        self._sweep_files = self._sweep_at = sweep_files
 
     def remember(self, space: AddressRange, position: int, mapped: FileBytes) -> None:
         """`mapped` is mapped read-only at `position` of `space`."""
@@ -86,6 +90,23 @@ class FilePages:
         with self._lock:
             kept = [w for w in self._windows.get(mapped.file, []) if w.space() is not None]
             self._windows[mapped.file] = [window, *kept][: self.MAX_WINDOWS]
+            if len(self._windows) >= self._sweep_at:
+                self._sweep()
+
+    @property
+    def files(self) -> int:
+        """How many files this process remembers windows of."""
+        with self._lock:
+            return len(self._windows)
+
+    def _sweep(self) -> None:
+        """(lock held) Forget the files none of whose windows' ranges is alive."""
+        self._windows = {
+            file: live
+            for file, windows in self._windows.items()
+            if (live := [w for w in windows if w.space() is not None])
+        }
+        self._sweep_at = max(self._sweep_files, 2 * len(self._windows))
 
     def move(self, space: AddressRange, position: int, wanted: FileBytes) -> bool:
         """Move the page tables of a window that maps the `wanted` bytes to `position` of `space`; whether one

@@ -11,8 +11,8 @@ import pytest
 import torch
 from page_tables import resident_bytes
 
-from shardserve.client.paths.composed import CompositionError, map_extents
-from shardserve.core.address_space import PAGE, moves_supported
+from shardserve.client.paths.composed import CompositionError, FileBytes, FilePages, map_extents
+from shardserve.core.address_space import PAGE, AddressRange, moves_supported
 from shardserve.protos import shardserve_pb2 as pb
 
 BLOCK = 64 * PAGE
@@ -96,3 +96,15 @@ def test_a_file_that_is_not_the_one_described_is_refused_even_when_mapped_before
     finally:
         os.close(fd)
         os.close(other)
+
+
+def test_files_whose_mappings_are_all_gone_are_forgotten():
+    pages = FilePages(sweep_files=8)
+    kept = AddressRange(PAGE)
+    pages.remember(kept, 0, FileBytes((1, 1), 0, PAGE))
+    for inode in range(2, 40):
+        pages.remember(AddressRange(PAGE), 0, FileBytes((inode, 1), 0, PAGE))  # gone at once
+    assert pages.files < 8
+    moved = AddressRange(PAGE)
+    assert pages.move(moved, 0, FileBytes((1, 1), 0, PAGE))  # the live one is still known
+    assert not pages.move(moved, 0, FileBytes((3, 1), 0, PAGE))
