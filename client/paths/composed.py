@@ -11,7 +11,7 @@ Mapping a file's pages afresh costs their page tables on the first read (1 GiB
 read through new mappings: ~170 ms on a 2-core VM, ~55 ms through mappings
 already filled). A delta put's or a row update's next version shares most of
 its blocks with the version the reader mapped before, so the reader moves the
-filled page tables of those blocks from that mapping into the new one
+filled page tables of those blocks from that composed mapping into the new one
 (`FilePages`, mremap with MREMAP_DONTUNMAP: the old mapping stays, to fault in
 again from the file if read) and maps only the blocks it has not mapped yet.
 """
@@ -68,10 +68,12 @@ class _Window:
 
 
 class FilePages:
-    """Where this process maps rank files read-only, so that a new mapping of bytes mapped before takes the page
-    tables filled there instead of faulting every page in again. The newest window of a file is tried first (a
-    move leaves the old one's tables empty); a window whose range is gone is never used (a range is weakly
-    held, and unmapped only after it is gone)."""
+    """Where this process maps rank files read-only as composed shards, so that a new mapping of bytes mapped
+    before takes the page tables filled there instead of faulting every page in again. The newest window of a
+    file is tried first (a move leaves the old one's tables empty); a window whose range is gone is never used
+    (a range is weakly held, and unmapped only after it is gone). Plain segments are left out: a reader
+    registers those with CUDA for copies to a GPU (client/paths/registered.py), and their pages stay where the
+    registration saw them."""
 
     MAX_WINDOWS = 64
     """Windows kept per file, newest first: a file of one shard's blocks is mapped by that shard's versions."""

@@ -17,12 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shardserve.client import counters
-from shardserve.client.paths.composed import (
-    FILE_PAGES,
-    CompositionError,
-    FileBytes,
-    map_extents,
-)
+from shardserve.client.paths.composed import CompositionError, map_extents
 from shardserve.core.address_space import AddressRange
 from shardserve.core.dtypes import dtype_from_wire
 from shardserve.core.lent_memory import (
@@ -286,7 +281,6 @@ def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
     try:
         space = AddressRange(size)
         space.place(0, size, fd, 0)
-        FILE_PAGES.remember(space, 0, FileBytes((reply.inode, reply.device_id), 0, size))
     except OSError as err:
         raise SegmentError(f"cannot map {path}: {err}") from None
     finally:
