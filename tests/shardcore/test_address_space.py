@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from page_tables import resident_bytes_at
 
 from shardserve.core.address_space import PAGE, AddressRange, WritableMapping, moves_supported
 
@@ -77,21 +78,6 @@ def test_a_sealed_file_refuses_a_writable_window_placed_afresh():
         os.close(fd)
 
 
-def _resident_bytes(address: int, nbytes: int) -> int:
-    """The bytes of this process's mappings within [address, address + nbytes) that have pages mapped now
-    (/proc/self/smaps Rss of the mappings there)."""
-    resident, inside = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, stop = (int(part, 16) for part in head.split("-"))
-                inside = start < address + nbytes and address < stop
-            elif inside and head == "Rss:":
-                resident += int(line.split()[1]) * 1024
-    return resident
-
-
 def test_a_window_populated_before_it_is_moved_in_takes_its_pages_along():
     """A window moved out leaves the writer without its pages; populate() maps them again in one call, and the
     move takes them into the range (writes there fault nothing in)."""
@@ -102,13 +88,13 @@ def test_a_window_populated_before_it_is_moved_in_takes_its_pages_along():
         writer = WritableMapping(fd, nbytes)
         space = AddressRange(nbytes)
         space.move_in(0, nbytes, writer, 0)
-        assert _resident_bytes(writer.address, nbytes) == 0  # the pages went with the first move
+        assert resident_bytes_at(writer.address, nbytes) == 0  # the pages went with the first move
         if not writer.populate(0, nbytes):
             pytest.skip("the kernel has no MADV_POPULATE_WRITE (Linux 5.14)")
-        assert _resident_bytes(writer.address, nbytes) == nbytes
+        assert resident_bytes_at(writer.address, nbytes) == nbytes
         again = AddressRange(nbytes)
         again.move_in(0, nbytes, writer, 0)
-        assert _resident_bytes(again.address, nbytes) == nbytes
+        assert resident_bytes_at(again.address, nbytes) == nbytes
         again.tensor(nbytes).fill_(5)
         assert os.pread(fd, nbytes, 0) == b"\x05" * nbytes
         assert not writer.populate(0, 0)
