@@ -208,14 +208,9 @@ class Blocks:
             for k, copy in zip(moved, copies):
                 blocks[k] = copy
             space = AddressRange(nbytes)
-            for start, stop in _runs(blocks):
-                first = blocks[start]
+            for start, first, run_bytes in _spans(blocks):
                 space.place(
-                    start * BLOCK_BYTES,
-                    sum(b.nbytes for b in blocks[start:stop]),
-                    first.file.fd,
-                    first.offset,
-                    writable=False,
+                    start * BLOCK_BYTES, run_bytes, first.file.fd, first.offset, writable=False
                 )
             for block, old in zip(blocks, table.blocks):
                 if block is old:
@@ -282,14 +277,8 @@ class Blocks:
                 freed += self._unref(old)
                 table.blocks[k] = block
                 table.owned.add(k)
-            for start, stop in _runs(table.blocks, among=set(wanted)):
-                first = table.blocks[start]
-                _map_writable(
-                    table.space,
-                    start * BLOCK_BYTES,
-                    sum(b.nbytes for b in table.blocks[start:stop]),
-                    first,
-                )
+            for start, first, run_bytes in _spans(table.blocks, among=set(wanted)):
+                _map_writable(table.space, start * BLOCK_BYTES, run_bytes, first)
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
@@ -312,14 +301,12 @@ class Blocks:
             table = self._tables.get(id(tensor))
             if table is None or table.space is None:
                 return None
-            if any(b.file.writer is None for b in table.blocks):
-                return None
             views = []
-            for start, stop in _runs(table.blocks):
-                first = table.blocks[start]
-                nbytes = sum(b.nbytes for b in table.blocks[start:stop])
-                assert first.file.writer is not None
-                views.append(first.file.writer.tensor()[first.offset : first.offset + nbytes])
+            for _, first, run_bytes in _spans(table.blocks):  # a run's blocks lie in one file
+                writer = first.file.writer
+                if writer is None:
+                    return None
+                views.append(writer.tensor()[first.offset : first.offset + run_bytes])
             return views
 
     def make_read_only(self, tensor: torch.Tensor) -> None:
@@ -354,19 +341,12 @@ class Blocks:
         """The runs of files a composed tensor's bytes come from, in order (what a same-host client maps)."""
         with self._lock:
             table = self._tables[id(tensor)]
-            out = []
-            for start, stop in _runs(table.blocks):
-                first = table.blocks[start]
-                out.append(
-                    Extent(
-                        first.file.fd,
-                        first.file.inode,
-                        first.file.device_id,
-                        first.offset,
-                        sum(b.nbytes for b in table.blocks[start:stop]),
-                    )
+            return [
+                Extent(
+                    first.file.fd, first.file.inode, first.file.device_id, first.offset, run_bytes
                 )
-            return out
+                for _, first, run_bytes in _spans(table.blocks)
+            ]
 
 
 def _map_writable(space: AddressRange, offset: int, nbytes: int, first: Block) -> None:
@@ -401,6 +381,15 @@ def _runs(blocks: list[Block], among: set[int] | None = None) -> list[tuple[int,
         if inside and start is None:
             start = k
     return runs
+
+
+def _spans(blocks: list[Block], among: set[int] | None = None) -> list[tuple[int, Block, int]]:
+    """The runs of `_runs` as (index of the first block, that block, bytes of the run): where each run is mapped
+    from (its blocks lie back to back in the first one's file)."""
+    return [
+        (start, blocks[start], sum(b.nbytes for b in blocks[start:stop]))
+        for start, stop in _runs(blocks, among)
+    ]
 
 
 def _covered(byte_ranges: list[tuple[int, int]], blocks: list[Block]) -> frozenset[int]:
