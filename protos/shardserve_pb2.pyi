@@ -1115,20 +1115,22 @@ class CheckpointProgress(_message.Message):
     def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., done: _Optional[bool] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
 class OpenShardRequest(_message.Message):
-    __slots__ = ("name", "version", "shard_index", "lease_s", "cached_inode", "cuda_ipc")
+    __slots__ = ("name", "version", "shard_index", "lease_s", "cached_inode", "cuda_ipc", "header_slots")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     CACHED_INODE_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    HEADER_SLOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     shard_index: int
     lease_s: float
     cached_inode: int
     cuda_ipc: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., lease_s: _Optional[float] = ..., cached_inode: _Optional[int] = ..., cuda_ipc: _Optional[bool] = ...) -> None: ...
+    header_slots: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., shard_index: _Optional[int] = ..., lease_s: _Optional[float] = ..., cached_inode: _Optional[int] = ..., cuda_ipc: _Optional[bool] = ..., header_slots: _Optional[bool] = ...) -> None: ...
 
 class CudaIpcHandle(_message.Message):
     __slots__ = ("device", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "tensor_offset")
@@ -1153,7 +1155,7 @@ class CudaIpcHandle(_message.Message):
     def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., tensor_offset: _Optional[int] = ...) -> None: ...
 
 class OpenShardResponse(_message.Message):
-    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes", "extents")
+    __slots__ = ("pid", "fd", "inode", "device_id", "nbytes", "dtype", "shard_sizes", "lease_id", "lease_expires_s", "version", "cuda", "data_offset", "max_request_bytes", "extents", "header_offset")
     PID_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
@@ -1168,6 +1170,7 @@ class OpenShardResponse(_message.Message):
     DATA_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     EXTENTS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_OFFSET_FIELD_NUMBER: _ClassVar[int]
     pid: int
     fd: int
     inode: int
@@ -1182,7 +1185,8 @@ class OpenShardResponse(_message.Message):
     data_offset: int
     max_request_bytes: int
     extents: _containers.RepeatedCompositeFieldContainer[ShardExtent]
-    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[ShardExtent, _Mapping]]] = ...) -> None: ...
+    header_offset: int
+    def __init__(self, pid: _Optional[int] = ..., fd: _Optional[int] = ..., inode: _Optional[int] = ..., device_id: _Optional[int] = ..., nbytes: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., shard_sizes: _Optional[_Iterable[int]] = ..., lease_id: _Optional[int] = ..., lease_expires_s: _Optional[float] = ..., version: _Optional[int] = ..., cuda: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., data_offset: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., extents: _Optional[_Iterable[_Union[ShardExtent, _Mapping]]] = ..., header_offset: _Optional[int] = ...) -> None: ...
 
 class ShardExtent(_message.Message):
     __slots__ = ("fd", "inode", "device_id", "offset", "nbytes")

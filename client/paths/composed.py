@@ -134,18 +134,18 @@ FILE_PAGES = FilePages()
 
 def map_extents(reply: pb.OpenShardResponse) -> torch.Tensor:
     """The shard's bytes as one read-only uint8 tensor over its blocks' memfds (CompositionError if one is not
-    the file the rank described, or cannot be mapped): every file is checked, and the blocks this process
-    mapped before take their page tables from there (FilePages)."""
+    the file the rank described, or cannot be mapped): the blocks this process mapped before take their page
+    tables from there (FilePages), with no call (that mapping holds its file: the inode names no other); each
+    file of the others is opened once and checked by inode."""
     space = reserve(reply.nbytes)
     fds: dict[int, int] = {}
     try:
-        for extent in reply.extents:
-            if extent.fd not in fds:
-                fds[extent.fd] = _open(reply.pid, extent)
         position = 0
         for extent in reply.extents:
             wanted = FileBytes((extent.inode, extent.device_id), extent.offset, extent.nbytes)
             if not FILE_PAGES.move(space, position, wanted):
+                if extent.fd not in fds:
+                    fds[extent.fd] = _open(reply.pid, extent)
                 _place(space, position, extent, fds[extent.fd], reply.pid)
             FILE_PAGES.remember(space, position, wanted)
             position += extent.nbytes

@@ -12,6 +12,7 @@ import os
 import select
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -256,8 +257,45 @@ def map_segment(reply: pb.OpenShardResponse) -> tuple[torch.Tensor, torch.Tensor
 
 
 def map_state_header(reply: pb.OpenShardResponse) -> torch.Tensor:
-    """The int64 header words (magic, state, generation) of a CUDA shard's header-only segment."""
+    """The int64 header words (magic, state, generation) of a header-only segment (a CUDA shard's, or a
+    composed version's), at the reply's header_offset: a slot of a header file is read through that file's
+    mapping, made once (HEADER_FILES)."""
+    if reply.header_offset:
+        return HEADER_FILES.words(reply)
     return _header_words(_map_file(reply, HEADER_WORDS_BYTES), reply)
+
+
+class HeaderFiles:
+    """The header files of ranks (server/rank/header_slots.py: the headers of many versions, one slot each) this
+    process maps, the newest `kept` of them, by (pid, inode, device). While a file's entry is kept its mapping
+    holds the file open, so no other file can have its inode meanwhile: the key names that file only."""
+
+    def __init__(self, kept: int = 256) -> None:
+        self._kept = kept
+        self._files: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def words(self, reply: pb.OpenShardResponse) -> torch.Tensor:
+        """The header words at `reply.header_offset` of the file the reply names (SegmentError when the file is
+        not the one described or holds no header there)."""
+        key, end = (
+            (reply.pid, reply.inode, reply.device_id),
+            reply.header_offset + HEADER_WORDS_BYTES,
+        )
+        with self._lock:
+            whole = self._files.get(key)
+            if whole is not None:
+                self._files.move_to_end(key)
+        if whole is None or whole.numel() < end:
+            whole = _map_file(reply, end, whole_file=True)
+            with self._lock:
+                self._files[key] = whole
+                while len(self._files) > self._kept:
+                    self._files.popitem(last=False)
+        return _header_words(whole[reply.header_offset :], reply)
+
+
+HEADER_FILES = HeaderFiles()
 
 
 def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Tensor:
@@ -269,8 +307,9 @@ def _header_words(whole: torch.Tensor, reply: pb.OpenShardResponse) -> torch.Ten
     return header
 
 
-def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
-    """The first `size` bytes of the memfd the reply names, mapped read-only as uint8.
+def _map_file(reply: pb.OpenShardResponse, size: int, *, whole_file: bool = False) -> torch.Tensor:
+    """The first `size` bytes of the memfd the reply names (all of it, at least `size`, with `whole_file`),
+    mapped read-only as uint8.
 
     Mapped through libc (shardserve.core.address_space), the file closed right after: the mapping keeps no file
     descriptor, so a reader may keep thousands of shards mapped (a state dict of many small tensors) where
@@ -279,6 +318,8 @@ def _map_file(reply: pb.OpenShardResponse, size: int) -> torch.Tensor:
     path = f"/proc/{reply.pid}/fd/{reply.fd}"
     fd = open_rank_file(reply.pid, reply.fd, reply.inode, reply.device_id, min_size=size)
     try:
+        if whole_file:
+            size = os.fstat(fd).st_size
         space = AddressRange(size)
         space.place(0, size, fd, 0)
     except OSError as err:

@@ -328,6 +328,7 @@ def _request(
         shard_index=index,
         cached_inode=cached.inode if cached else 0,
         cuda_ipc=torch.cuda.is_available(),
+        header_slots=True,
     )
 
 

@@ -344,12 +344,18 @@ class VersionLeases:
             current = record.shards.get(shard_index)
         return shared.segment_of(current) if current is not None else None
 
-    def state_header(self, record: StoredVersion, shard_index: int) -> Segment:
-        """The header-only segment whose state word tells same-host clients whether a leased served CUDA
-        shard is still served (server/rank/shared_memory.py SharedMemory.attach_header)."""
+    def state_header(
+        self, record: StoredVersion, shard_index: int, *, slot: bool = False
+    ) -> Segment:
+        """The header-only segment whose state word tells same-host clients whether a leased served shard whose
+        bytes live elsewhere (CUDA memory, shared blocks) is still served (server/rank/shared_memory.py
+        SharedMemory.attach_header); with `slot`, a slot of a header file (attach_slot_header) unless the shard
+        has a header already."""
         shard = record.local_shard(shard_index, self.rank)
+        shared = self._memory.shared
+        attach = shared.attach_slot_header if slot else shared.attach_header
         with self._lock:
-            return self._memory.shared.attach_header(shard, **_header_state(record))
+            return attach(shard, **_header_state(record))
 
     @contextmanager
     def served_shards(

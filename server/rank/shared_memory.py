@@ -1,4 +1,5 @@
-"""Shared-memory shards for the same-host data plane: memfd-backed tensors and time-bounded leases.
+"""Shared-memory shards for the same-host data plane: memfd-backed tensors (the leases OpenShard hands out on
+them: server/rank/reads/open_leases.py).
 
 A CPU shard lives in an anonymous memfd mapped into the rank (`SharedMemory.empty`);
 a client on the same host opens it read-only as /proc/<pid>/fd/<fd> and maps it,
@@ -20,12 +21,9 @@ import fcntl
 import logging
 import mmap
 import os
-import secrets
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,7 +41,7 @@ from shardserve.protos.same_host import (
     left_checksum,
     write_label,
 )
-from shardserve.server.rank.errors import Overloaded
+from shardserve.server.rank.header_slots import HeaderSlot, HeaderSlots
 from shardserve.server.rank.recycling import CPU, Buffer, RecycledBuffers
 
 log = logging.getLogger(__name__)
@@ -60,9 +58,6 @@ FDS_KEPT_FOR_SOCKETS = (
     4096  # open files left to connections, pidfds and DCP files when shards take theirs
 )
 F_SEAL_FUTURE_WRITE = 0x0010  # <linux/fcntl.h>; Python's fcntl module does not name it
-DEFAULT_LEASE_S = 30.0
-MAX_LEASES = 4096  # leases held at once per rank (each pins a version; expiry scans them all)
-MAX_LEASE_S = 300.0
 CUDA_REUSES = 256
 """How many versions one CUDA buffer serves before it goes back to the device. torch wraps a storage in one more
 IPC reference-counting record (a counter slot in a shared file, maybe a CUDA event) each time the rank hands its
@@ -86,6 +81,9 @@ class Segment:
     device_id: int
     nbytes: int
     data_offset: int = HEADER_BYTES
+    header_offset: int = (
+        0  # a header-only segment's: where its words begin (a slot of a header file)
+    )
 
 
 class SharedMemory:
@@ -107,6 +105,10 @@ class SharedMemory:
         # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
         # whenever a collection happens, also inside a hold in this thread
         self._lock = threading.RLock()
+        self.header_slots = HeaderSlots(
+            _header_file
+        )  # composed versions' headers (files made when needed)
+        self._slots: dict[int, HeaderSlot] = {}  # by id() of a live tensor given a slot
 
     def empty(
         self, sizes: tuple[int, ...], dtype: torch.dtype, overwrite: bool = False
@@ -238,6 +240,26 @@ class SharedMemory:
             seal_writes(segment.fd)
         return segment
 
+    def attach_slot_header(
+        self, tensor: torch.Tensor, served: bool, replaced: bool = False
+    ) -> Segment:
+        """As attach_header, in a slot of a header file (server/rank/header_slots.py) rather than a segment of
+        its own; the tensor's header, of either kind, when it has one already. The slot is free again when the
+        tensor goes."""
+        with self._lock:
+            known = self._segments.get(id(tensor))
+            if known is not None:
+                return known
+            state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+            slot = self.header_slots.take(state)
+            file = slot.file
+            segment = Segment(
+                file.pid, file.fd, file.inode, file.device_id, 0, 0, header_offset=slot.offset
+            )
+            self._slots[id(tensor)] = slot
+            self._track(tensor, segment, slot.words)
+        return segment
+
     def _track(self, tensor: torch.Tensor, segment: Segment, header: np.ndarray) -> None:
         """Remember the segment and header words of `tensor` while that tensor lives."""
         key = id(tensor)
@@ -250,6 +272,9 @@ class SharedMemory:
         with self._lock:
             self._segments.pop(key, None)
             self._headers.pop(key, None)
+            slot = self._slots.pop(key, None)
+            if slot is not None:
+                self.header_slots.give_back(slot)
 
     def mark(self, tensors: Iterable[torch.Tensor], served: bool, replaced: bool = False) -> None:
         """Set the header state of the segments of `tensors` (others are ignored): SERVED, REPLACED (served, but a
@@ -404,6 +429,13 @@ def seal_writes(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
 
 
+def _header_file(nbytes: int) -> tuple[torch.Tensor, Segment]:
+    """A header file of `nbytes` for HeaderSlots: writable here, sealed against every other writer."""
+    flat, segment = _memfd_bytes(nbytes)
+    _seal_segment(segment.fd)
+    return flat, segment
+
+
 def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
     """A flat uint8 tensor over a new memfd of `nbytes` (pages reserved up front: ENOSPC, not SIGBUS),
     and its Segment; the fd is closed when the mapping goes."""
@@ -422,71 +454,3 @@ def _memfd_bytes(nbytes: int) -> tuple[torch.Tensor, Segment]:
         mapped, _close_segment, fd
     )  # the fd lives exactly as long as the memory (any view of it)
     return torch.frombuffer(mapped, dtype=torch.uint8), segment
-
-
-class Leases:
-    """Time-bounded holds on store versions, taken by OpenShard and ended by ReleaseShard or expiry."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._held: dict[int, tuple[AbstractContextManager, float]] = {}
-        self._lock = threading.Lock()
-        self._reaper: threading.Thread | None = None
-
-    def hold(self, lease: AbstractContextManager, seconds: float) -> int:
-        """Keep `lease` (an entered store lease) for at most `seconds`; returns its id."""
-        with self._lock:
-            if len(self._held) >= MAX_LEASES:
-                raise Overloaded(
-                    f"this rank holds {MAX_LEASES} shared-memory leases already; release "
-                    f"some (ReleaseShard) or wait for them to expire"
-                )
-            lease_id = 0
-            while (
-                not lease_id or lease_id in self._held
-            ):  # random: no client ends another's lease by guessing
-                lease_id = secrets.randbits(63)
-            self._held[lease_id] = (lease, self._clock() + seconds)
-            if self._reaper is None:
-                self._reaper = threading.Thread(
-                    target=self._reap_forever, name="shm-lease-reaper", daemon=True
-                )
-                self._reaper.start()
-        return lease_id
-
-    def held_ids(self) -> list[int]:
-        """The ids of the leases held now."""
-        with self._lock:
-            return list(self._held)
-
-    def release(self, lease_ids: list[int]) -> int:
-        """End the given leases (unknown or expired ids are ignored); returns how many ended."""
-        with self._lock:
-            ended = [self._held.pop(i)[0] for i in lease_ids if i in self._held]
-        for lease in ended:
-            lease.__exit__(None, None, None)
-        return len(ended)
-
-    def expire(self) -> int:
-        """End every lease past its time (a client that died or forgot); returns how many."""
-        now = self._clock()
-        with self._lock:
-            late = [i for i, (_, until) in self._held.items() if until <= now]
-        if late:
-            log.info("expiring %d shared-memory leases", len(late))
-        return self.release(late)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def _reap_forever(self) -> None:
-        while True:
-            time.sleep(1.0)
-            self.expire()
-
-
-def lease_seconds(requested: float) -> float:
-    """The lease a request gets: the default for 0, capped at MAX_LEASE_S."""
-    if not requested >= 0:  # NaN too: a lease that never expires would pin its version for good
-        raise ValueError(f"lease_s {requested} is negative or not a number")
-    return min(requested or DEFAULT_LEASE_S, MAX_LEASE_S)

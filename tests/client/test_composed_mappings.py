@@ -83,16 +83,22 @@ def test_a_mapping_that_is_gone_is_never_moved_from():
         os.close(fd)
 
 
-def test_a_file_that_is_not_the_one_described_is_refused_even_when_mapped_before():
+def test_blocks_mapped_before_come_from_the_file_described_and_others_are_opened_and_checked():
+    """A block this process maps already is taken from that mapping by the file's inode, which the mapping
+    holds (no other file has it meanwhile), whatever fd the rank names; a block mapped anew is opened by its fd
+    and refused when that fd is not the file described."""
     fd, data = _file(2, seed=3)
     other, _ = _file(2, seed=4)
     try:
-        kept = map_extents(_reply([(fd, 0, 2)]))
-        lying = _reply([(fd, 0, 2)])
-        lying.extents[0].fd = other  # the rank names a file of another inode under that fd
+        kept = map_extents(_reply([(fd, 0, 1)]))
+        moved = _reply([(fd, 0, 1)])
+        moved.extents[0].fd = other  # a stale fd number: not opened, the bytes are the inode's
+        assert torch.equal(map_extents(moved), data[:BLOCK])
+        lying = _reply([(fd, 1, 1)])  # a block never mapped: opened by its fd
+        lying.extents[0].fd = other
         with pytest.raises(CompositionError, match="not the block file the rank described"):
             map_extents(lying)
-        assert torch.equal(kept, data)
+        assert torch.equal(kept, data[:BLOCK])
     finally:
         os.close(fd)
         os.close(other)

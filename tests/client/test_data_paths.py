@@ -43,9 +43,10 @@ from shardserve.protos.errors import Reason
 from shardserve.server.common.rank_options import RankOptions
 from shardserve.server.launcher import LocalCluster
 from shardserve.server.rank.errors import InvalidState
+from shardserve.server.rank.reads.open_leases import Leases
 from shardserve.server.rank.reads.shm import SharedMemoryService
 from shardserve.server.rank.shard_fill import InitFill
-from shardserve.server.rank.shared_memory import ENV_SWITCH, Leases
+from shardserve.server.rank.shared_memory import ENV_SWITCH
 from shardserve.server.rank.store import ShardStore
 
 SPEC = ChunkShardingSpec(0, ["rank:0/cpu", "rank:1/cpu"])
@@ -857,9 +858,9 @@ def test_lease_ids_cannot_be_guessed():
 def test_leases_are_capped_and_a_refused_one_holds_nothing(monkeypatch):
     """Never-released OpenShard leases would grow the table (and its expiry scan) without bound: past
     MAX_LEASES, OpenShard is RESOURCE_EXHAUSTED and the version it leased is let go again."""
-    from shardserve.server.rank import shared_memory
+    from shardserve.server.rank.reads import open_leases
 
-    monkeypatch.setattr(shared_memory, "MAX_LEASES", 2)
+    monkeypatch.setattr(open_leases, "MAX_LEASES", 2)
     store = _served_store()
     service = SharedMemoryService(store)
     request = pb.OpenShardRequest(name="t", version=1, shard_index=0)

@@ -21,7 +21,8 @@ from shardserve.server.rank.cuda_ipc import cuda_ipc_handle
 from shardserve.server.rank.error_status import item_errors, rank_rpc
 from shardserve.server.rank.errors import InvalidArgument, PathUnavailable
 from shardserve.server.rank.metrics import SHM
-from shardserve.server.rank.shared_memory import Leases, Segment, lease_seconds
+from shardserve.server.rank.reads.open_leases import Leases, lease_seconds
+from shardserve.server.rank.shared_memory import Segment
 from shardserve.server.rank.store import ShardStore
 from shardserve.server.rank.version_table import StoredVersion
 
@@ -103,10 +104,15 @@ class SharedMemoryService:
             max_request_bytes=self.store.leases.max_request_bytes,
         )
         segment: Segment | None
-        if self.store.blocks.is_composed(shard):
+        if self.store.blocks.is_composed(shard):  # the state words apart; the data in blocks
             segment = self.store.leases.state_header(
-                entry, request.shard_index
-            )  # the state word; the data in blocks
+                entry, request.shard_index, slot=request.header_slots
+            )
+            if segment.header_offset and not request.header_slots:
+                raise PathUnavailable(
+                    f"shard_index {request.shard_index} of {entry.name!r} has its header in a slot of a "
+                    f"header file; ask with header_slots or read it over ReadRegion"
+                )
             reply.extents.extend(
                 pb.ShardExtent(
                     fd=e.fd, inode=e.inode, device_id=e.device_id, offset=e.offset, nbytes=e.nbytes
@@ -136,7 +142,7 @@ class SharedMemoryService:
             segment.inode,
             segment.device_id,
         )
-        reply.data_offset = segment.data_offset
+        reply.data_offset, reply.header_offset = segment.data_offset, segment.header_offset
         return reply
 
     @rank_rpc

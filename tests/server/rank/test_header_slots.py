@@ -1,0 +1,146 @@
+"""Header slots: the state words of versions made of shared blocks, many to a header file (server/rank/
+header_slots.py), as the rank hands them out (OpenShard with header_slots) and as a same-host reader maps them
+(client/paths/segments.py HeaderFiles): one mapping per file, a slot taken again seen as another generation."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+from server_helpers import Aborted, ServicerContext
+
+from shardserve.client.paths import segments
+from shardserve.core.metadata import TensorProperties
+from shardserve.core.specs import ChunkShardingSpec
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.protos.errors import Reason
+from shardserve.protos.same_host import HEADER_MAGIC, STATE_DROPPED, STATE_SERVED
+from shardserve.server.rank.header_slots import SLOT_BYTES, HeaderSlots
+from shardserve.server.rank.reads.shm import SharedMemoryService
+from shardserve.server.rank.shard_fill import InitFill
+from shardserve.server.rank.store import ShardStore
+
+
+def _files() -> tuple[HeaderSlots, list[torch.Tensor]]:
+    """HeaderSlots over plain tensors standing for files (their Segment: the file's index)."""
+    made: list[torch.Tensor] = []
+
+    def new_file(nbytes: int) -> tuple[torch.Tensor, int]:
+        made.append(torch.full((nbytes,), 0xFF, dtype=torch.uint8))  # garbage until written
+        return made[-1], len(made) - 1
+
+    return HeaderSlots(new_file, slots_per_file=4), made
+
+
+def test_slots_are_headers_at_their_offsets_and_slot_zero_is_never_handed_out() -> None:
+    slots, files = _files()
+    taken = [slots.take(STATE_SERVED) for _ in range(3)]
+    assert [(s.file, s.offset) for s in taken] == [
+        (0, SLOT_BYTES),
+        (0, 2 * SLOT_BYTES),
+        (0, 3 * SLOT_BYTES),
+    ]
+    words = files[0].view(torch.int64).numpy()
+    for slot in taken:
+        assert np.shares_memory(slot.words, words)
+        assert list(slot.words[:4]) == [HEADER_MAGIC, STATE_SERVED, 1, 0]
+    first = words[: SLOT_BYTES // 8]
+    assert (first[0], first[1]) == (HEADER_MAGIC, STATE_DROPPED)  # where a slot-blind reader looks
+    fourth = slots.take(STATE_SERVED)  # the first file is full: another one
+    assert (fourth.file, fourth.offset, slots.files) == (1, SLOT_BYTES, 2)
+
+
+def test_a_slot_given_back_says_dropped_and_is_taken_again_at_a_new_generation() -> None:
+    slots, _ = _files()
+    slot = slots.take(STATE_SERVED)
+    slot.words[5] = 1234  # a word of the old version
+    slots.give_back(slot)
+    assert slot.words[1] == STATE_DROPPED
+    again = slots.take(STATE_SERVED)
+    assert again is slot and list(again.words[1:6]) == [STATE_SERVED, 2, 0, 0, 0]
+
+
+def _composed_store() -> ShardStore:
+    """A rank serving version 1 of "t" and version 2 made as its copy (shared blocks), of 4 MiB."""
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    meta = ChunkShardingSpec(0, ["rank:0/cpu"]).build_metadata(
+        (1 << 20,), TensorProperties(dtype=torch.float32)
+    )
+    store.allocate("t", 1, meta, fill=InitFill.ARANGE)
+    store.promote("t", 1)
+    store.allocate_copy("t", 2, meta, 1)
+    store.promote("t", 2)
+    return store
+
+
+def _open(service: SharedMemoryService, version: int, *, slots: bool) -> pb.OpenShardResponse:
+    request = pb.OpenShardRequest(name="t", version=version, shard_index=0, header_slots=slots)
+    return service.OpenShard(request, ServicerContext())
+
+
+def test_a_composed_shard_is_answered_with_a_slot_and_a_slot_blind_reader_is_sent_elsewhere() -> (
+    None
+):
+    store = _composed_store()
+    service = SharedMemoryService(store)
+    reply = _open(service, 2, slots=True)
+    assert reply.extents and reply.header_offset >= SLOT_BYTES and reply.data_offset == 0
+    again = _open(service, 2, slots=True)
+    assert (again.inode, again.header_offset) == (reply.inode, reply.header_offset)
+    with pytest.raises(Aborted) as refused:
+        _open(service, 2, slots=False)
+    assert (refused.value.code.name, refused.value.reason) == (
+        "UNIMPLEMENTED",
+        Reason.PATH_UNAVAILABLE,
+    )
+    assert "header_slots" in refused.value.details
+
+
+def test_a_composed_shard_first_opened_without_slots_keeps_its_own_header_segment() -> None:
+    store = _composed_store()
+    service = SharedMemoryService(store)
+    plain = _open(service, 2, slots=False)
+    assert plain.extents and plain.header_offset == 0
+    assert _open(service, 2, slots=True).inode == plain.inode  # one header per version
+
+
+def test_a_reader_maps_a_header_file_once_and_sees_a_slot_taken_again(monkeypatch) -> None:
+    """Two versions' headers in one file: mapped once; the first version dropped and its tensor gone, its slot
+    taken by a new version: the reader's header of the first no longer serves (another generation)."""
+    store = _composed_store()
+    meta = store.local_shards("t", 1)[0]
+    service = SharedMemoryService(store)
+    maps = []
+    real = segments._map_file
+    monkeypatch.setattr(segments, "_map_file", lambda *a, **k: maps.append(a) or real(*a, **k))
+    store.allocate_copy("t", 3, store.versions.get("t", 1).metadata, 2)
+    store.promote("t", 3)
+    two, three = _open(service, 2, slots=True), _open(service, 3, slots=True)
+    words_two = segments.map_state_header(two)
+    words_three = segments.map_state_header(three)
+    assert len(maps) == 1 and two.inode == three.inode and two.header_offset != three.header_offset
+    mapping = segments.SegmentMapping(
+        segments.RankProcess(os.getpid()),
+        two.inode,
+        two.device_id,
+        meta,
+        words_two,
+        generation=int(words_two[2]),
+    )
+    assert mapping.serves() and int(words_three[1]) == STATE_SERVED
+    service.ReleaseShard(
+        pb.ReleaseShardRequest(lease_ids=[two.lease_id, three.lease_id]), ServicerContext()
+    )
+    store.drop("t", 2)
+    gc.collect()  # version 2's tensor gone: its slot free
+    store.allocate_copy("t", 4, store.versions.get("t", 1).metadata, 3)
+    store.promote("t", 4)
+    four = _open(service, 4, slots=True)
+    assert four.header_offset == two.header_offset  # the freed slot, taken again
+    assert (
+        not mapping.serves() and int(words_two[1]) == STATE_SERVED
+    )  # served, at a newer generation
+    assert len(maps) == 1
