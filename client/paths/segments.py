@@ -275,6 +275,11 @@ class HeaderFiles:
         self._files: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """How many header files are kept mapped."""
+        with self._lock:
+            return len(self._files)
+
     def words(self, reply: pb.OpenShardResponse) -> torch.Tensor:
         """The header words at `reply.header_offset` of the file the reply names (SegmentError when the file is
         not the one described or holds no header there)."""

@@ -17,6 +17,7 @@ from shardserve.client import spmd as spmd_module
 from shardserve.client.cli.main import main as cli_main
 from shardserve.client.cluster import Cluster
 from shardserve.client.ops.snapshots import held_once
+from shardserve.client.paths.segments import HEADER_FILES
 from shardserve.core.delta import DELTA_BLOCK_BYTES
 from shardserve.server.launcher import LocalCluster
 
@@ -140,6 +141,25 @@ def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list
             view = reader.snapshot("d/tensor", number)
             assert torch.equal(view["b"].fetch((0, 0), (ROWS, WIDTH)), state["b"]), transport
             assert torch.equal(view["a"].fetch((600, 0), (10, WIDTH)), state["a"][600:610])
+
+
+def test_a_reader_of_delta_snapshots_maps_one_header_file_per_rank(cluster: LocalCluster) -> None:
+    """The weight-sync loop with delta puts: each snapshot's tensors are new versions made of shared blocks,
+    whose state words the ranks keep in slots of a header file; a same-host reader maps one such file per rank
+    for all of them, and reads every snapshot bit for bit."""
+    with connect(cluster.address, transport="shm") as client:
+        state = model(5)
+        spmd.put_state_dict(client, state, "d/slots", keep=2, delta=True)
+        spmd.put_state_dict(
+            client, state, "d/slots", keep=2, delta=True
+        )  # the first delta snapshot
+        before = len(HEADER_FILES)
+        for step in range(8):
+            state["a"][step * 256] += 1.0
+            state["b"][-1 - step] -= 1.0
+            spmd.put_state_dict(client, state, "d/slots", keep=2, delta=True)
+            assert_same(read(client, "d/slots", state), state)
+        assert len(HEADER_FILES) - before == len(client.ranks())
 
 
 def test_changed_shape_puts_in_full(cluster: LocalCluster, sent: list[int]) -> None:
