@@ -81,9 +81,8 @@ class Segment:
     device_id: int
     nbytes: int
     data_offset: int = HEADER_BYTES
-    header_offset: int = (
-        0  # a header-only segment's: where its words begin (a slot of a header file)
-    )
+    # a header-only segment's: where its words begin (a slot of a header file, server/rank/header_slots.py)
+    header_offset: int = 0
 
 
 class SharedMemory:
@@ -105,9 +104,8 @@ class SharedMemory:
         # re-entrant: attach_header tracks under its own hold, and a tensor's finalizer (_forget) may run
         # whenever a collection happens, also inside a hold in this thread
         self._lock = threading.RLock()
-        self.header_slots = HeaderSlots(
-            _header_file
-        )  # composed versions' headers (files made when needed)
+        # composed versions' headers, in slots of header files made when none is free
+        self.header_slots = HeaderSlots(_header_file)
         self._slots: dict[int, HeaderSlot] = {}  # by id() of a live tensor given a slot
 
     def empty(
