@@ -280,6 +280,11 @@ class HeaderFiles:
         with self._lock:
             return len(self._files)
 
+    def clear(self) -> None:
+        """Forget every file (each unmapped once no header read from it is in use)."""
+        with self._lock:
+            self._files.clear()
+
     def words(self, reply: pb.OpenShardResponse) -> torch.Tensor:
         """The header words at `reply.header_offset` of the file the reply names (SegmentError when the file is
         not the one described or holds no header there)."""
