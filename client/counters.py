@@ -53,6 +53,8 @@ COUNTERS = {
     "shm_opens": "shards a shared-memory read opened on their rank (OpenShard); a kept mapping opens none",
     "shm_labelled": "shards of a new version a shared-memory read found by their label in a segment it maps "
     "already (the rank recycled it for that version), opening none",
+    "shm_copies": "shards of a new version a shared-memory read found announced as whole copies of versions it "
+    "maps already (a delta snapshot's unchanged tensors), opening none",
     "cuda_ipc_opens": "CUDA IPC handles of same-host ranks' CUDA shards opened, to read or write in place; "
     "memory opened before and reused by the rank opens none",
 }

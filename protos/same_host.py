@@ -24,7 +24,12 @@ HOST_NAMESPACES = (
 # shard it now serves (the hash of the tensor's name, the version, the shard's index), then tags the label with
 # the generation: a reader that maps the segment already (the rank recycles it from one version to the next)
 # finds a newer version's shard there by its label and reads it without asking the rank (write_label,
-# read_label).
+# read_label). When the rank promotes a version that is a whole copy of another (a delta snapshot's unchanged
+# tensor: every block shared with the version it copied), it writes in the copied version's header where the
+# copy's header words are (a slot of a header file: its offset, the file's inode, the slot's generation), named
+# by the copy's label, and tags it with the copied header's generation: a reader that maps the copied version
+# reads the copy through the same mapping, its state in the copy's own words, without asking the rank
+# (write_successor, read_successor).
 (
     WORD_MAGIC,
     WORD_STATE,
@@ -35,8 +40,15 @@ HOST_NAMESPACES = (
     WORD_LABEL_VERSION,
     WORD_LABEL_SHARD,
     WORD_LABEL_TAG,
-) = range(9)
-HEADER_WORDS = 9
+    WORD_SUCCESSOR_NAME,
+    WORD_SUCCESSOR_VERSION,
+    WORD_SUCCESSOR_SHARD,
+    WORD_SUCCESSOR_SLOT,
+    WORD_SUCCESSOR_FILE,
+    WORD_SUCCESSOR_GENERATION,
+    WORD_SUCCESSOR_TAG,
+) = range(16)
+HEADER_WORDS = 16
 HEADER_MAGIC = 0x5348415244535256  # "SHARDSRV"
 STATE_PENDING, STATE_SERVED, STATE_DROPPED, STATE_REPLACED = (
     0,
@@ -98,6 +110,42 @@ def labelled_generation(words: np.ndarray, name: str, version: int, index: int) 
     if found is None or found[:3] != (name_hash(name), version, index):
         return None
     return found[3]
+
+
+def write_successor(  # noqa: PLR0913 - a label and where the copy's header words are
+    words: np.ndarray, name: str, version: int, index: int, *, slot: tuple[int, int, int]
+) -> None:
+    """The rank's half, when it promotes shard `index` of (`name`, `version`), a whole copy of the version whose
+    header `words` are: where the copy's header words are, `slot` (offset in its header file, the file's inode,
+    the slot's generation), named by the copy's label; the tag (the copied header's generation) last."""
+    words[WORD_SUCCESSOR_TAG] = 0
+    words[WORD_SUCCESSOR_NAME] = name_hash(name)
+    words[WORD_SUCCESSOR_VERSION] = version
+    words[WORD_SUCCESSOR_SHARD] = index
+    words[WORD_SUCCESSOR_SLOT], words[WORD_SUCCESSOR_FILE], words[WORD_SUCCESSOR_GENERATION] = slot
+    words[WORD_SUCCESSOR_TAG] = generation_tag(int(words[WORD_GENERATION]))
+
+
+def read_successor(words: np.ndarray) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """The reader's half: ((name hash, version, shard index) of the whole copy of this header's version, (slot
+    offset, header file inode, slot generation) of the copy's header words), or None (none written for the
+    header's current generation). Read as a seqlock: the tag before the words and again after them."""
+    tag = int(words[WORD_SUCCESSOR_TAG])
+    if tag != generation_tag(int(words[WORD_GENERATION])):
+        return None
+    label = (
+        int(words[WORD_SUCCESSOR_NAME]),
+        int(words[WORD_SUCCESSOR_VERSION]),
+        int(words[WORD_SUCCESSOR_SHARD]),
+    )
+    slot = (
+        int(words[WORD_SUCCESSOR_SLOT]),
+        int(words[WORD_SUCCESSOR_FILE]),
+        int(words[WORD_SUCCESSOR_GENERATION]),
+    )
+    if int(words[WORD_SUCCESSOR_TAG]) != tag or int(words[WORD_GENERATION]) != tag // 2:
+        return None
+    return label, slot
 
 
 def leave_checksum(words: np.ndarray, checksum: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from shardserve.client.paths import segments
 from shardserve.core.dtypes import dtype_from_wire
@@ -136,6 +137,42 @@ class MappingCache:
                     read = take(earlier_key)
                     if read is not None:
                         self._labels[(address, *read)] = segment
+        return found
+
+    def take_copies(
+        self,
+        address: str,
+        shards: Sequence[tuple[Key, int]],
+        header_words: Callable[[segments.SegmentMapping, tuple[int, int, int]], Any],
+    ) -> dict[Key, segments.SegmentMapping]:
+        """For each (key, nbytes) of `shards` not cached, a mapping of the same pages as a mapping of the rank at
+        `address` whose version the key's version is a whole copy of (the rank announced it in that mapping's
+        header: SegmentMapping.copy), kept under the key with the copy's own header words (`header_words(earlier,
+        (slot offset, file inode, generation))`, None when they are not mapped here) and generation. The earlier
+        mapping stays: its version is still read. One pass over the rank's mappings."""
+        found: dict[Key, segments.SegmentMapping] = {}
+        with self._lock:
+            wanted = {
+                (name_hash(key[1]), key[2], key[3]): (key, nbytes)
+                for key, nbytes in shards
+                if key not in self._cache
+            }
+            if not wanted:
+                return found
+            held = [(k, m) for k, m in self._cache.items() if k[0] == address]
+        for _, earlier in held:
+            announced = earlier.copy()
+            if announced is None or announced[0] not in wanted:
+                continue
+            key, nbytes = wanted[announced[0]]
+            words = header_words(earlier, announced[1]) if earlier.flat.numel() == nbytes else None
+            mapping = earlier.copied_as(announced[1], words) if words is not None else None
+            if mapping is not None and earlier.copy() == announced and mapping.serves():
+                found[key] = mapping
+                del wanted[announced[0]]
+        with self._lock:
+            for key, mapping in found.items():
+                self._keep(key, mapping)
         return found
 
     def take_cuda(

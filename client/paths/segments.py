@@ -34,10 +34,13 @@ from shardserve.protos.same_host import (
     STATE_REPLACED,
     STATE_SERVED,
     read_label,
+    read_successor,
 )
 
 # The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
-HEADER_WORDS_BYTES = HEADER_WORDS * 8  # magic, state, generation, checksum and label words
+HEADER_WORDS_BYTES = (
+    HEADER_WORDS * 8
+)  # magic, state, generation, checksum, label and successor words
 
 
 class SegmentError(Exception):
@@ -82,6 +85,39 @@ class SegmentMapping:
             self.cuda_handle,
             generation,
             self.data_offset,
+        )
+
+    def copy(self) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+        """((name hash, version, shard index), (slot offset, header file inode, slot generation)) of the whole
+        copy of this mapping's version the rank announced in its header (same_host.read_successor); None for a
+        mapping without a header or of a CUDA shard, when none was announced, or when the header is no longer
+        this mapping's version's (its generation moved: the words announce another version's copy, whose bytes
+        these pages need not hold)."""
+        words = self._words
+        if words is None or self.cuda_handle is not None or len(words) < HEADER_WORDS:
+            return None
+        if (
+            int(words[2]) != self.generation
+        ):  # the header is another version's now (a slot or segment reused)
+            return None
+        announced = read_successor(words)
+        return announced if int(words[2]) == self.generation else None
+
+    def copied_as(self, slot: tuple[int, int, int], words: torch.Tensor) -> SegmentMapping | None:
+        """The same pages, mapped for a whole copy of this mapping's version whose header `words` are in `slot`
+        (offset, header file inode, generation), at that generation; None when the words are of another
+        generation (the slot was taken again)."""
+        generation = slot[2]
+        if int(words[2]) != generation:
+            return None
+        return SegmentMapping(
+            self.process,
+            slot[1],
+            self.device_id,
+            self.flat,
+            words,
+            self.fd,
+            generation=generation,
         )
 
     def label(self) -> tuple[int, int, int, int] | None:
@@ -279,6 +315,16 @@ class HeaderFiles:
         """How many header files are kept mapped."""
         with self._lock:
             return len(self._files)
+
+    def kept_words(self, pid: int, inode: int, device_id: int, offset: int) -> torch.Tensor | None:
+        """The header words at `offset` of a header file of process `pid` kept mapped here, or None (not kept,
+        or no header there)."""
+        with self._lock:
+            whole = self._files.get((pid, inode, device_id))
+        if whole is None or offset <= 0 or whole.numel() < offset + HEADER_WORDS_BYTES:
+            return None
+        words = whole[offset:][:HEADER_WORDS_BYTES].view(torch.int64)
+        return words if int(words[0]) == HEADER_MAGIC else None
 
     def clear(self) -> None:
         """Forget every file (each unmapped once no header read from it is in use)."""

@@ -99,10 +99,16 @@ class ShardOpener:
             if not self._serves(key, self.mappings.get(key), summary, address, quiet=True):
                 unserved.append((summary, index))
         labelled = self._take_labelled(address, unserved)
-        wanted = [
+        unlabelled = [
             (summary, index)
             for summary, index in unserved
             if (address, summary.name, summary.version, index) not in labelled
+        ]
+        copies = self._take_copies(address, unlabelled)
+        wanted = [
+            (summary, index)
+            for summary, index in unlabelled
+            if (address, summary.name, summary.version, index) not in copies
         ]
         opened = 0
         for start in range(0, len(wanted), MAX_OPEN_SHARDS):
@@ -130,6 +136,33 @@ class ShardOpener:
         if found:
             counters.count("shm_labelled", len(found))
         return {key: mapping for key, (_, mapping) in found.items()}
+
+    def _take_copies(
+        self, address: str, shards: Sequence[tuple[TensorSummary, int]]
+    ) -> dict[tuple[str, str, int, int], segments.SegmentMapping]:
+        """The mappings of `shards` that are whole copies of versions this process maps already, as the rank at
+        `address` announced in their headers (MappingCache.take_copies), each with its own header words from a
+        header file kept mapped here: read with no call to the rank, checked by those words on every read. Not
+        for a process that may register mapped pages with CUDA (a second owner of registered pages is refused
+        by the driver): it opens them."""
+        if not shards or torch.cuda.is_available():
+            return {}
+        found = self.mappings.take_copies(
+            address,
+            [
+                (
+                    (address, summary.name, summary.version, index),
+                    summary.metadata.shard_nbytes(index),
+                )
+                for summary, index in shards
+            ],
+            lambda earlier, slot: segments.HEADER_FILES.kept_words(
+                earlier.process.pid, slot[1], earlier.device_id, slot[0]
+            ),
+        )
+        if found:
+            counters.count("shm_copies", len(found))
+        return found
 
     def _open_batch(self, address: str, shards: Sequence[tuple[TensorSummary, int]]) -> int:
         """One OpenShards call: each answer mapped and kept, every lease released in one ReleaseShard."""

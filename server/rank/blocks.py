@@ -61,6 +61,8 @@ class BlockTable:
     owned: set[int] = field(
         default_factory=set
     )  # blocks written by this pending version (mapped writable)
+    # the tensor this one is a whole copy of (every block its), until a block is copied for a write
+    copy_of: weakref.ref[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -218,7 +220,10 @@ class Blocks:
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()
             tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
-            self._track(tensor, BlockTable(blocks, space))
+            whole = not moved  # no block copied out of a half-unused segment
+            self._track(
+                tensor, BlockTable(blocks, space, copy_of=weakref.ref(source) if whole else None)
+            )
         return tensor, sum(b.nbytes for b, old in zip(blocks, table.blocks) if b is not old)
 
     def _adopt(self, source: torch.Tensor, segment: Segment | None) -> BlockTable | None:
@@ -265,6 +270,7 @@ class Blocks:
             )
             if not wanted:
                 return 0, 0
+            table.copy_of = None
             copies = self._copy(
                 [table.blocks[k] for k in wanted],
                 tensor.view(-1).view(torch.uint8),
@@ -282,6 +288,13 @@ class Blocks:
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
+
+    def whole_copy_of(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The tensor whose every block composed `tensor` shares (its bytes those bytes), while both live and no
+        block of `tensor` was copied for a write; else None."""
+        with self._lock:
+            table = self._tables.get(id(tensor))
+            return table.copy_of() if table is not None and table.copy_of is not None else None
 
     def shared_bytes(self, tensor: torch.Tensor) -> int:
         """The bytes of composed `tensor`'s blocks that other versions use too (0 for any other tensor)."""

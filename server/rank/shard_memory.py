@@ -156,3 +156,7 @@ class ShardMemory:
             self.blocks.make_read_only(shard)
         self.shared.label(record.name, record.version, record.shards)
         self.shared.mark(record.shards.values(), served=True)
+        for index, shard in record.shards.items():
+            copied = self.blocks.whole_copy_of(shard)
+            if copied is not None:
+                self.shared.announce_copy(copied, shard, record.name, record.version, index)

@@ -40,6 +40,7 @@ from shardserve.protos.same_host import (
     WORD_CHECKSUM_TAG,
     left_checksum,
     write_label,
+    write_successor,
 )
 from shardserve.server.rank.header_slots import HeaderSlot, HeaderSlots
 from shardserve.server.rank.recycling import CPU, Buffer, RecycledBuffers
@@ -257,6 +258,24 @@ class SharedMemory:
             self._slots[id(tensor)] = slot
             self._track(tensor, segment, slot.words)
         return segment
+
+    def announce_copy(
+        self, copied: torch.Tensor, tensor: torch.Tensor, name: str, version: int, index: int
+    ) -> None:
+        """Tell same-host readers of `copied` (when it has header words: a reader maps it) that served shard
+        `index` of (`name`, `version`), `tensor`, is a whole copy of it: `tensor` gets a slot header now, and the
+        copied header names it and its slot (same_host.write_successor), so a reader reads it through the
+        mapping of `copied` it holds, without OpenShard."""
+        with self._lock:
+            words = self._headers.get(id(copied))
+            if words is None:
+                return
+            segment = self.attach_slot_header(tensor, served=True)
+            if not segment.header_offset:  # a header of its own, made before (not in a header file)
+                return
+            generation = int(self._headers[id(tensor)][2])
+            slot = (segment.header_offset, segment.inode, generation)
+            write_successor(words, name, version, index, slot=slot)
 
     def _track(self, tensor: torch.Tensor, segment: Segment, header: np.ndarray) -> None:
         """Remember the segment and header words of `tensor` while that tensor lives."""

@@ -143,21 +143,38 @@ def test_one_changed_tensor_on_every_read_path(cluster: LocalCluster, sent: list
             assert torch.equal(view["a"].fetch((600, 0), (10, WIDTH)), state["a"][600:610])
 
 
-def test_a_reader_of_delta_snapshots_maps_one_header_file_per_rank(cluster: LocalCluster) -> None:
+def test_a_reader_of_delta_snapshots_maps_one_header_file_per_rank_and_opens_only_what_changed(
+    cluster: LocalCluster,
+) -> None:
     """The weight-sync loop with delta puts: each snapshot's tensors are new versions made of shared blocks,
     whose state words the ranks keep in slots of a header file; a same-host reader maps one such file per rank
-    (a rank makes another only while 511 slots are in use) for all of them, and reads every snapshot bit for
-    bit."""
+    (a rank makes another only while 511 slots are in use) for all of them, opens only the versions that
+    changed (an unchanged one is announced in the header of the version it copies, which the reader maps), and
+    reads every snapshot bit for bit."""
     with connect(cluster.address, transport="shm") as client:
         state = model(5)
         spmd.put_state_dict(client, state, "d/slots", keep=2, delta=True)
         HEADER_FILES.clear()  # the shared cluster's files, mapped by earlier tests, forgotten
-        for step in range(8):  # 8 snapshots of 2 tensors, a composed version on each rank
-            state["a"][step * 256] += 1.0
-            state["b"][-1 - step] -= 1.0
+        before = client_metrics()
+        steps = 8
+        for step in range(
+            steps
+        ):  # "a" changes on both ranks every step, "b" never: a whole copy on each
+            state["a"][step * 128] += 1.0
+            state["a"][ROWS // 2 + step * 128] += 1.0
             spmd.put_state_dict(client, state, "d/slots", keep=2, delta=True)
             assert_same(read(client, "d/slots", state), state)
-        assert len(client.ranks()) <= len(HEADER_FILES) < 8
+        after = client_metrics()
+        assert len(client.ranks()) <= len(HEADER_FILES) < steps
+        snapshot = client.snapshot("d/slots")
+        shards = {key: len(snapshot[key].remote_shards()) for key in ("a", "b", "ids", "scale")}
+        unchanged = shards["b"] + shards["ids"] + shards["scale"]
+        # the first delta snapshot opened whole (the full put before it was not read), then only "a" each step,
+        # the unchanged tensors found as copies of the versions read the step before
+        assert after["shm_copies"] - before["shm_copies"] == unchanged * (steps - 1)
+        assert after["shm_opens"] - before["shm_opens"] == sum(shards.values()) + shards["a"] * (
+            steps - 1
+        )
 
 
 def test_changed_shape_puts_in_full(cluster: LocalCluster, sent: list[int]) -> None:
