@@ -37,10 +37,9 @@ from shardserve.protos.same_host import (
     read_successor,
 )
 
-# The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset).
-HEADER_WORDS_BYTES = (
-    HEADER_WORDS * 8
-)  # magic, state, generation, checksum, label and successor words
+# The segment header the rank keeps (server side of this path; OpenShardResponse.data_offset): magic, state,
+# generation, checksum, label and successor words.
+HEADER_WORDS_BYTES = HEADER_WORDS * 8
 
 
 class SegmentError(Exception):
@@ -96,12 +95,11 @@ class SegmentMapping:
         words = self._words
         if words is None or self.cuda_handle is not None or len(words) < HEADER_WORDS:
             return None
-        if (
-            int(words[2]) != self.generation
-        ):  # the header is another version's now (a slot or segment reused)
+        generation = self.generation
+        if int(words[2]) != generation:  # the header is another version's now
             return None
         announced = read_successor(words)
-        return announced if int(words[2]) == self.generation else None
+        return announced if int(words[2]) == generation else None  # and still this version's
 
     def copied_as(self, slot: tuple[int, int, int], words: torch.Tensor) -> SegmentMapping | None:
         """The same pages, mapped for a whole copy of this mapping's version whose header `words` are in `slot`
