@@ -93,7 +93,7 @@ class SegmentMapping:
         this mapping's version's (its generation moved: the words announce another version's copy, whose bytes
         these pages need not hold)."""
         words = self._words
-        if words is None or self.cuda_handle is not None or len(words) < HEADER_WORDS:
+        if words is None or self.cuda_handle is not None:
             return None
         generation = self.generation
         if int(words[2]) != generation:  # the header is another version's now

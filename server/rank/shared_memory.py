@@ -234,7 +234,7 @@ class SharedMemory:
             segment = Segment(
                 segment.pid, segment.fd, segment.inode, segment.device_id, 0, data_offset=0
             )
-            state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+            state = _state_word(served, replaced)
             self._track(tensor, segment, _new_header(flat, state))
             seal_writes(segment.fd)
         return segment
@@ -249,7 +249,7 @@ class SharedMemory:
             known = self._segments.get(id(tensor))
             if known is not None:
                 return known
-            state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+            state = _state_word(served, replaced)
             slot = self.header_slots.take(state)
             file = slot.file
             segment = Segment(
@@ -296,7 +296,7 @@ class SharedMemory:
     def mark(self, tensors: Iterable[torch.Tensor], served: bool, replaced: bool = False) -> None:
         """Set the header state of the segments of `tensors` (others are ignored): SERVED, REPLACED (served, but a
         newer version is: clients read what they began, and start new reads at the newer one) or DROPPED."""
-        state = (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
+        state = _state_word(served, replaced)
         with self._lock:
             for tensor in tensors:
                 header = self._headers.get(id(tensor))
@@ -386,6 +386,11 @@ def _new_header(flat: torch.Tensor, state: int) -> np.ndarray:
     header[0] = HEADER_MAGIC
     header[1] = state
     return header
+
+
+def _state_word(served: bool, replaced: bool) -> int:
+    """The header's state word of a version served (REPLACED when a newer one is too) or not (DROPPED)."""
+    return (STATE_REPLACED if replaced else STATE_SERVED) if served else STATE_DROPPED
 
 
 def _nbytes(sizes: tuple[int, ...], dtype: torch.dtype) -> int:
