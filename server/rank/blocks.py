@@ -3,14 +3,16 @@
 A shard's bytes are cut into fixed-size blocks of BLOCK_BYTES. A version made
 by a row update (CreateTensor INIT_COPY) does not copy its source: its shard is
 a new range of this process's address space onto which every block of the
-source is mapped (MAP_FIXED, read-only) from the memfd that holds it. WriteRows
-then gives each block it touches a fresh copy in a memfd of its own, mapped
-writable in place of the shared one, and writes the rows there; the other
-blocks stay shared. So an update costs the rows and blocks it touches, plus one
-mmap per run of blocks, not a copy of the table. A served version's range is
-made read-only: a block buffer is never written once a version that uses it is
-promoted. Same-host clients map a version's blocks the same way
-(OpenShardResponse.extents, client/paths/composed.py).
+source is mapped (MAP_FIXED, read-only) from the memfd that holds it, once a
+block of it is first written: until then (a delta snapshot's unchanged tensors,
+always) its tensor lies over its source's memory. WriteRows then gives each
+block it touches a fresh copy in a memfd of its own, mapped writable in place of
+the shared one, and writes the rows there; the other blocks stay shared. So an
+update costs the rows and blocks it touches, plus one mmap per run of blocks,
+not a copy of the table. A served version's range is made read-only: a block
+buffer is never written once a version that uses it is promoted. Same-host
+clients map a version's blocks the same way (OpenShardResponse.extents,
+client/paths/composed.py).
 
 Every memfd is sealed against writes by other processes (F_SEAL_FUTURE_WRITE:
 readers open them by /proc/PID/fd/N), which forbids punching holes, so memory
@@ -54,7 +56,8 @@ RUN_BLOCKS = 8  # back-to-back blocks copied at once that share one file (2 MiB 
 
 @dataclass
 class BlockTable:
-    """The blocks of one shard tensor, in order; `space` is None for a segment adopted as it is."""
+    """The blocks of one shard tensor, in order; `space` is None for a segment adopted as it is, and for a whole
+    copy not mapped yet (`lazy`)."""
 
     blocks: list[Block]
     space: AddressRange | None = None
@@ -63,6 +66,14 @@ class BlockTable:
     )  # blocks written by this pending version (mapped writable)
     # the tensor this one is a whole copy of (every block its), until a block is copied for a write
     copy_of: weakref.ref[torch.Tensor] | None = None
+    # a whole copy whose tensor still lies over its source's memory: it gets a range of its own (`space`) when a
+    # block is first copied for a write
+    lazy: bool = False
+
+    @property
+    def composed(self) -> bool:
+        """Whether the table is a version's own (a range over shared blocks, or a whole copy not mapped yet)."""
+        return self.space is not None or self.lazy
 
 
 @dataclass(frozen=True)
@@ -179,7 +190,7 @@ class Blocks:
     def is_composed(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a composed version (its own address range over shared blocks)."""
         table = self.table(tensor)
-        return table is not None and table.space is not None
+        return table is not None and table.composed
 
     def share(
         self, source: torch.Tensor, segment: Segment | None
@@ -203,28 +214,36 @@ class Blocks:
                 if wasteful
                 else []
             )
+            if not moved:
+                return self._whole_copy(source, table), 0
             blocks = list(table.blocks)
             copies = self._copy(
                 [blocks[k] for k in moved], source.view(-1).view(torch.uint8), moved
             )
             for k, copy in zip(moved, copies):
                 blocks[k] = copy
-            space = AddressRange(nbytes)
-            for start, first, run_bytes in _spans(blocks):
-                space.place(
-                    start * BLOCK_BYTES, run_bytes, first.file.fd, first.offset, writable=False
-                )
             for block, old in zip(blocks, table.blocks):
                 if block is old:
                     block.file.refs[block.offset] += 1
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()
+            space = _mapped(blocks, nbytes)
             tensor = space.tensor(nbytes).view(source.dtype).view(source.shape)
-            whole = not moved  # no block copied out of a half-unused segment
-            self._track(
-                tensor, BlockTable(blocks, space, copy_of=weakref.ref(source) if whole else None)
-            )
+            self._track(tensor, BlockTable(blocks, space))
         return tensor, sum(b.nbytes for b, old in zip(blocks, table.blocks) if b is not old)
+
+    def _whole_copy(self, source: torch.Tensor, table: BlockTable) -> torch.Tensor:
+        """A copy sharing every block of `source` (whose `table` is known): a new tensor over the source's own
+        memory, mapped into a range of its own only if a block of it is copied for a write (`make_own`). Most
+        tensors of a delta snapshot never change: mapping each block run of each of them costs the rank more
+        than the rest of the copy (address space reserved, one mmap per run, then an mprotect and an munmap)."""
+        for block in table.blocks:
+            block.file.refs[block.offset] += 1
+        tensor = torch.empty(0, dtype=source.dtype).set_(
+            source.untyped_storage(), source.storage_offset(), source.shape, source.stride()
+        )
+        self._track(tensor, BlockTable(list(table.blocks), copy_of=weakref.ref(source), lazy=True))
+        return tensor
 
     def _adopt(self, source: torch.Tensor, segment: Segment | None) -> BlockTable | None:
         if segment is None or segment.data_offset != HEADER_BYTES:
@@ -258,7 +277,7 @@ class Blocks:
         replaced blocks that no version uses any more)."""
         with self._lock:
             table = self._tables[id(tensor)]
-            assert table.space is not None, "only composed tensors are written block by block"
+            assert table.composed, "only composed tensors are written block by block"
             wanted = sorted(
                 {
                     k
@@ -270,6 +289,7 @@ class Blocks:
             )
             if not wanted:
                 return 0, 0
+            space = table.space or _take_own_range(tensor, table)
             table.copy_of = None
             copies = self._copy(
                 [table.blocks[k] for k in wanted],
@@ -284,7 +304,7 @@ class Blocks:
                 table.blocks[k] = block
                 table.owned.add(k)
             for start, first, run_bytes in _spans(table.blocks, among=set(wanted)):
-                _map_writable(table.space, start * BLOCK_BYTES, run_bytes, first)
+                _map_writable(space, start * BLOCK_BYTES, run_bytes, first)
             for file in {id(c.file): c.file for c in copies}.values():
                 file.seal_writes()  # the rank writes the rows through the mappings just made
             return sum(b.nbytes for b in copies), freed
@@ -300,7 +320,7 @@ class Blocks:
         """The bytes of composed `tensor`'s blocks that other versions use too (0 for any other tensor)."""
         with self._lock:
             table = self._tables.get(id(tensor))
-            if table is None or table.space is None:
+            if table is None or not table.composed:
                 return 0
             return sum(b.nbytes for b in table.blocks if b.file.refs.get(b.offset, 0) > 1)
 
@@ -312,7 +332,7 @@ class Blocks:
         through a new mapping, 20 ms through one faulted in before, on a 2-core VM)."""
         with self._lock:
             table = self._tables.get(id(tensor))
-            if table is None or table.space is None:
+            if table is None or not table.composed:
                 return None
             views = []
             for _, first, run_bytes in _spans(table.blocks):  # a run's blocks lie in one file
@@ -360,6 +380,25 @@ class Blocks:
                 )
                 for _, first, run_bytes in _spans(table.blocks)
             ]
+
+
+def _mapped(blocks: list[Block], nbytes: int) -> AddressRange:
+    """A new range of `nbytes` with every run of `blocks` mapped read-only in order."""
+    space = AddressRange(nbytes)
+    for start, first, run_bytes in _spans(blocks):
+        space.place(start * BLOCK_BYTES, run_bytes, first.file.fd, first.offset, writable=False)
+    return space
+
+
+def _take_own_range(tensor: torch.Tensor, table: BlockTable) -> AddressRange:
+    """Give a whole copy not mapped yet (`table.lazy`) a range of its own over its blocks, and move `tensor` onto
+    it (the same tensor object: the version holds it, and its table is found by it); the range."""
+    nbytes = tensor.numel() * tensor.element_size()
+    space = table.space = _mapped(table.blocks, nbytes)
+    table.lazy = False
+    flat = space.tensor(nbytes).view(tensor.dtype)
+    tensor.set_(flat.untyped_storage(), 0, tensor.shape, tensor.stride())
+    return space
 
 
 def _map_writable(space: AddressRange, offset: int, nbytes: int, first: Block) -> None:

@@ -13,7 +13,7 @@ import operator
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -305,12 +305,22 @@ def allocation_request(record: TensorRecord, allocation: Allocation) -> pb.Alloc
 
 
 def allocation_entry(record: TensorRecord, allocation: Allocation) -> bytes:
-    """The AllocateShardsRequest of `record` serialized: its name and version, then the fields it shares with
-    every record of its layout, options and allocation, encoded once (a message's encoding followed by another's
-    parses as their merge). Encoding a 10-shard layout for each of 10,000 tensors took most of a snapshot's
-    allocation requests."""
-    own = pb.AllocateShardsRequest(name=record.name, version=record.version).SerializeToString()
-    return own + _shared_allocation_fields(record.metadata, record.options, allocation)
+    """The AllocateShardsRequest of `record` serialized: its name and version (and the tensor it copies), then
+    the fields it shares with every record of its layout, options and kind of allocation, encoded once (a
+    message's encoding followed by another's parses as their merge). Encoding a 10-shard layout for each of
+    10,000 tensors took most of a snapshot's allocation requests; a delta put's copies each name another source."""
+    own = pb.AllocateShardsRequest(
+        name=record.name,
+        version=record.version,
+        source_version=allocation.source_version,
+        source_name=allocation.source_name,
+    ).SerializeToString()
+    kind = (
+        replace(allocation, source_version=0, source_name="")
+        if allocation.source_version or allocation.source_name
+        else allocation
+    )
+    return own + _shared_allocation_fields(record.metadata, record.options, kind)
 
 
 @functools.lru_cache(maxsize=LAYOUTS_CACHED)

@@ -9,6 +9,7 @@ import asyncio
 from concurrent import futures
 
 import grpc
+import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
 from shardserve.core.tensor_options import TensorOptions
@@ -141,3 +142,23 @@ def test_an_allocation_entry_parses_to_the_request_built_field_by_field():
         for allocation in allocations:
             entry = pb.AllocateShardsRequest.FromString(allocation_entry(record, allocation))
             assert entry == allocation_request(record, allocation)
+
+
+def test_copies_of_many_sources_encode_their_shared_layout_once(monkeypatch):
+    """A delta put's copies each name another source tensor: the layout they share is still encoded once."""
+    from shardserve.server.coordinator.ranks import calls
+
+    encoded = []
+    real = calls.metadata_to_proto
+    monkeypatch.setattr(calls, "metadata_to_proto", lambda m: encoded.append(m) or real(m))
+    shards = tuple(ShardMetadata((i * 3,), (3,), f"rank:{i}/cpu") for i in range(3))
+    layout = ShardedTensorMetadata(shards, (9,), TensorProperties(dtype=torch.float64))
+    records = [TensorRecord(f"p@8/key{k}", 100 + k, layout) for k in range(50)]
+    copies = [
+        Allocation(init=Init.COPY, source_version=50 + k, source_name=f"p@7/key{k}")
+        for k in range(50)
+    ]
+    entries = [allocation_entry(r, c) for r, c in zip(records, copies)]
+    assert encoded.count(layout) == 1
+    for entry, record, copy in zip(entries, records, copies):
+        assert pb.AllocateShardsRequest.FromString(entry) == allocation_request(record, copy)

@@ -244,3 +244,33 @@ def test_a_copy_tells_at_promote_the_bytes_it_still_shares() -> None:
     assert store.shared_bytes([("t", 2), ("t", 1), ("gone", 9)]) == {
         ("t", 2): {0: nbytes - 3 * BLOCK_BYTES}
     }
+
+
+def test_a_whole_copy_lies_over_its_source_until_a_block_of_it_is_written() -> None:
+    """A delta snapshot's unchanged tensor costs the rank no mapping; the first write gives it a range of its own,
+    through the same tensor object, and leaves its sources' bytes as they were."""
+    rows = 4 * BLOCK_BYTES // (COLUMNS * 4)
+    store = ShardStore(0, shared_memory=True, version_grace=0)
+    store.allocate("t", 1, _meta(rows), fill=InitFill.ARANGE)
+    store.promote("t", 1)
+    expected = store.local_tensor("t", 1, 0).clone()
+    store.allocate_copy("t", 2, _meta(rows), 1)
+    store.promote("t", 2)
+    first, copy = store.local_tensor("t", 1, 0), store.local_tensor("t", 2, 0)
+    assert copy.data_ptr() == first.data_ptr() and torch.equal(copy, expected)
+    store.allocate_copy("t", 3, _meta(rows), 2)  # a copy of the copy, written
+    pending = store.local_tensor("t", 3, 0)
+    assert pending.data_ptr() == first.data_ptr()
+    with store.leases.rewrite("t", 3, 0, torch.tensor([1])) as shard:
+        assert shard is pending and shard.data_ptr() != first.data_ptr()
+        shard[1] = -1.0
+    store.promote("t", 3)
+    assert torch.equal(first, expected) and torch.equal(copy, expected)
+    changed = expected.clone()
+    changed[1] = -1.0
+    for version in (1, 2):
+        store.drop("t", version)
+    assert torch.equal(store.local_tensor("t", 3, 0), changed)
+    assert (
+        store.memory_used == expected.numel() * 4 + BLOCK_BYTES
+    )  # the first segment and one block copied
