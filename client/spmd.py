@@ -105,12 +105,14 @@ def put_state_dict(
     changed, or it is no longer the prefix's newest. `delta="version_counters"`: the same, except that a tensor
     whose torch version counter counted no write since the previous delta put is taken as unchanged without
     reading it (client/stamps.py: writes torch does not count, through `.data`, numpy, collectives or raw
-    pointers, are then not sent). A delta put neither uses nor makes a reservation (it aborts
-    the prefix's). `pack`: the plain tensors of at most 64 KiB (on their most common device) are stored in a
-    few byte tensors, "packs" (client/spmd_packs.py): a state dict of hundreds of small tensors then costs the
-    cluster a few tensors a step; get_state_dict and Snapshot read them as before (a put with `spec` packs
-    nothing). Returns the snapshot number. On any failure nothing is visible and every rank raises
-    SpmdError. The process's cyclic garbage collector is paused during the call (client/collector.py).
+    pointers, are then not sent). The commit of a delta put's snapshot reserves the next one as copies of
+    it (after it answered, for a job of one), which the next delta put fills instead of creating one; a delta
+    put aborts any other reservation of the prefix. `pack`: the plain tensors of at most 64 KiB (on their most
+    common device) are stored in a few byte tensors, "packs" (client/spmd_packs.py): a state dict of hundreds
+    of small tensors then costs the cluster a few tensors a step; get_state_dict and Snapshot read them as
+    before (a put with `spec` packs nothing). Returns the snapshot number. On any failure nothing is visible
+    and every rank raises SpmdError. The process's cyclic garbage collector is paused during the call
+    (client/collector.py).
     """
     job = JobGroup(group)
     arguments.tensor_name(prefix, "prefix")
@@ -206,17 +208,31 @@ class _StatePut:
         return self._fill(pb.SnapshotInfo.FromString(created), tensors, basis)
 
     def _run_delta(self, reservation: Reservation | None, error: str | None, basis: Any) -> int:
-        """A delta put: the prefix's reservation aborted (a delta snapshot copies the previous one instead);
-        only the changed blocks written when every rank's previous put of the prefix had this basis and the
-        coordinator copies that snapshot, else a put in full (its hashes kept for the next delta put)."""
-        if reservation is not None and reservation.owned:
-            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
+        """A delta put: only the changed blocks written when every rank's previous put of the prefix had this
+        basis and the coordinator copies that snapshot (the copies the previous delta put's commit reserved, when
+        it did; else made now), else a put in full (its hashes kept for the next delta put). Any other
+        reservation of the prefix is aborted."""
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
+        copies = (
+            reservation
+            if previous is not None
+            and fits
+            and reservation is not None
+            and reservation.snapshot.delta_of == previous.number
+            else None
+        )
+        if reservation is not None and copies is None and reservation.owned:
+            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
         if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
             delta = start_hashing(  # hashed while the snapshot is made
                 previous, self.local, self.job.rank, counters=self.tensors, trusted=self.trusted
             )
+            if copies is not None:
+                try:
+                    return self._fill(copies.snapshot, previous.tensors, basis, delta=delta)
+                except SpmdError as err:
+                    log.info("%r: the reserved copies failed (%s); copying again", self.prefix, err)
             created = self.job.from_rank0(
                 lambda: create_delta(
                     self.session,
@@ -317,7 +333,7 @@ class _StatePut:
             raise
         if reserved is not None:
             self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
-        elif self._reserves_later():
+        elif self._reserves_later(snapshot):
             self._keep_later(number, tensors, basis)
         if self.delta:
             kept = PreviousPut(number, basis, snapshot_layouts(snapshot), tensors, written[0])
@@ -348,8 +364,8 @@ class _StatePut:
             self.session,
             snapshot,
             skeleton=changed,
-            reserve_next=self.reserve_next and not self.delta,
-            reserve_later=self._reserves_later(),
+            reserve_next=self._reserves(snapshot),
+            reserve_later=self._reserves_later(snapshot),
         )
         reserved = committed.next.SerializeToString() if committed.next is not None else None
         return committed.number, reserved
@@ -365,11 +381,19 @@ class _StatePut:
             )
         )
 
-    def _reserves_later(self) -> bool:
-        """Whether the commit reserves the next snapshot after it answered (reserve_next="later"): a job of one
-        takes it on the client's reservation thread meanwhile; every rank of a larger job needs it, so it comes
-        with the commit's answer."""
-        return self.reserve_later and not self.delta and self.job.size == 1
+    def _reserves(self, snapshot: pb.SnapshotInfo) -> bool:
+        """Whether the commit of `snapshot` reserves the prefix's next: a delta put's only when its snapshot is a
+        delta one (the next is then made of copies of it, for the next delta put to fill)."""
+        return self.reserve_next and (not self.delta or snapshot.delta_of != 0)
+
+    def _reserves_later(self, snapshot: pb.SnapshotInfo) -> bool:
+        """Whether the commit of `snapshot` reserves the next snapshot after it answered (reserve_next="later",
+        and every delta put's: its copies are what its create would cost): a job of one takes it on the client's
+        reservation thread meanwhile; every rank of a larger job needs it, so it comes with the commit's
+        answer."""
+        return (
+            self._reserves(snapshot) and (self.reserve_later or self.delta) and self.job.size == 1
+        )
 
     def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
         """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's

@@ -300,3 +300,19 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
         assert part, f"connection closed after {len(data)} of {n} bytes"
         data += part
     return data
+
+
+def held_numbers(address: str, prefix: str) -> set[int]:
+    """The snapshot numbers of `prefix` whose tensors some rank holds (committed, pending or reserved)."""
+    with grpc.insecure_channel(address) as channel:
+        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
+    numbers = set()
+    for rank in ranks:
+        with grpc.insecure_channel(rank.address) as channel:
+            stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
+        numbers |= {
+            int(h.name.split("@")[1].split("/")[0])
+            for h in stats.held
+            if h.name.startswith(f"{prefix}@")
+        }
+    return numbers

@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from server_helpers import held_numbers
+from waiting import wait_until
 
 from shardserve import InvalidArgumentError, connect, spmd
 from shardserve.client import metrics as client_metrics
@@ -260,6 +262,45 @@ def test_delta_with_a_cast_and_the_reservation(cluster: LocalCluster, sent: list
         assert_same({k: got[k] for k in cast}, cast)
         with pytest.raises(Exception, match="delta"):
             spmd.put_state_dict(client, state, "d/cast", delta="yes")  # type: ignore[arg-type]
+
+
+def test_a_delta_puts_commit_reserves_the_copies_the_next_delta_put_fills(
+    cluster: LocalCluster, sent: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created: list[int] = []
+    real = spmd_module.create_delta
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        created.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spmd_module, "create_delta", counted)
+    with connect(cluster.address) as client, connect(cluster.address, transport="grpc") as reader:
+        state = model(21)
+        numbers = [spmd.put_state_dict(client, state, "d/copies", keep=1, delta=True)]  # in full
+        for step in range(4):
+            state["a"][step * 600] = float(step)
+            numbers.append(spmd.put_state_dict(client, state, "d/copies", keep=1, delta=True))
+            assert_same(read(reader, "d/copies", state), state)
+        # only the first delta put created its snapshot; each later one filled the copies the commit before reserved
+        assert created == [1] and numbers == sorted(numbers)
+        assert sent == [DELTA_BLOCK_BYTES] * 4
+        reservation = client.session.reservations.take("d/copies")
+        assert reservation is not None and reservation.snapshot.delta_of == numbers[-1]
+        client.session.reservations.keep("d/copies", reservation)
+        held = {
+            numbers[-1],
+            reservation.snapshot.number,
+        }  # the older ones dropped after the commits answered
+        wait_until(
+            lambda: held_numbers(cluster.address, "d/copies") == held, 30, "kept and reserved"
+        )
+        # another shape: the copies are given back and the put is made in full
+        other = {**state, "a": torch.randn(ROWS + 8, WIDTH)}
+        number = spmd.put_state_dict(client, other, "d/copies", keep=1, delta=True)
+        assert_same(read(reader, "d/copies", other), other)
+        wait_until(lambda: held_numbers(cluster.address, "d/copies") == {number}, 30, "the new one")
+    assert created == [1]
 
 
 def _delta_counts() -> tuple[int, int]:

@@ -10,16 +10,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
+from server_helpers import held_numbers
 from waiting import wait_until
 
 from shardserve import connect, spmd
 from shardserve.client import spmd as spmd_module
 from shardserve.client.cluster import Cluster
 from shardserve.protos import shardserve_pb2 as pb
-from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 from shardserve.server.launcher import LocalCluster
 
 
@@ -69,22 +68,6 @@ def assert_reads_back(
     snapshot = number if pinned else None
     assert spmd.get_state_dict(client, prefix, into=into, snapshot=snapshot) == number
     assert_equal(into, state(step, **state_args))
-
-
-def held_numbers(address: str, prefix: str) -> set[int]:
-    """The snapshot numbers of `prefix` whose tensors some rank holds (committed, pending or reserved)."""
-    with grpc.insecure_channel(address) as channel:
-        ranks = pb_grpc.CoordinatorStub(channel).ListRanks(pb.ListRanksRequest(), timeout=10).ranks
-    numbers = set()
-    for rank in ranks:
-        with grpc.insecure_channel(rank.address) as channel:
-            stats = pb_grpc.ShardServerStub(channel).GetStats(pb.GetStatsRequest(), timeout=10)
-        numbers |= {
-            int(h.name.split("@")[1].split("/")[0])
-            for h in stats.held
-            if h.name.startswith(f"{prefix}@")
-        }
-    return numbers
 
 
 def reserved_number(client: Cluster, prefix: str) -> int:

@@ -14,7 +14,8 @@ that snapshot's tensor of the same key, sharing its blocks on the ranks; its
 writer then sends only the bytes that changed.
 
 A commit may also reserve the prefix's next snapshot: created as CreateSnapshot
-would with the same layouts, in the memory the commit just freed. A writer that
+would with the same layouts, in the memory the commit just freed (after a delta
+snapshot, as a delta snapshot of the one committed). A writer that
 puts the same layouts every step commits it next and skips the create. The
 reservation is made before the commit answers, or after it (reserve_later:
 server/coordinator/drivers/later_reservations.py), the writer then taking it with
@@ -292,7 +293,8 @@ class SnapshotDriver:
         self, committed: SnapshotRecord, removed: list[TensorRecord], writer_host_id: str
     ) -> CreatedSnapshot | None:
         """The prefix's next snapshot, created with `committed`'s layouts, keep, tree and durability for the
-        same writer, in the memory of the versions the commit `removed` (dropped by the same rank calls; a
+        same writer (after a delta snapshot, a delta snapshot of it: each tensor a copy of `committed`'s, for the
+        writer's next delta put), in the memory of the versions the commit `removed` (dropped by the same rank calls; a
         reshard's unfinished promotion is left to the deferred drops, which also free its replaced version).
         None (logged) when its ranks cannot allocate it: the removed versions are dropped as after any commit."""
         order = SnapshotOrder(
@@ -302,6 +304,7 @@ class SnapshotDriver:
             committed.skeleton,
             durable=_durable(committed),
             writer_host_id=writer_host_id,
+            delta_of=committed.number if committed.delta_of else 0,
         )
         promoting = [record for record in removed if record.promoting]
         self.drops.submit(committed.prefix, promoting)
