@@ -188,15 +188,17 @@ class Blocks:
             return self._tables.get(id(tensor))
 
     def is_composed(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is a composed version (its own address range over shared blocks)."""
+        """Whether `tensor` is a composed version (its own address range over shared blocks, or a whole copy that
+        will get one when first written)."""
         table = self.table(tensor)
         return table is not None and table.composed
 
     def share(
         self, source: torch.Tensor, segment: Segment | None
     ) -> tuple[torch.Tensor, int] | None:
-        """A new read-only tensor over the same blocks as `source` (a composed tensor, or a shard segment, which
-        is adopted: cut into blocks) and the bytes it copied, or None when `source` is neither (the caller
+        """A new tensor over the same blocks as `source` (a composed tensor, or a shard segment, which is adopted:
+        cut into blocks; over `source`'s own memory while every block is shared, else a read-only range of its
+        own) and the bytes it copied, or None when `source` is neither (the caller
         copies). Blocks of a segment half unused are copied into files of their own instead, so that the segment
         can go once the versions still sharing it do (its pages cannot be given back one block at a time): each
         block of it is copied at most once, after at least as many of its bytes were replaced by updates."""
