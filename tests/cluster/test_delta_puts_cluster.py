@@ -21,6 +21,7 @@ from shardserve.client.cluster import Cluster
 from shardserve.client.ops.snapshots import held_once
 from shardserve.client.paths.segments import HEADER_FILES
 from shardserve.core.delta import DELTA_BLOCK_BYTES
+from shardserve.protos import shardserve_pb2 as pb
 from shardserve.server.launcher import LocalCluster
 
 ROWS, WIDTH = 2048, 512  # 4 MiB of fp32: four delta blocks of 512 rows
@@ -301,6 +302,38 @@ def test_a_delta_puts_commit_reserves_the_copies_the_next_delta_put_fills(
         assert_same(read(reader, "d/copies", other), other)
         wait_until(lambda: held_numbers(cluster.address, "d/copies") == {number}, 30, "the new one")
     assert created == [1]
+
+
+def test_reserved_copies_aborted_under_their_writer_are_made_again_and_read_back(
+    cluster: LocalCluster, sent: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another client aborts the copies a delta put's commit reserved (as the pending timeout would): the next
+    delta put fails to fill them, copies the previous snapshot again, and reads back bit for bit."""
+    created: list[int] = []
+    real = spmd_module.create_delta
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        created.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spmd_module, "create_delta", counted)
+    with connect(cluster.address) as client, connect(cluster.address) as other:
+        state = model(22)
+        spmd.put_state_dict(client, state, "d/aborted", keep=1, delta=True)  # in full
+        state["b"][7] = 7.0
+        spmd.put_state_dict(client, state, "d/aborted", keep=1, delta=True)  # reserves copies
+        reservation = client.session.reservations.take("d/aborted")
+        assert reservation is not None and reservation.snapshot.delta_of > 0
+        client.session.reservations.keep("d/aborted", reservation)
+        number = reservation.snapshot.number
+        other.session.call(
+            "AbortSnapshot", pb.AbortSnapshotRequest(prefix="d/aborted", number=number)
+        )
+        state["b"][1500] = -7.0
+        put = spmd.put_state_dict(client, state, "d/aborted", keep=1, delta=True)
+        assert created == [1, 1] and put > number  # the copies made again, in a new snapshot
+        assert sent[-1] == DELTA_BLOCK_BYTES  # still only the changed block
+        assert_same(read(other, "d/aborted", state), state)
 
 
 def _delta_counts() -> tuple[int, int]:
