@@ -47,6 +47,20 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counts
 
 
+@pytest.fixture
+def created(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per delta snapshot this process created (not taken from the copies a commit reserved)."""
+    counts: list[int] = []
+    real = spmd_module.create_delta
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spmd_module, "create_delta", counted)
+    return counts
+
+
 def model(seed: int) -> dict[str, Any]:
     torch.manual_seed(seed)
     return {
@@ -266,16 +280,8 @@ def test_delta_with_a_cast_and_the_reservation(cluster: LocalCluster, sent: list
 
 
 def test_a_delta_puts_commit_reserves_the_copies_the_next_delta_put_fills(
-    cluster: LocalCluster, sent: list[int], monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster, sent: list[int], created: list[int]
 ) -> None:
-    created: list[int] = []
-    real = spmd_module.create_delta
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        created.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(spmd_module, "create_delta", counted)
     with connect(cluster.address) as client, connect(cluster.address, transport="grpc") as reader:
         state = model(21)
         numbers = [spmd.put_state_dict(client, state, "d/copies", keep=1, delta=True)]  # in full
@@ -305,18 +311,10 @@ def test_a_delta_puts_commit_reserves_the_copies_the_next_delta_put_fills(
 
 
 def test_reserved_copies_aborted_under_their_writer_are_made_again_and_read_back(
-    cluster: LocalCluster, sent: list[int], monkeypatch: pytest.MonkeyPatch
+    cluster: LocalCluster, sent: list[int], created: list[int]
 ) -> None:
     """Another client aborts the copies a delta put's commit reserved (as the pending timeout would): the next
     delta put fails to fill them, copies the previous snapshot again, and reads back bit for bit."""
-    created: list[int] = []
-    real = spmd_module.create_delta
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        created.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(spmd_module, "create_delta", counted)
     with connect(cluster.address) as client, connect(cluster.address) as other:
         state = model(22)
         spmd.put_state_dict(client, state, "d/aborted", keep=1, delta=True)  # in full
