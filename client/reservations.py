@@ -3,12 +3,13 @@
 A writer that puts the same layouts every step fills the reserved snapshot and commits it with no
 CreateSnapshot. A reservation serves only a put that would have created the same layouts: its `basis` is
 what decided them (this process's report of its pieces, its job, the put's options), compared with ==.
-The process that commits a reservation owns it and aborts it when it is not used (client close included);
-the other ranks of an SPMD job hold a copy to find their shards in.
+The process that commits a reservation (job rank 0) owns it and aborts it when it is not used (client close
+included); the other ranks of an SPMD job keep what it is for, with no snapshot: the next put sends them rank
+0's (one broadcast, which the commit's answer no longer carries).
 
-A process that puts alone (a job of one) with reserve_next="later" has the coordinator reserve after its commit
-answered (CommitSnapshotRequest.reserve_later) and takes the reservation on a thread of its own
-(TakeReservedSnapshot) while it goes on: its next put waits for it only if it is not there yet.
+With reserve_next="later" (and for every delta put) the coordinator reserves after the commit answered
+(CommitSnapshotRequest.reserve_later): the process that committed takes the reservation on a thread of its own
+(TakeReservedSnapshot) while it goes on, and its next put waits for it only if it is not there yet.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Reservation:
     """The next snapshot of a prefix, pending on the coordinator, and what its layouts were made from."""
 
     basis: Any
-    snapshot: pb.SnapshotInfo
+    snapshot: pb.SnapshotInfo | None  # None on the ranks of a job but rank 0 (it sends its own)
     tensors: Mapping[
         str, JobTensor
     ]  # the job's tensors its layouts were made for (who writes which box)
@@ -80,7 +81,7 @@ class Reservations:
         being made), and stop the reservation thread."""
 
         def release(prefix: str, reservation: Reservation) -> None:
-            if reservation.owned:
+            if reservation.owned and reservation.snapshot is not None:
                 abort(prefix, reservation.snapshot.number)
 
         self._kept.release_all(release)

@@ -97,7 +97,8 @@ def put_state_dict(
     `reserve_next="later"`: the commit answers first and the coordinator reserves after it, while this process
     goes on (its next put waits for the reservation only if it is not made yet): the put returns sooner where
     the host has cores to spare for the reservation, and whatever runs right after it competes with it where
-    not; a job of several processes gets its reservation with the commit's answer whatever this says.
+    not. In a job of several processes job rank 0 alone holds a reservation, and sends it to the other ranks
+    at the next put (one broadcast); with "later" the job goes on (its next training step) while it is made.
     `dtype` (a floating dtype) stores every floating tensor converted to it (bit for bit `.to(dtype)`, converted
     while copying); integer and bool tensors are stored as they are. `delta`: send and store only the blocks
     (about 1 MiB of rows each) whose bytes changed since this client's previous delta put of the prefix, the
@@ -106,8 +107,8 @@ def put_state_dict(
     whose torch version counter counted no write since the previous delta put is taken as unchanged without
     reading it (client/stamps.py: writes torch does not count, through `.data`, numpy, collectives or raw
     pointers, are then not sent). The commit of a delta put's snapshot reserves the next one as copies of
-    it (after it answered, for a job of one), which the next delta put fills instead of creating one; a delta
-    put aborts any other reservation of the prefix. `pack`: the plain tensors of at most 64 KiB (on their most
+    it (after it answered), which the next delta put fills instead of creating one; a delta put aborts any
+    other reservation of the prefix. `pack`: the plain tensors of at most 64 KiB (on their most
     common device) are stored in a few byte tensors, "packs" (client/spmd_packs.py): a state dict of hundreds
     of small tensors then costs the cluster a few tensors a step; get_state_dict and Snapshot read them as
     before (a put with `spec` packs nothing). Returns the snapshot number. On any failure nothing is visible
@@ -178,6 +179,9 @@ class _StatePut:
         ] = {}  # the state dict's tensors by key (their version counters)
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
+        self.reserved: pb.SnapshotInfo | None = (
+            None  # job rank 0: the next snapshot its commit reserved
+        )
 
     def run(self, state_dict: Mapping[str, Any]) -> int:
         try:
@@ -193,13 +197,14 @@ class _StatePut:
             return self._run_delta(reservation, error, basis)
         fits = reservation is not None and basis is not None and reservation.basis == basis
         all_fit = self.job.all_succeed(error, "describing the state dict", also=fits)
-        if all_fit and reservation is not None:
+        reserved = self._reserved_snapshot(reservation) if all_fit else None
+        if reserved is not None and reservation is not None:
             try:
-                return self._fill(reservation.snapshot, reservation.tensors, basis)
+                return self._fill(reserved, reservation.tensors, basis)
             except SpmdError as err:
                 log.info("%r: the reserved snapshot failed (%s); creating one", self.prefix, err)
-        elif reservation is not None and reservation.owned:
-            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
+        else:
+            self._abort_replaced(reservation)
         reports = resolved_sizes(self.job.all_gather(self.mine))
         tensors, created = self.job.from_rank0(
             lambda: self._create(job_tensors(reports)),
@@ -214,23 +219,18 @@ class _StatePut:
         reservation of the prefix is aborted."""
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
-        copies = (
-            reservation
-            if previous is not None
-            and fits
-            and reservation is not None
-            and reservation.snapshot.delta_of == previous.number
-            else None
-        )
-        if reservation is not None and copies is None and reservation.owned:
-            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
-        if self.job.all_succeed(error, "describing the state dict", also=fits) and previous:
+        if not (self.job.all_succeed(error, "describing the state dict", also=fits) and previous):
+            self._abort_replaced(reservation)
+        else:
             delta = start_hashing(  # hashed while the snapshot is made
                 previous, self.local, self.job.rank, counters=self.tensors, trusted=self.trusted
             )
-            if copies is not None:
+            copies = self._reserved_snapshot(reservation)
+            if copies is None or copies.delta_of != previous.number:
+                self._abort_replaced(reservation)
+            else:
                 try:
-                    return self._fill(copies.snapshot, previous.tensors, basis, delta=delta)
+                    return self._fill(copies, previous.tensors, basis, delta=delta)
                 except SpmdError as err:
                     log.info("%r: the reserved copies failed (%s); copying again", self.prefix, err)
             created = self.job.from_rank0(
@@ -331,8 +331,8 @@ class _StatePut:
             if job.rank == 0:
                 abort_snapshot(self.session, self.prefix, snapshot.number)
             raise
-        if reserved is not None:
-            self._keep(pb.SnapshotInfo.FromString(reserved), tensors, basis)
+        if reserved:
+            self._keep(tensors, basis)
         elif self._reserves_later(snapshot):
             self._keep_later(number, tensors, basis)
         if self.delta:
@@ -356,9 +356,10 @@ class _StatePut:
         write_whole(self.session, shards)
         return hash_shards(shards, self.tensors) if self.delta else Hashes({}, {})
 
-    def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bytes | None]:
+    def _commit(self, snapshot: pb.SnapshotInfo) -> tuple[int, bool]:
         """Job rank 0: commit with this put's non-tensor tree (sent only where it differs from the one the
-        snapshot holds: a reservation's is the put before's); the number, and the reserved next snapshot."""
+        snapshot holds: a reservation's is the put before's); the number, and whether the commit reserved the
+        next snapshot (kept in `self.reserved`)."""
         changed = self.skeleton if self.skeleton != snapshot.skeleton else None
         committed = commit_snapshot(
             self.session,
@@ -367,19 +368,27 @@ class _StatePut:
             reserve_next=self._reserves(snapshot),
             reserve_later=self._reserves_later(snapshot),
         )
-        reserved = committed.next.SerializeToString() if committed.next is not None else None
-        return committed.number, reserved
+        self.reserved = committed.next
+        return committed.number, committed.next is not None
 
-    def _keep(
-        self, reserved: pb.SnapshotInfo, tensors: Mapping[str, JobTensor], basis: Any
-    ) -> None:
-        """Keep the snapshot the commit reserved for this prefix's next put (job rank 0 owns it)."""
+    def _keep(self, tensors: Mapping[str, JobTensor], basis: Any) -> None:
+        """Keep the snapshot the commit reserved for this prefix's next put: job rank 0 owns it, the other ranks
+        keep what it is for (its snapshot comes from rank 0 at the next put)."""
         owned = self.job.rank == 0
-        self._abort_replaced(
-            self.session.reservations.keep(
-                self.prefix, Reservation(basis, reserved, tensors, owned=owned)
-            )
+        reservation = Reservation(basis, self.reserved if owned else None, tensors, owned=owned)
+        self._abort_replaced(self.session.reservations.keep(self.prefix, reservation))
+
+    def _reserved_snapshot(self, reservation: Reservation | None) -> pb.SnapshotInfo | None:
+        """The snapshot of this rank's `reservation` (None: none); in a larger job job rank 0's, sent to every
+        rank (only rank 0 holds it), None on every rank when rank 0 has none. A collective in a larger job."""
+        if self.job.size == 1:
+            return reservation.snapshot if reservation is not None else None
+        reserved = self.job.broadcast(
+            reservation.snapshot.SerializeToString()
+            if reservation is not None and reservation.snapshot is not None
+            else None
         )
+        return pb.SnapshotInfo.FromString(reserved) if reserved is not None else None
 
     def _reserves(self, snapshot: pb.SnapshotInfo) -> bool:
         """Whether the commit of `snapshot` reserves the prefix's next: a delta put's only when its snapshot is a
@@ -388,17 +397,20 @@ class _StatePut:
 
     def _reserves_later(self, snapshot: pb.SnapshotInfo) -> bool:
         """Whether the commit of `snapshot` reserves the next snapshot after it answered (reserve_next="later",
-        and every delta put's: its copies are what its create would cost): a job of one takes it on the client's
-        reservation thread meanwhile; every rank of a larger job needs it, so it comes with the commit's
-        answer."""
-        return (
-            self._reserves(snapshot) and (self.reserve_later or self.delta) and self.job.size == 1
-        )
+        and every delta put's: its copies are what its create would cost); job rank 0 takes it on the client's
+        reservation thread meanwhile."""
+        return self._reserves(snapshot) and (self.reserve_later or self.delta)
 
     def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
         """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's
-        next put (taken on the client's reservation thread, which that put waits for)."""
+        next put: job rank 0 takes it on the client's reservation thread (which that put waits for), the other
+        ranks keep what it is for."""
         session, prefix = self.session, self.prefix
+        if self.job.rank != 0:
+            self._abort_replaced(
+                session.reservations.keep(prefix, Reservation(basis, None, tensors, owned=False))
+            )
+            return
         self._abort_replaced(
             session.reservations.keep_later(
                 prefix, basis, tensors, lambda: take_reserved_snapshot(session, prefix, committed)
@@ -406,8 +418,9 @@ class _StatePut:
         )
 
     def _abort_replaced(self, replaced: Reservation | None) -> None:
-        """Abort a reservation this process owned that another put of the prefix on this client replaced."""
-        if replaced is not None and replaced.owned:
+        """Abort a reservation this process owns that goes unused (another put of the prefix replaced it, or
+        this put cannot fill it)."""
+        if replaced is not None and replaced.owned and replaced.snapshot is not None:
             abort_snapshot(self.session, self.prefix, replaced.snapshot.number)
 
 

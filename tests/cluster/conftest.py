@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from gloo_world import World
 
 from shardserve.client import spmd as spmd_module
 from shardserve.protos import shardserve_pb2 as pb
@@ -23,3 +25,11 @@ def creates(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(spmd_module, "create_snapshot", counted)
     return made
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    """A 2-process gloo world (tests/gloo_world.py) lent to one module."""
+    world = World(2)
+    yield world
+    world.close()

@@ -308,10 +308,8 @@ def job_rows_to_bf16_columns(rank: int, address: str) -> list[str]:
     return wrong
 
 
-def test_a_two_process_job_gets_its_column_shards_cast(cluster: LocalCluster) -> None:
-    world = World(2)
-    try:
-        answers = world.run(job_rows_to_bf16_columns, cluster.address, timeout=180)
-    finally:
-        world.close()
+def test_a_two_process_job_gets_its_column_shards_cast(
+    cluster: LocalCluster, world2: World
+) -> None:
+    answers = world2.run(job_rows_to_bf16_columns, cluster.address, timeout=180)
     assert answers == {0: [], 1: []}

@@ -49,13 +49,6 @@ def cl(cluster3: LocalCluster) -> Iterator[Cluster]:
         yield cluster
 
 
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    world = World(2)
-    yield world
-    world.close()
-
-
 def _dcp_save_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     dcp.save(tensors, checkpoint_id=str(path), no_dist=True)
 

@@ -145,12 +145,10 @@ def test_a_piece_over_two_server_shards_is_filled_from_both(
     assert [key for key, t in spans.items() if not torch.equal(into[key], t)] == []
 
 
-def test_a_two_process_job_reads_rows_of_column_shards(cluster: LocalCluster) -> None:
-    world = World(2)
-    try:
-        answers = world.run(job_columns_then_rows, cluster.address, timeout=180)
-    finally:
-        world.close()
+def test_a_two_process_job_reads_rows_of_column_shards(
+    cluster: LocalCluster, world2: World
+) -> None:
+    answers = world2.run(job_columns_then_rows, cluster.address, timeout=180)
     assert answers == {0: [], 1: []}
 
 

@@ -10,7 +10,6 @@ it in: a difference can only come from the stored state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -147,22 +146,15 @@ def cluster(cluster2: LocalCluster) -> LocalCluster:
 
 
 @pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    world = World(2)
-    yield world
-    world.close()
-
-
-@pytest.fixture(scope="module")
-def trainer(cluster: LocalCluster, world: World) -> dict[str, Any]:
-    return world.run(job_train_and_publish, cluster.address, timeout=240)[0]
+def trainer(cluster: LocalCluster, world2: World) -> dict[str, Any]:
+    return world2.run(job_train_and_publish, cluster.address, timeout=240)[0]
 
 
 @pytest.mark.parametrize("job", [job_read_in_one_process, job_read_tensor_parallel])
 def test_the_next_step_after_a_get_equals_the_trainers_bit_for_bit(
-    cluster: LocalCluster, world: World, trainer: dict[str, Any], job: Any
+    cluster: LocalCluster, world2: World, trainer: dict[str, Any], job: Any
 ) -> None:
-    reader = world.run(job, cluster.address, timeout=240)[0]
+    reader = world2.run(job, cluster.address, timeout=240)[0]
     groups = reader["groups"]
     assert groups == trainer["groups"]  # lr 0.01, not the reader's 0.5; betas, weight decay, FQNs
     assert type(groups[0]["betas"]) is tuple and type(groups[0]["lr"]) is float
@@ -213,13 +205,13 @@ def job_publish_trusting_version_counters(rank: int, address: str) -> dict[str, 
 
 
 def test_an_fsdp2_trainer_trusting_version_counters_reads_only_what_its_optimizer_wrote(
-    cluster: LocalCluster, world: World
+    cluster: LocalCluster, world2: World
 ) -> None:
     """The optimizer's in-place steps on FSDP2's sharded parameters count in the version counters of the
     DTensors get_model_state_dict hands out, every step's new ones included: after the first put (in full, every
     byte hashed), each rank reads only its shards of the trained head, and every snapshot reads back bit for
     bit."""
-    results = world.run(job_publish_trusting_version_counters, cluster.address, timeout=240)
+    results = world2.run(job_publish_trusting_version_counters, cluster.address, timeout=240)
     for out in results.values():
         assert out["same"] == [True, True, True]
         assert out["hashed"] == [out["everything"], out["trained"], out["trained"]]

@@ -1,0 +1,135 @@
+"""Reservations of a job of several processes (a 2-process gloo world putting DTensors sharded over it): job rank
+0 alone holds the next snapshot its commit reserved (made after the commit answered with reserve_next="later",
+and for every delta put) and sends it to the other rank at the next put; steady puts create nothing, read back
+bit for bit, and a reservation aborted under the job makes its next put create one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gloo_world import World
+from server_helpers import held_numbers
+
+from shardserve import connect, spmd
+from shardserve.protos import shardserve_pb2 as pb
+from shardserve.server.launcher import LocalCluster
+
+ROWS, COLUMNS = 64, 48
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster2: LocalCluster) -> LocalCluster:
+    """The shared 2-rank cluster (conftest)."""
+    return cluster2
+
+
+def full_state(step: int) -> dict[str, torch.Tensor]:
+    """The job's global tensors at `step` (every element tells the step)."""
+    base = torch.arange(ROWS * COLUMNS, dtype=torch.float32).reshape(ROWS, COLUMNS)
+    return {"w": base + step * 1000, "b": torch.arange(ROWS, dtype=torch.float32) - step}
+
+
+class Counted:
+    """The client's CreateSnapshot, create_delta and TakeReservedSnapshot calls in this process, by prefix."""
+
+    def __init__(self) -> None:
+        from shardserve.client import spmd as spmd_module
+
+        self.creates: list[str] = []
+        self.taken: list[int] = []
+        for name, calls in (
+            ("create_snapshot", self.creates),
+            ("create_delta", self.creates),
+        ):
+            real = getattr(spmd_module, name)
+            setattr(spmd_module, name, _counting(real, calls, lambda args: "create"))
+        real_take = spmd_module.take_reserved_snapshot
+        spmd_module.take_reserved_snapshot = _counting(real_take, self.taken, lambda args: args[2])
+
+
+def _counting(real: Any, calls: list, label: Any) -> Any:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(label(args))
+        return real(*args, **kwargs)
+
+    return counted
+
+
+def job_steady_puts(rank: int, address: str, prefix: str, delta: Any) -> dict[str, Any]:
+    """Four puts of DTensors sharded over the 2-process mesh (reserve_next="later"), each read back by the job;
+    before the fourth, job rank 0 has its reservation aborted by another client."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    counted = Counted()
+    numbers, same, held = [], [], []
+    with connect(address) as client, connect(address) as other:
+        for step in (1, 2, 3, 4):
+            if step == 4 and rank == 0:
+                _abort_reserved(client, other, prefix)
+            state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state(step).items()}
+            numbers.append(
+                spmd.put_state_dict(
+                    client, state, prefix, keep=1, reserve_next="later", delta=delta
+                )
+            )
+            into = {k: torch.zeros_like(v) for k, v in state.items()}
+            spmd.get_state_dict(client, prefix, into=into)
+            same.append(all(torch.equal(into[k].full_tensor(), full_state(step)[k]) for k in into))
+            reservation = client.session.reservations.take(prefix)
+            held.append(
+                None
+                if reservation is None or reservation.snapshot is None
+                else reservation.snapshot.number
+            )
+            if reservation is not None:
+                client.session.reservations.keep(prefix, reservation)
+        return {
+            "numbers": numbers,
+            "same": same,
+            "held": held,
+            "creates": counted.creates,
+            "taken": counted.taken,
+        }
+
+
+def _abort_reserved(client: Any, other: Any, prefix: str) -> None:
+    """Abort the snapshot reserved for `client`'s next put of `prefix` through `other` (as the coordinator's
+    pending timeout would), leaving the client's reservation as it was."""
+    reservation = client.session.reservations.take(prefix)
+    assert reservation is not None and reservation.snapshot is not None
+    number = reservation.snapshot.number
+    other.session.call("AbortSnapshot", pb.AbortSnapshotRequest(prefix=prefix, number=number))
+    client.session.reservations.keep(prefix, reservation)
+
+
+@pytest.mark.parametrize("delta", [False, "version_counters"])
+def test_job_rank_0_takes_each_reservation_after_the_commit_and_sends_it_at_the_next_put(
+    cluster: LocalCluster, world2: World, delta: Any
+) -> None:
+    """Job rank 0 creates once and takes one reservation per commit (the first delta put is in full and reserves
+    nothing); the other rank creates and takes nothing and holds no snapshot; every put reads
+    back bit for bit; the reservation aborted under the job makes the fourth put create again; the job's close
+    gives the last reservation back."""
+    prefix = f"job-later-{'delta' if delta else 'full'}"
+    answers = world2.run(job_steady_puts, cluster.address, prefix, delta, timeout=180)
+    first, second = answers[0], answers[1]
+    numbers = first["numbers"]
+    assert second["numbers"] == numbers == sorted(numbers)
+    assert first["same"] == second["same"] == [True] * 4
+    assert second["creates"] == [] and second["taken"] == [] and second["held"] == [None] * 4
+    if (
+        delta
+    ):  # in full (reserving nothing), copies made, copies filled, copies made again after the abort
+        assert first["creates"] == ["create", "create", "create"]
+        assert first["taken"] == numbers[1:]
+    else:  # created, two filled reservations, created after the abort
+        assert first["creates"] == ["create", "create"]
+        assert first["taken"] == numbers
+    assert all(
+        held is not None and held > number for held, number in zip(first["held"][1:], numbers[1:])
+    )
+    assert held_numbers(cluster.address, prefix) == {numbers[-1]}
