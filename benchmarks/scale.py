@@ -6,7 +6,10 @@ code in a few processes (benchmarks/scale_ranks.py; tiny shards, no collectives)
 
 - registration of N ranks at once (cold), and the coordinator's CPU and memory with N idle ranks heartbeating;
 - CreateSnapshot + CommitSnapshot of a state dict of tensors of 10 shards (SHARDS in all: 100,000), first and
-  steady (a commit that reserves the next snapshot, then the commit of that reservation), read back bit for bit;
+  steady (the commit of the snapshot the commit before reserved), each commit reserving the next snapshot after
+  it answered (reserve_later, as a steady writer's put asks), and that reservation taken right after the commit
+  (TakeReservedSnapshot: what a writer with no training step between its puts would wait for); read back bit
+  for bit;
 - `list` (ListTensors), `status` (what `shardserve status` asks) and GetTensor with that catalog;
 - replicated tables of 1,000 shards (SHARDS in all) resharded: the coordinator's planning (to
   the first progress message) and its prepare/commit fan-out (from there to DONE), read back bit for bit;
@@ -96,6 +99,7 @@ ROWS = (  # (key, what, unit, target at 1,000 ranks)
     ("rank_rss", "RSS of one simulated rank instance", "MiB", None),
     ("snapshot_first", "CreateSnapshot + CommitSnapshot, first", "s", 5.0),
     ("snapshot_steady", "CommitSnapshot of a reserved snapshot (steady)", "s", 2.0),
+    ("snapshot_reserved", "the next snapshot reserved, after the commit answered", "s", None),
     ("list", "ListTensors", "s", None),
     ("status", "status (ListRanks + ListTensors + ListRanks)", "s", 1.0),
     ("get_tensor", "GetTensor (median)", "s", None),
@@ -221,7 +225,8 @@ def idle_cpu(cluster: SimulatedCluster, window: float) -> float:
 
 
 def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, checks: dict) -> None:
-    """Create + commit (first), then the commits of the reserved next snapshots (steady); read back a sample.
+    """Create + commit (first), then the commits of the reserved next snapshots (steady), each reservation taken
+    right after the commit before (timed on its own); read back a sample.
     A step that fails because a rank was taken for dead (a loaded machine) is done again from the create, once
     every rank is back (counted in `retries`); its time is not counted."""
     stub = cluster.stub
@@ -235,13 +240,16 @@ def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, che
             )
             timed["snapshot_create"] = timed["snapshot_first"]
             write_snapshot(created, cluster.rank_stub, state=state)
-            answer = clock.time("snapshot_first", lambda: commit_snapshot(stub, created.number))
+            number = created.number
+            clock.time("snapshot_first", lambda: commit_snapshot(stub, number))
             for _ in range(STEADY_COMMITS):
-                if not answer.HasField("next"):
-                    raise RuntimeError("the commit reserved no next snapshot")
-                write_snapshot(answer.next, cluster.rank_stub, state=state)
-                number = answer.next.number
-                answer = clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
+                reserved = clock.time("snapshot_reserved", lambda: take_reserved(stub, number))
+                write_snapshot(reserved, cluster.rank_stub, state=state)
+                number = reserved.number
+                clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
+            take_reserved(
+                stub, number
+            )  # made before the next rows are timed: left reserved, untimed
         except (
             grpc.RpcError
         ) as err:  # NOT_FOUND: a put pending past the coordinator's pending timeout
@@ -251,8 +259,9 @@ def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, che
             values["retries"] = values.get("retries", 0) + 1
             cluster.wait_alive(cluster.world)
             continue
-        timed["snapshot_steady"] /= STEADY_COMMITS
-        timed["snapshot_steady_cpu"] /= STEADY_COMMITS
+        for key in ("snapshot_steady", "snapshot_reserved"):
+            timed[key] /= STEADY_COMMITS
+            timed[f"{key}_cpu"] /= STEADY_COMMITS
         values.update(timed)
         break
     checks["snapshot read back"] = read_back_snapshot(cluster, state)
@@ -274,11 +283,22 @@ def retried(cluster: SimulatedCluster, values: dict, fn):
 
 
 def commit_snapshot(stub, number: int) -> pb.CommitSnapshotResponse:
-    """Commit snapshot `number` of the prefix, reserving the next (a steady writer's commit)."""
+    """Commit snapshot `number` of the prefix, reserving the next after it answered (a steady writer's
+    commit)."""
     request = pb.CommitSnapshotRequest(
-        prefix=PREFIX, number=number, view=pb.SNAPSHOT_VIEW_BASIC, reserve_next=True
+        prefix=PREFIX,
+        number=number,
+        view=pb.SNAPSHOT_VIEW_BASIC,
+        reserve_next=True,
+        reserve_later=True,
     )
     return stub.CommitSnapshot(request, timeout=CALL_TIMEOUT_S)
+
+
+def take_reserved(stub, committed: int) -> pb.SnapshotInfo:
+    """The snapshot the commit of `committed` reserved after it answered (waiting until it is made)."""
+    request = pb.TakeReservedSnapshotRequest(prefix=PREFIX, committed=committed)
+    return stub.TakeReservedSnapshot(request, timeout=CALL_TIMEOUT_S)
 
 
 def read_back_snapshot(cluster: SimulatedCluster, state: StateDict) -> bool:
