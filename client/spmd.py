@@ -179,9 +179,8 @@ class _StatePut:
         ] = {}  # the state dict's tensors by key (their version counters)
         self.mine: dict[str, Any] = {}  # this rank's report of them
         self.skeleton = ""  # this rank's non-tensor tree: job rank 0's is stored with the snapshot
-        self.reserved: pb.SnapshotInfo | None = (
-            None  # job rank 0: the next snapshot its commit reserved
-        )
+        # job rank 0: the next snapshot its commit reserved
+        self.reserved: pb.SnapshotInfo | None = None
 
     def run(self, state_dict: Mapping[str, Any]) -> int:
         try:
@@ -204,7 +203,7 @@ class _StatePut:
             except SpmdError as err:
                 log.info("%r: the reserved snapshot failed (%s); creating one", self.prefix, err)
         else:
-            self._abort_replaced(reservation)
+            self._abort_unused(reservation)
         reports = resolved_sizes(self.job.all_gather(self.mine))
         tensors, created = self.job.from_rank0(
             lambda: self._create(job_tensors(reports)),
@@ -220,14 +219,14 @@ class _StatePut:
         previous = previous_puts(self.session).take(self.prefix)
         fits = previous is not None and previous.basis == basis
         if not (self.job.all_succeed(error, "describing the state dict", also=fits) and previous):
-            self._abort_replaced(reservation)
+            self._abort_unused(reservation)
         else:
             delta = start_hashing(  # hashed while the snapshot is made
                 previous, self.local, self.job.rank, counters=self.tensors, trusted=self.trusted
             )
             copies = self._reserved_snapshot(reservation)
             if copies is None or copies.delta_of != previous.number:
-                self._abort_replaced(reservation)
+                self._abort_unused(reservation)
             else:
                 try:
                     return self._fill(copies, previous.tensors, basis, delta=delta)
@@ -376,7 +375,7 @@ class _StatePut:
         keep what it is for (its snapshot comes from rank 0 at the next put)."""
         owned = self.job.rank == 0
         reservation = Reservation(basis, self.reserved if owned else None, tensors, owned=owned)
-        self._abort_replaced(self.session.reservations.keep(self.prefix, reservation))
+        self._abort_unused(self.session.reservations.keep(self.prefix, reservation))
 
     def _reserved_snapshot(self, reservation: Reservation | None) -> pb.SnapshotInfo | None:
         """The snapshot of this rank's `reservation` (None: none); in a larger job job rank 0's, sent to every
@@ -407,21 +406,21 @@ class _StatePut:
         ranks keep what it is for."""
         session, prefix = self.session, self.prefix
         if self.job.rank != 0:
-            self._abort_replaced(
+            self._abort_unused(
                 session.reservations.keep(prefix, Reservation(basis, None, tensors, owned=False))
             )
             return
-        self._abort_replaced(
+        self._abort_unused(
             session.reservations.keep_later(
                 prefix, basis, tensors, lambda: take_reserved_snapshot(session, prefix, committed)
             )
         )
 
-    def _abort_replaced(self, replaced: Reservation | None) -> None:
+    def _abort_unused(self, reservation: Reservation | None) -> None:
         """Abort a reservation this process owns that goes unused (another put of the prefix replaced it, or
         this put cannot fill it)."""
-        if replaced is not None and replaced.owned and replaced.snapshot is not None:
-            abort_snapshot(self.session, self.prefix, replaced.snapshot.number)
+        if reservation is not None and reservation.owned and reservation.snapshot is not None:
+            abort_snapshot(self.session, self.prefix, reservation.snapshot.number)
 
 
 def _create(
