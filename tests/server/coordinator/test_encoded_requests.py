@@ -1,7 +1,8 @@
 """Batch requests to ranks built from bytes: the joined entries parse to exactly the message built field by
 field, each entry is encoded once for every rank that repeats it, an allocation's entry (its name and version
 joined to the fields its layout shares) parses to the request built whole, and the rank stub's batch methods send
-such bytes as they are (and plain messages as before) to a real gRPC server, blocking and on grpc.aio."""
+such bytes as they are (and plain messages as before) to a real gRPC server, blocking and on grpc.aio, each
+method's callable made when first used."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 from concurrent import futures
 
 import grpc
+import pytest
 import torch
 
 from shardserve.core.metadata import ShardedTensorMetadata, ShardMetadata, TensorProperties
@@ -87,6 +89,26 @@ class Recorder(pb_grpc.ShardServerServicer):
             ]
         )
 
+    def RunCollective(self, request, context):  # noqa: N802 - the service's name
+        yield pb.CollectiveProgress(bytes_done=1, bytes_total=2)
+        yield pb.CollectiveProgress(bytes_done=2, bytes_total=2, done=True)
+
+
+class CountingChannel:
+    """A real channel that records each callable made on it: (kind, method path)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.channel = channel
+        self.made: list[tuple[str, str]] = []
+
+    def unary_unary(self, path: str, **options):
+        self.made.append(("unary_unary", path))
+        return self.channel.unary_unary(path, **options)
+
+    def unary_stream(self, path: str, **options):
+        self.made.append(("unary_stream", path))
+        return self.channel.unary_stream(path, **options)
+
 
 def _serve(recorder: Recorder) -> tuple[grpc.Server, str]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -162,3 +184,30 @@ def test_copies_of_many_sources_encode_their_shared_layout_once(monkeypatch):
     assert encoded.count(layout) == 1
     for entry, record, copy in zip(entries, records, copies):
         assert pb.AllocateShardsRequest.FromString(entry) == allocation_request(record, copy)
+
+
+def test_the_rank_stub_makes_a_methods_callable_once_when_first_used():
+    """A stub per rank made at registration and per fan-out channel: none of the service's 23 callables is made
+    up front, each one used is made once, of its kind (a server stream for RunCollective), and a name the
+    service lacks is an AttributeError."""
+    recorder = Recorder()
+    server, address = _serve(recorder)
+    request = pb.PromoteManyRequest(versions=[_promote(("t", 1))])
+    try:
+        with grpc.insecure_channel(address) as channel:
+            counting = CountingChannel(channel)
+            stub = rank_stub(counting)
+            assert counting.made == []
+            for _ in range(2):
+                assert [c.name for c in stub.PromoteMany(request, timeout=10).checksums] == ["t"]
+            progress = list(stub.RunCollective(pb.CollectiveJob(), timeout=10))
+            assert [p.bytes_done for p in progress] == [1, 2] and progress[-1].done
+            with pytest.raises(AttributeError, match="NoSuchMethod"):
+                stub.NoSuchMethod  # noqa: B018 - the lookup is what is tested
+        service = "/shardserve.v1.ShardServer"
+        assert counting.made == [
+            ("unary_unary", f"{service}/PromoteMany"),
+            ("unary_stream", f"{service}/RunCollective"),
+        ]
+    finally:
+        server.stop(None)
