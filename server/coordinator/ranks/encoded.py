@@ -52,7 +52,7 @@ class _LazyStub:
     """The ShardServer stub of one channel (blocking or grpc.aio), every method taking Encoded requests too; a
     method's callable is made when it is first used. The coordinator keeps a stub per rank (one at registration,
     one for its fan-outs) and calls a few of the service's methods: gRPC's generated stub makes a callable for
-    each of them, 23 per rank, which was a sixth of the coordinator's CPU in the first fan-out to 1,000 ranks."""
+    each of them, 23 per rank, which was a tenth of the coordinator's CPU during the first fan-out to 1,000 ranks."""
 
     def __init__(self, channel: Any) -> None:
         self._channel = channel
