@@ -247,9 +247,8 @@ def snapshot_rows(cluster: SimulatedCluster, state: StateDict, values: dict, che
                 write_snapshot(reserved, cluster.rank_stub, state=state)
                 number = reserved.number
                 clock.time("snapshot_steady", lambda: commit_snapshot(stub, number))
-            take_reserved(
-                stub, number
-            )  # made before the next rows are timed: left reserved, untimed
+            # the last reservation made before the next rows are timed (left reserved, untimed)
+            take_reserved(stub, number)
         except (
             grpc.RpcError
         ) as err:  # NOT_FOUND: a put pending past the coordinator's pending timeout

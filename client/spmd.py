@@ -403,13 +403,11 @@ class _StatePut:
     def _keep_later(self, committed: int, tensors: Mapping[str, JobTensor], basis: Any) -> None:
         """Keep the snapshot the coordinator reserves after the commit of `committed` answered, for this prefix's
         next put: job rank 0 takes it on the client's reservation thread (which that put waits for), the other
-        ranks keep what it is for."""
-        session, prefix = self.session, self.prefix
+        ranks keep what it is for (as `_keep` does)."""
         if self.job.rank != 0:
-            self._abort_unused(
-                session.reservations.keep(prefix, Reservation(basis, None, tensors, owned=False))
-            )
+            self._keep(tensors, basis)
             return
+        session, prefix = self.session, self.prefix
         self._abort_unused(
             session.reservations.keep_later(
                 prefix, basis, tensors, lambda: take_reserved_snapshot(session, prefix, committed)

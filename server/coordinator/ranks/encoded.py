@@ -24,7 +24,8 @@ from shardserve.protos import shardserve_pb2_grpc as pb_grpc
 
 K = TypeVar("K")
 
-SERVICE = pb.DESCRIPTOR.services_by_name["ShardServer"].full_name
+_SERVICE = pb.DESCRIPTOR.services_by_name["ShardServer"]
+SERVICE = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,19 @@ def serialize(request: Message | Encoded) -> bytes:
     return request.data if isinstance(request, Encoded) else request.SerializeToString()
 
 
-_METHODS = {method.name: method for method in pb.DESCRIPTOR.services_by_name["ShardServer"].methods}
 _KINDS = {  # (client streaming, server streaming): the channel's factory of such calls
     (False, False): "unary_unary",
     (False, True): "unary_stream",
     (True, False): "stream_unary",
     (True, True): "stream_stream",
+}
+# each method of the service: the channel's factory of its calls, and its answer's parser
+_METHODS = {
+    method.name: (
+        _KINDS[(method.client_streaming, method.server_streaming)],
+        GetMessageClass(method.output_type).FromString,
+    )
+    for method in _SERVICE.methods
 }
 
 
@@ -61,11 +69,11 @@ class _LazyStub:
         found = _METHODS.get(method)
         if found is None:
             raise AttributeError(f"the ShardServer service has no method {method!r}")
-        kind = _KINDS[(found.client_streaming, found.server_streaming)]
+        kind, parse = found
         made = getattr(self._channel, kind)(
             f"/{SERVICE}/{method}",
             request_serializer=serialize,
-            response_deserializer=GetMessageClass(found.output_type).FromString,
+            response_deserializer=parse,
             _registered_method=True,
         )
         setattr(self, method, made)  # found as an attribute from now on
