@@ -32,21 +32,34 @@ def full_state(step: int) -> dict[str, torch.Tensor]:
 
 
 class Counted:
-    """The client's CreateSnapshot, create_delta and TakeReservedSnapshot calls in this process, by prefix."""
+    """The client's CreateSnapshot and create_delta calls ("create" each) and TakeReservedSnapshot calls (the
+    committed number each) in this process while it is entered; a job process runs several tests' jobs, so the
+    module's functions are restored on exit."""
+
+    NAMES = ("create_snapshot", "create_delta", "take_reserved_snapshot")
 
     def __init__(self) -> None:
-        from shardserve.client import spmd as spmd_module
-
         self.creates: list[str] = []
         self.taken: list[int] = []
-        for name, calls in (
-            ("create_snapshot", self.creates),
-            ("create_delta", self.creates),
-        ):
-            real = getattr(spmd_module, name)
-            setattr(spmd_module, name, _counting(real, calls, lambda args: "create"))
-        real_take = spmd_module.take_reserved_snapshot
-        spmd_module.take_reserved_snapshot = _counting(real_take, self.taken, lambda args: args[2])
+        self._real: dict[str, Any] = {}
+
+    def __enter__(self) -> Counted:
+        from shardserve.client import spmd as spmd_module
+
+        for name in self.NAMES:
+            self._real[name] = real = getattr(spmd_module, name)
+            if name == "take_reserved_snapshot":
+                counted = _counting(real, self.taken, lambda args: args[2])
+            else:
+                counted = _counting(real, self.creates, lambda args: "create")
+            setattr(spmd_module, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from shardserve.client import spmd as spmd_module
+
+        for name, real in self._real.items():
+            setattr(spmd_module, name, real)
 
 
 def _counting(real: Any, calls: list, label: Any) -> Any:
@@ -64,9 +77,8 @@ def job_steady_puts(rank: int, address: str, prefix: str, delta: Any) -> dict[st
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (2,))
-    counted = Counted()
     numbers, same, held = [], [], []
-    with connect(address) as client, connect(address) as other:
+    with Counted() as counted, connect(address) as client, connect(address) as other:
         for step in (1, 2, 3, 4):
             if step == 4 and rank == 0:
                 _abort_reserved(client, other, prefix)
