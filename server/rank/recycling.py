@@ -79,7 +79,8 @@ class RecycledBuffers:
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._clock = clock
-        self._buffers: list[Buffer] = []  # oldest first
+        # oldest first, by id(): a rank takes one buffer per new shard, so taking one must not scan them all
+        self._buffers: dict[int, Buffer] = {}
         self._by_size: dict[int, list[Buffer]] = {}  # the same buffers by their size, for take()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -96,7 +97,7 @@ class RecycledBuffers:
             return
         buffer.since = self._clock()
         with self._lock:
-            self._buffers.append(buffer)
+            self._buffers[id(buffer)] = buffer
             self._by_size.setdefault(buffer.nbytes, []).append(buffer)
             self._bytes += buffer.nbytes
             self._trim_locked(self.max_bytes)
@@ -111,8 +112,8 @@ class RecycledBuffers:
             chosen = _newest(self._by_size.get(nbytes, []), shared, device)
             if chosen is None:
                 return None
-            self._buffers.remove(chosen)
-            self._by_size[nbytes].remove(chosen)
+            del self._buffers[id(chosen)]
+            _remove(self._by_size[nbytes], chosen)
             self._bytes -= chosen.nbytes
             self.reused += 1
             return chosen
@@ -128,21 +129,30 @@ class RecycledBuffers:
 
     def _trim_locked(self, keep_bytes: int) -> int:
         too_old = self._clock() - self.max_age_s
-        if self._bytes <= keep_bytes and (not self._buffers or self._buffers[0].since >= too_old):
+        oldest = next(iter(self._buffers.values()), None)
+        if self._bytes <= keep_bytes and (oldest is None or oldest.since >= too_old):
             return 0  # nothing to let go of: no scan (take runs this once per shard)
-        kept, freed = [], 0
+        kept, freed = {}, 0
         total = self._bytes
-        for buffer in self._buffers:  # oldest first
+        for key, buffer in self._buffers.items():  # oldest first
             if buffer.since < too_old or total > keep_bytes:
                 total -= buffer.nbytes
                 freed += buffer.nbytes
             else:
-                kept.append(buffer)
+                kept[key] = buffer
         self._buffers, self._bytes = kept, total
         self._by_size = {}
-        for buffer in kept:
+        for buffer in kept.values():
             self._by_size.setdefault(buffer.nbytes, []).append(buffer)
         return freed
+
+
+def _remove(buffers: list[Buffer], chosen: Buffer) -> None:
+    """Remove `chosen` from `buffers`: from the end in one step when it is the newest (as it mostly is)."""
+    if buffers[-1] is chosen:
+        buffers.pop()
+    else:
+        buffers.remove(chosen)
 
 
 def _newest(buffers: list[Buffer], shared: bool | None, device: torch.device) -> Buffer | None:

@@ -1,16 +1,22 @@
 """Reservations of a job of several processes (a 2-process gloo world putting DTensors sharded over it): job rank
 0 alone holds the next snapshot its commit reserved (made after the commit answered with reserve_next="later",
 and for every delta put) and sends it to the other rank at the next put; steady puts create nothing, read back
-bit for bit, and a reservation aborted under the job makes its next put create one."""
+bit for bit, and a reservation aborted under the job, or lost with a coordinator killed while job rank 0 takes
+it, makes its next put create one."""
 
 from __future__ import annotations
 
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from gloo_world import World
 from server_helpers import held_numbers
+from waiting import wait_until
 
 from shardserve import connect, spmd
 from shardserve.protos import shardserve_pb2 as pb
@@ -145,3 +151,102 @@ def test_job_rank_0_takes_each_reservation_after_the_commit_and_sends_it_at_the_
         held is not None and held > number for held, number in zip(first["held"][1:], numbers[1:])
     )
     assert held_numbers(cluster.address, prefix) == {numbers[-1]}
+
+
+def _ranks_alive(address: str, count: int) -> bool:
+    with connect(address) as probe:
+        return len([r for r in probe.ranks() if r.alive]) == count
+
+
+def job_reservation_lost(
+    rank: int, address: str, prefix: str, coordinator_pid: int
+) -> dict[str, Any]:
+    """Four durable puts with reserve_next="later"; job rank 0 SIGKILLs the coordinator (`coordinator_pid`) as
+    its reservation thread takes the reservation the second commit made, so the take meets a dead coordinator
+    or a restarted one that never heard of it. After the second put the job waits for the kill and for the
+    ranks to be registered again with the restarted coordinator."""
+    import threading
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from shardserve.client import spmd as spmd_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    numbers, same, answers, killed = [], [], [], threading.Event()
+    with Counted() as counted, connect(address) as client:
+        counting = spmd_module.take_reserved_snapshot
+
+        def take_after_kill(*args: Any) -> Any:
+            if len(counted.taken) == 1:  # the take of the second commit's reservation
+                os.kill(coordinator_pid, signal.SIGKILL)
+                killed.set()
+            answer = counting(*args)
+            answers.append(None if answer is None else answer.number)
+            return answer
+
+        spmd_module.take_reserved_snapshot = take_after_kill  # Counted restores the real one
+        for step in (1, 2, 3, 4):
+            state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_state(step).items()}
+            numbers.append(spmd.put_state_dict(client, state, prefix, keep=1, reserve_next="later"))
+            if step == 2:
+                assert rank != 0 or killed.wait(60), "no take after the second commit"
+                dist.barrier()
+                wait_until(lambda: _ranks_alive(address, 2), 120, "the restarted coordinator")
+            into = {k: torch.zeros_like(v) for k, v in state.items()}
+            spmd.get_state_dict(client, prefix, into=into)
+            same.append(all(torch.equal(into[k].full_tensor(), full_state(step)[k]) for k in into))
+        return {
+            "numbers": numbers,
+            "same": same,
+            "creates": counted.creates,
+            "taken": counted.taken,
+            "answers": answers,
+        }
+
+
+@pytest.mark.slow
+def test_a_reservation_lost_with_the_coordinator_while_job_rank_0_takes_it_makes_the_job_create(
+    tmp_path: Path, world2: World
+) -> None:
+    """The coordinator is SIGKILLed as job rank 0 takes the reservation of the job's second commit and started
+    again on the same port and catalog: the take answers none, so at the third put job rank 0 sends no snapshot
+    and the job creates one (no rank waits on or writes into the lost reservation); the fourth put fills the
+    reservation the third commit made. Every put reads back bit for bit; the ranks hold the last snapshot and
+    the lost reservation, pending (no reader sees it; the coordinator's pending timeout frees it)."""
+    from server_processes import fork_server, rank_env, server_env, stop_all
+
+    from shardserve.server.launcher import free_port
+
+    port, env = free_port(), server_env()
+    address = f"127.0.0.1:{port}"
+    coordinator_args = ["coordinator", "--listen", address]
+    coordinator_args += ["--state-dir", str(tmp_path / "state"), "--heartbeat-interval", "0.5"]
+    procs = []
+    with open(tmp_path / "log.txt", "w") as log, ThreadPoolExecutor(1) as pool:
+        try:
+            procs.append(fork_server(coordinator_args, env, log))
+            for rank in range(2):
+                procs.append(fork_server(["--coordinator", address], rank_env(env, rank, 2), log))
+            wait_until(lambda: _ranks_alive(address, 2), 120, "two ranks")
+            job = pool.submit(
+                world2.run, job_reservation_lost, address, "lost", procs[0].pid, timeout=240
+            )
+            wait_until(lambda: procs[0].poll() is not None or job.done(), 120, "the kill")
+            assert procs[0].poll() == -signal.SIGKILL, job.result()
+            procs[0] = fork_server(coordinator_args, env, log)
+            answers = job.result()
+            first, second = answers[0], answers[1]
+            numbers = first["numbers"]
+            assert second["numbers"] == numbers == sorted(numbers)
+            assert first["same"] == second["same"] == [True] * 4
+            assert first["creates"] == ["create", "create"]  # the first put, and the third
+            assert first["taken"] == numbers  # each commit's reservation, taken by job rank 0
+            assert first["answers"][:3] == [numbers[1], None, numbers[3]]  # the second one lost
+            assert second["creates"] == [] and second["taken"] == []
+            # the lost reservation stays pending on the ranks until the coordinator's pending timeout
+            lost = held_numbers(address, "lost") - {numbers[-1]}
+            assert len(lost) == 1 and numbers[1] < lost.pop() < numbers[2]
+        finally:
+            stop_all(procs)
