@@ -248,9 +248,11 @@ def copy_checksummed(dst: torch.Tensor, src: torch.Tensor) -> int:
     ):
         raise ValueError("copy_checksummed takes two flat uint8 tensors of one length")
     target, source = dst.numpy(), src.numpy()
-    if target.size <= CHUNK_BYTES:  # one chunk: no hasher object, no slices (a state dict's small tensors)
+    if (
+        target.size <= CHUNK_BYTES
+    ):  # one chunk: no hasher object, no slices (a state dict's small tensors)
         np.copyto(target, source)
-        return xxhash.xxh3_64_intdigest(target)
+        return xxhash.xxh3_64_intdigest(target.data)
     hasher = xxhash.xxh3_64()
     for start in range(0, target.size, CHUNK_BYTES):
         chunk = slice(start, start + CHUNK_BYTES)
