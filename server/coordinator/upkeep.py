@@ -2,7 +2,9 @@
 
 A rank that registers (or comes back from the dead) is reconciled with the catalog off the caller's thread;
 a monitor thread logs ranks that stop heartbeating and starts the chores: aborting puts left PENDING past the
-pending timeout and finishing reshard promotions left unfinished. Nothing runs before `start()`.
+pending timeout (and, at once, the pending tensors of snapshots created before this coordinator started, which no
+commit can reach: a pending snapshot lives in the memory of the process that created it) and finishing reshard
+promotions left unfinished. Nothing runs before `start()`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 from concurrent import futures
 
 from shardserve.server.common.errors import ServiceError
+from shardserve.server.common.log_phrases import versions_phrase
 from shardserve.server.coordinator.catalog.interface import Catalog
 from shardserve.server.coordinator.drivers.lifecycle import TensorLifecycle
 from shardserve.server.coordinator.drivers.reconcile import Reconciler
@@ -55,6 +58,9 @@ class Upkeep:
         self._promotions_queued = False  # a finish_promotions round waits in the background pool
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
+        self._started_unix = float(
+            "inf"
+        )  # until start(): no snapshot is taken for an earlier process's
 
     def register(
         self,
@@ -93,6 +99,7 @@ class Upkeep:
 
     def start(self) -> None:
         """Start the monitor thread."""
+        self._started_unix = time.time()
         self._monitor.start()
 
     def stop(self) -> None:
@@ -128,9 +135,13 @@ class Upkeep:
         self.reshards.finish_promotions()
 
     def _reap_pending(self) -> None:
-        cutoff = time.time() - self.pending_timeout
+        """Abort the versions pending past the timeout, and those of snapshots created before this coordinator
+        started (one log line for all of them)."""
+        now = time.time()
+        cutoff, before_start = now - self.pending_timeout, min(self._started_unix, now)
+        orphans = []
         for record in self.catalog.pending(
-            created_before=cutoff
+            created_before=max(cutoff, before_start)
         ):  # not the others: an indexed query
             if self.reshards.is_running(record.name):
                 continue  # a reshard's own new version: its timeout bounds it
@@ -141,7 +152,20 @@ class Upkeep:
                     record.version,
                     self.pending_timeout,
                 )
-                try:
-                    self.lifecycle.abort(record.name, record.version)
-                except ServiceError as err:
-                    log.info("reaping %r version %d: %s", record.name, record.version, err.message)
+            elif record.snapshot and record.created_unix < before_start:
+                orphans.append(record.key)
+            else:
+                continue
+            self._abort(record.name, record.version)
+        if orphans:
+            log.warning(
+                "aborted %s: pending in snapshots created before this coordinator started (no commit "
+                "can reach them)",
+                versions_phrase(orphans),
+            )
+
+    def _abort(self, name: str, version: int) -> None:
+        try:
+            self.lifecycle.abort(name, version)
+        except ServiceError as err:
+            log.info("reaping %r version %d: %s", name, version, err.message)

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 
+from shardserve.server.common.log_phrases import versions_phrase
 from shardserve.server.rank.hashing import missing_checksums
 from shardserve.server.rank.leases import VersionLeases
 from shardserve.server.rank.persistence import Persistence, PromoteItem
@@ -23,7 +24,6 @@ from shardserve.server.rank.version_table import (
     StoredVersion,
     VersionEvent,
     VersionTable,
-    versions_phrase,
 )
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ from shardserve.protos.chunk_codec import (
     encode_lookup_reply,
 )
 from shardserve.server.common import errors as common_errors
+from shardserve.server.common.log_phrases import versions_phrase
 from shardserve.server.common.requests import (
     check_init,
     check_name,
@@ -48,7 +49,6 @@ from shardserve.server.rank.reads.shm import handlers as shared_memory_handlers
 from shardserve.server.rank.reads.small import SmallReads
 from shardserve.server.rank.reads.small import handlers as small_read_handlers
 from shardserve.server.rank.store import ShardStore
-from shardserve.server.rank.version_table import versions_phrase
 from shardserve.server.rank.wire import (
     checksum_messages,
     held_messages,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -364,10 +364,3 @@ class VersionTable:
     def _served_phrase(self, name: str) -> str:
         newest = self._newest_served(name)
         return f"served version is {newest.version}" if newest else "no version is served yet"
-
-
-def versions_phrase(versions: Sequence[tuple[str, int]], shown: int = 3) -> str:
-    """(name, version) pairs for a log line: all of a few, the first `shown` and a count of many."""
-    named = ", ".join(f"{name!r} version {version}" for name, version in versions[:shown])
-    more = len(versions) - shown
-    return f"{named} and {more} more" if more > 0 else named

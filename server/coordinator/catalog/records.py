@@ -91,6 +91,9 @@ class TensorRecord(Versioned):
     `reserved`: made PENDING as a reservation of its writer's next put (CreateTensorRequest.reserve): while
     pending, any create of the name drops it, and it holds no other create back (the flag means nothing once the
     version is committed).
+    `snapshot`: a tensor of a snapshot (named PREFIX@NUMBER/KEY). A pending snapshot lives in the memory of the
+    coordinator process that created it, which alone can commit it: a coordinator started later aborts such a
+    PENDING version at once instead of after the pending timeout.
     """
 
     name: str
@@ -105,6 +108,7 @@ class TensorRecord(Versioned):
     lost_shards: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
     reserved: bool = False
+    snapshot: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -156,6 +156,7 @@ class SnapshotDriver:
                     metadata=meta,
                     options=options,
                     created_unix=created,
+                    snapshot=True,
                 ),
             )
             for (key, meta), version in zip(layouts.items(), versions)
