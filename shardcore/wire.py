@@ -164,10 +164,16 @@ def options_to_proto(options: TensorOptions) -> pb.TensorOptions:
 
 def options_from_proto(msg: pb.TensorOptions) -> TensorOptions:
     """The options of a TensorOptions message; ValueError for an OovPolicy this version does not know."""
-    oov = _OOV_NAMES.get(msg.oov)
+    return _options(msg.oov, msg.default_row, msg.not_durable)
+
+
+@functools.lru_cache(maxsize=256)
+def _options(oov_number: pb.OovPolicy, default_row: bytes, not_durable: bool) -> TensorOptions:
+    """The (immutable) options of those fields, made once: a rank reads them for every version it allocates."""
+    oov = _OOV_NAMES.get(oov_number)
     if oov is None:
-        raise ValueError(f"{msg.oov} is not a valid OovPolicy")
-    return TensorOptions(oov=oov, default_row=bytes(msg.default_row), durable=not msg.not_durable)
+        raise ValueError(f"{oov_number} is not a valid OovPolicy")
+    return TensorOptions(oov=oov, default_row=bytes(default_row), durable=not not_durable)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
