@@ -248,9 +248,7 @@ def copy_checksummed(dst: torch.Tensor, src: torch.Tensor) -> int:
     ):
         raise ValueError("copy_checksummed takes two flat uint8 tensors of one length")
     target, source = dst.numpy(), src.numpy()
-    if (
-        target.size <= CHUNK_BYTES
-    ):  # one chunk: no hasher object, no slices (a state dict's small tensors)
+    if target.size <= CHUNK_BYTES:  # one chunk (a state dict's small tensors): no hasher, no slices
         np.copyto(target, source)
         return xxhash.xxh3_64_intdigest(target.data)
     hasher = xxhash.xxh3_64()

@@ -58,9 +58,8 @@ class Upkeep:
         self._promotions_queued = False  # a finish_promotions round waits in the background pool
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
-        self._started_unix = float(
-            "inf"
-        )  # until start(): no snapshot is taken for an earlier process's
+        # when start() ran: the pending snapshots created before are an earlier coordinator's (none until then)
+        self._started_unix = float("inf")
 
     def register(
         self,
