@@ -15,6 +15,7 @@ the rendezvous store and the repair loop start in `start()`, and `close()` ends 
 from __future__ import annotations
 
 import logging
+import secrets
 
 from shardserve.server.common.auth import Security
 from shardserve.server.coordinator.answers import Answers
@@ -65,8 +66,13 @@ class CoordinatorServer:
         self.checkpoints = CheckpointDriver(
             context, collectives=self.collectives, versions=self.lifecycle, quotas=self.quotas
         )
+        # one per process and term led: the pending snapshots of any other coordinator are out of reach here
+        self.coordinator_id = secrets.token_hex(8)
         self.snapshots = SnapshotDriver(
-            context, versions=self.lifecycle, pending_timeout=options.pending_timeout
+            context,
+            versions=self.lifecycle,
+            pending_timeout=options.pending_timeout,
+            coordinator_id=self.coordinator_id,
         )
         self.repairs = RepairDriver(
             catalog,
@@ -82,6 +88,7 @@ class CoordinatorServer:
             reshards=self.reshards,
             heartbeat_interval=options.heartbeat_interval,
             pending_timeout=options.pending_timeout,
+            coordinator_id=self.coordinator_id,
         )
         self.answers = Answers(self.registry.rank_unreadable, self.repairs.state)
         self.metrics_address = ""  # HOST:PORT of the metrics endpoint as ListRanks tells clients

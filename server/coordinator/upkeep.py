@@ -2,8 +2,8 @@
 
 A rank that registers (or comes back from the dead) is reconciled with the catalog off the caller's thread;
 a monitor thread logs ranks that stop heartbeating and starts the chores: aborting puts left PENDING past the
-pending timeout (and, at once, the pending tensors of snapshots created before this coordinator started, which no
-commit can reach: a pending snapshot lives in the memory of the process that created it) and finishing reshard
+pending timeout (and, at once, the pending tensors of snapshots another coordinator created, which no commit can
+reach here: a pending snapshot lives in the memory of the coordinator that created it) and finishing reshard
 promotions left unfinished. Nothing runs before `start()`.
 """
 
@@ -26,6 +26,12 @@ from shardserve.server.coordinator.ranks.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 
+CLOCK_MARGIN_S = 60.0
+"""The pending rows the chores read are those created before the timeout's cutoff or, while that is earlier,
+before this coordinator started plus this margin (by the clock of the coordinator that created them: another
+host's, after a failover, may run ahead). This coordinator's own rows are told apart by their creator id, not
+by the clock; the margin only bounds which rows each round decodes."""
+
 
 class Upkeep:
     """Reconciles ranks that (re)register and runs the periodic chores, on threads of its own."""
@@ -40,6 +46,7 @@ class Upkeep:
         reshards: ReshardDriver,
         heartbeat_interval: float,
         pending_timeout: float,
+        coordinator_id: str,
     ) -> None:
         if heartbeat_interval <= 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
@@ -50,6 +57,9 @@ class Upkeep:
         self.reshards = reshards
         self.heartbeat_interval = heartbeat_interval
         self.pending_timeout = pending_timeout
+        self.coordinator_id = (
+            coordinator_id  # its snapshots' tensors carry it (TensorRecord.creator)
+        )
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="coord-background"
@@ -58,8 +68,7 @@ class Upkeep:
         self._promotions_queued = False  # a finish_promotions round waits in the background pool
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._loop, name="coord-monitor", daemon=True)
-        # when start() ran: the pending snapshots created before are an earlier coordinator's (none until then)
-        self._started_unix = float("inf")
+        self._started_unix = float("inf")  # when start() ran
 
     def register(
         self,
@@ -134,13 +143,14 @@ class Upkeep:
         self.reshards.finish_promotions()
 
     def _reap_pending(self) -> None:
-        """Abort the versions pending past the timeout, and those of snapshots created before this coordinator
-        started (one log line for all of them)."""
+        """Abort the versions pending past the timeout, and those of snapshots another coordinator created (one
+        log line for all of them)."""
         now = time.time()
-        cutoff, before_start = now - self.pending_timeout, min(self._started_unix, now)
+        cutoff = now - self.pending_timeout
+        window = self._started_unix + CLOCK_MARGIN_S
         orphans = []
         for record in self.catalog.pending(
-            created_before=max(cutoff, before_start)
+            created_before=max(cutoff, window)
         ):  # not the others: an indexed query
             if self.reshards.is_running(record.name):
                 continue  # a reshard's own new version: its timeout bounds it
@@ -151,15 +161,15 @@ class Upkeep:
                     record.version,
                     self.pending_timeout,
                 )
-            elif record.snapshot and record.created_unix < before_start:
+            elif record.creator and record.creator != self.coordinator_id:
                 orphans.append(record.key)
             else:
                 continue
             self._abort(record.name, record.version)
         if orphans:
             log.warning(
-                "aborted %s: pending in snapshots created before this coordinator started (no commit "
-                "can reach them)",
+                "aborted %s: pending in snapshots another coordinator created (no commit can reach "
+                "them here)",
                 versions_phrase(orphans),
             )
 

@@ -185,8 +185,8 @@ def _decode_snapshot(text: str) -> SnapshotRecord:
 
 
 def tensor_document(record: TensorRecord) -> dict[str, Any]:
-    """The record's fields as JSON values; `reserved` and `snapshot` only where set (catalogs written before
-    these fields read as False)."""
+    """The record's fields as JSON values; `reserved` and `creator` only where set (catalogs written before
+    these fields read as unset)."""
     document = {
         "name": record.name,
         "version": record.version,
@@ -202,8 +202,8 @@ def tensor_document(record: TensorRecord) -> dict[str, Any]:
     }
     if record.reserved:
         document["reserved"] = True
-    if record.snapshot:
-        document["snapshot"] = True
+    if record.creator:
+        document["creator"] = record.creator
     return document
 
 
@@ -231,7 +231,7 @@ def tensor_from_document(
         lost_shards=tuple(document["lost_shards"]),
         checksums=tuple([int(value, 16) for value in document["checksums"]]),
         reserved=document.get("reserved", False),
-        snapshot=document.get("snapshot", False),
+        creator=document.get("creator", ""),
     )
 
 

@@ -91,8 +91,9 @@ class TensorRecord(Versioned):
     `reserved`: made PENDING as a reservation of its writer's next put (CreateTensorRequest.reserve): while
     pending, any create of the name drops it, and it holds no other create back (the flag means nothing once the
     version is committed).
-    `snapshot`: a tensor of a snapshot (named PREFIX@NUMBER/KEY). A pending snapshot lives in the memory of the
-    coordinator process that created it, which alone can commit it: a coordinator started later aborts such a
+    `creator`: for a snapshot's tensor (named PREFIX@NUMBER/KEY), the id of the coordinator that created it (a
+    random id per CoordinatorServer: one per process and term led); empty for any other tensor. A pending
+    snapshot lives in the memory of that coordinator, which alone can commit it: another one aborts such a
     PENDING version at once instead of after the pending timeout.
     """
 
@@ -108,7 +109,7 @@ class TensorRecord(Versioned):
     lost_shards: tuple[int, ...] = ()
     checksums: tuple[int, ...] = ()
     reserved: bool = False
-    snapshot: bool = False
+    creator: str = ""
 
     @property
     def nbytes(self) -> int:

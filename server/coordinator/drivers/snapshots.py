@@ -109,7 +109,11 @@ class SnapshotDriver:
         *,
         versions: Versions,
         pending_timeout: float,
+        coordinator_id: str,
     ) -> None:
+        """`coordinator_id`: the id of this coordinator, marking the tensors of the snapshots it creates
+        (TensorRecord.creator): no other one can commit them."""
+        self.coordinator_id = coordinator_id
         self.catalog, self.registry, self.calls, self.locks = (
             context.catalog,
             context.registry,
@@ -156,7 +160,7 @@ class SnapshotDriver:
                     metadata=meta,
                     options=options,
                     created_unix=created,
-                    snapshot=True,
+                    creator=self.coordinator_id,
                 ),
             )
             for (key, meta), version in zip(layouts.items(), versions)

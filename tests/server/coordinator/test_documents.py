@@ -74,8 +74,8 @@ def _expected(record: TensorRecord) -> str:
     }
     if record.reserved:
         document["reserved"] = True
-    if record.snapshot:
-        document["snapshot"] = True
+    if record.creator:
+        document["creator"] = record.creator
     return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -92,7 +92,7 @@ RECORDS = [
     ),
     TensorRecord("w", 4, _layout(2, 0, 1), promoting=True, put_token="t-1"),
     TensorRecord("w", 5, _layout(0, 1), reserved=True),
-    TensorRecord("p@3/w", 6, _layout(0, 1), snapshot=True),
+    TensorRecord("p@3/w", 6, _layout(0, 1), creator="5f0c2e"),
 ]
 
 

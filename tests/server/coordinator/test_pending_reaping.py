@@ -1,7 +1,7 @@
 """The coordinator's chores abort pending versions: past the pending timeout, and at once those of snapshots
-created before it started (a pending snapshot lives in the memory of the process that created it, so no commit
-can reach them after a restart). A real SQLite catalog and the real Upkeep thread; the tensors' lifecycle and
-the reshards are stand-ins that record what they are asked."""
+another coordinator created (a pending snapshot lives in the memory of the coordinator that created it, so no
+commit can reach them after a restart or a failover). A real SQLite catalog and the real Upkeep thread; the
+tensors' lifecycle and the reshards are stand-ins that record what they are asked."""
 
 from __future__ import annotations
 
@@ -52,19 +52,20 @@ class Registry:
         return None
 
 
-def test_a_started_coordinator_aborts_only_the_pending_snapshot_versions_made_before_it(
+def test_the_chores_abort_the_pending_snapshot_versions_of_other_coordinators_only(
     tmp_path: Path,
 ) -> None:
     catalog = SQLiteCatalog(tmp_path / "catalog.sqlite")
     now = time.time()
     catalog.add_all(
         [
-            TensorRecord("p@1/w", 1, LAYOUT, created_unix=now - 60, snapshot=True),
-            TensorRecord("p@1/b", 2, LAYOUT, created_unix=now - 60, snapshot=True),
-            # a plain put's pending version: its commit can reach it after a restart
+            TensorRecord("p@1/w", 1, LAYOUT, created_unix=now - 60, creator="earlier"),
+            # another coordinator's, on a clock running ahead of this one's
+            TensorRecord("p@1/b", 2, LAYOUT, created_unix=now + 30, creator="earlier"),
+            # a plain put's pending version: its commit can reach it from any coordinator
             TensorRecord("plain", 3, LAYOUT, created_unix=now - 60),
-            # a snapshot of this coordinator (created after it started)
-            TensorRecord("p@2/w", 4, LAYOUT, created_unix=now + 3600, snapshot=True),
+            # this coordinator's own, however its clock moved
+            TensorRecord("p@2/w", 4, LAYOUT, created_unix=now - 60, creator="this"),
             TensorRecord("old", 5, LAYOUT, created_unix=now - 7200),  # past the timeout
         ]
     )
@@ -77,6 +78,7 @@ def test_a_started_coordinator_aborts_only_the_pending_snapshot_versions_made_be
         reshards=reshards,  # type: ignore[arg-type]
         heartbeat_interval=0.05,
         pending_timeout=3600,
+        coordinator_id="this",
     )
     upkeep.start()
     try:
