@@ -57,9 +57,8 @@ class Upkeep:
         self.reshards = reshards
         self.heartbeat_interval = heartbeat_interval
         self.pending_timeout = pending_timeout
-        self.coordinator_id = (
-            coordinator_id  # its snapshots' tensors carry it (TensorRecord.creator)
-        )
+        # its snapshots' tensors carry it (TensorRecord.creator)
+        self.coordinator_id = coordinator_id
         # background work that takes name locks gets its own pool, so it never starves the fan-out
         self._background = futures.ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="coord-background"
@@ -168,7 +167,7 @@ class Upkeep:
             self._abort(record.name, record.version)
         if orphans:
             log.warning(
-                "aborted %s: pending in snapshots another coordinator created (no commit can reach "
+                "aborting %s: pending in snapshots another coordinator created (no commit can reach "
                 "them here)",
                 versions_phrase(orphans),
             )
